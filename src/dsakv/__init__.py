@@ -1,0 +1,1 @@
+"""dsakv: DeepSeek Sparse Attention inference with layer-aware index-K elision."""

@@ -1,0 +1,174 @@
+"""`CacheLayout`: bytes per token per layer per component, derived from the `LayerPlan`."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from dsakv.config import LayerPlan, ModelConfig
+from dsakv.errors import ConfigError
+
+LATENT_DTYPES = ("fp8_e4m3", "fp8_ds_mla", "bf16", "fp32")
+INDEX_K_DTYPES = ("fp8", "bf16", "fp32")
+FP8_BLOCK = 128  # values per fp32 scale, for both fp8_ds_mla latent and fp8 index-K
+
+
+def latent_bytes(dtype: str, kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes one token's MLA latent (kv_lora ‖ rope-key) takes in one layer."""
+    dims = kv_lora_rank + rope_dim
+    if dtype == "fp8_e4m3":
+        return dims
+    if dtype == "fp8_ds_mla":  # fp8 nope + fp32 scale per 128 + bf16 rope
+        return kv_lora_rank + 4 * (kv_lora_rank // FP8_BLOCK) + 2 * rope_dim
+    if dtype == "bf16":
+        return 2 * dims
+    if dtype == "fp32":
+        return 4 * dims
+    raise ConfigError(f"unknown kv_cache_dtype {dtype!r} (choose from {', '.join(LATENT_DTYPES)})")
+
+
+def index_k_bytes(dtype: str, index_head_dim: int) -> int:
+    """Bytes one token's index key takes in one layer."""
+    if dtype == "fp8":  # e4m3 values + one fp32 scale per 128 values
+        return index_head_dim + 4 * -(-index_head_dim // FP8_BLOCK)
+    if dtype == "bf16":
+        return 2 * index_head_dim
+    if dtype == "fp32":
+        return 4 * index_head_dim
+    raise ConfigError(f"unknown index_k_dtype {dtype!r} (choose from {', '.join(INDEX_K_DTYPES)})")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one token costs in the KV cache, per layer and per component.
+
+    With `elide_index_k` only layers that own index-K in the plan (full and draft layers)
+    pay for it; without it every layer does (the dense layout other engines fall back to).
+    """
+
+    plan: LayerPlan
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    index_head_dim: int
+    kv_cache_dtype: str = "fp8_e4m3"
+    index_k_dtype: str = "fp8"
+    page_size: int = 64
+    elide_index_k: bool = True
+
+    def __post_init__(self) -> None:
+        latent_bytes(self.kv_cache_dtype, self.kv_lora_rank, self.qk_rope_head_dim)
+        index_k_bytes(self.index_k_dtype, self.index_head_dim)
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ConfigError(f"page_size must be an integer >= 1, got {self.page_size!r}")
+
+    @classmethod
+    def for_model(
+        cls,
+        model: str | Path | dict[str, Any] | ModelConfig,
+        kv_cache_dtype: str = "fp8_e4m3",
+        index_k_dtype: str = "fp8",
+        page_size: int = 64,
+        elide_index_k: bool = True,
+        draft_layers: int = 0,
+        **plan_overrides: Any,
+    ) -> CacheLayout:
+        """Layout for a preset name, a path, a dict or a `ModelConfig`."""
+        config = ModelConfig.resolve(model)
+        plan = LayerPlan.from_config(config, draft_layers=draft_layers, **plan_overrides)
+        return cls.from_plan(config, plan, kv_cache_dtype, index_k_dtype, page_size, elide_index_k)
+
+    @classmethod
+    def from_plan(
+        cls,
+        config: ModelConfig,
+        plan: LayerPlan,
+        kv_cache_dtype: str = "fp8_e4m3",
+        index_k_dtype: str = "fp8",
+        page_size: int = 64,
+        elide_index_k: bool = True,
+    ) -> CacheLayout:
+        return cls(
+            plan,
+            config.kv_lora_rank,
+            config.qk_rope_head_dim,
+            config.index_head_dim,
+            kv_cache_dtype,
+            index_k_dtype,
+            page_size,
+            elide_index_k,
+        )
+
+    # --- per layer -------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        """Layers with a KV cache: target plus draft."""
+        return self.plan.num_total_layers
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def has_index_k(self, layer: int) -> bool:
+        """Whether the pools give `layer` index-K storage (the plan decides when elided)."""
+        return self.plan.owns_index_k(layer) if self.elide_index_k else True
+
+    @property
+    def index_k_layers(self) -> tuple[int, ...]:
+        """Layers with index-K storage, in order."""
+        if self.elide_index_k:
+            return self.plan.index_k_layers
+        return tuple(range(self.num_layers))
+
+    @property
+    def latent_bytes_per_layer(self) -> int:
+        return latent_bytes(self.kv_cache_dtype, self.kv_lora_rank, self.qk_rope_head_dim)
+
+    @property
+    def index_k_bytes_per_layer(self) -> int:
+        return index_k_bytes(self.index_k_dtype, self.index_head_dim)
+
+    # --- per token -------------------------------------------------------------------------
+
+    @property
+    def latent_bytes_per_token(self) -> int:
+        return self.num_layers * self.latent_bytes_per_layer
+
+    @property
+    def index_k_bytes_per_token(self) -> int:
+        return len(self.index_k_layers) * self.index_k_bytes_per_layer
+
+    @property
+    def bytes_per_token(self) -> int:
+        """The cell: what one token costs across every layer and component."""
+        return self.latent_bytes_per_token + self.index_k_bytes_per_token
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    def dense(self) -> CacheLayout:
+        """The same layout with index-K on every layer."""
+        return replace(self, elide_index_k=False)
+
+    def fingerprint(self) -> str:
+        """Identifies everything that decides buffer shapes; KV transfer checks it."""
+        key = "|".join(
+            map(
+                str,
+                (
+                    self.plan.pattern,
+                    self.plan.num_draft_layers,
+                    self.kv_lora_rank,
+                    self.qk_rope_head_dim,
+                    self.index_head_dim,
+                    self.kv_cache_dtype,
+                    self.index_k_dtype,
+                    self.page_size,
+                    self.elide_index_k,
+                ),
+            )
+        )
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
