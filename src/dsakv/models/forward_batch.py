@@ -1,0 +1,109 @@
+"""`ForwardBatch`: one engine step, flattened (prefill chunks and decode tokens mixed).
+
+Request `r` contributes `extend_lens[r]` consecutive tokens; they sit at positions
+`seq_lens[r] - extend_lens[r] .. seq_lens[r] - 1` of that request, so a decode token is
+simply an extend of length 1. `req_slots[r]` maps every position of the request (this
+step's tokens included) to its pool token slot; the model gathers context through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(eq=False)
+class ForwardBatch:
+    """What the engine hands the model for one step."""
+
+    input_ids: torch.Tensor  # LongTensor[T]
+    positions: torch.Tensor  # LongTensor[T], absolute position of each token in its request
+    out_slots: torch.Tensor  # LongTensor[T], pool slot each token's KV is written to
+    extend_lens: list[int]  # tokens of each request in this step (1 for decode)
+    seq_lens: list[int]  # each request's context length after this step
+    req_slots: list[torch.Tensor]  # per request: LongTensor[seq_len], slots of positions 0..seq_len-1
+
+    def __post_init__(self) -> None:
+        n = len(self.extend_lens)
+        if len(self.seq_lens) != n or len(self.req_slots) != n:
+            raise ValueError(
+                f"extend_lens ({n}), seq_lens ({len(self.seq_lens)}) and req_slots "
+                f"({len(self.req_slots)}) must have one entry per request"
+            )
+        t = self.input_ids.shape[0]
+        if sum(self.extend_lens) != t or self.positions.shape[0] != t or self.out_slots.shape[0] != t:
+            raise ValueError(
+                f"sum(extend_lens)={sum(self.extend_lens)}, input_ids {t}, positions "
+                f"{self.positions.shape[0]} and out_slots {self.out_slots.shape[0]} must agree"
+            )
+        for r, (e, s, slots) in enumerate(zip(self.extend_lens, self.seq_lens, self.req_slots)):
+            if not 1 <= e <= s or slots.shape[0] != s:
+                raise ValueError(
+                    f"request {r}: extend_len {e}, seq_len {s}, {slots.shape[0]} req_slots "
+                    "(need 1 <= extend_len <= seq_len == len(req_slots))"
+                )
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @cached_property
+    def prefix_lens(self) -> list[int]:
+        """Context each request already had in the pool before this step."""
+        return [s - e for s, e in zip(self.seq_lens, self.extend_lens)]
+
+    @cached_property
+    def extend_starts(self) -> list[int]:
+        """Offset of each request's first token in the flattened batch."""
+        starts, acc = [], 0
+        for e in self.extend_lens:
+            starts.append(acc)
+            acc += e
+        return starts
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index of each request's last token in the batch (the rows to compute logits for)."""
+        ends = [s + e - 1 for s, e in zip(self.extend_starts, self.extend_lens)]
+        return torch.tensor(ends, dtype=torch.long, device=self.input_ids.device)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(e == 1 for e in self.extend_lens)
+
+    @classmethod
+    def from_requests(
+        cls,
+        new_tokens: Sequence[Sequence[int]],
+        req_slots: Sequence[torch.Tensor | Sequence[int]],
+        device: torch.device | str | None = None,
+    ) -> ForwardBatch:
+        """Build a batch from each request's new tokens and the slots of its whole context.
+
+        `req_slots[r]` covers positions `0..seq_len-1`; the last `len(new_tokens[r])` of them
+        are where this step's tokens go. Handy for tests and simple drivers.
+        """
+        ids, pos, outs, ext, seqs, slots_list = [], [], [], [], [], []
+        for toks, slots in zip(new_tokens, req_slots, strict=True):
+            slots_t = torch.as_tensor(slots, dtype=torch.long, device=device)
+            s, e = slots_t.shape[0], len(toks)
+            ids.extend(int(t) for t in toks)
+            pos.append(torch.arange(s - e, s, dtype=torch.long, device=device))
+            outs.append(slots_t[s - e :])
+            ext.append(e)
+            seqs.append(s)
+            slots_list.append(slots_t)
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long, device=device),
+            out_slots=torch.cat(outs) if outs else torch.zeros(0, dtype=torch.long, device=device),
+            extend_lens=ext,
+            seq_lens=seqs,
+            req_slots=slots_list,
+        )
