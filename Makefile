@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: install
-	$(BIN)/dsakv bench
+	$(BIN)/dsakv plan glm-5.2
 
 test: install
 	$(BIN)/python -m pytest

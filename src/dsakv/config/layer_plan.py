@@ -20,9 +20,7 @@ FULL, SHARED = "full", "shared"
 
 
 def _freq_pattern(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
-    return tuple(
-        FULL if max(i - offset + 1, 0) % freq == 0 else SHARED for i in range(num_layers)
-    )
+    return tuple(FULL if max(i - offset + 1, 0) % freq == 0 else SHARED for i in range(num_layers))
 
 
 def _check_positive(name: str, value: int | None) -> None:

@@ -43,9 +43,7 @@ _GLM52 = {
     **_GLM5,
     "index_topk_freq": 4,
     "index_skip_topk_offset": 3,
-    "indexer_types": [
-        "full" if max(i - 3 + 1, 0) % 4 == 0 else "shared" for i in range(78)
-    ],
+    "indexer_types": ["full" if max(i - 3 + 1, 0) % 4 == 0 else "shared" for i in range(78)],
 }
 
 _DSV32 = {

@@ -1,0 +1,219 @@
+"""`dsakv` command line: plan, init-tiny, generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from dsakv.errors import DsakvError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad arguments as one `error:` line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """Cache-layout and layer-plan flags, shared by every command that builds a pool."""
+    from dsakv.memory.layout import INDEX_K_DTYPES, LATENT_DTYPES
+
+    g = p.add_argument_group("cache layout and layer plan")
+    g.add_argument("--kv-cache-dtype", choices=LATENT_DTYPES, default=None)
+    g.add_argument("--index-k-dtype", choices=INDEX_K_DTYPES, default=None)
+    g.add_argument("--page-size", type=_positive_int, default=None)
+    g.add_argument("--no-elide-index-k", action="store_true", help="dense index-K on every layer")
+    g.add_argument("--index-topk-pattern", help="per-layer F/S string overriding the checkpoint")
+    g.add_argument("--index-topk-freq", type=int, help="run the indexer every N layers")
+    g.add_argument("--index-skip-topk-offset", type=int, help="first layer the freq applies from")
+    g.add_argument("--no-index-share", action="store_true", help="every layer runs its indexer")
+
+
+def plan_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The LayerPlan override keywords a parsed command line asks for."""
+    out: dict[str, Any] = {}
+    if args.index_topk_pattern is not None:
+        out["index_topk_pattern"] = args.index_topk_pattern
+    if args.index_topk_freq is not None:
+        out["index_topk_freq"] = args.index_topk_freq
+    if args.index_skip_topk_offset is not None:
+        out["index_skip_topk_offset"] = args.index_skip_topk_offset
+    if args.no_index_share:
+        out["no_index_share"] = True
+    return out
+
+
+# --- plan ----------------------------------------------------------------------------------
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dsakv.config import LayerPlan, ModelConfig
+    from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_capacity
+
+    config = ModelConfig.resolve(args.model)
+    plan = LayerPlan.from_config(config, draft_layers=args.draft_layers, **plan_overrides(args))
+    elided = CacheLayout.from_plan(
+        config,
+        plan,
+        args.kv_cache_dtype or "fp8_e4m3",
+        args.index_k_dtype or "fp8",
+        args.page_size or 64,
+    )
+    dense = elided.dense()
+    if args.kv_budget_gib is None and args.gpu_memory_gib is None:
+        args.kv_budget_gib = 100.0
+    weights = estimate_weight_bytes(config, plan, args.tp)
+    budget = dict(
+        kv_budget_gib=args.kv_budget_gib,
+        gpu_memory_gib=args.gpu_memory_gib,
+        mem_fraction_static=args.mem_fraction_static,
+        weights_gib=args.weights_gib,
+        reserve_gib=args.reserve_gib,
+        config=config,
+        tp=args.tp,
+    )
+    cap_elided = plan_capacity(elided, **budget)
+    # The dense layout builds every indexer, so at the same GPU memory its weights are larger.
+    dense_weights = None
+    if args.gpu_memory_gib is not None and args.weights_gib is None and args.kv_budget_gib is None:
+        dense_weights = (weights.total_bytes + weights.indexer_bytes_saved) / (1 << 30)
+    cap_dense = plan_capacity(dense, **{**budget, "weights_gib": dense_weights or args.weights_gib})
+    chosen = cap_dense if args.no_elide_index_k else cap_elided
+    chosen_layout = dense if args.no_elide_index_k else elided
+    report = {
+        "model_type": config.model_type,
+        "num_layers": plan.num_layers,
+        "num_draft_layers": plan.num_draft_layers,
+        "indexer_types": list(plan.indexer_types),
+        "layer_pattern": plan.pattern,
+        "plan_source": plan.source,
+        "num_full_layers": plan.num_full_layers,
+        "num_shared_layers": plan.num_shared_layers,
+        "elide_index_k": not args.no_elide_index_k,
+        "kv_cache_dtype": elided.kv_cache_dtype,
+        "index_k_dtype": elided.index_k_dtype,
+        "page_size": elided.page_size,
+        "latent_bytes_per_token": chosen_layout.latent_bytes_per_token,
+        "index_k_bytes_per_token": chosen_layout.index_k_bytes_per_token,
+        "bytes_per_token": chosen_layout.bytes_per_token,
+        "bytes_per_token_elided": elided.bytes_per_token,
+        "bytes_per_token_dense": dense.bytes_per_token,
+        "kv_budget_bytes": chosen.kv_budget_bytes,
+        "max_total_num_tokens": chosen.max_total_num_tokens,
+        "max_total_num_tokens_elided": cap_elided.max_total_num_tokens,
+        "max_total_num_tokens_dense": cap_dense.max_total_num_tokens,
+        "token_gain_pct": _gain(cap_elided.max_total_num_tokens, cap_dense.max_total_num_tokens),
+        "tp": args.tp,
+        "weight_bytes_per_rank": chosen.weight_bytes,
+        "indexer_weight_bytes_saved": weights.indexer_bytes_saved,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_plan_table(report, elided, dense, cap_elided, cap_dense))
+    return 0
+
+
+def _gain(new: float, old: float) -> float:
+    return round(100.0 * (new - old) / old, 2) if old else 0.0
+
+
+def _plan_table(r: dict[str, Any], elided: Any, dense: Any, cap_e: Any, cap_d: Any) -> str:
+    gib = 1 << 30
+    rows = [
+        ("latent bytes/token", dense.latent_bytes_per_token, elided.latent_bytes_per_token),
+        ("index-K bytes/token", dense.index_k_bytes_per_token, elided.index_k_bytes_per_token),
+        ("cell bytes/token", dense.bytes_per_token, elided.bytes_per_token),
+        ("KV budget (GiB)", cap_d.kv_budget_bytes / gib, cap_e.kv_budget_bytes / gib),
+        ("max_total_num_tokens", cap_d.max_total_num_tokens, cap_e.max_total_num_tokens),
+    ]
+    lines = [
+        f"dsakv plan: {r['model_type']}, {r['num_layers']} layers"
+        f" (+{r['num_draft_layers']} draft), {r['num_full_layers']} full / "
+        f"{r['num_shared_layers']} shared ({r['plan_source']})",
+        f"layers: {r['layer_pattern']}",
+        f"cache: latent {r['kv_cache_dtype']}, index-K {r['index_k_dtype']}, "
+        f"page size {r['page_size']}, TP {r['tp']}",
+        "",
+        f"{'':24}{'dense':>16}{'elided':>16}{'gain':>10}",
+    ]
+    for name, d, e in rows:
+        fmt = (lambda v: f"{v:>16,.3f}") if isinstance(d, float) else (lambda v: f"{v:>16,}")
+        gain = f"{_gain(e, d):>+9.2f}%" if name.startswith(("cell", "max")) else ""
+        if name.startswith("cell"):
+            gain = f"{_gain(d, e):>+9.2f}%"  # the saving, as tokens gained per byte
+        lines.append(f"{name:24}{fmt(d)}{fmt(e)}{gain}")
+    lines.append("")
+    lines.append(
+        f"indexer weights not built by shared layers: {r['indexer_weight_bytes_saved'] / gib:.3f}"
+        f" GiB per rank ({r['num_shared_layers']} layers)"
+    )
+    return "\n".join(lines)
+
+
+def _add_plan(sub: Any) -> None:
+    p = sub.add_parser("plan", help="KV capacity plan: bytes per token and pool tokens")
+    p.add_argument("model", help="preset (glm-5, glm-5.2, deepseek-v3.2) or model path")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel degree")
+    p.add_argument("--kv-budget-gib", type=_positive_float, help="explicit KV budget")
+    p.add_argument("--gpu-memory-gib", type=_positive_float, help="GPU memory per rank")
+    p.add_argument("--mem-fraction-static", type=_positive_float, default=0.9)
+    p.add_argument("--weights-gib", type=float, help="override the estimated weights per rank")
+    p.add_argument("--reserve-gib", type=float, default=0.0, help="activations etc.")
+    p.add_argument("--draft-layers", type=int, default=0, help="MTP/EAGLE draft layers")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_layout_args(p)
+    p.set_defaults(func=_cmd_plan)
+
+
+# --- entry point -----------------------------------------------------------------------------
+
+_COMMANDS: list[Callable[[Any], None]] = [_add_plan]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dsakv", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args) or 0
+    except DsakvError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Capacity planning: weights per rank, the KV budget, and `max_total_num_tokens`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsakv.config import LayerPlan, ModelConfig
+from dsakv.errors import ConfigError
+
+from .layout import CacheLayout
+
+GIB = 1 << 30
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class WeightEstimate:
+    """Weight bytes on one tensor-parallel rank, split so the indexer saving is visible."""
+
+    total_bytes: int
+    indexer_bytes: int  # indexers that are built (full layers + draft layers)
+    indexer_bytes_saved: int  # indexers that shared layers do not build
+    indexer_params_per_layer: int
+
+
+def _indexer_params(c: ModelConfig) -> int:
+    idx = c.index_n_heads * c.index_head_dim
+    return (
+        c.q_lora_rank * idx
+        + c.hidden_size * c.index_head_dim
+        + c.hidden_size * c.index_n_heads
+        + 2 * c.index_head_dim
+    )
+
+
+def estimate_weight_bytes(config: ModelConfig, plan: LayerPlan, tp: int = 1) -> WeightEstimate:
+    """Per-rank weight bytes from the config shapes.
+
+    Linear layers are sharded over `tp` and stored in the checkpoint dtype, or at one byte
+    plus an fp32 scale per 128×128 block when fp8 block-quantised. Norms and the indexer
+    stay in 16-bit and are replicated on every rank (the indexer is not TP-sharded).
+    """
+    if tp < 1:
+        raise ConfigError(f"tp must be >= 1, got {tp}")
+    c = config
+    wide = _DTYPE_BYTES.get(c.dtype.replace("torch.", ""), 2)
+    linear = 1 + 4 / (128 * 128) if c.is_fp8_block_quantized else wide
+    h = c.hidden_size
+    attn = (
+        h * c.q_lora_rank
+        + c.q_lora_rank * c.num_attention_heads * c.qk_head_dim
+        + h * (c.kv_lora_rank + c.qk_rope_head_dim)
+        + c.kv_lora_rank * c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
+        + c.num_attention_heads * c.v_head_dim * h
+    )
+    dense_mlp = 3 * h * c.intermediate_size
+    moe = 3 * h * c.moe_intermediate_size * (c.n_routed_experts + c.n_shared_experts)
+    router = h * c.n_routed_experts + c.n_routed_experts
+    norms = c.q_lora_rank + c.kv_lora_rank + 2 * h
+
+    n_dense = min(c.first_k_dense_replace, c.num_hidden_layers)
+    n_layers = plan.num_total_layers
+    sharded = n_layers * attn + n_dense * dense_mlp + (n_layers - n_dense) * moe
+    replicated = n_layers * norms + (n_layers - n_dense) * router
+    embed = 2 * c.vocab_size * h  # embedding + lm_head, vocab-parallel
+    idx_params = _indexer_params(c)
+    n_indexers = len(plan.index_k_layers)
+    total = (
+        sharded * linear / tp
+        + embed * wide / tp
+        + replicated * wide
+        + n_indexers * idx_params * wide
+    )
+    return WeightEstimate(
+        total_bytes=int(total),
+        indexer_bytes=n_indexers * idx_params * wide,
+        indexer_bytes_saved=plan.num_shared_layers * idx_params * wide,
+        indexer_params_per_layer=idx_params,
+    )
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """How many KV tokens a budget buys under one layout."""
+
+    layout: CacheLayout
+    kv_budget_bytes: int
+    weight_bytes: int | None
+    max_total_num_tokens: int
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_total_num_tokens // self.layout.page_size
+
+
+def plan_capacity(
+    layout: CacheLayout,
+    *,
+    kv_budget_gib: float | None = None,
+    gpu_memory_gib: float | None = None,
+    mem_fraction_static: float = 0.9,
+    weights_gib: float | None = None,
+    reserve_gib: float = 0.0,
+    config: ModelConfig | None = None,
+    tp: int = 1,
+) -> CapacityPlan:
+    """`max_total_num_tokens = floor(budget / cell / page_size) × page_size`.
+
+    The budget is explicit (`kv_budget_gib`) or `gpu_memory × mem_fraction_static −
+    weights − reserve`, with weights from `weights_gib` or estimated from `config`.
+    """
+    weight_bytes = None
+    if kv_budget_gib is not None:
+        budget = kv_budget_gib * GIB
+        if budget <= 0:
+            raise ConfigError(f"kv budget must be > 0 GiB, got {kv_budget_gib}")
+    elif gpu_memory_gib is not None:
+        if gpu_memory_gib <= 0:
+            raise ConfigError(f"gpu memory must be > 0 GiB, got {gpu_memory_gib}")
+        if not 0 < mem_fraction_static <= 1:
+            raise ConfigError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
+        if weights_gib is not None:
+            if weights_gib < 0:
+                raise ConfigError(f"weights must be >= 0 GiB, got {weights_gib}")
+            weight_bytes = int(weights_gib * GIB)
+        elif config is not None:
+            weight_bytes = estimate_weight_bytes(config, layout.plan, tp).total_bytes
+        else:
+            raise ConfigError("need weights_gib or a model config to estimate the weights")
+        budget = gpu_memory_gib * mem_fraction_static * GIB - weight_bytes - reserve_gib * GIB
+        if budget <= 0:
+            raise ConfigError(
+                f"no memory left for the KV cache: {gpu_memory_gib} GiB × {mem_fraction_static} "
+                f"− weights {weight_bytes / GIB:.2f} GiB − reserve {reserve_gib} GiB ≤ 0"
+            )
+    else:
+        raise ConfigError("give a KV budget (kv_budget_gib) or gpu_memory_gib")
+    cell, page = layout.bytes_per_token, layout.page_size
+    tokens = int(budget // cell // page) * page
+    return CapacityPlan(layout, int(budget), weight_bytes, tokens)

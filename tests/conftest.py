@@ -1,0 +1,37 @@
+"""Shared test fixtures: small model configs that keep the real per-token cache dims."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from dsakv.config import preset
+
+
+def small_glm_config(num_layers: int = 6, **extra: Any) -> dict[str, Any]:
+    """A GLM-shaped config dict with tiny compute dims but real cache dims (576 / 128)."""
+    cfg = preset("glm-5")
+    cfg.update(
+        num_hidden_layers=num_layers,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        index_n_heads=2,
+        index_topk=8,
+        vocab_size=300,
+    )
+    cfg.update(extra)
+    return copy.deepcopy(cfg)
+
+
+@pytest.fixture
+def glm_small() -> dict[str, Any]:
+    return small_glm_config()

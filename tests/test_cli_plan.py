@@ -1,0 +1,105 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dsakv.cli import main
+
+
+def _plan_json(capsys, *args):
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_sglang_figures(capsys):
+    base = ["glm-5.2", "--kv-cache-dtype", "fp8_e4m3", "--index-k-dtype", "fp8"]
+    dense = _plan_json(
+        capsys, *base, "--draft-layers", "1", "--kv-budget-gib", "134.127", "--no-elide-index-k"
+    )
+    assert (dense["bytes_per_token"], dense["max_total_num_tokens"]) == (55932, 2574848)
+    elided = _plan_json(capsys, *base, "--draft-layers", "1", "--kv-budget-gib", "135.376")
+    assert (elided["bytes_per_token"], elided["max_total_num_tokens"]) == (48408, 3002752)
+    assert elided["bytes_per_token_dense"] == 55932
+    target = _plan_json(capsys, *base, "--draft-layers", "0", "--kv-budget-gib", "100")
+    assert (target["bytes_per_token"], target["bytes_per_token_dense"]) == (47700, 55224)
+    assert target["num_full_layers"] == 21 and target["num_shared_layers"] == 57
+    assert target["indexer_types"][:4] == ["full", "full", "full", "shared"]
+    assert target["model_type"] == "glm_moe_dsa" and target["num_layers"] == 78
+    assert abs(target["indexer_weight_bytes_saved"] / 2**30 - 0.995) < 0.001
+    assert target["max_total_num_tokens_dense"] < target["max_total_num_tokens"]
+
+
+def test_plan_overrides_and_gpu_budget(capsys):
+    r = _plan_json(capsys, "glm-5.2", "--no-index-share", "--kv-budget-gib", "10")
+    assert r["num_shared_layers"] == 0 and r["bytes_per_token"] == 55224
+    r = _plan_json(
+        capsys, "deepseek-v3.2", "--index-topk-freq", "2", "--index-skip-topk-offset", "1"
+    )
+    assert r["num_full_layers"] == 31
+    r = _plan_json(capsys, "glm-5.2", "--gpu-memory-gib", "288", "--tp", "8")
+    assert r["max_total_num_tokens"] > 0 and r["weight_bytes_per_rank"] > 0
+    # At the same GPU memory the dense layout also pays for every indexer's weights.
+    assert r["max_total_num_tokens_dense"] < r["max_total_num_tokens"]
+
+
+def test_plan_table(capsys):
+    assert main(["plan", "glm-5.2"]) == 0
+    out = capsys.readouterr().out
+    assert "47,700" in out and "55,224" in out and "+15.77%" in out
+    assert "FFFSSSFSSSF" in out and "0.995 GiB" in out
+
+
+def test_plan_from_path(tmp_path, capsys):
+    from dsakv.config import preset
+
+    (tmp_path / "config.json").write_text(json.dumps(preset("glm-5.2")))
+    assert _plan_json(capsys, str(tmp_path), "--kv-budget-gib", "1")["num_full_layers"] == 21
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", "no-such-model"],
+        ["plan", "glm-5.2", "--kv-budget-gib", "0"],
+        ["plan", "glm-5.2", "--kv-budget-gib", "-3"],
+        ["plan", "glm-5.2", "--kv-cache-dtype", "int4"],
+        ["plan", "glm-5.2", "--index-k-dtype", "fp4"],
+        ["plan", "glm-5.2", "--index-topk-pattern", "SFF"],
+        ["plan", "glm-5.2", "--index-topk-pattern", "F" * 77 + "X"],
+        ["plan", "glm-5.2", "--index-topk-freq", "0"],
+        ["plan", "glm-5.2", "--index-skip-topk-offset", "0"],
+        ["plan", "glm-5.2", "--index-topk-pattern", "S" + "F" * 77],
+        ["plan", "glm-5.2", "--draft-layers", "-1"],
+        ["plan", "glm-5.2", "--tp", "0"],
+        ["plan", "glm-5.2", "--page-size", "0"],
+        ["plan", "glm-5.2", "--gpu-memory-gib", "8"],
+        ["plan", "glm-5.2", "--bogus-flag"],
+        ["plan"],
+    ],
+)
+def test_bad_input_is_one_error_line(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(args))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+
+
+def test_bad_config_files_exit_2(tmp_path):
+    from dsakv.config import preset
+
+    cases = {
+        "unknown_type": {**preset("glm-5"), "model_type": "llama", "architectures": []},
+        "missing_field": {k: v for k, v in preset("glm-5").items() if k != "kv_lora_rank"},
+    }
+    for name, cfg in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        proc = subprocess.run(
+            [sys.executable, "-m", "dsakv.cli", "plan", str(d)], capture_output=True, text=True
+        )
+        assert proc.returncode == 2, name
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in proc.stderr
