@@ -1,13 +1,29 @@
 """KV memory: cache layout and bytes, capacity planning, page allocator, pools."""
 
+from .allocator import OutOfPages, PageAllocator, PageError, ReqToTokenTable, page_slots
 from .capacity import CapacityPlan, estimate_weight_bytes, plan_capacity
+from .fp8 import dequantize_e4m3_blockwise, hadamard_rotate, quantize_e4m3_blockwise
+from .host import HostPool
 from .layout import INDEX_K_DTYPES, LATENT_DTYPES, CacheLayout
+from .pool import DSAKVPool, SharedLayerIndexKError, TransferDescriptor
 
 __all__ = [
     "INDEX_K_DTYPES",
     "LATENT_DTYPES",
     "CacheLayout",
     "CapacityPlan",
+    "DSAKVPool",
+    "HostPool",
+    "OutOfPages",
+    "PageAllocator",
+    "PageError",
+    "ReqToTokenTable",
+    "SharedLayerIndexKError",
+    "TransferDescriptor",
+    "dequantize_e4m3_blockwise",
     "estimate_weight_bytes",
+    "hadamard_rotate",
+    "page_slots",
     "plan_capacity",
+    "quantize_e4m3_blockwise",
 ]

@@ -1,0 +1,147 @@
+"""Page allocator and request-to-token table: bookkeeping only, no KV tensors.
+
+Kept apart from the pools (DESIGN.md §6) so the scheduler, the prefix cache and the host
+tier can each own pages without knowing what a page holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """Not enough free pages; nothing was allocated."""
+
+
+class PageError(ValueError):
+    """A page was freed twice, or never handed out by this allocator."""
+
+
+class PageAllocator:
+    """Fixed set of pages `0..num_pages-1`; a free stack plus an in-use bitmap (O(1) a page)."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 0 or page_size < 1:
+            raise ValueError(
+                f"need num_pages >= 0 and page_size >= 1, got {num_pages}, {page_size}"
+            )
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self._in_use = bytearray(num_pages)
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def alloc(self, n_pages: int) -> list[int]:
+        """`n_pages` pages, or `OutOfPages` (and no change) when fewer are free."""
+        if n_pages < 0:
+            raise ValueError(f"cannot allocate {n_pages} pages")
+        if n_pages > len(self._free):
+            raise OutOfPages(
+                f"need {n_pages} pages but only {len(self._free)} of {self.num_pages} are free"
+            )
+        pages = [self._free.pop() for _ in range(n_pages)]
+        for p in pages:
+            self._in_use[p] = 1
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages; checks the whole batch first so a bad call frees nothing."""
+        pages = [int(p) for p in pages]
+        seen: set[int] = set()
+        for p in pages:
+            if not 0 <= p < self.num_pages:
+                raise PageError(
+                    f"page {p} was never handed out by this allocator (pages 0..{self.num_pages - 1})"
+                )
+            if not self._in_use[p] or p in seen:
+                raise PageError(f"double free of page {p}")
+            seen.add(p)
+        for p in pages:
+            self._in_use[p] = 0
+            self._free.append(p)
+
+    def is_used(self, page: int) -> bool:
+        return 0 <= page < self.num_pages and bool(self._in_use[page])
+
+    def check(self) -> None:
+        """Integrity: free + in use == total, no page both free and in use, no duplicates."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("free list holds duplicate pages")
+        used = sum(self._in_use)
+        if len(free) + used != self.num_pages:
+            raise AssertionError(f"{len(free)} free + {used} in use != {self.num_pages} pages")
+        both = next((p for p in free if self._in_use[p]), None)
+        if both is not None:
+            raise AssertionError(f"page {both} is both free and in use")
+
+
+def page_slots(pages: Sequence[int] | torch.Tensor, page_size: int) -> torch.Tensor:
+    """Token slots of `pages`, in order: slot = page * page_size + offset."""
+    p = torch.as_tensor(pages, dtype=torch.long).reshape(-1, 1)
+    return (p * page_size + torch.arange(page_size, dtype=torch.long)).reshape(-1)
+
+
+def pages_of(slots: torch.Tensor, page_size: int) -> list[int]:
+    """Distinct pages the slots fall in, in first-seen order."""
+    return list(dict.fromkeys((torch.as_tensor(slots).reshape(-1) // page_size).tolist()))
+
+
+class ReqToTokenTable:
+    """Per request, the physical token slot of each logical position (0, 1, 2, ...)."""
+
+    def __init__(self) -> None:
+        self._slots: dict[int, list[int]] = {}
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def length(self, rid: int) -> int:
+        return len(self._row(rid))
+
+    def append(self, rid: int, slot: int) -> None:
+        self._slots.setdefault(rid, []).append(int(slot))
+
+    def extend(self, rid: int, slots: Iterable[int] | torch.Tensor) -> None:
+        if isinstance(slots, torch.Tensor):
+            slots = slots.reshape(-1).tolist()
+        self._slots.setdefault(rid, []).extend(int(s) for s in slots)
+
+    def get(self, rid: int, n: int | None = None) -> torch.Tensor:
+        """Slots of the first `n` positions (all when `n` is None) as a LongTensor."""
+        row = self._row(rid)
+        if n is not None and not 0 <= n <= len(row):
+            raise IndexError(f"request {rid} has {len(row)} positions, asked for {n}")
+        return torch.tensor(row if n is None else row[:n], dtype=torch.long)
+
+    def truncate(self, rid: int, n: int) -> list[int]:
+        """Keep the first `n` positions; returns the dropped slots."""
+        row = self._row(rid)
+        if not 0 <= n <= len(row):
+            raise IndexError(f"request {rid} has {len(row)} positions, cannot keep {n}")
+        dropped = row[n:]
+        del row[n:]
+        return dropped
+
+    def release(self, rid: int) -> list[int]:
+        """Forget the request; returns its slots so the caller can free their pages."""
+        self._row(rid)
+        return self._slots.pop(rid)
+
+    def _row(self, rid: int) -> list[int]:
+        try:
+            return self._slots[rid]
+        except KeyError:
+            raise KeyError(f"unknown request {rid}") from None

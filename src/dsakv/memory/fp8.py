@@ -1,0 +1,72 @@
+"""FP8 helpers for the KV cache: Hadamard rotation and block-wise e4m3 quantisation.
+
+The index-K cache stores keys as e4m3 with one power-of-two fp32 scale per 128 values,
+after a normalised Walsh–Hadamard rotation (DESIGN.md §3). The rotation spreads outliers
+across the block so one large value does not flush the rest to zero; because H/√d is
+orthogonal, rotating both q and k leaves every q·k unchanged (§7.7: both or neither).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+FP8_BLOCK = 128  # values per scale
+
+
+@lru_cache(maxsize=32)
+def hadamard_matrix(d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Sylvester Hadamard matrix scaled by 1/√d (orthogonal and symmetric)."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two dimension, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(d)).to(device=device, dtype=dtype)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """`x @ H/√d` over the last dim; computed in fp32 (fp64 stays fp64), returned in x's dtype."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = hadamard_matrix(x.shape[-1], x.device, compute)
+    return (x.to(compute) @ h).to(x.dtype)
+
+
+def _num_blocks(d: int) -> int:
+    return -(-d // FP8_BLOCK)
+
+
+def quantize_e4m3_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x[N, d]` -> (e4m3 bytes `uint8[N, d]`, fp32 scales `[N, ceil(d/128)]`).
+
+    scale = 2**ceil(log2(amax/448)) per block of 128 values (1.0 for an all-zero block), so
+    dividing by it is exact and every scaled value fits e4m3 without saturating.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"expected a [N, d] tensor, got shape {tuple(x.shape)}")
+    n, d = x.shape
+    nb = _num_blocks(d)
+    xf = x.float()
+    if nb * FP8_BLOCK != d:  # pad a partial last block with zeros (does not change amax)
+        xf = torch.nn.functional.pad(xf, (0, nb * FP8_BLOCK - d))
+    blocks = xf.view(n, nb, FP8_BLOCK)
+    amax = blocks.abs().amax(-1)
+    scale = torch.where(
+        amax > 0, torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX))), torch.ones_like(amax)
+    )
+    q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(n, nb * FP8_BLOCK)[:, :d].view(torch.uint8).contiguous(), scale
+
+
+def dequantize_e4m3_blockwise(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of `quantize_e4m3_blockwise`: `uint8[N, d]` + `fp32[N, nb]` -> `dtype[N, d]`."""
+    d = q.shape[-1]
+    vals = q.contiguous().view(FP8_DTYPE).float()
+    s = scale.float().repeat_interleave(FP8_BLOCK, dim=-1)[..., :d]
+    return (vals * s).to(dtype)

@@ -1,0 +1,88 @@
+"""`HostPool`: the CPU tier. Same elided layout as the device pool (DESIGN.md §1, §7.3):
+shared layers own no index-K on the host either, and full layers' index-K always travels
+with the latent, so a restored prefix is exactly what was evicted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .allocator import PageAllocator, page_slots, pages_of
+from .pool import DSAKVPool, copy_tokens
+
+
+class HostPool:
+    """A CPU `DSAKVPool` (pinned when the device pool is on CUDA) plus its own allocator."""
+
+    def __init__(
+        self, device_pool: DSAKVPool, num_pages: int, pin_memory: bool | None = None
+    ) -> None:
+        if pin_memory is None:
+            pin_memory = device_pool.device.type == "cuda"
+        self.device_pool = device_pool
+        self.layout = device_pool.layout
+        self.pool = DSAKVPool(self.layout, num_pages, "cpu", pin_memory=pin_memory)
+        self.allocator = PageAllocator(num_pages, self.layout.page_size)
+        self.bytes_to_host = 0
+        self.bytes_to_device = 0
+
+    @classmethod
+    def from_gib(cls, device_pool: DSAKVPool, gib: float, **kw) -> HostPool:
+        """As many whole pages as fit in `gib` GiB (2**30 bytes) of host memory."""
+        pages = int(gib * 2**30 // device_pool.layout.bytes_per_page)
+        if pages < 1:
+            raise ValueError(f"{gib} GiB holds no {device_pool.layout.bytes_per_page}-byte page")
+        return cls(device_pool, pages, **kw)
+
+    @classmethod
+    def from_ratio(cls, device_pool: DSAKVPool, ratio: float, **kw) -> HostPool:
+        """`ratio` × the device pool's page count (e.g. 2.0 = twice the device capacity)."""
+        pages = int(device_pool.num_pages * ratio)
+        if pages < 1:
+            raise ValueError(f"host ratio {ratio} gives no pages for {device_pool.num_pages}")
+        return cls(device_pool, pages, **kw)
+
+    # --- sizes -------------------------------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free_pages
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
+
+    @property
+    def bytes_copied(self) -> dict[str, int]:
+        """Total bytes moved each way: device→host (`d2h`) and host→device (`h2d`)."""
+        return {"d2h": self.bytes_to_host, "h2d": self.bytes_to_device}
+
+    # --- transfers ---------------------------------------------------------------------------
+
+    def backup(self, device_slots: torch.Tensor) -> torch.Tensor:
+        """Copy tokens to freshly allocated host pages; returns their host slots, in order.
+
+        Raises `OutOfPages` (allocating nothing) when the host tier has no room; the caller
+        decides what to evict.
+        """
+        n = int(torch.as_tensor(device_slots).numel())
+        pages = self.allocator.alloc(-(-n // self.layout.page_size))
+        host_slots = page_slots(pages, self.layout.page_size)[:n]
+        try:
+            self.bytes_to_host += copy_tokens(self.pool, host_slots, self.device_pool, device_slots)
+        except BaseException:
+            self.allocator.free(pages)
+            raise
+        return host_slots
+
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        """Copy backed-up tokens into device slots (the host copy stays until `free`)."""
+        self.bytes_to_device += copy_tokens(self.device_pool, device_slots, self.pool, host_slots)
+
+    def free(self, host_slots: torch.Tensor) -> None:
+        """Release the host pages behind slots returned by `backup`."""
+        self.allocator.free(pages_of(host_slots, self.layout.page_size))

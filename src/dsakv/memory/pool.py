@@ -1,0 +1,355 @@
+"""`DSAKVPool`: the physical KV buffers, one latent buffer per layer and index-K only where
+the layout gives a layer index-K (DESIGN.md §2, §3).
+
+Every buffer is stored as one real tensor (`data`, what transfer descriptors point at) and
+seen through per-token `parts`: views shaped `[num_pages, page_size, width]`, so token
+slot `s` lives at `part[s // page_size, s % page_size]`. Moving, exporting and host copies
+work on parts, one token at a time (§7.4), whatever the page-internal arrangement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_e4m3_blockwise,
+    hadamard_rotate,
+    quantize_e4m3_blockwise,
+)
+from .layout import FP8_BLOCK, CacheLayout
+
+LATENT, INDEX_K = "latent", "index_k"
+
+
+class SharedLayerIndexKError(RuntimeError):
+    """Index-K access on a layer whose index-K is elided by the layer plan (§7.2)."""
+
+
+@dataclass(frozen=True)
+class TransferDescriptor:
+    """One contiguous buffer a KV transfer engine can register: where, how big, page stride."""
+
+    layer: int
+    component: str  # "latent" | "index_k"
+    data_ptr: int
+    nbytes: int
+    bytes_per_page: int
+
+
+# --- buffers ---------------------------------------------------------------------------------
+
+
+class _Buffer:
+    """One layer's storage for one component; subclasses define encode/decode."""
+
+    def __init__(self, data: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> None:
+        self.data = data
+        self.parts = parts
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool):
+    return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+
+
+class _TokenMajor(_Buffer):
+    """`[num_pages * page_size, dim]` in fp32 / bf16 (as is) or e4m3 (plain cast, saturating)."""
+
+    def __init__(self, pages: int, ps: int, dim: int, dtype: torch.dtype, device, pin) -> None:
+        data = _empty((pages * ps, dim), dtype, device, pin)
+        view = data.view(torch.uint8) if dtype == FP8_DTYPE else data  # index on bytes
+        super().__init__(data, (view.view(pages, ps, -1),))
+        self.dtype = dtype
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.dtype == FP8_DTYPE:
+            return [x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)]
+        return [x.to(self.dtype)]
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        (p,) = parts
+        return (p.view(FP8_DTYPE) if self.dtype == FP8_DTYPE else p).to(dtype)
+
+
+class _DsMlaLatent(_Buffer):
+    """`fp8_ds_mla` rows: kv_lora e4m3 bytes ‖ fp32 scale per 128 ‖ bf16 rope (656 B on GLM)."""
+
+    def __init__(self, pages: int, ps: int, lora: int, rope: int, device, pin) -> None:
+        self.lora, self.rope = lora, rope
+        self.width = lora + 4 * -(-lora // FP8_BLOCK) + 2 * rope
+        data = _empty((pages * ps, self.width), torch.uint8, device, pin)
+        super().__init__(data, (data.view(pages, ps, self.width),))
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        q, s = quantize_e4m3_blockwise(x[:, : self.lora])
+        rope = x[:, self.lora :].to(torch.bfloat16).contiguous().view(torch.uint8)
+        return [torch.cat([q, s.view(torch.uint8), rope], dim=1)]
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        (row,) = parts
+        lo, hi = self.lora, self.width - 2 * self.rope
+        nope = dequantize_e4m3_blockwise(
+            row[:, :lo], row[:, lo:hi].contiguous().view(torch.float32)
+        )
+        rope = row[:, hi:].contiguous().view(torch.bfloat16).float()
+        return torch.cat([nope, rope], dim=1).to(dtype)
+
+
+class _PageMajorFp8(_Buffer):
+    """FP8 index-K, one uint8 row per page: all `page_size × D` key bytes, then all scales."""
+
+    def __init__(self, pages: int, ps: int, dim: int, device, pin) -> None:
+        self.dim = dim
+        sbytes = 4 * -(-dim // FP8_BLOCK)
+        data = _empty((pages, ps * (dim + sbytes)), torch.uint8, device, pin)
+        keys = data[:, : ps * dim].view(pages, ps, dim)
+        scales = data[:, ps * dim :].view(pages, ps, sbytes)
+        super().__init__(data, (keys, scales))
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        q, s = quantize_e4m3_blockwise(hadamard_rotate(x.float()))
+        return [q, s.view(torch.uint8)]
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        q, s = parts
+        return dequantize_e4m3_blockwise(q, s.contiguous().view(torch.float32), dtype)
+
+
+_PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}
+
+
+def _latent_buffer(layout: CacheLayout, pages: int, device, pin) -> _Buffer:
+    ps = layout.page_size
+    if layout.kv_cache_dtype == "fp8_ds_mla":
+        return _DsMlaLatent(pages, ps, layout.kv_lora_rank, layout.qk_rope_head_dim, device, pin)
+    return _TokenMajor(pages, ps, layout.latent_dim, _PLAIN[layout.kv_cache_dtype], device, pin)
+
+
+def _index_k_buffer(layout: CacheLayout, pages: int, device, pin) -> _Buffer:
+    ps, d = layout.page_size, layout.index_head_dim
+    if layout.index_k_dtype == "fp8":
+        return _PageMajorFp8(pages, ps, d, device, pin)
+    return _TokenMajor(pages, ps, d, _PLAIN[layout.index_k_dtype], device, pin)
+
+
+# --- the pool --------------------------------------------------------------------------------
+
+
+class DSAKVPool:
+    """Paged KV storage for every layer of one `CacheLayout` on one device."""
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        num_pages: int,
+        device: str | torch.device = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
+        if num_pages < 1:
+            raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
+        self.layout = layout
+        self.num_pages = num_pages
+        self.page_size = layout.page_size
+        self.device = torch.device(device)
+        self.pin_memory = pin_memory
+        args = (layout, num_pages, self.device, pin_memory)
+        self._latent = [_latent_buffer(*args) for _ in range(layout.num_layers)]
+        # The layout (hence the LayerPlan) alone decides which layers get index-K.
+        self._index_k = {layer: _index_k_buffer(*args) for layer in layout.index_k_layers}
+
+    # --- sizes -------------------------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for _, _, b in self._buffers())
+
+    def has_index_k(self, layer: int) -> bool:
+        self._check_layer(layer)
+        return layer in self._index_k
+
+    # --- latent ------------------------------------------------------------------------------
+
+    def write_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        self._check_layer(layer)
+        self._write(self._latent[layer], slots, latent, self.layout.latent_dim, "latent")
+
+    def gather_latent(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        self._check_layer(layer)
+        return self._gather(self._latent[layer], slots, dtype)
+
+    # --- index-K -----------------------------------------------------------------------------
+
+    def write_index_k(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Store keys (post-RoPE, unrotated); fp8 mode rotates and quantises here."""
+        buf = self._index_k_of(layer)
+        self._write(buf, slots, keys, self.layout.index_head_dim, "index-K")
+
+    def gather_index_k(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """Dequantised keys; in fp8 mode these are rotated, so pair them with `prepare_index_q`."""
+        return self._gather(self._index_k_of(layer), slots, dtype)
+
+    def prepare_index_q(self, q: torch.Tensor) -> torch.Tensor:
+        """Indexer queries as the stored keys expect them: rotated iff index-K is fp8 (§7.7)."""
+        return hadamard_rotate(q) if self.layout.index_k_dtype == "fp8" else q
+
+    # --- moving tokens -----------------------------------------------------------------------
+
+    def move(self, dst_slots: torch.Tensor, src_slots: torch.Tensor) -> None:
+        """Copy every buffer's bytes from `src_slots` to `dst_slots`, token by token."""
+        copy_tokens(self, dst_slots, self, src_slots)
+
+    def transfer_descriptors(self) -> list[TransferDescriptor]:
+        """One per real buffer (latent per layer, index-K per owning layer); none for elided."""
+        return [
+            TransferDescriptor(layer, comp, b.data.data_ptr(), b.nbytes, b.nbytes // self.num_pages)
+            for layer, comp, b in self._buffers()
+        ]
+
+    def export_pages(self, slots: torch.Tensor) -> dict[str, Any]:
+        """Self-describing CPU payload of the tokens at `slots` (raw stored bytes)."""
+        page, off = self._locate(slots)
+        buffers = {
+            f"{comp}.{layer}": [p[page, off].cpu() for p in b.parts]
+            for layer, comp, b in self._buffers()
+        }
+        return {
+            "fingerprint": self.layout.fingerprint(),
+            "layout": _describe(self.layout),
+            "num_tokens": int(page.numel()),
+            "buffers": buffers,
+        }
+
+    def import_pages(self, payload: dict[str, Any], slots: torch.Tensor) -> None:
+        """Write an `export_pages` payload into `slots`; bit-exact, same layout only."""
+        _check_payload(self.layout, payload)
+        page, off = self._locate(slots)
+        if payload["num_tokens"] != page.numel():
+            raise ValueError(
+                f"payload holds {payload['num_tokens']} tokens but {page.numel()} slots were given"
+            )
+        for layer, comp, b in self._buffers():
+            for p, src in zip(b.parts, payload["buffers"][f"{comp}.{layer}"], strict=True):
+                p[page, off] = src.to(self.device)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _buffers(self):
+        """(layer, component, buffer) for every real buffer, in a fixed order."""
+        for layer, buf in enumerate(self._latent):
+            yield layer, LATENT, buf
+            if layer in self._index_k:
+                yield layer, INDEX_K, self._index_k[layer]
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.layout.num_layers:
+            raise IndexError(f"layer {layer} out of range 0..{self.layout.num_layers - 1}")
+
+    def _index_k_of(self, layer: int) -> _Buffer:
+        self._check_layer(layer)
+        buf = self._index_k.get(layer)
+        if buf is None:
+            src = self.layout.plan.topk_source(layer)
+            raise SharedLayerIndexKError(
+                f"layer {layer} has no index-K cache: it is a shared layer (reuses layer "
+                f"{src}'s top-k) and its index-K is elided by the layer plan"
+            )
+        return buf
+
+    def _locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) index tensors on the pool's device; raises on any out-of-range slot."""
+        s = torch.as_tensor(slots)
+        if s.dtype not in (torch.int64, torch.int32) or s.dim() != 1:
+            raise TypeError(f"slots must be a 1-D integer tensor, got {s.dtype} {tuple(s.shape)}")
+        s = s.to(device=self.device, dtype=torch.long)
+        if s.numel() and bool(((s < 0) | (s >= self.num_tokens)).any()):
+            bad = s[(s < 0) | (s >= self.num_tokens)][0].item()
+            raise IndexError(f"slot {bad} out of range 0..{self.num_tokens - 1}")
+        return s // self.page_size, s % self.page_size
+
+    def _write(self, buf: _Buffer, slots, x: torch.Tensor, dim: int, what: str) -> None:
+        page, off = self._locate(slots)
+        if x.dim() != 2 or x.shape != (page.numel(), dim):
+            raise ValueError(
+                f"{what} must be [{page.numel()}, {dim}] for {page.numel()} slots, "
+                f"got {tuple(x.shape)}"
+            )
+        for p, v in zip(buf.parts, buf.encode(x.to(self.device)), strict=True):
+            p[page, off] = v
+
+    def _gather(self, buf: _Buffer, slots, dtype: torch.dtype) -> torch.Tensor:
+        page, off = self._locate(slots)
+        return buf.decode([p[page, off] for p in buf.parts], dtype)
+
+
+def copy_tokens(
+    dst: DSAKVPool, dst_slots: torch.Tensor, src: DSAKVPool, src_slots: torch.Tensor
+) -> int:
+    """Copy stored bytes token by token between two pools of one layout; returns bytes copied."""
+    if dst.layout.fingerprint() != src.layout.fingerprint():
+        raise ValueError("cannot copy KV between pools of different layouts")
+    dp, do = dst._locate(dst_slots)
+    sp, so = src._locate(src_slots)
+    if dp.numel() != sp.numel():
+        raise ValueError(f"{dp.numel()} destination slots for {sp.numel()} source slots")
+    for (_, _, db), (_, _, sb) in zip(dst._buffers(), src._buffers(), strict=True):
+        for d, s in zip(db.parts, sb.parts, strict=True):
+            d[dp, do] = s[sp, so].to(dst.device)  # gather first: overlapping slots stay correct
+    return dp.numel() * dst.layout.bytes_per_token
+
+
+_LAYOUT_FIELDS = (
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "index_head_dim",
+    "kv_cache_dtype",
+    "index_k_dtype",
+    "page_size",
+    "elide_index_k",
+)
+
+
+def _describe(layout: CacheLayout) -> dict[str, Any]:
+    d = {f: getattr(layout, f) for f in _LAYOUT_FIELDS}
+    d["plan_pattern"] = layout.plan.pattern
+    d["num_draft_layers"] = layout.plan.num_draft_layers
+    return d
+
+
+def _check_payload(layout: CacheLayout, payload: dict[str, Any]) -> None:
+    if not isinstance(payload, dict) or "fingerprint" not in payload or "layout" not in payload:
+        raise ValueError("not a dsakv KV payload (missing fingerprint/layout)")
+    if payload["fingerprint"] == layout.fingerprint():
+        return
+    mine, theirs = _describe(layout), payload["layout"]
+    diffs = [
+        f"{k}: payload {theirs.get(k)!r} vs pool {v!r}"
+        for k, v in mine.items()
+        if theirs.get(k) != v
+    ]
+    raise ValueError(
+        "KV payload is from a different cache layout ("
+        + ("; ".join(diffs) or "fingerprint differs")
+        + ")"
+    )

@@ -1,0 +1,238 @@
+"""DSAKVPool: byte counts, per-dtype round trips, shared-layer errors, move, export/import."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsakv.memory import (
+    CacheLayout,
+    DSAKVPool,
+    SharedLayerIndexKError,
+    page_slots,
+)
+from dsakv.memory.pool import _PageMajorFp8
+from tests.conftest import small_glm_config
+
+PATTERN = "FFSSFS"
+DTYPES = [
+    ("fp32", "fp32"),
+    ("bf16", "bf16"),
+    ("fp8_e4m3", "fp8"),
+    ("fp8_ds_mla", "fp8"),
+    ("fp32", "fp8"),
+]
+
+
+def small_layout(kv="fp32", ik="fp32", page_size=4, elide=True, **kw) -> CacheLayout:
+    return CacheLayout.for_model(
+        small_glm_config(),
+        kv_cache_dtype=kv,
+        index_k_dtype=ik,
+        page_size=page_size,
+        elide_index_k=elide,
+        index_topk_pattern=PATTERN,
+        **kw,
+    )
+
+
+# --- bytes ---------------------------------------------------------------------------------
+
+
+def test_glm52_pool_bytes_elided_vs_dense():
+    layout = CacheLayout.for_model("glm-5.2")
+    pool, dense = DSAKVPool(layout, 2), DSAKVPool(layout.dense(), 2)
+    assert pool.nbytes == 2 * 64 * 47700
+    assert dense.nbytes == 2 * 64 * 55224
+    descs = pool.transfer_descriptors()
+    assert sum(d.nbytes for d in descs) == pool.nbytes
+    assert sum(d.nbytes for d in dense.transfer_descriptors()) == dense.nbytes
+    # one latent per layer, index-K only on the 21 full layers
+    assert sum(d.component == "latent" for d in descs) == 78
+    assert [d.layer for d in descs if d.component == "index_k"] == list(layout.plan.full_layers)
+    assert all(d.bytes_per_page * 2 == d.nbytes for d in descs)
+    ik = next(d for d in descs if d.component == "index_k")
+    assert ik.bytes_per_page == 64 * 132
+
+
+@pytest.mark.parametrize("kv,ik", DTYPES)
+def test_nbytes_matches_layout(kv, ik):
+    for layout in (small_layout(kv, ik), small_layout(kv, ik).dense()):
+        pool = DSAKVPool(layout, 3)
+        assert pool.nbytes == 3 * layout.page_size * layout.bytes_per_token
+        assert pool.num_tokens == 12 and pool.page_size == 4 and pool.num_pages == 3
+
+
+def test_draft_layer_owns_index_k():
+    layout = small_layout(draft_layers=1)
+    pool = DSAKVPool(layout, 1)
+    assert layout.num_layers == 7 and pool.has_index_k(6)
+    pool.write_index_k(6, torch.arange(2), torch.ones(2, 128))
+
+
+# --- round trips ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv,ik", DTYPES)
+def test_round_trip_per_dtype(kv, ik):
+    torch.manual_seed(0)
+    pool = DSAKVPool(small_layout(kv, ik), 4)
+    slots = torch.tensor([13, 0, 5, 7, 2])
+    lat, keys = torch.randn(5, 576), torch.randn(5, 128)
+    pool.write_latent(1, slots, lat)
+    pool.write_index_k(1, slots, keys)
+    got_lat, got_k = pool.gather_latent(1, slots), pool.gather_index_k(1, slots)
+    ref_k = pool.prepare_index_q(keys)
+    tol = {"fp32": 0, "bf16": 2**-8, "fp8_e4m3": 2**-3, "fp8_ds_mla": 2**-3, "fp8": 2**-3}
+    lat_tol, k_tol = tol[kv], tol[ik]
+    assert torch.allclose(got_lat, lat, rtol=lat_tol, atol=lat_tol * 0.02 + 1e-6)
+    assert torch.allclose(got_k, ref_k, rtol=k_tol, atol=k_tol * 0.05 + 1e-6)
+    assert got_lat.dtype == torch.float32
+    assert pool.gather_latent(1, slots, torch.bfloat16).dtype == torch.bfloat16
+    # other layers untouched
+    assert pool.gather_latent(0, slots).abs().sum() == 0
+
+
+def test_ds_mla_rope_kept_in_bf16():
+    pool = DSAKVPool(small_layout("fp8_ds_mla", "fp8"), 1)
+    x = torch.randn(3, 576)
+    pool.write_latent(0, torch.arange(3), x)
+    got = pool.gather_latent(0, torch.arange(3))
+    assert torch.equal(got[:, 512:], x[:, 512:].bfloat16().float())
+
+
+def test_prepare_index_q_rotates_only_for_fp8():
+    q = torch.randn(3, 2, 128)
+    assert DSAKVPool(small_layout("fp32", "fp32"), 1).prepare_index_q(q) is q
+    rq = DSAKVPool(small_layout("fp32", "fp8"), 1).prepare_index_q(q)
+    assert rq.shape == q.shape and not torch.allclose(rq, q)
+    k = torch.randn(5, 128)
+    pool = DSAKVPool(small_layout("fp32", "fp8"), 2)
+    pool.write_index_k(0, torch.arange(5), k)
+    # rotation is orthogonal: rotated q · stored k ≈ q · k
+    scores = torch.einsum("thd,sd->ths", rq, pool.gather_index_k(0, torch.arange(5)))
+    assert torch.allclose(scores, torch.einsum("thd,sd->ths", q, k), rtol=0.1, atol=1.0)
+
+
+def test_fp8_index_k_is_page_major():
+    """All key bytes of a page come first, then its scales (DeepGEMM-style paging)."""
+    layout = small_layout("fp32", "fp8", page_size=4)
+    pool = DSAKVPool(layout, 2)
+    buf = pool._index_k[0]
+    assert isinstance(buf, _PageMajorFp8)
+    assert buf.data.shape == (2, 4 * (128 + 4)) and buf.data.dtype == torch.uint8
+    k = torch.zeros(1, 128)
+    k[0, 0] = 1.0  # rotated: every entry ±1/√128 -> scale 2^ceil(log2(0.0884/448)) = 2^-12
+    pool.write_index_k(0, torch.tensor([6]), k)  # page 1, offset 2
+    row = buf.data[1]
+    assert row[: 2 * 128].eq(0).all() and row[3 * 128 : 4 * 128].eq(0).all()
+    assert row[2 * 128 : 3 * 128].ne(0).all()
+    scale = row[4 * 128 + 2 * 4 : 4 * 128 + 3 * 4].view(torch.float32)
+    assert scale.item() == 2.0**-12
+    assert buf.data[0].eq(0).all()
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer", [2, 3, 5])
+def test_shared_layer_index_k_raises(layer):
+    pool = DSAKVPool(small_layout(), 1)
+    s = torch.arange(2)
+    with pytest.raises(SharedLayerIndexKError, match=rf"layer {layer}.*shared.*elided"):
+        pool.gather_index_k(layer, s)
+    with pytest.raises(SharedLayerIndexKError, match=rf"layer {layer}"):
+        pool.write_index_k(layer, s, torch.zeros(2, 128))
+    assert not pool.has_index_k(layer)
+    # the dense layout has index-K everywhere
+    DSAKVPool(small_layout(elide=False), 1).gather_index_k(layer, s)
+
+
+def test_out_of_range_slots_and_layers_raise():
+    pool = DSAKVPool(small_layout(), 2)  # 8 tokens
+    with pytest.raises(IndexError, match="slot 8"):
+        pool.gather_latent(0, torch.tensor([0, 8]))
+    with pytest.raises(IndexError, match="slot -1"):
+        pool.write_latent(0, torch.tensor([-1]), torch.zeros(1, 576))
+    with pytest.raises(IndexError, match="layer 6"):
+        pool.gather_latent(6, torch.tensor([0]))
+    with pytest.raises(IndexError, match="slot 9"):
+        pool.move(torch.tensor([0]), torch.tensor([9]))
+    with pytest.raises(ValueError, match=r"\[2, 576\]"):
+        pool.write_latent(0, torch.tensor([0, 1]), torch.zeros(2, 512))
+    with pytest.raises(TypeError):
+        pool.gather_latent(0, torch.tensor([0.0]))
+
+
+# --- move / export / import ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv,ik", [("fp32", "fp32"), ("fp8_ds_mla", "fp8")])
+def test_move_is_per_token_and_bit_exact(kv, ik):
+    pool = DSAKVPool(small_layout(kv, ik), 4)
+    src, dst = torch.tensor([1, 2, 5]), torch.tensor([14, 8, 3])  # straddles pages
+    for layer in range(6):
+        pool.write_latent(layer, src, torch.randn(3, 576))
+        if pool.has_index_k(layer):
+            pool.write_index_k(layer, src, torch.randn(3, 128))
+    before = _snapshot(pool, src)
+    pool.move(dst, src)
+    assert _equal(_snapshot(pool, dst), before)
+    assert _equal(_snapshot(pool, src), before)  # source intact
+    # neighbours of dst on the same page are untouched
+    assert pool.gather_latent(0, torch.tensor([12, 13, 15])).abs().sum() == 0
+
+
+def test_export_import_bit_exact_across_page_counts():
+    layout = small_layout("fp8_e4m3", "fp8")
+    a, b = DSAKVPool(layout, 2), DSAKVPool(layout, 5)
+    src = page_slots([1], 4)[:3]
+    for layer in range(6):
+        a.write_latent(layer, src, torch.randn(3, 576))
+        if a.has_index_k(layer):
+            a.write_index_k(layer, src, torch.randn(3, 128))
+    payload = a.export_pages(src)
+    assert payload["fingerprint"] == layout.fingerprint()
+    assert payload["layout"]["plan_pattern"] == PATTERN and payload["num_tokens"] == 3
+    assert not any(k.startswith("index_k.2") for k in payload["buffers"])
+    assert all(t.device.type == "cpu" for ts in payload["buffers"].values() for t in ts)
+    dst = torch.tensor([17, 4, 11])
+    b.import_pages(payload, dst)
+    assert _equal(_snapshot(b, dst), _snapshot(a, src))
+
+
+def test_import_refuses_other_layouts():
+    layout = small_layout("fp32", "fp8")
+    payload = DSAKVPool(layout, 1).export_pages(torch.arange(2))
+    with pytest.raises(ValueError, match="plan_pattern: payload 'FFSSFS' vs pool 'FFFFFF'"):
+        other = CacheLayout.for_model(
+            small_glm_config(), kv_cache_dtype="fp32", page_size=4, no_index_share=True
+        )
+        DSAKVPool(other, 1).import_pages(payload, torch.arange(2))
+    with pytest.raises(ValueError, match="elide_index_k"):
+        DSAKVPool(layout.dense(), 1).import_pages(payload, torch.arange(2))
+    with pytest.raises(ValueError, match="index_k_dtype: payload 'fp8' vs pool 'bf16'"):
+        DSAKVPool(small_layout("fp32", "bf16"), 1).import_pages(payload, torch.arange(2))
+    with pytest.raises(ValueError, match="page_size"):
+        DSAKVPool(small_layout("fp32", "fp8", page_size=8), 1).import_pages(
+            payload, torch.arange(2)
+        )
+    with pytest.raises(ValueError, match="payload holds 2 tokens but 3 slots"):
+        DSAKVPool(layout, 1).import_pages(payload, torch.arange(3))
+    with pytest.raises(ValueError, match="not a dsakv KV payload"):
+        DSAKVPool(layout, 1).import_pages({}, torch.arange(2))
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _snapshot(pool: DSAKVPool, slots: torch.Tensor) -> list[torch.Tensor]:
+    """Raw stored bytes of every buffer at `slots` (what must survive copies exactly)."""
+    return [t for ts in pool.export_pages(slots)["buffers"].values() for t in ts]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(a, b)
+    )
