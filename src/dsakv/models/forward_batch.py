@@ -24,7 +24,9 @@ class ForwardBatch:
     out_slots: torch.Tensor  # LongTensor[T], pool slot each token's KV is written to
     extend_lens: list[int]  # tokens of each request in this step (1 for decode)
     seq_lens: list[int]  # each request's context length after this step
-    req_slots: list[torch.Tensor]  # per request: LongTensor[seq_len], slots of positions 0..seq_len-1
+    req_slots: list[
+        torch.Tensor
+    ]  # per request: LongTensor[seq_len], slots of positions 0..seq_len-1
 
     def __post_init__(self) -> None:
         n = len(self.extend_lens)
@@ -34,7 +36,11 @@ class ForwardBatch:
                 f"({len(self.req_slots)}) must have one entry per request"
             )
         t = self.input_ids.shape[0]
-        if sum(self.extend_lens) != t or self.positions.shape[0] != t or self.out_slots.shape[0] != t:
+        if (
+            sum(self.extend_lens) != t
+            or self.positions.shape[0] != t
+            or self.out_slots.shape[0] != t
+        ):
             raise ValueError(
                 f"sum(extend_lens)={sum(self.extend_lens)}, input_ids {t}, positions "
                 f"{self.positions.shape[0]} and out_slots {self.out_slots.shape[0]} must agree"

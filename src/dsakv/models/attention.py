@@ -1,0 +1,150 @@
+"""MLA over the paged latent cache, with DSA sparse attention.
+
+The pool stores one latent row per token: RMSNorm'd kv_lora ‖ rope key. Attention runs
+on those rows directly with W_kvb absorbed into the query and the output ("absorb"), or
+expands them to per-head keys/values first ("expand"); both give the same numbers.
+Sparse rows gather only the selected latent rows, chunked over queries, so the work per
+query scales with index_topk, not with context length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsakv.config import ModelConfig
+
+from .forward_batch import ForwardBatch
+from .indexer import Indexer, Selection
+from .layers import RMSNorm
+from .rope import rope_interleaved, softmax_scale
+
+# Elements of one gathered [chunk, k, dim] or [chunk, heads, k] block.
+ATTN_CHUNK_ELEMS = 1 << 24
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention; owns an `Indexer` only when its layer runs one."""
+
+    def __init__(self, config: ModelConfig, layer: int, has_indexer: bool) -> None:
+        super().__init__()
+        c = config
+        self.layer = layer
+        self.n_heads = c.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.kv_lora = c.kv_lora_rank
+        self.scale = softmax_scale(c)
+        self.mode = "absorb"
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            c.hidden_size, c.kv_lora_rank + self.rope_dim, bias=False
+        )
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=False)
+        if has_indexer:
+            self.indexer = Indexer(c)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool,
+        selections: dict[int, list[Selection | None]],
+        topk_source: int,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q_lora = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        q_rope = rope_interleaved(q_rope, cos[:, None], sin[:, None])
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
+        row = torch.cat([self.kv_a_layernorm(latent), rope_interleaved(k_rope, cos, sin)], dim=-1)
+        pool.write_latent(self.layer, batch.out_slots, row)
+
+        if hasattr(self, "indexer"):
+            selections[self.layer] = self.indexer(self.layer, x, q_lora, cos, sin, batch, pool)
+        sels = selections[topk_source]
+
+        w_kvb = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+        w_uk, w_uv = w_kvb[:, : self.nope], w_kvb[:, self.nope :]
+        attend = self._absorbed if self.mode == "absorb" else self._expanded
+        if self.mode == "absorb":
+            q_nope = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # query in latent space
+        out = torch.empty(t, self.n_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        for r in range(batch.num_reqs):
+            a, e = batch.extend_starts[r], batch.extend_lens[r]
+            slots, sel = batch.req_slots[r], sels[r]
+            if sel is not None and sel.positions.numel() < slots.shape[0]:
+                # Few queries (decode): read only the selected rows from the pool.
+                slots = slots[sel.positions.flatten()]
+                local = torch.arange(slots.shape[0], device=slots.device)
+                sel = Selection(local.view_as(sel.positions), sel.valid)
+            ctx = pool.gather_latent(self.layer, slots, x.dtype)  # [L or e*k, kv_lora+rope]
+            out[a : a + e] = attend(
+                q_nope[a : a + e], q_rope[a : a + e], ctx, batch.prefix_lens[r], sel, w_uk, w_uv
+            )
+        return self.o_proj(out.reshape(t, -1))
+
+    # --- attention over one request's context -----------------------------------------------
+
+    def _chunks(self, e: int, k: int, width: int):
+        step = max(1, ATTN_CHUNK_ELEMS // (k * max(width, self.n_heads)))
+        return ((a, min(e, a + step)) for a in range(0, e, step))
+
+    def _softmax_av(
+        self, scores: torch.Tensor, mask: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Masked softmax in fp32, then `probs @ values` in the values' dtype."""
+        probs = (
+            (scores * self.scale).masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
+        )
+        return torch.matmul(probs.to(values.dtype), values)
+
+    def _gather(self, ctx: torch.Tensor, sel: Selection | None, a: int, b: int, prefix: int):
+        """Rows (per query or shared) and the visibility mask for queries a..b-1."""
+        if sel is None:  # dense causal: every query sees the (shared) context prefix
+            kpos = torch.arange(ctx.shape[0], device=ctx.device)
+            qpos = torch.arange(prefix + a, prefix + b, device=ctx.device)
+            return ctx[None], (kpos[None, :] <= qpos[:, None])[:, None, :]
+        return ctx[sel.positions[a:b]], sel.valid[a:b, None, :]
+
+    def _absorbed(self, q_lat, q_rope, ctx, prefix, sel, w_uk, w_uv) -> torch.Tensor:
+        """Scores on latent rows: [q·W_uk ‖ q_rope] · [latent ‖ k_rope]; output through W_uv."""
+        q = torch.cat([q_lat, q_rope], dim=-1)  # [e, H, kv_lora+rope]
+        e, width = q.shape[0], ctx.shape[1]
+        k = ctx.shape[0] if sel is None else sel.positions.shape[1]
+        outs = []
+        for a, b in self._chunks(e, k, self.n_heads if sel is None else width):
+            rows, mask = self._gather(ctx, sel, a, b, prefix)  # [c|1, k, W], [c, 1, k]
+            scores = torch.matmul(q[a:b], rows.transpose(-1, -2))  # [c, H, k]
+            outs.append(self._softmax_av(scores, mask, rows[..., : self.kv_lora]))
+        o_lat = torch.cat(outs)  # [e, H, kv_lora]
+        return torch.einsum("thc,hvc->thv", o_lat, w_uv)
+
+    def _expanded(self, q_nope, q_rope, ctx, prefix, sel, w_uk, w_uv) -> torch.Tensor:
+        """Expand the context to per-head keys/values with W_kvb, then attend normally."""
+        lat, k_rope = ctx[:, : self.kv_lora], ctx[:, self.kv_lora :]
+        k_nope = torch.einsum("lc,hdc->lhd", lat, w_uk)
+        v = torch.einsum("lc,hvc->lhv", lat, w_uv)
+        kv = torch.cat([k_nope, k_rope[:, None].expand(-1, self.n_heads, -1), v], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)  # [e, H, nope+rope]
+        e, dk = q.shape[0], self.nope + self.rope_dim
+        k = ctx.shape[0] if sel is None else sel.positions.shape[1]
+        outs = []
+        for a, b in self._chunks(e, k, self.n_heads * (1 if sel is None else kv.shape[-1])):
+            rows, mask = self._gather(kv, sel, a, b, prefix)  # [c|1, k, H, dk+v]
+            keys = rows[..., :dk].movedim(-2, -3)  # [c|1, H, k, dk]
+            vals = rows[..., dk:].movedim(-2, -3)
+            scores = torch.matmul(q[a:b, :, None, :], keys.transpose(-1, -2)).squeeze(
+                -2
+            )  # [c, H, k]
+            out = self._softmax_av(scores[:, :, None, :], mask[:, :, None, :], vals)
+            outs.append(out.squeeze(-2))
+        return torch.cat(outs)

@@ -1,0 +1,105 @@
+"""The DSA lightning indexer: scores every visible position and keeps the top-k.
+
+Built only on layers where `plan.runs_indexer(i)`; shared layers reuse a `Selection`
+list produced here, in the same forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsakv.config import ModelConfig
+
+from .forward_batch import ForwardBatch
+from .rope import rope_half, rope_interleaved
+
+# Elements of one [chunk, heads, context] score block; bounds peak memory on long prefills.
+SCORE_CHUNK_ELEMS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One request's top-k for this step: `positions[e, k]` into its context, `valid[e, k]`.
+
+    A row whose query sees fewer than k positions has invalid (future) entries; attention
+    masks them. `None` in place of a Selection means "every visible position" (the request's
+    context is no longer than index_topk), so attention runs densely with a causal mask.
+    """
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+class Indexer(nn.Module):
+    """q_I = W_qb^I q_lora, k_I = LayerNorm(W_k^I x), w = W_w x / √heads, score Σ_h w_h ReLU(q·k)/√d."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.rope_dim, self.topk = config.qk_rope_head_dim, config.index_topk
+        self.rope = rope_interleaved if config.indexer_rope_interleave else rope_half
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        # Kept in fp32 whatever the model dtype (as the reference does).
+        self.weights_proj = nn.Linear(
+            config.hidden_size, self.n_heads, bias=False, dtype=torch.float32
+        )
+        self.scale = self.head_dim**-0.5
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rope_dim
+        return torch.cat([self.rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        q_lora: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool,
+    ) -> list[Selection | None]:
+        """Writes this step's index keys, then selects top-k per query token."""
+        t = x.shape[0]
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [T, D]
+        pool.write_index_k(layer, batch.out_slots, k)
+        if all(s <= self.topk for s in batch.seq_lens):
+            return [None] * batch.num_reqs  # everything visible is selected: skip scoring
+        q = self.wq_b(q_lora).view(t, self.n_heads, self.head_dim)
+        q = pool.prepare_index_q(self._rope(q, cos[:, None], sin[:, None])).float()
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        out: list[Selection | None] = []
+        for r, (start, ext, seq, prefix) in enumerate(
+            zip(batch.extend_starts, batch.extend_lens, batch.seq_lens, batch.prefix_lens)
+        ):
+            if seq <= self.topk:
+                out.append(None)
+                continue
+            keys = pool.gather_index_k(layer, batch.req_slots[r]).float()  # [L, D]
+            out.append(self._select(q[start : start + ext], w[start : start + ext], keys, prefix))
+        return out
+
+    def _select(
+        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, prefix: int
+    ) -> Selection:
+        """Top-k over visible positions for queries at positions prefix..prefix+e-1."""
+        e, ctx = q.shape[0], keys.shape[0]
+        qpos = torch.arange(prefix, prefix + e, device=q.device)
+        kpos = torch.arange(ctx, device=q.device)
+        chunk = max(1, SCORE_CHUNK_ELEMS // (self.n_heads * ctx))
+        sel = []
+        kt = keys.t()
+        for a in range(0, e, chunk):
+            b = min(e, a + chunk)
+            scores = F.relu(torch.matmul(q[a:b], kt) * self.scale)  # [c, H, L]
+            idx = torch.matmul(w[a:b, None, :], scores).squeeze(1)  # [c, L]
+            idx = idx.masked_fill(kpos[None, :] > qpos[a:b, None], float("-inf"))
+            sel.append(idx.topk(self.topk, dim=-1).indices)
+        positions = torch.cat(sel)
+        return Selection(positions, positions <= qpos[:, None])

@@ -1,0 +1,96 @@
+"""Mixture of experts: sigmoid router with group-limited top-k, routed + shared experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsakv.config import ModelConfig
+
+from .layers import MLP
+
+
+class Router(nn.Module):
+    """Sigmoid scores; `e_score_correction_bias` only steers the choice, not the weights.
+
+    Kept in fp32 whatever the model dtype (the reference does the same).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e = config.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(e, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
+        self.top_k, self.n_group, self.topk_group = (
+            config.num_experts_per_tok,
+            config.n_group,
+            config.topk_group,
+        )
+        self.norm_topk_prob = config.norm_topk_prob
+        self.scaling = config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x[T, H]` -> (expert ids `[T, k]`, fp32 weights `[T, k]`)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            t, e = choice.shape
+            grouped = choice.view(t, self.n_group, e // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            group_mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0).bool()
+            choice = choice.masked_fill(
+                ~group_mask.repeat_interleave(e // self.n_group, 1), float("-inf")
+            )
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class Experts(nn.Module):
+    """Routed experts stored stacked: `gate_up_proj[E, 2I, H]` (gate rows first), `down_proj[E, H, I]`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts, self.intermediate = e, i
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Runs only the experts some token chose, adding their outputs in expert order."""
+        out = torch.zeros_like(x)
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens, w = order // k, weights.flatten()[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok, we = tokens[start : start + n], w[start : start + n]
+            start += n
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * we[:, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Routed experts plus always-on shared experts."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        self.shared_experts = MLP(
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        return self.experts(x, ids, weights) + self.shared_experts(x)

@@ -1,0 +1,260 @@
+"""Deterministic random tiny DSA models with a byte-level tokenizer, for tests and benchmarks.
+
+Weights come from transformers' own reference model (seeded) and its `save_pretrained`,
+so they are real-format checkpoints: per-expert tensors, `*.indexer.*` on full layers only.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BYTE_VOCAB = 256
+SPECIAL_TOKENS = (
+    "<|bos|>",
+    "<|eos|>",
+    "<|pad|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|reserved_0|>",
+    "<|reserved_1|>",
+)
+VOCAB_SIZE = BYTE_VOCAB + len(SPECIAL_TOKENS)  # 264
+BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _glm_pattern(num_layers: int, freq: int, offset: int) -> list[str]:
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 16384,
+    "rms_norm_eps": 1e-5,
+    "routed_scaling_factor": 2.5,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+}
+
+_GLM_TINY = {
+    **_COMMON,
+    "model_type": "glm_moe_dsa",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "index_n_heads": 16,
+    "index_head_dim": 128,
+    "index_topk": 16,
+    "indexer_types": ["full", "full", "shared", "shared", "full", "shared", "full", "shared"],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "initializer_range": 0.1,
+}
+
+# GLM-5.2's 78-layer sharing pattern and per-token cache bytes, with a small body.
+_GLM_BENCH = {
+    **_COMMON,
+    "model_type": "glm_moe_dsa",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 78,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 3,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 256,
+    "index_topk_freq": 4,
+    "index_skip_topk_offset": 3,
+    "indexer_types": _glm_pattern(78, 4, 3),
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "initializer_range": 0.05,
+}
+
+_GLM_BENCH_SHORT = {
+    **_GLM_BENCH,
+    "num_hidden_layers": 16,
+    "indexer_types": _glm_pattern(16, 4, 3),
+}
+
+_DEEPSEEK_TINY = {
+    **_COMMON,
+    "model_type": "deepseek_v32",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "index_n_heads": 16,
+    "index_head_dim": 128,
+    "index_topk": 16,
+    "max_position_embeddings": 2560,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 64,  # 64 × factor 40 = max_position_embeddings
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "initializer_range": 0.1,
+}
+
+TINY_PRESETS: dict[str, dict[str, Any]] = {
+    "glm-tiny": _GLM_TINY,
+    "glm-bench": _GLM_BENCH,
+    "glm-bench-short": _GLM_BENCH_SHORT,
+    "deepseek-tiny": _DEEPSEEK_TINY,
+}
+
+
+def hf_config(preset: str | dict[str, Any]):
+    """A transformers config object for a preset name or a config dict."""
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
+
+    raw = copy.deepcopy(TINY_PRESETS[preset] if isinstance(preset, str) else preset)
+    model_type = raw.pop("model_type")
+    cls = {"glm_moe_dsa": GlmMoeDsaConfig, "deepseek_v32": DeepseekV32Config}[model_type]
+    return cls(**raw)
+
+
+def random_hf_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """transformers' reference model with seeded weights; norms and router bias perturbed
+    too, so every parameter (not only the projections) matters for parity."""
+    from transformers import AutoModelForCausalLM
+
+    gen_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name or name.endswith(".bias"):
+                    p.add_(0.1 * torch.randn(p.shape, generator=g))
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    finally:
+        torch.random.set_rng_state(gen_state)
+    return model.to(dtype).eval()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what ByteLevel expects)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(161, 173)) + list(range(174, 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def write_tokenizer(path: str | Path) -> None:
+    """Byte-level tokenizer: token id == byte value, specials from 256 up."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(str(path))
+
+
+def write_tiny_model(
+    path: str | Path,
+    preset: str | dict[str, Any] = "glm-tiny",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write config.json, model.safetensors and the tokenizer for a tiny preset into `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = random_hf_model(hf_config(preset), seed, dtype)
+    model.save_pretrained(str(path), max_shard_size="100GB")
+    write_tokenizer(path)
+    return path
+
+
+def default_model_dir(preset: str = "glm-bench", seed: int = 0) -> Path:
+    """A cached tiny model (`$DSAKV_CACHE` or `~/.cache/dsakv`), generated on first use."""
+    if preset not in TINY_PRESETS:
+        from dsakv.errors import DsakvError
+
+        raise DsakvError(f"unknown tiny preset {preset!r} (choose from {', '.join(TINY_PRESETS)})")
+    root = Path(os.environ.get("DSAKV_CACHE") or Path.home() / ".cache" / "dsakv")
+    path = root / f"{preset}-seed{seed}"
+    done = path / ".complete"
+    if not done.is_file():
+        tmp = root / f".{preset}-seed{seed}.tmp{os.getpid()}"
+        dtype = torch.bfloat16 if preset.startswith("glm-bench") else torch.float32
+        write_tiny_model(tmp, preset, seed, dtype)
+        (tmp / ".complete").write_text(json.dumps({"preset": preset, "seed": seed}))
+        if path.exists():  # a concurrent writer won; keep theirs
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    return path
