@@ -28,6 +28,16 @@ PATTERN = "FFSSFS"
 PS = 4
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Thousands of tiny copies: intra-op threads only add sync cost (and stall badly when
+    other processes share the cores), so run these tests single-threaded."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def small_layout(kv: str, ik: str) -> CacheLayout:
     return CacheLayout.for_model(
         small_glm_config(),
@@ -323,3 +333,16 @@ def _machine(kv: str, ik: str) -> type[KVMachine]:
 TestKVFp32 = _machine("fp32", "fp32").TestCase
 TestKVFp8 = _machine("fp8_e4m3", "fp8").TestCase
 TestKVDsMla = _machine("fp8_ds_mla", "bf16").TestCase
+
+
+def test_memory_bench_quick_is_json_and_elided_moves_fewer_bytes():
+    import json
+
+    from dsakv.bench.memory import run_memory_bench
+
+    r = json.loads(json.dumps(run_memory_bench(quick=True, tokens=64, device="cpu")))
+    assert r["elided"]["bytes_per_token"] == 47700 and r["dense"]["bytes_per_token"] == 55224
+    assert r["elided"]["bytes_per_copy"] == 64 * 47700
+    assert r["bytes_saved_per_copy"] == 64 * (55224 - 47700)
+    for op in ("move", "backup", "load"):
+        assert r["elided"][op]["gb_per_s"] > 0 and r["elided"][op]["tokens_per_s"] > 0
