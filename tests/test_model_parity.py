@@ -14,7 +14,7 @@ import torch
 from dsakv.models import load_model
 from dsakv.models.tiny import TINY_PRESETS, hf_config, random_hf_model
 
-from .model_driver import Request, greedy, make_pool, run_batch
+from .model_driver import Request, greedy, make_pool, one_thread, run_batch  # noqa: F401
 
 PROMPT_LEN, DECODE = 40, 64  # prompt longer than every index_topk below: sparsity is exercised
 
@@ -51,15 +51,6 @@ CASES = {
         },
     ),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls run faster (and steadier on a shared 2-core box) on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,170 @@
+"""Checkpoint loading: plan-driven indexer omission, skipped tensors, errors, sharding, FP8."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsakv.config import LayerPlan
+from dsakv.errors import DsakvError
+from dsakv.models import DSAForCausalLM, load_model, write_tiny_model
+
+from .model_driver import greedy, make_pool, one_thread  # noqa: F401
+
+INDEXER_TENSORS = 5  # wq_b, wk, k_norm.weight, k_norm.bias, weights_proj
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """glm-tiny: GLM-5.2-format config (`indexer_types` F F S S F S F S)."""
+    return write_tiny_model(tmp_path_factory.mktemp("glm-tiny"), "glm-tiny")
+
+
+def _indexer_params(model: DSAForCausalLM) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if ".indexer." in n)
+
+
+def _copy_ckpt(src, dst, edit):
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def test_shared_layers_allocate_no_indexer(ckpt, caplog):
+    with caplog.at_level(logging.INFO, logger="dsakv.models.loader"):
+        model, config, plan = load_model(ckpt)
+    assert plan.full_layers == (0, 1, 4, 6) and plan.shared_layers == (2, 3, 5, 7)
+    for i, layer in enumerate(model.model.layers):
+        assert hasattr(layer.self_attn, "indexer") == plan.runs_indexer(i)
+    with torch.device("meta"):
+        all_full = DSAForCausalLM(config, plan.all_full())
+    per_layer = _indexer_params(all_full) // config.num_hidden_layers
+    assert _indexer_params(model) == per_layer * plan.num_full_layers
+    total = sum(p.numel() for p in model.parameters())
+    saved = sum(p.numel() for p in all_full.parameters()) - total
+    assert saved == per_layer * plan.num_shared_layers
+    assert "skipped 0 indexer tensors" in caplog.text
+
+
+def test_override_skips_and_counts_indexer_tensors(ckpt, caplog):
+    with caplog.at_level(logging.INFO, logger="dsakv.models.loader"):
+        model, _, plan = load_model(ckpt, index_topk_pattern="FSSSSSSS")
+    assert plan.full_layers == (0,)
+    assert f"skipped {3 * INDEXER_TENSORS} indexer tensors of 7 shared layers" in caplog.text
+    assert sum(".indexer." in n for n, _ in model.named_parameters()) == INDEXER_TENSORS
+
+
+def test_plan_needing_absent_indexers_is_a_clear_error(ckpt):
+    with pytest.raises(
+        DsakvError, match=r"missing tensor\(s\): model\.layers\.2\.self_attn\.indexer"
+    ):
+        load_model(ckpt, no_index_share=True)
+
+
+def test_missing_and_unexpected_tensors(ckpt, tmp_path):
+    def drop(t):
+        for k in [k for k in t if k.startswith("model.layers.5.")]:
+            del t[k]
+        t["model.layers.0.self_attn.bogus.weight"] = torch.zeros(2)
+
+    bad = _copy_ckpt(ckpt, tmp_path / "bad", drop)
+    with pytest.raises(DsakvError) as e:
+        load_model(bad)
+    msg = str(e.value)
+    assert "missing tensor(s): model.layers.5." in msg and "more)" in msg  # long list truncated
+    assert "1 unexpected tensor(s): model.layers.0.self_attn.bogus.weight" in msg
+    assert "\n" not in msg
+
+
+def test_draft_layer_tensors_are_skipped(ckpt, tmp_path, caplog):
+    def add_mtp(t):
+        t["model.layers.8.eh_proj.weight"] = torch.zeros(4, 4)
+        t["model.layers.8.self_attn.indexer.wk.weight"] = torch.zeros(4, 4)
+
+    path = _copy_ckpt(ckpt, tmp_path / "mtp", add_mtp)
+    with caplog.at_level(logging.INFO, logger="dsakv.models.loader"):
+        load_model(path)
+    assert "and 2 draft/MTP tensors" in caplog.text
+
+
+def _logits(model, config, plan, steps=4):
+    prompt = list(range(30, 70))
+    return greedy(model, make_pool(config, plan), prompt, steps)[1]
+
+
+def test_sharded_checkpoint_loads_identically(ckpt, tmp_path):
+    tensors = load_file(ckpt / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(3):
+        file = f"model-{i + 1:05d}-of-00003.safetensors"
+        part = {n: tensors[n] for n in names[i::3]}
+        save_file(part, tmp_path / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shutil.copy(ckpt / "config.json", tmp_path / "config.json")
+    a, b = load_model(ckpt), load_model(tmp_path)
+    assert torch.equal(_logits(*a), _logits(*b))
+
+
+def test_fp8_block_quantised_checkpoint_is_dequantised(ckpt, tmp_path):
+    """128×128-block e4m3 weights + `weight_scale_inv`, as DeepSeek/GLM FP8 releases ship."""
+    originals = {}
+
+    def quantise(t):
+        for k in [k for k in t if k.endswith("proj.weight") and t[k].dim() == 2]:
+            w = t[k].float()
+            r, c = w.shape
+            pr, pc = -(-r // 128) * 128, -(-c // 128) * 128
+            blocks = torch.nn.functional.pad(w, (0, pc - c, 0, pr - r)).view(
+                pr // 128, 128, pc // 128, 128
+            )
+            scale = blocks.abs().amax((1, 3)).clamp_min(1e-12) / 448.0
+            s = scale.repeat_interleave(128, 0)[:r].repeat_interleave(128, 1)[:, :c]
+            q = (w / s).to(torch.float8_e4m3fn)
+            t[k], t[k + "_scale_inv"] = q, scale
+            originals[k] = q.float() * s
+
+    path = _copy_ckpt(ckpt, tmp_path / "fp8", quantise)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    model, config, _ = load_model(path)
+    assert config.is_fp8_block_quantized
+    params = dict(model.named_parameters())
+    assert len(originals) > 20
+    for k, expected in originals.items():
+        if ".experts." in k:  # per-expert tensors land in the stacked expert parameters
+            prefix, e, part, _ = k.rsplit(".", 3)
+            i = config.moe_intermediate_size
+            stacked = params[f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"]
+            got = {"gate_proj": stacked[int(e), :i], "up_proj": stacked[int(e), i:]}.get(
+                part, stacked[int(e)]
+            )
+        else:
+            got = params[k]
+        assert torch.equal(got, expected), k
+
+
+def test_bf16_load_keeps_router_and_index_weights_fp32(ckpt):
+    model, _, _ = load_model(ckpt, dtype="bf16")
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["model.layers.1.mlp.gate.weight"] == torch.float32
+    assert dtypes["model.layers.0.self_attn.indexer.weights_proj.weight"] == torch.float32
+    assert dtypes["model.layers.0.self_attn.q_a_proj.weight"] == torch.bfloat16
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+def test_plan_and_overrides_are_exclusive(ckpt):
+    from dsakv.config import ModelConfig
+
+    plan = LayerPlan.from_config(ModelConfig.from_hf(ckpt))
+    with pytest.raises(DsakvError, match="either a LayerPlan or plan overrides"):
+        load_model(ckpt, plan, no_index_share=True)
