@@ -89,12 +89,20 @@ def run_memory_bench(
     tokens = tokens or (256 if quick else 1024)
     repeats = 2 if quick else 3
     layout = CacheLayout.for_model(model)
-    elided = _bench_layout(layout, tokens, dev, repeats)
-    dense = _bench_layout(layout.dense(), tokens, dev, repeats)
+    # Thousands of small gathers: intra-op threads add sync cost and stall badly when the
+    # cores are shared, so time the copies single-threaded (what a copy stream does anyway).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        elided = _bench_layout(layout, tokens, dev, repeats)
+        dense = _bench_layout(layout.dense(), tokens, dev, repeats)
+    finally:
+        torch.set_num_threads(threads)
     return {
         "bench": "memory",
         "model": model,
         "device": str(dev),
+        "torch_threads": 1,
         "kv_cache_dtype": layout.kv_cache_dtype,
         "index_k_dtype": layout.index_k_dtype,
         "page_size": layout.page_size,
