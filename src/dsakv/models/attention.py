@@ -79,16 +79,29 @@ class MLAttention(nn.Module):
             q_nope = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # query in latent space
         out = torch.empty(t, self.n_heads, self.v_dim, dtype=x.dtype, device=x.device)
         for r in range(batch.num_reqs):
-            a, e = batch.extend_starts[r], batch.extend_lens[r]
+            a, e, prefix = batch.extend_starts[r], batch.extend_lens[r], batch.prefix_lens[r]
             slots, sel = batch.req_slots[r], sels[r]
-            if sel is not None and sel.positions.numel() < slots.shape[0]:
+            qn, qr = q_nope[a : a + e], q_rope[a : a + e]
+            if sel is None:
+                ctx = pool.gather_latent(self.layer, slots, x.dtype)  # [L, kv_lora+rope]
+                out[a : a + e] = attend(qn, qr, ctx, prefix, None, w_uk, w_uv)
+                continue
+            # Queries at positions < k see at most k positions, all selected: run them densely.
+            early = min(max(sel.positions.shape[1] - prefix, 0), e)
+            if early:
+                ctx = pool.gather_latent(self.layer, slots[: prefix + early], x.dtype)
+                out[a : a + early] = attend(qn[:early], qr[:early], ctx, prefix, None, w_uk, w_uv)
+            if early == e:
+                continue
+            sel = Selection(sel.positions[early:], sel.valid[early:])
+            if sel.positions.numel() < slots.shape[0]:
                 # Few queries (decode): read only the selected rows from the pool.
                 slots = slots[sel.positions.flatten()]
                 local = torch.arange(slots.shape[0], device=slots.device)
                 sel = Selection(local.view_as(sel.positions), sel.valid)
             ctx = pool.gather_latent(self.layer, slots, x.dtype)  # [L or e*k, kv_lora+rope]
-            out[a : a + e] = attend(
-                q_nope[a : a + e], q_rope[a : a + e], ctx, batch.prefix_lens[r], sel, w_uk, w_uv
+            out[a + early : a + e] = attend(
+                qn[early:], qr[early:], ctx, prefix + early, sel, w_uk, w_uv
             )
         return self.o_proj(out.reshape(t, -1))
 
@@ -113,7 +126,9 @@ class MLAttention(nn.Module):
             kpos = torch.arange(ctx.shape[0], device=ctx.device)
             qpos = torch.arange(prefix + a, prefix + b, device=ctx.device)
             return ctx[None], (kpos[None, :] <= qpos[:, None])[:, None, :]
-        return ctx[sel.positions[a:b]], sel.valid[a:b, None, :]
+        idx = sel.positions[a:b]
+        rows = ctx.index_select(0, idx.flatten()).view(*idx.shape, *ctx.shape[1:])
+        return rows, sel.valid[a:b, None, :]
 
     def _absorbed(self, q_lat, q_rope, ctx, prefix, sel, w_uk, w_uv) -> torch.Tensor:
         """Scores on latent rows: [q·W_uk ‖ q_rope] · [latent ‖ k_rope]; output through W_uv."""
