@@ -1,1 +1,17 @@
 """dsakv: DeepSeek Sparse Attention inference with layer-aware index-K elision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so `dsakv plan` and `import dsakv.config` stay light.
+    if name in ("LLM", "SamplingParams"):
+        from dsakv import engine
+
+        return getattr(engine, name)
+    raise AttributeError(name)

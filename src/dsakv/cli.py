@@ -186,9 +186,155 @@ def _add_plan(sub: Any) -> None:
     p.set_defaults(func=_cmd_plan)
 
 
+# --- engine commands: init-tiny, generate, serve ----------------------------------------------
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every `EngineConfig` field as a flag (defaults live in `EngineConfig`)."""
+    add_layout_args(p)
+    g = p.add_argument_group("engine")
+    g.add_argument("--kv-budget-gib", type=_positive_float, help="device KV pool size (default 1)")
+    g.add_argument("--num-pages", type=_positive_int, help="device KV pool size in pages")
+    g.add_argument("--host-pool-gib", type=float, help="host (CPU) KV tier size; 0 = off")
+    g.add_argument("--chunked-prefill-size", type=_positive_int, help="prefill tokens per step")
+    g.add_argument("--max-running-requests", type=_positive_int)
+    g.add_argument("--max-model-len", type=_positive_int)
+    g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix cache")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from dsakv.engine import EngineConfig
+
+    kw: dict[str, Any] = dict(plan_overrides(args))
+    for name in (
+        "kv_cache_dtype",
+        "index_k_dtype",
+        "page_size",
+        "kv_budget_gib",
+        "num_pages",
+        "host_pool_gib",
+        "chunked_prefill_size",
+        "max_running_requests",
+        "max_model_len",
+        "device",
+        "dtype",
+    ):
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
+    if args.no_elide_index_k:
+        kw["elide_index_k"] = False
+    if args.no_prefix_cache:
+        kw["enable_prefix_cache"] = False
+    return EngineConfig.from_kwargs(_model_path(args.model), **kw)
+
+
+def _model_path(model: str | None) -> str:
+    """A model directory; none means the embedded default (generated on first use)."""
+    from pathlib import Path
+
+    from dsakv.models.tiny import TINY_PRESETS, default_model_dir
+
+    if model is None:
+        return str(default_model_dir())
+    if model in TINY_PRESETS:
+        return str(default_model_dir(model))
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise DsakvError(f"{model} is not a model directory (no config.json) nor a tiny preset")
+    return str(path)
+
+
+def _cmd_init_tiny(args: argparse.Namespace) -> int:
+    from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+
+    if args.preset not in TINY_PRESETS:
+        raise DsakvError(f"unknown preset {args.preset!r} (choose from {', '.join(TINY_PRESETS)})")
+    path = write_tiny_model(args.dir, preset=args.preset, seed=args.seed)
+    print(f"wrote {args.preset} (seed {args.seed}) to {path}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from dsakv.engine import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(engine_config_from_args(args))
+    outputs = llm.generate(args.prompt, params)
+    if args.json:
+        rows = [
+            {
+                "prompt": p,
+                "text": o.text,
+                "token_ids": o.token_ids,
+                "finish_reason": o.finish_reason,
+                "metrics": o.metrics,
+            }
+            for p, o in zip(args.prompt, outputs)
+        ]
+        print(json.dumps(rows, indent=2))
+    else:
+        for p, o in zip(args.prompt, outputs):
+            print(f"{p!r} -> {o.text!r} ({o.finish_reason}, {len(o.token_ids)} tokens)")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from dsakv.server import run_server
+
+    run_server(
+        engine_config_from_args(args),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+    )
+    return 0
+
+
+def _add_engine_commands(sub: Any) -> None:
+    p = sub.add_parser("init-tiny", help="write a deterministic random tiny model")
+    p.add_argument("dir")
+    p.add_argument("--preset", default="glm-tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_init_tiny)
+
+    p = sub.add_parser("generate", help="complete prompts offline")
+    p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--max-tokens", type=_positive_int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require this Bearer token")
+    p.add_argument("--served-model-name", help="model name clients use (default: dir name)")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_serve)
+
+
 # --- entry point -----------------------------------------------------------------------------
 
-_COMMANDS: list[Callable[[Any], None]] = [_add_plan]
+_COMMANDS: list[Callable[[Any], None]] = [_add_plan, _add_engine_commands]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,8 @@
+"""Engine: requests, scheduler, prefix cache, sampler, the step loop and the `LLM` API."""
+
+from .engine import Engine, EngineConfig
+from .llm import LLM, RequestOutput
+from .request import Request, Status
+from .sampling import SamplingParams
+
+__all__ = ["LLM", "Engine", "EngineConfig", "Request", "RequestOutput", "SamplingParams", "Status"]

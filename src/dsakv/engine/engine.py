@@ -1,0 +1,373 @@
+"""`Engine`: the step loop. Scheduler → model forward over the paged pool → sampler."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsakv.errors import DsakvError
+from dsakv.memory import CacheLayout, plan_capacity
+from dsakv.memory.allocator import PageAllocator, page_slots
+from dsakv.memory.host import HostPool
+from dsakv.memory.pool import DSAKVPool
+from dsakv.models.forward_batch import ForwardBatch
+
+from .prefix_cache import PrefixCache
+from .request import Request
+from .sampling import Sampler, SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine arguments; the same names as `LLM(...)` keywords and `dsakv` CLI flags."""
+
+    model: str
+    kv_cache_dtype: str = "fp8_e4m3"
+    index_k_dtype: str = "fp8"
+    elide_index_k: bool = True
+    kv_budget_gib: float | None = None
+    num_pages: int | None = None
+    host_pool_gib: float = 0.0
+    page_size: int = 64
+    chunked_prefill_size: int = 512
+    max_running_requests: int = 256
+    max_model_len: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    enable_prefix_cache: bool = True
+    index_topk_pattern: str | None = None
+    index_topk_freq: int | None = None
+    index_skip_topk_offset: int | None = None
+    no_index_share: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        ints = ("page_size", "chunked_prefill_size", "max_running_requests")
+        for name in ints:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise DsakvError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise DsakvError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.kv_budget_gib is not None and not self.kv_budget_gib > 0:
+            raise DsakvError(f"kv_budget_gib must be > 0, got {self.kv_budget_gib}")
+        if self.host_pool_gib < 0:
+            raise DsakvError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise DsakvError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise DsakvError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=str(model), **kwargs)
+
+    @property
+    def plan_overrides(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.index_topk_pattern is not None:
+            out["index_topk_pattern"] = self.index_topk_pattern
+        if self.index_topk_freq is not None:
+            out["index_topk_freq"] = self.index_topk_freq
+        if self.index_skip_topk_offset is not None:
+            out["index_skip_topk_offset"] = self.index_skip_topk_offset
+        if self.no_index_share:
+            out["no_index_share"] = True
+        return out
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DsakvError(f"unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DsakvError("device cuda requested but CUDA is not available")
+    return device
+
+
+@dataclass
+class EngineStats:
+    """Counters the server's /metrics and the benchmark read."""
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    computed_tokens: int = 0  # tokens run through the model (prefill chunks + decode)
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    steps: int = 0
+    step_time_s: float = 0.0
+
+
+class Engine:
+    """Owns the model, the KV pool, the allocator, the prefix cache and the scheduler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from dsakv.models.loader import load_model
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        dtype = {
+            "auto": torch.float32 if self.device.type == "cpu" else torch.bfloat16,
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+        }[config.dtype]
+        torch.manual_seed(config.seed)
+        self.model, self.model_config, self.plan = load_model(
+            config.model, device=self.device, dtype=dtype, **config.plan_overrides
+        )
+        self.layout = CacheLayout.from_plan(
+            self.model_config,
+            self.plan,
+            config.kv_cache_dtype,
+            config.index_k_dtype,
+            config.page_size,
+            config.elide_index_k,
+        )
+        if config.num_pages is not None:
+            num_pages = config.num_pages
+        else:
+            num_pages = plan_capacity(
+                self.layout, kv_budget_gib=config.kv_budget_gib or 1.0
+            ).num_pages
+        if num_pages < 1:
+            raise DsakvError("the KV budget holds less than one page")
+        self.pool = DSAKVPool(self.layout, num_pages, self.device)
+        self.allocator = PageAllocator(num_pages, config.page_size)
+        self.host = (
+            HostPool.from_gib(self.pool, config.host_pool_gib) if config.host_pool_gib > 0 else None
+        )
+        self.cache = PrefixCache(self.allocator, self.host)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.page_size,
+                config.chunked_prefill_size,
+                config.max_running_requests,
+                config.enable_prefix_cache,
+            ),
+            self.allocator,
+            self.cache,
+            self.host,
+        )
+        self.sampler = Sampler(self.device)
+        self.tokenizer = _load_tokenizer(config.model)
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            num_pages * config.page_size,
+        )
+        self.stats = EngineStats()
+        self.requests: dict[int, Request] = {}
+        log.info(
+            "engine: %d pages × %d tokens (%.1f MiB, %d B/token, %s), plan %s",
+            num_pages,
+            config.page_size,
+            self.pool.nbytes / 2**20,
+            self.layout.bytes_per_token,
+            "elided" if config.elide_index_k else "dense",
+            self.plan.pattern,
+        )
+
+    # --- requests -------------------------------------------------------------------------
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise DsakvError("this model has no tokenizer; pass token ids instead of text")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise DsakvError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise DsakvError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
+        if len(ids) >= self.max_model_len:
+            raise DsakvError(
+                f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len - 1}"
+            )
+        req = Request(ids, params)
+        req.generator = self.sampler.new_generator(params.seed)
+        self.requests[req.rid] = req
+        self.stats.prompt_tokens += len(ids)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, rid: int) -> None:
+        """Stop a request now and free everything it holds; unknown ids are ignored."""
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return
+        req.finish_reason = "abort"
+        self.scheduler.finish(req)
+        self.stats.aborted_requests += 1
+        self.requests.pop(rid, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that got a token (finished ones included)."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            self._fail_unschedulable()
+            return []
+        ps = self.config.page_size
+        new_tokens, slots = [], []
+        for req, n in batch:
+            end = req.num_computed + n
+            new_tokens.append(req.all_ids[req.num_computed : end])
+            slots.append(page_slots(req.pages, ps)[:end])
+        fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(fb, self.pool)
+            sampled = [i for i, (req, n) in enumerate(batch) if req.num_computed + n == req.seq_len]
+            rows = fb.last_token_indices()[sampled]
+            logits = self.model.compute_logits(hidden[rows]) if sampled else None
+        for req, n in batch:
+            req.num_computed += n
+        self.stats.computed_tokens += fb.num_tokens
+        out: list[Request] = []
+        if logits is not None:
+            reqs = [batch[i][0] for i in sampled]
+            result = self.sampler.sample(
+                logits, [r.params for r in reqs], [r.generator for r in reqs]
+            )
+            now = time.perf_counter()
+            for i, req in enumerate(reqs):
+                self._append_token(req, result.token_ids[i], now)
+                if result.logprobs is not None:
+                    req.logprobs.append(result.logprobs[i])
+                    req.top_logprobs.append(result.top_logprobs[i])
+                out.append(req)
+        self.stats.steps += 1
+        self.stats.step_time_s += time.perf_counter() - start
+        return out
+
+    def _append_token(self, req: Request, token: int, now: float) -> None:
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.output_ids.append(token)
+        self.stats.output_tokens += 1
+        p = req.params
+        reason = None
+        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+            reason = "stop"
+        if self.tokenizer is not None:
+            req.output_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            if p.stop and reason is None:
+                hit = _find_stop(req.output_text, p.stop)
+                if hit is not None:
+                    cut, stop = hit
+                    req.output_text = req.output_text[
+                        : cut + (len(stop) if p.include_stop_str_in_output else 0)
+                    ]
+                    reason = "stop"
+        if reason is None and (
+            len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason, now)
+
+    def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
+        req.finish_reason = reason
+        req.metrics.finish_time = now or time.perf_counter()
+        self.scheduler.finish(req)
+        self.stats.finished_requests += 1
+        self.requests.pop(req.rid, None)
+
+    def _fail_unschedulable(self) -> None:
+        """With nothing running, a request that still cannot be admitted never will be."""
+        s = self.scheduler
+        if s.running or not s.waiting:
+            return
+        req = s.waiting[0]
+        log.warning("request %d does not fit in the KV pool; finishing it", req.rid)
+        self._finish(req, "length")
+
+    # --- introspection --------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """When idle: every page is free or held by the prefix cache; no request holds any."""
+        self.allocator.check()
+        if not self.has_unfinished():
+            total = self.allocator.num_free_pages + self.cache.num_device_pages
+            if total != self.allocator.num_pages:
+                raise AssertionError(
+                    f"{self.allocator.num_free_pages} free + {self.cache.num_device_pages} cached "
+                    f"!= {self.allocator.num_pages} pages"
+                )
+            if self.host is not None:
+                host_used = self.host.num_pages - self.host.num_free_pages
+                if host_used != self.cache.num_host_pages:
+                    raise AssertionError(
+                        f"{host_used} host pages used, cache holds {self.cache.num_host_pages}"
+                    )
+
+    def counters(self) -> dict[str, float]:
+        """A flat snapshot for /metrics and the benchmark."""
+        s, sch = self.stats, self.scheduler.stats
+        host = self.host.bytes_copied if self.host else {"d2h": 0, "h2d": 0}
+        dense = self.layout.dense().bytes_per_token
+        return {
+            "pages_total": self.allocator.num_pages,
+            "pages_used": self.allocator.num_used_pages,
+            "pages_cached": self.cache.num_device_pages,
+            "host_pages_total": self.host.num_pages if self.host else 0,
+            "host_pages_used": (self.host.num_pages - self.host.num_free_pages) if self.host else 0,
+            "running_requests": len(self.scheduler.running),
+            "waiting_requests": len(self.scheduler.waiting),
+            "peak_running_requests": sch.peak_running,
+            "prompt_tokens": s.prompt_tokens,
+            "output_tokens": s.output_tokens,
+            "computed_tokens": s.computed_tokens,
+            "prefix_hit_tokens": sch.prefix_hit_tokens,
+            "retractions": sch.retractions,
+            "retractions_to_host": sch.retractions_to_host,
+            "host_bytes_to_host": host["d2h"],
+            "host_bytes_to_device": host["h2d"],
+            "finished_requests": s.finished_requests,
+            "aborted_requests": s.aborted_requests,
+            "bytes_per_token": self.layout.bytes_per_token,
+            "index_k_bytes_per_token_saved": dense - self.layout.bytes_per_token,
+        }
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    hits = [(text.find(s), s) for s in stops if s in text]
+    return min(hits) if hits else None
+
+
+def _load_tokenizer(model: str):
+    path = Path(model)
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

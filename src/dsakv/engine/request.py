@@ -1,0 +1,88 @@
+"""`Request`: one generation's tokens, pages, state and metrics."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, or retracted and waiting to resume
+    RUNNING = "running"  # holds pages; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefix_hit_tokens: int = 0
+    retractions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt being completed.
+
+    `pages` are device pages covering positions `0..num_computed-1` (plus room for the next
+    step); the first `num_cached_pages` of them belong to the prefix cache and are locked
+    through `prefix_nodes`. `host_slots` holds the KV while the request is retracted to the
+    host tier.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # positions whose KV is in the pool
+    prefix_nodes: list = field(default_factory=list)
+    host_slots: torch.Tensor | None = None
+    host_len: int = 0
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    output_text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    stream_offset: int = 0  # output tokens already handed to a streaming consumer
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens whose KV the request will need: prompt plus outputs so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self.prefix_nodes)
+
+    @property
+    def in_prefill(self) -> bool:
+        """Still computing KV for known tokens (the prompt, or everything after a recompute)."""
+        return self.num_computed < self.seq_len - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,142 @@
+"""`SamplingParams` and the batched sampler (per-request seeded generators)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsakv.errors import DsakvError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each request's next token and when to stop; validated on creation."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        checks = [
+            (
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
+                "max_tokens must be an integer >= 1",
+            ),
+            (_is_num(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
+            (_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (
+                _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+                "top_k must be -1 or >= 1",
+            ),
+            (_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.seed is None or _is_int(self.seed), "seed must be an integer"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (
+                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids must be token ids",
+            ),
+            (
+                self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+                "logprobs must be in 0..20",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise DsakvError(f"invalid sampling params: {message}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # log-probability of the chosen token, when asked for
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class Sampler:
+    """Samples one token per row. Each seeded request owns a generator, so its tokens do not
+    depend on which other requests share the batch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._default = torch.Generator(device="cpu")
+        self._default.seed()
+
+    def new_generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        g = torch.Generator(device="cpu")
+        g.manual_seed(seed)
+        return g
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SampleResult:
+        logits = logits.float()
+        chosen: list[int] = []
+        greedy = torch.argmax(logits, dim=-1).tolist()
+        for i, p in enumerate(params):
+            if p.greedy:
+                chosen.append(greedy[i])
+                continue
+            probs = _filtered_probs(logits[i], p).cpu()
+            g = generators[i] or self._default
+            chosen.append(int(torch.multinomial(probs, 1, generator=g)))
+        want = [p.logprobs for p in params]
+        if all(w is None for w in want):
+            return SampleResult(chosen, None, None)
+        logp = torch.log_softmax(logits, dim=-1).cpu()
+        picked = [float(logp[i, t]) for i, t in enumerate(chosen)]
+        tops = []
+        for i, n in enumerate(want):
+            if not n:
+                tops.append([])
+                continue
+            v, idx = torch.topk(logp[i], n)
+            tops.append(list(zip(idx.tolist(), v.tolist())))
+        return SampleResult(chosen, picked, tops)
+
+
+def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filtering of one row of logits."""
+    row = row / p.temperature
+    if p.top_k > 0 and p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        drop = cum - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()

@@ -1,0 +1,208 @@
+"""Continuous batching: which requests run this step, with how many tokens each.
+
+Every step runs each running request's next chunk (one token when decoding) and admits
+waiting requests under the prefill token budget. Pages are reserved before a request
+runs; when they run out mid-decode the newest requests are retracted, to the host tier
+when it has room (their KV comes back bit-exact), else to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
+from dsakv.memory.host import HostPool
+
+from .prefix_cache import PrefixCache
+from .request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    chunked_prefill_size: int = 512  # prefill tokens per step, across requests
+    max_running_requests: int = 256
+    enable_prefix_cache: bool = True
+
+
+@dataclass
+class SchedulerStats:
+    prefix_hit_tokens: int = 0
+    retractions: int = 0
+    retractions_to_host: int = 0
+    peak_running: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: PageAllocator,
+        cache: PrefixCache,
+        host: HostPool | None,
+    ) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.cache = cache
+        self.host = host
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; the newest is retracted first
+        self.stats = SchedulerStats()
+
+    # --- public ---------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """This step's batch: (request, number of new tokens) pairs."""
+        batch: list[tuple[Request, int]] = []
+        budget = self.config.chunked_prefill_size
+        retracted = False
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue  # retracted earlier in this loop
+            remaining = req.seq_len - req.num_computed
+            n = 1 if remaining == 1 else min(remaining, budget)
+            if n <= 0:
+                continue
+            while not self._reserve(req, req.num_computed + n):
+                victim = self.running[-1]
+                self.retract(victim)
+                retracted = True
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                batch.append((req, n))
+                if remaining > 1:
+                    budget -= n
+        if not retracted:
+            self._admit(batch, budget)
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        return batch
+
+    def finish(self, req: Request) -> None:
+        """Release a finished or aborted request's pages; its full pages join the cache."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.host_slots is not None:
+            self.host.free(req.host_slots)
+            req.host_slots, req.host_len = None, 0
+        keep = 0
+        if self.config.enable_prefix_cache and req.pages and req.finish_reason != "abort":
+            tokens = req.all_ids[: req.num_computed]
+            keep = len(self.cache.insert(tokens, req.pages, start=req.num_cached_pages))
+        private = req.pages[max(keep, req.num_cached_pages) :]
+        self.cache.unlock(req.prefix_nodes)
+        if private:
+            self.allocator.free(private)
+        req.pages, req.prefix_nodes = [], []
+        req.status = Status.FINISHED
+
+    def retract(self, req: Request) -> None:
+        """Give up a running request's pages; it resumes later from the host or by recompute."""
+        self.running.remove(req)
+        self.stats.retractions += 1
+        req.metrics.retractions += 1
+        n = req.num_computed
+        if self.host is not None and n > 0:
+            slots = page_slots(req.pages, self.config.page_size)[:n]
+            try:
+                req.host_slots, req.host_len = self.host.backup(slots), n
+                self.stats.retractions_to_host += 1
+            except OutOfPages:
+                pass
+        self.cache.unlock(req.prefix_nodes)
+        if req.pages[req.num_cached_pages :]:
+            self.allocator.free(req.pages[req.num_cached_pages :])
+        req.pages, req.prefix_nodes, req.num_computed = [], [], 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.config.page_size)
+
+    def _reserve(self, req: Request, tokens: int) -> bool:
+        """Make `req.pages` cover `tokens` positions; False when no pages can be found."""
+        need = self._pages_for(tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        try:
+            req.pages.extend(self.cache.alloc(need))
+            return True
+        except OutOfPages:
+            return False
+
+    def _available_pages(self) -> int:
+        return self.allocator.num_free_pages + self.cache.num_evictable_pages
+
+    def _admit(self, batch: list[tuple[Request, int]], budget: int) -> None:
+        while self.waiting and budget > 0:
+            if len(self.running) >= self.config.max_running_requests:
+                return
+            req = self.waiting[0]
+            if req.host_slots is not None:
+                n = self._admit_from_host(req, budget)
+            else:
+                n = self._admit_fresh(req, budget)
+            if n == 0:
+                return
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.append((req, n))
+            budget -= n
+
+    def _headroom(self) -> int:
+        """Pages kept free at admission so running requests can keep decoding a while."""
+        return len(self.running) + 1
+
+    def _admit_fresh(self, req: Request, budget: int) -> int:
+        nodes: list = []
+        if self.config.enable_prefix_cache:
+            nodes = self.cache.match(req.all_ids, (req.seq_len - 1) // self.config.page_size)
+        hit = len(nodes) * self.config.page_size
+        n = min(req.seq_len - hit, budget)
+        need = self._pages_for(hit + n) - len(nodes)
+        host_nodes = sum(1 for x in nodes if x.page is None)
+        if need + host_nodes + self._headroom() > self._available_pages():
+            return 0
+        self.cache.lock(nodes)
+        try:
+            self.cache.promote(nodes)
+            req.pages = [x.page for x in nodes]
+            req.prefix_nodes = nodes
+            req.num_computed = hit
+            if not self._reserve(req, hit + n):
+                raise OutOfPages("admission")
+        except OutOfPages:
+            self.cache.unlock(nodes)
+            if req.pages[len(nodes) :]:
+                self.allocator.free(req.pages[len(nodes) :])
+            req.pages, req.prefix_nodes, req.num_computed = [], [], 0
+            return 0
+        req.metrics.prefix_hit_tokens += hit
+        self.stats.prefix_hit_tokens += hit
+        return n
+
+    def _admit_from_host(self, req: Request, budget: int) -> int:
+        """Resume a request retracted to the host tier: load its KV back, then continue."""
+        hit = req.host_len
+        remaining = req.seq_len - hit
+        n = 1 if remaining == 1 else min(remaining, budget)
+        if self._pages_for(hit + n) + self._headroom() > self._available_pages():
+            return 0
+        if not self._reserve(req, hit + n):
+            return 0
+        self.host.load(req.host_slots, page_slots(req.pages, self.config.page_size)[:hit])
+        self.host.free(req.host_slots)
+        req.host_slots, req.host_len, req.num_computed = None, 0, hit
+        return n

@@ -1,0 +1,221 @@
+"""Engine behaviour: continuous batching, chunked prefill, prefix cache, retraction, sampling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsakv import LLM, SamplingParams
+from dsakv.engine import Engine, EngineConfig
+from dsakv.errors import DsakvError
+from dsakv.models.tiny import write_tiny_model
+
+EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("glm-tiny"), preset="glm-tiny", seed=0))
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 20, hi: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def _run(model: str, prompts, params=GREEDY, **kw) -> tuple[list[list[int]], Engine]:
+    llm = LLM(model, **{**EXACT, "num_pages": 64, **kw})
+    outs = llm.generate(prompts, params)
+    llm.engine.check_integrity()
+    return [o.token_ids for o in outs], llm.engine
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Greedy tokens with a roomy pool, no chunking, no prefix cache."""
+    prompts = _prompts(6, lo=20, hi=60)
+    tokens, _ = _run(tiny, prompts, chunked_prefill_size=4096, enable_prefix_cache=False)
+    return prompts, tokens
+
+
+def test_generate_returns_text_ids_reason_metrics(tiny):
+    llm = LLM(tiny, **EXACT, num_pages=32)
+    (out,) = llm.generate(
+        "hello world", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    )
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.prompt_token_ids == llm.tokenizer.encode("hello world", add_special_tokens=False)
+    assert out.metrics["ttft_s"] > 0 and out.metrics["output_tokens"] == 5
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(chunked_prefill_size=16),  # chunks across contexts longer than index_topk (16)
+        dict(chunked_prefill_size=7),
+        dict(enable_prefix_cache=True),
+        dict(elide_index_k=False),
+        dict(num_pages=9, enable_prefix_cache=False),  # forces retraction and recompute
+        dict(num_pages=9, host_pool_gib=0.05),  # retraction to the host tier
+        dict(max_running_requests=2),
+    ],
+    ids=["chunk16", "chunk7", "prefix", "dense", "retract", "retract-host", "max2"],
+)
+def test_greedy_outputs_identical(tiny, reference, variant):
+    prompts, expected = reference
+    tokens, engine = _run(tiny, prompts, **variant)
+    assert tokens == expected
+    c = engine.counters()
+    if variant.get("num_pages") == 9:
+        assert c["retractions"] > 0
+    if "host_pool_gib" in variant:
+        assert c["retractions_to_host"] > 0 and c["host_bytes_to_device"] > 0
+
+
+def test_prefix_hit_longer_than_index_topk_matches_no_hit(tiny):
+    shared = _prompts(1, seed=5, lo=80, hi=80)[0]  # 5 pages, far beyond index_topk=16
+    prompts = [shared + tail for tail in _prompts(3, seed=6, lo=3, hi=9)]
+    cold, _ = _run(tiny, prompts, enable_prefix_cache=False)
+    llm = LLM(tiny, **EXACT, num_pages=64)
+    llm.generate([shared + [1, 2, 3]], GREEDY)  # warm the cache
+    warm = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert llm.engine.counters()["prefix_hit_tokens"] >= 3 * 80
+    assert warm == cold
+    llm.engine.check_integrity()
+
+
+def test_prefix_cache_demotes_to_host_and_promotes_back(tiny):
+    shared = _prompts(1, seed=7, lo=64, hi=64)[0]
+    first = [shared + [9, 9, 9]]
+    others = _prompts(6, seed=8, lo=60, hi=60)  # unrelated traffic that evicts the prefix
+    cold, _ = _run(tiny, first, enable_prefix_cache=False)
+    llm = LLM(tiny, **EXACT, num_pages=14, host_pool_gib=0.05)
+    llm.generate(first, GREEDY)
+    llm.generate(others, GREEDY)
+    assert llm.engine.cache.demoted_pages > 0
+    again = [o.token_ids for o in llm.generate(first, GREEDY)]
+    assert llm.engine.cache.promoted_pages > 0
+    assert again == cold
+    llm.engine.check_integrity()
+
+
+def test_seeded_sampling_reproducible_regardless_of_batch(tiny):
+    p = SamplingParams(
+        max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
+    target = _prompts(1, seed=11)[0]
+    alone, _ = _run(tiny, [target], p)
+    others = _prompts(4, seed=12)
+    mixed, _ = _run(
+        tiny,
+        others[:2] + [target] + others[2:],
+        [SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)] * 2 + [p] + [GREEDY] * 2,
+    )
+    assert mixed[2] == alone[0]
+    other_seed, _ = _run(
+        tiny, [target], SamplingParams(max_tokens=12, temperature=0.9, seed=99, ignore_eos=True)
+    )
+    assert other_seed[0] != alone[0]
+
+
+def test_stop_conditions_and_logprobs(tiny):
+    llm = LLM(tiny, **EXACT, num_pages=32)
+    prompt = _prompts(1, seed=3)[0]
+    (free,) = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    stop_tok = free.token_ids[5]
+    (out,) = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[stop_tok], ignore_eos=True),
+    )
+    assert (
+        out.finish_reason == "stop"
+        and out.token_ids == free.token_ids[: free.token_ids.index(stop_tok) + 1]
+    )
+    text = free.text
+    if len(text) >= 6:
+        stop = text[3:6]
+        (out,) = llm.generate(
+            [prompt], SamplingParams(max_tokens=16, temperature=0, stop=[stop], ignore_eos=True)
+        )
+        assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
+    (out,) = llm.generate(
+        [prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
+    )
+    assert len(out.logprobs) == 4 and all(len(t) == 3 for t in out.top_logprobs)
+    # Greedy picks the most likely token, so its logprob is the top one.
+    assert all(abs(lp - top[0][1]) < 1e-6 for lp, top in zip(out.logprobs, out.top_logprobs))
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(min_p=2), "min_p"),
+        (dict(seed="x"), "seed"),
+        (dict(logprobs=99), "logprobs"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
+def test_invalid_sampling_params(kw, message):
+    with pytest.raises(DsakvError, match=message):
+        SamplingParams(**kw)
+
+
+def test_bad_requests_and_engine_args(tiny):
+    with pytest.raises(DsakvError, match="unknown engine argument"):
+        LLM(tiny, bogus=1)
+    with pytest.raises(DsakvError, match="page_size"):
+        EngineConfig(model=tiny, page_size=0)
+    llm = LLM(tiny, **EXACT, num_pages=4)
+    with pytest.raises(DsakvError, match="context limit"):
+        llm.engine.add_request(list(range(100)), GREEDY)
+    with pytest.raises(DsakvError, match="empty"):
+        llm.engine.add_request([], GREEDY)
+    with pytest.raises(DsakvError, match="vocabulary"):
+        llm.engine.add_request([10**6], GREEDY)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_idle_integrity_after_random_workload(tiny_engine, data):
+    """Random arrivals, lengths, shared prefixes and aborts; idle ⇒ free + cached == total."""
+    engine = tiny_engine
+    prefix = data.draw(st.lists(st.integers(0, 255), min_size=16, max_size=40))
+    live = []
+    for _ in range(data.draw(st.integers(1, 25))):
+        action = data.draw(st.sampled_from(["add", "add", "step", "step", "abort"]))
+        if action == "add":
+            tail = data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=30))
+            use_prefix = data.draw(st.booleans())
+            params = SamplingParams(
+                max_tokens=data.draw(st.integers(1, 12)), temperature=0, ignore_eos=True
+            )
+            live.append(engine.add_request((prefix if use_prefix else []) + tail, params))
+        elif action == "step":
+            engine.step()
+        elif live:
+            engine.abort(data.draw(st.sampled_from(live)).rid)
+        engine.allocator.check()
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+    assert engine.counters()["pages_used"] == engine.cache.num_device_pages
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    return Engine(
+        EngineConfig(model=tiny, **EXACT, num_pages=10, host_pool_gib=0.02, chunked_prefill_size=24)
+    )
