@@ -1,0 +1,122 @@
+"""Prometheus metrics: engine counters read at scrape time, plus per-request latencies.
+
+Each app gets its own `CollectorRegistry`, so several servers (or tests) in one process
+never clash. The engine snapshot comes from the engine thread (`AsyncEngine.call`) right
+before rendering, so gauges are consistent with one another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "dsakv_"
+
+# engine.counters() key -> (metric name, kind, help). Keys not listed become gauges.
+_ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
+    "pages_used": ("kv_pages_used", "gauge", "Device KV pages in use (requests + prefix cache)"),
+    "pages_total": ("kv_pages_total", "gauge", "Device KV pages in the pool"),
+    "pages_cached": ("kv_pages_cached", "gauge", "Device KV pages held by the prefix cache"),
+    "host_pages_used": ("host_pages_used", "gauge", "Host-tier KV pages in use"),
+    "host_pages_total": ("host_pages_total", "gauge", "Host-tier KV pages"),
+    "running_requests": ("running_requests", "gauge", "Requests holding KV pages"),
+    "waiting_requests": ("waiting_requests", "gauge", "Requests queued or retracted"),
+    "peak_running_requests": ("peak_running_requests", "gauge", "Most requests running at once"),
+    "bytes_per_token": ("kv_bytes_per_token", "gauge", "KV cache bytes per token (all layers)"),
+    "index_k_bytes_per_token_saved": (
+        "index_k_bytes_per_token_saved",
+        "gauge",
+        "KV bytes per token saved by eliding shared layers' index-K",
+    ),
+    "prompt_tokens": ("prompt_tokens", "counter", "Prompt tokens received"),
+    "output_tokens": ("generation_tokens", "counter", "Tokens generated"),
+    "computed_tokens": ("computed_tokens", "counter", "Tokens run through the model"),
+    "prefix_hit_tokens": (
+        "prefix_hit_tokens",
+        "counter",
+        "Prompt tokens served from the prefix cache",
+    ),
+    "retractions": ("retractions", "counter", "Requests retracted for lack of KV pages"),
+    "retractions_to_host": (
+        "retractions_to_host",
+        "counter",
+        "Retractions backed up to the host tier",
+    ),
+    "host_bytes_to_host": ("host_bytes_to_host", "counter", "KV bytes copied device -> host"),
+    "host_bytes_to_device": ("host_bytes_to_device", "counter", "KV bytes copied host -> device"),
+    "finished_requests": ("finished_requests", "counter", "Requests finished"),
+    "aborted_requests": ("aborted_requests", "counter", "Requests aborted"),
+}
+
+
+class EngineCollector(Collector):
+    """Renders the latest engine counters snapshot (set by `update`) as metric families."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: Mapping[str, float] = {}
+
+    def update(self, snapshot: Mapping[str, float]) -> None:
+        self.snapshot = dict(snapshot)
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot
+        labels = ["model_name"]
+        for key, value in sorted(snap.items()):
+            name, kind, doc = _ENGINE_METRICS.get(key, (key, "gauge", f"engine counter {key}"))
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            m = family(PREFIX + name, doc, labels=labels)
+            m.add_metric([self.model_name], float(value))
+            yield m
+        if snap:
+            prompt = snap.get("prompt_tokens", 0)
+            rate = snap.get("prefix_hit_tokens", 0) / prompt if prompt else 0.0
+            m = GaugeMetricFamily(
+                PREFIX + "prefix_cache_hit_rate",
+                "Prefix-cache hit tokens / prompt tokens",
+                labels=labels,
+            )
+            m.add_metric([self.model_name], rate)
+            yield m
+
+
+class ServerMetrics:
+    """The app's registry: engine gauges/counters plus HTTP request and latency metrics."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.engine = EngineCollector(model_name)
+        self.registry.register(self.engine)
+        self.requests = Counter(
+            PREFIX + "http_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token",
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Request latency",
+            buckets=buckets,
+            registry=self.registry,
+        )
+
+    def observe_request(self, ttft_s: float | None, latency_s: float | None) -> None:
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if latency_s is not None:
+            self.latency.observe(latency_s)
+
+    def render(self, snapshot: Mapping[str, float] | None) -> bytes:
+        if snapshot is not None:
+            self.engine.update(snapshot)
+        return generate_latest(self.registry)

@@ -1,0 +1,289 @@
+"""`AsyncEngine`: the bridge between asyncio HTTP handlers and the (single-threaded) `Engine`.
+
+One background thread owns the engine: it drains a thread-safe command queue (add, abort,
+call), runs `engine.step()` while there is work, and pushes each request's new tokens to the
+handler's asyncio queue with `loop.call_soon_threadsafe`. Every client's requests end up in
+the same engine batch; nothing else ever touches the engine, so it needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsakv.engine import Engine, Request, SamplingParams
+from dsakv.errors import DsakvError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one engine step produced for one request (a snapshot; safe to read anywhere)."""
+
+    token_ids: list[int]
+    text: str  # new text since the previous update (held back while it may still change)
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    error: str | None = None  # the engine failed on this request (a server error)
+    token_text: dict[int, str] = field(default_factory=dict)  # id -> text, for logprobs
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """The handler's end of one request: `await stream.get()` until an update is `finished`."""
+
+    loop: asyncio.AbstractEventLoop
+    prompt_tokens: int = 0
+    rid: int | None = None  # engine request id, known once accepted
+    queue: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
+    accepted: asyncio.Future = field(default=None)  # type: ignore[assignment]
+    # Engine-thread-only state: how many tokens / characters were handed out already.
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    request: Request | None = None
+
+    def __post_init__(self) -> None:
+        self.accepted = self.loop.create_future()
+
+    async def get(self) -> Update:
+        return await self.queue.get()
+
+    # Called on the engine thread.
+    def _push(self, update: Update) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+
+    def _resolve(self, error: BaseException | None) -> None:
+        def done() -> None:
+            if self.accepted.done():
+                return
+            if error is None:
+                self.accepted.set_result(self.rid)
+            else:
+                self.accepted.set_exception(error)
+
+        self.loop.call_soon_threadsafe(done)
+
+
+class AsyncEngine:
+    """Owns the engine thread. `generate()` submits; `abort()` cancels; `call()` runs a
+    function on the engine thread (counters, integrity checks) and awaits its result."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[int, RequestStream] = {}
+        self._stop = threading.Event()
+        self._seq = itertools.count()
+        self.error: BaseException | None = None  # set if the engine thread itself died
+        self._thread = threading.Thread(target=self._run, name="dsakv-engine", daemon=True)
+        self._thread.start()
+
+    # --- handler side (any thread / event loop) ---------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        """Submit a request; returns its stream once the engine accepted it.
+
+        Raises `DsakvError` (a client error) when the engine rejects the prompt.
+        """
+        if not self.alive:
+            raise RuntimeError("the engine is not running")
+        stream = RequestStream(asyncio.get_running_loop())
+        self._commands.put(("add", (stream, prompt, params)))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(stream)  # queued after the add, so the engine thread sees both
+            raise
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Cancel a request (client went away); idempotent, safe from any thread."""
+        self._commands.put(("abort", stream))
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run `fn(engine)` between steps on the engine thread and return its result."""
+        if not self.alive:
+            raise RuntimeError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._commands.put(("call", (fn, loop, fut)))
+        return await fut
+
+    def abort_all(self) -> None:
+        self._commands.put(("abort_all", None))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight and stop the engine thread."""
+        if self._stop.is_set():
+            return
+        self._commands.put(("abort_all", None))
+        self._commands.put(("stop", None))
+        self._thread.join(timeout)
+        self._stop.set()
+
+    # --- engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                # Block only when idle; otherwise take whatever arrived since the last step.
+                block = not self.engine.has_unfinished()
+                if not self._drain(block):
+                    return
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # pragma: no cover - a bug in the bridge itself
+            log.exception("engine thread died")
+            self.error = e
+            self._fail_all(f"engine thread died: {e}")
+            self._stop.set()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; False when asked to stop."""
+        while True:
+            try:
+                kind, arg = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "add":
+                self._add(*arg)
+            elif kind == "abort":
+                self._abort(arg, "abort")
+            elif kind == "abort_all":
+                for stream in list(self._streams.values()):
+                    self._abort(stream, "abort")
+            elif kind == "call":
+                self._call(*arg)
+            elif kind == "stop":
+                return False
+
+    def _add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams) -> None:
+        try:
+            req = self.engine.add_request(prompt, params)
+        except DsakvError as e:
+            stream._resolve(e)
+            return
+        except Exception as e:
+            log.exception("add_request failed")
+            stream._resolve(e)
+            return
+        stream.rid, stream.request = req.rid, req
+        stream.prompt_tokens = len(req.prompt_ids)
+        self._streams[req.rid] = stream
+        stream._resolve(None)
+
+    def _abort(self, stream: RequestStream, reason: str) -> None:
+        if stream.rid is None or self._streams.pop(stream.rid, None) is None:
+            return  # never accepted, or already finished
+        self.engine.abort(stream.rid)
+        req = stream.request
+        stream._push(
+            Update([], "", None, None, True, reason, stream.prompt_tokens, len(req.output_ids))
+        )
+        stream.request = None
+
+    def _call(self, fn: Callable[[Engine], Any], loop: asyncio.AbstractEventLoop, fut) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except BaseException as e:
+            result, error = None, e
+
+        def done() -> None:
+            if fut.done():
+                return
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+
+        loop.call_soon_threadsafe(done)
+
+    def _step(self) -> None:
+        try:
+            reqs = self.engine.step()
+        except Exception as e:
+            # Keep serving: fail the requests in flight, free their pages, go on.
+            log.exception("engine step failed; aborting %d requests", len(self._streams))
+            self._fail_all(f"engine error: {e}")
+            return
+        for req in reqs:
+            stream = self._streams.get(req.rid)
+            if stream is None:
+                continue
+            stream._push(_update(self.engine, stream, req))
+            if req.finished:
+                self._streams.pop(req.rid, None)
+                stream.request = None
+
+    def _fail_all(self, message: str) -> None:
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # pragma: no cover
+                log.exception("abort of %d failed", rid)
+            stream._push(
+                Update([], "", None, None, True, "error", stream.prompt_tokens, 0, error=message)
+            )
+        self._streams.clear()
+
+
+def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
+    """The tokens and text a request gained since its last update (engine thread)."""
+    start, end = stream.sent_tokens, len(req.output_ids)
+    stream.sent_tokens = end
+    text = req.output_text
+    if not req.finished:
+        text = text[: _stable_len(text, req.params.stop)]
+    delta = text[stream.sent_chars :]
+    stream.sent_chars = max(stream.sent_chars, len(text))
+    want = req.params.logprobs is not None
+    ids = req.output_ids[start:end]
+    token_text: dict[int, str] = {}
+    if want and engine.tokenizer is not None:
+        for tid in {*ids, *(t for tops in req.top_logprobs[start:end] for t, _ in tops)}:
+            token_text[tid] = engine.tokenizer.decode([tid])
+    m = req.metrics
+    return Update(
+        token_ids=ids,
+        text=delta,
+        logprobs=req.logprobs[start:end] if want else None,
+        top_logprobs=req.top_logprobs[start:end] if want else None,
+        finished=req.finished,
+        finish_reason=req.finish_reason,
+        prompt_tokens=len(req.prompt_ids),
+        completion_tokens=end,
+        ttft_s=m.ttft,
+        latency_s=m.latency,
+        token_text=token_text,
+    )
+
+
+def _stable_len(text: str, stops: tuple[str, ...]) -> int:
+    """How much of an unfinished output can be streamed without being taken back later: not a
+    trailing partial UTF-8 character (decoded as U+FFFD), nor a tail that could still grow into
+    a stop string (the engine cuts the text there)."""
+    n = len(text)
+    if stops:
+        n -= max(len(s) for s in stops) - 1
+    n = max(n, 0)
+    while n > 0 and text[n - 1] == "\ufffd":
+        n -= 1
+    return n

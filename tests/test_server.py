@@ -1,0 +1,537 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server on a loopback port, the
+official `openai` client, and an offline `LLM` on the same tiny model as the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from dsakv.engine import LLM, EngineConfig, SamplingParams
+from dsakv.models.tiny import write_tiny_model
+from dsakv.server import build_app, make_server
+
+ENGINE_ARGS = dict(
+    kv_cache_dtype="fp32", index_k_dtype="fp32", num_pages=64, page_size=16, device="cpu"
+)
+MODEL = "tiny"
+TIMEOUT = 30.0  # every wait in this file is bounded by this
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _running(server: uvicorn.Server) -> Iterator[str]:
+    """Run a uvicorn server on a thread; yields its base URL and stops it afterwards."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+        assert not thread.is_alive(), "server did not stop"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("server") / MODEL
+    write_tiny_model(path, preset="glm-tiny", seed=0)
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """The engine thread, the event loop and the clients share 2 cores; torch's own thread
+    pool would only fight them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> LLM:
+    return LLM(str(model_dir), **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """(base_url, AsyncEngine) of the shared server."""
+    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS)
+    server, async_engine = make_server(config, port=_free_port(), log_level="warning")
+    try:
+        with _running(server) as base:
+            yield base, async_engine
+    finally:
+        async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base(served) -> str:
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def client(base) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def _metrics(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("model_name") == MODEL:
+                out[s.name] = s.value
+    return out
+
+
+def _wait_idle(base: str, aborted_at_least: float = 0) -> dict[str, float]:
+    """Poll /metrics until no request holds pages (used == prefix-cached) and the abort
+    count reached `aborted_at_least`."""
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        m = _metrics(base)
+        idle = m["dsakv_running_requests"] == 0 and m["dsakv_waiting_requests"] == 0
+        if (
+            idle
+            and m["dsakv_kv_pages_used"] == m["dsakv_kv_pages_cached"]
+            and m["dsakv_aborted_requests_total"] >= aborted_at_least
+        ):
+            return m
+        assert time.monotonic() < deadline, f"engine did not go idle: {m}"
+        time.sleep(0.05)
+
+
+def _check_integrity(async_engine) -> None:
+    async def check() -> None:
+        await asyncio.wait_for(async_engine.call(lambda e: e.check_integrity()), TIMEOUT)
+
+    asyncio.run(check())
+
+
+def _ref(llm: LLM, prompt: str, **kw):
+    kw.setdefault("temperature", 0.0)
+    return llm.generate(prompt, SamplingParams(**kw))[0]
+
+
+def _chat_prompt(llm: LLM, messages: list[dict]) -> str:
+    return llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+# --- happy paths ------------------------------------------------------------------------------
+
+
+def test_health_and_models(base, client):
+    assert httpx.get(f"{base}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_matches_offline(client, reference):
+    ref = _ref(reference, "The capital of France is", max_tokens=12, logprobs=3, ignore_eos=True)
+    r = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=12,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    choice = r.choices[0]
+    assert choice.text == ref.text
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert choice.logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    # Token ids as the prompt give the same answer.
+    r2 = client.completions.create(
+        model=MODEL,
+        prompt=ref.prompt_token_ids,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r2.choices[0].text == ref.text
+
+
+def test_chat_matches_offline(client, reference):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    ref = _ref(
+        reference, _chat_prompt(reference, messages), max_tokens=10, logprobs=2, ignore_eos=True
+    )
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 10
+    lps = choice.logprobs.content
+    assert [x.logprob for x in lps] == pytest.approx(ref.logprobs, abs=1e-4)
+    assert all(len(x.top_logprobs) == 2 for x in lps)
+
+
+def test_streaming_completion_and_chat(client, reference):
+    ref = _ref(reference, "Once upon a time", max_tokens=16, ignore_eos=True)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == ref.text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    ref = _ref(reference, _chat_prompt(reference, messages), max_tokens=16, ignore_eos=True)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)
+
+
+def test_raw_sse_ends_with_done(base):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [x for x in r.iter_lines() if x]
+    assert all(x.startswith("data: ") for x in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_seed_and_sampling_extras(client, reference):
+    ref = _ref(reference, "Stop test:", max_tokens=12, ignore_eos=True)
+    stop = ref.text[4:6]
+    assert stop and "\ufffd" not in stop, f"pick another prompt: {ref.text!r}"
+    expect = ref.text[: ref.text.find(stop)]
+    kw = dict(model=MODEL, prompt="Stop test:", max_tokens=12, temperature=0, stop=[stop])
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expect, "stop")
+    streamed = client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == expect
+
+    # Seeded sampling is reproducible, streamed or not, and matches the offline engine.
+    kw = dict(model=MODEL, prompt="Seed:", max_tokens=8, temperature=0.9, top_p=0.95, seed=1234)
+    extra = {"top_k": 50, "min_p": 0.01, "ignore_eos": True}
+    a = client.completions.create(**kw, extra_body=extra).choices[0].text
+    b = "".join(
+        c.choices[0].text for c in client.completions.create(**kw, stream=True, extra_body=extra)
+    )
+    ref = _ref(
+        reference,
+        "Seed:",
+        max_tokens=8,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        top_k=50,
+        min_p=0.01,
+        ignore_eos=True,
+    )
+    assert a == b == ref.text
+
+
+def test_64_concurrent_streams(base, served, reference):
+    """64 streaming clients at once: every one gets its complete greedy answer."""
+    prompts = [f"Client {i} asks about item #{i * 7}:" for i in range(64)]
+    refs = reference.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+
+    async def one(aclient: openai.AsyncOpenAI, prompt: str) -> tuple[str, str | None, int]:
+        text, reason, usage = "", None, 0
+        stream = await aclient.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return text, reason, usage
+
+    async def run_all() -> list[tuple[str, str | None, int]]:
+        limits = httpx.Limits(max_connections=64)
+        async with openai.AsyncOpenAI(
+            base_url=f"{base}/v1",
+            api_key="unused",
+            timeout=TIMEOUT,
+            max_retries=0,
+            http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+        ) as aclient:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(aclient, p) for p in prompts)), 2 * TIMEOUT
+            )
+
+    start = time.perf_counter()
+    results = asyncio.run(run_all())
+    wall = time.perf_counter() - start
+    print(f"64 concurrent streams x 8 tokens: {wall:.2f}s")
+    assert [r[0] for r in results] == [x.text for x in refs]
+    assert all(r[1] == "length" and r[2] == 8 for r in results)
+    m = _wait_idle(base)
+    assert m["dsakv_peak_running_requests"] > 1  # they really were batched together
+    _check_integrity(served[1])
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+_BAD = [
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x",', 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1.0}, 400, None),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, None),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, None),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "n": 3, "stream": True},
+        400,
+        "n",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+        404,
+        "model",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), _BAD, ids=range(len(_BAD)))
+def test_bad_input_gets_openai_error(base, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(
+        base + path, content=content, headers={"Content-Type": "application/json"}, timeout=TIMEOUT
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_server_still_serves_after_bad_input(base, client, reference):
+    with pytest.raises(openai.BadRequestError, match="n > 1"):
+        client.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    for path, body, _, _ in _BAD[:4]:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        httpx.post(base + path, content=content, timeout=TIMEOUT)
+    ref = _ref(reference, "Still alive?", max_tokens=6, ignore_eos=True)
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Still alive?",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].text == ref.text
+    _wait_idle(base)
+
+
+# --- disconnects, auth, metrics, shutdown -----------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_pages(base, served):
+    before = _wait_idle(base)
+    body = {
+        "prompt": "A long story:",
+        "max_tokens": 900,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=TIMEOUT) as http,
+        http.stream("POST", f"{base}/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()  # keep it referenced: dropping it closes the connection
+        events = [x for x in (next(lines) for _ in range(6)) if x.startswith("data: ")]
+        assert len(events) == 3
+        m = _metrics(base)
+        assert m["dsakv_running_requests"] == 1, m
+        assert m["dsakv_kv_pages_used"] > m["dsakv_kv_pages_cached"]  # it holds pages
+    # The connection is closed: the request is aborted and every page it held comes back.
+    after = _wait_idle(base, aborted_at_least=before["dsakv_aborted_requests_total"] + 1)
+    assert after["dsakv_generation_tokens_total"] - before["dsakv_generation_tokens_total"] < 900
+    _check_integrity(served[1])
+
+
+def test_disconnect_while_waiting_for_full_response(base, served):
+    before = _wait_idle(base)
+    body = {
+        "prompt": "Another long story:",
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.5))
+    after = _wait_idle(base, aborted_at_least=before["dsakv_aborted_requests_total"] + 1)
+    assert after["dsakv_generation_tokens_total"] - before["dsakv_generation_tokens_total"] < 900
+    _check_integrity(served[1])
+
+
+def test_api_key(served):
+    _, async_engine = served
+    app = build_app(async_engine, MODEL, api_key="sekret")
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    with _running(server) as url:
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+        r = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=TIMEOUT
+        )
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/v1/models", timeout=TIMEOUT).status_code == 401
+        wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", timeout=TIMEOUT, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        right = openai.OpenAI(
+            base_url=f"{url}/v1", api_key="sekret", timeout=TIMEOUT, max_retries=0
+        )
+        r = right.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens >= 1
+
+
+def test_metrics(base, served):
+    m = _wait_idle(base)
+    engine = served[1].engine
+    assert m["dsakv_kv_pages_total"] == 64
+    assert m["dsakv_kv_bytes_per_token"] == engine.layout.bytes_per_token
+    assert m["dsakv_index_k_bytes_per_token_saved"] > 0  # glm-tiny shares 4 of 8 layers
+    assert m["dsakv_prompt_tokens_total"] > 0 and m["dsakv_generation_tokens_total"] > 0
+    assert 0 <= m["dsakv_prefix_cache_hit_rate"] <= 1
+    assert "dsakv_retractions_total" in m
+    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT).text
+    assert 'dsakv_http_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert "dsakv_time_to_first_token_seconds_count" in text
+
+
+def test_shutdown_ends_open_streams(model_dir):
+    """Stopping the server aborts in-flight streams (they end with [DONE]) and frees pages."""
+    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS)
+    server, async_engine = make_server(config, port=_free_port(), log_level="warning")
+    body = {
+        "prompt": "Forever:",
+        "max_tokens": 900,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    try:
+        with (
+            _running(server) as url,
+            httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r,
+        ):
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.should_exit = True
+            rest = [x for x in lines if x]
+            assert rest[-1] == "data: [DONE]"
+            assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        _check_integrity(async_engine)  # idle, so: no request holds a page
+    finally:
+        async_engine.shutdown()
+
+
+# --- streaming text hold-back (pure) ----------------------------------------------------------
+
+
+def test_stable_len_holds_back_partial_chars_and_stop_prefixes():
+    from dsakv.server.runner import _stable_len
+
+    assert _stable_len("hello", ()) == 5
+    assert _stable_len("hello\ufffd", ()) == 5  # a multi-byte character still arriving
+    assert _stable_len("\ufffd\ufffd", ()) == 0
+    assert _stable_len("hello wor", ("world",)) == 5  # "wor" could still become the stop
+    assert _stable_len("ab", ("xyz",)) == 0
