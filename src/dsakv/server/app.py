@@ -25,7 +25,7 @@ from .protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    _GenerationRequest,
+    GenerationRequest,
     error_body,
 )
 from .runner import AsyncEngine, RequestStream, Update
@@ -268,7 +268,7 @@ class Handlers:
 
     def _params(
         self,
-        body: _GenerationRequest,
+        body: GenerationRequest,
         max_tokens: int | None,
         default_max_tokens: int,
         logprobs: int | None,

@@ -46,7 +46,7 @@ class StreamOptions(_Strict):
     include_usage: bool | None = False
 
 
-class _GenerationRequest(_Strict):
+class GenerationRequest(_Strict):
     """Fields shared by completions and chat completions (plus vLLM-style extras)."""
 
     model: str | None = None
@@ -69,7 +69,7 @@ class _GenerationRequest(_Strict):
     stop_token_ids: list[int] | None = None
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
@@ -88,7 +88,7 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = None

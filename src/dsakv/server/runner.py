@@ -49,7 +49,7 @@ class RequestStream:
     prompt_tokens: int = 0
     rid: int | None = None  # engine request id, known once accepted
     queue: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
-    accepted: asyncio.Future = field(default=None)  # type: ignore[assignment]
+    accepted: asyncio.Future = field(init=False)
     # Engine-thread-only state: how many tokens / characters were handed out already.
     sent_tokens: int = 0
     sent_chars: int = 0
@@ -62,10 +62,11 @@ class RequestStream:
         return await self.queue.get()
 
     # Called on the engine thread.
-    def _push(self, update: Update) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+    def _push(self, update: Update) -> bool:
+        """Hand an update to the handler's loop; False if that loop is gone (nobody listens)."""
+        return _post(self.loop, self.queue.put_nowait, update)
 
-    def _resolve(self, error: BaseException | None) -> None:
+    def _resolve(self, error: BaseException | None) -> bool:
         def done() -> None:
             if self.accepted.done():
                 return
@@ -74,7 +75,7 @@ class RequestStream:
             else:
                 self.accepted.set_exception(error)
 
-        self.loop.call_soon_threadsafe(done)
+        return _post(self.loop, done)
 
 
 class AsyncEngine:
@@ -188,7 +189,8 @@ class AsyncEngine:
         stream.rid, stream.request = req.rid, req
         stream.prompt_tokens = len(req.prompt_ids)
         self._streams[req.rid] = stream
-        stream._resolve(None)
+        if not stream._resolve(None):
+            self._abort(stream, "abort")
 
     def _abort(self, stream: RequestStream, reason: str) -> None:
         if stream.rid is None or self._streams.pop(stream.rid, None) is None:
@@ -214,7 +216,7 @@ class AsyncEngine:
             else:
                 fut.set_exception(error)
 
-        loop.call_soon_threadsafe(done)
+        _post(loop, done)
 
     def _step(self) -> None:
         try:
@@ -228,8 +230,9 @@ class AsyncEngine:
             stream = self._streams.get(req.rid)
             if stream is None:
                 continue
-            stream._push(_update(self.engine, stream, req))
-            if req.finished:
+            if not stream._push(_update(self.engine, stream, req)):
+                self._abort(stream, "abort")  # its event loop closed under it
+            elif req.finished:
                 self._streams.pop(req.rid, None)
                 stream.request = None
 
@@ -243,6 +246,14 @@ class AsyncEngine:
                 Update([], "", None, None, True, "error", stream.prompt_tokens, 0, error=message)
             )
         self._streams.clear()
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:  # the loop was closed (its server stopped)
+        return False
 
 
 def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
