@@ -35,3 +35,15 @@ def small_glm_config(num_layers: int = 6, **extra: Any) -> dict[str, Any]:
 @pytest.fixture
 def glm_small() -> dict[str, Any]:
     return small_glm_config()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """The tests run thousands of tiny tensor ops: intra-op threads only add sync cost, and
+    stall badly when another process shares the two cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

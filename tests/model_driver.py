@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import weakref
 
-import pytest
 import torch
 
 from dsakv.memory import CacheLayout, DSAKVPool
@@ -12,14 +11,6 @@ from dsakv.models import ForwardBatch
 
 PAGE = 16
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls run faster (and steadier on a shared 2-core box) on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_pool(config, plan, num_tokens: int = 4096, **layout_kw) -> DSAKVPool:

@@ -28,15 +28,6 @@ PATTERN = "FFSSFS"
 PS = 4
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Thousands of tiny copies: intra-op threads only add sync cost (and stall badly when
-    other processes share the cores), so run these tests single-threaded."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def small_layout(kv: str, ik: str) -> CacheLayout:
     return CacheLayout.for_model(

@@ -14,7 +14,7 @@ from dsakv.config import LayerPlan
 from dsakv.errors import DsakvError
 from dsakv.models import DSAForCausalLM, load_model, write_tiny_model
 
-from .model_driver import greedy, make_pool, one_thread  # noqa: F401
+from .model_driver import greedy, make_pool
 
 INDEXER_TENSORS = 5  # wq_b, wk, k_norm.weight, k_norm.bias, weights_proj
 

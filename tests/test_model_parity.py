@@ -14,7 +14,7 @@ import torch
 from dsakv.models import load_model
 from dsakv.models.tiny import TINY_PRESETS, hf_config, random_hf_model
 
-from .model_driver import Request, greedy, make_pool, one_thread, run_batch  # noqa: F401
+from .model_driver import Request, greedy, make_pool, run_batch
 
 PROMPT_LEN, DECODE = 40, 64  # prompt longer than every index_topk below: sparsity is exercised
 

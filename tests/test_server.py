@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -59,15 +58,6 @@ def model_dir(tmp_path_factory) -> Path:
     write_tiny_model(path, preset="glm-tiny", seed=0)
     return path
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The engine thread, the event loop and the clients share 2 cores; torch's own thread
-    pool would only fight them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

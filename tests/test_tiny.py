@@ -11,7 +11,7 @@ from dsakv.memory import CacheLayout
 from dsakv.models import TINY_PRESETS, default_model_dir, load_model, write_tiny_model
 from dsakv.models.tiny import BOS_ID, EOS_ID, hf_config
 
-from .model_driver import greedy, make_pool, one_thread  # noqa: F401
+from .model_driver import greedy, make_pool
 
 
 def _config(name: str) -> ModelConfig:

@@ -15,7 +15,7 @@ from torch import nn
 from dsakv.config import ModelConfig
 
 from .forward_batch import ForwardBatch
-from .indexer import Indexer, Selection
+from .indexer import Indexer, Selection, StepSelection
 from .layers import RMSNorm
 from .rope import rope_interleaved, softmax_scale
 
@@ -56,7 +56,7 @@ class MLAttention(nn.Module):
         sin: torch.Tensor,
         batch: ForwardBatch,
         pool,
-        selections: dict[int, list[Selection | None]],
+        selections: dict[int, StepSelection],
         topk_source: int,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -78,9 +78,14 @@ class MLAttention(nn.Module):
         if self.mode == "absorb":
             q_nope = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # query in latent space
         out = torch.empty(t, self.n_heads, self.v_dim, dtype=x.dtype, device=x.device)
-        for r in range(batch.num_reqs):
+        if batch.decode_reqs:
+            rows = batch.decode_tokens
+            out[rows] = self._decode(
+                q_nope[rows], q_rope[rows], batch, pool, sels.decode, w_uk, w_uv
+            )
+        for r in batch.extend_reqs:
             a, e, prefix = batch.extend_starts[r], batch.extend_lens[r], batch.prefix_lens[r]
-            slots, sel = batch.req_slots[r], sels[r]
+            slots, sel = batch.req_slots[r], sels.per_req[r]
             qn, qr = q_nope[a : a + e], q_rope[a : a + e]
             if sel is None:
                 ctx = pool.gather_latent(self.layer, slots, x.dtype)  # [L, kv_lora+rope]
@@ -104,6 +109,29 @@ class MLAttention(nn.Module):
                 qn[early:], qr[early:], ctx, prefix + early, sel, w_uk, w_uv
             )
         return self.o_proj(out.reshape(t, -1))
+
+    def _decode(self, q_nope, q_rope, batch: ForwardBatch, pool, sel, w_uk, w_uv) -> torch.Tensor:
+        """All decode requests at once: each reads only its selected latent rows (≤ index_topk)."""
+        table, lens = batch.decode_ctx  # [B, W], [B]
+        if sel is None:
+            positions = torch.arange(table.shape[1], device=table.device).expand_as(table)
+            sel = Selection(positions, positions < lens[:, None])
+        b, k = sel.positions.shape
+        ctx = pool.gather_latent(self.layer, table.gather(1, sel.positions).flatten(), q_nope.dtype)
+        ctx = ctx.view(b, k, -1)  # [B, k, kv_lora+rope]
+        mask = sel.valid[:, None, :]
+        if self.mode == "absorb":  # q_nope is already in latent space
+            scores = torch.matmul(torch.cat([q_nope, q_rope], dim=-1), ctx.transpose(1, 2))
+            o_lat = self._softmax_av(scores, mask, ctx[..., : self.kv_lora])  # [B, H, kv_lora]
+            return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+        lat, k_rope = ctx[..., : self.kv_lora], ctx[..., self.kv_lora :]
+        k_nope = torch.einsum("bkc,hdc->bhkd", lat, w_uk)
+        v = torch.einsum("bkc,hvc->bhkv", lat, w_uv)
+        scores = torch.einsum("bhd,bhkd->bhk", q_nope, k_nope) + torch.einsum(
+            "bhr,bkr->bhk", q_rope, k_rope
+        )
+        probs = self._softmax_av(scores[:, :, None, :], mask[:, :, None, :], v)
+        return probs.squeeze(-2)
 
     # --- attention over one request's context -----------------------------------------------
 

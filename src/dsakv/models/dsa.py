@@ -14,7 +14,7 @@ from dsakv.config import LayerPlan, ModelConfig
 
 from .attention import MLAttention
 from .forward_batch import ForwardBatch
-from .indexer import Selection
+from .indexer import StepSelection
 from .layers import MLP, RMSNorm
 from .moe import MoE
 from .rope import Rotary
@@ -95,7 +95,7 @@ class DSAForCausalLM(nn.Module):
         """Runs every layer, writing this step's KV into `pool`; returns normed hidden `[T, H]`."""
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
-        selections: dict[int, list[Selection | None]] = {}
+        selections: dict[int, StepSelection] = {}
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, pool, selections)
         return self.model.norm(x)

@@ -83,6 +83,37 @@ class ForwardBatch:
     def is_decode_only(self) -> bool:
         return all(e == 1 for e in self.extend_lens)
 
+    @cached_property
+    def decode_reqs(self) -> list[int]:
+        """Requests with one new token this step; attention batches them together."""
+        return [r for r, e in enumerate(self.extend_lens) if e == 1]
+
+    @cached_property
+    def extend_reqs(self) -> list[int]:
+        """Requests with a multi-token chunk this step (prefill); handled one at a time."""
+        return [r for r, e in enumerate(self.extend_lens) if e > 1]
+
+    @cached_property
+    def decode_tokens(self) -> torch.Tensor:
+        """Rows of the decode requests' tokens in the flattened batch."""
+        rows = [self.extend_starts[r] for r in self.decode_reqs]
+        return torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+
+    @cached_property
+    def decode_ctx(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode requests' context slots padded to `[B, max_len]` (pad = slot of position 0)
+        and their context lengths `[B]`; built once per step, shared by every layer."""
+        slots = [self.req_slots[r] for r in self.decode_reqs]
+        lens = torch.tensor([s.shape[0] for s in slots], dtype=torch.long)
+        width = int(lens.max()) if slots else 0
+        table = (
+            torch.stack([torch.cat([s, s[:1].expand(width - s.shape[0])]) for s in slots])
+            if slots
+            else torch.zeros(0, 0, dtype=torch.long)
+        )
+        device = self.input_ids.device
+        return table.to(device), lens.to(device)
+
     @classmethod
     def from_requests(
         cls,

@@ -34,6 +34,16 @@ class Selection:
     valid: torch.Tensor
 
 
+@dataclass(frozen=True)
+class StepSelection:
+    """One layer's top-k for a whole step: a `Selection` (or None) per multi-token request,
+    and one batched `Selection` over the decode requests' padded contexts (`decode_ctx`);
+    `decode=None` means every decode query attends to its whole context."""
+
+    per_req: list[Selection | None]
+    decode: Selection | None
+
+
 class Indexer(nn.Module):
     """q_I = W_qb^I q_lora, k_I = LayerNorm(W_k^I x), w = W_w x / √heads, score Σ_h w_h ReLU(q·k)/√d."""
 
@@ -64,26 +74,43 @@ class Indexer(nn.Module):
         sin: torch.Tensor,
         batch: ForwardBatch,
         pool,
-    ) -> list[Selection | None]:
+    ) -> StepSelection:
         """Writes this step's index keys, then selects top-k per query token."""
         t = x.shape[0]
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [T, D]
         pool.write_index_k(layer, batch.out_slots, k)
+        per_req: list[Selection | None] = [None] * batch.num_reqs
         if all(s <= self.topk for s in batch.seq_lens):
-            return [None] * batch.num_reqs  # everything visible is selected: skip scoring
+            return StepSelection(per_req, None)  # everything visible is selected: skip scoring
         q = self.wq_b(q_lora).view(t, self.n_heads, self.head_dim)
         q = pool.prepare_index_q(self._rope(q, cos[:, None], sin[:, None])).float()
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
-        out: list[Selection | None] = []
-        for r, (start, ext, seq, prefix) in enumerate(
-            zip(batch.extend_starts, batch.extend_lens, batch.seq_lens, batch.prefix_lens)
-        ):
-            if seq <= self.topk:
-                out.append(None)
+        for r in batch.extend_reqs:
+            if batch.seq_lens[r] <= self.topk:
                 continue
+            start, ext = batch.extend_starts[r], batch.extend_lens[r]
             keys = pool.gather_index_k(layer, batch.req_slots[r]).float()  # [L, D]
-            out.append(self._select(q[start : start + ext], w[start : start + ext], keys, prefix))
-        return out
+            per_req[r] = self._select(
+                q[start : start + ext], w[start : start + ext], keys, batch.prefix_lens[r]
+            )
+        return StepSelection(per_req, self._select_decode(layer, q, w, batch, pool))
+
+    def _select_decode(self, layer, q, w, batch: ForwardBatch, pool) -> Selection | None:
+        """Top-k for every decode request at once, over their padded contexts."""
+        if not batch.decode_reqs:
+            return None
+        table, lens = batch.decode_ctx  # [B, W], [B]
+        b, width = table.shape
+        if width <= self.topk:
+            return None
+        keys = pool.gather_index_k(layer, table.flatten()).float().view(b, width, -1)
+        rows = batch.decode_tokens
+        scores = F.relu(torch.matmul(q[rows], keys.transpose(1, 2)) * self.scale)  # [B, H, W]
+        idx = torch.matmul(w[rows, None, :], scores).squeeze(1)  # [B, W]
+        kpos = torch.arange(width, device=idx.device)
+        idx = idx.masked_fill(kpos[None, :] >= lens[:, None], float("-inf"))
+        positions = idx.topk(self.topk, dim=-1).indices
+        return Selection(positions, positions < lens[:, None])
 
     def _select(
         self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, prefix: int
