@@ -149,9 +149,12 @@ class Engine:
             raise DsakvError("the KV budget holds less than one page")
         self.pool = DSAKVPool(self.layout, num_pages, self.device)
         self.allocator = PageAllocator(num_pages, config.page_size)
-        self.host = (
-            HostPool.from_gib(self.pool, config.host_pool_gib) if config.host_pool_gib > 0 else None
-        )
+        self.host = None
+        if config.host_pool_gib > 0:
+            try:
+                self.host = HostPool.from_gib(self.pool, config.host_pool_gib)
+            except ValueError as e:
+                raise DsakvError(f"host_pool_gib: {e}") from None
         self.cache = PrefixCache(self.allocator, self.host)
         self.scheduler = Scheduler(
             SchedulerConfig(
