@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from dsakv.config.layer_plan import plan_overrides
 from dsakv.errors import DsakvError
 
 
@@ -47,20 +48,6 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--index-topk-freq", type=int, help="run the indexer every N layers")
     g.add_argument("--index-skip-topk-offset", type=int, help="first layer the freq applies from")
     g.add_argument("--no-index-share", action="store_true", help="every layer runs its indexer")
-
-
-def plan_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The LayerPlan override keywords a parsed command line asks for."""
-    out: dict[str, Any] = {}
-    if args.index_topk_pattern is not None:
-        out["index_topk_pattern"] = args.index_topk_pattern
-    if args.index_topk_freq is not None:
-        out["index_topk_freq"] = args.index_topk_freq
-    if args.index_skip_topk_offset is not None:
-        out["index_skip_topk_offset"] = args.index_skip_topk_offset
-    if args.no_index_share:
-        out["no_index_share"] = True
-    return out
 
 
 # --- plan ----------------------------------------------------------------------------------

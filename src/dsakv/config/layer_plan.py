@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from dsakv.errors import ConfigError
 
@@ -17,6 +18,20 @@ from .model import ModelConfig
 log = logging.getLogger(__name__)
 
 FULL, SHARED = "full", "shared"
+
+
+PLAN_OVERRIDES = (
+    "index_topk_pattern",
+    "index_topk_freq",
+    "index_skip_topk_offset",
+    "no_index_share",
+)
+
+
+def plan_overrides(source: object) -> dict[str, Any]:
+    """The `LayerPlan.from_config` overrides that `source` (CLI args, engine config) sets."""
+    values = {name: getattr(source, name, None) for name in PLAN_OVERRIDES}
+    return {k: v for k, v in values.items() if v is not None and v is not False}
 
 
 def _freq_pattern(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:

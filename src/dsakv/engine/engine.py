@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from dsakv.config import plan_overrides
 from dsakv.errors import DsakvError
 from dsakv.memory import CacheLayout, plan_capacity
 from dsakv.memory.allocator import PageAllocator, page_slots
@@ -76,16 +77,7 @@ class EngineConfig:
 
     @property
     def plan_overrides(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.index_topk_pattern is not None:
-            out["index_topk_pattern"] = self.index_topk_pattern
-        if self.index_topk_freq is not None:
-            out["index_topk_freq"] = self.index_topk_freq
-        if self.index_skip_topk_offset is not None:
-            out["index_skip_topk_offset"] = self.index_skip_topk_offset
-        if self.no_index_share:
-            out["no_index_share"] = True
-        return out
+        return plan_overrides(self)
 
 
 def resolve_device(name: str) -> torch.device:
