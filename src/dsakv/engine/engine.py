@@ -13,7 +13,7 @@ import torch
 from dsakv.config import plan_overrides
 from dsakv.errors import DsakvError
 from dsakv.memory import CacheLayout, plan_capacity
-from dsakv.memory.allocator import PageAllocator, page_slots
+from dsakv.memory.allocator import PageAllocator
 from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
 from dsakv.models.forward_batch import ForwardBatch
@@ -232,12 +232,11 @@ class Engine:
         if not batch:
             self._fail_unschedulable()
             return []
-        ps = self.config.page_size
         new_tokens, slots = [], []
         for req, n in batch:
             end = req.num_computed + n
             new_tokens.append(req.all_ids[req.num_computed : end])
-            slots.append(page_slots(req.pages, ps)[:end])
+            slots.append(self.scheduler.slots(req, end))
         fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
         with torch.inference_mode():
             hidden = self.model(fb, self.pool)
@@ -313,6 +312,8 @@ class Engine:
         self.allocator.check()
         if not self.has_unfinished():
             total = self.allocator.num_free_pages + self.cache.num_device_pages
+            if len(self.scheduler.req_to_token):
+                raise AssertionError("idle engine still maps request slots")
             if total != self.allocator.num_pages:
                 raise AssertionError(
                     f"{self.allocator.num_free_pages} free + {self.cache.num_device_pages} cached "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
+from dsakv.memory.allocator import OutOfPages, PageAllocator, ReqToTokenTable, page_slots
 from dsakv.memory.host import HostPool
 
 from .prefix_cache import PrefixCache
@@ -48,6 +48,7 @@ class Scheduler:
         self.host = host
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the newest is retracted first
+        self.req_to_token = ReqToTokenTable()  # rid -> token slot of each position
         self.stats = SchedulerStats()
 
     # --- public ---------------------------------------------------------------------------
@@ -102,7 +103,7 @@ class Scheduler:
         self.cache.unlock(req.prefix_nodes)
         if private:
             self.allocator.free(private)
-        req.pages, req.prefix_nodes = [], []
+        self._drop_pages(req)
         req.status = Status.FINISHED
 
     def retract(self, req: Request) -> None:
@@ -112,7 +113,7 @@ class Scheduler:
         req.metrics.retractions += 1
         n = req.num_computed
         if self.host is not None and n > 0:
-            slots = page_slots(req.pages, self.config.page_size)[:n]
+            slots = self.slots(req, n)
             try:
                 req.host_slots, req.host_len = self.host.backup(slots), n
                 self.stats.retractions_to_host += 1
@@ -121,11 +122,26 @@ class Scheduler:
         self.cache.unlock(req.prefix_nodes)
         if req.pages[req.num_cached_pages :]:
             self.allocator.free(req.pages[req.num_cached_pages :])
-        req.pages, req.prefix_nodes, req.num_computed = [], [], 0
+        self._drop_pages(req)
+        req.num_computed = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 
+    def slots(self, req: Request, n: int):
+        """Token slots of the request's first `n` positions."""
+        return self.req_to_token.get(req.rid, n)
+
     # --- internals ------------------------------------------------------------------------
+
+    def _add_pages(self, req: Request, pages: list[int]) -> None:
+        req.pages.extend(pages)
+        self.req_to_token.extend(req.rid, page_slots(pages, self.config.page_size))
+
+    def _drop_pages(self, req: Request) -> None:
+        """Forget the request's pages (the caller has freed or handed them over)."""
+        req.pages, req.prefix_nodes = [], []
+        if req.rid in self.req_to_token:
+            self.req_to_token.release(req.rid)
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.config.page_size)
@@ -136,7 +152,7 @@ class Scheduler:
         if need <= 0:
             return True
         try:
-            req.pages.extend(self.cache.alloc(need))
+            self._add_pages(req, self.cache.alloc(need))
             return True
         except OutOfPages:
             return False
@@ -178,7 +194,7 @@ class Scheduler:
         self.cache.lock(nodes)
         try:
             self.cache.promote(nodes)
-            req.pages = [x.page for x in nodes]
+            self._add_pages(req, [x.page for x in nodes])
             req.prefix_nodes = nodes
             req.num_computed = hit
             if not self._reserve(req, hit + n):
@@ -187,7 +203,8 @@ class Scheduler:
             self.cache.unlock(nodes)
             if req.pages[len(nodes) :]:
                 self.allocator.free(req.pages[len(nodes) :])
-            req.pages, req.prefix_nodes, req.num_computed = [], [], 0
+            self._drop_pages(req)
+            req.num_computed = 0
             return 0
         req.metrics.prefix_hit_tokens += hit
         self.stats.prefix_hit_tokens += hit
@@ -202,7 +219,7 @@ class Scheduler:
             return 0
         if not self._reserve(req, hit + n):
             return 0
-        self.host.load(req.host_slots, page_slots(req.pages, self.config.page_size)[:hit])
+        self.host.load(req.host_slots, self.slots(req, hit))
         self.host.free(req.host_slots)
         req.host_slots, req.host_len, req.num_computed = None, 0, hit
         return n
