@@ -219,3 +219,22 @@ def tiny_engine(tiny):
     return Engine(
         EngineConfig(model=tiny, **EXACT, num_pages=10, host_pool_gib=0.02, chunked_prefill_size=24)
     )
+
+
+def test_running_request_shares_its_prefix(tiny):
+    """A request that arrives while another with the same prefix still decodes hits its pages."""
+    engine = Engine(EngineConfig(model=tiny, **EXACT, num_pages=32))
+    shared = _prompts(1, seed=21, lo=48, hi=48)[0]
+    first = engine.add_request(shared + [1], GREEDY)
+    while not first.output_ids:
+        engine.step()
+    second = engine.add_request(shared + [2], GREEDY)
+    engine.step()
+    assert not first.finished
+    assert second.metrics.prefix_hit_tokens == 48
+    assert second.prefix_nodes[:3] == first.prefix_nodes[:3]
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+    alone, _ = _run(tiny, [shared + [2]], enable_prefix_cache=False)
+    assert second.output_ids == alone[0]

@@ -245,6 +245,8 @@ class Engine:
             logits = self.model.compute_logits(hidden[rows]) if sampled else None
         for req, n in batch:
             req.num_computed += n
+            if n > 1:  # a prefill chunk: its full pages can serve other requests now
+                self.scheduler.cache_prefix(req)
         self.stats.computed_tokens += fb.num_tokens
         out: list[Request] = []
         if logits is not None:

@@ -106,6 +106,25 @@ class Scheduler:
         self._drop_pages(req)
         req.status = Status.FINISHED
 
+    def cache_prefix(self, req: Request) -> None:
+        """Share a running request's computed full pages through the prefix cache now, so
+        requests arriving while it still decodes can hit them. The request keeps using the
+        tree's pages (locked); where another request already cached the same tokens, its own
+        duplicate page is freed and it switches to the cached one."""
+        if not self.config.enable_prefix_cache:
+            return
+        path = self.cache.insert(
+            req.all_ids[: req.num_computed], req.pages, start=req.num_cached_pages
+        )
+        if len(path) <= req.num_cached_pages:
+            return
+        self.cache.lock(path[req.num_cached_pages :])
+        req.prefix_nodes = path
+        pages = [n.page for n in path] + req.pages[len(path) :]
+        self.req_to_token.release(req.rid)
+        req.pages = []
+        self._add_pages(req, pages)
+
     def retract(self, req: Request) -> None:
         """Give up a running request's pages; it resumes later from the host or by recompute."""
         self.running.remove(req)
