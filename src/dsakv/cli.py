@@ -319,9 +319,28 @@ def _add_engine_commands(sub: Any) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
+# --- bench -----------------------------------------------------------------------------------
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from dsakv.bench import run_bench
+
+    run_bench(args.model, quick=args.quick, json_path=args.json, plot_dir=args.plot)
+    return 0
+
+
+def _add_bench(sub: Any) -> None:
+    p = sub.add_parser("bench", help="capacity, throughput and parity of index-K elision")
+    p.add_argument("--model", help="model directory or tiny preset (default: embedded glm-bench)")
+    p.add_argument("--quick", action="store_true", help="smaller workloads (about a minute)")
+    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    p.add_argument("--plot", metavar="DIR", help="write PNG charts")
+    p.set_defaults(func=_cmd_bench)
+
+
 # --- entry point -----------------------------------------------------------------------------
 
-_COMMANDS: list[Callable[[Any], None]] = [_add_plan, _add_engine_commands]
+_COMMANDS: list[Callable[[Any], None]] = [_add_plan, _add_engine_commands, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,159 @@
+"""`dsakv bench` machinery on a tiny model: JSON structure, reference capacity, parity.
+
+Correctness only: no timing is asserted (the machine is shared; figures are reported).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsakv.bench import BenchSizes, run_bench
+from dsakv.bench import run as bench_run
+from dsakv.bench.capacity import GLM52_REFERENCE, glm52_capacity
+from dsakv.bench.parity import ParityError, compare_outputs
+from dsakv.bench.throughput import Workload, fit_step_cost
+from dsakv.models.tiny import write_tiny_model
+
+TINY = BenchSizes(
+    requests=8,
+    prompt_lens=(8, 40),
+    output_lens=(2, 6),
+    pool_requests=3,
+    page_size=16,
+    hf_requests=4,
+    hf_prompt_lens=(8, 24),
+    hf_new_tokens=3,
+    ic_model=None,
+    ic_lengths=(32, 64),
+    ic_chunk=32,
+    ic_repeats=1,
+    fp8_sequences=2,
+    fp8_prompt_len=24,
+    fp8_steps=8,
+    memory_quick=True,
+    memory_tokens=32,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("glm-tiny"), preset="glm-tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def report(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    result = run_bench(
+        tiny, json_path=str(out / "bench.json"), plot_dir=str(out / "plots"), sizes=TINY
+    )
+    return result, out
+
+
+def test_glm52_capacity_matches_reference():
+    g = glm52_capacity()
+    for key, value in GLM52_REFERENCE.items():
+        assert g[key] == value, key
+    assert g["matches_reference"]
+    assert g["max_total_num_tokens"] == 3_002_752
+    assert g["max_total_num_tokens_dense"] == 2_574_848
+    assert round(g["token_gain_pct"], 2) == 16.62
+    same = g["same_budget"]["135.376_gib"]
+    assert same["max_total_num_tokens"] > same["max_total_num_tokens_dense"]
+    assert g["layouts_target_only"]["fp8_ds_mla"]["bytes_per_token"] == 53_940
+    assert g["layouts_target_only"]["bf16"]["bytes_per_token_dense"] == 100_152
+
+
+def test_json_has_every_required_figure(report):
+    result, out = report
+    on_disk = json.loads((out / "bench.json").read_text())
+    for path in (
+        "capacity.glm_5_2.max_total_num_tokens",
+        "capacity.glm_5_2.max_total_num_tokens_dense",
+        "capacity.bench_model.bytes_per_token",
+        "throughput.elided.output_tokens_per_s",
+        "throughput.dense.output_tokens_per_s",
+        "throughput.elided.peak_running_requests",
+        "throughput.dense.peak_running_requests",
+        "throughput.elided.total_tokens_per_s",
+        "throughput.elided.mean_ttft_s",
+        "throughput.ratios.peak_running_requests",
+        "throughput.vs_transformers_ratio",
+        "indexcache.prefill_speedup",
+        "indexcache.decode_speedup",
+        "parity.elided_equals_dense",
+        "parity.fp8_vs_fp32.top1_agreement",
+        "memory.speedup",
+        "targets",
+    ):
+        node = on_disk
+        for key in path.split("."):
+            assert key in node, path
+            node = node[key]
+        assert node is not None, path
+    assert on_disk["capacity"]["glm_5_2"]["max_total_num_tokens"] == 3_002_752
+    assert on_disk["capacity"]["glm_5_2"]["max_total_num_tokens_dense"] == 2_574_848
+    assert set(on_disk["indexcache"]["prefill_speedup"]) == {"32", "64"}
+    assert not any(k.startswith("_") for k in on_disk["throughput"]["elided"])
+    assert result["capacity"] == on_disk["capacity"]
+    assert sorted(p.rsplit("/", 1)[1] for p in result["meta"]["plots"]) == [
+        "capacity.png",
+        "indexcache.png",
+        "memory.png",
+        "throughput.png",
+    ]
+    assert all((out / "plots" / n).stat().st_size > 0 for n in ("capacity.png", "memory.png"))
+
+
+def test_bench_figures_are_consistent(report):
+    result, _ = report
+    t = result["throughput"]
+    b = result["capacity"]["bench_model"]
+    # Both engines run the whole workload; the pools come from one budget.
+    for name in ("elided", "dense"):
+        assert t[name]["output_tokens"] == t["workload"]["output_tokens"]
+        assert t[name]["prompt_tokens"] == t["workload"]["prompt_tokens"]
+        assert t[name]["peak_running_requests"] >= 1
+    assert t["elided"]["pool_tokens"] == b["max_total_num_tokens"]
+    assert t["dense"]["pool_tokens"] == b["max_total_num_tokens_dense"]
+    assert t["elided"]["bytes_per_token"] < t["dense"]["bytes_per_token"]
+    eq = t["equal_pages"]
+    assert eq["elided"]["peak_running_requests"] == TINY.hf_requests
+    assert t["transformers"]["output_tokens"] == TINY.hf_requests * TINY.hf_new_tokens
+
+
+def test_parity_holds(report):
+    result, _ = report
+    p = result["parity"]
+    assert p["elided_equals_dense"] is True
+    assert p["elided_vs_dense"]["mismatched_requests"] == []
+    assert p["elided_vs_dense"]["tokens"] == TINY.hf_requests * TINY.hf_new_tokens
+    a = p["fp8_vs_fp32"]
+    assert a["compared"] == TINY.fp8_sequences * TINY.fp8_steps
+    assert 0.0 <= a["top1_agreement"] <= 1.0
+
+
+def test_parity_failure_is_loud(tiny, tmp_path, monkeypatch):
+    def broken(elided, dense):
+        return {"requests": 1, "tokens": 1, "mismatched_requests": [0], "identical": False}
+
+    monkeypatch.setattr(bench_run, "compare_outputs", broken)
+    sizes = BenchSizes(
+        **{**TINY.__dict__, "transformers": False, "memory": False, "ic_lengths": (32,)}
+    )
+    with pytest.raises(ParityError, match="different greedy tokens"):
+        run_bench(tiny, json_path=str(tmp_path / "b.json"), sizes=sizes, print_summary=False)
+    assert json.loads((tmp_path / "b.json").read_text())["parity"]["elided_equals_dense"] is False
+
+
+def test_helpers():
+    assert compare_outputs([[1, 2], [3]], [[1, 2], [3]])["identical"]
+    assert compare_outputs([[1, 2], [3]], [[1, 2], [4]])["mismatched_requests"] == [1]
+    w = Workload.make(5, (3, 6), (1, 2), seed=1)
+    assert w == Workload.make(5, (3, 6), (1, 2), seed=1)
+    assert all(3 <= len(p) <= 6 for p in w.prompts) and all(1 <= t <= 2 for t in w.max_tokens)
+    fit = fit_step_cost([(1, 0.2), (2, 0.3), (4, 0.5)])
+    assert fit is not None and abs(fit["fixed_s"] - 0.1) < 1e-9
+    assert abs(fit["per_request_s"] - 0.1) < 1e-9
+    assert fit_step_cost([(2, 0.1), (2, 0.2), (2, 0.3)]) is None
