@@ -100,6 +100,18 @@ def test_absorbed_and_expanded_attention_agree(cases):
     torch.testing.assert_close(absorbed, expanded, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("ratio", [0, 10**6], ids=["gather-rows", "score-all"])
+def test_sparse_attention_strategies_agree(cases, monkeypatch, ratio):
+    """Gathering the selected rows and masking full-context scores give the same logits."""
+    from dsakv.models import attention
+
+    model, config, plan, prompt, hf_tokens, _ = cases["glm-tiny"]
+    _, default = greedy(model, make_pool(config, plan), prompt, 4, force=hf_tokens)
+    monkeypatch.setattr(attention, "SCORE_ALL_RATIO", ratio)
+    _, forced = greedy(model, make_pool(config, plan), prompt, 4, force=hf_tokens)
+    torch.testing.assert_close(default, forced, atol=1e-4, rtol=1e-4)
+
+
 def test_mixed_batch_matches_single_requests(cases):
     """A step mixing one request's prefill chunk with another's decode = running them alone."""
     model, config, plan, prompt, hf_tokens, _ = cases["glm-tiny"]

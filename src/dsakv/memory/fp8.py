@@ -36,6 +36,19 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     return (x.to(compute) @ h).to(x.dtype)
 
 
+@lru_cache(maxsize=8)
+def _e4m3_table(device: torch.device) -> torch.Tensor:
+    """fp32 value of each of the 256 e4m3 bit patterns."""
+    return torch.arange(256, dtype=torch.uint8, device=device).view(FP8_DTYPE).float()
+
+
+def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes (`uint8`) to fp32 by table lookup: bit-identical to a cast, and several
+    times faster than `.to(float32)` on CPU, where the cache is read every decode step."""
+    table = _e4m3_table(q.device)
+    return table.index_select(0, q.reshape(-1).int()).view(q.shape)
+
+
 def _num_blocks(d: int) -> int:
     return -(-d // FP8_BLOCK)
 
@@ -67,6 +80,6 @@ def dequantize_e4m3_blockwise(
 ) -> torch.Tensor:
     """Inverse of `quantize_e4m3_blockwise`: `uint8[N, d]` + `fp32[N, nb]` -> `dtype[N, d]`."""
     d = q.shape[-1]
-    vals = q.contiguous().view(FP8_DTYPE).float()
+    vals = e4m3_to_float(q)
     s = scale.float().repeat_interleave(FP8_BLOCK, dim=-1)[..., :d]
     return (vals * s).to(dtype)

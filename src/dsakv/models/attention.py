@@ -21,6 +21,9 @@ from .rope import rope_interleaved, softmax_scale
 
 # Elements of one gathered [chunk, k, dim] or [chunk, heads, k] block.
 ATTN_CHUNK_ELEMS = 1 << 24
+# Score the whole context (then mask) while heads × context ≤ this × index_topk; measured
+# break-even on CPU with 4 heads and top-256 is at 4-6K context.
+SCORE_ALL_RATIO = 64
 
 
 class MLAttention(nn.Module):
@@ -146,7 +149,7 @@ class MLAttention(nn.Module):
         probs = (
             (scores * self.scale).masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
         )
-        return torch.matmul(probs.to(values.dtype), values)
+        return _bmm(probs.to(values.dtype), values)
 
     def _gather(self, ctx: torch.Tensor, sel: Selection | None, a: int, b: int, prefix: int):
         """Rows (per query or shared) and the visibility mask for queries a..b-1."""
@@ -155,18 +158,29 @@ class MLAttention(nn.Module):
             qpos = torch.arange(prefix + a, prefix + b, device=ctx.device)
             return ctx[None], (kpos[None, :] <= qpos[:, None])[:, None, :]
         idx = sel.positions[a:b]
+        if self._score_all(ctx.shape[0], idx.shape[1]):
+            mask = torch.zeros(b - a, ctx.shape[0], dtype=torch.bool, device=ctx.device)
+            return ctx[None], mask.scatter_(1, idx, sel.valid[a:b])[:, None, :]
         rows = ctx.index_select(0, idx.flatten()).view(*idx.shape, *ctx.shape[1:])
         return rows, sel.valid[a:b, None, :]
+
+    def _score_all(self, ctx_len: int, k: int) -> bool:
+        """Score the whole context and mask to the selection, or gather the selected rows?
+        One large matmul beats copying k rows per query while heads × context stays small
+        against k (few heads, as in the tiny models); the gather wins for many heads."""
+        return self.n_heads * ctx_len <= SCORE_ALL_RATIO * k
 
     def _absorbed(self, q_lat, q_rope, ctx, prefix, sel, w_uk, w_uv) -> torch.Tensor:
         """Scores on latent rows: [q·W_uk ‖ q_rope] · [latent ‖ k_rope]; output through W_uv."""
         q = torch.cat([q_lat, q_rope], dim=-1)  # [e, H, kv_lora+rope]
         e, width = q.shape[0], ctx.shape[1]
         k = ctx.shape[0] if sel is None else sel.positions.shape[1]
+        if sel is None or self._score_all(ctx.shape[0], k):
+            k, width = ctx.shape[0], self.n_heads  # blocks are [c, H, L] scores
         outs = []
-        for a, b in self._chunks(e, k, self.n_heads if sel is None else width):
-            rows, mask = self._gather(ctx, sel, a, b, prefix)  # [c|1, k, W], [c, 1, k]
-            scores = torch.matmul(q[a:b], rows.transpose(-1, -2))  # [c, H, k]
+        for a, b in self._chunks(e, k, width):
+            rows, mask = self._gather(ctx, sel, a, b, prefix)  # [c|1, k|L, W], [c, 1, k|L]
+            scores = _bmm(q[a:b], rows.transpose(-1, -2))  # [c, H, k|L]
             outs.append(self._softmax_av(scores, mask, rows[..., : self.kv_lora]))
         o_lat = torch.cat(outs)  # [e, H, kv_lora]
         return torch.einsum("thc,hvc->thv", o_lat, w_uv)
@@ -191,3 +205,12 @@ class MLAttention(nn.Module):
             out = self._softmax_av(scores[:, :, None, :], mask[:, :, None, :], vals)
             outs.append(out.squeeze(-2))
         return torch.cat(outs)
+
+
+def _bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`x[c, H, m] @ y[c|1, m, n]`; a context shared by every query (`y[1]`) becomes one
+    large GEMM instead of c small ones that each re-read it."""
+    if y.dim() == 3 and y.shape[0] == 1 and x.dim() == 3:
+        c, h, m = x.shape
+        return (x.reshape(c * h, m) @ y[0]).view(c, h, -1)
+    return torch.matmul(x, y)
