@@ -57,11 +57,11 @@ class Workload:
 
 
 def make_engine(model: str, *, elide: bool, num_pages: int, page_size: int, **kw: Any) -> Engine:
-    """The mission's layout: fp8_e4m3 latent + fp8 index-K, elided or dense."""
+    """By default the mission's layout, fp8_e4m3 latent + fp8 index-K, elided or dense."""
     config = EngineConfig(
         model=model,
-        kv_cache_dtype="fp8_e4m3",
-        index_k_dtype="fp8",
+        kv_cache_dtype=kw.pop("kv_cache_dtype", "fp8_e4m3"),
+        index_k_dtype=kw.pop("index_k_dtype", "fp8"),
         elide_index_k=elide,
         num_pages=num_pages,
         page_size=page_size,
