@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: install
-	$(BIN)/dsakv plan glm-5.2
+	$(BIN)/dsakv bench
 
 test: install
 	$(BIN)/python -m pytest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -80,6 +81,24 @@ class EngineConfig:
         return plan_overrides(self)
 
 
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed heap memory instead of trimming it back to the OS.
+
+    A CPU decode step allocates and frees tens of MB of temporaries per layer; by default
+    glibc returns that memory after each free and the next step page-faults it back in,
+    which measured as ~40% of step time. A no-op where glibc is absent.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+        libc.mallopt(_M_TOP_PAD, 64 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD = -1, -2  # glibc mallopt parameters
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,6 +132,8 @@ class Engine:
 
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         dtype = {
             "auto": torch.float32 if self.device.type == "cpu" else torch.bfloat16,
             "float32": torch.float32,
