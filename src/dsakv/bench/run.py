@@ -30,10 +30,11 @@ class BenchSizes:
     """Every workload knob; `DEFAULT` and `QUICK` below, tests pass smaller ones."""
 
     # Section 2: saturating workload at a fixed budget.
-    requests: int = 32
-    prompt_lens: tuple[int, int] = (32, 256)
-    output_lens: tuple[int, int] = (8, 32)
-    pool_requests: float = 10.0  # the dense pool holds about this many mean-sized requests
+    # Decode-heavy (outputs as long as prompts): KV capacity is what limits concurrency.
+    requests: int = 48
+    prompt_lens: tuple[int, int] = (16, 96)
+    output_lens: tuple[int, int] = (32, 96)
+    pool_requests: float = 16.0  # the dense pool holds about this many mean-sized requests
     page_size: int = 64
     # Section 2b / 4a: transformers baseline and elided-vs-dense parity at equal pages.
     hf_requests: int = 32
@@ -58,10 +59,10 @@ class BenchSizes:
 
 DEFAULT = BenchSizes()
 QUICK = BenchSizes(
-    requests=16,
-    prompt_lens=(16, 160),
-    output_lens=(4, 16),
-    pool_requests=6.0,
+    requests=24,
+    prompt_lens=(16, 64),
+    output_lens=(16, 48),
+    pool_requests=8.0,
     hf_requests=32,
     hf_prompt_lens=(16, 48),
     hf_new_tokens=4,
@@ -206,9 +207,9 @@ def _capacity(path: str, sizes: BenchSizes) -> tuple[dict[str, Any], int]:
     plan = LayerPlan.from_config(config)
     work = _workload(sizes)
     dense = CacheLayout.from_plan(config, plan, "fp8_e4m3", "fp8", sizes.page_size).dense()
-    # Pages a mean request needs, plus the one page per running request the scheduler keeps
-    # free for decoding: the dense pool then admits about `pool_requests` at once.
-    per_req = work.mean_total_tokens / sizes.page_size + 1.0
+    # Pages a mean request needs (half a page lost to rounding): the dense pool then holds
+    # about `pool_requests` at once.
+    per_req = work.mean_total_tokens / sizes.page_size + 0.5
     dense_pages = max(2, round(sizes.pool_requests * per_req))
     budget = dense_pages * sizes.page_size * dense.bytes_per_token
     glm = cap.glm52_capacity()

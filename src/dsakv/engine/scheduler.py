@@ -24,6 +24,11 @@ class SchedulerConfig:
     chunked_prefill_size: int = 512  # prefill tokens per step, across requests
     max_running_requests: int = 256
     enable_prefix_cache: bool = True
+    # Share of each request's remaining max_tokens reserved at admission; it decays while
+    # decoding goes well and jumps back after a retraction (SGLang's new_token_ratio).
+    init_new_token_ratio: float = 0.5
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.002
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order; the newest is retracted first
         self.req_to_token = ReqToTokenTable()  # rid -> token slot of each position
         self.stats = SchedulerStats()
+        self.new_token_ratio = config.init_new_token_ratio
 
     # --- public ---------------------------------------------------------------------------
 
@@ -81,7 +87,14 @@ class Scheduler:
                 batch.append((req, n))
                 if remaining > 1:
                     budget -= n
-        if not retracted:
+        if retracted:
+            c = self.config
+            self.new_token_ratio = min(1.0, max(2 * self.new_token_ratio, c.init_new_token_ratio))
+        else:
+            self.new_token_ratio = max(
+                self.config.min_new_token_ratio,
+                self.new_token_ratio - self.config.new_token_ratio_decay,
+            )
             self._admit(batch, budget)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         return batch
@@ -196,9 +209,16 @@ class Scheduler:
             batch.append((req, n))
             budget -= n
 
+    def _future_pages(self, req: Request, held: int) -> int:
+        """Pages `req` is expected to need beyond the `held` it has: the rest of its known
+        tokens plus `new_token_ratio` of the output it may still generate."""
+        remaining = req.params.max_tokens - len(req.output_ids)
+        expected = req.seq_len + int(self.new_token_ratio * remaining + 0.999)
+        return max(0, self._pages_for(expected) - held)
+
     def _headroom(self) -> int:
-        """Pages kept free at admission so running requests can keep decoding a while."""
-        return len(self.running) + 1
+        """Pages kept free at admission so running requests can keep decoding."""
+        return sum(self._future_pages(r, len(r.pages)) for r in self.running)
 
     def _admit_fresh(self, req: Request, budget: int) -> int:
         nodes: list = []
@@ -206,9 +226,9 @@ class Scheduler:
             nodes = self.cache.match(req.all_ids, (req.seq_len - 1) // self.config.page_size)
         hit = len(nodes) * self.config.page_size
         n = min(req.seq_len - hit, budget)
-        need = self._pages_for(hit + n) - len(nodes)
+        own = max(self._pages_for(hit + n), self._future_pages(req, 0)) - len(nodes)
         host_nodes = sum(1 for x in nodes if x.page is None)
-        if need + host_nodes + self._headroom() > self._available_pages():
+        if own + host_nodes + self._headroom() > self._available_pages():
             return 0
         self.cache.lock(nodes)
         try:
@@ -234,7 +254,8 @@ class Scheduler:
         hit = req.host_len
         remaining = req.seq_len - hit
         n = 1 if remaining == 1 else min(remaining, budget)
-        if self._pages_for(hit + n) + self._headroom() > self._available_pages():
+        own = max(self._pages_for(hit + n), self._future_pages(req, 0))
+        if own + self._headroom() > self._available_pages():
             return 0
         if not self._reserve(req, hit + n):
             return 0
