@@ -267,16 +267,22 @@ def _throughput(path: str, sizes: BenchSizes, budget: int) -> tuple[dict[str, An
         sizes.seed + 1,
     )
     pages = sizes.hf_requests * (-(-(sizes.hf_prompt_lens[1] + sizes.hf_new_tokens) // ps) + 2)
+    # "fp32": transformers keeps an fp32 cache, so the like-for-like dsakv run does too.
+    variants = {
+        "elided": {"elide": True},
+        "dense": {"elide": False},
+        "fp32": {"elide": True, "kv_cache_dtype": "fp32", "index_k_dtype": "fp32"},
+    }
     pair = {
         name: tp.make_engine(
             path,
-            elide=elide,
             num_pages=pages,
             page_size=ps,
             seed=sizes.seed,
             max_running_requests=max(256, sizes.hf_requests),
+            **kw,
         )
-        for name, elide in (("elided", True), ("dense", False))
+        for name, kw in variants.items()
     }
     hf = None
     if sizes.transformers:
@@ -285,17 +291,6 @@ def _throughput(path: str, sizes: BenchSizes, budget: int) -> tuple[dict[str, An
         hf = tp.transformers_generate(
             path, base.prompts, sizes.hf_new_tokens, _pad_id(path, PAD_ID)
         )
-    # transformers keeps an fp32 cache; the like-for-like dsakv run does too.
-    pair["fp32"] = tp.make_engine(
-        path,
-        elide=True,
-        num_pages=pages,
-        page_size=ps,
-        seed=sizes.seed,
-        max_running_requests=max(256, sizes.hf_requests),
-        kv_cache_dtype="fp32",
-        index_k_dtype="fp32",
-    )
     same = tp.run_interleaved(pair, base, desc="vs transformers")
     del pair
     out["equal_pages"] = {
