@@ -34,7 +34,8 @@ def plan_overrides(source: object) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None and v is not False}
 
 
-def _freq_pattern(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
+def freq_pattern(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
+    """Indexer types from `index_topk_freq` / `index_skip_topk_offset` (DESIGN.md §2, rule 5)."""
     return tuple(FULL if max(i - offset + 1, 0) % freq == 0 else SHARED for i in range(num_layers))
 
 
@@ -100,7 +101,7 @@ class LayerPlan:
             _check_positive("index_skip_topk_offset", index_skip_topk_offset)
             freq = index_topk_freq or config.index_topk_freq or 1
             offset = index_skip_topk_offset or config.index_skip_topk_offset or 2
-            return cls(_freq_pattern(n, freq, offset), draft_layers, "index_topk_freq override")
+            return cls(freq_pattern(n, freq, offset), draft_layers, "index_topk_freq override")
         if no_index_share:
             return cls((FULL,) * n, draft_layers, "no_index_share override")
 
@@ -115,7 +116,7 @@ class LayerPlan:
                 )
             plan = cls(types, draft_layers, "config indexer_types")
             if config.index_topk_freq is not None:
-                derived = _freq_pattern(
+                derived = freq_pattern(
                     n, config.index_topk_freq, config.index_skip_topk_offset or 2
                 )
                 first = next((i for i in range(n) if derived[i] != types[i]), None)
@@ -138,7 +139,7 @@ class LayerPlan:
         if config.index_topk_freq is not None or config.index_skip_topk_offset is not None:
             freq = config.index_topk_freq or 1
             offset = config.index_skip_topk_offset or 2
-            return cls(_freq_pattern(n, freq, offset), draft_layers, "config index_topk_freq")
+            return cls(freq_pattern(n, freq, offset), draft_layers, "config index_topk_freq")
         return cls((FULL,) * n, draft_layers, "default")
 
     # --- queries -------------------------------------------------------------------------

@@ -43,7 +43,8 @@ _GLM52 = {
     **_GLM5,
     "index_topk_freq": 4,
     "index_skip_topk_offset": 3,
-    "indexer_types": ["full" if max(i - 3 + 1, 0) % 4 == 0 else "shared" for i in range(78)],
+    # As the checkpoint ships it: layers 0-2 full, then every 4th (what freq 4 / offset 3 give).
+    "indexer_types": [{"F": "full", "S": "shared"}[c] for c in "FFF" + "SSSF" * 18 + "SSS"],
 }
 
 _DSV32 = {

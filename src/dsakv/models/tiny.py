@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from dsakv.config.layer_plan import freq_pattern
+
 BYTE_VOCAB = 256
 SPECIAL_TOKENS = (
     "<|bos|>",
@@ -34,7 +36,7 @@ CHAT_TEMPLATE = (
 
 
 def _glm_pattern(num_layers: int, freq: int, offset: int) -> list[str]:
-    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+    return list(freq_pattern(num_layers, freq, offset))
 
 
 _COMMON: dict[str, Any] = {
