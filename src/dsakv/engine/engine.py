@@ -372,6 +372,8 @@ class Engine:
             "host_bytes_to_host": host["d2h"],
             "host_bytes_to_device": host["h2d"],
             "finished_requests": s.finished_requests,
+            "steps": s.steps,
+            "step_time_s": s.step_time_s,
             "aborted_requests": s.aborted_requests,
             "bytes_per_token": self.layout.bytes_per_token,
             "index_k_bytes_per_token_saved": dense - self.layout.bytes_per_token,

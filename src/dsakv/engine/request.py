@@ -56,14 +56,12 @@ class Request:
     num_computed: int = 0  # positions whose KV is in the pool
     prefix_nodes: list = field(default_factory=list)
     host_slots: torch.Tensor | None = None
-    host_len: int = 0
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     output_text: str = ""
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    stream_offset: int = 0  # output tokens already handed to a streaming consumer
 
     @property
     def all_ids(self) -> list[int]:

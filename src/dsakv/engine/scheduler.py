@@ -107,7 +107,7 @@ class Scheduler:
             self.waiting.remove(req)
         if req.host_slots is not None:
             self.host.free(req.host_slots)
-            req.host_slots, req.host_len = None, 0
+            req.host_slots = None
         keep = 0
         if self.config.enable_prefix_cache and req.pages and req.finish_reason != "abort":
             tokens = req.all_ids[: req.num_computed]
@@ -147,7 +147,7 @@ class Scheduler:
         if self.host is not None and n > 0:
             slots = self.slots(req, n)
             try:
-                req.host_slots, req.host_len = self.host.backup(slots), n
+                req.host_slots = self.host.backup(slots)
                 self.stats.retractions_to_host += 1
             except OutOfPages:
                 pass
@@ -251,7 +251,7 @@ class Scheduler:
 
     def _admit_from_host(self, req: Request, budget: int) -> int:
         """Resume a request retracted to the host tier: load its KV back, then continue."""
-        hit = req.host_len
+        hit = req.host_slots.numel()
         remaining = req.seq_len - hit
         n = 1 if remaining == 1 else min(remaining, budget)
         own = max(self._pages_for(hit + n), self._future_pages(req, 0))
@@ -261,5 +261,5 @@ class Scheduler:
             return 0
         self.host.load(req.host_slots, self.slots(req, hit))
         self.host.free(req.host_slots)
-        req.host_slots, req.host_len, req.num_computed = None, 0, hit
+        req.host_slots, req.num_computed = None, hit
         return n
