@@ -193,6 +193,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace):
     from dsakv.engine import EngineConfig
+    from dsakv.models.tiny import resolve_model_dir
 
     kw: dict[str, Any] = dict(plan_overrides(args))
     for name in (
@@ -214,23 +215,7 @@ def engine_config_from_args(args: argparse.Namespace):
         kw["elide_index_k"] = False
     if args.no_prefix_cache:
         kw["enable_prefix_cache"] = False
-    return EngineConfig.from_kwargs(_model_path(args.model), **kw)
-
-
-def _model_path(model: str | None) -> str:
-    """A model directory; none means the embedded default (generated on first use)."""
-    from pathlib import Path
-
-    from dsakv.models.tiny import TINY_PRESETS, default_model_dir
-
-    if model is None:
-        return str(default_model_dir())
-    if model in TINY_PRESETS:
-        return str(default_model_dir(model))
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise DsakvError(f"{model} is not a model directory (no config.json) nor a tiny preset")
-    return str(path)
+    return EngineConfig.from_kwargs(resolve_model_dir(args.model), **kw)
 
 
 def _cmd_init_tiny(args: argparse.Namespace) -> int:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from dsakv.models.tiny import resolve_model_dir
+
 from . import capacity as cap
 from . import throughput as tp
 from .indexcache import run_indexcache
@@ -75,20 +77,6 @@ QUICK = BenchSizes(
 )
 
 
-def _model_dir(model: str | None, default: str) -> str:
-    from dsakv.models.tiny import TINY_PRESETS, default_model_dir
-
-    if model is None:
-        return str(default_model_dir(default))
-    if model in TINY_PRESETS:
-        return str(default_model_dir(model))
-    if not (Path(model) / "config.json").is_file():
-        from dsakv.errors import DsakvError
-
-        raise DsakvError(f"{model} is not a model directory (no config.json) nor a tiny preset")
-    return str(model)
-
-
 def run_bench(
     model: str | None = None,
     quick: bool = False,
@@ -118,8 +106,8 @@ def run_bench(
     )
     try:
         with tqdm(total=len(sections), desc="dsakv bench", unit="section") as bar:
-            path = _model_dir(model, "glm-bench")
-            ic_path = path if sizes.ic_model is None else _model_dir(sizes.ic_model, sizes.ic_model)
+            path = resolve_model_dir(model, "glm-bench")
+            ic_path = path if sizes.ic_model is None else resolve_model_dir(sizes.ic_model)
             result["meta"] = {
                 "model": path,
                 "indexcache_model": ic_path,

@@ -260,3 +260,15 @@ def default_model_dir(preset: str = "glm-bench", seed: int = 0) -> Path:
         else:
             tmp.rename(path)
     return path
+
+
+def resolve_model_dir(model: str | None, default: str = "glm-bench") -> str:
+    """What a `MODEL` argument names: a model directory, a tiny preset (generated on first
+    use), or, when omitted, the embedded default preset."""
+    from dsakv.errors import DsakvError
+
+    if model is None or model in TINY_PRESETS:
+        return str(default_model_dir(model or default))
+    if not (Path(model) / "config.json").is_file():
+        raise DsakvError(f"{model} is not a model directory (no config.json) nor a tiny preset")
+    return str(model)
