@@ -189,6 +189,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix cache")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Ranks and how the model is split over them (SGLang's flag names)."""
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp", type=_positive_int, help="tensor-parallel ranks (one process each)")
+    g.add_argument("--ep", type=_positive_int, help="expert-parallel groups (whole experts)")
+    g.add_argument(
+        "--dp-attention", action="store_true", help="each rank schedules its own requests"
+    )
+    g.add_argument("--nnodes", type=_positive_int, help="machines the ranks span")
+    g.add_argument("--node-rank", type=int, help="this machine's index (0 runs the server)")
+    g.add_argument("--dist-init-addr", help="HOST:PORT of node 0's rendezvous")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -208,6 +222,11 @@ def engine_config_from_args(args: argparse.Namespace):
         "max_model_len",
         "device",
         "dtype",
+        "tp",
+        "ep",
+        "nnodes",
+        "node_rank",
+        "dist_init_addr",
     ):
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
@@ -215,6 +234,8 @@ def engine_config_from_args(args: argparse.Namespace):
         kw["elide_index_k"] = False
     if args.no_prefix_cache:
         kw["enable_prefix_cache"] = False
+    if args.dp_attention:
+        kw["dp_attention"] = True
     return EngineConfig.from_kwargs(resolve_model_dir(args.model), **kw)
 
 
@@ -240,8 +261,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(engine_config_from_args(args))
-    outputs = llm.generate(args.prompt, params)
+    with LLM(engine_config_from_args(args)) as llm:
+        outputs = llm.generate(args.prompt, params)
     if args.json:
         rows = [
             {
@@ -269,8 +290,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key,
         served_model_name=args.served_model_name,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     return 0
+
+
+def _chat_parser(kind: str) -> Callable[[str], str]:
+    """argparse type for --tool-call-parser / --reasoning-parser (names live in the server)."""
+
+    def check(name: str) -> str:
+        from dsakv.server.parsers import resolve_parsers
+
+        try:
+            resolve_parsers("", *((name, None) if kind == "tool" else (None, name)))
+        except DsakvError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return name
+
+    return check
 
 
 def _add_engine_commands(sub: Any) -> None:
@@ -300,6 +338,18 @@ def _add_engine_commands(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require this Bearer token")
     p.add_argument("--served-model-name", help="model name clients use (default: dir name)")
+    p.add_argument(
+        "--tool-call-parser",
+        type=_chat_parser("tool"),
+        default="auto",
+        help="glm47, glm45, deepseekv32, none (default auto: the model type's)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        type=_chat_parser("reasoning"),
+        default="auto",
+        help="glm45, deepseek-v3, none (default auto: the model type's)",
+    )
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -310,7 +360,9 @@ def _add_engine_commands(sub: Any) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from dsakv.bench import run_bench
 
-    run_bench(args.model, quick=args.quick, json_path=args.json, plot_dir=args.plot)
+    run_bench(
+        args.model, quick=args.quick, json_path=args.json, plot_dir=args.plot, tp_size=args.tp
+    )
     return 0
 
 
@@ -320,6 +372,9 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--quick", action="store_true", help="smaller workloads (about a minute)")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="DIR", help="write PNG charts")
+    p.add_argument(
+        "--tp", type=_positive_int, default=1, help="add the tensor / DP-attention section"
+    )
     p.set_defaults(func=_cmd_bench)
 
 
@@ -350,6 +405,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if not _is_dist_error(e):
+            raise
+        print(f"error: a rank failed: {e}".splitlines()[0], file=sys.stderr)
+        return 1
+
+
+def _is_dist_error(e: BaseException) -> bool:
+    """A collective failed (a peer rank died or timed out), not a bug in this process."""
+    import torch.distributed as dist
+
+    return isinstance(e, getattr(dist, "DistError", ())) or "gloo" in str(e).lower()
 
 
 if __name__ == "__main__":

@@ -200,6 +200,36 @@ def summary(r: dict[str, Any]) -> str:
             lines.append(
                 _row(op, m["dense"][op]["gb_per_s"], m["elided"][op]["gb_per_s"], m["speedup"][op])
             )
+    par = r.get("parallel")
+    if par:
+        n = par["tp"]
+        one, many = par["tp1"], par[f"tp{n}"]
+        cap = par["capacity"]
+        lines += [
+            "",
+            f"6. ranks ({par['requests']} requests, {par['num_pages_per_rank']} pages per rank)",
+            _row("", "tp=1", f"tp={n}", "ratio"),
+            _row(
+                "output tokens/s",
+                one["output_tokens_per_s"],
+                many["output_tokens_per_s"],
+                par["output_tokens_per_s_ratio"],
+            ),
+            _row("", "plain TP", "DP attention", "ratio"),
+            _row(
+                "aggregate peak running",
+                cap["plain_tp"]["peak_running_requests"],
+                cap["dp_attention"]["peak_running_requests"],
+                par["peak_running_ratio"],
+            ),
+            _row(
+                "aggregate pool pages",
+                cap["plain_tp"]["pages_total"],
+                cap["dp_attention"]["pages_total"],
+                None,
+            ),
+            f"  tp={n} vs tp=1 greedy token agreement: {par['greedy_token_agreement']:.4f}",
+        ]
     tg = r.get("targets")
     if tg:
         lines += ["", "targets"]

@@ -24,6 +24,7 @@ from . import capacity as cap
 from . import throughput as tp
 from .indexcache import run_indexcache
 from .memory import run_memory_bench
+from .parallel import run_parallel_bench
 from .parity import ParityError, compare_outputs, fp8_vs_fp32
 
 
@@ -86,6 +87,7 @@ def run_bench(
     sizes: BenchSizes | None = None,
     threads: int | None = 1,
     print_summary: bool = True,
+    tp_size: int = 1,
 ) -> dict[str, Any]:
     """Run every section; returns (and optionally writes) every figure as a JSON-able dict.
 
@@ -104,6 +106,7 @@ def run_bench(
     sections = ["capacity", "throughput", "indexcache", "parity"] + (
         ["memory"] if sizes.memory else []
     )
+    sections += ["parallel"] if tp_size > 1 else []
     try:
         with tqdm(total=len(sections), desc="dsakv bench", unit="section") as bar:
             path = resolve_model_dir(model, "glm-bench")
@@ -144,6 +147,15 @@ def run_bench(
                 clock["memory"] = time.perf_counter()
                 result["memory"] = run_memory_bench(
                     quick=sizes.memory_quick, tokens=sizes.memory_tokens, device="cpu"
+                )
+                bar.update()
+            if tp_size > 1:
+                bar.set_postfix_str("parallel")
+                clock["parallel"] = time.perf_counter()
+                cell = _cell(path, sizes.page_size, True)
+                pages = tp.pages_for_budget(budget, cell, sizes.page_size)
+                result["parallel"] = run_parallel_bench(
+                    path, tp_size, _workload(sizes), pages, sizes.page_size, sizes.seed
                 )
                 bar.update()
     finally:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from dsakv.distributed.launch import create_engine
 from dsakv.engine import Engine, EngineConfig, SamplingParams
 
 
@@ -68,7 +69,7 @@ def make_engine(model: str, *, elide: bool, num_pages: int, page_size: int, **kw
         device=kw.pop("device", "cpu"),
         **kw,
     )
-    engine = Engine(config)
+    engine = create_engine(config)
     # Warm-up (one-time allocations, first-call overheads) before anything is timed.
     engine.add_request(list(range(1, 9)), SamplingParams(max_tokens=2, temperature=0.0))
     while engine.has_unfinished():

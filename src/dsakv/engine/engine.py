@@ -5,20 +5,22 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dsakv.config import plan_overrides
+from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
 from dsakv.errors import DsakvError
 from dsakv.memory import CacheLayout, plan_capacity
 from dsakv.memory.allocator import PageAllocator
 from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
-from dsakv.models.forward_batch import ForwardBatch
 
+from .grammar import GrammarCache
+from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .request import Request
 from .sampling import Sampler, SamplingParams
@@ -50,6 +52,13 @@ class EngineConfig:
     index_skip_topk_offset: int | None = None
     no_index_share: bool = False
     seed: int = 0
+    # Parallelism (SGLang's flag names): see `dsakv.distributed.ParallelConfig`.
+    tp: int = 1
+    ep: int = 1
+    dp_attention: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         ints = ("page_size", "chunked_prefill_size", "max_running_requests")
@@ -67,6 +76,7 @@ class EngineConfig:
             raise DsakvError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
+        self.parallel  # noqa: B018 - validates the parallel flags
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -79,6 +89,12 @@ class EngineConfig:
     @property
     def plan_overrides(self) -> dict[str, Any]:
         return plan_overrides(self)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.tp, self.ep, self.dp_attention, self.nnodes, self.node_rank, self.dist_init_addr
+        )
 
 
 def keep_freed_memory() -> None:
@@ -125,13 +141,23 @@ class EngineStats:
 
 
 class Engine:
-    """Owns the model, the KV pool, the allocator, the prefix cache and the scheduler."""
+    """Owns the model, the KV pool, the allocator, the prefix cache and the scheduler.
 
-    def __init__(self, config: EngineConfig) -> None:
+    Under tensor parallelism one `Engine` runs on every rank over that rank's shards and
+    pool replica; rank 0's schedules and samples, the others follow (`serve_peer`).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        parallel: ParallelState | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         from dsakv.models.loader import load_model
 
         self.config = config
-        self.device = resolve_device(config.device)
+        self.parallel = parallel or ParallelState.single()
+        self.device = device or resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
         dtype = {
@@ -142,7 +168,11 @@ class Engine:
         }[config.dtype]
         torch.manual_seed(config.seed)
         self.model, self.model_config, self.plan = load_model(
-            config.model, device=self.device, dtype=dtype, **config.plan_overrides
+            config.model,
+            device=self.device,
+            dtype=dtype,
+            parallel=self.parallel,
+            **config.plan_overrides,
         )
         self.layout = CacheLayout.from_plan(
             self.model_config,
@@ -180,6 +210,7 @@ class Engine:
             self.cache,
             self.host,
         )
+        self.runner = ModelRunner(self.model, self.pool, self.host, self.parallel, self.device)
         self.sampler = Sampler(self.device)
         self.tokenizer = _load_tokenizer(config.model)
         self.max_model_len = min(
@@ -189,6 +220,8 @@ class Engine:
         )
         self.stats = EngineStats()
         self.requests: dict[int, Request] = {}
+        self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
+        self._grammars: GrammarCache | None = None
         log.info(
             "engine: %d pages × %d tokens (%.1f MiB, %d B/token, %s), plan %s",
             num_pages,
@@ -213,7 +246,85 @@ class Engine:
             raise DsakvError("this model has no tokenizer; pass token ids instead of text")
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, rid: int | None = None
+    ) -> Request:
+        """Queue a prompt; `rid` is given when another rank (DP attention) numbered it."""
+        ids = self.prompt_ids(prompt)
+        req = Request(ids, params) if rid is None else Request(ids, params, rid=rid)
+        req.generator = self.sampler.new_generator(params.seed)
+        self._init_request(req)
+        self.requests[req.rid] = req
+        self.stats.prompt_tokens += len(ids)
+        self.scheduler.add(req)
+        return req
+
+    def add_requests(
+        self, prompt: str | list[int], params: SamplingParams, n: int = 1
+    ) -> list[Request]:
+        """`n` completions of one prompt, sharing its KV pages.
+
+        The first request runs the prompt; the other `n - 1` ("forks") are queued only once
+        its prefill is done, so they find the prompt's full pages in the prefix cache and
+        compute just the last partial page (plus the token they sample from). With a seed,
+        choice `i` uses `seed + i`: reproducible, yet not n copies of one sample. Prompt
+        logprobs are scored once, by the first request, and copied to the forks.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_choices:
+            raise DsakvError(f"n must be in 1..{self.max_choices}, got {n!r}")
+        first = self.add_request(prompt, params)
+        for i in range(1, n):
+            p = params if params.seed is None else replace(params, seed=params.seed + i)
+            fork = Request(list(first.prompt_ids), p)
+            fork.generator = self.sampler.new_generator(p.seed)
+            self._init_request(fork)
+            self.requests[fork.rid] = fork
+            self.stats.prompt_tokens += len(fork.prompt_ids)
+            first.forks.append(fork)
+        return [first, *first.forks]
+
+    @property
+    def max_choices(self) -> int:
+        """The largest `n` one request may ask for: all its choices must run at once."""
+        return min(16, self.config.max_running_requests)
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The xgrammar compiler and compiled-grammar cache, built on first use."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise DsakvError("structured output needs a tokenizer; this model has none")
+            self._grammars = GrammarCache(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+            )
+        return self._grammars
+
+    def _init_request(self, req: Request) -> None:
+        """Per-request state its params ask for: a grammar matcher (a bad grammar raises
+        `DsakvError` here, before the request is queued) and room for prompt logprobs."""
+        p = req.params
+        if p.grammar is not None:
+            req.matcher = self.grammars.matcher(p.grammar)
+        if p.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(req.prompt_ids)
+            req.prompt_top_logprobs = [None] * len(req.prompt_ids)
+            req.score_prompt = len(req.prompt_ids) > 1
+
+    def _release_forks(self, req: Request) -> None:
+        """Queue `req`'s forks (its prefill is done, or it ended): they inherit its prompt
+        logprobs, and score the prompt themselves only if it had not finished."""
+        for fork in req.forks:
+            if fork.finished:
+                continue  # aborted while it waited
+            if req.prompt_logprobs is not None and fork.prompt_logprobs is not None:
+                fork.prompt_logprobs = list(req.prompt_logprobs)
+                fork.prompt_top_logprobs = list(req.prompt_top_logprobs)
+                fork.score_prompt = req.score_prompt
+            self.scheduler.add(fork)
+        req.forks = []
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids, or a `DsakvError` saying why it cannot run."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise DsakvError("prompt is empty")
@@ -224,12 +335,7 @@ class Engine:
             raise DsakvError(
                 f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len - 1}"
             )
-        req = Request(ids, params)
-        req.generator = self.sampler.new_generator(params.seed)
-        self.requests[req.rid] = req
-        self.stats.prompt_tokens += len(ids)
-        self.scheduler.add(req)
-        return req
+        return ids
 
     def abort(self, rid: int) -> None:
         """Stop a request now and free everything it holds; unknown ids are ignored."""
@@ -238,11 +344,20 @@ class Engine:
             return
         req.finish_reason = "abort"
         self.scheduler.finish(req)
+        self._release_forks(req)
         self.stats.aborted_requests += 1
         self.requests.pop(rid, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def close(self) -> None:
+        """Release the other ranks (if any) and wait for them to leave; idempotent."""
+        self.runner.stop()
+        while self.on_close:
+            self.on_close.pop()()
+        if self.parallel.world_size > 1:
+            destroy_parallel()
 
     # --- the step -------------------------------------------------------------------------
 
@@ -252,39 +367,96 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             self._fail_unschedulable()
-            return []
+            if not self.parallel.config.dp_attention:
+                return []
+            # Under DP attention an idle rank still joins the FFN collectives (empty batch).
         new_tokens, slots = [], []
         for req, n in batch:
             end = req.num_computed + n
             new_tokens.append(req.all_ids[req.num_computed : end])
             slots.append(self.scheduler.slots(req, end))
-        fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
+        hidden = self.runner.forward(new_tokens, slots)
+        ends = torch.tensor([len(t) for t in new_tokens], dtype=torch.long).cumsum(0) - 1
         with torch.inference_mode():
-            hidden = self.model(fb, self.pool)
             sampled = [i for i, (req, n) in enumerate(batch) if req.num_computed + n == req.seq_len]
-            rows = fb.last_token_indices()[sampled]
-            logits = self.model.compute_logits(hidden[rows]) if sampled else None
+            rows = ends[sampled].to(hidden.device)
+            logits = self.runner.logits(hidden, rows) if sampled else None
+            self._score_prompts(batch, hidden, ends)
         for req, n in batch:
             req.num_computed += n
             if n > 1:  # a prefill chunk: its full pages can serve other requests now
                 self.scheduler.cache_prefix(req)
-        self.stats.computed_tokens += fb.num_tokens
+            if req.forks and not req.in_prefill:
+                self._release_forks(req)
+        self.stats.computed_tokens += hidden.shape[0]
         out: list[Request] = []
         if logits is not None:
-            reqs = [batch[i][0] for i in sampled]
-            result = self.sampler.sample(
-                logits, [r.params for r in reqs], [r.generator for r in reqs]
-            )
-            now = time.perf_counter()
-            for i, req in enumerate(reqs):
-                self._append_token(req, result.token_ids[i], now)
-                if result.logprobs is not None:
-                    req.logprobs.append(result.logprobs[i])
-                    req.top_logprobs.append(result.top_logprobs[i])
-                out.append(req)
+            out = self._sample([batch[i][0] for i in sampled], logits)
         self.stats.steps += 1
         self.stats.step_time_s += time.perf_counter() - start
         return out
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[Request]:
+        """Pick each request's next token (grammar-masked where constrained) and record it.
+        A request with `max_tokens == 0` only wanted its prompt scored: it ends here."""
+        now = time.perf_counter()
+        done = [r for r in reqs if r.params.max_tokens == 0]
+        for req in done:
+            self._finish(req, "length", now)
+        if done:
+            keep = [i for i, r in enumerate(reqs) if r.params.max_tokens > 0]
+            reqs, logits = [reqs[i] for i in keep], logits[keep]
+        if reqs:
+            if any(r.matcher is not None for r in reqs):
+                self.grammars.apply(logits, [r.matcher for r in reqs])
+            result = self.sampler.sample(
+                logits, [r.params for r in reqs], [r.generator for r in reqs]
+            )
+            for i, req in enumerate(reqs):
+                token = result.token_ids[i]
+                if req.matcher is not None and not req.matcher.accept_token(token):
+                    log.warning("request %d: grammar rejected token %d", req.rid, token)
+                self._append_token(req, token, now)
+                if result.logprobs is not None:
+                    req.logprobs.append(result.logprobs[i])
+                    req.top_logprobs.append(result.top_logprobs[i])
+                if not req.finished and req.matcher is not None and req.matcher.is_terminated():
+                    self._finish(req, "stop", now)  # the grammar is complete
+        return done + reqs
+
+    def _score_prompts(self, batch: list[tuple[Request, int]], hidden, ends) -> None:
+        """Teacher-forced logprobs of prompt tokens, from this step's prefill rows.
+
+        Row p of a request predicts token p + 1, so a chunk covering positions
+        `start..start+n-1` scores prompt tokens `start+1..start+n` (capped at the prompt's
+        end). A request being scored skips the prefix cache at admission (the scheduler
+        checks `score_prompt`): cached pages have KV but no logits, and recomputing a
+        prefix costs less than special-casing it. Its pages still join the cache for
+        others. Scores are stored by position, so a prefill redone after a retraction just
+        rewrites them.
+        """
+        rows: list[int] = []
+        targets: list[tuple[Request, int]] = []
+        for i, (req, n) in enumerate(batch):
+            if not req.score_prompt:
+                continue
+            start, last = req.num_computed, len(req.prompt_ids) - 2  # last position to score
+            first_row = int(ends[i]) - n + 1
+            for pos in range(start, min(start + n - 1, last) + 1):
+                rows.append(first_row + pos - start)
+                targets.append((req, pos + 1))
+            if start + n - 1 >= last:
+                req.score_prompt = False
+        for lo in range(0, len(rows), _SCORE_ROWS):
+            idx = torch.tensor(rows[lo : lo + _SCORE_ROWS], dtype=torch.long)
+            logp = torch.log_softmax(self.runner.logits(hidden, idx.to(hidden.device)), -1).cpu()
+            for j, (req, pos) in enumerate(targets[lo : lo + _SCORE_ROWS]):
+                req.prompt_logprobs[pos] = float(logp[j, req.prompt_ids[pos]])
+                k = req.params.prompt_logprobs
+                top = torch.topk(logp[j], k) if k else None
+                req.prompt_top_logprobs[pos] = (
+                    list(zip(top.indices.tolist(), top.values.tolist())) if top else []
+                )
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         if req.metrics.first_token_time is None:
@@ -316,6 +488,7 @@ class Engine:
         req.finish_reason = reason
         req.metrics.finish_time = now or time.perf_counter()
         self.scheduler.finish(req)
+        self._release_forks(req)
         self.stats.finished_requests += 1
         self.requests.pop(req.rid, None)
 
@@ -378,6 +551,9 @@ class Engine:
             "bytes_per_token": self.layout.bytes_per_token,
             "index_k_bytes_per_token_saved": dense - self.layout.bytes_per_token,
         }
+
+
+_SCORE_ROWS = 256  # prompt rows per logits call: bounds a [rows, vocab] fp32 temporary
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .engine import Engine, EngineConfig
+from .engine import EngineConfig
 from .request import Request
 from .sampling import SamplingParams
 
@@ -23,6 +23,10 @@ class RequestOutput:
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
     metrics: dict[str, float | int | None]
+    # With `SamplingParams(prompt_logprobs=k)`: teacher-forced logprob of each prompt token
+    # (None for the first) and its top-k alternatives, as vLLM returns them.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @classmethod
     def from_request(cls, req: Request) -> RequestOutput:
@@ -42,6 +46,8 @@ class RequestOutput:
                 "prompt_tokens": len(req.prompt_ids),
                 "output_tokens": len(req.output_ids),
             },
+            prompt_logprobs=_copy(req.prompt_logprobs),
+            prompt_top_logprobs=_copy(req.prompt_top_logprobs),
         )
 
 
@@ -53,7 +59,19 @@ class LLM:
             config = dataclasses.replace(model, **engine_args) if engine_args else model
         else:
             config = EngineConfig.from_kwargs(model, **engine_args)
-        self.engine = Engine(config)
+        from dsakv.distributed.launch import create_engine
+
+        self.engine = create_engine(config)
+
+    def close(self) -> None:
+        """Stop the other ranks (with `tp > 1`); the object is unusable afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):
@@ -79,6 +97,10 @@ class LLM:
             bar.update(done)
         bar.close()
         return [RequestOutput.from_request(r) for r in reqs]
+
+
+def _copy(xs: list | None) -> list | None:
+    return None if xs is None else list(xs)
 
 
 def _as_prompt_list(prompts: Any) -> list[str | list[int]]:

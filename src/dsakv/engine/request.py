@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,7 +45,10 @@ class Request:
     `pages` are device pages covering positions `0..num_computed-1` (plus room for the next
     step); the first `num_cached_pages` of them belong to the prefix cache and are locked
     through `prefix_nodes`. `host_slots` holds the KV while the request is retracted to the
-    host tier.
+    host tier. `matcher` is its xgrammar matcher under structured output. `forks` are the other
+    choices of an `n > 1` request, queued once this one's prompt KV is cached.
+    `prompt_logprobs[p]` is the teacher-forced log-probability of prompt token p (None for
+    p = 0), scored while `score_prompt` is set (see `Engine._score_prompts`).
     """
 
     prompt_ids: list[int]
@@ -62,6 +66,11 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    matcher: Any = None
+    forks: list[Request] = field(default_factory=list)
+    score_prompt: bool = False
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -8,6 +8,8 @@ import torch
 
 from dsakv.errors import DsakvError
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,16 +26,26 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # (kind, spec): kind in GRAMMAR_KINDS; compiled and checked by `Engine.add_request`
+    grammar: tuple[str, str] | None = None
+    prompt_logprobs: int | None = None  # teacher-forced top-n over the prompt (None = off)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.grammar, list):
+            object.__setattr__(self, "grammar", tuple(self.grammar))
         checks = [
             (
-                _is_int(self.max_tokens) and self.max_tokens >= 1,
-                "max_tokens must be an integer >= 1",
+                _is_int(self.max_tokens)
+                and (
+                    self.max_tokens >= 1
+                    or self.max_tokens == 0
+                    and self.prompt_logprobs is not None
+                ),
+                "max_tokens must be an integer >= 1 (0 only with prompt_logprobs)",
             ),
             (_is_num(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
             (_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
@@ -51,6 +63,21 @@ class SamplingParams:
             (
                 self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                 "logprobs must be in 0..20",
+            ),
+            (
+                self.prompt_logprobs is None
+                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+                "prompt_logprobs must be in 0..20",
+            ),
+            (
+                self.grammar is None
+                or (
+                    isinstance(self.grammar, tuple)
+                    and len(self.grammar) == 2
+                    and self.grammar[0] in GRAMMAR_KINDS
+                    and isinstance(self.grammar[1], str)
+                ),
+                f"grammar must be (kind, spec) with kind one of {', '.join(GRAMMAR_KINDS)}",
             ),
         ]
         for ok, message in checks:

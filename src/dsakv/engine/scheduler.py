@@ -222,7 +222,7 @@ class Scheduler:
 
     def _admit_fresh(self, req: Request, budget: int) -> int:
         nodes: list = []
-        if self.config.enable_prefix_cache:
+        if self.config.enable_prefix_cache and not req.score_prompt:  # scoring needs its rows
             nodes = self.cache.match(req.all_ids, (req.seq_len - 1) // self.config.page_size)
         hit = len(nodes) * self.config.page_size
         n = min(req.seq_len - hit, budget)

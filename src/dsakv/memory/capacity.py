@@ -33,25 +33,39 @@ def _indexer_params(c: ModelConfig) -> int:
     )
 
 
-def estimate_weight_bytes(config: ModelConfig, plan: LayerPlan, tp: int = 1) -> WeightEstimate:
-    """Per-rank weight bytes from the config shapes.
+def estimate_weight_bytes(
+    config: ModelConfig,
+    plan: LayerPlan,
+    tp: int = 1,
+    *,
+    ep: int = 1,
+    dp_attention: bool = False,
+) -> WeightEstimate:
+    """Per-rank weight bytes from the config shapes, sharded as the model is (DESIGN.md §8).
 
-    Linear layers are sharded over `tp` and stored in the checkpoint dtype, or at one byte
-    plus an fp32 scale per 128×128 block when fp8 block-quantised. Norms and the indexer
-    stay in 16-bit and are replicated on every rank (the indexer is not TP-sharded).
+    Replicated on every rank: q_a / kv_a projections, norms, the MoE router and the
+    indexer. Split over the attention group (`tp` ranks, or 1 under DP attention): q_b,
+    kv_b and o_proj by heads, embedding and lm_head by vocab (padded to equal parts).
+    Split over all `tp` ranks: the dense MLP, shared experts and routed experts (`ep`
+    groups of whole experts, each expert's intermediate size over `tp / ep` ranks; either
+    way 1/tp of them). Linear layers count in the checkpoint dtype, or at one byte plus
+    an fp32 scale per 128×128 block when fp8 block-quantised; the rest in the checkpoint
+    dtype (16-bit for real checkpoints).
     """
     if tp < 1:
         raise ConfigError(f"tp must be >= 1, got {tp}")
+    if ep < 1 or tp % ep:
+        raise ConfigError(f"ep must divide tp ({tp}), got {ep}")
     c = config
+    attn_tp = 1 if dp_attention else tp
     wide = _DTYPE_BYTES.get(c.dtype.replace("torch.", ""), 2)
     linear = 1 + 4 / (128 * 128) if c.is_fp8_block_quantized else wide
-    h = c.hidden_size
-    attn = (
-        h * c.q_lora_rank
-        + c.q_lora_rank * c.num_attention_heads * c.qk_head_dim
-        + h * (c.kv_lora_rank + c.qk_rope_head_dim)
-        + c.kv_lora_rank * c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
-        + c.num_attention_heads * c.v_head_dim * h
+    h, heads = c.hidden_size, c.num_attention_heads
+    attn_replicated = h * c.q_lora_rank + h * (c.kv_lora_rank + c.qk_rope_head_dim)
+    attn_sharded = (
+        c.q_lora_rank * heads * c.qk_head_dim
+        + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+        + heads * c.v_head_dim * h
     )
     dense_mlp = 3 * h * c.intermediate_size
     moe = 3 * h * c.moe_intermediate_size * (c.n_routed_experts + c.n_shared_experts)
@@ -60,15 +74,18 @@ def estimate_weight_bytes(config: ModelConfig, plan: LayerPlan, tp: int = 1) -> 
 
     n_dense = min(c.first_k_dense_replace, c.num_hidden_layers)
     n_layers = plan.num_total_layers
-    sharded = n_layers * attn + n_dense * dense_mlp + (n_layers - n_dense) * moe
-    replicated = n_layers * norms + (n_layers - n_dense) * router
-    embed = 2 * c.vocab_size * h  # embedding + lm_head, vocab-parallel
+    n_moe = n_layers - n_dense
+    ffn = n_dense * dense_mlp + n_moe * moe
+    vocab_rows = -(-c.vocab_size // attn_tp)  # this rank's (padded) vocab split
+    embed = (1 if c.tie_word_embeddings else 2) * vocab_rows * h
     idx_params = _indexer_params(c)
     n_indexers = len(plan.index_k_layers)
     total = (
-        sharded * linear / tp
-        + embed * wide / tp
-        + replicated * wide
+        n_layers * attn_replicated * linear
+        + n_layers * attn_sharded * linear / attn_tp
+        + ffn * linear / tp
+        + embed * wide
+        + (n_layers * norms + n_moe * router + h) * wide
         + n_indexers * idx_params * wide
     )
     return WeightEstimate(

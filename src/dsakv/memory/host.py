@@ -25,6 +25,9 @@ class HostPool:
         self.allocator = PageAllocator(num_pages, self.layout.page_size)
         self.bytes_to_host = 0
         self.bytes_to_device = 0
+        # Under tensor parallelism every rank holds a replica of the pool: rank 0 records
+        # its copies here and the other ranks `replay` them before the next forward.
+        self.journal: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def from_gib(cls, device_pool: DSAKVPool, gib: float, **kw) -> HostPool:
@@ -77,12 +80,35 @@ class HostPool:
         except BaseException:
             self.allocator.free(pages)
             raise
+        self._record("d2h", device_slots, host_slots)
         return host_slots
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copy backed-up tokens into device slots (the host copy stays until `free`)."""
         self.bytes_to_device += copy_tokens(self.device_pool, device_slots, self.pool, host_slots)
+        self._record("h2d", device_slots, host_slots)
 
     def free(self, host_slots: torch.Tensor) -> None:
         """Release the host pages behind slots returned by `backup`."""
         self.allocator.free(pages_of(host_slots, self.layout.page_size))
+
+    # --- replicas (tensor parallelism) -------------------------------------------------------
+
+    def _record(self, kind: str, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        if self.journal is not None:
+            dev = torch.as_tensor(device_slots).reshape(-1).to("cpu", torch.int32)
+            self.journal.append((kind, dev, host_slots.to(torch.int32)))
+
+    def take_journal(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """The copies made since the last call (rank 0 sends them to its peers)."""
+        ops, self.journal = self.journal or [], []
+        return ops
+
+    def replay(self, ops: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Repeat another rank's copies on this rank's replica (same slots, same order)."""
+        for kind, dev, host in ops:
+            dev, host = dev.long(), host.long()
+            if kind == "d2h":
+                self.bytes_to_host += copy_tokens(self.pool, host, self.device_pool, dev)
+            else:
+                self.bytes_to_device += copy_tokens(self.device_pool, dev, self.pool, host)

@@ -13,10 +13,12 @@ import torch
 from torch import nn
 
 from dsakv.config import ModelConfig
+from dsakv.distributed.parallel import ParallelState
 
 from .forward_batch import ForwardBatch
 from .indexer import Indexer, Selection, StepSelection
 from .layers import RMSNorm
+from .parallel_layers import Shard, ShardedLinear
 from .rope import rope_interleaved, softmax_scale
 
 # Elements of one gathered [chunk, k, dim] or [chunk, heads, k] block.
@@ -27,28 +29,45 @@ SCORE_ALL_RATIO = 64
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention; owns an `Indexer` only when its layer runs one."""
+    """Multi-head latent attention; owns an `Indexer` only when its layer runs one.
 
-    def __init__(self, config: ModelConfig, layer: int, has_indexer: bool) -> None:
+    Split by heads over the attention group: q_b_proj and kv_b_proj hold this rank's
+    `H / attn_tp` heads, o_proj their columns (a partial sum, all-reduced once). q_a,
+    kv_a, their norms and the indexer are replicated, so every rank writes the same
+    full latent row and index key to its own pool.
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer: int, has_indexer: bool, parallel: ParallelState
+    ) -> None:
         super().__init__()
         c = config
         self.layer = layer
-        self.n_heads = c.num_attention_heads
+        self.parallel = parallel
+        parts, index = parallel.attn_size, parallel.attn_rank
+        heads = c.num_attention_heads
+        self.n_heads = heads // parts  # this rank's heads
         self.nope, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.kv_lora = c.kv_lora_rank
         self.scale = softmax_scale(c)
         self.mode = "absorb"
+        qk, kv = c.qk_head_dim, self.nope + self.v_dim
         self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-        self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, bias=False)
+        self.q_b_proj = ShardedLinear(
+            c.q_lora_rank, heads * qk, Shard.even(0, heads * qk, parts, index, qk)
+        )
         self.kv_a_proj_with_mqa = nn.Linear(
             c.hidden_size, c.kv_lora_rank + self.rope_dim, bias=False
         )
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(
-            c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False
+        self.kv_b_proj = ShardedLinear(
+            c.kv_lora_rank, heads * kv, Shard.even(0, heads * kv, parts, index, kv)
         )
-        self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=False)
+        v = self.v_dim
+        self.o_proj = ShardedLinear(
+            heads * v, c.hidden_size, Shard.even(1, heads * v, parts, index, v)
+        )
         if has_indexer:
             self.indexer = Indexer(c)
 
@@ -111,7 +130,8 @@ class MLAttention(nn.Module):
             out[a + early : a + e] = attend(
                 qn[early:], qr[early:], ctx, prefix + early, sel, w_uk, w_uv
             )
-        return self.o_proj(out.reshape(t, -1))
+        out = self.o_proj(out.view(t, self.n_heads * self.v_dim))  # a partial sum over heads
+        return self.parallel.all_reduce_attn(out)
 
     def _decode(self, q_nope, q_rope, batch: ForwardBatch, pool, sel, w_uk, w_uv) -> torch.Tensor:
         """All decode requests at once: each reads only its selected latent rows (≤ index_topk)."""

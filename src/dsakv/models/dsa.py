@@ -11,26 +11,36 @@ import torch
 from torch import nn
 
 from dsakv.config import LayerPlan, ModelConfig
+from dsakv.distributed.parallel import ParallelState
 
 from .attention import MLAttention
 from .forward_batch import ForwardBatch
 from .indexer import StepSelection
 from .layers import MLP, RMSNorm
 from .moe import MoE
+from .parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from .rope import Rotary
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm MLA block then pre-norm FFN (dense for the first layers, MoE after)."""
+    """Pre-norm MLA block then pre-norm FFN (dense for the first layers, MoE after).
 
-    def __init__(self, config: ModelConfig, plan: LayerPlan, layer: int) -> None:
+    The FFN is split over every rank and reduced once (routed + shared together); under DP
+    attention it first gathers every rank's tokens and hands each rank its rows back, so
+    a rank with an empty batch still joins both collectives.
+    """
+
+    def __init__(
+        self, config: ModelConfig, plan: LayerPlan, layer: int, parallel: ParallelState
+    ) -> None:
         super().__init__()
+        self.parallel = parallel
         self.topk_source = plan.topk_source(layer)
-        self.self_attn = MLAttention(config, layer, has_indexer=plan.runs_indexer(layer))
+        self.self_attn = MLAttention(config, layer, plan.runs_indexer(layer), parallel)
         self.mlp: nn.Module = (
-            MLP(config.hidden_size, config.intermediate_size)
+            MLP(config.hidden_size, config.intermediate_size, parallel.world_size, parallel.rank)
             if layer < config.first_k_dense_replace
-            else MoE(config)
+            else MoE(config, parallel)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -40,27 +50,35 @@ class DecoderLayer(nn.Module):
             self.input_layernorm(x), cos, sin, batch, pool, selections, self.topk_source
         )
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, counts = self.parallel.gather_tokens(self.post_attention_layernorm(x))
+        return x + self.parallel.scatter_tokens(self.mlp(h), counts)
 
 
 class DSAModel(nn.Module):
-    def __init__(self, config: ModelConfig, plan: LayerPlan) -> None:
+    def __init__(self, config: ModelConfig, plan: LayerPlan, parallel: ParallelState) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, plan, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, plan, i, parallel) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DSAForCausalLM(nn.Module):
-    """The target model (draft/MTP layers are not built). Stateless: all KV lives in the pool."""
+    """The target model (draft/MTP layers are not built). Stateless: all KV lives in the pool.
+
+    With `parallel` it holds only this rank's shards (DESIGN.md §8); `forward` still
+    returns the full hidden states and `compute_logits` the full-vocab logits on every
+    rank of the attention group. Every rank must call both for every step (an empty
+    batch included, under DP attention), since they contain collectives.
+    """
 
     def __init__(
         self,
         config: ModelConfig,
         plan: LayerPlan,
         *,
+        parallel: ParallelState | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -69,9 +87,11 @@ class DSAForCausalLM(nn.Module):
             raise ValueError(
                 f"layer plan has {plan.num_layers} layers, model has {config.num_hidden_layers}"
             )
+        self.parallel = parallel or ParallelState.single()
+        self.parallel.config.check_model(config)
         self.config, self.plan = config, plan
-        self.model = DSAModel(config, plan)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DSAModel(config, plan, self.parallel)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.parallel)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)
@@ -103,7 +123,7 @@ class DSAForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden[N, H]` (e.g. `hidden[batch.last_token_indices()]`) -> fp32 logits `[N, vocab]`."""
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
 
 def keep_fp32(model: nn.Module) -> None:

@@ -109,7 +109,7 @@ class Indexer(nn.Module):
         idx = torch.matmul(w[rows, None, :], scores).squeeze(1)  # [B, W]
         kpos = torch.arange(width, device=idx.device)
         idx = idx.masked_fill(kpos[None, :] >= lens[:, None], float("-inf"))
-        positions = idx.topk(self.topk, dim=-1).indices
+        positions = topk_by_position(idx, self.topk)
         return Selection(positions, positions < lens[:, None])
 
     def _select(
@@ -127,6 +127,23 @@ class Indexer(nn.Module):
             scores = F.relu(torch.matmul(q[a:b], kt) * self.scale)  # [c, H, L]
             idx = torch.matmul(w[a:b, None, :], scores).squeeze(1)  # [c, L]
             idx = idx.masked_fill(kpos[None, :] > qpos[a:b, None], float("-inf"))
-            sel.append(idx.topk(self.topk, dim=-1).indices)
+            sel.append(topk_by_position(idx, self.topk))
         positions = torch.cat(sel)
         return Selection(positions, positions <= qpos[:, None])
+
+
+def topk_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` largest fp32 `scores` along the last dim, ties going to the lower
+    position (DESIGN.md §7.8), so a row's selection never depends on its padded width or
+    on the rows batched with it. ReLU makes exact-zero scores common, and `topk` alone
+    picks among tied values by memory layout.
+
+    Every (score, position) pair becomes one unique int64 key: the score's bits mapped to
+    an order-preserving int32 in the high half, the reversed position in the low half.
+    One `topk` over the keys costs what a plain `topk` does (no full sort).
+    """
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 folds -0.0 into +0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    width = scores.shape[-1]
+    rev = torch.arange(width - 1, -1, -1, dtype=torch.int64, device=scores.device)
+    return ((ordered << 32) | rev).topk(k, dim=-1).indices

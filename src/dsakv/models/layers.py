@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .parallel_layers import Shard, ShardedLinear
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, weight applied in the input dtype (as the reference does)."""
@@ -22,13 +24,21 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """`down(silu(gate(x)) * up(x))`: the dense layers' FFN and the shared experts."""
+    """`down(silu(gate(x)) * up(x))`: the dense layers' FFN and the shared experts.
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    Split over `parts` ranks by intermediate size (gate/up by rows, down by columns), so
+    this rank's output is a partial sum: the caller all-reduces it.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, parts: int = 1, index: int = 0
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        rows = Shard.even(0, intermediate_size, parts, index)
+        cols = Shard.even(1, intermediate_size, parts, index)
+        self.gate_proj = ShardedLinear(hidden_size, intermediate_size, rows)
+        self.up_proj = ShardedLinear(hidden_size, intermediate_size, rows)
+        self.down_proj = ShardedLinear(intermediate_size, hidden_size, cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -6,6 +6,10 @@ plan does not need: indexer tensors of shared layers, and draft/MTP layers
 (`*.weight` + `*.weight_scale_inv`) are dequantised on the way in. Routed experts are
 accepted per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, what
 checkpoints and `save_pretrained` write) or already stacked (`mlp.experts.gate_up_proj`).
+
+Under tensor / expert parallelism each rank reads only its own slices
+(`safe_open(...).get_slice`), never a whole sharded tensor, and skips the experts other
+ranks hold; FP8 scales are read for the 128-blocks that cover the slice.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import logging
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +27,12 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from dsakv.config import LayerPlan, ModelConfig
+from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import DsakvError
 
 from .dsa import DSAForCausalLM, keep_fp32
+from .moe import Experts
+from .parallel_layers import Shard
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +57,11 @@ def load_model(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
+    parallel: ParallelState | None = None,
     **plan_overrides: Any,
 ) -> tuple[DSAForCausalLM, ModelConfig, LayerPlan]:
-    """Build the model the plan describes and fill it from `path`'s safetensors files."""
+    """Build the model the plan describes (this rank's shards of it, with `parallel`) and
+    fill it from `path`'s safetensors files, reading only this rank's slices."""
     path = Path(path)
     config = ModelConfig.from_hf(path)
     if plan is None:
@@ -63,7 +73,7 @@ def load_model(
             raise DsakvError(f"unknown dtype {dtype!r} (choose from {', '.join(_DTYPES)})")
         dtype = _DTYPES[dtype]
     with torch.device("meta"):
-        model = DSAForCausalLM(config, plan)
+        model = DSAForCausalLM(config, plan, parallel=parallel)
     model.to(dtype)
     keep_fp32(model)
     model.to_empty(device=device)
@@ -98,8 +108,22 @@ def _listing(names: list[str], limit: int = 8) -> str:
     return shown + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """One read: `index` of checkpoint tensor `name` (whose full shape must be `shape`)
+    lands in `dest`; `count` is how many of the target's pieces it fills."""
+
+    target: str
+    dest: torch.Tensor
+    shape: tuple[int, ...]
+    index: tuple[slice, ...]
+    count: int = 1
+
+
 class _Filler:
-    """Copies checkpoint tensors into the model's parameters and tracks what is filled."""
+    """Copies this rank's slices of checkpoint tensors into the model's parameters and
+    tracks what is filled. A parameter's slice comes from its module's `shard`; routed
+    experts from `Experts.expert_range` / `inter_range` (other ranks' experts are never read)."""
 
     def __init__(self, model: DSAForCausalLM, config: ModelConfig, plan: LayerPlan) -> None:
         self.config, self.plan = config, plan
@@ -107,16 +131,18 @@ class _Filler:
         self.targets.update(dict(model.named_buffers()))
         if config.tie_word_embeddings:
             self.targets.pop("lm_head.weight", None)
-        experts = config.n_routed_experts
+        self.shards: dict[str, Shard] = {}
+        self.experts: dict[str, Experts] = {}
+        for mod_name, mod in model.named_modules():
+            if isinstance(mod, Experts):
+                self.experts[mod_name] = mod
+            elif getattr(mod, "shard", None) is not None:
+                self.shards[f"{mod_name}.weight"] = mod.shard
         # How many pieces fill each target: stacked experts fill per expert (and per half).
-        self.need = {
-            n: 2 * experts
-            if n.endswith("experts.gate_up_proj")
-            else experts
-            if n.endswith("experts.down_proj")
-            else 1
-            for n in self.targets
-        }
+        self.need = dict.fromkeys(self.targets, 1)
+        for prefix, mod in self.experts.items():
+            n = mod.gate_up_proj.shape[0]
+            self.need[f"{prefix}.gate_up_proj"], self.need[f"{prefix}.down_proj"] = 2 * n, n
         self.got: Counter[str] = Counter()
         self.unexpected: list[str] = []
         self.skipped: Counter[str] = Counter()
@@ -125,11 +151,11 @@ class _Filler:
         names = [n for n in files if not n.endswith("_scale_inv")]
         handles: dict[Path, Any] = {}
 
-        def read(name: str) -> torch.Tensor:
+        def open_slice(name: str):
             file = files[name]
             if file not in handles:
                 handles[file] = safe_open(file, "pt")
-            return handles[file].get_tensor(name)
+            return handles[file].get_slice(name)
 
         for name in tqdm(
             sorted(names, key=lambda n: (str(files[n]), n)),
@@ -139,11 +165,19 @@ class _Filler:
         ):
             if self._skip(name):
                 continue
-            tensor = read(name)
-            scale = name + "_scale_inv"
-            if scale in files:
-                tensor = _dequant_fp8(tensor, read(scale), self.config)
-            self._put(name, tensor)
+            for piece in self._pieces(name):
+                src = open_slice(name)
+                if tuple(src.get_shape()) != piece.shape:
+                    raise DsakvError(
+                        f"checkpoint tensor {name} has shape {tuple(src.get_shape())}, "
+                        f"model expects {piece.shape}"
+                    )
+                tensor = src[piece.index]
+                scale = name + "_scale_inv"
+                if scale in files:
+                    tensor = _read_dequant(tensor, open_slice(scale), piece.index, self.config)
+                _copy(name, piece.dest, tensor)
+                self.got[piece.target] += piece.count
         handles.clear()
         self._report()
 
@@ -160,35 +194,67 @@ class _Filler:
         tied_head = self.config.tie_word_embeddings and name == "lm_head.weight"
         return bool(_IGNORED.search(name)) or tied_head
 
-    def _put(self, name: str, tensor: torch.Tensor) -> None:
+    def _pieces(self, name: str) -> list[_Piece]:
+        """What to read of `name` for this rank (empty: unexpected, or another rank's)."""
         m = _EXPERT.match(name)
         if m is not None:
-            prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
-            target = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
-            param = self.targets.get(target)
-            if param is None or e >= param.shape[0]:
-                self.unexpected.append(name)
-                return
-            i = self.config.moe_intermediate_size
-            dest = {"gate_proj": param[e, :i], "up_proj": param[e, i:], "down_proj": param[e]}[part]
-            self._copy(name, dest, tensor)
-            self.got[target] += 1
-            return
+            return self._expert_pieces(name, m.group(1), int(m.group(2)), m.group(3))
+        prefix, _, leaf = name.rpartition(".")
+        if prefix in self.experts and leaf in ("gate_up_proj", "down_proj"):
+            return self._stacked_pieces(name, self.experts[prefix], leaf)
         param = self.targets.get(name)
         if param is None:
             self.unexpected.append(name)
-            return
-        self._copy(name, param, tensor)
-        self.got[name] += self.need[name]
+            return []
+        index = [slice(None)] * param.dim()
+        shape = list(param.shape)
+        shard = self.shards.get(name)
+        if shard is None:
+            return [_Piece(name, param, tuple(shape), tuple(index), self.need[name])]
+        shape[shard.dim] = shard.full
+        end = min(shard.end, shard.full)
+        index[shard.dim] = slice(shard.start, end)
+        dest = param.narrow(shard.dim, 0, end - shard.start)
+        with torch.no_grad():  # rows past the vocab (a padded split) stay zero
+            param.narrow(shard.dim, end - shard.start, shard.end - end).zero_()
+        return [_Piece(name, dest, tuple(shape), tuple(index), self.need[name])]
 
-    @staticmethod
-    def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
-        if tuple(dest.shape) != tuple(src.shape):
-            raise DsakvError(
-                f"checkpoint tensor {name} has shape {tuple(src.shape)}, model expects {tuple(dest.shape)}"
-            )
-        with torch.no_grad():
-            dest.copy_(src)
+    def _expert_pieces(self, name: str, prefix: str, e: int, part: str) -> list[_Piece]:
+        """`experts.{e}.gate_proj|up_proj|down_proj.weight`: rows (gate, up) or columns
+        (down) `inter_range` of expert `e`, if `e` is one of this rank's experts."""
+        mod = self.experts.get(prefix)
+        if mod is None or e >= mod.num_experts:
+            self.unexpected.append(name)
+            return []
+        first, last = mod.expert_range
+        if not first <= e < last:
+            self.skipped["experts"] += 1
+            return []
+        i0, i1 = mod.inter_range
+        h, inter, n = self.config.hidden_size, mod.intermediate, i1 - i0
+        rows = slice(i0, i1)
+        if part == "down_proj":
+            dest = mod.down_proj[e - first]
+            return [_Piece(f"{prefix}.down_proj", dest, (h, inter), (slice(None), rows))]
+        half = mod.gate_up_proj[e - first]
+        dest = half[:n] if part == "gate_proj" else half[n:]
+        return [_Piece(f"{prefix}.gate_up_proj", dest, (inter, h), (rows, slice(None)))]
+
+    def _stacked_pieces(self, name: str, mod: Experts, leaf: str) -> list[_Piece]:
+        """Already stacked `experts.gate_up_proj[E, 2I, H]` / `experts.down_proj[E, H, I]`:
+        this rank's experts, and their gate and up rows (or down columns) `inter_range`."""
+        (first, last), (i0, i1) = mod.expert_range, mod.inter_range
+        e, h, inter, n = mod.num_experts, self.config.hidden_size, mod.intermediate, i1 - i0
+        mine, every, count = slice(first, last), slice(None), last - first
+        if leaf == "down_proj":
+            index = (mine, every, slice(i0, i1))
+            return [_Piece(name, mod.down_proj, (e, h, inter), index, count)]
+        shape, dest = (e, 2 * inter, h), mod.gate_up_proj
+        gate, up = (mine, slice(i0, i1), every), (mine, slice(inter + i0, inter + i1), every)
+        return [
+            _Piece(name, dest[:, :n], shape, gate, count),
+            _Piece(name, dest[:, n:], shape, up, count),
+        ]
 
     def _report(self) -> None:
         missing = [n for n, k in self.need.items() if self.got[n] < k]
@@ -203,21 +269,60 @@ class _Filler:
             raise DsakvError("checkpoint does not match the model: " + "; ".join(problems))
         log.info(
             "loaded %d tensors; skipped %d indexer tensors of %d shared layers (plan %s) "
-            "and %d draft/MTP tensors",
+            "and %d draft/MTP tensors; %d expert tensors belong to other ranks",
             sum(self.got.values()),
             self.skipped["indexer"],
             self.plan.num_shared_layers,
             self.plan.pattern,
             self.skipped["draft"],
+            self.skipped["experts"],
         )
 
 
-def _dequant_fp8(
-    weight: torch.Tensor, scale_inv: torch.Tensor, config: ModelConfig
+def _copy(name: str, dest: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dest.shape) != tuple(src.shape):
+        raise DsakvError(
+            f"checkpoint tensor {name} slice has shape {tuple(src.shape)}, "
+            f"model expects {tuple(dest.shape)}"
+        )
+    with torch.no_grad():
+        dest.copy_(src)
+
+
+def _read_dequant(
+    weight: torch.Tensor, scale_inv: Any, index: tuple[slice, ...], config: ModelConfig
 ) -> torch.Tensor:
-    """Block-wise FP8 weight × its per-block scale (128×128 blocks unless the config says)."""
+    """Dequantise `weight`, the slice `index` of a 2-D FP8 tensor, reading only the scale
+    blocks that cover it (a slice need not start on a block boundary)."""
+    if weight.dim() != 2:
+        raise DsakvError(f"FP8 block scales are supported on 2-D weights, got {weight.dim()}-D")
+    bm, bn = _block_size(config)
+    r0, c0 = (s.start or 0 for s in index)
+    r1, c1 = r0 + weight.shape[0], c0 + weight.shape[1]
+    scale = scale_inv[r0 // bm : -(-r1 // bm), c0 // bn : -(-c1 // bn)]
+    return _dequant_fp8(weight, scale, config, r0 % bm, c0 % bn)
+
+
+def _block_size(config: ModelConfig) -> tuple[int, int]:
     q = config.quantization_config or {}
     bm, bn = q.get("weight_block_size") or (128, 128)
+    return int(bm), int(bn)
+
+
+def _dequant_fp8(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    config: ModelConfig,
+    row_offset: int = 0,
+    col_offset: int = 0,
+) -> torch.Tensor:
+    """Block-wise FP8 weight × its per-block scale (128×128 blocks unless the config says).
+
+    `scale_inv[0, 0]` is the block holding `weight[0, 0]`, which sits at `row_offset`,
+    `col_offset` inside that block.
+    """
+    bm, bn = _block_size(config)
     rows, cols = weight.shape
-    s = scale_inv.float().repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
+    s = scale_inv.float().repeat_interleave(bm, 0)[row_offset : row_offset + rows]
+    s = s.repeat_interleave(bn, 1)[:, col_offset : col_offset + cols]
     return weight.float() * s

@@ -7,8 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsakv.config import ModelConfig
+from dsakv.distributed.parallel import ParallelState
 
 from .layers import MLP
+from .parallel_layers import Shard
 
 
 class Router(nn.Module):
@@ -51,44 +53,61 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stored stacked: `gate_up_proj[E, 2I, H]` (gate rows first), `down_proj[E, H, I]`."""
+    """This rank's routed experts, stacked: `gate_up_proj[E_r, 2I_r, H]` (gate rows first),
+    `down_proj[E_r, H, I_r]`.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Expert parallel: the `ep` groups each hold `n_experts / ep` whole experts
+    (`expert_range`); within a group each expert's intermediate size is split over the
+    group's `moe_tp` ranks (`inter_range`). The output is a partial sum to all-reduce.
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
         super().__init__()
         e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        pc = parallel.config
+        experts = Shard.even(0, e, pc.ep, parallel.ep_rank)
+        inter = Shard.even(0, i, pc.moe_tp, parallel.moe_tp_rank)
         self.num_experts, self.intermediate = e, i
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.expert_range = (experts.start, experts.end)
+        self.inter_range = (inter.start, inter.end)
+        self.gate_up_proj = nn.Parameter(torch.empty(experts.size, 2 * inter.size, h))
+        self.down_proj = nn.Parameter(torch.empty(experts.size, h, inter.size))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Runs only the experts some token chose, adding their outputs in expert order."""
+        """Runs this rank's experts that some token chose, adding outputs in expert order."""
         out = torch.zeros_like(x)
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens, w = order // k, weights.flatten()[order]
-        start = 0
-        for e, n in enumerate(counts):
+        first, last = self.expert_range
+        start = sum(counts[:first])
+        for e in range(first, last):
+            n = counts[e]
             if n == 0:
                 continue
             tok, we = tokens[start : start + n], w[start : start + n]
             start += n
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * we[:, None]
+            gate, up = F.linear(x[tok], self.gate_up_proj[e - first]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e - first]) * we[:, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
 
 class MoE(nn.Module):
-    """Routed experts plus always-on shared experts."""
+    """Routed experts plus always-on shared experts; returns this rank's partial sum (the
+    decoder layer reduces routed + shared in one all-reduce)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
         super().__init__()
-        self.gate = Router(config)
-        self.experts = Experts(config)
+        self.gate = Router(config)  # replicated: every rank routes identically
+        self.experts = Experts(config, parallel)
         self.shared_experts = MLP(
-            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+            config.hidden_size,
+            config.moe_intermediate_size * config.n_shared_experts,
+            parallel.world_size,
+            parallel.rank,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,15 +24,94 @@ SPECIAL_TOKENS = (
     "<|system|>",
     "<|user|>",
     "<|assistant|>",
-    "<|reserved_0|>",
+    "<|observation|>",  # GLM's tool-result role
     "<|reserved_1|>",
 )
 VOCAB_SIZE = BYTE_VOCAB + len(SPECIAL_TOKENS)  # 264
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+
+# Chat templates in the real models' shapes (role markers are the tiny specials; every other
+# tag is plain text). Tools arrive as `tools=[{"type": "function", "function": {...}}]`;
+# assistant tool-call arguments as dicts; thinking via `enable_thinking` (GLM, on by
+# default: the model opens `<think>` itself) or `thinking` (DeepSeek-V3.2, off by default; on,
+# the prompt ends with `<think>`).
+_ROLE_ERROR = "{{ raise_exception('unsupported role ' ~ m.role) }}"
+_ARG_TEXT = "{{ v if v is string else v | tojson }}"
+
+# GLM-4.7 / GLM-5 tool calls, `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>
+# </tool_call>`, tool results under `<|observation|><tool_response>`; the generation prompt in
+# GLM-4.5's shape (`<|assistant|>`, or `<|assistant|>\n<think></think>` without thinking).
+GLM_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>\n# Tools\n\nYou may call one or more functions to assist "
+    "with the user query.\n\nYou are provided with function signatures within "
+    "<tools></tools> XML tags:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\n"
+    "For each function call, output the function name and arguments within the following "
+    "XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>"
+    "{arg-value-1}</arg_value>...</tool_call>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}<|system|>{{ m.content }}"
+    "{% elif m.role == 'user' %}<|user|>{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<|assistant|>"
+    "<think>{{ m.reasoning_content or '' }}</think>{{ m.content or '' }}"
+    "{% for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}"
+    "{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key><arg_value>"
+    + _ARG_TEXT
+    + "</arg_value>{% endfor %}</tool_call>{% endfor %}"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|observation|>"
+    "{% endif %}<tool_response>{{ m.content }}</tool_response>"
+    "{% else %}" + _ROLE_ERROR + "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{{ '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' }}"
+    "{% endif %}"
 )
+
+_DSML = "｜DSML｜"  # fullwidth bars, as DeepSeek-V3.2 spells them
+# DeepSeek-V3.2: DSML tool calls (`string="true"` = raw string, `"false"` = JSON), tool
+# results as `<function_results>`, the prompt ending in `<think>` or `</think>`.
+DEEPSEEK_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for m in messages if m.role == 'system' %}"
+    "{% set ns.system = ns.system ~ m.content %}{% endfor %}{{ ns.system }}"
+    "{% if tools %}\n\n## Tools\n\nYou have access to a set of tools. To call them, "
+    "answer with a block like:\n<" + _DSML + "function_calls>\n<" + _DSML + "invoke "
+    'name="$FUNCTION_NAME">\n<' + _DSML + 'parameter name="$PARAMETER_NAME" '
+    'string="true|false">$VALUE</' + _DSML + "parameter>\n</" + _DSML + "invoke>\n</"
+    + _DSML
+    + "function_calls>\n\n### Available Tool Schemas\n\n"
+    "{% for tool in tools %}{{ tool.function | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}"
+    "{% elif m.role == 'user' %}<|user|>{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<|assistant|>"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% else %}</think>{% endif %}{{ m.content or '' }}"
+    "{% if m.tool_calls %}\n\n<" + _DSML + "function_calls>\n"
+    "{% for tc in m.tool_calls %}<" + _DSML + 'invoke name="{{ tc.function.name }}">\n'
+    "{% for k, v in tc.function.arguments.items() %}<" + _DSML + 'parameter name="{{ k }}" '
+    "string=\"{{ 'true' if v is string else 'false' }}\">" + _ARG_TEXT + "</" + _DSML
+    + "parameter>\n{% endfor %}</" + _DSML + "invoke>\n{% endfor %}</" + _DSML
+    + "function_calls>{% endif %}<|eos|>"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "<|user|><function_results>{% endif %}"
+    "<result>{{ m.content }}</result>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}</function_results>"
+    "{% endif %}"
+    "{% else %}" + _ROLE_ERROR + "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{{ '<think>' if thinking is defined and thinking else '</think>' }}"
+    "{% endif %}"
+)
+CHAT_TEMPLATES = {
+    "glm_moe_dsa": GLM_CHAT_TEMPLATE,
+    "deepseek_v32": DEEPSEEK_CHAT_TEMPLATE,
+}
 
 
 def _glm_pattern(num_layers: int, freq: int, offset: int) -> list[str]:
@@ -204,8 +283,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def write_tokenizer(path: str | Path) -> None:
-    """Byte-level tokenizer: token id == byte value, specials from 256 up."""
+def write_tokenizer(path: str | Path, model_type: str = "glm_moe_dsa") -> None:
+    """Byte-level tokenizer: token id == byte value, specials from 256 up; the chat
+    template of `model_type`'s family."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -219,7 +299,7 @@ def write_tokenizer(path: str | Path) -> None:
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=CHAT_TEMPLATES[model_type],
     )
     fast.save_pretrained(str(path))
 
@@ -233,9 +313,10 @@ def write_tiny_model(
     """Write config.json, model.safetensors and the tokenizer for a tiny preset into `path`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = random_hf_model(hf_config(preset), seed, dtype)
+    config = hf_config(preset)
+    model = random_hf_model(config, seed, dtype)
     model.save_pretrained(str(path), max_shard_size="100GB")
-    write_tokenizer(path)
+    write_tokenizer(path, config.model_type)
     return path
 
 

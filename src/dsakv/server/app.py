@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -18,26 +19,45 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsakv.engine import SamplingParams
+from dsakv.engine.grammar import GrammarError
 from dsakv.errors import DsakvError
 
+from .chat import ChatParsers, chat_delta, chat_message, content_text, prepare_chat
+from .chat import finish_reason as chat_finish_reason
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationRequest,
+    TokenizeRequest,
     error_body,
 )
 from .runner import AsyncEngine, RequestStream, Update
 
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+)
 _DISCONNECT_POLL_S = 0.5
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
-def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    async_engine: AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    chat_parsers: ChatParsers | None = None,
+) -> FastAPI:
     """The app for one engine. With `api_key`, every /v1 route needs `Authorization: Bearer`;
-    /health and /metrics stay open for probes and scrapers."""
+    /health and /metrics stay open for probes and scrapers. `chat_parsers` defaults to the
+    model type's tool-call and reasoning parsers."""
     app = FastAPI(title="dsakv", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(model_name)
     app.state.async_engine, app.state.model_name, app.state.metrics = (
@@ -47,7 +67,9 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     )
     app.add_middleware(_CountRequests, metrics=metrics)
     _install_error_handlers(app)
-    api = Handlers(async_engine, model_name, metrics)
+    if chat_parsers is None:
+        chat_parsers = ChatParsers.for_model(async_engine.engine.model_config.model_type)
+    api = Handlers(async_engine, model_name, metrics, chat_parsers)
     auth = [Depends(_bearer_check(api_key))] if api_key else []
 
     @app.get("/health")
@@ -86,6 +108,14 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await api.chat(body, raw)
 
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return api.tokenize(body)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return api.detokenize(body)
+
     return app
 
 
@@ -104,8 +134,10 @@ class _Result:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    first: Update | None = None  # carries the prompt (and its logprobs when scored)
 
     def add(self, u: Update) -> None:
+        self.first = self.first or u
         self.text += u.text
         self.token_ids += u.token_ids
         self.logprobs += u.logprobs or []
@@ -115,30 +147,54 @@ class _Result:
         self.prompt_tokens, self.completion_tokens = u.prompt_tokens, u.completion_tokens
 
     def as_update(self) -> Update:
+        f = self.first
         return Update(
-            self.token_ids, self.text, self.logprobs, self.top_logprobs, token_text=self.token_text
+            self.token_ids,
+            self.text,
+            self.logprobs,
+            self.top_logprobs,
+            token_text=self.token_text,
+            prompt_token_ids=f.prompt_token_ids if f else None,
+            prompt_logprobs=f.prompt_logprobs if f else None,
+            prompt_top_logprobs=f.prompt_top_logprobs if f else None,
         )
 
 
 class Handlers:
-    def __init__(self, async_engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        model_name: str,
+        metrics: ServerMetrics,
+        chat_parsers: ChatParsers,
+    ) -> None:
         self.engine = async_engine
         self.model_name = model_name
         self.metrics = metrics
+        self.chat_parsers = chat_parsers
 
     # --- endpoints ----------------------------------------------------------------------------
 
     async def completion(self, body: CompletionRequest, raw: Request) -> Response:
+        """Completions for every prompt of the request, `n` choices each (choice index
+        `prompt * n + j`). With `echo`, each choice starts with its prompt, and with
+        `logprobs` too, the prompt tokens' teacher-forced logprobs (the first is null) come
+        before the generated ones; `max_tokens: 0` then only scores the prompt."""
         self._check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if body.best_of not in (None, 1):
-            raise APIError(400, "best_of > 1 is not supported", param="best_of")
-        prompt = _single_prompt(body.prompt)
-        params = self._params(body, body.max_tokens, 16, body.logprobs, "logprobs")
-        stream = await self._submit(prompt, params)
+        n = self._n(body)
+        if body.best_of not in (None, 1, n):
+            raise APIError(400, "best_of must equal n (no server-side ranking)", param="best_of")
+        prompts = _prompt_list(body.prompt)
+        echo = bool(body.echo)
+        params = self._params(
+            body, body.max_tokens, 16, body.logprobs, "logprobs", min_max_tokens=0 if echo else 1
+        )
+        if echo and (body.logprobs is not None or params.max_tokens == 0):
+            params = dataclasses.replace(params, prompt_logprobs=body.logprobs or 0)
+        streams = await self._submit_all(prompts, params, n)
+        choices = [_CompletionChoice(i, s, prompts[i // n], echo) for i, s in enumerate(streams)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": rid,
@@ -147,39 +203,46 @@ class Handlers:
             "model": self.model_name,
         }
         want_logprobs = body.logprobs is not None
+        tokenizer = self.engine.engine.tokenizer
 
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
 
             async def events() -> AsyncIterator[str]:
-                offset = 0
-                async for u in self._updates(stream):
-                    lp = None
-                    if want_logprobs:
-                        lp = _completion_logprobs(u, offset)
-                        offset = (
-                            lp["text_offset"][-1] + len(lp["tokens"][-1])
-                            if lp["tokens"]
-                            else offset
-                        )
-                    if not (u.text or u.finished or (want_logprobs and u.token_ids)):
+                totals = _Result()
+                async for i, u in self._merged(streams):
+                    c = choices[i]
+                    text = c.echo_text(u, tokenizer) + u.text
+                    lp = c.logprobs(u) if want_logprobs else None
+                    if not (text or u.finished or (lp and lp["tokens"])):
                         continue  # held-back text and nobody wants the tokens yet
-                    choice = {
-                        "index": 0,
-                        "text": u.text,
-                        "logprobs": lp,
-                        "finish_reason": _reason(u),
-                    }
+                    choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": _reason(u)}
                     yield _sse({**head, "choices": [choice], **({"usage": None} if usage else {})})
-                    if u.finished and usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(u)})
+                    if u.finished:
+                        totals.completion_tokens += u.completion_tokens
+                        totals.prompt_tokens += u.prompt_tokens if i % n == 0 else 0
+                if usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(totals)})
 
-            return self._stream_response(events(), stream)
+            return self._stream_response(events(), streams)
 
-        r = await self._collect(stream, raw)
-        lp = _completion_logprobs(r.as_update(), 0) if want_logprobs else None
-        choice = {"index": 0, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason}
-        return JSONResponse({**head, "choices": [choice], "usage": _usage(r)})
+        results = await self._collect_all(streams, raw)
+        out = []
+        for c, r in zip(choices, results):
+            u = r.as_update()
+            out.append(
+                {
+                    "index": c.index,
+                    "text": c.echo_text(u, tokenizer) + r.text,
+                    "logprobs": c.logprobs(u) if want_logprobs else None,
+                    "finish_reason": r.finish_reason,
+                }
+            )
+        total = _Result(
+            prompt_tokens=sum(r.prompt_tokens for r in results[::n]),
+            completion_tokens=sum(r.completion_tokens for r in results),
+        )
+        return JSONResponse({**head, "choices": out, "usage": _usage(total)})
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
@@ -188,13 +251,8 @@ class Handlers:
         tokenizer = self.engine.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": _content_text(m.content)} for m in body.messages]
-        try:
-            prompt = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as e:  # jinja raise_exception: bad roles / order
-            raise APIError(400, f"chat template failed: {e}", param="messages") from None
+        prep = prepare_chat(body, tokenizer, self.chat_parsers)  # tools, reasoning, template
+        prompt = prep.prompt
         max_tokens = (
             body.max_completion_tokens
             if body.max_completion_tokens is not None
@@ -206,7 +264,19 @@ class Handlers:
         params = self._params(
             body, max_tokens, self.engine.engine.max_model_len, top_n, "top_logprobs", param
         )
-        stream = await self._submit(prompt, params)
+        if prep.grammar is not None:  # tool_choice forces a call
+            if params.grammar is not None:
+                raise APIError(
+                    400,
+                    "a required or named tool_choice cannot be combined with another grammar",
+                    param="tool_choice",
+                )
+            params = dataclasses.replace(params, grammar=prep.grammar)
+        n = self._n(body)
+        if n > 1 and body.stream:
+            raise APIError(400, "n > 1 is not supported with stream for chat", param="n")
+        streams = await self._submit_n(prompt, params, n)
+        stream = streams[0]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": rid,
@@ -227,32 +297,41 @@ class Handlers:
                     "finish_reason": None,
                 }
                 yield _sse({**head, "choices": [role], **extra})
+                parser = prep.output_parser()
                 async for u in self._updates(stream):
-                    if not (u.text or u.finished or (top_n is not None and u.token_ids)):
+                    delta = chat_delta(parser.feed(u.text, final=u.finished))
+                    if not (delta or u.finished or (top_n is not None and u.token_ids)):
                         continue  # held-back text and nobody wants the tokens yet
                     lp = _chat_logprobs(u) if top_n is not None else None
-                    delta = {"content": u.text} if u.text or not u.finished else {}
-                    choice = {
-                        "index": 0,
-                        "delta": delta,
-                        "logprobs": lp,
-                        "finish_reason": _reason(u),
-                    }
+                    if not (delta or u.finished):
+                        delta = {"content": ""}
+                    reason = chat_finish_reason(parser, _reason(u))
+                    choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
                     yield _sse({**head, "choices": [choice], **extra})
                     if u.finished and usage:
                         yield _sse({**head, "choices": [], "usage": _usage(u)})
 
             return self._stream_response(events(), stream)
 
-        r = await self._collect(stream, raw)
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": r.text},
-            "logprobs": _chat_logprobs(r.as_update()) if top_n is not None else None,
-            "finish_reason": r.finish_reason,
-        }
+        results = await self._collect_all(streams, raw)
+        choices = []
+        for i, r in enumerate(results):  # n choices of one prompt
+            parser = prep.output_parser()
+            parser.feed(r.text, final=True)
+            choices.append(
+                {
+                    "index": i,
+                    "message": chat_message(parser),
+                    "logprobs": _chat_logprobs(r.as_update()) if top_n is not None else None,
+                    "finish_reason": chat_finish_reason(parser, r.finish_reason),
+                }
+            )
+        total = _Result(
+            prompt_tokens=results[0].prompt_tokens,
+            completion_tokens=sum(r.completion_tokens for r in results),
+        )
         return JSONResponse(
-            {**head, "object": "chat.completion", "choices": [choice], "usage": _usage(r)}
+            {**head, "object": "chat.completion", "choices": choices, "usage": _usage(total)}
         )
 
     # --- plumbing -----------------------------------------------------------------------------
@@ -274,18 +353,19 @@ class Handlers:
         logprobs: int | None,
         logprobs_param: str,
         max_tokens_param: str = "max_tokens",
+        min_max_tokens: int = 1,
     ) -> SamplingParams:
-        if body.n not in (None, 1):
-            raise APIError(400, "n > 1 is not supported; send n separate requests", param="n")
+        """Sampling params from the request (n is each handler's business: `_n`)."""
+        self._n(body)
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(body, name):
                 raise APIError(400, f"{name} is not supported", param=name)
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
-        if max_tokens is not None and max_tokens < 1:
+        if max_tokens is not None and max_tokens < min_max_tokens:
             raise APIError(
                 400,
-                f"{max_tokens_param} must be at least 1, got {max_tokens}",
+                f"{max_tokens_param} must be at least {min_max_tokens}, got {max_tokens}",
                 param=max_tokens_param,
             )
         if logprobs is not None and not 0 <= logprobs <= 20:
@@ -305,17 +385,127 @@ class Handlers:
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=bool(body.ignore_eos),
                 logprobs=logprobs,
+                grammar=_grammar(body),
+                prompt_logprobs=0 if max_tokens == 0 else None,
             )
         except DsakvError as e:
             raise APIError(400, str(e)) from None
 
+    def _n(self, body: GenerationRequest) -> int:
+        n = 1 if body.n is None else body.n
+        limit = self.engine.engine.max_choices
+        if not 1 <= n <= limit:
+            raise APIError(400, f"n must be in 1..{limit}, got {n}", param="n")
+        return n
+
     async def _submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        return (await self._submit_n(prompt, params, 1))[0]
+
+    async def _submit_n(
+        self, prompt: str | list[int], params: SamplingParams, n: int
+    ) -> list[RequestStream]:
+        """`n` choices of one prompt (they share its KV pages); a rejected prompt or grammar
+        is a 400."""
         try:
-            return await self.engine.generate(prompt, params)
+            return await self.engine.generate_n(prompt, params, n)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=_grammar_param(params)) from None
         except DsakvError as e:
             raise APIError(400, str(e), param="prompt") from None
         except RuntimeError as e:
             raise APIError(503, str(e), type="server_error") from None
+
+    async def _submit_all(
+        self, prompts: list[str | list[int]], params: SamplingParams, n: int
+    ) -> list[RequestStream]:
+        """Every prompt's `n` choices, in order; if one is rejected, the others are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for prompt in prompts:
+                streams += await self._submit_n(prompt, params, n)
+        except BaseException:
+            for s in streams:
+                self.engine.abort(s)
+            raise
+        return streams
+
+    async def _merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, Update]]:
+        """(choice index, update) from all streams as they arrive, until all finished."""
+        if len(streams) == 1:
+            async for u in self._updates(streams[0]):
+                yield 0, u
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for u in self._updates(stream):
+                    await merged.put((i, u, None))
+            except APIError as e:
+                await merged.put((i, None, e))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            left = len(streams)
+            while left:
+                i, u, error = await merged.get()
+                if error is not None:
+                    raise error
+                yield i, u
+                left -= u.finished
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _collect_all(self, streams: list[RequestStream], raw: Request) -> list[_Result]:
+        """`_collect` for every stream at once; the first failure aborts the rest."""
+        if len(streams) == 1:
+            return [await self._collect(streams[0], raw)]
+        try:
+            results = await asyncio.gather(
+                *(self._collect(s, raw) for s in streams), return_exceptions=True
+            )
+        finally:
+            for s in streams:
+                self.engine.abort(s)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: the ids /v1/completions (`prompt`) or /v1/chat/completions
+        (`messages`, through the chat template) would run."""
+        self._check_model(body.model)
+        e = self.engine.engine
+        if e.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
+            try:
+                text = e.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=bool(body.add_generation_prompt), tokenize=False
+                )
+            except Exception as err:
+                raise APIError(400, f"chat template failed: {err}", param="messages") from None
+            tokens = e.encode(text)
+        else:
+            tokens = e.tokenizer.encode(
+                body.prompt, add_special_tokens=bool(body.add_special_tokens)
+            )
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": e.max_model_len}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self._check_model(body.model)
+        e = self.engine.engine
+        if e.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        vocab = e.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be in 0..{vocab - 1}", param="tokens")
+        return {"prompt": e.tokenizer.decode(body.tokens)}
 
     async def _updates(self, stream: RequestStream) -> AsyncIterator[Update]:
         """A request's updates up to and including the finishing one; errors raise."""
@@ -356,7 +546,11 @@ class Handlers:
             )
         return result
 
-    def _stream_response(self, events: AsyncIterator[str], stream: RequestStream) -> Response:
+    def _stream_response(
+        self, events: AsyncIterator[str], stream: RequestStream | list[RequestStream]
+    ) -> Response:
+        streams = stream if isinstance(stream, list) else [stream]
+
         async def sse() -> AsyncIterator[str]:
             try:
                 async for chunk in events:
@@ -365,7 +559,11 @@ class Handlers:
                 yield _sse(e.body())
             yield "data: [DONE]\n\n"
 
-        return _AbortingStream(sse(), lambda: self.engine.abort(stream))
+        def close() -> None:
+            for s in streams:
+                self.engine.abort(s)
+
+        return _AbortingStream(sse(), close)
 
 
 class _AbortingStream(StreamingResponse):
@@ -416,11 +614,18 @@ def _completion_logprobs(u: Update, offset: int) -> dict[str, Any]:
     return {
         "tokens": tokens,
         "token_logprobs": [_lp(x) for x in u.logprobs or []],
-        "top_logprobs": [
-            {u.token_text.get(t, ""): _lp(x) for t, x in top} for top in u.top_logprobs or []
-        ],
+        "top_logprobs": [_top_dict(u, top) for top in u.top_logprobs or []],
         "text_offset": text_offset,
     }
+
+
+def _top_dict(u: Update, top: list[tuple[int, float]]) -> dict[str, float]:
+    """Completions' {token text: logprob}; where two tokens share a text (undecodable bytes
+    all read "\ufffd") the likelier one keeps it, so the max stays the top-1 logprob."""
+    out: dict[str, float] = {}
+    for t, x in top:
+        out.setdefault(u.token_text.get(t, ""), _lp(x))
+    return out
 
 
 def _chat_logprobs(u: Update) -> dict[str, Any]:
@@ -434,31 +639,108 @@ def _chat_logprobs(u: Update) -> dict[str, Any]:
     return {"content": content}
 
 
-def _single_prompt(prompt: Any) -> str | list[int]:
+_MAX_PROMPTS = 256  # prompts in one /v1/completions request
+
+
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    """A completions `prompt` as a list: a string, token ids, or a list of either."""
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
     if prompt and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
-    if len(prompt) == 1:
-        return prompt[0] if isinstance(prompt[0], str) else list(prompt[0])
+        return [list(prompt)]
     if not prompt:
         raise APIError(400, "prompt is empty", param="prompt")
-    raise APIError(
-        400, "only one prompt per request is supported; send separate requests", param="prompt"
-    )
+    if len(prompt) > _MAX_PROMPTS:
+        raise APIError(400, f"at most {_MAX_PROMPTS} prompts per request", param="prompt")
+    return [p if isinstance(p, str) else list(p) for p in prompt]
 
 
-def _content_text(content: Any) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if part.type != "text":
+@dataclass
+class _CompletionChoice:
+    """One completions choice: with `echo`, its first update also carries the prompt."""
+
+    index: int
+    stream: RequestStream
+    prompt: str | list[int]
+    echo: bool
+    offset: int = 0  # text_offset of the next token
+
+    def echo_text(self, u: Update, tokenizer: Any) -> str:
+        if not self.echo or u.prompt_token_ids is None:
+            return ""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return tokenizer.decode(u.prompt_token_ids) if tokenizer is not None else ""
+
+    def logprobs(self, u: Update) -> dict[str, Any]:
+        """This update's `logprobs` block (prompt tokens first when echoing)."""
+        prompt: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+        if self.echo and u.prompt_token_ids is not None:
+            scored = u.prompt_logprobs or [None] * len(u.prompt_token_ids)
+            tops = u.prompt_top_logprobs or [None] * len(u.prompt_token_ids)
+            prompt = {
+                "tokens": [u.token_text.get(t, "") for t in u.prompt_token_ids],
+                "token_logprobs": [None if x is None else _lp(x) for x in scored],
+                "top_logprobs": [None if top is None else _top_dict(u, top) for top in tops],
+            }
+        gen = _completion_logprobs(u, 0)
+        out = {k: prompt[k] + gen[k] for k in ("tokens", "token_logprobs", "top_logprobs")}
+        out["text_offset"] = []
+        for s in out["tokens"]:
+            out["text_offset"].append(self.offset)
+            self.offset += len(s)
+        return out
+
+
+# Request fields that ask for structured output, and the grammar kind each gives.
+_GRAMMAR_FIELDS = (
+    ("regex", "regex"),
+    ("guided_regex", "regex"),
+    ("ebnf", "ebnf"),
+    ("guided_grammar", "ebnf"),
+    ("json_schema", "json_schema"),
+    ("guided_json", "json_schema"),
+)
+
+
+def _grammar(body: GenerationRequest) -> tuple[str, str] | None:
+    """The (kind, spec) grammar a request asks for, from whichever one field it used."""
+    found: list[tuple[str, tuple[str, str]]] = []
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(("response_format", ("json_object", "")))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(
+                    400,
+                    "response_format json_schema needs json_schema.schema",
+                    param="response_format",
+                )
+            found.append(("response_format", ("json_schema", json.dumps(rf.json_schema.schema_))))
+        else:
             raise APIError(
-                400, f"content part type {part.type!r} is not supported", param="messages"
+                400,
+                f"response_format type must be text, json_object or json_schema, not {rf.type!r}",
+                param="response_format",
             )
-        parts.append(part.text or "")
-    return "".join(parts)
+    for name, kind in _GRAMMAR_FIELDS:
+        value = getattr(body, name)
+        if value is not None:
+            found.append((name, (kind, value if isinstance(value, str) else json.dumps(value))))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise APIError(
+            400, f"ask for one structured output at a time, not {names}", param=found[1][0]
+        )
+    return found[0][1] if found else None
+
+
+def _grammar_param(params: SamplingParams) -> str | None:
+    kind = params.grammar[0] if params.grammar else None
+    return {"regex": "regex", "ebnf": "ebnf", "structural_tag": "tools"}.get(
+        kind, "response_format"
+    )
 
 
 # --- errors, auth, request counting -----------------------------------------------------------

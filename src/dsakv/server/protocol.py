@@ -3,7 +3,7 @@ never a silent coercion; unknown fields are ignored (clients send many we do not
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,6 +46,20 @@ class StreamOptions(_Strict):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: `text`, `json_object` or `json_schema` (checked later)."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class GenerationRequest(_Strict):
     """Fields shared by completions and chat completions (plus vLLM-style extras)."""
 
@@ -67,6 +81,15 @@ class GenerationRequest(_Strict):
     min_p: float | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
+    # structured output: OpenAI's response_format, SGLang's regex / ebnf / json_schema and
+    # vLLM's guided_json / guided_regex / guided_grammar; at most one of them
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -82,10 +105,45 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
+    reasoning_content: str | None = None  # an assistant turn's earlier reasoning
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of type object
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -93,3 +151,22 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking / thinking
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt` (as /v1/completions sees it) or chat `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = False
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -39,6 +39,10 @@ class Update:
     latency_s: float | None = None
     error: str | None = None  # the engine failed on this request (a server error)
     token_text: dict[int, str] = field(default_factory=dict)  # id -> text, for logprobs
+    # In a request's first update only: its prompt, and with prompt_logprobs their scores.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass(eq=False)
@@ -53,6 +57,7 @@ class RequestStream:
     # Engine-thread-only state: how many tokens / characters were handed out already.
     sent_tokens: int = 0
     sent_chars: int = 0
+    sent_prompt: bool = False
     request: Request | None = None
 
     def __post_init__(self) -> None:
@@ -103,16 +108,26 @@ class AsyncEngine:
 
         Raises `DsakvError` (a client error) when the engine rejects the prompt.
         """
+        return (await self.generate_n(prompt, params, 1))[0]
+
+    async def generate_n(
+        self, prompt: str | list[int], params: SamplingParams, n: int
+    ) -> list[RequestStream]:
+        """Submit `n` choices of one prompt (`Engine.add_requests`: they share its KV pages);
+        one stream per choice, all accepted or all rejected."""
         if not self.alive:
             raise RuntimeError("the engine is not running")
-        stream = RequestStream(asyncio.get_running_loop())
-        self._commands.put(("add", (stream, prompt, params)))
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(loop) for _ in range(n)]
+        self._commands.put(("add", (streams, prompt, params)))
         try:
-            await stream.accepted
+            for s in streams:
+                await s.accepted
         except asyncio.CancelledError:
-            self.abort(stream)  # queued after the add, so the engine thread sees both
+            for s in streams:
+                self.abort(s)  # queued after the add, so the engine thread sees both
             raise
-        return stream
+        return streams
 
     def abort(self, stream: RequestStream) -> None:
         """Cancel a request (client went away); idempotent, safe from any thread."""
@@ -176,21 +191,24 @@ class AsyncEngine:
             elif kind == "stop":
                 return False
 
-    def _add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams) -> None:
+    def _add(
+        self, streams: list[RequestStream], prompt: str | list[int], params: SamplingParams
+    ) -> None:
         try:
-            req = self.engine.add_request(prompt, params)
-        except DsakvError as e:
-            stream._resolve(e)
-            return
+            reqs = self.engine.add_requests(prompt, params, len(streams))
         except Exception as e:
-            log.exception("add_request failed")
-            stream._resolve(e)
+            if not isinstance(e, DsakvError):
+                log.exception("add_request failed")
+            for stream in streams:
+                stream._resolve(e)
             return
-        stream.rid, stream.request = req.rid, req
-        stream.prompt_tokens = len(req.prompt_ids)
-        self._streams[req.rid] = stream
-        if not stream._resolve(None):
-            self._abort(stream, "abort")
+        for stream, req in zip(streams, reqs):
+            stream.rid, stream.request = req.rid, req
+            stream.prompt_tokens = len(req.prompt_ids)
+            self._streams[req.rid] = stream
+        for stream in streams:
+            if not stream._resolve(None):
+                self._abort(stream, "abort")
 
     def _abort(self, stream: RequestStream, reason: str) -> None:
         if stream.rid is None or self._streams.pop(stream.rid, None) is None:
@@ -267,10 +285,20 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
     stream.sent_chars = max(stream.sent_chars, len(text))
     want = req.params.logprobs is not None
     ids = req.output_ids[start:end]
+    first = not stream.sent_prompt
+    stream.sent_prompt = True
+    scored = first and req.prompt_logprobs is not None
+    named: set[int] = set()
+    if want:
+        named |= {*ids, *(t for tops in req.top_logprobs[start:end] for t, _ in tops)}
+    if scored:
+        named |= {
+            *req.prompt_ids,
+            *(t for tops in req.prompt_top_logprobs if tops for t, _ in tops),
+        }
     token_text: dict[int, str] = {}
-    if want and engine.tokenizer is not None:
-        for tid in {*ids, *(t for tops in req.top_logprobs[start:end] for t, _ in tops)}:
-            token_text[tid] = engine.tokenizer.decode([tid])
+    if engine.tokenizer is not None:
+        token_text = {t: engine.tokenizer.decode([t]) for t in named}
     m = req.metrics
     return Update(
         token_ids=ids,
@@ -284,6 +312,9 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         ttft_s=m.ttft,
         latency_s=m.latency,
         token_text=token_text,
+        prompt_token_ids=list(req.prompt_ids) if first else None,
+        prompt_logprobs=list(req.prompt_logprobs) if scored else None,
+        prompt_top_logprobs=list(req.prompt_top_logprobs) if scored else None,
     )
 
 

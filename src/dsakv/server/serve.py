@@ -7,9 +7,12 @@ from pathlib import Path
 
 import uvicorn
 
-from dsakv.engine import Engine, EngineConfig
+from dsakv.distributed.launch import create_engine
+from dsakv.engine import EngineConfig
 
 from .app import build_app
+from .chat import ChatParsers
+from .parsers import resolve_parsers
 from .runner import AsyncEngine
 
 log = logging.getLogger(__name__)
@@ -35,12 +38,20 @@ def make_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     log_level: str = "info",
+    tool_call_parser: str | None = "auto",
+    reasoning_parser: str | None = "auto",
 ) -> tuple[uvicorn.Server, AsyncEngine]:
-    """The server `run_server` runs, not yet started (tests drive it on a thread)."""
-    engine = Engine(config)
+    """The server `run_server` runs, not yet started (tests drive it on a thread). Parser
+    names: "auto" (the model type's own), "none", or one of `parsers.TOOL_PARSERS` /
+    `parsers.REASONING_PARSERS`."""
+    resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
+    engine = create_engine(config, exit_on_rank_death=True)
     async_engine = AsyncEngine(engine)
     name = served_model_name or Path(config.model).name or str(config.model)
-    app = build_app(async_engine, name, api_key=api_key)
+    parsers = ChatParsers.for_model(
+        engine.model_config.model_type, tool_call_parser, reasoning_parser
+    )
+    app = build_app(async_engine, name, api_key=api_key, chat_parsers=parsers)
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     return _Server(uv, async_engine), async_engine
 
@@ -51,9 +62,19 @@ def run_server(
     port: int = 8000,
     api_key: str | None = None,
     served_model_name: str | None = None,
+    tool_call_parser: str | None = "auto",
+    reasoning_parser: str | None = "auto",
 ) -> None:
     """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`)."""
-    server, async_engine = make_server(config, host, port, api_key, served_model_name)
+    server, async_engine = make_server(
+        config,
+        host,
+        port,
+        api_key,
+        served_model_name,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+    )
     shown = f"[{host}]" if ":" in host else host
     name = server.config.app.state.model_name
     log.info("serving %r at http://%s:%d/v1 (metrics at /metrics)", name, shown, port)
@@ -62,3 +83,4 @@ def run_server(
         server.run()
     finally:
         async_engine.shutdown()
+        async_engine.engine.close()

@@ -1,0 +1,214 @@
+"""Data-parallel attention: one scheduler and one KV pool per rank, MoE across all of them.
+
+Every rank runs its own `Engine` over its own requests, so the aggregate KV capacity is
+world × one rank's. Rank 0 is the front door: it numbers each request, sends it to the
+rank with the most free KV pages, and each step broadcasts the new requests and aborts,
+lets every rank step (a rank with nothing to run still joins the FFN collectives with an
+empty batch), and gathers what every rank produced. To the server and `LLM` it looks like
+one `Engine`: requests that run elsewhere are mirrored in local `Request` objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsakv.engine.engine import Engine
+from dsakv.engine.request import Request, Status
+from dsakv.engine.sampling import SamplingParams
+
+from .leader import Leader
+
+# Request fields that grow as it decodes, and the ones that are replaced.
+_GROWING = ("output_ids", "logprobs", "top_logprobs")
+_REPLACED = ("output_text", "finish_reason", "num_computed")
+
+
+@dataclass
+class RankReport:
+    """What one rank tells rank 0 after a step."""
+
+    free_pages: int
+    waiting_tokens: int
+    counters: dict[str, float]
+    updates: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Reporter:
+    """Turns a rank's stepped requests into deltas (only what is new since last time)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.sent: dict[int, dict[str, int]] = {}
+
+    def apply(self, msg: tuple) -> None:
+        _, adds, aborts = msg
+        me = self.engine.parallel.rank
+        for rank, rid, ids, params in adds:
+            if rank == me:
+                self.engine.add_request(ids, params, rid=rid)
+        for rank, rid in aborts:
+            if rank == me:
+                self.engine.abort(rid)
+                self.sent.pop(rid, None)
+
+    def report(self, stepped: list[Request]) -> RankReport:
+        updates = []
+        for req in stepped:
+            sent = self.sent.setdefault(req.rid, {})
+            up: dict[str, Any] = {"rid": req.rid}
+            for name in _GROWING:
+                values = getattr(req, name)
+                up[name] = values[sent.get(name, 0) :]
+                sent[name] = len(values)
+            for name in _REPLACED:
+                up[name] = getattr(req, name)
+            m = req.metrics
+            up["ttft_s"], up["latency_s"] = m.ttft, m.latency
+            up["prefix_hit_tokens"], up["retractions"] = m.prefix_hit_tokens, m.retractions
+            if req.finished:
+                self.sent.pop(req.rid, None)
+            updates.append(up)
+        e = self.engine
+        waiting = sum(r.seq_len for r in e.scheduler.waiting)
+        free = e.allocator.num_free_pages + e.cache.num_evictable_pages
+        return RankReport(free, waiting, e.counters(), updates)
+
+
+def serve_dp_peer(engine: Engine) -> None:
+    """A rank other than 0 under DP attention: step with rank 0 until it says stop."""
+    reporter = _Reporter(engine)
+    while True:
+        msg = engine.parallel.broadcast_object()
+        if msg[0] == "stop":
+            return
+        if msg[0] != "step":
+            continue  # heartbeat
+        reporter.apply(msg)
+        engine.parallel.gather_objects(reporter.report(engine.step()))
+
+
+class DPEngine:
+    """Rank 0's view of every rank's engine; duck-types `Engine` for the server and LLM."""
+
+    def __init__(self, local: Engine) -> None:
+        self.local = local
+        self.parallel = local.parallel
+        self.leader = Leader(local.parallel)
+        self._reporter = _Reporter(local)
+        self._remote: dict[int, tuple[int, Request]] = {}  # rid -> (rank, mirror)
+        self._adds: list[tuple[int, int, list[int], SamplingParams]] = []
+        self._aborts: list[tuple[int, int]] = []
+        world = self.parallel.world_size
+        first = self._reporter.report([])
+        self._reports: list[RankReport] = [first] * world
+        self._assigned_tokens = [0] * world  # sent since the ranks last reported
+        self.peak_running = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # tokenizer, model_config, config, max_model_len, eos_token_ids, encode, ...
+        return getattr(self.local, name)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        ids = self.local.prompt_ids(prompt)
+        rank = self._pick_rank(len(ids))
+        self._assigned_tokens[rank] += len(ids)
+        if rank == 0:
+            return self.local.add_request(ids, params)
+        mirror = Request(ids, params)
+        mirror.status = Status.RUNNING
+        self._remote[mirror.rid] = (rank, mirror)
+        self._adds.append((rank, mirror.rid, ids, params))
+        return mirror
+
+    def _pick_rank(self, tokens: int) -> int:
+        """The rank with the most free KV pages once its queued prompts are counted."""
+        page = self.local.config.page_size
+
+        def room(rank: int) -> int:
+            r = self._reports[rank]
+            queued = r.waiting_tokens + self._assigned_tokens[rank]
+            return r.free_pages - -(-queued // page)
+
+        return max(range(self.parallel.world_size), key=lambda r: (room(r), -r))
+
+    def abort(self, rid: int) -> None:
+        if rid not in self._remote:
+            self.local.abort(rid)
+            return
+        rank, mirror = self._remote.pop(rid)
+        if not mirror.finished:
+            mirror.finish_reason, mirror.status = "abort", Status.FINISHED
+            self._aborts.append((rank, rid))
+
+    def has_unfinished(self) -> bool:
+        return self.local.has_unfinished() or bool(self._remote)
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        with self.leader.lock:
+            msg = ("step", self._adds, self._aborts)
+            self._adds, self._aborts = [], []
+            self.leader.send(msg)
+            self._reporter.apply(msg)
+            out = self.local.step()
+            reports = self.parallel.gather_objects(self._reporter.report(out))
+        self._reports = reports
+        self._assigned_tokens = [0] * self.parallel.world_size
+        self.peak_running = max(
+            self.peak_running, sum(int(r.counters["running_requests"]) for r in reports)
+        )
+        for report in reports[1:]:
+            for up in report.updates:
+                mirror = self._mirror(up)
+                if mirror is not None:
+                    out.append(mirror)
+        return out
+
+    def _mirror(self, up: dict[str, Any]) -> Request | None:
+        entry = self._remote.get(up["rid"])
+        if entry is None:
+            return None  # aborted here meanwhile
+        mirror = entry[1]
+        for name in _GROWING:
+            getattr(mirror, name).extend(up[name])
+        for name in _REPLACED:
+            setattr(mirror, name, up[name])
+        m = mirror.metrics
+        if up["ttft_s"] is not None:
+            m.first_token_time = m.arrival_time + up["ttft_s"]
+        if up["latency_s"] is not None:
+            m.finish_time = m.arrival_time + up["latency_s"]
+        m.prefix_hit_tokens, m.retractions = up["prefix_hit_tokens"], up["retractions"]
+        if mirror.finish_reason is not None:
+            mirror.status = Status.FINISHED
+            del self._remote[up["rid"]]
+        return mirror
+
+    # --- introspection -------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, float]:
+        """Every rank's counters summed (as of the last step); per-token sizes as they are."""
+        total: dict[str, float] = {}
+        for r in self._reports:
+            for k, v in r.counters.items():
+                total[k] = total.get(k, 0) + v
+        for k in ("bytes_per_token", "index_k_bytes_per_token_saved"):
+            total[k] = self._reports[0].counters[k]
+        total["peak_running_requests"] = self.peak_running
+        total["dp_ranks"] = self.parallel.world_size
+        return total
+
+    def rank_counters(self) -> list[dict[str, float]]:
+        """Each rank's own counters (as of the last step), in rank order."""
+        return [r.counters for r in self._reports]
+
+    def check_integrity(self) -> None:
+        self.local.check_integrity()
+
+    def close(self) -> None:
+        self.leader.stop()
+        self.local.close()

@@ -1,0 +1,272 @@
+"""How the model is split across ranks (`ParallelConfig`) and one rank's view of it
+(`ParallelState`), with the few collectives the model needs.
+
+The layout follows SGLang (DESIGN.md §8):
+- attention side (embedding, MLA, indexer, lm_head) is split over the *attention group*:
+  every rank under plain TP, each rank alone under DP attention (whole weights per rank);
+- FFN side (dense MLP, shared and routed experts) is split over all ranks: routed experts
+  into `ep` groups of whole experts, each group splitting its experts' intermediate size
+  over `tp / ep` ranks; one all-reduce after routed + shared.
+Under DP attention each rank runs its own requests; the FFN gathers every rank's tokens
+first and hands each rank its rows back.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsakv.errors import DsakvError
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """`--tp`, `--ep`, `--dp-attention` and the multi-node launch flags (SGLang's names)."""
+
+    tp: int = 1
+    ep: int = 1
+    dp_attention: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous
+    timeout_s: float = DEFAULT_TIMEOUT_S  # a collective that waits longer fails
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "nnodes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise DsakvError(f"--{name} must be an integer >= 1, got {v!r}")
+        if self.ep > self.tp:
+            raise DsakvError(f"--ep {self.ep} is larger than --tp {self.tp}")
+        if self.tp % self.ep:
+            raise DsakvError(f"--tp {self.tp} is not a multiple of --ep {self.ep}")
+        if self.dp_attention and self.tp < 2:
+            raise DsakvError("--dp-attention needs --tp N with N >= 2")
+        if self.tp % self.nnodes:
+            raise DsakvError(f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise DsakvError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise DsakvError("--nnodes > 1 needs --dist-init-addr HOST:PORT")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise DsakvError(
+                    f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}"
+                )
+        if not self.timeout_s > 0:
+            raise DsakvError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp
+
+    @property
+    def attn_tp(self) -> int:
+        """Ranks one attention computation is split over (1 under DP attention)."""
+        return 1 if self.dp_attention else self.tp
+
+    @property
+    def dp(self) -> int:
+        """Independent schedulers (one per rank under DP attention)."""
+        return self.tp if self.dp_attention else 1
+
+    @property
+    def moe_tp(self) -> int:
+        """Ranks one expert's intermediate size is split over."""
+        return self.tp // self.ep
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp // self.nnodes
+
+    def check_model(self, config: Any) -> None:
+        """Refuse a split the model's shapes do not allow (one `error:` line)."""
+        checks = [
+            ("num_attention_heads", config.num_attention_heads, self.attn_tp, "--tp"),
+            ("n_routed_experts", config.n_routed_experts, self.ep, "--ep"),
+            ("moe_intermediate_size", config.moe_intermediate_size, self.moe_tp, "--tp/--ep"),
+            ("intermediate_size", config.intermediate_size, self.tp, "--tp"),
+            (
+                "shared experts' intermediate size",
+                config.moe_intermediate_size * config.n_shared_experts,
+                self.tp,
+                "--tp",
+            ),
+        ]
+        for name, value, parts, flag in checks:
+            if value % parts:
+                raise DsakvError(f"{name} ({value}) is not divisible by {flag} ({parts})")
+
+
+def shard_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows `[start, end)` of part `index` when `size` is split evenly into `parts`."""
+    step = -(-size // parts)
+    return min(size, index * step), min(size, (index + 1) * step)
+
+
+class ParallelState:
+    """One rank's place in the layout, and the collectives over its process group.
+
+    With one rank every collective is the identity, so the model code has one path.
+    """
+
+    def __init__(
+        self,
+        config: ParallelConfig | None = None,
+        rank: int = 0,
+        group: Any = None,
+        cpu_group: Any = None,
+    ) -> None:
+        self.config = config or ParallelConfig()
+        if not 0 <= rank < self.config.world_size:
+            raise ValueError(f"rank {rank} outside 0..{self.config.world_size - 1}")
+        self.rank = rank
+        self.group = group  # the model's collectives (NCCL on CUDA, gloo on CPU)
+        self.cpu_group = cpu_group  # control messages (always gloo)
+
+    @classmethod
+    def single(cls) -> ParallelState:
+        return cls()
+
+    # --- where this rank sits -------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 owns the scheduler (the first scheduler under DP attention) and the server."""
+        return self.rank == 0
+
+    @property
+    def attn_size(self) -> int:
+        return self.config.attn_tp
+
+    @property
+    def attn_rank(self) -> int:
+        return 0 if self.config.dp_attention else self.rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank if self.config.dp_attention else 0
+
+    @property
+    def ep_rank(self) -> int:
+        """Which group of whole experts this rank serves."""
+        return self.rank // self.config.moe_tp
+
+    @property
+    def moe_tp_rank(self) -> int:
+        """Which slice of its experts' intermediate size this rank holds."""
+        return self.rank % self.config.moe_tp
+
+    # --- collectives (identity on one rank) -------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over every rank (after o_proj under TP, after the FFN)."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_reduce_attn(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the attention group (a no-op under DP attention)."""
+        if self.attn_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_attn(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate each attention rank's `x` along `dim` (vocab-parallel logits)."""
+        if self.attn_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.attn_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def gather_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """DP attention: every rank's rows `[T_r, H]`, stacked `[Σ T_r, H]`, and the counts.
+
+        Ranks send different numbers of tokens (zero included), so rows are padded to the
+        largest count for the all-gather and the padding is dropped again.
+        """
+        if self.world_size == 1 or not self.config.dp_attention:
+            return x, [x.shape[0]]
+        n = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
+        counts_t = [torch.empty_like(n) for _ in range(self.world_size)]
+        dist.all_gather(counts_t, n, group=self.group)
+        counts = [int(c) for c in counts_t]
+        width = max(counts)
+        padded = x.new_zeros(width, *x.shape[1:])
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([p[:c] for p, c in zip(parts, counts)]), counts
+
+    def scatter_tokens(self, y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """DP attention: sum every rank's partial FFN output over all tokens, keep own rows.
+
+        (An all-reduce then a slice: gloo has no reduce-scatter, and the sum is the same.)
+        """
+        if self.world_size == 1 or not self.config.dp_attention:
+            return self.all_reduce(y)
+        self.all_reduce(y)
+        start = sum(counts[: self.rank])
+        return y[start : start + counts[self.rank]]
+
+    # --- control plane (rank 0 → everyone, pickled, over gloo) ----------------------------
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0 sends `obj`; every rank returns it."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Rank 0 receives every rank's `obj` (in rank order); other ranks get None."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.cpu_group)
+        return out
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
+
+def init_parallel(
+    config: ParallelConfig,
+    rank: int,
+    init_method: str,
+    device: torch.device,
+) -> ParallelState:
+    """Join the process group (NCCL on CUDA, gloo on CPU) and return this rank's state."""
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=config.world_size,
+        timeout=timeout,
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    return ParallelState(config, rank, group=None, cpu_group=cpu_group)
+
+
+def destroy_parallel() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,113 @@
+"""Structured output with xgrammar: compiled grammars (LRU-cached) and per-step token masks.
+
+A request with `SamplingParams.grammar = (kind, spec)` gets its own `GrammarMatcher`; each
+step the engine fills one bitmask row per constrained request, applies the whole batch's
+mask to the logits in one call (on the logits' device, CPU or CUDA), and after sampling
+advances each matcher with the chosen token. A matcher that accepted a stop token is
+terminated: the request finishes with "stop".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from dsakv.errors import DsakvError
+
+_LOOSE_CHAR = r"[^\"\\\r\n]"  # as xgrammar prints it: not `"`, `\`, CR, LF
+_JSON_CHAR = r"[^\0-\x1f\"\\\r\n]"  # ...nor any other control character
+_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+class GrammarError(DsakvError):
+    """A grammar or schema that does not compile (the server answers 400)."""
+
+
+class GrammarCache:
+    """One `GrammarCompiler` for the engine's tokenizer; compiled grammars kept by (kind, spec),
+    least recently used dropped beyond `max_entries` (a schema compiles in milliseconds to a
+    second; clients tend to resend the same few)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        max_entries: int = 64,
+    ) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.max_entries = max_entries
+
+    def compile(self, grammar: tuple[str, str]) -> Any:
+        """The compiled grammar for (kind, spec); `DsakvError` when it does not compile."""
+        hit = self._compiled.get(grammar)
+        if hit is not None:
+            self._compiled.move_to_end(grammar)
+            return hit
+        kind, spec = grammar
+        c = self._compiler
+        try:
+            # JSON without free whitespace (`{"a": 1, "b": [2, 3]}`): a model trained on
+            # JSON writes it that way anyway, and an unsure one cannot wander off into
+            # endless whitespace until max_tokens cuts it (an invalid, truncated output).
+            if kind == "json_schema":
+                json.loads(spec)  # a clear message for text that is not JSON at all
+                compiled = c.compile_grammar(self._json_ebnf(spec, strict=True))
+            elif kind == "json_object":  # any object, as OpenAI's json_object mode asks
+                compiled = c.compile_grammar(self._json_ebnf('{"type": "object"}', strict=False))
+            elif kind == "regex":
+                compiled = c.compile_regex(spec)
+            elif kind == "ebnf":
+                compiled = c.compile_grammar(spec)
+            elif kind == "structural_tag":
+                compiled = c.compile_structural_tag(spec)
+            else:
+                raise GrammarError(f"unknown grammar kind {kind!r}")
+        except DsakvError:
+            raise
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"invalid json schema: not JSON ({e})") from None
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = _LOCATION.sub("", text)  # "[time] /path/file.cc:94: " means nothing to users
+            raise GrammarError(f"invalid {kind.replace('_', ' ')}: {first}") from None
+        self._compiled[grammar] = compiled
+        if len(self._compiled) > self.max_entries:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _json_ebnf(self, schema: str, strict: bool) -> str:
+        """The schema's grammar, as EBNF with one fix: xgrammar 0.2's length-bounded strings
+        (`maxLength`) admit raw control characters, which JSON forbids (`json.loads` rejects
+        the output); they get the same character class as its unbounded strings."""
+        g = self._xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+        return str(g).replace(_LOOSE_CHAR, _JSON_CHAR)
+
+    def matcher(self, grammar: tuple[str, str]) -> Any:
+        """A fresh matcher (one per request: it carries that request's parse state)."""
+        return self._xgr.GrammarMatcher(self.compile(grammar))
+
+    def apply(self, logits: torch.Tensor, matchers: list[Any]) -> None:
+        """Mask, in place, every token each row's matcher forbids (rows with None are free)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        xgr = self._xgr
+        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(mask, i)
+        xgr.apply_token_bitmask_inplace(
+            logits, mask.to(logits.device), vocab_size=self.vocab_size, indices=rows
+        )

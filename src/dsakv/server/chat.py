@@ -1,0 +1,218 @@
+"""Chat requests in and out: messages and `tools` through the chat template into a prompt,
+`tool_choice` into a grammar, and generated text back into OpenAI messages and deltas with
+`reasoning_content` and `tool_calls`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from dsakv.errors import DsakvError
+
+from .parsers import (
+    TOOL_FORMATS,
+    ChatDelta,
+    ChatOutputParser,
+    ToolCallParser,
+    reasoning_parser,
+    resolve_parsers,
+    tool_call_structural_tag,
+)
+from .protocol import APIError, ChatCompletionRequest
+
+# Template arguments the server sets itself; chat_template_kwargs may not override them.
+_RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "tokenize", "conversation")
+
+
+@dataclass(frozen=True)
+class ChatParsers:
+    """The server's tool-call and reasoning parsers (None: that feature is off)."""
+
+    tool: str | None = None
+    reasoning: str | None = None
+
+    @classmethod
+    def for_model(
+        cls, model_type: str, tool: str | None = "auto", reasoning: str | None = "auto"
+    ) -> ChatParsers:
+        """Parsers by name ("auto": the model type's own, "none": off); unknown names raise
+        `DsakvError`."""
+        return cls(*resolve_parsers(model_type, tool, reasoning))
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request made ready for the engine, and how to read its output back."""
+
+    prompt: str
+    grammar: tuple[str, str] | None  # set when tool_choice forces a call
+    tool_schemas: dict[str, Any] | None  # name -> parameters; None: no tool-call parsing
+    parsers: ChatParsers
+
+    def output_parser(self) -> ChatOutputParser:
+        """A fresh parser for one choice's output."""
+        tools = None
+        if self.tool_schemas is not None and self.parsers.tool is not None:
+            tools = ToolCallParser(TOOL_FORMATS[self.parsers.tool], self.tool_schemas)
+        return ChatOutputParser(reasoning_parser(self.parsers.reasoning, self.prompt), tools)
+
+
+def prepare_chat(body: ChatCompletionRequest, tokenizer: Any, parsers: ChatParsers) -> PreparedChat:
+    """Render the prompt (tools included) and build the forcing grammar; bad input is a 400."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    schemas: dict[str, Any] = {}
+    for i, t in enumerate(tools):
+        fn = t["function"]
+        params = fn.get("parameters")
+        if params is not None and params.get("type", "object") != "object":
+            raise APIError(
+                400,
+                f"tools[{i}].function.parameters must be a JSON Schema of type object",
+                param="tools",
+            )
+        if fn["name"] in schemas:
+            raise APIError(400, f"tool {fn['name']!r} is defined twice", param="tools")
+        schemas[fn["name"]] = params or {}
+    choice = _tool_choice(body, schemas, parsers)
+
+    kwargs = dict(body.chat_template_kwargs or {})
+    for key in _RESERVED_KWARGS:
+        if key in kwargs:
+            raise APIError(
+                400, f"chat_template_kwargs may not set {key!r}", param="chat_template_kwargs"
+            )
+    try:
+        prompt = tokenizer.apply_chat_template(
+            [_template_message(i, m) for i, m in enumerate(body.messages)],
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **kwargs,
+        )
+    except APIError:
+        raise
+    except Exception as e:  # jinja raise_exception: bad roles / order
+        raise APIError(400, f"chat template failed: {e}", param="messages") from None
+
+    grammar = None
+    if choice == "required" or isinstance(choice, dict):
+        assert parsers.tool is not None  # _tool_choice checked
+        try:
+            spec = tool_call_structural_tag(
+                parsers.tool,
+                tools,
+                choice,
+                prompt,
+                reasoning=parsers.reasoning is not None,
+                parallel_tool_calls=body.parallel_tool_calls is not False,
+            )
+        except DsakvError as e:
+            raise APIError(400, str(e), param="tools") from None
+        grammar = ("structural_tag", spec)
+    parse_tools = choice != "none" and bool(schemas) and parsers.tool is not None
+    return PreparedChat(prompt, grammar, schemas if parse_tools else None, parsers)
+
+
+def _tool_choice(
+    body: ChatCompletionRequest, schemas: dict[str, Any], parsers: ChatParsers
+) -> str | dict[str, Any]:
+    """The effective tool_choice: "none", "auto", "required" or {"type": "function", ...}."""
+    choice: Any = body.tool_choice
+    if choice is None:
+        return "auto" if schemas else "none"
+    if not isinstance(choice, str):
+        choice = choice.model_dump()
+    if choice == "none":
+        return choice
+    if not schemas:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if isinstance(choice, dict) and choice["function"]["name"] not in schemas:
+        name = choice["function"]["name"]
+        raise APIError(
+            400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+        )
+    if parsers.tool is None and choice != "auto":
+        raise APIError(
+            400,
+            "this server has no tool-call parser (start it with --tool-call-parser)",
+            param="tool_choice",
+        )
+    return choice
+
+
+def _template_message(i: int, m: Any) -> dict[str, Any]:
+    """One message as chat templates expect it: text content, tool-call arguments as dicts."""
+    out: dict[str, Any] = {"role": m.role, "content": content_text(m.content)}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
+    if m.tool_calls:
+        calls = []
+        for j, tc in enumerate(m.tool_calls):
+            try:
+                args = json.loads(tc.function.arguments or "{}")
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise APIError(
+                    400,
+                    f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object",
+                    param="messages",
+                )
+            calls.append(
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {"name": tc.function.name, "arguments": args},
+                }
+            )
+        out["tool_calls"] = calls
+    return out
+
+
+def content_text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.type != "text":
+            raise APIError(
+                400, f"content part type {part.type!r} is not supported", param="messages"
+            )
+        parts.append(part.text or "")
+    return "".join(parts)
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def chat_message(parser: ChatOutputParser) -> dict[str, Any]:
+    """The assistant message of a finished (fully fed) parser."""
+    calls = parser.tool_calls
+    msg: dict[str, Any] = {
+        "role": "assistant",
+        "content": parser.content or (None if calls else ""),
+    }
+    if parser.reasoning is not None:
+        msg["reasoning_content"] = parser.reasoning
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def chat_delta(d: ChatDelta) -> dict[str, Any]:
+    """A streamed `delta` object for what one step settled."""
+    delta: dict[str, Any] = {}
+    if d.reasoning:
+        delta["reasoning_content"] = d.reasoning
+    if d.content:
+        delta["content"] = d.content
+    if d.tool_calls:
+        delta["tool_calls"] = d.tool_calls
+    return delta
+
+
+def finish_reason(parser: ChatOutputParser, reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" when the model stopped after calling tools."""
+    return "tool_calls" if reason == "stop" and parser.tool_calls else reason

@@ -1,0 +1,446 @@
+"""Tool-call and reasoning parsers for chat completions: GLM-4.5/4.7/5 and DeepSeek-V3.2.
+
+Both are incremental: `feed` takes each new piece of generated text and returns what is
+settled (text that could still turn out to start a tag is held back); a non-streamed
+response is the same parser fed the whole text at once, so streamed and non-streamed
+results cannot disagree. Malformed or cut-off markup never raises: a call whose name was
+read is closed with the arguments read so far, everything else stays content.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import regex
+
+from dsakv.errors import DsakvError
+
+TOOL_PARSERS = ("glm47", "glm45", "deepseekv32")
+REASONING_PARSERS = ("glm45", "deepseek-v3")
+# model_type -> (tool-call parser, reasoning parser) used when the server is not told.
+DEFAULT_PARSERS = {
+    "glm_moe_dsa": ("glm47", "glm45"),
+    "deepseek_v32": ("deepseekv32", "deepseek-v3"),
+}
+THINK_START, THINK_END = "<think>", "</think>"
+_TEXT = "text"  # the parser state outside any tool-call markup
+
+
+def resolve_parsers(
+    model_type: str, tool_parser: str | None, reasoning_parser: str | None
+) -> tuple[str | None, str | None]:
+    """The parser names to use: "auto" (or None) picks the model type's default, "none"
+    turns a parser off; anything unknown is a `DsakvError`."""
+    defaults = DEFAULT_PARSERS.get(model_type, (None, None))
+    out = []
+    for name, known, default, what in (
+        (tool_parser, TOOL_PARSERS, defaults[0], "tool-call"),
+        (reasoning_parser, REASONING_PARSERS, defaults[1], "reasoning"),
+    ):
+        if name in (None, "auto"):
+            out.append(default)
+        elif name == "none":
+            out.append(None)
+        elif name in known:
+            out.append(name)
+        else:
+            choices = ", ".join((*known, "auto", "none"))
+            raise DsakvError(f"unknown {what} parser {name!r} (choose from {choices})")
+    return out[0], out[1]
+
+
+# --- tool-call formats ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """One markup element a state accepts: `kind` says what a match means ("start" a call
+    named `name`, an "arg" `key`/`value`, a whole "json" argument object, the call's "end",
+    "start_end" for a call without arguments, or "skip"), `next` the state after it."""
+
+    pattern: regex.Pattern[str]
+    kind: str
+    next: str
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """A model's tool-call markup: the trigger that opens it, and per state the rules that may
+    follow (mutually exclusive from their first character, so the first full match is the
+    only one). `structural_tag` names xgrammar's builtin grammar for the same format."""
+
+    trigger: str
+    first: str
+    states: Mapping[str, tuple[_Rule, ...]]
+    structural_tag: str
+
+
+def _rule(pattern: str, kind: str, next: str) -> _Rule:
+    return _Rule(regex.compile(pattern, regex.DOTALL), kind, next)
+
+
+# GLM-4.7/5: <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>;
+# GLM-4.5/4.6 put newlines after the name and between pairs (the \s* below).
+_GLM = ToolFormat(
+    trigger="<tool_call>",
+    first="name",
+    states={
+        "name": (
+            _rule(r"\s*(?P<name>[^\s<>]+)\s*</tool_call>", "start_end", _TEXT),
+            _rule(r"\s*(?P<name>[^\s<>]+)\s*(?=<arg_key>)", "start", "args"),
+        ),
+        "args": (
+            _rule(
+                r"\s*<arg_key>\s*(?P<key>[^<>]*?)\s*</arg_key>\s*"
+                r"<arg_value>(?P<value>.*?)</arg_value>",
+                "arg",
+                "args",
+            ),
+            _rule(r"\s*</tool_call>", "end", _TEXT),
+        ),
+    },
+    structural_tag="glm_4_7",
+)
+
+_D = "｜DSML｜"  # fullwidth vertical bars (U+FF5C), as DeepSeek-V3.2 spells them
+# DeepSeek-V3.2 DSML: parameters with string="true" (raw text) or "false" (JSON); some
+# outputs put one JSON object in the invoke instead.
+_DEEPSEEK = ToolFormat(
+    trigger=f"<{_D}function_calls>",
+    first="block",
+    states={
+        "block": (
+            _rule(rf'\s*<{_D}invoke\s+name="(?P<name>[^"<>]*)"\s*>', "start", "invoke"),
+            _rule(rf"\s*</{_D}function_calls>", "skip", _TEXT),
+        ),
+        "invoke": (
+            _rule(
+                rf'\s*<{_D}parameter\s+name="(?P<key>[^"<>]*)"\s+string="(?P<string>true|false)"'
+                rf"\s*>(?P<value>.*?)</{_D}parameter>",
+                "arg",
+                "invoke",
+            ),
+            _rule(rf"\s*(?P<json>\{{.*?\}})\s*</{_D}invoke>", "json", "block"),
+            _rule(rf"\s*</{_D}invoke>", "end", "block"),
+        ),
+    },
+    structural_tag="deepseek_v3_2",
+)
+
+TOOL_FORMATS = {"glm47": _GLM, "glm45": _GLM, "deepseekv32": _DEEPSEEK}
+
+
+def _partial_suffix(text: str, tags: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:n]):
+                best = n
+                break
+    return best
+
+
+def _held_back(text: str, trigger: str) -> int:
+    """How much of `text`'s end to hold back: a possible start of `trigger`, and the
+    whitespace before it (dropped if a call follows, so content is not just a newline)."""
+    keep = _partial_suffix(text, [trigger])
+    head = text[: len(text) - keep]
+    return keep + len(head) - len(head.rstrip())
+
+
+def _declared_types(schema: Any) -> set[str]:
+    t = schema.get("type") if isinstance(schema, dict) else None
+    return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+
+
+def _typed(raw: str, is_string: bool) -> Any:
+    """A raw argument value as JSON: strings stay as written, anything else is parsed (and
+    kept as a string when it is not valid JSON)."""
+    if is_string:
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+@dataclass
+class ToolCallDelta:
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ToolCallParser:
+    """Incremental parser of one response's tool calls in `fmt`. `tools` maps each tool's
+    name to its parameters schema, which types GLM's argument values."""
+
+    def __init__(self, fmt: ToolFormat, tools: Mapping[str, Any] | None = None) -> None:
+        self.fmt = fmt
+        self.tools = dict(tools or {})
+        self.content = ""
+        self.calls: list[dict[str, Any]] = []  # OpenAI tool_calls, arguments as JSON text
+        self._buf = ""
+        self._state = _TEXT
+        self._open = False  # a call is open (its arguments object not yet closed)
+        self._args = 0  # arguments written into the open call
+        self._block_calls = 0  # calls started since the last trigger
+
+    def feed(self, text: str, final: bool = False) -> ToolCallDelta:
+        """Consume `text`; return the settled content and tool-call deltas. `final` flushes
+        whatever was held back (closing a cut-off call)."""
+        self._buf += text
+        out = ToolCallDelta()
+        pos = 0
+        while True:
+            if self._state == _TEXT:
+                i = self._buf.find(self.fmt.trigger, pos)
+                if i < 0:
+                    keep = 0 if final else _held_back(self._buf[pos:], self.fmt.trigger)
+                    out.content += self._buf[pos : len(self._buf) - keep]
+                    pos = len(self._buf) - keep
+                    break
+                out.content += self._buf[pos:i].rstrip()  # the call's lead-in whitespace
+                pos = i + len(self.fmt.trigger)
+                self._state, self._block_calls = self.fmt.first, 0
+                continue
+            step = self._match(pos)
+            if step is None and not final:
+                break  # could still become valid markup: wait for more text
+            if step is None or step is False:  # malformed, or cut off at the end
+                if self._open:
+                    self._close(out)
+                elif self._block_calls == 0:
+                    out.content += self.fmt.trigger  # not a call after all: show it as text
+                self._state = _TEXT
+                continue
+            m, rule = step
+            self._apply(m, rule, out)
+            pos, self._state = m.end(), rule.next
+        self._buf = self._buf[pos:]
+        self.content += out.content
+        out.tool_calls = _merge(out.tool_calls)
+        return out
+
+    def _match(self, pos: int) -> tuple[regex.Match[str], _Rule] | None | bool:
+        """The full match at `pos`, None if one may still come, False if none can."""
+        waiting = False
+        for rule in self.fmt.states[self._state]:
+            m = rule.pattern.match(self._buf, pos, partial=True)
+            if m is None:
+                continue
+            if m.partial:
+                waiting = True
+            elif rule.kind != "json" or self._json_args(m["json"]) is not None:
+                return m, rule
+        return None if waiting else False
+
+    def _json_args(self, text: str) -> dict[str, Any] | None:
+        if self._args:
+            return None
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return None
+        return obj if isinstance(obj, dict) else None
+
+    def _apply(self, m: regex.Match[str], rule: _Rule, out: ToolCallDelta) -> None:
+        if rule.kind in ("start", "start_end"):
+            call = {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": m["name"], "arguments": ""},
+            }
+            self.calls.append(call)
+            out.tool_calls.append({"index": len(self.calls) - 1, **json.loads(json.dumps(call))})
+            self._open, self._args = True, 0
+            self._block_calls += 1
+            if rule.kind == "start_end":
+                self._close(out)
+        elif rule.kind == "arg":
+            name = self.calls[-1]["function"]["name"]
+            if m.groupdict().get("string") is not None:
+                is_string = m["string"] == "true"
+            else:
+                schema = self.tools.get(name) or {}
+                prop = (schema.get("properties") or {}).get(m["key"])
+                is_string = _declared_types(prop) == {"string"}
+            # GLM's markup (and xgrammar's grammar for it) treats the whitespace around a
+            # value as layout, not data; DSML strings are taken verbatim.
+            raw = m["value"] if m.groupdict().get("string") == "true" else m["value"].strip()
+            value = _typed(raw, is_string)
+            sep = ", " if self._args else "{"
+            self._emit(
+                out,
+                f"{sep}{json.dumps(m['key'], ensure_ascii=False)}: "
+                f"{json.dumps(value, ensure_ascii=False)}",
+            )
+            self._args += 1
+        elif rule.kind == "json":
+            self._emit(out, json.dumps(self._json_args(m["json"]), ensure_ascii=False))
+            self._open = False
+        elif rule.kind == "end":
+            self._close(out)
+
+    def _close(self, out: ToolCallDelta) -> None:
+        self._emit(out, "}" if self._args else "{}")
+        self._open = False
+
+    def _emit(self, out: ToolCallDelta, fragment: str) -> None:
+        self.calls[-1]["function"]["arguments"] += fragment
+        out.tool_calls.append({"index": len(self.calls) - 1, "function": {"arguments": fragment}})
+
+
+def _merge(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fold consecutive deltas of the same call into one (one entry per index per chunk)."""
+    merged: list[dict[str, Any]] = []
+    for d in deltas:
+        if merged and merged[-1]["index"] == d["index"]:
+            merged[-1]["function"]["arguments"] += d["function"]["arguments"]
+        else:
+            merged.append(d)
+    return merged
+
+
+# --- reasoning --------------------------------------------------------------------------------
+
+
+class ReasoningParser:
+    """Splits reasoning (before `</think>`) from content. Reasoning starts at once when the
+    prompt already ended with `<think>`, or when the output opens with `<think>`; `stop_tags`
+    also end it but stay in the content (GLM may go straight to a `<tool_call>`)."""
+
+    def __init__(self, in_reasoning: bool, stop_tags: Sequence[str] = ()) -> None:
+        self._state = "reasoning" if in_reasoning else "start"
+        self._stop_tags = tuple(stop_tags)
+        self._buf = ""
+        self.reasoning = ""
+        self.seen = in_reasoning  # a reasoning section was opened
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """Consume `text`; return the settled (reasoning, content) pieces."""
+        self._buf += text
+        reasoning = content = ""
+        if self._state == "start":
+            stripped = self._buf.lstrip()
+            if stripped.startswith(THINK_START):
+                self._buf = stripped[len(THINK_START) :]
+                self._state, self.seen = "reasoning", True
+            elif not final and THINK_START.startswith(stripped):
+                return "", ""
+            else:
+                self._state = "content"
+        if self._state == "reasoning":
+            tags = (THINK_END, *self._stop_tags)
+            hits = [(i, t) for t in tags if (i := self._buf.find(t)) >= 0]
+            if hits:
+                i, tag = min(hits)
+                reasoning = self._buf[:i]
+                self._buf = self._buf[i + (len(tag) if tag == THINK_END else 0) :]
+                self._state = "content"
+            else:
+                keep = 0 if final else _partial_suffix(self._buf, tags)
+                reasoning, self._buf = (
+                    self._buf[: len(self._buf) - keep],
+                    self._buf[len(self._buf) - keep :],
+                )
+        if self._state == "content":
+            content, self._buf = self._buf, ""
+        self.reasoning += reasoning
+        return reasoning, content
+
+
+def reasoning_parser(name: str | None, prompt: str) -> ReasoningParser | None:
+    """The reasoning parser `name` for a response to `prompt` (None: no reasoning split)."""
+    if name is None:
+        return None
+    if name not in REASONING_PARSERS:
+        raise DsakvError(f"unknown reasoning parser {name!r}")
+    stop_tags = (_GLM.trigger,) if name == "glm45" else ()
+    return ReasoningParser(prompt.rstrip().endswith(THINK_START), stop_tags)
+
+
+# --- both together ----------------------------------------------------------------------------
+
+
+@dataclass
+class ChatDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+class ChatOutputParser:
+    """Reasoning split first, then tool calls in what follows the reasoning."""
+
+    def __init__(
+        self, reasoning: ReasoningParser | None = None, tools: ToolCallParser | None = None
+    ) -> None:
+        self.reasoning_parser, self.tool_parser = reasoning, tools
+        self.content = ""
+
+    def feed(self, text: str, final: bool = False) -> ChatDelta:
+        reasoning, content = "", text
+        if self.reasoning_parser is not None:
+            reasoning, content = self.reasoning_parser.feed(text, final)
+        calls: list[dict[str, Any]] = []
+        if self.tool_parser is not None:
+            d = self.tool_parser.feed(content, final)
+            content, calls = d.content, d.tool_calls
+        self.content += content
+        return ChatDelta(reasoning, content, calls)
+
+    @property
+    def reasoning(self) -> str | None:
+        r = self.reasoning_parser
+        return r.reasoning if r is not None and (r.seen or r.reasoning) else None
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return self.tool_parser.calls if self.tool_parser is not None else []
+
+
+# --- constrained tool calls ------------------------------------------------------------------
+
+_MAX_WHITESPACE = 4  # bounds whitespace runs inside constrained calls (no endless layout)
+
+
+def tool_call_structural_tag(
+    parser: str,
+    tools: list[dict[str, Any]],
+    tool_choice: str | dict[str, Any],
+    prompt: str,
+    reasoning: bool,
+    parallel_tool_calls: bool = True,
+) -> str:
+    """xgrammar's structural tag (JSON text) forcing `tool_choice` ("required" or a named
+    function) in `parser`'s own markup, arguments constrained by each tool's schema. When the
+    prompt leaves a reasoning block open (or reasoning is on and may open one), the grammar
+    lets it finish first."""
+    import xgrammar
+
+    if prompt.rstrip().endswith(THINK_START):
+        mode = "enabled"
+    elif reasoning and not prompt.rstrip().endswith(THINK_END):
+        mode = "auto"
+    else:
+        mode = "disabled"
+    try:
+        tag = xgrammar.get_model_structural_tag(
+            TOOL_FORMATS[parser].structural_tag,
+            tools=tools,
+            tool_choice=tool_choice,
+            reasoning=mode,
+            parallel_tool_calls=parallel_tool_calls,
+            max_whitespace_cnt=_MAX_WHITESPACE,
+        )
+    except (ValueError, TypeError) as e:
+        raise DsakvError(f"cannot build a tool-call grammar: {e}") from None
+    return tag.model_dump_json(exclude_none=True)

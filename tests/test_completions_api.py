@@ -1,0 +1,333 @@
+"""Completions features evaluators use, end to end through the `openai` client: `echo` with
+prompt logprobs, `n > 1`, lists of prompts, /tokenize and /detokenize; and the offline
+engine's teacher-forced prompt logprobs they are checked against."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from dsakv.engine import LLM, EngineConfig, SamplingParams
+from dsakv.errors import DsakvError
+from dsakv.models import ForwardBatch
+from dsakv.models.loader import load_model
+from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+from dsakv.server import make_server
+
+from .model_driver import make_pool
+from .test_server import TIMEOUT, _free_port, _running
+
+MODEL = "tiny-dense"
+# index_topk covers every context here, so DSA attends to all tokens and a chunked,
+# prefix-cached prefill must give the same numbers as one full-sequence forward.
+ENGINE_ARGS = dict(
+    kv_cache_dtype="fp32",
+    index_k_dtype="fp32",
+    num_pages=96,
+    page_size=16,
+    chunked_prefill_size=40,
+    device="cpu",
+)
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog, then naps in the warm sun until dusk.",
+    "Evaluators score models with loglikelihoods: every prompt token needs its logprob. "
+    "That is why echo matters.",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    preset = copy.deepcopy(TINY_PRESETS["glm-tiny"])
+    preset["index_topk"] = 4096
+    return write_tiny_model(tmp_path_factory.mktemp("cmpl") / MODEL, preset=preset, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> LLM:
+    return LLM(str(model_dir), **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS)
+    server, async_engine = make_server(config, port=_free_port(), log_level="warning")
+    try:
+        with _running(server) as base:
+            yield base, async_engine
+    finally:
+        async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base(served) -> str:
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def client(base) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def _counters(async_engine) -> dict[str, float]:
+    async def get():
+        return await asyncio.wait_for(async_engine.call(lambda e: e.counters()), TIMEOUT)
+
+    return asyncio.run(get())
+
+
+def _full_forward_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
+    """log_softmax of one prefill over the whole sequence: row p scores token p + 1."""
+    model, config, plan = load_model(str(model_dir))
+    pool = make_pool(config, plan, num_tokens=256)
+    fb = ForwardBatch.from_requests([ids], [torch.arange(len(ids))])
+    with torch.inference_mode():
+        logits = model.compute_logits(model(fb, pool))
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+# --- offline: teacher-forced prompt logprobs -----------------------------------------------------
+
+
+def test_prompt_logprobs_are_teacher_forced_whatever_the_cache(model_dir, reference):
+    """Scores match a full-sequence forward, chunked or not, with the prompt's prefix already
+    in the prefix cache (the scored request must not skip those rows)."""
+    ids = reference.tokenizer.encode(TEXTS[0] * 2, add_special_tokens=False)
+    full = _full_forward_logprobs(model_dir, ids)
+    want = [None] + [float(full[p, ids[p + 1]]) for p in range(len(ids) - 1)]
+    reference.generate([ids[:70]], SamplingParams(max_tokens=1, temperature=0))  # cache it
+    hits = reference.engine.scheduler.stats.prefix_hit_tokens
+    (out,) = reference.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=3))
+    assert reference.engine.scheduler.stats.prefix_hit_tokens == hits  # scored from row 0
+    assert out.token_ids == [] and out.finish_reason == "length"
+    assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+    got = out.prompt_logprobs[1:]
+    assert max(abs(a - b) for a, b in zip(got, want[1:])) < 1e-4
+    for p in range(1, len(ids)):
+        top = out.prompt_top_logprobs[p]
+        ref_v, ref_i = torch.topk(full[p - 1], 3)
+        assert [t for t, _ in top] == ref_i.tolist()
+        assert max(abs(x - float(v)) for (_, x), v in zip(top, ref_v)) < 1e-4
+    reference.engine.check_integrity()
+
+
+def test_forks_share_the_prompt_pages(reference):
+    """n choices: the first runs the prompt, the others start from its cached pages."""
+    ids = reference.tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    engine = reference.engine
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    reqs = engine.add_requests(ids, params, 4)
+    while engine.has_unfinished():
+        engine.step()
+    full_pages = (len(ids) - 1) // ENGINE_ARGS["page_size"] * ENGINE_ARGS["page_size"]
+    assert reqs[0].metrics.prefix_hit_tokens == 0
+    assert [r.metrics.prefix_hit_tokens for r in reqs[1:]] == [full_pages] * 3
+    assert len({tuple(r.output_ids) for r in reqs}) == 1  # greedy: the same completion
+    assert all(r.prompt_logprobs == reqs[0].prompt_logprobs for r in reqs[1:])
+    engine.check_integrity()
+
+
+# --- echo -----------------------------------------------------------------------------------------
+
+
+def test_echo_logprobs_equal_offline_teacher_forced(client, reference, model_dir):
+    refs = reference.generate(TEXTS, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    r = client.completions.create(
+        model=MODEL, prompt=TEXTS, max_tokens=0, echo=True, logprobs=2, temperature=0
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 0
+    assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in refs)
+    for choice, text, ref in zip(r.choices, TEXTS, refs):
+        lp = choice.logprobs
+        assert choice.text == text
+        assert len(lp.tokens) == len(ref.prompt_token_ids) == len(lp.text_offset)
+        assert "".join(lp.tokens) == text  # byte-level tokens of ASCII text
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        diffs = [abs(a - b) for a, b in zip(lp.token_logprobs[1:], ref.prompt_logprobs[1:])]
+        assert max(diffs) < 1e-5
+        for top, ref_top in zip(lp.top_logprobs[1:], ref.prompt_top_logprobs[1:]):
+            # keyed by token text: two undecodable bytes ("\ufffd") may share a key
+            assert 1 <= len(top) <= 2
+            assert max(top.values()) == pytest.approx(ref_top[0][1], abs=1e-5)
+            assert all(any(abs(v - x) < 1e-5 for _, x in ref_top) for v in top.values())
+    # ...and the offline engine agrees with one full-sequence forward.
+    ids = refs[1].prompt_token_ids
+    full = _full_forward_logprobs(model_dir, ids)
+    want = [float(full[p, ids[p + 1]]) for p in range(len(ids) - 1)]
+    assert max(abs(a - b) for a, b in zip(refs[1].prompt_logprobs[1:], want)) < 1e-4
+
+
+def test_echo_with_generation_and_lm_eval_shape(client, reference):
+    """lm-eval's loglikelihood request: token ids, echo, max_tokens 1, logprobs 1."""
+    ids = reference.tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    (ref,) = reference.generate(
+        [ids], SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1)
+    )
+    body = {"prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    out = httpx.post(f"{client.base_url}completions", json=body, timeout=TIMEOUT).json()
+    (choice,) = out["choices"]
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1
+    assert choice["text"] == TEXTS[0] + ref.text
+    assert lp["token_logprobs"][-1] == pytest.approx(ref.logprobs[0], abs=1e-5)
+    # is_greedy as lm-eval computes it: each token's logprob equals its top-1 logprob.
+    pairs = zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:])
+    greedy = [t == max(top.values()) for t, top in pairs]
+    want = [ref.prompt_top_logprobs[p][0][0] == ids[p] for p in range(1, len(ids))]
+    assert greedy[:-1] == want and greedy[-1]
+
+
+def test_echo_streaming_starts_with_the_prompt(base):
+    body = {
+        "prompt": TEXTS[0],
+        "max_tokens": 3,
+        "echo": True,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert chunks[0]["choices"][0]["text"].startswith(TEXTS[0])
+    plain = httpx.post(
+        f"{base}/v1/completions", json={**body, "stream": False}, timeout=TIMEOUT
+    ).json()
+    assert text == plain["choices"][0]["text"]
+
+
+# --- n, prompt lists -------------------------------------------------------------------------------
+
+
+def test_n_choices_greedy_and_seeded(client, reference, served):
+    before = _counters(served[1])["prefix_hit_tokens"]
+    r = client.completions.create(
+        model=MODEL, prompt=TEXTS[1], n=4, max_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    (ref,) = reference.generate(
+        [TEXTS[1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.text == ref.text for c in r.choices)
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == 20
+    n_pages = (len(ref.prompt_token_ids) - 1) // ENGINE_ARGS["page_size"]
+    hits = _counters(served[1])["prefix_hit_tokens"] - before
+    assert hits >= 3 * n_pages * ENGINE_ARGS["page_size"]  # the forks reused the prompt
+
+    kw = dict(model=MODEL, prompt=TEXTS[0], n=4, max_tokens=6, temperature=1.0, seed=7)
+    a = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    b = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1
+    for i, c in enumerate(a.choices):  # choice i samples with seed + i
+        sp = SamplingParams(max_tokens=6, temperature=1.0, seed=7 + i, ignore_eos=True)
+        assert c.text == reference.generate([TEXTS[0]], sp)[0].text
+
+
+def test_prompt_list_with_n_streams_by_index(client, base, reference):
+    body = {"prompt": TEXTS, "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()
+    texts = {c["index"]: c["text"] for c in plain["choices"]}
+    refs = reference.generate(TEXTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert texts == {i: refs[i // 2].text for i in range(4)}  # choice = prompt * n + j
+    got: dict[int, str] = {}
+    stream = client.completions.create(
+        model=MODEL, prompt=TEXTS, n=2, max_tokens=4, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for chunk in stream:
+        for c in chunk.choices:
+            got[c.index] = got.get(c.index, "") + c.text
+    assert got == texts
+
+
+def test_chat_n_choices(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        n=3,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) == 1
+    assert r.usage.completion_tokens == 12
+
+
+# --- /tokenize, /detokenize -------------------------------------------------------------------
+
+
+def test_tokenize_and_detokenize(base, reference):
+    tok = reference.tokenizer
+    r = httpx.post(f"{base}/tokenize", json={"prompt": TEXTS[0]}, timeout=TIMEOUT).json()
+    assert r["tokens"] == tok.encode(TEXTS[0], add_special_tokens=False)
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == reference.engine.max_model_len
+    back = httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}, timeout=TIMEOUT).json()
+    assert back == {"prompt": TEXTS[0]}
+    messages = [{"role": "user", "content": "Hello"}]
+    r = httpx.post(f"{base}/tokenize", json={"messages": messages}, timeout=TIMEOUT).json()
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert r["tokens"] == tok.encode(text, add_special_tokens=False)
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+_BAD = [
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 99}, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": ["ok", ""]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [99999]]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+    ("/detokenize", {"tokens": [1, 99999]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), _BAD, ids=range(len(_BAD)))
+def test_bad_input_is_a_400(base, served, path, body, param):
+    r = httpx.post(base + path, json=body, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param, err
+
+
+def test_still_serves_after_bad_input(client, served):
+    with pytest.raises(openai.BadRequestError, match="n must be in 1..16"):
+        client.completions.create(model=MODEL, prompt="x", n=40)
+    r = client.completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=2)
+    assert len(r.choices) == 4
+    counters = _counters(served[1])
+    assert counters["running_requests"] == 0 and counters["waiting_requests"] == 0
+
+
+def test_aborted_choices_free_everything(reference):
+    """Aborting a waiting fork drops it; aborting the first choice lets the others run alone."""
+    engine = reference.engine
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    reqs = engine.add_requests(TEXTS[0], params, 3)
+    engine.abort(reqs[1].rid)  # still waiting for the prompt
+    engine.step()
+    engine.abort(reqs[0].rid)  # mid-prefill: its remaining fork starts on its own
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.finish_reason for r in reqs] == ["abort", "abort", "length"]
+    assert len(reqs[2].output_ids) == 3
+    engine.check_integrity()
+    with pytest.raises(DsakvError, match="n must be in 1..16"):
+        engine.add_requests("x", params, 17)

@@ -1,0 +1,193 @@
+"""The engine across ranks (gloo on CPU): `LLM(tp=2)`, expert parallel, DP attention, the
+host tier under TP, bad flag combinations, and `dsakv serve --tp 2` end to end."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dsakv import LLM, SamplingParams
+from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+
+EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _dense_topk(preset: str) -> dict:
+    """The preset with index_topk covering every context here: exact equality is fair."""
+    return {**TINY_PRESETS[preset], "index_topk": 1024}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    return {
+        "glm": str(write_tiny_model(root / "glm", _dense_topk("glm-tiny"))),
+        "deepseek": str(write_tiny_model(root / "deepseek", _dense_topk("deepseek-tiny"))),
+        "glm-sparse": str(write_tiny_model(root / "glm-sparse", "glm-tiny")),
+    }
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 8, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _generate(model: str, prompts, params=GREEDY, **kw) -> tuple[list[list[int]], dict]:
+    with LLM(model, **{**EXACT, "num_pages": 48, **kw}) as llm:
+        outs = llm.generate(prompts, params)
+        llm.engine.check_integrity()
+        counters = llm.engine.counters()
+        if kw.get("dp_attention"):
+            counters["per_rank"] = llm.engine.rank_counters()
+    return [o.token_ids for o in outs], counters
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    prompts = _prompts(6)
+    return prompts, {name: _generate(path, prompts)[0] for name, path in models.items()}
+
+
+@pytest.mark.parametrize("model", ["glm", "deepseek"])
+@pytest.mark.parametrize(
+    "parallel",
+    [dict(tp=2), dict(tp=2, ep=2), dict(tp=2, dp_attention=True)],
+    ids=["tp2", "tp2-ep2", "dp-attention"],
+)
+def test_greedy_tokens_equal_one_rank(models, reference, model, parallel):
+    prompts, ref = reference
+    tokens, counters = _generate(models[model], prompts, **parallel)
+    assert tokens == ref[model]
+    if parallel.get("dp_attention"):
+        # Each rank has its own pool: the aggregate holds twice the pages, and both served.
+        assert counters["pages_total"] == 2 * 48
+        assert [c["finished_requests"] > 0 for c in counters["per_rank"]] == [True, True]
+        assert sum(c["finished_requests"] for c in counters["per_rank"]) == len(prompts)
+
+
+def test_tp_with_host_tier_retraction_and_prefix_cache(models, reference):
+    """Rank 0's host-tier copies are replayed on rank 1's pool replica: retraction to the
+    host and back, and prefix hits, still give the one-rank tokens."""
+    prompts, ref = reference
+    shared = prompts[0][:32]
+    batch = prompts + [shared + p[:8] for p in prompts[1:4]]
+    one, _ = _generate(models["glm"], batch, num_pages=12, host_pool_gib=0.01)
+    two, counters = _generate(models["glm"], batch, num_pages=12, host_pool_gib=0.01, tp=2)
+    assert two == one
+    assert two[: len(prompts)] == ref["glm"]
+    assert counters["retractions_to_host"] > 0 and counters["prefix_hit_tokens"] > 0
+
+
+def test_sparse_config_agreement(models, reference):
+    """index_topk 16 < context: TP changes reduction order, so a near-tie in the indexer can
+    pick another row. Measured: every token agreed on this workload."""
+    prompts, ref = reference
+    tokens, _ = _generate(models["glm-sparse"], prompts, tp=2)
+    pairs = [(a, b) for x, y in zip(tokens, ref["glm-sparse"]) for a, b in zip(x, y)]
+    agree = sum(a == b for a, b in pairs) / len(pairs)
+    print(f"tp=2 vs tp=1 greedy token agreement, index_topk 16: {agree:.4f}")
+    assert agree >= 0.9, agree
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tp", "3"], "num_attention_heads (4) is not divisible by --tp (3)"),
+        (["--tp", "2", "--ep", "4"], "--ep 4 is larger than --tp 2"),
+        (["--dp-attention"], "--dp-attention needs --tp N"),
+        (["--tp", "2", "--ep", "3"], "larger than --tp"),
+    ],
+)
+def test_bad_parallel_flags_are_one_error_line(models, flags, message):
+    r = subprocess.run(
+        [sys.executable, "-m", "dsakv.cli", "generate", models["glm"], "--prompt", "hi", *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split()[2] != "Z"
+
+
+def test_serve_tp2_answers_openai_and_dies_cleanly_with_a_rank(models):
+    import httpx
+    from openai import OpenAI
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "dsakv.cli", "serve", models["glm"], "--port", str(port)]
+    cmd += ["--tp", "2", "--num-pages", "32", "--kv-cache-dtype", "fp32"]
+    cmd += ["--index-k-dtype", "fp32", "--device", "cpu"]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        else:
+            pytest.fail("server did not come up: " + server.stderr.read())
+        client = OpenAI(base_url=f"{base}/v1", api_key="x")
+        with LLM(models["glm"], **EXACT, num_pages=32) as llm:
+            want = llm.generate("The sky", SamplingParams(max_tokens=8, temperature=0)).pop()
+        got = client.completions.create(model="glm", prompt="The sky", max_tokens=8, temperature=0)
+        assert got.choices[0].text == want.text
+        chat = client.chat.completions.create(
+            model="glm", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+        )
+        assert chat.choices[0].message.content is not None
+        stream = client.completions.create(
+            model="glm", prompt="The sky", max_tokens=8, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream) == want.text
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        assert "dsakv_" in metrics
+
+        children = _children(server.pid)
+        rank1 = [p for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(rank1) == 1, children
+        os.kill(rank1[0], signal.SIGKILL)
+        code = server.wait(timeout=60)
+        err = server.stderr.read()
+        assert code != 0
+        assert "rank 1 exited" in err, err
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in children), "orphaned rank processes"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

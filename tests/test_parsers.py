@@ -1,0 +1,405 @@
+"""Tool-call and reasoning parsers on text: every format variant, typed arguments, malformed
+and cut-off markup, streaming under arbitrary chunk splits; the forcing grammars (xgrammar
+structural tags) driven by random logits; the tiny models' chat templates."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsakv.errors import DsakvError
+from dsakv.models.tiny import EOS_ID, VOCAB_SIZE, write_tokenizer
+from dsakv.server.parsers import (
+    TOOL_FORMATS,
+    ChatOutputParser,
+    ReasoningParser,
+    ToolCallParser,
+    reasoning_parser,
+    resolve_parsers,
+    tool_call_structural_tag,
+)
+
+D = "｜DSML｜"
+SCHEMAS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "zip": {"type": "string"},
+            "opts": {"type": "object"},
+            "tags": {"type": "array"},
+            "metric": {"type": "boolean"},
+        },
+    },
+    "ping": {"type": "object", "properties": {}},
+}
+
+
+def _parse(parser: str, text: str) -> tuple[str, list[tuple[str, dict]]]:
+    p = ToolCallParser(TOOL_FORMATS[parser], SCHEMAS)
+    p.feed(text, final=True)
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in p.calls]
+    return p.content, calls
+
+
+GLM47 = (
+    "Let me check.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+    "<arg_key>days</arg_key><arg_value>3</arg_value><arg_key>zip</arg_key>"
+    '<arg_value>75001</arg_value><arg_key>opts</arg_key><arg_value>{"u": [1, null]}'
+    "</arg_value><arg_key>metric</arg_key><arg_value>true</arg_value></tool_call>"
+)
+GLM45 = (
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n"
+    "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n"
+    "<tool_call>ping\n</tool_call>"
+)
+DSML = (
+    f'Checking.\n\n<{D}function_calls>\n<{D}invoke name="get_weather">\n'
+    f'<{D}parameter name="city" string="true"> Paris </{D}parameter>\n'
+    f'<{D}parameter name="days" string="false">3</{D}parameter>\n'
+    f'<{D}parameter name="tags" string="false">["a", "b"]</{D}parameter>\n'
+    f'</{D}invoke>\n<{D}invoke name="ping">\n</{D}invoke>\n</{D}function_calls>'
+)
+DSML_JSON = (
+    f'<{D}function_calls>\n<{D}invoke name="get_weather">\n'
+    f'{{"city": "Rome", "days": 1}}\n</{D}invoke>\n</{D}function_calls> done'
+)
+
+
+def test_glm47_typed_arguments():
+    content, calls = _parse("glm47", GLM47)
+    assert content == "Let me check."
+    assert calls == [
+        (
+            "get_weather",
+            {"city": "Paris", "days": 3, "zip": "75001", "opts": {"u": [1, None]}, "metric": True},
+        )
+    ]
+
+
+def test_glm45_newline_variant_and_multiple_calls():
+    content, calls = _parse("glm45", GLM45)
+    assert calls == [("get_weather", {"city": "New York", "days": 2}), ("ping", {})]
+    assert content == ""  # whitespace leading into a call is layout, not content
+    assert _parse("glm47", GLM45) == (content, calls)  # one parser reads both
+
+
+def test_glm_unknown_tool_and_unparsable_values():
+    _, calls = _parse(
+        "glm47",
+        "<tool_call>other<arg_key>n</arg_key><arg_value>4.5</arg_value>"
+        "<arg_key>s</arg_key><arg_value>not json</arg_value></tool_call>",
+    )
+    assert calls == [("other", {"n": 4.5, "s": "not json"})]
+
+
+def test_dsml_parameters_and_json_body():
+    content, calls = _parse("deepseekv32", DSML)
+    assert content == "Checking."
+    assert calls == [
+        ("get_weather", {"city": " Paris ", "days": 3, "tags": ["a", "b"]}),
+        ("ping", {}),
+    ]
+    content, calls = _parse("deepseekv32", DSML_JSON)
+    assert calls == [("get_weather", {"city": "Rome", "days": 1})] and content == " done"
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [
+        ("glm47", "plain <b>text</b> only", "plain <b>text</b> only", []),
+        ("glm47", "a <tool_ca", "a <tool_ca", []),  # a trigger prefix at the end is text
+        ("glm47", "x<tool_call>", "x<tool_call>", []),
+        ("glm47", "x<tool_call>bad name<x>", "x<tool_call>bad name<x>", []),
+        # a call cut off mid-argument keeps what was read; the rest stays text
+        (
+            "glm47",
+            "<tool_call>ping<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b",
+            "<arg_key>b",
+            [("ping", {"a": 1})],
+        ),
+        # a missing <arg_value> ends the call there
+        (
+            "glm47",
+            "<tool_call>ping<arg_key>a</arg_key>oops</tool_call>after",
+            "<arg_key>a</arg_key>oops</tool_call>after",
+            [("ping", {})],
+        ),
+        ("deepseekv32", f"<{D}function_calls>hello", f"<{D}function_calls>hello", []),
+        (
+            "deepseekv32",
+            f'<{D}function_calls><{D}invoke name="ping">{{broken</{D}invoke>',
+            f"{{broken</{D}invoke>",
+            [("ping", {})],
+        ),
+        ("deepseekv32", f"<{D}function_ca", f"<{D}function_ca", []),
+    ],
+)
+def test_malformed_text_never_raises_and_stays_content(parser, text, content, calls):
+    assert _parse(parser, text) == (content, calls)
+
+
+def _stream(make, text: str, cuts: list[int]):
+    """Feed `text` in pieces split at `cuts`; reassemble content and tool-call deltas."""
+    p = make()
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    reasoning, content, calls = "", "", {}
+    for i, piece in enumerate(pieces):
+        d = p.feed(piece, final=i == len(pieces) - 1)
+        reasoning += d.reasoning
+        content += d.content
+        assert len({c["index"] for c in d.tool_calls}) == len(d.tool_calls)
+        for c in d.tool_calls:
+            slot = calls.setdefault(c["index"], {"name": None, "id": None, "arguments": ""})
+            fn = c["function"]
+            if "name" in fn:
+                assert slot["name"] is None
+                slot.update(name=fn["name"], id=c["id"])
+            slot["arguments"] += fn["arguments"]
+    return p, reasoning, content, [calls[i] for i in sorted(calls)]
+
+
+def _chat_parser(parser: str, prompt: str):
+    def make():
+        rp = reasoning_parser("glm45" if parser.startswith("glm") else "deepseek-v3", prompt)
+        return ChatOutputParser(rp, ToolCallParser(TOOL_FORMATS[parser], SCHEMAS))
+
+    return make
+
+
+_STREAM_CASES = [
+    ("glm47", "<|assistant|>", GLM47),
+    ("glm47", "<|assistant|>", "<think>hmm <tool_ a</think>" + GLM45),
+    ("glm47", "<|assistant|>", " <think>plan<tool_call>ping</tool_call>tail"),
+    ("glm47", "<|assistant|>", "x<tool_call>ping<arg_key>a</arg_key>oops</tool_call>y<tool_c"),
+    ("deepseekv32", "<|assistant|><think>", "why</thi</think>" + DSML),
+    ("deepseekv32", "<|assistant|></think>", DSML_JSON + f"<{D}function_calls>\n<{D}inv"),
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(_STREAM_CASES), data=st.data())
+def test_streaming_any_split_reassembles_to_the_whole(case, data):
+    parser, prompt, text = case
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    whole, r1, c1, calls1 = _stream(_chat_parser(parser, prompt), text, [])
+    p, r2, c2, calls2 = _stream(_chat_parser(parser, prompt), text, cuts)
+    assert (r2, c2) == (r1, c1) == (whole.reasoning or "", whole.content)
+    assert [(c["name"], c["arguments"]) for c in calls2] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls
+    ]
+    assert [c["id"] for c in calls2] == [c["id"] for c in p.tool_calls]
+    for c in calls2:
+        json.loads(c["arguments"])  # every reassembled call is complete JSON
+
+
+def test_streaming_holds_back_partial_tags():
+    p = ChatOutputParser(
+        ReasoningParser(True, ("<tool_call>",)), ToolCallParser(TOOL_FORMATS["glm47"], SCHEMAS)
+    )
+    d = p.feed("think </th")
+    assert (d.reasoning, d.content) == ("think ", "")
+    d = p.feed("ink>Hi <tool")
+    assert (d.reasoning, d.content, d.tool_calls) == ("", "Hi", [])
+    d = p.feed("_call>ping<arg_key>")
+    assert d.content == "" and d.tool_calls[0]["function"] == {"name": "ping", "arguments": ""}
+    assert d.tool_calls[0]["type"] == "function" and d.tool_calls[0]["id"].startswith("call_")
+    d = p.feed("a</arg_key><arg_value>1</arg_value>")
+    assert d.tool_calls == [{"index": 0, "function": {"arguments": '{"a": 1'}}]
+    d = p.feed("</tool_call>", final=True)
+    assert d.tool_calls == [{"index": 0, "function": {"arguments": "}"}}]
+    assert p.reasoning == "think " and p.content == "Hi"
+
+
+@pytest.mark.parametrize(
+    ("name", "prompt", "text", "reasoning", "content"),
+    [
+        ("glm45", "<|assistant|>", "<think>a</think>b", "a", "b"),
+        ("glm45", "<|assistant|>", "\n<think>a</think>\nb", "a", "\nb"),
+        ("glm45", "<|assistant|>", "no thinking", None, "no thinking"),
+        ("glm45", "<|assistant|><think>", "a<tool_call>x", "a", "<tool_call>x"),
+        ("glm45", "<|assistant|><think>", "cut off", "cut off", ""),
+        ("deepseek-v3", "<|assistant|><think>", "a<tool_call>x</think>b", "a<tool_call>x", "b"),
+        ("deepseek-v3", "<|assistant|></think>", "just </think> text", None, "just </think> text"),
+    ],
+)
+def test_reasoning_split(name, prompt, text, reasoning, content):
+    p = ChatOutputParser(reasoning_parser(name, prompt))
+    p.feed(text, final=True)
+    assert (p.reasoning, p.content) == (reasoning, content)
+
+
+def test_parser_names():
+    assert resolve_parsers("glm_moe_dsa", "auto", None) == ("glm47", "glm45")
+    assert resolve_parsers("deepseek_v32", None, "auto") == ("deepseekv32", "deepseek-v3")
+    assert resolve_parsers("deepseek_v32", "none", "glm45") == (None, "glm45")
+    assert resolve_parsers("llama", "auto", "auto") == (None, None)
+    for bad in (("x", None), (None, "y")):
+        with pytest.raises(DsakvError, match="unknown"):
+            resolve_parsers("glm_moe_dsa", *bad)
+
+
+# --- forcing grammars --------------------------------------------------------------------------
+
+_GRAMMAR_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "enum": ["Paris", "Rome"]},
+                    "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "pets": {"type": "boolean"},
+                    "note": {"type": "string", "maxLength": 6},
+                },
+                "required": ["city", "nights"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "ping",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("parser", ["glm47", "deepseekv32"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forcing_grammar_yields_schema_valid_calls(tokenizer, parser, choice):
+    """Random logits under the structural tag's mask always spell a call our parser reads,
+    with arguments valid for the schema."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB_SIZE)
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    tool_choice = (
+        choice if choice == "required" else {"type": "function", "function": {"name": "book"}}
+    )
+    prompt = "<|assistant|></think>"
+    spec = tool_call_structural_tag(parser, _GRAMMAR_TOOLS, tool_choice, prompt, True, False)
+    compiled = compiler.compile_structural_tag(spec)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in _GRAMMAR_TOOLS}
+    mask = xgr.allocate_token_bitmask(1, VOCAB_SIZE)
+    for seed in range(4):
+        matcher = xgr.GrammarMatcher(compiled)
+        g = torch.Generator().manual_seed(seed)
+        ids: list[int] = []
+        while not matcher.is_terminated():
+            assert len(ids) < 2000, "grammar did not finish"
+            logits = torch.randn(1, VOCAB_SIZE, generator=g)
+            matcher.fill_next_token_bitmask(mask)
+            xgr.apply_token_bitmask_inplace(logits, mask)
+            t = int(torch.argmax(logits))
+            assert matcher.accept_token(t)
+            ids.append(t)
+        assert ids[-1] == EOS_ID
+        p = ChatOutputParser(
+            reasoning_parser("glm45" if parser == "glm47" else "deepseek-v3", prompt),
+            ToolCallParser(TOOL_FORMATS[parser], schemas),
+        )
+        p.feed(tokenizer.decode(ids, skip_special_tokens=True), final=True)
+        assert len(p.tool_calls) == 1 and p.content == "" and p.reasoning is None
+        fn = p.tool_calls[0]["function"]
+        assert choice == "required" or fn["name"] == "book"
+        jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+
+
+def test_forcing_grammar_reasoning_modes(tokenizer):
+    """Reasoning left open by the prompt must close before the call; a closed (or absent)
+    block cannot be reopened; with reasoning on and nothing in the prompt, either works."""
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB_SIZE), max_threads=1
+    )
+    call = "<tool_call>book<arg_key>city</arg_key><arg_value>Rome</arg_value>" + (
+        "<arg_key>nights</arg_key><arg_value>2</arg_value></tool_call>"
+    )
+
+    def accepts(prompt: str, reasoning: bool, text: str) -> bool:
+        spec = tool_call_structural_tag("glm47", _GRAMMAR_TOOLS, "required", prompt, reasoning)
+        return xgr.GrammarMatcher(compiler.compile_structural_tag(spec)).accept_string(text)
+
+    assert accepts("x<think>", True, "hmm</think>" + call)
+    assert not accepts("x<think>", True, call)
+    assert accepts("x</think>", True, call) and not accepts("x</think>", True, "<think>")
+    assert accepts("x", True, "<think>a</think>" + call) and accepts("x", True, call)
+    assert accepts("x", False, call) and not accepts("x", False, "<think>")
+    _, calls = _parse("glm47", call)
+    assert calls == [("book", {"city": "Rome", "nights": 2})]
+    with pytest.raises(DsakvError):
+        named = {"type": "function", "function": {"name": "nope"}}
+        tool_call_structural_tag("glm47", _GRAMMAR_TOOLS, named, "", False)
+
+
+# --- tiny chat templates ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+def test_tiny_templates_render_tools_results_and_thinking(tmp_path, model_type):
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, model_type)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "need data",
+            "tool_calls": [call],
+        },
+        {"role": "tool", "content": "sunny"},
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "parameters": SCHEMAS["get_weather"]},
+        }
+    ]
+
+    def render(**kw):
+        return tok.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **kw
+        )
+
+    text = render()
+    assert '"name": "get_weather"' in text and "Be brief." in text
+    assert "<think>need data</think>" in text
+    if model_type == "glm_moe_dsa":
+        fmt = "glm47"
+        assert "<|observation|><tool_response>sunny</tool_response>" in text
+        assert text.endswith("<|assistant|>")
+        assert render(enable_thinking=False).endswith("<|assistant|>\n<think></think>")
+    else:
+        fmt = "deepseekv32"
+        assert "<function_results><result>sunny</result></function_results>" in text
+        assert text.endswith("<|assistant|></think>")
+        assert render(thinking=True).endswith("<|assistant|><think>")
+    # The history's call is written in the model's own markup: our parser reads it back.
+    turn = text.split("need data</think>")[1]
+    assert _parse(fmt, turn)[1] == [("get_weather", {"city": "Oslo", "days": 2})]

@@ -1,0 +1,305 @@
+"""Tool calls and reasoning through a real server (the `openai` client on 127.0.0.1), on the
+GLM and DeepSeek-V3.2 tiny models: forced calls are well formed even from random weights,
+streamed deltas reassemble into the non-streamed call, reasoning is split, bad input is a
+400 and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from dsakv.cli import main as cli_main
+from dsakv.engine import EngineConfig
+from dsakv.models.tiny import write_tiny_model
+from dsakv.server import make_server
+
+from .test_server import ENGINE_ARGS, TIMEOUT, _free_port, _running
+
+PRESETS = {"glm": "glm-tiny", "deepseek": "deepseek-tiny"}
+# GLM thinks unless told not to; DeepSeek-V3.2 only when told to.
+NO_THINKING = {"glm": {"enable_thinking": False}, "deepseek": {}}
+THINKING = {"glm": {}, "deepseek": {"thinking": True}}
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+FLAGS = {
+    "type": "function",
+    "function": {
+        "name": "set_flags",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "on": {"type": "boolean"},
+                "level": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "required": ["on", "level"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, FLAGS]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module", params=sorted(PRESETS))
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def served(family, tmp_path_factory):
+    """(client, base_url, model dir) of a server on `family`'s tiny model."""
+    path = write_tiny_model(tmp_path_factory.mktemp(family) / family, PRESETS[family], seed=0)
+    config = EngineConfig(model=str(path), **{**ENGINE_ARGS, "num_pages": 256})
+    server, async_engine = make_server(config, port=_free_port(), log_level="warning")
+    try:
+        with _running(server) as base:
+            client = openai.OpenAI(
+                base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0
+            )
+            yield client, base, path
+    finally:
+        async_engine.shutdown()
+
+
+def _chat(client, family: str, **kw):
+    kw.setdefault("messages", USER)
+    kw.setdefault("tools", TOOLS)
+    kw.setdefault("max_tokens", 400)
+    kw.setdefault("temperature", 0)
+    extra = {"chat_template_kwargs": kw.pop("template_kwargs", NO_THINKING[family])}
+    extra.update(kw.pop("extra_body", {}))
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, extra_body=extra, **kw
+    )
+
+
+def _valid_calls(calls) -> list[tuple[str, dict]]:
+    """(name, arguments) of each call, checked against its tool's schema."""
+    out = []
+    for c in calls:
+        assert c.type == "function" and c.id
+        args = json.loads(c.function.arguments)
+        jsonschema.validate(args, SCHEMAS[c.function.name])
+        out.append((c.function.name, args))
+    return out
+
+
+def _reassemble(chunks) -> dict:
+    """Fold streamed chunks into (reasoning, content, calls, finish_reason)."""
+    reasoning, content, calls, finish = "", "", {}, None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+            if tc.id:
+                assert slot["id"] is None, "id sent twice"
+                slot["id"] = tc.id
+            if tc.function and tc.function.name:
+                assert slot["name"] is None, "name sent twice"
+                slot["name"] = tc.function.name
+            slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = ch.choices[0].finish_reason or finish
+    ordered = [calls[i] for i in sorted(calls)]
+    return {"reasoning": reasoning, "content": content, "calls": ordered, "finish": finish}
+
+
+# --- forced calls -----------------------------------------------------------------------------
+
+
+def test_required_tool_call_is_valid_and_streams_the_same(served, family):
+    client = served[0]
+    r = _chat(client, family, tool_choice="required", parallel_tool_calls=False)
+    choice = r.choices[0]
+    calls = _valid_calls(choice.message.tool_calls)
+    assert len(calls) == 1 and choice.finish_reason == "tool_calls"
+    assert not choice.message.content  # nothing but the call
+
+    chunks = list(
+        _chat(client, family, tool_choice="required", parallel_tool_calls=False, stream=True)
+    )
+    s = _reassemble(chunks)
+    assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"]] == calls
+    assert [c["arguments"] for c in s["calls"]] == [
+        c.function.arguments for c in choice.message.tool_calls
+    ]
+    assert s["content"] == (choice.message.content or "") and s["finish"] == "tool_calls"
+    assert all(c["id"] and c["id"].startswith("call_") for c in s["calls"])
+
+
+def test_named_tool_call_picks_that_tool(served, family):
+    client = served[0]
+    named = {"type": "function", "function": {"name": "set_flags"}}
+    r = _chat(client, family, tool_choice=named, temperature=1.0, seed=2)
+    calls = _valid_calls(r.choices[0].message.tool_calls)
+    assert [name for name, _ in calls] == ["set_flags"]
+    assert r.choices[0].finish_reason == "tool_calls"
+    chunks = list(_chat(client, family, tool_choice=named, temperature=1.0, seed=2, stream=True))
+    s = _reassemble(chunks)
+    assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"]] == calls
+
+
+def test_tool_choice_none_and_auto_leave_plain_text_alone(served, family):
+    client = served[0]
+    r = _chat(client, family, tool_choice="none", max_tokens=12, extra_body={"ignore_eos": True})
+    msg = r.choices[0].message
+    assert msg.tool_calls is None and r.choices[0].finish_reason == "length"
+    assert len(msg.content) > 0
+    r = _chat(client, family, max_tokens=12, extra_body={"ignore_eos": True})  # auto
+    assert r.choices[0].message.tool_calls is None
+
+
+def test_tool_history_is_rendered(served, family):
+    client, _, path = served
+    history = USER + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    r = _chat(client, family, messages=history, max_tokens=2, tool_choice="none")
+    tok = AutoTokenizer.from_pretrained(path)
+    rendered = tok.apply_chat_template(
+        [
+            *USER,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}
+                ],
+            },
+            {"role": "tool", "content": "sunny, 21 C"},
+        ],
+        tools=TOOLS,
+        add_generation_prompt=True,
+        tokenize=False,
+        **NO_THINKING[family],
+    )
+    assert "sunny, 21 C" in rendered and "Oslo" in rendered
+    assert r.usage.prompt_tokens == len(tok(rendered, add_special_tokens=False)["input_ids"])
+
+
+# --- reasoning --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_is_split(served, family, stream):
+    """A regex makes even the random model think, then answer; the split must follow
+    whichever way the template opened reasoning (GLM: the model writes `<think>`;
+    DeepSeek-V3.2 with thinking: the prompt ends with it)."""
+    client = served[0]
+    opener = "<think>" if family == "glm" else ""
+    kw = dict(
+        tools=None,
+        template_kwargs=THINKING[family],
+        extra_body={"regex": opener + "[a-z]{3,6}</think>[a-z]{2,4}"},
+        stream=stream,
+    )
+    r = _chat(client, family, **kw)
+    if stream:
+        s = _reassemble(list(r))
+        reasoning, content = s["reasoning"], s["content"]
+    else:
+        reasoning = r.choices[0].message.reasoning_content
+        content = r.choices[0].message.content
+    assert reasoning.isalpha() and 3 <= len(reasoning) <= 6
+    assert content.isalpha() and 2 <= len(content) <= 4
+    # Without thinking the same text is all content (DeepSeek's prompt closes the block).
+    if family == "deepseek" and not stream:
+        r = _chat(client, family, tools=None, extra_body={"regex": "[a-z]{3,6}"})
+        assert r.choices[0].message.content.isalpha()
+        assert getattr(r.choices[0].message, "reasoning_content", None) is None
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+_NO_NAME = {"type": "function", "function": {"parameters": {"type": "object"}}}
+_NOT_OBJECT = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+_LIST_PARAMS = {"type": "function", "function": {"name": "f", "parameters": [1, 2]}}
+_BAD_TOOLS = [
+    ({"tools": [_NO_NAME]}, "tools"),
+    ({"tools": [_NOT_OBJECT]}, "tools"),
+    ({"tools": [_LIST_PARAMS]}, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "retrieval", "function": WEATHER["function"]}]}, "tools"),
+    (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    (
+        {
+            "messages": USER
+            + [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": "not json"},
+                        }
+                    ],
+                }
+            ]
+        },
+        "messages",
+    ),
+]
+
+
+def test_bad_tools_get_openai_400_and_server_keeps_serving(served, family):
+    client, base, _ = served
+    for extra, param in _BAD_TOOLS:
+        body = {"messages": USER, "max_tokens": 4, **extra}
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 400, (extra, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "invalid_request_error" and err["param"] == param, (extra, err)
+    r = _chat(client, family, tool_choice={"type": "function", "function": {"name": "set_flags"}})
+    assert _valid_calls(r.choices[0].message.tool_calls)
+
+
+def test_unknown_parser_names_are_one_line_cli_errors(capsys):
+    for flag in ("--tool-call-parser", "--reasoning-parser"):
+        with pytest.raises(SystemExit) as e:
+            cli_main(["serve", "glm-tiny", flag, "bogus"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and "bogus" in err[0]

@@ -1,0 +1,248 @@
+"""Structured output (xgrammar): a random tiny model's output under a grammar is valid by
+construction; checked with `jsonschema` / `re` through the server, batched, greedy and sampled."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+
+from dsakv.engine import LLM, EngineConfig, SamplingParams
+from dsakv.engine.grammar import GrammarCache
+from dsakv.errors import DsakvError
+from dsakv.models.tiny import write_tiny_model
+from dsakv.server import make_server
+
+from .test_server import TIMEOUT, _free_port, _running
+
+MODEL = "tiny-json"
+ENGINE_ARGS = dict(
+    kv_cache_dtype="fp32", index_k_dtype="fp32", num_pages=128, page_size=16, device="cpu"
+)
+MAX_TOKENS = 160  # every schema below has bounded strings / items / digits, so it ends sooner
+
+SCHEMAS = {
+    "required_fields": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "admin": {"type": "boolean"},
+        },
+        "required": ["name", "age", "admin"],
+        "additionalProperties": False,
+    },
+    "enum": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"const": "L"}},
+        "required": ["color", "size"],
+    },
+    "array_bounds": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -5, "maximum": 50},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "tags": {
+                        "type": "array",
+                        "items": {"type": "string", "maxLength": 3},
+                        "maxItems": 2,
+                    },
+                },
+                "required": ["x", "tags"],
+            },
+            "ok": {"type": ["boolean", "null"]},
+        },
+        "required": ["point", "ok"],
+    },
+    "pattern": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}},
+        "required": ["code"],
+    },
+    "number": {
+        "type": "object",
+        "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["score"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("json") / MODEL, preset="glm-tiny", seed=2)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS)
+    server, async_engine = make_server(config, port=_free_port(), log_level="warning")
+    try:
+        with _running(server) as base:
+            yield base, async_engine
+    finally:
+        async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base(served) -> str:
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def client(base) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def _schema_format(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}}
+
+
+def test_json_schema_outputs_validate_batched(client):
+    """Every schema, greedy and two seeds, chat and completions, all in flight at once (one
+    batch, one bitmask): each output parses and validates."""
+
+    def run(job):
+        name, seed, chat = job
+        sampling = dict(temperature=0) if seed is None else dict(temperature=1.0, seed=seed)
+        kw = dict(model=MODEL, max_tokens=MAX_TOKENS, response_format=_schema_format(name))
+        if chat:
+            r = client.chat.completions.create(
+                messages=[{"role": "user", "content": f"Give me {name} JSON"}], **kw, **sampling
+            )
+            return name, r.choices[0].message.content, r.choices[0].finish_reason
+        r = client.completions.create(
+            prompt=f"{name}:", extra_body={"response_format": kw.pop("response_format")},
+            **kw, **sampling,
+        )  # fmt: skip
+        return name, r.choices[0].text, r.choices[0].finish_reason
+
+    jobs = [(name, seed, chat) for name in SCHEMAS for seed in (None, 1, 2) for chat in (0, 1)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    for name, text, reason in results:
+        assert reason == "stop", (name, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[name])
+    # sampled outputs differ from one another: the mask constrains, it does not dictate
+    assert len({text for _, text, _ in results}) > len(SCHEMAS)
+
+
+def test_n_choices_each_follow_the_schema(client):
+    r = client.completions.create(
+        model=MODEL, prompt="x", n=4, max_tokens=MAX_TOKENS, temperature=1.0, seed=5,
+        extra_body={"response_format": _schema_format("required_fields")},
+    )  # fmt: skip
+    assert len(r.choices) == 4
+    for c in r.choices:
+        jsonschema.validate(json.loads(c.text), SCHEMAS["required_fields"])
+
+
+def test_json_object_regex_and_ebnf(client, base):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "JSON please"}],
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=3,
+        response_format={"type": "json_object"},
+    )
+    if r.choices[0].finish_reason == "stop":  # an arbitrary object may be long; if it ended...
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # ...else it is a prefix of one
+        assert r.choices[0].message.content.startswith("{")
+    regex = r"(cat|dog)-[0-9]{2,4}"
+    for field in ("regex", "guided_regex"):
+        body = {"prompt": "pet:", "max_tokens": 20, "temperature": 0, field: regex}
+        out = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()
+        assert re.fullmatch(regex, out["choices"][0]["text"]), out
+        assert out["choices"][0]["finish_reason"] == "stop"
+    ebnf = 'root ::= "yes" | "no" | "maybe " digit\ndigit ::= [0-9]'
+    body = {"prompt": "answer:", "max_tokens": 20, "temperature": 1.0, "seed": 0, "ebnf": ebnf}
+    out = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()
+    assert re.fullmatch(r"yes|no|maybe [0-9]", out["choices"][0]["text"]), out
+
+
+_BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+        "response_format",
+    ),
+    ({"guided_json": "{not json"}, "response_format"),
+    ({"regex": "(unclosed"}, "regex"),
+    ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
+    ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), _BAD, ids=range(len(_BAD)))
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_invalid_grammar_is_a_400(base, path, extra, param):
+    body = (
+        {"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]}
+    )
+    r = httpx.post(base + path, json={**body, **extra}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+def test_still_serves_after_bad_grammar(client, served):
+    with pytest.raises(openai.BadRequestError, match="invalid regex"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"regex": "[a-"})
+    r = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=10, temperature=0, extra_body={"regex": "[ab]{3}"}
+    )
+    assert re.fullmatch("[ab]{3}", r.choices[0].text)
+
+
+# --- the engine side ---------------------------------------------------------------------------
+
+
+def test_offline_grammar_mixed_batch_and_cache(model_dir):
+    """Constrained and free requests in one batch; the free ones are untouched by the mask,
+    and compiled grammars are cached (LRU, bounded)."""
+    llm = LLM(str(model_dir), **ENGINE_ARGS)
+    free = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    alone = llm.generate(["free text"], free)[0]
+    schema = json.dumps(SCHEMAS["enum"])
+    constrained = SamplingParams(max_tokens=40, temperature=0, grammar=("json_schema", schema))
+    outs = llm.generate(["free text", "json:", "json:"], [free, constrained, constrained])
+    assert outs[0].token_ids == alone.token_ids
+    for o in outs[1:]:
+        jsonschema.validate(json.loads(o.text), SCHEMAS["enum"])
+        assert o.finish_reason == "stop" and o.token_ids[-1] in llm.engine.eos_token_ids
+    cache = llm.engine.grammars
+    assert list(cache._compiled) == [("json_schema", schema)]
+    with pytest.raises(DsakvError, match="invalid regex"):
+        llm.engine.add_request("x", SamplingParams(grammar=("regex", "(")))
+    assert not llm.engine.has_unfinished()
+    llm.engine.check_integrity()
+
+
+def test_grammar_cache_is_bounded_and_masks_rows(model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    cache = GrammarCache(tok, 264, (257,), max_entries=2)
+    for i in range(4):
+        cache.compile(("regex", f"a{{{i + 1}}}"))
+    assert list(cache._compiled) == [("regex", "a{3}"), ("regex", "a{4}")]
+    logits = torch.zeros(3, 264)
+    cache.apply(logits, [cache.matcher(("regex", "b")), None, cache.matcher(("regex", "[cd]"))])
+    allowed = [torch.nonzero(row > float("-inf")).flatten().tolist() for row in logits]
+    assert allowed == [[ord("b")], list(range(264)), [ord("c"), ord("d")]]
