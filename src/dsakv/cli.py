@@ -55,6 +55,7 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.config import LayerPlan, ModelConfig
+    from dsakv.distributed import ParallelConfig
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_capacity
 
     config = ModelConfig.resolve(args.model)
@@ -69,12 +70,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     dense = elided.dense()
     if args.kv_budget_gib is None and args.gpu_memory_gib is None:
         args.kv_budget_gib = 100.0
-    weights = estimate_weight_bytes(config, plan, args.tp)
+    parallel = ParallelConfig(tp=args.tp, ep=args.ep, dp_attention=args.dp_attention)
+    parallel.check_model(config)
+    weights = estimate_weight_bytes(
+        config, plan, args.tp, ep=args.ep, dp_attention=args.dp_attention
+    )
+    weights_gib = args.weights_gib
+    if weights_gib is None and args.gpu_memory_gib is not None:
+        weights_gib = weights.total_bytes / (1 << 30)
     budget = dict(
         kv_budget_gib=args.kv_budget_gib,
         gpu_memory_gib=args.gpu_memory_gib,
         mem_fraction_static=args.mem_fraction_static,
-        weights_gib=args.weights_gib,
+        weights_gib=weights_gib,
         reserve_gib=args.reserve_gib,
         config=config,
         tp=args.tp,
@@ -111,7 +119,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "max_total_num_tokens_dense": cap_dense.max_total_num_tokens,
         "token_gain_pct": _gain(cap_elided.max_total_num_tokens, cap_dense.max_total_num_tokens),
         "tp": args.tp,
-        "weight_bytes_per_rank": chosen.weight_bytes,
+        "ep": args.ep,
+        "dp_attention": args.dp_attention,
+        "weight_bytes_per_rank": weights.total_bytes,
+        # Every rank holds a pool; plain TP replicates it, DP attention fills each its own.
+        "max_total_num_tokens_per_rank": chosen.max_total_num_tokens,
+        "max_total_num_tokens_aggregate": chosen.max_total_num_tokens * parallel.dp,
         "indexer_weight_bytes_saved": weights.indexer_bytes_saved,
     }
     if args.json:
@@ -140,7 +153,8 @@ def _plan_table(r: dict[str, Any], elided: Any, dense: Any, cap_e: Any, cap_d: A
         f"{r['num_shared_layers']} shared ({r['plan_source']})",
         f"layers: {r['layer_pattern']}",
         f"cache: latent {r['kv_cache_dtype']}, index-K {r['index_k_dtype']}, "
-        f"page size {r['page_size']}, TP {r['tp']}",
+        f"page size {r['page_size']}, TP {r['tp']}, EP {r['ep']}"
+        + (", DP attention" if r["dp_attention"] else ""),
         "",
         f"{'':24}{'dense':>16}{'elided':>16}{'gain':>10}",
     ]
@@ -152,6 +166,11 @@ def _plan_table(r: dict[str, Any], elided: Any, dense: Any, cap_e: Any, cap_d: A
         lines.append(f"{name:24}{fmt(d)}{fmt(e)}{gain}")
     lines.append("")
     lines.append(
+        f"weights per rank: {r['weight_bytes_per_rank'] / gib:.3f} GiB; KV tokens per rank "
+        f"{r['max_total_num_tokens_per_rank']:,}, in aggregate "
+        f"{r['max_total_num_tokens_aggregate']:,}"
+    )
+    lines.append(
         f"indexer weights not built by shared layers: {r['indexer_weight_bytes_saved'] / gib:.3f}"
         f" GiB per rank ({r['num_shared_layers']} layers)"
     )
@@ -162,6 +181,8 @@ def _add_plan(sub: Any) -> None:
     p = sub.add_parser("plan", help="KV capacity plan: bytes per token and pool tokens")
     p.add_argument("model", help="preset (glm-5, glm-5.2, deepseek-v3.2) or model path")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel degree")
+    p.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel groups")
+    p.add_argument("--dp-attention", action="store_true", help="one scheduler and pool per rank")
     p.add_argument("--kv-budget-gib", type=_positive_float, help="explicit KV budget")
     p.add_argument("--gpu-memory-gib", type=_positive_float, help="GPU memory per rank")
     p.add_argument("--mem-fraction-static", type=_positive_float, default=0.9)

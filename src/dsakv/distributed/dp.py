@@ -21,7 +21,13 @@ from .leader import Leader
 
 # Request fields that grow as it decodes, and the ones that are replaced.
 _GROWING = ("output_ids", "logprobs", "top_logprobs")
-_REPLACED = ("output_text", "finish_reason", "num_computed")
+_REPLACED = (
+    "output_text",
+    "finish_reason",
+    "num_computed",
+    "prompt_logprobs",
+    "prompt_top_logprobs",
+)
 
 
 @dataclass

@@ -365,11 +365,9 @@ class Engine:
         """Run one batch; returns the requests that got a token (finished ones included)."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        if not batch:
-            self._fail_unschedulable()
-            if not self.parallel.config.dp_attention:
-                return []
-            # Under DP attention an idle rank still joins the FFN collectives (empty batch).
+        failed = [] if batch else self._fail_unschedulable()
+        if not batch and not self.parallel.config.dp_attention:
+            return failed  # (under DP attention an idle rank still joins the collectives)
         new_tokens, slots = [], []
         for req, n in batch:
             end = req.num_computed + n
@@ -389,7 +387,7 @@ class Engine:
             if req.forks and not req.in_prefill:
                 self._release_forks(req)
         self.stats.computed_tokens += hidden.shape[0]
-        out: list[Request] = []
+        out: list[Request] = failed
         if logits is not None:
             out = self._sample([batch[i][0] for i in sampled], logits)
         self.stats.steps += 1
@@ -492,14 +490,16 @@ class Engine:
         self.stats.finished_requests += 1
         self.requests.pop(req.rid, None)
 
-    def _fail_unschedulable(self) -> None:
-        """With nothing running, a request that still cannot be admitted never will be."""
+    def _fail_unschedulable(self) -> list[Request]:
+        """With nothing running, a request that still cannot be admitted never will be:
+        finish it (returned, so whoever waits on it hears)."""
         s = self.scheduler
         if s.running or not s.waiting:
-            return
+            return []
         req = s.waiting[0]
         log.warning("request %d does not fit in the KV pool; finishing it", req.rid)
         self._finish(req, "length")
+        return [req]
 
     # --- introspection --------------------------------------------------------------------
 

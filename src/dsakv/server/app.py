@@ -483,14 +483,14 @@ class Handlers:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
-            try:
-                text = e.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=bool(body.add_generation_prompt), tokenize=False
-                )
-            except Exception as err:
-                raise APIError(400, f"chat template failed: {err}", param="messages") from None
-            tokens = e.encode(text)
+            if not body.messages:
+                raise APIError(400, "messages is empty", param="messages")
+            chat = ChatCompletionRequest(
+                messages=body.messages,
+                tools=body.tools,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+            tokens = e.encode(prepare_chat(chat, e.tokenizer, self.chat_parsers).prompt)
         else:
             tokens = e.tokenizer.encode(
                 body.prompt, add_special_tokens=bool(body.add_special_tokens)

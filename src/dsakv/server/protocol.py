@@ -162,9 +162,10 @@ class TokenizeRequest(_Strict):
 
     model: str | None = None
     prompt: str | None = None
+    add_special_tokens: bool | None = False  # for `prompt`; /v1/completions adds none
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = False
-    add_generation_prompt: bool | None = True
+    tools: list[Tool] | None = None  # with `messages`: rendered as chat renders them
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):
