@@ -191,3 +191,46 @@ def test_serve_tp2_answers_openai_and_dies_cleanly_with_a_rank(models):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def _generate_cli(model: str, *extra: str, env: dict | None = None) -> list[str]:
+    return [
+        sys.executable, "-m", "dsakv.cli", "generate", model, "--prompt", "The sky",
+        "--max-tokens", "6", "--json", "--num-pages", "16", "--kv-cache-dtype", "fp32",
+        "--index-k-dtype", "fp32", "--device", "cpu", *extra,
+    ]  # fmt: skip
+
+
+def test_two_nodes_on_one_machine_and_torchrun(models):
+    """`--nnodes 2 --node-rank K --dist-init-addr` (one rank per "node"), and torchrun's
+    environment, give the one-rank output; every process exits 0."""
+    import json
+
+    want = subprocess.run(_generate_cli(models["glm"]), capture_output=True, text=True)
+    assert want.returncode == 0, want.stderr
+    expected = json.loads(want.stdout)[0]["token_ids"]
+
+    addr = f"127.0.0.1:{_free_port()}"
+    nodes = [
+        subprocess.Popen(
+            _generate_cli(
+                models["glm"], "--tp", "2", "--nnodes", "2", "--node-rank", str(k),
+                "--dist-init-addr", addr,
+            ),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for k in (0, 1)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=180) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [o[1] for o in outs]
+    assert json.loads(outs[0][0])[0]["token_ids"] == expected
+    assert outs[1][0] == ""  # node 1 only follows
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--master-port", str(_free_port()), "-m", "dsakv.cli"]
+    r = subprocess.run(
+        torchrun + _generate_cli(models["glm"], "--tp", "2")[3:],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[0]["token_ids"] == expected

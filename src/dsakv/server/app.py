@@ -22,7 +22,7 @@ from dsakv.engine import SamplingParams
 from dsakv.engine.grammar import GrammarError
 from dsakv.errors import DsakvError
 
-from .chat import ChatParsers, chat_delta, chat_message, content_text, prepare_chat
+from .chat import ChatParsers, chat_delta, chat_message, prepare_chat
 from .chat import finish_reason as chat_finish_reason
 from .metrics import ServerMetrics
 from .protocol import (
