@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,7 +177,7 @@ def test_serve_tp2_answers_openai_and_dies_cleanly_with_a_rank(models):
         assert "dsakv_" in metrics
 
         children = _children(server.pid)
-        rank1 = [p for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        rank1 = [p for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(rank1) == 1, children
         os.kill(rank1[0], signal.SIGKILL)
         code = server.wait(timeout=60)

@@ -10,12 +10,13 @@ one `Engine`: requests that run elsewhere are mirrored in local `Request` object
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import Request, Status
 from dsakv.engine.sampling import SamplingParams
+from dsakv.errors import DsakvError
 
 from .leader import Leader
 
@@ -119,6 +120,8 @@ class DPEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         ids = self.local.prompt_ids(prompt)
+        if params.grammar is not None:  # a bad grammar is the client's 400, here and now
+            self.local.grammars.matcher(params.grammar)
         rank = self._pick_rank(len(ids))
         self._assigned_tokens[rank] += len(ids)
         if rank == 0:
@@ -128,6 +131,16 @@ class DPEngine:
         self._remote[mirror.rid] = (rank, mirror)
         self._adds.append((rank, mirror.rid, ids, params))
         return mirror
+
+    def add_requests(
+        self, prompt: str | list[int], params: SamplingParams, n: int = 1
+    ) -> list[Request]:
+        """`n` choices, each routed on its own (seed + i, as `Engine.add_requests` does);
+        they share prompt pages only when they land on the same rank."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_choices:
+            raise DsakvError(f"n must be in 1..{self.max_choices}, got {n!r}")
+        seeds = [None if params.seed is None else params.seed + i for i in range(n)]
+        return [self.add_request(prompt, replace(params, seed=s)) for s in seeds]
 
     def _pick_rank(self, tokens: int) -> int:
         """The rank with the most free KV pages once its queued prompts are counted."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
