@@ -235,3 +235,35 @@ def test_two_nodes_on_one_machine_and_torchrun(models):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)[0]["token_ids"] == expected
+
+
+def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
+    """Requests that run on rank 1 come back with their prompt logprobs and their
+    grammar-constrained tokens as on one rank; a bad grammar is refused on rank 0 before
+    any rank sees it, and the engine keeps serving."""
+    import json
+
+    from dsakv.errors import DsakvError
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = SamplingParams(
+        max_tokens=16, temperature=0, grammar=("json_schema", json.dumps(schema)),
+        prompt_logprobs=1,
+    )  # fmt: skip
+    prompts = _prompts(4, seed=3)
+    results = {}
+    for name, kw in (("one", {}), ("dp", {"tp": 2, "dp_attention": True})):
+        with LLM(models["glm"], **EXACT, num_pages=48, **kw) as llm:
+            if kw:
+                with pytest.raises(DsakvError):
+                    llm.engine.add_request([1, 2], SamplingParams(grammar=("json_schema", "{")))
+                ranks = llm.engine.rank_counters
+            outs = llm.generate(prompts, params)
+            if kw:
+                assert all(c["finished_requests"] > 0 for c in ranks())
+        results[name] = [(o.token_ids, o.prompt_logprobs) for o in outs]
+    for (tok_dp, lp_dp), (tok_one, lp_one) in zip(results["dp"], results["one"]):
+        assert tok_dp == tok_one
+        assert lp_dp[0] is None and lp_one[0] is None
+        # Another batch on each rank sums in another order: equal to float noise.
+        assert lp_dp[1:] == pytest.approx(lp_one[1:], abs=1e-4)
