@@ -47,3 +47,18 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def base(served) -> str:
+    """Base URL of the module's `served` server (each server test module defines `served`)."""
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    import openai
+
+    from .serving import TIMEOUT
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)

@@ -18,10 +18,9 @@ from dsakv.errors import DsakvError
 from dsakv.models import ForwardBatch
 from dsakv.models.loader import load_model
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
-from dsakv.server import make_server
 
 from .model_driver import make_pool
-from .test_server import TIMEOUT, _free_port, _running
+from .serving import TIMEOUT, serving
 
 MODEL = "tiny-dense"
 # index_topk covers every context here, so DSA attends to all tokens and a chunked,
@@ -55,23 +54,8 @@ def reference(model_dir) -> LLM:
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS)
-    server, async_engine = make_server(config, port=_free_port(), log_level="warning")
-    try:
-        with _running(server) as base:
-            yield base, async_engine
-    finally:
-        async_engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def base(served) -> str:
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def client(base) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+    with serving(EngineConfig(model=str(model_dir), **ENGINE_ARGS)) as served:
+        yield served
 
 
 def _counters(async_engine) -> dict[str, float]:

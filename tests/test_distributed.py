@@ -16,6 +16,8 @@ import pytest
 from dsakv import LLM, SamplingParams
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
+from .serving import free_port
+
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -118,14 +120,6 @@ def test_bad_parallel_flags_are_one_error_line(models, flags, message):
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
@@ -144,7 +138,7 @@ def test_serve_tp2_answers_openai_and_dies_cleanly_with_a_rank(models):
     import httpx
     from openai import OpenAI
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "dsakv.cli", "serve", models["glm"], "--port", str(port)]
     cmd += ["--tp", "2", "--num-pages", "32", "--kv-cache-dtype", "fp32"]
     cmd += ["--index-k-dtype", "fp32", "--device", "cpu"]
@@ -211,7 +205,7 @@ def test_two_nodes_on_one_machine_and_torchrun(models):
     assert want.returncode == 0, want.stderr
     expected = json.loads(want.stdout)[0]["token_ids"]
 
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     nodes = [
         subprocess.Popen(
             _generate_cli(
@@ -228,7 +222,7 @@ def test_two_nodes_on_one_machine_and_torchrun(models):
     assert outs[1][0] == ""  # node 1 only follows
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    torchrun += ["--master-port", str(_free_port()), "-m", "dsakv.cli"]
+    torchrun += ["--master-port", str(free_port()), "-m", "dsakv.cli"]
     r = subprocess.run(
         torchrun + _generate_cli(models["glm"], "--tp", "2")[3:],
         capture_output=True, text=True, timeout=180,

@@ -17,7 +17,7 @@ import pytest
 from dsakv.engine import LLM, SamplingParams
 from dsakv.models.tiny import write_tiny_model
 
-from .test_server import _free_port
+from .serving import free_port
 
 DATA = Path(__file__).parent / "data"
 MODEL = "tiny-eval"
@@ -40,7 +40,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """`dsakv serve` in its own process; yields its /v1/completions URL."""
-    port = _free_port()
+    port = free_port()
     flags = [x for k, v in ENGINE_FLAGS.items() for x in (f"--{k.replace('_', '-')}", v)]
     cmd = [sys.executable, "-m", "dsakv.cli", "serve", str(model_dir), "--port", str(port)]
     log = tmp_path_factory.mktemp("serve") / "serve.log"

@@ -4,12 +4,8 @@ official `openai` client, and an offline `LLM` on the same tiny model as the ref
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,34 +18,12 @@ from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server import build_app, make_server
 
+from .serving import TIMEOUT, free_port, running, serving
+
 ENGINE_ARGS = dict(
     kv_cache_dtype="fp32", index_k_dtype="fp32", num_pages=64, page_size=16, device="cpu"
 )
 MODEL = "tiny"
-TIMEOUT = 30.0  # every wait in this file is bounded by this
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _running(server: uvicorn.Server) -> Iterator[str]:
-    """Run a uvicorn server on a thread; yields its base URL and stops it afterwards."""
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(TIMEOUT)
-        assert not thread.is_alive(), "server did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -68,23 +42,8 @@ def reference(model_dir) -> LLM:
 @pytest.fixture(scope="module")
 def served(model_dir):
     """(base_url, AsyncEngine) of the shared server."""
-    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS)
-    server, async_engine = make_server(config, port=_free_port(), log_level="warning")
-    try:
-        with _running(server) as base:
-            yield base, async_engine
-    finally:
-        async_engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def base(served) -> str:
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def client(base) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+    with serving(EngineConfig(model=str(model_dir), **ENGINE_ARGS)) as served:
+        yield served
 
 
 def _metrics(base: str) -> dict[str, float]:
@@ -454,9 +413,9 @@ def test_disconnect_while_waiting_for_full_response(base, served):
 def test_api_key(served):
     _, async_engine = served
     app = build_app(async_engine, MODEL, api_key="sekret")
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    with _running(server) as url:
+    with running(server) as url:
         assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
         r = httpx.post(
             f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=TIMEOUT
@@ -490,7 +449,7 @@ def test_metrics(base, served):
 def test_shutdown_ends_open_streams(model_dir):
     """Stopping the server aborts in-flight streams (they end with [DONE]) and frees pages."""
     config = EngineConfig(model=str(model_dir), **ENGINE_ARGS)
-    server, async_engine = make_server(config, port=_free_port(), log_level="warning")
+    server, async_engine = make_server(config, port=free_port(), log_level="warning")
     body = {
         "prompt": "Forever:",
         "max_tokens": 900,
@@ -500,7 +459,7 @@ def test_shutdown_ends_open_streams(model_dir):
     }
     try:
         with (
-            _running(server) as url,
+            running(server) as url,
             httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r,
         ):
             lines = r.iter_lines()

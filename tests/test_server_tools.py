@@ -16,9 +16,9 @@ from transformers import AutoTokenizer
 from dsakv.cli import main as cli_main
 from dsakv.engine import EngineConfig
 from dsakv.models.tiny import write_tiny_model
-from dsakv.server import make_server
 
-from .test_server import ENGINE_ARGS, TIMEOUT, _free_port, _running
+from .serving import TIMEOUT, serving
+from .test_server import ENGINE_ARGS
 
 PRESETS = {"glm": "glm-tiny", "deepseek": "deepseek-tiny"}
 # GLM thinks unless told not to; DeepSeek-V3.2 only when told to.
@@ -71,15 +71,11 @@ def served(family, tmp_path_factory):
     """(client, base_url, model dir) of a server on `family`'s tiny model."""
     path = write_tiny_model(tmp_path_factory.mktemp(family) / family, PRESETS[family], seed=0)
     config = EngineConfig(model=str(path), **{**ENGINE_ARGS, "num_pages": 256})
-    server, async_engine = make_server(config, port=_free_port(), log_level="warning")
-    try:
-        with _running(server) as base:
-            client = openai.OpenAI(
-                base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0
-            )
-            yield client, base, path
-    finally:
-        async_engine.shutdown()
+    with serving(config) as (base, _):
+        client = openai.OpenAI(
+            base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0
+        )
+        yield client, base, path
 
 
 def _chat(client, family: str, **kw):

@@ -17,9 +17,8 @@ from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.engine.grammar import GrammarCache
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
-from dsakv.server import make_server
 
-from .test_server import TIMEOUT, _free_port, _running
+from .serving import TIMEOUT, serving
 
 MODEL = "tiny-json"
 ENGINE_ARGS = dict(
@@ -88,23 +87,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS)
-    server, async_engine = make_server(config, port=_free_port(), log_level="warning")
-    try:
-        with _running(server) as base:
-            yield base, async_engine
-    finally:
-        async_engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def base(served) -> str:
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def client(base) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+    with serving(EngineConfig(model=str(model_dir), **ENGINE_ARGS)) as served:
+        yield served
 
 
 def _schema_format(name: str) -> dict:
