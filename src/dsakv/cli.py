@@ -210,6 +210,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix cache")
+    g.add_argument(
+        "--speculative-algorithm", choices=("mtp",), help="draft with the MTP layer, verify"
+    )
+    g.add_argument(
+        "--speculative-num-steps", type=_positive_int, help="MTP drafts per step (default 3)"
+    )
     add_parallel_args(p)
 
 
@@ -243,6 +249,8 @@ def engine_config_from_args(args: argparse.Namespace):
         "max_model_len",
         "device",
         "dtype",
+        "speculative_algorithm",
+        "speculative_num_steps",
         "tp",
         "ep",
         "nnodes",

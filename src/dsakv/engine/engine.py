@@ -26,6 +26,7 @@ from .prefix_cache import PrefixCache
 from .request import Request
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .speculative import MTPDrafter, verify
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class EngineConfig:
     index_skip_topk_offset: int | None = None
     no_index_share: bool = False
     seed: int = 0
+    # MTP speculative decoding (SGLang's names): "mtp" or None, and drafts per step.
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int = 3
     # Parallelism (SGLang's flag names): see `dsakv.distributed.ParallelConfig`.
     tp: int = 1
     ep: int = 1
@@ -77,6 +81,13 @@ class EngineConfig:
             raise DsakvError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
+        if self.speculative_algorithm not in (None, "mtp"):
+            raise DsakvError(
+                f"speculative_algorithm must be 'mtp' or None, got {self.speculative_algorithm!r}"
+            )
+        n = self.speculative_num_steps
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
+            raise DsakvError(f"speculative_num_steps must be in 1..16, got {n!r}")
         self.parallel  # noqa: B018 - validates the parallel flags
 
     @classmethod
@@ -139,6 +150,9 @@ class EngineStats:
     aborted_requests: int = 0
     steps: int = 0
     step_time_s: float = 0.0
+    draft_tokens: int = 0  # MTP drafts verified
+    accepted_tokens: int = 0  # ... and kept
+    verify_steps: int = 0  # request-steps that verified drafts
 
 
 class Engine:
@@ -173,6 +187,7 @@ class Engine:
             device=self.device,
             dtype=dtype,
             parallel=self.parallel,
+            draft_layers=1 if config.speculative_algorithm else 0,
             **config.plan_overrides,
         )
         self.layout = CacheLayout.from_plan(
@@ -219,6 +234,15 @@ class Engine:
             self.model_config.max_position_embeddings,
             num_pages * config.page_size,
         )
+        self.drafter = None
+        if config.speculative_algorithm == "mtp":
+            self.drafter = MTPDrafter(
+                self.runner,
+                self.scheduler,
+                config.speculative_num_steps,
+                self.max_model_len,
+                lockstep=self.parallel.config.dp_attention,
+            )
         self.stats = EngineStats()
         self.requests: dict[int, Request] = {}
         self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
@@ -369,18 +393,25 @@ class Engine:
         failed = [] if batch else self._fail_unschedulable()
         if not batch and not self.parallel.config.dp_attention:
             return failed  # (under DP attention an idle rank still joins the collectives)
-        new_tokens, slots = [], []
+        new_tokens, slots, drafts = [], [], []
         for req, n in batch:
             end = req.num_computed + n
-            new_tokens.append(req.all_ids[req.num_computed : end])
-            slots.append(self.scheduler.slots(req, end))
+            d = self._drafts(req, n, end)
+            new_tokens.append(req.all_ids[req.num_computed : end] + d)
+            slots.append(self.scheduler.slots(req, end + len(d)))
+            drafts.append(d)
         hidden = self.runner.forward(new_tokens, slots)
         ends = torch.tensor([len(t) for t in new_tokens], dtype=torch.long).cumsum(0) - 1
-        with torch.inference_mode():
-            sampled = [i for i, (req, n) in enumerate(batch) if req.num_computed + n == req.seq_len]
-            rows = ends[sampled].to(hidden.device)
-            logits = self.runner.logits(hidden, rows) if sampled else None
-            self._score_prompts(batch, hidden, ends)
+        # (request, first position, first hidden row) of what this step ran, for the drafter
+        ran = [
+            (req, req.num_computed, int(e) - len(t) + 1)
+            for (req, _), e, t in zip(batch, ends, new_tokens)
+        ]
+        sampled = [i for i, (req, n) in enumerate(batch) if req.num_computed + n == req.seq_len]
+        # A sampled request's rows: its last token, and each draft after it.
+        rows = [r for i in sampled for r in range(int(ends[i]) - len(drafts[i]), int(ends[i]) + 1)]
+        logits = self.runner.logits(torch.tensor(rows, dtype=torch.long)) if sampled else None
+        self._score_prompts(batch, hidden, ends)
         for req, n in batch:
             req.num_computed += n
             if n > 1:  # a prefill chunk: its full pages can serve other requests now
@@ -390,15 +421,61 @@ class Engine:
         self.stats.computed_tokens += hidden.shape[0]
         out: list[Request] = failed
         if logits is not None:
-            out = self._sample([batch[i][0] for i in sampled], logits)
+            out = self._sample([batch[i][0] for i in sampled], logits, [drafts[i] for i in sampled])
+        if self.drafter is not None:
+            self.drafter.step(ran)
         self.stats.steps += 1
         self.stats.step_time_s += time.perf_counter() - start
         return out
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[Request]:
+    def _drafts(self, req: Request, n: int, end: int) -> list[int]:
+        """The MTP drafts `req` verifies this step (decode only), as many as pages allow."""
+        if n != 1 or not req.draft_ids or req.in_prefill:
+            return []
+        d, req.draft_ids = req.draft_ids, []
+        if not self.scheduler.reserve(req, end + len(d)):
+            d = d[: max(0, len(req.pages) * self.config.page_size - end)]
+        return d
+
+    def _sample(
+        self, reqs: list[Request], logits: torch.Tensor, drafts: list[list[int]]
+    ) -> list[Request]:
+        """Record each request's next token(s). `logits` holds one row per request, or
+        1 + len(drafts) rows for one verifying MTP drafts."""
+        now = time.perf_counter()
+        first = torch.tensor([0] + [1 + len(d) for d in drafts]).cumsum(0).tolist()
+        plain = [i for i, d in enumerate(drafts) if not d]
+        out = self._sample_one([reqs[i] for i in plain], logits[[first[i] for i in plain]], now)
+        for i, d in enumerate(drafts):
+            if d:
+                self._accept(reqs[i], logits[first[i] : first[i + 1]], d, now)
+                out.append(reqs[i])
+        return out
+
+    def _accept(self, req: Request, logits: torch.Tensor, drafts: list[int], now: float) -> None:
+        """Verify `req`'s drafts and emit what is kept plus one target token; the KV of the
+        kept drafts was written by this step's forward."""
+        tokens = verify(logits, drafts, req.params, req.generator or self.sampler.generator)
+        accepted = len(tokens) - 1
+        req.metrics.draft_tokens += len(drafts)
+        req.metrics.accepted_tokens += accepted
+        self.stats.draft_tokens += len(drafts)
+        self.stats.accepted_tokens += accepted
+        self.stats.verify_steps += 1
+        logp = torch.log_softmax(logits, -1).cpu() if req.params.logprobs is not None else None
+        base = req.num_computed  # the last token's KV is counted; the drafts' are not yet
+        for j, token in enumerate(tokens):
+            req.num_computed = base + j
+            self._append_token(req, token, now)
+            if logp is not None:
+                req.logprobs.append(float(logp[j, token]))
+                req.top_logprobs.append(_top(logp[j], req.params.logprobs))
+            if req.finished:
+                return
+
+    def _sample_one(self, reqs: list[Request], logits: torch.Tensor, now: float) -> list[Request]:
         """Pick each request's next token (grammar-masked where constrained) and record it.
         A request with `max_tokens == 0` only wanted its prompt scored: it ends here."""
-        now = time.perf_counter()
         done = [r for r in reqs if r.params.max_tokens == 0]
         for req in done:
             self._finish(req, "length", now)
@@ -448,14 +525,10 @@ class Engine:
                 req.score_prompt = False
         for lo in range(0, len(rows), _SCORE_ROWS):
             idx = torch.tensor(rows[lo : lo + _SCORE_ROWS], dtype=torch.long)
-            logp = torch.log_softmax(self.runner.logits(hidden, idx.to(hidden.device)), -1).cpu()
+            logp = torch.log_softmax(self.runner.logits(idx), -1).cpu()
             for j, (req, pos) in enumerate(targets[lo : lo + _SCORE_ROWS]):
                 req.prompt_logprobs[pos] = float(logp[j, req.prompt_ids[pos]])
-                k = req.params.prompt_logprobs
-                top = torch.topk(logp[j], k) if k else None
-                req.prompt_top_logprobs[pos] = (
-                    list(zip(top.indices.tolist(), top.values.tolist())) if top else []
-                )
+                req.prompt_top_logprobs[pos] = _top(logp[j], req.params.prompt_logprobs)
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         if req.metrics.first_token_time is None:
@@ -549,12 +622,23 @@ class Engine:
             "steps": s.steps,
             "step_time_s": s.step_time_s,
             "aborted_requests": s.aborted_requests,
+            "spec_draft_tokens": s.draft_tokens,
+            "spec_accepted_tokens": s.accepted_tokens,
+            "spec_verify_steps": s.verify_steps,
             "bytes_per_token": self.layout.bytes_per_token,
             "index_k_bytes_per_token_saved": dense - self.layout.bytes_per_token,
         }
 
 
 _SCORE_ROWS = 256  # prompt rows per logits call: bounds a [rows, vocab] fp32 temporary
+
+
+def _top(logp: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The `k` most likely (token id, logprob) pairs of one row."""
+    if not k:
+        return []
+    top = torch.topk(logp, k)
+    return list(zip(top.indices.tolist(), top.values.tolist()))
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:

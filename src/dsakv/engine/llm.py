@@ -43,6 +43,8 @@ class RequestOutput:
                 "latency_s": m.latency,
                 "prefix_hit_tokens": m.prefix_hit_tokens,
                 "retractions": m.retractions,
+                "spec_draft_tokens": m.draft_tokens,
+                "spec_accepted_tokens": m.accepted_tokens,
                 "prompt_tokens": len(req.prompt_ids),
                 "output_tokens": len(req.output_ids),
             },

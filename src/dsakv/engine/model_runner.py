@@ -1,11 +1,12 @@
 """`ModelRunner`: runs the model for one engine step, on one rank or on all of them.
 
-Under plain tensor parallelism only rank 0 schedules. Before each forward its runner
+Under plain tensor parallelism only rank 0 schedules. Before each call its runner
 broadcasts what the other ranks need (the step's tokens and slots, and the host-tier
 copies the scheduler made since the last step, so every rank's pool replica stays
 identical); the other ranks sit in `serve()` and make the same calls, which meet in the
-model's collectives. Under DP attention every rank schedules for itself, so nothing is
-broadcast here (see `dsakv.distributed.dp`).
+model's collectives. Hidden states never travel: every rank keeps the last target and
+draft outputs ("target", "draft") and messages name rows of them. Under DP attention every
+rank schedules for itself, so nothing is broadcast here (see `dsakv.distributed.dp`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dsakv.distributed.parallel import ParallelState
 from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
 from dsakv.models.forward_batch import ForwardBatch
+
+TARGET, DRAFT = "target", "draft"
 
 
 class ModelRunner:
@@ -37,25 +40,39 @@ class ModelRunner:
         if follows_rank0 and host is not None:
             host.journal = []
         self.leader = Leader(parallel) if follows_rank0 and parallel.is_driver else None
+        self.last: dict[str, torch.Tensor] = {}  # the latest output of each model part
 
     def forward(
         self, new_tokens: Sequence[Sequence[int]], slots: Sequence[torch.Tensor]
     ) -> torch.Tensor:
-        """Run one step's tokens (their KV goes to `slots`' tails); returns hidden `[T, H]`."""
+        """Run the target over one step's tokens (their KV goes to `slots`' tails);
+        returns hidden `[T, H]` (final-normed)."""
         with self._leading() as send:
             if send:
                 host_ops = self.host.take_journal() if self.host is not None else []
-                packed = [torch.as_tensor(s).to("cpu", torch.int32) for s in slots]
-                send(("forward", [list(t) for t in new_tokens], packed, host_ops))
+                send(("forward", _pack(new_tokens), _pack_slots(slots), host_ops))
             return self._forward(new_tokens, slots)
 
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """fp32 logits `[len(rows), vocab]` for `hidden[rows]` (a vocab-parallel all-gather)."""
+    def forward_draft(
+        self,
+        new_tokens: Sequence[Sequence[int]],
+        slots: Sequence[torch.Tensor],
+        source: str,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the MTP layer: token t of `new_tokens` pairs with `self.last[source][rows[t]]`
+        (the target's hidden state, or the draft's own previous output when chaining)."""
         with self._leading() as send:
             if send:
-                send(("logits", rows.cpu()))
-            with torch.inference_mode():
-                return self.model.compute_logits(hidden[rows])
+                send(("draft", _pack(new_tokens), _pack_slots(slots), source, rows.cpu()))
+            return self._forward_draft(new_tokens, slots, source, rows)
+
+    def logits(self, rows: torch.Tensor, source: str = TARGET) -> torch.Tensor:
+        """fp32 logits `[len(rows), vocab]` of `self.last[source][rows]` (vocab-parallel)."""
+        with self._leading() as send:
+            if send:
+                send(("logits", rows.cpu(), source))
+            return self._logits(rows, source)
 
     def stop(self) -> None:
         """Release the other ranks from `serve()`."""
@@ -64,17 +81,18 @@ class ModelRunner:
 
     def serve(self) -> None:
         """The other ranks under plain TP: make rank 0's calls until it says stop."""
-        hidden = None
         while True:
             msg = self.parallel.broadcast_object()
             if msg[0] == "forward":
                 _, tokens, slots, host_ops = msg
                 if host_ops:
                     self.host.replay(host_ops)
-                hidden = self._forward(tokens, [s.long() for s in slots])
+                self._forward(tokens, [s.long() for s in slots])
+            elif msg[0] == "draft":
+                _, tokens, slots, source, rows = msg
+                self._forward_draft(tokens, [s.long() for s in slots], source, rows)
             elif msg[0] == "logits":
-                with torch.inference_mode():
-                    self.model.compute_logits(hidden[msg[1].to(hidden.device)])
+                self._logits(msg[1], msg[2])
             elif msg[0] == "stop":
                 return
 
@@ -90,4 +108,24 @@ class ModelRunner:
     def _forward(self, new_tokens, slots) -> torch.Tensor:
         fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
         with torch.inference_mode():
-            return self.model(fb, self.pool)
+            self.last[TARGET] = self.model(fb, self.pool)
+        return self.last[TARGET]
+
+    def _forward_draft(self, new_tokens, slots, source: str, rows: torch.Tensor) -> torch.Tensor:
+        fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
+        with torch.inference_mode():
+            h = self.last[source][rows.to(self.device)]
+            self.last[DRAFT] = self.model.forward_draft(fb, self.pool, h)
+        return self.last[DRAFT]
+
+    def _logits(self, rows: torch.Tensor, source: str) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.compute_logits(self.last[source][rows.to(self.device)])
+
+
+def _pack(new_tokens: Sequence[Sequence[int]]) -> list[list[int]]:
+    return [list(t) for t in new_tokens]
+
+
+def _pack_slots(slots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.as_tensor(s).to("cpu", torch.int32) for s in slots]

@@ -28,6 +28,8 @@ class RequestMetrics:
     finish_time: float | None = None
     prefix_hit_tokens: int = 0
     retractions: int = 0
+    draft_tokens: int = 0  # MTP drafts the target checked
+    accepted_tokens: int = 0  # ... and kept
 
     @property
     def ttft(self) -> float | None:
@@ -71,6 +73,7 @@ class Request:
     score_prompt: bool = False
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    draft_ids: list[int] = field(default_factory=list)  # MTP proposals for the next step
 
     @property
     def all_ids(self) -> list[int]:

@@ -110,8 +110,8 @@ class Sampler:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._default = torch.Generator(device="cpu")
-        self._default.seed()
+        self.generator = torch.Generator(device="cpu")
+        self.generator.seed()
 
     def new_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -133,8 +133,8 @@ class Sampler:
             if p.greedy:
                 chosen.append(greedy[i])
                 continue
-            probs = _filtered_probs(logits[i], p).cpu()
-            g = generators[i] or self._default
+            probs = filtered_probs(logits[i], p).cpu()
+            g = generators[i] or self.generator
             chosen.append(int(torch.multinomial(probs, 1, generator=g)))
         want = [p.logprobs for p in params]
         if all(w is None for w in want):
@@ -151,7 +151,7 @@ class Sampler:
         return SampleResult(chosen, picked, tops)
 
 
-def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p filtering of one row of logits."""
     row = row / p.temperature
     if p.top_k > 0 and p.top_k < row.numel():

@@ -159,6 +159,11 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 
+    def reserve(self, req: Request, tokens: int) -> bool:
+        """Extend `req.pages` to cover `tokens` positions if pages are free (evicting cached
+        ones, never retracting): speculative decoding's extra positions are optional."""
+        return self._reserve(req, tokens)
+
     def slots(self, req: Request, n: int):
         """Token slots of the request's first `n` positions."""
         return self.req_to_token.get(req.rid, n)

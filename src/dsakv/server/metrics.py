@@ -47,6 +47,13 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     ),
     "host_bytes_to_host": ("host_bytes_to_host", "counter", "KV bytes copied device -> host"),
     "host_bytes_to_device": ("host_bytes_to_device", "counter", "KV bytes copied host -> device"),
+    "spec_draft_tokens": ("spec_draft_tokens", "counter", "MTP draft tokens verified"),
+    "spec_accepted_tokens": ("spec_accepted_tokens", "counter", "MTP draft tokens accepted"),
+    "spec_verify_steps": (
+        "spec_verify_steps",
+        "counter",
+        "Request-steps in which the target verified MTP drafts",
+    ),
     "finished_requests": ("finished_requests", "counter", "Requests finished"),
     "aborted_requests": ("aborted_requests", "counter", "Requests aborted"),
 }
@@ -80,6 +87,14 @@ class EngineCollector(Collector):
                 labels=labels,
             )
             m.add_metric([self.model_name], rate)
+            yield m
+            steps = snap.get("spec_verify_steps", 0)
+            m = GaugeMetricFamily(
+                PREFIX + "spec_accept_length",
+                "Mean tokens emitted per MTP verification (accepted drafts + 1)",
+                labels=labels,
+            )
+            m.add_metric([self.model_name], 1 + snap["spec_accepted_tokens"] / steps if steps else 0)
             yield m
 
 

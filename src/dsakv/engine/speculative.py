@@ -1,0 +1,131 @@
+"""MTP speculative decoding (DESIGN.md §9): the draft layer proposes K tokens in a chain,
+the target checks [last token, d1..dK] in one forward.
+
+One invariant makes the rest simple: after every step the draft layer's KV covers exactly
+the positions the target's KV covers (`num_computed`). The draft KV lives behind the same
+token slots as the target's (one allocator, one request table), so the prefix cache, the
+host tier, retraction and KV transfer carry it with no extra bookkeeping; each step the
+draft layer catches up over the positions the target just computed and accepted, pairing
+token i+1 with the target's hidden state h_i.
+
+Drafts are the draft layer's argmax. Greedy requests keep the longest prefix the target
+agrees with, plus the target's own next token. Sampled requests use rejection sampling
+against a deterministic draft: d is kept with probability p(d), otherwise the token comes
+from p with d removed; either way the output distribution is exactly the target's p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .model_runner import DRAFT, TARGET, ModelRunner
+from .request import Request
+from .sampling import SamplingParams, filtered_probs
+from .scheduler import Scheduler
+
+
+def verify(
+    logits: torch.Tensor,
+    drafts: Sequence[int],
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> list[int]:
+    """Tokens to emit after checking `drafts`; `logits[j]` is the target's prediction for
+    the position of draft j (row `len(drafts)` is the bonus position). Returns the accepted
+    drafts followed by one token of the target's own."""
+    if params.greedy:
+        best = logits.argmax(-1).tolist()
+        out: list[int] = []
+        for j, d in enumerate(drafts):
+            if d != best[j]:
+                break
+            out.append(d)
+        return [*out, best[len(out)]]
+    out = []
+    for j, d in enumerate(drafts):
+        p = filtered_probs(logits[j], params).cpu()
+        if float(torch.rand((), generator=generator)) < float(p[d]):
+            out.append(d)
+            continue
+        p[d] = 0.0  # max(0, p - q) for the one-hot draft q, renormalised below
+        return [*out, int(torch.multinomial(p / p.sum(), 1, generator=generator))]
+    p = filtered_probs(logits[len(drafts)], params).cpu()
+    return [*out, int(torch.multinomial(p, 1, generator=generator))]
+
+
+class MTPDrafter:
+    """Keeps the draft layer level with the target and proposes each request's drafts."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        num_steps: int,
+        max_model_len: int,
+        lockstep: bool,
+    ) -> None:
+        self.runner, self.scheduler = runner, scheduler
+        self.num_steps, self.max_model_len = num_steps, max_model_len
+        # Under DP attention every rank must make the same number of draft forwards.
+        self.lockstep = lockstep
+
+    def wanted(self, req: Request) -> int:
+        """How many drafts are worth proposing for `req`'s next step."""
+        if req.finished or req.in_prefill or req.matcher is not None:
+            return 0  # (structured output decodes without drafts: no matcher rollback)
+        left = req.params.max_tokens - len(req.output_ids) - 1  # the bonus token is free
+        room = self.max_model_len - req.seq_len - 1
+        return max(0, min(self.num_steps, left, room))
+
+    def step(self, work: list[tuple[Request, int, int]]) -> None:
+        """After a target step: `work` holds (request, first position the step computed,
+        its first hidden row) for every request in it; `num_computed` already counts what
+        was accepted. Fills the draft KV for those positions, then chains drafts."""
+        toks, slots, rows, reqs = [], [], [], []
+        for req, start, row in work:
+            stop = req.num_computed
+            if req.finished or stop <= start:
+                continue
+            toks.append(req.all_ids[start + 1 : stop + 1])
+            slots.append(self.scheduler.slots(req, stop))
+            rows.extend(range(row, row + stop - start))
+            reqs.append(req)
+        if not reqs and not self.lockstep:
+            return
+        self.runner.forward_draft(toks, slots, TARGET, _longs(rows))
+        ends = torch.tensor([len(t) for t in toks], dtype=torch.long).cumsum(0) - 1
+        want = [self._reserve(r, self.wanted(r)) for r in reqs]
+        for r in reqs:
+            r.draft_ids = []
+        live = [i for i, k in enumerate(want) if k > 0]
+        prev = ends[live]  # each live request's row in the last draft output
+        for j in range(self.num_steps):
+            if live:
+                picked = self.runner.logits(prev, DRAFT).argmax(-1).tolist()
+                for i, d in zip(live, picked):
+                    reqs[i].draft_ids.append(d)
+            if j + 1 == self.num_steps:
+                break
+            more = [n for n, i in enumerate(live) if want[i] > j + 1]
+            if not more and not self.lockstep:
+                break
+            # Chain: draft d_{j+1} sits at position num_computed + j, paired with the
+            # draft layer's own output at the position before.
+            live = [live[n] for n in more]
+            toks = [[reqs[i].draft_ids[-1]] for i in live]
+            slots = [self.scheduler.slots(reqs[i], reqs[i].num_computed + j + 1) for i in live]
+            self.runner.forward_draft(toks, slots, DRAFT, prev[more])
+            prev = torch.arange(len(live))
+
+    def _reserve(self, req: Request, k: int) -> int:
+        """Pages for the draft chain's positions (it writes up to num_computed + k - 2)."""
+        if k <= 1 or self.scheduler.reserve(req, req.num_computed + k - 1):
+            return k
+        fits = len(req.pages) * self.scheduler.config.page_size - req.num_computed + 1
+        return max(1, min(k, fits))
+
+
+def _longs(rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(rows, dtype=torch.long)
