@@ -34,6 +34,9 @@ TINY = BenchSizes(
     fp8_steps=8,
     memory_quick=True,
     memory_tokens=32,
+    mtp_requests=2,
+    mtp_prompt_lens=(8, 16),
+    mtp_output_lens=(6, 10),
 )
 
 
@@ -72,6 +75,10 @@ def test_json_has_every_required_figure(report):
         "capacity.glm_5_2.max_total_num_tokens",
         "capacity.glm_5_2.max_total_num_tokens_dense",
         "capacity.bench_model.bytes_per_token",
+        "mtp.mean_acceptance_length",
+        "mtp.target_passes_per_output_token.mtp",
+        "mtp.output_tokens_per_s.base",
+        "mtp.output_tokens_per_s_ratio",
         "throughput.elided.output_tokens_per_s",
         "throughput.dense.output_tokens_per_s",
         "throughput.elided.peak_running_requests",

@@ -261,3 +261,15 @@ def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
         assert lp_dp[0] is None and lp_one[0] is None
         # Another batch on each rank sums in another order: equal to float noise.
         assert lp_dp[1:] == pytest.approx(lp_one[1:], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "parallel", [dict(tp=2), dict(tp=2, dp_attention=True)], ids=["tp2", "dp-attention"]
+)
+def test_mtp_across_ranks_keeps_greedy_tokens(models, reference, parallel):
+    """The draft layer is sharded like the target's layers and its forwards go to every
+    rank (in lockstep under DP attention); greedy tokens stay the one-rank tokens."""
+    prompts, ref = reference
+    tokens, counters = _generate(models["glm"], prompts, speculative_algorithm="mtp", **parallel)
+    assert tokens == ref["glm"]
+    assert counters["spec_verify_steps"] > 0

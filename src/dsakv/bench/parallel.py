@@ -40,7 +40,7 @@ def run_parallel_bench(
         f"tp{tp_size}": tp.strip_private(b),
         "output_tokens_per_s_ratio": tp.ratio(b["output_tokens_per_s"], a["output_tokens_per_s"]),
         # On a bf16 model with sparse top-k, TP's other reduction order can flip a token.
-        "greedy_token_agreement": _agreement(a["_outputs"], b["_outputs"]),
+        "greedy_token_agreement": tp.token_agreement(a["_outputs"], b["_outputs"]),
     }
     # (b) A workload larger than N pools' worth, so KV capacity bounds concurrency.
     cap = {}
@@ -80,7 +80,3 @@ def _saturate(engine: Any, work: tp.Workload) -> dict[str, Any]:
         "output_tokens_per_s": c["output_tokens"] / seconds,
     }
 
-
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
-    return sum(x == y for x, y in pairs) / max(1, len(pairs))

@@ -200,6 +200,21 @@ def summary(r: dict[str, Any]) -> str:
             lines.append(
                 _row(op, m["dense"][op]["gb_per_s"], m["elided"][op]["gb_per_s"], m["speedup"][op])
             )
+    sp = r.get("mtp")
+    if sp:
+        passes = sp["target_passes_per_output_token"]
+        tps = sp["output_tokens_per_s"]
+        lines += [
+            "",
+            f"6. MTP speculative decoding ({sp['requests']} requests, "
+            f"{sp['speculative_num_steps']} drafts per step)",
+            _row("", "no MTP", "MTP", "ratio"),
+            _row("output tokens/s", tps["base"], tps["mtp"], sp["output_tokens_per_s_ratio"]),
+            _row("target passes per output token", passes["base"], passes["mtp"], None, fmt=".3f"),
+            f"  mean acceptance length {_f(sp['mean_acceptance_length'], '.3f')}; draft "
+            f"acceptance {_f(sp['draft_acceptance_rate'], '.3f')}; greedy token agreement "
+            f"{sp['greedy_token_agreement']:.4f}",
+        ]
     par = r.get("parallel")
     if par:
         n = par["tp"]
@@ -207,7 +222,7 @@ def summary(r: dict[str, Any]) -> str:
         cap = par["capacity"]
         lines += [
             "",
-            f"6. ranks ({par['requests']} requests, {par['num_pages_per_rank']} pages per rank)",
+            f"7. ranks ({par['requests']} requests, {par['num_pages_per_rank']} pages per rank)",
             _row("", "tp=1", f"tp={n}", "ratio"),
             _row(
                 "output tokens/s",

@@ -2,8 +2,9 @@
 
 Sections: (1) capacity, (2) throughput at a fixed KV budget (elided vs dense, and a
 transformers baseline), (3) IndexCache compute (sharing pattern vs every layer full),
-(4) parity (elided vs dense greedy tokens must be identical; FP8 vs fp32 top-1), and
-(5) KV memory movement (`run_memory_bench`).
+(4) parity (elided vs dense greedy tokens must be identical; FP8 vs fp32 top-1),
+(5) KV memory movement (`run_memory_bench`), (6) MTP speculative decoding, and with
+`--tp N` (7) the engine across ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from . import capacity as cap
 from . import throughput as tp
 from .indexcache import run_indexcache
 from .memory import run_memory_bench
+from .mtp import run_mtp_bench
 from .parallel import run_parallel_bench
 from .parity import ParityError, compare_outputs, fp8_vs_fp32
 
@@ -53,6 +55,11 @@ class BenchSizes:
     fp8_sequences: int = 2
     fp8_prompt_len: int = 288
     fp8_steps: int = 256
+    # Section 6: MTP speculative decoding (few requests: where drafting pays).
+    mtp_requests: int = 8
+    mtp_prompt_lens: tuple[int, int] = (16, 64)
+    mtp_output_lens: tuple[int, int] = (64, 96)
+    mtp_steps: int = 3
     # Section 5.
     memory: bool = True
     memory_quick: bool = False
@@ -74,6 +81,8 @@ QUICK = BenchSizes(
     fp8_sequences=1,
     fp8_prompt_len=288,
     fp8_steps=256,
+    mtp_requests=4,
+    mtp_output_lens=(32, 48),
     memory_quick=True,
 )
 
@@ -106,7 +115,7 @@ def run_bench(
     sections = ["capacity", "throughput", "indexcache", "parity"] + (
         ["memory"] if sizes.memory else []
     )
-    sections += ["parallel"] if tp_size > 1 else []
+    sections += ["mtp"] + (["parallel"] if tp_size > 1 else [])
     try:
         with tqdm(total=len(sections), desc="dsakv bench", unit="section") as bar:
             path = resolve_model_dir(model, "glm-bench")
@@ -149,6 +158,15 @@ def run_bench(
                     quick=sizes.memory_quick, tokens=sizes.memory_tokens, device="cpu"
                 )
                 bar.update()
+            bar.set_postfix_str("mtp")
+            clock["mtp"] = time.perf_counter()
+            mtp_work = tp.Workload.make(
+                sizes.mtp_requests, sizes.mtp_prompt_lens, sizes.mtp_output_lens, sizes.seed + 3
+            )
+            result["mtp"] = run_mtp_bench(
+                path, mtp_work, 64, sizes.page_size, sizes.mtp_steps, sizes.seed
+            )
+            bar.update()
             if tp_size > 1:
                 bar.set_postfix_str("parallel")
                 clock["parallel"] = time.perf_counter()

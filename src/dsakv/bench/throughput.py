@@ -206,3 +206,9 @@ def pages_for_budget(budget_bytes: int, bytes_per_token: int, page_size: int) ->
 
 
 Progress = Callable[[str], None]
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of aligned greedy tokens that agree between two runs of one workload."""
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(x == y for x, y in pairs) / max(1, len(pairs))

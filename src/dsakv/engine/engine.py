@@ -153,6 +153,7 @@ class EngineStats:
     draft_tokens: int = 0  # MTP drafts verified
     accepted_tokens: int = 0  # ... and kept
     verify_steps: int = 0  # request-steps that verified drafts
+    decode_steps: int = 0  # request-steps past the prompt (each one target pass for it)
 
 
 class Engine:
@@ -408,6 +409,7 @@ class Engine:
             for (req, _), e, t in zip(batch, ends, new_tokens)
         ]
         sampled = [i for i, (req, n) in enumerate(batch) if req.num_computed + n == req.seq_len]
+        self.stats.decode_steps += sum(1 for req, n in batch if n == 1 and not req.in_prefill)
         # A sampled request's rows: its last token, and each draft after it.
         rows = [r for i in sampled for r in range(int(ends[i]) - len(drafts[i]), int(ends[i]) + 1)]
         logits = self.runner.logits(torch.tensor(rows, dtype=torch.long)) if sampled else None
@@ -625,6 +627,7 @@ class Engine:
             "spec_draft_tokens": s.draft_tokens,
             "spec_accepted_tokens": s.accepted_tokens,
             "spec_verify_steps": s.verify_steps,
+            "decode_steps": s.decode_steps,
             "bytes_per_token": self.layout.bytes_per_token,
             "index_k_bytes_per_token_saved": dense - self.layout.bytes_per_token,
         }

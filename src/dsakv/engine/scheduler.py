@@ -56,6 +56,7 @@ class Scheduler:
         self.req_to_token = ReqToTokenTable()  # rid -> token slot of each position
         self.stats = SchedulerStats()
         self.new_token_ratio = config.init_new_token_ratio
+        self.held: set[int] = set()  # rids whose pages outlive their finish (`release_held`)
 
     # --- public ---------------------------------------------------------------------------
 
@@ -101,10 +102,11 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request's pages; its full pages join the cache."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        if req.rid in self.held and req.finish_reason != "abort":
+            self._unqueue(req)  # a prefill server ships the pages first, then `release_held`
+            return
+        self.held.discard(req.rid)
+        self._unqueue(req)
         if req.host_slots is not None:
             self.host.free(req.host_slots)
             req.host_slots = None
@@ -117,6 +119,34 @@ class Scheduler:
         if private:
             self.allocator.free(private)
         self._drop_pages(req)
+        req.status = Status.FINISHED
+
+    # --- prefill/decode disaggregation (dsakv.disagg) -------------------------------------
+
+    def release_held(self, req: Request) -> None:
+        """`finish` a request held in `held` now that its pages have been shipped."""
+        self.held.discard(req.rid)
+        self.finish(req)
+
+    def reserve_detached(self, req: Request, tokens: int) -> bool:
+        """Pages for the first `tokens` positions of a request that is not queued (a decode
+        server's: a prefill server writes its prompt KV), if running requests keep their
+        headroom; `adopt` runs it, `finish` (abort) gives the pages back."""
+        if self._pages_for(tokens) + self._headroom() > self._available_pages():
+            return False
+        return self._reserve(req, tokens)
+
+    def adopt(self, req: Request) -> None:
+        """Run a request whose first `num_computed` positions' KV is already in its pages."""
+        req.status = Status.RUNNING
+        self.running.append(req)
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+
+    def _unqueue(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
         req.status = Status.FINISHED
 
     def cache_prefix(self, req: Request) -> None:

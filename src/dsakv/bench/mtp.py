@@ -1,0 +1,60 @@
+"""MTP speculative decoding: the same greedy workload with and without drafts, stepped
+alternately in one process (as the throughput section does), so noise hits both alike.
+
+Reports the mean acceptance length (tokens emitted per verification), target forward
+passes per output token, output tokens/s, and how far the greedy outputs agree.
+On a CPU the verify forward's extra K rows cost nearly their full compute (a GPU hides
+them in a memory-bound decode step), so fewer target passes buys less speed here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import throughput as tp
+
+
+def run_mtp_bench(
+    model: str, work: tp.Workload, num_pages: int, page_size: int, steps: int, seed: int = 0
+) -> dict[str, Any]:
+    common = dict(model=model, num_pages=num_pages, page_size=page_size, seed=seed)
+    engines = {
+        "base": tp.make_engine(elide=True, **common),
+        "mtp": tp.make_engine(
+            elide=True, speculative_algorithm="mtp", speculative_num_steps=steps, **common
+        ),
+    }
+    before = engines["mtp"].counters()
+    warm = {name: e.counters()["decode_steps"] for name, e in engines.items()}
+    runs = tp.run_interleaved(engines, work, desc="mtp")
+    c = engines["mtp"].counters()
+    verified = c["spec_verify_steps"] - before["spec_verify_steps"]
+    accepted = c["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    drafted = c["spec_draft_tokens"] - before["spec_draft_tokens"]
+    base, mtp = runs["base"], runs["mtp"]
+    decode = {name: e.counters()["decode_steps"] for name, e in engines.items()}
+
+    def passes_per_token(name: str, run: dict[str, Any]) -> float:
+        """Target forwards a request takes per token it emits: one for the prompt (which
+        gives the first token), then one per decode or verify step."""
+        return (work.num_requests + decode[name] - warm[name]) / run["output_tokens"]
+
+    return {
+        "speculative_num_steps": steps,
+        "requests": work.num_requests,
+        "mean_acceptance_length": 1 + accepted / verified if verified else None,
+        "draft_acceptance_rate": accepted / drafted if drafted else None,
+        "target_passes_per_output_token": {
+            "base": passes_per_token("base", base),
+            "mtp": passes_per_token("mtp", mtp),
+        },
+        "output_tokens_per_s": {
+            "base": base["output_tokens_per_s"],
+            "mtp": mtp["output_tokens_per_s"],
+        },
+        "output_tokens_per_s_ratio": tp.ratio(
+            mtp["output_tokens_per_s"], base["output_tokens_per_s"]
+        ),
+        # bf16 weights: the verify extend and a decode step round differently.
+        "greedy_token_agreement": tp.token_agreement(base["_outputs"], mtp["_outputs"]),
+    }
