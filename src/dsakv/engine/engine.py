@@ -457,6 +457,10 @@ class Engine:
     def _accept(self, req: Request, logits: torch.Tensor, drafts: list[int], now: float) -> None:
         """Verify `req`'s drafts and emit what is kept plus one target token; the KV of the
         kept drafts was written by this step's forward."""
+        if req.matcher is not None:  # drafts the grammar refuses are not even checked
+            logits = logits.clone()
+            drafts = self.grammars.apply_drafts(logits, req.matcher, drafts)
+            logits = logits[: len(drafts) + 1]
         tokens = verify(logits, drafts, req.params, req.generator or self.sampler.generator)
         accepted = len(tokens) - 1
         req.metrics.draft_tokens += len(drafts)
@@ -472,6 +476,10 @@ class Engine:
             if logp is not None:
                 req.logprobs.append(float(logp[j, token]))
                 req.top_logprobs.append(_top(logp[j], req.params.logprobs))
+            if req.matcher is not None and not req.finished:
+                req.matcher.accept_token(token)
+                if req.matcher.is_terminated():
+                    self._finish(req, "stop", now)  # the grammar is complete
             if req.finished:
                 return
 

@@ -111,3 +111,23 @@ class GrammarCache:
         xgr.apply_token_bitmask_inplace(
             logits, mask.to(logits.device), vocab_size=self.vocab_size, indices=rows
         )
+
+    def apply_drafts(self, logits: torch.Tensor, matcher: Any, drafts: list[int]) -> list[int]:
+        """Speculative decoding: mask row j of `logits` (`[1 + len(drafts), V]`) with the
+        matcher's state after drafts d1..dj, and return the drafts the grammar allows (a
+        prefix; rows past it go unused). The matcher is rolled back to where it was."""
+        xgr = self._xgr
+        mask = xgr.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        matcher.fill_next_token_bitmask(mask, 0)
+        ok = 0
+        for d in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(d):
+                break
+            ok += 1
+            matcher.fill_next_token_bitmask(mask, ok)
+        if ok:
+            matcher.rollback(ok)
+        xgr.apply_token_bitmask_inplace(
+            logits, mask.to(logits.device), vocab_size=self.vocab_size, indices=list(range(ok + 1))
+        )
+        return drafts[:ok]

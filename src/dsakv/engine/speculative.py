@@ -73,8 +73,8 @@ class MTPDrafter:
 
     def wanted(self, req: Request) -> int:
         """How many drafts are worth proposing for `req`'s next step."""
-        if req.finished or req.in_prefill or req.matcher is not None:
-            return 0  # (structured output decodes without drafts: no matcher rollback)
+        if req.finished or req.in_prefill:
+            return 0
         left = req.params.max_tokens - len(req.output_ids) - 1  # the bonus token is free
         room = self.max_model_len - req.seq_len - 1
         return max(0, min(self.num_steps, left, room))
