@@ -21,8 +21,8 @@ INDEXER_TENSORS = 5  # wq_b, wk, k_norm.weight, k_norm.bias, weights_proj
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """glm-tiny: GLM-5.2-format config (`indexer_types` F F S S F S F S)."""
-    return write_tiny_model(tmp_path_factory.mktemp("glm-tiny"), "glm-tiny")
+    """glm-tiny: GLM-5.2-format config (`indexer_types` F F S S F S F S), no MTP layer."""
+    return write_tiny_model(tmp_path_factory.mktemp("glm-tiny"), "glm-tiny", mtp="none")
 
 
 def _indexer_params(model: DSAForCausalLM) -> int:

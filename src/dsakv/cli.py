@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from dsakv.config.layer_plan import plan_overrides
+from dsakv.disagg import cli as disagg_cli
 from dsakv.errors import DsakvError
 
 
@@ -273,8 +274,8 @@ def _cmd_init_tiny(args: argparse.Namespace) -> int:
 
     if args.preset not in TINY_PRESETS:
         raise DsakvError(f"unknown preset {args.preset!r} (choose from {', '.join(TINY_PRESETS)})")
-    path = write_tiny_model(args.dir, preset=args.preset, seed=args.seed)
-    print(f"wrote {args.preset} (seed {args.seed}) to {path}")
+    path = write_tiny_model(args.dir, preset=args.preset, seed=args.seed, mtp=args.mtp)
+    print(f"wrote {args.preset} (seed {args.seed}, MTP layer: {args.mtp}) to {path}")
     return 0
 
 
@@ -321,6 +322,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        disaggregation=disagg_cli.config_from_args(args),
     )
     return 0
 
@@ -345,6 +347,12 @@ def _add_engine_commands(sub: Any) -> None:
     p.add_argument("dir")
     p.add_argument("--preset", default="glm-tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mtp",
+        choices=("fit", "random", "none"),
+        default="fit",
+        help="MTP draft layer: fitted to the target (default), unfitted, or none",
+    )
     p.set_defaults(func=_cmd_init_tiny)
 
     p = sub.add_parser("generate", help="complete prompts offline")
@@ -380,6 +388,7 @@ def _add_engine_commands(sub: Any) -> None:
         help="glm45, deepseek-v3, none (default auto: the model type's)",
     )
     add_engine_args(p)
+    disagg_cli.add_serve_args(p)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -409,7 +418,12 @@ def _add_bench(sub: Any) -> None:
 
 # --- entry point -----------------------------------------------------------------------------
 
-_COMMANDS: list[Callable[[Any], None]] = [_add_plan, _add_engine_commands, _add_bench]
+_COMMANDS: list[Callable[[Any], None]] = [
+    _add_plan,
+    _add_engine_commands,
+    disagg_cli.add_commands,
+    _add_bench,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

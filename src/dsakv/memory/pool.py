@@ -40,6 +40,10 @@ class TransferDescriptor:
     data_ptr: int
     nbytes: int
     bytes_per_page: int
+    # (byte offset in a page, bytes per token) of each per-token region of a page: its first
+    # n tokens are bytes [offset, offset + n * width) of every region (fp8 index-K has two:
+    # keys, then scales), so a partial page moves as whole rows, never padding.
+    token_rows: tuple[tuple[int, int], ...] = ()
 
 
 # --- buffers ---------------------------------------------------------------------------------
@@ -224,7 +228,14 @@ class DSAKVPool:
     def transfer_descriptors(self) -> list[TransferDescriptor]:
         """One per real buffer (latent per layer, index-K per owning layer); none for elided."""
         return [
-            TransferDescriptor(layer, comp, b.data.data_ptr(), b.nbytes, b.nbytes // self.num_pages)
+            TransferDescriptor(
+                layer,
+                comp,
+                b.data.data_ptr(),
+                b.nbytes,
+                b.nbytes // self.num_pages,
+                tuple(_token_rows(b)),
+            )
             for layer, comp, b in self._buffers()
         ]
 
@@ -302,6 +313,15 @@ class DSAKVPool:
     def _gather(self, buf: _Buffer, slots, dtype: torch.dtype) -> torch.Tensor:
         page, off = self._locate(slots)
         return buf.decode([_rows(p, page, off, self.page_size) for p in buf.parts], dtype)
+
+
+def _token_rows(buf: _Buffer):
+    """(offset in page 0, row bytes) of each part: rows are contiguous within a page."""
+    base = buf.data.data_ptr()
+    for p in buf.parts:
+        width = p.shape[-1] * p.element_size()
+        assert p.stride(-1) == 1 and p.stride(1) * p.element_size() == width, "strided rows"
+        yield p.data_ptr() - base, width
 
 
 def _rows(part: torch.Tensor, page: torch.Tensor, off: torch.Tensor, ps: int) -> torch.Tensor:

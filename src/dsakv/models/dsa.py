@@ -2,7 +2,8 @@
 
 Parameter names mirror the Hugging Face checkpoints (`model.layers.{i}.self_attn.…`), so
 the loader maps tensors one to one (routed experts are stacked per layer). Which layers
-build an indexer comes from the `LayerPlan` and nowhere else.
+build an indexer, and whether the MTP draft layer (`model.layers.{N}`) is built, comes
+from the `LayerPlan` and nowhere else.
 """
 
 from __future__ import annotations
@@ -12,65 +13,52 @@ from torch import nn
 
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.distributed.parallel import ParallelState
+from dsakv.errors import DsakvError
 
-from .attention import MLAttention
+from .decoder import DecoderLayer
 from .forward_batch import ForwardBatch
 from .indexer import StepSelection
-from .layers import MLP, RMSNorm
-from .moe import MoE
+from .layers import RMSNorm
+from .mtp import MTPLayer
 from .parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from .rope import Rotary
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm MLA block then pre-norm FFN (dense for the first layers, MoE after).
-
-    The FFN is split over every rank and reduced once (routed + shared together); under DP
-    attention it first gathers every rank's tokens and hands each rank its rows back, so
-    a rank with an empty batch still joins both collectives.
-    """
+class DSAModel(nn.Module):
+    """Embedding, the target layers `layers[:N]`, the final norm; with a draft layer in the
+    plan, `layers[N]` is the MTP layer (so its parameters carry checkpoint names)."""
 
     def __init__(
-        self, config: ModelConfig, plan: LayerPlan, layer: int, parallel: ParallelState
+        self,
+        config: ModelConfig,
+        plan: LayerPlan,
+        parallel: ParallelState,
+        draft_vocab: tuple[bool, bool] = (False, False),
     ) -> None:
         super().__init__()
-        self.parallel = parallel
-        self.topk_source = plan.topk_source(layer)
-        self.self_attn = MLAttention(config, layer, plan.runs_indexer(layer), parallel)
-        self.mlp: nn.Module = (
-            MLP(config.hidden_size, config.intermediate_size, parallel.world_size, parallel.rank)
-            if layer < config.first_k_dense_replace
-            else MoE(config, parallel)
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, cos, sin, batch, pool, selections) -> torch.Tensor:
-        h = self.self_attn(
-            self.input_layernorm(x), cos, sin, batch, pool, selections, self.topk_source
-        )
-        x = x + h
-        h, counts = self.parallel.gather_tokens(self.post_attention_layernorm(x))
-        return x + self.parallel.scatter_tokens(self.mlp(h), counts)
-
-
-class DSAModel(nn.Module):
-    def __init__(self, config: ModelConfig, plan: LayerPlan, parallel: ParallelState) -> None:
-        super().__init__()
+        n = config.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, plan, i, parallel) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, plan, i, parallel) for i in range(n))
+        own_embed, own_head = draft_vocab
+        for i in range(n, plan.num_total_layers):
+            self.layers.append(
+                MTPLayer(config, plan, i, parallel, own_embed=own_embed, own_head=own_head)
+            )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DSAForCausalLM(nn.Module):
-    """The target model (draft/MTP layers are not built). Stateless: all KV lives in the pool.
+    """The target model, plus the MTP draft layer when the plan has a draft layer.
+    Stateless: all KV lives in the pool (the draft layer's at layer N).
 
-    With `parallel` it holds only this rank's shards (DESIGN.md §8); `forward` still
-    returns the full hidden states and `compute_logits` the full-vocab logits on every
-    rank of the attention group. Every rank must call both for every step (an empty
-    batch included, under DP attention), since they contain collectives.
+    With `parallel` it holds only this rank's shards (DESIGN.md §8); `forward` and
+    `forward_draft` still return the full hidden states and `compute_logits` the full-vocab
+    logits on every rank of the attention group. Every rank must call them for every step
+    (an empty batch included, under DP attention), since they contain collectives.
+
+    `draft_vocab` = (own embedding, own head): build the MTP layer's own vocab copies (the
+    loader asks for them when the checkpoint has them, then drops those equal to the
+    target's).
     """
 
     def __init__(
@@ -81,16 +69,21 @@ class DSAForCausalLM(nn.Module):
         parallel: ParallelState | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        draft_vocab: tuple[bool, bool] = (False, False),
     ) -> None:
         super().__init__()
         if plan.num_layers != config.num_hidden_layers:
             raise ValueError(
                 f"layer plan has {plan.num_layers} layers, model has {config.num_hidden_layers}"
             )
+        if plan.num_draft_layers > 1:
+            raise DsakvError(
+                f"dsakv runs one MTP draft layer (chained); the plan has {plan.num_draft_layers}"
+            )
         self.parallel = parallel or ParallelState.single()
         self.parallel.config.check_model(config)
         self.config, self.plan = config, plan
-        self.model = DSAModel(config, plan, self.parallel)
+        self.model = DSAModel(config, plan, self.parallel, draft_vocab)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.parallel)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -102,6 +95,17 @@ class DSAForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def num_draft_layers(self) -> int:
+        """1 when the MTP layer is built (`forward_draft` runs), else 0."""
+        return self.plan.num_draft_layers
+
+    @property
+    def mtp(self) -> MTPLayer:
+        if not self.num_draft_layers:
+            raise DsakvError("this model was loaded without its MTP layer (draft_layers=0)")
+        return self.model.layers[self.config.num_hidden_layers]
 
     def set_attention_mode(self, mode: str) -> None:
         """`absorb` (default: attention on latent rows) or `expand` (per-head K/V first)."""
@@ -116,14 +120,41 @@ class DSAForCausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
         selections: dict[int, StepSelection] = {}
-        for layer in self.model.layers:
+        for layer in self.model.layers[: self.config.num_hidden_layers]:
             x = layer(x, cos, sin, batch, pool, selections)
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden[N, H]` (e.g. `hidden[batch.last_token_indices()]`) -> fp32 logits `[N, vocab]`."""
-        return self.lm_head(hidden)
+    def forward_draft(self, batch: ForwardBatch, pool, hidden: torch.Tensor) -> torch.Tensor:
+        """One MTP step over `batch` (same batching rules as `forward`), writing layer N's
+        latent and index-K into `pool`.
+
+        `batch.input_ids` are the tokens to embed (each row's NEXT token), positions and
+        slots are the draft positions, `hidden[T, H]` the h rows: the target's final-normed
+        hidden (position i pairs token i+1 with h_i), or this layer's own previous output
+        when chaining. Returns `shared_head.norm(x)` `[T, H]`: draft logits via
+        `compute_logits(..., draft=True)`, and the h of the next chain step.
+        """
+        mtp = self.mtp
+        if hidden.shape != (batch.num_tokens, self.config.hidden_size):
+            raise ValueError(
+                f"hidden is {tuple(hidden.shape)}, expected ({batch.num_tokens}, "
+                f"{self.config.hidden_size}) (one h row per draft token)"
+            )
+        embed = getattr(mtp, "embed_tokens", self.model.embed_tokens)
+        x = embed(batch.input_ids)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        return mtp.draft(x, hidden, cos, sin, batch, pool)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor, *, draft: bool = False) -> torch.Tensor:
+        """`hidden[N, H]` (e.g. `hidden[batch.last_token_indices()]`) -> fp32 logits `[N, vocab]`.
+
+        `draft=True`: through the MTP layer's own head when the checkpoint's differs from
+        the target's lm_head (else the same lm_head).
+        """
+        head = getattr(self.mtp.shared_head, "head", self.lm_head) if draft else self.lm_head
+        return head(hidden)
 
 
 def keep_fp32(model: nn.Module) -> None:

@@ -2,7 +2,8 @@
 
 The `LayerPlan` decides what to build; the loader then skips (and counts) the tensors the
 plan does not need: indexer tensors of shared layers, and draft/MTP layers
-(`model.layers.{i}` with i >= num_hidden_layers). FP8 block-quantised weights
+(`model.layers.{i}` with i >= num_hidden_layers) unless the plan has a draft layer, which
+then loads `model.layers.{N}` as the MTP layer (`mtp.py`). FP8 block-quantised weights
 (`*.weight` + `*.weight_scale_inv`) are dequantised on the way in. Routed experts are
 accepted per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, what
 checkpoints and `save_pretrained` write) or already stacked (`mlp.experts.gate_up_proj`).
@@ -58,29 +59,62 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
     parallel: ParallelState | None = None,
+    draft_layers: int = 0,
     **plan_overrides: Any,
 ) -> tuple[DSAForCausalLM, ModelConfig, LayerPlan]:
     """Build the model the plan describes (this rank's shards of it, with `parallel`) and
-    fill it from `path`'s safetensors files, reading only this rank's slices."""
+    fill it from `path`'s safetensors files, reading only this rank's slices.
+
+    `draft_layers=1` (or a plan with one draft layer) also builds and loads the MTP layer
+    `model.layers.{N}`, for speculative decoding (`model.forward_draft`).
+    """
     path = Path(path)
     config = ModelConfig.from_hf(path)
     if plan is None:
-        plan = LayerPlan.from_config(config, **plan_overrides)
+        plan = LayerPlan.from_config(config, draft_layers=draft_layers, **plan_overrides)
     elif plan_overrides:
         raise DsakvError("pass either a LayerPlan or plan overrides, not both")
+    elif draft_layers not in (0, plan.num_draft_layers):
+        raise DsakvError(
+            f"draft_layers={draft_layers} disagrees with the plan's {plan.num_draft_layers}"
+        )
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise DsakvError(f"unknown dtype {dtype!r} (choose from {', '.join(_DTYPES)})")
         dtype = _DTYPES[dtype]
+    files = _checkpoint_files(path)
+    draft_vocab = _draft_vocab(path, config, plan, files)
     with torch.device("meta"):
-        model = DSAForCausalLM(config, plan, parallel=parallel)
+        model = DSAForCausalLM(config, plan, parallel=parallel, draft_vocab=draft_vocab)
     model.to(dtype)
     keep_fp32(model)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _Filler(model, config, plan).load(_checkpoint_files(path))
+    _Filler(model, config, plan).load(files)
+    if plan.num_draft_layers:
+        kept = model.mtp.drop_duplicate_vocab(model)
+        log.info("MTP layer %d loaded; own vocab copies kept: %s", config.num_hidden_layers, kept)
     return model.eval(), config, plan
+
+
+def _draft_vocab(
+    path: Path, config: ModelConfig, plan: LayerPlan, files: dict[str, Path]
+) -> tuple[bool, bool]:
+    """Whether the MTP layer ships its own embedding and head (loaded, then dropped where
+    equal to the target's); one clear error when the plan wants an MTP layer the
+    checkpoint lacks."""
+    if not plan.num_draft_layers:
+        return False, False
+    n = config.num_hidden_layers
+    prefix = f"model.layers.{n}."
+    if not any(name.startswith(prefix) for name in files):
+        raise DsakvError(
+            f"checkpoint {path} has no MTP layer (model.layers.{n}.*; config.json sets "
+            f"num_nextn_predict_layers {config.num_nextn_predict_layers}); "
+            "speculative decoding needs one"
+        )
+    return prefix + "embed_tokens.weight" in files, prefix + "shared_head.head.weight" in files
 
 
 def _checkpoint_files(path: Path) -> dict[str, Path]:
@@ -185,7 +219,7 @@ class _Filler:
         m = _LAYER.match(name)
         if m is not None:
             layer = int(m.group(1))
-            if layer >= self.config.num_hidden_layers:
+            if layer >= self.plan.num_total_layers:
                 self.skipped["draft"] += 1
                 return True
             if ".indexer." in name and not self.plan.runs_indexer(layer):

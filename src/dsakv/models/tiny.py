@@ -304,20 +304,66 @@ def write_tokenizer(path: str | Path, model_type: str = "glm_moe_dsa") -> None:
     fast.save_pretrained(str(path))
 
 
+MTP_MODES = ("fit", "random", "none")
+
+
 def write_tiny_model(
     path: str | Path,
     preset: str | dict[str, Any] = "glm-tiny",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    mtp: str = "random",
 ) -> Path:
-    """Write config.json, model.safetensors and the tokenizer for a tiny preset into `path`."""
+    """Write config.json, model.safetensors and the tokenizer for a tiny preset into `path`.
+
+    `mtp`: the MTP layer `model.layers.{N}` (`num_nextn_predict_layers: 1`) written into
+    model.safetensors beside the target's tensors (transformers ignores it): `"fit"`
+    distilled from the target (`mtp_fit.fit_draft`, seconds on CPU), `"random"` an unfitted
+    one (the target's last layer, random eh_proj: it accepts almost nothing), `"none"`
+    no MTP layer. DeepSeek-V3.2 presets also carry the MTP layer's own embedding and
+    head copies, as its releases do.
+    """
+    if mtp not in MTP_MODES:
+        from dsakv.errors import DsakvError
+
+        raise DsakvError(f"mtp must be one of {', '.join(MTP_MODES)}, got {mtp!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = hf_config(preset)
+    config.num_nextn_predict_layers = 0 if mtp == "none" else 1
     model = random_hf_model(config, seed, dtype)
     model.save_pretrained(str(path), max_shard_size="100GB")
     write_tokenizer(path, config.model_type)
+    if mtp != "none":
+        _write_mtp_layer(path, model, seed, dtype, fit=mtp == "fit")
     return path
+
+
+def _write_mtp_layer(path: Path, hf_model, seed: int, dtype: torch.dtype, fit: bool) -> None:
+    """Append `model.layers.{N}.*` to the checkpoint's model.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    from .mtp_fit import draft_block, fit_draft
+
+    gen_state = torch.random.get_rng_state()
+    try:
+        if fit:
+            from .loader import load_model
+
+            target, _, _ = load_model(path, dtype=torch.float32)
+            block = fit_draft(hf_model, target, seed + 2)
+        else:
+            block = draft_block(hf_model, seed + 2)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    tensors = block.checkpoint_tensors()
+    if hf_model.config.model_type == "deepseek_v32":
+        tensors[block.prefix + "embed_tokens.weight"] = hf_model.model.embed_tokens.weight
+        tensors[block.prefix + "shared_head.head.weight"] = hf_model.lm_head.weight
+    file = path / "model.safetensors"
+    saved = load_file(file)
+    saved.update({k: v.detach().to(dtype).contiguous() for k, v in tensors.items()})
+    save_file(saved, file, metadata={"format": "pt"})
 
 
 def default_model_dir(preset: str = "glm-bench", seed: int = 0) -> Path:
@@ -327,13 +373,14 @@ def default_model_dir(preset: str = "glm-bench", seed: int = 0) -> Path:
 
         raise DsakvError(f"unknown tiny preset {preset!r} (choose from {', '.join(TINY_PRESETS)})")
     root = Path(os.environ.get("DSAKV_CACHE") or Path.home() / ".cache" / "dsakv")
-    path = root / f"{preset}-seed{seed}"
+    name = f"{preset}-mtp-seed{seed}"  # "-mtp": caches from before the fitted MTP layer regenerate
+    path = root / name
     done = path / ".complete"
     if not done.is_file():
-        tmp = root / f".{preset}-seed{seed}.tmp{os.getpid()}"
+        tmp = root / f".{name}.tmp{os.getpid()}"
         dtype = torch.bfloat16 if preset.startswith("glm-bench") else torch.float32
-        write_tiny_model(tmp, preset, seed, dtype)
-        (tmp / ".complete").write_text(json.dumps({"preset": preset, "seed": seed}))
+        write_tiny_model(tmp, preset, seed, dtype, mtp="fit")
+        (tmp / ".complete").write_text(json.dumps({"preset": preset, "seed": seed, "mtp": "fit"}))
         if path.exists():  # a concurrent writer won; keep theirs
             import shutil
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import uvicorn
 
+from dsakv.disagg import DisaggConfig
 from dsakv.distributed.launch import create_engine
 from dsakv.engine import EngineConfig
 
@@ -40,18 +41,26 @@ def make_server(
     log_level: str = "info",
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = "auto",
+    disaggregation: DisaggConfig | None = None,
 ) -> tuple[uvicorn.Server, AsyncEngine]:
     """The server `run_server` runs, not yet started (tests drive it on a thread). Parser
     names: "auto" (the model type's own), "none", or one of `parsers.TOOL_PARSERS` /
-    `parsers.REASONING_PARSERS`."""
+    `parsers.REASONING_PARSERS`. `disaggregation`: serve as a prefill or decode server."""
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
     engine = create_engine(config, exit_on_rank_death=True)
-    async_engine = AsyncEngine(engine)
+    if disaggregation is None:
+        async_engine = AsyncEngine(engine)
+    else:
+        from dsakv.disagg.serving import make_async_engine
+
+        async_engine = make_async_engine(engine, disaggregation, host)
     name = served_model_name or Path(config.model).name or str(config.model)
     parsers = ChatParsers.for_model(
         engine.model_config.model_type, tool_call_parser, reasoning_parser
     )
     app = build_app(async_engine, name, api_key=api_key, chat_parsers=parsers)
+    if disaggregation is not None:
+        async_engine.attach(app)
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     return _Server(uv, async_engine), async_engine
 
@@ -64,6 +73,7 @@ def run_server(
     served_model_name: str | None = None,
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = "auto",
+    disaggregation: DisaggConfig | None = None,
 ) -> None:
     """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`)."""
     server, async_engine = make_server(
@@ -74,6 +84,7 @@ def run_server(
         served_model_name,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        disaggregation=disaggregation,
     )
     shown = f"[{host}]" if ":" in host else host
     name = server.config.app.state.model_name
