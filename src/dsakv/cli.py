@@ -399,7 +399,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from dsakv.bench import run_bench
 
     run_bench(
-        args.model, quick=args.quick, json_path=args.json, plot_dir=args.plot, tp_size=args.tp
+        args.model,
+        quick=args.quick,
+        json_path=args.json,
+        plot_dir=args.plot,
+        tp_size=args.tp,
+        pd=args.pd,
     )
     return 0
 
@@ -413,6 +418,7 @@ def _add_bench(sub: Any) -> None:
     p.add_argument(
         "--tp", type=_positive_int, default=1, help="add the tensor / DP-attention section"
     )
+    p.add_argument("--pd", action="store_true", help="add prefill -> decode KV transfer")
     p.set_defaults(func=_cmd_bench)
 
 

@@ -120,7 +120,8 @@ class ModelRunner:
 
     def _logits(self, rows: torch.Tensor, source: str) -> torch.Tensor:
         with torch.inference_mode():
-            return self.model.compute_logits(self.last[source][rows.to(self.device)])
+            h = self.last[source][rows.to(self.device)]
+            return self.model.compute_logits(h, draft=source == DRAFT)
 
 
 def _pack(new_tokens: Sequence[Sequence[int]]) -> list[list[int]]:

@@ -87,6 +87,8 @@ def estimate_weight_bytes(
         + embed * wide
         + (n_layers * norms + n_moe * router + h) * wide
         + n_indexers * idx_params * wide
+        # Each MTP layer's own head: eh_proj [H, 2H] (replicated), enorm, hnorm, final norm.
+        + plan.num_draft_layers * (2 * h * h * linear + 3 * h * wide)
     )
     return WeightEstimate(
         total_bytes=int(total),

@@ -1,0 +1,45 @@
+"""`DecoderLayer`: one pre-norm MLA + FFN block, as the target and the MTP layer use it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsakv.config import LayerPlan, ModelConfig
+from dsakv.distributed.parallel import ParallelState
+
+from .attention import MLAttention
+from .layers import MLP, RMSNorm
+from .moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm MLA block then pre-norm FFN (dense for the first layers, MoE after).
+
+    The FFN is split over every rank and reduced once (routed + shared together); under DP
+    attention it first gathers every rank's tokens and hands each rank its rows back, so
+    a rank with an empty batch still joins both collectives.
+    """
+
+    def __init__(
+        self, config: ModelConfig, plan: LayerPlan, layer: int, parallel: ParallelState
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.topk_source = plan.topk_source(layer)
+        self.self_attn = MLAttention(config, layer, plan.runs_indexer(layer), parallel)
+        self.mlp: nn.Module = (
+            MLP(config.hidden_size, config.intermediate_size, parallel.world_size, parallel.rank)
+            if layer < config.first_k_dense_replace
+            else MoE(config, parallel)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch, pool, selections) -> torch.Tensor:
+        h = self.self_attn(
+            self.input_layernorm(x), cos, sin, batch, pool, selections, self.topk_source
+        )
+        x = x + h
+        h, counts = self.parallel.gather_tokens(self.post_attention_layernorm(x))
+        return x + self.parallel.scatter_tokens(self.mlp(h), counts)

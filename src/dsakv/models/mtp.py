@@ -1,0 +1,95 @@
+"""The MTP ("NextN") draft layer: checkpoint layer `model.layers.{N}`, N = num_hidden_layers
+(DESIGN.md §9).
+
+An ordinary decoder layer (always full: it runs its own indexer and owns index-K at layer
+N of the pool) wrapped by the NextN input and output:
+
+    x  = eh_proj(cat([enorm(embed(next_token)), hnorm(h)]))   # embedding first
+    x  = decoder_layer(x)
+    h' = shared_head.norm(x)    # draft logits = lm_head(h'); h' is the next chain step's h
+
+It uses the target's embedding and lm_head unless the checkpoint ships its own copies
+(`model.layers.N.embed_tokens`, `model.layers.N.shared_head.head`) that differ, and is
+sharded exactly like the target's layers (vocab-parallel copies, TP attention, EP/TP FFN;
+`eh_proj` and the norms replicated, as SGLang does).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsakv.config import LayerPlan, ModelConfig
+from dsakv.distributed.parallel import ParallelState
+
+from .decoder import DecoderLayer
+from .forward_batch import ForwardBatch
+from .layers import RMSNorm
+from .parallel_layers import ParallelLMHead, VocabParallelEmbedding
+
+# The vocab copies an MTP layer may carry: attribute path -> the target's counterpart.
+VOCAB_COPIES = {"embed_tokens": "model.embed_tokens", "shared_head.head": "lm_head"}
+
+
+class SharedHead(nn.Module):
+    """`shared_head.norm`, plus `shared_head.head` when the checkpoint's own head is kept."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState, own_head: bool) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if own_head:
+            self.head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+
+
+class MTPLayer(DecoderLayer):
+    """`model.layers.{N}`: the decoder layer's modules plus enorm, hnorm, eh_proj and
+    shared_head (and `embed_tokens` when its own copy is kept), under checkpoint names."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        plan: LayerPlan,
+        layer: int,
+        parallel: ParallelState,
+        *,
+        own_embed: bool = False,
+        own_head: bool = False,
+    ) -> None:
+        super().__init__(config, plan, layer, parallel)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = RMSNorm(h, eps)
+        self.hnorm = RMSNorm(h, eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(config, parallel, own_head)
+        if own_embed:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, parallel)
+
+    def draft(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool,
+    ) -> torch.Tensor:
+        """`embeds[T, H]` of the next tokens and `hidden[T, H]` -> normed output `[T, H]`."""
+        x = torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1)
+        x = self(self.eh_proj(x), cos, sin, batch, pool, {})
+        return self.shared_head.norm(x)
+
+    def drop_duplicate_vocab(self, target: nn.Module) -> list[str]:
+        """Delete the vocab copies equal to `target`'s (this rank's shard), so the target's
+        are used; returns the copies kept (they differ)."""
+        kept = []
+        for path, target_path in VOCAB_COPIES.items():
+            parent_path, _, leaf = path.rpartition(".")
+            parent = self.get_submodule(parent_path) if parent_path else self
+            own = getattr(parent, leaf, None)
+            if own is None:
+                continue
+            if torch.equal(own.weight, target.get_submodule(target_path).weight):
+                delattr(parent, leaf)
+            else:
+                kept.append(path)
+        return kept
