@@ -245,6 +245,10 @@ def summary(r: dict[str, Any]) -> str:
             ),
             f"  tp={n} vs tp=1 greedy token agreement: {par['greedy_token_agreement']:.4f}",
         ]
+    if r.get("pd"):
+        from .pd import summary_lines
+
+        lines += ["", "8. " + summary_lines(r["pd"])[0], *summary_lines(r["pd"])[1:]]
     tg = r.get("targets")
     if tg:
         lines += ["", "targets"]

@@ -3,8 +3,8 @@
 Sections: (1) capacity, (2) throughput at a fixed KV budget (elided vs dense, and a
 transformers baseline), (3) IndexCache compute (sharing pattern vs every layer full),
 (4) parity (elided vs dense greedy tokens must be identical; FP8 vs fp32 top-1),
-(5) KV memory movement (`run_memory_bench`), (6) MTP speculative decoding, and with
-`--tp N` (7) the engine across ranks.
+(5) KV memory movement (`run_memory_bench`), (6) MTP speculative decoding, with
+`--tp N` (7) the engine across ranks, and with `--pd` (8) prefill -> decode KV transfer.
 """
 
 from __future__ import annotations
@@ -97,8 +97,10 @@ def run_bench(
     threads: int | None = 1,
     print_summary: bool = True,
     tp_size: int = 1,
+    pd: bool = False,
 ) -> dict[str, Any]:
     """Run every section; returns (and optionally writes) every figure as a JSON-able dict.
+    `pd` adds prefill -> decode KV transfer over Mooncake (`bench.pd`).
 
     Raises `ParityError` (after writing the JSON) when elided and dense greedy outputs differ.
     `threads` pins torch's intra-op threads (1 by default: stable timings on shared cores).
@@ -115,7 +117,7 @@ def run_bench(
     sections = ["capacity", "throughput", "indexcache", "parity"] + (
         ["memory"] if sizes.memory else []
     )
-    sections += ["mtp"] + (["parallel"] if tp_size > 1 else [])
+    sections += ["mtp"] + (["parallel"] if tp_size > 1 else []) + (["pd"] if pd else [])
     try:
         with tqdm(total=len(sections), desc="dsakv bench", unit="section") as bar:
             path = resolve_model_dir(model, "glm-bench")
@@ -175,6 +177,13 @@ def run_bench(
                 result["parallel"] = run_parallel_bench(
                     path, tp_size, _workload(sizes), pages, sizes.page_size, sizes.seed
                 )
+                bar.update()
+            if pd:
+                from .pd import run_pd_bench  # Mooncake is only needed here
+
+                bar.set_postfix_str("pd")
+                clock["pd"] = time.perf_counter()
+                result["pd"] = run_pd_bench(quick=quick, seed=sizes.seed)
                 bar.update()
     finally:
         torch.set_num_threads(saved_threads)

@@ -47,6 +47,8 @@ def make_server(
     names: "auto" (the model type's own), "none", or one of `parsers.TOOL_PARSERS` /
     `parsers.REASONING_PARSERS`. `disaggregation`: serve as a prefill or decode server."""
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
+    if disaggregation is not None:
+        disaggregation.check_engine(config.parallel.world_size)
     engine = create_engine(config, exit_on_rank_death=True)
     if disaggregation is None:
         async_engine = AsyncEngine(engine)

@@ -1,0 +1,307 @@
+"""The prefill/decode handshake: JSON lines over TCP on the prefill server's bootstrap port.
+
+The router gives both servers the same `room` (a random id) and the decode server the
+prefill server's bootstrap address. The decode server reserves pages, connects and sends
+one line: its layout description (checked here before any byte moves), its Mooncake
+session, its pool buffers, the pages and the prompt's token ids. The prefill server's
+request handler `claim`s the room, runs the prompt, writes the KV and sets the result;
+meanwhile this side sends `{"type": "wait"}` every few seconds, so the decode server can
+tell a slow prefill from a dead one (no line for `timeout` seconds: it gives up and frees
+its pages). The last line is `{"type": "done", "first_token", ...}` or an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsakv.config import ModelConfig
+from dsakv.memory import CacheLayout
+
+from .transfer import PeerBuffer
+
+log = logging.getLogger(__name__)
+
+_MAX_LINE = 64 << 20  # a registration carries the prompt's ids and the page list
+
+
+class BootstrapError(RuntimeError):
+    """The handshake failed: layouts differ, the peer is gone, or nobody answered in time."""
+
+
+# --- what must match ---------------------------------------------------------------------------
+
+
+def describe(layout: CacheLayout, config: ModelConfig) -> dict[str, Any]:
+    """Everything that must be equal on both sides for the pages to mean the same thing:
+    the cache layout (LayerPlan pattern, draft layers, dims, dtypes, page size, elision)
+    and the model (its config)."""
+    d: dict[str, Any] = {
+        f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.name != "plan"
+    }
+    d["plan_pattern"] = layout.plan.pattern
+    d["num_draft_layers"] = layout.plan.num_draft_layers
+    d["fingerprint"] = layout.fingerprint()
+    d["model"] = dataclasses.asdict(config)
+    return json.loads(json.dumps(d, default=str))  # as it will arrive from the peer
+
+
+def differences(mine: dict[str, Any], theirs: dict[str, Any], me: str, peer: str) -> list[str]:
+    """`key: me X, peer Y` for every field that differs (model fields as `model.key`)."""
+    out = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if key == "model" and isinstance(a, dict) and isinstance(b, dict):
+            out += [f"model.{d}" for d in differences(a, b, me, peer)]
+        elif key != "fingerprint" and a != b:
+            out.append(f"{key}: {me} {a!r}, {peer} {b!r}")
+    if not out and mine.get("fingerprint") != theirs.get("fingerprint"):
+        out.append("layout fingerprint differs")
+    return out
+
+
+def mismatch_message(diffs: list[str]) -> str:
+    return "prefill and decode servers have different KV layouts: " + "; ".join(diffs)
+
+
+# --- prefill side ------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Registration:
+    """One decode server's request for a room's KV. `finish` (any thread) answers it."""
+
+    room: int
+    session: str
+    buffers: list[PeerBuffer]
+    pages: list[int]
+    prompt_ids: list[int]
+    result: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    gone: threading.Event = field(default_factory=threading.Event)  # decode side hung up
+
+    def done(self, **info: Any) -> None:
+        self._set({"type": "done", **info})
+
+    def fail(self, message: str) -> None:
+        self._set({"type": "error", "message": message})
+
+    def _set(self, reply: dict[str, Any]) -> None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.result.set_result(reply)
+
+
+@dataclass(eq=False)
+class _Room:
+    registered: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    claimed: bool = False
+
+
+class BootstrapServer:
+    """The prefill server's end: accepts registrations on its own thread and event loop."""
+
+    def __init__(self, host: str, port: int, layout: dict[str, Any], timeout: float) -> None:
+        self.host, self.port, self.layout, self.timeout = host, port, layout, timeout
+        self._rooms: dict[int, _Room] = {}
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.base_events.Server | None = None
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name="dsakv-bootstrap", daemon=True
+        )
+        self._thread.start()
+        started.result()  # raises if the port could not be bound
+
+    # --- used by the prefill server's request handlers (any event loop) -------------------
+
+    async def claim(self, room: int, timeout: float | None = None) -> Registration:
+        """The decode server's registration for `room`, once it arrives; raises
+        `BootstrapError` after `timeout` or when its layout was refused."""
+        slot = self._room(room)
+        try:
+            reg = await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(slot.registered)), timeout or self.timeout
+            )
+        except (asyncio.TimeoutError, TimeoutError):
+            self._forget(room, slot)
+            raise BootstrapError(
+                f"no decode server registered room {room} within {timeout or self.timeout:g} s"
+            ) from None
+        except BootstrapError:
+            self._forget(room, slot)
+            raise
+        slot.claimed = True
+        return reg
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    # --- the server thread ----------------------------------------------------------------
+
+    def _run(self, started: concurrent.futures.Future) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._serve, self.host, self.port, limit=_MAX_LINE)
+            )
+        except OSError as e:
+            started.set_exception(
+                BootstrapError(f"cannot listen on bootstrap port {self.host}:{self.port}: {e}")
+            )
+            return
+        started.set_result(None)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._server.close()
+            self._loop.close()
+
+    def _room(self, room: int) -> _Room:
+        with self._lock:
+            return self._rooms.setdefault(room, _Room())
+
+    def _forget(self, room: int, slot: _Room) -> None:
+        with self._lock:
+            if self._rooms.get(room) is slot:
+                del self._rooms[room]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        room, slot, keep = None, None, False
+        try:
+            line = await asyncio.wait_for(reader.readline(), self.timeout)
+            msg = json.loads(line)
+            room = int(msg["room"])
+            slot = self._room(room)
+            diffs = differences(self.layout, msg["layout"], "prefill", "decode")
+            if diffs:
+                error = mismatch_message(diffs)
+                log.warning("room %d refused: %s", room, error)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    slot.registered.set_exception(BootstrapError(error))
+                keep = True  # until the prefill request for this room comes to hear it
+                await _send(writer, {"type": "error", "message": error})
+                return
+            reg = Registration(
+                room,
+                str(msg["session"]),
+                [PeerBuffer.from_json(b) for b in msg["buffers"]],
+                [int(p) for p in msg["pages"]],
+                [int(t) for t in msg["prompt_ids"]],
+            )
+            try:
+                slot.registered.set_result(reg)
+            except concurrent.futures.InvalidStateError:
+                slot = None  # it belongs to the first registration
+                await _send(writer, {"type": "error", "message": f"room {room} is taken"})
+                return
+            # Well inside the decode side's patience, which it tells us.
+            keepalive = max(0.05, min(float(msg.get("timeout", self.timeout)) / 4, 5.0))
+            await self._wait(reg, slot, reader, writer, keepalive)
+        except (OSError, ValueError, KeyError, TypeError, asyncio.TimeoutError) as e:
+            log.warning("bootstrap connection failed: %s", e)
+            with contextlib.suppress(OSError):
+                await _send(writer, {"type": "error", "message": f"bad registration: {e}"})
+        finally:
+            if slot is not None and keep:
+                self._loop.call_later(self.timeout, self._forget, room, slot)
+            elif slot is not None:
+                self._forget(room, slot)
+            writer.close()
+
+    async def _wait(
+        self,
+        reg: Registration,
+        slot: _Room,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        keepalive: float,
+    ) -> None:
+        """Keep the decode side posted until the room's result is set; notice if it hangs
+        up (the prefill handler then ships nothing) or if nobody claims the room."""
+        result = asyncio.wrap_future(reg.result)
+        hangup = asyncio.ensure_future(reader.read(1))  # b"" at EOF
+        deadline = time.monotonic() + self.timeout
+        try:
+            while True:
+                await asyncio.wait(
+                    {result, hangup}, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED
+                )
+                if result.done():
+                    await _send(writer, result.result())
+                    return
+                if hangup.done():
+                    reg.gone.set()
+                    reg.fail("the decode server hung up")
+                    return
+                if not slot.claimed and time.monotonic() > deadline:
+                    reg.fail(
+                        f"the prefill server got no request for room {reg.room} within "
+                        f"{self.timeout:g} s"
+                    )
+                    await _send(writer, reg.result.result())
+                    return
+                await _send(writer, {"type": "wait"})
+        except OSError:
+            reg.gone.set()
+            reg.fail("the decode server hung up")
+        finally:
+            hangup.cancel()
+
+
+async def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+    writer.write(json.dumps(msg).encode() + b"\n")
+    await writer.drain()
+
+
+# --- decode side -------------------------------------------------------------------------------
+
+
+async def request_kv(
+    host: str, port: int, registration: dict[str, Any], timeout: float
+) -> dict[str, Any]:
+    """Register with a prefill server and wait until it has written the KV; returns its
+    `done` reply (`first_token`, `bytes`, `seconds`). Raises `BootstrapError` on a refusal,
+    a hang-up, or `timeout` seconds without a word."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, limit=_MAX_LINE), timeout
+        )
+    except (OSError, asyncio.TimeoutError) as e:
+        raise BootstrapError(
+            f"cannot reach the prefill server's bootstrap {host}:{port}: {e}"
+        ) from None
+    try:
+        await _send(writer, registration)
+        while True:
+            try:
+                line = await asyncio.wait_for(reader.readline(), timeout)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise BootstrapError(
+                    f"no word from the prefill server {host}:{port} for {timeout:g} s"
+                ) from None
+            if not line:
+                raise BootstrapError(
+                    f"the prefill server {host}:{port} closed the connection before the KV "
+                    "arrived (did it die?)"
+                )
+            msg = json.loads(line)
+            if msg.get("type") == "wait":
+                continue
+            if msg.get("type") == "done":
+                return msg
+            raise BootstrapError(str(msg.get("message", msg)))
+    except OSError as e:
+        raise BootstrapError(f"lost the prefill server {host}:{port}: {e}") from None
+    finally:
+        writer.close()

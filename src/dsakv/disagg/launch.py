@@ -1,0 +1,89 @@
+"""`dsakv serve-pd`: one prefill server, one decode server and the router on one machine."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from dsakv.errors import DsakvError
+
+from .router import run_router
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def serve_command(model: str, mode: str, port: int, bootstrap_port: int, flags: Sequence[str]):
+    """The `dsakv serve` command line of one role."""
+    cmd = [sys.executable, "-m", "dsakv.cli", "serve", model, "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--disaggregation-mode", mode]
+    cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port), *flags]
+    return cmd
+
+
+def wait_healthy(urls: Sequence[str], procs: Sequence[subprocess.Popen], timeout: float) -> None:
+    """Until every server answers /health; a server process that exits is an error."""
+    deadline = time.monotonic() + timeout
+    pending = list(urls)
+    while pending:
+        for p in procs:
+            if p.poll() is not None:
+                raise DsakvError(f"a server exited with code {p.returncode}: {' '.join(p.args)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{pending[0]}/health", timeout=2).status_code == 200:
+                pending.pop(0)
+                continue
+        if time.monotonic() > deadline:
+            raise DsakvError(f"{pending[0]} did not come up within {timeout:g} s")
+        time.sleep(0.3)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def serve_pd(
+    model: str,
+    flags: Sequence[str],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    prefill_port: int | None = None,
+    decode_port: int | None = None,
+    bootstrap_port: int | None = None,
+    startup_timeout: float = 600.0,
+) -> None:
+    """Start both servers as child processes (engine `flags` go to both), wait until they
+    are up, then serve the router on `host:port` until interrupted; the children go too."""
+    pp, dp = prefill_port or free_port(), decode_port or free_port()
+    bp = bootstrap_port or free_port()
+    procs = [
+        subprocess.Popen(serve_command(model, "prefill", pp, bp, flags)),
+        subprocess.Popen(serve_command(model, "decode", dp, bp, flags)),
+    ]
+    urls = [f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"]
+    # uvicorn re-raises the SIGTERM it caught once it has stopped: make that an exception,
+    # so the servers below are stopped too rather than orphaned.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        wait_healthy(urls, procs, startup_timeout)
+        run_router([urls[0]], [urls[1]], host, port)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,225 @@
+"""`dsakv router`: the OpenAI-compatible front door of a prefill/decode deployment.
+
+Each completions or chat request goes to one prefill server and one decode server (round
+robin) with the same bootstrap room; the decode server's answer (streamed or not) is the
+client's. The prefill server's own answer (its one token) is only logged when it fails:
+any failure reaches the client through the decode server, which hears it in the handshake.
+Light on purpose: no torch, no engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
+
+log = logging.getLogger(__name__)
+
+_GENERATE = ("/v1/completions", "/v1/chat/completions")
+
+
+def _error(status: int, message: str, type: str = "server_error") -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def _sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+class Router:
+    """Round-robin pairs of prefill and decode servers; one shared HTTP client."""
+
+    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+        if not prefill or not decode:
+            raise ValueError("the router needs at least one --prefill and one --decode URL")
+        self.prefill = [u.rstrip("/") for u in prefill]
+        self.decode = [u.rstrip("/") for u in decode]
+        self._next_prefill = itertools.cycle(range(len(self.prefill)))
+        self._next_decode = itertools.cycle(range(len(self.decode)))
+        self._bootstrap: dict[str, tuple[str, int]] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.requests = 0
+        self.failures = 0
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:  # created on the serving loop
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(None, connect=10.0),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
+        return self._client
+
+    async def bootstrap_of(self, prefill_url: str) -> tuple[str, int]:
+        """(host, port) of a prefill server's bootstrap, asked once from `/disagg/info`."""
+        if prefill_url not in self._bootstrap:
+            r = await self.client.get(f"{prefill_url}/disagg/info", timeout=10.0)
+            r.raise_for_status()
+            info = r.json()
+            if info.get("mode") != "prefill":
+                raise ValueError(f"{prefill_url} is not a prefill server (mode {info.get('mode')})")
+            host = urlsplit(prefill_url).hostname or "127.0.0.1"
+            self._bootstrap[prefill_url] = (host, int(info["bootstrap_port"]))
+        return self._bootstrap[prefill_url]
+
+    async def generate(self, path: str, request: Request) -> Response:
+        self.requests += 1
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            return _error(400, f"request body is not valid JSON: {e}", "invalid_request_error")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "invalid_request_error")
+        p_url = self.prefill[next(self._next_prefill)]
+        d_url = self.decode[next(self._next_decode)]
+        try:
+            host, port = await self.bootstrap_of(p_url)
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            self.failures += 1
+            return _error(502, f"prefill server {p_url} is not usable: {e}")
+        room = secrets.randbits(62)
+        headers = {ROOM_HEADER: str(room), HOST_HEADER: host, PORT_HEADER: str(port)}
+        if "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        # The prefill server answers with its one token; only the decode server streams.
+        p_body = {**body, "stream": False}
+        p_body.pop("stream_options", None)
+        self._spawn(self._prefill(f"{p_url}{path}", p_body, headers))
+        send = self.client.build_request(
+            "POST",
+            f"{d_url}{path}",
+            content=raw,
+            headers={**headers, "content-type": "application/json"},
+        )
+        try:
+            resp = await self.client.send(send, stream=True)
+        except httpx.HTTPError as e:
+            self.failures += 1
+            return _error(502, f"decode server {d_url} is unreachable: {e}")
+        kind = resp.headers.get("content-type", "")
+        if resp.status_code != 200 or "text/event-stream" not in kind:
+            try:
+                content = await resp.aread()
+            except httpx.HTTPError as e:
+                self.failures += 1
+                return _error(502, f"lost the decode server {d_url}: {e}")
+            finally:
+                await resp.aclose()
+            if resp.status_code != 200:
+                self.failures += 1
+            return Response(content, resp.status_code, media_type=kind or None)
+        return StreamingResponse(
+            self._relay(resp, d_url),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    async def _relay(self, resp: httpx.Response, d_url: str) -> AsyncIterator[bytes]:
+        """The decode server's SSE bytes as they come; if it dies, an error event."""
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            self.failures += 1
+            yield _sse_error(f"lost the decode server {d_url} mid-stream: {e!r}")
+        finally:
+            await resp.aclose()
+
+    async def _prefill(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        try:
+            r = await self.client.post(url, json=body, headers=headers)
+            if r.status_code != 200:
+                log.warning("prefill %s answered %d: %s", url, r.status_code, r.text[:500])
+        except httpx.HTTPError as e:
+            log.warning("prefill %s failed: %r", url, e)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def health(self) -> Response:
+        bad = []
+        for url in self.prefill + self.decode:
+            try:
+                r = await self.client.get(f"{url}/health", timeout=5.0)
+                if r.status_code != 200:
+                    bad.append(f"{url}: {r.status_code}")
+            except httpx.HTTPError as e:
+                bad.append(f"{url}: {e!r}")
+        if bad:
+            return JSONResponse({"status": "degraded", "unhealthy": bad}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
+    router = Router(prefill, decode)
+    app = FastAPI(title="dsakv router", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+
+    for path in _GENERATE:
+
+        async def generate(request: Request, path: str = path) -> Response:
+            return await router.generate(path, request)
+
+        app.add_api_route(path, generate, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        headers = {}
+        if "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        try:
+            r = await router.client.get(f"{router.decode[0]}/v1/models", headers=headers)
+        except httpx.HTTPError as e:
+            return _error(502, f"decode server unreachable: {e}")
+        return Response(r.content, r.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await router.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = (
+            "# TYPE dsakv_router_requests_total counter\n"
+            f"dsakv_router_requests_total {router.requests}\n"
+            "# TYPE dsakv_router_failures_total counter\n"
+            f"dsakv_router_failures_total {router.failures}\n"
+        )
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def run_router(
+    prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 8000
+) -> None:
+    """Serve the router until interrupted (`dsakv router`)."""
+    app = build_router_app(prefill, decode)
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"dsakv: router at http://{shown}:{port}/v1 -> prefill {prefill}, decode {decode}",
+        flush=True,
+    )
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,405 @@
+"""Prefill and decode servers: `AsyncEngine`s whose `generate_n` takes part in the handshake.
+
+The OpenAI handlers (`dsakv.server.app`) are unchanged: they call `generate_n` and read the
+stream it returns. On a prefill server that stream ends after the first token, once the
+KV is in the decode server's pages; on a decode server it starts with the prefill side's
+first token and goes on decoding. The router's headers (`X-Dsakv-Bootstrap-*`) reach
+`generate_n` through a context variable set by a small ASGI middleware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dsakv.engine import Engine, Request, SamplingParams
+from dsakv.engine import disagg as ops
+from dsakv.errors import DsakvError
+from dsakv.server.metrics import PREFIX
+from dsakv.server.protocol import APIError
+from dsakv.server.runner import AsyncEngine, RequestStream, Update, _update
+
+from .bootstrap import BootstrapError, BootstrapServer, describe, request_kv
+from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER, DisaggConfig
+from .transfer import KVTransfer, TransferError, TransferStats
+
+log = logging.getLogger(__name__)
+
+_RESERVE_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class BootstrapTarget:
+    """Where a request's handshake happens: the prefill server's bootstrap and the room."""
+
+    room: int
+    host: str = ""
+    port: int = 0
+
+    def headers(self) -> dict[str, str]:
+        return {ROOM_HEADER: str(self.room), HOST_HEADER: self.host, PORT_HEADER: str(self.port)}
+
+
+_target: contextvars.ContextVar[BootstrapTarget | None] = contextvars.ContextVar(
+    "dsakv_bootstrap_target", default=None
+)
+
+
+class _BootstrapHeaders:
+    """ASGI middleware: the request's bootstrap headers into `_target` (bad ones: a 400)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        h = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        target = None
+        if ROOM_HEADER in h:
+            try:
+                target = BootstrapTarget(
+                    int(h[ROOM_HEADER]), h.get(HOST_HEADER, ""), int(h.get(PORT_HEADER, "0"))
+                )
+            except ValueError:
+                e = APIError(400, "bad X-Dsakv-Bootstrap-* headers")
+                await JSONResponse(e.body(), status_code=400)(scope, receive, send)
+                return
+        token = _target.set(target)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _target.reset(token)
+
+
+def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget:
+    target = _target.get()
+    if target is None:
+        raise APIError(
+            400,
+            f"this is a {role} server (--disaggregation-mode {role}): send requests through "
+            "`dsakv router`",
+        )
+    if n != 1:
+        raise APIError(400, "n > 1 is not supported with prefill/decode disaggregation", "n")
+    if params.prompt_logprobs is not None:
+        raise APIError(
+            400, "prompt logprobs (echo with logprobs) are not supported with disaggregation"
+        )
+    return target
+
+
+class _DisaggEngine(AsyncEngine):
+    role = ""
+
+    def __init__(self, engine: Engine, config: DisaggConfig, server_host: str) -> None:
+        self.config = config
+        self.layout = describe(engine.layout, engine.model_config)
+        self.transfer = KVTransfer(engine.pool, config.host_for(server_host))
+        # Prefill: what it sent (counted by the transfer); decode: what it received.
+        self.stats: TransferStats = self.transfer.stats
+        super().__init__(engine)  # starts the engine thread
+        self.pending = 0  # requests between handshake and KV (prefill: held pages)
+        self._tasks: set[asyncio.Task] = set()
+
+    def _spawn(self, coro: Any) -> None:
+        """Run `coro` on the current loop, keeping a reference until it is done."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def attach(self, app: FastAPI) -> None:
+        """Headers middleware, transfer metrics and `GET /disagg/info` on the server's app."""
+        app.add_middleware(_BootstrapHeaders)
+        app.state.metrics.registry.register(_TransferCollector(app.state.model_name, self))
+
+        @app.get("/disagg/info")
+        async def info() -> dict[str, Any]:
+            return {
+                "mode": self.role,
+                "bootstrap_port": self.config.bootstrap_port if self.role == "prefill" else None,
+                "session": self.transfer.session,
+                "bytes_per_token": self.engine.layout.bytes_per_token,
+                "fingerprint": self.engine.layout.fingerprint(),
+                "pending": self.pending,
+                "transfer": self.stats.snapshot(),
+                "integrity": await self._integrity(),
+            }
+
+    async def _integrity(self) -> str:
+        """`ok` when no page is held by anything but the prefix cache (idle, leak-free)."""
+
+        def check(e: Engine) -> str:
+            if e.has_unfinished() or self.pending:
+                return "busy"
+            try:
+                e.check_integrity()
+            except AssertionError as err:
+                return f"leak: {err}"
+            return "ok"
+
+        return await self.call(check)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        super().shutdown(timeout)
+        self.transfer.close()
+
+
+class PrefillAsyncEngine(_DisaggEngine):
+    """Runs each prompt with max_tokens 1, keeps its pages, writes them into the decode
+    server's pages, answers the decode server (first token), then lets the pages go."""
+
+    role = "prefill"
+
+    def __init__(self, engine: Engine, config: DisaggConfig, server_host: str) -> None:
+        layout = describe(engine.layout, engine.model_config)
+        self.bootstrap = BootstrapServer(
+            server_host, config.bootstrap_port, layout, config.timeout_s
+        )
+        try:
+            super().__init__(engine, config, server_host)
+        except BaseException:
+            self.bootstrap.close()
+            raise
+        self._writer = ThreadPoolExecutor(4, thread_name_prefix="dsakv-kv-write")
+
+    async def generate_n(
+        self, prompt: str | list[int], params: SamplingParams, n: int
+    ) -> list[RequestStream]:
+        target = _common_checks(self.role, n, params)
+        try:
+            reg = await self.bootstrap.claim(target.room)
+        except BootstrapError as e:
+            self.stats.fail()
+            raise APIError(502, str(e), type="server_error") from None
+        loop = asyncio.get_running_loop()
+        shadow, public = RequestStream(loop), RequestStream(loop)
+        try:
+            ids = await self.call(lambda e: e.prompt_ids(prompt))
+            if ids != reg.prompt_ids:
+                raise APIError(
+                    502,
+                    "the prefill and decode servers tokenized the prompt differently "
+                    "(different tokenizers or chat templates?)",
+                    type="server_error",
+                )
+            one = dataclasses.replace(params, max_tokens=1)
+            add = functools.partial(self._add_held, ids, one, shadow, public)
+            req = await self.call(add)
+        except BaseException as e:
+            reg.fail(getattr(e, "message", None) or f"prefill server: {e}")
+            self.stats.fail()
+            raise
+        self.pending += 1
+        self._spawn(self._ship(req, reg, shadow, public))
+        return [public]
+
+    def _add_held(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        shadow: RequestStream,
+        public: RequestStream,
+        engine: Engine,
+    ) -> Request:
+        """Engine thread: queue the prompt with its pages held past its finish. The engine
+        feeds `shadow`; `_ship` passes the final update on to `public` after the write."""
+        (req,) = engine.add_requests(ids, params, 1)
+        ops.hold(engine, req)
+        for s in (shadow, public):
+            s.rid, s.request, s.prompt_tokens = req.rid, req, len(ids)
+        self._streams[req.rid] = shadow
+        return req
+
+    def _abort(self, stream: RequestStream, reason: str) -> None:
+        """An abort of the handler's stream also ends `_ship`'s wait on the engine's."""
+        shadow = self._streams.get(stream.rid) if stream.rid is not None else None
+        super()._abort(stream, reason)
+        if shadow is not None and shadow is not stream:
+            shadow._push(Update([], "", None, None, True, reason, stream.prompt_tokens, 0))
+
+    async def _ship(
+        self, req: Request, reg: Any, shadow: RequestStream, public: RequestStream
+    ) -> None:
+        u = await shadow.get()
+        while not u.finished:
+            u = await shadow.get()
+        try:
+            if u.error is not None or u.finish_reason == "abort":
+                raise RuntimeError(u.error or "the prefill request was aborted")
+            n = len(req.prompt_ids)
+            if req.num_computed < n:
+                raise RuntimeError("the prompt does not fit in the prefill server's KV pool")
+            if reg.gone.is_set():
+                raise RuntimeError("the decode server hung up before the KV was sent")
+            pages = req.pages[: -(-n // self.engine.pool.page_size)]
+            loop = asyncio.get_running_loop()
+            write = functools.partial(
+                self.transfer.write, reg.session, reg.buffers, pages, reg.pages, n
+            )
+            nbytes, seconds = await loop.run_in_executor(self._writer, write)
+            reg.done(
+                first_token=u.token_ids[0],
+                logprob=u.logprobs[0] if u.logprobs else None,
+                top_logprobs=u.top_logprobs[0] if u.top_logprobs else None,
+                bytes=nbytes,
+                tokens=n,
+                seconds=seconds,
+            )
+            public._push(u)
+        except Exception as e:
+            self.stats.fail()
+            message = f"KV transfer for room {reg.room} failed: {e}"
+            log.warning("%s", message)
+            reg.fail(message)
+            public._push(
+                Update([], "", None, None, True, "error", len(req.prompt_ids), 0, error=message)
+            )
+        finally:
+            self.pending -= 1
+            with contextlib.suppress(RuntimeError):  # a stopped engine has nothing to free
+                await self.call(lambda e: ops.release_held(e, req))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.bootstrap.close()
+        super().shutdown(timeout)
+        self._writer.shutdown(wait=False, cancel_futures=True)
+
+
+class DecodeAsyncEngine(_DisaggEngine):
+    """Reserves pages, has the prefill server write the prompt's KV into them, then decodes
+    from the prefill server's first token. Reserved pages go back when the prefill server
+    fails, hangs up or stays silent for `timeout_s`."""
+
+    role = "decode"
+
+    def __init__(self, engine: Engine, config: DisaggConfig, server_host: str) -> None:
+        super().__init__(engine, config, server_host)
+        self.stats = TransferStats()
+
+    async def generate_n(
+        self, prompt: str | list[int], params: SamplingParams, n: int
+    ) -> list[RequestStream]:
+        target = _common_checks(self.role, n, params)
+        if not target.host or not target.port:
+            raise APIError(400, "X-Dsakv-Bootstrap-Host and -Port are needed on a decode server")
+        ids = await self.call(lambda e: e.prompt_ids(prompt))
+        self.pending += 1
+        try:
+            req = await self._reserve(ids, params)
+            registration = {
+                "room": target.room,
+                "layout": self.layout,
+                "session": self.transfer.session,
+                "buffers": self.transfer.describe(),
+                "pages": req.pages,
+                "prompt_ids": ids,
+                "timeout": self.config.timeout_s,  # the prefill side keeps well inside it
+            }
+            handshake = asyncio.ensure_future(
+                request_kv(target.host, target.port, registration, self.config.timeout_s)
+            )
+            try:
+                reply = await asyncio.shield(handshake)
+            except asyncio.CancelledError:
+                # The prefill side may be writing into the pages: free them once it answers.
+                handshake.add_done_callback(lambda _: self._drop_soon(req))
+                raise
+            except BootstrapError as e:
+                self.stats.fail()
+                await self.call(lambda eng: ops.drop(eng, req))
+                raise APIError(502, str(e), type="server_error") from None
+        finally:
+            self.pending -= 1
+        self.stats.add(int(reply["bytes"]), int(reply["tokens"]), float(reply["seconds"]))
+        stream = RequestStream(asyncio.get_running_loop())
+        await self.call(functools.partial(self._start, req, reply, stream))
+        return [stream]
+
+    async def _reserve(self, ids: list[int], params: SamplingParams) -> Request:
+        """Pages for the prompt and the first decode token, waiting (up to the timeout)
+        while the pool is full."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_s
+        while True:
+            req = await self.call(lambda e: ops.reserve(e, ids, params))
+            if req is not None:
+                return req
+            if loop.time() > deadline:
+                raise APIError(
+                    503,
+                    f"the decode server's KV pool had no room for {len(ids)} tokens within "
+                    f"{self.config.timeout_s:g} s",
+                    type="server_error",
+                )
+            await asyncio.sleep(_RESERVE_POLL_S)
+
+    def _drop_soon(self, req: Request) -> None:
+        """Give a reserved request's pages back from a callback on the event loop."""
+        self._spawn(self.call(lambda e: ops.drop(e, req)))
+
+    def _start(self, req: Request, reply: dict[str, Any], stream: RequestStream, engine: Engine):
+        """Engine thread: decode from the prefill server's first token; the stream gets it."""
+        logprob, top = reply.get("logprob"), reply.get("top_logprobs")
+        if req.params.logprobs is not None and logprob is not None:
+            req.logprobs.append(float(logprob))
+            req.top_logprobs.append([(int(t), float(x)) for t, x in top or []])
+        ops.start_decoding(engine, req, int(reply["first_token"]))
+        stream.rid, stream.request, stream.prompt_tokens = req.rid, req, len(req.prompt_ids)
+        stream._push(_update(engine, stream, req))
+        if req.finished:
+            stream.request = None
+        else:
+            self._streams[req.rid] = stream
+
+
+def make_async_engine(engine: Engine, config: DisaggConfig, server_host: str) -> _DisaggEngine:
+    """The prefill or decode server's bridge; setup failures are one `DsakvError`."""
+    cls = PrefillAsyncEngine if config.mode == "prefill" else DecodeAsyncEngine
+    try:
+        return cls(engine, config, server_host)
+    except (TransferError, BootstrapError) as e:
+        raise DsakvError(str(e)) from None
+
+
+class _TransferCollector(Collector):
+    """`dsakv_kv_transfer_*`: KV the prefill server sent / the decode server received."""
+
+    def __init__(self, model_name: str, owner: _DisaggEngine) -> None:
+        self.model_name, self.owner = model_name, owner
+
+    def collect(self) -> Iterator[Metric]:
+        labels, values = ["model_name", "role"], [self.model_name, self.owner.role]
+        snap = self.owner.stats.snapshot()
+        docs = {
+            "bytes": "KV bytes written to (prefill) / into (decode) the peer's pages",
+            "tokens": "Prompt tokens whose KV was transferred",
+            "requests": "Requests whose KV was transferred",
+            "seconds": "Time spent in KV writes",
+            "failures": "Requests whose handshake or KV transfer failed",
+        }
+        for key, doc in docs.items():
+            m = CounterMetricFamily(PREFIX + f"kv_transfer_{key}", doc, labels=labels)
+            m.add_metric(values, float(snap[key]))
+            yield m
+        m = GaugeMetricFamily(
+            PREFIX + "kv_transfer_pending",
+            "Requests between handshake and KV (prefill: pages held for the write)",
+            labels=labels,
+        )
+        m.add_metric(values, float(self.owner.pending))
+        yield m

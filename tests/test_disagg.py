@@ -1,0 +1,534 @@
+"""Prefill/decode disaggregation end to end: a prefill server, decode servers and the router
+as real processes on loopback, KV pages written over the Mooncake Transfer Engine, the
+official `openai` client in front, and an offline `LLM` on the same model as reference."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from dsakv.bench.pd import run_pd_bench, summary_lines
+from dsakv.config import ModelConfig
+from dsakv.disagg.bootstrap import BootstrapError, BootstrapServer, describe, request_kv
+from dsakv.disagg.launch import wait_healthy
+from dsakv.disagg.router import build_router_app
+from dsakv.disagg.transfer import (
+    KVTransfer,
+    PeerBuffer,
+    TransferError,
+    import_transfer_engine,
+    plan_writes,
+)
+from dsakv.engine import LLM, SamplingParams
+from dsakv.memory import CacheLayout, DSAKVPool
+from dsakv.models.tiny import TINY_PRESETS, default_model_dir, write_tiny_model
+
+from .serving import TIMEOUT, free_port, running
+
+EXACT = ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32", "--page-size", "16"]
+TINY = [*EXACT, "--num-pages", "256", "--device", "cpu", "--max-running-requests", "64"]
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+# --- the transfer layer, in one process --------------------------------------------------------
+
+
+def _filled_pool(layout: CacheLayout, num_pages: int, seed: int) -> DSAKVPool:
+    pool = DSAKVPool(layout, num_pages)
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.arange(pool.num_tokens)
+    for layer in range(layout.num_layers):
+        pool.write_latent(layer, slots, torch.randn(len(slots), layout.latent_dim, generator=g))
+        if pool.has_index_k(layer):
+            keys = torch.randn(len(slots), layout.index_head_dim, generator=g)
+            pool.write_index_k(layer, slots, keys)
+    return pool
+
+
+def _slots(pages: list[int], n: int, page_size: int) -> torch.Tensor:
+    return torch.tensor([pages[i // page_size] * page_size + i % page_size for i in range(n)])
+
+
+@pytest.mark.parametrize("elide, cell", [(True, 47_700), (False, 55_224)])
+def test_page_writes_move_the_layout_cell_bit_exactly(elide, cell):
+    """GLM-5.2's per-token dims (the glm-bench preset), fp8 latent and fp8 index-K: the
+    counters say 47,700 bytes per token elided, 55,224 dense, and the decode pool's pages
+    hold the prefill pool's bytes exactly; nothing past the last token is written."""
+    layout = CacheLayout.for_model(TINY_PRESETS["glm-bench"], elide_index_k=elide, page_size=16)
+    assert layout.bytes_per_token == cell
+    src = _filled_pool(layout, 6, seed=1)
+    dst = DSAKVPool(layout, 8)
+    a, b = KVTransfer(src), KVTransfer(dst)
+    try:
+        n, src_pages, dst_pages = 38, [1, 2, 4], [7, 3, 4]  # 2 full pages + 6 tokens
+        peer = [PeerBuffer.of(d) for d in b.buffers]
+        nbytes, seconds = a.write(b.session, peer, src_pages, dst_pages, n)
+        assert nbytes == n * cell and seconds > 0
+        assert a.stats.snapshot()["bytes"] / a.stats.snapshot()["tokens"] == cell
+        got = dst.export_pages(_slots(dst_pages, n, 16))["buffers"]
+        want = src.export_pages(_slots(src_pages, n, 16))["buffers"]
+        assert got.keys() == want.keys()
+        assert sum(1 for k in got if k.startswith("index_k")) == len(layout.index_k_layers)
+        for key in want:
+            for g, w in zip(got[key], want[key]):
+                assert torch.equal(g, w), key
+        tail = torch.arange(4 * 16 + 6, 5 * 16)  # the rest of the last destination page
+        rest = dst.export_pages(tail)["buffers"]
+        assert all(int(t.count_nonzero()) == 0 for parts in rest.values() for t in parts)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_plan_merges_consecutive_pages_and_refuses_other_layouts():
+    layout = CacheLayout.for_model(TINY_PRESETS["glm-bench"], page_size=16)
+    pool = DSAKVPool(layout, 8)
+    mine = pool.transfer_descriptors()
+    peer = [PeerBuffer.of(d) for d in mine]
+    srcs, _, lens = plan_writes(mine, peer, [0, 1, 2], [5, 6, 7], 48, 16)
+    assert len(srcs) == len(mine) and sum(lens) == 48 * layout.bytes_per_token
+    dense = DSAKVPool(layout.dense(), 8).transfer_descriptors()
+    with pytest.raises(TransferError, match="buffers"):
+        plan_writes(mine, [PeerBuffer.of(d) for d in dense], [0], [0], 16, 16)
+
+
+def test_a_write_to_a_dead_peer_fails_at_once():
+    layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
+    a = KVTransfer(DSAKVPool(layout, 2))
+    try:
+        peer = [PeerBuffer.of(d) for d in a.buffers]
+        start = time.monotonic()
+        with pytest.raises(TransferError, match="failed"):
+            a.write(f"127.0.0.1:{free_port()}", peer, [0], [1], 16)
+        assert time.monotonic() - start < 10
+        assert a.stats.snapshot()["bytes"] == 0
+    finally:
+        a.close()
+
+
+def test_handshake_answers_as_soon_as_the_kv_is_written_and_names_layout_differences():
+    """The decode side hears `done` at once (not at the next keepalive); a registration
+    from another layout is refused, naming the field, and the prefill side's claim fails
+    with the same message."""
+    layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
+    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]))
+    server = BootstrapServer("127.0.0.1", free_port(), mine, timeout=20.0)  # keepalive 5 s
+    reg = {"layout": mine, "session": "s", "buffers": [], "pages": [], "prompt_ids": [1]}
+
+    async def run() -> tuple[dict, float, str]:
+        async def prefill_side() -> None:
+            r = await server.claim(1)
+            await asyncio.sleep(0.2)
+            r.done(first_token=7, bytes=0, tokens=0, seconds=0.0)
+
+        start = time.monotonic()
+        task = asyncio.create_task(prefill_side())
+        reply = await request_kv("127.0.0.1", server.port, {**reg, "room": 1}, 20.0)
+        took = time.monotonic() - start
+        await task
+        other = {**mine, "elide_index_k": False, "page_size": 64}
+        with pytest.raises(BootstrapError) as refused:
+            await request_kv("127.0.0.1", server.port, {**reg, "room": 2, "layout": other}, 20.0)
+        with pytest.raises(BootstrapError) as claimed:
+            await server.claim(2)
+        assert str(claimed.value) == str(refused.value)
+        return reply, took, str(refused.value)
+
+    try:
+        reply, took, refused = asyncio.run(run())
+    finally:
+        server.close()
+    assert reply["first_token"] == 7 and took < 2
+    assert "elide_index_k: prefill True, decode False" in refused
+    assert "page_size: prefill 16, decode 64" in refused
+
+
+def test_dsakv_imports_without_mooncake_and_says_how_to_get_it(monkeypatch):
+    code = (
+        "import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.engine'] = None\n"
+        "import dsakv.cli, dsakv.server, dsakv.disagg.serving, dsakv.disagg.router, dsakv.bench\n"
+        "print('ok')"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
+    with pytest.raises(TransferError, match="CPU build"):  # GPU pools need the CUDA build
+        KVTransfer(DSAKVPool(layout, 1, device="meta"))
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(TransferError, match="pip install mooncake-transfer-engine-non-cuda"):
+        import_transfer_engine()
+
+
+def test_bench_pd_section_reports_both_layouts_side_by_side():
+    r = run_pd_bench(lengths=(100, 200), repeats=1)
+    assert r["elided"]["counter_bytes_per_token"] == 47_700
+    assert r["dense"]["counter_bytes_per_token"] == 55_224
+    for name in ("elided", "dense"):
+        rows = r[name]["requests"]
+        assert [x["prompt_tokens"] for x in rows] == [100, 200]
+        assert all(x["bit_exact"] and x["seconds_per_request"] > 0 for x in rows)
+        assert [x["bytes_per_request"] for x in rows] == [
+            n * r[name]["bytes_per_token"] for n in (100, 200)
+        ]
+    assert r["bytes_ratio"] == pytest.approx(47_700 / 55_224)
+    lines = summary_lines(r)
+    assert "55,224 vs 47,700 B/token" in lines[0] and len(lines) == 4
+
+
+# --- servers ------------------------------------------------------------------------------------
+
+
+class _Proc:
+    """A `dsakv serve` process with its log in a file; killed by `stop`."""
+
+    def __init__(self, log_dir: Path, name: str, model: str, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "dsakv.cli", "serve", model, "--port", str(self.port)]
+        cmd += ["--served-model-name", "m", *flags]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(TIMEOUT)
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:]
+
+
+def _prefill(log_dir, name, model, *flags) -> tuple[_Proc, int]:
+    bport = free_port()
+    p = _Proc(log_dir, name, model, "--disaggregation-mode", "prefill",
+              "--disaggregation-bootstrap-port", str(bport), *flags)  # fmt: skip
+    return p, bport
+
+
+def _decode(log_dir, name, model, *flags) -> _Proc:
+    return _Proc(log_dir, name, model, "--disaggregation-mode", "decode", *flags)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[dict]:
+    """glm-tiny with index_topk covering every context (exact against one engine): a
+    prefill server, two decode servers and the router process; a dense-layout decode
+    server (short timeout); GLM-5.2-shaped (glm-bench, fp8) prefill and decode servers.
+    All start at once, so their model loads overlap."""
+    root = tmp_path_factory.mktemp("disagg")
+    tiny = str(write_tiny_model(root / "tiny", {**TINY_PRESETS["glm-tiny"], "index_topk": 1024}))
+    bench = str(default_model_dir("glm-bench"))
+    procs: dict[str, _Proc] = {}
+    try:
+        procs["prefill"], bport = _prefill(
+            root, "prefill", tiny, *TINY, "--disaggregation-timeout", "20"
+        )
+        procs["decode"] = _decode(root, "decode", tiny, *TINY)
+        procs["decode2"] = _decode(root, "decode2", tiny, *TINY)
+        procs["dense"] = _decode(root, "dense", tiny, *TINY, "--no-elide-index-k",
+                                 "--disaggregation-timeout", "3")  # fmt: skip
+        procs["bench_prefill"], _ = _prefill(root, "bench_prefill", bench, "--num-pages", "16")
+        procs["bench_decode"] = _decode(root, "bench_decode", bench, "--num-pages", "16")
+        rport = free_port()
+        cmd = [sys.executable, "-m", "dsakv.cli", "router", "--prefill", procs["prefill"].url]
+        cmd += ["--decode", procs["decode"].url, "--port", str(rport)]
+        router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for name, p in procs.items():
+                try:
+                    wait_healthy([p.url], [p.proc], 180)
+                except Exception as e:
+                    pytest.fail(f"{name} did not start: {e}\n{p.tail()}")
+            wait_healthy([f"http://127.0.0.1:{rport}"], [router], 60)
+            yield {
+                "model": tiny,
+                "router": f"http://127.0.0.1:{rport}",
+                "bootstrap_port": bport,
+                **procs,
+            }
+        finally:
+            router.kill()
+            router.wait(TIMEOUT)
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster) -> LLM:
+    return LLM(cluster["model"], kv_cache_dtype="fp32", index_k_dtype="fp32", page_size=16,
+               num_pages=256, device="cpu")  # fmt: skip
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=60, max_retries=0)
+
+
+@contextmanager
+def _router(prefill: _Proc, decode: _Proc) -> Iterator[str]:
+    app = build_router_app([prefill.url], [decode.url])
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    with running(server) as base:
+        yield base
+
+
+def _metrics(base: str) -> dict[str, float]:
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text):
+        for s in family.samples:
+            out[s.name] = s.value
+    return out
+
+
+def _info(base: str) -> dict:
+    return httpx.get(f"{base}/disagg/info", timeout=30).json()
+
+
+def _wait_integrity(base: str) -> dict:
+    """Poll until the server is idle with every page free or prefix-cached."""
+    deadline = time.monotonic() + 30
+    while (info := _info(base))["integrity"] != "ok":
+        assert time.monotonic() < deadline, info
+        time.sleep(0.1)
+    m = _metrics(base)
+    assert m["dsakv_kv_pages_used"] == m["dsakv_kv_pages_cached"], m
+    assert m["dsakv_kv_transfer_pending"] == 0
+    return m
+
+
+# --- through the router -------------------------------------------------------------------------
+
+
+def test_completions_and_chat_equal_one_engine(cluster, reference):
+    """Greedy outputs equal one engine's, streamed or not; the second run of a prompt starts
+    from the prefill server's prefix cache and still ships (and matches) the whole prompt."""
+    client = _client(cluster["router"])
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3  # several pages, one partial
+    want = reference.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    got = client.completions.create(model="m", prompt=prompt, max_tokens=12, **GREEDY)
+    assert got.choices[0].text == want[0].text and got.usage.completion_tokens == 12
+    chunks = list(
+        client.completions.create(model="m", prompt=prompt, max_tokens=12, stream=True, **GREEDY)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == want[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert _metrics(cluster["prefill"].url)["dsakv_prefix_hit_tokens_total"] >= 16
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = httpx.post(f"{cluster['decode'].url}/tokenize", json={"messages": messages}).json()
+    ref = reference.generate(
+        [ids["tokens"]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    )[0]
+    r = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=10, logprobs=True, top_logprobs=2, **GREEDY
+    )
+    assert r.choices[0].message.content == ref.text
+    assert [x.logprob for x in r.choices[0].logprobs.content] == pytest.approx(
+        ref.logprobs, abs=1e-4
+    )  # the first token's logprob came from the prefill server
+    stream = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=10, stream=True, **GREEDY
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref.text
+
+
+def test_32_concurrent_requests_none_lost_and_bytes_per_token(cluster, reference):
+    prompts = [f"Request {i}: " + "abcdefghij"[: i % 10] * (1 + i % 7) for i in range(32)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.text for o in reference.generate(prompts, params)]
+    before = _metrics(cluster["prefill"].url)
+    client = _client(cluster["router"])
+
+    def one(i: int) -> str:
+        r = client.completions.create(model="m", prompt=prompts[i], max_tokens=6, **GREEDY)
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(one, range(32)))
+    assert got == want
+    after = _wait_integrity(cluster["prefill"].url)
+    received = _wait_integrity(cluster["decode"].url)
+    # Shipped pages are ordinary pages: full ones join each side's prefix cache.
+    assert after["dsakv_kv_pages_cached"] > 0 and received["dsakv_kv_pages_cached"] > 0
+    sent = {k: after[k] - before[k] for k in after if k.startswith("dsakv_kv_transfer_")}
+    assert sent["dsakv_kv_transfer_requests_total"] == 32
+    assert sent["dsakv_kv_transfer_failures_total"] == 0
+    tokens = sent["dsakv_kv_transfer_tokens_total"]
+    assert tokens == sum(len(reference.engine.prompt_ids(p)) for p in prompts)
+    cell = after["dsakv_kv_bytes_per_token"]  # fp32 latent and index-K, 4 of 8 layers own it
+    assert cell == 8 * 2304 + 4 * 512
+    assert sent["dsakv_kv_transfer_bytes_total"] == tokens * cell
+
+
+def test_glm52_shaped_servers_send_47700_bytes_per_token(cluster):
+    with _router(cluster["bench_prefill"], cluster["bench_decode"]) as base:
+        r = _client(base).completions.create(model="m", prompt="x" * 150, max_tokens=2, **GREEDY)
+    assert r.usage.completion_tokens == 2
+    sent = _metrics(cluster["bench_prefill"].url)
+    got = _metrics(cluster["bench_decode"].url)
+    assert sent["dsakv_kv_transfer_tokens_total"] == 150
+    assert sent["dsakv_kv_transfer_bytes_total"] / 150 == 47_700
+    assert got["dsakv_kv_transfer_bytes_total"] == sent["dsakv_kv_transfer_bytes_total"]
+    _wait_integrity(cluster["bench_prefill"].url)
+    _wait_integrity(cluster["bench_decode"].url)
+
+
+def test_mismatched_layouts_are_refused_before_any_byte_moves(cluster):
+    before = _metrics(cluster["prefill"].url)
+    with (
+        _router(cluster["prefill"], cluster["dense"]) as base,
+        pytest.raises(openai.APIStatusError) as e,
+    ):
+        _client(base).completions.create(model="m", prompt="hello", max_tokens=4)
+    assert e.value.status_code == 502
+    assert "elide_index_k: prefill True, decode False" in e.value.message
+    after = _wait_integrity(cluster["prefill"].url)
+    for key in ("dsakv_kv_transfer_bytes_total", "dsakv_computed_tokens_total"):
+        assert after[key] == before[key], key  # the prompt never even ran
+    _wait_integrity(cluster["dense"].url)
+
+
+# --- faults -------------------------------------------------------------------------------------
+
+
+def test_decode_killed_mid_stream_client_errors_prefill_goes_idle(cluster):
+    decode2 = cluster["decode2"]
+    with _router(cluster["prefill"], decode2) as base:
+        stream = _client(base).completions.create(
+            model="m", prompt="Tell me a long story.", max_tokens=3000, stream=True, **GREEDY
+        )
+        try:
+            first = next(iter(stream))
+            assert first.choices[0].text is not None
+            decode2.proc.send_signal(signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(openai.APIError, match="lost the decode server"):
+                for _ in stream:
+                    pass
+            assert time.monotonic() - start < 20
+        finally:
+            stream.close()
+    _wait_integrity(cluster["prefill"].url)
+    r = _client(cluster["router"]).completions.create(model="m", prompt="Hi", max_tokens=3)
+    assert r.usage.completion_tokens == 3  # the prefill server keeps serving
+
+
+def _registration(cluster, room: int, prompt_ids: list[int], **change) -> bytes:
+    """What a decode server would send, for a pool on this side of the test."""
+    model = cluster["model"]
+    layout = CacheLayout.for_model(model, kv_cache_dtype="fp32", index_k_dtype="fp32", page_size=16)
+    pool = DSAKVPool(layout, 4)
+    reg = {
+        "room": room,
+        "layout": {**describe(layout, ModelConfig.resolve(model)), **change},
+        "session": f"127.0.0.1:{free_port()}",  # no Mooncake there: the decode side is gone
+        "buffers": [PeerBuffer.of(d).to_json() for d in pool.transfer_descriptors()],
+        "pages": [0, 1],
+        "prompt_ids": prompt_ids,
+        "timeout": 10,
+    }
+    return json.dumps(reg).encode() + b"\n"
+
+
+def _prefill_request(cluster, room: int) -> httpx.Response:
+    headers = {"x-dsakv-bootstrap-room": str(room)}
+    body = {"prompt": "hello world", "max_tokens": 4, "temperature": 0}
+    return httpx.post(f"{cluster['prefill'].url}/v1/completions", json=body, headers=headers,
+                      timeout=60)  # fmt: skip
+
+
+def test_decode_gone_during_the_write_frees_prefill_pages(cluster):
+    prefill = cluster["prefill"]
+    ids = httpx.post(f"{prefill.url}/tokenize", json={"prompt": "hello world"}).json()["tokens"]
+    before = _metrics(prefill.url)
+    with socket.create_connection(("127.0.0.1", cluster["bootstrap_port"]), timeout=30) as s:
+        s.sendall(_registration(cluster, 4242, ids))
+        r = _prefill_request(cluster, 4242)
+        lines = s.makefile().read().splitlines()
+    assert r.status_code == 500 and "KV transfer for room 4242 failed" in r.text, r.text
+    last = json.loads(lines[-1])
+    assert last["type"] == "error" and "failed" in last["message"]
+    after = _wait_integrity(prefill.url)
+    assert (
+        after["dsakv_kv_transfer_failures_total"] == before["dsakv_kv_transfer_failures_total"] + 1
+    )
+    assert after["dsakv_kv_transfer_bytes_total"] == before["dsakv_kv_transfer_bytes_total"]
+
+
+@contextmanager
+def _fake_prefill(hang: bool) -> Iterator[int]:
+    """A bootstrap port that reads a registration, then hangs up or stays silent."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        conn.makefile().readline()
+        if hang:
+            held.append(conn)
+        else:
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        thread.join(TIMEOUT)
+        for c in held:
+            c.close()
+        server.close()
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["prefill-died", "prefill-silent"])
+def test_decode_frees_reserved_pages_when_the_prefill_side_fails(cluster, hang):
+    dense = cluster["dense"]  # --disaggregation-timeout 3
+    with _fake_prefill(hang) as port:
+        headers = {"x-dsakv-bootstrap-room": "7", "x-dsakv-bootstrap-host": "127.0.0.1",
+                   "x-dsakv-bootstrap-port": str(port)}  # fmt: skip
+        body = {"prompt": "hello " * 20, "max_tokens": 4}
+        with ThreadPoolExecutor(1) as pool:
+            start = time.monotonic()
+            fut = pool.submit(httpx.post, f"{dense.url}/v1/completions", json=body,
+                              headers=headers, timeout=60)  # fmt: skip
+            if hang:  # pages stay reserved while the prefill side might still write
+                deadline = time.monotonic() + 10
+                while _metrics(dense.url)["dsakv_kv_pages_used"] == 0:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                assert _info(dense.url)["pending"] == 1
+            r = fut.result()
+            waited = time.monotonic() - start
+    assert r.status_code == 502, r.text
+    if hang:
+        assert "no word from the prefill server" in r.json()["error"]["message"]
+        assert 2.5 < waited < 15
+    else:
+        assert "closed the connection" in r.json()["error"]["message"]
+    _wait_integrity(dense.url)
+
+
+def test_servers_refuse_requests_without_a_room(cluster):
+    for name in ("prefill", "decode"):
+        r = httpx.post(f"{cluster[name].url}/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert r.status_code == 400 and "dsakv router" in r.json()["error"]["message"]
