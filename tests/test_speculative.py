@@ -254,3 +254,44 @@ def test_structured_output_with_drafts(dense):
         assert o.finish_reason == "stop"
         jsonschema.validate(json.loads(o.text), schema)
     assert llm.engine.counters()["spec_verify_steps"] > 0
+
+
+def test_prefill_decode_handoff_carries_the_draft_layer(dense):
+    """Prefill/decode disaggregation with MTP, in process: the prefill engine holds a
+    finished prompt's pages and has filled the draft layer's KV for them as an engine that
+    goes on decoding does; the pages (target and draft layers) go to the decode engine,
+    which decodes exactly as one engine does, with drafts from its first step on."""
+    from dsakv.engine import disagg
+
+    rng = random.Random(7)
+    prompt = [256] + [rng.randrange(32, 127) for _ in range(20)]  # like the fit's prompts
+    n = len(prompt)
+    config = EngineConfig(dense, **EXACT, num_pages=32, **MTP)
+
+    def prefilled(max_tokens: int) -> tuple[Engine, object]:
+        engine = Engine(config)
+        req = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+        disagg.hold(engine, req)  # keep its pages to look at (and ship)
+        engine.step()
+        return engine, req
+
+    prefill, first = prefilled(1)  # finished at its first token: the prefill server's case
+    going, ref = prefilled(2)  # decodes on: its draft KV is the engine's usual
+    draft = prefill.model_config.num_hidden_layers
+    src = prefill.scheduler.slots(first, n)
+    assert torch.equal(
+        prefill.pool.gather_latent(draft, src, torch.float32),
+        going.pool.gather_latent(draft, going.scheduler.slots(ref, n), torch.float32),
+    )
+
+    decode = Engine(config)
+    req = disagg.reserve(decode, prompt, GREEDY)
+    decode.pool.import_pages(prefill.pool.export_pages(src), decode.scheduler.slots(req, n))
+    disagg.release_held(prefill, first)
+    disagg.start_decoding(decode, req, first.output_ids[0])
+    while decode.has_unfinished():
+        decode.step()
+    assert req.output_ids == LLM(config).generate([prompt], GREEDY)[0].token_ids
+    assert decode.counters()["spec_accepted_tokens"] > 0
+    prefill.check_integrity()
+    decode.check_integrity()

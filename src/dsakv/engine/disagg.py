@@ -50,9 +50,7 @@ def drop(engine: Engine, req: Request) -> None:
 def start_decoding(engine: Engine, req: Request, first_token: int) -> None:
     """Decode a reserved request whose prompt KV has arrived, from the prefill side's
     first token (it may finish right here: EOS, a stop, max_tokens 1)."""
-    req.num_computed = len(req.prompt_ids)
-    if hasattr(req, "draft_computed"):  # MTP: the draft layer's KV came with the rest
-        req.draft_computed = req.num_computed
+    req.num_computed = len(req.prompt_ids)  # (with MTP, the draft layer's KV came too)
     engine.requests[req.rid] = req
     engine.stats.prompt_tokens += len(req.prompt_ids)
     engine.scheduler.adopt(req)

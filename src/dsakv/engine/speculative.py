@@ -86,7 +86,10 @@ class MTPDrafter:
         toks, slots, rows, reqs = [], [], [], []
         for req, start, row in work:
             stop = req.num_computed
-            if req.finished or stop <= start:
+            # A finished request's pages are gone, unless a prefill server holds them to
+            # ship (its draft KV travels too, so the decode side's drafts start sound).
+            gone = req.finished and req.rid not in self.scheduler.held
+            if gone or stop <= start:
                 continue
             toks.append(req.all_ids[start + 1 : stop + 1])
             slots.append(self.scheduler.slots(req, stop))
