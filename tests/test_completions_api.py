@@ -246,6 +246,24 @@ def test_chat_n_choices(client):
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len({c.message.content for c in r.choices}) == 1
     assert r.usage.completion_tokens == 12
+    # Streamed: every choice opens with its role, and the deltas add up to the same texts.
+    seeded = dict(temperature=1.0, seed=3)
+    want = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3, max_tokens=6, **seeded
+    )
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3, max_tokens=6,
+        stream=True, stream_options={"include_usage": True}, **seeded,
+    )  # fmt: skip
+    got, roles, usage = {}, set(), None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            roles |= {c.index} if c.delta.role == "assistant" else set()
+            got[c.index] = got.get(c.index, "") + (c.delta.content or "")
+    assert roles == {0, 1, 2}
+    assert got == {c.index: c.message.content for c in want.choices}
+    assert usage.completion_tokens == want.usage.completion_tokens
 
 
 # --- /tokenize, /detokenize -------------------------------------------------------------------

@@ -72,6 +72,12 @@ def test_greedy_tokens_equal_one_rank(models, reference, model, parallel):
         # Each rank has its own pool: the aggregate holds twice the pages, and both served.
         assert counters["pages_total"] == 2 * 48
         assert [c["finished_requests"] > 0 for c in counters["per_rank"]] == [True, True]
+        # Every rank's pool has the elided layout's bytes per token (the LayerPlan's).
+        from dsakv.memory import CacheLayout
+
+        cell = CacheLayout.for_model(models[model], "fp32", "fp32", 16).bytes_per_token
+        assert [c["bytes_per_token"] for c in counters["per_rank"]] == [cell, cell]
+        assert cell < CacheLayout.for_model(models[model], "fp32", "fp32", 16, False).bytes_per_token
         assert sum(c["finished_requests"] for c in counters["per_rank"]) == len(prompts)
 
 

@@ -319,7 +319,7 @@ _BAD = [
     ),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "n": 3, "stream": True},
+        {"messages": [{"role": "user", "content": "x"}], "n": 99, "stream": True},
         400,
         "n",
     ),

@@ -114,13 +114,34 @@ def test_stops_and_max_tokens_inside_a_draft(dense, reference):
         for m in (1, 2, 7, 11, 13, 17)
     ]
     params[0] = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=(stop,), logprobs=2)
-    base = LLM(dense, **EXACT, num_pages=64).generate(prompts, params)
+    llm = LLM(dense, **EXACT, num_pages=64)
+    text = llm.tokenizer.decode(ref[1][:30], skip_special_tokens=True)
+    params[1] = SamplingParams(max_tokens=40, temperature=0, stop=(text[12:15],), ignore_eos=True)
+    base = llm.generate(prompts, params)
     spec = LLM(dense, **EXACT, num_pages=64, **MTP).generate(prompts, params)
     for a, b in zip(spec, base):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
         assert [t for t, _ in a.top_logprobs[0]] == [t for t, _ in b.top_logprobs[0]]
     assert spec[0].token_ids[-1] == stop and spec[0].finish_reason == "stop"
+    assert spec[1].text == base[1].text and spec[1].finish_reason == "stop"
+    assert len(spec[1].token_ids) < 40
+
+
+def test_generate_json_reports_drafts_per_request(dense, capsys):
+    import json
+
+    from dsakv.cli import main
+
+    args = ["generate", dense, "--prompt", "The sky", "--prompt", "A", "--max-tokens", "12"]
+    args += ["--speculative-algorithm", "mtp", "--speculative-num-steps", "2", "--json"]
+    args += ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32", "--device", "cpu"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    for row in rows:
+        m = row["metrics"]
+        assert 0 <= m["spec_accepted_tokens"] <= m["spec_draft_tokens"] <= 2 * 12
+        assert m["spec_draft_tokens"] > 0
 
 
 def test_verify_keeps_the_target_distribution():

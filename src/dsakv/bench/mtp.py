@@ -9,9 +9,23 @@ them in a memory-bound decode step), so fewer target passes buys less speed here
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from . import throughput as tp
+
+
+def fitted_workload(
+    n: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], seed: int, bos: int
+) -> tp.Workload:
+    """Prompts shaped like the ones the tiny presets' MTP layers were fitted on (BOS, then
+    printable ASCII): random bytes are out of distribution for any draft layer."""
+    rng = random.Random(seed)
+    prompts = [
+        [bos] + [rng.randrange(32, 127) for _ in range(rng.randint(*prompt_lens) - 1)]
+        for _ in range(n)
+    ]
+    return tp.Workload(prompts, [rng.randint(*output_lens) for _ in range(n)])
 
 
 def run_mtp_bench(

@@ -25,7 +25,7 @@ from . import capacity as cap
 from . import throughput as tp
 from .indexcache import run_indexcache
 from .memory import run_memory_bench
-from .mtp import run_mtp_bench
+from .mtp import fitted_workload, run_mtp_bench
 from .parallel import run_parallel_bench
 from .parity import ParityError, compare_outputs, fp8_vs_fp32
 
@@ -162,8 +162,12 @@ def run_bench(
                 bar.update()
             bar.set_postfix_str("mtp")
             clock["mtp"] = time.perf_counter()
-            mtp_work = tp.Workload.make(
-                sizes.mtp_requests, sizes.mtp_prompt_lens, sizes.mtp_output_lens, sizes.seed + 3
+            mtp_work = fitted_workload(
+                sizes.mtp_requests,
+                sizes.mtp_prompt_lens,
+                sizes.mtp_output_lens,
+                sizes.seed + 3,
+                _bos_id(path),
             )
             result["mtp"] = run_mtp_bench(
                 path, mtp_work, 64, sizes.page_size, sizes.mtp_steps, sizes.seed
@@ -355,6 +359,11 @@ def _cell(path: str, page_size: int, elide: bool) -> int:
 
     layout = CacheLayout.for_model(path, "fp8_e4m3", "fp8", page_size, elide)
     return layout.bytes_per_token
+
+
+def _bos_id(path: str) -> int:
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return int(cfg.get("bos_token_id") or 0)
 
 
 def _pad_id(path: str, default: int) -> int:

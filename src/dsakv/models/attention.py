@@ -90,7 +90,7 @@ class MLAttention(nn.Module):
         row = torch.cat([self.kv_a_layernorm(latent), rope_interleaved(k_rope, cos, sin)], dim=-1)
         pool.write_latent(self.layer, batch.out_slots, row)
 
-        if hasattr(self, "indexer"):
+        if topk_source == self.layer:  # a full layer (built with an indexer)
             selections[self.layer] = self.indexer(self.layer, x, q_lora, cos, sin, batch, pool)
         sels = selections[topk_source]
 

@@ -36,10 +36,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch, pool, selections) -> torch.Tensor:
-        h = self.self_attn(
-            self.input_layernorm(x), cos, sin, batch, pool, selections, self.topk_source
-        )
+    def forward(self, x, cos, sin, batch, pool, selections, topk_source=None) -> torch.Tensor:
+        """`topk_source`: another plan's source for this layer (pattern calibration runs
+        candidate plans over all-full weights); by default the plan the model was built with."""
+        source = self.topk_source if topk_source is None else topk_source
+        h = self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, selections, source)
         x = x + h
         h, counts = self.parallel.gather_tokens(self.post_attention_layernorm(x))
         return x + self.parallel.scatter_tokens(self.mlp(h), counts)

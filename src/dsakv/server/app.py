@@ -273,10 +273,7 @@ class Handlers:
                 )
             params = dataclasses.replace(params, grammar=prep.grammar)
         n = self._n(body)
-        if n > 1 and body.stream:
-            raise APIError(400, "n > 1 is not supported with stream for chat", param="n")
         streams = await self._submit_n(prompt, params, n)
-        stream = streams[0]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": rid,
@@ -290,15 +287,18 @@ class Handlers:
             extra = {"usage": None} if usage else {}
 
             async def events() -> AsyncIterator[str]:
-                role = {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield _sse({**head, "choices": [role], **extra})
-                parser = prep.output_parser()
-                async for u in self._updates(stream):
+                for i in range(n):
+                    role = {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield _sse({**head, "choices": [role], **extra})
+                parsers = [prep.output_parser() for _ in range(n)]  # one per choice
+                totals = _Result()
+                async for i, u in self._merged(streams):
+                    parser = parsers[i]
                     delta = chat_delta(parser.feed(u.text, final=u.finished))
                     if not (delta or u.finished or (top_n is not None and u.token_ids)):
                         continue  # held-back text and nobody wants the tokens yet
@@ -306,12 +306,15 @@ class Handlers:
                     if not (delta or u.finished):
                         delta = {"content": ""}
                     reason = chat_finish_reason(parser, _reason(u))
-                    choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+                    choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
                     yield _sse({**head, "choices": [choice], **extra})
-                    if u.finished and usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(u)})
+                    if u.finished:
+                        totals.prompt_tokens = u.prompt_tokens
+                        totals.completion_tokens += u.completion_tokens
+                if usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(totals)})
 
-            return self._stream_response(events(), stream)
+            return self._stream_response(events(), streams)
 
         results = await self._collect_all(streams, raw)
         choices = []
