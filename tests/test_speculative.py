@@ -317,28 +317,3 @@ def test_prefill_decode_handoff_carries_the_draft_layer(dense):
     assert decode.counters()["spec_accepted_tokens"] > 0
     prefill.check_integrity()
     decode.check_integrity()
-
-
-def test_per_token_queries_equal_the_extend_path(tmp_path):
-    """A verify step's [last, d1..dK] run as K+1 decode queries (batched with the decode
-    requests) gives the numbers the one-request extend path gives, indexer included
-    (contexts longer than index_topk 16)."""
-    from dsakv.models import ForwardBatch
-    from dsakv.models.loader import load_model
-
-    from .model_driver import make_pool
-
-    path = write_tiny_model(tmp_path / "t", "glm-tiny", mtp="none")
-    model, config, plan = load_model(path)
-    prompts = _prompts(3, seed=11, lo=30, hi=50)
-    hidden = {}
-    for mode in ("extend", "per_token"):
-        pool = make_pool(config, plan)
-        slots = [torch.arange(64 * i, 64 * i + len(p) + 4) for i, p in enumerate(prompts)]
-        model(ForwardBatch.from_requests(prompts, [s[: len(p)] for s, p in zip(slots, prompts)]),
-              pool)  # fmt: skip
-        step = [[7, 8, 9, 10], [11], [12, 13, 14]]  # verify, decode, verify
-        ctx = [s[: len(p) + len(t)] for s, p, t in zip(slots, prompts, step)]
-        per_token = frozenset({0, 2}) if mode == "per_token" else frozenset()
-        hidden[mode] = model(ForwardBatch.from_requests(step, ctx, per_token=per_token), pool)
-    assert torch.allclose(hidden["per_token"], hidden["extend"], atol=1e-5)

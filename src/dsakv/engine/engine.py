@@ -401,9 +401,7 @@ class Engine:
             new_tokens.append(req.all_ids[req.num_computed : end] + d)
             slots.append(self.scheduler.slots(req, end + len(d)))
             drafts.append(d)
-        # Verifying requests' [last, d1..dK] run as K+1 decode queries, batched with decode.
-        verifying = frozenset(i for i, d in enumerate(drafts) if d)
-        hidden = self.runner.forward(new_tokens, slots, verifying)
+        hidden = self.runner.forward(new_tokens, slots)
         ends = torch.tensor([len(t) for t in new_tokens], dtype=torch.long).cumsum(0) - 1
         # (request, first position, first hidden row) of what this step ran, for the drafter
         ran = [

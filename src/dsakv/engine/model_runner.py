@@ -43,18 +43,15 @@ class ModelRunner:
         self.last: dict[str, torch.Tensor] = {}  # the latest output of each model part
 
     def forward(
-        self,
-        new_tokens: Sequence[Sequence[int]],
-        slots: Sequence[torch.Tensor],
-        per_token: frozenset[int] = frozenset(),
+        self, new_tokens: Sequence[Sequence[int]], slots: Sequence[torch.Tensor]
     ) -> torch.Tensor:
         """Run the target over one step's tokens (their KV goes to `slots`' tails);
-        returns hidden `[T, H]` (final-normed). `per_token`: see `ForwardBatch`."""
+        returns hidden `[T, H]` (final-normed)."""
         with self._leading() as send:
             if send:
                 host_ops = self.host.take_journal() if self.host is not None else []
-                send(("forward", _pack(new_tokens), _pack_slots(slots), host_ops, per_token))
-            return self._forward(new_tokens, slots, per_token)
+                send(("forward", _pack(new_tokens), _pack_slots(slots), host_ops))
+            return self._forward(new_tokens, slots)
 
     def forward_draft(
         self,
@@ -87,10 +84,10 @@ class ModelRunner:
         while True:
             msg = self.parallel.broadcast_object()
             if msg[0] == "forward":
-                _, tokens, slots, host_ops, per_token = msg
+                _, tokens, slots, host_ops = msg
                 if host_ops:
                     self.host.replay(host_ops)
-                self._forward(tokens, [s.long() for s in slots], per_token)
+                self._forward(tokens, [s.long() for s in slots])
             elif msg[0] == "draft":
                 _, tokens, slots, source, rows = msg
                 self._forward_draft(tokens, [s.long() for s in slots], source, rows)
@@ -108,8 +105,8 @@ class ModelRunner:
         with self.leader.lock:
             yield self.leader.send
 
-    def _forward(self, new_tokens, slots, per_token=frozenset()) -> torch.Tensor:
-        fb = ForwardBatch.from_requests(new_tokens, slots, self.device, per_token)
+    def _forward(self, new_tokens, slots) -> torch.Tensor:
+        fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
         with torch.inference_mode():
             self.last[TARGET] = self.model(fb, self.pool)
         return self.last[TARGET]

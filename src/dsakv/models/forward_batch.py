@@ -27,9 +27,6 @@ class ForwardBatch:
     req_slots: list[
         torch.Tensor
     ]  # per request: LongTensor[seq_len], slots of positions 0..seq_len-1
-    # Requests whose few tokens each attend as one decode query (MTP verification of
-    # [last, d1..dK]): batched with the decode requests instead of run one extend at a time.
-    per_token: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         n = len(self.extend_lens)
@@ -88,33 +85,25 @@ class ForwardBatch:
 
     @cached_property
     def decode_reqs(self) -> list[int]:
-        """Requests with one new token this step (or `per_token` ones); attention batches
-        their tokens together, one query each."""
-        return [r for r, e in enumerate(self.extend_lens) if e == 1 or r in self.per_token]
+        """Requests with one new token this step; attention batches them together."""
+        return [r for r, e in enumerate(self.extend_lens) if e == 1]
 
     @cached_property
     def extend_reqs(self) -> list[int]:
         """Requests with a multi-token chunk this step (prefill); handled one at a time."""
-        return [r for r, e in enumerate(self.extend_lens) if e > 1 and r not in self.per_token]
+        return [r for r, e in enumerate(self.extend_lens) if e > 1]
 
     @cached_property
     def decode_tokens(self) -> torch.Tensor:
         """Rows of the decode requests' tokens in the flattened batch."""
-        rows = [
-            self.extend_starts[r] + t for r in self.decode_reqs for t in range(self.extend_lens[r])
-        ]
+        rows = [self.extend_starts[r] for r in self.decode_reqs]
         return torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
 
     @cached_property
     def decode_ctx(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each decode query's context slots (a token sees its request up to itself) padded
-        to `[B, max_len]` (pad = slot of position 0) and the context lengths `[B]`; built
-        once per step, shared by every layer."""
-        slots = [
-            self.req_slots[r][: self.prefix_lens[r] + t + 1]
-            for r in self.decode_reqs
-            for t in range(self.extend_lens[r])
-        ]
+        """Decode requests' context slots padded to `[B, max_len]` (pad = slot of position 0)
+        and their context lengths `[B]`; built once per step, shared by every layer."""
+        slots = [self.req_slots[r] for r in self.decode_reqs]
         lens = torch.tensor([s.shape[0] for s in slots], dtype=torch.long)
         width = int(lens.max()) if slots else 0
         table = (
@@ -131,7 +120,6 @@ class ForwardBatch:
         new_tokens: Sequence[Sequence[int]],
         req_slots: Sequence[torch.Tensor | Sequence[int]],
         device: torch.device | str | None = None,
-        per_token: frozenset[int] = frozenset(),
     ) -> ForwardBatch:
         """Build a batch from each request's new tokens and the slots of its whole context.
 
@@ -155,5 +143,4 @@ class ForwardBatch:
             extend_lens=ext,
             seq_lens=seqs,
             req_slots=slots_list,
-            per_token=frozenset(per_token),
         )
