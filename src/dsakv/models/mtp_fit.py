@@ -275,9 +275,10 @@ def draft_block(hf_model: nn.Module, seed: int) -> DraftBlock:
 
 
 def _topk_source(config: Any, layer: int) -> int:
-    """The nearest full layer at or before `layer` in the transformers config."""
-    types = getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers
-    return max(i for i in range(layer + 1) if types[i] == "full")
+    """The layer whose indexer `layer` uses, as the one LayerPlan decides it."""
+    from dsakv.config import LayerPlan, ModelConfig
+
+    return LayerPlan.from_config(ModelConfig.from_hf(config.to_dict())).topk_source(layer)
 
 
 def fit_draft(
