@@ -78,3 +78,16 @@ def greedy(
             logits = run_batch(model, pool, [req], [1])
             out_logits.append(logits[0])
     return out_tokens, torch.stack(out_logits)
+
+
+def fp8_block_quantise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`w` as DeepSeek/GLM FP8 releases ship it: 128×128-block e4m3 weight and its
+    per-block `weight_scale_inv`; also returns the dequantised weight (what loading gives)."""
+    w = w.float()
+    r, c = w.shape
+    pr, pc = -(-r // 128) * 128, -(-c // 128) * 128
+    blocks = torch.nn.functional.pad(w, (0, pc - c, 0, pr - r)).view(pr // 128, 128, pc // 128, 128)
+    scale = blocks.abs().amax((1, 3)).clamp_min(1e-12) / 448.0
+    s = scale.repeat_interleave(128, 0)[:r].repeat_interleave(128, 1)[:, :c]
+    q = (w / s).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * s

@@ -14,7 +14,7 @@ from dsakv.config import LayerPlan
 from dsakv.errors import DsakvError
 from dsakv.models import DSAForCausalLM, load_model, write_tiny_model
 
-from .model_driver import greedy, make_pool
+from .model_driver import fp8_block_quantise, greedy, make_pool
 
 INDEXER_TENSORS = 5  # wq_b, wk, k_norm.weight, k_norm.bias, weights_proj
 
@@ -120,17 +120,7 @@ def test_fp8_block_quantised_checkpoint_is_dequantised(ckpt, tmp_path):
 
     def quantise(t):
         for k in [k for k in t if k.endswith("proj.weight") and t[k].dim() == 2]:
-            w = t[k].float()
-            r, c = w.shape
-            pr, pc = -(-r // 128) * 128, -(-c // 128) * 128
-            blocks = torch.nn.functional.pad(w, (0, pc - c, 0, pr - r)).view(
-                pr // 128, 128, pc // 128, 128
-            )
-            scale = blocks.abs().amax((1, 3)).clamp_min(1e-12) / 448.0
-            s = scale.repeat_interleave(128, 0)[:r].repeat_interleave(128, 1)[:, :c]
-            q = (w / s).to(torch.float8_e4m3fn)
-            t[k], t[k + "_scale_inv"] = q, scale
-            originals[k] = q.float() * s
+            t[k], t[k + "_scale_inv"], originals[k] = fp8_block_quantise(t[k])
 
     path = _copy_ckpt(ckpt, tmp_path / "fp8", quantise)
     cfg = json.loads((path / "config.json").read_text())

@@ -27,7 +27,7 @@ from dsakv.models import loader as loader_mod
 from dsakv.models.moe import Experts
 from dsakv.models.tiny import TINY_PRESETS
 
-from .model_driver import Request, make_pool, run_batch
+from .model_driver import Request, fp8_block_quantise, make_pool, run_batch
 
 TOL = 1e-4  # measured: max |Δlogit| 3.8e-6 over every step, layout and model
 # index_topk 16: every context below is sparse. An odd vocab makes the lm_head and
@@ -162,15 +162,7 @@ def _fp8_checkpoint(src, dst):
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
     for k in [k for k in tensors if k.endswith("proj.weight") and tensors[k].dim() == 2]:
-        w = tensors[k].float()
-        r, c = w.shape
-        pr, pc = -(-r // 128) * 128, -(-c // 128) * 128
-        blocks = torch.nn.functional.pad(w, (0, pc - c, 0, pr - r)).view(
-            pr // 128, 128, pc // 128, 128
-        )
-        scale = blocks.abs().amax((1, 3)).clamp_min(1e-12) / 448.0
-        s = scale.repeat_interleave(128, 0)[:r].repeat_interleave(128, 1)[:, :c]
-        tensors[k], tensors[k + "_scale_inv"] = (w / s).to(torch.float8_e4m3fn), scale
+        tensors[k], tensors[k + "_scale_inv"], _ = fp8_block_quantise(tensors[k])
     save_file(tensors, dst / "model.safetensors")
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
