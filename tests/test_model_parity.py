@@ -103,7 +103,7 @@ def test_absorbed_and_expanded_attention_agree(cases):
 @pytest.mark.parametrize("ratio", [0, 10**6], ids=["gather-rows", "score-all"])
 def test_sparse_attention_strategies_agree(cases, monkeypatch, ratio):
     """Gathering the selected rows and masking full-context scores give the same logits."""
-    from dsakv.models import attention
+    from dsakv.kernels import torch_ops as attention
 
     model, config, plan, prompt, hf_tokens, _ = cases["glm-tiny"]
     _, default = greedy(model, make_pool(config, plan), prompt, 4, force=hf_tokens)

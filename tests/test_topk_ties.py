@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsakv import LLM, SamplingParams
-from dsakv.models.indexer import topk_by_position
+from dsakv.kernels import topk_by_position
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
 

@@ -212,6 +212,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix cache")
     g.add_argument(
+        "--attention-backend",
+        help="auto (default: flashmla, else triton on CUDA, else torch), torch, triton, flashmla",
+    )
+    g.add_argument(
+        "--disable-cuda-graph", action="store_true", help="run CUDA decode steps eagerly"
+    )
+    g.add_argument(
         "--speculative-algorithm", choices=("mtp",), help="draft with the MTP layer, verify"
     )
     g.add_argument(
@@ -252,6 +259,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "dtype",
         "speculative_algorithm",
         "speculative_num_steps",
+        "attention_backend",
         "tp",
         "ep",
         "nnodes",
@@ -264,6 +272,8 @@ def engine_config_from_args(args: argparse.Namespace):
         kw["elide_index_k"] = False
     if args.no_prefix_cache:
         kw["enable_prefix_cache"] = False
+    if args.disable_cuda_graph:
+        kw["disable_cuda_graph"] = True
     if args.dp_attention:
         kw["dp_attention"] = True
     return EngineConfig.from_kwargs(resolve_model_dir(args.model), **kw)

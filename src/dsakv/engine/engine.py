@@ -15,11 +15,13 @@ import torch
 from dsakv.config import plan_overrides
 from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
 from dsakv.errors import DsakvError
+from dsakv.kernels import BACKENDS, select_backend
 from dsakv.memory import CacheLayout, plan_capacity
 from dsakv.memory.allocator import PageAllocator
 from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
 
+from .cuda_graph import DecodeGraphs
 from .grammar import GrammarCache
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
@@ -29,6 +31,8 @@ from .scheduler import Scheduler, SchedulerConfig
 from .speculative import MTPDrafter, verify
 
 log = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,9 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     enable_prefix_cache: bool = True
+    # Which code runs the hot ops (`dsakv.kernels`), and CUDA-graph decode on CUDA.
+    attention_backend: str = "auto"
+    disable_cuda_graph: bool = False
     index_topk_pattern: str | None = None
     index_topk_freq: int | None = None
     index_skip_topk_offset: int | None = None
@@ -80,6 +87,11 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise DsakvError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.attention_backend not in BACKENDS:
+            raise DsakvError(
+                f"attention_backend must be one of {', '.join(BACKENDS)}, "
+                f"got {self.attention_backend!r}"
             )
         if self.speculative_algorithm not in (None, "mtp"):
             raise DsakvError(
@@ -208,6 +220,16 @@ class Engine:
         if num_pages < 1:
             raise DsakvError("the KV budget holds less than one page")
         self.pool = DSAKVPool(self.layout, num_pages, self.device)
+        c = self.model_config
+        self.backend = select_backend(
+            config.attention_backend,
+            self.device,
+            self.layout,
+            n_heads=c.num_attention_heads // self.parallel.attn_size,
+            index_heads=c.index_n_heads,
+            index_topk=c.index_topk,
+        )
+        self.model.use_backend(self.backend)
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.host = None
         if config.host_pool_gib > 0:
@@ -227,13 +249,15 @@ class Engine:
             self.cache,
             self.host,
         )
-        self.runner = ModelRunner(self.model, self.pool, self.host, self.parallel, self.device)
         self.sampler = Sampler(self.device)
         self.tokenizer = _load_tokenizer(config.model)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
             num_pages * config.page_size,
+        )
+        self.runner = ModelRunner(
+            self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
         )
         self.drafter = None
         if config.speculative_algorithm == "mtp":
@@ -256,6 +280,20 @@ class Engine:
             self.layout.bytes_per_token,
             "elided" if config.elide_index_k else "dense",
             self.plan.pattern,
+        )
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """Padded, graph-capturable decode steps: for the graph-safe backends on one rank
+        (captured on CUDA unless `disable_cuda_graph`; eager padded steps elsewhere)."""
+        if self.backend.name == "torch" or self.parallel.world_size > 1:
+            return None
+        return DecodeGraphs(
+            self.model,
+            self.pool,
+            self.device,
+            max_batch=min(self.config.max_running_requests, MAX_GRAPH_BATCH),
+            max_len=self.max_model_len,
+            use_graphs=not self.config.disable_cuda_graph,
         )
 
     # --- requests -------------------------------------------------------------------------

@@ -22,6 +22,8 @@ from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
 from dsakv.models.forward_batch import ForwardBatch
 
+from .cuda_graph import DecodeGraphs
+
 TARGET, DRAFT = "target", "draft"
 
 
@@ -33,9 +35,11 @@ class ModelRunner:
         host: HostPool | None,
         parallel: ParallelState,
         device: torch.device,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model, self.pool, self.host = model, pool, host
         self.parallel, self.device = parallel, device
+        self.decode_graphs = decode_graphs  # padded (CUDA-graph) decode steps
         follows_rank0 = parallel.world_size > 1 and not parallel.config.dp_attention
         if follows_rank0 and host is not None:
             host.journal = []
@@ -106,6 +110,10 @@ class ModelRunner:
             yield self.leader.send
 
     def _forward(self, new_tokens, slots) -> torch.Tensor:
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(new_tokens, slots):
+            self.last[TARGET] = graphs.run(new_tokens, slots)
+            return self.last[TARGET]
         fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
         with torch.inference_mode():
             self.last[TARGET] = self.model(fb, self.pool)

@@ -202,7 +202,18 @@ class DSAKVPool:
         self._check_layer(layer)
         return self._gather(self._latent[layer], slots, dtype)
 
+    def latent_data(self, layer: int) -> torch.Tensor:
+        """The layer's latent buffer as stored (`[slots, row]`), for kernels that read or
+        write the bytes in place: uint8 656-byte rows (fp8_ds_mla), e4m3 / bf16 / fp32 rows."""
+        self._check_layer(layer)
+        return self._latent[layer].data
+
     # --- index-K -----------------------------------------------------------------------------
+
+    def index_k_data(self, layer: int) -> torch.Tensor:
+        """The layer's index-K buffer as stored: fp8 is uint8 `[pages, page_size * 132]`
+        (all keys, then all scales, per page; DeepGEMM's paged layout at page size 64)."""
+        return self._index_k_of(layer).data
 
     def write_index_k(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """Store keys (post-RoPE, unrotated); fp8 mode rotates and quantises here."""

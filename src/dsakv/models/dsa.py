@@ -14,6 +14,8 @@ from torch import nn
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import DsakvError
+from dsakv.kernels import TorchBackend
+from dsakv.kernels.backend import check_mode
 
 from .decoder import DecoderLayer
 from .forward_batch import ForwardBatch
@@ -112,7 +114,18 @@ class DSAForCausalLM(nn.Module):
         if mode not in ("absorb", "expand"):
             raise ValueError(f"attention mode must be 'absorb' or 'expand', got {mode!r}")
         for layer in self.model.layers:
-            layer.self_attn.mode = mode
+            check_mode(layer.self_attn.ops, mode)
+            layer.self_attn.math.mode = mode
+
+    def use_backend(self, backend: TorchBackend) -> None:
+        """Every layer's attention and indexer run their hot ops through `backend`."""
+        for layer in self.model.layers:
+            check_mode(backend, layer.self_attn.mode)
+            layer.self_attn.ops = backend
+            if hasattr(layer.self_attn, "indexer"):
+                layer.self_attn.indexer.ops = backend
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp.experts.ops = backend
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool) -> torch.Tensor:

@@ -115,6 +115,25 @@ class ForwardBatch:
         return table.to(device), lens.to(device)
 
     @classmethod
+    def padded_decode(
+        cls,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        table: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> ForwardBatch:
+        """A decode-only batch over fixed-width device buffers, what a CUDA graph captures:
+        every request looks `W = table.shape[1]` long to Python, so no branch depends on a
+        real length; `lens[B]` masks on the device. Padding rows have `lens` 0 and
+        `out_slots` −1 (the store kernels skip them)."""
+        b, width = table.shape
+        fb = cls(input_ids, positions, out_slots, [1] * b, [width] * b, list(table))
+        fb.__dict__["decode_ctx"] = (table, lens)
+        fb.__dict__["decode_tokens"] = torch.arange(b, device=input_ids.device)
+        return fb
+
+    @classmethod
     def from_requests(
         cls,
         new_tokens: Sequence[Sequence[int]],

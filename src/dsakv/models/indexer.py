@@ -9,16 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsakv.config import ModelConfig
+from dsakv.kernels import TorchBackend
 
 from .forward_batch import ForwardBatch
 from .rope import rope_half, rope_interleaved
-
-# Elements of one [chunk, heads, context] score block; bounds peak memory on long prefills.
-SCORE_CHUNK_ELEMS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -60,6 +57,7 @@ class Indexer(nn.Module):
             config.hidden_size, self.n_heads, bias=False, dtype=torch.float32
         )
         self.scale = self.head_dim**-0.5
+        self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rope_dim
@@ -78,7 +76,7 @@ class Indexer(nn.Module):
         """Writes this step's index keys, then selects top-k per query token."""
         t = x.shape[0]
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [T, D]
-        pool.write_index_k(layer, batch.out_slots, k)
+        self.ops.store_index_k(pool, layer, batch.out_slots, k)
         per_req: list[Selection | None] = [None] * batch.num_reqs
         if all(s <= self.topk for s in batch.seq_lens):
             return StepSelection(per_req, None)  # everything visible is selected: skip scoring
@@ -88,11 +86,13 @@ class Indexer(nn.Module):
         for r in batch.extend_reqs:
             if batch.seq_lens[r] <= self.topk:
                 continue
-            start, ext = batch.extend_starts[r], batch.extend_lens[r]
-            keys = pool.gather_index_k(layer, batch.req_slots[r]).float()  # [L, D]
-            per_req[r] = self._select(
-                q[start : start + ext], w[start : start + ext], keys, batch.prefix_lens[r]
+            start, ext, prefix = batch.extend_starts[r], batch.extend_lens[r], batch.prefix_lens[r]
+            positions = self.ops.index_topk_extend(
+                pool, layer, q[start : start + ext], w[start : start + ext],
+                batch.req_slots[r], prefix, self.scale, self.topk,
             )
+            qpos = torch.arange(prefix, prefix + ext, device=q.device)
+            per_req[r] = Selection(positions, positions <= qpos[:, None])
         return StepSelection(per_req, self._select_decode(layer, q, w, batch, pool))
 
     def _select_decode(self, layer, q, w, batch: ForwardBatch, pool) -> Selection | None:
@@ -100,50 +100,10 @@ class Indexer(nn.Module):
         if not batch.decode_reqs:
             return None
         table, lens = batch.decode_ctx  # [B, W], [B]
-        b, width = table.shape
-        if width <= self.topk:
+        if table.shape[1] <= self.topk:
             return None
-        keys = pool.gather_index_k(layer, table.flatten()).float().view(b, width, -1)
         rows = batch.decode_tokens
-        scores = F.relu(torch.matmul(q[rows], keys.transpose(1, 2)) * self.scale)  # [B, H, W]
-        idx = torch.matmul(w[rows, None, :], scores).squeeze(1)  # [B, W]
-        kpos = torch.arange(width, device=idx.device)
-        idx = idx.masked_fill(kpos[None, :] >= lens[:, None], float("-inf"))
-        positions = topk_by_position(idx, self.topk)
+        positions = self.ops.index_topk_decode(
+            pool, layer, q[rows], w[rows], table, lens, self.scale, self.topk
+        )
         return Selection(positions, positions < lens[:, None])
-
-    def _select(
-        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, prefix: int
-    ) -> Selection:
-        """Top-k over visible positions for queries at positions prefix..prefix+e-1."""
-        e, ctx = q.shape[0], keys.shape[0]
-        qpos = torch.arange(prefix, prefix + e, device=q.device)
-        kpos = torch.arange(ctx, device=q.device)
-        chunk = max(1, SCORE_CHUNK_ELEMS // (self.n_heads * ctx))
-        sel = []
-        kt = keys.t()
-        for a in range(0, e, chunk):
-            b = min(e, a + chunk)
-            scores = F.relu(torch.matmul(q[a:b], kt) * self.scale)  # [c, H, L]
-            idx = torch.matmul(w[a:b, None, :], scores).squeeze(1)  # [c, L]
-            idx = idx.masked_fill(kpos[None, :] > qpos[a:b, None], float("-inf"))
-            sel.append(topk_by_position(idx, self.topk))
-        positions = torch.cat(sel)
-        return Selection(positions, positions <= qpos[:, None])
-
-
-def topk_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the `k` largest fp32 `scores` along the last dim, ties going to the lower
-    position (DESIGN.md §7.8), so a row's selection never depends on its padded width or
-    on the rows batched with it. ReLU makes exact-zero scores common, and `topk` alone
-    picks among tied values by memory layout.
-
-    Every (score, position) pair becomes one unique int64 key: the score's bits mapped to
-    an order-preserving int32 in the high half, the reversed position in the low half.
-    One `topk` over the keys costs what a plain `topk` does (no full sort).
-    """
-    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 folds -0.0 into +0.0
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    width = scores.shape[-1]
-    rev = torch.arange(width - 1, -1, -1, dtype=torch.int64, device=scores.device)
-    return ((ordered << 32) | rev).topk(k, dim=-1).indices

@@ -8,6 +8,7 @@ from torch import nn
 
 from dsakv.config import ModelConfig
 from dsakv.distributed.parallel import ParallelState
+from dsakv.kernels import TorchBackend
 
 from .layers import MLP
 from .parallel_layers import Shard
@@ -71,28 +72,13 @@ class Experts(nn.Module):
         self.expert_range = (experts.start, experts.end)
         self.inter_range = (inter.start, inter.end)
         self.gate_up_proj = nn.Parameter(torch.empty(experts.size, 2 * inter.size, h))
+        self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
         self.down_proj = nn.Parameter(torch.empty(experts.size, h, inter.size))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Runs this rank's experts that some token chose, adding outputs in expert order."""
-        out = torch.zeros_like(x)
-        k = ids.shape[1]
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens, w = order // k, weights.flatten()[order]
+        """This rank's experts that some token chose (a partial sum; the backend's op)."""
         first, last = self.expert_range
-        start = sum(counts[:first])
-        for e in range(first, last):
-            n = counts[e]
-            if n == 0:
-                continue
-            tok, we = tokens[start : start + n], w[start : start + n]
-            start += n
-            gate, up = F.linear(x[tok], self.gate_up_proj[e - first]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e - first]) * we[:, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        return self.ops.experts(x, ids, weights, self.gate_up_proj, self.down_proj, first, last)
 
 
 class MoE(nn.Module):

@@ -74,11 +74,14 @@ class Rotary:
 
     def __init__(self, config: ModelConfig) -> None:
         self.inv_freq, self.attention_factor = rope_inv_freq(config)
+        self._on: dict[torch.device, torch.Tensor] = {}  # no host copy inside a CUDA graph
 
     def __call__(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inv = self.inv_freq.to(positions.device)
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * inv
         cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
         return cos.to(dtype), sin.to(dtype)

@@ -1,0 +1,80 @@
+"""Kernels below the model: one backend choice decides which code runs each hot op.
+
+`select_backend("auto" | "torch" | "triton" | "flashmla", ...)` is called once per engine;
+the model gets the chosen object and calls its ops (`backend.py`). The torch reference is
+`torch_ops`; dsakv's Triton kernels are `triton_*`; the optional library path `flashmla`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from dsakv.errors import DsakvError
+
+from .backend import TorchBackend, TritonBackend
+from .torch_ops import MLAMath, topk_by_position
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "triton", "flashmla")
+
+__all__ = ["BACKENDS", "MLAMath", "TorchBackend", "select_backend", "topk_by_position"]
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_backend(
+    name: str,
+    device: torch.device,
+    layout,
+    *,
+    n_heads: int,
+    index_heads: int,
+    index_topk: int,
+) -> TorchBackend:
+    """The backend for this engine, with one log line saying which code runs each op.
+
+    `auto`: `flashmla` when the library kernels import, the GPU is sm90+ and the shapes fit;
+    else `triton` on CUDA; else `torch`. `triton` on a CPU runs under the Triton interpreter
+    (slow: what the tests use to check the kernels without a GPU).
+    """
+    if name not in BACKENDS:
+        raise DsakvError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    from . import flashmla
+
+    why = ""
+    if name == "auto":
+        ok, why = flashmla.probe() if device.type == "cuda" else (False, "not on CUDA")
+        if ok:
+            ok, why = flashmla.fits(layout, n_heads, index_heads, index_topk)
+        if ok:
+            name = "flashmla"
+        elif device.type == "cuda" and triton_available():
+            name = "triton"
+        else:
+            name = "torch"
+    if name in ("triton", "flashmla") and not triton_available():
+        raise DsakvError(f"attention backend {name} needs triton (pip install triton)")
+    if name == "flashmla":
+        ok, why = flashmla.probe()
+        if ok:
+            ok, why = flashmla.fits(layout, n_heads, index_heads, index_topk)
+        if not ok:
+            raise DsakvError(f"attention backend flashmla unavailable: {why}")
+        backend: TorchBackend = flashmla.FlashMLABackend(layout)
+    elif name == "triton":
+        if device.type != "cuda":
+            # Must be set before the kernel modules are imported (triton.jit reads it).
+            os.environ["TRITON_INTERPRET"] = "1"
+        backend = TritonBackend(layout)
+    else:
+        backend = TorchBackend()
+    ops = "; ".join(f"{op}: {how}" for op, how in backend.describe().items())
+    log.info("attention backend %s (%s)%s", backend.name, ops, f" [library: {why}]" if why else "")
+    return backend

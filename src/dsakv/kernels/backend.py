@@ -1,0 +1,209 @@
+"""Attention backends: the one place that decides which code runs each hot op.
+
+The model asks its backend for five ops per layer (store a latent row, store an index key,
+sparse MLA decode, sparse MLA extend, indexer top-k) and never branches on the device.
+
+- `torch`: the reference (`torch_ops`), on any device; gathers rows out of the pool.
+- `triton`: dsakv's own Triton kernels reading the pool's bytes in place (fp8 decoded in
+  registers, no fp32 copy of the context); graph-safe (no host syncs). On CPU it runs
+  under the Triton interpreter, which is how the tests check it.
+- `flashmla`: FlashMLA sparse decode and DeepGEMM paged indexer logits when both import
+  (`pip install dsakv[gpu]`); every other op as `triton`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsakv.errors import DsakvError
+from dsakv.memory.fp8 import FP8_DTYPE
+
+from . import torch_ops
+from .torch_ops import MLAMath
+
+# Rows of query chunks for the Triton extend indexer: bounds the [chunk, L] logits block.
+LOGITS_CHUNK_ELEMS = 1 << 26
+
+
+class TorchBackend:
+    """The torch reference: every op through `DSAKVPool.gather_*` and `torch_ops`."""
+
+    name = "torch"
+
+    def describe(self) -> dict[str, str]:
+        return dict.fromkeys(("stores", "mla_decode", "mla_extend", "index_logits", "moe"), "torch")
+
+    # --- stores ---------------------------------------------------------------------------
+
+    def store_latent(self, pool, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        pool.write_latent(layer, slots, rows)
+
+    def store_index_k(self, pool, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        pool.write_index_k(layer, slots, keys)
+
+    # --- MLA --------------------------------------------------------------------------------
+
+    def mla_decode(self, math: MLAMath, pool, layer, q_nope, q_rope, slots, valid, w_uk, w_uv):
+        """Every decode request at once: `slots[B, k]` the rows each reads, `valid[B, k]`."""
+        b, k = slots.shape
+        ctx = pool.gather_latent(layer, slots.flatten(), q_nope.dtype).view(b, k, -1)
+        return math.decode(q_nope, q_rope, ctx, valid, w_uk, w_uv)
+
+    def mla_extend(
+        self, math: MLAMath, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv
+    ):
+        """One request's chunk: `slots[L]` its context, `positions`/`valid` its selection."""
+
+        def gather(s: torch.Tensor) -> torch.Tensor:
+            return pool.gather_latent(layer, s, q_nope.dtype)
+
+        return math.extend(q_nope, q_rope, gather, slots, prefix, positions, valid, w_uk, w_uv)
+
+    # --- MoE --------------------------------------------------------------------------------
+
+    def experts(self, x, ids, weights, gate_up, down, first: int, last: int) -> torch.Tensor:
+        """Routed experts' partial sum for `x[T, H]` routed to `ids[T, k]` with `weights`."""
+        return torch_ops.experts_loop(x, ids, weights, gate_up, down, first, last)
+
+    # --- indexer ----------------------------------------------------------------------------
+
+    def index_topk_decode(self, pool, layer, q, w, table, lens, scale: float, topk: int):
+        """Top-k positions `[B, k]` of decode queries over their padded contexts `table`."""
+        b, width = table.shape
+        keys = pool.gather_index_k(layer, table.flatten()).float().view(b, width, -1)
+        return torch_ops.index_topk_decode(q, w, keys, lens, scale, topk)
+
+    def index_topk_extend(self, pool, layer, q, w, slots, prefix: int, scale: float, topk: int):
+        """Top-k positions `[e, k]` of one request's chunk over its context `slots`."""
+        keys = pool.gather_index_k(layer, slots).float()
+        return torch_ops.index_topk_extend(q, w, keys, prefix, scale, topk)
+
+
+class TritonBackend(TorchBackend):
+    """dsakv's Triton kernels over the pool's own bytes; torch where no kernel applies
+    (fp32/bf16 index-K, the `expand` attention mode)."""
+
+    name = "triton"
+
+    def __init__(self, layout) -> None:
+        from . import triton_indexer, triton_mla, triton_store  # needs triton
+
+        self._mla, self._indexer, self._store = triton_mla, triton_indexer, triton_store
+        self.kind = layout.kv_cache_dtype
+        self.fp8_index = layout.index_k_dtype == "fp8"
+
+    def describe(self) -> dict[str, str]:
+        store = "triton" if self.kind in ("fp8_ds_mla", "fp8_e4m3") else "torch"
+        return {
+            "stores": f"{store} latent ({self.kind}), "
+            + ("triton" if self.fp8_index else "torch")
+            + " index-K",
+            "mla_decode": f"triton sparse_mla_decode ({self.kind})",
+            "moe": "torch._grouped_mm (device offsets)",
+            "mla_extend": f"triton sparse_mla_extend ({self.kind})",
+            "index_logits": "triton index_logits_paged/extend (fp8)"
+            if self.fp8_index
+            else "torch (index-K not fp8)",
+        }
+
+    def experts(self, x, ids, weights, gate_up, down, first, last):
+        return torch_ops.experts_grouped(x, ids, weights, gate_up, down, first, last)
+
+    # --- stores ---------------------------------------------------------------------------
+
+    def store_latent(self, pool, layer, slots, rows) -> None:
+        data = pool.latent_data(layer)
+        if self.kind == "fp8_ds_mla":
+            lay = pool.layout
+            self._store.store_latent_ds_mla(
+                rows, data, slots, lay.kv_lora_rank, lay.qk_rope_head_dim
+            )
+        elif self.kind == "fp8_e4m3":
+            self._store.store_latent_fp8_e4m3(rows, data.view(torch.uint8), slots)
+        else:  # bf16 / fp32 rows are stored as they are
+            self._store.store_rows(rows, data, slots)
+
+    def store_index_k(self, pool, layer, slots, keys) -> None:
+        if not self.fp8_index:
+            return super().store_index_k(pool, layer, slots, keys)
+        rotated = pool.prepare_index_q(keys.float())  # the same rotation the pool applies
+        self._store.store_index_k_fp8(rotated, pool.index_k_data(layer), slots, pool.page_size)
+
+    # --- MLA --------------------------------------------------------------------------------
+
+    def _cache(self, pool, layer) -> torch.Tensor:
+        data = pool.latent_data(layer)
+        return data.view(torch.uint8) if data.dtype == FP8_DTYPE else data
+
+    def mla_decode(self, math, pool, layer, q_nope, q_rope, slots, valid, w_uk, w_uv):
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        idx = slots.masked_fill(~valid, -1).to(torch.int32)
+        o_lat = self._mla.sparse_mla_decode(
+            q, self._cache(pool, layer), self.kind, idx, math.scale, math.kv_lora, q_rope.shape[-1]
+        )
+        return torch.einsum("bhc,hvc->bhv", o_lat.to(w_uv.dtype), w_uv)
+
+    def mla_extend(
+        self, math, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv
+    ):
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        e = q.shape[0]
+        q_pos = torch.arange(prefix, prefix + e, device=q.device, dtype=torch.int32)
+        topk = None if positions is None else positions.masked_fill(~valid, -1).to(torch.int32)
+        o_lat = self._mla.sparse_mla_extend(
+            q,
+            self._cache(pool, layer),
+            self.kind,
+            slots,
+            q_pos,
+            topk,
+            math.scale,
+            math.kv_lora,
+            q_rope.shape[-1],
+        )
+        return torch.einsum("thc,hvc->thv", o_lat.to(w_uv.dtype), w_uv)
+
+    # --- indexer ----------------------------------------------------------------------------
+
+    def index_topk_decode(self, pool, layer, q, w, table, lens, scale, topk):
+        if not self.fp8_index:
+            return super().index_topk_decode(pool, layer, q, w, table, lens, scale, topk)
+        ps = pool.page_size
+        block_table = torch.div(table[:, ::ps], ps, rounding_mode="floor").to(torch.int32)
+        logits = self._indexer.index_logits_paged(
+            _low_precision(q),
+            (w * scale).float(),
+            pool.index_k_data(layer),
+            block_table,
+            lens.to(torch.int32),
+            ps,
+            table.shape[1],
+        )
+        return torch_ops.topk_by_position(logits, topk)
+
+    def index_topk_extend(self, pool, layer, q, w, slots, prefix, scale, topk):
+        if not self.fp8_index:
+            return super().index_topk_extend(pool, layer, q, w, slots, prefix, scale, topk)
+        e, ctx = q.shape[0], slots.shape[0]
+        q_pos = torch.arange(prefix, prefix + e, device=q.device, dtype=torch.int32)
+        q, w = _low_precision(q), (w * scale).float()
+        kpages = pool.index_k_data(layer)
+        chunk = max(1, LOGITS_CHUNK_ELEMS // max(ctx, 1))
+        out = []
+        for a in range(0, e, chunk):
+            b = min(e, a + chunk)
+            logits = self._indexer.index_logits_extend(
+                q[a:b], w[a:b], kpages, slots, q_pos[a:b], pool.page_size
+            )
+            out.append(torch_ops.topk_by_position(logits, topk))
+        return torch.cat(out)
+
+
+def _low_precision(q: torch.Tensor) -> torch.Tensor:
+    """Indexer queries in bf16 (the keys are fp8: fp32 queries would only cost bytes)."""
+    return q.to(torch.bfloat16)
+
+
+def check_mode(backend: TorchBackend, mode: str) -> None:
+    if mode != "absorb" and backend.name != "torch":
+        raise DsakvError(f"attention mode {mode!r} runs on the torch backend only")

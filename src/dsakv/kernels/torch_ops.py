@@ -1,0 +1,273 @@
+"""The torch reference for every hot op: MLA attention over the paged latent, the
+indexer's scores and its deterministic top-k.
+
+Generic PyTorch that runs wherever torch does. It gathers rows from the pool (dequantised
+into the compute dtype) and runs a few large matmuls per layer; the Triton and library
+backends must match it (kernel tests compare against these functions).
+
+Attention runs on latent rows with W_kvb absorbed into the query and the output
+("absorb"), or expands rows to per-head keys/values first ("expand"); both give the same
+numbers. Sparse rows gather only the selected latent rows, chunked over queries, so the
+work per query scales with index_topk, not with context length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Elements of one gathered [chunk, k, dim] or [chunk, heads, k] block.
+ATTN_CHUNK_ELEMS = 1 << 24
+# Score the whole context (then mask) while heads × context ≤ this × index_topk; measured
+# break-even on CPU with 4 heads and top-256 is at 4-6K context.
+SCORE_ALL_RATIO = 64
+# Elements of one [chunk, heads, context] indexer score block; bounds peak memory on long
+# prefills.
+SCORE_CHUNK_ELEMS = 1 << 24
+
+
+def topk_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` largest fp32 `scores` along the last dim, ties going to the lower
+    position (DESIGN.md §7.8), so a row's selection never depends on its padded width or
+    on the rows batched with it. ReLU makes exact-zero scores common, and `topk` alone
+    picks among tied values by memory layout.
+
+    Every (score, position) pair becomes one unique int64 key: the score's bits mapped to
+    an order-preserving int32 in the high half, the reversed position in the low half.
+    One `topk` over the keys costs what a plain `topk` does (no full sort).
+    """
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 folds -0.0 into +0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    width = scores.shape[-1]
+    rev = torch.arange(width - 1, -1, -1, dtype=torch.int64, device=scores.device)
+    return ((ordered << 32) | rev).topk(k, dim=-1).indices
+
+
+# --- indexer ---------------------------------------------------------------------------------
+
+
+def index_logits(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float):
+    """`Σ_h w_h · ReLU(q_h · k_s · scale)`: `q[c, H, D]`, `w[c, H]`, `keys[c|·, L, D]` or
+    `[L, D]` -> `[c, L]` fp32."""
+    kt = keys.transpose(-1, -2)
+    scores = F.relu(torch.matmul(q, kt) * scale)  # [c, H, L]
+    return torch.matmul(w[:, None, :], scores).squeeze(1)
+
+
+def index_topk_decode(q, w, keys, lens, scale: float, topk: int) -> torch.Tensor:
+    """Decode top-k over padded contexts: `keys[B, W, D]`, `lens[B]` -> positions `[B, k]`."""
+    idx = index_logits(q, w, keys, scale)  # [B, W]
+    kpos = torch.arange(keys.shape[1], device=idx.device)
+    idx = idx.masked_fill(kpos[None, :] >= lens[:, None], float("-inf"))
+    return topk_by_position(idx, topk)
+
+
+def index_topk_extend(q, w, keys, prefix: int, scale: float, topk: int) -> torch.Tensor:
+    """Top-k over visible positions for queries at positions prefix..prefix+e-1 of one
+    request: `q[e, H, D]`, `keys[L, D]` -> positions `[e, k]`, chunked over queries."""
+    e, ctx, heads = q.shape[0], keys.shape[0], q.shape[1]
+    qpos = torch.arange(prefix, prefix + e, device=q.device)
+    kpos = torch.arange(ctx, device=q.device)
+    chunk = max(1, SCORE_CHUNK_ELEMS // (heads * ctx))
+    sel = []
+    for a in range(0, e, chunk):
+        b = min(e, a + chunk)
+        idx = index_logits(q[a:b], w[a:b], keys, scale)  # [c, L]
+        idx = idx.masked_fill(kpos[None, :] > qpos[a:b, None], float("-inf"))
+        sel.append(topk_by_position(idx, topk))
+    return torch.cat(sel)
+
+
+# --- MLA -------------------------------------------------------------------------------------
+
+
+class MLAMath:
+    """Attention of one layer's queries over latent rows, in torch.
+
+    `q_nope[·, H, nope]` and `q_rope[·, H, rope]` come straight from q_b_proj (+RoPE);
+    `w_uk[H, nope, kv_lora]`, `w_uv[H, v, kv_lora]` are this rank's slices of kv_b_proj.
+    Every entry point returns the per-head output `[·, H, v]` (before o_proj).
+    """
+
+    def __init__(self, n_heads: int, kv_lora: int, scale: float, mode: str = "absorb") -> None:
+        self.n_heads, self.kv_lora, self.scale, self.mode = n_heads, kv_lora, scale, mode
+
+    def absorb_q(self, q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        """The query in latent space (`q_nope · W_uk`) in absorb mode; as is in expand mode.
+        Done once for the whole step, so a token's numbers never depend on its batch."""
+        if self.mode == "absorb":
+            return torch.einsum("thd,hdc->thc", q_nope, w_uk)
+        return q_nope
+
+    # --- decode: every decode request at once ------------------------------------------------
+
+    def decode(self, q_nope, q_rope, ctx, valid, w_uk, w_uv) -> torch.Tensor:
+        """`ctx[B, k, kv_lora+rope]` gathered rows, `valid[B, k]` -> `[B, H, v]`. In absorb
+        mode `q_nope` is already in latent space (`absorb_q`)."""
+        mask = valid[:, None, :]
+        if self.mode == "absorb":
+            q = torch.cat([q_nope, q_rope], dim=-1)
+            scores = torch.matmul(q, ctx.transpose(1, 2))
+            o_lat = self._softmax_av(scores, mask, ctx[..., : self.kv_lora])  # [B, H, kv_lora]
+            return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+        lat, k_rope = ctx[..., : self.kv_lora], ctx[..., self.kv_lora :]
+        k_nope = torch.einsum("bkc,hdc->bhkd", lat, w_uk)
+        v = torch.einsum("bkc,hvc->bhkv", lat, w_uv)
+        scores = torch.einsum("bhd,bhkd->bhk", q_nope, k_nope) + torch.einsum(
+            "bhr,bkr->bhk", q_rope, k_rope
+        )
+        probs = self._softmax_av(scores[:, :, None, :], mask[:, :, None, :], v)
+        return probs.squeeze(-2)
+
+    # --- extend: one request's chunk ---------------------------------------------------------
+
+    def extend(self, q_nope, q_rope, gather, slots, prefix, positions, valid, w_uk, w_uv):
+        """Queries at positions prefix..prefix+e-1 of one request.
+
+        `gather(slots) -> rows` reads latent rows from the pool; `slots[L]` are the
+        request's; `positions[e, k]`/`valid[e, k]` its selection, or None (every visible
+        position, causal). In absorb mode `q_nope` is already in latent space.
+        """
+        e = q_nope.shape[0]
+        attend = self._absorbed if self.mode == "absorb" else self._expanded
+        if positions is None:
+            return attend(q_nope, q_rope, gather(slots), prefix, None, None, w_uk, w_uv)
+        # Queries at positions < k see at most k positions, all selected: run them densely.
+        early = min(max(positions.shape[1] - prefix, 0), e)
+        outs = []
+        if early:
+            ctx = gather(slots[: prefix + early])
+            outs.append(attend(q_nope[:early], q_rope[:early], ctx, prefix, None, None, w_uk, w_uv))
+        if early < e:
+            positions, valid = positions[early:], valid[early:]
+            if positions.numel() < slots.shape[0]:
+                # Few queries (decode-like): read only the selected rows from the pool.
+                slots = slots[positions.flatten()]
+                positions = torch.arange(slots.shape[0], device=slots.device).view_as(positions)
+            ctx = gather(slots)  # [L or e*k, kv_lora+rope]
+            outs.append(
+                attend(
+                    q_nope[early:], q_rope[early:], ctx, prefix + early, positions, valid, w_uk, w_uv
+                )
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _chunks(self, e: int, k: int, width: int):
+        step = max(1, ATTN_CHUNK_ELEMS // (k * max(width, self.n_heads)))
+        return ((a, min(e, a + step)) for a in range(0, e, step))
+
+    def _softmax_av(
+        self, scores: torch.Tensor, mask: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Masked softmax in fp32, then `probs @ values` in the values' dtype."""
+        probs = (
+            (scores * self.scale).masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
+        )
+        return _bmm(probs.to(values.dtype), values)
+
+    def _gather(self, ctx, positions, valid, a: int, b: int, prefix: int):
+        """Rows (per query or shared) and the visibility mask for queries a..b-1."""
+        if positions is None:  # dense causal: every query sees the (shared) context prefix
+            kpos = torch.arange(ctx.shape[0], device=ctx.device)
+            qpos = torch.arange(prefix + a, prefix + b, device=ctx.device)
+            return ctx[None], (kpos[None, :] <= qpos[:, None])[:, None, :]
+        idx = positions[a:b]
+        if self._score_all(ctx.shape[0], idx.shape[1]):
+            mask = torch.zeros(b - a, ctx.shape[0], dtype=torch.bool, device=ctx.device)
+            return ctx[None], mask.scatter_(1, idx, valid[a:b])[:, None, :]
+        rows = ctx.index_select(0, idx.flatten()).view(*idx.shape, *ctx.shape[1:])
+        return rows, valid[a:b, None, :]
+
+    def _score_all(self, ctx_len: int, k: int) -> bool:
+        """Score the whole context and mask to the selection, or gather the selected rows?
+        One large matmul beats copying k rows per query while heads × context stays small
+        against k (few heads, as in the tiny models); the gather wins for many heads."""
+        return self.n_heads * ctx_len <= SCORE_ALL_RATIO * k
+
+    def _absorbed(self, q_lat, q_rope, ctx, prefix, positions, valid, w_uk, w_uv):
+        """Scores on latent rows: [q·W_uk ‖ q_rope] · [latent ‖ k_rope]; output through W_uv."""
+        q = torch.cat([q_lat, q_rope], dim=-1)  # [e, H, kv_lora+rope]
+        e, width = q.shape[0], ctx.shape[1]
+        k = ctx.shape[0] if positions is None else positions.shape[1]
+        if positions is None or self._score_all(ctx.shape[0], k):
+            k, width = ctx.shape[0], self.n_heads  # blocks are [c, H, L] scores
+        outs = []
+        for a, b in self._chunks(e, k, width):
+            rows, mask = self._gather(ctx, positions, valid, a, b, prefix)
+            scores = _bmm(q[a:b], rows.transpose(-1, -2))  # [c, H, k|L]
+            outs.append(self._softmax_av(scores, mask, rows[..., : self.kv_lora]))
+        o_lat = torch.cat(outs)  # [e, H, kv_lora]
+        return torch.einsum("thc,hvc->thv", o_lat, w_uv)
+
+    def _expanded(self, q_nope, q_rope, ctx, prefix, positions, valid, w_uk, w_uv):
+        """Expand the context to per-head keys/values with W_kvb, then attend normally."""
+        lat, k_rope = ctx[:, : self.kv_lora], ctx[:, self.kv_lora :]
+        k_nope = torch.einsum("lc,hdc->lhd", lat, w_uk)
+        v = torch.einsum("lc,hvc->lhv", lat, w_uv)
+        kv = torch.cat([k_nope, k_rope[:, None].expand(-1, self.n_heads, -1), v], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)  # [e, H, nope+rope]
+        e, dk = q.shape[0], q_nope.shape[-1] + q_rope.shape[-1]
+        k = ctx.shape[0] if positions is None else positions.shape[1]
+        outs = []
+        for a, b in self._chunks(e, k, self.n_heads * (1 if positions is None else kv.shape[-1])):
+            rows, mask = self._gather(kv, positions, valid, a, b, prefix)  # [c|1, k, H, dk+v]
+            keys = rows[..., :dk].movedim(-2, -3)  # [c|1, H, k, dk]
+            vals = rows[..., dk:].movedim(-2, -3)
+            scores = torch.matmul(q[a:b, :, None, :], keys.transpose(-1, -2)).squeeze(-2)
+            out = self._softmax_av(scores[:, :, None, :], mask[:, :, None, :], vals)
+            outs.append(out.squeeze(-2))
+        return torch.cat(outs)
+
+
+def _bmm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`x[c, H, m] @ y[c|1, m, n]`; a context shared by every query (`y[1]`) becomes one
+    large GEMM instead of c small ones that each re-read it."""
+    if y.dim() == 3 and y.shape[0] == 1 and x.dim() == 3:
+        c, h, m = x.shape
+        return (x.reshape(c * h, m) @ y[0]).view(c, h, -1)
+    return torch.matmul(x, y)
+
+
+# --- MoE -------------------------------------------------------------------------------------
+
+
+def experts_loop(x, ids, weights, gate_up, down, first: int, last: int) -> torch.Tensor:
+    """Routed experts `first..last-1` (this rank's), one GEMM pair per expert that some token
+    chose, outputs added in expert order. `gate_up[E_r, 2I, H]` (gate rows first),
+    `down[E_r, H, I]`. Reads the expert counts on the host (a sync)."""
+    out = torch.zeros_like(x)
+    k = ids.shape[1]
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=last).tolist()
+    tokens, w = order // k, weights.flatten()[order]
+    start = sum(counts[:first])
+    for e in range(first, last):
+        n = counts[e]
+        if n == 0:
+            continue
+        tok, we = tokens[start : start + n], w[start : start + n]
+        start += n
+        gate, up = F.linear(x[tok], gate_up[e - first]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e - first]) * we[:, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+def experts_grouped(x, ids, weights, gate_up, down, first: int, last: int) -> torch.Tensor:
+    """The same sum as `experts_loop` as two grouped GEMMs over tokens sorted by expert,
+    with the group offsets kept on the device: no host sync, so a CUDA graph can hold it.
+    Choices of other ranks' experts sort last and get zero weight."""
+    t, k = ids.shape
+    n_local = last - first
+    local = ids.flatten() - first
+    key = torch.where((local >= 0) & (local < n_local), local, n_local)
+    order = key.argsort(stable=True)
+    offs = torch.bincount(key, minlength=n_local + 1)[:n_local].cumsum(0).to(torch.int32)
+    tok = order // k
+    h = torch._grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
+    mine = (key[order] < n_local)[:, None]
+    y = torch.where(mine, y * weights.flatten()[order][:, None].to(y.dtype), 0)
+    return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
