@@ -7,7 +7,7 @@ TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dsakv-installed
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench clean wheelhouse device-check-dry
 
 install: $(STAMP)
 
@@ -23,6 +23,20 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# Wheels the GPU machine's image lacks (it has torch + triton, no network): its python3 is
+# 3.12 and its transformers older than the reference models dsakv's tiny presets need.
+# scripts/device_check.sh unpacks whatever lies in .whl/ (no pip needed there).
+WHEEL_PY ?= 3.12
+wheelhouse: install
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl "transformers==$$($(BIN)/python -c 'import transformers; print(transformers.__version__)')"
+	du -sh .whl
+
+device-check-dry: install
+	scripts/device_check.sh --dry-run --out /tmp/dsakv-device-check
 
 lint: install
 	$(BIN)/ruff check src tests

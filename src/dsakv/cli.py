@@ -415,8 +415,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         plot_dir=args.plot,
         tp_size=args.tp,
         pd=args.pd,
+        device=_bench_device(args.device),
     )
     return 0
+
+
+def _bench_device(name: str) -> str:
+    from dsakv.engine.engine import resolve_device
+
+    return str(resolve_device(name))
 
 
 def _add_bench(sub: Any) -> None:
@@ -429,7 +436,34 @@ def _add_bench(sub: Any) -> None:
         "--tp", type=_positive_int, default=1, help="add the tensor / DP-attention section"
     )
     p.add_argument("--pd", action="store_true", help="add prefill -> decode KV transfer")
+    p.add_argument(
+        "--device", default="cpu", help="where the engine sections run: cpu (default), cuda, auto"
+    )
     p.set_defaults(func=_cmd_bench)
+
+
+# --- device-check ----------------------------------------------------------------------------
+
+
+def _cmd_device_check(args: argparse.Namespace) -> int:
+    import torch
+
+    from dsakv.bench.device_check import run_device_check, summary
+
+    if not args.dry_run and not torch.cuda.is_available():
+        raise DsakvError("no CUDA device here; `--dry-run` runs the check on the CPU")
+    result = run_device_check(args.out, dry_run=args.dry_run, bench=not args.no_bench)
+    print(summary(result))
+    print(f"wrote {args.out}/device_check.json")
+    return 0 if result["ok"] else 1
+
+
+def _add_device_check(sub: Any) -> None:
+    p = sub.add_parser("device-check", help="the one prepared GPU run (kernels, graphs, bench)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    p.add_argument("--out", default="device-check-out", help="folder for device_check.json")
+    p.add_argument("--no-bench", action="store_true", help="skip `dsakv bench --quick`")
+    p.set_defaults(func=_cmd_device_check)
 
 
 # --- calibrate-pattern -----------------------------------------------------------------------
@@ -529,6 +563,7 @@ _COMMANDS: list[Callable[[Any], None]] = [
     disagg_cli.add_commands,
     _add_bench,
     _add_calibrate,
+    _add_device_check,
 ]
 
 

@@ -29,9 +29,15 @@ def fitted_workload(
 
 
 def run_mtp_bench(
-    model: str, work: tp.Workload, num_pages: int, page_size: int, steps: int, seed: int = 0
+    model: str,
+    work: tp.Workload,
+    num_pages: int,
+    page_size: int,
+    steps: int,
+    seed: int = 0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    common = dict(model=model, num_pages=num_pages, page_size=page_size, seed=seed)
+    common = dict(model=model, num_pages=num_pages, page_size=page_size, seed=seed, device=device)
     engines = {
         "base": tp.make_engine(elide=True, **common),
         "mtp": tp.make_engine(

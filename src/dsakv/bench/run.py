@@ -98,12 +98,15 @@ def run_bench(
     print_summary: bool = True,
     tp_size: int = 1,
     pd: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run every section; returns (and optionally writes) every figure as a JSON-able dict.
     `pd` adds prefill -> decode KV transfer over Mooncake (`bench.pd`).
 
     Raises `ParityError` (after writing the JSON) when elided and dense greedy outputs differ.
     `threads` pins torch's intra-op threads (1 by default: stable timings on shared cores).
+    `device` runs the engine sections (throughput, MTP) there; the reference-model
+    sections (transformers, IndexCache, FP8 parity) stay on the CPU.
     """
     sizes = sizes or (QUICK if quick else DEFAULT)
     if model is not None and sizes.ic_model == "glm-bench-short":
@@ -128,6 +131,7 @@ def run_bench(
                 "quick": quick,
                 "sizes": asdict(sizes),
                 "torch_threads": torch.get_num_threads(),
+                "device": device,
                 "torch": torch.__version__,
                 "machine": platform.machine(),
                 "cpus": _cpus(),
@@ -138,7 +142,7 @@ def run_bench(
             bar.update()
             bar.set_postfix_str("throughput")
             clock["throughput"] = time.perf_counter()
-            result["throughput"], equal_pages = _throughput(path, sizes, budget)
+            result["throughput"], equal_pages = _throughput(path, sizes, budget, device)
             bar.update()
             bar.set_postfix_str("indexcache")
             clock["indexcache"] = time.perf_counter()
@@ -170,7 +174,7 @@ def run_bench(
                 _bos_id(path),
             )
             result["mtp"] = run_mtp_bench(
-                path, mtp_work, 64, sizes.page_size, sizes.mtp_steps, sizes.seed
+                path, mtp_work, 64, sizes.page_size, sizes.mtp_steps, sizes.seed, device
             )
             bar.update()
             if tp_size > 1:
@@ -254,7 +258,9 @@ def _workload(sizes: BenchSizes) -> tp.Workload:
     return tp.Workload.make(sizes.requests, sizes.prompt_lens, sizes.output_lens, sizes.seed)
 
 
-def _throughput(path: str, sizes: BenchSizes, budget: int) -> tuple[dict[str, Any], dict]:
+def _throughput(
+    path: str, sizes: BenchSizes, budget: int, device: str = "cpu"
+) -> tuple[dict[str, Any], dict]:
     work = _workload(sizes)
     ps = sizes.page_size
     engines = {}
@@ -266,6 +272,7 @@ def _throughput(path: str, sizes: BenchSizes, budget: int) -> tuple[dict[str, An
             num_pages=tp.pages_for_budget(budget, cell, ps),
             page_size=ps,
             seed=sizes.seed,
+            device=device,
         )
     runs = tp.run_interleaved(engines, work, desc="fixed budget")
     del engines
@@ -311,6 +318,7 @@ def _throughput(path: str, sizes: BenchSizes, budget: int) -> tuple[dict[str, An
             page_size=ps,
             seed=sizes.seed,
             max_running_requests=max(256, sizes.hf_requests),
+            device=device,
             **kw,
         )
         for name, kw in variants.items()

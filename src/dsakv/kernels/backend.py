@@ -50,7 +50,18 @@ class TorchBackend:
         return math.decode(q_nope, q_rope, ctx, valid, w_uk, w_uv)
 
     def mla_extend(
-        self, math: MLAMath, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv
+        self,
+        math: MLAMath,
+        pool,
+        layer,
+        q_nope,
+        q_rope,
+        slots,
+        prefix,
+        positions,
+        valid,
+        w_uk,
+        w_uv,
     ):
         """One request's chunk: `slots[L]` its context, `positions`/`valid` its selection."""
 

@@ -147,7 +147,14 @@ class MLAMath:
             ctx = gather(slots)  # [L or e*k, kv_lora+rope]
             outs.append(
                 attend(
-                    q_nope[early:], q_rope[early:], ctx, prefix + early, positions, valid, w_uk, w_uv
+                    q_nope[early:],
+                    q_rope[early:],
+                    ctx,
+                    prefix + early,
+                    positions,
+                    valid,
+                    w_uk,
+                    w_uv,
                 )
             )
         return outs[0] if len(outs) == 1 else torch.cat(outs)

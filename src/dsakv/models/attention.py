@@ -107,16 +107,32 @@ class MLAttention(nn.Module):
                 sel = Selection(positions, positions < lens[:, None])
             slots = table.gather(1, sel.positions)
             out[rows] = ops.mla_decode(
-                self.math, pool, self.layer, q_nope[rows], q_rope[rows], slots, sel.valid,
-                w_uk, w_uv,
+                self.math,
+                pool,
+                self.layer,
+                q_nope[rows],
+                q_rope[rows],
+                slots,
+                sel.valid,
+                w_uk,
+                w_uv,
             )
         for r in batch.extend_reqs:
             a, e, prefix = batch.extend_starts[r], batch.extend_lens[r], batch.prefix_lens[r]
             sel = sels.per_req[r]
             positions, valid = (None, None) if sel is None else (sel.positions, sel.valid)
             out[a : a + e] = ops.mla_extend(
-                self.math, pool, self.layer, q_nope[a : a + e], q_rope[a : a + e],
-                batch.req_slots[r], prefix, positions, valid, w_uk, w_uv,
+                self.math,
+                pool,
+                self.layer,
+                q_nope[a : a + e],
+                q_rope[a : a + e],
+                batch.req_slots[r],
+                prefix,
+                positions,
+                valid,
+                w_uk,
+                w_uv,
             )
         out = self.o_proj(out.view(t, self.n_heads * self.v_dim))  # a partial sum over heads
         return self.parallel.all_reduce_attn(out)

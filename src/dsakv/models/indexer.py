@@ -88,8 +88,14 @@ class Indexer(nn.Module):
                 continue
             start, ext, prefix = batch.extend_starts[r], batch.extend_lens[r], batch.prefix_lens[r]
             positions = self.ops.index_topk_extend(
-                pool, layer, q[start : start + ext], w[start : start + ext],
-                batch.req_slots[r], prefix, self.scale, self.topk,
+                pool,
+                layer,
+                q[start : start + ext],
+                w[start : start + ext],
+                batch.req_slots[r],
+                prefix,
+                self.scale,
+                self.topk,
             )
             qpos = torch.arange(prefix, prefix + ext, device=q.device)
             per_req[r] = Selection(positions, positions <= qpos[:, None])
