@@ -24,6 +24,9 @@ from dsakv.kernels import select_backend, torch_ops
 from dsakv.memory import CacheLayout
 from dsakv.models.tiny import write_tiny_model
 
+if not torch.cuda.is_available():  # before triton is imported: its kernels run on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 

@@ -97,18 +97,16 @@ class TritonBackend(TorchBackend):
     name = "triton"
 
     def __init__(self, layout) -> None:
-        from . import triton_indexer, triton_mla, triton_store  # needs triton
+        from . import triton_indexer, triton_mla, triton_rows, triton_store  # needs triton
 
         self._mla, self._indexer, self._store = triton_mla, triton_indexer, triton_store
+        self._rows = triton_rows
         self.kind = layout.kv_cache_dtype
         self.fp8_index = layout.index_k_dtype == "fp8"
 
     def describe(self) -> dict[str, str]:
-        store = "triton" if self.kind in ("fp8_ds_mla", "fp8_e4m3") else "torch"
         return {
-            "stores": f"{store} latent ({self.kind}), "
-            + ("triton" if self.fp8_index else "torch")
-            + " index-K",
+            "stores": f"triton latent ({self.kind}), index-K",
             "mla_decode": f"triton sparse_mla_decode ({self.kind})",
             "moe": "torch._grouped_mm (device offsets)",
             "mla_extend": f"triton sparse_mla_extend ({self.kind})",
@@ -132,11 +130,11 @@ class TritonBackend(TorchBackend):
         elif self.kind == "fp8_e4m3":
             self._store.store_latent_fp8_e4m3(rows, data.view(torch.uint8), slots)
         else:  # bf16 / fp32 rows are stored as they are
-            self._store.store_rows(rows, data, slots)
+            self._rows.store_rows(rows, data, slots)
 
     def store_index_k(self, pool, layer, slots, keys) -> None:
-        if not self.fp8_index:
-            return super().store_index_k(pool, layer, slots, keys)
+        if not self.fp8_index:  # bf16 / fp32 keys are stored as they are
+            return self._rows.store_rows(keys, pool.index_k_data(layer), slots)
         rotated = pool.prepare_index_q(keys.float())  # the same rotation the pool applies
         self._store.store_index_k_fp8(rotated, pool.index_k_data(layer), slots, pool.page_size)
 
