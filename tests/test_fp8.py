@@ -12,7 +12,7 @@ from dsakv.memory import (
     hadamard_rotate,
     quantize_e4m3_blockwise,
 )
-from dsakv.memory.fp8 import hadamard_matrix
+from dsakv.memory.fp8 import FP8_MAX, hadamard_matrix, pow2_block_scale
 from tests.conftest import small_glm_config
 
 
@@ -103,3 +103,59 @@ def test_fp8_index_topk_overlap():
     assert mean >= 0.95 and min(got) >= 0.93
     unrotated = overlap(ref, topk(q, keys8))
     assert sum(unrotated) / t < 0.5
+
+
+def _bit_rule_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The definition: y = fl(amax/448); 2^(exponent field of y - 127), times 2 unless y's
+    mantissa is zero (y normal; amax == 0 -> 1.0)."""
+    y = (amax.float() / FP8_MAX).view(torch.int32).long()
+    k = ((y >> 23) & 0xFF) - 127 + ((y & 0x7FFFFF) != 0).long()
+    return torch.where(amax > 0, torch.exp2(k.double()).float(), torch.ones_like(amax))
+
+
+def test_pow2_scale_log2_off_by_one_is_fixed():
+    """fp32 `log2` rounds amax/448 = 2^-5·(1+2^-23) to exactly -5.0, so the old
+    `exp2(ceil(log2(amax/448)))` picked 2^-5 and the block saturated at 448."""
+    amax = torch.nextafter(torch.tensor(14.0), torch.tensor(15.0))  # 14 + 2^-20
+    y = amax / FP8_MAX
+    assert y.view(torch.int32).item() & 0x7FFFFF == 1  # 2^-5 · (1 + 2^-23): above 2^-5
+    old = torch.exp2(torch.ceil(torch.log2(y)))
+    assert old.item() == 2**-5 and (amax / old).item() > FP8_MAX  # the off-by-one
+    x = torch.zeros(1, 128)
+    x[0, 0] = amax
+    q, s = quantize_e4m3_blockwise(x)
+    assert s.item() == 2**-4 == _bit_rule_scale(amax).item()
+    assert (amax / s).item() <= FP8_MAX  # fits without saturating
+    assert dequantize_e4m3_blockwise(q, s)[0, 0].item() == 14.0  # 224.0000076 -> 224
+
+
+def test_pow2_scale_matches_bit_rule_exhaustively():
+    """Every fp32 mantissa at three binades (and random amax over the normal-quotient range)
+    gives the bit rule's scale; the old log2 formula misses some of them."""
+    mant = torch.arange(1 << 23, dtype=torch.int32)
+    amax = torch.cat(
+        [((e + 127) << 23 | mant).view(torch.float32) for e in (-100, 3, 90)]
+        + [torch.tensor([0.0, 448.0, 224.0, 2.0**-117, 3.0e38])]
+        + [torch.exp2(torch.empty(100_000).uniform_(-117, 127)).float()]
+    )
+    new = pow2_block_scale(amax)
+    assert torch.equal(new, _bit_rule_scale(amax))
+    old = torch.where(
+        amax > 0, torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX))), torch.ones_like(amax)
+    )
+    assert (old != new).sum() > 0  # the bug this replaces is real on this sweep
+    ratio = (amax / new)[amax > 0]
+    assert (ratio <= FP8_MAX).all() and (ratio > FP8_MAX / 2).all()  # smallest that fits
+
+
+def test_pow2_scale_tiny_amax_stays_finite():
+    """Below amax/448 = 2^-126 the quotient itself rounds (or underflows to 0, where the old
+    formula gave a zero scale and NaN bytes); the exact rule still fits every value."""
+    amax = torch.tensor([1e-45, 1e-40, 2.0**-130, 5e-39])  # fp32 subnormals
+    s = pow2_block_scale(amax)
+    assert (s > 0).all() and (amax / s <= FP8_MAX).all()
+    assert s[0].item() == 2.0**-149  # clamped to the smallest fp32 power of two
+    x = torch.zeros(4, 128)
+    x[:, 0] = amax
+    q, s2 = quantize_e4m3_blockwise(x)
+    assert torch.equal(s2[:, 0], s) and not dequantize_e4m3_blockwise(q, s2).isnan().any()

@@ -53,11 +53,33 @@ def _num_blocks(d: int) -> int:
     return -(-d // FP8_BLOCK)
 
 
+def pow2_block_scale(amax: torch.Tensor) -> torch.Tensor:
+    """2**ceil(log2(amax/448)) per element (fp32 amax >= 0), 1.0 where amax == 0, exactly.
+
+    Computed from the exponent, not with `log2`: fp32 `log2` rounds a quotient just above a
+    power of two (e.g. amax = nextafter(14, inf), amax/448 = 2^-5·(1+2^-23)) to the integer
+    itself, so `ceil` lands one exponent low and the block saturates at ±448. With
+    amax = m·2^e (`frexp`, m in [0.5, 1)), amax <= 448·2^k = 0.875·2^(k+9) iff k >= e-9,
+    plus one when m > 0.875. This equals the bit rule on fl(amax/448) (exponent field, +1
+    unless the mantissa is zero) wherever that quotient is a normal fp32 (amax >= 2^-117);
+    below it the quotient itself rounds, and this stays exact. k >= -149 (smallest fp32
+    power of two). The Triton store kernels (`dsakv.kernels.triton_fp8.pow2_exponent`) use
+    the same rule, so CPU and GPU pools stay byte-equal.
+    """
+    m, e = torch.frexp(amax.float())
+    k = torch.where(amax > 0, e - 9 + (m > 0.875).to(e.dtype), torch.zeros_like(e))
+    k = k.to(torch.int32).clamp(min=-149)
+    normal = ((k.clamp(min=-126) + 127) << 23).view(torch.float32)
+    sub = (torch.ones_like(k) << (k + 149).clamp(0, 22)).view(torch.float32)
+    return torch.where(k >= -126, normal, sub)
+
+
 def quantize_e4m3_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`x[N, d]` -> (e4m3 bytes `uint8[N, d]`, fp32 scales `[N, ceil(d/128)]`).
 
     scale = 2**ceil(log2(amax/448)) per block of 128 values (1.0 for an all-zero block), so
-    dividing by it is exact and every scaled value fits e4m3 without saturating.
+    dividing by it is exact and every scaled value fits e4m3 without saturating. The
+    exponent is taken exactly (`pow2_block_scale`), not through a rounded `log2`.
     """
     if x.dim() != 2:
         raise ValueError(f"expected a [N, d] tensor, got shape {tuple(x.shape)}")
@@ -67,10 +89,7 @@ def quantize_e4m3_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if nb * FP8_BLOCK != d:  # pad a partial last block with zeros (does not change amax)
         xf = torch.nn.functional.pad(xf, (0, nb * FP8_BLOCK - d))
     blocks = xf.view(n, nb, FP8_BLOCK)
-    amax = blocks.abs().amax(-1)
-    scale = torch.where(
-        amax > 0, torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX))), torch.ones_like(amax)
-    )
+    scale = pow2_block_scale(blocks.abs().amax(-1))
     q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(n, nb * FP8_BLOCK)[:, :d].view(torch.uint8).contiguous(), scale
 

@@ -1,0 +1,63 @@
+"""Optional Triton import for the kernel modules.
+
+Triton is a dev/GPU extra, not a core dependency: the kernel modules must import (and
+their docstrings stay readable) on a machine without it, and fail with ImportError only
+when a kernel is actually launched.
+"""
+
+from typing import Any, NoReturn
+
+_MISSING = "dsakv's Triton kernels need `triton` (pip install 'dsakv[dev]' or triton>=3.2)"
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    HAVE_TRITON = False
+
+    class _Unavailable:
+        """Stands in for a `@triton.jit` function: any launch raises ImportError."""
+
+        def __init__(self, name: str) -> None:
+            self.__name__ = name
+
+        def __getitem__(self, grid: Any) -> NoReturn:
+            raise ImportError(_MISSING)
+
+        def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+            raise ImportError(_MISSING)
+
+    class _NoTriton:
+        """`triton` / `triton.language` placeholder: annotations resolve, launches raise."""
+
+        def __getattr__(self, name: str) -> "_NoTriton":
+            return self
+
+        def jit(self, fn: Any = None, **kwargs: Any) -> Any:
+            if fn is None:
+                return lambda f: _Unavailable(f.__name__)
+            return _Unavailable(fn.__name__)
+
+    triton = _NoTriton()  # type: ignore[assignment]
+    tl = _NoTriton()  # type: ignore[assignment]
+
+
+def require_triton() -> None:
+    """Raise ImportError now (at the wrapper) rather than deep inside a launch."""
+    if not HAVE_TRITON:
+        raise ImportError(_MISSING)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int, floor: int = 1) -> int:
+    """Smallest power of two ≥ max(n, floor): Triton block shapes must be powers of two."""
+    n = max(n, floor)
+    return 1 << (n - 1).bit_length()
+
+
+__all__ = ["HAVE_TRITON", "cdiv", "next_pow2", "require_triton", "tl", "triton"]
