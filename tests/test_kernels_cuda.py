@@ -21,7 +21,7 @@ import torch
 
 from dsakv.memory import CacheLayout, DSAKVPool, page_slots
 from dsakv.memory.fp8 import hadamard_rotate
-from dsakv.models.indexer import topk_by_position
+from dsakv.kernels import topk_by_position
 from tests.conftest import small_glm_config
 
 pytestmark = [
@@ -130,7 +130,7 @@ def test_decode_topk_real_shapes(kind, heads, ctx):
     slots[2, -(TOPK // 27) :] = -1
     slots = slots.to(torch.int32)
     rows = pool.gather_latent(0, slots.clamp(min=0).flatten().long()).view(batch, TOPK, DIM)
-    cache = pool._latent[0].data
+    cache = pool.latent_data(0)
     for qdtype in (torch.float32, torch.bfloat16):
         q = torch.randn(batch, heads, DIM, device=DEV, generator=g).to(qdtype)
         ref = _reference_attention(q.float(), rows, slots >= 0)
@@ -147,7 +147,7 @@ def test_decode_dense_128k(heads):
     _fill_latent(pool, seed=4)
     slots = _request_slots(pool, 1, DENSE_CTX, seed=5).to(torch.int32)
     q = torch.randn(1, heads, DIM, device=DEV, generator=_gen(6)).to(torch.bfloat16)
-    out = k.decode(q, pool._latent[0].data, "fp8_ds_mla", slots, SM_SCALE, KV_LORA, ROPE)
+    out = k.decode(q, pool.latent_data(0), "fp8_ds_mla", slots, SM_SCALE, KV_LORA, ROPE)
     rows = pool.gather_latent(0, slots.flatten().long()).view(1, DENSE_CTX, DIM)
     ref = _reference_attention(q.float(), rows, torch.ones_like(slots, dtype=torch.bool))
     assert _err(out, ref) < TOL[torch.bfloat16]
@@ -171,7 +171,7 @@ def test_extend_real_shapes(kind):
     topk = topk.to(torch.int32)
     topk[0, :5] = -1
     q = torch.randn(e, EXTEND["heads"], DIM, device=DEV, generator=g).to(torch.bfloat16)
-    cache = pool._latent[0].data
+    cache = pool.latent_data(0)
     ctx_rows = pool.gather_latent(0, ctx)
     out = k.extend(q, cache, kind, ctx, q_pos, topk, SM_SCALE, KV_LORA, ROPE)
     valid = (topk >= 0) & (topk <= q_pos[:, None])
@@ -223,7 +223,7 @@ def test_index_logits_paged_real_shapes(heads, ctx):
     g = _gen(12)
     q32 = pool.prepare_index_q(torch.randn(batch, heads, INDEX_DIM, device=DEV, generator=g))
     w = torch.randn(batch, heads, device=DEV, generator=g) * heads**-0.5 * INDEX_DIM**-0.5
-    kpages = pool._index_k[0].data
+    kpages = pool.index_k_data(0)
     keys = pool.gather_index_k(0, req.flatten()).view(batch, ctx, INDEX_DIM)
     for q in (q32.to(torch.bfloat16), q32) if ctx == LOGIT_CTXS[0] else (q32.to(torch.bfloat16),):
         out = k.paged(q, w, kpages, table, lens, PS, ctx)
@@ -250,7 +250,7 @@ def test_index_logits_extend_real_shape():
     q = q.to(torch.bfloat16)
     w = torch.randn(e, heads, device=DEV, generator=g) * heads**-0.5 * INDEX_DIM**-0.5
     q_pos = torch.arange(length - e, length, device=DEV, dtype=torch.int32)
-    out = k.logits_extend(q, w, pool._index_k[0].data, ctx, q_pos, PS)
+    out = k.logits_extend(q, w, pool.index_k_data(0), ctx, q_pos, PS)
     keys = pool.gather_index_k(0, ctx)
     ref = torch.cat(
         [
@@ -264,7 +264,7 @@ def test_index_logits_extend_real_shape():
     tol = 1e-4 * ref[fin].abs().max().item()
     assert (out[fin].double() - ref[fin]).abs().max().item() < tol
     _assert_topk_consistent(out, ref, TOPK, 2 * tol)
-    assert torch.equal(out, k.logits_extend(q, w, pool._index_k[0].data, ctx, q_pos, PS))
+    assert torch.equal(out, k.logits_extend(q, w, pool.index_k_data(0), ctx, q_pos, PS))
 
 
 # --- stores -------------------------------------------------------------------------------------
@@ -308,8 +308,8 @@ def test_stores_byte_equal_to_gpu_and_cpu_pools(dtype):
         pool, ker = _pool("fp8_ds_mla", tokens, device), _pool("fp8_ds_mla", tokens)
         pool.write_index_k(0, slots.to(device), keys.to(device))
         rotated = hadamard_rotate(keys.to(device).float()).to(DEV)
-        k.store_ik(rotated, ker._index_k[0].data, s, PS)
-        assert torch.equal(ker._index_k[0].data.cpu(), pool._index_k[0].data.cpu())
+        k.store_ik(rotated, ker.index_k_data(0), s, PS)
+        assert torch.equal(ker.index_k_data(0).cpu(), pool.index_k_data(0).cpu())
 
 
 # --- graph safety -------------------------------------------------------------------------------
@@ -325,7 +325,7 @@ def test_no_host_sync_and_cuda_graph_replay():
     _fill_latent(pool, seed=19)
     _fill_index(pool, seed=20)
     req = _request_slots(pool, batch, ctx, seed=21)
-    cache, kpages = pool._latent[0].data, pool._index_k[0].data
+    cache, kpages = pool.latent_data(0), pool.index_k_data(0)
     g = _gen(22)
 
     def inputs():

@@ -34,7 +34,7 @@ from dsakv.kernels.triton_store import (  # noqa: E402
 )
 from dsakv.memory import CacheLayout, DSAKVPool, page_slots  # noqa: E402
 from dsakv.memory.fp8 import hadamard_rotate, pow2_block_scale  # noqa: E402
-from dsakv.models.indexer import topk_by_position  # noqa: E402
+from dsakv.kernels import topk_by_position  # noqa: E402
 from tests.conftest import small_glm_config  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -55,11 +55,11 @@ def make_pool(kind: str = "fp32", page_size: int = 16, pages: int = 8) -> DSAKVP
 
 
 def latent_data(pool: DSAKVPool, layer: int = 0) -> torch.Tensor:
-    return pool._latent[layer].data  # the stored buffer, as FlashMLA-style kernels see it
+    return pool.latent_data(layer)  # the stored buffer, as FlashMLA-style kernels see it
 
 
 def index_data(pool: DSAKVPool, layer: int = 0) -> torch.Tensor:
-    return pool._index_k[layer].data
+    return pool.index_k_data(layer)
 
 
 def gen(seed: int) -> torch.Generator:
