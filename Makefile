@@ -7,9 +7,13 @@ TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dsakv-installed
 
-.PHONY: install run test lint bench clean wheelhouse device-check-dry
+.PHONY: install system-libs run test lint bench clean wheelhouse device-check-dry
 
-install: $(STAMP)
+install: system-libs $(STAMP)
+
+# Every time (cheap): a machine that lost a system library gets it back.
+system-libs:
+	@bash scripts/check_system_libs.sh
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -1,14 +1,21 @@
-"""Running a real dsakv server on a loopback port for a test, and stopping it after."""
+"""Running real dsakv servers on loopback ports for a test (on a thread, or as `dsakv serve`
+processes), reading their metrics, and stopping them after."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from dsakv.engine import EngineConfig
 from dsakv.server import make_server
@@ -49,3 +56,66 @@ def serving(config: EngineConfig, **server_args) -> Iterator[tuple[str, AsyncEng
             yield base, async_engine
     finally:
         async_engine.shutdown()
+
+
+# --- `dsakv serve` processes (prefill/decode disaggregation, kill tests) -------------------------
+
+
+class ServerProcess:
+    """A `dsakv serve` process (model name "m") with its log in a file; killed by `stop`."""
+
+    def __init__(self, log_dir: Path, name: str, model: str, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "dsakv.cli", "serve", model, "--port", str(self.port)]
+        cmd += ["--served-model-name", "m", *flags]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(TIMEOUT)
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:]
+
+
+def start_prefill(log_dir: Path, name: str, model: str, *flags: str) -> tuple[ServerProcess, int]:
+    """A prefill server on a free bootstrap port; returns it and that port."""
+    bport = free_port()
+    p = ServerProcess(log_dir, name, model, "--disaggregation-mode", "prefill",
+                      "--disaggregation-bootstrap-port", str(bport), *flags)  # fmt: skip
+    return p, bport
+
+
+def start_decode(log_dir: Path, name: str, model: str, *flags: str) -> ServerProcess:
+    return ServerProcess(log_dir, name, model, "--disaggregation-mode", "decode", *flags)
+
+
+def scrape_metrics(base: str) -> dict[str, float]:
+    """A server's /metrics samples by name (the last sample of each name)."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text):
+        for s in family.samples:
+            out[s.name] = s.value
+    return out
+
+
+def disagg_info(base: str) -> dict:
+    return httpx.get(f"{base}/disagg/info", timeout=30).json()
+
+
+def wait_idle(base: str) -> dict[str, float]:
+    """Poll a prefill/decode server until it is idle with every page free or prefix-cached
+    (no leak); returns its metrics then."""
+    deadline = time.monotonic() + TIMEOUT
+    while (info := disagg_info(base))["integrity"] != "ok":
+        assert time.monotonic() < deadline, info
+        time.sleep(0.1)
+    m = scrape_metrics(base)
+    assert m["dsakv_kv_pages_used"] == m["dsakv_kv_pages_cached"], m
+    assert m["dsakv_kv_transfer_pending"] == 0
+    return m

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -16,14 +15,12 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from dsakv.bench.pd import run_pd_bench, summary_lines
 from dsakv.config import ModelConfig
@@ -41,7 +38,17 @@ from dsakv.engine import LLM, SamplingParams
 from dsakv.memory import CacheLayout, DSAKVPool
 from dsakv.models.tiny import TINY_PRESETS, default_model_dir, write_tiny_model
 
-from .serving import TIMEOUT, free_port, running
+from .serving import (
+    TIMEOUT,
+    ServerProcess,
+    disagg_info,
+    free_port,
+    running,
+    scrape_metrics,
+    start_decode,
+    start_prefill,
+    wait_idle,
+)
 
 EXACT = ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32", "--page-size", "16"]
 TINY = [*EXACT, "--num-pages", "256", "--device", "cpu", "--max-running-requests", "64"]
@@ -196,39 +203,6 @@ def test_bench_pd_section_reports_both_layouts_side_by_side():
 # --- servers ------------------------------------------------------------------------------------
 
 
-class _Proc:
-    """A `dsakv serve` process with its log in a file; killed by `stop`."""
-
-    def __init__(self, log_dir: Path, name: str, model: str, *flags: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "dsakv.cli", "serve", model, "--port", str(self.port)]
-        cmd += ["--served-model-name", "m", *flags]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(TIMEOUT)
-
-    def tail(self) -> str:
-        return self.log.read_text()[-3000:]
-
-
-def _prefill(log_dir, name, model, *flags) -> tuple[_Proc, int]:
-    bport = free_port()
-    p = _Proc(log_dir, name, model, "--disaggregation-mode", "prefill",
-              "--disaggregation-bootstrap-port", str(bport), *flags)  # fmt: skip
-    return p, bport
-
-
-def _decode(log_dir, name, model, *flags) -> _Proc:
-    return _Proc(log_dir, name, model, "--disaggregation-mode", "decode", *flags)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[dict]:
     """glm-tiny with index_topk covering every context (exact against one engine): a
@@ -238,17 +212,17 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("disagg")
     tiny = str(write_tiny_model(root / "tiny", {**TINY_PRESETS["glm-tiny"], "index_topk": 1024}))
     bench = str(default_model_dir("glm-bench"))
-    procs: dict[str, _Proc] = {}
+    procs: dict[str, ServerProcess] = {}
     try:
-        procs["prefill"], bport = _prefill(
+        procs["prefill"], bport = start_prefill(
             root, "prefill", tiny, *TINY, "--disaggregation-timeout", "20"
         )
-        procs["decode"] = _decode(root, "decode", tiny, *TINY)
-        procs["decode2"] = _decode(root, "decode2", tiny, *TINY)
-        procs["dense"] = _decode(root, "dense", tiny, *TINY, "--no-elide-index-k",
+        procs["decode"] = start_decode(root, "decode", tiny, *TINY)
+        procs["decode2"] = start_decode(root, "decode2", tiny, *TINY)
+        procs["dense"] = start_decode(root, "dense", tiny, *TINY, "--no-elide-index-k",
                                  "--disaggregation-timeout", "3")  # fmt: skip
-        procs["bench_prefill"], _ = _prefill(root, "bench_prefill", bench, "--num-pages", "16")
-        procs["bench_decode"] = _decode(root, "bench_decode", bench, "--num-pages", "16")
+        procs["bench_prefill"], _ = start_prefill(root, "bench_prefill", bench, "--num-pages", "16")
+        procs["bench_decode"] = start_decode(root, "bench_decode", bench, "--num-pages", "16")
         rport = free_port()
         cmd = [sys.executable, "-m", "dsakv.cli", "router", "--prefill", procs["prefill"].url]
         cmd += ["--decode", procs["decode"].url, "--port", str(rport)]
@@ -285,35 +259,11 @@ def _client(base: str) -> openai.OpenAI:
 
 
 @contextmanager
-def _router(prefill: _Proc, decode: _Proc) -> Iterator[str]:
+def _router(prefill: ServerProcess, decode: ServerProcess) -> Iterator[str]:
     app = build_router_app([prefill.url], [decode.url])
     server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
     with running(server) as base:
         yield base
-
-
-def _metrics(base: str) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text):
-        for s in family.samples:
-            out[s.name] = s.value
-    return out
-
-
-def _info(base: str) -> dict:
-    return httpx.get(f"{base}/disagg/info", timeout=30).json()
-
-
-def _wait_integrity(base: str) -> dict:
-    """Poll until the server is idle with every page free or prefix-cached."""
-    deadline = time.monotonic() + 30
-    while (info := _info(base))["integrity"] != "ok":
-        assert time.monotonic() < deadline, info
-        time.sleep(0.1)
-    m = _metrics(base)
-    assert m["dsakv_kv_pages_used"] == m["dsakv_kv_pages_cached"], m
-    assert m["dsakv_kv_transfer_pending"] == 0
-    return m
 
 
 # --- through the router -------------------------------------------------------------------------
@@ -332,7 +282,7 @@ def test_completions_and_chat_equal_one_engine(cluster, reference):
     )
     assert "".join(c.choices[0].text for c in chunks) == want[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
-    assert _metrics(cluster["prefill"].url)["dsakv_prefix_hit_tokens_total"] >= 16
+    assert scrape_metrics(cluster["prefill"].url)["dsakv_prefix_hit_tokens_total"] >= 16
 
     messages = [{"role": "user", "content": "Name a colour."}]
     ids = httpx.post(f"{cluster['decode'].url}/tokenize", json={"messages": messages}).json()
@@ -356,7 +306,7 @@ def test_32_concurrent_requests_none_lost_and_bytes_per_token(cluster, reference
     prompts = [f"Request {i}: " + "abcdefghij"[: i % 10] * (1 + i % 7) for i in range(32)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     want = [o.text for o in reference.generate(prompts, params)]
-    before = _metrics(cluster["prefill"].url)
+    before = scrape_metrics(cluster["prefill"].url)
     client = _client(cluster["router"])
 
     def one(i: int) -> str:
@@ -366,8 +316,8 @@ def test_32_concurrent_requests_none_lost_and_bytes_per_token(cluster, reference
     with ThreadPoolExecutor(32) as pool:
         got = list(pool.map(one, range(32)))
     assert got == want
-    after = _wait_integrity(cluster["prefill"].url)
-    received = _wait_integrity(cluster["decode"].url)
+    after = wait_idle(cluster["prefill"].url)
+    received = wait_idle(cluster["decode"].url)
     # Shipped pages are ordinary pages: full ones join each side's prefix cache.
     assert after["dsakv_kv_pages_cached"] > 0 and received["dsakv_kv_pages_cached"] > 0
     sent = {k: after[k] - before[k] for k in after if k.startswith("dsakv_kv_transfer_")}
@@ -384,17 +334,17 @@ def test_glm52_shaped_servers_send_47700_bytes_per_token(cluster):
     with _router(cluster["bench_prefill"], cluster["bench_decode"]) as base:
         r = _client(base).completions.create(model="m", prompt="x" * 150, max_tokens=2, **GREEDY)
     assert r.usage.completion_tokens == 2
-    sent = _metrics(cluster["bench_prefill"].url)
-    got = _metrics(cluster["bench_decode"].url)
+    sent = scrape_metrics(cluster["bench_prefill"].url)
+    got = scrape_metrics(cluster["bench_decode"].url)
     assert sent["dsakv_kv_transfer_tokens_total"] == 150
     assert sent["dsakv_kv_transfer_bytes_total"] / 150 == 47_700
     assert got["dsakv_kv_transfer_bytes_total"] == sent["dsakv_kv_transfer_bytes_total"]
-    _wait_integrity(cluster["bench_prefill"].url)
-    _wait_integrity(cluster["bench_decode"].url)
+    wait_idle(cluster["bench_prefill"].url)
+    wait_idle(cluster["bench_decode"].url)
 
 
 def test_mismatched_layouts_are_refused_before_any_byte_moves(cluster):
-    before = _metrics(cluster["prefill"].url)
+    before = scrape_metrics(cluster["prefill"].url)
     with (
         _router(cluster["prefill"], cluster["dense"]) as base,
         pytest.raises(openai.APIStatusError) as e,
@@ -402,10 +352,10 @@ def test_mismatched_layouts_are_refused_before_any_byte_moves(cluster):
         _client(base).completions.create(model="m", prompt="hello", max_tokens=4)
     assert e.value.status_code == 502
     assert "elide_index_k: prefill True, decode False" in e.value.message
-    after = _wait_integrity(cluster["prefill"].url)
+    after = wait_idle(cluster["prefill"].url)
     for key in ("dsakv_kv_transfer_bytes_total", "dsakv_computed_tokens_total"):
         assert after[key] == before[key], key  # the prompt never even ran
-    _wait_integrity(cluster["dense"].url)
+    wait_idle(cluster["dense"].url)
 
 
 # --- faults -------------------------------------------------------------------------------------
@@ -428,8 +378,10 @@ def test_decode_killed_mid_stream_client_errors_prefill_goes_idle(cluster):
             assert time.monotonic() - start < 20
         finally:
             stream.close()
-    _wait_integrity(cluster["prefill"].url)
-    r = _client(cluster["router"]).completions.create(model="m", prompt="Hi", max_tokens=3)
+    wait_idle(cluster["prefill"].url)
+    r = _client(cluster["router"]).completions.create(
+        model="m", prompt="Hi", max_tokens=3, **GREEDY
+    )
     assert r.usage.completion_tokens == 3  # the prefill server keeps serving
 
 
@@ -460,7 +412,7 @@ def _prefill_request(cluster, room: int) -> httpx.Response:
 def test_decode_gone_during_the_write_frees_prefill_pages(cluster):
     prefill = cluster["prefill"]
     ids = httpx.post(f"{prefill.url}/tokenize", json={"prompt": "hello world"}).json()["tokens"]
-    before = _metrics(prefill.url)
+    before = scrape_metrics(prefill.url)
     with socket.create_connection(("127.0.0.1", cluster["bootstrap_port"]), timeout=30) as s:
         s.sendall(_registration(cluster, 4242, ids))
         r = _prefill_request(cluster, 4242)
@@ -468,7 +420,7 @@ def test_decode_gone_during_the_write_frees_prefill_pages(cluster):
     assert r.status_code == 500 and "KV transfer for room 4242 failed" in r.text, r.text
     last = json.loads(lines[-1])
     assert last["type"] == "error" and "failed" in last["message"]
-    after = _wait_integrity(prefill.url)
+    after = wait_idle(prefill.url)
     assert (
         after["dsakv_kv_transfer_failures_total"] == before["dsakv_kv_transfer_failures_total"] + 1
     )
@@ -513,10 +465,10 @@ def test_decode_frees_reserved_pages_when_the_prefill_side_fails(cluster, hang):
                               headers=headers, timeout=60)  # fmt: skip
             if hang:  # pages stay reserved while the prefill side might still write
                 deadline = time.monotonic() + 10
-                while _metrics(dense.url)["dsakv_kv_pages_used"] == 0:
+                while scrape_metrics(dense.url)["dsakv_kv_pages_used"] == 0:
                     assert time.monotonic() < deadline
                     time.sleep(0.05)
-                assert _info(dense.url)["pending"] == 1
+                assert disagg_info(dense.url)["pending"] == 1
             r = fut.result()
             waited = time.monotonic() - start
     assert r.status_code == 502, r.text
@@ -525,7 +477,7 @@ def test_decode_frees_reserved_pages_when_the_prefill_side_fails(cluster, hang):
         assert 2.5 < waited < 15
     else:
         assert "closed the connection" in r.json()["error"]["message"]
-    _wait_integrity(dense.url)
+    wait_idle(dense.url)
 
 
 def test_servers_refuse_requests_without_a_room(cluster):

@@ -19,9 +19,9 @@ import types
 import pytest
 import torch
 
+from dsakv.kernels import topk_by_position
 from dsakv.memory import CacheLayout, DSAKVPool, page_slots
 from dsakv.memory.fp8 import hadamard_rotate
-from dsakv.kernels import topk_by_position
 from tests.conftest import small_glm_config
 
 pytestmark = [

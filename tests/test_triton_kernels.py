@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 pytest.importorskip("triton")
 
+from dsakv.kernels import topk_by_position  # noqa: E402
 from dsakv.kernels.triton_bench import bench_kernels  # noqa: E402
 from dsakv.kernels.triton_fp8 import decode_e4m3, encode_e4m3, pow2_scale, round_bf16  # noqa: E402
 from dsakv.kernels.triton_indexer import (  # noqa: E402
@@ -34,7 +35,6 @@ from dsakv.kernels.triton_store import (  # noqa: E402
 )
 from dsakv.memory import CacheLayout, DSAKVPool, page_slots  # noqa: E402
 from dsakv.memory.fp8 import hadamard_rotate, pow2_block_scale  # noqa: E402
-from dsakv.kernels import topk_by_position  # noqa: E402
 from tests.conftest import small_glm_config  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -191,9 +191,8 @@ def _decode(device: torch.device, dry_run: bool) -> dict[str, Any]:
             _sync(device)
             decoded = sum(len(r.output_ids) - 1 for r in reqs)
             rates.setdefault(name, {})[f"batch_{b}"] = decoded / (time.perf_counter() - start)
-    speedup = {
-        f"batch_{b}": rates["graph"][f"batch_{b}"] / rates["eager"][f"batch_{b}"] for b in batches
-    }
+    graph = rates.get("graph", {})
+    speedup = {b: r / rates["eager"][b] for b, r in graph.items()}
     return {"tokens_per_s": rates, "graph_over_eager": speedup}
 
 

@@ -3,25 +3,22 @@
 The OpenAI handlers (`dsakv.server.app`) are unchanged: they call `generate_n` and read the
 stream it returns. On a prefill server that stream ends after the first token, once the
 KV is in the decode server's pages; on a decode server it starts with the prefill side's
-first token and goes on decoding. The router's headers (`X-Dsakv-Bootstrap-*`) reach
-`generate_n` through a context variable set by a small ASGI middleware.
+first token and goes on decoding. Each prompt's handoff (its bootstrap room: `dsakv
+router`'s headers or SGLang's body fields) reaches `generate_n` through `handoff`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -33,7 +30,8 @@ from dsakv.server.protocol import APIError
 from dsakv.server.runner import AsyncEngine, RequestStream, Update, _update
 
 from .bootstrap import BootstrapError, BootstrapServer, describe, request_kv
-from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER, DisaggConfig
+from .config import DisaggConfig
+from .handoff import BootstrapMiddleware, BootstrapTarget, next_target
 from .transfer import KVTransfer, TransferError, TransferStats
 
 log = logging.getLogger(__name__)
@@ -41,59 +39,8 @@ log = logging.getLogger(__name__)
 _RESERVE_POLL_S = 0.05
 
 
-@dataclass(frozen=True)
-class BootstrapTarget:
-    """Where a request's handshake happens: the prefill server's bootstrap and the room."""
-
-    room: int
-    host: str = ""
-    port: int = 0
-
-    def headers(self) -> dict[str, str]:
-        return {ROOM_HEADER: str(self.room), HOST_HEADER: self.host, PORT_HEADER: str(self.port)}
-
-
-_target: contextvars.ContextVar[BootstrapTarget | None] = contextvars.ContextVar(
-    "dsakv_bootstrap_target", default=None
-)
-
-
-class _BootstrapHeaders:
-    """ASGI middleware: the request's bootstrap headers into `_target` (bad ones: a 400)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        h = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        target = None
-        if ROOM_HEADER in h:
-            try:
-                target = BootstrapTarget(
-                    int(h[ROOM_HEADER]), h.get(HOST_HEADER, ""), int(h.get(PORT_HEADER, "0"))
-                )
-            except ValueError:
-                e = APIError(400, "bad X-Dsakv-Bootstrap-* headers")
-                await JSONResponse(e.body(), status_code=400)(scope, receive, send)
-                return
-        token = _target.set(target)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            _target.reset(token)
-
-
 def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget:
-    target = _target.get()
-    if target is None:
-        raise APIError(
-            400,
-            f"this is a {role} server (--disaggregation-mode {role}): send requests through "
-            "`dsakv router`",
-        )
+    target = next_target(role)
     if n != 1:
         raise APIError(400, "n > 1 is not supported with prefill/decode disaggregation", "n")
     if params.prompt_logprobs is not None:
@@ -123,8 +70,8 @@ class _DisaggEngine(AsyncEngine):
         task.add_done_callback(self._tasks.discard)
 
     def attach(self, app: FastAPI) -> None:
-        """Headers middleware, transfer metrics and `GET /disagg/info` on the server's app."""
-        app.add_middleware(_BootstrapHeaders)
+        """Handoff middleware, transfer metrics and `GET /disagg/info` on the server's app."""
+        app.add_middleware(BootstrapMiddleware)
         app.state.metrics.registry.register(_TransferCollector(app.state.model_name, self))
 
         @app.get("/disagg/info")
@@ -139,6 +86,10 @@ class _DisaggEngine(AsyncEngine):
                 "transfer": self.stats.snapshot(),
                 "integrity": await self._integrity(),
             }
+
+    def server_info(self) -> dict[str, Any]:
+        port = self.config.bootstrap_port
+        return {"disaggregation_mode": self.role, "disaggregation_bootstrap_port": port}
 
     async def _integrity(self) -> str:
         """`ok` when no page is held by anything but the prefix cache (idle, leak-free)."""
@@ -181,6 +132,14 @@ class PrefillAsyncEngine(_DisaggEngine):
         self, prompt: str | list[int], params: SamplingParams, n: int
     ) -> list[RequestStream]:
         target = _common_checks(self.role, n, params)
+        if target.port not in (None, self.config.bootstrap_port):
+            # Fail now: the decode server is knocking elsewhere, nobody would register.
+            raise APIError(
+                400,
+                f"bootstrap port {target.port} is not this prefill server's "
+                f"({self.config.bootstrap_port}): check the router's --prefill URL PORT",
+                param="bootstrap_port",
+            )
         try:
             reg = await self.bootstrap.claim(target.room)
         except BootstrapError as e:
@@ -295,8 +254,13 @@ class DecodeAsyncEngine(_DisaggEngine):
         self, prompt: str | list[int], params: SamplingParams, n: int
     ) -> list[RequestStream]:
         target = _common_checks(self.role, n, params)
-        if not target.host or not target.port:
-            raise APIError(400, "X-Dsakv-Bootstrap-Host and -Port are needed on a decode server")
+        if not target.host:
+            raise APIError(
+                400,
+                "a decode server needs the prefill server's bootstrap host "
+                "(X-Dsakv-Bootstrap-Host, or bootstrap_host)",
+            )
+        port = target.port or self.config.bootstrap_port  # SGLang's default when not given
         ids = await self.call(lambda e: e.prompt_ids(prompt))
         self.pending += 1
         try:
@@ -311,7 +275,7 @@ class DecodeAsyncEngine(_DisaggEngine):
                 "timeout": self.config.timeout_s,  # the prefill side keeps well inside it
             }
             handshake = asyncio.ensure_future(
-                request_kv(target.host, target.port, registration, self.config.timeout_s)
+                request_kv(target.host, port, registration, self.config.timeout_s)
             )
             try:
                 reply = await asyncio.shield(handshake)

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsakv import __version__
 from dsakv.engine import SamplingParams
 from dsakv.engine.grammar import GrammarError
 from dsakv.errors import DsakvError
@@ -43,10 +44,16 @@ _ENDPOINTS = (
     "/tokenize",
     "/detokenize",
     "/health",
+    "/health_generate",
     "/metrics",
+    "/model_info",
+    "/get_model_info",
+    "/server_info",
+    "/get_server_info",
 )
 _DISCONNECT_POLL_S = 0.5
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+_HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's: a probe stuck behind a long queue is unhealthy
 
 
 def build_app(
@@ -56,8 +63,10 @@ def build_app(
     chat_parsers: ChatParsers | None = None,
 ) -> FastAPI:
     """The app for one engine. With `api_key`, every /v1 route needs `Authorization: Bearer`;
-    /health and /metrics stay open for probes and scrapers. `chat_parsers` defaults to the
-    model type's tool-call and reasoning parsers."""
+    /health, /metrics and SGLang's probes (/health_generate, /model_info, /server_info, and
+    their older /get_* names, which routers such as sglang-router read at registration)
+    stay open for probes and scrapers. `chat_parsers` defaults to the model type's
+    tool-call and reasoning parsers."""
     app = FastAPI(title="dsakv", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(model_name)
     app.state.async_engine, app.state.model_name, app.state.metrics = (
@@ -77,6 +86,20 @@ def build_app(
         if not async_engine.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        try:
+            await asyncio.wait_for(async_engine.probe(), _HEALTH_GENERATE_TIMEOUT_S)
+        except (RuntimeError, asyncio.TimeoutError) as e:
+            message = f"the engine did not generate a token: {str(e) or 'timed out'}"
+            return JSONResponse(error_body(message, "server_error"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, api.model_info, methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, api.server_info, methods=["GET"])
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -336,6 +359,43 @@ class Handlers:
         return JSONResponse(
             {**head, "object": "chat.completion", "choices": choices, "usage": _usage(total)}
         )
+
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's `/model_info` shape (sglang-router reads `model_type` from it)."""
+        e = self.engine.engine
+        return {
+            "model_path": e.config.model,
+            "tokenizer_path": e.config.model if e.tokenizer is not None else None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": e.model_config.model_type,
+        }
+
+    async def server_info(self) -> dict[str, Any]:
+        """SGLang's `/server_info` shape: the server's settings under SGLang's names.
+        sglang-router registers its workers under `served_model_name` (what its /v1/models
+        lists; else "unknown") and loads the tokenizer at `model_path`."""
+        e = self.engine.engine
+        c = e.config
+        pages = (await self.engine.call(lambda e: e.counters()))["pages_total"]
+        return {
+            "model_path": c.model,
+            "tokenizer_path": c.model if e.tokenizer is not None else None,
+            "served_model_name": self.model_name,
+            "version": __version__,
+            "context_length": e.max_model_len,
+            "page_size": c.page_size,
+            "max_total_num_tokens": int(pages) * c.page_size,
+            "max_running_requests": c.max_running_requests,
+            "chunked_prefill_size": c.chunked_prefill_size,
+            "kv_cache_dtype": c.kv_cache_dtype,
+            "tp_size": c.tp,
+            "dp_size": 1,  # one HTTP entry point; DP attention ranks sit behind it
+            **self.engine.server_info(),
+        }
 
     # --- plumbing -----------------------------------------------------------------------------
 

@@ -129,6 +129,25 @@ class AsyncEngine:
             raise
         return streams
 
+    async def probe(self) -> None:
+        """One greedy token of a one-token prompt, run by the engine thread (SGLang's
+        `/health_generate`): proves the engine still steps, not only that its thread lives.
+        Calls this class's `generate_n`, so a prefill/decode server needs no peer for it."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        (stream,) = await AsyncEngine.generate_n(self, [0], params, 1)
+        try:
+            u = await stream.get()
+            while not u.finished:
+                u = await stream.get()
+        finally:
+            self.abort(stream)  # a no-op once finished; frees it if we were cancelled
+        if u.error is not None or u.finish_reason == "abort":
+            raise RuntimeError(u.error or "the probe request was aborted")
+
+    def server_info(self) -> dict[str, Any]:
+        """What this bridge adds to `/server_info` (SGLang's field names)."""
+        return {"disaggregation_mode": "null"}
+
     def abort(self, stream: RequestStream) -> None:
         """Cancel a request (client went away); idempotent, safe from any thread."""
         self._commands.put(("abort", stream))

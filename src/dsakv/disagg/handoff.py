@@ -1,0 +1,205 @@
+"""How a request names its prefill/decode handoff: the bootstrap room both servers share, and
+where the prefill server's bootstrap listens (the decode server connects there).
+
+Two routers, one concept. `dsakv router` sends `X-Dsakv-Bootstrap-{Room,Host,Port}` headers
+and forwards the client's body untouched; SGLang's router (`sglang-router`) puts
+`bootstrap_room`, `bootstrap_host` and `bootstrap_port` into the JSON body, as lists (one
+entry per prompt) when the request has several prompts. A small ASGI middleware turns
+either into `BootstrapTarget`s for the request; the prefill and decode engines take one per
+prompt with `next_target()`. Headers win when both are present (only a router sets them).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from dsakv.server.protocol import APIError
+
+from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
+
+# The generation endpoints whose JSON body may carry SGLang's bootstrap fields.
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+_MAX_ROOM = 2**64 - 1  # SGLang's routers draw rooms below 2**63; any u64 is accepted
+
+
+@dataclass(frozen=True)
+class BootstrapTarget:
+    """One prompt's handoff: its room, and the prefill server's bootstrap address (`port`
+    None: the decode server's own `--disaggregation-bootstrap-port`, as in SGLang)."""
+
+    room: int
+    host: str = ""
+    port: int | None = None
+
+
+@dataclass
+class _Targets:
+    """A request's targets, handed out in prompt order."""
+
+    targets: list[BootstrapTarget]
+    used: int = 0
+
+    def next(self) -> BootstrapTarget | None:
+        if self.used >= len(self.targets):
+            return None
+        self.used += 1
+        return self.targets[self.used - 1]
+
+
+_current: contextvars.ContextVar[_Targets | None] = contextvars.ContextVar(
+    "dsakv_bootstrap_targets", default=None
+)
+
+
+def next_target(role: str) -> BootstrapTarget:
+    """The current request's next prompt's target; a 400 when it names no (more) rooms."""
+    targets = _current.get()
+    target = targets.next() if targets is not None else None
+    if target is not None:
+        return target
+    if targets is None:
+        raise APIError(
+            400,
+            f"this is a {role} server (--disaggregation-mode {role}): send requests through "
+            "`dsakv router` or SGLang's router (sglang-router --pd-disaggregation)",
+        )
+    raise APIError(
+        400,
+        f"the request has more prompts than bootstrap rooms ({len(targets.targets)}): "
+        "one bootstrap_room per prompt",
+        param="bootstrap_room",
+    )
+
+
+# --- parsing -----------------------------------------------------------------------------------
+
+
+def from_headers(headers: dict[str, str]) -> list[BootstrapTarget] | None:
+    """`dsakv router`'s headers (lower-case names) as one target; None without a room."""
+    if ROOM_HEADER not in headers:
+        return None
+    try:
+        room = int(headers[ROOM_HEADER])
+        port = int(headers[PORT_HEADER]) if headers.get(PORT_HEADER) else None
+    except ValueError:
+        raise APIError(400, "bad X-Dsakv-Bootstrap-* headers: room and port are integers") from None
+    return [_target(room, headers.get(HOST_HEADER) or None, port, "X-Dsakv-Bootstrap-")]
+
+
+def from_body(body: Any) -> list[BootstrapTarget] | None:
+    """SGLang's `bootstrap_room` / `bootstrap_host` / `bootstrap_port` body fields as
+    targets (scalars: one; lists: one per prompt); None when the body names no room."""
+    if not isinstance(body, dict) or body.get("bootstrap_room") is None:
+        return None
+    room, host, port = (body.get(f"bootstrap_{k}") for k in ("room", "host", "port"))
+    if not isinstance(room, list):
+        for name, value in (("host", host), ("port", port)):
+            if isinstance(value, list):
+                raise APIError(
+                    400,
+                    f"bootstrap_{name} is a list but bootstrap_room is not",
+                    param=f"bootstrap_{name}",
+                )
+        return [_target(room, host, port)]
+    if not room:
+        raise APIError(400, "bootstrap_room is an empty list", param="bootstrap_room")
+    hosts = host if isinstance(host, list) else [host] * len(room)
+    ports = port if isinstance(port, list) else [port] * len(room)
+    if not len(hosts) == len(ports) == len(room):
+        raise APIError(
+            400,
+            "bootstrap_room, bootstrap_host and bootstrap_port lists differ in length",
+            param="bootstrap_room",
+        )
+    return [_target(r, h, p) for r, h, p in zip(room, hosts, ports)]
+
+
+def _target(room: Any, host: Any, port: Any, prefix: str = "bootstrap_") -> BootstrapTarget:
+    """One checked target; a wrong type or range is a 400 naming the field."""
+    if not _is_int(room) or not 0 <= room <= _MAX_ROOM:
+        raise APIError(
+            400,
+            f"{prefix}room must be an integer in 0..2**64-1, got {room!r}",
+            param=f"{prefix}room",
+        )
+    if host is not None and (not isinstance(host, str) or not host):
+        raise APIError(
+            400, f"{prefix}host must be a host name or address, got {host!r}", param=f"{prefix}host"
+        )
+    if port is not None and (not _is_int(port) or not 0 < port < 65536):
+        raise APIError(
+            400,
+            f"{prefix}port must be an integer in 1..65535 or null, got {port!r}",
+            param=f"{prefix}port",
+        )
+    if host and host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]  # SGLang's routers bracket IPv6 addresses
+    return BootstrapTarget(room, host or "", port)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# --- the middleware ----------------------------------------------------------------------------
+
+
+class BootstrapMiddleware:
+    """ASGI middleware: the request's bootstrap targets (headers, else body fields) into
+    the context `next_target()` reads; bad ones are a 400 before the handler runs. The body
+    is read only for POSTs to the generation endpoints without the headers, and replayed
+    to the app unchanged."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        h = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        try:
+            targets = from_headers(h)
+            if targets is None and scope["method"] == "POST" and scope["path"] in GENERATE_PATHS:
+                raw, receive = await _buffer_body(receive)
+                targets = from_body(_json_or_none(raw))
+        except APIError as e:
+            await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+            return
+        token = _current.set(_Targets(targets) if targets else None)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _current.reset(token)
+
+
+async def _buffer_body(receive: Callable) -> tuple[bytes, Callable]:
+    """The whole request body, and a `receive` that replays what was read, then goes on."""
+    messages, chunks = [], []
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":  # the client went away
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+
+    async def replay() -> dict:
+        return messages.pop(0) if messages else await receive()
+
+    return b"".join(chunks), replay
+
+
+def _json_or_none(raw: bytes) -> Any:
+    """The parsed body; None when it is not JSON (the app answers that with its own 400)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
