@@ -101,7 +101,8 @@ def _generate(tiny, prompts, params=GREEDY, **kw):
 
 @pytest.mark.parametrize(
     "dtypes",
-    [("fp8_e4m3", "fp8"), ("fp8_ds_mla", "fp8"), ("bf16", "fp8"), ("fp32", "fp32")],
+    # fp8_e4m3 + fp8 (the CPU default) runs in the device check's dry run below.
+    [("fp8_ds_mla", "fp8"), ("fp32", "fp32")],
     ids=lambda d: "+".join(d),
 )
 def test_triton_backend_greedy_equals_torch(tiny, dtypes):
