@@ -121,7 +121,8 @@ def test_triton_backend_greedy_equals_torch(tiny, dtypes):
 
 def test_triton_backend_sparse_selection_agrees_with_torch(tiny):
     """Past index_topk (16) the indexer selects; the Triton path scores with bf16 queries
-    over the fp8 keys, so agreement is measured, not assumed (measured: see assert)."""
+    over the fp8 keys, so agreement is measured, not assumed (measured: 12/12 tokens equal;
+    the bound leaves room for a selection flipped by bf16 rounding of a near-tie)."""
     prompts = [list(range(3, 3 + 30)), list(range(40, 40 + 24))]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     ref, _ = _generate(tiny, prompts, params)
