@@ -13,6 +13,7 @@ from dsakv.bench import BenchSizes, run_bench
 from dsakv.bench import run as bench_run
 from dsakv.bench.capacity import GLM52_REFERENCE, glm52_capacity
 from dsakv.bench.parity import ParityError, compare_outputs
+from dsakv.bench.report import summary
 from dsakv.bench.throughput import Workload, fit_step_cost
 from dsakv.models.tiny import write_tiny_model
 
@@ -37,6 +38,8 @@ TINY = BenchSizes(
     mtp_requests=2,
     mtp_prompt_lens=(8, 16),
     mtp_output_lens=(6, 10),
+    storage_prompt_len=64,
+    storage_page_size=16,
 )
 
 
@@ -92,6 +95,8 @@ def test_json_has_every_required_figure(report):
         "parity.elided_equals_dense",
         "parity.fp8_vs_fp32.top1_agreement",
         "memory.speedup",
+        "storage.elided.l3_hit_ttft_s",
+        "storage.dense.stored_bytes_per_token",
         "targets",
     ):
         node = on_disk
@@ -147,11 +152,28 @@ def test_parity_failure_is_loud(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench_run, "compare_outputs", broken)
     sizes = BenchSizes(
-        **{**TINY.__dict__, "transformers": False, "memory": False, "ic_lengths": (32,)}
+        **{
+            **TINY.__dict__,
+            "transformers": False,
+            "memory": False,
+            "storage": False,
+            "ic_lengths": (32,),
+        }
     )
     with pytest.raises(ParityError, match="different greedy tokens"):
         run_bench(tiny, json_path=str(tmp_path / "b.json"), sizes=sizes, print_summary=False)
     assert json.loads((tmp_path / "b.json").read_text())["parity"]["elided_equals_dense"] is False
+
+
+def test_storage_section(report):
+    """L3: a fresh engine reads the prompt's full pages back; stored bytes are the cell."""
+    s = report[0]["storage"]
+    for name in ("elided", "dense"):
+        r = s[name]
+        assert r["tokens_equal"] and r["l3_hit_tokens"] == 48  # (64 - 1) // 16 full pages
+        assert r["stored_bytes_per_token"] == r["bytes_per_token"]
+    assert s["elided"]["bytes_per_token"] < s["dense"]["bytes_per_token"]
+    assert "9. L3 prefix storage" in summary(report[0])
 
 
 def test_helpers():

@@ -240,6 +240,49 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dist-init-addr", help="HOST:PORT of node 0's rendezvous")
 
 
+def add_storage_args(p: argparse.ArgumentParser) -> None:
+    """The L3 storage tier for prefix KV (SGLang's HiCache flag names where it has them)."""
+    from dsakv.memory.storage import BACKENDS, WRITE_POLICIES
+
+    g = p.add_argument_group("L3 prefix storage (KV that outlives the process)")
+    g.add_argument("--hicache-storage-backend", choices=BACKENDS, help="off by default")
+    g.add_argument("--hicache-storage-dir", metavar="DIR", help="file: where objects go")
+    g.add_argument(
+        "--hicache-storage-max-gib",
+        type=_positive_float,
+        help="file: size cap, LRU objects evicted (default none); mooncake: memory this "
+        "engine lends the store (default 1)",
+    )
+    g.add_argument("--hicache-mooncake-master", metavar="HOST:PORT", help="mooncake_master")
+    g.add_argument(
+        "--hicache-mooncake-start-master",
+        action="store_true",
+        help="start a mooncake_master at --hicache-mooncake-master (127.0.0.1) for this machine",
+    )
+    g.add_argument(
+        "--hicache-write-policy",
+        choices=WRITE_POLICIES,
+        help="write_through (default): every newly cached page; write_back: evicted pages",
+    )
+    g.add_argument(
+        "--hicache-storage-prefetch-timeout",
+        type=float,
+        metavar="S",
+        help="longest a new request waits for its L3 lookup (default 2 s)",
+    )
+
+
+_STORAGE_FIELDS = (
+    "hicache_storage_backend",
+    "hicache_storage_dir",
+    "hicache_storage_max_gib",
+    "hicache_mooncake_master",
+    "hicache_mooncake_start_master",
+    "hicache_write_policy",
+    "hicache_storage_prefetch_timeout",
+)
+
+
 def engine_config_from_args(args: argparse.Namespace):
     from dsakv.engine import EngineConfig
     from dsakv.models.tiny import resolve_model_dir
@@ -265,6 +308,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "nnodes",
         "node_rank",
         "dist_init_addr",
+        *_STORAGE_FIELDS,
     ):
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
@@ -377,6 +421,7 @@ def _add_engine_commands(sub: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true")
     add_engine_args(p)
+    add_storage_args(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -398,6 +443,7 @@ def _add_engine_commands(sub: Any) -> None:
         help="glm45, deepseek-v3, none (default auto: the model type's)",
     )
     add_engine_args(p)
+    add_storage_args(p)
     disagg_cli.add_serve_args(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -416,6 +462,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         tp_size=args.tp,
         pd=args.pd,
         device=_bench_device(args.device),
+        storage=_bench_storage(args),
     )
     return 0
 
@@ -424,6 +471,27 @@ def _bench_device(name: str) -> str:
     from dsakv.engine.engine import resolve_device
 
     return str(resolve_device(name))
+
+
+def _bench_storage(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Where the L3 section stores (default: files in a temporary directory)."""
+    from dsakv.memory.storage import split_address
+
+    backend, where = args.hicache_storage_backend, args.hicache_storage_dir
+    master = args.hicache_mooncake_master
+    if backend is None and (where or master):
+        raise DsakvError(
+            "--hicache-storage-dir / --hicache-mooncake-master need --hicache-storage-backend"
+        )
+    if backend == "file" and master or backend == "mooncake" and where:
+        raise DsakvError(
+            "--hicache-storage-dir is for file, --hicache-mooncake-master for mooncake"
+        )
+    if master:
+        split_address(master, "--hicache-mooncake-master")
+    if backend is None:
+        return None
+    return {"backend": backend, "storage_dir": where, "mooncake_master": master}
 
 
 def _add_bench(sub: Any) -> None:
@@ -438,6 +506,14 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--pd", action="store_true", help="add prefill -> decode KV transfer")
     p.add_argument(
         "--device", default="cpu", help="where the engine sections run: cpu (default), cuda, auto"
+    )
+    from dsakv.memory.storage import BACKENDS
+
+    g = p.add_argument_group("L3 section (default: files in a temporary directory)")
+    g.add_argument("--hicache-storage-backend", choices=BACKENDS)
+    g.add_argument("--hicache-storage-dir", metavar="DIR")
+    g.add_argument(
+        "--hicache-mooncake-master", metavar="HOST:PORT", help="(default: start one on loopback)"
     )
     p.set_defaults(func=_cmd_bench)
 

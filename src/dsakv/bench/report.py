@@ -249,6 +249,10 @@ def summary(r: dict[str, Any]) -> str:
         from .pd import summary_lines
 
         lines += ["", "8. " + summary_lines(r["pd"])[0], *summary_lines(r["pd"])[1:]]
+    if r.get("storage"):
+        from .storage import summary_lines as storage_lines
+
+        lines += ["", "9. " + storage_lines(r["storage"])[0], *storage_lines(r["storage"])[1:]]
     tg = r.get("targets")
     if tg:
         lines += ["", "targets"]

@@ -4,7 +4,9 @@ Sections: (1) capacity, (2) throughput at a fixed KV budget (elided vs dense, an
 transformers baseline), (3) IndexCache compute (sharing pattern vs every layer full),
 (4) parity (elided vs dense greedy tokens must be identical; FP8 vs fp32 top-1),
 (5) KV memory movement (`run_memory_bench`), (6) MTP speculative decoding, with
-`--tp N` (7) the engine across ranks, and with `--pd` (8) prefill -> decode KV transfer.
+`--tp N` (7) the engine across ranks, with `--pd` (8) prefill -> decode KV transfer, and
+(9) the L3 storage tier: TTFT cold vs a prefix read back from storage by a fresh engine,
+bytes stored per token, elided vs dense (`bench.storage`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class BenchSizes:
     mtp_prompt_lens: tuple[int, int] = (16, 64)
     mtp_output_lens: tuple[int, int] = (64, 96)
     mtp_steps: int = 3
+    # Section 9: L3 storage, one repeated long prompt (cold, then a fresh engine).
+    storage: bool = True
+    storage_prompt_len: int = 1024
+    storage_page_size: int = 64
     # Section 5.
     memory: bool = True
     memory_quick: bool = False
@@ -84,6 +90,7 @@ QUICK = BenchSizes(
     mtp_requests=4,
     mtp_output_lens=(32, 48),
     memory_quick=True,
+    storage_prompt_len=384,
 )
 
 
@@ -99,9 +106,12 @@ def run_bench(
     tp_size: int = 1,
     pd: bool = False,
     device: str = "cpu",
+    storage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run every section; returns (and optionally writes) every figure as a JSON-able dict.
-    `pd` adds prefill -> decode KV transfer over Mooncake (`bench.pd`).
+    `pd` adds prefill -> decode KV transfer over Mooncake (`bench.pd`). `storage` picks the
+    L3 section's store (`backend`, `storage_dir`, `mooncake_master`; default: files in a
+    temporary directory).
 
     Raises `ParityError` (after writing the JSON) when elided and dense greedy outputs differ.
     `threads` pins torch's intra-op threads (1 by default: stable timings on shared cores).
@@ -121,6 +131,7 @@ def run_bench(
         ["memory"] if sizes.memory else []
     )
     sections += ["mtp"] + (["parallel"] if tp_size > 1 else []) + (["pd"] if pd else [])
+    sections += ["storage"] if sizes.storage else []
     try:
         with tqdm(total=len(sections), desc="dsakv bench", unit="section") as bar:
             path = resolve_model_dir(model, "glm-bench")
@@ -192,6 +203,19 @@ def run_bench(
                 bar.set_postfix_str("pd")
                 clock["pd"] = time.perf_counter()
                 result["pd"] = run_pd_bench(quick=quick, seed=sizes.seed)
+                bar.update()
+            if sizes.storage:
+                from .storage import run_storage_bench
+
+                bar.set_postfix_str("storage")
+                clock["storage"] = time.perf_counter()
+                result["storage"] = run_storage_bench(
+                    path,
+                    sizes.storage_prompt_len,
+                    sizes.storage_page_size,
+                    sizes.seed,
+                    **(storage or {}),
+                )
                 bar.update()
     finally:
         torch.set_num_threads(saved_threads)

@@ -20,9 +20,11 @@ from dsakv.memory import CacheLayout, plan_capacity
 from dsakv.memory.allocator import PageAllocator
 from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
+from dsakv.memory.storage import StorageConfig, model_identity, storage_namespace
 
 from .cuda_graph import DecodeGraphs
 from .grammar import GrammarCache
+from .l3 import L3Cache, zero_counters
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .request import Request
@@ -71,6 +73,14 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    # L3 storage tier for prefix KV (SGLang's HiCache names): see `StorageConfig`.
+    hicache_storage_backend: str | None = None  # "file" | "mooncake"
+    hicache_storage_dir: str | None = None
+    hicache_storage_max_gib: float | None = None
+    hicache_mooncake_master: str | None = None  # HOST:PORT of mooncake_master
+    hicache_mooncake_start_master: bool = False
+    hicache_write_policy: str = "write_through"
+    hicache_storage_prefetch_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         ints = ("page_size", "chunked_prefill_size", "max_running_requests")
@@ -101,6 +111,40 @@ class EngineConfig:
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
             raise DsakvError(f"speculative_num_steps must be in 1..16, got {n!r}")
         self.parallel  # noqa: B018 - validates the parallel flags
+        if self.storage is not None:
+            if not self.enable_prefix_cache:
+                raise DsakvError(
+                    "--hicache-storage-backend needs the prefix cache (drop --no-prefix-cache)"
+                )
+            if self.tp > 1 or self.dp_attention or self.nnodes > 1:
+                raise DsakvError(
+                    "--hicache-storage-backend runs with one rank only (--tp 1): pages read "
+                    "from storage would reach rank 0's pool, not the other ranks' replicas"
+                )
+
+    @property
+    def storage(self) -> StorageConfig | None:
+        """The L3 storage tier's settings, or None when it is off."""
+        if self.hicache_storage_backend is None:
+            for flag, value in (
+                ("dir", self.hicache_storage_dir),
+                ("max-gib", self.hicache_storage_max_gib),
+                ("mooncake-master", self.hicache_mooncake_master),
+                ("mooncake-start-master", self.hicache_mooncake_start_master),
+            ):
+                if value:
+                    name = flag if flag.startswith("mooncake") else f"storage-{flag}"
+                    raise DsakvError(f"--hicache-{name} needs --hicache-storage-backend")
+            return None
+        return StorageConfig(
+            self.hicache_storage_backend,
+            self.hicache_storage_dir,
+            self.hicache_storage_max_gib,
+            self.hicache_mooncake_master,
+            self.hicache_mooncake_start_master,
+            self.hicache_write_policy,
+            self.hicache_storage_prefetch_timeout,
+        )
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -238,6 +282,11 @@ class Engine:
             except ValueError as e:
                 raise DsakvError(f"host_pool_gib: {e}") from None
         self.cache = PrefixCache(self.allocator, self.host)
+        self.l3: L3Cache | None = None
+        if config.storage is not None:
+            namespace = storage_namespace(self.layout, model_identity(config.model), str(dtype))
+            self.l3 = L3Cache.create(config.storage, self.pool, self.host, namespace)
+            self.cache.l3 = self.l3
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.page_size,
@@ -248,6 +297,7 @@ class Engine:
             self.allocator,
             self.cache,
             self.host,
+            self.l3,
         )
         self.sampler = Sampler(self.device)
         self.tokenizer = _load_tokenizer(config.model)
@@ -418,6 +468,8 @@ class Engine:
     def close(self) -> None:
         """Release the other ranks (if any) and wait for them to leave; idempotent."""
         self.runner.stop()
+        if self.l3 is not None:
+            self.l3.close(self.cache)
         while self.on_close:
             self.on_close.pop()()
         if self.parallel.world_size > 1:
@@ -464,6 +516,8 @@ class Engine:
             out = self._sample([batch[i][0] for i in sampled], logits, [drafts[i] for i in sampled])
         if self.drafter is not None:
             self.drafter.step(ran)
+        if self.l3 is not None:
+            self.l3.flush()  # write-through: this step's new cached pages, draft KV included
         self.stats.steps += 1
         self.stats.step_time_s += time.perf_counter() - start
         return out
@@ -676,6 +730,7 @@ class Engine:
             "decode_steps": s.decode_steps,
             "bytes_per_token": self.layout.bytes_per_token,
             "index_k_bytes_per_token_saved": dense - self.layout.bytes_per_token,
+            **(self.l3.counters() if self.l3 is not None else zero_counters()),
         }
 
 

@@ -4,12 +4,21 @@ Each node is one full page of tokens: its key is that page's token ids, its valu
 device page holding their KV (latent and, for layers that own it, index-K — a page is the
 unit the pools store both in). Unreferenced pages are evicted least-recently-used first;
 with a host tier they are demoted to host memory and promoted back on a hit.
+
+Each node also carries `hash`, a digest of every token from the start of the sequence to
+the end of its page (a hash chain over pages): the name of that page's KV anywhere outside
+this tree, e.g. in the L3 storage tier (`dsakv.engine.l3`), which this cache tells about
+pages it adopts (`adopted`) and pages about to leave it for good (`leaving`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,6 +26,21 @@ from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
 from dsakv.memory.host import HostPool
 
 _clock = itertools.count()
+ROOT_HASH = b"\0" * 16
+
+
+def page_hash(parent: bytes, key: Sequence[int]) -> bytes:
+    """The chain link: 16 bytes naming a page by its tokens and every token before them."""
+    return hashlib.sha256(parent + array("q", key).tobytes()).digest()[:16]
+
+
+def chain_hashes(tokens: Sequence[int], page_size: int, start: int, stop: int, parent: bytes):
+    """Hashes of pages `start..stop-1` of `tokens`, given the hash of page `start - 1`."""
+    out = []
+    for i in range(start, stop):
+        parent = page_hash(parent, tokens[i * page_size : (i + 1) * page_size])
+        out.append(parent)
+    return out
 
 
 @dataclass(eq=False)
@@ -25,6 +49,7 @@ class Node:
     parent: Node | None
     page: int | None = None  # device page, or None while the KV lives on the host
     host_slots: torch.Tensor | None = None
+    hash: bytes = ROOT_HASH  # chain hash of the tokens from the start through this page
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = field(default_factory=lambda: next(_clock))
@@ -42,6 +67,7 @@ class PrefixCache:
         self.num_host_pages = 0
         self.demoted_pages = 0
         self.promoted_pages = 0
+        self.l3: Any = None  # the storage tier (`L3Cache`), told about pages coming and going
 
     # --- lookups ---------------------------------------------------------------------------
 
@@ -97,9 +123,11 @@ class PrefixCache:
             key = tuple(tokens[i * ps : (i + 1) * ps])
             child = node.children.get(key)
             if child is None:
-                child = Node(key, node, page=pages[i])
+                child = Node(key, node, page=pages[i], hash=page_hash(node.hash, key))
                 node.children[key] = child
                 self.num_device_pages += 1
+                if self.l3 is not None:
+                    self.l3.adopted(child)
             elif i >= start:
                 if child.page is None:  # our copy replaces the host-resident one
                     self.host.free(child.host_slots)
@@ -159,6 +187,8 @@ class PrefixCache:
                 host_slots = self.host.backup(slots)
             except OutOfPages:
                 host_slots = None
+        if host_slots is None and self.l3 is not None:
+            self.l3.leaving(n)  # leaves the tree for good: last chance to keep it in L3
         self.allocator.free([n.page])
         self.num_device_pages -= 1
         n.page = None
@@ -180,6 +210,8 @@ class PrefixCache:
         for c in list(n.children.values()):
             self._remove_subtree(c)
         if n.host_slots is not None:
+            if self.l3 is not None:
+                self.l3.leaving(n)
             self.host.free(n.host_slots)
             n.host_slots = None
             self.num_host_pages -= 1

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from dsakv.memory.allocator import OutOfPages, PageAllocator, ReqToTokenTable, page_slots
 from dsakv.memory.host import HostPool
 
-from .prefix_cache import PrefixCache
+from .prefix_cache import ROOT_HASH, PrefixCache
 from .request import Request, Status
 
 
@@ -46,11 +47,13 @@ class Scheduler:
         allocator: PageAllocator,
         cache: PrefixCache,
         host: HostPool | None,
+        l3: Any = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
         self.cache = cache
         self.host = host
+        self.l3 = l3  # the storage tier (`dsakv.engine.l3.L3Cache`), or None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the newest is retracted first
         self.req_to_token = ReqToTokenTable()  # rid -> token slot of each position
@@ -62,6 +65,16 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self._prefetch(req)
+
+    def _prefetch(self, req: Request) -> None:
+        """Start looking up the request's prompt pages beyond the prefix cache in L3."""
+        if self.l3 is None or not self.config.enable_prefix_cache or req.score_prompt:
+            return
+        max_pages = (req.seq_len - 1) // self.config.page_size
+        nodes = self.cache.match(req.all_ids, max_pages)
+        parent = nodes[-1].hash if nodes else ROOT_HASH
+        self.l3.prefetch(req.rid, req.all_ids, len(nodes), parent, max_pages)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -107,6 +120,8 @@ class Scheduler:
             return
         self.held.discard(req.rid)
         self._unqueue(req)
+        if self.l3 is not None:
+            self.l3.cancel(req.rid)
         if req.host_slots is not None:
             self.host.free(req.host_slots)
             req.host_slots = None
@@ -188,6 +203,8 @@ class Scheduler:
         req.num_computed = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
+        if req.host_slots is None:
+            self._prefetch(req)
 
     def reserve(self, req: Request, tokens: int) -> bool:
         """Extend `req.pages` to cover `tokens` positions if pages are free (evicting cached
@@ -232,6 +249,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_running_requests:
                 return
             req = self.waiting[0]
+            if self.l3 is not None and not self.l3.ready(req.rid, idle=not self.running):
+                return  # its L3 lookup is still running; running requests step on
             if req.host_slots is not None:
                 n = self._admit_from_host(req, budget)
             else:
@@ -259,7 +278,9 @@ class Scheduler:
         nodes: list = []
         if self.config.enable_prefix_cache and not req.score_prompt:  # scoring needs its rows
             nodes = self.cache.match(req.all_ids, (req.seq_len - 1) // self.config.page_size)
-        hit = len(nodes) * self.config.page_size
+        stored = self.l3.pages_for(req.rid, len(nodes)) if self.l3 is not None else []
+        stored = stored[: max(0, (req.seq_len - 1) // self.config.page_size - len(nodes))]
+        hit = (len(nodes) + len(stored)) * self.config.page_size
         n = min(req.seq_len - hit, budget)
         own = max(self._pages_for(hit + n), self._future_pages(req, 0)) - len(nodes)
         host_nodes = sum(1 for x in nodes if x.page is None)
@@ -273,6 +294,8 @@ class Scheduler:
             req.num_computed = hit
             if not self._reserve(req, hit + n):
                 raise OutOfPages("admission")
+            if self.l3 is not None:  # L3 pages are the request's own, as if computed
+                self.l3.admitted(req.rid, stored, req.pages[len(nodes) : len(nodes) + len(stored)])
         except OutOfPages:
             self.cache.unlock(nodes)
             if req.pages[len(nodes) :]:

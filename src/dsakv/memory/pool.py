@@ -9,6 +9,7 @@ work on parts, one token at a time (§7.4), whatever the page-internal arrangeme
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,6 +276,34 @@ class DSAKVPool:
         for layer, comp, b in self._buffers():
             for p, src in zip(b.parts, payload["buffers"][f"{comp}.{layer}"], strict=True):
                 p[page, off] = src.to(self.device)
+
+    # --- whole pages as raw bytes (the L3 storage tier) ----------------------------------------
+
+    def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
+        """Raw stored bytes of whole pages, `[len(pages), layout.bytes_per_page]` uint8 on the
+        CPU: every real buffer's page in `_buffers` order (latent per layer, index-K only where
+        the layout has it), so a row is exactly the layout's bytes for that page."""
+        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.device)
+        rows = [v.index_select(0, idx) for v in self._page_views()]
+        return torch.cat(rows, dim=1).cpu()
+
+    def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
+        """Inverse of `read_pages`: bit-exact, same layout only (the row width checks it)."""
+        want = (len(pages), self.layout.bytes_per_page)
+        if data.dtype != torch.uint8 or tuple(data.shape) != want:
+            raise ValueError(
+                f"page bytes must be uint8 [{len(pages)}, {self.layout.bytes_per_page}], "
+                f"got {data.dtype} {tuple(data.shape)}"
+            )
+        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.device)
+        data, col = data.to(self.device), 0
+        for v in self._page_views():
+            v[idx] = data[:, col : col + v.shape[1]]
+            col += v.shape[1]
+
+    def _page_views(self) -> list[torch.Tensor]:
+        """Each real buffer as `[num_pages, its bytes per page]` uint8 (a view, not a copy)."""
+        return [b.data.view(torch.uint8).view(self.num_pages, -1) for _, _, b in self._buffers()]
 
     # --- internals ---------------------------------------------------------------------------
 

@@ -56,6 +56,29 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     ),
     "finished_requests": ("finished_requests", "counter", "Requests finished"),
     "aborted_requests": ("aborted_requests", "counter", "Requests aborted"),
+    # L3 storage tier (dsakv.engine.l3)
+    "l3_hits": ("l3_hits", "counter", "KV pages loaded from L3 storage"),
+    "l3_hit_tokens": ("l3_hit_tokens", "counter", "Prompt tokens served from L3 storage"),
+    "l3_misses": ("l3_misses", "counter", "L3 lookups that stopped at a missing or bad page"),
+    "l3_lookups": ("l3_lookups", "counter", "L3 lookups started for new requests"),
+    "l3_bytes_read": ("l3_bytes_read", "counter", "KV bytes read from L3 and verified"),
+    "l3_bytes_written": ("l3_bytes_written", "counter", "KV bytes written to L3"),
+    "l3_pages_written": ("l3_pages_written", "counter", "KV pages written to L3"),
+    "l3_objects_evicted": ("l3_objects_evicted", "counter", "L3 objects evicted by the size cap"),
+    "l3_corrupt_objects": (
+        "l3_corrupt_objects",
+        "counter",
+        "L3 objects found truncated or failing their checksum (deleted)",
+    ),
+    "l3_write_failures": ("l3_write_failures", "counter", "L3 writes refused or failed"),
+    "l3_writes_dropped": ("l3_writes_dropped", "counter", "L3 writes dropped: queue full"),
+    "l3_prefetch_timeouts": (
+        "l3_prefetch_timeouts",
+        "counter",
+        "L3 lookups cut short by the prefetch timeout",
+    ),
+    "l3_errors": ("l3_errors", "counter", "L3 operations that found the store unreachable"),
+    "l3_write_queue": ("l3_write_queue", "gauge", "KV pages waiting to be written to L3"),
 }
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from pathlib import Path
 
 import uvicorn
@@ -10,6 +12,7 @@ import uvicorn
 from dsakv.disagg import DisaggConfig
 from dsakv.distributed.launch import create_engine
 from dsakv.engine import EngineConfig
+from dsakv.errors import DsakvError
 
 from .app import build_app
 from .chat import ChatParsers
@@ -49,6 +52,11 @@ def make_server(
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
     if disaggregation is not None:
         disaggregation.check_engine(config.parallel.world_size)
+        if config.storage is not None:
+            raise DsakvError(
+                "--hicache-storage-backend is not supported with --disaggregation-mode yet "
+                "(a prefill server would need its L3 pages before shipping them)"
+            )
     engine = create_engine(config, exit_on_rank_death=True)
     if disaggregation is None:
         async_engine = AsyncEngine(engine)
@@ -92,8 +100,18 @@ def run_server(
     name = server.config.app.state.model_name
     log.info("serving %r at http://%s:%d/v1 (metrics at /metrics)", name, shown, port)
     print(f"dsakv: serving {name!r} at http://{shown}:{port}/v1", flush=True)
+    # uvicorn re-raises the SIGTERM it caught once it has stopped: make that an exception,
+    # so the engine still closes (the L3 storage tier writes what it holds) on `kill`.
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
     try:
         server.run()
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         async_engine.shutdown()
         async_engine.engine.close()
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -1,0 +1,405 @@
+"""`L3Cache`: the storage tier under the prefix cache (device pages L1, host tier L2, storage
+L3), so a prefix computed once is reused after a restart and by other engines.
+
+Writes. The step loop only snapshots page bytes (`DSAKVPool.read_pages`: the layout's
+bytes, elided) and queues them; a writer thread checksums and stores them. Which pages:
+
+- `write_through` (default): every page the prefix cache adopts (a prefill chunk's full
+  pages, a finished request's pages), snapshotted at the end of the step, once the MTP
+  draft layer's KV for those positions is written too;
+- `write_back`: only pages leaving the cache for good: evicted from the host tier, or
+  from the device when there is no host tier (or it is full);
+- both: pages the cache still holds when the engine closes (bounded by a timeout).
+
+A page already stored or queued (known by its hash) is not copied again; a full write
+queue drops the page (counted), it never blocks the step.
+
+Reads. When a request is queued, its full prompt pages beyond the device/host prefix
+match are looked up in order by a reader thread, which stops at the first page that is
+missing or corrupt and keeps the verified payloads. The request is admitted once that
+lookup is done, or at its deadline (`prefetch_timeout_s`) with the pages read so far; while
+it waits, running requests keep stepping, and only an otherwise idle engine blocks on it.
+Admission writes the payloads into the request's own pages and counts them computed, so
+they join the prefix cache like any prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsakv.memory.host import HostPool
+from dsakv.memory.pool import DSAKVPool
+from dsakv.memory.storage import (
+    CorruptObject,
+    StorageBackend,
+    StorageConfig,
+    StorageError,
+    decode_object,
+    encode_object,
+    make_backend,
+    object_key,
+    start_mooncake_master,
+    stop_process,
+)
+
+from .prefix_cache import Node, chain_hashes
+
+log = logging.getLogger(__name__)
+
+_KNOWN_MAX = 1 << 20  # page hashes remembered as stored (16 B each)
+_WRITE_QUEUE_BYTES = 256 << 20  # snapshots waiting for the writer, at most
+
+
+@dataclass
+class L3Stats:
+    """Counters for /metrics (`l3_*` in `Engine.counters`); updated from several threads."""
+
+    hits: int = 0  # pages loaded from storage into the pool
+    hit_tokens: int = 0
+    misses: int = 0  # lookups that stopped at a page with no usable object
+    lookups: int = 0
+    bytes_read: int = 0  # payload bytes read and verified
+    bytes_written: int = 0  # payload bytes stored (the layout's bytes per page, per page)
+    pages_written: int = 0
+    corrupt_objects: int = 0
+    write_failures: int = 0  # refused by the store (full, too large) or store down
+    writes_dropped: int = 0  # the write queue was full
+    prefetch_timeouts: int = 0
+    errors: int = 0  # store unreachable
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self, k, getattr(self, k) + v)
+
+
+@dataclass(eq=False)
+class _Lookup:
+    """One request's read-ahead: pages `first..first+len(hashes)-1` of its prompt."""
+
+    hashes: list[bytes]
+    first: int
+    deadline: float
+    payloads: list[torch.Tensor] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+    limit: int | None = None  # pages usable, fixed when the step loop stops waiting
+
+    def usable(self) -> list[torch.Tensor]:
+        return self.payloads[: self.limit if self.limit is not None else len(self.payloads)]
+
+
+class L3Cache:
+    """Storage tier of one engine (rank 0, tp=1): snapshots, lookups, counters."""
+
+    def __init__(
+        self,
+        config: StorageConfig,
+        backend: StorageBackend,
+        pool: DSAKVPool,
+        host: HostPool | None,
+        namespace: bytes,
+        master: Any = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.pool, self.host = pool, host
+        self.namespace = namespace
+        self.page_size = pool.page_size
+        self.page_bytes = pool.layout.bytes_per_page
+        self.write_through = config.write_policy == "write_through"
+        self.master = master  # a mooncake_master this engine started, stopped on close
+        self.stats = L3Stats()
+        self._writes: queue.Queue = queue.Queue(max(4, _WRITE_QUEUE_BYTES // self.page_bytes))
+        self._reads: queue.Queue = queue.Queue()
+        self._lookups: dict[int, _Lookup] = {}  # by request id
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # stored or queued hashes
+        self._adopted: list[Node] = []
+        self._lock = threading.Lock()
+        self._last_warning = 0.0
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._write_loop, name="dsakv-l3-write", daemon=True),
+            threading.Thread(target=self._read_loop, name="dsakv-l3-read", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    @classmethod
+    def create(
+        cls, config: StorageConfig, pool: DSAKVPool, host: HostPool | None, namespace: bytes
+    ) -> L3Cache:
+        """The configured backend (starting a local Mooncake master if asked)."""
+        master = None
+        if config.start_master:
+            master = start_mooncake_master(config.mooncake_master)
+        try:
+            return cls(config, make_backend(config), pool, host, namespace, master)
+        except BaseException:
+            if master is not None:
+                stop_process(master)
+            raise
+
+    # --- writes (step loop side) ------------------------------------------------------------
+
+    def adopted(self, node: Node) -> None:
+        """The prefix cache took a new page; write-through snapshots it in `flush`."""
+        if self.write_through and not self._is_known(node.hash):
+            self._adopted.append(node)
+
+    def leaving(self, node: Node) -> None:
+        """A page leaves the prefix cache for good (evicted from the host tier, or from the
+        device with no room on the host): snapshot it now, before its page is reused."""
+        if self._is_known(node.hash):
+            return
+        if node.page is not None:
+            self._enqueue(node.hash, self.pool.read_pages([node.page])[0])
+        elif node.host_slots is not None:
+            page = int(node.host_slots[0]) // self.page_size
+            self._enqueue(node.hash, self.host.pool.read_pages([page])[0])
+
+    def flush(self) -> None:
+        """End of a step: snapshot the pages adopted during it (their KV, the draft layer's
+        included, is complete now)."""
+        nodes, self._adopted = self._adopted, []
+        nodes = [n for n in nodes if not self._is_known(n.hash)]
+        on_device = [n for n in nodes if n.page is not None]
+        if on_device:
+            rows = self.pool.read_pages([n.page for n in on_device])
+            for n, row in zip(on_device, rows):
+                self._enqueue(n.hash, row)
+        for n in nodes:
+            if n.page is None:
+                self.leaving(n)  # evicted within the step; `leaving` skips it if saved
+
+    def _enqueue(self, page_hash: bytes, row: torch.Tensor, timeout: float | None = None) -> bool:
+        self._remember(page_hash)
+        try:
+            if timeout is None:
+                self._writes.put_nowait((page_hash, row))
+            else:
+                self._writes.put((page_hash, row), timeout=max(timeout, 0.001))
+        except queue.Full:
+            self.stats.add(writes_dropped=1)
+            self._forget(page_hash)
+            return False
+        return True
+
+    # --- reads (step loop side) -------------------------------------------------------------
+
+    def prefetch(
+        self, rid: int, tokens: Sequence[int], matched: int, parent: bytes, max_pages: int
+    ) -> None:
+        """Start looking up pages `matched..max_pages-1` of `tokens` (the first `matched`
+        are in the prefix cache; `parent` is the hash of the last of them)."""
+        self.cancel(rid)
+        stop = min(max_pages, matched + self.pool.num_pages)
+        if matched >= stop or self._closed:
+            return
+        hashes = chain_hashes(tokens, self.page_size, matched, stop, parent)
+        lookup = _Lookup(hashes, matched, time.monotonic() + self.config.prefetch_timeout_s)
+        self._lookups[rid] = lookup
+        self.stats.add(lookups=1)
+        self._reads.put(lookup)
+
+    def ready(self, rid: int, idle: bool) -> bool:
+        """Whether request `rid` may be admitted now. It waits for its lookup until the
+        deadline; an `idle` engine (nothing running) blocks on it, a busy one steps on."""
+        lookup = self._lookups.get(rid)
+        if lookup is None or lookup.limit is not None or lookup.done.is_set():
+            return True
+        left = lookup.deadline - time.monotonic()
+        if left > 0 and not idle:
+            return False
+        if left > 0:
+            lookup.done.wait(left)
+        if not lookup.done.is_set():
+            lookup.cancelled = True
+            lookup.limit = len(lookup.payloads)
+            self.stats.add(prefetch_timeouts=1)
+        return True
+
+    def pages_for(self, rid: int, matched: int) -> list[torch.Tensor]:
+        """Verified payloads of the pages right after the first `matched` (call after
+        `ready`); empty when the tree lost pages the lookup started after."""
+        lookup = self._lookups.get(rid)
+        if lookup is None or matched < lookup.first:
+            return []
+        return lookup.usable()[matched - lookup.first :]
+
+    def admitted(self, rid: int, payloads: list[torch.Tensor], pages: list[int]) -> None:
+        """The request got pages for its L3 prefix: write the payloads into them."""
+        self._lookups.pop(rid, None)
+        if payloads:
+            self.pool.write_pages(pages, torch.stack(payloads))
+            self.stats.add(hits=len(payloads), hit_tokens=len(payloads) * self.page_size)
+
+    def cancel(self, rid: int) -> None:
+        lookup = self._lookups.pop(rid, None)
+        if lookup is not None:
+            lookup.cancelled = True
+
+    # --- bookkeeping ------------------------------------------------------------------------
+
+    def _is_known(self, page_hash: bytes) -> bool:
+        with self._lock:
+            return page_hash in self._known
+
+    def _remember(self, page_hash: bytes) -> None:
+        with self._lock:
+            self._known[page_hash] = None
+            self._known.move_to_end(page_hash)
+            if len(self._known) > _KNOWN_MAX:
+                self._known.popitem(last=False)
+
+    def _forget(self, page_hash: bytes) -> None:
+        with self._lock:
+            self._known.pop(page_hash, None)
+
+    def _store_down(self, e: Exception) -> None:
+        self.stats.add(errors=1)
+        now = time.monotonic()
+        if now - self._last_warning > 30:
+            self._last_warning = now
+            log.warning("L3 storage unavailable (%s); serving on without it", e)
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued write is done (a hand-off to another engine, the bench)."""
+        deadline = time.monotonic() + timeout_s
+        while self._writes.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def counters(self) -> dict[str, float]:
+        s = self.stats
+        with s._lock:
+            out = {f"l3_{k}": v for k, v in vars(s).items() if not k.startswith("_")}
+        out["l3_objects_evicted"] = self.backend.evicted
+        out["l3_write_queue"] = self._writes.qsize()
+        return out
+
+    # --- worker threads ---------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            page_hash, row = item
+            key = object_key(self.namespace, page_hash)
+            ok = stored = False
+            try:
+                stored = self.backend.exists(key)  # another engine (or an earlier run) wrote it
+                if not stored:
+                    payload = memoryview(row.numpy())
+                    ok = self.backend.put(key, encode_object(self.namespace, page_hash, payload))
+            except StorageError as e:
+                self._store_down(e)
+            except Exception:  # noqa: BLE001 - a store bug must not end the writer
+                log.exception("L3 write of %s failed", key)
+            finally:
+                self._writes.task_done()
+            if ok:
+                self.stats.add(pages_written=1, bytes_written=self.page_bytes)
+            elif not stored:
+                self.stats.add(write_failures=1)
+                self._forget(page_hash)
+
+    def _read_loop(self) -> None:
+        while True:
+            lookup = self._reads.get()
+            if lookup is None:
+                return
+            try:
+                self._read(lookup)
+            except Exception:  # noqa: BLE001 - a store bug must not end the reader
+                log.exception("L3 lookup failed")
+            finally:
+                lookup.done.set()
+
+    def _read(self, lookup: _Lookup) -> None:
+        for page_hash in lookup.hashes:
+            if lookup.cancelled or time.monotonic() > lookup.deadline:
+                return
+            key = object_key(self.namespace, page_hash)
+            try:
+                blob = self.backend.get(key)
+            except StorageError as e:
+                self._store_down(e)
+                self.stats.add(misses=1)
+                return
+            if blob is None:
+                self.stats.add(misses=1)
+                return
+            try:
+                payload = decode_object(blob, self.namespace, page_hash, self.page_bytes)
+            except CorruptObject as e:
+                log.warning("L3 object %s is corrupt (%s): deleted", key, e)
+                self.stats.add(corrupt_objects=1, misses=1)
+                self._forget(page_hash)
+                try:
+                    self.backend.delete(key)
+                except StorageError as err:
+                    self._store_down(err)
+                return
+            lookup.payloads.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            self.stats.add(bytes_read=len(payload))
+            self._remember(page_hash)
+
+    # --- shutdown ---------------------------------------------------------------------------
+
+    def close(self, cache: Any, timeout_s: float = 30.0) -> None:
+        """Store what the prefix cache still holds (parents first), drain the queue, stop
+        the threads and the backend (and a master this engine started). Bounded by
+        `timeout_s`: whatever is not written by then is lost, never half-written."""
+        if self._closed:
+            return
+        deadline = time.monotonic() + timeout_s
+        self.flush()
+        todo = deque(cache.root.children.values())
+        while todo and time.monotonic() < deadline:
+            n = todo.popleft()
+            todo.extend(n.children.values())
+            if self._is_known(n.hash):
+                continue
+            if n.page is not None:
+                row = self.pool.read_pages([n.page])[0]
+            elif n.host_slots is not None:
+                row = self.host.pool.read_pages([int(n.host_slots[0]) // self.page_size])[0]
+            else:
+                continue
+            if not self._enqueue(n.hash, row, timeout=deadline - time.monotonic()):
+                break
+        self._closed = True
+        for rid in list(self._lookups):
+            self.cancel(rid)
+        self._reads.put(None)
+        try:
+            self._writes.put(None, timeout=max(0.001, deadline - time.monotonic()))
+        except queue.Full:
+            log.warning("L3: %d page writes still queued at shutdown", self._writes.qsize())
+        for t in self._threads:
+            t.join(max(0.1, deadline - time.monotonic()))
+        try:
+            self.backend.close()
+        finally:
+            if self.master is not None:
+                stop_process(self.master)
+
+
+def zero_counters() -> dict[str, float]:
+    """`L3Cache.counters()` of an engine without a storage tier."""
+    out = {f"l3_{k}": 0 for k in vars(L3Stats()) if not k.startswith("_")}
+    return {**out, "l3_objects_evicted": 0, "l3_write_queue": 0}

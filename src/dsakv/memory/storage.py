@@ -1,0 +1,485 @@
+"""The L3 storage tier's backends and object format: prefix KV that outlives the process.
+
+One object per full page. Its payload is exactly the layout's bytes for that page
+(`DSAKVPool.read_pages`: the latent of every layer, index-K only on layers that own it,
+the draft layer's when MTP is on) and nothing for shared layers, so GLM-5.2 with an FP8
+cache stores 47,700 bytes per token where engines that turn elision off for their storage
+tier store 55,224. A 64-byte header goes first:
+
+    magic "DSAKVL3\\x01" | namespace (16 B) | page hash (16 B) | payload bytes (u64 LE) |
+    SHA-256 of the payload, first 16 B
+
+The key is `<namespace hex>-<page hash hex>`: the namespace digests the cache layout's
+fingerprint (layer plan, dtypes, page size, elision, draft layers), the model's identity
+and the compute dtype, so a server with another plan, dtype or checkpoint never even asks
+for incompatible bytes; the page hash is the prefix cache's hash chain over the page's
+tokens from the start of the sequence. A read checks every header field and the checksum:
+anything off is a corrupt object (deleted, counted, a miss), never bytes in the pool.
+
+Backends are small (`get/put/exists/delete`): a directory with an LRU size cap
+(`FileStorage`) and Mooncake Store (`MooncakeStorage`, the `mooncake.store` client of the
+`mooncake-transfer-engine-non-cuda` wheel, which also ships `mooncake_master`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsakv.errors import DsakvError
+
+from .layout import CacheLayout
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"DSAKVL3\x01"
+HEADER = struct.Struct("<8s16s16sQ16s")  # magic, namespace, page hash, payload size, checksum
+BACKENDS = ("file", "mooncake")
+WRITE_POLICIES = ("write_through", "write_back")
+
+
+class StorageError(RuntimeError):
+    """The store is unreachable or refused an operation (callers turn it into a miss)."""
+
+
+class CorruptObject(ValueError):
+    """A stored object that is truncated, mislabelled or fails its checksum."""
+
+
+# --- object format ---------------------------------------------------------------------------
+
+
+def checksum(payload: bytes | memoryview) -> bytes:
+    return hashlib.sha256(payload).digest()[:16]
+
+
+def encode_object(namespace: bytes, page_hash: bytes, payload: bytes | memoryview) -> bytes:
+    """Header + payload, ready to store."""
+    header = HEADER.pack(MAGIC, namespace, page_hash, len(payload), checksum(payload))
+    return header + bytes(payload)
+
+
+def decode_object(
+    blob: bytes | bytearray, namespace: bytes, page_hash: bytes, payload_size: int
+) -> memoryview:
+    """The payload of a stored object, or `CorruptObject` saying what is wrong with it."""
+    if len(blob) < HEADER.size:
+        raise CorruptObject(f"{len(blob)} bytes, shorter than the {HEADER.size}-byte header")
+    magic, ns, ph, size, digest = HEADER.unpack_from(blob)
+    if magic != MAGIC:
+        raise CorruptObject("bad magic")
+    if ns != namespace or ph != page_hash:
+        raise CorruptObject("header names another layout or page")
+    if size != payload_size or len(blob) != HEADER.size + size:
+        raise CorruptObject(
+            f"payload of {len(blob) - HEADER.size} bytes (header says {size}), "
+            f"the layout's page is {payload_size}"
+        )
+    payload = memoryview(blob)[HEADER.size :]
+    if checksum(payload) != digest:
+        raise CorruptObject("checksum mismatch")
+    return payload
+
+
+def object_key(namespace: bytes, page_hash: bytes) -> str:
+    return f"{namespace.hex()}-{page_hash.hex()}"
+
+
+def model_identity(model_dir: str | Path) -> str:
+    """A cheap fingerprint of a checkpoint: its config.json and, per safetensors shard, its
+    name, size and first and last 64 KiB (the tensor header and some weights), so two
+    checkpoints with one architecture but other weights (another seed, a fine-tune) differ."""
+    path = Path(model_dir)
+    h = hashlib.sha256()
+    if path.is_file():
+        path = path.parent
+    cfg = path / "config.json"
+    if cfg.exists():
+        h.update(cfg.read_bytes())
+    for shard in sorted(path.glob("*.safetensors")):
+        size = shard.stat().st_size
+        h.update(f"{shard.name}:{size}".encode())
+        with shard.open("rb") as f:
+            h.update(f.read(1 << 16))
+            f.seek(max(0, size - (1 << 16)))
+            h.update(f.read(1 << 16))
+    return h.hexdigest()[:32]
+
+
+def storage_namespace(layout: CacheLayout, model_id: str, compute_dtype: str) -> bytes:
+    """What must match for stored pages to be readable: layout, checkpoint, compute dtype."""
+    key = f"{layout.fingerprint()}|{model_id}|{compute_dtype}".encode()
+    return hashlib.sha256(key).digest()[:16]
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """The `--hicache-*` flags (SGLang's names where it has them), validated together.
+
+    `max_gib` caps a `file` directory (least recently used objects go first) and is the
+    memory a `mooncake` engine contributes to the store (its mounted segment).
+    """
+
+    backend: str
+    dir: str | None = None
+    max_gib: float | None = None
+    mooncake_master: str | None = None
+    start_master: bool = False
+    write_policy: str = "write_through"
+    prefetch_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise DsakvError(
+                f"--hicache-storage-backend must be one of {', '.join(BACKENDS)}, "
+                f"got {self.backend!r}"
+            )
+        if self.write_policy not in WRITE_POLICIES:
+            raise DsakvError(
+                f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}, "
+                f"got {self.write_policy!r}"
+            )
+        if self.max_gib is not None and not self.max_gib > 0:
+            raise DsakvError(f"--hicache-storage-max-gib must be > 0, got {self.max_gib}")
+        if not self.prefetch_timeout_s >= 0:
+            raise DsakvError(
+                f"--hicache-storage-prefetch-timeout must be >= 0, got {self.prefetch_timeout_s}"
+            )
+        if self.backend == "file":
+            if not self.dir:
+                raise DsakvError("--hicache-storage-backend file needs --hicache-storage-dir DIR")
+            if self.mooncake_master or self.start_master:
+                raise DsakvError(
+                    "--hicache-mooncake-master / --hicache-mooncake-start-master need "
+                    "--hicache-storage-backend mooncake"
+                )
+        else:
+            if self.dir:
+                raise DsakvError("--hicache-storage-dir is for --hicache-storage-backend file")
+            if not self.mooncake_master:
+                raise DsakvError(
+                    "--hicache-storage-backend mooncake needs --hicache-mooncake-master HOST:PORT"
+                )
+            host, port = split_address(self.mooncake_master, "--hicache-mooncake-master")
+            if self.start_master and host not in ("127.0.0.1", "localhost"):
+                raise DsakvError(
+                    "--hicache-mooncake-start-master starts a master for this machine only: "
+                    f"--hicache-mooncake-master must be 127.0.0.1:PORT, got {self.mooncake_master}"
+                )
+
+    @property
+    def max_bytes(self) -> int | None:
+        return None if self.max_gib is None else int(self.max_gib * 2**30)
+
+
+def split_address(address: str, flag: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DsakvError(f"{flag} must be HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+# --- backends --------------------------------------------------------------------------------
+
+
+class StorageBackend:
+    """What the L3 tier needs from a store. Called from the tier's worker threads only;
+    `get` returns None for a missing object, `put` False when the store refuses it (full,
+    too large); an unreachable store raises `StorageError`."""
+
+    evicted = 0  # objects the backend dropped to make room (where it can tell)
+
+    def get(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    def put(self, key: str, data: bytes) -> bool:
+        raise NotImplementedError
+
+    def exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class FileStorage(StorageBackend):
+    """One file per object under `root` (`<root>/<last 2 hex>/<key>.kv`), written to a
+    temporary name and renamed, so a reader never sees half an object. With `max_bytes`,
+    the least recently used objects (whole files, any namespace) are deleted to make room;
+    the order survives restarts through file modification times (touched on each hit)."""
+
+    SUFFIX = ".kv"
+
+    def __init__(self, root: str | Path, max_bytes: int | None = None) -> None:
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DsakvError(f"--hicache-storage-dir {root}: {e.strerror or e}") from None
+        if not os.access(self.root, os.W_OK):
+            raise DsakvError(f"--hicache-storage-dir {root}: not writable")
+        self.max_bytes = max_bytes
+        self.evicted = 0
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
+        found = []
+        for f in self.root.glob(f"*/*{self.SUFFIX}"):
+            with contextlib.suppress(OSError):
+                st = f.stat()
+                found.append((st.st_mtime, f.name[: -len(self.SUFFIX)], st.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+        self.total_bytes = sum(self._index.values())
+
+    def _path(self, key: str) -> Path:
+        return self.root / key[-2:] / f"{key}{self.SUFFIX}"
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except OSError as e:
+            raise StorageError(f"read {path}: {e}") from None
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used, also for the next process's LRU order
+        return data
+
+    def put(self, key: str, data: bytes) -> bool:
+        size = len(data)
+        if self.max_bytes is not None and size > self.max_bytes:
+            return False
+        path = self._path(key)
+        with self._lock:
+            self._make_room(size)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with tmp.open("wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            log.warning("L3 file storage: cannot write %s: %s", path, e.strerror or e)
+            return False
+        with self._lock:
+            self.total_bytes += size - self._index.pop(key, 0)
+            self._index[key] = size
+        return True
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(OSError):
+            self._path(key).unlink()
+        self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self.total_bytes -= self._index.pop(key, 0)
+
+    def _make_room(self, size: int) -> None:
+        """Delete least recently used objects until `size` more bytes fit (lock held)."""
+        if self.max_bytes is None:
+            return
+        while self._index and self.total_bytes + size > self.max_bytes:
+            key, old = self._index.popitem(last=False)
+            self.total_bytes -= old
+            with contextlib.suppress(OSError):
+                self._path(key).unlink()
+            self.evicted += 1
+
+
+class MooncakeStorage(StorageBackend):
+    """Mooncake Store over TCP: objects live in the memory segments that the store's
+    clients (each engine: `segment_bytes`) mount, placed by the master; any client reads
+    any object. Connects on first use; an unreachable master (a TCP probe fails first, as
+    the client's own setup retries for about 90 s) is a `StorageError`, retried after
+    `retry_s`. The master evicts objects when segments fill; this client cannot count them.
+    """
+
+    def __init__(
+        self,
+        master: str,
+        segment_bytes: int = 1 << 30,
+        local_hostname: str = "127.0.0.1",
+        retry_s: float = 10.0,
+    ) -> None:
+        self.master = master
+        self.host, self.port = split_address(master, "--hicache-mooncake-master")
+        self.segment_bytes = segment_bytes
+        self.local_hostname = local_hostname
+        self.retry_s = retry_s
+        self._store: Any = None
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+
+    def _client(self) -> Any:
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            if time.monotonic() < self._retry_at:
+                raise StorageError(f"Mooncake master {self.master} unreachable (retrying later)")
+            self._retry_at = time.monotonic() + self.retry_s
+            if not port_open(self.host, self.port, 1.0):
+                raise StorageError(f"Mooncake master {self.master} unreachable")
+            try:
+                from mooncake.store import MooncakeDistributedStore
+            except ImportError as e:
+                raise StorageError(
+                    f"Mooncake Store needs mooncake-transfer-engine-non-cuda: {e}"
+                ) from None
+            store = MooncakeDistributedStore()
+            rc = store.setup(
+                self.local_hostname,
+                "P2PHANDSHAKE",
+                self.segment_bytes,
+                64 << 20,  # the client's transfer buffer
+                "tcp",
+                "",
+                self.master,
+            )
+            if rc != 0:
+                raise StorageError(f"Mooncake Store setup against {self.master} returned {rc}")
+            self._store = store
+            return store
+
+    def get(self, key: str) -> bytes | None:
+        data = self._client().get(key)
+        return data or None  # b"" is a miss (our objects are never empty)
+
+    def put(self, key: str, data: bytes) -> bool:
+        rc = self._client().put(key, data)
+        if rc != 0:
+            log.warning("L3 Mooncake Store: put of %d bytes returned %d", len(data), rc)
+        return rc == 0
+
+    def exists(self, key: str) -> bool:
+        rc = self._client().is_exist(key)
+        if rc < 0:
+            raise StorageError(f"Mooncake Store is_exist returned {rc}")
+        return rc == 1
+
+    def delete(self, key: str) -> None:
+        self._client().remove(key)  # refused while the object's lease runs: best effort
+
+    def close(self) -> None:
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+
+def port_open(host: str, port: int, timeout: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def make_backend(config: StorageConfig) -> StorageBackend:
+    if config.backend == "file":
+        return FileStorage(config.dir, config.max_bytes)
+    return MooncakeStorage(config.mooncake_master, config.max_bytes or 1 << 30)
+
+
+# --- a local Mooncake master -----------------------------------------------------------------
+
+
+def mooncake_master_binary() -> str:
+    """The `mooncake_master` executable the Mooncake wheel ships (inside the package)."""
+    try:
+        import mooncake
+    except ImportError as e:
+        raise DsakvError(
+            f"--hicache-mooncake-start-master needs mooncake-transfer-engine-non-cuda: {e}"
+        ) from None
+    exe = Path(mooncake.__file__).parent / "mooncake_master"
+    if exe.is_file() and os.access(exe, os.X_OK):
+        return str(exe)
+    found = shutil.which("mooncake_master")
+    if found is None:
+        raise DsakvError(
+            "mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)"
+        )
+    return found
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_mooncake_master(address: str, timeout_s: float = 20.0) -> subprocess.Popen:
+    """Start `mooncake_master` for this machine: RPC on `address` (127.0.0.1:PORT), its
+    metrics port on a free loopback port; returns once it accepts connections. The process
+    dies with this one (Linux parent-death signal); stop it with `stop_process`."""
+    host, port = split_address(address, "--hicache-mooncake-master")
+    if port_open(host, port, 0.5):
+        raise DsakvError(f"cannot start a Mooncake master: {address} is already in use")
+    cmd = [
+        mooncake_master_binary(),
+        f"--rpc_port={port}",
+        f"--rpc_address={host}",
+        f"--metrics_port={free_port()}",
+        "--metrics_host=127.0.0.1",
+        "--enable_metric_reporting=false",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
+    deadline = time.monotonic() + timeout_s
+    while not port_open(host, port, 0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc)
+            raise DsakvError(f"mooncake_master did not start on {address}")
+        time.sleep(0.05)
+    return proc
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)

@@ -1,0 +1,539 @@
+"""The L3 storage tier: prefix KV on disk and on Mooncake Store that outlives the engine.
+
+Every engine test compares greedy tokens with a cold run and reads the `l3_*` counters;
+every engine ends with the idle integrity check (free + cached pages == total, host pages
+in use == the cache's). No timing is asserted (the machine is shared; the bench reports
+TTFT cold vs L3 hit).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from dsakv import LLM, SamplingParams
+from dsakv.cli import main
+from dsakv.engine.prefix_cache import ROOT_HASH, PrefixCache, chain_hashes
+from dsakv.memory import CacheLayout, DSAKVPool, PageAllocator
+from dsakv.memory.storage import (
+    HEADER,
+    CorruptObject,
+    FileStorage,
+    decode_object,
+    encode_object,
+    start_mooncake_master,
+    stop_process,
+)
+from dsakv.models.tiny import write_tiny_model
+
+from .serving import TIMEOUT, free_port
+
+PS = 16
+ARGS = dict(device="cpu", page_size=PS, num_pages=64)
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPT = [random.Random(0).randrange(0, 256) for _ in range(150)]  # 9 full pages + 6 tokens
+PAGES = (len(PROMPT) - 1) // PS
+
+
+def _file(store: Path, **kw) -> dict:
+    return dict(ARGS, hicache_storage_backend="file", hicache_storage_dir=str(store), **kw)
+
+
+def _objects(store: Path) -> list[Path]:
+    return sorted(store.glob("*/*.kv"))
+
+
+def _run(model: str, prompts, params=GREEDY, **kw) -> tuple[list[list[int]], dict]:
+    """Greedy tokens and the counters of a fresh engine (closed after: stores flushed)."""
+    llm = LLM(model, **kw)
+    try:
+        outs = llm.generate(prompts, params)
+        llm.engine.check_integrity()
+        if llm.engine.l3 is not None:
+            assert llm.engine.l3.drain(TIMEOUT)
+        return [o.token_ids for o in outs], llm.engine.counters()
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("l3") / "tiny", preset="glm-tiny"))
+
+
+@pytest.fixture(scope="module")
+def stored(tiny, tmp_path_factory) -> tuple[Path, list[int], dict]:
+    """A store written by one engine (write-through): (dir, its greedy tokens, counters)."""
+    store = tmp_path_factory.mktemp("store")
+    (tokens,), c = _run(tiny, [PROMPT], **_file(store))
+    return store, tokens, c
+
+
+def _copy(stored, tmp_path: Path) -> Path:
+    shutil.copytree(stored[0], tmp_path / "store")
+    return tmp_path / "store"
+
+
+# --- format and backends ------------------------------------------------------------------------
+
+
+def test_object_round_trip_and_every_fault_is_caught():
+    ns, ph, payload = b"n" * 16, b"p" * 16, bytes(range(256)) * 4
+    blob = encode_object(ns, ph, payload)
+    assert len(blob) == HEADER.size + len(payload) == 64 + 1024
+    assert bytes(decode_object(blob, ns, ph, len(payload))) == payload
+    flipped = bytearray(blob)
+    flipped[-7] ^= 1
+    faults = {
+        "checksum": bytes(flipped),
+        "payload of": blob[:-1],
+        "shorter": blob[:10],
+        "another layout": encode_object(b"m" * 16, ph, payload),
+        "magic": b"X" + blob[1:],
+    }
+    for what, bad in faults.items():
+        with pytest.raises(CorruptObject, match=what):
+            decode_object(bad, ns, ph, len(payload))
+    with pytest.raises(CorruptObject, match="another layout or page"):
+        decode_object(blob, ns, b"q" * 16, len(payload))
+    with pytest.raises(CorruptObject, match="the layout's page is"):
+        decode_object(blob, ns, ph, 512)
+
+
+def test_file_storage_lru_cap_survives_restart(tmp_path):
+    fs = FileStorage(tmp_path, max_bytes=250)
+    assert fs.put("a" * 8, b"1" * 100) and fs.put("b" * 8, b"2" * 100)
+    assert fs.get("a" * 8) == b"1" * 100  # a is now the most recently used
+    time.sleep(0.01)
+    assert fs.put("c" * 8, b"3" * 100)  # evicts b, the least recently used
+    assert fs.evicted == 1 and not fs.exists("b" * 8) and fs.get("b" * 8) is None
+    assert fs.total_bytes == 200
+    assert not fs.put("d" * 8, b"4" * 300)  # larger than the cap: refused, nothing evicted
+    assert fs.exists("a" * 8) and fs.exists("c" * 8)
+    again = FileStorage(tmp_path, max_bytes=250)  # a restart rebuilds the index from disk
+    assert again.total_bytes == 200
+    assert again.put("e" * 8, b"5" * 100) and again.evicted == 1
+    assert again.exists("c" * 8) != again.exists("a" * 8)
+    fs.delete("c" * 8)
+    assert fs.get("c" * 8) is None
+
+
+def test_pool_page_bytes_are_the_elided_layout():
+    layout = CacheLayout.for_model("glm-5.2", page_size=4, draft_layers=1)
+    pool = DSAKVPool(layout, 3)
+    g = torch.Generator().manual_seed(0)
+    for v in pool._page_views():
+        v.copy_(torch.randint(0, 256, v.shape, dtype=torch.uint8, generator=g))
+    rows = pool.read_pages([2, 0])
+    assert rows.shape == (2, 4 * 48_408)  # latent everywhere, index-K on 21 + 1 layers only
+    other = DSAKVPool(layout, 3)
+    other.write_pages([0, 1], rows)
+    for a, b in zip(pool.read_pages([2, 0]), other.read_pages([0, 1])):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="uint8"):
+        DSAKVPool(layout.dense(), 1).write_pages([0], rows[:1])
+
+
+def test_prefix_cache_nodes_carry_the_page_hash_chain():
+    cache = PrefixCache(PageAllocator(8, 4))
+    tokens = list(range(13))
+    path = cache.insert(tokens, cache.alloc(3))
+    assert [n.hash for n in path] == chain_hashes(tokens, 4, 0, 3, ROOT_HASH)
+    assert chain_hashes(tokens, 4, 1, 3, path[0].hash) == [n.hash for n in path[1:]]
+    other = cache.insert([0, 1, 2, 3, 9, 9, 9, 9], cache.alloc(2))
+    assert other[0] is path[0] and other[1].hash != path[1].hash  # same page, other history
+
+
+# --- restart -----------------------------------------------------------------------------------
+
+
+def test_restart_reads_the_prefix_from_l3(tiny, stored):
+    store, cold, first = stored
+    layout_bytes = first["bytes_per_token"]
+    assert first["l3_pages_written"] == PAGES and first["l3_hits"] == 0
+    assert first["l3_bytes_written"] == PAGES * PS * layout_bytes  # exactly the layout's bytes
+    files = _objects(store)
+    assert len(files) == PAGES
+    assert {f.stat().st_size for f in files} == {HEADER.size + PS * layout_bytes}
+    (warm,), c = _run(tiny, [PROMPT], **_file(store))
+    assert warm == cold
+    assert c["l3_hits"] == PAGES and c["l3_hit_tokens"] == PAGES * PS
+    assert c["l3_bytes_read"] == PAGES * PS * layout_bytes and c["l3_misses"] == 0
+    assert c["prefix_hit_tokens"] == PAGES * PS
+    # Only the partial last page and the decode steps ran through the model.
+    assert c["computed_tokens"] == len(PROMPT) - PAGES * PS + GREEDY.max_tokens - 1
+    assert c["l3_pages_written"] == 0  # every page it cached was known to be stored
+
+
+def test_mtp_draft_layer_travels_and_tokens_match(tiny, tmp_path):
+    mtp = dict(speculative_algorithm="mtp", speculative_num_steps=2)
+    (cold,), first = _run(tiny, [PROMPT], **_file(tmp_path, **mtp))
+    assert first["l3_bytes_written"] == first["l3_pages_written"] * PS * first["bytes_per_token"]
+    (warm,), c = _run(tiny, [PROMPT], **_file(tmp_path, **mtp))
+    assert warm == cold and c["l3_hits"] == PAGES
+    # A server without the draft layer has another layout: it finds nothing.
+    (_,), plain = _run(tiny, [PROMPT], **_file(tmp_path))
+    assert plain["l3_hits"] == 0 and plain["l3_misses"] == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(kv_cache_dtype="fp32"),
+        dict(index_k_dtype="bf16"),
+        dict(page_size=8),
+        dict(index_topk_pattern="FFSSFSSS"),
+        dict(elide_index_k=False),
+    ],
+    ids=["kv-dtype", "index-k-dtype", "page-size", "pattern", "dense"],
+)
+def test_another_layout_finds_no_hits(tiny, stored, tmp_path, change):
+    store = _copy(stored, tmp_path)
+    (_,), c = _run(tiny, [PROMPT], **{**_file(store), **change})
+    assert c["l3_hits"] == 0 and c["l3_misses"] == 1 and c["l3_corrupt_objects"] == 0
+    assert c["l3_pages_written"] > 0  # it stores its own pages beside the others
+    assert len(_objects(store)) == PAGES + c["l3_pages_written"]
+
+
+def test_another_checkpoint_finds_no_hits(stored, tmp_path):
+    other = str(write_tiny_model(tmp_path / "seed1", preset="glm-tiny", seed=1))
+    (_,), c = _run(other, [PROMPT], **_file(_copy(stored, tmp_path)))
+    assert c["l3_hits"] == 0 and c["l3_misses"] == 1
+
+
+# --- write-back and the host tier ----------------------------------------------------------------
+
+
+def _others(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 256) for _ in range(150)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("host", [0.0, 4.5], ids=["no-host", "host"])
+def test_write_back_stores_pages_leaving_the_cache(tiny, stored, tmp_path, host):
+    """12 device pages (a prompt needs 10): unrelated prompts evict the first one's pages,
+    to the host tier when there is one (4 pages), and from there (or straight from the
+    device without one) to L3; the prompt comes back from all three tiers."""
+    _, cold, _ = stored
+    page_bytes = stored[2]["bytes_per_token"] * PS
+    kw = _file(tmp_path, num_pages=12, hicache_write_policy="write_back")
+    if host:
+        kw["host_pool_gib"] = host * page_bytes / 2**30
+    llm = LLM(tiny, **kw)
+    try:
+        engine = llm.engine
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == cold
+        assert engine.l3.drain(TIMEOUT) and engine.counters()["l3_pages_written"] == 0
+        for other in _others(2, seed=1):
+            llm.generate([other], GREEDY)
+        engine.check_integrity()
+        assert engine.l3.drain(TIMEOUT)
+        c = engine.counters()
+        assert c["l3_pages_written"] >= PAGES  # every page of the first prompt left
+        if host:
+            assert engine.cache.demoted_pages > 0 and c["host_pages_used"] == 4
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == cold
+        c = engine.counters()
+        assert c["l3_hits"] > 0 and c["l3_corrupt_objects"] == 0
+        assert c["l3_hits"] * PS <= c["prefix_hit_tokens"]
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_close_stores_what_the_cache_still_holds(tiny, stored, tmp_path):
+    llm = LLM(tiny, **_file(tmp_path, hicache_write_policy="write_back"))
+    assert llm.generate([PROMPT], GREEDY)[0].token_ids == stored[1]
+    assert llm.engine.l3.drain(TIMEOUT) and llm.engine.counters()["l3_pages_written"] == 0
+    llm.close()  # write-back: what the cache holds is written now
+    assert llm.engine.counters()["l3_pages_written"] == PAGES == len(_objects(tmp_path))
+
+
+def test_retraction_and_prefix_sharing_keep_integrity(tiny, stored, tmp_path):
+    """A batch that overflows a small pool (retractions) over a warm store: same tokens."""
+    prompts = [PROMPT[: 40 + 20 * i] + [i] for i in range(5)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    ref, _ = _run(tiny, prompts, params, device="cpu", page_size=PS, num_pages=64)
+    store = _copy(stored, tmp_path)
+    tokens, c = _run(tiny, prompts, params, **_file(store, num_pages=12))
+    assert tokens == ref
+    assert c["retractions"] > 0 and c["l3_hits"] > 0
+
+
+# --- faults ------------------------------------------------------------------------------------
+
+
+def test_corrupt_and_truncated_objects_are_misses(tiny, stored, tmp_path):
+    store = _copy(stored, tmp_path)
+    cold = stored[1]
+    by_page = _pages_in_order(tiny, store)
+    data = bytearray(by_page[3].read_bytes())
+    data[HEADER.size + 1000] ^= 0x40  # one bit of page 3's payload
+    by_page[3].write_bytes(bytes(data))
+    (warm,), c = _run(tiny, [PROMPT], **_file(store))
+    assert warm == cold
+    assert c["l3_hits"] == 3 and c["l3_corrupt_objects"] == 1 and c["l3_misses"] == 1
+    assert not by_page[3].exists() or by_page[3].read_bytes() != bytes(data)  # deleted (rewritten)
+    # Truncated: the first page is cut short; nothing after it can be used.
+    by_page[0].write_bytes(by_page[0].read_bytes()[:-100])
+    (warm,), c = _run(tiny, [PROMPT], **_file(store))
+    assert warm == cold and c["l3_hits"] == 0 and c["l3_corrupt_objects"] == 1
+
+
+def _pages_in_order(model: str, store: Path) -> list[Path]:
+    """The store's objects of PROMPT, page 0 first (the key names the page hash)."""
+    hashes = chain_hashes(PROMPT, PS, 0, PAGES, ROOT_HASH)
+    files = {f.name.split("-")[1].split(".")[0]: f for f in _objects(store)}
+    return [files[h.hex()] for h in hashes]
+
+
+def test_full_store_keeps_serving(tiny, stored, tmp_path):
+    page_bytes = stored[2]["bytes_per_token"] * PS + HEADER.size
+    # A cap below one object: every write is refused, serving goes on.
+    (tokens,), c = _run(tiny, [PROMPT], **_file(tmp_path / "a", hicache_storage_max_gib=1e-6))
+    assert tokens == stored[1]
+    assert c["l3_write_failures"] == PAGES and c["l3_pages_written"] == 0
+    assert _objects(tmp_path / "a") == []
+    # A cap of three objects: the least recently used are evicted, the store stays capped.
+    cap = 3 * page_bytes / 2**30
+    (tokens,), c = _run(tiny, [PROMPT], **_file(tmp_path / "b", hicache_storage_max_gib=cap))
+    assert tokens == stored[1]
+    assert c["l3_pages_written"] == PAGES and c["l3_objects_evicted"] == PAGES - 3
+    assert len(_objects(tmp_path / "b")) == 3
+
+
+class _SlowStorage:
+    """Wraps a backend; every `get` takes `delay` seconds."""
+
+    def __init__(self, inner, delay: float) -> None:
+        self.inner, self.delay, self.evicted = inner, delay, 0
+
+    def get(self, key):
+        time.sleep(self.delay)
+        return self.inner.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_slow_store_shortens_the_hit_and_never_stalls_the_batch(tiny, stored, tmp_path):
+    store = _copy(stored, tmp_path)
+    llm = LLM(tiny, **_file(store, hicache_storage_prefetch_timeout=1.0))
+    try:
+        engine = llm.engine
+        engine.l3.backend = _SlowStorage(engine.l3.backend, delay=0.3)
+        busy = engine.add_request([7] * 20, SamplingParams(max_tokens=200, ignore_eos=True))
+        engine.step()  # `busy` runs (its own lookup ends at once: nothing stored)
+        req = engine.add_request(PROMPT, GREEDY)
+        start, steps = time.monotonic(), 0
+        while req.status.value == "waiting":
+            engine.step()
+            steps += 1
+        waited = time.monotonic() - start
+        assert steps > 1 and len(busy.output_ids) > 1  # the batch kept stepping meanwhile
+        assert waited < 1.0 + 0.5 + 5.0  # bounded: the deadline plus one step (generous)
+        while engine.has_unfinished():
+            engine.step()
+        c = engine.counters()
+        assert c["l3_prefetch_timeouts"] == 1 and 0 <= c["l3_hits"] < PAGES
+        assert req.output_ids == stored[1]
+        engine.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_store_down_means_misses_and_serving_goes_on(tiny, stored, caplog):
+    port = free_port()  # nothing listens there
+    kw = dict(ARGS, hicache_storage_backend="mooncake", hicache_mooncake_master=f"127.0.0.1:{port}")
+    start = time.monotonic()
+    (tokens,), c = _run(tiny, [PROMPT], **kw)
+    assert time.monotonic() - start < 20
+    assert tokens == stored[1]
+    assert c["l3_errors"] > 0 and c["l3_hits"] == 0 and c["l3_pages_written"] == 0
+    assert c["l3_write_failures"] > 0
+    assert any("L3 storage unavailable" in r.message for r in caplog.records)
+
+
+# --- Mooncake Store ----------------------------------------------------------------------------
+
+
+def test_mooncake_store_shares_pages_between_engines(tiny, stored):
+    """Engine A starts a local master and writes its pages; engine B (another store client)
+    finds them. A closes last: it owns the master."""
+    master = f"127.0.0.1:{free_port()}"
+    kw = dict(ARGS, hicache_storage_backend="mooncake", hicache_mooncake_master=master)
+    kw["hicache_storage_max_gib"] = 1 / 16  # each engine lends the store 64 MiB
+    a = LLM(tiny, **kw, hicache_mooncake_start_master=True)
+    try:
+        assert a.generate([PROMPT], GREEDY)[0].token_ids == stored[1]
+        assert a.engine.l3.drain(TIMEOUT)
+        ca = a.engine.counters()
+        assert ca["l3_pages_written"] == PAGES and ca["l3_errors"] == 0
+        (tokens,), cb = _run(tiny, [PROMPT], **kw)
+        assert tokens == stored[1]
+        assert cb["l3_hits"] == PAGES and cb["l3_corrupt_objects"] == 0 and cb["l3_errors"] == 0
+    finally:
+        proc = a.engine.l3.master
+        a.close()
+    assert proc.poll() is not None  # the master went with the engine that started it
+
+
+def test_start_master_refuses_a_port_in_use():
+    port = free_port()
+    proc = start_mooncake_master(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(Exception, match="already in use"):
+            start_mooncake_master(f"127.0.0.1:{port}")
+    finally:
+        stop_process(proc)
+
+
+# --- GLM-5.2 bytes ------------------------------------------------------------------------------
+
+
+def test_glm52_bytes_per_stored_token_elided_vs_dense(tmp_path):
+    """The glm-bench preset has GLM-5.2's per-token cache dims: 47,700 B elided, 55,224 dense
+    (fp8 / fp8), read from the counters of what was written."""
+    from dsakv.models.tiny import default_model_dir
+
+    model = str(default_model_dir("glm-bench"))
+    prompt = PROMPT[:40]  # two full pages
+    per_token = {}
+    for name, elide in (("elided", True), ("dense", False)):
+        (_,), c = _run(model, [prompt], **_file(tmp_path / name, elide_index_k=elide))
+        assert c["l3_pages_written"] == 2
+        per_token[name] = c["l3_bytes_written"] / (c["l3_pages_written"] * PS)
+    assert per_token == {"elided": 47_700, "dense": 55_224}
+
+
+# --- command line and server -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--hicache-storage-backend", "file"], "needs --hicache-storage-dir"),
+        (["--hicache-storage-dir", "x"], "needs --hicache-storage-backend"),
+        (["--hicache-storage-backend", "mooncake"], "needs --hicache-mooncake-master"),
+        (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x",
+          "--hicache-mooncake-master", "127.0.0.1:1"], "need --hicache-storage-backend mooncake"),
+        (["--hicache-storage-backend", "mooncake", "--hicache-mooncake-master", "h:x"],
+         "HOST:PORT"),
+        (["--hicache-storage-backend", "mooncake", "--hicache-mooncake-master", "10.0.0.1:5",
+          "--hicache-mooncake-start-master"], "127.0.0.1:PORT"),
+        (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x", "--tp", "2"],
+         "one rank only"),
+        (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x",
+          "--no-prefix-cache"], "prefix cache"),
+        (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x",
+          "--hicache-storage-max-gib", "0"], "must be > 0"),
+        (["--hicache-storage-backend", "nfs"], "invalid choice"),
+    ],
+)  # fmt: skip
+def test_bad_flag_combinations_are_one_error_line(tiny, extra, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(["generate", tiny, "--prompt", "x", *extra]))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_serve_refuses_l3_with_disaggregation(tiny, capsys):
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(["serve", tiny, "--hicache-storage-backend", "file",
+                       "--hicache-storage-dir", "x", "--disaggregation-mode", "prefill"]))  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--disaggregation-mode" in err[0]
+
+
+def _metrics(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+class _Server:
+    """A real `dsakv serve` process on a loopback port."""
+
+    def __init__(self, model: str, store: Path, log: Path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "dsakv.cli", "serve", model, "--port", str(self.port),
+               "--device", "cpu", "--page-size", str(PS), "--num-pages", "64",
+               "--hicache-storage-backend", "file", "--hicache-storage-dir", str(store)]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+
+    def complete(self) -> dict:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        r = httpx.post(f"{self.base}/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stop(self) -> None:
+        """SIGTERM, as `kill` or a container stop: the engine still closes."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(TIMEOUT)
+
+
+def test_dsakv_serve_restart_reads_l3(tiny, tmp_path):
+    store = tmp_path / "store"
+    first = _Server(tiny, store, tmp_path / "first.log")
+    try:
+        cold = first.complete()
+        m = _metrics(first.base)
+        assert m["dsakv_l3_hits_total"] == 0
+    finally:
+        first.stop()
+    assert first.proc.returncode == 128 + signal.SIGTERM, first.log.read_text()[-2000:]
+    assert len(_objects(store)) == PAGES
+    second = _Server(tiny, store, tmp_path / "second.log")
+    try:
+        warm = second.complete()
+        m = _metrics(second.base)
+    finally:
+        second.stop()
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert m["dsakv_l3_hits_total"] == PAGES and m["dsakv_l3_hit_tokens_total"] == PAGES * PS
+    assert m["dsakv_l3_bytes_read_total"] == m["dsakv_kv_bytes_per_token"] * PAGES * PS
+    for name in ("misses", "bytes_written", "objects_evicted", "corrupt_objects"):
+        assert f"dsakv_l3_{name}_total" in m
+
+
+def test_close_ends_the_l3_threads(tiny, tmp_path):
+    def l3_threads() -> int:
+        return sum(t.name.startswith("dsakv-l3-") for t in threading.enumerate())
+
+    before = l3_threads()
+    llm = LLM(tiny, **_file(tmp_path))
+    assert l3_threads() == before + 2
+    llm.close()
+    assert l3_threads() == before
