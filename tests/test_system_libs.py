@@ -91,7 +91,7 @@ def test_make_install_runs_the_check_even_when_the_venv_is_up_to_date(tmp_path):
     venv.mkdir()
     (venv / ".dsakv-installed").touch()  # newer than pyproject.toml and the Makefile
     r = subprocess.run(
-        ["make", "-n", "install", f"VENV={venv}"],
+        ["make", "--no-print-directory", "-n", "install", f"VENV={venv}"],
         cwd=SCRIPT.parent.parent,
         capture_output=True,
         text=True,
