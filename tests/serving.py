@@ -119,3 +119,39 @@ def wait_idle(base: str) -> dict[str, float]:
     assert m["dsakv_kv_pages_used"] == m["dsakv_kv_pages_cached"], m
     assert m["dsakv_kv_transfer_pending"] == 0
     return m
+
+
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})  # openai-client greedy kwargs
+
+
+def check_pd_chat(client, decode_url: str, reference, max_tokens: int, **stream_kw):
+    """Chat through a PD pair equals one engine's greedy output, logprobs included (the
+    first token's logprob comes from the prefill server); returns the streamed chunks."""
+    import pytest
+
+    from dsakv.engine import SamplingParams
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = httpx.post(f"{decode_url}/tokenize", json={"messages": messages}).json()["tokens"]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
+    ref = reference.generate([ids], params)[0]
+    r = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=max_tokens, logprobs=True, top_logprobs=2,
+        **GREEDY,
+    )  # fmt: skip
+    assert r.choices[0].message.content == ref.text
+    assert [x.logprob for x in r.choices[0].logprobs.content] == pytest.approx(
+        ref.logprobs, abs=1e-4
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=messages,
+            max_tokens=max_tokens,
+            stream=True,
+            **stream_kw,
+            **GREEDY,
+        )  # fmt: skip
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    return chunks

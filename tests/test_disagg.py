@@ -39,8 +39,10 @@ from dsakv.memory import CacheLayout, DSAKVPool
 from dsakv.models.tiny import TINY_PRESETS, default_model_dir, write_tiny_model
 
 from .serving import (
+    GREEDY,
     TIMEOUT,
     ServerProcess,
+    check_pd_chat,
     disagg_info,
     free_port,
     running,
@@ -52,7 +54,6 @@ from .serving import (
 
 EXACT = ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32", "--page-size", "16"]
 TINY = [*EXACT, "--num-pages", "256", "--device", "cpu", "--max-running-requests", "64"]
-GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 
 # --- the transfer layer, in one process --------------------------------------------------------
@@ -284,22 +285,7 @@ def test_completions_and_chat_equal_one_engine(cluster, reference):
     assert chunks[-1].choices[0].finish_reason == "length"
     assert scrape_metrics(cluster["prefill"].url)["dsakv_prefix_hit_tokens_total"] >= 16
 
-    messages = [{"role": "user", "content": "Name a colour."}]
-    ids = httpx.post(f"{cluster['decode'].url}/tokenize", json={"messages": messages}).json()
-    ref = reference.generate(
-        [ids["tokens"]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
-    )[0]
-    r = client.chat.completions.create(
-        model="m", messages=messages, max_tokens=10, logprobs=True, top_logprobs=2, **GREEDY
-    )
-    assert r.choices[0].message.content == ref.text
-    assert [x.logprob for x in r.choices[0].logprobs.content] == pytest.approx(
-        ref.logprobs, abs=1e-4
-    )  # the first token's logprob came from the prefill server
-    stream = client.chat.completions.create(
-        model="m", messages=messages, max_tokens=10, stream=True, **GREEDY
-    )
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == ref.text
+    check_pd_chat(client, cluster["decode"].url, reference, 10)
 
 
 def test_32_concurrent_requests_none_lost_and_bytes_per_token(cluster, reference):

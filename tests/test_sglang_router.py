@@ -35,8 +35,10 @@ from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 from dsakv.server.protocol import APIError
 
 from .serving import (
+    GREEDY,
     TIMEOUT,
     ServerProcess,
+    check_pd_chat,
     free_port,
     scrape_metrics,
     serving,
@@ -48,7 +50,6 @@ from .serving import (
 ENGINE = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", page_size=16, num_pages=256)
 TINY = ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32", "--page-size", "16",
         "--num-pages", "256", "--device", "cpu"]  # fmt: skip
-GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 
 @contextmanager
@@ -144,24 +145,9 @@ def test_pd_completions_and_chat_equal_one_engine(pd, reference):
     assert "".join(c.choices[0].text for c in chunks) == want[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
 
-    messages = [{"role": "user", "content": "Name a colour."}]
-    ids = httpx.post(f"{pd['decode'].url}/tokenize", json={"messages": messages}).json()["tokens"]
-    ref = reference.generate(
-        [ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
-    )[0]
-    r = client.chat.completions.create(
-        model="m", messages=messages, max_tokens=8, logprobs=True, top_logprobs=2, **GREEDY
+    chunks = check_pd_chat(
+        client, pd["decode"].url, reference, 8, stream_options={"include_usage": True}
     )
-    assert r.choices[0].message.content == ref.text
-    assert [x.logprob for x in r.choices[0].logprobs.content] == pytest.approx(
-        ref.logprobs, abs=1e-4
-    )  # the first token's logprob came from the prefill server
-    stream = client.chat.completions.create(
-        model="m", messages=messages, max_tokens=8, stream=True,
-        stream_options={"include_usage": True}, **GREEDY,
-    )  # fmt: skip
-    chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     assert chunks[-1].usage.completion_tokens == 8
 
     sent = wait_idle(pd["prefill"].url)

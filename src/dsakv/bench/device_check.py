@@ -173,15 +173,15 @@ def _decode(device: torch.device, dry_run: bool) -> dict[str, Any]:
     }
     if dry_run:  # no graphs on a CPU: "graph" would be the eager run again
         del variants["graph"]
+    from dsakv.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     rates: dict[str, dict[str, float]] = {}
     for name, kw in variants.items():
         engine = _engine(model, device, **kw)
         _greedy(engine, _prompts(max(batches), 16, seed=1), 2)  # warm-up, graph capture
         for b in batches:
             prompts = _prompts(b, 16, seed=2 + b)
-            from dsakv.engine import SamplingParams
-
-            params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
             reqs = [engine.add_request(p, params) for p in prompts]
             engine.step()  # the prefill (and first token) is not decode
             _sync(device)

@@ -335,7 +335,7 @@ class Engine:
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Padded, graph-capturable decode steps: for the graph-safe backends on one rank
         (captured on CUDA unless `disable_cuda_graph`; eager padded steps elsewhere)."""
-        if self.backend.name == "torch" or self.parallel.world_size > 1:
+        if not self.backend.graph_safe or self.parallel.world_size > 1:
             return None
         return DecodeGraphs(
             self.model,

@@ -29,6 +29,7 @@ class TorchBackend:
     """The torch reference: every op through `DSAKVPool.gather_*` and `torch_ops`."""
 
     name = "torch"
+    graph_safe = False  # reads lengths and expert counts on the host
 
     def describe(self) -> dict[str, str]:
         return dict.fromkeys(("stores", "mla_decode", "mla_extend", "index_logits", "moe"), "torch")
@@ -95,6 +96,7 @@ class TritonBackend(TorchBackend):
     (fp32/bf16 index-K, the `expand` attention mode)."""
 
     name = "triton"
+    graph_safe = True  # no host syncs: a decode step can be captured in a CUDA graph
 
     def __init__(self, layout) -> None:
         from . import triton_indexer, triton_mla, triton_rows, triton_store  # needs triton
@@ -178,12 +180,11 @@ class TritonBackend(TorchBackend):
         if not self.fp8_index:
             return super().index_topk_decode(pool, layer, q, w, table, lens, scale, topk)
         ps = pool.page_size
-        block_table = torch.div(table[:, ::ps], ps, rounding_mode="floor").to(torch.int32)
         logits = self._indexer.index_logits_paged(
             _low_precision(q),
             (w * scale).float(),
             pool.index_k_data(layer),
-            block_table,
+            self._indexer.block_table_from_slots(table, ps),
             lens.to(torch.int32),
             ps,
             table.shape[1],

@@ -105,7 +105,7 @@ class FlashMLABackend(TritonBackend):
     def index_topk_decode(self, pool, layer, q, w, table, lens, scale, topk):
         ps = pool.page_size
         b, width = table.shape
-        block_table = torch.div(table[:, ::ps], ps, rounding_mode="floor").to(torch.int32)
+        block_table = self._indexer.block_table_from_slots(table, ps)
         lens32 = lens.to(torch.int32)
         kv = pool.index_k_data(layer).view(-1, ps, 1, pool.index_k_data(layer).shape[-1] // ps)
         # e4m3 queries with a power-of-two scale per (token, head), folded into the weights
