@@ -40,11 +40,11 @@ def _layout(tiny: str, **kw) -> CacheLayout:
     return CacheLayout.for_model(tiny, **kw)
 
 
-def test_auto_on_cpu_is_the_torch_reference(tiny):
-    b = select_backend(
-        "auto", torch.device("cpu"), _layout(tiny), n_heads=4, index_heads=16, index_topk=16
-    )
-    assert b.name == "torch"
+def test_auto_on_cpu_is_the_cpu_backend_and_torch_stays_the_reference(tiny):
+    kw = dict(n_heads=4, index_heads=16, index_topk=16)
+    assert select_backend("auto", torch.device("cpu"), _layout(tiny), **kw).name == "cpu"
+    ref = select_backend("torch", torch.device("cpu"), _layout(tiny), **kw)
+    assert type(ref).__name__ == "TorchBackend"
 
 
 def test_bad_backend_names_and_unavailable_libraries_are_clear_errors(tiny):
@@ -87,6 +87,61 @@ def test_grouped_experts_equal_the_per_expert_loop(ep):
     torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=1e-5)
     if ep == (1, 3):  # a token routed only to other ranks' experts gets exactly zero
         assert bool((grouped[0] == 0).all())
+    # The CPU backend's one-token path (two GEMVs over the k chosen experts), row by row.
+    for t in range(9):
+        one = torch_ops.experts_one_token(
+            x[t : t + 1], ids[t : t + 1], w[t : t + 1], gate_up, down, first, last
+        )
+        torch.testing.assert_close(one, loop[t : t + 1], atol=1e-5, rtol=1e-5)
+        if ep == (1, 3) and t == 0:
+            assert bool((one == 0).all())
+
+
+def _decode_case(tiny, kind: str, batch: int, seed: int = 0):
+    """A pool of random latent rows and a sparse decode batch over it (positions in any
+    order, some invalid), with the torch reference's output."""
+    from dsakv.kernels import MLAMath, TorchBackend
+    from dsakv.memory import DSAKVPool
+
+    g = torch.Generator().manual_seed(seed)
+    lay = _layout(tiny, kv_cache_dtype=kind, page_size=16)
+    pool = DSAKVPool(lay, 8)
+    lora, rope, heads = lay.kv_lora_rank, lay.qk_rope_head_dim, 4
+    pool.write_latent(1, torch.arange(128), torch.randn(128, lora + rope, generator=g))
+    math = MLAMath(heads, lora, 0.1)
+    q_nope = torch.randn(batch, heads, lora, generator=g)
+    q_rope = torch.randn(batch, heads, rope, generator=g)
+    slots = torch.randint(0, 128, (batch, 24), generator=g)
+    valid = torch.rand(batch, 24, generator=g) < 0.8
+    valid[:, 0] = True
+    w_kvb = torch.randn(heads, 16, lora, generator=g) * 0.05
+    args = (math, pool, 1, q_nope, q_rope, slots, valid, w_kvb[:, :8], w_kvb[:, 8:])
+    return args, TorchBackend().mla_decode(*args)
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_ds_mla", "bf16", "fp32"])
+def test_cpu_decode_reads_the_stored_bytes_as_the_pool_decodes_them(tiny, kind):
+    """Eager, the CPU backend's decode attention (rows widened straight from the pool's
+    bytes) is the reference's arithmetic: bit-equal outputs."""
+    from dsakv.kernels.backend import CpuBackend
+
+    for batch in (1, 3):
+        args, ref = _decode_case(tiny, kind, batch)
+        assert torch.equal(CpuBackend(compile=False).mla_decode(*args), ref)
+
+
+def test_compiled_cpu_decode_matches_the_reference(tiny):
+    """Through torch.compile (one dynamic-shape compilation serves every batch and context)
+    the outputs agree to fp32 rounding."""
+    from dsakv.kernels import cpu_ops
+    from dsakv.kernels.backend import CpuBackend
+
+    for batch in (1, 3, 5):
+        args, ref = _decode_case(tiny, "fp8_ds_mla", batch, seed=batch)
+        torch.testing.assert_close(
+            CpuBackend(compile=True).mla_decode(*args), ref, rtol=1e-5, atol=1e-6
+        )
+    assert cpu_ops.compiled_decode_attention.warmup_s > 0
 
 
 triton = pytest.importorskip("triton", reason="the Triton backend needs triton")

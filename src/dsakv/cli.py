@@ -213,10 +213,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix cache")
     g.add_argument(
         "--attention-backend",
-        help="auto (default: flashmla, else triton on CUDA, else torch), torch, triton, flashmla",
+        help="auto (default: flashmla, else triton on CUDA; cpu on a CPU), cpu, torch (the "
+        "reference), triton, flashmla",
     )
     g.add_argument(
         "--disable-cuda-graph", action="store_true", help="run CUDA decode steps eagerly"
+    )
+    g.add_argument(
+        "--disable-torch-compile",
+        action="store_true",
+        help="run the cpu backend's decode attention eagerly (no torch.compile warm-up)",
     )
     g.add_argument(
         "--speculative-algorithm", choices=("mtp",), help="draft with the MTP layer, verify"
@@ -318,6 +324,8 @@ def engine_config_from_args(args: argparse.Namespace):
         kw["enable_prefix_cache"] = False
     if args.disable_cuda_graph:
         kw["disable_cuda_graph"] = True
+    if args.disable_torch_compile:
+        kw["disable_torch_compile"] = True
     if args.dp_attention:
         kw["dp_attention"] = True
     return EngineConfig.from_kwargs(resolve_model_dir(args.model), **kw)

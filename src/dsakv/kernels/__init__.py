@@ -15,12 +15,12 @@ import torch
 
 from dsakv.errors import DsakvError
 
-from .backend import TorchBackend, TritonBackend
+from .backend import CpuBackend, TorchBackend, TritonBackend
 from .torch_ops import MLAMath, topk_by_position
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "triton", "flashmla")
+BACKENDS = ("auto", "cpu", "torch", "triton", "flashmla")
 
 __all__ = ["BACKENDS", "MLAMath", "TorchBackend", "select_backend", "topk_by_position"]
 
@@ -37,11 +37,13 @@ def select_backend(
     n_heads: int,
     index_heads: int,
     index_topk: int,
+    compile: bool = True,
 ) -> TorchBackend:
     """The backend for this engine, with one log line saying which code runs each op.
 
     `auto`: `flashmla` when the library kernels import, the GPU is sm90+ and the shapes fit;
-    else `triton` on CUDA; else `torch`. `triton` on a CPU runs under the Triton interpreter
+    else `triton` on CUDA; `cpu` on a CPU (`compile`: its decode attention through
+    `torch.compile`); else `torch`. `triton` on a CPU runs under the Triton interpreter
     (slow: what the tests use to check the kernels without a GPU).
     """
     if name not in BACKENDS:
@@ -58,7 +60,7 @@ def select_backend(
         elif device.type == "cuda" and triton_available():
             name = "triton"
         else:
-            name = "torch"
+            name = "cpu" if device.type == "cpu" else "torch"
     if name in ("triton", "flashmla") and not triton_available():
         raise DsakvError(f"attention backend {name} needs triton (pip install triton)")
     if name == "flashmla":
@@ -73,6 +75,8 @@ def select_backend(
             # Must be set before the kernel modules are imported (triton.jit reads it).
             os.environ["TRITON_INTERPRET"] = "1"
         backend = TritonBackend(layout)
+    elif name == "cpu":
+        backend = CpuBackend(compile=compile)
     else:
         backend = TorchBackend()
     ops = "; ".join(f"{op}: {how}" for op, how in backend.describe().items())

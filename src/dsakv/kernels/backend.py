@@ -18,7 +18,7 @@ import torch
 from dsakv.errors import DsakvError
 from dsakv.memory.fp8 import FP8_DTYPE
 
-from . import torch_ops
+from . import cpu_ops, torch_ops
 from .torch_ops import MLAMath
 
 # Rows of query chunks for the Triton extend indexer: bounds the [chunk, L] logits block.
@@ -89,6 +89,46 @@ class TorchBackend:
         """Top-k positions `[e, k]` of one request's chunk over its context `slots`."""
         keys = pool.gather_index_k(layer, slots).float()
         return torch_ops.index_topk_extend(q, w, keys, prefix, scale, topk)
+
+
+class CpuBackend(TorchBackend):
+    """The torch ops with the CPU's decode fast paths: same numbers, fewer ops per layer
+    (a decode token on a small model is bound by op count, not arithmetic)."""
+
+    name = "cpu"
+
+    def __init__(self, compile: bool = True) -> None:
+        self.compile = compile
+
+    def describe(self) -> dict[str, str]:
+        how = "torch.compile" if self.compile else "eager"
+        return {
+            **super().describe(),
+            "mla_decode": f"cpu_ops.decode_attention ({how}, rows read from the stored bytes)",
+            "moe": "torch (one token: two GEMVs over its k experts; else a GEMM pair per expert)",
+        }
+
+    def mla_decode(self, math, pool, layer, q_nope, q_rope, slots, valid, w_uk, w_uv):
+        if math.mode != "absorb":
+            return super().mla_decode(math, pool, layer, q_nope, q_rope, slots, valid, w_uk, w_uv)
+        lay = pool.layout
+        attend = cpu_ops.compiled_decode_attention if self.compile else cpu_ops.decode_attention
+        return attend(
+            torch.cat([q_nope, q_rope], dim=-1),
+            pool.latent_data(layer),
+            slots,
+            valid,
+            w_uv,
+            math.scale,
+            lay.kv_cache_dtype,
+            lay.kv_lora_rank,
+            lay.qk_rope_head_dim,
+        )
+
+    def experts(self, x, ids, weights, gate_up, down, first: int, last: int) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return torch_ops.experts_one_token(x, ids, weights, gate_up, down, first, last)
+        return torch_ops.experts_loop(x, ids, weights, gate_up, down, first, last)
 
 
 class TritonBackend(TorchBackend):

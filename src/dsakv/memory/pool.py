@@ -329,30 +329,40 @@ class DSAKVPool:
             )
         return buf
 
-    def _locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, offset) index tensors on the pool's device; raises on any out-of-range slot."""
+    def _check_slots(self, slots) -> torch.Tensor:
+        """Slots as a long tensor on the pool's device; raises on any out-of-range slot (a
+        negative one would silently wrap around in a write)."""
         s = torch.as_tensor(slots)
         if s.dtype not in (torch.int64, torch.int32) or s.dim() != 1:
             raise TypeError(f"slots must be a 1-D integer tensor, got {s.dtype} {tuple(s.shape)}")
         s = s.to(device=self.device, dtype=torch.long)
-        if s.numel() and bool(((s < 0) | (s >= self.num_tokens)).any()):
-            bad = s[(s < 0) | (s >= self.num_tokens)][0].item()
-            raise IndexError(f"slot {bad} out of range 0..{self.num_tokens - 1}")
+        if s.numel():
+            lo, hi = torch.aminmax(s)  # one op, one sync: this runs per layer per step
+            if lo < 0 or hi >= self.num_tokens:
+                bad = s[(s < 0) | (s >= self.num_tokens)][0].item()
+                raise IndexError(f"slot {bad} out of range 0..{self.num_tokens - 1}")
+        return s
+
+    def _locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) index tensors on the pool's device; raises on any out-of-range slot."""
+        s = self._check_slots(slots)
         return s // self.page_size, s % self.page_size
 
     def _write(self, buf: _Buffer, slots, x: torch.Tensor, dim: int, what: str) -> None:
-        page, off = self._locate(slots)
-        if x.dim() != 2 or x.shape != (page.numel(), dim):
+        s = self._check_slots(slots)
+        if x.dim() != 2 or x.shape != (s.numel(), dim):
             raise ValueError(
-                f"{what} must be [{page.numel()}, {dim}] for {page.numel()} slots, "
-                f"got {tuple(x.shape)}"
+                f"{what} must be [{s.numel()}, {dim}] for {s.numel()} slots, got {tuple(x.shape)}"
             )
         for p, v in zip(buf.parts, buf.encode(x.to(self.device)), strict=True):
-            p[page, off] = v
+            if p.is_contiguous():  # token-major: slot s is row s
+                p.view(-1, p.shape[-1]).index_copy_(0, s, v)
+            else:
+                p[s // self.page_size, s % self.page_size] = v
 
     def _gather(self, buf: _Buffer, slots, dtype: torch.dtype) -> torch.Tensor:
-        page, off = self._locate(slots)
-        return buf.decode([_rows(p, page, off, self.page_size) for p in buf.parts], dtype)
+        s = self._check_slots(slots)
+        return buf.decode([_rows(p, s, self.page_size) for p in buf.parts], dtype)
 
 
 def _token_rows(buf: _Buffer):
@@ -364,11 +374,12 @@ def _token_rows(buf: _Buffer):
         yield p.data_ptr() - base, width
 
 
-def _rows(part: torch.Tensor, page: torch.Tensor, off: torch.Tensor, ps: int) -> torch.Tensor:
-    """`part[page, off]`; token-major parts take the faster flat `index_select` (hot path)."""
+def _rows(part: torch.Tensor, slots: torch.Tensor, ps: int) -> torch.Tensor:
+    """`part[slot // ps, slot % ps]`; token-major parts take the faster flat `index_select`
+    (the hot path: every layer, every step)."""
     if part.is_contiguous():
-        return part.view(-1, part.shape[-1]).index_select(0, page * ps + off)
-    return part[page, off]
+        return part.view(-1, part.shape[-1]).index_select(0, slots)
+    return part[slots // ps, slots % ps]
 
 
 def copy_tokens(

@@ -16,7 +16,7 @@ from dsakv.distributed.parallel import ParallelState
 from dsakv.kernels import MLAMath, TorchBackend
 
 from .forward_batch import ForwardBatch
-from .indexer import Indexer, Selection, StepSelection
+from .indexer import Indexer, StepSelection
 from .layers import RMSNorm
 from .parallel_layers import Shard, ShardedLinear
 from .rope import rope_interleaved, softmax_scale
@@ -81,38 +81,41 @@ class MLAttention(nn.Module):
         selections: dict[int, StepSelection],
         topk_source: int,
     ) -> torch.Tensor:
-        t, ops = x.shape[0], self.ops
+        t, ops, h = x.shape[0], self.ops, self.n_heads
         q_lora = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.nope + self.rope_dim)
+        q = self.q_b_proj(q_lora).view(t, h, self.nope + self.rope_dim)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
-        q_rope = rope_interleaved(q_rope, cos[:, None], sin[:, None])
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
-        row = torch.cat([self.kv_a_layernorm(latent), rope_interleaved(k_rope, cos, sin)], dim=-1)
+        # q's heads and the shared rope key rotate as one [T, H+1, rope] tensor (one RoPE).
+        both = torch.cat([q_rope, k_rope[:, None]], dim=1)
+        rot = rope_interleaved(both, cos[:, None], sin[:, None])
+        q_rope, k_rope = rot[:, :h], rot[:, h]
+        row = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
         ops.store_latent(pool, self.layer, batch.out_slots, row)
 
         if topk_source == self.layer:  # a full layer (built with an indexer)
             selections[self.layer] = self.indexer(self.layer, x, q_lora, cos, sin, batch, pool)
         sels = selections[topk_source]
 
-        w_kvb = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+        w_kvb = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.kv_lora)
         w_uk, w_uv = w_kvb[:, : self.nope], w_kvb[:, self.nope :]
         q_nope = self.math.absorb_q(q_nope, w_uk)  # once for the step, all tokens
-        out = torch.empty(t, self.n_heads, self.v_dim, dtype=x.dtype, device=x.device)
-        if batch.decode_reqs:
-            rows = batch.decode_tokens
-            table, lens = batch.decode_ctx  # [B, W], [B]
+        if batch.is_decode_only and batch.decode_reqs:  # no scatter into a step-wide output
             sel = sels.decode
-            if sel is None:  # every visible position
-                positions = torch.arange(table.shape[1], device=table.device).expand_as(table)
-                sel = Selection(positions, positions < lens[:, None])
-            slots = table.gather(1, sel.positions)
+            out = ops.mla_decode(
+                self.math, pool, self.layer, q_nope, q_rope, sel.slots, sel.valid, w_uk, w_uv
+            )
+            return self.parallel.all_reduce_attn(self.o_proj(out.reshape(t, h * self.v_dim)))
+        out = torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
+        if batch.decode_reqs:
+            rows, sel = batch.decode_tokens, sels.decode
             out[rows] = ops.mla_decode(
                 self.math,
                 pool,
                 self.layer,
                 q_nope[rows],
                 q_rope[rows],
-                slots,
+                sel.slots,
                 sel.valid,
                 w_uk,
                 w_uv,

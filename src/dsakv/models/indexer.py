@@ -29,13 +29,16 @@ class Selection:
 
     positions: torch.Tensor
     valid: torch.Tensor
+    # Decode only: the pool slots of `positions` (`[B, k]`), gathered once per step and
+    # read by every layer that shares this selection.
+    slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class StepSelection:
     """One layer's top-k for a whole step: a `Selection` (or None) per multi-token request,
-    and one batched `Selection` over the decode requests' padded contexts (`decode_ctx`);
-    `decode=None` means every decode query attends to its whole context."""
+    and one batched `Selection` over the decode requests' padded contexts (`decode_ctx`),
+    None only when the step has no decode request."""
 
     per_req: list[Selection | None]
     decode: Selection | None
@@ -78,8 +81,8 @@ class Indexer(nn.Module):
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [T, D]
         self.ops.store_index_k(pool, layer, batch.out_slots, k)
         per_req: list[Selection | None] = [None] * batch.num_reqs
-        if all(s <= self.topk for s in batch.seq_lens):
-            return StepSelection(per_req, None)  # everything visible is selected: skip scoring
+        if all(s <= self.topk for s in batch.seq_lens):  # everything visible is selected
+            return StepSelection(per_req, _every_position(batch))
         q = self.wq_b(q_lora).view(t, self.n_heads, self.head_dim)
         q = pool.prepare_index_q(self._rope(q, cos[:, None], sin[:, None])).float()
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
@@ -107,9 +110,19 @@ class Indexer(nn.Module):
             return None
         table, lens = batch.decode_ctx  # [B, W], [B]
         if table.shape[1] <= self.topk:
-            return None
+            return _every_position(batch)
         rows = batch.decode_tokens
         positions = self.ops.index_topk_decode(
             pool, layer, q[rows], w[rows], table, lens, self.scale, self.topk
         )
-        return Selection(positions, positions < lens[:, None])
+        return Selection(positions, positions < lens[:, None], table.gather(1, positions))
+
+
+def _every_position(batch: ForwardBatch) -> Selection | None:
+    """The decode requests' whole contexts (no scoring): every padded position, masked to
+    each request's length."""
+    if not batch.decode_reqs:
+        return None
+    table, lens = batch.decode_ctx
+    positions = torch.arange(table.shape[1], device=table.device).expand_as(table)
+    return Selection(positions, positions < lens[:, None], table)
