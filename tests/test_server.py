@@ -33,6 +33,7 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
+
 @pytest.fixture(scope="module")
 def reference(model_dir) -> LLM:
     return LLM(str(model_dir), **ENGINE_ARGS)

@@ -57,7 +57,9 @@ class ParallelConfig:
         if self.dist_init_addr is not None:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
-                raise DsakvError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+                raise DsakvError(
+                    f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}"
+                )
         if not self.timeout_s > 0:
             raise DsakvError(f"timeout must be > 0 seconds, got {self.timeout_s}")
 

@@ -80,11 +80,7 @@ DEEPSEEK_CHAT_TEMPLATE = (
     "{% if tools %}\n\n## Tools\n\nYou have access to a set of tools. To call them, "
     "answer with a block like:\n<" + _DSML + "function_calls>\n<" + _DSML + "invoke "
     'name="$FUNCTION_NAME">\n<' + _DSML + 'parameter name="$PARAMETER_NAME" '
-    'string="true|false">$VALUE</'
-    + _DSML
-    + "parameter>\n</"
-    + _DSML
-    + "invoke>\n</"
+    'string="true|false">$VALUE</' + _DSML + "parameter>\n</" + _DSML + "invoke>\n</"
     + _DSML
     + "function_calls>\n\n### Available Tool Schemas\n\n"
     "{% for tool in tools %}{{ tool.function | tojson }}\n{% endfor %}{% endif %}"
@@ -97,14 +93,8 @@ DEEPSEEK_CHAT_TEMPLATE = (
     "{% if m.tool_calls %}\n\n<" + _DSML + "function_calls>\n"
     "{% for tc in m.tool_calls %}<" + _DSML + 'invoke name="{{ tc.function.name }}">\n'
     "{% for k, v in tc.function.arguments.items() %}<" + _DSML + 'parameter name="{{ k }}" '
-    "string=\"{{ 'true' if v is string else 'false' }}\">"
-    + _ARG_TEXT
-    + "</"
-    + _DSML
-    + "parameter>\n{% endfor %}</"
-    + _DSML
-    + "invoke>\n{% endfor %}</"
-    + _DSML
+    "string=\"{{ 'true' if v is string else 'false' }}\">" + _ARG_TEXT + "</" + _DSML
+    + "parameter>\n{% endfor %}</" + _DSML + "invoke>\n{% endfor %}</" + _DSML
     + "function_calls>{% endif %}<|eos|>"
     "{% elif m.role == 'tool' %}"
     "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}"

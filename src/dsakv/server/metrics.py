@@ -117,9 +117,7 @@ class EngineCollector(Collector):
                 "Mean tokens emitted per MTP verification (accepted drafts + 1)",
                 labels=labels,
             )
-            m.add_metric(
-                [self.model_name], 1 + snap["spec_accepted_tokens"] / steps if steps else 0
-            )
+            m.add_metric([self.model_name], 1 + snap["spec_accepted_tokens"] / steps if steps else 0)
             yield m
 
 
