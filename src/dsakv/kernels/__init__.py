@@ -1,8 +1,9 @@
 """Kernels below the model: one backend choice decides which code runs each hot op.
 
-`select_backend("auto" | "torch" | "triton" | "flashmla", ...)` is called once per engine;
-the model gets the chosen object and calls its ops (`backend.py`). The torch reference is
-`torch_ops`; dsakv's Triton kernels are `triton_*`; the optional library path `flashmla`.
+`select_backend("auto" | "torch" | "cpu" | "triton" | "flashmla", ...)` is called once per
+engine; the model gets the chosen object and calls its ops (`backend.py`). The torch
+reference is `torch_ops`; its CPU-shaped variant `cpu_ops`; dsakv's Triton kernels are
+`triton_*`; the optional library path `flashmla`.
 """
 
 from __future__ import annotations
@@ -15,14 +16,21 @@ import torch
 
 from dsakv.errors import DsakvError
 
-from .backend import TorchBackend, TritonBackend
+from .backend import CpuBackend, TorchBackend, TritonBackend
 from .torch_ops import MLAMath, topk_by_position
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "triton", "flashmla")
+BACKENDS = ("auto", "torch", "cpu", "triton", "flashmla")
 
-__all__ = ["BACKENDS", "MLAMath", "TorchBackend", "select_backend", "topk_by_position"]
+__all__ = [
+    "BACKENDS",
+    "CpuBackend",
+    "MLAMath",
+    "TorchBackend",
+    "select_backend",
+    "topk_by_position",
+]
 
 
 def triton_available() -> bool:
@@ -58,7 +66,7 @@ def select_backend(
         elif device.type == "cuda" and triton_available():
             name = "triton"
         else:
-            name = "torch"
+            name = "cpu" if device.type == "cpu" else "torch"
     if name in ("triton", "flashmla") and not triton_available():
         raise DsakvError(f"attention backend {name} needs triton (pip install triton)")
     if name == "flashmla":
@@ -73,6 +81,10 @@ def select_backend(
             # Must be set before the kernel modules are imported (triton.jit reads it).
             os.environ["TRITON_INTERPRET"] = "1"
         backend = TritonBackend(layout)
+    elif name == "cpu":
+        if device.type != "cpu":
+            raise DsakvError(f"attention backend cpu runs on the CPU, not {device.type}")
+        backend = CpuBackend(layout)
     else:
         backend = TorchBackend()
     ops = "; ".join(f"{op}: {how}" for op, how in backend.describe().items())

@@ -4,6 +4,8 @@ The model asks its backend for five ops per layer (store a latent row, store an 
 sparse MLA decode, sparse MLA extend, indexer top-k) and never branches on the device.
 
 - `torch`: the reference (`torch_ops`), on any device; gathers rows out of the pool.
+- `cpu`: the reference's math shaped for a CPU (`cpu_ops`): blocked bf16 indexer scores
+  with ReLU fused, sparse extend attention over small gathered blocks; `auto` on a CPU.
 - `triton`: dsakv's own Triton kernels reading the pool's bytes in place (fp8 decoded in
   registers, no fp32 copy of the context); graph-safe (no host syncs). On CPU it runs
   under the Triton interpreter, which is how the tests check it.
@@ -18,7 +20,7 @@ import torch
 from dsakv.errors import DsakvError
 from dsakv.memory.fp8 import FP8_DTYPE
 
-from . import torch_ops
+from . import cpu_ops, torch_ops
 from .torch_ops import MLAMath
 
 # Rows of query chunks for the Triton extend indexer: bounds the [chunk, L] logits block.
@@ -89,6 +91,49 @@ class TorchBackend:
         """Top-k positions `[e, k]` of one request's chunk over its context `slots`."""
         keys = pool.gather_index_k(layer, slots).float()
         return torch_ops.index_topk_extend(q, w, keys, prefix, scale, topk)
+
+
+class CpuBackend(TorchBackend):
+    """The torch ops shaped for a CPU (`cpu_ops`): indexer scores in cache-sized blocks
+    with ReLU fused and bf16 GEMMs over fp8 / bf16 index-K (fp32 over fp32 keys); sparse
+    extend attention over gathered rows in small blocks. Everything else is the reference."""
+
+    name = "cpu"
+
+    def __init__(self, layout) -> None:
+        self.index_dtype = cpu_ops.index_compute_dtype(layout.index_k_dtype)
+
+    def describe(self) -> dict[str, str]:
+        low = self.index_dtype == torch.bfloat16
+        return {
+            **super().describe(),
+            "mla_extend": "cpu sparse gather blocks (fp32)",
+            "index_logits": "cpu blocked, fused ReLU ("
+            + ("bf16 GEMM, fp32 head sum)" if low else "fp32)"),
+        }
+
+    # --- MLA --------------------------------------------------------------------------------
+
+    def mla_extend(
+        self, math, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv
+    ):
+        def gather(s: torch.Tensor) -> torch.Tensor:
+            return pool.gather_latent(layer, s, q_nope.dtype)
+
+        return cpu_ops.mla_extend(
+            math, q_nope, q_rope, gather, slots, prefix, positions, valid, w_uk, w_uv
+        )
+
+    # --- indexer ----------------------------------------------------------------------------
+
+    def index_topk_decode(self, pool, layer, q, w, table, lens, scale, topk):
+        b, width = table.shape
+        keys = pool.gather_index_k(layer, table.flatten(), self.index_dtype).view(b, width, -1)
+        return cpu_ops.index_topk_decode(q, w, keys, lens, scale, topk)
+
+    def index_topk_extend(self, pool, layer, q, w, slots, prefix, scale, topk):
+        keys = pool.gather_index_k(layer, slots, self.index_dtype)
+        return cpu_ops.index_topk_extend(q, w, keys, prefix, scale, topk)
 
 
 class TritonBackend(TorchBackend):
