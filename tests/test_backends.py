@@ -127,7 +127,8 @@ def test_cpu_decode_reads_the_stored_bytes_as_the_pool_decodes_them(tiny, kind):
 
     for batch in (1, 3):
         args, ref = _decode_case(tiny, kind, batch)
-        assert torch.equal(CpuBackend(compile=False).mla_decode(*args), ref)
+        backend = CpuBackend(args[1].layout, compile=False)
+        assert torch.equal(backend.mla_decode(*args), ref)
 
 
 def test_compiled_cpu_decode_matches_the_reference(tiny):
@@ -138,9 +139,8 @@ def test_compiled_cpu_decode_matches_the_reference(tiny):
 
     for batch in (1, 3, 5):
         args, ref = _decode_case(tiny, "fp8_ds_mla", batch, seed=batch)
-        torch.testing.assert_close(
-            CpuBackend(compile=True).mla_decode(*args), ref, rtol=1e-5, atol=1e-6
-        )
+        backend = CpuBackend(args[1].layout, compile=True)
+        torch.testing.assert_close(backend.mla_decode(*args), ref, rtol=1e-5, atol=1e-6)
     assert cpu_ops.compiled_decode_attention.warmup_s > 0
 
 
@@ -166,7 +166,9 @@ def test_triton_backend_greedy_equals_torch(tiny, dtypes):
     and the two backends must produce the same greedy tokens."""
     kv, ik = dtypes
     prompts = [[5, 17, 33, 2, 99], [7, 7, 8, 120, 3, 64, 200], [250, 1, 2, 3, 4, 5, 6, 7, 8]]
-    ref, _ = _generate(tiny, prompts, kv_cache_dtype=kv, index_k_dtype=ik)
+    ref, _ = _generate(
+        tiny, prompts, kv_cache_dtype=kv, index_k_dtype=ik, attention_backend="torch"
+    )
     got, engine = _generate(
         tiny, prompts, kv_cache_dtype=kv, index_k_dtype=ik, attention_backend="triton"
     )
@@ -180,7 +182,7 @@ def test_triton_backend_sparse_selection_agrees_with_torch(tiny):
     the bound leaves room for a selection flipped by bf16 rounding of a near-tie)."""
     prompts = [list(range(3, 3 + 30)), list(range(40, 40 + 24))]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    ref, _ = _generate(tiny, prompts, params)
+    ref, _ = _generate(tiny, prompts, params, attention_backend="torch")
     got, _ = _generate(tiny, prompts, params, attention_backend="triton")
     same = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
     assert same / sum(map(len, ref)) >= 0.8, (ref, got)

@@ -213,8 +213,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix cache")
     g.add_argument(
         "--attention-backend",
-        help="auto (default: flashmla, else triton on CUDA; cpu on a CPU), cpu, torch (the "
-        "reference), triton, flashmla",
+        help="auto (default: flashmla, else triton on CUDA, else cpu on a CPU), torch (the "
+        "reference), cpu, triton, flashmla",
     )
     g.add_argument(
         "--disable-cuda-graph", action="store_true", help="run CUDA decode steps eagerly"
@@ -460,6 +460,8 @@ def _add_engine_commands(sub: Any) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.sparse_vs_dense:
+        return _bench_sparse_vs_dense(args)
     from dsakv.bench import run_bench
 
     run_bench(
@@ -473,6 +475,31 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         storage=_bench_storage(args),
     )
     return 0
+
+
+def _bench_sparse_vs_dense(args: argparse.Namespace) -> int:
+    """`dsakv bench --sparse-vs-dense`: only the prefill comparison (`bench.prefill`)."""
+    from pathlib import Path
+
+    from dsakv.bench.prefill import run_prefill_sparse_vs_dense, summary_lines
+
+    lengths = args.lengths or ((512, 1024) if args.quick else (1024, 4096, 8192))
+    r = run_prefill_sparse_vs_dense(args.model, lengths)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(r, indent=2))
+    print("\n".join(summary_lines(r)))
+    return 0
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1024,4096, got {text!r}")
+    return out
 
 
 def _bench_device(name: str) -> str:
@@ -512,6 +539,15 @@ def _add_bench(sub: Any) -> None:
         "--tp", type=_positive_int, default=1, help="add the tensor / DP-attention section"
     )
     p.add_argument("--pd", action="store_true", help="add prefill -> decode KV transfer")
+    p.add_argument(
+        "--sparse-vs-dense",
+        action="store_true",
+        help="only prefill time, sparse vs dense attention, cpu vs torch backend "
+        "(default model glm-bench-short; 1K/4K/8K, --quick 512/1K)",
+    )
+    p.add_argument(
+        "--lengths", type=_lengths, metavar="L1,L2", help="context lengths for --sparse-vs-dense"
+    )
     p.add_argument(
         "--device", default="cpu", help="where the engine sections run: cpu (default), cuda, auto"
     )

@@ -1,8 +1,9 @@
 """Kernels below the model: one backend choice decides which code runs each hot op.
 
-`select_backend("auto" | "torch" | "triton" | "flashmla", ...)` is called once per engine;
-the model gets the chosen object and calls its ops (`backend.py`). The torch reference is
-`torch_ops`; dsakv's Triton kernels are `triton_*`; the optional library path `flashmla`.
+`select_backend("auto" | "torch" | "cpu" | "triton" | "flashmla", ...)` is called once per
+engine; the model gets the chosen object and calls its ops (`backend.py`). The torch
+reference is `torch_ops`; its CPU-shaped variant `cpu_ops`; dsakv's Triton kernels are
+`triton_*`; the optional library path `flashmla`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ from .torch_ops import MLAMath, topk_by_position
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "cpu", "torch", "triton", "flashmla")
+BACKENDS = ("auto", "torch", "cpu", "triton", "flashmla")
 
-__all__ = ["BACKENDS", "MLAMath", "TorchBackend", "select_backend", "topk_by_position"]
+__all__ = [
+    "BACKENDS",
+    "CpuBackend",
+    "MLAMath",
+    "TorchBackend",
+    "select_backend",
+    "topk_by_position",
+]
 
 
 def triton_available() -> bool:
@@ -76,7 +84,9 @@ def select_backend(
             os.environ["TRITON_INTERPRET"] = "1"
         backend = TritonBackend(layout)
     elif name == "cpu":
-        backend = CpuBackend(compile=compile)
+        if device.type != "cpu":
+            raise DsakvError(f"attention backend cpu runs on the CPU, not {device.type}")
+        backend = CpuBackend(layout, compile=compile)
     else:
         backend = TorchBackend()
     ops = "; ".join(f"{op}: {how}" for op, how in backend.describe().items())

@@ -4,6 +4,8 @@ The model asks its backend for five ops per layer (store a latent row, store an 
 sparse MLA decode, sparse MLA extend, indexer top-k) and never branches on the device.
 
 - `torch`: the reference (`torch_ops`), on any device; gathers rows out of the pool.
+- `cpu`: the reference's math shaped for a CPU (`cpu_ops`): blocked bf16 indexer scores
+  with ReLU fused, sparse extend attention over small gathered blocks; `auto` on a CPU.
 - `triton`: dsakv's own Triton kernels reading the pool's bytes in place (fp8 decoded in
   registers, no fp32 copy of the context); graph-safe (no host syncs). On CPU it runs
   under the Triton interpreter, which is how the tests check it.
@@ -92,21 +94,32 @@ class TorchBackend:
 
 
 class CpuBackend(TorchBackend):
-    """The torch ops with the CPU's decode fast paths: same numbers, fewer ops per layer
-    (a decode token on a small model is bound by op count, not arithmetic)."""
+    """The torch ops shaped for a CPU (`cpu_ops`), where a decode token is bound by the
+    number of ops and prefill by memory traffic: decode attention widened straight from
+    the stored bytes (through `torch.compile` unless `compile=False`), a one-token MoE in
+    two GEMVs; indexer scores in cache-sized blocks with ReLU fused and bf16 GEMMs over
+    fp8 / bf16 index-K (fp32 over fp32 keys); sparse extend attention over gathered rows
+    in small blocks. Everything else is the reference."""
 
     name = "cpu"
 
-    def __init__(self, compile: bool = True) -> None:
+    def __init__(self, layout, compile: bool = True) -> None:
+        self.index_dtype = cpu_ops.index_compute_dtype(layout.index_k_dtype)
         self.compile = compile
 
     def describe(self) -> dict[str, str]:
+        low = self.index_dtype == torch.bfloat16
         how = "torch.compile" if self.compile else "eager"
         return {
             **super().describe(),
-            "mla_decode": f"cpu_ops.decode_attention ({how}, rows read from the stored bytes)",
+            "mla_decode": f"cpu decode_attention ({how}, rows widened from the stored bytes)",
+            "mla_extend": "cpu sparse gather blocks (fp32)",
+            "index_logits": "cpu blocked, fused ReLU ("
+            + ("bf16 GEMM, fp32 head sum)" if low else "fp32)"),
             "moe": "torch (one token: two GEMVs over its k experts; else a GEMM pair per expert)",
         }
+
+    # --- MLA --------------------------------------------------------------------------------
 
     def mla_decode(self, math, pool, layer, q_nope, q_rope, slots, valid, w_uk, w_uv):
         if math.mode != "absorb":
@@ -125,10 +138,33 @@ class CpuBackend(TorchBackend):
             lay.qk_rope_head_dim,
         )
 
+    def mla_extend(
+        self, math, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv
+    ):
+        def gather(s: torch.Tensor) -> torch.Tensor:
+            return pool.gather_latent(layer, s, q_nope.dtype)
+
+        return cpu_ops.mla_extend(
+            math, q_nope, q_rope, gather, slots, prefix, positions, valid, w_uk, w_uv
+        )
+
+    # --- MoE --------------------------------------------------------------------------------
+
     def experts(self, x, ids, weights, gate_up, down, first: int, last: int) -> torch.Tensor:
         if x.shape[0] == 1:
             return torch_ops.experts_one_token(x, ids, weights, gate_up, down, first, last)
         return torch_ops.experts_loop(x, ids, weights, gate_up, down, first, last)
+
+    # --- indexer ----------------------------------------------------------------------------
+
+    def index_topk_decode(self, pool, layer, q, w, table, lens, scale, topk):
+        b, width = table.shape
+        keys = pool.gather_index_k(layer, table.flatten(), self.index_dtype).view(b, width, -1)
+        return cpu_ops.index_topk_decode(q, w, keys, lens, scale, topk)
+
+    def index_topk_extend(self, pool, layer, q, w, slots, prefix, scale, topk):
+        keys = pool.gather_index_k(layer, slots, self.index_dtype)
+        return cpu_ops.index_topk_extend(q, w, keys, prefix, scale, topk)
 
 
 class TritonBackend(TorchBackend):

@@ -1,11 +1,42 @@
-"""The CPU backend's decode attention: latent rows read from the pool's bytes and attended
-in one function that `torch.compile` (inductor's C++ code generation) turns into a few
-loops, so the gathered context is never materialised as an fp32 copy op by op.
+"""The `cpu` backend's ops: the torch reference's math, shaped for a CPU's caches and its
+bf16 units.
 
-Eager, the same function is the torch reference's arithmetic (`MLAMath.decode` in absorb
-mode) with one difference in reading: rows are decoded from the stored bytes here, not
-through `DSAKVPool.gather_latent`; the values are the same (e4m3 and bf16 widen exactly).
-Compiled, the reductions may run in another order (differences at fp32 rounding).
+What differs from `torch_ops` (which stays the reference, behind the `torch` backend):
+
+- Indexer scores. `Σ_h w_h · ReLU(q_h · k_s)` runs in blocks of `INDEX_QUERY_BLOCK`
+  queries × `INDEX_KEY_BLOCK` keys (a [16 × 32 heads, 1024] bf16 logits block is 1 MiB),
+  so the [queries × heads × context] fp32 block of the reference is never materialised;
+  ReLU runs in place on the cache-resident block and the head sum is one small fp32
+  batched GEMM per block. (oneDNN's fused ReLU post-op, `mkldnn._linear_pointwise`, saves
+  about 6% of the GEMM here: not worth a private op.)
+  Over fp8 (or bf16) index-K the GEMM runs in bf16 (measured on AVX512-BF16: about 2× the
+  fp32 GEMM, 1.5× the whole indexer): the keys are e4m3 × a power-of-two scale, so bf16
+  holds them exactly; the queries are rounded to bf16, as the Triton backend does
+  (`backend._low_precision`); products accumulate in fp32 and each head's logit is
+  rounded once to bf16 (the one rounding the Triton path does not have, of the same size
+  as the query's); the weights (× 1/√d) and the head sum stay fp32. Over fp32 index-K
+  (or without native bf16) the blocks run the reference's fp32 ops in the reference's
+  order: the same positions.
+  Top-k stays `topk_by_position`, per block of `INDEX_TOPK_ROWS` queries, over the keys
+  the block's last query can see. Decode scores with the same arithmetic, so a token's
+  selection does not depend on whether it was decoded or re-prefilled.
+- Sparse extend attention. Each query's selected latent rows are gathered for a few
+  queries at a time (`SPARSE_ROWS_ELEMS` values, a few MiB, stay in cache between the
+  gather and the two batched GEMMs that read them), in fp32 as the reference. The
+  reference gathers ~64 MiB blocks, or scores the whole context and masks (dense cost)
+  while `heads × context ≤ 64 × index_topk` (4K context at 4 heads, top-256); here that
+  break-even is measured at 12 (`SCORE_ALL_RATIO`).
+
+- Decode attention (`decode_attention`). Latent rows are widened straight from the
+  pool's stored bytes (e4m3 and bf16 widen exactly) and attended in one function that
+  `torch.compile` (inductor's C++ code generation) turns into a few loops and GEMMs, so a
+  decode step does not pay dozens of small ops and an fp32 copy op by op per layer. Eager
+  (`--disable-torch-compile`) it is `MLAMath.decode`'s arithmetic, bit for bit; compiled,
+  reductions may run in another order (fp32 rounding).
+
+The blocks split independent dot products: a query's scores, hence its selection, do not
+depend on how the prefill was chunked or which queries share a block
+(tests/test_cpu_backend.py checks it).
 """
 
 from __future__ import annotations
@@ -13,14 +44,186 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import cache
 
 import torch
 
 from dsakv.memory.fp8 import FP8_BLOCK, FP8_DTYPE, e4m3_to_float
 
-from .torch_ops import per_head
+from . import torch_ops
+from .torch_ops import MLAMath, per_head, topk_by_position
 
 log = logging.getLogger(__name__)
+
+# Queries (× heads rows) and keys per indexer GEMM block.
+INDEX_QUERY_BLOCK = 16
+INDEX_KEY_BLOCK = 1024
+# Queries per top-k call: bounds the fp32 [rows, context] score block (2 MiB at 8K).
+INDEX_TOPK_ROWS = 64
+# Gathered latent values per sparse attention block ([queries, k, kv_lora + rope]).
+SPARSE_ROWS_ELEMS = 1 << 20
+# Below heads × context = this × index_topk, scoring the whole context and masking (the
+# reference) beats gathering: measured break-even 12-16 with 4 heads and top-256 in fp32
+# (the reference's SCORE_ALL_RATIO, 64, is for its own large gather blocks).
+SCORE_ALL_RATIO = 12
+# Logits per decode indexer block ([requests, heads, padded context], bf16).
+DECODE_LOGITS_ELEMS = 1 << 22
+
+
+@cache
+def bf16_gemm_native() -> bool:
+    """Whether oneDNN runs bf16 GEMMs natively here (AVX512-BF16 / AMX): without it a bf16
+    GEMM is emulated and slower than fp32, so the indexer stays in fp32."""
+    try:
+        return bool(
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def index_compute_dtype(index_k_dtype: str) -> torch.dtype:
+    """bf16 when the stored keys are exact in bf16 (fp8, bf16) and bf16 GEMMs are native."""
+    return (
+        torch.bfloat16 if index_k_dtype in ("fp8", "bf16") and bf16_gemm_native() else torch.float32
+    )
+
+
+# --- indexer ---------------------------------------------------------------------------------
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float):
+    """`Σ_h w_h · ReLU(q_h · k_s · scale)`: `q[c, H, D]`, `w[c, H]` fp32, `keys[L, D]` bf16
+    or fp32 (the compute dtype) -> `[c, L]` fp32, in query × key blocks.
+
+    bf16 keys: q rounded to bf16, logits rounded to bf16 after an fp32 accumulation, ReLU
+    fused, `(w · scale) @ logits` in fp32. fp32 keys: `w @ ReLU(q·k · scale)`, the
+    reference's `index_logits` op for op.
+    """
+    c, heads, dim = q.shape
+    ctx = keys.shape[0]
+    out = torch.empty(c, ctx, dtype=torch.float32, device=q.device)
+    low = keys.dtype == torch.bfloat16
+    qc = q.to(keys.dtype)
+    wc = (w * scale).float() if low else w.float()
+    for a in range(0, c, INDEX_QUERY_BLOCK):
+        b = min(c, a + INDEX_QUERY_BLOCK)
+        q2d = qc[a:b].reshape((b - a) * heads, dim)
+        wa = wc[a:b, None, :]  # [n, 1, H]
+        for s in range(0, ctx, INDEX_KEY_BLOCK):
+            t = min(ctx, s + INDEX_KEY_BLOCK)
+            if low:
+                logits = torch.mm(q2d, keys[s:t].t()).relu_().float()
+            else:
+                logits = torch.mm(q2d, keys[s:t].t()).mul_(scale).relu_()
+            out[a:b, s:t] = torch.bmm(wa, logits.view(b - a, heads, t - s)).squeeze(1)
+    return out
+
+
+def index_topk_extend(q, w, keys, prefix: int, scale: float, topk: int) -> torch.Tensor:
+    """`torch_ops.index_topk_extend` in blocks: queries at positions prefix..prefix+e-1,
+    `keys[L, D]` in the compute dtype -> positions `[e, topk]` (L >= topk).
+
+    Each block of queries scores only the keys its last query can see (at least `topk`
+    of them); `topk_by_position` does not depend on that width, so the positions are the
+    same as over the whole context."""
+    e, ctx = q.shape[0], keys.shape[0]
+    qpos = torch.arange(prefix, prefix + e, device=q.device)
+    kpos = torch.arange(ctx, device=q.device)
+    out = torch.empty(e, topk, dtype=torch.long, device=q.device)
+    for a in range(0, e, INDEX_TOPK_ROWS):
+        b = min(e, a + INDEX_TOPK_ROWS)
+        width = min(ctx, max(prefix + b, topk))
+        scores = index_scores(q[a:b], w[a:b], keys[:width], scale)
+        scores.masked_fill_(kpos[None, :width] > qpos[a:b, None], float("-inf"))
+        out[a:b] = topk_by_position(scores, topk)
+    return out
+
+
+def index_topk_decode(q, w, keys, lens, scale: float, topk: int) -> torch.Tensor:
+    """Decode top-k over padded contexts `keys[B, W, D]` (compute dtype), `lens[B]` ->
+    positions `[B, topk]`, with `index_scores`' arithmetic, so a token's selection is the
+    same whether it was decoded or prefilled (a retracted request recomputes by prefill).
+    Batched GEMMs over blocks of requests bound the [requests, heads, W] logits block."""
+    if keys.dtype != torch.bfloat16:
+        return torch_ops.index_topk_decode(q, w, keys, lens, scale, topk)
+    b, width = keys.shape[:2]
+    heads = q.shape[1]
+    qc, wc = q.to(torch.bfloat16), (w * scale).float()[:, None, :]
+    scores = torch.empty(b, width, dtype=torch.float32, device=q.device)
+    step = max(1, DECODE_LOGITS_ELEMS // (heads * width))
+    for a in range(0, b, step):
+        z = min(b, a + step)
+        logits = torch.bmm(qc[a:z], keys[a:z].transpose(1, 2)).relu_()  # [n, H, W] bf16
+        scores[a:z] = torch.bmm(wc[a:z], logits.float()).squeeze(1)
+    kpos = torch.arange(width, device=q.device)
+    scores.masked_fill_(kpos[None, :] >= lens[:, None], float("-inf"))
+    return topk_by_position(scores, topk)
+
+
+# --- sparse MLA extend -----------------------------------------------------------------------
+
+
+def mla_extend(math: MLAMath, q_nope, q_rope, gather, slots, prefix, positions, valid, w_uk, w_uv):
+    """`MLAMath.extend` with the sparse part in small gathered blocks (`sparse_absorbed`).
+
+    Dense requests (no selection), the expand mode, short contexts (`SCORE_ALL_RATIO`) and
+    queries that see at most index_topk positions (`early`: all of them are selected) run
+    the reference."""
+    short = (
+        positions is not None
+        and math.n_heads * slots.shape[0] <= SCORE_ALL_RATIO * positions.shape[1]
+    )
+    if positions is None or math.mode != "absorb" or short:
+        return math.extend(q_nope, q_rope, gather, slots, prefix, positions, valid, w_uk, w_uv)
+    e = q_nope.shape[0]
+    early = min(max(positions.shape[1] - prefix, 0), e)
+    outs = []
+    if early:
+        outs.append(
+            math.extend(
+                q_nope[:early],
+                q_rope[:early],
+                gather,
+                slots[: prefix + early],
+                prefix,
+                None,
+                None,
+                w_uk,
+                w_uv,
+            )
+        )
+    if early < e:
+        positions, valid = positions[early:], valid[early:]
+        if positions.numel() < slots.shape[0]:
+            # Few queries (decode-like): read only the selected rows from the pool.
+            slots = slots[positions.flatten()]
+            positions = torch.arange(slots.shape[0], device=slots.device).view_as(positions)
+        o_lat = sparse_absorbed(
+            math, q_nope[early:], q_rope[early:], gather(slots), positions, valid
+        )
+        outs.append(torch.einsum("thc,hvc->thv", o_lat, w_uv))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def sparse_absorbed(math: MLAMath, q_lat, q_rope, ctx, positions, valid) -> torch.Tensor:
+    """Latent output `[e, H, kv_lora]` of queries attending to their selected rows of
+    `ctx[L, kv_lora + rope]`: `positions[e, k]`, `valid[e, k]`. The reference's gather
+    path (`MLAMath._absorbed`), a few queries per block."""
+    q = torch.cat([q_lat, q_rope], dim=-1)  # [e, H, kv_lora + rope]
+    e, k = positions.shape
+    width = ctx.shape[1]
+    out = torch.empty(e, math.n_heads, math.kv_lora, dtype=ctx.dtype, device=ctx.device)
+    step = max(1, SPARSE_ROWS_ELEMS // (k * width))
+    for a in range(0, e, step):
+        b = min(e, a + step)
+        rows = ctx.index_select(0, positions[a:b].flatten()).view(b - a, k, width)
+        scores = torch.bmm(q[a:b], rows.transpose(1, 2))  # [n, H, k]
+        out[a:b] = math._softmax_av(scores, valid[a:b, None, :], rows[..., : math.kv_lora])
+    return out
+
+
+# --- decode attention ------------------------------------------------------------------------
 
 
 def latent_rows(

@@ -30,7 +30,9 @@ def store_rows(rows: torch.Tensor, data: torch.Tensor, slots: torch.Tensor) -> N
     require_triton()
     n, width = rows.shape
     if data.dim() != 2 or data.shape[1] != width or slots.shape != (n,):
-        raise ValueError(f"rows {tuple(rows.shape)}, data {tuple(data.shape)}, slots {tuple(slots.shape)}")
+        raise ValueError(
+            f"rows {tuple(rows.shape)}, data {tuple(data.shape)}, slots {tuple(slots.shape)}"
+        )
     bits = _BITS[data.element_size()]
     src = rows.to(data.dtype).contiguous().view(bits)
     if n:
