@@ -18,6 +18,7 @@ from dsakv.bench.throughput import Workload, fit_step_cost
 from dsakv.models.tiny import write_tiny_model
 
 TINY = BenchSizes(
+    cpu_paths=False,
     requests=8,
     prompt_lens=(8, 40),
     output_lens=(2, 6),

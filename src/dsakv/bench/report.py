@@ -253,6 +253,17 @@ def summary(r: dict[str, Any]) -> str:
         from .storage import summary_lines as storage_lines
 
         lines += ["", "9. " + storage_lines(r["storage"])[0], *storage_lines(r["storage"])[1:]]
+    if r.get("cpu_paths"):
+        from .prefill import summary_lines as prefill_lines
+        from .serving_rate import summary as serving_summary
+
+        cp = r["cpu_paths"]
+        pre = prefill_lines(cp["prefill"])
+        lines += ["", "10. CPU paths: `cpu` backend vs today's (`torch`)", "  " + pre[0]]
+        lines += ["  " + line for line in pre[1:]]
+        for backend, d in cp["decode"].items():
+            lines += [f"  decode, attention backend {backend}:"]
+            lines += ["  " + line for line in serving_summary(d).splitlines()]
     tg = r.get("targets")
     if tg:
         lines += ["", "targets"]

@@ -66,6 +66,12 @@ class BenchSizes:
     storage: bool = True
     storage_prompt_len: int = 1024
     storage_page_size: int = 64
+    # Section 10: the CPU paths, new (`cpu` backend) vs today's (`torch`) side by side:
+    # prefill sparse vs dense on the section-3 model, and decode at 1 and 32 requests in
+    # process vs through `dsakv serve` (`serving_rate`; its quick sizes with `cpu_quick`).
+    cpu_paths: bool = True
+    cpu_prefill_lengths: tuple[int, ...] = (1024, 4096, 8192)
+    cpu_quick: bool = False
     # Section 5.
     memory: bool = True
     memory_quick: bool = False
@@ -91,6 +97,8 @@ QUICK = BenchSizes(
     mtp_output_lens=(32, 48),
     memory_quick=True,
     storage_prompt_len=384,
+    cpu_prefill_lengths=(512, 1024),
+    cpu_quick=True,
 )
 
 
@@ -132,6 +140,7 @@ def run_bench(
     )
     sections += ["mtp"] + (["parallel"] if tp_size > 1 else []) + (["pd"] if pd else [])
     sections += ["storage"] if sizes.storage else []
+    sections += ["cpu_paths"] if sizes.cpu_paths and device == "cpu" else []
     try:
         with tqdm(total=len(sections), desc="dsakv bench", unit="section") as bar:
             path = resolve_model_dir(model, "glm-bench")
@@ -217,6 +226,11 @@ def run_bench(
                     **(storage or {}),
                 )
                 bar.update()
+            if "cpu_paths" in sections:
+                bar.set_postfix_str("cpu paths")
+                clock["cpu_paths"] = time.perf_counter()
+                result["cpu_paths"] = _cpu_paths(path, ic_path, sizes)
+                bar.update()
     finally:
         torch.set_num_threads(saved_threads)
     end = time.perf_counter()
@@ -242,6 +256,26 @@ def run_bench(
             f"(requests {bad[:8]}); see the JSON report"
         )
     return result
+
+
+def _cpu_paths(path: str, ic_path: str, sizes: BenchSizes) -> dict[str, Any]:
+    """Section 10: every figure twice, the `cpu` backend against today's path (`torch`)."""
+    from . import serving_rate
+    from .prefill import run_prefill_sparse_vs_dense
+
+    prefill = run_prefill_sparse_vs_dense(ic_path, sizes.cpu_prefill_lengths, seed=sizes.seed)
+    serving_sizes = serving_rate.QUICK if sizes.cpu_quick else serving_rate.DEFAULT
+    decode = {
+        backend: serving_rate.run_serving_rate(
+            path,
+            quick=sizes.cpu_quick,
+            sizes=serving_sizes,
+            engine_args={"attention_backend": backend},
+            print_summary=False,
+        )
+        for backend in ("cpu", "torch")
+    }
+    return {"prefill": prefill, "decode": decode}
 
 
 def _cpus() -> int:
