@@ -45,7 +45,7 @@ def select_backend(
     n_heads: int,
     index_heads: int,
     index_topk: int,
-    compile: bool = True,
+    compile: bool = False,
 ) -> TorchBackend:
     """The backend for this engine, with one log line saying which code runs each op.
 

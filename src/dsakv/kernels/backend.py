@@ -96,14 +96,14 @@ class TorchBackend:
 class CpuBackend(TorchBackend):
     """The torch ops shaped for a CPU (`cpu_ops`), where a decode token is bound by the
     number of ops and prefill by memory traffic: decode attention widened straight from
-    the stored bytes (through `torch.compile` unless `compile=False`), a one-token MoE in
+    the stored bytes (through `torch.compile` with `compile=True`), a one-token MoE in
     two GEMVs; indexer scores in cache-sized blocks with ReLU fused and bf16 GEMMs over
     fp8 / bf16 index-K (fp32 over fp32 keys); sparse extend attention over gathered rows
     in small blocks. Everything else is the reference."""
 
     name = "cpu"
 
-    def __init__(self, layout, compile: bool = True) -> None:
+    def __init__(self, layout, compile: bool = False) -> None:
         self.index_dtype = cpu_ops.index_compute_dtype(layout.index_k_dtype)
         self.compile = compile
 
