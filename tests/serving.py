@@ -56,6 +56,7 @@ def serving(config: EngineConfig, **server_args) -> Iterator[tuple[str, AsyncEng
             yield base, async_engine
     finally:
         async_engine.shutdown()
+        async_engine.close_engine()  # on the engine thread, which then ends
 
 
 # --- `dsakv serve` processes (prefill/decode disaggregation, kill tests) -------------------------

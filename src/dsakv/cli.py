@@ -463,6 +463,10 @@ def _add_engine_commands(sub: Any) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.sparse_vs_dense:
         return _bench_sparse_vs_dense(args)
+    if args.serving:
+        return _bench_serving(args)
+    if args.engine_arg or args.repeats is not None:
+        raise DsakvError("--engine-arg and --repeats go with --serving")
     from dsakv.bench import run_bench
 
     run_bench(
@@ -501,6 +505,63 @@ def _lengths(text: str) -> tuple[int, ...]:
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers like 1024,4096, got {text!r}")
     return out
+
+
+def _bench_serving(args: argparse.Namespace) -> int:
+    """`dsakv bench --serving`: only the in-process vs `dsakv serve` decode-rate section."""
+    others = [
+        flag
+        for flag, given in (
+            ("--plot", args.plot),
+            ("--pd", args.pd),
+            ("--tp", args.tp != 1),
+            ("--hicache-storage-backend", args.hicache_storage_backend),
+            ("--hicache-storage-dir", args.hicache_storage_dir),
+            ("--hicache-mooncake-master", args.hicache_mooncake_master),
+        )
+        if given
+    ]
+    if others:
+        raise DsakvError(
+            f"--serving runs only the serving-rate section: drop {', '.join(others)} "
+            "(engine settings go in --engine-arg KEY=VALUE)"
+        )
+    from dataclasses import replace
+
+    from dsakv.bench import serving_rate as sr
+    from dsakv.engine import EngineConfig
+    from dsakv.models.tiny import resolve_model_dir
+
+    engine_args = dict(args.engine_arg or [])
+    if args.device != "cpu" or "device" in engine_args:
+        engine_args.setdefault("device", args.device)
+    path = resolve_model_dir(args.model, "glm-bench")
+    sr.serve_flags(EngineConfig.from_kwargs(path, **engine_args), engine_args)  # fail fast
+    sizes = sr.QUICK if args.quick else sr.DEFAULT
+    if args.repeats is not None:
+        sizes = replace(sizes, repeats=args.repeats)
+    sr.run_serving_rate(
+        path,
+        quick=args.quick,
+        sizes=sizes,
+        engine_args=engine_args,
+        json_path=args.json,
+        print_summary=True,
+    )
+    return 0
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    """argparse type for --engine-arg KEY=VALUE: VALUE as JSON (numbers, true, null), else
+    as the string it is."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return key.strip().replace("-", "_"), parsed
 
 
 def _bench_device(name: str) -> str:
@@ -552,6 +613,20 @@ def _add_bench(sub: Any) -> None:
     p.add_argument(
         "--device", default="cpu", help="where the engine sections run: cpu (default), cuda, auto"
     )
+    g = p.add_argument_group("serving rate (decode tok/s in process vs through dsakv serve)")
+    g.add_argument(
+        "--serving",
+        action="store_true",
+        help="run only this section: 1 and 32 requests (--quick: 1 and 8, 32 tokens)",
+    )
+    g.add_argument(
+        "--engine-arg",
+        type=_engine_arg,
+        action="append",
+        metavar="KEY=VALUE",
+        help="an engine argument for both sides, e.g. attention_backend=torch (repeatable)",
+    )
+    g.add_argument("--repeats", type=_positive_int, help="rounds per concurrency, medians reported")
     from dsakv.memory.storage import BACKENDS
 
     g = p.add_argument_group("L3 section (default: files in a temporary directory)")

@@ -27,7 +27,7 @@ from dsakv.engine import disagg as ops
 from dsakv.errors import DsakvError
 from dsakv.server.metrics import PREFIX
 from dsakv.server.protocol import APIError
-from dsakv.server.runner import AsyncEngine, RequestStream, Update, _update
+from dsakv.server.runner import AsyncEngine, EngineThread, RequestStream, Update, _update
 
 from .bootstrap import BootstrapError, BootstrapServer, describe, request_kv
 from .config import DisaggConfig
@@ -53,13 +53,19 @@ def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget
 class _DisaggEngine(AsyncEngine):
     role = ""
 
-    def __init__(self, engine: Engine, config: DisaggConfig, server_host: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: DisaggConfig,
+        server_host: str,
+        thread: EngineThread | None = None,
+    ) -> None:
         self.config = config
         self.layout = describe(engine.layout, engine.model_config)
         self.transfer = KVTransfer(engine.pool, config.host_for(server_host))
         # Prefill: what it sent (counted by the transfer); decode: what it received.
         self.stats: TransferStats = self.transfer.stats
-        super().__init__(engine)  # starts the engine thread
+        super().__init__(engine, thread)  # starts the step loop
         self.pending = 0  # requests between handshake and KV (prefill: held pages)
         self._tasks: set[asyncio.Task] = set()
 
@@ -116,13 +122,19 @@ class PrefillAsyncEngine(_DisaggEngine):
 
     role = "prefill"
 
-    def __init__(self, engine: Engine, config: DisaggConfig, server_host: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: DisaggConfig,
+        server_host: str,
+        thread: EngineThread | None = None,
+    ) -> None:
         layout = describe(engine.layout, engine.model_config)
         self.bootstrap = BootstrapServer(
             server_host, config.bootstrap_port, layout, config.timeout_s
         )
         try:
-            super().__init__(engine, config, server_host)
+            super().__init__(engine, config, server_host, thread)
         except BaseException:
             self.bootstrap.close()
             raise
@@ -246,8 +258,14 @@ class DecodeAsyncEngine(_DisaggEngine):
 
     role = "decode"
 
-    def __init__(self, engine: Engine, config: DisaggConfig, server_host: str) -> None:
-        super().__init__(engine, config, server_host)
+    def __init__(
+        self,
+        engine: Engine,
+        config: DisaggConfig,
+        server_host: str,
+        thread: EngineThread | None = None,
+    ) -> None:
+        super().__init__(engine, config, server_host, thread)
         self.stats = TransferStats()
 
     async def generate_n(
@@ -331,11 +349,14 @@ class DecodeAsyncEngine(_DisaggEngine):
             self._streams[req.rid] = stream
 
 
-def make_async_engine(engine: Engine, config: DisaggConfig, server_host: str) -> _DisaggEngine:
-    """The prefill or decode server's bridge; setup failures are one `DsakvError`."""
+def make_async_engine(
+    engine: Engine, config: DisaggConfig, server_host: str, thread: EngineThread | None = None
+) -> _DisaggEngine:
+    """The prefill or decode server's bridge; setup failures are one `DsakvError`.
+    `thread`: the `EngineThread` that built `engine`, to step it too."""
     cls = PrefillAsyncEngine if config.mode == "prefill" else DecodeAsyncEngine
     try:
-        return cls(engine, config, server_host)
+        return cls(engine, config, server_host, thread)
     except (TransferError, BootstrapError) as e:
         raise DsakvError(str(e)) from None
 

@@ -4,6 +4,13 @@ One background thread owns the engine: it drains a thread-safe command queue (ad
 call), runs `engine.step()` while there is work, and pushes each request's new tokens to the
 handler's asyncio queue with `loop.call_soon_threadsafe`. Every client's requests end up in
 the same engine batch; nothing else ever touches the engine, so it needs no locks.
+
+That thread should also be the one that built the engine (`EngineThread`, as `make_server`
+does): on the CPU, torch's ops run in OpenMP (libgomp) teams, one team per OS thread that
+ever ran a parallel op. Building the engine on the main thread and stepping it on another
+left two teams, more OpenMP threads than cores on a 2-core machine, and libgomp then stops
+spin-waiting between parallel regions: its workers sleep in the kernel after every op (two
+context switches per op, thousands per decode step), which halved the server's decode rate.
 """
 
 from __future__ import annotations
@@ -14,13 +21,60 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from dsakv.engine import Engine, Request, SamplingParams
 from dsakv.errors import DsakvError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """The one OS thread that builds an engine (`call`), runs its step loop (`submit`) and
+    closes it (`call` again), until `close`.
+
+    Why not any thread: each OS thread that runs a torch CPU op in parallel gets an OpenMP
+    team of its own, and once libgomp manages more threads than there are cores it stops
+    spin-waiting, so every later parallel op pays a sleep and a wake-up. One thread for all
+    of it keeps the process at one team, as in-process `LLM` use has (module docstring).
+    Staying alive until the engine is closed also keeps the rank processes it spawned
+    (`--tp`) alive: their parent-death signal follows the thread that started them.
+    """
+
+    def __init__(self, name: str = "dsakv-engine") -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on this thread and return its result; whatever it raises is raised here
+        (a `SystemExit` too: a non-zero rank's `create_engine` exits once rank 0 stops)."""
+        done: Future[T] = Future()
+
+        def job() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+
+        self._jobs.put(job)
+        return done.result()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (the step loop) after the queued jobs, without waiting for it."""
+        self._jobs.put(fn)
+
+    def close(self) -> None:
+        """End the thread once the queued jobs ran; idempotent."""
+        self._jobs.put(None)
 
 
 @dataclass(frozen=True)
@@ -85,23 +139,29 @@ class RequestStream:
 
 class AsyncEngine:
     """Owns the engine thread. `generate()` submits; `abort()` cancels; `call()` runs a
-    function on the engine thread (counters, integrity checks) and awaits its result."""
+    function on the engine thread (counters, integrity checks) and awaits its result.
+    `thread`: the `EngineThread` that built `engine`, to step and close it there too (else a
+    thread of its own steps it, and ends with the step loop)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, thread: EngineThread | None = None) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}
         self._stop = threading.Event()
         self._seq = itertools.count()
         self.error: BaseException | None = None  # set if the engine thread itself died
-        self._thread = threading.Thread(target=self._run, name="dsakv-engine", daemon=True)
-        self._thread.start()
+        self._finished = threading.Event()  # the step loop returned
+        self._owner = thread or EngineThread()
+        self._owns_thread = thread is None
+        self._owner.submit(self._run)
+        if self._owns_thread:
+            self._owner.close()
 
     # --- handler side (any thread / event loop) ---------------------------------------------
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        return not self._finished.is_set() and not self._stop.is_set()
 
     async def generate(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it.
@@ -170,8 +230,19 @@ class AsyncEngine:
             return
         self._commands.put(("abort_all", None))
         self._commands.put(("stop", None))
-        self._thread.join(timeout)
+        self._finished.wait(timeout)
         self._stop.set()
+
+    def close_engine(self) -> None:
+        """After `shutdown`: close the engine (other ranks, L3 tier) on the thread that built
+        it once its step loop has stopped, then end that thread."""
+        if self._owns_thread or not self._finished.is_set():
+            self.engine.close()  # no thread to hand it to (or the loop is stuck in a step)
+            return
+        try:
+            self._owner.call(self.engine.close)
+        finally:
+            self._owner.close()
 
     # --- engine thread ----------------------------------------------------------------------
 
@@ -189,6 +260,8 @@ class AsyncEngine:
             self.error = e
             self._fail_all(f"engine thread died: {e}")
             self._stop.set()
+        finally:
+            self._finished.set()
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""

@@ -17,7 +17,7 @@ from dsakv.errors import DsakvError
 from .app import build_app
 from .chat import ChatParsers
 from .parsers import resolve_parsers
-from .runner import AsyncEngine
+from .runner import AsyncEngine, EngineThread
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,23 @@ def make_server(
                 "--hicache-storage-backend is not supported with --disaggregation-mode yet "
                 "(a prefill server would need its L3 pages before shipping them)"
             )
-    engine = create_engine(config, exit_on_rank_death=True)
+    # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
+    thread = EngineThread()
+    try:
+        engine = thread.call(lambda: create_engine(config, exit_on_rank_death=True))
+    except BaseException:
+        thread.close()
+        raise
     if disaggregation is None:
-        async_engine = AsyncEngine(engine)
+        async_engine = AsyncEngine(engine, thread)
     else:
         from dsakv.disagg.serving import make_async_engine
 
-        async_engine = make_async_engine(engine, disaggregation, host)
+        try:
+            async_engine = make_async_engine(engine, disaggregation, host, thread)
+        except BaseException:
+            thread.close()  # a no-op once the step loop started
+            raise
     name = served_model_name or Path(config.model).name or str(config.model)
     parsers = ChatParsers.for_model(
         engine.model_config.model_type, tool_call_parser, reasoning_parser
@@ -110,7 +120,7 @@ def run_server(
         if main:
             signal.signal(signal.SIGTERM, previous)
         async_engine.shutdown()
-        async_engine.engine.close()
+        async_engine.close_engine()
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
