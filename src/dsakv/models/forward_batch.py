@@ -100,6 +100,14 @@ class ForwardBatch:
         return torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
 
     @cached_property
+    def decode_visible(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every padded position of `decode_ctx` `[B, W]` and whether it is inside its
+        request's context; built once per step for the layers that attend everything."""
+        table, lens = self.decode_ctx
+        positions = torch.arange(table.shape[1], device=table.device).expand_as(table)
+        return positions, positions < lens[:, None]
+
+    @cached_property
     def decode_ctx(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode requests' context slots padded to `[B, max_len]` (pad = slot of position 0)
         and their context lengths `[B]`; built once per step, shared by every layer."""

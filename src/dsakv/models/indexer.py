@@ -123,6 +123,5 @@ def _every_position(batch: ForwardBatch) -> Selection | None:
     each request's length."""
     if not batch.decode_reqs:
         return None
-    table, lens = batch.decode_ctx
-    positions = torch.arange(table.shape[1], device=table.device).expand_as(table)
-    return Selection(positions, positions < lens[:, None], table)
+    positions, valid = batch.decode_visible
+    return Selection(positions, valid, batch.decode_ctx[0])
