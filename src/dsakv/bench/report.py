@@ -261,8 +261,8 @@ def summary(r: dict[str, Any]) -> str:
         pre = prefill_lines(cp["prefill"])
         lines += ["", "10. CPU paths: `cpu` backend vs today's (`torch`)", "  " + pre[0]]
         lines += ["  " + line for line in pre[1:]]
-        for backend, d in cp["decode"].items():
-            lines += [f"  decode, attention backend {backend}:"]
+        for name, d in cp["decode"].items():
+            lines += [f"  decode, attention backend {name}:"]
             lines += ["  " + line for line in serving_summary(d).splitlines()]
     tg = r.get("targets")
     if tg:

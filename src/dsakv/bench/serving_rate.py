@@ -172,6 +172,7 @@ _SWITCHES = {
     "elide_index_k": (False, "--no-elide-index-k"),
     "enable_prefix_cache": (False, "--no-prefix-cache"),
     "disable_cuda_graph": (True, "--disable-cuda-graph"),
+    "enable_torch_compile": (True, "--enable-torch-compile"),
     "dp_attention": (True, "--dp-attention"),
     "no_index_share": (True, "--no-index-share"),
     "hicache_mooncake_start_master": (True, "--hicache-mooncake-start-master"),

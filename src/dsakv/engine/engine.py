@@ -58,8 +58,8 @@ class EngineConfig:
     # Which code runs the hot ops (`dsakv.kernels`), and CUDA-graph decode on CUDA.
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False
-    # The cpu backend's decode attention through torch.compile (inductor's C++): off by
-    # default, as it measured no faster than eager on glm-bench (see cpu_ops).
+    # The cpu backend runs decode steps of up to 4 requests through torch.compile
+    # (inductor's C++): off by default, for its warm-up of 10-45 s per process (cpu_ops).
     enable_torch_compile: bool = False
     index_topk_pattern: str | None = None
     index_topk_freq: int | None = None
@@ -173,17 +173,21 @@ def keep_freed_memory() -> None:
 
     A CPU decode step allocates and frees tens of MB of temporaries per layer; by default
     glibc returns that memory after each free and the next step page-faults it back in,
-    which measured as ~40% of step time. A no-op where glibc is absent.
+    which measured as ~40% of step time. Blocks up to 32 MB (glibc's largest mmap
+    threshold) come from the heap too: setting the trim threshold freezes the mmap
+    threshold at 128 KB, and a 10 MB block of gathered rows (32 requests) was then mapped
+    and faulted in afresh on every call, 4-6× slower. A no-op where glibc is absent.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
         libc.mallopt(_M_TOP_PAD, 64 << 20)
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
     except (OSError, AttributeError):
         pass
 
 
-_M_TRIM_THRESHOLD, _M_TOP_PAD = -1, -2  # glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
 
 
 def resolve_device(name: str) -> torch.device:
@@ -275,7 +279,8 @@ class Engine:
             n_heads=c.num_attention_heads // self.parallel.attn_size,
             index_heads=c.index_n_heads,
             index_topk=c.index_topk,
-            compile=config.enable_torch_compile,
+            # Compiled blocks hold no collectives: one rank only.
+            compile=config.enable_torch_compile and self.parallel.world_size == 1,
         )
         self.model.use_backend(self.backend)
         self.allocator = PageAllocator(num_pages, config.page_size)

@@ -50,7 +50,7 @@ def select_backend(
     """The backend for this engine, with one log line saying which code runs each op.
 
     `auto`: `flashmla` when the library kernels import, the GPU is sm90+ and the shapes fit;
-    else `triton` on CUDA; `cpu` on a CPU (`compile`: its decode attention through
+    else `triton` on CUDA; `cpu` on a CPU (`compile`: its small decode steps through
     `torch.compile`); else `torch`. `triton` on a CPU runs under the Triton interpreter
     (slow: what the tests use to check the kernels without a GPU).
     """

@@ -36,6 +36,13 @@ class TorchBackend:
     def describe(self) -> dict[str, str]:
         return dict.fromkeys(("stores", "mla_decode", "mla_extend", "index_logits", "moe"), "torch")
 
+    # --- model blocks -----------------------------------------------------------------------
+
+    def block(self, fn, batch, *args):
+        """A pure-tensor block of the model (`fn(*args)`: norms, projections, FFN) around a
+        layer's attention, in step `batch` (a `ForwardBatch`)."""
+        return fn(*args)
+
     # --- stores ---------------------------------------------------------------------------
 
     def store_latent(self, pool, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -96,20 +103,27 @@ class TorchBackend:
 class CpuBackend(TorchBackend):
     """The torch ops shaped for a CPU (`cpu_ops`), where a decode token is bound by the
     number of ops and prefill by memory traffic: decode attention widened straight from
-    the stored bytes (through `torch.compile` with `compile=True`), a one-token MoE in
-    two GEMVs; indexer scores in cache-sized blocks with ReLU fused and bf16 GEMMs over
-    fp8 / bf16 index-K (fp32 over fp32 keys); sparse extend attention over gathered rows
-    in small blocks. Everything else is the reference."""
+    the stored bytes, a one-token MoE in two GEMVs; indexer scores in cache-sized blocks
+    with ReLU fused and bf16 GEMMs over fp8 / bf16 index-K (fp32 over fp32 keys); sparse
+    extend attention over gathered rows in small blocks. Everything else is the reference.
+
+    `compile=True`: decode steps of at most `GEMV_ROWS` requests run each layer's blocks
+    around attention (`block`) and the decode attention through `torch.compile`."""
 
     name = "cpu"
 
     def __init__(self, layout, compile: bool = False) -> None:
         self.index_dtype = cpu_ops.index_compute_dtype(layout.index_k_dtype)
         self.compile = compile
+        # Eager inside a compiled block: the loop reads expert counts on the host, which
+        # dynamo would trace as constants (a recompilation per routing pattern). (Importing
+        # dynamo only when compiling: it breaks the Triton interpreter's patching.)
+        loop = torch_ops.experts_loop
+        self._experts_loop = torch.compiler.disable(loop) if compile else loop
 
     def describe(self) -> dict[str, str]:
         low = self.index_dtype == torch.bfloat16
-        how = "torch.compile" if self.compile else "eager"
+        how = f"torch.compile up to {torch_ops.GEMV_ROWS} requests" if self.compile else "eager"
         return {
             **super().describe(),
             "mla_decode": f"cpu decode_attention ({how}, rows widened from the stored bytes)",
@@ -119,13 +133,27 @@ class CpuBackend(TorchBackend):
             "moe": "torch (one token: two GEMVs over its k experts; else a GEMM pair per expert)",
         }
 
+    # --- model blocks -----------------------------------------------------------------------
+
+    def block(self, fn, batch, *args):
+        if self.compile and batch.is_decode_only and self._small(batch.num_tokens):
+            return cpu_ops.compiled(fn)(*args)
+        return fn(*args)
+
+    def _small(self, rows: int) -> bool:
+        """Compiled code runs decode steps of at most `GEMV_ROWS` requests: there its GEMVs
+        stream the weights in fused loops. Larger batches run the same extern GEMMs either
+        way and eager gathers were measured faster (glm-bench, 32 requests)."""
+        return rows <= torch_ops.GEMV_ROWS
+
     # --- MLA --------------------------------------------------------------------------------
 
     def mla_decode(self, math, pool, layer, q_nope, q_rope, slots, valid, w_uk, w_uv):
         if math.mode != "absorb":
             return super().mla_decode(math, pool, layer, q_nope, q_rope, slots, valid, w_uk, w_uv)
         lay = pool.layout
-        attend = cpu_ops.compiled_decode_attention if self.compile else cpu_ops.decode_attention
+        small = self.compile and self._small(q_nope.shape[0])
+        attend = cpu_ops.compiled_decode_attention if small else cpu_ops.decode_attention
         return attend(
             torch.cat([q_nope, q_rope], dim=-1),
             pool.latent_data(layer),
@@ -153,7 +181,7 @@ class CpuBackend(TorchBackend):
     def experts(self, x, ids, weights, gate_up, down, first: int, last: int) -> torch.Tensor:
         if x.shape[0] == 1:
             return torch_ops.experts_one_token(x, ids, weights, gate_up, down, first, last)
-        return torch_ops.experts_loop(x, ids, weights, gate_up, down, first, last)
+        return self._experts_loop(x, ids, weights, gate_up, down, first, last)
 
     # --- indexer ----------------------------------------------------------------------------
 

@@ -68,6 +68,9 @@ SPARSE_ROWS_ELEMS = 1 << 20
 # reference) beats gathering: measured break-even 12-16 with 4 heads and top-256 in fp32
 # (the reference's SCORE_ALL_RATIO, 64, is for its own large gather blocks).
 SCORE_ALL_RATIO = 12
+# Widened latent values per decode attention block ([requests, k, kv_lora + rope] fp32):
+# the block stays in L2 between the widening and the two GEMMs that read it.
+DECODE_ROWS_ELEMS = 1 << 23
 # Logits per decode indexer block ([requests, heads, padded context], bf16).
 DECODE_LOGITS_ELEMS = 1 << 22
 
@@ -288,7 +291,8 @@ class Compiled:
     """`torch.compile(fn, dynamic=True)` made once per process, with its warm-up timed.
 
     Shapes are dynamic (batch and context vary every step), so one compilation serves
-    every step; a batch of one is specialised once more. `warmup_s` is the time the first
+    every step; a batch of one is specialised once more, and so is each kind of module
+    passed in (a layer with a dense MLP, one with MoE). `warmup_s` is the time the first
     calls of each specialisation spent compiling (inductor caches the code on disk, so a
     second process mostly re-traces).
     """
@@ -301,7 +305,7 @@ class Compiled:
         self._lock = threading.Lock()
 
     def __call__(self, *args, **kwargs):
-        key = tuple((a.shape[0] == 1, a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        key = tuple(_specialisation(a) for a in args)
         if key in self._seen:
             return self._compiled(*args, **kwargs)
         with self._lock:  # engines in threads of one process share the compiled code
@@ -318,6 +322,22 @@ class Compiled:
             self._seen.add(key)
         log.info("torch.compile warm-up of %s: %.1f s", self.fn.__name__, spent)
         return out
+
+
+def _specialisation(a) -> object:
+    """What a compiled function specialises on: a tensor's dtype and whether its first dim
+    is 1, a module's kind (its children's types), any other argument's value."""
+    if isinstance(a, torch.Tensor):
+        return a.shape[0] == 1, a.dtype
+    if isinstance(a, torch.nn.Module):
+        return type(a), tuple(type(m) for m in a.children())
+    return a
+
+
+@cache
+def compiled(fn) -> Compiled:
+    """The process's one `Compiled` of `fn` (a model block, `backend.CpuBackend.block`)."""
+    return Compiled(fn)
 
 
 compiled_decode_attention = Compiled(decode_attention)

@@ -226,9 +226,25 @@ class MLAMath:
         return torch.cat(outs)
 
 
+# Rows up to which a linear inside a compiled block is a multiply-sum (see `linear`).
+GEMV_ROWS = 4
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, w)` (no bias). Inside a compiled block with at most `GEMV_ROWS` rows (a
+    decode step) it is a multiply-sum instead: inductor fuses it with the ops around it
+    and streams `w` once over every thread (an extern GEMV call runs on one)."""
+    if torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] <= GEMV_ROWS:
+        return (x[:, None, :] * w).sum(-1)
+    return F.linear(x, w)
+
+
 def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`x[T, H, c] · w[H, v, c]ᵀ` -> `[T, H, v]` (einsum "thc,hvc->thv" as one bmm, without
-    einsum's per-call planning: it runs on every layer of every step)."""
+    einsum's per-call planning: it runs on every layer of every step); a multiply-sum
+    inside a compiled block, as `linear`."""
+    if torch.compiler.is_compiling() and x.shape[0] <= GEMV_ROWS:
+        return (x[:, :, None, :] * w).sum(-1)
     return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
 

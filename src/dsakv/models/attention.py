@@ -47,14 +47,12 @@ class MLAttention(nn.Module):
         self.math = MLAMath(self.n_heads, self.kv_lora, self.scale)
         self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
         qk, kv = c.qk_head_dim, self.nope + self.v_dim
-        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_proj = ShardedLinear(c.hidden_size, c.q_lora_rank)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank)
         self.q_b_proj = ShardedLinear(
             c.q_lora_rank, heads * qk, Shard.even(0, heads * qk, parts, index, qk)
         )
-        self.kv_a_proj_with_mqa = nn.Linear(
-            c.hidden_size, c.kv_lora_rank + self.rope_dim, bias=False
-        )
+        self.kv_a_proj_with_mqa = ShardedLinear(c.hidden_size, c.kv_lora_rank + self.rope_dim)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         self.kv_b_proj = ShardedLinear(
             c.kv_lora_rank, heads * kv, Shard.even(0, heads * kv, parts, index, kv)
@@ -81,7 +79,17 @@ class MLAttention(nn.Module):
         selections: dict[int, StepSelection],
         topk_source: int,
     ) -> torch.Tensor:
-        t, ops, h = x.shape[0], self.ops, self.n_heads
+        q_nope, q_rope, q_lora, row = self.project(x, cos, sin)
+        out = self.attend(
+            x, q_nope, q_rope, q_lora, row, cos, sin, batch, pool, selections, topk_source
+        )
+        return self.output(out)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The step's projections, per token: the query in latent space (`absorb_q`) and
+        its rotated rope part, `q_lora` (the indexer's input) and the latent row to store.
+        Pure tensor math: `DecoderLayer` compiles it for decode steps (`ops.block`)."""
+        t, h = x.shape[0], self.n_heads
         q_lora = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_lora).view(t, h, self.nope + self.rope_dim)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
@@ -89,23 +97,45 @@ class MLAttention(nn.Module):
         # q's heads and the shared rope key rotate as one [T, H+1, rope] tensor (one RoPE).
         both = torch.cat([q_rope, k_rope[:, None]], dim=1)
         rot = rope_interleaved(both, cos[:, None], sin[:, None])
-        q_rope, k_rope = rot[:, :h], rot[:, h]
-        row = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
-        ops.store_latent(pool, self.layer, batch.out_slots, row)
+        row = torch.cat([self.kv_a_layernorm(latent), rot[:, h]], dim=-1)
+        return self.math.absorb_q(q_nope, self._w_kvb()[0]), rot[:, :h], q_lora, row
 
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Per-head outputs `[T, H, v]` through o_proj: a partial sum over heads, reduced."""
+        t = out.shape[0]
+        return self.parallel.all_reduce_attn(self.o_proj(out.reshape(t, self.n_heads * self.v_dim)))
+
+    def _w_kvb(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_uk `[H, nope, kv_lora]`, W_uv `[H, v, kv_lora]`): views of kv_b_proj."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        q_lora: torch.Tensor,
+        row: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool,
+        selections: dict[int, StepSelection],
+        topk_source: int,
+    ) -> torch.Tensor:
+        """Stores the step's latent rows, selects (full layers) and attends: `[T, H, v]`."""
+        t, ops, h = x.shape[0], self.ops, self.n_heads
+        ops.store_latent(pool, self.layer, batch.out_slots, row)
         if topk_source == self.layer:  # a full layer (built with an indexer)
             selections[self.layer] = self.indexer(self.layer, x, q_lora, cos, sin, batch, pool)
         sels = selections[topk_source]
-
-        w_kvb = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.kv_lora)
-        w_uk, w_uv = w_kvb[:, : self.nope], w_kvb[:, self.nope :]
-        q_nope = self.math.absorb_q(q_nope, w_uk)  # once for the step, all tokens
+        w_uk, w_uv = self._w_kvb()
         if batch.is_decode_only and batch.decode_reqs:  # no scatter into a step-wide output
             sel = sels.decode
-            out = ops.mla_decode(
+            return ops.mla_decode(
                 self.math, pool, self.layer, q_nope, q_rope, sel.slots, sel.valid, w_uk, w_uv
             )
-            return self.parallel.all_reduce_attn(self.o_proj(out.reshape(t, h * self.v_dim)))
         out = torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
         if batch.decode_reqs:
             rows, sel = batch.decode_tokens, sels.decode
@@ -137,5 +167,4 @@ class MLAttention(nn.Module):
                 w_uk,
                 w_uv,
             )
-        out = self.o_proj(out.view(t, self.n_heads * self.v_dim))  # a partial sum over heads
-        return self.parallel.all_reduce_attn(out)
+        return out

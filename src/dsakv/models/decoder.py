@@ -38,9 +38,25 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, batch, pool, selections, topk_source=None) -> torch.Tensor:
         """`topk_source`: another plan's source for this layer (pattern calibration runs
-        candidate plans over all-full weights); by default the plan the model was built with."""
+        candidate plans over all-full weights); by default the plan the model was built with.
+
+        The pure-tensor blocks before and after attention (norms, projections, RoPE, FFN)
+        run through `ops.block`, which the cpu backend compiles for small decode steps."""
         source = self.topk_source if topk_source is None else topk_source
-        h = self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, selections, source)
-        x = x + h
-        h, counts = self.parallel.gather_tokens(self.post_attention_layernorm(x))
-        return x + self.parallel.scatter_tokens(self.mlp(h), counts)
+        attn = self.self_attn
+        h, q_nope, q_rope, q_lora, row = attn.ops.block(attention_inputs, batch, self, x, cos, sin)
+        out = attn.attend(h, q_nope, q_rope, q_lora, row, cos, sin, batch, pool, selections, source)
+        return attn.ops.block(residual_ffn, batch, self, x, out)
+
+
+def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The normed input and `MLAttention.project`'s outputs."""
+    h = layer.input_layernorm(x)
+    return (h, *layer.self_attn.project(h, cos, sin))
+
+
+def residual_ffn(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """o_proj and the residual, then the pre-norm FFN and its residual."""
+    x = x + layer.self_attn.output(out)
+    h, counts = layer.parallel.gather_tokens(layer.post_attention_layernorm(x))
+    return x + layer.parallel.scatter_tokens(layer.mlp(h), counts)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsakv.config import ModelConfig
 from dsakv.distributed.parallel import ParallelState
 from dsakv.kernels import TorchBackend
+from dsakv.kernels.torch_ops import linear
 
 from .layers import MLP
 from .parallel_layers import Shard
@@ -35,7 +35,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x[T, H]` -> (expert ids `[T, k]`, fp32 weights `[T, k]`)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
             t, e = choice.shape

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsakv.distributed.parallel import ParallelState
+from dsakv.kernels.torch_ops import linear
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class ShardedLinear(nn.Linear):
                 in_features = shard.size
         super().__init__(in_features, out_features, bias=False)
         self.shard = shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):
