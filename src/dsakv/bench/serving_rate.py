@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from dsakv.errors import DsakvError
+from dsakv.kernels.cpu_ops import compile_warmup_s
 
 TARGET_RATIO = 0.9  # the server decodes within 10% of the in-process rate
 SERVED_NAME = "bench"
@@ -95,7 +96,7 @@ def run_serving_rate(
     if threads:
         torch.set_num_threads(threads)
     n_threads = torch.get_num_threads()
-    start = time.perf_counter()
+    start, compiling = time.perf_counter(), compile_warmup_s()
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {"in_process": {}, "server": {}}
     try:
         with tempfile.TemporaryDirectory(prefix="dsakv-serving-") as tmp:
@@ -132,6 +133,9 @@ def run_serving_rate(
         "definition": "output tokens arriving after the last request's first token / "
         "time from then to the last token (greedy, ignore_eos, logprobs=0)",
         "wall_s": time.perf_counter() - start,
+        # torch.compile warm-up in process (the warm-up request's, before any measured
+        # round; the server's is inside its own warm-up request): reported, not counted.
+        "compile_warmup_s": compile_warmup_s() - compiling,
     }
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -402,7 +406,12 @@ def summary(r: dict[str, Any]) -> str:
     lines = [
         f"dsakv bench --serving{' --quick' if m['quick'] else ''} — {m['model']}, "
         f"torch threads {m['torch_threads']} of {m['cpus']} cpus, engine args: {args}, "
-        f"{m['wall_s']:.0f} s",
+        f"{m['wall_s']:.0f} s"
+        + (
+            f", torch.compile warm-up {m['compile_warmup_s']:.1f} s"
+            if m.get("compile_warmup_s")
+            else ""
+        ),
         f"decode tokens/s ({m['definition']}); "
         f"{m['sizes']['prompt_len']}-token prompts, {m['sizes']['output_len']} output tokens",
         f"{'requests':>9}{'in-process':>12}{'dsakv serve':>13}{'ratio':>8}"

@@ -29,14 +29,21 @@ What differs from `torch_ops` (which stays the reference, behind the `torch` bac
 
 - Decode attention (`decode_attention`). Latent rows are widened straight from the
   pool's stored bytes (e4m3 and bf16 widen exactly) with one flat gather, in one function:
-  `MLAMath.decode`'s arithmetic, bit for bit. `--enable-torch-compile` runs it through
-  `torch.compile` (inductor's C++; reductions may then run in another order). Measured on
-  glm-bench, 1 torch thread, CPU time per decode step: 1 request 74.6 ms compiled vs 73.4
-  eager; 32 requests 737 vs 482 (the gathered rows are still materialised for the extern
-  GEMMs, and the dynamic-shape gather kernels are slower than eager `index_select`), so it
-  is off by default.
+  `MLAMath.decode`'s arithmetic, bit for bit.
+- `--enable-torch-compile` (`compile=True`): a decode step of at most `GEMV_ROWS`
+  requests runs each layer's pure-tensor blocks around attention (`CpuBackend.block`:
+  norms, projections, RoPE, the absorbed query; o_proj, the FFN) and its decode attention
+  through `torch.compile`, one compilation per kind of layer serving all 78. Inside them
+  `torch_ops.linear` / `per_head` are multiply-sums that inductor fuses with their
+  neighbours (another summation order than eager: outputs agree to fp32 rounding). On
+  glm-bench, one request: 1.6-1.8x today's decode rate, 1.3-1.4x the eager `cpu` path.
+  What remains per layer is the weights' bytes (fp32, about 2 MB a layer at ~10 GB/s on
+  one core) and about 35 us of dynamo guards per compiled call. Larger batches run eager:
+  there the GEMMs are the same extern calls either way and the compiled gathers measured
+  slower. Off by default: each process compiles for 10 s (inductor's on-disk cache warm)
+  to 45 s (cold) on its first small decode steps.
 
-The blocks split independent dot products: a query's scores, hence its selection, do not
+The indexer blocks split independent dot products: a query's scores, hence its selection, do not
 depend on how the prefill was chunked or which queries share a block
 (tests/test_cpu_backend.py checks it).
 """
@@ -288,35 +295,40 @@ def decode_attention(
 
 
 class Compiled:
-    """`torch.compile(fn, dynamic=True)` made once per process, with its warm-up timed.
+    """`torch.compile(fn)` made once per process, with its warm-up timed.
 
     Shapes are dynamic (batch and context vary every step), so one compilation serves
-    every step; a batch of one is specialised once more, and so is each kind of module
-    passed in (a layer with a dense MLP, one with MoE). `warmup_s` is the time the first
-    calls of each specialisation spent compiling (inductor caches the code on disk, so a
-    second process mostly re-traces).
+    every step; a batch of one is specialised once more (`static_one`: with static shapes,
+    whose guards cost half as much per call), and so is each kind of module passed in (a
+    layer with a dense MLP, one with MoE). `warmup_s` is the time the first calls of each
+    specialisation spent compiling (inductor caches the code on disk, so a second process
+    mostly re-traces).
     """
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, static_one: bool = False) -> None:
         self.fn = fn
+        self.static_one = static_one
         self.warmup_s = 0.0
-        self._compiled = None
+        self._compiled: dict[bool, object] = {}
         self._seen: set[tuple] = set()
         self._lock = threading.Lock()
+        _ALL.append(self)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args):
         key = tuple(_specialisation(a) for a in args)
+        ones = all(a.shape[0] == 1 for a in args if isinstance(a, torch.Tensor))
+        static = self.static_one and ones
         if key in self._seen:
-            return self._compiled(*args, **kwargs)
+            return self._compiled[static](*args)
         with self._lock:  # engines in threads of one process share the compiled code
-            if self._compiled is None:
+            if static not in self._compiled:
                 from torch import _dynamo
 
                 # Every engine of the process (other cache dtypes, model dtypes) adds one.
                 _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)
-                self._compiled = torch.compile(self.fn, dynamic=True)
+                self._compiled[static] = torch.compile(self.fn, dynamic=not static)
             t0 = time.perf_counter()
-            out = self._compiled(*args, **kwargs)
+            out = self._compiled[static](*args)
             spent = time.perf_counter() - t0
             self.warmup_s += spent
             self._seen.add(key)
@@ -325,8 +337,8 @@ class Compiled:
 
 
 def _specialisation(a) -> object:
-    """What a compiled function specialises on: a tensor's dtype and whether its first dim
-    is 1, a module's kind (its children's types), any other argument's value."""
+    """What a compiled function specialises on: a tensor's first dim being 1 and its dtype,
+    a module's kind (its children's types), any other argument's value."""
     if isinstance(a, torch.Tensor):
         return a.shape[0] == 1, a.dtype
     if isinstance(a, torch.nn.Module):
@@ -334,10 +346,18 @@ def _specialisation(a) -> object:
     return a
 
 
+_ALL: list[Compiled] = []
+
+
+def compile_warmup_s() -> float:
+    """Seconds this process has spent compiling (every `Compiled`'s first calls)."""
+    return sum(c.warmup_s for c in _ALL)
+
+
 @cache
 def compiled(fn) -> Compiled:
     """The process's one `Compiled` of `fn` (a model block, `backend.CpuBackend.block`)."""
-    return Compiled(fn)
+    return Compiled(fn, static_one=True)
 
 
 compiled_decode_attention = Compiled(decode_attention)
