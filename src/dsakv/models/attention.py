@@ -25,6 +25,10 @@ from .rope import rope_interleaved, softmax_scale
 class MLAttention(nn.Module):
     """Multi-head latent attention; owns an `Indexer` only when its layer runs one.
 
+    Three steps, which `DecoderLayer` calls: `project` (pure tensor math, compiled for
+    small decode steps by the cpu backend), `attend` (the pool, the indexer, the backend's
+    attention) and `output` (o_proj).
+
     Split by heads over the attention group: q_b_proj and kv_b_proj hold this rank's
     `H / attn_tp` heads, o_proj their columns (a partial sum, all-reduced once). q_a,
     kv_a, their norms and the indexer are replicated, so every rank writes the same
@@ -69,26 +73,10 @@ class MLAttention(nn.Module):
         """`absorb` (attention on latent rows) or `expand` (per-head K/V; torch only)."""
         return self.math.mode
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        pool,
-        selections: dict[int, StepSelection],
-        topk_source: int,
-    ) -> torch.Tensor:
-        q_nope, q_rope, q_lora, row = self.project(x, cos, sin)
-        out = self.attend(
-            x, q_nope, q_rope, q_lora, row, cos, sin, batch, pool, selections, topk_source
-        )
-        return self.output(out)
-
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The step's projections, per token: the query in latent space (`absorb_q`) and
         its rotated rope part, `q_lora` (the indexer's input) and the latent row to store.
-        Pure tensor math: `DecoderLayer` compiles it for decode steps (`ops.block`)."""
+        Pure tensor math (`ops.block` may compile it)."""
         t, h = x.shape[0], self.n_heads
         q_lora = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_lora).view(t, h, self.nope + self.rope_dim)
