@@ -200,9 +200,17 @@ def _params(output_len: int) -> Any:
     return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
+# Warm-up batches, in process and through the server: a batch of one, then two requests
+# decoding together, so that with torch.compile both specialisations (one request, a few)
+# compile here rather than in a measured round's last steps.
+WARM_BATCHES = ([list(range(1, 9))], [list(range(1, 9)), list(range(2, 10))])
+WARM_TOKENS = 4
+
+
 def _warm_in_process(llm: Any) -> None:
-    """One-time allocations and first-call costs, as the server's `warm` request."""
-    llm.generate([list(range(1, 9))], _params(2))
+    """One-time allocations and first-call costs, as the server's `warm` requests."""
+    for batch in WARM_BATCHES:
+        llm.generate(batch, _params(WARM_TOKENS))
 
 
 def _in_process(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
@@ -290,7 +298,8 @@ class _Server:
         raise DsakvError(f"dsakv serve did not start in {timeout_s:.0f} s: {self._tail()}")
 
     def warm(self) -> None:
-        asyncio.run(self._batch([list(range(1, 9))], 2))
+        for batch in WARM_BATCHES:
+            asyncio.run(self._batch(batch, WARM_TOKENS))
 
     def measure(self, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
         return asyncio.run(self._batch(prompts, output_len))
