@@ -36,7 +36,7 @@ What differs from `torch_ops` (which stays the reference, behind the `torch` bac
   through `torch.compile`, one compilation per kind of layer serving all 78. Inside them
   `torch_ops.linear` / `per_head` are multiply-sums that inductor fuses with their
   neighbours (another summation order than eager: outputs agree to fp32 rounding). On
-  glm-bench, one request: 1.6-1.8x today's decode rate, 1.3-1.4x the eager `cpu` path.
+  glm-bench, one request: about 1.6x the decode rate of a7e8c8d and 1.4x eager (README).
   What remains per layer is the weights' bytes (fp32, about 2 MB a layer at ~10 GB/s on
   one core) and about 35 us of dynamo guards per compiled call. Larger batches run eager:
   there the GEMMs are the same extern calls either way and the compiled gathers measured
