@@ -121,33 +121,91 @@ def _decode_case(tiny, kind: str, batch: int, seed: int = 0):
 
 @pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_ds_mla", "bf16", "fp32"])
 def test_cpu_decode_reads_the_stored_bytes_as_the_pool_decodes_them(tiny, kind):
-    """Eager, the CPU backend's decode attention (rows widened straight from the pool's
-    bytes) is the reference's arithmetic: bit-equal outputs."""
-    from dsakv.kernels.backend import CpuBackend
+    """The torch fallback of the CPU backend's decode attention (rows widened straight
+    from the pool's bytes) is the reference's arithmetic: bit-equal outputs."""
+    from dsakv.kernels import cpu_ops
 
     for batch in (1, 3):
-        args, ref = _decode_case(tiny, kind, batch)
-        backend = CpuBackend(args[1].layout, compile=False)
-        assert torch.equal(backend.mla_decode(*args), ref)
+        (math, pool, layer, q_nope, q_rope, slots, valid, _, w_uv), ref = _decode_case(
+            tiny, kind, batch
+        )
+        lay = pool.layout
+        got = cpu_ops.decode_attention(
+            torch.cat([q_nope, q_rope], dim=-1),
+            pool.latent_data(layer),
+            slots,
+            valid,
+            w_uv,
+            math.scale,
+            kind,
+            lay.kv_lora_rank,
+            lay.qk_rope_head_dim,
+        )
+        assert torch.equal(got, ref)
 
 
-def test_compiled_cpu_decode_matches_the_reference(tiny):
-    """Through torch.compile (one dynamic-shape compilation serves every batch and context)
-    the outputs agree to fp32 rounding."""
-    from dsakv.kernels import cpu_ops
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_ds_mla", "bf16", "fp32"])
+def test_native_decode_matches_the_reference_and_ignores_its_batch(tiny, kind):
+    """The native kernel (stored rows read in place, an online softmax over blocks of 64
+    rows) agrees with the reference to fp32 rounding for every row encoding; a request's
+    output is bit-equal alone or in a batch, at one thread or two."""
+    from dsakv.kernels import cpu_native
     from dsakv.kernels.backend import CpuBackend
 
-    for batch in (1, 3, 5):
-        args, ref = _decode_case(tiny, "fp8_ds_mla", batch, seed=batch)
-        backend = CpuBackend(args[1].layout, compile=True)
-        torch.testing.assert_close(backend.mla_decode(*args), ref, rtol=1e-5, atol=1e-6)
-    assert cpu_ops.compiled_decode_attention.warmup_s > 0
+    if not cpu_native.available():
+        pytest.skip("no C++ compiler: the cpu backend runs its torch fallback")
+    for batch in (1, 5):
+        args, ref = _decode_case(tiny, kind, batch, seed=batch)
+        backend = CpuBackend(args[1].layout)
+        assert backend.native
+        got = backend.mla_decode(*args)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    math, pool, layer, q_nope, q_rope, slots, valid = args[:7]
+    lay = pool.layout
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    call = (pool.latent_data(layer),)
+    tail = (math.scale, kind, lay.kv_lora_rank, lay.qk_rope_head_dim)
+    whole = cpu_native.mla_decode(q, *call, slots, valid, *tail)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for r in range(batch):
+                one = cpu_native.mla_decode(
+                    q[r : r + 1], *call, slots[r : r + 1], valid[r : r + 1], *tail
+                )
+                assert torch.equal(one[0], whole[r])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_native_decode_rejects_slots_outside_the_pool(tiny):
+    """A valid slot past the latent buffer is an error, never a read of other memory."""
+    from dsakv.kernels import cpu_native
+
+    if not cpu_native.available():
+        pytest.skip("no C++ compiler")
+    (math, pool, layer, q_nope, q_rope, slots, valid, _, _), _ = _decode_case(tiny, "fp8_ds_mla", 2)
+    data = pool.latent_data(layer)
+    lay = pool.layout
+    slots = slots.clone()
+    slots[1, 0] = data.shape[0]  # valid[:, 0] is always True
+    with pytest.raises(IndexError, match="outside the latent buffer"):
+        cpu_native.mla_decode(
+            torch.cat([q_nope, q_rope], dim=-1),
+            data,
+            slots,
+            valid,
+            math.scale,
+            "fp8_ds_mla",
+            lay.kv_lora_rank,
+            lay.qk_rope_head_dim,
+        )
 
 
 def test_compiled_decode_steps_match_eager(tiny):
     """`enable_torch_compile`: decode steps of one request, and of two to four (a second
-    specialisation), run each layer's blocks around attention and its decode attention
-    compiled, the GEMVs as multiply-sums (another summation order). Under glm-tiny's
+    specialisation), run each layer's blocks around attention compiled, the GEMVs as multiply-sums (another summation order). Under glm-tiny's
     index_topk 16 every position is selected, so greedy tokens equal eager's and the
     logprobs agree to fp32 rounding; batches of more than four requests run eager."""
     from dsakv.kernels import cpu_ops

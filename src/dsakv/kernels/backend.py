@@ -20,8 +20,8 @@ import torch
 from dsakv.errors import DsakvError
 from dsakv.memory.fp8 import FP8_DTYPE
 
-from . import cpu_ops, torch_ops
-from .torch_ops import MLAMath
+from . import cpu_native, cpu_ops, torch_ops
+from .torch_ops import MLAMath, per_head
 
 # Rows of query chunks for the Triton extend indexer: bounds the [chunk, L] logits block.
 LOGITS_CHUNK_ELEMS = 1 << 26
@@ -102,19 +102,21 @@ class TorchBackend:
 
 class CpuBackend(TorchBackend):
     """The torch ops shaped for a CPU (`cpu_ops`), where a decode token is bound by the
-    number of ops and prefill by memory traffic: decode attention widened straight from
-    the stored bytes, a one-token MoE in two GEMVs; indexer scores in cache-sized blocks
+    number of ops and prefill by memory traffic: decode attention in a native kernel over
+    the stored bytes (`cpu_native`; without a C++ compiler, rows widened straight from
+    them), a one-token MoE in two GEMVs; indexer scores in cache-sized blocks
     with ReLU fused and bf16 GEMMs over fp8 / bf16 index-K (fp32 over fp32 keys); sparse
     extend attention over gathered rows in small blocks. Everything else is the reference.
 
     `compile=True`: decode steps of at most `GEMV_ROWS` requests run each layer's blocks
-    around attention (`block`) and the decode attention through `torch.compile`."""
+    around attention (`block`) through `torch.compile`."""
 
     name = "cpu"
 
     def __init__(self, layout, compile: bool = False) -> None:
         self.index_dtype = cpu_ops.index_compute_dtype(layout.index_k_dtype)
         self.compile = compile
+        self.native = cpu_native.available()
         # Eager inside a compiled block: the loop reads expert counts on the host, which
         # dynamo would trace as constants (a recompilation per routing pattern). (Importing
         # dynamo only when compiling: it breaks the Triton interpreter's patching.)
@@ -123,10 +125,14 @@ class CpuBackend(TorchBackend):
 
     def describe(self) -> dict[str, str]:
         low = self.index_dtype == torch.bfloat16
-        how = f"torch.compile up to {torch_ops.GEMV_ROWS} requests" if self.compile else "eager"
         return {
             **super().describe(),
-            "mla_decode": f"cpu decode_attention ({how}, rows widened from the stored bytes)",
+            "blocks": f"torch.compile up to {torch_ops.GEMV_ROWS} requests"
+            if self.compile
+            else "eager",
+            "mla_decode": "native mla_decode (stored rows read in place)"
+            if self.native
+            else "cpu decode_attention (rows widened from the stored bytes)",
             "mla_extend": "cpu sparse gather blocks (fp32)",
             "index_logits": "cpu blocked, fused ReLU ("
             + ("bf16 GEMM, fp32 head sum)" if low else "fp32)"),
@@ -143,7 +149,7 @@ class CpuBackend(TorchBackend):
     def _small(self, rows: int) -> bool:
         """Compiled code runs decode steps of at most `GEMV_ROWS` requests: there its GEMVs
         stream the weights in fused loops. Larger batches run the same extern GEMMs either
-        way and eager gathers were measured faster (glm-bench, 32 requests)."""
+        way."""
         return rows <= torch_ops.GEMV_ROWS
 
     # --- MLA --------------------------------------------------------------------------------
@@ -152,19 +158,13 @@ class CpuBackend(TorchBackend):
         if math.mode != "absorb":
             return super().mla_decode(math, pool, layer, q_nope, q_rope, slots, valid, w_uk, w_uv)
         lay = pool.layout
-        small = self.compile and self._small(q_nope.shape[0])
-        attend = cpu_ops.compiled_decode_attention if small else cpu_ops.decode_attention
-        return attend(
-            torch.cat([q_nope, q_rope], dim=-1),
-            pool.latent_data(layer),
-            slots,
-            valid,
-            w_uv,
-            math.scale,
-            lay.kv_cache_dtype,
-            lay.kv_lora_rank,
-            lay.qk_rope_head_dim,
-        )
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        args = (lay.kv_cache_dtype, lay.kv_lora_rank, lay.qk_rope_head_dim)
+        data = pool.latent_data(layer)
+        if not self.native:
+            return cpu_ops.decode_attention(q, data, slots, valid, w_uv, math.scale, *args)
+        o_lat = cpu_native.mla_decode(q.float(), data, slots, valid, math.scale, *args)
+        return per_head(o_lat.to(w_uv.dtype), w_uv)
 
     def mla_extend(
         self, math, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv

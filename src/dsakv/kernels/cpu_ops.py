@@ -27,21 +27,20 @@ What differs from `torch_ops` (which stays the reference, behind the `torch` bac
   while `heads × context ≤ 64 × index_topk` (4K context at 4 heads, top-256); here that
   break-even is measured at 12 (`SCORE_ALL_RATIO`).
 
-- Decode attention (`decode_attention`). Latent rows are widened straight from the
-  pool's stored bytes (e4m3 and bf16 widen exactly) with one flat gather, in one function:
+- Decode attention: the native kernel (`cpu_native.mla_decode`) reads the pool's stored
+  rows in place. Without a C++ compiler, `decode_attention` here widens them straight
+  from the stored bytes (e4m3 and bf16 widen exactly) with one flat gather:
   `MLAMath.decode`'s arithmetic, bit for bit.
 - `--enable-torch-compile` (`compile=True`): a decode step of at most `GEMV_ROWS`
   requests runs each layer's pure-tensor blocks around attention (`CpuBackend.block`:
-  norms, projections, RoPE, the absorbed query; o_proj, the FFN) and its decode attention
-  through `torch.compile`, one compilation per kind of layer serving all 78. Inside them
+  norms, projections, RoPE, the absorbed query; o_proj, the FFN) through
+  `torch.compile`, one compilation per kind of layer serving all 78. Inside them
   `torch_ops.linear` / `per_head` are multiply-sums that inductor fuses with their
-  neighbours (another summation order than eager: outputs agree to fp32 rounding). On
-  glm-bench, one request: about 1.6x the decode rate of a7e8c8d and 1.4x eager (README).
+  neighbours (another summation order than eager: outputs agree to fp32 rounding).
   What remains per layer is the weights' bytes (fp32, about 2 MB a layer at ~10 GB/s on
-  one core) and about 35 us of dynamo guards per compiled call. Larger batches run eager:
-  there the GEMMs are the same extern calls either way and the compiled gathers measured
-  slower. Off by default: each process compiles for 10 s (inductor's on-disk cache warm)
-  to 45 s (cold) on its first small decode steps.
+  one core) and the dynamo guards of each compiled call. Larger batches run eager: there
+  the GEMMs are the same extern calls either way. Off by default: each process compiles
+  for 10 s (inductor's on-disk cache warm) to 45 s (cold) on its first small decode steps.
 
 The indexer blocks split independent dot products: a query's scores, hence its selection, do not
 depend on how the prefill was chunked or which queries share a block
@@ -57,7 +56,7 @@ from functools import cache
 
 import torch
 
-from dsakv.memory.fp8 import FP8_BLOCK, FP8_DTYPE, e4m3_to_float
+from dsakv.memory.fp8 import FP8_BLOCK, e4m3_to_float
 
 from . import torch_ops
 from .torch_ops import MLAMath, per_head, topk_by_position
@@ -250,24 +249,16 @@ def latent_rows(
         return d.index_select(0, flat).view(*slots.shape, d.shape[-1])
 
     if kind == "fp8_e4m3":
-        return _widen_e4m3(rows(data.view(torch.uint8)))
+        return e4m3_to_float(rows(data.view(torch.uint8)))
     if kind == "fp8_ds_mla":
         raw = rows(data)
         nb = -(-lora // FP8_BLOCK)
         scales = raw[..., lora : lora + 4 * nb].contiguous().view(torch.float32)
         scales = scales.repeat_interleave(FP8_BLOCK, dim=-1)[..., :lora]
-        nope = _widen_e4m3(raw[..., :lora]) * scales
+        nope = e4m3_to_float(raw[..., :lora]) * scales
         k_rope = raw[..., lora + 4 * nb :].contiguous().view(torch.bfloat16).float()
         return torch.cat([nope, k_rope], dim=-1)
     return rows(data).float()
-
-
-def _widen_e4m3(raw: torch.Tensor) -> torch.Tensor:
-    """e4m3 bytes to fp32: a cast inside compiled code (one vectorised loop), the pool's
-    table lookup in eager mode (where torch's scalar cast is several times slower)."""
-    if torch.compiler.is_compiling():
-        return raw.view(FP8_DTYPE).float()
-    return e4m3_to_float(raw)
 
 
 def decode_attention(
@@ -297,17 +288,16 @@ def decode_attention(
 class Compiled:
     """`torch.compile(fn)` made once per process, with its warm-up timed.
 
-    Shapes are dynamic (batch and context vary every step), so one compilation serves
-    every step; a batch of one is specialised once more (`static_one`: with static shapes,
-    whose guards cost half as much per call), and so is each kind of module passed in (a
-    layer with a dense MLP, one with MoE). `warmup_s` is the time the first calls of each
+    Shapes are dynamic (the batch varies), so one compilation serves every batch; a batch
+    of one is specialised once more (with static shapes, whose guards cost half as much
+    per call), and so is each kind of module passed in (a layer with a dense MLP, one with
+    MoE). `warmup_s` is the time the first calls of each
     specialisation spent compiling (inductor caches the code on disk, so a second process
     mostly re-traces).
     """
 
-    def __init__(self, fn, static_one: bool = False) -> None:
+    def __init__(self, fn) -> None:
         self.fn = fn
-        self.static_one = static_one
         self.warmup_s = 0.0
         self._compiled: dict[bool, object] = {}
         self._seen: set[tuple] = set()
@@ -317,7 +307,7 @@ class Compiled:
     def __call__(self, *args):
         key = tuple(_specialisation(a) for a in args)
         ones = all(a.shape[0] == 1 for a in args if isinstance(a, torch.Tensor))
-        static = self.static_one and ones
+        static = ones
         if key in self._seen:
             return self._compiled[static](*args)
         with self._lock:  # engines in threads of one process share the compiled code
@@ -357,7 +347,4 @@ def compile_warmup_s() -> float:
 @cache
 def compiled(fn) -> Compiled:
     """The process's one `Compiled` of `fn` (a model block, `backend.CpuBackend.block`)."""
-    return Compiled(fn, static_one=True)
-
-
-compiled_decode_attention = Compiled(decode_attention)
+    return Compiled(fn)

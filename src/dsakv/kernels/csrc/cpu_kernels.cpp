@@ -1,0 +1,160 @@
+// dsakv's native CPU kernels (built on first use by `dsakv.kernels.cpu_native`).
+//
+// Plain C ABI over raw pointers, loaded with ctypes: no torch headers, so a build takes
+// about a second. OpenMP links against the libgomp.so.1 torch has already loaded, so the
+// kernels share torch's threads and its thread count.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+// Latent row encodings, as `dsakv.memory` stores them (`kind` below).
+enum Kind : int { FP32 = 0, BF16 = 1, E4M3 = 2, DS_MLA = 3 };
+
+constexpr int64_t kRowsPerBlock = 64;   // rows widened at once (stay in L1/L2)
+constexpr int64_t kHeadsPerUnit = 16;   // most heads that share one widening of the rows
+constexpr int64_t kScaleBlock = 128;    // fp8_ds_mla: values per fp32 scale
+
+inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// e4m3fn bytes to fp32, branch-free (vectorises): the 7 magnitude bits placed at the top
+// of an fp32 mantissa/exponent and rescaled by 2^(127-7) give every normal and subnormal
+// value exactly; 0x7f / 0xff are NaN.
+inline void widen_e4m3(const uint8_t* src, float* dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b = src[i];
+    uint32_t mag = b & 0x7f;
+    float v = bits_to_float(mag << 20) * 0x1p120f;
+    v = mag == 0x7f ? std::numeric_limits<float>::quiet_NaN() : v;
+    dst[i] = (b & 0x80 ? -v : v) * scale;
+  }
+}
+
+inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bits_to_float(uint32_t(src[i]) << 16);
+}
+
+// One stored row -> fp32 [lora + rope].
+inline void widen_row(const uint8_t* row, int kind, int64_t lora, int64_t rope, float* out) {
+  const int64_t d = lora + rope;
+  switch (kind) {
+    case FP32:
+      std::memcpy(out, row, d * sizeof(float));
+      break;
+    case BF16:
+      widen_bf16(reinterpret_cast<const uint16_t*>(row), out, d);
+      break;
+    case E4M3:
+      widen_e4m3(row, out, d, 1.0f);
+      break;
+    default: {  // DS_MLA: lora e4m3 bytes, one fp32 scale per 128, then rope bf16 values
+      const int64_t nb = (lora + kScaleBlock - 1) / kScaleBlock;
+      float scales[64];
+      std::memcpy(scales, row + lora, nb * sizeof(float));
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t a = k * kScaleBlock, n = std::min(kScaleBlock, lora - a);
+        widen_e4m3(row + a, out + a, n, scales[k]);
+      }
+      widen_bf16(reinterpret_cast<const uint16_t*>(row + lora + 4 * nb), out + lora, rope);
+    }
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) acc[k] += a[i + k] * b[i + k];
+  float s = 0;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int k = 0; k < 16; ++k) s += acc[k];
+  return s;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Absorbed sparse MLA decode, every request of the step at once, reading the stored rows
+// in place (no fp32 copy of the gathered context):
+//   q[B, H, lora + rope] fp32, rows `data + slots[b, j] * row_bytes` of encoding `kind`,
+//   valid[B, K] -> out[B, H, lora] = softmax_j(scale · q_h · row_j) · row_j[:lora].
+// Returns the number of valid slots outside [0, n_rows) (skipped; the caller raises).
+// Work units are (request, group of <= 16 heads; smaller groups when there are fewer
+// requests than threads). Each head runs its K rows in order, blocks of 64 with an online
+// softmax, so its output depends neither on the batch it is in nor on the thread count.
+int64_t dsakv_mla_decode(const float* q, const uint8_t* data, int64_t n_rows, int64_t row_bytes, int kind,
+                      const int64_t* slots, const bool* valid, int64_t B, int64_t K, int64_t H,
+                      int64_t lora, int64_t rope, float scale, float* out) {
+  const int64_t d = lora + rope;
+  const int64_t threads = omp_get_max_threads();
+  const int64_t want = std::min(H, std::max<int64_t>(1, (threads + B - 1) / B));
+  const int64_t per_unit = std::min(kHeadsPerUnit, (H + want - 1) / want);
+  const int64_t groups = (H + per_unit - 1) / per_unit;
+  int64_t bad = 0;
+#pragma omp parallel reduction(+ : bad)
+  {
+    std::vector<float> rows(kRowsPerBlock * d), s(kHeadsPerUnit * kRowsPerBlock);
+    std::vector<float> acc(kHeadsPerUnit * lora);
+    float m[kHeadsPerUnit], l[kHeadsPerUnit];
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < B * groups; ++unit) {
+      const int64_t b = unit / groups, h0 = (unit % groups) * per_unit;
+      const int64_t nh = std::min(per_unit, H - h0);
+      const float* qb = q + (b * H + h0) * d;
+      std::fill(acc.begin(), acc.begin() + nh * lora, 0.0f);
+      for (int64_t h = 0; h < nh; ++h) m[h] = -INFINITY, l[h] = 0.0f;
+      for (int64_t j0 = 0; j0 < K; j0 += kRowsPerBlock) {
+        const int64_t n = std::min(kRowsPerBlock, K - j0);
+        const int64_t* sl = slots + b * K + j0;
+        bool ok[kRowsPerBlock];
+        for (int64_t j = 0; j < n; ++j) {
+          ok[j] = valid[b * K + j0 + j];
+          if (ok[j] && (sl[j] < 0 || sl[j] >= n_rows)) ok[j] = false, ++bad;
+          if (ok[j]) widen_row(data + sl[j] * row_bytes, kind, lora, rope, &rows[j * d]);
+        }
+        for (int64_t h = 0; h < nh; ++h) {
+          float* sh = &s[h * kRowsPerBlock];
+          float top = m[h];
+          for (int64_t j = 0; j < n; ++j) {
+            sh[j] = ok[j] ? dot(qb + h * d, &rows[j * d], d) * scale : -INFINITY;
+            top = std::max(top, sh[j]);
+          }
+          if (top == -INFINITY) continue;  // nothing valid yet
+          float* ah = &acc[h * lora];
+          if (top != m[h]) {
+            const float c = std::exp(m[h] - top);
+            l[h] *= c;
+            for (int64_t i = 0; i < lora; ++i) ah[i] *= c;
+            m[h] = top;
+          }
+          for (int64_t j = 0; j < n; ++j) {
+            if (!ok[j]) continue;
+            const float p = std::exp(sh[j] - top);
+            l[h] += p;
+            const float* r = &rows[j * d];
+            for (int64_t i = 0; i < lora; ++i) ah[i] += p * r[i];
+          }
+        }
+      }
+      for (int64_t h = 0; h < nh; ++h) {
+        float* o = out + (b * H + h0 + h) * lora;
+        const float inv = 1.0f / l[h];  // no valid row: 1/0 -> inf·0 = NaN, as softmax
+        for (int64_t i = 0; i < lora; ++i) o[i] = acc[h * lora + i] * inv;
+      }
+    }
+  }
+  return bad;
+}
+
+}  // extern "C"
