@@ -130,6 +130,7 @@ class CpuBackend(TorchBackend):
             "blocks": f"torch.compile up to {torch_ops.GEMV_ROWS} requests"
             if self.compile
             else "eager",
+            "stores": "native (fp8 rows), torch (bf16 / fp32 rows)" if self.native else "torch",
             "mla_decode": "native mla_decode (stored rows read in place)"
             if self.native
             else "cpu decode_attention (rows widened from the stored bytes)",
@@ -151,6 +152,27 @@ class CpuBackend(TorchBackend):
         stream the weights in fused loops. Larger batches run the same extern GEMMs either
         way."""
         return rows <= torch_ops.GEMV_ROWS
+
+    # --- stores ---------------------------------------------------------------------------
+
+    def store_latent(self, pool, layer, slots, rows) -> None:
+        lay = pool.layout
+        if not self.native or lay.kv_cache_dtype not in ("fp8_e4m3", "fp8_ds_mla"):
+            return super().store_latent(pool, layer, slots, rows)
+        cpu_native.store_latent(
+            rows,
+            pool.latent_data(layer),
+            slots,
+            lay.kv_cache_dtype,
+            lay.kv_lora_rank,
+            lay.qk_rope_head_dim,
+        )
+
+    def store_index_k(self, pool, layer, slots, keys) -> None:
+        if not self.native or pool.layout.index_k_dtype != "fp8":
+            return super().store_index_k(pool, layer, slots, keys)
+        rotated = pool.prepare_index_q(keys.float())  # the rotation the pool applies
+        cpu_native.store_index_k_fp8(rotated, pool.index_k_data(layer), slots, pool.page_size)
 
     # --- MLA --------------------------------------------------------------------------------
 

@@ -71,6 +71,10 @@ def _build() -> ctypes.CDLL:
             os.replace(out, lib)  # atomic: concurrent builders each install a whole file
     dll = ctypes.CDLL(str(lib))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in ("dsakv_store_latent", "dsakv_store_index_k_fp8"):
+        getattr(dll, name).restype = i64
+    dll.dsakv_store_latent.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, i64, i64, ptr]
+    dll.dsakv_store_index_k_fp8.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr]
     dll.dsakv_mla_decode.restype = i64
     dll.dsakv_mla_decode.argtypes = [
         ptr,
@@ -104,6 +108,62 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the native kernels built (or were built before) and loaded."""
     return _library() is not None
+
+
+def _rows_and_slots(x: torch.Tensor, width: int, slots: torch.Tensor):
+    """fp32 contiguous `x[n, width]` and int64 `slots[n]`, as the pool's writes check them."""
+    s = slots.to(torch.int64).contiguous()
+    if x.dim() != 2 or x.shape != (s.numel(), width) or s.dim() != 1:
+        raise ValueError(
+            f"rows must be [{s.numel()}, {width}] for {s.numel()} slots, got {tuple(x.shape)}"
+        )
+    return x.float().contiguous(), s
+
+
+def _raise_bad(bad: int, rows: int) -> None:
+    if bad:
+        raise IndexError(f"{bad} slots out of range 0..{rows - 1} (nothing written)")
+
+
+def store_latent(
+    rows: torch.Tensor, data: torch.Tensor, slots: torch.Tensor, kind: str, lora: int, rope: int
+) -> None:
+    """The pool's `write_latent` for e4m3 / fp8_ds_mla rows (byte-equal for finite values),
+    into a layer's latent buffer `data` as stored."""
+    if kind not in ("fp8_e4m3", "fp8_ds_mla") or not data.is_contiguous():
+        raise ValueError(f"store_latent: kind {kind!r} or a strided buffer")
+    x, s = _rows_and_slots(rows, lora + rope, slots)
+    bad = _library().dsakv_store_latent(
+        x.data_ptr(),
+        s.numel(),
+        lora,
+        rope,
+        KINDS[kind],
+        data.data_ptr(),
+        data.shape[0],
+        data.shape[-1] * data.element_size(),
+        s.data_ptr(),
+    )
+    _raise_bad(bad, data.shape[0])
+
+
+def store_index_k_fp8(
+    rotated: torch.Tensor, data: torch.Tensor, slots: torch.Tensor, page_size: int
+) -> None:
+    """The pool's fp8 `write_index_k` after its rotation: `rotated[n, d]` (already through
+    `prepare_index_q`) into the page-major buffer `data[pages, page_size · (d + 4·d/128)]`."""
+    d = rotated.shape[-1]
+    if (
+        data.dtype != torch.uint8
+        or not data.is_contiguous()
+        or data.shape[1] != page_size * (d + 4 * -(-d // 128))
+    ):
+        raise ValueError("store_index_k_fp8: not a page-major fp8 index-K buffer")
+    x, s = _rows_and_slots(rotated, d, slots)
+    bad = _library().dsakv_store_index_k_fp8(
+        x.data_ptr(), s.numel(), d, data.data_ptr(), data.shape[0], page_size, s.data_ptr()
+    )
+    _raise_bad(bad, data.shape[0] * page_size)
 
 
 def mla_decode(

@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from functools import cache
 
 import torch
@@ -291,9 +292,8 @@ class Compiled:
     Shapes are dynamic (the batch varies), so one compilation serves every batch; a batch
     of one is specialised once more (with static shapes, whose guards cost half as much
     per call), and so is each kind of module passed in (a layer with a dense MLP, one with
-    MoE). `warmup_s` is the time the first calls of each
-    specialisation spent compiling (inductor caches the code on disk, so a second process
-    mostly re-traces).
+    MoE). `warmup_s` is the time the first calls of each specialisation spent compiling
+    (inductor caches the code on disk, so a second process mostly re-traces).
     """
 
     def __init__(self, fn) -> None:
@@ -306,8 +306,7 @@ class Compiled:
 
     def __call__(self, *args):
         key = tuple(_specialisation(a) for a in args)
-        ones = all(a.shape[0] == 1 for a in args if isinstance(a, torch.Tensor))
-        static = ones
+        static = all(a.shape[0] == 1 for a in args if isinstance(a, torch.Tensor))
         if key in self._seen:
             return self._compiled[static](*args)
         with self._lock:  # engines in threads of one process share the compiled code
@@ -332,8 +331,14 @@ def _specialisation(a) -> object:
     if isinstance(a, torch.Tensor):
         return a.shape[0] == 1, a.dtype
     if isinstance(a, torch.nn.Module):
-        return type(a), tuple(type(m) for m in a.children())
+        kind = _MODULE_KINDS.get(a)
+        if kind is None:
+            kind = _MODULE_KINDS[a] = type(a), tuple(type(m) for m in a.children())
+        return kind
     return a
+
+
+_MODULE_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 _ALL: list[Compiled] = []

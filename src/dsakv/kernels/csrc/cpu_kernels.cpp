@@ -70,6 +70,69 @@ inline void widen_row(const uint8_t* row, int kind, int64_t lora, int64_t rope, 
   }
 }
 
+inline uint32_t float_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+// fp32 -> e4m3fn byte as the pool encodes (`clamp(-448, 448)`, then torch's cast): round to
+// nearest even, ±inf saturate to ±448, NaN -> 0x7f with its sign.
+inline uint8_t e4m3_from_float(float f) {
+  const uint32_t u = float_bits(f);
+  const uint8_t sign = (u >> 24) & 0x80;
+  const uint32_t mag = u & 0x7fffffff;
+  if (mag > 0x7f800000) return sign | 0x7f;
+  const float a = std::min(bits_to_float(mag), 448.0f);
+  if (a >= 0x1p-6f) {  // normal: round the mantissa to 3 bits, rebias the exponent by 120
+    uint32_t b = float_bits(a);
+    b += 0x7ffff + ((b >> 20) & 1);
+    return sign | uint8_t((b >> 20) - (120 << 3));
+  }
+  return sign | uint8_t(std::nearbyint(a * 512.0f));  // subnormal: m · 2^-9, m in 0..8
+}
+
+// fp32 -> bf16 bits, round to nearest even (finite values as torch's cast).
+inline uint16_t bf16_from_float(float f) {
+  const uint32_t u = float_bits(f);
+  if (std::isnan(f)) return 0x7fc0;
+  return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+// `dsakv.memory.fp8.pow2_block_scale`: 2^k, k = e - 9 + (m > 0.875) for amax = m · 2^e
+// (frexp), 1 where amax is not > 0; k >= -149.
+inline float pow2_block_scale(float amax) {
+  int e = 0;
+  const float m = std::frexp(amax, &e);
+  int k = amax > 0 ? e - 9 + (m > 0.875f) : 0;
+  k = std::max(k, -149);
+  if (k >= -126) return bits_to_float(uint32_t(k + 127) << 23);
+  return bits_to_float(uint32_t(1) << (k + 149));
+}
+
+// `quantize_e4m3_blockwise` of one row: e4m3 bytes `q[d]`, one fp32 scale per 128 values.
+inline void quantize_row(const float* x, int64_t d, uint8_t* q, float* scales) {
+  for (int64_t a = 0, k = 0; a < d; a += kScaleBlock, ++k) {
+    const int64_t n = std::min(kScaleBlock, d - a);
+    float amax = 0.0f;
+    bool nan = false;
+    for (int64_t i = 0; i < n; ++i) {
+      nan |= std::isnan(x[a + i]);
+      amax = std::max(amax, std::fabs(x[a + i]));
+    }
+    const float s = pow2_block_scale(nan ? NAN : amax);  // torch's amax propagates NaN
+    scales[k] = s;
+    for (int64_t i = 0; i < n; ++i) q[a + i] = e4m3_from_float(x[a + i] / s);
+  }
+}
+
+// Slots outside [0, n_rows): the store writes nothing and returns their count.
+inline int64_t count_bad(const int64_t* slots, int64_t n, int64_t n_rows) {
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad += slots[i] < 0 || slots[i] >= n_rows;
+  return bad;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc[16] = {0};
   int64_t i = 0;
@@ -155,6 +218,49 @@ int64_t dsakv_mla_decode(const float* q, const uint8_t* data, int64_t n_rows, in
     }
   }
   return bad;
+}
+
+// Latent rows x[n, lora + rope] fp32 into token-major rows `data + slot · row_bytes`:
+// e4m3 (kind E4M3) or fp8_ds_mla (DS_MLA); byte-equal to the pool's own encoding.
+int64_t dsakv_store_latent(const float* x, int64_t n, int64_t lora, int64_t rope, int kind,
+                           uint8_t* data, int64_t n_rows, int64_t row_bytes,
+                           const int64_t* slots) {
+  if (int64_t bad = count_bad(slots, n, n_rows)) return bad;
+  const int64_t d = lora + rope, nb = (lora + kScaleBlock - 1) / kScaleBlock;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x + i * d;
+    uint8_t* row = data + slots[i] * row_bytes;
+    if (kind == E4M3) {
+      for (int64_t c = 0; c < d; ++c) row[c] = e4m3_from_float(xi[c]);
+      continue;
+    }
+    float scales[64];
+    quantize_row(xi, lora, row, scales);
+    std::memcpy(row + lora, scales, nb * sizeof(float));
+    uint16_t* r = reinterpret_cast<uint16_t*>(row + lora + 4 * nb);
+    for (int64_t c = 0; c < rope; ++c) {
+      const uint16_t h = bf16_from_float(xi[lora + c]);
+      std::memcpy(r + c, &h, sizeof h);
+    }
+  }
+  return 0;
+}
+
+// Rotated index keys x[n, d] fp32 into the page-major fp8 index-K buffer: page p holds its
+// `page_size` keys' e4m3 bytes, then their fp32 scales (one per 128 values).
+int64_t dsakv_store_index_k_fp8(const float* x, int64_t n, int64_t d, uint8_t* data,
+                                int64_t n_pages, int64_t page_size, const int64_t* slots) {
+  if (int64_t bad = count_bad(slots, n, n_pages * page_size)) return bad;
+  const int64_t nb = (d + kScaleBlock - 1) / kScaleBlock;
+  const int64_t page_bytes = page_size * (d + 4 * nb);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t page = slots[i] / page_size, off = slots[i] % page_size;
+    uint8_t* base = data + page * page_bytes;
+    float scales[64];
+    quantize_row(x + i * d, d, base + off * d, scales);
+    std::memcpy(base + page_size * d + off * 4 * nb, scales, nb * sizeof(float));
+  }
+  return 0;
 }
 
 }  // extern "C"

@@ -1,0 +1,236 @@
+"""The cpu backend's native kernels (`dsakv.kernels.cpu_native`) against the torch paths
+they replace: decode attention agrees with the reference to fp32 rounding and does not
+depend on its batch or thread count; stores write the very bytes the pool's own encoding
+writes; a missing compiler leaves the torch ops in place."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsakv import LLM, SamplingParams
+from dsakv.kernels import cpu_native
+from dsakv.memory import CacheLayout, DSAKVPool
+from dsakv.memory.fp8 import FP8_DTYPE
+from dsakv.models.tiny import write_tiny_model
+
+native = pytest.mark.skipif(
+    not cpu_native.available(), reason="no C++ compiler: the cpu backend runs its torch ops"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("glm-tiny"), preset="glm-tiny", seed=0))
+
+
+def _layout(tiny: str, **kw) -> CacheLayout:
+    return CacheLayout.for_model(tiny, **kw)
+
+
+# --- decode attention ------------------------------------------------------------------------
+
+
+def _decode_case(tiny, kind: str, batch: int, seed: int = 0, width: int = 24):
+    """A pool of random latent rows and a sparse decode batch over it (positions in any
+    order, some invalid), with the torch reference's output."""
+    from dsakv.kernels import MLAMath, TorchBackend
+    from dsakv.memory import DSAKVPool
+
+    g = torch.Generator().manual_seed(seed)
+    lay = _layout(tiny, kv_cache_dtype=kind, page_size=16)
+    pool = DSAKVPool(lay, 8)
+    lora, rope, heads = lay.kv_lora_rank, lay.qk_rope_head_dim, 4
+    pool.write_latent(1, torch.arange(128), torch.randn(128, lora + rope, generator=g))
+    math = MLAMath(heads, lora, 0.1)
+    q_nope = torch.randn(batch, heads, lora, generator=g)
+    q_rope = torch.randn(batch, heads, rope, generator=g)
+    slots = torch.randint(0, 128, (batch, width), generator=g)
+    valid = torch.rand(batch, width, generator=g) < 0.8
+    valid[:, 0] = True
+    w_kvb = torch.randn(heads, 16, lora, generator=g) * 0.05
+    args = (math, pool, 1, q_nope, q_rope, slots, valid, w_kvb[:, :8], w_kvb[:, 8:])
+    return args, TorchBackend().mla_decode(*args)
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_ds_mla", "bf16", "fp32"])
+def test_cpu_decode_reads_the_stored_bytes_as_the_pool_decodes_them(tiny, kind):
+    """The torch fallback of the CPU backend's decode attention (rows widened straight
+    from the pool's bytes) is the reference's arithmetic: bit-equal outputs."""
+    from dsakv.kernels import cpu_ops
+
+    for batch in (1, 3):
+        (math, pool, layer, q_nope, q_rope, slots, valid, _, w_uv), ref = _decode_case(
+            tiny, kind, batch
+        )
+        lay = pool.layout
+        got = cpu_ops.decode_attention(
+            torch.cat([q_nope, q_rope], dim=-1),
+            pool.latent_data(layer),
+            slots,
+            valid,
+            w_uv,
+            math.scale,
+            kind,
+            lay.kv_lora_rank,
+            lay.qk_rope_head_dim,
+        )
+        assert torch.equal(got, ref)
+
+
+@native
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_ds_mla", "bf16", "fp32"])
+def test_native_decode_matches_the_reference_and_ignores_its_batch(tiny, kind):
+    """The native kernel (stored rows read in place, an online softmax over blocks of 64
+    rows) agrees with the reference to fp32 rounding for every row encoding; a request's
+    output is bit-equal alone or in a batch, at one thread or two."""
+    from dsakv.kernels.backend import CpuBackend
+
+    for batch in (1, 5):  # 150 rows: three blocks of the online softmax
+        args, ref = _decode_case(tiny, kind, batch, seed=batch, width=150)
+        backend = CpuBackend(args[1].layout)
+        assert backend.native
+        got = backend.mla_decode(*args)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    math, pool, layer, q_nope, q_rope, slots, valid = args[:7]
+    lay = pool.layout
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    call = (pool.latent_data(layer),)
+    tail = (math.scale, kind, lay.kv_lora_rank, lay.qk_rope_head_dim)
+    whole = cpu_native.mla_decode(q, *call, slots, valid, *tail)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for r in range(batch):
+                one = cpu_native.mla_decode(
+                    q[r : r + 1], *call, slots[r : r + 1], valid[r : r + 1], *tail
+                )
+                assert torch.equal(one[0], whole[r])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@native
+def test_native_decode_rejects_slots_outside_the_pool(tiny):
+    """A valid slot past the latent buffer is an error, never a read of other memory."""
+    (math, pool, layer, q_nope, q_rope, slots, valid, _, _), _ = _decode_case(tiny, "fp8_ds_mla", 2)
+    data = pool.latent_data(layer)
+    lay = pool.layout
+    slots = slots.clone()
+    slots[1, 0] = data.shape[0]  # valid[:, 0] is always True
+    with pytest.raises(IndexError, match="outside the latent buffer"):
+        cpu_native.mla_decode(
+            torch.cat([q_nope, q_rope], dim=-1),
+            data,
+            slots,
+            valid,
+            math.scale,
+            "fp8_ds_mla",
+            lay.kv_lora_rank,
+            lay.qk_rope_head_dim,
+        )
+
+
+# --- stores ----------------------------------------------------------------------------------
+
+
+def _hard_values(width: int) -> torch.Tensor:
+    """Rows of fp32 values where an fp8 encoding can go wrong: every e4m3 value, the
+    midpoints between neighbours (ties round to even) and one ulp either side of them,
+    the subnormal range, saturation (±448 and beyond, ±inf), signed zeros, and a random
+    spread over 15 decades."""
+    table = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    vals = table[~table.isnan()].unique()  # sorted
+    mids = (vals[1:] + vals[:-1]) / 2
+    up = torch.nextafter(mids, torch.full_like(mids, float("inf")))
+    down = torch.nextafter(mids, torch.full_like(mids, -float("inf")))
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(4096, generator=g) * 10 ** torch.empty(4096).uniform_(-12, 3, generator=g)
+    extra = torch.tensor(
+        [0.0, -0.0, 448.0, -448.0, 464.0, 470.0, 1e6, float("inf"), -float("inf"), 2.0**-10, 1e-45]
+    )
+    x = torch.cat([vals, -vals, mids, -mids, up, down, extra, spread])
+    x = torch.cat([x, torch.zeros(-x.numel() % width)])
+    return x.view(-1, width)
+
+
+@native
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_ds_mla"])
+def test_native_latent_store_writes_the_pools_bytes(tiny, kind):
+    """Byte-equal to `DSAKVPool.write_latent` on values that stress the rounding, blocks of
+    mixed magnitude (fp8_ds_mla scales) and an all-zero row."""
+    lay = _layout(tiny, kv_cache_dtype=kind, page_size=16)
+    lora, rope = lay.kv_lora_rank, lay.qk_rope_head_dim
+    x = _hard_values(lora + rope)
+    x = torch.cat([x, torch.zeros(1, lora + rope)])
+    n = x.shape[0]
+    ref, got = DSAKVPool(lay, -(-2 * n // 16)), DSAKVPool(lay, -(-2 * n // 16))
+    slots = torch.randperm(2 * n, generator=torch.Generator().manual_seed(1))[:n]
+    ref.write_latent(1, slots, x)
+    cpu_native.store_latent(x, got.latent_data(1), slots, kind, lora, rope)
+    a, b = (p.latent_data(1).view(torch.uint8) for p in (ref, got))
+    assert torch.equal(a, b)
+
+
+@native
+def test_native_index_k_store_writes_the_pools_bytes(tiny):
+    """fp8 index-K (rotated, one power-of-two scale per 128 values, page-major) byte-equal
+    to `DSAKVPool.write_index_k`, for keys from 1e-12 to 1e3 in magnitude."""
+    lay = _layout(tiny, index_k_dtype="fp8", page_size=16)
+    layer, d = lay.index_k_layers[0], lay.index_head_dim
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(48, d, generator=g) * torch.logspace(-12, 3, 48)[:, None]
+    keys[0] = 0
+    slots = torch.randperm(64, generator=g)[:48]
+    ref, got = DSAKVPool(lay, 4), DSAKVPool(lay, 4)
+    ref.write_index_k(layer, slots, keys)
+    cpu_native.store_index_k_fp8(ref.prepare_index_q(keys), got.index_k_data(layer), slots, 16)
+    assert torch.equal(ref.index_k_data(layer), got.index_k_data(layer))
+
+
+@native
+def test_native_stores_reject_bad_slots_and_shapes_writing_nothing(tiny):
+    lay = _layout(tiny, page_size=16)
+    pool = DSAKVPool(lay, 2)
+    d = lay.kv_lora_rank + lay.qk_rope_head_dim
+    before = pool.latent_data(1).clone()
+    args = ("fp8_e4m3", lay.kv_lora_rank, lay.qk_rope_head_dim)
+    with pytest.raises(IndexError, match="out of range"):
+        cpu_native.store_latent(torch.ones(2, d), pool.latent_data(1), torch.tensor([0, 32]), *args)
+    with pytest.raises(ValueError, match="rows must be"):
+        cpu_native.store_latent(
+            torch.ones(2, d - 1), pool.latent_data(1), torch.tensor([0, 1]), *args
+        )
+    assert torch.equal(pool.latent_data(1).view(torch.uint8), before.view(torch.uint8))
+
+
+# --- build -----------------------------------------------------------------------------------
+
+
+def test_without_a_compiler_the_cpu_backend_keeps_its_torch_ops(tiny, tmp_path):
+    """No C++ compiler (and nothing built before): one warning, the torch ops, and the same
+    greedy tokens (index_topk covers the context, so only rounding could differ)."""
+    code = f"""
+import logging, sys
+from dsakv import LLM, SamplingParams
+logging.basicConfig(level=logging.WARNING)
+llm = LLM({tiny!r}, device="cpu", page_size=16, num_pages=24, max_model_len=64)
+assert not llm.engine.backend.native, "native kernels built without a compiler"
+out = llm.generate([[5, 17, 33, 2, 99]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+print(out[0].token_ids)
+"""
+    env = {**os.environ, "CXX": "no-such-compiler", "DSAKV_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("native CPU kernels unavailable") == 1
+    llm = LLM(tiny, device="cpu", page_size=16, num_pages=24, max_model_len=64)
+    want = llm.generate(
+        [[5, 17, 33, 2, 99]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    )
+    assert done.stdout.strip() == str(want[0].token_ids)
+    assert llm.engine.backend.native == cpu_native.available()
