@@ -96,23 +96,28 @@ def test_native_decode_matches_the_reference_and_ignores_its_batch(tiny, kind):
         assert backend.native
         got = backend.mla_decode(*args)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    math, pool, layer, q_nope, q_rope, slots, valid = args[:7]
-    lay = pool.layout
-    q = torch.cat([q_nope, q_rope], dim=-1)
-    call = (pool.latent_data(layer),)
-    tail = (math.scale, kind, lay.kv_lora_rank, lay.qk_rope_head_dim)
-    whole = cpu_native.mla_decode(q, *call, slots, valid, *tail)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            for r in range(batch):
-                one = cpu_native.mla_decode(
-                    q[r : r + 1], *call, slots[r : r + 1], valid[r : r + 1], *tail
-                )
-                assert torch.equal(one[0], whole[r])
-    finally:
-        torch.set_num_threads(threads)
+    math, pool, layer, q_nope, q_rope, slots, valid, _, w_uv = args
+    data, scale = pool.latent_data(layer), math.scale
+    for w in (None, w_uv):  # the latent outputs, and their values through W_uv
+        whole = cpu_native.mla_decode(q_nope, q_rope, data, slots, valid, scale, kind, w)
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                for r in range(batch):
+                    one = cpu_native.mla_decode(
+                        q_nope[r : r + 1],
+                        q_rope[r : r + 1],
+                        data,
+                        slots[r : r + 1],
+                        valid[r : r + 1],
+                        scale,
+                        kind,
+                        w,
+                    )
+                    assert torch.equal(one[0], whole[r])
+        finally:
+            torch.set_num_threads(threads)
 
 
 @native
@@ -120,20 +125,10 @@ def test_native_decode_rejects_slots_outside_the_pool(tiny):
     """A valid slot past the latent buffer is an error, never a read of other memory."""
     (math, pool, layer, q_nope, q_rope, slots, valid, _, _), _ = _decode_case(tiny, "fp8_ds_mla", 2)
     data = pool.latent_data(layer)
-    lay = pool.layout
     slots = slots.clone()
     slots[1, 0] = data.shape[0]  # valid[:, 0] is always True
     with pytest.raises(IndexError, match="outside the latent buffer"):
-        cpu_native.mla_decode(
-            torch.cat([q_nope, q_rope], dim=-1),
-            data,
-            slots,
-            valid,
-            math.scale,
-            "fp8_ds_mla",
-            lay.kv_lora_rank,
-            lay.qk_rope_head_dim,
-        )
+        cpu_native.mla_decode(q_nope, q_rope, data, slots, valid, math.scale, "fp8_ds_mla")
 
 
 # --- stores ----------------------------------------------------------------------------------

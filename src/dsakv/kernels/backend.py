@@ -180,13 +180,23 @@ class CpuBackend(TorchBackend):
         if math.mode != "absorb":
             return super().mla_decode(math, pool, layer, q_nope, q_rope, slots, valid, w_uk, w_uv)
         lay = pool.layout
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        args = (lay.kv_cache_dtype, lay.kv_lora_rank, lay.qk_rope_head_dim)
-        data = pool.latent_data(layer)
+        data, kind = pool.latent_data(layer), lay.kv_cache_dtype
         if not self.native:
+            q = torch.cat([q_nope, q_rope], dim=-1)
+            args = (kind, lay.kv_lora_rank, lay.qk_rope_head_dim)
             return cpu_ops.decode_attention(q, data, slots, valid, w_uv, math.scale, *args)
-        o_lat = cpu_native.mla_decode(q.float(), data, slots, valid, math.scale, *args)
-        return per_head(o_lat.to(w_uv.dtype), w_uv)
+        fp32 = w_uv.dtype == torch.float32  # W_uv inside the kernel: no GEMM call after it
+        out = cpu_native.mla_decode(
+            q_nope.float(),
+            q_rope.float(),
+            data,
+            slots,
+            valid,
+            math.scale,
+            kind,
+            w_uv if fp32 else None,
+        )
+        return out if fp32 else per_head(out.to(w_uv.dtype), w_uv)
 
     def mla_extend(
         self, math, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv

@@ -77,20 +77,8 @@ def _build() -> ctypes.CDLL:
     dll.dsakv_store_index_k_fp8.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr]
     dll.dsakv_mla_decode.restype = i64
     dll.dsakv_mla_decode.argtypes = [
-        ptr,
-        ptr,
-        i64,
-        i64,
-        ctypes.c_int,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_float,
-        ptr,
+        *(ptr, ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, ptr),
+        *(i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64, ptr),
     ]
     return dll
 
@@ -167,37 +155,53 @@ def store_index_k_fp8(
 
 
 def mla_decode(
-    q: torch.Tensor,
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
     data: torch.Tensor,
     slots: torch.Tensor,
     valid: torch.Tensor,
     scale: float,
     kind: str,
-    lora: int,
-    rope: int,
+    w_uv: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Absorbed sparse MLA decode over the pool's stored rows: `q[B, H, lora + rope]` fp32,
-    `data[slots, row]` a layer's latent buffer as stored, `slots[B, k]` the rows each
-    request reads, `valid[B, k]` -> latent outputs `[B, H, lora]` fp32.
+    """Absorbed sparse MLA decode over the pool's stored rows: latent queries
+    `q_nope[B, H, lora]` and `q_rope[B, H, rope]` (fp32), `data[slots, row]` a layer's
+    latent buffer as stored, `slots[B, k]` the rows each request reads, `valid[B, k]` ->
+    the latent outputs `[B, H, lora]`, or with `w_uv[H, v, lora]` (fp32, rows contiguous)
+    their values `[B, H, v]`.
 
     `cpu_ops.decode_attention`'s math (softmax over the valid rows, then their weighted
     sum) in another summation order: outputs agree to fp32 rounding, and a request's output
     is the same whatever batch it is in and whatever the thread count."""
     lib = _library()
     assert lib is not None, "check available() first"
-    b, heads, width = q.shape
-    if width != lora + rope or q.dtype != torch.float32 or kind not in KINDS:
-        raise ValueError(f"mla_decode: q {tuple(q.shape)} {q.dtype}, kind {kind!r}")
+    b, heads, lora = q_nope.shape
+    rope = q_rope.shape[-1]
+    if kind not in KINDS or q_nope.dtype != torch.float32 or q_rope.dtype != torch.float32:
+        raise ValueError(f"mla_decode: kind {kind!r}, queries {q_nope.dtype} / {q_rope.dtype}")
+    if q_rope.shape[:2] != (b, heads) or q_rope.stride(-1) != 1:
+        raise ValueError(
+            f"mla_decode: q_rope {tuple(q_rope.shape)} for q_nope {tuple(q_nope.shape)}"
+        )
     if kind == "fp8_ds_mla" and -(-lora // 128) > _MAX_SCALE_BLOCKS:
         raise ValueError(f"mla_decode: kv_lora_rank {lora} exceeds the kernel's scale blocks")
-    q = q.contiguous()
+    q_nope = q_nope.contiguous()
     slots = slots.to(torch.int64).contiguous()
     valid = valid.to(torch.bool).contiguous()
     if not data.is_contiguous() or slots.shape != valid.shape or slots.shape[0] != b:
         raise ValueError("mla_decode: strided latent buffer or mismatched slots / valid")
-    out = torch.empty(b, heads, lora, dtype=torch.float32, device=q.device)
+    v = 0
+    if w_uv is not None:
+        v = w_uv.shape[1]
+        ok = w_uv.dtype == torch.float32 and w_uv.shape == (heads, v, lora)
+        if not ok or w_uv.stride(1) != lora or w_uv.stride(2) != 1:
+            raise ValueError(f"mla_decode: w_uv {tuple(w_uv.shape)} {w_uv.dtype}")
+    out = torch.empty(b, heads, v or lora, dtype=torch.float32, device=q_nope.device)
     bad = lib.dsakv_mla_decode(
-        q.data_ptr(),
+        q_nope.data_ptr(),
+        q_rope.data_ptr(),
+        q_rope.stride(0),
+        q_rope.stride(1),
         data.data_ptr(),
         data.shape[0],
         data.shape[-1] * data.element_size(),
@@ -210,6 +214,9 @@ def mla_decode(
         lora,
         rope,
         scale,
+        None if w_uv is None else w_uv.data_ptr(),
+        0 if w_uv is None else w_uv.stride(0),
+        v,
         out.data_ptr(),
     )
     if bad:

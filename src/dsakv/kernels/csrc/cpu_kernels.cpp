@@ -150,20 +150,26 @@ extern "C" {
 
 // Absorbed sparse MLA decode, every request of the step at once, reading the stored rows
 // in place (no fp32 copy of the gathered context):
-//   q[B, H, lora + rope] fp32, rows `data + slots[b, j] * row_bytes` of encoding `kind`,
-//   valid[B, K] -> out[B, H, lora] = softmax_j(scale · q_h · row_j) · row_j[:lora].
-// Returns the number of valid slots outside [0, n_rows) (skipped; the caller raises).
+//   queries q_nope[B, H, lora] (contiguous) and q_rope[B, H, rope] (strides rope_sb,
+//   rope_sh), rows `data + slots[b, j] * row_bytes` of encoding `kind`, valid[B, K] ->
+//   o[b, h] = softmax_j(scale · q_h · row_j) · row_j[:lora]; then, with w_uv (fp32 rows of
+//   `lora`, `v` of them per head, heads `w_sh` apart), out[B, H, v] = W_uv[h] · o[b, h],
+//   else out[B, H, lora] = o.
 // Work units are (request, group of <= 16 heads; smaller groups when there are fewer
 // requests than threads). Each head runs its K rows in order, blocks of 64 with an online
 // softmax, so its output depends neither on the batch it is in nor on the thread count.
-int64_t dsakv_mla_decode(const float* q, const uint8_t* data, int64_t n_rows, int64_t row_bytes, int kind,
-                      const int64_t* slots, const bool* valid, int64_t B, int64_t K, int64_t H,
-                      int64_t lora, int64_t rope, float scale, float* out) {
+// Returns the number of valid slots outside [0, n_rows) (skipped; the caller raises).
+int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_sb,
+                         int64_t rope_sh, const uint8_t* data, int64_t n_rows,
+                         int64_t row_bytes, int kind, const int64_t* slots, const bool* valid,
+                         int64_t B, int64_t K, int64_t H, int64_t lora, int64_t rope,
+                         float scale, const float* w_uv, int64_t w_sh, int64_t v, float* out) {
   const int64_t d = lora + rope;
   const int64_t threads = omp_get_max_threads();
   const int64_t want = std::min(H, std::max<int64_t>(1, (threads + B - 1) / B));
   const int64_t per_unit = std::min(kHeadsPerUnit, (H + want - 1) / want);
   const int64_t groups = (H + per_unit - 1) / per_unit;
+  const int64_t width = w_uv ? v : lora;
   int64_t bad = 0;
 #pragma omp parallel reduction(+ : bad)
   {
@@ -174,7 +180,6 @@ int64_t dsakv_mla_decode(const float* q, const uint8_t* data, int64_t n_rows, in
     for (int64_t unit = 0; unit < B * groups; ++unit) {
       const int64_t b = unit / groups, h0 = (unit % groups) * per_unit;
       const int64_t nh = std::min(per_unit, H - h0);
-      const float* qb = q + (b * H + h0) * d;
       std::fill(acc.begin(), acc.begin() + nh * lora, 0.0f);
       for (int64_t h = 0; h < nh; ++h) m[h] = -INFINITY, l[h] = 0.0f;
       for (int64_t j0 = 0; j0 < K; j0 += kRowsPerBlock) {
@@ -187,10 +192,13 @@ int64_t dsakv_mla_decode(const float* q, const uint8_t* data, int64_t n_rows, in
           if (ok[j]) widen_row(data + sl[j] * row_bytes, kind, lora, rope, &rows[j * d]);
         }
         for (int64_t h = 0; h < nh; ++h) {
+          const float* qn = q_nope + (b * H + h0 + h) * lora;
+          const float* qr = q_rope + b * rope_sb + (h0 + h) * rope_sh;
           float* sh = &s[h * kRowsPerBlock];
           float top = m[h];
           for (int64_t j = 0; j < n; ++j) {
-            sh[j] = ok[j] ? dot(qb + h * d, &rows[j * d], d) * scale : -INFINITY;
+            const float* r = &rows[j * d];
+            sh[j] = ok[j] ? (dot(qn, r, lora) + dot(qr, r + lora, rope)) * scale : -INFINITY;
             top = std::max(top, sh[j]);
           }
           if (top == -INFINITY) continue;  // nothing valid yet
@@ -211,9 +219,16 @@ int64_t dsakv_mla_decode(const float* q, const uint8_t* data, int64_t n_rows, in
         }
       }
       for (int64_t h = 0; h < nh; ++h) {
-        float* o = out + (b * H + h0 + h) * lora;
+        float* ah = &acc[h * lora];
         const float inv = 1.0f / l[h];  // no valid row: 1/0 -> inf·0 = NaN, as softmax
-        for (int64_t i = 0; i < lora; ++i) o[i] = acc[h * lora + i] * inv;
+        for (int64_t i = 0; i < lora; ++i) ah[i] *= inv;
+        float* o = out + (b * H + h0 + h) * width;
+        if (!w_uv) {
+          std::memcpy(o, ah, lora * sizeof(float));
+          continue;
+        }
+        const float* w = w_uv + (h0 + h) * w_sh;
+        for (int64_t k = 0; k < v; ++k) o[k] = dot(ah, w + k * lora, lora);
       }
     }
   }
