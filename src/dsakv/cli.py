@@ -223,7 +223,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--enable-torch-compile",
         action="store_true",
         help="cpu backend: decode steps of up to 4 requests run through torch.compile "
-        "(glm-bench: 1.4x one-request decode; a warm-up of 10-45 s per process)",
+        "(glm-bench: 1.6x one-request decode; a warm-up of 10-45 s per process)",
     )
     g.add_argument(
         "--speculative-algorithm", choices=("mtp",), help="draft with the MTP layer, verify"
