@@ -98,8 +98,14 @@ def available() -> bool:
     return _library() is not None
 
 
+def _on_cpu(*tensors: torch.Tensor) -> None:
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("dsakv's native CPU kernels take CPU tensors only")
+
+
 def _rows_and_slots(x: torch.Tensor, width: int, slots: torch.Tensor):
     """fp32 contiguous `x[n, width]` and int64 `slots[n]`, as the pool's writes check them."""
+    _on_cpu(x, slots)
     s = slots.to(torch.int64).contiguous()
     if x.dim() != 2 or x.shape != (s.numel(), width) or s.dim() != 1:
         raise ValueError(
@@ -118,6 +124,7 @@ def store_latent(
 ) -> None:
     """The pool's `write_latent` for e4m3 / fp8_ds_mla rows (byte-equal for finite values),
     into a layer's latent buffer `data` as stored."""
+    _on_cpu(data)
     if kind not in ("fp8_e4m3", "fp8_ds_mla") or not data.is_contiguous():
         raise ValueError(f"store_latent: kind {kind!r} or a strided buffer")
     x, s = _rows_and_slots(rows, lora + rope, slots)
@@ -177,6 +184,7 @@ def mla_decode(
     assert lib is not None, "check available() first"
     b, heads, lora = q_nope.shape
     rope = q_rope.shape[-1]
+    _on_cpu(q_nope, q_rope, data, slots, valid)
     if kind not in KINDS or q_nope.dtype != torch.float32 or q_rope.dtype != torch.float32:
         raise ValueError(f"mla_decode: kind {kind!r}, queries {q_nope.dtype} / {q_rope.dtype}")
     if q_rope.shape[:2] != (b, heads) or q_rope.stride(-1) != 1:
@@ -192,6 +200,7 @@ def mla_decode(
         raise ValueError("mla_decode: strided latent buffer or mismatched slots / valid")
     v = 0
     if w_uv is not None:
+        _on_cpu(w_uv)
         v = w_uv.shape[1]
         ok = w_uv.dtype == torch.float32 and w_uv.shape == (heads, v, lora)
         if not ok or w_uv.stride(1) != lora or w_uv.stride(2) != 1:
