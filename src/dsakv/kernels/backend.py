@@ -157,7 +157,7 @@ class CpuBackend(TorchBackend):
 
     def store_latent(self, pool, layer, slots, rows) -> None:
         lay = pool.layout
-        if not self.native or lay.kv_cache_dtype not in ("fp8_e4m3", "fp8_ds_mla"):
+        if not self.native or lay.kv_cache_dtype not in cpu_native.STORED_KINDS:
             return super().store_latent(pool, layer, slots, rows)
         cpu_native.store_latent(
             rows,

@@ -29,13 +29,17 @@ from pathlib import Path
 
 import torch
 
+from dsakv.memory.fp8 import FP8_BLOCK
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # Latent row encodings the kernel reads (the pool's `kv_cache_dtype`).
 KINDS = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2, "fp8_ds_mla": 3}
-_MAX_SCALE_BLOCKS = 64  # fp8_ds_mla: scales per row the kernel holds (lora <= 8192)
+# Latent encodings `store_latent` writes (bf16 / fp32 rows are stored as they are).
+STORED_KINDS = ("fp8_e4m3", "fp8_ds_mla")
+_MAX_SCALE_BLOCKS = 64  # fp32 scales per row the kernels hold on the stack (8192 values)
 
 _lock = threading.Lock()
 
@@ -114,6 +118,16 @@ def _rows_and_slots(x: torch.Tensor, width: int, slots: torch.Tensor):
     return x.float().contiguous(), s
 
 
+def _scale_blocks(width: int) -> int:
+    """Scales per row of `width` fp8 values (one per `FP8_BLOCK`), within the kernels' limit."""
+    nb = -(-width // FP8_BLOCK)
+    if nb > _MAX_SCALE_BLOCKS:
+        raise ValueError(
+            f"{width} fp8 values a row exceed the native kernels' {_MAX_SCALE_BLOCKS} scales"
+        )
+    return nb
+
+
 def _raise_bad(bad: int, rows: int) -> None:
     if bad:
         raise IndexError(f"{bad} slots out of range 0..{rows - 1} (nothing written)")
@@ -125,8 +139,9 @@ def store_latent(
     """The pool's `write_latent` for e4m3 / fp8_ds_mla rows (byte-equal for finite values),
     into a layer's latent buffer `data` as stored."""
     _on_cpu(data)
-    if kind not in ("fp8_e4m3", "fp8_ds_mla") or not data.is_contiguous():
+    if kind not in STORED_KINDS or not data.is_contiguous():
         raise ValueError(f"store_latent: kind {kind!r} or a strided buffer")
+    _scale_blocks(lora)
     x, s = _rows_and_slots(rows, lora + rope, slots)
     bad = _library().dsakv_store_latent(
         x.data_ptr(),
@@ -151,7 +166,7 @@ def store_index_k_fp8(
     if (
         data.dtype != torch.uint8
         or not data.is_contiguous()
-        or data.shape[1] != page_size * (d + 4 * -(-d // 128))
+        or data.shape[1] != page_size * (d + 4 * _scale_blocks(d))
     ):
         raise ValueError("store_index_k_fp8: not a page-major fp8 index-K buffer")
     x, s = _rows_and_slots(rotated, d, slots)
@@ -191,8 +206,8 @@ def mla_decode(
         raise ValueError(
             f"mla_decode: q_rope {tuple(q_rope.shape)} for q_nope {tuple(q_nope.shape)}"
         )
-    if kind == "fp8_ds_mla" and -(-lora // 128) > _MAX_SCALE_BLOCKS:
-        raise ValueError(f"mla_decode: kv_lora_rank {lora} exceeds the kernel's scale blocks")
+    if kind == "fp8_ds_mla":
+        _scale_blocks(lora)
     q_nope = q_nope.contiguous()
     slots = slots.to(torch.int64).contiguous()
     valid = valid.to(torch.bool).contiguous()
