@@ -204,6 +204,110 @@ def test_native_stores_reject_bad_slots_and_shapes_writing_nothing(tiny):
     assert torch.equal(pool.latent_data(1).view(torch.uint8), before.view(torch.uint8))
 
 
+# --- decode blocks ---------------------------------------------------------------------------
+
+
+def _blocks_case(path: str, batch: int, seed: int):
+    """The fp32 model at `path`, and for a decode step of `batch` tokens: inputs, RoPE
+    tables at scattered positions, and attention outputs."""
+    from dsakv.models.loader import load_model
+
+    model, config, _ = load_model(path, draft_layers=1)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, config.hidden_size, generator=g)
+    cos, sin = model.rotary(torch.randint(0, 4000, (batch,), generator=g), torch.float32)
+    heads, v = config.num_attention_heads, config.v_head_dim
+    out = torch.randn(batch, heads, v, generator=g)
+    return model, (x, cos, sin, out)
+
+
+@native
+@pytest.mark.parametrize("preset", ["glm-tiny", "deepseek-tiny"])
+def test_native_blocks_match_the_torch_blocks_and_ignore_their_batch(preset, tmp_path):
+    """Every layer's two blocks (dense and MoE FFNs, the MTP layer; DeepSeek's grouped
+    router and YaRN RoPE) as one native call each agree with the torch blocks to fp32
+    rounding; a token's outputs are bit-equal alone or in a batch, at one thread or two."""
+    from dsakv.models.decoder import attention_inputs, residual_ffn
+
+    path = str(write_tiny_model(tmp_path / preset, preset=preset, seed=3))
+    model, (x, cos, sin, out) = _blocks_case(path, 5, seed=1)
+    with torch.inference_mode():
+        for layer in model.model.layers:
+            inputs, ffn = layer.native_blocks()
+            got, want = inputs(x, cos, sin), attention_inputs(layer, x, cos, sin)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b.reshape(a.shape), rtol=1e-5, atol=1e-5)
+            got_ffn = ffn(x, out.reshape(5, -1))
+            torch.testing.assert_close(got_ffn, residual_ffn(layer, x, out), rtol=1e-5, atol=1e-5)
+            threads = torch.get_num_threads()
+            try:
+                for n in (1, 2):
+                    torch.set_num_threads(n)
+                    for r in range(5):
+                        one = inputs(x[r : r + 1], cos[r : r + 1], sin[r : r + 1])
+                        assert all(torch.equal(a[0], b[r]) for a, b in zip(one, got))
+                        one = ffn(x[r : r + 1], out[r : r + 1].reshape(1, -1))
+                        assert torch.equal(one[0], got_ffn[r])
+            finally:
+                torch.set_num_threads(threads)
+
+
+@native
+def test_native_blocks_run_the_decode_steps_and_keep_the_greedy_tokens(tiny):
+    """Through the engine: decode steps run every layer's native blocks, and greedy tokens
+    and logprobs match the torch blocks' (fp32 cache, index_topk covering the context, so
+    only rounding differs); prefill steps keep the torch blocks."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = [[5, 17, 33, 2, 99], [7, 7, 8, 120, 3, 64, 200], [250, 1, 2, 3, 4, 5, 6, 7, 8]]
+    kw = dict(device="cpu", page_size=16, num_pages=24, max_model_len=64, kv_cache_dtype="fp32")
+    fast, ref = LLM(tiny, **kw), LLM(tiny, **kw)
+    ref.engine.backend.native = False  # as without a compiler: every op in torch
+    for batch in (prompts[:1], prompts):
+        got, want = fast.generate(batch, params), ref.generate(batch, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    model = fast.engine.runner.model
+    assert all(layer.native_blocks() is not None for layer in model.model.layers)
+    assert all(layer._native is False for layer in ref.engine.runner.model.model.layers)
+    fast.engine.check_integrity()
+
+
+@native
+def test_native_blocks_take_only_fp32_weights(tmp_path, tiny):
+    """A bfloat16 model has no native blocks (its torch blocks round where the reference
+    does) and still decodes; a weight of the wrong dtype or shape is a clear error."""
+    llm = LLM(tiny, device="cpu", dtype="bfloat16", page_size=16, num_pages=24, max_model_len=64)
+    out = llm.generate([[5, 17, 33]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+    assert all(layer.native_blocks() is None for layer in llm.engine.runner.model.model.layers)
+    model, _ = _blocks_case(tiny, 1, seed=0)
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+
+    def inputs(kv_b: torch.Tensor) -> cpu_native.MlaInputs:
+        return cpu_native.MlaInputs(
+            layer.input_layernorm.weight,
+            attn.q_a_proj.weight,
+            attn.q_a_layernorm.weight,
+            attn.q_b_proj.weight,
+            attn.kv_a_proj_with_mqa.weight,
+            attn.kv_a_layernorm.weight,
+            kv_b,
+            heads=attn.n_heads,
+            nope=attn.nope,
+            rope=attn.rope_dim,
+            v=attn.v_dim,
+            eps=(1e-6,) * 3,
+        )
+
+    inputs(attn.kv_b_proj.weight)
+    with pytest.raises(ValueError, match="fp32 contiguous CPU weights"):
+        inputs(attn.kv_b_proj.weight.bfloat16())
+    with pytest.raises(ValueError, match="expected"):
+        inputs(attn.kv_b_proj.weight[:-1])
+
+
 # --- build -----------------------------------------------------------------------------------
 
 

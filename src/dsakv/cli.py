@@ -222,8 +222,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enable-torch-compile",
         action="store_true",
-        help="cpu backend: decode steps of up to 4 requests run through torch.compile "
-        "(glm-bench: 1.6x one-request decode; a warm-up of 10-45 s per process)",
+        help="cpu backend: decode steps of up to 4 requests run the layers' blocks the native "
+        "kernels do not cover (no C++ compiler, a bf16 model) through torch.compile "
+        "(a warm-up of 10-45 s per process)",
     )
     g.add_argument(
         "--speculative-algorithm", choices=("mtp",), help="draft with the MTP layer, verify"

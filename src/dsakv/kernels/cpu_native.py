@@ -84,6 +84,10 @@ def _build() -> ctypes.CDLL:
         *(ptr, ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, ptr),
         *(i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64, ptr),
     ]
+    dll.dsakv_mla_inputs.restype = None
+    dll.dsakv_mla_inputs.argtypes = [ptr, i64, *(ptr,) * 8]
+    dll.dsakv_ffn.restype = None
+    dll.dsakv_ffn.argtypes = [ptr, i64, ptr, ptr, ptr]
     return dll
 
 
@@ -248,3 +252,186 @@ def mla_decode(
             f"mla_decode: {bad} valid slots outside the latent buffer's {data.shape[0]} rows"
         )
     return out
+
+
+# --- one-token decode blocks -------------------------------------------------------------
+
+_f32, _i64, _ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
+
+
+class _MlaInputsWeights(ctypes.Structure):
+    _fields_ = [
+        *((n, _ptr) for n in ("in_norm", "q_a", "q_a_norm", "q_b", "kv_a", "kv_norm", "w_uk")),
+        *((n, _i64) for n in ("hidden", "q_lora", "heads", "nope", "rope", "kv_lora", "uk_hs")),
+        *((n, _f32) for n in ("eps_in", "eps_q", "eps_kv")),
+    ]
+
+
+class _FfnWeights(ctypes.Structure):
+    _fields_ = [
+        *((n, _ptr) for n in ("o_proj", "post_norm")),
+        *((n, _i64) for n in ("hidden", "attn_dim")),
+        ("eps", _f32),
+        *((n, _ptr) for n in ("router", "router_bias")),
+        *((n, _i64) for n in ("n_experts", "top_k", "n_group", "topk_group", "norm_topk")),
+        ("scaling", _f32),
+        *((n, _ptr) for n in ("gate_up", "down")),
+        ("inter", _i64),
+        *((n, _ptr) for n in ("mlp_gate", "mlp_up", "mlp_down")),
+        ("mlp_inter", _i64),
+    ]
+
+
+def _weight(t: torch.Tensor, *shape: int) -> int:
+    """The address of an fp32 contiguous CPU weight of `shape`."""
+    if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+        raise ValueError(
+            f"native blocks take fp32 contiguous CPU weights, got {t.dtype} {t.device}"
+        )
+    if tuple(t.shape) != shape:
+        raise ValueError(f"native blocks: weight {tuple(t.shape)}, expected {shape}")
+    return t.data_ptr()
+
+
+def _activations(x: torch.Tensor, width: int) -> torch.Tensor:
+    _on_cpu(x)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"native blocks: input {tuple(x.shape)} {x.dtype}, expected [B, {width}]")
+    return x.contiguous()
+
+
+class MlaInputs:
+    """`attention_inputs` of a decode step in one call (`dsakv_mla_inputs`): the input
+    norm, q_a / kv_a, their norms, q_b, RoPE and the absorbed query, each weight read once
+    for every token. Holds the weights it reads (the module's own tensors, not copies).
+
+    `kv_b[H · (nope + v), kv_lora]`: its first `nope` rows of each head are W_uk."""
+
+    def __init__(
+        self,
+        in_norm,
+        q_a,
+        q_a_norm,
+        q_b,
+        kv_a,
+        kv_norm,
+        kv_b,
+        *,
+        heads: int,
+        nope: int,
+        rope: int,
+        v: int,
+        eps: tuple[float, float, float],
+    ) -> None:
+        hidden, q_lora, kv_lora = in_norm.numel(), q_a_norm.numel(), kv_norm.numel()
+        self.dims = (hidden, q_lora, heads, nope, rope, kv_lora)
+        self._keep = (in_norm, q_a, q_a_norm, q_b, kv_a, kv_norm, kv_b)
+        self._w = _MlaInputsWeights(
+            _weight(in_norm, hidden),
+            _weight(q_a, q_lora, hidden),
+            _weight(q_a_norm, q_lora),
+            _weight(q_b, heads * (nope + rope), q_lora),
+            _weight(kv_a, kv_lora + rope, hidden),
+            _weight(kv_norm, kv_lora),
+            _weight(kv_b, heads * (nope + v), kv_lora),
+            hidden,
+            q_lora,
+            heads,
+            nope,
+            rope,
+            kv_lora,
+            (nope + v) * kv_lora,
+            *eps,
+        )
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """`x[B, hidden]`, `cos` / `sin` `[B, rope / 2]` -> (h, q_lat `[B, H, kv_lora]`,
+        q_rope `[B, H, rope]`, q_lora, row `[B, kv_lora + rope]`), as `attention_inputs`."""
+        hidden, q_lora, heads, _, rope, kv_lora = self.dims
+        x = _activations(x, hidden)
+        b = x.shape[0]
+        cos, sin = _activations(cos, rope // 2), _activations(sin, rope // 2)
+        if cos.shape[0] != b or sin.shape[0] != b:
+            raise ValueError("native blocks: one cos / sin row per token")
+        h = torch.empty(b, hidden)
+        q_lat = torch.empty(b, heads, kv_lora)
+        q_rope = torch.empty(b, heads, rope)
+        ql = torch.empty(b, q_lora)
+        row = torch.empty(b, kv_lora + rope)
+        _library().dsakv_mla_inputs(
+            ctypes.byref(self._w),
+            b,
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            h.data_ptr(),
+            q_lat.data_ptr(),
+            q_rope.data_ptr(),
+            ql.data_ptr(),
+            row.data_ptr(),
+        )
+        return h, q_lat, q_rope, ql, row
+
+
+class Ffn:
+    """`residual_ffn` of a decode step in one call (`dsakv_ffn`): o_proj and the residual,
+    the post-attention norm, then a dense MLP, or the router, the chosen experts and the
+    shared experts; each weight read once for every token.
+
+    `mlp`: (gate `[Is, hidden]`, up, down `[hidden, Is]`), the dense MLP or the shared
+    experts. `moe`: (router `[E, hidden]`, bias `[E]`, gate_up `[E, 2I, hidden]`, down
+    `[E, hidden, I]`, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)."""
+
+    def __init__(self, o_proj, post_norm, eps: float, mlp: tuple, moe: tuple | None = None):
+        hidden, attn_dim = o_proj.shape
+        gate, up, down = mlp
+        inter = gate.shape[0]
+        mlp_ptrs = (
+            _weight(gate, inter, hidden),
+            _weight(up, inter, hidden),
+            _weight(down, hidden, inter),
+        )
+        routed: tuple = (None, None, 0, 0, 0, 0, 0, 0.0, None, None, 0)
+        if moe is not None:
+            router, bias, gate_up, edown, top_k, n_group, topk_group, norm, scaling = moe
+            e, i = router.shape[0], edown.shape[-1]
+            if not 1 <= top_k <= e or (n_group > 1 and (e % n_group or topk_group > n_group)):
+                raise ValueError(f"native blocks: top-{top_k} of {e} experts in {n_group} groups")
+            routed = (
+                _weight(router, e, hidden),
+                _weight(bias, e),
+                e,
+                top_k,
+                n_group,
+                topk_group,
+                int(norm),
+                scaling,
+                _weight(gate_up, e, 2 * i, hidden),
+                _weight(edown, e, hidden, i),
+                i,
+            )
+        self.hidden, self.attn_dim = hidden, attn_dim
+        self._keep = (o_proj, post_norm, mlp, moe)
+        self._w = _FfnWeights(
+            _weight(o_proj, hidden, attn_dim),
+            _weight(post_norm, hidden),
+            hidden,
+            attn_dim,
+            eps,
+            *routed,
+            *mlp_ptrs,
+            inter,
+        )
+
+    def __call__(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """`x[B, hidden]` (the layer's input), `attn[B, attn_dim]` (the heads' outputs) ->
+        the layer's output `[B, hidden]`."""
+        x = _activations(x, self.hidden)
+        attn = _activations(attn, self.attn_dim)
+        if attn.shape[0] != x.shape[0]:
+            raise ValueError("native blocks: one attention output per token")
+        out = torch.empty_like(x)
+        _library().dsakv_ffn(
+            ctypes.byref(self._w), x.shape[0], x.data_ptr(), attn.data_ptr(), out.data_ptr()
+        )
+        return out

@@ -7,6 +7,8 @@ from torch import nn
 
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.distributed.parallel import ParallelState
+from dsakv.kernels import cpu_native
+from dsakv.kernels.backend import Block
 
 from .attention import MLAttention
 from .layers import MLP, RMSNorm
@@ -35,18 +37,28 @@ class DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._native: tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None | bool = False
 
     def forward(self, x, cos, sin, batch, pool, selections, topk_source=None) -> torch.Tensor:
         """`topk_source`: another plan's source for this layer (pattern calibration runs
         candidate plans over all-full weights); by default the plan the model was built with.
 
         The pure-tensor blocks before and after attention (norms, projections, RoPE, FFN)
-        run through `ops.block`, which the cpu backend compiles for small decode steps."""
+        run through `ops.block`: the cpu backend runs a decode step's as one native call
+        each (`native_blocks`)."""
         source = self.topk_source if topk_source is None else topk_source
         attn = self.self_attn
-        h, q_nope, q_rope, q_lora, row = attn.ops.block(attention_inputs, batch, self, x, cos, sin)
+        h, q_nope, q_rope, q_lora, row = attn.ops.block(ATTENTION_INPUTS, batch, self, x, cos, sin)
         out = attn.attend(h, q_nope, q_rope, q_lora, row, cos, sin, batch, pool, selections, source)
-        return attn.ops.block(residual_ffn, batch, self, x, out)
+        return attn.ops.block(RESIDUAL_FFN, batch, self, x, out)
+
+    def native_blocks(self) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
+        """This layer's two blocks as `cpu_native` calls over its own weights, made on first
+        use (after loading); None where they do not apply: weights other than fp32 (a bf16
+        model's blocks round where the reference does), a layer split over ranks."""
+        if self._native is False:
+            self._native = _native_blocks(self)
+        return self._native
 
 
 def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -60,3 +72,66 @@ def residual_ffn(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> tor
     x = x + layer.self_attn.output(out)
     h, counts = layer.parallel.gather_tokens(layer.post_attention_layernorm(x))
     return x + layer.parallel.scatter_tokens(layer.mlp(h), counts)
+
+
+def _native_blocks(layer: DecoderLayer) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    if layer.parallel.world_size > 1 or any(
+        p.dtype != torch.float32 or p.device.type != "cpu" for p in layer.parameters()
+    ):
+        return None
+    inputs = cpu_native.MlaInputs(
+        layer.input_layernorm.weight,
+        attn.q_a_proj.weight,
+        attn.q_a_layernorm.weight,
+        attn.q_b_proj.weight,
+        attn.kv_a_proj_with_mqa.weight,
+        attn.kv_a_layernorm.weight,
+        attn.kv_b_proj.weight,
+        heads=attn.n_heads,
+        nope=attn.nope,
+        rope=attn.rope_dim,
+        v=attn.v_dim,
+        eps=(layer.input_layernorm.eps, attn.q_a_layernorm.eps, attn.kv_a_layernorm.eps),
+    )
+    moe = None
+    if isinstance(mlp, MoE):
+        g = mlp.gate
+        moe = (
+            g.weight,
+            g.e_score_correction_bias,
+            mlp.experts.gate_up_proj,
+            mlp.experts.down_proj,
+            g.top_k,
+            g.n_group,
+            g.topk_group,
+            g.norm_topk_prob,
+            g.scaling,
+        )
+        mlp = mlp.shared_experts
+    ffn = cpu_native.Ffn(
+        attn.o_proj.weight,
+        layer.post_attention_layernorm.weight,
+        layer.post_attention_layernorm.eps,
+        (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight),
+        moe,
+    )
+    return inputs, ffn
+
+
+def _native_inputs(layer: DecoderLayer, x, cos, sin):
+    blocks = layer.native_blocks()
+    if blocks is None:
+        return NotImplemented
+    return blocks[0](x, cos, sin)
+
+
+def _native_ffn(layer: DecoderLayer, x, out):
+    blocks = layer.native_blocks()
+    if blocks is None:
+        return NotImplemented
+    return blocks[1](x, out.reshape(out.shape[0], -1))
+
+
+ATTENTION_INPUTS = Block(attention_inputs, _native_inputs)
+RESIDUAL_FFN = Block(residual_ffn, _native_ffn)

@@ -4,6 +4,7 @@
 // about a second. OpenMP links against the libgomp.so.1 torch has already loaded, so the
 // kernels share torch's threads and its thread count.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -144,6 +145,168 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+
+// --- one-token decode blocks ------------------------------------------------------------
+//
+// A decode step of a few tokens is bound by reading each layer's fp32 weights once, not by
+// arithmetic: the blocks below stream every weight matrix once for all B tokens, each
+// phase of a block split over the threads by output rows, with no copy between phases.
+
+typedef float v16 __attribute__((vector_size(64)));  // one AVX-512 register (two AVX2)
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(v16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// y[b · ldy + n] = W[n] · x[b] for rows n in [n0, n1) of W[N, K] (row-major) and B
+// inputs x[b] = x + b · ldx. Four rows at a time: four independent FMA chains per input.
+inline void gemv(const float* W, int64_t K, const float* x, int64_t ldx, int64_t B, float* y,
+                 int64_t ldy, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const float* w = W + n * K;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + b * ldx;
+      v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        const v16 xv = load16(xb + k);
+        a0 += load16(w + k) * xv;
+        a1 += load16(w + K + k) * xv;
+        a2 += load16(w + 2 * K + k) * xv;
+        a3 += load16(w + 3 * K + k) * xv;
+      }
+      float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+      for (; k < K; ++k) {
+        s0 += w[k] * xb[k], s1 += w[K + k] * xb[k];
+        s2 += w[2 * K + k] * xb[k], s3 += w[3 * K + k] * xb[k];
+      }
+      float* yb = y + b * ldy + n;
+      yb[0] = s0, yb[1] = s1, yb[2] = s2, yb[3] = s3;
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t b = 0; b < B; ++b) y[b * ldy + n] = dot(W + n * K, x + b * ldx, K);
+}
+
+// Rows [n0, n1) of y = W x for every input, split over the team (inside a parallel
+// region): blocks of 16 rows, static schedule, a barrier at the end.
+inline void gemv_team(const float* W, int64_t K, const float* x, int64_t ldx, int64_t B,
+                      float* y, int64_t ldy, int64_t N) {
+  const int64_t blocks = (N + 15) / 16;
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < blocks; ++i)
+    gemv(W, K, x, ldx, B, y, ldy, i * 16, std::min(N, i * 16 + 16));
+}
+
+// torch's F.rms_norm in fp32: x · rsqrt(mean(x²) + eps) · w.
+inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
+  float ss = dot(x, x, n);
+  const float r = 1.0f / std::sqrt(ss / float(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
+}
+
+// `rope_interleaved`: pairs (x[2i], x[2i+1]) rotated by (cos[i], sin[i]), written as
+// (rotated evens ‖ rotated odds).
+inline void rope_interleaved(const float* x, const float* cos, const float* sin, int64_t rope,
+                             float* y) {
+  const int64_t half = rope / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[2 * i], b = x[2 * i + 1];
+    y[i] = a * cos[i] - b * sin[i];
+    y[half + i] = b * cos[i] + a * sin[i];
+  }
+}
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// A scratch buffer of the calling thread (engines in threads of one process each get their
+// own), shared with the team the call forks.
+inline float* scratch(size_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+// The weights of `MLAttention.project` (with the input norm before it), fp32 row-major as
+// the modules hold them; `w_uk` is head h's [nope, kv_lora] block at h · uk_head_stride.
+struct MlaInputsWeights {
+  const float *in_norm, *q_a, *q_a_norm, *q_b, *kv_a, *kv_norm, *w_uk;
+  int64_t hidden, q_lora, heads, nope, rope, kv_lora, uk_head_stride;
+  float eps_in, eps_q, eps_kv;
+};
+
+// The weights after attention: o_proj, the post-attention norm, then either a dense MLP
+// (router null) or the router, the stacked routed experts and the shared experts (`mlp_*`).
+struct FfnWeights {
+  const float *o_proj, *post_norm;
+  int64_t hidden, attn_dim;
+  float eps;
+  const float *router, *router_bias;
+  int64_t n_experts, top_k, n_group, topk_group, norm_topk;
+  float scaling;
+  const float *gate_up, *down;  // [E, 2I, hidden] (gate rows first), [E, hidden, I]
+  int64_t inter;
+  const float *mlp_gate, *mlp_up, *mlp_down;  // [Is, hidden], [Is, hidden], [hidden, Is]
+  int64_t mlp_inter;
+};
+
+// `Router.forward` for one token: sigmoid scores, the group-limited choice by score + bias,
+// top-k (ties to the lower expert), weights from the scores, normalised, scaled.
+inline void route(const FfnWeights& w, const float* logits, int64_t* ids, float* weights) {
+  const int64_t E = w.n_experts;
+  std::vector<float> score(E), choice(E);
+  for (int64_t e = 0; e < E; ++e) {
+    score[e] = 1.0f / (1.0f + std::exp(-logits[e]));
+    choice[e] = score[e] + w.router_bias[e];
+  }
+  if (w.n_group > 1) {
+    const int64_t per = E / w.n_group;
+    std::vector<float> gs(w.n_group);
+    for (int64_t g = 0; g < w.n_group; ++g) {
+      float a = -INFINITY, b = -INFINITY;  // the group's two largest
+      for (int64_t e = g * per; e < (g + 1) * per; ++e) {
+        const float c = choice[e];
+        if (c > a) b = a, a = c;
+        else if (c > b) b = c;
+      }
+      gs[g] = a + b;
+    }
+    std::vector<bool> keep(w.n_group, false);
+    for (int64_t t = 0; t < w.topk_group; ++t) {
+      int64_t best = -1;
+      for (int64_t g = 0; g < w.n_group; ++g)
+        if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+      keep[best] = true;
+    }
+    for (int64_t e = 0; e < E; ++e)
+      if (!keep[e / per]) choice[e] = -INFINITY;
+  }
+  std::vector<bool> taken(E, false);
+  float sum = 0.0f;
+  for (int64_t t = 0; t < w.top_k; ++t) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e)
+      if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
+    taken[best] = true;
+    ids[t] = best;
+    weights[t] = score[best];
+    sum += score[best];
+  }
+  for (int64_t t = 0; t < w.top_k; ++t)
+    weights[t] = (w.norm_topk ? weights[t] / (sum + 1e-20f) : weights[t]) * w.scaling;
+}
+
 }  // namespace
 
 extern "C" {
@@ -276,6 +439,120 @@ int64_t dsakv_store_index_k_fp8(const float* x, int64_t n, int64_t d, uint8_t* d
     std::memcpy(base + page_size * d + off * 4 * nb, scales, nb * sizeof(float));
   }
   return 0;
+}
+
+// `attention_inputs` for B decode tokens x[B, hidden] (cos / sin [B, rope / 2]):
+//   h = input_norm(x); q_lora = q_a_norm(q_a · h); q = q_b · q_lora (per head nope ‖ rope);
+//   row = kv_a_norm(latent) ‖ rope(k_rope) for [latent ‖ k_rope] = kv_a · h;
+//   q_lat[b, h] = q_nope[b, h] · W_uk[h]; q_rope = rope(q's rope part).
+// Outputs h[B, hidden], q_lat[B, H, kv_lora], q_rope[B, H, rope], q_lora[B, q_lora],
+// row[B, kv_lora + rope], all fp32 contiguous.
+void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, const float* cos,
+                      const float* sin, float* h, float* q_lat, float* q_rope, float* q_lora,
+                      float* row) {
+  const MlaInputsWeights& w = *wp;
+  const int64_t D = w.hidden, QL = w.q_lora, H = w.heads, KL = w.kv_lora, R = w.rope;
+  const int64_t qk = w.nope + R, kv = KL + R, half = R / 2;
+  float* kvb = scratch(B * (kv + H * qk));  // kv_a outputs, then q_b outputs
+  float* qb = kvb + B * kv;
+  constexpr int64_t kCols = 128;  // W_uk columns per work unit
+  const int64_t chunks = (KL + kCols - 1) / kCols;
+#pragma omp parallel
+  {
+#pragma omp single
+    for (int64_t b = 0; b < B; ++b) rms_norm(x + b * D, w.in_norm, D, w.eps_in, h + b * D);
+    gemv_team(w.q_a, D, h, D, B, q_lora, QL, QL);  // (the barriers order the phases)
+    gemv_team(w.kv_a, D, h, D, B, kvb, kv, kv);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      rms_norm(q_lora + b * QL, w.q_a_norm, QL, w.eps_q, q_lora + b * QL);
+      rms_norm(kvb + b * kv, w.kv_norm, KL, w.eps_kv, row + b * kv);
+      rope_interleaved(kvb + b * kv + KL, cos + b * half, sin + b * half, R, row + b * kv + KL);
+    }
+    gemv_team(w.q_b, QL, q_lora, QL, B, qb, H * qk, H * qk);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < H * chunks; ++u) {
+      const int64_t hd = u / chunks, c0 = (u % chunks) * kCols, nc = std::min(kCols, KL - c0);
+      const float* uk = w.w_uk + hd * w.uk_head_stride + c0;
+      for (int64_t b = 0; b < B; ++b) {
+        const float* qn = qb + (b * H + hd) * qk;
+        float* o = q_lat + (b * H + hd) * KL + c0;
+        int64_t c = 0;
+        for (; c + 16 <= nc; c += 16) {
+          v16 acc = {};
+          for (int64_t d = 0; d < w.nope; ++d) acc += qn[d] * load16(uk + d * KL + c);
+          store16(o + c, acc);
+        }
+        for (; c < nc; ++c) {
+          float acc = 0.0f;
+          for (int64_t d = 0; d < w.nope; ++d) acc += qn[d] * uk[d * KL + c];
+          o[c] = acc;
+        }
+        if (c0 == 0)
+          rope_interleaved(qn + w.nope, cos + b * half, sin + b * half, R,
+                           q_rope + (b * H + hd) * R);
+      }
+    }
+  }
+}
+
+// `residual_ffn` for B decode tokens: x1 = x + o_proj · attn[B, attn_dim]; h = post_norm(x1);
+// out = x1 + (Σ routed experts + shared experts)(h), or x1 + MLP(h) for a dense layer.
+void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* attn, float* out) {
+  const FfnWeights& w = *wp;
+  const int64_t D = w.hidden, I = w.inter, Is = w.mlp_inter;
+  const int64_t k = w.router ? w.top_k : 0, E = w.router ? w.n_experts : 0;
+  const int64_t per_token = k * I + Is;  // activations: each chosen expert's, then the MLP's
+  float* x1 = scratch(B * (2 * D + E + k + per_token) + 1);
+  float* hn = x1 + B * D;
+  float* logits = hn + B * D;
+  float* gates = logits + B * E;
+  float* act = gates + B * k;
+  std::vector<int64_t> ids(B * k);
+  const int64_t blocks = (per_token + 15) / 16;
+#pragma omp parallel
+  {
+    gemv_team(w.o_proj, w.attn_dim, attn, w.attn_dim, B, x1, D, D);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t n = 0; n < D; ++n) x1[b * D + n] += x[b * D + n];
+      rms_norm(x1 + b * D, w.post_norm, D, w.eps, hn + b * D);
+    }
+    if (w.router) {
+      gemv_team(w.router, D, hn, D, B, logits, E, E);
+#pragma omp single
+      for (int64_t b = 0; b < B; ++b) route(w, logits + b * E, &ids[b * k], gates + b * k);
+    }
+    // Gate and up rows: token b's chosen experts' (weighted by the router), then the MLP's.
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < B * blocks; ++u) {
+      const int64_t b = u / blocks, r0 = (u % blocks) * 16, r1 = std::min(per_token, r0 + 16);
+      const float* hb = hn + b * D;
+      for (int64_t r = r0; r < r1; ++r) {
+        float g, up, scale = 1.0f;
+        if (r < k * I) {
+          const int64_t j = r / I, i = r % I;
+          const float* gu = w.gate_up + ids[b * k + j] * 2 * I * D;
+          g = dot(gu + i * D, hb, D), up = dot(gu + (I + i) * D, hb, D);
+          scale = gates[b * k + j];
+        } else {
+          const int64_t i = r - k * I;
+          g = dot(w.mlp_gate + i * D, hb, D), up = dot(w.mlp_up + i * D, hb, D);
+        }
+        act[b * per_token + r] = silu(g) * up * scale;
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < D; ++n)
+      for (int64_t b = 0; b < B; ++b) {
+        const float* ab = act + b * per_token;
+        float routed = 0.0f;
+        for (int64_t j = 0; j < k; ++j)
+          routed += dot(w.down + (ids[b * k + j] * D + n) * I, ab + j * I, I);
+        const float shared = dot(w.mlp_down + n * Is, ab + k * I, Is);
+        out[b * D + n] = x1[b * D + n] + (routed + shared);
+      }
+  }
 }
 
 }  // extern "C"
