@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsakv import LLM, SamplingParams
-from dsakv.kernels import cpu_native
+from dsakv.kernels import cpu_native, torch_ops
 from dsakv.memory import CacheLayout, DSAKVPool
 from dsakv.memory.fp8 import FP8_DTYPE
 from dsakv.models.tiny import write_tiny_model
@@ -202,6 +202,98 @@ def test_native_stores_reject_bad_slots_and_shapes_writing_nothing(tiny):
             torch.ones(2, d - 1), pool.latent_data(1), torch.tensor([0, 1]), *args
         )
     assert torch.equal(pool.latent_data(1).view(torch.uint8), before.view(torch.uint8))
+
+
+# --- decode indexer --------------------------------------------------------------------------
+
+
+def _index_case(tiny, batch: int, width: int, seed: int = 0):
+    """A pool of random fp8 index keys (page size 16, slots scattered) and decode queries
+    over padded tables of `width` slots, shorter lengths for some requests."""
+    g = torch.Generator().manual_seed(seed)
+    lay = _layout(tiny, index_k_dtype="fp8", page_size=16)
+    pool = DSAKVPool(lay, 16)
+    layer = next(i for i in range(lay.num_layers) if lay.has_index_k(i))
+    d, heads = lay.index_head_dim, 8
+    pool.write_index_k(layer, torch.arange(256), torch.randn(256, d, generator=g))
+    q = pool.prepare_index_q(torch.randn(batch, heads, d, generator=g))
+    w = torch.randn(batch, heads, generator=g)
+    table = torch.stack([torch.randperm(256, generator=g)[:width] for _ in range(batch)])
+    lens = torch.randint(width // 2, width + 1, (batch,), generator=g)
+    lens[0] = width
+    return pool, layer, q, w, table, lens
+
+
+def _torch_index_scores(pool, layer, q, w, table, lens, scale, low):
+    """The scores `cpu_ops.index_topk_decode` (bf16) / `torch_ops.index_topk_decode` (fp32)
+    rank, over keys gathered out of the pool."""
+    b, width = table.shape
+    dtype = torch.bfloat16 if low else torch.float32
+    keys = pool.gather_index_k(layer, table.flatten(), dtype).view(b, width, -1)
+    if low:
+        logits = torch.bmm(q.to(dtype), keys.transpose(1, 2)).relu_().float()
+        scores = torch.bmm((w * scale)[:, None, :], logits).squeeze(1)
+    else:
+        scores = torch_ops.index_logits(q, w, keys, scale)
+    kpos = torch.arange(width)
+    return scores.masked_fill(kpos[None, :] >= lens[:, None], float("-inf"))
+
+
+@native
+@pytest.mark.parametrize("low", [True, False], ids=["bf16", "fp32"])
+def test_native_index_decode_matches_the_torch_scores_and_ignores_its_batch(tiny, low):
+    """Scores over the stored fp8 keys read in place agree with the torch path's (gathered
+    keys, batched GEMMs) to its rounding and pick the same top-k; -inf past each length;
+    a request's scores are bit-equal alone or in a batch, at one thread or two."""
+    pool, layer, q, w, table, lens = _index_case(tiny, 4, 150)
+    scale, data, ps = 128**-0.5, pool.index_k_data(layer), pool.page_size
+    got = cpu_native.index_decode(q, w, data, ps, table, lens, scale, low)
+    want = _torch_index_scores(pool, layer, q, w, table, lens, scale, low)
+    assert torch.equal(got.isinf(), want.isinf())
+    finite = want.isfinite()
+    # bf16: a logit whose fp32 sums (two summation orders) straddle a bf16 rounding point
+    # moves by one bf16 ulp; fp32: plain rounding.
+    tol = dict(rtol=1e-2, atol=1e-3) if low else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[finite], want[finite], **tol)
+    if low:
+        close = torch.isclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
+        assert close.float().mean() > 0.99
+    topk = 32
+    assert torch.equal(
+        torch_ops.topk_by_position(got, topk).sort().values,
+        torch_ops.topk_by_position(want, topk).sort().values,
+    )
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for r in range(4):
+                one = cpu_native.index_decode(
+                    q[r : r + 1],
+                    w[r : r + 1],
+                    data,
+                    ps,
+                    table[r : r + 1],
+                    lens[r : r + 1],
+                    scale,
+                    low,
+                )
+                assert torch.equal(one[0], got[r])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@native
+def test_native_index_decode_rejects_keys_outside_the_pool(tiny):
+    """A slot within a request's length but past the buffer is an error, never a read;
+    slots past the length are never read."""
+    pool, layer, q, w, table, lens = _index_case(tiny, 2, 40)
+    data, ps = pool.index_k_data(layer), pool.page_size
+    table[1, lens[1] :] = 10**9  # padding: not read
+    cpu_native.index_decode(q, w, data, ps, table, lens, 0.1, True)
+    table[0, 3] = pool.num_pages * ps
+    with pytest.raises(IndexError, match="outside the index-K buffer"):
+        cpu_native.index_decode(q, w, data, ps, table, lens, 0.1, True)
 
 
 # --- decode blocks ---------------------------------------------------------------------------

@@ -244,6 +244,11 @@ class CpuBackend(TorchBackend):
     # --- indexer ----------------------------------------------------------------------------
 
     def index_topk_decode(self, pool, layer, q, w, table, lens, scale, topk):
+        if self.native and pool.layout.index_k_dtype == "fp8":
+            low = self.index_dtype == torch.bfloat16
+            data = pool.index_k_data(layer)
+            scores = cpu_native.index_decode(q, w, data, pool.page_size, table, lens, scale, low)
+            return torch_ops.topk_by_position(scores, topk)
         b, width = table.shape
         keys = pool.gather_index_k(layer, table.flatten(), self.index_dtype).view(b, width, -1)
         return cpu_ops.index_topk_decode(q, w, keys, lens, scale, topk)

@@ -84,6 +84,10 @@ def _build() -> ctypes.CDLL:
         *(ptr, ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, ptr),
         *(i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64, ptr),
     ]
+    dll.dsakv_index_decode.restype = i64
+    dll.dsakv_index_decode.argtypes = [
+        *(ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ctypes.c_float, ctypes.c_int, ptr)
+    ]
     dll.dsakv_mla_inputs.restype = None
     dll.dsakv_mla_inputs.argtypes = [ptr, i64, *(ptr,) * 8]
     dll.dsakv_ffn.restype = None
@@ -251,6 +255,62 @@ def mla_decode(
         raise IndexError(
             f"mla_decode: {bad} valid slots outside the latent buffer's {data.shape[0]} rows"
         )
+    return out
+
+
+def index_decode(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    data: torch.Tensor,
+    page_size: int,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    low: bool,
+) -> torch.Tensor:
+    """Decode indexer scores `[B, W]` over the page-major fp8 index-K buffer `data` (keys
+    read in place): `q[B, H, D]` (rotated as the stored keys), `w[B, H]`, key slots
+    `table[B, W]`, `lens[B]`; -inf past each request's length.
+
+    `low`: `cpu_ops.index_topk_decode`'s bf16 arithmetic (q and each head's logit rounded
+    to bf16, fp32 sums, `scale` on the weights); else the reference's fp32 ops (`scale` on
+    the logits). Another summation order than torch's GEMMs: scores agree to fp32
+    rounding, and do not depend on the batch or the thread count."""
+    _on_cpu(q, w, data, table, lens)
+    b, heads, d = q.shape
+    nb = _scale_blocks(d)
+    if (
+        data.dtype != torch.uint8
+        or not data.is_contiguous()
+        or data.shape[1] != page_size * (d + 4 * nb)
+    ):
+        raise ValueError("index_decode: not a page-major fp8 index-K buffer")
+    if w.shape != (b, heads) or table.dim() != 2 or table.shape[0] != b or lens.shape != (b,):
+        raise ValueError(
+            f"index_decode: q {tuple(q.shape)}, w {tuple(w.shape)}, table "
+            f"{tuple(table.shape)}, lens {tuple(lens.shape)}"
+        )
+    q, w = q.float().contiguous(), w.float().contiguous()
+    table, lens = table.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
+    out = torch.empty(b, table.shape[1], dtype=torch.float32)
+    bad = _library().dsakv_index_decode(
+        q.data_ptr(),
+        w.data_ptr(),
+        b,
+        heads,
+        d,
+        data.data_ptr(),
+        data.shape[0],
+        page_size,
+        table.data_ptr(),
+        table.shape[1],
+        lens.data_ptr(),
+        scale,
+        int(low),
+        out.data_ptr(),
+    )
+    if bad:
+        raise IndexError(f"index_decode: {bad} key slots outside the index-K buffer")
     return out
 
 

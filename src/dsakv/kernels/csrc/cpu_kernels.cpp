@@ -100,6 +100,13 @@ inline uint16_t bf16_from_float(float f) {
   return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
+// fp32 rounded to the nearest bf16 (ties to even), as an fp32: torch's `.to(bfloat16)`.
+inline float round_bf16(float f) {
+  if (std::isnan(f)) return f;
+  const uint32_t u = float_bits(f);
+  return bits_to_float((u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u);
+}
+
 // `dsakv.memory.fp8.pow2_block_scale`: 2^k, k = e - 9 + (m > 0.875) for amax = m · 2^e
 // (frexp), 1 where amax is not > 0; k >= -149.
 inline float pow2_block_scale(float amax) {
@@ -168,6 +175,26 @@ inline float hsum(v16 v) {
   return s;
 }
 
+// Dots of four rows a, a + lda, a + 2·lda, a + 3·lda with b (n values each): four
+// independent FMA chains, each summed as `gemv` sums one row.
+inline void dot4(const float* a, int64_t lda, const float* b, int64_t n, float* out) {
+  v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const v16 bv = load16(b + k);
+    a0 += load16(a + k) * bv;
+    a1 += load16(a + lda + k) * bv;
+    a2 += load16(a + 2 * lda + k) * bv;
+    a3 += load16(a + 3 * lda + k) * bv;
+  }
+  float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+  for (; k < n; ++k) {
+    s0 += a[k] * b[k], s1 += a[lda + k] * b[k];
+    s2 += a[2 * lda + k] * b[k], s3 += a[3 * lda + k] * b[k];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
 // y[b · ldy + n] = W[n] · x[b] for rows n in [n0, n1) of W[N, K] (row-major) and B
 // inputs x[b] = x + b · ldx. Four rows at a time: four independent FMA chains per input.
 inline void gemv(const float* W, int64_t K, const float* x, int64_t ldx, int64_t B, float* y,
@@ -175,24 +202,12 @@ inline void gemv(const float* W, int64_t K, const float* x, int64_t ldx, int64_t
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
     const float* w = W + n * K;
+    for (int64_t p = 0; p < 4 * K; p += 16) __builtin_prefetch(w + 8 * K + p);
     for (int64_t b = 0; b < B; ++b) {
-      const float* xb = x + b * ldx;
-      v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16) {
-        const v16 xv = load16(xb + k);
-        a0 += load16(w + k) * xv;
-        a1 += load16(w + K + k) * xv;
-        a2 += load16(w + 2 * K + k) * xv;
-        a3 += load16(w + 3 * K + k) * xv;
-      }
-      float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-      for (; k < K; ++k) {
-        s0 += w[k] * xb[k], s1 += w[K + k] * xb[k];
-        s2 += w[2 * K + k] * xb[k], s3 += w[3 * K + k] * xb[k];
-      }
+      float s[4];
+      dot4(w, K, x + b * ldx, K, s);
       float* yb = y + b * ldy + n;
-      yb[0] = s0, yb[1] = s1, yb[2] = s2, yb[3] = s3;
+      yb[0] = s[0], yb[1] = s[1], yb[2] = s[2], yb[3] = s[3];
     }
   }
   for (; n < n1; ++n)
@@ -455,8 +470,6 @@ void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, con
   const int64_t qk = w.nope + R, kv = KL + R, half = R / 2;
   float* kvb = scratch(B * (kv + H * qk));  // kv_a outputs, then q_b outputs
   float* qb = kvb + B * kv;
-  constexpr int64_t kCols = 128;  // W_uk columns per work unit
-  const int64_t chunks = (KL + kCols - 1) / kCols;
 #pragma omp parallel
   {
 #pragma omp single
@@ -471,26 +484,23 @@ void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, con
     }
     gemv_team(w.q_b, QL, q_lora, QL, B, qb, H * qk, H * qk);
 #pragma omp for schedule(static)
-    for (int64_t u = 0; u < H * chunks; ++u) {
-      const int64_t hd = u / chunks, c0 = (u % chunks) * kCols, nc = std::min(kCols, KL - c0);
-      const float* uk = w.w_uk + hd * w.uk_head_stride + c0;
+    for (int64_t hd = 0; hd < H; ++hd) {  // head hd's W_uk rows, streamed once in order
+      const float* uk = w.w_uk + hd * w.uk_head_stride;
       for (int64_t b = 0; b < B; ++b) {
-        const float* qn = qb + (b * H + hd) * qk;
-        float* o = q_lat + (b * H + hd) * KL + c0;
-        int64_t c = 0;
-        for (; c + 16 <= nc; c += 16) {
-          v16 acc = {};
-          for (int64_t d = 0; d < w.nope; ++d) acc += qn[d] * load16(uk + d * KL + c);
-          store16(o + c, acc);
+        std::fill(q_lat + (b * H + hd) * KL, q_lat + (b * H + hd + 1) * KL, 0.0f);
+        rope_interleaved(qb + (b * H + hd) * qk + w.nope, cos + b * half, sin + b * half, R,
+                         q_rope + (b * H + hd) * R);
+      }
+      for (int64_t d = 0; d < w.nope; ++d) {
+        const float* wr = uk + d * KL;
+        for (int64_t p = 0; p < KL; p += 16) __builtin_prefetch(wr + 4 * KL + p);
+        for (int64_t b = 0; b < B; ++b) {
+          const float q = qb[(b * H + hd) * qk + d];
+          float* o = q_lat + (b * H + hd) * KL;
+          int64_t c = 0;
+          for (; c + 16 <= KL; c += 16) store16(o + c, load16(o + c) + q * load16(wr + c));
+          for (; c < KL; ++c) o[c] += q * wr[c];
         }
-        for (; c < nc; ++c) {
-          float acc = 0.0f;
-          for (int64_t d = 0; d < w.nope; ++d) acc += qn[d] * uk[d * KL + c];
-          o[c] = acc;
-        }
-        if (c0 == 0)
-          rope_interleaved(qn + w.nope, cos + b * half, sin + b * half, R,
-                           q_rope + (b * H + hd) * R);
       }
     }
   }
@@ -553,6 +563,77 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
         out[b * D + n] = x1[b * D + n] + (routed + shared);
       }
   }
+}
+
+// Decode indexer scores over the page-major fp8 index-K buffer, keys read in place:
+//   out[b, s] = Σ_h w[b, h] · ReLU(q[b, h] · k_s) for positions s < lens[b] of request b
+//   (key slot table[b, s]), -inf past lens[b].
+// `low` (the bf16 path of `cpu_ops.index_topk_decode`): q rounded to bf16, each logit
+// rounded to bf16 after its fp32 sum, the weights scaled by `scale`; else (fp32): the
+// logits scaled, nothing rounded. Heads are summed in order, each position on its own, so
+// a score depends neither on the batch nor on the thread count.
+// Returns the number of slots (below lens) outside the buffer: skipped (-inf), the caller
+// raises.
+int64_t dsakv_index_decode(const float* q, const float* w, int64_t B, int64_t H, int64_t D,
+                           const uint8_t* data, int64_t n_pages, int64_t page_size,
+                           const int64_t* table, int64_t W, const int64_t* lens, float scale,
+                           int low, float* out) {
+  constexpr int64_t kKeys = 64;  // keys widened at once
+  const int64_t nb = (D + kScaleBlock - 1) / kScaleBlock;
+  const int64_t page_bytes = page_size * (D + 4 * nb), n_slots = n_pages * page_size;
+  const int64_t chunks = (W + kKeys - 1) / kKeys;
+  std::vector<float> qs(B * H * D), ws(B * H);
+  for (int64_t i = 0; i < B * H * D; ++i) qs[i] = low ? round_bf16(q[i]) : q[i];
+  for (int64_t i = 0; i < B * H; ++i) ws[i] = low ? w[i] * scale : w[i];
+  int64_t bad = 0;
+#pragma omp parallel reduction(+ : bad)
+  {
+    std::vector<float> keys(kKeys * D);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < B * chunks; ++u) {
+      const int64_t b = u / chunks, s0 = (u % chunks) * kKeys, n = std::min(kKeys, W - s0);
+      float* o = out + b * W + s0;
+      bool ok[kKeys];
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t slot = table[b * W + s0 + j];
+        ok[j] = s0 + j < lens[b];
+        if (ok[j] && (slot < 0 || slot >= n_slots)) ok[j] = false, ++bad;
+        o[j] = ok[j] ? 0.0f : -INFINITY;
+        if (!ok[j]) continue;
+        const uint8_t* page = data + (slot / page_size) * page_bytes;
+        const int64_t off = slot % page_size;
+        const float* sc = reinterpret_cast<const float*>(page + page_size * D) + off * nb;
+        for (int64_t k = 0; k < nb; ++k) {
+          const int64_t a = k * kScaleBlock, m = std::min(kScaleBlock, D - a);
+          float scale_k;
+          std::memcpy(&scale_k, sc + k, sizeof scale_k);
+          widen_e4m3(page + off * D + a, &keys[j * D + a], m, scale_k);
+        }
+      }
+      const float* qb = &qs[b * H * D];
+      const float* wb = &ws[b * H];
+      for (int64_t j = 0; j < n; ++j) {
+        if (!ok[j]) continue;
+        const float* k = &keys[j * D];
+        float acc = 0.0f;
+        for (int64_t h = 0; h < H; h += 4) {  // four heads' dots: four FMA chains
+          float logit[4];
+          const int64_t m = std::min<int64_t>(4, H - h);
+          if (m == 4) {
+            dot4(qb + h * D, D, k, D, logit);
+          } else {
+            for (int64_t i = 0; i < m; ++i) logit[i] = dot(qb + (h + i) * D, k, D);
+          }
+          for (int64_t i = 0; i < m; ++i) {
+            const float l = low ? round_bf16(logit[i]) : logit[i] * scale;
+            acc += wb[h + i] * std::max(l, 0.0f);
+          }
+        }
+        o[j] = acc;
+      }
+    }
+  }
+  return bad;
 }
 
 }  // extern "C"
