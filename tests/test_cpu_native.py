@@ -260,7 +260,7 @@ def test_native_index_decode_matches_the_torch_scores_and_ignores_its_batch(tiny
         assert close.float().mean() > 0.99
     topk = 32
     assert torch.equal(
-        torch_ops.topk_by_position(got, topk).sort().values,
+        cpu_native.topk_by_position(got, topk).sort().values,
         torch_ops.topk_by_position(want, topk).sort().values,
     )
     threads = torch.get_num_threads()
@@ -281,6 +281,24 @@ def test_native_index_decode_matches_the_torch_scores_and_ignores_its_batch(tiny
                 assert torch.equal(one[0], got[r])
     finally:
         torch.set_num_threads(threads)
+
+
+@native
+def test_native_topk_by_position_is_the_torch_one():
+    """The same positions in the same order as `torch_ops.topk_by_position`, on rows full
+    of ties (ReLU zeros, repeated values, ±0.0), -inf padding and NaN."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(-3, 4, (6, 300), generator=g).float().relu() * 0.25
+    scores[1] = torch.randn(300, generator=g)
+    scores[2, ::2] = -0.0
+    scores[3, 100:] = float("-inf")
+    scores[4, 7] = float("nan")
+    for k in (1, 64, 256, 300):
+        assert torch.equal(
+            cpu_native.topk_by_position(scores, k), torch_ops.topk_by_position(scores, k)
+        )
+    with pytest.raises(ValueError, match="top-301"):
+        cpu_native.topk_by_position(scores, 301)
 
 
 @native
@@ -317,8 +335,9 @@ def _blocks_case(path: str, batch: int, seed: int):
 @pytest.mark.parametrize("preset", ["glm-tiny", "deepseek-tiny"])
 def test_native_blocks_match_the_torch_blocks_and_ignore_their_batch(preset, tmp_path):
     """Every layer's two blocks (dense and MoE FFNs, the MTP layer; DeepSeek's grouped
-    router and YaRN RoPE) as one native call each agree with the torch blocks to fp32
-    rounding; a token's outputs are bit-equal alone or in a batch, at one thread or two."""
+    router and YaRN RoPE; the indexers' projections, GLM's interleaved and DeepSeek's
+    half-split RoPE) as native calls agree with the torch blocks to fp32 rounding; a
+    token's outputs are bit-equal alone or in a batch, at one thread or two."""
     from dsakv.models.decoder import attention_inputs, residual_ffn
 
     path = str(write_tiny_model(tmp_path / preset, preset=preset, seed=3))
@@ -329,6 +348,9 @@ def test_native_blocks_match_the_torch_blocks_and_ignore_their_batch(preset, tmp
             got, want = inputs(x, cos, sin), attention_inputs(layer, x, cos, sin)
             for a, b in zip(got, want, strict=True):
                 torch.testing.assert_close(a, b.reshape(a.shape), rtol=1e-5, atol=1e-5)
+            indexer = getattr(layer.self_attn, "indexer", None)
+            if indexer is not None:  # its projections: the key, the (un)rotated query
+                _check_indexer_inputs(path, indexer, x, got[3], cos, sin)
             got_ffn = ffn(x, out.reshape(5, -1))
             torch.testing.assert_close(got_ffn, residual_ffn(layer, x, out), rtol=1e-5, atol=1e-5)
             threads = torch.get_num_threads()
@@ -342,6 +364,25 @@ def test_native_blocks_match_the_torch_blocks_and_ignore_their_batch(preset, tmp
                         assert torch.equal(one[0], got_ffn[r])
             finally:
                 torch.set_num_threads(threads)
+
+
+def _check_indexer_inputs(path: str, indexer, h, q_lora, cos, sin) -> None:
+    """The indexer's native key and query (rotated for an fp8 pool, plain for fp32) against
+    `index_key` / `index_query`; a token's outputs bit-equal alone or in the batch."""
+    from dsakv.models.indexer import index_key, index_query
+
+    native = indexer.native_inputs()
+    key = native.key(h, cos, sin)
+    torch.testing.assert_close(key, index_key(indexer, h, cos, sin), rtol=1e-5, atol=1e-5)
+    assert torch.equal(native.key(h[2:3], cos[2:3], sin[2:3])[0], key[2])
+    for kind in ("fp8", "fp32"):
+        pool = DSAKVPool(CacheLayout.for_model(path, index_k_dtype=kind), 1)
+        got = native.query(h, q_lora, cos, sin, pool.rotates_index_q)
+        want = index_query(indexer, h, q_lora, cos, sin, pool)
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        one = native.query(h[2:3], q_lora[2:3], cos[2:3], sin[2:3], pool.rotates_index_q)
+        assert all(torch.equal(x[0], y[2]) for x, y in zip(one, got))
 
 
 @native

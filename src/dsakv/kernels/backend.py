@@ -36,13 +36,15 @@ NATIVE_ROWS = 64
 
 
 class Block(NamedTuple):
-    """A pure-tensor block of a layer around its attention (norms, projections, RoPE; o_proj,
-    the FFN). `eager`: torch ops, which every backend can run and `torch.compile` traces.
-    `native`: the same math as `cpu_native` calls for a decode step of a few tokens; it
-    returns NotImplemented where the layer has no native form."""
+    """A block of a layer's tensor math (norms, projections, RoPE; o_proj, the FFN; the
+    indexer's projections). `eager`: torch ops, which every backend can run. `native`: the
+    same math as `cpu_native` calls for a decode step of a few tokens; it returns
+    NotImplemented where the layer has no native form. `compile`: whether `torch.compile`
+    may trace `eager` (pure tensor math only)."""
 
     eager: Callable[..., Any]
     native: Callable[..., Any] | None = None
+    compile: bool = True
 
 
 class TorchBackend:
@@ -169,7 +171,7 @@ class CpuBackend(TorchBackend):
                 out = block.native(*args)
                 if out is not NotImplemented:
                     return out
-            if self.compile and self._small(batch.num_tokens):
+            if self.compile and block.compile and self._small(batch.num_tokens):
                 return cpu_ops.compiled(block.eager)(*args)
         return block.eager(*args)
 
@@ -248,7 +250,7 @@ class CpuBackend(TorchBackend):
             low = self.index_dtype == torch.bfloat16
             data = pool.index_k_data(layer)
             scores = cpu_native.index_decode(q, w, data, pool.page_size, table, lens, scale, low)
-            return torch_ops.topk_by_position(scores, topk)
+            return cpu_native.topk_by_position(scores, topk)
         b, width = table.shape
         keys = pool.gather_index_k(layer, table.flatten(), self.index_dtype).view(b, width, -1)
         return cpu_ops.index_topk_decode(q, w, keys, lens, scale, topk)

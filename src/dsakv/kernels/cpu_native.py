@@ -88,6 +88,11 @@ def _build() -> ctypes.CDLL:
     dll.dsakv_index_decode.argtypes = [
         *(ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ctypes.c_float, ctypes.c_int, ptr)
     ]
+    dll.dsakv_topk_by_position.restype = None
+    dll.dsakv_topk_by_position.argtypes = [ptr, i64, i64, i64, ptr]
+    dll.dsakv_index_key.restype = dll.dsakv_index_query.restype = None
+    dll.dsakv_index_key.argtypes = [ptr, i64, ptr, ptr, ptr, ptr]
+    dll.dsakv_index_query.argtypes = [ptr, i64, *(ptr,) * 6]
     dll.dsakv_mla_inputs.restype = None
     dll.dsakv_mla_inputs.argtypes = [ptr, i64, *(ptr,) * 8]
     dll.dsakv_ffn.restype = None
@@ -314,6 +319,21 @@ def index_decode(
     return out
 
 
+def topk_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`torch_ops.topk_by_position` of fp32 `scores[B, W]` (the same positions in the same
+    order), without its int64 key tensors: at one decode request those ops cost more than
+    the scoring."""
+    _on_cpu(scores)
+    if scores.dim() != 2 or not 0 < k <= scores.shape[1] or scores.shape[1] >= 2**31:
+        raise ValueError(f"topk_by_position: top-{k} of {tuple(scores.shape)}")
+    scores = scores.float().contiguous()
+    out = torch.empty(scores.shape[0], k, dtype=torch.int64)
+    _library().dsakv_topk_by_position(
+        scores.data_ptr(), scores.shape[0], scores.shape[1], k, out.data_ptr()
+    )
+    return out
+
+
 # --- one-token decode blocks -------------------------------------------------------------
 
 _f32, _i64, _ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
@@ -324,6 +344,14 @@ class _MlaInputsWeights(ctypes.Structure):
         *((n, _ptr) for n in ("in_norm", "q_a", "q_a_norm", "q_b", "kv_a", "kv_norm", "w_uk")),
         *((n, _i64) for n in ("hidden", "q_lora", "heads", "nope", "rope", "kv_lora", "uk_hs")),
         *((n, _f32) for n in ("eps_in", "eps_q", "eps_kv")),
+    ]
+
+
+class _IndexerWeights(ctypes.Structure):
+    _fields_ = [
+        *((n, _ptr) for n in ("wq_b", "wk", "k_norm_w", "k_norm_b", "weights_proj", "hadamard")),
+        *((n, _i64) for n in ("hidden", "q_lora", "heads", "dim", "rope", "interleave")),
+        *((n, _f32) for n in ("eps", "w_scale")),
     ]
 
 
@@ -495,3 +523,87 @@ class Ffn:
             ctypes.byref(self._w), x.shape[0], x.data_ptr(), attn.data_ptr(), out.data_ptr()
         )
         return out
+
+
+class IndexerInputs:
+    """The indexer's projections for a decode step, over its own weights: `key` (wk,
+    LayerNorm, RoPE: the key to store) and `query` (wq_b, RoPE, the rotation the fp8 keys
+    are stored with; weights_proj), each one call reading each weight once for every
+    token."""
+
+    def __init__(
+        self,
+        wq_b,
+        wk,
+        k_norm_w,
+        k_norm_b,
+        weights_proj,
+        *,
+        heads: int,
+        rope: int,
+        interleave: bool,
+        eps: float,
+    ) -> None:
+        from dsakv.memory.fp8 import hadamard_matrix
+
+        dim, hidden = wk.shape
+        q_lora = wq_b.shape[1]
+        self.dims = (hidden, q_lora, heads, dim, rope)
+        self._hadamard = hadamard_matrix(dim, torch.device("cpu"), torch.float32)
+        self._keep = (wq_b, wk, k_norm_w, k_norm_b, weights_proj)
+        fields = (
+            _weight(wq_b, heads * dim, q_lora),
+            _weight(wk, dim, hidden),
+            _weight(k_norm_w, dim),
+            _weight(k_norm_b, dim),
+            _weight(weights_proj, heads, hidden),
+        )
+        dims = (hidden, q_lora, heads, dim, rope, int(interleave))
+        self._plain = _IndexerWeights(*fields, None, *dims, eps, heads**-0.5)
+        self._rotated = _IndexerWeights(
+            *fields, _weight(self._hadamard, dim, dim), *dims, eps, heads**-0.5
+        )
+
+    def _tables(self, b: int, cos: torch.Tensor, sin: torch.Tensor):
+        rope = self.dims[4]
+        cos, sin = _activations(cos, rope // 2), _activations(sin, rope // 2)
+        if cos.shape[0] != b or sin.shape[0] != b:
+            raise ValueError("native blocks: one cos / sin row per token")
+        return cos, sin
+
+    def key(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`h[B, hidden]` -> the keys `[B, dim]` to store (not rotated: the store rotates)."""
+        h = _activations(h, self.dims[0])
+        cos, sin = self._tables(h.shape[0], cos, sin)
+        k = torch.empty(h.shape[0], self.dims[3])
+        _library().dsakv_index_key(
+            ctypes.byref(self._plain),
+            h.shape[0],
+            h.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k.data_ptr(),
+        )
+        return k
+
+    def query(self, h, q_lora, cos, sin, rotate: bool):
+        """`h[B, hidden]`, `q_lora[B, q_lora]` -> (queries `[B, heads, dim]`, rotated when
+        `rotate`, and head weights `[B, heads]` times heads^-1/2)."""
+        hidden, ql, heads, dim, _ = self.dims
+        h, q_lora = _activations(h, hidden), _activations(q_lora, ql)
+        b = h.shape[0]
+        if q_lora.shape[0] != b:
+            raise ValueError("native blocks: one q_lora row per token")
+        cos, sin = self._tables(b, cos, sin)
+        q, w = torch.empty(b, heads, dim), torch.empty(b, heads)
+        _library().dsakv_index_query(
+            ctypes.byref(self._rotated if rotate else self._plain),
+            b,
+            h.data_ptr(),
+            q_lora.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            q.data_ptr(),
+            w.data_ptr(),
+        )
+        return q, w

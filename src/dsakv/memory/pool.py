@@ -227,9 +227,15 @@ class DSAKVPool:
         """Dequantised keys; in fp8 mode these are rotated, so pair them with `prepare_index_q`."""
         return self._gather(self._index_k_of(layer), slots, dtype)
 
+    @property
+    def rotates_index_q(self) -> bool:
+        """Whether indexer queries are rotated to match the stored keys: iff index-K is fp8
+        (§7.7)."""
+        return self.layout.index_k_dtype == "fp8"
+
     def prepare_index_q(self, q: torch.Tensor) -> torch.Tensor:
-        """Indexer queries as the stored keys expect them: rotated iff index-K is fp8 (§7.7)."""
-        return hadamard_rotate(q) if self.layout.index_k_dtype == "fp8" else q
+        """Indexer queries as the stored keys expect them (`rotates_index_q`)."""
+        return hadamard_rotate(q) if self.rotates_index_q else q
 
     # --- moving tokens -----------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from dsakv.config import ModelConfig
-from dsakv.kernels import TorchBackend
+from dsakv.kernels import TorchBackend, cpu_native
+from dsakv.kernels.backend import Block
 
 from .forward_batch import ForwardBatch
 from .rope import rope_half, rope_interleaved
@@ -61,10 +62,31 @@ class Indexer(nn.Module):
         )
         self.scale = self.head_dim**-0.5
         self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
+        self._native: cpu_native.IndexerInputs | None | bool = False
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rope_dim
         return torch.cat([self.rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def native_inputs(self) -> cpu_native.IndexerInputs | None:
+        """`index_key` / `index_query` as `cpu_native` calls over this module's weights, made
+        on first use (after loading); None unless every weight is fp32 on the CPU."""
+        if self._native is False:
+            ok = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in self.parameters())
+            self._native = None
+            if ok:
+                self._native = cpu_native.IndexerInputs(
+                    self.wq_b.weight,
+                    self.wk.weight,
+                    self.k_norm.weight,
+                    self.k_norm.bias,
+                    self.weights_proj.weight,
+                    heads=self.n_heads,
+                    rope=self.rope_dim,
+                    interleave=self.rope is rope_interleaved,
+                    eps=self.k_norm.eps,
+                )
+        return self._native
 
     def forward(
         self,
@@ -77,15 +99,12 @@ class Indexer(nn.Module):
         pool,
     ) -> StepSelection:
         """Writes this step's index keys, then selects top-k per query token."""
-        t = x.shape[0]
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [T, D]
+        k = self.ops.block(INDEX_KEY, batch, self, x, cos, sin)  # [T, D]
         self.ops.store_index_k(pool, layer, batch.out_slots, k)
         per_req: list[Selection | None] = [None] * batch.num_reqs
         if all(s <= self.topk for s in batch.seq_lens):  # everything visible is selected
             return StepSelection(per_req, _every_position(batch))
-        q = self.wq_b(q_lora).view(t, self.n_heads, self.head_dim)
-        q = pool.prepare_index_q(self._rope(q, cos[:, None], sin[:, None])).float()
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        q, w = self.ops.block(INDEX_QUERY, batch, self, x, q_lora, cos, sin, pool)
         for r in batch.extend_reqs:
             if batch.seq_lens[r] <= self.topk:
                 continue
@@ -125,3 +144,35 @@ def _every_position(batch: ForwardBatch) -> Selection | None:
         return None
     positions, valid = batch.decode_visible
     return Selection(positions, valid, batch.decode_ctx[0])
+
+
+def index_key(indexer: Indexer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The step's index keys `[T, D]`: RoPE(LayerNorm(wk · x)), before the store's rotation."""
+    return indexer._rope(indexer.k_norm(indexer.wk(x)), cos, sin)
+
+
+def index_query(indexer: Indexer, x, q_lora, cos, sin, pool):
+    """The step's queries `[T, H, D]` (fp32, rotated as the pool's keys) and head weights
+    `[T, H]` (fp32, times H^-1/2)."""
+    t = x.shape[0]
+    q = indexer.wq_b(q_lora).view(t, indexer.n_heads, indexer.head_dim)
+    q = pool.prepare_index_q(indexer._rope(q, cos[:, None], sin[:, None])).float()
+    wp = indexer.weights_proj
+    return q, wp(x.to(wp.weight.dtype)).float() * indexer.n_heads**-0.5
+
+
+def _native_key(indexer: Indexer, x, cos, sin):
+    native = indexer.native_inputs()
+    return NotImplemented if native is None else native.key(x, cos, sin)
+
+
+def _native_query(indexer: Indexer, x, q_lora, cos, sin, pool):
+    native = indexer.native_inputs()
+    if native is None:
+        return NotImplemented
+    return native.query(x, q_lora, cos, sin, pool.rotates_index_q)
+
+
+# Not compiled: measured no faster than eager (the key), and the query reads the pool.
+INDEX_KEY = Block(index_key, _native_key, compile=False)
+INDEX_QUERY = Block(index_query, _native_query, compile=False)

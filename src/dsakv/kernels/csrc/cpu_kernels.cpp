@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -241,6 +242,33 @@ inline void rope_interleaved(const float* x, const float* cos, const float* sin,
     y[i] = a * cos[i] - b * sin[i];
     y[half + i] = b * cos[i] + a * sin[i];
   }
+}
+
+// `rope_half`: pairs (x[i], x[half + i]), written in place of x's first `rope` values.
+inline void rope_half(const float* x, const float* cos, const float* sin, int64_t rope,
+                      float* y) {
+  const int64_t half = rope / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[half + i];
+    y[i] = a * cos[i] - b * sin[i];
+    y[half + i] = b * cos[i] + a * sin[i];
+  }
+}
+
+// The indexer's weights (fp32 row-major as the modules hold them). `hadamard` ([dim, dim],
+// symmetric) rotates the queries as the fp8 keys are stored; null: no rotation.
+struct IndexerWeights {
+  const float *wq_b, *wk, *k_norm_w, *k_norm_b, *weights_proj, *hadamard;
+  int64_t hidden, q_lora, heads, dim, rope, interleave;
+  float eps, w_scale;
+};
+
+inline void rope_part(const IndexerWeights& w, const float* x, const float* cos,
+                      const float* sin, float* y) {
+  if (w.interleave)
+    rope_interleaved(x, cos, sin, w.rope, y);
+  else
+    rope_half(x, cos, sin, w.rope, y);
 }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
@@ -634,6 +662,77 @@ int64_t dsakv_index_decode(const float* q, const float* w, int64_t B, int64_t H,
     }
   }
   return bad;
+}
+
+// `index_key` for B decode tokens: k[B, dim] = RoPE(LayerNorm(wk · h)) on its first `rope`
+// values (unrotated: the store rotates).
+void dsakv_index_key(const IndexerWeights* wp, int64_t B, const float* h, const float* cos,
+                     const float* sin, float* k) {
+  const IndexerWeights& w = *wp;
+  const int64_t D = w.dim, half = w.rope / 2;
+  float* raw = scratch(B * D);
+#pragma omp parallel
+  {
+    gemv_team(w.wk, w.hidden, h, w.hidden, B, raw, D, D);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      float* r = raw + b * D;
+      float mean = 0.0f, var = 0.0f;
+      for (int64_t i = 0; i < D; ++i) mean += r[i];
+      mean /= float(D);
+      for (int64_t i = 0; i < D; ++i) var += (r[i] - mean) * (r[i] - mean);
+      const float rstd = 1.0f / std::sqrt(var / float(D) + w.eps);
+      for (int64_t i = 0; i < D; ++i) r[i] = (r[i] - mean) * rstd * w.k_norm_w[i] + w.k_norm_b[i];
+      rope_part(w, r, cos + b * half, sin + b * half, k + b * D);
+      std::memcpy(k + b * D + w.rope, r + w.rope, (D - w.rope) * sizeof(float));
+    }
+  }
+}
+
+// `index_query` for B decode tokens: q[B, heads, dim] = rotate(RoPE(wq_b · q_lora)) and
+// w[B, heads] = (weights_proj · h) · w_scale.
+void dsakv_index_query(const IndexerWeights* wp, int64_t B, const float* h, const float* q_lora,
+                       const float* cos, const float* sin, float* q, float* wout) {
+  const IndexerWeights& w = *wp;
+  const int64_t D = w.dim, H = w.heads, half = w.rope / 2;
+  float* raw = scratch(2 * B * H * D);
+  float* roped = raw + B * H * D;
+#pragma omp parallel
+  {
+    gemv_team(w.wq_b, w.q_lora, q_lora, w.q_lora, B, raw, H * D, H * D);
+    gemv_team(w.weights_proj, w.hidden, h, w.hidden, B, wout, H, H);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < B * H; ++u) {
+      const int64_t b = u / H;
+      float* dst = w.hadamard ? roped + u * D : q + u * D;
+      rope_part(w, raw + u * D, cos + b * half, sin + b * half, dst);
+      std::memcpy(dst + w.rope, raw + u * D + w.rope, (D - w.rope) * sizeof(float));
+      if (w.hadamard) gemv(w.hadamard, D, dst, D, 1, q + u * D, D, 0, D);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < B * H; ++i) wout[i] *= w.w_scale;
+  }
+}
+
+// `torch_ops.topk_by_position`: for each row of scores[B, W], the positions of the k
+// largest, ties to the lower position, in descending order of (score, -position): each
+// pair is one unique int64 key (the score's bits as an order-preserving int32 above the
+// reversed position), so the order is exactly torch's `topk` over those keys.
+void dsakv_topk_by_position(const float* scores, int64_t B, int64_t W, int64_t k,
+                            int64_t* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int64_t> keys(W);
+    for (int64_t s = 0; s < W; ++s) {
+      int32_t bits;
+      const float v = scores[b * W + s] + 0.0f;  // -0.0 as +0.0
+      std::memcpy(&bits, &v, sizeof bits);
+      const int32_t ordered = bits < 0 ? bits ^ 0x7fffffff : bits;
+      keys[s] = int64_t(uint64_t(int64_t(ordered)) << 32) | (W - 1 - s);
+    }
+    std::partial_sort(keys.begin(), keys.begin() + k, keys.end(), std::greater<int64_t>());
+    for (int64_t i = 0; i < k; ++i) out[b * k + i] = W - 1 - (keys[i] & 0xffffffff);
+  }
 }
 
 }  // extern "C"
