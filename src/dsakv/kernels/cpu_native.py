@@ -116,19 +116,27 @@ def available() -> bool:
 
 
 def _on_cpu(*tensors: torch.Tensor) -> None:
-    if any(t.device.type != "cpu" for t in tensors):
-        raise ValueError("dsakv's native CPU kernels take CPU tensors only")
+    for t in tensors:  # (a plain loop: these checks run several times a layer)
+        if not t.is_cpu:
+            raise ValueError("dsakv's native CPU kernels take CPU tensors only")
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`, contiguous (without `to`'s call cost when it already is)."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _rows_and_slots(x: torch.Tensor, width: int, slots: torch.Tensor):
     """fp32 contiguous `x[n, width]` and int64 `slots[n]`, as the pool's writes check them."""
     _on_cpu(x, slots)
-    s = slots.to(torch.int64).contiguous()
+    s = _as(slots, torch.int64)
     if x.dim() != 2 or x.shape != (s.numel(), width) or s.dim() != 1:
         raise ValueError(
             f"rows must be [{s.numel()}, {width}] for {s.numel()} slots, got {tuple(x.shape)}"
         )
-    return x.float().contiguous(), s
+    return _as(x, torch.float32), s
 
 
 def _scale_blocks(width: int) -> int:
@@ -222,8 +230,7 @@ def mla_decode(
     if kind == "fp8_ds_mla":
         _scale_blocks(lora)
     q_nope = q_nope.contiguous()
-    slots = slots.to(torch.int64).contiguous()
-    valid = valid.to(torch.bool).contiguous()
+    slots, valid = _as(slots, torch.int64), _as(valid, torch.bool)
     if not data.is_contiguous() or slots.shape != valid.shape or slots.shape[0] != b:
         raise ValueError("mla_decode: strided latent buffer or mismatched slots / valid")
     v = 0
@@ -295,8 +302,8 @@ def index_decode(
             f"index_decode: q {tuple(q.shape)}, w {tuple(w.shape)}, table "
             f"{tuple(table.shape)}, lens {tuple(lens.shape)}"
         )
-    q, w = q.float().contiguous(), w.float().contiguous()
-    table, lens = table.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
+    q, w = _as(q, torch.float32), _as(w, torch.float32)
+    table, lens = _as(table, torch.int64), _as(lens, torch.int64)
     out = torch.empty(b, table.shape[1], dtype=torch.float32)
     bad = _library().dsakv_index_decode(
         q.data_ptr(),
@@ -326,7 +333,7 @@ def topk_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
     _on_cpu(scores)
     if scores.dim() != 2 or not 0 < k <= scores.shape[1] or scores.shape[1] >= 2**31:
         raise ValueError(f"topk_by_position: top-{k} of {tuple(scores.shape)}")
-    scores = scores.float().contiguous()
+    scores = _as(scores, torch.float32)
     out = torch.empty(scores.shape[0], k, dtype=torch.int64)
     _library().dsakv_topk_by_position(
         scores.data_ptr(), scores.shape[0], scores.shape[1], k, out.data_ptr()

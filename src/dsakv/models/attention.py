@@ -67,6 +67,7 @@ class MLAttention(nn.Module):
         )
         if has_indexer:
             self.indexer = Indexer(c)
+        self._kvb_views: tuple = (None, 0, None)
 
     @property
     def mode(self) -> str:
@@ -94,9 +95,15 @@ class MLAttention(nn.Module):
         return self.parallel.all_reduce_attn(self.o_proj(out.reshape(t, self.n_heads * self.v_dim)))
 
     def _w_kvb(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_uk `[H, nope, kv_lora]`, W_uv `[H, v, kv_lora]`): views of kv_b_proj."""
-        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
-        return w[:, : self.nope], w[:, self.nope :]
+        """(W_uk `[H, nope, kv_lora]`, W_uv `[H, v, kv_lora]`): views of kv_b_proj, made
+        again only when its weight's storage changes (they are read on every step)."""
+        weight = self.kv_b_proj.weight
+        of, ptr, views = self._kvb_views
+        if of is not weight or ptr != weight.data_ptr():
+            w = weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+            views = (w[:, : self.nope], w[:, self.nope :])
+            self._kvb_views = (weight, weight.data_ptr(), views)
+        return views
 
     def attend(
         self,

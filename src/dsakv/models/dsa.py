@@ -8,6 +8,8 @@ from the `LayerPlan` and nowhere else.
 
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 from torch import nn
 
@@ -133,7 +135,7 @@ class DSAForCausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
         selections: dict[int, StepSelection] = {}
-        for layer in self.model.layers[: self.config.num_hidden_layers]:
+        for layer in islice(self.model.layers, self.config.num_hidden_layers):  # no new list
             x = layer(x, cos, sin, batch, pool, selections)
         return self.model.norm(x)
 

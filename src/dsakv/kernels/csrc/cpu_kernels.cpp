@@ -361,35 +361,44 @@ extern "C" {
 //   o[b, h] = softmax_j(scale · q_h · row_j) · row_j[:lora]; then, with w_uv (fp32 rows of
 //   `lora`, `v` of them per head, heads `w_sh` apart), out[B, H, v] = W_uv[h] · o[b, h],
 //   else out[B, H, lora] = o.
-// Work units are (request, group of <= 16 heads; smaller groups when there are fewer
-// requests than threads). Each head runs its K rows in order, blocks of 64 with an online
-// softmax, so its output depends neither on the batch it is in nor on the thread count.
+// The K rows split into equal runs of at most 128 (flash decoding): work units are
+// (request, run, group of <= 16 heads; fewer heads a group when there are fewer units
+// than threads), each an online softmax over its run in blocks of 64 rows; then each
+// (request, head) merges its runs in order and applies W_uv. The runs depend on K alone,
+// so a head's output depends neither on the batch it is in nor on the thread count.
 // Returns the number of valid slots outside [0, n_rows) (skipped; the caller raises).
 int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_sb,
                          int64_t rope_sh, const uint8_t* data, int64_t n_rows,
                          int64_t row_bytes, int kind, const int64_t* slots, const bool* valid,
                          int64_t B, int64_t K, int64_t H, int64_t lora, int64_t rope,
                          float scale, const float* w_uv, int64_t w_sh, int64_t v, float* out) {
+  constexpr int64_t kRowsPerRun = 2 * kRowsPerBlock;
   const int64_t d = lora + rope;
+  const int64_t runs = std::max<int64_t>(1, (K + kRowsPerRun - 1) / kRowsPerRun);
   const int64_t threads = omp_get_max_threads();
-  const int64_t want = std::min(H, std::max<int64_t>(1, (threads + B - 1) / B));
+  const int64_t want = std::min(H, std::max<int64_t>(1, (threads + B * runs - 1) / (B * runs)));
   const int64_t per_unit = std::min(kHeadsPerUnit, (H + want - 1) / want);
   const int64_t groups = (H + per_unit - 1) / per_unit;
   const int64_t width = w_uv ? v : lora;
+  const int64_t part = lora + 2;  // a run's state per head: unnormalised sum, max, total
+  float* parts = scratch(B * H * runs * part);
   int64_t bad = 0;
 #pragma omp parallel reduction(+ : bad)
   {
     std::vector<float> rows(kRowsPerBlock * d), s(kHeadsPerUnit * kRowsPerBlock);
-    std::vector<float> acc(kHeadsPerUnit * lora);
-    float m[kHeadsPerUnit], l[kHeadsPerUnit];
 #pragma omp for schedule(static)
-    for (int64_t unit = 0; unit < B * groups; ++unit) {
-      const int64_t b = unit / groups, h0 = (unit % groups) * per_unit;
-      const int64_t nh = std::min(per_unit, H - h0);
-      std::fill(acc.begin(), acc.begin() + nh * lora, 0.0f);
-      for (int64_t h = 0; h < nh; ++h) m[h] = -INFINITY, l[h] = 0.0f;
-      for (int64_t j0 = 0; j0 < K; j0 += kRowsPerBlock) {
-        const int64_t n = std::min(kRowsPerBlock, K - j0);
+    for (int64_t unit = 0; unit < B * runs * groups; ++unit) {
+      const int64_t b = unit / (runs * groups), r = unit / groups % runs;
+      const int64_t h0 = (unit % groups) * per_unit, nh = std::min(per_unit, H - h0);
+      float* st[kHeadsPerUnit];  // each head's state: acc[lora], then m, l
+      for (int64_t h = 0; h < nh; ++h) {
+        st[h] = parts + ((b * H + h0 + h) * runs + r) * part;
+        std::fill(st[h], st[h] + lora, 0.0f);
+        st[h][lora] = -INFINITY, st[h][lora + 1] = 0.0f;
+      }
+      const int64_t end = (r + 1) * K / runs;  // equal runs (of at most 128 rows)
+      for (int64_t j0 = r * K / runs; j0 < end; j0 += kRowsPerBlock) {
+        const int64_t n = std::min(kRowsPerBlock, end - j0);
         const int64_t* sl = slots + b * K + j0;
         bool ok[kRowsPerBlock];
         for (int64_t j = 0; j < n; ++j) {
@@ -401,41 +410,53 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
           const float* qn = q_nope + (b * H + h0 + h) * lora;
           const float* qr = q_rope + b * rope_sb + (h0 + h) * rope_sh;
           float* sh = &s[h * kRowsPerBlock];
-          float top = m[h];
+          float *ah = st[h], &m = st[h][lora], &l = st[h][lora + 1];
+          float top = m;
           for (int64_t j = 0; j < n; ++j) {
-            const float* r = &rows[j * d];
-            sh[j] = ok[j] ? (dot(qn, r, lora) + dot(qr, r + lora, rope)) * scale : -INFINITY;
+            const float* row = &rows[j * d];
+            sh[j] = ok[j] ? (dot(qn, row, lora) + dot(qr, row + lora, rope)) * scale : -INFINITY;
             top = std::max(top, sh[j]);
           }
           if (top == -INFINITY) continue;  // nothing valid yet
-          float* ah = &acc[h * lora];
-          if (top != m[h]) {
-            const float c = std::exp(m[h] - top);
-            l[h] *= c;
+          if (top != m) {
+            const float c = std::exp(m - top);
+            l *= c;
             for (int64_t i = 0; i < lora; ++i) ah[i] *= c;
-            m[h] = top;
+            m = top;
           }
           for (int64_t j = 0; j < n; ++j) {
             if (!ok[j]) continue;
             const float p = std::exp(sh[j] - top);
-            l[h] += p;
-            const float* r = &rows[j * d];
-            for (int64_t i = 0; i < lora; ++i) ah[i] += p * r[i];
+            l += p;
+            const float* row = &rows[j * d];
+            for (int64_t i = 0; i < lora; ++i) ah[i] += p * row[i];
           }
         }
       }
-      for (int64_t h = 0; h < nh; ++h) {
-        float* ah = &acc[h * lora];
-        const float inv = 1.0f / l[h];  // no valid row: 1/0 -> inf·0 = NaN, as softmax
-        for (int64_t i = 0; i < lora; ++i) ah[i] *= inv;
-        float* o = out + (b * H + h0 + h) * width;
-        if (!w_uv) {
-          std::memcpy(o, ah, lora * sizeof(float));
-          continue;
-        }
-        const float* w = w_uv + (h0 + h) * w_sh;
-        for (int64_t k = 0; k < v; ++k) o[k] = dot(ah, w + k * lora, lora);
+    }
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; ++bh) {  // merge the runs in order, then W_uv
+      float* o = parts + bh * runs * part;  // run 0's state becomes the merged one
+      float& m = o[lora];
+      float& l = o[lora + 1];
+      for (int64_t r = 1; r < runs; ++r) {
+        const float* p = o + r * part;
+        const float top = std::max(m, p[lora]);
+        if (top == -INFINITY) continue;
+        const float a = std::exp(m - top), c = std::exp(p[lora] - top);
+        for (int64_t i = 0; i < lora; ++i) o[i] = o[i] * a + p[i] * c;
+        l = l * a + p[lora + 1] * c, m = top;
       }
+      const float inv = 1.0f / l;  // no valid row: 1/0 -> inf·0 = NaN, as softmax
+      for (int64_t i = 0; i < lora; ++i) o[i] *= inv;
+      float* dst = out + bh * width;
+      if (!w_uv) {
+        std::memcpy(dst, o, lora * sizeof(float));
+        continue;
+      }
+      const float* w = w_uv + (bh % H) * w_sh;
+      for (int64_t k = 0; k + 4 <= v; k += 4) dot4(w + k * lora, lora, o, lora, dst + k);
+      for (int64_t k = v - v % 4; k < v; ++k) dst[k] = dot(o, w + k * lora, lora);
     }
   }
   return bad;
