@@ -377,6 +377,11 @@ class _FfnWeights(ctypes.Structure):
     ]
 
 
+def fits(module: torch.nn.Module) -> bool:
+    """Whether the native blocks can read `module`'s weights in place: all fp32 on the CPU."""
+    return all(p.dtype == torch.float32 and p.is_cpu for p in module.parameters())
+
+
 def _weight(t: torch.Tensor, *shape: int) -> int:
     """The address of an fp32 contiguous CPU weight of `shape`."""
     if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():

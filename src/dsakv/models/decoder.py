@@ -76,9 +76,7 @@ def residual_ffn(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> tor
 
 def _native_blocks(layer: DecoderLayer) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
     attn, mlp = layer.self_attn, layer.mlp
-    if layer.parallel.world_size > 1 or any(
-        p.dtype != torch.float32 or p.device.type != "cpu" for p in layer.parameters()
-    ):
+    if layer.parallel.world_size > 1 or not cpu_native.fits(layer):
         return None
     inputs = cpu_native.MlaInputs(
         layer.input_layernorm.weight,

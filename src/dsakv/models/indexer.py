@@ -72,9 +72,8 @@ class Indexer(nn.Module):
         """`index_key` / `index_query` as `cpu_native` calls over this module's weights, made
         on first use (after loading); None unless every weight is fp32 on the CPU."""
         if self._native is False:
-            ok = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in self.parameters())
             self._native = None
-            if ok:
+            if cpu_native.fits(self):
                 self._native = cpu_native.IndexerInputs(
                     self.wq_b.weight,
                     self.wk.weight,
