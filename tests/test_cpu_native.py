@@ -28,6 +28,17 @@ def tiny(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("glm-tiny"), preset="glm-tiny", seed=0))
 
 
+def _one_and_two_threads():
+    """Runs the loop body at one torch thread, then at two; restores the count."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            yield n
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _layout(tiny: str, **kw) -> CacheLayout:
     return CacheLayout.for_model(tiny, **kw)
 
@@ -114,24 +125,11 @@ def test_native_decode_matches_the_reference_and_ignores_its_batch(tiny, kind):
     data, scale = pool.latent_data(layer), math.scale
     for w in (None, w_uv):  # the latent outputs, and their values through W_uv
         whole = cpu_native.mla_decode(q_nope, q_rope, data, slots, valid, scale, kind, w)
-        threads = torch.get_num_threads()
-        try:
-            for n in (1, 2):
-                torch.set_num_threads(n)
-                for r in range(batch):
-                    one = cpu_native.mla_decode(
-                        q_nope[r : r + 1],
-                        q_rope[r : r + 1],
-                        data,
-                        slots[r : r + 1],
-                        valid[r : r + 1],
-                        scale,
-                        kind,
-                        w,
-                    )
-                    assert torch.equal(one[0], whole[r])
-        finally:
-            torch.set_num_threads(threads)
+        for _ in _one_and_two_threads():
+            for r in range(batch):
+                alone = (q_nope[r : r + 1], q_rope[r : r + 1], data, slots[r : r + 1])
+                one = cpu_native.mla_decode(*alone, valid[r : r + 1], scale, kind, w)
+                assert torch.equal(one[0], whole[r])
 
 
 @native
@@ -277,24 +275,10 @@ def test_native_index_decode_matches_the_torch_scores_and_ignores_its_batch(tiny
         cpu_native.topk_by_position(got, topk).sort().values,
         torch_ops.topk_by_position(want, topk).sort().values,
     )
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            for r in range(4):
-                one = cpu_native.index_decode(
-                    q[r : r + 1],
-                    w[r : r + 1],
-                    data,
-                    ps,
-                    table[r : r + 1],
-                    lens[r : r + 1],
-                    scale,
-                    low,
-                )
-                assert torch.equal(one[0], got[r])
-    finally:
-        torch.set_num_threads(threads)
+    for _ in _one_and_two_threads():
+        for r in range(4):
+            alone = (q[r : r + 1], w[r : r + 1], data, ps, table[r : r + 1], lens[r : r + 1])
+            assert torch.equal(cpu_native.index_decode(*alone, scale, low)[0], got[r])
 
 
 @native
@@ -367,17 +351,12 @@ def test_native_blocks_match_the_torch_blocks_and_ignore_their_batch(preset, tmp
                 _check_indexer_inputs(path, indexer, x, got[3], cos, sin)
             got_ffn = ffn(x, out.reshape(5, -1))
             torch.testing.assert_close(got_ffn, residual_ffn(layer, x, out), rtol=1e-5, atol=1e-5)
-            threads = torch.get_num_threads()
-            try:
-                for n in (1, 2):
-                    torch.set_num_threads(n)
-                    for r in range(5):
-                        one = inputs(x[r : r + 1], cos[r : r + 1], sin[r : r + 1])
-                        assert all(torch.equal(a[0], b[r]) for a, b in zip(one, got))
-                        one = ffn(x[r : r + 1], out[r : r + 1].reshape(1, -1))
-                        assert torch.equal(one[0], got_ffn[r])
-            finally:
-                torch.set_num_threads(threads)
+            for _ in _one_and_two_threads():
+                for r in range(5):
+                    one = inputs(x[r : r + 1], cos[r : r + 1], sin[r : r + 1])
+                    assert all(torch.equal(a[0], b[r]) for a, b in zip(one, got))
+                    one = ffn(x[r : r + 1], out[r : r + 1].reshape(1, -1))
+                    assert torch.equal(one[0], got_ffn[r])
 
 
 def _check_indexer_inputs(path: str, indexer, h, q_lora, cos, sin) -> None:
