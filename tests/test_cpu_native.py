@@ -379,10 +379,10 @@ def _check_indexer_inputs(path: str, indexer, h, q_lora, cos, sin) -> None:
 
 
 @native
-def test_native_blocks_run_the_decode_steps_and_keep_the_greedy_tokens(tiny):
-    """Through the engine: decode steps run every layer's native blocks, and greedy tokens
-    and logprobs match the torch blocks' (fp32 cache, index_topk covering the context, so
-    only rounding differs); prefill steps keep the torch blocks."""
+def test_native_blocks_run_the_steps_and_keep_the_greedy_tokens(tiny):
+    """Through the engine: steps of a few tokens (decode, these short prefills) run every
+    layer's native blocks, and greedy tokens and logprobs match the torch blocks' (fp32
+    cache, index_topk covering the context, so only rounding differs)."""
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
     prompts = [[5, 17, 33, 2, 99], [7, 7, 8, 120, 3, 64, 200], [250, 1, 2, 3, 4, 5, 6, 7, 8]]
     kw = dict(device="cpu", page_size=16, num_pages=24, max_model_len=64, kv_cache_dtype="fp32")

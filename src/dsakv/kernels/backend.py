@@ -28,7 +28,7 @@ from .torch_ops import MLAMath, per_head
 
 # Rows of query chunks for the Triton extend indexer: bounds the [chunk, L] logits block.
 LOGITS_CHUNK_ELEMS = 1 << 26
-# Decode steps of at most this many tokens run the layers' native blocks (`Block.native`):
+# Steps of at most this many tokens run the layers' native blocks (`Block.native`):
 # on glm-bench, 2 threads, both blocks of a layer took 154 / 169 / 381 / 1065 µs at 1 / 4 /
 # 16 / 64 tokens against eager torch's 548 / 921 / 924 / 1575, and 2252 against 1685 at
 # 128 (past some width, a GEMM's blocking beats streaming each weight row once).
@@ -38,7 +38,7 @@ NATIVE_ROWS = 64
 class Block(NamedTuple):
     """A block of a layer's tensor math (norms, projections, RoPE; o_proj, the FFN; the
     indexer's projections). `eager`: torch ops, which every backend can run. `native`: the
-    same math as `cpu_native` calls for a decode step of a few tokens; it returns
+    same math as `cpu_native` calls for a step of a few tokens; it returns
     NotImplemented where the layer has no native form. `compile`: whether `torch.compile`
     may trace `eager` (pure tensor math only)."""
 
@@ -121,9 +121,9 @@ class TorchBackend:
 
 class CpuBackend(TorchBackend):
     """The torch ops shaped for a CPU (`cpu_ops`), where a decode token is bound by the
-    number of ops and prefill by memory traffic. Native kernels (`cpu_native`): a decode
-    step's blocks around attention (one call each), its attention over the stored bytes,
-    the fp8 stores; without a C++ compiler, rows widened straight from the stored bytes
+    number of ops and prefill by memory traffic. Native kernels (`cpu_native`): the blocks
+    around attention of a step of a few tokens (one call each), decode attention and
+    indexer scores over the stored bytes, the fp8 stores; without a C++ compiler, rows widened straight from the stored bytes
     and a one-token MoE in two GEMVs. Indexer scores in cache-sized blocks with ReLU fused
     and bf16 GEMMs over fp8 / bf16 index-K (fp32 over fp32 keys); sparse extend attention
     over gathered rows in small blocks. Everything else is the reference.
@@ -149,7 +149,7 @@ class CpuBackend(TorchBackend):
         if self.compile:
             blocks = f"torch.compile up to {torch_ops.GEMV_ROWS} requests"
         if self.native:
-            blocks = f"native up to {NATIVE_ROWS} decode tokens (fp32 weights), else " + blocks
+            blocks = f"native up to {NATIVE_ROWS} tokens a step (fp32 weights), else " + blocks
         return {
             **super().describe(),
             "blocks": blocks,
@@ -166,13 +166,15 @@ class CpuBackend(TorchBackend):
     # --- model blocks -----------------------------------------------------------------------
 
     def block(self, block, batch, *args):
-        if batch.is_decode_only:
-            if self.native and block.native and batch.num_tokens <= NATIVE_ROWS:
-                out = block.native(*args)
-                if out is not NotImplemented:
-                    return out
-            if self.compile and block.compile and self._small(batch.num_tokens):
-                return cpu_ops.compiled(block.eager)(*args)
+        # Native blocks are per-token math: any step of a few tokens (decode, MTP verify
+        # rows, a short extend) runs them.
+        if self.native and block.native and batch.num_tokens <= NATIVE_ROWS:
+            out = block.native(*args)
+            if out is not NotImplemented:
+                return out
+        small_decode = batch.is_decode_only and self._small(batch.num_tokens)
+        if self.compile and block.compile and small_decode:
+            return cpu_ops.compiled(block.eager)(*args)
         return block.eager(*args)
 
     def _small(self, rows: int) -> bool:

@@ -31,8 +31,8 @@ What differs from `torch_ops` (which stays the reference, behind the `torch` bac
   rows in place. Without a C++ compiler, `decode_attention` here widens them straight
   from the stored bytes (e4m3 and bf16 widen exactly) with one flat gather:
   `MLAMath.decode`'s arithmetic, bit for bit.
-- Decode blocks: a decode step of at most `backend.NATIVE_ROWS` tokens runs each layer's
-  blocks around attention as one native call each (`cpu_native.MlaInputs` / `Ffn`).
+- Layer blocks: a step of at most `backend.NATIVE_ROWS` tokens runs each layer's blocks
+  around attention as one native call each (`cpu_native.MlaInputs` / `Ffn`).
 - `--enable-torch-compile` (`compile=True`), where the native blocks do not run (no C++
   compiler, weights other than fp32): a decode step of at most `GEMV_ROWS`
   requests runs each layer's pure-tensor blocks around attention (`CpuBackend.block`:

@@ -44,8 +44,8 @@ class DecoderLayer(nn.Module):
         candidate plans over all-full weights); by default the plan the model was built with.
 
         The pure-tensor blocks before and after attention (norms, projections, RoPE, FFN)
-        run through `ops.block`: the cpu backend runs a decode step's as one native call
-        each (`native_blocks`)."""
+        run through `ops.block`: the cpu backend runs those of a step of a few tokens as
+        one native call each (`native_blocks`)."""
         source = self.topk_source if topk_source is None else topk_source
         attn = self.self_attn
         h, q_nope, q_rope, q_lora, row = attn.ops.block(ATTENTION_INPUTS, batch, self, x, cos, sin)
