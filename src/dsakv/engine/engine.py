@@ -344,9 +344,13 @@ class Engine:
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Padded, graph-capturable decode steps: for the graph-safe backends on one rank
         (captured on CUDA unless `disable_cuda_graph`; eager padded steps elsewhere)."""
-        if not self.backend.graph_safe or self.parallel.world_size > 1:
+        moe = self.model_config.n_routed_experts > 0
+        why = self.backend.graph_blocker(self.model.dtype, self.device, moe)
+        if why is not None or self.parallel.world_size > 1:
+            if self.device.type == "cuda":
+                log.info("decode steps run eager: %s", why or "more than one rank")
             return None
-        return DecodeGraphs(
+        graphs = DecodeGraphs(
             self.model,
             self.pool,
             self.device,
@@ -354,6 +358,8 @@ class Engine:
             max_len=self.max_model_len,
             use_graphs=not self.config.disable_cuda_graph,
         )
+        graphs.capture_all()  # at start-up: no capture inside a served (or timed) step
+        return graphs
 
     # --- requests -------------------------------------------------------------------------
 

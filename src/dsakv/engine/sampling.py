@@ -126,28 +126,27 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> SampleResult:
+        """A constant number of device→host copies per step, whatever the batch: the greedy
+        choices, the filtered distributions of the sampled rows (drawn on the host, each
+        seeded request with its own generator), and the asked-for logprobs."""
         logits = logits.float()
-        chosen: list[int] = []
-        greedy = torch.argmax(logits, dim=-1).tolist()
-        for i, p in enumerate(params):
-            if p.greedy:
-                chosen.append(greedy[i])
-                continue
-            probs = filtered_probs(logits[i], p).cpu()
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        probs = None
+        if sampled:
+            probs = torch.stack([filtered_probs(logits[i], params[i]) for i in sampled]).cpu()
+        chosen: list[int] = torch.argmax(logits, dim=-1).tolist()
+        for j, i in enumerate(sampled):
             g = generators[i] or self.generator
-            chosen.append(int(torch.multinomial(probs, 1, generator=g)))
+            chosen[i] = int(torch.multinomial(probs[j], 1, generator=g))
         want = [p.logprobs for p in params]
         if all(w is None for w in want):
             return SampleResult(chosen, None, None)
-        logp = torch.log_softmax(logits, dim=-1).cpu()
-        picked = [float(logp[i, t]) for i, t in enumerate(chosen)]
-        tops = []
-        for i, n in enumerate(want):
-            if not n:
-                tops.append([])
-                continue
-            v, idx = torch.topk(logp[i], n)
-            tops.append(list(zip(idx.tolist(), v.tolist())))
+        logp = torch.log_softmax(logits, dim=-1)
+        ids = torch.tensor(chosen, dtype=torch.long, device=logp.device)
+        picked = logp.gather(1, ids[:, None])[:, 0].tolist()
+        n = max(w or 0 for w in want)
+        top_v, top_i = ([], []) if n == 0 else (t.tolist() for t in logp.topk(n, dim=-1))
+        tops = [list(zip(top_i[i][:w], top_v[i][:w])) if w else [] for i, w in enumerate(want)]
         return SampleResult(chosen, picked, tops)
 
 

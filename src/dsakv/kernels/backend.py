@@ -51,7 +51,11 @@ class TorchBackend:
     """The torch reference: every op through `DSAKVPool.gather_*` and `torch_ops`."""
 
     name = "torch"
-    graph_safe = False  # reads lengths and expert counts on the host
+
+    def graph_blocker(self, dtype: torch.dtype, device: torch.device, moe: bool) -> str | None:
+        """Why a padded decode step of a `dtype` model on `device` cannot be captured in a
+        CUDA graph (None: it can; the engine then runs decode padded, captured on CUDA)."""
+        return "the torch ops read lengths and expert counts on the host"
 
     def describe(self) -> dict[str, str]:
         return dict.fromkeys(("stores", "mla_decode", "mla_extend", "index_logits", "moe"), "torch")
@@ -267,7 +271,6 @@ class TritonBackend(TorchBackend):
     (fp32/bf16 index-K, the `expand` attention mode)."""
 
     name = "triton"
-    graph_safe = True  # no host syncs: a decode step can be captured in a CUDA graph
 
     def __init__(self, layout) -> None:
         from . import triton_indexer, triton_mla, triton_rows, triton_store  # needs triton
@@ -287,6 +290,13 @@ class TritonBackend(TorchBackend):
             if self.fp8_index
             else "torch (index-K not fp8)",
         }
+
+    def graph_blocker(self, dtype, device, moe) -> str | None:
+        # The kernels read lengths, slots and -1 padding on the device, and so do the torch
+        # fallbacks here (no host bounds check); the MoE is the one op that may sync.
+        if moe and not torch_ops.grouped_mm_capturable(dtype, device):
+            return f"torch._grouped_mm reads its offsets on the host for {dtype} on this GPU"
+        return None
 
     def experts(self, x, ids, weights, gate_up, down, first, last):
         return torch_ops.experts_grouped(x, ids, weights, gate_up, down, first, last)
@@ -348,8 +358,11 @@ class TritonBackend(TorchBackend):
     # --- indexer ----------------------------------------------------------------------------
 
     def index_topk_decode(self, pool, layer, q, w, table, lens, scale, topk):
-        if not self.fp8_index:
-            return super().index_topk_decode(pool, layer, q, w, table, lens, scale, topk)
+        if not self.fp8_index:  # bf16 / fp32 rows as stored: a device gather, no host check
+            b, width = table.shape
+            rows = pool.index_k_data(layer).index_select(0, table.flatten())
+            keys = rows.float().view(b, width, -1)
+            return torch_ops.index_topk_decode(q, w, keys, lens, scale, topk)
         ps = pool.page_size
         logits = self._indexer.index_logits_paged(
             _low_precision(q),

@@ -300,18 +300,38 @@ def experts_one_token(x, ids, weights, gate_up, down, first: int, last: int) -> 
 
 def experts_grouped(x, ids, weights, gate_up, down, first: int, last: int) -> torch.Tensor:
     """The same sum as `experts_loop` as two grouped GEMMs over tokens sorted by expert,
-    with the group offsets kept on the device: no host sync, so a CUDA graph can hold it.
-    Choices of other ranks' experts sort last and get zero weight."""
+    with the group offsets kept on the device (`searchsorted` over the sorted choices;
+    `bincount` would sync with the host on CUDA), so a CUDA graph can hold it where
+    `torch._grouped_mm` itself is sync-free (bf16 on sm90 / sm100: `grouped_mm_capturable`).
+    Choices of other ranks' experts sort last and get zero weight. Each token's k outputs
+    are added in choice order, one add at a time: no atomics (`index_add_` with a token
+    repeated k times adds in a different order each run on CUDA), and the same order
+    whatever the batch."""
     t, k = ids.shape
     n_local = last - first
     local = ids.flatten() - first
     key = torch.where((local >= 0) & (local < n_local), local, n_local)
     order = key.argsort(stable=True)
-    offs = torch.bincount(key, minlength=n_local + 1)[:n_local].cumsum(0).to(torch.int32)
-    tok = order // k
-    h = torch._grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs)
+    sorted_key = key[order]
+    ends = torch.arange(1, n_local + 1, device=key.device, dtype=key.dtype)
+    offs = torch.searchsorted(sorted_key, ends).to(torch.int32)
+    h = torch._grouped_mm(x[order // k], gate_up.transpose(1, 2), offs=offs)
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
-    mine = (key[order] < n_local)[:, None]
-    y = torch.where(mine, y * weights.flatten()[order][:, None].to(y.dtype), 0)
-    return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+    y = torch.where(
+        (sorted_key < n_local)[:, None], y * weights.flatten()[order][:, None].to(y.dtype), 0
+    )
+    per_choice = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)  # unique rows
+    out = per_choice[:, 0]
+    for j in range(1, k):
+        out = out + per_choice[:, j]
+    return out.to(x.dtype)
+
+
+def grouped_mm_capturable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `torch._grouped_mm` runs without a host sync: bf16 on sm90 / sm100 (other
+    dtypes and GPUs take a fallback that reads the offsets on the host); on a CPU nothing
+    is captured, so nothing to sync with."""
+    if device.type != "cuda":
+        return True
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)

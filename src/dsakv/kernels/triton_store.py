@@ -32,9 +32,13 @@ ROWS = 16  # input rows per program (2-D tiles: [ROWS, 128])
 
 @triton.jit
 def _load_rows(x, at, mask, X_BF16: tl.constexpr):
+    # One return: the compiler rejects a `return` under a constexpr `if` followed by
+    # another (the interpreter accepts it).
     if X_BF16:
-        return bf16_to_f32(tl.load(x + at, mask=mask, other=0))
-    return tl.load(x + at, mask=mask, other=0.0)
+        v = bf16_to_f32(tl.load(x + at, mask=mask, other=0))
+    else:
+        v = tl.load(x + at, mask=mask, other=0.0)
+    return v
 
 
 @triton.jit
