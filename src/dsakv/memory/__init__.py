@@ -1,7 +1,14 @@
 """KV memory: cache layout and bytes, capacity planning, page allocator, pools."""
 
 from .allocator import OutOfPages, PageAllocator, PageError, ReqToTokenTable, page_slots
-from .capacity import CapacityPlan, estimate_weight_bytes, plan_capacity
+from .capacity import (
+    CapacityPlan,
+    HiSparsePlan,
+    estimate_weight_bytes,
+    kv_budget_bytes,
+    plan_capacity,
+    plan_hisparse,
+)
 from .fp8 import dequantize_e4m3_blockwise, hadamard_rotate, quantize_e4m3_blockwise
 from .host import HostPool
 from .layout import INDEX_K_DTYPES, LATENT_DTYPES, CacheLayout
@@ -13,6 +20,7 @@ __all__ = [
     "CacheLayout",
     "CapacityPlan",
     "DSAKVPool",
+    "HiSparsePlan",
     "HostPool",
     "OutOfPages",
     "PageAllocator",
@@ -23,7 +31,9 @@ __all__ = [
     "dequantize_e4m3_blockwise",
     "estimate_weight_bytes",
     "hadamard_rotate",
+    "kv_budget_bytes",
     "page_slots",
     "plan_capacity",
+    "plan_hisparse",
     "quantize_e4m3_blockwise",
 ]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from dsakv.config import LayerPlan, ModelConfig
+from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig
 from dsakv.errors import ConfigError
 
 from .layout import CacheLayout
@@ -112,7 +113,7 @@ class CapacityPlan:
         return self.max_total_num_tokens // self.layout.page_size
 
 
-def plan_capacity(
+def kv_budget_bytes(
     layout: CacheLayout,
     *,
     kv_budget_gib: float | None = None,
@@ -122,8 +123,8 @@ def plan_capacity(
     reserve_gib: float = 0.0,
     config: ModelConfig | None = None,
     tp: int = 1,
-) -> CapacityPlan:
-    """`max_total_num_tokens = floor(budget / cell / page_size) × page_size`.
+) -> tuple[int, int | None]:
+    """The device KV budget in bytes, and the weight bytes it subtracted (None if explicit).
 
     The budget is explicit (`kv_budget_gib`) or `gpu_memory × mem_fraction_static −
     weights − reserve`, with weights from `weights_gib` or estimated from `config`.
@@ -154,6 +155,144 @@ def plan_capacity(
             )
     else:
         raise ConfigError("give a KV budget (kv_budget_gib) or gpu_memory_gib")
-    cell, page = layout.bytes_per_token, layout.page_size
-    tokens = int(budget // cell // page) * page
-    return CapacityPlan(layout, int(budget), weight_bytes, tokens)
+    return int(budget), weight_bytes
+
+
+def _page_aligned_tokens(budget: float, cell: int, page: int) -> int:
+    return int(budget // cell // page) * page
+
+
+def plan_capacity(
+    layout: CacheLayout,
+    *,
+    kv_budget_gib: float | None = None,
+    gpu_memory_gib: float | None = None,
+    mem_fraction_static: float = 0.9,
+    weights_gib: float | None = None,
+    reserve_gib: float = 0.0,
+    config: ModelConfig | None = None,
+    tp: int = 1,
+) -> CapacityPlan:
+    """`max_total_num_tokens = floor(budget / cell / page_size) × page_size`.
+
+    The budget is explicit (`kv_budget_gib`) or `gpu_memory × mem_fraction_static −
+    weights − reserve`, with weights from `weights_gib` or estimated from `config`.
+    """
+    budget, weight_bytes = kv_budget_bytes(
+        layout,
+        kv_budget_gib=kv_budget_gib,
+        gpu_memory_gib=gpu_memory_gib,
+        mem_fraction_static=mem_fraction_static,
+        weights_gib=weights_gib,
+        reserve_gib=reserve_gib,
+        config=config,
+        tp=tp,
+    )
+    tokens = _page_aligned_tokens(budget, layout.bytes_per_token, layout.page_size)
+    return CapacityPlan(layout, budget, weight_bytes, tokens)
+
+
+@dataclass(frozen=True)
+class HiSparsePlan:
+    """The device/host split of one layout under HiSparse (DESIGN.md §13).
+
+    A device token is one latent slot in the device pool; each one is backed by
+    `host_to_device_ratio` (r) logical tokens, whose latent lives on the host and whose
+    index-K (on the layers that hold it: full and draft layers when elided, every layer
+    when dense) stays on the device, because the indexer scores the whole history.
+    Per device token the device pays `L·latent + N·index_k·r`; per logical token that is
+    `L·latent/r + N·index_k`, and the host pays `L·latent`. The slot maps (logical →
+    device slot, per-request LRU) are small and not counted, like `req_to_token`.
+    """
+
+    layout: CacheLayout
+    hisparse: HiSparseConfig
+    kv_budget_bytes: int
+    weight_bytes: int | None
+    device_tokens: int  # device latent slots, page-aligned
+
+    @property
+    def ratio(self) -> int:
+        return self.hisparse.host_to_device_ratio
+
+    @property
+    def device_latent_bytes_per_device_token(self) -> int:
+        return self.layout.latent_bytes_per_token
+
+    @property
+    def device_index_k_bytes_per_device_token(self) -> int:
+        return self.layout.index_k_bytes_per_token * self.ratio
+
+    @property
+    def device_bytes_per_device_token(self) -> int:
+        """`L·latent + N·index_k·r`: one device latent slot and r tokens' index-K."""
+        return (
+            self.device_latent_bytes_per_device_token + self.device_index_k_bytes_per_device_token
+        )
+
+    @property
+    def device_bytes_per_logical_token(self) -> float:
+        """`L·latent/r + N·index_k` (fractional when r does not divide the latent)."""
+        return self.device_bytes_per_device_token / self.ratio
+
+    @property
+    def host_bytes_per_token(self) -> int:
+        """`L·latent`: every layer's latent for every logical token."""
+        return self.layout.latent_bytes_per_token
+
+    @property
+    def logical_tokens(self) -> int:
+        return self.device_tokens * self.ratio
+
+    @property
+    def host_bytes(self) -> int:
+        """Host (pinned) memory the logical tokens need."""
+        return self.logical_tokens * self.host_bytes_per_token
+
+    @property
+    def device_kv_bytes(self) -> int:
+        """Device bytes the pool uses (at most the budget)."""
+        return self.device_tokens * self.device_bytes_per_device_token
+
+    @property
+    def hot_buffer_slots(self) -> int:
+        """Device latent slots per request: the buffer plus one page (its newest token)."""
+        return self.hisparse.device_buffer_size + self.layout.page_size
+
+    @property
+    def concurrent_hot_buffers(self) -> int:
+        """How many requests' hot buffers the device latent slots hold at once."""
+        return self.device_tokens // self.hot_buffer_slots
+
+    @property
+    def index_k_share(self) -> float:
+        """Index-K's fraction of the device memory (0..1), independent of the budget."""
+        return self.device_index_k_bytes_per_device_token / self.device_bytes_per_device_token
+
+    def as_dict(self) -> dict[str, Any]:
+        """The split as plain numbers (what `dsakv plan --json` reports)."""
+        return {
+            "elide_index_k": self.layout.elide_index_k,
+            "device_bytes_per_device_token": self.device_bytes_per_device_token,
+            "device_bytes_per_logical_token": self.device_bytes_per_logical_token,
+            "host_bytes_per_token": self.host_bytes_per_token,
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "device_tokens": self.device_tokens,
+            "logical_tokens": self.logical_tokens,
+            "host_bytes": self.host_bytes,
+            "hot_buffer_slots": self.hot_buffer_slots,
+            "concurrent_hot_buffers": self.concurrent_hot_buffers,
+            "index_k_share": self.index_k_share,
+        }
+
+
+def plan_hisparse(layout: CacheLayout, hisparse: HiSparseConfig, **budget: Any) -> HiSparsePlan:
+    """Device tokens = `floor(budget / (L·latent + N·index_k·r) / page_size) × page_size`.
+
+    `budget` takes the keywords of `kv_budget_bytes` (the device KV budget).
+    """
+    budget_bytes, weight_bytes = kv_budget_bytes(layout, **budget)
+    empty = HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, 0)
+    cell = empty.device_bytes_per_device_token
+    tokens = _page_aligned_tokens(budget_bytes, cell, layout.page_size)
+    return HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, tokens)

@@ -1,0 +1,108 @@
+"""`HiSparseConfig`: SGLang's `--hisparse-config` (DESIGN.md §13), parsed and checked.
+
+HiSparse keeps every token's latent KV in (pinned) host memory and, per request, a hot
+buffer of `device_buffer_size` latent slots per layer on the device. Index-K stays on the
+device for every logical token; dsakv keeps it elided on shared layers.
+
+`host_to_device_ratio` is an integer, as in SGLang: the host holds `r` logical tokens per
+device latent slot, so logical tokens = device tokens × r stays a whole (page-aligned)
+number. A float such as 2.5 is rejected rather than rounded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dsakv.errors import ConfigError
+
+HISPARSE_KEYS = ("top_k", "device_buffer_size", "host_to_device_ratio")
+DEFAULT_HOST_TO_DEVICE_RATIO = 2
+BUFFER_PER_TOP_K = 2  # default buffer = 2 × top_k: at exactly top_k the LRU thrashes
+
+
+def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"hisparse-config {name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"hisparse-config {name} must be >= {minimum}{hint}, got {value}")
+    return value
+
+
+def model_index_topk(model_config: Any) -> int:
+    """The model's `index_topk` (a `ModelConfig` or a raw config dict); ConfigError if none.
+
+    A model with an indexer always has one indexer layer: `LayerPlan` requires layer 0 to
+    run it, so `index_topk` (and the indexer shapes) is all there is to check.
+    """
+    get = (
+        model_config.get
+        if isinstance(model_config, Mapping)
+        else (lambda k, d=None: getattr(model_config, k, d))
+    )
+    topk, heads, dim = get("index_topk"), get("index_n_heads"), get("index_head_dim")
+    if not all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (topk, heads, dim)
+    ):
+        raise ConfigError(
+            "--enable-hisparse needs a DSA model with an indexer (index_topk, index_n_heads "
+            f"and index_head_dim > 0); this model has index_topk={topk!r}"
+        )
+    return topk
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    """Hot-buffer size and host:device ratio for HiSparse, with SGLang's key names."""
+
+    top_k: int
+    device_buffer_size: int
+    host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
+
+    def __post_init__(self) -> None:
+        _check_int("top_k", self.top_k, 1)
+        _check_int(
+            "device_buffer_size",
+            self.device_buffer_size,
+            self.top_k,
+            f" (top_k {self.top_k})",
+        )
+        _check_int("host_to_device_ratio", self.host_to_device_ratio, 1)
+
+    @classmethod
+    def parse(cls, source: str | Mapping[str, Any] | None, model_config: Any) -> HiSparseConfig:
+        """Read `--hisparse-config` (JSON text, a dict or None) and apply the defaults.
+
+        top_k defaults to the model's `index_topk`, device_buffer_size to 2 × top_k and
+        host_to_device_ratio to 2. Raises one ConfigError per problem: invalid JSON, not an
+        object, unknown keys, non-integer or out-of-range values, or a model without an
+        indexer.
+        """
+        if source is None:
+            raw: Any = {}
+        elif isinstance(source, str):
+            text = source.strip()
+            try:
+                raw = json.loads(text) if text else {}
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--hisparse-config is not valid JSON: {e}") from None
+        else:
+            raw = source
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"--hisparse-config must be a JSON object, got {raw!r}")
+        unknown = sorted(str(k) for k in raw if k not in HISPARSE_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"--hisparse-config has unknown key(s) {', '.join(unknown)} "
+                f"(known: {', '.join(HISPARSE_KEYS)})"
+            )
+        index_topk = model_index_topk(model_config)
+        top_k = _check_int("top_k", raw.get("top_k", index_topk), 1)
+        buffer = raw.get("device_buffer_size", BUFFER_PER_TOP_K * top_k)
+        ratio = raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO)
+        return cls(top_k, buffer, ratio)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)

@@ -1,0 +1,224 @@
+"""HiSparse: `HiSparseConfig` and the planner's device/host split (DESIGN.md §13, issue 28)."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dsakv.cli import main
+from dsakv.config import HiSparseConfig, ModelConfig, preset
+from dsakv.errors import ConfigError
+from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
+
+GLM52 = ModelConfig.resolve("glm-5.2")
+
+
+def _layout(kv="fp8_ds_mla", **kw):
+    return CacheLayout.for_model(GLM52, kv_cache_dtype=kv, **kw)
+
+
+# --- HiSparseConfig -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", [None, "", "  ", "{}", {}])
+def test_defaults_follow_the_model(source):
+    h = HiSparseConfig.parse(source, GLM52)
+    assert h == HiSparseConfig(top_k=2048, device_buffer_size=4096, host_to_device_ratio=2)
+    assert h.to_dict() == {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2}
+
+
+def test_buffer_defaults_to_twice_top_k_and_values_are_kept():
+    assert HiSparseConfig.parse('{"top_k": 512}', GLM52).device_buffer_size == 1024
+    h = HiSparseConfig.parse(
+        {"top_k": 1024, "device_buffer_size": 1024, "host_to_device_ratio": 10}, GLM52
+    )
+    assert (h.top_k, h.device_buffer_size, h.host_to_device_ratio) == (1024, 1024, 10)
+    small = dataclasses.replace(GLM52, index_topk=64)
+    assert HiSparseConfig.parse(None, small).device_buffer_size == 128
+    # A raw config dict works as the model too.
+    assert HiSparseConfig.parse(None, preset("deepseek-v3.2")).top_k == 2048
+
+
+@pytest.mark.parametrize(
+    ("source", "match"),
+    [
+        ("{top_k: 1}", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ("3", "must be a JSON object"),
+        ('{"topk": 2048}', "unknown key.*topk"),
+        ('{"top_k": 2048, "ratio": 2, "x": 1}', r"unknown key\(s\) ratio, x"),
+        ('{"top_k": "2048"}', "top_k must be an integer"),
+        ('{"top_k": 2048.0}', "top_k must be an integer"),
+        ('{"top_k": true}', "top_k must be an integer"),
+        ('{"top_k": null}', "top_k must be an integer"),
+        ('{"top_k": 0}', "top_k must be >= 1"),
+        ('{"top_k": -5}', "top_k must be >= 1"),
+        ('{"device_buffer_size": 2047}', r"device_buffer_size must be >= 2048 \(top_k 2048\)"),
+        ('{"top_k": 100, "device_buffer_size": 99}', "device_buffer_size must be >= 100"),
+        ('{"device_buffer_size": "big"}', "device_buffer_size must be an integer"),
+        ('{"host_to_device_ratio": 0}', "host_to_device_ratio must be >= 1"),
+        ('{"host_to_device_ratio": 2.5}', "host_to_device_ratio must be an integer"),
+        ('{"host_to_device_ratio": false}', "host_to_device_ratio must be an integer"),
+    ],
+)
+def test_bad_values_are_one_config_error(source, match):
+    with pytest.raises(ConfigError, match=match) as exc:
+        HiSparseConfig.parse(source, GLM52)
+    assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        dataclasses.replace(GLM52, index_topk=0),
+        dataclasses.replace(GLM52, index_n_heads=0),
+        {k: v for k, v in preset("glm-5.2").items() if k != "index_topk"},
+        {"model_type": "deepseek_v3", "num_hidden_layers": 61},
+    ],
+)
+def test_model_without_indexer(model):
+    with pytest.raises(ConfigError, match="needs a DSA model with an indexer"):
+        HiSparseConfig.parse(None, model)
+
+
+def test_direct_construction_is_checked():
+    with pytest.raises(ConfigError, match="device_buffer_size must be >= 2048"):
+        HiSparseConfig(2048, 1000)
+    with pytest.raises(ConfigError, match="host_to_device_ratio must be >= 1"):
+        HiSparseConfig(8, 16, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        HiSparseConfig(8, 16).top_k = 4  # type: ignore[misc]
+
+
+# --- the planner split ----------------------------------------------------------------------
+
+# Issue 28's table: GLM-5.2, fp8_ds_mla latent (656 B × 78 layers), fp8 index-K (132 B),
+# 21 full layers: r, dense and elided device bytes per device token, elided/dense device
+# tokens, index-K share of device memory dense → elided.
+TABLE = [
+    (1, 61464, 53940, 1.139, 16.8, 5.1),
+    (2, 71760, 56712, 1.265, 28.7, 9.8),
+    (5, 102648, 65028, 1.579, 50.2, 21.3),
+    (10, 154128, 78888, 1.954, 66.8, 35.1),
+]
+
+
+@pytest.mark.parametrize(("r", "dense_b", "elided_b", "ratio", "share_d", "share_e"), TABLE)
+def test_issue_table(r, dense_b, elided_b, ratio, share_d, share_e):
+    h = HiSparseConfig.parse({"host_to_device_ratio": r}, GLM52)
+    layout = _layout()
+    e = plan_hisparse(layout, h, kv_budget_gib=64)
+    d = plan_hisparse(layout.dense(), h, kv_budget_gib=64)
+    assert e.device_bytes_per_device_token == 78 * 656 + 21 * 132 * r == elided_b
+    assert d.device_bytes_per_device_token == 78 * 656 + 78 * 132 * r == dense_b
+    assert round(d.device_bytes_per_device_token / e.device_bytes_per_device_token, 3) == ratio
+    assert round(100 * d.index_k_share, 1) == share_d
+    assert round(100 * e.index_k_share, 1) == share_e
+    # Per logical token, elision saves 57 × 132 = 7,524 B at every ratio.
+    assert d.device_bytes_per_logical_token - e.device_bytes_per_logical_token == pytest.approx(
+        57 * 132
+    )
+    assert e.device_bytes_per_logical_token == pytest.approx(78 * 656 / r + 21 * 132)
+    assert e.host_bytes_per_token == d.host_bytes_per_token == 78 * 656
+
+
+def test_hot_buffers_at_r10_in_64_gib():
+    h = HiSparseConfig.parse('{"host_to_device_ratio": 10}', GLM52)
+    layout = _layout()
+    e = plan_hisparse(layout, h, kv_budget_gib=64)
+    d = plan_hisparse(layout.dense(), h, kv_budget_gib=64)
+    assert e.hot_buffer_slots == d.hot_buffer_slots == 4096 + 64 == 4160
+    assert (d.concurrent_hot_buffers, e.concurrent_hot_buffers) == (107, 209)
+    budget = 64 * 2**30
+    assert e.kv_budget_bytes == budget
+    assert e.device_tokens == budget // 78888 // 64 * 64 == 871040
+    assert d.device_tokens == budget // 154128 // 64 * 64 == 445824
+    assert e.logical_tokens == 10 * e.device_tokens
+    assert e.host_bytes == e.logical_tokens * 78 * 656
+    assert e.device_kv_bytes <= budget < e.device_kv_bytes + 64 * 78888
+    assert e.as_dict()["concurrent_hot_buffers"] == 209 and e.as_dict()["elide_index_k"]
+
+
+def test_split_follows_the_layout():
+    h = HiSparseConfig.parse('{"host_to_device_ratio": 1}', GLM52)
+    # r = 1 with no hot-buffer saving is the plain cell and the plain capacity.
+    for layout in (_layout("fp8_e4m3"), _layout("bf16").dense(), _layout(page_size=16)):
+        s = plan_hisparse(layout, h, kv_budget_gib=10)
+        assert s.device_bytes_per_device_token == layout.bytes_per_token
+        assert s.device_tokens == plan_capacity(layout, kv_budget_gib=10).max_total_num_tokens
+    # Draft layers hold index-K too, so they count in N.
+    h10 = HiSparseConfig(2048, 4096, 10)
+    drafted = plan_hisparse(_layout(draft_layers=1), h10, kv_budget_gib=10)
+    assert drafted.device_bytes_per_device_token == 79 * 656 + 22 * 132 * 10
+    # A GPU-memory budget is the same budget plan_capacity uses.
+    kw = dict(gpu_memory_gib=141, weights_gib=100, reserve_gib=2)
+    assert plan_hisparse(_layout(), h10, **kw).kv_budget_bytes == (
+        plan_capacity(_layout(), **kw).kv_budget_bytes
+    )
+    with pytest.raises(ConfigError, match="no memory left"):
+        plan_hisparse(_layout(), h10, gpu_memory_gib=10, weights_gib=30)
+
+
+# --- dsakv plan --enable-hisparse -------------------------------------------------------------
+
+ACCEPT = ["glm-5.2", "--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 10}']
+
+
+def _run(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "dsakv.cli", "plan", *args], capture_output=True, text=True
+    )
+
+
+def test_acceptance_command_both_latents():
+    proc = _run(*ACCEPT, "--kv-cache-dtype", "fp8_ds_mla")
+    assert proc.returncode == 0, proc.stderr
+    row = next(x for x in proc.stdout.splitlines() if x.startswith("device bytes/device token"))
+    assert row.split()[3:5] == ["154,128", "78,888"]
+    assert "host:device ratio 10" in proc.stdout and "4,160 slots" in proc.stdout
+    assert "66.8%" in proc.stdout and "35.1%" in proc.stdout
+    proc = _run(*ACCEPT)  # default fp8_e4m3 latent, 576 B
+    assert proc.returncode == 0, proc.stderr
+    row = next(x for x in proc.stdout.splitlines() if x.startswith("device bytes/device token"))
+    assert row.split()[3:5] == [f"{78 * 576 + 78 * 1320:,}", f"{78 * 576 + 21 * 1320:,}"]
+    assert row.split()[3:5] == ["147,888", "72,648"]
+
+
+def test_plan_json_and_table(capsys):
+    assert main(["plan", *ACCEPT, "--kv-cache-dtype", "fp8_ds_mla", "--kv-budget-gib", "64"]) == 0
+    out = capsys.readouterr().out
+    hot = next(x for x in out.splitlines() if x.startswith("concurrent hot buffers"))
+    assert hot.split()[3:5] == ["107", "209"]
+    assert main(["plan", *ACCEPT, "--kv-cache-dtype", "fp8_ds_mla", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["hisparse"]
+    assert (r["top_k"], r["device_buffer_size"], r["host_to_device_ratio"]) == (2048, 4096, 10)
+    assert r["elided"]["device_bytes_per_device_token"] == 78888
+    assert r["dense"]["device_bytes_per_device_token"] == 154128
+    assert r["elided"]["host_bytes_per_token"] == 51168
+    assert r["device_tokens_elided_over_dense"] == 1.954
+    # Without the flag the plan is unchanged.
+    assert main(["plan", "glm-5.2", "--json"]) == 0
+    assert "hisparse" not in json.loads(capsys.readouterr().out)
+    assert main(["plan", "glm-5.2", "--enable-hisparse"]) == 0
+    assert "host:device ratio 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--enable-hisparse", "--hisparse-config", "{not json"],
+        ["--enable-hisparse", "--hisparse-config", '{"top_k": 0}'],
+        ["--enable-hisparse", "--hisparse-config", '{"device_buffer_size": 100}'],
+        ["--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 0.5}'],
+        ["--enable-hisparse", "--hisparse-config", '{"bogus": 1}'],
+        ["--hisparse-config", '{"top_k": 2048}'],
+    ],
+)
+def test_bad_hisparse_flags_exit_2(extra):
+    proc = _run("glm-5.2", *extra)
+    assert proc.returncode == 2, proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
