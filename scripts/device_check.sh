@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (issue 17): kernel tests, backend parity, CUDA-graph decode,
-# kernel bandwidth and `dsakv bench --quick`, in one summary + OUT/device_check.json.
-# Runs on the device image's own python3 (no pip, no network): dsakv comes from src/ and
-# any missing pure-Python dependency from the wheels `make wheelhouse` put in .whl/.
-#   scripts/device_check.sh [--dry-run] [--out DIR] [--no-bench]
+# The one prepared GPU run: `dsakv device-check`, eight stages in one command under 9
+# minutes, each in its own process under its own deadline; OUT/device_check.json is
+# rewritten and one line printed after every stage (README: "the device check").
+# Runs on the device image's own python3 (no pip, no network): dsakv comes from src/, the
+# models from .device-models/ (`make device-models` here, then carry it), and any missing
+# pure-Python dependency from the wheels `make wheelhouse` put in .whl/.
+#   scripts/device_check.sh [--dry-run] [--out DIR] [--stages a,b] [--deadline STAGE=S] [--bench]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,4 +16,5 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" -m dsakv.cli device-check "$@"
+export PYTHONUNBUFFERED=1
+exec "$PY" -u -m dsakv.cli device-check "$@"

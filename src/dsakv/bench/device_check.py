@@ -1,253 +1,1158 @@
 """`dsakv device-check`: the one prepared GPU run (scripts/device_check.sh calls it).
 
-What a lent GPU is for, in one pass that fits a few minutes: the CUDA-marked kernel tests,
-greedy tokens of the Triton backend against the torch reference (dense config: equal) and
-of CUDA-graph decode against eager decode, decode tokens/s with and without graphs, each
-kernel's bytes/s against the device's copy bandwidth, and `dsakv bench --quick`. One
-summary on stdout, every figure in `OUT/device_check.json`.
+One command that fits a single 10-minute device call: eight stages in order, each in its
+own child process with its own deadline (`STAGES`), under one overall budget. After every
+stage `OUT/device_check.json` is rewritten and one line is printed (flushed), so a run cut
+short still hands back every figure measured so far. A stage past its deadline is killed
+(after a traceback dump to the log: `faulthandler` on SIGUSR1), recorded as timed out with
+whatever it had saved, and the next stage runs. A stage that crashes the CUDA context
+takes only its own process down.
 
-`--dry-run` runs the same code on the CPU (Triton interpreter, tiny shapes, no bench) so
-the script cannot rot while no GPU is lent; `make test` runs it.
+Files under OUT (`$OUT` when `--out` is not given, else ./device-check-out):
+`device_check.json` (every figure), `device_check.log` (the children's output) and
+`kernel_tests.xml` (pytest's junit report).
+
+Models: the check reads tiny presets from a models folder (`--models DIR`; by default
+`.device-models/` in the checkout when it exists, else a cache folder) and generates a
+missing one there. `--prepare DIR` generates them beforehand on a CPU, so the device run
+carries them (`carry: [".device-models"]`, about 24 MiB) instead of building them there.
+
+`--dry-run` runs every stage's CPU-capable code on the CPU (Triton interpreter, tiny
+shapes, `pytest --collect-only`); CUDA-only parts are skipped with a recorded reason.
+`make test` runs it.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+ROOT = Path(__file__).resolve().parents[3]  # the checkout (src/dsakv/bench/ -> root)
 KERNEL_TESTS = "tests/test_kernels_cuda.py"
+JSON_NAME, LOG_NAME, JUNIT_NAME = "device_check.json", "device_check.log", "kernel_tests.xml"
+MODELS_DIRNAME = ".device-models"
 
 
-def run_device_check(out_dir: str, dry_run: bool = False, bench: bool = True) -> dict[str, Any]:
-    """Every check in turn; a failing check is recorded (and fails the run), not fatal."""
-    device = torch.device("cpu" if dry_run else "cuda")
-    if not dry_run and not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device (use --dry-run on a CPU)")
-    if dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-    out = Path(out_dir)
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    deadline: float  # seconds on the GPU (the dry run uses DRY_DEADLINE)
+    what: str
+
+
+# Deadlines sum to 520 s, under the 525 s budget: one device call of 10 minutes, with the
+# machine's start and the children's imports (~5 s each) inside the margin.
+STAGES: tuple[Stage, ...] = (
+    Stage("env", 20, "torch, triton, GPU, capability, driver; the models folder"),
+    Stage("kernel_launch", 90, "every Triton wrapper once at real-ish shapes (compiles them)"),
+    Stage("moe_capture", 40, "one MoE decode step under sync-debug 'error', graph replay == eager"),
+    Stage("kernel_tests", 150, f"pytest -m cuda {KERNEL_TESTS}, per-test timeout"),
+    Stage("graph_vs_eager", 45, "bf16 greedy tokens, CUDA-graph decode == eager decode"),
+    Stage("triton_vs_torch", 45, "fp32, graphs off: greedy agreement, max logprob difference"),
+    Stage("decode", 75, "decode tokens/s graph / eager / torch at batch 1 and 32"),
+    Stage("kernel_bandwidth", 55, "each kernel's bytes/s against the measured copy bandwidth"),
+)
+BENCH = Stage("bench", 0, "`dsakv bench --quick` (only with --bench, in the time left)")
+BUDGET_S = 525.0
+DRY_DEADLINE = 600.0  # per stage on a CPU (the interpreter on a loaded machine), no budget
+KILL_GRACE_S = 3.0  # after SIGUSR1 (traceback dump), before SIGKILL
+MIN_STAGE_S = 5.0  # a stage with less than this left in the budget is skipped
+
+GPU_PRESET, DRY_PRESET = "glm-bench-short", "glm-tiny"  # 16 layers with 13 MoE / 8 with 7
+# triton vs torch in fp32: pass bounds (see `_stage_triton_vs_torch` and the README)
+MIN_AGREEMENT, DENSE_MAX_LOGPROB_DIFF = 0.9, 1e-3
+MIN_STEPS = 32  # fewer compared steps (the dry run's few) cannot bound an agreement
+PER_TEST_TIMEOUT_S = 60
+
+
+# --- the parent: stages in child processes ------------------------------------------------
+
+
+def default_out() -> str:
+    """`$OUT` (the device machine's returned folder) when set, else ./device-check-out."""
+    return os.environ.get("OUT") or "device-check-out"
+
+
+def default_models_dir(dry_run: bool = False) -> Path:
+    """On the GPU `.device-models/` of the checkout when it exists (prepared and carried);
+    else, and for the dry run, `$DSAKV_CACHE/device-check` (~/.cache/dsakv/device-check)."""
+    carried = ROOT / MODELS_DIRNAME
+    if carried.is_dir() and not dry_run:
+        return carried
+    cache = Path(os.environ.get("DSAKV_CACHE") or Path.home() / ".cache" / "dsakv")
+    return cache / "device-check"
+
+
+def run_device_check(
+    out_dir: str | None = None,
+    dry_run: bool = False,
+    *,
+    models: str | None = None,
+    stages: Iterable[str] | None = None,
+    deadlines: dict[str, float] | None = None,
+    budget: float | None = None,
+    bench: bool = False,
+    on_stage: Callable[[str, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Every stage in order, each in a child process under its deadline; the JSON is
+    rewritten and one line printed after each. `stages` picks a subset (in STAGES order),
+    `deadlines` overrides seconds per stage, `budget` the total (None: BUDGET_S on the GPU,
+    unbounded in the dry run). `on_stage(name, result)` runs after each rewrite."""
+    out = Path(out_dir or default_out())
     out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"env": _env(device), "dry_run": dry_run, "checks": {}}
-    checks: list[tuple[str, Any]] = [
-        ("cuda_tests", lambda: _cuda_tests(dry_run)),
-        ("kernels", lambda: _kernels(device, dry_run)),
-        ("backend_parity", lambda: _parity(device, dry_run)),
-        ("decode", lambda: _decode(device, dry_run)),
-    ]
-    if bench and not dry_run:
-        checks.append(("bench", lambda: _bench(out)))
-    for name, fn in checks:
-        start = time.perf_counter()
-        try:
-            result["checks"][name] = {"ok": True, **fn()}
-        except Exception as e:  # recorded: one broken check must not hide the others
-            result["checks"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        result["checks"][name]["seconds"] = round(time.perf_counter() - start, 2)
-    result["ok"] = all(c["ok"] for c in result["checks"].values())
-    (out / "device_check.json").write_text(json.dumps(result, indent=2))
+    bench = bench or (stages is not None and BENCH.name in stages)
+    plan = list(STAGES + ((BENCH,) if bench else ()))
+    if stages is not None:
+        wanted = set(stages)
+        unknown = wanted - {s.name for s in plan}
+        if unknown:
+            raise ValueError(f"unknown stage(s) {', '.join(sorted(unknown))}")
+        plan = [s for s in plan if s.name in wanted]
+    unknown = set(deadlines or {}) - {s.name for s in STAGES + (BENCH,)}
+    if unknown:
+        raise ValueError(f"deadline for unknown stage(s) {', '.join(sorted(unknown))}")
+    if budget is None and not dry_run:
+        budget = BUDGET_S
+    models_dir = Path(models) if models else default_models_dir(dry_run)
+    t0 = time.time()
+    result: dict[str, Any] = {
+        "dry_run": dry_run,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "budget_s": budget,
+        "models_dir": str(models_dir),
+        "stages": {s.name: {"status": "pending"} for s in plan},
+        "ok": False,
+        "complete": False,
+    }
+    json_path, log_path = out / JSON_NAME, out / LOG_NAME
+    _write_json(json_path, result)
+    log_path.write_text("")
+    print(f"dsakv device check: {len(plan)} stages, out {out}", flush=True)
+    no_cuda = None
+    for i, stage in enumerate(plan, 1):
+        deadline = (deadlines or {}).get(stage.name)
+        if deadline is None:
+            deadline = DRY_DEADLINE if dry_run or stage is BENCH else stage.deadline
+        left = None if budget is None else budget - (time.time() - t0)
+        if no_cuda:
+            rec: dict[str, Any] = {"status": "skipped", "ok": False, "reason": no_cuda}
+        elif left is not None and left < max(MIN_STAGE_S, 60.0 if stage is BENCH else 0):
+            rec = {"status": "skipped", "ok": False, "reason": f"budget spent ({left:.0f} s left)"}
+        else:
+            if left is not None:
+                deadline = min(deadline, left)
+            settings = {
+                "dry_run": dry_run,
+                "out": str(out.resolve()),
+                "models": str(models_dir.resolve()),
+                "deadline_s": deadline,
+            }
+            rec = _run_stage(stage.name, settings, deadline, out, log_path)
+        result["stages"][stage.name] = rec
+        if stage.name == "env" and rec.get("cuda_available") is False and not dry_run:
+            no_cuda = "no CUDA device (the env stage found none; --dry-run runs on a CPU)"
+        result["wall_s"] = round(time.time() - t0, 1)
+        result["ok"] = all(r.get("ok") for r in result["stages"].values())
+        result["complete"] = i == len(plan)
+        _write_json(json_path, result)
+        print(stage_line(i, len(plan), stage.name, rec), flush=True)
+        if on_stage is not None:
+            on_stage(stage.name, result)
     return result
 
 
-def _env(device: torch.device) -> dict[str, Any]:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomically: a run killed mid-write leaves the previous complete file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _run_stage(
+    name: str, settings: dict[str, Any], deadline: float, out: Path, log_path: Path
+) -> dict[str, Any]:
+    """One stage in a child process (its own session, killed with its children at the
+    deadline); its record is what it last saved to its result file."""
+    result_file = out / f".stage-{name}.json"
+    result_file.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "src")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    if settings["dry_run"]:
+        env["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    cmd = [sys.executable, "-u", "-m", "dsakv.bench.device_check", "--stage", name,
+           "--result", str(result_file), "--settings", json.dumps(settings)]  # fmt: skip
+    start = time.time()
+    timed_out = False
+    with open(log_path, "a") as log:
+        log.write(f"\n===== stage {name} (deadline {deadline:.0f} s) =====\n")
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=max(deadline, 0.1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            rc = proc.returncode
+    rec = _read_record(result_file)
+    result_file.unlink(missing_ok=True)
+    for pgid in rec.pop("child_groups", []):  # what the stage started in its own sessions
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    rec["seconds"] = round(time.time() - start, 2)
+    if timed_out:
+        rec.update(
+            status="timed_out",
+            ok=False,
+            error=f"past its deadline of {deadline:.0f} s (killed; see {LOG_NAME})",
+        )
+    elif "ok" not in rec:  # died without a final record: a crash, an abort
+        rec.update(status="error", ok=False)
+        rec.setdefault("error", f"the stage's process exited {rc} without a result")
+        rec["log_tail"] = _tail(log_path, 40)
+    else:
+        rec["status"] = "ok" if rec["ok"] else "failed"
+    return rec
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGUSR1 (the child's faulthandler dumps every thread's stack to the log), then
+    SIGKILL to the child's whole process group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGUSR1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=KILL_GRACE_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _read_record(path: Path) -> dict[str, Any]:
     try:
-        import triton
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+# --- the child: one stage -----------------------------------------------------------------
+
+
+class Record(dict):
+    """A stage's figures; `save()` rewrites its result file, so what a stage measured
+    before it was killed still reaches the JSON."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def save(self) -> None:
+        _write_json(self.path, self)
+
+
+@dataclass
+class Ctx:
+    dry_run: bool
+    out: Path
+    models: Path
+    deadline_at: float
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu" if self.dry_run else "cuda")
+
+    def left(self) -> float:
+        return self.deadline_at - time.time()
+
+
+def _child_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dsakv.bench.device_check")
+    p.add_argument("--stage", required=True, choices=[s.name for s in STAGES + (BENCH,)])
+    p.add_argument("--result", required=True)
+    p.add_argument("--settings", required=True)
+    args = p.parse_args(argv)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's deadline
+    s = json.loads(args.settings)
+    ctx = Ctx(s["dry_run"], Path(s["out"]), Path(s["models"]), time.time() + s["deadline_s"])
+    rec = Record(Path(args.result))
+    rec["status"] = "running"
+    rec.save()
+    try:
+        _STAGE_FNS[args.stage](ctx, rec)
+        rec.setdefault("ok", True)
+    except Exception as e:  # recorded: the parent reports it and runs the next stage
+        rec["ok"] = False
+        rec["error"] = f"{type(e).__name__}: {e}"
+        rec["traceback"] = traceback.format_exc()[-4000:]
+        traceback.print_exc()
+    rec.save()
+    return 0
+
+
+def _try(rec: dict[str, Any], key: str, fn: Callable[[], Any]) -> Any:
+    """`fn()`, or its error recorded under `rec['errors'][key]` (None returned)."""
+    try:
+        return fn()
+    except Exception as e:
+        rec.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"[:2000]
+        traceback.print_exc()
+        return None
+
+
+def _sync(device) -> None:
+    import torch
+
     if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-    return env
+        torch.cuda.synchronize(device)
 
 
-def _cuda_tests(dry_run: bool) -> dict[str, Any]:
-    """`pytest -m cuda`: every kernel against the torch reference on real shapes."""
-    root = Path(__file__).resolve().parents[3]
-    if not (root / KERNEL_TESTS).is_file():
-        raise FileNotFoundError(f"{KERNEL_TESTS} not found under {root} (run from a checkout)")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        "cuda",
-        KERNEL_TESTS,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-    ]
-    if dry_run:
-        cmd.append("--collect-only")
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
-    tail = proc.stdout.strip().splitlines()[-1:] or [proc.stderr.strip()[-300:]]
-    counts = {
-        k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|selected)", tail[0])
-    }
-    if proc.returncode not in (0, 5) or counts.get("failed") or counts.get("error"):
-        raise RuntimeError(f"pytest -m cuda: {tail[0]}\n{proc.stdout[-3000:]}")
-    if not dry_run and not counts.get("passed"):
-        raise RuntimeError(f"pytest -m cuda ran no test: {tail[0]}")
-    return {"summary": tail[0], **counts}
+# --- models -------------------------------------------------------------------------------
 
 
-def _kernels(device: torch.device, dry_run: bool) -> dict[str, Any]:
-    """Each kernel's achieved bytes/s, and its ratio to the measured copy bandwidth."""
-    from dsakv.kernels.triton_bench import bench_kernels
+def prepare_models(models_dir: str | Path, dry_run: bool = False) -> list[dict[str, Any]]:
+    """Generate (on any CPU) the models the check uses into `models_dir`, for the device
+    run to carry: the GPU preset, plus the dry run's with `dry_run`."""
+    presets = [GPU_PRESET] + ([DRY_PRESET] if dry_run else [])
+    rows = []
+    for preset in presets:
+        start = time.perf_counter()
+        path, made = ensure_model(Path(models_dir), preset)
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        rows.append({"preset": preset, "path": str(path), "generated": made,
+                     "MiB": round(size / 2**20, 1), "seconds": round(time.perf_counter() - start, 1)})  # fmt: skip
+    return rows
 
-    return {"kernels": bench_kernels(device, dry_run=dry_run)}
+
+def ensure_model(models_dir: Path, preset: str) -> tuple[Path, bool]:
+    """`models_dir/preset` (config, weights, tokenizer; no MTP layer), generated when
+    absent: (path, whether it was generated now)."""
+    path = models_dir / preset
+    if (path / ".complete").is_file():
+        return path, False
+    import shutil
+
+    import torch
+
+    from dsakv.models.tiny import write_tiny_model
+
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = models_dir / f".{preset}.tmp{os.getpid()}"
+    dtype = torch.bfloat16 if preset.startswith("glm-bench") else torch.float32
+    write_tiny_model(tmp, preset, seed=0, dtype=dtype, mtp="none")
+    (tmp / ".complete").write_text(json.dumps({"preset": preset, "seed": 0, "mtp": "none"}))
+    if path.exists():  # a concurrent writer won, or a broken earlier try
+        shutil.rmtree(path if not (path / ".complete").is_file() else tmp, ignore_errors=True)
+    if not path.exists():
+        tmp.rename(path)
+    return path, True
 
 
-def _engine(model: str, device: torch.device, **kw: Any):
+def _model(ctx: Ctx) -> str:
+    return str(ensure_model(ctx.models, DRY_PRESET if ctx.dry_run else GPU_PRESET)[0])
+
+
+def _engine(ctx: Ctx, **kw: Any):
     from dsakv.engine import EngineConfig
     from dsakv.engine.engine import Engine
 
-    return Engine(EngineConfig(model=model, device=str(device), max_model_len=512, **kw))
+    # The dry run's padded decode scores a whole width bucket (256+ at 512): short there.
+    if ctx.dry_run:
+        kw = {"max_model_len": 64, "kv_budget_gib": 1 / 16, **kw}
+    # At most 32 requests: the graph buckets captured at start-up stop at 32.
+    kw = {"max_model_len": 512, "max_running_requests": 32, **kw}
+    return Engine(EngineConfig(model=_model(ctx), device=str(ctx.device), **kw))
 
 
-def _greedy(engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+def _close(engine) -> None:
+    import torch
+
+    with contextlib.suppress(Exception):
+        engine.close()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _decode_graphs(engine):
+    """The engine's padded-decode graphs object (None when decode runs unpadded)."""
+    return getattr(getattr(engine, "runner", None), "decode_graphs", None)
+
+
+def _captured(engine) -> list[int] | None:
+    """Batch buckets with a captured decode graph ([] without graphs; None: the engine
+    does not say)."""
+    graphs = _decode_graphs(engine)
+    if graphs is None:
+        return []
+    held = getattr(graphs, "graphs", None)
+    return None if held is None else sorted(held)
+
+
+def _graph_blocker(engine) -> str | None:
+    fn = getattr(engine.backend, "graph_blocker", None)
+    if fn is None:
+        return None
+    moe = engine.model_config.n_routed_experts > 0
+    with contextlib.suppress(Exception):
+        return fn(engine.model.dtype, engine.device, moe)
+    return None
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
+
+
+def _generate(engine, prompts: list[list[int]], tokens: int, logprobs: int | None = None):
     from dsakv.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     reqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
-    return [list(r.output_ids) for r in reqs]
+    return reqs
 
 
-def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 250, (n, length), generator=g).tolist()
+# --- stages -------------------------------------------------------------------------------
 
 
-def _model(dry_run: bool) -> str:
-    from dsakv.models.tiny import resolve_model_dir
+def _stage_env(ctx: Ctx, rec: Record) -> None:
+    import importlib.metadata as md
+    import importlib.util
 
-    return resolve_model_dir("glm-tiny" if dry_run else "glm-bench")
+    import torch
+
+    rec.update(python=platform.python_version(), torch=torch.__version__,
+               torch_cuda=torch.version.cuda, device=str(ctx.device))  # fmt: skip
+    for pkg in ("triton", "transformers", "pytest"):
+        try:
+            rec[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            rec[pkg] = None
+    rec["pytest_timeout"] = importlib.util.find_spec("pytest_timeout") is not None
+    rec["cuda_available"] = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        rec.update(gpu=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                   memory_gib=round(p.total_memory / 2**30, 1))  # fmt: skip
+    rec["driver"] = _nvidia_smi("driver_version")
+    rec.save()
+    if not ctx.dry_run and not rec["cuda_available"]:
+        rec["ok"] = False
+        rec["error"] = "torch sees no CUDA device"
+        return
+    start = time.perf_counter()
+    path, made = ensure_model(ctx.models, DRY_PRESET if ctx.dry_run else GPU_PRESET)
+    rec["model"] = {"path": str(path), "generated_here": made,
+                    "seconds": round(time.perf_counter() - start, 2)}  # fmt: skip
+    rec["ok"] = True
 
 
-def _parity(device: torch.device, dry_run: bool) -> dict[str, Any]:
-    """Greedy tokens: triton vs torch, and CUDA-graph vs eager decode (prompts shorter than
-    index_topk: every position is selected, so the backends must agree exactly)."""
-    model = _model(dry_run)
-    n, length, new = (2, 6, 3) if dry_run else (8, 32, 32)
-    prompts = _prompts(n, length)
-    runs = {
-        "torch": dict(attention_backend="torch"),
-        "triton": dict(attention_backend="triton"),
-        "triton_eager": dict(attention_backend="triton", disable_cuda_graph=True),
+def _nvidia_smi(field: str) -> str | None:
+    try:
+        proc = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=15)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout else None
+
+
+def _launch_cases(dry: bool, device) -> list[tuple[str, Callable[[], Any]]]:
+    """(name, zero-argument launch) for every Triton wrapper, at real-ish shapes (tiny in
+    the dry run). Inputs are built lazily inside each launch so one bad case stays alone."""
+    import torch
+
+    from dsakv.kernels import triton_fp8, triton_indexer, triton_mla, triton_rows, triton_store
+    from dsakv.kernels.triton_bench import KV_LORA, ROPE, _index_pages, _latent_cache
+
+    g = torch.Generator(device=device).manual_seed(0)
+    ctx, topk = (256, 32) if dry else (8192, 2048)
+    b, heads = (2, 4) if dry else (4, 64)
+    e, length = (8, 64) if dry else (64, 4096)
+    hi, ps = (2, 64) if dry else (32, 64)
+    n = 16 if dry else 4096
+    dim = KV_LORA + ROPE
+
+    def decode(kind: str, h: int, q_dtype=torch.bfloat16):
+        def run():
+            cache = _latent_cache(kind, ctx, device)
+            q = torch.randn(b, h, dim, device=device, generator=g).to(q_dtype)
+            slots = torch.stack(
+                [torch.randperm(ctx, device=device, generator=g)[:topk] for _ in range(b)]
+            ).to(torch.int32)
+            slots[:, -1] = -1  # one invalid slot per query
+            return triton_mla.sparse_mla_decode(q, cache, kind, slots, dim**-0.5, KV_LORA, ROPE)
+
+        return run
+
+    def extend(kind: str, dense: bool):
+        def run():
+            cache = _latent_cache(kind, length, device)
+            q = torch.randn(e, heads, dim, device=device, generator=g).to(torch.bfloat16)
+            ctx_slots = torch.randperm(length, device=device, generator=g).to(torch.int32)
+            q_pos = torch.arange(length - e, length, device=device, dtype=torch.int32)
+            k = min(topk, length - e)
+            pos = None if dense else torch.stack(
+                [torch.randperm(length - e, device=device, generator=g)[:k] for _ in range(e)]
+            ).to(torch.int32)  # fmt: skip
+            return triton_mla.sparse_mla_extend(
+                q, cache, kind, ctx_slots, q_pos, pos, dim**-0.5, KV_LORA, ROPE
+            )
+
+        return run
+
+    def paged(h: int):
+        def run():
+            kp, table = _index_pages(ctx, b, ps, device)
+            lens = torch.full((b,), ctx - 5, dtype=torch.int32, device=device)
+            q = torch.randn(b, h, 128, device=device, generator=g).to(torch.bfloat16)
+            w = torch.randn(b, h, device=device, generator=g)
+            return triton_indexer.index_logits_paged(q, w, kp, table, lens, ps, ctx)
+
+        return run
+
+    def logits_extend():
+        kp, table = _index_pages(length, 1, ps, device)
+        slots = (table[0].long()[:, None] * ps + torch.arange(ps, device=device)).flatten()
+        q = torch.randn(e, hi, 128, device=device, generator=g).to(torch.bfloat16)
+        w = torch.randn(e, hi, device=device, generator=g)
+        q_pos = torch.arange(length - e, length, device=device, dtype=torch.int32)
+        return triton_indexer.index_logits_extend(q, w, kp, slots, q_pos, ps)
+
+    def rows(d: int):
+        return torch.randn(n, d, device=device, generator=g)
+
+    def dst_slots():
+        s = torch.randperm(2 * n, device=device, generator=g)[:n]
+        s[0] = -1  # skipped
+        return s
+
+    def store_ds():
+        cache = torch.zeros(2 * n, 656, dtype=torch.uint8, device=device)
+        triton_store.store_latent_ds_mla(rows(dim), cache, dst_slots(), KV_LORA, ROPE)
+        return cache
+
+    def store_e4m3():
+        cache = torch.zeros(2 * n, dim, dtype=torch.uint8, device=device)
+        triton_store.store_latent_fp8_e4m3(rows(dim).to(torch.bfloat16), cache, dst_slots())
+        return cache
+
+    def store_ik():
+        kp = torch.zeros(2 * n // ps + 1, ps * 132, dtype=torch.uint8, device=device)
+        triton_store.store_index_k_fp8(rows(128), kp, dst_slots(), ps)
+        return kp
+
+    def store_rows(dtype):
+        def run():
+            data = torch.zeros(2 * n, dim, dtype=dtype, device=device)
+            triton_rows.store_rows(rows(dim), data, dst_slots())
+            return data
+
+        return run
+
+    x = lambda: torch.randn(n * 64, device=device, generator=g)
+    return [
+        ("sparse_mla_decode[fp8_ds_mla,H64]", decode("fp8_ds_mla", heads)),
+        # (the interpreter takes ~2 s a decode: the dry run leaves these two out)
+        *(
+            []
+            if dry
+            else [
+                ("sparse_mla_decode[fp8_ds_mla,H128]", decode("fp8_ds_mla", 2 * heads)),
+                (
+                    "sparse_mla_decode[fp8_ds_mla,q_fp32]",
+                    decode("fp8_ds_mla", heads, torch.float32),
+                ),
+            ]
+        ),  # fmt: skip
+        ("sparse_mla_decode[fp8_e4m3]", decode("fp8_e4m3", heads)),
+        ("sparse_mla_decode[bf16]", decode("bf16", heads)),
+        ("sparse_mla_decode[fp32]", decode("fp32", heads, torch.float32)),
+        ("sparse_mla_extend[fp8_ds_mla,topk]", extend("fp8_ds_mla", dense=False)),
+        ("sparse_mla_extend[fp8_ds_mla,dense]", extend("fp8_ds_mla", dense=True)),
+        ("sparse_mla_extend[bf16,topk]", extend("bf16", dense=False)),
+        ("index_logits_paged[Hi32]" if not dry else "index_logits_paged", paged(hi)),
+        *([] if dry else [("index_logits_paged[Hi64]", paged(2 * hi))]),
+        ("index_logits_extend", logits_extend),
+        ("store_latent_ds_mla", store_ds),
+        ("store_latent_fp8_e4m3", store_e4m3),
+        ("store_index_k_fp8", store_ik),
+        ("store_rows[bf16]", store_rows(torch.bfloat16)),
+        ("store_rows[fp32]", store_rows(torch.float32)),
+        ("encode_e4m3", lambda: triton_fp8.encode_e4m3(x())),
+        ("decode_e4m3", lambda: triton_fp8.decode_e4m3(triton_fp8.encode_e4m3(x()))),
+        ("round_bf16", lambda: triton_fp8.round_bf16(x())),
+        ("pow2_scale", lambda: triton_fp8.pow2_scale(x().abs())),
+    ]
+
+
+def _stage_kernel_launch(ctx: Ctx, rec: Record) -> None:
+    """Each Triton wrapper once (first call: compile + run), synchronised, then a second
+    timed call; NaN outputs count as errors. Per kernel: ok / error."""
+    import torch
+
+    device = ctx.device
+    kernels: dict[str, dict[str, Any]] = {}
+    rec["kernels"] = kernels
+    for name, fn in _launch_cases(ctx.dry_run, device):
+        if ctx.left() < 2:
+            kernels[name] = {"ok": False, "error": "stage deadline reached before this launch"}
+            continue
+        row: dict[str, Any] = {}
+        try:
+            start = time.perf_counter()
+            out = fn()
+            _sync(device)
+            row["first_s"] = round(time.perf_counter() - start, 3)  # with compile
+            if not ctx.dry_run:
+                start = time.perf_counter()
+                out = fn()
+                _sync(device)
+                row["second_s"] = round(time.perf_counter() - start, 4)  # inputs too
+            is_float = isinstance(out, torch.Tensor) and out.is_floating_point()
+            if is_float and torch.isnan(out).any():
+                raise ValueError("NaN in the output")
+            row["ok"] = True
+        except Exception as e:
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:1000])
+            traceback.print_exc()
+        kernels[name] = row
+        rec.save()
+    failed = [k for k, r in kernels.items() if not r["ok"]]
+    rec["launched"], rec["failed"] = len(kernels) - len(failed), failed
+    rec["ok"] = not failed
+
+
+def _stage_moe_capture(ctx: Ctx, rec: Record) -> None:
+    """The model's first MoE layer (the engine's backend, bf16 on CUDA) at decode batch
+    sizes: eager twice (bit-equal), then on CUDA an eager call under
+    `torch.cuda.set_sync_debug_mode("error")`, a CUDA-graph capture with that mode on
+    inside the capture, and a replay on new inputs == eager on them, bit for bit."""
+    import torch
+
+    dry = ctx.dry_run
+    engine = _engine(ctx, attention_backend="triton", **({} if dry else {"dtype": "bfloat16"}))
+    try:
+        layers = engine.model.model.layers
+        idx, moe = next((i, la.mlp) for i, la in enumerate(layers) if hasattr(la.mlp, "experts"))
+        rec["layer"] = idx
+        rec["experts_op"] = type(moe.experts.ops).__name__
+        rec["dtype"] = str(engine.model.dtype)
+        if dry:
+            rec["capture"] = "skipped: CUDA graphs and sync-debug mode need a CUDA device"
+        hidden = engine.model_config.hidden_size
+        cases: dict[str, dict[str, Any]] = {}
+        rec["batches"] = cases
+        for b in (1, 2) if dry else (1, 32):
+            row: dict[str, Any] = {}
+            cases[f"batch_{b}"] = row
+            g = torch.Generator(device=ctx.device).manual_seed(b)
+            x, x2 = (torch.randn(b, hidden, device=ctx.device, generator=g).to(engine.model.dtype)
+                     for _ in range(2))  # fmt: skip
+            with torch.inference_mode():
+                ref = moe(x2).clone()
+                row["eager_deterministic"] = bool(torch.equal(moe(x2), ref))
+                if not dry:
+                    _moe_graph(moe, x, x2, ref, row)
+            rec.save()
+        bad = [k for k, r in cases.items() if not _moe_ok(r, dry)]
+        rec["ok"] = not bad
+        if bad:
+            rec["error"] = f"failed at {', '.join(bad)}: " + "; ".join(
+                cases[k].get("error", "not bit-equal") for k in bad
+            )
+    finally:
+        _close(engine)
+
+
+def _moe_ok(row: dict[str, Any], dry: bool) -> bool:
+    checks = ("eager_deterministic",) if dry else (
+        "eager_deterministic", "sync_free", "captured", "replay_equals_eager")  # fmt: skip
+    return all(row.get(k) is True for k in checks)
+
+
+def _moe_graph(moe, x, x2, ref, row: dict[str, Any]) -> None:
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe(x)  # warm-up off the capture stream (allocator, kernels)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            moe(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        row["sync_free"] = True
+    except Exception as e:
+        row["sync_free"] = False
+        row["error"] = f"eager step syncs with the host: {type(e).__name__}: {e}"[:1500]
+        return
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                static_out = moe(static_x)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        row["captured"] = True
+    except Exception as e:
+        row["captured"] = False
+        row["error"] = f"capture failed: {type(e).__name__}: {e}"[:1500]
+        return
+    static_x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    row["replay_equals_eager"] = bool(torch.equal(static_out, ref))
+    if not row["replay_equals_eager"]:
+        row["max_abs_diff"] = float((static_out.float() - ref.float()).abs().max())
+
+
+def _stage_kernel_tests(ctx: Ctx, rec: Record) -> None:
+    """`pytest -m cuda` on the kernel tests (the dry run: collection only), junit XML to
+    OUT; a per-test timeout (pytest-timeout when installed, else pytest's own
+    `faulthandler_timeout` dump) and the stage's own cut, short of its deadline."""
+    import importlib.util
+
+    if not (ROOT / KERNEL_TESTS).is_file():
+        raise FileNotFoundError(f"{KERNEL_TESTS} not found under {ROOT} (run from a checkout)")
+    junit = ctx.out / JUNIT_NAME
+    junit.unlink(missing_ok=True)
+    cmd = [sys.executable, "-u", "-m", "pytest", "-m", "cuda", KERNEL_TESTS, "-v", "-v", "-rfE",
+           "-p", "no:cacheprovider", f"--junitxml={junit}",
+           # the kernel_bandwidth stage times the kernels
+           "--deselect", f"{KERNEL_TESTS}::test_bench_runs_on_device"]  # fmt: skip
+    if importlib.util.find_spec("pytest_timeout") is not None:  # fails the test, goes on
+        cmd += [f"--timeout={PER_TEST_TIMEOUT_S}", "--timeout-method=signal"]
+        rec["per_test_timeout"] = f"pytest-timeout {PER_TEST_TIMEOUT_S} s"
+    else:  # pytest's own: dumps the stacks of a test past it (the stage's cut ends it)
+        cmd += ["-o", f"faulthandler_timeout={PER_TEST_TIMEOUT_S}"]
+        rec["per_test_timeout"] = f"faulthandler_timeout {PER_TEST_TIMEOUT_S} s (dump only)"
+    if ctx.dry_run:
+        cmd.append("--collect-only")
+        rec["skip_reason"] = "dry run: collection only (the tests need a CUDA device)"
+    rc, lines = _run_streaming(cmd, timeout=max(ctx.left() - 8, 1), rec=rec)
+    rec["cut"] = rc is None
+    counts = _junit_counts(junit) if junit.is_file() else None
+    if counts is None:  # cut before pytest wrote its report: count the -v lines
+        counts = _verbose_counts(lines)
+    rec.update(counts)
+    summary = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|failed|error|selected|tests? collected)", ln)), "")  # fmt: skip
+    rec["summary"] = summary.strip("= ").strip() or (lines[-1] if lines else "")
+    rec["failures"] = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))][:40]
+    rec["junit"] = str(junit) if junit.is_file() else None
+    if rec["cut"]:
+        rec["ok"] = False
+        rec["error"] = f"pytest cut at the stage's deadline after {counts.get('passed', 0)} passed"
+    elif rc not in (0, 5) or counts.get("failed") or counts.get("errors"):
+        rec["ok"] = False
+        rec["error"] = f"pytest -m cuda exited {rc}: {rec['summary']}"
+    elif not ctx.dry_run and not counts.get("passed"):
+        rec["ok"] = False
+        rec["error"] = f"pytest -m cuda ran no test: {rec['summary']}"
+    else:
+        rec["ok"] = True
+
+
+def _run_streaming(
+    cmd: list[str], timeout: float, rec: Record | None = None
+) -> tuple[int | None, list[str]]:
+    """Run `cmd` (its own process group), echoing each line to our stdout (the log) and
+    keeping them; past `timeout` kill its group: (None, lines so far). The group is saved
+    in `rec` (`child_groups`) so the parent kills it too if this stage itself is killed."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", start_new_session=True)  # fmt: skip
+    if rec is not None:
+        rec.setdefault("child_groups", []).append(proc.pid)
+        rec.save()
+    lines: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            lines.append(line.rstrip("\n"))
+        sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        rc = None
+    reader.join(timeout=5)
+    return rc, lines
+
+
+def _junit_counts(path: Path) -> dict[str, int] | None:
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        return None
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    tot = {
+        k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")
     }
-    tokens = {
-        name: _greedy(_engine(model, device, **kw), prompts, new) for name, kw in runs.items()
-    }
-    out = {
-        "model": Path(model).name,
-        "requests": n,
-        "new_tokens": new,
-        "triton_equals_torch": tokens["triton_eager"] == tokens["torch"],
-        "graph_equals_eager": tokens["triton"] == tokens["triton_eager"],
-    }
-    if not (out["triton_equals_torch"] and out["graph_equals_eager"]):
-        raise AssertionError(f"greedy tokens differ: {out}")
+    return {"tests": tot["tests"], "failed": tot["failures"], "errors": tot["errors"],
+            "skipped": tot["skipped"],
+            "passed": tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]}  # fmt: skip
+
+
+def _verbose_counts(lines: list[str]) -> dict[str, int]:
+    out = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
+    for ln in lines:
+        m = re.match(r"\S+::\S+ (PASSED|FAILED|ERROR|SKIPPED)", ln)
+        if m:
+            out[{"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}[m.group(1)]] += 1  # fmt: skip
+    out["tests"] = sum(out.values())
     return out
 
 
-def _decode(device: torch.device, dry_run: bool) -> dict[str, Any]:
-    """Decode tokens/s at batch 1 and 32 (dry run: 1 and 2): graphs vs eager, and torch."""
-    model = _model(dry_run)
-    batches, new = ((1, 2), 2) if dry_run else ((1, 32), 64)
+def _parity_prompts(dry: bool) -> tuple[list[list[int]], list[list[int]], int]:
+    """(dense, sparse, new tokens): dense prompts stay within the preset's index_topk (16 /
+    256) with their new tokens, so every position is selected; sparse ones run past it, so
+    the indexer selects. Lengths unequal within each set."""
+    if dry:
+        return _prompts([4, 6], seed=3), _prompts([17, 19], seed=4), 2
+    dense = _prompts([96 + 16 * i for i in range(8)], seed=3)  # 96..208, + 32 <= 256
+    return dense, _prompts([264 + 7 * i for i in range(8)], seed=4), 32
+
+
+def _stage_graph_vs_eager(ctx: Ctx, rec: Record) -> None:
+    """bf16, triton: decode captured in CUDA graphs vs the same padded steps eager. Same
+    kernels on the same padded batch: the greedy tokens must be equal."""
+    dry = ctx.dry_run
+    dense, sparse, new = _parity_prompts(dry)
+    prompts = dense[:1] + sparse[:1] if dry else dense + sparse
+    rec.update(requests=len(prompts), prompt_lens=[len(p) for p in prompts], new_tokens=new)
+    kw = {} if dry else {"dtype": "bfloat16"}
+    tokens = {}
+    for name, extra in (("graph", {}), ("eager", {"disable_cuda_graph": True})):
+        engine = _engine(ctx, attention_backend="triton", **kw, **extra)
+        try:
+            graphs = _decode_graphs(engine)
+            rec[f"{name}_padded"] = graphs is not None
+            if graphs is None:
+                rec["graph_blocker"] = _graph_blocker(engine)
+            tokens[name] = [list(r.output_ids) for r in _generate(engine, prompts, new)]
+            if name == "graph":
+                rec["graphs_captured"] = _captured(engine)
+                rec["capture_s"] = getattr(graphs, "capture_seconds", None)
+        finally:
+            _close(engine)
+        rec.save()
+    diff = [(i, j) for i, (a, b) in enumerate(zip(tokens["graph"], tokens["eager"]))
+            for j, (x, y) in enumerate(zip(a, b)) if x != y]  # fmt: skip
+    rec["equal"] = tokens["graph"] == tokens["eager"]
+    rec["differing_positions"] = len(diff)
+    rec["first_difference"] = diff[0] if diff else None
+    if dry:
+        rec["skip_reason"] = "no CUDA graphs on a CPU: both runs are padded eager steps"
+    problems = []
+    if not rec["equal"]:
+        problems.append(f"greedy tokens differ at {len(diff)} positions (first {diff[0]})")
+    if not dry and rec["graphs_captured"] is not None and not rec["graphs_captured"]:
+        problems.append(f"no decode graph was captured (blocker: {rec.get('graph_blocker')})")
+    rec["ok"] = not problems
+    if problems:
+        rec["error"] = "; ".join(problems)
+
+
+def _stage_triton_vs_torch(ctx: Ctx, rec: Record) -> None:
+    """fp32, graphs off: the Triton backend against the torch reference, which differ in
+    numerics (tf32x3 dots, bf16 indexer queries over the fp8 keys, another MoE sum order).
+    A near-tie may flip one argmax, after which the request continues from another token:
+    agreement counts the steps with the same history (each request up to its first
+    difference). Dense prompts select every position in both runs, so their logprobs must
+    agree closely; past index_topk a near-tie in the indexer may select another row (on
+    glm-tiny: 0.21 nats on one step, 1e-6 without selection), so there only the agreement
+    is bounded and the logprob differences are reported."""
+    dense, sparse, new = _parity_prompts(ctx.dry_run)
+    rec.update(requests={"dense": len(dense), "sparse": len(sparse)}, new_tokens=new,
+               bounds={"min_agreement": MIN_AGREEMENT,
+                       "dense_max_logprob_diff": DENSE_MAX_LOGPROB_DIFF})  # fmt: skip
+    runs = {}
+    for name in ("torch", "triton"):
+        engine = _engine(ctx, attention_backend=name, dtype="float32", disable_cuda_graph=True)
+        try:
+            reqs = _generate(engine, dense + sparse, new, logprobs=20)
+            runs[name] = [(list(r.output_ids), list(r.top_logprobs)) for r in reqs]
+        finally:
+            _close(engine)
+        rec.save()
+    n = len(dense)
+    d = rec["dense"] = _agreement(runs["torch"][:n], runs["triton"][:n])
+    sp = rec["sparse"] = _agreement(runs["torch"][n:], runs["triton"][n:])
+    problems = []
+    for k, r in (("dense", d), ("sparse", sp)):
+        if r["steps_compared"] < MIN_STEPS:
+            r["agreement_bound"] = f"not applied: {r['steps_compared']} steps < {MIN_STEPS}"
+        elif r["agreement"] < MIN_AGREEMENT:
+            problems.append(f"{k} agreement {r['agreement']:.3f} < {MIN_AGREEMENT}")
+    if d["max_logprob_diff"] > DENSE_MAX_LOGPROB_DIFF:
+        problems.append(
+            f"dense max logprob diff {d['max_logprob_diff']:.3g} > {DENSE_MAX_LOGPROB_DIFF}"
+        )
+    rec["ok"] = not problems
+    if problems:
+        rec["error"] = "; ".join(problems)
+
+
+def _agreement(ref, got) -> dict[str, Any]:
+    compared = matched = same_pos = total = 0
+    diffs: list[float] = []
+    first_div = []
+    for (rt, rl), (gt, gl) in zip(ref, got):
+        total += len(rt)
+        same_pos += sum(a == b for a, b in zip(rt, gt))
+        div = next((i for i, (a, b) in enumerate(zip(rt, gt)) if a != b), None)
+        first_div.append(div)
+        upto = len(rt) if div is None else div + 1
+        compared += upto
+        matched += upto if div is None else div
+        for i in range(min(upto, len(rl), len(gl))):
+            a, b = dict(rl[i]), dict(gl[i])
+            diffs += [abs(a[t] - b[t]) for t in a.keys() & b.keys()]
+    return {
+        "agreement": matched / max(compared, 1),
+        "steps_compared": compared,
+        "positionwise_agreement": same_pos / max(total, 1),
+        "first_difference": first_div,
+        "max_logprob_diff": max(diffs, default=0.0),
+        "mean_logprob_diff": sum(diffs) / max(len(diffs), 1),
+    }
+
+
+def _stage_decode(ctx: Ctx, rec: Record) -> None:
+    """Decode tokens/s per variant and batch. Each batch size first runs a few untimed
+    steps of the same batch size (which captures its graph bucket), so no capture falls in
+    the timed loop; `captured_while_timing` says whether one did anyway. Each variant in
+    its own try: one failure keeps the others' figures."""
+    dry = ctx.dry_run
+    # dry run: the interpreter takes seconds a step; warm-up = the prefill alone
+    batches, new, warm = ((1, 2), 2, 1) if dry else ((1, 32), 64, 4)
     variants = {
         "graph": dict(attention_backend="triton"),
         "eager": dict(attention_backend="triton", disable_cuda_graph=True),
         "torch": dict(attention_backend="torch"),
     }
-    if dry_run:  # no graphs on a CPU: "graph" would be the eager run again
-        del variants["graph"]
-    from dsakv.engine import SamplingParams
-
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     rates: dict[str, dict[str, float]] = {}
+    rec.update(tokens_per_s=rates, new_tokens=new, batches=list(batches), skipped={},
+               captured_while_timing={})  # fmt: skip
+    if dry:
+        del variants["graph"]
+        rec["skipped"]["graph"] = "no CUDA graphs on a CPU"
     for name, kw in variants.items():
-        engine = _engine(model, device, **kw)
-        _greedy(engine, _prompts(max(batches), 16, seed=1), 2)  # warm-up, graph capture
+        if ctx.left() < 5:
+            rec["skipped"][name] = "stage deadline reached"
+            continue
+        _try(rec, name, lambda n=name, k=kw: _decode_variant(ctx, rec, n, k, batches, new, warm))
+        rec.save()
+    eager = rates.get("eager", {})
+    rec["graph_over_eager"] = {
+        b: r / eager[b] for b, r in rates.get("graph", {}).items() if b in eager
+    }
+    want = {(v, f"batch_{b}") for v in variants for b in batches}
+    have = {(v, b) for v, d in rates.items() for b in d}
+    problems = [f"{v}: {e}" for v, e in rec.get("errors", {}).items()]
+    problems += [
+        f"{v} {b} missing" for v, b in sorted(want - have) if v not in rec.get("errors", {})
+    ]
+    problems += [
+        f"{k}: a graph was captured while timing"
+        for k, n in rec["captured_while_timing"].items()
+        if n
+    ]
+    rec["ok"] = not problems
+    if problems:
+        rec["error"] = "; ".join(problems)
+
+
+def _decode_variant(ctx, rec, name, kw, batches, new, warm) -> None:
+    device = ctx.device
+    plen = 4 if ctx.dry_run else 16  # the interpreter's prefill: ~0.3 s a token
+    engine = _engine(ctx, **kw)
+    try:
+        if name == "graph":
+            graphs = _decode_graphs(engine)
+            if graphs is None:
+                raise RuntimeError(f"decode runs unpadded, no graphs: {_graph_blocker(engine)}")
+            rec["graph_capture_s"] = getattr(graphs, "capture_seconds", None)
         for b in batches:
-            prompts = _prompts(b, 16, seed=2 + b)
-            reqs = [engine.add_request(p, params) for p in prompts]
+            _generate(engine, _prompts([plen] * b, seed=100 + b), warm)  # untimed: bucket b
+            held = _captured(engine)
+            before = None if held is None else len(held)
+            from dsakv.engine import SamplingParams
+
+            params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+            reqs = [engine.add_request(p, params) for p in _prompts([plen] * b, seed=200 + b)]
             engine.step()  # the prefill (and first token) is not decode
             _sync(device)
             start = time.perf_counter()
             while engine.has_unfinished():
                 engine.step()
             _sync(device)
+            seconds = time.perf_counter() - start
             decoded = sum(len(r.output_ids) - 1 for r in reqs)
-            rates.setdefault(name, {})[f"batch_{b}"] = decoded / (time.perf_counter() - start)
-    graph = rates.get("graph", {})
-    speedup = {b: r / rates["eager"][b] for b, r in graph.items()}
-    return {"tokens_per_s": rates, "graph_over_eager": speedup}
+            rec["tokens_per_s"].setdefault(name, {})[f"batch_{b}"] = decoded / seconds
+            after = _captured(engine)
+            if before is not None and after is not None:
+                rec["captured_while_timing"][f"{name}_batch_{b}"] = len(after) - before
+            rec.save()
+    finally:
+        _close(engine)
 
 
-def _bench(out: Path) -> dict[str, Any]:
-    path = out / "bench.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "dsakv.cli",
-        "bench",
-        "--quick",
-        "--device",
-        "cuda",
-        "--json",
-        str(path),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-    if proc.returncode != 0:
-        raise RuntimeError(f"dsakv bench exited {proc.returncode}: {proc.stderr[-2000:]}")
+def _stage_kernel_bandwidth(ctx: Ctx, rec: Record) -> None:
+    """`triton_bench.bench_kernels`: each kernel's bytes/s and its ratio to the measured
+    copy bandwidth (a torch clone, read + write)."""
+    from dsakv.kernels.triton_bench import bench_kernels
+
+    kw = {} if ctx.dry_run else {"warmup": 2, "iters": 10}
+    rows = bench_kernels(ctx.device, dry_run=ctx.dry_run, **kw)
+    rec["kernels"] = rows
+    copy = next((r for r in rows if r["kernel"].startswith("copy")), None)
+    rec["copy_bytes_per_s"] = copy["bytes_per_s"] if copy else None
+    rec["ok"] = all(r["bytes_per_s"] > 0 for r in rows)
+
+
+def _stage_bench(ctx: Ctx, rec: Record) -> None:
+    """`dsakv bench --quick --device cuda`, cut a little before the stage's deadline."""
+    path = ctx.out / "bench.json"
+    cmd = [sys.executable, "-m", "dsakv.cli", "bench", "--quick", "--device",
+           "cpu" if ctx.dry_run else "cuda", "--json", str(path)]  # fmt: skip
+    rc, lines = _run_streaming(cmd, timeout=max(ctx.left() - 5, 1), rec=rec)
+    if rc != 0:
+        raise RuntimeError(f"dsakv bench {'was cut' if rc is None else f'exited {rc}'}: "
+                           + "\n".join(lines[-20:]))  # fmt: skip
     data = json.loads(path.read_text())
-    return {"json": str(path), "targets": data.get("targets"), "wall_s": data["meta"]["wall_s"]}
+    rec.update(json=str(path), targets=data.get("targets"), wall_s=data["meta"]["wall_s"])
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+_STAGE_FNS: dict[str, Callable[[Ctx, Record], None]] = {
+    "env": _stage_env,
+    "kernel_launch": _stage_kernel_launch,
+    "moe_capture": _stage_moe_capture,
+    "kernel_tests": _stage_kernel_tests,
+    "graph_vs_eager": _stage_graph_vs_eager,
+    "triton_vs_torch": _stage_triton_vs_torch,
+    "decode": _stage_decode,
+    "kernel_bandwidth": _stage_kernel_bandwidth,
+    "bench": _stage_bench,
+}
+
+
+# --- reporting ----------------------------------------------------------------------------
+
+
+def stage_line(i: int, n: int, name: str, rec: dict[str, Any]) -> str:
+    """The one line printed after a stage: status, seconds, its headline figures."""
+    status = rec.get("status", "?")
+    head = f"[{i}/{n}] {name}: {status}" + (f" ({rec['seconds']} s)" if "seconds" in rec else "")
+    try:
+        detail = _detail(name, rec)
+    except Exception as e:  # a malformed partial record must not stop the run
+        detail = f"(no summary: {type(e).__name__})"
+    if rec.get("error") or rec.get("reason"):
+        detail = (detail + "; " if detail else "") + str(
+            rec.get("error") or rec["reason"]
+        ).splitlines()[0]
+    return f"{head}: {detail}" if detail else head
+
+
+def _detail(name: str, c: dict[str, Any]) -> str:
+    if name == "env":
+        bits = [f"torch {c.get('torch')}", f"triton {c.get('triton')}"]
+        if c.get("gpu"):
+            bits += [c["gpu"], f"sm {c.get('capability')}", f"driver {c.get('driver')}"]
+        if c.get("model"):
+            bits.append("model " + ("generated" if c["model"]["generated_here"] else "prepared"))
+        return ", ".join(bits)
+    if name == "kernel_launch" and "kernels" in c:
+        ks = c["kernels"]
+        bad = [k for k, r in ks.items() if not r.get("ok")]
+        return f"{len(ks) - len(bad)}/{len(ks)} launched" + (
+            f", failed: {', '.join(bad)}" if bad else ""
+        )
+    if name == "moe_capture" and "batches" in c:
+        dry = "capture" in c  # the dry run records why the capture was skipped
+        return ", ".join(
+            f"{b} {'ok' if _moe_ok(r, dry) else 'FAILED'}" for b, r in c["batches"].items()
+        )
+    if name == "kernel_tests" and "summary" in c:
+        return f"{c['summary']} (passed {c.get('passed')}, failed {c.get('failed')})"
+    if name == "graph_vs_eager" and "equal" in c:
+        held = c.get("graphs_captured")
+        graphs = "unknown" if held is None else len(held)
+        return f"tokens equal {c['equal']}, {graphs} decode graphs captured"
+    if name == "triton_vs_torch" and "sparse" in c:
+        return ", ".join(f"{k}: agreement {c[k]['agreement']:.3f} over {c[k]['steps_compared']} "
+                         f"steps, max logprob diff {c[k]['max_logprob_diff']:.1e}"
+                         for k in ("dense", "sparse"))  # fmt: skip
+    if name == "decode" and c.get("tokens_per_s"):
+        rates = ", ".join(
+            f"{v} {b}: {r:.1f}" for v, d in c["tokens_per_s"].items() for b, r in d.items()
+        )
+        speed = ", ".join(f"{b} {x:.2f}x" for b, x in (c.get("graph_over_eager") or {}).items())
+        return f"tok/s {rates}" + (f"; graph/eager {speed}" if speed else "")
+    if name == "kernel_bandwidth" and c.get("copy_bytes_per_s"):
+        return f"copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s, {len(c['kernels']) - 1} kernel cases"
+    return ""
 
 
 def summary(result: dict[str, Any]) -> str:
-    env = result["env"]
+    """The closing text: every stage's line, then each kernel's bandwidth."""
+    env = result["stages"].get("env", {})
+    where = "dry run, CPU" if result["dry_run"] else env.get("gpu", "GPU")
     lines = [
-        f"dsakv device check ({'dry run, CPU' if result['dry_run'] else env.get('gpu')}; "
-        f"torch {env['torch']}, triton {env['triton']}): {'OK' if result['ok'] else 'FAILED'}"
+        f"dsakv device check ({where}; torch {env.get('torch')}, triton {env.get('triton')}): "
+        f"{'OK' if result['ok'] else 'FAILED'} in {result.get('wall_s')} s"
     ]
-    for name, c in result["checks"].items():
-        head = f"- {name}: {'ok' if c['ok'] else 'FAILED'} ({c['seconds']} s)"
-        if not c["ok"]:
-            lines.append(f"{head}: {c['error'].splitlines()[0]}")
-            continue
-        if name == "cuda_tests":
-            head += f": {c['summary']}"
-        elif name == "backend_parity":
-            head += f": triton == torch {c['triton_equals_torch']}, graph == eager {c['graph_equals_eager']}"
-        elif name == "decode":
-            rates = ", ".join(
-                f"{v} {b}: {r:.1f}" for v, d in c["tokens_per_s"].items() for b, r in d.items()
-            )
-            speed = ", ".join(f"{b} {x:.2f}x" for b, x in c["graph_over_eager"].items())
-            head += f": tok/s {rates}; graph/eager {speed}"
-        lines.append(head)
-        if name == "kernels":
-            for r in c["kernels"]:
-                shape = ",".join(f"{k}={v}" for k, v in r["shape"].items())
-                lines.append(
-                    f"    {r['kernel']} [{shape}]: {r['bytes_per_s'] / 1e9:.1f} GB/s "
-                    f"({100 * r['copy_ratio']:.0f}% of copy)"
-                )
+    n = len(result["stages"])
+    for i, (name, rec) in enumerate(result["stages"].items(), 1):
+        lines.append(stage_line(i, n, name, rec))
+    for r in result["stages"].get("kernel_bandwidth", {}).get("kernels", []):
+        shape = ",".join(f"{k}={v}" for k, v in r["shape"].items())
+        lines.append(f"    {r['kernel']} [{shape}]: {r['bytes_per_s'] / 1e9:.1f} GB/s "
+                     f"({100 * r['copy_ratio']:.0f}% of copy)")  # fmt: skip
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))
