@@ -17,11 +17,23 @@ Stage 1 gives every (query, split, head block) program a contiguous chunk of the
 rows; it scores BLOCK_H heads × BLOCK_N rows with `tl.dot` and keeps an online-softmax
 (max, sum, acc) in fp32. Stage 2 merges the splits. Rows are located on the device
 (slots, or positions mapped through the request's slots), −1 / out-of-range / future rows
-are masked, and the grid depends on tensor shapes only: no host syncs, CUDA-graph safe.
+are masked, and the grid, the split boundaries and the merge order depend on tensor
+shapes only: no host syncs, CUDA-graph safe, deterministic.
 
-Dot precision follows the query dtype (not the device): fp32 q uses `tf32x3` (fp32-level
-accuracy on tensor cores), bf16 q uses `tf32` (exact for bf16 q and every stored format
-but fp32; only the probabilities round). The interpreter computes dots in fp32.
+Precision follows the query dtype and the row kind (`_launch_config`), not the device:
+
+- bf16 q over bf16 / fp8_e4m3 / fp8_ds_mla rows (what the CUDA model runs): rows are
+  decoded to bf16 in registers, exactly (e4m3 has 4 significant bits and bf16's exponent
+  range covers e4m3 times any power-of-two block scale down to 2^-124, i.e. block amax ≥
+  ~2^-116; below that a value rounds by < 2^-133, or flushes, absolutely). QK is a
+  bf16 × bf16 dot with fp32 accumulation, so every product is exact; P is rounded to
+  bf16 for PV (the kernel's one rounding: ≤ 2^-8 relative per weight) and l sums the
+  rounded weights. Up to 64 heads share a program (wgmma on sm_90, each row read once
+  per 64 heads; 128 heads take two head blocks).
+- fp32 q or fp32 rows: IEEE fp32 dots, 16 heads per program.
+
+The interpreter has no bf16 dot: there the bf16 path holds the same bf16 values in fp32
+and rounds P to bf16 by bits, so interpreter tests see the GPU's numerics.
 """
 
 import math
@@ -29,19 +41,30 @@ import math
 import torch
 
 from ._triton import cdiv, next_pow2, require_triton, tl, triton
-from .triton_fp8 import bf16_to_f32, e4m3_to_f32
+from .triton_fp8 import bf16_to_f32, e4m3_to_f32, f32_to_bf16_bits
 
 LATENT_KINDS = ("fp32", "bf16", "fp8_e4m3", "fp8_ds_mla")
 _KIND_ID = {k: i for i, k in enumerate(LATENT_KINDS)}
 _MODE_SLOTS, _MODE_TOPK_POS, _MODE_DENSE = 0, 1, 2
 _FP8_BLOCK = 128
 
-# Launch shape (GPU tuning knobs; the interpreter ignores warps/stages).
-BLOCK_H = 16  # heads per program: tl.dot needs M ≥ 16, padded heads are masked
-BLOCK_N = 16  # cache rows per inner step
-NUM_WARPS = 8  # acc, q and one row tile are each [16, 512] fp32: spread them over 256 threads
-NUM_STAGES = 2
+# Dot operand modes (constexpr DOT of the stage-1 kernel):
+_DOT_F32 = 0  # fp32 operands, IEEE fp32 dots (FMA): fp32 q or fp32 rows
+_DOT_BF16 = 1  # bf16 operands (wgmma on sm_90), fp32 accumulation: bf16 q, bf16-exact rows
+_DOT_BF16_EMU = 2  # the same values held in fp32 (the interpreter has no bf16 dot)
+
+# Launch shape (GPU tuning knobs; the interpreter ignores warps/stages). Measured with an
+# sm_90a compile (Triton 3.6 and 3.9, ptxas -v): see `_launch_config`.
+MAX_BLOCK_H = 64  # heads per program on the bf16 path: acc [64, 512] fp32 = 128 regs/thread
+MAX_BLOCK_H_F32 = 16  # heads per program on the fp32 path (FMA dots in registers)
+BLOCK_N = 32  # cache rows per step on the bf16 path (64: fp8 rows spill on Triton 3.6)
+BLOCK_N_F32 = 16
+NUM_WARPS = 8  # two warpgroups: wgmma splits QK's rows and PV's 512 columns between them
+# No software pipelining: with it Triton 3.6 crashes on the bf16-row kernel (the `if` that
+# hides S from the layout heuristic) and the fp8 decode gains nothing from it.
+NUM_STAGES = 1
 _TARGET_PROGRAMS = 256  # stage-1 programs the default split count aims for
+_MIN_BLOCKS_PER_SPLIT = 2  # row blocks each split covers at least
 
 
 @triton.jit
@@ -57,32 +80,51 @@ def _load_latent_rows(
     KV_LORA: tl.constexpr,
     ROPE: tl.constexpr,
     KIND: tl.constexpr,
+    TO_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_DR: tl.constexpr,
 ):
-    """Decode rows `row` (int64 [BN], masked by `valid`) to fp32 (nope [BN, DV], rope [BN, DR])."""
+    """Decode rows `row` (int64 [BN], masked by `valid`) to (nope [BN, DV], rope [BN, DR]):
+    fp32, or bf16 when TO_BF16 (exact for every kind but fp32, see the module doc)."""
     d = tl.arange(0, BLOCK_DV)
     dr = tl.arange(0, BLOCK_DR)
     mn = valid[:, None] & (d[None, :] < KV_LORA)
     mr = valid[:, None] & (dr[None, :] < ROPE)
     if KIND == 3:  # fp8_ds_mla: e4m3 nope, fp32 scale per 128, bf16 rope
         nope = e4m3_to_f32(tl.load(kv + row[:, None] * s_row + d[None, :], mask=mn, other=0))
-        scale_at = row[:, None] * s_row_f32 + KV_LORA // 4 + d[None, :] // 128
-        nope = nope * tl.load(kv_f32 + scale_at, mask=mn, other=0.0)
+        # One fp32 scale per 128 values: NB small loads and a select, not a [BN, DV] gather
+        # (the gather's addresses alone cost more registers than the whole decode).
+        scale_row = kv_f32 + row * s_row_f32 + KV_LORA // 4
+        blk = d[None, :] // 128
+        scale = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        for j in tl.static_range((KV_LORA + 127) // 128):
+            s_j = tl.load(scale_row + j, mask=valid, other=0.0)
+            scale = tl.where(blk == j, s_j[:, None], scale)
+        nope = nope * scale
         rope_at = row[:, None] * s_row_i16 + (KV_LORA + 4 * ((KV_LORA + 127) // 128)) // 2
-        rope = bf16_to_f32(tl.load(kv_i16 + rope_at + dr[None, :], mask=mr, other=0))
-    else:
-        nope_p = kv + row[:, None] * s_row + d[None, :]
+        rope = tl.load(kv_i16 + rope_at + dr[None, :], mask=mr, other=0)
+        if TO_BF16:
+            nope = nope.to(tl.bfloat16)
+            rope = rope.to(tl.bfloat16, bitcast=True)
+        else:
+            rope = bf16_to_f32(rope)
+    elif KIND == 1:  # bf16
+        nope = tl.load(kv + row[:, None] * s_row + d[None, :], mask=mn, other=0.0)
+        rope = tl.load(kv + row[:, None] * s_row + KV_LORA + dr[None, :], mask=mr, other=0.0)
+        if not TO_BF16:
+            nope = bf16_to_f32(nope.to(tl.int16, bitcast=True))
+            rope = bf16_to_f32(rope.to(tl.int16, bitcast=True))
+    elif KIND == 2:  # plain e4m3 bytes
+        nope = e4m3_to_f32(tl.load(kv + row[:, None] * s_row + d[None, :], mask=mn, other=0))
         rope_p = kv + row[:, None] * s_row + KV_LORA + dr[None, :]
-        if KIND == 0:  # fp32
-            nope = tl.load(nope_p, mask=mn, other=0.0)
-            rope = tl.load(rope_p, mask=mr, other=0.0)
-        elif KIND == 1:  # bf16 bits (int16 view)
-            nope = bf16_to_f32(tl.load(nope_p, mask=mn, other=0))
-            rope = bf16_to_f32(tl.load(rope_p, mask=mr, other=0))
-        else:  # plain e4m3 bytes
-            nope = e4m3_to_f32(tl.load(nope_p, mask=mn, other=0))
-            rope = e4m3_to_f32(tl.load(rope_p, mask=mr, other=0))
+        rope = e4m3_to_f32(tl.load(rope_p, mask=mr, other=0))
+        if TO_BF16:
+            nope = nope.to(tl.bfloat16)
+            rope = rope.to(tl.bfloat16)
+    else:  # fp32 (never TO_BF16: fp32 rows are not exact in bf16)
+        nope = tl.load(kv + row[:, None] * s_row + d[None, :], mask=mn, other=0.0)
+        rope = tl.load(kv + row[:, None] * s_row + KV_LORA + dr[None, :], mask=mr, other=0.0)
     return nope, rope
 
 
@@ -113,6 +155,7 @@ def _mla_partial_kernel(
     KIND: tl.constexpr,
     MODE: tl.constexpr,
     Q_BF16: tl.constexpr,
+    DOT: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -131,9 +174,14 @@ def _mla_partial_kernel(
     q_row = q + b.to(tl.int64) * s_qb + heads[:, None] * s_qh
     qm = hmask[:, None] & (d[None, :] < KV_LORA)
     qrm = hmask[:, None] & (dr[None, :] < ROPE)
-    if Q_BF16:
-        q_nope = bf16_to_f32(tl.load(q_row + d[None, :], mask=qm, other=0))
-        q_rope = bf16_to_f32(tl.load(q_row + KV_LORA + dr[None, :], mask=qrm, other=0))
+    if DOT == 1:  # bf16 straight into the dot: a plain load lets wgmma read q from smem
+        q_nope = tl.load(q_row + d[None, :], mask=qm, other=0.0)
+        q_rope = tl.load(q_row + KV_LORA + dr[None, :], mask=qrm, other=0.0)
+    elif Q_BF16:  # decoded by bits (the interpreter has no bf16 arithmetic)
+        q_nope = tl.load(q_row + d[None, :], mask=qm, other=0.0).to(tl.int16, bitcast=True)
+        q_rope = tl.load(q_row + KV_LORA + dr[None, :], mask=qrm, other=0.0)
+        q_nope = bf16_to_f32(q_nope)
+        q_rope = bf16_to_f32(q_rope.to(tl.int16, bitcast=True))
     else:
         q_nope = tl.load(q_row + d[None, :], mask=qm, other=0.0)
         q_rope = tl.load(q_row + KV_LORA + dr[None, :], mask=qrm, other=0.0)
@@ -174,19 +222,47 @@ def _mla_partial_kernel(
             KV_LORA,
             ROPE,
             KIND,
+            DOT == 1,
+            BLOCK_N,
             BLOCK_DV,
             BLOCK_DR,
         )
-        s = tl.dot(q_nope, tl.trans(nope), input_precision=PREC)
-        s = tl.dot(q_rope, tl.trans(rope), acc=s, input_precision=PREC)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p, nope, acc=acc * alpha[:, None], input_precision=PREC)
+        # Two independent dots (not acc-chained) and everything derived from them inside
+        # the `if` below: Triton's MMA layout heuristic gives a dot whose result reaches
+        # another dot all warps along M ([8, 1]); with 64 heads that is both warpgroups
+        # computing the same S, twice the QK work and twice the smem descriptors (the
+        # cause of the spills). Out of sight of the PV dot, QK splits N over the two
+        # warpgroups ([4, 2]). `n0 < end` always holds here; the compiler cannot fold it.
+        s_nope = tl.dot(q_nope, tl.trans(nope), input_precision=PREC)
+        s_rope = tl.dot(q_rope, tl.trans(rope), input_precision=PREC)
+        if DOT == 1:
+            p_op = tl.zeros([BLOCK_H, BLOCK_N], tl.bfloat16)
+        else:
+            p_op = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        alpha = tl.full([BLOCK_H], 1.0, tl.float32)  # were the `if` skipped: a no-op block
+        m_new = m_i
+        l_new = l_i
+        if n0 < end:
+            s = tl.where(valid[None, :], s_nope * qk_scale + s_rope * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            # P feeds the PV dot in the operand dtype: on the bf16 paths it is rounded to
+            # bf16 (the one rounding of the kernel) and l sums the rounded weights, so the
+            # output stays a convex combination of the rows.
+            if DOT == 1:
+                p_op = p.to(tl.bfloat16)
+                l_new = l_i * alpha + tl.sum(p_op.to(tl.float32), 1)
+            elif DOT == 2:
+                p_op = bf16_to_f32(f32_to_bf16_bits(p))
+                l_new = l_i * alpha + tl.sum(p_op, 1)
+            else:
+                p_op = p
+                l_new = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p_op, nope, acc=acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
+        l_i = l_new
 
     base = (b.to(tl.int64) * n_splits + split) * H + heads
     tl.store(acc_out + base[:, None] * BLOCK_DV + d[None, :], acc, mask=hmask[:, None])
@@ -256,7 +332,7 @@ def _cache_views(cache: torch.Tensor, kind: str, kv_lora: int, rope_dim: int):
     }[kind]
     if cache.dtype not in want_dtype:
         raise ValueError(f"{kind} cache has dtype {cache.dtype}")
-    main = {"fp32": cache, "bf16": cache.view(torch.int16)}.get(kind, cache.view(torch.uint8))
+    main = cache if kind in ("fp32", "bf16") else cache.view(torch.uint8)
     return main, main, main, main.stride(0), main.stride(0), main.stride(0)
 
 
@@ -267,14 +343,43 @@ def _query_view(q: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:
         raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
     if q.stride(2) != 1:
         q = q.contiguous()
-    return (q.view(torch.int16), True) if q.dtype == torch.bfloat16 else (q, False)
+    return q, q.dtype == torch.bfloat16
 
 
-def default_num_splits(n_rows: int, n_programs: int) -> int:
-    """Splits per query from shapes only: ~_TARGET_PROGRAMS stage-1 programs, ≥ 4 row blocks
-    each, at most 64."""
-    by_rows = max(1, cdiv(n_rows, 4 * BLOCK_N))
+def default_num_splits(n_rows: int, n_programs: int, block_n: int = BLOCK_N) -> int:
+    """Splits per query from shapes only: ~_TARGET_PROGRAMS stage-1 programs (n_programs =
+    queries × head blocks), ≥ _MIN_BLOCKS_PER_SPLIT row blocks of `block_n` each, at most 64."""
+    by_rows = max(1, cdiv(n_rows, _MIN_BLOCKS_PER_SPLIT * block_n))
     return max(1, min(cdiv(_TARGET_PROGRAMS, max(n_programs, 1)), by_rows, 64))
+
+
+def _interpreting() -> bool:
+    """Whether the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(_mla_partial_kernel).__name__ == "InterpretedFunction"
+
+
+def _launch_config(
+    kind: str, q_bf16: bool, heads: int, kv_lora: int, rope_dim: int, interpret: bool = False
+) -> tuple[dict, dict]:
+    """(stage-1 constexprs but MODE, launch options) for one specialisation; shapes only.
+
+    bf16 q over bf16-exact rows (bf16, e4m3, fp8_ds_mla) takes the bf16 dot: QK products
+    are exact and accumulate in fp32, P is rounded to bf16 for PV (the one rounding), and
+    up to MAX_BLOCK_H heads share a program, so each row is read once per 64 heads. fp32
+    q or fp32 rows take IEEE fp32 dots (FMA, no rounding beyond fp32's), 16 heads each.
+    """
+    if q_bf16 and kind != "fp32":
+        dot = _DOT_BF16_EMU if interpret else _DOT_BF16
+        block_h, block_n = min(next_pow2(heads, 16), MAX_BLOCK_H), BLOCK_N
+    else:
+        dot = _DOT_F32
+        block_h, block_n = min(next_pow2(heads, 16), MAX_BLOCK_H_F32), BLOCK_N_F32
+    const = dict(
+        KV_LORA=kv_lora, ROPE=rope_dim, KIND=_KIND_ID[kind], Q_BF16=q_bf16, DOT=dot,
+        PREC="ieee", BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DV=next_pow2(kv_lora, 16),
+        BLOCK_DR=next_pow2(rope_dim, 16),
+    )  # fmt: skip
+    return const, dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def _attend(
@@ -298,12 +403,13 @@ def _attend(
     out = torch.zeros((nq, heads, kv_lora), dtype=torch.float32, device=q.device)
     if nq == 0 or heads == 0:
         return out
-    hblocks = cdiv(heads, BLOCK_H)
-    splits = num_splits or default_num_splits(n_idx, nq * hblocks)
+    const, opts = _launch_config(kind, q_bf16, heads, kv_lora, rope_dim, _interpreting())
+    block_n, block_dv = const["BLOCK_N"], const["BLOCK_DV"]
+    hblocks = cdiv(heads, const["BLOCK_H"])
+    splits = num_splits or default_num_splits(n_idx, nq * hblocks, block_n)
     if splits < 1:
         raise ValueError(f"num_splits must be ≥ 1, got {splits}")
-    chunk = cdiv(cdiv(max(n_idx, 1), splits), BLOCK_N) * BLOCK_N
-    block_dv = next_pow2(kv_lora, 16)
+    chunk = cdiv(cdiv(max(n_idx, 1), splits), block_n) * block_n
     acc = torch.empty((nq, splits, heads, block_dv), dtype=torch.float32, device=q.device)
     ml = torch.empty((nq, splits, heads, 2), dtype=torch.float32, device=q.device)
     _mla_partial_kernel[(nq, splits, hblocks)](
@@ -313,11 +419,7 @@ def _attend(
         n_idx, chunk,
         acc, ml,
         heads, float(sm_scale) * math.log2(math.e),
-        KV_LORA=kv_lora, ROPE=rope_dim, KIND=_KIND_ID[kind], MODE=mode,
-        Q_BF16=q_bf16, PREC="tf32" if q_bf16 else "tf32x3",
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_DV=block_dv,
-        BLOCK_DR=next_pow2(rope_dim, 16),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        MODE=mode, **const, **opts,
     )  # fmt: skip
     _mla_combine_kernel[(nq, heads)](
         acc, ml, out, heads, splits,
