@@ -6,10 +6,14 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dsakv-installed
+# The H200 image's Triton beside the venv's, for `dsakv device-check --compile-only
+# --triton-path .triton-3.6` (make test runs both): compiling needs only its wheel, no deps.
+TRITON_36 ?= .triton-3.6
+TRITON_36_STAMP := $(TRITON_36)/.installed
 
-.PHONY: install system-libs run test lint bench clean wheelhouse device-check-dry
+.PHONY: install system-libs run test lint bench clean wheelhouse device-check-dry device-models
 
-install: system-libs $(STAMP)
+install: system-libs $(STAMP) $(TRITON_36_STAMP)
 
 # Every time (cheap): a machine that lost a system library gets it back.
 system-libs:
@@ -21,6 +25,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+$(TRITON_36_STAMP): | $(STAMP)
+	rm -rf $(TRITON_36)
+	$(BIN)/python -m pip install -q --no-deps --only-binary=:all: --target $(TRITON_36) "triton==3.6.0"
+	touch $@
 
 run: install
 	$(BIN)/dsakv bench
@@ -42,8 +51,14 @@ wheelhouse: install
 device-check-dry: install
 	scripts/device_check.sh --dry-run --out /tmp/dsakv-device-check
 
+# The device check's model, generated here on the CPU for the GPU run to carry
+# (`carry: [".device-models"]`, ~24 MiB, git-ignored); the check reads it from there.
+device-models: install
+	$(BIN)/python -m dsakv.cli device-check --prepare .device-models
+	du -sh .device-models
+
 lint: install
 	$(BIN)/ruff check src tests
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(TRITON_36) build src/*.egg-info .pytest_cache

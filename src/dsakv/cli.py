@@ -60,6 +60,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_capacity
 
     config = ModelConfig.resolve(args.model)
+    hisparse = _hisparse_config(args, config)
     plan = LayerPlan.from_config(config, draft_layers=args.draft_layers, **plan_overrides(args))
     elided = CacheLayout.from_plan(
         config,
@@ -93,7 +94,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     dense_weights = None
     if args.gpu_memory_gib is not None and args.weights_gib is None and args.kv_budget_gib is None:
         dense_weights = (weights.total_bytes + weights.indexer_bytes_saved) / (1 << 30)
-    cap_dense = plan_capacity(dense, **{**budget, "weights_gib": dense_weights or args.weights_gib})
+    dense_budget = {**budget, "weights_gib": dense_weights or args.weights_gib}
+    cap_dense = plan_capacity(dense, **dense_budget)
     chosen = cap_dense if args.no_elide_index_k else cap_elided
     chosen_layout = dense if args.no_elide_index_k else elided
     report = {
@@ -128,11 +130,79 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "max_total_num_tokens_aggregate": chosen.max_total_num_tokens * parallel.dp,
         "indexer_weight_bytes_saved": weights.indexer_bytes_saved,
     }
+    splits = None
+    if hisparse is not None:
+        from dsakv.memory import plan_hisparse
+
+        splits = (
+            plan_hisparse(dense, hisparse, **dense_budget),
+            plan_hisparse(elided, hisparse, **budget),
+        )
+        report["hisparse"] = {
+            **hisparse.to_dict(),
+            "dense": splits[0].as_dict(),
+            "elided": splits[1].as_dict(),
+            # Budget-independent: the ratio of device bytes per device token.
+            "device_tokens_elided_over_dense": round(
+                splits[0].device_bytes_per_device_token / splits[1].device_bytes_per_device_token, 3
+            ),
+        }
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(_plan_table(report, elided, dense, cap_elided, cap_dense))
+        if splits is not None:
+            print(_hisparse_table(*splits))
     return 0
+
+
+def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
+    """`--enable-hisparse` / `--hisparse-config` as a HiSparseConfig, or None when off."""
+    from dsakv.config import HiSparseConfig
+
+    if not args.enable_hisparse:
+        if args.hisparse_config is not None:
+            raise DsakvError("--hisparse-config needs --enable-hisparse")
+        return None
+    return HiSparseConfig.parse(args.hisparse_config, config)
+
+
+def _hisparse_table(dense: Any, elided: Any) -> str:
+    """The HiSparse split, dense and elided side by side (DESIGN.md §13)."""
+    gib = 1 << 30
+    h = elided.hisparse
+    rows: list[tuple[str, Any, Any, bool]] = [
+        ("device bytes/device token", dense.device_bytes_per_device_token,
+         elided.device_bytes_per_device_token, True),
+        ("device bytes/logical token", dense.device_bytes_per_logical_token,
+         elided.device_bytes_per_logical_token, True),
+        ("host bytes/token", dense.host_bytes_per_token, elided.host_bytes_per_token, False),
+        ("device tokens", dense.device_tokens, elided.device_tokens, True),
+        ("logical tokens", dense.logical_tokens, elided.logical_tokens, True),
+        ("host memory (GiB)", dense.host_bytes / gib, elided.host_bytes / gib, False),
+        ("concurrent hot buffers", dense.concurrent_hot_buffers,
+         elided.concurrent_hot_buffers, True),
+    ]  # fmt: skip
+    lines = [
+        "",
+        f"HiSparse: top_k {h.top_k:,}, device buffer {h.device_buffer_size:,} "
+        f"(+1 page = {elided.hot_buffer_slots:,} slots per request), "
+        f"host:device ratio {h.host_to_device_ratio}",
+        "device: latent hot buffers + index-K of every logical token; host: every layer's latent",
+        "",
+        f"{'':28}{'dense':>16}{'elided':>16}{'gain':>10}",
+    ]
+    for name, d, e, show_gain in rows:
+        fmt = (lambda v: f"{v:>16,.1f}") if isinstance(d, float) else (lambda v: f"{v:>16,}")
+        if name.startswith("host memory"):
+            fmt = lambda v: f"{v:>16,.3f}"
+        gain = ""
+        if show_gain:  # bytes: the saving as tokens gained per byte; counts: tokens gained
+            gain = f"{_gain(d, e) if name.startswith('device bytes') else _gain(e, d):>+9.2f}%"
+        lines.append(f"{name:28}{fmt(d)}{fmt(e)}{gain}")
+    share = f"{100 * dense.index_k_share:.1f}%", f"{100 * elided.index_k_share:.1f}%"
+    lines.append(f"{'index-K share of device':28}{share[0]:>16}{share[1]:>16}")
+    return "\n".join(lines)
 
 
 def _gain(new: float, old: float) -> float:
@@ -192,6 +262,13 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--draft-layers", type=int, default=0, help="MTP/EAGLE draft layers")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_layout_args(p)
+    g = p.add_argument_group("HiSparse (latent on the host, hot buffers on the device)")
+    g.add_argument("--enable-hisparse", action="store_true", help="plan the HiSparse split")
+    g.add_argument(
+        "--hisparse-config",
+        metavar="JSON",
+        help='{"top_k": index_topk, "device_buffer_size": 2×top_k, "host_to_device_ratio": 2}',
+    )
     p.set_defaults(func=_cmd_plan)
 
 
@@ -643,23 +720,56 @@ def _add_bench(sub: Any) -> None:
 
 
 def _cmd_device_check(args: argparse.Namespace) -> int:
-    import torch
+    if args.compile_only:  # no GPU: a clean subprocess compiles every kernel for sm_90
+        from dsakv.kernels.triton_aot import run_compile_only
 
-    from dsakv.bench.device_check import run_device_check, summary
+        return run_compile_only(args.triton_path)
+    from dsakv.bench import device_check as dc
 
-    if not args.dry_run and not torch.cuda.is_available():
-        raise DsakvError("no CUDA device here; `--dry-run` runs the check on the CPU")
-    result = run_device_check(args.out, dry_run=args.dry_run, bench=not args.no_bench)
-    print(summary(result))
-    print(f"wrote {args.out}/device_check.json")
+    if args.prepare:
+        for row in dc.prepare_models(args.prepare, dry_run=args.dry_run):
+            print(json.dumps(row))
+        return 0
+    deadlines = {}
+    for item in args.deadline:
+        name, _, secs = item.partition("=")
+        try:
+            deadlines[name] = float(secs)
+        except ValueError:
+            raise DsakvError(f"--deadline wants STAGE=SECONDS, got {item!r}") from None
+    try:
+        result = dc.run_device_check(
+            args.out,
+            dry_run=args.dry_run,
+            models=args.models,
+            stages=args.stages.split(",") if args.stages else None,
+            deadlines=deadlines,
+            budget=args.budget,
+            bench=args.bench,
+        )
+    except ValueError as e:
+        raise DsakvError(str(e)) from None
+    print(dc.summary(result), flush=True)
+    print(f"wrote {args.out or dc.default_out()}/{dc.JSON_NAME}", flush=True)
     return 0 if result["ok"] else 1
 
 
 def _add_device_check(sub: Any) -> None:
-    p = sub.add_parser("device-check", help="the one prepared GPU run (kernels, graphs, bench)")
+    p = sub.add_parser("device-check", help="the one prepared GPU run (kernels, graphs, decode)")
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
-    p.add_argument("--out", default="device-check-out", help="folder for device_check.json")
-    p.add_argument("--no-bench", action="store_true", help="skip `dsakv bench --quick`")
+    p.add_argument("--out", default=None, help="results folder ($OUT, else device-check-out)")
+    p.add_argument("--models", metavar="DIR", help="prepared models (default: .device-models)")
+    p.add_argument("--prepare", metavar="DIR", help="only write the models into DIR")
+    p.add_argument("--stages", help="a subset, e.g. decode,kernel_bandwidth")
+    p.add_argument("--deadline", action="append", default=[], metavar="STAGE=SECONDS",
+                   help="override one stage's deadline (repeatable)")  # fmt: skip
+    p.add_argument("--budget", type=_positive_float, help="seconds for all stages (GPU: 525)")
+    p.add_argument("--bench", action="store_true", help="then `dsakv bench --quick`, in time left")
+    p.add_argument("--no-bench", action="store_true", help=argparse.SUPPRESS)  # the default now
+    p.add_argument("--compile-only", action="store_true",
+                   help="no GPU: compile every Triton kernel for sm_90, ptxas resource use")  # fmt: skip
+    p.add_argument("--triton-path", metavar="DIR",
+                   help="with --compile-only: another triton's folder first (e.g. .triton-3.6)")  # fmt: skip
     p.set_defaults(func=_cmd_device_check)
 
 
