@@ -59,9 +59,11 @@ def test_device_check_dry_run(tmp_path):
     assert not list(out.glob(".stage-*"))  # stage scratch files cleaned up
 
 
-def test_device_check_deadline_and_rewrites(tmp_path, capsys):
+def test_device_check_deadline_and_rewrites(tmp_path, capsys, monkeypatch):
     """A stage past its deadline is killed (stack dumped to the log) and recorded as timed
-    out; the next stage still runs; the JSON on disk is rewritten after every stage."""
+    out; the next stage still runs; the JSON on disk is rewritten after every stage. The
+    stage is made to hang (`STALL_ENV`), so the parent's kill is what ends it."""
+    monkeypatch.setenv(dc.STALL_ENV, "kernel_launch")
     on_disk = []
 
     def on_stage(name, result):
@@ -74,7 +76,7 @@ def test_device_check_deadline_and_rewrites(tmp_path, capsys):
         str(tmp_path),
         dry_run=True,
         stages=stages,
-        deadlines={"kernel_launch": 3.0},  # it takes ~15 s in the interpreter
+        deadlines={"kernel_launch": 3.0},
         on_stage=on_stage,
     )
     assert [n for n, _ in on_disk] == stages

@@ -77,6 +77,7 @@ GPU_PRESET, DRY_PRESET = "glm-bench-short", "glm-tiny"  # 16 layers with 13 MoE 
 MIN_AGREEMENT, DENSE_MAX_LOGPROB_DIFF = 0.9, 1e-3
 MIN_STEPS = 32  # fewer compared steps (the dry run's few) cannot bound an agreement
 PER_TEST_TIMEOUT_S = 60
+STALL_ENV = "DSAKV_DEVICE_CHECK_STALL"  # a stage name: its child hangs (tests of the deadline)
 
 
 # --- the parent: stages in child processes ------------------------------------------------
@@ -223,6 +224,9 @@ def _run_stage(
             ok=False,
             error=f"past its deadline of {deadline:.0f} s (killed; see {LOG_NAME})",
         )
+    elif rec.get("deadline_reached"):  # stopped itself short of its deadline
+        rec.update(status="timed_out", ok=False)
+        rec.setdefault("error", f"reached its deadline of {deadline:.0f} s before it finished")
     elif "ok" not in rec:  # died without a final record: a crash, an abort
         rec.update(status="error", ok=False)
         rec.setdefault("error", f"the stage's process exited {rc} without a result")
@@ -304,6 +308,8 @@ def _child_main(argv: list[str]) -> int:
     rec = Record(Path(args.result))
     rec["status"] = "running"
     rec.save()
+    if os.environ.get(STALL_ENV) == args.stage:  # the tests' stand-in for a hung stage
+        time.sleep(3600)
     try:
         _STAGE_FNS[args.stage](ctx, rec)
         rec.setdefault("ok", True)
@@ -625,6 +631,7 @@ def _stage_kernel_launch(ctx: Ctx, rec: Record) -> None:
     for name, fn in _launch_cases(ctx.dry_run, device):
         if ctx.left() < 2:
             kernels[name] = {"ok": False, "error": "stage deadline reached before this launch"}
+            rec["deadline_reached"] = True
             continue
         row: dict[str, Any] = {}
         try:
