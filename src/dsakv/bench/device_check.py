@@ -421,13 +421,8 @@ def _captured(engine) -> list[int] | None:
 
 
 def _graph_blocker(engine) -> str | None:
-    fn = getattr(engine.backend, "graph_blocker", None)
-    if fn is None:
-        return None
-    moe = engine.model_config.n_routed_experts > 0
-    with contextlib.suppress(Exception):
-        return fn(engine.model.dtype, engine.device, moe)
-    return None
+    """Why the engine runs decode unpadded (None: padded, captured on CUDA)."""
+    return getattr(engine, "decode_graph_blocker", None)
 
 
 def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -706,6 +701,18 @@ def _moe_ok(row: dict[str, Any], dry: bool) -> bool:
     return all(row.get(k) is True for k in checks)
 
 
+@contextlib.contextmanager
+def _syncs_raise():
+    """Any host sync on the device raises inside the block."""
+    import torch
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _moe_graph(moe, x, x2, ref, row: dict[str, Any]) -> None:
     import torch
 
@@ -716,11 +723,8 @@ def _moe_graph(moe, x, x2, ref, row: dict[str, Any]) -> None:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     try:
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with _syncs_raise():
             moe(x)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         row["sync_free"] = True
     except Exception as e:
         row["sync_free"] = False
@@ -729,12 +733,8 @@ def _moe_graph(moe, x, x2, ref, row: dict[str, Any]) -> None:
     static_x = x.clone()
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                static_out = moe(static_x)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        with torch.cuda.graph(graph), _syncs_raise():
+            static_out = moe(static_x)
         row["captured"] = True
     except Exception as e:
         row["captured"] = False

@@ -87,6 +87,11 @@ class ModelConfig:
         return float(self.rope_parameters.get("rope_theta", 10000.0))
 
     @property
+    def has_moe(self) -> bool:
+        """Whether any layer is an MoE layer (layers from `first_k_dense_replace` on)."""
+        return self.first_k_dense_replace < self.num_hidden_layers
+
+    @property
     def is_fp8_block_quantized(self) -> bool:
         q = self.quantization_config or {}
         return q.get("quant_method") == "fp8" and bool(q.get("weight_block_size"))

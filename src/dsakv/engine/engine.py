@@ -344,11 +344,13 @@ class Engine:
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Padded, graph-capturable decode steps: for the graph-safe backends on one rank
         (captured on CUDA unless `disable_cuda_graph`; eager padded steps elsewhere)."""
-        moe = self.model_config.n_routed_experts > 0
-        why = self.backend.graph_blocker(self.model.dtype, self.device, moe)
-        if why is not None or self.parallel.world_size > 1:
+        why = self.backend.graph_blocker(self.model.dtype, self.device, self.model_config.has_moe)
+        if why is None and self.parallel.world_size > 1:
+            why = "more than one rank"
+        self.decode_graph_blocker = why  # why decode steps are not padded / captured
+        if why is not None:
             if self.device.type == "cuda":
-                log.info("decode steps run eager: %s", why or "more than one rank")
+                log.info("decode steps run eager: %s", why)
             return None
         graphs = DecodeGraphs(
             self.model,
