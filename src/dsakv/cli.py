@@ -262,14 +262,19 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--draft-layers", type=int, default=0, help="MTP/EAGLE draft layers")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_layout_args(p)
+    add_hisparse_args(p, "plan the HiSparse split")
+    p.set_defaults(func=_cmd_plan)
+
+
+def add_hisparse_args(p: argparse.ArgumentParser, what: str) -> None:
+    """SGLang's HiSparse flags (DESIGN.md §13)."""
     g = p.add_argument_group("HiSparse (latent on the host, hot buffers on the device)")
-    g.add_argument("--enable-hisparse", action="store_true", help="plan the HiSparse split")
+    g.add_argument("--enable-hisparse", action="store_true", help=what)
     g.add_argument(
         "--hisparse-config",
         metavar="JSON",
         help='{"top_k": index_topk, "device_buffer_size": 2×top_k, "host_to_device_ratio": 2}',
     )
-    p.set_defaults(func=_cmd_plan)
 
 
 # --- engine commands: init-tiny, generate, serve ----------------------------------------------
@@ -309,6 +314,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-num-steps", type=_positive_int, help="MTP drafts per step (default 3)"
     )
+    add_hisparse_args(p, "every token's latent on the host, a hot buffer per request here")
     add_parallel_args(p)
 
 
@@ -407,6 +413,10 @@ def engine_config_from_args(args: argparse.Namespace):
         kw["enable_torch_compile"] = True
     if args.dp_attention:
         kw["dp_attention"] = True
+    if args.enable_hisparse:
+        kw["enable_hisparse"] = True
+    if args.hisparse_config is not None:
+        kw["hisparse_config"] = args.hisparse_config
     return EngineConfig.from_kwargs(resolve_model_dir(args.model), **kw)
 
 
@@ -539,6 +549,10 @@ def _add_engine_commands(sub: Any) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.enable_hisparse:
+        return _bench_hisparse(args)
+    if args.hisparse_config is not None:
+        raise DsakvError("--hisparse-config needs --enable-hisparse")
     if args.sparse_vs_dense:
         return _bench_sparse_vs_dense(args)
     if args.serving:
@@ -568,6 +582,22 @@ def _bench_sparse_vs_dense(args: argparse.Namespace) -> int:
 
     lengths = args.lengths or ((512, 1024) if args.quick else (1024, 4096, 8192))
     r = run_prefill_sparse_vs_dense(args.model, lengths)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(r, indent=2))
+    print("\n".join(summary_lines(r)))
+    return 0
+
+
+def _bench_hisparse(args: argparse.Namespace) -> int:
+    """`dsakv bench --enable-hisparse`: only the HiSparse section (`bench.hisparse`)."""
+    from pathlib import Path
+
+    from dsakv.bench.hisparse import run_hisparse_bench, summary_lines
+
+    r = run_hisparse_bench(
+        args.model, args.hisparse_config, quick=args.quick, device=_bench_device(args.device)
+    )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(r, indent=2))
@@ -690,6 +720,12 @@ def _add_bench(sub: Any) -> None:
     )
     p.add_argument(
         "--device", default="cpu", help="where the engine sections run: cpu (default), cuda, auto"
+    )
+    add_hisparse_args(
+        p,
+        "run only the HiSparse section: off / on-dense / on-elided at one device budget "
+        "(default model glm-hisparse: glm-bench-short with index_topk 64; config default "
+        '{"host_to_device_ratio": 4})',
     )
     g = p.add_argument_group("serving rate (decode tok/s in process vs through dsakv serve)")
     g.add_argument(

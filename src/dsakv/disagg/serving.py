@@ -62,7 +62,10 @@ class _DisaggEngine(AsyncEngine):
     ) -> None:
         self.config = config
         self.layout = describe(engine.layout, engine.model_config)
-        self.transfer = KVTransfer(engine.pool, config.host_for(server_host))
+        host_latent = engine.hot.host if engine.hot is not None else None
+        self.transfer = KVTransfer(
+            engine.pool, config.host_for(server_host), host_latent=host_latent
+        )
         # Prefill: what it sent (counted by the transfer); decode: what it received.
         self.stats: TransferStats = self.transfer.stats
         super().__init__(engine, thread)  # starts the step loop
@@ -355,6 +358,11 @@ def make_async_engine(
     """The prefill or decode server's bridge; setup failures are one `DsakvError`.
     `thread`: the `EngineThread` that built `engine`, to step it too."""
     cls = PrefillAsyncEngine if config.mode == "prefill" else DecodeAsyncEngine
+    if engine.hot is not None and config.mode == "prefill":
+        raise DsakvError(
+            "--enable-hisparse is for the decode server: a prefill server keeps its prompts "
+            "on the device and writes their latent into the decode server's host memory"
+        )
     try:
         return cls(engine, config, server_host, thread)
     except (TransferError, BootstrapError) as e:

@@ -198,12 +198,19 @@ def _unregister(engine: Any, ptrs: list[int]) -> None:
 class KVTransfer:
     """One pool's buffers registered with the Mooncake Transfer Engine (P2P handshake, TCP).
 
-    The decode side only registers (the prefill side writes into its memory); the prefill
-    side registers too and calls `write`. `session` is what the peer addresses. The
+    The decode side only registers (the prefill side writes into its memory; under HiSparse
+    its latent buffers are `host_latent`, its host rows); the prefill side registers too
+    and calls `write`. `session` is what the peer addresses. The
     registrations go when `close` is called or the object is collected.
     """
 
-    def __init__(self, pool: DSAKVPool, host: str = "127.0.0.1", protocol: str = "tcp") -> None:
+    def __init__(
+        self,
+        pool: DSAKVPool,
+        host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        host_latent: Sequence[Any] | None = None,
+    ) -> None:
         if pool.device.type != "cpu" and _cpu_only_build():
             raise TransferError(
                 f"the KV pool is on {pool.device} but the installed Mooncake is its CPU build "
@@ -211,7 +218,7 @@ class KVTransfer:
             )
         self.pool = pool
         self.engine, self.session = shared_engine(host, protocol)
-        self.buffers = pool.transfer_descriptors()
+        self.buffers = pool.transfer_descriptors(host_latent)  # HiSparse: latent on the host
         done: list[int] = []
         self._finalizer = weakref.finalize(self, _unregister, self.engine, done)
         for d in self.buffers:

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from dsakv.config import plan_overrides
+from dsakv.config import HiSparseConfig, plan_overrides
 from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
 from dsakv.errors import DsakvError
 from dsakv.kernels import BACKENDS, select_backend
-from dsakv.memory import CacheLayout, plan_capacity
+from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
 from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
@@ -24,6 +24,7 @@ from dsakv.memory.storage import StorageConfig, model_identity, storage_namespac
 
 from .cuda_graph import DecodeGraphs
 from .grammar import GrammarCache
+from .hisparse import HotBuffers
 from .l3 import L3Cache, zero_counters
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
@@ -84,6 +85,9 @@ class EngineConfig:
     hicache_mooncake_start_master: bool = False
     hicache_write_policy: str = "write_through"
     hicache_storage_prefetch_timeout: float = 2.0
+    # HiSparse (SGLang's names): latent on the host, per-request hot buffers on the device.
+    enable_hisparse: bool = False
+    hisparse_config: str | dict | None = None  # JSON object: see `HiSparseConfig`
 
     def __post_init__(self) -> None:
         ints = ("page_size", "chunked_prefill_size", "max_running_requests")
@@ -114,6 +118,7 @@ class EngineConfig:
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
             raise DsakvError(f"speculative_num_steps must be in 1..16, got {n!r}")
         self.parallel  # noqa: B018 - validates the parallel flags
+        self._check_hisparse()
         if self.storage is not None:
             if not self.enable_prefix_cache:
                 raise DsakvError(
@@ -124,6 +129,22 @@ class EngineConfig:
                     "--hicache-storage-backend runs with one rank only (--tp 1): pages read "
                     "from storage would reach rank 0's pool, not the other ranks' replicas"
                 )
+
+    def _check_hisparse(self) -> None:
+        """What HiSparse runs with; the model-dependent checks come with the model."""
+        if not self.enable_hisparse:
+            if self.hisparse_config is not None:
+                raise DsakvError("--hisparse-config needs --enable-hisparse")
+            return
+        refused = (
+            (self.speculative_algorithm is not None, "--speculative-algorithm (MTP)"),
+            (self.tp > 1 or self.dp_attention or self.nnodes > 1, "more than one rank"),
+            (self.host_pool_gib > 0, "--host-pool-gib (HiSparse's host pool holds the latent)"),
+            (self.hicache_storage_backend is not None, "--hicache-storage-backend"),
+        )
+        for bad, what in refused:
+            if bad:
+                raise DsakvError(f"--enable-hisparse does not run with {what} yet")
 
     @property
     def storage(self) -> StorageConfig | None:
@@ -262,15 +283,27 @@ class Engine:
             config.page_size,
             config.elide_index_k,
         )
-        if config.num_pages is not None:
+        self.hisparse = self._hisparse_config()
+        latent_pages = None
+        if self.hisparse is not None:
+            # Pages are device latent pages; each backs `ratio` logical pages (index-K on
+            # the device, every layer's latent on the host).
+            latent_pages = config.num_pages or (
+                plan_hisparse(
+                    self.layout, self.hisparse, kv_budget_gib=config.kv_budget_gib or 1.0
+                ).device_tokens
+                // config.page_size
+            )
+            num_pages = latent_pages * self.hisparse.host_to_device_ratio
+        elif config.num_pages is not None:
             num_pages = config.num_pages
         else:
             num_pages = plan_capacity(
                 self.layout, kv_budget_gib=config.kv_budget_gib or 1.0
             ).num_pages
-        if num_pages < 1:
+        if num_pages < 1 or latent_pages == 0:
             raise DsakvError("the KV budget holds less than one page")
-        self.pool = DSAKVPool(self.layout, num_pages, self.device)
+        self.pool = DSAKVPool(self.layout, num_pages, self.device, latent_pages=latent_pages)
         c = self.model_config
         self.backend = select_backend(
             config.attention_backend,
@@ -290,6 +323,9 @@ class Engine:
                 self.host = HostPool.from_gib(self.pool, config.host_pool_gib)
             except ValueError as e:
                 raise DsakvError(f"host_pool_gib: {e}") from None
+        self.hot = None
+        if self.hisparse is not None:
+            self.hot = HotBuffers(self.hisparse, self.pool, self.plan, self.backend, self.device)
         self.cache = PrefixCache(self.allocator, self.host)
         self.l3: L3Cache | None = None
         if config.storage is not None:
@@ -307,6 +343,7 @@ class Engine:
             self.cache,
             self.host,
             self.l3,
+            self.hot,
         )
         self.sampler = Sampler(self.device)
         self.tokenizer = _load_tokenizer(config.model)
@@ -340,6 +377,30 @@ class Engine:
             "elided" if config.elide_index_k else "dense",
             self.plan.pattern,
         )
+        if self.hot is not None:
+            log.info(
+                "HiSparse: %d device latent slots (%d B/token, hot buffers of %d + 1 page), "
+                "%d logical tokens (%.1f MiB of latent in host memory)",
+                self.pool.num_latent_tokens,
+                self.layout.latent_bytes_per_token,
+                self.hisparse.device_buffer_size,
+                self.pool.num_tokens,
+                self.hot.host_nbytes / 2**20,
+            )
+
+    def _hisparse_config(self) -> HiSparseConfig | None:
+        """`--hisparse-config` checked against the model (it needs an indexer, and top_k is
+        the indexer's: the hot buffer must hold what one step selects)."""
+        if not self.config.enable_hisparse:
+            return None
+        hs = HiSparseConfig.parse(self.config.hisparse_config, self.model_config)
+        topk = self.model_config.index_topk
+        if hs.top_k != topk:
+            raise DsakvError(
+                f"hisparse-config top_k {hs.top_k} must be this model's index_topk ({topk}): "
+                "the indexer selects index_topk positions per step"
+            )
+        return hs
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Padded, graph-capturable decode steps: for the graph-safe backends on one rank
@@ -347,6 +408,8 @@ class Engine:
         why = self.backend.graph_blocker(self.model.dtype, self.device, self.model_config.has_moe)
         if why is None and self.parallel.world_size > 1:
             why = "more than one rank"
+        if why is None and self.hot is not None:
+            why = "HiSparse decode copies host rows (not captured yet)"
         self.decode_graph_blocker = why  # why decode steps are not padded / captured
         if why is not None:
             if self.device.type == "cuda":
@@ -466,6 +529,11 @@ class Engine:
             raise DsakvError(
                 f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len - 1}"
             )
+        if self.hot is not None and not self.hot.fits(len(ids)):
+            raise DsakvError(
+                f"prompt has {len(ids)} tokens; under HiSparse a prompt is prefilled on the "
+                f"device, whose latent pool holds {self.pool.num_latent_tokens} tokens"
+            )
         return ids
 
     def abort(self, rid: int) -> None:
@@ -508,7 +576,10 @@ class Engine:
             new_tokens.append(req.all_ids[req.num_computed : end] + d)
             slots.append(self.scheduler.slots(req, end + len(d)))
             drafts.append(d)
-        hidden = self.runner.forward(new_tokens, slots)
+        hot = self.hot.begin_step(batch, slots) if self.hot is not None else None
+        hidden = self.runner.forward(new_tokens, slots, hot)
+        if hot is not None:
+            self.hot.end_step(hot)
         ends = torch.tensor([len(t) for t in new_tokens], dtype=torch.long).cumsum(0) - 1
         # (request, first position, first hidden row) of what this step ran, for the drafter
         ran = [
@@ -699,6 +770,8 @@ class Engine:
     def check_integrity(self) -> None:
         """When idle: every page is free or held by the prefix cache; no request holds any."""
         self.allocator.check()
+        if self.hot is not None:
+            self.hot.check(idle=not self.has_unfinished())
         if not self.has_unfinished():
             total = self.allocator.num_free_pages + self.cache.num_device_pages
             if len(self.scheduler.req_to_token):
@@ -748,6 +821,7 @@ class Engine:
             "bytes_per_token": self.layout.bytes_per_token,
             "index_k_bytes_per_token_saved": dense - self.layout.bytes_per_token,
             **(self.l3.counters() if self.l3 is not None else zero_counters()),
+            **(self.hot.counters() if self.hot is not None else HotBuffers.zero_counters()),
         }
 
 

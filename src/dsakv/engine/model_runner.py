@@ -47,15 +47,16 @@ class ModelRunner:
         self.last: dict[str, torch.Tensor] = {}  # the latest output of each model part
 
     def forward(
-        self, new_tokens: Sequence[Sequence[int]], slots: Sequence[torch.Tensor]
+        self, new_tokens: Sequence[Sequence[int]], slots: Sequence[torch.Tensor], hot=None
     ) -> torch.Tensor:
         """Run the target over one step's tokens (their KV goes to `slots`' tails);
-        returns hidden `[T, H]` (final-normed)."""
+        returns hidden `[T, H]` (final-normed). `hot`: the step's HiSparse latent slots
+        (`dsakv.engine.hisparse.HotStep`; one rank only)."""
         with self._leading() as send:
             if send:
                 host_ops = self.host.take_journal() if self.host is not None else []
                 send(("forward", _pack(new_tokens), _pack_slots(slots), host_ops))
-            return self._forward(new_tokens, slots)
+            return self._forward(new_tokens, slots, hot)
 
     def forward_draft(
         self,
@@ -109,12 +110,14 @@ class ModelRunner:
         with self.leader.lock:
             yield self.leader.send
 
-    def _forward(self, new_tokens, slots) -> torch.Tensor:
+    def _forward(self, new_tokens, slots, hot=None) -> torch.Tensor:
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(new_tokens, slots):
             self.last[TARGET] = graphs.run(new_tokens, slots)
             return self.last[TARGET]
         fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
+        if hot is not None:
+            fb.latent_out_slots, fb.latent_req_slots, fb.hot = hot.out_slots, hot.req_slots, hot
         with torch.inference_mode():
             self.last[TARGET] = self.model(fb, self.pool)
         return self.last[TARGET]

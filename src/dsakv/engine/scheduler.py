@@ -48,12 +48,14 @@ class Scheduler:
         cache: PrefixCache,
         host: HostPool | None,
         l3: Any = None,
+        hot: Any = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
         self.cache = cache
         self.host = host
         self.l3 = l3  # the storage tier (`dsakv.engine.l3.L3Cache`), or None
+        self.hot = hot  # HiSparse device latent slots (`dsakv.engine.hisparse`), or None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the newest is retracted first
         self.req_to_token = ReqToTokenTable()  # rid -> token slot of each position
@@ -122,6 +124,8 @@ class Scheduler:
         self._unqueue(req)
         if self.l3 is not None:
             self.l3.cancel(req.rid)
+        if self.hot is not None:
+            self.hot.free(req)
         if req.host_slots is not None:
             self.host.free(req.host_slots)
             req.host_slots = None
@@ -149,7 +153,13 @@ class Scheduler:
         headroom; `adopt` runs it, `finish` (abort) gives the pages back."""
         if self._pages_for(tokens) + self._headroom() > self._available_pages():
             return False
-        return self._reserve(req, tokens)
+        if self.hot is not None and not self.hot.can_admit(req, detached=True):
+            return False
+        if not self._reserve(req, tokens):
+            return False
+        if self.hot is not None:
+            self.hot.admit_detached(req)  # the latent arrives in host memory
+        return True
 
     def adopt(self, req: Request) -> None:
         """Run a request whose first `num_computed` positions' KV is already in its pages."""
@@ -196,6 +206,8 @@ class Scheduler:
                 self.stats.retractions_to_host += 1
             except OutOfPages:
                 pass
+        if self.hot is not None:
+            self.hot.free(req)
         self.cache.unlock(req.prefix_nodes)
         if req.pages[req.num_cached_pages :]:
             self.allocator.free(req.pages[req.num_cached_pages :])
@@ -286,6 +298,8 @@ class Scheduler:
         host_nodes = sum(1 for x in nodes if x.page is None)
         if own + host_nodes + self._headroom() > self._available_pages():
             return 0
+        if self.hot is not None and not self.hot.can_admit(req):
+            return 0  # the device latent slots (HiSparse) are the other limit
         self.cache.lock(nodes)
         try:
             self.cache.promote(nodes)
@@ -296,6 +310,8 @@ class Scheduler:
                 raise OutOfPages("admission")
             if self.l3 is not None:  # L3 pages are the request's own, as if computed
                 self.l3.admitted(req.rid, stored, req.pages[len(nodes) : len(nodes) + len(stored)])
+            if self.hot is not None:
+                self.hot.admit(req, self.slots(req, hit))
         except OutOfPages:
             self.cache.unlock(nodes)
             if req.pages[len(nodes) :]:

@@ -23,7 +23,7 @@ import torch
 from dsakv.errors import DsakvError
 from dsakv.memory.fp8 import FP8_DTYPE
 
-from . import cpu_native, cpu_ops, torch_ops
+from . import cpu_native, cpu_ops, hisparse_ops, torch_ops
 from .torch_ops import MLAMath, per_head
 
 # Rows of query chunks for the Triton extend indexer: bounds the [chunk, L] logits block.
@@ -121,6 +121,17 @@ class TorchBackend:
         """Top-k positions `[e, k]` of one request's chunk over its context `slots`."""
         keys = pool.gather_index_k(layer, slots).float()
         return torch_ops.index_topk_extend(q, w, keys, prefix, scale, topk)
+
+    # --- HiSparse hot buffers (DESIGN.md §13) ------------------------------------------------
+
+    def hot_resolve(self, topk, newest, reserved_slot, buf_pos, stamp, buf_slot, step):
+        """Top-k positions `[B, K]` -> device latent slots and the miss list; updates the
+        buffers' positions and recency in place (`hisparse_ops.resolve`)."""
+        return hisparse_ops.resolve(topk, newest, reserved_slot, buf_pos, stamp, buf_slot, step)
+
+    def hot_copy(self, hosts, devs, src, dst) -> None:
+        """`devs[l][dst[i]] = hosts[l][src[i]]` for every layer l of a group (−1: nothing)."""
+        hisparse_ops.copy_rows_layers(hosts, devs, src, dst)
 
 
 class CpuBackend(TorchBackend):
@@ -290,6 +301,16 @@ class TritonBackend(TorchBackend):
             if self.fp8_index
             else "torch (index-K not fp8)",
         }
+
+    def hot_resolve(self, topk, newest, reserved_slot, buf_pos, stamp, buf_slot, step):
+        from . import triton_hisparse
+
+        return triton_hisparse.resolve(topk, newest, reserved_slot, buf_pos, stamp, buf_slot, step)
+
+    def hot_copy(self, hosts, devs, src, dst) -> None:
+        from . import triton_hisparse
+
+        triton_hisparse.copy_rows_layers(hosts, devs, src, dst)
 
     def graph_blocker(self, dtype, device, moe) -> str | None:
         # The kernels read lengths, slots and -1 padding on the device, and so do the torch

@@ -156,7 +156,12 @@ def _index_k_buffer(layout: CacheLayout, pages: int, device, pin) -> _Buffer:
 
 
 class DSAKVPool:
-    """Paged KV storage for every layer of one `CacheLayout` on one device."""
+    """Paged KV storage for every layer of one `CacheLayout` on one device.
+
+    Latent and index-K share one slot space, except under HiSparse (`latent_pages`): there
+    the latent buffers hold only the device latent slots (hot buffers, prompts being
+    prefilled), addressed on their own, while index-K holds every logical token.
+    """
 
     def __init__(
         self,
@@ -164,24 +169,38 @@ class DSAKVPool:
         num_pages: int,
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
+        latent_pages: int | None = None,
     ) -> None:
         if num_pages < 1:
             raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
+        if latent_pages is not None and latent_pages < 1:
+            raise ValueError(f"a KV pool needs at least one latent page, got {latent_pages}")
         self.layout = layout
         self.num_pages = num_pages
+        self.latent_pages = num_pages if latent_pages is None else latent_pages
         self.page_size = layout.page_size
         self.device = torch.device(device)
         self.pin_memory = pin_memory
-        args = (layout, num_pages, self.device, pin_memory)
-        self._latent = [_latent_buffer(*args) for _ in range(layout.num_layers)]
+        lat = (layout, self.latent_pages, self.device, pin_memory)
+        self._latent = [_latent_buffer(*lat) for _ in range(layout.num_layers)]
         # The layout (hence the LayerPlan) alone decides which layers get index-K.
-        self._index_k = {layer: _index_k_buffer(*args) for layer in layout.index_k_layers}
+        idx = (layout, num_pages, self.device, pin_memory)
+        self._index_k = {layer: _index_k_buffer(*idx) for layer in layout.index_k_layers}
 
     # --- sizes -------------------------------------------------------------------------------
 
     @property
     def num_tokens(self) -> int:
         return self.num_pages * self.page_size
+
+    @property
+    def num_latent_tokens(self) -> int:
+        return self.latent_pages * self.page_size
+
+    @property
+    def split_latent(self) -> bool:
+        """Whether latent slots are their own address space (HiSparse)."""
+        return self.latent_pages != self.num_pages
 
     @property
     def nbytes(self) -> int:
@@ -195,13 +214,14 @@ class DSAKVPool:
 
     def write_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
         self._check_layer(layer)
-        self._write(self._latent[layer], slots, latent, self.layout.latent_dim, "latent")
+        buf, dim = self._latent[layer], self.layout.latent_dim
+        self._write(buf, slots, latent, dim, "latent", self.num_latent_tokens)
 
     def gather_latent(
         self, layer: int, slots: torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         self._check_layer(layer)
-        return self._gather(self._latent[layer], slots, dtype)
+        return self._gather(self._latent[layer], slots, dtype, self.num_latent_tokens)
 
     def latent_data(self, layer: int) -> torch.Tensor:
         """The layer's latent buffer as stored (`[slots, row]`), for kernels that read or
@@ -241,24 +261,45 @@ class DSAKVPool:
 
     def move(self, dst_slots: torch.Tensor, src_slots: torch.Tensor) -> None:
         """Copy every buffer's bytes from `src_slots` to `dst_slots`, token by token."""
+        self._check_unsplit()
         copy_tokens(self, dst_slots, self, src_slots)
 
-    def transfer_descriptors(self) -> list[TransferDescriptor]:
-        """One per real buffer (latent per layer, index-K per owning layer); none for elided."""
-        return [
-            TransferDescriptor(
-                layer,
-                comp,
-                b.data.data_ptr(),
-                b.nbytes,
-                b.nbytes // self.num_pages,
-                tuple(_token_rows(b)),
+    def transfer_descriptors(
+        self, host_latent: Sequence[torch.Tensor] | None = None
+    ) -> list[TransferDescriptor]:
+        """One per real buffer (latent per layer, index-K per owning layer); none for elided.
+
+        `host_latent`: HiSparse's host rows (one `[num_tokens, row]` uint8 tensor per layer,
+        the stored bytes at logical slots) stand in for the latent, so a prefill server
+        writes a decode server's latent straight into its host memory."""
+        if host_latent is None:
+            self._check_unsplit()
+        out = []
+        for layer, comp, b in self._buffers():
+            if comp == LATENT and host_latent is not None:
+                t = host_latent[layer]
+                nbytes, rows = t.numel() * t.element_size(), ((0, t.shape[1] * t.element_size()),)
+                out.append(
+                    TransferDescriptor(
+                        layer, comp, t.data_ptr(), nbytes, nbytes // self.num_pages, rows
+                    )
+                )
+                continue
+            out.append(
+                TransferDescriptor(
+                    layer,
+                    comp,
+                    b.data.data_ptr(),
+                    b.nbytes,
+                    b.nbytes // self.num_pages,
+                    tuple(_token_rows(b)),
+                )
             )
-            for layer, comp, b in self._buffers()
-        ]
+        return out
 
     def export_pages(self, slots: torch.Tensor) -> dict[str, Any]:
         """Self-describing CPU payload of the tokens at `slots` (raw stored bytes)."""
+        self._check_unsplit()
         page, off = self._locate(slots)
         buffers = {
             f"{comp}.{layer}": [p[page, off].cpu() for p in b.parts]
@@ -273,6 +314,7 @@ class DSAKVPool:
 
     def import_pages(self, payload: dict[str, Any], slots: torch.Tensor) -> None:
         """Write an `export_pages` payload into `slots`; bit-exact, same layout only."""
+        self._check_unsplit()
         _check_payload(self.layout, payload)
         page, off = self._locate(slots)
         if payload["num_tokens"] != page.numel():
@@ -309,6 +351,7 @@ class DSAKVPool:
 
     def _page_views(self) -> list[torch.Tensor]:
         """Each real buffer as `[num_pages, its bytes per page]` uint8 (a view, not a copy)."""
+        self._check_unsplit()
         return [b.data.view(torch.uint8).view(self.num_pages, -1) for _, _, b in self._buffers()]
 
     # --- internals ---------------------------------------------------------------------------
@@ -319,6 +362,14 @@ class DSAKVPool:
             yield layer, LATENT, buf
             if layer in self._index_k:
                 yield layer, INDEX_K, self._index_k[layer]
+
+    def _check_unsplit(self) -> None:
+        """Token-wise moves address latent and index-K by one slot: not under HiSparse."""
+        if self.split_latent:
+            raise ValueError(
+                "this pool keeps latent in its own (HiSparse) slot space: tokens cannot be "
+                "moved, exported or transferred as whole rows of every buffer"
+            )
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.layout.num_layers:
@@ -335,18 +386,19 @@ class DSAKVPool:
             )
         return buf
 
-    def _check_slots(self, slots) -> torch.Tensor:
+    def _check_slots(self, slots, limit: int | None = None) -> torch.Tensor:
         """Slots as a long tensor on the pool's device; raises on any out-of-range slot (a
         negative one would silently wrap around in a write)."""
+        limit = self.num_tokens if limit is None else limit
         s = torch.as_tensor(slots)
         if s.dtype not in (torch.int64, torch.int32) or s.dim() != 1:
             raise TypeError(f"slots must be a 1-D integer tensor, got {s.dtype} {tuple(s.shape)}")
         s = s.to(device=self.device, dtype=torch.long)
         if s.numel():
             lo, hi = torch.aminmax(s)  # one op, one sync: this runs per layer per step
-            if lo < 0 or hi >= self.num_tokens:
-                bad = s[(s < 0) | (s >= self.num_tokens)][0].item()
-                raise IndexError(f"slot {bad} out of range 0..{self.num_tokens - 1}")
+            if lo < 0 or hi >= limit:
+                bad = s[(s < 0) | (s >= limit)][0].item()
+                raise IndexError(f"slot {bad} out of range 0..{limit - 1}")
         return s
 
     def _locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,8 +406,10 @@ class DSAKVPool:
         s = self._check_slots(slots)
         return s // self.page_size, s % self.page_size
 
-    def _write(self, buf: _Buffer, slots, x: torch.Tensor, dim: int, what: str) -> None:
-        s = self._check_slots(slots)
+    def _write(
+        self, buf: _Buffer, slots, x: torch.Tensor, dim: int, what: str, limit: int | None = None
+    ) -> None:
+        s = self._check_slots(slots, limit)
         if x.dim() != 2 or x.shape != (s.numel(), dim):
             raise ValueError(
                 f"{what} must be [{s.numel()}, {dim}] for {s.numel()} slots, got {tuple(x.shape)}"
@@ -366,8 +420,8 @@ class DSAKVPool:
             else:
                 p[s // self.page_size, s % self.page_size] = v
 
-    def _gather(self, buf: _Buffer, slots, dtype: torch.dtype) -> torch.Tensor:
-        s = self._check_slots(slots)
+    def _gather(self, buf: _Buffer, slots, dtype: torch.dtype, limit: int | None = None):
+        s = self._check_slots(slots, limit)
         return buf.decode([_rows(p, s, self.page_size) for p in buf.parts], dtype)
 
 
@@ -394,6 +448,8 @@ def copy_tokens(
     """Copy stored bytes token by token between two pools of one layout; returns bytes copied."""
     if dst.layout.fingerprint() != src.layout.fingerprint():
         raise ValueError("cannot copy KV between pools of different layouts")
+    dst._check_unsplit()
+    src._check_unsplit()
     dp, do = dst._locate(dst_slots)
     sp, so = src._locate(src_slots)
     if dp.numel() != sp.numel():

@@ -121,7 +121,7 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """Stores the step's latent rows, selects (full layers) and attends: `[T, H, v]`."""
         t, ops, h = x.shape[0], self.ops, self.n_heads
-        ops.store_latent(pool, self.layer, batch.out_slots, row)
+        ops.store_latent(pool, self.layer, batch.latent_out_slots, row)
         if topk_source == self.layer:  # a full layer (built with an indexer)
             selections[self.layer] = self.indexer(self.layer, x, q_lora, cos, sin, batch, pool)
         sels = selections[topk_source]
@@ -155,7 +155,7 @@ class MLAttention(nn.Module):
                 self.layer,
                 q_nope[a : a + e],
                 q_rope[a : a + e],
-                batch.req_slots[r],
+                batch.latent_req_slots[r],
                 prefix,
                 positions,
                 valid,

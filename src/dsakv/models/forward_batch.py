@@ -4,6 +4,12 @@ Request `r` contributes `extend_lens[r]` consecutive tokens; they sit at positio
 `seq_lens[r] - extend_lens[r] .. seq_lens[r] - 1` of that request, so a decode token is
 simply an extend of length 1. `req_slots[r]` maps every position of the request (this
 step's tokens included) to its pool token slot; the model gathers context through it.
+
+Under HiSparse the latent has its own device slot space (DESIGN.md §13): `latent_out_slots`
+and `latent_req_slots` say where this step's latent rows go and where an extending
+request's context latent is, and `hot` (the engine's `HotBuffers` step) maps a decode
+request's top-k positions to device slots. Without HiSparse they are `out_slots`,
+`req_slots` and None.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -27,8 +34,15 @@ class ForwardBatch:
     req_slots: list[
         torch.Tensor
     ]  # per request: LongTensor[seq_len], slots of positions 0..seq_len-1
+    latent_out_slots: torch.Tensor | None = None  # LongTensor[T] (HiSparse), else out_slots
+    latent_req_slots: list[torch.Tensor] | None = None  # extend requests' (HiSparse)
+    hot: Any = None  # HiSparse: resolves decode top-k to device latent slots
 
     def __post_init__(self) -> None:
+        if self.latent_out_slots is None:
+            self.latent_out_slots = self.out_slots
+        if self.latent_req_slots is None:
+            self.latent_req_slots = self.req_slots
         n = len(self.extend_lens)
         if len(self.seq_lens) != n or len(self.req_slots) != n:
             raise ValueError(

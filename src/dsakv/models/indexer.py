@@ -102,7 +102,7 @@ class Indexer(nn.Module):
         self.ops.store_index_k(pool, layer, batch.out_slots, k)
         per_req: list[Selection | None] = [None] * batch.num_reqs
         if all(s <= self.topk for s in batch.seq_lens):  # everything visible is selected
-            return StepSelection(per_req, _every_position(batch))
+            return StepSelection(per_req, _on_device(layer, batch, _every_position(batch)))
         q, w = self.ops.block(INDEX_QUERY, batch, self, x, q_lora, cos, sin, pool)
         for r in batch.extend_reqs:
             if batch.seq_lens[r] <= self.topk:
@@ -128,12 +128,22 @@ class Indexer(nn.Module):
             return None
         table, lens = batch.decode_ctx  # [B, W], [B]
         if table.shape[1] <= self.topk:
-            return _every_position(batch)
+            return _on_device(layer, batch, _every_position(batch))
         rows = batch.decode_tokens
         positions = self.ops.index_topk_decode(
             pool, layer, q[rows], w[rows], table, lens, self.scale, self.topk
         )
-        return Selection(positions, positions < lens[:, None], table.gather(1, positions))
+        sel = Selection(positions, positions < lens[:, None], table.gather(1, positions))
+        return _on_device(layer, batch, sel)
+
+
+def _on_device(layer: int, batch: ForwardBatch, sel: Selection | None) -> Selection | None:
+    """Under HiSparse, the decode selection's slots are device latent slots: the hot buffers
+    resolve it (once for this layer and every shared layer reusing it)."""
+    if sel is None or batch.hot is None:
+        return sel
+    slots = batch.hot.resolve(layer, sel.positions, sel.valid, batch.decode_ctx[0])
+    return Selection(sel.positions, sel.valid, slots)
 
 
 def _every_position(batch: ForwardBatch) -> Selection | None:

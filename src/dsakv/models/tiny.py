@@ -194,6 +194,10 @@ _GLM_BENCH_SHORT = {
     "indexer_types": _glm_pattern(16, 4, 3),
 }
 
+# glm-bench-short with a top-64 indexer: prompts several times a HiSparse hot buffer
+# (2 × top_k) long stay cheap to prefill on a CPU (`dsakv bench --enable-hisparse`).
+_GLM_HISPARSE = {**_GLM_BENCH_SHORT, "index_topk": 64}
+
 _DEEPSEEK_TINY = {
     **_COMMON,
     "model_type": "deepseek_v32",
@@ -234,6 +238,7 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
     "glm-tiny": _GLM_TINY,
     "glm-bench": _GLM_BENCH,
     "glm-bench-short": _GLM_BENCH_SHORT,
+    "glm-hisparse": _GLM_HISPARSE,
     "deepseek-tiny": _DEEPSEEK_TINY,
 }
 
@@ -378,7 +383,7 @@ def default_model_dir(preset: str = "glm-bench", seed: int = 0) -> Path:
     done = path / ".complete"
     if not done.is_file():
         tmp = root / f".{name}.tmp{os.getpid()}"
-        dtype = torch.bfloat16 if preset.startswith("glm-bench") else torch.float32
+        dtype = torch.bfloat16 if preset.startswith(("glm-bench", "glm-hisparse")) else torch.float32
         write_tiny_model(tmp, preset, seed, dtype, mtp="fit")
         (tmp / ".complete").write_text(json.dumps({"preset": preset, "seed": seed, "mtp": "fit"}))
         if path.exists():  # a concurrent writer won; keep theirs

@@ -78,6 +78,41 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "L3 lookups cut short by the prefetch timeout",
     ),
     "l3_errors": ("l3_errors", "counter", "L3 operations that found the store unreachable"),
+    # HiSparse (dsakv.engine.hisparse)
+    "hisparse_device_tokens_total": (
+        "hisparse_device_tokens_total",
+        "gauge",
+        "HiSparse device latent slots (hot buffers and prompts being prefilled)",
+    ),
+    "hisparse_device_tokens_used": (
+        "hisparse_device_tokens_used",
+        "gauge",
+        "HiSparse device latent slots in use",
+    ),
+    "hisparse_hot_buffers": ("hisparse_hot_buffers", "gauge", "Requests decoding from a hot buffer"),
+    "hisparse_hits": ("hisparse_hits", "counter", "Top-k entries found in a hot buffer"),
+    "hisparse_misses": ("hisparse_misses", "counter", "Top-k entries copied in from the host"),
+    "hisparse_resolves": (
+        "hisparse_resolves",
+        "counter",
+        "Hot-buffer resolutions (one per full layer per step)",
+    ),
+    "hisparse_rows_to_device": (
+        "hisparse_rows_to_device",
+        "counter",
+        "Latent rows (one token, one layer) copied host -> device",
+    ),
+    "hisparse_bytes_to_device": (
+        "hisparse_bytes_to_device",
+        "counter",
+        "Latent bytes copied host -> device",
+    ),
+    "hisparse_rows_to_host": (
+        "hisparse_rows_to_host",
+        "counter",
+        "Latent rows written to the host (every computed token, every layer)",
+    ),
+    "hisparse_bytes_to_host": ("hisparse_bytes_to_host", "counter", "Latent bytes written to the host"),
     "l3_write_queue": ("l3_write_queue", "gauge", "KV pages waiting to be written to L3"),
 }
 

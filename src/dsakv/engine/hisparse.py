@@ -1,0 +1,345 @@
+"""`HotBuffers`: HiSparse in the engine (DESIGN.md §13).
+
+Every token's latent lives in host memory (`host[layer]`, one row per logical slot, the
+stored bytes of the device pool's format); the device latent pool holds only device slots,
+a second address space with its own page allocator: the whole prompt while a request is
+prefilled, then its hot buffer of `device_buffer_size` slots plus one page (the newest
+token). Index-K stays on the device for every logical token, on full layers only when
+elided: the indexer scores the whole history.
+
+A request's life, as the scheduler and the step drive it:
+
+- `can_admit` / `admit`: latent pages for max(prompt, buffer + 1) positions, and the latent
+  of prefix-cache hits copied in from the host (a hit's rows are on the host: every computed
+  token is written there right after its step, `end_step`).
+- Multi-token steps read and write its latent pages like the dense layout.
+- Its first one-token step (`begin_step`) shrinks it to its hot buffer: the first buffer
+  pages stay, entry j holding position j; the rest go back. From then on each full layer's
+  top-k is resolved against the buffer (hits stay, least recently used entries make room,
+  misses are copied from the host) and the layers sharing that top-k replay the same copy
+  list: the buffer state is per IndexShare group, the slots are the same in every layer.
+- `free`: on finish, abort and retraction (a retracted request is recomputed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsakv.config import HiSparseConfig, LayerPlan
+from dsakv.kernels.hisparse_ops import bind_newest
+from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
+from dsakv.memory.pool import DSAKVPool
+
+from .request import Request
+
+
+@dataclass
+class HotStats:
+    """Counters for /metrics and the bench (rows are one token's latent in one layer)."""
+
+    rows_to_device: int = 0  # host -> device latent rows of prefix hits (misses: on device)
+    rows_to_host: int = 0  # device -> host latent rows (every computed token, every layer)
+    resolves: int = 0  # (full layer, step) resolutions
+
+
+@dataclass
+class _Hot:
+    pages: list[int] = field(default_factory=list)  # device latent pages
+    row: int = -1  # hot-buffer state row (>= 0 once decoding)
+    on_host: bool = False  # its computed latent is on the host only (a PD decode request)
+
+
+_COUNTERS = (
+    "hisparse_device_tokens_total",
+    "hisparse_device_tokens_used",
+    "hisparse_hot_buffers",
+    "hisparse_hits",
+    "hisparse_misses",
+    "hisparse_resolves",
+    "hisparse_rows_to_device",
+    "hisparse_bytes_to_device",
+    "hisparse_rows_to_host",
+    "hisparse_bytes_to_host",
+)
+
+
+class HotBuffers:
+    """The device latent slots, the host latent and every request's hot-buffer state.
+
+    State is per (IndexShare group, request row): `buf_pos` (position each entry holds, −1
+    empty) and `stamp` (recency); `buf_slot` (the entry's device slot) and `reserved` (the
+    newest token's slot) are per request, the same in every layer. The ops that read and
+    update them are the backend's (`hot_resolve`, `hot_copy`: torch or Triton).
+    """
+
+    def __init__(
+        self,
+        config: HiSparseConfig,
+        pool: DSAKVPool,
+        plan: LayerPlan,
+        backend,
+        device: torch.device,
+    ) -> None:
+        self.config, self.pool, self.backend, self.device = config, pool, backend, device
+        ps, s = pool.page_size, config.device_buffer_size
+        self.page_size, self.size = ps, s
+        self.buffer_pages = -(-(s + 1) // ps)  # S entries, then the reserved slot
+        self.allocator = PageAllocator(pool.latent_pages, ps)
+        layers = range(plan.num_layers)  # the MTP layer is refused with HiSparse
+        self.groups = {f: [i for i in layers if plan.topk_source(i) == f] for f in layers}
+        self.groups = {f: g for f, g in self.groups.items() if g}
+        self._group = {f: i for i, f in enumerate(self.groups)}
+        pin = device.type == "cuda"
+        self.device_rows = [pool.latent_data(i).view(torch.uint8) for i in layers]
+        width = self.device_rows[0].shape[1]
+        self.host = [
+            torch.zeros(pool.num_tokens, width, dtype=torch.uint8, pin_memory=pin) for _ in layers
+        ]
+        rows = max(1, pool.latent_pages // self.buffer_pages)
+        g = len(self.groups)
+        self.buf_pos = torch.full((g, rows, s), -1, dtype=torch.int32, device=device)
+        self.stamp = torch.full((g, rows, s), -1, dtype=torch.int64, device=device)
+        self.buf_slot = torch.zeros(rows, s, dtype=torch.int64, device=device)
+        self.reserved = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._free_rows = list(range(rows - 1, -1, -1))
+        self._reqs: dict[int, _Hot] = {}
+        self._clock = 0
+        self.stats = HotStats()
+        # hits, misses, rows copied for misses: summed on the device, read by `counters`
+        self._counts = torch.zeros(3, dtype=torch.int64, device=device)
+
+    # --- sizes -----------------------------------------------------------------------------
+
+    @property
+    def host_nbytes(self) -> int:
+        return sum(h.numel() for h in self.host)
+
+    @property
+    def row_bytes(self) -> int:
+        """One token's latent in one layer, as stored."""
+        return self.host[0].shape[1]
+
+    @property
+    def num_latent_tokens_used(self) -> int:
+        return self.allocator.num_used_pages * self.page_size
+
+    @staticmethod
+    def zero_counters() -> dict[str, int]:
+        """`counters()` of an engine without HiSparse (one /metrics schema either way)."""
+        return dict.fromkeys(_COUNTERS, 0)
+
+    def counters(self) -> dict[str, int]:
+        hits, misses, miss_rows = self._counts.tolist()
+        st = self.stats
+        to_device = st.rows_to_device + miss_rows
+        out = {
+            "hisparse_device_tokens_total": self.allocator.num_pages * self.page_size,
+            "hisparse_device_tokens_used": self.num_latent_tokens_used,
+            "hisparse_hot_buffers": sum(1 for h in self._reqs.values() if h.row >= 0),
+            "hisparse_hits": hits,
+            "hisparse_misses": misses,
+            "hisparse_resolves": st.resolves,
+            "hisparse_rows_to_device": to_device,
+            "hisparse_bytes_to_device": to_device * self.row_bytes,
+            "hisparse_rows_to_host": st.rows_to_host,
+            "hisparse_bytes_to_host": st.rows_to_host * self.row_bytes,
+        }
+        assert tuple(out) == _COUNTERS
+        return out
+
+    # --- admission and release (the scheduler) ---------------------------------------------
+
+    def _pages_for(self, req: Request) -> int:
+        return -(-max(req.seq_len, self.size + 1) // self.page_size)
+
+    def fits(self, prompt_len: int) -> bool:
+        """Whether a prompt can ever be prefilled: its latent must all be on the device."""
+        return -(-max(prompt_len + 1, self.size + 1) // self.page_size) <= self.allocator.num_pages
+
+    def can_admit(self, req: Request, detached: bool = False) -> bool:
+        """Whether the device latent pool holds this request's prompt (and, later, buffer);
+        `detached`: its prompt's latent arrives in host memory (PD), only the buffer."""
+        need = self.buffer_pages if detached else self._pages_for(req)
+        return need <= self.allocator.num_free_pages
+
+    def admit(self, req: Request, hit_slots: torch.Tensor) -> None:
+        """Take the request's latent pages; bring the latent of its prefix hit (the logical
+        slots `hit_slots` of positions 0..hit-1) from the host."""
+        if req.rid in self._reqs:
+            raise RuntimeError(f"request {req.rid} already holds device latent slots")
+        hot = _Hot(self.allocator.alloc(self._pages_for(req)))
+        self._reqs[req.rid] = hot
+        n = hit_slots.numel()
+        if n:
+            dst = page_slots(hot.pages, self.page_size)[:n].to(self.device)
+            src = hit_slots.to(self.device)
+            self.backend.hot_copy(self.host, self.device_rows, src, dst)
+            self.stats.rows_to_device += n * len(self.host)
+
+    def admit_detached(self, req: Request) -> None:
+        """A PD decode request: buffer pages only; the prefill server writes its latent into
+        host memory and the first decode step loads the buffer from there."""
+        if req.rid in self._reqs:
+            raise RuntimeError(f"request {req.rid} already holds device latent slots")
+        self._reqs[req.rid] = _Hot(self.allocator.alloc(self.buffer_pages), on_host=True)
+
+    def free(self, req: Request) -> None:
+        """Give back a finished, aborted or retracted request's latent slots and LRU state."""
+        hot = self._reqs.pop(req.rid, None)
+        if hot is None:
+            return
+        self.allocator.free(hot.pages)
+        if hot.row >= 0:
+            self.buf_pos[:, hot.row] = -1
+            self.stamp[:, hot.row] = -1
+            self._free_rows.append(hot.row)
+
+    def check(self, idle: bool) -> None:
+        """Integrity: every used latent page and state row belongs to one request; idle,
+        none is used."""
+        self.allocator.check()
+        held = sum(len(h.pages) for h in self._reqs.values())
+        if held != self.allocator.num_used_pages:
+            raise AssertionError(
+                f"requests hold {held} latent pages, {self.allocator.num_used_pages} used"
+            )
+        rows = sum(1 for h in self._reqs.values() if h.row >= 0)
+        if rows + len(self._free_rows) != self.buf_slot.shape[0]:
+            raise AssertionError("hot-buffer state rows leaked")
+        if idle and self._reqs:
+            raise AssertionError(f"idle engine still holds hot buffers for {sorted(self._reqs)}")
+
+    # --- the step --------------------------------------------------------------------------
+
+    def begin_step(self, batch: list[tuple[Request, int]], slots: list[torch.Tensor]) -> HotStep:
+        """Where this step's latent goes and comes from; `slots[i]` are request i's logical
+        slots of every position the step covers."""
+        self._clock += 1
+        outs: list[torch.Tensor | None] = []
+        req_slots, rows, newest = [], [], []
+        for (req, n), sl in zip(batch, slots, strict=True):
+            hot = self._reqs[req.rid]
+            if n == 1 and hot.row < 0:
+                self._enter_decode(req, hot, sl)
+            start = req.num_computed
+            if hot.row < 0:  # prefilling: the prompt's latent is all on the device
+                lat = page_slots(hot.pages, self.page_size)[: start + n]
+                outs.append(lat[start:])
+                req_slots.append(lat)
+            else:
+                rows.append(hot.row)
+                newest.append(start)
+                outs.append(None)  # bound below
+                req_slots.append(torch.empty(0, dtype=torch.long))
+        step = HotStep(self, rows, newest, req_slots)
+        if rows:  # the newest token's latent slot: its own entry while < S, else reserved
+            bound = iter(step.bind_newest().cpu().split(1))
+            outs = [next(bound) if o is None else o for o in outs]
+        step.out_slots = torch.cat(outs).to(self.device)
+        step.logical_out = torch.cat(
+            [sl[req.num_computed :] for (req, _), sl in zip(batch, slots, strict=True)]
+        ).to(self.device)
+        return step
+
+    def end_step(self, step: HotStep) -> None:
+        """Every token this step computed goes to the host, in every layer: the newest one's
+        slot is overwritten next step, and evicted or prefix-hit rows are read from there."""
+        src, dst = step.out_slots, step.logical_out.cpu()
+        rows = torch.stack([dev.index_select(0, src) for dev in self.device_rows]).cpu()
+        for host, r in zip(self.host, rows, strict=True):  # one device -> host copy above
+            host.index_copy_(0, dst, r)
+        self.stats.rows_to_host += src.numel() * len(self.host)
+
+    def _enter_decode(self, req: Request, hot: _Hot, logical: torch.Tensor) -> None:
+        """Shrink a request to its hot buffer: its first `buffer_pages` latent pages stay,
+        entry j holding position j (resident for j < computed), the slot after them is
+        reserved for the newest token. A PD request loads those entries from the host
+        (`logical`: its logical slots)."""
+        keep, extra = hot.pages[: self.buffer_pages], hot.pages[self.buffer_pages :]
+        if extra:
+            self.allocator.free(extra)
+        hot.pages = keep
+        if not self._free_rows:
+            raise OutOfPages("no hot-buffer state row left")  # rows >= buffers the pool holds
+        hot.row = r = self._free_rows.pop()
+        lat = page_slots(keep, self.page_size).to(self.device)
+        self.buf_slot[r] = lat[: self.size]
+        self.reserved[r] = lat[self.size]
+        if hot.on_host:
+            n = min(req.num_computed, self.size)
+            src = logical[:n].to(self.device)
+            self.backend.hot_copy(self.host, self.device_rows, src, lat[:n])
+            self.stats.rows_to_device += n * len(self.host)
+            hot.on_host = False
+        j = torch.arange(self.size, device=self.device)
+        resident = j < req.num_computed
+        self.buf_pos[:, r] = torch.where(resident, j, -1).to(torch.int32)
+        self.stamp[:, r] = torch.where(resident, 0, -1)
+
+
+class HotStep:
+    """One step's hot-buffer view for the model (`ForwardBatch.hot`): the decode requests'
+    state rows in batch order, their newest positions, and `resolve` for each full layer."""
+
+    def __init__(
+        self, hb: HotBuffers, rows: list[int], newest: list[int], req_slots: list[torch.Tensor]
+    ) -> None:
+        dev = hb.device
+        self.hb = hb
+        self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        self.newest = torch.tensor(newest, dtype=torch.long, device=dev)
+        self.req_slots = [s.to(dev) for s in req_slots]  # extend requests' latent slots
+        self.out_slots = torch.empty(0, dtype=torch.long, device=dev)  # this step's latent
+        self.logical_out = torch.empty(0, dtype=torch.long, device=dev)  # ... and host rows
+        self.newest_slot = torch.empty(0, dtype=torch.long, device=dev)
+
+    def bind_newest(self) -> torch.Tensor:
+        """Each decode row's newest-token slot: buffer entry `newest` while newest < S (it
+        stays resident, in every group alike), else the reserved slot."""
+        hb, r = self.hb, self.rows
+        slot, reserved = hb.buf_slot.index_select(0, r), hb.reserved.index_select(0, r)
+        for g in range(len(hb.groups)):
+            pos = hb.buf_pos[g].index_select(0, r)
+            self.newest_slot = bind_newest(pos, slot, self.newest, reserved)
+            hb.buf_pos[g].index_copy_(0, r, pos)
+        return self.newest_slot
+
+    def resolve(
+        self, layer: int, positions: torch.Tensor, valid: torch.Tensor, table: torch.Tensor
+    ) -> torch.Tensor:
+        """Device latent slots `[B, K]` of a full layer's decode top-k (`positions` into each
+        request's context, `table[B, W]` its logical slots). The misses' rows are copied from
+        the host into this layer and every layer sharing its top-k (one copy list for the
+        group). Invalid columns get slot 0, which attention masks."""
+        hb = self.hb
+        g, r = hb._group[layer], self.rows
+        pos = hb.buf_pos[g].index_select(0, r)
+        stamp = hb.stamp[g].index_select(0, r)
+        topk = torch.where(valid, positions, -1)
+        slots, miss_pos, miss_slot = hb.backend.hot_resolve(
+            topk,
+            self.newest,
+            self.newest_slot,
+            pos,
+            stamp,
+            hb.buf_slot.index_select(0, r),
+            hb._clock,
+        )
+        hb.buf_pos[g].index_copy_(0, r, pos)
+        hb.stamp[g].index_copy_(0, r, stamp)
+        missed = miss_pos >= 0
+        src = torch.where(missed, table.gather(1, miss_pos.clamp(min=0)), -1)
+        group = hb.groups[layer]
+        hb.backend.hot_copy(
+            [hb.host[i] for i in group],
+            [hb.device_rows[i] for i in group],
+            src.reshape(-1),
+            miss_slot.reshape(-1),
+        )
+        n_miss = missed.sum()
+        looked_up = ((topk >= 0) & (topk != self.newest[:, None])).sum()
+        hb._counts += torch.stack([looked_up - n_miss, n_miss, n_miss * len(group)])
+        hb.stats.resolves += 1
+        return torch.where(valid, slots, 0).long()

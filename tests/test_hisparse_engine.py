@@ -1,0 +1,257 @@
+"""HiSparse in the engine (DESIGN.md §13): every token's latent on the host, a hot buffer
+per decoding request on the device, index-K of every logical token on the device (elided).
+
+glm-tiny is sparse (index_topk 16, four IndexShare groups over 8 layers); with
+`device_buffer_size` 32 and prompts of 60-120 tokens every request runs past its buffer,
+so decode steps miss and copy rows from the host. fp32 caches make the comparisons exact
+across schedules (as in test_engine): the attention reads the same rows in the same
+order, from device slots instead of pool slots.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsakv.engine import Engine, EngineConfig, SamplingParams
+from dsakv.engine import disagg as ops
+from dsakv.errors import DsakvError
+from dsakv.models.tiny import write_tiny_model
+
+EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=8)
+HS = {"host_to_device_ratio": 8}  # top_k 16 (index_topk), buffer 32
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("glm-tiny"), preset="glm-tiny", seed=0))
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 60, hi: int = 120) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 250) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _engine(model: str, **kw) -> Engine:
+    return Engine(EngineConfig(model=model, **{**EXACT, **kw}))
+
+
+def _run(engine: Engine, prompts, params=GREEDY, check_every_step: bool = True):
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+        if check_every_step:
+            engine.check_integrity()
+    engine.check_integrity()
+    return [r.output_ids for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """A pool that holds every request at once, no HiSparse."""
+    prompts = _prompts(8)
+    return prompts, _run(_engine(tiny, num_pages=256), prompts, check_every_step=False)
+
+
+BUDGET_GIB = 60 * 8 * (8 * 2304 + 4 * 512) / 2**30  # 60 pages of the elided fp32 cell
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_greedy_equals_roomy_pool_with_misses_and_more_running(tiny, reference, backend):
+    prompts, want = reference
+    off = _engine(tiny, kv_budget_gib=BUDGET_GIB, attention_backend=backend)
+    on = _engine(
+        tiny,
+        kv_budget_gib=BUDGET_GIB,
+        attention_backend=backend,
+        enable_hisparse=True,
+        hisparse_config={"host_to_device_ratio": 2},
+    )
+    assert on.pool.num_latent_tokens < off.pool.num_tokens < on.pool.num_tokens
+    assert on.pool.nbytes <= BUDGET_GIB * 2**30
+    assert _run(on, prompts) == want
+    assert _run(off, prompts, check_every_step=False) == want
+    c = on.counters()
+    assert c["hisparse_misses"] > 0 and c["hisparse_hits"] > 0
+    assert c["hisparse_rows_to_device"] >= c["hisparse_misses"]
+    assert c["peak_running_requests"] > off.counters()["peak_running_requests"]
+    assert c["hisparse_device_tokens_used"] == 0 and c["hisparse_hot_buffers"] == 0
+
+
+def test_dense_index_k_and_fp8_caches(tiny, reference):
+    """The dense layout under HiSparse gives the same tokens; the default fp8 caches agree
+    with a roomy fp8 pool (the e4m3 rows are copied as stored bytes)."""
+    prompts, want = reference
+    dense = _engine(
+        tiny, num_pages=20, elide_index_k=False, enable_hisparse=True, hisparse_config=HS
+    )
+    assert _run(dense, prompts) == want
+    fp8 = dict(kv_cache_dtype="fp8_e4m3", index_k_dtype="fp8")
+    roomy = _run(_engine(tiny, num_pages=256, **fp8), prompts, check_every_step=False)
+    got = _run(
+        _engine(tiny, num_pages=20, enable_hisparse=True, hisparse_config=HS, **fp8), prompts
+    )
+    agree = sum(a == b for a, b in zip(got, roomy))
+    assert agree >= 7, f"{agree} of 8 requests agree with the roomy fp8 pool"
+
+
+def test_prefix_cache_hits_load_latent_from_the_host(tiny):
+    shared = _prompts(1, seed=5, lo=80, hi=80)[0]
+    prompts = [shared + tail for tail in _prompts(3, seed=6, lo=3, hi=9)]
+    cold = _run(_engine(tiny, num_pages=256, enable_prefix_cache=False), prompts)
+    on = _engine(tiny, num_pages=20, enable_hisparse=True, hisparse_config=HS)
+    _run(on, [shared + [1, 2, 3]])
+    before = on.counters()
+    assert _run(on, prompts) == cold
+    c = on.counters()
+    assert c["prefix_hit_tokens"] - before["prefix_hit_tokens"] >= 3 * 80
+    assert c["hisparse_rows_to_device"] - before["hisparse_rows_to_device"] >= 3 * 80 * 8
+
+
+def test_retraction_abort_and_host_pages_as_the_limit(tiny, reference):
+    """host_to_device_ratio 1: the logical (host) pages run out before the device slots;
+    requests are retracted and recomputed, and every page, slot and state row comes back."""
+    prompts, want = reference
+    on = _engine(tiny, num_pages=36, enable_hisparse=True, hisparse_config={"host_to_device_ratio": 1},
+                 enable_prefix_cache=False)  # fmt: skip
+    assert _run(on, prompts) == want
+    assert on.counters()["retractions"] > 0
+    hb = on.hot
+    r = on.add_request(prompts[0], GREEDY)
+    while len(r.output_ids) < 4:
+        on.step()
+    assert hb.counters()["hisparse_hot_buffers"] == 1
+    on.abort(r.rid)
+    on.check_integrity()
+    assert hb.allocator.num_used_pages == 0 and len(hb._free_rows) == hb.buf_slot.shape[0]
+    assert bool((hb.buf_pos == -1).all())
+
+
+def _short_run(engine: Engine, prompt, tamper=None) -> list[int]:
+    """One request; `tamper(engine, req)` right after its prompt is prefilled."""
+    req = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    if tamper is not None:
+        tamper(engine, req)
+    while engine.has_unfinished():
+        engine.step()
+    return req.output_ids
+
+
+def test_resident_rows_come_from_the_device_missed_rows_from_the_host(tiny):
+    """A request no longer than its buffer: overwriting its host rows changes nothing and it
+    never copies a row in; corrupting its device rows does change its tokens. A longer one
+    reads the host: corrupting the host changes its tokens."""
+    short = _prompts(1, seed=9, lo=20, hi=20)[0]  # 20 + 8 <= 32
+    want = _short_run(_engine(tiny, num_pages=64), short)
+
+    def host_garbage(engine, req):
+        for h in engine.hot.host:
+            h.copy_(torch.randint(0, 256, h.shape, dtype=torch.uint8))
+
+    on = _engine(tiny, num_pages=20, enable_hisparse=True, hisparse_config=HS)
+    assert _short_run(on, short, host_garbage) == want
+    assert on.counters()["hisparse_misses"] == 0 and on.counters()["hisparse_rows_to_device"] == 0
+
+    def device_garbage(engine, req):
+        pages = engine.hot._reqs[req.rid].pages
+        slots = torch.tensor([p * 8 + i for p in pages for i in range(8)])[:20]
+        for layer in range(engine.layout.num_layers):
+            rows = engine.pool.latent_data(layer)
+            rows[slots] = torch.randn(20, rows.shape[1]) * 10
+
+    on = _engine(tiny, num_pages=20, enable_hisparse=True, hisparse_config=HS)
+    assert _short_run(on, short, device_garbage) != want
+
+    long = _prompts(1, seed=10, lo=100, hi=100)[0]
+    want = _short_run(_engine(tiny, num_pages=64), long)
+    on = _engine(tiny, num_pages=20, enable_hisparse=True, hisparse_config=HS)
+    assert _short_run(on, long) == want and on.counters()["hisparse_misses"] > 0
+    on = _engine(tiny, num_pages=20, enable_hisparse=True, hisparse_config=HS)
+    assert _short_run(on, long, host_garbage) != want
+
+
+def test_pd_decode_receives_latent_into_its_host_memory(tiny, reference):
+    """A prefill engine (no HiSparse) writes each prompt's KV over Mooncake into a HiSparse
+    decode engine: latent into its host rows, index-K (full layers only) into its device
+    pool; the decode engine then gives the colocated tokens."""
+    pytest.importorskip("mooncake.engine")
+    from dsakv.disagg.transfer import KVTransfer, PeerBuffer
+
+    prompts, want = reference
+    prefill = _engine(tiny, num_pages=64)
+    decode = _engine(tiny, num_pages=12, enable_hisparse=True, hisparse_config=HS)
+    src = KVTransfer(prefill.pool)
+    dst = KVTransfer(decode.pool, host_latent=decode.hot.host)
+    peer = [PeerBuffer.of(d) for d in dst.buffers]
+    assert len(peer) == 8 + len(decode.layout.index_k_layers)
+    try:
+        got = []
+        for p in prompts:
+            first = prefill.add_request(p, SamplingParams(max_tokens=1, temperature=0.0))
+            ops.hold(prefill, first)
+            while prefill.has_unfinished():
+                prefill.step()
+            req = ops.reserve(decode, p, GREEDY)
+            assert (
+                req is not None and len(decode.hot._reqs[req.rid].pages) == decode.hot.buffer_pages
+            )
+            nbytes, _ = src.write(dst.session, peer, first.pages, req.pages, len(p))
+            assert nbytes == len(p) * decode.layout.bytes_per_token
+            ops.release_held(prefill, first)
+            ops.start_decoding(decode, req, first.output_ids[0])
+            while decode.has_unfinished():
+                decode.step()
+            got.append(req.output_ids)
+        decode.check_integrity()
+    finally:
+        src.close()
+        dst.close()
+    assert got == want
+    assert decode.counters()["hisparse_misses"] > 0
+
+
+def test_bad_settings_are_one_clear_error(tiny):
+    with pytest.raises(DsakvError, match="needs --enable-hisparse"):
+        EngineConfig(model=tiny, hisparse_config={"top_k": 16})
+    for kw, msg in (
+        (dict(speculative_algorithm="mtp"), "MTP"),
+        (dict(tp=2), "more than one rank"),
+        (dict(host_pool_gib=1.0), "host-pool-gib"),
+    ):
+        with pytest.raises(DsakvError, match=msg):
+            EngineConfig(model=tiny, enable_hisparse=True, **kw)
+    for cfg, msg in (
+        ('{"device_buffer_size": 8}', "device_buffer_size must be >= 16"),
+        ('{"top_k": 8}', "must be this model's index_topk"),
+        ("{nope", "not valid JSON"),
+        ('{"ratio": 2}', "unknown key"),
+    ):
+        with pytest.raises(DsakvError, match=msg):
+            _engine(tiny, num_pages=8, enable_hisparse=True, hisparse_config=cfg)
+    on = _engine(tiny, num_pages=4, enable_hisparse=True, hisparse_config=HS)  # 32 slots
+    with pytest.raises(DsakvError, match="latent pool holds 32 tokens"):
+        on.add_request(list(range(1, 40)), GREEDY)
+
+
+def test_cli_flags(tiny):
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "dsakv.cli", "generate", tiny, "--num-pages", "8",
+             "--device", "cpu", "--max-tokens", "3", *args, "--prompt", "hello"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    bad = cli("--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 0}')
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert bad.stderr.startswith("error: hisparse-config host_to_device_ratio must be >= 1")
+    bad = cli("--hisparse-config", "{}")
+    assert bad.returncode == 2 and "needs --enable-hisparse" in bad.stderr
+    ok = cli("--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 4}')
+    assert ok.returncode == 0, ok.stderr
+    assert "3 tokens" in ok.stdout
