@@ -222,6 +222,7 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
         procs["decode2"] = start_decode(root, "decode2", tiny, *TINY)
         procs["dense"] = start_decode(root, "dense", tiny, *TINY, "--no-elide-index-k",
                                  "--disaggregation-timeout", "3")  # fmt: skip
+        procs["hisparse"] = start_decode(root, "hisparse", tiny, *TINY, "--enable-hisparse")
         procs["bench_prefill"], _ = start_prefill(root, "bench_prefill", bench, "--num-pages", "16")
         procs["bench_decode"] = start_decode(root, "bench_decode", bench, "--num-pages", "16")
         rport = free_port()
@@ -327,6 +328,37 @@ def test_glm52_shaped_servers_send_47700_bytes_per_token(cluster):
     assert got["dsakv_kv_transfer_bytes_total"] == sent["dsakv_kv_transfer_bytes_total"]
     wait_idle(cluster["bench_prefill"].url)
     wait_idle(cluster["bench_decode"].url)
+
+
+def test_hisparse_decode_server_takes_the_latent_into_host_memory(cluster, reference):
+    """A decode server with --enable-hisparse registers its host latent rows for the prefill
+    server's writes (index-K, full layers only, into its device pool) and loads each
+    request's hot buffer from there: the tokens equal one engine's."""
+    prompts = [f"HiSparse {i}: " + "lorem ipsum " * (2 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = [o.text for o in reference.generate(prompts, params)]
+    with _router(cluster["prefill"], cluster["hisparse"]) as base:
+        client = _client(base)
+        got = [
+            client.completions.create(model="m", prompt=p, max_tokens=8, **GREEDY).choices[0].text
+            for p in prompts
+        ]
+    assert got == want
+    m = wait_idle(cluster["hisparse"].url)
+    tokens = m["dsakv_kv_transfer_tokens_total"]
+    assert tokens == sum(len(reference.engine.prompt_ids(p)) for p in prompts)
+    assert m["dsakv_kv_transfer_bytes_total"] == tokens * (8 * 2304 + 4 * 512)
+    assert m["dsakv_hisparse_rows_to_device_total"] == tokens * 8  # each buffer, once
+    assert m["dsakv_hisparse_hot_buffers"] == 0 and m["dsakv_hisparse_device_tokens_used"] == 0
+
+
+def test_a_prefill_server_refuses_hisparse(tmp_path):
+    p, _ = start_prefill(tmp_path, "p", "glm-tiny", "--enable-hisparse", "--device", "cpu")
+    try:
+        assert p.proc.wait(TIMEOUT) == 2
+    finally:
+        p.stop()
+    assert "--enable-hisparse is for the decode server" in p.tail()
 
 
 def test_mismatched_layouts_are_refused_before_any_byte_moves(cluster):

@@ -81,6 +81,8 @@ def test_greedy_equals_roomy_pool_with_misses_and_more_running(tiny, reference, 
     assert c["hisparse_rows_to_device"] >= c["hisparse_misses"]
     assert c["peak_running_requests"] > off.counters()["peak_running_requests"]
     assert c["hisparse_device_tokens_used"] == 0 and c["hisparse_hot_buffers"] == 0
+    assert c["hisparse_host_tokens_total"] == on.pool.num_tokens
+    assert c["hisparse_host_tokens_used"] == c["pages_cached"] * 8  # idle: the prefix cache
 
 
 def test_dense_index_k_and_fp8_caches(tiny, reference):
@@ -98,6 +100,19 @@ def test_dense_index_k_and_fp8_caches(tiny, reference):
     )
     agree = sum(a == b for a, b in zip(got, roomy))
     assert agree >= 7, f"{agree} of 8 requests agree with the roomy fp8 pool"
+
+
+def test_chunked_prefill_mixed_with_decode(tiny, reference):
+    """Prefill chunks share steps with decoding requests, and a budget left at one token
+    (67 = 3 × 17 + 16) waits for the next step: under HiSparse a one-token step is a decode
+    step, never a prefill chunk."""
+    prompts, want = reference
+    on = _engine(tiny, num_pages=20, chunked_prefill_size=17, enable_hisparse=True,
+                 hisparse_config=HS)  # fmt: skip
+    assert _run(on, prompts) == want
+    pair = [_prompts(1, seed=11, lo=67, hi=67)[0], _prompts(1, seed=12, lo=70, hi=70)[0]]
+    roomy = _run(_engine(tiny, num_pages=64, chunked_prefill_size=17), pair)
+    assert _run(on, pair) == roomy
 
 
 def test_prefix_cache_hits_load_latent_from_the_host(tiny):
@@ -125,7 +140,7 @@ def test_retraction_abort_and_host_pages_as_the_limit(tiny, reference):
     r = on.add_request(prompts[0], GREEDY)
     while len(r.output_ids) < 4:
         on.step()
-    assert hb.counters()["hisparse_hot_buffers"] == 1
+    assert on.counters()["hisparse_hot_buffers"] == 1
     on.abort(r.rid)
     on.check_integrity()
     assert hb.allocator.num_used_pages == 0 and len(hb._free_rows) == hb.buf_slot.shape[0]
@@ -255,3 +270,22 @@ def test_cli_flags(tiny):
     ok = cli("--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 4}')
     assert ok.returncode == 0, ok.stderr
     assert "3 tokens" in ok.stdout
+
+
+def test_bench_section_off_dense_elided_side_by_side(tiny):
+    from dsakv.bench.hisparse import HiSparseSizes, run_hisparse_bench, summary_lines
+
+    sizes = HiSparseSizes(requests=8, prompt_lens=(60, 90), output_lens=(4, 8), page_size=8,
+                          off_requests=3.0, kv_cache_dtype="fp32")  # fmt: skip
+    r = run_hisparse_bench(tiny, {"host_to_device_ratio": 8}, sizes=sizes)
+    assert r["outputs_equal_off"] == {"on_dense": True, "on_elided": True}
+    off, dense, elided = r["off"], r["on_dense"], r["on_elided"]
+    assert elided["device_latent_tokens"] > dense["device_latent_tokens"]
+    assert elided["peak_running_requests"] >= dense["peak_running_requests"]
+    assert elided["peak_running_requests"] > off["peak_running_requests"]
+    assert 0 < elided["miss_rate"] < 1 and elided["bytes_to_device_per_output_token"] > 0
+    assert off["misses"] == 0 and off["logical_tokens"] == off["device_latent_tokens"]
+    for x in (off, dense, elided):
+        assert x["device_kv_bytes"] <= r["kv_budget_bytes"]
+    lines = summary_lines(r)
+    assert lines[2].startswith("off") and "on a CPU" in lines[-1]

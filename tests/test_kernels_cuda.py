@@ -378,3 +378,58 @@ def test_bench_runs_on_device():
     print("\n" + format_results(results))
     decode = [r for r in results if r["kernel"].startswith("dense_mla_decode")]
     assert decode and all(r["copy_ratio"] > 0.01 for r in decode)
+
+
+def test_hisparse_resolve_and_copy_real_shapes_and_graph_replay():
+    """GLM-5's HiSparse sizes (top_k 2048, buffer 4096, 656-byte fp8_ds_mla rows from pinned
+    host memory over UVA): the Triton resolve equals the torch reference on the same device,
+    state included, and resolve + copy capture in a CUDA graph and replay on new top-k."""
+    pytest.importorskip("triton")
+    from dsakv.kernels import hisparse_ops as ref
+    from dsakv.kernels import triton_hisparse as tri
+
+    b, s, k, ctx, width = 32, 4096, TOPK, 16384, 656
+    g = torch.Generator(device=DEV).manual_seed(0)
+    lens = torch.randint(s, ctx, (b,), device=DEV, generator=g)
+    buf_slot = torch.randperm(b * (s + 1), device=DEV, generator=g).view(b, s + 1)
+    reserved, buf_slot = buf_slot[:, s].contiguous(), buf_slot[:, :s].contiguous()
+    states = {name: ref.init_buffers(lens, s) for name in ("torch", "triton")}
+    host = torch.randint(0, 256, (b * ctx, width), dtype=torch.uint8).pin_memory()
+    dev = {name: torch.zeros(b * (s + 1), width, dtype=torch.uint8, device=DEV) for name in states}
+
+    def topk() -> torch.Tensor:
+        scores = torch.rand(b, ctx, device=DEV, generator=g)
+        scores = scores.masked_fill(torch.arange(ctx, device=DEV) >= lens[:, None], -1)
+        pos = scores.topk(k, dim=1).indices
+        return torch.where(scores.gather(1, pos) >= 0, pos, -1)
+
+    def step(fn, copy, name, t, i):
+        bp, st = states[name]
+        slots, mpos, mslot = fn(t, lens - 1, reserved, bp, st, buf_slot, i)
+        base = torch.arange(b, device=DEV)[:, None] * ctx  # request r's rows in `host`
+        src = torch.where(mpos >= 0, base + mpos.clamp(min=0), -1).reshape(-1)
+        copy(host, dev[name], src, mslot.reshape(-1))
+        return slots, mpos, mslot
+
+    for i in range(1, 4):  # the step as a device scalar, as a captured step passes it
+        t, i = topk(), torch.tensor(i, device=DEV)
+        want = step(ref.resolve, ref.copy_rows, "torch", t, i)
+        got = step(tri.resolve, tri.copy_rows, "triton", t, i)
+        for w, x in zip(want, got):
+            assert torch.equal(w, x)
+        assert all(torch.equal(a, c) for a, c in zip(states["torch"], states["triton"]))
+        assert torch.equal(dev["torch"], dev["triton"])
+
+    static = topk()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(tri.resolve, tri.copy_rows, "triton", static, torch.tensor(10, device=DEV))
+    for _ in range(2):
+        t = topk()
+        static.copy_(t)
+        graph.replay()
+        want = step(ref.resolve, ref.copy_rows, "torch", t, 10)
+        torch.cuda.synchronize()
+        for w, x in zip(want, out):
+            assert torch.equal(w, x)
+        assert torch.equal(dev["torch"], dev["triton"])

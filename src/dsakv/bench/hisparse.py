@@ -27,7 +27,7 @@ GIB = 1 << 30
 class HiSparseSizes:
     requests: int = 24
     prompt_lens: tuple[int, int] = (448, 576)
-    output_lens: tuple[int, int] = (8, 16)
+    output_lens: tuple[int, int] = (32, 48)
     page_size: int = 16
     # The budget: what the HiSparse-off pool needs for this many mean-sized requests.
     off_requests: float = 4.0
@@ -146,14 +146,15 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
         f"top_k {h['top_k']}, buffer {h['device_buffer_size']}, ratio "
         f"{h['host_to_device_ratio']}; {r['workload']['requests']} requests, "
         f"{r['workload']['prompt_tokens']} prompt tokens)",
-        f"{'':10} {'device slots':>12} {'logical':>8} {'peak run':>8} {'out tok/s':>9} "
-        f"{'miss rate':>9} {'H2D B/out tok':>13}",
+        f"{'':10} {'device slots':>12} {'logical':>8} {'peak run':>8} {'decode batch':>12} "
+        f"{'out tok/s':>9} {'miss rate':>9} {'H2D B/out tok':>13}",
     ]
     for name in ("off", "on_dense", "on_elided"):
         x = r[name]
         lines.append(
             f"{name:10} {x['device_latent_tokens']:>12,} {x['logical_tokens']:>8,} "
-            f"{x['peak_running_requests']:>8} {x['output_tokens_per_s']:>9.1f} "
+            f"{x['peak_running_requests']:>8} {x['mean_decode_batch']:>12.1f} "
+            f"{x['output_tokens_per_s']:>9.1f} "
             f"{x['miss_rate']:>9.3f} {x['bytes_to_device_per_output_token']:>13,.0f}"
         )
     q = r["ratios"]

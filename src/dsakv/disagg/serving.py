@@ -358,11 +358,6 @@ def make_async_engine(
     """The prefill or decode server's bridge; setup failures are one `DsakvError`.
     `thread`: the `EngineThread` that built `engine`, to step it too."""
     cls = PrefillAsyncEngine if config.mode == "prefill" else DecodeAsyncEngine
-    if engine.hot is not None and config.mode == "prefill":
-        raise DsakvError(
-            "--enable-hisparse is for the decode server: a prefill server keeps its prompts "
-            "on the device and writes their latent into the decode server's host memory"
-        )
     try:
         return cls(engine, config, server_host, thread)
     except (TransferError, BootstrapError) as e:

@@ -821,7 +821,11 @@ class Engine:
             "bytes_per_token": self.layout.bytes_per_token,
             "index_k_bytes_per_token_saved": dense - self.layout.bytes_per_token,
             **(self.l3.counters() if self.l3 is not None else zero_counters()),
-            **(self.hot.counters() if self.hot is not None else HotBuffers.zero_counters()),
+            **(
+                self.hot.counters(self.allocator.num_used_pages * self.config.page_size)
+                if self.hot is not None
+                else HotBuffers.zero_counters()
+            ),
         }
 
 

@@ -54,6 +54,8 @@ class _Hot:
 _COUNTERS = (
     "hisparse_device_tokens_total",
     "hisparse_device_tokens_used",
+    "hisparse_host_tokens_total",
+    "hisparse_host_tokens_used",
     "hisparse_hot_buffers",
     "hisparse_hits",
     "hisparse_misses",
@@ -130,13 +132,16 @@ class HotBuffers:
         """`counters()` of an engine without HiSparse (one /metrics schema either way)."""
         return dict.fromkeys(_COUNTERS, 0)
 
-    def counters(self) -> dict[str, int]:
+    def counters(self, host_tokens_used: int) -> dict[str, int]:
+        """`host_tokens_used`: logical tokens held (their latent is in host memory)."""
         hits, misses, miss_rows = self._counts.tolist()
         st = self.stats
         to_device = st.rows_to_device + miss_rows
         out = {
             "hisparse_device_tokens_total": self.allocator.num_pages * self.page_size,
             "hisparse_device_tokens_used": self.num_latent_tokens_used,
+            "hisparse_host_tokens_total": self.pool.num_tokens,
+            "hisparse_host_tokens_used": host_tokens_used,
             "hisparse_hot_buffers": sum(1 for h in self._reqs.values() if h.row >= 0),
             "hisparse_hits": hits,
             "hisparse_misses": misses,
@@ -229,6 +234,7 @@ class HotBuffers:
                 outs.append(lat[start:])
                 req_slots.append(lat)
             else:
+                assert n == 1, "a decoding request runs one token a step (MTP is refused)"
                 rows.append(hot.row)
                 newest.append(start)
                 outs.append(None)  # bound below

@@ -91,8 +91,8 @@ class Scheduler:
                 continue  # retracted earlier in this loop
             remaining = req.seq_len - req.num_computed
             n = 1 if remaining == 1 else min(remaining, budget)
-            if n <= 0:
-                continue
+            if n <= 0 or n == 1 < remaining and self.hot is not None:
+                continue  # (HiSparse: a one-token step is a decode step, not a chunk)
             while not self._reserve(req, req.num_computed + n):
                 victim = self.running[-1]
                 self.retract(victim)
@@ -294,6 +294,8 @@ class Scheduler:
         stored = stored[: max(0, (req.seq_len - 1) // self.config.page_size - len(nodes))]
         hit = (len(nodes) + len(stored)) * self.config.page_size
         n = min(req.seq_len - hit, budget)
+        if n == 1 < req.seq_len - hit and self.hot is not None:
+            return 0  # HiSparse: a one-token step is a decode step, not a chunk
         own = max(self._pages_for(hit + n), self._future_pages(req, 0)) - len(nodes)
         host_nodes = sum(1 for x in nodes if x.page is None)
         if own + host_nodes + self._headroom() > self._available_pages():

@@ -89,6 +89,16 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "gauge",
         "HiSparse device latent slots in use",
     ),
+    "hisparse_host_tokens_total": (
+        "hisparse_host_tokens_total",
+        "gauge",
+        "HiSparse logical tokens: latent in host memory, index-K on the device",
+    ),
+    "hisparse_host_tokens_used": (
+        "hisparse_host_tokens_used",
+        "gauge",
+        "HiSparse logical tokens in use (requests + prefix cache)",
+    ),
     "hisparse_hot_buffers": ("hisparse_hot_buffers", "gauge", "Requests decoding from a hot buffer"),
     "hisparse_hits": ("hisparse_hits", "counter", "Top-k entries found in a hot buffer"),
     "hisparse_misses": ("hisparse_misses", "counter", "Top-k entries copied in from the host"),

@@ -57,6 +57,12 @@ def make_server(
                 "--hicache-storage-backend is not supported with --disaggregation-mode yet "
                 "(a prefill server would need its L3 pages before shipping them)"
             )
+        if config.enable_hisparse and disaggregation.mode == "prefill":
+            raise DsakvError(
+                "--enable-hisparse is for the decode server: a prefill server keeps its "
+                "prompts on the device and writes their latent into the decode server's "
+                "host memory"
+            )
     # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
     thread = EngineThread()
     try:
