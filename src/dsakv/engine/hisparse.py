@@ -103,8 +103,9 @@ class HotBuffers:
         g = len(self.groups)
         self.buf_pos = torch.full((g, rows, s), -1, dtype=torch.int32, device=device)
         self.stamp = torch.full((g, rows, s), -1, dtype=torch.int64, device=device)
-        self.buf_slot = torch.zeros(rows, s, dtype=torch.int64, device=device)
-        self.reserved = torch.zeros(rows, dtype=torch.int64, device=device)
+        # int32 positions and slots, int64 recency: the dtypes the compile check builds
+        self.buf_slot = torch.zeros(rows, s, dtype=torch.int32, device=device)
+        self.reserved = torch.zeros(rows, dtype=torch.int32, device=device)
         self._free_rows = list(range(rows - 1, -1, -1))
         self._reqs: dict[int, _Hot] = {}
         self._clock = 0
@@ -241,7 +242,7 @@ class HotBuffers:
                 req_slots.append(torch.empty(0, dtype=torch.long))
         step = HotStep(self, rows, newest, req_slots)
         if rows:  # the newest token's latent slot: its own entry while < S, else reserved
-            bound = iter(step.bind_newest().cpu().split(1))
+            bound = iter(step.bind_newest().long().cpu().split(1))
             outs = [next(bound) if o is None else o for o in outs]
         step.out_slots = torch.cat(outs).to(self.device)
         step.logical_out = torch.cat(
@@ -299,7 +300,7 @@ class HotStep:
         self.req_slots = [s.to(dev) for s in req_slots]  # extend requests' latent slots
         self.out_slots = torch.empty(0, dtype=torch.long, device=dev)  # this step's latent
         self.logical_out = torch.empty(0, dtype=torch.long, device=dev)  # ... and host rows
-        self.newest_slot = torch.empty(0, dtype=torch.long, device=dev)
+        self.newest_slot = torch.empty(0, dtype=torch.int32, device=dev)
 
     def bind_newest(self) -> torch.Tensor:
         """Each decode row's newest-token slot: buffer entry `newest` while newest < S (it
@@ -323,7 +324,7 @@ class HotStep:
         g, r = hb._group[layer], self.rows
         pos = hb.buf_pos[g].index_select(0, r)
         stamp = hb.stamp[g].index_select(0, r)
-        topk = torch.where(valid, positions, -1)
+        topk = torch.where(valid, positions, -1).to(torch.int32)
         slots, miss_pos, miss_slot = hb.backend.hot_resolve(
             topk,
             self.newest,
@@ -336,7 +337,7 @@ class HotStep:
         hb.buf_pos[g].index_copy_(0, r, pos)
         hb.stamp[g].index_copy_(0, r, stamp)
         missed = miss_pos >= 0
-        src = torch.where(missed, table.gather(1, miss_pos.clamp(min=0)), -1)
+        src = torch.where(missed, table.gather(1, miss_pos.long().clamp(min=0)), -1)
         group = hb.groups[layer]
         hb.backend.hot_copy(
             [hb.host[i] for i in group],
