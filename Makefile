@@ -32,7 +32,7 @@ $(TRITON_36_STAMP): | $(STAMP)
 	touch $@
 
 run: install
-	$(BIN)/dsakv bench
+	$(BIN)/dsakv bench --json bench-out/bench.json --plot bench-out/plots
 
 test: install
 	$(BIN)/python -m pytest

@@ -22,7 +22,7 @@ from dsakv.engine import EngineConfig
 from dsakv.errors import DsakvError
 from dsakv.kernels import select_backend, torch_ops
 from dsakv.memory import CacheLayout
-from dsakv.models.tiny import write_tiny_model
+from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
 if not torch.cuda.is_available():  # before triton is imported: its kernels run on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -168,15 +168,18 @@ def test_triton_backend_sparse_selection_agrees_with_torch(tiny):
     assert same / sum(map(len, ref)) >= 0.8, (ref, got)
 
 
-def test_triton_backend_hisparse_equals_its_roomy_pool(tiny):
-    """HiSparse through the Triton resolve and row-copy kernels (interpreted on a CPU):
-    prompts past the 32-slot hot buffer miss, and the tokens equal the same backend's
-    without HiSparse (same rows, same order, other slots)."""
+def test_triton_backend_hisparse_equals_its_roomy_pool(tmp_path):
+    """HiSparse through the Triton resolve and row-copy kernels (interpreted on a CPU; four
+    layers, two IndexShare groups): a prompt past the 32-slot hot buffer misses, and the
+    tokens equal the same backend's without HiSparse (same rows, same order, other slots)."""
+    four = {**TINY_PRESETS["glm-tiny"], "num_hidden_layers": 4}
+    four["indexer_types"] = ["full", "shared", "full", "shared"]
+    model = str(write_tiny_model(tmp_path, four, mtp="none"))
     prompts = [list(range(3, 3 + 36))]  # positions 32.. are not resident: they miss
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     exact = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", attention_backend="triton")
-    ref, _ = _generate(tiny, prompts, params, **exact)
-    llm = LLM(tiny, device="cpu", page_size=16, num_pages=6, enable_hisparse=True,
+    ref, _ = _generate(model, prompts, params, **exact)
+    llm = LLM(model, device="cpu", page_size=16, num_pages=6, enable_hisparse=True,
               hisparse_config={"host_to_device_ratio": 4}, **exact)  # fmt: skip
     got = [o.token_ids for o in llm.generate(prompts, params)]
     llm.engine.check_integrity()

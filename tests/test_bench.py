@@ -53,9 +53,25 @@ def tiny(tmp_path_factory):
 def report(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     result = run_bench(
-        tiny, json_path=str(out / "bench.json"), plot_dir=str(out / "plots"), sizes=TINY
+        tiny, json_path=str(out / "bench.json"), plot_dir=str(out / "plots"), sizes=TINY, full=True
     )
     return result, out
+
+
+def test_default_runs_the_core_sections_only(tiny, tmp_path):
+    """`dsakv bench` without --full (what `make run` runs): capacity, elided vs dense
+    throughput and parity, their plots, and none of the slow sections."""
+    r = run_bench(tiny, plot_dir=str(tmp_path), sizes=TINY, print_summary=False)
+    assert {"capacity", "throughput", "parity"} <= set(r)
+    assert not {"indexcache", "memory", "mtp", "storage", "cpu_paths"} & set(r)
+    assert r["parity"]["elided_equals_dense"] and r["parity"]["fp8_vs_fp32"] is None
+    assert r["throughput"]["transformers"] is None and r["meta"]["full"] is False
+    assert sorted(p.rsplit("/", 1)[1] for p in r["meta"]["plots"]) == [
+        "capacity.png",
+        "throughput.png",
+    ]
+    text = summary(r)
+    assert "2. throughput" in text and "4. parity" in text and "3. IndexCache" not in text
 
 
 def test_glm52_capacity_matches_reference():

@@ -570,6 +570,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         pd=args.pd,
         device=_bench_device(args.device),
         storage=_bench_storage(args),
+        full=args.full,
     )
     return 0
 
@@ -702,7 +703,15 @@ def _bench_storage(args: argparse.Namespace) -> dict[str, Any] | None:
 def _add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="capacity, throughput and parity of index-K elision")
     p.add_argument("--model", help="model directory or tiny preset (default: embedded glm-bench)")
-    p.add_argument("--quick", action="store_true", help="smaller workloads (about a minute)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="every section (transformers baseline, IndexCache, FP8 vs fp32, KV movement, MTP, "
+        "L3 storage, CPU paths); by default only capacity, elided vs dense throughput and parity",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="with --full: smaller workloads (the core's sizes)"
+    )
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="DIR", help="write PNG charts")
     p.add_argument(

@@ -24,7 +24,8 @@ def _row(name: str, *cells: Any, fmt: str = ",.2f") -> str:
 
 def summary(r: dict[str, Any]) -> str:
     lines = [
-        f"dsakv bench ({'quick' if r['meta']['quick'] else 'default'}) — "
+        f"dsakv bench ({'quick' if r['meta']['quick'] else 'default'} sizes, "
+        f"{'every section' if r['meta'].get('full') else 'core sections; --full for all'}) — "
         f"{r['meta']['model']}, torch threads {r['meta']['torch_threads']}, "
         f"{r['meta'].get('wall_s', 0):.0f} s"
     ]
@@ -124,6 +125,17 @@ def summary(r: dict[str, Any]) -> str:
                 f" ms + {fit_e['per_request_s'] * 1e3:.1f} ms/req"
             )
         hf, eq = t.get("transformers"), t["equal_pages"]
+        if not t.get("dsakv_fp32_cache"):  # not `full`: no transformers baseline
+            lines.append(
+                _row(
+                    "equal pages: elided/dense tok/s",
+                    None,
+                    None,
+                    eq["ratios"]["output_tokens_per_s"],
+                )
+            )
+    if t and t.get("dsakv_fp32_cache"):
+        hf, eq = t.get("transformers"), t["equal_pages"]
         lines += [
             "",
             f"   vs transformers ({eq['workload']['requests']} requests at once, "
@@ -186,9 +198,13 @@ def summary(r: dict[str, Any]) -> str:
             f"  elided == dense greedy tokens: {_f(p['elided_equals_dense'])} "
             f"({p['elided_vs_dense']['requests']} requests, {p['elided_vs_dense']['tokens']:,} tokens);"
             f" saturated runs identical: {_f(p['saturated_runs_identical'])}",
-            f"  FP8 vs fp32 cache top-1 agreement: {a['top1_agreement']:.4f} over "
-            f"{a['compared']:,} decode predictions ({a['sequences']} × {a['decode_steps']} steps)",
         ]
+        if a is not None:
+            lines.append(
+                f"  FP8 vs fp32 cache top-1 agreement: {a['top1_agreement']:.4f} over "
+                f"{a['compared']:,} decode predictions ({a['sequences']} × {a['decode_steps']} "
+                "steps)"
+            )
     m = r.get("memory")
     if m:
         lines += [

@@ -1,12 +1,13 @@
 """`dsakv bench`: capacity, throughput and parity of index-K elision, side by side.
 
-Sections: (1) capacity, (2) throughput at a fixed KV budget (elided vs dense, and a
-transformers baseline), (3) IndexCache compute (sharing pattern vs every layer full),
-(4) parity (elided vs dense greedy tokens must be identical; FP8 vs fp32 top-1),
-(5) KV memory movement (`run_memory_bench`), (6) MTP speculative decoding, with
-`--tp N` (7) the engine across ranks, with `--pd` (8) prefill -> decode KV transfer, and
-(9) the L3 storage tier: TTFT cold vs a prefix read back from storage by a fresh engine,
-bytes stored per token, elided vs dense (`bench.storage`).
+By default (what `make run` runs, a few minutes on 2 cores): (1) capacity, (2) throughput
+at a fixed KV budget, elided vs dense, and (4) parity (elided vs dense greedy tokens must
+be identical, at equal pages). `full` adds the rest: the transformers baseline in (2),
+(3) IndexCache compute (sharing pattern vs every layer full), FP8 vs fp32 top-1 in (4),
+(5) KV memory movement (`run_memory_bench`), (6) MTP speculative decoding, (9) the L3
+storage tier (TTFT cold vs a prefix read back by a fresh engine, bytes stored per token)
+and (10) the CPU paths. `--tp N` adds (7) the engine across ranks, `--pd` (8) prefill ->
+decode KV transfer, with or without `full`.
 """
 
 from __future__ import annotations
@@ -115,8 +116,10 @@ def run_bench(
     pd: bool = False,
     device: str = "cpu",
     storage: dict[str, Any] | None = None,
+    full: bool = False,
 ) -> dict[str, Any]:
-    """Run every section; returns (and optionally writes) every figure as a JSON-able dict.
+    """Run the sections (`full`: every one, see the module doc); returns (and optionally
+    writes) every figure as a JSON-able dict.
     `pd` adds prefill -> decode KV transfer over Mooncake (`bench.pd`). `storage` picks the
     L3 section's store (`backend`, `storage_dir`, `mooncake_master`; default: files in a
     temporary directory).
@@ -126,7 +129,12 @@ def run_bench(
     `device` runs the engine sections (throughput, MTP) there; the reference-model
     sections (transformers, IndexCache, FP8 parity) stay on the CPU.
     """
-    sizes = sizes or (QUICK if quick else DEFAULT)
+    # The core sections (no `full`, what `make run` runs) take the quick sizes.
+    sizes = sizes or (DEFAULT if full and not quick else QUICK)
+    if not full:
+        sizes = replace(
+            sizes, transformers=False, memory=False, storage=False, cpu_paths=False, ic_model=None
+        )
     if model is not None and sizes.ic_model == "glm-bench-short":
         sizes = replace(sizes, ic_model=None)  # a user model: every section on that model
     saved_threads = torch.get_num_threads()
@@ -135,10 +143,10 @@ def run_bench(
     t_start = time.perf_counter()
     result: dict[str, Any] = {}
     clock: dict[str, float] = {}
-    sections = ["capacity", "throughput", "indexcache", "parity"] + (
-        ["memory"] if sizes.memory else []
-    )
-    sections += ["mtp"] + (["parallel"] if tp_size > 1 else []) + (["pd"] if pd else [])
+    sections = ["capacity", "throughput"] + (["indexcache"] if full else []) + ["parity"]
+    sections += ["memory"] if sizes.memory else []
+    sections += (["mtp"] if full else []) + (["parallel"] if tp_size > 1 else [])
+    sections += ["pd"] if pd else []
     sections += ["storage"] if sizes.storage else []
     sections += ["cpu_paths"] if sizes.cpu_paths and device == "cpu" else []
     try:
@@ -149,6 +157,7 @@ def run_bench(
                 "model": path,
                 "indexcache_model": ic_path,
                 "quick": quick,
+                "full": full,
                 "sizes": asdict(sizes),
                 "torch_threads": torch.get_num_threads(),
                 "device": device,
@@ -162,16 +171,18 @@ def run_bench(
             bar.update()
             bar.set_postfix_str("throughput")
             clock["throughput"] = time.perf_counter()
-            result["throughput"], equal_pages = _throughput(path, sizes, budget, device)
+            result["throughput"], equal_pages = _throughput(path, sizes, budget, device, full)
             bar.update()
-            bar.set_postfix_str("indexcache")
-            clock["indexcache"] = time.perf_counter()
-            ic_model = _load(ic_path)
-            result["indexcache"] = run_indexcache(
-                ic_model, sizes.ic_lengths, sizes.ic_chunk, sizes.ic_repeats, sizes.seed
-            )
-            result["indexcache"]["model"] = ic_path
-            bar.update()
+            ic_model = None
+            if full:
+                bar.set_postfix_str("indexcache")
+                clock["indexcache"] = time.perf_counter()
+                ic_model = _load(ic_path)
+                result["indexcache"] = run_indexcache(
+                    ic_model, sizes.ic_lengths, sizes.ic_chunk, sizes.ic_repeats, sizes.seed
+                )
+                result["indexcache"]["model"] = ic_path
+                bar.update()
             bar.set_postfix_str("parity")
             clock["parity"] = time.perf_counter()
             result["parity"] = _parity(ic_model, sizes, equal_pages, result["throughput"])
@@ -184,19 +195,20 @@ def run_bench(
                     quick=sizes.memory_quick, tokens=sizes.memory_tokens, device="cpu"
                 )
                 bar.update()
-            bar.set_postfix_str("mtp")
-            clock["mtp"] = time.perf_counter()
-            mtp_work = fitted_workload(
-                sizes.mtp_requests,
-                sizes.mtp_prompt_lens,
-                sizes.mtp_output_lens,
-                sizes.seed + 3,
-                _bos_id(path),
-            )
-            result["mtp"] = run_mtp_bench(
-                path, mtp_work, 64, sizes.page_size, sizes.mtp_steps, sizes.seed, device
-            )
-            bar.update()
+            if full:
+                bar.set_postfix_str("mtp")
+                clock["mtp"] = time.perf_counter()
+                mtp_work = fitted_workload(
+                    sizes.mtp_requests,
+                    sizes.mtp_prompt_lens,
+                    sizes.mtp_output_lens,
+                    sizes.seed + 3,
+                    _bos_id(path),
+                )
+                result["mtp"] = run_mtp_bench(
+                    path, mtp_work, 64, sizes.page_size, sizes.mtp_steps, sizes.seed, device
+                )
+                bar.update()
             if tp_size > 1:
                 bar.set_postfix_str("parallel")
                 clock["parallel"] = time.perf_counter()
@@ -325,7 +337,7 @@ def _workload(sizes: BenchSizes) -> tp.Workload:
 
 
 def _throughput(
-    path: str, sizes: BenchSizes, budget: int, device: str = "cpu"
+    path: str, sizes: BenchSizes, budget: int, device: str = "cpu", full: bool = True
 ) -> tuple[dict[str, Any], dict]:
     work = _workload(sizes)
     ps = sizes.page_size
@@ -372,11 +384,9 @@ def _throughput(
     )
     pages = sizes.hf_requests * (-(-(sizes.hf_prompt_lens[1] + sizes.hf_new_tokens) // ps) + 2)
     # "fp32": transformers keeps an fp32 cache, so the like-for-like dsakv run does too.
-    variants = {
-        "elided": {"elide": True},
-        "dense": {"elide": False},
-        "fp32": {"elide": True, "kv_cache_dtype": "fp32", "index_k_dtype": "fp32"},
-    }
+    variants: dict[str, dict[str, Any]] = {"elided": {"elide": True}, "dense": {"elide": False}}
+    if full:
+        variants["fp32"] = {"elide": True, "kv_cache_dtype": "fp32", "index_k_dtype": "fp32"}
     pair = {
         name: tp.make_engine(
             path,
@@ -410,7 +420,7 @@ def _throughput(
         "ratios": tp.compare(same["elided"], same["dense"]),
     }
     out["transformers"] = hf
-    out["dsakv_fp32_cache"] = tp.strip_private(same["fp32"])
+    out["dsakv_fp32_cache"] = tp.strip_private(same["fp32"]) if full else None
     # Headline: same weights, same fp32 cache as transformers; the fp8 figure alongside.
     out["vs_transformers_ratio"] = (
         tp.ratio(same["fp32"]["output_tokens_per_s"], hf["output_tokens_per_s"]) if hf else None
@@ -447,14 +457,17 @@ def _pad_id(path: str, default: int) -> int:
 
 
 def _parity(model, sizes: BenchSizes, outputs: dict, throughput: dict) -> dict[str, Any]:
+    """Elided vs dense greedy tokens; FP8 vs fp32 top-1 on `model` (None: not measured)."""
     cmp = compare_outputs(outputs["elided"], outputs["dense"])
-    g = torch.Generator().manual_seed(sizes.seed + 2)
-    vocab = min(256, model.config.vocab_size)
-    prompts = [
-        torch.randint(0, vocab, (sizes.fp8_prompt_len,), generator=g).tolist()
-        for _ in range(sizes.fp8_sequences)
-    ]
-    agreement = fp8_vs_fp32(model, prompts, sizes.fp8_steps, sizes.page_size)
+    agreement = None
+    if model is not None:
+        g = torch.Generator().manual_seed(sizes.seed + 2)
+        vocab = min(256, model.config.vocab_size)
+        prompts = [
+            torch.randint(0, vocab, (sizes.fp8_prompt_len,), generator=g).tolist()
+            for _ in range(sizes.fp8_sequences)
+        ]
+        agreement = fp8_vs_fp32(model, prompts, sizes.fp8_steps, sizes.page_size)
     return {
         "elided_equals_dense": cmp["identical"],
         "elided_vs_dense": {

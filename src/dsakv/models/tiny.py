@@ -383,7 +383,8 @@ def default_model_dir(preset: str = "glm-bench", seed: int = 0) -> Path:
     done = path / ".complete"
     if not done.is_file():
         tmp = root / f".{name}.tmp{os.getpid()}"
-        dtype = torch.bfloat16 if preset.startswith(("glm-bench", "glm-hisparse")) else torch.float32
+        wide = preset.startswith(("glm-bench", "glm-hisparse"))  # 16-bit, as released
+        dtype = torch.bfloat16 if wide else torch.float32
         write_tiny_model(tmp, preset, seed, dtype, mtp="fit")
         (tmp / ".complete").write_text(json.dumps({"preset": preset, "seed": seed, "mtp": "fit"}))
         if path.exists():  # a concurrent writer won; keep theirs
