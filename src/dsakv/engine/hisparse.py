@@ -96,8 +96,9 @@ class HotBuffers:
         pin = device.type == "cuda"
         self.device_rows = [pool.latent_data(i).view(torch.uint8) for i in layers]
         width = self.device_rows[0].shape[1]
+        # Not zero-filled (hundreds of GB at real sizes): a row is written before it is read.
         self.host = [
-            torch.zeros(pool.num_tokens, width, dtype=torch.uint8, pin_memory=pin) for _ in layers
+            torch.empty(pool.num_tokens, width, dtype=torch.uint8, pin_memory=pin) for _ in layers
         ]
         rows = max(1, pool.latent_pages // self.buffer_pages)
         g = len(self.groups)
