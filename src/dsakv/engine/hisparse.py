@@ -174,10 +174,7 @@ class HotBuffers:
     def admit(self, req: Request, hit_slots: torch.Tensor) -> None:
         """Take the request's latent pages; bring the latent of its prefix hit (the logical
         slots `hit_slots` of positions 0..hit-1) from the host."""
-        if req.rid in self._reqs:
-            raise RuntimeError(f"request {req.rid} already holds device latent slots")
-        hot = _Hot(self.allocator.alloc(self._pages_for(req)))
-        self._reqs[req.rid] = hot
+        hot = self._take(req, self._pages_for(req))
         n = hit_slots.numel()
         if n:
             dst = page_slots(hot.pages, self.page_size)[:n].to(self.device)
@@ -188,9 +185,13 @@ class HotBuffers:
     def admit_detached(self, req: Request) -> None:
         """A PD decode request: buffer pages only; the prefill server writes its latent into
         host memory and the first decode step loads the buffer from there."""
+        self._take(req, self.buffer_pages).on_host = True
+
+    def _take(self, req: Request, pages: int) -> _Hot:
         if req.rid in self._reqs:
             raise RuntimeError(f"request {req.rid} already holds device latent slots")
-        self._reqs[req.rid] = _Hot(self.allocator.alloc(self.buffer_pages), on_host=True)
+        hot = self._reqs[req.rid] = _Hot(self.allocator.alloc(pages))
+        return hot
 
     def free(self, req: Request) -> None:
         """Give back a finished, aborted or retracted request's latent slots and LRU state."""

@@ -115,9 +115,7 @@ class ModelRunner:
         if graphs is not None and graphs.fits(new_tokens, slots):
             self.last[TARGET] = graphs.run(new_tokens, slots)
             return self.last[TARGET]
-        fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
-        if hot is not None:
-            fb.latent_out_slots, fb.latent_req_slots, fb.hot = hot.out_slots, hot.req_slots, hot
+        fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device, hot=hot)
         with torch.inference_mode():
             self.last[TARGET] = self.model(fb, self.pool)
         return self.last[TARGET]

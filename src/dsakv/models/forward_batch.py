@@ -34,15 +34,13 @@ class ForwardBatch:
     req_slots: list[
         torch.Tensor
     ]  # per request: LongTensor[seq_len], slots of positions 0..seq_len-1
-    latent_out_slots: torch.Tensor | None = None  # LongTensor[T] (HiSparse), else out_slots
-    latent_req_slots: list[torch.Tensor] | None = None  # extend requests' (HiSparse)
-    hot: Any = None  # HiSparse: resolves decode top-k to device latent slots
+    hot: Any = None  # HiSparse: the step's latent slots; resolves decode top-k to them
 
     def __post_init__(self) -> None:
-        if self.latent_out_slots is None:
-            self.latent_out_slots = self.out_slots
-        if self.latent_req_slots is None:
-            self.latent_req_slots = self.req_slots
+        # Where latent rows go and where an extending request's latent is: the pool slots,
+        # or under HiSparse the device latent slots the hot step chose.
+        self.latent_out_slots = self.out_slots if self.hot is None else self.hot.out_slots
+        self.latent_req_slots = self.req_slots if self.hot is None else self.hot.req_slots
         n = len(self.extend_lens)
         if len(self.seq_lens) != n or len(self.req_slots) != n:
             raise ValueError(
@@ -161,6 +159,7 @@ class ForwardBatch:
         new_tokens: Sequence[Sequence[int]],
         req_slots: Sequence[torch.Tensor | Sequence[int]],
         device: torch.device | str | None = None,
+        hot: Any = None,
     ) -> ForwardBatch:
         """Build a batch from each request's new tokens and the slots of its whole context.
 
@@ -184,4 +183,5 @@ class ForwardBatch:
             extend_lens=ext,
             seq_lens=seqs,
             req_slots=slots_list,
+            hot=hot,
         )
