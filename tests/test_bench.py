@@ -203,3 +203,17 @@ def test_helpers():
     assert fit is not None and abs(fit["fixed_s"] - 0.1) < 1e-9
     assert abs(fit["per_request_s"] - 0.1) < 1e-9
     assert fit_step_cost([(2, 0.1), (2, 0.2), (2, 0.3)]) is None
+
+
+def test_determinism_section_times_both_modes_and_checks_the_batch(tiny):
+    """`dsakv bench --enable-deterministic-inference`: every workload timed off and on, and
+    with the mode on the batched request matched its solo run."""
+    from dsakv.bench.determinism import DeterminismSizes, run_determinism_bench, summary_lines
+
+    sizes = DeterminismSizes(prompt_len=40, decode_prompt_len=8, decode_tokens=3, batch=3, rounds=1)
+    r = run_determinism_bench(tiny, sizes=sizes)
+    assert set(r["tokens_per_s"]) == {"prefill_1", "prefill_3", "decode_1", "decode_3"}
+    for t in r["tokens_per_s"].values():
+        assert t["off"] > 0 and t["on"] > 0 and t["on_vs_off"] == t["on"] / t["off"]
+    assert r["batched_equals_alone_on"] is True
+    assert any("on/off" in line for line in summary_lines(r))

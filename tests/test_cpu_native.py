@@ -459,3 +459,84 @@ print(out[0].token_ids)
     )
     assert done.stdout.strip() == str(want[0].token_ids)
     assert llm.engine.backend.native == cpu_native.available()
+
+
+# --- what `--enable-deterministic-inference` rests on --------------------------------------
+
+
+@native
+@pytest.mark.parametrize("n, k", [(64, 128), (37, 83)], ids=["aligned", "ragged"])
+def test_native_linear_rows_do_not_depend_on_their_batch(n, k):
+    """The LM head's (and every block's) tiled GEMV: as close to fp64 as torch's GEMM, and a
+    row's outputs are bit-equal alone, in any batch (tiles of 4 tokens, a remainder one at a
+    time), at one thread or two."""
+    g = torch.Generator().manual_seed(n)
+    weight, x = torch.randn(n, k, generator=g), torch.randn(13, k, generator=g)
+    whole = cpu_native.linear(x, weight)
+    exact = x.double() @ weight.double().T
+    assert (whole.double() - exact).abs().max() <= 2 * (x @ weight.T - exact).abs().max() + 1e-6
+    for _ in _one_and_two_threads():
+        for rows in ([5], [0, 5, 9], list(range(7)), [12, 3, 5, 1, 0]):
+            assert torch.equal(cpu_native.linear(x[rows], weight), whole[rows])
+
+
+@native
+def test_native_rms_norm_is_torch_rms_norm_per_row():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(9, 128, generator=g), torch.rand(128, generator=g) + 0.5
+    whole = cpu_native.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(whole, torch.nn.functional.rms_norm(x, (128,), w, 1e-5))
+    for r in range(9):
+        assert torch.equal(cpu_native.rms_norm(x[r : r + 1], w, 1e-5)[0], whole[r])
+
+
+@native
+def test_native_decode_ignores_padding_after_the_valid_rows(tiny):
+    """Runs start every 128 rows from the first: a request whose valid rows come first gets
+    the same output however far its batch pads the selection (a prefill token and the same
+    token in decode read one selection at different widths)."""
+    args, _ = _decode_case(tiny, "fp8_e4m3", 3, width=200)
+    math, pool, layer, q_nope, q_rope, slots, valid, _, w_uv = args
+    valid = torch.arange(200)[None, :] < torch.tensor([[200], [131], [40]])
+    data = pool.latent_data(layer)
+    got = cpu_native.mla_decode(q_nope, q_rope, data, slots, valid, 0.1, "fp8_e4m3", w_uv)
+    for width in (300, 517):
+        pad = width - 200
+        wide_slots = torch.cat([slots, slots[:, :1].expand(-1, pad)], dim=1)
+        wide_valid = torch.cat([valid, torch.zeros(3, pad, dtype=torch.bool)], dim=1)
+        wide = cpu_native.mla_decode(
+            q_nope, q_rope, data, wide_slots, wide_valid, 0.1, "fp8_e4m3", w_uv
+        )
+        assert torch.equal(wide, got)
+    for r, n in enumerate((200, 131, 40)):  # and exactly as wide as its valid rows
+        one = cpu_native.mla_decode(
+            q_nope[r : r + 1], q_rope[r : r + 1], data, slots[r : r + 1, :n],
+            valid[r : r + 1, :n], 0.1, "fp8_e4m3", w_uv,
+        )  # fmt: skip
+        assert torch.equal(one[0], got[r])
+
+
+@native
+@pytest.mark.parametrize("low", [True, False], ids=["bf16", "fp32"])
+def test_native_index_decode_one_shared_table_and_row_keys(tiny, low):
+    """A prefill chunk's queries read one context table (`table[W]`): the scores each query
+    gets with its own copy of it. bf16 / fp32 index-K rows score as the torch path does."""
+    pool, layer, q, w, table, lens = _index_case(tiny, 4, 150)
+    scale, data, ps = 128**-0.5, pool.index_k_data(layer), pool.page_size
+    shared = cpu_native.index_decode(q, w, data, ps, table[0], lens, scale, low)
+    own = cpu_native.index_decode(q, w, data, ps, table[0].expand(4, -1), lens, scale, low)
+    assert torch.equal(shared, own)
+    for dtype in ("bf16", "fp32"):
+        lay = _layout(tiny, index_k_dtype=dtype, page_size=16)
+        rows = DSAKVPool(lay, 16)
+        keys = torch.randn(256, lay.index_head_dim, generator=torch.Generator().manual_seed(2))
+        rows.write_index_k(layer, torch.arange(256), keys)
+        got = cpu_native.index_decode(
+            q, w, rows.index_k_data(layer), 16, table, lens, scale, low and dtype == "bf16"
+        )
+        want = _torch_index_scores(
+            rows, layer, q, w, table, lens, scale, low and dtype == "bf16"
+        )
+        assert torch.equal(got.isinf(), want.isinf())
+        tol = dict(rtol=1e-2, atol=1e-3) if low and dtype == "bf16" else {}
+        torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()], **tol)

@@ -309,6 +309,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(a warm-up of 10-45 s per process)",
     )
     g.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="one per-token reduction order for every step: a request's tokens and logprobs "
+        "do not depend on its batch, chunking, cache path or thread count (cpu backend)",
+    )
+    g.add_argument(
         "--speculative-algorithm", choices=("mtp",), help="draft with the MTP layer, verify"
     )
     g.add_argument(
@@ -411,6 +417,8 @@ def engine_config_from_args(args: argparse.Namespace):
         kw["disable_cuda_graph"] = True
     if args.enable_torch_compile:
         kw["enable_torch_compile"] = True
+    if args.enable_deterministic_inference:
+        kw["enable_deterministic_inference"] = True
     if args.dp_attention:
         kw["dp_attention"] = True
     if args.enable_hisparse:
@@ -549,6 +557,8 @@ def _add_engine_commands(sub: Any) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.enable_deterministic_inference:
+        return _bench_determinism(args)
     if args.enable_hisparse:
         return _bench_hisparse(args)
     if args.hisparse_config is not None:
@@ -583,6 +593,20 @@ def _bench_sparse_vs_dense(args: argparse.Namespace) -> int:
 
     lengths = args.lengths or ((512, 1024) if args.quick else (1024, 4096, 8192))
     r = run_prefill_sparse_vs_dense(args.model, lengths)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(r, indent=2))
+    print("\n".join(summary_lines(r)))
+    return 0
+
+
+def _bench_determinism(args: argparse.Namespace) -> int:
+    """`dsakv bench --enable-deterministic-inference`: only its cost (`bench.determinism`)."""
+    from pathlib import Path
+
+    from dsakv.bench.determinism import run_determinism_bench, summary_lines
+
+    r = run_determinism_bench(args.model, quick=args.quick)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(r, indent=2))
@@ -726,6 +750,12 @@ def _add_bench(sub: Any) -> None:
     )
     p.add_argument(
         "--lengths", type=_lengths, metavar="L1,L2", help="context lengths for --sparse-vs-dense"
+    )
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="only what the mode costs: prefill and decode tok/s at 1 and 32 requests, off "
+        "vs on (default model glm-bench; --quick: one round, 8 decode tokens)",
     )
     p.add_argument(
         "--device", default="cpu", help="where the engine sections run: cpu (default), cuda, auto"

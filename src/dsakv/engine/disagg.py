@@ -34,7 +34,6 @@ def reserve(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> Re
     """A request whose pages cover its prompt and first decode token, not queued; None
     while the pool has no room for it (the caller retries)."""
     req = Request(list(prompt_ids), params)
-    req.generator = engine.sampler.new_generator(params.seed)
     engine._init_request(req)  # grammar matcher: the first token came from the prefill side
     if not engine.scheduler.reserve_detached(req, len(prompt_ids) + 1):
         return None

@@ -62,6 +62,9 @@ class EngineConfig:
     # The cpu backend runs decode steps of up to 4 requests through torch.compile
     # (inductor's C++): off by default, for its warm-up of 10-45 s per process (cpu_ops).
     enable_torch_compile: bool = False
+    # One per-token reduction order for every step (SGLang's name): a request's tokens and
+    # logprobs do not depend on its batch, chunking, cache path or thread count (cpu backend).
+    enable_deterministic_inference: bool = False
     index_topk_pattern: str | None = None
     index_topk_freq: int | None = None
     index_skip_topk_offset: int | None = None
@@ -119,6 +122,16 @@ class EngineConfig:
             raise DsakvError(f"speculative_num_steps must be in 1..16, got {n!r}")
         self.parallel  # noqa: B018 - validates the parallel flags
         self._check_hisparse()
+        if self.enable_deterministic_inference:
+            refused = (
+                (self.tp > 1 or self.dp_attention or self.nnodes > 1, "more than one rank"),
+                (self.dtype not in ("auto", "float32"), f"--dtype {self.dtype} (fp32 only)"),
+            )
+            for bad, what in refused:
+                if bad:
+                    raise DsakvError(
+                        f"--enable-deterministic-inference does not run with {what} yet"
+                    )
         if self.storage is not None:
             if not self.enable_prefix_cache:
                 raise DsakvError(
@@ -314,6 +327,7 @@ class Engine:
             index_topk=c.index_topk,
             # Compiled blocks hold no collectives: one rank only.
             compile=config.enable_torch_compile and self.parallel.world_size == 1,
+            deterministic=config.enable_deterministic_inference,
         )
         self.model.use_backend(self.backend)
         self.allocator = PageAllocator(num_pages, config.page_size)
@@ -446,7 +460,6 @@ class Engine:
         """Queue a prompt; `rid` is given when another rank (DP attention) numbered it."""
         ids = self.prompt_ids(prompt)
         req = Request(ids, params) if rid is None else Request(ids, params, rid=rid)
-        req.generator = self.sampler.new_generator(params.seed)
         self._init_request(req)
         self.requests[req.rid] = req
         self.stats.prompt_tokens += len(ids)
@@ -470,7 +483,6 @@ class Engine:
         for i in range(1, n):
             p = params if params.seed is None else replace(params, seed=params.seed + i)
             fork = Request(list(first.prompt_ids), p)
-            fork.generator = self.sampler.new_generator(p.seed)
             self._init_request(fork)
             self.requests[fork.rid] = fork
             self.stats.prompt_tokens += len(fork.prompt_ids)
@@ -641,7 +653,7 @@ class Engine:
             logits = logits.clone()
             drafts = self.grammars.apply_drafts(logits, req.matcher, drafts)
             logits = logits[: len(drafts) + 1]
-        tokens = verify(logits, drafts, req.params, req.generator or self.sampler.generator)
+        tokens = verify(logits, drafts, req.params, self.sampler.generator, len(req.output_ids))
         accepted = len(tokens) - 1
         req.metrics.draft_tokens += len(drafts)
         req.metrics.accepted_tokens += accepted
@@ -676,7 +688,7 @@ class Engine:
             if any(r.matcher is not None for r in reqs):
                 self.grammars.apply(logits, [r.matcher for r in reqs])
             result = self.sampler.sample(
-                logits, [r.params for r in reqs], [r.generator for r in reqs]
+                logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs]
             )
             for i, req in enumerate(reqs):
                 token = result.token_ids[i]

@@ -62,7 +62,6 @@ class Request:
     num_computed: int = 0  # positions whose KV is in the pool
     prefix_nodes: list = field(default_factory=list)
     host_slots: torch.Tensor | None = None
-    generator: torch.Generator | None = None
     finish_reason: str | None = None
     output_text: str = ""
     logprobs: list[float] = field(default_factory=list)

@@ -1,7 +1,10 @@
-"""`SamplingParams` and the batched sampler (per-request seeded generators)."""
+"""`SamplingParams` and the batched sampler. A seeded request's token i is drawn with a
+generator seeded from (seed, i) alone (SGLang's `sampling_seed`), so it does not depend on
+the batch, on how earlier tokens were drawn (MTP verification) or on which server drew it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,31 +107,51 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed for output token `index` of a request seeded `seed`: a fixed
+    64-bit mix (any int seed, negative or huge, is taken mod 2**64), below 2**63 as
+    `manual_seed` wants."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + index) & _MASK64) >> 1
+
+
+def draw(probs: torch.Tensor, seed: int | None, index: int, generator: torch.Generator) -> int:
+    """One token from the host distribution `probs`: keyed by (seed, index) when seeded
+    (a fresh generator, so nothing else can shift it), else from the shared `generator`."""
+    if seed is not None:
+        generator = torch.Generator(device="cpu").manual_seed(token_seed(seed, index))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
 class Sampler:
-    """Samples one token per row. Each seeded request owns a generator, so its tokens do not
-    depend on which other requests share the batch."""
+    """Samples one token per row: seeded rows by (seed, output index), so a request's tokens
+    do not depend on its batch; unseeded rows from one shared generator."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.generator = torch.Generator(device="cpu")
         self.generator.seed()
 
-    def new_generator(self, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        g = torch.Generator(device="cpu")
-        g.manual_seed(seed)
-        return g
-
     def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        output_index: Sequence[int],
     ) -> SampleResult:
-        """A constant number of device→host copies per step, whatever the batch: the greedy
-        choices, the filtered distributions of the sampled rows (drawn on the host, each
-        seeded request with its own generator), and the asked-for logprobs."""
+        """`output_index[i]`: which output token row i draws (len(output_ids) so far).
+
+        A constant number of device→host copies per step, whatever the batch: the greedy
+        choices, the filtered distributions of the sampled rows (drawn on the host), and
+        the asked-for logprobs."""
         logits = logits.float()
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         probs = None
@@ -136,8 +159,7 @@ class Sampler:
             probs = torch.stack([filtered_probs(logits[i], params[i]) for i in sampled]).cpu()
         chosen: list[int] = torch.argmax(logits, dim=-1).tolist()
         for j, i in enumerate(sampled):
-            g = generators[i] or self.generator
-            chosen[i] = int(torch.multinomial(probs[j], 1, generator=g))
+            chosen[i] = draw(probs[j], params[i].seed, output_index[i], self.generator)
         want = [p.logprobs for p in params]
         if all(w is None for w in want):
             return SampleResult(chosen, None, None)

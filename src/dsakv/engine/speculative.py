@@ -9,9 +9,13 @@ draft layer catches up over the positions the target just computed and accepted,
 token i+1 with the target's hidden state h_i.
 
 Drafts are the draft layer's argmax. Greedy requests keep the longest prefix the target
-agrees with, plus the target's own next token. Sampled requests use rejection sampling
-against a deterministic draft: d is kept with probability p(d), otherwise the token comes
-from p with d removed; either way the output distribution is exactly the target's p.
+agrees with, plus the target's own next token. Seeded sampled requests do the same against
+the target's own keyed samples (token i drawn from p by (seed, i), as without MTP): a draft
+is kept iff it equals that sample, which happens with probability p(d), and every emitted
+token is the one the request would get without MTP. Unseeded sampled requests use
+rejection sampling against the deterministic draft: d is kept with probability p(d),
+otherwise the token comes from p with d removed; either way the output distribution is
+exactly the target's p.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from .model_runner import DRAFT, TARGET, ModelRunner
 from .request import Request
-from .sampling import SamplingParams, filtered_probs
+from .sampling import SamplingParams, draw, filtered_probs
 from .scheduler import Scheduler
 
 
@@ -31,10 +35,13 @@ def verify(
     drafts: Sequence[int],
     params: SamplingParams,
     generator: torch.Generator,
+    first_index: int = 0,
 ) -> list[int]:
     """Tokens to emit after checking `drafts`; `logits[j]` is the target's prediction for
-    the position of draft j (row `len(drafts)` is the bonus position). Returns the accepted
-    drafts followed by one token of the target's own."""
+    the position of draft j (row `len(drafts)` is the bonus position), which is output
+    token `first_index + j` (what a seeded request keys its samples by). Returns the
+    accepted drafts followed by one token of the target's own. `generator` serves
+    unseeded sampled requests."""
     if params.greedy:
         best = logits.argmax(-1).tolist()
         out: list[int] = []
@@ -44,6 +51,13 @@ def verify(
             out.append(d)
         return [*out, best[len(out)]]
     out = []
+    if params.seed is not None:
+        for j in range(len(drafts) + 1):
+            p = filtered_probs(logits[j], params).cpu()
+            t = draw(p, params.seed, first_index + j, generator)
+            if j == len(drafts) or t != drafts[j]:
+                return [*out, t]
+            out.append(t)
     for j, d in enumerate(drafts):
         p = filtered_probs(logits[j], params).cpu()
         if float(torch.rand((), generator=generator)) < float(p[d]):

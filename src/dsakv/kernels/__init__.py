@@ -46,6 +46,7 @@ def select_backend(
     index_heads: int,
     index_topk: int,
     compile: bool = False,
+    deterministic: bool = False,
 ) -> TorchBackend:
     """The backend for this engine, with one log line saying which code runs each op.
 
@@ -53,6 +54,9 @@ def select_backend(
     else `triton` on CUDA; `cpu` on a CPU (`compile`: its small decode steps through
     `torch.compile`); else `torch`. `triton` on a CPU runs under the Triton interpreter
     (slow: what the tests use to check the kernels without a GPU).
+
+    `deterministic`: the cpu backend's per-token path for every step; no other backend has
+    one yet, so any other choice is refused with what it lacks.
     """
     if name not in BACKENDS:
         raise DsakvError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
@@ -69,6 +73,18 @@ def select_backend(
             name = "triton"
         else:
             name = "cpu" if device.type == "cpu" else "torch"
+    if deterministic and name != "cpu":
+        raise DsakvError(
+            "--enable-deterministic-inference runs on the cpu backend only (on a CPU, "
+            f"--attention-backend auto or cpu), not {name} on {device.type}: the "
+            + (
+                "torch reference's GEMMs and attention change their reduction order with the "
+                "batch"
+                if name == "torch"
+                else "CUDA path has no batch-invariant matmul, fixed-split attention and "
+                "deterministic MoE sum yet"
+            )
+        )
     if name in ("triton", "flashmla") and not triton_available():
         raise DsakvError(f"attention backend {name} needs triton (pip install triton)")
     if name == "flashmla":
@@ -86,7 +102,7 @@ def select_backend(
     elif name == "cpu":
         if device.type != "cpu":
             raise DsakvError(f"attention backend cpu runs on the CPU, not {device.type}")
-        backend = CpuBackend(layout, compile=compile)
+        backend = CpuBackend(layout, compile=compile, deterministic=deterministic)
     else:
         backend = TorchBackend()
     ops = "; ".join(f"{op}: {how}" for op, how in backend.describe().items())

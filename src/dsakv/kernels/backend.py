@@ -63,7 +63,8 @@ class TorchBackend:
     # --- model blocks -----------------------------------------------------------------------
 
     def block(self, block: Block, batch, *args):
-        """A layer's `block` over `args`, in step `batch` (a `ForwardBatch`)."""
+        """A layer's `block` over `args`, in step `batch` (a `ForwardBatch`, or the row
+        count of a block outside the layers: the final norm's, the LM head's)."""
         return block.eager(*args)
 
     # --- stores ---------------------------------------------------------------------------
@@ -144,14 +145,27 @@ class CpuBackend(TorchBackend):
     over gathered rows in small blocks. Everything else is the reference.
 
     `compile=True`: decode steps of at most `GEMV_ROWS` requests run the blocks the native
-    kernels do not (no compiler, weights other than fp32) through `torch.compile`."""
+    kernels do not (no compiler, weights other than fp32) through `torch.compile`.
+
+    `deterministic=True` (`--enable-deterministic-inference`): every token of every step,
+    prefill chunks and MTP verify rows included, runs the per-token native path a decode
+    token runs: the blocks, the indexer's scores over the stored keys, top-k in position
+    order and attention over the stored rows. Each of those reduces a token's values in one
+    order whatever the step holds, so a request's outputs do not depend on its batch, its
+    chunking, where its KV was computed or the thread count."""
 
     name = "cpu"
 
-    def __init__(self, layout, compile: bool = False) -> None:
+    def __init__(self, layout, compile: bool = False, deterministic: bool = False) -> None:
         self.index_dtype = cpu_ops.index_compute_dtype(layout.index_k_dtype)
         self.compile = compile
         self.native = cpu_native.available()
+        self.deterministic = deterministic
+        if deterministic and not self.native:
+            raise DsakvError(
+                "--enable-deterministic-inference runs on dsakv's native CPU kernels, which "
+                "did not build (a C++ compiler with OpenMP is needed: set $CXX)"
+            )
         # Eager inside a compiled block: the loop reads expert counts on the host, which
         # dynamo would trace as constants (a recompilation per routing pattern). (Importing
         # dynamo only when compiling: it breaks the Triton interpreter's patching.)
@@ -165,6 +179,17 @@ class CpuBackend(TorchBackend):
             blocks = f"torch.compile up to {torch_ops.GEMV_ROWS} requests"
         if self.native:
             blocks = f"native up to {NATIVE_ROWS} tokens a step (fp32 weights), else " + blocks
+        if self.deterministic:
+            return {
+                **super().describe(),
+                "mode": "deterministic: every token on the native per-token path",
+                "blocks": "native (fp32 weights), every step",
+                "stores": "native (fp8 rows), torch (bf16 / fp32 rows)",
+                "mla_decode": "native mla_decode (stored rows read in place)",
+                "mla_extend": "native mla_decode per token (stored rows read in place)",
+                "index_logits": "native per-token scores over the stored keys",
+                "moe": "native, per token",
+            }
         return {
             **super().describe(),
             "blocks": blocks,
@@ -182,11 +207,19 @@ class CpuBackend(TorchBackend):
 
     def block(self, block, batch, *args):
         # Native blocks are per-token math: any step of a few tokens (decode, MTP verify
-        # rows, a short extend) runs them.
-        if self.native and block.native and batch.num_tokens <= NATIVE_ROWS:
+        # rows, a short extend) runs them; every step does when deterministic.
+        rows = batch if isinstance(batch, int) else batch.num_tokens
+        if self.native and block.native and (self.deterministic or rows <= NATIVE_ROWS):
             out = block.native(*args)
             if out is not NotImplemented:
                 return out
+            if self.deterministic:
+                raise DsakvError(
+                    f"--enable-deterministic-inference: {block.eager.__name__} has no native "
+                    "form here (it needs fp32 weights on one rank)"
+                )
+        if isinstance(batch, int):
+            return block.eager(*args)
         small_decode = batch.is_decode_only and self._small(batch.num_tokens)
         if self.compile and block.compile and small_decode:
             return cpu_ops.compiled(block.eager)(*args)
@@ -246,6 +279,14 @@ class CpuBackend(TorchBackend):
     def mla_extend(
         self, math, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv
     ):
+        if self.deterministic:  # each query as a decode token over its own selection
+            if positions is None:  # every visible position, in order
+                e = q_nope.shape[0]
+                positions = torch.arange(slots.shape[0]).expand(e, -1)
+                valid = positions <= torch.arange(prefix, prefix + e)[:, None]
+            rows = slots[positions]
+            return self.mla_decode(math, pool, layer, q_nope, q_rope, rows, valid, w_uk, w_uv)
+
         def gather(s: torch.Tensor) -> torch.Tensor:
             return pool.gather_latent(layer, s, q_nope.dtype)
 
@@ -263,18 +304,36 @@ class CpuBackend(TorchBackend):
     # --- indexer ----------------------------------------------------------------------------
 
     def index_topk_decode(self, pool, layer, q, w, table, lens, scale, topk):
-        if self.native and pool.layout.index_k_dtype == "fp8":
+        if self.native and (self.deterministic or pool.layout.index_k_dtype == "fp8"):
             low = self.index_dtype == torch.bfloat16
             data = pool.index_k_data(layer)
             scores = cpu_native.index_decode(q, w, data, pool.page_size, table, lens, scale, low)
-            return cpu_native.topk_by_position(scores, topk)
+            return self._order(cpu_native.topk_by_position(scores, topk))
         b, width = table.shape
         keys = pool.gather_index_k(layer, table.flatten(), self.index_dtype).view(b, width, -1)
         return cpu_ops.index_topk_decode(q, w, keys, lens, scale, topk)
 
     def index_topk_extend(self, pool, layer, q, w, slots, prefix, scale, topk):
+        if self.deterministic:  # each query scored as a decode token over its context
+            low, data = self.index_dtype == torch.bfloat16, pool.index_k_data(layer)
+            e, rows = q.shape[0], max(1, (1 << 22) // slots.shape[0])  # bounds [rows, ctx]
+            lens = torch.arange(prefix + 1, prefix + e + 1)
+            out = []
+            for a in range(0, e, rows):
+                b = min(e, a + rows)
+                scores = cpu_native.index_decode(
+                    q[a:b], w[a:b], data, pool.page_size, slots, lens[a:b], scale, low
+                )
+                out.append(cpu_native.topk_by_position(scores, topk))
+            return self._order(torch.cat(out))
         keys = pool.gather_index_k(layer, slots, self.index_dtype)
         return cpu_ops.index_topk_extend(q, w, keys, prefix, scale, topk)
+
+    def _order(self, positions: torch.Tensor) -> torch.Tensor:
+        """Deterministic: a selection in position order, so attention sums a token's rows in
+        one order however it was selected (a short context's top-k is then exactly its
+        every-position list, padded)."""
+        return positions.sort(dim=1).values if self.deterministic else positions
 
 
 class TritonBackend(TorchBackend):

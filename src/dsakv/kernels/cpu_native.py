@@ -86,8 +86,12 @@ def _build() -> ctypes.CDLL:
     ]
     dll.dsakv_index_decode.restype = i64
     dll.dsakv_index_decode.argtypes = [
-        *(ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ctypes.c_float, ctypes.c_int, ptr)
+        *(ptr, ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, i64, ptr),
+        *(ctypes.c_float, ctypes.c_int, ptr),
     ]
+    dll.dsakv_rms_norm.restype = dll.dsakv_linear.restype = None
+    dll.dsakv_rms_norm.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
+    dll.dsakv_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     dll.dsakv_topk_by_position.restype = None
     dll.dsakv_topk_by_position.argtypes = [ptr, i64, i64, i64, ptr]
     dll.dsakv_index_key.restype = dll.dsakv_index_query.restype = None
@@ -280,31 +284,43 @@ def index_decode(
     scale: float,
     low: bool,
 ) -> torch.Tensor:
-    """Decode indexer scores `[B, W]` over the page-major fp8 index-K buffer `data` (keys
-    read in place): `q[B, H, D]` (rotated as the stored keys), `w[B, H]`, key slots
-    `table[B, W]`, `lens[B]`; -inf past each request's length.
+    """Indexer scores `[B, W]` over a layer's index-K buffer `data` as stored (keys read in
+    place): the page-major fp8 buffer (uint8), or bf16 / fp32 rows. `q[B, H, D]` (rotated as
+    the stored keys), `w[B, H]`, key slots `table[B, W]` (or `[W]`, one table every query
+    reads: a prefill chunk's context), `lens[B]`; -inf past each query's length.
 
     `low`: `cpu_ops.index_topk_decode`'s bf16 arithmetic (q and each head's logit rounded
     to bf16, fp32 sums, `scale` on the weights); else the reference's fp32 ops (`scale` on
     the logits). Another summation order than torch's GEMMs: scores agree to fp32
-    rounding, and do not depend on the batch or the thread count."""
+    rounding, and do not depend on the batch, the table's width or the thread count."""
     _on_cpu(q, w, data, table, lens)
     b, heads, d = q.shape
     nb = _scale_blocks(d)
+    if data.dtype == torch.uint8:
+        kind, pages, ps = KINDS["fp8_e4m3"], data.shape[0], page_size
+        if not data.is_contiguous() or data.shape[1] != page_size * (d + 4 * nb):
+            raise ValueError("index_decode: not a page-major fp8 index-K buffer")
+    elif data.dtype in (torch.bfloat16, torch.float32) and data.shape[-1] == d:
+        kind, pages, ps = KINDS["bf16" if data.dtype == torch.bfloat16 else "fp32"], data.shape[0], 1
+        if not data.is_contiguous():
+            raise ValueError("index_decode: a strided index-K buffer")
+    else:
+        raise ValueError(f"index_decode: index-K {data.dtype} {tuple(data.shape)} for dim {d}")
+    shared = table.dim() == 1
+    width = table.shape[-1]
     if (
-        data.dtype != torch.uint8
-        or not data.is_contiguous()
-        or data.shape[1] != page_size * (d + 4 * nb)
+        w.shape != (b, heads)
+        or table.dim() not in (1, 2)
+        or (not shared and table.shape[0] != b)
+        or lens.shape != (b,)
     ):
-        raise ValueError("index_decode: not a page-major fp8 index-K buffer")
-    if w.shape != (b, heads) or table.dim() != 2 or table.shape[0] != b or lens.shape != (b,):
         raise ValueError(
             f"index_decode: q {tuple(q.shape)}, w {tuple(w.shape)}, table "
             f"{tuple(table.shape)}, lens {tuple(lens.shape)}"
         )
     q, w = _as(q, torch.float32), _as(w, torch.float32)
     table, lens = _as(table, torch.int64), _as(lens, torch.int64)
-    out = torch.empty(b, table.shape[1], dtype=torch.float32)
+    out = torch.empty(b, width, dtype=torch.float32)
     bad = _library().dsakv_index_decode(
         q.data_ptr(),
         w.data_ptr(),
@@ -312,10 +328,12 @@ def index_decode(
         heads,
         d,
         data.data_ptr(),
-        data.shape[0],
-        page_size,
+        pages,
+        ps,
+        kind,
         table.data_ptr(),
-        table.shape[1],
+        0 if shared else width,
+        width,
         lens.data_ptr(),
         scale,
         int(low),
@@ -323,6 +341,26 @@ def index_decode(
     )
     if bad:
         raise IndexError(f"index_decode: {bad} key slots outside the index-K buffer")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`F.rms_norm` of fp32 rows `x[B, n]`, each row on its own (the final norm)."""
+    x = _activations(x, weight.numel())
+    out = torch.empty_like(x)
+    _library().dsakv_rms_norm(
+        x.data_ptr(), _weight(weight, x.shape[1]), x.shape[0], x.shape[1], eps, out.data_ptr()
+    )
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x[B, K] @ weight[N, K]ᵀ` in fp32, each output reduced as the native blocks reduce
+    theirs (the LM head): a row's outputs do not depend on the rows beside it."""
+    n, k = weight.shape
+    x = _activations(x, k)
+    out = torch.empty(x.shape[0], n)
+    _library().dsakv_linear(_weight(weight, n, k), n, k, x.data_ptr(), x.shape[0], out.data_ptr())
     return out
 
 

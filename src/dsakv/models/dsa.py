@@ -16,8 +16,8 @@ from torch import nn
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import DsakvError
-from dsakv.kernels import TorchBackend
-from dsakv.kernels.backend import check_mode
+from dsakv.kernels import TorchBackend, cpu_native
+from dsakv.kernels.backend import Block, check_mode
 
 from .decoder import DecoderLayer
 from .forward_batch import ForwardBatch
@@ -92,6 +92,7 @@ class DSAForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)
+        self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
         if dtype is not None or device is not None:
             self.to(device=device, dtype=dtype)
             keep_fp32(self)
@@ -121,6 +122,7 @@ class DSAForCausalLM(nn.Module):
 
     def use_backend(self, backend: TorchBackend) -> None:
         """Every layer's attention and indexer run their hot ops through `backend`."""
+        self.ops = backend
         for layer in self.model.layers:
             check_mode(backend, layer.self_attn.mode)
             layer.self_attn.ops = backend
@@ -137,7 +139,7 @@ class DSAForCausalLM(nn.Module):
         selections: dict[int, StepSelection] = {}
         for layer in islice(self.model.layers, self.config.num_hidden_layers):  # no new list
             x = layer(x, cos, sin, batch, pool, selections)
-        return self.model.norm(x)
+        return self.ops.block(FINAL_NORM, batch, self.model.norm, x)
 
     @torch.inference_mode()
     def forward_draft(self, batch: ForwardBatch, pool, hidden: torch.Tensor) -> torch.Tensor:
@@ -169,7 +171,34 @@ class DSAForCausalLM(nn.Module):
         the target's lm_head (else the same lm_head).
         """
         head = getattr(self.mtp.shared_head, "head", self.lm_head) if draft else self.lm_head
-        return head(hidden)
+        return self.ops.block(LM_HEAD, hidden.shape[0], head, hidden)
+
+
+def final_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return norm(x)
+
+
+def lm_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return head(hidden)
+
+
+def _native_norm(norm: RMSNorm, x: torch.Tensor):
+    if not cpu_native.fits(norm) or x.dtype != torch.float32 or not x.is_cpu:
+        return NotImplemented
+    return cpu_native.rms_norm(x, norm.weight, norm.eps)
+
+
+def _native_head(head: nn.Module, hidden: torch.Tensor):
+    whole = isinstance(head, ParallelLMHead) and head.parallel.attn_size == 1  # (one rank's vocab rows need their all-gather)
+    if not whole or not cpu_native.fits(head) or hidden.dtype != torch.float32:
+        return NotImplemented
+    return cpu_native.linear(hidden, head.weight)
+
+
+# The blocks around the layers: the final norm (of every row) and the LM head (of the rows
+# sampled from), each row on its own when native.
+FINAL_NORM = Block(final_norm, _native_norm)
+LM_HEAD = Block(lm_head, _native_head)
 
 
 def keep_fp32(model: nn.Module) -> None:

@@ -436,6 +436,14 @@ class Handlers:
                 400, f"{logprobs_param} must be in 0..20, got {logprobs}", param=logprobs_param
             )
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        seed = body.sampling_seed if body.seed is None else body.seed
+        if body.sampling_seed not in (None, seed):
+            raise APIError(
+                400,
+                f"seed ({body.seed}) and sampling_seed ({body.sampling_seed}) differ; "
+                "they are one setting, give one of them",
+                param="sampling_seed",
+            )
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
@@ -443,7 +451,7 @@ class Handlers:
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=-1 if body.top_k is None else body.top_k,
                 min_p=0.0 if body.min_p is None else body.min_p,
-                seed=body.seed,
+                seed=seed,
                 stop=tuple(stop),
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=bool(body.ignore_eos),

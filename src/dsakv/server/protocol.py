@@ -79,6 +79,7 @@ class GenerationRequest(_Strict):
     # extras (vLLM / SGLang names)
     top_k: int | None = None
     min_p: float | None = None
+    sampling_seed: int | None = None  # SGLang's name for `seed` (see `Handlers._params`)
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     # structured output: OpenAI's response_format, SGLang's regex / ebnf / json_schema and

@@ -196,23 +196,58 @@ inline void dot4(const float* a, int64_t lda, const float* b, int64_t n, float* 
   out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
-// y[b · ldy + n] = W[n] · x[b] for rows n in [n0, n1) of W[N, K] (row-major) and B
-// inputs x[b] = x + b · ldx. Four rows at a time: four independent FMA chains per input.
-inline void gemv(const float* W, int64_t K, const float* x, int64_t ldx, int64_t B, float* y,
-                 int64_t ldy, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const float* w = W + n * K;
-    for (int64_t p = 0; p < 4 * K; p += 16) __builtin_prefetch(w + 8 * K + p);
-    for (int64_t b = 0; b < B; ++b) {
-      float s[4];
-      dot4(w, K, x + b * ldx, K, s);
-      float* yb = y + b * ldy + n;
-      yb[0] = s[0], yb[1] = s[1], yb[2] = s[2], yb[3] = s[3];
+// Four rows w, w + K, w + 2K, w + 3K times TB inputs x + t · ldx: y[t · ldy + r]. Every
+// output is reduced exactly as `dot4` reduces it (16-lane FMA chains over k, the lanes
+// summed in order, then the tail), so a token's outputs do not depend on how many tokens
+// share the tile: the tile only reuses each loaded weight vector for TB tokens.
+template <int TB>
+inline void tile4(const float* w, int64_t K, const float* x, int64_t ldx, float* y,
+                  int64_t ldy) {
+  v16 acc[TB][4] = {};
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const v16 w0 = load16(w + k), w1 = load16(w + K + k);
+    const v16 w2 = load16(w + 2 * K + k), w3 = load16(w + 3 * K + k);
+    for (int t = 0; t < TB; ++t) {
+      const v16 xv = load16(x + t * ldx + k);
+      acc[t][0] += w0 * xv;
+      acc[t][1] += w1 * xv;
+      acc[t][2] += w2 * xv;
+      acc[t][3] += w3 * xv;
     }
   }
-  for (; n < n1; ++n)
-    for (int64_t b = 0; b < B; ++b) y[b * ldy + n] = dot(W + n * K, x + b * ldx, K);
+  for (int t = 0; t < TB; ++t) {
+    const float* xt = x + t * ldx;
+    for (int r = 0; r < 4; ++r) {
+      float s = hsum(acc[t][r]);
+      for (int64_t j = k; j < K; ++j) s += w[r * K + j] * xt[j];
+      y[t * ldy + r] = s;
+    }
+  }
+}
+
+#ifdef __AVX512F__
+constexpr int kTileTokens = 4;  // 16 accumulators + 5 operands of the 32 zmm registers
+#else
+constexpr int kTileTokens = 2;
+#endif
+
+// y[b · ldy + n] = W[n] · x[b] for rows n in [n0, n1) of W[N, K] (row-major) and B
+// inputs x[b] = x + b · ldx: tiles of four rows by `kTileTokens` tokens (the rows stay in
+// cache while the tokens pass), the last tokens one at a time, the last rows by `dot`.
+// An output's value depends on its row and its token alone (batch-invariant).
+inline void gemv(const float* W, int64_t K, const float* x, int64_t ldx, int64_t B, float* y,
+                 int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t full = n0 + (n1 - n0) / 4 * 4;
+  int64_t b = 0;
+  for (; b + kTileTokens <= B; b += kTileTokens)
+    for (int64_t n = n0; n < full; n += 4)
+      tile4<kTileTokens>(W + n * K, K, x + b * ldx, ldx, y + b * ldy + n, ldy);
+  for (; b < B; ++b)
+    for (int64_t n = n0; n < full; n += 4)
+      tile4<1>(W + n * K, K, x + b * ldx, ldx, y + b * ldy + n, ldy);
+  for (int64_t n = full; n < n1; ++n)
+    for (b = 0; b < B; ++b) y[b * ldy + n] = dot(W + n * K, x + b * ldx, K);
 }
 
 // Rows [n0, n1) of y = W x for every input, split over the team (inside a parallel
@@ -361,11 +396,13 @@ extern "C" {
 //   o[b, h] = softmax_j(scale · q_h · row_j) · row_j[:lora]; then, with w_uv (fp32 rows of
 //   `lora`, `v` of them per head, heads `w_sh` apart), out[B, H, v] = W_uv[h] · o[b, h],
 //   else out[B, H, lora] = o.
-// The K rows split into equal runs of at most 128 (flash decoding): work units are
+// The K rows split into runs of 128 from the first (flash decoding): work units are
 // (request, run, group of <= 16 heads; fewer heads a group when there are fewer units
 // than threads), each an online softmax over its run in blocks of 64 rows; then each
-// (request, head) merges its runs in order and applies W_uv. The runs depend on K alone,
-// so a head's output depends neither on the batch it is in nor on the thread count.
+// (request, head) merges its runs in order and applies W_uv. Runs and blocks start at
+// fixed offsets and invalid rows change no sum, so a request whose valid rows come first
+// gets the same output whatever K its batch was padded to, whatever the batch and
+// whatever the thread count.
 // Returns the number of valid slots outside [0, n_rows) (skipped; the caller raises).
 int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_sb,
                          int64_t rope_sh, const uint8_t* data, int64_t n_rows,
@@ -396,8 +433,8 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
         std::fill(st[h], st[h] + lora, 0.0f);
         st[h][lora] = -INFINITY, st[h][lora + 1] = 0.0f;
       }
-      const int64_t end = (r + 1) * K / runs;  // equal runs (of at most 128 rows)
-      for (int64_t j0 = r * K / runs; j0 < end; j0 += kRowsPerBlock) {
+      const int64_t end = std::min(K, (r + 1) * kRowsPerRun);
+      for (int64_t j0 = r * kRowsPerRun; j0 < end; j0 += kRowsPerBlock) {
         const int64_t n = std::min(kRowsPerBlock, end - j0);
         const int64_t* sl = slots + b * K + j0;
         bool ok[kRowsPerBlock];
@@ -614,19 +651,22 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
   }
 }
 
-// Decode indexer scores over the page-major fp8 index-K buffer, keys read in place:
-//   out[b, s] = Σ_h w[b, h] · ReLU(q[b, h] · k_s) for positions s < lens[b] of request b
-//   (key slot table[b, s]), -inf past lens[b].
-// `low` (the bf16 path of `cpu_ops.index_topk_decode`): q rounded to bf16, each logit
-// rounded to bf16 after its fp32 sum, the weights scaled by `scale`; else (fp32): the
-// logits scaled, nothing rounded. Heads are summed in order, each position on its own, so
-// a score depends neither on the batch nor on the thread count.
+// Indexer scores of B queries over stored keys read in place:
+//   out[b, s] = Σ_h w[b, h] · ReLU(q[b, h] · k_s) for positions s < lens[b] of query b
+//   (key slot table[b · ldt + s]; ldt 0: every query reads one table), -inf past lens[b].
+// Keys: `key_kind` E4M3 is the page-major fp8 index-K buffer (page p holds its
+// `page_size` keys' e4m3 bytes, then their fp32 scales); BF16 / FP32 are rows of D values
+// (page_size 1). `low` (the bf16 path of `cpu_ops.index_topk_decode`): q rounded to bf16,
+// each logit rounded to bf16 after its fp32 sum, the weights scaled by `scale`; else
+// (fp32): the logits scaled, nothing rounded. Heads are summed in order, each position on
+// its own, so a score depends neither on the batch, nor on the table's width, nor on the
+// thread count: a prefill token scores its keys exactly as the same token in decode.
 // Returns the number of slots (below lens) outside the buffer: skipped (-inf), the caller
 // raises.
 int64_t dsakv_index_decode(const float* q, const float* w, int64_t B, int64_t H, int64_t D,
                            const uint8_t* data, int64_t n_pages, int64_t page_size,
-                           const int64_t* table, int64_t W, const int64_t* lens, float scale,
-                           int low, float* out) {
+                           int key_kind, const int64_t* table, int64_t ldt, int64_t W,
+                           const int64_t* lens, float scale, int low, float* out) {
   constexpr int64_t kKeys = 64;  // keys widened at once
   const int64_t nb = (D + kScaleBlock - 1) / kScaleBlock;
   const int64_t page_bytes = page_size * (D + 4 * nb), n_slots = n_pages * page_size;
@@ -644,11 +684,19 @@ int64_t dsakv_index_decode(const float* q, const float* w, int64_t B, int64_t H,
       float* o = out + b * W + s0;
       bool ok[kKeys];
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t slot = table[b * W + s0 + j];
+        const int64_t slot = table[b * ldt + s0 + j];
         ok[j] = s0 + j < lens[b];
         if (ok[j] && (slot < 0 || slot >= n_slots)) ok[j] = false, ++bad;
         o[j] = ok[j] ? 0.0f : -INFINITY;
         if (!ok[j]) continue;
+        if (key_kind == FP32) {
+          std::memcpy(&keys[j * D], data + slot * D * 4, D * sizeof(float));
+          continue;
+        }
+        if (key_kind == BF16) {
+          widen_bf16(reinterpret_cast<const uint16_t*>(data + slot * D * 2), &keys[j * D], D);
+          continue;
+        }
         const uint8_t* page = data + (slot / page_size) * page_bytes;
         const int64_t off = slot % page_size;
         const float* sc = reinterpret_cast<const float*>(page + page_size * D) + off * nb;
@@ -733,6 +781,20 @@ void dsakv_index_query(const IndexerWeights* wp, int64_t B, const float* h, cons
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < B * H; ++i) wout[i] *= w.w_scale;
   }
+}
+
+// y[b] = x[b] · rsqrt(mean(x[b]²) + eps) · w for B rows of n (the final norm), each row
+// on its own.
+void dsakv_rms_norm(const float* x, const float* w, int64_t B, int64_t n, float eps, float* y) {
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < B; ++b) rms_norm(x + b * n, w, n, eps, y + b * n);
+}
+
+// y[B, N] = x[B, K] · W[N, K]ᵀ (the LM head), each output reduced as `gemv` reduces it:
+// a token's logits do not depend on the rows beside it or on the thread count.
+void dsakv_linear(const float* W, int64_t N, int64_t K, const float* x, int64_t B, float* y) {
+#pragma omp parallel
+  gemv_team(W, K, x, K, B, y, N, N);
 }
 
 // `torch_ops.topk_by_position`: for each row of scores[B, W], the positions of the k

@@ -1,0 +1,272 @@
+"""`--enable-deterministic-inference`: a request's tokens and logprobs are bit-identical
+however the engine happened to run it (batch, chunking, cache path, threads, MTP, PD).
+
+Every test runs the default caches (fp8_e4m3 latent, fp8 index-K), on glm-tiny as it is
+(index_topk 16: sparse past 16 tokens) and, where the selection matters, on a dense copy
+(index_topk above every context). Without the flag the same comparisons differ on the
+sparse model (a 1e-7 difference in a chunked prefill flips a top-k choice).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import random
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+from dsakv.engine import Engine, EngineConfig, SamplingParams
+from dsakv.engine import disagg as pd
+from dsakv.errors import DsakvError
+from dsakv.models import tiny
+from dsakv.models.tiny import default_model_dir, write_tiny_model
+
+from .serving import TIMEOUT, serving
+
+DET = dict(enable_deterministic_inference=True, device="cpu", page_size=16)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def sparse() -> str:
+    """glm-tiny with its fitted MTP layer (the cached preset the other tests share)."""
+    return str(default_model_dir("glm-tiny"))
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> str:
+    cfg = copy.deepcopy(tiny._GLM_TINY)
+    cfg["index_topk"] = 4096
+    return str(write_tiny_model(tmp_path_factory.mktemp("dense"), cfg, seed=0, mtp="none"))
+
+
+@pytest.fixture(params=["sparse", "dense"])
+def model(request) -> str:
+    return request.getfixturevalue(request.param)
+
+
+def _engine(model: str, **kw) -> Engine:
+    return Engine(EngineConfig(model=model, **{**DET, **kw}))
+
+
+def _prompts(n: int, seed: int, lo: int = 5, hi: int = 120) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _run(engine: Engine, prompts, params=GREEDY, arrivals=None):
+    """Every prompt's (tokens, logprobs, top logprobs); `arrivals[i]`: the step at which
+    prompt i joins (default: all at once)."""
+    arrivals = arrivals or [0] * len(prompts)
+    reqs: dict[int, object] = {}
+    step = 0
+    while len(reqs) < len(prompts) or engine.has_unfinished():
+        for i, at in enumerate(arrivals):
+            if at <= step and i not in reqs:
+                p = params[i] if isinstance(params, list) else params
+                reqs[i] = engine.add_request(prompts[i], p)
+        engine.step()
+        step += 1
+    engine.check_integrity()
+    return [_out(reqs[i]) for i in range(len(prompts))]
+
+
+def _out(req):
+    return req.output_ids, req.logprobs, req.top_logprobs
+
+
+PROBE = _prompts(1, seed=99, lo=90, hi=90)[0]
+
+
+def test_pressure_case_24_of_24(model):
+    """The issue's case: 24 requests sharing a 150-token prefix, greedy, on a roomy pool and
+    on a 40-page pool with 32-token chunks, the prefix cache and retractions."""
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 250) for _ in range(150)]
+    prompts = [
+        prefix + [rng.randrange(3, 250) for _ in range(rng.randint(1, 30))] for _ in range(24)
+    ]
+    params = SamplingParams(**_kw(GREEDY, 32))
+    roomy = _run(_engine(model, num_pages=400, enable_prefix_cache=False), prompts, params)
+    tight = _engine(model, num_pages=40, chunked_prefill_size=32)
+    got = _run(tight, prompts, params)
+    c = tight.counters()
+    assert c["retractions"] > 0 and c["prefix_hit_tokens"] > 0
+    assert sum(a == b for a, b in zip(roomy, got)) == 24
+
+
+def test_batch_size_composition_and_arrival(model):
+    """A greedy and a seeded probe alone, among 31 others of other lengths, and among
+    another 31 arriving over the run."""
+    probes = [PROBE, PROBE[:70]]
+    alone = [_run(_engine(model), [p], [par])[0] for p, par in zip(probes, (GREEDY, SEEDED))]
+    others = _prompts(30, seed=1)
+    mixed = _run(_engine(model), [*probes, *others], [GREEDY, SEEDED, *[GREEDY] * 30])
+    assert mixed[:2] == alone
+    later = _prompts(30, seed=2, hi=200)
+    arrivals = [3, 7] + [random.Random(i).randrange(0, 12) for i in range(30)]
+    params = [GREEDY, SEEDED] + [SEEDED if i % 2 else GREEDY for i in range(30)]
+    staggered = _run(_engine(model, chunked_prefill_size=64), [*probes, *later], params, arrivals)
+    assert staggered[:2] == alone
+
+
+def test_chunk_sizes_and_prefill_vs_decode(model):
+    """Chunks of 32 and 256 tokens and the whole prompt give one output; a token computed
+    by a prefill scores exactly as the same token computed by a decode step."""
+    runs = [_run(_engine(model, chunked_prefill_size=c), [PROBE])[0] for c in (32, 256, 4096)]
+    assert runs[0] == runs[1] == runs[2]
+    tokens, logprobs, tops = runs[0]
+    # The prompt extended by the first 8 decoded tokens: those are now prefilled.
+    again = _run(_engine(model), [PROBE + tokens[:8]], SamplingParams(**_kw(GREEDY, 8)))[0]
+    assert again == (tokens[8:], logprobs[8:], tops[8:])
+
+
+def _kw(p: SamplingParams, max_tokens: int) -> dict:
+    return dict(
+        max_tokens=max_tokens,
+        temperature=p.temperature,
+        seed=p.seed,
+        ignore_eos=True,
+        logprobs=p.logprobs,
+    )
+
+
+def test_host_tier_and_l3_tier(sparse, tmp_path):
+    """Prefix KV back from the host tier, and from L3 storage in a fresh engine, gives the
+    tokens of a cold run."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 250) for _ in range(96)]
+    prompts = [
+        prefix + [rng.randrange(3, 250) for _ in range(rng.randint(3, 20))] for _ in range(6)
+    ]
+    params = SamplingParams(**_kw(GREEDY, 48))
+    cold = _run(_engine(sparse, enable_prefix_cache=False), prompts, params)
+    host = _engine(sparse, num_pages=16, host_pool_gib=0.05, chunked_prefill_size=32)
+    assert _run(host, prompts, params) == cold
+    c = host.counters()
+    assert c["retractions_to_host"] > 0 and c["host_bytes_to_device"] > 0
+    l3 = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"))
+    writer = _engine(sparse, chunked_prefill_size=48, **l3)
+    assert _run(writer, prompts[:1], params) == cold[:1]
+    writer.close()
+    reader = _engine(sparse, **l3)
+    assert _run(reader, prompts[1:], params) == cold[1:]
+    assert reader.counters()["l3_hit_tokens"] > 0
+    reader.close()
+
+
+def test_pd_matches_colocated(sparse):
+    """Prefill on one engine, KV over Mooncake, decode on another: the colocated tokens and
+    logprobs (the first token's logprob is the prefill side's)."""
+    pytest.importorskip("mooncake.engine")
+    from dsakv.disagg.transfer import KVTransfer, PeerBuffer
+
+    prompts = _prompts(4, seed=7, lo=20, hi=80)
+    want = _run(_engine(sparse), prompts)
+    prefill, decode = _engine(sparse, chunked_prefill_size=32), _engine(sparse)
+    src, dst = KVTransfer(prefill.pool), KVTransfer(decode.pool)
+    peer = [PeerBuffer.of(d) for d in dst.buffers]
+    try:
+        for p, (tokens, logprobs, _) in zip(prompts, want):
+            first = prefill.add_request(p, SamplingParams(**_kw(GREEDY, 1)))
+            pd.hold(prefill, first)
+            while prefill.has_unfinished():
+                prefill.step()
+            req = pd.reserve(decode, p, GREEDY)
+            src.write(dst.session, peer, first.pages, req.pages, len(p))
+            pd.release_held(prefill, first)
+            pd.start_decoding(decode, req, first.output_ids[0])
+            while decode.has_unfinished():
+                decode.step()
+            assert first.logprobs == logprobs[:1]
+            assert req.output_ids == tokens and req.logprobs == logprobs[1:]
+    finally:
+        src.close()
+        dst.close()
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_mtp_on_and_off(sparse, params):
+    """MTP's verify rows compute the logits plain decode does: same tokens and logprobs."""
+    prompts, params = _prompts(6, seed=3, lo=8, hi=70), SamplingParams(**_kw(params, 40))
+    off = _run(_engine(sparse), prompts, params)
+    mtp = _engine(sparse, speculative_algorithm="mtp", speculative_num_steps=3)
+    assert _run(mtp, prompts, params) == off
+    assert mtp.counters()["spec_accepted_tokens"] > 0
+
+
+def test_one_and_two_threads(sparse):
+    prompts = [PROBE, *_prompts(5, seed=4)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(_engine(sparse, chunked_prefill_size=64), prompts)
+        torch.set_num_threads(2)
+        two = _run(_engine(sparse), prompts)
+    finally:
+        torch.set_num_threads(before)
+    assert one == two
+
+
+def test_server_probe_beside_random_traffic(sparse):
+    """Through the HTTP server: one probe, alone and beside two rounds of other random
+    concurrent requests, gets the same text and logprobs."""
+    body = dict(model="m", prompt=PROBE, max_tokens=12, temperature=0.8, seed=5, logprobs=1)
+    body["ignore_eos"] = True
+    config = EngineConfig(model=sparse, **DET)
+    with (
+        serving(config, served_model_name="m") as (base, _),
+        httpx.Client(base_url=base, timeout=TIMEOUT) as http,
+    ):
+
+        def complete(b):
+            r = http.post("/v1/completions", json=b)
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            return c["text"], c["logprobs"]["token_logprobs"]
+
+        alone = complete(body)
+        for seed in (1, 2):
+            traffic = [
+                dict(body, prompt=p, max_tokens=random.Random(seed * 31 + i).randint(4, 20))
+                for i, p in enumerate(_prompts(8, seed=seed, hi=150))
+            ]
+            with concurrent.futures.ThreadPoolExecutor(9) as pool:
+                futures = [pool.submit(complete, b) for b in traffic[:4]]
+                probe = pool.submit(complete, body)
+                futures += [pool.submit(complete, b) for b in traffic[4:]]
+                assert probe.result() == alone
+                for f in futures:
+                    f.result()
+
+
+def test_refusals_name_what_is_missing(sparse):
+    with pytest.raises(DsakvError, match="cpu backend only.*torch"):
+        _engine(sparse, attention_backend="torch")
+    with pytest.raises(DsakvError, match="more than one rank"):
+        EngineConfig(model=sparse, enable_deterministic_inference=True, tp=2)
+    with pytest.raises(DsakvError, match="bfloat16"):
+        EngineConfig(model=sparse, enable_deterministic_inference=True, dtype="bfloat16")
+    cmd = [sys.executable, "-m", "dsakv.cli", "generate", sparse, "--prompt", "hi"]
+    cmd += ["--enable-deterministic-inference", "--attention-backend", "torch"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: --enable-deterministic-inference runs on the cpu")
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_hisparse_on_fp8_caches_equals_the_roomy_pool(sparse):
+    """HiSparse hot buffers (rows missed and copied in from the host) change where a row is
+    read from, not its bytes or its order: with the flag, exact on the fp8 caches too."""
+    prompts = _prompts(6, seed=8, lo=60, hi=120)
+    want = _run(_engine(sparse, num_pages=64), prompts)
+    hot = _engine(
+        sparse, num_pages=12, enable_hisparse=True, hisparse_config={"host_to_device_ratio": 8}
+    )
+    assert _run(hot, prompts) == want
+    assert hot.counters()["hisparse_misses"] > 0
