@@ -210,9 +210,12 @@ def test_determinism_section_times_both_modes_and_checks_the_batch(tiny):
     with the mode on the batched request matched its solo run."""
     from dsakv.bench.determinism import DeterminismSizes, run_determinism_bench, summary_lines
 
-    sizes = DeterminismSizes(prompt_len=40, decode_prompt_len=8, decode_tokens=3, batch=3, rounds=1)
+    sizes = DeterminismSizes(
+        prompt_len=40, long_prompt_len=48, decode_prompt_len=8, decode_tokens=3, batch=3, rounds=1
+    )
     r = run_determinism_bench(tiny, sizes=sizes)
-    assert set(r["tokens_per_s"]) == {"prefill_1", "prefill_3", "decode_1", "decode_3"}
+    want = {"prefill_1", "prefill_3", "prefill_1_long", "decode_1", "decode_3"}
+    assert set(r["tokens_per_s"]) == want
     for t in r["tokens_per_s"].values():
         assert t["off"] > 0 and t["on"] > 0 and t["on_vs_off"] == t["on"] / t["off"]
     assert r["batched_equals_alone_on"] is True

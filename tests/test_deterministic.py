@@ -270,3 +270,19 @@ def test_hisparse_on_fp8_caches_equals_the_roomy_pool(sparse):
     )
     assert _run(hot, prompts) == want
     assert hot.counters()["hisparse_misses"] > 0
+
+
+def test_on_by_default_where_it_runs_and_off_on_request(sparse):
+    """The per-token path is measured no slower on a CPU (`dsakv bench
+    --enable-deterministic-inference`), so it is the default there; False keeps the batched
+    path; where it cannot run (bf16 weights, the torch backend) the default quietly keeps
+    the batched path while True is refused (above)."""
+    assert _engine(sparse, enable_deterministic_inference=None).backend.deterministic
+    assert not _engine(sparse, enable_deterministic_inference=False).backend.deterministic
+    for kw in (dict(dtype="bfloat16"), dict(attention_backend="torch")):
+        e = Engine(EngineConfig(model=sparse, device="cpu", **kw))
+        assert not e.deterministic and not getattr(e.backend, "deterministic", False)
+    cmd = [sys.executable, "-m", "dsakv.cli", "generate", sparse, "--prompt", "hi"]
+    cmd += ["--enable-deterministic-inference", "--disable-deterministic-inference"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "not allowed with argument" in done.stderr

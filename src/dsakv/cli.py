@@ -308,11 +308,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "kernels do not cover (no C++ compiler, a bf16 model) through torch.compile "
         "(a warm-up of 10-45 s per process)",
     )
-    g.add_argument(
+    det = g.add_mutually_exclusive_group()
+    det.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
-        help="one per-token reduction order for every step: a request's tokens and logprobs "
-        "do not depend on its batch, chunking, cache path or thread count (cpu backend)",
+        help="require one per-token reduction order for every step: a request's tokens and "
+        "logprobs do not depend on its batch, chunking, cache path or thread count (the "
+        "default wherever it runs: the cpu backend, fp32 weights, one rank)",
+    )
+    det.add_argument(
+        "--disable-deterministic-inference",
+        action="store_true",
+        help="the batched path of before (torch GEMMs for steps over 64 tokens)",
     )
     g.add_argument(
         "--speculative-algorithm", choices=("mtp",), help="draft with the MTP layer, verify"
@@ -419,6 +426,8 @@ def engine_config_from_args(args: argparse.Namespace):
         kw["enable_torch_compile"] = True
     if args.enable_deterministic_inference:
         kw["enable_deterministic_inference"] = True
+    if args.disable_deterministic_inference:
+        kw["enable_deterministic_inference"] = False
     if args.dp_attention:
         kw["dp_attention"] = True
     if args.enable_hisparse:

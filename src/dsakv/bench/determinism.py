@@ -1,6 +1,6 @@
-"""What `--enable-deterministic-inference` costs: prefill and decode tok/s at 1 and 32
-requests, the mode off and on, on one model with the default caches (fp8 latent, fp8
-index-K). Both engines are built once; each round times every workload on each engine in
+"""What deterministic inference costs: prefill and decode tok/s at 1 and 32 requests (and
+one prompt long enough for a sparse selection), the mode off and on, on one model with the
+default caches (fp8 latent, fp8 index-K). Both engines are built once; each round times every workload on each engine in
 turn (off, on, off, on, ...) so machine noise lands on both; medians are reported.
 
 A first round warms every shape up and is not timed. Also checked each round: with the
@@ -23,6 +23,7 @@ from dsakv.models.tiny import resolve_model_dir
 @dataclass(frozen=True)
 class DeterminismSizes:
     prompt_len: int = 128  # prefill: 1 and `batch` prompts of this length
+    long_prompt_len: int = 1024  # and one past glm-bench's index_topk (256): sparse
     decode_prompt_len: int = 16
     decode_tokens: int = 32  # decode: tokens after the first, per request
     batch: int = 32
@@ -49,6 +50,7 @@ def run_determinism_bench(
         f"prefill_{n}": ([_prompt(rng, sizes.prompt_len) for _ in range(n)], 0)
         for n in (1, sizes.batch)
     }
+    work["prefill_1_long"] = ([_prompt(rng, sizes.long_prompt_len)], 0)
     work |= {
         f"decode_{n}": (
             [_prompt(rng, sizes.decode_prompt_len) for _ in range(n)],
@@ -83,7 +85,9 @@ def _engine(path: str, on: bool, sizes: DeterminismSizes) -> Engine:
             device="cpu",
             enable_deterministic_inference=on,
             chunked_prefill_size=sizes.chunked_prefill_size,
-            num_pages=sizes.batch * (-(-(sizes.prompt_len + sizes.decode_tokens + 2) // 64)) + 4,
+            num_pages=sizes.batch * (-(-(sizes.prompt_len + sizes.decode_tokens + 2) // 64))
+            + sizes.long_prompt_len // 64
+            + 4,
             seed=sizes.seed,
             enable_prefix_cache=False,  # every round computes its prompts
         )

@@ -15,7 +15,7 @@ import torch
 from dsakv.config import HiSparseConfig, plan_overrides
 from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
 from dsakv.errors import DsakvError
-from dsakv.kernels import BACKENDS, select_backend
+from dsakv.kernels import BACKENDS, cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
 from dsakv.memory.host import HostPool
@@ -62,9 +62,11 @@ class EngineConfig:
     # The cpu backend runs decode steps of up to 4 requests through torch.compile
     # (inductor's C++): off by default, for its warm-up of 10-45 s per process (cpu_ops).
     enable_torch_compile: bool = False
-    # One per-token reduction order for every step (SGLang's name): a request's tokens and
-    # logprobs do not depend on its batch, chunking, cache path or thread count (cpu backend).
-    enable_deterministic_inference: bool = False
+    # One per-token reduction order for every step (SGLang's flag): a request's tokens and
+    # logprobs do not depend on its batch, chunking, cache path or thread count. None: on
+    # wherever that path runs (the cpu backend, fp32 weights, one rank); True: required;
+    # False: the batched path of before (`--disable-deterministic-inference`).
+    enable_deterministic_inference: bool | None = None
     index_topk_pattern: str | None = None
     index_topk_freq: int | None = None
     index_skip_topk_offset: int | None = None
@@ -318,6 +320,7 @@ class Engine:
             raise DsakvError("the KV budget holds less than one page")
         self.pool = DSAKVPool(self.layout, num_pages, self.device, latent_pages=latent_pages)
         c = self.model_config
+        self.deterministic = self._deterministic(dtype)
         self.backend = select_backend(
             config.attention_backend,
             self.device,
@@ -327,7 +330,7 @@ class Engine:
             index_topk=c.index_topk,
             # Compiled blocks hold no collectives: one rank only.
             compile=config.enable_torch_compile and self.parallel.world_size == 1,
-            deterministic=config.enable_deterministic_inference,
+            deterministic=self.deterministic,
         )
         self.model.use_backend(self.backend)
         self.allocator = PageAllocator(num_pages, config.page_size)
@@ -383,13 +386,14 @@ class Engine:
         self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
         self._grammars: GrammarCache | None = None
         log.info(
-            "engine: %d pages × %d tokens (%.1f MiB, %d B/token, %s), plan %s",
+            "engine: %d pages × %d tokens (%.1f MiB, %d B/token, %s), plan %s%s",
             num_pages,
             config.page_size,
             self.pool.nbytes / 2**20,
             self.layout.bytes_per_token,
             "elided" if config.elide_index_k else "dense",
             self.plan.pattern,
+            ", deterministic" if self.deterministic else "",
         )
         if self.hot is not None:
             log.info(
@@ -401,6 +405,20 @@ class Engine:
                 self.pool.num_tokens,
                 self.hot.host_nbytes / 2**20,
             )
+
+    def _deterministic(self, dtype: torch.dtype) -> bool:
+        """Whether every step runs the cpu backend's per-token path: as asked, or by default
+        wherever it runs (measured no slower there than the batched path it replaces)."""
+        want = self.config.enable_deterministic_inference
+        if want is not None:
+            return want  # (True where it cannot run: select_backend says what is missing)
+        return (
+            self.device.type == "cpu"
+            and self.config.attention_backend in ("auto", "cpu")
+            and self.parallel.world_size == 1
+            and dtype == torch.float32
+            and cpu_native.available()
+        )
 
     def _hisparse_config(self) -> HiSparseConfig | None:
         """`--hisparse-config` checked against the model (it needs an indexer, and top_k is

@@ -160,7 +160,7 @@ class CpuBackend(TorchBackend):
         self.index_dtype = cpu_ops.index_compute_dtype(layout.index_k_dtype)
         self.compile = compile
         self.native = cpu_native.available()
-        self.deterministic = deterministic
+        self._deterministic = deterministic
         if deterministic and not self.native:
             raise DsakvError(
                 "--enable-deterministic-inference runs on dsakv's native CPU kernels, which "
@@ -171,6 +171,11 @@ class CpuBackend(TorchBackend):
         # dynamo only when compiling: it breaks the Triton interpreter's patching.)
         loop = torch_ops.experts_loop
         self._experts_loop = torch.compiler.disable(loop) if compile else loop
+
+    @property
+    def deterministic(self) -> bool:
+        """The per-token path runs on the native kernels (and only while they do)."""
+        return self._deterministic and self.native
 
     def describe(self) -> dict[str, str]:
         low = self.index_dtype == torch.bfloat16
@@ -280,11 +285,12 @@ class CpuBackend(TorchBackend):
         self, math, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv
     ):
         if self.deterministic:  # each query as a decode token over its own selection
-            if positions is None:  # every visible position, in order
+            if positions is None:  # every visible position, in order: one shared list
                 e = q_nope.shape[0]
-                positions = torch.arange(slots.shape[0]).expand(e, -1)
-                valid = positions <= torch.arange(prefix, prefix + e)[:, None]
-            rows = slots[positions]
+                valid = torch.arange(slots.shape[0]) <= torch.arange(prefix, prefix + e)[:, None]
+                rows = slots
+            else:
+                rows = slots[positions]
             return self.mla_decode(math, pool, layer, q_nope, q_rope, rows, valid, w_uk, w_uv)
 
         def gather(s: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,7 @@ def _build() -> ctypes.CDLL:
     dll.dsakv_store_index_k_fp8.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr]
     dll.dsakv_mla_decode.restype = i64
     dll.dsakv_mla_decode.argtypes = [
-        *(ptr, ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, ptr),
+        *(ptr, ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ptr),
         *(i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64, ptr),
     ]
     dll.dsakv_index_decode.restype = i64
@@ -213,9 +213,10 @@ def mla_decode(
 ) -> torch.Tensor:
     """Absorbed sparse MLA decode over the pool's stored rows: latent queries
     `q_nope[B, H, lora]` and `q_rope[B, H, rope]` (fp32), `data[slots, row]` a layer's
-    latent buffer as stored, `slots[B, k]` the rows each request reads, `valid[B, k]` ->
-    the latent outputs `[B, H, lora]`, or with `w_uv[H, v, lora]` (fp32, rows contiguous)
-    their values `[B, H, v]`.
+    latent buffer as stored, `slots[B, k]` the rows each request reads (or `[k]`, one list
+    every query reads: a prefill chunk's context, each block of rows widened once for
+    several queries), `valid[B, k]` -> the latent outputs `[B, H, lora]`, or with
+    `w_uv[H, v, lora]` (fp32, rows contiguous) their values `[B, H, v]`.
 
     `cpu_ops.decode_attention`'s math (softmax over the valid rows, then their weighted
     sum) in another summation order: outputs agree to fp32 rounding, and a request's output
@@ -235,7 +236,12 @@ def mla_decode(
         _scale_blocks(lora)
     q_nope = q_nope.contiguous()
     slots, valid = _as(slots, torch.int64), _as(valid, torch.bool)
-    if not data.is_contiguous() or slots.shape != valid.shape or slots.shape[0] != b:
+    shared = slots.dim() == 1
+    if (
+        not data.is_contiguous()
+        or valid.shape != (b, slots.shape[-1])
+        or (not shared and slots.shape != valid.shape)
+    ):
         raise ValueError("mla_decode: strided latent buffer or mismatched slots / valid")
     v = 0
     if w_uv is not None:
@@ -255,9 +261,10 @@ def mla_decode(
         data.shape[-1] * data.element_size(),
         KINDS[kind],
         slots.data_ptr(),
+        0 if shared else slots.shape[1],
         valid.data_ptr(),
         b,
-        slots.shape[1],
+        slots.shape[-1],
         heads,
         lora,
         rope,

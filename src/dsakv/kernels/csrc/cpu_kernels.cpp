@@ -142,16 +142,6 @@ inline int64_t count_bad(const int64_t* slots, int64_t n, int64_t n_rows) {
   return bad;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int k = 0; k < 16; ++k) acc[k] += a[i + k] * b[i + k];
-  float s = 0;
-  for (; i < n; ++i) s += a[i] * b[i];
-  for (int k = 0; k < 16; ++k) s += acc[k];
-  return s;
-}
 
 
 // --- one-token decode blocks ------------------------------------------------------------
@@ -170,9 +160,26 @@ inline v16 load16(const float* p) {
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// The 16 lanes summed as a tree (halves added, then their halves, ...): four dependent adds
+// instead of sixteen, in one fixed order every kernel shares.
 inline float hsum(v16 v) {
-  float s = 0.0f;
-  for (int i = 0; i < 16; ++i) s += v[i];
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// a · b: one 16-lane FMA chain, the lanes summed (`hsum`), then the tail; exactly what
+// `dot4` computes for each of its rows, so a row's value never depends on its grouping.
+inline float dot(const float* a, const float* b, int64_t n) {
+  v16 acc = {};
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) acc += load16(a + k) * load16(b + k);
+  float s = hsum(acc);
+  for (; k < n; ++k) s += a[k] * b[k];
   return s;
 }
 
@@ -194,6 +201,49 @@ inline void dot4(const float* a, int64_t lda, const float* b, int64_t n, float* 
     s2 += a[2 * lda + k] * b[k], s3 += a[3 * lda + k] * b[k];
   }
   out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+
+// For each of `nh` (<= 4) heads: acc[h][c] += Σ_i p[h][i] · rows[i][c] over c < n, the rows
+// added one after another in order (each one rounding), four rows a pass: every row
+// block is loaded once for all the heads. A head's sums do not depend on nh or on m.
+inline void axpy_rows(const float* const* rows, const float* const* p, int64_t nh, int64_t m,
+                      int64_t n, float* const* acc) {
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4) {
+    const float *r0 = rows[i], *r1 = rows[i + 1], *r2 = rows[i + 2], *r3 = rows[i + 3];
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+      const v16 x0 = load16(r0 + c), x1 = load16(r1 + c), x2 = load16(r2 + c),
+                x3 = load16(r3 + c);
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* ph = p[h] + i;
+        v16 a = load16(acc[h] + c);
+        a += ph[0] * x0;
+        a += ph[1] * x1;
+        a += ph[2] * x2;
+        a += ph[3] * x3;
+        store16(acc[h] + c, a);
+      }
+    }
+    for (; c < n; ++c)
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* ph = p[h] + i;
+        float a = acc[h][c];
+        a += ph[0] * r0[c];
+        a += ph[1] * r1[c];
+        a += ph[2] * r2[c];
+        a += ph[3] * r3[c];
+        acc[h][c] = a;
+      }
+  }
+  for (; i < m; ++i)
+    for (int64_t h = 0; h < nh; ++h) {
+      const float pi = p[h][i];
+      int64_t c = 0;
+      for (; c + 16 <= n; c += 16) store16(acc[h] + c, load16(acc[h] + c) + pi * load16(rows[i] + c));
+      for (; c < n; ++c) acc[h][c] += pi * rows[i][c];
+    }
 }
 
 // Four rows w, w + K, w + 2K, w + 3K times TB inputs x + t · ldx: y[t · ldy + r]. Every
@@ -385,6 +435,41 @@ inline void route(const FfnWeights& w, const float* logits, int64_t* ids, float*
     weights[t] = (w.norm_topk ? weights[t] / (sum + 1e-20f) : weights[t]) * w.scaling;
 }
 
+// The absorbed query of one head for nb tokens: o[t · ldo + c] = Σ_d q[t · ldq + d] ·
+// uk[d · KL + c], d = 0 .. nope-1 in order (one FMA chain per output from 0), four tokens
+// × 64 columns of accumulators held in registers while the head's W_uk rows stream past.
+// An output's chain is the same whatever nb is: batch-invariant.
+constexpr int64_t kUkTokens = 4;
+
+template <int NB>
+inline void absorb(const float* uk, int64_t nope, int64_t KL, const float* q, int64_t ldq,
+                   float* o, int64_t ldo) {
+  constexpr int64_t nb = NB;
+  int64_t c = 0;
+  for (; c + 64 <= KL; c += 64) {
+    v16 acc[NB][4] = {};
+    for (int64_t d = 0; d < nope; ++d) {
+      const float* wr = uk + d * KL + c;
+      const v16 w0 = load16(wr), w1 = load16(wr + 16), w2 = load16(wr + 32), w3 = load16(wr + 48);
+      for (int64_t t = 0; t < nb; ++t) {
+        const float qd = q[t * ldq + d];
+        acc[t][0] += qd * w0;
+        acc[t][1] += qd * w1;
+        acc[t][2] += qd * w2;
+        acc[t][3] += qd * w3;
+      }
+    }
+    for (int64_t t = 0; t < nb; ++t)
+      for (int i = 0; i < 4; ++i) store16(o + t * ldo + c + 16 * i, acc[t][i]);
+  }
+  for (; c < KL; ++c)
+    for (int64_t t = 0; t < nb; ++t) {
+      float a = 0.0f;
+      for (int64_t d = 0; d < nope; ++d) a += q[t * ldq + d] * uk[d * KL + c];
+      o[t * ldo + c] = a;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -392,13 +477,15 @@ extern "C" {
 // Absorbed sparse MLA decode, every request of the step at once, reading the stored rows
 // in place (no fp32 copy of the gathered context):
 //   queries q_nope[B, H, lora] (contiguous) and q_rope[B, H, rope] (strides rope_sb,
-//   rope_sh), rows `data + slots[b, j] * row_bytes` of encoding `kind`, valid[B, K] ->
+//   rope_sh), rows `data + slots[b · lds + j] * row_bytes` of encoding `kind` (lds 0: every
+//   query reads one slot list, a prefill chunk's context), valid[B, K] ->
 //   o[b, h] = softmax_j(scale · q_h · row_j) · row_j[:lora]; then, with w_uv (fp32 rows of
 //   `lora`, `v` of them per head, heads `w_sh` apart), out[B, H, v] = W_uv[h] · o[b, h],
 //   else out[B, H, lora] = o.
 // The K rows split into runs of 128 from the first (flash decoding): work units are
-// (request, run, group of <= 16 heads; fewer heads a group when there are fewer units
-// than threads), each an online softmax over its run in blocks of 64 rows; then each
+// (request, or 8 queries over one shared slot list, which widen each block of rows once;
+// run; group of <= 16 heads, fewer when there are fewer units than threads), each an
+// online softmax per query over its run in blocks of 64 rows; then each
 // (request, head) merges its runs in order and applies W_uv. Runs and blocks start at
 // fixed offsets and invalid rows change no sum, so a request whose valid rows come first
 // gets the same output whatever K its batch was padded to, whatever the batch and
@@ -406,14 +493,18 @@ extern "C" {
 // Returns the number of valid slots outside [0, n_rows) (skipped; the caller raises).
 int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_sb,
                          int64_t rope_sh, const uint8_t* data, int64_t n_rows,
-                         int64_t row_bytes, int kind, const int64_t* slots, const bool* valid,
-                         int64_t B, int64_t K, int64_t H, int64_t lora, int64_t rope,
-                         float scale, const float* w_uv, int64_t w_sh, int64_t v, float* out) {
+                         int64_t row_bytes, int kind, const int64_t* slots, int64_t lds,
+                         const bool* valid, int64_t B, int64_t K, int64_t H, int64_t lora,
+                         int64_t rope, float scale, const float* w_uv, int64_t w_sh, int64_t v,
+                         float* out) {
   constexpr int64_t kRowsPerRun = 2 * kRowsPerBlock;
+  constexpr int64_t kQueriesPerTile = 8;  // queries sharing one widening (shared slots)
   const int64_t d = lora + rope;
   const int64_t runs = std::max<int64_t>(1, (K + kRowsPerRun - 1) / kRowsPerRun);
+  const int64_t per_tile = lds ? 1 : kQueriesPerTile, tiles = (B + per_tile - 1) / per_tile;
   const int64_t threads = omp_get_max_threads();
-  const int64_t want = std::min(H, std::max<int64_t>(1, (threads + B * runs - 1) / (B * runs)));
+  const int64_t want =
+      std::min(H, std::max<int64_t>(1, (threads + tiles * runs - 1) / (tiles * runs)));
   const int64_t per_unit = std::min(kHeadsPerUnit, (H + want - 1) / want);
   const int64_t groups = (H + per_unit - 1) / per_unit;
   const int64_t width = w_uv ? v : lora;
@@ -422,51 +513,82 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
   int64_t bad = 0;
 #pragma omp parallel reduction(+ : bad)
   {
-    std::vector<float> rows(kRowsPerBlock * d), s(kHeadsPerUnit * kRowsPerBlock);
+    std::vector<float> rows(kRowsPerBlock * d);
+    std::vector<uint8_t> oks(kQueriesPerTile * kRowsPerBlock);
+    float sc[4][kRowsPerBlock];
 #pragma omp for schedule(static)
-    for (int64_t unit = 0; unit < B * runs * groups; ++unit) {
-      const int64_t b = unit / (runs * groups), r = unit / groups % runs;
+    for (int64_t unit = 0; unit < tiles * runs * groups; ++unit) {
+      const int64_t tile = unit / (runs * groups), r = unit / groups % runs;
+      const int64_t b0 = tile * per_tile, nq = std::min(per_tile, B - b0);
       const int64_t h0 = (unit % groups) * per_unit, nh = std::min(per_unit, H - h0);
-      float* st[kHeadsPerUnit];  // each head's state: acc[lora], then m, l
-      for (int64_t h = 0; h < nh; ++h) {
-        st[h] = parts + ((b * H + h0 + h) * runs + r) * part;
-        std::fill(st[h], st[h] + lora, 0.0f);
-        st[h][lora] = -INFINITY, st[h][lora + 1] = 0.0f;
-      }
+      for (int64_t t = 0; t < nq; ++t)
+        for (int64_t h = 0; h < nh; ++h) {  // each head's state: acc[lora], then m, l
+          float* st = parts + (((b0 + t) * H + h0 + h) * runs + r) * part;
+          std::fill(st, st + lora, 0.0f);
+          st[lora] = -INFINITY, st[lora + 1] = 0.0f;
+        }
       const int64_t end = std::min(K, (r + 1) * kRowsPerRun);
       for (int64_t j0 = r * kRowsPerRun; j0 < end; j0 += kRowsPerBlock) {
         const int64_t n = std::min(kRowsPerBlock, end - j0);
-        const int64_t* sl = slots + b * K + j0;
-        bool ok[kRowsPerBlock];
-        for (int64_t j = 0; j < n; ++j) {
-          ok[j] = valid[b * K + j0 + j];
-          if (ok[j] && (sl[j] < 0 || sl[j] >= n_rows)) ok[j] = false, ++bad;
-          if (ok[j]) widen_row(data + sl[j] * row_bytes, kind, lora, rope, &rows[j * d]);
+        bool any[kRowsPerBlock] = {};
+        for (int64_t t = 0; t < nq; ++t) {
+          const int64_t* sl = slots + (b0 + t) * lds + j0;
+          uint8_t* ok = &oks[t * kRowsPerBlock];
+          for (int64_t j = 0; j < n; ++j) {
+            ok[j] = valid[(b0 + t) * K + j0 + j];
+            if (ok[j] && (sl[j] < 0 || sl[j] >= n_rows)) ok[j] = false, ++bad;
+            any[j] |= ok[j];
+          }
         }
-        for (int64_t h = 0; h < nh; ++h) {
-          const float* qn = q_nope + (b * H + h0 + h) * lora;
-          const float* qr = q_rope + b * rope_sb + (h0 + h) * rope_sh;
-          float* sh = &s[h * kRowsPerBlock];
-          float *ah = st[h], &m = st[h][lora], &l = st[h][lora + 1];
-          float top = m;
-          for (int64_t j = 0; j < n; ++j) {
-            const float* row = &rows[j * d];
-            sh[j] = ok[j] ? (dot(qn, row, lora) + dot(qr, row + lora, rope)) * scale : -INFINITY;
-            top = std::max(top, sh[j]);
-          }
-          if (top == -INFINITY) continue;  // nothing valid yet
-          if (top != m) {
-            const float c = std::exp(m - top);
-            l *= c;
-            for (int64_t i = 0; i < lora; ++i) ah[i] *= c;
-            m = top;
-          }
-          for (int64_t j = 0; j < n; ++j) {
-            if (!ok[j]) continue;
-            const float p = std::exp(sh[j] - top);
-            l += p;
-            const float* row = &rows[j * d];
-            for (int64_t i = 0; i < lora; ++i) ah[i] += p * row[i];
+        const int64_t* sl = slots + b0 * lds + j0;  // (the tile's one row when shared)
+        for (int64_t j = 0; j < n; ++j)
+          if (any[j]) widen_row(data + sl[j] * row_bytes, kind, lora, rope, &rows[j * d]);
+        for (int64_t t = 0; t < nq; ++t) {  // each query exactly as if it were alone
+          const int64_t b = b0 + t;
+          const uint8_t* ok = &oks[t * kRowsPerBlock];
+          const float* lat[kRowsPerBlock];  // its valid rows in order, and their rope parts
+          const float* pe[kRowsPerBlock];
+          int64_t nv = 0;
+          for (int64_t j = 0; j < n; ++j)
+            if (ok[j]) lat[nv] = &rows[j * d], pe[nv] = lat[nv] + lora, ++nv;
+          if (!nv) continue;  // nothing valid in this block
+          for (int64_t h1 = 0; h1 < nh; h1 += 4) {  // four heads share each row's loads
+            const int64_t hn = std::min<int64_t>(4, nh - h1), h = h0 + h1;
+            const float* qn = q_nope + (b * H + h) * lora;
+            const float* qr = q_rope + b * rope_sb + h * rope_sh;
+            for (int64_t i = 0; i < nv; ++i) {
+              float dn[4], dr[4];
+              if (hn == 4) {
+                dot4(qn, lora, lat[i], lora, dn);
+                dot4(qr, rope_sh, pe[i], rope, dr);
+              } else {
+                for (int64_t k = 0; k < hn; ++k) {
+                  dn[k] = dot(lat[i], qn + k * lora, lora);
+                  dr[k] = dot(pe[i], qr + k * rope_sh, rope);
+                }
+              }
+              for (int64_t k = 0; k < hn; ++k) sc[k][i] = (dn[k] + dr[k]) * scale;
+            }
+            float* acc[4];
+            const float* ps[4];
+            for (int64_t k = 0; k < hn; ++k) {
+              float* ah = parts + ((b * H + h + k) * runs + r) * part;
+              float &m = ah[lora], &l = ah[lora + 1];
+              float top = m;
+              for (int64_t i = 0; i < nv; ++i) top = std::max(top, sc[k][i]);
+              if (top != m) {
+                const float c = std::exp(m - top);
+                l *= c;
+                for (int64_t i = 0; i < lora; ++i) ah[i] *= c;
+                m = top;
+              }
+              for (int64_t i = 0; i < nv; ++i) {
+                sc[k][i] = std::exp(sc[k][i] - top);
+                l += sc[k][i];
+              }
+              acc[k] = ah, ps[k] = sc[k];
+            }
+            axpy_rows(lat, ps, hn, nv, lora, acc);
           }
         }
       }
@@ -486,14 +608,16 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
       }
       const float inv = 1.0f / l;  // no valid row: 1/0 -> inf·0 = NaN, as softmax
       for (int64_t i = 0; i < lora; ++i) o[i] *= inv;
-      float* dst = out + bh * width;
-      if (!w_uv) {
-        std::memcpy(dst, o, lora * sizeof(float));
-        continue;
+      if (!w_uv) std::memcpy(out + bh * width, o, lora * sizeof(float));
+    }
+    if (w_uv) {  // out[b, h] = W_uv[h] · o[b, h]: each head's rows stream once per 16 queries
+      const int64_t qt = (B + 15) / 16;
+#pragma omp for schedule(static)
+      for (int64_t u = 0; u < H * qt; ++u) {
+        const int64_t h = u / qt, b0 = (u % qt) * 16, nb = std::min<int64_t>(16, B - b0);
+        gemv(w_uv + h * w_sh, lora, parts + (b0 * H + h) * runs * part, H * runs * part, nb,
+             out + (b0 * H + h) * width, H * width, 0, v);
       }
-      const float* w = w_uv + (bh % H) * w_sh;
-      for (int64_t k = 0; k + 4 <= v; k += 4) dot4(w + k * lora, lora, o, lora, dst + k);
-      for (int64_t k = v - v % 4; k < v; ++k) dst[k] = dot(o, w + k * lora, lora);
     }
   }
   return bad;
@@ -556,6 +680,7 @@ void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, con
   const int64_t qk = w.nope + R, kv = KL + R, half = R / 2;
   float* kvb = scratch(B * (kv + H * qk));  // kv_a outputs, then q_b outputs
   float* qb = kvb + B * kv;
+  const int64_t tiles = (B + kUkTokens - 1) / kUkTokens;
 #pragma omp parallel
   {
 #pragma omp single
@@ -570,24 +695,21 @@ void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, con
     }
     gemv_team(w.q_b, QL, q_lora, QL, B, qb, H * qk, H * qk);
 #pragma omp for schedule(static)
-    for (int64_t hd = 0; hd < H; ++hd) {  // head hd's W_uk rows, streamed once in order
-      const float* uk = w.w_uk + hd * w.uk_head_stride;
-      for (int64_t b = 0; b < B; ++b) {
-        std::fill(q_lat + (b * H + hd) * KL, q_lat + (b * H + hd + 1) * KL, 0.0f);
+    for (int64_t u = 0; u < H * tiles; ++u) {  // (head, tokens): head hd's W_uk rows
+      const int64_t hd = u / tiles, b0 = (u % tiles) * kUkTokens;
+      const int64_t nb = std::min(kUkTokens, B - b0);
+      for (int64_t b = b0; b < b0 + nb; ++b)
         rope_interleaved(qb + (b * H + hd) * qk + w.nope, cos + b * half, sin + b * half, R,
                          q_rope + (b * H + hd) * R);
+      const float* uk = w.w_uk + hd * w.uk_head_stride;
+      const float* qt = qb + (b0 * H + hd) * qk;
+      float* ot = q_lat + (b0 * H + hd) * KL;
+      if (nb == kUkTokens) {
+        absorb<kUkTokens>(uk, w.nope, KL, qt, H * qk, ot, H * KL);
+        continue;
       }
-      for (int64_t d = 0; d < w.nope; ++d) {
-        const float* wr = uk + d * KL;
-        for (int64_t p = 0; p < KL; p += 16) __builtin_prefetch(wr + 4 * KL + p);
-        for (int64_t b = 0; b < B; ++b) {
-          const float q = qb[(b * H + hd) * qk + d];
-          float* o = q_lat + (b * H + hd) * KL;
-          int64_t c = 0;
-          for (; c + 16 <= KL; c += 16) store16(o + c, load16(o + c) + q * load16(wr + c));
-          for (; c < KL; ++c) o[c] += q * wr[c];
-        }
-      }
+      for (int64_t t = 0; t < nb; ++t)
+        absorb<1>(uk, w.nope, KL, qt + t * H * qk, H * qk, ot + t * H * KL, H * KL);
     }
   }
 }
