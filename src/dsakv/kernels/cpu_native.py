@@ -308,7 +308,8 @@ def index_decode(
         if not data.is_contiguous() or data.shape[1] != page_size * (d + 4 * nb):
             raise ValueError("index_decode: not a page-major fp8 index-K buffer")
     elif data.dtype in (torch.bfloat16, torch.float32) and data.shape[-1] == d:
-        kind, pages, ps = KINDS["bf16" if data.dtype == torch.bfloat16 else "fp32"], data.shape[0], 1
+        kind = KINDS["bf16" if data.dtype == torch.bfloat16 else "fp32"]
+        pages, ps = data.shape[0], 1  # one key a row
         if not data.is_contiguous():
             raise ValueError("index_decode: a strided index-K buffer")
     else:

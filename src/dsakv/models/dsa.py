@@ -189,7 +189,8 @@ def _native_norm(norm: RMSNorm, x: torch.Tensor):
 
 
 def _native_head(head: nn.Module, hidden: torch.Tensor):
-    whole = isinstance(head, ParallelLMHead) and head.parallel.attn_size == 1  # (one rank's vocab rows need their all-gather)
+    # (one rank's vocab rows need their all-gather: the eager head does it)
+    whole = isinstance(head, ParallelLMHead) and head.parallel.attn_size == 1
     if not whole or not cpu_native.fits(head) or hidden.dtype != torch.float32:
         return NotImplemented
     return cpu_native.linear(hidden, head.weight)
