@@ -1,10 +1,12 @@
-"""`--enable-deterministic-inference`: a request's tokens and logprobs are bit-identical
-however the engine happened to run it (batch, chunking, cache path, threads, MTP, PD).
+"""Deterministic inference (the CPU default; `--enable-deterministic-inference` requires
+it): a request's tokens and logprobs are bit-identical however the engine happened to run
+it (batch, chunking, cache path, threads, MTP, PD).
 
 Every test runs the default caches (fp8_e4m3 latent, fp8 index-K), on glm-tiny as it is
 (index_topk 16: sparse past 16 tokens) and, where the selection matters, on a dense copy
-(index_topk above every context). Without the flag the same comparisons differ on the
-sparse model (a 1e-7 difference in a chunked prefill flips a top-k choice).
+(index_topk above every context). With the batched path (`enable_deterministic_inference=
+False`) every one of these comparisons fails: a step over 64 tokens rounds its GEMMs
+otherwise, which moves fp8 bytes at rounding midpoints, logprobs, and sparse selections.
 """
 
 from __future__ import annotations
