@@ -16,6 +16,8 @@ from dsakv.engine.sampling import Sampler, draw, filtered_probs, token_seed
 from dsakv.engine.speculative import verify
 from dsakv.models.tiny import default_model_dir
 
+from .test_speculative import DRAFT_SCHEMA
+
 # Prompts of at most 40 tokens and at most 32 prefill tokens a step: every step stays
 # within the per-token (batch-invariant) kernels, so a row's logits do not depend on its batch.
 EXACT = dict(
@@ -201,12 +203,7 @@ def test_seeded_grammar_tokens_equal_with_mtp_on_and_off(model):
     (`apply_drafts`); the keyed samples from those rows are still the tokens without MTP."""
     import json
 
-    schema = {
-        "type": "object",
-        "properties": {"n": {"enum": [1, 22, 333]}, "tags": {"type": "array", "maxItems": 2,
-                       "items": {"type": "string", "maxLength": 4}}},
-        "required": ["n", "tags"],
-    }  # fmt: skip
+    schema = DRAFT_SCHEMA
     rng = random.Random(35)
     prompts = [
         [256] + [rng.randrange(32, 127) for _ in range(rng.randint(10, 30))] for _ in range(4)

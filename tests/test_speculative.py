@@ -18,6 +18,13 @@ from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 MTP = dict(speculative_algorithm="mtp")
+# A small schema whose drafts the grammar often refuses (structured output under MTP).
+DRAFT_SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"enum": [1, 22, 333]}, "tags": {"type": "array", "maxItems": 2,
+                   "items": {"type": "string", "maxLength": 4}}},
+    "required": ["n", "tags"],
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -258,12 +265,7 @@ def test_structured_output_with_drafts(dense):
 
     import jsonschema
 
-    schema = {
-        "type": "object",
-        "properties": {"n": {"enum": [1, 22, 333]}, "tags": {"type": "array", "maxItems": 2,
-                       "items": {"type": "string", "maxLength": 4}}},
-        "required": ["n", "tags"],
-    }  # fmt: skip
+    schema = DRAFT_SCHEMA
     params = SamplingParams(
         max_tokens=80, temperature=0, grammar=("json_schema", json.dumps(schema))
     )
