@@ -594,49 +594,42 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_sparse_vs_dense(args: argparse.Namespace) -> int:
-    """`dsakv bench --sparse-vs-dense`: only the prefill comparison (`bench.prefill`)."""
+def _section_report(args: argparse.Namespace, r: dict, lines: list[str]) -> int:
+    """A one-section bench's figures: into `--json` when given, its summary on stdout."""
     from pathlib import Path
 
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(r, indent=2))
+    print("\n".join(lines))
+    return 0
+
+
+def _bench_sparse_vs_dense(args: argparse.Namespace) -> int:
+    """`dsakv bench --sparse-vs-dense`: only the prefill comparison (`bench.prefill`)."""
     from dsakv.bench.prefill import run_prefill_sparse_vs_dense, summary_lines
 
     lengths = args.lengths or ((512, 1024) if args.quick else (1024, 4096, 8192))
     r = run_prefill_sparse_vs_dense(args.model, lengths)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(r, indent=2))
-    print("\n".join(summary_lines(r)))
-    return 0
+    return _section_report(args, r, summary_lines(r))
 
 
 def _bench_determinism(args: argparse.Namespace) -> int:
     """`dsakv bench --enable-deterministic-inference`: only its cost (`bench.determinism`)."""
-    from pathlib import Path
-
     from dsakv.bench.determinism import run_determinism_bench, summary_lines
 
     r = run_determinism_bench(args.model, quick=args.quick)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(r, indent=2))
-    print("\n".join(summary_lines(r)))
-    return 0
+    return _section_report(args, r, summary_lines(r))
 
 
 def _bench_hisparse(args: argparse.Namespace) -> int:
     """`dsakv bench --enable-hisparse`: only the HiSparse section (`bench.hisparse`)."""
-    from pathlib import Path
-
     from dsakv.bench.hisparse import run_hisparse_bench, summary_lines
 
     r = run_hisparse_bench(
         args.model, args.hisparse_config, quick=args.quick, device=_bench_device(args.device)
     )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(r, indent=2))
-    print("\n".join(summary_lines(r)))
-    return 0
+    return _section_report(args, r, summary_lines(r))
 
 
 def _lengths(text: str) -> tuple[int, ...]:
