@@ -429,7 +429,7 @@ def test_native_blocks_take_only_fp32_weights(tmp_path, tiny):
 
     inputs(attn.kv_b_proj.weight)
     with pytest.raises(ValueError, match="fp32 contiguous CPU weights"):
-        inputs(attn.kv_b_proj.weight.bfloat16())
+        inputs(attn.kv_b_proj.weight.half())
     with pytest.raises(ValueError, match="expected"):
         inputs(attn.kv_b_proj.weight[:-1])
 
@@ -540,3 +540,60 @@ def test_native_index_decode_one_shared_table_and_row_keys(tiny, low):
         assert torch.equal(got.isinf(), want.isinf())
         tol = dict(rtol=1e-2, atol=1e-3) if low and dtype == "bf16" else {}
         torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()], **tol)
+
+
+@native
+def test_native_blocks_read_bf16_matrices_as_their_fp32_widening_at_ragged_sizes():
+    """Sizes off every vector width (the scalar tails of the dots, the token tiles and the
+    absorbed query's 64-column blocks): each block with its matrices bf16 gives the bits it
+    gives with the same matrices widened to fp32, alone and in a batch."""
+    g = torch.Generator().manual_seed(7)
+
+    def mats(*shapes):  # bf16 matrices, and the same values in fp32
+        low = [(torch.randn(s, generator=g) * 0.2).bfloat16() for s in shapes]
+        return low, [m.float() for m in low]
+
+    def vec(n: int) -> torch.Tensor:
+        return 1 + 0.1 * torch.randn(n, generator=g)
+
+    hidden, q_lora, heads, nope, rope, v, kv_lora, inter, e, i = 37, 23, 3, 19, 8, 11, 70, 21, 5, 13
+    norms = (vec(hidden), vec(q_lora), vec(kv_lora))
+    x = torch.randn(6, hidden, generator=g)
+    cos, sin = torch.randn(6, rope // 2, generator=g), torch.randn(6, rope // 2, generator=g)
+    attn = torch.randn(6, heads * v, generator=g)
+    q = torch.randn(6, q_lora, generator=g)
+    router, bias = torch.randn(e, hidden, generator=g), torch.randn(e, generator=g)
+    post = vec(hidden)
+    k_norm, weights_proj = (vec(64), vec(64) - 1), torch.randn(4, hidden, generator=g)
+    shapes = [
+        (q_lora, hidden),
+        (heads * (nope + rope), q_lora),
+        (kv_lora + rope, hidden),
+        (heads * (nope + v), kv_lora),
+        (hidden, heads * v),
+        (inter, hidden),
+        (inter, hidden),
+        (hidden, inter),
+        (e, 2 * i, hidden),
+        (e, hidden, i),
+        (4 * 64, q_lora),
+        (64, hidden),
+    ]
+    outs = []
+    for ms in mats(*shapes):
+        q_a, q_b, kv_a, kv_b, o, gate, up, down, gate_up, edown, wq_b, wk = ms
+        inputs = cpu_native.MlaInputs(
+            norms[0], q_a, norms[1], q_b, kv_a, norms[2], kv_b,
+            heads=heads, nope=nope, rope=rope, v=v, eps=(1e-6,) * 3,
+        )  # fmt: skip
+        moe = (router, bias, gate_up, edown, 2, 1, 1, True, 2.5)
+        ffn = cpu_native.Ffn(o, post, 1e-6, (gate, up, down), moe)
+        index = cpu_native.IndexerInputs(
+            wq_b, wk, *k_norm, weights_proj, heads=4, rope=rope, interleave=True, eps=1e-6,
+        )  # fmt: skip
+        out = [*inputs(x, cos, sin), ffn(x, attn), index.key(x, cos, sin)]
+        out += [*index.query(x, q, cos, sin, True), cpu_native.linear(x, kv_a)]
+        out += [*inputs(x[:1], cos[:1], sin[:1]), ffn(x[:1], attn[:1])]
+        outs.append(out)
+    for n, (a, b) in enumerate(zip(*outs, strict=True)):
+        assert torch.equal(a, b), n

@@ -288,3 +288,36 @@ def test_on_by_default_where_it_runs_and_off_on_request(sparse):
     cmd += ["--enable-deterministic-inference", "--disable-deterministic-inference"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "not allowed with argument" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "caches",
+    [("fp8_e4m3", "fp8"), ("fp8_ds_mla", "bf16"), ("bf16", "fp32"), ("fp32", "fp8")],
+    ids=lambda c: "-".join(c),
+)
+def test_layer_loop_gives_the_per_layer_bits(sparse, monkeypatch, caches):
+    """Decode and MTP verify steps run every target layer in one native call
+    (`LayerLoop`); it makes the per-layer path's calls, so outputs are the same bits, on
+    every latent and index-K encoding, greedy and seeded, with MTP drafts accepted."""
+    from dsakv.kernels import cpu_native
+    from dsakv.models import decoder
+
+    calls = []
+    loop_call = cpu_native.LayerLoop.__call__
+
+    def counted(self, x, *args):
+        calls.append(x.shape[0])
+        return loop_call(self, x, *args)
+
+    monkeypatch.setattr(cpu_native.LayerLoop, "__call__", counted)
+    kv, index_k = caches
+    prompts = _prompts(4, seed=5, lo=10, hi=60)
+    params = [GREEDY, SEEDED, GREEDY, SEEDED]
+    kw = dict(kv_cache_dtype=kv, index_k_dtype=index_k, speculative_algorithm="mtp")
+    looped = _run(_engine(sparse, **kw), prompts, params)
+    assert calls and max(calls) > len(prompts)  # verify rows: several tokens a request
+    monkeypatch.setattr(decoder, "LOOP_EXTEND", 0)
+    n = len(calls)
+    per_layer = _run(_engine(sparse, **kw), prompts, params)
+    assert len(calls) == n
+    assert looped == per_layer

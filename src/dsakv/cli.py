@@ -314,7 +314,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="require one per-token reduction order for every step: a request's tokens and "
         "logprobs do not depend on its batch, chunking, cache path or thread count (the "
-        "default wherever it runs: the cpu backend, fp32 weights, one rank)",
+        "default wherever it runs: the cpu backend, fp32 compute, one rank)",
     )
     det.add_argument(
         "--disable-deterministic-inference",

@@ -64,7 +64,7 @@ class EngineConfig:
     enable_torch_compile: bool = False
     # One per-token reduction order for every step (SGLang's flag): a request's tokens and
     # logprobs do not depend on its batch, chunking, cache path or thread count. None: on
-    # wherever that path runs (the cpu backend, fp32 weights, one rank); True: required;
+    # wherever that path runs (the cpu backend, fp32 compute, one rank); True: required;
     # False: the batched path of before (`--disable-deterministic-inference`).
     enable_deterministic_inference: bool | None = None
     index_topk_pattern: str | None = None
@@ -286,6 +286,9 @@ class Engine:
             config.model,
             device=self.device,
             dtype=dtype,
+            # a CPU computes in fp32 over a bf16 checkpoint's matrices as stored (half the
+            # bytes a memory-bound decode step reads, the same outputs)
+            as_stored=config.dtype == "auto" and self.device.type == "cpu",
             parallel=self.parallel,
             draft_layers=1 if config.speculative_algorithm else 0,
             **config.plan_overrides,

@@ -16,15 +16,16 @@ sparse MLA decode, sparse MLA extend, indexer top-k) and never branches on the d
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import Any, NamedTuple
 
 import torch
 
 from dsakv.errors import DsakvError
-from dsakv.memory.fp8 import FP8_DTYPE
+from dsakv.memory.fp8 import FP8_DTYPE, hadamard_matrix
 
 from . import cpu_native, cpu_ops, hisparse_ops, torch_ops
-from .torch_ops import MLAMath, per_head
+from .torch_ops import MLAMath, per_head, widened
 
 # Rows of query chunks for the Triton extend indexer: bounds the [chunk, L] logits block.
 LOGITS_CHUNK_ELEMS = 1 << 26
@@ -183,12 +184,12 @@ class CpuBackend(TorchBackend):
         if self.compile:
             blocks = f"torch.compile up to {torch_ops.GEMV_ROWS} requests"
         if self.native:
-            blocks = f"native up to {NATIVE_ROWS} tokens a step (fp32 weights), else " + blocks
+            blocks = f"native up to {NATIVE_ROWS} tokens a step (fp32 compute), else " + blocks
         if self.deterministic:
             return {
                 **super().describe(),
                 "mode": "deterministic: every token on the native per-token path",
-                "blocks": "native (fp32 weights), every step",
+                "blocks": "native (fp32 compute), every step",
                 "stores": "native (fp8 rows), torch (bf16 / fp32 rows)",
                 "mla_decode": "native mla_decode (stored rows read in place)",
                 "mla_extend": "native mla_decode per token (stored rows read in place)",
@@ -221,7 +222,7 @@ class CpuBackend(TorchBackend):
             if self.deterministic:
                 raise DsakvError(
                     f"--enable-deterministic-inference: {block.eager.__name__} has no native "
-                    "form here (it needs fp32 weights on one rank)"
+                    "form here (it needs fp32 compute on one rank)"
                 )
         if isinstance(batch, int):
             return block.eager(*args)
@@ -254,7 +255,8 @@ class CpuBackend(TorchBackend):
     def store_index_k(self, pool, layer, slots, keys) -> None:
         if not self.native or pool.layout.index_k_dtype != "fp8":
             return super().store_index_k(pool, layer, slots, keys)
-        rotated = pool.prepare_index_q(keys.float())  # the rotation the pool applies
+        # The pool's rotation as a native GEMV: the layer loop rotates with the same one.
+        rotated = cpu_native.linear(keys.float(), _hadamard(keys.shape[-1]))
         cpu_native.store_index_k_fp8(rotated, pool.index_k_data(layer), slots, pool.page_size)
 
     # --- MLA --------------------------------------------------------------------------------
@@ -268,7 +270,8 @@ class CpuBackend(TorchBackend):
             q = torch.cat([q_nope, q_rope], dim=-1)
             args = (kind, lay.kv_lora_rank, lay.qk_rope_head_dim)
             return cpu_ops.decode_attention(q, data, slots, valid, w_uv, math.scale, *args)
-        fp32 = w_uv.dtype == torch.float32  # W_uv inside the kernel: no GEMM call after it
+        # W_uv inside the kernel (fp32, or bf16 as stored under fp32 compute): no GEMM after it
+        in_kernel = q_nope.dtype == torch.float32 and w_uv.dtype in (torch.float32, torch.bfloat16)
         out = cpu_native.mla_decode(
             q_nope.float(),
             q_rope.float(),
@@ -277,9 +280,9 @@ class CpuBackend(TorchBackend):
             valid,
             math.scale,
             kind,
-            w_uv if fp32 else None,
+            w_uv if in_kernel else None,
         )
-        return out if fp32 else per_head(out.to(w_uv.dtype), w_uv)
+        return out if in_kernel else per_head(out.to(w_uv.dtype), w_uv)
 
     def mla_extend(
         self, math, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv
@@ -340,6 +343,11 @@ class CpuBackend(TorchBackend):
         one order however it was selected (a short context's top-k is then exactly its
         every-position list, padded)."""
         return positions.sort(dim=1).values if self.deterministic else positions
+
+
+@cache
+def _hadamard(dim: int) -> torch.Tensor:
+    return hadamard_matrix(dim, torch.device("cpu"), torch.float32)
 
 
 class TritonBackend(TorchBackend):
@@ -419,7 +427,7 @@ class TritonBackend(TorchBackend):
         o_lat = self._mla.sparse_mla_decode(
             q, self._cache(pool, layer), self.kind, idx, math.scale, math.kv_lora, q_rope.shape[-1]
         )
-        return torch.einsum("bhc,hvc->bhv", o_lat.to(w_uv.dtype), w_uv)
+        return torch.einsum("bhc,hvc->bhv", o_lat.to(q.dtype), widened(w_uv, q))
 
     def mla_extend(
         self, math, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv
@@ -439,7 +447,7 @@ class TritonBackend(TorchBackend):
             math.kv_lora,
             q_rope.shape[-1],
         )
-        return torch.einsum("thc,hvc->thv", o_lat.to(w_uv.dtype), w_uv)
+        return torch.einsum("thc,hvc->thv", o_lat.to(q.dtype), widened(w_uv, q))
 
     # --- indexer ----------------------------------------------------------------------------
 

@@ -82,7 +82,7 @@ def _build() -> ctypes.CDLL:
     dll.dsakv_mla_decode.restype = i64
     dll.dsakv_mla_decode.argtypes = [
         *(ptr, ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ptr),
-        *(i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64, ptr),
+        *(i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, i64, ptr, ctypes.c_int),
     ]
     dll.dsakv_index_decode.restype = i64
     dll.dsakv_index_decode.argtypes = [
@@ -91,7 +91,7 @@ def _build() -> ctypes.CDLL:
     ]
     dll.dsakv_rms_norm.restype = dll.dsakv_linear.restype = None
     dll.dsakv_rms_norm.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
-    dll.dsakv_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    dll.dsakv_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     dll.dsakv_topk_by_position.restype = None
     dll.dsakv_topk_by_position.argtypes = [ptr, i64, i64, i64, ptr]
     dll.dsakv_index_key.restype = dll.dsakv_index_query.restype = None
@@ -101,6 +101,8 @@ def _build() -> ctypes.CDLL:
     dll.dsakv_mla_inputs.argtypes = [ptr, i64, *(ptr,) * 8]
     dll.dsakv_ffn.restype = None
     dll.dsakv_ffn.argtypes = [ptr, i64, ptr, ptr, ptr]
+    dll.dsakv_forward_layers.restype = i64
+    dll.dsakv_forward_layers.argtypes = [ptr, i64, ptr, ptr]
     return dll
 
 
@@ -216,7 +218,7 @@ def mla_decode(
     latent buffer as stored, `slots[B, k]` the rows each request reads (or `[k]`, one list
     every query reads: a prefill chunk's context, each block of rows widened once for
     several queries), `valid[B, k]` -> the latent outputs `[B, H, lora]`, or with
-    `w_uv[H, v, lora]` (fp32, rows contiguous) their values `[B, H, v]`.
+    `w_uv[H, v, lora]` (fp32 or bf16, rows contiguous) their values `[B, H, v]`.
 
     `cpu_ops.decode_attention`'s math (softmax over the valid rows, then their weighted
     sum) in another summation order: outputs agree to fp32 rounding, and a request's output
@@ -247,7 +249,7 @@ def mla_decode(
     if w_uv is not None:
         _on_cpu(w_uv)
         v = w_uv.shape[1]
-        ok = w_uv.dtype == torch.float32 and w_uv.shape == (heads, v, lora)
+        ok = w_uv.dtype in _MATRIX_KINDS and w_uv.shape == (heads, v, lora)
         if not ok or w_uv.stride(1) != lora or w_uv.stride(2) != 1:
             raise ValueError(f"mla_decode: w_uv {tuple(w_uv.shape)} {w_uv.dtype}")
     out = torch.empty(b, heads, v or lora, dtype=torch.float32, device=q_nope.device)
@@ -273,6 +275,7 @@ def mla_decode(
         0 if w_uv is None else w_uv.stride(0),
         v,
         out.data_ptr(),
+        0 if w_uv is None else _MATRIX_KINDS[w_uv.dtype],
     )
     if bad:
         raise IndexError(
@@ -363,12 +366,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x[B, K] @ weight[N, K]ᵀ` in fp32, each output reduced as the native blocks reduce
-    theirs (the LM head): a row's outputs do not depend on the rows beside it."""
+    """`x[B, K] @ weight[N, K]ᵀ` in fp32 (`weight` fp32 or bf16), each output reduced as the
+    native blocks reduce theirs (the LM head): a row's outputs do not depend on the rows
+    beside it."""
     n, k = weight.shape
     x = _activations(x, k)
     out = torch.empty(x.shape[0], n)
-    _library().dsakv_linear(_weight(weight, n, k), n, k, x.data_ptr(), x.shape[0], out.data_ptr())
+    w = _matrix(weight, n, k)
+    _library().dsakv_linear(w.p, n, k, x.data_ptr(), x.shape[0], out.data_ptr(), w.kind)
     return out
 
 
@@ -390,11 +395,18 @@ def topk_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
 # --- one-token decode blocks -------------------------------------------------------------
 
 _f32, _i64, _ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
+# Weight matrices the blocks read in place (`Mat::kind`): bf16 widened in registers, exact.
+_MATRIX_KINDS = {torch.float32: KINDS["fp32"], torch.bfloat16: KINDS["bf16"]}
+
+
+class _Mat(ctypes.Structure):
+    _fields_ = [("p", _ptr), ("kind", _i64)]
 
 
 class _MlaInputsWeights(ctypes.Structure):
     _fields_ = [
-        *((n, _ptr) for n in ("in_norm", "q_a", "q_a_norm", "q_b", "kv_a", "kv_norm", "w_uk")),
+        *((n, _ptr) for n in ("in_norm", "q_a_norm", "kv_norm")),
+        *((n, _Mat) for n in ("q_a", "q_b", "kv_a", "w_uk")),
         *((n, _i64) for n in ("hidden", "q_lora", "heads", "nope", "rope", "kv_lora", "uk_hs")),
         *((n, _f32) for n in ("eps_in", "eps_q", "eps_kv")),
     ]
@@ -402,7 +414,8 @@ class _MlaInputsWeights(ctypes.Structure):
 
 class _IndexerWeights(ctypes.Structure):
     _fields_ = [
-        *((n, _ptr) for n in ("wq_b", "wk", "k_norm_w", "k_norm_b", "weights_proj", "hadamard")),
+        *((n, _Mat) for n in ("wq_b", "wk")),
+        *((n, _ptr) for n in ("k_norm_w", "k_norm_b", "weights_proj", "hadamard")),
         *((n, _i64) for n in ("hidden", "q_lora", "heads", "dim", "rope", "interleave")),
         *((n, _f32) for n in ("eps", "w_scale")),
     ]
@@ -410,26 +423,44 @@ class _IndexerWeights(ctypes.Structure):
 
 class _FfnWeights(ctypes.Structure):
     _fields_ = [
-        *((n, _ptr) for n in ("o_proj", "post_norm")),
+        ("o_proj", _Mat),
+        ("post_norm", _ptr),
         *((n, _i64) for n in ("hidden", "attn_dim")),
         ("eps", _f32),
         *((n, _ptr) for n in ("router", "router_bias")),
         *((n, _i64) for n in ("n_experts", "top_k", "n_group", "topk_group", "norm_topk")),
         ("scaling", _f32),
-        *((n, _ptr) for n in ("gate_up", "down")),
+        *((n, _Mat) for n in ("gate_up", "down")),
         ("inter", _i64),
-        *((n, _ptr) for n in ("mlp_gate", "mlp_up", "mlp_down")),
+        *((n, _Mat) for n in ("mlp_gate", "mlp_up", "mlp_down")),
         ("mlp_inter", _i64),
     ]
 
 
 def fits(module: torch.nn.Module) -> bool:
-    """Whether the native blocks can read `module`'s weights in place: all fp32 on the CPU."""
-    return all(p.dtype == torch.float32 and p.is_cpu for p in module.parameters())
+    """Whether the native blocks can read `module`'s weights in place: on the CPU, the
+    matrices fp32 or bf16 (as stored), the vectors (norms, biases) fp32, as they are
+    exactly when the model computes in fp32."""
+    return all(
+        p.is_cpu and (p.dtype == torch.float32 or (p.dim() > 1 and p.dtype in _MATRIX_KINDS))
+        for p in module.parameters()
+    )
+
+
+def _matrix(t: torch.Tensor, *shape: int) -> _Mat:
+    """A contiguous CPU weight matrix of `shape`, fp32 or bf16, as the kernels read it."""
+    if t.device.type != "cpu" or t.dtype not in _MATRIX_KINDS or not t.is_contiguous():
+        raise ValueError(
+            f"native blocks take fp32 contiguous CPU weights (bf16 matrices too), got {t.dtype} "
+            f"{t.device}"
+        )
+    if tuple(t.shape) != shape:
+        raise ValueError(f"native blocks: weight {tuple(t.shape)}, expected {shape}")
+    return _Mat(t.data_ptr(), _MATRIX_KINDS[t.dtype])
 
 
 def _weight(t: torch.Tensor, *shape: int) -> int:
-    """The address of an fp32 contiguous CPU weight of `shape`."""
+    """The address of an fp32 contiguous CPU weight of `shape` (a norm, a bias, the router)."""
     if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
         raise ValueError(
             f"native blocks take fp32 contiguous CPU weights, got {t.dtype} {t.device}"
@@ -474,12 +505,12 @@ class MlaInputs:
         self._keep = (in_norm, q_a, q_a_norm, q_b, kv_a, kv_norm, kv_b)
         self._w = _MlaInputsWeights(
             _weight(in_norm, hidden),
-            _weight(q_a, q_lora, hidden),
             _weight(q_a_norm, q_lora),
-            _weight(q_b, heads * (nope + rope), q_lora),
-            _weight(kv_a, kv_lora + rope, hidden),
             _weight(kv_norm, kv_lora),
-            _weight(kv_b, heads * (nope + v), kv_lora),
+            _matrix(q_a, q_lora, hidden),
+            _matrix(q_b, heads * (nope + rope), q_lora),
+            _matrix(kv_a, kv_lora + rope, hidden),
+            _matrix(kv_b, heads * (nope + v), kv_lora),
             hidden,
             q_lora,
             heads,
@@ -533,11 +564,11 @@ class Ffn:
         gate, up, down = mlp
         inter = gate.shape[0]
         mlp_ptrs = (
-            _weight(gate, inter, hidden),
-            _weight(up, inter, hidden),
-            _weight(down, hidden, inter),
+            _matrix(gate, inter, hidden),
+            _matrix(up, inter, hidden),
+            _matrix(down, hidden, inter),
         )
-        routed: tuple = (None, None, 0, 0, 0, 0, 0, 0.0, None, None, 0)
+        routed: tuple = (None, None, 0, 0, 0, 0, 0, 0.0, _Mat(), _Mat(), 0)
         if moe is not None:
             router, bias, gate_up, edown, top_k, n_group, topk_group, norm, scaling = moe
             e, i = router.shape[0], edown.shape[-1]
@@ -552,14 +583,14 @@ class Ffn:
                 topk_group,
                 int(norm),
                 scaling,
-                _weight(gate_up, e, 2 * i, hidden),
-                _weight(edown, e, hidden, i),
+                _matrix(gate_up, e, 2 * i, hidden),
+                _matrix(edown, e, hidden, i),
                 i,
             )
         self.hidden, self.attn_dim = hidden, attn_dim
         self._keep = (o_proj, post_norm, mlp, moe)
         self._w = _FfnWeights(
-            _weight(o_proj, hidden, attn_dim),
+            _matrix(o_proj, hidden, attn_dim),
             _weight(post_norm, hidden),
             hidden,
             attn_dim,
@@ -610,8 +641,8 @@ class IndexerInputs:
         self._hadamard = hadamard_matrix(dim, torch.device("cpu"), torch.float32)
         self._keep = (wq_b, wk, k_norm_w, k_norm_b, weights_proj)
         fields = (
-            _weight(wq_b, heads * dim, q_lora),
-            _weight(wk, dim, hidden),
+            _matrix(wq_b, heads * dim, q_lora),
+            _matrix(wk, dim, hidden),
             _weight(k_norm_w, dim),
             _weight(k_norm_b, dim),
             _weight(weights_proj, heads, hidden),
@@ -665,3 +696,110 @@ class IndexerInputs:
             w.data_ptr(),
         )
         return q, w
+
+
+# --- a step's layers in one call ---------------------------------------------------------
+
+
+class _LayerDesc(ctypes.Structure):
+    _fields_ = [
+        *((n, _ptr) for n in ("inputs", "ffn", "key", "query", "w_uv")),
+        *((n, _i64) for n in ("w_uv_sh", "w_uv_kind")),
+        ("latent", _ptr),
+        *((n, _i64) for n in ("latent_rows", "latent_row_bytes", "latent_kind")),
+        ("index_k", _ptr),
+        *((n, _i64) for n in ("index_pages", "index_page_size", "index_kind")),
+    ]
+
+
+class _StepDesc(ctypes.Structure):
+    _fields_ = [
+        *((n, _i64) for n in ("T", "W", "topk")),
+        *((n, _ptr) for n in ("cos", "sin", "out_slots", "table", "lens")),
+        *((n, _f32) for n in ("index_scale", "mla_scale")),
+        ("low", _i64),
+    ]
+
+
+class LayerLoop:
+    """A run of layers (the target's, or the MTP layer) for one step in one call
+    (`dsakv_forward_layers`), for steps whose tokens each attend over their own
+    selection: decode tokens, MTP verify and draft rows. Per layer it makes the extern
+    calls the per-layer path makes (the blocks, the stores, the indexer's scores, top-k in
+    position order, attention over the stored rows), so the tokens are the same bits; what
+    it saves is the Python between them (about a third of a one-request decode step on a
+    78-layer model).
+
+    `layers`: per layer (its index in `pool`, MlaInputs, Ffn, IndexerInputs or None on a
+    shared layer, W_uv `[H, v, kv_lora]` with contiguous rows); the first one is full."""
+
+    def __init__(
+        self,
+        layers: list[tuple[int, MlaInputs, Ffn, IndexerInputs | None, torch.Tensor]],
+        pool,
+        *,
+        topk: int,
+        index_scale: float,
+        mla_scale: float,
+        low: bool,
+    ) -> None:
+        lay = pool.layout
+        kind = KINDS[lay.kv_cache_dtype]
+        index_kind = {"fp8": KINDS["fp8_e4m3"], "bf16": KINDS["bf16"], "fp32": KINDS["fp32"]}
+        self._keep = (layers, pool)
+        self._layers = (_LayerDesc * len(layers))()
+        for i, (layer, inputs, ffn, indexer, w_uv) in enumerate(layers):
+            lora = inputs.dims[-1]
+            if w_uv.dtype not in _MATRIX_KINDS or w_uv.stride(1) != lora or w_uv.stride(2) != 1:
+                raise ValueError(f"layer loop: w_uv {tuple(w_uv.shape)} {w_uv.dtype}")
+            latent = pool.latent_data(layer)
+            d = self._layers[i]
+            d.inputs, d.ffn = ctypes.addressof(inputs._w), ctypes.addressof(ffn._w)
+            d.w_uv, d.w_uv_sh = w_uv.data_ptr(), w_uv.stride(0)
+            d.w_uv_kind = _MATRIX_KINDS[w_uv.dtype]
+            d.latent, d.latent_rows = latent.data_ptr(), latent.shape[0]
+            d.latent_row_bytes, d.latent_kind = latent.shape[-1] * latent.element_size(), kind
+            if indexer is None:
+                continue
+            rotated = pool.rotates_index_q
+            d.key = ctypes.addressof(indexer._plain)
+            d.query = ctypes.addressof(indexer._rotated if rotated else indexer._plain)
+            keys = pool.index_k_data(layer)
+            d.index_k, d.index_kind = keys.data_ptr(), index_kind[lay.index_k_dtype]
+            fp8 = lay.index_k_dtype == "fp8"
+            d.index_pages = keys.shape[0]
+            d.index_page_size = pool.page_size if fp8 else 1
+        self._step = (topk, index_scale, mla_scale, int(low))
+        self.hidden = layers[0][1].dims[0]
+
+    def __call__(self, x, cos, sin, out_slots, table, lens) -> torch.Tensor:
+        """`x[T, hidden]` (the embedded tokens) -> the last layer's output; token t is at
+        position `lens[t] - 1`, its context's slots `table[t, :lens[t]]` (`[T, W]`), its KV
+        goes to `out_slots[t]`."""
+        x = _activations(x, self.hidden).clone()
+        t = x.shape[0]
+        rope = cos.shape[-1]
+        cos, sin = _activations(cos, rope), _activations(sin, rope)
+        out_slots, table, lens = (_as(a, torch.int64) for a in (out_slots, table, lens))
+        if table.shape[0] != t or lens.shape != (t,) or out_slots.shape != (t,):
+            raise ValueError("layer loop: one table row, length and out slot per token")
+        topk, index_scale, mla_scale, low = self._step
+        step = _StepDesc(
+            t,
+            table.shape[1],
+            topk,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            out_slots.data_ptr(),
+            table.data_ptr(),
+            lens.data_ptr(),
+            index_scale,
+            mla_scale,
+            low,
+        )
+        bad = _library().dsakv_forward_layers(
+            self._layers, len(self._layers), ctypes.byref(step), x.data_ptr()
+        )
+        if bad:
+            raise IndexError(f"layer loop: {bad} slots outside the pool's buffers")
+        return x

@@ -63,7 +63,7 @@ import torch
 from dsakv.memory.fp8 import FP8_BLOCK, e4m3_to_float
 
 from . import torch_ops
-from .torch_ops import MLAMath, per_head, topk_by_position
+from .torch_ops import MLAMath, per_head, topk_by_position, widened
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def mla_extend(math: MLAMath, q_nope, q_rope, gather, slots, prefix, positions, 
         o_lat = sparse_absorbed(
             math, q_nope[early:], q_rope[early:], gather(slots), positions, valid
         )
-        outs.append(torch.einsum("thc,hvc->thv", o_lat, w_uv))
+        outs.append(torch.einsum("thc,hvc->thv", o_lat, widened(w_uv, o_lat)))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -96,7 +96,7 @@ class MLAMath:
         """The query in latent space (`q_nope · W_uk`) in absorb mode; as is in expand mode.
         Done once for the whole step, so a token's numbers never depend on its batch."""
         if self.mode == "absorb":
-            return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+            return torch.bmm(q_nope.transpose(0, 1), widened(w_uk, q_nope)).transpose(0, 1)
         return q_nope
 
     # --- decode: every decode request at once ------------------------------------------------
@@ -111,8 +111,8 @@ class MLAMath:
             o_lat = self._softmax_av(scores, mask, ctx[..., : self.kv_lora])  # [B, H, kv_lora]
             return per_head(o_lat, w_uv)
         lat, k_rope = ctx[..., : self.kv_lora], ctx[..., self.kv_lora :]
-        k_nope = torch.einsum("bkc,hdc->bhkd", lat, w_uk)
-        v = torch.einsum("bkc,hvc->bhkv", lat, w_uv)
+        k_nope = torch.einsum("bkc,hdc->bhkd", lat, widened(w_uk, lat))
+        v = torch.einsum("bkc,hvc->bhkv", lat, widened(w_uv, lat))
         scores = torch.einsum("bhd,bhkd->bhk", q_nope, k_nope) + torch.einsum(
             "bhr,bkr->bhk", q_rope, k_rope
         )
@@ -204,13 +204,13 @@ class MLAMath:
             scores = _bmm(q[a:b], rows.transpose(-1, -2))  # [c, H, k|L]
             outs.append(self._softmax_av(scores, mask, rows[..., : self.kv_lora]))
         o_lat = torch.cat(outs)  # [e, H, kv_lora]
-        return torch.einsum("thc,hvc->thv", o_lat, w_uv)
+        return torch.einsum("thc,hvc->thv", o_lat, widened(w_uv, o_lat))
 
     def _expanded(self, q_nope, q_rope, ctx, prefix, positions, valid, w_uk, w_uv):
         """Expand the context to per-head keys/values with W_kvb, then attend normally."""
         lat, k_rope = ctx[:, : self.kv_lora], ctx[:, self.kv_lora :]
-        k_nope = torch.einsum("lc,hdc->lhd", lat, w_uk)
-        v = torch.einsum("lc,hvc->lhv", lat, w_uv)
+        k_nope = torch.einsum("lc,hdc->lhd", lat, widened(w_uk, lat))
+        v = torch.einsum("lc,hvc->lhv", lat, widened(w_uv, lat))
         kv = torch.cat([k_nope, k_rope[:, None].expand(-1, self.n_heads, -1), v], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)  # [e, H, nope+rope]
         e, dk = q.shape[0], q_nope.shape[-1] + q_rope.shape[-1]
@@ -230,10 +230,18 @@ class MLAMath:
 GEMV_ROWS = 4
 
 
+def widened(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Weight `w` in the dtype `x` computes in: a matrix kept as the checkpoint stores it
+    (bf16) while the model computes in fp32 is widened at the op, exactly, so the op gives
+    what it gives with fp32 weights."""
+    return w if w.dtype == x.dtype else w.to(x.dtype)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, w)` (no bias). Inside a compiled block with at most `GEMV_ROWS` rows (a
     decode step) it is a multiply-sum instead: inductor fuses it with the ops around it
     and streams `w` once over every thread (an extern GEMV call runs on one)."""
+    w = widened(w, x)
     if torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] <= GEMV_ROWS:
         return (x[:, None, :] * w).sum(-1)
     return F.linear(x, w)
@@ -243,6 +251,7 @@ def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`x[T, H, c] · w[H, v, c]ᵀ` -> `[T, H, v]` (einsum "thc,hvc->thv" as one bmm, without
     einsum's per-call planning: it runs on every layer of every step); a multiply-sum
     inside a compiled block, as `linear`."""
+    w = widened(w, x)
     if torch.compiler.is_compiling() and x.shape[0] <= GEMV_ROWS:
         return (x[:, :, None, :] * w).sum(-1)
     return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
@@ -277,8 +286,8 @@ def experts_loop(x, ids, weights, gate_up, down, first: int, last: int) -> torch
             continue
         tok, we = tokens[start : start + n], w[start : start + n]
         start += n
-        gate, up = F.linear(x[tok], gate_up[e - first]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[e - first]) * we[:, None]
+        gate, up = F.linear(x[tok], widened(gate_up[e - first], x)).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, widened(down[e - first], x)) * we[:, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
 
@@ -291,10 +300,11 @@ def experts_one_token(x, ids, weights, gate_up, down, first: int, last: int) -> 
     local = ids[0] - first
     mine = (local >= 0) & (local < last - first)  # choices of other ranks' experts weigh 0
     idx = local.clamp(0, last - first - 1)
-    gate, up = torch.matmul(gate_up.index_select(0, idx), x[0]).chunk(2, dim=-1)  # [k, I]
+    gate_up = widened(gate_up.index_select(0, idx), x)
+    gate, up = torch.matmul(gate_up, x[0]).chunk(2, dim=-1)  # [k, I]
     w = torch.where(mine, weights[0], 0).to(x.dtype)
     act = (F.silu(gate) * up * w[:, None]).flatten()  # [k·I]
-    cols = down.index_select(0, idx).transpose(0, 1).reshape(down.shape[1], -1)  # [H, k·I]
+    cols = widened(down.index_select(0, idx), x).transpose(0, 1).reshape(down.shape[1], -1)
     return torch.matmul(cols, act)[None]
 
 
@@ -308,6 +318,7 @@ def experts_grouped(x, ids, weights, gate_up, down, first: int, last: int) -> to
     repeated k times adds in a different order each run on CUDA), and the same order
     whatever the batch."""
     t, k = ids.shape
+    gate_up, down = widened(gate_up, x), widened(down, x)
     n_local = last - first
     local = ids.flatten() - first
     key = torch.where((local >= 0) & (local < n_local), local, n_local)

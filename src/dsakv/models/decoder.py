@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -54,11 +56,69 @@ class DecoderLayer(nn.Module):
 
     def native_blocks(self) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
         """This layer's two blocks as `cpu_native` calls over its own weights, made on first
-        use (after loading); None where they do not apply: weights other than fp32 (a bf16
-        model's blocks round where the reference does), a layer split over ranks."""
+        use (after loading); None where they do not apply: a model computing in bf16 (its
+        blocks round where the reference does), a layer split over ranks."""
         if self._native is False:
             self._native = _native_blocks(self)
         return self._native
+
+
+def in_turn(owner: nn.Module, layers: Sequence[DecoderLayer], x, cos, sin, batch, pool):
+    """`layers` one after another (each layer's blocks through the backend); a shared layer
+    reads the selection of the full layer before it."""
+    selections: dict = {}
+    for layer in layers:
+        x = layer(x, cos, sin, batch, pool, selections)
+    return x
+
+
+def _looped(owner: nn.Module, layers: Sequence[DecoderLayer], x, cos, sin, batch, pool):
+    # The loop makes the deterministic path's calls: only under it, and only for steps
+    # whose tokens each attend over their own selection (decode, MTP verify and draft
+    # rows). Prefill chunks keep the per-layer path, whose attention widens a shared
+    # context once for several queries.
+    short = max(batch.extend_lens) <= LOOP_EXTEND
+    ops = layers[0].self_attn.ops
+    loop = None
+    if short and batch.hot is None and getattr(ops, "deterministic", False):
+        loop = layer_loop(owner, layers, pool)
+    if loop is None:
+        return in_turn(owner, layers, x, cos, sin, batch, pool)
+    table, lens = batch.token_ctx
+    return loop(x, cos, sin, batch.out_slots, table, lens)
+
+
+def layer_loop(owner: nn.Module, layers: Sequence[DecoderLayer], pool):
+    """`layers` as one native call over `pool` (`cpu_native.LayerLoop`), made once per pool
+    and kept on `owner` (the model, or the MTP layer); None where some layer has no native
+    form (weights the blocks cannot read, a layer split over ranks, the expand mode)."""
+    made_for, loop = getattr(owner, "_layer_loop", (None, None))
+    if made_for is not pool:
+        loop = _make_loop(layers, pool)
+        owner._layer_loop = (pool, loop)
+    return loop
+
+
+def _make_loop(layers: Sequence[DecoderLayer], pool) -> cpu_native.LayerLoop | None:
+    first = layers[0].self_attn
+    if not hasattr(first, "indexer") or not cpu_native.available():
+        return None
+    descs = []
+    for layer in layers:
+        attn, blocks = layer.self_attn, layer.native_blocks()
+        indexer = getattr(attn, "indexer", None)
+        native = indexer and indexer.native_inputs()
+        if blocks is None or attn.mode != "absorb" or (indexer and native is None):
+            return None
+        descs.append((attn.layer, *blocks, native, attn._w_kvb()[1]))
+    return cpu_native.LayerLoop(
+        descs,
+        pool,
+        topk=first.indexer.topk,
+        index_scale=first.indexer.scale,
+        mla_scale=first.scale,
+        low=getattr(first.ops, "index_dtype", None) == torch.bfloat16,
+    )
 
 
 def attention_inputs(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -131,5 +191,10 @@ def _native_ffn(layer: DecoderLayer, x, out):
     return blocks[1](x, out.reshape(out.shape[0], -1))
 
 
+# Steps whose requests extend by at most this many tokens (decode, MTP verify) run the
+# layer loop.
+LOOP_EXTEND = 16
+# A run of layers (the target's, the MTP layer): one native call for a decode-like step.
+LAYERS = Block(in_turn, _looped, compile=False)
 ATTENTION_INPUTS = Block(attention_inputs, _native_inputs)
 RESIDUAL_FFN = Block(residual_ffn, _native_ffn)

@@ -19,10 +19,10 @@ from dsakv.errors import DsakvError
 from dsakv.kernels import TorchBackend, cpu_native
 from dsakv.kernels.backend import Block, check_mode
 
-from .decoder import DecoderLayer
+from .decoder import LAYERS, DecoderLayer
 from .forward_batch import ForwardBatch
-from .indexer import StepSelection
 from .layers import RMSNorm
+from .moe import Experts
 from .mtp import MTPLayer
 from .parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from .rope import Rotary
@@ -93,12 +93,20 @@ class DSAForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config)
         self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
+        self.target_layers = tuple(islice(self.model.layers, config.num_hidden_layers))
         if dtype is not None or device is not None:
             self.to(device=device, dtype=dtype)
             keep_fp32(self)
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its activations'): the norms' weights hold it."""
+        return self.model.norm.weight.dtype
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype its weight matrices are held in: `dtype`, or bf16 as the checkpoint
+        stores them under fp32 compute (`store_matrices`)."""
         return self.model.embed_tokens.weight.dtype
 
     @property
@@ -136,9 +144,7 @@ class DSAForCausalLM(nn.Module):
         """Runs every layer, writing this step's KV into `pool`; returns normed hidden `[T, H]`."""
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
-        selections: dict[int, StepSelection] = {}
-        for layer in islice(self.model.layers, self.config.num_hidden_layers):  # no new list
-            x = layer(x, cos, sin, batch, pool, selections)
+        x = self.ops.block(LAYERS, batch, self, self.target_layers, x, cos, sin, batch, pool)
         return self.ops.block(FINAL_NORM, batch, self.model.norm, x)
 
     @torch.inference_mode()
@@ -200,6 +206,19 @@ def _native_head(head: nn.Module, hidden: torch.Tensor):
 # sampled from), each row on its own when native.
 FINAL_NORM = Block(final_norm, _native_norm)
 LM_HEAD = Block(lm_head, _native_head)
+
+
+def store_matrices(model: nn.Module, dtype: torch.dtype) -> None:
+    """The weight matrices (linear layers, stacked experts, embeddings, heads) held in
+    `dtype` (a bf16 checkpoint's, as stored) while the rest keeps the compute dtype: every op
+    widens them exactly where it reads them, so the model computes what it computes with
+    them widened at load, from half the bytes. Call `keep_fp32` after."""
+    compute = model.model.norm.weight.dtype
+    for mod in model.modules():
+        if isinstance(mod, (nn.Linear, Experts, VocabParallelEmbedding, ParallelLMHead)):
+            mod.to(dtype)
+        if isinstance(mod, VocabParallelEmbedding) and dtype != compute:
+            mod.compute_dtype = compute
 
 
 def keep_fp32(model: nn.Module) -> None:

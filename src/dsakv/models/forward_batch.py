@@ -134,6 +134,21 @@ class ForwardBatch:
         device = self.input_ids.device
         return table.to(device), lens.to(device)
 
+    @cached_property
+    def token_ctx(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's context: its request's slots padded to `[T, max_len]` (as
+        `decode_ctx`) and its visible length (position + 1) `[T]`."""
+        if self.is_decode_only:
+            return self.decode_ctx
+        width = max(self.seq_lens)
+        table = torch.stack(
+            [torch.cat([s, s[:1].expand(width - s.shape[0])]) for s in self.req_slots]
+        )
+        rows = torch.repeat_interleave(
+            torch.arange(self.num_reqs), torch.tensor(self.extend_lens)
+        ).to(table.device)
+        return table[rows], self.positions + 1
+
     @classmethod
     def padded_decode(
         cls,

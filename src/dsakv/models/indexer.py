@@ -16,6 +16,7 @@ from dsakv.kernels import TorchBackend, cpu_native
 from dsakv.kernels.backend import Block
 
 from .forward_batch import ForwardBatch
+from .parallel_layers import ShardedLinear
 from .rope import rope_half, rope_interleaved
 
 
@@ -53,8 +54,8 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.rope_dim, self.topk = config.qk_rope_head_dim, config.index_topk
         self.rope = rope_interleaved if config.indexer_rope_interleave else rope_half
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = ShardedLinear(config.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = ShardedLinear(config.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         # Kept in fp32 whatever the model dtype (as the reference does).
         self.weights_proj = nn.Linear(
@@ -70,7 +71,7 @@ class Indexer(nn.Module):
 
     def native_inputs(self) -> cpu_native.IndexerInputs | None:
         """`index_key` / `index_query` as `cpu_native` calls over this module's weights, made
-        on first use (after loading); None unless every weight is fp32 on the CPU."""
+        on first use (after loading); None unless it computes in fp32 on the CPU."""
         if self._native is False:
             self._native = None
             if cpu_native.fits(self):

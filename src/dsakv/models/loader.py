@@ -31,7 +31,7 @@ from dsakv.config import LayerPlan, ModelConfig
 from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import DsakvError
 
-from .dsa import DSAForCausalLM, keep_fp32
+from .dsa import DSAForCausalLM, keep_fp32, store_matrices
 from .moe import Experts
 from .parallel_layers import Shard
 
@@ -58,12 +58,17 @@ def load_model(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
+    as_stored: bool = False,
     parallel: ParallelState | None = None,
     draft_layers: int = 0,
     **plan_overrides: Any,
 ) -> tuple[DSAForCausalLM, ModelConfig, LayerPlan]:
     """Build the model the plan describes (this rank's shards of it, with `parallel`) and
     fill it from `path`'s safetensors files, reading only this rank's slices.
+
+    `as_stored` with an fp32 `dtype`: a checkpoint whose weight matrices are all bf16 keeps
+    them bf16 (`store_matrices`: half the memory, the same outputs); the model computes in
+    fp32 either way.
 
     `draft_layers=1` (or a plan with one draft layer) also builds and loads the MTP layer
     `model.layers.{N}`, for speculative decoding (`model.forward_draft`).
@@ -87,6 +92,8 @@ def load_model(
     with torch.device("meta"):
         model = DSAForCausalLM(config, plan, parallel=parallel, draft_vocab=draft_vocab)
     model.to(dtype)
+    if as_stored and dtype == torch.float32 and _matrices_bf16(files):
+        store_matrices(model, torch.bfloat16)
     keep_fp32(model)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
@@ -135,6 +142,22 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
         with safe_open(file, "pt") as f:
             out.update(dict.fromkeys(f.keys(), file))
     return out
+
+
+def _matrices_bf16(files: dict[str, Path]) -> bool:
+    """Whether every weight matrix of the checkpoint is stored as bf16 (read from the file
+    headers), the router's and weights_proj (fp32 whatever the model dtype) aside: then they
+    can stay bf16 bit for bit. An fp8 checkpoint's are not."""
+    handles: dict[Path, Any] = {}
+    for name, file in files.items():
+        if name.endswith(("_scale_inv", "mlp.gate.weight", "weights_proj.weight")):
+            continue
+        if file not in handles:
+            handles[file] = safe_open(file, "pt")
+        tensor = handles[file].get_slice(name)
+        if len(tensor.get_shape()) > 1 and tensor.get_dtype() != "BF16":
+            return False
+    return True
 
 
 def _listing(names: list[str], limit: int = 8) -> str:

@@ -22,10 +22,10 @@ from torch import nn
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.distributed.parallel import ParallelState
 
-from .decoder import DecoderLayer
+from .decoder import LAYERS, DecoderLayer
 from .forward_batch import ForwardBatch
 from .layers import RMSNorm
-from .parallel_layers import ParallelLMHead, VocabParallelEmbedding
+from .parallel_layers import ParallelLMHead, ShardedLinear, VocabParallelEmbedding
 
 # The vocab copies an MTP layer may carry: attribute path -> the target's counterpart.
 VOCAB_COPIES = {"embed_tokens": "model.embed_tokens", "shared_head.head": "lm_head"}
@@ -59,7 +59,7 @@ class MTPLayer(DecoderLayer):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(h, eps)
         self.hnorm = RMSNorm(h, eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = ShardedLinear(2 * h, h)
         self.shared_head = SharedHead(config, parallel, own_head)
         if own_embed:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, parallel)
@@ -75,7 +75,9 @@ class MTPLayer(DecoderLayer):
     ) -> torch.Tensor:
         """`embeds[T, H]` of the next tokens and `hidden[T, H]` -> normed output `[T, H]`."""
         x = torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1)
-        x = self(self.eh_proj(x), cos, sin, batch, pool, {})
+        x = self.self_attn.ops.block(
+            LAYERS, batch, self, (self,), self.eh_proj(x), cos, sin, batch, pool
+        )
         return self.shared_head.norm(x)
 
     def drop_duplicate_vocab(self, target: nn.Module) -> list[str]:

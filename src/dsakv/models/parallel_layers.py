@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsakv.distributed.parallel import ParallelState
-from dsakv.kernels.torch_ops import linear
+from dsakv.kernels.torch_ops import linear, widened
 
 
 @dataclass(frozen=True)
@@ -70,18 +70,22 @@ class ShardedLinear(nn.Linear):
 
 class VocabParallelEmbedding(nn.Module):
     """Each attention rank holds `ceil(vocab / attn_tp)` rows; a token outside them looks up
-    zeros, and the all-reduce over the attention group fills in every row."""
+    zeros, and the all-reduce over the attention group fills in every row.
+
+    `compute_dtype`: the dtype of the rows it returns where the weight is kept narrower (a
+    bf16 checkpoint's, under fp32 compute: `store_matrices`); None: the weight's."""
 
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelState) -> None:
         super().__init__()
         self.shard = Shard.padded(0, vocab_size, parallel.attn_size, parallel.attn_rank)
         self.weight = nn.Parameter(torch.empty(self.shard.size, hidden_size))
         self.parallel = parallel
+        self.compute_dtype: torch.dtype | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.shard.start
         outside = (local < 0) | (local >= self.shard.size)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).to(self.compute_dtype)
         return self.parallel.all_reduce_attn(out.masked_fill(outside[:, None], 0))
 
 
@@ -97,5 +101,5 @@ class ParallelLMHead(nn.Module):
         self.parallel = parallel
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, widened(self.weight, hidden)).float()
         return self.parallel.all_gather_attn(logits, dim=-1)[:, : self.vocab_size]

@@ -146,16 +146,58 @@ inline int64_t count_bad(const int64_t* slots, int64_t n, int64_t n_rows) {
 
 // --- one-token decode blocks ------------------------------------------------------------
 //
-// A decode step of a few tokens is bound by reading each layer's fp32 weights once, not by
+// A decode step of a few tokens is bound by reading each layer's weights once, not by
 // arithmetic: the blocks below stream every weight matrix once for all B tokens, each
 // phase of a block split over the threads by output rows, with no copy between phases.
+// A matrix is fp32 or bf16 as the checkpoint stores it (`Mat`): bf16 is read in place and
+// widened in registers (exact), every sum in fp32 in the same order, so a bf16 matrix gives
+// the bits its fp32 widening gives, for half the bytes read.
 
 typedef float v16 __attribute__((vector_size(64)));  // one AVX-512 register (two AVX2)
+typedef uint16_t bf16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) {
   v16 v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// 16 bf16 values widened to fp32: each one's bits shifted into the top half.
+inline v16 load16(const uint16_t* p) {
+  bf16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<v16>(__builtin_convertvector(h, u32x16) << 16);
+}
+
+inline float widen(float f) { return f; }
+inline float widen(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+
+// s + a · b rounded once where the CPU has FMA, as the compiler contracts it for fp32
+// operands: the scalar tails say so explicitly, so a widened bf16 operand (which it does
+// not contract) sums exactly as its fp32 widening does.
+inline float madd(float a, float b, float s) {
+#ifdef __FMA__
+  return std::fma(a, b, s);
+#else
+  return s + a * b;
+#endif
+}
+
+// A weight matrix (row-major), fp32 or bf16 bits (`kind` FP32 / BF16).
+struct Mat {
+  const void* p;
+  int64_t kind;
+};
+
+// f(the matrix's elements from `off` on, typed): one switch, then a kernel templated on
+// the element type.
+template <class F>
+inline void visit(Mat m, int64_t off, F&& f) {
+  if (m.kind == BF16)
+    f(static_cast<const uint16_t*>(m.p) + off);
+  else
+    f(static_cast<const float*>(m.p) + off);
 }
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
@@ -174,12 +216,20 @@ inline float hsum(v16 v) {
 
 // a · b: one 16-lane FMA chain, the lanes summed (`hsum`), then the tail; exactly what
 // `dot4` computes for each of its rows, so a row's value never depends on its grouping.
-inline float dot(const float* a, const float* b, int64_t n) {
+template <class T>
+inline float dot(const T* a, const float* b, int64_t n) {
   v16 acc = {};
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) acc += load16(a + k) * load16(b + k);
   float s = hsum(acc);
-  for (; k < n; ++k) s += a[k] * b[k];
+  for (; k < n; ++k) s = madd(widen(a[k]), b[k], s);
+  return s;
+}
+
+// Row r of m[*, K] · x (the switch costs nothing beside a row of K weights).
+inline float dot_row(Mat m, int64_t r, int64_t K, const float* x) {
+  float s;
+  visit(m, r * K, [&](auto w) { s = dot(w, x, K); });
   return s;
 }
 
@@ -250,9 +300,8 @@ inline void axpy_rows(const float* const* rows, const float* const* p, int64_t n
 // output is reduced exactly as `dot4` reduces it (16-lane FMA chains over k, the lanes
 // summed in order, then the tail), so a token's outputs do not depend on how many tokens
 // share the tile: the tile only reuses each loaded weight vector for TB tokens.
-template <int TB>
-inline void tile4(const float* w, int64_t K, const float* x, int64_t ldx, float* y,
-                  int64_t ldy) {
+template <int TB, class T>
+inline void tile4(const T* w, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy) {
   v16 acc[TB][4] = {};
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
@@ -270,7 +319,7 @@ inline void tile4(const float* w, int64_t K, const float* x, int64_t ldx, float*
     const float* xt = x + t * ldx;
     for (int r = 0; r < 4; ++r) {
       float s = hsum(acc[t][r]);
-      for (int64_t j = k; j < K; ++j) s += w[r * K + j] * xt[j];
+      for (int64_t j = k; j < K; ++j) s = madd(widen(w[r * K + j]), xt[j], s);
       y[t * ldy + r] = s;
     }
   }
@@ -286,7 +335,8 @@ constexpr int kTileTokens = 2;
 // inputs x[b] = x + b · ldx: tiles of four rows by `kTileTokens` tokens (the rows stay in
 // cache while the tokens pass), the last tokens one at a time, the last rows by `dot`.
 // An output's value depends on its row and its token alone (batch-invariant).
-inline void gemv(const float* W, int64_t K, const float* x, int64_t ldx, int64_t B, float* y,
+template <class T>
+inline void gemv(const T* W, int64_t K, const float* x, int64_t ldx, int64_t B, float* y,
                  int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t full = n0 + (n1 - n0) / 4 * 4;
   int64_t b = 0;
@@ -300,15 +350,19 @@ inline void gemv(const float* W, int64_t K, const float* x, int64_t ldx, int64_t
     for (b = 0; b < B; ++b) y[b * ldy + n] = dot(W + n * K, x + b * ldx, K);
 }
 
-// Rows [n0, n1) of y = W x for every input, split over the team (inside a parallel
-// region): blocks of 16 rows, static schedule, a barrier at the end.
-inline void gemv_team(const float* W, int64_t K, const float* x, int64_t ldx, int64_t B,
-                      float* y, int64_t ldy, int64_t N) {
+// y = W x for every input, W[N, K], split over the team (inside a parallel region):
+// blocks of 16 rows, static schedule, a barrier at the end.
+inline void gemv_team(Mat W, int64_t K, const float* x, int64_t ldx, int64_t B, float* y,
+                      int64_t ldy, int64_t N) {
   const int64_t blocks = (N + 15) / 16;
+  visit(W, 0, [&](auto w) {
 #pragma omp for schedule(static)
-  for (int64_t i = 0; i < blocks; ++i)
-    gemv(W, K, x, ldx, B, y, ldy, i * 16, std::min(N, i * 16 + 16));
+    for (int64_t i = 0; i < blocks; ++i)
+      gemv(w, K, x, ldx, B, y, ldy, i * 16, std::min(N, i * 16 + 16));
+  });
 }
+
+inline Mat fp32(const float* p) { return {p, FP32}; }
 
 // torch's F.rms_norm in fp32: x · rsqrt(mean(x²) + eps) · w.
 inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
@@ -340,10 +394,12 @@ inline void rope_half(const float* x, const float* cos, const float* sin, int64_
   }
 }
 
-// The indexer's weights (fp32 row-major as the modules hold them). `hadamard` ([dim, dim],
-// symmetric) rotates the queries as the fp8 keys are stored; null: no rotation.
+// The indexer's weights (row-major as the modules hold them; the vectors and weights_proj
+// fp32). `hadamard` ([dim, dim], symmetric) rotates the queries as the fp8 keys are stored;
+// null: no rotation.
 struct IndexerWeights {
-  const float *wq_b, *wk, *k_norm_w, *k_norm_b, *weights_proj, *hadamard;
+  Mat wq_b, wk;
+  const float *k_norm_w, *k_norm_b, *weights_proj, *hadamard;
   int64_t hidden, q_lora, heads, dim, rope, interleave;
   float eps, w_scale;
 };
@@ -366,26 +422,30 @@ inline float* scratch(size_t n) {
   return buf.data();
 }
 
-// The weights of `MLAttention.project` (with the input norm before it), fp32 row-major as
-// the modules hold them; `w_uk` is head h's [nope, kv_lora] block at h · uk_head_stride.
+// The weights of `MLAttention.project` (with the input norm before it), row-major as the
+// modules hold them (the norms fp32); `w_uk` is head h's [nope, kv_lora] block at
+// h · uk_head_stride.
 struct MlaInputsWeights {
-  const float *in_norm, *q_a, *q_a_norm, *q_b, *kv_a, *kv_norm, *w_uk;
+  const float *in_norm, *q_a_norm, *kv_norm;
+  Mat q_a, q_b, kv_a, w_uk;
   int64_t hidden, q_lora, heads, nope, rope, kv_lora, uk_head_stride;
   float eps_in, eps_q, eps_kv;
 };
 
 // The weights after attention: o_proj, the post-attention norm, then either a dense MLP
 // (router null) or the router, the stacked routed experts and the shared experts (`mlp_*`).
+// The norm and the router fp32, the matrices as the modules hold them.
 struct FfnWeights {
-  const float *o_proj, *post_norm;
+  Mat o_proj;
+  const float* post_norm;
   int64_t hidden, attn_dim;
   float eps;
   const float *router, *router_bias;
   int64_t n_experts, top_k, n_group, topk_group, norm_topk;
   float scaling;
-  const float *gate_up, *down;  // [E, 2I, hidden] (gate rows first), [E, hidden, I]
+  Mat gate_up, down;  // [E, 2I, hidden] (gate rows first), [E, hidden, I]
   int64_t inter;
-  const float *mlp_gate, *mlp_up, *mlp_down;  // [Is, hidden], [Is, hidden], [hidden, Is]
+  Mat mlp_gate, mlp_up, mlp_down;  // [Is, hidden], [Is, hidden], [hidden, Is]
   int64_t mlp_inter;
 };
 
@@ -441,15 +501,15 @@ inline void route(const FfnWeights& w, const float* logits, int64_t* ids, float*
 // An output's chain is the same whatever nb is: batch-invariant.
 constexpr int64_t kUkTokens = 4;
 
-template <int NB>
-inline void absorb(const float* uk, int64_t nope, int64_t KL, const float* q, int64_t ldq,
-                   float* o, int64_t ldo) {
+template <int NB, class T>
+inline void absorb(const T* uk, int64_t nope, int64_t KL, const float* q, int64_t ldq, float* o,
+                   int64_t ldo) {
   constexpr int64_t nb = NB;
   int64_t c = 0;
   for (; c + 64 <= KL; c += 64) {
     v16 acc[NB][4] = {};
     for (int64_t d = 0; d < nope; ++d) {
-      const float* wr = uk + d * KL + c;
+      const T* wr = uk + d * KL + c;
       const v16 w0 = load16(wr), w1 = load16(wr + 16), w2 = load16(wr + 32), w3 = load16(wr + 48);
       for (int64_t t = 0; t < nb; ++t) {
         const float qd = q[t * ldq + d];
@@ -465,7 +525,7 @@ inline void absorb(const float* uk, int64_t nope, int64_t KL, const float* q, in
   for (; c < KL; ++c)
     for (int64_t t = 0; t < nb; ++t) {
       float a = 0.0f;
-      for (int64_t d = 0; d < nope; ++d) a += q[t * ldq + d] * uk[d * KL + c];
+      for (int64_t d = 0; d < nope; ++d) a = madd(q[t * ldq + d], widen(uk[d * KL + c]), a);
       o[t * ldo + c] = a;
     }
 }
@@ -479,9 +539,10 @@ extern "C" {
 //   queries q_nope[B, H, lora] (contiguous) and q_rope[B, H, rope] (strides rope_sb,
 //   rope_sh), rows `data + slots[b · lds + j] * row_bytes` of encoding `kind` (lds 0: every
 //   query reads one slot list, a prefill chunk's context), valid[B, K] ->
-//   o[b, h] = softmax_j(scale · q_h · row_j) · row_j[:lora]; then, with w_uv (fp32 rows of
-//   `lora`, `v` of them per head, heads `w_sh` apart), out[B, H, v] = W_uv[h] · o[b, h],
-//   else out[B, H, lora] = o.
+//   o[b, h] = softmax_j(scale · q_h · row_j) · row_j[:lora]; then, with w_uv (rows of
+//   `lora`, `v` of them per head, heads `w_sh` apart; fp32, or bf16 for `w_uv_kind` BF16),
+//   out[B, H, v] = W_uv[h] · o[b, h], else out[B, H, lora] = o. (`w_uv_kind` last and
+//   defaulted: callers with an fp32 W_uv pass nothing.)
 // The K rows split into runs of 128 from the first (flash decoding): work units are
 // (request, or 8 queries over one shared slot list, which widen each block of rows once;
 // run; group of <= 16 heads, fewer when there are fewer units than threads), each an
@@ -495,8 +556,8 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
                          int64_t rope_sh, const uint8_t* data, int64_t n_rows,
                          int64_t row_bytes, int kind, const int64_t* slots, int64_t lds,
                          const bool* valid, int64_t B, int64_t K, int64_t H, int64_t lora,
-                         int64_t rope, float scale, const float* w_uv, int64_t w_sh, int64_t v,
-                         float* out) {
+                         int64_t rope, float scale, const void* w_uv, int64_t w_sh, int64_t v,
+                         float* out, int w_uv_kind = FP32) {
   constexpr int64_t kRowsPerRun = 2 * kRowsPerBlock;
   constexpr int64_t kQueriesPerTile = 8;  // queries sharing one widening (shared slots)
   const int64_t d = lora + rope;
@@ -615,8 +676,10 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
 #pragma omp for schedule(static)
       for (int64_t u = 0; u < H * qt; ++u) {
         const int64_t h = u / qt, b0 = (u % qt) * 16, nb = std::min<int64_t>(16, B - b0);
-        gemv(w_uv + h * w_sh, lora, parts + (b0 * H + h) * runs * part, H * runs * part, nb,
-             out + (b0 * H + h) * width, H * width, 0, v);
+        visit({w_uv, w_uv_kind}, h * w_sh, [&](auto w) {
+          gemv(w, lora, parts + (b0 * H + h) * runs * part, H * runs * part, nb,
+               out + (b0 * H + h) * width, H * width, 0, v);
+        });
       }
     }
   }
@@ -701,15 +764,13 @@ void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, con
       for (int64_t b = b0; b < b0 + nb; ++b)
         rope_interleaved(qb + (b * H + hd) * qk + w.nope, cos + b * half, sin + b * half, R,
                          q_rope + (b * H + hd) * R);
-      const float* uk = w.w_uk + hd * w.uk_head_stride;
       const float* qt = qb + (b0 * H + hd) * qk;
       float* ot = q_lat + (b0 * H + hd) * KL;
-      if (nb == kUkTokens) {
-        absorb<kUkTokens>(uk, w.nope, KL, qt, H * qk, ot, H * KL);
-        continue;
-      }
-      for (int64_t t = 0; t < nb; ++t)
-        absorb<1>(uk, w.nope, KL, qt + t * H * qk, H * qk, ot + t * H * KL, H * KL);
+      visit(w.w_uk, hd * w.uk_head_stride, [&](auto uk) {
+        if (nb == kUkTokens) return absorb<kUkTokens>(uk, w.nope, KL, qt, H * qk, ot, H * KL);
+        for (int64_t t = 0; t < nb; ++t)
+          absorb<1>(uk, w.nope, KL, qt + t * H * qk, H * qk, ot + t * H * KL, H * KL);
+      });
     }
   }
 }
@@ -737,7 +798,7 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
       rms_norm(x1 + b * D, w.post_norm, D, w.eps, hn + b * D);
     }
     if (w.router) {
-      gemv_team(w.router, D, hn, D, B, logits, E, E);
+      gemv_team(fp32(w.router), D, hn, D, B, logits, E, E);
 #pragma omp single
       for (int64_t b = 0; b < B; ++b) route(w, logits + b * E, &ids[b * k], gates + b * k);
     }
@@ -750,12 +811,12 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
         float g, up, scale = 1.0f;
         if (r < k * I) {
           const int64_t j = r / I, i = r % I;
-          const float* gu = w.gate_up + ids[b * k + j] * 2 * I * D;
-          g = dot(gu + i * D, hb, D), up = dot(gu + (I + i) * D, hb, D);
+          const int64_t e = ids[b * k + j] * 2 * I;  // the expert's first gate row
+          g = dot_row(w.gate_up, e + i, D, hb), up = dot_row(w.gate_up, e + I + i, D, hb);
           scale = gates[b * k + j];
         } else {
           const int64_t i = r - k * I;
-          g = dot(w.mlp_gate + i * D, hb, D), up = dot(w.mlp_up + i * D, hb, D);
+          g = dot_row(w.mlp_gate, i, D, hb), up = dot_row(w.mlp_up, i, D, hb);
         }
         act[b * per_token + r] = silu(g) * up * scale;
       }
@@ -766,8 +827,8 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
         const float* ab = act + b * per_token;
         float routed = 0.0f;
         for (int64_t j = 0; j < k; ++j)
-          routed += dot(w.down + (ids[b * k + j] * D + n) * I, ab + j * I, I);
-        const float shared = dot(w.mlp_down + n * Is, ab + k * I, Is);
+          routed += dot_row(w.down, ids[b * k + j] * D + n, I, ab + j * I);
+        const float shared = dot_row(w.mlp_down, n, Is, ab + k * I);
         out[b * D + n] = x1[b * D + n] + (routed + shared);
       }
   }
@@ -891,7 +952,7 @@ void dsakv_index_query(const IndexerWeights* wp, int64_t B, const float* h, cons
 #pragma omp parallel
   {
     gemv_team(w.wq_b, w.q_lora, q_lora, w.q_lora, B, raw, H * D, H * D);
-    gemv_team(w.weights_proj, w.hidden, h, w.hidden, B, wout, H, H);
+    gemv_team(fp32(w.weights_proj), w.hidden, h, w.hidden, B, wout, H, H);
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < B * H; ++u) {
       const int64_t b = u / H;
@@ -912,11 +973,13 @@ void dsakv_rms_norm(const float* x, const float* w, int64_t B, int64_t n, float 
   for (int64_t b = 0; b < B; ++b) rms_norm(x + b * n, w, n, eps, y + b * n);
 }
 
-// y[B, N] = x[B, K] · W[N, K]ᵀ (the LM head), each output reduced as `gemv` reduces it:
-// a token's logits do not depend on the rows beside it or on the thread count.
-void dsakv_linear(const float* W, int64_t N, int64_t K, const float* x, int64_t B, float* y) {
+// y[B, N] = x[B, K] · W[N, K]ᵀ (the LM head; W fp32, or bf16 for `kind` BF16), each output
+// reduced as `gemv` reduces it: a token's logits do not depend on the rows beside it or on
+// the thread count.
+void dsakv_linear(const void* W, int64_t N, int64_t K, const float* x, int64_t B, float* y,
+                  int kind = FP32) {
 #pragma omp parallel
-  gemv_team(W, K, x, K, B, y, N, N);
+  gemv_team({W, kind}, K, x, K, B, y, N, N);
 }
 
 // `torch_ops.topk_by_position`: for each row of scores[B, W], the positions of the k
@@ -938,6 +1001,137 @@ void dsakv_topk_by_position(const float* scores, int64_t B, int64_t W, int64_t k
     std::partial_sort(keys.begin(), keys.begin() + k, keys.end(), std::greater<int64_t>());
     for (int64_t i = 0; i < k; ++i) out[b * k + i] = W - 1 - (keys[i] & 0xffffffff);
   }
+}
+
+}  // extern "C"
+
+// --- a step's layers in one call ----------------------------------------------------------
+
+namespace {
+
+// One target layer as the layer loop reads it: its blocks' weights (the structs the Python
+// blocks hold), W_uv, and its pool buffers. `key` null: a shared layer, which attends over
+// the selection of the last full layer before it.
+struct LayerDesc {
+  const MlaInputsWeights* inputs;
+  const FfnWeights* ffn;
+  const IndexerWeights *key, *query;  // unrotated (the key), rotated as the stored keys
+  const void* w_uv;
+  int64_t w_uv_sh, w_uv_kind;  // FP32 / BF16
+  uint8_t* latent;
+  int64_t latent_rows, latent_row_bytes, latent_kind;
+  uint8_t* index_k;
+  int64_t index_pages, index_page_size, index_kind;  // E4M3 page-major, or BF16 / FP32 rows
+};
+
+// The step: T tokens, token t at position lens[t] - 1 of its request, its context's slots
+// table[t · W ...] (positions past lens[t] padding), its KV written to out_slots[t]. The
+// first layer is a full one.
+struct StepDesc {
+  int64_t T, W, topk;
+  const float *cos, *sin;  // [T, rope / 2]
+  const int64_t *out_slots, *table, *lens;
+  float index_scale, mla_scale;
+  int64_t low;  // bf16 indexer arithmetic (`dsakv_index_decode`'s `low`)
+};
+
+// Rows x[n, d] into token-major fp32 / bf16 rows `data + slot · row_bytes`, as the pool
+// writes them (`x.to(dtype)`); returns the number of slots outside [0, rows).
+inline int64_t store_rows(const float* x, int64_t n, int64_t d, int kind, uint8_t* data,
+                          int64_t rows, int64_t row_bytes, const int64_t* slots) {
+  if (int64_t bad = count_bad(slots, n, rows)) return bad;
+  for (int64_t i = 0; i < n; ++i) {
+    uint8_t* row = data + slots[i] * row_bytes;
+    if (kind == FP32) {
+      std::memcpy(row, x + i * d, d * sizeof(float));
+      continue;
+    }
+    for (int64_t c = 0; c < d; ++c) {
+      const uint16_t h = bf16_from_float(x[i * d + c]);
+      std::memcpy(row + 2 * c, &h, sizeof h);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// A run of layers (the target's, or the MTP layer) for a step whose tokens each attend
+// over their own selection (decode tokens, MTP verify and draft rows), in one call: per layer the input blocks, the latent store, on a
+// full layer the index key and its store, then (when some context is longer than top-k)
+// the indexer's scores over the stored keys, top-k in position order; then attention over
+// the selected stored rows and the FFN. Each is the extern call the per-layer Python path
+// makes for the same tokens, in the same order, so both give the same bits; the loop only
+// drops the Python between them. x[T, hidden] is the embedded input, replaced by the last
+// layer's output. Returns the number of out-of-range slots met (the caller raises).
+int64_t dsakv_forward_layers(const LayerDesc* layers, int64_t n_layers, const StepDesc* sp,
+                             float* x) {
+  const StepDesc& s = *sp;
+  const MlaInputsWeights& w0 = *layers[0].inputs;
+  const int64_t T = s.T, D = w0.hidden, H = w0.heads, KL = w0.kv_lora, R = w0.rope;
+  const int64_t v = layers[0].ffn->attn_dim / H;
+  const int64_t K = std::min(s.W, s.topk);  // the selection's width
+  int64_t ID = 0, IH = 0;                    // the indexer's head dim and heads
+  for (int64_t l = 0; l < n_layers; ++l)
+    if (layers[l].key) ID = layers[l].key->dim, IH = layers[l].key->heads;
+  std::vector<float> h(T * D), q_lat(T * H * KL), q_rope(T * H * R), q_lora(T * w0.q_lora);
+  std::vector<float> row(T * (KL + R)), attn(T * H * v), out(T * D);
+  std::vector<float> key(T * ID), rotated(T * ID), iq(T * IH * ID), iw(T * IH);
+  std::vector<float> scores(s.W > s.topk ? T * s.W : 0);
+  std::vector<int64_t> pos(T * K), sel(T * K);
+  std::vector<uint8_t> valid(T * K);  // (bool-sized: `dsakv_mla_decode` reads bool)
+  int64_t bad = 0;
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const LayerDesc& L = layers[l];
+    dsakv_mla_inputs(L.inputs, T, x, s.cos, s.sin, h.data(), q_lat.data(), q_rope.data(),
+                     q_lora.data(), row.data());
+    if (L.latent_kind == E4M3 || L.latent_kind == DS_MLA)
+      bad += dsakv_store_latent(row.data(), T, KL, R, int(L.latent_kind), L.latent,
+                                L.latent_rows, L.latent_row_bytes, s.out_slots);
+    else
+      bad += store_rows(row.data(), T, KL + R, int(L.latent_kind), L.latent, L.latent_rows,
+                        L.latent_row_bytes, s.out_slots);
+    if (L.key) {
+      dsakv_index_key(L.key, T, h.data(), s.cos, s.sin, key.data());
+      if (L.index_kind == E4M3) {  // rotated as the pool's fp8 keys are
+        dsakv_linear(L.query->hadamard, ID, ID, key.data(), T, rotated.data());
+        bad += dsakv_store_index_k_fp8(rotated.data(), T, ID, L.index_k, L.index_pages,
+                                       L.index_page_size, s.out_slots);
+      } else {
+        bad += store_rows(key.data(), T, ID, int(L.index_kind), L.index_k,
+                          L.index_pages * L.index_page_size, ID * (L.index_kind == FP32 ? 4 : 2),
+                          s.out_slots);
+      }
+      if (s.W > s.topk) {  // scores over each token's stored keys, then top-k
+        dsakv_index_query(L.query, T, h.data(), q_lora.data(), s.cos, s.sin, iq.data(),
+                          iw.data());
+        bad += dsakv_index_decode(iq.data(), iw.data(), T, IH, ID, L.index_k, L.index_pages,
+                                  L.index_page_size, int(L.index_kind), s.table, s.W, s.W,
+                                  s.lens, s.index_scale, int(s.low), scores.data());
+        dsakv_topk_by_position(scores.data(), T, s.W, K, pos.data());
+      } else {  // every position is selected
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t j = 0; j < K; ++j) pos[t * K + j] = j;
+      }
+      for (int64_t t = 0; t < T; ++t) {  // in position order: the rows' one summation order
+        int64_t* p = &pos[t * K];
+        std::sort(p, p + K);
+        for (int64_t j = 0; j < K; ++j) {
+          valid[t * K + j] = p[j] < s.lens[t];
+          sel[t * K + j] = s.table[t * s.W + p[j]];
+        }
+      }
+    }
+    bad += dsakv_mla_decode(q_lat.data(), q_rope.data(), H * R, R, L.latent, L.latent_rows,
+                            L.latent_row_bytes, int(L.latent_kind), sel.data(), K,
+                            reinterpret_cast<const bool*>(valid.data()), T, K, H, KL, R,
+                            s.mla_scale, L.w_uv, L.w_uv_sh, v, attn.data(), int(L.w_uv_kind));
+    dsakv_ffn(L.ffn, T, x, attn.data(), out.data());
+    std::memcpy(x, out.data(), T * D * sizeof(float));
+  }
+  return bad;
 }
 
 }  // extern "C"

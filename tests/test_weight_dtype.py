@@ -1,0 +1,172 @@
+"""Weights as the checkpoint stores them: on a CPU, `--dtype auto` keeps a bf16
+checkpoint's weight matrices bf16 in memory while the model computes in fp32. The native
+blocks read them in place and widen them in registers, the eager ops widen them where they
+read them; both exact, so every output is bit-identical to the model widened to fp32 at
+load (`--dtype float32`), at half the weight bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsakv import LLM, SamplingParams
+from dsakv.kernels import cpu_native
+from dsakv.memory import CacheLayout, DSAKVPool
+from dsakv.models.loader import load_model
+from dsakv.models.tiny import default_model_dir, write_tiny_model
+
+native = pytest.mark.skipif(
+    not cpu_native.available(), reason="no C++ compiler: the cpu backend runs its torch ops"
+)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+KW = dict(device="cpu", page_size=16, num_pages=48, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory) -> str:
+    """glm-tiny written in bf16 (dense and MoE layers, indexers, an MTP layer)."""
+    path = tmp_path_factory.mktemp("glm-tiny-bf16")
+    return str(write_tiny_model(path, "glm-tiny", 5, torch.bfloat16, mtp="random"))
+
+
+@pytest.fixture(scope="module")
+def models(bf16_model):
+    """The checkpoint loaded as stored (bf16 matrices) and widened at load (fp32)."""
+    stored, config, _ = load_model(bf16_model, as_stored=True, draft_layers=1)
+    wide, _, _ = load_model(bf16_model, draft_layers=1)
+    return stored, wide, config
+
+
+def _inputs(model, config, batch: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, config.hidden_size, generator=g)
+    cos, sin = model.rotary(torch.randint(0, 4000, (batch,), generator=g), torch.float32)
+    out = torch.randn(batch, config.num_attention_heads * config.v_head_dim, generator=g)
+    q_lora = torch.randn(batch, config.q_lora_rank, generator=g)
+    return x, cos, sin, out, q_lora
+
+
+def test_as_stored_keeps_the_matrices_bf16_and_computes_in_fp32(models):
+    stored, wide, _ = models
+    assert (stored.dtype, stored.weight_dtype) == (torch.float32, torch.bfloat16)
+    assert (wide.dtype, wide.weight_dtype) == (torch.float32, torch.float32)
+    layer = stored.model.layers[-1]  # the MTP layer: MoE, an indexer, eh_proj
+    for p in (
+        layer.self_attn.kv_b_proj.weight,
+        layer.mlp.experts.gate_up_proj,
+        layer.mlp.experts.down_proj,
+        layer.self_attn.indexer.wq_b.weight,
+        layer.eh_proj.weight,
+        stored.lm_head.weight,
+    ):
+        assert p.dtype == torch.bfloat16
+    for p in (layer.input_layernorm.weight, layer.mlp.gate.weight):
+        assert p.dtype == torch.float32
+    assert layer.self_attn.indexer.weights_proj.weight.dtype == torch.float32
+    assert stored.model.embed_tokens(torch.tensor([1, 2])).dtype == torch.float32
+
+
+@pytest.mark.parametrize("parallel", ["tp2-ep2", "dp-attention"])
+def test_sharded_reads_keep_each_ranks_slices_as_stored(bf16_model, parallel):
+    """Each rank's slices of the bf16 checkpoint (TP heads and vocab rows, EP experts) are
+    read as stored: the fp32 load's, widened; an fp32 checkpoint stays fp32."""
+    from dsakv.distributed import ParallelConfig, ParallelState
+
+    pc = {
+        "tp2-ep2": ParallelConfig(tp=2, ep=2, timeout_s=60),
+        "dp-attention": ParallelConfig(tp=2, dp_attention=True, timeout_s=60),
+    }[parallel]
+    for rank in range(2):
+        state = ParallelState(pc, rank)
+        stored, _, _ = load_model(bf16_model, as_stored=True, parallel=state)
+        wide = dict(load_model(bf16_model, parallel=state)[0].named_parameters())
+        assert stored.weight_dtype == torch.bfloat16
+        for name, p in stored.named_parameters():
+            assert torch.equal(p.float(), wide[name]), (rank, name)
+    fp32, _, _ = load_model(default_model_dir("glm-tiny"), as_stored=True)
+    assert fp32.weight_dtype == torch.float32
+
+
+@native
+def test_native_blocks_read_bf16_weights_as_their_fp32_widening(models, bf16_model):
+    """Every layer's native blocks (dense and MoE FFN, the MTP layer), the indexer's key
+    and (rotated) query, the LM head and decode attention's W_uv: bit-equal with the
+    matrices bf16 in place and widened to fp32, at batch 1, 3 (tails of the token tiles)
+    and 6."""
+    stored, wide, config = models
+    pool = DSAKVPool(CacheLayout.for_model(bf16_model, kv_cache_dtype="fp32"), 4)
+    with torch.inference_mode():
+        for batch in (1, 3, 6):
+            x, cos, sin, out, q_lora = _inputs(stored, config, batch, seed=batch)
+            for a, b in zip(stored.model.layers, wide.model.layers, strict=True):
+                (inp_a, ffn_a), (inp_b, ffn_b) = a.native_blocks(), b.native_blocks()
+                for u, v in zip(inp_a(x, cos, sin), inp_b(x, cos, sin), strict=True):
+                    assert torch.equal(u, v)
+                assert torch.equal(ffn_a(x, out), ffn_b(x, out))
+                if hasattr(a.self_attn, "indexer"):
+                    ia = a.self_attn.indexer.native_inputs()
+                    ib = b.self_attn.indexer.native_inputs()
+                    assert torch.equal(ia.key(x, cos, sin), ib.key(x, cos, sin))
+                    for rotate in (True, False):
+                        got = ia.query(x, q_lora, cos, sin, rotate)
+                        want = ib.query(x, q_lora, cos, sin, rotate)
+                        assert all(torch.equal(u, v) for u, v in zip(got, want, strict=True))
+                _check_w_uv(a.self_attn, b.self_attn, pool, batch)
+            head = cpu_native.linear(x, stored.lm_head.weight)
+            assert torch.equal(head, cpu_native.linear(x, wide.lm_head.weight))
+
+
+def _check_w_uv(attn_a, attn_b, pool, batch: int) -> None:
+    """`mla_decode` through a bf16 W_uv equals it through the fp32 one."""
+    w_a, w_b = attn_a._w_kvb()[1], attn_b._w_kvb()[1]
+    assert (w_a.dtype, w_b.dtype) == (torch.bfloat16, torch.float32)
+    g = torch.Generator().manual_seed(batch)
+    data = pool.latent_data(0)
+    data.copy_(torch.randn(data.shape, generator=g))
+    heads, lora = attn_a.n_heads, attn_a.kv_lora
+    q_nope = torch.randn(batch, heads, lora, generator=g)
+    q_rope = torch.randn(batch, heads, attn_a.rope_dim, generator=g)
+    slots = torch.randint(0, data.shape[0], (batch, 20), generator=g)
+    valid = torch.rand(batch, 20, generator=g) < 0.8
+    args = (q_nope, q_rope, data, slots, valid, 0.1, "fp32")
+    got = cpu_native.mla_decode(*args, w_uv=w_a)
+    assert torch.equal(got, cpu_native.mla_decode(*args, w_uv=w_b))
+
+
+def _generate(model: str, prompts, **kw):
+    out = LLM(model, **{**KW, **kw}).generate(prompts, GREEDY)
+    return [(o.token_ids, o.logprobs, o.top_logprobs) for o in out]
+
+
+@native
+@pytest.mark.parametrize("deterministic", [None, False], ids=["deterministic", "batched"])
+def test_auto_dtype_generates_the_float32_models_tokens_and_logprobs(bf16_model, deterministic):
+    """Through the engine: `dtype="auto"` (bf16 matrices, fp32 compute) gives the greedy
+    tokens and logprobs of `dtype="float32"` bit for bit, on the default per-token path
+    and on the batched one (eager torch ops over steps of more than 64 tokens, the native
+    blocks for short steps); prompts past index_topk (sparse selection)."""
+    prompts = [[5 + i % 200 for i in range(n)] for n in (90, 40, 7)]
+    kw = dict(enable_deterministic_inference=deterministic)
+    llm = LLM(bf16_model, **KW, **kw)
+    model = llm.engine.runner.model
+    assert (model.dtype, model.weight_dtype) == (torch.float32, torch.bfloat16)
+    assert llm.engine.deterministic == (deterministic is None)
+    got = [(o.token_ids, o.logprobs, o.top_logprobs) for o in llm.generate(prompts, GREEDY)]
+    assert got == _generate(bf16_model, prompts, dtype="float32", **kw)
+
+
+@native
+def test_auto_dtype_holds_glm_bench_short_in_half_the_bytes():
+    """The bench checkpoint (bf16, as released): its matrices stay bf16 under `auto`, about
+    half the fp32 engine's weight bytes, with the same tokens and logprobs."""
+    path = str(default_model_dir("glm-bench-short"))
+    prompts = [list(range(3, 131))]
+
+    def weight_bytes(llm: LLM) -> int:
+        model = llm.engine.runner.model
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    auto, wide = LLM(path, **KW), LLM(path, **KW, dtype="float32")
+    assert 0.5 <= weight_bytes(auto) / weight_bytes(wide) < 0.52
+    got, want = auto.generate(prompts, GREEDY), wide.generate(prompts, GREEDY)
+    assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
