@@ -13,7 +13,7 @@ KV cache, no flash attention) and dsakv (fp32 caches) generate greedily from the
 prompts: token ids compared, and the top-5 logprobs of each step; (d) timing
 in alternating rounds: decode at 1 and 32 requests (llama-batched-bench: PP-token prompts,
 TG generated tokens each, S_TG = requests x TG / decode time, prefill excluded; dsakv the
-same definition, `dsakv.bench.determinism._measure`) and prefill of one prompt
+same definition, `dsakv.bench.determinism.measure_rate`) and prefill of one prompt
 (llama-bench -n 0; dsakv: prompt tokens / time to the first token). Medians (min-max).
 """
 
@@ -254,13 +254,13 @@ def llama_prefill(tools, gguf, lengths: list[int], threads: int) -> dict:
 
 
 def dsakv_rounds(engine, npp, ntg, npl, lengths, seed) -> dict:
-    from dsakv.bench.determinism import _measure  # tok/s as batched-bench / llama-bench count
+    from dsakv.bench.determinism import measure_rate  # tok/s as batched-bench / llama-bench count
 
     out = {}
     for b in npl:
-        out[f"decode {b} req"] = _measure(engine, prompts(b, npp, seed + b), ntg)[0]
+        out[f"decode {b} req"] = measure_rate(engine, prompts(b, npp, seed + b), ntg)[0]
     for n in lengths:
-        out[f"prefill {n}"] = _measure(engine, prompts(1, n, seed + n), 0)[0]
+        out[f"prefill {n}"] = measure_rate(engine, prompts(1, n, seed + n), 0)[0]
     return out
 
 

@@ -63,11 +63,11 @@ def run_determinism_bench(
     for r in range(sizes.rounds + 1):  # round 0 warms every shape up, untimed
         for w, (prompts, extra) in work.items():
             for name, engine in engines.items():
-                rate, outs = _measure(engine, prompts, extra)
+                rate, outs = measure_rate(engine, prompts, extra)
                 if r:
                     rates[w][name].append(rate)
                 if name == "on" and w == f"decode_{sizes.batch}":
-                    alone = _measure(engine, prompts[:1], extra)[1]
+                    alone = measure_rate(engine, prompts[:1], extra)[1]
                     matched.append(alone[0] == outs[0])
     out: dict[str, Any] = {"model": path, "sizes": asdict(sizes), "tokens_per_s": {}}
     for w in work:
@@ -99,7 +99,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 250) for _ in range(n)]
 
 
-def _measure(engine: Engine, prompts: list[list[int]], extra: int):
+def measure_rate(engine: Engine, prompts: list[list[int]], extra: int):
     """Prefill (`extra` 0): prompt tokens per second until every first token. Decode: the
     `extra` tokens after each first token, per second after the last first token."""
     params = SamplingParams(max_tokens=extra + 1, temperature=0.0, ignore_eos=True, logprobs=1)

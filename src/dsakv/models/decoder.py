@@ -77,7 +77,7 @@ def _looped(owner: nn.Module, layers: Sequence[DecoderLayer], x, cos, sin, batch
     # whose tokens each attend over their own selection (decode, MTP verify and draft
     # rows). Prefill chunks keep the per-layer path, whose attention widens a shared
     # context once for several queries.
-    short = max(batch.extend_lens) <= LOOP_EXTEND
+    short = 0 < max(batch.extend_lens, default=0) <= LOOP_EXTEND  # (DP: an idle rank's 0)
     ops = layers[0].self_attn.ops
     loop = None
     if short and batch.hot is None and getattr(ops, "deterministic", False):
