@@ -103,12 +103,15 @@ def _make_loop(layers: Sequence[DecoderLayer], pool) -> cpu_native.LayerLoop | N
     first = layers[0].self_attn
     if not hasattr(first, "indexer") or not cpu_native.available():
         return None
-    descs = []
+    descs, full = [], None
     for layer in layers:
         attn, blocks = layer.self_attn, layer.native_blocks()
         indexer = getattr(attn, "indexer", None)
         native = indexer and indexer.native_inputs()
         if blocks is None or attn.mode != "absorb" or (indexer and native is None):
+            return None
+        full = attn.layer if indexer else full
+        if layer.topk_source != full:  # the loop reuses the last full layer's selection
             return None
         descs.append((attn.layer, *blocks, native, attn._w_kvb()[1]))
     return cpu_native.LayerLoop(

@@ -125,14 +125,7 @@ class ForwardBatch:
         and their context lengths `[B]`; built once per step, shared by every layer."""
         slots = [self.req_slots[r] for r in self.decode_reqs]
         lens = torch.tensor([s.shape[0] for s in slots], dtype=torch.long)
-        width = int(lens.max()) if slots else 0
-        table = (
-            torch.stack([torch.cat([s, s[:1].expand(width - s.shape[0])]) for s in slots])
-            if slots
-            else torch.zeros(0, 0, dtype=torch.long)
-        )
-        device = self.input_ids.device
-        return table.to(device), lens.to(device)
+        return _padded(slots).to(self.input_ids.device), lens.to(self.input_ids.device)
 
     @cached_property
     def token_ctx(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,10 +133,7 @@ class ForwardBatch:
         `decode_ctx`) and its visible length (position + 1) `[T]`."""
         if self.is_decode_only:
             return self.decode_ctx
-        width = max(self.seq_lens)
-        table = torch.stack(
-            [torch.cat([s, s[:1].expand(width - s.shape[0])]) for s in self.req_slots]
-        )
+        table = _padded(self.req_slots).to(self.input_ids.device)
         rows = torch.repeat_interleave(
             torch.arange(self.num_reqs), torch.tensor(self.extend_lens)
         ).to(table.device)
@@ -200,3 +190,12 @@ class ForwardBatch:
             req_slots=slots_list,
             hot=hot,
         )
+
+
+def _padded(slots: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Slot lists stacked into `[n, longest]`, each padded with its own position 0's slot
+    (a real slot, masked by length wherever it is read)."""
+    if not slots:
+        return torch.zeros(0, 0, dtype=torch.long)
+    width = max(s.shape[0] for s in slots)
+    return torch.stack([torch.cat([s, s[:1].expand(width - s.shape[0])]) for s in slots])
