@@ -220,3 +220,33 @@ def test_determinism_section_times_both_modes_and_checks_the_batch(tiny):
         assert t["off"] > 0 and t["on"] > 0 and t["on_vs_off"] == t["on"] / t["off"]
     assert r["batched_equals_alone_on"] is True
     assert any("on/off" in line for line in summary_lines(r))
+
+
+def test_weight_formats_section_times_each_format_and_checks_the_bits(monkeypatch, tmp_path):
+    """`dsakv bench --weight-formats`: fp32, bf16 and FP8-block weights timed side by side,
+    each `auto` engine giving its `float32` twin's tokens and logprobs, in fewer bytes."""
+    from dsakv.bench.weight_formats import (
+        ENGINES,
+        WeightFormatSizes,
+        run_weight_formats_bench,
+        summary_lines,
+    )
+
+    monkeypatch.setenv("DSAKV_CACHE", str(tmp_path))
+    sizes = WeightFormatSizes(prompt_len=24, decode_tokens=3, batch=2, rounds=1)
+    r = run_weight_formats_bench("glm-tiny", sizes=sizes)
+    assert set(r["tokens_per_s"]) == {"decode_1", "decode_2", "prefill_1"}
+    assert all(t[e] > 0 for t in r["tokens_per_s"].values() for e in ENGINES)
+    assert r["auto_equals_float32"] == {"bf16": True, "fp8": True}
+    mib = r["weight_mib"]
+    assert mib["fp8_widened"] == mib["fp32"] and mib["bf16"] < 0.52 * mib["fp32"]
+    assert mib["fp8"] < 0.3 * mib["fp32"]
+    assert any("fp8/bf16" in line for line in summary_lines(r))
+
+
+def test_weight_formats_section_needs_a_preset(capsys):
+    from dsakv.cli import main
+
+    assert main(["bench", "--weight-formats", "--model", "/no/such/model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "tiny preset" in err and len(err.splitlines()) == 1

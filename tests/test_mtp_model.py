@@ -257,3 +257,41 @@ def test_forward_draft_sharded_matches_one_rank(ckpts, tmp_path):
                 for step, (g, w) in enumerate(zip(got, want)):
                     err = (g - w).abs().max().item() if g.numel() else 0.0
                     assert err < TOL, f"{name} {m} rank {rank} step {step}: {err:.2e}"
+
+
+def test_draft_rows_do_not_depend_on_the_batch(ckpts):
+    """The cpu backend's deterministic path runs the MTP layer's NextN input (enorm, hnorm,
+    eh_proj) and output norm as native blocks like the layer's own, each row on its own: a
+    request's draft outputs are the same bits alone as beside other requests, and within
+    1e-4 of the eager blocks."""
+    from dsakv.kernels.backend import CpuBackend
+
+    model, config, plan = load_model(ckpts["glm-tiny"], draft_layers=1)
+    pool = make_pool(config, plan, num_tokens=512)
+    model.use_backend(CpuBackend(pool.layout, deterministic=True))
+    assert model.mtp.native_io()
+    rng = random.Random(3)
+    g = torch.Generator().manual_seed(3)
+    seqs = [[rng.randrange(256) for _ in range(k)] for k in (21, 30, 12)]
+    reqs = [Request(pool, s, len(s)) for s in seqs]
+    hidden = [torch.randn(len(s), config.hidden_size, generator=g) for s in seqs]
+
+    def draft(rs: list[int], a: int) -> list[torch.Tensor]:
+        """Rows a.. of requests `rs` (a draft step of each), in one batch."""
+        toks = [seqs[r][a + 1 :] for r in rs]
+        slots = [reqs[r].all_slots[: len(seqs[r]) - 1] for r in rs]
+        h = torch.cat([hidden[r][a : len(seqs[r]) - 1] for r in rs])
+        out = model.forward_draft(ForwardBatch.from_requests(toks, slots), pool, h)
+        return list(out.split([len(t) for t in toks]))
+
+    for r in range(3):  # each context's draft KV, alone
+        draft([r], 0)
+    alone = [draft([r], len(seqs[r]) - 2)[0] for r in range(3)]  # one row each
+    together = draft([0, 1, 2], 8)  # rows 8.. of each, beside the others
+    for r in range(3):
+        assert torch.equal(together[r][-1], alone[r][0])
+    eager = CpuBackend(pool.layout)
+    eager.native = False
+    model.use_backend(eager)
+    for r in range(3):
+        assert (draft([r], len(seqs[r]) - 2)[0] - alone[r][0]).abs().max() < TOL

@@ -12,7 +12,9 @@ from scipy import stats
 
 from dsakv import LLM, SamplingParams
 from dsakv.engine import Engine, EngineConfig
-from dsakv.engine.speculative import verify
+from dsakv.engine.model_runner import DRAFT, TARGET
+from dsakv.engine.request import Request
+from dsakv.engine.speculative import MAX_WAIT, MTPDrafter, verify
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
@@ -45,6 +47,13 @@ def _run(model: str, prompts, params=GREEDY, **kw) -> tuple[list[list[int]], Eng
     outs = llm.generate(prompts, params)
     llm.engine.check_integrity()
     return [o.token_ids for o in outs], llm.engine
+
+
+@pytest.fixture(scope="module")
+def unfitted(tmp_path_factory):
+    """The same target with an unfitted MTP layer: its drafts are almost always wrong."""
+    preset = {**TINY_PRESETS["glm-tiny"], "index_topk": 1024}
+    return str(write_tiny_model(tmp_path_factory.mktemp("mtp") / "r", preset, mtp="random"))
 
 
 @pytest.fixture(scope="module")
@@ -319,3 +328,129 @@ def test_prefill_decode_handoff_carries_the_draft_layer(dense):
     assert decode.counters()["spec_accepted_tokens"] > 0
     prefill.check_integrity()
     decode.check_integrity()
+
+
+def test_draft_length_follows_what_the_target_keeps():
+    """`MTPDrafter.adapt`: k drafts kept -> k + 1 next time (up to num_steps); none kept of
+    one -> no drafts for a wait that doubles with each failed one-draft probe (up to
+    MAX_WAIT decode steps); a kept draft ends the backoff."""
+    drafter = MTPDrafter(None, None, num_steps=3, max_model_len=4096, lockstep=False)
+    req = Request([1, 2, 3], SamplingParams(max_tokens=1000, temperature=0))
+    req.num_computed = 2  # decoding
+
+    def verified(checked: int, kept: int) -> int:
+        req.metrics.draft_tokens += checked
+        req.metrics.accepted_tokens += kept
+        drafter.adapt(req)
+        return drafter.wanted(req)
+
+    assert verified(0, 0) == 3  # a new request proposes num_steps
+    assert [verified(3, 3), verified(3, 1), verified(2, 0), verified(1, 1)] == [3, 2, 1, 2]
+    assert [verified(2, 2), verified(3, 2), verified(3, 3)] == [3, 3, 3]
+    assert verified(3, 0) == 1
+    wanted, waits = [], []
+    for _ in range(6):  # a probe fails each time: waits 1, 2, 4, 8, 16, 16 steps
+        assert verified(1, 0) == 0
+        n = 0
+        while verified(0, 0) == 0:
+            n += 1
+        waits.append(n + 1)
+        wanted.append(drafter.wanted(req))
+    assert waits == [1, 2, 4, 8, 16, 16] and MAX_WAIT == 16
+    assert wanted == [1] * 6
+    assert [verified(1, 1), verified(1, 0)] == [2, 0]
+    assert [verified(0, 0), verified(1, 0), verified(0, 0)] == [1, 0, 0]  # backoff 1, 2 again
+    req.prompt_ids = req.prompt_ids * 4  # a recompute: a prefill step does not count down
+    assert verified(0, 0) == 0 and req.draft_len.wait == 1
+    # Drafts the engine took (`draft_ids` emptied) but never checked (a grammar refused
+    # them): as rejected. Drafts it did not take (no decode step since): nothing learnt.
+    req.num_computed = req.seq_len - 1
+    req.draft_len.k, req.draft_len.proposed, req.draft_ids = 3, 3, []
+    assert verified(0, 0) == 1
+    req.draft_len.proposed, req.draft_ids = 1, [9]
+    assert verified(0, 0) == 1
+    req.draft_ids = []
+    req.draft_len.proposed = 1
+    assert verified(0, 0) == 0
+    # `wanted` still caps by what the request may emit.
+    req.num_computed = req.seq_len - 1
+    req.draft_len.k = 3
+    req.params = SamplingParams(max_tokens=2, temperature=0)
+    assert drafter.wanted(req) == 1
+
+
+class _Runner:
+    """Records the drafter's forwards; the draft layer always proposes token 7."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def forward_draft(self, toks, slots, source, rows):
+        assert len(rows) == sum(len(t) for t in toks) and len(slots) == len(toks)
+        for t, s in zip(toks, slots):
+            assert s.shape[0] >= len(t)
+        self.calls.append((source, len(toks)))
+
+    def logits(self, rows, source):
+        assert source == DRAFT
+        out = torch.zeros(len(rows), 16)
+        out[:, 7] = 1
+        return out
+
+
+class _Scheduler:
+    held: set = set()
+
+    def slots(self, req, n):
+        return torch.arange(n)
+
+    def reserve(self, req, n):
+        return True
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_adaptive_drafts_keep_lockstep_forwards(lockstep):
+    """Requests proposing 3, 1 and no drafts in one step: 3, 1 and 0 drafts come out, the
+    chain runs only as long as some request still drafts; under DP attention (`lockstep`)
+    every step makes the same number of draft forwards whatever its requests want."""
+    runner = _Runner()
+    drafter = MTPDrafter(runner, _Scheduler(), num_steps=3, max_model_len=4096, lockstep=lockstep)
+    reqs = [Request([1] * 9, SamplingParams(max_tokens=100, temperature=0)) for _ in range(3)]
+    for r in reqs:
+        r.num_computed = 8  # its last token's KV pending: decoding
+    drafter.step([(r, 7, i) for i, r in enumerate(reqs)])  # first step: all propose 3
+    assert [r.draft_ids for r in reqs] == [[7, 7, 7]] * 3
+    assert runner.calls == [(TARGET, 3), (DRAFT, 3), (DRAFT, 3)]
+    for r, (checked, kept) in zip(reqs, ((3, 3), (3, 0), (1, 0))):
+        r.metrics.draft_tokens += checked  # (the engine may check fewer than proposed)
+        r.metrics.accepted_tokens += kept
+    for r in reqs:
+        r.output_ids.append(5)
+        r.num_computed += 1
+    runner.calls.clear()
+    drafter.step([(r, r.num_computed - 1, i) for i, r in enumerate(reqs)])
+    assert [len(r.draft_ids) for r in reqs] == [3, 1, 0]
+    chain = [(DRAFT, 1), (DRAFT, 1)]
+    assert runner.calls == [(TARGET, 3), *chain]
+    runner.calls.clear()
+    for r in reqs:
+        r.draft_len.k, r.draft_len.wait, r.draft_len.proposed = 0, 5, 0
+        r.draft_ids = []
+    drafter.step([(r, r.num_computed - 1, i) for i, r in enumerate(reqs)])
+    assert all(not r.draft_ids for r in reqs)  # nobody drafts: no chain unless lockstep
+    assert runner.calls == [(TARGET, 3)] + ([(DRAFT, 0), (DRAFT, 0)] if lockstep else [])
+
+
+def test_always_rejected_drafts_are_proposed_less(unfitted, reference):
+    """An unfitted draft layer: its requests soon stop proposing chains (a one-draft probe
+    now and then), so the target checks far fewer drafts than num_steps per decode pass,
+    and the greedy tokens are the target's own."""
+    prompts, ref = reference
+    tokens, engine = _run(unfitted, prompts, speculative_num_steps=3, **MTP)
+    assert tokens == ref
+    c = engine.counters()
+    passes = c["decode_steps"]
+    assert c["spec_accepted_tokens"] <= 0.2 * c["spec_draft_tokens"]
+    # Fixed-length drafting would check 3 per decode pass; this checks under a tenth of that
+    # (per request: 3 on its first pass, then single probes 1, 2, 4, 8, 16 passes apart).
+    assert 0 < c["spec_draft_tokens"] < 0.1 * 3 * passes

@@ -442,8 +442,13 @@ def _cmd_init_tiny(args: argparse.Namespace) -> int:
 
     if args.preset not in TINY_PRESETS:
         raise DsakvError(f"unknown preset {args.preset!r} (choose from {', '.join(TINY_PRESETS)})")
-    path = write_tiny_model(args.dir, preset=args.preset, seed=args.seed, mtp=args.mtp)
-    print(f"wrote {args.preset} (seed {args.seed}, MTP layer: {args.mtp}) to {path}")
+    path = write_tiny_model(
+        args.dir, preset=args.preset, seed=args.seed, mtp=args.mtp, weights=args.weights
+    )
+    print(
+        f"wrote {args.preset} (seed {args.seed}, {args.weights} weights, MTP layer: {args.mtp}) "
+        f"to {path}"
+    )
     return 0
 
 
@@ -521,6 +526,13 @@ def _add_engine_commands(sub: Any) -> None:
         default="fit",
         help="MTP draft layer: fitted to the target (default), unfitted, or none",
     )
+    p.add_argument(
+        "--weights",
+        choices=("fp32", "bf16", "fp8"),
+        default="fp32",
+        help="how the checkpoint stores the weights: fp32 (default), bf16, or fp8: the "
+        "layers' projections as e4m3 128x128 blocks with fp32 scales, the rest bf16",
+    )
     p.set_defaults(func=_cmd_init_tiny)
 
     p = sub.add_parser("generate", help="complete prompts offline")
@@ -568,6 +580,8 @@ def _add_engine_commands(sub: Any) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.enable_deterministic_inference:
         return _bench_determinism(args)
+    if args.weight_formats:
+        return _bench_weight_formats(args)
     if args.enable_hisparse:
         return _bench_hisparse(args)
     if args.hisparse_config is not None:
@@ -619,6 +633,21 @@ def _bench_determinism(args: argparse.Namespace) -> int:
     from dsakv.bench.determinism import run_determinism_bench, summary_lines
 
     r = run_determinism_bench(args.model, quick=args.quick)
+    return _section_report(args, r, summary_lines(r))
+
+
+def _bench_weight_formats(args: argparse.Namespace) -> int:
+    """`dsakv bench --weight-formats`: fp32 vs bf16 vs FP8-block weights (`bench.weight_formats`)."""
+    from dsakv.bench.weight_formats import run_weight_formats_bench, summary_lines
+    from dsakv.models.tiny import TINY_PRESETS
+
+    preset = args.model or "glm-bench"
+    if preset not in TINY_PRESETS:
+        raise DsakvError(
+            f"--weight-formats writes its own bf16 and fp8 checkpoints: --model must be a tiny "
+            f"preset ({', '.join(TINY_PRESETS)}), got {preset!r}"
+        )
+    r = run_weight_formats_bench(preset, quick=args.quick)
     return _section_report(args, r, summary_lines(r))
 
 
@@ -758,6 +787,13 @@ def _add_bench(sub: Any) -> None:
         action="store_true",
         help="only what the mode costs: prefill and decode tok/s at 1 and 32 requests, off "
         "vs on (default model glm-bench; --quick: one round, 8 decode tokens)",
+    )
+    p.add_argument(
+        "--weight-formats",
+        action="store_true",
+        help="only decode / prefill tok/s of the model's weights held as fp32, bf16 and FP8 "
+        "blocks (CPU; a tiny preset, default glm-bench, written both ways; --quick: 8 requests, "
+        "one round)",
     )
     p.add_argument(
         "--device", default="cpu", help="where the engine sections run: cpu (default), cuda, auto"

@@ -2,8 +2,12 @@
 alternately in one process (as the throughput section does), so noise hits both alike.
 
 Reports the mean acceptance length (tokens emitted per verification), target forward
-passes per output token, output tokens/s, and how far the greedy outputs agree.
-On a CPU the verify forward's extra K rows cost nearly their full compute (a GPU hides
+passes per output token, output tokens/s, and how far the greedy outputs agree. Each
+request proposes up to `steps` drafts, fewer while its drafts are being rejected
+(`MTPDrafter.adapt`), so the section also reports the drafts checked per verification,
+the share of a request's decode passes that verified drafts, and the drafts checked per
+output token (each one a verify row of the target's).
+On a CPU the verify forward's extra rows cost nearly their full compute (a GPU hides
 them in a memory-bound decode step), so fewer target passes buys less speed here.
 """
 
@@ -59,11 +63,15 @@ def run_mtp_bench(
         gives the first token), then one per decode or verify step."""
         return (work.num_requests + decode[name] - warm[name]) / run["output_tokens"]
 
+    passes = decode["mtp"] - warm["mtp"]  # a request's decode passes, verifying or not
     return {
         "speculative_num_steps": steps,
         "requests": work.num_requests,
         "mean_acceptance_length": 1 + accepted / verified if verified else None,
         "draft_acceptance_rate": accepted / drafted if drafted else None,
+        "drafts_per_verify": drafted / verified if verified else None,
+        "verifying_pass_share": verified / passes if passes else None,
+        "drafts_per_output_token": drafted / mtp["output_tokens"],
         "target_passes_per_output_token": {
             "base": passes_per_token("base", base),
             "mtp": passes_per_token("mtp", mtp),

@@ -223,7 +223,8 @@ def summary(r: dict[str, Any]) -> str:
         lines += [
             "",
             f"6. MTP speculative decoding ({sp['requests']} requests, "
-            f"{sp['speculative_num_steps']} drafts per step)",
+            f"up to {sp['speculative_num_steps']} drafts per step, "
+            f"{_f(sp.get('drafts_per_verify'), '.2f')} per verification)",
             _row("", "no MTP", "MTP", "ratio"),
             _row("output tokens/s", tps["base"], tps["mtp"], sp["output_tokens_per_s_ratio"]),
             _row("target passes per output token", passes["base"], passes["mtp"], None, fmt=".3f"),

@@ -40,6 +40,21 @@ class RequestMetrics:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
+@dataclass
+class DraftLength:
+    """How many MTP drafts a request proposes next, adapted to how many the target keeps
+    (`MTPDrafter.adapt`). `k` 0: none, for `wait` more decode steps, then one draft as a
+    probe; `backoff` is the wait after the next probe that fails. `seen` is its metrics'
+    `(draft_tokens, accepted_tokens)` when `k` was last set, `proposed` how many drafts it
+    was handed then."""
+
+    k: int
+    wait: int = 0
+    backoff: int = 1
+    seen: tuple[int, int] = (0, 0)
+    proposed: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     """A prompt being completed.
@@ -73,6 +88,7 @@ class Request:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     draft_ids: list[int] = field(default_factory=list)  # MTP proposals for the next step
+    draft_len: DraftLength | None = None  # MTP: its adaptive draft length (set on first use)
 
     @property
     def all_ids(self) -> list[int]:

@@ -16,18 +16,27 @@ token is the one the request would get without MTP. Unseeded sampled requests us
 rejection sampling against the deterministic draft: d is kept with probability p(d),
 otherwise the token comes from p with d removed; either way the output distribution is
 exactly the target's p.
+
+Each request proposes up to K drafts, as many as its recent drafts earned (`adapt`): a
+request whose drafts the target keeps rejecting costs a verify row now and then instead
+of K rows and a chain of draft forwards every step. Under DP attention every rank still
+makes K draft forwards a step (`lockstep`), empty ones where none of its requests drafts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
 from .model_runner import DRAFT, TARGET, ModelRunner
-from .request import Request
+from .request import DraftLength, Request
 from .sampling import SamplingParams, draw, filtered_probs
 from .scheduler import Scheduler
+
+# The most steps a request whose single drafts keep failing waits between probes.
+MAX_WAIT = 16
 
 
 def verify(
@@ -86,12 +95,46 @@ class MTPDrafter:
         self.lockstep = lockstep
 
     def wanted(self, req: Request) -> int:
-        """How many drafts are worth proposing for `req`'s next step."""
+        """How many drafts are worth proposing for `req`'s next step: its adaptive draft
+        length (`adapt`, called once per step before this), within what it may still emit."""
         if req.finished or req.in_prefill:
             return 0
         left = req.params.max_tokens - len(req.output_ids) - 1  # the bonus token is free
         room = self.max_model_len - req.seq_len - 1
-        return max(0, min(self.num_steps, left, room))
+        k = self.num_steps if req.draft_len is None else req.draft_len.k
+        return max(0, min(k, left, room))
+
+    def adapt(self, req: Request) -> None:
+        """Update `req`'s draft length from its last verification (what its metrics counted
+        since): k drafts kept, k + 1 next time (up to `num_steps`), so a full accept
+        proposes one more and a rejection cuts back to what was kept plus one; none kept of
+        one: no drafts for a while (a wait that doubles with each failed probe, up to
+        `MAX_WAIT` decode steps), then one again. Drafts the engine took but did not check
+        (a grammar refused them, no pages) count as rejected. A request whose drafts keep
+        failing so costs a probe row now and then instead of `num_steps` verify rows and a
+        chain of draft forwards every step. Only the speed depends on this: greedy tokens
+        are the target's whatever is drafted, and every verification keeps the target's
+        distribution however many drafts it checks (k depends on past steps only)."""
+        m = req.metrics
+        now = (m.draft_tokens, m.accepted_tokens)
+        s = req.draft_len
+        if s is None:
+            req.draft_len = DraftLength(self.num_steps, seen=now)
+            return
+        checked, kept = now[0] - s.seen[0], now[1] - s.seen[1]
+        if not checked and s.proposed and not req.draft_ids:  # taken, none checked
+            checked = s.proposed
+        s.seen, s.proposed = now, 0
+        if checked and (kept or checked > 1):
+            s.k = min(self.num_steps, kept + 1)
+            s.backoff = 1 if kept else s.backoff
+        elif checked:  # its one draft failed: sit out
+            s.k, s.wait = 0, s.backoff
+            s.backoff = min(2 * s.backoff, MAX_WAIT)
+        elif s.k == 0 and not req.in_prefill:  # a decode step without drafts
+            s.wait -= 1
+            if s.wait <= 0:
+                s.k = 1
 
     def step(self, work: list[tuple[Request, int, int]]) -> None:
         """After a target step: `work` holds (request, first position the step computed,
@@ -105,19 +148,27 @@ class MTPDrafter:
             gone = req.finished and req.rid not in self.scheduler.held
             if gone or stop <= start:
                 continue
-            toks.append(req.all_ids[start + 1 : stop + 1])
+            toks.append(_ids(req, start + 1, stop + 1))
             slots.append(self.scheduler.slots(req, stop))
             rows.extend(range(row, row + stop - start))
             reqs.append(req)
         if not reqs and not self.lockstep:
             return
         self.runner.forward_draft(toks, slots, TARGET, _longs(rows))
-        ends = torch.tensor([len(t) for t in toks], dtype=torch.long).cumsum(0) - 1
+        ends = [e - 1 for e in accumulate(len(t) for t in toks)]
+        for r in reqs:
+            self.adapt(r)
         want = [self._reserve(r, self.wanted(r)) for r in reqs]
         for r in reqs:
             r.draft_ids = []
         live = [i for i, k in enumerate(want) if k > 0]
-        prev = ends[live]  # each live request's row in the last draft output
+        prev = _longs([ends[i] for i in live])  # each live request's row in the last output
+        # The slots of every position a request's chain writes, looked up once.
+        chain = {
+            i: self.scheduler.slots(reqs[i], reqs[i].num_computed + want[i] - 1)
+            for i in live
+            if want[i] > 1
+        }
         for j in range(self.num_steps):
             if live:
                 picked = self.runner.logits(prev, DRAFT).argmax(-1).tolist()
@@ -132,9 +183,12 @@ class MTPDrafter:
             # draft layer's own output at the position before.
             live = [live[n] for n in more]
             toks = [[reqs[i].draft_ids[-1]] for i in live]
-            slots = [self.scheduler.slots(reqs[i], reqs[i].num_computed + j + 1) for i in live]
+            slots = [chain[i][: reqs[i].num_computed + j + 1] for i in live]
             self.runner.forward_draft(toks, slots, DRAFT, prev[more])
             prev = torch.arange(len(live))
+        for r in reqs:
+            if r.draft_len is not None:
+                r.draft_len.proposed = len(r.draft_ids)
 
     def _reserve(self, req: Request, k: int) -> int:
         """Pages for the draft chain's positions (it writes up to num_computed + k - 2)."""
@@ -142,6 +196,14 @@ class MTPDrafter:
             return k
         fits = len(req.pages) * self.scheduler.config.page_size - req.num_computed + 1
         return max(1, min(k, fits))
+
+
+def _ids(req: Request, a: int, b: int) -> list[int]:
+    """`req.all_ids[a:b]` without joining the whole sequence."""
+    p = len(req.prompt_ids)
+    if a >= p:
+        return req.output_ids[a - p : b - p]
+    return req.all_ids[a:b]
 
 
 def _longs(rows: Sequence[int] | torch.Tensor) -> torch.Tensor:

@@ -270,8 +270,8 @@ class CpuBackend(TorchBackend):
             q = torch.cat([q_nope, q_rope], dim=-1)
             args = (kind, lay.kv_lora_rank, lay.qk_rope_head_dim)
             return cpu_ops.decode_attention(q, data, slots, valid, w_uv, math.scale, *args)
-        # W_uv inside the kernel (fp32, or bf16 as stored under fp32 compute): no GEMM after it
-        in_kernel = q_nope.dtype == torch.float32 and w_uv.dtype in (torch.float32, torch.bfloat16)
+        # W_uv inside the kernel (under fp32 compute, whatever it is stored as): no GEMM after it
+        in_kernel = q_nope.dtype == torch.float32
         out = cpu_native.mla_decode(
             q_nope.float(),
             q_rope.float(),
@@ -282,7 +282,7 @@ class CpuBackend(TorchBackend):
             kind,
             w_uv if in_kernel else None,
         )
-        return out if in_kernel else per_head(out.to(w_uv.dtype), w_uv)
+        return out if in_kernel else per_head(out.to(q_nope.dtype), w_uv)
 
     def mla_extend(
         self, math, pool, layer, q_nope, q_rope, slots, prefix, positions, valid, w_uk, w_uv

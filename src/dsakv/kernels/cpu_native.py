@@ -31,12 +31,14 @@ import torch
 
 from dsakv.memory.fp8 import FP8_BLOCK
 
+from .torch_ops import unpacked_width
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # Latent row encodings the kernel reads (the pool's `kv_cache_dtype`).
-KINDS = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2, "fp8_ds_mla": 3}
+KINDS = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2, "fp8_ds_mla": 3, "fp8_block": 4}
 # Latent encodings `store_latent` writes (bf16 / fp32 rows are stored as they are).
 STORED_KINDS = ("fp8_e4m3", "fp8_ds_mla")
 _MAX_SCALE_BLOCKS = 64  # fp32 scales per row the kernels hold on the stack (8192 values)
@@ -218,7 +220,8 @@ def mla_decode(
     latent buffer as stored, `slots[B, k]` the rows each request reads (or `[k]`, one list
     every query reads: a prefill chunk's context, each block of rows widened once for
     several queries), `valid[B, k]` -> the latent outputs `[B, H, lora]`, or with
-    `w_uv[H, v, lora]` (fp32 or bf16, rows contiguous) their values `[B, H, v]`.
+    `w_uv[H, v, lora]` (a view of kv_b's rows, as `_matrix` takes them) their values
+    `[B, H, v]`.
 
     `cpu_ops.decode_attention`'s math (softmax over the valid rows, then their weighted
     sum) in another summation order: outputs agree to fp32 rounding, and a request's output
@@ -245,13 +248,10 @@ def mla_decode(
         or (not shared and slots.shape != valid.shape)
     ):
         raise ValueError("mla_decode: strided latent buffer or mismatched slots / valid")
-    v = 0
+    v, uv = 0, (None, 0, 0)
     if w_uv is not None:
-        _on_cpu(w_uv)
         v = w_uv.shape[1]
-        ok = w_uv.dtype in _MATRIX_KINDS and w_uv.shape == (heads, v, lora)
-        if not ok or w_uv.stride(1) != lora or w_uv.stride(2) != 1:
-            raise ValueError(f"mla_decode: w_uv {tuple(w_uv.shape)} {w_uv.dtype}")
+        uv = _heads_rows(w_uv, heads, v, lora)
     out = torch.empty(b, heads, v or lora, dtype=torch.float32, device=q_nope.device)
     bad = lib.dsakv_mla_decode(
         q_nope.data_ptr(),
@@ -271,11 +271,11 @@ def mla_decode(
         lora,
         rope,
         scale,
-        None if w_uv is None else w_uv.data_ptr(),
-        0 if w_uv is None else w_uv.stride(0),
+        uv[0],
+        uv[1],
         v,
         out.data_ptr(),
-        0 if w_uv is None else _MATRIX_KINDS[w_uv.dtype],
+        uv[2],
     )
     if bad:
         raise IndexError(
@@ -366,10 +366,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x[B, K] @ weight[N, K]ᵀ` in fp32 (`weight` fp32 or bf16), each output reduced as the
-    native blocks reduce theirs (the LM head): a row's outputs do not depend on the rows
-    beside it."""
-    n, k = weight.shape
+    """`x[B, K] @ weight[N, K]ᵀ` in fp32 (`weight` as `_matrix` takes it), each output
+    reduced as the native blocks reduce theirs (the LM head): a row's outputs do not depend
+    on the rows beside it."""
+    n, k = matrix_shape(weight)
     x = _activations(x, k)
     out = torch.empty(x.shape[0], n)
     w = _matrix(weight, n, k)
@@ -395,8 +395,13 @@ def topk_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
 # --- one-token decode blocks -------------------------------------------------------------
 
 _f32, _i64, _ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p
-# Weight matrices the blocks read in place (`Mat::kind`): bf16 widened in registers, exact.
-_MATRIX_KINDS = {torch.float32: KINDS["fp32"], torch.bfloat16: KINDS["bf16"]}
+# Weight matrices the blocks read in place (`Mat::kind`): bf16 widened in registers, packed
+# FP8 blocks (uint8, `torch_ops.pack_fp8`) a few rows at a time; both exact.
+_MATRIX_KINDS = {
+    torch.float32: KINDS["fp32"],
+    torch.bfloat16: KINDS["bf16"],
+    torch.uint8: KINDS["fp8_block"],
+}
 
 
 class _Mat(ctypes.Structure):
@@ -407,7 +412,7 @@ class _MlaInputsWeights(ctypes.Structure):
     _fields_ = [
         *((n, _ptr) for n in ("in_norm", "q_a_norm", "kv_norm")),
         *((n, _Mat) for n in ("q_a", "q_b", "kv_a", "w_uk")),
-        *((n, _i64) for n in ("hidden", "q_lora", "heads", "nope", "rope", "kv_lora", "uk_hs")),
+        *((n, _i64) for n in ("hidden", "q_lora", "heads", "nope", "rope", "kv_lora", "uk_rows")),
         *((n, _f32) for n in ("eps_in", "eps_q", "eps_kv")),
     ]
 
@@ -439,24 +444,43 @@ class _FfnWeights(ctypes.Structure):
 
 def fits(module: torch.nn.Module) -> bool:
     """Whether the native blocks can read `module`'s weights in place: on the CPU, the
-    matrices fp32 or bf16 (as stored), the vectors (norms, biases) fp32, as they are
-    exactly when the model computes in fp32."""
+    matrices fp32, bf16 or packed FP8 blocks (as stored), the vectors (norms, biases) fp32,
+    as they are exactly when the model computes in fp32."""
     return all(
         p.is_cpu and (p.dtype == torch.float32 or (p.dim() > 1 and p.dtype in _MATRIX_KINDS))
         for p in module.parameters()
     )
 
 
+def matrix_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """A weight matrix's shape in values (packed FP8 rows hold their scales too)."""
+    if t.dtype != torch.uint8:
+        return tuple(t.shape)
+    return (*t.shape[:-1], unpacked_width(t.shape[-1]))
+
+
 def _matrix(t: torch.Tensor, *shape: int) -> _Mat:
-    """A contiguous CPU weight matrix of `shape`, fp32 or bf16, as the kernels read it."""
+    """A contiguous CPU weight matrix of `shape` (in values), fp32, bf16 or packed FP8
+    blocks, as the kernels read it."""
     if t.device.type != "cpu" or t.dtype not in _MATRIX_KINDS or not t.is_contiguous():
         raise ValueError(
-            f"native blocks take fp32 contiguous CPU weights (bf16 matrices too), got {t.dtype} "
-            f"{t.device}"
+            "native blocks take contiguous CPU weights (fp32, bf16 or packed fp8 matrices), "
+            f"got {t.dtype} {t.device}"
         )
-    if tuple(t.shape) != shape:
-        raise ValueError(f"native blocks: weight {tuple(t.shape)}, expected {shape}")
+    if matrix_shape(t) != shape:
+        raise ValueError(f"native blocks: weight {matrix_shape(t)}, expected {shape}")
     return _Mat(t.data_ptr(), _MATRIX_KINDS[t.dtype])
+
+
+def _heads_rows(w: torch.Tensor, heads: int, rows: int, width: int) -> tuple[int, int, int]:
+    """`w[heads, rows, width]`, each head a run of whole matrix rows (W_uv: a view of
+    kv_b's): (address, rows from one head to the next, kind)."""
+    _on_cpu(w)
+    row = w.stride(1)
+    ok = w.dtype in _MATRIX_KINDS and matrix_shape(w) == (heads, rows, width)
+    if not ok or w.stride(2) != 1 or row != w.shape[2] or w.stride(0) % row:
+        raise ValueError(f"native blocks: per-head weight {tuple(w.shape)} {w.dtype}")
+    return w.data_ptr(), w.stride(0) // row, _MATRIX_KINDS[w.dtype]
 
 
 def _weight(t: torch.Tensor, *shape: int) -> int:
@@ -517,7 +541,7 @@ class MlaInputs:
             nope,
             rope,
             kv_lora,
-            (nope + v) * kv_lora,
+            nope + v,
             *eps,
         )
 
@@ -560,7 +584,7 @@ class Ffn:
     `[E, hidden, I]`, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)."""
 
     def __init__(self, o_proj, post_norm, eps: float, mlp: tuple, moe: tuple | None = None):
-        hidden, attn_dim = o_proj.shape
+        hidden, attn_dim = matrix_shape(o_proj)
         gate, up, down = mlp
         inter = gate.shape[0]
         mlp_ptrs = (
@@ -571,7 +595,7 @@ class Ffn:
         routed: tuple = (None, None, 0, 0, 0, 0, 0, 0.0, _Mat(), _Mat(), 0)
         if moe is not None:
             router, bias, gate_up, edown, top_k, n_group, topk_group, norm, scaling = moe
-            e, i = router.shape[0], edown.shape[-1]
+            e, i = router.shape[0], matrix_shape(edown)[-1]
             if not 1 <= top_k <= e or (n_group > 1 and (e % n_group or topk_group > n_group)):
                 raise ValueError(f"native blocks: top-{top_k} of {e} experts in {n_group} groups")
             routed = (
@@ -635,8 +659,8 @@ class IndexerInputs:
     ) -> None:
         from dsakv.memory.fp8 import hadamard_matrix
 
-        dim, hidden = wk.shape
-        q_lora = wq_b.shape[1]
+        dim, hidden = matrix_shape(wk)
+        q_lora = matrix_shape(wq_b)[1]
         self.dims = (hidden, q_lora, heads, dim, rope)
         self._hadamard = hadamard_matrix(dim, torch.device("cpu"), torch.float32)
         self._keep = (wq_b, wk, k_norm_w, k_norm_b, weights_proj)
@@ -749,14 +773,11 @@ class LayerLoop:
         self._keep = (layers, pool)
         self._layers = (_LayerDesc * len(layers))()
         for i, (layer, inputs, ffn, indexer, w_uv) in enumerate(layers):
-            lora = inputs.dims[-1]
-            if w_uv.dtype not in _MATRIX_KINDS or w_uv.stride(1) != lora or w_uv.stride(2) != 1:
-                raise ValueError(f"layer loop: w_uv {tuple(w_uv.shape)} {w_uv.dtype}")
+            heads, lora = inputs.dims[2], inputs.dims[-1]
             latent = pool.latent_data(layer)
             d = self._layers[i]
             d.inputs, d.ffn = ctypes.addressof(inputs._w), ctypes.addressof(ffn._w)
-            d.w_uv, d.w_uv_sh = w_uv.data_ptr(), w_uv.stride(0)
-            d.w_uv_kind = _MATRIX_KINDS[w_uv.dtype]
+            d.w_uv, d.w_uv_sh, d.w_uv_kind = _heads_rows(w_uv, heads, w_uv.shape[1], lora)
             d.latent, d.latent_rows = latent.data_ptr(), latent.shape[0]
             d.latent_row_bytes, d.latent_kind = latent.shape[-1] * latent.element_size(), kind
             if indexer is None:

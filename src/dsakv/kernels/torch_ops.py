@@ -232,9 +232,49 @@ GEMV_ROWS = 4
 
 def widened(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Weight `w` in the dtype `x` computes in: a matrix kept as the checkpoint stores it
-    (bf16) while the model computes in fp32 is widened at the op, exactly, so the op gives
-    what it gives with fp32 weights."""
+    (bf16, or packed FP8 blocks) while the model computes in fp32 is widened at the op,
+    exactly as the loader would have widened it, so the op gives what it gives with fp32
+    weights."""
+    if w.dtype == torch.uint8:
+        return unpack_fp8(w).to(x.dtype)
     return w if w.dtype == x.dtype else w.to(x.dtype)
+
+
+# FP8-block weights kept as the checkpoint stores them (e4m3 values, one fp32 scale per
+# 128 × 128 block): a packed row is its K e4m3 bytes, then the fp32 scales of its 128-column
+# blocks, so any slice of rows (a head's W_uk, one expert) carries its own scales. The native
+# kernels read the same layout (`Mat` kind FP8_BLOCK).
+WEIGHT_BLOCK = 128
+
+
+def packed_width(k: int) -> int:
+    """Bytes of a packed row of `k` values."""
+    return k + 4 * -(-k // WEIGHT_BLOCK)
+
+
+def unpacked_width(p: int) -> int:
+    """The `k` whose packed rows are `p` bytes (`p = 132·nb - r` for k = 128·nb - r)."""
+    return p - 4 * -(-p // (WEIGHT_BLOCK + 4))
+
+
+def pack_fp8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`weight[..., K]` (float8_e4m3fn) and each row's block scales `[..., ceil(K / 128)]`
+    -> packed rows `[..., packed_width(K)]` (uint8)."""
+    k = weight.shape[-1]
+    if scales.shape != (*weight.shape[:-1], -(-k // WEIGHT_BLOCK)):
+        raise ValueError(f"{tuple(scales.shape)} scales for an fp8 weight {tuple(weight.shape)}")
+    body = weight.contiguous().view(torch.uint8)
+    tail = scales.to(torch.float32).contiguous().view(torch.uint8)
+    return torch.cat([body, tail], dim=-1)
+
+
+def unpack_fp8(packed: torch.Tensor) -> torch.Tensor:
+    """Packed rows -> fp32 `[..., K]`: each value times its block's scale in fp32, the one
+    rounding the loader's dequantisation does."""
+    k = unpacked_width(packed.shape[-1])
+    values = packed[..., :k].contiguous().view(torch.float8_e4m3fn).float()
+    scales = packed[..., k:].contiguous().view(torch.float32)
+    return values * scales.repeat_interleave(WEIGHT_BLOCK, dim=-1)[..., :k]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,7 @@ class MLAttention(nn.Module):
         weight = self.kv_b_proj.weight
         of, ptr, views = self._kvb_views
         if of is not weight or ptr != weight.data_ptr():
-            w = weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+            w = weight.view(self.n_heads, self.nope + self.v_dim, -1)  # (packed FP8 rows: wider)
             views = (w[:, : self.nope], w[:, self.nope :])
             self._kvb_views = (weight, weight.data_ptr(), views)
         return views

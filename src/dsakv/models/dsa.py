@@ -106,7 +106,8 @@ class DSAForCausalLM(nn.Module):
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype its weight matrices are held in: `dtype`, or bf16 as the checkpoint
-        stores them under fp32 compute (`store_matrices`)."""
+        stores them under fp32 compute (`store_matrices`; an FP8 checkpoint's projections
+        are packed uint8 rows beside them, `loader._pack_fp8`)."""
         return self.model.embed_tokens.weight.dtype
 
     @property

@@ -4,7 +4,9 @@ The `LayerPlan` decides what to build; the loader then skips (and counts) the te
 plan does not need: indexer tensors of shared layers, and draft/MTP layers
 (`model.layers.{i}` with i >= num_hidden_layers) unless the plan has a draft layer, which
 then loads `model.layers.{N}` as the MTP layer (`mtp.py`). FP8 block-quantised weights
-(`*.weight` + `*.weight_scale_inv`) are dequantised on the way in. Routed experts are
+(`*.weight` + `*.weight_scale_inv`) are dequantised on the way in, or, `as_stored`, kept
+as packed FP8 rows (`torch_ops.pack_fp8`) that every op widens where it reads them. Routed
+experts are
 accepted per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, what
 checkpoints and `save_pretrained` write) or already stacked (`mlp.experts.gate_up_proj`).
 
@@ -25,11 +27,13 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import DsakvError
+from dsakv.kernels.torch_ops import WEIGHT_BLOCK, pack_fp8, packed_width, unpacked_width
 
 from .dsa import DSAForCausalLM, keep_fp32, store_matrices
 from .moe import Experts
@@ -66,9 +70,10 @@ def load_model(
     """Build the model the plan describes (this rank's shards of it, with `parallel`) and
     fill it from `path`'s safetensors files, reading only this rank's slices.
 
-    `as_stored` with an fp32 `dtype`: a checkpoint whose weight matrices are all bf16 keeps
-    them bf16 (`store_matrices`: half the memory, the same outputs); the model computes in
-    fp32 either way.
+    `as_stored` with an fp32 `dtype`: the weight matrices stay as the checkpoint stores
+    them: bf16 (`store_matrices`, when all the others are bf16: half the memory) and FP8
+    blocks (packed with their scales: a quarter), for the same outputs; the model computes
+    in fp32 either way.
 
     `draft_layers=1` (or a plan with one draft layer) also builds and loads the MTP layer
     `model.layers.{N}`, for speculative decoding (`model.forward_draft`).
@@ -92,8 +97,13 @@ def load_model(
     with torch.device("meta"):
         model = DSAForCausalLM(config, plan, parallel=parallel, draft_vocab=draft_vocab)
     model.to(dtype)
-    if as_stored and dtype == torch.float32 and _matrices_bf16(files):
-        store_matrices(model, torch.bfloat16)
+    if as_stored and dtype == torch.float32:
+        fp8 = {name for name in files if name + "_scale_inv" in files}
+        if _matrices_bf16(files, fp8):
+            store_matrices(model, torch.bfloat16)
+        if fp8 and _block_size(config) == (WEIGHT_BLOCK, WEIGHT_BLOCK):
+            packed = _pack_fp8(model, fp8)
+            log.info("%d weight matrices kept as FP8 blocks", packed)
     keep_fp32(model)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
@@ -144,13 +154,13 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
     return out
 
 
-def _matrices_bf16(files: dict[str, Path]) -> bool:
+def _matrices_bf16(files: dict[str, Path], fp8: set[str]) -> bool:
     """Whether every weight matrix of the checkpoint is stored as bf16 (read from the file
-    headers), the router's and weights_proj (fp32 whatever the model dtype) aside: then they
-    can stay bf16 bit for bit. An fp8 checkpoint's are not."""
+    headers), the router's and weights_proj (fp32 whatever the model dtype) and the `fp8`
+    ones aside: then they can stay bf16 bit for bit."""
     handles: dict[Path, Any] = {}
     for name, file in files.items():
-        if name.endswith(("_scale_inv", "mlp.gate.weight", "weights_proj.weight")):
+        if name in fp8 or name.endswith(("_scale_inv", "mlp.gate.weight", "weights_proj.weight")):
             continue
         if file not in handles:
             handles[file] = safe_open(file, "pt")
@@ -158,6 +168,39 @@ def _matrices_bf16(files: dict[str, Path]) -> bool:
         if len(tensor.get_shape()) > 1 and tensor.get_dtype() != "BF16":
             return False
     return True
+
+
+def _pack_fp8(model: DSAForCausalLM, fp8: set[str]) -> int:
+    """Make the (meta) weights the checkpoint stores as FP8 blocks packed uint8 rows
+    (`pack_fp8`) where this rank's slice starts on a block column: every linear layer's,
+    and a layer's stacked experts when all of its experts' are. The others are dequantised
+    at load into fp32 (bf16 would round them). Returns how many matrices were packed."""
+
+    def held(param: nn.Parameter, packed: bool) -> nn.Parameter:
+        *rows, k = param.shape
+        if not packed:
+            return nn.Parameter(torch.empty(*rows, k, device="meta"), False)
+        return nn.Parameter(
+            torch.empty(*rows, packed_width(k), dtype=torch.uint8, device="meta"), False
+        )
+
+    count = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and f"{name}.weight" in fp8:
+            shard = getattr(mod, "shard", None)
+            aligned = shard is None or shard.dim == 0 or shard.start % WEIGHT_BLOCK == 0
+            ok = aligned and not name.endswith("weights_proj")  # (fp32 by design)
+            mod.weight, count = held(mod.weight, ok), count + ok
+        elif isinstance(mod, Experts):
+            (first, last), (i0, _) = mod.expert_range, mod.inter_range
+            parts = ("gate_proj", "up_proj", "down_proj")
+            every = {f"{name}.{e}.{p}.weight" for e in range(first, last) for p in parts}
+            if every & fp8:
+                ok = every <= fp8 and i0 % WEIGHT_BLOCK == 0
+                mod.gate_up_proj = held(mod.gate_up_proj, ok)
+                mod.down_proj = held(mod.down_proj, ok)
+                count += 2 * ok
+    return count
 
 
 def _listing(names: list[str], limit: int = 8) -> str:
@@ -231,7 +274,9 @@ class _Filler:
                     )
                 tensor = src[piece.index]
                 scale = name + "_scale_inv"
-                if scale in files:
+                if piece.dest.dtype == torch.uint8:  # packed FP8 blocks (`_pack_fp8`)
+                    tensor = _read_packed(tensor, open_slice(scale), piece.index)
+                elif scale in files:
                     tensor = _read_dequant(tensor, open_slice(scale), piece.index, self.config)
                 _copy(name, piece.dest, tensor)
                 self.got[piece.target] += piece.count
@@ -265,15 +310,19 @@ class _Filler:
             return []
         index = [slice(None)] * param.dim()
         shape = list(param.shape)
+        if param.dtype == torch.uint8:  # packed FP8 rows: the checkpoint's row is narrower
+            shape[-1] = unpacked_width(shape[-1])
         shard = self.shards.get(name)
         if shard is None:
             return [_Piece(name, param, tuple(shape), tuple(index), self.need[name])]
         shape[shard.dim] = shard.full
         end = min(shard.end, shard.full)
         index[shard.dim] = slice(shard.start, end)
-        dest = param.narrow(shard.dim, 0, end - shard.start)
-        with torch.no_grad():  # rows past the vocab (a padded split) stay zero
-            param.narrow(shard.dim, end - shard.start, shard.end - end).zero_()
+        dest = param
+        if end < shard.end:  # rows past the vocab (a padded split) stay zero
+            dest = param.narrow(shard.dim, 0, end - shard.start)
+            with torch.no_grad():
+                param.narrow(shard.dim, end - shard.start, shard.end - end).zero_()
         return [_Piece(name, dest, tuple(shape), tuple(index), self.need[name])]
 
     def _expert_pieces(self, name: str, prefix: str, e: int, part: str) -> list[_Piece]:
@@ -358,6 +407,19 @@ def _read_dequant(
     r1, c1 = r0 + weight.shape[0], c0 + weight.shape[1]
     scale = scale_inv[r0 // bm : -(-r1 // bm), c0 // bn : -(-c1 // bn)]
     return _dequant_fp8(weight, scale, config, r0 % bm, c0 % bn)
+
+
+def _read_packed(weight: torch.Tensor, scale_inv: Any, index: tuple[slice, ...]) -> torch.Tensor:
+    """`weight`, the slice `index` of a 2-D FP8 tensor (128 × 128 blocks, columns from a
+    block start: `_pack_fp8` sees to it), packed with each row's block scales."""
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise DsakvError(f"packed FP8 weights come from 2-D e4m3 tensors, got {weight.dtype}")
+    r0, c0 = (s.start or 0 for s in index)
+    n, k = weight.shape
+    first, last = r0 // WEIGHT_BLOCK, (r0 + n - 1) // WEIGHT_BLOCK
+    b0 = c0 // WEIGHT_BLOCK
+    blocks = scale_inv[first : last + 1, b0 : b0 + -(-k // WEIGHT_BLOCK)].float()
+    return pack_fp8(weight, blocks[torch.arange(r0, r0 + n) // WEIGHT_BLOCK - first])
 
 
 def _block_size(config: ModelConfig) -> tuple[int, int]:

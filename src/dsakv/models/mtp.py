@@ -21,6 +21,8 @@ from torch import nn
 
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.distributed.parallel import ParallelState
+from dsakv.kernels import cpu_native
+from dsakv.kernels.backend import Block
 
 from .decoder import LAYERS, DecoderLayer
 from .forward_batch import ForwardBatch
@@ -63,6 +65,7 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(config, parallel, own_head)
         if own_embed:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, parallel)
+        self._native_io: bool | None = None
 
     def draft(
         self,
@@ -73,12 +76,27 @@ class MTPLayer(DecoderLayer):
         batch: ForwardBatch,
         pool,
     ) -> torch.Tensor:
-        """`embeds[T, H]` of the next tokens and `hidden[T, H]` -> normed output `[T, H]`."""
-        x = torch.cat([self.enorm(embeds), self.hnorm(hidden.to(embeds.dtype))], dim=-1)
-        x = self.self_attn.ops.block(
-            LAYERS, batch, self, (self,), self.eh_proj(x), cos, sin, batch, pool
-        )
-        return self.shared_head.norm(x)
+        """`embeds[T, H]` of the next tokens and `hidden[T, H]` -> normed output `[T, H]`.
+        The NextN input and the output norm run through the backend's blocks like the
+        decoder layer's own (native for a step of a few tokens on the cpu backend, every
+        step under the deterministic mode)."""
+        ops = self.self_attn.ops
+        x = ops.block(NEXTN_INPUT, batch, self, embeds, hidden)
+        x = ops.block(LAYERS, batch, self, (self,), x, cos, sin, batch, pool)
+        return ops.block(DRAFT_NORM, batch, self, x)
+
+    def native_io(self) -> bool:
+        """Whether the NextN input and the output norm have native forms: their weights
+        readable in place (`cpu_native.fits`), whole on this rank; decided on first use
+        (after loading)."""
+        if self._native_io is None:
+            parts = (self.enorm, self.hnorm, self.eh_proj, self.shared_head.norm)
+            self._native_io = (
+                cpu_native.available()
+                and self.eh_proj.shard is None
+                and all(cpu_native.fits(m) for m in parts)
+            )
+        return self._native_io
 
     def drop_duplicate_vocab(self, target: nn.Module) -> list[str]:
         """Delete the vocab copies equal to `target`'s (this rank's shard), so the target's
@@ -95,3 +113,47 @@ class MTPLayer(DecoderLayer):
             else:
                 kept.append(path)
         return kept
+
+
+def nextn_input(layer: MTPLayer, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """`eh_proj(cat([enorm(embeds), hnorm(hidden)]))`."""
+    x = torch.cat([layer.enorm(embeds), layer.hnorm(hidden.to(embeds.dtype))], dim=-1)
+    return layer.eh_proj(x)
+
+
+def draft_norm(layer: MTPLayer, x: torch.Tensor) -> torch.Tensor:
+    return layer.shared_head.norm(x)
+
+
+def _native_nextn_input(layer: MTPLayer, embeds: torch.Tensor, hidden: torch.Tensor):
+    if not _native_rows(layer, embeds, hidden):
+        return NotImplemented
+    e, h = layer.enorm, layer.hnorm
+    x = torch.cat(
+        [
+            cpu_native.rms_norm(embeds, e.weight, e.eps),
+            cpu_native.rms_norm(hidden, h.weight, h.eps),
+        ],
+        dim=-1,
+    )
+    return cpu_native.linear(x, layer.eh_proj.weight)
+
+
+def _native_draft_norm(layer: MTPLayer, x: torch.Tensor):
+    if not _native_rows(layer, x):
+        return NotImplemented
+    norm = layer.shared_head.norm
+    return cpu_native.rms_norm(x, norm.weight, norm.eps)
+
+
+def _native_rows(layer: MTPLayer, *xs: torch.Tensor) -> bool:
+    return all(_fp32(x) for x in xs) and layer.native_io()
+
+
+def _fp32(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.is_cpu
+
+
+# The NextN input and the draft output's norm, each row on its own when native.
+NEXTN_INPUT = Block(nextn_input, _native_nextn_input)
+DRAFT_NORM = Block(draft_norm, _native_draft_norm)

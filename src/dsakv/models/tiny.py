@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -310,6 +311,22 @@ def write_tokenizer(path: str | Path, model_type: str = "glm_moe_dsa") -> None:
 
 
 MTP_MODES = ("fit", "random", "none")
+# How `write_tiny_model` stores the weights: fp32, bf16, or the layers' linear weights as
+# FP8 blocks (e4m3, one scale per 128 × 128 block, as DeepSeek-V3.x / GLM-5 FP8 releases
+# ship them) with everything else bf16.
+WEIGHT_FORMATS = ("fp32", "bf16", "fp8")
+FP8_QUANTIZATION = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+# The weights an FP8 release quantises: each layer's projections (attention, indexer, MLP,
+# shared and routed experts), not the router, weights_proj, eh_proj, embeddings or heads.
+_FP8_WEIGHT = re.compile(
+    r"^model\.layers\.\d+\.(?!.*(?:weights_proj|eh_proj|shared_head))"
+    r".*\.(?:\w+_proj|kv_a_proj_with_mqa|wq_b|wk)\.weight$"
+)
 
 
 def write_tiny_model(
@@ -318,6 +335,7 @@ def write_tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     mtp: str = "random",
+    weights: str | None = None,
 ) -> Path:
     """Write config.json, model.safetensors and the tokenizer for a tiny preset into `path`.
 
@@ -327,7 +345,16 @@ def write_tiny_model(
     one (the target's last layer, random eh_proj: it accepts almost nothing), `"none"`
     no MTP layer. DeepSeek-V3.2 presets also carry the MTP layer's own embedding and
     head copies, as its releases do.
+
+    `weights` (one of `WEIGHT_FORMATS`) overrides `dtype`; `"fp8"` writes bf16 weights, then
+    quantises the layers' projections to FP8 blocks (`quantize_fp8_blocks`).
     """
+    if weights is not None:
+        if weights not in WEIGHT_FORMATS:
+            from dsakv.errors import DsakvError
+
+            raise DsakvError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+        dtype = torch.float32 if weights == "fp32" else torch.bfloat16
     if mtp not in MTP_MODES:
         from dsakv.errors import DsakvError
 
@@ -341,7 +368,40 @@ def write_tiny_model(
     write_tokenizer(path, config.model_type)
     if mtp != "none":
         _write_mtp_layer(path, model, seed, dtype, fit=mtp == "fit")
+    if weights == "fp8":
+        quantize_fp8_blocks(path)
     return path
+
+
+def quantize_fp8_blocks(path: str | Path, block: int = 128) -> int:
+    """Rewrite `path`'s model.safetensors with the layers' projection weights as FP8 blocks
+    (`weight` e4m3 + `weight_scale_inv` fp32 per `block` × `block`: amax / 448, so each
+    block's largest value maps to e4m3's largest) and say so in config.json. Returns how
+    many tensors were quantised."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    names = [n for n in tensors if _FP8_WEIGHT.match(n) and tensors[n].dim() == 2]
+    for name in names:
+        w = tensors[name].float()
+        n, k = w.shape
+        nb, kb = -(-n // block), -(-k // block)
+        padded = torch.zeros(nb * block, kb * block)
+        padded[:n, :k] = w
+        blocks = padded.view(nb, block, kb, block)
+        amax = blocks.abs().amax(dim=(1, 3))
+        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        q = (blocks / scale[:, None, :, None]).view(nb * block, kb * block)[:n, :k]
+        tensors[name] = q.to(torch.float8_e4m3fn).contiguous()
+        tensors[name + "_scale_inv"] = scale.contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"] = {**FP8_QUANTIZATION, "weight_block_size": [block, block]}
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    return len(names)
 
 
 def _write_mtp_layer(path: Path, hf_model, seed: int, dtype: torch.dtype, fit: bool) -> None:
@@ -371,22 +431,29 @@ def _write_mtp_layer(path: Path, hf_model, seed: int, dtype: torch.dtype, fit: b
     save_file(saved, file, metadata={"format": "pt"})
 
 
-def default_model_dir(preset: str = "glm-bench", seed: int = 0) -> Path:
-    """A cached tiny model (`$DSAKV_CACHE` or `~/.cache/dsakv`), generated on first use."""
+def default_model_dir(preset: str = "glm-bench", seed: int = 0, weights: str | None = None) -> Path:
+    """A cached tiny model (`$DSAKV_CACHE` or `~/.cache/dsakv`), generated on first use.
+
+    `weights`: None, as the preset is released (16-bit for the bench presets, with a fitted
+    MTP layer), or one of `WEIGHT_FORMATS` (no MTP layer: written in seconds)."""
     if preset not in TINY_PRESETS:
         from dsakv.errors import DsakvError
 
         raise DsakvError(f"unknown tiny preset {preset!r} (choose from {', '.join(TINY_PRESETS)})")
     root = Path(os.environ.get("DSAKV_CACHE") or Path.home() / ".cache" / "dsakv")
-    name = f"{preset}-mtp-seed{seed}"  # "-mtp": caches from before the fitted MTP layer regenerate
+    # "-mtp": caches from before the fitted MTP layer regenerate
+    name = f"{preset}-mtp-seed{seed}" if weights is None else f"{preset}-{weights}-seed{seed}"
     path = root / name
     done = path / ".complete"
     if not done.is_file():
         tmp = root / f".{name}.tmp{os.getpid()}"
-        wide = preset.startswith(("glm-bench", "glm-hisparse"))  # 16-bit, as released
-        dtype = torch.bfloat16 if wide else torch.float32
-        write_tiny_model(tmp, preset, seed, dtype, mtp="fit")
-        (tmp / ".complete").write_text(json.dumps({"preset": preset, "seed": seed, "mtp": "fit"}))
+        mtp = "fit" if weights is None else "none"
+        if weights is None:
+            wide = preset.startswith(("glm-bench", "glm-hisparse"))  # 16-bit, as released
+            weights = "bf16" if wide else "fp32"
+        write_tiny_model(tmp, preset, seed, mtp=mtp, weights=weights)
+        done_note = {"preset": preset, "seed": seed, "mtp": mtp, "weights": weights}
+        (tmp / ".complete").write_text(json.dumps(done_note))
         if path.exists():  # a concurrent writer won; keep theirs
             import shutil
 

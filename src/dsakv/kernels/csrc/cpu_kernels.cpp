@@ -16,8 +16,9 @@
 
 namespace {
 
-// Latent row encodings, as `dsakv.memory` stores them (`kind` below).
-enum Kind : int { FP32 = 0, BF16 = 1, E4M3 = 2, DS_MLA = 3 };
+// Latent row encodings, as `dsakv.memory` stores them (`kind` below), and FP8_BLOCK, the
+// packed rows of a block-quantised weight matrix (`Mat`).
+enum Kind : int { FP32 = 0, BF16 = 1, E4M3 = 2, DS_MLA = 3, FP8_BLOCK = 4 };
 
 constexpr int64_t kRowsPerBlock = 64;   // rows widened at once (stay in L1/L2)
 constexpr int64_t kHeadsPerUnit = 16;   // most heads that share one widening of the rows
@@ -149,9 +150,10 @@ inline int64_t count_bad(const int64_t* slots, int64_t n, int64_t n_rows) {
 // A decode step of a few tokens is bound by reading each layer's weights once, not by
 // arithmetic: the blocks below stream every weight matrix once for all B tokens, each
 // phase of a block split over the threads by output rows, with no copy between phases.
-// A matrix is fp32 or bf16 as the checkpoint stores it (`Mat`): bf16 is read in place and
-// widened in registers (exact), every sum in fp32 in the same order, so a bf16 matrix gives
-// the bits its fp32 widening gives, for half the bytes read.
+// A matrix is fp32, bf16 or FP8 blocks as the checkpoint stores it (`Mat`): bf16 is read in
+// place and widened in registers (exact), FP8 blocks widened a few rows at a time into
+// cache; every sum in fp32 in the same order, so a matrix gives the bits its fp32 widening
+// at load gives, for half (a quarter) of the bytes read.
 
 typedef float v16 __attribute__((vector_size(64)));  // one AVX-512 register (two AVX2)
 typedef uint16_t bf16x16 __attribute__((vector_size(32)));
@@ -184,20 +186,47 @@ inline float madd(float a, float b, float s) {
 #endif
 }
 
-// A weight matrix (row-major), fp32 or bf16 bits (`kind` FP32 / BF16).
+// A weight matrix (row-major rows of K values): fp32 or bf16 (`kind` FP32 / BF16), or
+// FP8_BLOCK: each row its K e4m3 bytes, then the fp32 scales of its 128-value blocks
+// (`torch_ops.pack_fp8`), so a slice of rows carries its own scales.
 struct Mat {
   const void* p;
   int64_t kind;
 };
 
-// f(the matrix's elements from `off` on, typed): one switch, then a kernel templated on
-// the element type.
+inline int64_t fp8_row_bytes(int64_t K) { return K + 4 * ((K + kScaleBlock - 1) / kScaleBlock); }
+
+// The scale of value k of a packed FP8_BLOCK row of K values.
+inline float fp8_scale(const uint8_t* row, int64_t K, int64_t k) {
+  float s;
+  std::memcpy(&s, row + K + 4 * (k / kScaleBlock), sizeof s);
+  return s;
+}
+
+inline v16 load16_e4m3(const uint8_t* p, float scale);
+inline void store16(float* p, v16 v);
+
+// A packed FP8_BLOCK row -> its K fp32 values (each value × its block's scale).
+inline void widen_fp8_row(const uint8_t* row, int64_t K, float* out) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) store16(out + k, load16_e4m3(row + k, fp8_scale(row, K, k)));
+  for (; k < K; ++k) widen_e4m3(row + k, out + k, 1, fp8_scale(row, K, k));
+}
+
+// f(rows [r0, r0 + n) of m, typed as stored): one switch, then a kernel templated on the
+// element type. fp32 and bf16 rows are read in place; FP8_BLOCK rows are widened first into
+// this thread's buffer (a few rows at a time, so they stay in cache), each value times its
+// scale in fp32: the bits the loader's dequantisation gives, from a quarter of the bytes.
 template <class F>
-inline void visit(Mat m, int64_t off, F&& f) {
-  if (m.kind == BF16)
-    f(static_cast<const uint16_t*>(m.p) + off);
-  else
-    f(static_cast<const float*>(m.p) + off);
+inline void visit(Mat m, int64_t r0, int64_t n, int64_t K, F&& f) {
+  if (m.kind == BF16) return f(static_cast<const uint16_t*>(m.p) + r0 * K);
+  if (m.kind == FP32) return f(static_cast<const float*>(m.p) + r0 * K);
+  thread_local std::vector<float> rows;
+  if (rows.size() < size_t(n * K)) rows.resize(n * K);
+  const int64_t rb = fp8_row_bytes(K);
+  for (int64_t i = 0; i < n; ++i)
+    widen_fp8_row(static_cast<const uint8_t*>(m.p) + (r0 + i) * rb, K, rows.data() + i * K);
+  f(static_cast<const float*>(rows.data()));
 }
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
@@ -226,10 +255,48 @@ inline float dot(const T* a, const float* b, int64_t n) {
   return s;
 }
 
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// 16 e4m3 bytes times their block's scale, in registers: the values `widen_e4m3` writes.
+// The bytes placed as a tiny fp32 (value · 2^-120, sign included) times scale · 2^120:
+// both exact scalings of the one product, so it rounds once, as value × scale does (while
+// scale < 2^8 keeps scale · 2^120 finite; the loader's block scales are amax / 448).
+inline v16 load16_e4m3(const uint8_t* p, float scale) {
+  u8x16 b;
+  std::memcpy(&b, p, sizeof b);
+  const u32x16 u = __builtin_convertvector(b, u32x16);
+  const v16 v = reinterpret_cast<v16>(((u & 0x7f) << 20) | ((u & 0x80) << 24));
+  if (scale < 0x1p8f) {
+    const v16 nan = v16{} + std::numeric_limits<float>::quiet_NaN();
+    return reinterpret_cast<i32x16>((u & 0x7f) == 0x7f) ? nan : v * (scale * 0x1p120f);
+  }
+  float out[16];
+  widen_e4m3(p, out, 16, scale);
+  return load16(out);
+}
+
+// Packed FP8_BLOCK row `w` (K values) · b, widened in registers: exactly `dot` over the
+// row's `visit` widening, without writing it out (a row read once, as an expert's).
+inline float dot_e4m3(const uint8_t* w, int64_t K, const float* b) {
+  v16 acc = {};
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) acc += load16_e4m3(w + k, fp8_scale(w, K, k)) * load16(b + k);
+  float s = hsum(acc);
+  for (; k < K; ++k) {
+    float v;
+    widen_e4m3(w + k, &v, 1, fp8_scale(w, K, k));
+    s = madd(v, b[k], s);
+  }
+  return s;
+}
+
 // Row r of m[*, K] · x (the switch costs nothing beside a row of K weights).
 inline float dot_row(Mat m, int64_t r, int64_t K, const float* x) {
+  if (m.kind == FP8_BLOCK)
+    return dot_e4m3(static_cast<const uint8_t*>(m.p) + r * fp8_row_bytes(K), K, x);
   float s;
-  visit(m, r * K, [&](auto w) { s = dot(w, x, K); });
+  visit(m, r, 1, K, [&](auto w) { s = dot(w, x, K); });
   return s;
 }
 
@@ -355,11 +422,11 @@ inline void gemv(const T* W, int64_t K, const float* x, int64_t ldx, int64_t B, 
 inline void gemv_team(Mat W, int64_t K, const float* x, int64_t ldx, int64_t B, float* y,
                       int64_t ldy, int64_t N) {
   const int64_t blocks = (N + 15) / 16;
-  visit(W, 0, [&](auto w) {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < blocks; ++i)
-      gemv(w, K, x, ldx, B, y, ldy, i * 16, std::min(N, i * 16 + 16));
-  });
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int64_t r0 = i * 16, n = std::min<int64_t>(16, N - r0);
+    visit(W, r0, n, K, [&](auto w) { gemv(w, K, x, ldx, B, y + r0, ldy, 0, n); });
+  }
 }
 
 inline Mat fp32(const float* p) { return {p, FP32}; }
@@ -423,12 +490,12 @@ inline float* scratch(size_t n) {
 }
 
 // The weights of `MLAttention.project` (with the input norm before it), row-major as the
-// modules hold them (the norms fp32); `w_uk` is head h's [nope, kv_lora] block at
-// h · uk_head_stride.
+// modules hold them (the norms fp32); `w_uk`'s rows h · uk_head_rows on are head h's
+// [nope, kv_lora] block.
 struct MlaInputsWeights {
   const float *in_norm, *q_a_norm, *kv_norm;
   Mat q_a, q_b, kv_a, w_uk;
-  int64_t hidden, q_lora, heads, nope, rope, kv_lora, uk_head_stride;
+  int64_t hidden, q_lora, heads, nope, rope, kv_lora, uk_head_rows;
   float eps_in, eps_q, eps_kv;
 };
 
@@ -540,7 +607,7 @@ extern "C" {
 //   rope_sh), rows `data + slots[b · lds + j] * row_bytes` of encoding `kind` (lds 0: every
 //   query reads one slot list, a prefill chunk's context), valid[B, K] ->
 //   o[b, h] = softmax_j(scale · q_h · row_j) · row_j[:lora]; then, with w_uv (rows of
-//   `lora`, `v` of them per head, heads `w_sh` apart; fp32, or bf16 for `w_uv_kind` BF16),
+//   `lora` values, `v` of them per head, heads `w_sh` rows apart; `w_uv_kind` as `Mat`),
 //   out[B, H, v] = W_uv[h] · o[b, h], else out[B, H, lora] = o. (`w_uv_kind` last and
 //   defaulted: callers with an fp32 W_uv pass nothing.)
 // The K rows split into runs of 128 from the first (flash decoding): work units are
@@ -676,7 +743,7 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
 #pragma omp for schedule(static)
       for (int64_t u = 0; u < H * qt; ++u) {
         const int64_t h = u / qt, b0 = (u % qt) * 16, nb = std::min<int64_t>(16, B - b0);
-        visit({w_uv, w_uv_kind}, h * w_sh, [&](auto w) {
+        visit({w_uv, w_uv_kind}, h * w_sh, v, lora, [&](auto w) {
           gemv(w, lora, parts + (b0 * H + h) * runs * part, H * runs * part, nb,
                out + (b0 * H + h) * width, H * width, 0, v);
         });
@@ -766,7 +833,7 @@ void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, con
                          q_rope + (b * H + hd) * R);
       const float* qt = qb + (b0 * H + hd) * qk;
       float* ot = q_lat + (b0 * H + hd) * KL;
-      visit(w.w_uk, hd * w.uk_head_stride, [&](auto uk) {
+      visit(w.w_uk, hd * w.uk_head_rows, w.nope, KL, [&](auto uk) {
         if (nb == kUkTokens) return absorb<kUkTokens>(uk, w.nope, KL, qt, H * qk, ot, H * KL);
         for (int64_t t = 0; t < nb; ++t)
           absorb<1>(uk, w.nope, KL, qt + t * H * qk, H * qk, ot + t * H * KL, H * KL);
@@ -973,7 +1040,7 @@ void dsakv_rms_norm(const float* x, const float* w, int64_t B, int64_t n, float 
   for (int64_t b = 0; b < B; ++b) rms_norm(x + b * n, w, n, eps, y + b * n);
 }
 
-// y[B, N] = x[B, K] · W[N, K]ᵀ (the LM head; W fp32, or bf16 for `kind` BF16), each output
+// y[B, N] = x[B, K] · W[N, K]ᵀ (the LM head; W of `kind` as `Mat`), each output
 // reduced as `gemv` reduces it: a token's logits do not depend on the rows beside it or on
 // the thread count.
 void dsakv_linear(const void* W, int64_t N, int64_t K, const float* x, int64_t B, float* y,
@@ -1017,7 +1084,7 @@ struct LayerDesc {
   const FfnWeights* ffn;
   const IndexerWeights *key, *query;  // unrotated (the key), rotated as the stored keys
   const void* w_uv;
-  int64_t w_uv_sh, w_uv_kind;  // FP32 / BF16
+  int64_t w_uv_sh, w_uv_kind;  // rows between heads; as `Mat`
   uint8_t* latent;
   int64_t latent_rows, latent_row_bytes, latent_kind;
   uint8_t* index_k;
