@@ -12,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include <immintrin.h>
 #include <omp.h>
 
 namespace {
@@ -258,14 +259,32 @@ inline float dot(const T* a, const float* b, int64_t n) {
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
+// 16 bytes zero-extended to 32-bit lanes (GCC scalarises the generic vector conversion).
+inline u32x16 widen_bytes(const uint8_t* p) {
+  const __m128i* src = reinterpret_cast<const __m128i*>(p);
+  u32x16 r;
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(src));
+  std::memcpy(&r, &w, sizeof r);
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(src);
+  const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  std::memcpy(&r, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&r) + sizeof lo, &hi, sizeof hi);
+#else
+  u8x16 b;
+  std::memcpy(&b, p, sizeof b);
+  r = __builtin_convertvector(b, u32x16);
+#endif
+  return r;
+}
+
 // 16 e4m3 bytes times their block's scale, in registers: the values `widen_e4m3` writes.
 // The bytes placed as a tiny fp32 (value · 2^-120, sign included) times scale · 2^120:
 // both exact scalings of the one product, so it rounds once, as value × scale does (while
 // scale < 2^8 keeps scale · 2^120 finite; the loader's block scales are amax / 448).
 inline v16 load16_e4m3(const uint8_t* p, float scale) {
-  u8x16 b;
-  std::memcpy(&b, p, sizeof b);
-  const u32x16 u = __builtin_convertvector(b, u32x16);
+  const u32x16 u = widen_bytes(p);
   const v16 v = reinterpret_cast<v16>(((u & 0x7f) << 20) | ((u & 0x80) << 24));
   if (scale < 0x1p8f) {
     const v16 nan = v16{} + std::numeric_limits<float>::quiet_NaN();
