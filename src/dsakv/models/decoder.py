@@ -194,6 +194,19 @@ def _native_ffn(layer: DecoderLayer, x, out):
     return blocks[1](x, out.reshape(out.shape[0], -1))
 
 
+def norm_rows(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return norm(x)
+
+
+def _native_norm_rows(norm: RMSNorm, x: torch.Tensor):
+    if not cpu_native.fits(norm) or x.dtype != torch.float32 or not x.is_cpu:
+        return NotImplemented
+    return cpu_native.rms_norm(x, norm.weight, norm.eps)
+
+
+# An RMSNorm over a step's rows outside the layers (the final norm, the MTP layer's output
+# norm), each row on its own when native.
+NORM = Block(norm_rows, _native_norm_rows)
 # Steps whose requests extend by at most this many tokens (decode, MTP verify) run the
 # layer loop.
 LOOP_EXTEND = 16

@@ -19,7 +19,7 @@ from dsakv.errors import DsakvError
 from dsakv.kernels import TorchBackend, cpu_native
 from dsakv.kernels.backend import Block, check_mode
 
-from .decoder import LAYERS, DecoderLayer
+from .decoder import LAYERS, NORM, DecoderLayer
 from .forward_batch import ForwardBatch
 from .layers import RMSNorm
 from .moe import Experts
@@ -146,7 +146,7 @@ class DSAForCausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
         x = self.ops.block(LAYERS, batch, self, self.target_layers, x, cos, sin, batch, pool)
-        return self.ops.block(FINAL_NORM, batch, self.model.norm, x)
+        return self.ops.block(NORM, batch, self.model.norm, x)
 
     @torch.inference_mode()
     def forward_draft(self, batch: ForwardBatch, pool, hidden: torch.Tensor) -> torch.Tensor:
@@ -181,18 +181,8 @@ class DSAForCausalLM(nn.Module):
         return self.ops.block(LM_HEAD, hidden.shape[0], head, hidden)
 
 
-def final_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return norm(x)
-
-
 def lm_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return head(hidden)
-
-
-def _native_norm(norm: RMSNorm, x: torch.Tensor):
-    if not cpu_native.fits(norm) or x.dtype != torch.float32 or not x.is_cpu:
-        return NotImplemented
-    return cpu_native.rms_norm(x, norm.weight, norm.eps)
 
 
 def _native_head(head: nn.Module, hidden: torch.Tensor):
@@ -203,9 +193,7 @@ def _native_head(head: nn.Module, hidden: torch.Tensor):
     return cpu_native.linear(hidden, head.weight)
 
 
-# The blocks around the layers: the final norm (of every row) and the LM head (of the rows
-# sampled from), each row on its own when native.
-FINAL_NORM = Block(final_norm, _native_norm)
+# The LM head (of the rows sampled from), each row on its own when native.
 LM_HEAD = Block(lm_head, _native_head)
 
 

@@ -24,7 +24,7 @@ from dsakv.distributed.parallel import ParallelState
 from dsakv.kernels import cpu_native
 from dsakv.kernels.backend import Block
 
-from .decoder import LAYERS, DecoderLayer
+from .decoder import LAYERS, NORM, DecoderLayer
 from .forward_batch import ForwardBatch
 from .layers import RMSNorm
 from .parallel_layers import ParallelLMHead, ShardedLinear, VocabParallelEmbedding
@@ -83,7 +83,7 @@ class MTPLayer(DecoderLayer):
         ops = self.self_attn.ops
         x = ops.block(NEXTN_INPUT, batch, self, embeds, hidden)
         x = ops.block(LAYERS, batch, self, (self,), x, cos, sin, batch, pool)
-        return ops.block(DRAFT_NORM, batch, self, x)
+        return ops.block(NORM, batch, self.shared_head.norm, x)
 
     def native_io(self) -> bool:
         """Whether the NextN input and the output norm have native forms: their weights
@@ -121,10 +121,6 @@ def nextn_input(layer: MTPLayer, embeds: torch.Tensor, hidden: torch.Tensor) -> 
     return layer.eh_proj(x)
 
 
-def draft_norm(layer: MTPLayer, x: torch.Tensor) -> torch.Tensor:
-    return layer.shared_head.norm(x)
-
-
 def _native_nextn_input(layer: MTPLayer, embeds: torch.Tensor, hidden: torch.Tensor):
     if not _native_rows(layer, embeds, hidden):
         return NotImplemented
@@ -139,13 +135,6 @@ def _native_nextn_input(layer: MTPLayer, embeds: torch.Tensor, hidden: torch.Ten
     return cpu_native.linear(x, layer.eh_proj.weight)
 
 
-def _native_draft_norm(layer: MTPLayer, x: torch.Tensor):
-    if not _native_rows(layer, x):
-        return NotImplemented
-    norm = layer.shared_head.norm
-    return cpu_native.rms_norm(x, norm.weight, norm.eps)
-
-
 def _native_rows(layer: MTPLayer, *xs: torch.Tensor) -> bool:
     return all(_fp32(x) for x in xs) and layer.native_io()
 
@@ -154,6 +143,5 @@ def _fp32(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.is_cpu
 
 
-# The NextN input and the draft output's norm, each row on its own when native.
+# The NextN input, each row on its own when native.
 NEXTN_INPUT = Block(nextn_input, _native_nextn_input)
-DRAFT_NORM = Block(draft_norm, _native_draft_norm)
