@@ -491,6 +491,43 @@ def test_native_rms_norm_is_torch_rms_norm_per_row():
 
 
 @native
+@pytest.mark.parametrize("kind", ["fp8_ds_mla", "bf16"])
+def test_native_decode_rows_sharing_a_context_equal_each_row_alone(tiny, kind):
+    """An MTP verification's rows of one request read one context, each a position longer
+    than the last: the kernel widens those rows once for all of them (a tile), and each
+    output is the one it gets alone. Another request's rows (other slots) and padding that
+    names real rows are mixed in, and ten rows of one request span two tiles."""
+    args, _ = _decode_case(tiny, kind, 1, width=150)
+    math, pool, layer, _, _, _, _, _, w_uv = args
+    data, scale = pool.latent_data(layer), math.scale
+    g = torch.Generator().manual_seed(7)
+    lora, rope = pool.layout.kv_lora_rank, pool.layout.qk_rope_head_dim
+    ctx = [torch.randperm(128, generator=g) for _ in range(2)]
+    rows, lens = [], []
+    shape = [(0, 120), (0, 121), (0, 122), (1, 90), (1, 91), *((0, 100 + i) for i in range(10))]
+    for r, n in shape:  # (request, context length): three verify rows, two, then ten
+        row = torch.full((150,), -1, dtype=torch.long)  # padding no pool row has
+        row[:n] = torch.cat([ctx[r], ctx[r]])[:n]
+        rows.append(row)
+        lens.append(n)
+    rows[2][122:] = 5  # padding naming a real row (invalid: never read)
+    slots = torch.stack(rows)
+    valid = torch.arange(150)[None, :] < torch.tensor(lens)[:, None]
+    b = slots.shape[0]
+    q_nope = torch.randn(b, 4, lora, generator=g)
+    q_rope = torch.randn(b, 4, rope, generator=g)
+    for w in (None, w_uv):
+        for _ in _one_and_two_threads():
+            whole = cpu_native.mla_decode(q_nope, q_rope, data, slots, valid, scale, kind, w)
+            for r in range(b):
+                one = cpu_native.mla_decode(
+                    q_nope[r : r + 1], q_rope[r : r + 1], data, slots[r : r + 1],
+                    valid[r : r + 1], scale, kind, w,
+                )  # fmt: skip
+                assert torch.equal(one[0], whole[r]), r
+
+
+@native
 def test_native_decode_ignores_padding_after_the_valid_rows(tiny):
     """Runs start every 128 rows from the first: a request whose valid rows come first gets
     the same output however far its batch pads the selection (a prefill token and the same

@@ -158,7 +158,7 @@ def test_own_mtp_head_is_used_when_it_differs(ckpts, tmp_path):
 def test_fitted_mtp_agrees_with_the_target(ckpts):
     """On held-out greedy continuations (prompts the fit never saw), the fitted draft's
     top-1 is the target's next-next token far more often than the unfitted one's
-    (measured: 0.67 vs 0.01 at step 1)."""
+    (measured: 0.65 vs 0.002 at step 1)."""
     rates = {}
     for name in ("glm-tiny", "glm-random"):
         model, _, _ = load_model(ckpts[name], draft_layers=1)

@@ -84,7 +84,7 @@ def test_deepseek_tiny_is_v32_with_yarn():
 def test_default_model_dir_generates_once(tmp_path, monkeypatch):
     monkeypatch.setenv("DSAKV_CACHE", str(tmp_path))
     path = default_model_dir("glm-tiny")
-    assert path == tmp_path / "glm-tiny-mtp-seed0" and (path / "model.safetensors").is_file()
+    assert path == tmp_path / "glm-tiny-mtp2-seed0" and (path / "model.safetensors").is_file()
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model_dir("glm-tiny") == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp

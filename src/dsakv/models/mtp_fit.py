@@ -287,7 +287,7 @@ def fit_draft(
     seed: int,
     *,
     prompts: int | None = None,
-    prompt_len: int = 16,
+    prompt_lens: tuple[int, ...] = (16, 32, 48, 64),
     new_tokens: int = 32,
     steps: int = 60,
     batch: int = 32,
@@ -295,28 +295,41 @@ def fit_draft(
 ) -> DraftBlock:
     """Distil the MTP layer from the target `model` (dsakv, fp32) on its own greedy
     continuations of seeded prompts: cross-entropy against the target's token i+2 at the
-    continuation pairs (token i+1, h_i), i >= prompt_len - 1 (the prompt pairs are context
-    only), the target's embedding and lm_head frozen; Adam with a one-cycle schedule over
-    random minibatches of sequences. Many short rollouts, few passes: a few epochs over
-    a few sequences overfit them. `prompts` defaults to fewer rollouts for deeper targets
-    (they cost target forwards), so every preset fits in well under a minute on CPU."""
+    continuation pairs (token i+1, h_i), i >= the prompt's last position (the prompt pairs
+    are context only), the target's embedding and lm_head frozen; Adam with a one-cycle
+    schedule over random minibatches of sequences. Many short rollouts, few passes: a few
+    epochs over a few sequences overfit them. The prompts come in each of `prompt_lens`
+    (equal shares): a tiny random target settles into a few dozen tokens, and which ones
+    depends on the prompt's length, so one length leaves the draft blind to tokens that
+    requests of another length produce all the time. `prompts` defaults to fewer rollouts
+    for deeper targets (they cost target forwards), so every preset fits in well under a
+    minute on CPU."""
     if prompts is None:
         prompts = min(256, max(batch, 2048 // model.config.num_hidden_layers))
     g = torch.Generator().manual_seed(seed)
     bos = hf_model.config.bos_token_id or 0
-    roll = target_rollouts(model, seeded_prompts(g, prompts, prompt_len, bos), new_tokens)
-    block = draft_block(hf_model, seed)
     embed = model.model.embed_tokens.weight.detach().float()
     head = model.lm_head.weight.detach().float()
-    x_tok = F.embedding(roll.tokens[:, 1:], embed)
-    x_h = roll.hidden[:, :-1].clone()  # out of inference mode: autograd may save it
-    first = prompt_len - 1
-    labels = roll.logits[:, 1 + first :].argmax(-1).clone()
+    groups = []  # per prompt length: (token inputs, hidden inputs, labels, first position)
+    for i, length in enumerate(prompt_lens):
+        n = prompts // len(prompt_lens) + (i < prompts % len(prompt_lens))
+        roll = target_rollouts(model, seeded_prompts(g, n, length, bos), new_tokens)
+        first = length - 1
+        groups.append(
+            (
+                F.embedding(roll.tokens[:, 1:], embed),
+                roll.hidden[:, :-1].clone(),  # out of inference mode: autograd may save it
+                roll.logits[:, 1 + first :].argmax(-1).clone(),
+                first,
+            )
+        )
+    block = draft_block(hf_model, seed)
     params = [p for name, p in block.named_parameters() if ".indexer." not in name]
     opt = torch.optim.Adam(params, lr=lr)
     schedule = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.1)
-    for _ in range(steps):
-        rows = torch.randperm(prompts, generator=g)[:batch]
+    for step in range(steps):
+        x_tok, x_h, labels, first = groups[step % len(groups)]
+        rows = torch.randperm(x_tok.shape[0], generator=g)[:batch]
         opt.zero_grad()
         logits = F.linear(block(x_tok[rows], x_h[rows])[:, first:], head)
         F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten()).backward()

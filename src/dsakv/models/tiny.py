@@ -441,8 +441,9 @@ def default_model_dir(preset: str = "glm-bench", seed: int = 0, weights: str | N
 
         raise DsakvError(f"unknown tiny preset {preset!r} (choose from {', '.join(TINY_PRESETS)})")
     root = Path(os.environ.get("DSAKV_CACHE") or Path.home() / ".cache" / "dsakv")
-    # "-mtp": caches from before the fitted MTP layer regenerate
-    name = f"{preset}-mtp-seed{seed}" if weights is None else f"{preset}-{weights}-seed{seed}"
+    # "-mtp2": caches from before the MTP layer was fitted on prompts of several lengths
+    # regenerate
+    name = f"{preset}-mtp2-seed{seed}" if weights is None else f"{preset}-{weights}-seed{seed}"
     path = root / name
     done = path / ".complete"
     if not done.is_file():

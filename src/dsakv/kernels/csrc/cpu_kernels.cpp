@@ -437,14 +437,18 @@ inline void gemv(const T* W, int64_t K, const float* x, int64_t ldx, int64_t B, 
 }
 
 // y = W x for every input, W[N, K], split over the team (inside a parallel region):
-// blocks of 16 rows, static schedule, a barrier at the end.
+// blocks of 16 rows, static schedule, then a barrier unless `wait` is false (the next
+// phase reads none of y: two independent GEMVs share one barrier).
 inline void gemv_team(Mat W, int64_t K, const float* x, int64_t ldx, int64_t B, float* y,
-                      int64_t ldy, int64_t N) {
+                      int64_t ldy, int64_t N, bool wait = true) {
   const int64_t blocks = (N + 15) / 16;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
   for (int64_t i = 0; i < blocks; ++i) {
     const int64_t r0 = i * 16, n = std::min<int64_t>(16, N - r0);
     visit(W, r0, n, K, [&](auto w) { gemv(w, K, x, ldx, B, y + r0, ldy, 0, n); });
+  }
+  if (wait) {
+#pragma omp barrier
   }
 }
 
@@ -616,6 +620,43 @@ inline void absorb(const T* uk, int64_t nope, int64_t KL, const float* q, int64_
     }
 }
 
+constexpr int64_t kQueriesPerTile = 8;  // most queries sharing one widening of the rows
+
+// `dsakv_mla_decode`'s tiles: runs of consecutive queries (at most kQueriesPerTile) that
+// read the same stored row wherever two of them read position j, so each block of rows
+// is widened once for all of them: a prefill chunk's queries (lds 0: one shared slot
+// list), an MTP verification's rows of one request over a dense selection. first[i] is
+// tile i's first query (then B); with per-query lists (lds > 0), merged[i · K + j] the
+// slot tile i reads at position j (-1 where none of its queries does). A query reads
+// exactly its own rows in its own order either way: the tiling changes no bits.
+inline int64_t query_tiles(const int64_t* slots, int64_t lds, const bool* valid, int64_t B,
+                           int64_t K, std::vector<int64_t>& first,
+                           std::vector<int64_t>& merged) {
+  first.clear();
+  if (!lds) {
+    for (int64_t b = 0; b < B; b += kQueriesPerTile) first.push_back(b);
+    first.push_back(B);
+    return int64_t(first.size()) - 1;
+  }
+  merged.assign(B * K, -1);
+  int64_t* m = merged.data();
+  for (int64_t b = 0, size = 0; b < B; ++b) {
+    const int64_t* sl = slots + b * lds;
+    const bool* ok = valid + b * K;
+    bool fits = size > 0 && size < kQueriesPerTile;
+    for (int64_t j = 0; fits && j < K; ++j) fits = !ok[j] || m[j] < 0 || m[j] == sl[j];
+    if (!fits) {  // a new tile from b
+      if (size) m += K;
+      first.push_back(b), size = 0;
+    }
+    for (int64_t j = 0; j < K; ++j)
+      if (ok[j]) m[j] = sl[j];
+    ++size;
+  }
+  first.push_back(B);
+  return int64_t(first.size()) - 1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -630,9 +671,9 @@ extern "C" {
 //   out[B, H, v] = W_uv[h] · o[b, h], else out[B, H, lora] = o. (`w_uv_kind` last and
 //   defaulted: callers with an fp32 W_uv pass nothing.)
 // The K rows split into runs of 128 from the first (flash decoding): work units are
-// (request, or 8 queries over one shared slot list, which widen each block of rows once;
-// run; group of <= 16 heads, fewer when there are fewer units than threads), each an
-// online softmax per query over its run in blocks of 64 rows; then each
+// (tile of queries; run; group of <= 16 heads, fewer when there are fewer units than
+// threads), each an online softmax per query over its run in blocks of 64 rows; a tile
+// (`query_tiles`) widens each block of rows once for up to 8 queries; then each
 // (request, head) merges its runs in order and applies W_uv. Runs and blocks start at
 // fixed offsets and invalid rows change no sum, so a request whose valid rows come first
 // gets the same output whatever K its batch was padded to, whatever the batch and
@@ -645,10 +686,12 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
                          int64_t rope, float scale, const void* w_uv, int64_t w_sh, int64_t v,
                          float* out, int w_uv_kind = FP32) {
   constexpr int64_t kRowsPerRun = 2 * kRowsPerBlock;
-  constexpr int64_t kQueriesPerTile = 8;  // queries sharing one widening (shared slots)
   const int64_t d = lora + rope;
   const int64_t runs = std::max<int64_t>(1, (K + kRowsPerRun - 1) / kRowsPerRun);
-  const int64_t per_tile = lds ? 1 : kQueriesPerTile, tiles = (B + per_tile - 1) / per_tile;
+  std::vector<int64_t> first, merged;
+  const int64_t tiles = query_tiles(slots, lds, valid, B, K, first, merged);
+  const int64_t* tile_slots = lds ? merged.data() : slots;
+  const int64_t tile_ld = lds ? K : 0;
   const int64_t threads = omp_get_max_threads();
   const int64_t want =
       std::min(H, std::max<int64_t>(1, (threads + tiles * runs - 1) / (tiles * runs)));
@@ -660,13 +703,15 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
   int64_t bad = 0;
 #pragma omp parallel reduction(+ : bad)
   {
-    std::vector<float> rows(kRowsPerBlock * d);
-    std::vector<uint8_t> oks(kQueriesPerTile * kRowsPerBlock);
+    thread_local std::vector<float> rows_buf;  // (not zeroed: only widened rows are read)
+    if (rows_buf.size() < size_t(kRowsPerBlock * d)) rows_buf.resize(kRowsPerBlock * d);
+    float* rows = rows_buf.data();
+    uint8_t oks[kQueriesPerTile * kRowsPerBlock];
     float sc[4][kRowsPerBlock];
 #pragma omp for schedule(static)
     for (int64_t unit = 0; unit < tiles * runs * groups; ++unit) {
       const int64_t tile = unit / (runs * groups), r = unit / groups % runs;
-      const int64_t b0 = tile * per_tile, nq = std::min(per_tile, B - b0);
+      const int64_t b0 = first[tile], nq = first[tile + 1] - b0;
       const int64_t h0 = (unit % groups) * per_unit, nh = std::min(per_unit, H - h0);
       for (int64_t t = 0; t < nq; ++t)
         for (int64_t h = 0; h < nh; ++h) {  // each head's state: acc[lora], then m, l
@@ -687,7 +732,7 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
             any[j] |= ok[j];
           }
         }
-        const int64_t* sl = slots + b0 * lds + j0;  // (the tile's one row when shared)
+        const int64_t* sl = tile_slots + tile * tile_ld + j0;
         for (int64_t j = 0; j < n; ++j)
           if (any[j]) widen_row(data + sl[j] * row_bytes, kind, lora, rope, &rows[j * d]);
         for (int64_t t = 0; t < nq; ++t) {  // each query exactly as if it were alone
@@ -834,13 +879,17 @@ void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, con
   {
 #pragma omp single
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * D, w.in_norm, D, w.eps_in, h + b * D);
-    gemv_team(w.q_a, D, h, D, B, q_lora, QL, QL);  // (the barriers order the phases)
+    gemv_team(w.q_a, D, h, D, B, q_lora, QL, QL, false);  // (the barriers order the phases)
     gemv_team(w.kv_a, D, h, D, B, kvb, kv, kv);
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-      rms_norm(q_lora + b * QL, w.q_a_norm, QL, w.eps_q, q_lora + b * QL);
-      rms_norm(kvb + b * kv, w.kv_norm, KL, w.eps_kv, row + b * kv);
-      rope_interleaved(kvb + b * kv + KL, cos + b * half, sin + b * half, R, row + b * kv + KL);
+    for (int64_t u = 0; u < 2 * B; ++u) {  // (token, query or latent side)
+      const int64_t b = u / 2;
+      if (u % 2 == 0) {
+        rms_norm(q_lora + b * QL, w.q_a_norm, QL, w.eps_q, q_lora + b * QL);
+      } else {
+        rms_norm(kvb + b * kv, w.kv_norm, KL, w.eps_kv, row + b * kv);
+        rope_interleaved(kvb + b * kv + KL, cos + b * half, sin + b * half, R, row + b * kv + KL);
+      }
     }
     gemv_team(w.q_b, QL, q_lora, QL, B, qb, H * qk, H * qk);
 #pragma omp for schedule(static)
@@ -879,14 +928,12 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
   {
     gemv_team(w.o_proj, w.attn_dim, attn, w.attn_dim, B, x1, D, D);
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = 0; b < B; ++b) {  // a token's residual, norm and routing on one thread
       for (int64_t n = 0; n < D; ++n) x1[b * D + n] += x[b * D + n];
       rms_norm(x1 + b * D, w.post_norm, D, w.eps, hn + b * D);
-    }
-    if (w.router) {
-      gemv_team(fp32(w.router), D, hn, D, B, logits, E, E);
-#pragma omp single
-      for (int64_t b = 0; b < B; ++b) route(w, logits + b * E, &ids[b * k], gates + b * k);
+      if (!w.router) continue;
+      gemv(w.router, D, hn + b * D, D, 1, logits + b * E, E, 0, E);
+      route(w, logits + b * E, &ids[b * k], gates + b * k);
     }
     // Gate and up rows: token b's chosen experts' (weighted by the router), then the MLP's.
 #pragma omp for schedule(static)
@@ -1037,7 +1084,7 @@ void dsakv_index_query(const IndexerWeights* wp, int64_t B, const float* h, cons
   float* roped = raw + B * H * D;
 #pragma omp parallel
   {
-    gemv_team(w.wq_b, w.q_lora, q_lora, w.q_lora, B, raw, H * D, H * D);
+    gemv_team(w.wq_b, w.q_lora, q_lora, w.q_lora, B, raw, H * D, H * D, false);
     gemv_team(fp32(w.weights_proj), w.hidden, h, w.hidden, B, wout, H, H);
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < B * H; ++u) {
