@@ -99,6 +99,7 @@ def test_json_has_every_required_figure(report):
         "mtp.target_passes_per_output_token.mtp",
         "mtp.output_tokens_per_s.base",
         "mtp.output_tokens_per_s_ratio",
+        "mtp.one_at_a_time.output_tokens_per_s_ratio",
         "throughput.elided.output_tokens_per_s",
         "throughput.dense.output_tokens_per_s",
         "throughput.elided.peak_running_requests",

@@ -8,7 +8,10 @@ request proposes up to `steps` drafts, fewer while its drafts are being rejected
 the share of a request's decode passes that verified drafts, and the drafts checked per
 output token (each one a verify row of the target's).
 On a CPU the verify forward's extra rows cost nearly their full compute (a GPU hides
-them in a memory-bound decode step), so fewer target passes buys less speed here.
+them in a memory-bound decode step), so fewer target passes buys less speed here: a step's
+fixed part (its weights' bytes, the per-layer overheads) is what verifying drafts shares,
+and it dominates a lone request's step. So the section also runs each request alone,
+both engines in turn, as latency-bound serving sees it (`one_at_a_time`).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def run_mtp_bench(
         return (work.num_requests + decode[name] - warm[name]) / run["output_tokens"]
 
     passes = decode["mtp"] - warm["mtp"]  # a request's decode passes, verifying or not
+    alone = _one_at_a_time(engines, work)
     return {
         "speculative_num_steps": steps,
         "requests": work.num_requests,
@@ -85,4 +89,21 @@ def run_mtp_bench(
         ),
         # bf16 weights: the verify extend and a decode step round differently.
         "greedy_token_agreement": tp.token_agreement(base["_outputs"], mtp["_outputs"]),
+        "one_at_a_time": {
+            "output_tokens_per_s": alone,
+            "output_tokens_per_s_ratio": tp.ratio(alone["mtp"], alone["base"]),
+        },
     }
+
+
+def _one_at_a_time(engines: dict[str, Any], work: tp.Workload) -> dict[str, float]:
+    """Output tokens/s of each engine serving the workload's requests one after another
+    (each request's steps alternate between the engines, as in `run_interleaved`)."""
+    tokens = dict.fromkeys(engines, 0)
+    busy = dict.fromkeys(engines, 0.0)
+    for i, prompt in enumerate(work.prompts):
+        one = tp.Workload([prompt], [work.max_tokens[i]])
+        for name, run in tp.run_interleaved(engines, one, desc="mtp, one at a time").items():
+            tokens[name] += run["output_tokens"]
+            busy[name] += run["busy_s"]
+    return {name: tokens[name] / busy[name] for name in engines}

@@ -219,7 +219,7 @@ def summary(r: dict[str, Any]) -> str:
     sp = r.get("mtp")
     if sp:
         passes = sp["target_passes_per_output_token"]
-        tps = sp["output_tokens_per_s"]
+        tps, alone = sp["output_tokens_per_s"], sp["one_at_a_time"]
         lines += [
             "",
             f"6. MTP speculative decoding ({sp['requests']} requests, "
@@ -227,6 +227,12 @@ def summary(r: dict[str, Any]) -> str:
             f"{_f(sp.get('drafts_per_verify'), '.2f')} per verification)",
             _row("", "no MTP", "MTP", "ratio"),
             _row("output tokens/s", tps["base"], tps["mtp"], sp["output_tokens_per_s_ratio"]),
+            _row(
+                "  one request at a time",
+                alone["output_tokens_per_s"]["base"],
+                alone["output_tokens_per_s"]["mtp"],
+                alone["output_tokens_per_s_ratio"],
+            ),
             _row("target passes per output token", passes["base"], passes["mtp"], None, fmt=".3f"),
             f"  mean acceptance length {_f(sp['mean_acceptance_length'], '.3f')}; draft "
             f"acceptance {_f(sp['draft_acceptance_rate'], '.3f')}; greedy token agreement "
