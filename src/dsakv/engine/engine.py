@@ -383,6 +383,7 @@ class Engine:
                 config.speculative_num_steps,
                 self.max_model_len,
                 lockstep=self.parallel.config.dp_attention,
+                grammars=lambda: self.grammars,
             )
         self.stats = EngineStats()
         self.requests: dict[int, Request] = {}

@@ -124,6 +124,8 @@ class GrammarCache:
             if matcher.is_terminated() or not matcher.accept_token(d):
                 break
             ok += 1
+            if matcher.is_terminated():  # d completes it: the request stops there
+                break
             matcher.fill_next_token_bitmask(mask, ok)
         if ok:
             matcher.rollback(ok)

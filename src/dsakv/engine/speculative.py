@@ -8,7 +8,9 @@ host tier, retraction and KV transfer carry it with no extra bookkeeping; each s
 draft layer catches up over the positions the target just computed and accepted, pairing
 token i+1 with the target's hidden state h_i.
 
-Drafts are the draft layer's argmax. Greedy requests keep the longest prefix the target
+Drafts are the draft layer's argmax; a structured-output request's over the tokens its
+grammar allows after the drafts before them (its matcher steps through the chain, then
+rolls back), so its drafts are never refused unchecked. Greedy requests keep the longest prefix the target
 agrees with, plus the target's own next token. Seeded sampled requests do the same against
 the target's own keyed samples (token i drawn from p by (seed, i), as without MTP): a draft
 is kept iff it equals that sample, which happens with probability p(d), and every emitted
@@ -25,8 +27,9 @@ makes K draft forwards a step (`lockstep`), empty ones where none of its request
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -88,8 +91,10 @@ class MTPDrafter:
         num_steps: int,
         max_model_len: int,
         lockstep: bool,
+        grammars: Callable[[], Any] = lambda: None,
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
+        self.grammars = grammars  # the engine's GrammarCache, built on first use
         self.num_steps, self.max_model_len = num_steps, max_model_len
         # Under DP attention every rank must make the same number of draft forwards.
         self.lockstep = lockstep
@@ -171,9 +176,18 @@ class MTPDrafter:
         }
         for j in range(self.num_steps):
             if live:
-                picked = self.runner.logits(prev, DRAFT).argmax(-1).tolist()
-                for i, d in zip(live, picked):
+                logits = self.runner.logits(prev, DRAFT)
+                matchers = [reqs[i].matcher for i in live]
+                if any(m is not None for m in matchers):
+                    self.grammars().apply(logits, matchers)
+                for i, d in zip(live, logits.argmax(-1).tolist()):
+                    m = reqs[i].matcher
+                    if m is not None and not m.accept_token(d):
+                        want[i] = j  # nothing the grammar allows: the chain ends
+                        continue
                     reqs[i].draft_ids.append(d)
+                    if m is not None and m.is_terminated():
+                        want[i] = j + 1  # the draft completes the grammar
             if j + 1 == self.num_steps:
                 break
             more = [n for n, i in enumerate(live) if want[i] > j + 1]
@@ -187,6 +201,8 @@ class MTPDrafter:
             self.runner.forward_draft(toks, slots, DRAFT, prev[more])
             prev = torch.arange(len(live))
         for r in reqs:
+            if r.matcher is not None and r.draft_ids:
+                r.matcher.rollback(len(r.draft_ids))
             if r.draft_len is not None:
                 r.draft_len.proposed = len(r.draft_ids)
 
