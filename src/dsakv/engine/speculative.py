@@ -10,11 +10,11 @@ token i+1 with the target's hidden state h_i.
 
 Drafts are the draft layer's argmax; a structured-output request's over the tokens its
 grammar allows after the drafts before them (its matcher steps through the chain, then
-rolls back), so its drafts are never refused unchecked. Greedy requests keep the longest prefix the target
-agrees with, plus the target's own next token. Seeded sampled requests do the same against
-the target's own keyed samples (token i drawn from p by (seed, i), as without MTP): a draft
-is kept iff it equals that sample, which happens with probability p(d), and every emitted
-token is the one the request would get without MTP. Unseeded sampled requests use
+rolls back), so its drafts are never refused unchecked. Greedy requests keep the longest
+prefix the target agrees with, plus the target's own next token. Seeded sampled requests
+do the same against the target's own keyed samples (token i drawn from p by (seed, i), as
+without MTP): a draft is kept iff it equals that sample, which happens with probability
+p(d), and every emitted token is the one the request would get without MTP. Unseeded sampled requests use
 rejection sampling against the deterministic draft: d is kept with probability p(d),
 otherwise the token comes from p with d removed; either way the output distribution is
 exactly the target's p.
@@ -91,10 +91,11 @@ class MTPDrafter:
         num_steps: int,
         max_model_len: int,
         lockstep: bool,
-        grammars: Callable[[], Any] = lambda: None,
+        grammars: Callable[[], Any] | None = None,
     ) -> None:
         self.runner, self.scheduler = runner, scheduler
-        self.grammars = grammars  # the engine's GrammarCache, built on first use
+        # The engine's GrammarCache (built on first use), for requests with a matcher.
+        self.grammars = grammars
         self.num_steps, self.max_model_len = num_steps, max_model_len
         # Under DP attention every rank must make the same number of draft forwards.
         self.lockstep = lockstep
