@@ -83,6 +83,8 @@ class VocabParallelEmbedding(nn.Module):
         self.compute_dtype: torch.dtype | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.attn_size == 1:  # every row is here (a decode step's ~0.1 ms less)
+            return F.embedding(ids, self.weight).to(self.compute_dtype)
         local = ids - self.shard.start
         outside = (local < 0) | (local >= self.shard.size)
         out = F.embedding(local.masked_fill(outside, 0), self.weight).to(self.compute_dtype)
