@@ -382,58 +382,47 @@ inline void axpy_rows(const float* const* rows, const float* const* p, int64_t n
     }
 }
 
-// Four rows w, w + K, w + 2K, w + 3K times TB inputs x + t · ldx: y[t · ldy + r]. Every
-// output is reduced exactly as `dot4` reduces it (16-lane FMA chains over k, the lanes
-// summed in order, then the tail), so a token's outputs do not depend on how many tokens
-// share the tile: the tile only reuses each loaded weight vector for TB tokens.
+// One row w times TB inputs x + t · ldx: y[t · ldy]. Every output is reduced as `dot`
+// reduces it (a 16-lane FMA chain over k, the lanes summed in order, then the tail), so a
+// token's output does not depend on how many tokens share the tile: the tile only reuses
+// each loaded weight vector for TB tokens. One row at a time, front to back: with four
+// rows read side by side (the weights reused for four outputs as well) the hardware
+// prefetchers lose the stream, and an fp32 GEMV from memory ran at half the bandwidth.
 template <int TB, class T>
-inline void tile4(const T* w, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy) {
-  v16 acc[TB][4] = {};
+inline void tile1(const T* w, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy) {
+  v16 acc[TB] = {};
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    const v16 w0 = load16(w + k), w1 = load16(w + K + k);
-    const v16 w2 = load16(w + 2 * K + k), w3 = load16(w + 3 * K + k);
-    for (int t = 0; t < TB; ++t) {
-      const v16 xv = load16(x + t * ldx + k);
-      acc[t][0] += w0 * xv;
-      acc[t][1] += w1 * xv;
-      acc[t][2] += w2 * xv;
-      acc[t][3] += w3 * xv;
-    }
+    const v16 wv = load16(w + k);
+    for (int t = 0; t < TB; ++t) acc[t] += wv * load16(x + t * ldx + k);
   }
   for (int t = 0; t < TB; ++t) {
     const float* xt = x + t * ldx;
-    for (int r = 0; r < 4; ++r) {
-      float s = hsum(acc[t][r]);
-      for (int64_t j = k; j < K; ++j) s = madd(widen(w[r * K + j]), xt[j], s);
-      y[t * ldy + r] = s;
-    }
+    float s = hsum(acc[t]);
+    for (int64_t j = k; j < K; ++j) s = madd(widen(w[j]), xt[j], s);
+    y[t * ldy] = s;
   }
 }
 
 #ifdef __AVX512F__
-constexpr int kTileTokens = 4;  // 16 accumulators + 5 operands of the 32 zmm registers
+constexpr int kTileTokens = 4;
 #else
 constexpr int kTileTokens = 2;
 #endif
 
 // y[b · ldy + n] = W[n] · x[b] for rows n in [n0, n1) of W[N, K] (row-major) and B
-// inputs x[b] = x + b · ldx: tiles of four rows by `kTileTokens` tokens (the rows stay in
-// cache while the tokens pass), the last tokens one at a time, the last rows by `dot`.
-// An output's value depends on its row and its token alone (batch-invariant).
+// inputs x[b] = x + b · ldx: `kTileTokens` tokens at a time over the rows (the rows stay
+// in cache while the next tokens pass), the last tokens one at a time. An output's value
+// depends on its row and its token alone (batch-invariant).
 template <class T>
 inline void gemv(const T* W, int64_t K, const float* x, int64_t ldx, int64_t B, float* y,
                  int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t full = n0 + (n1 - n0) / 4 * 4;
   int64_t b = 0;
   for (; b + kTileTokens <= B; b += kTileTokens)
-    for (int64_t n = n0; n < full; n += 4)
-      tile4<kTileTokens>(W + n * K, K, x + b * ldx, ldx, y + b * ldy + n, ldy);
+    for (int64_t n = n0; n < n1; ++n)
+      tile1<kTileTokens>(W + n * K, K, x + b * ldx, ldx, y + b * ldy + n, ldy);
   for (; b < B; ++b)
-    for (int64_t n = n0; n < full; n += 4)
-      tile4<1>(W + n * K, K, x + b * ldx, ldx, y + b * ldy + n, ldy);
-  for (int64_t n = full; n < n1; ++n)
-    for (b = 0; b < B; ++b) y[b * ldy + n] = dot(W + n * K, x + b * ldx, K);
+    for (int64_t n = n0; n < n1; ++n) tile1<1>(W + n * K, K, x + b * ldx, ldx, y + b * ldy + n, ldy);
 }
 
 // y = W x for every input, W[N, K], split over the team (inside a parallel region):
@@ -586,38 +575,32 @@ inline void route(const FfnWeights& w, const float* logits, int64_t* ids, float*
 }
 
 // The absorbed query of one head for nb tokens: o[t · ldo + c] = Σ_d q[t · ldq + d] ·
-// uk[d · KL + c], d = 0 .. nope-1 in order (one FMA chain per output from 0), four tokens
-// × 64 columns of accumulators held in registers while the head's W_uk rows stream past.
+// uk[d · KL + c], d = 0 .. nope-1 in order (one FMA chain per output from 0). The head's
+// W_uk rows are read once, each front to back, the sums held in o (in cache): reading
+// 64-column strips of every row instead (sums in registers) left the prefetchers behind.
 // An output's chain is the same whatever nb is: batch-invariant.
 constexpr int64_t kUkTokens = 4;
 
 template <int NB, class T>
 inline void absorb(const T* uk, int64_t nope, int64_t KL, const float* q, int64_t ldq, float* o,
                    int64_t ldo) {
-  constexpr int64_t nb = NB;
-  int64_t c = 0;
-  for (; c + 64 <= KL; c += 64) {
-    v16 acc[NB][4] = {};
-    for (int64_t d = 0; d < nope; ++d) {
-      const T* wr = uk + d * KL + c;
-      const v16 w0 = load16(wr), w1 = load16(wr + 16), w2 = load16(wr + 32), w3 = load16(wr + 48);
-      for (int64_t t = 0; t < nb; ++t) {
-        const float qd = q[t * ldq + d];
-        acc[t][0] += qd * w0;
-        acc[t][1] += qd * w1;
-        acc[t][2] += qd * w2;
-        acc[t][3] += qd * w3;
+  for (int t = 0; t < NB; ++t) std::fill(o + t * ldo, o + t * ldo + KL, 0.0f);
+  for (int64_t d = 0; d < nope; ++d) {
+    const T* wr = uk + d * KL;
+    float qd[NB];
+    for (int t = 0; t < NB; ++t) qd[t] = q[t * ldq + d];
+    int64_t c = 0;
+    for (; c + 16 <= KL; c += 16) {
+      const v16 w = load16(wr + c);
+      for (int t = 0; t < NB; ++t) {
+        v16 a = load16(o + t * ldo + c);
+        a += qd[t] * w;
+        store16(o + t * ldo + c, a);
       }
     }
-    for (int64_t t = 0; t < nb; ++t)
-      for (int i = 0; i < 4; ++i) store16(o + t * ldo + c + 16 * i, acc[t][i]);
+    for (; c < KL; ++c)
+      for (int t = 0; t < NB; ++t) o[t * ldo + c] = madd(qd[t], widen(wr[c]), o[t * ldo + c]);
   }
-  for (; c < KL; ++c)
-    for (int64_t t = 0; t < nb; ++t) {
-      float a = 0.0f;
-      for (int64_t d = 0; d < nope; ++d) a = madd(q[t * ldq + d], widen(uk[d * KL + c]), a);
-      o[t * ldo + c] = a;
-    }
 }
 
 constexpr int64_t kQueriesPerTile = 8;  // most queries sharing one widening of the rows
