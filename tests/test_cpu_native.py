@@ -583,7 +583,9 @@ def test_native_index_decode_one_shared_table_and_row_keys(tiny, low):
 def test_native_blocks_read_bf16_matrices_as_their_fp32_widening_at_ragged_sizes():
     """Sizes off every vector width (the scalar tails of the dots, the token tiles and the
     absorbed query's 64-column blocks): each block with its matrices bf16 gives the bits it
-    gives with the same matrices widened to fp32, alone and in a batch."""
+    gives with the same matrices widened to fp32, alone and in a batch of 13 (past the 8
+    from which bf16 rows are read four side by side, fp32 ones one at a time), and a
+    token's outputs are the same alone as in that batch."""
     g = torch.Generator().manual_seed(7)
 
     def mats(*shapes):  # bf16 matrices, and the same values in fp32
@@ -595,10 +597,10 @@ def test_native_blocks_read_bf16_matrices_as_their_fp32_widening_at_ragged_sizes
 
     hidden, q_lora, heads, nope, rope, v, kv_lora, inter, e, i = 37, 23, 3, 19, 8, 11, 70, 21, 5, 13
     norms = (vec(hidden), vec(q_lora), vec(kv_lora))
-    x = torch.randn(6, hidden, generator=g)
-    cos, sin = torch.randn(6, rope // 2, generator=g), torch.randn(6, rope // 2, generator=g)
-    attn = torch.randn(6, heads * v, generator=g)
-    q = torch.randn(6, q_lora, generator=g)
+    x = torch.randn(13, hidden, generator=g)
+    cos, sin = torch.randn(13, rope // 2, generator=g), torch.randn(13, rope // 2, generator=g)
+    attn = torch.randn(13, heads * v, generator=g)
+    q = torch.randn(13, q_lora, generator=g)
     router, bias = torch.randn(e, hidden, generator=g), torch.randn(e, generator=g)
     post = vec(hidden)
     k_norm, weights_proj = (vec(64), vec(64) - 1), torch.randn(4, hidden, generator=g)
@@ -628,9 +630,14 @@ def test_native_blocks_read_bf16_matrices_as_their_fp32_widening_at_ragged_sizes
         index = cpu_native.IndexerInputs(
             wq_b, wk, *k_norm, weights_proj, heads=4, rope=rope, interleave=True, eps=1e-6,
         )  # fmt: skip
-        out = [*inputs(x, cos, sin), ffn(x, attn), index.key(x, cos, sin)]
-        out += [*index.query(x, q, cos, sin, True), cpu_native.linear(x, kv_a)]
-        out += [*inputs(x[:1], cos[:1], sin[:1]), ffn(x[:1], attn[:1])]
+        out = [*inputs(x, cos, sin), ffn(x, attn), cpu_native.linear(x, kv_a)]
+        out += [index.key(x, cos, sin)]
+        out += [*index.query(x, q, cos, sin, True)]
+        for r in (0, 8, 12):
+            one = [*inputs(x[r : r + 1], cos[r : r + 1], sin[r : r + 1])]
+            one += [ffn(x[r : r + 1], attn[r : r + 1]), cpu_native.linear(x[r : r + 1], kv_a)]
+            assert all(torch.equal(a[0], b[r]) for a, b in zip(one, out))
+            out += one
         outs.append(out)
     for n, (a, b) in enumerate(zip(*outs, strict=True)):
         assert torch.equal(a, b), n
