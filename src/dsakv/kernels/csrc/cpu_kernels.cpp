@@ -390,18 +390,22 @@ inline void row_dots(Load load, At at, int64_t K, const float* x, int64_t ldx, f
     }
 }
 
-// Rows w, w + K, ... (R of them, fp32 or bf16 read in place) times TB inputs, C =
-// chains(K); R · C <= 4 (16 accumulators at TB = 4).
-template <int TB, int R, class T>
-inline void tile(const T* w, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy) {
-  auto load = [w, K](int i, int64_t k) { return load16(w + i * K + k); };
-  auto at = [w, K](int i, int64_t k) { return widen(w[i * K + k]); };
+// `row_dots` with C = chains(K); R · C <= 4 (16 accumulators at TB = 4).
+template <int TB, int R, class Load, class At>
+inline void dots(Load load, At at, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy) {
   const int c = chains(K);
   if constexpr (R == 1)
     if (c == 4) return row_dots<TB, 1, 4>(load, at, K, x, ldx, y, ldy);
   if constexpr (R <= 2)
     if (c == 2) return row_dots<TB, R, 2>(load, at, K, x, ldx, y, ldy);
   row_dots<TB, R, 1>(load, at, K, x, ldx, y, ldy);
+}
+
+// Rows w, w + K, ... (R of them, fp32 or bf16 read in place) times TB inputs.
+template <int TB, int R, class T>
+inline void tile(const T* w, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy) {
+  dots<TB, R>([w, K](int i, int64_t k) { return load16(w + i * K + k); },
+              [w, K](int i, int64_t k) { return widen(w[i * K + k]); }, K, x, ldx, y, ldy);
 }
 
 // Packed FP8_BLOCK row `w` (K values) · x, widened in registers: exactly `tile` over the
@@ -414,11 +418,7 @@ inline float dot_e4m3(const uint8_t* w, int64_t K, const float* x) {
     return v;
   };
   float s;
-  switch (chains(K)) {
-    case 4: row_dots<1, 1, 4>(load, at, K, x, 0, &s, 0); break;
-    case 2: row_dots<1, 1, 2>(load, at, K, x, 0, &s, 0); break;
-    default: row_dots<1, 1, 1>(load, at, K, x, 0, &s, 0);
-  }
+  dots<1, 1>(load, at, K, x, 0, &s, 0);
   return s;
 }
 
