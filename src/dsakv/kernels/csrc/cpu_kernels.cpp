@@ -453,45 +453,52 @@ inline void dot4(const float* a, int64_t lda, const float* b, int64_t n, float* 
 
 
 // For each of `nh` (<= 4) heads: acc[h][c] += Σ_i p[h][i] · rows[i][c] over c < n, the rows
-// added one after another in order (each one rounding), four rows a pass: every row
-// block is loaded once for all the heads. A head's sums do not depend on nh or on m.
+// added one after another in order (one FMA each). 32 columns of every head at a time stay
+// in registers over all m rows (eight independent chains), so a row's values are loaded
+// once for all the heads and the sums are stored once. A head's sums depend neither on nh
+// nor on m.
+template <int NH>
+inline void axpy_rows_of(const float* const* rows, const float* const* p, int64_t m, int64_t n,
+                         float* const* acc) {
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    v16 a[NH][2];
+    for (int h = 0; h < NH; ++h) a[h][0] = load16(acc[h] + c), a[h][1] = load16(acc[h] + c + 16);
+    for (int64_t i = 0; i < m; ++i) {
+      const v16 x0 = load16(rows[i] + c), x1 = load16(rows[i] + c + 16);
+      for (int h = 0; h < NH; ++h) {
+        const float pi = p[h][i];
+        a[h][0] += pi * x0;
+        a[h][1] += pi * x1;
+      }
+    }
+    for (int h = 0; h < NH; ++h) store16(acc[h] + c, a[h][0]), store16(acc[h] + c + 16, a[h][1]);
+  }
+  for (; c + 16 <= n; c += 16) {
+    v16 a[NH];
+    for (int h = 0; h < NH; ++h) a[h] = load16(acc[h] + c);
+    for (int64_t i = 0; i < m; ++i) {
+      const v16 x = load16(rows[i] + c);
+      for (int h = 0; h < NH; ++h) a[h] += p[h][i] * x;
+    }
+    for (int h = 0; h < NH; ++h) store16(acc[h] + c, a[h]);
+  }
+  for (; c < n; ++c)
+    for (int h = 0; h < NH; ++h) {
+      float a = acc[h][c];
+      for (int64_t i = 0; i < m; ++i) a = madd(p[h][i], rows[i][c], a);
+      acc[h][c] = a;
+    }
+}
+
 inline void axpy_rows(const float* const* rows, const float* const* p, int64_t nh, int64_t m,
                       int64_t n, float* const* acc) {
-  int64_t i = 0;
-  for (; i + 4 <= m; i += 4) {
-    const float *r0 = rows[i], *r1 = rows[i + 1], *r2 = rows[i + 2], *r3 = rows[i + 3];
-    int64_t c = 0;
-    for (; c + 16 <= n; c += 16) {
-      const v16 x0 = load16(r0 + c), x1 = load16(r1 + c), x2 = load16(r2 + c),
-                x3 = load16(r3 + c);
-      for (int64_t h = 0; h < nh; ++h) {
-        const float* ph = p[h] + i;
-        v16 a = load16(acc[h] + c);
-        a += ph[0] * x0;
-        a += ph[1] * x1;
-        a += ph[2] * x2;
-        a += ph[3] * x3;
-        store16(acc[h] + c, a);
-      }
-    }
-    for (; c < n; ++c)
-      for (int64_t h = 0; h < nh; ++h) {
-        const float* ph = p[h] + i;
-        float a = acc[h][c];
-        a += ph[0] * r0[c];
-        a += ph[1] * r1[c];
-        a += ph[2] * r2[c];
-        a += ph[3] * r3[c];
-        acc[h][c] = a;
-      }
+  switch (nh) {
+    case 4: return axpy_rows_of<4>(rows, p, m, n, acc);
+    case 3: return axpy_rows_of<3>(rows, p, m, n, acc);
+    case 2: return axpy_rows_of<2>(rows, p, m, n, acc);
+    default: return axpy_rows_of<1>(rows, p, m, n, acc);
   }
-  for (; i < m; ++i)
-    for (int64_t h = 0; h < nh; ++h) {
-      const float pi = p[h][i];
-      int64_t c = 0;
-      for (; c + 16 <= n; c += 16) store16(acc[h] + c, load16(acc[h] + c) + pi * load16(rows[i] + c));
-      for (; c < n; ++c) acc[h][c] += pi * rows[i][c];
-    }
 }
 
 #ifdef __AVX512F__
