@@ -61,7 +61,11 @@ class Router:
         if self._client is None:  # created on the serving loop
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(None, connect=10.0),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                # Idle connections are dropped before the servers drop them (uvicorn: after
+                # 5 s): a request sent on one the server is closing fails with no answer.
+                limits=httpx.Limits(
+                    max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
+                ),
             )
         return self._client
 
@@ -92,7 +96,7 @@ class Router:
             host, port = await self.bootstrap_of(p_url)
         except (httpx.HTTPError, ValueError, KeyError) as e:
             self.failures += 1
-            return _error(502, f"prefill server {p_url} is not usable: {e}")
+            return _error(502, f"prefill server {p_url} is not usable: {e!r}")
         room = secrets.randbits(62)
         headers = {ROOM_HEADER: str(room), HOST_HEADER: host, PORT_HEADER: str(port)}
         if "authorization" in request.headers:
@@ -111,14 +115,14 @@ class Router:
             resp = await self.client.send(send, stream=True)
         except httpx.HTTPError as e:
             self.failures += 1
-            return _error(502, f"decode server {d_url} is unreachable: {e}")
+            return _error(502, f"decode server {d_url} is unreachable: {e!r}")
         kind = resp.headers.get("content-type", "")
         if resp.status_code != 200 or "text/event-stream" not in kind:
             try:
                 content = await resp.aread()
             except httpx.HTTPError as e:
                 self.failures += 1
-                return _error(502, f"lost the decode server {d_url}: {e}")
+                return _error(502, f"lost the decode server {d_url}: {e!r}")
             finally:
                 await resp.aclose()
             if resp.status_code != 200:
