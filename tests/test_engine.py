@@ -56,6 +56,28 @@ def test_generate_returns_text_ids_reason_metrics(tiny):
     llm.engine.check_integrity()
 
 
+def test_output_text_grows_by_each_tokens_text(tiny):
+    """Sampled bytes split UTF-8 characters across tokens and hit special ids: the text,
+    decoded as the tokens come, only ever grows and is the whole output decoded (less a
+    character still incomplete at the end)."""
+    llm = LLM(tiny, **EXACT, num_pages=64)
+    e, tok = llm.engine, llm.tokenizer
+    reqs = [
+        e.add_request(p, SamplingParams(max_tokens=48, temperature=2.0, seed=i, ignore_eos=True))
+        for i, p in enumerate(_prompts(6, seed=3))
+    ]
+    seen = {r.rid: "" for r in reqs}
+    while e.has_unfinished():
+        e.step()
+        for r in reqs:
+            assert r.output_text.startswith(seen[r.rid])
+            seen[r.rid] = r.output_text
+    wholes = [tok.decode(r.output_ids, skip_special_tokens=True) for r in reqs]
+    assert any(not w.isascii() for w in wholes)  # multi-byte and broken characters met
+    for r, whole in zip(reqs, wholes):
+        assert r.output_text in (whole, whole.rstrip("\ufffd")), (r.output_ids, whole)
+
+
 @pytest.mark.parametrize(
     "variant",
     [

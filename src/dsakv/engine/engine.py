@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 from dsakv.config import HiSparseConfig, plan_overrides
 from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
@@ -763,8 +764,9 @@ class Engine:
         reason = None
         if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
             reason = "stop"
+        cut_text = False
         if self.tokenizer is not None:
-            req.output_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            self._decode_output(req, token)
             if p.stop and reason is None:
                 hit = _find_stop(req.output_text, p.stop)
                 if hit is not None:
@@ -772,13 +774,31 @@ class Engine:
                     req.output_text = req.output_text[
                         : cut + (len(stop) if p.include_stop_str_in_output else 0)
                     ]
-                    reason = "stop"
+                    reason, cut_text = "stop", True
         if reason is None and (
             len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_model_len
         ):
             reason = "length"
         if reason is not None:
+            if self.tokenizer is not None and not cut_text:  # with what is still held back
+                req.output_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
             self._finish(req, reason, now)
+
+    def _decode_output(self, req: Request, token: int) -> None:
+        """Extends `req.output_text` by `token`'s text: decoded incrementally (tokenizers'
+        `DecodeStream` holds bytes back while they decode to U+FFFD: a character not yet
+        complete), not the whole output again per token (0.2 ms a token at 1,000 tokens,
+        quadratic in a request's length); a finished request's text is the whole output
+        decoded. Without a fast tokenizer, or where decoding cleans up spaces over the
+        whole text, every token decodes the whole output."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is None or getattr(tok, "clean_up_tokenization_spaces", False):
+            req.output_text = tok.decode(req.output_ids, skip_special_tokens=True)
+            return
+        if req.detokenizer is None:
+            req.detokenizer = DecodeStream(skip_special_tokens=True)
+        req.output_text += req.detokenizer.step(backend, token) or ""
 
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
         req.finish_reason = reason

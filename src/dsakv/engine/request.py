@@ -79,6 +79,7 @@ class Request:
     host_slots: torch.Tensor | None = None
     finish_reason: str | None = None
     output_text: str = ""
+    detokenizer: Any = None  # decodes output_ids as they come (`Engine._decode_output`)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
