@@ -457,32 +457,31 @@ inline void dot4(const float* a, int64_t lda, const float* b, int64_t n, float* 
 // in registers over all m rows (eight independent chains), so a row's values are loaded
 // once for all the heads and the sums are stored once. A head's sums depend neither on nh
 // nor on m.
+// Columns [c, c + 16 · S) of every head, held in registers over all m rows.
+template <int NH, int S>
+inline void axpy_strip(const float* const* rows, const float* const* p, int64_t m, int64_t c,
+                       float* const* acc) {
+  v16 a[NH][S];
+  for (int h = 0; h < NH; ++h)
+    for (int s = 0; s < S; ++s) a[h][s] = load16(acc[h] + c + 16 * s);
+  for (int64_t i = 0; i < m; ++i) {
+    v16 x[S];
+    for (int s = 0; s < S; ++s) x[s] = load16(rows[i] + c + 16 * s);
+    for (int h = 0; h < NH; ++h) {
+      const float pi = p[h][i];
+      for (int s = 0; s < S; ++s) a[h][s] += pi * x[s];
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int s = 0; s < S; ++s) store16(acc[h] + c + 16 * s, a[h][s]);
+}
+
 template <int NH>
 inline void axpy_rows_of(const float* const* rows, const float* const* p, int64_t m, int64_t n,
                          float* const* acc) {
   int64_t c = 0;
-  for (; c + 32 <= n; c += 32) {
-    v16 a[NH][2];
-    for (int h = 0; h < NH; ++h) a[h][0] = load16(acc[h] + c), a[h][1] = load16(acc[h] + c + 16);
-    for (int64_t i = 0; i < m; ++i) {
-      const v16 x0 = load16(rows[i] + c), x1 = load16(rows[i] + c + 16);
-      for (int h = 0; h < NH; ++h) {
-        const float pi = p[h][i];
-        a[h][0] += pi * x0;
-        a[h][1] += pi * x1;
-      }
-    }
-    for (int h = 0; h < NH; ++h) store16(acc[h] + c, a[h][0]), store16(acc[h] + c + 16, a[h][1]);
-  }
-  for (; c + 16 <= n; c += 16) {
-    v16 a[NH];
-    for (int h = 0; h < NH; ++h) a[h] = load16(acc[h] + c);
-    for (int64_t i = 0; i < m; ++i) {
-      const v16 x = load16(rows[i] + c);
-      for (int h = 0; h < NH; ++h) a[h] += p[h][i] * x;
-    }
-    for (int h = 0; h < NH; ++h) store16(acc[h] + c, a[h]);
-  }
+  for (; c + 32 <= n; c += 32) axpy_strip<NH, 2>(rows, p, m, c, acc);
+  if (c + 16 <= n) axpy_strip<NH, 1>(rows, p, m, c, acc), c += 16;
   for (; c < n; ++c)
     for (int h = 0; h < NH; ++h) {
       float a = acc[h][c];
