@@ -323,7 +323,8 @@ def _blocks_case(path: str, batch: int, seed: int):
     model, config, _ = load_model(path, draft_layers=1)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, config.hidden_size, generator=g)
-    cos, sin = model.rotary(torch.randint(0, 4000, (batch,), generator=g), torch.float32)
+    positions = torch.randint(0, config.max_position_embeddings, (batch,), generator=g)
+    cos, sin = model.rotary(positions, torch.float32)
     heads, v = config.num_attention_heads, config.v_head_dim
     out = torch.randn(batch, heads, v, generator=g)
     return model, (x, cos, sin, out)

@@ -296,28 +296,36 @@ def test_on_by_default_where_it_runs_and_off_on_request(sparse):
     ids=lambda c: "-".join(c),
 )
 def test_layer_loop_gives_the_per_layer_bits(sparse, monkeypatch, caches):
-    """Decode and MTP verify steps run every target layer in one native call
-    (`LayerLoop`); it makes the per-layer path's calls, so outputs are the same bits, on
-    every latent and index-K encoding, greedy and seeded, with MTP drafts accepted."""
+    """Decode and MTP verify steps run the target in one native call (`LayerLoop`), and
+    the MTP layer's catch-up and its whole chain of drafts in another (`drafts`); they make
+    the per-layer path's calls, so outputs are the same bits, on every latent and index-K
+    encoding, greedy and seeded, with MTP drafts accepted."""
     from dsakv.kernels import cpu_native
-    from dsakv.models import decoder
+    from dsakv.models import dsa
 
-    calls = []
-    loop_call = cpu_native.LayerLoop.__call__
+    calls, chains = [], []
+    loop_call, drafts = cpu_native.LayerLoop.__call__, cpu_native.LayerLoop.drafts
 
-    def counted(self, x, *args):
-        calls.append(x.shape[0])
-        return loop_call(self, x, *args)
+    def counted(self, ids, *args):
+        calls.append(ids.shape[0])
+        return loop_call(self, ids, *args)
+
+    def chained(self, *args):
+        out = drafts(self, *args)
+        chains.append(out.shape)
+        return out
 
     monkeypatch.setattr(cpu_native.LayerLoop, "__call__", counted)
+    monkeypatch.setattr(cpu_native.LayerLoop, "drafts", chained)
     kv, index_k = caches
     prompts = _prompts(4, seed=5, lo=10, hi=60)
     params = [GREEDY, SEEDED, GREEDY, SEEDED]
     kw = dict(kv_cache_dtype=kv, index_k_dtype=index_k, speculative_algorithm="mtp")
     looped = _run(_engine(sparse, **kw), prompts, params)
     assert calls and max(calls) > len(prompts)  # verify rows: several tokens a request
-    monkeypatch.setattr(decoder, "LOOP_EXTEND", 0)
-    n = len(calls)
+    assert chains  # the MTP layer's catch-up and drafts
+    monkeypatch.setattr(dsa, "LOOP_EXTEND", 0)
+    n, m = len(calls), len(chains)
     per_layer = _run(_engine(sparse, **kw), prompts, params)
-    assert len(calls) == n
+    assert (len(calls), len(chains)) == (n, m)
     assert looped == per_layer

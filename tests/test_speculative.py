@@ -396,6 +396,9 @@ class _Runner:
             assert s.shape[0] >= len(t)
         self.calls.append((source, len(toks)))
 
+    def draft_chain(self, *args):
+        return None  # no native chain: the drafter chains here
+
     def logits(self, rows, source):
         assert source == DRAFT
         out = torch.zeros(len(rows), 16)
@@ -444,6 +447,38 @@ def test_adaptive_drafts_keep_lockstep_forwards(lockstep):
     drafter.step([(r, r.num_computed - 1, i) for i, r in enumerate(reqs)])
     assert all(not r.draft_ids for r in reqs)  # nobody drafts: no chain unless lockstep
     assert runner.calls == [(TARGET, 3)] + ([(DRAFT, 0), (DRAFT, 0)] if lockstep else [])
+
+
+def test_native_draft_chain_proposes_the_python_chains_drafts(dense, reference, monkeypatch):
+    """The MTP layer's catch-up and its chain of drafts run as one native call
+    (`ModelRunner.draft_chain`); chaining in Python instead (a forward and an argmax per
+    draft) proposes the same drafts at every step, so the same tokens come out."""
+    from dsakv.engine.model_runner import ModelRunner
+
+    prompts, ref = reference
+    native, step = ModelRunner.draft_chain, MTPDrafter.step
+    chains, proposed = [], []
+
+    def counted(self, *args):
+        out = native(self, *args)
+        chains.append(out)
+        return out
+
+    def recorded(self, work):
+        step(self, work)
+        proposed.append([list(r.draft_ids) for r, _, _ in work])
+
+    monkeypatch.setattr(ModelRunner, "draft_chain", counted)
+    monkeypatch.setattr(MTPDrafter, "step", recorded)
+    tokens, _ = _run(dense, prompts, speculative_num_steps=3, **MTP)
+    assert tokens == ref
+    made = [d for out in chains if out is not None for d in out]
+    assert max(map(len, made)) == 3  # whole chains ran natively
+    with_chain, proposed[:] = list(proposed), []
+    monkeypatch.setattr(ModelRunner, "draft_chain", lambda self, *args: None)
+    tokens, _ = _run(dense, prompts, speculative_num_steps=3, **MTP)
+    assert tokens == ref
+    assert proposed == with_chain
 
 
 def test_always_rejected_drafts_are_proposed_less(unfitted, reference):

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -611,21 +612,20 @@ class Engine:
             new_tokens.append(req.all_ids[req.num_computed : end] + d)
             slots.append(self.scheduler.slots(req, end + len(d)))
             drafts.append(d)
+        ends = [e - 1 for e in accumulate(len(t) for t in new_tokens)]
+        sampled = [i for i, (req, n) in enumerate(batch) if req.num_computed + n == req.seq_len]
+        # A sampled request's rows: its last token, and each draft after it.
+        rows = [r for i in sampled for r in range(ends[i] - len(drafts[i]), ends[i] + 1)]
         hot = self.hot.begin_step(batch, slots) if self.hot is not None else None
-        hidden = self.runner.forward(new_tokens, slots, hot)
+        hidden, logits = self.runner.forward(new_tokens, slots, hot, rows)
         if hot is not None:
             self.hot.end_step(hot)
-        ends = torch.tensor([len(t) for t in new_tokens], dtype=torch.long).cumsum(0) - 1
         # (request, first position, first hidden row) of what this step ran, for the drafter
         ran = [
-            (req, req.num_computed, int(e) - len(t) + 1)
+            (req, req.num_computed, e - len(t) + 1)
             for (req, _), e, t in zip(batch, ends, new_tokens)
         ]
-        sampled = [i for i, (req, n) in enumerate(batch) if req.num_computed + n == req.seq_len]
         self.stats.decode_steps += sum(1 for req, n in batch if n == 1 and not req.in_prefill)
-        # A sampled request's rows: its last token, and each draft after it.
-        rows = [r for i in sampled for r in range(int(ends[i]) - len(drafts[i]), int(ends[i]) + 1)]
-        logits = self.runner.logits(torch.tensor(rows, dtype=torch.long)) if sampled else None
         self._score_prompts(batch, hidden, ends)
         for req, n in batch:
             req.num_computed += n

@@ -20,7 +20,7 @@ from dsakv.distributed.leader import Leader
 from dsakv.distributed.parallel import ParallelState
 from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
-from dsakv.models.forward_batch import ForwardBatch
+from dsakv.models.forward_batch import ForwardBatch, padded_slots
 
 from .cuda_graph import DecodeGraphs
 
@@ -47,16 +47,22 @@ class ModelRunner:
         self.last: dict[str, torch.Tensor] = {}  # the latest output of each model part
 
     def forward(
-        self, new_tokens: Sequence[Sequence[int]], slots: Sequence[torch.Tensor], hot=None
-    ) -> torch.Tensor:
+        self,
+        new_tokens: Sequence[Sequence[int]],
+        slots: Sequence[torch.Tensor],
+        hot=None,
+        rows: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the target over one step's tokens (their KV goes to `slots`' tails);
-        returns hidden `[T, H]` (final-normed). `hot`: the step's HiSparse latent slots
-        (`dsakv.engine.hisparse.HotStep`; one rank only)."""
+        returns hidden `[T, H]` (final-normed) and the fp32 logits of its `rows` (as
+        `logits`; None without rows), in the same native call where the step has one.
+        `hot`: the step's HiSparse latent slots (`dsakv.engine.hisparse.HotStep`; one rank
+        only)."""
         with self._leading() as send:
             if send:
                 host_ops = self.host.take_journal() if self.host is not None else []
-                send(("forward", _pack(new_tokens), _pack_slots(slots), host_ops))
-            return self._forward(new_tokens, slots, hot)
+                send(("forward", _pack(new_tokens), _pack_slots(slots), host_ops, list(rows)))
+            return self._forward(new_tokens, slots, hot, rows)
 
     def forward_draft(
         self,
@@ -71,6 +77,30 @@ class ModelRunner:
             if send:
                 send(("draft", _pack(new_tokens), _pack_slots(slots), source, rows.cpu()))
             return self._forward_draft(new_tokens, slots, source, rows)
+
+    def draft_chain(
+        self,
+        new_tokens: Sequence[Sequence[int]],
+        slots: Sequence[torch.Tensor],
+        rows: torch.Tensor,
+        ends: Sequence[int],
+        want: Sequence[int],
+        chain: Sequence[torch.Tensor],
+    ) -> list[list[int]] | None:
+        """`forward_draft(new_tokens, slots, TARGET, rows)`, then each request's greedy
+        drafts in a chain (`DSAForCausalLM.draft_chain`: the catch-up's row `ends[r]` on,
+        `want[r]` of them, the chain's slots `chain[r]`), all in one native call; None
+        where there is none (several ranks, no native form): the caller chains in Python."""
+        if self.leader is not None or not new_tokens:
+            return None
+        fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
+        with torch.inference_mode():
+            h = self.last[TARGET][rows.to(self.device)]
+            ends_t, want_t = torch.tensor(ends), torch.tensor(want)
+            drafts = self.model.draft_chain(fb, self.pool, h, ends_t, want_t, padded_slots(chain))
+        if drafts is None:
+            return None
+        return [d[:k] for d, k in zip(drafts.tolist(), want)]
 
     def logits(self, rows: torch.Tensor, source: str = TARGET) -> torch.Tensor:
         """fp32 logits `[len(rows), vocab]` of `self.last[source][rows]` (vocab-parallel)."""
@@ -89,10 +119,10 @@ class ModelRunner:
         while True:
             msg = self.parallel.broadcast_object()
             if msg[0] == "forward":
-                _, tokens, slots, host_ops = msg
+                _, tokens, slots, host_ops, rows = msg
                 if host_ops:
                     self.host.replay(host_ops)
-                self._forward(tokens, [s.long() for s in slots])
+                self._forward(tokens, [s.long() for s in slots], rows=rows)
             elif msg[0] == "draft":
                 _, tokens, slots, source, rows = msg
                 self._forward_draft(tokens, [s.long() for s in slots], source, rows)
@@ -110,15 +140,21 @@ class ModelRunner:
         with self.leader.lock:
             yield self.leader.send
 
-    def _forward(self, new_tokens, slots, hot=None) -> torch.Tensor:
-        graphs = self.decode_graphs
+    def _forward(self, new_tokens, slots, hot=None, rows: Sequence[int] = ()):
+        graphs, logits = self.decode_graphs, None
         if graphs is not None and graphs.fits(new_tokens, slots):
             self.last[TARGET] = graphs.run(new_tokens, slots)
-            return self.last[TARGET]
-        fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device, hot=hot)
-        with torch.inference_mode():
-            self.last[TARGET] = self.model(fb, self.pool)
-        return self.last[TARGET]
+        else:
+            fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device, hot=hot)
+            with torch.inference_mode():
+                if rows:
+                    picked = torch.tensor(rows, dtype=torch.long)
+                    self.last[TARGET], logits = self.model.forward_logits(fb, self.pool, picked)
+                else:
+                    self.last[TARGET] = self.model(fb, self.pool)
+        if rows and logits is None:
+            logits = self._logits(torch.tensor(rows, dtype=torch.long), TARGET)
+        return self.last[TARGET], logits
 
     def _forward_draft(self, new_tokens, slots, source: str, rows: torch.Tensor) -> torch.Tensor:
         fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)

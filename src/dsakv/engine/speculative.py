@@ -145,7 +145,8 @@ class MTPDrafter:
     def step(self, work: list[tuple[Request, int, int]]) -> None:
         """After a target step: `work` holds (request, first position the step computed,
         its first hidden row) for every request in it; `num_computed` already counts what
-        was accepted. Fills the draft KV for those positions, then chains drafts."""
+        was accepted. Fills the draft KV for those positions, then chains drafts: in one
+        native call where the runner has one and no request has a grammar, else here."""
         toks, slots, rows, reqs = [], [], [], []
         for req, start, row in work:
             stop = req.num_computed
@@ -160,21 +161,37 @@ class MTPDrafter:
             reqs.append(req)
         if not reqs and not self.lockstep:
             return
-        self.runner.forward_draft(toks, slots, TARGET, _longs(rows))
         ends = [e - 1 for e in accumulate(len(t) for t in toks)]
         for r in reqs:
             self.adapt(r)
         want = [self._reserve(r, self.wanted(r)) for r in reqs]
-        for r in reqs:
-            r.draft_ids = []
+        # The slots of every position a request's chain writes, looked up once.
+        chain = [
+            self.scheduler.slots(r, r.num_computed + k - 1) if k > 1 else s
+            for r, k, s in zip(reqs, want, slots)
+        ]
+        drafts = None
+        if all(r.matcher is None for r in reqs):
+            drafts = self.runner.draft_chain(toks, slots, _longs(rows), ends, want, chain)
+        if drafts is None:
+            self.runner.forward_draft(toks, slots, TARGET, _longs(rows))
+            drafts = self._chain(reqs, want, ends, chain)
+        for r, d in zip(reqs, drafts):
+            r.draft_ids = d
+            if r.matcher is not None and d:
+                r.matcher.rollback(len(d))
+            if r.draft_len is not None:
+                r.draft_len.proposed = len(d)
+
+    def _chain(
+        self, reqs: list[Request], want: list[int], ends: list[int], chain: list[torch.Tensor]
+    ) -> list[list[int]]:
+        """Each request's drafts after the catch-up step (its last row `ends[i]`), chained
+        a forward at a time, each a grammar-masked argmax where a request has a grammar
+        (its matcher steps through the chain; the caller rolls it back)."""
+        drafts: list[list[int]] = [[] for _ in reqs]
         live = [i for i, k in enumerate(want) if k > 0]
         prev = _longs([ends[i] for i in live])  # each live request's row in the last output
-        # The slots of every position a request's chain writes, looked up once.
-        chain = {
-            i: self.scheduler.slots(reqs[i], reqs[i].num_computed + want[i] - 1)
-            for i in live
-            if want[i] > 1
-        }
         for j in range(self.num_steps):
             if live:
                 logits = self.runner.logits(prev, DRAFT)
@@ -186,7 +203,7 @@ class MTPDrafter:
                     if m is not None and not m.accept_token(d):
                         want[i] = j  # nothing the grammar allows: the chain ends
                         continue
-                    reqs[i].draft_ids.append(d)
+                    drafts[i].append(d)
                     if m is not None and m.is_terminated():
                         want[i] = j + 1  # the draft completes the grammar
             if j + 1 == self.num_steps:
@@ -197,15 +214,11 @@ class MTPDrafter:
             # Chain: draft d_{j+1} sits at position num_computed + j, paired with the
             # draft layer's own output at the position before.
             live = [live[n] for n in more]
-            toks = [[reqs[i].draft_ids[-1]] for i in live]
+            toks = [[drafts[i][-1]] for i in live]
             slots = [chain[i][: reqs[i].num_computed + j + 1] for i in live]
             self.runner.forward_draft(toks, slots, DRAFT, prev[more])
             prev = torch.arange(len(live))
-        for r in reqs:
-            if r.matcher is not None and r.draft_ids:
-                r.matcher.rollback(len(r.draft_ids))
-            if r.draft_len is not None:
-                r.draft_len.proposed = len(r.draft_ids)
+        return drafts
 
     def _reserve(self, req: Request, k: int) -> int:
         """Pages for the draft chain's positions (it writes up to num_computed + k - 2)."""

@@ -26,6 +26,7 @@ import tempfile
 import threading
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -103,8 +104,9 @@ def _build() -> ctypes.CDLL:
     dll.dsakv_mla_inputs.argtypes = [ptr, i64, *(ptr,) * 8]
     dll.dsakv_ffn.restype = None
     dll.dsakv_ffn.argtypes = [ptr, i64, ptr, ptr, ptr]
-    dll.dsakv_forward_layers.restype = i64
-    dll.dsakv_forward_layers.argtypes = [ptr, i64, ptr, ptr]
+    dll.dsakv_forward_step.restype = dll.dsakv_draft_chain.restype = i64
+    dll.dsakv_forward_step.argtypes = [ptr, i64, *(ptr,) * 7, i64, ptr]
+    dll.dsakv_draft_chain.argtypes = [ptr, i64, *(ptr,) * 5, i64, ptr, ptr, i64, ptr, i64, ptr]
     return dll
 
 
@@ -745,14 +747,46 @@ class _StepDesc(ctypes.Structure):
     ]
 
 
+class _StepIO(ctypes.Structure):
+    _fields_ = [
+        ("embed", _Mat),
+        ("vocab", _i64),
+        *((n, _ptr) for n in ("cos", "sin")),
+        ("positions", _i64),
+        *((n, _ptr) for n in ("enorm", "hnorm")),
+        ("eh_proj", _Mat),
+        *((n, _f32) for n in ("e_eps", "h_eps")),
+        ("norm", _ptr),
+        ("norm_eps", _f32),
+        ("head", _Mat),
+        ("head_rows", _i64),
+    ]
+
+
+class StepParts(NamedTuple):
+    """What a step reads around its layers: the embedding `[vocab, hidden]`, RoPE's cos and
+    sin tables `[positions, rope / 2]` (fp32), the output norm (weight, eps), the MTP
+    layer's NextN input (enorm, hnorm, eh_proj, their eps) and the LM head (the MTP
+    layer's: its drafts are its argmax; None: no logits, no `drafts`)."""
+
+    embed: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    norm: tuple[torch.Tensor, float]
+    nextn: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None = None
+    head: torch.Tensor | None = None
+
+
 class LayerLoop:
-    """A run of layers (the target's, or the MTP layer) for one step in one call
-    (`dsakv_forward_layers`), for steps whose tokens each attend over their own
-    selection: decode tokens, MTP verify and draft rows. Per layer it makes the extern
-    calls the per-layer path makes (the blocks, the stores, the indexer's scores, top-k in
-    position order, attention over the stored rows), so the tokens are the same bits; what
-    it saves is the Python between them (about a third of a one-request decode step on a
-    78-layer model).
+    """A step of a run of layers (the target's, or the MTP layer) in one call
+    (`dsakv_forward_step`): the embedding (and the NextN input), the layers, the output
+    norm; for steps whose tokens each attend over their own selection: decode tokens, MTP
+    verify and draft rows. Per layer it makes the extern calls the per-layer path makes
+    (the blocks, the stores, the indexer's scores, top-k in position order, attention over
+    the stored rows), so the tokens are the same bits; what it saves is the Python between
+    them (about a third of a one-request decode step on a 78-layer model), and Python run
+    on caches the layers just filled with weights (a torch op right after them costs 3-8×
+    what it costs warm). The step's logits come out of the same call, and `drafts` chains
+    the MTP layer's drafts in it.
 
     `layers`: per layer (its index in `pool`, MlaInputs, Ffn, IndexerInputs or None on a
     shared layer, W_uv `[H, v, kv_lora]` with contiguous rows); the first one is full."""
@@ -761,6 +795,7 @@ class LayerLoop:
         self,
         layers: list[tuple[int, MlaInputs, Ffn, IndexerInputs | None, torch.Tensor]],
         pool,
+        parts: StepParts,
         *,
         topk: int,
         index_scale: float,
@@ -770,7 +805,7 @@ class LayerLoop:
         lay = pool.layout
         kind = KINDS[lay.kv_cache_dtype]
         index_kind = {"fp8": KINDS["fp8_e4m3"], "bf16": KINDS["bf16"], "fp32": KINDS["fp32"]}
-        self._keep = (layers, pool)
+        self._keep = (layers, pool, parts)
         self._layers = (_LayerDesc * len(layers))()
         for i, (layer, inputs, ffn, indexer, w_uv) in enumerate(layers):
             heads, lora = inputs.dims[2], inputs.dims[-1]
@@ -791,26 +826,50 @@ class LayerLoop:
             d.index_pages = keys.shape[0]
             d.index_page_size = pool.page_size if fp8 else 1
         self._step = (topk, index_scale, mla_scale, int(low))
-        self.hidden = layers[0][1].dims[0]
+        self.hidden = hidden = layers[0][1].dims[0]
+        self._io = io = _StepIO()
+        vocab = matrix_shape(parts.embed)[0]
+        io.embed, io.vocab = _matrix(parts.embed, vocab, hidden), vocab
+        cos, sin = parts.rope
+        half = layers[0][1].dims[4] // 2
+        io.cos, io.sin = _weight(cos, cos.shape[0], half), _weight(sin, cos.shape[0], half)
+        io.positions = cos.shape[0]
+        io.norm, io.norm_eps = _weight(parts.norm[0], hidden), parts.norm[1]
+        if parts.nextn is not None:
+            enorm, hnorm, eh_proj, io.e_eps, io.h_eps = parts.nextn
+            io.enorm, io.hnorm = _weight(enorm, hidden), _weight(hnorm, hidden)
+            io.eh_proj = _matrix(eh_proj, hidden, 2 * hidden)
+        if parts.head is not None:
+            io.head_rows = matrix_shape(parts.head)[0]
+            io.head = _matrix(parts.head, io.head_rows, hidden)
 
-    def __call__(self, x, cos, sin, out_slots, table, lens) -> torch.Tensor:
-        """`x[T, hidden]` (the embedded tokens) -> the last layer's output; token t is at
-        position `lens[t] - 1`, its context's slots `table[t, :lens[t]]` (`[T, W]`), its KV
-        goes to `out_slots[t]`."""
-        x = _activations(x, self.hidden).clone()
-        t = x.shape[0]
-        rope = cos.shape[-1]
-        cos, sin = _activations(cos, rope), _activations(sin, rope)
-        out_slots, table, lens = (_as(a, torch.int64) for a in (out_slots, table, lens))
-        if table.shape[0] != t or lens.shape != (t,) or out_slots.shape != (t,):
-            raise ValueError("layer loop: one table row, length and out slot per token")
+    @property
+    def has_head(self) -> bool:
+        """Whether the loop computes logits (`rows`, `drafts`)."""
+        return bool(self._io.head_rows)
+
+    def _desc(self, ids, positions, out_slots, table, lens, hidden):
+        ids, positions, out_slots, table, lens = (
+            _as(a, torch.int64) for a in (ids, positions, out_slots, table, lens)
+        )
+        t = ids.shape[0]
+        if positions.shape != (t,) or table.shape[0] != t or lens.shape != (t,):
+            raise ValueError("layer loop: one position, table row and length per token")
+        if out_slots.shape != (t,):
+            raise ValueError("layer loop: one out slot per token")
+        if (hidden is None) != (self._io.enorm is None):
+            raise ValueError("layer loop: h rows go with the NextN input (the MTP layer)")
+        if hidden is not None:
+            hidden = _activations(hidden, self.hidden)
+            if hidden.shape[0] != t:
+                raise ValueError("layer loop: one h row per token")
         topk, index_scale, mla_scale, low = self._step
         step = _StepDesc(
             t,
             table.shape[1],
             topk,
-            cos.data_ptr(),
-            sin.data_ptr(),
+            None,
+            None,
             out_slots.data_ptr(),
             table.data_ptr(),
             lens.data_ptr(),
@@ -818,9 +877,62 @@ class LayerLoop:
             mla_scale,
             low,
         )
-        bad = _library().dsakv_forward_layers(
-            self._layers, len(self._layers), ctypes.byref(step), x.data_ptr()
+        keep = (ids, positions, out_slots, table, lens, hidden)
+        args = (ctypes.byref(step), ids.data_ptr(), positions.data_ptr())
+        return keep, (*args, None if hidden is None else hidden.data_ptr())
+
+    def __call__(self, ids, positions, out_slots, table, lens, hidden=None, rows=None):
+        """Token t (`ids[t]` at `positions[t]`; with the NextN input, h row `hidden[t]`)
+        attends over its context's slots `table[t, :lens[t]]` (`[T, W]`), its KV goes to
+        `out_slots[t]` -> the normed output `[T, hidden]`; with `rows` (the loop has a
+        head), also the fp32 logits of those rows of it `[len(rows), vocab]`."""
+        keep, args = self._desc(ids, positions, out_slots, table, lens, hidden)
+        out = torch.empty(len(keep[0]), self.hidden)
+        logits = None
+        if rows is not None:
+            if not self.has_head:
+                raise ValueError("layer loop: logits need a head")
+            rows = _as(rows, torch.int64)
+            logits = torch.empty(rows.shape[0], self._io.head_rows)
+        bad = _library().dsakv_forward_step(
+            self._layers,
+            len(self._layers),
+            ctypes.byref(self._io),
+            *args,
+            out.data_ptr(),
+            None if rows is None else rows.data_ptr(),
+            0 if rows is None else rows.shape[0],
+            None if logits is None else logits.data_ptr(),
         )
         if bad:
-            raise IndexError(f"layer loop: {bad} slots outside the pool's buffers")
-        return x
+            raise IndexError(f"layer loop: {bad} ids, positions, rows or slots out of range")
+        return out if rows is None else (out, logits)
+
+    def drafts(self, ids, positions, out_slots, table, lens, hidden, rows, want, chain):
+        """The MTP layer's catch-up step (as `__call__`), then each request's drafts in a
+        chain, as many as `want[r]`: the head's argmax of its row `rows[r]` of the step's
+        output, then of its own output over its last draft, at the positions after (their
+        slots `chain[r]`, `[n, W]`) -> drafts `[n, max(want)]`, -1 past a request's want."""
+        keep, args = self._desc(ids, positions, out_slots, table, lens, hidden)
+        rows, want, chain = (_as(a, torch.int64) for a in (rows, want, chain))
+        n = rows.shape[0]
+        if want.shape != (n,) or chain.shape[0] != n:
+            raise ValueError("draft chain: one row, want and chain per request")
+        k = int(want.max()) if n else 0
+        out = torch.full((n, k), -1, dtype=torch.int64)
+        bad = _library().dsakv_draft_chain(
+            self._layers,
+            len(self._layers),
+            ctypes.byref(self._io),
+            *args,
+            n,
+            rows.data_ptr(),
+            want.data_ptr(),
+            k,
+            chain.data_ptr(),
+            chain.shape[1],
+            out.data_ptr(),
+        )
+        if bad:
+            raise IndexError(f"draft chain: {bad} ids, positions, slots or chains out of range")
+        return out

@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
         return self._native
 
 
-def in_turn(owner: nn.Module, layers: Sequence[DecoderLayer], x, cos, sin, batch, pool):
+def in_turn(layers: Sequence[DecoderLayer], x, cos, sin, batch, pool):
     """`layers` one after another (each layer's blocks through the backend); a shared layer
     reads the selection of the full layer before it."""
     selections: dict = {}
@@ -72,34 +72,12 @@ def in_turn(owner: nn.Module, layers: Sequence[DecoderLayer], x, cos, sin, batch
     return x
 
 
-def _looped(owner: nn.Module, layers: Sequence[DecoderLayer], x, cos, sin, batch, pool):
-    # The loop makes the deterministic path's calls: only under it, and only for steps
-    # whose tokens each attend over their own selection (decode, MTP verify and draft
-    # rows). Prefill chunks keep the per-layer path, whose attention widens a shared
-    # context once for several queries.
-    short = 0 < max(batch.extend_lens, default=0) <= LOOP_EXTEND  # (DP: an idle rank's 0)
-    ops = layers[0].self_attn.ops
-    loop = None
-    if short and batch.hot is None and getattr(ops, "deterministic", False):
-        loop = layer_loop(owner, layers, pool)
-    if loop is None:
-        return in_turn(owner, layers, x, cos, sin, batch, pool)
-    table, lens = batch.token_ctx
-    return loop(x, cos, sin, batch.out_slots, table, lens)
-
-
-def layer_loop(owner: nn.Module, layers: Sequence[DecoderLayer], pool):
-    """`layers` as one native call over `pool` (`cpu_native.LayerLoop`), made once per pool
-    and kept on `owner` (the model, or the MTP layer); None where some layer has no native
-    form (weights the blocks cannot read, a layer split over ranks, the expand mode)."""
-    made_for, loop = getattr(owner, "_layer_loop", (None, None))
-    if made_for is not pool:
-        loop = _make_loop(layers, pool)
-        owner._layer_loop = (pool, loop)
-    return loop
-
-
-def _make_loop(layers: Sequence[DecoderLayer], pool) -> cpu_native.LayerLoop | None:
+def layer_loop(
+    layers: Sequence[DecoderLayer], pool, parts: cpu_native.StepParts
+) -> cpu_native.LayerLoop | None:
+    """A step over `layers` as one native call over `pool` (`cpu_native.LayerLoop`), with
+    what it reads around them (`parts`); None where some layer has no native form (weights
+    the blocks cannot read, a layer split over ranks, the expand mode)."""
     first = layers[0].self_attn
     if not hasattr(first, "indexer") or not cpu_native.available():
         return None
@@ -117,6 +95,7 @@ def _make_loop(layers: Sequence[DecoderLayer], pool) -> cpu_native.LayerLoop | N
     return cpu_native.LayerLoop(
         descs,
         pool,
+        parts,
         topk=first.indexer.topk,
         index_scale=first.indexer.scale,
         mla_scale=first.scale,
@@ -207,10 +186,5 @@ def _native_norm_rows(norm: RMSNorm, x: torch.Tensor):
 # An RMSNorm over a step's rows outside the layers (the final norm, the MTP layer's output
 # norm), each row on its own when native.
 NORM = Block(norm_rows, _native_norm_rows)
-# Steps whose requests extend by at most this many tokens (decode, MTP verify) run the
-# layer loop.
-LOOP_EXTEND = 16
-# A run of layers (the target's, the MTP layer): one native call for a decode-like step.
-LAYERS = Block(in_turn, _looped, compile=False)
 ATTENTION_INPUTS = Block(attention_inputs, _native_inputs)
 RESIDUAL_FFN = Block(residual_ffn, _native_ffn)

@@ -19,7 +19,7 @@ from dsakv.errors import DsakvError
 from dsakv.kernels import TorchBackend, cpu_native
 from dsakv.kernels.backend import Block, check_mode
 
-from .decoder import LAYERS, NORM, DecoderLayer
+from .decoder import NORM, DecoderLayer, in_turn, layer_loop
 from .forward_batch import ForwardBatch
 from .layers import RMSNorm
 from .moe import Experts
@@ -143,10 +143,26 @@ class DSAForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool) -> torch.Tensor:
         """Runs every layer, writing this step's KV into `pool`; returns normed hidden `[T, H]`."""
+        loop = self._loop(batch, pool)
+        if loop is not None:
+            return loop(batch.input_ids, batch.positions, batch.out_slots, *batch.token_ctx)
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
-        x = self.ops.block(LAYERS, batch, self, self.target_layers, x, cos, sin, batch, pool)
+        x = in_turn(self.target_layers, x, cos, sin, batch, pool)
         return self.ops.block(NORM, batch, self.model.norm, x)
+
+    @torch.inference_mode()
+    def forward_logits(
+        self, batch: ForwardBatch, pool, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the fp32 logits of its output's `rows` (`compute_logits`): one
+        native call where the step has one."""
+        loop = self._loop(batch, pool)
+        if loop is not None and loop.has_head:
+            table, lens = batch.token_ctx
+            return loop(batch.input_ids, batch.positions, batch.out_slots, table, lens, None, rows)
+        hidden = self.forward(batch, pool)
+        return hidden, self.compute_logits(hidden[rows.to(hidden.device)])
 
     @torch.inference_mode()
     def forward_draft(self, batch: ForwardBatch, pool, hidden: torch.Tensor) -> torch.Tensor:
@@ -160,15 +176,84 @@ class DSAForCausalLM(nn.Module):
         `compute_logits(..., draft=True)`, and the h of the next chain step.
         """
         mtp = self.mtp
+        self._check_hidden(batch, hidden)
+        loop = self._loop(batch, pool, draft=True)
+        if loop is not None:
+            table, lens = batch.token_ctx
+            return loop(batch.input_ids, batch.positions, batch.out_slots, table, lens, hidden)
+        embed = getattr(mtp, "embed_tokens", self.model.embed_tokens)
+        x = embed(batch.input_ids)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        return mtp.draft(x, hidden, cos, sin, batch, pool)
+
+    @torch.inference_mode()
+    def draft_chain(
+        self,
+        batch: ForwardBatch,
+        pool,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        want: torch.Tensor,
+        chain: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """`forward_draft` over `batch` (each request's catch-up), then the MTP layer's
+        greedy drafts of each request in a chain, in one native call: up to `want[r]` of
+        them, from its row `rows[r]` of that step's output on, the chain's positions at
+        `chain[r]`'s slots (`[n, W]`, its whole context) -> `[n, max(want)]`, -1 past a
+        request's want. None where the step has no native form (the caller chains in
+        Python then, over `forward_draft` and `compute_logits`: the same tokens)."""
+        self._check_hidden(batch, hidden)
+        loop = self._loop(batch, pool, draft=True)
+        if loop is None or not loop.has_head:
+            return None
+        table, lens = batch.token_ctx
+        args = (batch.input_ids, batch.positions, batch.out_slots, table, lens, hidden)
+        return loop.drafts(*args, rows, want, chain)
+
+    def _check_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
         if hidden.shape != (batch.num_tokens, self.config.hidden_size):
             raise ValueError(
                 f"hidden is {tuple(hidden.shape)}, expected ({batch.num_tokens}, "
                 f"{self.config.hidden_size}) (one h row per draft token)"
             )
-        embed = getattr(mtp, "embed_tokens", self.model.embed_tokens)
-        x = embed(batch.input_ids)
-        cos, sin = self.rotary(batch.positions, x.dtype)
-        return mtp.draft(x, hidden, cos, sin, batch, pool)
+
+    def _loop(self, batch: ForwardBatch, pool, draft: bool = False):
+        """The step as one native call (`cpu_native.LayerLoop`): under the deterministic
+        mode only (the loop makes its calls), and only for steps whose tokens each attend
+        over their own selection (decode, MTP verify and draft rows); prefill chunks keep
+        the per-layer path, whose attention widens a shared context once for several
+        queries. Made once per pool and kept on the target model or the MTP layer; None
+        where some part has no native form."""
+        short = 0 < max(batch.extend_lens, default=0) <= LOOP_EXTEND  # (DP: an idle rank's 0)
+        if not short or batch.hot is not None or not getattr(self.ops, "deterministic", False):
+            return None
+        owner = self.mtp if draft else self
+        made_for, loop = getattr(owner, "_layer_loop", (None, None))
+        if made_for is not pool:
+            loop = self._make_loop(pool, draft)
+            owner._layer_loop = (pool, loop)
+        return loop
+
+    def _make_loop(self, pool, draft: bool):
+        embed, head = self.model.embed_tokens, self.lm_head
+        if draft:
+            mtp = self.mtp
+            if not mtp.native_io():
+                return None
+            embed = getattr(mtp, "embed_tokens", embed)
+            norm = mtp.shared_head.norm
+            nextn = (mtp.enorm.weight, mtp.hnorm.weight, mtp.eh_proj.weight)
+            nextn = (*nextn, mtp.enorm.eps, mtp.hnorm.eps)
+            head = getattr(mtp.shared_head, "head", head)
+        else:
+            norm, nextn = self.model.norm, None
+        head = head.weight if _reads_in_place(head) else None
+        whole = embed.parallel.attn_size == 1
+        if not whole or not cpu_native.fits(embed) or not cpu_native.fits(norm):
+            return None
+        cos_sin = self.rotary.tables(torch.device("cpu"))
+        parts = cpu_native.StepParts(embed.weight, cos_sin, (norm.weight, norm.eps), nextn, head)
+        return layer_loop((self.mtp,) if draft else self.target_layers, pool, parts)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, *, draft: bool = False) -> torch.Tensor:
@@ -185,14 +270,22 @@ def lm_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return head(hidden)
 
 
-def _native_head(head: nn.Module, hidden: torch.Tensor):
-    # (one rank's vocab rows need their all-gather: the eager head does it)
+def _reads_in_place(head: nn.Module) -> bool:
+    """Whether the native head reads `head`'s weight as it is: every vocab row on this rank
+    (one rank's rows need their all-gather: the eager head does it), a kind it reads."""
     whole = isinstance(head, ParallelLMHead) and head.parallel.attn_size == 1
-    if not whole or not cpu_native.fits(head) or hidden.dtype != torch.float32:
+    return whole and cpu_native.fits(head)
+
+
+def _native_head(head: nn.Module, hidden: torch.Tensor):
+    if not _reads_in_place(head) or hidden.dtype != torch.float32:
         return NotImplemented
     return cpu_native.linear(hidden, head.weight)
 
 
+# Steps whose requests extend by at most this many tokens (decode, MTP verify and draft
+# rows) run as one native call (`DSAForCausalLM._loop`).
+LOOP_EXTEND = 16
 # The LM head (of the rows sampled from), each row on its own when native.
 LM_HEAD = Block(lm_head, _native_head)
 

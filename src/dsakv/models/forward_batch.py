@@ -125,7 +125,7 @@ class ForwardBatch:
         and their context lengths `[B]`; built once per step, shared by every layer."""
         slots = [self.req_slots[r] for r in self.decode_reqs]
         lens = torch.tensor([s.shape[0] for s in slots], dtype=torch.long)
-        return _padded(slots).to(self.input_ids.device), lens.to(self.input_ids.device)
+        return padded_slots(slots).to(self.input_ids.device), lens.to(self.input_ids.device)
 
     @cached_property
     def token_ctx(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +133,9 @@ class ForwardBatch:
         `decode_ctx`) and its visible length (position + 1) `[T]`."""
         if self.is_decode_only:
             return self.decode_ctx
-        table = _padded(self.req_slots).to(self.input_ids.device)
+        if self.num_reqs == 1:  # (an MTP verify at one request: no padding, no gather)
+            return self.req_slots[0].expand(self.num_tokens, -1), self.positions + 1
+        table = padded_slots(self.req_slots).to(self.input_ids.device)
         rows = torch.repeat_interleave(
             torch.arange(self.num_reqs), torch.tensor(self.extend_lens)
         ).to(table.device)
@@ -192,7 +194,7 @@ class ForwardBatch:
         )
 
 
-def _padded(slots: Sequence[torch.Tensor]) -> torch.Tensor:
+def padded_slots(slots: Sequence[torch.Tensor]) -> torch.Tensor:
     """Slot lists stacked into `[n, longest]`, each padded with its own position 0's slot
     (a real slot, masked by length wherever it is read)."""
     if not slots:

@@ -24,7 +24,7 @@ from dsakv.distributed.parallel import ParallelState
 from dsakv.kernels import cpu_native
 from dsakv.kernels.backend import Block
 
-from .decoder import LAYERS, NORM, DecoderLayer
+from .decoder import NORM, DecoderLayer, in_turn
 from .forward_batch import ForwardBatch
 from .layers import RMSNorm
 from .parallel_layers import ParallelLMHead, ShardedLinear, VocabParallelEmbedding
@@ -82,7 +82,7 @@ class MTPLayer(DecoderLayer):
         step under the deterministic mode)."""
         ops = self.self_attn.ops
         x = ops.block(NEXTN_INPUT, batch, self, embeds, hidden)
-        x = ops.block(LAYERS, batch, self, (self,), x, cos, sin, batch, pool)
+        x = in_turn((self,), x, cos, sin, batch, pool)
         return ops.block(NORM, batch, self.shared_head.norm, x)
 
     def native_io(self) -> bool:

@@ -70,21 +70,30 @@ def softmax_scale(config: ModelConfig) -> float:
 
 
 class Rotary:
-    """Computes per-token cos/sin (`[T, rope_dim/2]`) from absolute positions."""
+    """Per-token cos/sin (`[T, rope_dim/2]`) from absolute positions: rows of tables over
+    every position (`max_position_embeddings`), made once per device, as vLLM's cos/sin
+    cache (each value is what computing it for its position alone gives)."""
 
     def __init__(self, config: ModelConfig) -> None:
         self.inv_freq, self.attention_factor = rope_inv_freq(config)
-        self._on: dict[torch.device, torch.Tensor] = {}  # no host copy inside a CUDA graph
+        self.positions = config.max_position_embeddings
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos and sin `[max_position_embeddings, rope_dim/2]` on `device`."""
+        made = self._on.get(device)
+        if made is None:  # (on first use, before any CUDA graph captures the lookups)
+            positions = torch.arange(self.positions, device=device)
+            freqs = positions[:, None].float() * self.inv_freq.to(device)
+            factor = self.attention_factor
+            made = self._on[device] = (freqs.cos() * factor, freqs.sin() * factor)
+        return made
 
     def __call__(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inv = self._on.get(positions.device)
-        if inv is None:
-            inv = self._on[positions.device] = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * inv
-        cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
-        return cos.to(dtype), sin.to(dtype)
+        cos, sin = self.tables(positions.device)
+        return cos[positions].to(dtype), sin[positions].to(dtype)
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1260,6 +1260,23 @@ struct StepDesc {
   int64_t low;  // bf16 indexer arithmetic (`dsakv_index_decode`'s `low`)
 };
 
+// What a step reads around its layers: the embedding, RoPE's cos / sin tables (a row per
+// position), the MTP layer's NextN input (`enorm` null: none), the output norm, and the LM
+// head of the step's logits and the draft chain's argmax (`head_rows` 0: none).
+struct StepIO {
+  Mat embed;
+  int64_t vocab;
+  const float *cos, *sin;  // [positions, rope / 2]
+  int64_t positions;
+  const float *enorm, *hnorm;  // x = eh_proj(cat(enorm(x), hnorm(h)))
+  Mat eh_proj;
+  float e_eps, h_eps;
+  const float* norm;
+  float norm_eps;
+  Mat head;
+  int64_t head_rows;
+};
+
 // Rows x[n, d] into token-major fp32 / bf16 rows `data + slot · row_bytes`, as the pool
 // writes them (`x.to(dtype)`); returns the number of slots outside [0, rows).
 inline int64_t store_rows(const float* x, int64_t n, int64_t d, int kind, uint8_t* data,
@@ -1357,6 +1374,113 @@ int64_t dsakv_forward_layers(const LayerDesc* layers, int64_t n_layers, const St
     std::memcpy(x, out.data(), T * D * sizeof(float));
   }
   return bad;
+}
+
+// A step of the model (or of the MTP layer, whose h rows are `hidden[T, hidden]`): token t
+// is ids[t] at positions[t]; the embedded rows (NextN input first where there is one) run
+// the layers (`s` as `dsakv_forward_layers` takes it, its cos / sin gathered here), and
+// out[T, hidden] is their output normed; then logits[n, head_rows] of its rows rows[i]
+// (n 0: none). Each part is the extern call the Python blocks make (`dsakv_rms_norm`,
+// `dsakv_linear`), so both give the same bits. Returns the number of ids, positions, rows
+// and slots out of range (nothing is stored when an id, a position or a row is).
+int64_t dsakv_forward_step(const LayerDesc* layers, int64_t n_layers, const StepIO* io,
+                           const StepDesc* sp, const int64_t* ids, const int64_t* positions,
+                           const float* hidden, float* out, const int64_t* rows, int64_t n,
+                           float* logits) {
+  StepDesc s = *sp;
+  const int64_t T = s.T, D = layers[0].inputs->hidden, half = layers[0].inputs->rope / 2;
+  int64_t bad = 0;
+  for (int64_t t = 0; t < T; ++t)
+    bad += (ids[t] < 0 || ids[t] >= io->vocab) + (positions[t] < 0 || positions[t] >= io->positions);
+  for (int64_t i = 0; i < n; ++i) bad += rows[i] < 0 || rows[i] >= T;
+  if (bad) return bad;
+  std::vector<float> x(T * D), cos(T * half), sin(T * half);
+  for (int64_t t = 0; t < T; ++t) {
+    visit(io->embed, ids[t], 1, D, [&](auto w) {
+      for (int64_t k = 0; k < D; ++k) x[t * D + k] = widen(w[k]);
+    });
+    std::memcpy(&cos[t * half], io->cos + positions[t] * half, half * sizeof(float));
+    std::memcpy(&sin[t * half], io->sin + positions[t] * half, half * sizeof(float));
+  }
+  if (io->enorm) {
+    std::vector<float> both(T * 2 * D);
+    for (int64_t t = 0; t < T; ++t) {
+      rms_norm(&x[t * D], io->enorm, D, io->e_eps, &both[t * 2 * D]);
+      rms_norm(hidden + t * D, io->hnorm, D, io->h_eps, &both[t * 2 * D + D]);
+    }
+    dsakv_linear(io->eh_proj.p, D, 2 * D, both.data(), T, x.data(), int(io->eh_proj.kind));
+  }
+  s.cos = cos.data(), s.sin = sin.data();
+  bad += dsakv_forward_layers(layers, n_layers, &s, x.data());
+  dsakv_rms_norm(x.data(), io->norm, T, D, io->norm_eps, out);
+  if (n) {
+    std::vector<float> picked(n * D);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&picked[i * D], out + rows[i] * D, D * sizeof(float));
+    dsakv_linear(io->head.p, io->head_rows, D, picked.data(), n, logits, int(io->head.kind));
+  }
+  return bad;
+}
+
+// MTP drafts in one call (the MTP layer's loop, `io` with its head): the catch-up step
+// `sp` (as `dsakv_forward_step`), then for each of n requests, up to want[r] drafts, each
+// the head's argmax (torch's: the first maximum, a NaN before all) of its latest row: the
+// catch-up's row rows[r], then its own output as it chains, token drafts[r, j - 1] at
+// the position after its catch-up's last plus j - 1 (slots chain[r, :W], lengths up to
+// W). Round j runs the requests that want more than j drafts, as the Python chain does.
+// drafts[n, K] gets -1 past a request's want. Returns what `dsakv_forward_step` counts.
+int64_t dsakv_draft_chain(const LayerDesc* layers, int64_t n_layers, const StepIO* io,
+                          const StepDesc* sp, const int64_t* ids, const int64_t* positions,
+                          const float* hidden, int64_t n, const int64_t* rows,
+                          const int64_t* want, int64_t K, const int64_t* chain, int64_t W,
+                          int64_t* drafts) {
+  const int64_t D = layers[0].inputs->hidden, V = io->head_rows;
+  int64_t bad = 0;
+  for (int64_t r = 0; r < n; ++r)  // (the caller sizes chain for every want)
+    bad += rows[r] < 0 || rows[r] >= sp->T || want[r] > K ||
+           (want[r] > 1 && positions[rows[r]] + want[r] > W);
+  if (bad) return bad;
+  std::vector<float> out(sp->T * D), h(n * D), x(n * D), logits(n * V);
+  bad = dsakv_forward_step(layers, n_layers, io, sp, ids, positions, hidden, out.data(),
+                           nullptr, 0, nullptr);
+  if (bad) return bad;
+  for (int64_t r = 0; r < n; ++r) std::memcpy(&h[r * D], &out[rows[r] * D], D * sizeof(float));
+  std::fill(drafts, drafts + n * K, int64_t(-1));
+  std::vector<int64_t> live, tok(n), pos(n), outs(n), lens(n), table(n * W);
+  for (int64_t j = 0; j < K; ++j) {
+    live.clear();
+    for (int64_t r = 0; r < n; ++r)
+      if (want[r] > j) live.push_back(r);
+    const int64_t m = int64_t(live.size());
+    if (!m) break;
+    for (int64_t q = 0; q < m; ++q) std::memcpy(&x[q * D], &h[live[q] * D], D * sizeof(float));
+    if (j) {  // the chain: each live request's last draft after its own output
+      for (int64_t q = 0; q < m; ++q) {
+        const int64_t r = live[q];
+        tok[q] = drafts[r * K + j - 1];
+        pos[q] = positions[rows[r]] + j;
+        lens[q] = pos[q] + 1;
+        outs[q] = chain[r * W + pos[q]];
+        std::memcpy(&table[q * W], chain + r * W, W * sizeof(int64_t));
+      }
+      StepDesc s = *sp;
+      s.T = m, s.W = W, s.out_slots = outs.data(), s.table = table.data(), s.lens = lens.data();
+      std::vector<float> y(m * D);
+      bad = dsakv_forward_step(layers, n_layers, io, &s, tok.data(), pos.data(), x.data(),
+                               y.data(), nullptr, 0, nullptr);
+      if (bad) return bad;
+      for (int64_t q = 0; q < m; ++q) std::memcpy(&h[live[q] * D], &y[q * D], D * sizeof(float));
+      std::memcpy(x.data(), y.data(), m * D * sizeof(float));
+    }
+    dsakv_linear(io->head.p, V, D, x.data(), m, logits.data(), int(io->head.kind));
+    for (int64_t q = 0; q < m; ++q) {
+      const float* l = &logits[q * V];
+      int64_t best = 0;
+      for (int64_t v = 1; v < V && !std::isnan(l[best]); ++v)
+        if (std::isnan(l[v]) || l[v] > l[best]) best = v;
+      drafts[live[q] * K + j] = best;
+    }
+  }
+  return 0;
 }
 
 }  // extern "C"
