@@ -609,7 +609,7 @@ class Engine:
         for req, n in batch:
             end = req.num_computed + n
             d = self._drafts(req, n, end)
-            new_tokens.append(req.all_ids[req.num_computed : end] + d)
+            new_tokens.append(req.ids(req.num_computed, end) + d)
             slots.append(self.scheduler.slots(req, end + len(d)))
             drafts.append(d)
         ends = [e - 1 for e in accumulate(len(t) for t in new_tokens)]
@@ -660,7 +660,7 @@ class Engine:
         """Record each request's next token(s). `logits` holds one row per request, or
         1 + len(drafts) rows for one verifying MTP drafts."""
         now = time.perf_counter()
-        first = torch.tensor([0] + [1 + len(d) for d in drafts]).cumsum(0).tolist()
+        first = [0, *accumulate(1 + len(d) for d in drafts)]
         plain = [i for i, d in enumerate(drafts) if not d]
         out = self._sample_one([reqs[i] for i in plain], logits[[first[i] for i in plain]], now)
         for i, d in enumerate(drafts):

@@ -95,6 +95,14 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids(self, start: int, stop: int) -> list[int]:
+        """`all_ids[start:stop]` without joining the whole sequence (a decode step's one
+        token of a long output)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : stop - p]
+        return self.all_ids[start:stop]
+
     @property
     def seq_len(self) -> int:
         """Tokens whose KV the request will need: prompt plus outputs so far."""

@@ -155,7 +155,7 @@ class MTPDrafter:
             gone = req.finished and req.rid not in self.scheduler.held
             if gone or stop <= start:
                 continue
-            toks.append(_ids(req, start + 1, stop + 1))
+            toks.append(req.ids(start + 1, stop + 1))
             slots.append(self.scheduler.slots(req, stop))
             rows.extend(range(row, row + stop - start))
             reqs.append(req)
@@ -226,14 +226,6 @@ class MTPDrafter:
             return k
         fits = len(req.pages) * self.scheduler.config.page_size - req.num_computed + 1
         return max(1, min(k, fits))
-
-
-def _ids(req: Request, a: int, b: int) -> list[int]:
-    """`req.all_ids[a:b]` without joining the whole sequence."""
-    p = len(req.prompt_ids)
-    if a >= p:
-        return req.output_ids[a - p : b - p]
-    return req.all_ids[a:b]
 
 
 def _longs(rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
