@@ -25,6 +25,7 @@ from dsakv.engine import Engine, EngineConfig, SamplingParams
 from dsakv.engine import disagg as pd
 from dsakv.errors import DsakvError
 from dsakv.models import tiny
+from dsakv.models.forward_batch import ForwardBatch
 from dsakv.models.tiny import default_model_dir, write_tiny_model
 
 from .serving import TIMEOUT, serving
@@ -329,3 +330,36 @@ def test_layer_loop_gives_the_per_layer_bits(sparse, monkeypatch, caches):
     per_layer = _run(_engine(sparse, **kw), prompts, params)
     assert (len(calls), len(chains)) == (n, m)
     assert looped == per_layer
+
+
+def test_layer_loop_refuses_what_is_out_of_range_and_writes_nothing(sparse):
+    """The step's one native call (`LayerLoop`) and the draft chain check every token id,
+    position, sampled row and slot before any store: a bad one raises IndexError and leaves
+    the pool's bytes as they were."""
+    engine = _engine(sparse, speculative_algorithm="mtp")
+    model, pool = engine.runner.model, engine.pool
+    config = model.config
+    slots = torch.arange(8, dtype=torch.long)
+    batch = ForwardBatch.from_requests([[5]], [slots])
+    with torch.inference_mode():
+        loop, draft = model._loop(batch, pool), model._loop(batch, pool, draft=True)
+        assert loop is not None and draft is not None and draft.has_head
+        before = [pool.latent_data(i).clone() for i in range(config.num_hidden_layers + 1)]
+        table, lens = slots[None], torch.tensor([8])
+        pos, out = torch.tensor([7]), torch.tensor([7])
+        h = torch.zeros(1, config.hidden_size)
+        tok, first, far = torch.tensor([5]), torch.tensor([0]), config.max_position_embeddings
+        bad = [
+            lambda: loop(torch.tensor([config.vocab_size]), pos, out, table, lens),
+            lambda: loop(torch.tensor([-1]), pos, out, table, lens),
+            lambda: loop(tok, torch.tensor([far]), out, table, lens),
+            lambda: loop(tok, pos, torch.tensor([pool.num_tokens]), table, lens),
+            lambda: loop(tok, pos, out, table, lens, None, torch.tensor([1])),  # row 1 of 1
+            lambda: draft.drafts(tok, pos, out, table, lens, h, first, torch.tensor([3]), table),
+        ]
+        for call in bad:
+            with pytest.raises(IndexError, match="out of range"):
+                call()
+        assert all(torch.equal(a, pool.latent_data(i)) for i, a in enumerate(before))
+        hidden, logits = loop(tok, pos, out, table, lens, None, first)
+        assert hidden.shape == (1, config.hidden_size) and logits.shape == (1, config.vocab_size)
