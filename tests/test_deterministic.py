@@ -336,7 +336,7 @@ def test_layer_loop_refuses_what_is_out_of_range_and_writes_nothing(sparse):
     """The step's one native call (`LayerLoop`) and the draft chain check every token id,
     position, sampled row and slot before any store: a bad one raises IndexError and leaves
     the pool's bytes as they were."""
-    engine = _engine(sparse, speculative_algorithm="mtp")
+    engine = _engine(sparse, speculative_algorithm="mtp", num_pages=8)
     model, pool = engine.runner.model, engine.pool
     config = model.config
     slots = torch.arange(8, dtype=torch.long)
