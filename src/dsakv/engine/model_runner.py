@@ -142,18 +142,18 @@ class ModelRunner:
 
     def _forward(self, new_tokens, slots, hot=None, rows: Sequence[int] = ()):
         graphs, logits = self.decode_graphs, None
+        picked = torch.tensor(rows, dtype=torch.long) if rows else None
         if graphs is not None and graphs.fits(new_tokens, slots):
             self.last[TARGET] = graphs.run(new_tokens, slots)
+            if rows:
+                logits = self._logits(picked, TARGET)
         else:
             fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device, hot=hot)
             with torch.inference_mode():
                 if rows:
-                    picked = torch.tensor(rows, dtype=torch.long)
                     self.last[TARGET], logits = self.model.forward_logits(fb, self.pool, picked)
                 else:
                     self.last[TARGET] = self.model(fb, self.pool)
-        if rows and logits is None:
-            logits = self._logits(torch.tensor(rows, dtype=torch.long), TARGET)
         return self.last[TARGET], logits
 
     def _forward_draft(self, new_tokens, slots, source: str, rows: torch.Tensor) -> torch.Tensor:

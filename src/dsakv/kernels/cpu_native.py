@@ -849,6 +849,8 @@ class LayerLoop:
         return bool(self._io.head_rows)
 
     def _desc(self, ids, positions, out_slots, table, lens, hidden):
+        """The step's tensors as the call reads them (kept alive by the caller over the
+        call: they hold the addresses) and the call's step arguments."""
         ids, positions, out_slots, table, lens = (
             _as(a, torch.int64) for a in (ids, positions, out_slots, table, lens)
         )
@@ -887,7 +889,7 @@ class LayerLoop:
         `out_slots[t]` -> the normed output `[T, hidden]`; with `rows` (the loop has a
         head), also the fp32 logits of those rows of it `[len(rows), vocab]`."""
         keep, args = self._desc(ids, positions, out_slots, table, lens, hidden)
-        out = torch.empty(len(keep[0]), self.hidden)
+        out = torch.empty(len(ids), self.hidden)
         logits = None
         if rows is not None:
             if not self.has_head:

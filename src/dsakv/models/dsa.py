@@ -242,8 +242,8 @@ class DSAForCausalLM(nn.Module):
                 return None
             embed = getattr(mtp, "embed_tokens", embed)
             norm = mtp.shared_head.norm
-            nextn = (mtp.enorm.weight, mtp.hnorm.weight, mtp.eh_proj.weight)
-            nextn = (*nextn, mtp.enorm.eps, mtp.hnorm.eps)
+            e, h = mtp.enorm, mtp.hnorm
+            nextn = (e.weight, h.weight, mtp.eh_proj.weight, e.eps, h.eps)
             head = getattr(mtp.shared_head, "head", head)
         else:
             norm, nextn = self.model.norm, None
