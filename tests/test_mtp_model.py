@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from dsakv.config.presets import BOS_ID, TINY_PRESETS
 from dsakv.distributed.parallel import ParallelState, destroy_parallel, init_parallel
 from dsakv.errors import DsakvError
 from dsakv.memory import CacheLayout, DSAKVPool
@@ -28,7 +29,7 @@ from dsakv.models.mtp_fit import (
     seeded_prompts,
     target_rollouts,
 )
-from dsakv.models.tiny import BOS_ID, TINY_PRESETS, hf_config, random_hf_model
+from dsakv.models.tiny import hf_config, random_hf_model
 
 from .model_driver import Request, make_pool
 from .test_parallel_model import PARALLEL

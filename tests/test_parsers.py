@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsakv.config.presets import EOS_ID, VOCAB_SIZE
 from dsakv.errors import DsakvError
-from dsakv.models.tiny import EOS_ID, VOCAB_SIZE, write_tokenizer
+from dsakv.models.tiny import write_tokenizer
 from dsakv.server.parsers import (
     TOOL_FORMATS,
     ChatOutputParser,

@@ -7,9 +7,10 @@ import torch
 from safetensors.torch import load_file
 
 from dsakv.config import LayerPlan, ModelConfig
+from dsakv.config.presets import BOS_ID, EOS_ID
 from dsakv.memory import CacheLayout
 from dsakv.models import TINY_PRESETS, default_model_dir, load_model, write_tiny_model
-from dsakv.models.tiny import BOS_ID, EOS_ID, hf_config
+from dsakv.models.tiny import hf_config
 
 from .model_driver import greedy, make_pool
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dsakv.distributed.launch import create_engine
 from dsakv.engine import EngineConfig
+from dsakv.engine.launch import create_engine
 
 from . import throughput as tp
 
@@ -22,9 +22,7 @@ from . import throughput as tp
 def run_parallel_bench(
     model: str, tp_size: int, work: tp.Workload, num_pages: int, page_size: int, seed: int = 0
 ) -> dict[str, Any]:
-    common = dict(
-        model=model, num_pages=num_pages, page_size=page_size, device="cpu", seed=seed
-    )
+    common = dict(model=model, num_pages=num_pages, page_size=page_size, device="cpu", seed=seed)
     one = tp.make_engine(elide=True, **common)
     many = tp.make_engine(elide=True, tp=tp_size, **common)
     try:
@@ -79,4 +77,3 @@ def _saturate(engine: Any, work: tp.Workload) -> dict[str, Any]:
         "seconds": seconds,
         "output_tokens_per_s": c["output_tokens"] / seconds,
     }
-

@@ -401,7 +401,7 @@ def _throughput(
     }
     hf = None
     if sizes.transformers:
-        from dsakv.models.tiny import PAD_ID
+        from dsakv.config.presets import PAD_ID
 
         hf = tp.transformers_generate(
             path, base.prompts, sizes.hf_new_tokens, _pad_id(path, PAD_ID)

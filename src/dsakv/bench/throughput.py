@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from dsakv.distributed.launch import create_engine
 from dsakv.engine import Engine, EngineConfig, SamplingParams
+from dsakv.engine.launch import create_engine
 
 
 @dataclass(frozen=True)

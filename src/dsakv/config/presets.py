@@ -1,8 +1,18 @@
-"""Public model shapes (DESIGN.md §5) as Hugging Face-style config dicts."""
+"""Model shapes as Hugging Face-style config dicts: the public ones (DESIGN.md §5), and the
+tiny ones the tests and benchmarks build (`dsakv.models.tiny` writes them)."""
 
 from __future__ import annotations
 
 import copy
+from typing import Any
+
+
+def _types(pattern: str) -> list[str]:
+    """`indexer_types` from letters: F full, S shared."""
+    return [{"F": "full", "S": "shared"}[c] for c in pattern]
+
+
+_GLM52_PATTERN = "FFF" + "SSSF" * 18 + "SSS"
 
 _GLM5 = {
     "architectures": ["GlmMoeDsaForCausalLM"],
@@ -44,7 +54,7 @@ _GLM52 = {
     "index_topk_freq": 4,
     "index_skip_topk_offset": 3,
     # As the checkpoint ships it: layers 0-2 full, then every 4th (what freq 4 / offset 3 give).
-    "indexer_types": [{"F": "full", "S": "shared"}[c] for c in "FFF" + "SSSF" * 18 + "SSS"],
+    "indexer_types": _types(_GLM52_PATTERN),
 }
 
 _DSV32 = {
@@ -98,6 +108,147 @@ _DSV32 = {
 }
 
 PRESETS: dict[str, dict] = {"glm-5": _GLM5, "glm-5.2": _GLM52, "deepseek-v3.2": _DSV32}
+
+
+# The tiny models: a byte-level vocabulary and the real models' shapes scaled down.
+BYTE_VOCAB = 256
+SPECIAL_TOKENS = (
+    "<|bos|>",
+    "<|eos|>",
+    "<|pad|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",  # GLM's tool-result role
+    "<|reserved_1|>",
+)
+VOCAB_SIZE = BYTE_VOCAB + len(SPECIAL_TOKENS)  # 264
+BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
+
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 16384,
+    "rms_norm_eps": 1e-5,
+    "routed_scaling_factor": 2.5,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+}
+
+_GLM_TINY = {
+    **_COMMON,
+    "model_type": "glm_moe_dsa",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "index_n_heads": 16,
+    "index_head_dim": 128,
+    "index_topk": 16,
+    "indexer_types": ["full", "full", "shared", "shared", "full", "shared", "full", "shared"],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "initializer_range": 0.1,
+}
+
+# GLM-5.2's 78-layer sharing pattern and per-token cache bytes, with a small body.
+_GLM_BENCH = {
+    **_COMMON,
+    "model_type": "glm_moe_dsa",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 78,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 3,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 256,
+    "index_topk_freq": 4,
+    "index_skip_topk_offset": 3,
+    "indexer_types": _types(_GLM52_PATTERN),  # freq 4, offset 3
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "initializer_range": 0.05,
+}
+
+_GLM_BENCH_SHORT = {
+    **_GLM_BENCH,
+    "num_hidden_layers": 16,
+    "indexer_types": _types("FFF" + "SSSF" * 3 + "S"),
+}
+
+# glm-bench-short with a top-64 indexer: prompts several times a HiSparse hot buffer
+# (2 × top_k) long stay cheap to prefill on a CPU (`dsakv bench --enable-hisparse`).
+_GLM_HISPARSE = {**_GLM_BENCH_SHORT, "index_topk": 64}
+
+_DEEPSEEK_TINY = {
+    **_COMMON,
+    "model_type": "deepseek_v32",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "index_n_heads": 16,
+    "index_head_dim": 128,
+    "index_topk": 16,
+    "max_position_embeddings": 2560,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 64,  # 64 × factor 40 = max_position_embeddings
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "initializer_range": 0.1,
+}
+
+TINY_PRESETS: dict[str, dict[str, Any]] = {
+    "glm-tiny": _GLM_TINY,
+    "glm-bench": _GLM_BENCH,
+    "glm-bench-short": _GLM_BENCH_SHORT,
+    "glm-hisparse": _GLM_HISPARSE,
+    "deepseek-tiny": _DEEPSEEK_TINY,
+}
 
 
 def preset(name: str) -> dict:

@@ -1,4 +1,6 @@
-"""Running one model across ranks: the parallel layout and the multi-process runtime."""
+"""One model across ranks: the parallel layout, its groups and collectives, and rank 0's
+channel to the others (`leader`). What starts the ranks and DP attention sit above, in
+`dsakv.engine` (`launch`, `dp`): they build engines."""
 
 from .parallel import ParallelConfig, ParallelState, shard_range
 

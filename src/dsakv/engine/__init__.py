@@ -1,4 +1,5 @@
-"""Engine: requests, scheduler, prefix cache, sampler, the step loop and the `LLM` API."""
+"""Engine: requests, scheduler, prefix cache, sampler, the step loop, the `LLM` API, and
+what runs engines on several ranks (`launch`, DP attention in `dp`)."""
 
 from .engine import Engine, EngineConfig
 from .llm import LLM, RequestOutput

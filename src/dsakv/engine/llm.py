@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .engine import EngineConfig
+from .launch import create_engine
 from .request import Request
 from .sampling import SamplingParams
 
@@ -61,8 +62,6 @@ class LLM:
             config = dataclasses.replace(model, **engine_args) if engine_args else model
         else:
             config = EngineConfig.from_kwargs(model, **engine_args)
-        from dsakv.distributed.launch import create_engine
-
         self.engine = create_engine(config)
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ copies the scheduler made since the last step, so every rank's pool replica stay
 identical); the other ranks sit in `serve()` and make the same calls, which meet in the
 model's collectives. Hidden states never travel: every rank keeps the last target and
 draft outputs ("target", "draft") and messages name rows of them. Under DP attention every
-rank schedules for itself, so nothing is broadcast here (see `dsakv.distributed.dp`).
+rank schedules for itself, so nothing is broadcast here (see `dsakv.engine.dp`).
 """
 
 from __future__ import annotations

@@ -479,7 +479,7 @@ def model_shapes() -> list[Shape]:
     """GLM-5 (64 heads, 32 index heads) and DeepSeek-V3.2 (128, 64) at page size 64, and
     the tiny presets the tests build models from (4 heads) at page sizes 16 and 64."""
     from dsakv.config import PRESETS
-    from dsakv.models.tiny import TINY_PRESETS
+    from dsakv.config.presets import TINY_PRESETS
 
     seen: dict[tuple, Shape] = {}
     for presets, page_sizes in ((PRESETS, (64,)), (TINY_PRESETS, (16, 64))):

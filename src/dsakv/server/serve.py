@@ -10,8 +10,8 @@ from pathlib import Path
 import uvicorn
 
 from dsakv.disagg import DisaggConfig
-from dsakv.distributed.launch import create_engine
 from dsakv.engine import EngineConfig
+from dsakv.engine.launch import create_engine
 from dsakv.errors import DsakvError
 
 from .app import build_app

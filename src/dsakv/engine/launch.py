@@ -25,9 +25,12 @@ from typing import Any
 
 import torch
 
+from dsakv.config import ModelConfig
+from dsakv.distributed.parallel import ParallelConfig, destroy_parallel, init_parallel
 from dsakv.errors import DsakvError
 
-from .parallel import ParallelConfig, destroy_parallel, init_parallel
+from .dp import DPEngine, serve_dp_peer
+from .engine import Engine, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +41,6 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
     """An `Engine` (one rank), or rank 0's `Engine` / `DPEngine` with the other ranks
     running. `exit_on_rank_death`: a dead rank ends this process (servers, CLI) instead of
     surfacing as an error from the next step (library use)."""
-    from dsakv.config import ModelConfig
-    from dsakv.engine.engine import Engine, resolve_device
-
     pc: ParallelConfig = config.parallel
     if pc.world_size == 1:
         return Engine(config)
@@ -81,10 +81,6 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
 
 def _start_rank(config: Any, rank: int, init: str) -> Any:
     """Join the group and build this rank's engine; rank 0's is returned, others serve."""
-    from dsakv.engine.engine import Engine, resolve_device
-
-    from .dp import DPEngine, serve_dp_peer
-
     pc: ParallelConfig = config.parallel
     local_rank = rank % pc.ranks_per_node
     device = resolve_device(config.device)

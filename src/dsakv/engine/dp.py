@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dsakv.engine.engine import Engine
-from dsakv.engine.request import Request, Status
-from dsakv.engine.sampling import SamplingParams
+from dsakv.distributed.leader import Leader
 from dsakv.errors import DsakvError
 
-from .leader import Leader
+from .engine import Engine
+from .request import Request, Status
+from .sampling import SamplingParams
 
 # Request fields that grow as it decodes, and the ones that are replaced.
 _GROWING = ("output_ids", "logprobs", "top_logprobs")
