@@ -21,10 +21,10 @@ import httpx
 import pytest
 import torch
 
+from dsakv.config.presets import TINY_PRESETS
 from dsakv.engine import Engine, EngineConfig, SamplingParams
 from dsakv.engine import disagg as pd
 from dsakv.errors import DsakvError
-from dsakv.models import tiny
 from dsakv.models.forward_batch import ForwardBatch
 from dsakv.models.tiny import default_model_dir, write_tiny_model
 
@@ -43,7 +43,7 @@ def sparse() -> str:
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory) -> str:
-    cfg = copy.deepcopy(tiny._GLM_TINY)
+    cfg = copy.deepcopy(TINY_PRESETS["glm-tiny"])
     cfg["index_topk"] = 4096
     return str(write_tiny_model(tmp_path_factory.mktemp("dense"), cfg, seed=0, mtp="none"))
 

@@ -304,7 +304,7 @@ inline float hsum(v16 v) {
 }
 
 // a · b: one 16-lane FMA chain, the lanes summed (`hsum`), then the tail; exactly what
-// `dot4` computes for each of its rows, so a row's value never depends on its grouping.
+// `dots_of` computes for each of its rows, so a row's value never depends on its grouping.
 template <class T>
 inline float dot(const T* a, const float* b, int64_t n) {
   v16 acc = {};
@@ -431,26 +431,33 @@ inline float dot_row(Mat m, int64_t r, int64_t K, const float* x) {
   return s;
 }
 
-// Dots of four rows a, a + lda, a + 2·lda, a + 3·lda with b (n values each): four
-// independent FMA chains, each summed as `dot` sums one row.
-inline void dot4(const float* a, int64_t lda, const float* b, int64_t n, float* out) {
-  v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+// Dots of N (<= 4) rows a, a + lda, ... with b (n values each): N independent FMA chains,
+// each summed as `dot` sums one row.
+template <int N>
+inline void dots_of(const float* a, int64_t lda, const float* b, int64_t n, float* out) {
+  v16 acc[N] = {};
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
     const v16 bv = load16(b + k);
-    a0 += load16(a + k) * bv;
-    a1 += load16(a + lda + k) * bv;
-    a2 += load16(a + 2 * lda + k) * bv;
-    a3 += load16(a + 3 * lda + k) * bv;
+    for (int i = 0; i < N; ++i) acc[i] += load16(a + i * lda + k) * bv;
   }
-  float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-  for (; k < n; ++k) {
-    s0 += a[k] * b[k], s1 += a[lda + k] * b[k];
-    s2 += a[2 * lda + k] * b[k], s3 += a[3 * lda + k] * b[k];
+  for (int i = 0; i < N; ++i) {
+    float s = hsum(acc[i]);
+    for (int64_t j = k; j < n; ++j) s = madd(a[i * lda + j], b[j], s);
+    out[i] = s;
   }
-  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
+// `dots_of` for m (<= 4) rows.
+inline void dots_upto4(const float* a, int64_t lda, const float* b, int64_t n, int64_t m,
+                       float* out) {
+  switch (m) {
+    case 4: return dots_of<4>(a, lda, b, n, out);
+    case 3: return dots_of<3>(a, lda, b, n, out);
+    case 2: return dots_of<2>(a, lda, b, n, out);
+    default: return dots_of<1>(a, lda, b, n, out);
+  }
+}
 
 // For each of `nh` (<= 4) heads: acc[h][c] += Σ_i p[h][i] · rows[i][c] over c < n, the rows
 // added one after another in order (one FMA each). 32 columns of every head at a time stay
@@ -720,13 +727,14 @@ constexpr int64_t kQueriesPerTile = 8;  // most queries sharing one widening of 
 // list), an MTP verification's rows of one request over a dense selection. first[i] is
 // tile i's first query (then B); with per-query lists (lds > 0), merged[i · K + j] the
 // slot tile i reads at position j (-1 where none of its queries does). A query reads
-// exactly its own rows in its own order either way: the tiling changes no bits.
+// exactly its own rows in its own order either way: the tiling changes no bits. At most
+// `cap` queries a tile.
 inline int64_t query_tiles(const int64_t* slots, int64_t lds, const bool* valid, int64_t B,
-                           int64_t K, std::vector<int64_t>& first,
+                           int64_t K, int64_t cap, std::vector<int64_t>& first,
                            std::vector<int64_t>& merged) {
   first.clear();
   if (!lds) {
-    for (int64_t b = 0; b < B; b += kQueriesPerTile) first.push_back(b);
+    for (int64_t b = 0; b < B; b += cap) first.push_back(b);
     first.push_back(B);
     return int64_t(first.size()) - 1;
   }
@@ -735,7 +743,7 @@ inline int64_t query_tiles(const int64_t* slots, int64_t lds, const bool* valid,
   for (int64_t b = 0, size = 0; b < B; ++b) {
     const int64_t* sl = slots + b * lds;
     const bool* ok = valid + b * K;
-    bool fits = size > 0 && size < kQueriesPerTile;
+    bool fits = size > 0 && size < cap;
     for (int64_t j = 0; fits && j < K; ++j) fits = !ok[j] || m[j] < 0 || m[j] == sl[j];
     if (!fits) {  // a new tile from b
       if (size) m += K;
@@ -748,6 +756,7 @@ inline int64_t query_tiles(const int64_t* slots, int64_t lds, const bool* valid,
   first.push_back(B);
   return int64_t(first.size()) - 1;
 }
+
 
 }  // namespace
 
@@ -765,11 +774,11 @@ extern "C" {
 // The K rows split into runs of 128 from the first (flash decoding): work units are
 // (tile of queries; run; group of <= 16 heads, fewer when there are fewer units than
 // threads), each an online softmax per query over its run in blocks of 64 rows; a tile
-// (`query_tiles`) widens each block of rows once for up to 8 queries; then each
-// (request, head) merges its runs in order and applies W_uv. Runs and blocks start at
-// fixed offsets and invalid rows change no sum, so a request whose valid rows come first
-// gets the same output whatever K its batch was padded to, whatever the batch and
-// whatever the thread count.
+// (`query_tiles`) widens each block of rows once for up to 8 queries, fewer when that
+// leaves too few units to balance the threads; then each (request, head) merges its runs
+// in order and applies W_uv. Runs and blocks start at fixed offsets and invalid rows
+// change no sum, so a request whose valid rows come first gets the same output whatever
+// K its batch was padded to, whatever the batch and whatever the thread count.
 // Returns the number of valid slots outside [0, n_rows) (skipped; the caller raises).
 int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_sb,
                          int64_t rope_sh, const uint8_t* data, int64_t n_rows,
@@ -780,11 +789,17 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
   constexpr int64_t kRowsPerRun = 2 * kRowsPerBlock;
   const int64_t d = lora + rope;
   const int64_t runs = std::max<int64_t>(1, (K + kRowsPerRun - 1) / kRowsPerRun);
+  const int64_t threads = omp_get_max_threads();
+  // Two units or more a thread where the queries allow, so that a short last run evens
+  // out: an MTP verification of 4 rows over 176 (runs of 128 and 48 rows) as two tiles
+  // of two queries took a quarter less time on 2 threads than as one tile.
+  const int64_t cap = threads == 1 ? kQueriesPerTile
+                                   : std::clamp<int64_t>(B * runs / (2 * threads), 1,
+                                                         kQueriesPerTile);
   std::vector<int64_t> first, merged;
-  const int64_t tiles = query_tiles(slots, lds, valid, B, K, first, merged);
+  const int64_t tiles = query_tiles(slots, lds, valid, B, K, cap, first, merged);
   const int64_t* tile_slots = lds ? merged.data() : slots;
   const int64_t tile_ld = lds ? K : 0;
-  const int64_t threads = omp_get_max_threads();
   const int64_t want =
       std::min(H, std::max<int64_t>(1, (threads + tiles * runs - 1) / (tiles * runs)));
   const int64_t per_unit = std::min(kHeadsPerUnit, (H + want - 1) / want);
@@ -842,15 +857,8 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
             const float* qr = q_rope + b * rope_sb + h * rope_sh;
             for (int64_t i = 0; i < nv; ++i) {
               float dn[4], dr[4];
-              if (hn == 4) {
-                dot4(qn, lora, lat[i], lora, dn);
-                dot4(qr, rope_sh, pe[i], rope, dr);
-              } else {
-                for (int64_t k = 0; k < hn; ++k) {
-                  dn[k] = dot(lat[i], qn + k * lora, lora);
-                  dr[k] = dot(pe[i], qr + k * rope_sh, rope);
-                }
-              }
+              dots_upto4(qn, lora, lat[i], lora, hn, dn);
+              dots_upto4(qr, rope_sh, pe[i], rope, hn, dr);
               for (int64_t k = 0; k < hn; ++k) sc[k][i] = (dn[k] + dr[k]) * scale;
             }
             float* acc[4];
@@ -1124,11 +1132,7 @@ int64_t dsakv_index_decode(const float* q, const float* w, int64_t B, int64_t H,
         for (int64_t h = 0; h < H; h += 4) {  // four heads' dots: four FMA chains
           float logit[4];
           const int64_t m = std::min<int64_t>(4, H - h);
-          if (m == 4) {
-            dot4(qb + h * D, D, k, D, logit);
-          } else {
-            for (int64_t i = 0; i < m; ++i) logit[i] = dot(qb + (h + i) * D, k, D);
-          }
+          dots_upto4(qb + h * D, D, k, D, m, logit);
           for (int64_t i = 0; i < m; ++i) {
             const float l = low ? round_bf16(logit[i]) : logit[i] * scale;
             acc += wb[h + i] * std::max(l, 0.0f);
