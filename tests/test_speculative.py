@@ -339,7 +339,7 @@ def test_draft_length_follows_what_the_target_keeps():
     """`MTPDrafter.adapt`: k drafts kept -> k + 1 next time (up to num_steps); none kept of
     one -> no drafts for a wait that doubles with each failed one-draft probe (up to
     MAX_WAIT decode steps); a kept draft ends the backoff."""
-    drafter = MTPDrafter(None, None, num_steps=3, max_model_len=4096, lockstep=False)
+    drafter = MTPDrafter(_Runner(), None, num_steps=3, max_model_len=4096, lockstep=False)
     req = Request([1, 2, 3], SamplingParams(max_tokens=1000, temperature=0))
     req.num_computed = 2  # decoding
 
@@ -387,8 +387,15 @@ def test_draft_length_follows_what_the_target_keeps():
 class _Runner:
     """Records the drafter's forwards; the draft layer always proposes token 7."""
 
+    leader = None  # one rank
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
+        self.last = {TARGET: torch.zeros(3, 4)}
+
+    def catch_up(self, toks, slots, hidden):
+        assert len(hidden) == sum(len(t) for t in toks)
+        self.calls.append(("owed", len(hidden)))
 
     def forward_draft(self, toks, slots, source, rows):
         assert len(rows) == sum(len(t) for t in toks) and len(slots) == len(toks)
@@ -420,7 +427,9 @@ class _Scheduler:
 def test_adaptive_drafts_keep_lockstep_forwards(lockstep):
     """Requests proposing 3, 1 and no drafts in one step: 3, 1 and 0 drafts come out, the
     chain runs only as long as some request still drafts; under DP attention (`lockstep`)
-    every step makes the same number of draft forwards whatever its requests want."""
+    every step makes the same number of draft forwards whatever its requests want. A lone
+    rank puts off the catch-up of requests that draft nothing, and pays it in one call
+    before they draft again."""
     runner = _Runner()
     drafter = MTPDrafter(runner, _Scheduler(), num_steps=3, max_model_len=4096, lockstep=lockstep)
     reqs = [Request([1] * 9, SamplingParams(max_tokens=100, temperature=0)) for _ in range(3)]
@@ -439,14 +448,29 @@ def test_adaptive_drafts_keep_lockstep_forwards(lockstep):
     drafter.step([(r, r.num_computed - 1, i) for i, r in enumerate(reqs)])
     assert [len(r.draft_ids) for r in reqs] == [3, 1, 0]
     chain = [(DRAFT, 1), (DRAFT, 1)]
-    assert runner.calls == [(TARGET, 3), *chain]
+    # (one rank: the request sitting out a wait puts its catch-up off)
+    assert runner.calls == [(TARGET, 3 if lockstep else 2), *chain]
     runner.calls.clear()
     for r in reqs:
         r.draft_len.k, r.draft_len.wait, r.draft_len.proposed = 0, 5, 0
         r.draft_ids = []
+        r.output_ids.append(5)
+        r.num_computed += 1
     drafter.step([(r, r.num_computed - 1, i) for i, r in enumerate(reqs)])
     assert all(not r.draft_ids for r in reqs)  # nobody drafts: no chain unless lockstep
-    assert runner.calls == [(TARGET, 3)] + ([(DRAFT, 0), (DRAFT, 0)] if lockstep else [])
+    assert runner.calls == ([(TARGET, 3), (DRAFT, 0), (DRAFT, 0)] if lockstep else [])
+    if lockstep:
+        return
+    assert [sum(map(len, r.draft_len.owed)) for r in reqs] == [1, 1, 2]
+    runner.calls.clear()
+    for r in reqs:  # the third request's wait ends
+        r.output_ids.append(5)
+        r.num_computed += 1
+    reqs[2].draft_len.wait = 1
+    drafter.step([(r, r.num_computed - 1, i) for i, r in enumerate(reqs)])
+    assert runner.calls == [("owed", 2), (TARGET, 1)]  # what it owes first, then this step
+    assert [len(r.draft_ids) for r in reqs] == [0, 0, 1]
+    assert [sum(map(len, r.draft_len.owed)) for r in reqs] == [2, 2, 0]
 
 
 def test_native_draft_chain_proposes_the_python_chains_drafts(dense, reference, monkeypatch):
@@ -479,6 +503,46 @@ def test_native_draft_chain_proposes_the_python_chains_drafts(dense, reference, 
     tokens, _ = _run(dense, prompts, speculative_num_steps=3, **MTP)
     assert tokens == ref
     assert proposed == with_chain
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_put_off_catch_ups_write_the_same_draft_kv(unfitted, cache):
+    """Requests whose drafts keep failing sit out waits, and on one rank put off the draft
+    layer's catch-up over those steps (`MTPDrafter.settle` pays it in one call before they
+    draft again, or before the prefix cache takes their pages). Catching up every step
+    instead proposes the same drafts and emits the same tokens; with the prefix cache, the
+    draft layer's KV holds the same bytes (finished requests' pages stay cached: what they
+    owed was paid). Without it, what a finished request owed is dropped with its pages."""
+    prompts = _prompts(5, seed=4)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    runs = []
+    for defers in (True, False):
+        llm = LLM(unfitted, **EXACT, num_pages=64, enable_prefix_cache=cache, **MTP)
+        engine = llm.engine
+        engine.drafter.defers = defers
+        paid = []
+        catch_up = engine.runner.catch_up
+        engine.runner.catch_up = lambda toks, slots, h, paid=paid, f=catch_up: (
+            paid.append(len(h)),
+            f(toks, slots, h),
+        )
+        outs = llm.generate(prompts, params)
+        engine.check_integrity()
+        n = engine.model_config.num_hidden_layers
+        runs.append(
+            (
+                [o.token_ids for o in outs],
+                [(o.metrics["spec_draft_tokens"], o.metrics["spec_accepted_tokens"]) for o in outs],
+                engine.pool.latent_data(n).clone(),
+                engine.pool.index_k_data(n).clone(),
+                paid,
+            )
+        )
+    (tokens, drafts, latent, keys, paid), (tokens0, drafts0, latent0, keys0, paid0) = runs
+    assert len(paid) > 5 and max(paid) > 2 and not paid0  # several steps' catch-ups at once
+    assert tokens == tokens0 and drafts == drafts0
+    if cache:
+        assert torch.equal(latent, latent0) and torch.equal(keys, keys0)
 
 
 def test_always_rejected_drafts_are_proposed_less(unfitted, reference):

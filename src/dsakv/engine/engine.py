@@ -803,6 +803,8 @@ class Engine:
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
         req.finish_reason = reason
         req.metrics.finish_time = now or time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.finish(req)
         self.scheduler.finish(req)
         self._release_forks(req)
         self.stats.finished_requests += 1

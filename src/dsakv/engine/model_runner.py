@@ -78,6 +78,19 @@ class ModelRunner:
                 send(("draft", _pack(new_tokens), _pack_slots(slots), source, rows.cpu()))
             return self._forward_draft(new_tokens, slots, source, rows)
 
+    def catch_up(
+        self,
+        new_tokens: Sequence[Sequence[int]],
+        slots: Sequence[torch.Tensor],
+        hidden: torch.Tensor,
+    ) -> None:
+        """`forward_draft` with the h rows given (`hidden`, kept from earlier steps: a
+        deferred catch-up); one rank only, as only a lone rank defers."""
+        assert self.leader is None, "the other ranks do not hold these rows"
+        fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
+        with torch.inference_mode():
+            self.model.forward_draft(fb, self.pool, hidden.to(self.device))
+
     def draft_chain(
         self,
         new_tokens: Sequence[Sequence[int]],

@@ -46,13 +46,16 @@ class DraftLength:
     (`MTPDrafter.adapt`). `k` 0: none, for `wait` more decode steps, then one draft as a
     probe; `backoff` is the wait after the next probe that fails. `seen` is its metrics'
     `(draft_tokens, accepted_tokens)` when `k` was last set, `proposed` how many drafts it
-    was handed then."""
+    was handed then. `owed`: the target's h rows of positions `owed_from`.. whose draft KV
+    a wait put off (`MTPDrafter.settle` writes it)."""
 
     k: int
     wait: int = 0
     backoff: int = 1
     seen: tuple[int, int] = (0, 0)
     proposed: int = 0
+    owed_from: int = 0
+    owed: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(eq=False)
