@@ -139,13 +139,12 @@ _COMMON: dict[str, Any] = {
     "norm_topk_prob": True,
 }
 
-_GLM_TINY = {
+# The two tiny models' common body.
+_TINY = {
     **_COMMON,
-    "model_type": "glm_moe_dsa",
     "hidden_size": 64,
     "intermediate_size": 128,
     "moe_intermediate_size": 32,
-    "num_hidden_layers": 8,
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "q_lora_rank": 64,
@@ -155,12 +154,18 @@ _GLM_TINY = {
     "v_head_dim": 32,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
-    "n_group": 1,
-    "topk_group": 1,
     "first_k_dense_replace": 1,
     "index_n_heads": 16,
     "index_head_dim": 128,
     "index_topk": 16,
+}
+
+_GLM_TINY = {
+    **_TINY,
+    "model_type": "glm_moe_dsa",
+    "num_hidden_layers": 8,
+    "n_group": 1,
+    "topk_group": 1,
     "indexer_types": ["full", "full", "shared", "shared", "full", "shared", "full", "shared"],
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     "initializer_range": 0.1,
@@ -207,27 +212,11 @@ _GLM_BENCH_SHORT = {
 _GLM_HISPARSE = {**_GLM_BENCH_SHORT, "index_topk": 64}
 
 _DEEPSEEK_TINY = {
-    **_COMMON,
+    **_TINY,
     "model_type": "deepseek_v32",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
     "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": 64,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 32,
-    "v_head_dim": 32,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
     "n_group": 4,
     "topk_group": 2,
-    "first_k_dense_replace": 1,
-    "index_n_heads": 16,
-    "index_head_dim": 128,
-    "index_topk": 16,
     "max_position_embeddings": 2560,
     "rope_parameters": {
         "rope_type": "yarn",
