@@ -757,7 +757,6 @@ inline int64_t query_tiles(const int64_t* slots, int64_t lds, const bool* valid,
   return int64_t(first.size()) - 1;
 }
 
-
 }  // namespace
 
 extern "C" {
@@ -790,14 +789,16 @@ int64_t dsakv_mla_decode(const float* q_nope, const float* q_rope, int64_t rope_
   const int64_t d = lora + rope;
   const int64_t runs = std::max<int64_t>(1, (K + kRowsPerRun - 1) / kRowsPerRun);
   const int64_t threads = omp_get_max_threads();
-  // Two units or more a thread where the queries allow, so that a short last run evens
-  // out: an MTP verification of 4 rows over 176 (runs of 128 and 48 rows) as two tiles
-  // of two queries took a quarter less time on 2 threads than as one tile.
-  const int64_t cap = threads == 1 ? kQueriesPerTile
-                                   : std::clamp<int64_t>(B * runs / (2 * threads), 1,
-                                                         kQueriesPerTile);
   std::vector<int64_t> first, merged;
-  const int64_t tiles = query_tiles(slots, lds, valid, B, K, cap, first, merged);
+  int64_t tiles = query_tiles(slots, lds, valid, B, K, kQueriesPerTile, first, merged);
+  // Smaller tiles where there are too few units for the threads to share evenly (runs of
+  // unequal length, or fewer tiles than threads): an MTP verification of 4 rows over 176
+  // (runs of 128 and 48 rows) as two tiles of two took a quarter less time on 2 threads
+  // than as one tile.
+  if (threads > 1 && tiles * runs < 2 * threads && (runs > 1 || tiles < threads)) {
+    const int64_t cap = std::clamp<int64_t>(B * runs / (2 * threads), 1, kQueriesPerTile);
+    tiles = query_tiles(slots, lds, valid, B, K, cap, first, merged);
+  }
   const int64_t* tile_slots = lds ? merged.data() : slots;
   const int64_t tile_ld = lds ? K : 0;
   const int64_t want =
