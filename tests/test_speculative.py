@@ -505,19 +505,22 @@ def test_native_draft_chain_proposes_the_python_chains_drafts(dense, reference, 
     assert proposed == with_chain
 
 
+@pytest.mark.parametrize("caches", ["fp32", "default"])
 @pytest.mark.parametrize("cache", [True, False])
-def test_put_off_catch_ups_write_the_same_draft_kv(unfitted, cache):
+def test_put_off_catch_ups_write_the_same_draft_kv(unfitted, cache, caches):
     """Requests whose drafts keep failing sit out waits, and on one rank put off the draft
     layer's catch-up over those steps (`MTPDrafter.settle` pays it in one call before they
     draft again, or before the prefix cache takes their pages). Catching up every step
     instead proposes the same drafts and emits the same tokens; with the prefix cache, the
     draft layer's KV holds the same bytes (finished requests' pages stay cached: what they
-    owed was paid). Without it, what a finished request owed is dropped with its pages."""
+    owed was paid). Without it, what a finished request owed is dropped with its pages.
+    On fp32 caches and on the default fp8 ones (each row quantised on its own)."""
     prompts = _prompts(5, seed=4)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     runs = []
     for defers in (True, False):
-        llm = LLM(unfitted, **EXACT, num_pages=64, enable_prefix_cache=cache, **MTP)
+        dtypes = EXACT if caches == "fp32" else dict(device="cpu", page_size=16)  # fp8 rows
+        llm = LLM(unfitted, **dtypes, num_pages=64, enable_prefix_cache=cache, **MTP)
         engine = llm.engine
         engine.drafter.defers = defers
         paid = []
