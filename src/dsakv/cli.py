@@ -487,15 +487,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from dsakv.server import run_server
 
+    config, bridge = engine_config_from_args(args), None
+    disaggregation = disagg_cli.config_from_args(args)
+    if disaggregation is not None:  # a prefill or decode server
+        from dsakv.disagg.serving import bridge_for
+
+        bridge = bridge_for(disaggregation, config, args.host)
     run_server(
-        engine_config_from_args(args),
+        config,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
-        disaggregation=disagg_cli.config_from_args(args),
+        bridge=bridge,
     )
     return 0
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dsakv.errors import DsakvError
+
+if TYPE_CHECKING:
+    from dsakv.engine import EngineConfig
 
 MODES = ("prefill", "decode")
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -37,11 +41,22 @@ class DisaggConfig:
         if not self.timeout_s > 0:
             raise DsakvError(f"disaggregation timeout must be > 0, got {self.timeout_s}")
 
-    def check_engine(self, world_size: int) -> None:
-        """One rank only: under TP every rank's pool replica would need the pages too."""
-        if world_size > 1:
+    def check_engine(self, config: EngineConfig) -> None:
+        """What a prefill or decode server cannot serve yet, before anything loads."""
+        if config.parallel.world_size > 1:  # every rank's pool replica would need the pages
             raise DsakvError(
                 "--disaggregation-mode runs on one rank for now (no --tp / --dp-attention)"
+            )
+        if config.storage is not None:
+            raise DsakvError(
+                "--hicache-storage-backend is not supported with --disaggregation-mode yet "
+                "(a prefill server would need its L3 pages before shipping them)"
+            )
+        if config.enable_hisparse and self.mode == "prefill":
+            raise DsakvError(
+                "--enable-hisparse is for the decode server: a prefill server keeps its "
+                "prompts on the device and writes their latent into the decode server's "
+                "host memory"
             )
 
     def host_for(self, server_host: str) -> str:

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dsakv.engine import Engine, Request, SamplingParams
+from dsakv.engine import Engine, EngineConfig, Request, SamplingParams
 from dsakv.engine import disagg as ops
 from dsakv.errors import DsakvError
 from dsakv.server.metrics import PREFIX
@@ -362,6 +362,15 @@ def make_async_engine(
         return cls(engine, config, server_host, thread)
     except (TransferError, BootstrapError) as e:
         raise DsakvError(str(e)) from None
+
+
+def bridge_for(
+    config: DisaggConfig, engine_config: EngineConfig, server_host: str
+) -> Callable[[Engine, EngineThread], AsyncEngine]:
+    """`make_server`'s `bridge` for a prefill or decode server; what such a server cannot
+    serve fails here, before the engine loads."""
+    config.check_engine(engine_config)
+    return lambda engine, thread: make_async_engine(engine, config, server_host, thread)
 
 
 class _TransferCollector(Collector):

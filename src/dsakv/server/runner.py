@@ -208,6 +208,9 @@ class AsyncEngine:
         """What this bridge adds to `/server_info` (SGLang's field names)."""
         return {"disaggregation_mode": "null"}
 
+    def attach(self, app: Any) -> None:
+        """Routes and middleware this bridge adds to the server's app (none here)."""
+
     def abort(self, stream: RequestStream) -> None:
         """Cancel a request (client went away); idempotent, safe from any thread."""
         self._commands.put(("abort", stream))

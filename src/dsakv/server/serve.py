@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
-from dsakv.disagg import DisaggConfig
-from dsakv.engine import EngineConfig
+from dsakv.engine import Engine, EngineConfig
 from dsakv.engine.launch import create_engine
-from dsakv.errors import DsakvError
 
 from .app import build_app
 from .chat import ChatParsers
@@ -44,49 +43,27 @@ def make_server(
     log_level: str = "info",
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = "auto",
-    disaggregation: DisaggConfig | None = None,
+    bridge: Callable[[Engine, EngineThread], AsyncEngine] | None = None,
 ) -> tuple[uvicorn.Server, AsyncEngine]:
     """The server `run_server` runs, not yet started (tests drive it on a thread). Parser
     names: "auto" (the model type's own), "none", or one of `parsers.TOOL_PARSERS` /
-    `parsers.REASONING_PARSERS`. `disaggregation`: serve as a prefill or decode server."""
+    `parsers.REASONING_PARSERS`. `bridge`: what the app talks to in place of a plain
+    `AsyncEngine` (a prefill or decode server's: `dsakv.disagg.serving.bridge_for`)."""
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
-    if disaggregation is not None:
-        disaggregation.check_engine(config.parallel.world_size)
-        if config.storage is not None:
-            raise DsakvError(
-                "--hicache-storage-backend is not supported with --disaggregation-mode yet "
-                "(a prefill server would need its L3 pages before shipping them)"
-            )
-        if config.enable_hisparse and disaggregation.mode == "prefill":
-            raise DsakvError(
-                "--enable-hisparse is for the decode server: a prefill server keeps its "
-                "prompts on the device and writes their latent into the decode server's "
-                "host memory"
-            )
     # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
     thread = EngineThread()
     try:
         engine = thread.call(lambda: create_engine(config, exit_on_rank_death=True))
+        async_engine = (bridge or AsyncEngine)(engine, thread)
     except BaseException:
-        thread.close()
+        thread.close()  # a no-op once the step loop started
         raise
-    if disaggregation is None:
-        async_engine = AsyncEngine(engine, thread)
-    else:
-        from dsakv.disagg.serving import make_async_engine
-
-        try:
-            async_engine = make_async_engine(engine, disaggregation, host, thread)
-        except BaseException:
-            thread.close()  # a no-op once the step loop started
-            raise
     name = served_model_name or Path(config.model).name or str(config.model)
     parsers = ChatParsers.for_model(
         engine.model_config.model_type, tool_call_parser, reasoning_parser
     )
     app = build_app(async_engine, name, api_key=api_key, chat_parsers=parsers)
-    if disaggregation is not None:
-        async_engine.attach(app)
+    async_engine.attach(app)
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     return _Server(uv, async_engine), async_engine
 
@@ -99,7 +76,7 @@ def run_server(
     served_model_name: str | None = None,
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = "auto",
-    disaggregation: DisaggConfig | None = None,
+    bridge: Callable[[Engine, EngineThread], AsyncEngine] | None = None,
 ) -> None:
     """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`)."""
     server, async_engine = make_server(
@@ -110,7 +87,7 @@ def run_server(
         served_model_name,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
-        disaggregation=disaggregation,
+        bridge=bridge,
     )
     shown = f"[{host}]" if ":" in host else host
     name = server.config.app.state.model_name
