@@ -581,6 +581,55 @@ def test_native_index_decode_one_shared_table_and_row_keys(tiny, low):
 
 
 @native
+@pytest.mark.parametrize("tokens", [1, 7, 48])
+def test_native_moe_ffn_gives_each_token_its_bits_alone_whoever_shares_its_experts(tokens):
+    """`dsakv_ffn` runs each expert over every token that chose it at once (48 tokens over
+    3 experts: a few dozen a side, past the 8 from which rows are read side by side). A
+    token's output is bit-equal alone, in the batch and in the batch reversed (so other
+    tokens share its experts), at one thread or two, and its bf16 matrices give the bits
+    of their fp32 widening; all agree with `residual_ffn`'s torch math to fp32 rounding."""
+    g = torch.Generator().manual_seed(11)
+    hidden, inter, attn_dim, e, i = 40, 24, 33, 3, 20
+    low = [
+        (torch.randn(s, generator=g) * 0.2).bfloat16()
+        for s in [(hidden, attn_dim), (inter, hidden), (inter, hidden), (hidden, inter),
+                  (e, 2 * i, hidden), (e, hidden, i)]
+    ]  # fmt: skip
+    router, bias = torch.randn(e, hidden, generator=g), 0.1 * torch.randn(e, generator=g)
+    post = 1 + 0.1 * torch.randn(hidden, generator=g)
+    x, attn = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, attn_dim, generator=g)
+    outs = []
+    for ms in (low, [m.float() for m in low]):
+        o, gate, up, down, gate_up, edown = ms
+        ffn = cpu_native.Ffn(
+            o, post, 1e-6, (gate, up, down), (router, bias, gate_up, edown, 2, 1, 1, True, 2.5)
+        )
+        for _ in _one_and_two_threads():
+            whole = ffn(x, attn)
+            assert torch.equal(ffn(x.flip(0), attn.flip(0)).flip(0), whole)
+            for r in {0, tokens // 2, tokens - 1}:
+                assert torch.equal(ffn(x[r : r + 1], attn[r : r + 1])[0], whole[r])
+        outs.append(whole)
+    assert torch.equal(outs[0], outs[1])
+    # The torch math: o_proj and the residual, post-norm, sigmoid top-2 routing
+    # (normalised, scaled), SiLU experts plus the shared MLP.
+    o, gate, up, down, gate_up, edown = (m.float() for m in low)
+    x1 = x + attn @ o.T
+    h = x1 * torch.rsqrt(x1.pow(2).mean(-1, keepdim=True) + 1e-6) * post
+    score = torch.sigmoid(h @ router.T)
+    ids = torch.topk(score + bias, 2, dim=-1).indices
+    w = score.gather(1, ids)
+    w = w / w.sum(-1, keepdim=True) * 2.5
+    want = x1 + (torch.nn.functional.silu(h @ gate.T) * (h @ up.T)) @ down.T
+    for t in range(tokens):
+        for j in range(2):
+            gu = gate_up[ids[t, j]] @ h[t]
+            act = torch.nn.functional.silu(gu[:i]) * gu[i:]
+            want[t] += w[t, j] * (edown[ids[t, j]] @ act)
+    torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-5)
+
+
+@native
 def test_native_blocks_read_bf16_matrices_as_their_fp32_widening_at_ragged_sizes():
     """Sizes off every vector width (the scalar tails of the dots, the token tiles and the
     absorbed query's 64-column blocks): each block with its matrices bf16 gives the bits it

@@ -1011,20 +1011,25 @@ void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, con
   }
 }
 
-// `residual_ffn` for B decode tokens: x1 = x + o_proj · attn[B, attn_dim]; h = post_norm(x1);
+// `residual_ffn` for B tokens: x1 = x + o_proj · attn[B, attn_dim]; h = post_norm(x1);
 // out = x1 + (Σ routed experts + shared experts)(h), or x1 + MLP(h) for a dense layer.
+// Each expert runs over the tokens that chose it at once, so a prefill chunk's tokens share
+// its rows' loads as a dense layer's do; every output is the dot `dot_row` takes (one order
+// per row and token), so a token's bits do not depend on who else chose its experts.
 void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* attn, float* out) {
   const FfnWeights& w = *wp;
   const int64_t D = w.hidden, I = w.inter, Is = w.mlp_inter;
   const int64_t k = w.router ? w.top_k : 0, E = w.router ? w.n_experts : 0;
-  const int64_t per_token = k * I + Is;  // activations: each chosen expert's, then the MLP's
-  float* x1 = scratch(B * (2 * D + E + k + per_token) + 1);
+  const int64_t P = B * k;  // (token, choice) pairs, grouped by expert below
+  float* x1 = scratch(B * (2 * D + E + k + Is) + P * (D + I) + 1);
   float* hn = x1 + B * D;
   float* logits = hn + B * D;
   float* gates = logits + B * E;
-  float* act = gates + B * k;
-  std::vector<int64_t> ids(B * k);
-  const int64_t blocks = (per_token + 15) / 16;
+  float* act_s = gates + B * k;  // the MLP's (shared experts') activations [B, Is]
+  float* xin = act_s + B * Is;   // each pair's normed token, expert by expert [P, D]
+  float* act = xin + P * D;      // each pair's expert activations [P, I]
+  std::vector<int64_t> ids(P), start(E + 1, 0), pair_of(P), gate_of(P), used;
+  const int64_t iblocks = (I + 15) / 16, sblocks = (Is + 15) / 16, nblocks = (D + 15) / 16;
 #pragma omp parallel
   {
     gemv_team(w.o_proj, w.attn_dim, attn, w.attn_dim, B, x1, D, D);
@@ -1036,35 +1041,75 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
       gemv(w.router, D, hn + b * D, D, 1, logits + b * E, E, 0, E);
       route(w, logits + b * E, &ids[b * k], gates + b * k);
     }
-    // Gate and up rows: token b's chosen experts' (weighted by the router), then the MLP's.
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < B * blocks; ++u) {
-      const int64_t b = u / blocks, r0 = (u % blocks) * 16, r1 = std::min(per_token, r0 + 16);
-      const float* hb = hn + b * D;
-      for (int64_t r = r0; r < r1; ++r) {
-        float g, up, scale = 1.0f;
-        if (r < k * I) {
-          const int64_t j = r / I, i = r % I;
-          const int64_t e = ids[b * k + j] * 2 * I;  // the expert's first gate row
-          g = dot_row(w.gate_up, e + i, D, hb), up = dot_row(w.gate_up, e + I + i, D, hb);
-          scale = gates[b * k + j];
-        } else {
-          const int64_t i = r - k * I;
-          g = dot_row(w.mlp_gate, i, D, hb), up = dot_row(w.mlp_up, i, D, hb);
+    // Each expert's tokens side by side (a prefill chunk's hundred tokens share each row's
+    // loads), in token order; pair_of[b · k + j]: where token b's j-th choice went.
+    if (k) {
+#pragma omp single
+      {
+        for (int64_t i = 0; i < P; ++i) ++start[ids[i] + 1];
+        for (int64_t e = 0; e < E; ++e) {
+          if (start[e + 1]) used.push_back(e);
+          start[e + 1] += start[e];
         }
-        act[b * per_token + r] = silu(g) * up * scale;
+        std::vector<int64_t> next(start.begin(), start.end() - 1);
+        for (int64_t i = 0; i < P; ++i) {
+          const int64_t p = next[ids[i]]++;
+          pair_of[i] = p, gate_of[p] = i;
+          std::memcpy(xin + p * D, hn + (i / k) * D, D * sizeof(float));
+        }
       }
     }
+    // Gate and up rows, 16 of each a unit: a chosen expert's over its tokens (weighted by
+    // the router), then the MLP's over every token; silu(gate) · up in the unit.
+    const int64_t routed_units = int64_t(used.size()) * iblocks;
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < D; ++n)
-      for (int64_t b = 0; b < B; ++b) {
-        const float* ab = act + b * per_token;
-        float routed = 0.0f;
-        for (int64_t j = 0; j < k; ++j)
-          routed += dot_row(w.down, ids[b * k + j] * D + n, I, ab + j * I);
-        const float shared = dot_row(w.mlp_down, n, Is, ab + k * I);
-        out[b * D + n] = x1[b * D + n] + (routed + shared);
+    for (int64_t u = 0; u < routed_units + sblocks; ++u) {
+      const bool routed = u < routed_units;
+      const int64_t e = routed ? used[u / iblocks] : 0;
+      const int64_t p0 = routed ? start[e] : 0, n = routed ? start[e + 1] - p0 : B;
+      const int64_t r0 = (routed ? u % iblocks : u - routed_units) * 16;
+      const int64_t rows = std::min<int64_t>(16, (routed ? I : Is) - r0);
+      const float* xs = routed ? xin + p0 * D : hn;
+      thread_local std::vector<float> gu;
+      if (gu.size() < size_t(2 * n * 16)) gu.resize(2 * n * 16);
+      float *g = gu.data(), *up = g + n * 16;
+      const Mat mg = routed ? w.gate_up : w.mlp_gate, mu = routed ? w.gate_up : w.mlp_up;
+      const int64_t rg = routed ? e * 2 * I + r0 : r0, ru = routed ? e * 2 * I + I + r0 : r0;
+      visit(mg, rg, rows, D, [&](auto m) { gemv(m, D, xs, D, n, g, 16, 0, rows, mg.kind != FP32); });
+      visit(mu, ru, rows, D, [&](auto m) { gemv(m, D, xs, D, n, up, 16, 0, rows, mu.kind != FP32); });
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t r = 0; r < rows; ++r) {
+          const float a = silu(g[t * 16 + r]) * up[t * 16 + r];
+          if (routed)
+            act[(p0 + t) * I + r0 + r] = a * gates[gate_of[p0 + t]];
+          else
+            act_s[t * Is + r0 + r] = a;
+        }
+    }
+    // Down, 16 output rows a unit: each expert's over its tokens, the MLP's over every
+    // token, then each token's sum in its choices' order.
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < nblocks; ++u) {
+      const int64_t n0 = u * 16, rows = std::min<int64_t>(16, D - n0);
+      thread_local std::vector<float> dn;
+      if (dn.size() < size_t((P + B) * 16)) dn.resize((P + B) * 16);
+      float* sh = dn.data() + P * 16;
+      for (const int64_t e : used) {
+        const int64_t p0 = start[e], n = start[e + 1] - p0;
+        visit(w.down, e * D + n0, rows, I, [&](auto m) {
+          gemv(m, I, act + p0 * I, I, n, dn.data() + p0 * 16, 16, 0, rows, w.down.kind != FP32);
+        });
       }
+      visit(w.mlp_down, n0, rows, Is, [&](auto m) {
+        gemv(m, Is, act_s, Is, B, sh, 16, 0, rows, w.mlp_down.kind != FP32);
+      });
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t r = 0; r < rows; ++r) {
+          float routed = 0.0f;
+          for (int64_t j = 0; j < k; ++j) routed += dn[pair_of[b * k + j] * 16 + r];
+          out[b * D + n0 + r] = x1[b * D + n0 + r] + (routed + sh[b * 16 + r]);
+        }
+    }
   }
 }
 
