@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass(eq=False)
@@ -136,10 +137,8 @@ class ForwardBatch:
         if self.num_reqs == 1:  # (an MTP verify at one request: no padding, no gather)
             return self.req_slots[0].expand(self.num_tokens, -1), self.positions + 1
         table = padded_slots(self.req_slots).to(self.input_ids.device)
-        rows = torch.repeat_interleave(
-            torch.arange(self.num_reqs), torch.tensor(self.extend_lens)
-        ).to(table.device)
-        return table[rows], self.positions + 1
+        rows = [r for r, e in enumerate(self.extend_lens) for _ in range(e)]
+        return table[torch.tensor(rows, device=table.device)], self.positions + 1
 
     @classmethod
     def padded_decode(
@@ -178,14 +177,14 @@ class ForwardBatch:
             slots_t = torch.as_tensor(slots, dtype=torch.long, device=device)
             s, e = slots_t.shape[0], len(toks)
             ids.extend(int(t) for t in toks)
-            pos.append(torch.arange(s - e, s, dtype=torch.long, device=device))
+            pos.extend(range(s - e, s))
             outs.append(slots_t[s - e :])
             ext.append(e)
             seqs.append(s)
             slots_list.append(slots_t)
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long, device=device),
+            positions=torch.tensor(pos, dtype=torch.long, device=device),
             out_slots=torch.cat(outs) if outs else torch.zeros(0, dtype=torch.long, device=device),
             extend_lens=ext,
             seq_lens=seqs,
@@ -199,5 +198,5 @@ def padded_slots(slots: Sequence[torch.Tensor]) -> torch.Tensor:
     (a real slot, masked by length wherever it is read)."""
     if not slots:
         return torch.zeros(0, 0, dtype=torch.long)
-    width = max(s.shape[0] for s in slots)
-    return torch.stack([torch.cat([s, s[:1].expand(width - s.shape[0])]) for s in slots])
+    table = pad_sequence(list(slots), batch_first=True, padding_value=-1)
+    return torch.where(table < 0, table[:, :1], table)  # (slots are >= 0)
