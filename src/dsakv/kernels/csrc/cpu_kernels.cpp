@@ -408,29 +408,6 @@ inline void tile(const T* w, int64_t K, const float* x, int64_t ldx, float* y, i
               [w, K](int i, int64_t k) { return widen(w[i * K + k]); }, K, x, ldx, y, ldy);
 }
 
-// Packed FP8_BLOCK row `w` (K values) · x, widened in registers: exactly `tile` over the
-// row's `visit` widening, without writing it out (a row read once, as an expert's).
-inline float dot_e4m3(const uint8_t* w, int64_t K, const float* x) {
-  auto load = [w, K](int, int64_t k) { return load16_e4m3(w + k, fp8_scale(w, K, k)); };
-  auto at = [w, K](int, int64_t k) {
-    float v;
-    widen_e4m3(w + k, &v, 1, fp8_scale(w, K, k));
-    return v;
-  };
-  float s;
-  dots<1, 1>(load, at, K, x, 0, &s, 0);
-  return s;
-}
-
-// Row r of m[*, K] · x (the switch costs nothing beside a row of K weights).
-inline float dot_row(Mat m, int64_t r, int64_t K, const float* x) {
-  if (m.kind == FP8_BLOCK)
-    return dot_e4m3(static_cast<const uint8_t*>(m.p) + r * fp8_row_bytes(K), K, x);
-  float s;
-  visit(m, r, 1, K, [&](auto w) { tile<1, 1>(w, K, x, 0, &s, 0); });
-  return s;
-}
-
 // Dots of N (<= 4) rows a, a + lda, ... with b (n values each): N independent FMA chains,
 // each summed as `dot` sums one row.
 template <int N>
@@ -1014,8 +991,8 @@ void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, con
 // `residual_ffn` for B tokens: x1 = x + o_proj · attn[B, attn_dim]; h = post_norm(x1);
 // out = x1 + (Σ routed experts + shared experts)(h), or x1 + MLP(h) for a dense layer.
 // Each expert runs over the tokens that chose it at once, so a prefill chunk's tokens share
-// its rows' loads as a dense layer's do; every output is the dot `dot_row` takes (one order
-// per row and token), so a token's bits do not depend on who else chose its experts.
+// its rows' loads as a dense layer's do; every output is summed in `gemv`'s one order for
+// its row and token, so a token's bits do not depend on who else chose its experts.
 void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* attn, float* out) {
   const FfnWeights& w = *wp;
   const int64_t D = w.hidden, I = w.inter, Is = w.mlp_inter;
