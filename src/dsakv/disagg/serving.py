@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,7 +27,14 @@ from dsakv.engine import disagg as ops
 from dsakv.errors import DsakvError
 from dsakv.server.metrics import PREFIX
 from dsakv.server.protocol import APIError
-from dsakv.server.runner import AsyncEngine, EngineThread, RequestStream, Update, _update
+from dsakv.server.runner import (
+    AsyncEngine,
+    Bridge,
+    EngineThread,
+    RequestStream,
+    Update,
+    _update,
+)
 
 from .bootstrap import BootstrapError, BootstrapServer, describe, request_kv
 from .config import DisaggConfig
@@ -364,9 +371,7 @@ def make_async_engine(
         raise DsakvError(str(e)) from None
 
 
-def bridge_for(
-    config: DisaggConfig, engine_config: EngineConfig, server_host: str
-) -> Callable[[Engine, EngineThread], AsyncEngine]:
+def bridge_for(config: DisaggConfig, engine_config: EngineConfig, server_host: str) -> Bridge:
     """`make_server`'s `bridge` for a prefill or decode server; what such a server cannot
     serve fails here, before the engine loads."""
     config.check_engine(engine_config)

@@ -424,3 +424,8 @@ def _stable_len(text: str, stops: tuple[str, ...]) -> int:
     while n > 0 and text[n - 1] == "\ufffd":
         n -= 1
     return n
+
+
+# What the server's app talks to, made from the engine and the thread that built it: a plain
+# `AsyncEngine`, or a prefill or decode server's (`dsakv.disagg.serving.bridge_for`).
+Bridge = Callable[[Engine, EngineThread], AsyncEngine]

@@ -5,18 +5,17 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
-from dsakv.engine import Engine, EngineConfig
+from dsakv.engine import EngineConfig
 from dsakv.engine.launch import create_engine
 
 from .app import build_app
 from .chat import ChatParsers
 from .parsers import resolve_parsers
-from .runner import AsyncEngine, EngineThread
+from .runner import AsyncEngine, Bridge, EngineThread
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +42,12 @@ def make_server(
     log_level: str = "info",
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = "auto",
-    bridge: Callable[[Engine, EngineThread], AsyncEngine] | None = None,
+    bridge: Bridge | None = None,
 ) -> tuple[uvicorn.Server, AsyncEngine]:
     """The server `run_server` runs, not yet started (tests drive it on a thread). Parser
     names: "auto" (the model type's own), "none", or one of `parsers.TOOL_PARSERS` /
-    `parsers.REASONING_PARSERS`. `bridge`: what the app talks to in place of a plain
-    `AsyncEngine` (a prefill or decode server's: `dsakv.disagg.serving.bridge_for`)."""
+    `parsers.REASONING_PARSERS`. `bridge`: what the app talks to (default: a plain
+    `AsyncEngine`)."""
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
     # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
     thread = EngineThread()
@@ -76,7 +75,7 @@ def run_server(
     served_model_name: str | None = None,
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = "auto",
-    bridge: Callable[[Engine, EngineThread], AsyncEngine] | None = None,
+    bridge: Bridge | None = None,
 ) -> None:
     """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`)."""
     server, async_engine = make_server(
