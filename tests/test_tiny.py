@@ -83,9 +83,10 @@ def test_deepseek_tiny_is_v32_with_yarn():
 
 
 def test_default_model_dir_generates_once(tmp_path, monkeypatch):
+    """(A named weight format: no MTP layer to fit, so the cache is written in seconds.)"""
     monkeypatch.setenv("DSAKV_CACHE", str(tmp_path))
-    path = default_model_dir("glm-tiny")
-    assert path == tmp_path / "glm-tiny-mtp2-seed0" and (path / "model.safetensors").is_file()
+    path = default_model_dir("glm-tiny", weights="fp32")
+    assert path == tmp_path / "glm-tiny-fp32-seed0" and (path / "model.safetensors").is_file()
     stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert default_model_dir("glm-tiny") == path
+    assert default_model_dir("glm-tiny", weights="fp32") == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp

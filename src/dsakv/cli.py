@@ -1,4 +1,5 @@
-"""`dsakv` command line: plan, init-tiny, generate, serve, bench, calibrate-pattern."""
+"""dsakv, an inference engine for DeepSeek Sparse Attention models (GLM-5.x, DeepSeek-V3.2),
+whose shared-indexer layers keep no index-K cache."""
 
 from __future__ import annotations
 

@@ -155,10 +155,6 @@ class ParallelState:
         return 0 if self.config.dp_attention else self.rank
 
     @property
-    def dp_rank(self) -> int:
-        return self.rank if self.config.dp_attention else 0
-
-    @property
     def ep_rank(self) -> int:
         """Which group of whole experts this rank serves."""
         return self.rank // self.config.moe_tp
@@ -236,13 +232,6 @@ class ParallelState:
             return [obj]
         out = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.cpu_group)
-        return out
-
-    def all_gather_objects(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
 
 

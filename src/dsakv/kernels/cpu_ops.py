@@ -78,9 +78,6 @@ SPARSE_ROWS_ELEMS = 1 << 20
 # reference) beats gathering: measured break-even 12-16 with 4 heads and top-256 in fp32
 # (the reference's SCORE_ALL_RATIO, 64, is for its own large gather blocks).
 SCORE_ALL_RATIO = 12
-# Widened latent values per decode attention block ([requests, k, kv_lora + rope] fp32):
-# the block stays in L2 between the widening and the two GEMMs that read it.
-DECODE_ROWS_ELEMS = 1 << 23
 # Logits per decode indexer block ([requests, heads, padded context], bf16).
 DECODE_LOGITS_ELEMS = 1 << 22
 

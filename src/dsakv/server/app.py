@@ -469,9 +469,6 @@ class Handlers:
             raise APIError(400, f"n must be in 1..{limit}, got {n}", param="n")
         return n
 
-    async def _submit(self, prompt: str | list[int], params: SamplingParams) -> RequestStream:
-        return (await self._submit_n(prompt, params, 1))[0]
-
     async def _submit_n(
         self, prompt: str | list[int], params: SamplingParams, n: int
     ) -> list[RequestStream]:
