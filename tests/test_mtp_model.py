@@ -29,7 +29,7 @@ from dsakv.models.mtp_fit import (
     seeded_prompts,
     target_rollouts,
 )
-from dsakv.models.tiny import hf_config, random_hf_model
+from dsakv.models.tiny import default_model_dir, hf_config, random_hf_model
 
 from .model_driver import Request, make_pool
 from .test_parallel_model import PARALLEL
@@ -43,7 +43,7 @@ def ckpts(tmp_path_factory):
     deepseek-tiny (MTP layer with its own embed/head copies, equal to the target's)."""
     root = tmp_path_factory.mktemp("mtp")
     return {
-        "glm-tiny": write_tiny_model(root / "glm-fit", "glm-tiny", mtp="fit"),
+        "glm-tiny": default_model_dir("glm-tiny"),  # cached, MTP layer fitted
         "glm-random": write_tiny_model(root / "glm-random", "glm-tiny", mtp="random"),
         "deepseek-tiny": write_tiny_model(root / "deepseek", "deepseek-tiny"),
     }

@@ -15,7 +15,7 @@ from dsakv.engine import Engine, EngineConfig
 from dsakv.engine.model_runner import DRAFT, TARGET
 from dsakv.engine.request import Request
 from dsakv.engine.speculative import MAX_WAIT, MTPDrafter, verify
-from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+from dsakv.models.tiny import TINY_PRESETS, default_model_dir, write_tiny_model
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -110,7 +110,7 @@ def test_sparse_config_agreement(tmp_path):
     """index_topk 16 < context: measured agreement of greedy tokens with and without MTP
     (the verify forward scores [last, d1..dK] as one extend; a near-tie in the indexer
     can flip). Measured here: 1.0."""
-    path = str(write_tiny_model(tmp_path / "s", "glm-tiny", mtp="fit"))
+    path = str(default_model_dir("glm-tiny"))  # (fitted MTP layer, index_topk 16)
     prompts = _prompts(6, seed=1)
     ref, _ = _run(path, prompts)
     tokens, _ = _run(path, prompts, **MTP)
