@@ -106,7 +106,7 @@ def test_greedy_equal_with_prefix_hits(dense):
     assert engine.counters()["prefix_hit_tokens"] >= 5 * 48
 
 
-def test_sparse_config_agreement(tmp_path):
+def test_sparse_config_agreement():
     """index_topk 16 < context: measured agreement of greedy tokens with and without MTP
     (the verify forward scores [last, d1..dK] as one extend; a near-tie in the indexer
     can flip). Measured here: 1.0."""
