@@ -147,6 +147,30 @@ def test_seeded_sampling_reproducible_regardless_of_batch(tiny):
     assert other_seed[0] != alone[0]
 
 
+def test_vanishing_temperature_is_greedy_and_spares_the_batch(tiny, reference):
+    """A temperature so small that logits / temperature overflow (1e-45) samples greedily,
+    as vLLM does below 1e-5; it once made the step's softmax NaN and failed every request
+    in the batch."""
+    prompts, ref = reference
+    cold = SamplingParams(max_tokens=40, temperature=1e-45, ignore_eos=True)
+    tokens, _ = _run(tiny, prompts, [GREEDY, cold] * (len(prompts) // 2))
+    assert tokens == ref
+
+
+def test_max_tokens_beyond_the_context_is_cut_to_it(tiny):
+    """Admission reserves pages for a share of max_tokens; a max_tokens far past what the
+    context leaves (10**8 here, a 32-page pool) is cut to it, so the request runs to the
+    context limit instead of never being admitted (it used to end with no tokens)."""
+    llm = LLM(tiny, **EXACT, num_pages=32)
+    limit = llm.engine.max_model_len
+    prompt = _prompts(1, seed=7)[0]
+    huge, some = (SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (10**8, 3))
+    out, other = llm.generate([prompt, prompt[:20]], [huge, some])
+    assert len(out.token_ids) == limit - len(prompt) and out.finish_reason == "length"
+    assert len(other.token_ids) == 3
+    llm.engine.check_integrity()
+
+
 def test_stop_conditions_and_logprobs(tiny):
     llm = LLM(tiny, **EXACT, num_pages=32)
     prompt = _prompts(1, seed=3)[0]
@@ -181,6 +205,8 @@ def test_stop_conditions_and_logprobs(tiny):
     [
         (dict(max_tokens=0), "max_tokens"),
         (dict(temperature=-1), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
         (dict(top_p=0), "top_p"),
         (dict(top_k=0), "top_k"),
         (dict(min_p=2), "min_p"),

@@ -118,13 +118,6 @@ def test_dsml_parameters_and_json_body():
         ("glm47", "a <tool_ca", "a <tool_ca", []),  # a trigger prefix at the end is text
         ("glm47", "x<tool_call>", "x<tool_call>", []),
         ("glm47", "x<tool_call>bad name<x>", "x<tool_call>bad name<x>", []),
-        # a call cut off mid-argument keeps what was read; the rest stays text
-        (
-            "glm47",
-            "<tool_call>ping<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b",
-            "<arg_key>b",
-            [("ping", {"a": 1})],
-        ),
         # a missing <arg_value> ends the call there
         (
             "glm47",
@@ -133,16 +126,42 @@ def test_dsml_parameters_and_json_body():
             [("ping", {})],
         ),
         ("deepseekv32", f"<{D}function_calls>hello", f"<{D}function_calls>hello", []),
-        (
-            "deepseekv32",
-            f'<{D}function_calls><{D}invoke name="ping">{{broken</{D}invoke>',
-            f"{{broken</{D}invoke>",
-            [("ping", {})],
-        ),
         ("deepseekv32", f"<{D}function_ca", f"<{D}function_ca", []),
     ],
 )
 def test_malformed_text_never_raises_and_stays_content(parser, text, content, calls):
+    assert _parse(parser, text) == (content, calls)
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [
+        (
+            "glm47",
+            "<tool_call>ping<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b",
+            "",
+            [("ping", {"a": 1})],
+        ),
+        (
+            "glm47",
+            "Sure.<tool_call>ping<arg_key>a</arg_key><arg_value>Par",
+            "Sure.",
+            [("ping", {})],
+        ),
+        (
+            "deepseekv32",
+            f'<{D}function_calls><{D}invoke name="ping">{{broken</{D}invoke>',
+            "",
+            [("ping", {})],
+        ),
+    ],
+)
+def test_a_call_cut_off_keeps_its_complete_arguments_and_drops_its_markup(
+    parser, text, content, calls
+):
+    """A response that ends inside an open call (max_tokens) reports the call with the
+    arguments completed before the cut; the partial markup is not content (a client
+    would show it to the user)."""
     assert _parse(parser, text) == (content, calls)
 
 

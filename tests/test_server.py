@@ -292,6 +292,7 @@ _BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -1.0}, 400, None),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e309}', 400, None),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, None),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, None),

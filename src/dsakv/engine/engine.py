@@ -531,7 +531,13 @@ class Engine:
 
     def _init_request(self, req: Request) -> None:
         """Per-request state its params ask for: a grammar matcher (a bad grammar raises
-        `DsakvError` here, before the request is queued) and room for prompt logprobs."""
+        `DsakvError` here, before the request is queued) and room for prompt logprobs.
+        `max_tokens` is cut to what the context leaves: the context ends the request there
+        anyway, and admission reserves pages for a share of `max_tokens` (uncut, a client's
+        `max_tokens` of 10**8 made a request that could never be admitted)."""
+        room = self.max_model_len - len(req.prompt_ids)
+        if req.params.max_tokens > room >= 1:
+            req.params = replace(req.params, max_tokens=room)
         p = req.params
         if p.grammar is not None:
             req.matcher = self.grammars.matcher(p.grammar)

@@ -4,6 +4,7 @@ the batch, on how earlier tokens were drawn (MTP verification) or on which serve
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,6 +13,9 @@ import torch
 from dsakv.errors import DsakvError
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+# Temperatures below this sample greedily (vLLM's bound): dividing logits by less would
+# overflow them to inf, and softmax of inf is NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,10 @@ class SamplingParams:
                 ),
                 "max_tokens must be an integer >= 1 (0 only with prompt_logprobs)",
             ),
-            (_is_num(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
+            (
+                _is_num(self.temperature) and 0 <= self.temperature < math.inf,
+                "temperature must be a finite number >= 0",
+            ),
             (_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (
                 _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
@@ -89,7 +96,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(x: object) -> bool:

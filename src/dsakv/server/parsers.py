@@ -192,7 +192,8 @@ class ToolCallParser:
 
     def feed(self, text: str, final: bool = False) -> ToolCallDelta:
         """Consume `text`; return the settled content and tool-call deltas. `final` flushes
-        whatever was held back (closing a cut-off call)."""
+        whatever was held back: a call cut off mid-markup is closed with the arguments that
+        were complete, and its partial markup dropped."""
         self._buf += text
         out = ToolCallDelta()
         pos = 0
@@ -211,7 +212,11 @@ class ToolCallParser:
             step = self._match(pos)
             if step is None and not final:
                 break  # could still become valid markup: wait for more text
-            if step is None or step is False:  # malformed, or cut off at the end
+            if step is None and self._open:  # a call cut off (max_tokens): its markup is
+                self._close(out)  # not content; the call keeps the arguments completed
+                pos, self._state = len(self._buf), _TEXT
+                break
+            if step is None or step is False:  # malformed, or cut off before a call opened
                 if self._open:
                     self._close(out)
                 elif self._block_calls == 0:
