@@ -548,6 +548,20 @@ def test_put_off_catch_ups_write_the_same_draft_kv(unfitted, cache, caches):
         assert torch.equal(latent, latent0) and torch.equal(keys, keys0)
 
 
+def test_a_retracted_request_drops_what_it_owed(unfitted):
+    """A request sitting out drafts owes the draft layer's catch-up; retracted, then
+    recomputed in one chunk after a prefix hit, what it owed is stale (its pages went and
+    the recompute's own catch-up covers the positions). It used to trip `_owe`'s assertion
+    and end generate() for every request."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(10, 120))] for _ in range(8)]
+    small = dict(page_size=8, num_pages=60)
+    ref, _ = _run(unfitted, prompts, **small)
+    tokens, engine = _run(unfitted, prompts, **small, **MTP)
+    assert engine.counters()["retractions"] > 0
+    assert tokens == ref
+
+
 def test_always_rejected_drafts_are_proposed_less(unfitted, reference):
     """An unfitted draft layer: its requests soon stop proposing chains (a one-draft probe
     now and then), so the target checks far fewer drafts than num_steps per decode pass,

@@ -164,8 +164,8 @@ class MTPDrafter:
                 continue
             self.adapt(req)
             s = req.draft_len
-            if req.in_prefill:
-                s.owed = []  # a recompute's chunks catch up over what it owed
+            if req.in_prefill or s.owed_from + sum(len(h) for h in s.owed) != start:
+                s.owed = []  # retracted: its recompute's chunks catch up over what it owed
             elif self.defers and s.k == 0 and not req.finished:
                 req.draft_ids, s.proposed = [], 0  # (what a chain of none would leave)
                 self._owe(req, start, row, stop - start)
