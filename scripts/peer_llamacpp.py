@@ -26,6 +26,7 @@ import dataclasses
 import json
 import random
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -115,14 +116,13 @@ def write_model(work: Path, outtype: str) -> Path:
     """glm-bench without MTP from dsakv's init-tiny; for bf16, a copy rounded to bf16."""
     fp32 = work / "glm-bench-nomtp"
     if not (fp32 / "config.json").is_file():
+        shutil.rmtree(fp32, ignore_errors=True)  # a run cut short (init-tiny wants it empty)
         argv = [sys.executable, "-m", "dsakv.cli", "init-tiny", "--preset", "glm-bench"]
         run([*argv, "--mtp", "none", fp32], "dsakv init-tiny")
     if outtype == "f32":
         return fp32
     out = work / "glm-bench-nomtp-bf16"
     if not (out / "config.json").is_file():
-        import shutil
-
         import torch
         from safetensors.torch import load_file, save_file
 

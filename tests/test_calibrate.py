@@ -219,3 +219,16 @@ def test_write_config_refuses_a_used_directory(model_dir, tmp_path, capsys):
     assert main(["calibrate-pattern", str(model_dir), "--write-config", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not empty" in err[0]
+
+
+def test_write_config_never_writes_through_a_linked_config(model_dir, tmp_path, capsys):
+    """A Hugging Face snapshot holds only links, config.json's too: writing into it would
+    rewrite the linked blob, another model's config."""
+    blob, snap = tmp_path / "blob.json", tmp_path / "snap"
+    blob.write_text('{"model_type": "deepseek_v32"}')
+    snap.mkdir()
+    (snap / "config.json").symlink_to(blob)
+    assert main(["calibrate-pattern", str(model_dir), "--write-config", str(snap)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "linked config.json" in err[0], err
+    assert blob.read_text() == '{"model_type": "deepseek_v32"}'

@@ -71,6 +71,8 @@ def test_generate_json_is_deterministic(tiny_dir, capsys):
         ["--index-topk-pattern", "FF"],
         ["--device", "tpu"],
         ["--host-pool-gib", "-1"],
+        ["--host-pool-gib", "nan"],
+        ["--kv-budget-gib", "100000"],  # more than this machine can allocate
         ["--host-pool-gib", "0.0000001"],
         ["--max-model-len", "1"],
     ],
@@ -95,3 +97,49 @@ def test_bad_model_and_preset_exit_2(tmp_path):
         assert proc.returncode == 2, args
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in proc.stderr
+
+
+def test_init_tiny_never_writes_over_files(tmp_path, capsys):
+    """A non-empty DIR (someone's files, or another model), a file, and a seed torch cannot
+    take are each one error line; nothing already there is touched."""
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "afile").write_text("x")
+    for args, message in (
+        ([str(tmp_path)], "is not empty"),
+        ([str(tmp_path / "afile")], "not a directory"),
+        ([str(tmp_path / "new"), "--seed", str(10**20)], "--seed"),
+    ):
+        assert main(["init-tiny", *args, "--mtp", "none"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_servers_refuse_bad_addresses_before_loading(tiny_dir):
+    """A port out of range or in use, a bad host, a router URL that is not http(s), ports
+    serve-pd would give twice, engine flags a PD server refuses: one error line each, exit
+    2, before any model loads (uvicorn used to fail after it, in its own words)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = str(busy.getsockname()[1])
+        cases = [
+            (["serve", str(tiny_dir), "--port", "99999"], "1..65535"),
+            (["serve", str(tiny_dir), "--port", taken], "cannot listen"),
+            (["serve", str(tiny_dir), "--host", "no.such.host.invalid"], "cannot listen"),
+            (["router", "--prefill", "notaurl", "--decode", "http://127.0.0.1:9"], "http(s)"),
+            (["router", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", taken], "cannot listen"),  # fmt: skip
+            (["serve-pd", str(tiny_dir), "--prefill-port", "9123", "--decode-port", "9123"], "must differ"),  # fmt: skip
+            (["serve-pd", str(tiny_dir), "--tp", "2"], "one rank"),
+        ]
+        for args, message in cases:
+            proc = subprocess.run(
+                [sys.executable, "-m", "dsakv.cli", *args], capture_output=True, text=True
+            )
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 2 and len(lines) == 1, (args, proc.stderr[-2000:])
+            assert lines[0].startswith("error:") and message in lines[0], (args, lines)
+

@@ -74,6 +74,10 @@ def test_plan_from_path(tmp_path, capsys):
         ["plan", "glm-5.2", "--tp", "0"],
         ["plan", "glm-5.2", "--page-size", "0"],
         ["plan", "glm-5.2", "--gpu-memory-gib", "8"],
+        ["plan", "glm-5.2", "--kv-budget-gib", "inf"],
+        ["plan", "glm-5.2", "--kv-budget-gib", "1e400"],
+        ["plan", "glm-5.2", "--gpu-memory-gib", "80", "--reserve-gib", "-1000"],
+        ["plan", "glm-5.2", "--gpu-memory-gib", "288", "--tp", "8", "--weights-gib", "nan"],
         ["plan", "glm-5.2", "--bogus-flag"],
         ["plan"],
     ],
@@ -92,11 +96,14 @@ def test_bad_config_files_exit_2(tmp_path):
     cases = {
         "unknown_type": {**preset("glm-5"), "model_type": "llama", "architectures": []},
         "missing_field": {k: v for k, v in preset("glm-5").items() if k != "kv_lora_rank"},
+        "bad_type": {**preset("glm-5"), "indexer_types": 5},
+        "bad_range": {**preset("glm-5"), "num_experts_per_tok": 1000},
+        "not_utf8": b"\xb8\x00\x00\x00garbage",
     }
     for name, cfg in cases.items():
         d = tmp_path / name
         d.mkdir()
-        (d / "config.json").write_text(json.dumps(cfg))
+        (d / "config.json").write_bytes(cfg if isinstance(cfg, bytes) else json.dumps(cfg).encode())
         proc = subprocess.run(
             [sys.executable, "-m", "dsakv.cli", "plan", str(d)], capture_output=True, text=True
         )

@@ -72,3 +72,62 @@ def test_bad_field_value_and_bad_json(tmp_path):
         ModelConfig.from_hf(tmp_path)
     with pytest.raises(ConfigError, match="no model config"):
         ModelConfig.from_hf(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"indexer_types": 5}, "indexer_types must be a list of strings or null, got 5"),
+        ({"indexer_types": ["full", 1]}, "indexer_types must be a list of strings"),
+        ({"rope_scaling": [1, 2]}, r"rope_scaling must be a JSON object, got \[1, 2\]"),
+        ({"rope_parameters": "x"}, "rope_parameters must be a JSON object, got 'x'"),
+        ({"rope_parameters": {"rope_theta": "x"}}, "rope_parameters.rope_theta must be a positive"),
+        ({"quantization_config": "fp8"}, "quantization_config must be a JSON object or null"),
+        ({"quantization_config": [1]}, "quantization_config must be a JSON object or null"),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
+            "quantization_config.weight_block_size must be two positive integers",
+        ),
+        ({"first_k_dense_replace": "1"}, "first_k_dense_replace must be an integer, got '1'"),
+        ({"first_k_dense_replace": -1}, "first_k_dense_replace must be >= 0, got -1"),
+        ({"hidden_size": True}, "hidden_size must be an integer, got True"),
+        ({"max_position_embeddings": "x"}, "max_position_embeddings must be an integer"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be positive"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps must be a number, got 'x'"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps must be positive"),
+        ({"eos_token_id": "x"}, "eos_token_id must be an integer or a list of integers"),
+        ({"eos_token_id": [1, "x"]}, "eos_token_id must be an integer or a list of integers"),
+        ({"bos_token_id": "x"}, "bos_token_id must be an integer or null"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob must be a boolean"),
+        ({"dtype": "garbage"}, "dtype must be one of bfloat16, .*, got 'garbage'"),
+        ({"torch_dtype": 5}, "dtype must be a string, got 5"),
+        ({"num_experts_per_tok": 1000}, r"num_experts_per_tok \(1000\) exceeds n_routed_experts"),
+        ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers must be >= 0, got -1"),
+        ({"n_group": 0}, "n_group must be positive, got 0"),
+        ({"n_group": 3}, r"n_group \(3\) must split n_routed_experts \(256\)"),
+        ({"n_group": 8, "topk_group": 9}, r"topk_group \(9\) exceeds n_group \(8\)"),
+        ({"n_group": 128, "num_experts_per_tok": 4}, r"num_experts_per_tok \(4\) exceeds the 2"),
+        ({"routed_scaling_factor": "x"}, "routed_scaling_factor must be a number, got 'x'"),
+        ({"routed_scaling_factor": 0}, "routed_scaling_factor must be positive"),
+    ],
+)
+def test_bad_field_type_or_range_is_named(edit, message):
+    raw = {**preset("glm-5"), **edit}
+    with pytest.raises(ConfigError, match=message) as e:
+        ModelConfig.from_hf(raw)
+    assert str(e.value).startswith("model config field ") and "\n" not in str(e.value)
+
+
+def test_valid_field_variants_are_kept():
+    raw = preset("glm-5")
+    edit = {"routed_scaling_factor": 2, "eos_token_id": [1, 2], "rope_scaling": None}
+    config = ModelConfig.from_hf({**raw, **edit, "quantization_config": None})
+    assert config.routed_scaling_factor == 2 and config.eos_token_ids == (1, 2)
+    assert config.quantization_config is None
+    assert ModelConfig.from_hf({**raw, "eos_token_id": 7}).eos_token_ids == (7,)
+
+
+def test_binary_file_as_config_is_named(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\xb8\x00\x00\x00garbage")
+    with pytest.raises(ConfigError, match="model.safetensors is not valid JSON"):
+        ModelConfig.from_hf(tmp_path / "model.safetensors")

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dsakv.cli import main
 from dsakv.config import LayerPlan
-from dsakv.errors import DsakvError
+from dsakv.engine.engine import _load_tokenizer
+from dsakv.errors import ConfigError, DsakvError
 from dsakv.models import DSAForCausalLM, load_model, write_tiny_model
 
 from .model_driver import fp8_block_quantise, greedy, make_pool
@@ -158,3 +161,71 @@ def test_plan_and_overrides_are_exclusive(ckpt):
     plan = LayerPlan.from_config(ModelConfig.from_hf(ckpt))
     with pytest.raises(DsakvError, match="either a LayerPlan or plan overrides"):
         load_model(ckpt, plan, no_index_share=True)
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _index(weight_map):
+    def write(path):
+        path.unlink()
+        index = path.parent / "model.safetensors.index.json"
+        index.write_text(json.dumps({"weight_map": weight_map} if weight_map else {"x": 1}))
+
+    return write
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda p: p.write_text("garbage"), "cannot read checkpoint file .*model.safetensors"),
+        (_truncate, "cannot read checkpoint file .*model.safetensors: .*header"),
+        (_index(None), r"model\.safetensors\.index\.json is not a safetensors index"),
+        (_index({"lm_head.weight": "gone.safetensors"}), "checkpoint file .*gone.safetensors"),
+    ],
+)
+def test_corrupt_checkpoint_file_is_named(ckpt, tmp_path, edit, message):
+    path = shutil.copytree(ckpt, tmp_path / "bad")
+    edit(path / "model.safetensors")
+    with pytest.raises(DsakvError, match=message) as e:
+        load_model(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("file", "edit", "error", "message"),
+    [
+        ("tokenizer.json", "{bad", DsakvError, "tokenizer.json is not valid JSON"),
+        ("tokenizer.json", "{}", DsakvError, "cannot load the tokenizer in "),
+        ("tokenizer_config.json", "[bad", DsakvError, "tokenizer_config.json is not valid JSON"),
+        ("config.json", {"pad_token_id": "x"}, ConfigError, "config.json: .*'pad_token_id'"),
+    ],
+)
+def test_broken_tokenizer_or_transformers_config_is_named(
+    ckpt, tmp_path, file, edit, error, message
+):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ckpt / name, tmp_path / name)
+    if isinstance(edit, dict):  # a field transformers' config class refuses (dsakv ignores)
+        edit = json.dumps({**json.loads((tmp_path / file).read_text()), **edit})
+    (tmp_path / file).write_text(edit)
+    with pytest.raises(error, match=message) as e:
+        _load_tokenizer(str(tmp_path))
+    assert "\n" not in str(e.value)
+    assert _load_tokenizer(str(ckpt)) is not None
+
+
+@pytest.mark.parametrize(
+    ("file", "text"), [("model.safetensors", "garbage"), ("tokenizer.json", "{bad")]
+)
+def test_generate_with_corrupt_file_is_one_error_line(ckpt, tmp_path, capsys, file, text):
+    path = shutil.copytree(ckpt, tmp_path / "bad")
+    (path / file).write_text(text)
+    args = ["generate", str(path), "--prompt", "hi", "--max-tokens", "2", "--device", "cpu"]
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(args))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and file in err[0], err

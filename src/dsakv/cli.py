@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import socket
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from dsakv.config.layer_plan import plan_overrides
@@ -25,9 +28,37 @@ class _Parser(argparse.ArgumentParser):
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def _nonnegative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {text}")
+    return value
+
+
+def check_listen(host: str, port: int) -> None:
+    """Fail now, in one line, where `host:port` cannot be listened on (a bad address, a
+    port in use), not after the engine has loaded, in uvicorn's words."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(address)
+    except OSError as e:
+        raise DsakvError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _positive_int(text: str) -> int:
@@ -258,8 +289,10 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--kv-budget-gib", type=_positive_float, help="explicit KV budget")
     p.add_argument("--gpu-memory-gib", type=_positive_float, help="GPU memory per rank")
     p.add_argument("--mem-fraction-static", type=_positive_float, default=0.9)
-    p.add_argument("--weights-gib", type=float, help="override the estimated weights per rank")
-    p.add_argument("--reserve-gib", type=float, default=0.0, help="activations etc.")
+    p.add_argument(
+        "--weights-gib", type=_nonnegative_float, help="override the estimated weights per rank"
+    )
+    p.add_argument("--reserve-gib", type=_nonnegative_float, default=0.0, help="activations etc.")
     p.add_argument("--draft-layers", type=int, default=0, help="MTP/EAGLE draft layers")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_layout_args(p)
@@ -287,7 +320,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--kv-budget-gib", type=_positive_float, help="device KV pool size (default 1)")
     g.add_argument("--num-pages", type=_positive_int, help="device KV pool size in pages")
-    g.add_argument("--host-pool-gib", type=float, help="host (CPU) KV tier size; 0 = off")
+    g.add_argument(
+        "--host-pool-gib", type=_nonnegative_float, help="host (CPU) KV tier size; 0 = off"
+    )
     g.add_argument("--chunked-prefill-size", type=_positive_int, help="prefill tokens per step")
     g.add_argument("--max-running-requests", type=_positive_int)
     g.add_argument("--max-model-len", type=_positive_int)
@@ -443,6 +478,13 @@ def _cmd_init_tiny(args: argparse.Namespace) -> int:
 
     if args.preset not in TINY_PRESETS:
         raise DsakvError(f"unknown preset {args.preset!r} (choose from {', '.join(TINY_PRESETS)})")
+    if not 0 <= args.seed < 2**63 - 1:  # (torch.manual_seed takes seed and seed + 1)
+        raise DsakvError(f"--seed must be in 0..{2**63 - 2}, got {args.seed}")
+    out = Path(args.dir)
+    if out.exists() and not out.is_dir():
+        raise DsakvError(f"{args.dir} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):  # never write over someone's files or model
+        raise DsakvError(f"{args.dir} is not empty; init-tiny writes into a new or empty directory")
     path = write_tiny_model(
         args.dir, preset=args.preset, seed=args.seed, mtp=args.mtp, weights=args.weights
     )
@@ -488,8 +530,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from dsakv.server import run_server
 
+    check_listen(args.host, args.port)
     config, bridge = engine_config_from_args(args), None
     disaggregation = disagg_cli.config_from_args(args)
+    if disaggregation is not None and disaggregation.mode == "prefill":  # it listens twice
+        if disaggregation.bootstrap_port == args.port:
+            raise DsakvError("--disaggregation-bootstrap-port must differ from --port")
+        check_listen(args.host, disaggregation.bootstrap_port)
     if disaggregation is not None:  # a prefill or decode server
         from dsakv.disagg.serving import bridge_for
 
@@ -560,7 +607,7 @@ def _add_engine_commands(sub: Any) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--api-key", help="require this Bearer token")
     p.add_argument("--served-model-name", help="model name clients use (default: dir name)")
     p.add_argument(
@@ -844,6 +891,8 @@ def _cmd_device_check(args: argparse.Namespace) -> int:
         from dsakv.kernels.triton_aot import run_compile_only
 
         return run_compile_only(args.triton_path)
+    if args.triton_path:
+        raise DsakvError("--triton-path goes with --compile-only")
     from dsakv.bench import device_check as dc
 
     if args.prepare:

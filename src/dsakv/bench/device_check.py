@@ -114,7 +114,8 @@ def run_device_check(
     `deadlines` overrides seconds per stage, `budget` the total (None: BUDGET_S on the GPU,
     unbounded in the dry run). `on_stage(name, result)` runs after each rewrite."""
     out = Path(out_dir or default_out())
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
     bench = bench or (stages is not None and BENCH.name in stages)
     plan = list(STAGES + ((BENCH,) if bench else ()))
     if stages is not None:
@@ -128,6 +129,7 @@ def run_device_check(
         raise ValueError(f"deadline for unknown stage(s) {', '.join(sorted(unknown))}")
     if budget is None and not dry_run:
         budget = BUDGET_S
+    out.mkdir(parents=True, exist_ok=True)  # (once the arguments are known good)
     models_dir = Path(models) if models else default_models_dir(dry_run)
     t0 = time.time()
     result: dict[str, Any] = {

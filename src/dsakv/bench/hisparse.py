@@ -51,6 +51,7 @@ def run_hisparse_bench(
     """Running requests, output tok/s, miss rate and host -> device bytes per output token
     for off / on-dense / on-elided at one device budget, with the planner's prediction."""
     sizes = sizes or (QUICK if quick else DEFAULT)
+    HiSparseConfig.read(hisparse_config)  # a typo fails before the model is written
     path = resolve_model_dir(model, "glm-hisparse")
     config = ModelConfig.from_hf(path)
     hs = HiSparseConfig.parse(hisparse_config or DEFAULT_CONFIG, config)

@@ -137,10 +137,11 @@ def run_bench(
         )
     if model is not None and sizes.ic_model == "glm-bench-short":
         sizes = replace(sizes, ic_model=None)  # a user model: every section on that model
+    t_start = time.perf_counter()
+    path = resolve_model_dir(model, "glm-bench")  # before the bar: a bad path is one line
     saved_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    t_start = time.perf_counter()
     result: dict[str, Any] = {}
     clock: dict[str, float] = {}
     sections = ["capacity", "throughput"] + (["indexcache"] if full else []) + ["parity"]
@@ -151,7 +152,6 @@ def run_bench(
     sections += ["cpu_paths"] if sizes.cpu_paths and device == "cpu" else []
     try:
         with tqdm(total=len(sections), desc="dsakv bench", unit="section") as bar:
-            path = resolve_model_dir(model, "glm-bench")
             ic_path = path if sizes.ic_model is None else resolve_model_dir(sizes.ic_model)
             result["meta"] = {
                 "model": path,

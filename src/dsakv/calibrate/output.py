@@ -25,6 +25,11 @@ def check_config_dir(model_dir: str | Path, out_dir: str | Path) -> tuple[Path, 
         other = [p.name for p in out.iterdir() if p.name != "config.json" and not p.is_symlink()]
         if other:
             raise DsakvError(f"--write-config {out_dir} is not empty (holds {other[0]})")
+        if (out / "config.json").is_symlink():  # e.g. a Hugging Face snapshot: writing
+            raise DsakvError(  # through the link would rewrite another model's config
+                f"--write-config {out_dir} holds a linked config.json, not one an earlier "
+                "--write-config wrote"
+            )
     return src, out
 
 

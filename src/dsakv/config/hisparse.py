@@ -80,6 +80,17 @@ class HiSparseConfig:
         object, unknown keys, non-integer or out-of-range values, or a model without an
         indexer.
         """
+        raw = cls.read(source)
+        index_topk = model_index_topk(model_config)
+        top_k = _check_int("top_k", raw.get("top_k", index_topk), 1)
+        buffer = raw.get("device_buffer_size", BUFFER_PER_TOP_K * top_k)
+        ratio = raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO)
+        return cls(top_k, buffer, ratio)
+
+    @staticmethod
+    def read(source: str | Mapping[str, Any] | None) -> Mapping[str, Any]:
+        """The keys `--hisparse-config` gives: what can be checked without the model (a
+        bench checks it before it writes one)."""
         if source is None:
             raw: Any = {}
         elif isinstance(source, str):
@@ -98,11 +109,7 @@ class HiSparseConfig:
                 f"--hisparse-config has unknown key(s) {', '.join(unknown)} "
                 f"(known: {', '.join(HISPARSE_KEYS)})"
             )
-        index_topk = model_index_topk(model_config)
-        top_k = _check_int("top_k", raw.get("top_k", index_topk), 1)
-        buffer = raw.get("device_buffer_size", BUFFER_PER_TOP_K * top_k)
-        ratio = raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO)
-        return cls(top_k, buffer, ratio)
+        return raw
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import types
 from dataclasses import dataclass, field, fields
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from dsakv.errors import ConfigError
 
@@ -31,6 +33,31 @@ _REQUIRED = (
     "n_routed_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
+)
+# Smallest value of each integer field (the required ones must be positive).
+_MINIMUM = {
+    **dict.fromkeys(_REQUIRED, 1),
+    "intermediate_size": 1,
+    "max_position_embeddings": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_shared_experts": 0,
+    "first_k_dense_replace": 0,
+    "num_nextn_predict_layers": 0,
+}
+_POSITIVE_FLOATS = ("rms_norm_eps", "routed_scaling_factor")
+# torch dtype names a checkpoint's `dtype` / `torch_dtype` may carry.
+_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+# `rope_parameters` / `rope_scaling` entries that must be numbers (the first three > 0).
+_ROPE_NUMBERS = (
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+    "beta_fast",
+    "beta_slow",
 )
 
 
@@ -111,6 +138,10 @@ class ModelConfig:
                 raw = json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path} is not valid JSON: {e}") from None
+            except UnicodeDecodeError:
+                raise ConfigError(f"{path} is not valid JSON (not UTF-8 text)") from None
+            except OSError as e:
+                raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
         if not isinstance(raw, dict):
             raise ConfigError("model config must be a JSON object")
         return cls._from_dict(raw)
@@ -149,22 +180,104 @@ class ModelConfig:
         kw["model_type"] = model_type
         kw.setdefault("intermediate_size", raw["moe_intermediate_size"])
         kw["indexer_rope_interleave"] = _SUPPORTED[model_type]
-        kw["rope_parameters"] = _rope_parameters(raw)
-        kw["dtype"] = str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")
+        kw["dtype"] = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
         eos = raw.get("eos_token_id")
         kw["eos_token_ids"] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if raw.get("indexer_types") is not None:
-            kw["indexer_types"] = tuple(raw["indexer_types"])
-        for name in _REQUIRED + ("intermediate_size", "num_nextn_predict_layers"):
-            if not isinstance(kw.get(name, 0), int) or isinstance(kw.get(name), bool):
-                raise ConfigError(f"model config field {name} must be an integer, got {kw[name]!r}")
-            if name in _REQUIRED and kw[name] <= 0:
-                raise ConfigError(f"model config field {name} must be positive, got {kw[name]}")
+        if isinstance(kw.get("indexer_types"), list):
+            kw["indexer_types"] = tuple(kw["indexer_types"])
+        _check(kw, raw)
+        kw["rope_parameters"] = _rope_parameters(raw)
         return cls(**kw)
+
+
+# Fields not named as in config.json: (its name, what it must be there).
+_RAW = {"eos_token_ids": ("eos_token_id", "an integer or a list of integers")}
+
+
+@cache
+def _field_types() -> dict[str, Any]:
+    return get_type_hints(ModelConfig)
+
+
+def _describe(hint: Any) -> str:
+    """`hint` in JSON terms: "an integer", "a list of strings or null"."""
+    args = get_args(hint)
+    if get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if get_origin(hint) is tuple:
+        return f"a list of {_describe(args[0]).split(' ', 1)[1]}s"
+    names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+    return names.get(hint) or {dict: "a JSON object", type(None): "null"}[get_origin(hint) or hint]
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a `ModelConfig` field type (no bool passes as a number)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_matches(v, args[0]) for v in value)
+    if hint in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float) if hint is float else origin or hint)
+
+
+def _check(kw: dict[str, Any], raw: dict[str, Any]) -> None:
+    """Every field's type (from the dataclass annotations), then the ranges the model needs."""
+    for name, hint in _field_types().items():
+        if name in kw and not _matches(kw[name], hint):
+            key, what = _RAW.get(name, (name, _describe(hint)))
+            value = raw.get(key, kw[name])
+            raise ConfigError(f"model config field {key} must be {what}, got {value!r}")
+    for name, low in _MINIMUM.items():
+        if kw.get(name, low) < low:
+            what = "positive" if low == 1 else f">= {low}"
+            raise ConfigError(f"model config field {name} must be {what}, got {kw[name]}")
+    for name in _POSITIVE_FLOATS:
+        if not kw.get(name, 1.0) > 0:
+            raise ConfigError(f"model config field {name} must be positive, got {kw[name]}")
+    if kw["dtype"] not in _DTYPES:
+        raise ConfigError(
+            f"model config field dtype must be one of {', '.join(_DTYPES)}, got {kw['dtype']!r}"
+        )
+    e, k = kw["n_routed_experts"], kw["num_experts_per_tok"]
+    groups, kept = kw.get("n_group", 1), kw.get("topk_group", 1)
+    if k > e:
+        raise ConfigError(
+            f"model config field num_experts_per_tok ({k}) exceeds n_routed_experts ({e})"
+        )
+    if groups > 1 and (e % groups or e // groups < 2):
+        raise ConfigError(
+            f"model config field n_group ({groups}) must split n_routed_experts ({e}) "
+            "into equal groups of at least 2 experts"
+        )
+    if groups > 1 and not kept <= groups:
+        raise ConfigError(f"model config field topk_group ({kept}) exceeds n_group ({groups})")
+    if groups > 1 and k > kept * (e // groups):
+        raise ConfigError(
+            f"model config field num_experts_per_tok ({k}) exceeds the {kept * (e // groups)} "
+            f"experts of topk_group ({kept}) groups"
+        )
+    block = (kw.get("quantization_config") or {}).get("weight_block_size")
+    if block is not None and not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ConfigError(
+            "model config field quantization_config.weight_block_size must be two positive "
+            f"integers, got {block!r}"
+        )
 
 
 def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     """Merge transformers-5 `rope_parameters` and legacy `rope_theta` + `rope_scaling`."""
+    if not isinstance(raw.get("rope_scaling") or {}, dict):
+        raise ConfigError(
+            f"model config field rope_scaling must be a JSON object, got {raw['rope_scaling']!r}"
+        )
     params: dict[str, Any] = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
     for k, v in scaling.items():
@@ -175,4 +288,18 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"unsupported rope type {params['rope_type']!r} (default, yarn)")
     if params["rope_type"] == "yarn":
         params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
+    for name in _ROPE_NUMBERS:
+        value = params.get(name)
+        if value is None:
+            continue
+        positive = name in _ROPE_NUMBERS[:3]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (positive and not value > 0)
+        ):
+            raise ConfigError(
+                f"model config field rope_parameters.{name} must be a "
+                f"{'positive ' if positive else ''}number, got {value!r}"
+            )
     return params

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dsakv.errors import DsakvError
+
 from .config import DEFAULT_BOOTSTRAP_PORT, MODES, DisaggConfig
 
 
@@ -44,18 +46,33 @@ def config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from .router import run_router
+    from dsakv.cli import check_listen
 
+    from .router import build_router_app, run_router
+
+    build_router_app(args.prefill, args.decode)  # bad URLs fail before anything listens
+    check_listen(args.host, args.port)
     run_router(args.prefill, args.decode, args.host, args.port)
     return 0
 
 
 def _cmd_serve_pd(args: argparse.Namespace) -> int:
-    from dsakv.cli import add_engine_args
+    from dsakv.cli import add_engine_args, check_listen, engine_config_from_args
     from dsakv.models.tiny import resolve_model_dir
 
     from .launch import serve_pd
 
+    ports = [args.port, args.prefill_port, args.decode_port, args.bootstrap_port]
+    given = [p for p in ports if p is not None]
+    if len(set(given)) < len(given):
+        raise DsakvError("--port, --prefill-port, --decode-port and --bootstrap-port must differ")
+    check_listen(args.host, args.port)
+    for p in ports[1:]:
+        if p is not None:
+            check_listen("127.0.0.1", p)
+    config = engine_config_from_args(args)  # what either server would refuse, refused once
+    for mode in MODES:
+        DisaggConfig(mode).check_engine(config)
     flags = _flags(args, add_engine_args)
     flags += ["--disaggregation-timeout", str(args.disaggregation_timeout)]
     for name in ("served_model_name", "api_key"):
@@ -89,13 +106,13 @@ def _flags(args: argparse.Namespace, add_args: Any) -> list[str]:
 
 def add_commands(sub: Any) -> None:
     """`dsakv router` and `dsakv serve-pd`."""
-    from dsakv.cli import add_engine_args
+    from dsakv.cli import add_engine_args, port
 
     p = sub.add_parser("router", help="OpenAI front door over prefill and decode servers")
     p.add_argument("--prefill", action="append", required=True, metavar="URL", help="repeatable")
     p.add_argument("--decode", action="append", required=True, metavar="URL", help="repeatable")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.set_defaults(func=_cmd_router)
 
     p = sub.add_parser(
@@ -103,10 +120,10 @@ def add_commands(sub: Any) -> None:
     )
     p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
     p.add_argument("--host", default="127.0.0.1", help="the router's address")
-    p.add_argument("--port", type=int, default=8000, help="the router's port")
-    p.add_argument("--prefill-port", type=int, help="(default: a free port)")
-    p.add_argument("--decode-port", type=int, help="(default: a free port)")
-    p.add_argument("--bootstrap-port", type=int, help="(default: a free port)")
+    p.add_argument("--port", type=port, default=8000, help="the router's port")
+    p.add_argument("--prefill-port", type=port, help="(default: a free port)")
+    p.add_argument("--decode-port", type=port, help="(default: a free port)")
+    p.add_argument("--bootstrap-port", type=port, help="(default: a free port)")
     p.add_argument("--disaggregation-timeout", type=float, default=60.0)
     p.add_argument("--served-model-name")
     p.add_argument("--api-key")

@@ -23,6 +23,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from dsakv.errors import DsakvError
+
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,10 @@ class Router:
     def __init__(self, prefill: list[str], decode: list[str]) -> None:
         if not prefill or not decode:
             raise ValueError("the router needs at least one --prefill and one --decode URL")
+        for url in (*prefill, *decode):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise DsakvError(f"a server URL must be http(s)://HOST[:PORT], got {url!r}")
         self.prefill = [u.rstrip("/") for u in prefill]
         self.decode = [u.rstrip("/") for u in decode]
         self._next_prefill = itertools.cycle(range(len(self.prefill)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from tokenizers.decoders import DecodeStream
 
 from dsakv.config import HiSparseConfig, plan_overrides
 from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
-from dsakv.errors import DsakvError
+from dsakv.errors import ConfigError, DsakvError
 from dsakv.kernels import BACKENDS, cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
@@ -911,6 +912,30 @@ def _load_tokenizer(model: str):
     path = Path(model)
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         return None
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except StrictDataclassError as e:  # transformers' config class refuses a config.json field
+        why = " ".join(str(e.__cause__ or e).split())
+        raise ConfigError(f"{path / 'config.json'}: {why}") from None
+    except Exception as e:  # tokenizers and transformers raise all kinds for a broken file
+        raise DsakvError(
+            f"cannot load the tokenizer in {path}: {_tokenizer_fault(path, e)}"
+        ) from None
+
+
+def _tokenizer_fault(path: Path, e: Exception) -> str:
+    """The tokenizer file that is not valid JSON, if one is; else `e` on one line."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        try:
+            if (path / name).is_file():
+                json.loads((path / name).read_text())
+        except ValueError as bad:  # (JSONDecodeError, UnicodeDecodeError)
+            return f"{name} is not valid JSON: {bad}"
+    return _one_line(e)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())

@@ -9,11 +9,14 @@ work on parts, one token at a time (§7.4), whatever the page-internal arrangeme
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from dsakv.errors import ConfigError
 
 from .fp8 import (
     FP8_DTYPE,
@@ -69,7 +72,15 @@ class _Buffer:
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool):
-    return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    except (RuntimeError, MemoryError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
+        gib = math.prod(shape) * dtype.itemsize / 2**30
+        where = "host" if device.type == "cpu" else str(device)
+        raise ConfigError(
+            f"cannot allocate {gib:.2f} GiB of KV cache on the {where}: ask for a smaller pool "
+            f"(--kv-budget-gib, --num-pages, --host-pool-gib) ({str(e).splitlines()[0]})"
+        ) from None
 
 
 class _TokenMajor(_Buffer):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
@@ -138,20 +138,30 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file, from `model.safetensors.index.json` or the single file."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: path / file for name, file in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DsakvError(
+                f"{index} is not a safetensors index: {type(e).__name__}: {e}"
+            ) from None
     single = path / "model.safetensors"
-    if single.is_file():
-        with safe_open(single, "pt") as f:
-            return dict.fromkeys(f.keys(), single)
-    files = sorted(path.glob("*.safetensors"))
+    files = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
     if not files:
         raise DsakvError(f"no safetensors checkpoint in {path}")
     out = {}
     for file in files:
-        with safe_open(file, "pt") as f:
+        with _open(file) as f:
             out.update(dict.fromkeys(f.keys(), file))
     return out
+
+
+def _open(file: Path) -> Any:
+    """`safe_open(file)`; a missing, unreadable or corrupt file is one error naming it."""
+    try:
+        return safe_open(file, "pt")
+    except (SafetensorError, OSError) as e:
+        raise DsakvError(f"cannot read checkpoint file {file}: {e}") from None
 
 
 def _matrices_bf16(files: dict[str, Path], fp8: set[str]) -> bool:
@@ -163,7 +173,7 @@ def _matrices_bf16(files: dict[str, Path], fp8: set[str]) -> bool:
         if name in fp8 or name.endswith(("_scale_inv", "mlp.gate.weight", "weights_proj.weight")):
             continue
         if file not in handles:
-            handles[file] = safe_open(file, "pt")
+            handles[file] = _open(file)
         tensor = handles[file].get_slice(name)
         if len(tensor.get_shape()) > 1 and tensor.get_dtype() != "BF16":
             return False
@@ -254,7 +264,7 @@ class _Filler:
         def open_slice(name: str):
             file = files[name]
             if file not in handles:
-                handles[file] = safe_open(file, "pt")
+                handles[file] = _open(file)
             return handles[file].get_slice(name)
 
         for name in tqdm(
