@@ -164,9 +164,9 @@ class MTPDrafter:
                 continue
             self.adapt(req)
             s = req.draft_len
-            if req.in_prefill or s.owed_from + sum(len(h) for h in s.owed) != start:
+            if s.owed and (req.in_prefill or s.owed_from + sum(map(len, s.owed)) != start):
                 s.owed = []  # retracted: its recompute's chunks catch up over what it owed
-            elif self.defers and s.k == 0 and not req.finished:
+            if not req.in_prefill and self.defers and s.k == 0 and not req.finished:
                 req.draft_ids, s.proposed = [], 0  # (what a chain of none would leave)
                 self._owe(req, start, row, stop - start)
                 continue
