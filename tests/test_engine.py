@@ -232,6 +232,42 @@ def test_bad_requests_and_engine_args(tiny):
         llm.engine.add_request([], GREEDY)
     with pytest.raises(DsakvError, match="vocabulary"):
         llm.engine.add_request([10**6], GREEDY)
+    with pytest.raises(DsakvError, match="a prompt is a string or a list of token ids"):
+        llm.generate([1.5], GREEDY)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(num_pages=2.5),
+        dict(num_pages="4"),
+        dict(num_pages=True),
+        dict(kv_budget_gib="1"),
+        dict(kv_budget_gib=float("inf")),
+        dict(host_pool_gib=float("nan")),
+        dict(max_model_len=0),
+        dict(max_model_len="10"),
+        dict(seed="x"),
+    ],
+)
+def test_engine_args_of_the_wrong_type_or_range(tiny, kw):
+    """Each a DsakvError naming the argument, not a torch error later or a silent default
+    (max_model_len 0 read as unset, a NaN host pool turning the tier off)."""
+    with pytest.raises(DsakvError, match=next(iter(kw))):
+        EngineConfig(model=tiny, **kw)
+
+
+def test_a_bad_prompt_queues_none_of_its_call(tiny):
+    """generate() with a bad prompt after good ones raises, and leaves none of them queued
+    (they used to run, unseen, inside the next call)."""
+    llm = LLM(tiny, **EXACT, num_pages=32)
+    with pytest.raises(DsakvError, match="empty"):
+        llm.generate([[1, 2, 3], [4, 5, 6], []], GREEDY)
+    assert not llm.engine.has_unfinished()
+    (out,) = llm.generate([[9, 9, 9]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out.token_ids) == 3
+    assert llm.engine.counters()["finished_requests"] == 1
+    llm.engine.check_integrity()
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -238,6 +238,7 @@ def test_bad_settings_are_one_clear_error(tiny):
         (dict(speculative_algorithm="mtp"), "MTP"),
         (dict(tp=2), "more than one rank"),
         (dict(host_pool_gib=1.0), "host-pool-gib"),
+        (dict(chunked_prefill_size=1), "chunked-prefill-size 1"),  # (every prompt dropped)
     ):
         with pytest.raises(DsakvError, match=msg):
             EngineConfig(model=tiny, enable_hisparse=True, **kw)
@@ -249,9 +250,11 @@ def test_bad_settings_are_one_clear_error(tiny):
     ):
         with pytest.raises(DsakvError, match=msg):
             _engine(tiny, num_pages=8, enable_hisparse=True, hisparse_config=cfg)
-    on = _engine(tiny, num_pages=4, enable_hisparse=True, hisparse_config=HS)  # 32 slots
-    with pytest.raises(DsakvError, match="latent pool holds 32 tokens"):
-        on.add_request(list(range(1, 40)), GREEDY)
+    with pytest.raises(DsakvError, match="less than one hot buffer"):  # refused every prompt
+        _engine(tiny, num_pages=4, enable_hisparse=True, hisparse_config=HS)  # 32 slots
+    on = _engine(tiny, num_pages=5, enable_hisparse=True, hisparse_config=HS)  # 40 slots
+    with pytest.raises(DsakvError, match="latent pool holds 40 tokens"):
+        on.add_request(list(range(1, 45)), GREEDY)
 
 
 def test_cli_flags(tiny):

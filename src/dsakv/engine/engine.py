@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
@@ -103,12 +104,17 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise DsakvError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise DsakvError(f"num_pages must be >= 1, got {self.num_pages}")
-        if self.kv_budget_gib is not None and not self.kv_budget_gib > 0:
-            raise DsakvError(f"kv_budget_gib must be > 0, got {self.kv_budget_gib}")
-        if self.host_pool_gib < 0:
-            raise DsakvError(f"host_pool_gib must be >= 0, got {self.host_pool_gib}")
+        for name in ("num_pages", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise DsakvError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        budget, host = self.kv_budget_gib, self.host_pool_gib
+        if budget is not None and not (_is_number(budget) and 0 < budget < math.inf):
+            raise DsakvError(f"kv_budget_gib must be a finite number > 0, got {budget!r}")
+        if not (_is_number(host) and 0 <= host < math.inf):
+            raise DsakvError(f"host_pool_gib must be a finite number >= 0, got {host!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise DsakvError(f"seed must be an integer, got {self.seed!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise DsakvError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
@@ -159,6 +165,7 @@ class EngineConfig:
             (self.tp > 1 or self.dp_attention or self.nnodes > 1, "more than one rank"),
             (self.host_pool_gib > 0, "--host-pool-gib (HiSparse's host pool holds the latent)"),
             (self.hicache_storage_backend is not None, "--hicache-storage-backend"),
+            (self.chunked_prefill_size < 2, "--chunked-prefill-size 1 (a 1-token step decodes)"),
         )
         for bad, what in refused:
             if bad:
@@ -939,3 +946,8 @@ def _tokenizer_fault(path: Path, e: Exception) -> str:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+

@@ -9,6 +9,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from dsakv.errors import DsakvError
+
 from .engine import EngineConfig
 from .launch import create_engine
 from .request import Request
@@ -91,7 +93,14 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = []
+        try:
+            for p, sp in zip(prompts, plist):
+                reqs.append(self.engine.add_request(p, sp))
+        except BaseException:  # a bad prompt further on: none of this call's requests stay
+            for r in reqs:
+                self.engine.abort(r.rid)
+            raise
         bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished():
             done = sum(1 for r in self.engine.step() if r.finished)
@@ -110,4 +119,11 @@ def _as_prompt_list(prompts: Any) -> list[str | list[int]]:
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt given as token ids
-    return [p if isinstance(p, str) else list(p) for p in prompts]
+    out = []
+    for p in prompts:
+        if not isinstance(p, str) and not (
+            isinstance(p, Sequence) and all(isinstance(t, int) for t in p)
+        ):
+            raise DsakvError(f"a prompt is a string or a list of token ids, got {p!r}")
+        out.append(p if isinstance(p, str) else list(p))
+    return out
