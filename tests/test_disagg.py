@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -502,3 +503,40 @@ def test_servers_refuse_requests_without_a_room(cluster):
     for name in ("prefill", "decode"):
         r = httpx.post(f"{cluster[name].url}/v1/completions", json={"prompt": "hi"}, timeout=30)
         assert r.status_code == 400 and "dsakv router" in r.json()["error"]["message"]
+
+
+# --- dsakv serve-pd ----------------------------------------------------------------------------
+
+
+def test_serve_pd_serves_and_stops_when_a_server_dies(cluster, reference):
+    """`dsakv serve-pd`: its two servers and router answer what one engine does; when a
+    server dies, serve-pd stops (its router would answer every request with an error while
+    /health said ok) and takes the other server down with it."""
+    port, dport = free_port(), free_port()
+    cmd = [sys.executable, "-m", "dsakv.cli", "serve-pd", cluster["model"], *TINY]
+    cmd += ["--port", str(port), "--decode-port", str(dport)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy([f"http://127.0.0.1:{port}"], [proc], 180)
+        prompt = "serve-pd says hello"
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        got = _client(f"http://127.0.0.1:{port}").completions.create(
+            model="tiny", prompt=prompt, max_tokens=8, **GREEDY
+        )
+        assert got.choices[0].text == reference.generate(prompt, params)[0].text
+        pgrep = ["pgrep", "-P", str(proc.pid)]
+        children = subprocess.run(pgrep, capture_output=True, text=True).stdout.split()
+        decode = subprocess.run([*pgrep, "-f", f"serve .* --port {dport} "], capture_output=True, text=True)  # fmt: skip
+        assert len(children) == 2 and decode.stdout.split()[0] in children, (children, decode)
+        os.kill(int(decode.stdout.split()[0]), signal.SIGKILL)
+        assert proc.wait(60) != 0
+        assert "a server exited with code -9" in proc.stderr.read()
+        time.sleep(1)  # (the prefill server, stopped, is reaped by init once serve-pd is gone)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
+    finally:
+        proc.terminate()  # (serve-pd stops its servers; a kill would leave them running)
+        try:
+            proc.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(TIMEOUT)

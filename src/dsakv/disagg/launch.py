@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -52,6 +54,21 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _watch(procs: Sequence[subprocess.Popen], done: threading.Event) -> None:
+    """Stop serve-pd when one of its servers exits: its router would answer every request
+    with an error while its /health said ok."""
+    while not done.wait(1.0):
+        for p in procs:
+            if p.poll() is not None:
+                print(
+                    f"error: a server exited with code {p.returncode}: {' '.join(p.args)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os.kill(os.getpid(), signal.SIGTERM)  # the router stops, then the other server
+                return
+
+
 def serve_pd(
     model: str,
     flags: Sequence[str],
@@ -66,18 +83,23 @@ def serve_pd(
     are up, then serve the router on `host:port` until interrupted; the children go too."""
     pp, dp = prefill_port or free_port(), decode_port or free_port()
     bp = bootstrap_port or free_port()
+    # Their own sessions: a terminal's Ctrl-C reaches this process alone, which stops them
+    # below (so a server exiting always means it failed, see `_watch`).
     procs = [
-        subprocess.Popen(serve_command(model, "prefill", pp, bp, flags)),
-        subprocess.Popen(serve_command(model, "decode", dp, bp, flags)),
+        subprocess.Popen(serve_command(model, mode, port, bp, flags), start_new_session=True)
+        for mode, port in (("prefill", pp), ("decode", dp))
     ]
     urls = [f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"]
     # uvicorn re-raises the SIGTERM it caught once it has stopped: make that an exception,
     # so the servers below are stopped too rather than orphaned.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    done = threading.Event()
     try:
         wait_healthy(urls, procs, startup_timeout)
+        threading.Thread(target=_watch, args=(procs, done), daemon=True).start()
         run_router([urls[0]], [urls[1]], host, port)
     finally:
+        done.set()
         signal.signal(signal.SIGTERM, previous)
         for p in procs:
             p.terminate()
