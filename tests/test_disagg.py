@@ -540,3 +540,31 @@ def test_serve_pd_serves_and_stops_when_a_server_dies(cluster, reference):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(TIMEOUT)
+
+
+def test_a_client_leaving_a_non_streamed_request_aborts_it(cluster):
+    """Through the router, a client that gives up on a non-streamed request stops its
+    generation on the decode server (it used to run to max_tokens, holding its pages)."""
+    decode = cluster["decode"].url
+    before = scrape_metrics(decode)["dsakv_generation_tokens_total"]
+    body = {"model": "m", "prompt": "Tell me a long story.", "max_tokens": 3000}
+    client = httpx.Client(base_url=cluster["router"], timeout=2.0)
+    with client, pytest.raises(httpx.TimeoutException):
+        client.post("/v1/completions", json={**body, "temperature": 0, "ignore_eos": True})
+    made = wait_idle(decode)["dsakv_generation_tokens_total"] - before
+    assert 0 < made < 3000, made
+
+
+def test_a_list_of_prompts_through_the_router(cluster, reference):
+    """A completions request with several prompts: one bootstrap room each (it failed with
+    a 502, or a 400 "more prompts than bootstrap rooms")."""
+    prompts = ["Hello", "World wide", "Third prompt here"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.text for o in reference.generate(prompts, params)]
+    got = _client(cluster["router"]).completions.create(
+        model="m", prompt=prompts, max_tokens=6, **GREEDY
+    )
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == want
+    assert got.usage.completion_tokens == 18
+    wait_idle(cluster["prefill"].url)
+    wait_idle(cluster["decode"].url)

@@ -114,6 +114,8 @@ def test_sparse_config_agreement(models, reference):
         (["--tp", "2", "--ep", "4"], "--ep 4 is larger than --tp 2"),
         (["--dp-attention"], "--dp-attention needs --tp N"),
         (["--tp", "2", "--ep", "3"], "larger than --tp"),
+        (["--tp", "2", "--dist-init-addr", "127.0.0.1:99999"], "port 1..65535"),  # (traceback)
+        (["--tp", "2", "--dist-init-addr", "127.0.0.1:0"], "port 1..65535"),  # (hung)
     ],
 )
 def test_bad_parallel_flags_are_one_error_line(models, flags, message):

@@ -81,15 +81,17 @@ def next_target(role: str) -> BootstrapTarget:
 
 
 def from_headers(headers: dict[str, str]) -> list[BootstrapTarget] | None:
-    """`dsakv router`'s headers (lower-case names) as one target; None without a room."""
+    """`dsakv router`'s headers (lower-case names) as targets, one per room (a list of
+    prompts: rooms comma-separated, in prompt order); None without a room."""
     if ROOM_HEADER not in headers:
         return None
     try:
-        room = int(headers[ROOM_HEADER])
+        rooms = [int(r) for r in headers[ROOM_HEADER].split(",")]
         port = int(headers[PORT_HEADER]) if headers.get(PORT_HEADER) else None
     except ValueError:
         raise APIError(400, "bad X-Dsakv-Bootstrap-* headers: room and port are integers") from None
-    return [_target(room, headers.get(HOST_HEADER) or None, port, "X-Dsakv-Bootstrap-")]
+    host = headers.get(HOST_HEADER) or None
+    return [_target(room, host, port, "X-Dsakv-Bootstrap-") for room in rooms]
 
 
 def from_body(body: Any) -> list[BootstrapTarget] | None:

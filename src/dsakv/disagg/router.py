@@ -103,8 +103,8 @@ class Router:
         except (httpx.HTTPError, ValueError, KeyError) as e:
             self.failures += 1
             return _error(502, f"prefill server {p_url} is not usable: {e!r}")
-        room = secrets.randbits(62)
-        headers = {ROOM_HEADER: str(room), HOST_HEADER: host, PORT_HEADER: str(port)}
+        rooms = ",".join(str(secrets.randbits(62)) for _ in range(_num_prompts(body)))
+        headers = {ROOM_HEADER: rooms, HOST_HEADER: host, PORT_HEADER: str(port)}
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
         # The prefill server answers with its one token; only the decode server streams.
@@ -117,20 +117,24 @@ class Router:
             content=raw,
             headers={**headers, "content-type": "application/json"},
         )
-        try:
-            resp = await self.client.send(send, stream=True)
+        try:  # (a non-streamed answer's headers come when it is complete)
+            resp = await _unless_left(self.client.send(send, stream=True), request)
         except httpx.HTTPError as e:
             self.failures += 1
             return _error(502, f"decode server {d_url} is unreachable: {e!r}")
+        if resp is None:
+            return Response(status_code=499)  # the client left: nobody to answer
         kind = resp.headers.get("content-type", "")
         if resp.status_code != 200 or "text/event-stream" not in kind:
             try:
-                content = await resp.aread()
+                content = await _unless_left(resp.aread(), request)
             except httpx.HTTPError as e:
                 self.failures += 1
                 return _error(502, f"lost the decode server {d_url}: {e!r}")
             finally:
                 await resp.aclose()
+            if content is None:
+                return Response(status_code=499)
             if resp.status_code != 200:
                 self.failures += 1
             return Response(content, resp.status_code, media_type=kind or None)
@@ -180,6 +184,26 @@ class Router:
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
+
+
+def _num_prompts(body: dict[str, Any]) -> int:
+    """How many prompts a completions body holds (each needs its own bootstrap room)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)  # a list of texts or of token-id lists
+    return 1
+
+
+async def _unless_left(call: Any, request: Request) -> Any:
+    """`call`'s result, or None once the client has gone: the call (to the decode server)
+    is cancelled, which closes its connection, and the decode server aborts the request as
+    it does for a client of its own (through the router it generated on to max_tokens)."""
+    task = asyncio.ensure_future(call)
+    while not (await asyncio.wait({task}, timeout=0.5))[0]:
+        if await request.is_disconnected():
+            task.cancel()
+            return None
+    return task.result()
 
 
 def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:

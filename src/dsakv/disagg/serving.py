@@ -49,10 +49,14 @@ _RESERVE_POLL_S = 0.05
 def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget:
     target = next_target(role)
     if n != 1:
-        raise APIError(400, "n > 1 is not supported with prefill/decode disaggregation", "n")
+        raise APIError(
+            400, "n > 1 is not supported with prefill/decode disaggregation", param="n"
+        )
     if params.prompt_logprobs is not None:
         raise APIError(
-            400, "prompt logprobs (echo with logprobs) are not supported with disaggregation"
+            400,
+            "scoring the prompt (echo with logprobs, or max_tokens 0) is not supported with "
+            "disaggregation",
         )
     return target
 

@@ -56,9 +56,10 @@ class ParallelConfig:
             raise DsakvError("--nnodes > 1 needs --dist-init-addr HOST:PORT")
         if self.dist_init_addr is not None:
             host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit():
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise DsakvError(
-                    f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}"
+                    f"--dist-init-addr must be HOST:PORT (port 1..65535), "
+                    f"got {self.dist_init_addr!r}"
                 )
         if not self.timeout_s > 0:
             raise DsakvError(f"timeout must be > 0 seconds, got {self.timeout_s}")
