@@ -86,8 +86,8 @@ def serve_pd(
     # Their own sessions: a terminal's Ctrl-C reaches this process alone, which stops them
     # below (so a server exiting always means it failed, see `_watch`).
     procs = [
-        subprocess.Popen(serve_command(model, mode, port, bp, flags), start_new_session=True)
-        for mode, port in (("prefill", pp), ("decode", dp))
+        subprocess.Popen(serve_command(model, mode, at, bp, flags), start_new_session=True)
+        for mode, at in (("prefill", pp), ("decode", dp))
     ]
     urls = [f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"]
     # uvicorn re-raises the SIGTERM it caught once it has stopped: make that an exception,
