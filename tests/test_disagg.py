@@ -568,3 +568,19 @@ def test_a_list_of_prompts_through_the_router(cluster, reference):
     assert got.usage.completion_tokens == 18
     wait_idle(cluster["prefill"].url)
     wait_idle(cluster["decode"].url)
+
+
+@pytest.mark.parametrize("prompt", ["", "x" * 5000], ids=["empty", "past-the-context"])
+def test_a_refused_prompt_is_a_400_before_the_room_is_claimed(cluster, prompt):
+    """The prefill server checks the prompt before it claims the bootstrap room: no decode
+    server registers a prompt it refused too, so claiming first held the request for the
+    room's whole timeout (20 s here, 60 by default) before a 502."""
+    before = scrape_metrics(cluster["prefill"].url)["dsakv_kv_transfer_failures_total"]
+    headers = {"x-dsakv-bootstrap-room": "9191"}
+    start = time.monotonic()
+    r = httpx.post(f"{cluster['prefill'].url}/v1/completions", headers=headers, timeout=60,
+                   json={"prompt": prompt, "max_tokens": 4})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert time.monotonic() - start < 10
+    after = scrape_metrics(cluster["prefill"].url)["dsakv_kv_transfer_failures_total"]
+    assert after == before

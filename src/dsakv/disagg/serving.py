@@ -166,6 +166,9 @@ class PrefillAsyncEngine(_DisaggEngine):
                 f"({self.config.bootstrap_port}): check the router's --prefill URL PORT",
                 param="bootstrap_port",
             )
+        # A prompt the engine refuses is the client's 400 now; claimed first, it waited out
+        # the room's timeout for a decode server that had refused it too.
+        ids = await self.call(lambda e: e.prompt_ids(prompt))
         try:
             reg = await self.bootstrap.claim(target.room)
         except BootstrapError as e:
@@ -174,7 +177,6 @@ class PrefillAsyncEngine(_DisaggEngine):
         loop = asyncio.get_running_loop()
         shadow, public = RequestStream(loop), RequestStream(loop)
         try:
-            ids = await self.call(lambda e: e.prompt_ids(prompt))
             if ids != reg.prompt_ids:
                 raise APIError(
                     502,
