@@ -33,7 +33,7 @@ from .l3 import L3Cache, zero_counters
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .request import Request
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, is_number
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import MTPDrafter, verify
 
@@ -109,9 +109,9 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise DsakvError(f"{name} must be an integer >= 1 or None, got {v!r}")
         budget, host = self.kv_budget_gib, self.host_pool_gib
-        if budget is not None and not (_is_number(budget) and 0 < budget < math.inf):
+        if budget is not None and not (is_number(budget) and 0 < budget < math.inf):
             raise DsakvError(f"kv_budget_gib must be a finite number > 0, got {budget!r}")
-        if not (_is_number(host) and 0 <= host < math.inf):
+        if not (is_number(host) and 0 <= host < math.inf):
             raise DsakvError(f"host_pool_gib must be a finite number >= 0, got {host!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise DsakvError(f"seed must be an integer, got {self.seed!r}")
@@ -946,8 +946,4 @@ def _tokenizer_fault(path: Path, e: Exception) -> str:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 

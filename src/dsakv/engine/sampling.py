@@ -55,15 +55,15 @@ class SamplingParams:
                 "max_tokens must be an integer >= 1 (0 only with prompt_logprobs)",
             ),
             (
-                _is_num(self.temperature) and 0 <= self.temperature < math.inf,
+                is_number(self.temperature) and 0 <= self.temperature < math.inf,
                 "temperature must be a finite number >= 0",
             ),
-            (_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (
                 _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
                 "top_k must be -1 or >= 1",
             ),
-            (_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.seed is None or _is_int(self.seed), "seed must be an integer"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (
@@ -103,7 +103,8 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_num(x: object) -> bool:
+def is_number(x: object) -> bool:
+    """An int or float, not a bool (JSON's numbers; True is not 1 here)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
