@@ -297,6 +297,13 @@ _BAD = [
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
     ("/detokenize", {"tokens": [1, 99999]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
 ]
 
 
@@ -307,6 +314,35 @@ def test_bad_input_is_a_400(base, served, path, body, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param, err
+
+
+def test_penalties_and_logit_bias_through_the_openai_client(client, reference):
+    """The server's processed greedy tokens are the offline engine's, field for field."""
+    prompt = reference.tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    plain = reference.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    sink = plain.token_ids[0]
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        repetition_penalty=1.2,
+        logit_bias={sink: -100.0, 7: 3.0},
+        min_tokens=4,
+    )
+    want = reference.generate([prompt], params)[0]
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0.0,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        logit_bias={str(sink): -100, "7": 3},
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 4},
+    )
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids)
+    assert want.token_ids != plain.token_ids and sink not in want.token_ids
 
 
 def test_still_serves_after_bad_input(client, served):

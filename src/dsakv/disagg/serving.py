@@ -184,7 +184,7 @@ class PrefillAsyncEngine(_DisaggEngine):
                     "(different tokenizers or chat templates?)",
                     type="server_error",
                 )
-            one = dataclasses.replace(params, max_tokens=1)
+            one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
             add = functools.partial(self._add_held, ids, one, shadow, public)
             req = await self.call(add)
         except BaseException as e:

@@ -33,7 +33,7 @@ from .l3 import L3Cache, zero_counters
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .request import Request
-from .sampling import Sampler, SamplingParams, is_number
+from .sampling import Sampler, SamplingParams, ban, is_number, penalize
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import MTPDrafter, verify
 
@@ -545,8 +545,13 @@ class Engine:
         `max_tokens` of 10**8 made a request that could never be admitted)."""
         room = self.max_model_len - len(req.prompt_ids)
         if req.params.max_tokens > room >= 1:
-            req.params = replace(req.params, max_tokens=room)
+            req.params = replace(
+                req.params, max_tokens=room, min_tokens=min(req.params.min_tokens, room)
+            )
         p = req.params
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t, _ in p.logit_bias):
+            raise DsakvError(f"logit_bias has token ids outside the vocabulary (0..{vocab - 1})")
         if p.grammar is not None:
             req.matcher = self.grammars.matcher(p.grammar)
         if p.prompt_logprobs is not None:
@@ -686,10 +691,16 @@ class Engine:
     def _accept(self, req: Request, logits: torch.Tensor, drafts: list[int], now: float) -> None:
         """Verify `req`'s drafts and emit what is kept plus one target token; the KV of the
         kept drafts was written by this step's forward."""
+        if req.params.penalized or req.matcher is not None or req.params.min_tokens:
+            logits = logits.float().clone()
+        for j in range(len(drafts) + 1):
+            if req.params.penalized:
+                penalize(logits[j], req.params, req.prompt_ids, req.output_ids + drafts[:j])
         if req.matcher is not None:  # drafts the grammar refuses are not even checked
-            logits = logits.clone()
             drafts = self.grammars.apply_drafts(logits, req.matcher, drafts)
             logits = logits[: len(drafts) + 1]
+        for j in range(len(drafts) + 1):
+            self._ban_stops(req, logits[j], len(req.output_ids) + j)
         tokens = verify(logits, drafts, req.params, self.sampler.generator, len(req.output_ids))
         accepted = len(tokens) - 1
         req.metrics.draft_tokens += len(drafts)
@@ -722,8 +733,14 @@ class Engine:
             keep = [i for i, r in enumerate(reqs) if r.params.max_tokens > 0]
             reqs, logits = [reqs[i] for i in keep], logits[keep]
         if reqs:
+            logits = logits.float()  # (rows of its own: indexed out of the step's logits)
+            for req, row in zip(reqs, logits):
+                if req.params.penalized:
+                    penalize(row, req.params, req.prompt_ids, req.output_ids)
             if any(r.matcher is not None for r in reqs):
                 self.grammars.apply(logits, [r.matcher for r in reqs])
+            for req, row in zip(reqs, logits):
+                self._ban_stops(req, row, len(req.output_ids))
             result = self.sampler.sample(
                 logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs]
             )
@@ -769,6 +786,12 @@ class Engine:
                 req.prompt_logprobs[pos] = float(logp[j, req.prompt_ids[pos]])
                 req.prompt_top_logprobs[pos] = _top(logp[j], req.params.prompt_logprobs)
 
+    def _ban_stops(self, req: Request, row: torch.Tensor, index: int) -> None:
+        """Under `min_tokens`, output token `index` may not be a stop token."""
+        p = req.params
+        if index < p.min_tokens:
+            ban(row, [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)])
+
     def _append_token(self, req: Request, token: int, now: float) -> None:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -781,8 +804,10 @@ class Engine:
         cut_text = False
         if self.tokenizer is not None:
             self._decode_output(req, token)
-            if p.stop and reason is None:
-                hit = _find_stop(req.output_text, p.stop)
+            if len(req.output_ids) < p.min_tokens:
+                req.stop_floor = len(req.output_text)
+            elif p.stop and reason is None:
+                hit = _find_stop(req.output_text, p.stop, req.stop_floor)
                 if hit is not None:
                     cut, stop = hit
                     req.output_text = req.output_text[
@@ -910,8 +935,10 @@ def _top(logp: torch.Tensor, k: int) -> list[tuple[int, float]]:
     return list(zip(top.indices.tolist(), top.values.tolist()))
 
 
-def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    hits = [(text.find(s), s) for s in stops if s in text]
+def _find_stop(text: str, stops: tuple[str, ...], floor: int = 0) -> tuple[int, str] | None:
+    """The first stop string in `text` that ends past offset `floor`, and where it starts."""
+    hits = [(text.find(s, max(0, floor - len(s) + 1)), s) for s in stops]
+    hits = [h for h in hits if h[0] >= 0]
     return min(hits) if hits else None
 
 
@@ -946,4 +973,3 @@ def _tokenizer_fault(path: Path, e: Exception) -> str:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
-

@@ -93,6 +93,7 @@ class Request:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     draft_ids: list[int] = field(default_factory=list)  # MTP proposals for the next step
     draft_len: DraftLength | None = None  # MTP: its adaptive draft length (set on first use)
+    stop_floor: int = 0  # a stop string counts only where it ends past this text offset
 
     @property
     def all_ids(self) -> list[int]:

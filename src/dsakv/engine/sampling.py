@@ -31,6 +31,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are banned, stop strings unseen, before it
+    # OpenAI's penalties on the output's tokens: logit -= frequency * count + presence
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (and HF's) on the prompt's and the output's tokens: positive logits / r,
+    # negative ones * r
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs added to the logits; a dict is taken too
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     # (kind, spec): kind in GRAMMAR_KINDS; compiled and checked by `Engine.add_request`
@@ -44,6 +53,15 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if isinstance(self.grammar, list):
             object.__setattr__(self, "grammar", tuple(self.grammar))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = bias.items()
+        try:
+            object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias or ())))
+        except (TypeError, ValueError):
+            raise DsakvError(
+                "invalid sampling params: logit_bias must map token ids to biases", "logit_bias"
+            ) from None
         checks = [
             (
                 _is_int(self.max_tokens)
@@ -71,6 +89,35 @@ class SamplingParams:
                 "stop_token_ids must be token ids",
             ),
             (
+                _is_int(self.min_tokens)
+                and _is_int(self.max_tokens)
+                and 0 <= self.min_tokens <= self.max_tokens,
+                "min_tokens must be an integer in 0..max_tokens",
+            ),
+            (
+                is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                "presence_penalty must be in [-2, 2]",
+            ),
+            (
+                is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                "frequency_penalty must be in [-2, 2]",
+            ),
+            (
+                is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+                "repetition_penalty must be a finite number > 0",
+            ),
+            (
+                all(
+                    _is_int(t) and t >= 0 and is_number(b) and -100 <= b <= 100
+                    for t, b in self.logit_bias
+                ),
+                "logit_bias must map token ids to biases in [-100, 100]",
+            ),
+            (
+                len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
+                "logit_bias names a token id twice",
+            ),
+            (
                 self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                 "logprobs must be in 0..20",
             ),
@@ -90,13 +137,23 @@ class SamplingParams:
                 f"grammar must be (kind, spec) with kind one of {', '.join(GRAMMAR_KINDS)}",
             ),
         ]
-        for ok, message in checks:
+        for ok, message in checks:  # each message starts with the field it is about
             if not ok:
-                raise DsakvError(f"invalid sampling params: {message}")
+                raise DsakvError(f"invalid sampling params: {message}", message.split()[0])
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether `penalize` changes this request's logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
 
 def _is_int(x: object) -> bool:
@@ -196,3 +253,32 @@ def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return probs / probs.sum()
+
+
+def penalize(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]):
+    """In place on one row of logits, in vLLM's (and transformers') order: `p`'s logit
+    bias, then the repetition penalty over the prompt's and the output's tokens, then the
+    frequency and presence penalties over the output's."""
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=row.device)
+        row[ids] += torch.tensor([b for _, b in p.logit_bias], device=row.device, dtype=row.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor([*prompt, *output], device=row.device).unique()
+        vals = row[seen]
+        r = p.repetition_penalty
+        row[seen] = torch.where(vals > 0, vals / r, vals * r)
+    if output and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(output, device=row.device).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+
+def ban(row: torch.Tensor, token_ids: Sequence[int]) -> None:
+    """In place: `token_ids` can no longer be picked, unless nothing else could (a grammar
+    that allows only EOS outranks `min_tokens`)."""
+    if not token_ids:
+        return
+    ids = torch.tensor(token_ids, device=row.device)
+    kept = row[ids].clone()
+    row[ids] = -math.inf
+    if not bool(torch.isfinite(row).any()):
+        row[ids] = kept

@@ -420,11 +420,6 @@ class Handlers:
     ) -> SamplingParams:
         """Sampling params from the request (n is each handler's business: `_n`)."""
         self._n(body)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name):
-                raise APIError(400, f"{name} is not supported", param=name)
-        if body.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if max_tokens is not None and max_tokens < min_max_tokens:
             raise APIError(
                 400,
@@ -455,12 +450,37 @@ class Handlers:
                 stop=tuple(stop),
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=bool(body.ignore_eos),
+                min_tokens=body.min_tokens or 0,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if body.repetition_penalty is None else body.repetition_penalty
+                ),
+                logit_bias=self._logit_bias(body.logit_bias),
                 logprobs=logprobs,
                 grammar=_grammar(body),
                 prompt_logprobs=0 if max_tokens == 0 else None,
             )
         except DsakvError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=e.param) from None
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
+        """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to biases."""
+        vocab = self.engine.engine.model_config.vocab_size
+        out: dict[int, float] = {}
+        for key, value in (bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < vocab or token in out:
+                raise APIError(
+                    400,
+                    f"logit_bias keys must be distinct token ids in 0..{vocab - 1}, got {key!r}",
+                    param="logit_bias",
+                )
+            out[token] = value
+        return out
 
     def _n(self, body: GenerationRequest) -> int:
         n = 1 if body.n is None else body.n
@@ -479,7 +499,7 @@ class Handlers:
         except GrammarError as e:
             raise APIError(400, str(e), param=_grammar_param(params)) from None
         except DsakvError as e:
-            raise APIError(400, str(e), param="prompt") from None
+            raise APIError(400, str(e), param=e.param or "prompt") from None
         except RuntimeError as e:
             raise APIError(503, str(e), type="server_error") from None
 

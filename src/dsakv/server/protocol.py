@@ -82,6 +82,8 @@ class GenerationRequest(_Strict):
     sampling_seed: int | None = None  # SGLang's name for `seed` (see `Handlers._params`)
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
+    min_tokens: int | None = 0
+    repetition_penalty: float | None = 1.0
     # structured output: OpenAI's response_format, SGLang's regex / ebnf / json_schema and
     # vLLM's guided_json / guided_regex / guided_grammar; at most one of them
     response_format: ResponseFormat | None = None

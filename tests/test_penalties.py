@@ -1,0 +1,202 @@
+"""Logit processors a vLLM or OpenAI client expects: `logit_bias`, `min_tokens`, and the
+repetition, frequency and presence penalties. Greedy tokens are checked against
+transformers' own processors (`generate` with `sequence_bias`, `repetition_penalty`,
+`min_new_tokens`) on the same checkpoint, and MTP must not change what they pick."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dsakv import LLM, SamplingParams
+from dsakv.engine.sampling import ban, penalize
+from dsakv.errors import DsakvError
+from dsakv.models.tiny import TINY_PRESETS, default_model_dir, hf_config, random_hf_model
+
+# fp32 caches, index_topk over the whole context: the engine's greedy tokens are
+# transformers' (as in test_model_parity), so only the processors can make them differ.
+EXACT = dict(
+    kv_cache_dtype="fp32",
+    index_k_dtype="fp32",
+    device="cpu",
+    page_size=16,
+    num_pages=32,
+    chunked_prefill_size=32,
+)
+PROMPT = [17, 3, 99, 3, 250, 41, 8, 17, 17, 200, 5, 64, 3, 77, 120, 9]
+NEW = 24
+
+
+# --- unit: one row ------------------------------------------------------------------------------
+
+
+def test_penalize_matches_the_definitions():
+    torch.manual_seed(0)
+    row = torch.randn(50)
+    prompt, output = [1, 2, 2, 7], [7, 7, 3, 9, 3, 7]
+    p = SamplingParams(
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.3,
+        logit_bias={4: 2.0, 7: -1.0},
+    )
+    want = row.clone()
+    for t, b in p.logit_bias:
+        want[t] += b
+    for t in set(prompt + output):  # repetition: each seen token once, whatever its count
+        want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
+    for t in set(output):
+        want[t] -= 0.25 * output.count(t) + 0.5
+    got = row.clone()
+    penalize(got, p, prompt, output)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    untouched = [t for t in range(50) if t not in {1, 2, 3, 4, 7, 9}]
+    assert torch.equal(got[untouched], row[untouched])
+    assert not SamplingParams().penalized and p.penalized
+
+
+def test_ban_gives_way_when_nothing_else_is_left():
+    row = torch.tensor([0.0, 1.0, 2.0])
+    ban(row, [2])
+    assert row.argmax() == 1 and row[2] == -torch.inf
+    only = torch.tensor([-torch.inf, -torch.inf, 3.0])  # a grammar that allows only EOS
+    ban(only, [2])
+    assert only[2] == 3.0
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("presence_penalty", dict(presence_penalty=2.5)),
+        ("frequency_penalty", dict(frequency_penalty=float("nan"))),
+        ("repetition_penalty", dict(repetition_penalty=0.0)),
+        ("logit_bias", dict(logit_bias={3: 101.0})),
+        ("logit_bias", dict(logit_bias={-1: 1.0})),
+        ("logit_bias", dict(logit_bias=[(3, 1.0), (3, 2.0)])),
+        ("logit_bias", dict(logit_bias="3")),
+        ("min_tokens", dict(max_tokens=4, min_tokens=5)),
+        ("min_tokens", dict(min_tokens=-1)),
+    ],
+)
+def test_bad_values_name_their_field(field, kwargs):
+    with pytest.raises(DsakvError, match=field) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == field
+
+
+# --- greedy tokens vs transformers --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A glm-tiny written by transformers, with the transformers model that wrote it."""
+    raw = copy.deepcopy(TINY_PRESETS["glm-tiny"])
+    raw["index_topk"] = 256
+    hf = random_hf_model(hf_config(raw), seed=3)
+    path = tmp_path_factory.mktemp("penalties")
+    hf.save_pretrained(str(path))
+    with LLM(str(path), **EXACT) as llm:
+        yield hf, llm
+
+
+def _hf_greedy(hf, **processors) -> list[int]:
+    out = hf.generate(
+        torch.tensor([PROMPT]),
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=0,
+        **processors,
+    )
+    return out[0, len(PROMPT) :].tolist()
+
+
+def _greedy(llm: LLM, **params) -> list[int]:
+    sp = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, **params)
+    return llm.generate([PROMPT], sp)[0].token_ids
+
+
+def test_plain_greedy_is_transformers(checkpoint):
+    hf, llm = checkpoint
+    assert _greedy(llm) == _hf_greedy(hf, eos_token_id=None)
+
+
+def test_repetition_penalty_and_logit_bias_match_transformers(checkpoint):
+    hf, llm = checkpoint
+    plain = _greedy(llm)
+    boost, sink = 5, plain[0]  # a token to favour, and the plain first choice, pushed away
+    got = _greedy(llm, repetition_penalty=1.8, logit_bias={boost: 4.0, sink: -100.0})
+    want = _hf_greedy(
+        hf,
+        eos_token_id=None,
+        repetition_penalty=1.8,
+        sequence_bias=[[[boost], 4.0], [[sink], -100.0]],
+    )
+    assert got == want
+    assert got != plain and sink not in got
+
+
+def test_min_tokens_bans_stop_tokens_as_transformers_does(checkpoint):
+    hf, llm = checkpoint
+    plain = _greedy(llm)
+    stop = plain[2]  # without min_tokens the request would end at its third token
+    assert _greedy(llm, stop_token_ids=(stop,))[-1] == stop
+    got = _greedy(llm, stop_token_ids=(stop,), min_tokens=8)
+    want = _hf_greedy(hf, eos_token_id=stop, min_new_tokens=8)
+    if stop in want[8:]:  # transformers pads after EOS; dsakv ends there
+        want = want[: want.index(stop, 8) + 1]
+    assert got == want and len(got) >= 8 and stop not in got[:8]
+
+
+# --- MTP and the server ---------------------------------------------------------------------------
+
+
+def test_mtp_keeps_the_processed_tokens():
+    """Drafts come from the draft layer, which knows no penalties: verification must still
+    emit exactly the tokens the processed target distribution gives, greedy and seeded."""
+    model = str(default_model_dir("glm-tiny"))
+    exact = {**EXACT, "num_pages": 64, "max_running_requests": 8}
+    prompts = [PROMPT, PROMPT[:9], [5, 6, 7, 8] * 5]
+    params = [
+        SamplingParams(
+            max_tokens=20,
+            temperature=0.0,
+            ignore_eos=True,
+            repetition_penalty=1.5,
+            frequency_penalty=0.7,
+            logit_bias={3: 3.0},
+            min_tokens=10,
+            stop_token_ids=(12,),
+        ),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=11, presence_penalty=1.5),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    ]
+    runs = []
+    for extra in ({}, {"speculative_algorithm": "mtp", "speculative_num_steps": 3}):
+        with LLM(model, **exact, **extra) as llm:
+            out = llm.generate(prompts, params)
+            runs.append([o.token_ids for o in out])
+            if extra:
+                assert llm.engine.stats.accepted_tokens > 0  # the drafts were checked
+    assert runs[0] == runs[1]
+    assert len(runs[0][0]) >= 10 and 12 not in runs[0][0][:10]
+
+
+def test_min_tokens_ignores_stop_strings_before_it():
+    with LLM(str(default_model_dir("glm-tiny")), **EXACT) as llm:
+        tok = llm.tokenizer
+        plain = _greedy(llm)[:12]
+        text = [tok.decode(plain[:i]) for i in range(13)]
+        stop = text[2][len(text[1]) :]  # the second token's text
+        assert stop and _greedy_text(llm, stop=(stop,)).token_ids == plain[:2]
+        got = _greedy_text(llm, stop=(stop,), min_tokens=6)
+        # The first occurrence that ends past the first five tokens' text.
+        cut = text[12].find(stop, len(text[5]) - len(stop) + 1)
+        assert len(got.token_ids) >= 6 and got.token_ids == plain[: len(got.token_ids)]
+        assert got.text == (text[12] if cut < 0 else text[12][:cut])
+
+
+def _greedy_text(llm: LLM, **params):
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, **params)
+    return llm.generate([PROMPT], sp)[0]
