@@ -33,7 +33,6 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
-
 @pytest.fixture(scope="module")
 def reference(model_dir) -> LLM:
     return LLM(str(model_dir), **ENGINE_ARGS)
@@ -152,6 +151,40 @@ def test_chat_matches_offline(client, reference):
     assert all(len(x.top_logprobs) == 2 for x in lps)
 
 
+def test_chat_continues_the_final_message(base, client, reference):
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "The colour is"},
+    ]
+    prompt = reference.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
+    assert prompt.endswith("The colour is")
+    ref = _ref(reference, prompt, max_tokens=6, ignore_eos=True)
+    extra = {"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True}
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body=extra
+    )
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    tokens = httpx.post(f"{base}/tokenize", json=body, timeout=TIMEOUT).json()["tokens"]
+    assert tokens == ref.prompt_token_ids
+
+
+def test_skip_special_tokens(client, reference):
+    tok = reference.tokenizer
+    special = next(
+        t for t in tok.all_special_ids if t not in tok.convert_tokens_to_ids([tok.eos_token])
+    )
+    kw = dict(model=MODEL, prompt="Special:", max_tokens=2, temperature=0)
+    extra = {"ignore_eos": True, "logit_bias": {str(special): 100}}
+    shown = client.completions.create(**kw, extra_body={**extra, "skip_special_tokens": False})
+    hidden = client.completions.create(**kw, extra_body=extra)
+    assert shown.choices[0].text == tok.decode([special, special])
+    assert hidden.choices[0].text == ""
+
+
 def test_streaming_completion_and_chat(client, reference):
     ref = _ref(reference, "Once upon a time", max_tokens=16, ignore_eos=True)
     chunks = list(
@@ -210,6 +243,9 @@ def test_stop_seed_and_sampling_extras(client, reference):
     assert (r.choices[0].text, r.choices[0].finish_reason) == (expect, "stop")
     streamed = client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed) == expect
+    extra = {"ignore_eos": True, "include_stop_str_in_output": True}
+    r = client.completions.create(**kw, extra_body=extra)
+    assert r.choices[0].text == expect + stop
 
     # Seeded sampling is reproducible, streamed or not, and matches the offline engine.
     kw = dict(model=MODEL, prompt="Seed:", max_tokens=8, temperature=0.9, top_p=0.95, seed=1234)
@@ -306,6 +342,34 @@ _BAD = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "word " * 600}]},
+        400,
+        "messages",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True},
+        400,
+        "continue_final_message",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+        400,
+        "continue_final_message",
+    ),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},

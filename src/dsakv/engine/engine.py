@@ -820,7 +820,9 @@ class Engine:
             reason = "length"
         if reason is not None:
             if self.tokenizer is not None and not cut_text:  # with what is still held back
-                req.output_text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+                req.output_text = self.tokenizer.decode(
+                    req.output_ids, skip_special_tokens=p.skip_special_tokens
+                )
             self._finish(req, reason, now)
 
     def _decode_output(self, req: Request, token: int) -> None:
@@ -833,10 +835,12 @@ class Engine:
         tok = self.tokenizer
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is None or getattr(tok, "clean_up_tokenization_spaces", False):
-            req.output_text = tok.decode(req.output_ids, skip_special_tokens=True)
+            req.output_text = tok.decode(
+                req.output_ids, skip_special_tokens=req.params.skip_special_tokens
+            )
             return
         if req.detokenizer is None:
-            req.detokenizer = DecodeStream(skip_special_tokens=True)
+            req.detokenizer = DecodeStream(skip_special_tokens=req.params.skip_special_tokens)
         req.output_text += req.detokenizer.step(backend, token) or ""
 
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:

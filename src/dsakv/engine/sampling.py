@@ -42,6 +42,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # in the output's text
     # (kind, spec): kind in GRAMMAR_KINDS; compiled and checked by `Engine.add_request`
     grammar: tuple[str, str] | None = None
     prompt_logprobs: int | None = None  # teacher-forced top-n over the prompt (None = off)

@@ -296,7 +296,7 @@ class Handlers:
                 )
             params = dataclasses.replace(params, grammar=prep.grammar)
         n = self._n(body)
-        streams = await self._submit_n(prompt, params, n)
+        streams = await self._submit_n(prompt, params, n, prompt_param="messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": rid,
@@ -420,6 +420,8 @@ class Handlers:
     ) -> SamplingParams:
         """Sampling params from the request (n is each handler's business: `_n`)."""
         self._n(body)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options needs stream: true", param="stream_options")
         if max_tokens is not None and max_tokens < min_max_tokens:
             raise APIError(
                 400,
@@ -450,6 +452,8 @@ class Handlers:
                 stop=tuple(stop),
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=bool(body.ignore_eos),
+                include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                skip_special_tokens=body.skip_special_tokens is not False,
                 min_tokens=body.min_tokens or 0,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
@@ -490,7 +494,7 @@ class Handlers:
         return n
 
     async def _submit_n(
-        self, prompt: str | list[int], params: SamplingParams, n: int
+        self, prompt: str | list[int], params: SamplingParams, n: int, prompt_param: str = "prompt"
     ) -> list[RequestStream]:
         """`n` choices of one prompt (they share its KV pages); a rejected prompt or grammar
         is a 400."""
@@ -499,7 +503,7 @@ class Handlers:
         except GrammarError as e:
             raise APIError(400, str(e), param=_grammar_param(params)) from None
         except DsakvError as e:
-            raise APIError(400, str(e), param=e.param or "prompt") from None
+            raise APIError(400, str(e), param=e.param or prompt_param) from None
         except RuntimeError as e:
             raise APIError(503, str(e), type="server_error") from None
 
@@ -549,17 +553,19 @@ class Handlers:
         """`_collect` for every stream at once; the first failure aborts the rest."""
         if len(streams) == 1:
             return [await self._collect(streams[0], raw)]
+        tasks = [asyncio.ensure_future(self._collect(s, raw)) for s in streams]
         try:
-            results = await asyncio.gather(
-                *(self._collect(s, raw) for s in streams), return_exceptions=True
-            )
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
             for s in streams:
-                self.engine.abort(s)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results
+                self.engine.abort(s)  # (a finished one: nothing to do)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for t in tasks:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's /tokenize: the ids /v1/completions (`prompt`) or /v1/chat/completions
@@ -577,6 +583,8 @@ class Handlers:
                 messages=body.messages,
                 tools=body.tools,
                 chat_template_kwargs=body.chat_template_kwargs,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
             )
             tokens = e.encode(prepare_chat(chat, e.tokenizer, self.chat_parsers).prompt)
         else:

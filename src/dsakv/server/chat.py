@@ -22,7 +22,14 @@ from .parsers import (
 from .protocol import APIError, ChatCompletionRequest
 
 # Template arguments the server sets itself; chat_template_kwargs may not override them.
-_RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "tokenize", "conversation")
+_RESERVED_KWARGS = (
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "conversation",
+)
 
 
 @dataclass(frozen=True)
@@ -82,11 +89,25 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Any, parsers: ChatParse
             raise APIError(
                 400, f"chat_template_kwargs may not set {key!r}", param="chat_template_kwargs"
             )
+    if body.continue_final_message:
+        if body.add_generation_prompt is not False:
+            raise APIError(
+                400,
+                "continue_final_message needs add_generation_prompt: false",
+                param="continue_final_message",
+            )
+        if body.messages[-1].role != "assistant":
+            raise APIError(
+                400,
+                "continue_final_message needs an assistant message last",
+                param="continue_final_message",
+            )
+        kwargs["continue_final_message"] = True
     try:
         prompt = tokenizer.apply_chat_template(
             [_template_message(i, m) for i, m in enumerate(body.messages)],
             tools=tools or None,
-            add_generation_prompt=True,
+            add_generation_prompt=body.add_generation_prompt is not False,
             tokenize=False,
             **kwargs,
         )

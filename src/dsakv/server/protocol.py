@@ -84,6 +84,8 @@ class GenerationRequest(_Strict):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = 0
     repetition_penalty: float | None = 1.0
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
     # structured output: OpenAI's response_format, SGLang's regex / ebnf / json_schema and
     # vLLM's guided_json / guided_regex / guided_grammar; at most one of them
     response_format: ResponseFormat | None = None
@@ -158,6 +160,9 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking / thinking
+    # vLLM's: continue the last (assistant) message instead of opening a new one
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
 
 
 class TokenizeRequest(_Strict):
@@ -169,6 +174,8 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # with `messages`: rendered as chat renders them
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
 
 
 class DetokenizeRequest(_Strict):
