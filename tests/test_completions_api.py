@@ -316,6 +316,38 @@ def test_bad_input_is_a_400(base, served, path, body, param):
     assert err["param"] == param, err
 
 
+def test_token_texts_join_to_the_text_across_multibyte_characters(base, client):
+    """Each byte of é or 日 is a token here: those that leave a character unfinished add ""
+    and the one finishing it adds the character, so tokens join to the text, text_offset
+    indexes into it and the greedy token is its top-1's key (lm-eval's is_greedy)."""
+    prompt = "héllo 日本, naïve café"
+    r = httpx.post(
+        f"{base}/v1/completions",
+        json={"prompt": prompt, "echo": True, "logprobs": 3, "max_tokens": 8, "temperature": 0},
+        timeout=TIMEOUT,
+    ).json()["choices"][0]
+    lp, text = r["logprobs"], r["text"]
+    joined = "".join(lp["tokens"])
+    assert text.startswith(prompt) and text.startswith(joined)
+    assert set(text[len(joined) :]) <= {"\ufffd"}  # an unfinished last character
+    assert lp["tokens"][:3] == ["h", "", "é"]
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    n = len(lp["tokens"]) - 8
+    for tok, top in zip(lp["tokens"][n:], lp["top_logprobs"][n:]):
+        assert max(top, key=top.get) == tok
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    ).choices[0]
+    content = b"".join(bytes(x.bytes) for x in chat.logprobs.content).decode()
+    assert chat.message.content.startswith(content)
+    assert all(x.token == x.top_logprobs[0].token for x in chat.logprobs.content)
+
+
 def test_penalties_and_logit_bias_through_the_openai_client(client, reference):
     """The server's processed greedy tokens are the offline engine's, field for field."""
     prompt = reference.tokenizer.encode(TEXTS[0], add_special_tokens=False)

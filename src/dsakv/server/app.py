@@ -153,7 +153,8 @@ class _Result:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    token_text: dict[int, str] = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)
+    top_texts: list[list[str]] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -165,7 +166,8 @@ class _Result:
         self.token_ids += u.token_ids
         self.logprobs += u.logprobs or []
         self.top_logprobs += u.top_logprobs or []
-        self.token_text.update(u.token_text)
+        self.texts += u.texts or []
+        self.top_texts += u.top_texts or []
         self.finish_reason = u.finish_reason
         self.prompt_tokens, self.completion_tokens = u.prompt_tokens, u.completion_tokens
 
@@ -176,10 +178,13 @@ class _Result:
             self.text,
             self.logprobs,
             self.top_logprobs,
-            token_text=self.token_text,
+            texts=self.texts,
+            top_texts=self.top_texts,
             prompt_token_ids=f.prompt_token_ids if f else None,
             prompt_logprobs=f.prompt_logprobs if f else None,
             prompt_top_logprobs=f.prompt_top_logprobs if f else None,
+            prompt_texts=f.prompt_texts if f else None,
+            prompt_top_texts=f.prompt_top_texts if f else None,
         )
 
 
@@ -701,37 +706,43 @@ def _lp(x: float) -> float:
     return max(float(x), _MIN_LOGPROB)
 
 
-def _completion_logprobs(u: Update, offset: int) -> dict[str, Any]:
-    tokens = [u.token_text.get(t, "") for t in u.token_ids]
-    text_offset = []
-    for s in tokens:
-        text_offset.append(offset)
-        offset += len(s)
+def _completion_logprobs(u: Update) -> dict[str, Any]:
+    tops = u.top_logprobs or []
     return {
-        "tokens": tokens,
+        "tokens": list(u.texts or [""] * len(u.token_ids)),
         "token_logprobs": [_lp(x) for x in u.logprobs or []],
-        "top_logprobs": [_top_dict(u, top) for top in u.top_logprobs or []],
-        "text_offset": text_offset,
+        "top_logprobs": [
+            _top_dict(top, texts) for top, texts in zip(tops, _or_blank(u.top_texts, tops))
+        ],
     }
 
 
-def _top_dict(u: Update, top: list[tuple[int, float]]) -> dict[str, float]:
-    """Completions' {token text: logprob}; where two tokens share a text (undecodable bytes
-    all read "\ufffd") the likelier one keeps it, so the max stays the top-1 logprob."""
+def _or_blank(texts: list[list[str]] | None, tops: list) -> list[list[str]]:
+    """Token texts, or "" for each where the model has no tokenizer."""
+    return texts if texts is not None else [[""] * len(top or ()) for top in tops]
+
+
+def _top_dict(top: list[tuple[int, float]], texts: list[str]) -> dict[str, float]:
+    """Completions' {token text: logprob}; where two tokens add the same text (two bytes
+    of one unfinished character both add "") the likelier one keeps it, so the max stays
+    the top-1 logprob."""
     out: dict[str, float] = {}
-    for t, x in top:
-        out.setdefault(u.token_text.get(t, ""), _lp(x))
+    for (_, x), s in zip(top, texts):
+        out.setdefault(s, _lp(x))
     return out
 
 
 def _chat_logprobs(u: Update) -> dict[str, Any]:
-    def entry(t: int, x: float) -> dict[str, Any]:
-        s = u.token_text.get(t, "")
+    def entry(s: str, x: float) -> dict[str, Any]:
         return {"token": s, "logprob": _lp(x), "bytes": list(s.encode("utf-8"))}
 
+    tops = u.top_logprobs or []
+    texts = u.texts or [""] * len(u.token_ids)
     content = []
-    for t, x, top in zip(u.token_ids, u.logprobs or [], u.top_logprobs or []):
-        content.append({**entry(t, x), "top_logprobs": [entry(i, y) for i, y in top]})
+    for s, x, top, alts in zip(texts, u.logprobs or [], tops, _or_blank(u.top_texts, tops)):
+        content.append(
+            {**entry(s, x), "top_logprobs": [entry(a, y) for (_, y), a in zip(top, alts)]}
+        )
     return {"content": content}
 
 
@@ -774,12 +785,15 @@ class _CompletionChoice:
         if self.echo and u.prompt_token_ids is not None:
             scored = u.prompt_logprobs or [None] * len(u.prompt_token_ids)
             tops = u.prompt_top_logprobs or [None] * len(u.prompt_token_ids)
+            texts = u.prompt_top_texts or _or_blank(None, tops)
             prompt = {
-                "tokens": [u.token_text.get(t, "") for t in u.prompt_token_ids],
+                "tokens": list(u.prompt_texts or [""] * len(u.prompt_token_ids)),
                 "token_logprobs": [None if x is None else _lp(x) for x in scored],
-                "top_logprobs": [None if top is None else _top_dict(u, top) for top in tops],
+                "top_logprobs": [
+                    None if top is None else _top_dict(top, t) for top, t in zip(tops, texts)
+                ],
             }
-        gen = _completion_logprobs(u, 0)
+        gen = _completion_logprobs(u)
         out = {k: prompt[k] + gen[k] for k in ("tokens", "token_logprobs", "top_logprobs")}
         out["text_offset"] = []
         for s in out["tokens"]:

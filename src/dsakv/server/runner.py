@@ -92,11 +92,16 @@ class Update:
     ttft_s: float | None = None
     latency_s: float | None = None
     error: str | None = None  # the engine failed on this request (a server error)
-    token_text: dict[int, str] = field(default_factory=dict)  # id -> text, for logprobs
-    # In a request's first update only: its prompt, and with prompt_logprobs their scores.
+    # With logprobs: each token's text and each alternative's (`texts_in_context`)
+    texts: list[str] | None = None
+    top_texts: list[list[str]] | None = None
+    # In a request's first update only: its prompt, and with prompt_logprobs their scores
+    # (and texts, as above).
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_texts: list[str] | None = None
+    prompt_top_texts: list[list[str]] | None = None
 
 
 @dataclass(eq=False)
@@ -383,17 +388,15 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
     first = not stream.sent_prompt
     stream.sent_prompt = True
     scored = first and req.prompt_logprobs is not None
-    named: set[int] = set()
-    if want:
-        named |= {*ids, *(t for tops in req.top_logprobs[start:end] for t, _ in tops)}
-    if scored:
-        named |= {
-            *req.prompt_ids,
-            *(t for tops in req.prompt_top_logprobs if tops for t, _ in tops),
-        }
-    token_text: dict[int, str] = {}
-    if engine.tokenizer is not None:
-        token_text = {t: engine.tokenizer.decode([t]) for t in named}
+    tok, skip = engine.tokenizer, req.params.skip_special_tokens
+    texts = top_texts = prompt_texts = prompt_top_texts = None
+    if want and tok is not None:
+        n = len(req.prompt_ids)
+        tops = [[t for t, _ in top] for top in req.top_logprobs[start:end]]
+        texts, top_texts = texts_in_context(tok, req.all_ids, n + start, tops, skip)
+    if scored and tok is not None:
+        tops = [[t for t, _ in top or ()] for top in req.prompt_top_logprobs]
+        prompt_texts, prompt_top_texts = texts_in_context(tok, req.prompt_ids, 0, tops, skip)
     m = req.metrics
     return Update(
         token_ids=ids,
@@ -406,11 +409,46 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         completion_tokens=end,
         ttft_s=m.ttft,
         latency_s=m.latency,
-        token_text=token_text,
+        texts=texts,
+        top_texts=top_texts,
         prompt_token_ids=list(req.prompt_ids) if first else None,
         prompt_logprobs=list(req.prompt_logprobs) if scored else None,
         prompt_top_logprobs=list(req.prompt_top_logprobs) if scored else None,
+        prompt_texts=prompt_texts,
+        prompt_top_texts=prompt_top_texts,
     )
+
+
+# Tokens of context decoded before a position: more than any character needs (4 bytes).
+_CONTEXT = 6
+
+
+def texts_in_context(
+    tokenizer: Any, ids: list[int], start: int, alternatives: list[list[int]], skip: bool
+) -> tuple[list[str], list[list[str]]]:
+    """The text each token of `ids[start:]` adds after the tokens before it, and the text
+    each of its alternatives would have added there. A token holding part of a character
+    adds "" and the one completing it the whole character (U+FFFD stands for bytes not yet
+    complete: held back, as the output text holds them), so a request's token texts join
+    to its text and text offsets index into it; decoded alone, every such token read
+    U+FFFD. One batched decode for all of them."""
+    seqs: list[list[int]] = []
+    for i, alts in zip(range(start, len(ids)), alternatives):
+        ctx = ids[max(0, i - _CONTEXT) : i]
+        seqs += [ctx, ctx + [ids[i]], *(ctx + [t] for t in alts)]
+    decoded = iter(tokenizer.batch_decode(seqs, skip_special_tokens=skip))
+    texts, top_texts = [], []
+    for alts in alternatives[: len(ids) - start]:
+        before = _held(next(decoded))
+        added = [_held(next(decoded)) for _ in range(1 + len(alts))]
+        added = [s[len(before) :] if s.startswith(before) else s for s in added]
+        texts.append(added[0])
+        top_texts.append(added[1:])
+    return texts, top_texts
+
+
+def _held(text: str) -> str:
+    return text.rstrip("\ufffd")
 
 
 def _stable_len(text: str, stops: tuple[str, ...]) -> int:
