@@ -196,8 +196,11 @@ def test_mtp_draft_layer_travels_and_tokens_match(tiny, tmp_path):
         dict(page_size=8),
         dict(index_topk_pattern="FFSSFSSS"),
         dict(elide_index_k=False),
+        # Another compute path holds other bits: a hit would break bit-exact reuse.
+        dict(enable_deterministic_inference=False),
+        dict(attention_backend="torch"),
     ],
-    ids=["kv-dtype", "index-k-dtype", "page-size", "pattern", "dense"],
+    ids=["kv-dtype", "index-k-dtype", "page-size", "pattern", "dense", "batched", "torch"],
 )
 def test_another_layout_finds_no_hits(tiny, stored, tmp_path, change):
     store = _copy(stored, tmp_path)
@@ -210,6 +213,18 @@ def test_another_layout_finds_no_hits(tiny, stored, tmp_path, change):
 def test_another_checkpoint_finds_no_hits(stored, tmp_path):
     other = str(write_tiny_model(tmp_path / "seed1", preset="glm-tiny", seed=1))
     (_,), c = _run(other, [PROMPT], **_file(_copy(stored, tmp_path)))
+    assert c["l3_hits"] == 0 and c["l3_misses"] == 1
+
+
+def test_a_checkpoint_patched_mid_file_finds_no_hits(tiny, stored, tmp_path):
+    """One weight byte changed far from a shard's ends (a patched tensor)."""
+    patched = tmp_path / "patched"
+    shutil.copytree(tiny, patched)
+    (shard,) = patched.glob("*.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(data)
+    (_,), c = _run(str(patched), [PROMPT], **_file(_copy(stored, tmp_path)))
     assert c["l3_hits"] == 0 and c["l3_misses"] == 1
 
 

@@ -359,7 +359,8 @@ class Engine:
         self.cache = PrefixCache(self.allocator, self.host)
         self.l3: L3Cache | None = None
         if config.storage is not None:
-            namespace = storage_namespace(self.layout, model_identity(config.model), str(dtype))
+            compute = f"{dtype}|{self.backend.name}|deterministic={self.deterministic}"
+            namespace = storage_namespace(self.layout, model_identity(config.model), compute)
             self.l3 = L3Cache.create(config.storage, self.pool, self.host, namespace)
             self.cache.l3 = self.l3
         self.scheduler = Scheduler(

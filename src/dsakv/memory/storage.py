@@ -99,10 +99,17 @@ def object_key(namespace: bytes, page_hash: bytes) -> str:
     return f"{namespace.hex()}-{page_hash.hex()}"
 
 
+# Shards up to this size are hashed whole; a larger one by 64 blocks of 64 KiB spread over
+# it (4 MiB read per shard: a 700 GB checkpoint's fingerprint reads 0.6 GB, not 700).
+_WHOLE_SHARD = 256 << 20
+_SAMPLES, _BLOCK = 64, 1 << 16
+
+
 def model_identity(model_dir: str | Path) -> str:
-    """A cheap fingerprint of a checkpoint: its config.json and, per safetensors shard, its
-    name, size and first and last 64 KiB (the tensor header and some weights), so two
-    checkpoints with one architecture but other weights (another seed, a fine-tune) differ."""
+    """A fingerprint of a checkpoint: its config.json and, per safetensors shard, its name,
+    size and bytes (all of them up to 256 MiB; else the first and last 64 KiB and 64 blocks
+    spread evenly between), so two checkpoints with one architecture but other weights
+    (another seed, a fine-tune, one tensor patched) differ."""
     path = Path(model_dir)
     h = hashlib.sha256()
     if path.is_file():
@@ -114,15 +121,20 @@ def model_identity(model_dir: str | Path) -> str:
         size = shard.stat().st_size
         h.update(f"{shard.name}:{size}".encode())
         with shard.open("rb") as f:
-            h.update(f.read(1 << 16))
-            f.seek(max(0, size - (1 << 16)))
-            h.update(f.read(1 << 16))
+            if size <= _WHOLE_SHARD:
+                h.update(f.read())
+                continue
+            for i in range(_SAMPLES + 1):
+                f.seek((size - _BLOCK) * i // _SAMPLES)
+                h.update(f.read(_BLOCK))
     return h.hexdigest()[:32]
 
 
-def storage_namespace(layout: CacheLayout, model_id: str, compute_dtype: str) -> bytes:
-    """What must match for stored pages to be readable: layout, checkpoint, compute dtype."""
-    key = f"{layout.fingerprint()}|{model_id}|{compute_dtype}".encode()
+def storage_namespace(layout: CacheLayout, model_id: str, compute: str) -> bytes:
+    """What must match for stored pages to be readable: layout, checkpoint, and how the KV
+    was computed (`compute`: dtype, kernel backend, deterministic or batched path), as a
+    page computed another way holds other bits and would break bit-exact reuse."""
+    key = f"{layout.fingerprint()}|{model_id}|{compute}".encode()
     return hashlib.sha256(key).digest()[:16]
 
 
