@@ -337,6 +337,14 @@ _BAD = [
     ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "\ud800"}]},
+        400,
+        "messages",
+    ),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),

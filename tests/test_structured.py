@@ -153,6 +153,13 @@ def test_json_object_regex_and_ebnf(client, base):
         out = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()
         assert re.fullmatch(regex, out["choices"][0]["text"]), out
         assert out["choices"][0]["finish_reason"] == "stop"
+    choices = ["red", 'say "hi"', "naïve\\", "re"]  # quotes, a backslash, a prefix of another
+    for seed in range(4):
+        body = {"prompt": "pick:", "max_tokens": 20, "temperature": 1.0, "seed": seed}
+        out = httpx.post(
+            f"{base}/v1/completions", json={**body, "guided_choice": choices}, timeout=TIMEOUT
+        ).json()
+        assert out["choices"][0]["text"] in choices, out
     ebnf = 'root ::= "yes" | "no" | "maybe " digit\ndigit ::= [0-9]'
     body = {"prompt": "answer:", "max_tokens": 20, "temperature": 1.0, "seed": 0, "ebnf": ebnf}
     out = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()
@@ -170,6 +177,8 @@ _BAD = [
     ({"regex": "(unclosed"}, "regex"),
     ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
     ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", ""]}, "guided_choice"),
 ]
 
 
@@ -183,6 +192,46 @@ def test_invalid_grammar_is_a_400(base, path, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+# After "abcdefghij" this grammar allows nothing, not even the end: it cannot be completed.
+# (MTP drafts run up to it: the verify that reaches it stops a row short.)
+DEAD_END = ("regex", r"abcdefghij[^\s\S]")
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+def test_a_grammar_with_no_way_on_fails_alone(mtp):
+    """Sampling from an all-masked row made the step raise (the whole batch failed); greedy
+    appended a token the grammar refused. The request ends alone, with its error."""
+    from dsakv.models.tiny import default_model_dir
+
+    extra = {"speculative_algorithm": "mtp"} if mtp else {}
+    with LLM(str(default_model_dir("glm-tiny")), **ENGINE_ARGS, **extra) as llm:
+        free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        alone = llm.generate(["free text"], free)[0]
+        dead = [
+            SamplingParams(max_tokens=16, temperature=t, seed=1, grammar=DEAD_END, logprobs=2)
+            for t in (0.0, 1.0)
+        ]
+        outs = llm.generate(["free text", "x", "y"], [free, *dead])
+        assert outs[0].token_ids == alone.token_ids and outs[0].finish_reason == "length"
+        for o in outs[1:]:
+            assert (o.text, o.finish_reason) == ("abcdefghij", "error")
+            assert "cannot be completed" in o.error
+        llm.engine.check_integrity()
+
+
+def test_dead_end_grammar_is_a_400_and_nan_free(base, client):
+    r = httpx.post(
+        f"{base}/v1/completions",
+        json={"prompt": "x", "max_tokens": 16, "regex": DEAD_END[1], "logprobs": 3},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 400 and "cannot be completed" in r.json()["error"]["message"]
+    r = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=3, temperature=0, extra_body={"regex": "[ab]{3}"}
+    )
+    assert re.fullmatch("[ab]{3}", r.choices[0].text)
 
 
 def test_still_serves_after_bad_grammar(client, served):

@@ -485,7 +485,10 @@ class Engine:
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise DsakvError("this model has no tokenizer; pass token ids instead of text")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        try:
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        except (TypeError, ValueError) as e:  # a lone surrogate, say
+            raise DsakvError(f"the prompt cannot be tokenized: {_one_line(e)}") from None
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, rid: int | None = None
@@ -700,6 +703,12 @@ class Engine:
         if req.matcher is not None:  # drafts the grammar refuses are not even checked
             drafts = self.grammars.apply_drafts(logits, req.matcher, drafts)
             logits = logits[: len(drafts) + 1]
+            dead = (~torch.isfinite(logits).any(-1)).nonzero().flatten().tolist()
+            if dead:  # check only up to the first state the grammar cannot leave
+                if dead[0] == 0:
+                    self._grammar_dead_end(req, now)
+                    return
+                drafts, logits = drafts[: dead[0] - 1], logits[: dead[0]]
         for j in range(len(drafts) + 1):
             self._ban_stops(req, logits[j], len(req.output_ids) + j)
         tokens = verify(logits, drafts, req.params, self.sampler.generator, len(req.output_ids))
@@ -740,6 +749,15 @@ class Engine:
                     penalize(row, req.params, req.prompt_ids, req.output_ids)
             if any(r.matcher is not None for r in reqs):
                 self.grammars.apply(logits, [r.matcher for r in reqs])
+                alive = torch.isfinite(logits).any(-1).tolist()
+                dead = [r for r, ok in zip(reqs, alive) if not ok]
+                for req in dead:
+                    self._grammar_dead_end(req, now)
+                if dead:
+                    keep = [i for i, ok in enumerate(alive) if ok]
+                    done, reqs, logits = done + dead, [reqs[i] for i in keep], logits[keep]
+                    if not reqs:
+                        return done
             for req, row in zip(reqs, logits):
                 self._ban_stops(req, row, len(req.output_ids))
             result = self.sampler.sample(
@@ -786,6 +804,16 @@ class Engine:
             for j, (req, pos) in enumerate(targets[lo : lo + _SCORE_ROWS]):
                 req.prompt_logprobs[pos] = float(logp[j, req.prompt_ids[pos]])
                 req.prompt_top_logprobs[pos] = _top(logp[j], req.params.prompt_logprobs)
+
+    def _grammar_dead_end(self, req: Request, now: float) -> None:
+        """`req`'s grammar allows no next token (nor the end): it cannot be completed, and
+        sampling from nothing would fail the whole batch. It ends alone, with an error."""
+        req.error = (
+            f"the request's grammar allows no token after the {len(req.output_ids)} "
+            "generated so far: it cannot be completed"
+        )
+        log.warning("request %d: %s", req.rid, req.error)
+        self._finish(req, "error", now)
 
     def _ban_stops(self, req: Request, row: torch.Tensor, index: int) -> None:
         """Under `min_tokens`, output token `index` may not be a stop token."""

@@ -30,6 +30,7 @@ class RequestOutput:
     # (None for the first) and its top-k alternatives, as vLLM returns them.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    error: str | None = None  # why it failed alone (finish_reason "error")
 
     @classmethod
     def from_request(cls, req: Request) -> RequestOutput:
@@ -53,6 +54,7 @@ class RequestOutput:
             },
             prompt_logprobs=_copy(req.prompt_logprobs),
             prompt_top_logprobs=_copy(req.prompt_top_logprobs),
+            error=req.error,
         )
 
 

@@ -94,6 +94,7 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)  # MTP proposals for the next step
     draft_len: DraftLength | None = None  # MTP: its adaptive draft length (set on first use)
     stop_floor: int = 0  # a stop string counts only where it ends past this text offset
+    error: str | None = None  # why it failed, where it alone did (finish_reason "error")
 
     @property
     def all_ids(self) -> list[int]:

@@ -591,11 +591,19 @@ class Handlers:
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
             )
-            tokens = e.encode(prepare_chat(chat, e.tokenizer, self.chat_parsers).prompt)
+            try:
+                tokens = e.encode(prepare_chat(chat, e.tokenizer, self.chat_parsers).prompt)
+            except DsakvError as err:
+                raise APIError(400, str(err), param="messages") from None
         else:
-            tokens = e.tokenizer.encode(
-                body.prompt, add_special_tokens=bool(body.add_special_tokens)
-            )
+            try:
+                tokens = e.tokenizer.encode(
+                    body.prompt, add_special_tokens=bool(body.add_special_tokens)
+                )
+            except (TypeError, ValueError) as err:
+                raise APIError(
+                    400, f"the prompt cannot be tokenized: {err}", param="prompt"
+                ) from None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": e.max_model_len}
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
@@ -613,7 +621,7 @@ class Handlers:
         while True:
             u = await stream.get()
             if u.error is not None:
-                raise APIError(500, u.error, type="server_error")
+                raise _update_error(u)
             yield u
             if u.finished:
                 self.metrics.observe_request(u.ttft_s, u.latency_s)
@@ -633,7 +641,7 @@ class Handlers:
             while True:
                 u = await stream.get()
                 if u.error is not None:
-                    raise APIError(500, u.error, type="server_error")
+                    raise _update_error(u)
                 result.add(u)
                 if u.finished:
                     self.metrics.observe_request(u.ttft_s, u.latency_s)
@@ -690,6 +698,12 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _update_error(u: Update) -> APIError:
+    if u.error_status < 500:
+        return APIError(u.error_status, u.error)
+    return APIError(u.error_status, u.error, type="server_error")
+
+
 def _reason(u: Update) -> str | None:
     return u.finish_reason if u.finished else None
 
@@ -703,7 +717,8 @@ def _usage(u: Update | _Result) -> dict[str, int]:
 
 
 def _lp(x: float) -> float:
-    return max(float(x), _MIN_LOGPROB)
+    x = float(x)
+    return x if x > _MIN_LOGPROB else _MIN_LOGPROB  # -inf and NaN too
 
 
 def _completion_logprobs(u: Update) -> dict[str, Any]:
@@ -838,6 +853,14 @@ def _grammar(body: GenerationRequest) -> tuple[str, str] | None:
         value = getattr(body, name)
         if value is not None:
             found.append((name, (kind, value if isinstance(value, str) else json.dumps(value))))
+    if body.guided_choice is not None:
+        if not body.guided_choice or not all(body.guided_choice):
+            raise APIError(
+                400, "guided_choice must be a list of non-empty strings", param="guided_choice"
+            )
+        # EBNF string literals take JSON's escapes: one alternative per choice, exactly.
+        choices = " | ".join(json.dumps(c, ensure_ascii=False) for c in body.guided_choice)
+        found.append(("guided_choice", ("ebnf", f"root ::= {choices}")))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise APIError(

@@ -95,6 +95,7 @@ class GenerationRequest(_Strict):
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(GenerationRequest):

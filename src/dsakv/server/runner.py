@@ -91,7 +91,8 @@ class Update:
     completion_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float | None = None
-    error: str | None = None  # the engine failed on this request (a server error)
+    error: str | None = None  # the engine failed on this request
+    error_status: int = 500  # 400 where the request itself was at fault (`Request.error`)
     # With logprobs: each token's text and each alternative's (`texts_in_context`)
     texts: list[str] | None = None
     top_texts: list[list[str]] | None = None
@@ -399,6 +400,8 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         prompt_texts, prompt_top_texts = texts_in_context(tok, req.prompt_ids, 0, tops, skip)
     m = req.metrics
     return Update(
+        error=req.error,
+        error_status=400,
         token_ids=ids,
         text=delta,
         logprobs=req.logprobs[start:end] if want else None,
