@@ -154,6 +154,10 @@ def test_malformed_text_never_raises_and_stays_content(parser, text, content, ca
             "",
             [("ping", {})],
         ),
+        # cut before the call opened (after its name, before any argument): no call yet
+        ("glm47", "Sure.<tool_call>get_weather\n<", "Sure.", []),
+        ("glm47", "<tool_call>get_wea", "", []),
+        ("deepseekv32", f'<{D}function_calls><{D}invoke name="pi', "", []),
     ],
 )
 def test_a_call_cut_off_keeps_its_complete_arguments_and_drops_its_markup(

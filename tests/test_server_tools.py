@@ -167,6 +167,12 @@ def test_tool_choice_none_and_auto_leave_plain_text_alone(served, family):
     assert len(msg.content) > 0
     r = _chat(client, family, max_tokens=12, extra_body={"ignore_eos": True})  # auto
     assert r.choices[0].message.tool_calls is None
+    # `tools: []` with "auto" means no tools (vLLM takes it; a 400 before)
+    base = served[1]
+    body = {"messages": USER, "max_tokens": 4, "tools": [], "tool_choice": "auto"}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"].get("tool_calls") is None
 
 
 def test_tool_history_is_rendered(served, family):
@@ -257,6 +263,7 @@ _BAD_TOOLS = [
     ),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     (
         {

@@ -147,6 +147,8 @@ def _tool_choice(
     if choice == "none":
         return choice
     if not schemas:
+        if choice == "auto":  # `tools: []` with "auto", as vLLM takes it: no tools
+            return "none"
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
     if isinstance(choice, dict) and choice["function"]["name"] not in schemas:
         name = choice["function"]["name"]

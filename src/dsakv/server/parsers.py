@@ -212,11 +212,14 @@ class ToolCallParser:
             step = self._match(pos)
             if step is None and not final:
                 break  # could still become valid markup: wait for more text
-            if step is None and self._open:  # a call cut off (max_tokens): its markup is
-                self._close(out)  # not content; the call keeps the arguments completed
-                pos, self._state = len(self._buf), _TEXT
-                break
-            if step is None or step is False:  # malformed, or cut off before a call opened
+            if step is None:  # the text ends inside markup (max_tokens): a call cut off,
+                if self._open or self._buf[pos:].strip():  # not content; an open call keeps
+                    if self._open:  # the arguments completed
+                        self._close(out)
+                    pos, self._state = len(self._buf), _TEXT
+                    break
+                step = False  # only the trigger: text, as below
+            if step is False:  # malformed: not a call after all
                 if self._open:
                     self._close(out)
                 elif self._block_calls == 0:
