@@ -101,6 +101,28 @@ def test_greedy_outputs_identical(tiny, reference, variant):
         assert c["retractions_to_host"] > 0 and c["host_bytes_to_device"] > 0
 
 
+def test_retraction_makes_room_on_a_host_full_of_cached_prefixes(tiny):
+    """Retraction found the host tier full of cached prefix pages and recomputed instead;
+    it drops the coldest of them to keep the running request's KV."""
+    prompts = _prompts(4, seed=7)
+    expected, _ = _run(tiny, prompts)
+    llm = LLM(tiny, **EXACT, num_pages=9, host_pool_gib=0.004)  # 13 host pages
+    e = llm.engine
+    warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for i in range(12):  # evicted prefixes fill the host
+        llm.generate(_prompts(2, seed=100 + i, lo=60, hi=60), warm)
+    assert e.host.num_free_pages == 0 and e.cache.num_host_pages > 0
+    before = e.counters()
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    c = e.counters()
+    assert c["retractions"] > before["retractions"]
+    assert (
+        c["retractions_to_host"] - before["retractions_to_host"]
+        == c["retractions"] - before["retractions"]
+    )
+    e.check_integrity()
+
+
 def test_prefix_hit_longer_than_index_topk_matches_no_hit(tiny):
     shared = _prompts(1, seed=5, lo=80, hi=80)[0]  # 5 pages, far beyond index_topk=16
     prompts = [shared + tail for tail in _prompts(3, seed=6, lo=3, hi=9)]

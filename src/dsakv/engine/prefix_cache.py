@@ -199,6 +199,15 @@ class PrefixCache:
         else:
             self._remove_subtree(n)
 
+    def free_host_pages(self, pages: int) -> None:
+        """Drop the least recently used host-only pages until `pages` host pages are free,
+        or nothing unlocked is left to drop."""
+        while self.host.num_free_pages < pages:
+            before = self.host.num_free_pages
+            self._drop_host_leaves(pages - before)
+            if self.host.num_free_pages == before:
+                return
+
     def _drop_host_leaves(self, count: int) -> None:
         leaves = [n for n in self._nodes() if n.page is None and not n.children and n.lock_ref == 0]
         leaves.sort(key=lambda n: n.last_access)

@@ -201,6 +201,8 @@ class Scheduler:
         n = req.num_computed
         if self.host is not None and n > 0:
             slots = self.slots(req, n)
+            # A running request's KV outranks the coldest cached prefixes on the host.
+            self.cache.free_host_pages(-(-n // self.config.page_size))
             try:
                 req.host_slots = self.host.backup(slots)
                 self.stats.retractions_to_host += 1
