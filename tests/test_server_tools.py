@@ -251,8 +251,19 @@ def test_reasoning_is_split(served, family, stream):
 _NO_NAME = {"type": "function", "function": {"parameters": {"type": "object"}}}
 _NOT_OBJECT = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
 _LIST_PARAMS = {"type": "function", "function": {"name": "f", "parameters": [1, 2]}}
+_UNIQUE = {
+    "type": "function",
+    "function": {
+        "name": "tags",
+        "parameters": {
+            "type": "object",
+            "properties": {"t": {"type": "array", "uniqueItems": True}},
+        },
+    },
+}
 _BAD_TOOLS = [
     ({"tools": [_NO_NAME]}, "tools"),
+    ({"tools": [_UNIQUE], "tool_choice": "required"}, "tools"),  # would not be enforced
     ({"tools": [_NOT_OBJECT]}, "tools"),
     ({"tools": [_LIST_PARAMS]}, "tools"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),

@@ -178,6 +178,10 @@ _BAD = [
     ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
     ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),
     ({"guided_choice": []}, "guided_choice"),
+    # keywords xgrammar would accept and not enforce
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "response_format"),
+    ({"guided_json": {"properties": {"a": {"not": {"type": "string"}}}}}, "response_format"),
+    ({"guided_json": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, "response_format"),
     ({"guided_choice": ["a", ""]}, "guided_choice"),
 ]
 

@@ -27,6 +27,49 @@ class GrammarError(DsakvError):
     """A grammar or schema that does not compile (the server answers 400)."""
 
 
+# JSON Schema keywords xgrammar 0.2 accepts and does not enforce (its output may break
+# them): refused, as vLLM's xgrammar backend refuses what it cannot enforce.
+_UNENFORCED = (
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+)
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_DATA = ("enum", "const", "default", "examples", "required")  # values, not schemas
+
+
+def unenforced_keyword(schema: Any, where: str = "") -> str | None:
+    """The first keyword of `schema` (and its subschemas) that structured output would
+    accept and not enforce, as "keyword at /path", or None."""
+    if isinstance(schema, list):
+        for i, s in enumerate(schema):
+            if (hit := unenforced_keyword(s, f"{where}/{i}")) is not None:
+                return hit
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key in _UNENFORCED:
+        if key in schema and not (key == "uniqueItems" and schema[key] is False):
+            return f"{key} at {where or '/'}"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"allOf of more than one schema at {where or '/'}"
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                if (hit := unenforced_keyword(sub, f"{where}/{key}/{name}")) is not None:
+                    return hit
+        elif key not in _DATA and (hit := unenforced_keyword(value, f"{where}/{key}")):
+            return hit
+    return None
+
+
 class GrammarCache:
     """One `GrammarCompiler` for the engine's tokenizer; compiled grammars kept by (kind, spec),
     least recently used dropped beyond `max_entries` (a schema compiles in milliseconds to a
@@ -63,7 +106,9 @@ class GrammarCache:
             # JSON writes it that way anyway, and an unsure one cannot wander off into
             # endless whitespace until max_tokens cuts it (an invalid, truncated output).
             if kind == "json_schema":
-                json.loads(spec)  # a clear message for text that is not JSON at all
+                hit = unenforced_keyword(json.loads(spec))  # (not JSON: a clear message)
+                if hit is not None:
+                    raise GrammarError(f"invalid json schema: {hit} cannot be enforced")
                 compiled = c.compile_grammar(self._json_ebnf(spec, strict=True))
             elif kind == "json_object":  # any object, as OpenAI's json_object mode asks
                 compiled = c.compile_grammar(self._json_ebnf('{"type": "object"}', strict=False))

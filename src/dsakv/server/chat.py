@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from dsakv.engine.grammar import unenforced_keyword
 from dsakv.errors import DsakvError
 
 from .parsers import (
@@ -119,6 +120,12 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Any, parsers: ChatParse
     grammar = None
     if choice == "required" or isinstance(choice, dict):
         assert parsers.tool is not None  # _tool_choice checked
+        forced = [choice["function"]["name"]] if isinstance(choice, dict) else list(schemas)
+        for name in forced:
+            if (hit := unenforced_keyword(schemas[name])) is not None:
+                raise APIError(
+                    400, f"tool {name!r}: parameters' {hit} cannot be enforced", param="tools"
+                )
         try:
             spec = tool_call_structural_tag(
                 parsers.tool,
