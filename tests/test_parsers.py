@@ -371,6 +371,8 @@ def test_forcing_grammar_reasoning_modes(tokenizer):
     assert accepts("x</think>", True, call) and not accepts("x</think>", True, "<think>")
     assert accepts("x", True, "<think>a</think>" + call) and accepts("x", True, call)
     assert accepts("x", False, call) and not accepts("x", False, "<think>")
+    # after the calls, only more calls (back to back) or the end: no free text
+    assert accepts("x", False, call + call) and not accepts("x", False, call + " and then")
     _, calls = _parse("glm47", call)
     assert calls == [("book", {"city": "Rome", "nights": 2})]
     with pytest.raises(DsakvError):

@@ -451,4 +451,23 @@ def tool_call_structural_tag(
         )
     except (ValueError, TypeError) as e:
         raise DsakvError(f"cannot build a tool-call grammar: {e}") from None
-    return tag.model_dump_json(exclude_none=True)
+    return json.dumps(_calls_only(tag.model_dump(exclude_none=True)), ensure_ascii=False)
+
+
+def _calls_only(node: Any) -> Any:
+    """xgrammar's GLM tag forces the first call, then allows free text after the calls (a
+    model rambled to max_tokens after them, all of it content); as vLLM's "required" does,
+    allow only further calls, back to back as GLM writes them, then the end."""
+    if isinstance(node, list):
+        return [_calls_only(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "triggered_tags" and node.get("at_least_one"):
+        return {
+            "type": "tags_with_separator",
+            "tags": node["tags"],
+            "separator": "",
+            "at_least_one": True,
+            "stop_after_first": node.get("stop_after_first", False),
+        }
+    return {k: _calls_only(v) for k, v in node.items()}
