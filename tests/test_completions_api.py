@@ -304,6 +304,8 @@ _BAD = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [100000]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e-40}, "repetition_penalty"),
 ]
 
 
@@ -346,6 +348,42 @@ def test_token_texts_join_to_the_text_across_multibyte_characters(base, client):
     content = b"".join(bytes(x.bytes) for x in chat.logprobs.content).decode()
     assert chat.message.content.startswith(content)
     assert all(x.token == x.top_logprobs[0].token for x in chat.logprobs.content)
+
+
+def _joins(base: str, **body) -> dict:
+    """A greedy completion with logprobs whose token texts must join to its text."""
+    body = {"max_tokens": 12, "temperature": 0, "logprobs": 1, **body}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+    assert "".join(r["logprobs"]["tokens"]) == r["text"], r
+    return r
+
+
+def test_token_texts_join_for_4_byte_characters_cut_ends_and_special_tokens(base, reference):
+    """Runs of 4-byte characters (the 6-token window starts mid-character), an output cut
+    mid-character (the finished text keeps U+FFFD), echoed special tokens."""
+    assert _joins(base, prompt="x", regex="🇯🇵😀")["text"] == "🇯🇵😀"
+    cut = _joins(base, prompt="x", regex="(😀){3}", max_tokens=6)
+    assert cut["text"] == "😀\ufffd" and cut["finish_reason"] == "length"
+    bos = reference.tokenizer.convert_tokens_to_ids("<|bos|>")
+    echoed = _joins(base, prompt=[bos, 104, 105], echo=True, max_tokens=1)
+    assert echoed["text"].startswith("<|bos|>hi")
+
+
+def test_a_stop_tokens_text_is_not_output(client, reference):
+    """As vLLM: the text of the token that stopped the request is left out, unless
+    include_stop_str_in_output asks for it (its logprob entry stays)."""
+    prompt = reference.tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    plain = reference.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    stop = plain.token_ids[3]
+    first = plain.token_ids.index(stop)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=1)
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [stop]})
+    tok = reference.tokenizer
+    assert r.choices[0].text == tok.decode(plain.token_ids[:first])
+    assert len(r.choices[0].logprobs.tokens) == first + 1
+    extra = {"stop_token_ids": [stop], "include_stop_str_in_output": True}
+    r = client.completions.create(**kw, extra_body=extra)
+    assert r.choices[0].text == tok.decode(plain.token_ids[: first + 1])
 
 
 def test_penalties_and_logit_bias_through_the_openai_client(client, reference):

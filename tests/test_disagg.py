@@ -584,3 +584,25 @@ def test_a_refused_prompt_is_a_400_before_the_room_is_claimed(cluster, prompt):
     assert time.monotonic() - start < 10
     after = scrape_metrics(cluster["prefill"].url)["dsakv_kv_transfer_failures_total"]
     assert after == before
+
+
+def test_processors_carry_across_and_a_dead_grammar_is_a_400(cluster, reference):
+    """The prefill server samples the first token: logit bias, penalties and min_tokens
+    apply there as on one engine; a grammar with no first token fails that request alone,
+    a 400 through the router (a 502 and a transfer failure before)."""
+    prompt = [5, 17, 99, 3, 250, 41]
+    plain = reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]
+    kw = dict(max_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.5,
+              logit_bias={plain.token_ids[0]: -100.0}, min_tokens=4,
+              stop_token_ids=(plain.token_ids[1],))  # fmt: skip
+    want = reference.generate([prompt], SamplingParams(**kw))[0]
+    body = {**kw, "prompt": prompt, "logit_bias": {str(plain.token_ids[0]): -100}}
+    r = httpx.post(f"{cluster['router']}/v1/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["text"] == want.text and want.token_ids[0] != plain.token_ids[0]
+    before = scrape_metrics(cluster["prefill"].url)["dsakv_kv_transfer_failures_total"]
+    body = {"prompt": "x", "max_tokens": 4, "regex": r"[^\s\S]"}
+    r = httpx.post(f"{cluster['router']}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "cannot be completed" in r.text, r.text
+    after = scrape_metrics(cluster["prefill"].url)["dsakv_kv_transfer_failures_total"]
+    assert after == before
+    wait_idle(cluster["decode"].url)

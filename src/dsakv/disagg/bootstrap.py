@@ -34,7 +34,12 @@ _MAX_LINE = 64 << 20  # a registration carries the prompt's ids and the page lis
 
 
 class BootstrapError(RuntimeError):
-    """The handshake failed: layouts differ, the peer is gone, or nobody answered in time."""
+    """The handshake failed: layouts differ, the peer is gone, or nobody answered in time.
+    `status` 400: the request itself failed on the prefill server (its client's fault)."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 # --- what must match ---------------------------------------------------------------------------
@@ -90,8 +95,8 @@ class Registration:
     def done(self, **info: Any) -> None:
         self._set({"type": "done", **info})
 
-    def fail(self, message: str) -> None:
-        self._set({"type": "error", "message": message})
+    def fail(self, message: str, status: int = 502) -> None:
+        self._set({"type": "error", "message": message, "status": status})
 
     def _set(self, reply: dict[str, Any]) -> None:
         with contextlib.suppress(concurrent.futures.InvalidStateError):
@@ -300,7 +305,7 @@ async def request_kv(
                 continue
             if msg.get("type") == "done":
                 return msg
-            raise BootstrapError(str(msg.get("message", msg)))
+            raise BootstrapError(str(msg.get("message", msg)), int(msg.get("status", 502)))
     except OSError as e:
         raise BootstrapError(f"lost the prefill server {host}:{port}: {e}") from None
     finally:

@@ -226,6 +226,10 @@ class PrefillAsyncEngine(_DisaggEngine):
         while not u.finished:
             u = await shadow.get()
         try:
+            if u.error is not None and u.error_status < 500:  # the request's own fault
+                reg.fail(u.error, u.error_status)
+                public._push(u)
+                return
             if u.error is not None or u.finish_reason == "abort":
                 raise RuntimeError(u.error or "the prefill request was aborted")
             n = len(req.prompt_ids)
@@ -318,8 +322,10 @@ class DecodeAsyncEngine(_DisaggEngine):
                 handshake.add_done_callback(lambda _: self._drop_soon(req))
                 raise
             except BootstrapError as e:
-                self.stats.fail()
                 await self.call(lambda eng: ops.drop(eng, req))
+                if e.status < 500:  # the request failed on the prefill server by itself
+                    raise APIError(e.status, str(e)) from None
+                self.stats.fail()
                 raise APIError(502, str(e), type="server_error") from None
         finally:
             self.pending -= 1

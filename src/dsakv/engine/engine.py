@@ -554,8 +554,14 @@ class Engine:
             )
         p = req.params
         vocab = self.model_config.vocab_size
-        if any(t >= vocab for t, _ in p.logit_bias):
-            raise DsakvError(f"logit_bias has token ids outside the vocabulary (0..{vocab - 1})")
+        for name, ids in (
+            ("logit_bias", [t for t, _ in p.logit_bias]),
+            ("stop_token_ids", p.stop_token_ids),
+        ):
+            if any(t >= vocab for t in ids):
+                raise DsakvError(
+                    f"{name} has token ids outside the vocabulary (0..{vocab - 1})", name
+                )
         if p.grammar is not None:
             req.matcher = self.grammars.matcher(p.grammar)
         if p.prompt_logprobs is not None:
@@ -830,6 +836,7 @@ class Engine:
         reason = None
         if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
             reason = "stop"
+        by_token = reason is not None
         cut_text = False
         if self.tokenizer is not None:
             self._decode_output(req, token)
@@ -849,8 +856,11 @@ class Engine:
             reason = "length"
         if reason is not None:
             if self.tokenizer is not None and not cut_text:  # with what is still held back
+                # A stop token's own text is not output (vLLM), unless asked for.
+                drop = by_token and not p.include_stop_str_in_output
                 req.output_text = self.tokenizer.decode(
-                    req.output_ids, skip_special_tokens=p.skip_special_tokens
+                    req.output_ids[: -1 if drop else None],
+                    skip_special_tokens=p.skip_special_tokens,
                 )
             self._finish(req, reason, now)
 

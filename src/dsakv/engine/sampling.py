@@ -103,9 +103,9 @@ class SamplingParams:
                 is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
                 "frequency_penalty must be in [-2, 2]",
             ),
-            (
-                is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
-                "repetition_penalty must be a finite number > 0",
+            (  # (a tiny one would divide logits into infinities)
+                is_number(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+                "repetition_penalty must be in [0.01, 100]",
             ),
             (
                 all(

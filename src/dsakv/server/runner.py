@@ -18,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from tokenizers.decoders import DecodeStream
 
 from dsakv.engine import Engine, Request, SamplingParams
 from dsakv.errors import DsakvError
@@ -93,7 +96,7 @@ class Update:
     latency_s: float | None = None
     error: str | None = None  # the engine failed on this request
     error_status: int = 500  # 400 where the request itself was at fault (`Request.error`)
-    # With logprobs: each token's text and each alternative's (`texts_in_context`)
+    # With logprobs: each token's text and each alternative's (`TokenTexts`)
     texts: list[str] | None = None
     top_texts: list[list[str]] | None = None
     # In a request's first update only: its prompt, and with prompt_logprobs their scores
@@ -119,6 +122,7 @@ class RequestStream:
     sent_chars: int = 0
     sent_prompt: bool = False
     request: Request | None = None
+    texts: TokenTexts | None = None  # with logprobs: the output tokens' texts so far
 
     def __post_init__(self) -> None:
         self.accepted = self.loop.create_future()
@@ -392,12 +396,15 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
     tok, skip = engine.tokenizer, req.params.skip_special_tokens
     texts = top_texts = prompt_texts = prompt_top_texts = None
     if want and tok is not None:
-        n = len(req.prompt_ids)
+        stream.texts = stream.texts or TokenTexts(tok, skip)
+        texts = stream.texts.add(ids, req.output_ids if req.finished else None)
         tops = [[t for t, _ in top] for top in req.top_logprobs[start:end]]
-        texts, top_texts = texts_in_context(tok, req.all_ids, n + start, tops, skip)
-    if scored and tok is not None:
+        top_texts = alternative_texts(tok, req.output_ids, start, tops, skip, texts)
+    if scored and tok is not None:  # echoed as given: special tokens' text included
+        p = req.prompt_ids
+        prompt_texts = TokenTexts(tok, skip=False).add(p, p)
         tops = [[t for t, _ in top or ()] for top in req.prompt_top_logprobs]
-        prompt_texts, prompt_top_texts = texts_in_context(tok, req.prompt_ids, 0, tops, skip)
+        prompt_top_texts = alternative_texts(tok, p, 0, tops, False, prompt_texts)
     m = req.metrics
     return Update(
         error=req.error,
@@ -422,36 +429,61 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
     )
 
 
+class TokenTexts:
+    """Each token's share of a text decoded token by token, as the engine decodes a
+    request's output (tokenizers' `DecodeStream`): a token holding part of a character
+    adds "" and the one completing it the whole character, so the texts join to the text,
+    text offsets index into it and chat `bytes` rebuild it; decoded alone, every such token
+    read U+FFFD. Bytes still held back when the text ends go to the last token."""
+
+    def __init__(self, tokenizer: Any, skip: bool) -> None:
+        self.tokenizer, self.skip = tokenizer, skip
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = DecodeStream(skip_special_tokens=skip) if self.backend else None
+        self.chars = 0  # of the texts handed out so far
+
+    def add(self, ids: list[int], whole: list[int] | None = None) -> list[str]:
+        """The texts `ids` add; `whole`: every id of the text, which ends with these."""
+        if self.stream is None:  # a slow tokenizer: each token alone
+            return [self.tokenizer.decode([t], skip_special_tokens=self.skip) for t in ids]
+        out = [self.stream.step(self.backend, t) or "" for t in ids]
+        self.chars += sum(map(len, out))
+        if whole is not None and out:
+            text = self.tokenizer.decode(whole, skip_special_tokens=self.skip)
+            out[-1] += text[self.chars :]
+        return out
+
+
 # Tokens of context decoded before a position: more than any character needs (4 bytes).
 _CONTEXT = 6
 
 
-def texts_in_context(
-    tokenizer: Any, ids: list[int], start: int, alternatives: list[list[int]], skip: bool
-) -> tuple[list[str], list[list[str]]]:
-    """The text each token of `ids[start:]` adds after the tokens before it, and the text
-    each of its alternatives would have added there. A token holding part of a character
-    adds "" and the one completing it the whole character (U+FFFD stands for bytes not yet
-    complete: held back, as the output text holds them), so a request's token texts join
-    to its text and text offsets index into it; decoded alone, every such token read
-    U+FFFD. One batched decode for all of them."""
+def alternative_texts(
+    tokenizer: Any,
+    ids: list[int],
+    start: int,
+    alternatives: list[list[int]],
+    skip: bool,
+    chosen: list[str],
+) -> list[list[str]]:
+    """The text each alternative at positions `start..` would have added after the tokens
+    before it (the last few, decoded in one batch), as `TokenTexts` counts: "" for part of
+    a character. The chosen token's is its own text (`chosen`), so the top-1's key is the
+    token's (lm-eval's greedy check)."""
     seqs: list[list[int]] = []
     for i, alts in zip(range(start, len(ids)), alternatives):
         ctx = ids[max(0, i - _CONTEXT) : i]
-        seqs += [ctx, ctx + [ids[i]], *(ctx + [t] for t in alts)]
+        seqs += [ctx, *(ctx + [t] for t in alts)]
     decoded = iter(tokenizer.batch_decode(seqs, skip_special_tokens=skip))
-    texts, top_texts = [], []
-    for alts in alternatives[: len(ids) - start]:
-        before = _held(next(decoded))
-        added = [_held(next(decoded)) for _ in range(1 + len(alts))]
-        added = [s[len(before) :] if s.startswith(before) else s for s in added]
-        texts.append(added[0])
-        top_texts.append(added[1:])
-    return texts, top_texts
-
-
-def _held(text: str) -> str:
-    return text.rstrip("\ufffd")
+    out = []
+    for i, alts, mine in zip(range(start, len(ids)), alternatives, chosen):
+        before = next(decoded)  # (may start with U+FFFD: a window cut mid-character)
+        texts = []
+        for t in alts:
+            s = next(decoded).rstrip("\ufffd")
+            texts.append(mine if t == ids[i] else s[len(os.path.commonprefix([before, s])) :])
+        out.append(texts)
+    return out
 
 
 def _stable_len(text: str, stops: tuple[str, ...]) -> int:
