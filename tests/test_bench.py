@@ -251,3 +251,48 @@ def test_weight_formats_section_needs_a_preset(capsys):
     assert main(["bench", "--weight-formats", "--model", "/no/such/model"]) == 2
     err = capsys.readouterr().err.strip()
     assert "tiny preset" in err and len(err.splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def no_mtp(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("nomtp"), preset="glm-tiny", mtp="none"))
+
+
+def _bad_bench_args(tiny, no_mtp, tmp):
+    afile = tmp / "afile"
+    afile.write_text("x")
+    return [
+        (["--sparse-vs-dense", "--serving"], "pick one"),
+        (["--sparse-vs-dense", "--plot", str(tmp / "p")], "does not take --plot"),
+        (["--weight-formats", "--device", "cpu:0"], "does not take --device"),
+        (["--serving", "--pd"], "does not take --pd"),
+        (["--lengths", "64"], "does not take --lengths"),
+        (["--repeats", "2"], "does not take --repeats"),
+        (["--hisparse-config", "{}"], "does not take --hisparse-config"),
+        (["--hicache-storage-backend", "file"], "runs with --full"),
+        (["--json", str(tmp)], "is a directory"),
+        (["--sparse-vs-dense", "--json", str(tmp)], "is a directory"),
+        (["--json", str(afile / "x.json")], "cannot create it"),
+        (["--plot", str(afile)], "not a directory"),
+        (
+            ["--full", "--hicache-storage-backend", "file", "--hicache-storage-dir", str(afile)],
+            "not a directory",
+        ),  # fmt: skip
+        (["--model", tiny, "--tp", "3"], "not divisible by --tp"),
+        (["--model", no_mtp, "--full"], "no MTP layer"),
+        (["--model", tiny, "--device", "meta"], "cpu or cuda"),
+    ]
+
+
+def test_bad_bench_flags_are_refused_before_any_work(tiny, no_mtp, tmp_path, capsys):
+    """Each was found late (after minutes of sections, losing their figures), ignored, or a
+    traceback; each is now one `error:` line at once."""
+    from dsakv.cli import main
+
+    for args, message in _bad_bench_args(tiny, no_mtp, tmp_path):
+        assert main(["bench", *args]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], (args, err)
+    for args in (["--compile-only", "--stages", "bogus"], ["--prepare", "x", "--bench"]):
+        assert main(["device-check", *args]) == 2, args
+        assert "does not take" in capsys.readouterr().err

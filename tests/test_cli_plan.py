@@ -76,6 +76,9 @@ def test_plan_from_path(tmp_path, capsys):
         ["plan", "glm-5.2", "--gpu-memory-gib", "8"],
         ["plan", "glm-5.2", "--kv-budget-gib", "inf"],
         ["plan", "glm-5.2", "--kv-budget-gib", "1e400"],
+        ["plan", "glm-5.2", "--kv-budget-gib", "1e300"],  # (overflowed into a traceback)
+        ["plan", "glm-5.2", "--weights-gib", "1e308", "--gpu-memory-gib", "80"],
+        ["plan", "glm-5.2", "--draft-layers", "100000000000"],
         ["plan", "glm-5.2", "--gpu-memory-gib", "80", "--reserve-gib", "-1000"],
         ["plan", "glm-5.2", "--gpu-memory-gib", "288", "--tp", "8", "--weights-gib", "nan"],
         ["plan", "glm-5.2", "--bogus-flag"],

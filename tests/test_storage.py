@@ -453,7 +453,7 @@ def test_glm52_bytes_per_stored_token_elided_vs_dense(tmp_path):
         (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x",
           "--no-prefix-cache"], "prefix cache"),
         (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x",
-          "--hicache-storage-max-gib", "0"], "finite number > 0"),
+          "--hicache-storage-max-gib", "0"], "must be a number in (0, "),
         (["--hicache-storage-backend", "nfs"], "invalid choice"),
     ],
 )  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
+import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -26,17 +26,21 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+# Sizes (GiB) and seconds past this are typos; beyond ~1e300 they overflowed into tracebacks.
+_MAX_FLOAT = 1e12
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    if not 0 < value <= _MAX_FLOAT:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, {_MAX_FLOAT:g}], got {text}")
     return value
 
 
 def _nonnegative_float(text: str) -> float:
     value = float(text)
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    if not 0 <= value <= _MAX_FLOAT:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, {_MAX_FLOAT:g}], got {text}")
     return value
 
 
@@ -59,6 +63,13 @@ def check_listen(host: str, port: int) -> None:
             s.bind(address)
     except OSError as e:
         raise DsakvError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def _draft_layers(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"must be in 0..64, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -293,7 +304,7 @@ def _add_plan(sub: Any) -> None:
         "--weights-gib", type=_nonnegative_float, help="override the estimated weights per rank"
     )
     p.add_argument("--reserve-gib", type=_nonnegative_float, default=0.0, help="activations etc.")
-    p.add_argument("--draft-layers", type=int, default=0, help="MTP/EAGLE draft layers")
+    p.add_argument("--draft-layers", type=_draft_layers, default=0, help="MTP/EAGLE draft layers")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_layout_args(p)
     add_hisparse_args(p, "plan the HiSparse split")
@@ -631,23 +642,100 @@ def _add_engine_commands(sub: Any) -> None:
 # --- bench -----------------------------------------------------------------------------------
 
 
+# bench's one-section modes: (flag, the other flags it takes besides --model, --quick, --json)
+_BENCH_MODES = {
+    "enable_deterministic_inference": ("--enable-deterministic-inference", ()),
+    "weight_formats": ("--weight-formats", ()),
+    "enable_hisparse": ("--enable-hisparse", ("device", "hisparse_config")),
+    "sparse_vs_dense": ("--sparse-vs-dense", ("lengths",)),
+    "serving": ("--serving", ("device", "engine_arg", "repeats")),
+}
+# The rest of bench's flags, with their defaults: what the main job (no mode) takes.
+_BENCH_FLAGS = {
+    "full": False,
+    "plot": None,
+    "tp": 1,
+    "pd": False,
+    "device": "cpu",
+    "hicache_storage_backend": None,
+    "hicache_storage_dir": None,
+    "hicache_mooncake_master": None,
+    "lengths": None,
+    "engine_arg": None,
+    "repeats": None,
+    "hisparse_config": None,
+}
+_MAIN_JOB = ("full", "plot", "tp", "pd", "device", "hicache_storage_backend",
+             "hicache_storage_dir", "hicache_mooncake_master")  # fmt: skip
+
+
+def _check_bench_flags(args: argparse.Namespace) -> str | None:
+    """The mode `args` asks for (None: the main job), once its flags are known to go
+    together and its outputs can be written: refused now, not after minutes of work."""
+    modes = [m for m in _BENCH_MODES if getattr(args, m)]
+    if len(modes) > 1:
+        names = " and ".join(_BENCH_MODES[m][0] for m in modes)
+        raise DsakvError(f"{names} each run one section alone: pick one")
+    mode = modes[0] if modes else None
+    takes = _BENCH_MODES[mode][1] if mode else _MAIN_JOB
+    stray = [
+        "--" + key.replace("_", "-")
+        for key, default in _BENCH_FLAGS.items()
+        if getattr(args, key) not in (default, []) and key not in takes
+    ]
+    if stray:
+        what = f"{_BENCH_MODES[mode][0]} runs only its section" if mode else "the main job"
+        hint = " (engine settings go in --engine-arg KEY=VALUE)" if mode == "serving" else ""
+        raise DsakvError(f"{what} does not take {', '.join(stray)}{hint}")
+    if mode is None and not args.full and args.hicache_storage_backend:
+        raise DsakvError("the L3 section runs with --full: add it, or drop --hicache-*")
+    _check_output_file("--json", args.json)
+    for flag, where in (("--plot", args.plot), ("--hicache-storage-dir", args.hicache_storage_dir)):
+        if where is not None and Path(where).exists() and not Path(where).is_dir():
+            raise DsakvError(f"{flag} {where} exists and is not a directory")
+    return mode
+
+
+def _check_output_file(flag: str, path: str | None) -> None:
+    """`path` can be written as a file: not a directory, its folder creatable and writable."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise DsakvError(f"{flag} {path} is a directory; give a file")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise DsakvError(f"{flag} {path} cannot be written")
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise DsakvError(f"{flag} {path}: cannot create it under {parent}")
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.enable_deterministic_inference:
-        return _bench_determinism(args)
-    if args.weight_formats:
-        return _bench_weight_formats(args)
-    if args.enable_hisparse:
-        return _bench_hisparse(args)
-    if args.hisparse_config is not None:
-        raise DsakvError("--hisparse-config needs --enable-hisparse")
-    if args.sparse_vs_dense:
-        return _bench_sparse_vs_dense(args)
-    if args.serving:
-        return _bench_serving(args)
-    if args.engine_arg or args.repeats is not None:
-        raise DsakvError("--engine-arg and --repeats go with --serving")
+    mode = _check_bench_flags(args)
+    if mode is not None:
+        return {
+            "enable_deterministic_inference": _bench_determinism,
+            "weight_formats": _bench_weight_formats,
+            "enable_hisparse": _bench_hisparse,
+            "sparse_vs_dense": _bench_sparse_vs_dense,
+            "serving": _bench_serving,
+        }[mode](args)
     from dsakv.bench import run_bench
 
+    if args.tp > 1 or args.full:  # sections that come late: check the model now
+        from dsakv.config import ModelConfig
+        from dsakv.distributed import ParallelConfig
+        from dsakv.models.tiny import resolve_model_dir
+
+        config = ModelConfig.resolve(resolve_model_dir(args.model, "glm-bench"))
+        ParallelConfig(tp=args.tp).check_model(config)
+        if args.full and not config.num_nextn_predict_layers:
+            raise DsakvError(
+                "--full runs the MTP section: this model has no MTP layer "
+                "(num_nextn_predict_layers 0; init-tiny writes one unless --mtp none)"
+            )
     run_bench(
         args.model,
         quick=args.quick,
@@ -727,23 +815,6 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 def _bench_serving(args: argparse.Namespace) -> int:
     """`dsakv bench --serving`: only the in-process vs `dsakv serve` decode-rate section."""
-    others = [
-        flag
-        for flag, given in (
-            ("--plot", args.plot),
-            ("--pd", args.pd),
-            ("--tp", args.tp != 1),
-            ("--hicache-storage-backend", args.hicache_storage_backend),
-            ("--hicache-storage-dir", args.hicache_storage_dir),
-            ("--hicache-mooncake-master", args.hicache_mooncake_master),
-        )
-        if given
-    ]
-    if others:
-        raise DsakvError(
-            f"--serving runs only the serving-rate section: drop {', '.join(others)} "
-            "(engine settings go in --engine-arg KEY=VALUE)"
-        )
     from dataclasses import replace
 
     from dsakv.bench import serving_rate as sr
@@ -887,6 +958,18 @@ def _add_bench(sub: Any) -> None:
 
 
 def _cmd_device_check(args: argparse.Namespace) -> int:
+    mode = "--compile-only" if args.compile_only else "--prepare" if args.prepare else None
+    if mode is not None:
+        takes = ("triton_path",) if args.compile_only else ("dry_run",)
+        defaults = dict(dry_run=False, out=None, models=None, stages=None, deadline=[],
+                        budget=None, bench=False, prepare=None)  # fmt: skip
+        stray = [
+            "--" + k.replace("_", "-")
+            for k, v in defaults.items()
+            if k not in takes and k != mode[2:] and getattr(args, k) != v
+        ]
+        if stray:
+            raise DsakvError(f"{mode} does not take {', '.join(stray)}")
     if args.compile_only:  # no GPU: a clean subprocess compiles every kernel for sm_90
         from dsakv.kernels.triton_aot import run_compile_only
 
@@ -1026,7 +1109,7 @@ def _add_calibrate(sub: Any) -> None:
     g.add_argument("--kv-cache-dtype", choices=LATENT_DTYPES, default="fp8_e4m3")
     g.add_argument("--index-k-dtype", choices=INDEX_K_DTYPES, default="fp8")
     g.add_argument("--page-size", type=_positive_int, default=64)
-    g.add_argument("--draft-layers", type=int, default=0, help="MTP/EAGLE draft layers")
+    g.add_argument("--draft-layers", type=_draft_layers, default=0, help="MTP/EAGLE draft layers")
     g.add_argument("--kv-budget-gib", type=_positive_float, default=100.0)
     p.set_defaults(func=_cmd_calibrate)
 

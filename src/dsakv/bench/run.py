@@ -156,7 +156,7 @@ def run_bench(
             result["meta"] = {
                 "model": path,
                 "indexcache_model": ic_path,
-                "quick": quick,
+                "quick": quick or not full,  # the sizes run (the core takes the quick ones)
                 "full": full,
                 "sizes": asdict(sizes),
                 "torch_threads": torch.get_num_threads(),

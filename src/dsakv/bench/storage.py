@@ -91,7 +91,13 @@ def run_storage_bench(
     """Cold vs L3-hit TTFT and stored bytes per token, elided and dense; JSON-able."""
     rng = random.Random(seed + 9)
     prompt = [rng.randrange(256) for _ in range(prompt_len)]
-    tmp = tempfile.mkdtemp(prefix="dsakv-bench-l3-") if storage_dir is None else None
+    # A fresh folder (under --hicache-storage-dir when given): another run's pages there
+    # would make the cold pass a hit.
+    tmp = None
+    if backend == "file":
+        if storage_dir is not None:
+            Path(storage_dir).mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix="dsakv-bench-l3-", dir=storage_dir)
     master = None
     try:
         if backend == "mooncake" and mooncake_master is None:
@@ -100,7 +106,7 @@ def run_storage_bench(
         rows = {}
         for name, elide in (("elided", True), ("dense", False)):
             if backend == "file":
-                where = str(Path(storage_dir or tmp) / name)
+                where = str(Path(tmp) / name)
             else:
                 where = mooncake_master
             rows[name] = _one_layout(model, prompt, page_size, elide, backend, where)

@@ -243,6 +243,8 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise DsakvError(f"unknown device {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise DsakvError(f"device {name!r}: dsakv runs on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DsakvError("device cuda requested but CUDA is not available")
     return device
