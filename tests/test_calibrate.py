@@ -4,14 +4,17 @@ prices patterns as `dsakv plan` does, and writes a config both loaders read the 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsakv.calibrate import calibrate_pattern
+import dsakv.calibrate
+from dsakv.calibrate import Pricing, calibrate_pattern, check_plot_path, write_config
 from dsakv.cli import main
 from dsakv.config import LayerPlan, ModelConfig
+from dsakv.errors import DsakvError
 from dsakv.memory import CacheLayout, DSAKVPool
 from dsakv.models import ForwardBatch, load_model, write_tiny_model
 from dsakv.models.tiny import TINY_PRESETS
@@ -198,11 +201,17 @@ def test_default_data_and_bytes_budget(model_dir, capsys):
         ([], '{"token_ids": [1, 999]}\n', "outside the vocabulary"),
         ([], '{"token_ids": []}\n', "empty sequence"),
         ([], '{"token_ids": [1, 2, 3]}\n', "at most index_topk"),
+        ([], bytes(range(128, 256)) * 8, "is not UTF-8 text"),
+        (["--kv-budget-gib", "1e300"], None, "--kv-budget-gib"),
+        (["--draft-layers", "100000000000"], None, "--draft-layers"),
     ],
 )
 def test_bad_input_is_one_error_line(model_dir, tmp_path, capsys, extra, content, message):
     args = ["calibrate-pattern", str(model_dir), *extra]
-    if content is not None:
+    if isinstance(content, bytes):
+        (tmp_path / "d.jsonl").write_bytes(content)
+        args += ["--data", str(tmp_path / "d.jsonl")]
+    elif content is not None:
         (tmp_path / "d.jsonl").write_text(content)
         args += ["--data", str(tmp_path / "d.jsonl")]
     else:
@@ -232,3 +241,143 @@ def test_write_config_never_writes_through_a_linked_config(model_dir, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "linked config.json" in err[0], err
     assert blob.read_text() == '{"model_type": "deepseek_v32"}'
+
+
+def _no_search(*args, **kwargs):
+    raise AssertionError("the search ran before the bad flag was refused")
+
+
+@pytest.fixture
+def no_search(monkeypatch):
+    """A refusal these tests expect must come before the (long) search."""
+    monkeypatch.setattr(dsakv.calibrate, "calibrate_pattern", _no_search)
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
+    return err[0]
+
+
+def test_write_config_under_a_file_is_refused_up_front(model_dir, tmp_path, capsys, no_search):
+    (tmp_path / "afile").write_text("mine")
+    args = ["calibrate-pattern", str(model_dir), "--write-config", str(tmp_path / "afile" / "sub")]
+    assert main(args) == 2
+    assert "afile is not a directory" in _one_error(capsys)
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_write_config_inside_the_model_is_refused(model_dir, capsys, no_search):
+    """Its links would include DIR itself (DIR/cal -> DIR), and the model would change."""
+    assert (
+        main(["calibrate-pattern", str(model_dir), "--write-config", str(model_dir / "cal")]) == 2
+    )
+    assert "inside the model directory" in _one_error(capsys)
+    assert not (model_dir / "cal").exists()
+
+
+def test_write_config_never_links_dir_into_itself(model_dir, tmp_path):
+    """A model entry that leads to DIR or above it is not linked: DIR/x -> DIR is a loop."""
+    model, out = tmp_path / "model", tmp_path / "out"
+    model.mkdir()
+    for entry in model_dir.iterdir():
+        (model / entry.name).symlink_to(entry)
+    (model / "results").symlink_to(out, target_is_directory=True)
+    (model / "scratch").symlink_to(tmp_path, target_is_directory=True)
+    write_config(model, out, LayerPlan.from_config(ModelConfig.from_hf(model_dir)))
+    names = {p.name for p in out.iterdir()}
+    assert "model.safetensors" in names and not names & {"results", "scratch"}
+
+
+def _sharded_copy(dst, seed: int):
+    """Another glm-tiny, its weights split in two shards with an index, as large models are."""
+    write_tiny_model(dst, "glm-tiny", seed=seed, mtp="none")
+    tensors = load_file(dst / "model.safetensors")
+    names = sorted(tensors)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, dst / file, metadata={"format": "pt"})
+    (dst / "model.safetensors").unlink()
+    weight_map = {n: f for f, part in shards.items() for n in part}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return dst
+
+
+def test_write_config_over_another_models_output_links_only_this_model(model_dir, tmp_path):
+    """An earlier output for a sharded model leaves its index: were it kept, loading DIR
+    would read the other model's weights under this config."""
+    other = _sharded_copy(tmp_path / "other", seed=9)
+    out = tmp_path / "out"
+    config = ModelConfig.from_hf(model_dir)
+    write_config(other, out, LayerPlan.from_config(ModelConfig.from_hf(other)))
+    assert (out / "model.safetensors.index.json").is_symlink()
+    write_config(model_dir, out, LayerPlan.from_config(config))
+    mine = {p.name for p in model_dir.iterdir() if not p.name.startswith(".")}
+    assert {p.name for p in out.iterdir()} == mine
+    for p in out.iterdir():
+        assert p.name == "config.json" or p.resolve() == (model_dir / p.name).resolve()
+    want = load_file(model_dir / "model.safetensors")
+    model, _, _ = load_model(out)
+    got = model.state_dict()
+    name = "model.layers.1.self_attn.indexer.wk.weight"
+    assert name in want and torch.equal(got[name], want[name])
+
+
+def test_write_config_keeps_regular_files(model_dir, tmp_path):
+    """Only links are ours to replace: a real weight file in DIR is refused, never deleted."""
+    out = tmp_path / "out"
+    write_config(model_dir, out, LayerPlan.from_config(ModelConfig.from_hf(model_dir)))
+    (out / "model.safetensors").unlink()
+    (out / "model.safetensors").write_bytes(b"mine")
+    with pytest.raises(DsakvError, match="is not empty .holds model.safetensors"):
+        write_config(model_dir, out, LayerPlan.from_config(ModelConfig.from_hf(model_dir)))
+    assert (out / "model.safetensors").read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize(
+    "pricing, message",
+    [
+        ({"kv_budget_gib": 1e300}, "kv_budget_gib must be in"),
+        ({"kv_budget_gib": float("nan")}, "kv_budget_gib must be in"),
+        ({"draft_layers": 100_000_000_000}, "draft_layers must be in 0..64"),
+        ({"draft_layers": -1}, "draft_layers must be in 0..64"),
+        ({"page_size": 0}, "page_size must be >= 1"),
+    ],
+)
+def test_pricing_is_bounded_before_the_search(model_dir, pricing, message):
+    """Out of bounds, pricing overflowed or ran out of memory only after the reference run."""
+    with pytest.raises(DsakvError, match=message):
+        calibrate_pattern(model_dir, device="cpu", pricing=Pricing(**pricing))
+
+
+def test_plot_path_is_the_written_one(tmp_path):
+    assert check_plot_path(tmp_path / "kl") == tmp_path / "kl.png"
+    assert check_plot_path(tmp_path / "kl.svg") == tmp_path / "kl.svg"
+    (tmp_path / "jdir").mkdir()
+    (tmp_path / "dir.png").mkdir()
+    for bad, message in [
+        ("jdir", "is a directory"),
+        ("dir.png", "is a directory"),
+        ("dir", "is a directory"),  # would write dir.png
+        ("out.xyz", "unsupported format .xyz"),
+        ("nodir/kl.png", "no such directory"),
+    ]:
+        with pytest.raises(DsakvError, match=message):
+            check_plot_path(tmp_path / bad)
+
+
+def test_plot_without_extension_reports_the_png(
+    model_dir, data_file, tmp_path, capsys, monkeypatch
+):
+    args = ["calibrate-pattern", str(model_dir), "--data", str(data_file), "--json"]
+    args += ["--max-seq-len", "64", "--num-full-layers", "7", "--plot", str(tmp_path / "kl")]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["plot"] == str(tmp_path / "kl.png") and os.listdir(tmp_path) == ["kl.png"]
+    assert (tmp_path / "kl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setattr(dsakv.calibrate, "calibrate_pattern", _no_search)  # refused first
+    assert main([*args[:-1], str(tmp_path / "out.xyz")]) == 2  # refused, not a traceback
+    assert "unsupported format .xyz" in _one_error(capsys)
+    (tmp_path / "jdir").mkdir()
+    assert main([*args[:-1], str(tmp_path / "jdir")]) == 2  # not jdir.png, exit 0
+    assert "is a directory" in _one_error(capsys) and not (tmp_path / "jdir.png").exists()

@@ -1029,14 +1029,13 @@ def _add_device_check(sub: Any) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    import os
-
     import torch
 
     from dsakv.calibrate import (
         Pricing,
         calibrate_pattern,
         check_config_dir,
+        check_plot_path,
         report_text,
         write_config,
         write_plot,
@@ -1046,8 +1045,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(args.model)
     if args.write_config:
         check_config_dir(model_dir, args.write_config)
-    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
-        raise DsakvError(f"--plot {args.plot}: no such directory")
+    if args.plot:
+        check_plot_path(args.plot)
 
     def on_step(s: Any) -> None:
         if not args.json:

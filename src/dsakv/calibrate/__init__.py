@@ -1,7 +1,7 @@
 """IndexCache pattern calibration: which layers keep their indexer (`dsakv calibrate-pattern`)."""
 
 from .data import calibration_sequences, read_jsonl
-from .output import check_config_dir, report_text, write_config, write_plot
+from .output import check_config_dir, check_plot_path, report_text, write_config, write_plot
 from .search import (
     CalibrationResult,
     Pricing,
@@ -19,6 +19,7 @@ __all__ = [
     "Step",
     "calibrate_pattern",
     "check_config_dir",
+    "check_plot_path",
     "calibration_sequences",
     "greedy_search",
     "read_jsonl",

@@ -66,8 +66,16 @@ def read_jsonl(path: str | Path) -> list[str | list[int]]:
     path = Path(path)
     if not path.is_file():
         raise DsakvError(f"calibration data {path}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # e.g. a binary file given by mistake
+        raise DsakvError(
+            f"calibration data {path} is not UTF-8 text (byte {e.start}); give a JSONL file"
+        ) from None
+    except OSError as e:
+        raise DsakvError(f"cannot read calibration data {path}: {e.strerror or e}") from None
     items: list[str | list[int]] = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

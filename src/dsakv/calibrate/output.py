@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from dsakv.config import LayerPlan
@@ -12,24 +13,49 @@ from .search import CalibrationResult
 
 # Config keys that also describe a pattern; `indexer_types` alone must decide it.
 _PATTERN_KEYS = ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset", "cli_factor")
+# `--plot` formats matplotlib writes with no extra software.
+PLOT_FORMATS = (".png", ".pdf", ".svg")
 
 
 def check_config_dir(model_dir: str | Path, out_dir: str | Path) -> tuple[Path, Path]:
     """Fail before a long search, not after it, when `out_dir` cannot take the config."""
     src, out = Path(model_dir).resolve(), Path(out_dir)
-    if out.resolve() == src:
+    where = out.resolve()
+    if where == src:
         raise DsakvError(f"--write-config {out_dir} is the model directory itself")
+    if out.absolute() in Path(model_dir).absolute().parents:  # reached through a link in
+        raise DsakvError(  # DIR, which would be removed as an earlier run's link
+            f"--write-config {out_dir} holds the model directory {model_dir}"
+        )
+    if src in where.parents:  # the model's files would include DIR: a link to itself
+        raise DsakvError(f"--write-config {out_dir} is inside the model directory {model_dir}")
+    if out.is_symlink() and not out.exists():
+        raise DsakvError(f"--write-config {out_dir} is a broken link")
     if out.exists() and not out.is_dir():
         raise DsakvError(f"--write-config {out_dir} exists and is not a directory")
     if out.is_dir():
-        other = [p.name for p in out.iterdir() if p.name != "config.json" and not p.is_symlink()]
-        if other:
-            raise DsakvError(f"--write-config {out_dir} is not empty (holds {other[0]})")
         if (out / "config.json").is_symlink():  # e.g. a Hugging Face snapshot: writing
             raise DsakvError(  # through the link would rewrite another model's config
                 f"--write-config {out_dir} holds a linked config.json, not one an earlier "
                 "--write-config wrote"
             )
+        other = [
+            p.name
+            for p in out.iterdir()
+            if not p.is_symlink() and not (p.name == "config.json" and p.is_file())
+        ]
+        if other:
+            raise DsakvError(f"--write-config {out_dir} is not empty (holds {other[0]})")
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise DsakvError(f"--write-config {out_dir} cannot be written")
+        return src, out
+    parent = out.absolute().parent
+    while not parent.exists() and not parent.is_symlink():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DsakvError(f"--write-config {out_dir}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DsakvError(f"--write-config {out_dir}: cannot create it under {parent}")
     return src, out
 
 
@@ -39,20 +65,33 @@ def write_config(model_dir: str | Path, out_dir: str | Path, plan: LayerPlan) ->
     (weights, tokenizer) into `out_dir`, so both transformers and dsakv load it as a model.
 
     `out_dir` must be new or empty, or hold only a config.json and symlinks (an earlier run).
+    Links not to this model's files are removed: left by a run on another model, they would
+    load its weights (e.g. its `model.safetensors.index.json`) under this config.
     """
     src, out = check_config_dir(model_dir, out_dir)
     raw = json.loads((src / "config.json").read_text())
     for key in _PATTERN_KEYS:
         raw.pop(key, None)
     raw["indexer_types"] = list(plan.indexer_types)
+    where = out.resolve()
+    wanted = {
+        entry.name: entry.resolve()
+        for entry in sorted(src.iterdir())
+        if entry.name != "config.json" and not entry.name.startswith(".")
+    }
+    # An entry of the model that leads to `out_dir` or above it would link DIR into itself;
+    # one that leads into it would point at a link removed below.
+    wanted = {
+        n: t
+        for n, t in wanted.items()
+        if t != where and t not in where.parents and where not in t.parents
+    }
     out.mkdir(parents=True, exist_ok=True)
-    for entry in sorted(src.iterdir()):
-        if entry.name == "config.json" or entry.name.startswith("."):
-            continue
-        link = out / entry.name
-        if link.is_symlink():
-            link.unlink()
-        link.symlink_to(entry.resolve())
+    for entry in out.iterdir():
+        if entry.is_symlink():  # an earlier run's: check_config_dir let nothing else through
+            entry.unlink()
+    for name, target in wanted.items():
+        (out / name).symlink_to(target)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return out
 
@@ -96,8 +135,30 @@ def report_text(r: CalibrationResult) -> str:
     return "\n".join(lines)
 
 
+def check_plot_path(path: str | Path) -> Path:
+    """The file `write_plot` will write for `path` (matplotlib adds `.png` to a name without
+    an extension): refused now, not after a long search, if it cannot be written."""
+    given = Path(path)
+    out = given if given.suffix else given.with_name(given.name + ".png")
+    if out.suffix.lower() not in PLOT_FORMATS:
+        raise DsakvError(
+            f"--plot {path}: unsupported format {out.suffix} (use {', '.join(PLOT_FORMATS)})"
+        )
+    for where in (given, out):  # `jdir` would become jdir.png: surely not what was meant
+        if where.is_dir():
+            raise DsakvError(f"--plot {path}: {where} is a directory; give a file")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise DsakvError(f"--plot {path}: no such directory")
+    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise DsakvError(f"--plot {path}: cannot write {out}")
+    return out
+
+
 def write_plot(r: CalibrationResult, path: str | Path) -> Path:
-    """KL and bytes per token against the number of full layers, one point per step."""
+    """KL and bytes per token against the number of full layers, one point per step;
+    returns the file written (see `check_plot_path`)."""
+    path = check_plot_path(path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,9 +177,8 @@ def write_plot(r: CalibrationResult, path: str | Path) -> Path:
     ax2.set_ylabel("KV bytes per token", color="tab:blue")
     ax.set_title(f"IndexCache greedy search ({r.num_tokens:,} calibration tokens)")
     fig.tight_layout()
-    path = Path(path)
     try:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, format=path.suffix[1:].lower())
     except OSError as e:
         raise DsakvError(f"cannot write the plot to {path}: {e.strerror or e}") from None
     finally:

@@ -28,6 +28,10 @@ from dsakv.models.indexer import StepSelection
 # Calibration runs over an exact (fp32) cache: divergence measures sharing, not quantisation.
 _POOL_DTYPES = ("fp32", "fp32")
 _PAGE = 64
+# Pricing bounds (as the CLI's flags): past them a value is a typo, and the planner's
+# arithmetic overflows (budget) or builds per-layer tables too large to hold (draft layers).
+MAX_KV_BUDGET_GIB = 1e12
+MAX_DRAFT_LAYERS = 64
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,19 @@ class Pricing:
     page_size: int = 64
     draft_layers: int = 0
     kv_budget_gib: float = 100.0
+
+    def __post_init__(self) -> None:
+        # Checked here, so a bad value fails before the reference run, not at its first price.
+        if not 0 < self.kv_budget_gib <= MAX_KV_BUDGET_GIB:
+            raise DsakvError(
+                f"kv_budget_gib must be in (0, {MAX_KV_BUDGET_GIB:g}] GiB, got {self.kv_budget_gib:g}"
+            )
+        if not 0 <= self.draft_layers <= MAX_DRAFT_LAYERS:
+            raise DsakvError(
+                f"draft_layers must be in 0..{MAX_DRAFT_LAYERS}, got {self.draft_layers}"
+            )
+        if self.page_size < 1:
+            raise DsakvError(f"page_size must be >= 1, got {self.page_size}")
 
     def __call__(self, config: ModelConfig, pattern: str) -> tuple[int, int]:
         """(bytes per token, max_total_num_tokens) of `pattern`, as `dsakv plan` computes them."""
