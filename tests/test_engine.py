@@ -343,3 +343,15 @@ def test_running_request_shares_its_prefix(tiny):
     engine.check_integrity()
     alone, _ = _run(tiny, [shared + [2]], enable_prefix_cache=False)
     assert second.output_ids == alone[0]
+
+
+def test_logprobs_are_kept_only_for_requests_that_asked(tiny):
+    """A batch-mate asking for logprobs filled every request's lists (held to the end)."""
+    llm = LLM(tiny, **EXACT, num_pages=32)
+    e = llm.engine
+    plain = e.add_request([1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0))
+    asked = e.add_request([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
+    while e.has_unfinished():
+        e.step()
+    assert plain.logprobs == [] and plain.top_logprobs == []
+    assert len(asked.logprobs) == len(asked.output_ids) and len(asked.top_logprobs[0]) == 2

@@ -776,7 +776,7 @@ class Engine:
                 if req.matcher is not None and not req.matcher.accept_token(token):
                     log.warning("request %d: grammar rejected token %d", req.rid, token)
                 self._append_token(req, token, now)
-                if result.logprobs is not None:
+                if result.logprobs is not None and req.params.logprobs is not None:
                     req.logprobs.append(result.logprobs[i])
                     req.top_logprobs.append(result.top_logprobs[i])
                 if not req.finished and req.matcher is not None and req.matcher.is_terminated():
