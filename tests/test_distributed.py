@@ -261,10 +261,18 @@ def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
             if kw:
                 with pytest.raises(DsakvError):
                     llm.engine.add_request([1, 2], SamplingParams(grammar=("json_schema", "{")))
+                for _ in range(3):  # (routed to rank 1 unchecked, it ended that rank's loop)
+                    with pytest.raises(DsakvError, match="stop_token_ids"):
+                        llm.engine.add_request([1, 2], SamplingParams(stop_token_ids=(10**6,)))
                 ranks = llm.engine.rank_counters
             outs = llm.generate(prompts, params)
             if kw:
                 assert all(c["finished_requests"] > 0 for c in ranks())
+                # A grammar with no way on ends its request alone, on either rank, with
+                # its error (rank 1's reached rank 0 without it).
+                dead = SamplingParams(max_tokens=8, temperature=0, grammar=("regex", r"ab[^\s\S]"))
+                for o in llm.generate(prompts[:2], dead):
+                    assert o.finish_reason == "error" and "cannot be completed" in o.error
         results[name] = [(o.token_ids, o.prompt_logprobs) for o in outs]
     for (tok_dp, lp_dp), (tok_one, lp_one) in zip(results["dp"], results["one"]):
         assert tok_dp == tok_one

@@ -112,6 +112,9 @@ def test_retraction_makes_room_on_a_host_full_of_cached_prefixes(tiny):
     for i in range(12):  # evicted prefixes fill the host
         llm.generate(_prompts(2, seed=100 + i, lo=60, hi=60), warm)
     assert e.host.num_free_pages == 0 and e.cache.num_host_pages > 0
+    cached = e.cache.num_host_pages
+    e.cache.free_host_pages(e.host.allocator.num_pages + 1)  # could never fit: drop nothing
+    assert e.cache.num_host_pages == cached
     before = e.counters()
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     c = e.counters()

@@ -25,6 +25,7 @@ _GROWING = ("output_ids", "logprobs", "top_logprobs")
 _REPLACED = (
     "output_text",
     "finish_reason",
+    "error",
     "num_computed",
     "prompt_logprobs",
     "prompt_top_logprobs",
@@ -120,7 +121,8 @@ class DPEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         ids = self.local.prompt_ids(prompt)
-        if params.grammar is not None:  # a bad grammar is the client's 400, here and now
+        self.local.check_params(params)  # the client's 400 here and now, not on a peer
+        if params.grammar is not None:
             self.local.grammars.matcher(params.grammar)
         rank = self._pick_rank(len(ids))
         self._assigned_tokens[rank] += len(ids)

@@ -555,6 +555,17 @@ class Engine:
                 req.params, max_tokens=room, min_tokens=min(req.params.min_tokens, room)
             )
         p = req.params
+        self.check_params(p)
+        if p.grammar is not None:
+            req.matcher = self.grammars.matcher(p.grammar)
+        if p.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(req.prompt_ids)
+            req.prompt_top_logprobs = [None] * len(req.prompt_ids)
+            req.score_prompt = len(req.prompt_ids) > 1
+
+    def check_params(self, p: SamplingParams) -> None:
+        """What `p` asks of this model that `SamplingParams` cannot check alone: its token
+        ids in the vocabulary (an id past it fails the step it is used in)."""
         vocab = self.model_config.vocab_size
         for name, ids in (
             ("logit_bias", [t for t, _ in p.logit_bias]),
@@ -564,12 +575,6 @@ class Engine:
                 raise DsakvError(
                     f"{name} has token ids outside the vocabulary (0..{vocab - 1})", name
                 )
-        if p.grammar is not None:
-            req.matcher = self.grammars.matcher(p.grammar)
-        if p.prompt_logprobs is not None:
-            req.prompt_logprobs = [None] * len(req.prompt_ids)
-            req.prompt_top_logprobs = [None] * len(req.prompt_ids)
-            req.score_prompt = len(req.prompt_ids) > 1
 
     def _release_forks(self, req: Request) -> None:
         """Queue `req`'s forks (its prefill is done, or it ended): they inherit its prompt
@@ -752,9 +757,9 @@ class Engine:
             reqs, logits = [reqs[i] for i in keep], logits[keep]
         if reqs:
             logits = logits.float()  # (rows of its own: indexed out of the step's logits)
-            for req, row in zip(reqs, logits):
+            for i, req in enumerate(reqs):
                 if req.params.penalized:
-                    penalize(row, req.params, req.prompt_ids, req.output_ids)
+                    penalize(logits[i], req.params, req.prompt_ids, req.output_ids)
             if any(r.matcher is not None for r in reqs):
                 self.grammars.apply(logits, [r.matcher for r in reqs])
                 alive = torch.isfinite(logits).any(-1).tolist()
@@ -766,8 +771,9 @@ class Engine:
                     done, reqs, logits = done + dead, [reqs[i] for i in keep], logits[keep]
                     if not reqs:
                         return done
-            for req, row in zip(reqs, logits):
-                self._ban_stops(req, row, len(req.output_ids))
+            for i, req in enumerate(reqs):
+                if len(req.output_ids) < req.params.min_tokens:
+                    self._ban_stops(req, logits[i], len(req.output_ids))
             result = self.sampler.sample(
                 logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs]
             )

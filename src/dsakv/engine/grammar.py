@@ -40,6 +40,7 @@ _UNENFORCED = (
     "else",
     "dependentRequired",
     "dependentSchemas",
+    "dependencies",
 )
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _DATA = ("enum", "const", "default", "examples", "required")  # values, not schemas

@@ -201,7 +201,9 @@ class PrefixCache:
 
     def free_host_pages(self, pages: int) -> None:
         """Drop the least recently used host-only pages until `pages` host pages are free,
-        or nothing unlocked is left to drop."""
+        or nothing unlocked is left to drop; none when the host tier is smaller than that."""
+        if pages > self.host.allocator.num_pages:
+            return
         while self.host.num_free_pages < pages:
             before = self.host.num_free_pages
             self._drop_host_leaves(pages - before)
