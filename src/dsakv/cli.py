@@ -678,11 +678,7 @@ def _check_bench_flags(args: argparse.Namespace) -> str | None:
         raise DsakvError(f"{names} each run one section alone: pick one")
     mode = modes[0] if modes else None
     takes = _BENCH_MODES[mode][1] if mode else _MAIN_JOB
-    stray = [
-        "--" + key.replace("_", "-")
-        for key, default in _BENCH_FLAGS.items()
-        if getattr(args, key) not in (default, []) and key not in takes
-    ]
+    stray = _stray_flags(args, _BENCH_FLAGS, takes)
     if stray:
         what = f"{_BENCH_MODES[mode][0]} runs only its section" if mode else "the main job"
         hint = " (engine settings go in --engine-arg KEY=VALUE)" if mode == "serving" else ""
@@ -694,6 +690,17 @@ def _check_bench_flags(args: argparse.Namespace) -> str | None:
         if where is not None and Path(where).exists() and not Path(where).is_dir():
             raise DsakvError(f"{flag} {where} exists and is not a directory")
     return mode
+
+
+def _stray_flags(
+    args: argparse.Namespace, defaults: dict[str, Any], takes: Sequence[str]
+) -> list[str]:
+    """The flags given (not at their `defaults`) that a mode does not take."""
+    return [
+        "--" + key.replace("_", "-")
+        for key, default in defaults.items()
+        if key not in takes and getattr(args, key) not in (default, [])
+    ]
 
 
 def _check_output_file(flag: str, path: str | None) -> None:
@@ -960,14 +967,10 @@ def _add_bench(sub: Any) -> None:
 def _cmd_device_check(args: argparse.Namespace) -> int:
     mode = "--compile-only" if args.compile_only else "--prepare" if args.prepare else None
     if mode is not None:
-        takes = ("triton_path",) if args.compile_only else ("dry_run",)
+        takes = ("triton_path",) if args.compile_only else ("dry_run", "prepare")
         defaults = dict(dry_run=False, out=None, models=None, stages=None, deadline=[],
                         budget=None, bench=False, prepare=None)  # fmt: skip
-        stray = [
-            "--" + k.replace("_", "-")
-            for k, v in defaults.items()
-            if k not in takes and k != mode[2:] and getattr(args, k) != v
-        ]
+        stray = _stray_flags(args, defaults, takes)
         if stray:
             raise DsakvError(f"{mode} does not take {', '.join(stray)}")
     if args.compile_only:  # no GPU: a clean subprocess compiles every kernel for sm_90

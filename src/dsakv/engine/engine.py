@@ -710,8 +710,8 @@ class Engine:
         kept drafts was written by this step's forward."""
         if req.params.penalized or req.matcher is not None or req.params.min_tokens:
             logits = logits.float().clone()
-        for j in range(len(drafts) + 1):
-            if req.params.penalized:
+        if req.params.penalized:
+            for j in range(len(drafts) + 1):
                 penalize(logits[j], req.params, req.prompt_ids, req.output_ids + drafts[:j])
         if req.matcher is not None:  # drafts the grammar refuses are not even checked
             drafts = self.grammars.apply_drafts(logits, req.matcher, drafts)
