@@ -586,6 +586,45 @@ def test_a_refused_prompt_is_a_400_before_the_room_is_claimed(cluster, prompt):
     assert after == before
 
 
+def test_a_request_the_decode_server_refuses_leaves_no_claim_waiting(cluster):
+    """`stream_options` without `stream` is the decode server's 400, but the prefill server's
+    copy (sent without either) is valid: it claimed a room and waited out its timeout (20 s
+    here, 60 by default) for a decode server that had refused the request, then counted a
+    transfer failure. The router hangs up on it now, and the claim goes with the connection."""
+    prefill = cluster["prefill"].url
+    failures = scrape_metrics(prefill)["dsakv_kv_transfer_failures_total"]
+    routed = scrape_metrics(cluster["router"])["dsakv_router_failures_total"]
+    body = {"prompt": "x", "max_tokens": 4, "stream_options": {"include_usage": True}}
+    r = httpx.post(f"{cluster['router']}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    time.sleep(2)  # the copy has reached the prefill server
+    deadline = time.monotonic() + 8
+    while disagg_info(prefill)["open_rooms"]:
+        assert time.monotonic() < deadline, "the prefill server still waits for the room"
+        time.sleep(0.1)
+    assert scrape_metrics(prefill)["dsakv_kv_transfer_failures_total"] == failures
+    assert scrape_metrics(cluster["router"])["dsakv_router_failures_total"] == routed
+    wait_idle(prefill)
+
+
+def test_the_router_asks_again_for_a_bootstrap_port_that_stopped_answering(cluster, reference):
+    """A prefill server restarted on another bootstrap port: the router's first request fails
+    (it knew the old port), and it asked no more, so every later one failed too."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    app = build_router_app([prefill.url], [decode.url])
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    want = reference.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))[0].text
+    with running(server) as base:
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        app.state.router._bootstrap[prefill.url] = ("127.0.0.1", free_port())  # the old port
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 502
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    wait_idle(prefill.url)
+    wait_idle(decode.url)
+
+
 def test_processors_carry_across_and_a_dead_grammar_is_a_400(cluster, reference):
     """The prefill server samples the first token: logit bias, penalties and min_tokens
     apply there as on one engine; a grammar with no first token fails that request alone,

@@ -125,6 +125,12 @@ class BootstrapServer:
         self._thread.start()
         started.result()  # raises if the port could not be bound
 
+    @property
+    def open_rooms(self) -> int:
+        """Rooms claimed or registered and not yet done with (a claim left waiting shows)."""
+        with self._lock:
+            return len(self._rooms)
+
     # --- used by the prefill server's request handlers (any event loop) -------------------
 
     async def claim(self, room: int, timeout: float | None = None) -> Registration:
@@ -140,7 +146,7 @@ class BootstrapServer:
             raise BootstrapError(
                 f"no decode server registered room {room} within {timeout or self.timeout:g} s"
             ) from None
-        except BootstrapError:
+        except (BootstrapError, asyncio.CancelledError):  # cancelled: its client left
             self._forget(room, slot)
             raise
         slot.claimed = True

@@ -110,7 +110,7 @@ class Router:
         # The prefill server answers with its one token; only the decode server streams.
         p_body = {**body, "stream": False}
         p_body.pop("stream_options", None)
-        self._spawn(self._prefill(f"{p_url}{path}", p_body, headers))
+        prefill = self._spawn(self._prefill(p_url, path, p_body, headers))
         send = self.client.build_request(
             "POST",
             f"{d_url}{path}",
@@ -120,23 +120,27 @@ class Router:
         try:  # (a non-streamed answer's headers come when it is complete)
             resp = await _unless_left(self.client.send(send, stream=True), request)
         except httpx.HTTPError as e:
-            self.failures += 1
+            self._failed(p_url, prefill)
             return _error(502, f"decode server {d_url} is unreachable: {e!r}")
         if resp is None:
+            prefill.cancel()
             return Response(status_code=499)  # the client left: nobody to answer
         kind = resp.headers.get("content-type", "")
         if resp.status_code != 200 or "text/event-stream" not in kind:
             try:
                 content = await _unless_left(resp.aread(), request)
             except httpx.HTTPError as e:
-                self.failures += 1
+                self._failed(p_url, prefill)
                 return _error(502, f"lost the decode server {d_url}: {e!r}")
             finally:
                 await resp.aclose()
             if content is None:
+                prefill.cancel()
                 return Response(status_code=499)
-            if resp.status_code != 200:
-                self.failures += 1
+            if resp.status_code >= 500:
+                self._failed(p_url, prefill)
+            elif resp.status_code != 200:  # the client's error: the prefill server's copy
+                prefill.cancel()  # would wait for a decode server that refused it
             return Response(content, resp.status_code, media_type=kind or None)
         return StreamingResponse(
             self._relay(resp, d_url),
@@ -155,18 +159,33 @@ class Router:
         finally:
             await resp.aclose()
 
-    async def _prefill(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    async def _prefill(
+        self, p_url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> None:
+        """The prefill server's copy; cancelled, its connection closes and the server drops
+        the request."""
         try:
-            r = await self.client.post(url, json=body, headers=headers)
+            r = await self.client.post(f"{p_url}{path}", json=body, headers=headers)
             if r.status_code != 200:
-                log.warning("prefill %s answered %d: %s", url, r.status_code, r.text[:500])
-        except httpx.HTTPError as e:
-            log.warning("prefill %s failed: %r", url, e)
+                log.warning("prefill %s answered %d: %s", p_url, r.status_code, r.text[:500])
+                if r.status_code >= 500 or r.json()["error"]["param"] == "bootstrap_port":
+                    self._bootstrap.pop(p_url, None)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            log.warning("prefill %s failed: %r", p_url, e)
+            self._bootstrap.pop(p_url, None)
 
-    def _spawn(self, coro: Any) -> None:
+    def _failed(self, p_url: str, prefill: asyncio.Task) -> None:
+        """A request the servers failed: its prefill half goes, and the prefill server's
+        bootstrap port is asked again next time (a restarted server may have a new one)."""
+        self.failures += 1
+        prefill.cancel()
+        self._bootstrap.pop(p_url, None)
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def health(self) -> Response:
         bad = []

@@ -103,6 +103,7 @@ class _DisaggEngine(AsyncEngine):
                 "bytes_per_token": self.engine.layout.bytes_per_token,
                 "fingerprint": self.engine.layout.fingerprint(),
                 "pending": self.pending,
+                "open_rooms": self.bootstrap.open_rooms if self.role == "prefill" else None,
                 "transfer": self.stats.snapshot(),
                 "integrity": await self._integrity(),
             }

@@ -221,7 +221,7 @@ class Handlers:
         )
         if echo and (body.logprobs is not None or params.max_tokens == 0):
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs or 0)
-        streams = await self._submit_all(prompts, params, n)
+        streams = await self._submit_all(prompts, params, n, raw)
         choices = [_CompletionChoice(i, s, prompts[i // n], echo) for i, s in enumerate(streams)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
@@ -301,7 +301,7 @@ class Handlers:
                 )
             params = dataclasses.replace(params, grammar=prep.grammar)
         n = self._n(body)
-        streams = await self._submit_n(prompt, params, n, prompt_param="messages")
+        streams = await self._submit_n(prompt, params, n, raw, prompt_param="messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": rid,
@@ -499,27 +499,42 @@ class Handlers:
         return n
 
     async def _submit_n(
-        self, prompt: str | list[int], params: SamplingParams, n: int, prompt_param: str = "prompt"
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        n: int,
+        raw: Request,
+        prompt_param: str = "prompt",
     ) -> list[RequestStream]:
         """`n` choices of one prompt (they share its KV pages); a rejected prompt or grammar
-        is a 400."""
+        is a 400. A client that leaves before the engine takes them cancels them: a prefill
+        server waits here for its decode server, which never comes for a request the decode
+        server refused (the router hangs up then)."""
+        submit = asyncio.ensure_future(self.engine.generate_n(prompt, params, n))
+        watcher = asyncio.create_task(_when_left(raw, submit.cancel))
         try:
-            return await self.engine.generate_n(prompt, params, n)
+            return await submit
+        except asyncio.CancelledError:
+            if not watcher.done():
+                raise  # this handler was cancelled, not the client gone
+            raise APIError(499, "the client closed the request") from None
         except GrammarError as e:
             raise APIError(400, str(e), param=_grammar_param(params)) from None
         except DsakvError as e:
             raise APIError(400, str(e), param=e.param or prompt_param) from None
         except RuntimeError as e:
             raise APIError(503, str(e), type="server_error") from None
+        finally:
+            watcher.cancel()
 
     async def _submit_all(
-        self, prompts: list[str | list[int]], params: SamplingParams, n: int
+        self, prompts: list[str | list[int]], params: SamplingParams, n: int, raw: Request
     ) -> list[RequestStream]:
         """Every prompt's `n` choices, in order; if one is rejected, the others are aborted."""
         streams: list[RequestStream] = []
         try:
             for prompt in prompts:
-                streams += await self._submit_n(prompt, params, n)
+                streams += await self._submit_n(prompt, params, n, raw)
         except BaseException:
             for s in streams:
                 self.engine.abort(s)
@@ -630,12 +645,8 @@ class Handlers:
     async def _collect(self, stream: RequestStream, raw: Request) -> _Result:
         """Wait for the whole output, aborting if the client goes away meanwhile."""
 
-        async def watch() -> None:
-            while not await raw.is_disconnected():
-                await asyncio.sleep(_DISCONNECT_POLL_S)
-            self.engine.abort(stream)  # ends the stream with finish_reason "abort"
-
-        watcher = asyncio.create_task(watch())
+        # (an abort ends the stream with finish_reason "abort")
+        watcher = asyncio.create_task(_when_left(raw, lambda: self.engine.abort(stream)))
         result = _Result()
         try:
             while True:
@@ -689,6 +700,13 @@ class _AbortingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+async def _when_left(raw: Request, then: Callable[[], Any]) -> None:
+    """Call `then` once the client has hung up (run as a task; cancel it when done)."""
+    while not await raw.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+    then()
 
 
 # --- formatting -------------------------------------------------------------------------------
