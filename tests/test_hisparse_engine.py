@@ -147,6 +147,22 @@ def test_retraction_abort_and_host_pages_as_the_limit(tiny, reference):
     assert bool((hb.buf_pos == -1).all())
 
 
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_request_retracted_past_the_device_pool_decodes_its_outputs_again(tiny, prefix_cache):
+    """80 device latent slots, 160 logical ones: two 20-token prompts decoding 100 tokens
+    each outgrow the logical pool, and the one retracted has a context past the device pool,
+    which no prefill could hold again. It was cut short ("length" at 61 of 100 tokens); its
+    prompt is prefilled now and its outputs decoded again, one token a step as before."""
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(20)] for i in range(2)]
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    want = _run(_engine(tiny, num_pages=256), prompts, params, check_every_step=False)
+    on = _engine(tiny, num_pages=10, enable_hisparse=True, enable_prefix_cache=prefix_cache,
+                 hisparse_config={"host_to_device_ratio": 2})  # fmt: skip
+    assert on.pool.num_latent_tokens == 80
+    assert _run(on, prompts, params) == want
+    assert on.counters()["retractions"] == 1
+
+
 def _short_run(engine: Engine, prompt, tamper=None) -> list[int]:
     """One request; `tamper(engine, req)` right after its prompt is prefilled."""
     req = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))

@@ -18,7 +18,8 @@ A request's life, as the scheduler and the step drive it:
   top-k is resolved against the buffer (hits stay, least recently used entries make room,
   misses are copied from the host) and the layers sharing that top-k replay the same copy
   list: the buffer state is per IndexShare group, the slots are the same in every layer.
-- `free`: on finish, abort and retraction (a retracted request is recomputed).
+- `free`: on finish, abort and retraction (a retracted request is recomputed: prefilled
+  if the device holds its context, else its prompt prefilled and its outputs decoded again).
 """
 
 from __future__ import annotations
@@ -165,8 +166,15 @@ class HotBuffers:
 
     # --- admission and release (the scheduler) ---------------------------------------------
 
+    def prefill_end(self, req: Request) -> int:
+        """How many of `req`'s tokens a prefill holds on the device at once before it runs
+        one token a step: all of them when the device latent pool can, else its prompt. A
+        retracted request's context may have outgrown the pool while it decoded (only its
+        hot buffer is on the device then): its outputs are decoded again, as they were."""
+        return req.seq_len if self.fits(req.seq_len) else len(req.prompt_ids)
+
     def _pages_for(self, req: Request) -> int:
-        return -(-max(req.seq_len, self.size + 1) // self.page_size)
+        return -(-max(self.prefill_end(req), self.size + 1) // self.page_size)
 
     def fits(self, prompt_len: int) -> bool:
         """Whether a prompt can ever be prefilled: its latent must all be on the device."""

@@ -85,25 +85,16 @@ class Scheduler:
         """This step's batch: (request, number of new tokens) pairs."""
         batch: list[tuple[Request, int]] = []
         budget = self.config.chunked_prefill_size
-        retracted = False
+        retractions = self.stats.retractions
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # retracted earlier in this loop
-            remaining = req.seq_len - req.num_computed
-            n = 1 if remaining == 1 else min(remaining, budget)
-            if n <= 0 or n == 1 < remaining and self.hot is not None:
-                continue  # (HiSparse: a one-token step is a decode step, not a chunk)
-            while not self._reserve(req, req.num_computed + n):
-                victim = self.running[-1]
-                self.retract(victim)
-                retracted = True
-                if victim is req:
-                    break
-            if req.status is Status.RUNNING:
+            n = self._step_tokens(req, req.num_computed, budget)
+            if n > 0 and self._make_room(req, req.num_computed + n):
                 batch.append((req, n))
-                if remaining > 1:
+                if req.seq_len - req.num_computed > 1:
                     budget -= n
-        if retracted:
+        if self.stats.retractions > retractions:
             c = self.config
             self.new_token_ratio = min(1.0, max(2 * self.new_token_ratio, c.init_new_token_ratio))
         else:
@@ -114,6 +105,30 @@ class Scheduler:
             self._admit(batch, budget)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
         return batch
+
+    def _step_tokens(self, req: Request, start: int, budget: int) -> int:
+        """How many of `req`'s tokens from position `start` run this step (0: none yet).
+        HiSparse prefills only what the device latent pool holds (`HotBuffers.prefill_end`)
+        and runs the rest one token a step, as decode steps; a one-token chunk would be a
+        decode step too early, so it waits for more budget."""
+        remaining = req.seq_len - start
+        n = 1 if remaining == 1 else min(remaining, budget)
+        if self.hot is not None:
+            left = self.hot.prefill_end(req) - start
+            n = 1 if left <= 1 else min(n, left)
+            if n == 1 < left:
+                return 0
+        return n
+
+    def _make_room(self, req: Request, tokens: int) -> bool:
+        """Pages for `tokens` positions of `req`, retracting the newest requests until they
+        are free; False when `req` itself went."""
+        while not self._reserve(req, tokens):
+            victim = self.running[-1]
+            self.retract(victim)
+            if victim is req:
+                return False
+        return True
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request's pages; its full pages join the cache."""
@@ -290,14 +305,17 @@ class Scheduler:
 
     def _admit_fresh(self, req: Request, budget: int) -> int:
         nodes: list = []
+        # at most what the step computes in one go (HiSparse: a hit's latent goes on the device)
+        end = req.seq_len if self.hot is None else self.hot.prefill_end(req)
+        max_pages = (end - 1) // self.config.page_size
         if self.config.enable_prefix_cache and not req.score_prompt:  # scoring needs its rows
-            nodes = self.cache.match(req.all_ids, (req.seq_len - 1) // self.config.page_size)
+            nodes = self.cache.match(req.all_ids, max_pages)
         stored = self.l3.pages_for(req.rid, len(nodes)) if self.l3 is not None else []
-        stored = stored[: max(0, (req.seq_len - 1) // self.config.page_size - len(nodes))]
+        stored = stored[: max(0, max_pages - len(nodes))]
         hit = (len(nodes) + len(stored)) * self.config.page_size
-        n = min(req.seq_len - hit, budget)
-        if n == 1 < req.seq_len - hit and self.hot is not None:
-            return 0  # HiSparse: a one-token step is a decode step, not a chunk
+        n = self._step_tokens(req, hit, budget)
+        if n == 0:
+            return 0
         own = max(self._pages_for(hit + n), self._future_pages(req, 0)) - len(nodes)
         host_nodes = sum(1 for x in nodes if x.page is None)
         if own + host_nodes + self._headroom() > self._available_pages():
