@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -239,6 +240,28 @@ def test_two_nodes_on_one_machine_and_torchrun(models):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)[0]["token_ids"] == expected
+
+
+def test_llm_tp2_in_a_script_with_and_without_a_main_guard(models, tmp_path):
+    """Spawned ranks re-run the script's top level: without an `if __name__ == "__main__"`
+    guard rank 1 dies at once and rank 0 waited for it forever; now that is an error saying
+    why. With the guard the run is clean: no rank leaves a semaphore behind (tqdm's lock in
+    ranks that end with os._exit made the resource tracker warn at every exit)."""
+    body = f"with LLM({models['glm']!r}, tp=2, **{EXACT!r}) as llm:\n"
+    body += "    print(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids)\n"
+    head = "from dsakv import LLM, SamplingParams\n"
+    runs = {}
+    for name, text in {
+        "bare": head + body,
+        "guarded": head + "if __name__ == '__main__':\n" + textwrap.indent(body, "    "),
+    }.items():
+        (tmp_path / f"{name}.py").write_text(text)
+        runs[name] = subprocess.run([sys.executable, f"{name}.py"], cwd=tmp_path,
+                                    capture_output=True, text=True, timeout=240)  # fmt: skip
+    bare, guarded = runs["bare"], runs["guarded"]
+    assert bare.returncode != 0 and "__main__" in bare.stderr.strip().splitlines()[-1]
+    assert guarded.returncode == 0 and len(eval(guarded.stdout)) == 4, guarded.stderr
+    assert "leaked" not in guarded.stderr, guarded.stderr
 
 
 def test_dp_attention_carries_grammar_and_prompt_logprobs(models):

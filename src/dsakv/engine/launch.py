@@ -21,9 +21,11 @@ import socket
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from dsakv.config import ModelConfig
 from dsakv.distributed.parallel import ParallelConfig, destroy_parallel, init_parallel
@@ -59,12 +61,16 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
         addr = pc.dist_init_addr or f"127.0.0.1:{_free_port()}"
         init = f"tcp://{addr}"
         ctx = mp.get_context("spawn")
+        pipes = {r: ctx.Pipe(duplex=False) for r in range(rank + 1, rank + pc.ranks_per_node)}
         procs = {
-            r: ctx.Process(target=_rank_main, args=(config, r, init), name=f"dsakv-rank{r}")
-            for r in range(rank + 1, rank + pc.ranks_per_node)
+            r: ctx.Process(target=_rank_main, args=(config, r, init, send), name=f"dsakv-rank{r}")
+            for r, (_, send) in pipes.items()
         }
         for p in procs.values():
             p.start()
+        for _, send in pipes.values():
+            send.close()  # the child's end: EOF here once it has gone
+        _wait_started(procs, {r: recv for r, (recv, _) in pipes.items()})
     watchdog = Watchdog(procs, exit_on_rank_death or rank != 0)
     try:
         engine = _start_rank(config, rank, init)
@@ -103,9 +109,42 @@ def _start_rank(config: Any, rank: int, init: str) -> Any:
     return engine
 
 
-def _rank_main(config: Any, rank: int, init: str) -> None:
+def _wait_started(procs: dict[int, Any], started: dict[int, Connection]) -> None:
+    """Until every spawned rank has started (`_rank_main` runs): one that dies first is an
+    error here. Rank 0 would otherwise wait for it in the group's rendezvous; under
+    `LLM(tp=2)` a script without a main guard kills every rank this way (spawn re-runs the
+    script's top level in the child, which may not start processes)."""
+    waiting = dict(started)
+    while waiting:
+        ready = wait(list(waiting.values()))
+        for r, conn in list(waiting.items()):
+            if conn not in ready:
+                continue
+            del waiting[r]
+            try:
+                conn.recv()
+            except EOFError:
+                for p in procs.values():
+                    p.kill()
+                procs[r].join()
+                raise DsakvError(
+                    f"rank {r} exited with code {procs[r].exitcode} before it started (its "
+                    "error is above); a script that creates a multi-rank LLM needs an "
+                    '`if __name__ == "__main__":` guard, as spawned processes re-run its '
+                    "top level"
+                ) from None
+            finally:
+                conn.close()
+
+
+def _rank_main(config: Any, rank: int, init: str, started: Connection) -> None:
     """Entry point of a spawned rank process."""
     _die_with_parent()
+    # This process ends with os._exit, so nothing would release a multiprocessing lock
+    # (tqdm makes one for its bars): a thread lock serves one process as well.
+    tqdm.set_lock(threading.RLock())
+    started.send(rank)
+    started.close()
     try:
         _start_rank(config, rank, init)
     except BaseException as e:  # noqa: BLE001 - report any failure as this rank's
