@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import fields
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -238,6 +239,11 @@ def test_stop_conditions_and_logprobs(tiny):
         (dict(seed="x"), "seed"),
         (dict(logprobs=99), "logprobs"),
         (dict(stop=[""]), "stop"),
+        (dict(stop=5), "stop must be a string or a list of strings, got 5"),
+        (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids, got 5"),
+        (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"),
+        (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be True or"),
+        (dict(skip_special_tokens=None), "skip_special_tokens must be True or False"),
     ],
 )
 def test_invalid_sampling_params(kw, message):
@@ -251,14 +257,60 @@ def test_bad_requests_and_engine_args(tiny):
     with pytest.raises(DsakvError, match="page_size"):
         EngineConfig(model=tiny, page_size=0)
     llm = LLM(tiny, **EXACT, num_pages=4)
-    with pytest.raises(DsakvError, match="context limit"):
+    # 4 pages of 16: a 64-token context, one position of it kept for the output
+    with pytest.raises(DsakvError, match=r"100 tokens; at most 63 fit \(the context is 64"):
         llm.engine.add_request(list(range(100)), GREEDY)
     with pytest.raises(DsakvError, match="empty"):
         llm.engine.add_request([], GREEDY)
     with pytest.raises(DsakvError, match="vocabulary"):
         llm.engine.add_request([10**6], GREEDY)
-    with pytest.raises(DsakvError, match="a prompt is a string or a list of token ids"):
+    with pytest.raises(DsakvError, match="a prompt is a string, a list of int token ids"):
         llm.generate([1.5], GREEDY)
+
+
+def test_generate_takes_vllm_prompt_dicts(tiny):
+    """vLLM's TextPrompt and TokensPrompt, alone or in a list: the dict's text or ids run
+    (a TokensPrompt used to run the text "prompt_token_ids")."""
+    llm = LLM(tiny, **EXACT, num_pages=32)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    (out,) = llm.generate({"prompt_token_ids": [104, 105]}, params)
+    assert out.prompt_token_ids == [104, 105]
+    text, ids = llm.generate([{"prompt": "hi"}, {"prompt_token_ids": (104, 105)}], params)
+    assert text.prompt_token_ids == llm.generate("hi", params)[0].prompt_token_ids
+    assert ids.token_ids == out.token_ids
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "message"),
+    [
+        (b"hi", GREEDY, r"prompts must be a prompt \(a string.*got b'hi'"),
+        (None, GREEDY, "prompts must be a prompt .*got None"),
+        (5, GREEDY, "prompts must be a prompt .*got 5"),
+        ([True, False, True], GREEDY, "token ids must be ints, got True"),
+        ([[1, 2.0]], GREEDY, "token ids must be ints, got 2.0"),
+        ([b"hi"], GREEDY, "a prompt is a string, .*got b'hi'"),
+        ({"prompt_ids": [1]}, GREEDY, r"one key, 'prompt' .*got keys \['prompt_ids'\]"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, GREEDY, "a prompt dict has one key"),
+        ({"prompt": [1, 2]}, GREEDY, "'prompt' must be a string"),
+        ({"prompt_token_ids": "hi"}, GREEDY, "'prompt_token_ids' must be a list of ints"),
+        ("hi", {"max_tokens": 2}, r"params must be a SamplingParams .*SamplingParams\(\*\*"),
+        ("hi", [GREEDY, None], "params must be a SamplingParams or a list of them"),
+        (["a", "b"], [GREEDY], "2 prompts but 1 sampling params"),
+    ],
+)
+def test_generate_refuses_what_it_would_misread(small_llm, prompts, params, message):
+    """Each a DsakvError saying what is wrong, and nothing queued: bytes and bools used to
+    run as token ids, None and a dict of params to fail inside Python's own errors."""
+    with pytest.raises(DsakvError, match=message):
+        small_llm.generate(prompts, params)
+    assert not small_llm.engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def small_llm(tiny):
+    """One engine for many cases that refuse before anything runs."""
+    return LLM(tiny, **EXACT, num_pages=8)
 
 
 @pytest.mark.parametrize(
@@ -273,6 +325,10 @@ def test_bad_requests_and_engine_args(tiny):
         dict(max_model_len=0),
         dict(max_model_len="10"),
         dict(seed="x"),
+        dict(device=None),
+        dict(enable_hisparse="yes"),
+        dict(enable_deterministic_inference="x"),
+        dict(enable_prefix_cache=0),
     ],
 )
 def test_engine_args_of_the_wrong_type_or_range(tiny, kw):
@@ -280,6 +336,15 @@ def test_engine_args_of_the_wrong_type_or_range(tiny, kw):
     (max_model_len 0 read as unset, a NaN host pool turning the tier off)."""
     with pytest.raises(DsakvError, match=next(iter(kw))):
         EngineConfig(model=tiny, **kw)
+
+
+def test_every_bool_engine_arg_must_be_a_bool(tiny):
+    """A truthy string such as "no" used to switch the feature on."""
+    names = [f.name for f in fields(EngineConfig) if f.type in ("bool", "bool | None")]
+    assert {"enable_hisparse", "enable_deterministic_inference", "dp_attention"} <= set(names)
+    for name in names:
+        with pytest.raises(DsakvError, match=f"{name} must be True(,| or) False"):
+            EngineConfig(model=tiny, **{name: "no"})
 
 
 def test_a_bad_prompt_queues_none_of_its_call(tiny):

@@ -78,12 +78,23 @@ def test_ban_gives_way_when_nothing_else_is_left():
         ("logit_bias", dict(logit_bias="3")),
         ("min_tokens", dict(max_tokens=4, min_tokens=5)),
         ("min_tokens", dict(min_tokens=-1)),
+        ("stop", dict(stop=5)),
+        ("stop_token_ids", dict(stop_token_ids=5)),
+        ("ignore_eos", dict(ignore_eos="no")),
     ],
 )
 def test_bad_values_name_their_field(field, kwargs):
     with pytest.raises(DsakvError, match=field) as e:
         SamplingParams(**kwargs)
     assert e.value.param == field
+
+
+def test_logit_bias_errors_say_whether_the_key_or_the_bias_is_wrong():
+    """A JSON-style string key used to be reported as a bias out of range."""
+    with pytest.raises(DsakvError, match="logit_bias keys must be int token ids"):
+        SamplingParams(logit_bias={"1": 1.0})
+    with pytest.raises(DsakvError, match=r"biases in \[-100, 100\]"):
+        SamplingParams(logit_bias={1: 101.0})
 
 
 # --- greedy tokens vs transformers --------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from dsakv.engine.sampling import is_int
 from dsakv.server.protocol import APIError
 
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
@@ -124,7 +125,7 @@ def from_body(body: Any) -> list[BootstrapTarget] | None:
 
 def _target(room: Any, host: Any, port: Any, prefix: str = "bootstrap_") -> BootstrapTarget:
     """One checked target; a wrong type or range is a 400 naming the field."""
-    if not _is_int(room) or not 0 <= room <= _MAX_ROOM:
+    if not is_int(room) or not 0 <= room <= _MAX_ROOM:
         raise APIError(
             400,
             f"{prefix}room must be an integer in 0..2**64-1, got {room!r}",
@@ -134,7 +135,7 @@ def _target(room: Any, host: Any, port: Any, prefix: str = "bootstrap_") -> Boot
         raise APIError(
             400, f"{prefix}host must be a host name or address, got {host!r}", param=f"{prefix}host"
         )
-    if port is not None and (not _is_int(port) or not 0 < port < 65536):
+    if port is not None and (not is_int(port) or not 0 < port < 65536):
         raise APIError(
             400,
             f"{prefix}port must be an integer in 1..65535 or null, got {port!r}",
@@ -143,10 +144,6 @@ def _target(room: Any, host: Any, port: Any, prefix: str = "bootstrap_") -> Boot
     if host and host.startswith("[") and host.endswith("]"):
         host = host[1:-1]  # SGLang's routers bracket IPv6 addresses
     return BootstrapTarget(room, host or "", port)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 # --- the middleware ----------------------------------------------------------------------------

@@ -99,6 +99,16 @@ class EngineConfig:
     hisparse_config: str | dict | None = None  # JSON object: see `HiSparseConfig`
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # every bool field, by its annotation (a string here)
+            v = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(v, bool):
+                raise DsakvError(f"{f.name} must be True or False, got {v!r}")
+            if f.type == "bool | None" and not (v is None or isinstance(v, bool)):
+                raise DsakvError(f"{f.name} must be True, False or None, got {v!r}")
+        if not isinstance(self.device, (str, torch.device)):
+            raise DsakvError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
         ints = ("page_size", "chunked_prefill_size", "max_running_requests")
         for name in ints:
             v = getattr(self, name)
@@ -599,7 +609,8 @@ class Engine:
             raise DsakvError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
         if len(ids) >= self.max_model_len:
             raise DsakvError(
-                f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len - 1}"
+                f"prompt has {len(ids)} tokens; at most {self.max_model_len - 1} fit (the "
+                f"context is {self.max_model_len} tokens, one kept for the output)"
             )
         if self.hot is not None and not self.hot.fits(len(ids)):
             raise DsakvError(

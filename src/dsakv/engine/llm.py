@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import reprlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from tqdm.auto import tqdm
 
@@ -14,7 +15,10 @@ from dsakv.errors import DsakvError
 from .engine import EngineConfig
 from .launch import create_engine
 from .request import Request
-from .sampling import SamplingParams
+from .sampling import SamplingParams, is_int
+
+# What `LLM.generate` takes as one prompt: text, token ids, or vLLM's prompt dicts.
+Prompt: TypeAlias = str | Sequence[int] | Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -84,17 +88,15 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Complete every prompt (text or token ids); outputs come back in input order."""
+        """Complete every prompt: text, token ids, or vLLM's `{"prompt": text}` /
+        `{"prompt_token_ids": ids}`; one `params` for all, or one per prompt. Outputs
+        come back in input order."""
         prompts = _as_prompt_list(prompts)
-        if params is None:
-            params = SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        plist = _as_params_list(params, len(prompts))
         reqs = []
         try:
             for p, sp in zip(prompts, plist):
@@ -115,17 +117,81 @@ def _copy(xs: list | None) -> list | None:
     return None if xs is None else list(xs)
 
 
-def _as_prompt_list(prompts: Any) -> list[str | list[int]]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # a single prompt given as token ids
-    out = []
-    for p in prompts:
-        if not isinstance(p, str) and not (
-            isinstance(p, Sequence) and all(isinstance(t, int) for t in p)
-        ):
-            raise DsakvError(f"a prompt is a string or a list of token ids, got {p!r}")
-        out.append(p if isinstance(p, str) else list(p))
-    return out
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt
+PROMPT_KINDS = "a string, a list of int token ids, or a dict with 'prompt' or 'prompt_token_ids'"
+
+
+def _as_prompt_list(prompts: object) -> list[str | list[int]]:
+    """One prompt or a list of them, as vLLM takes them (a str or dict is one prompt; so
+    is a list of ints, dsakv's own shorthand), each as text or token ids. Anything else
+    is refused here: bytes and bools would otherwise pass for token ids, and a dict for
+    a list of its keys."""
+    if isinstance(prompts, (str, Mapping)) or _all_ints(prompts):
+        return [_one_prompt(prompts)]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise DsakvError(
+            f"prompts must be a prompt ({PROMPT_KINDS}) or a list of them, "
+            f"got {reprlib.repr(prompts)}",
+            "prompts",
+        )
+    return [_one_prompt(p) for p in prompts]
+
+
+def _all_ints(x: object) -> bool:
+    """A non-empty sequence of ints (bools too, so that they are refused as token ids
+    rather than taken one by one as prompts)."""
+    return _is_list(x) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+def _is_list(x: object) -> bool:
+    """A list, tuple or other sequence, but not text or bytes (which are sequences too)."""
+    return isinstance(x, Sequence) and not isinstance(x, (str, bytes, bytearray))
+
+
+def _one_prompt(p: object) -> str | list[int]:
+    """One prompt as text or token ids; a prompt dict is unwrapped first."""
+    if isinstance(p, Mapping):
+        keys = [k for k in PROMPT_KEYS if k in p]
+        if len(keys) != 1 or len(p) != 1:
+            raise DsakvError(
+                "a prompt dict has one key, 'prompt' (text) or 'prompt_token_ids', "
+                f"got keys {sorted(map(str, p))}",
+                "prompts",
+            )
+        p = p[keys[0]]
+        if keys[0] == "prompt" and not isinstance(p, str):
+            raise DsakvError(f"'prompt' must be a string, got {reprlib.repr(p)}", "prompts")
+        if keys[0] == "prompt_token_ids" and not _is_list(p):
+            raise DsakvError(
+                f"'prompt_token_ids' must be a list of ints, got {reprlib.repr(p)}", "prompts"
+            )
+    if isinstance(p, str):
+        return p
+    if not _is_list(p):
+        raise DsakvError(f"a prompt is {PROMPT_KINDS}, got {reprlib.repr(p)}", "prompts")
+    bad = [t for t in p if not is_int(t)]
+    if bad:
+        raise DsakvError(f"token ids must be ints, got {reprlib.repr(bad[0])}", "prompts")
+    return list(p)
+
+
+def _as_params_list(params: object, n: int) -> list[SamplingParams]:
+    """`params` for each of `n` prompts: None (the defaults), one `SamplingParams` for
+    all, or a list of one per prompt (vLLM's rules)."""
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if not _is_list(params) or not all(isinstance(p, SamplingParams) for p in params):
+        hint = " (for a dict of settings: SamplingParams(**settings))"
+        raise DsakvError(
+            "params must be a SamplingParams or a list of them, one per prompt, got "
+            f"{reprlib.repr(params)}{hint if isinstance(params, Mapping) else ''}",
+            "params",
+        )
+    if len(params) != n:
+        raise DsakvError(
+            f"{n} prompts but {len(params)} sampling params: give one for all or one per prompt",
+            "params",
+        )
+    return list(params)

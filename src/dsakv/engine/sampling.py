@@ -5,7 +5,7 @@ the batch, on how earlier tokens were drawn (MTP verification) or on which serve
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,10 +48,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # teacher-forced top-n over the prompt (None = off)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        object.__setattr__(self, "stop", _as_tuple(stop, "stop", "a string or a list of strings"))
+        object.__setattr__(
+            self,
+            "stop_token_ids",
+            _as_tuple(self.stop_token_ids, "stop_token_ids", "a list of token ids"),
+        )
         if isinstance(self.grammar, list):
             object.__setattr__(self, "grammar", tuple(self.grammar))
         bias = self.logit_bias
@@ -61,11 +64,12 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias or ())))
         except (TypeError, ValueError):
             raise DsakvError(
-                "invalid sampling params: logit_bias must map token ids to biases", "logit_bias"
+                "invalid sampling params: logit_bias must map int token ids to biases",
+                "logit_bias",
             ) from None
         checks = [
             (
-                _is_int(self.max_tokens)
+                is_int(self.max_tokens)
                 and (
                     self.max_tokens >= 1
                     or self.max_tokens == 0
@@ -79,19 +83,19 @@ class SamplingParams:
             ),
             (is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (
-                _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+                is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
                 "top_k must be -1 or >= 1",
             ),
             (is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.seed is None or _is_int(self.seed), "seed must be an integer"),
+            (self.seed is None or is_int(self.seed), "seed must be an integer"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (
-                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids must be token ids",
             ),
             (
-                _is_int(self.min_tokens)
-                and _is_int(self.max_tokens)
+                is_int(self.min_tokens)
+                and is_int(self.max_tokens)
                 and 0 <= self.min_tokens <= self.max_tokens,
                 "min_tokens must be an integer in 0..max_tokens",
             ),
@@ -108,10 +112,11 @@ class SamplingParams:
                 "repetition_penalty must be in [0.01, 100]",
             ),
             (
-                all(
-                    _is_int(t) and t >= 0 and is_number(b) and -100 <= b <= 100
-                    for t, b in self.logit_bias
-                ),
+                all(is_int(t) and t >= 0 for t, _ in self.logit_bias),
+                "logit_bias keys must be int token ids >= 0",
+            ),
+            (
+                all(is_number(b) and -100 <= b <= 100 for _, b in self.logit_bias),
                 "logit_bias must map token ids to biases in [-100, 100]",
             ),
             (
@@ -119,12 +124,12 @@ class SamplingParams:
                 "logit_bias names a token id twice",
             ),
             (
-                self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+                self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                 "logprobs must be in 0..20",
             ),
             (
                 self.prompt_logprobs is None
-                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+                or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                 "prompt_logprobs must be in 0..20",
             ),
             (
@@ -136,6 +141,13 @@ class SamplingParams:
                     and isinstance(self.grammar[1], str)
                 ),
                 f"grammar must be (kind, spec) with kind one of {', '.join(GRAMMAR_KINDS)}",
+            ),
+            *(
+                (
+                    isinstance(getattr(self, name), bool),
+                    f"{name} must be True or False, got {getattr(self, name)!r}",
+                )
+                for name in BOOL_FIELDS
             ),
         ]
         for ok, message in checks:  # each message starts with the field it is about
@@ -157,8 +169,24 @@ class SamplingParams:
         )
 
 
-def _is_int(x: object) -> bool:
+# Checked to be bools: a truthy string such as "no" would otherwise switch one on.
+BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+def is_int(x: object) -> bool:
+    """An int, not a bool (a token id or count; True is not 1 here)."""
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _as_tuple(value: object, name: str, what: str) -> tuple:
+    """`value` (None, or a list of items `SamplingParams` checks next) as a tuple, or a
+    `DsakvError` naming the field: `tuple(5)` raised a bare TypeError, and a string or
+    dict would be taken apart into characters or keys."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise DsakvError(f"invalid sampling params: {name} must be {what}, got {value!r}", name)
+    return tuple(value)
 
 
 def is_number(x: object) -> bool:
