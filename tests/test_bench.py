@@ -6,6 +6,7 @@ Correctness only: no timing is asserted (the machine is shared; figures are repo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -269,6 +270,7 @@ def _bad_bench_args(tiny, no_mtp, tmp):
         (["--lengths", "64"], "does not take --lengths"),
         (["--repeats", "2"], "does not take --repeats"),
         (["--hisparse-config", "{}"], "does not take --hisparse-config"),
+        (["--enable-deterministic-inference", "--full"], "its section: it does not take --full"),
         (["--hicache-storage-backend", "file"], "runs with --full"),
         (["--json", str(tmp)], "is a directory"),
         (["--sparse-vs-dense", "--json", str(tmp)], "is a directory"),
@@ -296,3 +298,27 @@ def test_bad_bench_flags_are_refused_before_any_work(tiny, no_mtp, tmp_path, cap
     for args in (["--compile-only", "--stages", "bogus"], ["--prepare", "x", "--bench"]):
         assert main(["device-check", *args]) == 2, args
         assert "does not take" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="/proc: a folder that takes no files")
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """Permission bits said yes to root (and to any user on a read-only mount): the bench
+    ran for minutes, then lost its figures to a traceback. The folder is now tried."""
+    import dsakv.bench
+    from dsakv.cli import _check_output_file, main
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the bench ran before its output was refused")
+
+    monkeypatch.setattr(dsakv.bench, "run_bench", ran)
+    for args, message in (
+        (["--json", "/proc/dsakv_x/bench.json"], "cannot create it under /proc"),
+        (["--plot", "/proc/dsakv_x"], "cannot create files under /proc"),
+    ):
+        assert main(["bench", *args]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], (args, err)
+    kept = tmp_path / "earlier.json"  # an existing file is tried without truncating it
+    kept.write_text("{}")
+    _check_output_file("--json", str(kept))
+    assert kept.read_text() == "{}" and sorted(tmp_path.iterdir()) == [kept]

@@ -267,6 +267,17 @@ def test_write_config_under_a_file_is_refused_up_front(model_dir, tmp_path, caps
     assert (tmp_path / "afile").read_text() == "mine"
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="/proc: a folder that takes no files")
+def test_outputs_nothing_can_be_created_in_are_refused_up_front(model_dir, capsys, no_search):
+    """Permission bits say yes to root and to a read-only mount: the folder is now tried."""
+    for flag, where, message in (
+        ("--write-config", "/proc/dsakv_cal", "cannot create it under /proc"),
+        ("--plot", "/proc/dsakv_kl.png", "cannot write /proc/dsakv_kl.png"),
+    ):
+        assert main(["calibrate-pattern", str(model_dir), flag, where]) == 2
+        assert message in _one_error(capsys)
+
+
 def test_write_config_inside_the_model_is_refused(model_dir, capsys, no_search):
     """Its links would include DIR itself (DIR/cal -> DIR), and the model would change."""
     assert (

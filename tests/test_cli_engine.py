@@ -1,6 +1,7 @@
 """`dsakv init-tiny` and `dsakv generate` end to end, and their bad-input handling."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -143,3 +144,73 @@ def test_servers_refuse_bad_addresses_before_loading(tiny_dir):
             assert proc.returncode == 2 and len(lines) == 1, (args, proc.stderr[-2000:])
             assert lines[0].startswith("error:") and message in lines[0], (args, lines)
 
+
+def _run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dsakv.cli", *args], capture_output=True, text=True, env=env
+    )
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: ") and "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_model_dirs_that_cannot_be_written_are_one_error_line(tmp_path):
+    """A path under a regular file, a folder nothing can be created in (/proc, whatever the
+    permission bits say to root), a $DSAKV_CACHE that is a file: each was a traceback."""
+    afile = tmp_path / "afile.txt"
+    afile.write_text("mine")
+    err = _one_error_line(_run_cli("init-tiny", str(afile / "sub"), "--mtp", "none"))
+    assert f"{afile} is not a directory" in err
+    if os.path.isdir("/proc"):
+        err = _one_error_line(_run_cli("init-tiny", "/proc/dsakv_x", "--mtp", "none"))
+        assert "/proc refuses new files" in err
+    env = {**os.environ, "DSAKV_CACHE": str(afile)}
+    err = _one_error_line(_run_cli("generate", "glm-tiny", "--prompt", "hi", env=env))
+    assert "tiny-model cache" in err and f"{afile} is not a directory" in err
+    assert afile.read_text() == "mine"
+
+
+def test_a_file_for_the_model_names_its_folder(tiny_dir):
+    err = _one_error_line(_run_cli("generate", str(tiny_dir / "config.json"), "--prompt", "x"))
+    assert "is a file, not a model directory" in err and f"give its folder, {tiny_dir}" in err
+
+
+def test_generate_on_a_model_without_tokenizer_says_so(tiny_dir, tmp_path, capsys):
+    """The engine's own message offers token ids, which `generate` has no flag for."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).symlink_to(tiny_dir / name)
+    assert main(["generate", str(bare), "--prompt", "x", "--num-pages", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no tokenizer, so generate cannot encode text" in err[0], err
+    assert "LLM.generate, takes token ids" in err[0]
+
+
+@pytest.mark.parametrize(
+    "extra, both",
+    [
+        (["--speculative-num-steps", "2"], ("--speculative-num-steps", "--speculative-algorithm")),
+        (
+            ["--hicache-write-policy", "write_back"],
+            ("--hicache-write-policy", "--hicache-storage-backend"),
+        ),
+        (
+            ["--hicache-storage-prefetch-timeout", "1"],
+            ("--hicache-storage-prefetch-timeout", "--hicache-storage-backend"),
+        ),
+        (["--kv-budget-gib", "1", "--num-pages", "8"], ("--num-pages", "--kv-budget-gib")),
+    ],
+)
+def test_flags_that_would_be_ignored_are_refused(tiny_dir, extra, both, capsys):
+    """Each was dropped (or, for the pool size, overridden) without a word."""
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(["generate", str(tiny_dir), "--prompt", "x", *extra]))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert all(flag in err[0] for flag in both), err

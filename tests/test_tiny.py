@@ -90,3 +90,18 @@ def test_default_model_dir_generates_once(tmp_path, monkeypatch):
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model_dir("glm-tiny", weights="fp32") == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_unwritable_model_folders_are_one_error(tmp_path, monkeypatch):
+    """A DsakvError (one CLI line) before seconds of generation, not an OSError traceback
+    from the first write: a folder under a file, a $DSAKV_CACHE that is a file."""
+    from dsakv.errors import DsakvError
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(DsakvError, match=f"{afile} is not a directory"):
+        write_tiny_model(afile / "sub", "glm-tiny", mtp="none")
+    monkeypatch.setenv("DSAKV_CACHE", str(afile))
+    with pytest.raises(DsakvError, match=r"tiny-model cache .*afile is not a directory"):
+        default_model_dir("glm-tiny", weights="fp32")
+    assert afile.read_text() == "mine"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -16,6 +15,7 @@ from typing import Any, NoReturn
 from dsakv.config.layer_plan import plan_overrides
 from dsakv.disagg import cli as disagg_cli
 from dsakv.errors import DsakvError
+from dsakv.writable import can_append, write_blocker
 
 
 class _Parser(argparse.ArgumentParser):
@@ -329,8 +329,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Every `EngineConfig` field as a flag (defaults live in `EngineConfig`)."""
     add_layout_args(p)
     g = p.add_argument_group("engine")
-    g.add_argument("--kv-budget-gib", type=_positive_float, help="device KV pool size (default 1)")
-    g.add_argument("--num-pages", type=_positive_int, help="device KV pool size in pages")
+    size = g.add_mutually_exclusive_group()  # one pool size: neither silently wins
+    size.add_argument(
+        "--kv-budget-gib", type=_positive_float, help="device KV pool size (default 1)"
+    )
+    size.add_argument("--num-pages", type=_positive_int, help="device KV pool size in pages")
     g.add_argument(
         "--host-pool-gib", type=_nonnegative_float, help="host (CPU) KV tier size; 0 = off"
     )
@@ -432,12 +435,23 @@ _STORAGE_FIELDS = (
     "hicache_write_policy",
     "hicache_storage_prefetch_timeout",
 )
+# Flags that act only beside another. `EngineConfig` cannot refuse them alone: their fields
+# have defaults, so a given value looks like no value there; here, not given is None.
+_NEEDS = {
+    "speculative_num_steps": "speculative_algorithm",
+    "hicache_write_policy": "hicache_storage_backend",
+    "hicache_storage_prefetch_timeout": "hicache_storage_backend",
+}
 
 
 def engine_config_from_args(args: argparse.Namespace):
     from dsakv.engine import EngineConfig
     from dsakv.models.tiny import resolve_model_dir
 
+    for name, needed in _NEEDS.items():
+        if getattr(args, name, None) is not None and getattr(args, needed, None) is None:
+            flag, other = ("--" + n.replace("_", "-") for n in (name, needed))
+            raise DsakvError(f"{flag} needs {other}")
     kw: dict[str, Any] = dict(plan_overrides(args))
     for name in (
         "kv_cache_dtype",
@@ -518,7 +532,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
     )
-    with LLM(engine_config_from_args(args)) as llm:
+    config = engine_config_from_args(args)
+    with LLM(config) as llm:
+        if llm.tokenizer is None:  # the engine's own message offers token ids: not a flag here
+            raise DsakvError(
+                f"{config.model} has no tokenizer, so generate cannot encode text "
+                "(the Python API, LLM.generate, takes token ids)"
+            )
         outputs = llm.generate(args.prompt, params)
     if args.json:
         rows = [
@@ -680,15 +700,19 @@ def _check_bench_flags(args: argparse.Namespace) -> str | None:
     takes = _BENCH_MODES[mode][1] if mode else _MAIN_JOB
     stray = _stray_flags(args, _BENCH_FLAGS, takes)
     if stray:
-        what = f"{_BENCH_MODES[mode][0]} runs only its section" if mode else "the main job"
+        what = f"{_BENCH_MODES[mode][0]} runs only its section: it" if mode else "the main job"
         hint = " (engine settings go in --engine-arg KEY=VALUE)" if mode == "serving" else ""
         raise DsakvError(f"{what} does not take {', '.join(stray)}{hint}")
     if mode is None and not args.full and args.hicache_storage_backend:
         raise DsakvError("the L3 section runs with --full: add it, or drop --hicache-*")
     _check_output_file("--json", args.json)
     for flag, where in (("--plot", args.plot), ("--hicache-storage-dir", args.hicache_storage_dir)):
-        if where is not None and Path(where).exists() and not Path(where).is_dir():
+        if where is None:
+            continue
+        if Path(where).exists() and not Path(where).is_dir():
             raise DsakvError(f"{flag} {where} exists and is not a directory")
+        if (blocker := write_blocker(Path(where))) is not None:
+            raise DsakvError(f"{flag} {where}: cannot create files under {blocker}")
     return mode
 
 
@@ -704,19 +728,18 @@ def _stray_flags(
 
 
 def _check_output_file(flag: str, path: str | None) -> None:
-    """`path` can be written as a file: not a directory, its folder creatable and writable."""
+    """`path` can be written as a file: not a directory, its folder creatable and writable
+    (tried, see `dsakv.writable`)."""
     if path is None:
         return
     p = Path(path)
     if p.is_dir():
         raise DsakvError(f"{flag} {path} is a directory; give a file")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise DsakvError(f"{flag} {path} cannot be written")
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise DsakvError(f"{flag} {path}: cannot create it under {parent}")
+    if p.exists():
+        if not can_append(p):
+            raise DsakvError(f"{flag} {path} cannot be written")
+    elif (blocker := write_blocker(p.parent)) is not None:
+        raise DsakvError(f"{flag} {path}: cannot create it under {blocker}")
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from dsakv.config import LayerPlan
 from dsakv.errors import DsakvError
+from dsakv.writable import can_append, can_create_in, write_blocker
 
 from .search import CalibrationResult
 
@@ -46,16 +46,14 @@ def check_config_dir(model_dir: str | Path, out_dir: str | Path) -> tuple[Path, 
         ]
         if other:
             raise DsakvError(f"--write-config {out_dir} is not empty (holds {other[0]})")
-        if not os.access(out, os.W_OK | os.X_OK):
+        if not can_create_in(out):
             raise DsakvError(f"--write-config {out_dir} cannot be written")
         return src, out
-    parent = out.absolute().parent
-    while not parent.exists() and not parent.is_symlink():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise DsakvError(f"--write-config {out_dir}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise DsakvError(f"--write-config {out_dir}: cannot create it under {parent}")
+    blocker = write_blocker(out.absolute().parent)
+    if blocker is not None and not blocker.is_dir():
+        raise DsakvError(f"--write-config {out_dir}: {blocker} is not a directory")
+    if blocker is not None:
+        raise DsakvError(f"--write-config {out_dir}: cannot create it under {blocker}")
     return src, out
 
 
@@ -150,7 +148,7 @@ def check_plot_path(path: str | Path) -> Path:
     parent = out.absolute().parent
     if not parent.is_dir():
         raise DsakvError(f"--plot {path}: no such directory")
-    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+    if not (can_append(out) if out.exists() else can_create_in(parent)):
         raise DsakvError(f"--plot {path}: cannot write {out}")
     return out
 

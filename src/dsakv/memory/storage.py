@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from dsakv.errors import DsakvError
+from dsakv.writable import can_create_in
 
 from .layout import CacheLayout
 
@@ -248,7 +249,7 @@ class FileStorage(StorageBackend):
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise DsakvError(f"--hicache-storage-dir {root}: {e.strerror or e}") from None
-        if not os.access(self.root, os.W_OK):
+        if not can_create_in(self.root):
             raise DsakvError(f"--hicache-storage-dir {root}: not writable")
         self.max_bytes = max_bytes
         self.evicted = 0

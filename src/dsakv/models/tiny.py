@@ -219,6 +219,7 @@ def write_tiny_model(
 
         raise DsakvError(f"mtp must be one of {', '.join(MTP_MODES)}, got {mtp!r}")
     path = Path(path)
+    _refuse_unwritable(path, f"cannot write a model into {path}")
     path.mkdir(parents=True, exist_ok=True)
     config = hf_config(preset)
     config.num_nextn_predict_layers = 0 if mtp == "none" else 1
@@ -230,6 +231,18 @@ def write_tiny_model(
     if weights == "fp8":
         quantize_fp8_blocks(path)
     return path
+
+
+def _refuse_unwritable(folder: Path, what: str) -> None:
+    """One error line now, where `folder` cannot take the model's files, not an OSError
+    traceback from the first write."""
+    from dsakv.errors import DsakvError
+    from dsakv.writable import write_blocker
+
+    blocker = write_blocker(folder)
+    if blocker is not None:
+        why = "is not a directory" if not blocker.is_dir() else "refuses new files"
+        raise DsakvError(f"{what}: {blocker} {why}")
 
 
 def quantize_fp8_blocks(path: str | Path, block: int = 128) -> int:
@@ -306,6 +319,8 @@ def default_model_dir(preset: str = "glm-bench", seed: int = 0, weights: str | N
     path = root / name
     done = path / ".complete"
     if not done.is_file():
+        where = f"the tiny-model cache {root} ($DSAKV_CACHE, else ~/.cache/dsakv)"
+        _refuse_unwritable(root, f"cannot write {where}")
         tmp = root / f".{name}.tmp{os.getpid()}"
         mtp = "fit" if weights is None else "none"
         if weights is None:
@@ -330,6 +345,10 @@ def resolve_model_dir(model: str | None, default: str = "glm-bench") -> str:
 
     if model is None or model in TINY_PRESETS:
         return str(default_model_dir(model or default))
+    if Path(model).is_file():  # e.g. DIR/config.json: the model is the folder
+        folder = Path(model).absolute().parent
+        hint = f"; give its folder, {folder}" if (folder / "config.json").is_file() else ""
+        raise DsakvError(f"{model} is a file, not a model directory{hint}")
     if not (Path(model) / "config.json").is_file():
         raise DsakvError(f"{model} is not a model directory (no config.json) nor a tiny preset")
     return str(model)
