@@ -14,6 +14,7 @@ SRC = Path(dsakv.__file__).parent
 # `calibrate`) sit on top of everything.
 ORDER = [
     "errors",
+    "writable",
     "config",
     "memory",
     "kernels",
