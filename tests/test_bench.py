@@ -6,6 +6,7 @@ Correctness only: no timing is asserted (the machine is shared; figures are repo
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,6 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path, ca
     kept.write_text("{}")
     _check_output_file("--json", str(kept))
     assert kept.read_text() == "{}" and sorted(tmp_path.iterdir()) == [kept]
+    fifo = tmp_path / "out.fifo"  # `dsakv bench --json f & cat f`: its reader comes later
+    os.mkfifo(fifo)
+    _check_output_file("--json", str(fifo))

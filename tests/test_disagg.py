@@ -202,6 +202,76 @@ def test_bench_pd_section_reports_both_layouts_side_by_side():
     assert "55,224 vs 47,700 B/token" in lines[0] and len(lines) == 4
 
 
+def _slowed(fn):
+    """`fn` behind a long engine step: a call queued meanwhile waits for it."""
+    return lambda *a: (time.sleep(0.6), fn(*a))[1]
+
+
+def _cancel_while_queued(bridge, target) -> tuple[int, int]:
+    """Cancel a bridge's `generate_n` while its (slowed) engine-thread call is queued, as
+    the server does when the client leaves; the pool's free pages before and after."""
+    from dsakv.disagg import handoff
+
+    async def run() -> tuple[int, int]:
+        free = lambda e: e.scheduler._available_pages()  # noqa: E731
+        before = await bridge.call(free)
+        handoff._current.set(handoff._Targets([target]))
+        submit = asyncio.ensure_future(
+            bridge.generate_n(list(range(1, 40)), SamplingParams(max_tokens=4), 1)
+        )
+        await asyncio.sleep(0.2)
+        submit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+        await asyncio.sleep(1.5)  # the call has run, and then what undoes it
+        return before, await bridge.call(free)
+
+    try:
+        return asyncio.run(run())
+    finally:
+        bridge.shutdown()
+
+
+def test_a_cancelled_handoff_gives_its_pages_back(tmp_path, monkeypatch):
+    """A decode server reserves pages on its engine thread; a prefill server adds and holds
+    the request there. A client that leaves cancels the handler while that call is queued:
+    the call still runs, and nothing gave back what it took (pages lost for good)."""
+    from dsakv.disagg.config import DisaggConfig
+    from dsakv.disagg.handoff import BootstrapTarget
+    from dsakv.disagg.serving import DecodeAsyncEngine, PrefillAsyncEngine
+    from dsakv.engine import Engine, EngineConfig
+    from dsakv.engine import disagg as engine_ops
+
+    model = str(write_tiny_model(tmp_path / "m", "glm-tiny"))
+    config = EngineConfig(model, device="cpu", num_pages=32, page_size=16,
+                          kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
+    decode = DecodeAsyncEngine(Engine(config), DisaggConfig("decode"), "127.0.0.1")
+    monkeypatch.setattr(engine_ops, "reserve", _slowed(engine_ops.reserve))
+    before, after = _cancel_while_queued(decode, BootstrapTarget(7, "127.0.0.1", free_port()))
+    assert after == before
+
+    port = free_port()
+    prefill = PrefillAsyncEngine(
+        Engine(config), DisaggConfig("prefill", bootstrap_port=port), "127.0.0.1"
+    )
+    failed = []
+
+    class Registration:  # what `claim` returns once a decode server registered the room
+        room, prompt_ids = 7, list(range(1, 40))
+
+        def fail(self, message, status=502):
+            failed.append(message)
+
+    async def claim(room, timeout=None):
+        return Registration()
+
+    prefill.bootstrap.claim = claim
+    prefill._add_held = _slowed(prefill._add_held)
+    before, after = _cancel_while_queued(prefill, BootstrapTarget(7, None, port))
+    assert after == before and failed == ["the prefill server's client hung up"]
+    assert prefill.stats.snapshot()["failures"] == 0
+
+
 # --- servers ------------------------------------------------------------------------------------
 
 

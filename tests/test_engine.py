@@ -338,6 +338,22 @@ def test_engine_args_of_the_wrong_type_or_range(tiny, kw):
         EngineConfig(model=tiny, **kw)
 
 
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(num_pages=8, kv_budget_gib=0.5), "--kv-budget-gib and --num-pages"),
+        (dict(speculative_num_steps=2), "--speculative-num-steps needs"),
+        (dict(hicache_write_policy="write_back"), "--hicache-write-policy needs"),
+        (dict(hicache_storage_prefetch_timeout=1.0), "--hicache-storage-prefetch-timeout needs"),
+    ],
+)
+def test_settings_that_act_only_beside_another_are_refused_alone(tiny, kw, message):
+    """num_pages silently won over kv_budget_gib, and the others did nothing; refused in the
+    config, so `LLM(...)` and `bench --serving --engine-arg` refuse them as the flags do."""
+    with pytest.raises(DsakvError, match=message):
+        EngineConfig(model=tiny, **kw).storage  # noqa: B018 - the L3 settings' check
+
+
 def test_every_bool_engine_arg_must_be_a_bool(tiny):
     """A truthy string such as "no" used to switch the feature on."""
     names = [f.name for f in fields(EngineConfig) if f.type in ("bool", "bool | None")]

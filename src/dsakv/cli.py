@@ -329,11 +329,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Every `EngineConfig` field as a flag (defaults live in `EngineConfig`)."""
     add_layout_args(p)
     g = p.add_argument_group("engine")
-    size = g.add_mutually_exclusive_group()  # one pool size: neither silently wins
-    size.add_argument(
-        "--kv-budget-gib", type=_positive_float, help="device KV pool size (default 1)"
-    )
-    size.add_argument("--num-pages", type=_positive_int, help="device KV pool size in pages")
+    g.add_argument("--kv-budget-gib", type=_positive_float, help="device KV pool size (default 1)")
+    g.add_argument("--num-pages", type=_positive_int, help="device KV pool size in pages")
     g.add_argument(
         "--host-pool-gib", type=_nonnegative_float, help="host (CPU) KV tier size; 0 = off"
     )
@@ -435,23 +432,12 @@ _STORAGE_FIELDS = (
     "hicache_write_policy",
     "hicache_storage_prefetch_timeout",
 )
-# Flags that act only beside another. `EngineConfig` cannot refuse them alone: their fields
-# have defaults, so a given value looks like no value there; here, not given is None.
-_NEEDS = {
-    "speculative_num_steps": "speculative_algorithm",
-    "hicache_write_policy": "hicache_storage_backend",
-    "hicache_storage_prefetch_timeout": "hicache_storage_backend",
-}
 
 
 def engine_config_from_args(args: argparse.Namespace):
     from dsakv.engine import EngineConfig
     from dsakv.models.tiny import resolve_model_dir
 
-    for name, needed in _NEEDS.items():
-        if getattr(args, name, None) is not None and getattr(args, needed, None) is None:
-            flag, other = ("--" + n.replace("_", "-") for n in (name, needed))
-            raise DsakvError(f"{flag} needs {other}")
     kw: dict[str, Any] = dict(plan_overrides(args))
     for name in (
         "kv_cache_dtype",

@@ -6,6 +6,7 @@ a pseudo-filesystem such as /proc refuses writes whatever the bits say."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -30,11 +31,11 @@ def can_create_in(folder: Path) -> bool:
 
 def can_append(file: Path) -> bool:
     """The existing `file` opens for writing, without truncating it (append) and without
-    waiting on a FIFO that nobody reads (non-blocking)."""
+    waiting on a FIFO that nobody reads yet (non-blocking: ENXIO, writable once one does)."""
     try:
         os.close(os.open(file, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
-    except OSError:
-        return False
+    except OSError as e:
+        return e.errno == errno.ENXIO
     return True
 
 

@@ -187,7 +187,10 @@ class PrefillAsyncEngine(_DisaggEngine):
                 )
             one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
             add = functools.partial(self._add_held, ids, one, shadow, public)
-            req = await self.call(add)
+            req = await self.call(add, undo=functools.partial(self._drop_held, shadow))
+        except asyncio.CancelledError:  # the client (the router) left: not a failure here
+            reg.fail("the prefill server's client hung up")
+            raise
         except BaseException as e:
             reg.fail(getattr(e, "message", None) or f"prefill server: {e}")
             self.stats.fail()
@@ -212,6 +215,14 @@ class PrefillAsyncEngine(_DisaggEngine):
             s.rid, s.request, s.prompt_tokens = req.rid, req, len(ids)
         self._streams[req.rid] = shadow
         return req
+
+    def _drop_held(self, shadow: RequestStream, engine: Engine, req: Request) -> None:
+        """Engine thread: undo `_add_held` for a handler cancelled meanwhile (nothing will
+        ship the pages): abort the request, or free its pages if it has finished."""
+        if req.finished:
+            ops.release_held(engine, req)
+        else:
+            self._abort(shadow, "abort")
 
     def _abort(self, stream: RequestStream, reason: str) -> None:
         """An abort of the handler's stream also ends `_ship`'s wait on the engine's."""
@@ -332,7 +343,8 @@ class DecodeAsyncEngine(_DisaggEngine):
             self.pending -= 1
         self.stats.add(int(reply["bytes"]), int(reply["tokens"]), float(reply["seconds"]))
         stream = RequestStream(asyncio.get_running_loop())
-        await self.call(functools.partial(self._start, req, reply, stream))
+        start = functools.partial(self._start, req, reply, stream)
+        await self.call(start, undo=lambda e, _: self._abort(stream, "abort"))
         return [stream]
 
     async def _reserve(self, ids: list[int], params: SamplingParams) -> Request:
@@ -341,7 +353,10 @@ class DecodeAsyncEngine(_DisaggEngine):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.timeout_s
         while True:
-            req = await self.call(lambda e: ops.reserve(e, ids, params))
+            req = await self.call(
+                lambda e: ops.reserve(e, ids, params),
+                undo=lambda e, r: r is not None and ops.drop(e, r),
+            )
             if req is not None:
                 return req
             if loop.time() > deadline:

@@ -40,6 +40,7 @@ from .speculative import MTPDrafter, verify
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
+DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLang's default)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class EngineConfig:
     seed: int = 0
     # MTP speculative decoding (SGLang's names): "mtp" or None, and drafts per step.
     speculative_algorithm: str | None = None
-    speculative_num_steps: int = 3
+    speculative_num_steps: int | None = None  # (None: DRAFT_STEPS)
     # Parallelism (SGLang's flag names): see `dsakv.distributed.ParallelConfig`.
     tp: int = 1
     ep: int = 1
@@ -92,8 +93,8 @@ class EngineConfig:
     hicache_storage_max_gib: float | None = None
     hicache_mooncake_master: str | None = None  # HOST:PORT of mooncake_master
     hicache_mooncake_start_master: bool = False
-    hicache_write_policy: str = "write_through"
-    hicache_storage_prefetch_timeout: float = 2.0
+    hicache_write_policy: str | None = None  # (None: StorageConfig's defaults)
+    hicache_storage_prefetch_timeout: float | None = None
     # HiSparse (SGLang's names): latent on the host, per-request hot buffers on the device.
     enable_hisparse: bool = False
     hisparse_config: str | dict | None = None  # JSON object: see `HiSparseConfig`
@@ -139,8 +140,13 @@ class EngineConfig:
                 f"speculative_algorithm must be 'mtp' or None, got {self.speculative_algorithm!r}"
             )
         n = self.speculative_num_steps
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16):
             raise DsakvError(f"speculative_num_steps must be in 1..16, got {n!r}")
+        # Settings that act only beside another are refused alone, not silently ignored.
+        if n is not None and self.speculative_algorithm is None:
+            raise DsakvError("--speculative-num-steps needs --speculative-algorithm")
+        if self.kv_budget_gib is not None and self.num_pages is not None:
+            raise DsakvError("--kv-budget-gib and --num-pages both size the KV pool: give one")
         self.parallel  # noqa: B018 - validates the parallel flags
         self._check_hisparse()
         if self.enable_deterministic_inference:
@@ -186,23 +192,27 @@ class EngineConfig:
         """The L3 storage tier's settings, or None when it is off."""
         if self.hicache_storage_backend is None:
             for flag, value in (
-                ("dir", self.hicache_storage_dir),
-                ("max-gib", self.hicache_storage_max_gib),
+                ("storage-dir", self.hicache_storage_dir),
+                ("storage-max-gib", self.hicache_storage_max_gib),
                 ("mooncake-master", self.hicache_mooncake_master),
                 ("mooncake-start-master", self.hicache_mooncake_start_master),
+                ("write-policy", self.hicache_write_policy),
+                ("storage-prefetch-timeout", self.hicache_storage_prefetch_timeout),
             ):
-                if value:
-                    name = flag if flag.startswith("mooncake") else f"storage-{flag}"
-                    raise DsakvError(f"--hicache-{name} needs --hicache-storage-backend")
+                if value is not None and value is not False:
+                    raise DsakvError(f"--hicache-{flag} needs --hicache-storage-backend")
             return None
+        given = {
+            "write_policy": self.hicache_write_policy,
+            "prefetch_timeout_s": self.hicache_storage_prefetch_timeout,
+        }
         return StorageConfig(
             self.hicache_storage_backend,
             self.hicache_storage_dir,
             self.hicache_storage_max_gib,
             self.hicache_mooncake_master,
             self.hicache_mooncake_start_master,
-            self.hicache_write_policy,
-            self.hicache_storage_prefetch_timeout,
+            **{k: v for k, v in given.items() if v is not None},
         )
 
     @classmethod
@@ -403,7 +413,7 @@ class Engine:
             self.drafter = MTPDrafter(
                 self.runner,
                 self.scheduler,
-                config.speculative_num_steps,
+                config.speculative_num_steps or DRAFT_STEPS,
                 self.max_model_len,
                 lockstep=self.parallel.config.dp_attention,
                 grammars=lambda: self.grammars,

@@ -70,7 +70,7 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
             p.start()
         for _, send in pipes.values():
             send.close()  # the child's end: EOF here once it has gone
-        _wait_started(procs, {r: recv for r, (recv, _) in pipes.items()})
+        _wait_started(procs, {r: recv for r, (recv, _) in pipes.items()}, pc.timeout_s)
     watchdog = Watchdog(procs, exit_on_rank_death or rank != 0)
     try:
         engine = _start_rank(config, rank, init)
@@ -109,14 +109,24 @@ def _start_rank(config: Any, rank: int, init: str) -> Any:
     return engine
 
 
-def _wait_started(procs: dict[int, Any], started: dict[int, Connection]) -> None:
-    """Until every spawned rank has started (`_rank_main` runs): one that dies first is an
-    error here. Rank 0 would otherwise wait for it in the group's rendezvous; under
-    `LLM(tp=2)` a script without a main guard kills every rank this way (spawn re-runs the
-    script's top level in the child, which may not start processes)."""
+def _wait_started(procs: dict[int, Any], started: dict[int, Connection], timeout: float) -> None:
+    """Until every spawned rank has started (`_rank_main` runs): one that dies first, or
+    is not there within `timeout` seconds, is an error here. Rank 0 would otherwise wait for
+    it in the group's rendezvous; under `LLM(tp=2)` a script without a main guard kills
+    every rank this way (spawn re-runs the script's top level in the child, which may not
+    start processes)."""
     waiting = dict(started)
+    deadline = time.monotonic() + timeout
     while waiting:
-        ready = wait(list(waiting.values()))
+        ready = wait(list(waiting.values()), max(0.0, deadline - time.monotonic()))
+        if not ready:
+            for p in procs.values():
+                p.kill()
+            raise DsakvError(
+                f"rank(s) {sorted(waiting)} did not start within {timeout:g} s (a script "
+                "that creates a multi-rank LLM runs again in each rank up to its "
+                '`if __name__ == "__main__":` guard)'
+            )
         for r, conn in list(waiting.items()):
             if conn not in ready:
                 continue

@@ -225,13 +225,17 @@ class AsyncEngine:
         """Cancel a request (client went away); idempotent, safe from any thread."""
         self._commands.put(("abort", stream))
 
-    async def call(self, fn: Callable[[Engine], Any]) -> Any:
-        """Run `fn(engine)` between steps on the engine thread and return its result."""
+    async def call(
+        self, fn: Callable[[Engine], Any], undo: Callable[[Engine, Any], Any] | None = None
+    ) -> Any:
+        """Run `fn(engine)` between steps on the engine thread and return its result.
+        `fn` runs even if the caller is cancelled meanwhile (a handler whose client left);
+        `undo(engine, result)` then runs after it there, to give back what it took."""
         if not self.alive:
             raise RuntimeError("the engine is not running")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._commands.put(("call", (fn, loop, fut)))
+        self._commands.put(("call", (fn, loop, fut, undo)))
         return await fut
 
     def abort_all(self) -> None:
@@ -325,14 +329,23 @@ class AsyncEngine:
         )
         stream.request = None
 
-    def _call(self, fn: Callable[[Engine], Any], loop: asyncio.AbstractEventLoop, fut) -> None:
+    def _call(
+        self,
+        fn: Callable[[Engine], Any],
+        loop: asyncio.AbstractEventLoop,
+        fut: asyncio.Future,
+        undo: Callable[[Engine, Any], Any] | None,
+    ) -> None:
         try:
             result, error = fn(self.engine), None
         except BaseException as e:
             result, error = None, e
 
         def done() -> None:
-            if fut.done():
+            if fut.done():  # the caller was cancelled: `fn` ran for nobody
+                if undo is not None and error is None:
+                    job = (lambda engine: undo(engine, result), loop, loop.create_future(), None)
+                    self._commands.put(("call", job))
                 return
             if error is None:
                 fut.set_result(result)
