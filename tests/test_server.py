@@ -4,6 +4,7 @@ official `openai` client, and an offline `LLM` on the same tiny model as the ref
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 from pathlib import Path
@@ -468,8 +469,20 @@ def test_disconnect_mid_stream_frees_pages(base, served):
     _check_integrity(served[1])
 
 
+def _statuses(base: str) -> dict[str, float]:
+    """/v1/completions answers by HTTP status, from /metrics."""
+    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT).text
+    return {
+        s.labels["status"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "dsakv_http_requests_total" and s.labels["endpoint"] == "/v1/completions"
+    }
+
+
 def test_disconnect_while_waiting_for_full_response(base, served):
-    before = _wait_idle(base)
+    """Aborted, and counted as the client's doing (499), not as a server error (503)."""
+    before, statuses = _wait_idle(base), _statuses(base)
     body = {
         "prompt": "Another long story:",
         "max_tokens": 900,
@@ -481,6 +494,23 @@ def test_disconnect_while_waiting_for_full_response(base, served):
     after = _wait_idle(base, aborted_at_least=before["dsakv_aborted_requests_total"] + 1)
     assert after["dsakv_generation_tokens_total"] - before["dsakv_generation_tokens_total"] < 900
     _check_integrity(served[1])
+    deadline = time.monotonic() + TIMEOUT
+    while (now := _statuses(base)).get("499", 0) == statuses.get("499", 0):
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+    assert now.get("503", 0) == statuses.get("503", 0)
+
+
+def test_refused_choices_leave_no_unread_errors(base, caplog):
+    """All n choices of a refused prompt are refused alike and the handler reads one: asyncio
+    logged each other one, with its traceback, as an exception never retrieved."""
+    body = {"prompt": "x", "max_tokens": 2, "n": 3, "regex": "a(b"}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "regex"
+    gc.collect()
+    time.sleep(0.2)
+    gc.collect()
+    assert "never retrieved" not in caplog.text
 
 
 def test_api_key(served):

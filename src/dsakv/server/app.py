@@ -658,12 +658,13 @@ class Handlers:
                     self.metrics.observe_request(u.ttft_s, u.latency_s)
                     break
         finally:
+            left = watcher.done() and not watcher.cancelled()
             watcher.cancel()
             self.engine.abort(stream)  # a no-op when it already finished
         if result.finish_reason == "abort":
-            raise APIError(
-                503, "request aborted (client gone or server shutting down)", type="server_error"
-            )
+            if left:  # nobody hears this answer; it is counted as the client's doing
+                raise APIError(499, "the client closed the request")
+            raise APIError(503, "request aborted (server shutting down)", type="server_error")
         return result
 
     def _stream_response(

@@ -126,6 +126,9 @@ class RequestStream:
 
     def __post_init__(self) -> None:
         self.accepted = self.loop.create_future()
+        # The choices of one call are refused alike and the caller reads one refusal: the
+        # others are read here, or asyncio logs each as an exception never retrieved.
+        self.accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def get(self) -> Update:
         return await self.queue.get()
