@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -207,12 +208,14 @@ def _slowed(fn):
     return lambda *a: (time.sleep(0.6), fn(*a))[1]
 
 
-def _cancel_while_queued(bridge, target) -> tuple[int, int]:
+def _cancel_while_queued(bridge, target, late: bool = False) -> tuple[int, int]:
     """Cancel a bridge's `generate_n` while its (slowed) engine-thread call is queued, as
-    the server does when the client leaves; the pool's free pages before and after."""
+    the server does when the client leaves; the pool's free pages before and after.
+    `late`: the cancel lands in the loop pass that delivers the call's result."""
     from dsakv.disagg import handoff
 
     async def run() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
         free = lambda e: e.scheduler._available_pages()  # noqa: E731
         before = await bridge.call(free)
         handoff._current.set(handoff._Targets([target]))
@@ -220,7 +223,12 @@ def _cancel_while_queued(bridge, target) -> tuple[int, int]:
             bridge.generate_n(list(range(1, 40)), SamplingParams(max_tokens=4), 1)
         )
         await asyncio.sleep(0.2)
-        submit.cancel()
+        if late:  # posted by the engine thread right behind the result; the loop is busy
+            cancel = lambda e: loop.call_soon_threadsafe(submit.cancel)  # noqa: E731
+            bridge._commands.put(("call", (cancel, loop, loop.create_future(), None)))
+            time.sleep(1.0)
+        else:
+            submit.cancel()
         with pytest.raises(asyncio.CancelledError):
             await submit
         await asyncio.sleep(1.5)  # the call has run, and then what undoes it
@@ -230,6 +238,21 @@ def _cancel_while_queued(bridge, target) -> tuple[int, int]:
         return asyncio.run(run())
     finally:
         bridge.shutdown()
+
+
+def test_a_client_gone_before_its_body_is_whole_is_quiet_at_the_router(caplog):
+    """The router read the body unguarded: an ASGI traceback per such client."""
+    app = build_router_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    with running(server) as base:
+        logging.getLogger("uvicorn.error").addHandler(caplog.handler)  # (it does not propagate)
+        with socket.create_connection(("127.0.0.1", server.config.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")  # fmt: skip
+        time.sleep(0.5)
+        assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
+        logging.getLogger("uvicorn.error").removeHandler(caplog.handler)
+    assert "Exception in ASGI application" not in caplog.text
 
 
 def test_a_cancelled_handoff_gives_its_pages_back(tmp_path, monkeypatch):
@@ -245,10 +268,12 @@ def test_a_cancelled_handoff_gives_its_pages_back(tmp_path, monkeypatch):
     model = str(write_tiny_model(tmp_path / "m", "glm-tiny"))
     config = EngineConfig(model, device="cpu", num_pages=32, page_size=16,
                           kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
-    decode = DecodeAsyncEngine(Engine(config), DisaggConfig("decode"), "127.0.0.1")
     monkeypatch.setattr(engine_ops, "reserve", _slowed(engine_ops.reserve))
-    before, after = _cancel_while_queued(decode, BootstrapTarget(7, "127.0.0.1", free_port()))
-    assert after == before
+    for late in (False, True):
+        decode = DecodeAsyncEngine(Engine(config), DisaggConfig("decode"), "127.0.0.1")
+        target = BootstrapTarget(7, "127.0.0.1", free_port())
+        before, after = _cancel_while_queued(decode, target, late)
+        assert after == before, late
 
     port = free_port()
     prefill = PrefillAsyncEngine(

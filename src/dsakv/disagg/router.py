@@ -22,6 +22,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from dsakv.errors import DsakvError
 
@@ -89,7 +90,10 @@ class Router:
 
     async def generate(self, path: str, request: Request) -> Response:
         self.requests += 1
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)  # gone before its request was whole
         try:
             body = json.loads(raw)
         except ValueError as e:

@@ -239,7 +239,17 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._commands.put(("call", (fn, loop, fut, undo)))
-        return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:  # after `fn` answered (else `_call` undoes it)
+            if undo is not None and fut.done() and not fut.cancelled() and not fut.exception():
+                self._undo(undo, fut.result(), loop)
+            raise
+
+    def _undo(self, undo: Callable[[Engine, Any], Any], result: Any, loop) -> None:
+        """Run `undo(engine, result)` on the engine thread for a cancelled `call`."""
+        job = (lambda engine: undo(engine, result), loop, loop.create_future(), None)
+        self._commands.put(("call", job))
 
     def abort_all(self) -> None:
         self._commands.put(("abort_all", None))
@@ -347,8 +357,7 @@ class AsyncEngine:
         def done() -> None:
             if fut.done():  # the caller was cancelled: `fn` ran for nobody
                 if undo is not None and error is None:
-                    job = (lambda engine: undo(engine, result), loop, loop.create_future(), None)
-                    self._commands.put(("call", job))
+                    self._undo(undo, result, loop)
                 return
             if error is None:
                 fut.set_result(result)
