@@ -241,7 +241,8 @@ def _cancel_while_queued(bridge, target, late: bool = False) -> tuple[int, int]:
 
 
 def test_a_client_gone_before_its_body_is_whole_is_quiet_at_the_router(caplog):
-    """The router read the body unguarded: an ASGI traceback per such client."""
+    """The router read the body unguarded: an ASGI traceback per such client. (And its 404s
+    are in OpenAI's error shape, as its servers' are.)"""
     app = build_router_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
     server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
     with running(server) as base:
@@ -252,6 +253,8 @@ def test_a_client_gone_before_its_body_is_whole_is_quiet_at_the_router(caplog):
         time.sleep(0.5)
         assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
         logging.getLogger("uvicorn.error").removeHandler(caplog.handler)
+        r = httpx.get(f"{base}/tokenize", timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found", r.text
     assert "Exception in ASGI application" not in caplog.text
 
 

@@ -22,6 +22,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsakv.errors import DsakvError
@@ -233,6 +234,12 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
     router = Router(prefill, decode)
     app = FastAPI(title="dsakv router", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> Response:
+        """404 and 405 in OpenAI's error shape, as the servers behind it answer them."""
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return _error(e.status_code, str(e.detail), kind)
 
     for path in _GENERATE:
 
