@@ -33,7 +33,7 @@ from .l3 import L3Cache, zero_counters
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .request import Request
-from .sampling import Sampler, SamplingParams, ban, is_number, penalize
+from .sampling import Sampler, SamplingParams, ban, is_int, is_number, penalize
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import MTPDrafter, verify
 
@@ -140,7 +140,7 @@ class EngineConfig:
                 f"speculative_algorithm must be 'mtp' or None, got {self.speculative_algorithm!r}"
             )
         n = self.speculative_num_steps
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16):
+        if n is not None and not (is_int(n) and 1 <= n <= 16):
             raise DsakvError(f"speculative_num_steps must be in 1..16, got {n!r}")
         # Settings that act only beside another are refused alone, not silently ignored.
         if n is not None and self.speculative_algorithm is None:

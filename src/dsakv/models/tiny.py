@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from dsakv.config.presets import SPECIAL_TOKENS, TINY_PRESETS
+from dsakv.errors import DsakvError
+from dsakv.writable import write_blocker
 
 # Chat templates in the real models' shapes (role markers are the tiny specials; every other
 # tag is plain text). Tools arrive as `tools=[{"type": "function", "function": {...}}]`;
@@ -210,13 +212,9 @@ def write_tiny_model(
     """
     if weights is not None:
         if weights not in WEIGHT_FORMATS:
-            from dsakv.errors import DsakvError
-
             raise DsakvError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
         dtype = torch.float32 if weights == "fp32" else torch.bfloat16
     if mtp not in MTP_MODES:
-        from dsakv.errors import DsakvError
-
         raise DsakvError(f"mtp must be one of {', '.join(MTP_MODES)}, got {mtp!r}")
     path = Path(path)
     _refuse_unwritable(path, f"cannot write a model into {path}")
@@ -236,9 +234,6 @@ def write_tiny_model(
 def _refuse_unwritable(folder: Path, what: str) -> None:
     """One error line now, where `folder` cannot take the model's files, not an OSError
     traceback from the first write."""
-    from dsakv.errors import DsakvError
-    from dsakv.writable import write_blocker
-
     blocker = write_blocker(folder)
     if blocker is not None:
         why = "is not a directory" if not blocker.is_dir() else "refuses new files"
@@ -309,8 +304,6 @@ def default_model_dir(preset: str = "glm-bench", seed: int = 0, weights: str | N
     `weights`: None, as the preset is released (16-bit for the bench presets, with a fitted
     MTP layer), or one of `WEIGHT_FORMATS` (no MTP layer: written in seconds)."""
     if preset not in TINY_PRESETS:
-        from dsakv.errors import DsakvError
-
         raise DsakvError(f"unknown tiny preset {preset!r} (choose from {', '.join(TINY_PRESETS)})")
     root = Path(os.environ.get("DSAKV_CACHE") or Path.home() / ".cache" / "dsakv")
     # "-mtp2": caches from before the MTP layer was fitted on prompts of several lengths
@@ -341,8 +334,6 @@ def default_model_dir(preset: str = "glm-bench", seed: int = 0, weights: str | N
 def resolve_model_dir(model: str | None, default: str = "glm-bench") -> str:
     """What a `MODEL` argument names: a model directory, a tiny preset (generated on first
     use), or, when omitted, the embedded default preset."""
-    from dsakv.errors import DsakvError
-
     if model is None or model in TINY_PRESETS:
         return str(default_model_dir(model or default))
     if Path(model).is_file():  # e.g. DIR/config.json: the model is the folder
