@@ -264,6 +264,15 @@ def test_bad_requests_and_engine_args(tiny):
         llm.engine.add_request([], GREEDY)
     with pytest.raises(DsakvError, match="vocabulary"):
         llm.engine.add_request([10**6], GREEDY)
+    # the engine checks ids itself (int() took bytes as ids, True as 1, 2.7 as 2)
+    for prompt, message in [
+        (b"hi", "a prompt is text or a list of token ids, got b'hi'"),
+        ([1, True], "token ids must be ints, got True"),
+        ([1, 2.7], "token ids must be ints, got 2.7"),
+    ]:
+        with pytest.raises(DsakvError, match=message):
+            llm.engine.add_request(prompt, GREEDY)
+    assert not llm.engine.has_unfinished()
     with pytest.raises(DsakvError, match="a prompt is a string, a list of int token ids"):
         llm.generate([1.5], GREEDY)
 

@@ -6,8 +6,9 @@ import ctypes
 import json
 import logging
 import math
+import reprlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from itertools import accumulate
 from pathlib import Path
@@ -611,7 +612,7 @@ class Engine:
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """The prompt's token ids, or a `DsakvError` saying why it cannot run."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
         if not ids:
             raise DsakvError("prompt is empty")
         vocab = self.model_config.vocab_size
@@ -1005,6 +1006,17 @@ def _top(logp: torch.Tensor, k: int) -> list[tuple[int, float]]:
         return []
     top = torch.topk(logp, k)
     return list(zip(top.indices.tolist(), top.values.tolist()))
+
+
+def _token_ids(prompt: object) -> list[int]:
+    """`prompt` as a list of ints; `int()` took b"hi" as [104, 105], True as 1, 2.7 as 2."""
+    if isinstance(prompt, (bytes, bytearray, dict)) or not isinstance(prompt, Iterable):
+        raise DsakvError(f"a prompt is text or a list of token ids, got {reprlib.repr(prompt)}")
+    ids = list(prompt)
+    bad = [t for t in ids if not is_int(t)]
+    if bad:
+        raise DsakvError(f"token ids must be ints, got {reprlib.repr(bad[0])}")
+    return ids
 
 
 def _find_stop(text: str, stops: tuple[str, ...], floor: int = 0) -> tuple[int, str] | None:
