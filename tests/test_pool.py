@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsakv.config import LayerPlan
 from dsakv.memory import (
     CacheLayout,
     DSAKVPool,
@@ -61,6 +62,25 @@ def test_nbytes_matches_layout(kv, ik):
         pool = DSAKVPool(layout, 3)
         assert pool.nbytes == 3 * layout.page_size * layout.bytes_per_token
         assert pool.num_tokens == 12 and pool.page_size == 4 and pool.num_pages == 3
+
+
+@pytest.mark.parametrize("kv,ik", DTYPES)
+def test_a_partial_scale_block_costs_what_the_layout_says(kv, ik):
+    """A latent rank or index-K width that is not a multiple of 128 still gets a scale for
+    its last, partial block: the layout counted it, the pool allocated it and the L3 tier's
+    raw pages round-trip (the layout's floor once left an fp8_ds_mla page 32 bytes short)."""
+    layout = CacheLayout(LayerPlan(("full", "shared")), 192, 64, 64, kv, ik, page_size=4)
+    pool = DSAKVPool(layout, 3)
+    assert pool.nbytes == 3 * layout.bytes_per_page
+    pool.write_latent(0, torch.arange(4), torch.randn(4, 256))
+    pool.write_index_k(0, torch.arange(4), torch.randn(4, 64))
+    pages = pool.read_pages([0])
+    assert pages.shape == (1, layout.bytes_per_page)
+    other = DSAKVPool(layout, 3)
+    other.write_pages([2], pages)
+    assert torch.equal(
+        other.gather_latent(0, torch.arange(8, 12)), pool.gather_latent(0, torch.arange(4))
+    )
 
 
 def test_draft_layer_owns_index_k():

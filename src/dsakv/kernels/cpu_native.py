@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from dsakv.memory.fp8 import FP8_BLOCK
+from dsakv.memory.fp8 import scale_blocks
 
 from .torch_ops import unpacked_width
 
@@ -151,7 +151,7 @@ def _rows_and_slots(x: torch.Tensor, width: int, slots: torch.Tensor):
 
 def _scale_blocks(width: int) -> int:
     """Scales per row of `width` fp8 values (one per `FP8_BLOCK`), within the kernels' limit."""
-    nb = -(-width // FP8_BLOCK)
+    nb = scale_blocks(width)
     if nb > _MAX_SCALE_BLOCKS:
         raise ValueError(
             f"{width} fp8 values a row exceed the native kernels' {_MAX_SCALE_BLOCKS} scales"

@@ -60,7 +60,7 @@ from functools import cache
 
 import torch
 
-from dsakv.memory.fp8 import FP8_BLOCK, e4m3_to_float
+from dsakv.memory.fp8 import FP8_BLOCK, e4m3_to_float, scale_blocks
 
 from . import torch_ops
 from .torch_ops import MLAMath, per_head, topk_by_position, widened
@@ -253,7 +253,7 @@ def latent_rows(
         return e4m3_to_float(rows(data.view(torch.uint8)))
     if kind == "fp8_ds_mla":
         raw = rows(data)
-        nb = -(-lora // FP8_BLOCK)
+        nb = scale_blocks(lora)
         scales = raw[..., lora : lora + 4 * nb].contiguous().view(torch.float32)
         scales = scales.repeat_interleave(FP8_BLOCK, dim=-1)[..., :lora]
         nope = e4m3_to_float(raw[..., :lora]) * scales

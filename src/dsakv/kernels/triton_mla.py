@@ -40,13 +40,14 @@ import math
 
 import torch
 
+from dsakv.memory.layout import latent_bytes
+
 from ._triton import cdiv, next_pow2, require_triton, tl, triton
 from .triton_fp8 import bf16_to_f32, e4m3_to_f32, f32_to_bf16_bits
 
 LATENT_KINDS = ("fp32", "bf16", "fp8_e4m3", "fp8_ds_mla")
 _KIND_ID = {k: i for i, k in enumerate(LATENT_KINDS)}
 _MODE_SLOTS, _MODE_TOPK_POS, _MODE_DENSE = 0, 1, 2
-_FP8_BLOCK = 128
 
 # Dot operand modes (constexpr DOT of the stage-1 kernel):
 _DOT_F32 = 0  # fp32 operands, IEEE fp32 dots (FMA): fp32 q or fp32 rows
@@ -314,7 +315,7 @@ def _cache_views(cache: torch.Tensor, kind: str, kv_lora: int, rope_dim: int):
         )
     width = cache.shape[1]
     if kind == "fp8_ds_mla":
-        want = kv_lora + 4 * cdiv(kv_lora, _FP8_BLOCK) + 2 * rope_dim
+        want = latent_bytes("fp8_ds_mla", kv_lora, rope_dim)
         if cache.dtype != torch.uint8 or width != want:
             raise ValueError(
                 f"fp8_ds_mla cache must be uint8 [S, {want}], got {cache.dtype} {width}"

@@ -20,10 +20,11 @@ buffer's token count: nothing is checked on the host, so the launch is CUDA-grap
 
 import torch
 
+from dsakv.memory.fp8 import scale_blocks
+
 from ._triton import cdiv, next_pow2, require_triton, tl, triton
 from .triton_fp8 import bf16_to_f32, f32_to_bf16_bits, f32_to_e4m3, mul_exp2, pow2_exponent
 
-_FP8_BLOCK = 128
 NUM_WARPS = 4
 
 
@@ -191,7 +192,7 @@ def store_index_k_fp8(
     require_triton()
     slots = _slots(slots)
     dim = keys.shape[-1]
-    nb = cdiv(dim, _FP8_BLOCK)
+    nb = scale_blocks(dim)
     kv, x_bf16 = _rows_view(keys, dim, slots.shape[0])
     if kpages.dtype != torch.uint8 or kpages.dim() != 2 or kpages.stride(1) != 1:
         raise ValueError("kpages must be a row-major uint8 [P, ps·(D+4·nb)] tensor")
@@ -211,7 +212,7 @@ def store_latent_ds_mla(
     (uint8 `[S, kv_lora + 4·nb + 2·rope]`, 656 B for 512+64) at `slots`; slot < 0 skipped."""
     require_triton()
     slots = _slots(slots)
-    nb = cdiv(kv_lora, _FP8_BLOCK)
+    nb = scale_blocks(kv_lora)
     rv, x_bf16 = _rows_view(rows, kv_lora + rope_dim, slots.shape[0])
     width = kv_lora + 4 * nb + 2 * rope_dim
     if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != width:

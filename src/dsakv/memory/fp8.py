@@ -49,7 +49,8 @@ def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, q.reshape(-1).int()).view(q.shape)
 
 
-def _num_blocks(d: int) -> int:
+def scale_blocks(d: int) -> int:
+    """fp32 scales for `d` values: one per `FP8_BLOCK`, a partial last block included."""
     return -(-d // FP8_BLOCK)
 
 
@@ -84,7 +85,7 @@ def quantize_e4m3_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if x.dim() != 2:
         raise ValueError(f"expected a [N, d] tensor, got shape {tuple(x.shape)}")
     n, d = x.shape
-    nb = _num_blocks(d)
+    nb = scale_blocks(d)
     xf = x.float()
     if nb * FP8_BLOCK != d:  # pad a partial last block with zeros (does not change amax)
         xf = torch.nn.functional.pad(xf, (0, nb * FP8_BLOCK - d))

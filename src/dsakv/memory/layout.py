@@ -10,9 +10,10 @@ from typing import Any
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.errors import ConfigError
 
+from .fp8 import scale_blocks
+
 LATENT_DTYPES = ("fp8_e4m3", "fp8_ds_mla", "bf16", "fp32")
 INDEX_K_DTYPES = ("fp8", "bf16", "fp32")
-FP8_BLOCK = 128  # values per fp32 scale, for both fp8_ds_mla latent and fp8 index-K
 
 
 def latent_bytes(dtype: str, kv_lora_rank: int, rope_dim: int) -> int:
@@ -21,7 +22,7 @@ def latent_bytes(dtype: str, kv_lora_rank: int, rope_dim: int) -> int:
     if dtype == "fp8_e4m3":
         return dims
     if dtype == "fp8_ds_mla":  # fp8 nope + fp32 scale per 128 + bf16 rope
-        return kv_lora_rank + 4 * (kv_lora_rank // FP8_BLOCK) + 2 * rope_dim
+        return kv_lora_rank + 4 * scale_blocks(kv_lora_rank) + 2 * rope_dim
     if dtype == "bf16":
         return 2 * dims
     if dtype == "fp32":
@@ -32,7 +33,7 @@ def latent_bytes(dtype: str, kv_lora_rank: int, rope_dim: int) -> int:
 def index_k_bytes(dtype: str, index_head_dim: int) -> int:
     """Bytes one token's index key takes in one layer."""
     if dtype == "fp8":  # e4m3 values + one fp32 scale per 128 values
-        return index_head_dim + 4 * -(-index_head_dim // FP8_BLOCK)
+        return index_head_dim + 4 * scale_blocks(index_head_dim)
     if dtype == "bf16":
         return 2 * index_head_dim
     if dtype == "fp32":

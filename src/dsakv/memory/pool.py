@@ -25,8 +25,9 @@ from .fp8 import (
     e4m3_to_float,
     hadamard_rotate,
     quantize_e4m3_blockwise,
+    scale_blocks,
 )
-from .layout import FP8_BLOCK, CacheLayout
+from .layout import CacheLayout, latent_bytes
 
 LATENT, INDEX_K = "latent", "index_k"
 
@@ -107,7 +108,7 @@ class _DsMlaLatent(_Buffer):
 
     def __init__(self, pages: int, ps: int, lora: int, rope: int, device, pin) -> None:
         self.lora, self.rope = lora, rope
-        self.width = lora + 4 * -(-lora // FP8_BLOCK) + 2 * rope
+        self.width = latent_bytes("fp8_ds_mla", lora, rope)
         data = _empty((pages * ps, self.width), torch.uint8, device, pin)
         super().__init__(data, (data.view(pages, ps, self.width),))
 
@@ -131,7 +132,7 @@ class _PageMajorFp8(_Buffer):
 
     def __init__(self, pages: int, ps: int, dim: int, device, pin) -> None:
         self.dim = dim
-        sbytes = 4 * -(-dim // FP8_BLOCK)
+        sbytes = 4 * scale_blocks(dim)
         data = _empty((pages, ps * (dim + sbytes)), torch.uint8, device, pin)
         keys = data[:, : ps * dim].view(pages, ps, dim)
         scales = data[:, ps * dim :].view(pages, ps, sbytes)
