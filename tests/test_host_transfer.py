@@ -17,6 +17,7 @@ from dsakv.memory import (
     OutOfPages,
     PageAllocator,
     SharedLayerIndexKError,
+    copy_tokens,
     dequantize_e4m3_blockwise,
     hadamard_rotate,
     page_slots,
@@ -48,7 +49,7 @@ def fill(pool: DSAKVPool, slots: torch.Tensor, seed: int = 0) -> None:
 
 
 def raw(pool: DSAKVPool, slots: torch.Tensor) -> list[torch.Tensor]:
-    return [t.view(torch.uint8) for ts in pool.export_pages(slots)["buffers"].values() for t in ts]
+    return [t.view(torch.uint8) for ts in pool.read_tokens(slots).values() for t in ts]
 
 
 # --- deterministic -------------------------------------------------------------------------
@@ -268,7 +269,7 @@ class KVMachine(RuleBasedStateMachine):
         _, src = self.seqs["dev"][self._pick(data, "dev")]
         got = self._alloc("peer", len(src))
         if got is not None:
-            self.peer.import_pages(self.dev.export_pages(src), got[1])
+            copy_tokens(self.peer, got[1], self.dev, src)
             self._copy_model("peer", got[1], "dev", src)
             self.seqs["peer"].append(got)
 

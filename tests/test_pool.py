@@ -1,4 +1,4 @@
-"""DSAKVPool: byte counts, per-dtype round trips, shared-layer errors, move, export/import."""
+"""DSAKVPool: byte counts, per-dtype round trips, shared-layer errors, moves and copies."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dsakv.memory import (
     CacheLayout,
     DSAKVPool,
     SharedLayerIndexKError,
+    copy_tokens,
     page_slots,
 )
 from dsakv.memory.pool import _PageMajorFp8
@@ -184,7 +185,7 @@ def test_out_of_range_slots_and_layers_raise():
         pool.gather_latent(0, torch.tensor([0.0]))
 
 
-# --- move / export / import ----------------------------------------------------------------
+# --- moves and copies ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kv,ik", [("fp32", "fp32"), ("fp8_ds_mla", "fp8")])
@@ -203,7 +204,7 @@ def test_move_is_per_token_and_bit_exact(kv, ik):
     assert pool.gather_latent(0, torch.tensor([12, 13, 15])).abs().sum() == 0
 
 
-def test_export_import_bit_exact_across_page_counts():
+def test_copy_between_pools_is_bit_exact_across_page_counts():
     layout = small_layout("fp8_e4m3", "fp8")
     a, b = DSAKVPool(layout, 2), DSAKVPool(layout, 5)
     src = page_slots([1], 4)[:3]
@@ -211,36 +212,31 @@ def test_export_import_bit_exact_across_page_counts():
         a.write_latent(layer, src, torch.randn(3, 576))
         if a.has_index_k(layer):
             a.write_index_k(layer, src, torch.randn(3, 128))
-    payload = a.export_pages(src)
-    assert payload["fingerprint"] == layout.fingerprint()
-    assert payload["layout"]["plan_pattern"] == PATTERN and payload["num_tokens"] == 3
-    assert not any(k.startswith("index_k.2") for k in payload["buffers"])
-    assert all(t.device.type == "cpu" for ts in payload["buffers"].values() for t in ts)
+    stored = a.read_tokens(src)
+    assert not any(k.startswith("index_k.2") for k in stored)  # layer 2 shares: no index-K
+    assert all(t.device.type == "cpu" for ts in stored.values() for t in ts)
     dst = torch.tensor([17, 4, 11])
-    b.import_pages(payload, dst)
+    assert copy_tokens(b, dst, a, src) == 3 * layout.bytes_per_token
     assert _equal(_snapshot(b, dst), _snapshot(a, src))
 
 
-def test_import_refuses_other_layouts():
+def test_copy_refuses_other_layouts_and_counts():
     layout = small_layout("fp32", "fp8")
-    payload = DSAKVPool(layout, 1).export_pages(torch.arange(2))
-    with pytest.raises(ValueError, match="plan_pattern: payload 'FFSSFS' vs pool 'FFFFFF'"):
-        other = CacheLayout.for_model(
-            small_glm_config(), kv_cache_dtype="fp32", page_size=4, no_index_share=True
-        )
-        DSAKVPool(other, 1).import_pages(payload, torch.arange(2))
-    with pytest.raises(ValueError, match="elide_index_k"):
-        DSAKVPool(layout.dense(), 1).import_pages(payload, torch.arange(2))
-    with pytest.raises(ValueError, match="index_k_dtype: payload 'fp8' vs pool 'bf16'"):
-        DSAKVPool(small_layout("fp32", "bf16"), 1).import_pages(payload, torch.arange(2))
-    with pytest.raises(ValueError, match="page_size"):
-        DSAKVPool(small_layout("fp32", "fp8", page_size=8), 1).import_pages(
-            payload, torch.arange(2)
-        )
-    with pytest.raises(ValueError, match="payload holds 2 tokens but 3 slots"):
-        DSAKVPool(layout, 1).import_pages(payload, torch.arange(3))
-    with pytest.raises(ValueError, match="not a dsakv KV payload"):
-        DSAKVPool(layout, 1).import_pages({}, torch.arange(2))
+    src = DSAKVPool(layout, 1)
+    shared_none = CacheLayout.for_model(
+        small_glm_config(), kv_cache_dtype="fp32", page_size=4, no_index_share=True
+    )
+    others = [
+        shared_none,
+        layout.dense(),
+        small_layout("fp32", "bf16"),
+        small_layout("fp32", "fp8", page_size=8),
+    ]
+    for other in others:
+        with pytest.raises(ValueError, match="pools of different layouts"):
+            copy_tokens(DSAKVPool(other, 1), torch.arange(2), src, torch.arange(2))
+    with pytest.raises(ValueError, match="3 destination slots for 2 source slots"):
+        copy_tokens(DSAKVPool(layout, 1), torch.arange(3), src, torch.arange(2))
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -248,7 +244,7 @@ def test_import_refuses_other_layouts():
 
 def _snapshot(pool: DSAKVPool, slots: torch.Tensor) -> list[torch.Tensor]:
     """Raw stored bytes of every buffer at `slots` (what must survive copies exactly)."""
-    return [t for ts in pool.export_pages(slots)["buffers"].values() for t in ts]
+    return [t for ts in pool.read_tokens(slots).values() for t in ts]
 
 
 def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

@@ -14,6 +14,7 @@ from dsakv import LLM, SamplingParams
 from dsakv.engine import EngineConfig
 from dsakv.engine.sampling import Sampler, draw, filtered_probs, token_seed
 from dsakv.engine.speculative import verify
+from dsakv.memory import copy_tokens
 from dsakv.models.tiny import default_model_dir
 
 from .test_speculative import DRAFT_SCHEMA
@@ -242,7 +243,7 @@ def test_seeded_tokens_survive_a_prefill_decode_handoff(model, probe, alone):
     decode = Engine(config)
     req = disagg.reserve(decode, probe, SEEDED)
     src = prefill.scheduler.slots(first, n)
-    decode.pool.import_pages(prefill.pool.export_pages(src), decode.scheduler.slots(req, n))
+    copy_tokens(decode.pool, decode.scheduler.slots(req, n), prefill.pool, src)
     disagg.release_held(prefill, first)
     disagg.start_decoding(decode, req, first.output_ids[0])
     while decode.has_unfinished():

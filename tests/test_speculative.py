@@ -15,6 +15,7 @@ from dsakv.engine import Engine, EngineConfig
 from dsakv.engine.model_runner import DRAFT, TARGET
 from dsakv.engine.request import Request
 from dsakv.engine.speculative import MAX_WAIT, MTPDrafter, verify
+from dsakv.memory import copy_tokens
 from dsakv.models.tiny import TINY_PRESETS, default_model_dir, write_tiny_model
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
@@ -324,7 +325,7 @@ def test_prefill_decode_handoff_carries_the_draft_layer(dense):
 
     decode = Engine(config)
     req = disagg.reserve(decode, prompt, GREEDY)
-    decode.pool.import_pages(prefill.pool.export_pages(src), decode.scheduler.slots(req, n))
+    copy_tokens(decode.pool, decode.scheduler.slots(req, n), prefill.pool, src)
     disagg.release_held(prefill, first)
     disagg.start_decoding(decode, req, first.output_ids[0])
     while decode.has_unfinished():

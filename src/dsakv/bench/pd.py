@@ -51,8 +51,8 @@ def _bench_layout(layout: CacheLayout, lengths: tuple[int, ...], repeats: int, s
             for _ in range(repeats):
                 nbytes, seconds = src.write(dst.session, peer, src_pages, dst_pages, n)
                 best = min(best, seconds)
-            got = dst_pool.export_pages(_slots(dst_pages, n, ps))["buffers"]
-            want = src_pool.export_pages(_slots(src_pages, n, ps))["buffers"]
+            got = dst_pool.read_tokens(_slots(dst_pages, n, ps))
+            want = src_pool.read_tokens(_slots(src_pages, n, ps))
             exact = all(
                 torch.equal(a, b) for k in want for a, b in zip(got[k], want[k], strict=True)
             )

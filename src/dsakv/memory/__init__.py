@@ -12,7 +12,7 @@ from .capacity import (
 from .fp8 import dequantize_e4m3_blockwise, hadamard_rotate, quantize_e4m3_blockwise
 from .host import HostPool
 from .layout import INDEX_K_DTYPES, LATENT_DTYPES, CacheLayout
-from .pool import DSAKVPool, SharedLayerIndexKError, TransferDescriptor
+from .pool import DSAKVPool, SharedLayerIndexKError, TransferDescriptor, copy_tokens
 
 __all__ = [
     "INDEX_K_DTYPES",
@@ -28,6 +28,7 @@ __all__ = [
     "ReqToTokenTable",
     "SharedLayerIndexKError",
     "TransferDescriptor",
+    "copy_tokens",
     "dequantize_e4m3_blockwise",
     "estimate_weight_bytes",
     "hadamard_rotate",

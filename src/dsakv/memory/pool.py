@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -309,33 +308,15 @@ class DSAKVPool:
             )
         return out
 
-    def export_pages(self, slots: torch.Tensor) -> dict[str, Any]:
-        """Self-describing CPU payload of the tokens at `slots` (raw stored bytes)."""
+    def read_tokens(self, slots: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """Raw stored bytes of the tokens at `slots` on the CPU, per buffer (`"latent.3"`,
+        `"index_k.0"`): what a copy between pools or tiers must carry exactly."""
         self._check_unsplit()
         page, off = self._locate(slots)
-        buffers = {
+        return {
             f"{comp}.{layer}": [p[page, off].cpu() for p in b.parts]
             for layer, comp, b in self._buffers()
         }
-        return {
-            "fingerprint": self.layout.fingerprint(),
-            "layout": _describe(self.layout),
-            "num_tokens": int(page.numel()),
-            "buffers": buffers,
-        }
-
-    def import_pages(self, payload: dict[str, Any], slots: torch.Tensor) -> None:
-        """Write an `export_pages` payload into `slots`; bit-exact, same layout only."""
-        self._check_unsplit()
-        _check_payload(self.layout, payload)
-        page, off = self._locate(slots)
-        if payload["num_tokens"] != page.numel():
-            raise ValueError(
-                f"payload holds {payload['num_tokens']} tokens but {page.numel()} slots were given"
-            )
-        for layer, comp, b in self._buffers():
-            for p, src in zip(b.parts, payload["buffers"][f"{comp}.{layer}"], strict=True):
-                p[page, off] = src.to(self.device)
 
     # --- whole pages as raw bytes (the L3 storage tier) ----------------------------------------
 
@@ -470,39 +451,3 @@ def copy_tokens(
         for d, s in zip(db.parts, sb.parts, strict=True):
             d[dp, do] = s[sp, so].to(dst.device)  # gather first: overlapping slots stay correct
     return dp.numel() * dst.layout.bytes_per_token
-
-
-_LAYOUT_FIELDS = (
-    "kv_lora_rank",
-    "qk_rope_head_dim",
-    "index_head_dim",
-    "kv_cache_dtype",
-    "index_k_dtype",
-    "page_size",
-    "elide_index_k",
-)
-
-
-def _describe(layout: CacheLayout) -> dict[str, Any]:
-    d = {f: getattr(layout, f) for f in _LAYOUT_FIELDS}
-    d["plan_pattern"] = layout.plan.pattern
-    d["num_draft_layers"] = layout.plan.num_draft_layers
-    return d
-
-
-def _check_payload(layout: CacheLayout, payload: dict[str, Any]) -> None:
-    if not isinstance(payload, dict) or "fingerprint" not in payload or "layout" not in payload:
-        raise ValueError("not a dsakv KV payload (missing fingerprint/layout)")
-    if payload["fingerprint"] == layout.fingerprint():
-        return
-    mine, theirs = _describe(layout), payload["layout"]
-    diffs = [
-        f"{k}: payload {theirs.get(k)!r} vs pool {v!r}"
-        for k, v in mine.items()
-        if theirs.get(k) != v
-    ]
-    raise ValueError(
-        "KV payload is from a different cache layout ("
-        + ("; ".join(diffs) or "fingerprint differs")
-        + ")"
-    )
