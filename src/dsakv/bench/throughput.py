@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import mean
 from typing import Any
@@ -203,9 +202,6 @@ def strip_private(d: dict[str, Any]) -> dict[str, Any]:
 
 def pages_for_budget(budget_bytes: int, bytes_per_token: int, page_size: int) -> int:
     return int(budget_bytes // bytes_per_token // page_size)
-
-
-Progress = Callable[[str], None]
 
 
 def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsakv.errors import DsakvError
+from dsakv.server.protocol import error_body
 
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
 
@@ -35,12 +36,11 @@ _GENERATE = ("/v1/completions", "/v1/chat/completions")
 
 
 def _error(status: int, message: str, type: str = "server_error") -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(message, type), status_code=status)
 
 
 def _sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    body = error_body(message, "server_error")
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 

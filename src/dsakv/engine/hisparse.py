@@ -30,7 +30,7 @@ import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan
 from dsakv.errors import ConfigError
-from dsakv.kernels.hisparse_ops import bind_newest
+from dsakv.kernels.hisparse_ops import bind_newest, init_buffers
 from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
 from dsakv.memory.pool import DSAKVPool
 
@@ -297,10 +297,8 @@ class HotBuffers:
             self.backend.hot_copy(self.host, self.device_rows, src, lat[:n])
             self.stats.rows_to_device += n * len(self.host)
             hot.on_host = False
-        j = torch.arange(self.size, device=self.device)
-        resident = j < req.num_computed
-        self.buf_pos[:, r] = torch.where(resident, j, -1).to(torch.int32)
-        self.stamp[:, r] = torch.where(resident, 0, -1)
+        computed = torch.tensor([req.num_computed], device=self.device)
+        self.buf_pos[:, r], self.stamp[:, r] = init_buffers(computed, self.size)
 
 
 class HotStep:

@@ -1,6 +1,6 @@
 """Sparse MLA attention over dsakv's latent rows (absorbed form), split-K in two stages.
 
-Math (what `MLAttention._decode` / `_absorbed` compute in torch): each query head is
+Math (what `torch_ops.MLAMath.decode` / `_absorbed` compute in torch): each query head is
 already in latent space, q = [q_nope·W_uk ‖ q_rope] (kv_lora + rope values); each selected
 cache row is [latent ‖ k_rope]; out = softmax(q·row · sm_scale over valid rows) @ latent.
 The caller applies W_uv afterwards.

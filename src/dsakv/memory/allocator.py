@@ -69,9 +69,6 @@ class PageAllocator:
             self._in_use[p] = 0
             self._free.append(p)
 
-    def is_used(self, page: int) -> bool:
-        return 0 <= page < self.num_pages and bool(self._in_use[page])
-
     def check(self) -> None:
         """Integrity: free + in use == total, no page both free and in use, no duplicates."""
         free = set(self._free)
@@ -108,12 +105,6 @@ class ReqToTokenTable:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def length(self, rid: int) -> int:
-        return len(self._row(rid))
-
-    def append(self, rid: int, slot: int) -> None:
-        self._slots.setdefault(rid, []).append(int(slot))
-
     def extend(self, rid: int, slots: Iterable[int] | torch.Tensor) -> None:
         if isinstance(slots, torch.Tensor):
             slots = slots.reshape(-1).tolist()
@@ -126,19 +117,10 @@ class ReqToTokenTable:
             raise IndexError(f"request {rid} has {len(row)} positions, asked for {n}")
         return torch.tensor(row if n is None else row[:n], dtype=torch.long)
 
-    def truncate(self, rid: int, n: int) -> list[int]:
-        """Keep the first `n` positions; returns the dropped slots."""
-        row = self._row(rid)
-        if not 0 <= n <= len(row):
-            raise IndexError(f"request {rid} has {len(row)} positions, cannot keep {n}")
-        dropped = row[n:]
-        del row[n:]
-        return dropped
-
-    def release(self, rid: int) -> list[int]:
-        """Forget the request; returns its slots so the caller can free their pages."""
+    def release(self, rid: int) -> None:
+        """Forget the request (its pages are freed from `Request.pages`, not from here)."""
         self._row(rid)
-        return self._slots.pop(rid)
+        del self._slots[rid]
 
     def _row(self, rid: int) -> list[int]:
         try:
