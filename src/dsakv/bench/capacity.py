@@ -10,8 +10,7 @@ from typing import Any
 
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_capacity
-
-GIB = 1 << 30
+from dsakv.memory.capacity import GIB
 
 # SGLang #30531 on GLM-5.2-NVFP4 (TP4, 4×GB300, EAGLE with 1 draft layer): the KV budgets
 # implied by its token counts, dense index-K before and elided after (DESIGN.md §3).

@@ -16,11 +16,10 @@ from typing import Any
 
 from dsakv.config import HiSparseConfig, ModelConfig
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
+from dsakv.memory.capacity import GIB
 from dsakv.models.tiny import resolve_model_dir
 
 from . import throughput as tp
-
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)

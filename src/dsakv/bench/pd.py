@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dsakv.disagg.transfer import KVTransfer, PeerBuffer
-from dsakv.memory import CacheLayout, DSAKVPool
+from dsakv.memory import CacheLayout, DSAKVPool, page_slots
 
 
 def _fill(pool: DSAKVPool, seed: int) -> None:
@@ -27,11 +27,6 @@ def _fill(pool: DSAKVPool, seed: int) -> None:
     for d in pool.transfer_descriptors():
         noise = torch.randint(0, 256, (d.nbytes,), dtype=torch.uint8, generator=g)
         ctypes.memmove(d.data_ptr, noise.data_ptr(), d.nbytes)
-
-
-def _slots(pages: list[int], n: int, page_size: int) -> torch.Tensor:
-    pos = torch.arange(n)
-    return torch.tensor(pages)[pos // page_size] * page_size + pos % page_size
 
 
 def _bench_layout(layout: CacheLayout, lengths: tuple[int, ...], repeats: int, seed: int):
@@ -51,8 +46,8 @@ def _bench_layout(layout: CacheLayout, lengths: tuple[int, ...], repeats: int, s
             for _ in range(repeats):
                 nbytes, seconds = src.write(dst.session, peer, src_pages, dst_pages, n)
                 best = min(best, seconds)
-            got = dst_pool.read_tokens(_slots(dst_pages, n, ps))
-            want = src_pool.read_tokens(_slots(src_pages, n, ps))
+            got = dst_pool.read_tokens(page_slots(dst_pages, ps)[:n])
+            want = src_pool.read_tokens(page_slots(src_pages, ps)[:n])
             exact = all(
                 torch.equal(a, b) for k in want for a, b in zip(got[k], want[k], strict=True)
             )
