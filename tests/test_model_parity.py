@@ -89,17 +89,6 @@ def test_logits_and_greedy_match_transformers(cases, name):
     assert tokens == hf_tokens
 
 
-def test_absorbed_and_expanded_attention_agree(cases):
-    model, config, plan, prompt, hf_tokens, _ = cases["glm-tiny"]
-    try:
-        _, absorbed = greedy(model, make_pool(config, plan), prompt, 8, force=hf_tokens)
-        model.set_attention_mode("expand")
-        _, expanded = greedy(model, make_pool(config, plan), prompt, 8, force=hf_tokens)
-    finally:
-        model.set_attention_mode("absorb")
-    torch.testing.assert_close(absorbed, expanded, atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("ratio", [0, 10**6], ids=["gather-rows", "score-all"])
 def test_sparse_attention_strategies_agree(cases, monkeypatch, ratio):
     """Gathering the selected rows and masking full-context scores give the same logits."""

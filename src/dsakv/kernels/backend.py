@@ -262,8 +262,6 @@ class CpuBackend(TorchBackend):
     # --- MLA --------------------------------------------------------------------------------
 
     def mla_decode(self, math, pool, layer, q_nope, q_rope, slots, valid, w_uk, w_uv):
-        if math.mode != "absorb":
-            return super().mla_decode(math, pool, layer, q_nope, q_rope, slots, valid, w_uk, w_uv)
         lay = pool.layout
         data, kind = pool.latent_data(layer), lay.kv_cache_dtype
         if not self.native:
@@ -352,7 +350,7 @@ def _hadamard(dim: int) -> torch.Tensor:
 
 class TritonBackend(TorchBackend):
     """dsakv's Triton kernels over the pool's own bytes; torch where no kernel applies
-    (fp32/bf16 index-K, the `expand` attention mode)."""
+    (fp32/bf16 index-K)."""
 
     name = "triton"
 
@@ -490,8 +488,3 @@ class TritonBackend(TorchBackend):
 def _low_precision(q: torch.Tensor) -> torch.Tensor:
     """Indexer queries in bf16 (the keys are fp8: fp32 queries would only cost bytes)."""
     return q.to(torch.bfloat16)
-
-
-def check_mode(backend: TorchBackend, mode: str) -> None:
-    if mode != "absorb" and backend.name != "torch":
-        raise DsakvError(f"attention mode {mode!r} runs on the torch backend only")

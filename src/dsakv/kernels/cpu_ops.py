@@ -179,14 +179,14 @@ def index_topk_decode(q, w, keys, lens, scale: float, topk: int) -> torch.Tensor
 def mla_extend(math: MLAMath, q_nope, q_rope, gather, slots, prefix, positions, valid, w_uk, w_uv):
     """`MLAMath.extend` with the sparse part in small gathered blocks (`sparse_absorbed`).
 
-    Dense requests (no selection), the expand mode, short contexts (`SCORE_ALL_RATIO`) and
+    Dense requests (no selection), short contexts (`SCORE_ALL_RATIO`) and
     queries that see at most index_topk positions (`early`: all of them are selected) run
     the reference."""
     short = (
         positions is not None
         and math.n_heads * slots.shape[0] <= SCORE_ALL_RATIO * positions.shape[1]
     )
-    if positions is None or math.mode != "absorb" or short:
+    if positions is None or short:
         return math.extend(q_nope, q_rope, gather, slots, prefix, positions, valid, w_uk, w_uv)
     e = q_nope.shape[0]
     early = min(max(positions.shape[1] - prefix, 0), e)

@@ -5,9 +5,9 @@ Generic PyTorch that runs wherever torch does. It gathers rows from the pool (de
 into the compute dtype) and runs a few large matmuls per layer; the Triton and library
 backends must match it (kernel tests compare against these functions).
 
-Attention runs on latent rows with W_kvb absorbed into the query and the output
-("absorb"), or expands rows to per-head keys/values first ("expand"); both give the same
-numbers. Sparse rows gather only the selected latent rows, chunked over queries, so the
+Attention runs on latent rows with W_kvb absorbed into the query and the output (the
+Hugging Face reference expands rows to per-head keys and values instead; the parity tests
+compare the two). Sparse rows gather only the selected latent rows, chunked over queries, so the
 work per query scales with index_topk, not with context length.
 """
 
@@ -89,35 +89,23 @@ class MLAMath:
     Every entry point returns the per-head output `[·, H, v]` (before o_proj).
     """
 
-    def __init__(self, n_heads: int, kv_lora: int, scale: float, mode: str = "absorb") -> None:
-        self.n_heads, self.kv_lora, self.scale, self.mode = n_heads, kv_lora, scale, mode
+    def __init__(self, n_heads: int, kv_lora: int, scale: float) -> None:
+        self.n_heads, self.kv_lora, self.scale = n_heads, kv_lora, scale
 
     def absorb_q(self, q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-        """The query in latent space (`q_nope · W_uk`) in absorb mode; as is in expand mode.
-        Done once for the whole step, so a token's numbers never depend on its batch."""
-        if self.mode == "absorb":
-            return torch.bmm(q_nope.transpose(0, 1), widened(w_uk, q_nope)).transpose(0, 1)
-        return q_nope
+        """The query in latent space (`q_nope · W_uk`). Done once for the whole step, so a
+        token's numbers never depend on its batch."""
+        return torch.bmm(q_nope.transpose(0, 1), widened(w_uk, q_nope)).transpose(0, 1)
 
     # --- decode: every decode request at once ------------------------------------------------
 
     def decode(self, q_nope, q_rope, ctx, valid, w_uk, w_uv) -> torch.Tensor:
-        """`ctx[B, k, kv_lora+rope]` gathered rows, `valid[B, k]` -> `[B, H, v]`. In absorb
-        mode `q_nope` is already in latent space (`absorb_q`)."""
-        mask = valid[:, None, :]
-        if self.mode == "absorb":
-            q = torch.cat([q_nope, q_rope], dim=-1)
-            scores = torch.matmul(q, ctx.transpose(1, 2))
-            o_lat = self._softmax_av(scores, mask, ctx[..., : self.kv_lora])  # [B, H, kv_lora]
-            return per_head(o_lat, w_uv)
-        lat, k_rope = ctx[..., : self.kv_lora], ctx[..., self.kv_lora :]
-        k_nope = torch.einsum("bkc,hdc->bhkd", lat, widened(w_uk, lat))
-        v = torch.einsum("bkc,hvc->bhkv", lat, widened(w_uv, lat))
-        scores = torch.einsum("bhd,bhkd->bhk", q_nope, k_nope) + torch.einsum(
-            "bhr,bkr->bhk", q_rope, k_rope
-        )
-        probs = self._softmax_av(scores[:, :, None, :], mask[:, :, None, :], v)
-        return probs.squeeze(-2)
+        """`ctx[B, k, kv_lora+rope]` gathered rows, `valid[B, k]` -> `[B, H, v]`; `q_nope`
+        is already in latent space (`absorb_q`)."""
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        scores = torch.matmul(q, ctx.transpose(1, 2))
+        o_lat = self._softmax_av(scores, valid[:, None, :], ctx[..., : self.kv_lora])
+        return per_head(o_lat, w_uv)  # o_lat: [B, H, kv_lora]
 
     # --- extend: one request's chunk ---------------------------------------------------------
 
@@ -126,18 +114,19 @@ class MLAMath:
 
         `gather(slots) -> rows` reads latent rows from the pool; `slots[L]` are the
         request's; `positions[e, k]`/`valid[e, k]` its selection, or None (every visible
-        position, causal). In absorb mode `q_nope` is already in latent space.
+        position, causal). `q_nope` is already in latent space.
         """
         e = q_nope.shape[0]
-        attend = self._absorbed if self.mode == "absorb" else self._expanded
         if positions is None:
-            return attend(q_nope, q_rope, gather(slots), prefix, None, None, w_uk, w_uv)
+            return self._absorbed(q_nope, q_rope, gather(slots), prefix, None, None, w_uk, w_uv)
         # Queries at positions < k see at most k positions, all selected: run them densely.
         early = min(max(positions.shape[1] - prefix, 0), e)
         outs = []
         if early:
             ctx = gather(slots[: prefix + early])
-            outs.append(attend(q_nope[:early], q_rope[:early], ctx, prefix, None, None, w_uk, w_uv))
+            outs.append(
+                self._absorbed(q_nope[:early], q_rope[:early], ctx, prefix, None, None, w_uk, w_uv)
+            )
         if early < e:
             positions, valid = positions[early:], valid[early:]
             if positions.numel() < slots.shape[0]:
@@ -146,7 +135,7 @@ class MLAMath:
                 positions = torch.arange(slots.shape[0], device=slots.device).view_as(positions)
             ctx = gather(slots)  # [L or e*k, kv_lora+rope]
             outs.append(
-                attend(
+                self._absorbed(
                     q_nope[early:],
                     q_rope[early:],
                     ctx,
@@ -205,25 +194,6 @@ class MLAMath:
             outs.append(self._softmax_av(scores, mask, rows[..., : self.kv_lora]))
         o_lat = torch.cat(outs)  # [e, H, kv_lora]
         return torch.einsum("thc,hvc->thv", o_lat, widened(w_uv, o_lat))
-
-    def _expanded(self, q_nope, q_rope, ctx, prefix, positions, valid, w_uk, w_uv):
-        """Expand the context to per-head keys/values with W_kvb, then attend normally."""
-        lat, k_rope = ctx[:, : self.kv_lora], ctx[:, self.kv_lora :]
-        k_nope = torch.einsum("lc,hdc->lhd", lat, widened(w_uk, lat))
-        v = torch.einsum("lc,hvc->lhv", lat, widened(w_uv, lat))
-        kv = torch.cat([k_nope, k_rope[:, None].expand(-1, self.n_heads, -1), v], dim=-1)
-        q = torch.cat([q_nope, q_rope], dim=-1)  # [e, H, nope+rope]
-        e, dk = q.shape[0], q_nope.shape[-1] + q_rope.shape[-1]
-        k = ctx.shape[0] if positions is None else positions.shape[1]
-        outs = []
-        for a, b in self._chunks(e, k, self.n_heads * (1 if positions is None else kv.shape[-1])):
-            rows, mask = self._gather(kv, positions, valid, a, b, prefix)  # [c|1, k, H, dk+v]
-            keys = rows[..., :dk].movedim(-2, -3)  # [c|1, H, k, dk]
-            vals = rows[..., dk:].movedim(-2, -3)
-            scores = torch.matmul(q[a:b, :, None, :], keys.transpose(-1, -2)).squeeze(-2)
-            out = self._softmax_av(scores[:, :, None, :], mask[:, :, None, :], vals)
-            outs.append(out.squeeze(-2))
-        return torch.cat(outs)
 
 
 # Rows up to which a linear inside a compiled block is a multiply-sum (see `linear`).

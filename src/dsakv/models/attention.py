@@ -69,11 +69,6 @@ class MLAttention(nn.Module):
             self.indexer = Indexer(c)
         self._kvb_views: tuple = (None, 0, None)
 
-    @property
-    def mode(self) -> str:
-        """`absorb` (attention on latent rows) or `expand` (per-head K/V; torch only)."""
-        return self.math.mode
-
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The step's projections, per token: the query in latent space (`absorb_q`) and
         its rotated rope part, `q_lora` (the indexer's input) and the latent row to store.

@@ -77,7 +77,7 @@ def layer_loop(
 ) -> cpu_native.LayerLoop | None:
     """A step over `layers` as one native call over `pool` (`cpu_native.LayerLoop`), with
     what it reads around them (`parts`); None where some layer has no native form (weights
-    the blocks cannot read, a layer split over ranks, the expand mode)."""
+    the blocks cannot read, a layer split over ranks)."""
     first = layers[0].self_attn
     if not hasattr(first, "indexer") or not cpu_native.available():
         return None
@@ -86,7 +86,7 @@ def layer_loop(
         attn, blocks = layer.self_attn, layer.native_blocks()
         indexer = getattr(attn, "indexer", None)
         native = indexer and indexer.native_inputs()
-        if blocks is None or attn.mode != "absorb" or (indexer and native is None):
+        if blocks is None or (indexer and native is None):
             return None
         full = attn.layer if indexer else full
         if layer.topk_source != full:  # the loop reuses the last full layer's selection

@@ -17,7 +17,7 @@ from dsakv.config import LayerPlan, ModelConfig
 from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import DsakvError
 from dsakv.kernels import TorchBackend, cpu_native
-from dsakv.kernels.backend import Block, check_mode
+from dsakv.kernels.backend import Block
 
 from .decoder import NORM, DecoderLayer, in_turn, layer_loop
 from .forward_batch import ForwardBatch
@@ -121,19 +121,10 @@ class DSAForCausalLM(nn.Module):
             raise DsakvError("this model was loaded without its MTP layer (draft_layers=0)")
         return self.model.layers[self.config.num_hidden_layers]
 
-    def set_attention_mode(self, mode: str) -> None:
-        """`absorb` (default: attention on latent rows) or `expand` (per-head K/V first)."""
-        if mode not in ("absorb", "expand"):
-            raise ValueError(f"attention mode must be 'absorb' or 'expand', got {mode!r}")
-        for layer in self.model.layers:
-            check_mode(layer.self_attn.ops, mode)
-            layer.self_attn.math.mode = mode
-
     def use_backend(self, backend: TorchBackend) -> None:
         """Every layer's attention and indexer run their hot ops through `backend`."""
         self.ops = backend
         for layer in self.model.layers:
-            check_mode(backend, layer.self_attn.mode)
             layer.self_attn.ops = backend
             if hasattr(layer.self_attn, "indexer"):
                 layer.self_attn.indexer.ops = backend
