@@ -216,7 +216,7 @@ def _cancel_while_queued(bridge, target, late: bool = False) -> tuple[int, int]:
 
     async def run() -> tuple[int, int]:
         loop = asyncio.get_running_loop()
-        free = lambda e: e.scheduler._available_pages()  # noqa: E731
+        free = lambda e: e.scheduler.available_pages()  # noqa: E731
         before = await bridge.call(free)
         handoff._current.set(handoff._Targets([target]))
         submit = asyncio.ensure_future(

@@ -11,14 +11,9 @@ decode token without queueing it; the prefill server writes the prompt's KV ther
 
 from __future__ import annotations
 
-import logging
-import time
-
 from .engine import Engine
 from .request import Request
 from .sampling import SamplingParams
-
-log = logging.getLogger(__name__)
 
 
 def hold(engine: Engine, req: Request) -> None:
@@ -31,13 +26,8 @@ def release_held(engine: Engine, req: Request) -> None:
 
 
 def reserve(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> Request | None:
-    """A request whose pages cover its prompt and first decode token, not queued; None
-    while the pool has no room for it (the caller retries)."""
-    req = Request(list(prompt_ids), params)
-    engine._init_request(req)  # grammar matcher: the first token came from the prefill side
-    if not engine.scheduler.reserve_detached(req, len(prompt_ids) + 1):
-        return None
-    return req
+    """`Engine.reserve_detached`: None while the pool has no room (the caller retries)."""
+    return engine.reserve_detached(prompt_ids, params)
 
 
 def drop(engine: Engine, req: Request) -> None:
@@ -47,15 +37,5 @@ def drop(engine: Engine, req: Request) -> None:
 
 
 def start_decoding(engine: Engine, req: Request, first_token: int) -> None:
-    """Decode a reserved request whose prompt KV has arrived, from the prefill side's
-    first token (it may finish right here: EOS, a stop, max_tokens 1)."""
-    req.num_computed = len(req.prompt_ids)  # (with MTP, the draft layer's KV came too)
-    engine.requests[req.rid] = req
-    engine.stats.prompt_tokens += len(req.prompt_ids)
-    engine.scheduler.adopt(req)
-    now = time.perf_counter()
-    if req.matcher is not None and not req.matcher.accept_token(first_token):
-        log.warning("request %d: grammar rejected the prefill token %d", req.rid, first_token)
-    engine._append_token(req, first_token, now)
-    if not req.finished and req.matcher is not None and req.matcher.is_terminated():
-        engine._finish(req, "stop", now)
+    """`Engine.start_decoding`: run a reserved request whose prompt KV has arrived."""
+    engine.start_decoding(req, first_token)

@@ -79,8 +79,7 @@ class _Reporter:
             updates.append(up)
         e = self.engine
         waiting = sum(r.seq_len for r in e.scheduler.waiting)
-        free = e.allocator.num_free_pages + e.cache.num_evictable_pages
-        return RankReport(free, waiting, e.counters(), updates)
+        return RankReport(e.scheduler.available_pages(), waiting, e.counters(), updates)
 
 
 def serve_dp_peer(engine: Engine) -> None:
@@ -124,7 +123,7 @@ class DPEngine:
         self.local.check_params(params)  # the client's 400 here and now, not on a peer
         if params.grammar is not None:
             self.local.grammars.matcher(params.grammar)
-        rank = self._pick_rank(len(ids))
+        rank = self._pick_rank()
         self._assigned_tokens[rank] += len(ids)
         if rank == 0:
             return self.local.add_request(ids, params)
@@ -144,7 +143,7 @@ class DPEngine:
         seeds = [None if params.seed is None else params.seed + i for i in range(n)]
         return [self.add_request(prompt, replace(params, seed=s)) for s in seeds]
 
-    def _pick_rank(self, tokens: int) -> int:
+    def _pick_rank(self) -> int:
         """The rank with the most free KV pages once its queued prompts are counted."""
         page = self.local.config.page_size
 

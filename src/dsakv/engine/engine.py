@@ -152,7 +152,7 @@ class EngineConfig:
         self._check_hisparse()
         if self.enable_deterministic_inference:
             refused = (
-                (self.tp > 1 or self.dp_attention or self.nnodes > 1, "more than one rank"),
+                (self.parallel.world_size > 1, "more than one rank"),
                 (self.dtype not in ("auto", "float32"), f"--dtype {self.dtype} (fp32 only)"),
             )
             for bad, what in refused:
@@ -165,7 +165,7 @@ class EngineConfig:
                 raise DsakvError(
                     "--hicache-storage-backend needs the prefix cache (drop --no-prefix-cache)"
                 )
-            if self.tp > 1 or self.dp_attention or self.nnodes > 1:
+            if self.parallel.world_size > 1:
                 raise DsakvError(
                     "--hicache-storage-backend runs with one rank only (--tp 1): pages read "
                     "from storage would reach rank 0's pool, not the other ranks' replicas"
@@ -179,7 +179,7 @@ class EngineConfig:
             return
         refused = (
             (self.speculative_algorithm is not None, "--speculative-algorithm (MTP)"),
-            (self.tp > 1 or self.dp_attention or self.nnodes > 1, "more than one rank"),
+            (self.parallel.world_size > 1, "more than one rank"),
             (self.host_pool_gib > 0, "--host-pool-gib (HiSparse's host pool holds the latent)"),
             (self.hicache_storage_backend is not None, "--hicache-storage-backend"),
             (self.chunked_prefill_size < 2, "--chunked-prefill-size 1 (a 1-token step decodes)"),
@@ -292,7 +292,9 @@ class Engine:
     """Owns the model, the KV pool, the allocator, the prefix cache and the scheduler.
 
     Under tensor parallelism one `Engine` runs on every rank over that rank's shards and
-    pool replica; rank 0's schedules and samples, the others follow (`serve_peer`).
+    pool replica; rank 0's schedules and samples, and the others replay its model calls
+    (`ModelRunner.serve`). Under DP attention each rank schedules its own requests
+    (`dsakv.engine.dp`).
     """
 
     def __init__(
@@ -301,19 +303,15 @@ class Engine:
         parallel: ParallelState | None = None,
         device: torch.device | None = None,
     ) -> None:
-        from dsakv.models.loader import load_model
+        from dsakv.models.loader import load_model, torch_dtype
 
         self.config = config
         self.parallel = parallel or ParallelState.single()
         self.device = device or resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
-        dtype = {
-            "auto": torch.float32 if self.device.type == "cpu" else torch.bfloat16,
-            "float32": torch.float32,
-            "bfloat16": torch.bfloat16,
-            "float16": torch.float16,
-        }[config.dtype]
+        auto = "float32" if self.device.type == "cpu" else "bfloat16"
+        dtype = torch_dtype(auto if config.dtype == "auto" else config.dtype)
         torch.manual_seed(config.seed)
         self.model, self.model_config, self.plan = load_model(
             config.model,
@@ -335,25 +333,7 @@ class Engine:
             config.elide_index_k,
         )
         self.hisparse = self._hisparse_config()
-        latent_pages = None
-        if self.hisparse is not None:
-            # Pages are device latent pages; each backs `ratio` logical pages (index-K on
-            # the device, every layer's latent on the host).
-            latent_pages = config.num_pages or (
-                plan_hisparse(
-                    self.layout, self.hisparse, kv_budget_gib=config.kv_budget_gib or 1.0
-                ).device_tokens
-                // config.page_size
-            )
-            num_pages = latent_pages * self.hisparse.host_to_device_ratio
-        elif config.num_pages is not None:
-            num_pages = config.num_pages
-        else:
-            num_pages = plan_capacity(
-                self.layout, kv_budget_gib=config.kv_budget_gib or 1.0
-            ).num_pages
-        if num_pages < 1 or latent_pages == 0:
-            raise DsakvError("the KV budget holds less than one page")
+        num_pages, latent_pages = self._num_pages()
         self.pool = DSAKVPool(self.layout, num_pages, self.device, latent_pages=latent_pages)
         c = self.model_config
         self.deterministic = self._deterministic(dtype)
@@ -370,22 +350,8 @@ class Engine:
         )
         self.model.use_backend(self.backend)
         self.allocator = PageAllocator(num_pages, config.page_size)
-        self.host = None
-        if config.host_pool_gib > 0:
-            try:
-                self.host = HostPool.from_gib(self.pool, config.host_pool_gib)
-            except ValueError as e:
-                raise DsakvError(f"host_pool_gib: {e}") from None
-        self.hot = None
-        if self.hisparse is not None:
-            self.hot = HotBuffers(self.hisparse, self.pool, self.plan, self.backend, self.device)
-        self.cache = PrefixCache(self.allocator, self.host)
-        self.l3: L3Cache | None = None
-        if config.storage is not None:
-            compute = f"{dtype}|{self.backend.name}|deterministic={self.deterministic}"
-            namespace = storage_namespace(self.layout, model_identity(config.model), compute)
-            self.l3 = L3Cache.create(config.storage, self.pool, self.host, namespace)
-            self.cache.l3 = self.l3
+        self.host, self.hot, self.l3 = self._tiers(dtype)
+        self.cache = PrefixCache(self.allocator, self.host, self.l3)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.page_size,
@@ -423,9 +389,59 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
         self._grammars: GrammarCache | None = None
+        self._log_startup()
+
+    def _num_pages(self) -> tuple[int, int | None]:
+        """The pool's pages (`num_pages`, else as many as `kv_budget_gib` holds) and, under
+        HiSparse, its device latent pages: then the budget buys latent pages, and each backs
+        `host_to_device_ratio` logical pages (index-K on the device, every layer's latent
+        on the host)."""
+        config = self.config
+        budget = config.kv_budget_gib or 1.0
+        latent_pages = None
+        if self.hisparse is not None:
+            latent_pages = config.num_pages or (
+                plan_hisparse(self.layout, self.hisparse, kv_budget_gib=budget).device_tokens
+                // config.page_size
+            )
+            num_pages = latent_pages * self.hisparse.host_to_device_ratio
+        elif config.num_pages is not None:
+            num_pages = config.num_pages
+        else:
+            num_pages = plan_capacity(self.layout, kv_budget_gib=budget).num_pages
+        if num_pages < 1 or latent_pages == 0:
+            raise DsakvError("the KV budget holds less than one page")
+        return num_pages, latent_pages
+
+    def _tiers(
+        self, dtype: torch.dtype
+    ) -> tuple[HostPool | None, HotBuffers | None, L3Cache | None]:
+        """The optional tiers around the device pool, each None when off: the host pool
+        (`host_pool_gib`), HiSparse's hot buffers and the L3 storage tier. L3's namespace
+        names how pages were computed (dtype, backend, deterministic), not only the model
+        and layout: engines that compute different bytes do not share stored pages."""
+        config = self.config
+        host = None
+        if config.host_pool_gib > 0:
+            try:
+                host = HostPool.from_gib(self.pool, config.host_pool_gib)
+            except ValueError as e:
+                raise DsakvError(f"host_pool_gib: {e}") from None
+        hot = None
+        if self.hisparse is not None:
+            hot = HotBuffers(self.hisparse, self.pool, self.plan, self.backend, self.device)
+        l3 = None
+        if config.storage is not None:
+            compute = f"{dtype}|{self.backend.name}|deterministic={self.deterministic}"
+            namespace = storage_namespace(self.layout, model_identity(config.model), compute)
+            l3 = L3Cache.create(config.storage, self.pool, host, namespace)
+        return host, hot, l3
+
+    def _log_startup(self) -> None:
+        config = self.config
         log.info(
             "engine: %d pages × %d tokens (%.1f MiB, %d B/token, %s), plan %s%s",
-            num_pages,
+            self.allocator.num_pages,
             config.page_size,
             self.pool.nbytes / 2**20,
             self.layout.bytes_per_token,
@@ -654,6 +670,27 @@ class Engine:
         if self.parallel.world_size > 1:
             destroy_parallel()
 
+    # --- prefill/decode disaggregation (`dsakv.engine.disagg`) ----------------------------
+
+    def reserve_detached(self, prompt_ids: list[int], params: SamplingParams) -> Request | None:
+        """A decode server's request, with pages for its prompt and first decode token but
+        not queued: the prefill server writes the prompt's KV there, then `start_decoding`
+        runs it. None while the pool has no room for it (the caller retries)."""
+        req = Request(list(prompt_ids), params)
+        self._init_request(req)  # its grammar matcher: the first token comes from prefill
+        if not self.scheduler.reserve_detached(req, len(req.prompt_ids) + 1):
+            return None
+        return req
+
+    def start_decoding(self, req: Request, first_token: int) -> None:
+        """Decode a `reserve_detached` request whose prompt KV has arrived, from the prefill
+        side's first token (it may finish right here: EOS, a stop, max_tokens 1)."""
+        req.num_computed = len(req.prompt_ids)  # (with MTP, the draft layer's KV came too)
+        self.requests[req.rid] = req
+        self.stats.prompt_tokens += len(req.prompt_ids)
+        self.scheduler.adopt(req)
+        self._emit(req, first_token, time.perf_counter())
+
     # --- the step -------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
@@ -684,7 +721,7 @@ class Engine:
             for (req, _), e, t in zip(batch, ends, new_tokens)
         ]
         self.stats.decode_steps += sum(1 for req, n in batch if n == 1 and not req.in_prefill)
-        self._score_prompts(batch, hidden, ends)
+        self._score_prompts(batch, ends)
         for req, n in batch:
             req.num_computed += n
             if n > 1:  # a prefill chunk: its full pages can serve other requests now
@@ -757,14 +794,10 @@ class Engine:
         base = req.num_computed  # the last token's KV is counted; the drafts' are not yet
         for j, token in enumerate(tokens):
             req.num_computed = base + j
-            self._append_token(req, token, now)
+            self._emit(req, token, now)
             if logp is not None:
                 req.logprobs.append(float(logp[j, token]))
                 req.top_logprobs.append(_top(logp[j], req.params.logprobs))
-            if req.matcher is not None and not req.finished:
-                req.matcher.accept_token(token)
-                if req.matcher.is_terminated():
-                    self._finish(req, "stop", now)  # the grammar is complete
             if req.finished:
                 return
 
@@ -800,18 +833,13 @@ class Engine:
                 logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs]
             )
             for i, req in enumerate(reqs):
-                token = result.token_ids[i]
-                if req.matcher is not None and not req.matcher.accept_token(token):
-                    log.warning("request %d: grammar rejected token %d", req.rid, token)
-                self._append_token(req, token, now)
+                self._emit(req, result.token_ids[i], now)
                 if result.logprobs is not None and req.params.logprobs is not None:
                     req.logprobs.append(result.logprobs[i])
                     req.top_logprobs.append(result.top_logprobs[i])
-                if not req.finished and req.matcher is not None and req.matcher.is_terminated():
-                    self._finish(req, "stop", now)  # the grammar is complete
         return done + reqs
 
-    def _score_prompts(self, batch: list[tuple[Request, int]], hidden, ends) -> None:
+    def _score_prompts(self, batch: list[tuple[Request, int]], ends: list[int]) -> None:
         """Teacher-forced logprobs of prompt tokens, from this step's prefill rows.
 
         Row p of a request predicts token p + 1, so a chunk covering positions
@@ -856,6 +884,18 @@ class Engine:
         p = req.params
         if index < p.min_tokens:
             ban(row, [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)])
+
+    def _emit(self, req: Request, token: int, now: float) -> None:
+        """Record `req`'s next token, wherever it came from (sampled, a kept MTP draft, the
+        prefill server's first). Its grammar advances first, on every token, the one that
+        ends the request included; a token the grammar refuses is logged and still kept
+        (sampling is masked, so only a token from elsewhere can be refused). A grammar
+        completed by the token ends the request with "stop", unless it ended already."""
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            log.warning("request %d: grammar rejected token %d", req.rid, token)
+        self._append_token(req, token, now)
+        if not req.finished and req.matcher is not None and req.matcher.is_terminated():
+            self._finish(req, "stop", now)
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         if req.metrics.first_token_time is None:

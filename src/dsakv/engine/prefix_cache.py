@@ -18,12 +18,15 @@ import itertools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
 from dsakv.memory.host import HostPool
+
+if TYPE_CHECKING:  # (l3 imports this module)
+    from .l3 import L3Cache
 
 _clock = itertools.count()
 ROOT_HASH = b"\0" * 16
@@ -58,7 +61,9 @@ class Node:
 class PrefixCache:
     """Matches, locks, inserts and evicts cached pages; owns the pages it holds."""
 
-    def __init__(self, allocator: PageAllocator, host: HostPool | None = None) -> None:
+    def __init__(
+        self, allocator: PageAllocator, host: HostPool | None = None, l3: L3Cache | None = None
+    ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.host = host
@@ -67,7 +72,7 @@ class PrefixCache:
         self.num_host_pages = 0
         self.demoted_pages = 0
         self.promoted_pages = 0
-        self.l3: Any = None  # the storage tier (`L3Cache`), told about pages coming and going
+        self.l3 = l3  # the storage tier, told about pages coming and going
 
     # --- lookups ---------------------------------------------------------------------------
 

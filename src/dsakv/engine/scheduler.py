@@ -123,7 +123,7 @@ class Scheduler:
     def _make_room(self, req: Request, tokens: int) -> bool:
         """Pages for `tokens` positions of `req`, retracting the newest requests until they
         are free; False when `req` itself went."""
-        while not self._reserve(req, tokens):
+        while not self.reserve(req, tokens):
             victim = self.running[-1]
             self.retract(victim)
             if victim is req:
@@ -166,11 +166,11 @@ class Scheduler:
         """Pages for the first `tokens` positions of a request that is not queued (a decode
         server's: a prefill server writes its prompt KV), if running requests keep their
         headroom; `adopt` runs it, `finish` (abort) gives the pages back."""
-        if self._pages_for(tokens) + self._headroom() > self._available_pages():
+        if self._pages_for(tokens) + self._headroom() > self.available_pages():
             return False
         if self.hot is not None and not self.hot.can_admit(req, detached=True):
             return False
-        if not self._reserve(req, tokens):
+        if not self.reserve(req, tokens):
             return False
         if self.hot is not None:
             self.hot.admit_detached(req)  # the latent arrives in host memory
@@ -235,14 +235,26 @@ class Scheduler:
         if req.host_slots is None:
             self._prefetch(req)
 
-    def reserve(self, req: Request, tokens: int) -> bool:
-        """Extend `req.pages` to cover `tokens` positions if pages are free (evicting cached
-        ones, never retracting): speculative decoding's extra positions are optional."""
-        return self._reserve(req, tokens)
-
     def slots(self, req: Request, n: int):
         """Token slots of the request's first `n` positions."""
         return self.req_to_token.get(req.rid, n)
+
+    def reserve(self, req: Request, tokens: int) -> bool:
+        """Extend `req.pages` to cover `tokens` positions, evicting cached pages but never
+        retracting; False when no pages can be found (speculative decoding's extra
+        positions are optional, so it asks here rather than through `_make_room`)."""
+        need = self._pages_for(tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        try:
+            self._add_pages(req, self.cache.alloc(need))
+            return True
+        except OutOfPages:
+            return False
+
+    def available_pages(self) -> int:
+        """Pages admission can count on: free ones plus cached ones no request has locked."""
+        return self.allocator.num_free_pages + self.cache.num_evictable_pages
 
     # --- internals ------------------------------------------------------------------------
 
@@ -258,20 +270,6 @@ class Scheduler:
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.config.page_size)
-
-    def _reserve(self, req: Request, tokens: int) -> bool:
-        """Make `req.pages` cover `tokens` positions; False when no pages can be found."""
-        need = self._pages_for(tokens) - len(req.pages)
-        if need <= 0:
-            return True
-        try:
-            self._add_pages(req, self.cache.alloc(need))
-            return True
-        except OutOfPages:
-            return False
-
-    def _available_pages(self) -> int:
-        return self.allocator.num_free_pages + self.cache.num_evictable_pages
 
     def _admit(self, batch: list[tuple[Request, int]], budget: int) -> None:
         while self.waiting and budget > 0:
@@ -318,7 +316,7 @@ class Scheduler:
             return 0
         own = max(self._pages_for(hit + n), self._future_pages(req, 0)) - len(nodes)
         host_nodes = sum(1 for x in nodes if x.page is None)
-        if own + host_nodes + self._headroom() > self._available_pages():
+        if own + host_nodes + self._headroom() > self.available_pages():
             return 0
         if self.hot is not None and not self.hot.can_admit(req):
             return 0  # the device latent slots (HiSparse) are the other limit
@@ -328,7 +326,7 @@ class Scheduler:
             self._add_pages(req, [x.page for x in nodes])
             req.prefix_nodes = nodes
             req.num_computed = hit
-            if not self._reserve(req, hit + n):
+            if not self.reserve(req, hit + n):
                 raise OutOfPages("admission")
             if self.l3 is not None:  # L3 pages are the request's own, as if computed
                 self.l3.admitted(req.rid, stored, req.pages[len(nodes) : len(nodes) + len(stored)])
@@ -346,14 +344,15 @@ class Scheduler:
         return n
 
     def _admit_from_host(self, req: Request, budget: int) -> int:
-        """Resume a request retracted to the host tier: load its KV back, then continue."""
+        """Resume a request retracted to the host tier: load its KV back, then continue.
+        (Never under HiSparse, whose host memory holds the latent, not retracted requests:
+        `_step_tokens` is the plain chunking here, never 0.)"""
         hit = req.host_slots.numel()
-        remaining = req.seq_len - hit
-        n = 1 if remaining == 1 else min(remaining, budget)
+        n = self._step_tokens(req, hit, budget)
         own = max(self._pages_for(hit + n), self._future_pages(req, 0))
-        if own + self._headroom() > self._available_pages():
+        if own + self._headroom() > self.available_pages():
             return 0
-        if not self._reserve(req, hit + n):
+        if not self.reserve(req, hit + n):
             return 0
         self.host.load(req.host_slots, self.slots(req, hit))
         self.host.free(req.host_slots)

@@ -56,6 +56,13 @@ _DTYPES = {
 }
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a `--dtype` name ("bfloat16", "bf16", ...) stands for."""
+    if name not in _DTYPES:
+        raise DsakvError(f"unknown dtype {name!r} (choose from {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
 def load_model(
     path: str | Path,
     plan: LayerPlan | None = None,
@@ -89,9 +96,7 @@ def load_model(
             f"draft_layers={draft_layers} disagrees with the plan's {plan.num_draft_layers}"
         )
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise DsakvError(f"unknown dtype {dtype!r} (choose from {', '.join(_DTYPES)})")
-        dtype = _DTYPES[dtype]
+        dtype = torch_dtype(dtype)
     files = _checkpoint_files(path)
     draft_vocab = _draft_vocab(path, config, plan, files)
     with torch.device("meta"):
