@@ -300,6 +300,47 @@ def test_a_cancelled_handoff_gives_its_pages_back(tmp_path, monkeypatch):
     assert prefill.stats.snapshot()["failures"] == 0
 
 
+def test_a_request_waits_for_pages_parked_by_a_handoff(tmp_path):
+    """Pages a prefill server holds until shipped, or a decode server reserved for KV on its
+    way, come back without a step: a request that cannot be admitted meanwhile waits for
+    them (it was finished at once as "length", cut short, with a 502 on a prefill server)."""
+    from dsakv.engine import Engine, EngineConfig
+    from dsakv.engine import disagg as engine_ops
+
+    model = str(write_tiny_model(tmp_path / "m", "glm-tiny"))
+    config = EngineConfig(model, device="cpu", num_pages=8, page_size=16,
+                          kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompt = list(range(1, 81))  # 5 of the 8 pages, 6 with its outputs: two cannot run at once
+    other = list(range(81, 161))  # (not the same prompt: it would share the cached pages)
+    alone = LLM(model, **{k: getattr(config, k) for k in ("device", "num_pages", "page_size",
+                "kv_cache_dtype", "index_k_dtype")}).generate([other], params)[0].token_ids  # fmt: skip
+
+    def wait_then_run(engine: Engine, release) -> list[int]:
+        req = engine.add_request(other, params)
+        for _ in range(3):
+            assert engine.step() == [] and not req.finished  # waits: nothing admitted
+        release()
+        while engine.has_unfinished():
+            engine.step()
+        assert req.finish_reason == "length" and len(req.output_ids) == 20
+        return req.output_ids
+
+    decode = Engine(config)
+    reserved = engine_ops.reserve(decode, prompt, params)
+    assert reserved is not None
+    assert wait_then_run(decode, lambda: engine_ops.drop(decode, reserved)) == alone
+    decode.check_integrity()
+
+    prefill = Engine(config)
+    first = prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
+    engine_ops.hold(prefill, first)
+    while prefill.has_unfinished():
+        prefill.step()
+    assert wait_then_run(prefill, lambda: engine_ops.release_held(prefill, first)) == alone
+    prefill.check_integrity()
+
+
 # --- servers ------------------------------------------------------------------------------------
 
 

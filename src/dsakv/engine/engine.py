@@ -963,10 +963,11 @@ class Engine:
         self.requests.pop(req.rid, None)
 
     def _fail_unschedulable(self) -> list[Request]:
-        """With nothing running, a request that still cannot be admitted never will be:
-        finish it (returned, so whoever waits on it hears)."""
+        """With nothing running and no pages parked (PD's, which come back without a step),
+        a request that still cannot be admitted never will be: finish it (returned, so
+        whoever waits on it hears)."""
         s = self.scheduler
-        if s.running or not s.waiting:
+        if s.running or s.parked or not s.waiting:
             return []
         req = s.waiting[0]
         log.warning("request %d does not fit in the KV pool; finishing it", req.rid)

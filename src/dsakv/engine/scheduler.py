@@ -62,6 +62,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.new_token_ratio = config.init_new_token_ratio
         self.held: set[int] = set()  # rids whose pages outlive their finish (`release_held`)
+        # Requests holding pages outside the queues, which come back without a step: a
+        # prefill server's finished ones until shipped, a decode server's reservations.
+        self.parked: dict[int, Request] = {}
 
     # --- public ---------------------------------------------------------------------------
 
@@ -134,8 +137,10 @@ class Scheduler:
         """Release a finished or aborted request's pages; its full pages join the cache."""
         if req.rid in self.held and req.finish_reason != "abort":
             self._unqueue(req)  # a prefill server ships the pages first, then `release_held`
+            self.parked[req.rid] = req
             return
         self.held.discard(req.rid)
+        self.parked.pop(req.rid, None)
         self._unqueue(req)
         if self.l3 is not None:
             self.l3.cancel(req.rid)
@@ -174,10 +179,12 @@ class Scheduler:
             return False
         if self.hot is not None:
             self.hot.admit_detached(req)  # the latent arrives in host memory
+        self.parked[req.rid] = req
         return True
 
     def adopt(self, req: Request) -> None:
         """Run a request whose first `num_computed` positions' KV is already in its pages."""
+        self.parked.pop(req.rid, None)
         req.status = Status.RUNNING
         self.running.append(req)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))

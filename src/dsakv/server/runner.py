@@ -34,6 +34,7 @@ from dsakv.errors import DsakvError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+STALL_WAIT_S = 0.005  # the engine thread's poll while nothing can run but pages are parked
 
 
 class EngineThread:
@@ -278,13 +279,17 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            stalled = False
             while True:
-                # Block only when idle; otherwise take whatever arrived since the last step.
-                block = not self.engine.has_unfinished()
-                if not self._drain(block):
+                # Block when idle; otherwise take whatever arrived since the last step, or
+                # wait a little for it when the queue is stalled on PD's parked pages (they
+                # come back through a command: a handoff's end), instead of spinning.
+                idle = not self.engine.has_unfinished()
+                if not self._drain(idle or stalled, None if idle else STALL_WAIT_S):
                     return
                 if self.engine.has_unfinished():
-                    self._step()
+                    s = self.engine.scheduler
+                    stalled = not self._step() and not s.running and bool(s.parked)
         except BaseException as e:  # pragma: no cover - a bug in the bridge itself
             log.exception("engine thread died")
             self.error = e
@@ -293,11 +298,12 @@ class AsyncEngine:
         finally:
             self._finished.set()
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands; False when asked to stop."""
+    def _drain(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply queued commands (waiting up to `timeout` for the first when `block`);
+        False when asked to stop."""
         while True:
             try:
-                kind, arg = self._commands.get(block=block)
+                kind, arg = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
                 return True
             block = False
@@ -366,14 +372,15 @@ class AsyncEngine:
 
         _post(loop, done)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step and its tokens to their streams; False when no request got one."""
         try:
             reqs = self.engine.step()
         except Exception as e:
             # Keep serving: fail the requests in flight, free their pages, go on.
             log.exception("engine step failed; aborting %d requests", len(self._streams))
             self._fail_all(f"engine error: {e}")
-            return
+            return True
         for req in reqs:
             stream = self._streams.get(req.rid)
             if stream is None:
@@ -383,6 +390,7 @@ class AsyncEngine:
             elif req.finished:
                 self._streams.pop(req.rid, None)
                 stream.request = None
+        return bool(reqs)
 
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):
