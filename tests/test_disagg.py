@@ -171,6 +171,36 @@ def test_handshake_answers_as_soon_as_the_kv_is_written_and_names_layout_differe
     assert "page_size: prefill 16, decode 64" in refused
 
 
+def test_a_refused_room_is_the_decode_sides_error_at_once_before_or_after_it_registers():
+    """A prompt the prefill server refuses (longer than its context, say) never gets a
+    claim: the decode server waited out the room's timeout, then answered a 502."""
+    layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
+    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]))
+    server = BootstrapServer("127.0.0.1", free_port(), mine, timeout=20.0)
+    reg = {"layout": mine, "session": "s", "buffers": [], "pages": [], "prompt_ids": [1]}
+
+    async def refused(room: int, registered_first: bool) -> tuple[BootstrapError, float]:
+        start = time.monotonic()
+        if not registered_first:
+            server.refuse(room, "prompt has 405 tokens; at most 299 fit", 400)
+        wait = asyncio.create_task(request_kv("127.0.0.1", server.port, {**reg, "room": room}, 20))
+        if registered_first:
+            while server.open_rooms == 0:
+                await asyncio.sleep(0.01)
+            server.refuse(room, "prompt has 405 tokens; at most 299 fit", 400)
+        with pytest.raises(BootstrapError) as e:
+            await wait
+        return e.value, time.monotonic() - start
+
+    try:
+        for registered_first in (False, True):
+            error, took = asyncio.run(refused(3 + registered_first, registered_first))
+            assert (str(error), error.status) == ("prompt has 405 tokens; at most 299 fit", 400)
+            assert took < 5, registered_first
+    finally:
+        server.close()
+
+
 def test_dsakv_imports_without_mooncake_and_says_how_to_get_it(monkeypatch):
     code = (
         "import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.engine'] = None\n"
@@ -694,6 +724,23 @@ def test_a_client_leaving_a_non_streamed_request_aborts_it(cluster):
     assert 0 < made < 3000, made
 
 
+def test_a_client_leaving_during_prefill_is_no_failure_and_no_traceback(cluster):
+    """A client gone while its prompt is prefilled: the prefill server counted a transfer
+    failure and the decode server logged "Task exception was never retrieved"."""
+    failures = scrape_metrics(cluster["prefill"].url)["dsakv_kv_transfer_failures_total"]
+    body = {"model": "m", "prompt": "x" * 3000, "max_tokens": 4, "temperature": 0}
+    for _ in range(2):
+        with httpx.Client(base_url=cluster["router"], timeout=0.3) as client:
+            with pytest.raises(httpx.TimeoutException):
+                client.post("/v1/completions", json=body)
+    wait_idle(cluster["prefill"].url)
+    wait_idle(cluster["decode"].url)
+    after = scrape_metrics(cluster["prefill"].url)["dsakv_kv_transfer_failures_total"]
+    assert after == failures
+    assert "never retrieved" not in cluster["decode"].log.read_text()
+    assert "never retrieved" not in cluster["prefill"].log.read_text()
+
+
 def test_a_list_of_prompts_through_the_router(cluster, reference):
     """A completions request with several prompts: one bootstrap room each (it failed with
     a 502, or a 400 "more prompts than bootstrap rooms")."""
@@ -723,6 +770,11 @@ def test_a_refused_prompt_is_a_400_before_the_room_is_claimed(cluster, prompt):
     assert time.monotonic() - start < 10
     after = scrape_metrics(cluster["prefill"].url)["dsakv_kv_transfer_failures_total"]
     assert after == before
+    # The decode server that registers the room (its context may be longer) hears the 400.
+    registration = {"room": 9191, "layout": {}}
+    with pytest.raises(BootstrapError) as e:
+        asyncio.run(request_kv("127.0.0.1", cluster["bootstrap_port"], registration, 20))
+    assert e.value.status == 400 and str(e.value) == r.json()["error"]["message"]
 
 
 def test_a_request_the_decode_server_refuses_leaves_no_claim_waiting(cluster):

@@ -107,6 +107,7 @@ class Registration:
 class _Room:
     registered: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     claimed: bool = False
+    refused: tuple[str, int] | None = None  # (message, status): the prefill server's refusal
 
 
 class BootstrapServer:
@@ -152,6 +153,18 @@ class BootstrapServer:
         slot.claimed = True
         return reg
 
+    def refuse(self, room: int, message: str, status: int) -> None:
+        """The prefill server refused `room`'s request (the client's error, e.g. a prompt
+        longer than its context): the decode server waiting for the room hears why now, or
+        when it registers, instead of waiting out the timeout."""
+        slot = self._room(room)
+        slot.refused = (message, status)
+        if slot.registered.done() and slot.registered.exception() is None:
+            slot.registered.result().fail(message, status)
+        self._loop.call_soon_threadsafe(
+            self._loop.call_later, self.timeout, self._forget, room, slot
+        )
+
     def close(self) -> None:
         if self._loop.is_closed():
             return
@@ -194,6 +207,10 @@ class BootstrapServer:
             msg = json.loads(line)
             room = int(msg["room"])
             slot = self._room(room)
+            if slot.refused is not None:
+                message, status = slot.refused
+                await _send(writer, {"type": "error", "message": message, "status": status})
+                return
             diffs = differences(self.layout, msg["layout"], "prefill", "decode")
             if diffs:
                 error = mismatch_message(diffs)
@@ -216,6 +233,8 @@ class BootstrapServer:
                 slot = None  # it belongs to the first registration
                 await _send(writer, {"type": "error", "message": f"room {room} is taken"})
                 return
+            if slot.refused is not None:  # refused while this registration was being read
+                reg.fail(*slot.refused)
             # Well inside the decode side's patience, which it tells us.
             keepalive = max(0.05, min(float(msg.get("timeout", self.timeout)) / 4, 5.0))
             await self._wait(reg, slot, reader, writer, keepalive)

@@ -169,7 +169,11 @@ class PrefillAsyncEngine(_DisaggEngine):
             )
         # A prompt the engine refuses is the client's 400 now; claimed first, it waited out
         # the room's timeout for a decode server that had refused it too.
-        ids = await self.call(lambda e: e.prompt_ids(prompt))
+        try:
+            ids = await self.call(lambda e: e.prompt_ids(prompt))
+        except DsakvError as e:  # the decode server waiting for this room hears why, now
+            self.bootstrap.refuse(target.room, str(e), 400)
+            raise
         try:
             reg = await self.bootstrap.claim(target.room)
         except BootstrapError as e:
@@ -242,8 +246,12 @@ class PrefillAsyncEngine(_DisaggEngine):
                 reg.fail(u.error, u.error_status)
                 public._push(u)
                 return
-            if u.error is not None or u.finish_reason == "abort":
-                raise RuntimeError(u.error or "the prefill request was aborted")
+            if u.error is None and u.finish_reason == "abort":  # its client (the router) left
+                reg.fail("the prefill request was aborted: its client left", 499)
+                public._push(u)
+                return
+            if u.error is not None:
+                raise RuntimeError(u.error)
             n = len(req.prompt_ids)
             if req.num_computed < n:
                 raise RuntimeError("the prompt does not fit in the prefill server's KV pool")
@@ -331,7 +339,7 @@ class DecodeAsyncEngine(_DisaggEngine):
                 reply = await asyncio.shield(handshake)
             except asyncio.CancelledError:
                 # The prefill side may be writing into the pages: free them once it answers.
-                handshake.add_done_callback(lambda _: self._drop_soon(req))
+                handshake.add_done_callback(lambda t: self._drop_soon(req, t))
                 raise
             except BootstrapError as e:
                 await self.call(lambda eng: ops.drop(eng, req))
@@ -368,8 +376,11 @@ class DecodeAsyncEngine(_DisaggEngine):
                 )
             await asyncio.sleep(_RESERVE_POLL_S)
 
-    def _drop_soon(self, req: Request) -> None:
-        """Give a reserved request's pages back from a callback on the event loop."""
+    def _drop_soon(self, req: Request, handshake: asyncio.Future) -> None:
+        """Give a reserved request's pages back once the handshake of a handler that was
+        cancelled ends; its outcome is read (the client left: nobody else will)."""
+        if not handshake.cancelled():
+            handshake.exception()
         self._spawn(self.call(lambda e: ops.drop(e, req)))
 
     def _start(self, req: Request, reply: dict[str, Any], stream: RequestStream, engine: Engine):
