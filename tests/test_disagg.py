@@ -38,6 +38,7 @@ from dsakv.disagg.transfer import (
 )
 from dsakv.engine import LLM, SamplingParams
 from dsakv.memory import CacheLayout, DSAKVPool
+from dsakv.memory.storage import model_identity
 from dsakv.models.tiny import TINY_PRESETS, default_model_dir, write_tiny_model
 
 from .serving import (
@@ -136,10 +137,10 @@ def test_a_write_to_a_dead_peer_fails_at_once():
 
 def test_handshake_answers_as_soon_as_the_kv_is_written_and_names_layout_differences():
     """The decode side hears `done` at once (not at the next keepalive); a registration
-    from another layout is refused, naming the field, and the prefill side's claim fails
-    with the same message."""
+    from another layout or checkpoint is refused, naming the field, and the prefill side's
+    claim fails with the same message."""
     layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
-    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]))
+    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt")
     server = BootstrapServer("127.0.0.1", free_port(), mine, timeout=20.0)  # keepalive 5 s
     reg = {"layout": mine, "session": "s", "buffers": [], "pages": [], "prompt_ids": [1]}
 
@@ -154,7 +155,7 @@ def test_handshake_answers_as_soon_as_the_kv_is_written_and_names_layout_differe
         reply = await request_kv("127.0.0.1", server.port, {**reg, "room": 1}, 20.0)
         took = time.monotonic() - start
         await task
-        other = {**mine, "elide_index_k": False, "page_size": 64}
+        other = {**mine, "elide_index_k": False, "page_size": 64, "checkpoint": "seed1"}
         with pytest.raises(BootstrapError) as refused:
             await request_kv("127.0.0.1", server.port, {**reg, "room": 2, "layout": other}, 20.0)
         with pytest.raises(BootstrapError) as claimed:
@@ -169,13 +170,14 @@ def test_handshake_answers_as_soon_as_the_kv_is_written_and_names_layout_differe
     assert reply["first_token"] == 7 and took < 2
     assert "elide_index_k: prefill True, decode False" in refused
     assert "page_size: prefill 16, decode 64" in refused
+    assert "checkpoint: prefill 'ckpt', decode 'seed1'" in refused  # other weights
 
 
 def test_a_refused_room_is_the_decode_sides_error_at_once_before_or_after_it_registers():
     """A prompt the prefill server refuses (longer than its context, say) never gets a
     claim: the decode server waited out the room's timeout, then answered a 502."""
     layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
-    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]))
+    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt")
     server = BootstrapServer("127.0.0.1", free_port(), mine, timeout=20.0)
     reg = {"layout": mine, "session": "s", "buffers": [], "pages": [], "prompt_ids": [1]}
 
@@ -580,7 +582,7 @@ def _registration(cluster, room: int, prompt_ids: list[int], **change) -> bytes:
     pool = DSAKVPool(layout, 4)
     reg = {
         "room": room,
-        "layout": {**describe(layout, ModelConfig.resolve(model)), **change},
+        "layout": {**describe(layout, ModelConfig.resolve(model), model_identity(model)), **change},
         "session": f"127.0.0.1:{free_port()}",  # no Mooncake there: the decode side is gone
         "buffers": [PeerBuffer.of(d).to_json() for d in pool.transfer_descriptors()],
         "pages": [0, 1],
@@ -730,9 +732,9 @@ def test_a_client_leaving_during_prefill_is_no_failure_and_no_traceback(cluster)
     failures = scrape_metrics(cluster["prefill"].url)["dsakv_kv_transfer_failures_total"]
     body = {"model": "m", "prompt": "x" * 3000, "max_tokens": 4, "temperature": 0}
     for _ in range(2):
-        with httpx.Client(base_url=cluster["router"], timeout=0.3) as client:
-            with pytest.raises(httpx.TimeoutException):
-                client.post("/v1/completions", json=body)
+        client = httpx.Client(base_url=cluster["router"], timeout=0.3)
+        with client, pytest.raises(httpx.TimeoutException):
+            client.post("/v1/completions", json=body)
     wait_idle(cluster["prefill"].url)
     wait_idle(cluster["decode"].url)
     after = scrape_metrics(cluster["prefill"].url)["dsakv_kv_transfer_failures_total"]

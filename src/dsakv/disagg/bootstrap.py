@@ -45,10 +45,11 @@ class BootstrapError(RuntimeError):
 # --- what must match ---------------------------------------------------------------------------
 
 
-def describe(layout: CacheLayout, config: ModelConfig) -> dict[str, Any]:
+def describe(layout: CacheLayout, config: ModelConfig, checkpoint: str) -> dict[str, Any]:
     """Everything that must be equal on both sides for the pages to mean the same thing:
-    the cache layout (LayerPlan pattern, draft layers, dims, dtypes, page size, elision)
-    and the model (its config)."""
+    the cache layout (LayerPlan pattern, draft layers, dims, dtypes, page size, elision),
+    the model's config and its weights (`checkpoint`: `storage.model_identity`; two seeds
+    of one architecture paired silently, each side's KV garbage to the other)."""
     d: dict[str, Any] = {
         f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.name != "plan"
     }
@@ -56,6 +57,7 @@ def describe(layout: CacheLayout, config: ModelConfig) -> dict[str, Any]:
     d["num_draft_layers"] = layout.plan.num_draft_layers
     d["fingerprint"] = layout.fingerprint()
     d["model"] = dataclasses.asdict(config)
+    d["checkpoint"] = checkpoint
     return json.loads(json.dumps(d, default=str))  # as it will arrive from the peer
 
 

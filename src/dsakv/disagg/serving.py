@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from dsakv.engine import Engine, EngineConfig, Request, SamplingParams
 from dsakv.engine import disagg as ops
 from dsakv.errors import DsakvError
+from dsakv.memory.storage import model_identity
 from dsakv.server.metrics import PREFIX
 from dsakv.server.protocol import APIError
 from dsakv.server.runner import (
@@ -72,7 +73,9 @@ class _DisaggEngine(AsyncEngine):
         thread: EngineThread | None = None,
     ) -> None:
         self.config = config
-        self.layout = describe(engine.layout, engine.model_config)
+        self.layout = describe(
+            engine.layout, engine.model_config, model_identity(engine.config.model)
+        )
         host_latent = engine.hot.host if engine.hot is not None else None
         self.transfer = KVTransfer(
             engine.pool, config.host_for(server_host), host_latent=host_latent
@@ -144,7 +147,8 @@ class PrefillAsyncEngine(_DisaggEngine):
         server_host: str,
         thread: EngineThread | None = None,
     ) -> None:
-        layout = describe(engine.layout, engine.model_config)
+        checkpoint = model_identity(engine.config.model)
+        layout = describe(engine.layout, engine.model_config, checkpoint)
         self.bootstrap = BootstrapServer(
             server_host, config.bootstrap_port, layout, config.timeout_s
         )
