@@ -264,6 +264,31 @@ def test_llm_tp2_in_a_script_with_and_without_a_main_guard(models, tmp_path):
     assert "leaked" not in guarded.stderr, guarded.stderr
 
 
+def test_an_llm_left_open_still_lets_the_script_exit(models, tmp_path):
+    """`LLM(tp=2)` never closed: the interpreter's exit hung forever (multiprocessing joined
+    rank 1, which waited for rank 0). A closed one refuses to generate, with a reason (it
+    raised torch's "Default process group has not been initialized")."""
+    script = f"""from dsakv import LLM, SamplingParams
+from dsakv.errors import DsakvError
+if __name__ == "__main__":
+    closed = LLM({models['glm']!r}, tp=2, **{EXACT!r})
+    closed.close()
+    try:
+        closed.generate([[1, 2, 3]])
+    except DsakvError as e:
+        print("refused:", e)
+    llm = LLM({models['glm']!r}, tp=2, **{EXACT!r})
+    print(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids)
+"""
+    (tmp_path / "left_open.py").write_text(script)
+    r = subprocess.run([sys.executable, "left_open.py"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=240)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    refused, tokens = r.stdout.strip().splitlines()
+    assert refused == "refused: this LLM was closed; make a new one"
+    assert len(eval(tokens)) == 4
+
+
 def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
     """Requests that run on rank 1 come back with their prompt logprobs and their
     grammar-constrained tokens as on one rank; a bad grammar is refused on rank 0 before

@@ -277,6 +277,31 @@ def test_bad_requests_and_engine_args(tiny):
         llm.generate([1.5], GREEDY)
 
 
+def test_ctrl_c_takes_effect_between_steps_and_leaves_nothing_queued(tiny, monkeypatch):
+    """SIGINT inside a step is raised after it (with several ranks, one between a step's
+    collectives left rank 0 out of step with the others); the call's requests are aborted,
+    so the next call runs alone and gets the same tokens."""
+    import signal
+
+    llm = LLM(tiny, **EXACT, num_pages=32)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = llm.generate([[5, 6, 7]], params)[0].token_ids
+    step, steps = llm.engine.step, []
+
+    def interrupted_step():
+        signal.raise_signal(signal.SIGINT)  # lands mid-step
+        steps.append(1)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3], [5, 6, 7]], params)
+    assert len(steps) == 1 and not llm.engine.has_unfinished()  # the step ran out, then stop
+    monkeypatch.undo()
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == want
+    llm.engine.check_integrity()
+
+
 def test_generate_takes_vllm_prompt_dicts(tiny):
     """vLLM's TextPrompt and TokensPrompt, alone or in a list: the dict's text or ids run
     (a TokensPrompt used to run the text "prompt_token_ids")."""

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import reprlib
-from collections.abc import Iterable, Mapping, Sequence
+import signal
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -71,10 +76,16 @@ class LLM:
         else:
             config = EngineConfig.from_kwargs(model, **engine_args)
         self.engine = create_engine(config)
+        # Dropped or left open at exit, an LLM still stops its ranks (multiprocessing's exit
+        # hook joins them, and they wait for rank 0 forever); registered after that hook,
+        # this one runs first.
+        self._close = weakref.finalize(self, self.engine.close)
+        atexit.register(self._close)
 
     def close(self) -> None:
         """Stop the other ranks (with `tp > 1`); the object is unusable afterwards."""
-        self.engine.close()
+        self._close()
+        atexit.unregister(self._close)
 
     def __enter__(self) -> LLM:
         return self
@@ -95,22 +106,48 @@ class LLM:
         """Complete every prompt: text, token ids, or vLLM's `{"prompt": text}` /
         `{"prompt_token_ids": ids}`; one `params` for all, or one per prompt. Outputs
         come back in input order."""
+        if not self._close.alive:
+            raise DsakvError("this LLM was closed; make a new one")
         prompts = _as_prompt_list(prompts)
         plist = _as_params_list(params, len(prompts))
         reqs = []
         try:
             for p, sp in zip(prompts, plist):
                 reqs.append(self.engine.add_request(p, sp))
-        except BaseException:  # a bad prompt further on: none of this call's requests stay
+            bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
+            with _interrupts_between_steps() as check:
+                while self.engine.has_unfinished():
+                    bar.update(sum(1 for r in self.engine.step() if r.finished))
+                    check()
+            bar.close()
+        except BaseException:  # a bad prompt further on, Ctrl-C: none of this call's stay
             for r in reqs:
                 self.engine.abort(r.rid)
             raise
-        bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
-        while self.engine.has_unfinished():
-            done = sum(1 for r in self.engine.step() if r.finished)
-            bar.update(done)
-        bar.close()
         return [RequestOutput.from_request(r) for r in reqs]
+
+
+@contextlib.contextmanager
+def _interrupts_between_steps() -> Iterator[Callable[[], None]]:
+    """Ctrl-C takes effect after the step it lands in (the check raises it): with several
+    ranks, an interrupt between a step's collectives left rank 0 out of step with the
+    others, and the next call (or the close) hung in a collective for 120 s. Only the main
+    thread receives signals; elsewhere, or where SIGINT is ignored, the check does nothing."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield lambda: None
+        return
+    hits: list[int] = []
+
+    def check() -> None:
+        if hits:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _copy(xs: list | None) -> list | None:
