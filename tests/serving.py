@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,16 +17,11 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsakv.engine import EngineConfig
+from dsakv.procs import free_port
 from dsakv.server import make_server
 from dsakv.server.runner import AsyncEngine
 
 TIMEOUT = 30.0  # every wait on a server is bounded by this
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -34,9 +34,9 @@ from dsakv.memory.storage import (
     decode_object,
     encode_object,
     start_mooncake_master,
-    stop_process,
 )
 from dsakv.models.tiny import write_tiny_model
+from dsakv.procs import stop_process
 
 from .serving import TIMEOUT, free_port
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dsakv.config.layer_plan import plan_overrides
-from dsakv.disagg import cli as disagg_cli
+from dsakv.disagg.config import DEFAULT_BOOTSTRAP_PORT, MODES, DisaggConfig
 from dsakv.errors import DsakvError
 from dsakv.writable import can_append, write_blocker
 
@@ -549,7 +549,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     check_listen(args.host, args.port)
     config, bridge = engine_config_from_args(args), None
-    disaggregation = disagg_cli.config_from_args(args)
+    disaggregation = disagg_config_from_args(args)
     if disaggregation is not None and disaggregation.mode == "prefill":  # it listens twice
         if disaggregation.bootstrap_port == args.port:
             raise DsakvError("--disaggregation-bootstrap-port must differ from --port")
@@ -641,8 +641,126 @@ def _add_engine_commands(sub: Any) -> None:
     )
     add_engine_args(p)
     add_storage_args(p)
-    disagg_cli.add_serve_args(p)
+    add_disagg_args(p)
     p.set_defaults(func=_cmd_serve)
+
+
+# --- prefill/decode disaggregation -------------------------------------------------------------
+
+
+def add_disagg_args(p: argparse.ArgumentParser) -> None:
+    """`dsakv serve` flags (SGLang's names) that make it a prefill or decode server."""
+    g = p.add_argument_group("prefill/decode disaggregation")
+    g.add_argument(
+        "--disaggregation-mode", choices=MODES, help="serve as a prefill or decode server"
+    )
+    g.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=DEFAULT_BOOTSTRAP_PORT,
+        help=f"prefill: handshake port for decode servers (default {DEFAULT_BOOTSTRAP_PORT})",
+    )
+    g.add_argument(
+        "--disaggregation-timeout",
+        type=float,
+        default=60.0,
+        help="seconds either side waits for the other (default 60)",
+    )
+    g.add_argument(
+        "--disaggregation-transfer-host",
+        help="address Mooncake listens on (default: --host, or this machine's if a wildcard)",
+    )
+
+
+def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
+    if not getattr(args, "disaggregation_mode", None):
+        return None
+    return DisaggConfig(
+        args.disaggregation_mode,
+        args.disaggregation_bootstrap_port,
+        args.disaggregation_timeout,
+        args.disaggregation_transfer_host,
+    )
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from dsakv.disagg.router import build_router_app, run_router
+
+    build_router_app(args.prefill, args.decode)  # bad URLs fail before anything listens
+    check_listen(args.host, args.port)
+    run_router(args.prefill, args.decode, args.host, args.port)
+    return 0
+
+
+def _cmd_serve_pd(args: argparse.Namespace) -> int:
+    from dsakv.disagg.launch import serve_pd
+    from dsakv.models.tiny import resolve_model_dir
+
+    ports = [args.port, args.prefill_port, args.decode_port, args.bootstrap_port]
+    given = [p for p in ports if p is not None]
+    if len(set(given)) < len(given):
+        raise DsakvError("--port, --prefill-port, --decode-port and --bootstrap-port must differ")
+    check_listen(args.host, args.port)
+    for p in ports[1:]:
+        if p is not None:
+            check_listen("127.0.0.1", p)
+    config = engine_config_from_args(args)  # what either server would refuse, refused once
+    for mode in MODES:
+        DisaggConfig(mode).check_engine(config)
+    flags = _flags(args, add_engine_args)
+    flags += ["--disaggregation-timeout", str(args.disaggregation_timeout)]
+    for name in ("served_model_name", "api_key"):
+        if getattr(args, name):
+            flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
+    serve_pd(
+        resolve_model_dir(args.model),
+        flags,
+        args.host,
+        args.port,
+        args.prefill_port,
+        args.decode_port,
+        args.bootstrap_port,
+    )
+    return 0
+
+
+def _flags(args: argparse.Namespace, add_args: Any) -> list[str]:
+    """The flags `add_args` defines, as given on this command line (to pass them on)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_args(parser)
+    out: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if value is None or value is False or value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
+def _add_disagg_commands(sub: Any) -> None:
+    """`dsakv router` and `dsakv serve-pd`."""
+    p = sub.add_parser("router", help="OpenAI front door over prefill and decode servers")
+    p.add_argument("--prefill", action="append", required=True, metavar="URL", help="repeatable")
+    p.add_argument("--decode", action="append", required=True, metavar="URL", help="repeatable")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port, default=8000)
+    p.set_defaults(func=_cmd_router)
+
+    p = sub.add_parser(
+        "serve-pd", help="a prefill server, a decode server and the router, on this machine"
+    )
+    p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
+    p.add_argument("--host", default="127.0.0.1", help="the router's address")
+    p.add_argument("--port", type=port, default=8000, help="the router's port")
+    p.add_argument("--prefill-port", type=port, help="(default: a free port)")
+    p.add_argument("--decode-port", type=port, help="(default: a free port)")
+    p.add_argument("--bootstrap-port", type=port, help="(default: a free port)")
+    p.add_argument("--disaggregation-timeout", type=float, default=60.0)
+    p.add_argument("--served-model-name")
+    p.add_argument("--api-key")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_serve_pd)
 
 
 # --- bench -----------------------------------------------------------------------------------
@@ -877,7 +995,7 @@ def _bench_device(name: str) -> str:
 
 def _bench_storage(args: argparse.Namespace) -> dict[str, Any] | None:
     """Where the L3 section stores (default: files in a temporary directory)."""
-    from dsakv.memory.storage import split_address
+    from dsakv.procs import split_address
 
     backend, where = args.hicache_storage_backend, args.hicache_storage_dir
     master = args.hicache_mooncake_master
@@ -1029,7 +1147,6 @@ def _add_device_check(sub: Any) -> None:
                    help="override one stage's deadline (repeatable)")  # fmt: skip
     p.add_argument("--budget", type=_positive_float, help="seconds for all stages (GPU: 525)")
     p.add_argument("--bench", action="store_true", help="then `dsakv bench --quick`, in time left")
-    p.add_argument("--no-bench", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument("--compile-only", action="store_true",
                    help="no GPU: compile every Triton kernel for sm_90, ptxas resource use")  # fmt: skip
     p.add_argument("--triton-path", metavar="DIR",
@@ -1130,7 +1247,7 @@ def _add_calibrate(sub: Any) -> None:
 _COMMANDS: list[Callable[[Any], None]] = [
     _add_plan,
     _add_engine_commands,
-    disagg_cli.add_commands,
+    _add_disagg_commands,
     _add_bench,
     _add_calibrate,
     _add_device_check,

@@ -27,7 +27,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import torch
 
 from dsakv.errors import DsakvError
 from dsakv.kernels.cpu_ops import compile_warmup_s
+from dsakv.procs import free_port, stop_process
 
 TARGET_RATIO = 0.9  # the server decodes within 10% of the in-process rate
 SERVED_NAME = "bench"
@@ -275,7 +275,7 @@ class _Server:
     """A `dsakv serve` subprocess on a free loopback port, its log in a file."""
 
     def __init__(self, model: str, flags: list[str], threads: int, log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         argv = [sys.executable, "-m", "dsakv.cli", "serve", model, "--port", str(self.port)]
@@ -363,13 +363,7 @@ class _Server:
         return _figures(n, sum(counts), decode, t0, t1, ttfts, mark["server"], usage1, client)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop_process(self.proc, 30)
 
     def _tail(self) -> str:
         try:
@@ -459,12 +453,6 @@ def _usage(pid: int) -> tuple[float, float] | None:
     tick = os.sysconf("SC_CLK_TCK")
     busy = sum(machine) - machine[3] - machine[4]  # everything but idle and iowait
     return (int(stat[11]) + int(stat[12])) / tick, busy / tick
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpus() -> int:

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from dsakv.engine import SamplingParams
-from dsakv.memory.storage import free_port, start_mooncake_master, stop_process
+from dsakv.memory.storage import start_mooncake_master
+from dsakv.procs import free_port, stop_process
 
 from . import throughput as tp
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,14 +14,9 @@ from collections.abc import Sequence
 import httpx
 
 from dsakv.errors import DsakvError
+from dsakv.procs import exit_on_sigterm, free_port, stop_processes
 
 from .router import run_router
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def serve_command(model: str, mode: str, port: int, bootstrap_port: int, flags: Sequence[str]):
@@ -48,10 +42,6 @@ def wait_healthy(urls: Sequence[str], procs: Sequence[subprocess.Popen], timeout
         if time.monotonic() > deadline:
             raise DsakvError(f"{pending[0]} did not come up within {timeout:g} s")
         time.sleep(0.3)
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _watch(procs: Sequence[subprocess.Popen], done: threading.Event) -> None:
@@ -92,7 +82,7 @@ def serve_pd(
     urls = [f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"]
     # uvicorn re-raises the SIGTERM it caught once it has stopped: make that an exception,
     # so the servers below are stopped too rather than orphaned.
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
     done = threading.Event()
     try:
         wait_healthy(urls, procs, startup_timeout)
@@ -101,11 +91,4 @@ def serve_pd(
     finally:
         done.set()
         signal.signal(signal.SIGTERM, previous)
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs, 10)

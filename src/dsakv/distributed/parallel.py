@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dsakv.errors import DsakvError
+from dsakv.procs import split_address
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -55,12 +56,7 @@ class ParallelConfig:
         if self.nnodes > 1 and not self.dist_init_addr:
             raise DsakvError("--nnodes > 1 needs --dist-init-addr HOST:PORT")
         if self.dist_init_addr is not None:
-            host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise DsakvError(
-                    f"--dist-init-addr must be HOST:PORT (port 1..65535), "
-                    f"got {self.dist_init_addr!r}"
-                )
+            split_address(self.dist_init_addr, "--dist-init-addr", " (port 1..65535)")
         if not self.timeout_s > 0:
             raise DsakvError(f"timeout must be > 0 seconds, got {self.timeout_s}")
 
@@ -104,12 +100,6 @@ class ParallelConfig:
         for name, value, parts, flag in checks:
             if value % parts:
                 raise DsakvError(f"{name} ({value}) is not divisible by {flag} ({parts})")
-
-
-def shard_range(size: int, parts: int, index: int) -> tuple[int, int]:
-    """Rows `[start, end)` of part `index` when `size` is split evenly into `parts`."""
-    step = -(-size // parts)
-    return min(size, index * step), min(size, (index + 1) * step)
 
 
 class ParallelState:

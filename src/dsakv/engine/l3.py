@@ -48,8 +48,8 @@ from dsakv.memory.storage import (
     make_backend,
     object_key,
     start_mooncake_master,
-    stop_process,
 )
+from dsakv.procs import stop_process
 
 from .prefix_cache import Node, chain_hashes
 

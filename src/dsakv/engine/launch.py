@@ -12,12 +12,10 @@ killed with it (Linux parent-death signal).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -30,13 +28,12 @@ from tqdm import tqdm
 from dsakv.config import ModelConfig
 from dsakv.distributed.parallel import ParallelConfig, destroy_parallel, init_parallel
 from dsakv.errors import DsakvError
+from dsakv.procs import die_with_parent, free_port
 
 from .dp import DPEngine, serve_dp_peer
 from .engine import Engine, resolve_device
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
@@ -58,7 +55,7 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
         rank, init, procs = torchrun, "env://", {}
     else:
         rank = pc.node_rank * pc.ranks_per_node
-        addr = pc.dist_init_addr or f"127.0.0.1:{_free_port()}"
+        addr = pc.dist_init_addr or f"127.0.0.1:{free_port()}"
         init = f"tcp://{addr}"
         ctx = mp.get_context("spawn")
         pipes = {r: ctx.Pipe(duplex=False) for r in range(rank + 1, rank + pc.ranks_per_node)}
@@ -149,7 +146,7 @@ def _wait_started(procs: dict[int, Any], started: dict[int, Connection], timeout
 
 def _rank_main(config: Any, rank: int, init: str, started: Connection) -> None:
     """Entry point of a spawned rank process."""
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # killed when the process that spawned it dies
     # This process ends with os._exit, so nothing would release a multiprocessing lock
     # (tqdm makes one for its bars): a thread lock serves one process as well.
     tqdm.set_lock(threading.RLock())
@@ -210,18 +207,3 @@ def _torchrun_rank(pc: ParallelConfig) -> int | None:
     if world != pc.world_size:
         raise DsakvError(f"torchrun started {world} processes but --tp is {pc.tp}")
     return int(os.environ["RANK"])
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Linux: be killed when the process that spawned this rank dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass

@@ -24,7 +24,7 @@ Backends are small (`get/put/exists/delete`): a directory with an LRU size cap
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from dsakv.errors import DsakvError
+from dsakv.procs import die_with_parent, free_port, split_address, stop_process
 from dsakv.writable import can_create_in
 
 from .layout import CacheLayout
@@ -200,13 +201,6 @@ class StorageConfig:
     @property
     def max_bytes(self) -> int | None:
         return None if self.max_gib is None else int(self.max_gib * 2**30)
-
-
-def split_address(address: str, flag: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise DsakvError(f"{flag} must be HOST:PORT, got {address!r}")
-    return host, int(port)
 
 
 # --- backends --------------------------------------------------------------------------------
@@ -446,17 +440,6 @@ def mooncake_master_binary() -> str:
     return found
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_mooncake_master(address: str, timeout_s: float = 20.0) -> subprocess.Popen:
     """Start `mooncake_master` for this machine: RPC on `address` (127.0.0.1:PORT), its
     metrics port on a free loopback port; returns once it accepts connections. The process
@@ -477,7 +460,7 @@ def start_mooncake_master(address: str, timeout_s: float = 20.0) -> subprocess.P
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent,
+        preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
     )
     deadline = time.monotonic() + timeout_s
     while not port_open(host, port, 0.2):
@@ -486,13 +469,3 @@ def start_mooncake_master(address: str, timeout_s: float = 20.0) -> subprocess.P
             raise DsakvError(f"mooncake_master did not start on {address}")
         time.sleep(0.05)
     return proc
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout_s)

@@ -11,6 +11,7 @@ import uvicorn
 
 from dsakv.engine import EngineConfig
 from dsakv.engine.launch import create_engine
+from dsakv.procs import exit_on_sigterm
 
 from .app import build_app
 from .chat import ChatParsers
@@ -95,7 +96,7 @@ def run_server(
     # uvicorn re-raises the SIGTERM it caught once it has stopped: make that an exception,
     # so the engine still closes (the L3 storage tier writes what it holds) on `kill`.
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm) if main else None
     try:
         server.run()
     finally:
@@ -103,7 +104,3 @@ def run_server(
             signal.signal(signal.SIGTERM, previous)
         async_engine.shutdown()
         async_engine.close_engine()
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)

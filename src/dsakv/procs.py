@@ -1,0 +1,64 @@
+"""Child processes and local ports: the few helpers every layer that starts a process or
+listens needs (the Mooncake master, engine ranks, `dsakv serve-pd`'s servers, bench's
+server). They sit at the bottom, beside `errors`, so each of those layers uses this one
+copy instead of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import socket
+import subprocess
+from collections.abc import Sequence
+
+from dsakv.errors import DsakvError
+
+_PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `host` now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def split_address(address: str, flag: str, note: str = "") -> tuple[str, int]:
+    """`HOST:PORT` as (host, port), the port in 1..65535; anything else is refused in one
+    line naming `flag` (`note` follows `HOST:PORT` in it)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DsakvError(f"{flag} must be HOST:PORT{note}, got {address!r}")
+    return host, int(port)
+
+
+def die_with_parent(sig: int) -> None:
+    """Linux: have this process sent `sig` when its parent dies (parent-death signal);
+    elsewhere nothing. Call it in the child: a `preexec_fn`, a spawned process's entry."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def exit_on_sigterm(signum: int, frame: object) -> None:
+    """A SIGTERM handler that raises SystemExit, so `finally` blocks still run: uvicorn
+    re-raises the SIGTERM it caught once it has stopped."""
+    raise SystemExit(128 + signum)
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
+    """Terminate every one still running, then wait for each; kill one that has not
+    exited within `timeout_s`."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    """`stop_processes` for one."""
+    stop_processes([proc], timeout_s)
