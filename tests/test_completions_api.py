@@ -136,11 +136,13 @@ def test_echo_logprobs_equal_offline_teacher_forced(client, reference, model_dir
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         diffs = [abs(a - b) for a, b in zip(lp.token_logprobs[1:], ref.prompt_logprobs[1:])]
         assert max(diffs) < 1e-5
-        for top, ref_top in zip(lp.top_logprobs[1:], ref.prompt_top_logprobs[1:]):
-            # keyed by token text: two undecodable bytes ("\ufffd") may share a key
-            assert 1 <= len(top) <= 2
+        pairs = zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:])
+        for (tok, x, top), ref_top in zip(pairs, ref.prompt_top_logprobs[1:]):
+            # the top 2 and the prompt token (ASCII here: one token per text), keyed by text
+            assert 1 <= len(top) <= 3 and top[tok] == pytest.approx(x, abs=1e-5)
             assert max(top.values()) == pytest.approx(ref_top[0][1], abs=1e-5)
-            assert all(any(abs(v - x) < 1e-5 for _, x in ref_top) for v in top.values())
+            known = [x] + [y for _, y in ref_top]
+            assert all(any(abs(v - y) < 1e-5 for y in known) for v in top.values())
     # ...and the offline engine agrees with one full-sequence forward.
     ids = refs[1].prompt_token_ids
     full = _full_forward_logprobs(model_dir, ids)
@@ -185,6 +187,51 @@ def test_echo_streaming_starts_with_the_prompt(base):
         f"{base}/v1/completions", json={**body, "stream": False}, timeout=TIMEOUT
     ).json()
     assert text == plain["choices"][0]["text"]
+
+
+def _top_logprobs_chunks(base: str, body: dict) -> list:
+    """A streamed completion's top_logprobs, all chunks' joined."""
+    with httpx.stream(
+        "POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT
+    ) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    return [top for c in chunks for top in c["choices"][0]["logprobs"]["top_logprobs"]]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_top_logprobs_hold_the_chosen_token(base, k):
+    """OpenAI's legacy completions and vLLM: each position's top_logprobs holds the top `k`
+    tokens and the chosen one (sampled, or the prompt's under echo), so up to k + 1 entries;
+    `logprobs: 0` gives the chosen token alone (they were the top k only: `{}` at 0).
+    Streamed the same."""
+    body = {"prompt": TEXTS[0][:24], "max_tokens": 12, "temperature": 1.5, "seed": 3,
+            "echo": True, "logprobs": k, "ignore_eos": True}  # fmt: skip
+    out = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()
+    lp = out["choices"][0]["logprobs"]
+    assert lp["top_logprobs"][0] is None and lp["token_logprobs"][0] is None
+    rows = list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))[1:]
+    assert len(rows) == len(TEXTS[0][:24]) - 1 + 12
+    for tok, x, top in rows:
+        assert tok in top and 1 <= len(top) <= k + 1, (tok, x, top)
+        # (a likelier token adding the same text, "" for part of a character, keeps the key)
+        assert top[tok] == pytest.approx(x, abs=1e-5) or top[tok] > x
+        if k == 0:
+            assert top == {tok: pytest.approx(x, abs=1e-5)}
+    if k == 1:  # sampled hot, some tokens were not the top 1: two entries there
+        assert any(len(top) == 2 for _, _, top in rows)
+    assert _top_logprobs_chunks(base, body) == lp["top_logprobs"]
+
+
+def test_best_of_below_n_is_a_400(base):
+    """OpenAI and vLLM refuse best_of < n (best_of 1 with n 2 was taken as n 2)."""
+    body = {"prompt": "x", "max_tokens": 2, "n": 2, "best_of": 1}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] == "best_of must be greater than or equal to n"
+    assert err["param"] == "best_of"
+    ok = httpx.post(f"{base}/v1/completions", json={**body, "best_of": 2}, timeout=TIMEOUT)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
 # --- n, prompt lists -------------------------------------------------------------------------------

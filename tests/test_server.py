@@ -223,6 +223,48 @@ def test_streaming_completion_and_chat(client, reference):
     assert all(c.usage is None for c in chunks)
 
 
+def test_continuous_usage_stats(client):
+    """vLLM's `stream_options.continuous_usage_stats` (with include_usage): every chunk carries
+    its choice's usage so far, the final usage chunk stays the request's total."""
+    kw = dict(
+        model=MODEL,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = list(
+        client.completions.create(
+            prompt="Once upon a time", logprobs=0, extra_body={"ignore_eos": True}, **kw
+        )
+    )
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens == 6
+    seen = 0
+    for c in chunks[:-1]:
+        seen += len(c.choices[0].logprobs.tokens)  # tokens streamed so far
+        u = c.usage
+        assert (u.prompt_tokens, u.completion_tokens) == (final.usage.prompt_tokens, seen)
+        assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert seen == 6
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chunks = list(client.chat.completions.create(messages=messages, **kw))
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens <= 6
+    prompt = final.usage.prompt_tokens
+    usages = [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in chunks[:-1]]
+    assert chunks[0].choices[0].delta.role == "assistant" and usages[0] == (prompt, 0)
+    assert usages[-1] == (prompt, final.usage.completion_tokens)
+    assert all(p == prompt for p, _ in usages)
+    assert [n for _, n in usages] == sorted(n for _, n in usages)
+    # include_usage alone: null on each chunk, as before
+    plain = list(
+        client.completions.create(prompt="x", **{**kw, "stream_options": {"include_usage": True}})
+    )
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage is not None
+
+
 def test_raw_sse_ends_with_done(base):
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT) as r:
@@ -360,6 +402,21 @@ _BAD = [
     (
         "/v1/completions",
         {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        400,
+        "stream_options",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 1}},
         400,
         "stream_options",
     ),

@@ -147,6 +147,53 @@ def test_required_tool_call_is_valid_and_streams_the_same(served, family):
     assert all(c["id"] and c["id"].startswith("call_") for c in s["calls"])
 
 
+_D = "｜DSML｜"
+# Two calls in each family's markup (forced with a regex of the literal text below).
+TWO_CALLS = {
+    "glm": "".join(
+        f"<tool_call>get_weather<arg_key>city</arg_key><arg_value>{city}</arg_value>"
+        f"<arg_key>days</arg_key><arg_value>{days}</arg_value></tool_call>"
+        for city, days in (("Paris", 1), ("Rome", 2))
+    ),
+    "deepseek": f"<{_D}function_calls>"
+    + "".join(
+        f'<{_D}invoke name="get_weather"><{_D}parameter name="city" string="true">{city}'
+        f'</{_D}parameter><{_D}parameter name="days" string="false">{days}</{_D}parameter>'
+        f"</{_D}invoke>"
+        for city, days in (("Paris", 1), ("Rome", 2))
+    )
+    + f"</{_D}function_calls>",
+}
+
+
+def _literal(text: str) -> str:
+    """A regex matching exactly `text`."""
+    return "".join("\\" + c if c in "\\.^$*+?()[]{}|" else c for c in text)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(served, family):
+    """A model calling two tools under tool_choice "auto" with parallel_tool_calls false gets
+    the first call only, as vLLM filters them (streamed: only index 0's deltas); true keeps
+    both."""
+    client = served[0]
+    two = TWO_CALLS[family]
+    kw = dict(extra_body={"regex": _literal(two)}, max_tokens=len(two.encode()) + 8)
+    first = [("get_weather", {"city": "Paris", "days": 1})]
+    r = _chat(client, family, **kw)
+    assert _valid_calls(r.choices[0].message.tool_calls) == first + [
+        ("get_weather", {"city": "Rome", "days": 2})
+    ]
+    r = _chat(client, family, parallel_tool_calls=False, **kw)
+    choice = r.choices[0]
+    assert _valid_calls(choice.message.tool_calls) == first
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    chunks = list(_chat(client, family, parallel_tool_calls=False, stream=True, **kw))
+    indices = {tc.index for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []}
+    s = _reassemble(chunks)
+    assert indices == {0} and s["finish"] == "tool_calls" and not s["content"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"]] == first
+
+
 def test_named_tool_call_picks_that_tool(served, family):
     client = served[0]
     named = {"type": "function", "function": {"name": "set_flags"}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from dsakv.engine import LLM, EngineConfig, SamplingParams
-from dsakv.engine.grammar import GrammarCache
+from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 
@@ -103,10 +104,11 @@ def test_json_schema_outputs_validate_batched(client):
         name, seed, chat = job
         sampling = dict(temperature=0) if seed is None else dict(temperature=1.0, seed=seed)
         kw = dict(model=MODEL, max_tokens=MAX_TOKENS, response_format=_schema_format(name))
-        if chat:
+        if chat:  # (GLM thinks unless told not to; the schema is the answer's, after it)
             r = client.chat.completions.create(
-                messages=[{"role": "user", "content": f"Give me {name} JSON"}], **kw, **sampling
-            )
+                messages=[{"role": "user", "content": f"Give me {name} JSON"}], **kw, **sampling,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+            )  # fmt: skip
             return name, r.choices[0].message.content, r.choices[0].finish_reason
         r = client.completions.create(
             prompt=f"{name}:", extra_body={"response_format": kw.pop("response_format")},
@@ -247,6 +249,134 @@ def test_still_serves_after_bad_grammar(client, served):
     assert re.fullmatch("[ab]{3}", r.choices[0].text)
 
 
+def test_a_slow_grammar_compile_does_not_stall_other_streams(served, base, monkeypatch):
+    """Grammars compile off the engine's step loop (vLLM's way): a schema that takes long to
+    compile keeps only its own request waiting. Here its compile waits for the test, which
+    meanwhile streams another request to its end; compiled on the engine thread (as it was),
+    that stream stalled until the compile returned (a 20 s schema froze every stream)."""
+    cache = served[1].engine.grammars
+    real = cache._compiler
+    slow = r"(slow|compile)-[0-9]"  # compiled nowhere else in this module
+    started, release = threading.Event(), threading.Event()
+
+    class SlowCompiler:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def compile_regex(self, spec):
+            if spec == slow:
+                started.set()
+                release.wait(TIMEOUT)
+            return real.compile_regex(spec)
+
+    monkeypatch.setattr(cache, "_compiler", SlowCompiler())
+    body = {"prompt": "x", "max_tokens": 12, "temperature": 0, "regex": slow}
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+        try:
+            assert started.wait(TIMEOUT)
+            free = {"prompt": "abc", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            with httpx.stream(
+                "POST", f"{base}/v1/completions", json={**free, "stream": True}, timeout=10
+            ) as r:
+                chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert not waiting.done()  # its grammar is still compiling
+        finally:
+            release.set()
+        out = waiting.result(TIMEOUT)
+    assert out.status_code == 200, out.text
+    assert re.fullmatch(slow, out.json()["choices"][0]["text"])
+
+
+# --- structured output after reasoning ---------------------------------------------------------
+
+THINK_END = 263  # the tiny tokenizer's `<|reserved_1|>`, made `</think>` by `thinker`
+AGE = {
+    "type": "object",
+    "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A client of a server on a GLM-4.7-style tiny model: its generation prompt opens the
+    reasoning block (`<|assistant|><think>`), and `</think>` is one token, as in GLM's
+    vocabulary, so a logit_bias can make the random model close its reasoning."""
+    path = write_tiny_model(tmp_path_factory.mktemp("think") / MODEL, preset="glm-tiny", seed=2)
+    template = path / "chat_template.jinja"
+    old = "'\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else ''"
+    new = "'</think>' if (enable_thinking is defined and not enable_thinking) else '<think>'"
+    assert old in template.read_text()
+    template.write_text(template.read_text().replace(old, new))
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    (token,) = [t for t in tokenizer["added_tokens"] if t["id"] == THINK_END]
+    token.update(content="</think>", special=False)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with serving(EngineConfig(model=str(path), **ENGINE_ARGS)) as (url, _):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def _is_age(text: str) -> bool:
+    jsonschema.validate(json.loads(text), AGE)
+    return True
+
+
+_AFTER_THINKING = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": AGE}}},
+     _is_age),
+    ({"guided_json": AGE}, _is_age),
+    ({"guided_regex": "[a-z]{3,6}"}, lambda s: re.fullmatch("[a-z]{3,6}", s)),
+    ({"guided_choice": ["yes", "no"]}, lambda s: s in ("yes", "no")),
+    ({"guided_grammar": 'root ::= "a" | "bb"'}, lambda s: s in ("a", "bb")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize(
+    ("extra", "check"), _AFTER_THINKING, ids=[next(iter(e)) for e, _ in _AFTER_THINKING]
+)
+def test_structured_output_starts_after_the_reasoning(thinker, extra, check, stream):
+    """The prompt opens `<think>`: response_format and vLLM's guided_* constrain the answer
+    once the reasoning is over (vLLM's reasoning parsers), so `content` holds it. (Enforced
+    from the first token, they put the JSON in reasoning_content and left content empty.)"""
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Your age as JSON?"}],
+        max_tokens=40,
+        temperature=0,
+        logit_bias={str(THINK_END): 100},  # the model closes its reasoning at once
+        extra_body=extra,
+    )
+    if stream:
+        chunks = list(thinker.chat.completions.create(stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks]
+        content = "".join(d.content or "" for d in deltas)
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        r = thinker.chat.completions.create(**kw)
+        content, reasoning = r.choices[0].message.content, r.choices[0].message.reasoning_content
+        finish = r.choices[0].finish_reason
+    assert finish == "stop" and reasoning == "", (content, reasoning)
+    assert check(content), content
+
+
+def test_sglang_grammars_still_cover_the_reasoning(thinker):
+    """SGLang's regex / ebnf / json_schema constrain the whole output, reasoning included."""
+    r = thinker.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Think, then answer."}],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"regex": "[a-z]{3}</think>[a-z]{2}"},
+    )
+    msg = r.choices[0].message
+    assert re.fullmatch("[a-z]{3}", msg.reasoning_content) and re.fullmatch("[a-z]{2}", msg.content)
+
+
 # --- the engine side ---------------------------------------------------------------------------
 
 
@@ -269,6 +399,46 @@ def test_offline_grammar_mixed_batch_and_cache(model_dir):
         llm.engine.add_request("x", SamplingParams(grammar=("regex", "(")))
     assert not llm.engine.has_unfinished()
     llm.engine.check_integrity()
+
+
+def test_after_reasoning_grammars(model_dir):
+    """`after_reasoning`: "enabled" (the prompt opened `<think>`) takes free text up to
+    `</think>`, then the grammar; "auto" an optional `<think>...</think>` first; "disabled"
+    the grammar as it is. The inner grammar is checked as `compile` checks it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    cache = GrammarCache(tok, 264, (257,))
+
+    def accepts(grammar, text: str) -> bool:
+        m = cache.matcher(grammar)
+        return m.accept_string(text) and m.accept_token(257) and m.is_terminated()
+
+    cases = [
+        (("json_schema", json.dumps(SCHEMAS["enum"])), '{"color": "red", "size": "L"}'),
+        (("json_object", ""), '{"a": [1, "b"]}'),
+        (("regex", "[a-z]{3}"), "abc"),
+        (("ebnf", 'root ::= "yes" | "no"'), "no"),
+    ]
+    for grammar, answer in cases:
+        assert after_reasoning(grammar, "disabled") == grammar
+        enabled, auto = after_reasoning(grammar, "enabled"), after_reasoning(grammar, "auto")
+        assert enabled[0] == auto[0] == "structural_tag"
+        assert accepts(enabled, "Hmm. {not yet} <x>\n</think>" + answer)
+        assert accepts(enabled, "</think>" + answer)
+        assert not accepts(enabled, answer)
+        assert not accepts(enabled, "a<think>b</think>" + answer)
+        assert accepts(auto, answer) and accepts(auto, "<think>hmm</think>" + answer)
+        assert not accepts(auto, "hmm</think>" + answer)
+        assert not accepts(enabled, "</think>" + answer + " more")
+    with pytest.raises(GrammarError, match="invalid regex"):
+        after_reasoning(("regex", "(unclosed"), "enabled")
+    with pytest.raises(GrammarError, match="uniqueItems at / cannot be enforced"):
+        after_reasoning(("json_schema", '{"type": "array", "uniqueItems": true}'), "auto")
+    with pytest.raises(GrammarError, match="invalid json schema: not JSON"):
+        after_reasoning(("json_schema", "{oops"), "auto")
+    with pytest.raises(GrammarError, match="invalid ebnf"):
+        after_reasoning(("ebnf", "root ::= undefined_rule"), "enabled")
 
 
 def test_grammar_cache_is_bounded_and_masks_rows(model_dir):

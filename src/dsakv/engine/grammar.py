@@ -9,9 +9,12 @@ terminated: the request finishes with "stop".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -74,7 +77,11 @@ def unenforced_keyword(schema: Any, where: str = "") -> str | None:
 class GrammarCache:
     """One `GrammarCompiler` for the engine's tokenizer; compiled grammars kept by (kind, spec),
     least recently used dropped beyond `max_entries` (a schema compiles in milliseconds to a
-    second; clients tend to resend the same few)."""
+    second; clients tend to resend the same few).
+
+    `compile` may be called from several threads at once (the server compiles a request's
+    grammar on a worker thread, so the engine thread then finds it here): the cache is
+    locked, the compiling is not (xgrammar's compiler is thread-safe, and releases the GIL)."""
 
     def __init__(
         self,
@@ -92,27 +99,21 @@ class GrammarCache:
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
         self.max_entries = max_entries
 
     def compile(self, grammar: tuple[str, str]) -> Any:
         """The compiled grammar for (kind, spec); `DsakvError` when it does not compile."""
-        hit = self._compiled.get(grammar)
-        if hit is not None:
-            self._compiled.move_to_end(grammar)
-            return hit
+        with self._lock:
+            hit = self._compiled.get(grammar)
+            if hit is not None:
+                self._compiled.move_to_end(grammar)
+                return hit
         kind, spec = grammar
         c = self._compiler
-        try:
-            # JSON without free whitespace (`{"a": 1, "b": [2, 3]}`): a model trained on
-            # JSON writes it that way anyway, and an unsure one cannot wander off into
-            # endless whitespace until max_tokens cuts it (an invalid, truncated output).
-            if kind == "json_schema":
-                hit = unenforced_keyword(json.loads(spec))  # (not JSON: a clear message)
-                if hit is not None:
-                    raise GrammarError(f"invalid json schema: {hit} cannot be enforced")
-                compiled = c.compile_grammar(self._json_ebnf(spec, strict=True))
-            elif kind == "json_object":  # any object, as OpenAI's json_object mode asks
-                compiled = c.compile_grammar(self._json_ebnf('{"type": "object"}', strict=False))
+        with _grammar_errors(kind):
+            if kind in ("json_schema", "json_object"):
+                compiled = c.compile_grammar(_json_ebnf(kind, spec))
             elif kind == "regex":
                 compiled = c.compile_regex(spec)
             elif kind == "ebnf":
@@ -121,25 +122,12 @@ class GrammarCache:
                 compiled = c.compile_structural_tag(spec)
             else:
                 raise GrammarError(f"unknown grammar kind {kind!r}")
-        except DsakvError:
-            raise
-        except json.JSONDecodeError as e:
-            raise GrammarError(f"invalid json schema: not JSON ({e})") from None
-        except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses
-            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            first = _LOCATION.sub("", text)  # "[time] /path/file.cc:94: " means nothing to users
-            raise GrammarError(f"invalid {kind.replace('_', ' ')}: {first}") from None
-        self._compiled[grammar] = compiled
-        if len(self._compiled) > self.max_entries:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[grammar] = compiled
+            self._compiled.move_to_end(grammar)
+            if len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
         return compiled
-
-    def _json_ebnf(self, schema: str, strict: bool) -> str:
-        """The schema's grammar, as EBNF with one fix: xgrammar 0.2's length-bounded strings
-        (`maxLength`) admit raw control characters, which JSON forbids (`json.loads` rejects
-        the output); they get the same character class as its unbounded strings."""
-        g = self._xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
-        return str(g).replace(_LOOSE_CHAR, _JSON_CHAR)
 
     def matcher(self, grammar: tuple[str, str]) -> Any:
         """A fresh matcher (one per request: it carries that request's parse state)."""
@@ -179,3 +167,86 @@ class GrammarCache:
             logits, mask.to(logits.device), vocab_size=self.vocab_size, indices=list(range(ok + 1))
         )
         return drafts[:ok]
+
+
+@contextlib.contextmanager
+def _grammar_errors(kind: str) -> Iterator[None]:
+    """xgrammar's (and json's) exceptions for a grammar of `kind` as one-line `GrammarError`s."""
+    try:
+        yield
+    except DsakvError:
+        raise
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"invalid json schema: not JSON ({e})") from None
+    except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = _LOCATION.sub("", text)  # "[time] /path/file.cc:94: " means nothing to users
+        raise GrammarError(f"invalid {kind.replace('_', ' ')}: {first}") from None
+
+
+def _json_ebnf(kind: str, spec: str) -> str:
+    """A json_schema's (or json_object's: any object, as OpenAI's json_object mode asks)
+    grammar as EBNF, without free whitespace (`{"a": 1, "b": [2, 3]}`): a model trained on
+    JSON writes it that way anyway, and an unsure one cannot wander off into endless
+    whitespace until max_tokens cuts it (an invalid, truncated output). One fix: xgrammar
+    0.2's length-bounded strings (`maxLength`) admit raw control characters, which JSON
+    forbids (`json.loads` rejects the output); they get the same character class as its
+    unbounded strings."""
+    import xgrammar as xgr
+
+    if kind == "json_object":
+        schema, strict = '{"type": "object"}', False
+    else:
+        hit = unenforced_keyword(json.loads(spec))  # (not JSON: a clear message)
+        if hit is not None:
+            raise GrammarError(f"invalid json schema: {hit} cannot be enforced")
+        schema, strict = spec, True
+    g = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    return str(g).replace(_LOOSE_CHAR, _JSON_CHAR)
+
+
+REASONING_MODES = ("enabled", "auto", "disabled")
+
+
+def after_reasoning(
+    grammar: tuple[str, str], mode: str, start: str = "<think>", end: str = "</think>"
+) -> tuple[str, str]:
+    """`grammar` (json_schema, json_object, regex or ebnf) enforced only once the output's
+    reasoning block is over, as a structural tag; the reasoning itself is free text (as
+    vLLM's reasoning parsers leave it). `mode` says where the output starts: "enabled",
+    inside a block the prompt opened (free text up to `end`, then the grammar); "auto", where
+    it may open one (an optional `start` ... `end` first); "disabled": `grammar` as it is.
+    The inner grammar is checked here (`GrammarError`, as `GrammarCache.compile` words it);
+    turning a schema into a grammar can take seconds, so call this off the engine thread."""
+    if mode not in REASONING_MODES:
+        raise ValueError(f"reasoning mode must be one of {REASONING_MODES}, not {mode!r}")
+    kind, spec = grammar
+    if mode == "disabled" or kind == "structural_tag":
+        return grammar
+    import xgrammar as xgr
+
+    with _grammar_errors(kind):
+        if kind in ("json_schema", "json_object"):
+            ebnf = _json_ebnf(kind, spec)
+        elif kind == "regex":
+            ebnf = str(xgr.Grammar.from_regex(spec))
+        elif kind == "ebnf":
+            ebnf = str(xgr.Grammar.from_ebnf(spec))
+        else:
+            raise GrammarError(f"unknown grammar kind {kind!r}")
+    reasoning: dict[str, Any] = {
+        "type": "tag",
+        "begin": start if mode == "auto" else "",
+        "content": {"type": "any_text", "excludes": [start, end]},
+        "end": end,
+    }
+    if mode == "auto":
+        reasoning = {"type": "optional", "content": reasoning}
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "sequence",
+            "elements": [reasoning, {"type": "grammar", "grammar": ebnf}],
+        },
+    }
+    return "structural_tag", json.dumps(tag, ensure_ascii=False)

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsakv import __version__
 from dsakv.engine import SamplingParams
-from dsakv.engine.grammar import GrammarError
+from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
 from dsakv.errors import DsakvError
 
 from .chat import ChatParsers, chat_delta, chat_message, prepare_chat
@@ -200,6 +201,7 @@ class Handlers:
         self.model_name = model_name
         self.metrics = metrics
         self.chat_parsers = chat_parsers
+        self._grammars_lock = threading.Lock()  # the engine builds its GrammarCache lazily
 
     # --- endpoints ----------------------------------------------------------------------------
 
@@ -212,7 +214,9 @@ class Handlers:
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         n = self._n(body)
-        if body.best_of not in (None, 1, n):
+        if body.best_of is not None and body.best_of < n:  # OpenAI's and vLLM's words
+            raise APIError(400, "best_of must be greater than or equal to n", param="best_of")
+        if body.best_of not in (None, n):
             raise APIError(400, "best_of must equal n (no server-side ranking)", param="best_of")
         prompts = _prompt_list(body.prompt)
         echo = bool(body.echo)
@@ -221,6 +225,7 @@ class Handlers:
         )
         if echo and (body.logprobs is not None or params.max_tokens == 0):
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs or 0)
+        params = await self._ready_grammar(params, _grammar_param(params))
         streams = await self._submit_all(prompts, params, n, raw)
         choices = [_CompletionChoice(i, s, prompts[i // n], echo) for i, s in enumerate(streams)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -234,7 +239,7 @@ class Handlers:
         tokenizer = self.engine.engine.tokenizer
 
         if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
+            usage, running = _stream_usage(body)
 
             async def events() -> AsyncIterator[str]:
                 totals = _Result()
@@ -245,7 +250,7 @@ class Handlers:
                     if not (text or u.finished or (lp and lp["tokens"])):
                         continue  # held-back text and nobody wants the tokens yet
                     choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": _reason(u)}
-                    yield _sse({**head, "choices": [choice], **({"usage": None} if usage else {})})
+                    yield _sse({**head, "choices": [choice], **_chunk_usage(usage, running, u)})
                     if u.finished:
                         totals.completion_tokens += u.completion_tokens
                         totals.prompt_tokens += u.prompt_tokens if i % n == 0 else 0
@@ -292,6 +297,7 @@ class Handlers:
         params = self._params(
             body, max_tokens, self.engine.engine.max_model_len, top_n, "top_logprobs", param
         )
+        grammar_param = _grammar_param(params)
         if prep.grammar is not None:  # tool_choice forces a call
             if params.grammar is not None:
                 raise APIError(
@@ -300,6 +306,12 @@ class Handlers:
                     param="tool_choice",
                 )
             params = dataclasses.replace(params, grammar=prep.grammar)
+            grammar_param = "tools"
+        # OpenAI's and vLLM's structured output is the answer's (`content`): where the model
+        # reasons first, the grammar starts once the reasoning is over (vLLM's reasoning
+        # parsers); SGLang's regex / ebnf / json_schema still cover the whole output.
+        wait = _grammar_field(body) in _AFTER_REASONING
+        params = await self._ready_grammar(params, grammar_param, prep.reasoning if wait else None)
         n = self._n(body)
         streams = await self._submit_n(prompt, params, n, raw, prompt_param="messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -311,8 +323,7 @@ class Handlers:
         }
 
         if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            extra = {"usage": None} if usage else {}
+            usage, running = _stream_usage(body)
 
             async def events() -> AsyncIterator[str]:
                 for i in range(n):
@@ -322,7 +333,8 @@ class Handlers:
                         "logprobs": None,
                         "finish_reason": None,
                     }
-                    yield _sse({**head, "choices": [role], **extra})
+                    start = _Result(prompt_tokens=streams[i].prompt_tokens)  # no tokens yet
+                    yield _sse({**head, "choices": [role], **_chunk_usage(usage, running, start)})
                 parsers = [prep.output_parser() for _ in range(n)]  # one per choice
                 totals = _Result()
                 async for i, u in self._merged(streams):
@@ -335,7 +347,7 @@ class Handlers:
                         delta = {"content": ""}
                     reason = chat_finish_reason(parser, _reason(u))
                     choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
-                    yield _sse({**head, "choices": [choice], **extra})
+                    yield _sse({**head, "choices": [choice], **_chunk_usage(usage, running, u)})
                     if u.finished:
                         totals.prompt_tokens = u.prompt_tokens
                         totals.completion_tokens += u.completion_tokens
@@ -498,6 +510,36 @@ class Handlers:
             raise APIError(400, f"n must be in 1..{limit}, got {n}", param="n")
         return n
 
+    async def _ready_grammar(
+        self, params: SamplingParams, param: str | None, reasoning: str | None = None
+    ) -> SamplingParams:
+        """`params` with its grammar compiled, on a worker thread, into the engine's cache,
+        where the engine thread then finds it: a schema that takes seconds to compile keeps
+        only its own request waiting, not every stream the engine is stepping (vLLM compiles
+        off its step loop too). With `reasoning` (`PreparedChat.reasoning`), the grammar
+        starts once the output's reasoning block is over. A grammar that does not compile is
+        a 400 naming `param`."""
+        grammar = params.grammar
+        if grammar is None:
+            return params
+
+        def build() -> tuple[str, str]:
+            g = after_reasoning(grammar, reasoning or "disabled")
+            self._grammar_cache().compile(g)
+            return g
+
+        try:
+            grammar = await asyncio.to_thread(build)
+        except DsakvError as e:  # GrammarError; or a model without a tokenizer
+            raise APIError(400, str(e), param=param) from None
+        return dataclasses.replace(params, grammar=grammar)
+
+    def _grammar_cache(self) -> GrammarCache:
+        """The engine's `GrammarCache`: built on first use, by one thread only. The engine
+        thread asks for it only for requests with a grammar, which came through here first."""
+        with self._grammars_lock:
+            return self.engine.engine.grammars
+
     async def _submit_n(
         self,
         prompt: str | list[int],
@@ -518,7 +560,7 @@ class Handlers:
             if not watcher.done():
                 raise  # this handler was cancelled, not the client gone
             raise APIError(499, "the client closed the request") from None
-        except GrammarError as e:
+        except GrammarError as e:  # (compiled by `_ready_grammar`: only if evicted since)
             raise APIError(400, str(e), param=_grammar_param(params)) from None
         except DsakvError as e:
             raise APIError(400, str(e), param=e.param or prompt_param) from None
@@ -727,6 +769,22 @@ def _reason(u: Update) -> str | None:
     return u.finish_reason if u.finished else None
 
 
+def _stream_usage(body: GenerationRequest) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage on every chunk): `stream_options.include_usage`, and
+    with it vLLM's `continuous_usage_stats` (each chunk: its choice's tokens so far)."""
+    opts = body.stream_options
+    usage = bool(opts and opts.include_usage)
+    return usage, usage and bool(opts and opts.continuous_usage_stats)
+
+
+def _chunk_usage(usage: bool, running: bool, u: Update | _Result) -> dict[str, Any]:
+    """A streamed chunk's `usage` field: absent without include_usage, else null, or with
+    continuous_usage_stats its choice's tokens so far."""
+    if not usage:
+        return {}
+    return {"usage": _usage(u) if running else None}
+
+
 def _usage(u: Update | _Result) -> dict[str, int]:
     return {
         "prompt_tokens": u.prompt_tokens,
@@ -742,12 +800,13 @@ def _lp(x: float) -> float:
 
 def _completion_logprobs(u: Update) -> dict[str, Any]:
     tops = u.top_logprobs or []
+    texts = list(u.texts or [""] * len(u.token_ids))
+    scores = u.logprobs or []
+    alts = _or_blank(u.top_texts, tops)
     return {
-        "tokens": list(u.texts or [""] * len(u.token_ids)),
-        "token_logprobs": [_lp(x) for x in u.logprobs or []],
-        "top_logprobs": [
-            _top_dict(top, texts) for top, texts in zip(tops, _or_blank(u.top_texts, tops))
-        ],
+        "tokens": texts,
+        "token_logprobs": [_lp(x) for x in scores],
+        "top_logprobs": [_top_dict(*z) for z in zip(tops, alts, texts, scores)],
     }
 
 
@@ -756,13 +815,18 @@ def _or_blank(texts: list[list[str]] | None, tops: list) -> list[list[str]]:
     return texts if texts is not None else [[""] * len(top or ()) for top in tops]
 
 
-def _top_dict(top: list[tuple[int, float]], texts: list[str]) -> dict[str, float]:
-    """Completions' {token text: logprob}; where two tokens add the same text (two bytes
-    of one unfinished character both add "") the likelier one keeps it, so the max stays
-    the top-1 logprob."""
+def _top_dict(
+    top: list[tuple[int, float]], texts: list[str], chosen: str, chosen_logprob: float
+) -> dict[str, float]:
+    """Completions' {token text: logprob}: the top `logprobs` tokens and the chosen one (the
+    sampled token, or the prompt's under echo), so up to logprobs + 1 entries, as OpenAI's
+    legacy completions and vLLM give them (`logprobs: 0`: the chosen token alone). Where two
+    tokens add the same text (two bytes of one unfinished character both add "") the
+    likelier one keeps it, so the max stays the top-1 logprob."""
     out: dict[str, float] = {}
     for (_, x), s in zip(top, texts):
         out.setdefault(s, _lp(x))
+    out.setdefault(chosen, _lp(chosen_logprob))  # (ranked below every top one, or among them)
     return out
 
 
@@ -819,12 +883,14 @@ class _CompletionChoice:
         if self.echo and u.prompt_token_ids is not None:
             scored = u.prompt_logprobs or [None] * len(u.prompt_token_ids)
             tops = u.prompt_top_logprobs or [None] * len(u.prompt_token_ids)
-            texts = u.prompt_top_texts or _or_blank(None, tops)
+            alts = u.prompt_top_texts or _or_blank(None, tops)
+            texts = list(u.prompt_texts or [""] * len(u.prompt_token_ids))
             prompt = {
-                "tokens": list(u.prompt_texts or [""] * len(u.prompt_token_ids)),
+                "tokens": texts,
                 "token_logprobs": [None if x is None else _lp(x) for x in scored],
                 "top_logprobs": [
-                    None if top is None else _top_dict(top, t) for top, t in zip(tops, texts)
+                    None if top is None or x is None else _top_dict(top, a, s, x)
+                    for top, a, s, x in zip(tops, alts, texts, scored)
                 ],
             }
         gen = _completion_logprobs(u)
@@ -847,8 +913,27 @@ _GRAMMAR_FIELDS = (
 )
 
 
+# Fields whose grammar is the answer's (`content`), applied after a chat's reasoning block:
+# OpenAI's and vLLM's, as vLLM's reasoning parsers do (SGLang's cover the whole output).
+_AFTER_REASONING = frozenset(
+    ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+)
+
+
 def _grammar(body: GenerationRequest) -> tuple[str, str] | None:
     """The (kind, spec) grammar a request asks for, from whichever one field it used."""
+    found = _grammar_request(body)
+    return found[1] if found else None
+
+
+def _grammar_field(body: GenerationRequest) -> str | None:
+    """The field the request's grammar came from (None: no grammar)."""
+    found = _grammar_request(body)
+    return found[0] if found else None
+
+
+def _grammar_request(body: GenerationRequest) -> tuple[str, tuple[str, str]] | None:
+    """(field, (kind, spec)) of the one structured output a request asks for."""
     found: list[tuple[str, tuple[str, str]]] = []
     rf = body.response_format
     if rf is not None and rf.type != "text":
@@ -885,7 +970,7 @@ def _grammar(body: GenerationRequest) -> tuple[str, str] | None:
         raise APIError(
             400, f"ask for one structured output at a time, not {names}", param=found[1][0]
         )
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 def _grammar_param(params: SamplingParams) -> str | None:

@@ -16,6 +16,7 @@ from .parsers import (
     ChatDelta,
     ChatOutputParser,
     ToolCallParser,
+    reasoning_mode,
     reasoning_parser,
     resolve_parsers,
     tool_call_structural_tag,
@@ -57,13 +58,20 @@ class PreparedChat:
     grammar: tuple[str, str] | None  # set when tool_choice forces a call
     tool_schemas: dict[str, Any] | None  # name -> parameters; None: no tool-call parsing
     parsers: ChatParsers
+    parallel_tool_calls: bool = True  # False: only the first call is returned
+    # Where the output starts for structured output (`dsakv.engine.grammar.after_reasoning`):
+    # "enabled", inside a reasoning block the prompt opened; "auto", where the model may open
+    # one; "disabled", in the content (no reasoning parser, or the prompt closed the block).
+    reasoning: str = "disabled"
 
     def output_parser(self) -> ChatOutputParser:
         """A fresh parser for one choice's output."""
         tools = None
         if self.tool_schemas is not None and self.parsers.tool is not None:
             tools = ToolCallParser(TOOL_FORMATS[self.parsers.tool], self.tool_schemas)
-        return ChatOutputParser(reasoning_parser(self.parsers.reasoning, self.prompt), tools)
+        return ChatOutputParser(
+            reasoning_parser(self.parsers.reasoning, self.prompt), tools, self.parallel_tool_calls
+        )
 
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Any, parsers: ChatParsers) -> PreparedChat:
@@ -139,7 +147,14 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Any, parsers: ChatParse
             raise APIError(400, str(e), param="tools") from None
         grammar = ("structural_tag", spec)
     parse_tools = choice != "none" and bool(schemas) and parsers.tool is not None
-    return PreparedChat(prompt, grammar, schemas if parse_tools else None, parsers)
+    return PreparedChat(
+        prompt,
+        grammar,
+        schemas if parse_tools else None,
+        parsers,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        reasoning=reasoning_mode(prompt, True) if parsers.reasoning is not None else "disabled",
+    )
 
 
 def _tool_choice(

@@ -362,6 +362,18 @@ class ReasoningParser:
         return reasoning, content
 
 
+def reasoning_mode(prompt: str, reasoning: bool) -> str:
+    """Where a response to `prompt` starts, as xgrammar's structural tags name it: "enabled"
+    (the prompt opened a reasoning block, which the output must close first), "auto" (it may
+    open one: `reasoning` is on and the prompt did not close one) or "disabled"."""
+    tail = prompt.rstrip()
+    if tail.endswith(THINK_START):
+        return "enabled"
+    if reasoning and not tail.endswith(THINK_END):
+        return "auto"
+    return "disabled"
+
+
 def reasoning_parser(name: str | None, prompt: str) -> ReasoningParser | None:
     """The reasoning parser `name` for a response to `prompt` (None: no reasoning split)."""
     if name is None:
@@ -386,12 +398,18 @@ class ChatDelta:
 
 
 class ChatOutputParser:
-    """Reasoning split first, then tool calls in what follows the reasoning."""
+    """Reasoning split first, then tool calls in what follows the reasoning. Without
+    `parallel_tool_calls`, only the first call is kept (its deltas are those of index 0), as
+    vLLM filters them: a model that calls more anyway has the others dropped."""
 
     def __init__(
-        self, reasoning: ReasoningParser | None = None, tools: ToolCallParser | None = None
+        self,
+        reasoning: ReasoningParser | None = None,
+        tools: ToolCallParser | None = None,
+        parallel_tool_calls: bool = True,
     ) -> None:
         self.reasoning_parser, self.tool_parser = reasoning, tools
+        self.parallel_tool_calls = parallel_tool_calls
         self.content = ""
 
     def feed(self, text: str, final: bool = False) -> ChatDelta:
@@ -402,6 +420,8 @@ class ChatOutputParser:
         if self.tool_parser is not None:
             d = self.tool_parser.feed(content, final)
             content, calls = d.content, d.tool_calls
+            if not self.parallel_tool_calls:
+                calls = [c for c in calls if c["index"] == 0]
         self.content += content
         return ChatDelta(reasoning, content, calls)
 
@@ -412,7 +432,8 @@ class ChatOutputParser:
 
     @property
     def tool_calls(self) -> list[dict[str, Any]]:
-        return self.tool_parser.calls if self.tool_parser is not None else []
+        calls = self.tool_parser.calls if self.tool_parser is not None else []
+        return calls if self.parallel_tool_calls else calls[:1]
 
 
 # --- constrained tool calls ------------------------------------------------------------------
@@ -434,18 +455,12 @@ def tool_call_structural_tag(
     lets it finish first."""
     import xgrammar
 
-    if prompt.rstrip().endswith(THINK_START):
-        mode = "enabled"
-    elif reasoning and not prompt.rstrip().endswith(THINK_END):
-        mode = "auto"
-    else:
-        mode = "disabled"
     try:
         tag = xgrammar.get_model_structural_tag(
             TOOL_FORMATS[parser].structural_tag,
             tools=tools,
             tool_choice=tool_choice,
-            reasoning=mode,
+            reasoning=reasoning_mode(prompt, reasoning),
             parallel_tool_calls=parallel_tool_calls,
             max_whitespace_cnt=_MAX_WHITESPACE,
         )

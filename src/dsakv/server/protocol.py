@@ -44,6 +44,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaFormat(_Strict):
