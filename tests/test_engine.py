@@ -294,8 +294,13 @@ def test_ctrl_c_takes_effect_between_steps_and_leaves_nothing_queued(tiny, monke
         return step()
 
     monkeypatch.setattr(llm.engine, "step", interrupted_step)
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate([[1, 2, 3], [5, 6, 7]], params)
+    # Python's own handler, as in a terminal (a background job inherits SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[1, 2, 3], [5, 6, 7]], params)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert len(steps) == 1 and not llm.engine.has_unfinished()  # the step ran out, then stop
     monkeypatch.undo()
     assert llm.generate([[5, 6, 7]], params)[0].token_ids == want
