@@ -3,6 +3,7 @@ host tier under TP, bad flag combinations, and `dsakv serve --tp 2` end to end."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -117,6 +118,8 @@ def test_sparse_config_agreement(models, reference):
         (["--tp", "2", "--ep", "3"], "larger than --tp"),
         (["--tp", "2", "--dist-init-addr", "127.0.0.1:99999"], "port 1..65535"),  # (traceback)
         (["--tp", "2", "--dist-init-addr", "127.0.0.1:0"], "port 1..65535"),  # (hung)
+        # Found by every rank after spawning: rank 1 printed it too, and the watchdog a line.
+        (["--tp", "2", "--kv-budget-gib", "0.000001"], "the KV budget holds less than one page"),
     ],
 )
 def test_bad_parallel_flags_are_one_error_line(models, flags, message):
@@ -188,7 +191,7 @@ def test_serve_tp2_answers_openai_and_dies_cleanly_with_a_rank(models):
         code = server.wait(timeout=60)
         err = server.stderr.read()
         assert code != 0
-        assert "rank 1 exited" in err, err
+        assert "rank 1 died (signal 9, SIGKILL)" in err, err
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in children) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -197,6 +200,35 @@ def test_serve_tp2_answers_openai_and_dies_cleanly_with_a_rank(models):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_a_rank_killed_while_serve_starts_is_one_error_line(models):
+    """kill -9 of rank 1 while `dsakv serve --tp 2` starts: exit 1 and one line saying so
+    (it was exit 2, the code for bad input, blaming a missing `if __name__ == "__main__":`
+    guard, which the CLI has)."""
+    cmd = [sys.executable, "-m", "dsakv.cli", "serve", models["glm"], "--port", str(free_port())]
+    cmd += ["--tp", "2", "--num-pages", "32", "--device", "cpu"]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        rank1: list[int] = []
+        while not rank1 and time.monotonic() < deadline and server.poll() is None:
+            for p in _children(server.pid):
+                with contextlib.suppress(FileNotFoundError):
+                    if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes():
+                        rank1.append(p)
+            time.sleep(0.02)
+        assert rank1, "rank 1 was not spawned"
+        os.kill(rank1[0], signal.SIGKILL)
+        out, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    lines = err.strip().splitlines()
+    assert server.returncode == 1 and len(lines) == 1, err
+    assert lines[0] == "error: rank 1 died during startup (signal 9, SIGKILL)", err
+    assert "serving" not in out
 
 
 def _generate_cli(model: str, *extra: str, env: dict | None = None) -> list[str]:
@@ -260,6 +292,7 @@ def test_llm_tp2_in_a_script_with_and_without_a_main_guard(models, tmp_path):
                                     capture_output=True, text=True, timeout=240)  # fmt: skip
     bare, guarded = runs["bare"], runs["guarded"]
     assert bare.returncode != 0 and "__main__" in bare.stderr.strip().splitlines()[-1]
+    assert "bootstrapping phase" not in bare.stderr  # rank 1 leaves without a traceback
     assert guarded.returncode == 0 and len(eval(guarded.stdout)) == 4, guarded.stderr
     assert "leaked" not in guarded.stderr, guarded.stderr
 
@@ -267,8 +300,12 @@ def test_llm_tp2_in_a_script_with_and_without_a_main_guard(models, tmp_path):
 def test_an_llm_left_open_still_lets_the_script_exit(models, tmp_path):
     """`LLM(tp=2)` never closed: the interpreter's exit hung forever (multiprocessing joined
     rank 1, which waited for rank 0). A closed one refuses to generate, with a reason (it
-    raised torch's "Default process group has not been initialized")."""
-    script = f"""from dsakv import LLM, SamplingParams
+    raised torch's "Default process group has not been initialized"). A second multi-rank
+    `LLM` while one is open is refused before it spawns a rank (it spawned its ranks, then
+    died in torch's `init_process_group`, "initialize the default process group twice");
+    the open one still generates, and after a close a new one starts."""
+    script = f"""import multiprocessing as mp
+from dsakv import LLM, SamplingParams
 from dsakv.errors import DsakvError
 if __name__ == "__main__":
     closed = LLM({models['glm']!r}, tp=2, **{EXACT!r})
@@ -278,14 +315,23 @@ if __name__ == "__main__":
     except DsakvError as e:
         print("refused:", e)
     llm = LLM({models['glm']!r}, tp=2, **{EXACT!r})
+    ranks = len(mp.active_children())
+    try:
+        LLM({models['glm']!r}, tp=2, dp_attention=True, **{EXACT!r})
+    except DsakvError as e:
+        print("second:", e, len(mp.active_children()) == ranks)
     print(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids)
 """
     (tmp_path / "left_open.py").write_text(script)
     r = subprocess.run([sys.executable, "left_open.py"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=240)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    refused, tokens = r.stdout.strip().splitlines()
+    refused, second, tokens = r.stdout.strip().splitlines()
     assert refused == "refused: this LLM was closed; make a new one"
+    assert second == (
+        "second: one multi-rank engine per process: close the other first "
+        "(`with LLM(...) as llm:` or `llm.close()`) True"
+    )
     assert len(eval(tokens)) == 4
 
 

@@ -644,3 +644,57 @@ def test_stable_len_holds_back_partial_chars_and_stop_prefixes():
     assert _stable_len("\ufffd\ufffd", ()) == 0
     assert _stable_len("hello wor", ("world",)) == 5  # "wor" could still become the stop
     assert _stable_len("ab", ("xyz",)) == 0
+
+
+# --- the listening port, taken before the engine loads ----------------------------------------
+
+
+def _taken(port: int) -> bool:
+    """Whether another process could not listen on `port` now (bound as uvicorn binds)."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("role", [None, "prefill"])
+def test_serve_holds_its_ports_while_the_engine_loads(model_dir, monkeypatch, capsys, role):
+    """`dsakv serve` checked its port free before the model loaded and bound it after: a
+    process that took it meanwhile made uvicorn fail ("address already in use", exit 3)
+    after "serving" had been printed. Now the socket is bound and listening before the
+    engine loads and uvicorn serves that one; "serving" comes once it does. A prefill
+    server holds its bootstrap port the same way until its bootstrap server binds it."""
+    from dsakv import cli
+    from dsakv.server import serve
+
+    port, bootstrap = free_port(), free_port()
+    seen: dict[str, list[bool]] = {"loading": [], "serving": []}
+    real_create, real_startup = serve.create_engine, serve._Server.startup
+
+    def create_engine(config, **kw):
+        seen["loading"] += [_taken(port), _taken(bootstrap)]
+        return real_create(config, **kw)
+
+    async def startup(self, sockets=None):
+        await real_startup(self, sockets)
+        seen["serving"] += [_taken(port), _taken(bootstrap)]
+        self.should_exit = True  # stop at once
+
+    monkeypatch.setattr(serve, "create_engine", create_engine)
+    monkeypatch.setattr(serve._Server, "startup", startup)
+    args = ["serve", str(model_dir), "--port", str(port), "--device", "cpu", "--num-pages", "16"]
+    args += ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32"]
+    if role:
+        args += ["--disaggregation-mode", role, "--disaggregation-bootstrap-port", str(bootstrap)]
+    assert cli.main(args) == 0
+    assert seen["loading"] == [True, role == "prefill"]
+    assert seen["serving"] == [True, role == "prefill"]
+    out = capsys.readouterr().out
+    assert f"dsakv: serving 'tiny' at http://127.0.0.1:{port}/v1" in out
+    assert not _taken(port) and not _taken(bootstrap)  # both given back

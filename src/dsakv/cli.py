@@ -4,9 +4,9 @@ whose shared-indexer layers keep no index-K cache."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
-import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,18 +51,19 @@ def port(text: str) -> int:
     return value
 
 
+def listen(host: str, port: int):
+    """A `Listener` on `host:port`: a port in use or a bad address fails now, in one line,
+    not after the engine has loaded, in uvicorn's words; and nothing can take the port
+    while it loads (the server serves these sockets)."""
+    from dsakv.server.serve import Listener
+
+    return Listener(host, port)
+
+
 def check_listen(host: str, port: int) -> None:
-    """Fail now, in one line, where `host:port` cannot be listened on (a bad address, a
-    port in use), not after the engine has loaded, in uvicorn's words."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            s.bind(address)
-    except OSError as e:
-        raise DsakvError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    """Fail now, in one line, where `host:port` cannot be listened on (a port another
+    process of ours will bind)."""
+    listen(host, port).close()
 
 
 def _draft_layers(text: str) -> int:
@@ -547,27 +548,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from dsakv.server import run_server
 
-    check_listen(args.host, args.port)
-    config, bridge = engine_config_from_args(args), None
-    disaggregation = disagg_config_from_args(args)
-    if disaggregation is not None and disaggregation.mode == "prefill":  # it listens twice
-        if disaggregation.bootstrap_port == args.port:
-            raise DsakvError("--disaggregation-bootstrap-port must differ from --port")
-        check_listen(args.host, disaggregation.bootstrap_port)
-    if disaggregation is not None:  # a prefill or decode server
-        from dsakv.disagg.serving import bridge_for
+    with contextlib.ExitStack() as held:  # the ports, taken before the engine loads
+        listener = held.enter_context(listen(args.host, args.port))
+        config, bridge = engine_config_from_args(args), None
+        disaggregation = disagg_config_from_args(args)
+        if disaggregation is not None:  # a prefill or decode server
+            from dsakv.disagg.serving import bridge_for
 
-        bridge = bridge_for(disaggregation, config, args.host)
-    run_server(
-        config,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        bridge=bridge,
-    )
+            bootstrap = None
+            if disaggregation.mode == "prefill":  # it listens twice
+                if disaggregation.bootstrap_port == args.port:
+                    raise DsakvError("--disaggregation-bootstrap-port must differ from --port")
+                bootstrap = held.enter_context(listen(args.host, disaggregation.bootstrap_port))
+            bridge = bridge_for(disaggregation, config, args.host, reserved=bootstrap)
+        run_server(
+            config,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+            bridge=bridge,
+            listener=listener,
+        )
     return 0
 
 
@@ -684,11 +688,12 @@ def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from dsakv.disagg.router import build_router_app, run_router
+    from dsakv.disagg.launch import run_router_on
+    from dsakv.disagg.router import build_router_app
 
     build_router_app(args.prefill, args.decode)  # bad URLs fail before anything listens
-    check_listen(args.host, args.port)
-    run_router(args.prefill, args.decode, args.host, args.port)
+    with listen(args.host, args.port) as listener:
+        run_router_on(listener, args.prefill, args.decode)
     return 0
 
 
@@ -700,27 +705,28 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
     given = [p for p in ports if p is not None]
     if len(set(given)) < len(given):
         raise DsakvError("--port, --prefill-port, --decode-port and --bootstrap-port must differ")
-    check_listen(args.host, args.port)
-    for p in ports[1:]:
-        if p is not None:
-            check_listen("127.0.0.1", p)
-    config = engine_config_from_args(args)  # what either server would refuse, refused once
-    for mode in MODES:
-        DisaggConfig(mode).check_engine(config)
-    flags = _flags(args, add_engine_args)
-    flags += ["--disaggregation-timeout", str(args.disaggregation_timeout)]
-    for name in ("served_model_name", "api_key"):
-        if getattr(args, name):
-            flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
-    serve_pd(
-        resolve_model_dir(args.model),
-        flags,
-        args.host,
-        args.port,
-        args.prefill_port,
-        args.decode_port,
-        args.bootstrap_port,
-    )
+    with listen(args.host, args.port) as listener:  # the router's, held from now
+        for p in ports[1:]:
+            if p is not None:  # (each server takes its own at its start)
+                check_listen("127.0.0.1", p)
+        config = engine_config_from_args(args)  # what either server would refuse, refused once
+        for mode in MODES:
+            DisaggConfig(mode).check_engine(config)
+        flags = _flags(args, add_engine_args)
+        flags += ["--disaggregation-timeout", str(args.disaggregation_timeout)]
+        for name in ("served_model_name", "api_key"):
+            if getattr(args, name):
+                flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
+        serve_pd(
+            resolve_model_dir(args.model),
+            flags,
+            args.host,
+            args.port,
+            args.prefill_port,
+            args.decode_port,
+            args.bootstrap_port,
+            listener=listener,
+        )
     return 0
 
 
@@ -1273,7 +1279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args) or 0
     except DsakvError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # 2: bad input; a rank that died says 1
     except KeyboardInterrupt:
         return 130
     except Exception as e:

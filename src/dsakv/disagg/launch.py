@@ -15,8 +15,9 @@ import httpx
 
 from dsakv.errors import DsakvError
 from dsakv.procs import exit_on_sigterm, free_port, stop_processes
+from dsakv.server.serve import Listener, serve_app
 
-from .router import run_router
+from .router import build_router_app
 
 
 def serve_command(model: str, mode: str, port: int, bootstrap_port: int, flags: Sequence[str]):
@@ -59,6 +60,15 @@ def _watch(procs: Sequence[subprocess.Popen], done: threading.Event) -> None:
                 return
 
 
+def run_router_on(listener: Listener, prefill: list[str], decode: list[str]) -> None:
+    """`run_router` on sockets taken earlier; says where it routes once it serves."""
+    app = build_router_app(prefill, decode)
+    host, port = listener.host, listener.port
+    shown = f"[{host}]" if ":" in host else host
+    banner = f"dsakv: router at http://{shown}:{port}/v1 -> prefill {prefill}, decode {decode}"
+    serve_app(app, listener, banner)
+
+
 def serve_pd(
     model: str,
     flags: Sequence[str],
@@ -68,9 +78,13 @@ def serve_pd(
     decode_port: int | None = None,
     bootstrap_port: int | None = None,
     startup_timeout: float = 600.0,
+    listener: Listener | None = None,
 ) -> None:
     """Start both servers as child processes (engine `flags` go to both), wait until they
-    are up, then serve the router on `host:port` until interrupted; the children go too."""
+    are up, then serve the router on `host:port` until interrupted; the children go too.
+    The router's port is held from the start (`listener`, else taken here), not bound
+    once the servers are up."""
+    listener = listener or Listener(host, port)
     pp, dp = prefill_port or free_port(), decode_port or free_port()
     bp = bootstrap_port or free_port()
     # Their own sessions: a terminal's Ctrl-C reaches this process alone, which stops them
@@ -87,8 +101,9 @@ def serve_pd(
     try:
         wait_healthy(urls, procs, startup_timeout)
         threading.Thread(target=_watch, args=(procs, done), daemon=True).start()
-        run_router([urls[0]], [urls[1]], host, port)
+        run_router_on(listener, [urls[0]], [urls[1]])
     finally:
+        listener.close()
         done.set()
         signal.signal(signal.SIGTERM, previous)
         stop_processes(procs, 10)

@@ -36,6 +36,7 @@ from dsakv.server.runner import (
     Update,
     _update,
 )
+from dsakv.server.serve import Listener
 
 from .bootstrap import BootstrapError, BootstrapServer, describe, request_kv
 from .config import DisaggConfig
@@ -414,11 +415,24 @@ def make_async_engine(
         raise DsakvError(str(e)) from None
 
 
-def bridge_for(config: DisaggConfig, engine_config: EngineConfig, server_host: str) -> Bridge:
+def bridge_for(
+    config: DisaggConfig,
+    engine_config: EngineConfig,
+    server_host: str,
+    reserved: Listener | None = None,
+) -> Bridge:
     """`make_server`'s `bridge` for a prefill or decode server; what such a server cannot
-    serve fails here, before the engine loads."""
+    serve fails here, before the engine loads. `reserved`: the prefill server's bootstrap
+    port, held (listening) while the engine loads and let go just before the bootstrap
+    server binds it, so nothing else takes it meanwhile."""
     config.check_engine(engine_config)
-    return lambda engine, thread: make_async_engine(engine, config, server_host, thread)
+
+    def bridge(engine: Engine, thread: EngineThread) -> _DisaggEngine:
+        if reserved is not None:
+            reserved.close()
+        return make_async_engine(engine, config, server_host, thread)
+
+    return bridge
 
 
 class _TransferCollector(Collector):

@@ -7,7 +7,10 @@ and spawns the node's other ranks (or, under `torchrun`, every process is one ra
 already). Rank 0 gets the engine back; every other rank follows rank 0 until it stops,
 then exits. A watchdog on each node notices a rank process that dies, names it, and ends
 every local rank, so nothing hangs and nothing is orphaned; a rank whose parent dies is
-killed with it (Linux parent-death signal).
+killed with it (Linux parent-death signal). A rank that fails while the engine starts is
+reported once, by the launcher (`RankDied`, or the same `DsakvError` every rank met: rank
+0's own wins). One multi-rank engine runs in a process at a time (they would share
+torch.distributed's default process group): a second is refused until the first closes.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from dsakv.config import ModelConfig
@@ -43,6 +48,10 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
     pc: ParallelConfig = config.parallel
     if pc.world_size == 1:
         return Engine(config)
+    if getattr(mp.current_process(), "_inheriting", False):
+        # A spawned rank re-running the script that made this engine at its top level (no
+        # `if __name__ == "__main__":` guard): it leaves quietly, and its parent says why.
+        sys.exit(_NO_MAIN_GUARD)
     pc.check_model(ModelConfig.from_hf(config.model))
     device_type = resolve_device(config.device).type
     if device_type == "cuda" and torch.cuda.device_count() < pc.ranks_per_node:
@@ -50,7 +59,20 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
             f"--tp {pc.tp} over {pc.nnodes} node(s) needs {pc.ranks_per_node} CUDA devices "
             f"per node, found {torch.cuda.device_count()}"
         )
+    release = _claim_process_group()
+    try:
+        engine = _launch(config, exit_on_rank_death)
+    except BaseException:
+        release()
+        raise
+    engine.on_close.insert(0, release)  # the last to run: after the ranks have left
+    return engine
+
+
+def _launch(config: Any, exit_on_rank_death: bool) -> Any:
+    pc: ParallelConfig = config.parallel
     torchrun = _torchrun_rank(pc)
+    reports: dict[int, Connection] = {}
     if torchrun is not None:
         rank, init, procs = torchrun, "env://", {}
     else:
@@ -67,12 +89,21 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
             p.start()
         for _, send in pipes.values():
             send.close()  # the child's end: EOF here once it has gone
-        _wait_started(procs, {r: recv for r, (recv, _) in pipes.items()}, pc.timeout_s)
-    watchdog = Watchdog(procs, exit_on_rank_death or rank != 0)
+        reports = {r: recv for r, (recv, _) in pipes.items()}
+        try:
+            _wait_started(procs, reports, pc.timeout_s)
+        except BaseException:
+            for conn in reports.values():
+                conn.close()
+            raise
+    watchdog = Watchdog(procs, exit_on_rank_death or rank != 0, reports)
     try:
-        engine = _start_rank(config, rank, init)
-    except BaseException:
+        engine = _start_rank(config, rank, init, on_built=watchdog.started)
+    except BaseException as e:
+        failure = watchdog.startup_failure(e)
         watchdog.close(kill=True)
+        if failure is not None:  # what ended rank 0's startup: another rank's failure
+            raise failure from None
         raise
     if rank != 0:  # this process only follows rank 0
         engine.close()
@@ -82,8 +113,45 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
     return engine
 
 
-def _start_rank(config: Any, rank: int, init: str) -> Any:
-    """Join the group and build this rank's engine; rank 0's is returned, others serve."""
+# One multi-rank engine per process: its ranks share torch.distributed's default group.
+_group_lock = threading.Lock()
+_group_owner: list[bool] = []  # [True] while this process runs one
+
+
+def _claim_process_group() -> Callable[[], None]:
+    """Refuse a second multi-rank engine while one runs here (torch.distributed has one
+    default process group a process; the second died in `init_process_group`, a traceback
+    after spawning its ranks); the function returned gives the claim back, once."""
+    with _group_lock:
+        if _group_owner:
+            raise DsakvError(
+                "one multi-rank engine per process: close the other first "
+                "(`with LLM(...) as llm:` or `llm.close()`)"
+            )
+        if dist.is_available() and dist.is_initialized():
+            raise DsakvError(
+                "torch.distributed's default process group is already initialized in this "
+                "process; a multi-rank engine makes its own (destroy the other first)"
+            )
+        _group_owner.append(True)
+    done = threading.Event()
+
+    def release() -> None:
+        if done.is_set():
+            return
+        done.set()
+        destroy_parallel()  # (Engine.close would next: this claim ends with the group)
+        with _group_lock:
+            _group_owner.clear()
+
+    return release
+
+
+def _start_rank(
+    config: Any, rank: int, init: str, on_built: Callable[[], None] | None = None
+) -> Any:
+    """Join the group and build this rank's engine; rank 0's is returned, others serve.
+    `on_built`: called once this rank's engine is built (its startup is over)."""
     pc: ParallelConfig = config.parallel
     local_rank = rank % pc.ranks_per_node
     device = resolve_device(config.device)
@@ -94,6 +162,11 @@ def _start_rank(config: Any, rank: int, init: str) -> Any:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.ranks_per_node))
     parallel = init_parallel(pc, rank, init, device)
     engine = Engine(config, parallel, device)
+    # Startup ends on every rank together: rank 0's fails (and says why) if another rank's
+    # does, rather than serving until its first step meets the dead rank.
+    parallel.broadcast_object(None)
+    if on_built is not None:
+        on_built()
     if rank == 0:
         return DPEngine(engine) if pc.dp_attention else engine
     try:
@@ -106,12 +179,37 @@ def _start_rank(config: Any, rank: int, init: str) -> Any:
     return engine
 
 
+# A spawned rank's exit code when it found itself re-running a script without a main guard.
+_NO_MAIN_GUARD = 87
+# After another rank died during startup, how long rank 0's own startup may take to fail
+# (a collective with the dead rank fails within seconds) before a server ends itself.
+_STARTUP_GRACE_S = 10.0
+
+
+class RankDied(DsakvError):
+    """Another rank of this engine died or failed (not bad input): the CLI exits 1."""
+
+    exit_code = 1
+
+
+def _exit_text(rank: int, code: int | None, during_startup: bool) -> str:
+    """How rank `rank`'s process ended, in words."""
+    when = " during startup" if during_startup else ""
+    if code is not None and code < 0:
+        try:
+            name = f", {signal.Signals(-code).name}"
+        except ValueError:
+            name = ""
+        return f"rank {rank} died{when} (signal {-code}{name})"
+    return f"rank {rank} exited with code {code}{when}"
+
+
 def _wait_started(procs: dict[int, Any], started: dict[int, Connection], timeout: float) -> None:
     """Until every spawned rank has started (`_rank_main` runs): one that dies first, or
     is not there within `timeout` seconds, is an error here. Rank 0 would otherwise wait for
-    it in the group's rendezvous; under `LLM(tp=2)` a script without a main guard kills
-    every rank this way (spawn re-runs the script's top level in the child, which may not
-    start processes)."""
+    it in the group's rendezvous. Under `LLM(tp=2)` in a script without a main guard each
+    spawned rank re-runs the script's top level, meets the `LLM` there and leaves with
+    `_NO_MAIN_GUARD`: that is the error that names the guard."""
     waiting = dict(started)
     deadline = time.monotonic() + timeout
     while waiting:
@@ -119,11 +217,7 @@ def _wait_started(procs: dict[int, Any], started: dict[int, Connection], timeout
         if not ready:
             for p in procs.values():
                 p.kill()
-            raise DsakvError(
-                f"rank(s) {sorted(waiting)} did not start within {timeout:g} s (a script "
-                "that creates a multi-rank LLM runs again in each rank up to its "
-                '`if __name__ == "__main__":` guard)'
-            )
+            raise RankDied(f"rank(s) {sorted(waiting)} did not start within {timeout:g} s")
         for r, conn in list(waiting.items()):
             if conn not in ready:
                 continue
@@ -134,54 +228,133 @@ def _wait_started(procs: dict[int, Any], started: dict[int, Connection], timeout
                 for p in procs.values():
                     p.kill()
                 procs[r].join()
-                raise DsakvError(
-                    f"rank {r} exited with code {procs[r].exitcode} before it started (its "
-                    "error is above); a script that creates a multi-rank LLM needs an "
-                    '`if __name__ == "__main__":` guard, as spawned processes re-run its '
-                    "top level"
-                ) from None
-            finally:
-                conn.close()
+                if procs[r].exitcode == _NO_MAIN_GUARD:
+                    raise DsakvError(
+                        "a script that creates a multi-rank LLM needs an "
+                        '`if __name__ == "__main__":` guard around it: each rank is a spawned '
+                        "process, which re-runs the script's top level"
+                    ) from None
+                raise RankDied(_exit_text(r, procs[r].exitcode, True)) from None
 
 
-def _rank_main(config: Any, rank: int, init: str, started: Connection) -> None:
-    """Entry point of a spawned rank process."""
+def _rank_main(config: Any, rank: int, init: str, conn: Connection) -> None:
+    """Entry point of a spawned rank process. `conn` tells the launcher it started and,
+    if it fails, why (the launcher reports it once: rank 0's own error wins)."""
     die_with_parent(signal.SIGKILL)  # killed when the process that spawned it dies
     # This process ends with os._exit, so nothing would release a multiprocessing lock
     # (tqdm makes one for its bars): a thread lock serves one process as well.
     tqdm.set_lock(threading.RLock())
-    started.send(rank)
-    started.close()
+    conn.send(rank)
     try:
         _start_rank(config, rank, init)
     except BaseException as e:  # noqa: BLE001 - report any failure as this rank's
-        print(f"dsakv rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        try:
+            conn.send((isinstance(e, DsakvError), f"{type(e).__name__}: {e}", str(e)))
+        except OSError:  # the launcher has gone: say it here
+            print(f"dsakv rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)
     os._exit(0)
 
 
 class Watchdog:
-    """Watches this node's spawned ranks; one that exits unexpectedly ends them all."""
+    """Watches this node's spawned ranks; one that exits unexpectedly ends them all.
 
-    def __init__(self, procs: dict[int, Any], exit_on_death: bool) -> None:
+    While this node's engine starts, a rank that dies is not reported here: the startup of
+    this process fails too (a collective with it breaks), and `startup_failure` says which
+    error to raise, so the rank's failure is reported once (a bad setting fails every rank
+    alike: rank 0's own error wins). Only a startup that has not failed `_STARTUP_GRACE_S`
+    later is ended here (under `exit_on_death`)."""
+
+    def __init__(
+        self,
+        procs: dict[int, Any],
+        exit_on_death: bool,
+        reports: dict[int, Connection] | None = None,
+    ) -> None:
         self.procs = procs
         self.exit_on_death = exit_on_death
         self.failure: str | None = None
+        self._first_dead: int | None = None  # (the others may die of `_kill_all`)
+        self._reports = dict(reports or {})
+        self._read: dict[int, tuple[bool, str, str] | None] = {}
+        self._lock = threading.Lock()
+        self._starting = True
         self._closing = threading.Event()
         if procs:
             threading.Thread(target=self._watch, name="dsakv-watchdog", daemon=True).start()
 
+    def started(self) -> None:
+        """This process's engine is built: a rank that dies from now on is reported here."""
+        self._starting = False
+
+    def _report(self, rank: int) -> tuple[bool, str, str] | None:
+        """What rank `rank` said when it failed (DsakvError?, "Type: message", message),
+        once it has exited; None if it said nothing (killed, or exited cleanly)."""
+        with self._lock:
+            if rank not in self._read:
+                conn, report = self._reports.pop(rank, None), None
+                if conn is not None:
+                    try:
+                        while conn.poll():
+                            report = conn.recv()
+                    except (EOFError, OSError):
+                        pass
+                    conn.close()
+                self._read[rank] = report if isinstance(report, tuple) else None
+            return self._read[rank]
+
+    def _describe(self, rank: int, during_startup: bool) -> str:
+        report = self._report(rank)
+        if report is not None:
+            when = " during startup" if during_startup else ""
+            return f"rank {rank} failed{when}: {report[1].splitlines()[0]}"
+        return _exit_text(rank, self.procs[rank].exitcode, during_startup)
+
+    def _dead(self) -> int | None:
+        """The rank that died first (as far as can be told), or None."""
+        if self._first_dead is not None:
+            return self._first_dead
+        return next((r for r, p in self.procs.items() if p.exitcode is not None), None)
+
     def _watch(self) -> None:
         while not self._closing.wait(0.2):
-            for rank, p in self.procs.items():
-                if p.exitcode is None or self._closing.is_set():
-                    continue
-                self.failure = f"rank {rank} exited with code {p.exitcode}"
-                print(f"dsakv: {self.failure}; stopping every rank", file=sys.stderr, flush=True)
-                self._kill_all()
-                if self.exit_on_death:
-                    os._exit(1)
-                return
+            rank = self._dead()
+            if rank is None or self._closing.is_set():
+                continue
+            self._first_dead = rank
+            self.failure = self._describe(rank, self._starting)
+            if self._starting:
+                self._kill_all()  # so a collective this process waits in fails now
+                deadline = time.monotonic() + _STARTUP_GRACE_S
+                while self._starting and time.monotonic() < deadline:
+                    if self._closing.wait(0.1):
+                        return  # this process's startup failed, and reports it
+                if self._starting and not self.exit_on_death:
+                    return  # (it will fail: its group is broken)
+            print(f"dsakv: {self.failure}; stopping every rank", file=sys.stderr, flush=True)
+            self._kill_all()
+            if self.exit_on_death:
+                os._exit(1)
+            return
+
+    def startup_failure(self, error: BaseException) -> DsakvError | None:
+        """What to raise for `error`, which ended this process's startup: None (itself)
+        when it is this process's own `DsakvError` (bad input, seen alike by every rank)
+        or nothing shows another rank failed; else the error of the rank that failed."""
+        if not self.procs or isinstance(error, DsakvError) or not isinstance(error, Exception):
+            return None
+        if self.failure is None and not _is_dist_error(error):
+            return None
+        sentinels = [p.sentinel for p in self.procs.values()]
+        if self._dead() is None:  # the peer's exit may not show yet
+            wait(sentinels, 3.0)
+        rank = self._dead()
+        if rank is None:
+            return None
+        report = self._report(rank)
+        if report is not None and report[0]:
+            return DsakvError(report[2])  # bad input that only that rank saw
+        return RankDied(self._describe(rank, True))
 
     def _kill_all(self) -> None:
         for p in self.procs.values():
@@ -197,6 +370,15 @@ class Watchdog:
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))
         self._kill_all()
+        with self._lock:
+            for conn in self._reports.values():
+                conn.close()
+            self._reports.clear()
+
+
+def _is_dist_error(e: BaseException) -> bool:
+    """A collective failed (a peer rank died or timed out), not a bug in this process."""
+    return isinstance(e, getattr(dist, "DistError", ())) or "gloo" in str(e).lower()
 
 
 def _torchrun_rank(pc: ParallelConfig) -> int | None:

@@ -1,9 +1,14 @@
-"""`run_server`: build the engine, the bridge and the app, and serve them with uvicorn."""
+"""`run_server`: build the engine, the bridge and the app, and serve them with uvicorn.
+
+The listening socket comes first (`Listener`), before the engine loads, as vLLM binds
+its own: a port taken meanwhile used to fail in uvicorn's words after minutes of loading,
+once "serving" had been printed. "serving" is printed once uvicorn serves the socket."""
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -11,6 +16,7 @@ import uvicorn
 
 from dsakv.engine import EngineConfig
 from dsakv.engine.launch import create_engine
+from dsakv.errors import DsakvError
 from dsakv.procs import exit_on_sigterm
 
 from .app import build_app
@@ -21,17 +27,82 @@ from .runner import AsyncEngine, Bridge, EngineThread
 log = logging.getLogger(__name__)
 
 
-class _Server(uvicorn.Server):
-    """Aborts in-flight requests first on shutdown, so open streams end at once (with
-    finish_reason "abort") instead of holding shutdown until they complete."""
+_BACKLOG = 2048  # uvicorn's default
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine) -> None:
+
+class Listener:
+    """TCP sockets listening on `host:port` from now on, bound as uvicorn binds (one per
+    address the host resolves to, SO_REUSEADDR, IPv6 only on an IPv6 one, as asyncio's
+    `create_server` does), for a server to serve later (`uvicorn.Server.run(sockets=...)`):
+    nothing else can take the port meanwhile, and connections made before the server
+    starts wait in the backlog. A bad address or a port in use is one `DsakvError` line."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.sockets: list[socket.socket] = []
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                self.sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen(_BACKLOG)
+        except OSError as e:
+            self.close()
+            raise DsakvError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+    def close(self) -> None:
+        """Stop listening (idempotent)."""
+        for sock in self.sockets:
+            sock.close()
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Server(uvicorn.Server):
+    """Serves `sockets` when given (bound before the engine loaded) and prints `banner`
+    once it listens; aborts in-flight requests first on shutdown, so open streams end at
+    once (with finish_reason "abort") instead of holding shutdown until they complete."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        async_engine: AsyncEngine | None = None,
+        sockets: list[socket.socket] | None = None,
+        banner: str | None = None,
+    ) -> None:
         super().__init__(config)
         self.async_engine = async_engine
+        self.sockets = sockets
+        self.banner = banner
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().serve(sockets if sockets is not None else self.sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.banner:
+            log.info("%s", self.banner)
+            print(self.banner, flush=True)
 
     async def shutdown(self, sockets=None) -> None:
-        self.async_engine.abort_all()
+        if self.async_engine is not None:
+            self.async_engine.abort_all()
         await super().shutdown(sockets)
+
+
+def serve_app(app, listener: Listener, banner: str, log_level: str = "warning") -> None:
+    """Serve an ASGI `app` on `listener`'s sockets until interrupted, printing `banner`
+    once it serves (the router)."""
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    _Server(config, sockets=listener.sockets, banner=banner).run()
 
 
 def make_server(
@@ -44,11 +115,13 @@ def make_server(
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = "auto",
     bridge: Bridge | None = None,
+    listener: Listener | None = None,
 ) -> tuple[uvicorn.Server, AsyncEngine]:
     """The server `run_server` runs, not yet started (tests drive it on a thread). Parser
     names: "auto" (the model type's own), "none", or one of `parsers.TOOL_PARSERS` /
     `parsers.REASONING_PARSERS`. `bridge`: what the app talks to (default: a plain
-    `AsyncEngine`)."""
+    `AsyncEngine`). `listener`: the sockets to serve, taken earlier (else uvicorn binds
+    `host:port` when it starts)."""
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
     # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
     thread = EngineThread()
@@ -65,7 +138,8 @@ def make_server(
     app = build_app(async_engine, name, api_key=api_key, chat_parsers=parsers)
     async_engine.attach(app)
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    return _Server(uv, async_engine), async_engine
+    sockets = listener.sockets if listener is not None else None
+    return _Server(uv, async_engine, sockets), async_engine
 
 
 def run_server(
@@ -77,22 +151,29 @@ def run_server(
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = "auto",
     bridge: Bridge | None = None,
+    listener: Listener | None = None,
 ) -> None:
-    """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`)."""
-    server, async_engine = make_server(
-        config,
-        host,
-        port,
-        api_key,
-        served_model_name,
-        tool_call_parser=tool_call_parser,
-        reasoning_parser=reasoning_parser,
-        bridge=bridge,
-    )
+    """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`). The
+    port is taken before the engine loads (`listener`, else `Listener(host, port)` now)."""
+    listener = listener or Listener(host, port)
+    try:
+        server, async_engine = make_server(
+            config,
+            host,
+            port,
+            api_key,
+            served_model_name,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
+            bridge=bridge,
+            listener=listener,
+        )
+    except BaseException:
+        listener.close()
+        raise
     shown = f"[{host}]" if ":" in host else host
     name = server.config.app.state.model_name
-    log.info("serving %r at http://%s:%d/v1 (metrics at /metrics)", name, shown, port)
-    print(f"dsakv: serving {name!r} at http://{shown}:{port}/v1", flush=True)
+    server.banner = f"dsakv: serving {name!r} at http://{shown}:{port}/v1"
     # uvicorn re-raises the SIGTERM it caught once it has stopped: make that an exception,
     # so the engine still closes (the L3 storage tier writes what it holds) on `kill`.
     main = threading.current_thread() is threading.main_thread()
@@ -100,6 +181,7 @@ def run_server(
     try:
         server.run()
     finally:
+        listener.close()
         if main:
             signal.signal(signal.SIGTERM, previous)
         async_engine.shutdown()
