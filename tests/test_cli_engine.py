@@ -249,3 +249,47 @@ def test_serve_pd_holds_the_routers_port_while_its_servers_start(tiny_dir, monke
     assert held == [True]
     assert capsys.readouterr().err.strip() == "error: stopped here"
     assert not taken(port)
+
+
+def test_max_model_len_past_the_models_positions_is_refused(tiny_dir, capsys):
+    """--max-model-len above max_position_embeddings (glm-tiny: 16384) was cut to it
+    without a word; vLLM refuses it (its RoPE tables end there), and so does dsakv."""
+    args = ["generate", str(tiny_dir), "--prompt", "x", "--max-tokens", "1", "--num-pages", "8"]
+    assert main([*args, "--max-model-len", "16385"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "max_model_len 16385" in err[0] and "16384" in err[0], err
+    assert main([*args, "--max-model-len", "16384"]) == 0  # (the pool still caps the context)
+
+
+def test_engine_flags_are_read_from_their_definitions(tiny_dir, tmp_path):
+    """`engine_config_from_args` reads every flag `add_engine_args` / `add_storage_args`
+    define (a hand-kept list could miss a new one): each is an `EngineConfig` field, or
+    turns one off; a flag of the command that is not an engine flag (generate's sampling
+    --seed) stays out."""
+    from dataclasses import fields
+
+    from dsakv.cli import (
+        _OFF_FLAGS,
+        _actions,
+        add_engine_args,
+        add_storage_args,
+        build_parser,
+        engine_config_from_args,
+    )
+    from dsakv.engine import EngineConfig
+
+    names = {f.name for f in fields(EngineConfig)}
+    for action in _actions(add_engine_args) + _actions(add_storage_args):
+        assert _OFF_FLAGS.get(action.dest, (action.dest,))[0] in names, action.dest
+    generate = ["generate", str(tiny_dir), "--prompt", "x", "--seed", "5"]
+    args = build_parser().parse_args(
+        [*generate, "--no-elide-index-k", "--no-prefix-cache", "--host-pool-gib", "0"]
+        + ["--disable-deterministic-inference", "--index-topk-freq", "2", "--node-rank", "0"]
+    )
+    config = engine_config_from_args(args)
+    assert (config.elide_index_k, config.enable_prefix_cache) == (False, False)
+    assert config.enable_deterministic_inference is False and config.seed == 0
+    assert config.index_topk_freq == 2
+    storage = ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(tmp_path)]
+    config = engine_config_from_args(build_parser().parse_args([*generate, *storage]))
+    assert (config.hicache_storage_backend, config.hicache_storage_dir) == ("file", str(tmp_path))

@@ -81,6 +81,11 @@ def test_plan_from_path(tmp_path, capsys):
         ["plan", "glm-5.2", "--draft-layers", "100000000000"],
         ["plan", "glm-5.2", "--gpu-memory-gib", "80", "--reserve-gib", "-1000"],
         ["plan", "glm-5.2", "--gpu-memory-gib", "288", "--tp", "8", "--weights-gib", "nan"],
+        ["plan", "glm-5.2", "--gpu-memory-gib", "nan"],
+        ["plan", "glm-5.2", "--gpu-memory-gib", "80", "--mem-fraction-static", "nan"],
+        ["plan", "glm-5.2", "--gpu-memory-gib", "80", "--reserve-gib", "inf"],
+        ["plan", "glm-5.2", "--kv-budget-gib", "10", "--gpu-memory-gib", "80"],
+        ["plan", "glm-5.2", "--kv-budget-gib", "10", "--weights-gib", "5"],
         ["plan", "glm-5.2", "--bogus-flag"],
         ["plan"],
     ],
@@ -113,3 +118,82 @@ def test_bad_config_files_exit_2(tmp_path):
         assert proc.returncode == 2, name
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_reported_weights_are_the_ones_the_budget_subtracted(capsys, dense):
+    """`--no-elide-index-k --gpu-memory-gib`: the budget subtracted the dense weights (every
+    indexer built) while weight_bytes_per_rank and the text showed the elided ones."""
+    flags = ["glm-5.2", "--gpu-memory-gib", "288", "--tp", "8"]
+    flags += ["--no-elide-index-k"] if dense else []
+    r = _plan_json(capsys, *flags)
+    assert abs(int(288 * 0.9 * 2**30) - r["weight_bytes_per_rank"] - r["kv_budget_bytes"]) <= 1
+    elided = _plan_json(capsys, "glm-5.2", "--gpu-memory-gib", "288", "--tp", "8")
+    extra = r["weight_bytes_per_rank"] - elided["weight_bytes_per_rank"]
+    assert extra == (r["indexer_weight_bytes_saved"] if dense else 0)
+    assert main(["plan", *flags]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("weights"))
+    assert f"{r['weight_bytes_per_rank'] / 2**30:,.3f}" in row.split()[2 if dense else 3]
+
+
+def test_a_model_directory_wins_over_the_preset_of_its_name(tmp_path, monkeypatch, capsys):
+    """`dsakv plan glm-5.2` took the preset though ./glm-5.2 is a model directory, which
+    `dsakv generate glm-5.2` takes: one argument, two models."""
+    from dsakv.config import preset
+    from dsakv.models.tiny import resolve_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "glm-5.2").mkdir()
+    (tmp_path / "glm-5.2" / "config.json").write_text(json.dumps(preset("glm-5")))  # all full
+    assert _plan_json(capsys, "glm-5.2")["num_full_layers"] == 78
+    assert _plan_json(capsys, "glm-5")["num_full_layers"] == 78  # (no folder: the preset)
+    assert _plan_json(capsys, "deepseek-v3.2")["num_layers"] == 61
+    # The engine commands' rule, for a tiny preset's name (a folder: no model generated).
+    monkeypatch.setenv("DSAKV_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "glm-tiny").mkdir()
+    (tmp_path / "glm-tiny" / "config.json").write_text("{}")
+    assert resolve_model_dir("glm-tiny") == "glm-tiny"
+    assert not (tmp_path / "cache").exists()
+
+
+def test_output_to_a_closed_pipe_exits_quietly():
+    """`dsakv plan … | head -1` printed a BrokenPipeError traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsakv.cli", "plan", "glm-5.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # the reader is gone before the plan is printed
+    err = proc.stderr.read()
+    assert proc.wait() == 141 and err == "", err
+
+
+def test_a_gain_from_nothing_is_not_a_number(capsys):
+    """A budget too small for one dense page gave "+0.00%" more tokens from 0 to 64."""
+    r = _plan_json(capsys, "glm-5.2", "--kv-budget-gib", "0.003")
+    assert (r["max_total_num_tokens_dense"], r["max_total_num_tokens"]) == (0, 64)
+    assert r["token_gain_pct"] is None
+    assert main(["plan", "glm-5.2", "--kv-budget-gib", "0.003"]) == 0
+    out = capsys.readouterr().out
+    assert "+0.00%" not in out
+    row = next(line for line in out.splitlines() if line.startswith("max_total_num_tokens"))
+    assert row.split()[1:] == ["0", "64", "n/a"]
+
+
+def test_unknown_quantization_needs_the_weights_given(tmp_path, capsys):
+    """An unknown quantization_config was priced as bf16 without a word. The budget from
+    GPU memory needs the weights: one error line; an explicit budget does not."""
+    from dsakv.config import preset
+
+    awq = {**preset("glm-5.2"), "quantization_config": {"quant_method": "awq", "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(awq))
+    assert main(["plan", str(tmp_path), "--gpu-memory-gib", "80"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quant_method 'awq'" in err[0] and "--weights-gib" in err[0], err
+    r = _plan_json(capsys, str(tmp_path), "--gpu-memory-gib", "80", "--weights-gib", "40")
+    assert r["weight_bytes_per_rank"] == 40 * 2**30
+    r = _plan_json(capsys, str(tmp_path), "--kv-budget-gib", "10")
+    assert r["weight_bytes_per_rank"] is None and r["max_total_num_tokens"] > 0
+    assert main(["plan", str(tmp_path), "--kv-budget-gib", "10"]) == 0
+    assert "n/a (unknown weights)" in capsys.readouterr().out

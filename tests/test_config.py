@@ -18,7 +18,8 @@ def test_presets_carry_public_shapes():
     assert (ds.n_group, ds.topk_group, ds.index_n_heads) == (8, 4, 64)
     assert not ds.indexer_rope_interleave
     assert ds.rope_parameters["rope_type"] == "yarn" and ds.rope_parameters["factor"] == 40
-    assert ds.rope_theta == 10000.0 and ds.is_fp8_block_quantized
+    assert ds.rope_theta == 10000.0
+    assert ds.quantization_config["weight_block_size"] == [128, 128]
 
 
 def test_from_hf_accepts_dir_file_and_dict(tmp_path):
@@ -109,6 +110,12 @@ def test_bad_field_value_and_bad_json(tmp_path):
         ({"n_group": 128, "num_experts_per_tok": 4}, r"num_experts_per_tok \(4\) exceeds the 2"),
         ({"routed_scaling_factor": "x"}, "routed_scaling_factor must be a number, got 'x'"),
         ({"routed_scaling_factor": 0}, "routed_scaling_factor must be positive"),
+        ({"rms_norm_eps": 1e400}, "rms_norm_eps must be positive and finite, got inf"),
+        ({"index_head_dim": 32}, r"index_head_dim \(32\) must be >= qk_rope_head_dim \(64\)"),
+        ({"qk_rope_head_dim": 63}, "qk_rope_head_dim must be even .*, got 63"),
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers must be <= 4096, got 1000000000"),
+        ({"num_nextn_predict_layers": 10**9}, "num_nextn_predict_layers must be <= 4096"),
+        ({"n_routed_experts": 10**9}, "n_routed_experts must be <= 65536"),
     ],
 )
 def test_bad_field_type_or_range_is_named(edit, message):
@@ -116,6 +123,11 @@ def test_bad_field_type_or_range_is_named(edit, message):
     with pytest.raises(ConfigError, match=message) as e:
         ModelConfig.from_hf(raw)
     assert str(e.value).startswith("model config field ") and "\n" not in str(e.value)
+
+
+def test_resolve_names_what_it_takes():
+    with pytest.raises(TypeError, match="a ModelConfig, a preset name, a path or a config dict"):
+        ModelConfig.resolve(["glm-5"])
 
 
 def test_valid_field_variants_are_kept():

@@ -360,8 +360,10 @@ def test_native_blocks_match_the_torch_blocks_and_ignore_their_batch(preset, tmp
                     assert torch.equal(one[0], got_ffn[r])
 
 
-def _check_indexer_inputs(path: str, indexer, h, q_lora, cos, sin) -> None:
-    """The indexer's native key and query (rotated for an fp8 pool, plain for fp32) against
+def _check_indexer_inputs(
+    path: str, indexer, h, q_lora, cos, sin, kinds: tuple[str, ...] = ("fp8", "fp32")
+) -> None:
+    """The indexer's native key and query (rotated for an fp8 pool, plain otherwise) against
     `index_key` / `index_query`; a token's outputs bit-equal alone or in the batch."""
     from dsakv.models.indexer import index_key, index_query
 
@@ -369,7 +371,7 @@ def _check_indexer_inputs(path: str, indexer, h, q_lora, cos, sin) -> None:
     key = native.key(h, cos, sin)
     torch.testing.assert_close(key, index_key(indexer, h, cos, sin), rtol=1e-5, atol=1e-5)
     assert torch.equal(native.key(h[2:3], cos[2:3], sin[2:3])[0], key[2])
-    for kind in ("fp8", "fp32"):
+    for kind in kinds:
         pool = DSAKVPool(CacheLayout.for_model(path, index_k_dtype=kind), 1)
         got = native.query(h, q_lora, cos, sin, pool.rotates_index_q)
         want = index_query(indexer, h, q_lora, cos, sin, pool)
@@ -377,6 +379,53 @@ def _check_indexer_inputs(path: str, indexer, h, q_lora, cos, sin) -> None:
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
         one = native.query(h[2:3], q_lora[2:3], cos[2:3], sin[2:3], pool.rotates_index_q)
         assert all(torch.equal(x[0], y[2]) for x, y in zip(one, got))
+
+
+@native
+def test_an_index_head_of_no_power_of_two_runs_with_bf16_or_fp32_index_k(tmp_path):
+    """A 96-value index head has no Hadamard matrix: the native key and plain query are
+    still the torch ones, and bf16 / fp32 index-K generate past index_topk on the cpu and
+    torch backends; fp8 index-K (which rotates) is one error, before the weights load."""
+    from dsakv.errors import ConfigError
+    from dsakv.models.loader import load_model
+    from dsakv.models.tiny import TINY_PRESETS
+
+    config = {**TINY_PRESETS["glm-tiny"], "index_head_dim": 96}
+    path = str(write_tiny_model(tmp_path / "idx96", config, mtp="none"))
+    model, _, _ = load_model(path)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, model.config.hidden_size, generator=g)
+    cos, sin = model.rotary(torch.tensor([0, 3, 9, 40, 2]), torch.float32)
+    with torch.inference_mode():
+        layer = model.model.layers[0]
+        q_lora = layer.native_blocks()[0](x, cos, sin)[3]
+        _check_indexer_inputs(path, layer.self_attn.indexer, x, q_lora, cos, sin, ("bf16", "fp32"))
+    bare = tmp_path / "config-only"  # no weights: the layout is refused before loading them
+    bare.mkdir()
+    (bare / "config.json").write_text((tmp_path / "idx96" / "config.json").read_text())
+    with pytest.raises(ConfigError, match="power-of-two index_head_dim .* got 96"):
+        LLM(str(bare), device="cpu", num_pages=8)  # fp8 index-K by default
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = list(range(3, 3 + 2 * config["index_topk"]))  # the indexer selects
+    for kind in ("bf16", "fp32"):
+        for backend in ("cpu", "torch"):
+            llm = LLM(path, device="cpu", index_k_dtype=kind, attention_backend=backend)
+            assert len(llm.generate([prompt], params)[0].token_ids) == 4
+
+
+@native
+@pytest.mark.parametrize("rope", [64, 7, 0])
+def test_native_indexer_refuses_a_rope_part_its_head_cannot_hold(rope):
+    """The kernels rope pairs of the head's first values: a rope part wider than the head
+    (it overran the buffers: heap corruption), odd or empty is a ValueError."""
+    hidden, q_lora, heads, dim = 16, 8, 2, 32
+    wq_b, wk = torch.zeros(heads * dim, q_lora), torch.zeros(dim, hidden)
+    norm = (torch.ones(dim), torch.zeros(dim))
+    with pytest.raises(ValueError, match=f"an even rope part of 2..32 values, got {rope}"):
+        cpu_native.IndexerInputs(
+            wq_b, wk, *norm, torch.zeros(heads, hidden),
+            heads=heads, rope=rope, interleave=True, eps=1e-6,
+        )  # fmt: skip
 
 
 @native

@@ -82,6 +82,22 @@ def test_draft_layers_always_full():
         plan.runs_indexer(80)
 
 
+@pytest.mark.parametrize("layer", [-1, -80, 80])
+def test_a_layer_out_of_range_is_refused_not_wrapped(layer):
+    plan = LayerPlan.from_config(ModelConfig.resolve("glm-5.2"), draft_layers=2)
+    for query in (plan.runs_indexer, plan.owns_index_k, plan.topk_source):
+        with pytest.raises(IndexError, match=rf"layer {layer} out of range 0\.\.79"):
+            query(layer)
+
+
+def test_from_config_takes_what_model_config_resolve_takes():
+    want = LayerPlan.from_config(ModelConfig.resolve("glm-5.2"))
+    assert LayerPlan.from_config("glm-5.2") == want
+    assert LayerPlan.from_config(preset("glm-5.2")) == want
+    with pytest.raises(TypeError, match="a ModelConfig, a preset name, a path or a config dict"):
+        LayerPlan.from_config(78)
+
+
 def test_disagreeing_indexer_types_warns(caplog):
     types = ["full"] * 8
     cfg = ModelConfig.from_hf(small_glm_config(8, indexer_types=types, index_topk_freq=2))

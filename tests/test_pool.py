@@ -185,6 +185,25 @@ def test_out_of_range_slots_and_layers_raise():
         pool.gather_latent(0, torch.tensor([0.0]))
 
 
+@pytest.mark.parametrize("layer", [-1, 6, 200])
+def test_a_dense_layout_refuses_a_layer_it_does_not_have(layer):
+    for elide in (True, False):
+        with pytest.raises(IndexError, match=rf"layer {layer} out of range 0\.\.5"):
+            small_layout(elide=elide).has_index_k(layer)
+
+
+@pytest.mark.parametrize("page", [-1, 2])
+def test_a_page_out_of_range_is_refused_and_nothing_written(page):
+    pool = DSAKVPool(small_layout(), 2)
+    before = pool.read_pages([0, 1])
+    row = torch.full((1, pool.layout.bytes_per_page), 7, dtype=torch.uint8)
+    with pytest.raises(IndexError, match=rf"page {page} out of range 0\.\.1"):
+        pool.write_pages([page], row)
+    with pytest.raises(IndexError, match=rf"page {page} out of range 0\.\.1"):
+        pool.read_pages([0, page])
+    assert torch.equal(pool.read_pages([0, 1]), before)
+
+
 # --- moves and copies ----------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -101,7 +102,9 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.config import LayerPlan, ModelConfig
     from dsakv.distributed import ParallelConfig
+    from dsakv.errors import ConfigError
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_capacity
+    from dsakv.memory.capacity import GIB
 
     config = ModelConfig.resolve(args.model)
     hisparse = _hisparse_config(args, config)
@@ -118,28 +121,30 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         args.kv_budget_gib = 100.0
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, dp_attention=args.dp_attention)
     parallel.check_model(config)
-    weights = estimate_weight_bytes(
-        config, plan, args.tp, ep=args.ep, dp_attention=args.dp_attention
-    )
-    weights_gib = args.weights_gib
-    if weights_gib is None and args.gpu_memory_gib is not None:
-        weights_gib = weights.total_bytes / (1 << 30)
+    subtracted = args.gpu_memory_gib is not None and args.weights_gib is None
+    try:
+        weights = estimate_weight_bytes(
+            config, plan, args.tp, ep=args.ep, dp_attention=args.dp_attention
+        )
+    except ConfigError:  # weights it cannot price (the parallel flags are checked above)
+        if subtracted:
+            raise
+        weights = None  # the budget does not need them: reported as unknown
     budget = dict(
         kv_budget_gib=args.kv_budget_gib,
         gpu_memory_gib=args.gpu_memory_gib,
         mem_fraction_static=args.mem_fraction_static,
-        weights_gib=weights_gib,
         reserve_gib=args.reserve_gib,
-        config=config,
-        tp=args.tp,
     )
-    cap_elided = plan_capacity(elided, **budget)
-    # The dense layout builds every indexer, so at the same GPU memory its weights are larger.
-    dense_weights = None
-    if args.gpu_memory_gib is not None and args.weights_gib is None and args.kv_budget_gib is None:
-        dense_weights = (weights.total_bytes + weights.indexer_bytes_saved) / (1 << 30)
-    dense_budget = {**budget, "weights_gib": dense_weights or args.weights_gib}
-    cap_dense = plan_capacity(dense, **dense_budget)
+    # Per layout: its budget, capacity and weights per rank (what the budget subtracted, else
+    # the estimate). The dense layout also builds the indexers that shared layers skip.
+    per_layout = []
+    for layout, extra in ((elided, 0), (dense, weights.indexer_bytes_saved if weights else 0)):
+        estimate = None if weights is None else weights.total_bytes + extra
+        given = {**budget, "weights_gib": estimate / GIB if subtracted else args.weights_gib}
+        cap = plan_capacity(layout, **given)
+        per_layout.append((given, cap, estimate if cap.weight_bytes is None else cap.weight_bytes))
+    (budget_e, cap_elided, weights_e), (budget_d, cap_dense, weights_d) = per_layout
     chosen = cap_dense if args.no_elide_index_k else cap_elided
     chosen_layout = dense if args.no_elide_index_k else elided
     report = {
@@ -168,19 +173,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "tp": args.tp,
         "ep": args.ep,
         "dp_attention": args.dp_attention,
-        "weight_bytes_per_rank": weights.total_bytes,
+        "weight_bytes_per_rank": weights_d if args.no_elide_index_k else weights_e,
         # Every rank holds a pool; plain TP replicates it, DP attention fills each its own.
         "max_total_num_tokens_per_rank": chosen.max_total_num_tokens,
         "max_total_num_tokens_aggregate": chosen.max_total_num_tokens * parallel.dp,
-        "indexer_weight_bytes_saved": weights.indexer_bytes_saved,
+        "indexer_weight_bytes_saved": weights and weights.indexer_bytes_saved,
     }
     splits = None
     if hisparse is not None:
         from dsakv.memory import plan_hisparse
 
         splits = (
-            plan_hisparse(dense, hisparse, **dense_budget),
-            plan_hisparse(elided, hisparse, **budget),
+            plan_hisparse(dense, hisparse, **budget_d),
+            plan_hisparse(elided, hisparse, **budget_e),
         )
         report["hisparse"] = {
             **hisparse.to_dict(),
@@ -194,7 +199,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(_plan_table(report, elided, dense, cap_elided, cap_dense))
+        print(_plan_table(report, elided, dense, cap_elided, cap_dense, (weights_d, weights_e)))
         if splits is not None:
             print(_hisparse_table(*splits))
     return 0
@@ -242,23 +247,39 @@ def _hisparse_table(dense: Any, elided: Any) -> str:
             fmt = lambda v: f"{v:>16,.3f}"
         gain = ""
         if show_gain:  # bytes: the saving as tokens gained per byte; counts: tokens gained
-            gain = f"{_gain(d, e) if name.startswith('device bytes') else _gain(e, d):>+9.2f}%"
+            gain = _pct(_gain(d, e) if name.startswith("device bytes") else _gain(e, d))
         lines.append(f"{name:28}{fmt(d)}{fmt(e)}{gain}")
     share = f"{100 * dense.index_k_share:.1f}%", f"{100 * elided.index_k_share:.1f}%"
     lines.append(f"{'index-K share of device':28}{share[0]:>16}{share[1]:>16}")
     return "\n".join(lines)
 
 
-def _gain(new: float, old: float) -> float:
-    return round(100.0 * (new - old) / old, 2) if old else 0.0
+def _gain(new: float, old: float) -> float | None:
+    """Percent change from `old`; None (no base to compare with) where `old` is 0."""
+    return round(100.0 * (new - old) / old, 2) if old else None
 
 
-def _plan_table(r: dict[str, Any], elided: Any, dense: Any, cap_e: Any, cap_d: Any) -> str:
+def _pct(gain: float | None) -> str:
+    return f"{'n/a':>10}" if gain is None else f"{gain:>+9.2f}%"
+
+
+def _plan_table(
+    r: dict[str, Any],
+    elided: Any,
+    dense: Any,
+    cap_e: Any,
+    cap_d: Any,
+    weights: tuple[int | None, int | None],
+) -> str:
+    """The plan, dense and elided side by side; with GPU memory, each column's KV budget is
+    memory × fraction − its weights − reserve."""
     gib = 1 << 30
+    weights_d, weights_e = (None if w is None else w / gib for w in weights)
     rows = [
         ("latent bytes/token", dense.latent_bytes_per_token, elided.latent_bytes_per_token),
         ("index-K bytes/token", dense.index_k_bytes_per_token, elided.index_k_bytes_per_token),
         ("cell bytes/token", dense.bytes_per_token, elided.bytes_per_token),
+        ("weights/rank (GiB)", weights_d, weights_e),
         ("KV budget (GiB)", cap_d.kv_budget_bytes / gib, cap_e.kv_budget_bytes / gib),
         ("max_total_num_tokens", cap_d.max_total_num_tokens, cap_e.max_total_num_tokens),
     ]
@@ -274,20 +295,27 @@ def _plan_table(r: dict[str, Any], elided: Any, dense: Any, cap_e: Any, cap_d: A
         f"{'':24}{'dense':>16}{'elided':>16}{'gain':>10}",
     ]
     for name, d, e in rows:
-        fmt = (lambda v: f"{v:>16,.3f}") if isinstance(d, float) else (lambda v: f"{v:>16,}")
-        gain = f"{_gain(e, d):>+9.2f}%" if name.startswith(("cell", "max")) else ""
+        cells = "".join(
+            f"{'n/a':>16}" if v is None else f"{v:>16,.3f}" if isinstance(v, float) else f"{v:>16,}"
+            for v in (d, e)
+        )
+        gain = ""
         if name.startswith("cell"):
-            gain = f"{_gain(d, e):>+9.2f}%"  # the saving, as tokens gained per byte
-        lines.append(f"{name:24}{fmt(d)}{fmt(e)}{gain}")
+            gain = _pct(_gain(d, e))  # the saving, as tokens gained per byte
+        elif name.startswith("max"):
+            gain = _pct(_gain(e, d))
+        lines.append(f"{name:24}{cells}{gain}")
+    saved = r["indexer_weight_bytes_saved"]
+    layout = "elided" if r["elide_index_k"] else "dense"
     lines.append("")
     lines.append(
-        f"weights per rank: {r['weight_bytes_per_rank'] / gib:.3f} GiB; KV tokens per rank "
-        f"{r['max_total_num_tokens_per_rank']:,}, in aggregate "
-        f"{r['max_total_num_tokens_aggregate']:,}"
+        f"{layout} layout: KV tokens per rank {r['max_total_num_tokens_per_rank']:,}, "
+        f"in aggregate {r['max_total_num_tokens_aggregate']:,}"
     )
     lines.append(
-        f"indexer weights not built by shared layers: {r['indexer_weight_bytes_saved'] / gib:.3f}"
-        f" GiB per rank ({r['num_shared_layers']} layers)"
+        "indexer weights not built by shared layers: "
+        + ("n/a (unknown weights)" if saved is None else f"{saved / gib:.3f} GiB per rank")
+        + f" ({r['num_shared_layers']} layers)"
     )
     return "\n".join(lines)
 
@@ -424,64 +452,27 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-_STORAGE_FIELDS = (
-    "hicache_storage_backend",
-    "hicache_storage_dir",
-    "hicache_storage_max_gib",
-    "hicache_mooncake_master",
-    "hicache_mooncake_start_master",
-    "hicache_write_policy",
-    "hicache_storage_prefetch_timeout",
-)
+# Engine flags that set an `EngineConfig` field of another name: flag -> (field, value).
+_OFF_FLAGS = {
+    "no_elide_index_k": ("elide_index_k", False),
+    "no_prefix_cache": ("enable_prefix_cache", False),
+    "disable_deterministic_inference": ("enable_deterministic_inference", False),
+}
 
 
 def engine_config_from_args(args: argparse.Namespace):
+    """The `EngineConfig` the engine flags (`add_engine_args`, `add_storage_args`) give:
+    each flag given sets the field of its name (`_OFF_FLAGS`: another's), so a new flag
+    cannot be forgotten here; a flag left out leaves the field's default."""
     from dsakv.engine import EngineConfig
     from dsakv.models.tiny import resolve_model_dir
 
-    kw: dict[str, Any] = dict(plan_overrides(args))
-    for name in (
-        "kv_cache_dtype",
-        "index_k_dtype",
-        "page_size",
-        "kv_budget_gib",
-        "num_pages",
-        "host_pool_gib",
-        "chunked_prefill_size",
-        "max_running_requests",
-        "max_model_len",
-        "device",
-        "dtype",
-        "speculative_algorithm",
-        "speculative_num_steps",
-        "attention_backend",
-        "tp",
-        "ep",
-        "nnodes",
-        "node_rank",
-        "dist_init_addr",
-        *_STORAGE_FIELDS,
-    ):
-        if getattr(args, name, None) is not None:
-            kw[name] = getattr(args, name)
-    if args.no_elide_index_k:
-        kw["elide_index_k"] = False
-    if args.no_prefix_cache:
-        kw["enable_prefix_cache"] = False
-    if args.disable_cuda_graph:
-        kw["disable_cuda_graph"] = True
-    if args.enable_torch_compile:
-        kw["enable_torch_compile"] = True
-    if args.enable_deterministic_inference:
-        kw["enable_deterministic_inference"] = True
-    if args.disable_deterministic_inference:
-        kw["enable_deterministic_inference"] = False
-    if args.dp_attention:
-        kw["dp_attention"] = True
-    if args.enable_hisparse:
-        kw["enable_hisparse"] = True
-    if args.hisparse_config is not None:
-        kw["hisparse_config"] = args.hisparse_config
+    kw: dict[str, Any] = {}
+    for action in _actions(add_engine_args) + _actions(add_storage_args):
+        value = getattr(args, action.dest, None)
+        if value is not None and value is not False:  # (given)
+            name, value = _OFF_FLAGS.get(action.dest, (action.dest, value))
+            kw[name] = value
     return EngineConfig.from_kwargs(resolve_model_dir(args.model), **kw)
 
 
@@ -730,12 +721,17 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flags(args: argparse.Namespace, add_args: Any) -> list[str]:
-    """The flags `add_args` defines, as given on this command line (to pass them on)."""
+def _actions(add_args: Callable[[argparse.ArgumentParser], None]) -> list[argparse.Action]:
+    """The arguments `add_args` defines (to read them back from parsed args)."""
     parser = argparse.ArgumentParser(add_help=False)
     add_args(parser)
+    return parser._actions
+
+
+def _flags(args: argparse.Namespace, add_args: Any) -> list[str]:
+    """The flags `add_args` defines, as given on this command line (to pass them on)."""
     out: list[str] = []
-    for action in parser._actions:
+    for action in _actions(add_args):
         value = getattr(args, action.dest, None)
         if value is None or value is False or value == action.default:
             continue
@@ -869,7 +865,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from dsakv.distributed import ParallelConfig
         from dsakv.models.tiny import resolve_model_dir
 
-        config = ModelConfig.resolve(resolve_model_dir(args.model, "glm-bench"))
+        config = ModelConfig.from_hf(resolve_model_dir(args.model, "glm-bench"))
         ParallelConfig(tp=args.tp).check_model(config)
         if args.full and not config.num_nextn_predict_layers:
             raise DsakvError(
@@ -1164,8 +1160,6 @@ def _add_device_check(sub: Any) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    import torch
-
     from dsakv.calibrate import (
         Pricing,
         calibrate_pattern,
@@ -1175,6 +1169,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         write_config,
         write_plot,
     )
+    from dsakv.models.loader import torch_dtype
     from dsakv.models.tiny import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
@@ -1203,7 +1198,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         seed=args.seed,
         device=args.device,
-        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype],
+        dtype=torch_dtype(args.dtype),
         on_step=on_step,
     )
     report = result.to_json()
@@ -1276,7 +1271,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()  # (a reader gone shows here, not at exit)
+        return code
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        # The reader went away (`dsakv plan … | head -1`): stop quietly, as other CLIs do, and
+        # leave the exit status a process that SIGPIPE ended has (128 + 13).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit flush)
+        return 141
     except DsakvError as e:
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)  # 2: bad input; a rank that died says 1
@@ -1287,6 +1291,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: a rank failed: {e}".splitlines()[0], file=sys.stderr)
         return 1
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (any other broken pipe is a
+    failure to report)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll(), or no real stdout
+        return False
 
 
 def _is_dist_error(e: BaseException) -> bool:

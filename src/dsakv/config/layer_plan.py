@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from dsakv.errors import ConfigError
@@ -74,7 +75,7 @@ class LayerPlan:
     @classmethod
     def from_config(
         cls,
-        config: ModelConfig,
+        config: ModelConfig | str | Path | dict[str, Any],
         *,
         index_topk_pattern: str | None = None,
         index_topk_freq: int | None = None,
@@ -82,7 +83,10 @@ class LayerPlan:
         no_index_share: bool = False,
         draft_layers: int = 0,
     ) -> LayerPlan:
-        """Build the plan: user overrides first, then the checkpoint's own fields."""
+        """Build the plan: user overrides first, then the checkpoint's own fields.
+
+        `config`: anything `ModelConfig.resolve` takes (a preset name, a path, a dict)."""
+        config = ModelConfig.resolve(config)
         n = config.num_hidden_layers
         overrides = [
             index_topk_pattern is not None,
@@ -155,8 +159,7 @@ class LayerPlan:
 
     def runs_indexer(self, layer: int) -> bool:
         """Whether `layer` builds and runs its own indexer (draft layers always do)."""
-        if not 0 <= layer < self.num_total_layers:
-            raise IndexError(f"layer {layer} out of range 0..{self.num_total_layers - 1}")
+        self._check_layer(layer)
         return layer >= self.num_layers or self.indexer_types[layer] == FULL
 
     def owns_index_k(self, layer: int) -> bool:
@@ -165,7 +168,13 @@ class LayerPlan:
 
     def topk_source(self, layer: int) -> int:
         """The layer whose top-k `layer` uses: itself if full, else the nearest earlier full."""
+        self._check_layer(layer)
         return self._topk_sources[layer]
+
+    def _check_layer(self, layer: int) -> None:
+        """A negative index would wrap around to a draft layer: refused like one past the end."""
+        if not 0 <= layer < self.num_total_layers:
+            raise IndexError(f"layer {layer} out of range 0..{self.num_total_layers - 1}")
 
     @cached_property
     def _topk_sources(self) -> tuple[int, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import types
 from dataclasses import dataclass, field, fields
 from functools import cache
@@ -11,7 +12,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from dsakv.errors import ConfigError
 
-from .presets import PRESETS, preset
+from .presets import PRESETS, is_model_dir, preset
 
 # model_type -> whether the indexer's RoPE is interleaved (GLM) or half-split (DeepSeek-V3.2).
 _SUPPORTED = {"glm_moe_dsa": True, "deepseek_v32": False}
@@ -45,6 +46,11 @@ _MINIMUM = {
     "first_k_dense_replace": 0,
     "num_nextn_predict_layers": 0,
 }
+# Largest value of the fields that size a per-layer or per-expert Python structure (the
+# layer plan's tuples, the loader's weight names): far above any real model (GLM-5.2 has
+# 78 layers and 256 experts), low enough that a typo'd config.json (1e9 layers) is one
+# error line, not minutes of building tuples until memory runs out.
+_MAXIMUM = {"num_hidden_layers": 4096, "num_nextn_predict_layers": 4096, "n_routed_experts": 65536}
 _POSITIVE_FLOATS = ("rms_norm_eps", "routed_scaling_factor")
 # torch dtype names a checkpoint's `dtype` / `torch_dtype` may carry.
 _DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
@@ -118,11 +124,6 @@ class ModelConfig:
         """Whether any layer is an MoE layer (layers from `first_k_dense_replace` on)."""
         return self.first_k_dense_replace < self.num_hidden_layers
 
-    @property
-    def is_fp8_block_quantized(self) -> bool:
-        q = self.quantization_config or {}
-        return q.get("quant_method") == "fp8" and bool(q.get("weight_block_size"))
-
     @classmethod
     def from_hf(cls, source: str | Path | dict[str, Any]) -> ModelConfig:
         """Normalise a model directory, a `config.json` path, or a config dict."""
@@ -148,10 +149,16 @@ class ModelConfig:
 
     @classmethod
     def resolve(cls, model: str | Path | dict[str, Any] | ModelConfig) -> ModelConfig:
-        """Accept a `ModelConfig`, a preset name (`glm-5.2`), a path, or a dict."""
+        """Accept a `ModelConfig`, a preset name (`glm-5.2`), a path, or a dict; a model
+        directory wins over a preset of its name (`presets.is_model_dir`)."""
         if isinstance(model, ModelConfig):
             return model
-        if isinstance(model, str) and model in PRESETS:
+        if not isinstance(model, (str, Path, dict)):
+            raise TypeError(
+                "model must be a ModelConfig, a preset name, a path or a config dict, "
+                f"got {type(model).__name__}"
+            )
+        if isinstance(model, str) and model in PRESETS and not is_model_dir(model):
             return cls.from_hf(preset(model))
         if isinstance(model, str) and not Path(model).exists():
             raise ConfigError(
@@ -235,12 +242,26 @@ def _check(kw: dict[str, Any], raw: dict[str, Any]) -> None:
         if kw.get(name, low) < low:
             what = "positive" if low == 1 else f">= {low}"
             raise ConfigError(f"model config field {name} must be {what}, got {kw[name]}")
+    for name, high in _MAXIMUM.items():
+        if kw.get(name, 0) > high:
+            raise ConfigError(f"model config field {name} must be <= {high}, got {kw[name]}")
     for name in _POSITIVE_FLOATS:
-        if not kw.get(name, 1.0) > 0:
-            raise ConfigError(f"model config field {name} must be positive, got {kw[name]}")
+        if not 0 < kw.get(name, 1.0) < math.inf:  # (JSON's 1e400 parses as inf)
+            raise ConfigError(
+                f"model config field {name} must be positive and finite, got {kw[name]}"
+            )
     if kw["dtype"] not in _DTYPES:
         raise ConfigError(
             f"model config field dtype must be one of {', '.join(_DTYPES)}, got {kw['dtype']!r}"
+        )
+    rope, index = kw["qk_rope_head_dim"], kw["index_head_dim"]
+    if rope % 2:
+        raise ConfigError(
+            f"model config field qk_rope_head_dim must be even (RoPE rotates pairs), got {rope}"
+        )
+    if index < rope:  # the indexer ropes the first qk_rope_head_dim values of its head
+        raise ConfigError(
+            f"model config field index_head_dim ({index}) must be >= qk_rope_head_dim ({rope})"
         )
     e, k = kw["n_routed_experts"], kw["num_experts_per_tok"]
     groups, kept = kw.get("n_group", 1), kw.get("topk_group", 1)

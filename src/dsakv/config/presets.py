@@ -4,6 +4,8 @@ tiny ones the tests and benchmarks build (`dsakv.models.tiny` writes them)."""
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 from typing import Any
 
 
@@ -243,3 +245,22 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
 def preset(name: str) -> dict:
     """A fresh copy of a preset's config dict."""
     return copy.deepcopy(PRESETS[name])
+
+
+def is_model_dir(name: str | Path) -> bool:
+    """Whether `name` is a model directory here (it holds a config.json). A MODEL argument
+    that is one means that directory for every command, even where a preset has its name:
+    the user named a folder they have, as transformers' `from_pretrained` and vLLM prefer a
+    local folder to a hub name."""
+    return (Path(name) / "config.json").is_file()
+
+
+# The weight matrices the quantised releases of these models quantise (the FP8 block ones
+# of DeepSeek-V3.x and GLM-5, modelopt NVFP4), by checkpoint name: each layer's
+# projections (attention, the indexer's wq_b / wk, MLP, shared and routed experts), not
+# the router, the indexer's weights_proj, eh_proj, embeddings or heads (engines build
+# those unquantised).
+QUANTIZED_WEIGHT = re.compile(
+    r"^model\.layers\.\d+\.(?!.*(?:weights_proj|eh_proj|shared_head))"
+    r".*\.(?:\w+_proj|kv_a_proj_with_mqa|wq_b|wk)\.weight$"
+)

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import NamedTuple
 
@@ -659,25 +659,31 @@ class IndexerInputs:
         interleave: bool,
         eps: float,
     ) -> None:
-        from dsakv.memory.fp8 import hadamard_matrix
-
         dim, hidden = matrix_shape(wk)
         q_lora = matrix_shape(wq_b)[1]
+        if rope % 2 or not 0 < rope <= dim:  # the kernels rope pairs of the head's first values
+            raise ValueError(f"native blocks: an even rope part of 2..{dim} values, got {rope}")
         self.dims = (hidden, q_lora, heads, dim, rope)
-        self._hadamard = hadamard_matrix(dim, torch.device("cpu"), torch.float32)
         self._keep = (wq_b, wk, k_norm_w, k_norm_b, weights_proj)
-        fields = (
+        self._fields = (
             _matrix(wq_b, heads * dim, q_lora),
             _matrix(wk, dim, hidden),
             _weight(k_norm_w, dim),
             _weight(k_norm_b, dim),
             _weight(weights_proj, heads, hidden),
         )
-        dims = (hidden, q_lora, heads, dim, rope, int(interleave))
-        self._plain = _IndexerWeights(*fields, None, *dims, eps, heads**-0.5)
-        self._rotated = _IndexerWeights(
-            *fields, _weight(self._hadamard, dim, dim), *dims, eps, heads**-0.5
-        )
+        self._tail = (hidden, q_lora, heads, dim, rope, int(interleave), eps, heads**-0.5)
+        self._plain = _IndexerWeights(*self._fields, None, *self._tail)
+
+    @cached_property
+    def _rotated(self) -> _IndexerWeights:
+        """The query weights with the fp8 keys' Hadamard rotation, made on first use: only
+        fp8 index-K rotates, and only a power-of-two head has the matrix."""
+        from dsakv.memory.fp8 import hadamard_matrix
+
+        dim = self.dims[3]
+        self._hadamard = hadamard_matrix(dim, torch.device("cpu"), torch.float32)
+        return _IndexerWeights(*self._fields, _weight(self._hadamard, dim, dim), *self._tail)
 
     def _tables(self, b: int, cos: torch.Tensor, sin: torch.Tensor):
         rope = self.dims[4]

@@ -2,16 +2,104 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig
+from dsakv.config.presets import QUANTIZED_WEIGHT
 from dsakv.errors import ConfigError
 
 from .layout import CacheLayout
 
 GIB = 1 << 30
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per value of each dtype a checkpoint's `dtype` may name (`ModelConfig` checks it).
+_DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+@dataclass(frozen=True)
+class WeightStorage:
+    """How a checkpoint stores its weight matrices, from its `quantization_config`.
+
+    `fp8` (DeepSeek-V3.x / GLM-5 FP8 releases): one byte a value plus an fp32 scale per
+    `block` (`weight_block_size`), or one per tensor without it. `nvfp4` (modelopt): half a
+    byte a value, an fp8 scale per `group` values and two fp32 per-tensor scales
+    (`weight_scale_2`, `input_scale`). Either quantises the matrices `QUANTIZED_WEIGHT`
+    names unless `exclude` (the config's exclude / ignore list) matches the module or a
+    module above it; modelopt quantises what transformers builds, so never the MTP layers.
+    Everything else stays at the checkpoint dtype (`wide` bytes a value).
+    """
+
+    wide: int
+    scheme: str | None = None  # None, "fp8" or "nvfp4"
+    block: tuple[int, int] | None = None  # fp8 scale block; None: one scale per tensor
+    group: int = 16  # nvfp4 values per fp8 scale
+    exclude: re.Pattern[str] | None = None
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> WeightStorage:
+        wide = _DTYPE_BYTES[config.dtype]
+        q = config.quantization_config
+        if not q:
+            return cls(wide)
+        method, algo = q.get("quant_method"), q.get("quant_algo")
+        if method == "fp8":
+            block = q.get("weight_block_size")  # (`ModelConfig` checks its shape)
+            return cls(wide, "fp8", tuple(block) if block else None, exclude=_exclusions(q))
+        if method == "modelopt" and str(algo).upper() == "NVFP4":
+            group = q.get("group_size") or 16
+            if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+                raise ConfigError(f"quantization_config.group_size must be >= 1, got {group!r}")
+            return cls(wide, "nvfp4", group=group, exclude=_exclusions(q))
+        what = f"quant_method {method!r}" + (f", quant_algo {algo!r}" if algo else "")
+        raise ConfigError(
+            f"cannot price weights quantised with {what} (known: fp8, modelopt NVFP4); "
+            "give the weights per rank (--weights-gib)"
+        )
+
+    def matrix(self, name: str, rows: int, cols: int, draft: bool = False) -> int:
+        """Bytes of the whole `rows × cols` weight of module `name` (a draft layer's if
+        `draft`), scales included."""
+        values = rows * cols
+        if (
+            self.scheme is None
+            or not QUANTIZED_WEIGHT.match(name + ".weight")
+            or (self.exclude is not None and self.exclude.fullmatch(name))
+            or (draft and self.scheme == "nvfp4")
+        ):
+            return values * self.wide
+        if self.scheme == "nvfp4":
+            return rows * -(-cols // 2) + rows * -(-cols // self.group) + 2 * 4
+        if self.block is None:
+            return values + 4
+        bm, bn = self.block
+        return values + -(-rows // bm) * -(-cols // bn) * 4
+
+
+def _exclusions(q: dict[str, Any]) -> re.Pattern[str] | None:
+    """The modules a quantization config leaves unquantised, as one pattern: its names,
+    `*` wildcards (modelopt) or `re:` regexes (compressed-tensors), each also matching the
+    modules under it."""
+    keys = ("exclude_modules", "ignore", "ignored_layers", "modules_to_not_convert")
+    key = next((k for k in keys if q.get(k)), None)
+    if key is None:
+        return None
+    names = q[key]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"quantization_config.{key} must be a list of strings, got {names!r}")
+    parts = [n[3:] if n.startswith("re:") else re.escape(n).replace(r"\*", ".*") for n in names]
+    try:
+        return re.compile("(?:" + "|".join(f"(?:{p})" for p in parts) + r")(?:\..*)?")
+    except re.error as e:
+        raise ConfigError(f"quantization_config.{key} has a bad pattern: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -42,60 +130,76 @@ def estimate_weight_bytes(
     ep: int = 1,
     dp_attention: bool = False,
 ) -> WeightEstimate:
-    """Per-rank weight bytes from the config shapes, sharded as the model is (DESIGN.md §8).
+    """Per-rank weight bytes from the config shapes, priced as the checkpoint stores them
+    (`WeightStorage`) and sharded as the model is (DESIGN.md §8).
 
     Replicated on every rank: q_a / kv_a projections, norms, the MoE router and the
     indexer. Split over the attention group (`tp` ranks, or 1 under DP attention): q_b,
     kv_b and o_proj by heads, embedding and lm_head by vocab (padded to equal parts).
     Split over all `tp` ranks: the dense MLP, shared experts and routed experts (`ep`
     groups of whole experts, each expert's intermediate size over `tp / ep` ranks; either
-    way 1/tp of them). Linear layers count in the checkpoint dtype, or at one byte plus
-    an fp32 scale per 128×128 block when fp8 block-quantised; the rest in the checkpoint
-    dtype (16-bit for real checkpoints).
+    way 1/tp of them). A split matrix's scales split with it. An unknown quantization is
+    a `ConfigError`, never priced as if unquantised.
     """
     if tp < 1:
         raise ConfigError(f"tp must be >= 1, got {tp}")
     if ep < 1 or tp % ep:
         raise ConfigError(f"ep must divide tp ({tp}), got {ep}")
-    c = config
+    c, store = config, WeightStorage.of(config)
     attn_tp = 1 if dp_attention else tp
-    wide = _DTYPE_BYTES.get(c.dtype.replace("torch.", ""), 2)
-    linear = 1 + 4 / (128 * 128) if c.is_fp8_block_quantized else wide
-    h, heads = c.hidden_size, c.num_attention_heads
-    attn_replicated = h * c.q_lora_rank + h * (c.kv_lora_rank + c.qk_rope_head_dim)
-    attn_sharded = (
-        c.q_lora_rank * heads * c.qk_head_dim
-        + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
-        + heads * c.v_head_dim * h
-    )
-    dense_mlp = 3 * h * c.intermediate_size
-    moe = 3 * h * c.moe_intermediate_size * (c.n_routed_experts + c.n_shared_experts)
-    router = h * c.n_routed_experts + c.n_routed_experts
-    norms = c.q_lora_rank + c.kv_lora_rank + 2 * h
+    h, heads, wide = c.hidden_size, c.num_attention_heads, store.wide
 
-    n_dense = min(c.first_k_dense_replace, c.num_hidden_layers)
-    n_layers = plan.num_total_layers
-    n_moe = n_layers - n_dense
-    ffn = n_dense * dense_mlp + n_moe * moe
+    def layer(i: int) -> tuple[float, int]:
+        """Layer `i`'s bytes on this rank without its indexer, and its indexer's."""
+        prefix, draft = f"model.layers.{i}.", i >= c.num_hidden_layers
+
+        def m(name: str, rows: int, cols: int) -> int:
+            return store.matrix(prefix + name, rows, cols, draft)
+
+        def mlp(name: str, inter: int) -> int:
+            up = m(f"{name}.gate_proj", inter, h) + m(f"{name}.up_proj", inter, h)
+            return up + m(f"{name}.down_proj", h, inter)
+
+        attn = m("self_attn.q_a_proj", c.q_lora_rank, h) + m(
+            "self_attn.kv_a_proj_with_mqa", c.kv_lora_rank + c.qk_rope_head_dim, h
+        )
+        attn_split = (
+            m("self_attn.q_b_proj", heads * c.qk_head_dim, c.q_lora_rank)
+            + m("self_attn.kv_b_proj", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+            + m("self_attn.o_proj", h, heads * c.v_head_dim)
+        )
+        norms = (c.q_lora_rank + c.kv_lora_rank + 2 * h) * wide
+        if i < c.first_k_dense_replace:
+            ffn = mlp("mlp", c.intermediate_size) / tp
+        else:  # (every expert priced as expert 0: no checkpoint sets single experts apart)
+            experts = c.n_routed_experts * mlp("mlp.experts.0", c.moe_intermediate_size)
+            shared = mlp("mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts)
+            ffn = (experts + shared) / tp + (h * c.n_routed_experts + c.n_routed_experts) * wide
+        # An MTP layer's own head: eh_proj [H, 2H] (replicated), enorm, hnorm, final norm.
+        head = m("eh_proj", h, 2 * h) + 3 * h * wide if draft else 0
+        indexer = (
+            m("self_attn.indexer.wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+            + m("self_attn.indexer.wk", c.index_head_dim, h)
+            + m("self_attn.indexer.weights_proj", c.index_n_heads, h)
+            + 2 * c.index_head_dim * wide  # k_norm weight and bias
+        )
+        return attn + attn_split / attn_tp + norms + ffn + head, indexer
+
     vocab_rows = -(-c.vocab_size // attn_tp)  # this rank's (padded) vocab split
-    embed = (1 if c.tie_word_embeddings else 2) * vocab_rows * h
-    idx_params = _indexer_params(c)
-    n_indexers = len(plan.index_k_layers)
-    total = (
-        n_layers * attn_replicated * linear
-        + n_layers * attn_sharded * linear / attn_tp
-        + ffn * linear / tp
-        + embed * wide
-        + (n_layers * norms + n_moe * router + h) * wide
-        + n_indexers * idx_params * wide
-        # Each MTP layer's own head: eh_proj [H, 2H] (replicated), enorm, hnorm, final norm.
-        + plan.num_draft_layers * (2 * h * h * linear + 3 * h * wide)
-    )
+    total: float = ((1 if c.tie_word_embeddings else 2) * vocab_rows * h + h) * wide
+    built = saved = 0
+    for i in range(plan.num_total_layers):
+        rest, indexer = layer(i)
+        total += rest
+        if plan.runs_indexer(i):
+            built += indexer
+        else:
+            saved += indexer
     return WeightEstimate(
-        total_bytes=int(total),
-        indexer_bytes=n_indexers * idx_params * wide,
-        indexer_bytes_saved=plan.num_shared_layers * idx_params * wide,
-        indexer_params_per_layer=idx_params,
+        total_bytes=int(total + built),
+        indexer_bytes=built,
+        indexer_bytes_saved=saved,
+        indexer_params_per_layer=_indexer_params(c),
     )
 
 
@@ -129,33 +233,48 @@ def kv_budget_bytes(
     The budget is explicit (`kv_budget_gib`) or `gpu_memory × mem_fraction_static −
     weights − reserve`, with weights from `weights_gib` or estimated from `config`.
     """
-    weight_bytes = None
+    _check_gib("kv_budget_gib", kv_budget_gib, positive=True)
+    _check_gib("gpu_memory_gib", gpu_memory_gib, positive=True)
+    _check_gib("weights_gib", weights_gib)
+    _check_gib("reserve_gib", reserve_gib)
+    if not (_finite(mem_fraction_static) and 0 < mem_fraction_static <= 1):
+        raise ConfigError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static!r}")
     if kv_budget_gib is not None:
-        budget = kv_budget_gib * GIB
-        if budget <= 0:
-            raise ConfigError(f"kv budget must be > 0 GiB, got {kv_budget_gib}")
-    elif gpu_memory_gib is not None:
-        if gpu_memory_gib <= 0:
-            raise ConfigError(f"gpu memory must be > 0 GiB, got {gpu_memory_gib}")
-        if not 0 < mem_fraction_static <= 1:
-            raise ConfigError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
-        if weights_gib is not None:
-            if weights_gib < 0:
-                raise ConfigError(f"weights must be >= 0 GiB, got {weights_gib}")
-            weight_bytes = int(weights_gib * GIB)
-        elif config is not None:
-            weight_bytes = estimate_weight_bytes(config, layout.plan, tp).total_bytes
-        else:
-            raise ConfigError("need weights_gib or a model config to estimate the weights")
-        budget = gpu_memory_gib * mem_fraction_static * GIB - weight_bytes - reserve_gib * GIB
-        if budget <= 0:
+        if gpu_memory_gib is not None or weights_gib is not None or reserve_gib:
             raise ConfigError(
-                f"no memory left for the KV cache: {gpu_memory_gib} GiB × {mem_fraction_static} "
-                f"− weights {weight_bytes / GIB:.2f} GiB − reserve {reserve_gib} GiB ≤ 0"
+                "kv_budget_gib is the whole KV budget: gpu_memory_gib, weights_gib and "
+                "reserve_gib size it instead; give one or the others"
             )
-    else:
+        return int(kv_budget_gib * GIB), None
+    if gpu_memory_gib is None:
         raise ConfigError("give a KV budget (kv_budget_gib) or gpu_memory_gib")
+    if weights_gib is not None:
+        weight_bytes = int(weights_gib * GIB)
+    elif config is not None:
+        weight_bytes = estimate_weight_bytes(config, layout.plan, tp).total_bytes
+    else:
+        raise ConfigError("need weights_gib or a model config to estimate the weights")
+    budget = gpu_memory_gib * mem_fraction_static * GIB - weight_bytes - reserve_gib * GIB
+    if budget <= 0:
+        raise ConfigError(
+            f"no memory left for the KV cache: {gpu_memory_gib} GiB × {mem_fraction_static} "
+            f"− weights {weight_bytes / GIB:.2f} GiB − reserve {reserve_gib} GiB ≤ 0"
+        )
     return int(budget), weight_bytes
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_gib(name: str, value: float | None, positive: bool = False) -> None:
+    """A size in GiB is a finite number, > 0 or >= 0 (inf and NaN made nonsense budgets)."""
+    if value is None:
+        return
+    if not (_finite(value) and (value > 0 if positive else value >= 0)):
+        raise ConfigError(
+            f"{name} must be a finite number {'> 0' if positive else '>= 0'} (GiB), got {value!r}"
+        )
 
 
 def _page_aligned_tokens(budget: float, cell: int, page: int) -> int:

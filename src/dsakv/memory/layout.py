@@ -61,6 +61,12 @@ class CacheLayout:
     def __post_init__(self) -> None:
         latent_bytes(self.kv_cache_dtype, self.kv_lora_rank, self.qk_rope_head_dim)
         index_k_bytes(self.index_k_dtype, self.index_head_dim)
+        d = self.index_head_dim
+        if self.index_k_dtype == "fp8" and (d < 1 or d & (d - 1)):
+            raise ConfigError(
+                f"fp8 index-K needs a power-of-two index_head_dim (its Hadamard rotation), "
+                f"got {d}: use --index-k-dtype bf16 or fp32"
+            )
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ConfigError(f"page_size must be an integer >= 1, got {self.page_size!r}")
 
@@ -114,7 +120,7 @@ class CacheLayout:
 
     def has_index_k(self, layer: int) -> bool:
         """Whether the pools give `layer` index-K storage (the plan decides when elided)."""
-        return self.plan.owns_index_k(layer) if self.elide_index_k else True
+        return self.plan.owns_index_k(layer) or not self.elide_index_k  # (checks the range)
 
     @property
     def index_k_layers(self) -> tuple[int, ...]:

@@ -324,7 +324,7 @@ class DSAKVPool:
         """Raw stored bytes of whole pages, `[len(pages), layout.bytes_per_page]` uint8 on the
         CPU: every real buffer's page in `_buffers` order (latent per layer, index-K only where
         the layout has it), so a row is exactly the layout's bytes for that page."""
-        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.device)
+        idx = self._check_pages(pages)
         rows = [v.index_select(0, idx) for v in self._page_views()]
         return torch.cat(rows, dim=1).cpu()
 
@@ -336,7 +336,7 @@ class DSAKVPool:
                 f"page bytes must be uint8 [{len(pages)}, {self.layout.bytes_per_page}], "
                 f"got {data.dtype} {tuple(data.shape)}"
             )
-        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.device)
+        idx = self._check_pages(pages)
         data, col = data.to(self.device), 0
         for v in self._page_views():
             v[idx] = data[:, col : col + v.shape[1]]
@@ -379,19 +379,25 @@ class DSAKVPool:
             )
         return buf
 
-    def _check_slots(self, slots, limit: int | None = None) -> torch.Tensor:
+    def _check_pages(self, pages: Sequence[int]) -> torch.Tensor:
+        """Page numbers as a long tensor on the pool's device; raises on any out of range."""
+        return self._check_slots(
+            torch.as_tensor(list(pages), dtype=torch.long), self.num_pages, "page"
+        )
+
+    def _check_slots(self, slots, limit: int | None = None, what: str = "slot") -> torch.Tensor:
         """Slots as a long tensor on the pool's device; raises on any out-of-range slot (a
         negative one would silently wrap around in a write)."""
         limit = self.num_tokens if limit is None else limit
         s = torch.as_tensor(slots)
         if s.dtype not in (torch.int64, torch.int32) or s.dim() != 1:
-            raise TypeError(f"slots must be a 1-D integer tensor, got {s.dtype} {tuple(s.shape)}")
+            raise TypeError(f"{what}s must be a 1-D integer tensor, got {s.dtype} {tuple(s.shape)}")
         s = s.to(device=self.device, dtype=torch.long)
         if s.numel():
             lo, hi = torch.aminmax(s)  # one op, one sync: this runs per layer per step
             if lo < 0 or hi >= limit:
                 bad = s[(s < 0) | (s >= limit)][0].item()
-                raise IndexError(f"slot {bad} out of range 0..{limit - 1}")
+                raise IndexError(f"{what} {bad} out of range 0..{limit - 1}")
         return s
 
     def _locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

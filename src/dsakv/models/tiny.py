@@ -9,13 +9,12 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dsakv.config.presets import SPECIAL_TOKENS, TINY_PRESETS
+from dsakv.config.presets import QUANTIZED_WEIGHT, SPECIAL_TOKENS, TINY_PRESETS, is_model_dir
 from dsakv.errors import DsakvError
 from dsakv.writable import write_blocker
 
@@ -182,12 +181,6 @@ FP8_QUANTIZATION = {
     "activation_scheme": "dynamic",
     "weight_block_size": [128, 128],
 }
-# The weights an FP8 release quantises: each layer's projections (attention, indexer, MLP,
-# shared and routed experts), not the router, weights_proj, eh_proj, embeddings or heads.
-_FP8_WEIGHT = re.compile(
-    r"^model\.layers\.\d+\.(?!.*(?:weights_proj|eh_proj|shared_head))"
-    r".*\.(?:\w+_proj|kv_a_proj_with_mqa|wq_b|wk)\.weight$"
-)
 
 
 def write_tiny_model(
@@ -250,7 +243,7 @@ def quantize_fp8_blocks(path: str | Path, block: int = 128) -> int:
     path = Path(path)
     file = path / "model.safetensors"
     tensors = load_file(file)
-    names = [n for n in tensors if _FP8_WEIGHT.match(n) and tensors[n].dim() == 2]
+    names = [n for n in tensors if QUANTIZED_WEIGHT.match(n) and tensors[n].dim() == 2]
     for name in names:
         w = tensors[name].float()
         n, k = w.shape
@@ -332,14 +325,15 @@ def default_model_dir(preset: str = "glm-bench", seed: int = 0, weights: str | N
 
 
 def resolve_model_dir(model: str | None, default: str = "glm-bench") -> str:
-    """What a `MODEL` argument names: a model directory, a tiny preset (generated on first
-    use), or, when omitted, the embedded default preset."""
+    """What a `MODEL` argument names: a model directory (it wins over a preset of its name:
+    `is_model_dir`), a tiny preset (generated on first use), or, when omitted, the embedded
+    default preset."""
+    if model is not None and is_model_dir(model):
+        return str(model)
     if model is None or model in TINY_PRESETS:
         return str(default_model_dir(model or default))
     if Path(model).is_file():  # e.g. DIR/config.json: the model is the folder
         folder = Path(model).absolute().parent
         hint = f"; give its folder, {folder}" if (folder / "config.json").is_file() else ""
         raise DsakvError(f"{model} is a file, not a model directory{hint}")
-    if not (Path(model) / "config.json").is_file():
-        raise DsakvError(f"{model} is not a model directory (no config.json) nor a tiny preset")
-    return str(model)
+    raise DsakvError(f"{model} is not a model directory (no config.json) nor a tiny preset")
