@@ -18,6 +18,7 @@ from dsakv.errors import DsakvError
 from dsakv.models import ForwardBatch
 from dsakv.models.loader import load_model
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+from dsakv.server.runner import RequestStream, _update
 
 from .model_driver import make_pool
 from .serving import TIMEOUT, serving
@@ -238,7 +239,7 @@ def test_best_of_below_n_is_a_400(base):
 
 
 def test_n_choices_greedy_and_seeded(client, reference, served):
-    before = _counters(served[1])["prefix_hit_tokens"]
+    before = _counters(served[1])
     r = client.completions.create(
         model=MODEL, prompt=TEXTS[1], n=4, max_tokens=5, temperature=0,
         extra_body={"ignore_eos": True},
@@ -251,8 +252,12 @@ def test_n_choices_greedy_and_seeded(client, reference, served):
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert r.usage.completion_tokens == 20
     n_pages = (len(ref.prompt_token_ids) - 1) // ENGINE_ARGS["page_size"]
-    hits = _counters(served[1])["prefix_hit_tokens"] - before
+    counters = _counters(served[1])
+    hits = counters["prefix_hit_tokens"] - before["prefix_hit_tokens"]
     assert hits >= 3 * n_pages * ENGINE_ARGS["page_size"]  # the forks reused the prompt
+    # Each choice counts its prompt, as vLLM's prompt_tokens_total (whose n > 1 requests run
+    # as n child requests, each counted).
+    assert counters["prompt_tokens"] - before["prompt_tokens"] == 4 * len(ref.prompt_token_ids)
 
     kw = dict(model=MODEL, prompt=TEXTS[0], n=4, max_tokens=6, temperature=1.0, seed=7)
     a = client.completions.create(**kw, extra_body={"ignore_eos": True})
@@ -460,6 +465,66 @@ def test_penalties_and_logit_bias_through_the_openai_client(client, reference):
     )
     assert r.choices[0].text == want.text and r.usage.completion_tokens == len(want.token_ids)
     assert want.token_ids != plain.token_ids and sink not in want.token_ids
+
+
+def _too_long(n: int, prompt: int, max_tokens: int) -> str:
+    """vLLM's words for a prompt and max_tokens past the context."""
+    return (
+        f"This model's maximum context length is {n} tokens. However, you requested "
+        f"{prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the "
+        "completion). Please reduce the length of the messages or completion."
+    )
+
+
+def test_max_tokens_past_the_context_is_a_400(base, reference):
+    """As vLLM's server: a prompt plus the max_tokens the client gave that do not fit in the
+    context are a 400 (they were cut at the context, finish_reason "length"); without
+    max_tokens the output still runs up to the context."""
+    n, tok = reference.engine.max_model_len, reference.tokenizer
+    ids, long = [5, 6, 7, 8] * 3, [5] * (n - 3)
+    text_len = len(tok.encode(TEXTS[0], add_special_tokens=False))
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat_len = len(tok.encode(chat, add_special_tokens=False))
+    cases = [
+        ("/v1/completions", {"prompt": long, "max_tokens": 4}, "max_tokens", n - 3),
+        ("/v1/completions", {"prompt": ids, "max_tokens": n - 11}, "max_tokens", len(ids)),
+        ("/v1/completions", {"prompt": [TEXTS[0]], "max_tokens": n}, "max_tokens", text_len),
+        ("/v1/completions", {"prompt": [[1, 2], ids], "max_tokens": n - 11}, "max_tokens", 12),
+        ("/v1/chat/completions", {"max_tokens": n}, "max_tokens", chat_len),
+        ("/v1/chat/completions", {"max_completion_tokens": n}, "max_completion_tokens", chat_len),
+    ]
+    for path, body, param, prompt in cases:
+        body = {"messages": messages, **body} if "chat" in path else body
+        r = httpx.post(base + path, json=body, timeout=TIMEOUT)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["message"] == _too_long(n, prompt, body[param]) and err["param"] == param
+    # What fits runs: up to the context exactly, or without max_tokens (16 by default) cut
+    # at the context.
+    for max_tokens in (3, None):
+        body = {"prompt": long, "max_tokens": max_tokens, "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_token_texts_come_from_the_engines_one_decoder(reference):
+    """A logprob request's token texts are those the engine's incremental decoder made its
+    text from: one `DecodeStream` per request, not a second one in the server."""
+    e = reference.engine
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+    req = e.add_request("héllo 日本, naïve", params)
+    loop = asyncio.new_event_loop()
+    stream, texts = RequestStream(loop), []
+    while not req.finished:
+        if req in e.step():
+            texts += _update(e, stream, req).texts
+    loop.close()
+    assert stream.texts is None  # the server decoded nothing itself
+    assert texts[:-1] == req.detokenizer.texts[:-1]  # (the last gets what is held back)
+    assert "".join(texts) == req.output_text
 
 
 def test_still_serves_after_bad_input(client, served):

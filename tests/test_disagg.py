@@ -373,6 +373,73 @@ def test_a_request_waits_for_pages_parked_by_a_handoff(tmp_path):
     prefill.check_integrity()
 
 
+def test_a_hisparse_decode_server_takes_prompts_past_its_device_pool(tmp_path, monkeypatch):
+    """A decode server's prompt latent arrives in its host memory: only the hot buffer needs
+    the device, so a prompt longer than the device latent pool (100 tokens, 64 slots) is
+    served (it was refused: "under HiSparse a prompt is prefilled on the device") and gives
+    one roomy engine's tokens (glm-tiny's top-k 16 is sparse here; fp32, exact). And the
+    prefill server reads the checkpoint's fingerprint once (it did twice, ~4 MB a shard)."""
+    from dsakv.disagg import handoff, serving
+    from dsakv.disagg.config import DisaggConfig
+    from dsakv.disagg.handoff import BootstrapTarget
+    from dsakv.disagg.serving import DecodeAsyncEngine, PrefillAsyncEngine
+    from dsakv.engine import Engine, EngineConfig
+    from dsakv.engine import engine as engine_module
+    from dsakv.memory import storage
+
+    model = str(write_tiny_model(tmp_path / "m", "glm-tiny"))
+    exact = dict(device="cpu", page_size=8, kv_cache_dtype="fp32", index_k_dtype="fp32")
+    prompt = [(5 * j) % 250 + 1 for j in range(100)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = LLM(model, num_pages=64, **exact).generate([prompt], params)[0].token_ids
+    reads = []
+
+    def fingerprint(path):
+        reads.append(path)
+        return storage.model_identity(path)
+
+    for module in (engine_module, serving):  # (serving no longer imports it)
+        monkeypatch.setattr(module, "model_identity", fingerprint, raising=False)
+    port = free_port()
+    prefill = PrefillAsyncEngine(
+        Engine(EngineConfig(model, num_pages=64, **exact)),
+        DisaggConfig("prefill", bootstrap_port=port),
+        "127.0.0.1",
+    )
+    assert reads == [model]
+    hisparse = dict(enable_hisparse=True, hisparse_config={"host_to_device_ratio": 8})
+    decode = DecodeAsyncEngine(
+        Engine(EngineConfig(model, num_pages=8, **hisparse, **exact)),
+        DisaggConfig("decode"),
+        "127.0.0.1",
+    )
+    assert decode.engine.pool.num_latent_tokens == 64 < len(prompt)
+
+    async def side(bridge, target: BootstrapTarget) -> tuple[list[int], str | None]:
+        handoff._current.set(handoff._Targets([target]))
+        (stream,) = await bridge.generate_n(prompt, params, 1)
+        ids, u = [], None
+        while u is None or not u.finished:
+            u = await stream.get()
+            assert u.error is None, u.error
+            ids += u.token_ids
+        return ids, u.finish_reason
+
+    async def run() -> list[tuple[list[int], str | None]]:
+        return await asyncio.gather(
+            side(prefill, BootstrapTarget(1, None, port)),
+            side(decode, BootstrapTarget(1, "127.0.0.1", port)),
+        )
+
+    try:
+        (first, _), (got, reason) = asyncio.run(run())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    assert first == want[:1] and got == want and reason == "length"
+    assert decode.engine.counters()["hisparse_misses"] > 0
+
+
 # --- servers ------------------------------------------------------------------------------------
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 
-from dsakv.engine import Engine, EngineConfig, SamplingParams
+from dsakv.engine import Engine, EngineConfig, Request, SamplingParams
 from dsakv.engine import disagg as ops
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
@@ -207,44 +209,91 @@ def test_resident_rows_come_from_the_device_missed_rows_from_the_host(tiny):
     assert _short_run(on, long, host_garbage) != want
 
 
-def test_pd_decode_receives_latent_into_its_host_memory(tiny, reference):
-    """A prefill engine (no HiSparse) writes each prompt's KV over Mooncake into a HiSparse
-    decode engine: latent into its host rows, index-K (full layers only) into its device
-    pool; the decode engine then gives the colocated tokens."""
+@contextmanager
+def _pd(
+    prefill: Engine, decode: Engine
+) -> Iterator[Callable[[list[int], SamplingParams], Request]]:
+    """`start(prompt, params)`: `prefill` (no HiSparse) runs the prompt and writes its KV over
+    Mooncake into a reservation on HiSparse `decode` (latent into its host rows, index-K,
+    full layers only, into its device pool), which then decodes from the first token."""
     pytest.importorskip("mooncake.engine")
     from dsakv.disagg.transfer import KVTransfer, PeerBuffer
 
-    prompts, want = reference
-    prefill = _engine(tiny, num_pages=64)
-    decode = _engine(tiny, num_pages=12, enable_hisparse=True, hisparse_config=HS)
     src = KVTransfer(prefill.pool)
     dst = KVTransfer(decode.pool, host_latent=decode.hot.host)
     peer = [PeerBuffer.of(d) for d in dst.buffers]
     assert len(peer) == 8 + len(decode.layout.index_k_layers)
+
+    def start(prompt: list[int], params: SamplingParams) -> Request:
+        first = prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        ops.hold(prefill, first)
+        while prefill.has_unfinished():
+            prefill.step()
+        req = ops.reserve(decode, prompt, params)
+        assert req is not None and len(decode.hot._reqs[req.rid].pages) == decode.hot.buffer_pages
+        nbytes, _ = src.write(dst.session, peer, first.pages, req.pages, len(prompt))
+        assert nbytes == len(prompt) * decode.layout.bytes_per_token
+        ops.release_held(prefill, first)
+        ops.start_decoding(decode, req, first.output_ids[0])
+        return req
+
     try:
-        got = []
-        for p in prompts:
-            first = prefill.add_request(p, SamplingParams(max_tokens=1, temperature=0.0))
-            ops.hold(prefill, first)
-            while prefill.has_unfinished():
-                prefill.step()
-            req = ops.reserve(decode, p, GREEDY)
-            assert (
-                req is not None and len(decode.hot._reqs[req.rid].pages) == decode.hot.buffer_pages
-            )
-            nbytes, _ = src.write(dst.session, peer, first.pages, req.pages, len(p))
-            assert nbytes == len(p) * decode.layout.bytes_per_token
-            ops.release_held(prefill, first)
-            ops.start_decoding(decode, req, first.output_ids[0])
-            while decode.has_unfinished():
-                decode.step()
-            got.append(req.output_ids)
-        decode.check_integrity()
+        yield start
     finally:
         src.close()
         dst.close()
+
+
+def test_pd_decode_receives_latent_into_its_host_memory(tiny, reference):
+    """A HiSparse decode engine whose device latent pool (96 tokens) holds fewer than some
+    prompts (up to 120) gives the colocated tokens: only its hot buffer is on the device."""
+    prompts, want = reference
+    prefill = _engine(tiny, num_pages=64)
+    decode = _engine(tiny, num_pages=12, enable_hisparse=True, hisparse_config=HS)
+    assert max(map(len, prompts)) > decode.pool.num_latent_tokens
+    got = []
+    with _pd(prefill, decode) as start:
+        for p in prompts:
+            req = start(p, GREEDY)
+            while decode.has_unfinished():
+                decode.step()
+            got.append(req.output_ids)
+    decode.check_integrity()
     assert got == want
     assert decode.counters()["hisparse_misses"] > 0
+
+
+@pytest.mark.parametrize("prompt_len, max_tokens", [(85, 40), (60, 70)])
+def test_a_retracted_pd_request_is_recomputed_or_cut_short_at_once(tiny, prompt_len, max_tokens):
+    """80 device latent slots, 240 logical ones: two PD requests outgrow the logical pool and
+    the newer is retracted. With a 60-token prompt it is recomputed (its prompt prefilled on
+    the device, its outputs decoded again). An 85-token prompt no device prefill holds: it
+    ends at once, "length" with its tokens so far (it waited, blocking the queue, for a step
+    with nothing else running or parked, which a busy server may never have); the other
+    one runs on."""
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(prompt_len)] for i in range(2)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    want = _run(_engine(tiny, num_pages=256), prompts, params, check_every_step=False)
+    prefill = _engine(tiny, num_pages=64)
+    decode = _engine(tiny, num_pages=10, enable_hisparse=True,
+                     hisparse_config={"host_to_device_ratio": 3})  # fmt: skip
+    assert decode.pool.num_latent_tokens == 80 and decode.pool.num_tokens == 240
+    with _pd(prefill, decode) as start:
+        older, newer = [start(p, params) for p in prompts]
+    while not decode.counters()["retractions"]:
+        decode.step()
+        decode.check_integrity()
+    if prompt_len > 80:
+        assert newer.finish_reason == "length" and not older.finished
+        assert 0 < len(newer.output_ids) < max_tokens
+        assert newer.output_ids == want[1][: len(newer.output_ids)]
+    while decode.has_unfinished():
+        decode.step()
+    decode.check_integrity()
+    assert older.output_ids == want[0]
+    if prompt_len <= 80:
+        assert newer.output_ids == want[1]
+    assert decode.counters()["retractions"] == 1
 
 
 def test_bad_settings_are_one_clear_error(tiny):

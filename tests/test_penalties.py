@@ -160,12 +160,52 @@ def test_min_tokens_bans_stop_tokens_as_transformers_does(checkpoint):
     assert got == want and len(got) >= 8 and stop not in got[:8]
 
 
+def _hf_logprobs(hf, tokens: list[int]) -> torch.Tensor:
+    """transformers' log-softmax of its raw logits at each output position of
+    `PROMPT + tokens`: row i scores output token i."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + tokens])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(PROMPT) - 1 : -1]
+
+
+# Processed requests, each given the plain greedy tokens (to bias or ban those).
+PROCESSED = {
+    "plain": lambda plain: dict(temperature=0.0),
+    "temperature": lambda plain: dict(temperature=0.5, seed=7, top_k=20),
+    "penalties": lambda plain: dict(
+        temperature=0.0, repetition_penalty=1.8, frequency_penalty=1.0, presence_penalty=1.0
+    ),
+    "logit_bias": lambda plain: dict(temperature=0.0, logit_bias={5: 4.0, plain[0]: -100.0}),
+    "min_tokens": lambda plain: dict(temperature=0.0, min_tokens=8, stop_token_ids=set(plain)),
+}
+
+
+@pytest.mark.parametrize("name", PROCESSED)
+def test_logprobs_are_the_models_raw_ones(checkpoint, name):
+    """vLLM's default (`logprobs_mode` raw_logprobs): the reported logprobs are the model's,
+    before logit_bias, penalties, min_tokens' bans and temperature (they had been of the
+    penalized, biased and banned logits), so a processed request reports what a plain one
+    does for the same tokens."""
+    hf, llm = checkpoint
+    params = PROCESSED[name](_greedy(llm)[:8])
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3, **params)
+    (out,) = llm.generate([PROMPT], sp)
+    want = _hf_logprobs(hf, out.token_ids)
+    got = [want[i, t].item() for i, t in enumerate(out.token_ids)]
+    assert out.logprobs == pytest.approx(got, abs=1e-4)
+    for top, row in zip(out.top_logprobs, want):
+        values, ids = row.topk(3)
+        assert [t for t, _ in top] == ids.tolist()
+        assert [x for _, x in top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
 # --- MTP and the server ---------------------------------------------------------------------------
 
 
 def test_mtp_keeps_the_processed_tokens():
     """Drafts come from the draft layer, which knows no penalties: verification must still
-    emit exactly the tokens the processed target distribution gives, greedy and seeded."""
+    emit exactly the tokens the processed target distribution gives, greedy and seeded,
+    and report the same (raw) logprobs."""
     model = str(default_model_dir("glm-tiny"))
     exact = {**EXACT, "num_pages": 64, "max_running_requests": 8}
     prompts = [PROMPT, PROMPT[:9], [5, 6, 7, 8] * 5]
@@ -179,18 +219,21 @@ def test_mtp_keeps_the_processed_tokens():
             logit_bias={3: 3.0},
             min_tokens=10,
             stop_token_ids=(12,),
+            logprobs=2,
         ),
         SamplingParams(max_tokens=20, temperature=0.8, seed=11, presence_penalty=1.5),
         SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
     ]
-    runs = []
+    runs, logprobs = [], []
     for extra in ({}, {"speculative_algorithm": "mtp", "speculative_num_steps": 3}):
         with LLM(model, **exact, **extra) as llm:
             out = llm.generate(prompts, params)
             runs.append([o.token_ids for o in out])
+            logprobs.append(out[0].logprobs)
             if extra:
                 assert llm.engine.stats.accepted_tokens > 0  # the drafts were checked
     assert runs[0] == runs[1]
+    assert logprobs[1] == pytest.approx(logprobs[0], abs=1e-4)
     assert len(runs[0][0]) >= 10 and 12 not in runs[0][0][:10]
 
 

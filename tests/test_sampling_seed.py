@@ -101,11 +101,11 @@ def test_sampler_row_is_the_same_alone_or_in_any_batch():
     logits = _flat_logits(5, seed=3)
     alone, mixed = [], []
     for i in range(30):
-        alone.append(sampler.sample(logits[:1], [probe], [i]).token_ids[0])
+        alone.append(sampler.sample(logits[:1], [probe], [i])[0])
         rows = torch.cat([logits[1:3], logits[:1], logits[3:]])
         out = sampler.sample(rows, [*others[:2], probe, *others[2:]], [3, 0, i, 7, i + 1])
-        mixed.append(out.token_ids[2])
-        assert out.token_ids[3] == int(rows[3].argmax())
+        mixed.append(out[2])
+        assert out[3] == int(rows[3].argmax())
     assert mixed == alone == [_keyed(logits[0], probe, i) for i in range(30)]
     assert len(set(alone)) > 10
 

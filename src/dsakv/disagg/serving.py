@@ -25,7 +25,6 @@ from prometheus_client.registry import Collector
 from dsakv.engine import Engine, EngineConfig, Request, SamplingParams
 from dsakv.engine import disagg as ops
 from dsakv.errors import DsakvError
-from dsakv.memory.storage import model_identity
 from dsakv.server.metrics import PREFIX
 from dsakv.server.protocol import APIError
 from dsakv.server.runner import (
@@ -74,9 +73,7 @@ class _DisaggEngine(AsyncEngine):
         thread: EngineThread | None = None,
     ) -> None:
         self.config = config
-        self.layout = describe(
-            engine.layout, engine.model_config, model_identity(engine.config.model)
-        )
+        self.layout = describe(engine.layout, engine.model_config, engine.model_identity)
         host_latent = engine.hot.host if engine.hot is not None else None
         self.transfer = KVTransfer(
             engine.pool, config.host_for(server_host), host_latent=host_latent
@@ -148,8 +145,7 @@ class PrefillAsyncEngine(_DisaggEngine):
         server_host: str,
         thread: EngineThread | None = None,
     ) -> None:
-        checkpoint = model_identity(engine.config.model)
-        layout = describe(engine.layout, engine.model_config, checkpoint)
+        layout = describe(engine.layout, engine.model_config, engine.model_identity)
         self.bootstrap = BootstrapServer(
             server_host, config.bootstrap_port, layout, config.timeout_s
         )
@@ -159,6 +155,13 @@ class PrefillAsyncEngine(_DisaggEngine):
             self.bootstrap.close()
             raise
         self._writer = ThreadPoolExecutor(4, thread_name_prefix="dsakv-kv-write")
+
+    def refused(self, message: str, status: int) -> None:
+        try:
+            target = next_target(self.role)
+        except APIError:
+            return  # (no room: the request was not the router's)
+        self.bootstrap.refuse(target.room, message, status)
 
     async def generate_n(
         self, prompt: str | list[int], params: SamplingParams, n: int

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import math
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from tokenizers.decoders import DecodeStream
 
-from dsakv.config import HiSparseConfig, plan_overrides
+from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig, plan_overrides
 from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
 from dsakv.errors import ConfigError, DsakvError
 from dsakv.kernels import BACKENDS, cpu_native, select_backend
@@ -34,7 +35,15 @@ from .l3 import L3Cache, zero_counters
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .request import Request
-from .sampling import Sampler, SamplingParams, ban, is_int, is_number, penalize
+from .sampling import (
+    Sampler,
+    SamplingParams,
+    ban,
+    gather_logprobs,
+    is_int,
+    is_number,
+    penalize,
+)
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import MTPDrafter, verify
 
@@ -313,24 +322,29 @@ class Engine:
         auto = "float32" if self.device.type == "cpu" else "bfloat16"
         dtype = torch_dtype(auto if config.dtype == "auto" else config.dtype)
         torch.manual_seed(config.seed)
+        # The layout first: a cache this model cannot have is refused before any weight loads.
+        model_config = ModelConfig.from_hf(config.model)
+        draft_layers = 1 if config.speculative_algorithm else 0
+        plan = LayerPlan.from_config(
+            model_config, draft_layers=draft_layers, **config.plan_overrides
+        )
+        self.layout = CacheLayout.from_plan(
+            model_config,
+            plan,
+            config.kv_cache_dtype,
+            config.index_k_dtype,
+            config.page_size,
+            config.elide_index_k,
+        )
         self.model, self.model_config, self.plan = load_model(
             config.model,
+            plan,
             device=self.device,
             dtype=dtype,
             # a CPU computes in fp32 over a bf16 checkpoint's matrices as stored (half the
             # bytes a memory-bound decode step reads, the same outputs)
             as_stored=config.dtype == "auto" and self.device.type == "cpu",
             parallel=self.parallel,
-            draft_layers=1 if config.speculative_algorithm else 0,
-            **config.plan_overrides,
-        )
-        self.layout = CacheLayout.from_plan(
-            self.model_config,
-            self.plan,
-            config.kv_cache_dtype,
-            config.index_k_dtype,
-            config.page_size,
-            config.elide_index_k,
         )
         self.hisparse = self._hisparse_config()
         num_pages, latent_pages = self._num_pages()
@@ -367,11 +381,13 @@ class Engine:
         )
         self.sampler = Sampler(self.device)
         self.tokenizer = _load_tokenizer(config.model)
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-            num_pages * config.page_size,
-        )
+        positions = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > positions:
+            raise DsakvError(  # (vLLM refuses it too: the RoPE tables end there)
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {positions} (its config.json)"
+            )
+        self.max_model_len = min(config.max_model_len or positions, num_pages * config.page_size)
         self.runner = ModelRunner(
             self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
         )
@@ -433,7 +449,7 @@ class Engine:
         l3 = None
         if config.storage is not None:
             compute = f"{dtype}|{self.backend.name}|deterministic={self.deterministic}"
-            namespace = storage_namespace(self.layout, model_identity(config.model), compute)
+            namespace = storage_namespace(self.layout, self.model_identity, compute)
             l3 = L3Cache.create(config.storage, self.pool, host, namespace)
         return host, hot, l3
 
@@ -459,6 +475,12 @@ class Engine:
                 self.pool.num_tokens,
                 self.hot.host_nbytes / 2**20,
             )
+
+    @functools.cached_property
+    def model_identity(self) -> str:
+        """The checkpoint's fingerprint (`storage.model_identity`, ~4 MB read per shard): for
+        L3's namespace and the PD handshake, read once."""
+        return model_identity(self.config.model)
 
     def _deterministic(self, dtype: torch.dtype) -> bool:
         """Whether every step runs the cpu backend's per-token path: as asked, or by default
@@ -532,8 +554,15 @@ class Engine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, rid: int | None = None
     ) -> Request:
-        """Queue a prompt; `rid` is given when another rank (DP attention) numbered it."""
+        """Queue a prompt; `rid` is given when another rank (DP attention) numbered it. It
+        is prefilled here, so under HiSparse its latent must fit the device (unlike a PD
+        decode server's prompts, whose latent arrives in host memory: `reserve_detached`)."""
         ids = self.prompt_ids(prompt)
+        if self.hot is not None and not self.hot.fits(len(ids)):
+            raise DsakvError(
+                f"prompt has {len(ids)} tokens; under HiSparse a prompt is prefilled on the "
+                f"device, whose latent pool holds {self.pool.num_latent_tokens} tokens"
+            )
         req = Request(ids, params) if rid is None else Request(ids, params, rid=rid)
         self._init_request(req)
         self.requests[req.rid] = req
@@ -639,11 +668,6 @@ class Engine:
                 f"prompt has {len(ids)} tokens; at most {self.max_model_len - 1} fit (the "
                 f"context is {self.max_model_len} tokens, one kept for the output)"
             )
-        if self.hot is not None and not self.hot.fits(len(ids)):
-            raise DsakvError(
-                f"prompt has {len(ids)} tokens; under HiSparse a prompt is prefilled on the "
-                f"device, whose latent pool holds {self.pool.num_latent_tokens} tokens"
-            )
         return ids
 
     def abort(self, rid: int) -> None:
@@ -697,7 +721,7 @@ class Engine:
         """Run one batch; returns the requests that got a token (finished ones included)."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        failed = [] if batch else self._fail_unschedulable()
+        failed = self._fail_unschedulable(idle=not batch)
         if not batch and not self.parallel.config.dp_attention:
             return failed  # (under DP attention an idle rank still joins the collectives)
         new_tokens, slots, drafts = [], [], []
@@ -731,7 +755,8 @@ class Engine:
         self.stats.computed_tokens += hidden.shape[0]
         out: list[Request] = failed
         if logits is not None:
-            out = self._sample([batch[i][0] for i in sampled], logits, [drafts[i] for i in sampled])
+            reqs = [batch[i][0] for i in sampled]
+            out += self._sample(reqs, logits, [drafts[i] for i in sampled])
         if self.drafter is not None:
             self.drafter.step(ran)
         if self.l3 is not None:
@@ -769,9 +794,6 @@ class Engine:
         kept drafts was written by this step's forward."""
         if req.params.penalized or req.matcher is not None or req.params.min_tokens:
             logits = logits.float().clone()
-        if req.params.penalized:
-            for j in range(len(drafts) + 1):
-                penalize(logits[j], req.params, req.prompt_ids, req.output_ids + drafts[:j])
         if req.matcher is not None:  # drafts the grammar refuses are not even checked
             drafts = self.grammars.apply_drafts(logits, req.matcher, drafts)
             logits = logits[: len(drafts) + 1]
@@ -781,7 +803,11 @@ class Engine:
                     self._grammar_dead_end(req, now)
                     return
                 drafts, logits = drafts[: dead[0] - 1], logits[: dead[0]]
+        k = req.params.logprobs
+        raw = torch.log_softmax(logits.float(), -1) if k is not None else None  # `_sample_one`
         for j in range(len(drafts) + 1):
+            if req.params.penalized:
+                penalize(logits[j], req.params, req.prompt_ids, req.output_ids + drafts[:j])
             self._ban_stops(req, logits[j], len(req.output_ids) + j)
         tokens = verify(logits, drafts, req.params, self.sampler.generator, len(req.output_ids))
         accepted = len(tokens) - 1
@@ -790,14 +816,14 @@ class Engine:
         self.stats.draft_tokens += len(drafts)
         self.stats.accepted_tokens += accepted
         self.stats.verify_steps += 1
-        logp = torch.log_softmax(logits, -1).cpu() if req.params.logprobs is not None else None
+        logps = None if raw is None else gather_logprobs(raw, tokens, [k] * len(tokens))
         base = req.num_computed  # the last token's KV is counted; the drafts' are not yet
         for j, token in enumerate(tokens):
             req.num_computed = base + j
             self._emit(req, token, now)
-            if logp is not None:
-                req.logprobs.append(float(logp[j, token]))
-                req.top_logprobs.append(_top(logp[j], req.params.logprobs))
+            if logps is not None:
+                req.logprobs.append(logps[j][0])
+                req.top_logprobs.append(logps[j][1])
             if req.finished:
                 return
 
@@ -812,9 +838,6 @@ class Engine:
             reqs, logits = [reqs[i] for i in keep], logits[keep]
         if reqs:
             logits = logits.float()  # (rows of its own: indexed out of the step's logits)
-            for i, req in enumerate(reqs):
-                if req.params.penalized:
-                    penalize(logits[i], req.params, req.prompt_ids, req.output_ids)
             if any(r.matcher is not None for r in reqs):
                 self.grammars.apply(logits, [r.matcher for r in reqs])
                 alive = torch.isfinite(logits).any(-1).tolist()
@@ -826,17 +849,26 @@ class Engine:
                     done, reqs, logits = done + dead, [reqs[i] for i in keep], logits[keep]
                     if not reqs:
                         return done
+            # vLLM's raw logprobs: of the model's logits as the grammar left them (vLLM masks
+            # before its sampler too), not of what penalties, bans and temperature make of them
+            asked = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+            raw = torch.log_softmax(logits[asked], -1) if asked else None
             for i, req in enumerate(reqs):
+                if req.params.penalized:
+                    penalize(logits[i], req.params, req.prompt_ids, req.output_ids)
                 if len(req.output_ids) < req.params.min_tokens:
                     self._ban_stops(req, logits[i], len(req.output_ids))
-            result = self.sampler.sample(
+            tokens = self.sampler.sample(
                 logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs]
             )
-            for i, req in enumerate(reqs):
-                self._emit(req, result.token_ids[i], now)
-                if result.logprobs is not None and req.params.logprobs is not None:
-                    req.logprobs.append(result.logprobs[i])
-                    req.top_logprobs.append(result.top_logprobs[i])
+            for req, token in zip(reqs, tokens):
+                self._emit(req, token, now)
+            if raw is not None:
+                ks = [reqs[i].params.logprobs for i in asked]
+                logps = gather_logprobs(raw, [tokens[i] for i in asked], ks)
+                for i, (lp, top) in zip(asked, logps):
+                    reqs[i].logprobs.append(lp)
+                    reqs[i].top_logprobs.append(top)
         return done + reqs
 
     def _score_prompts(self, batch: list[tuple[Request, int]], ends: list[int]) -> None:
@@ -864,10 +896,12 @@ class Engine:
                 req.score_prompt = False
         for lo in range(0, len(rows), _SCORE_ROWS):
             idx = torch.tensor(rows[lo : lo + _SCORE_ROWS], dtype=torch.long)
-            logp = torch.log_softmax(self.runner.logits(idx), -1).cpu()
-            for j, (req, pos) in enumerate(targets[lo : lo + _SCORE_ROWS]):
-                req.prompt_logprobs[pos] = float(logp[j, req.prompt_ids[pos]])
-                req.prompt_top_logprobs[pos] = _top(logp[j], req.params.prompt_logprobs)
+            logp = torch.log_softmax(self.runner.logits(idx), -1)
+            chunk = targets[lo : lo + _SCORE_ROWS]
+            tokens = [req.prompt_ids[pos] for req, pos in chunk]
+            ks = [req.params.prompt_logprobs for req, _ in chunk]
+            for (req, pos), (lp, top) in zip(chunk, gather_logprobs(logp, tokens, ks)):
+                req.prompt_logprobs[pos], req.prompt_top_logprobs[pos] = lp, top
 
     def _grammar_dead_end(self, req: Request, now: float) -> None:
         """`req`'s grammar allows no next token (nor the end): it cannot be completed, and
@@ -935,22 +969,23 @@ class Engine:
             self._finish(req, reason, now)
 
     def _decode_output(self, req: Request, token: int) -> None:
-        """Extends `req.output_text` by `token`'s text: decoded incrementally (tokenizers'
-        `DecodeStream` holds bytes back while they decode to U+FFFD: a character not yet
-        complete), not the whole output again per token (0.2 ms a token at 1,000 tokens,
-        quadratic in a request's length); a finished request's text is the whole output
-        decoded. Without a fast tokenizer, or where decoding cleans up spaces over the
-        whole text, every token decodes the whole output."""
-        tok = self.tokenizer
-        backend = getattr(tok, "backend_tokenizer", None)
-        if backend is None or getattr(tok, "clean_up_tokenization_spaces", False):
-            req.output_text = tok.decode(
-                req.output_ids, skip_special_tokens=req.params.skip_special_tokens
-            )
-            return
-        if req.detokenizer is None:
-            req.detokenizer = DecodeStream(skip_special_tokens=req.params.skip_special_tokens)
-        req.output_text += req.detokenizer.step(backend, token) or ""
+        """Extends `req.output_text` by `token`'s text: decoded incrementally (`TokenTexts`),
+        not the whole output again per token (0.2 ms a token at 1,000 tokens, quadratic in
+        a request's length); a finished request's text is the whole output decoded. Without
+        a fast tokenizer, or where decoding cleans up spaces over the whole text, every
+        token decodes the whole output. A request with logprobs keeps each token's text
+        (`req.detokenizer.texts`, which the server reports)."""
+        tok, p = self.tokenizer, req.params
+        whole = getattr(tok, "backend_tokenizer", None) is None or getattr(
+            tok, "clean_up_tokenization_spaces", False
+        )
+        if req.detokenizer is None and (p.logprobs is not None or not whole):
+            req.detokenizer = TokenTexts(tok, p.skip_special_tokens, keep=p.logprobs is not None)
+        text = "" if req.detokenizer is None else req.detokenizer.step(token)
+        if whole:
+            req.output_text = tok.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
+        else:
+            req.output_text += text
 
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
         req.finish_reason = reason
@@ -962,15 +997,28 @@ class Engine:
         self.stats.finished_requests += 1
         self.requests.pop(req.rid, None)
 
-    def _fail_unschedulable(self) -> list[Request]:
-        """With nothing running and no pages parked (PD's, which come back without a step),
-        a request that still cannot be admitted never will be: finish it (returned, so
-        whoever waits on it hears)."""
+    def _fail_unschedulable(self, idle: bool) -> list[Request]:
+        """Finish the first waiting request if it can never be admitted: cut short ("length",
+        its outputs kept) and returned, so whoever waits on it hears. In an idle step with
+        nothing running and no pages parked (PD's, which come back without a step), any that
+        still cannot be; under HiSparse, at once, a PD decode request retracted with a prompt
+        longer than the device latent pool (recomputing would prefill the prompt there)."""
         s = self.scheduler
-        if s.running or s.parked or not s.waiting:
+        if not s.waiting:
             return []
         req = s.waiting[0]
-        log.warning("request %d does not fit in the KV pool; finishing it", req.rid)
+        if self.hot is not None and not self.hot.fits(len(req.prompt_ids)):
+            log.warning(
+                "request %d was retracted and its %d-token prompt cannot be prefilled again "
+                "(HiSparse's device latent pool holds %d tokens); finishing it",
+                req.rid,
+                len(req.prompt_ids),
+                self.pool.num_latent_tokens,
+            )
+        elif idle and not s.running and not s.parked:
+            log.warning("request %d does not fit in the KV pool; finishing it", req.rid)
+        else:
+            return []
         self._finish(req, "length")
         return [req]
 
@@ -1041,12 +1089,40 @@ class Engine:
 _SCORE_ROWS = 256  # prompt rows per logits call: bounds a [rows, vocab] fp32 temporary
 
 
-def _top(logp: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    """The `k` most likely (token id, logprob) pairs of one row."""
-    if not k:
-        return []
-    top = torch.topk(logp, k)
-    return list(zip(top.indices.tolist(), top.values.tolist()))
+class TokenTexts:
+    """A text decoded token by token (tokenizers' `DecodeStream`; each token alone where
+    the tokenizer is not a fast one), each token's share kept when asked (`keep`). A token
+    holding part of a character adds "" and the one completing it the whole character, so
+    the shares join to the text, text offsets index into it and chat `bytes` rebuild it;
+    decoded alone, every such token read U+FFFD."""
+
+    def __init__(self, tokenizer: Any, skip: bool, keep: bool = True) -> None:
+        self.tokenizer, self.skip = tokenizer, skip
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = DecodeStream(skip_special_tokens=skip) if self.backend else None
+        self.texts: list[str] | None = [] if keep else None
+
+    def step(self, token: int) -> str:
+        """The text `token` adds (and keeps)."""
+        if self.stream is None:
+            text = self.tokenizer.decode([token], skip_special_tokens=self.skip)
+        else:
+            text = self.stream.step(self.backend, token) or ""
+        if self.texts is not None:
+            self.texts.append(text)
+        return text
+
+    def shares(self, ids: list[int], start: int = 0, end: bool = False) -> list[str]:
+        """The kept texts of `ids[start:]`, where `ids` are every token of the text so far
+        (any not stepped yet are stepped now); with `end`, the text ends there and the bytes
+        the stream still holds back go to its last token."""
+        for t in ids[len(self.texts) :]:
+            self.step(t)
+        out = self.texts[start : len(ids)]
+        if end and out and self.stream is not None:
+            whole = self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+            out[-1] += whole[sum(map(len, self.texts[: len(ids)])) :]
+        return out
 
 
 def _token_ids(prompt: object) -> list[int]:

@@ -19,7 +19,9 @@ A request's life, as the scheduler and the step drive it:
   misses are copied from the host) and the layers sharing that top-k replay the same copy
   list: the buffer state is per IndexShare group, the slots are the same in every layer.
 - `free`: on finish, abort and retraction (a retracted request is recomputed: prefilled
-  if the device holds its context, else its prompt prefilled and its outputs decoded again).
+  if the device holds its context, else its prompt prefilled and its outputs decoded again;
+  a PD decode request whose prompt the device cannot hold ends instead, cut short, as
+  `Engine._fail_unschedulable` says).
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs added to the logits; a dict is taken too
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # the chosen token's logprob and the top-n, vLLM's raw logprobs: of the model's logits
+    # (grammar-masked), before logit_bias, penalties, bans and temperature
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # in the output's text
@@ -194,13 +196,6 @@ def is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-@dataclass
-class SampleResult:
-    token_ids: list[int]
-    logprobs: list[float] | None  # log-probability of the chosen token, when asked for
-    top_logprobs: list[list[tuple[int, float]]] | None
-
-
 _MASK64 = (1 << 64) - 1
 
 
@@ -240,12 +235,12 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         output_index: Sequence[int],
-    ) -> SampleResult:
-        """`output_index[i]`: which output token row i draws (len(output_ids) so far).
+    ) -> list[int]:
+        """Each row's token; `output_index[i]`: which output token row i draws
+        (len(output_ids) so far).
 
         A constant number of device→host copies per step, whatever the batch: the greedy
-        choices, the filtered distributions of the sampled rows (drawn on the host), and
-        the asked-for logprobs."""
+        choices and the filtered distributions of the sampled rows (drawn on the host)."""
         logits = logits.float()
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         probs = None
@@ -254,16 +249,20 @@ class Sampler:
         chosen: list[int] = torch.argmax(logits, dim=-1).tolist()
         for j, i in enumerate(sampled):
             chosen[i] = draw(probs[j], params[i].seed, output_index[i], self.generator)
-        want = [p.logprobs for p in params]
-        if all(w is None for w in want):
-            return SampleResult(chosen, None, None)
-        logp = torch.log_softmax(logits, dim=-1)
-        ids = torch.tensor(chosen, dtype=torch.long, device=logp.device)
-        picked = logp.gather(1, ids[:, None])[:, 0].tolist()
-        n = max(w or 0 for w in want)
-        top_v, top_i = ([], []) if n == 0 else (t.tolist() for t in logp.topk(n, dim=-1))
-        tops = [list(zip(top_i[i][:w], top_v[i][:w])) if w else [] for i, w in enumerate(want)]
-        return SampleResult(chosen, picked, tops)
+        return chosen
+
+
+def gather_logprobs(
+    logp: torch.Tensor, tokens: Sequence[int], k: Sequence[int]
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Row i of the log-softmaxed `logp`: its logprob of `tokens[i]` and its `k[i]` most
+    likely (token id, logprob) pairs, in two device→host copies whatever the rows."""
+    ids = torch.tensor(tokens, dtype=torch.long, device=logp.device)
+    picked = logp.gather(1, ids[:, None])[:, 0].tolist()
+    n = max(k, default=0)
+    top_v, top_i = ([], []) if n == 0 else (t.tolist() for t in logp.topk(n, dim=-1))
+    tops = [list(zip(top_i[i][:w], top_v[i][:w])) if w else [] for i, w in enumerate(k)]
+    return list(zip(picked, tops))
 
 
 def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -226,7 +226,8 @@ class Handlers:
         if echo and (body.logprobs is not None or params.max_tokens == 0):
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs or 0)
         params = await self._ready_grammar(params, _grammar_param(params))
-        streams = await self._submit_all(prompts, params, n, raw)
+        given = "max_tokens" if body.max_tokens is not None else None
+        streams = await self._submit_all(prompts, params, n, raw, given)
         choices = [_CompletionChoice(i, s, prompts[i // n], echo) for i, s in enumerate(streams)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
@@ -313,7 +314,8 @@ class Handlers:
         wait = _grammar_field(body) in _AFTER_REASONING
         params = await self._ready_grammar(params, grammar_param, prep.reasoning if wait else None)
         n = self._n(body)
-        streams = await self._submit_n(prompt, params, n, raw, prompt_param="messages")
+        given = param if max_tokens is not None else None
+        streams = await self._submit_n(prompt, params, n, raw, "messages", given)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": rid,
@@ -547,11 +549,22 @@ class Handlers:
         n: int,
         raw: Request,
         prompt_param: str = "prompt",
+        max_tokens_param: str | None = None,
     ) -> list[RequestStream]:
         """`n` choices of one prompt (they share its KV pages); a rejected prompt or grammar
-        is a 400. A client that leaves before the engine takes them cancels them: a prefill
-        server waits here for its decode server, which never comes for a request the decode
-        server refused (the router hangs up then)."""
+        is a 400, and so is one that leaves too little room in the context for the
+        `max_tokens` the client gave (in the field `max_tokens_param`; vLLM's check: the
+        engine would cut the output short at the context). A client that leaves before the
+        engine takes them cancels them: a prefill server waits here for its decode server,
+        which never comes for a request the decode server refused (the router hangs up)."""
+        if max_tokens_param is not None:
+            try:
+                prompt = await self._fitting(
+                    prompt, params.max_tokens, max_tokens_param, prompt_param
+                )
+            except APIError as e:
+                self.engine.refused(e.message, e.status)
+                raise
         submit = asyncio.ensure_future(self.engine.generate_n(prompt, params, n))
         watcher = asyncio.create_task(_when_left(raw, submit.cancel))
         try:
@@ -569,14 +582,40 @@ class Handlers:
         finally:
             watcher.cancel()
 
+    async def _fitting(
+        self, prompt: str | list[int], max_tokens: int, param: str, prompt_param: str
+    ) -> list[int]:
+        """`prompt`'s token ids, if `max_tokens` more fit in the context after them; else
+        vLLM's 400. Tokenized off the event loop (a long prompt takes a while)."""
+        e = self.engine.engine
+        try:
+            ids = await asyncio.to_thread(e.prompt_ids, prompt)
+        except DsakvError as err:
+            raise APIError(400, str(err), param=err.param or prompt_param) from None
+        if len(ids) + max_tokens > e.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {e.max_model_len} tokens. However, "
+                f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages "
+                "or completion.",
+                param=param,
+            )
+        return ids
+
     async def _submit_all(
-        self, prompts: list[str | list[int]], params: SamplingParams, n: int, raw: Request
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        n: int,
+        raw: Request,
+        max_tokens_param: str | None = None,
     ) -> list[RequestStream]:
         """Every prompt's `n` choices, in order; if one is rejected, the others are aborted."""
         streams: list[RequestStream] = []
         try:
             for prompt in prompts:
-                streams += await self._submit_n(prompt, params, n, raw)
+                streams += await self._submit_n(prompt, params, n, raw, "prompt", max_tokens_param)
         except BaseException:
             for s in streams:
                 self.engine.abort(s)

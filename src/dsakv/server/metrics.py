@@ -31,7 +31,11 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "gauge",
         "KV bytes per token saved by eliding shared layers' index-K",
     ),
-    "prompt_tokens": ("prompt_tokens", "counter", "Prompt tokens received"),
+    "prompt_tokens": (  # per choice, as vLLM's prompt_tokens_total counts its n child requests
+        "prompt_tokens",
+        "counter",
+        "Prompt tokens received (an n > 1 request's prompt counts n times)",
+    ),
     "output_tokens": ("generation_tokens", "counter", "Tokens generated"),
     "computed_tokens": ("computed_tokens", "counter", "Tokens run through the model"),
     "prefix_hit_tokens": (

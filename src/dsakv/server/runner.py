@@ -26,9 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tokenizers.decoders import DecodeStream
-
 from dsakv.engine import Engine, Request, SamplingParams
+from dsakv.engine.engine import TokenTexts
 from dsakv.errors import DsakvError
 
 log = logging.getLogger(__name__)
@@ -123,7 +122,7 @@ class RequestStream:
     sent_chars: int = 0
     sent_prompt: bool = False
     request: Request | None = None
-    texts: TokenTexts | None = None  # with logprobs: the output tokens' texts so far
+    texts: TokenTexts | None = None  # with logprobs, where the engine kept none (`_update`)
 
     def __post_init__(self) -> None:
         self.accepted = self.loop.create_future()
@@ -202,6 +201,10 @@ class AsyncEngine:
                 self.abort(s)  # queued after the add, so the engine thread sees both
             raise
         return streams
+
+    def refused(self, message: str, status: int) -> None:
+        """The server refused the current request before `generate_n` (a prefill server's
+        decode server, waiting for it, hears why)."""
 
     async def probe(self) -> None:
         """One greedy token of a one-token prompt, run by the engine thread (SGLang's
@@ -429,13 +432,16 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
     tok, skip = engine.tokenizer, req.params.skip_special_tokens
     texts = top_texts = prompt_texts = prompt_top_texts = None
     if want and tok is not None:
-        stream.texts = stream.texts or TokenTexts(tok, skip)
-        texts = stream.texts.add(ids, req.output_ids if req.finished else None)
+        # The engine's decoder kept each token's text; a DP mirror's decoded on its rank.
+        kept = req.detokenizer
+        if kept is None or kept.texts is None:
+            kept = stream.texts = stream.texts or TokenTexts(tok, skip)
+        texts = kept.shares(req.output_ids, start, end=req.finished)
         tops = [[t for t, _ in top] for top in req.top_logprobs[start:end]]
         top_texts = alternative_texts(tok, req.output_ids, start, tops, skip, texts)
     if scored and tok is not None:  # echoed as given: special tokens' text included
         p = req.prompt_ids
-        prompt_texts = TokenTexts(tok, skip=False).add(p, p)
+        prompt_texts = TokenTexts(tok, skip=False).shares(p, end=True)
         tops = [[t for t, _ in top or ()] for top in req.prompt_top_logprobs]
         prompt_top_texts = alternative_texts(tok, p, 0, tops, False, prompt_texts)
     m = req.metrics
@@ -460,31 +466,6 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         prompt_texts=prompt_texts,
         prompt_top_texts=prompt_top_texts,
     )
-
-
-class TokenTexts:
-    """Each token's share of a text decoded token by token, as the engine decodes a
-    request's output (tokenizers' `DecodeStream`): a token holding part of a character
-    adds "" and the one completing it the whole character, so the texts join to the text,
-    text offsets index into it and chat `bytes` rebuild it; decoded alone, every such token
-    read U+FFFD. Bytes still held back when the text ends go to the last token."""
-
-    def __init__(self, tokenizer: Any, skip: bool) -> None:
-        self.tokenizer, self.skip = tokenizer, skip
-        self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.stream = DecodeStream(skip_special_tokens=skip) if self.backend else None
-        self.chars = 0  # of the texts handed out so far
-
-    def add(self, ids: list[int], whole: list[int] | None = None) -> list[str]:
-        """The texts `ids` add; `whole`: every id of the text, which ends with these."""
-        if self.stream is None:  # a slow tokenizer: each token alone
-            return [self.tokenizer.decode([t], skip_special_tokens=self.skip) for t in ids]
-        out = [self.stream.step(self.backend, t) or "" for t in ids]
-        self.chars += sum(map(len, out))
-        if whole is not None and out:
-            text = self.tokenizer.decode(whole, skip_special_tokens=self.skip)
-            out[-1] += text[self.chars :]
-        return out
 
 
 # Tokens of context decoded before a position: more than any character needs (4 bytes).
