@@ -47,6 +47,23 @@ def test_double_free_and_foreign_page_are_clear_errors():
     a.check()
 
 
+def test_non_integer_counts_and_pages_are_type_errors_that_change_nothing():
+    a = PageAllocator(4, 16)
+    p = a.alloc(1)
+    for bad in (True, 1.0, "1"):
+        with pytest.raises(TypeError, match="number of pages must be an int"):
+            a.alloc(bad)
+    for bad in ("0", 0.5, True):  # int() of each names a page: "0" would free page 0
+        with pytest.raises(TypeError, match="pages must be ints"):
+            a.free([bad])
+    assert a.num_used_pages == 1
+    a.free(p)
+    a.check()
+    for args in ((True, 16), (4, 16.0)):
+        with pytest.raises(TypeError, match="must be ints"):
+            PageAllocator(*args)
+
+
 def test_check_detects_corruption():
     a = PageAllocator(4, 16)
     a.alloc(1)
@@ -59,6 +76,11 @@ def test_page_slots():
     assert page_slots([2, 0], 4).tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
     assert page_slots(torch.tensor([1]), 3).dtype == torch.long
     assert page_slots([], 4).numel() == 0
+    with pytest.raises(ValueError, match="page -1 is negative"):
+        page_slots([2, -1], 4)
+    for bad in ([1.0], [True]):
+        with pytest.raises(TypeError, match="pages must be integers"):
+            page_slots(bad, 4)
 
 
 @settings(max_examples=60, deadline=None)

@@ -13,6 +13,7 @@ from dsakv import LLM, SamplingParams
 from dsakv.engine import Engine, EngineConfig
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
+from dsakv.server.metrics import EngineCollector
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
 
@@ -147,9 +148,16 @@ def test_prefix_cache_demotes_to_host_and_promotes_back(tiny):
     llm = LLM(tiny, **EXACT, num_pages=14, host_pool_gib=0.05)
     llm.generate(first, GREEDY)
     llm.generate(others, GREEDY)
-    assert llm.engine.cache.demoted_pages > 0
+    before = llm.engine.counters()
+    assert before["prefix_pages_demoted"] > 0 and before["prefix_pages_promoted"] == 0
     again = [o.token_ids for o in llm.generate(first, GREEDY)]
-    assert llm.engine.cache.promoted_pages > 0
+    after = llm.engine.counters()
+    assert after["prefix_pages_promoted"] > 0
+    collector = EngineCollector("m")  # /metrics: counters, by their own names
+    collector.update(after)
+    kinds = {f.name: f.type for f in collector.collect()}
+    assert kinds["dsakv_prefix_cache_pages_demoted"] == "counter"
+    assert kinds["dsakv_prefix_cache_pages_promoted"] == "counter"
     assert again == cold
     llm.engine.check_integrity()
 

@@ -63,15 +63,14 @@ def test_glm52_host_bytes_elided_vs_dense():
     assert host.pool.device.type == "cpu" and not host.pool.pin_memory
 
 
-def test_from_gib_and_from_ratio():
+def test_from_gib_and_a_bad_device_pool():
     dev = DSAKVPool(small_layout("fp32", "fp8"), 4)
     bpp = dev.layout.bytes_per_page
-    assert HostPool.from_ratio(dev, 2.5).num_pages == 10
     assert HostPool.from_gib(dev, 3 * bpp / 2**30).num_pages == 3
     with pytest.raises(ValueError, match="no"):
         HostPool.from_gib(dev, 1e-9)
-    with pytest.raises(ValueError, match="no pages"):
-        HostPool.from_ratio(dev, 0.1)
+    with pytest.raises(TypeError, match="backs a DSAKVPool, got CacheLayout"):
+        HostPool(dev.layout, 2)
 
 
 @pytest.mark.parametrize("kv,ik", [("fp32", "fp32"), ("fp8_e4m3", "fp8"), ("fp8_ds_mla", "bf16")])

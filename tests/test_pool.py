@@ -204,6 +204,23 @@ def test_a_page_out_of_range_is_refused_and_nothing_written(page):
     assert torch.equal(pool.read_pages([0, 1]), before)
 
 
+def test_the_constructor_and_copy_tokens_refuse_bad_arguments():
+    layout = small_layout()
+    with pytest.raises(TypeError, match="layout must be a CacheLayout.*got str"):
+        DSAKVPool("glm-5.2", 2)
+    for bad in (2.0, True):
+        with pytest.raises(TypeError, match="num_pages must be an int"):
+            DSAKVPool(layout, bad)
+    with pytest.raises(ValueError, match=r"latent_pages must be in 1\.\.num_pages \(2\)"):
+        DSAKVPool(layout, 2, latent_pages=3)
+    assert not DSAKVPool(layout, 2, latent_pages=2).split_latent
+    pool, s = DSAKVPool(layout, 2), torch.arange(4)
+    with pytest.raises(TypeError, match="between DSAKVPools, got str <- DSAKVPool"):
+        copy_tokens("pool", s, pool, s)
+    with pytest.raises(TypeError, match="got DSAKVPool <- str"):
+        copy_tokens(pool, s, "pool", s)
+
+
 # --- moves and copies ----------------------------------------------------------------------
 
 

@@ -26,6 +26,13 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs
 KW = dict(device="cpu", page_size=16, num_pages=48, max_model_len=256)
 
 
+def _weight_dtype(model) -> torch.dtype:
+    """The dtype the weight matrices are held in: the compute dtype, or bf16 as a bf16 or
+    FP8 checkpoint stores them under fp32 compute (FP8 projections are packed uint8 rows
+    beside them)."""
+    return model.model.embed_tokens.weight.dtype
+
+
 @pytest.fixture(scope="module")
 def bf16_model(tmp_path_factory) -> str:
     """glm-tiny written in bf16 (dense and MoE layers, indexers, an MTP layer)."""
@@ -65,8 +72,8 @@ def _inputs(model, config, batch: int, seed: int = 0):
 def test_as_stored_keeps_the_matrices_bf16_and_computes_in_fp32(bf16_model):
     stored, _, _ = load_model(bf16_model, as_stored=True, draft_layers=1)
     wide, _, _ = load_model(bf16_model, draft_layers=1)
-    assert (stored.dtype, stored.weight_dtype) == (torch.float32, torch.bfloat16)
-    assert (wide.dtype, wide.weight_dtype) == (torch.float32, torch.float32)
+    assert (stored.dtype, _weight_dtype(stored)) == (torch.float32, torch.bfloat16)
+    assert (wide.dtype, _weight_dtype(wide)) == (torch.float32, torch.float32)
     layer = stored.model.layers[-1]  # the MTP layer: MoE, an indexer, eh_proj
     for p in (
         layer.self_attn.kv_b_proj.weight,
@@ -153,11 +160,11 @@ def test_sharded_reads_keep_each_ranks_slices_as_stored(checkpoint, parallel):
         state = ParallelState(pc, rank)
         stored, _, _ = load_model(checkpoint, as_stored=True, parallel=state)
         wide = dict(load_model(checkpoint, parallel=state)[0].named_parameters())
-        assert stored.weight_dtype == torch.bfloat16
+        assert _weight_dtype(stored) == torch.bfloat16
         for name, p in stored.named_parameters():
             assert torch.equal(widened(p, wide[name]), wide[name]), (rank, name)
     fp32, _, _ = load_model(default_model_dir("glm-tiny"), as_stored=True)
-    assert fp32.weight_dtype == torch.float32
+    assert _weight_dtype(fp32) == torch.float32
 
 
 @native
@@ -223,7 +230,7 @@ def test_auto_dtype_generates_the_float32_models_tokens_and_logprobs(checkpoint,
     kw = dict(enable_deterministic_inference=deterministic)
     llm = LLM(checkpoint, **KW, **kw)
     model = llm.engine.runner.model
-    assert (model.dtype, model.weight_dtype) == (torch.float32, torch.bfloat16)
+    assert (model.dtype, _weight_dtype(model)) == (torch.float32, torch.bfloat16)
     assert model.model.layers[1].self_attn.q_b_proj.weight.dtype != torch.float32
     assert llm.engine.deterministic == (deterministic is None)
     got = [(o.token_ids, o.logprobs, o.top_logprobs) for o in llm.generate(prompts, GREEDY)]

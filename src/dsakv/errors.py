@@ -1,4 +1,5 @@
-"""One error type for everything a user can get wrong (config, flags, requests)."""
+"""One error type for everything a user can get wrong (config, flags, requests), and the
+checks every layer runs on what users hand it."""
 
 
 class DsakvError(ValueError):
@@ -12,3 +13,13 @@ class DsakvError(ValueError):
 
 class ConfigError(DsakvError):
     """A model config or layer-plan override is invalid."""
+
+
+def is_int(x: object) -> bool:
+    """An int, not a bool (a count, a token id, a page: True is not 1 here)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: object) -> bool:
+    """An int or float, not a bool (JSON's numbers; True is not 1 here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -212,8 +212,7 @@ def run_bench(
             if tp_size > 1:
                 bar.set_postfix_str("parallel")
                 clock["parallel"] = time.perf_counter()
-                cell = _cell(path, sizes.page_size, True)
-                pages = tp.pages_for_budget(budget, cell, sizes.page_size)
+                pages = _pages(path, budget, sizes.page_size, elide=True)
                 result["parallel"] = run_parallel_bench(
                     path, tp_size, _workload(sizes), pages, sizes.page_size, sizes.seed
                 )
@@ -343,11 +342,10 @@ def _throughput(
     ps = sizes.page_size
     engines = {}
     for name, elide in (("elided", True), ("dense", False)):
-        cell = _cell(path, ps, elide)
         engines[name] = tp.make_engine(
             path,
             elide=elide,
-            num_pages=tp.pages_for_budget(budget, cell, ps),
+            num_pages=_pages(path, budget, ps, elide),
             page_size=ps,
             seed=sizes.seed,
             device=device,
@@ -438,11 +436,12 @@ def _throughput(
     return out, equal
 
 
-def _cell(path: str, page_size: int, elide: bool) -> int:
-    from dsakv.memory import CacheLayout
+def _pages(path: str, budget: int, page_size: int, elide: bool) -> int:
+    """Pages `budget` bytes buy for the bench model's fp8 cache, elided or dense."""
+    from dsakv.memory import CacheLayout, plan_capacity
 
     layout = CacheLayout.for_model(path, "fp8_e4m3", "fp8", page_size, elide)
-    return layout.bytes_per_token
+    return plan_capacity(layout, kv_budget_gib=budget / cap.GIB).num_pages
 
 
 def _bos_id(path: str) -> int:

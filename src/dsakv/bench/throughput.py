@@ -200,10 +200,6 @@ def strip_private(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if not k.startswith("_")}
 
 
-def pages_for_budget(budget_bytes: int, bytes_per_token: int, page_size: int) -> int:
-    return int(budget_bytes // bytes_per_token // page_size)
-
-
 def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Share of aligned greedy tokens that agree between two runs of one workload."""
     pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]

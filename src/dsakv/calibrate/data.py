@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dsakv.config import ModelConfig
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, is_int
 
 DEFAULT_NUM_SEQUENCES = 4
 
@@ -89,7 +89,7 @@ def read_jsonl(path: str | Path) -> list[str | list[int]]:
             raise DsakvError(f'{path}:{n}: "text" must be a string')
         if "token_ids" in obj and not (
             isinstance(value, list)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+            and all(is_int(t) for t in value)
         ):
             raise DsakvError(f'{path}:{n}: "token_ids" must be a list of integers')
         if not value:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dsakv.errors import ConfigError
+from dsakv.errors import ConfigError, is_int
 
 HISPARSE_KEYS = ("top_k", "device_buffer_size", "host_to_device_ratio")
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
@@ -24,7 +24,7 @@ BUFFER_PER_TOP_K = 2  # default buffer = 2 × top_k: at exactly top_k the LRU th
 
 
 def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise ConfigError(f"hisparse-config {name} must be an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"hisparse-config {name} must be >= {minimum}{hint}, got {value}")
@@ -43,9 +43,7 @@ def model_index_topk(model_config: Any) -> int:
         else (lambda k, d=None: getattr(model_config, k, d))
     )
     topk, heads, dim = get("index_topk"), get("index_n_heads"), get("index_head_dim")
-    if not all(
-        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (topk, heads, dim)
-    ):
+    if not all(is_int(v) and v > 0 for v in (topk, heads, dim)):
         raise ConfigError(
             "--enable-hisparse needs a DSA model with an indexer (index_topk, index_n_heads "
             f"and index_head_dim > 0); this model has index_topk={topk!r}"

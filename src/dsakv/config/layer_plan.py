@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from dsakv.errors import ConfigError
+from dsakv.errors import ConfigError, is_int
 
 from .model import ModelConfig
 
@@ -41,7 +41,7 @@ def freq_pattern(num_layers: int, freq: int, offset: int) -> tuple[str, ...]:
 
 
 def _check_positive(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+    if value is not None and (not is_int(value) or value < 1):
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 

@@ -10,7 +10,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from dsakv.errors import ConfigError
+from dsakv.errors import ConfigError, is_int
 
 from .presets import PRESETS, is_model_dir, preset
 
@@ -285,7 +285,7 @@ def _check(kw: dict[str, Any], raw: dict[str, Any]) -> None:
     if block is not None and not (
         isinstance(block, list)
         and len(block) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        and all(is_int(b) and b > 0 for b in block)
     ):
         raise ConfigError(
             "model config field quantization_config.weight_block_size must be two positive "

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from dsakv.engine.sampling import is_int
+from dsakv.errors import is_int
 from dsakv.server.protocol import APIError
 
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER

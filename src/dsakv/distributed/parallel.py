@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, is_int
 from dsakv.procs import split_address
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -41,7 +41,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tp", "ep", "nnodes"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not is_int(v) or v < 1:
                 raise DsakvError(f"--{name} must be an integer >= 1, got {v!r}")
         if self.ep > self.tp:
             raise DsakvError(f"--ep {self.ep} is larger than --tp {self.tp}")

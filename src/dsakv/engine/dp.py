@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsakv.distributed.leader import Leader
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, is_int
 
 from .engine import Engine
 from .request import Request, Status
@@ -138,7 +138,7 @@ class DPEngine:
     ) -> list[Request]:
         """`n` choices, each routed on its own (seed + i, as `Engine.add_requests` does);
         they share prompt pages only when they land on the same rank."""
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_choices:
+        if not is_int(n) or not 1 <= n <= self.max_choices:
             raise DsakvError(f"n must be in 1..{self.max_choices}, got {n!r}")
         seeds = [None if params.seed is None else params.seed + i for i in range(n)]
         return [self.add_request(prompt, replace(params, seed=s)) for s in seeds]
@@ -221,10 +221,6 @@ class DPEngine:
         total["peak_running_requests"] = self.peak_running
         total["dp_ranks"] = self.parallel.world_size
         return total
-
-    def rank_counters(self) -> list[dict[str, float]]:
-        """Each rank's own counters (as of the last step), in rank order."""
-        return [r.counters for r in self._reports]
 
     def check_integrity(self) -> None:
         self.local.check_integrity()

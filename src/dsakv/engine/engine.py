@@ -20,7 +20,7 @@ from tokenizers.decoders import DecodeStream
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig, plan_overrides
 from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
-from dsakv.errors import ConfigError, DsakvError
+from dsakv.errors import ConfigError, DsakvError, is_int, is_number
 from dsakv.kernels import BACKENDS, cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
@@ -40,8 +40,6 @@ from .sampling import (
     SamplingParams,
     ban,
     gather_logprobs,
-    is_int,
-    is_number,
     penalize,
 )
 from .scheduler import Scheduler, SchedulerConfig
@@ -123,18 +121,18 @@ class EngineConfig:
         ints = ("page_size", "chunked_prefill_size", "max_running_requests")
         for name in ints:
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not is_int(v) or v < 1:
                 raise DsakvError(f"{name} must be an integer >= 1, got {v!r}")
         for name in ("num_pages", "max_model_len"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if v is not None and (not is_int(v) or v < 1):
                 raise DsakvError(f"{name} must be an integer >= 1 or None, got {v!r}")
         budget, host = self.kv_budget_gib, self.host_pool_gib
         if budget is not None and not (is_number(budget) and 0 < budget < math.inf):
             raise DsakvError(f"kv_budget_gib must be a finite number > 0, got {budget!r}")
         if not (is_number(host) and 0 <= host < math.inf):
             raise DsakvError(f"host_pool_gib must be a finite number >= 0, got {host!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not is_int(self.seed):
             raise DsakvError(f"seed must be an integer, got {self.seed!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise DsakvError(
@@ -581,7 +579,7 @@ class Engine:
         choice `i` uses `seed + i`: reproducible, yet not n copies of one sample. Prompt
         logprobs are scored once, by the first request, and copied to the forks.
         """
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_choices:
+        if not is_int(n) or not 1 <= n <= self.max_choices:
             raise DsakvError(f"n must be in 1..{self.max_choices}, got {n!r}")
         first = self.add_request(prompt, params)
         for i in range(1, n):
@@ -1065,6 +1063,8 @@ class Engine:
             "prefix_hit_tokens": sch.prefix_hit_tokens,
             "retractions": sch.retractions,
             "retractions_to_host": sch.retractions_to_host,
+            "prefix_pages_demoted": self.cache.demoted_pages,
+            "prefix_pages_promoted": self.cache.promoted_pages,
             "host_bytes_to_host": host["d2h"],
             "host_bytes_to_device": host["h2d"],
             "finished_requests": s.finished_requests,

@@ -15,12 +15,12 @@ from typing import Any, TypeAlias
 
 from tqdm.auto import tqdm
 
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, is_int
 
 from .engine import EngineConfig
 from .launch import create_engine
 from .request import Request
-from .sampling import SamplingParams, is_int
+from .sampling import SamplingParams
 
 # What `LLM.generate` takes as one prompt: text, token ids, or vLLM's prompt dicts.
 Prompt: TypeAlias = str | Sequence[int] | Mapping[str, Any]

@@ -70,7 +70,7 @@ class PrefixCache:
         self.root = Node((), None)
         self.num_device_pages = 0  # pages the tree holds on the device
         self.num_host_pages = 0
-        self.demoted_pages = 0
+        self.demoted_pages = 0  # to the host tier on eviction; promoted: back on a hit
         self.promoted_pages = 0
         self.l3 = l3  # the storage tier, told about pages coming and going
 

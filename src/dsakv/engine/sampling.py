@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, is_int, is_number
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 # Temperatures below this sample greedily (vLLM's bound): dividing logits by less would
@@ -175,11 +175,6 @@ class SamplingParams:
 BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
-def is_int(x: object) -> bool:
-    """An int, not a bool (a token id or count; True is not 1 here)."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _as_tuple(value: object, name: str, what: str) -> tuple:
     """`value` (None, or a list of items `SamplingParams` checks next) as a tuple, or a
     `DsakvError` naming the field: `tuple(5)` raised a bare TypeError, and a string or
@@ -189,11 +184,6 @@ def _as_tuple(value: object, name: str, what: str) -> tuple:
     if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
         raise DsakvError(f"invalid sampling params: {name} must be {what}, got {value!r}", name)
     return tuple(value)
-
-
-def is_number(x: object) -> bool:
-    """An int or float, not a bool (JSON's numbers; True is not 1 here)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 _MASK64 = (1 << 64) - 1

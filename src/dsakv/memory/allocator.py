@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from dsakv.errors import is_int
+
 
 class OutOfPages(RuntimeError):
     """Not enough free pages; nothing was allocated."""
@@ -23,6 +25,10 @@ class PageAllocator:
     """Fixed set of pages `0..num_pages-1`; a free stack plus an in-use bitmap (O(1) a page)."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
+        if not is_int(num_pages) or not is_int(page_size):
+            raise TypeError(
+                f"num_pages and page_size must be ints, got {num_pages!r}, {page_size!r}"
+            )
         if num_pages < 0 or page_size < 1:
             raise ValueError(
                 f"need num_pages >= 0 and page_size >= 1, got {num_pages}, {page_size}"
@@ -42,6 +48,8 @@ class PageAllocator:
 
     def alloc(self, n_pages: int) -> list[int]:
         """`n_pages` pages, or `OutOfPages` (and no change) when fewer are free."""
+        if not is_int(n_pages):
+            raise TypeError(f"the number of pages must be an int, got {n_pages!r}")
         if n_pages < 0:
             raise ValueError(f"cannot allocate {n_pages} pages")
         if n_pages > len(self._free):
@@ -55,9 +63,11 @@ class PageAllocator:
 
     def free(self, pages: Iterable[int]) -> None:
         """Return pages; checks the whole batch first so a bad call frees nothing."""
-        pages = [int(p) for p in pages]
+        pages = list(pages)
         seen: set[int] = set()
         for p in pages:
+            if not is_int(p):  # int("0") or int(0.5) would free some other page
+                raise TypeError(f"pages must be ints, got {p!r}")
             if not 0 <= p < self.num_pages:
                 raise PageError(
                     f"page {p} was never handed out by this allocator (pages 0..{self.num_pages - 1})"
@@ -84,7 +94,13 @@ class PageAllocator:
 
 def page_slots(pages: Sequence[int] | torch.Tensor, page_size: int) -> torch.Tensor:
     """Token slots of `pages`, in order: slot = page * page_size + offset."""
-    p = torch.as_tensor(pages, dtype=torch.long).reshape(-1, 1)
+    p = torch.as_tensor(pages)
+    if p.numel():  # (an empty list is float32 to torch)
+        if p.is_floating_point() or p.dtype == torch.bool:
+            raise TypeError(f"pages must be integers, got {p.dtype}")
+        if p.min() < 0:
+            raise ValueError(f"page {int(p.min())} is negative")
+    p = p.to(torch.long).reshape(-1, 1)
     return (p * page_size + torch.arange(page_size, dtype=torch.long)).reshape(-1)
 
 

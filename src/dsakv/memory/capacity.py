@@ -9,7 +9,7 @@ from typing import Any
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig
 from dsakv.config.presets import QUANTIZED_WEIGHT
-from dsakv.errors import ConfigError
+from dsakv.errors import ConfigError, is_int, is_number
 
 from .layout import CacheLayout
 
@@ -56,7 +56,7 @@ class WeightStorage:
             return cls(wide, "fp8", tuple(block) if block else None, exclude=_exclusions(q))
         if method == "modelopt" and str(algo).upper() == "NVFP4":
             group = q.get("group_size") or 16
-            if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+            if not is_int(group) or group < 1:
                 raise ConfigError(f"quantization_config.group_size must be >= 1, got {group!r}")
             return cls(wide, "nvfp4", group=group, exclude=_exclusions(q))
         what = f"quant_method {method!r}" + (f", quant_algo {algo!r}" if algo else "")
@@ -264,7 +264,7 @@ def kv_budget_bytes(
 
 
 def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_number(value) and math.isfinite(value)
 
 
 def _check_gib(name: str, value: float | None, positive: bool = False) -> None:

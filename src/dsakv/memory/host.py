@@ -17,6 +17,8 @@ class HostPool:
     def __init__(
         self, device_pool: DSAKVPool, num_pages: int, pin_memory: bool | None = None
     ) -> None:
+        if not isinstance(device_pool, DSAKVPool):
+            raise TypeError(f"a host tier backs a DSAKVPool, got {type(device_pool).__name__}")
         if pin_memory is None:
             pin_memory = device_pool.device.type == "cuda"
         self.device_pool = device_pool
@@ -35,14 +37,6 @@ class HostPool:
         pages = int(gib * 2**30 // device_pool.layout.bytes_per_page)
         if pages < 1:
             raise ValueError(f"{gib} GiB holds no {device_pool.layout.bytes_per_page}-byte page")
-        return cls(device_pool, pages, **kw)
-
-    @classmethod
-    def from_ratio(cls, device_pool: DSAKVPool, ratio: float, **kw) -> HostPool:
-        """`ratio` × the device pool's page count (e.g. 2.0 = twice the device capacity)."""
-        pages = int(device_pool.num_pages * ratio)
-        if pages < 1:
-            raise ValueError(f"host ratio {ratio} gives no pages for {device_pool.num_pages}")
         return cls(device_pool, pages, **kw)
 
     # --- sizes -------------------------------------------------------------------------------

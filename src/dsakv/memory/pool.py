@@ -182,10 +182,18 @@ class DSAKVPool:
         pin_memory: bool = False,
         latent_pages: int | None = None,
     ) -> None:
+        if not isinstance(layout, CacheLayout):
+            raise TypeError(f"layout must be a CacheLayout, got {type(layout).__name__}")
+        for name, n in (("num_pages", num_pages), ("latent_pages", latent_pages)):
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+                raise TypeError(f"{name} must be an int, got {n!r}")
         if num_pages < 1:
             raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
-        if latent_pages is not None and latent_pages < 1:
-            raise ValueError(f"a KV pool needs at least one latent page, got {latent_pages}")
+        if latent_pages is not None and not 1 <= latent_pages <= num_pages:
+            raise ValueError(
+                f"latent_pages must be in 1..num_pages ({num_pages}): the latent slots are "
+                f"a subset of the logical ones, got {latent_pages}"
+            )
         self.layout = layout
         self.num_pages = num_pages
         self.latent_pages = num_pages if latent_pages is None else latent_pages
@@ -445,6 +453,11 @@ def copy_tokens(
     dst: DSAKVPool, dst_slots: torch.Tensor, src: DSAKVPool, src_slots: torch.Tensor
 ) -> int:
     """Copy stored bytes token by token between two pools of one layout; returns bytes copied."""
+    if not isinstance(dst, DSAKVPool) or not isinstance(src, DSAKVPool):
+        raise TypeError(
+            f"copy_tokens copies between DSAKVPools, got {type(dst).__name__} <- "
+            f"{type(src).__name__}"
+        )
     if dst.layout.fingerprint() != src.layout.fingerprint():
         raise ValueError("cannot copy KV between pools of different layouts")
     dst._check_unsplit()

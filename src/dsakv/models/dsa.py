@@ -104,13 +104,6 @@ class DSAForCausalLM(nn.Module):
         return self.model.norm.weight.dtype
 
     @property
-    def weight_dtype(self) -> torch.dtype:
-        """The dtype its weight matrices are held in: `dtype`, or bf16 as the checkpoint
-        stores them under fp32 compute (`store_matrices`; an FP8 checkpoint's projections
-        are packed uint8 rows beside them, `loader._pack_fp8`)."""
-        return self.model.embed_tokens.weight.dtype
-
-    @property
     def num_draft_layers(self) -> int:
         """1 when the MTP layer is built (`forward_draft` runs), else 0."""
         return self.plan.num_draft_layers

@@ -1,4 +1,4 @@
-"""Fitting and measuring the tiny models' MTP layer (DESIGN.md §9).
+"""Fitting the tiny models' MTP layer (DESIGN.md §9).
 
 A random MTP layer accepts almost nothing, so `write_tiny_model(..., mtp="fit")` distils
 one from the target: the target (dsakv's own engine, the model that will be served)
@@ -153,7 +153,7 @@ class DraftBlock(nn.Module):
             norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape, generator=g))
 
 
-# --- target rollouts and draft agreement (dsakv's engine) ------------------------------------
+# --- target rollouts (dsakv's engine) --------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -197,59 +197,6 @@ def target_rollouts(model, prompts: torch.Tensor, new_tokens: int) -> Rollouts:
     h = torch.cat(hidden, dim=1)
     logits = model.compute_logits(h.flatten(0, 1)).view(b, s, -1)
     return Rollouts(torch.tensor(tokens), h.float(), logits, p)
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """Draft vs target top-1 on continuations: `step[k]` = P(draft k+1 right | drafts
-    1..k right), and `mean_accepted` = mean leading right drafts of a `len(step)` chain."""
-
-    step: list[float]
-    mean_accepted: float
-
-
-@torch.inference_mode()
-def draft_agreement(model, roll: Rollouts, steps: int = 1) -> Agreement:
-    """How often the MTP chain's top-1 is the target's greedy token, as the engine would
-    draft it: step 1 pairs (t_{i+1}, h_i) at position i over the whole sequence (one
-    extend); step k continues each chain at position i+k-1 with the true token t_{i+k}
-    and the previous step's output as h, writing scratch slots so every chain sees the
-    step-1 draft KV as its context. Positions i from the last prompt token on."""
-    b, s = roll.tokens.shape
-    p, n = roll.prompt_len, s - 1
-    chains = [(r, i) for r in range(b) for i in range(p - 1, n)]
-    per_req = n + (n - p + 1) * (steps - 1)
-    pool, stride = _pool(model, per_req, b)
-    ctx = [torch.arange(r * stride, r * stride + n) for r in range(b)]
-    batch = ForwardBatch.from_requests(roll.tokens[:, 1:].tolist(), ctx)
-    h_in = roll.hidden[:, :n].flatten(0, 1).to(model.dtype)
-    out = model.forward_draft(batch, pool, h_in).view(b, n, -1)
-    target = roll.logits.argmax(-1)  # [B, S]: the target's token j+1, predicted at j
-    pred = model.compute_logits(out.flatten(0, 1), draft=True).argmax(-1).view(b, n)
-    right = torch.stack([pred[r, i] == target[r, i + 1] for r, i in chains])
-    h = torch.stack([out[r, i] for r, i in chains])
-    alive, rates, accepted = right.clone(), [right.float().mean().item()], right.long()
-    for k in range(2, steps + 1):
-        live = [j for j, (_, i) in enumerate(chains) if i + k <= n]
-        toks = [[int(roll.tokens[chains[j][0], chains[j][1] + k])] for j in live]
-        slots = []
-        for j in live:
-            r, i = chains[j]
-            scratch = r * stride + n + (i - p + 1) * (steps - 1) + torch.arange(k - 1)
-            slots.append(torch.cat([ctx[r][: i + 1], scratch]))
-        batch = ForwardBatch.from_requests(toks, slots)
-        h_k = model.forward_draft(batch, pool, h[live])
-        pred = model.compute_logits(h_k, draft=True).argmax(-1)
-        ok = torch.zeros_like(right)
-        ok[live] = pred == torch.stack([target[chains[j][0], chains[j][1] + k] for j in live])
-        h = h.clone()
-        h[live] = h_k
-        both = alive & ok
-        rates.append(both.sum().item() / max(alive[live].sum().item(), 1))
-        alive = both
-        accepted = accepted + alive.long()
-    full = [j for j, (_, i) in enumerate(chains) if i + steps <= n]
-    return Agreement(rates, accepted[full].float().mean().item())
 
 
 # --- fitting ---------------------------------------------------------------------------------

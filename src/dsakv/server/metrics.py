@@ -51,6 +51,16 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     ),
     "host_bytes_to_host": ("host_bytes_to_host", "counter", "KV bytes copied device -> host"),
     "host_bytes_to_device": ("host_bytes_to_device", "counter", "KV bytes copied host -> device"),
+    "prefix_pages_demoted": (
+        "prefix_cache_pages_demoted",
+        "counter",
+        "Prefix-cache pages evicted to the host tier (kept for a later hit)",
+    ),
+    "prefix_pages_promoted": (
+        "prefix_cache_pages_promoted",
+        "counter",
+        "Prefix-cache pages loaded back from the host tier on a hit",
+    ),
     "spec_draft_tokens": ("spec_draft_tokens", "counter", "MTP draft tokens verified"),
     "spec_accepted_tokens": ("spec_accepted_tokens", "counter", "MTP draft tokens accepted"),
     "spec_verify_steps": (
