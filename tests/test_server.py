@@ -501,7 +501,9 @@ def test_server_still_serves_after_bad_input(base, client, reference):
 
 
 def test_disconnect_mid_stream_frees_pages(base, served):
-    before = _wait_idle(base)
+    """Aborted, its pages back, and counted as the client's doing (499), though the stream's
+    200 went out before it hung up."""
+    before, statuses = _wait_idle(base), _statuses(base)
     body = {
         "prompt": "A long story:",
         "max_tokens": 900,
@@ -524,6 +526,11 @@ def test_disconnect_mid_stream_frees_pages(base, served):
     after = _wait_idle(base, aborted_at_least=before["dsakv_aborted_requests_total"] + 1)
     assert after["dsakv_generation_tokens_total"] - before["dsakv_generation_tokens_total"] < 900
     _check_integrity(served[1])
+    deadline = time.monotonic() + TIMEOUT
+    while (now := _statuses(base)).get("499", 0) == statuses.get("499", 0):
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+    assert now.get("200", 0) == statuses.get("200", 0)
 
 
 def _statuses(base: str) -> dict[str, float]:

@@ -1071,7 +1071,8 @@ def _bearer_check(api_key: str) -> Callable[[Request], None]:
 
 class _CountRequests:
     """Pure ASGI middleware counting responses by endpoint and status (keeps streaming and
-    disconnect detection untouched, unlike `BaseHTTPMiddleware`)."""
+    disconnect detection untouched, unlike `BaseHTTPMiddleware`). A response the client
+    hung up on before its end counts as 499, a stream's too (its 200 went out first)."""
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app, self.metrics = app, metrics
@@ -1080,16 +1081,31 @@ class _CountRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status, ended, left = 500, False, False
+
+        async def receive_disconnect() -> dict:
+            nonlocal left
+            message = await receive()
+            left = left or message["type"] == "http.disconnect"
+            return message
 
         async def send_status(message: dict) -> None:
-            nonlocal status
+            nonlocal status, ended, left
             if message["type"] == "http.response.start":
                 status = message["status"]
-            await send(message)
+            try:
+                await send(message)
+            except OSError:  # (the connection is gone)
+                left = True
+                raise
+            ended = ended or (
+                message["type"] == "http.response.body" and not message.get("more_body", False)
+            )
 
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive_disconnect, send_status)
         finally:
+            if left and not ended:
+                status = 499  # (nginx's "client closed request", as for the others)
             path = scope.get("path", "")
             self.metrics.requests.labels(path if path in _ENDPOINTS else "other", str(status)).inc()
