@@ -453,3 +453,39 @@ def test_grammar_cache_is_bounded_and_masks_rows(model_dir):
     cache.apply(logits, [cache.matcher(("regex", "b")), None, cache.matcher(("regex", "[cd]"))])
     allowed = [torch.nonzero(row > float("-inf")).flatten().tolist() for row in logits]
     assert allowed == [[ord("b")], list(range(264)), [ord("c"), ord("d")]]
+
+
+def test_a_dp_peer_compiles_grammars_off_its_step_loop(model_dir):
+    """Under DP attention a peer rank's loop steps in lockstep with every rank: a request
+    with a slow grammar waits while a worker compiles it, the others are queued at once,
+    and one aborted while it waits never runs. (One rank stands in for the peer: the
+    messages rank 0 sends name it.)"""
+    import threading
+
+    from dsakv.engine import Engine
+    from dsakv.engine.dp import _Reporter
+
+    engine = Engine(EngineConfig(model=str(model_dir), **ENGINE_ARGS))
+    compile_, gate = engine.grammars.compile, threading.Event()
+    engine.grammars.compile = lambda g: gate.wait(TIMEOUT) and compile_(g)  # a slow schema
+    regex = r"(cat|dog)-[0-9]{2,4}"
+    slow = SamplingParams(max_tokens=12, temperature=0, grammar=("regex", regex))
+    plain = SamplingParams(max_tokens=4, temperature=0)
+    reporter = _Reporter(engine)
+    try:
+        adds = [(0, 101, [5, 6, 7], slow), (0, 102, [8, 9], plain), (0, 103, [5, 6], slow)]
+        reporter.apply(("step", adds, []))  # returns with the grammar still compiling
+        assert set(engine.requests) == {102} and set(reporter.pending) == {101, 103}
+        assert reporter.report(engine.step()).waiting_tokens == 5  # pending ones count
+        reporter.apply(("step", [], [(0, 103)]))  # aborted while it waits
+        gate.set()
+        reporter.pending[101][0].result(TIMEOUT)
+        reporter.apply(("step", [], []))
+        assert not reporter.pending and 101 in engine.requests and 103 not in engine.requests
+        req = engine.requests[101]
+        while engine.has_unfinished():
+            engine.step()
+        assert re.fullmatch(regex, req.output_text), req.output_text
+    finally:
+        gate.set()
+        reporter.close()

@@ -10,6 +10,7 @@ one `Engine`: requests that run elsewhere are mirrored in local `Request` object
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,22 +44,52 @@ class RankReport:
 
 
 class _Reporter:
-    """Turns a rank's stepped requests into deltas (only what is new since last time)."""
+    """Turns a rank's stepped requests into deltas (only what is new since last time), and
+    queues the requests rank 0 sends it.
+
+    A request with a grammar waits (`pending`) while a worker thread compiles it into the
+    engine's cache, as rank 0's server compiles off its loop: a schema that takes seconds
+    would otherwise hold this rank's loop, and with it every rank's step (they step in
+    lockstep); the others are queued meanwhile, as vLLM's scheduler skips a request whose
+    grammar is still compiling."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.sent: dict[int, dict[str, int]] = {}
+        self.pending: dict[int, tuple[Future | None, list[int], SamplingParams]] = {}
+        self._compiler: ThreadPoolExecutor | None = None
 
     def apply(self, msg: tuple) -> None:
         _, adds, aborts = msg
         me = self.engine.parallel.rank
         for rank, rid, ids, params in adds:
             if rank == me:
-                self.engine.add_request(ids, params, rid=rid)
+                self.pending[rid] = (self._compile(params), ids, params)
         for rank, rid in aborts:
-            if rank == me:
+            if rank == me and self.pending.pop(rid, None) is None:
                 self.engine.abort(rid)
                 self.sent.pop(rid, None)
+        self._admit()
+
+    def _compile(self, params: SamplingParams) -> Future | None:
+        if params.grammar is None:
+            return None
+        grammars = self.engine.grammars  # (built here, on this thread: the worker compiles)
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="dsakv-grammar")
+        return self._compiler.submit(grammars.compile, params.grammar)
+
+    def _admit(self) -> None:
+        """Queue the pending requests whose grammar is ready (or that have none), in order."""
+        for rid, (compiling, ids, params) in list(self.pending.items()):
+            if compiling is not None and not compiling.done():
+                continue
+            del self.pending[rid]
+            self.engine.add_request(ids, params, rid=rid)  # (rank 0 checked it: it compiles)
+
+    def close(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
 
     def report(self, stepped: list[Request]) -> RankReport:
         updates = []
@@ -79,20 +110,24 @@ class _Reporter:
             updates.append(up)
         e = self.engine
         waiting = sum(r.seq_len for r in e.scheduler.waiting)
+        waiting += sum(len(ids) for _, ids, _ in self.pending.values())
         return RankReport(e.scheduler.available_pages(), waiting, e.counters(), updates)
 
 
 def serve_dp_peer(engine: Engine) -> None:
     """A rank other than 0 under DP attention: step with rank 0 until it says stop."""
     reporter = _Reporter(engine)
-    while True:
-        msg = engine.parallel.broadcast_object()
-        if msg[0] == "stop":
-            return
-        if msg[0] != "step":
-            continue  # heartbeat
-        reporter.apply(msg)
-        engine.parallel.gather_objects(reporter.report(engine.step()))
+    try:
+        while True:
+            msg = engine.parallel.broadcast_object()
+            if msg[0] == "stop":
+                return
+            if msg[0] != "step":
+                continue  # heartbeat
+            reporter.apply(msg)
+            engine.parallel.gather_objects(reporter.report(engine.step()))
+    finally:
+        reporter.close()
 
 
 class DPEngine:
