@@ -130,6 +130,19 @@ def test_file_storage_lru_cap_survives_restart(tmp_path):
     assert fs.get("c" * 8) is None
 
 
+def test_engines_sharing_a_file_store_share_its_cap(tmp_path):
+    """Each engine's store counted only its own objects: two engines on one directory with
+    a 250-byte cap filled it to 400 bytes."""
+    one, two = FileStorage(tmp_path, max_bytes=250), FileStorage(tmp_path, max_bytes=250)
+    one.RESCAN_S = two.RESCAN_S = 0.0  # (what the others wrote shows at once)
+    for i, store in enumerate((one, two, one, two)):
+        time.sleep(0.01)  # (an LRU order the files' modification times can tell)
+        assert store.put(f"{i:08x}", bytes(100))
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob("*/*.kv"))
+    assert on_disk <= 250, on_disk
+    assert two.exists(f"{3:08x}") and not one.exists(f"{0:08x}")  # the oldest went
+
+
 def test_pool_page_bytes_are_the_elided_layout():
     layout = CacheLayout.for_model("glm-5.2", page_size=4, draft_layers=1)
     pool = DSAKVPool(layout, 3)

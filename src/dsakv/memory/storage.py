@@ -233,9 +233,12 @@ class FileStorage(StorageBackend):
     """One file per object under `root` (`<root>/<last 2 hex>/<key>.kv`), written to a
     temporary name and renamed, so a reader never sees half an object. With `max_bytes`,
     the least recently used objects (whole files, any namespace) are deleted to make room;
-    the order survives restarts through file modification times (touched on each hit)."""
+    the order survives restarts through file modification times (touched on each hit).
+    Several engines may share a directory and its cap: each rescans it (at most every
+    `RESCAN_S`) before it evicts, so the others' objects count too."""
 
     SUFFIX = ".kv"
+    RESCAN_S = 1.0
 
     def __init__(self, root: str | Path, max_bytes: int | None = None) -> None:
         self.root = Path(root)
@@ -249,14 +252,18 @@ class FileStorage(StorageBackend):
         self.evicted = 0
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
+        self._scan()
+
+    def _scan(self) -> None:
+        """The index and total from the directory's files, least recently used first."""
         found = []
         for f in self.root.glob(f"*/*{self.SUFFIX}"):
             with contextlib.suppress(OSError):
                 st = f.stat()
                 found.append((st.st_mtime, f.name[: -len(self.SUFFIX)], st.st_size))
-        for _, key, size in sorted(found):
-            self._index[key] = size
+        self._index = OrderedDict((key, size) for _, key, size in sorted(found))
         self.total_bytes = sum(self._index.values())
+        self._scanned = time.monotonic()
 
     def _path(self, key: str) -> Path:
         return self.root / key[-2:] / f"{key}{self.SUFFIX}"
@@ -316,6 +323,8 @@ class FileStorage(StorageBackend):
         """Delete least recently used objects until `size` more bytes fit (lock held)."""
         if self.max_bytes is None:
             return
+        if time.monotonic() - self._scanned >= self.RESCAN_S:
+            self._scan()  # (what other engines sharing the directory wrote)
         while self._index and self.total_bytes + size > self.max_bytes:
             key, old = self._index.popitem(last=False)
             self.total_bytes -= old
