@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsakv.config import LayerPlan
+from dsakv.errors import ConfigError
 from dsakv.memory import (
     CacheLayout,
     DSAKVPool,
@@ -288,3 +289,12 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
         x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
         for x, y in zip(a, b)
     )
+
+
+def test_a_pool_too_large_to_allocate_names_its_whole_size():
+    """The error named the first buffer that failed (one layer's latent), not the pool."""
+    layout = CacheLayout.for_model("glm-5.2", page_size=64)
+    pages = 10**8  # about 280 TiB: refused by the allocator at once
+    need = pages * 64 * layout.bytes_per_token / 2**30
+    with pytest.raises(ConfigError, match=f"cannot allocate {need:.2f} GiB of KV cache"):
+        DSAKVPool(layout, pages)

@@ -14,6 +14,7 @@ first and hands each rank its rows back.
 from __future__ import annotations
 
 import datetime
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,6 +236,8 @@ def init_parallel(
     """Join the process group (NCCL on CUDA, gloo on CPU) and return this rank's state."""
     timeout = datetime.timedelta(seconds=config.timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    global _excepthook
+    _excepthook = sys.excepthook  # (torch wraps it, adding "[rankN]: "; put back on destroy)
     dist.init_process_group(
         backend,
         init_method=init_method,
@@ -247,6 +250,12 @@ def init_parallel(
     return ParallelState(config, rank, group=None, cpu_group=cpu_group)
 
 
+_excepthook = None
+
+
 def destroy_parallel() -> None:
+    global _excepthook
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    if _excepthook is not None:  # (else each engine's group added one more "[rank0]: ")
+        sys.excepthook, _excepthook = _excepthook, None

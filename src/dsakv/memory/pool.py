@@ -9,13 +9,12 @@ work on parts, one token at a time (§7.4), whatever the page-internal arrangeme
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from dsakv.errors import ConfigError
+from dsakv.errors import ConfigError, is_int
 
 from .fp8 import (
     FP8_DTYPE,
@@ -71,16 +70,15 @@ class _Buffer:
         raise NotImplementedError
 
 
+class _NoMemory(Exception):
+    """A pool buffer could not be allocated (`DSAKVPool` says how much the pool needed)."""
+
+
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool):
     try:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
     except (RuntimeError, MemoryError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
-        gib = math.prod(shape) * dtype.itemsize / 2**30
-        where = "host" if device.type == "cpu" else str(device)
-        raise ConfigError(
-            f"cannot allocate {gib:.2f} GiB of KV cache on the {where}: ask for a smaller pool "
-            f"(--kv-budget-gib, --num-pages, --host-pool-gib) ({str(e).splitlines()[0]})"
-        ) from None
+        raise _NoMemory(str(e).splitlines()[0]) from None
 
 
 class _TokenMajor(_Buffer):
@@ -185,7 +183,7 @@ class DSAKVPool:
         if not isinstance(layout, CacheLayout):
             raise TypeError(f"layout must be a CacheLayout, got {type(layout).__name__}")
         for name, n in (("num_pages", num_pages), ("latent_pages", latent_pages)):
-            if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+            if n is not None and not is_int(n):
                 raise TypeError(f"{name} must be an int, got {n!r}")
         if num_pages < 1:
             raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
@@ -201,10 +199,19 @@ class DSAKVPool:
         self.device = torch.device(device)
         self.pin_memory = pin_memory
         lat = (layout, self.latent_pages, self.device, pin_memory)
-        self._latent = [_latent_buffer(*lat) for _ in range(layout.num_layers)]
-        # The layout (hence the LayerPlan) alone decides which layers get index-K.
         idx = (layout, num_pages, self.device, pin_memory)
-        self._index_k = {layer: _index_k_buffer(*idx) for layer in layout.index_k_layers}
+        try:
+            self._latent = [_latent_buffer(*lat) for _ in range(layout.num_layers)]
+            # The layout (hence the LayerPlan) alone decides which layers get index-K.
+            self._index_k = {layer: _index_k_buffer(*idx) for layer in layout.index_k_layers}
+        except _NoMemory as e:
+            ps, where = self.page_size, "host" if self.device.type == "cpu" else str(self.device)
+            need = self.latent_pages * ps * layout.latent_bytes_per_token
+            need += num_pages * ps * layout.index_k_bytes_per_token
+            raise ConfigError(
+                f"cannot allocate {need / 2**30:.2f} GiB of KV cache on the {where}: ask for a "
+                f"smaller pool (--kv-budget-gib, --num-pages, --host-pool-gib) ({e})"
+            ) from None
 
     # --- sizes -------------------------------------------------------------------------------
 
