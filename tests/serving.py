@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +23,18 @@ from dsakv.server import make_server
 from dsakv.server.runner import AsyncEngine
 
 TIMEOUT = 30.0  # every wait on a server is bounded by this
+
+
+def port_taken(port: int) -> bool:
+    """Whether another process could not listen on `port` now (bound as uvicorn binds)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return True
+    return False
 
 
 @contextlib.contextmanager

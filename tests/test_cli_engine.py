@@ -220,26 +220,16 @@ def test_serve_pd_holds_the_routers_port_while_its_servers_start(tiny_dir, monke
     """serve-pd checked the router's port free, then bound it once both servers were up
     (minutes, on a real model): a process that took it meanwhile failed the router in
     uvicorn's words. Now it is held from the check on and given back at the end."""
-    import socket
-
     from dsakv.disagg import launch
     from dsakv.errors import DsakvError
     from dsakv.procs import free_port
 
-    def taken(port: int) -> bool:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("127.0.0.1", port))
-                s.listen()
-            except OSError:
-                return True
-        return False
+    from .serving import port_taken
 
     port, held = free_port(), []
 
     def wait_healthy(urls, procs, timeout):  # while the servers would be loading
-        held.append(taken(port))
+        held.append(port_taken(port))
         raise DsakvError("stopped here")
 
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -248,7 +238,7 @@ def test_serve_pd_holds_the_routers_port_while_its_servers_start(tiny_dir, monke
     assert main(["serve-pd", str(tiny_dir), "--port", str(port)]) == 2
     assert held == [True]
     assert capsys.readouterr().err.strip() == "error: stopped here"
-    assert not taken(port)
+    assert not port_taken(port)
 
 
 def test_max_model_len_past_the_models_positions_is_refused(tiny_dir, capsys):

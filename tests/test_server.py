@@ -19,7 +19,7 @@ from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server import build_app, make_server
 
-from .serving import TIMEOUT, free_port, running, serving
+from .serving import TIMEOUT, free_port, port_taken, running, serving
 
 ENGINE_ARGS = dict(
     kv_cache_dtype="fp32", index_k_dtype="fp32", num_pages=64, page_size=16, device="cpu"
@@ -656,20 +656,6 @@ def test_stable_len_holds_back_partial_chars_and_stop_prefixes():
 # --- the listening port, taken before the engine loads ----------------------------------------
 
 
-def _taken(port: int) -> bool:
-    """Whether another process could not listen on `port` now (bound as uvicorn binds)."""
-    import socket
-
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-        except OSError:
-            return True
-    return False
-
-
 @pytest.mark.parametrize("role", [None, "prefill"])
 def test_serve_holds_its_ports_while_the_engine_loads(model_dir, monkeypatch, capsys, role):
     """`dsakv serve` checked its port free before the model loaded and bound it after: a
@@ -685,12 +671,12 @@ def test_serve_holds_its_ports_while_the_engine_loads(model_dir, monkeypatch, ca
     real_create, real_startup = serve.create_engine, serve._Server.startup
 
     def create_engine(config, **kw):
-        seen["loading"] += [_taken(port), _taken(bootstrap)]
+        seen["loading"] += [port_taken(port), port_taken(bootstrap)]
         return real_create(config, **kw)
 
     async def startup(self, sockets=None):
         await real_startup(self, sockets)
-        seen["serving"] += [_taken(port), _taken(bootstrap)]
+        seen["serving"] += [port_taken(port), port_taken(bootstrap)]
         self.should_exit = True  # stop at once
 
     monkeypatch.setattr(serve, "create_engine", create_engine)
@@ -704,4 +690,4 @@ def test_serve_holds_its_ports_while_the_engine_loads(model_dir, monkeypatch, ca
     assert seen["serving"] == [True, role == "prefill"]
     out = capsys.readouterr().out
     assert f"dsakv: serving 'tiny' at http://127.0.0.1:{port}/v1" in out
-    assert not _taken(port) and not _taken(bootstrap)  # both given back
+    assert not port_taken(port) and not port_taken(bootstrap)  # both given back
