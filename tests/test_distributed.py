@@ -390,3 +390,121 @@ def test_mtp_across_ranks_keeps_greedy_tokens(models, reference, parallel):
     tokens, counters = _generate(models["glm"], prompts, speculative_algorithm="mtp", **parallel)
     assert tokens == ref["glm"]
     assert counters["spec_verify_steps"] > 0
+
+
+def _in_own_group(cmd: list[str], **kw) -> subprocess.Popen:
+    """`cmd` as a terminal's foreground job: a process group of its own (which the signals
+    below reach as a whole) and SIGINT's default action."""
+
+    def setup() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.setpgrp()
+
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=setup, **kw)  # fmt: skip
+
+
+def test_ctrl_c_to_the_group_during_llm_generate(models, tmp_path):
+    """A terminal's Ctrl-C reaches every process of the job, the spawned rank too: it killed
+    rank 1, and generate raised gloo's "Connection closed by peer", not KeyboardInterrupt,
+    leaving the LLM dead. Now rank 1 ignores it; the call is interrupted after its step and
+    the LLM generates again."""
+    script = f"""import os, signal, threading
+from dsakv import LLM, SamplingParams
+if __name__ == "__main__":
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    with LLM({models["glm"]!r}, tp=2, **{EXACT!r}) as llm:
+        print(llm.generate([[1, 2, 3]], greedy)[0].token_ids, flush=True)
+        threading.Timer(0.5, os.killpg, (os.getpgrp(), signal.SIGINT)).start()
+        try:
+            llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=5000, ignore_eos=True))
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        print(llm.generate([[1, 2, 3]], greedy)[0].token_ids)
+"""
+    (tmp_path / "ctrl_c.py").write_text(script)
+    proc = _in_own_group([sys.executable, "ctrl_c.py"], cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    first, interrupted, again = out.strip().splitlines()
+    assert interrupted == "interrupted" and again == first, out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_tp2_stops_cleanly_on_a_signal_to_the_group(models, sig):
+    """Ctrl-C, `timeout`, systemd's KillMode=control-group signal every process of the job:
+    the rank 1 they killed made it 'rank 1 died (signal 15, SIGTERM)' or a gloo error, exit 1.
+    Now `dsakv serve --tp 2` stops as with one rank: exit 130 / 143, no error line."""
+    cmd = [sys.executable, "-m", "dsakv.cli", "serve", models["glm"], "--port", str(free_port())]
+    server = _in_own_group(cmd + ["--tp", "2", "--num-pages", "32", "--device", "cpu"])
+    try:
+        for line in server.stdout:
+            if "serving" in line:
+                break
+        os.killpg(server.pid, sig)
+        _, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    assert server.returncode == 128 + sig, err
+    assert "rank" not in err and "error" not in err, err
+
+
+def test_a_rank_dying_before_the_group_forms_fails_at_once(models, tmp_path):
+    """Rank 1 killed as it joins torch.distributed's group (the OOM killer, a crash): rank 0
+    waited in the rendezvous for the whole 120 s timeout. Now `LLM(tp=2)` raises RankDied
+    and the CLI says so in one line, exit 1, within seconds."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, signal, sys\n"
+        "if '--multiprocessing-fork' in sys.argv:  # a spawned rank\n"
+        "    import torch.distributed as dist\n"
+        "    dist.init_process_group = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    script = f"""import sys
+from dsakv import LLM
+from dsakv.engine.launch import RankDied
+if __name__ == "__main__":
+    try:
+        LLM({models["glm"]!r}, tp=2, **{EXACT!r})
+    except RankDied as e:
+        print(e)
+"""
+    (tmp_path / "dies.py").write_text(script)
+    lib = subprocess.run([sys.executable, "dies.py"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert lib.stdout.strip() == "rank 1 died during startup (signal 9, SIGKILL)", lib.stderr
+    cli = subprocess.run(_generate_cli(models["glm"], "--tp", "2"), env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert cli.returncode == 1, cli.stderr
+    assert cli.stderr.strip() == "error: rank 1 died during startup (signal 9, SIGKILL)"
+
+
+def test_a_rank_whose_launcher_is_gone_exits_quietly():
+    """SIGTERM to the launcher while rank 1 starts: rank 1's hello to it met a closed pipe,
+    a 15-line BrokenPipeError traceback. Now it leaves without a word."""
+    script = """import multiprocessing as mp
+from dsakv.engine.launch import _rank_main
+recv, send = mp.Pipe(duplex=False)
+recv.close()  # the launcher's end: gone
+_rank_main(None, 1, "tcp://127.0.0.1:1", send)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert r.returncode == 1 and r.stderr == "", r.stderr
+
+
+def test_closing_a_multi_rank_llm_puts_back_the_excepthook(models):
+    """torch's process group wraps sys.excepthook ("[rank0]: " before each line); it was
+    never put back, so each LLM(tp=2) made in a process added one more prefix."""
+    before = sys.excepthook
+    for _ in range(2):
+        with LLM(models["glm"], **EXACT, num_pages=16, tp=2):
+            assert sys.excepthook is not before  # (torch's, while the group lives)
+        assert sys.excepthook is before

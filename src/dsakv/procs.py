@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import signal
 import socket
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from dsakv.errors import DsakvError
 
@@ -37,6 +38,33 @@ def die_with_parent(sig: int) -> None:
     elsewhere nothing. Call it in the child: a `preexec_fn`, a spawned process's entry."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
+# What a terminal's Ctrl-C, `timeout`, or systemd's KillMode=control-group sends to every
+# process of the job at once, a parent and the children it stops itself alike.
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block SIGINT and SIGTERM in this thread while the body starts children that its
+    process stops itself: a child inherits the mask, so one sent to the whole process group
+    before the child has called `ignore_stop_signals` waits there (and is then dropped)
+    instead of killing it halfway through its imports. Here it is delivered on exit."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_stop_signals() -> None:
+    """In a child started under `stop_signals_blocked` (its main thread): ignore SIGINT and
+    SIGTERM from now on, dropping any that wait. Its parent stops it, and it dies with its
+    parent (`die_with_parent`), so a stop sent to the group is the parent's to act on."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 def exit_on_sigterm(signum: int, frame: object) -> None:

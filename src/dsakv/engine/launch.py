@@ -7,14 +7,19 @@ and spawns the node's other ranks (or, under `torchrun`, every process is one ra
 already). Rank 0 gets the engine back; every other rank follows rank 0 until it stops,
 then exits. A watchdog on each node notices a rank process that dies, names it, and ends
 every local rank, so nothing hangs and nothing is orphaned; a rank whose parent dies is
-killed with it (Linux parent-death signal). A rank that fails while the engine starts is
-reported once, by the launcher (`RankDied`, or the same `DsakvError` every rank met: rank
-0's own wins). One multi-rank engine runs in a process at a time (they would share
-torch.distributed's default process group): a second is refused until the first closes.
+killed with it (Linux parent-death signal), and one still running when it exits is killed
+then. A spawned rank ignores SIGINT and SIGTERM: a Ctrl-C or a `kill` sent to the whole
+process group is the launcher's to act on (it stops its ranks, or they die with it). A
+rank that fails while the engine starts is reported once, by the launcher (`RankDied`, or
+the same `DsakvError` every rank met: rank 0's own wins), at once even when it dies before
+the process group has formed. One multi-rank engine runs in a process at a time (they
+would share torch.distributed's default process group): a second is refused until the
+first closes.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -22,7 +27,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -33,7 +42,7 @@ from tqdm import tqdm
 from dsakv.config import ModelConfig
 from dsakv.distributed.parallel import ParallelConfig, destroy_parallel, init_parallel
 from dsakv.errors import DsakvError
-from dsakv.procs import die_with_parent, free_port
+from dsakv.procs import die_with_parent, free_port, ignore_stop_signals, stop_signals_blocked
 
 from .dp import DPEngine, serve_dp_peer
 from .engine import Engine, resolve_device
@@ -85,20 +94,26 @@ def _launch(config: Any, exit_on_rank_death: bool) -> Any:
             r: ctx.Process(target=_rank_main, args=(config, r, init, send), name=f"dsakv-rank{r}")
             for r, (_, send) in pipes.items()
         }
-        for p in procs.values():
-            p.start()
+        # (Started by the first `start`, multiprocessing's resource tracker would unblock
+        # them after: it blocks the same two signals while it starts its own process.)
+        resource_tracker.ensure_running()
+        with stop_signals_blocked():  # (until each rank has called `ignore_stop_signals`)
+            for p in procs.values():
+                p.start()
+                _spawned.add(p)
         for _, send in pipes.values():
             send.close()  # the child's end: EOF here once it has gone
         reports = {r: recv for r, (recv, _) in pipes.items()}
         try:
             _wait_started(procs, reports, pc.timeout_s)
-        except BaseException:
+        except BaseException:  # (a Ctrl-C too: the ranks ignore it)
+            _kill(procs.values())
             for conn in reports.values():
                 conn.close()
             raise
     watchdog = Watchdog(procs, exit_on_rank_death or rank != 0, reports)
     try:
-        engine = _start_rank(config, rank, init, on_built=watchdog.started)
+        engine = _start_rank(config, rank, init, watchdog)
     except BaseException as e:
         failure = watchdog.startup_failure(e)
         watchdog.close(kill=True)
@@ -147,11 +162,9 @@ def _claim_process_group() -> Callable[[], None]:
     return release
 
 
-def _start_rank(
-    config: Any, rank: int, init: str, on_built: Callable[[], None] | None = None
-) -> Any:
+def _start_rank(config: Any, rank: int, init: str, watchdog: Watchdog | None = None) -> Any:
     """Join the group and build this rank's engine; rank 0's is returned, others serve.
-    `on_built`: called once this rank's engine is built (its startup is over)."""
+    `watchdog`: the launcher's, over the ranks it spawned (told when startup is over)."""
     pc: ParallelConfig = config.parallel
     local_rank = rank % pc.ranks_per_node
     device = resolve_device(config.device)
@@ -160,13 +173,19 @@ def _start_rank(
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.ranks_per_node))
-    parallel = init_parallel(pc, rank, init, device)
+
+    def join() -> Any:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # (the current device is per thread)
+        return init_parallel(pc, rank, init, device)
+
+    parallel = join() if watchdog is None else watchdog.rendezvous(join)
     engine = Engine(config, parallel, device)
     # Startup ends on every rank together: rank 0's fails (and says why) if another rank's
     # does, rather than serving until its first step meets the dead rank.
     parallel.broadcast_object(None)
-    if on_built is not None:
-        on_built()
+    if watchdog is not None:
+        watchdog.started()
     if rank == 0:
         return DPEngine(engine) if pc.dp_attention else engine
     try:
@@ -241,10 +260,14 @@ def _rank_main(config: Any, rank: int, init: str, conn: Connection) -> None:
     """Entry point of a spawned rank process. `conn` tells the launcher it started and,
     if it fails, why (the launcher reports it once: rank 0's own error wins)."""
     die_with_parent(signal.SIGKILL)  # killed when the process that spawned it dies
+    ignore_stop_signals()  # the launcher stops it (module docstring)
     # This process ends with os._exit, so nothing would release a multiprocessing lock
     # (tqdm makes one for its bars): a thread lock serves one process as well.
     tqdm.set_lock(threading.RLock())
-    conn.send(rank)
+    try:
+        conn.send(rank)
+    except OSError:  # the launcher died before the parent-death signal was set: go quietly
+        os._exit(1)
     try:
         _start_rank(config, rank, init)
     except BaseException as e:  # noqa: BLE001 - report any failure as this rank's
@@ -321,6 +344,8 @@ class Watchdog:
             rank = self._dead()
             if rank is None or self._closing.is_set():
                 continue
+            if _exiting.is_set():
+                return  # the interpreter exits and killed it (`_kill_ranks_at_exit`)
             self._first_dead = rank
             self.failure = self._describe(rank, self._starting)
             if self._starting:
@@ -336,6 +361,27 @@ class Watchdog:
             if self.exit_on_death:
                 os._exit(1)
             return
+
+    def rendezvous(self, join: Callable[[], Any]) -> Any:
+        """`join()` (this rank joining the group), waited for here: a spawned rank that dies
+        first ends the wait at once (a `DistError`, which `startup_failure` names), where the
+        rendezvous would wait for it until the timeout. `join` runs on a helper thread, which
+        is then left to fail at that timeout, unheard."""
+        if not self.procs:
+            return join()
+        done: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(join())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                done.set_exception(e)
+
+        threading.Thread(target=run, name="dsakv-rendezvous", daemon=True).start()
+        while not wait_futures([done], 0.1).done:
+            if self._dead() is not None:
+                raise dist.DistError("a rank died before the process group formed")
+        return done.result()
 
     def startup_failure(self, error: BaseException) -> DsakvError | None:
         """What to raise for `error`, which ended this process's startup: None (itself)
@@ -357,11 +403,7 @@ class Watchdog:
         return RankDied(self._describe(rank, True))
 
     def _kill_all(self) -> None:
-        for p in self.procs.values():
-            if p.exitcode is None:
-                p.kill()
-        for p in self.procs.values():
-            p.join(5)
+        _kill(self.procs.values())
 
     def close(self, kill: bool = False, timeout: float = 30.0) -> None:
         """Wait for the ranks to leave (after rank 0 said stop); kill stragglers."""
@@ -374,6 +416,34 @@ class Watchdog:
             for conn in self._reports.values():
                 conn.close()
             self._reports.clear()
+
+
+def _kill(procs: Iterable[Any]) -> None:
+    """SIGKILL each rank process still running, then reap them."""
+    procs = list(procs)
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join(5)
+
+
+# The rank processes spawned here (until they are gone), and whether the interpreter exits.
+_spawned: weakref.WeakSet[Any] = weakref.WeakSet()
+_exiting = threading.Event()
+
+
+def _kill_ranks_at_exit() -> None:
+    """At the interpreter's exit, kill the ranks still running (an engine whose startup a
+    Ctrl-C cut short on another thread, as `dsakv serve`'s): they ignore SIGINT/SIGTERM and
+    wait for rank 0, and multiprocessing's exit hook would wait for them."""
+    _exiting.set()
+    _kill(_spawned)
+
+
+# Registered after multiprocessing's exit hook (`multiprocessing.connection`, imported
+# above, registers it), so it runs before that hook; an `LLM`'s own close runs before both.
+atexit.register(_kill_ranks_at_exit)
 
 
 def _is_dist_error(e: BaseException) -> bool:
