@@ -241,14 +241,16 @@ def test_serve_pd_holds_the_routers_port_while_its_servers_start(tiny_dir, monke
     assert not port_taken(port)
 
 
-def test_max_model_len_past_the_models_positions_is_refused(tiny_dir, capsys):
-    """--max-model-len above max_position_embeddings (glm-tiny: 16384) was cut to it
-    without a word; vLLM refuses it (its RoPE tables end there), and so does dsakv."""
+def test_max_model_len_past_the_positions_or_the_pool_is_refused(tiny_dir, capsys):
+    """--max-model-len above max_position_embeddings (glm-tiny: 16384), or above what the
+    pool holds (8 pages of 64 tokens here), was cut to it without a word; vLLM refuses
+    both (its RoPE tables end there; one request could never reach it), and so does dsakv."""
     args = ["generate", str(tiny_dir), "--prompt", "x", "--max-tokens", "1", "--num-pages", "8"]
-    assert main([*args, "--max-model-len", "16385"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "max_model_len 16385" in err[0] and "16384" in err[0], err
-    assert main([*args, "--max-model-len", "16384"]) == 0  # (the pool still caps the context)
+    for asked, named in (("16385", "16384"), ("513", "512")):
+        assert main([*args, "--max-model-len", asked]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"max_model_len {asked}" in err[0] and named in err[0], err
+    assert main([*args, "--max-model-len", "512"]) == 0
 
 
 def test_engine_flags_are_read_from_their_definitions(tiny_dir, tmp_path):

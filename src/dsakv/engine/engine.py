@@ -346,6 +346,7 @@ class Engine:
         )
         self.hisparse = self._hisparse_config()
         num_pages, latent_pages = self._num_pages()
+        self.max_model_len = self._max_model_len(num_pages * config.page_size)
         self.pool = DSAKVPool(self.layout, num_pages, self.device, latent_pages=latent_pages)
         c = self.model_config
         self.deterministic = self._deterministic(dtype)
@@ -379,13 +380,6 @@ class Engine:
         )
         self.sampler = Sampler(self.device)
         self.tokenizer = _load_tokenizer(config.model)
-        positions = self.model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > positions:
-            raise DsakvError(  # (vLLM refuses it too: the RoPE tables end there)
-                f"max_model_len {config.max_model_len} exceeds the model's "
-                f"max_position_embeddings {positions} (its config.json)"
-            )
-        self.max_model_len = min(config.max_model_len or positions, num_pages * config.page_size)
         self.runner = ModelRunner(
             self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
         )
@@ -426,6 +420,25 @@ class Engine:
         if num_pages < 1 or latent_pages == 0:
             raise DsakvError("the KV budget holds less than one page")
         return num_pages, latent_pages
+
+    def _max_model_len(self, pool_tokens: int) -> int:
+        """The context: `max_model_len` as given, else the model's positions, cut to what the
+        pool holds. A given one past either is refused, as vLLM refuses it: past the
+        positions the RoPE tables end, past the pool one request could never reach it."""
+        positions, asked = self.model_config.max_position_embeddings, self.config.max_model_len
+        if asked is None:
+            return min(positions, pool_tokens)
+        if asked > positions:
+            raise DsakvError(
+                f"max_model_len {asked} exceeds the model's max_position_embeddings "
+                f"{positions} (its config.json)"
+            )
+        if asked > pool_tokens:
+            raise DsakvError(
+                f"max_model_len {asked} is more tokens than the KV pool holds ({pool_tokens}): "
+                "give a larger pool (--kv-budget-gib, --num-pages) or a smaller max_model_len"
+            )
+        return asked
 
     def _tiers(
         self, dtype: torch.dtype
