@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 from transformers import AutoTokenizer
@@ -285,3 +286,27 @@ def test_engine_flags_are_read_from_their_definitions(tiny_dir, tmp_path):
     storage = ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(tmp_path)]
     config = engine_config_from_args(build_parser().parse_args([*generate, *storage]))
     assert (config.hicache_storage_backend, config.hicache_storage_dir) == ("file", str(tmp_path))
+
+
+def test_the_command_exits_cleanly_with_an_engine_thread_still_in_torch():
+    """Ctrl-C while `dsakv serve` loads leaves its engine thread inside torch; the
+    interpreter's exit then aborted the process in C++ ("terminate called without an active
+    exception", SIGABRT) about one time in four. Here such a thread is kept busy on purpose
+    (the interpreter's exit would abort every time) and the command must still end with
+    its own exit code."""
+    script = textwrap.dedent(
+        """
+        import sys, threading, torch
+        from dsakv.cli import run
+        a = torch.randn(1200, 1200)
+        def load():
+            while True:
+                a @ a
+        threading.Thread(target=load, name="dsakv-engine", daemon=True).start()
+        sys.argv = ["dsakv", "plan", "glm-5.2", "--no-such-flag"]
+        run()
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "terminate called" not in r.stderr, r.stderr
+    assert r.returncode == 2, (r.returncode, r.stderr)

@@ -4,11 +4,13 @@ whose shared-indexer layers keep no index-K cache."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -1313,5 +1315,25 @@ def _is_dist_error(e: BaseException) -> bool:
     return isinstance(e, getattr(dist, "DistError", ())) or "gloo" in str(e).lower()
 
 
+def run() -> NoReturn:
+    """The `dsakv` command: `main`, then exit. Where a thread of ours is still running at
+    the end (an engine load that a Ctrl-C cut short goes on inside torch), the interpreter's
+    own exit would abort the process ("terminate called without an active exception",
+    SIGABRT) as it stops that thread in C++ code: end it here instead, once the atexit
+    hooks have run."""
+    try:
+        code = main()
+    except SystemExit as e:  # (argparse's: --help, a bad flag)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if any(t.daemon and t.name.startswith("dsakv-") for t in threading.enumerate()):
+        atexit._run_exitfuncs()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
