@@ -310,3 +310,27 @@ def test_the_command_exits_cleanly_with_an_engine_thread_still_in_torch():
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "terminate called" not in r.stderr, r.stderr
     assert r.returncode == 2, (r.returncode, r.stderr)
+
+
+def test_ctrl_c_while_torch_imports_ends_the_command_with_130():
+    """A Ctrl-C in the second the command spends importing torch printed a 50-line
+    traceback, or was swallowed inside torch's imports (the command then ran to the end,
+    or failed on a half-loaded numpy). Here the SIGINT lands inside torch's imports every
+    time: it must end the command as a Ctrl-C does later on, with 130 and no traceback."""
+    script = textwrap.dedent(
+        """
+        import os, signal, sys
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job's is off)
+        class Interrupt:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch._tensor_docs":
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+        sys.meta_path.insert(0, Interrupt())
+        from dsakv.cli import run
+        sys.argv = ["dsakv", "plan", "glm-5.2"]
+        run()
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr, r.stdout) == (130, "", "")

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from dsakv.config.layer_plan import plan_overrides
 from dsakv.disagg.config import DEFAULT_BOOTSTRAP_PORT, MODES, DisaggConfig
 from dsakv.errors import DsakvError
+from dsakv.procs import interrupts_deferred
 from dsakv.writable import can_append, write_blocker
 
 
@@ -1267,12 +1268,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
     try:
+        with interrupts_deferred():
+            # torch's own imports swallow a Ctrl-C or leave numpy half-loaded ("cannot load
+            # module more than once"); the parser's choices import it anyway.
+            import torch  # noqa: F401
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
         code = args.func(args) or 0
         sys.stdout.flush()  # (a reader gone shows here, not at exit)
         return code

@@ -10,7 +10,8 @@ import ctypes
 import signal
 import socket
 import subprocess
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 from dsakv.errors import DsakvError
 
@@ -65,6 +66,32 @@ def ignore_stop_signals() -> None:
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[Callable[[], None]]:
+    """Hold a Ctrl-C until the body calls the check it is given (which raises it), or
+    until the body ends: for work that an interrupt must not cut in the middle (a step's
+    collectives, which left ranks out of step; torch's imports, which swallow it or leave a
+    half-loaded module behind). Only the main thread receives signals; elsewhere, or where
+    SIGINT is ignored, nothing is held."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield lambda: None
+        return
+    hits: list[int] = []
+
+    def check() -> None:
+        if hits:
+            hits.clear()
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    check()
 
 
 def exit_on_sigterm(signum: int, frame: object) -> None:

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import reprlib
-import signal
-import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from tqdm.auto import tqdm
 
 from dsakv.errors import DsakvError, is_int
+from dsakv.procs import interrupts_deferred
 
 from .engine import EngineConfig
 from .launch import create_engine
@@ -115,7 +113,7 @@ class LLM:
             for p, sp in zip(prompts, plist):
                 reqs.append(self.engine.add_request(p, sp))
             bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
-            with _interrupts_between_steps() as check:
+            with interrupts_deferred() as check:
                 while self.engine.has_unfinished():
                     bar.update(sum(1 for r in self.engine.step() if r.finished))
                     check()
@@ -125,29 +123,6 @@ class LLM:
                 self.engine.abort(r.rid)
             raise
         return [RequestOutput.from_request(r) for r in reqs]
-
-
-@contextlib.contextmanager
-def _interrupts_between_steps() -> Iterator[Callable[[], None]]:
-    """Ctrl-C takes effect after the step it lands in (the check raises it): with several
-    ranks, an interrupt between a step's collectives left rank 0 out of step with the
-    others, and the next call (or the close) hung in a collective for 120 s. Only the main
-    thread receives signals; elsewhere, or where SIGINT is ignored, the check does nothing."""
-    main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        yield lambda: None
-        return
-    hits: list[int] = []
-
-    def check() -> None:
-        if hits:
-            raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
-    try:
-        yield check
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _copy(xs: list | None) -> list | None:
