@@ -296,6 +296,25 @@ def test_a_retracted_pd_request_is_recomputed_or_cut_short_at_once(tiny, prompt_
     assert decode.counters()["retractions"] == 1
 
 
+def test_a_pd_request_the_device_cannot_prefill_is_retracted_last(tiny):
+    """The same pools; the newer request's 85-token prompt no device prefill holds, the
+    older's 60 does. The older one is retracted (and recomputed) instead of the newer being
+    cut short: both finish with every token."""
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((60, 85))]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    want = _run(_engine(tiny, num_pages=256), prompts, params, check_every_step=False)
+    prefill = _engine(tiny, num_pages=64)
+    decode = _engine(tiny, num_pages=10, enable_hisparse=True,
+                     hisparse_config={"host_to_device_ratio": 3})  # fmt: skip
+    with _pd(prefill, decode) as start:
+        older, newer = [start(p, params) for p in prompts]
+    while decode.has_unfinished():
+        decode.step()
+        decode.check_integrity()
+    assert decode.counters()["retractions"] == 1 and older.metrics.retractions == 1
+    assert [older.output_ids, newer.output_ids] == want
+
+
 def test_bad_settings_are_one_clear_error(tiny):
     with pytest.raises(DsakvError, match="needs --enable-hisparse"):
         EngineConfig(model=tiny, hisparse_config={"top_k": 16})

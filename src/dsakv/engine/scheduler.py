@@ -127,11 +127,21 @@ class Scheduler:
         """Pages for `tokens` positions of `req`, retracting the newest requests until they
         are free; False when `req` itself went."""
         while not self.reserve(req, tokens):
-            victim = self.running[-1]
+            victim = self._victim()
             self.retract(victim)
             if victim is req:
                 return False
         return True
+
+    def _victim(self) -> Request:
+        """The newest running request that can come back: under HiSparse one whose prompt
+        the device latent pool cannot hold (a PD decode server's) is cut short if
+        retracted, so it goes only when no other can."""
+        if self.hot is not None:
+            for req in reversed(self.running):
+                if self.hot.fits(len(req.prompt_ids)):
+                    return req
+        return self.running[-1]
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request's pages; its full pages join the cache."""
