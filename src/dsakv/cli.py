@@ -107,7 +107,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.distributed import ParallelConfig
     from dsakv.errors import ConfigError
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_capacity
-    from dsakv.memory.capacity import GIB
+    from dsakv.memory.capacity import GIB, gain_pct
 
     config = ModelConfig.resolve(args.model)
     hisparse = _hisparse_config(args, config)
@@ -172,7 +172,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "max_total_num_tokens": chosen.max_total_num_tokens,
         "max_total_num_tokens_elided": cap_elided.max_total_num_tokens,
         "max_total_num_tokens_dense": cap_dense.max_total_num_tokens,
-        "token_gain_pct": _gain(cap_elided.max_total_num_tokens, cap_dense.max_total_num_tokens),
+        "token_gain_pct": gain_pct(cap_elided.max_total_num_tokens, cap_dense.max_total_num_tokens),
         "tp": args.tp,
         "ep": args.ep,
         "dp_attention": args.dp_attention,
@@ -221,6 +221,8 @@ def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
 
 def _hisparse_table(dense: Any, elided: Any) -> str:
     """The HiSparse split, dense and elided side by side (DESIGN.md §13)."""
+    from dsakv.memory.capacity import gain_pct
+
     gib = 1 << 30
     h = elided.hisparse
     rows: list[tuple[str, Any, Any, bool]] = [
@@ -250,16 +252,11 @@ def _hisparse_table(dense: Any, elided: Any) -> str:
             fmt = lambda v: f"{v:>16,.3f}"
         gain = ""
         if show_gain:  # bytes: the saving as tokens gained per byte; counts: tokens gained
-            gain = _pct(_gain(d, e) if name.startswith("device bytes") else _gain(e, d))
+            gain = _pct(gain_pct(d, e) if name.startswith("device bytes") else gain_pct(e, d))
         lines.append(f"{name:28}{fmt(d)}{fmt(e)}{gain}")
     share = f"{100 * dense.index_k_share:.1f}%", f"{100 * elided.index_k_share:.1f}%"
     lines.append(f"{'index-K share of device':28}{share[0]:>16}{share[1]:>16}")
     return "\n".join(lines)
-
-
-def _gain(new: float, old: float) -> float | None:
-    """Percent change from `old`; None (no base to compare with) where `old` is 0."""
-    return round(100.0 * (new - old) / old, 2) if old else None
 
 
 def _pct(gain: float | None) -> str:
@@ -276,6 +273,8 @@ def _plan_table(
 ) -> str:
     """The plan, dense and elided side by side; with GPU memory, each column's KV budget is
     memory × fraction − its weights − reserve."""
+    from dsakv.memory.capacity import gain_pct
+
     gib = 1 << 30
     weights_d, weights_e = (None if w is None else w / gib for w in weights)
     rows = [
@@ -304,9 +303,9 @@ def _plan_table(
         )
         gain = ""
         if name.startswith("cell"):
-            gain = _pct(_gain(d, e))  # the saving, as tokens gained per byte
+            gain = _pct(gain_pct(d, e))  # the saving, as tokens gained per byte
         elif name.startswith("max"):
-            gain = _pct(_gain(e, d))
+            gain = _pct(gain_pct(e, d))
         lines.append(f"{name:24}{cells}{gain}")
     saved = r["indexer_weight_bytes_saved"]
     layout = "elided" if r["elide_index_k"] else "dense"

@@ -10,7 +10,7 @@ from typing import Any
 
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_capacity
-from dsakv.memory.capacity import GIB
+from dsakv.memory.capacity import GIB, gain_pct
 
 # SGLang #30531 on GLM-5.2-NVFP4 (TP4, 4×GB300, EAGLE with 1 draft layer): the KV budgets
 # implied by its token counts, dense index-K before and elided after (DESIGN.md §3).
@@ -24,10 +24,6 @@ GLM52_REFERENCE = {
     "max_total_num_tokens": 3_002_752,
     "max_total_num_tokens_dense": 2_574_848,
 }
-
-
-def gain_pct(new: float, old: float) -> float:
-    return 100.0 * (new - old) / old if old else 0.0
 
 
 def _layout_row(layout: CacheLayout) -> dict[str, Any]:

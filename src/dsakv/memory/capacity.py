@@ -84,6 +84,12 @@ class WeightStorage:
         return values + -(-rows // bm) * -(-cols // bn) * 4
 
 
+def gain_pct(new: float, old: float) -> float | None:
+    """Percent change from `old`, to two decimals; None (no base to compare with) where
+    `old` is 0."""
+    return round(100.0 * (new - old) / old, 2) if old else None
+
+
 def _exclusions(q: dict[str, Any]) -> re.Pattern[str] | None:
     """The modules a quantization config leaves unquantised, as one pattern: its names,
     `*` wildcards (modelopt) or `re:` regexes (compressed-tensors), each also matching the
