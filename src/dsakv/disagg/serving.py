@@ -71,9 +71,10 @@ class _DisaggEngine(AsyncEngine):
         config: DisaggConfig,
         server_host: str,
         thread: EngineThread | None = None,
+        layout: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
-        self.layout = describe(engine.layout, engine.model_config, engine.model_identity)
+        self.layout = layout or describe(engine.layout, engine.model_config, engine.model_identity)
         host_latent = engine.hot.host if engine.hot is not None else None
         self.transfer = KVTransfer(
             engine.pool, config.host_for(server_host), host_latent=host_latent
@@ -150,7 +151,7 @@ class PrefillAsyncEngine(_DisaggEngine):
             server_host, config.bootstrap_port, layout, config.timeout_s
         )
         try:
-            super().__init__(engine, config, server_host, thread)
+            super().__init__(engine, config, server_host, thread, layout)
         except BaseException:
             self.bootstrap.close()
             raise
