@@ -228,3 +228,26 @@ def test_generate_with_corrupt_file_is_one_error_line(ckpt, tmp_path, capsys, fi
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and file in err[0], err
+
+
+def _with_config(src, dst, **fields):
+    path = shutil.copytree(src, dst)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **fields}))
+    return path
+
+
+def test_a_config_its_checkpoint_contradicts_is_refused_before_allocating(ckpt, tmp_path):
+    """A vocab of 2**36 (a typo) asked for 16 TiB before any tensor's shape was compared:
+    a torch allocator traceback. The shapes are now checked on the meta device first."""
+    path = _with_config(ckpt, tmp_path / "m", vocab_size=2**36)
+    with pytest.raises(DsakvError, match=r"lm_head.weight has shape \(264, 64\), model expects"):
+        load_model(path)
+
+
+def test_too_little_memory_for_the_model_is_one_error_with_its_size(ckpt, tmp_path):
+    """2**36 positions make 2 × 8 TiB of RoPE tables: one error naming the size, at load
+    (the tables were built at the first step, so the engine died serving a request)."""
+    path = _with_config(ckpt, tmp_path / "m", max_position_embeddings=2**36)
+    with pytest.raises(DsakvError, match=r"cannot allocate this model's 16384.\d\d GiB .* host"):
+        load_model(path)

@@ -110,7 +110,8 @@ def load_model(
             packed = _pack_fp8(model, fp8)
             log.info("%d weight matrices kept as FP8 blocks", packed)
     keep_fp32(model)
-    model.to_empty(device=device)
+    _Filler(model, config, plan).load(files, read=False)
+    _allocate(model, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _Filler(model, config, plan).load(files)
@@ -118,6 +119,27 @@ def load_model(
         kept = model.mtp.drop_duplicate_vocab(model)
         log.info("MTP layer %d loaded; own vocab copies kept: %s", config.num_hidden_layers, kept)
     return model.eval(), config, plan
+
+
+def _allocate(model: DSAForCausalLM, device: str | torch.device) -> None:
+    """Move the meta-device model to `device` and make its RoPE tables there: too little
+    memory is one error with the size asked for."""
+    device = torch.device(device)
+    tensors = [*model.parameters(), *model.buffers()]
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    need += 2 * model.rotary.positions * model.rotary.inv_freq.numel() * 4  # fp32 cos, sin
+    try:
+        model.to_empty(device=device)
+        model.rotary.tables(device)
+    except (RuntimeError, MemoryError) as e:
+        oom = isinstance(e, (MemoryError, torch.OutOfMemoryError))
+        if not oom and "can't allocate memory" not in str(e):
+            raise
+        where = "host" if device.type == "cpu" else str(device)
+        raise DsakvError(
+            f"cannot allocate this model's {need / 2**30:.2f} GiB of weights and RoPE tables "
+            f"on the {where}: {str(e).splitlines()[0]}"
+        ) from None
 
 
 def _draft_vocab(
@@ -262,8 +284,11 @@ class _Filler:
         self.unexpected: list[str] = []
         self.skipped: Counter[str] = Counter()
 
-    def load(self, files: dict[str, Path]) -> None:
-        names = [n for n in files if not n.endswith("_scale_inv")]
+    def load(self, files: dict[str, Path], read: bool = True) -> None:
+        """Fill every target from `files`; `read=False` only matches the checkpoint's names
+        and shapes (its headers) against the model, which may still be on the meta device:
+        a config that disagrees with its checkpoint is refused before anything is
+        allocated (a wrong `vocab_size` asked for terabytes before the shapes were seen)."""
         handles: dict[Path, Any] = {}
 
         def open_slice(name: str):
@@ -272,12 +297,10 @@ class _Filler:
                 handles[file] = _open(file)
             return handles[file].get_slice(name)
 
-        for name in tqdm(
-            sorted(names, key=lambda n: (str(files[n]), n)),
-            desc="loading",
-            unit="tensor",
-            disable=None,
-        ):
+        names = sorted(
+            (n for n in files if not n.endswith("_scale_inv")), key=lambda n: (str(files[n]), n)
+        )
+        for name in tqdm(names, desc="loading", unit="tensor", disable=None if read else True):
             if self._skip(name):
                 continue
             for piece in self._pieces(name):
@@ -287,16 +310,17 @@ class _Filler:
                         f"checkpoint tensor {name} has shape {tuple(src.get_shape())}, "
                         f"model expects {piece.shape}"
                     )
-                tensor = src[piece.index]
-                scale = name + "_scale_inv"
-                if piece.dest.dtype == torch.uint8:  # packed FP8 blocks (`_pack_fp8`)
-                    tensor = _read_packed(tensor, open_slice(scale), piece.index)
-                elif scale in files:
-                    tensor = _read_dequant(tensor, open_slice(scale), piece.index, self.config)
-                _copy(name, piece.dest, tensor)
+                if read:
+                    tensor = src[piece.index]
+                    scale = name + "_scale_inv"
+                    if piece.dest.dtype == torch.uint8:  # packed FP8 blocks (`_pack_fp8`)
+                        tensor = _read_packed(tensor, open_slice(scale), piece.index)
+                    elif scale in files:
+                        tensor = _read_dequant(tensor, open_slice(scale), piece.index, self.config)
+                    _copy(name, piece.dest, tensor)
                 self.got[piece.target] += piece.count
         handles.clear()
-        self._report()
+        self._report(read)
 
     def _skip(self, name: str) -> bool:
         m = _LAYER.match(name)
@@ -377,7 +401,7 @@ class _Filler:
             _Piece(name, dest[:, n:], shape, up, count),
         ]
 
-    def _report(self) -> None:
+    def _report(self, read: bool = True) -> None:
         missing = [n for n, k in self.need.items() if self.got[n] < k]
         problems = []
         if missing:
@@ -388,6 +412,8 @@ class _Filler:
             )
         if problems:
             raise DsakvError("checkpoint does not match the model: " + "; ".join(problems))
+        if not read:
+            return
         log.info(
             "loaded %d tensors; skipped %d indexer tensors of %d shared layers (plan %s) "
             "and %d draft/MTP tensors; %d expert tensors belong to other ranks",
