@@ -354,6 +354,37 @@ def test_generate_refuses_what_it_would_misread(small_llm, prompts, params, mess
     assert not small_llm.engine.has_unfinished()
 
 
+def test_chat_completes_each_conversation_as_its_chat_template_renders_it(small_llm):
+    """vLLM's `LLM.chat`: one conversation or a list of them, each the prompt transformers'
+    own `apply_chat_template` makes (with the generation prompt, or continuing the last
+    assistant message), completed as `generate` completes that text."""
+    tok = small_llm.tokenizer
+    asked = [{"role": "user", "content": "Name a colour."}]
+    begun = [*asked, {"role": "assistant", "content": "Sure: bl"}]
+    (one,) = small_llm.chat(asked, GREEDY)
+    assert (
+        one.prompt_token_ids
+        == tok.apply_chat_template(asked, add_generation_prompt=True)["input_ids"]
+    )
+    text = tok.apply_chat_template(asked, add_generation_prompt=True, tokenize=False)
+    assert one.token_ids == small_llm.generate(text, GREEDY)[0].token_ids
+    other = [{"role": "user", "content": "Count to three."}]
+    again, two = small_llm.chat([asked, other], GREEDY)  # in order
+    assert again.token_ids == one.token_ids and two.prompt_token_ids != one.prompt_token_ids
+    (cont,) = small_llm.chat(
+        begun, GREEDY, add_generation_prompt=False, continue_final_message=True
+    )
+    assert tok.decode(cont.prompt_token_ids).endswith("Sure: bl")
+    for messages, kw, message in (
+        (asked, {"continue_final_message": True}, "needs add_generation_prompt=False"),
+        ("hi", {}, "messages must be a conversation"),
+        ([asked, []], {}, "messages must be a conversation"),
+    ):
+        with pytest.raises(DsakvError, match=message):
+            small_llm.chat(messages, GREEDY, **kw)
+    assert not small_llm.engine.has_unfinished()
+
+
 @pytest.fixture(scope="module")
 def small_llm(tiny):
     """One engine for many cases that refuse before anything runs."""

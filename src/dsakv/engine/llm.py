@@ -22,6 +22,7 @@ from .sampling import SamplingParams
 
 # What `LLM.generate` takes as one prompt: text, token ids, or vLLM's prompt dicts.
 Prompt: TypeAlias = str | Sequence[int] | Mapping[str, Any]
+Conversation: TypeAlias = Sequence[Mapping[str, Any]]  # chat messages, as OpenAI's
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,51 @@ class LLM:
                 self.engine.abort(r.rid)
             raise
         return [RequestOutput.from_request(r) for r in reqs]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages)
+        or a list of them, each rendered by the model's chat template and completed as
+        `generate` completes text. The output is the raw text: tool calls and reasoning
+        are parsed by `dsakv serve`'s chat endpoint, not here."""
+        if continue_final_message and add_generation_prompt:
+            raise DsakvError("continue_final_message needs add_generation_prompt=False")
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
+            messages = [messages]  # one conversation
+        if not _is_list(messages) or not all(_is_list(c) and c for c in messages):
+            raise DsakvError(
+                "messages must be a conversation (a non-empty list of message dicts) or a "
+                f"list of them, got {reprlib.repr(messages)}",
+                "messages",
+            )
+        tokenizer = self.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise DsakvError("this model's tokenizer has no chat template", "messages")
+        prompts = []
+        for conversation in messages:
+            try:
+                prompts.append(
+                    tokenizer.apply_chat_template(
+                        list(conversation),
+                        tools=tools,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        tokenize=False,
+                        **dict(chat_template_kwargs or {}),
+                    )
+                )
+            except Exception as e:  # the template's raise_exception: bad roles or order
+                raise DsakvError(f"chat template failed: {e}", "messages") from None
+        return self.generate(prompts, params, use_tqdm)
 
 
 def _copy(xs: list | None) -> list | None:
