@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsakv import __version__
 from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server import build_app, make_server
@@ -94,6 +95,7 @@ def _chat_prompt(llm: LLM, messages: list[dict]) -> str:
 
 def test_health_and_models(base, client):
     assert httpx.get(f"{base}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+    assert httpx.get(f"{base}/version", timeout=TIMEOUT).json() == {"version": __version__}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
 

@@ -97,6 +97,10 @@ def build_app(
             return JSONResponse(error_body(message, "server_error"), status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:  # (vLLM's)
+        return {"version": __version__}
+
     for path in ("/model_info", "/get_model_info"):
         app.add_api_route(path, api.model_info, methods=["GET"])
     for path in ("/server_info", "/get_server_info"):
