@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import fields
 
@@ -352,6 +353,28 @@ def test_generate_refuses_what_it_would_misread(small_llm, prompts, params, mess
     with pytest.raises(DsakvError, match=message):
         small_llm.generate(prompts, params)
     assert not small_llm.engine.has_unfinished()
+
+
+def test_n_choices_per_prompt_come_back_in_vllms_shape(tiny):
+    """`SamplingParams(n=3)` (vLLM's): each prompt's choices in `outputs`, seeded choice i
+    from seed + i (as `Engine.add_requests` and the server's n make them), the prompt's
+    pages shared; `n` was an unknown keyword."""
+    llm = LLM(tiny, **EXACT, num_pages=32)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=3, logprobs=0)
+    prompts = ["hello there", [104, 105, 106]]
+    outs = llm.generate(prompts, params)
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    for prompt, out in zip(prompts, outs):
+        for i, choice in enumerate(out.outputs):
+            alone = llm.generate(prompt, dataclasses.replace(params, n=1, seed=7 + i))[0]
+            assert (choice.index, choice.token_ids, choice.text) == (i, alone.token_ids, alone.text)
+            assert choice.cumulative_logprob == pytest.approx(sum(alone.logprobs))
+        assert out.token_ids == out.outputs[0].token_ids and out.text == out.outputs[0].text
+        assert out.metrics["output_tokens"] == 18
+    assert outs[1].prompt_token_ids == [104, 105, 106]
+    with pytest.raises(DsakvError, match="n must be an integer >= 1"):
+        SamplingParams(n=0)
+    llm.engine.check_integrity()
 
 
 def test_chat_completes_each_conversation_as_its_chat_template_renders_it(small_llm):

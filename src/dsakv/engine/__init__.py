@@ -2,8 +2,17 @@
 what runs engines on several ranks (`launch`, DP attention in `dp`)."""
 
 from .engine import Engine, EngineConfig
-from .llm import LLM, RequestOutput
+from .llm import LLM, CompletionOutput, RequestOutput
 from .request import Request, Status
 from .sampling import SamplingParams
 
-__all__ = ["LLM", "Engine", "EngineConfig", "Request", "RequestOutput", "SamplingParams", "Status"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "Status",
+]

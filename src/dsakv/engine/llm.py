@@ -26,13 +26,41 @@ Conversation: TypeAlias = Sequence[Mapping[str, Any]]  # chat messages, as OpenA
 
 
 @dataclass(frozen=True)
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+class CompletionOutput:
+    """One choice of a prompt, as vLLM's `CompletionOutput`."""
+
+    index: int
     text: str
+    token_ids: list[int]
     finish_reason: str
-    logprobs: list[float] | None
+    logprobs: list[float] | None  # each chosen token's, with `SamplingParams.logprobs`
     top_logprobs: list[list[tuple[int, float]]] | None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(self.logprobs)
+
+    @classmethod
+    def from_request(cls, index: int, req: Request) -> CompletionOutput:
+        asked = req.params.logprobs is not None
+        return cls(
+            index,
+            req.output_text,
+            list(req.output_ids),
+            req.finish_reason or "",
+            list(req.logprobs) if asked else None,
+            list(req.top_logprobs) if asked else None,
+        )
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A prompt's `SamplingParams.n` choices (`outputs`, vLLM's shape); `text`, `token_ids`,
+    `finish_reason`, `logprobs` and `top_logprobs` are the first choice's."""
+
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    # counts summed over the choices; ttft_s the first's, latency_s the last to finish
     metrics: dict[str, float | int | None]
     # With `SamplingParams(prompt_logprobs=k)`: teacher-forced logprob of each prompt token
     # (None for the first) and its top-k alternatives, as vLLM returns them.
@@ -40,29 +68,33 @@ class RequestOutput:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     error: str | None = None  # why it failed alone (finish_reason "error")
 
+    text = property(lambda self: self.outputs[0].text)
+    token_ids = property(lambda self: self.outputs[0].token_ids)
+    finish_reason = property(lambda self: self.outputs[0].finish_reason)
+    logprobs = property(lambda self: self.outputs[0].logprobs)
+    top_logprobs = property(lambda self: self.outputs[0].top_logprobs)
+
     @classmethod
-    def from_request(cls, req: Request) -> RequestOutput:
-        m = req.metrics
+    def from_requests(cls, reqs: Sequence[Request]) -> RequestOutput:
+        """The output of one prompt's choices (`Engine.add_requests`)."""
+        first, ms = reqs[0], [r.metrics for r in reqs]
+        latencies = [m.latency for m in ms]
         return cls(
-            prompt_token_ids=list(req.prompt_ids),
-            token_ids=list(req.output_ids),
-            text=req.output_text,
-            finish_reason=req.finish_reason or "",
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            top_logprobs=list(req.top_logprobs) if req.params.logprobs is not None else None,
+            prompt_token_ids=list(first.prompt_ids),
+            outputs=[CompletionOutput.from_request(i, r) for i, r in enumerate(reqs)],
             metrics={
-                "ttft_s": m.ttft,
-                "latency_s": m.latency,
-                "prefix_hit_tokens": m.prefix_hit_tokens,
-                "retractions": m.retractions,
-                "spec_draft_tokens": m.draft_tokens,
-                "spec_accepted_tokens": m.accepted_tokens,
-                "prompt_tokens": len(req.prompt_ids),
-                "output_tokens": len(req.output_ids),
+                "ttft_s": ms[0].ttft,
+                "latency_s": None if None in latencies else max(latencies),
+                "prefix_hit_tokens": sum(m.prefix_hit_tokens for m in ms),
+                "retractions": sum(m.retractions for m in ms),
+                "spec_draft_tokens": sum(m.draft_tokens for m in ms),
+                "spec_accepted_tokens": sum(m.accepted_tokens for m in ms),
+                "prompt_tokens": len(first.prompt_ids),
+                "output_tokens": sum(len(r.output_ids) for r in reqs),
             },
-            prompt_logprobs=_copy(req.prompt_logprobs),
-            prompt_top_logprobs=_copy(req.prompt_top_logprobs),
-            error=req.error,
+            prompt_logprobs=_copy(first.prompt_logprobs),
+            prompt_top_logprobs=_copy(first.prompt_top_logprobs),
+            error=next((r.error for r in reqs if r.error is not None), None),
         )
 
 
@@ -109,10 +141,12 @@ class LLM:
             raise DsakvError("this LLM was closed; make a new one")
         prompts = _as_prompt_list(prompts)
         plist = _as_params_list(params, len(prompts))
-        reqs = []
+        groups: list[list[Request]] = []
+        reqs: list[Request] = []
         try:
             for p, sp in zip(prompts, plist):
-                reqs.append(self.engine.add_request(p, sp))
+                groups.append(self.engine.add_requests(p, sp, sp.n))
+                reqs += groups[-1]
             bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
             with interrupts_deferred() as check:
                 while self.engine.has_unfinished():
@@ -123,7 +157,7 @@ class LLM:
             for r in reqs:
                 self.engine.abort(r.rid)
             raise
-        return [RequestOutput.from_request(r) for r in reqs]
+        return [RequestOutput.from_requests(g) for g in groups]
 
     def chat(
         self,

@@ -48,6 +48,9 @@ class SamplingParams:
     # (kind, spec): kind in GRAMMAR_KINDS; compiled and checked by `Engine.add_request`
     grammar: tuple[str, str] | None = None
     prompt_logprobs: int | None = None  # teacher-forced top-n over the prompt (None = off)
+    # choices of each prompt `LLM.generate` makes, sharing its KV pages (vLLM's field; the
+    # HTTP server takes the request's `n`, `Engine.add_requests` its argument)
+    n: int = 1
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -79,6 +82,7 @@ class SamplingParams:
                 ),
                 "max_tokens must be an integer >= 1 (0 only with prompt_logprobs)",
             ),
+            (is_int(self.n) and self.n >= 1, "n must be an integer >= 1"),
             (
                 is_number(self.temperature) and 0 <= self.temperature < math.inf,
                 "temperature must be a finite number >= 0",
