@@ -355,6 +355,24 @@ def test_generate_refuses_what_it_would_misread(small_llm, prompts, params, mess
     assert not small_llm.engine.has_unfinished()
 
 
+def test_llm_takes_what_the_commands_take_as_model(tmp_path):
+    """A tiny preset's name (its cached directory, as `dsakv generate glm-tiny` runs it);
+    anything else that is no model directory is one error saying so (it was "no model
+    config at ...")."""
+    from dsakv.models.tiny import default_model_dir
+
+    params = SamplingParams(max_tokens=3, temperature=0)
+    by_name = LLM("glm-tiny", **EXACT, num_pages=8).generate("hi", params)[0]
+    by_dir = LLM(str(default_model_dir("glm-tiny")), **EXACT, num_pages=8).generate("hi", params)
+    assert by_name.token_ids == by_dir[0].token_ids
+    for model, message in (
+        (str(tmp_path), "is not a model directory .*nor a tiny preset"),
+        (None, "model must be a model directory, a tiny preset's name or an EngineConfig"),
+    ):
+        with pytest.raises(DsakvError, match=message):
+            LLM(model)
+
+
 def test_n_choices_per_prompt_come_back_in_vllms_shape(tiny):
     """`SamplingParams(n=3)` (vLLM's): each prompt's choices in `outputs`, seeded choice i
     from seed + i (as `Engine.add_requests` and the server's n make them), the prompt's

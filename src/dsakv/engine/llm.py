@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import reprlib
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -13,6 +14,7 @@ from typing import Any, TypeAlias
 from tqdm.auto import tqdm
 
 from dsakv.errors import DsakvError, is_int
+from dsakv.models.tiny import resolve_model_dir
 from dsakv.procs import interrupts_deferred
 
 from .engine import EngineConfig
@@ -99,13 +101,19 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM(model_path, **engine_args).generate(prompts, params)`."""
+    """`LLM(model, **engine_args).generate(prompts, params)`: `model` a model directory or a
+    tiny preset's name (as the `dsakv` commands take it), or an `EngineConfig`."""
 
     def __init__(self, model: str | EngineConfig, **engine_args: Any) -> None:
         if isinstance(model, EngineConfig):
             config = dataclasses.replace(model, **engine_args) if engine_args else model
+        elif isinstance(model, (str, os.PathLike)):
+            config = EngineConfig.from_kwargs(resolve_model_dir(str(model)), **engine_args)
         else:
-            config = EngineConfig.from_kwargs(model, **engine_args)
+            raise DsakvError(
+                "model must be a model directory, a tiny preset's name or an EngineConfig, "
+                f"got {reprlib.repr(model)}"
+            )
         self.engine = create_engine(config)
         # Dropped or left open at exit, an LLM still stops its ranks (multiprocessing's exit
         # hook joins them, and they wait for rank 0 forever); registered after that hook,
