@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dsakv import LLM, SamplingParams
 from dsakv.cli import main
 from dsakv.config import LayerPlan
 from dsakv.engine.engine import _load_tokenizer
@@ -117,19 +118,28 @@ def test_sharded_checkpoint_loads_identically(ckpt, tmp_path):
     assert torch.equal(_logits(*a), _logits(*b))
 
 
-def test_fp8_block_quantised_checkpoint_is_dequantised(ckpt, tmp_path):
-    """128×128-block e4m3 weights + `weight_scale_inv`, as DeepSeek/GLM FP8 releases ship."""
-    originals = {}
+def _fp8_ckpt(src, dst, originals=None, edit=None):
+    """`src` with its 2-D projections as 128×128-block e4m3 weights + `weight_scale_inv`
+    (their fp32 values into `originals`), then `edit`ed."""
+    originals = {} if originals is None else originals
 
     def quantise(t):
         for k in [k for k in t if k.endswith("proj.weight") and t[k].dim() == 2]:
             t[k], t[k + "_scale_inv"], originals[k] = fp8_block_quantise(t[k])
+        if edit is not None:
+            edit(t)
 
-    path = _copy_ckpt(ckpt, tmp_path / "fp8", quantise)
+    path = _copy_ckpt(src, dst, quantise)
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (path / "config.json").write_text(json.dumps(cfg))
-    model, config, _ = load_model(path)
+    return path
+
+
+def test_fp8_block_quantised_checkpoint_is_dequantised(ckpt, tmp_path):
+    """128×128-block e4m3 weights + `weight_scale_inv`, as DeepSeek/GLM FP8 releases ship."""
+    originals = {}
+    model, config, _ = load_model(_fp8_ckpt(ckpt, tmp_path / "fp8", originals))
     params = dict(model.named_parameters())
     assert len(originals) > 20
     for k, expected in originals.items():
@@ -143,6 +153,37 @@ def test_fp8_block_quantised_checkpoint_is_dequantised(ckpt, tmp_path):
         else:
             got = params[k]
         assert torch.equal(got, expected), k
+
+
+_KV_B = "model.layers.3.self_attn.kv_b_proj.weight"  # (256, 512): 2 × 4 blocks
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop(_KV_B + "_scale_inv"), r"kv_b_proj.weight is FP8 \(F8_E4M3\) without"),
+        (
+            lambda t: t.update({_KV_B + "_scale_inv": t[_KV_B + "_scale_inv"].t().contiguous()}),
+            r"scale_inv has shape \(4, 2\); .* in 128x128 blocks .* has \(2, 4\)",
+        ),
+        (
+            lambda t: t.update({_KV_B + "_scale_inv": torch.ones(4, 8)}),  # 64×64 blocks
+            r"scale_inv has shape \(4, 8\)",
+        ),
+        (
+            lambda t: t.update({"model.layers.3.self_attn.gone.weight_scale_inv": torch.ones(1)}),
+            r"unexpected tensor\(s\): model.layers.3.self_attn.gone.weight_scale_inv",
+        ),
+    ],
+    ids=["no-scale", "transposed", "other-blocks", "stray-scale"],
+)
+def test_fp8_scales_that_do_not_fit_their_weights_are_refused(ckpt, tmp_path, edit, message):
+    """Without its scale an FP8 weight loaded as raw e4m3 values, and scales of another
+    block size were read in part: wrong tokens, no error. A transposed scale failed deep
+    in torch. Each is now one error, before anything is allocated."""
+    path = _fp8_ckpt(ckpt, tmp_path / "fp8", edit=edit)
+    with pytest.raises(DsakvError, match=message):
+        load_model(path)
 
 
 def test_bf16_load_keeps_router_and_index_weights_fp32(ckpt):
@@ -176,6 +217,16 @@ def _index(weight_map):
     return write
 
 
+def _misplaced(path):
+    """An index that puts lm_head.weight in a shard that does not hold it (a SafetensorError
+    traceback from the read)."""
+    save_file({"x": torch.zeros(1)}, path.parent / "other.safetensors")
+    weight_map = dict.fromkeys(load_file(path), path.name) | {"lm_head.weight": "other.safetensors"}
+    (path.parent / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": weight_map})
+    )
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -183,6 +234,7 @@ def _index(weight_map):
         (_truncate, "cannot read checkpoint file .*model.safetensors: .*header"),
         (_index(None), r"model\.safetensors\.index\.json is not a safetensors index"),
         (_index({"lm_head.weight": "gone.safetensors"}), "checkpoint file .*gone.safetensors"),
+        (_misplaced, "checkpoint file .*other.safetensors holds no tensor lm_head.weight"),
     ],
 )
 def test_corrupt_checkpoint_file_is_named(ckpt, tmp_path, edit, message):
@@ -251,3 +303,18 @@ def test_too_little_memory_for_the_model_is_one_error_with_its_size(ckpt, tmp_pa
     path = _with_config(ckpt, tmp_path / "m", max_position_embeddings=2**36)
     with pytest.raises(DsakvError, match=r"cannot allocate this model's 16384.\d\d GiB .* host"):
         load_model(path)
+
+
+def test_generation_configs_eos_ids_stop_generation_too(ckpt, tmp_path):
+    """vLLM and SGLang stop on generation_config.json's eos_token_id as well as config.json's
+    (GLM and DeepSeek releases list end-of-turn ids there); it was not read."""
+    params = SamplingParams(max_tokens=8, temperature=0)
+    tokens = LLM(str(ckpt), device="cpu", num_pages=8).generate([5, 6, 7], params)[0].token_ids
+    path = shutil.copytree(ckpt, tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, tokens[2]]}))
+    out = LLM(str(path), device="cpu", num_pages=8).generate([5, 6, 7], params)[0]
+    assert out.token_ids == tokens[: tokens.index(tokens[2]) + 1] and out.finish_reason == "stop"
+    for text, message in (("[1", "is not a JSON object"), ('{"eos_token_id": "x"}', "must be a")):
+        (path / "generation_config.json").write_text(text)
+        with pytest.raises(ConfigError, match=f"generation_config.json.* {message}"):
+            load_model(path)

@@ -195,6 +195,9 @@ class _RecordingFile:
             def get_shape(self):
                 return sl.get_shape()
 
+            def get_dtype(self):
+                return sl.get_dtype()
+
             def __getitem__(self, index):
                 reads.append((name, index))
                 return sl[index]

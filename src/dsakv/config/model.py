@@ -145,6 +145,8 @@ class ModelConfig:
                 raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
         if not isinstance(raw, dict):
             raise ConfigError("model config must be a JSON object")
+        if not isinstance(source, dict):
+            raw = _with_generation_eos(raw, path.parent / "generation_config.json")
         return cls._from_dict(raw)
 
     @classmethod
@@ -195,6 +197,25 @@ class ModelConfig:
         _check(kw, raw)
         kw["rope_parameters"] = _rope_parameters(raw)
         return cls(**kw)
+
+
+def _with_generation_eos(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`raw` with generation_config.json's end-of-sequence ids added to its own, as vLLM and
+    SGLang stop on them too (GLM and DeepSeek releases list their end-of-turn ids there)."""
+    if not path.is_file():
+        return raw
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (ValueError, OSError, AttributeError) as e:  # (not JSON, unreadable, no object)
+        raise ConfigError(f"{path} is not a JSON object: {e}") from None
+    if eos is None:
+        return raw
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    own = raw.get("eos_token_id")
+    own = own if isinstance(own, list) else [] if own is None else [own]
+    return {**raw, "eos_token_id": [*own, *(i for i in ids if i not in own)]}
 
 
 # Fields not named as in config.json: (its name, what it must be there).

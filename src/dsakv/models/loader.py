@@ -21,6 +21,7 @@ import json
 import logging
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,17 +192,29 @@ def _open(file: Path) -> Any:
         raise DsakvError(f"cannot read checkpoint file {file}: {e}") from None
 
 
+def _get_slice(handles: dict[Path, Any], files: dict[str, Path], name: str) -> Any:
+    """Tensor `name`'s lazy slice from its file (opened once, kept in `handles`)."""
+    file = files[name]
+    if file not in handles:
+        handles[file] = _open(file)
+    try:
+        return handles[file].get_slice(name)
+    except SafetensorError:
+        raise DsakvError(
+            f"checkpoint file {file} holds no tensor {name} (model.safetensors.index.json "
+            "says it does)"
+        ) from None
+
+
 def _matrices_bf16(files: dict[str, Path], fp8: set[str]) -> bool:
     """Whether every weight matrix of the checkpoint is stored as bf16 (read from the file
     headers), the router's and weights_proj (fp32 whatever the model dtype) and the `fp8`
     ones aside: then they can stay bf16 bit for bit."""
     handles: dict[Path, Any] = {}
-    for name, file in files.items():
+    for name in files:
         if name in fp8 or name.endswith(("_scale_inv", "mlp.gate.weight", "weights_proj.weight")):
             continue
-        if file not in handles:
-            handles[file] = _open(file)
-        tensor = handles[file].get_slice(name)
+        tensor = _get_slice(handles, files, name)
         if len(tensor.get_shape()) > 1 and tensor.get_dtype() != "BF16":
             return False
     return True
@@ -292,14 +305,17 @@ class _Filler:
         handles: dict[Path, Any] = {}
 
         def open_slice(name: str):
-            file = files[name]
-            if file not in handles:
-                handles[file] = _open(file)
-            return handles[file].get_slice(name)
+            return _get_slice(handles, files, name)
 
         names = sorted(
             (n for n in files if not n.endswith("_scale_inv")), key=lambda n: (str(files[n]), n)
         )
+        # (a scale whose weight is absent: its weight is the missing one, or it is stray)
+        self.unexpected += [
+            n
+            for n in files
+            if n.endswith("_scale_inv") and n.removesuffix("_scale_inv") not in files
+        ]
         for name in tqdm(names, desc="loading", unit="tensor", disable=None if read else True):
             if self._skip(name):
                 continue
@@ -310,7 +326,9 @@ class _Filler:
                         f"checkpoint tensor {name} has shape {tuple(src.get_shape())}, "
                         f"model expects {piece.shape}"
                     )
-                if read:
+                if not read:
+                    self._check_scale(name, src, open_slice, files)
+                else:
                     tensor = src[piece.index]
                     scale = name + "_scale_inv"
                     if piece.dest.dtype == torch.uint8:  # packed FP8 blocks (`_pack_fp8`)
@@ -321,6 +339,31 @@ class _Filler:
                 self.got[piece.target] += piece.count
         handles.clear()
         self._report(read)
+
+    def _check_scale(
+        self, name: str, src: Any, open_slice: Callable[[str], Any], files: dict[str, Path]
+    ) -> None:
+        """An FP8 tensor has its block scales, one per block of its shape: without them its
+        e4m3 values were copied as they are, and scales of another block size were read in
+        part (both gave wrong tokens), or the read failed deep in torch."""
+        scale = name + "_scale_inv"
+        if scale not in files:
+            if src.get_dtype().startswith("F8"):
+                raise DsakvError(
+                    f"checkpoint tensor {name} is FP8 ({src.get_dtype()}) without {scale}"
+                )
+            return
+        shape = tuple(src.get_shape())
+        if len(shape) != 2:
+            raise DsakvError(f"FP8 block scales are supported on 2-D weights; {name} is {shape}")
+        bm, bn = _block_size(self.config)
+        want = (-(-shape[0] // bm), -(-shape[1] // bn))
+        got = tuple(open_slice(scale).get_shape())
+        if got != want:
+            raise DsakvError(
+                f"checkpoint tensor {scale} has shape {got}; {name} {shape} in {bm}x{bn} blocks "
+                f"(config.json's quantization_config.weight_block_size) has {want}"
+            )
 
     def _skip(self, name: str) -> bool:
         m = _LAYER.match(name)
