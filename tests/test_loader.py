@@ -96,6 +96,14 @@ def test_draft_layer_tensors_are_skipped(ckpt, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="dsakv.models.loader"):
         load_model(path)
     assert "and 2 draft/MTP tensors" in caplog.text
+    # A config with fewer layers than the checkpoint holds ran the first ones alone, their
+    # rest skipped as if draft layers: wrong outputs, no error.
+    fewer = shutil.copytree(ckpt, tmp_path / "fewer")
+    config = json.loads((fewer / "config.json").read_text())
+    config |= {"num_hidden_layers": 6, "indexer_types": config["indexer_types"][:6]}
+    (fewer / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DsakvError, match=r"unexpected tensor\(s\): model\.layers\.7\."):
+        load_model(fewer)
 
 
 def _logits(model, config, plan, steps=4):

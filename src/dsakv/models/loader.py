@@ -370,6 +370,12 @@ class _Filler:
         if m is not None:
             layer = int(m.group(1))
             if layer >= self.plan.num_total_layers:
+                # Draft (MTP) layers follow the target's; one past them is a layer the
+                # config left out (a smaller num_hidden_layers ran the first layers alone).
+                if layer >= self.config.num_hidden_layers + max(
+                    1, self.config.num_nextn_predict_layers
+                ):
+                    return False  # (unexpected: no module has its name)
                 self.skipped["draft"] += 1
                 return True
             if ".indexer." in name and not self.plan.runs_indexer(layer):
