@@ -182,13 +182,17 @@ _KV_B = "model.layers.3.self_attn.kv_b_proj.weight"  # (256, 512): 2 × 4 blocks
             lambda t: t.update({"model.layers.3.self_attn.gone.weight_scale_inv": torch.ones(1)}),
             r"unexpected tensor\(s\): model.layers.3.self_attn.gone.weight_scale_inv",
         ),
+        (
+            lambda t: t.update({"lm_head.weight": t["lm_head.weight"].to(torch.int32)}),
+            "lm_head.weight is I32, not floating point",
+        ),
     ],
-    ids=["no-scale", "transposed", "other-blocks", "stray-scale"],
+    ids=["no-scale", "transposed", "other-blocks", "stray-scale", "integers"],
 )
-def test_fp8_scales_that_do_not_fit_their_weights_are_refused(ckpt, tmp_path, edit, message):
-    """Without its scale an FP8 weight loaded as raw e4m3 values, and scales of another
-    block size were read in part: wrong tokens, no error. A transposed scale failed deep
-    in torch. Each is now one error, before anything is allocated."""
+def test_integer_weights_and_ill_fitting_fp8_scales_are_refused(ckpt, tmp_path, edit, message):
+    """Without its scale an FP8 weight loaded as raw e4m3 values, scales of another block
+    size were read in part, an int32 matrix was cast: wrong tokens, no error. A transposed
+    scale failed deep in torch. Each is now one error, before anything is allocated."""
     path = _fp8_ckpt(ckpt, tmp_path / "fp8", edit=edit)
     with pytest.raises(DsakvError, match=message):
         load_model(path)

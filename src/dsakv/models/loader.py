@@ -327,7 +327,7 @@ class _Filler:
                         f"model expects {piece.shape}"
                     )
                 if not read:
-                    self._check_scale(name, src, open_slice, files)
+                    self._check_dtype(name, src, open_slice, files)
                 else:
                     tensor = src[piece.index]
                     scale = name + "_scale_inv"
@@ -340,12 +340,18 @@ class _Filler:
         handles.clear()
         self._report(read)
 
-    def _check_scale(
+    def _check_dtype(
         self, name: str, src: Any, open_slice: Callable[[str], Any], files: dict[str, Path]
     ) -> None:
-        """An FP8 tensor has its block scales, one per block of its shape: without them its
-        e4m3 values were copied as they are, and scales of another block size were read in
-        part (both gave wrong tokens), or the read failed deep in torch."""
+        """Floating point, and FP8 with its block scales, one per block: integers were cast
+        as numbers, an FP8 weight without scales copied as raw e4m3 values, and scales of
+        another block size read in part (wrong tokens, no error), or the read failed deep
+        in torch."""
+        if not src.get_dtype().startswith(("F", "BF")):  # (F64, F32, F16, BF16, F8_*)
+            raise DsakvError(
+                f"checkpoint tensor {name} is {src.get_dtype()}, not floating point (a "
+                "quantization dsakv does not read?)"
+            )
         scale = name + "_scale_inv"
         if scale not in files:
             if src.get_dtype().startswith("F8"):
