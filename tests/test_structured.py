@@ -449,6 +449,9 @@ def test_grammar_cache_is_bounded_and_masks_rows(model_dir):
     for i in range(4):
         cache.compile(("regex", f"a{{{i + 1}}}"))
     assert list(cache._compiled) == [("regex", "a{3}"), ("regex", "a{4}")]
+    # and nothing beyond them: xgrammar's own cache kept every grammar, without a limit (a
+    # server's memory grew by ~70 KB per new schema)
+    assert cache._compiler.get_cache_size_bytes() == 0
     logits = torch.zeros(3, 264)
     cache.apply(logits, [cache.matcher(("regex", "b")), None, cache.matcher(("regex", "[cd]"))])
     allowed = [torch.nonzero(row > float("-inf")).flatten().tolist() for row in logits]

@@ -97,7 +97,9 @@ class GrammarCache:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # (xgrammar's own cache keeps every grammar ever compiled, without a limit: ~70 KB
+        # a schema on a tiny vocabulary, a server's memory growing with each new one)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         self.max_entries = max_entries
