@@ -289,6 +289,29 @@ def test_close_stores_what_the_cache_still_holds(tiny, stored, tmp_path):
     assert llm.engine.counters()["l3_pages_written"] == PAGES == len(_objects(tmp_path))
 
 
+def test_a_prefix_kept_hot_on_the_device_outlives_the_stores_cap(tiny, tmp_path):
+    """A store that holds 6 pages; a 4-page prompt, four other prompts after it (their
+    writes drop its objects), then the prompt again (a device hit: the store never sees
+    it) and close. The store had dropped it for good: close skipped it as stored, and a
+    restart found nothing. Now close writes the cache coldest first and the prompt, the
+    hottest, is what the next engine finds."""
+    rng = random.Random(1)
+    hot, *others = [[rng.randrange(0, 256) for _ in range(4 * PS + 1)] for _ in range(5)]
+    llm = LLM(tiny, **_file(tmp_path / "probe"))
+    cap = 6 * llm.engine.l3.page_bytes * 1.01 / 2**30  # (plus each object's small header)
+    llm.close()
+    params = SamplingParams(max_tokens=1, temperature=0)
+    first = LLM(tiny, **_file(tmp_path / "store", hicache_storage_max_gib=cap))
+    for prompt in (hot, *others, hot):
+        first.generate(prompt, params)
+        assert first.engine.l3.drain(TIMEOUT)
+    assert first.engine.counters()["l3_objects_evicted"] >= 4
+    first.close()
+    assert len(_objects(tmp_path / "store")) <= 6
+    _, c = _run(tiny, [hot], params, **_file(tmp_path / "store", hicache_storage_max_gib=cap))
+    assert (c["l3_hits"], c["l3_misses"]) == (4, 0)
+
+
 def test_retraction_and_prefix_sharing_keep_integrity(tiny, stored, tmp_path):
     """A batch that overflows a small pool (retractions) over a warm store: same tokens."""
     prompts = [PROMPT[: 40 + 20 * i] + [i] for i in range(5)]

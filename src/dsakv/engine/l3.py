@@ -25,6 +25,7 @@ they join the prefix cache like any prefill.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -47,6 +48,7 @@ from dsakv.memory.storage import (
     encode_object,
     make_backend,
     object_key,
+    page_hash_of,
     start_mooncake_master,
 )
 from dsakv.procs import stop_process
@@ -297,12 +299,14 @@ class L3Cache:
             item = self._writes.get()
             if item is None:
                 return
-            page_hash, row = item
+            page_hash, row = item  # (row None: only mark it used, at close)
             key = object_key(self.namespace, page_hash)
             ok = stored = False
             try:
                 stored = self.backend.exists(key)  # another engine (or an earlier run) wrote it
-                if not stored:
+                if stored:
+                    self.backend.touch(key)
+                elif row is not None:
                     payload = memoryview(row.numpy())
                     ok = self.backend.put(key, encode_object(self.namespace, page_hash, payload))
             except StorageError as e:
@@ -313,9 +317,15 @@ class L3Cache:
                 self._writes.task_done()
             if ok:
                 self.stats.add(pages_written=1, bytes_written=self.page_bytes)
-            elif not stored:
+            elif not stored and row is not None:
                 self.stats.add(write_failures=1)
                 self._forget(page_hash)
+            # Objects the store dropped to make room are no longer stored: a page still in
+            # the prefix cache is written again when it leaves it, or at close (a prefix kept
+            # hot on the device is never read from the store, so it was the first dropped).
+            for evicted in self.backend.take_evicted():
+                if (h := page_hash_of(evicted, self.namespace)) is not None:
+                    self._forget(h)
 
     def _read_loop(self) -> None:
         while True:
@@ -368,11 +378,21 @@ class L3Cache:
             return
         deadline = time.monotonic() + timeout_s
         self.flush()
-        todo = deque(cache.root.children.values())
-        while todo and time.monotonic() < deadline:
-            n = todo.popleft()
-            todo.extend(n.children.values())
+        # Least recently used first (a parent before its children), the stored ones only
+        # marked used: where the store must drop some to stay under its cap, it drops
+        # the coldest and keeps whole chains of the hottest.
+        nodes, todo = [], deque(cache.root.children.values())
+        while todo:
+            nodes.append(todo.popleft())
+            todo.extend(nodes[-1].children.values())
+        for n in sorted(nodes, key=lambda n: n.last_access):
+            if time.monotonic() >= deadline:
+                break
             if self._is_known(n.hash):
+                with contextlib.suppress(queue.Full):
+                    self._writes.put(
+                        (n.hash, None), timeout=max(deadline - time.monotonic(), 0.001)
+                    )
                 continue
             if n.page is not None:
                 row = self.pool.read_pages([n.page])[0]

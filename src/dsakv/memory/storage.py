@@ -101,6 +101,12 @@ def object_key(namespace: bytes, page_hash: bytes) -> str:
     return f"{namespace.hex()}-{page_hash.hex()}"
 
 
+def page_hash_of(key: str, namespace: bytes) -> bytes | None:
+    """The page hash of `namespace`'s object `key` (None: another namespace's object)."""
+    prefix = f"{namespace.hex()}-"
+    return bytes.fromhex(key[len(prefix) :]) if key.startswith(prefix) else None
+
+
 # Shards up to this size are hashed whole; a larger one by 64 blocks of 64 KiB spread over
 # it (4 MiB read per shard: a 700 GB checkpoint's fingerprint reads 0.6 GB, not 700).
 _WHOLE_SHARD = 256 << 20
@@ -216,6 +222,13 @@ class StorageBackend:
     def get(self, key: str) -> bytes | None:
         raise NotImplementedError
 
+    def take_evicted(self) -> list[str]:
+        """The keys it dropped to make room since the last call (where it can tell)."""
+        return []
+
+    def touch(self, key: str) -> None:
+        """Mark a stored object as recently used (where the store evicts by use)."""
+
     def put(self, key: str, data: bytes) -> bool:
         raise NotImplementedError
 
@@ -250,6 +263,7 @@ class FileStorage(StorageBackend):
             raise DsakvError(f"--hicache-storage-dir {root}: not writable")
         self.max_bytes = max_bytes
         self.evicted = 0
+        self._evicted_keys: list[str] = []
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
         self._scan()
@@ -277,12 +291,15 @@ class FileStorage(StorageBackend):
             return None
         except OSError as e:
             raise StorageError(f"read {path}: {e}") from None
+        self.touch(key)
+        return data
+
+    def touch(self, key: str) -> None:
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
         with contextlib.suppress(OSError):
-            os.utime(path)  # recently used, also for the next process's LRU order
-        return data
+            os.utime(self._path(key))  # also for the next process's LRU order
 
     def put(self, key: str, data: bytes) -> bool:
         size = len(data)
@@ -331,6 +348,12 @@ class FileStorage(StorageBackend):
             with contextlib.suppress(OSError):
                 self._path(key).unlink()
             self.evicted += 1
+            self._evicted_keys.append(key)
+
+    def take_evicted(self) -> list[str]:
+        with self._lock:
+            keys, self._evicted_keys = self._evicted_keys, []
+        return keys
 
 
 class MooncakeStorage(StorageBackend):
