@@ -143,3 +143,35 @@ def test_binary_file_as_config_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\xb8\x00\x00\x00garbage")
     with pytest.raises(ConfigError, match="model.safetensors is not valid JSON"):
         ModelConfig.from_hf(tmp_path / "model.safetensors")
+
+
+_OPTIONAL = (
+    "intermediate_size",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "first_k_dense_replace",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+
+
+@pytest.mark.parametrize("name", ["glm-5.2", "deepseek-v3.2"])
+def test_fields_a_config_leaves_out_mean_what_transformers_says(name):
+    """A config.json without them reads as transformers' config class reads it (vLLM's and
+    SGLang's reading): dsakv took routed_scaling_factor 1.0 (transformers 2.5), GLM's
+    rms_norm_eps 1e-6 (1e-5), DeepSeek's n_group 1 (8), first_k_dense_replace 0 (3), a
+    4,096-token context: other numbers, no error."""
+    import transformers
+
+    raw = {k: v for k, v in preset(name).items() if k not in _OPTIONAL}
+    ours = ModelConfig.from_hf(raw)
+    theirs = transformers.AutoConfig.for_model(**raw)
+    assert {k: getattr(ours, k) for k in _OPTIONAL} == {k: getattr(theirs, k) for k in _OPTIONAL}
+
+
+def test_yarn_without_its_factor_is_one_error():
+    raw = preset("deepseek-v3.2")
+    raw["rope_scaling"] = {k: v for k, v in raw["rope_scaling"].items() if k != "factor"}
+    with pytest.raises(ConfigError, match="rope_parameters.factor is required by yarn"):
+        ModelConfig.from_hf(raw)

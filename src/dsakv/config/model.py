@@ -16,6 +16,29 @@ from .presets import PRESETS, is_model_dir, preset
 
 # model_type -> whether the indexer's RoPE is interleaved (GLM) or half-split (DeepSeek-V3.2).
 _SUPPORTED = {"glm_moe_dsa": True, "deepseek_v32": False}
+# What a config.json that leaves these out means: transformers' `GlmMoeDsaConfig` /
+# `DeepseekV32Config` defaults, as vLLM and SGLang read them through those classes (dsakv's
+# own, 1.0 for routed_scaling_factor among them, changed the numbers without a word).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm_moe_dsa": {
+        "intermediate_size": 12288,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 202752,
+    },
+    "deepseek_v32": {
+        "intermediate_size": 18432,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 163840,
+    },
+}
 _ARCHITECTURES = {"GlmMoeDsaForCausalLM": "glm_moe_dsa", "DeepseekV32ForCausalLM": "deepseek_v32"}
 
 _REQUIRED = (
@@ -185,9 +208,9 @@ class ModelConfig:
         if missing:
             raise ConfigError(f"model config is missing required field(s): {', '.join(missing)}")
         known = {f.name for f in fields(cls)}
-        kw: dict[str, Any] = {k: raw[k] for k in known if k in raw and raw[k] is not None}
+        kw: dict[str, Any] = dict(_DEFAULTS[model_type])
+        kw.update((k, raw[k]) for k in known if k in raw and raw[k] is not None)
         kw["model_type"] = model_type
-        kw.setdefault("intermediate_size", raw["moe_intermediate_size"])
         kw["indexer_rope_interleave"] = _SUPPORTED[model_type]
         kw["dtype"] = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
         eos = raw.get("eos_token_id")
@@ -330,6 +353,8 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"unsupported rope type {params['rope_type']!r} (default, yarn)")
     if params["rope_type"] == "yarn":
         params.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
+        if params.get("factor") is None:  # (as transformers refuses it)
+            raise ConfigError("model config field rope_parameters.factor is required by yarn")
     for name in _ROPE_NUMBERS:
         value = params.get(name)
         if value is None:
