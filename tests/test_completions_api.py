@@ -358,6 +358,13 @@ _BAD = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [100000]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e-40}, "repetition_penalty"),
+    # vLLM's field, not served here: it was ignored without a word
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0},
+        "prompt_logprobs",
+    ),
 ]
 
 

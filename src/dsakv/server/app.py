@@ -443,6 +443,13 @@ class Handlers:
     ) -> SamplingParams:
         """Sampling params from the request (n is each handler's business: `_n`)."""
         self._n(body)
+        if body.prompt_logprobs is not None:  # (a client asking for them got none, silently)
+            raise APIError(
+                400,
+                "prompt_logprobs is not supported over HTTP; /v1/completions scores the prompt "
+                "with echo: true and logprobs (offline: SamplingParams.prompt_logprobs)",
+                param="prompt_logprobs",
+            )
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
         if max_tokens is not None and max_tokens < min_max_tokens:
