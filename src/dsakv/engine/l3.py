@@ -379,8 +379,8 @@ class L3Cache:
         deadline = time.monotonic() + timeout_s
         self.flush()
         # Least recently used first (a parent before its children), the stored ones only
-        # marked used: where the store must drop some to stay under its cap, it drops
-        # the coldest and keeps whole chains of the hottest.
+        # marked used where that orders the store's evictions: where it must drop some to
+        # stay under its cap, it drops the coldest and keeps whole chains of the hottest.
         nodes, todo = [], deque(cache.root.children.values())
         while todo:
             nodes.append(todo.popleft())
@@ -389,6 +389,8 @@ class L3Cache:
             if time.monotonic() >= deadline:
                 break
             if self._is_known(n.hash):
+                if not self.backend.evicts_by_use:
+                    continue
                 with contextlib.suppress(queue.Full):
                     self._writes.put(
                         (n.hash, None), timeout=max(deadline - time.monotonic(), 0.001)

@@ -218,6 +218,7 @@ class StorageBackend:
     too large); an unreachable store raises `StorageError`."""
 
     evicted = 0  # objects the backend dropped to make room (where it can tell)
+    evicts_by_use = False  # whether `touch` decides what it drops first
 
     def get(self, key: str) -> bytes | None:
         raise NotImplementedError
@@ -293,6 +294,10 @@ class FileStorage(StorageBackend):
             raise StorageError(f"read {path}: {e}") from None
         self.touch(key)
         return data
+
+    @property
+    def evicts_by_use(self) -> bool:  # (with a cap; without one nothing is dropped)
+        return self.max_bytes is not None
 
     def touch(self, key: str) -> None:
         with self._lock:
