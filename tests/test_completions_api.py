@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import shutil
 
 import httpx
 import openai
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from dsakv.engine import LLM, EngineConfig, SamplingParams
-from dsakv.errors import DsakvError
+from dsakv.errors import ConfigError, DsakvError
 from dsakv.models import ForwardBatch
 from dsakv.models.loader import load_model
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
@@ -558,3 +559,30 @@ def test_aborted_choices_free_everything(reference):
     engine.check_integrity()
     with pytest.raises(DsakvError, match="n must be in 1..16"):
         engine.add_requests("x", params, 17)
+
+
+def test_what_a_request_leaves_out_comes_from_generation_config(model_dir, tmp_path):
+    """A model's generation_config.json sets the sampling a request (or `LLM.generate`
+    without params) does not, as vLLM's and SGLang's servers do (it was not read): here
+    temperature 0, so a request without one is greedy, and one with 1.0 samples."""
+    path = shutil.copytree(model_dir, tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 0}))
+    prompt = {"model": MODEL, "prompt": TEXTS[0], "max_tokens": 12, "ignore_eos": True}
+    greedy = LLM(str(path), **ENGINE_ARGS).generate(
+        TEXTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )[0]
+    with serving(EngineConfig(model=str(path), **ENGINE_ARGS), served_model_name=MODEL) as (
+        base,
+        _,
+    ):
+        left_out = httpx.post(f"{base}/v1/completions", json=prompt, timeout=TIMEOUT).json()
+        hot = {**prompt, "temperature": 1.0, "seed": 3}
+        sampled = httpx.post(f"{base}/v1/completions", json=hot, timeout=TIMEOUT).json()
+    assert left_out["choices"][0]["text"] == greedy.text != sampled["choices"][0]["text"]
+    offline = LLM(str(path), **ENGINE_ARGS)
+    assert offline.get_default_sampling_params().temperature == 0.0
+    alone = offline.generate(TEXTS[0])[0].token_ids
+    assert alone == offline.generate(TEXTS[0], SamplingParams(temperature=0))[0].token_ids
+    (path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ConfigError, match="generation_config.json: .*temperature"):
+        LLM(str(path), **ENGINE_ARGS)

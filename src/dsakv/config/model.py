@@ -10,7 +10,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from dsakv.errors import ConfigError, is_int
+from dsakv.errors import ConfigError, is_int, is_number
 
 from .presets import PRESETS, is_model_dir, preset
 
@@ -127,6 +127,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # generation_config.json's SAMPLING_FIELDS: what requests leave out
+    sampling_defaults: dict[str, float] = field(default_factory=dict, hash=False)
     # Raw layer-plan sources, read only by `LayerPlan.from_config`.
     indexer_types: tuple[str, ...] | None = None
     index_topk_pattern: str | None = None
@@ -169,7 +171,7 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ConfigError("model config must be a JSON object")
         if not isinstance(source, dict):
-            raw = _with_generation_eos(raw, path.parent / "generation_config.json")
+            raw = _with_generation_config(raw, path.parent / "generation_config.json")
         return cls._from_dict(raw)
 
     @classmethod
@@ -222,15 +224,28 @@ class ModelConfig:
         return cls(**kw)
 
 
-def _with_generation_eos(raw: dict[str, Any], path: Path) -> dict[str, Any]:
-    """`raw` with generation_config.json's end-of-sequence ids added to its own, as vLLM and
-    SGLang stop on them too (GLM and DeepSeek releases list their end-of-turn ids there)."""
+# generation_config.json's sampling fields a request (or `LLM.generate` without params)
+# that leaves them out takes, as vLLM's and SGLang's servers do by default.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _with_generation_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`raw` with generation_config.json's end-of-sequence ids added to its own (GLM and
+    DeepSeek releases list their end-of-turn ids there) and its sampling defaults, both as
+    vLLM and SGLang read them."""
     if not path.is_file():
         return raw
     try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
+        gen = json.loads(path.read_text())
+        eos = gen.get("eos_token_id")
     except (ValueError, OSError, AttributeError) as e:  # (not JSON, unreadable, no object)
         raise ConfigError(f"{path} is not a JSON object: {e}") from None
+    defaults = {k: gen[k] for k in SAMPLING_FIELDS if gen.get(k) is not None}
+    if not all(is_number(v) for v in defaults.values()):
+        raise ConfigError(f"{path}: {', '.join(defaults)} must be numbers, got {defaults}")
+    if defaults.get("top_k") == 0:  # (transformers' "no top-k"; -1 here, as in vLLM)
+        defaults["top_k"] = -1
+    raw = {**raw, "sampling_defaults": defaults}
     if eos is None:
         return raw
     ids = eos if isinstance(eos, list) else [eos]

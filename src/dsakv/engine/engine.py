@@ -344,6 +344,10 @@ class Engine:
             as_stored=config.dtype == "auto" and self.device.type == "cpu",
             parallel=self.parallel,
         )
+        try:  # (what requests leave out; a bad one would fail each of them)
+            SamplingParams(**self.model_config.sampling_defaults)
+        except DsakvError as e:
+            raise ConfigError(f"{config.model}/generation_config.json: {e}") from None
         self.hisparse = self._hisparse_config()
         num_pages, latent_pages = self._num_pages()
         self.max_model_len = self._max_model_len(num_pages * config.page_size)

@@ -136,6 +136,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without params (vLLM's): SamplingParams' defaults, with the
+        sampling fields the model's generation_config.json sets."""
+        return SamplingParams(**self.engine.model_config.sampling_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -148,6 +153,8 @@ class LLM:
         if not self._close.alive:
             raise DsakvError("this LLM was closed; make a new one")
         prompts = _as_prompt_list(prompts)
+        if params is None:
+            params = self.get_default_sampling_params()
         plist = _as_params_list(params, len(prompts))
         groups: list[list[Request]] = []
         reqs: list[Request] = []

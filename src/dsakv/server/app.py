@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsakv import __version__
+from dsakv.config.model import SAMPLING_FIELDS
 from dsakv.engine import SamplingParams
 from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
 from dsakv.errors import DsakvError
@@ -471,13 +472,14 @@ class Handlers:
                 "they are one setting, give one of them",
                 param="sampling_seed",
             )
+        # What the request leaves out: the model's generation_config.json, else OpenAI's
+        # (SamplingParams' own defaults).
+        sampling = dict(self.engine.engine.model_config.sampling_defaults)
+        sampling.update((k, v) for k in SAMPLING_FIELDS if (v := getattr(body, k)) is not None)
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=-1 if body.top_k is None else body.top_k,
-                min_p=0.0 if body.min_p is None else body.min_p,
+                **sampling,
                 seed=seed,
                 stop=tuple(stop),
                 stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -487,9 +489,6 @@ class Handlers:
                 min_tokens=body.min_tokens or 0,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=(
-                    1.0 if body.repetition_penalty is None else body.repetition_penalty
-                ),
                 logit_bias=self._logit_bias(body.logit_bias),
                 logprobs=logprobs,
                 grammar=_grammar(body),

@@ -85,7 +85,7 @@ class GenerationRequest(_Strict):
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = 0
-    repetition_penalty: float | None = 1.0
+    repetition_penalty: float | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     prompt_logprobs: int | None = None  # vLLM's; refused (`Handlers._params`), not ignored
