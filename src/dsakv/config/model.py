@@ -110,15 +110,16 @@ class ModelConfig:
     n_routed_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
+    # defaulted per model type by `_DEFAULTS` (transformers' defaults), not here
     intermediate_size: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    rms_norm_eps: float
+    max_position_embeddings: int
     n_shared_experts: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
-    first_k_dense_replace: int = 0
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 4096
     rope_parameters: dict[str, Any] = field(default_factory=dict, hash=False)
     indexer_rope_interleave: bool = True
     num_nextn_predict_layers: int = 0
