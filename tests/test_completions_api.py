@@ -94,6 +94,8 @@ def test_prompt_logprobs_are_teacher_forced_whatever_the_cache(model_dir, refere
     assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
     got = out.prompt_logprobs[1:]
     assert max(abs(a - b) for a, b in zip(got, want[1:])) < 1e-5
+    ranks = [int((full[p] > full[p, ids[p + 1]]).sum()) + 1 for p in range(len(ids) - 1)]
+    assert out.prompt_ranks == [None, *ranks]
     for p in range(1, len(ids)):
         top = out.prompt_top_logprobs[p]
         ref_v, ref_i = torch.topk(full[p - 1], 3)
@@ -170,6 +172,61 @@ def test_echo_with_generation_and_lm_eval_shape(client, reference):
     greedy = [t == max(top.values()) for t, top in pairs]
     want = [ref.prompt_top_logprobs[p][0][0] == ids[p] for p in range(1, len(ids))]
     assert greedy[:-1] == want and greedy[-1]
+
+
+def test_prompt_logprobs_as_vllm_gives_them(base, client, reference, model_dir):
+    """vLLM's `prompt_logprobs`: per prompt token (null for the first) {token id: logprob,
+    rank, decoded_token} for the token and its top-k; on the completions choices, and at the
+    top of a chat response."""
+    ids = reference.tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    full = _full_forward_logprobs(model_dir, ids)
+    body = {"prompt": ids, "max_tokens": 2, "prompt_logprobs": 2, "temperature": 0}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()
+    (choice,) = r["choices"]
+    scores = choice["prompt_logprobs"]
+    assert len(scores) == len(ids) and scores[0] is None
+    assert choice["logprobs"] is None and not choice["text"].startswith(TEXTS[1])  # no echo
+    ranks = []
+    for p in range(1, len(ids)):
+        row, entry = full[p - 1], scores[p]
+        mine = entry[str(ids[p])]
+        assert mine["logprob"] == pytest.approx(float(row[ids[p]]), abs=1e-5)
+        assert mine["rank"] == int((row > row[ids[p]]).sum()) + 1
+        assert mine["decoded_token"] == reference.tokenizer.decode([ids[p]])  # ASCII text
+        top_v, top_i = torch.topk(row, 2)
+        for rank, (t, v) in enumerate(zip(top_i.tolist(), top_v.tolist()), 1):
+            assert entry[str(t)]["logprob"] == pytest.approx(v, abs=1e-5)
+            assert entry[str(t)]["rank"] == rank
+        assert len(entry) == 2 + (str(ids[p]) not in {str(t) for t in top_i.tolist()})
+        ranks.append(mine["rank"])
+    assert max(ranks) > 2  # the test text is not the model's own: some tokens rank low
+    # echo with logprobs (lm-eval's request) carries them too, as vLLM's choices do
+    echoed = httpx.post(
+        f"{base}/v1/completions",
+        json={"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2},
+        timeout=TIMEOUT,
+    ).json()["choices"][0]
+    assert echoed["prompt_logprobs"] == scores
+    plain = httpx.post(
+        f"{base}/v1/completions",
+        json={"prompt": ids, "max_tokens": 0, "echo": True},
+        timeout=TIMEOUT,
+    ).json()["choices"][0]
+    assert "prompt_logprobs" not in plain
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXTS[0]}],
+        max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    ).model_extra["prompt_logprobs"]
+    (ref,) = reference.chat(
+        [{"role": "user", "content": TEXTS[0]}], SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )
+    assert len(chat) == len(ref.prompt_token_ids) and chat[0] is None
+    for p, (t, entry) in enumerate(zip(ref.prompt_token_ids[1:], chat[1:]), 1):
+        assert list(entry) == [str(t)]
+        assert entry[str(t)]["logprob"] == pytest.approx(ref.prompt_logprobs[p], abs=1e-5)
+        assert entry[str(t)]["rank"] == ref.prompt_ranks[p]
 
 
 def test_echo_streaming_starts_with_the_prompt(base):
@@ -359,11 +416,11 @@ _BAD = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [100000]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e-40}, "repetition_penalty"),
-    # vLLM's field, not served here: it was ignored without a word
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0},
+        {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0, "stream": True},
         "prompt_logprobs",
     ),
 ]

@@ -30,6 +30,7 @@ _REPLACED = (
     "num_computed",
     "prompt_logprobs",
     "prompt_top_logprobs",
+    "prompt_ranks",
 )
 
 

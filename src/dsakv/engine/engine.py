@@ -41,6 +41,7 @@ from .sampling import (
     ban,
     gather_logprobs,
     penalize,
+    token_ranks,
 )
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import MTPDrafter, verify
@@ -642,6 +643,7 @@ class Engine:
         if p.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(req.prompt_ids)
             req.prompt_top_logprobs = [None] * len(req.prompt_ids)
+            req.prompt_ranks = [None] * len(req.prompt_ids)
             req.score_prompt = len(req.prompt_ids) > 1
 
     def check_params(self, p: SamplingParams) -> None:
@@ -666,6 +668,7 @@ class Engine:
             if req.prompt_logprobs is not None and fork.prompt_logprobs is not None:
                 fork.prompt_logprobs = list(req.prompt_logprobs)
                 fork.prompt_top_logprobs = list(req.prompt_top_logprobs)
+                fork.prompt_ranks = list(req.prompt_ranks)
                 fork.score_prompt = req.score_prompt
             self.scheduler.add(fork)
         req.forks = []
@@ -915,8 +918,10 @@ class Engine:
             chunk = targets[lo : lo + _SCORE_ROWS]
             tokens = [req.prompt_ids[pos] for req, pos in chunk]
             ks = [req.params.prompt_logprobs for req, _ in chunk]
-            for (req, pos), (lp, top) in zip(chunk, gather_logprobs(logp, tokens, ks)):
+            scores = gather_logprobs(logp, tokens, ks)
+            for (req, pos), (lp, top), rank in zip(chunk, scores, token_ranks(logp, tokens)):
                 req.prompt_logprobs[pos], req.prompt_top_logprobs[pos] = lp, top
+                req.prompt_ranks[pos] = rank
 
     def _grammar_dead_end(self, req: Request, now: float) -> None:
         """`req`'s grammar allows no next token (nor the end): it cannot be completed, and

@@ -65,9 +65,10 @@ class RequestOutput:
     # counts summed over the choices; ttft_s the first's, latency_s the last to finish
     metrics: dict[str, float | int | None]
     # With `SamplingParams(prompt_logprobs=k)`: teacher-forced logprob of each prompt token
-    # (None for the first) and its top-k alternatives, as vLLM returns them.
+    # (None for the first), its top-k alternatives and its rank (vLLM's Logprob.rank).
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     error: str | None = None  # why it failed alone (finish_reason "error")
 
     text = property(lambda self: self.outputs[0].text)
@@ -96,6 +97,7 @@ class RequestOutput:
             },
             prompt_logprobs=_copy(first.prompt_logprobs),
             prompt_top_logprobs=_copy(first.prompt_top_logprobs),
+            prompt_ranks=_copy(first.prompt_ranks),
             error=next((r.error for r in reqs if r.error is not None), None),
         )
 

@@ -68,7 +68,7 @@ class Request:
     host tier. `matcher` is its xgrammar matcher under structured output. `forks` are the other
     choices of an `n > 1` request, queued once this one's prompt KV is cached.
     `prompt_logprobs[p]` is the teacher-forced log-probability of prompt token p (None for
-    p = 0), scored while `score_prompt` is set (see `Engine._score_prompts`).
+    p = 0), `prompt_ranks[p]` its rank among the vocabulary (1 = likeliest), scored while `score_prompt` is set (see `Engine._score_prompts`).
     """
 
     prompt_ids: list[int]
@@ -91,6 +91,7 @@ class Request:
     score_prompt: bool = False
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     draft_ids: list[int] = field(default_factory=list)  # MTP proposals for the next step
     draft_len: DraftLength | None = None  # MTP: its adaptive draft length (set on first use)
     stop_floor: int = 0  # a stop string counts only where it ends past this text offset

@@ -259,6 +259,13 @@ def gather_logprobs(
     return list(zip(picked, tops))
 
 
+def token_ranks(logp: torch.Tensor, tokens: Sequence[int]) -> list[int]:
+    """vLLM's rank of `tokens[i]` in row i of `logp`: 1 + how many tokens are likelier."""
+    ids = torch.tensor(tokens, dtype=torch.long, device=logp.device)
+    picked = logp.gather(1, ids[:, None])
+    return ((logp > picked).sum(-1) + 1).tolist()
+
+
 def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p filtering of one row of logits."""
     row = row / p.temperature

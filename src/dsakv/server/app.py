@@ -189,6 +189,7 @@ class _Result:
             prompt_token_ids=f.prompt_token_ids if f else None,
             prompt_logprobs=f.prompt_logprobs if f else None,
             prompt_top_logprobs=f.prompt_top_logprobs if f else None,
+            prompt_ranks=f.prompt_ranks if f else None,
             prompt_texts=f.prompt_texts if f else None,
             prompt_top_texts=f.prompt_top_texts if f else None,
         )
@@ -228,8 +229,11 @@ class Handlers:
         params = self._params(
             body, body.max_tokens, 16, body.logprobs, "logprobs", min_max_tokens=0 if echo else 1
         )
-        if echo and (body.logprobs is not None or params.max_tokens == 0):
-            params = dataclasses.replace(params, prompt_logprobs=body.logprobs or 0)
+        # vLLM's: echo with logprobs scores the prompt too (unless prompt_logprobs says how),
+        # and the choices then carry its prompt_logprobs
+        scored = body.prompt_logprobs is not None or (echo and body.logprobs is not None)
+        if body.prompt_logprobs is None and echo and body.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         params = await self._ready_grammar(params, _grammar_param(params))
         given = "max_tokens" if body.max_tokens is not None else None
         streams = await self._submit_all(prompts, params, n, raw, given)
@@ -275,6 +279,7 @@ class Handlers:
                     "text": c.echo_text(u, tokenizer) + r.text,
                     "logprobs": c.logprobs(u) if want_logprobs else None,
                     "finish_reason": r.finish_reason,
+                    **({"prompt_logprobs": _prompt_logprobs(u)} if scored else {}),
                 }
             )
         total = _Result(
@@ -380,8 +385,15 @@ class Handlers:
             prompt_tokens=results[0].prompt_tokens,
             completion_tokens=sum(r.completion_tokens for r in results),
         )
+        scored = {"prompt_logprobs": _prompt_logprobs(results[0].as_update())}
         return JSONResponse(
-            {**head, "object": "chat.completion", "choices": choices, "usage": _usage(total)}
+            {
+                **head,
+                "object": "chat.completion",
+                "choices": choices,
+                "usage": _usage(total),
+                **(scored if body.prompt_logprobs is not None else {}),
+            }
         )
 
     def model_info(self) -> dict[str, Any]:
@@ -444,12 +456,9 @@ class Handlers:
     ) -> SamplingParams:
         """Sampling params from the request (n is each handler's business: `_n`)."""
         self._n(body)
-        if body.prompt_logprobs is not None:  # (a client asking for them got none, silently)
+        if body.prompt_logprobs is not None and body.stream:  # (vLLM's rule)
             raise APIError(
-                400,
-                "prompt_logprobs is not supported over HTTP; /v1/completions scores the prompt "
-                "with echo: true and logprobs (offline: SamplingParams.prompt_logprobs)",
-                param="prompt_logprobs",
+                400, "prompt_logprobs are not available with stream: true", param="prompt_logprobs"
             )
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
@@ -492,7 +501,11 @@ class Handlers:
                 logit_bias=self._logit_bias(body.logit_bias),
                 logprobs=logprobs,
                 grammar=_grammar(body),
-                prompt_logprobs=0 if max_tokens == 0 else None,
+                prompt_logprobs=(
+                    body.prompt_logprobs
+                    if body.prompt_logprobs is not None
+                    else (0 if max_tokens == 0 else None)
+                ),
             )
         except DsakvError as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -876,6 +889,27 @@ def _top_dict(
     for (_, x), s in zip(top, texts):
         out.setdefault(s, _lp(x))
     out.setdefault(chosen, _lp(chosen_logprob))  # (ranked below every top one, or among them)
+    return out
+
+
+def _prompt_logprobs(u: Update) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (null for the first), {token id: its
+    logprob, rank and text} for the token itself and its top alternatives."""
+    ids = u.prompt_token_ids or []
+    texts = u.prompt_texts or [None] * len(ids)
+    tops = u.prompt_top_logprobs or [None] * len(ids)
+    alts = u.prompt_top_texts or [[None] * len(top or ()) for top in tops]
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for p, (token, x) in enumerate(zip(ids, u.prompt_logprobs or [None] * len(ids))):
+        if x is None:
+            out.append(None)
+            continue
+        entry = {
+            str(token): {"logprob": _lp(x), "rank": u.prompt_ranks[p], "decoded_token": texts[p]}
+        }
+        for rank, ((t, y), s) in enumerate(zip(tops[p] or (), alts[p]), 1):
+            entry.setdefault(str(t), {"logprob": _lp(y), "rank": rank, "decoded_token": s})
+        out.append(entry)
     return out
 
 

@@ -88,7 +88,7 @@ class GenerationRequest(_Strict):
     repetition_penalty: float | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
-    prompt_logprobs: int | None = None  # vLLM's; refused (`Handlers._params`), not ignored
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's score, rank and top-k
     # structured output: OpenAI's response_format, SGLang's regex / ebnf / json_schema and
     # vLLM's guided_json / guided_regex / guided_grammar; at most one of them
     response_format: ResponseFormat | None = None

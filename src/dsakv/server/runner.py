@@ -104,6 +104,7 @@ class Update:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     prompt_texts: list[str] | None = None
     prompt_top_texts: list[list[str]] | None = None
 
@@ -463,6 +464,7 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         prompt_token_ids=list(req.prompt_ids) if first else None,
         prompt_logprobs=list(req.prompt_logprobs) if scored else None,
         prompt_top_logprobs=list(req.prompt_top_logprobs) if scored else None,
+        prompt_ranks=list(req.prompt_ranks) if scored else None,
         prompt_texts=prompt_texts,
         prompt_top_texts=prompt_top_texts,
     )
