@@ -643,3 +643,32 @@ def test_what_a_request_leaves_out_comes_from_generation_config(model_dir, tmp_p
     (path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(ConfigError, match="generation_config.json: .*temperature"):
         LLM(str(path), **ENGINE_ARGS)
+
+
+def test_generation_configs_max_new_tokens_is_the_default_and_the_cap(model_dir, tmp_path):
+    """vLLM's reading of max_new_tokens: what a request without max_tokens gets (a chat
+    request ran to the context's end) and the most any request gets."""
+    path = shutil.copytree(model_dir, tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5}))
+    offline = LLM(str(path), **ENGINE_ARGS)
+    assert offline.get_default_sampling_params().max_tokens == 5
+    assert len(offline.generate(TEXTS[0])[0].token_ids) <= 5
+    chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    with serving(EngineConfig(model=str(path), **ENGINE_ARGS), served_model_name=MODEL) as (
+        base,
+        _,
+    ):
+        for route, body in [
+            ("chat/completions", chat),
+            ("chat/completions", {**chat, "max_completion_tokens": 9}),
+            ("completions", {"prompt": TEXTS[0], "max_tokens": 9, "ignore_eos": True}),
+        ]:
+            r = httpx.post(f"{base}/v1/{route}", json=body, timeout=TIMEOUT).json()
+            assert r["usage"]["completion_tokens"] == 5, (route, body, r)
+            assert r["choices"][0]["finish_reason"] == "length"
+        short = {"prompt": TEXTS[0], "max_tokens": 3, "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/completions", json=short, timeout=TIMEOUT).json()
+        assert r["usage"]["completion_tokens"] == 3
+    (path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0}))
+    with pytest.raises(ConfigError, match="generation_config.json: max_new_tokens"):
+        LLM(str(path), **ENGINE_ARGS)

@@ -226,7 +226,8 @@ class ModelConfig:
 
 
 # generation_config.json's sampling fields a request (or `LLM.generate` without params)
-# that leaves them out takes, as vLLM's and SGLang's servers do by default.
+# that leaves them out takes, as vLLM's and SGLang's servers do by default; its
+# max_new_tokens is `sampling_defaults["max_tokens"]`.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -246,6 +247,10 @@ def _with_generation_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: {', '.join(defaults)} must be numbers, got {defaults}")
     if defaults.get("top_k") == 0:  # (transformers' "no top-k"; -1 here, as in vLLM)
         defaults["top_k"] = -1
+    if (most := gen.get("max_new_tokens")) is not None:  # vLLM's default and cap
+        if type(most) is not int or most < 1:
+            raise ConfigError(f"{path}: max_new_tokens must be an integer >= 1, got {most!r}")
+        defaults["max_tokens"] = most
     raw = {**raw, "sampling_defaults": defaults}
     if eos is None:
         return raw

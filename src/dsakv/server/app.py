@@ -485,9 +485,11 @@ class Handlers:
         # (SamplingParams' own defaults).
         sampling = dict(self.engine.engine.model_config.sampling_defaults)
         sampling.update((k, v) for k in SAMPLING_FIELDS if (v := getattr(body, k)) is not None)
+        most = max_tokens if max_tokens is not None else default_max_tokens
+        most = min(most, sampling.pop("max_tokens", most))  # max_new_tokens caps (vLLM's)
         try:
             return SamplingParams(
-                max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+                max_tokens=most,
                 **sampling,
                 seed=seed,
                 stop=tuple(stop),
