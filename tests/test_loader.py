@@ -87,6 +87,32 @@ def test_missing_and_unexpected_tensors(ckpt, tmp_path):
     assert "\n" not in msg
 
 
+def test_a_missing_expert_is_named_whether_its_layer_is_stacked_or_not(ckpt, tmp_path):
+    """Experts load one by one or stacked (`experts.gate_up_proj`, `experts.down_proj`); a
+    missing one is named as the checkpoint would hold it (it was the stacked parameter's
+    name, with no word of which expert)."""
+    experts = "model.layers.1.mlp.experts"
+
+    def edit(t):
+        del t[f"{experts}.1.up_proj.weight"]  # one by one
+        stacked = "model.layers.2.mlp.experts"  # layer 2 stacked, its expert 3 down missing
+        n = len({k.split(".")[5] for k in t if k.startswith(stacked + ".")})
+        halves = [
+            torch.cat([t.pop(f"{stacked}.{e}.{p}_proj.weight") for p in ("gate", "up")])
+            for e in range(n)
+        ]
+        t[f"{stacked}.gate_up_proj"] = torch.stack(halves)
+        del t[f"{stacked}.3.down_proj.weight"]
+
+    bad = _copy_ckpt(ckpt, tmp_path / "bad", edit)
+    with pytest.raises(DsakvError) as e:
+        load_model(bad)
+    assert str(e.value) == (
+        "checkpoint does not match the model: 2 missing tensor(s): "
+        f"{experts}.1.up_proj.weight, model.layers.2.mlp.experts.3.down_proj.weight"
+    )
+
+
 def test_draft_layer_tensors_are_skipped(ckpt, tmp_path, caplog):
     def add_mtp(t):
         t["model.layers.8.eh_proj.weight"] = torch.zeros(4, 4)

@@ -46,6 +46,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
+_GATE_UP = ("gate_proj", "up_proj")  # the halves of a stacked `experts.gate_up_proj`
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _DTYPES = {
     "fp32": torch.float32,
@@ -261,13 +262,14 @@ def _listing(names: list[str], limit: int = 8) -> str:
 @dataclass(frozen=True)
 class _Piece:
     """One read: `index` of checkpoint tensor `name` (whose full shape must be `shape`)
-    lands in `dest`; `count` is how many of the target's pieces it fills."""
+    lands in `dest`; `parts` are the pieces of the target it fills (experts' are
+    (expert, "gate_proj" | "up_proj" | "down_proj"); a whole tensor is one part, None)."""
 
     target: str
     dest: torch.Tensor
     shape: tuple[int, ...]
     index: tuple[slice, ...]
-    count: int = 1
+    parts: tuple[Any, ...] = (None,)
 
 
 class _Filler:
@@ -288,12 +290,14 @@ class _Filler:
                 self.experts[mod_name] = mod
             elif getattr(mod, "shard", None) is not None:
                 self.shards[f"{mod_name}.weight"] = mod.shard
-        # How many pieces fill each target: stacked experts fill per expert (and per half).
-        self.need = dict.fromkeys(self.targets, 1)
+        # The parts that fill each target: stacked experts are filled per expert and
+        # projection, whether the checkpoint stores them stacked or one by one.
+        self.need: dict[str, set[Any]] = {name: {None} for name in self.targets}
         for prefix, mod in self.experts.items():
-            n = mod.gate_up_proj.shape[0]
-            self.need[f"{prefix}.gate_up_proj"], self.need[f"{prefix}.down_proj"] = 2 * n, n
-        self.got: Counter[str] = Counter()
+            mine = range(*mod.expert_range)
+            self.need[f"{prefix}.gate_up_proj"] = {(e, p) for e in mine for p in _GATE_UP}
+            self.need[f"{prefix}.down_proj"] = {(e, "down_proj") for e in mine}
+        self.got: dict[str, set[Any]] = {name: set() for name in self.targets}
         self.unexpected: list[str] = []
         self.skipped: Counter[str] = Counter()
 
@@ -336,7 +340,7 @@ class _Filler:
                     elif scale in files:
                         tensor = _read_dequant(tensor, open_slice(scale), piece.index, self.config)
                     _copy(name, piece.dest, tensor)
-                self.got[piece.target] += piece.count
+                self.got[piece.target].update(piece.parts)
         handles.clear()
         self._report(read)
 
@@ -408,7 +412,7 @@ class _Filler:
             shape[-1] = unpacked_width(shape[-1])
         shard = self.shards.get(name)
         if shard is None:
-            return [_Piece(name, param, tuple(shape), tuple(index), self.need[name])]
+            return [_Piece(name, param, tuple(shape), tuple(index))]
         shape[shard.dim] = shard.full
         end = min(shard.end, shard.full)
         index[shard.dim] = slice(shard.start, end)
@@ -417,7 +421,7 @@ class _Filler:
             dest = param.narrow(shard.dim, 0, end - shard.start)
             with torch.no_grad():
                 param.narrow(shard.dim, end - shard.start, shard.end - end).zero_()
-        return [_Piece(name, dest, tuple(shape), tuple(index), self.need[name])]
+        return [_Piece(name, dest, tuple(shape), tuple(index))]
 
     def _expert_pieces(self, name: str, prefix: str, e: int, part: str) -> list[_Piece]:
         """`experts.{e}.gate_proj|up_proj|down_proj.weight`: rows (gate, up) or columns
@@ -435,29 +439,39 @@ class _Filler:
         rows = slice(i0, i1)
         if part == "down_proj":
             dest = mod.down_proj[e - first]
-            return [_Piece(f"{prefix}.down_proj", dest, (h, inter), (slice(None), rows))]
+            index = (slice(None), rows)
+            return [_Piece(f"{prefix}.down_proj", dest, (h, inter), index, ((e, part),))]
         half = mod.gate_up_proj[e - first]
         dest = half[:n] if part == "gate_proj" else half[n:]
-        return [_Piece(f"{prefix}.gate_up_proj", dest, (inter, h), (rows, slice(None)))]
+        index = (rows, slice(None))
+        return [_Piece(f"{prefix}.gate_up_proj", dest, (inter, h), index, ((e, part),))]
 
     def _stacked_pieces(self, name: str, mod: Experts, leaf: str) -> list[_Piece]:
         """Already stacked `experts.gate_up_proj[E, 2I, H]` / `experts.down_proj[E, H, I]`:
         this rank's experts, and their gate and up rows (or down columns) `inter_range`."""
         (first, last), (i0, i1) = mod.expert_range, mod.inter_range
         e, h, inter, n = mod.num_experts, self.config.hidden_size, mod.intermediate, i1 - i0
-        mine, every, count = slice(first, last), slice(None), last - first
+        mine, every = slice(first, last), slice(None)
+
+        def parts(part: str) -> tuple[tuple[int, str], ...]:
+            return tuple((x, part) for x in range(first, last))
+
         if leaf == "down_proj":
             index = (mine, every, slice(i0, i1))
-            return [_Piece(name, mod.down_proj, (e, h, inter), index, count)]
+            return [_Piece(name, mod.down_proj, (e, h, inter), index, parts(leaf))]
         shape, dest = (e, 2 * inter, h), mod.gate_up_proj
         gate, up = (mine, slice(i0, i1), every), (mine, slice(inter + i0, inter + i1), every)
         return [
-            _Piece(name, dest[:, :n], shape, gate, count),
-            _Piece(name, dest[:, n:], shape, up, count),
+            _Piece(name, dest[:, :n], shape, gate, parts("gate_proj")),
+            _Piece(name, dest[:, n:], shape, up, parts("up_proj")),
         ]
 
     def _report(self, read: bool = True) -> None:
-        missing = [n for n, k in self.need.items() if self.got[n] < k]
+        missing = [
+            name if part is None else f"{name.rpartition('.')[0]}.{part[0]}.{part[1]}.weight"
+            for name, parts in self.need.items()
+            for part in sorted(parts - self.got[name])
+        ]
         problems = []
         if missing:
             problems.append(f"{len(missing)} missing tensor(s): {_listing(missing)}")
@@ -470,9 +484,9 @@ class _Filler:
         if not read:
             return
         log.info(
-            "loaded %d tensors; skipped %d indexer tensors of %d shared layers (plan %s) "
+            "filled %d parameters; skipped %d indexer tensors of %d shared layers (plan %s) "
             "and %d draft/MTP tensors; %d expert tensors belong to other ranks",
-            sum(self.got.values()),
+            sum(1 for parts in self.got.values() if parts),
             self.skipped["indexer"],
             self.plan.num_shared_layers,
             self.plan.pattern,
