@@ -8,6 +8,7 @@ import asyncio
 import copy
 import json
 import shutil
+from dataclasses import replace
 
 import httpx
 import openai
@@ -109,7 +110,7 @@ def test_forks_share_the_prompt_pages(reference):
     ids = reference.tokenizer.encode(TEXTS[1], add_special_tokens=False)
     engine = reference.engine
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=1)
-    reqs = engine.add_requests(ids, params, 4)
+    reqs = engine.add_requests(ids, replace(params, n=4))
     while engine.has_unfinished():
         engine.step()
     full_pages = (len(ids) - 1) // ENGINE_ARGS["page_size"] * ENGINE_ARGS["page_size"]
@@ -605,7 +606,7 @@ def test_aborted_choices_free_everything(reference):
     """Aborting a waiting fork drops it; aborting the first choice lets the others run alone."""
     engine = reference.engine
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    reqs = engine.add_requests(TEXTS[0], params, 3)
+    reqs = engine.add_requests(TEXTS[0], replace(params, n=3))
     engine.abort(reqs[1].rid)  # still waiting for the prompt
     engine.step()
     engine.abort(reqs[0].rid)  # mid-prefill: its remaining fork starts on its own
@@ -615,7 +616,9 @@ def test_aborted_choices_free_everything(reference):
     assert len(reqs[2].output_ids) == 3
     engine.check_integrity()
     with pytest.raises(DsakvError, match="n must be in 1..16"):
-        engine.add_requests("x", params, 17)
+        engine.add_requests("x", replace(params, n=17))
+    with pytest.raises(DsakvError, match="add_request makes one choice"):  # (it made one)
+        engine.add_request("x", replace(params, n=2))
 
 
 def test_what_a_request_leaves_out_comes_from_generation_config(model_dir, tmp_path):

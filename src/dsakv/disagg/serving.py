@@ -222,7 +222,7 @@ class PrefillAsyncEngine(_DisaggEngine):
     ) -> Request:
         """Engine thread: queue the prompt with its pages held past its finish. The engine
         feeds `shadow`; `_ship` passes the final update on to `public` after the write."""
-        (req,) = engine.add_requests(ids, params, 1)
+        req = engine.add_request(ids, params)
         ops.hold(engine, req)
         for s in (shadow, public):
             s.rid, s.request, s.prompt_tokens = req.rid, req, len(ids)

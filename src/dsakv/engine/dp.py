@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsakv.distributed.leader import Leader
-from dsakv.errors import DsakvError, is_int
+from dsakv.errors import DsakvError
 
 from .engine import Engine
 from .request import Request, Status
@@ -169,15 +169,14 @@ class DPEngine:
         self._adds.append((rank, mirror.rid, ids, params))
         return mirror
 
-    def add_requests(
-        self, prompt: str | list[int], params: SamplingParams, n: int = 1
-    ) -> list[Request]:
-        """`n` choices, each routed on its own (seed + i, as `Engine.add_requests` does);
-        they share prompt pages only when they land on the same rank."""
-        if not is_int(n) or not 1 <= n <= self.max_choices:
+    def add_requests(self, prompt: str | list[int], params: SamplingParams) -> list[Request]:
+        """`params.n` choices, each routed on its own (seed + i, as `Engine.add_requests`
+        does); they share prompt pages only when they land on the same rank."""
+        n = params.n
+        if n > self.max_choices:
             raise DsakvError(f"n must be in 1..{self.max_choices}, got {n!r}")
         seeds = [None if params.seed is None else params.seed + i for i in range(n)]
-        return [self.add_request(prompt, replace(params, seed=s)) for s in seeds]
+        return [self.add_request(prompt, replace(params, seed=s, n=1)) for s in seeds]
 
     def _pick_rank(self) -> int:
         """The rank with the most free KV pages once its queued prompts are counted."""

@@ -570,9 +570,12 @@ class Engine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, rid: int | None = None
     ) -> Request:
-        """Queue a prompt; `rid` is given when another rank (DP attention) numbered it. It
-        is prefilled here, so under HiSparse its latent must fit the device (unlike a PD
-        decode server's prompts, whose latent arrives in host memory: `reserve_detached`)."""
+        """Queue a prompt, one choice (`add_requests` makes `params.n`); `rid` is given when
+        another rank (DP attention) numbered it. It is prefilled here, so under HiSparse its
+        latent must fit the device (unlike a PD decode server's prompts, whose latent arrives
+        in host memory: `reserve_detached`)."""
+        if params.n != 1:  # (one was made, silently)
+            raise DsakvError(f"add_request makes one choice; n={params.n} is add_requests'")
         ids = self.prompt_ids(prompt)
         if self.hot is not None and not self.hot.fits(len(ids)):
             raise DsakvError(
@@ -586,10 +589,8 @@ class Engine:
         self.scheduler.add(req)
         return req
 
-    def add_requests(
-        self, prompt: str | list[int], params: SamplingParams, n: int = 1
-    ) -> list[Request]:
-        """`n` completions of one prompt, sharing its KV pages.
+    def add_requests(self, prompt: str | list[int], params: SamplingParams) -> list[Request]:
+        """`params.n` completions of one prompt, sharing its KV pages.
 
         The first request runs the prompt; the other `n - 1` ("forks") are queued only once
         its prefill is done, so they find the prompt's full pages in the prefix cache and
@@ -597,8 +598,10 @@ class Engine:
         choice `i` uses `seed + i`: reproducible, yet not n copies of one sample. Prompt
         logprobs are scored once, by the first request, and copied to the forks.
         """
-        if not is_int(n) or not 1 <= n <= self.max_choices:
+        n = params.n
+        if n > self.max_choices:
             raise DsakvError(f"n must be in 1..{self.max_choices}, got {n!r}")
+        params = replace(params, n=1)  # each request is one choice
         first = self.add_request(prompt, params)
         for i in range(1, n):
             p = params if params.seed is None else replace(params, seed=params.seed + i)

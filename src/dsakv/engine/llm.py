@@ -162,7 +162,7 @@ class LLM:
         reqs: list[Request] = []
         try:
             for p, sp in zip(prompts, plist):
-                groups.append(self.engine.add_requests(p, sp, sp.n))
+                groups.append(self.engine.add_requests(p, sp))
                 reqs += groups[-1]
             bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
             with interrupts_deferred() as check:

@@ -48,8 +48,7 @@ class SamplingParams:
     # (kind, spec): kind in GRAMMAR_KINDS; compiled and checked by `Engine.add_request`
     grammar: tuple[str, str] | None = None
     prompt_logprobs: int | None = None  # teacher-forced top-n over the prompt (None = off)
-    # choices of each prompt `LLM.generate` makes, sharing its KV pages (vLLM's field; the
-    # HTTP server takes the request's `n`, `Engine.add_requests` its argument)
+    # choices of the prompt (`Engine.add_requests`), sharing its KV pages (vLLM's field)
     n: int = 1
 
     def __post_init__(self) -> None:

@@ -23,7 +23,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from dsakv.engine import Engine, Request, SamplingParams
@@ -327,7 +327,7 @@ class AsyncEngine:
         self, streams: list[RequestStream], prompt: str | list[int], params: SamplingParams
     ) -> None:
         try:
-            reqs = self.engine.add_requests(prompt, params, len(streams))
+            reqs = self.engine.add_requests(prompt, replace(params, n=len(streams)))
         except Exception as e:
             if not isinstance(e, DsakvError):
                 log.exception("add_request failed")
