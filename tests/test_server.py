@@ -16,9 +16,11 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsakv import __version__
+from dsakv.cli import main as cli_main
 from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server import build_app, make_server
+from dsakv.server.chat import load_chat_template
 
 from .serving import TIMEOUT, free_port, port_taken, running, serving
 
@@ -152,6 +154,45 @@ def test_chat_matches_offline(client, reference):
     lps = choice.logprobs.content
     assert [x.logprob for x in lps] == pytest.approx(ref.logprobs, abs=1e-4)
     assert all(len(x.top_logprobs) == 2 for x in lps)
+
+
+_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+def test_chat_template_flag_replaces_the_tokenizers(model_dir, reference, tmp_path, capsys):
+    """vLLM's --chat-template (a file, or the template itself) renders chat and /tokenize;
+    LLM.chat takes one too. A request's own template is refused (it was ignored), and a
+    missing file or a template that does not parse is one CLI error, before loading."""
+    path = tmp_path / "t.jinja"
+    path.write_text(_TEMPLATE)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    rendered = "[user] Name a colour.\n[assistant] "
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = reference.generate(rendered, params)[0]
+    assert reference.chat(messages, params, chat_template=_TEMPLATE)[0].text == want.text
+    template = load_chat_template(str(path))
+    with serving(EngineConfig(model=str(model_dir), **ENGINE_ARGS), chat_template=template) as (
+        base,
+        _,
+    ):
+        body = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=TIMEOUT).json()
+        assert r["choices"][0]["message"]["content"] == want.text
+        assert r["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+        tokens = httpx.post(f"{base}/tokenize", json={"messages": messages}, timeout=TIMEOUT)
+        assert tokens.json()["tokens"] == want.prompt_token_ids
+        for route in ("/v1/chat/completions", "/tokenize"):
+            r = httpx.post(f"{base}{route}", json={**body, "chat_template": "x"}, timeout=TIMEOUT)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    assert load_chat_template(_TEMPLATE) == _TEMPLATE  # inline
+    for bad, message in [("nofile", "no such file"), ("{% if %}", "line 1: ")]:
+        with pytest.raises(SystemExit) as e:
+            cli_main(["serve", "glm-tiny", "--chat-template", bad])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and message in err[0], err
 
 
 def test_chat_continues_the_final_message(base, client, reference):

@@ -564,8 +564,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser,
             bridge=bridge,
             listener=listener,
+            chat_template=args.chat_template,
         )
     return 0
+
+
+def _chat_template(value: str) -> str:
+    """argparse type for --chat-template: the template, read and parsed now."""
+    from dsakv.server.chat import load_chat_template
+
+    try:
+        return load_chat_template(value)
+    except DsakvError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _chat_parser(kind: str) -> Callable[[str], str]:
@@ -635,6 +646,11 @@ def _add_engine_commands(sub: Any) -> None:
         type=_chat_parser("reasoning"),
         default="auto",
         help="glm45, deepseek-v3, none (default auto: the model type's)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=_chat_template,
+        help="a Jinja chat template, or a file holding one (default: the tokenizer's)",
     )
     add_engine_args(p)
     add_storage_args(p)

@@ -182,6 +182,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         *,
+        chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -189,8 +190,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages)
         or a list of them, each rendered by the model's chat template and completed as
-        `generate` completes text. The output is the raw text: tool calls and reasoning
-        are parsed by `dsakv serve`'s chat endpoint, not here."""
+        `generate` completes text (`chat_template`: a Jinja template instead of the
+        tokenizer's). The output is the raw text: tool calls and reasoning are parsed by
+        `dsakv serve`'s chat endpoint, not here."""
         if continue_final_message and add_generation_prompt:
             raise DsakvError("continue_final_message needs add_generation_prompt=False")
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
@@ -202,7 +204,7 @@ class LLM:
                 "messages",
             )
         tokenizer = self.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise DsakvError("this model's tokenizer has no chat template", "messages")
         prompts = []
         for conversation in messages:
@@ -211,6 +213,7 @@ class LLM:
                     tokenizer.apply_chat_template(
                         list(conversation),
                         tools=tools,
+                        chat_template=chat_template,
                         add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message,
                         tokenize=False,

@@ -709,6 +709,7 @@ class Handlers:
                 messages=body.messages,
                 tools=body.tools,
                 chat_template_kwargs=body.chat_template_kwargs,
+                chat_template=body.chat_template,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
             )

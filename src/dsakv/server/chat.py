@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 
 from dsakv.engine.grammar import unenforced_keyword
 from dsakv.errors import DsakvError
@@ -32,6 +37,28 @@ _RESERVED_KWARGS = (
     "tokenize",
     "conversation",
 )
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's `--chat-template`: a file holding a Jinja chat template, or the template
+    itself; parsed here (as transformers compiles it), so a typo fails before the model
+    loads, not at the first chat request."""
+    path = Path(value)
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise DsakvError(f"{value}: {e}") from None
+    elif any(c in value for c in "{}\n"):
+        text = value
+    else:
+        raise DsakvError(f"{value}: no such file (nor a Jinja template)")
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    try:
+        env.parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise DsakvError(f"line {e.lineno}: {e.message}") from None
+    return text
 
 
 @dataclass(frozen=True)
@@ -92,6 +119,13 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Any, parsers: ChatParse
         schemas[fn["name"]] = params or {}
     choice = _tool_choice(body, schemas, parsers)
 
+    if body.chat_template is not None:  # (it was ignored, silently)
+        raise APIError(
+            400,
+            "a request's own chat_template is not run (a Jinja template is code; vLLM too "
+            "refuses it unless trusted): the server's is set with --chat-template",
+            param="chat_template",
+        )
     kwargs = dict(body.chat_template_kwargs or {})
     for key in _RESERVED_KWARGS:
         if key in kwargs:

@@ -164,6 +164,7 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking / thinking
+    chat_template: str | None = None  # vLLM's; refused: the server's is --chat-template
     # vLLM's: continue the last (assistant) message instead of opening a new one
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -178,6 +179,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # with `messages`: rendered as chat renders them
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
 

@@ -116,17 +116,24 @@ def make_server(
     reasoning_parser: str | None = "auto",
     bridge: Bridge | None = None,
     listener: Listener | None = None,
+    chat_template: str | None = None,
 ) -> tuple[uvicorn.Server, AsyncEngine]:
     """The server `run_server` runs, not yet started (tests drive it on a thread). Parser
     names: "auto" (the model type's own), "none", or one of `parsers.TOOL_PARSERS` /
     `parsers.REASONING_PARSERS`. `bridge`: what the app talks to (default: a plain
     `AsyncEngine`). `listener`: the sockets to serve, taken earlier (else uvicorn binds
-    `host:port` when it starts)."""
+    `host:port` when it starts). `chat_template`: replaces the tokenizer's
+    (`load_chat_template`)."""
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
     # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
     thread = EngineThread()
     try:
         engine = thread.call(lambda: create_engine(config, exit_on_rank_death=True))
+        if chat_template is not None:
+            if engine.tokenizer is None:
+                thread.call(engine.close)
+                raise DsakvError("--chat-template needs a tokenizer; this model has none")
+            engine.tokenizer.chat_template = chat_template  # what chat and /tokenize render
         async_engine = (bridge or AsyncEngine)(engine, thread)
     except BaseException:
         thread.close()  # a no-op once the step loop started
@@ -152,6 +159,7 @@ def run_server(
     reasoning_parser: str | None = "auto",
     bridge: Bridge | None = None,
     listener: Listener | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`). The
     port is taken before the engine loads (`listener`, else `Listener(host, port)` now)."""
@@ -167,6 +175,7 @@ def run_server(
             reasoning_parser=reasoning_parser,
             bridge=bridge,
             listener=listener,
+            chat_template=chat_template,
         )
     except BaseException:
         listener.close()
