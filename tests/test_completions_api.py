@@ -499,9 +499,32 @@ def test_a_stop_tokens_text_is_not_output(client, reference):
     tok = reference.tokenizer
     assert r.choices[0].text == tok.decode(plain.token_ids[:first])
     assert len(r.choices[0].logprobs.tokens) == first + 1
+    assert r.choices[0].model_extra["stop_reason"] == stop  # vLLM's: what stopped it
     extra = {"stop_token_ids": [stop], "include_stop_str_in_output": True}
     r = client.completions.create(**kw, extra_body=extra)
     assert r.choices[0].text == tok.decode(plain.token_ids[: first + 1])
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert r.choices[0].model_extra["stop_reason"] is None  # length
+
+
+def test_stop_reason_is_the_stop_string_streamed_or_not(base, reference):
+    """vLLM's `stop_reason`: the stop string that ended a choice (on the last chunk)."""
+    (a,) = reference.tokenizer.encode("a", add_special_tokens=False)
+    user = [{"role": "user", "content": TEXTS[1]}]
+    for key, value in [("prompt", TEXTS[1]), ("messages", user)]:
+        route = "completions" if key == "prompt" else "chat/completions"
+        body = {key: value, "max_tokens": 8, "temperature": 0, "logit_bias": {str(a): 100}}
+        free = httpx.post(f"{base}/v1/{route}", json=body, timeout=TIMEOUT).json()["choices"][0]
+        assert free["stop_reason"] is None and free["finish_reason"] == "length"
+        stop = {**body, "stop": ["\u2603", "aaa"]}
+        r = httpx.post(f"{base}/v1/{route}", json=stop, timeout=TIMEOUT).json()["choices"][0]
+        assert (r["finish_reason"], r["stop_reason"]) == ("stop", "aaa")
+        with httpx.stream(
+            "POST", f"{base}/v1/{route}", json={**stop, "stream": True}, timeout=TIMEOUT
+        ) as s:
+            chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        last = [c["choices"][0] for c in chunks if c["choices"]][-1]
+        assert (last["finish_reason"], last["stop_reason"]) == ("stop", "aaa")
 
 
 def test_penalties_and_logit_bias_through_the_openai_client(client, reference):

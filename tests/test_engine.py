@@ -219,6 +219,7 @@ def test_stop_conditions_and_logprobs(tiny):
         out.finish_reason == "stop"
         and out.token_ids == free.token_ids[: free.token_ids.index(stop_tok) + 1]
     )
+    assert (out.outputs[0].stop_reason, free.outputs[0].stop_reason) == (stop_tok, None)
     text = free.text
     if len(text) >= 6:
         stop = text[3:6]
@@ -226,6 +227,7 @@ def test_stop_conditions_and_logprobs(tiny):
             [prompt], SamplingParams(max_tokens=16, temperature=0, stop=[stop], ignore_eos=True)
         )
         assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
+        assert out.outputs[0].stop_reason == stop  # (vLLM's: the string, or the token id)
     (out,) = llm.generate(
         [prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
     )

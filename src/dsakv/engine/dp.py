@@ -26,6 +26,7 @@ _GROWING = ("output_ids", "logprobs", "top_logprobs")
 _REPLACED = (
     "output_text",
     "finish_reason",
+    "stop_reason",
     "error",
     "num_computed",
     "prompt_logprobs",

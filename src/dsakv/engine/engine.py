@@ -961,8 +961,10 @@ class Engine:
         self.stats.output_tokens += 1
         p = req.params
         reason = None
-        if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+        if not p.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
+        elif token in p.stop_token_ids:
+            reason, req.stop_reason = "stop", token
         by_token = reason is not None
         cut_text = False
         if self.tokenizer is not None:
@@ -976,7 +978,7 @@ class Engine:
                     req.output_text = req.output_text[
                         : cut + (len(stop) if p.include_stop_str_in_output else 0)
                     ]
-                    reason, cut_text = "stop", True
+                    reason, cut_text, req.stop_reason = "stop", True, stop
         if reason is None and (
             len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_model_len
         ):

@@ -37,6 +37,8 @@ class CompletionOutput:
     finish_reason: str
     logprobs: list[float] | None  # each chosen token's, with `SamplingParams.logprobs`
     top_logprobs: list[list[tuple[int, float]]] | None
+    # the stop string or `stop_token_ids` token that ended it (None: EOS, length, ...)
+    stop_reason: str | int | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -52,6 +54,7 @@ class CompletionOutput:
             req.finish_reason or "",
             list(req.logprobs) if asked else None,
             list(req.top_logprobs) if asked else None,
+            req.stop_reason,
         )
 
 

@@ -81,6 +81,8 @@ class Request:
     prefix_nodes: list = field(default_factory=list)
     host_slots: torch.Tensor | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or `stop_token_ids` token that ended it (None: anything else)
+    stop_reason: str | int | None = None
     output_text: str = ""
     detokenizer: Any = None  # decodes output_ids as they come (`Engine._decode_output`)
     logprobs: list[float] = field(default_factory=list)

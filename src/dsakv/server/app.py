@@ -162,6 +162,7 @@ class _Result:
     texts: list[str] = field(default_factory=list)
     top_texts: list[list[str]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     first: Update | None = None  # carries the prompt (and its logprobs when scored)
@@ -174,7 +175,7 @@ class _Result:
         self.top_logprobs += u.top_logprobs or []
         self.texts += u.texts or []
         self.top_texts += u.top_texts or []
-        self.finish_reason = u.finish_reason
+        self.finish_reason, self.stop_reason = u.finish_reason, u.stop_reason
         self.prompt_tokens, self.completion_tokens = u.prompt_tokens, u.completion_tokens
 
     def as_update(self) -> Update:
@@ -259,7 +260,13 @@ class Handlers:
                     lp = c.logprobs(u) if want_logprobs else None
                     if not (text or u.finished or (lp and lp["tokens"])):
                         continue  # held-back text and nobody wants the tokens yet
-                    choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": _reason(u)}
+                    choice = {
+                        "index": i,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": _reason(u),
+                        "stop_reason": u.stop_reason,
+                    }
                     yield _sse({**head, "choices": [choice], **_chunk_usage(usage, running, u)})
                     if u.finished:
                         totals.completion_tokens += u.completion_tokens
@@ -279,6 +286,7 @@ class Handlers:
                     "text": c.echo_text(u, tokenizer) + r.text,
                     "logprobs": c.logprobs(u) if want_logprobs else None,
                     "finish_reason": r.finish_reason,
+                    "stop_reason": r.stop_reason,
                     **({"prompt_logprobs": _prompt_logprobs(u)} if scored else {}),
                 }
             )
@@ -358,7 +366,13 @@ class Handlers:
                     if not (delta or u.finished):
                         delta = {"content": ""}
                     reason = chat_finish_reason(parser, _reason(u))
-                    choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+                    choice = {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": lp,
+                        "finish_reason": reason,
+                        "stop_reason": u.stop_reason,
+                    }
                     yield _sse({**head, "choices": [choice], **_chunk_usage(usage, running, u)})
                     if u.finished:
                         totals.prompt_tokens = u.prompt_tokens
@@ -379,6 +393,7 @@ class Handlers:
                     "message": chat_message(parser),
                     "logprobs": _chat_logprobs(r.as_update()) if top_n is not None else None,
                     "finish_reason": chat_finish_reason(parser, r.finish_reason),
+                    "stop_reason": r.stop_reason,
                 }
             )
         total = _Result(

@@ -90,6 +90,7 @@ class Update:
     top_logprobs: list[list[tuple[int, float]]] | None
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # (`Request.stop_reason`)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float | None = None
@@ -455,6 +456,7 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         top_logprobs=req.top_logprobs[start:end] if want else None,
         finished=req.finished,
         finish_reason=req.finish_reason,
+        stop_reason=req.stop_reason,
         prompt_tokens=len(req.prompt_ids),
         completion_tokens=end,
         ttft_s=m.ttft,
