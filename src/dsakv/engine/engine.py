@@ -574,8 +574,6 @@ class Engine:
         another rank (DP attention) numbered it. It is prefilled here, so under HiSparse its
         latent must fit the device (unlike a PD decode server's prompts, whose latent arrives
         in host memory: `reserve_detached`)."""
-        if params.n != 1:  # (one was made, silently)
-            raise DsakvError(f"add_request makes one choice; n={params.n} is add_requests'")
         ids = self.prompt_ids(prompt)
         if self.hot is not None and not self.hot.fits(len(ids)):
             raise DsakvError(
@@ -651,7 +649,10 @@ class Engine:
 
     def check_params(self, p: SamplingParams) -> None:
         """What `p` asks of this model that `SamplingParams` cannot check alone: its token
-        ids in the vocabulary (an id past it fails the step it is used in)."""
+        ids in the vocabulary (an id past it fails the step it is used in); and one choice
+        per request (`add_requests` makes `n`)."""
+        if p.n != 1:  # (add_request made one, silently)
+            raise DsakvError(f"add_request makes one choice; n={p.n} is add_requests'", "n")
         vocab = self.model_config.vocab_size
         for name, ids in (
             ("logit_bias", [t for t, _ in p.logit_bias]),
