@@ -418,6 +418,28 @@ _BAD = [
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [100000]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e-40}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    # vLLM's fields that change what is run: honoured, or refused (they were ignored)
+    ("/v1/completions", {"prompt": "x", "priority": 5}, "priority"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "bad_words": [""]}, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "structured_outputs": {"regex": "a+", "choice": ["a"]}},
+        "structured_outputs",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "structured_outputs": {"whitespace_pattern": " "}},
+        "structured_outputs",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "x", "structured_outputs": {"choice": ["a"]}, "regex": "a"},
+        "structured_outputs",
+    ),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     (
         "/v1/chat/completions",
@@ -505,6 +527,48 @@ def test_a_stop_tokens_text_is_not_output(client, reference):
     assert r.choices[0].text == tok.decode(plain.token_ids[: first + 1])
     r = client.completions.create(**kw, extra_body={"ignore_eos": True})
     assert r.choices[0].model_extra["stop_reason"] is None  # length
+
+
+def test_vllms_token_constraints_and_truncation(base, reference):
+    """structured_outputs (vLLM's since it dropped guided_*), allowed_token_ids, bad_words,
+    truncate_prompt_tokens, top_k 0 and SGLang's no_stop_trim: each does what it does in
+    vLLM (or SGLang), offline and over HTTP alike (they were accepted and ignored)."""
+    ids = reference.tokenizer.encode(TEXTS[0], add_special_tokens=False)
+
+    def text(**body) -> dict:
+        body = {"prompt": ids, "max_tokens": 8, "temperature": 0, **body}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    for so, ok in [
+        ({"choice": ["yes", "no"]}, lambda s: s in ("yes", "no")),
+        ({"regex": "[ab]{3}"}, lambda s: len(s) == 3 and set(s) <= {"a", "b"}),
+        ({"json": {"type": "integer"}}, lambda s: s.strip().lstrip("-").isdigit()),
+    ]:
+        got = text(structured_outputs=so, max_tokens=12)["choices"][0]["text"]
+        assert ok(got), (so, got)
+    allowed = [ord(c) for c in "xyz"]  # (byte-level tokens)
+    params = SamplingParams(max_tokens=8, temperature=0, allowed_token_ids=allowed)
+    want = reference.generate([ids], params)[0]
+    assert set(want.token_ids) <= set(allowed)
+    assert text(allowed_token_ids=allowed)["choices"][0]["text"] == want.text
+    ab = {str(t): 100 for t in reference.tokenizer.encode("ab", add_special_tokens=False)}
+    plain = text(ignore_eos=True, logit_bias=ab)["choices"][0]["text"]  # a's and b's
+    word = plain[1:3]
+    banned = text(ignore_eos=True, logit_bias=ab, bad_words=[word])["choices"][0]["text"]
+    assert word not in banned and len(banned) == len(plain) and set(banned) <= {"a", "b"}
+    short = text(truncate_prompt_tokens=5)
+    assert short["usage"]["prompt_tokens"] == 5
+    alone = reference.generate([ids[-5:]], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert short["choices"][0]["text"] == alone.text
+    assert (
+        text(top_k=0, temperature=0.7, seed=1)["choices"][0]["text"]
+        == (text(top_k=-1, temperature=0.7, seed=1)["choices"][0]["text"])
+    )
+    (a,) = reference.tokenizer.encode("a", add_special_tokens=False)
+    kept = text(logit_bias={str(a): 100}, stop=["aa"], no_stop_trim=True)["choices"][0]
+    assert (kept["text"], kept["stop_reason"]) == ("aa", "aa")
 
 
 def test_stop_reason_is_the_stop_string_streamed_or_not(base, reference):

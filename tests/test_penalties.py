@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsakv import LLM, SamplingParams
-from dsakv.engine.sampling import ban, penalize
+from dsakv.engine.sampling import allow, bad_word_ids, ban, banned_words_next, penalize
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import TINY_PRESETS, default_model_dir, hf_config, random_hf_model
 
@@ -64,6 +64,25 @@ def test_ban_gives_way_when_nothing_else_is_left():
     only = torch.tensor([-torch.inf, -torch.inf, 3.0])  # a grammar that allows only EOS
     ban(only, [2])
     assert only[2] == 3.0
+    row = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    allow(row, [0, 1])
+    assert row.tolist() == [0.0, 1.0, -torch.inf, -torch.inf]
+    allow(only, [0])  # (the grammar's one token stays)
+    assert only[2] == 3.0
+
+
+def test_bad_words_ban_the_token_that_would_finish_one():
+    """vLLM's rule: a one-token word is never picked; a longer one's last token is banned
+    right after the rest of it was output."""
+    words = [[7], [3, 4, 5]]
+    assert banned_words_next(words, []) == [7]
+    assert banned_words_next(words, [1, 3, 4]) == [7, 5]
+    assert banned_words_next(words, [3, 4, 1]) == [7]
+    assert banned_words_next([[3, 4]], [4]) == [] and banned_words_next([[3, 4]], [3]) == [4]
+
+
+def test_top_k_zero_is_off_as_in_vllm():
+    assert SamplingParams(top_k=0).top_k == -1 == SamplingParams().top_k
 
 
 @pytest.mark.parametrize(
@@ -81,6 +100,11 @@ def test_ban_gives_way_when_nothing_else_is_left():
         ("stop", dict(stop=5)),
         ("stop_token_ids", dict(stop_token_ids=5)),
         ("ignore_eos", dict(ignore_eos="no")),
+        ("allowed_token_ids", dict(allowed_token_ids=[])),
+        ("allowed_token_ids", dict(allowed_token_ids=[-1])),
+        ("bad_words", dict(bad_words=[""])),
+        ("bad_words", dict(bad_words=5)),
+        ("truncate_prompt_tokens", dict(truncate_prompt_tokens=0)),
     ],
 )
 def test_bad_values_name_their_field(field, kwargs):
@@ -146,6 +170,35 @@ def test_repetition_penalty_and_logit_bias_match_transformers(checkpoint):
     )
     assert got == want
     assert got != plain and sink not in got
+
+
+def test_allowed_token_ids_match_transformers_prefix_constraint(checkpoint):
+    """vLLM's allowed_token_ids: transformers' `prefix_allowed_tokens_fn` with a fixed set."""
+    hf, llm = checkpoint
+    allowed = [3, 8, 17, 41, 99, 250]
+    got = _greedy(llm, allowed_token_ids=allowed)
+    assert got == _hf_greedy(hf, eos_token_id=None, prefix_allowed_tokens_fn=lambda *_: allowed)
+    assert set(got) <= set(allowed) and got != _greedy(llm)
+
+
+def test_bad_words_are_never_output():
+    """vLLM's bad_words: the words' token sequences never appear; before a word could end,
+    nothing changes."""
+    with LLM(str(default_model_dir("glm-tiny")), **EXACT) as llm:
+        tok = llm.tokenizer
+        plain = _greedy(llm)
+        word = tok.decode(plain[2:4])
+        seqs = bad_word_ids(tok, [word])
+        assert plain[2:4] in seqs
+
+        def first_end(out: list[int]) -> int | None:  # where a bad word would end first
+            ends = [j for s in seqs for j in range(len(out)) if out[: j + 1][-len(s) :] == s]
+            return min(ends, default=None)
+
+        got = _greedy(llm, bad_words=[word])
+        cut = first_end(plain)
+        assert cut is not None and got[:cut] == plain[:cut] and got[cut] != plain[cut]
+        assert first_end(got) is None
 
 
 def test_min_tokens_bans_stop_tokens_as_transformers_does(checkpoint):
@@ -223,7 +276,15 @@ def test_mtp_keeps_the_processed_tokens():
         ),
         SamplingParams(max_tokens=20, temperature=0.8, seed=11, presence_penalty=1.5),
         SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(
+            max_tokens=20,
+            temperature=0.0,
+            ignore_eos=True,
+            allowed_token_ids=[5, 6, 7, 8, 30, 31],
+            bad_words=["ab"],
+        ),
     ]
+    prompts.append([5, 6, 7, 8] * 4)
     runs, logprobs = [], []
     for extra in ({}, {"speculative_algorithm": "mtp", "speculative_num_steps": 3}):
         with LLM(model, **exact, **extra) as llm:

@@ -90,7 +90,7 @@ def test_draw_depends_only_on_probs_seed_and_index():
 def test_sampler_row_is_the_same_alone_or_in_any_batch():
     """A seeded row's token at index i is the keyed draw from its own filtered probs,
     whatever rows (other seeds, unseeded, greedy) and indices surround it."""
-    sampler = Sampler(torch.device("cpu"))
+    sampler = Sampler(torch.device("cpu"), 0)
     probe = SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
     others = [
         SamplingParams(temperature=0.8, seed=99),
@@ -174,6 +174,18 @@ def test_seeded_tokens_do_not_depend_on_the_batch(model, probe, alone):
     assert llm.engine.counters()["steps"] > 10  # mixed prefill/decode steps, not one batch
     other = LLM(model, **EXACT).generate([probe], replace(SEEDED, seed=7))
     assert other[0].token_ids != alone.token_ids
+
+
+def test_the_engines_seed_makes_unseeded_sampling_reproducible(model):
+    """vLLM's LLM(seed=...): unseeded requests draw from a generator the engine's seed
+    starts (it started from the OS's entropy, whatever the seed)."""
+    params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    prompts = _prompts(3, seed=5)
+    runs = []
+    for seed in (1234, 1234, 99):
+        with LLM(model, **EXACT, seed=seed) as llm:
+            runs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert runs[0] == runs[1] != runs[2]
 
 
 def test_seeded_tokens_equal_with_mtp_on_and_off(model):

@@ -156,7 +156,7 @@ class DPEngine:
     # --- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
-        ids = self.local.prompt_ids(prompt)
+        ids = self.local.prompt_ids(prompt, params.truncate_prompt_tokens)
         self.local.check_params(params)  # the client's 400 here and now, not on a peer
         if params.grammar is not None:
             self.local.grammars.matcher(params.grammar)

@@ -38,7 +38,10 @@ from .request import Request
 from .sampling import (
     Sampler,
     SamplingParams,
+    allow,
+    bad_word_ids,
     ban,
+    banned_words_next,
     gather_logprobs,
     penalize,
     token_ranks,
@@ -383,7 +386,7 @@ class Engine:
             self.l3,
             self.hot,
         )
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, config.seed)
         self.tokenizer = _load_tokenizer(config.model)
         self.runner = ModelRunner(
             self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
@@ -574,7 +577,7 @@ class Engine:
         another rank (DP attention) numbered it. It is prefilled here, so under HiSparse its
         latent must fit the device (unlike a PD decode server's prompts, whose latent arrives
         in host memory: `reserve_detached`)."""
-        ids = self.prompt_ids(prompt)
+        ids = self.prompt_ids(prompt, params.truncate_prompt_tokens)
         if self.hot is not None and not self.hot.fits(len(ids)):
             raise DsakvError(
                 f"prompt has {len(ids)} tokens; under HiSparse a prompt is prefilled on the "
@@ -641,6 +644,10 @@ class Engine:
         self.check_params(p)
         if p.grammar is not None:
             req.matcher = self.grammars.matcher(p.grammar)
+        if p.bad_words:
+            if self.tokenizer is None:
+                raise DsakvError("bad_words needs a tokenizer; this model has none", "bad_words")
+            req.bad_words_ids = bad_word_ids(self.tokenizer, p.bad_words)
         if p.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(req.prompt_ids)
             req.prompt_top_logprobs = [None] * len(req.prompt_ids)
@@ -657,6 +664,7 @@ class Engine:
         for name, ids in (
             ("logit_bias", [t for t, _ in p.logit_bias]),
             ("stop_token_ids", p.stop_token_ids),
+            ("allowed_token_ids", p.allowed_token_ids or ()),
         ):
             if any(t >= vocab for t in ids):
                 raise DsakvError(
@@ -677,11 +685,14 @@ class Engine:
             self.scheduler.add(fork)
         req.forks = []
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """The prompt's token ids, or a `DsakvError` saying why it cannot run."""
+    def prompt_ids(self, prompt: str | list[int], keep: int | None = None) -> list[int]:
+        """The prompt's token ids (its last `keep`: `truncate_prompt_tokens`), or a
+        `DsakvError` saying why it cannot run."""
         ids = self.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
         if not ids:
             raise DsakvError("prompt is empty")
+        if keep is not None:
+            ids = ids[-(keep if keep > 0 else self.max_model_len - 1) :]
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise DsakvError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
@@ -814,7 +825,7 @@ class Engine:
     def _accept(self, req: Request, logits: torch.Tensor, drafts: list[int], now: float) -> None:
         """Verify `req`'s drafts and emit what is kept plus one target token; the KV of the
         kept drafts was written by this step's forward."""
-        if req.params.penalized or req.matcher is not None or req.params.min_tokens:
+        if req.params.penalized or req.params.masked or req.matcher is not None:
             logits = logits.float().clone()
         if req.matcher is not None:  # drafts the grammar refuses are not even checked
             drafts = self.grammars.apply_drafts(logits, req.matcher, drafts)
@@ -829,8 +840,8 @@ class Engine:
         raw = torch.log_softmax(logits.float(), -1) if k is not None else None  # `_sample_one`
         for j in range(len(drafts) + 1):
             if req.params.penalized:
-                penalize(logits[j], req.params, req.prompt_ids, req.output_ids + drafts[:j])
-            self._ban_stops(req, logits[j], len(req.output_ids) + j)
+                penalize(logits[j], req.params, self._prompt_set(req), req.output_ids + drafts[:j])
+            self._restrict(req, logits[j], req.output_ids + drafts[:j])
         tokens = verify(logits, drafts, req.params, self.sampler.generator, len(req.output_ids))
         accepted = len(tokens) - 1
         req.metrics.draft_tokens += len(drafts)
@@ -877,9 +888,8 @@ class Engine:
             raw = torch.log_softmax(logits[asked], -1) if asked else None
             for i, req in enumerate(reqs):
                 if req.params.penalized:
-                    penalize(logits[i], req.params, req.prompt_ids, req.output_ids)
-                if len(req.output_ids) < req.params.min_tokens:
-                    self._ban_stops(req, logits[i], len(req.output_ids))
+                    penalize(logits[i], req.params, self._prompt_set(req), req.output_ids)
+                self._restrict(req, logits[i], req.output_ids)
             tokens = self.sampler.sample(
                 logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs]
             )
@@ -937,11 +947,24 @@ class Engine:
         log.warning("request %d: %s", req.rid, req.error)
         self._finish(req, "error", now)
 
-    def _ban_stops(self, req: Request, row: torch.Tensor, index: int) -> None:
-        """Under `min_tokens`, output token `index` may not be a stop token."""
+    def _restrict(self, req: Request, row: torch.Tensor, output: list[int]) -> None:
+        """What `req` may not pick after `output`: a stop token under `min_tokens`, the
+        last token of a bad word, anything outside `allowed_token_ids`."""
         p = req.params
-        if index < p.min_tokens:
+        if not p.masked:
+            return
+        if len(output) < p.min_tokens:
             ban(row, [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)])
+        if req.bad_words_ids:
+            ban(row, banned_words_next(req.bad_words_ids, output))
+        if p.allowed_token_ids is not None:
+            allow(row, p.allowed_token_ids)
+
+    def _prompt_set(self, req: Request) -> torch.Tensor:
+        """`req`'s distinct prompt ids on the device (the repetition penalty's), made once."""
+        if req.prompt_set is None:
+            req.prompt_set = torch.tensor(req.prompt_ids, device=self.device).unique()
+        return req.prompt_set
 
     def _emit(self, req: Request, token: int, now: float) -> None:
         """Record `req`'s next token, wherever it came from (sampled, a kept MTP draft, the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,6 +51,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # teacher-forced top-n over the prompt (None = off)
     # choices of the prompt (`Engine.add_requests`), sharing its KV pages (vLLM's field)
     n: int = 1
+    # vLLM's: only these tokens may be picked (None: any)
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: words (their token sequences, with and without a leading space) never output
+    bad_words: tuple[str, ...] = ()
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as the context leaves room)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -61,6 +68,13 @@ class SamplingParams:
         )
         if isinstance(self.grammar, list):
             object.__setattr__(self, "grammar", tuple(self.grammar))
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        object.__setattr__(self, "bad_words", _as_tuple(words, "bad_words", "a list of strings"))
+        if self.allowed_token_ids is not None:
+            allowed = _as_tuple(self.allowed_token_ids, "allowed_token_ids", "a list of token ids")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.top_k == 0 and is_int(self.top_k):  # vLLM's "off", as -1
+            object.__setattr__(self, "top_k", -1)
         bias = self.logit_bias
         if isinstance(bias, dict):
             bias = bias.items()
@@ -89,7 +103,7 @@ class SamplingParams:
             (is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (
                 is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-                "top_k must be -1 or >= 1",
+                "top_k must be -1 or 0 (off), or >= 1",
             ),
             (is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.seed is None or is_int(self.seed), "seed must be an integer"),
@@ -133,6 +147,26 @@ class SamplingParams:
                 "logprobs must be in 0..20",
             ),
             (
+                self.allowed_token_ids is None
+                or (
+                    self.allowed_token_ids
+                    and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)
+                ),
+                "allowed_token_ids must be a non-empty list of token ids",
+            ),
+            (
+                all(isinstance(w, str) and w for w in self.bad_words),
+                "bad_words must be non-empty strings",
+            ),
+            (
+                self.truncate_prompt_tokens is None
+                or (
+                    is_int(self.truncate_prompt_tokens)
+                    and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
+                ),
+                "truncate_prompt_tokens must be -1 or an integer >= 1",
+            ),
+            (
                 self.prompt_logprobs is None
                 or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                 "prompt_logprobs must be in 0..20",
@@ -162,6 +196,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def masked(self) -> bool:
+        """Whether `Engine._restrict` takes tokens away: stops under `min_tokens`, bad
+        words, or all but `allowed_token_ids`."""
+        return bool(self.min_tokens or self.bad_words or self.allowed_token_ids is not None)
 
     @property
     def penalized(self) -> bool:
@@ -218,10 +258,11 @@ class Sampler:
     """Samples one token per row: seeded rows by (seed, output index), so a request's tokens
     do not depend on its batch; unseeded rows from one shared generator."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
-        self.generator = torch.Generator(device="cpu")
-        self.generator.seed()
+        # the engine's seed (vLLM's): unseeded requests reproduce run to run, given the same
+        # requests in the same order
+        self.generator = torch.Generator(device="cpu").manual_seed(seed & ((1 << 63) - 1))
 
     def sample(
         self,
@@ -283,21 +324,60 @@ def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
-def penalize(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]):
+def penalize(
+    row: torch.Tensor,
+    p: SamplingParams,
+    prompt: Sequence[int] | torch.Tensor,
+    output: Sequence[int],
+):
     """In place on one row of logits, in vLLM's (and transformers') order: `p`'s logit
     bias, then the repetition penalty over the prompt's and the output's tokens, then the
-    frequency and presence penalties over the output's."""
+    frequency and presence penalties over the output's. `prompt` may be its distinct ids
+    on the row's device (`Engine._prompt_set`: a long prompt is not converted anew
+    each step)."""
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], device=row.device)
         row[ids] += torch.tensor([b for _, b in p.logit_bias], device=row.device, dtype=row.dtype)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor([*prompt, *output], device=row.device).unique()
+        prompt = torch.as_tensor(prompt, dtype=torch.long, device=row.device)
+        seen = torch.cat([prompt, torch.tensor(output, dtype=torch.long, device=row.device)])
+        seen = seen.unique()
         vals = row[seen]
         r = p.repetition_penalty
         row[seen] = torch.where(vals > 0, vals / r, vals * r)
     if output and (p.presence_penalty or p.frequency_penalty):
         ids, counts = torch.tensor(output, device=row.device).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+
+def allow(row: torch.Tensor, token_ids: Sequence[int]) -> None:
+    """In place: only `token_ids` can be picked, unless none of them could (as `ban`)."""
+    others = torch.ones(row.numel(), dtype=torch.bool, device=row.device)
+    others[torch.tensor(token_ids, device=row.device)] = False
+    if bool(torch.isfinite(row.masked_fill(others, -math.inf)).any()):
+        row.masked_fill_(others, -math.inf)
+
+
+def bad_word_ids(tokenizer: Any, words: Sequence[str]) -> list[list[int]]:
+    """vLLM's token sequences of `bad_words`: each word as given, and with a leading space
+    where that tokenizes to as many tokens, starting differently."""
+    out: list[list[int]] = []
+    for word in words:
+        ids = tokenizer.encode(word, add_special_tokens=False)
+        out.append(ids)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and len(spaced) == len(ids) and spaced[0] != ids[0]:
+            out.append(spaced)
+    return [ids for ids in out if ids]
+
+
+def banned_words_next(sequences: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The tokens that would finish one of the bad words' `sequences` after `output`."""
+    return [
+        seq[-1]
+        for seq in sequences
+        if len(seq) == 1 or list(output[len(output) - len(seq) + 1 :]) == list(seq[:-1])
+    ]
 
 
 def ban(row: torch.Tensor, token_ids: Sequence[int]) -> None:

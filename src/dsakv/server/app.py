@@ -475,6 +475,14 @@ class Handlers:
             raise APIError(
                 400, "prompt_logprobs are not available with stream: true", param="prompt_logprobs"
             )
+        if body.priority not in (None, 0):  # (vLLM's words)
+            raise APIError(
+                400,
+                f"Got priority {body.priority} but priority scheduling is not enabled",
+                param="priority",
+            )
+        if body.use_beam_search:
+            raise APIError(400, "beam search is not supported", param="use_beam_search")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
         if max_tokens is not None and max_tokens < min_max_tokens:
@@ -510,7 +518,9 @@ class Handlers:
                 stop=tuple(stop),
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=bool(body.ignore_eos),
-                include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                include_stop_str_in_output=bool(
+                    body.include_stop_str_in_output or body.no_stop_trim
+                ),
                 skip_special_tokens=body.skip_special_tokens is not False,
                 min_tokens=body.min_tokens or 0,
                 presence_penalty=body.presence_penalty or 0.0,
@@ -518,6 +528,9 @@ class Handlers:
                 logit_bias=self._logit_bias(body.logit_bias),
                 logprobs=logprobs,
                 grammar=_grammar(body),
+                allowed_token_ids=body.allowed_token_ids,
+                bad_words=tuple(body.bad_words or ()),
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
                 prompt_logprobs=(
                     body.prompt_logprobs
                     if body.prompt_logprobs is not None
@@ -599,9 +612,7 @@ class Handlers:
         which never comes for a request the decode server refused (the router hangs up)."""
         if max_tokens_param is not None:
             try:
-                prompt = await self._fitting(
-                    prompt, params.max_tokens, max_tokens_param, prompt_param
-                )
+                prompt = await self._fitting(prompt, params, max_tokens_param, prompt_param)
             except APIError as e:
                 self.engine.refused(e.message, e.status)
                 raise
@@ -623,13 +634,14 @@ class Handlers:
             watcher.cancel()
 
     async def _fitting(
-        self, prompt: str | list[int], max_tokens: int, param: str, prompt_param: str
+        self, prompt: str | list[int], params: SamplingParams, param: str, prompt_param: str
     ) -> list[int]:
-        """`prompt`'s token ids, if `max_tokens` more fit in the context after them; else
-        vLLM's 400. Tokenized off the event loop (a long prompt takes a while)."""
-        e = self.engine.engine
+        """`prompt`'s token ids (truncated as `params` says), if `params.max_tokens` more
+        fit in the context after them; else vLLM's 400. Tokenized off the event loop (a
+        long prompt takes a while)."""
+        e, max_tokens = self.engine.engine, params.max_tokens
         try:
-            ids = await asyncio.to_thread(e.prompt_ids, prompt)
+            ids = await asyncio.to_thread(e.prompt_ids, prompt, params.truncate_prompt_tokens)
         except DsakvError as err:
             raise APIError(400, str(err), param=err.param or prompt_param) from None
         if len(ids) + max_tokens > e.max_model_len:
@@ -1017,7 +1029,14 @@ _GRAMMAR_FIELDS = (
 # Fields whose grammar is the answer's (`content`), applied after a chat's reasoning block:
 # OpenAI's and vLLM's, as vLLM's reasoning parsers do (SGLang's cover the whole output).
 _AFTER_REASONING = frozenset(
-    ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+    (
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_grammar",
+        "guided_choice",
+        "structured_outputs",
+    )
 )
 
 
@@ -1057,21 +1076,41 @@ def _grammar_request(body: GenerationRequest) -> tuple[str, tuple[str, str]] | N
     for name, kind in _GRAMMAR_FIELDS:
         value = getattr(body, name)
         if value is not None:
-            found.append((name, (kind, value if isinstance(value, str) else json.dumps(value))))
+            found.append((name, (kind, _spec(value))))
     if body.guided_choice is not None:
-        if not body.guided_choice or not all(body.guided_choice):
-            raise APIError(
-                400, "guided_choice must be a list of non-empty strings", param="guided_choice"
-            )
-        # EBNF string literals take JSON's escapes: one alternative per choice, exactly.
-        choices = " | ".join(json.dumps(c, ensure_ascii=False) for c in body.guided_choice)
-        found.append(("guided_choice", ("ebnf", f"root ::= {choices}")))
+        found.append(("guided_choice", _choice_grammar(body.guided_choice, "guided_choice")))
+    if (so := body.structured_outputs) is not None:
+        name = "structured_outputs"
+        asked = [
+            *([("json_schema", _spec(so.json_))] if so.json_ is not None else []),
+            *([("regex", so.regex)] if so.regex is not None else []),
+            *([_choice_grammar(so.choice, name)] if so.choice is not None else []),
+            *([("ebnf", so.grammar)] if so.grammar is not None else []),
+            *([("json_object", "")] if so.json_object else []),
+            *([("structural_tag", so.structural_tag)] if so.structural_tag is not None else []),
+        ]
+        if len(asked) != 1:
+            raise APIError(400, f"{name} takes one constraint, got {len(asked)}", param=name)
+        found.append((name, asked[0]))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise APIError(
             400, f"ask for one structured output at a time, not {names}", param=found[1][0]
         )
     return found[0] if found else None
+
+
+def _spec(value: str | dict[str, Any]) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _choice_grammar(choices: list[str], param: str) -> tuple[str, str]:
+    """vLLM's `choice`: the output is exactly one of `choices`."""
+    if not choices or not all(choices):
+        raise APIError(400, f"{param} must be a list of non-empty strings", param=param)
+    # EBNF string literals take JSON's escapes: one alternative per choice, exactly.
+    alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    return ("ebnf", f"root ::= {alternatives}")
 
 
 def _grammar_param(params: SamplingParams) -> str | None:

@@ -55,6 +55,19 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its guided_* fields' successor): one constraint."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")  # (options not run: refused)
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool | None = None  # (one grammar engine here: nothing to fall back on)
+
+
 class ResponseFormat(_Strict):
     """OpenAI's `response_format`: `text`, `json_object` or `json_schema` (checked later)."""
 
@@ -99,6 +112,15 @@ class GenerationRequest(_Strict):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's, since it dropped guided_*
+    # vLLM's token constraints and prompt truncation (`SamplingParams`)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    no_stop_trim: bool | None = None  # SGLang's include_stop_str_in_output
+    # refused unless off: no priority scheduling, no beam search
+    priority: int | None = None
+    use_beam_search: bool | None = None
 
 
 class CompletionRequest(GenerationRequest):
