@@ -44,6 +44,7 @@ from .sampling import (
     banned_words_next,
     gather_logprobs,
     penalize,
+    token_mask,
     token_ranks,
 )
 from .scheduler import Scheduler, SchedulerConfig
@@ -840,7 +841,12 @@ class Engine:
         raw = torch.log_softmax(logits.float(), -1) if k is not None else None  # `_sample_one`
         for j in range(len(drafts) + 1):
             if req.params.penalized:
-                penalize(logits[j], req.params, self._prompt_set(req), req.output_ids + drafts[:j])
+                penalize(
+                    logits[j],
+                    req.params,
+                    self._prompt_mask(req, logits.shape[-1]),
+                    req.output_ids + drafts[:j],
+                )
             self._restrict(req, logits[j], req.output_ids + drafts[:j])
         tokens = verify(logits, drafts, req.params, self.sampler.generator, len(req.output_ids))
         accepted = len(tokens) - 1
@@ -888,7 +894,12 @@ class Engine:
             raw = torch.log_softmax(logits[asked], -1) if asked else None
             for i, req in enumerate(reqs):
                 if req.params.penalized:
-                    penalize(logits[i], req.params, self._prompt_set(req), req.output_ids)
+                    penalize(
+                        logits[i],
+                        req.params,
+                        self._prompt_mask(req, logits.shape[-1]),
+                        req.output_ids,
+                    )
                 self._restrict(req, logits[i], req.output_ids)
             tokens = self.sampler.sample(
                 logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs]
@@ -960,11 +971,12 @@ class Engine:
         if p.allowed_token_ids is not None:
             allow(row, p.allowed_token_ids)
 
-    def _prompt_set(self, req: Request) -> torch.Tensor:
-        """`req`'s distinct prompt ids on the device (the repetition penalty's), made once."""
-        if req.prompt_set is None:
-            req.prompt_set = torch.tensor(req.prompt_ids, device=self.device).unique()
-        return req.prompt_set
+    def _prompt_mask(self, req: Request, vocab: int) -> torch.Tensor:
+        """`req`'s prompt tokens as a mask over the logits (the repetition penalty's), made
+        once."""
+        if req.prompt_mask is None:
+            req.prompt_mask = token_mask(req.prompt_ids, vocab, self.device)
+        return req.prompt_mask
 
     def _emit(self, req: Request, token: int, now: float) -> None:
         """Record `req`'s next token, wherever it came from (sampled, a kept MTP draft, the

@@ -332,28 +332,35 @@ def penalize(
 ):
     """In place on one row of logits, in vLLM's (and transformers') order: `p`'s logit
     bias, then the repetition penalty over the prompt's and the output's tokens, then the
-    frequency and presence penalties over the output's. `prompt` may be its distinct ids
-    on the row's device (`Engine._prompt_set`: a long prompt is not converted anew
-    each step)."""
+    frequency and presence penalties over the output's. `prompt` may be a boolean mask
+    over the row's tokens (`Engine._prompt_mask`: a long prompt is not converted anew
+    each step, and no step sorts it)."""
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], device=row.device)
         row[ids] += torch.tensor([b for _, b in p.logit_bias], device=row.device, dtype=row.dtype)
     if p.repetition_penalty != 1.0:
-        prompt = torch.as_tensor(prompt, dtype=torch.long, device=row.device)
-        seen = torch.cat([prompt, torch.tensor(output, dtype=torch.long, device=row.device)])
-        seen = seen.unique()
-        vals = row[seen]
+        if isinstance(prompt, torch.Tensor) and prompt.dtype == torch.bool:
+            seen = prompt.clone()
+        else:
+            seen = token_mask(prompt, row.numel(), row.device)
+        seen[torch.tensor(output, dtype=torch.long, device=row.device)] = True
         r = p.repetition_penalty
-        row[seen] = torch.where(vals > 0, vals / r, vals * r)
+        row.copy_(torch.where(seen, torch.where(row > 0, row / r, row * r), row))
     if output and (p.presence_penalty or p.frequency_penalty):
         ids, counts = torch.tensor(output, device=row.device).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
 
+def token_mask(ids: Sequence[int], size: int, device: torch.device) -> torch.Tensor:
+    """A boolean mask of `size` tokens, set at `ids`."""
+    mask = torch.zeros(size, dtype=torch.bool, device=device)
+    mask[torch.tensor(ids, dtype=torch.long, device=device)] = True
+    return mask
+
+
 def allow(row: torch.Tensor, token_ids: Sequence[int]) -> None:
     """In place: only `token_ids` can be picked, unless none of them could (as `ban`)."""
-    others = torch.ones(row.numel(), dtype=torch.bool, device=row.device)
-    others[torch.tensor(token_ids, device=row.device)] = False
+    others = ~token_mask(token_ids, row.numel(), row.device)
     if bool(torch.isfinite(row.masked_fill(others, -math.inf)).any()):
         row.masked_fill_(others, -math.inf)
 
