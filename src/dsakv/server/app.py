@@ -400,16 +400,10 @@ class Handlers:
             prompt_tokens=results[0].prompt_tokens,
             completion_tokens=sum(r.completion_tokens for r in results),
         )
-        scored = {"prompt_logprobs": _prompt_logprobs(results[0].as_update())}
-        return JSONResponse(
-            {
-                **head,
-                "object": "chat.completion",
-                "choices": choices,
-                "usage": _usage(total),
-                **(scored if body.prompt_logprobs is not None else {}),
-            }
-        )
+        out = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(total)}
+        if body.prompt_logprobs is not None:  # vLLM's: the response's, not a choice's
+            out["prompt_logprobs"] = _prompt_logprobs(results[0].as_update())
+        return JSONResponse(out)
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's `/model_info` shape (sglang-router reads `model_type` from it)."""
