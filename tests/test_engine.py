@@ -428,6 +428,49 @@ def test_chat_completes_each_conversation_as_its_chat_template_renders_it(small_
     assert not small_llm.engine.has_unfinished()
 
 
+def test_chat_takes_openai_messages_as_the_server_does(small_llm):
+    """Content parts (text joined by newlines, vLLM's) and tool calls whose arguments are
+    JSON text, OpenAI's format: the repr of the parts went into the prompt, and the
+    arguments failed in the template."""
+    tok = small_llm.tokenizer
+    parts = [{"role": "user", "content": [{"type": "text", "text": t} for t in ("A.", "B.")]}]
+    (out,) = small_llm.chat(parts, GREEDY)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "A.\nB."}], add_generation_prompt=True, tokenize=False
+    )
+    assert out.prompt_token_ids == small_llm.generate(text, GREEDY)[0].prompt_token_ids
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    turns = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ]
+    as_dict = [
+        turns[0],
+        {**turns[1], "tool_calls": [{**call, "function": {"name": "f", "arguments": {"x": 1}}}]},
+        turns[2],
+    ]
+    (a,), (b,) = small_llm.chat(turns, GREEDY), small_llm.chat(as_dict, GREEDY)
+    assert a.prompt_token_ids == b.prompt_token_ids
+    assert small_llm.generate("hi", GREEDY)[0].prompt == "hi"  # vLLM's RequestOutput.prompt
+    assert small_llm.generate([[104, 105]], GREEDY)[0].prompt is None
+    for bad, message in (
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "content part type 'image_url'"),
+        (
+            [
+                turns[0],
+                {
+                    **turns[1],
+                    "tool_calls": [{**call, "function": {"name": "f", "arguments": "[1]"}}],
+                },
+            ],
+            "must be a JSON object",
+        ),
+    ):
+        with pytest.raises(DsakvError, match=message):
+            small_llm.chat(bad, GREEDY)
+
+
 @pytest.fixture(scope="module")
 def small_llm(tiny):
     """One engine for many cases that refuse before anything runs."""

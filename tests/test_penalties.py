@@ -6,6 +6,8 @@ transformers' own processors (`generate` with `sequence_bias`, `repetition_penal
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 
 import pytest
 import torch
@@ -310,6 +312,25 @@ def test_min_tokens_ignores_stop_strings_before_it():
         cut = text[12].find(stop, len(text[5]) - len(stop) + 1)
         assert len(got.token_ids) >= 6 and got.token_ids == plain[: len(got.token_ids)]
         assert got.text == (text[12] if cut < 0 else text[12][:cut])
+
+
+def test_min_tokens_counts_a_stop_whose_character_ends_past_it(tmp_path):
+    """A stop string that ends past `min_tokens` counts, though its character's first
+    bytes came before: where the output is decoded whole each token (a tokenizer asking
+    to clean up spaces), those bytes were a U+FFFD counted as seen."""
+    path = shutil.copytree(default_model_dir("glm-tiny"), tmp_path / "m")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "clean_up_tokenization_spaces": True})
+    )
+    # "a中cd" byte by byte: 中's last byte is token 4, past min_tokens 3
+    sp = SamplingParams(
+        max_tokens=6, min_tokens=3, stop=["中"], ignore_eos=True, grammar=("regex", "a中cd")
+    )
+    for model in (default_model_dir("glm-tiny"), path):
+        with LLM(str(model), **EXACT) as llm:
+            out = llm.generate("x", sp)[0]
+            assert (out.text, out.finish_reason) == ("a", "stop"), model
 
 
 def _greedy_text(llm: LLM, **params):

@@ -195,6 +195,16 @@ def test_chat_template_flag_replaces_the_tokenizers(model_dir, reference, tmp_pa
         assert e.value.code == 2 and len(err) == 1 and message in err[0], err
 
 
+def test_content_parts_are_joined_by_newlines_as_vllm_does(base):
+    parts = [{"type": "text", "text": "A."}, {"type": "text", "text": "B."}]
+
+    def tokens(content) -> list[int]:
+        body = {"messages": [{"role": "user", "content": content}]}
+        return httpx.post(f"{base}/tokenize", json=body, timeout=TIMEOUT).json()["tokens"]
+
+    assert tokens(parts) == tokens("A.\nB.")
+
+
 def test_chat_continues_the_final_message(base, client, reference):
     messages = [
         {"role": "user", "content": "Name a colour."},

@@ -1005,8 +1005,8 @@ class Engine:
         cut_text = False
         if self.tokenizer is not None:
             self._decode_output(req, token)
-            if len(req.output_ids) < p.min_tokens:
-                req.stop_floor = len(req.output_text)
+            if len(req.output_ids) < p.min_tokens:  # (not past a character still coming)
+                req.stop_floor = len(req.output_text.rstrip("\ufffd"))
             elif p.stop and reason is None:
                 hit = _find_stop(req.output_text, p.stop, req.stop_floor)
                 if hit is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import os
 import reprlib
 import weakref
@@ -73,6 +74,7 @@ class RequestOutput:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_ranks: list[int | None] | None = None
     error: str | None = None  # why it failed alone (finish_reason "error")
+    prompt: str | None = None  # the prompt's text, where it was given as text (vLLM's)
 
     text = property(lambda self: self.outputs[0].text)
     token_ids = property(lambda self: self.outputs[0].token_ids)
@@ -81,7 +83,7 @@ class RequestOutput:
     top_logprobs = property(lambda self: self.outputs[0].top_logprobs)
 
     @classmethod
-    def from_requests(cls, reqs: Sequence[Request]) -> RequestOutput:
+    def from_requests(cls, reqs: Sequence[Request], prompt: str | None = None) -> RequestOutput:
         """The output of one prompt's choices (`Engine.add_requests`)."""
         first, ms = reqs[0], [r.metrics for r in reqs]
         latencies = [m.latency for m in ms]
@@ -102,6 +104,7 @@ class RequestOutput:
             prompt_top_logprobs=_copy(first.prompt_top_logprobs),
             prompt_ranks=_copy(first.prompt_ranks),
             error=next((r.error for r in reqs if r.error is not None), None),
+            prompt=prompt,
         )
 
 
@@ -177,7 +180,10 @@ class LLM:
             for r in reqs:
                 self.engine.abort(r.rid)
             raise
-        return [RequestOutput.from_requests(g) for g in groups]
+        return [
+            RequestOutput.from_requests(g, p if isinstance(p, str) else None)
+            for g, p in zip(groups, prompts)
+        ]
 
     def chat(
         self,
@@ -214,7 +220,7 @@ class LLM:
             try:
                 prompts.append(
                     tokenizer.apply_chat_template(
-                        list(conversation),
+                        [template_message(i, m) for i, m in enumerate(conversation)],
                         tools=tools,
                         chat_template=chat_template,
                         add_generation_prompt=add_generation_prompt,
@@ -226,6 +232,46 @@ class LLM:
             except Exception as e:  # the template's raise_exception: bad roles or order
                 raise DsakvError(f"chat template failed: {e}", "messages") from None
         return self.generate(prompts, params, use_tqdm)
+
+
+def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenAI message `i` as chat templates expect it, as vLLM reads it: text content parts
+    joined by newlines, tool-call arguments (JSON text) as dicts; other keys as given."""
+    out = dict(message)
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind != "text":
+                raise DsakvError(
+                    f"messages[{i}]: content part type {kind!r} is not supported", "messages"
+                )
+            texts.append(part.get("text") or "")
+        content = "\n".join(texts)
+    out["content"] = content or ""
+    if message.get("tool_calls"):
+        out["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(message["tool_calls"])]
+    return out
+
+
+def _template_call(i: int, j: int, call: Mapping[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    args = function.get("arguments") or "{}"
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            args = None
+    if not isinstance(args, dict):
+        raise DsakvError(
+            f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object", "messages"
+        )
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": function.get("name"), "arguments": args},
+    }
 
 
 def _copy(xs: list | None) -> list | None:

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import jinja2.ext
 import jinja2.sandbox
 
 from dsakv.engine.grammar import unenforced_keyword
+from dsakv.engine.llm import template_message
 from dsakv.errors import DsakvError
 
 from .parsers import (
@@ -26,7 +26,7 @@ from .parsers import (
     resolve_parsers,
     tool_call_structural_tag,
 )
-from .protocol import APIError, ChatCompletionRequest
+from .protocol import APIError, ChatCompletionRequest, ChatMessage
 
 # Template arguments the server sets itself; chat_template_kwargs may not override them.
 _RESERVED_KWARGS = (
@@ -220,47 +220,12 @@ def _tool_choice(
     return choice
 
 
-def _template_message(i: int, m: Any) -> dict[str, Any]:
-    """One message as chat templates expect it: text content, tool-call arguments as dicts."""
-    out: dict[str, Any] = {"role": m.role, "content": content_text(m.content)}
-    for key in ("name", "tool_call_id", "reasoning_content"):
-        if getattr(m, key) is not None:
-            out[key] = getattr(m, key)
-    if m.tool_calls:
-        calls = []
-        for j, tc in enumerate(m.tool_calls):
-            try:
-                args = json.loads(tc.function.arguments or "{}")
-            except ValueError:
-                args = None
-            if not isinstance(args, dict):
-                raise APIError(
-                    400,
-                    f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object",
-                    param="messages",
-                )
-            calls.append(
-                {
-                    "id": tc.id,
-                    "type": "function",
-                    "function": {"name": tc.function.name, "arguments": args},
-                }
-            )
-        out["tool_calls"] = calls
-    return out
-
-
-def content_text(content: Any) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if part.type != "text":
-            raise APIError(
-                400, f"content part type {part.type!r} is not supported", param="messages"
-            )
-        parts.append(part.text or "")
-    return "".join(parts)
+def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    """One message as chat templates expect it (`template_message`, `LLM.chat`'s too)."""
+    try:
+        return template_message(i, m.model_dump(exclude_none=True))
+    except DsakvError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 # --- output -----------------------------------------------------------------------------------
