@@ -245,7 +245,7 @@ def test_stop_conditions_and_logprobs(tiny):
         (dict(temperature=float("inf")), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
         (dict(top_p=0), "top_p"),
-        (dict(top_k=0), "top_k"),
+        (dict(top_k=-2), "top_k"),
         (dict(min_p=2), "min_p"),
         (dict(seed="x"), "seed"),
         (dict(logprobs=99), "logprobs"),
