@@ -571,6 +571,35 @@ def test_vllms_token_constraints_and_truncation(base, reference):
     assert (kept["text"], kept["stop_reason"]) == ("aa", "aa")
 
 
+def test_return_token_ids_as_vllm_gives_them(base, reference):
+    """vLLM's return_token_ids: the prompt's ids and each choice's, streamed (the prompt's
+    on the first chunk, each chunk its own ids) or not; completions and chat."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = reference.generate(TEXTS[0], params)[0]
+    chat_want = reference.chat([{"role": "user", "content": TEXTS[1]}], params)[0]
+    common = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    bodies = {
+        "completions": {"prompt": TEXTS[0], **common},
+        "chat/completions": {"messages": [{"role": "user", "content": TEXTS[1]}], **common},
+    }
+    for route, body in bodies.items():
+        ref = want if route == "completions" else chat_want
+        r = httpx.post(f"{base}/v1/{route}", json=body, timeout=TIMEOUT).json()
+        holder = r["choices"][0] if route == "completions" else r
+        assert holder["prompt_token_ids"] == ref.prompt_token_ids
+        assert r["choices"][0]["token_ids"] == ref.token_ids
+        with httpx.stream(
+            "POST", f"{base}/v1/{route}", json={**body, "stream": True}, timeout=TIMEOUT
+        ) as s:
+            chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        first = chunks[0]["choices"][0] if route == "completions" else chunks[0]
+        assert first["prompt_token_ids"] == ref.prompt_token_ids
+        streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+        assert streamed == ref.token_ids
+    plain = httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, timeout=TIMEOUT).json()
+    assert "token_ids" not in plain["choices"][0]
+
+
 def test_stop_reason_is_the_stop_string_streamed_or_not(base, reference):
     """vLLM's `stop_reason`: the stop string that ended a choice (on the last chunk)."""
     (a,) = reference.tokenizer.encode("a", add_special_tokens=False)

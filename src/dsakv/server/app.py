@@ -246,7 +246,7 @@ class Handlers:
             "created": created,
             "model": self.model_name,
         }
-        want_logprobs = body.logprobs is not None
+        want_logprobs, ids = body.logprobs is not None, bool(body.return_token_ids)
         tokenizer = self.engine.engine.tokenizer
 
         if body.stream:
@@ -258,7 +258,8 @@ class Handlers:
                     c = choices[i]
                     text = c.echo_text(u, tokenizer) + u.text
                     lp = c.logprobs(u) if want_logprobs else None
-                    if not (text or u.finished or (lp and lp["tokens"])):
+                    wanted = (lp and lp["tokens"]) or (ids and (u.token_ids or u.prompt_token_ids))
+                    if not (text or u.finished or wanted):
                         continue  # held-back text and nobody wants the tokens yet
                     choice = {
                         "index": i,
@@ -266,6 +267,7 @@ class Handlers:
                         "logprobs": lp,
                         "finish_reason": _reason(u),
                         "stop_reason": u.stop_reason,
+                        **(_token_ids(u) if ids else {}),
                     }
                     yield _sse({**head, "choices": [choice], **_chunk_usage(usage, running, u)})
                     if u.finished:
@@ -288,6 +290,7 @@ class Handlers:
                     "finish_reason": r.finish_reason,
                     "stop_reason": r.stop_reason,
                     **({"prompt_logprobs": _prompt_logprobs(u)} if scored else {}),
+                    **(_token_ids(u) if ids else {}),
                 }
             )
         total = _Result(
@@ -342,8 +345,12 @@ class Handlers:
             "model": self.model_name,
         }
 
+        ids = bool(body.return_token_ids)
         if body.stream:
             usage, running = _stream_usage(body)
+            if ids:  # (vLLM's first chunk carries them; the engine's own tokenization)
+                keep = params.truncate_prompt_tokens
+                prompt_ids = await asyncio.to_thread(self.engine.engine.prompt_ids, prompt, keep)
 
             async def events() -> AsyncIterator[str]:
                 for i in range(n):
@@ -354,13 +361,15 @@ class Handlers:
                         "finish_reason": None,
                     }
                     start = _Result(prompt_tokens=streams[i].prompt_tokens)  # no tokens yet
-                    yield _sse({**head, "choices": [role], **_chunk_usage(usage, running, start)})
+                    first = {"prompt_token_ids": prompt_ids} if i == 0 and ids else {}
+                    chunk = {**head, **first, "choices": [role]}
+                    yield _sse({**chunk, **_chunk_usage(usage, running, start)})
                 parsers = [prep.output_parser() for _ in range(n)]  # one per choice
                 totals = _Result()
                 async for i, u in self._merged(streams):
                     parser = parsers[i]
                     delta = chat_delta(parser.feed(u.text, final=u.finished))
-                    if not (delta or u.finished or (top_n is not None and u.token_ids)):
+                    if not (delta or u.finished or ((top_n is not None or ids) and u.token_ids)):
                         continue  # held-back text and nobody wants the tokens yet
                     lp = _chat_logprobs(u) if top_n is not None else None
                     if not (delta or u.finished):
@@ -372,6 +381,7 @@ class Handlers:
                         "logprobs": lp,
                         "finish_reason": reason,
                         "stop_reason": u.stop_reason,
+                        **({"token_ids": u.token_ids} if ids else {}),
                     }
                     yield _sse({**head, "choices": [choice], **_chunk_usage(usage, running, u)})
                     if u.finished:
@@ -394,6 +404,7 @@ class Handlers:
                     "logprobs": _chat_logprobs(r.as_update()) if top_n is not None else None,
                     "finish_reason": chat_finish_reason(parser, r.finish_reason),
                     "stop_reason": r.stop_reason,
+                    **({"token_ids": r.token_ids} if ids else {}),
                 }
             )
         total = _Result(
@@ -403,6 +414,8 @@ class Handlers:
         out = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(total)}
         if body.prompt_logprobs is not None:  # vLLM's: the response's, not a choice's
             out["prompt_logprobs"] = _prompt_logprobs(results[0].as_update())
+        if ids:
+            out["prompt_token_ids"] = results[0].as_update().prompt_token_ids
         return JSONResponse(out)
 
     def model_info(self) -> dict[str, Any]:
@@ -914,6 +927,12 @@ def _top_dict(
         out.setdefault(s, _lp(x))
     out.setdefault(chosen, _lp(chosen_logprob))  # (ranked below every top one, or among them)
     return out
+
+
+def _token_ids(u: Update) -> dict[str, list[int] | None]:
+    """vLLM's `return_token_ids` on a completions choice: the prompt's ids (in its first
+    update) and the ids this update adds."""
+    return {"prompt_token_ids": u.prompt_token_ids, "token_ids": u.token_ids}
 
 
 def _prompt_logprobs(u: Update) -> list[dict[str, dict[str, Any]] | None]:

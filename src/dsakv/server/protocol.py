@@ -118,6 +118,7 @@ class GenerationRequest(_Strict):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     no_stop_trim: bool | None = None  # SGLang's include_stop_str_in_output
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's ids too
     # refused unless off: no priority scheduling, no beam search
     priority: int | None = None
     use_beam_search: bool | None = None
