@@ -420,6 +420,22 @@ _BAD = [
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     # vLLM's fields that change what is run: honoured, or refused (they were ignored)
     ("/v1/completions", {"prompt": "x", "priority": 5}, "priority"),
+    ("/v1/completions", {"prompt": "x", "logprob_token_ids": [1]}, "logprob_token_ids"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": "abc"}, "cache_salt"),
+    ("/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ("/v1/completions", {"prompt": "x", "repetition_detection": {}}, "repetition_detection"),
+    ("/v1/completions", {"prompt": "x", "thinking_token_budget": 9}, "thinking_token_budget"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "return_tokens_as_token_ids": True},
+        "return_tokens_as_token_ids",
+    ),
+    ("/v1/completions", {"prompt": "x", "truncation_side": "right"}, "truncation_side"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "echo": True},
+        "echo",
+    ),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, "allowed_token_ids"),

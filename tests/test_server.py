@@ -157,6 +157,8 @@ def test_chat_matches_offline(client, reference):
 
 
 _TEMPLATE = (
+    "{% if reasoning_effort %}[effort {{ reasoning_effort }}]{% endif %}"
+    "{% for d in documents or [] %}[doc {{ d.title }}]{% endfor %}"
     "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}[assistant] {% endif %}"
 )
@@ -184,6 +186,11 @@ def test_chat_template_flag_replaces_the_tokenizers(model_dir, reference, tmp_pa
         assert r["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
         tokens = httpx.post(f"{base}/tokenize", json={"messages": messages}, timeout=TIMEOUT)
         assert tokens.json()["tokens"] == want.prompt_token_ids
+        # vLLM's reasoning_effort and documents reach the template
+        extra = {"reasoning_effort": "low", "documents": [{"title": "T", "text": "t"}]}
+        r = httpx.post(f"{base}/v1/chat/completions", json={**body, **extra}, timeout=TIMEOUT)
+        rendered = reference.generate("[effort low][doc T]" + rendered, params)[0]
+        assert r.json()["usage"]["prompt_tokens"] == len(rendered.prompt_token_ids)
         for route in ("/v1/chat/completions", "/tokenize"):
             r = httpx.post(f"{base}{route}", json={**body, "chat_template": "x"}, timeout=TIMEOUT)
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"

@@ -286,6 +286,15 @@ def test_reasoning_is_split(served, family, stream):
         content = r.choices[0].message.content
     assert reasoning.isalpha() and 3 <= len(reasoning) <= 6
     assert content.isalpha() and 2 <= len(content) <= 4
+    # vLLM's include_reasoning: false leaves the reasoning out, the answer as it was
+    kw["extra_body"] = {**kw["extra_body"], "include_reasoning": False}
+    r = _chat(client, family, **kw)
+    if stream:
+        s = _reassemble(list(r))
+        assert (s["reasoning"], s["content"]) == ("", content)
+    else:
+        assert r.choices[0].message.content == content
+        assert getattr(r.choices[0].message, "reasoning_content", None) is None
     # Without thinking the same text is all content (DeepSeek's prompt closes the block).
     if family == "deepseek" and not stream:
         r = _chat(client, family, tools=None, extra_body={"regex": "[a-z]{3,6}"})

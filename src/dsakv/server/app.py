@@ -303,6 +303,8 @@ class Handlers:
         self._check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.echo:  # (vLLM's: the last message prepended to a reply in the same role)
+            raise APIError(400, "echo is not supported on chat completions", param="echo")
         tokenizer = self.engine.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
@@ -345,7 +347,7 @@ class Handlers:
             "model": self.model_name,
         }
 
-        ids = bool(body.return_token_ids)
+        ids, thinking = bool(body.return_token_ids), body.include_reasoning is not False
         if body.stream:
             usage, running = _stream_usage(body)
             if ids:  # (vLLM's first chunk carries them; the engine's own tokenization)
@@ -368,7 +370,7 @@ class Handlers:
                 totals = _Result()
                 async for i, u in self._merged(streams):
                     parser = parsers[i]
-                    delta = chat_delta(parser.feed(u.text, final=u.finished))
+                    delta = chat_delta(parser.feed(u.text, final=u.finished), thinking)
                     if not (delta or u.finished or ((top_n is not None or ids) and u.token_ids)):
                         continue  # held-back text and nobody wants the tokens yet
                     lp = _chat_logprobs(u) if top_n is not None else None
@@ -400,7 +402,7 @@ class Handlers:
             choices.append(
                 {
                     "index": i,
-                    "message": chat_message(parser),
+                    "message": chat_message(parser, thinking),
                     "logprobs": _chat_logprobs(r.as_update()) if top_n is not None else None,
                     "finish_reason": chat_finish_reason(parser, r.finish_reason),
                     "stop_reason": r.stop_reason,
@@ -490,6 +492,20 @@ class Handlers:
             )
         if body.use_beam_search:
             raise APIError(400, "beam search is not supported", param="use_beam_search")
+        for name in _NOT_RUN:  # (each was accepted and ignored)
+            if getattr(body, name, None) not in (None, False):
+                raise APIError(400, f"{name} is not supported", param=name)
+        if body.thinking_token_budget not in (None, -1):
+            raise APIError(
+                400, "thinking_token_budget is not supported", param="thinking_token_budget"
+            )
+        if body.truncation_side not in (None, "left"):
+            raise APIError(
+                400,
+                "truncation_side must be 'left': truncate_prompt_tokens keeps the prompt's last "
+                "tokens",
+                param="truncation_side",
+            )
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options needs stream: true", param="stream_options")
         if max_tokens is not None and max_tokens < min_max_tokens:
@@ -1026,6 +1042,16 @@ class _CompletionChoice:
             out["text_offset"].append(self.offset)
             self.offset += len(s)
         return out
+
+
+# vLLM's request fields whose feature dsakv does not run: a 400 unless off.
+_NOT_RUN = (
+    "logprob_token_ids",
+    "prompt_embeds",
+    "repetition_detection",
+    "return_tokens_as_token_ids",
+    "cache_salt",  # (a prefix cache per salt: not here, so no isolation to promise)
+)
 
 
 # Request fields that ask for structured output, and the grammar kind each gives.

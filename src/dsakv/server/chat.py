@@ -132,6 +132,9 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Any, parsers: ChatParse
             raise APIError(
                 400, f"chat_template_kwargs may not set {key!r}", param="chat_template_kwargs"
             )
+    for key in ("reasoning_effort", "documents"):  # vLLM's: the template reads them
+        if getattr(body, key) is not None:
+            kwargs[key] = getattr(body, key)
     if body.continue_final_message:
         if body.add_generation_prompt is not False:
             raise APIError(
@@ -231,24 +234,25 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
 # --- output -----------------------------------------------------------------------------------
 
 
-def chat_message(parser: ChatOutputParser) -> dict[str, Any]:
-    """The assistant message of a finished (fully fed) parser."""
+def chat_message(parser: ChatOutputParser, reasoning: bool = True) -> dict[str, Any]:
+    """The assistant message of a finished (fully fed) parser (its reasoning left out
+    unless `reasoning`: vLLM's include_reasoning)."""
     calls = parser.tool_calls
     msg: dict[str, Any] = {
         "role": "assistant",
         "content": parser.content or (None if calls else ""),
     }
-    if parser.reasoning is not None:
+    if parser.reasoning is not None and reasoning:
         msg["reasoning_content"] = parser.reasoning
     if calls:
         msg["tool_calls"] = calls
     return msg
 
 
-def chat_delta(d: ChatDelta) -> dict[str, Any]:
-    """A streamed `delta` object for what one step settled."""
+def chat_delta(d: ChatDelta, reasoning: bool = True) -> dict[str, Any]:
+    """A streamed `delta` object for what one step settled (as `chat_message`)."""
     delta: dict[str, Any] = {}
-    if d.reasoning:
+    if d.reasoning and reasoning:
         delta["reasoning_content"] = d.reasoning
     if d.content:
         delta["content"] = d.content

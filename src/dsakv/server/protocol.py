@@ -119,9 +119,16 @@ class GenerationRequest(_Strict):
     truncate_prompt_tokens: int | None = None
     no_stop_trim: bool | None = None  # SGLang's include_stop_str_in_output
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's ids too
-    # refused unless off: no priority scheduling, no beam search
+    # refused unless off (`Handlers._params`): what they ask for is not run here
     priority: int | None = None
     use_beam_search: bool | None = None
+    truncation_side: str | None = None  # ("left" is what truncate_prompt_tokens does)
+    logprob_token_ids: list[int] | None = None
+    prompt_embeds: Any = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -188,6 +195,11 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking / thinking
     chat_template: str | None = None  # vLLM's; refused: the server's is --chat-template
+    # vLLM's: to the template (reasoning_effort, documents); reasoning_content left out
+    reasoning_effort: str | None = None
+    documents: list[dict[str, Any]] | None = None
+    include_reasoning: bool | None = True
+    echo: bool | None = None  # (vLLM's chat echo: refused)
     # vLLM's: continue the last (assistant) message instead of opening a new one
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
