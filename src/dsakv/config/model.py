@@ -245,8 +245,6 @@ def _with_generation_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     defaults = {k: gen[k] for k in SAMPLING_FIELDS if gen.get(k) is not None}
     if not all(is_number(v) for v in defaults.values()):
         raise ConfigError(f"{path}: {', '.join(defaults)} must be numbers, got {defaults}")
-    if defaults.get("top_k") == 0:  # (transformers' "no top-k"; -1 here, as in vLLM)
-        defaults["top_k"] = -1
     if (most := gen.get("max_new_tokens")) is not None:  # vLLM's default and cap
         if type(most) is not int or most < 1:
             raise ConfigError(f"{path}: max_new_tokens must be an integer >= 1, got {most!r}")
