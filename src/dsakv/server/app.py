@@ -10,7 +10,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from .runner import AsyncEngine, RequestStream, Update
 _ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/generate",
     "/v1/models",
     "/tokenize",
     "/detokenize",
@@ -145,6 +146,9 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return api.detokenize(body)
 
+    from .generate import add_generate_route  # (here: that module imports this one)
+
+    add_generate_route(app, api, auth)  # SGLang's native /generate
     return app
 
 
@@ -165,6 +169,7 @@ class _Result:
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     first: Update | None = None  # carries the prompt (and its logprobs when scored)
 
     def add(self, u: Update) -> None:
@@ -177,6 +182,7 @@ class _Result:
         self.top_texts += u.top_texts or []
         self.finish_reason, self.stop_reason = u.finish_reason, u.stop_reason
         self.prompt_tokens, self.completion_tokens = u.prompt_tokens, u.completion_tokens
+        self.cached_tokens = u.cached_tokens
 
     def as_update(self) -> Update:
         f = self.first
@@ -237,7 +243,8 @@ class Handlers:
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         params = await self._ready_grammar(params, _grammar_param(params))
         given = "max_tokens" if body.max_tokens is not None else None
-        streams = await self._submit_all(prompts, params, n, raw, given)
+        count = len(prompts)
+        streams = await self._submit_all(prompts, [params] * count, n, raw, [given] * count)
         choices = [_CompletionChoice(i, s, prompts[i // n], echo) for i, s in enumerate(streams)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
@@ -681,16 +688,19 @@ class Handlers:
     async def _submit_all(
         self,
         prompts: list[str | list[int]],
-        params: SamplingParams,
+        params: Sequence[SamplingParams],
         n: int,
         raw: Request,
-        max_tokens_param: str | None = None,
+        max_tokens_params: Sequence[str | None],
+        prompt_param: str = "prompt",
     ) -> list[RequestStream]:
-        """Every prompt's `n` choices, in order; if one is rejected, the others are aborted."""
+        """Every prompt's `n` choices, in order, each prompt with its own params (and the
+        field its client's max_tokens came in: `_submit_n`); if one is rejected, the others
+        are aborted."""
         streams: list[RequestStream] = []
         try:
-            for prompt in prompts:
-                streams += await self._submit_n(prompt, params, n, raw, "prompt", max_tokens_param)
+            for prompt, p, given in zip(prompts, params, max_tokens_params, strict=True):
+                streams += await self._submit_n(prompt, p, n, raw, prompt_param, given)
         except BaseException:
             for s in streams:
                 self.engine.abort(s)

@@ -91,6 +91,7 @@ class Update:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # (`Request.stop_reason`)
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (SGLang's cached_tokens)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: float | None = None
@@ -457,6 +458,7 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         finished=req.finished,
         finish_reason=req.finish_reason,
         stop_reason=req.stop_reason,
+        cached_tokens=m.prefix_hit_tokens,
         prompt_tokens=len(req.prompt_ids),
         completion_tokens=end,
         ttft_s=m.ttft,

@@ -1,0 +1,401 @@
+"""SGLang's native `/generate` API, which SGLang clients, RL frameworks (slime, AReaL, verl's
+sglang rollout) and sglang-router call: SGLang's request (`GenerateReqInput`, its
+`sampling_params` names) and response shapes (`text`, `output_ids`, `meta_info`), over the
+OpenAI handlers' plumbing (`Handlers`): the same sampling params and generation_config
+defaults, submission, disconnect aborts and SSE streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dsakv.engine import SamplingParams
+from dsakv.errors import DsakvError
+
+from .app import Handlers, _lp, _prompt_list, _Result, _sse
+from .protocol import APIError, GenerationRequest
+
+_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's `GenerateReqInput`, the fields dsakv runs (null: SGLang's default). Its
+    fields that dsakv does not run are refused unless left off (`_NOT_RUN`); unknown ones
+    are ignored, as in the OpenAI routes (routers add their own)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool | None = False
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None  # -1: from the last prompt token (no scoring)
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = False
+
+
+# GenerateReqInput's fields that change what is generated or returned, not run here.
+_NOT_RUN = (
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "positional_embed_overrides",
+    "lora_path",
+    "custom_logit_processor",
+    "session_params",
+    "priority",
+    "max_thinking_tokens",
+    "require_reasoning",
+    "token_ids_logprob",
+    "return_sampling_mask",
+    "return_flat_raw_top_logprobs",
+    "return_hidden_states",
+    "return_routed_experts",
+    "return_indexer_topk",
+    "return_entropy",
+)
+
+
+class SGLangSamplingParams(BaseModel):
+    """SGLang's `sampling_params` (null: its default). A key SGLang does not have is a 400,
+    and so is one it has that dsakv does not run, unless null (`_refuse_not_run`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    n: int | None = None
+    sampling_seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    # A fast (tokenizers) tokenizer's decode has no such option, so SGLang's does nothing
+    # with it either: taken, as RL frameworks send it.
+    spaces_between_special_tokens: bool | None = None
+    # SGLang's, not run here: a 400 unless null
+    stop_regex: Any = None
+    custom_params: Any = None
+    stream_interval: Any = None
+
+
+_SAMPLING_NOT_RUN = ("stop_regex", "custom_params", "stream_interval")
+_GRAMMAR_KEYS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+# The OpenAI names `Handlers._params` checks under, and SGLang's for them.
+_SGLANG_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+    "include_stop_str_in_output": "no_stop_trim",
+    "logprobs": "top_logprobs_num",
+    "prompt_logprobs": "top_logprobs_num",
+    "response_format": "json_schema",
+    "structured_outputs": "structural_tag",
+}
+_OPENAI_WORDS = re.compile(r"\b(" + "|".join(_SGLANG_NAMES) + r")\b")
+
+
+def add_generate_route(app: FastAPI, api: Handlers, auth: list[Any]) -> None:
+    """`POST`/`PUT /generate` (SGLang takes both), behind the /v1 routes' `auth`."""
+
+    async def generate(body: GenerateRequest, raw: Request) -> Response:
+        return await _generate(api, body, raw)
+
+    app.add_api_route("/generate", generate, methods=["POST", "PUT"], dependencies=auth)
+
+
+@dataclass(frozen=True)
+class _LogprobAsk:
+    """What `return_logprob` asks for: input logprobs from prompt position `start` (-1:
+    the last one, which nothing scores), the top `top_n`, and each token's text."""
+
+    start: int
+    top_n: int
+    texts: _TokenTexts
+
+
+async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Response:
+    began = time.perf_counter()
+    _refuse_not_run(body)
+    prompts, single, prompt_field = _prompts(body)
+    samplings = _samplings(body.sampling_params, len(prompts), single)
+    n = samplings[0].n or 1
+    if any((s.n or 1) != n for s in samplings):
+        raise APIError(
+            400, "n must be the same in every sampling_params", param="sampling_params.n"
+        )
+    rids = _rids(body.rid, len(prompts), n, single)
+    ask = _logprob_ask(api, body)
+    if ask is not None and ask.start >= 0:  # check it against the prompts' lengths
+        prompts = [await _prompt_ids(api, p, ask.start, prompt_field) for p in prompts]
+    with _in_sglang_terms():
+        if isinstance(body.sampling_params, list):
+            params = [await _params(api, s, ask) for s in samplings]
+        else:
+            params = [await _params(api, samplings[0], ask)] * len(prompts)
+        # (the context check only where the client gave max_new_tokens, as SGLang's)
+        given = ["max_new_tokens" if s.max_new_tokens is not None else None for s in samplings]
+        streams = await api._submit_all(prompts, params, n, raw, given, prompt_field)
+    batch = not single or n > 1  # (outputs prompt-major: prompt i's sample j is i * n + j)
+
+    if body.stream:
+        so_far = [_Result() for _ in streams]
+
+        async def events() -> AsyncIterator[str]:
+            async for i, u in api._merged(streams):
+                so_far[i].add(u)  # SGLang streams the output so far (cumulative)
+                out = _output(rids[i], so_far[i], ask, began)
+                yield _sse({**out, "index": i} if batch else out)
+
+        return api._stream_response(events(), streams)
+
+    results = await api._collect_all(streams, raw)
+    outs = [_output(rid, r, ask, began) for rid, r in zip(rids, results)]
+    return JSONResponse(outs if batch else outs[0])
+
+
+# --- request -----------------------------------------------------------------------------------
+
+
+def _refuse_not_run(body: GenerateRequest) -> None:
+    extra = body.model_extra or {}
+    for name in _NOT_RUN:
+        if extra.get(name):  # (null, false, 0 or empty: left off)
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+
+
+def _prompts(body: GenerateRequest) -> tuple[list[str | list[int]], bool, str]:
+    """The prompts, whether they came as one (not a list), and the field they came in."""
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(400, "give exactly one of text and input_ids", param="text")
+    name = "text" if body.text is not None else "input_ids"
+    value = body.text if body.text is not None else body.input_ids
+    if not value:
+        raise APIError(400, f"{name} is empty", param=name)
+    try:
+        prompts = _prompt_list(value)
+    except APIError as e:
+        raise APIError(e.status, e.message, param=name) from None
+    return prompts, isinstance(value, str) or isinstance(value[0], int), name
+
+
+def _samplings(
+    given: dict[str, Any] | list[dict[str, Any]] | None, count: int, single: bool
+) -> list[SGLangSamplingParams]:
+    """One `SGLangSamplingParams` per prompt: one dict for all, or a list of one each."""
+    if not isinstance(given, list):
+        return [_sampling(given or {})] * count
+    if single or len(given) != count:
+        raise APIError(
+            400,
+            f"sampling_params must be one object, or a list of one per prompt ({count})",
+            param="sampling_params",
+        )
+    return [_sampling(d) for d in given]
+
+
+def _sampling(given: dict[str, Any]) -> SGLangSamplingParams:
+    try:
+        sp = SGLangSamplingParams.model_validate(given)
+    except ValidationError as e:
+        first = e.errors()[0]
+        name = ".".join(["sampling_params", *(str(x) for x in first["loc"][:1])])
+        if first["type"] == "extra_forbidden":
+            message = f"{name} is not one of SGLang's sampling params"
+            raise APIError(400, message, param=name) from None
+        raise APIError(400, f"{name}: {first['msg']}", param=name) from None
+    for key in _SAMPLING_NOT_RUN:
+        if getattr(sp, key) is not None:
+            name = f"sampling_params.{key}"
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+    return sp
+
+
+def _rids(rid: str | list[str] | None, prompts: int, n: int, single: bool) -> list[str]:
+    """Each output's `meta_info.id`, as SGLang names them: the one `rid` of a single prompt;
+    `rid_i`, or the list's own, in a batch; a new one for each sample when n > 1."""
+    if single and n == 1:
+        if isinstance(rid, list):
+            raise APIError(400, "rid must be a string for one prompt", param="rid")
+        return [rid or uuid.uuid4().hex]
+    if isinstance(rid, list):
+        if len(rid) != prompts:
+            raise APIError(400, f"rid must have one id per prompt ({prompts})", param="rid")
+        if len(set(rid)) != len(rid):
+            raise APIError(400, "rid has an id twice", param="rid")
+    if n > 1 or rid is None:
+        return [uuid.uuid4().hex for _ in range(prompts * n)]
+    return [f"{rid}_{i}" for i in range(prompts)] if isinstance(rid, str) else list(rid)
+
+
+def _logprob_ask(api: Handlers, body: GenerateRequest) -> _LogprobAsk | None:
+    if not body.return_logprob:
+        return None
+    start = -1 if body.logprob_start_len is None else body.logprob_start_len
+    if start < -1:
+        raise APIError(
+            400, f"logprob_start_len must be -1 or >= 0, got {start}", param="logprob_start_len"
+        )
+    texts = _TokenTexts(api.engine.engine.tokenizer if body.return_text_in_logprobs else None)
+    return _LogprobAsk(start, body.top_logprobs_num or 0, texts)
+
+
+async def _prompt_ids(api: Handlers, prompt: str | list[int], start: int, name: str) -> list[int]:
+    """The prompt's token ids, which must reach past `logprob_start_len` (SGLang's check)."""
+    try:
+        ids = await asyncio.to_thread(api.engine.engine.prompt_ids, prompt)
+    except DsakvError as e:
+        raise APIError(400, str(e), param=e.param or name) from None
+    if start >= len(ids):
+        raise APIError(
+            400,
+            f"logprob_start_len ({start}) must be less than the prompt's {len(ids)} tokens",
+            param="logprob_start_len",
+        )
+    return ids
+
+
+async def _params(
+    api: Handlers, sp: SGLangSamplingParams, ask: _LogprobAsk | None
+) -> SamplingParams:
+    """`sp` as the engine's `SamplingParams`, built and checked by `Handlers._params` (and
+    its grammar compiled) as for /v1/completions, under OpenAI's names."""
+    skip = {"max_new_tokens", "min_new_tokens", "structural_tag", "spaces_between_special_tokens"}
+    fields = sp.model_dump(exclude_none=True, exclude=skip | set(_SAMPLING_NOT_RUN))
+    if sp.min_new_tokens is not None:
+        fields["min_tokens"] = sp.min_new_tokens
+    if sp.structural_tag is not None:
+        fields["structured_outputs"] = {"structural_tag": sp.structural_tag}
+    if ask is not None and ask.start >= 0:  # score the prompt (SGLang's input logprobs)
+        fields["prompt_logprobs"] = ask.top_n
+    body = GenerationRequest.model_validate(fields)
+    logprobs = None if ask is None else ask.top_n
+    params = api._params(
+        body,
+        sp.max_new_tokens,
+        _DEFAULT_MAX_NEW_TOKENS,
+        logprobs,
+        "top_logprobs_num",
+        "max_new_tokens",
+        min_max_tokens=0,  # (SGLang's prefill-only request: scores the prompt)
+    )
+    grammar = next((k for k in _GRAMMAR_KEYS if getattr(sp, k) is not None), None)
+    return await api._ready_grammar(params, grammar and f"sampling_params.{grammar}")
+
+
+@contextlib.contextmanager
+def _in_sglang_terms() -> Iterator[None]:
+    """The OpenAI handlers' errors, naming SGLang's fields instead of OpenAI's."""
+    try:
+        yield
+    except APIError as e:
+        param = _SGLANG_NAMES.get(e.param or "", e.param)
+        if param in SGLangSamplingParams.model_fields:
+            param = f"sampling_params.{param}"
+        message = _OPENAI_WORDS.sub(lambda m: _SGLANG_NAMES[m[1]], e.message)
+        raise APIError(e.status, message, e.type, param, e.code) from None
+
+
+# --- response ----------------------------------------------------------------------------------
+
+
+def _output(rid: str, r: _Result, ask: _LogprobAsk | None, began: float) -> dict[str, Any]:
+    """One output in SGLang's shape, from what it has so far."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": _finish_reason(r),
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "cached_tokens": r.cached_tokens,
+    }
+    if r.finish_reason is not None:
+        meta["e2e_latency"] = time.perf_counter() - began
+    if ask is not None:
+        meta.update(_logprobs(r, ask))
+    return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}
+
+
+def _finish_reason(r: _Result) -> dict[str, Any] | None:
+    """SGLang's finish reason (`BaseFinishReason.to_json`): a stop names what matched, the
+    stop string or token, or else the EOS token that ended it (the last output token)."""
+    if r.finish_reason is None:
+        return None
+    if r.finish_reason == "length":
+        return {"type": "length", "length": r.completion_tokens}
+    if r.finish_reason == "stop":
+        last = r.token_ids[-1] if r.token_ids else None
+        return {"type": "stop", "matched": r.stop_reason if r.stop_reason is not None else last}
+    return {"type": "abort", "message": "the request was aborted"}
+
+
+def _logprobs(r: _Result, ask: _LogprobAsk) -> dict[str, Any]:
+    """SGLang's `[logprob, token id, text or null]` triples: the output's, and the prompt's
+    from `logprob_start_len` (its first one null, as SGLang's), with the top ones if asked."""
+    first = r.first
+    prompt = (first.prompt_token_ids if first else None) or []
+    scores = (first.prompt_logprobs if first else None) or []
+    tops = (first.prompt_top_logprobs if first else None) or []
+    start = ask.start if ask.start >= 0 else max(len(prompt) - 1, 0)
+    span = range(start + 1, len(scores))  # (empty where the prompt was not scored)
+    text = ask.texts
+    out: dict[str, Any] = {
+        "input_token_logprobs": _triples(
+            [None, *(_lp(scores[p]) for p in span)], prompt[start:], text
+        ),
+        "output_token_logprobs": _triples([_lp(x) for x in r.logprobs], r.token_ids, text),
+    }
+    if ask.top_n > 0:
+        out["input_top_logprobs"] = [None, *(_top(tops[p], text) for p in span)]
+        out["output_top_logprobs"] = [_top(top, text) for top in r.top_logprobs]
+    return out
+
+
+def _triples(logprobs: list[float | None], ids: list[int], text: _TokenTexts) -> list[list]:
+    return [[x, t, s] for x, t, s in zip(logprobs, ids, text(ids))]
+
+
+def _top(top: list[tuple[int, float]] | None, text: _TokenTexts) -> list[list]:
+    top = top or []
+    return _triples([_lp(x) for _, x in top], [t for t, _ in top], text)
+
+
+class _TokenTexts:
+    """`return_text_in_logprobs`: each token's text decoded alone, as SGLang's (so one
+    decode per distinct token, kept); null without it or without a tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.known: dict[int, str] = {}
+
+    def __call__(self, ids: list[int]) -> list[str | None]:
+        if self.tokenizer is None:
+            return [None] * len(ids)
+        new = list({t for t in ids if t not in self.known})
+        if new:
+            self.known.update(zip(new, self.tokenizer.batch_decode([[t] for t in new])))
+        return [self.known[t] for t in ids]

@@ -1,0 +1,351 @@
+"""SGLang's native /generate (`dsakv.server.generate`), end to end on a tiny model: its
+outputs, finish reasons and logprobs equal the offline engine's, streamed or not, in SGLang's
+request and response shapes; bad input is one 400 naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import shutil
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from dsakv.engine import LLM, EngineConfig, SamplingParams
+from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+
+from .serving import TIMEOUT, serving
+
+MODEL = "tiny-dense"
+ENGINE_ARGS = dict(
+    kv_cache_dtype="fp32",
+    index_k_dtype="fp32",
+    num_pages=96,
+    page_size=16,
+    chunked_prefill_size=40,
+    device="cpu",
+)
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog, then naps in the warm sun until dusk.",
+    "RL frameworks roll out with SGLang's native API and train on its token ids.",
+]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    preset = copy.deepcopy(TINY_PRESETS["glm-tiny"])
+    preset["index_topk"] = 4096  # DSA attends to every token: chunking changes nothing
+    return write_tiny_model(tmp_path_factory.mktemp("gen") / MODEL, preset=preset, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> LLM:
+    return LLM(str(model_dir), **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    with serving(EngineConfig(model=str(model_dir), **ENGINE_ARGS)) as served:
+        yield served
+
+
+def _generate(base: str, headers: dict | None = None, **body: Any) -> Any:
+    r = httpx.post(f"{base}/generate", json=body, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(base: str, **body: Any) -> list[dict]:
+    with httpx.stream(
+        "POST", f"{base}/generate", json={**body, "stream": True}, timeout=TIMEOUT
+    ) as r:
+        assert r.status_code == 200
+        events = [x for x in r.iter_lines() if x.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(x[6:]) for x in events[:-1]]
+
+
+def _ids(reference: LLM, text: str) -> list[int]:
+    return reference.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, floats to 1e-4 (the same numbers through another batch)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) < 1e-4
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_greedy_outputs_equal_the_offline_engines(base, reference):
+    """Text or token ids, one prompt (an object) or a list (a list, in order), one
+    sampling_params for all or one each; `rid` comes back as meta_info.id."""
+    ids = [_ids(reference, t) for t in TEXTS]
+    refs = reference.generate(TEXTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    sp = {"max_new_tokens": 6, **GREEDY}
+    one = _generate(base, text=TEXTS[0], sampling_params=sp, rid="mine")
+    assert (one["text"], one["output_ids"]) == (refs[0].text, refs[0].token_ids)
+    meta = one["meta_info"]
+    assert meta["id"] == "mine" and meta["finish_reason"] == {"type": "length", "length": 6}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(ids[0]), 6)
+    assert meta["e2e_latency"] > 0 and meta["cached_tokens"] >= 0
+    assert "output_token_logprobs" not in meta  # (not asked)
+    by_ids = _generate(base, input_ids=ids[0], sampling_params=sp)
+    assert (by_ids["text"], by_ids["output_ids"]) == (one["text"], one["output_ids"])
+    page = ENGINE_ARGS["page_size"]  # the first request's full pages are cached now
+    assert by_ids["meta_info"]["cached_tokens"] == (len(ids[0]) - 1) // page * page > 0
+    for name, prompts in (("text", TEXTS), ("input_ids", ids)):
+        outs = _generate(base, **{name: prompts}, sampling_params=sp, rid="b")
+        assert [(o["text"], o["output_ids"]) for o in outs] == [(r.text, r.token_ids) for r in refs]
+        assert [o["meta_info"]["id"] for o in outs] == ["b_0", "b_1"]  # SGLang's batch ids
+    each = [{"max_new_tokens": 2, **GREEDY}, {"max_new_tokens": 4, **GREEDY}]
+    outs = _generate(base, text=TEXTS, sampling_params=each, rid=["x", "y"])
+    assert [o["output_ids"] for o in outs] == [refs[0].token_ids[:2], refs[1].token_ids[:4]]
+    assert [o["meta_info"]["id"] for o in outs] == ["x", "y"]
+
+
+def test_n_samples_are_seeded_and_prompt_major(base, reference):
+    """n > 1: a list, prompt i's sample j at i * n + j, sample j seeded with
+    sampling_seed + j as offline: the same on every call."""
+    sp = {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 7, "n": 3, "ignore_eos": True}
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    refs = reference.generate(TEXTS, params)
+    a = _generate(base, text=TEXTS[0], sampling_params=sp)
+    assert [o["output_ids"] for o in a] == [c.token_ids for c in refs[0].outputs]
+    assert len({tuple(o["output_ids"]) for o in a}) > 1
+    again = _generate(base, text=TEXTS[0], sampling_params=sp)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in a]
+    assert len({o["meta_info"]["id"] for o in a + again}) == 6  # a new id per sample
+    batch = _generate(base, text=TEXTS, sampling_params={**sp, "n": 2})
+    want = [c.token_ids for r in refs for c in r.outputs[:2]]
+    assert [o["output_ids"] for o in batch] == want
+
+
+def test_finish_reasons_name_what_matched(base, reference):
+    """SGLang's finish_reason objects: length, a stop token, a stop string, EOS (the EOS
+    token, as SGLang's); the stop's text is trimmed unless no_stop_trim."""
+    tok = reference.tokenizer
+    prompt = _ids(reference, TEXTS[1])
+    plain = reference.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0]
+    stop = plain.token_ids[3]
+    first = plain.token_ids.index(stop)
+    sp = {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop]}
+    out = _generate(base, input_ids=prompt, sampling_params=sp)
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == plain.token_ids[: first + 1]
+    assert out["text"] == tok.decode(plain.token_ids[:first])
+    kept = _generate(base, input_ids=prompt, sampling_params={**sp, "no_stop_trim": True})
+    assert kept["text"] == tok.decode(plain.token_ids[: first + 1])
+
+    (a,) = _ids(reference, "a")
+    sp = {"max_new_tokens": 8, "temperature": 0, "logit_bias": {str(a): 100}, "stop": "aaa"}
+    out = _generate(base, text=TEXTS[1], sampling_params=sp)
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "aaa"}
+    assert out["text"] == "" and out["output_ids"] == [a, a, a]
+    kept = _generate(base, text=TEXTS[1], sampling_params={**sp, "no_stop_trim": True})
+    assert kept["text"] == "aaa"
+
+    eos = reference.engine.eos_token_ids[0]
+    sp = {"max_new_tokens": 8, "temperature": 0, "logit_bias": {str(eos): 100}}
+    (ref,) = reference.generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100})
+    )
+    assert (ref.token_ids, ref.finish_reason, ref.outputs[0].stop_reason) == ([eos], "stop", None)
+    out = _generate(base, input_ids=prompt, sampling_params=sp)
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    assert (out["text"], out["output_ids"]) == (ref.text, [eos])
+
+
+def test_logprobs_equal_the_offline_engines(base, reference):
+    """return_logprob: [logprob, token id, text] per output token and per prompt token from
+    logprob_start_len (the first null, as SGLang's; by default only the last prompt token),
+    with the top top_logprobs_num at each; texts with return_text_in_logprobs."""
+    ids = _ids(reference, TEXTS[0])
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0, logprobs=2)
+    (ref,) = reference.generate([ids], SamplingParams(**{**vars(params), "prompt_logprobs": 2}))
+    sp = {"max_new_tokens": 4, **GREEDY}
+    for start in (0, 5):
+        m = _generate(
+            base,
+            input_ids=ids,
+            sampling_params=sp,
+            return_logprob=True,
+            logprob_start_len=start,
+            top_logprobs_num=2,
+        )["meta_info"]
+        out = m["output_token_logprobs"]
+        assert [t for _, t, _ in out] == ref.token_ids
+        assert _same([x for x, _, _ in out], ref.logprobs)
+        assert all(s is None for *_, s in out)
+        tops = m["output_top_logprobs"]
+        assert _same([[[t, x] for x, t, _ in top] for top in tops], ref.top_logprobs)
+        inp = m["input_token_logprobs"]
+        assert [t for _, t, _ in inp] == ids[start:]
+        assert inp[0][0] is None and _same(
+            [x for x, _, _ in inp[1:]], ref.prompt_logprobs[start + 1 :]
+        )
+        tops = m["input_top_logprobs"]
+        assert tops[0] is None and len(tops) == len(ids) - start
+        want = ref.prompt_top_logprobs[start + 1 :]
+        assert _same([[[t, x] for x, t, _ in top] for top in tops[1:]], want)
+
+    tok = reference.tokenizer
+    m = _generate(
+        base, input_ids=ids, sampling_params=sp, return_logprob=True, return_text_in_logprobs=True
+    )["meta_info"]
+    assert m["input_token_logprobs"] == [[None, ids[-1], tok.decode([ids[-1]])]]
+    out = m["output_token_logprobs"]
+    assert [s for *_, s in out] == [tok.decode([t]) for t in ref.token_ids]
+    assert _same([x for x, _, _ in out], ref.logprobs)
+    assert "output_top_logprobs" not in m and "input_top_logprobs" not in m  # (num 0)
+    # max_new_tokens 0 only scores the prompt (SGLang's prefill-only request)
+    m = _generate(
+        base,
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )["meta_info"]
+    assert m["finish_reason"] == {"type": "length", "length": 0}
+    assert _same([x for x, _, _ in m["input_token_logprobs"]], ref.prompt_logprobs)
+
+
+def test_streaming_joins_to_the_whole_response(base, reference):
+    """SSE chunks as SGLang's: each carries the output so far (text, output_ids and
+    logprobs: cumulative), the last one is the non-streamed response; a batch's chunks
+    carry their output's `index`; data: [DONE] ends it."""
+    body = dict(
+        text=TEXTS[1],
+        sampling_params={"max_new_tokens": 6, **GREEDY},
+        return_logprob=True,
+        logprob_start_len=2,
+        top_logprobs_num=1,
+        rid="s",
+    )
+    whole = _generate(base, **body)
+    chunks = _stream(base, **body)
+    assert len(chunks) == 6  # one per token
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["text"].startswith(a["text"])
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+        assert a["meta_info"]["finish_reason"] is None and "e2e_latency" not in a["meta_info"]
+    for x in (whole, chunks[-1]):
+        assert x["meta_info"].pop("e2e_latency") > 0
+    assert _same(chunks[-1], whole)
+
+    sp = {"max_new_tokens": 3, **GREEDY, "n": 2}
+    outs = _generate(base, text=TEXTS, sampling_params=sp)
+    last = {c["index"]: c for c in _stream(base, text=TEXTS, sampling_params=sp)}
+    assert sorted(last) == [0, 1, 2, 3]
+    assert [last[i]["output_ids"] for i in range(4)] == [o["output_ids"] for o in outs]
+    assert [last[i]["text"] for i in range(4)] == [o["text"] for o in outs]
+
+
+_BAD = [
+    ({"sampling_params": {}}, "text"),
+    ({"text": "x", "input_ids": [1]}, "text"),
+    ({"text": []}, "text"),
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [1, "a"]}, "input_ids"),
+    ({"text": "x", "sampling_params": {"max_tokens": 3}}, "sampling_params.max_tokens"),
+    ({"text": "x", "sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
+    (
+        {"text": "x", "sampling_params": {"custom_params": {"a": 1}}},
+        "sampling_params.custom_params",
+    ),
+    ({"text": "x", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+    (
+        {"text": "x", "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}},
+        "sampling_params.min_new_tokens",
+    ),
+    ({"text": "x", "sampling_params": {"n": 99}}, "sampling_params.n"),
+    ({"text": "x", "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ({"text": "x", "sampling_params": {"regex": "a("}}, "sampling_params.regex"),
+    (
+        {"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
+        "sampling_params.ebnf",
+    ),
+    ({"text": "x", "sampling_params": {"max_new_tokens": 10**6}}, "sampling_params.max_new_tokens"),
+    ({"text": ["x", "y"], "sampling_params": [{}]}, "sampling_params"),
+    ({"text": "x", "sampling_params": [{}]}, "sampling_params"),
+    ({"text": ["x", "y"], "sampling_params": [{"n": 2}, {}]}, "sampling_params.n"),
+    ({"text": ["x", "y"], "rid": ["a"]}, "rid"),
+    ({"text": ["x", "y"], "rid": ["a", "a"]}, "rid"),
+    ({"text": "x", "rid": ["a"]}, "rid"),
+    ({"text": "x", "image_data": "cat.png"}, "image_data"),
+    ({"text": "x", "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
+    ({"text": "x", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+    ({"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"input_ids": [10**7]}, "input_ids"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), _BAD, ids=range(len(_BAD)))
+def test_bad_input_is_a_400_naming_the_field(base, body, param):
+    r = httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param, err
+    assert "max_tokens" not in err["message"] or param.endswith("max_tokens"), err  # SGLang's
+
+
+def _engine_counters(async_engine) -> dict[str, float]:
+    async def get() -> dict[str, float]:
+        return await asyncio.wait_for(async_engine.call(lambda e: e.counters()), TIMEOUT)
+
+    return asyncio.run(get())
+
+
+def _wait_aborted(async_engine, at_least: float) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        c = _engine_counters(async_engine)
+        if c["aborted_requests"] >= at_least and c["running_requests"] == 0:
+            return
+        assert time.monotonic() < deadline, c
+        time.sleep(0.05)
+
+
+def test_a_client_that_leaves_aborts_its_requests(base, served):
+    """Streamed or not, the engine stops a request whose client hung up."""
+    async_engine = served[1]
+    before = _engine_counters(async_engine)["aborted_requests"]
+    body = {"text": TEXTS[0], "sampling_params": {"max_new_tokens": 500, **GREEDY}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/generate", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.5))
+    _wait_aborted(async_engine, before + 1)
+    with (
+        httpx.Client(timeout=TIMEOUT) as http,
+        http.stream("POST", f"{base}/generate", json={**body, "stream": True}) as r,
+    ):
+        lines = r.iter_lines()  # (referenced: dropping it closes the connection)
+        assert next(lines).startswith("data: {")
+    _wait_aborted(async_engine, before + 2)
+
+
+def test_generation_config_defaults_and_the_api_key(model_dir, reference, tmp_path):
+    """What sampling_params leave out comes from generation_config.json (here greedy, at
+    most 5 new tokens), as in the OpenAI routes; with --api-key /generate needs it too."""
+    path = shutil.copytree(model_dir, tmp_path / "m")
+    gen = {"temperature": 0.0, "max_new_tokens": 5}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    (ref,) = reference.generate(
+        [TEXTS[0]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    )
+    config = EngineConfig(model=str(path), **ENGINE_ARGS)
+    with serving(config, api_key="sekret") as (base, _):
+        body = {"text": TEXTS[0], "sampling_params": {"ignore_eos": True}}
+        r = httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        out = _generate(base, {"Authorization": "Bearer sekret"}, **body)
+    assert out["output_ids"] == ref.token_ids
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
