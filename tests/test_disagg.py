@@ -528,6 +528,19 @@ def test_completions_and_chat_equal_one_engine(cluster, reference):
     check_pd_chat(client, cluster["decode"].url, reference, 10)
 
 
+def test_sglangs_generate_through_the_router_equals_one_engine(cluster, reference):
+    """SGLang's native /generate goes through `dsakv router` too, a room per prompt."""
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 2, "Hello there."]
+    want = reference.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    url = f"{cluster['router']}/generate"
+    one = httpx.post(url, json={"text": prompts[0], "sampling_params": sp}, timeout=60).json()
+    assert (one["text"], one["output_ids"]) == (want[0].text, want[0].token_ids)
+    both = httpx.post(url, json={"text": prompts, "sampling_params": sp}, timeout=60).json()
+    assert [o["output_ids"] for o in both] == [w.token_ids for w in want]
+    wait_idle(cluster["prefill"].url)
+
+
 def test_32_concurrent_requests_none_lost_and_bytes_per_token(cluster, reference):
     prompts = [f"Request {i}: " + "abcdefghij"[: i % 10] * (1 + i % 7) for i in range(32)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

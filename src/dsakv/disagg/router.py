@@ -29,10 +29,9 @@ from dsakv.errors import DsakvError
 from dsakv.server.protocol import error_body
 
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
+from .handoff import GENERATE_PATHS
 
 log = logging.getLogger(__name__)
-
-_GENERATE = ("/v1/completions", "/v1/chat/completions")
 
 
 def _error(status: int, message: str, type: str = "server_error") -> JSONResponse:
@@ -211,10 +210,12 @@ class Router:
 
 
 def _num_prompts(body: dict[str, Any]) -> int:
-    """How many prompts a completions body holds (each needs its own bootstrap room)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return len(prompt)  # a list of texts or of token-id lists
+    """How many prompts a body holds (each needs its own bootstrap room): completions'
+    `prompt`, or SGLang's /generate `text` / `input_ids`."""
+    for key in ("prompt", "text", "input_ids"):
+        value = body.get(key)
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            return len(value)  # a list of texts or of token-id lists
     return 1
 
 
@@ -241,7 +242,7 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         return _error(e.status_code, str(e.detail), kind)
 
-    for path in _GENERATE:
+    for path in GENERATE_PATHS:
 
         async def generate(request: Request, path: str = path) -> Response:
             return await router.generate(path, request)
