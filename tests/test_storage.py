@@ -312,6 +312,21 @@ def test_a_prefix_kept_hot_on_the_device_outlives_the_stores_cap(tiny, tmp_path)
     assert (c["l3_hits"], c["l3_misses"]) == (4, 0)
 
 
+def test_close_writes_again_what_another_engine_dropped(tiny, tmp_path):
+    """Two engines share a capped store; objects one wrote, the other's writes may drop.
+    The first still took them as stored: close skipped them, and a restart found none."""
+    store = tmp_path / "store"
+    llm = LLM(tiny, **_file(store, hicache_storage_max_gib=1.0))
+    llm.generate([PROMPT], GREEDY)
+    assert llm.engine.l3.drain(TIMEOUT) and len(_objects(store)) == PAGES
+    for path in _objects(store):  # (as the other engine's evictions would)
+        path.unlink()
+    llm.close()
+    assert len(_objects(store)) == PAGES
+    _, c = _run(tiny, [PROMPT], **_file(store, hicache_storage_max_gib=1.0))
+    assert c["l3_hits"] == PAGES
+
+
 def test_retraction_and_prefix_sharing_keep_integrity(tiny, stored, tmp_path):
     """A batch that overflows a small pool (retractions) over a warm store: same tokens."""
     prompts = [PROMPT[: 40 + 20 * i] + [i] for i in range(5)]

@@ -25,7 +25,6 @@ they join the prefix cache like any prefill.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -299,14 +298,14 @@ class L3Cache:
             item = self._writes.get()
             if item is None:
                 return
-            page_hash, row = item  # (row None: only mark it used, at close)
+            page_hash, row = item
             key = object_key(self.namespace, page_hash)
             ok = stored = False
             try:
                 stored = self.backend.exists(key)  # another engine (or an earlier run) wrote it
                 if stored:
                     self.backend.touch(key)
-                elif row is not None:
+                else:
                     payload = memoryview(row.numpy())
                     ok = self.backend.put(key, encode_object(self.namespace, page_hash, payload))
             except StorageError as e:
@@ -317,7 +316,7 @@ class L3Cache:
                 self._writes.task_done()
             if ok:
                 self.stats.add(pages_written=1, bytes_written=self.page_bytes)
-            elif not stored and row is not None:
+            elif not stored:
                 self.stats.add(write_failures=1)
                 self._forget(page_hash)
             # Objects the store dropped to make room are no longer stored: a page still in
@@ -385,16 +384,12 @@ class L3Cache:
         while todo:
             nodes.append(todo.popleft())
             todo.extend(nodes[-1].children.values())
+        # A stored page goes with its row too: the writer only marks it used, or writes it
+        # again where the store no longer has it (another engine sharing it dropped it).
         for n in sorted(nodes, key=lambda n: n.last_access):
             if time.monotonic() >= deadline:
                 break
-            if self._is_known(n.hash):
-                if not self.backend.evicts_by_use:
-                    continue
-                with contextlib.suppress(queue.Full):
-                    self._writes.put(
-                        (n.hash, None), timeout=max(deadline - time.monotonic(), 0.001)
-                    )
+            if self._is_known(n.hash) and not self.backend.evicts_by_use:
                 continue
             if n.page is not None:
                 row = self.pool.read_pages([n.page])[0]
