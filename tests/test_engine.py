@@ -456,6 +456,7 @@ def test_chat_takes_openai_messages_as_the_server_does(small_llm):
     assert small_llm.generate([[104, 105]], GREEDY)[0].prompt is None
     for bad, message in (
         ([{"role": "user", "content": [{"type": "image_url"}]}], "content part type 'image_url'"),
+        ([{"role": "user", "content": "x"}, "hi"], r"messages\[1\] must be a message dict"),
         (
             [
                 turns[0],

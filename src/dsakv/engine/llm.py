@@ -217,10 +217,11 @@ class LLM:
             raise DsakvError("this model's tokenizer has no chat template", "messages")
         prompts = []
         for conversation in messages:
+            rendered = [template_message(i, m) for i, m in enumerate(conversation)]
             try:
                 prompts.append(
                     tokenizer.apply_chat_template(
-                        [template_message(i, m) for i, m in enumerate(conversation)],
+                        rendered,
                         tools=tools,
                         chat_template=chat_template,
                         add_generation_prompt=add_generation_prompt,
@@ -237,6 +238,8 @@ class LLM:
 def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
     """OpenAI message `i` as chat templates expect it, as vLLM reads it: text content parts
     joined by newlines, tool-call arguments (JSON text) as dicts; other keys as given."""
+    if not isinstance(message, Mapping):
+        raise DsakvError(f"messages[{i}] must be a message dict, got {message!r}", "messages")
     out = dict(message)
     content = message.get("content")
     if content is not None and not isinstance(content, str):
