@@ -538,6 +538,12 @@ def test_sglangs_generate_through_the_router_equals_one_engine(cluster, referenc
     assert (one["text"], one["output_ids"]) == (want[0].text, want[0].token_ids)
     both = httpx.post(url, json={"text": prompts, "sampling_params": sp}, timeout=60).json()
     assert [o["output_ids"] for o in both] == [w.token_ids for w in want]
+    # truncate_prompt_tokens: both servers run the same last tokens (else the layouts differ)
+    ids = reference.tokenizer.encode(prompts[0], add_special_tokens=False)
+    (cut,) = reference.generate([ids[-9:]], SamplingParams(max_tokens=16, temperature=0))
+    body = {"prompt": prompts[0], "temperature": 0, "truncate_prompt_tokens": 9}  # (16 tokens)
+    r = httpx.post(f"{cluster['router']}/v1/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["text"] == cut.text and r["usage"]["prompt_tokens"] == 9
     wait_idle(cluster["prefill"].url)
 
 

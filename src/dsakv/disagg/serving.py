@@ -179,7 +179,7 @@ class PrefillAsyncEngine(_DisaggEngine):
         # A prompt the engine refuses is the client's 400 now; claimed first, it waited out
         # the room's timeout for a decode server that had refused it too.
         try:
-            ids = await self.call(lambda e: e.prompt_ids(prompt))
+            ids = await self.call(lambda e: e.prompt_ids(prompt, params.truncate_prompt_tokens))
         except DsakvError as e:  # the decode server waiting for this room hears why, now
             self.bootstrap.refuse(target.room, str(e), 400)
             raise
@@ -328,7 +328,7 @@ class DecodeAsyncEngine(_DisaggEngine):
                 "(X-Dsakv-Bootstrap-Host, or bootstrap_host)",
             )
         port = target.port or self.config.bootstrap_port  # SGLang's default when not given
-        ids = await self.call(lambda e: e.prompt_ids(prompt))
+        ids = await self.call(lambda e: e.prompt_ids(prompt, params.truncate_prompt_tokens))
         self.pending += 1
         try:
             req = await self._reserve(ids, params)
