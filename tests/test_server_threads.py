@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from dsakv.cli import main
@@ -60,6 +61,38 @@ def test_the_engine_is_built_and_stepped_on_one_thread(model_dir, monkeypatch):
         steps_on = _on_engine_thread(async_engine, threading.get_ident)  # between steps
     assert built_on == [steps_on]
     assert steps_on != threading.main_thread().ident
+
+
+def test_prompts_are_tokenized_off_the_engine_thread_and_the_event_loop(model_dir):
+    """A long prompt's tokenization held every stream on the engine thread (a request
+    without max_tokens) or every route on the event loop (/tokenize): 5 MB, 5 s."""
+    with serving(EngineConfig(model=str(model_dir), **ENGINE_ARGS)) as (base, async_engine):
+        engine = async_engine.engine
+        steps_on = _on_engine_thread(async_engine, threading.get_ident)
+        calls: list[tuple[int, bool]] = []
+
+        def spy(real):
+            def encode(*args, **kwargs):
+                try:
+                    asyncio.get_running_loop()
+                    on_loop = True
+                except RuntimeError:
+                    on_loop = False
+                calls.append((threading.get_ident(), on_loop))
+                return real(*args, **kwargs)
+
+            return encode
+
+        tok = engine.tokenizer
+        engine.encode, tok.encode = spy(engine.encode), spy(tok.encode)
+        try:
+            for path in ("/v1/completions", "/tokenize"):  # (completions: no max_tokens)
+                calls.clear()
+                r = httpx.post(f"{base}{path}", json={"prompt": "a long prompt"}, timeout=30)
+                assert r.status_code == 200, r.text
+                assert calls and all(t != steps_on and not loop for t, loop in calls), path
+        finally:
+            del engine.encode, tok.encode
 
 
 def test_close_engine_runs_on_the_engine_thread_then_ends_it(model_dir, monkeypatch):

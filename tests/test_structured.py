@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,6 +19,7 @@ from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
+from dsakv.server import app as app_module
 
 from .serving import TIMEOUT, serving
 
@@ -287,6 +289,50 @@ def test_a_slow_grammar_compile_does_not_stall_other_streams(served, base, monke
         out = waiting.result(TIMEOUT)
     assert out.status_code == 200, out.text
     assert re.fullmatch(slow, out.json()["choices"][0]["text"])
+
+
+def test_slow_grammars_time_out_and_leave_other_requests_room(served, base, monkeypatch):
+    """Six schemas slow to compile (a hostile client's) ran on the threads that also
+    tokenize prompts: every request with max_tokens waited behind them (90 s). Grammars
+    compile on threads of their own now, and a request waits for its grammar at most
+    GRAMMAR_TIMEOUT_S (a 400), the compile left to finish in the background."""
+    cache = served[1].engine.grammars
+    real = cache._compiler
+    slow = [rf"(stuck|{i})-[0-9]" for i in range(6)]
+    release = threading.Event()
+
+    class SlowCompiler:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def compile_regex(self, spec):
+            if spec in slow:
+                release.wait(TIMEOUT)
+            return real.compile_regex(spec)
+
+    monkeypatch.setattr(cache, "_compiler", SlowCompiler())
+    monkeypatch.setattr(app_module, "GRAMMAR_TIMEOUT_S", 2.0)
+    with ThreadPoolExecutor(6) as pool:
+        try:
+            stuck = [
+                pool.submit(
+                    httpx.post,
+                    f"{base}/v1/completions",
+                    json={"prompt": "x", "max_tokens": 4, "regex": spec},
+                    timeout=TIMEOUT,
+                )
+                for spec in slow
+            ]
+            time.sleep(0.5)  # (their compiles have started or queued)
+            free = {"prompt": "abc", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{base}/v1/completions", json=free, timeout=10)
+            assert r.status_code == 200, r.text
+            for f in stuck:
+                out = f.result(TIMEOUT)
+                assert out.status_code == 400, out.text
+                assert "did not compile within 2 s" in out.json()["error"]["message"]
+        finally:
+            release.set()
 
 
 # --- structured output after reasoning ---------------------------------------------------------

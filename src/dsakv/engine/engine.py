@@ -42,6 +42,7 @@ from .sampling import (
     bad_word_ids,
     ban,
     banned_words_next,
+    bias_tensors,
     gather_logprobs,
     penalize,
     token_mask,
@@ -389,6 +390,11 @@ class Engine:
         )
         self.sampler = Sampler(self.device, config.seed)
         self.tokenizer = _load_tokenizer(config.model)
+        # Outputs decoded whole each token (`_decode_output`): no fast tokenizer, or one that
+        # cleans up spaces over the whole text (so earlier text may change)
+        self._decodes_whole = getattr(self.tokenizer, "backend_tokenizer", None) is None or bool(
+            getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
+        )
         self.runner = ModelRunner(
             self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
         )
@@ -846,6 +852,7 @@ class Engine:
                     req.params,
                     self._prompt_mask(req, logits.shape[-1]),
                     req.output_ids + drafts[:j],
+                    self._bias(req),
                 )
             self._restrict(req, logits[j], req.output_ids + drafts[:j])
         tokens = verify(logits, drafts, req.params, self.sampler.generator, len(req.output_ids))
@@ -899,6 +906,7 @@ class Engine:
                         req.params,
                         self._prompt_mask(req, logits.shape[-1]),
                         req.output_ids,
+                        self._bias(req),
                     )
                 self._restrict(req, logits[i], req.output_ids)
             tokens = self.sampler.sample(
@@ -971,6 +979,13 @@ class Engine:
         if p.allowed_token_ids is not None:
             allow(row, p.allowed_token_ids)
 
+    def _bias(self, req: Request) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`req`'s logit_bias as tensors on the device, made once (a whole vocabulary's, from
+        lists each step, cost 50 ms a step)."""
+        if req.bias is None and req.params.logit_bias:
+            req.bias = bias_tensors(req.params, self.device)
+        return req.bias
+
     def _prompt_mask(self, req: Request, vocab: int) -> torch.Tensor:
         """`req`'s prompt tokens as a mask over the logits (the repetition penalty's), made
         once."""
@@ -999,15 +1014,13 @@ class Engine:
         reason = None
         if not p.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
-        elif token in p.stop_token_ids:
+        elif token in p.stop_token_set:
             reason, req.stop_reason = "stop", token
         by_token = reason is not None
         cut_text = False
         if self.tokenizer is not None:
             self._decode_output(req, token)
-            if len(req.output_ids) < p.min_tokens:  # (not past a character still coming)
-                req.stop_floor = len(req.output_text.rstrip("\ufffd"))
-            elif p.stop and reason is None:
+            if p.stop and reason is None and len(req.output_ids) >= p.min_tokens:
                 hit = _find_stop(req.output_text, p.stop, req.stop_floor)
                 if hit is not None:
                     cut, stop = hit
@@ -1015,6 +1028,11 @@ class Engine:
                         : cut + (len(stop) if p.include_stop_str_in_output else 0)
                     ]
                     reason, cut_text, req.stop_reason = "stop", True, stop
+            # The next search starts here: a stop must end past it, so none counts under
+            # min_tokens; past them, the text before was searched already (unless a whole
+            # decode may change it: its floor stays where min_tokens left it)
+            if reason is None and (len(req.output_ids) < p.min_tokens or not self._decodes_whole):
+                req.stop_floor = len(req.output_text.rstrip("\ufffd"))
         if reason is None and (
             len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_model_len
         ):
@@ -1036,10 +1054,7 @@ class Engine:
         a fast tokenizer, or where decoding cleans up spaces over the whole text, every
         token decodes the whole output. A request with logprobs keeps each token's text
         (`req.detokenizer.texts`, which the server reports)."""
-        tok, p = self.tokenizer, req.params
-        whole = getattr(tok, "backend_tokenizer", None) is None or getattr(
-            tok, "clean_up_tokenization_spaces", False
-        )
+        tok, p, whole = self.tokenizer, req.params, self._decodes_whole
         if req.detokenizer is None and (p.logprobs is not None or not whole):
             req.detokenizer = TokenTexts(tok, p.skip_special_tokens, keep=p.logprobs is not None)
         text = "" if req.detokenizer is None else req.detokenizer.step(token)

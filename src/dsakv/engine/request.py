@@ -98,6 +98,7 @@ class Request:
     draft_len: DraftLength | None = None  # MTP: its adaptive draft length (set on first use)
     bad_words_ids: list[list[int]] = field(default_factory=list)  # (`bad_word_ids`)
     prompt_mask: torch.Tensor | None = field(default=None, repr=False)  # (`_prompt_mask`)
+    bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (`_bias`)
     stop_floor: int = 0  # a stop string counts only where it ends past this text offset
     error: str | None = None  # why it failed, where it alone did (finish_reason "error")
 

@@ -4,6 +4,7 @@ the batch, on how earlier tokens were drawn (MTP verification) or on which serve
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,11 +62,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", _as_tuple(stop, "stop", "a string or a list of strings"))
-        object.__setattr__(
-            self,
-            "stop_token_ids",
-            _as_tuple(self.stop_token_ids, "stop_token_ids", "a list of token ids"),
-        )
+        stop_ids = _as_tuple(self.stop_token_ids, "stop_token_ids", "a list of token ids")
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(stop_ids)))  # (distinct)
         if isinstance(self.grammar, list):
             object.__setattr__(self, "grammar", tuple(self.grammar))
         words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
@@ -196,6 +194,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """`stop_token_ids` to test each output token against (a million ids, a tuple, cost
+        every step of the request a scan)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def masked(self) -> bool:
@@ -329,15 +333,17 @@ def penalize(
     p: SamplingParams,
     prompt: Sequence[int] | torch.Tensor,
     output: Sequence[int],
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """In place on one row of logits, in vLLM's (and transformers') order: `p`'s logit
     bias, then the repetition penalty over the prompt's and the output's tokens, then the
     frequency and presence penalties over the output's. `prompt` may be a boolean mask
     over the row's tokens (`Engine._prompt_mask`: a long prompt is not converted anew
-    each step, and no step sorts it)."""
+    each step, and no step sorts it); `bias` likewise `logit_bias` as (ids, biases) on
+    the row's device (`bias_tensors`)."""
     if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], device=row.device)
-        row[ids] += torch.tensor([b for _, b in p.logit_bias], device=row.device, dtype=row.dtype)
+        ids, values = bias if bias is not None else bias_tensors(p, row.device)
+        row[ids] += values.to(row.dtype)
     if p.repetition_penalty != 1.0:
         if isinstance(prompt, torch.Tensor) and prompt.dtype == torch.bool:
             seen = prompt.clone()
@@ -349,6 +355,12 @@ def penalize(
     if output and (p.presence_penalty or p.frequency_penalty):
         ids, counts = torch.tensor(output, device=row.device).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+
+
+def bias_tensors(p: SamplingParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`p.logit_bias` as (token ids, biases) tensors on `device`."""
+    ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=device)
+    return ids, torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32, device=device)
 
 
 def token_mask(ids: Sequence[int], size: int, device: torch.device) -> torch.Tensor:

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,10 @@ from .protocol import (
     error_body,
 )
 from .runner import AsyncEngine, RequestStream, Update
+
+# Grammar compiles at once, and how long a request waits for its grammar.
+GRAMMAR_WORKERS = 2
+GRAMMAR_TIMEOUT_S = 60.0
 
 _ENDPOINTS = (
     "/v1/completions",
@@ -140,11 +145,11 @@ def build_app(
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return api.tokenize(body)
+        return await asyncio.to_thread(api.tokenize, body)  # (10 MB held every route 10 s)
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return api.detokenize(body)
+        return await asyncio.to_thread(api.detokenize, body)
 
     from .generate import add_generate_route  # (here: that module imports this one)
 
@@ -215,6 +220,9 @@ class Handlers:
         self.metrics = metrics
         self.chat_parsers = chat_parsers
         self._grammars_lock = threading.Lock()  # the engine builds its GrammarCache lazily
+        # Grammars compile on threads of their own: schemas slow to compile (seconds each,
+        # and xgrammar cannot stop one) queue behind each other, not other requests' prompts
+        self._compiles = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="dsakv-grammar")
 
     # --- endpoints ----------------------------------------------------------------------------
 
@@ -613,10 +621,15 @@ class Handlers:
             self._grammar_cache().compile(g)
             return g
 
+        compiling = asyncio.get_running_loop().run_in_executor(self._compiles, build)
         try:
-            grammar = await asyncio.to_thread(build)
+            grammar = await asyncio.wait_for(compiling, GRAMMAR_TIMEOUT_S)
         except DsakvError as e:  # GrammarError; or a model without a tokenizer
             raise APIError(400, str(e), param=param) from None
+        except asyncio.TimeoutError:  # (SGLang's SGLANG_GRAMMAR_TIMEOUT)
+            raise APIError(
+                400, f"the grammar did not compile within {GRAMMAR_TIMEOUT_S:g} s", param=param
+            ) from None
         return dataclasses.replace(params, grammar=grammar)
 
     def _grammar_cache(self) -> GrammarCache:
@@ -639,13 +652,14 @@ class Handlers:
         `max_tokens` the client gave (in the field `max_tokens_param`; vLLM's check: the
         engine would cut the output short at the context). A client that leaves before the
         engine takes them cancels them: a prefill server waits here for its decode server,
-        which never comes for a request the decode server refused (the router hangs up)."""
-        if max_tokens_param is not None:
-            try:
-                prompt = await self._fitting(prompt, params, max_tokens_param, prompt_param)
-            except APIError as e:
-                self.engine.refused(e.message, e.status)
-                raise
+        which never comes for a request the decode server refused (the router hangs up).
+        The prompt is tokenized here, off the engine thread (a 5 MB one held every stream
+        five seconds there)."""
+        try:
+            prompt = await self._fitting(prompt, params, max_tokens_param, prompt_param)
+        except APIError as e:
+            self.engine.refused(e.message, e.status)
+            raise
         submit = asyncio.ensure_future(self.engine.generate_n(prompt, params, n))
         watcher = asyncio.create_task(_when_left(raw, submit.cancel))
         try:
@@ -664,17 +678,21 @@ class Handlers:
             watcher.cancel()
 
     async def _fitting(
-        self, prompt: str | list[int], params: SamplingParams, param: str, prompt_param: str
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        param: str | None,
+        prompt_param: str,
     ) -> list[int]:
         """`prompt`'s token ids (truncated as `params` says), if `params.max_tokens` more
-        fit in the context after them; else vLLM's 400. Tokenized off the event loop (a
-        long prompt takes a while)."""
+        fit in the context after them where the client gave it (in field `param`); else
+        vLLM's 400. Tokenized off the event loop (a long prompt takes a while)."""
         e, max_tokens = self.engine.engine, params.max_tokens
         try:
             ids = await asyncio.to_thread(e.prompt_ids, prompt, params.truncate_prompt_tokens)
         except DsakvError as err:
             raise APIError(400, str(err), param=err.param or prompt_param) from None
-        if len(ids) + max_tokens > e.max_model_len:
+        if param is not None and len(ids) + max_tokens > e.max_model_len:
             raise APIError(
                 400,
                 f"This model's maximum context length is {e.max_model_len} tokens. However, "
