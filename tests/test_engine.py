@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from dsakv import LLM, SamplingParams
 from dsakv.engine import Engine, EngineConfig
+from dsakv.engine.engine import _find_stop
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server.metrics import EngineCollector
@@ -604,3 +605,23 @@ def test_logprobs_are_kept_only_for_requests_that_asked(tiny):
         e.step()
     assert plain.logprobs == [] and plain.top_logprobs == []
     assert len(asked.logprobs) == len(asked.output_ids) and len(asked.top_logprobs[0]) == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc\ufffd", max_size=12),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=3), min_size=1, max_size=4),
+    floor=st.integers(0, 12),
+)
+def test_find_stop_is_the_first_stop_ending_past_the_floor(text, stops, floor):
+    """Searched by last character (`SamplingParams.stops_by_last`), the answer is the
+    definition's: of every occurrence ending past `floor`, the first to start."""
+    floor = min(floor, len(text))
+    hits = [
+        (i, s)
+        for s in stops
+        for i in range(len(text) - len(s) + 1)
+        if text[i : i + len(s)] == s and i + len(s) > floor
+    ]
+    want = min(((min(i for i, t in hits if t == s), s) for s in {s for _, s in hits}), default=None)
+    assert _find_stop(text, SamplingParams(stop=stops).stops_by_last, floor) == want

@@ -1021,7 +1021,7 @@ class Engine:
         if self.tokenizer is not None:
             self._decode_output(req, token)
             if p.stop and reason is None and len(req.output_ids) >= p.min_tokens:
-                hit = _find_stop(req.output_text, p.stop, req.stop_floor)
+                hit = _find_stop(req.output_text, p.stops_by_last, req.stop_floor)
                 if hit is not None:
                     cut, stop = hit
                     req.output_text = req.output_text[
@@ -1214,9 +1214,16 @@ def _token_ids(prompt: object) -> list[int]:
     return ids
 
 
-def _find_stop(text: str, stops: tuple[str, ...], floor: int = 0) -> tuple[int, str] | None:
-    """The first stop string in `text` that ends past offset `floor`, and where it starts."""
-    hits = [(text.find(s, max(0, floor - len(s) + 1)), s) for s in stops]
+def _find_stop(
+    text: str, stops_by_last: dict[str, tuple[str, ...]], floor: int = 0
+) -> tuple[int, str] | None:
+    """The first stop string in `text` that ends past offset `floor`, and where it starts:
+    of the stops (`SamplingParams.stops_by_last`) ending in a character past `floor`."""
+    hits = [
+        (text.find(s, max(0, floor - len(s) + 1)), s)
+        for c in set(text[floor:])
+        for s in stops_by_last.get(c, ())
+    ]
     hits = [h for h in hits if h[0] >= 0]
     return min(hits) if hits else None
 
