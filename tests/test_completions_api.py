@@ -804,6 +804,11 @@ def test_generation_configs_max_new_tokens_is_the_default_and_the_cap(model_dir,
         short = {"prompt": TEXTS[0], "max_tokens": 3, "ignore_eos": True}
         r = httpx.post(f"{base}/v1/completions", json=short, timeout=TIMEOUT).json()
         assert r["usage"]["completion_tokens"] == 3
+    # vLLM's --generation-config vllm: SamplingParams' own defaults, no cap
+    plain = LLM(str(path), **ENGINE_ARGS, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+    with pytest.raises(DsakvError, match="generation_config must be auto or vllm"):
+        EngineConfig(model=str(path), generation_config="hf")
     (path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0}))
     with pytest.raises(ConfigError, match="generation_config.json: max_new_tokens"):
         LLM(str(path), **ENGINE_ARGS)

@@ -372,6 +372,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix cache")
     g.add_argument(
+        "--generation-config",
+        choices=("auto", "vllm"),
+        help="what requests leave out: auto (default), generation_config.json's sampling "
+        "fields and max_new_tokens; vllm, SamplingParams' own (vLLM's flag)",
+    )
+    g.add_argument(
         "--attention-backend",
         help="auto (default: flashmla, else triton on CUDA, else cpu on a CPU), torch (the "
         "reference), cpu, triton, flashmla",

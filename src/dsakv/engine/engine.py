@@ -91,6 +91,9 @@ class EngineConfig:
     index_skip_topk_offset: int | None = None
     no_index_share: bool = False
     seed: int = 0
+    # What requests leave out (vLLM's flag): "auto", generation_config.json's sampling
+    # fields and max_new_tokens; "vllm", SamplingParams' own
+    generation_config: str = "auto"
     # MTP speculative decoding (SGLang's names): "mtp" or None, and drafts per step.
     speculative_algorithm: str | None = None
     speculative_num_steps: int | None = None  # (None: DRAFT_STEPS)
@@ -143,6 +146,10 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise DsakvError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.generation_config not in ("auto", "vllm"):
+            raise DsakvError(
+                f"generation_config must be auto or vllm, got {self.generation_config!r}"
             )
         if self.attention_backend not in BACKENDS:
             raise DsakvError(
@@ -350,10 +357,19 @@ class Engine:
             as_stored=config.dtype == "auto" and self.device.type == "cpu",
             parallel=self.parallel,
         )
-        try:  # (what requests leave out; a bad one would fail each of them)
-            SamplingParams(**self.model_config.sampling_defaults)
-        except DsakvError as e:
-            raise ConfigError(f"{config.model}/generation_config.json: {e}") from None
+        defaults = self.model_config.sampling_defaults
+        if config.generation_config == "vllm":
+            self.model_config = replace(self.model_config, sampling_defaults={})
+        elif defaults:
+            try:  # (what requests leave out; a bad one would fail each of them)
+                SamplingParams(**defaults)
+            except DsakvError as e:
+                raise ConfigError(f"{config.model}/generation_config.json: {e}") from None
+            log.info(
+                "requests that leave them out get generation_config.json's %s "
+                "(--generation-config vllm: SamplingParams' own)",
+                defaults,
+            )
         self.hisparse = self._hisparse_config()
         num_pages, latent_pages = self._num_pages()
         self.max_model_len = self._max_model_len(num_pages * config.page_size)
