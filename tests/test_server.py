@@ -202,6 +202,30 @@ def test_chat_template_flag_replaces_the_tokenizers(model_dir, reference, tmp_pa
         assert e.value.code == 2 and len(err) == 1 and message in err[0], err
 
 
+def test_flush_cache_drops_the_prefix_cache_when_idle(base, served):
+    """SGLang's /flush_cache (and vLLM's /reset_prefix_cache): the cached pages go, the
+    next run of a prompt finds nothing; while a request runs it is a 400, nothing dropped."""
+    prompt = {"prompt": "flush me " * 8, "max_tokens": 2, "temperature": 0}
+    httpx.post(f"{base}/v1/completions", json=prompt, timeout=TIMEOUT)
+    assert _wait_idle(base)["dsakv_kv_pages_cached"] > 0
+    long = {"prompt": "busy", "max_tokens": 600, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=TIMEOUT) as r:
+        lines = r.iter_lines()  # (kept: a dropped iterator closes the stream)
+        next(lines)  # running now
+        refused = httpx.post(f"{base}/flush_cache", timeout=TIMEOUT)
+    assert refused.status_code == 400 and "running or waiting" in refused.text
+    assert _wait_idle(base, aborted_at_least=1)["dsakv_kv_pages_cached"] > 0
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        r = httpx.post(f"{base}{path}", timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        m = _wait_idle(base)
+        assert m["dsakv_kv_pages_cached"] == m["dsakv_kv_pages_used"] == 0
+    hits = _metrics(base)["dsakv_prefix_hit_tokens_total"]
+    httpx.post(f"{base}/v1/completions", json=prompt, timeout=TIMEOUT)
+    assert _metrics(base)["dsakv_prefix_hit_tokens_total"] == hits  # nothing was left
+    _check_integrity(served[1])
+
+
 def test_content_parts_are_joined_by_newlines_as_vllm_does(base):
     parts = [{"type": "text", "text": "A."}, {"type": "text", "text": "B."}]
 

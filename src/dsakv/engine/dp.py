@@ -202,6 +202,12 @@ class DPEngine:
     def has_unfinished(self) -> bool:
         return self.local.has_unfinished() or bool(self._remote)
 
+    def flush_cache(self) -> bool:
+        raise DsakvError(
+            "flushing the cache does not run with --dp-attention yet (each rank "
+            "holds a prefix cache of its own)"
+        )
+
     # --- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:

@@ -740,6 +740,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def flush_cache(self) -> bool:
+        """SGLang's /flush_cache (vLLM's /reset_prefix_cache): drop the prefix cache's device
+        and host pages, e.g. between benchmark runs; only with nothing running or waiting
+        (False, nothing dropped) and no pages held for a prefill server's hand-off."""
+        if self.has_unfinished() or self.scheduler.held:
+            return False
+        self.cache.reset()
+        return True
+
     def close(self) -> None:
         """Release the other ranks (if any) and wait for them to leave; idempotent."""
         self.runner.stop()

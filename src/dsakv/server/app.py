@@ -48,6 +48,7 @@ _ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
     "/generate",
+    "/flush_cache",
     "/v1/models",
     "/tokenize",
     "/detokenize",
@@ -150,6 +151,10 @@ def build_app(
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await asyncio.to_thread(api.detokenize, body)
+
+    # SGLang's /flush_cache and vLLM's /reset_prefix_cache (benchmarks call them between runs)
+    app.add_api_route("/flush_cache", api.flush_cache, methods=["GET", "POST"], dependencies=auth)
+    app.add_api_route("/reset_prefix_cache", api.flush_cache, methods=["POST"], dependencies=auth)
 
     from .generate import add_generate_route  # (here: that module imports this one)
 
@@ -434,6 +439,19 @@ class Handlers:
         if ids:
             out["prompt_token_ids"] = results[0].as_update().prompt_token_ids
         return JSONResponse(out)
+
+    async def flush_cache(self) -> Response:
+        """Drop the prefix cache (`Engine.flush_cache`); a 400 while requests run or wait,
+        as SGLang's."""
+        try:
+            flushed = await self.engine.call(lambda e: e.flush_cache())
+        except DsakvError as e:
+            raise APIError(400, str(e)) from None
+        except RuntimeError as e:
+            raise APIError(503, str(e), type="server_error") from None
+        if not flushed:
+            raise APIError(400, "the cache was not flushed: requests are running or waiting")
+        return Response("Cache flushed.\n", media_type="text/plain")
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's `/model_info` shape (sglang-router reads `model_type` from it)."""
