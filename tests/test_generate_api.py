@@ -2,10 +2,11 @@
 outputs, finish reasons and logprobs equal the offline engine's, streamed or not, in SGLang's
 request and response shapes; bad input is one 400 naming the field."""
 
+# ruff: noqa: F811 - the tests take the imported fixtures by their names
+
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import shutil
 import time
@@ -15,42 +16,18 @@ import httpx
 import pytest
 
 from dsakv.engine import LLM, EngineConfig, SamplingParams
-from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
 from .serving import TIMEOUT, serving
 
-MODEL = "tiny-dense"
-ENGINE_ARGS = dict(
-    kv_cache_dtype="fp32",
-    index_k_dtype="fp32",
-    num_pages=96,
-    page_size=16,
-    chunked_prefill_size=40,
-    device="cpu",
-)
+# The completions tests' model, engine and server (index_topk over every context: chunking
+# changes nothing), their fixtures imported: both files run the same setup.
+from .test_completions_api import ENGINE_ARGS, model_dir, reference, served  # noqa: F401
+
 TEXTS = [
     "The quick brown fox jumps over the lazy dog, then naps in the warm sun until dusk.",
     "RL frameworks roll out with SGLang's native API and train on its token ids.",
 ]
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    preset = copy.deepcopy(TINY_PRESETS["glm-tiny"])
-    preset["index_topk"] = 4096  # DSA attends to every token: chunking changes nothing
-    return write_tiny_model(tmp_path_factory.mktemp("gen") / MODEL, preset=preset, seed=1)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir) -> LLM:
-    return LLM(str(model_dir), **ENGINE_ARGS)
-
-
-@pytest.fixture(scope="module")
-def served(model_dir):
-    with serving(EngineConfig(model=str(model_dir), **ENGINE_ARGS)) as served:
-        yield served
 
 
 def _generate(base: str, headers: dict | None = None, **body: Any) -> Any:

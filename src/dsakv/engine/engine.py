@@ -1056,7 +1056,8 @@ class Engine:
             # The next search starts here: a stop must end past it, so none counts under
             # min_tokens; past them, the text before was searched already (unless a whole
             # decode may change it: its floor stays where min_tokens left it)
-            if reason is None and (len(req.output_ids) < p.min_tokens or not self._decodes_whole):
+            whole = self._decodes_whole and len(req.output_ids) >= p.min_tokens
+            if p.stop and reason is None and not whole:
                 req.stop_floor = len(req.output_text.rstrip("\ufffd"))
         if reason is None and (
             len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_model_len
