@@ -38,14 +38,17 @@ test: install
 	$(BIN)/python -m pytest
 
 # Wheels the GPU machine's image lacks (it has torch + triton, no network): its python3 is
-# 3.12 and its transformers older than the reference models dsakv's tiny presets need.
+# 3.12 and its transformers (5.17) older than the `indexed_attention` layer type dsakv's
+# configs use, which even its tokenizer loading validates. 5.24 is the newest that still
+# takes the image's huggingface_hub 1.x (5.25 needs hub 2.x and its new HTTP stack).
 # scripts/device_check.sh unpacks whatever lies in .whl/ (no pip needed there).
 WHEEL_PY ?= 3.12
+WHEEL_TRANSFORMERS ?= 5.24.0
 wheelhouse: install
 	rm -rf .whl && mkdir -p .whl
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-		-d .whl "transformers==$$($(BIN)/python -c 'import transformers; print(transformers.__version__)')"
+		-d .whl "transformers==$(WHEEL_TRANSFORMERS)"
 	du -sh .whl
 
 device-check-dry: install
