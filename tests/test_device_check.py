@@ -55,6 +55,11 @@ def test_device_check_dry_run(tmp_path):
     assert set(rates) == {"eager", "torch"} and "graph" in st["decode"]["skipped"]
     assert all(r > 0 for d in rates.values() for r in d.values())
     assert all(r["bytes_per_s"] > 0 for r in st["kernel_bandwidth"]["kernels"])
+    checks = st["features"]["checks"]
+    assert all(c["ok"] and c["equal"] for c in checks.values()), checks
+    assert checks["hisparse"]["counters"]["hisparse_misses"] > 0
+    assert checks["host_tier"]["counters"]["host_bytes_to_device"] > 0
+    assert checks["mtp"]["counters"]["spec_verify_steps"] > 0
     assert (out / dc.LOG_NAME).stat().st_size > 0
     assert not list(out.glob(".stage-*"))  # stage scratch files cleaned up
 

@@ -420,10 +420,10 @@ def test_hisparse_resolve_and_copy_real_shapes_and_graph_replay():
         assert all(torch.equal(a, c) for a, c in zip(states["torch"], states["triton"]))
         assert torch.equal(dev["torch"], dev["triton"])
 
-    static = topk()
+    static, ten = topk(), torch.tensor(10, device=DEV)  # (no host copy inside a capture)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step(tri.resolve, tri.copy_rows, "triton", static, torch.tensor(10, device=DEV))
+        out = step(tri.resolve, tri.copy_rows, "triton", static, ten)
     for _ in range(2):
         t = topk()
         static.copy_(t)

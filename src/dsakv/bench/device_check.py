@@ -54,8 +54,9 @@ class Stage:
     what: str
 
 
-# Deadlines sum to 520 s, under the 525 s budget: one device call of 10 minutes, with the
-# machine's start and the children's imports (~5 s each) inside the margin.
+# Deadlines sum to 640 s, capped by the 525 s budget (a stage gets what is left of it): one
+# device call of 10 minutes, with the machine's start and the children's imports (~5 s
+# each) inside the margin. The first H200 run took 166 s for the first eight.
 STAGES: tuple[Stage, ...] = (
     Stage("env", 20, "torch, triton, GPU, capability, driver; the models folder"),
     Stage("kernel_launch", 90, "every Triton wrapper once at real-ish shapes (compiles them)"),
@@ -65,6 +66,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("triton_vs_torch", 45, "fp32, graphs off: greedy agreement, max logprob difference"),
     Stage("decode", 75, "decode tokens/s graph / eager / torch at batch 1 and 32"),
     Stage("kernel_bandwidth", 55, "each kernel's bytes/s against the measured copy bandwidth"),
+    Stage("features", 120, "HiSparse, host tier + prefix cache, MTP, seeded sampling on the GPU"),
 )
 BENCH = Stage("bench", 0, "`dsakv bench --quick` (only with --bench, in the time left)")
 BUDGET_S = 525.0
@@ -358,10 +360,12 @@ def prepare_models(models_dir: str | Path, dry_run: bool = False) -> list[dict[s
     return rows
 
 
-def ensure_model(models_dir: Path, preset: str) -> tuple[Path, bool]:
-    """`models_dir/preset` (config, weights, tokenizer; no MTP layer), generated when
-    absent: (path, whether it was generated now)."""
-    path = models_dir / preset
+def ensure_model(models_dir: Path, preset: str, mtp: str = "none") -> tuple[Path, bool]:
+    """`models_dir/preset` (config, weights, tokenizer; no MTP layer, or `models_dir/
+    preset-mtp` with one distilled from the target: `mtp="fit"`), generated when absent:
+    (path, whether it was generated now)."""
+    name = preset if mtp == "none" else f"{preset}-mtp"
+    path = models_dir / name
     if (path / ".complete").is_file():
         return path, False
     import shutil
@@ -371,10 +375,10 @@ def ensure_model(models_dir: Path, preset: str) -> tuple[Path, bool]:
     from dsakv.models.tiny import write_tiny_model
 
     models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = models_dir / f".{preset}.tmp{os.getpid()}"
+    tmp = models_dir / f".{name}.tmp{os.getpid()}"
     dtype = torch.bfloat16 if preset.startswith("glm-bench") else torch.float32
-    write_tiny_model(tmp, preset, seed=0, dtype=dtype, mtp="none")
-    (tmp / ".complete").write_text(json.dumps({"preset": preset, "seed": 0, "mtp": "none"}))
+    write_tiny_model(tmp, preset, seed=0, dtype=dtype, mtp=mtp)
+    (tmp / ".complete").write_text(json.dumps({"preset": preset, "seed": 0, "mtp": mtp}))
     if path.exists():  # a concurrent writer won, or a broken earlier try
         shutil.rmtree(path if not (path / ".complete").is_file() else tmp, ignore_errors=True)
     if not path.exists():
@@ -386,7 +390,7 @@ def _model(ctx: Ctx) -> str:
     return str(ensure_model(ctx.models, DRY_PRESET if ctx.dry_run else GPU_PRESET)[0])
 
 
-def _engine(ctx: Ctx, **kw: Any):
+def _engine(ctx: Ctx, model: str | None = None, **kw: Any):
     from dsakv.engine import EngineConfig
     from dsakv.engine.engine import Engine
 
@@ -395,7 +399,7 @@ def _engine(ctx: Ctx, **kw: Any):
         kw = {"max_model_len": 64, "kv_budget_gib": 1 / 16, **kw}
     # At most 32 requests: the graph buckets captured at start-up stop at 32.
     kw = {"max_model_len": 512, "max_running_requests": 32, **kw}
-    return Engine(EngineConfig(model=_model(ctx), device=str(ctx.device), **kw))
+    return Engine(EngineConfig(model=model or _model(ctx), device=str(ctx.device), **kw))
 
 
 def _close(engine) -> None:
@@ -434,13 +438,18 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
 
 
-def _generate(engine, prompts: list[list[int]], tokens: int, logprobs: int | None = None):
+def _generate(engine, prompts: list[list[int]], tokens: int, logprobs: int | None = None,
+              params=None):  # fmt: skip
     from dsakv.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    if params is None:
+        params = SamplingParams(
+            max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs
+        )
     reqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
+    engine.check_integrity()  # pages, slots and the prefix cache add up
     return reqs
 
 
@@ -1061,6 +1070,172 @@ def _stage_kernel_bandwidth(ctx: Ctx, rec: Record) -> None:
     rec["ok"] = all(r["bytes_per_s"] > 0 for r in rows)
 
 
+def _stage_features(ctx: Ctx, rec: Record) -> None:
+    """The engine's features on the device, each against the plain engine on the same
+    prompts (greedy; agreement as in `triton_vs_torch`, exact equality recorded beside it):
+    HiSparse with a hot buffer of index_topk rows (decode steps miss and copy rows from
+    pinned host memory), a device pool too small for the batch over a host tier (prefixes
+    retracted and evicted to the host come back), MTP drafting 3 tokens (verify steps), and
+    seeded sampling with every logit processor twice (equal tokens, finite logprobs)."""
+    dry = ctx.dry_run
+    dense, sparse, new = _parity_prompts(dry)
+    checks: dict[str, dict[str, Any]] = {}
+    rec["checks"] = checks
+    for name, fn in (("hisparse", _feature_hisparse), ("host_tier", _feature_host_tier),
+                     ("mtp", _feature_mtp), ("sampling", _feature_sampling)):  # fmt: skip
+        row: dict[str, Any] = {}
+        checks[name] = row
+        if ctx.left() < 10:
+            row.update(ok=False, error="stage deadline reached before this check")
+            rec["deadline_reached"] = True
+            continue
+        start = time.perf_counter()
+        try:
+            fn(ctx, row, dense, sparse, new)
+        except Exception as e:
+            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500])
+            traceback.print_exc()
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        rec.save()
+    bad = [k for k, r in checks.items() if not r.get("ok")]
+    rec["ok"] = not bad
+    if bad:
+        rec["error"] = "; ".join(f"{k}: {checks[k].get('error')}" for k in bad)
+
+
+def _compare(row: dict[str, Any], want, got, problems: list[str]) -> None:
+    """Greedy tokens of two runs: exact equality, and the agreement bound when enough
+    steps were compared (a near-tie may flip an argmax where batches differ)."""
+    a = _agreement([(list(r.output_ids), []) for r in want],
+                   [(list(r.output_ids), []) for r in got])  # fmt: skip
+    row["equal"] = all(list(x.output_ids) == list(y.output_ids) for x, y in zip(want, got))
+    row.update(agreement=a["agreement"], steps_compared=a["steps_compared"],
+               first_difference=a["first_difference"])  # fmt: skip
+    if a["steps_compared"] >= MIN_STEPS and a["agreement"] < MIN_AGREEMENT:
+        problems.append(f"agreement {a['agreement']:.3f} < {MIN_AGREEMENT}")
+
+
+def _finish(row: dict[str, Any], problems: list[str]) -> None:
+    row["ok"] = not problems
+    if problems:
+        row["error"] = "; ".join(problems)
+
+
+def _counters(engine, *names: str) -> dict[str, Any]:
+    c = engine.counters()
+    return {k: c.get(k) for k in names}
+
+
+def _feature_hisparse(ctx: Ctx, row, dense, sparse, new) -> None:
+    topk = None
+    off = _engine(ctx)
+    try:
+        topk = off.model_config.index_topk
+        want = _generate(off, sparse, new)
+    finally:
+        _close(off)
+    hs = {"device_buffer_size": topk, "host_to_device_ratio": 2}  # contexts pass the buffer
+    row["hisparse_config"] = hs
+    on = _engine(ctx, enable_hisparse=True, hisparse_config=hs)
+    try:
+        got = _generate(on, sparse, new)
+        row["counters"] = c = _counters(
+            on, "hisparse_hits", "hisparse_misses", "hisparse_rows_to_device",
+            "hisparse_bytes_to_device", "peak_running_requests")  # fmt: skip
+    finally:
+        _close(on)
+    problems: list[str] = []
+    _compare(row, want, got, problems)
+    if not c["hisparse_misses"]:
+        problems.append("no decode step missed its hot buffer (nothing came from the host)")
+    _finish(row, problems)
+
+
+def _feature_host_tier(ctx: Ctx, row, dense, sparse, new) -> None:
+    import random
+
+    rng = random.Random(5)
+    page = 16 if ctx.dry_run else 64
+    new = max(new, 8)
+    prefixes = [[rng.randrange(3, 250) for _ in range(2 * page)] for _ in range(3)]
+    waves = [[p + [rng.randrange(3, 250) for _ in range(rng.randint(3, 20))] for _ in range(2)]
+             for p in prefixes]  # fmt: skip
+    kw = {"page_size": page} | ({"max_model_len": 64} if ctx.dry_run else {})
+    cold = _engine(ctx, enable_prefix_cache=False, **kw)
+    try:
+        want = _generate(cold, waves[0], new)
+    finally:
+        _close(cold)
+    # 8 device pages hold one wave: the second and third evict the first's prefix pages to
+    # the host tier, and the first wave's prompts, run again, find them there
+    tier = _engine(ctx, num_pages=8, kv_budget_gib=None, host_pool_gib=0.05, **kw)
+    try:
+        for wave in waves:
+            _generate(tier, wave, new)
+        got = _generate(tier, waves[0], new)
+        row["counters"] = c = _counters(
+            tier, "prefix_hit_tokens", "prefix_pages_demoted", "prefix_pages_promoted",
+            "host_bytes_to_host", "host_bytes_to_device")  # fmt: skip
+    finally:
+        _close(tier)
+    problems: list[str] = []
+    _compare(row, want, got, problems)
+    if not c["host_bytes_to_device"]:
+        problems.append("nothing came back from the host tier")
+    _finish(row, problems)
+
+
+def _feature_mtp(ctx: Ctx, row, dense, sparse, new) -> None:
+    start = time.perf_counter()
+    model, made = ensure_model(ctx.models, DRY_PRESET if ctx.dry_run else GPU_PRESET, "fit")
+    row["model"] = {"path": str(model), "generated_here": made,
+                    "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+    new = max(new, 8)  # (the dry run's 2 leave no step to draft in)
+    plain = _engine(ctx, model=str(model))
+    try:
+        want = _generate(plain, dense, new)
+    finally:
+        _close(plain)
+    spec = _engine(ctx, model=str(model), speculative_algorithm="mtp", speculative_num_steps=3)
+    try:
+        got = _generate(spec, dense, new)
+        row["counters"] = c = _counters(
+            spec, "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps"
+        )
+    finally:
+        _close(spec)
+    row["acceptance"] = c["spec_accepted_tokens"] / max(c["spec_draft_tokens"] or 0, 1)
+    problems: list[str] = []
+    _compare(row, want, got, problems)
+    if not c["spec_verify_steps"]:
+        problems.append("no verify step ran")
+    _finish(row, problems)
+
+
+def _feature_sampling(ctx: Ctx, row, dense, sparse, new) -> None:
+    import math
+
+    from dsakv.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=new, temperature=0.8, top_p=0.9, top_k=40, min_p=0.02,
+                            repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
+                            logit_bias={5: 3.0}, seed=7, logprobs=5, ignore_eos=True)  # fmt: skip
+    engine = _engine(ctx, enable_prefix_cache=False)  # (a hit prefills fewer rows: numerics)
+    try:
+        runs = [_generate(engine, dense[:4], new, params=params) for _ in range(2)]
+    finally:
+        _close(engine)
+    tokens = [[list(r.output_ids) for r in run] for run in runs]
+    row["equal"] = tokens[0] == tokens[1]
+    finite = all(math.isfinite(lp) for r in runs[0] for step in r.top_logprobs
+                 for _, lp in step)  # fmt: skip
+    row["logprobs_finite"] = finite
+    problems = [] if row["equal"] else ["one seed gave different tokens on a second run"]
+    if not finite:
+        problems.append("a logprob is not finite")
+    _finish(row, problems)
+
+
 def _stage_bench(ctx: Ctx, rec: Record) -> None:
     """`dsakv bench --quick --device cuda`, cut a little before the stage's deadline."""
     path = ctx.out / "bench.json"
@@ -1083,6 +1258,7 @@ _STAGE_FNS: dict[str, Callable[[Ctx, Record], None]] = {
     "triton_vs_torch": _stage_triton_vs_torch,
     "decode": _stage_decode,
     "kernel_bandwidth": _stage_kernel_bandwidth,
+    "features": _stage_features,
     "bench": _stage_bench,
 }
 
@@ -1140,9 +1316,21 @@ def _detail(name: str, c: dict[str, Any]) -> str:
         )
         speed = ", ".join(f"{b} {x:.2f}x" for b, x in (c.get("graph_over_eager") or {}).items())
         return f"tok/s {rates}" + (f"; graph/eager {speed}" if speed else "")
+    if name == "features" and c.get("checks"):
+        return ", ".join(_feature_line(k, r) for k, r in c["checks"].items())
     if name == "kernel_bandwidth" and c.get("copy_bytes_per_s"):
         return f"copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s, {len(c['kernels']) - 1} kernel cases"
     return ""
+
+
+def _feature_line(name: str, r: dict[str, Any]) -> str:
+    if "agreement" in r:
+        what = f"agreement {r['agreement']:.3f}, equal {r['equal']}"
+    else:
+        what = f"equal {r.get('equal')}"
+    if "acceptance" in r:
+        what += f", acceptance {r['acceptance']:.2f}"
+    return f"{name} {'ok' if r.get('ok') else 'FAILED'} ({what})"
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -1158,8 +1346,9 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(stage_line(i, n, name, rec))
     for r in result["stages"].get("kernel_bandwidth", {}).get("kernels", []):
         shape = ",".join(f"{k}={v}" for k, v in r["shape"].items())
+        flops = f", {r['tflops']:.1f} TFLOP/s" if r.get("tflops") else ""
         lines.append(f"    {r['kernel']} [{shape}]: {r['bytes_per_s'] / 1e9:.1f} GB/s "
-                     f"({100 * r['copy_ratio']:.0f}% of copy)")  # fmt: skip
+                     f"({100 * r['copy_ratio']:.0f}% of copy{flops})")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -218,7 +218,9 @@ def bench_kernels(
     w = torch.randn(e, hi, device=device, generator=gen)
     q_pos = torch.arange(length - e, length, device=device, dtype=torch.int32)
     t = timer(index_logits_extend, qi, w, kp, ctx_slots, q_pos, ps)
-    results.append(_row("index_logits_extend", {"E": e, "Hi": hi, "L": length}, t, length * (INDEX_DIM + 4),
+    # keys read once, queries and weights, and the [E, L] fp32 logits it writes
+    nbytes = length * (INDEX_DIM + 4) + qi.numel() * 2 + w.numel() * 4 + e * length * 4
+    results.append(_row("index_logits_extend", {"E": e, "Hi": hi, "L": length}, t, nbytes,
                         copy_bw, 2.0 * e * hi * length * INDEX_DIM))  # fmt: skip
 
     # --- stores -------------------------------------------------------------------------------

@@ -93,7 +93,8 @@ class PageAllocator:
 
 
 def page_slots(pages: Sequence[int] | torch.Tensor, page_size: int) -> torch.Tensor:
-    """Token slots of `pages`, in order: slot = page * page_size + offset."""
+    """Token slots of `pages`, in order: slot = page * page_size + offset (on the pages'
+    device)."""
     p = torch.as_tensor(pages)
     if p.numel():  # (an empty list is float32 to torch)
         if p.is_floating_point() or p.dtype == torch.bool:
@@ -101,7 +102,7 @@ def page_slots(pages: Sequence[int] | torch.Tensor, page_size: int) -> torch.Ten
         if p.min() < 0:
             raise ValueError(f"page {int(p.min())} is negative")
     p = p.to(torch.long).reshape(-1, 1)
-    return (p * page_size + torch.arange(page_size, dtype=torch.long)).reshape(-1)
+    return (p * page_size + torch.arange(page_size, dtype=torch.long, device=p.device)).reshape(-1)
 
 
 def pages_of(slots: torch.Tensor, page_size: int) -> list[int]:
