@@ -1121,34 +1121,39 @@ def _finish(row: dict[str, Any], problems: list[str]) -> None:
         row["error"] = "; ".join(problems)
 
 
-def _counters(engine, *names: str) -> dict[str, Any]:
-    c = engine.counters()
-    return {k: c.get(k) for k in names}
+def _against_plain(ctx: Ctx, row, prompts, new: int, plain: dict[str, Any],
+                   feature: dict[str, Any], counters: tuple[str, ...], needed: tuple[str, str],
+                   before: tuple[list[list[int]], ...] = ()) -> dict[str, Any]:  # fmt: skip
+    """Greedy tokens of `prompts` on a plain engine and on one with `feature` (which first
+    runs the prompt lists `before`), compared into `row` with the feature engine's
+    `counters`; `needed` is (a counter that must be nonzero, the problem if it is not)."""
+    runs = []
+    for kw, warm in ((plain, ()), (feature, before)):
+        engine = _engine(ctx, **kw)
+        try:
+            for wave in warm:
+                _generate(engine, wave, new)
+            runs.append(_generate(engine, prompts, new))
+            c = engine.counters()
+        finally:
+            _close(engine)
+    row["counters"] = c = {k: c.get(k) for k in counters}
+    problems: list[str] = []
+    _compare(row, *runs, problems)
+    if not c[needed[0]]:
+        problems.append(needed[1])
+    _finish(row, problems)
+    return c
 
 
 def _feature_hisparse(ctx: Ctx, row, dense, sparse, new) -> None:
-    topk = None
-    off = _engine(ctx)
-    try:
-        topk = off.model_config.index_topk
-        want = _generate(off, sparse, new)
-    finally:
-        _close(off)
+    topk = json.loads((Path(_model(ctx)) / "config.json").read_text())["index_topk"]
     hs = {"device_buffer_size": topk, "host_to_device_ratio": 2}  # contexts pass the buffer
     row["hisparse_config"] = hs
-    on = _engine(ctx, enable_hisparse=True, hisparse_config=hs)
-    try:
-        got = _generate(on, sparse, new)
-        row["counters"] = c = _counters(
-            on, "hisparse_hits", "hisparse_misses", "hisparse_rows_to_device",
-            "hisparse_bytes_to_device", "peak_running_requests")  # fmt: skip
-    finally:
-        _close(on)
-    problems: list[str] = []
-    _compare(row, want, got, problems)
-    if not c["hisparse_misses"]:
-        problems.append("no decode step missed its hot buffer (nothing came from the host)")
-    _finish(row, problems)
+    _against_plain(ctx, row, sparse, new, {}, {"enable_hisparse": True, "hisparse_config": hs},
+                   ("hisparse_hits", "hisparse_misses", "hisparse_rows_to_device",
+                    "hisparse_bytes_to_device", "peak_running_requests"),
+                   ("hisparse_misses", "no decode step missed its hot buffer"))  # fmt: skip
 
 
 def _feature_host_tier(ctx: Ctx, row, dense, sparse, new) -> None:
@@ -1156,33 +1161,18 @@ def _feature_host_tier(ctx: Ctx, row, dense, sparse, new) -> None:
 
     rng = random.Random(5)
     page = 16 if ctx.dry_run else 64
-    new = max(new, 8)
     prefixes = [[rng.randrange(3, 250) for _ in range(2 * page)] for _ in range(3)]
     waves = [[p + [rng.randrange(3, 250) for _ in range(rng.randint(3, 20))] for _ in range(2)]
              for p in prefixes]  # fmt: skip
     kw = {"page_size": page} | ({"max_model_len": 64} if ctx.dry_run else {})
-    cold = _engine(ctx, enable_prefix_cache=False, **kw)
-    try:
-        want = _generate(cold, waves[0], new)
-    finally:
-        _close(cold)
     # 8 device pages hold one wave: the second and third evict the first's prefix pages to
     # the host tier, and the first wave's prompts, run again, find them there
-    tier = _engine(ctx, num_pages=8, kv_budget_gib=None, host_pool_gib=0.05, **kw)
-    try:
-        for wave in waves:
-            _generate(tier, wave, new)
-        got = _generate(tier, waves[0], new)
-        row["counters"] = c = _counters(
-            tier, "prefix_hit_tokens", "prefix_pages_demoted", "prefix_pages_promoted",
-            "host_bytes_to_host", "host_bytes_to_device")  # fmt: skip
-    finally:
-        _close(tier)
-    problems: list[str] = []
-    _compare(row, want, got, problems)
-    if not c["host_bytes_to_device"]:
-        problems.append("nothing came back from the host tier")
-    _finish(row, problems)
+    tier = {"num_pages": 8, "kv_budget_gib": None, "host_pool_gib": 0.05, **kw}
+    _against_plain(ctx, row, waves[0], max(new, 8), {"enable_prefix_cache": False, **kw}, tier,
+                   ("prefix_hit_tokens", "prefix_pages_demoted", "prefix_pages_promoted",
+                    "host_bytes_to_host", "host_bytes_to_device"),
+                   ("host_bytes_to_device", "nothing came back from the host tier"),
+                   before=tuple(waves))  # fmt: skip
 
 
 def _feature_mtp(ctx: Ctx, row, dense, sparse, new) -> None:
@@ -1190,26 +1180,13 @@ def _feature_mtp(ctx: Ctx, row, dense, sparse, new) -> None:
     model, made = ensure_model(ctx.models, DRY_PRESET if ctx.dry_run else GPU_PRESET, "fit")
     row["model"] = {"path": str(model), "generated_here": made,
                     "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
-    new = max(new, 8)  # (the dry run's 2 leave no step to draft in)
-    plain = _engine(ctx, model=str(model))
-    try:
-        want = _generate(plain, dense, new)
-    finally:
-        _close(plain)
-    spec = _engine(ctx, model=str(model), speculative_algorithm="mtp", speculative_num_steps=3)
-    try:
-        got = _generate(spec, dense, new)
-        row["counters"] = c = _counters(
-            spec, "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps"
-        )
-    finally:
-        _close(spec)
+    m = {"model": str(model)}
+    # (the dry run's 2 new tokens leave no step to draft in)
+    c = _against_plain(ctx, row, dense, max(new, 8), m,
+                       {**m, "speculative_algorithm": "mtp", "speculative_num_steps": 3},
+                       ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps"),
+                       ("spec_verify_steps", "no verify step ran"))  # fmt: skip
     row["acceptance"] = c["spec_accepted_tokens"] / max(c["spec_draft_tokens"] or 0, 1)
-    problems: list[str] = []
-    _compare(row, want, got, problems)
-    if not c["spec_verify_steps"]:
-        problems.append("no verify step ran")
-    _finish(row, problems)
 
 
 def _feature_sampling(ctx: Ctx, row, dense, sparse, new) -> None:
