@@ -41,14 +41,18 @@ test: install
 # 3.12 and its transformers (5.17) older than the `indexed_attention` layer type dsakv's
 # configs use, which even its tokenizer loading validates. 5.24 is the newest that still
 # takes the image's huggingface_hub 1.x (5.25 needs hub 2.x and its new HTTP stack).
+# xgrammar and what it needs that the image lacks come at the venv's versions (~7 MiB).
 # scripts/device_check.sh unpacks whatever lies in .whl/ (no pip needed there).
 WHEEL_PY ?= 3.12
 WHEEL_TRANSFORMERS ?= 5.24.0
+WHEELS_AS_VENV := xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
 wheelhouse: install
 	rm -rf .whl && mkdir -p .whl
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-		-d .whl "transformers==$(WHEEL_TRANSFORMERS)"
+		-d .whl "transformers==$(WHEEL_TRANSFORMERS)" $$($(BIN)/python -c \
+		'import importlib.metadata as m, sys; print(*(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
+		$(WHEELS_AS_VENV))
 	du -sh .whl
 
 device-check-dry: install

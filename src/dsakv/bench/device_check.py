@@ -66,7 +66,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("triton_vs_torch", 45, "fp32, graphs off: greedy agreement, max logprob difference"),
     Stage("decode", 75, "decode tokens/s graph / eager / torch at batch 1 and 32"),
     Stage("kernel_bandwidth", 55, "each kernel's bytes/s against the measured copy bandwidth"),
-    Stage("features", 120, "HiSparse, host tier + prefix cache, MTP, seeded sampling on the GPU"),
+    Stage("features", 120, "HiSparse, host tier, MTP, seeded sampling, a grammar on the GPU"),
 )
 BENCH = Stage("bench", 0, "`dsakv bench --quick` (only with --bench, in the time left)")
 BUDGET_S = 525.0
@@ -1082,7 +1082,8 @@ def _stage_features(ctx: Ctx, rec: Record) -> None:
     checks: dict[str, dict[str, Any]] = {}
     rec["checks"] = checks
     for name, fn in (("hisparse", _feature_hisparse), ("host_tier", _feature_host_tier),
-                     ("mtp", _feature_mtp), ("sampling", _feature_sampling)):  # fmt: skip
+                     ("mtp", _feature_mtp), ("sampling", _feature_sampling),
+                     ("grammar", _feature_grammar)):  # fmt: skip
         row: dict[str, Any] = {}
         checks[name] = row
         if ctx.left() < 10:
@@ -1213,6 +1214,35 @@ def _feature_sampling(ctx: Ctx, row, dense, sparse, new) -> None:
     _finish(row, problems)
 
 
+def _feature_grammar(ctx: Ctx, row, dense, sparse, new) -> None:
+    """A JSON schema through xgrammar, its bitmask applied to the logits on the device:
+    the random model's greedy output is JSON only because of the mask, so it must parse,
+    hold the schema and stop when the object closes."""
+    from dsakv.engine import SamplingParams
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "ok"],
+              "properties": {"name": {"enum": ["alpha", "beta"]}, "ok": {"type": "boolean"}}}  # fmt: skip
+    params = SamplingParams(max_tokens=64, temperature=0.0,
+                            grammar=("json_schema", json.dumps(schema)))  # fmt: skip
+    engine = _engine(ctx)
+    try:
+        reqs = _generate(engine, dense[:4], new, params=params)
+    finally:
+        _close(engine)
+    row["texts"] = [r.output_text for r in reqs]
+    problems = []
+    for r in reqs:
+        try:
+            obj = json.loads(r.output_text)
+            valid = set(obj) == {"name", "ok"} and obj["name"] in ("alpha", "beta")
+            valid = valid and isinstance(obj["ok"], bool)
+        except ValueError:
+            valid = False
+        if not valid or r.finish_reason != "stop":
+            problems.append(f"{r.output_text!r} ({r.finish_reason}) does not hold the schema")
+    _finish(row, problems)
+
+
 def _stage_bench(ctx: Ctx, rec: Record) -> None:
     """`dsakv bench --quick --device cuda`, cut a little before the stage's deadline."""
     path = ctx.out / "bench.json"
@@ -1303,6 +1333,8 @@ def _detail(name: str, c: dict[str, Any]) -> str:
 def _feature_line(name: str, r: dict[str, Any]) -> str:
     if "agreement" in r:
         what = f"agreement {r['agreement']:.3f}, equal {r['equal']}"
+    elif "texts" in r:
+        what = f"{len(r['texts'])} outputs"
     else:
         what = f"equal {r.get('equal')}"
     if "acceptance" in r:
