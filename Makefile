@@ -41,11 +41,13 @@ test: install
 # 3.12 and its transformers (5.17) older than the `indexed_attention` layer type dsakv's
 # configs use, which even its tokenizer loading validates. 5.24 is the newest that still
 # takes the image's huggingface_hub 1.x (5.25 needs hub 2.x and its new HTTP stack).
-# xgrammar and what it needs that the image lacks come at the venv's versions (~7 MiB).
+# xgrammar, FastAPI and uvicorn, with what they need that the image lacks, come at the
+# venv's versions (~8 MiB).
 # scripts/device_check.sh unpacks whatever lies in .whl/ (no pip needed there).
 WHEEL_PY ?= 3.12
 WHEEL_TRANSFORMERS ?= 5.24.0
-WHEELS_AS_VENV := xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
+WHEELS_AS_VENV := xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection \
+	fastapi starlette uvicorn opentelemetry-api
 wheelhouse: install
 	rm -rf .whl && mkdir -p .whl
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(WHEEL_PY) \

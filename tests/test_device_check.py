@@ -57,8 +57,9 @@ def test_device_check_dry_run(tmp_path):
     assert all(r["bytes_per_s"] > 0 for r in st["kernel_bandwidth"]["kernels"])
     checks = st["features"]["checks"]
     assert all(c["ok"] for c in checks.values()), checks
-    assert all(c["equal"] for k, c in checks.items() if k != "grammar")
+    assert all(c["equal"] for k, c in checks.items() if k not in ("grammar", "serve"))
     assert len(checks["grammar"]["texts"]) == 2
+    assert checks["serve"]["figures"]["requests"] == 4 and checks["serve"]["chat_status"] == 200
     assert checks["hisparse"]["counters"]["hisparse_misses"] > 0
     assert checks["host_tier"]["counters"]["host_bytes_to_device"] > 0
     assert checks["mtp"]["counters"]["spec_verify_steps"] > 0

@@ -1083,7 +1083,7 @@ def _stage_features(ctx: Ctx, rec: Record) -> None:
     rec["checks"] = checks
     for name, fn in (("hisparse", _feature_hisparse), ("host_tier", _feature_host_tier),
                      ("mtp", _feature_mtp), ("sampling", _feature_sampling),
-                     ("grammar", _feature_grammar)):  # fmt: skip
+                     ("grammar", _feature_grammar), ("serve", _feature_serve)):  # fmt: skip
         row: dict[str, Any] = {}
         checks[name] = row
         if ctx.left() < 10:
@@ -1243,6 +1243,40 @@ def _feature_grammar(ctx: Ctx, row, dense, sparse, new) -> None:
     _finish(row, problems)
 
 
+def _feature_serve(ctx: Ctx, row, dense, sparse, new) -> None:
+    """`dsakv serve` on the device (the engine on its own thread, the HTTP server on the
+    event loop): 16 streamed completions at once, greedy, every token's logprob arriving,
+    then a chat completion under a JSON schema."""
+    import httpx
+
+    from dsakv.bench.serving_rate import SERVED_NAME, ServeProcess
+
+    flags = ["--device", str(ctx.device), "--max-model-len", "64" if ctx.dry_run else "512"]
+    server = ServeProcess(_model(ctx), flags, os.cpu_count() or 1, ctx.out / "serve.log")
+    try:
+        server.wait_ready(max(ctx.left() - 30, 5))
+        row["figures"] = server.measure(dense + sparse, new)
+        schema = {"type": "object", "required": ["ok"], "additionalProperties": False,
+                  "properties": {"ok": {"type": "boolean"}}}  # fmt: skip
+        body = {"model": SERVED_NAME, "max_tokens": 32, "temperature": 0.0,
+                "messages": [{"role": "user", "content": "Say ok."}],
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "ok", "schema": schema}}}  # fmt: skip
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        row["chat_status"] = r.status_code
+        text = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+        row["chat_text"] = text
+    finally:
+        server.stop()
+    problems = []
+    try:
+        if not isinstance(json.loads(text).get("ok"), bool):
+            problems.append(f"chat output {text!r} does not hold the schema")
+    except (ValueError, AttributeError):
+        problems.append(f"chat answered {row['chat_status']}: {text[:300]!r}")
+    _finish(row, problems)
+
+
 def _stage_bench(ctx: Ctx, rec: Record) -> None:
     """`dsakv bench --quick --device cuda`, cut a little before the stage's deadline."""
     path = ctx.out / "bench.json"
@@ -1335,6 +1369,9 @@ def _feature_line(name: str, r: dict[str, Any]) -> str:
         what = f"agreement {r['agreement']:.3f}, equal {r['equal']}"
     elif "texts" in r:
         what = f"{len(r['texts'])} outputs"
+    elif r.get("figures"):
+        f = r["figures"]
+        what = f"{f.get('requests')} streams, decode {f.get('decode_tokens_per_s') or 0:.0f} tok/s"
     else:
         what = f"equal {r.get('equal')}"
     if "acceptance" in r:

@@ -100,7 +100,7 @@ def run_serving_rate(
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {"in_process": {}, "server": {}}
     try:
         with tempfile.TemporaryDirectory(prefix="dsakv-serving-") as tmp:
-            server = _Server(path, flags, n_threads, Path(tmp) / "serve.log")
+            server = ServeProcess(path, flags, n_threads, Path(tmp) / "serve.log")
             try:
                 llm = LLM(config)  # loads while the server process loads too
                 try:
@@ -271,7 +271,7 @@ def _figures(
 # --- the server --------------------------------------------------------------------------------
 
 
-class _Server:
+class ServeProcess:
     """A `dsakv serve` subprocess on a free loopback port, its log in a file."""
 
     def __init__(self, model: str, flags: list[str], threads: int, log: Path) -> None:
