@@ -992,7 +992,7 @@ def _stage_decode(ctx: Ctx, rec: Record) -> None:
     }
     rates: dict[str, dict[str, float]] = {}
     rec.update(tokens_per_s=rates, new_tokens=new, batches=list(batches), skipped={},
-               captured_while_timing={})  # fmt: skip
+               captured_while_timing={}, prefill_step_s={})  # fmt: skip
     if dry:
         del variants["graph"]
         rec["skipped"]["graph"] = "no CUDA graphs on a CPU"
@@ -1040,8 +1040,12 @@ def _decode_variant(ctx, rec, name, kw, batches, new, warm) -> None:
 
             params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
             reqs = [engine.add_request(p, params) for p in _prompts([plen] * b, seed=200 + b)]
+            _sync(device)
+            start = time.perf_counter()
             engine.step()  # the prefill (and first token) is not decode
             _sync(device)
+            # one step prefilling b prompts: the extend path runs per request (a lead)
+            rec["prefill_step_s"].setdefault(name, {})[f"batch_{b}"] = time.perf_counter() - start
             start = time.perf_counter()
             while engine.has_unfinished():
                 engine.step()
