@@ -1079,8 +1079,9 @@ def _stage_features(ctx: Ctx, rec: Record) -> None:
     prompts (greedy; agreement as in `triton_vs_torch`, exact equality recorded beside it):
     HiSparse with a hot buffer of index_topk rows (decode steps miss and copy rows from
     pinned host memory), a device pool too small for the batch over a host tier (prefixes
-    retracted and evicted to the host come back), MTP drafting 3 tokens (verify steps), and
-    seeded sampling with every logit processor twice (equal tokens, finite logprobs)."""
+    retracted and evicted to the host come back), MTP drafting 3 tokens (verify steps),
+    seeded sampling with every logit processor twice (equal tokens, finite logprobs); then
+    a JSON schema through xgrammar, and `dsakv serve` (streams and a chat completion)."""
     dry = ctx.dry_run
     dense, sparse, new = _parity_prompts(dry)
     checks: dict[str, dict[str, Any]] = {}
