@@ -11,6 +11,7 @@ from dsakv.memory import (
     CacheLayout,
     DSAKVPool,
     SharedLayerIndexKError,
+    allocation_failed,
     copy_tokens,
     page_slots,
 )
@@ -298,3 +299,36 @@ def test_a_pool_too_large_to_allocate_names_its_whole_size():
     need = pages * 64 * layout.bytes_per_token / 2**30
     with pytest.raises(ConfigError, match=f"cannot allocate {need:.2f} GiB of KV cache"):
         DSAKVPool(layout, pages)
+
+
+@pytest.mark.parametrize(
+    "error, failed",
+    [
+        (MemoryError(), True),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+        (
+            RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"
+            ),
+            True,
+        ),
+        (RuntimeError("CUDA error: out of memory"), True),  # a pinned host buffer
+        (RuntimeError("Cannot access accelerator device when none is available."), False),
+        (ValueError("out of memory"), False),
+    ],
+)
+def test_allocation_failed_tells_no_memory_from_other_errors(error, failed):
+    assert allocation_failed(error) is failed
+
+
+def test_an_error_other_than_no_memory_is_not_reported_as_one(monkeypatch):
+    """Only a failed allocation becomes the "ask for a smaller pool" error; any other
+    RuntimeError from the allocation (a device that is not there) stays itself."""
+    layout = CacheLayout.for_model("glm-5.2", page_size=64)
+
+    def zeros(*args, **kwargs):
+        raise RuntimeError("Cannot access accelerator device when none is available.")
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    with pytest.raises(RuntimeError, match="accelerator device"):
+        DSAKVPool(layout, 4)

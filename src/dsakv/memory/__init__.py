@@ -12,9 +12,16 @@ from .capacity import (
 from .fp8 import dequantize_e4m3_blockwise, hadamard_rotate, quantize_e4m3_blockwise
 from .host import HostPool
 from .layout import INDEX_K_DTYPES, LATENT_DTYPES, CacheLayout
-from .pool import DSAKVPool, SharedLayerIndexKError, TransferDescriptor, copy_tokens
+from .pool import (
+    DSAKVPool,
+    SharedLayerIndexKError,
+    TransferDescriptor,
+    allocation_failed,
+    copy_tokens,
+)
 
 __all__ = [
+    "allocation_failed",
     "INDEX_K_DTYPES",
     "LATENT_DTYPES",
     "CacheLayout",

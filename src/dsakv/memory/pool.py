@@ -74,10 +74,23 @@ class _NoMemory(Exception):
     """A pool buffer could not be allocated (`DSAKVPool` says how much the pool needed)."""
 
 
+def allocation_failed(e: BaseException) -> bool:
+    """Whether `e` is an allocation that failed (torch's out-of-memory on a device, Python's
+    MemoryError, the CPU and pinned allocators' RuntimeErrors), not another error."""
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text
+    )
+
+
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool):
     try:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
     except (RuntimeError, MemoryError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
+        if not allocation_failed(e):
+            raise
         raise _NoMemory(str(e).splitlines()[0]) from None
 
 

@@ -35,6 +35,7 @@ from dsakv.config import LayerPlan, ModelConfig
 from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import DsakvError
 from dsakv.kernels.torch_ops import WEIGHT_BLOCK, pack_fp8, packed_width, unpacked_width
+from dsakv.memory import allocation_failed
 
 from .dsa import DSAForCausalLM, keep_fp32, store_matrices
 from .moe import Experts
@@ -134,8 +135,7 @@ def _allocate(model: DSAForCausalLM, device: str | torch.device) -> None:
         model.to_empty(device=device)
         model.rotary.tables(device)
     except (RuntimeError, MemoryError) as e:
-        oom = isinstance(e, (MemoryError, torch.OutOfMemoryError))
-        if not oom and "can't allocate memory" not in str(e):
+        if not allocation_failed(e):
             raise
         where = "host" if device.type == "cpu" else str(device)
         raise DsakvError(
