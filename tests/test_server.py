@@ -730,11 +730,14 @@ def test_shutdown_ends_open_streams(model_dir):
 def test_stable_len_holds_back_partial_chars_and_stop_prefixes():
     from dsakv.server.runner import _stable_len
 
-    assert _stable_len("hello", ()) == 5
-    assert _stable_len("hello\ufffd", ()) == 5  # a multi-byte character still arriving
-    assert _stable_len("\ufffd\ufffd", ()) == 0
-    assert _stable_len("hello wor", ("world",)) == 5  # "wor" could still become the stop
-    assert _stable_len("ab", ("xyz",)) == 0
+    assert _stable_len("hello", 0) == 5
+    assert _stable_len("hello\ufffd", 0) == 5  # a multi-byte character still arriving
+    assert _stable_len("\ufffd\ufffd", 0) == 0
+    assert _stable_len("hello wor", len("world")) == 5  # "wor" could still become the stop
+    assert _stable_len("ab", len("xyz")) == 0
+    assert _stable_len("abc", 1) == 3  # a one-character stop is cut as soon as it appears
+    assert SamplingParams(stop=["a", "world", "xyz"]).longest_stop == 5
+    assert SamplingParams().longest_stop == 0
 
 
 # --- the listening port, taken before the engine loads ----------------------------------------

@@ -210,6 +210,12 @@ class SamplingParams:
             out.setdefault(s[-1], []).append(s)
         return {c: tuple(v) for c, v in out.items()}
 
+    @functools.cached_property
+    def longest_stop(self) -> int:
+        """The longest stop string's length: a streamed text holds back one less (a max over
+        20,000 stop strings was taken for every chunk)."""
+        return max(map(len, self.stop), default=0)
+
     @property
     def masked(self) -> bool:
         """Whether `Engine._restrict` takes tokens away: stops under `min_tokens`, bad

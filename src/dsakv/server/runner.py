@@ -424,7 +424,7 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
     stream.sent_tokens = end
     text = req.output_text
     if not req.finished:
-        text = text[: _stable_len(text, req.params.stop)]
+        text = text[: _stable_len(text, req.params.longest_stop)]
     delta = text[stream.sent_chars :]
     stream.sent_chars = max(stream.sent_chars, len(text))
     want = req.params.logprobs is not None
@@ -506,14 +506,11 @@ def alternative_texts(
     return out
 
 
-def _stable_len(text: str, stops: tuple[str, ...]) -> int:
+def _stable_len(text: str, longest_stop: int) -> int:
     """How much of an unfinished output can be streamed without being taken back later: not a
     trailing partial UTF-8 character (decoded as U+FFFD), nor a tail that could still grow into
     a stop string (the engine cuts the text there)."""
-    n = len(text)
-    if stops:
-        n -= max(len(s) for s in stops) - 1
-    n = max(n, 0)
+    n = max(len(text) - max(longest_stop - 1, 0), 0)
     while n > 0 and text[n - 1] == "\ufffd":
         n -= 1
     return n
