@@ -21,8 +21,9 @@ try:
     import triton  # noqa: F401
 
     from dsakv.kernels import triton_hisparse as tri
+    from dsakv.kernels import triton_rows as rows_kernels
 except ImportError:  # pragma: no cover - triton is a dev extra
-    tri = None
+    tri = rows_kernels = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRET else "cpu")
@@ -312,7 +313,7 @@ def py_copy(host, dev, src, dst):
 def _copy_impls(scratch_row):
     impls = [("torch", lambda *a: ref.copy_rows(*a, scratch_row=scratch_row))]
     if tri is not None:
-        impls.append(("triton", tri.copy_rows))
+        impls.append(("triton", rows_kernels.copy_rows))
     return impls
 
 
@@ -364,7 +365,7 @@ def test_copy_rows_layers_and_offset_views():
     s = torch.tensor(src, device=DEVICE)
     d = torch.tensor(dst, device=DEVICE)
     want = py_copy(host, dev, src, dst)
-    for layers in [ref.copy_rows_layers] + ([tri.copy_rows_layers] if tri else []):
+    for layers in [ref.copy_rows_layers] + ([rows_kernels.copy_rows_layers] if tri else []):
         got = [dev[i].clone().to(DEVICE) for i in range(g)]
         layers([_host(host[i].clone()) for i in range(g)], got, s, d)
         assert all(torch.equal(got[i].cpu(), want[i]) for i in range(g))

@@ -387,6 +387,7 @@ def test_hisparse_resolve_and_copy_real_shapes_and_graph_replay():
     pytest.importorskip("triton")
     from dsakv.kernels import hisparse_ops as ref
     from dsakv.kernels import triton_hisparse as tri
+    from dsakv.kernels.triton_rows import copy_rows
 
     b, s, k, ctx, width = 32, 4096, TOPK, 16384, 656
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -414,7 +415,7 @@ def test_hisparse_resolve_and_copy_real_shapes_and_graph_replay():
     for i in range(1, 4):  # the step as a device scalar, as a captured step passes it
         t, i = topk(), torch.tensor(i, device=DEV)
         want = step(ref.resolve, ref.copy_rows, "torch", t, i)
-        got = step(tri.resolve, tri.copy_rows, "triton", t, i)
+        got = step(tri.resolve, copy_rows, "triton", t, i)
         for w, x in zip(want, got):
             assert torch.equal(w, x)
         assert all(torch.equal(a, c) for a, c in zip(states["torch"], states["triton"]))
@@ -423,7 +424,7 @@ def test_hisparse_resolve_and_copy_real_shapes_and_graph_replay():
     static, ten = topk(), torch.tensor(10, device=DEV)  # (no host copy inside a capture)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step(tri.resolve, tri.copy_rows, "triton", static, ten)
+        out = step(tri.resolve, copy_rows, "triton", static, ten)
     for _ in range(2):
         t = topk()
         static.copy_(t)

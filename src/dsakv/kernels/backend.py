@@ -379,9 +379,7 @@ class TritonBackend(TorchBackend):
         return triton_hisparse.resolve(topk, newest, reserved_slot, buf_pos, stamp, buf_slot, step)
 
     def hot_copy(self, hosts, devs, src, dst) -> None:
-        from . import triton_hisparse
-
-        triton_hisparse.copy_rows_layers(hosts, devs, src, dst)
+        self._rows.copy_rows_layers(hosts, devs, src, dst)
 
     def graph_blocker(self, dtype, device, moe) -> str | None:
         # The kernels read lengths, slots and -1 padding on the device, and so do the torch

@@ -264,7 +264,7 @@ def copy_rows(
 
     On CUDA the host gather (`host.index_select` over pinned memory) runs on the CPU: it
     reads `src` there (a host sync) and cannot be captured in a CUDA graph. This is the
-    reference and the CPU path; `triton_hisparse.copy_rows` is the capturable one (the
+    reference and the CPU path; `triton_rows.copy_rows` is the capturable one (the
     kernel reads pinned host rows directly over UVA).
     """
     _check_copy(host, dev, src, dst)

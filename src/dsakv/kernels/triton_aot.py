@@ -581,8 +581,8 @@ def default_cases(shapes: Sequence[Shape] | None = None) -> list[Case]:
             for layers in ((), (2,)):  # one layer, or a stack of layers in one launch
                 rows = latent_cache(kind, 64, s)
                 rows = rows.expand(*layers, *rows.shape).contiguous()
-                add(f"hisparse.copy_rows {s.name} kind={kind} layers={layers or 1}",
-                    triton_hisparse.copy_rows, rows, rows.clone(), torch.arange(8),
+                add(f"rows.copy_rows {s.name} kind={kind} layers={layers or 1}",
+                    triton_rows.copy_rows, rows, rows.clone(), torch.arange(8),
                     torch.arange(8, dtype=i32))  # fmt: skip
     # the elementwise fp8 / bf16 conversions (tests, triton_bench)
     add("decode_e4m3 n=4096", triton_fp8.decode_e4m3, torch.zeros(4096, dtype=u8))

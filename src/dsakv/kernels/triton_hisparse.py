@@ -24,26 +24,18 @@ lane. Four phases, each reloading what it needs so that little stays live across
 Compiles for sm_90 with Triton 3.6 and 3.9 (S 4096 / K 2048: 16 warps, ≤ 128 registers,
 16-32 KB shared memory for the sorts; its first compile takes ~2-3 minutes on a CPU core).
 
-`copy_rows`: one program per ROWS entries and layer, row words (int32 where the row bytes
-allow) copied with masked loads/stores; −1 entries store nothing. On CUDA the host tensor
-must be pinned: the kernel reads it over UVA (Triton's launcher maps the pinned pointer to
-its device address with cuPointerGetAttribute; pageable memory is refused with "cannot be
-accessed from Triton (cpu tensor?)"), so the launch is capturable, copy included.
+Its copy list goes to `triton_rows.copy_rows`, the row copy every store of plain rows uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from . import hisparse_ops as _ref
-from ._triton import cdiv, next_pow2, require_triton, tl, triton
+from ._triton import next_pow2, require_triton, tl, triton
 
 _NO_POS = _ref._NO_POS  # top-k sentinel (> every position) and the pad-entry position
 _HIT_STAMP = 1 << 46  # eviction key of a hit / pad entry: past every stamp (|stamp| < 2^45)
-ROWS = 8  # copy-list entries per copy program
-_COPY_BLOCK = 256  # words per row chunk in the copy kernel
 
 
 def _resolve_warps(block_s: int) -> int:
@@ -247,97 +239,4 @@ def resolve(
 # --- host -> device row copies ------------------------------------------------------------------
 
 
-@triton.jit
-def _copy_rows_kernel(
-    host,
-    s_host,
-    s_hlayer,
-    dev,
-    s_dev,
-    s_dlayer,
-    src,
-    dst,
-    n,
-    W: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    layer = tl.program_id(1).to(tl.int64)
-    s = tl.load(src + i, mask=i < n, other=-1).to(tl.int64)
-    d = tl.load(dst + i, mask=i < n, other=-1).to(tl.int64)
-    ok = (s >= 0) & (d >= 0)
-    h_row = host + layer * s_hlayer + tl.where(ok, s, 0) * s_host  # int64 row offsets
-    d_row = dev + layer * s_dlayer + tl.where(ok, d, 0) * s_dev
-    w = tl.arange(0, BLOCK_W)
-    for w0 in tl.static_range(0, W, BLOCK_W):
-        ww = w0 + w
-        m = ok[:, None] & (ww[None, :] < W)
-        x = tl.load(h_row[:, None] + ww[None, :], mask=m)
-        tl.store(d_row[:, None] + ww[None, :], x, mask=m)
-
-
-_WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def _word_size(*ts: torch.Tensor) -> int:
-    """The widest word (4, 2, 1 B) that every row, stride and start of `ts` is a multiple of."""
-    for word in (4, 2):
-        if all(
-            (t.shape[-1] * t.element_size()) % word == 0
-            and t.data_ptr() % word == 0
-            and all((st * t.element_size()) % word == 0 for st in t.stride()[:-1])
-            for t in ts
-        ):
-            return word
-    return 1
-
-
-def _as_words(t: torch.Tensor, word: int) -> torch.Tensor:
-    dt = _WORDS[word]
-    return t if t.dtype == dt else t.view(dt)
-
-
-def copy_rows(
-    host: torch.Tensor,
-    dev: torch.Tensor,
-    src: torch.Tensor,
-    dst: torch.Tensor,
-) -> None:
-    """Triton `hisparse_ops.copy_rows`: `dev[dst[i]] = host[src[i]]` where both are ≥ 0 (one
-    layer `[slots, W]`, or G layers `[G, slots, W]` in one launch); −1 entries store nothing
-    (masked stores: no scratch row needed). Real entries must have distinct `dst`. On CUDA
-    `host` must be pinned (read over UVA); rows of any dtype are copied as raw words."""
-    require_triton()
-    _ref._check_copy(host, dev, src, dst)
-    n = src.shape[0]
-    h3 = host if host.dim() == 3 else host.unsqueeze(0)
-    d3 = dev if dev.dim() == 3 else dev.unsqueeze(0)
-    if n == 0 or h3.shape[0] == 0:
-        return
-    if h3.stride(-1) != 1 or d3.stride(-1) != 1:
-        raise ValueError("host and dev rows must be contiguous along W")
-    word = _word_size(h3, d3)
-    hv, dv = _as_words(h3, word), _as_words(d3, word)
-    words = hv.shape[-1]
-    _copy_rows_kernel[(cdiv(n, ROWS), hv.shape[0])](
-        hv, hv.stride(1), hv.stride(0), dv, dv.stride(1), dv.stride(0), src, dst, n,
-        W=words, BLOCK_W=min(next_pow2(words), _COPY_BLOCK), ROWS=ROWS, num_warps=4,
-    )  # fmt: skip
-
-
-def copy_rows_layers(
-    hosts: Sequence[torch.Tensor],
-    devs: Sequence[torch.Tensor],
-    src: torch.Tensor,
-    dst: torch.Tensor,
-) -> None:
-    """Replay one copy list over layers held in separate tensors, one launch per layer (for
-    layers stacked as `[G, slots, W]` views, `copy_rows` does it in one launch)."""
-    if len(hosts) != len(devs):
-        raise ValueError(f"{len(hosts)} host layers vs {len(devs)} device layers")
-    for h, d in zip(hosts, devs, strict=True):
-        copy_rows(h, d, src, dst)
-
-
-__all__ = ["copy_rows", "copy_rows_layers", "resolve", "resolve_scratch_size"]
+__all__ = ["resolve", "resolve_scratch_size"]
