@@ -60,6 +60,8 @@ def test_device_check_dry_run(tmp_path):
     assert all(c["equal"] for k, c in checks.items() if k not in ("grammar", "serve"))
     assert len(checks["grammar"]["texts"]) == 2
     assert checks["serve"]["figures"]["requests"] == 4 and checks["serve"]["chat_status"] == 200
+    profiled = st["prefill_profile"]
+    assert profiled["all_prefilled"] and profiled["requests"] == 4 and profiled["ops"] > 0
     assert checks["hisparse"]["counters"]["hisparse_misses"] > 0
     assert checks["host_tier"]["counters"]["host_bytes_to_device"] > 0
     assert checks["mtp"]["counters"]["spec_verify_steps"] > 0
