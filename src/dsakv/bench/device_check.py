@@ -1291,7 +1291,7 @@ def _stage_prefill_profile(ctx: Ctx, rec: Record) -> None:
     torch.profiler, after the same step once unprofiled: its wall time, how many ops and
     kernel launches it ran, and the 20 ops with the most self host time (count, host and
     device ms). A measurement, not a check: on the first H200 run a bench prefill step cost
-    ~130 ms per request at 78 layers, whatever the batch (the extend path runs attention
+    ~120-145 ms per request at 78 layers, whatever the batch (the extend path runs attention
     and the indexer per request)."""
     from torch.profiler import ProfilerActivity, profile
 
