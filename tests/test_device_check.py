@@ -141,3 +141,27 @@ def test_pytest_counts_from_junit_and_verbose_lines(tmp_path):
         "skipped": 0,
         "tests": 2,
     }
+
+
+def test_only_wheels_this_interpreter_imports_are_unpacked(tmp_path):
+    """`make wheelhouse` fetches the GPU image's CPython 3.12 wheels: on another interpreter
+    their compiled parts shadowed the working ones and broke the dry run. A wheel none of
+    whose tags this interpreter supports is left out and named."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name, module in (("purepkg-1.0-py3-none-any.whl", "purepkg"),
+                         ("native-1.0-cp27-cp27mu-manylinux1_x86_64.whl", "native")):  # fmt: skip
+        with zipfile.ZipFile(wheels / name, "w") as z:
+            z.writestr(f"{module}/__init__.py", "")
+    site = tmp_path / "site"
+    site.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/unpack_wheels.py"), str(site),
+         *map(str, sorted(wheels.iterdir()))],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in site.iterdir()) == ["purepkg"]
+    assert "native-1.0-cp27-cp27mu-manylinux1_x86_64.whl is not for this interpreter" in proc.stderr
