@@ -439,14 +439,15 @@ def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
 
 
-def _generate(engine, prompts: list[list[int]], tokens: int, logprobs: int | None = None,
-              params=None):  # fmt: skip
+def _greedy(tokens: int, logprobs: int | None = None):
     from dsakv.engine import SamplingParams
 
-    if params is None:
-        params = SamplingParams(
-            max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs
-        )
+    return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+
+
+def _generate(engine, prompts: list[list[int]], tokens: int, logprobs: int | None = None,
+              params=None):  # fmt: skip
+    params = params or _greedy(tokens, logprobs)
     reqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
@@ -1037,9 +1038,7 @@ def _decode_variant(ctx, rec, name, kw, batches, new, warm) -> None:
             _generate(engine, _prompts([plen] * b, seed=100 + b), warm)  # untimed: bucket b
             held = _captured(engine)
             before = None if held is None else len(held)
-            from dsakv.engine import SamplingParams
-
-            params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+            params = _greedy(new)
             reqs = [engine.add_request(p, params) for p in _prompts([plen] * b, seed=200 + b)]
             _sync(device)
             start = time.perf_counter()
@@ -1302,7 +1301,7 @@ def _stage_prefill_profile(ctx: Ctx, rec: Record) -> None:
     engine = _engine(ctx, enable_prefix_cache=False, chunked_prefill_size=8192, **kw)
     try:
         _generate(engine, prompts, 1)  # compiles and allocates; then the same step again
-        reqs = _add_greedy(engine, prompts)
+        reqs = [engine.add_request(p, _greedy(1)) for p in prompts]  # (stepped below)
         _sync(ctx.device)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=acts) as prof:
@@ -1324,14 +1323,6 @@ def _stage_prefill_profile(ctx: Ctx, rec: Record) -> None:
                    "self_device_ms": getattr(e, "self_device_time_total", 0) / 1e3}
                   for e in top]  # fmt: skip
     rec["ok"] = rec["all_prefilled"] and rec["ops"] > 0
-
-
-def _add_greedy(engine, prompts: list[list[int]]):
-    """`prompts` added for one greedy token each, not stepped (the caller steps)."""
-    from dsakv.engine import SamplingParams
-
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    return [engine.add_request(p, params) for p in prompts]
 
 
 def _stage_bench(ctx: Ctx, rec: Record) -> None:

@@ -39,10 +39,14 @@ def _copy_rows_kernel(
     W: tl.constexpr,
     BLOCK_W: tl.constexpr,
     ROWS: tl.constexpr,
+    IDENTITY: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     layer = tl.program_id(1).to(tl.int64)
-    s = tl.load(src + i, mask=i < n, other=-1).to(tl.int64)
+    if IDENTITY:  # src is 0..n−1 (a store of rows in order): nothing to read
+        s = tl.where(i < n, i, -1)
+    else:
+        s = tl.load(src + i, mask=i < n, other=-1).to(tl.int64)
     d = tl.load(dst + i, mask=i < n, other=-1).to(tl.int64)
     ok = (s >= 0) & (d >= 0)
     h_row = host + layer * s_hlayer + tl.where(ok, s, 0) * s_host  # int64 row offsets
@@ -86,9 +90,14 @@ def copy_rows(
     layer `[slots, W]`, or G layers `[G, slots, W]` in one launch); −1 entries store nothing
     (masked stores: no scratch row needed). Real entries must have distinct `dst`. On CUDA
     `host` must be pinned (read over UVA); rows of any dtype are copied as raw words."""
-    require_triton()
     _ref._check_copy(host, dev, src, dst)
-    n = src.shape[0]
+    _copy(host, dev, src, dst)
+
+
+def _copy(host: torch.Tensor, dev: torch.Tensor, src: torch.Tensor | None, dst: torch.Tensor):
+    """The launch; `src` None copies host row i (every layer's) to `dst[i]`."""
+    require_triton()
+    n = dst.shape[0]
     h3 = host if host.dim() == 3 else host.unsqueeze(0)
     d3 = dev if dev.dim() == 3 else dev.unsqueeze(0)
     if n == 0 or h3.shape[0] == 0:
@@ -99,8 +108,10 @@ def copy_rows(
     hv, dv = _as_words(h3, word), _as_words(d3, word)
     words = hv.shape[-1]
     _copy_rows_kernel[(cdiv(n, ROWS), hv.shape[0])](
-        hv, hv.stride(1), hv.stride(0), dv, dv.stride(1), dv.stride(0), src, dst, n,
-        W=words, BLOCK_W=min(next_pow2(words), _COPY_BLOCK), ROWS=ROWS, num_warps=4,
+        hv, hv.stride(1), hv.stride(0), dv, dv.stride(1), dv.stride(0),
+        dst if src is None else src, dst, n,
+        W=words, BLOCK_W=min(next_pow2(words), _COPY_BLOCK), ROWS=ROWS,
+        IDENTITY=src is None, num_warps=4,
     )  # fmt: skip
 
 
@@ -125,8 +136,7 @@ def store_rows(rows: torch.Tensor, data: torch.Tensor, slots: torch.Tensor) -> N
         raise ValueError(
             f"rows {tuple(rows.shape)}, data {tuple(data.shape)}, slots {tuple(slots.shape)}"
         )
-    src = torch.arange(n, dtype=slots.dtype, device=slots.device)
-    copy_rows(rows.to(data.dtype).contiguous(), data, src, slots)
+    _copy(rows.to(data.dtype).contiguous(), data, None, slots.contiguous())
 
 
 __all__ = ["copy_rows", "copy_rows_layers", "store_rows"]
