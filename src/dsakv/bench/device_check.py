@@ -1153,7 +1153,9 @@ def _against_plain(ctx: Ctx, row, prompts, new: int, plain: dict[str, Any],
 
 
 def _feature_hisparse(ctx: Ctx, row, dense, sparse, new) -> None:
-    topk = json.loads((Path(_model(ctx)) / "config.json").read_text())["index_topk"]
+    from dsakv.config import ModelConfig
+
+    topk = ModelConfig.from_hf(_model(ctx)).index_topk
     hs = {"device_buffer_size": topk, "host_to_device_ratio": 2}  # contexts pass the buffer
     row["hisparse_config"] = hs
     _against_plain(ctx, row, sparse, new, {}, {"enable_hisparse": True, "hisparse_config": hs},
