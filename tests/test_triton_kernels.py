@@ -22,14 +22,21 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from dsakv.kernels import topk_by_position  # noqa: E402
+from dsakv.kernels.backend import TorchBackend, TritonBackend  # noqa: E402
+from dsakv.kernels.torch_ops import MLAMath  # noqa: E402
 from dsakv.kernels.triton_bench import bench_kernels  # noqa: E402
 from dsakv.kernels.triton_fp8 import decode_e4m3, encode_e4m3, pow2_scale, round_bf16  # noqa: E402
 from dsakv.kernels.triton_indexer import (  # noqa: E402
     block_table_from_slots,
     index_logits_extend,
+    index_logits_extend_varlen,
     index_logits_paged,
 )
-from dsakv.kernels.triton_mla import sparse_mla_decode, sparse_mla_extend  # noqa: E402
+from dsakv.kernels.triton_mla import (  # noqa: E402
+    sparse_mla_decode,
+    sparse_mla_extend,
+    sparse_mla_extend_varlen,
+)
 from dsakv.kernels.triton_store import (  # noqa: E402
     store_index_k_fp8,
     store_latent_ds_mla,
@@ -37,6 +44,7 @@ from dsakv.kernels.triton_store import (  # noqa: E402
 )
 from dsakv.memory import CacheLayout, DSAKVPool, page_slots  # noqa: E402
 from dsakv.memory.fp8 import hadamard_rotate, pow2_block_scale  # noqa: E402
+from dsakv.models import ForwardBatch, Selection  # noqa: E402
 from tests.conftest import small_glm_config  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -329,6 +337,86 @@ def test_sparse_mla_extend_matches_torch(kind, heads):
     assert out[3].abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("kind", ["fp32", "fp8_ds_mla"])
+def test_sparse_mla_extend_varlen_reads_each_query_s_own_context(kind):
+    """Three requests' chunks in one launch, their contexts (45, 9 and 20 positions over
+    shuffled slots) one after another: each query attends only its own request's context,
+    as the reference over that context computes, dense causal and with top-k positions
+    (−1, future and past-its-context positions masked)."""
+    pool = _filled_pool(kind, seed=4)
+    g = gen(13)
+    ctx_lens, q_lists = [45, 9, 20], [[0, 17, 44], [3, 4, 5, 6, 7, 8], [19]]
+    perm = torch.randperm(pool.num_tokens, generator=g)
+    ctxs = [perm[sum(ctx_lens[:i]) : sum(ctx_lens[: i + 1])] for i in range(3)]
+    q_pos = torch.tensor([p for qs in q_lists for p in qs], dtype=torch.int32)
+    owner = torch.tensor([i for i, qs in enumerate(q_lists) for _ in qs])
+    start = torch.tensor([0, 45, 54])[owner].int()
+    lens = torch.tensor(ctx_lens)[owner].int()
+    e, heads = q_pos.numel(), 4
+    q = torch.randn(e, heads, DIM, generator=g)
+    flat = torch.cat(ctxs)
+    rows = [pool.gather_latent(0, c.to(DEVICE)).cpu() for c in ctxs]
+    width = max(ctx_lens)
+    padded = torch.stack([torch.cat([r, r[:1].expand(width - r.shape[0], -1)]) for r in rows])
+    args = (pool.latent_data(0), kind, flat.to(DEVICE), *to_dev(start, lens), width)
+    tail = (SM_SCALE, KV_LORA, ROPE)
+    kpos = torch.arange(width)
+    dense = (kpos[None, :] <= q_pos[:, None]) & (kpos[None, :] < lens[:, None])
+    out = sparse_mla_extend_varlen(q.to(DEVICE), *args, q_pos.to(DEVICE), None, *tail)
+    assert _max_err(out, _reference_attention(q, padded[owner], dense)) < ATTN_TOL
+    topk = torch.randint(-1, width, (e, 12), generator=g, dtype=torch.int32)
+    topk[1, :2] = torch.tensor([17, 44])  # its own position, and one in its future
+    topk[4, :2] = torch.tensor([3, 30])  # request 1: position 30 is past its 9
+    valid = (topk >= 0) & (topk <= q_pos[:, None]) & (topk < lens[:, None])
+    picked = padded[owner][torch.arange(e)[:, None], topk.clamp(min=0).long()]
+    out = sparse_mla_extend_varlen(q.to(DEVICE), *args, q_pos.to(DEVICE), topk.to(DEVICE), *tail)
+    assert _max_err(out, _reference_attention(q, picked, valid)) < ATTN_TOL
+    # one request alone through either entry point: the same numbers
+    one = sparse_mla_extend(q[:3].to(DEVICE), pool.latent_data(0), kind, ctxs[0].to(DEVICE),
+                            q_pos[:3].to(DEVICE), None, *tail)  # fmt: skip
+    assert (
+        _max_err(one, _reference_attention(q[:3], padded[:1].expand(3, -1, -1), dense[:3]))
+        < ATTN_TOL
+    )
+
+
+@pytest.mark.parametrize("dense_ctx", [6, 12], ids=["one-launch", "dense-past-k"])
+def test_triton_backend_attends_every_chunk_of_a_step_as_torch_does(dense_ctx):
+    """A step of a decode token, a dense chunk and two selected chunks (k = 8): the Triton
+    backend's one varlen launch (the dense chunk attends positions 0..k−1 beside the
+    selected ones) computes what the torch backend's request-at-a-time loop does. With the
+    dense chunk's context past k (12) it cannot share the launch and goes a request at a
+    time; the same numbers."""
+    pool, g, heads, k = _filled_pool("fp32", seed=5), gen(14), 4, 8
+    ctx_lens, new = [7, dense_ctx, 30, 20], [1, 4, 6, 20]  # request 0 decodes
+    perm = torch.randperm(pool.num_tokens, generator=g).to(DEVICE)
+    slots = [perm[sum(ctx_lens[:i]) : sum(ctx_lens[: i + 1])] for i in range(4)]
+    batch = ForwardBatch.from_requests([[1] * n for n in new], slots, device=DEVICE)
+    t = batch.num_tokens
+    q_nope, q_rope = (
+        torch.randn(t, heads, KV_LORA, generator=g),
+        torch.randn(t, heads, ROPE, generator=g),
+    )
+    w_uv = torch.randn(heads, 16, KV_LORA, generator=g) * 0.1
+    sels: list[Selection | None] = [None, None]
+    for ctx, n in zip(ctx_lens[2:], new[2:]):
+        qpos = torch.arange(ctx - n, ctx)
+        scores = torch.rand(n, ctx, generator=g)  # as the indexer scores: the future is out
+        scores[torch.arange(ctx)[None, :] > qpos[:, None]] = float("-inf")
+        positions = topk_by_position(scores, k)  # (a query seeing < k positions: future ones)
+        sels.append(Selection(positions.to(DEVICE), (positions <= qpos[:, None]).to(DEVICE)))
+    math = MLAMath(heads, KV_LORA, SM_SCALE)
+    args = (math, pool, 0, *to_dev(q_nope, q_rope), batch, sels, None, w_uv.to(DEVICE))
+    triton, alone = TritonBackend(pool.layout), []
+    one = triton.mla_extend
+    triton.mla_extend = lambda *a: alone.append(1) or one(*a)  # a request at a time
+    got = triton.mla_extends(*args)
+    ref = TorchBackend().mla_extends(*args)
+    assert len(alone) == (0 if dense_ctx <= k else 3)
+    assert got.shape == (sum(new[1:]), heads, 16)
+    assert (got.cpu() - ref.cpu()).abs().max().item() < 1e-4
+
+
 def test_mla_launch_config_puts_all_heads_of_a_query_in_one_program():
     """bf16 q over bf16-exact rows: 64 heads (GLM-5) in one program, 128 (DSV3.2) in two;
     the bf16 dot on a GPU, its fp32 emulation on the interpreter; fp32 keeps IEEE dots."""
@@ -521,6 +609,59 @@ def test_index_logits_extend_matches_torch(page_size, heads, qdtype):
     tol = 5e-5 if INTERPRET or qdtype == torch.bfloat16 else 2e-4
     assert (out[finite].double() - ref[finite]).abs().max().item() < tol
     _assert_same_topk(out[3:], ref[3:], 24, tol)
+
+
+def test_index_logits_extend_varlen_equals_each_request_alone():
+    """Two requests' chunks (contexts of 41 and 23 positions, pages shuffled) in one launch:
+    each query's logits are bit for bit its request's alone, and −inf past its context."""
+    page_size, pages, heads = 16, 6, 4
+    pool = _index_pool(page_size, pages, seed=32)
+    g = gen(33)
+    order = page_slots(torch.randperm(pages, generator=g), page_size)
+    ctxs = [order[:41], order[48:71]]
+    q_lists = [[0, 20, 39, 40], [5, 22]]
+    q_pos = torch.tensor([p for qs in q_lists for p in qs], dtype=torch.int32)
+    owner = torch.tensor([i for i, qs in enumerate(q_lists) for _ in qs])
+    e = q_pos.numel()
+    q = pool.prepare_index_q(torch.randn(e, heads, 128, generator=g).to(DEVICE))
+    w = (torch.randn(e, heads, generator=g) * heads**-0.5).to(DEVICE)
+    start, lens = torch.tensor([0, 41])[owner].int(), torch.tensor([41, 23])[owner].int()
+    got = index_logits_extend_varlen(
+        q, w, index_data(pool), torch.cat(ctxs).to(DEVICE), *to_dev(start, lens), 41,
+        q_pos.to(DEVICE), page_size,
+    ).cpu()  # fmt: skip
+    assert got.shape == (e, 41)
+    at = 0
+    for ctx, qs in zip(ctxs, q_lists):
+        rows = slice(at, at + len(qs))
+        alone = index_logits_extend(
+            q[rows], w[rows], index_data(pool), ctx.to(DEVICE), q_pos[rows].to(DEVICE), page_size
+        ).cpu()
+        assert torch.equal(got[rows, : ctx.numel()], alone)
+        assert torch.isneginf(got[rows, ctx.numel() :]).all()
+        at += len(qs)
+
+
+def test_triton_backend_selects_every_long_chunk_of_a_step_as_alone():
+    """A decode token beside two chunks past index_topk (k = 8): the Triton backend's one
+    varlen launch picks, row for row, the positions each chunk picks alone."""
+    page_size, pages, heads, k = 16, 6, 4, 8
+    pool, g = _index_pool(page_size, pages, seed=34), gen(35)
+    order = page_slots(torch.randperm(pages, generator=g), page_size).to(DEVICE)
+    batch = ForwardBatch.from_requests(
+        [[1], [1] * 5, [1] * 23], [order[:9], order[16:57], order[64:87]], device=DEVICE
+    )
+    q = torch.randn(batch.num_tokens, heads, 128, generator=g).to(DEVICE)
+    w = (torch.randn(batch.num_tokens, heads, generator=g) * heads**-0.5).to(DEVICE)
+    triton = TritonBackend(pool.layout)
+    got = triton.index_topk_extends(pool, 0, q, w, batch, [1, 2], 0.5, k)
+    alone = [
+        triton.index_topk_extend(
+            pool, 0, q[a : a + n], w[a : a + n], batch.req_slots[r], batch.prefix_lens[r], 0.5, k
+        )  # fmt: skip
+        for r, a, n in [(1, 1, 5), (2, 6, 23)]
+    ]
+    assert torch.equal(got, torch.cat(alone))
 
 
 # --- harness and packaging ----------------------------------------------------------------------

@@ -7,8 +7,10 @@ sparse MLA decode, sparse MLA extend, indexer top-k) and never branches on the d
 - `cpu`: the reference's math shaped for a CPU (`cpu_ops`): blocked bf16 indexer scores
   with ReLU fused, sparse extend attention over small gathered blocks; `auto` on a CPU.
 - `triton`: dsakv's own Triton kernels reading the pool's bytes in place (fp8 decoded in
-  registers, no fp32 copy of the context); graph-safe (no host syncs). On CPU it runs
-  under the Triton interpreter, which is how the tests check it.
+  registers, no fp32 copy of the context); graph-safe (no host syncs). Every prefill chunk
+  of a step goes in one varlen launch per layer (attention, and the indexer on full
+  layers), as flash-attention's varlen and DeepGEMM's ragged MQA logits take them. On CPU
+  it runs under the Triton interpreter, which is how the tests check it.
 - `flashmla`: FlashMLA sparse decode and DeepGEMM paged indexer logits when both import
   (`pip install dsakv[gpu]`); every other op as `triton`.
 """
@@ -20,6 +22,7 @@ from functools import cache
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from dsakv.errors import DsakvError
 from dsakv.memory.fp8 import FP8_DTYPE, hadamard_matrix
@@ -105,6 +108,29 @@ class TorchBackend:
 
         return math.extend(q_nope, q_rope, gather, slots, prefix, positions, valid, w_uk, w_uv)
 
+    def mla_extends(self, math: MLAMath, pool, layer, q_nope, q_rope, batch, sels, w_uk, w_uv):
+        """Every multi-token chunk of the step: `[E, H, v]` for `batch.extend_rows`;
+        `sels[r]` is request r's selection (None: dense causal). A request at a time here."""
+        outs = []
+        for r in batch.extend_reqs:
+            a, e, sel = batch.extend_starts[r], batch.extend_lens[r], sels[r]
+            outs.append(
+                self.mla_extend(
+                    math,
+                    pool,
+                    layer,
+                    q_nope[a : a + e],
+                    q_rope[a : a + e],
+                    batch.latent_req_slots[r],
+                    batch.prefix_lens[r],
+                    None if sel is None else sel.positions,
+                    None if sel is None else sel.valid,
+                    w_uk,
+                    w_uv,
+                )
+            )
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     # --- MoE --------------------------------------------------------------------------------
 
     def experts(self, x, ids, weights, gate_up, down, first: int, last: int) -> torch.Tensor:
@@ -123,6 +149,18 @@ class TorchBackend:
         """Top-k positions `[e, k]` of one request's chunk over its context `slots`."""
         keys = pool.gather_index_k(layer, slots).float()
         return torch_ops.index_topk_extend(q, w, keys, prefix, scale, topk)
+
+    def index_topk_extends(self, pool, layer, q, w, batch, reqs, scale: float, topk: int):
+        """Top-k positions `[E, k]` of the chunks of `reqs` (multi-token requests, in batch
+        order, each with a context longer than k), their rows one after another. A request
+        at a time here."""
+        out = []
+        for r in reqs:
+            a, e = batch.extend_starts[r], batch.extend_lens[r]
+            slots, prefix = batch.req_slots[r], batch.prefix_lens[r]
+            out.append(self.index_topk_extend(pool, layer, q[a : a + e], w[a : a + e],
+                                              slots, prefix, scale, topk))  # fmt: skip
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     # --- HiSparse hot buffers (DESIGN.md §13) ------------------------------------------------
 
@@ -445,6 +483,35 @@ class TritonBackend(TorchBackend):
         )
         return torch.einsum("thc,hvc->thv", o_lat.to(q.dtype), widened(w_uv, q))
 
+    def mla_extends(self, math, pool, layer, q_nope, q_rope, batch, sels, w_uk, w_uv):
+        # One launch for every chunk of the step. Beside selected chunks a dense one attends
+        # positions 0..k-1 (its context is no longer than index_topk; the kernel masks the
+        # future), so a step of long and short prompts is still one launch.
+        reqs, ext, rows = batch.extend_reqs, batch.extend_ctx, batch.extend_rows
+        picked = [sels[r] for r in reqs]
+        k = max((sel.positions.shape[1] for sel in picked if sel is not None), default=0)
+        if k and any(sel is None and batch.seq_lens[r] > k for r, sel in zip(reqs, picked)):
+            return super().mla_extends(math, pool, layer, q_nope, q_rope, batch, sels, w_uk, w_uv)
+        topk = _varlen_topk(picked, [batch.extend_lens[r] for r in reqs], k)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        if rows is not None:
+            q = q[rows]
+        o_lat = self._mla.sparse_mla_extend_varlen(
+            q,
+            self._cache(pool, layer),
+            self.kind,
+            ext.latent_slots,
+            ext.start,
+            ext.lens,
+            ext.max_len,
+            ext.positions,
+            topk,
+            math.scale,
+            math.kv_lora,
+            q_rope.shape[-1],
+        )
+        return torch.einsum("thc,hvc->thv", o_lat.to(q.dtype), widened(w_uv, q))
+
     # --- indexer ----------------------------------------------------------------------------
 
     def index_topk_decode(self, pool, layer, q, w, table, lens, scale, topk):
@@ -468,19 +535,55 @@ class TritonBackend(TorchBackend):
     def index_topk_extend(self, pool, layer, q, w, slots, prefix, scale, topk):
         if not self.fp8_index:
             return super().index_topk_extend(pool, layer, q, w, slots, prefix, scale, topk)
-        e, ctx = q.shape[0], slots.shape[0]
+        e, length = q.shape[0], slots.shape[0]
+        start = torch.zeros(e, dtype=torch.int32, device=q.device)
+        lens = torch.full((e,), length, dtype=torch.int32, device=q.device)
         q_pos = torch.arange(prefix, prefix + e, device=q.device, dtype=torch.int32)
+        return self._extend_topk(pool, layer, q, w, slots, start, lens, length, q_pos, scale, topk)
+
+    def index_topk_extends(self, pool, layer, q, w, batch, reqs, scale, topk):
+        # One launch for every chunk of the step (a step whose short chunks need no
+        # scoring goes a request at a time over its long ones).
+        if not self.fp8_index or reqs != batch.extend_reqs:
+            return super().index_topk_extends(pool, layer, q, w, batch, reqs, scale, topk)
+        ext, rows = batch.extend_ctx, batch.extend_rows
+        if rows is not None:
+            q, w = q[rows], w[rows]
+        return self._extend_topk(pool, layer, q, w, ext.slots, ext.start, ext.lens,
+                                 ext.max_len, ext.positions, scale, topk)  # fmt: skip
+
+    def _extend_topk(self, pool, layer, q, w, slots, start, lens, width, q_pos, scale, topk):
+        """`index_logits_extend_varlen` then top-k, in runs of rows whose logits stay
+        under LOGITS_CHUNK_ELEMS."""
         q, w = _low_precision(q), (w * scale).float()
-        kpages = pool.index_k_data(layer)
-        chunk = max(1, LOGITS_CHUNK_ELEMS // max(ctx, 1))
+        kpages, chunk = pool.index_k_data(layer), max(1, LOGITS_CHUNK_ELEMS // max(width, 1))
         out = []
-        for a in range(0, e, chunk):
-            b = min(e, a + chunk)
-            logits = self._indexer.index_logits_extend(
-                q[a:b], w[a:b], kpages, slots, q_pos[a:b], pool.page_size
-            )
+        for a in range(0, q.shape[0], chunk):
+            b = a + chunk
+            logits = self._indexer.index_logits_extend_varlen(
+                q[a:b], w[a:b], kpages, slots, start[a:b], lens[a:b], width, q_pos[a:b],
+                pool.page_size,
+            )  # fmt: skip
             out.append(torch_ops.topk_by_position(logits, topk))
-        return torch.cat(out)
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _varlen_topk(picked: list, lens: list[int], k: int) -> torch.Tensor | None:
+    """The positions `[E, k]` (int32, −1 invalid) one varlen launch attends for chunks of
+    `lens` tokens with `picked` selections: a dense chunk's (None) are 0..k−1, which cover
+    its context while that is no longer than k. None when every chunk is dense."""
+    if k == 0:
+        return None
+    device = next(sel.positions.device for sel in picked if sel is not None)
+    every = torch.arange(k, dtype=torch.int32, device=device)
+    parts = []
+    for sel, n in zip(picked, lens):
+        if sel is None:
+            parts.append(every.expand(n, k))
+            continue
+        p = sel.positions.masked_fill(~sel.valid, -1).to(torch.int32)
+        parts.append(F.pad(p, (0, k - p.shape[1]), value=-1) if p.shape[1] < k else p)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _low_precision(q: torch.Tensor) -> torch.Tensor:

@@ -135,8 +135,10 @@ def _extend_logits_kernel(
     s_page,
     s_page_f32,
     ctx,
+    ctx_start,
+    ctx_len,
     q_pos,
-    n_ctx,
+    width,
     out,
     s_ob,
     n_heads,
@@ -152,10 +154,12 @@ def _extend_logits_kernel(
     start = tl.program_id(1) * BLOCK_N
     offs = start + tl.arange(0, BLOCK_N)
     my_pos = tl.load(q_pos + e)
+    n_ctx = tl.load(ctx_len + e)
     logits = tl.full([BLOCK_N], float("-inf"), tl.float32)
     if start <= my_pos:  # causal early exit
         valid = (offs <= my_pos) & (offs < n_ctx)
-        slot = tl.load(ctx + offs, mask=valid, other=0).to(tl.int64)
+        my_ctx = ctx + tl.load(ctx_start + e)  # this query's request's context slots
+        slot = tl.load(my_ctx + offs, mask=valid, other=0).to(tl.int64)
         slot = tl.where(valid, slot, 0)
         score = _score_keys(
             q + e * s_qb,
@@ -177,7 +181,7 @@ def _extend_logits_kernel(
             BLOCK_D,
         )
         logits = tl.where(valid, score, float("-inf"))
-    tl.store(out + e * s_ob + offs, logits, mask=offs < n_ctx)
+    tl.store(out + e * s_ob + offs, logits, mask=offs < width)
 
 
 def _prepare(q: torch.Tensor, w: torch.Tensor, kpages: torch.Tensor, page_size: int):
@@ -255,6 +259,30 @@ def index_logits_extend(
     """One request's prefill logits `[E, L]` fp32: queries `q` `[E, Hi, D]` at positions
     `q_pos` `[E]` against the keys of its context `ctx_slots` `[L]` (slot = page·ps + off)
     in `kpages`; −inf where the key position > q_pos[e]."""
+    if ctx_slots.dim() != 1:
+        raise ValueError(f"ctx_slots must be [L], got {tuple(ctx_slots.shape)}")
+    e, length = q.shape[0], ctx_slots.shape[0]
+    start = torch.zeros(e, dtype=torch.int32, device=q.device)
+    lens = torch.full((e,), length, dtype=torch.int32, device=q.device)
+    return index_logits_extend_varlen(
+        q, w, kpages, ctx_slots, start, lens, length, q_pos, page_size
+    )
+
+
+def index_logits_extend_varlen(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    kpages: torch.Tensor,
+    ctx_slots: torch.Tensor,
+    ctx_start: torch.Tensor,
+    ctx_len: torch.Tensor,
+    width: int,
+    q_pos: torch.Tensor,
+    page_size: int,
+) -> torch.Tensor:
+    """`index_logits_extend` for the chunks of several requests in one launch, `[E, width]`:
+    query e's context is `ctx_slots[ctx_start[e] : ctx_start[e] + ctx_len[e]]` (`width` ≥
+    every `ctx_len`); −inf past its own position and past its context."""
     qv, w, f32, meta = _prepare(q, w, kpages, page_size)
     e = q.shape[0]
     if ctx_slots.dim() != 1 or q_pos.shape != (e,):
@@ -262,14 +290,19 @@ def index_logits_extend(
             f"ctx_slots must be [L] and q_pos [{e}], got "
             f"{tuple(ctx_slots.shape)} and {tuple(q_pos.shape)}"
         )
-    n_ctx = ctx_slots.shape[0]
-    out = torch.empty((e, n_ctx), dtype=torch.float32, device=q.device)
-    if e == 0 or n_ctx == 0:
+    if ctx_start.shape != (e,) or ctx_len.shape != (e,):
+        raise ValueError(
+            f"ctx_start and ctx_len must be [{e}], got "
+            f"{tuple(ctx_start.shape)} and {tuple(ctx_len.shape)}"
+        )
+    out = torch.empty((e, width), dtype=torch.float32, device=q.device)
+    if e == 0 or width == 0:
         return out
-    _extend_logits_kernel[(e, cdiv(n_ctx, BLOCK_N))](
+    _extend_logits_kernel[(e, cdiv(width, BLOCK_N))](
         qv, qv.stride(0), qv.stride(1), w, w.stride(0), kpages, f32,
         kpages.stride(0), f32.stride(0),
-        ctx_slots.contiguous(), q_pos.contiguous(), n_ctx, out, out.stride(0), q.shape[1],
+        ctx_slots.contiguous(), ctx_start.contiguous(), ctx_len.contiguous(),
+        q_pos.contiguous(), width, out, out.stride(0), q.shape[1],
         **meta,
     )  # fmt: skip
     return out
@@ -282,4 +315,9 @@ def block_table_from_slots(req_slots: torch.Tensor, page_size: int) -> torch.Ten
     return (req_slots[:, ::page_size] // page_size).to(torch.int32)
 
 
-__all__ = ["block_table_from_slots", "index_logits_extend", "index_logits_paged"]
+__all__ = [
+    "block_table_from_slots",
+    "index_logits_extend",
+    "index_logits_extend_varlen",
+    "index_logits_paged",
+]

@@ -143,8 +143,9 @@ def _mla_partial_kernel(
     idx,
     s_idx,
     ctx,
+    ctx_start,
+    ctx_len,
     qpos,
-    n_ctx,
     n_idx,
     chunk,
     acc_out,
@@ -189,8 +190,10 @@ def _mla_partial_kernel(
 
     start = split * chunk
     end = tl.minimum(start + chunk, n_idx)
-    if MODE != 0:
+    if MODE != 0:  # positions into the query's own request's context slots
         my_pos = tl.load(qpos + b).to(tl.int32)
+        my_ctx = ctx + tl.load(ctx_start + b)
+        n_ctx = tl.load(ctx_len + b)
         if MODE == 2:  # dense causal: nothing past this query's own position
             end = tl.minimum(end, my_pos + 1)
 
@@ -209,7 +212,7 @@ def _mla_partial_kernel(
             else:
                 pos = offs
             valid = inb & (pos >= 0) & (pos <= my_pos) & (pos < n_ctx)
-            slot = tl.load(ctx + tl.where(valid, pos, 0), mask=valid, other=0)
+            slot = tl.load(my_ctx + tl.where(valid, pos, 0), mask=valid, other=0)
         row = tl.where(valid, slot, 0).to(tl.int64)
         nope, rope = _load_latent_rows(
             kv,
@@ -390,6 +393,8 @@ def _attend(
     mode: int,
     idx: torch.Tensor,
     ctx: torch.Tensor,
+    ctx_start: torch.Tensor,
+    ctx_len: torch.Tensor,
     qpos: torch.Tensor,
     n_idx: int,
     sm_scale: float,
@@ -416,7 +421,7 @@ def _attend(
     _mla_partial_kernel[(nq, splits, hblocks)](
         qv, qv.stride(0), qv.stride(1),
         main, f32, i16, s_row, s_f32, s_i16,
-        idx, idx.stride(0) if idx.dim() == 2 else 0, ctx, qpos, ctx.numel(),
+        idx, idx.stride(0) if idx.dim() == 2 else 0, ctx, ctx_start, ctx_len, qpos,
         n_idx, chunk,
         acc, ml,
         heads, float(sm_scale) * math.log2(math.e),
@@ -448,7 +453,7 @@ def sparse_mla_decode(
     if slots.stride(1) != 1:
         slots = slots.contiguous()
     return _attend(
-        q, cache, kind, _MODE_SLOTS, slots, slots, slots, slots.shape[1],
+        q, cache, kind, _MODE_SLOTS, slots, slots, slots, slots, slots, slots.shape[1],
         sm_scale, kv_lora, rope_dim, num_splits,
     )  # fmt: skip
 
@@ -469,24 +474,66 @@ def sparse_mla_extend(
     `cache` (layout `kind`). `topk_pos` `[E, K]` lists positions to attend (−1 invalid;
     positions > q_pos[e] are masked too); `None` means dense causal (0..q_pos[e]).
     Returns fp32 `[E, H, kv_lora]`."""
-    if ctx_slots.dim() != 1 or q_pos.shape != (q.shape[0],):
+    if ctx_slots.dim() != 1:
+        raise ValueError(f"ctx_slots must be [L], got {tuple(ctx_slots.shape)}")
+    e, length = q.shape[0], ctx_slots.shape[0]
+    start = torch.zeros(e, dtype=torch.int32, device=q.device)
+    lens = torch.full((e,), length, dtype=torch.int32, device=q.device)
+    return sparse_mla_extend_varlen(
+        q, cache, kind, ctx_slots, start, lens, length, q_pos, topk_pos, sm_scale, kv_lora, rope_dim
+    )
+
+
+def sparse_mla_extend_varlen(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    kind: str,
+    ctx_slots: torch.Tensor,
+    ctx_start: torch.Tensor,
+    ctx_len: torch.Tensor,
+    max_len: int,
+    q_pos: torch.Tensor,
+    topk_pos: torch.Tensor | None,
+    sm_scale: float,
+    kv_lora: int,
+    rope_dim: int,
+) -> torch.Tensor:
+    """`sparse_mla_extend` for the chunks of several requests in one launch: `ctx_slots`
+    holds their contexts one after another, and query e's context is
+    `ctx_slots[ctx_start[e] : ctx_start[e] + ctx_len[e]]` (`max_len` ≥ every `ctx_len`,
+    from the host: the scan bound of dense causal queries, read without a sync)."""
+    e = q.shape[0]
+    if ctx_slots.dim() != 1 or q_pos.shape != (e,):
         raise ValueError(
-            f"ctx_slots must be [L] and q_pos [E={q.shape[0]}], got "
+            f"ctx_slots must be [L] and q_pos [E={e}], got "
             f"{tuple(ctx_slots.shape)} and {tuple(q_pos.shape)}"
         )
+    if ctx_start.shape != (e,) or ctx_len.shape != (e,):
+        raise ValueError(
+            f"ctx_start and ctx_len must be [E={e}], got "
+            f"{tuple(ctx_start.shape)} and {tuple(ctx_len.shape)}"
+        )
     ctx_slots, q_pos = ctx_slots.contiguous(), q_pos.contiguous()
+    ctx_start, ctx_len = ctx_start.contiguous(), ctx_len.contiguous()
+    ctx = (ctx_slots, ctx_start, ctx_len, q_pos)
     if topk_pos is None:
         return _attend(
-            q, cache, kind, _MODE_DENSE, ctx_slots, ctx_slots, q_pos, ctx_slots.numel(),
+            q, cache, kind, _MODE_DENSE, ctx_slots, *ctx, max_len,
             sm_scale, kv_lora, rope_dim, None,
         )  # fmt: skip
-    if topk_pos.dim() != 2 or topk_pos.shape[0] != q.shape[0]:
+    if topk_pos.dim() != 2 or topk_pos.shape[0] != e:
         raise ValueError(f"topk_pos must be [E, K], got {tuple(topk_pos.shape)}")
     topk_pos = topk_pos.contiguous()
     return _attend(
-        q, cache, kind, _MODE_TOPK_POS, topk_pos, ctx_slots, q_pos, topk_pos.shape[1],
+        q, cache, kind, _MODE_TOPK_POS, topk_pos, *ctx, topk_pos.shape[1],
         sm_scale, kv_lora, rope_dim, None,
     )  # fmt: skip
 
 
-__all__ = ["LATENT_KINDS", "default_num_splits", "sparse_mla_decode", "sparse_mla_extend"]
+__all__ = [
+    "LATENT_KINDS",
+    "default_num_splits",
+    "sparse_mla_decode",
+    "sparse_mla_extend",
+    "sparse_mla_extend_varlen",
+]

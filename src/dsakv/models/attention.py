@@ -126,35 +126,23 @@ class MLAttention(nn.Module):
             return ops.mla_decode(
                 self.math, pool, self.layer, q_nope, q_rope, sel.slots, sel.valid, w_uk, w_uv
             )
+        ext = ops.mla_extends(
+            self.math, pool, self.layer, q_nope, q_rope, batch, sels.per_req, w_uk, w_uv
+        )
+        if not batch.decode_reqs:
+            return ext
+        rows, sel = batch.decode_tokens, sels.decode
         out = torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
-        if batch.decode_reqs:
-            rows, sel = batch.decode_tokens, sels.decode
-            out[rows] = ops.mla_decode(
-                self.math,
-                pool,
-                self.layer,
-                q_nope[rows],
-                q_rope[rows],
-                sel.slots,
-                sel.valid,
-                w_uk,
-                w_uv,
-            )
-        for r in batch.extend_reqs:
-            a, e, prefix = batch.extend_starts[r], batch.extend_lens[r], batch.prefix_lens[r]
-            sel = sels.per_req[r]
-            positions, valid = (None, None) if sel is None else (sel.positions, sel.valid)
-            out[a : a + e] = ops.mla_extend(
-                self.math,
-                pool,
-                self.layer,
-                q_nope[a : a + e],
-                q_rope[a : a + e],
-                batch.latent_req_slots[r],
-                prefix,
-                positions,
-                valid,
-                w_uk,
-                w_uv,
-            )
+        out[rows] = ops.mla_decode(
+            self.math,
+            pool,
+            self.layer,
+            q_nope[rows],
+            q_rope[rows],
+            sel.slots,
+            sel.valid,
+            w_uk,
+            w_uv,
+        )
+        out[batch.extend_rows] = ext
         return out

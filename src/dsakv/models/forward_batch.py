@@ -17,10 +17,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
+
+
+@dataclass(frozen=True, eq=False)
+class ExtendCtx:
+    """Every multi-token chunk of a step at once (`ForwardBatch.extend_rows`, in order):
+    `slots` holds their requests' context slots one after another (`latent_slots` the
+    same in the latent's own slot space: HiSparse's device slots), query e's context is
+    `slots[start[e] : start[e] + lens[e]]` (`max_len` the longest, on the host), and
+    `positions[e]` is its position."""
+
+    slots: torch.Tensor
+    latent_slots: torch.Tensor
+    start: torch.Tensor
+    lens: torch.Tensor
+    max_len: int
+    positions: torch.Tensor
 
 
 @dataclass(eq=False)
@@ -103,8 +120,41 @@ class ForwardBatch:
 
     @cached_property
     def extend_reqs(self) -> list[int]:
-        """Requests with a multi-token chunk this step (prefill); handled one at a time."""
+        """Requests with a multi-token chunk this step (prefill); the backend attends them
+        all at once (`extend_ctx`) or a request at a time."""
         return [r for r, e in enumerate(self.extend_lens) if e > 1]
+
+    @cached_property
+    def extend_rows(self) -> torch.Tensor | None:
+        """Rows of the multi-token chunks' tokens in the flattened batch; None when the
+        step holds nothing else (all rows)."""
+        if not self.decode_reqs:
+            return None
+        lens = torch.tensor(self.extend_lens)
+        rows = torch.arange(self.num_tokens)[(lens > 1).repeat_interleave(lens)]
+        return rows.to(self.input_ids.device)
+
+    @cached_property
+    def extend_ctx(self) -> ExtendCtx:
+        """The multi-token chunks' contexts flattened for one varlen launch; built once per
+        step, shared by every layer."""
+        reqs = self.extend_reqs
+        ctx_lens = [self.seq_lens[r] for r in reqs]
+        offsets = [0, *accumulate(ctx_lens)][:-1]
+        per_token = torch.tensor([self.extend_lens[r] for r in reqs])
+        meta = torch.tensor([offsets, ctx_lens]).repeat_interleave(per_token, dim=1)
+        meta = meta.to(self.input_ids.device)  # (one copy)
+        rows = self.extend_rows
+        slots = _joined([self.req_slots[r] for r in reqs])
+        latent = self.latent_req_slots is self.req_slots
+        return ExtendCtx(
+            slots=slots,
+            latent_slots=slots if latent else _joined([self.latent_req_slots[r] for r in reqs]),
+            start=meta[0],
+            lens=meta[1],
+            max_len=max(ctx_lens),
+            positions=self.positions if rows is None else self.positions[rows],
+        )
 
     @cached_property
     def decode_tokens(self) -> torch.Tensor:
@@ -191,6 +241,10 @@ class ForwardBatch:
             req_slots=slots_list,
             hot=hot,
         )
+
+
+def _joined(slots: list[torch.Tensor]) -> torch.Tensor:
+    return slots[0] if len(slots) == 1 else torch.cat(slots)
 
 
 def padded_slots(slots: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -105,22 +105,17 @@ class Indexer(nn.Module):
         if all(s <= self.topk for s in batch.seq_lens):  # everything visible is selected
             return StepSelection(per_req, _on_device(layer, batch, _every_position(batch)))
         q, w = self.ops.block(INDEX_QUERY, batch, self, x, q_lora, cos, sin, pool)
-        for r in batch.extend_reqs:
-            if batch.seq_lens[r] <= self.topk:
-                continue
-            start, ext, prefix = batch.extend_starts[r], batch.extend_lens[r], batch.prefix_lens[r]
-            positions = self.ops.index_topk_extend(
-                pool,
-                layer,
-                q[start : start + ext],
-                w[start : start + ext],
-                batch.req_slots[r],
-                prefix,
-                self.scale,
-                self.topk,
+        long = [r for r in batch.extend_reqs if batch.seq_lens[r] > self.topk]
+        if long:  # (shorter chunks attend every visible position)
+            chosen = self.ops.index_topk_extends(
+                pool, layer, q, w, batch, long, self.scale, self.topk
             )
-            qpos = torch.arange(prefix, prefix + ext, device=q.device)
-            per_req[r] = Selection(positions, positions <= qpos[:, None])
+            at = 0
+            for r in long:
+                prefix, e = batch.prefix_lens[r], batch.extend_lens[r]
+                positions, at = chosen[at : at + e], at + e
+                qpos = torch.arange(prefix, prefix + e, device=q.device)
+                per_req[r] = Selection(positions, positions <= qpos[:, None])
         return StepSelection(per_req, self._select_decode(layer, q, w, batch, pool))
 
     def _select_decode(self, layer, q, w, batch: ForwardBatch, pool) -> Selection | None:
