@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers.decoders import DecodeStream
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig, plan_overrides
 from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
@@ -29,6 +28,7 @@ from dsakv.memory.pool import DSAKVPool
 from dsakv.memory.storage import StorageConfig, model_identity, storage_namespace
 
 from .cuda_graph import DecodeGraphs
+from .detokenizer import TokenTexts, chars_per_token
 from .grammar import GrammarCache
 from .hisparse import HotBuffers
 from .l3 import L3Cache, zero_counters
@@ -708,9 +708,24 @@ class Engine:
             self.scheduler.add(fork)
         req.forks = []
 
+    @functools.cached_property
+    def chars_per_token(self) -> int | None:
+        """(`chars_per_token`: the tokenizer's, found on the first text prompt)"""
+        return chars_per_token(self.tokenizer)
+
     def prompt_ids(self, prompt: str | list[int], keep: int | None = None) -> list[int]:
         """The prompt's token ids (its last `keep`: `truncate_prompt_tokens`), or a
-        `DsakvError` saying why it cannot run."""
+        `DsakvError` saying why it cannot run. A text too long to fit whatever its tokens
+        is refused untokenized (a 30 MB one took 6 GB to tokenize): a token stands for
+        at most `chars_per_token` of its characters."""
+        limit = self.max_model_len - 1
+        m = self.chars_per_token if isinstance(prompt, str) and keep is None else None
+        if m is not None and len(prompt) > limit * m:
+            raise DsakvError(
+                f"prompt has at least {-(-len(prompt) // m)} tokens ({len(prompt)} characters, "
+                f"at most {m} a token); at most {limit} fit (the context is "
+                f"{self.max_model_len} tokens, one kept for the output)"
+            )
         ids = self.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
         if not ids:
             raise DsakvError("prompt is empty")
@@ -1064,30 +1079,35 @@ class Engine:
         ):
             reason = "length"
         if reason is not None:
-            if self.tokenizer is not None and not cut_text:  # with what is still held back
+            if self.tokenizer is not None and not cut_text:  # decoded whole, as it ends
                 # A stop token's own text is not output (vLLM), unless asked for.
                 drop = by_token and not p.include_stop_str_in_output
-                req.output_text = self.tokenizer.decode(
-                    req.output_ids[: -1 if drop else None],
-                    skip_special_tokens=p.skip_special_tokens,
+                req.output_text = req.detokenizer.text(
+                    req.output_ids[: -1 if drop else None], end=True
                 )
             self._finish(req, reason, now)
 
     def _decode_output(self, req: Request, token: int) -> None:
         """Extends `req.output_text` by `token`'s text: decoded incrementally (`TokenTexts`),
         not the whole output again per token (0.2 ms a token at 1,000 tokens, quadratic in
-        a request's length); a finished request's text is the whole output decoded. Without
-        a fast tokenizer, or where decoding cleans up spaces over the whole text, every
-        token decodes the whole output. A request with logprobs keeps each token's text
-        (`req.detokenizer.texts`, which the server reports)."""
-        tok, p, whole = self.tokenizer, req.params, self._decodes_whole
-        if req.detokenizer is None and (p.logprobs is not None or not whole):
-            req.detokenizer = TokenTexts(tok, p.skip_special_tokens, keep=p.logprobs is not None)
-        text = "" if req.detokenizer is None else req.detokenizer.step(token)
-        if whole:
-            req.output_text = tok.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
-        else:
-            req.output_text += text
+        a request's length); a finished request's text is the whole output decoded. Both
+        follow the prompt's last tokens (`TokenTexts`). Without a fast tokenizer, or where
+        decoding cleans up spaces over the whole text, every token decodes the whole output.
+        A request with logprobs keeps each token's text (`req.detokenizer.texts`, which the
+        server reports)."""
+        p = req.params
+        if req.detokenizer is None:
+            keep = p.logprobs is not None
+            req.detokenizer = TokenTexts(
+                self.tokenizer, p.skip_special_tokens, keep, prompt=req.prompt_ids
+            )
+        d = req.detokenizer
+        if not self._decodes_whole:
+            req.output_text += d.step(token)
+            return
+        if d.texts is not None:
+            d.step(token)
+        req.output_text = d.text(req.output_ids)
 
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
         req.finish_reason = reason
@@ -1191,42 +1211,6 @@ class Engine:
 
 
 _SCORE_ROWS = 256  # prompt rows per logits call: bounds a [rows, vocab] fp32 temporary
-
-
-class TokenTexts:
-    """A text decoded token by token (tokenizers' `DecodeStream`; each token alone where
-    the tokenizer is not a fast one), each token's share kept when asked (`keep`). A token
-    holding part of a character adds "" and the one completing it the whole character, so
-    the shares join to the text, text offsets index into it and chat `bytes` rebuild it;
-    decoded alone, every such token read U+FFFD."""
-
-    def __init__(self, tokenizer: Any, skip: bool, keep: bool = True) -> None:
-        self.tokenizer, self.skip = tokenizer, skip
-        self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.stream = DecodeStream(skip_special_tokens=skip) if self.backend else None
-        self.texts: list[str] | None = [] if keep else None
-
-    def step(self, token: int) -> str:
-        """The text `token` adds (and keeps)."""
-        if self.stream is None:
-            text = self.tokenizer.decode([token], skip_special_tokens=self.skip)
-        else:
-            text = self.stream.step(self.backend, token) or ""
-        if self.texts is not None:
-            self.texts.append(text)
-        return text
-
-    def shares(self, ids: list[int], start: int = 0, end: bool = False) -> list[str]:
-        """The kept texts of `ids[start:]`, where `ids` are every token of the text so far
-        (any not stepped yet are stepped now); with `end`, the text ends there and the bytes
-        the stream still holds back go to its last token."""
-        for t in ids[len(self.texts) :]:
-            self.step(t)
-        out = self.texts[start : len(ids)]
-        if end and out and self.stream is not None:
-            whole = self.tokenizer.decode(ids, skip_special_tokens=self.skip)
-            out[-1] += whole[sum(map(len, self.texts[: len(ids)])) :]
-        return out
 
 
 def _token_ids(prompt: object) -> list[int]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from dsakv.engine import Engine, Request, SamplingParams
-from dsakv.engine.engine import TokenTexts
+from dsakv.engine.detokenizer import TokenTexts
 from dsakv.errors import DsakvError
 
 log = logging.getLogger(__name__)
@@ -438,10 +438,13 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         # The engine's decoder kept each token's text; a DP mirror's decoded on its rank.
         kept = req.detokenizer
         if kept is None or kept.texts is None:
-            kept = stream.texts = stream.texts or TokenTexts(tok, skip)
+            kept = stream.texts = stream.texts or TokenTexts(tok, skip, prompt=req.prompt_ids)
         texts = kept.shares(req.output_ids, start, end=req.finished)
         tops = [[t for t, _ in top] for top in req.top_logprobs[start:end]]
-        top_texts = alternative_texts(tok, req.output_ids, start, tops, skip, texts)
+        # (after the prompt's last tokens too, as the output's own texts)
+        n = len(req.prompt_ids)
+        lo = max(n + start - _CONTEXT, 0)
+        top_texts = alternative_texts(tok, req.ids(lo, n + end), n + start - lo, tops, skip, texts)
     if scored and tok is not None:  # echoed as given: special tokens' text included
         p = req.prompt_ids
         prompt_texts = TokenTexts(tok, skip=False).shares(p, end=True)

@@ -1,0 +1,141 @@
+"""Token ids to text and back, as the output streams: `TokenTexts` (incremental, after the
+prompt's last tokens, as vLLM's detokenizer) and `chars_per_token` (the bound that refuses
+a text too long to fit before it is tokenized)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+from tokenizers.models import BPE
+
+
+class TokenTexts:
+    """A text decoded token by token (tokenizers' `DecodeStream`; each token alone where
+    the tokenizer is not a fast one), each token's share kept when asked (`keep`). A token
+    holding part of a character adds "" and the one completing it the whole character, so
+    the shares join to the text, text offsets index into it and chat `bytes` rebuild it;
+    decoded alone, every such token read U+FFFD.
+
+    An output's (`prompt` given) is what it adds to the text of the prompt's last tokens
+    (`prompt_tail`), which the stream starts after, as vLLM primes its detokenizer: a
+    character the prompt leaves unfinished is the output's, whole, once its first tokens
+    finish it (as a U+FFFD it stays the prompt's). The text ends, as vLLM's, without a
+    character the output leaves unfinished (`text`)."""
+
+    def __init__(
+        self, tokenizer: Any, skip: bool, keep: bool = True, prompt: list[int] | None = None
+    ) -> None:
+        self.tokenizer, self.skip = tokenizer, skip
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = DecodeStream(skip_special_tokens=skip) if self.backend else None
+        self.texts: list[str] | None = [] if keep else None
+        self.output = prompt is not None
+        self.tail = [] if prompt is None else prompt_tail(tokenizer, prompt)
+        self.tail_text = tokenizer.decode(self.tail, skip_special_tokens=skip)
+        for t in self.tail if self.stream is not None else ():
+            self.stream.step(self.backend, t)
+        # Where the tail ends inside a character, the stream holds its bytes back for the
+        # output's first text, as a U+FFFD where the output does not finish it: the first
+        # tokens are kept until the stream outputs, and `text` says what they add instead.
+        unfinished = self.tail_text.endswith("\ufffd") and self.stream is not None
+        self.first: list[int] | None = [] if unfinished else None
+
+    def step(self, token: int) -> str:
+        """The text `token` adds (and keeps)."""
+        if self.stream is None:
+            text = self.tokenizer.decode([token], skip_special_tokens=self.skip)
+        else:
+            text = self.stream.step(self.backend, token) or ""
+            if self.first is not None:
+                self.first.append(token)
+                if text:
+                    text, self.first = self.text(self.first), None
+        if self.texts is not None:
+            self.texts.append(text)
+        return text
+
+    def text(self, ids: list[int], end: bool = False) -> str:
+        """The text of `ids`, decoded whole: what they add to the tail's text (past where
+        the two part). With `end`, an output's as it ends: without a last character left
+        unfinished (vLLM's decoder holds its bytes back, and so never outputs them)."""
+        whole = self.tokenizer.decode(self.tail + ids, skip_special_tokens=self.skip)
+        text = whole[len(os.path.commonprefix([self.tail_text, whole])) :]
+        return text.rstrip("\ufffd") if end and self.output else text
+
+    def shares(self, ids: list[int], start: int = 0, end: bool = False) -> list[str]:
+        """The kept texts of `ids[start:]`, where `ids` are every token of the text so far
+        (any not stepped yet are stepped now); with `end`, the text ends there and what the
+        stream still holds back of it (`text`) goes to its last token."""
+        for t in ids[len(self.texts) :]:
+            self.step(t)
+        out = self.texts[start : len(ids)]
+        if end and out and self.stream is not None:
+            out[-1] += self.text(ids, end=True)[sum(map(len, self.texts[: len(ids)])) :]
+        return out
+
+
+# The fewest and most prompt tokens an output is decoded after (vLLM's)
+_TAIL = (4, 24)
+
+
+def prompt_tail(tokenizer: Any, prompt: list[int]) -> list[int]:
+    """The last prompt tokens an output is decoded after (`TokenTexts`): the fewest, from 4,
+    whose text starts at a character (no U+FFFD but where it ends unfinished); the last 24
+    where none do (vLLM takes the whole prompt then, decoding all of it each request)."""
+    lo, hi = _TAIL
+    for n in range(min(lo, len(prompt)), min(hi, len(prompt)) + 1):
+        text = tokenizer.decode(prompt[len(prompt) - n :]).rstrip("\ufffd")
+        if text and "\ufffd" not in text:
+            return prompt[len(prompt) - n :]
+    return prompt[max(len(prompt) - hi, 0) :]
+
+
+# Normalizers that keep every character, or compose a few into one: NFC and NFKC up to 4
+# (the longest canonical decomposition); others may drop some.
+_COMPOSES = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1}
+# Pre-tokenizers that keep every character (others drop whitespace or delimiters)
+_KEEPS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def chars_per_token(tokenizer: Any) -> int | None:
+    """The most characters of a text that one of its tokens stands for: its longest token,
+    as stored or decoded alone (added tokens too), times the most characters the normalizer
+    composes into one. None where no such bound holds: not a fast BPE tokenizer, or one
+    that may drop characters (a normalizer or pre-tokenizer that removes some, an added
+    token that takes the spaces beside it, unknown characters fused or dropped)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.model, BPE):
+        return None
+    composes = 1
+    for step in _steps(backend.normalizer, "normalizers"):
+        if step["type"] not in _COMPOSES:
+            return None
+        composes *= _COMPOSES[step["type"]]
+    pre = _steps(backend.pre_tokenizer, "pretokenizers")
+    if any(p["type"] not in _KEEPS or p.get("behavior") == "Removed" for p in pre):
+        return None
+    bpe, byte_level = backend.model, any(p["type"] == "ByteLevel" for p in pre)
+    if not (bpe.byte_fallback or byte_level or (bpe.unk_token and not bpe.fuse_unk)):
+        return None
+    if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    decoded = backend.decode_batch([[i] for i in vocab.values()], skip_special_tokens=False)
+    return max(map(len, [*vocab, *decoded]), default=1) * composes
+
+
+def _steps(part: Any, key: str) -> list[dict[str, Any]]:
+    """A normalizer's or pre-tokenizer's steps, as their JSON (a `Sequence`'s flattened)."""
+    if part is None:
+        return []
+    todo, out = [json.loads(part.__getstate__())], []
+    while todo:
+        step = todo.pop()
+        if step["type"] == "Sequence":
+            todo += step[key]
+        else:
+            out.append(step)
+    return out

@@ -1,0 +1,189 @@
+"""Text at a prompt's edges: an output after a token-id prompt that ends inside a UTF-8
+character, and one cut inside a character, read as vLLM's detokenizer reads them
+(`TokenTexts`) offline, over HTTP, streamed or not; a text prompt too long for the context
+whatever its tokens, refused before it is tokenized (`Engine.prompt_ids`)."""
+
+# ruff: noqa: F811 - the tests take the imported fixtures by their names
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+
+import httpx
+import pytest
+
+from dsakv.engine import LLM, SamplingParams
+from dsakv.errors import DsakvError
+
+from .serving import TIMEOUT
+
+# The completions tests' model, engine and server, their fixtures imported.
+from .test_completions_api import ENGINE_ARGS, MODEL, model_dir, reference, served  # noqa: F401
+
+HI = list(b"hi ")
+SUN = list("日".encode())  # e6 97 a5: three tokens of the byte-level tokenizer
+
+
+def _added(tok, prompt: list[int], output: list[int]) -> str:
+    """What `output` adds to `prompt`'s text (each decoded whole), less a last character
+    it leaves unfinished."""
+    before = tok.decode(prompt, skip_special_tokens=True)
+    whole = tok.decode(prompt + output, skip_special_tokens=True)
+    return whole[len(os.path.commonprefix([before, whole])) :].rstrip("\ufffd")
+
+
+def _prompts(n: int) -> list[list[int]]:
+    """Random bytes ending inside a character (a 2-, 3- or 4-byte one's first bytes)."""
+    rng = random.Random(5)
+    ends = [[0xC3], [0xE6], [0xE6, 0x97], [0xF0, 0x9F], [0xF0, 0x9F, 0x98]]
+    return [[rng.randrange(256) for _ in range(rng.randint(1, 12))] + ends[i % 5] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cleaning(model_dir):
+    """The model under a tokenizer asking to clean up spaces: outputs decoded whole."""
+    path = shutil.copytree(model_dir, model_dir.parent / "cleaning")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "clean_up_tokenization_spaces": True})
+    )
+    with LLM(str(path), **ENGINE_ARGS) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["incremental", "whole"])
+def test_an_output_is_what_it_adds_to_the_prompts_text(reference, cleaning, whole):
+    """The token finishing the character a token-id prompt left unfinished outputs it whole
+    (not U+FFFD); one that does not leaves the prompt its U+FFFD; a character the output
+    leaves unfinished is left out (vLLM's). Decoded as the tokens come or whole each token,
+    the text is the same."""
+    llm = cleaning if whole else reference
+    assert llm.engine._decodes_whole == whole
+
+    def text(prompt: list[int] | str, **params) -> str:
+        return llm.generate([prompt], SamplingParams(temperature=0, **params))[0].text
+
+    assert text(HI + SUN[:2], max_tokens=1, allowed_token_ids=(SUN[2],)) == "日"
+    assert text(HI + SUN[:1], max_tokens=1, allowed_token_ids=(SUN[1],)) == ""
+    assert text(HI + SUN[:2], max_tokens=2, allowed_token_ids=(ord("{"),)) == "{{"
+    assert text("x", max_tokens=4, grammar=("regex", "日本")) == "日"  # 本 cut unfinished
+    prompts = _prompts(10)
+    params = [
+        SamplingParams(max_tokens=8, temperature=2.0, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    outs = llm.generate(prompts, params)
+    texts = [o.text for o in outs]
+    assert texts == [_added(llm.tokenizer, p, o.token_ids) for p, o in zip(prompts, outs)]
+    assert any(not t.isascii() for t in texts)  # characters the prompts left were finished
+
+
+def _sse(base: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", base + path, json={**body, "stream": True}, timeout=TIMEOUT) as r:
+        assert r.status_code == 200, r.read()
+        events = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(x) for x in events[:-1]]
+
+
+def _post(base: str, path: str, body: dict) -> dict:
+    r = httpx.post(base + path, json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_streamed_or_not_over_http_the_text_is_the_offline_one(base, reference):
+    """/v1/completions and /generate, streamed or not, give a token-id prompt's output the
+    offline text, and its logprob tokens join to it."""
+    for i, prompt in enumerate(_prompts(5)):
+        params = SamplingParams(max_tokens=8, temperature=2.0, seed=i, ignore_eos=True)
+        offline = reference.generate([prompt], params)[0]
+        want = _added(reference.tokenizer, prompt, offline.token_ids)
+        assert offline.text == want
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 2.0, "seed": i}
+        body |= {"ignore_eos": True, "logprobs": 1}
+        choice = _post(base, "/v1/completions", body)["choices"][0]
+        assert choice["text"] == want == "".join(choice["logprobs"]["tokens"])
+        chunks = _sse(base, "/v1/completions", body)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want
+        sp = {"max_new_tokens": 8, "temperature": 2.0, "sampling_seed": i, "ignore_eos": True}
+        body = {"input_ids": prompt, "sampling_params": sp}
+        out, last = _post(base, "/generate", body), _sse(base, "/generate", body)[-1]
+        assert (out["output_ids"], out["text"], last["text"]) == (offline.token_ids, want, want)
+
+
+def test_a_top_logprobs_text_follows_the_prompt_too(base, reference):
+    """A top logprob's text is what its token would have added after the prompt: one that
+    finishes the character the prompt left unfinished reads as that character."""
+    prompt = HI + SUN[:2]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    top = reference.generate([prompt], params)[0].top_logprobs[0]
+    want = {_added(reference.tokenizer, prompt, [t]) for t, _ in top}
+    assert any(not key.isascii() for key in want)  # (read alone, each was U+FFFD)
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 5}
+    choice = _post(base, "/v1/completions", body)["choices"][0]
+    assert set(choice["logprobs"]["top_logprobs"][0]) == want
+
+
+def _counting(monkeypatch, tokenizer) -> list[str]:
+    """Every text `tokenizer.encode` is called on, from now on."""
+    seen: list[str] = []
+    encode = tokenizer.encode
+
+    def counted(text, *args, **kwargs):
+        seen.append(text)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", counted)
+    return seen
+
+
+def test_a_text_too_long_for_any_tokens_is_refused_untokenized(reference, monkeypatch):
+    """More characters than the context's tokens can stand for (`chars_per_token` a token:
+    the longest token's, <|observation|>) is the length error, without tokenizing; at the
+    bound the text is tokenized and its token count refused; what fits runs."""
+    e = reference.engine
+    limit, m = e.max_model_len - 1, e.chars_per_token
+    assert m == len("<|observation|>")
+    seen = _counting(monkeypatch, e.tokenizer)
+    sp = SamplingParams(max_tokens=1)
+    over = f"prompt has at least {limit + 1} tokens \\({limit * m + 1} characters, at most {m} a"
+    with pytest.raises(DsakvError, match=over + rf" token\); at most {limit} fit \(the context"):
+        reference.generate(["a" * (limit * m + 1)], sp)
+    assert seen == []
+    with pytest.raises(DsakvError, match=rf"prompt has {limit * m} tokens; at most {limit} fit"):
+        reference.generate(["a" * (limit * m)], sp)
+    assert len(seen) == 1
+    assert len(reference.generate(["a" * limit], sp)[0].token_ids) == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", lambda text: {"prompt": text}, "prompt"),
+        (
+            "/v1/chat/completions",
+            lambda text: {"messages": [{"role": "user", "content": text}]},
+            "messages",
+        ),
+        ("/generate", lambda text: {"text": text}, "text"),
+    ],
+    ids=["completions", "chat", "generate"],
+)
+def test_over_http_a_text_too_long_is_the_length_400(base, served, monkeypatch, path, body, param):
+    """Each route that tokenizes a request's text refuses one too long as the engine does,
+    with the 400 of a prompt whose tokens do not fit, before tokenizing it."""
+    e = served[1].engine
+    seen = _counting(monkeypatch, e.tokenizer)
+    text = "a" * ((e.max_model_len - 1) * e.chars_per_token + 1)
+    r = httpx.post(base + path, json={"model": MODEL, **body(text)}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    limit, m = e.max_model_len - 1, e.chars_per_token
+    at_least = rf"prompt has at least \d+ tokens \(\d+ characters, at most {m} a token\)"
+    assert re.fullmatch(at_least + rf"; at most {limit} fit \(.*\)", err["message"]), err
+    assert err["param"] == param and seen == []
