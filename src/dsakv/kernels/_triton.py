@@ -7,6 +7,8 @@ when a kernel is actually launched.
 
 from typing import Any, NoReturn
 
+import torch
+
 _MISSING = "dsakv's Triton kernels need `triton` (pip install 'dsakv[dev]' or triton>=3.2)"
 
 try:
@@ -60,4 +62,11 @@ def next_pow2(n: int, floor: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-__all__ = ["HAVE_TRITON", "cdiv", "next_pow2", "require_triton", "tl", "triton"]
+def one_context(n: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ctx_start, ctx_len)` `[n]` int32 for a varlen launch whose n queries all read one
+    context of `length` positions (one request's chunk)."""
+    start = torch.zeros(n, dtype=torch.int32, device=device)
+    return start, torch.full((n,), length, dtype=torch.int32, device=device)
+
+
+__all__ = ["HAVE_TRITON", "cdiv", "next_pow2", "one_context", "require_triton", "tl", "triton"]

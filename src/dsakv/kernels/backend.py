@@ -535,9 +535,10 @@ class TritonBackend(TorchBackend):
     def index_topk_extend(self, pool, layer, q, w, slots, prefix, scale, topk):
         if not self.fp8_index:
             return super().index_topk_extend(pool, layer, q, w, slots, prefix, scale, topk)
+        from ._triton import one_context  # (triton is imported once a Triton backend is made)
+
         e, length = q.shape[0], slots.shape[0]
-        start = torch.zeros(e, dtype=torch.int32, device=q.device)
-        lens = torch.full((e,), length, dtype=torch.int32, device=q.device)
+        start, lens = one_context(e, length, q.device)
         q_pos = torch.arange(prefix, prefix + e, device=q.device, dtype=torch.int32)
         return self._extend_topk(pool, layer, q, w, slots, start, lens, length, q_pos, scale, topk)
 

@@ -19,7 +19,7 @@ follows q's dtype: bf16 q → `tf32` (exact products: bf16 and e4m3 fit tf32), f
 
 import torch
 
-from ._triton import cdiv, next_pow2, require_triton, tl, triton
+from ._triton import cdiv, next_pow2, one_context, require_triton, tl, triton
 from .triton_fp8 import bf16_to_f32, e4m3_to_f32
 
 BLOCK_N = 64  # keys per program
@@ -261,9 +261,8 @@ def index_logits_extend(
     in `kpages`; −inf where the key position > q_pos[e]."""
     if ctx_slots.dim() != 1:
         raise ValueError(f"ctx_slots must be [L], got {tuple(ctx_slots.shape)}")
-    e, length = q.shape[0], ctx_slots.shape[0]
-    start = torch.zeros(e, dtype=torch.int32, device=q.device)
-    lens = torch.full((e,), length, dtype=torch.int32, device=q.device)
+    length = ctx_slots.shape[0]
+    start, lens = one_context(q.shape[0], length, q.device)
     return index_logits_extend_varlen(
         q, w, kpages, ctx_slots, start, lens, length, q_pos, page_size
     )

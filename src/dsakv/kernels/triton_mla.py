@@ -42,7 +42,7 @@ import torch
 
 from dsakv.memory.layout import latent_bytes
 
-from ._triton import cdiv, next_pow2, require_triton, tl, triton
+from ._triton import cdiv, next_pow2, one_context, require_triton, tl, triton
 from .triton_fp8 import bf16_to_f32, e4m3_to_f32, f32_to_bf16_bits
 
 LATENT_KINDS = ("fp32", "bf16", "fp8_e4m3", "fp8_ds_mla")
@@ -476,9 +476,8 @@ def sparse_mla_extend(
     Returns fp32 `[E, H, kv_lora]`."""
     if ctx_slots.dim() != 1:
         raise ValueError(f"ctx_slots must be [L], got {tuple(ctx_slots.shape)}")
-    e, length = q.shape[0], ctx_slots.shape[0]
-    start = torch.zeros(e, dtype=torch.int32, device=q.device)
-    lens = torch.full((e,), length, dtype=torch.int32, device=q.device)
+    length = ctx_slots.shape[0]
+    start, lens = one_context(q.shape[0], length, q.device)
     return sparse_mla_extend_varlen(
         q, cache, kind, ctx_slots, start, lens, length, q_pos, topk_pos, sm_scale, kv_lora, rope_dim
     )
