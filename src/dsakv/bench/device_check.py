@@ -543,6 +543,43 @@ def _launch_cases(dry: bool, device) -> list[tuple[str, Callable[[], Any]]]:
 
         return run
 
+    def chunks():
+        """Three requests' chunks for a varlen launch: (contexts one after another in a
+        shuffled slot order, per-query context start and length int32, positions int32)."""
+        ctx_lens = [length // 2, length // 8, length // 4]
+        news = [e // 2, e // 4, e - e // 2 - e // 4]
+        slots = torch.randperm(sum(ctx_lens), device=device, generator=g)
+        start, lens, q_pos, at = [], [], [], 0
+        for c, m in zip(ctx_lens, news):
+            start += [at] * m
+            lens += [c] * m
+            q_pos += range(c - m, c)
+            at += c
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+        return slots, i32(start), i32(lens), max(ctx_lens), i32(q_pos)
+
+    def extend_varlen(kind: str):
+        def run():
+            cache = _latent_cache(kind, length, device)
+            slots, start, lens, width, q_pos = chunks()
+            q = torch.randn(e, heads, dim, device=device, generator=g).to(torch.bfloat16)
+            pos = torch.randint(-1, width, (e, min(topk, width)), device=device, generator=g)
+            return triton_mla.sparse_mla_extend_varlen(
+                q, cache, kind, slots, start, lens, width, q_pos, pos.to(torch.int32),
+                dim**-0.5, KV_LORA, ROPE,
+            )  # fmt: skip
+
+        return run
+
+    def logits_extend_varlen():
+        slots, start, lens, width, q_pos = chunks()
+        kp, _ = _index_pages(length, 1, ps, device)
+        q = torch.randn(e, hi, 128, device=device, generator=g).to(torch.bfloat16)
+        w = torch.randn(e, hi, device=device, generator=g)
+        return triton_indexer.index_logits_extend_varlen(
+            q, w, kp, slots, start, lens, width, q_pos, ps
+        )
+
     def paged(h: int):
         def run():
             kp, table = _index_pages(ctx, b, ps, device)
@@ -613,9 +650,11 @@ def _launch_cases(dry: bool, device) -> list[tuple[str, Callable[[], Any]]]:
         ("sparse_mla_extend[fp8_ds_mla,topk]", extend("fp8_ds_mla", dense=False)),
         ("sparse_mla_extend[fp8_ds_mla,dense]", extend("fp8_ds_mla", dense=True)),
         ("sparse_mla_extend[bf16,topk]", extend("bf16", dense=False)),
+        ("sparse_mla_extend_varlen[fp8_ds_mla,3 requests]", extend_varlen("fp8_ds_mla")),
         ("index_logits_paged[Hi32]" if not dry else "index_logits_paged", paged(hi)),
         *([] if dry else [("index_logits_paged[Hi64]", paged(2 * hi))]),
         ("index_logits_extend", logits_extend),
+        ("index_logits_extend_varlen[3 requests]", logits_extend_varlen),
         ("store_latent_ds_mla", store_ds),
         ("store_latent_fp8_e4m3", store_e4m3),
         ("store_index_k_fp8", store_ik),

@@ -30,7 +30,8 @@ class ExtendCtx:
     `slots` holds their requests' context slots one after another (`latent_slots` the
     same in the latent's own slot space: HiSparse's device slots), query e's context is
     `slots[start[e] : start[e] + lens[e]]` (`max_len` the longest, on the host), and
-    `positions[e]` is its position."""
+    `positions[e]` is its position. int32, as the one-request kernel wrappers take them
+    (one compiled specialisation for both)."""
 
     slots: torch.Tensor
     latent_slots: torch.Tensor
@@ -142,7 +143,8 @@ class ForwardBatch:
         ctx_lens = [self.seq_lens[r] for r in reqs]
         offsets = [0, *accumulate(ctx_lens)][:-1]
         per_token = torch.tensor([self.extend_lens[r] for r in reqs])
-        meta = torch.tensor([offsets, ctx_lens]).repeat_interleave(per_token, dim=1)
+        meta = torch.tensor([offsets, ctx_lens], dtype=torch.int32)
+        meta = meta.repeat_interleave(per_token, dim=1)
         meta = meta.to(self.input_ids.device)  # (one copy)
         rows = self.extend_rows
         slots = _joined([self.req_slots[r] for r in reqs])
@@ -153,7 +155,7 @@ class ForwardBatch:
             start=meta[0],
             lens=meta[1],
             max_len=max(ctx_lens),
-            positions=self.positions if rows is None else self.positions[rows],
+            positions=(self.positions if rows is None else self.positions[rows]).int(),
         )
 
     @cached_property
