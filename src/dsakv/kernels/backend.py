@@ -557,7 +557,9 @@ class TritonBackend(TorchBackend):
         """`index_logits_extend_varlen` then top-k, in runs of rows whose logits stay
         under LOGITS_CHUNK_ELEMS."""
         q, w = _low_precision(q), (w * scale).float()
-        kpages, chunk = pool.index_k_data(layer), max(1, LOGITS_CHUNK_ELEMS // max(width, 1))
+        # (runs of a multiple of 16 rows: every slice of the tables stays 16-byte aligned)
+        chunk = max(16, LOGITS_CHUNK_ELEMS // max(width, 1) // 16 * 16)
+        kpages = pool.index_k_data(layer)
         out = []
         for a in range(0, q.shape[0], chunk):
             b = a + chunk

@@ -143,9 +143,12 @@ class ForwardBatch:
         ctx_lens = [self.seq_lens[r] for r in reqs]
         offsets = [0, *accumulate(ctx_lens)][:-1]
         per_token = torch.tensor([self.extend_lens[r] for r in reqs])
-        meta = torch.tensor([offsets, ctx_lens], dtype=torch.int32)
-        meta = meta.repeat_interleave(per_token, dim=1)
-        meta = meta.to(self.input_ids.device)  # (one copy)
+        table = torch.tensor([offsets, ctx_lens], dtype=torch.int32)
+        e = int(per_token.sum())
+        # One copy; each row 16-byte aligned, as a fresh tensor is (Triton specialises on it)
+        meta = torch.zeros(2, -(-e // 4) * 4, dtype=torch.int32)
+        meta[:, :e] = table.repeat_interleave(per_token, dim=1)
+        meta = meta.to(self.input_ids.device)[:, :e]
         rows = self.extend_rows
         slots = _joined([self.req_slots[r] for r in reqs])
         latent = self.latent_req_slots is self.req_slots
