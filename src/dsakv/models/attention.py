@@ -126,6 +126,8 @@ class MLAttention(nn.Module):
             return ops.mla_decode(
                 self.math, pool, self.layer, q_nope, q_rope, sel.slots, sel.valid, w_uk, w_uv
             )
+        if not batch.extend_reqs:  # an empty step (a DP-attention rank with no request)
+            return torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
         ext = ops.mla_extends(
             self.math, pool, self.layer, q_nope, q_rope, batch, sels.per_req, w_uk, w_uv
         )
