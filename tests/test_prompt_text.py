@@ -142,6 +142,40 @@ def _counting(monkeypatch, tokenizer) -> list[str]:
     return seen
 
 
+def _byte_fallback_tokenizer():
+    """A Llama / Mistral-style tokenizer: Metaspace, bytes as `<0xNN>` tokens (id 3 + byte),
+    a ByteFallback decoder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    vocab.update({"▁": 259, "a": 260, "b": 261, "▁a": 262})
+    tok = Tokenizer(models.BPE(vocab, [("▁", "a")], byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_byte_fallback_tails_and_ends():
+    """A byte-fallback decoder reads a lone byte token as its byte, and a run of them that
+    is not UTF-8 as one U+FFFD per byte. A prompt ending in bytes 1C B6 then "a" made
+    tokenizers' DecodeStream raise "Invalid prefix" as the output's decoder took the
+    prompt's tail (inside the engine's step: every running request failed); the stream
+    starts afresh at that token instead (vLLM). An output of 日 then one byte of the next
+    character ends as "b日", not "" (its four bytes decode as four U+FFFDs)."""
+    from dsakv.engine.detokenizer import TokenTexts
+
+    tok, byte = _byte_fallback_tokenizer(), lambda x: 3 + x
+    out = [261, byte(0xE6), byte(0x97), byte(0xA5), byte(0xE6)]
+    texts = TokenTexts(tok, True, prompt=[260, 261, byte(0x1C), byte(0xB6), 260])
+    assert [texts.step(t) for t in out] == ["b", "", "", "日", ""]
+    assert texts.text(out, end=True) == "b日"
+    assert texts.shares(out, end=True) == ["b", "", "", "日", ""]
+
+
 def test_a_text_too_long_for_any_tokens_is_refused_untokenized(reference, monkeypatch):
     """More characters than the context's tokens can stand for (`chars_per_token` a token:
     the longest token's, <|observation|>) is the length error, without tokenizing; at the

@@ -36,7 +36,7 @@ class TokenTexts:
         self.tail = [] if prompt is None else prompt_tail(tokenizer, prompt)
         self.tail_text = tokenizer.decode(self.tail, skip_special_tokens=skip)
         for t in self.tail if self.stream is not None else ():
-            self.stream.step(self.backend, t)
+            self._advance(t)
         # Where the tail ends inside a character, the stream holds its bytes back for the
         # output's first text, as a U+FFFD where the output does not finish it: the first
         # tokens are kept until the stream outputs, and `text` says what they add instead.
@@ -48,7 +48,7 @@ class TokenTexts:
         if self.stream is None:
             text = self.tokenizer.decode([token], skip_special_tokens=self.skip)
         else:
-            text = self.stream.step(self.backend, token) or ""
+            text = self._advance(token)
             if self.first is not None:
                 self.first.append(token)
                 if text:
@@ -57,13 +57,36 @@ class TokenTexts:
             self.texts.append(text)
         return text
 
+    def _advance(self, token: int) -> str:
+        """`token` through the stream. A byte-fallback decoder reads a lone byte token as
+        its byte but a run of them that is not UTF-8 as U+FFFDs, so its text can stop
+        extending what the stream emitted, and the stream raises: as vLLM, a fresh stream
+        takes the token (one request's text, rather than the step, pays)."""
+        try:
+            return self.stream.step(self.backend, token) or ""
+        except Exception as e:
+            if not str(e).startswith("Invalid prefix encountered"):
+                raise
+            self.stream = DecodeStream(skip_special_tokens=self.skip)
+            return self.stream.step(self.backend, token) or ""
+
     def text(self, ids: list[int], end: bool = False) -> str:
         """The text of `ids`, decoded whole: what they add to the tail's text (past where
-        the two part). With `end`, an output's as it ends: without a last character left
-        unfinished (vLLM's decoder holds its bytes back, and so never outputs them)."""
-        whole = self.tokenizer.decode(self.tail + ids, skip_special_tokens=self.skip)
-        text = whole[len(os.path.commonprefix([self.tail_text, whole])) :]
+        the two part). With `end`, an output's as it ends: without the last tokens whose
+        text ends in a character left unfinished (vLLM's decoder holds them back, and so
+        never outputs them; whole tokens, as a byte-fallback decoder reads every byte of
+        such a run as a U+FFFD, the character before it too)."""
+        text = self._added(ids)
+        if end and self.output:
+            for n in range(1, min(_HELD, len(ids)) + 1):
+                if not text.endswith("\ufffd"):
+                    break
+                text = self._added(ids[:-n])
         return text.rstrip("\ufffd") if end and self.output else text
+
+    def _added(self, ids: list[int]) -> str:
+        whole = self.tokenizer.decode(self.tail + ids, skip_special_tokens=self.skip)
+        return whole[len(os.path.commonprefix([self.tail_text, whole])) :]
 
     def shares(self, ids: list[int], start: int = 0, end: bool = False) -> list[str]:
         """The kept texts of `ids[start:]`, where `ids` are every token of the text so far
@@ -79,6 +102,9 @@ class TokenTexts:
 
 # The fewest and most prompt tokens an output is decoded after (vLLM's)
 _TAIL = (4, 24)
+# The most last tokens an ending output drops for a character left unfinished (UTF-8's
+# longest, then U+FFFDs are stripped)
+_HELD = 4
 
 
 def prompt_tail(tokenizer: Any, prompt: list[int]) -> list[int]:
