@@ -80,6 +80,9 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         self._host_rows = torch.zeros(4, n, dtype=torch.long, pin_memory=pin)
         self._host_pages = torch.zeros(n * (full // ps), dtype=torch.int32, pin_memory=pin)
+        # Marks the last step's copies out of the pinned buffers: until it has passed, a
+        # non-blocking copy may still be reading them, so the next step's fill waits on it.
+        self._copied = torch.cuda.Event() if pin else None
 
     def fits(self, new_tokens: Sequence[Sequence[int]], slots: Sequence[torch.Tensor]) -> bool:
         return (
@@ -121,6 +124,8 @@ class DecodeGraphs:
 
     def _fill(self, new_tokens, slots, bucket: int, width: int) -> None:
         ps, cols = self.ps, width // self.ps
+        if self._copied is not None:
+            self._copied.synchronize()
         rows, pages = self._host_rows, self._host_pages[: bucket * cols].view(bucket, cols)
         rows[:, :bucket] = 0
         rows[2, :bucket] = -1  # padding rows write nowhere
@@ -131,6 +136,8 @@ class DecodeGraphs:
             rows[0, i], rows[1, i], rows[2, i], rows[3, i] = tok[0], n - 1, int(s[n - 1]), n
         self._pages[: bucket * cols].copy_(self._host_pages[: bucket * cols], non_blocking=True)
         self._rows[:, :bucket].copy_(rows[:, :bucket], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def _step(self, bucket: int, width: int) -> torch.Tensor:
         """The padded forward over the static buffers; the slot table is expanded from the

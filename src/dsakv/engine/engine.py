@@ -406,6 +406,9 @@ class Engine:
         )
         self.sampler = Sampler(self.device, config.seed)
         self.tokenizer = _load_tokenizer(config.model)
+        # Found here, not on the first text prompt: it decodes every vocab entry (0.35-0.8 s
+        # for a 150k vocabulary), which on the step loop would stall every running request.
+        self.chars_per_token = chars_per_token(self.tokenizer)
         # Outputs decoded whole each token (`_decode_output`): no fast tokenizer, or one that
         # cleans up spaces over the whole text (so earlier text may change)
         self._decodes_whole = getattr(self.tokenizer, "backend_tokenizer", None) is None or bool(
@@ -707,11 +710,6 @@ class Engine:
                 fork.score_prompt = req.score_prompt
             self.scheduler.add(fork)
         req.forks = []
-
-    @functools.cached_property
-    def chars_per_token(self) -> int | None:
-        """(`chars_per_token`: the tokenizer's, found on the first text prompt)"""
-        return chars_per_token(self.tokenizer)
 
     def prompt_ids(self, prompt: str | list[int], keep: int | None = None) -> list[int]:
         """The prompt's token ids (its last `keep`: `truncate_prompt_tokens`), or a
