@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from dsakv.kernels import topk_by_position  # noqa: E402
+from dsakv.kernels._triton import interpreting  # noqa: E402
 from dsakv.kernels.backend import TorchBackend, TritonBackend  # noqa: E402
 from dsakv.kernels.torch_ops import MLAMath  # noqa: E402
 from dsakv.kernels.triton_bench import bench_kernels  # noqa: E402
@@ -433,7 +434,19 @@ def test_mla_launch_config_puts_all_heads_of_a_query_in_one_program():
         assert const["DOT"] == tm._DOT_F32 and const["PREC"] == "ieee"
     const, _ = tm._launch_config("fp32", True, 64, KV_LORA, ROPE)  # fp32 rows: not bf16-exact
     assert const["DOT"] == tm._DOT_F32
-    assert tm._interpreting() == INTERPRET
+    assert interpreting(tm._mla_partial_kernel) == INTERPRET
+
+
+def test_indexer_dots_bf16_queries_in_bf16_on_a_gpu():
+    """bf16 queries over e4m3 keys: a bf16 dot on a GPU (exact products, fp32 sums), the same
+    values dotted in fp32 on the interpreter (which multiplies bf16 bits); fp32 q: tf32x3."""
+    from dsakv.kernels import triton_indexer as ti
+
+    kpages = torch.zeros(2, 16 * (128 + 4), dtype=torch.uint8)
+    w = torch.ones(1, 4)
+    for dtype, want in ((torch.bfloat16, not INTERPRET), (torch.float32, False)):
+        _, _, _, meta = ti._prepare(torch.zeros(1, 4, 128, dtype=dtype), w, kpages, 16)
+        assert meta["Q_BF16"] == (dtype == torch.bfloat16) and meta["BF16_DOT"] == want
 
 
 @pytest.mark.parametrize("kind", KINDS)

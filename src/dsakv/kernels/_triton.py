@@ -62,6 +62,13 @@ def next_pow2(n: int, floor: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def interpreting(kernel: Any) -> bool:
+    """Whether `kernel` was built for the Triton interpreter (TRITON_INTERPRET=1 at import),
+    which has no bf16 dot (it multiplies the raw bits): the kernels then dot the same bf16
+    values held in fp32."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
 def one_context(n: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`(ctx_start, ctx_len)` `[n]` int32 for a varlen launch whose n queries all read one
     context of `length` positions (one request's chunk)."""
@@ -69,4 +76,13 @@ def one_context(n: int, length: int, device: torch.device) -> tuple[torch.Tensor
     return start, torch.full((n,), length, dtype=torch.int32, device=device)
 
 
-__all__ = ["HAVE_TRITON", "cdiv", "next_pow2", "one_context", "require_triton", "tl", "triton"]
+__all__ = [
+    "HAVE_TRITON",
+    "cdiv",
+    "interpreting",
+    "next_pow2",
+    "one_context",
+    "require_triton",
+    "tl",
+    "triton",
+]

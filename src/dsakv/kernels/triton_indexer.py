@@ -13,13 +13,14 @@ bytes and the scale is applied per column.
 One program scores BLOCK_N keys for one query with a `tl.dot` over [heads × D] × [D × keys]
 (heads padded to ≥ 16 and masked). Lengths / positions are read on the device and blocks
 past them skip their loads, so a fixed-width launch is CUDA-graph safe. Dot precision
-follows q's dtype: bf16 q → `tf32` (exact products: bf16 and e4m3 fit tf32), fp32 q →
-`tf32x3`.
+follows q's dtype: bf16 q → a bf16 dot (e4m3 keys are bf16-exact, so every product is
+exact, as in tf32, at twice tf32's tensor-core rate; the interpreter dots the same values
+in fp32), fp32 q → `tf32x3`.
 """
 
 import torch
 
-from ._triton import cdiv, next_pow2, one_context, require_triton, tl, triton
+from ._triton import cdiv, interpreting, next_pow2, one_context, require_triton, tl, triton
 from .triton_fp8 import bf16_to_f32, e4m3_to_f32
 
 BLOCK_N = 64  # keys per program
@@ -42,7 +43,7 @@ def _score_keys(
     PS: tl.constexpr,
     D: tl.constexpr,
     Q_BF16: tl.constexpr,
-    PREC: tl.constexpr,
+    BF16_DOT: tl.constexpr,
     BLOCK_HI: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -60,7 +61,10 @@ def _score_keys(
     km = valid[:, None] & (d[None, :] < D)
     k = e4m3_to_f32(tl.load(kp + key_at, mask=km, other=0))
     scale = tl.load(kp_f32 + page * s_page_f32 + (PS * D) // 4 + off, mask=valid, other=0.0)
-    s = tl.dot(qt, tl.trans(k), input_precision=PREC)  # [heads, keys]
+    if BF16_DOT:  # both operands are bf16-exact: a bf16 dot (fp32 accumulation) loses nothing
+        s = tl.dot(qt.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))  # [heads, keys]
+    else:  # fp32 q (or the interpreter's stand-in for the bf16 dot: exact products too)
+        s = tl.dot(qt, tl.trans(k), input_precision="tf32x3")
     s = tl.maximum(s, 0.0) * scale[None, :]
     return tl.sum(s * wt[:, None], 0)
 
@@ -87,7 +91,7 @@ def _paged_logits_kernel(
     PS: tl.constexpr,
     D: tl.constexpr,
     Q_BF16: tl.constexpr,
-    PREC: tl.constexpr,
+    BF16_DOT: tl.constexpr,
     BLOCK_HI: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -115,7 +119,7 @@ def _paged_logits_kernel(
             PS,
             D,
             Q_BF16,
-            PREC,
+            BF16_DOT,
             BLOCK_HI,
             BLOCK_D,
         )
@@ -145,7 +149,7 @@ def _extend_logits_kernel(
     PS: tl.constexpr,
     D: tl.constexpr,
     Q_BF16: tl.constexpr,
-    PREC: tl.constexpr,
+    BF16_DOT: tl.constexpr,
     BLOCK_HI: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -176,7 +180,7 @@ def _extend_logits_kernel(
             PS,
             D,
             Q_BF16,
-            PREC,
+            BF16_DOT,
             BLOCK_HI,
             BLOCK_D,
         )
@@ -208,7 +212,8 @@ def _prepare(q: torch.Tensor, w: torch.Tensor, kpages: torch.Tensor, page_size: 
     w = w if w.stride(1) == 1 else w.contiguous()
     f32 = kpages.view(torch.float32)
     meta = dict(
-        PS=page_size, D=dim, Q_BF16=q_bf16, PREC="tf32" if q_bf16 else "tf32x3",
+        PS=page_size, D=dim, Q_BF16=q_bf16,
+        BF16_DOT=q_bf16 and not interpreting(_paged_logits_kernel),
         BLOCK_HI=next_pow2(heads, 16), BLOCK_N=BLOCK_N, BLOCK_D=next_pow2(dim, 16),
         num_warps=NUM_WARPS,
     )  # fmt: skip

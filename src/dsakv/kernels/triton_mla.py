@@ -42,7 +42,7 @@ import torch
 
 from dsakv.memory.layout import latent_bytes
 
-from ._triton import cdiv, next_pow2, one_context, require_triton, tl, triton
+from ._triton import cdiv, interpreting, next_pow2, one_context, require_triton, tl, triton
 from .triton_fp8 import bf16_to_f32, e4m3_to_f32, f32_to_bf16_bits
 
 LATENT_KINDS = ("fp32", "bf16", "fp8_e4m3", "fp8_ds_mla")
@@ -357,11 +357,6 @@ def default_num_splits(n_rows: int, n_programs: int, block_n: int = BLOCK_N) -> 
     return max(1, min(cdiv(_TARGET_PROGRAMS, max(n_programs, 1)), by_rows, 64))
 
 
-def _interpreting() -> bool:
-    """Whether the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return type(_mla_partial_kernel).__name__ == "InterpretedFunction"
-
-
 def _launch_config(
     kind: str, q_bf16: bool, heads: int, kv_lora: int, rope_dim: int, interpret: bool = False
 ) -> tuple[dict, dict]:
@@ -409,7 +404,9 @@ def _attend(
     out = torch.zeros((nq, heads, kv_lora), dtype=torch.float32, device=q.device)
     if nq == 0 or heads == 0:
         return out
-    const, opts = _launch_config(kind, q_bf16, heads, kv_lora, rope_dim, _interpreting())
+    const, opts = _launch_config(
+        kind, q_bf16, heads, kv_lora, rope_dim, interpreting(_mla_partial_kernel)
+    )
     block_n, block_dv = const["BLOCK_N"], const["BLOCK_DV"]
     hblocks = cdiv(heads, const["BLOCK_H"])
     splits = num_splits or default_num_splits(n_idx, nq * hblocks, block_n)
