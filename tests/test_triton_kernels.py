@@ -46,6 +46,7 @@ from dsakv.kernels.triton_store import (  # noqa: E402
 from dsakv.memory import CacheLayout, DSAKVPool, page_slots  # noqa: E402
 from dsakv.memory.fp8 import hadamard_rotate, pow2_block_scale  # noqa: E402
 from dsakv.models import ForwardBatch, Selection  # noqa: E402
+from dsakv.models.indexer import StepSelection  # noqa: E402
 from tests.conftest import small_glm_config  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -407,7 +408,8 @@ def test_triton_backend_attends_every_chunk_of_a_step_as_torch_does(dense_ctx):
         positions = topk_by_position(scores, k)  # (a query seeing < k positions: future ones)
         sels.append(Selection(positions.to(DEVICE), (positions <= qpos[:, None]).to(DEVICE)))
     math = MLAMath(heads, KV_LORA, SM_SCALE)
-    args = (math, pool, 0, *to_dev(q_nope, q_rope), batch, sels, None, w_uv.to(DEVICE))
+    step = StepSelection(batch, sels, None)
+    args = (math, pool, 0, *to_dev(q_nope, q_rope), batch, step, None, w_uv.to(DEVICE))
     triton, alone = TritonBackend(pool.layout), []
     one = triton.mla_extend
     triton.mla_extend = lambda *a: alone.append(1) or one(*a)  # a request at a time

@@ -22,7 +22,6 @@ from functools import cache
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from dsakv.errors import DsakvError
 from dsakv.memory.fp8 import FP8_DTYPE, hadamard_matrix
@@ -110,10 +109,11 @@ class TorchBackend:
 
     def mla_extends(self, math: MLAMath, pool, layer, q_nope, q_rope, batch, sels, w_uk, w_uv):
         """Every multi-token chunk of the step: `[E, H, v]` for `batch.extend_rows`;
-        `sels[r]` is request r's selection (None: dense causal). A request at a time here."""
+        `sels.per_req[r]` is request r's selection (None: dense causal), `sels` the layer's
+        `StepSelection`. A request at a time here."""
         outs = []
         for r in batch.extend_reqs:
-            a, e, sel = batch.extend_starts[r], batch.extend_lens[r], sels[r]
+            a, e, sel = batch.extend_starts[r], batch.extend_lens[r], sels.per_req[r]
             outs.append(
                 self.mla_extend(
                     math,
@@ -488,11 +488,10 @@ class TritonBackend(TorchBackend):
         # positions 0..k-1 (its context is no longer than index_topk; the kernel masks the
         # future), so a step of long and short prompts is still one launch.
         reqs, ext, rows = batch.extend_reqs, batch.extend_ctx, batch.extend_rows
-        picked = [sels[r] for r in reqs]
-        k = max((sel.positions.shape[1] for sel in picked if sel is not None), default=0)
-        if k and any(sel is None and batch.seq_lens[r] > k for r, sel in zip(reqs, picked)):
+        topk = sels.varlen_positions
+        k = 0 if topk is None else topk.shape[1]
+        if k and any(sels.per_req[r] is None and batch.seq_lens[r] > k for r in reqs):
             return super().mla_extends(math, pool, layer, q_nope, q_rope, batch, sels, w_uk, w_uv)
-        topk = _varlen_topk(picked, [batch.extend_lens[r] for r in reqs], k)
         q = torch.cat([q_nope, q_rope], dim=-1)
         if rows is not None:
             q = q[rows]
@@ -569,24 +568,6 @@ class TritonBackend(TorchBackend):
             )  # fmt: skip
             out.append(torch_ops.topk_by_position(logits, topk))
         return out[0] if len(out) == 1 else torch.cat(out)
-
-
-def _varlen_topk(picked: list, lens: list[int], k: int) -> torch.Tensor | None:
-    """The positions `[E, k]` (int32, −1 invalid) one varlen launch attends for chunks of
-    `lens` tokens with `picked` selections: a dense chunk's (None) are 0..k−1, which cover
-    its context while that is no longer than k. None when every chunk is dense."""
-    if k == 0:
-        return None
-    device = next(sel.positions.device for sel in picked if sel is not None)
-    every = torch.arange(k, dtype=torch.int32, device=device)
-    parts = []
-    for sel, n in zip(picked, lens):
-        if sel is None:
-            parts.append(every.expand(n, k))
-            continue
-        p = sel.positions.masked_fill(~sel.valid, -1).to(torch.int32)
-        parts.append(F.pad(p, (0, k - p.shape[1]), value=-1) if p.shape[1] < k else p)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _low_precision(q: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,10 @@ list produced here, in the same forward pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsakv.config import ModelConfig
@@ -40,10 +42,39 @@ class Selection:
 class StepSelection:
     """One layer's top-k for a whole step: a `Selection` (or None) per multi-token request,
     and one batched `Selection` over the decode requests' padded contexts (`decode_ctx`),
-    None only when the step has no decode request."""
+    None only when the step has no decode request. `extends`: every multi-token chunk's
+    rows as one `Selection`, in the step's order, when each chunk was selected (`per_req`
+    holds views of it)."""
 
+    batch: ForwardBatch
     per_req: list[Selection | None]
     decode: Selection | None
+    extends: Selection | None = None
+
+    @cached_property
+    def varlen_positions(self) -> torch.Tensor | None:
+        """The multi-token chunks' selected positions `[E, k]` int32, −1 where not valid,
+        in the step's order, as one varlen attention launch reads them; a dense chunk's
+        (None) are 0..k−1, which cover its context while that is no longer than k. None when
+        every chunk is dense. Made once per step, for the full layer and the shared layers
+        reusing its selection."""
+        if self.extends is not None:
+            return torch.where(self.extends.valid, self.extends.positions, -1).to(torch.int32)
+        reqs = self.batch.extend_reqs
+        picked = [self.per_req[r] for r in reqs]
+        k = max((sel.positions.shape[1] for sel in picked if sel is not None), default=0)
+        if k == 0:
+            return None
+        device = next(sel.positions.device for sel in picked if sel is not None)
+        every = torch.arange(k, dtype=torch.int32, device=device)
+        parts = []
+        for sel, r in zip(picked, reqs):
+            if sel is None:
+                parts.append(every.expand(self.batch.extend_lens[r], k))
+                continue
+            p = torch.where(sel.valid, sel.positions, -1).to(torch.int32)
+            parts.append(F.pad(p, (0, k - p.shape[1]), value=-1) if p.shape[1] < k else p)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class Indexer(nn.Module):
@@ -103,20 +134,33 @@ class Indexer(nn.Module):
         self.ops.store_index_k(pool, layer, batch.out_slots, k)
         per_req: list[Selection | None] = [None] * batch.num_reqs
         if all(s <= self.topk for s in batch.seq_lens):  # everything visible is selected
-            return StepSelection(per_req, _on_device(layer, batch, _every_position(batch)))
+            decode = _on_device(layer, batch, _every_position(batch))
+            return StepSelection(batch, per_req, decode)
         q, w = self.ops.block(INDEX_QUERY, batch, self, x, q_lora, cos, sin, pool)
         long = [r for r in batch.extend_reqs if batch.seq_lens[r] > self.topk]
+        extends = None
         if long:  # (shorter chunks attend every visible position)
             chosen = self.ops.index_topk_extends(
                 pool, layer, q, w, batch, long, self.scale, self.topk
             )
+            # A query sees the positions up to its own: one comparison when every chunk was
+            # selected (their rows in order), else one per chunk, against `batch.positions`
+            if long == batch.extend_reqs:
+                rows = batch.extend_rows
+                qpos = batch.positions if rows is None else batch.positions[rows]
+                extends = Selection(chosen, chosen <= qpos[:, None])
             at = 0
             for r in long:
-                prefix, e = batch.prefix_lens[r], batch.extend_lens[r]
-                positions, at = chosen[at : at + e], at + e
-                qpos = torch.arange(prefix, prefix + e, device=q.device)
-                per_req[r] = Selection(positions, positions <= qpos[:, None])
-        return StepSelection(per_req, self._select_decode(layer, q, w, batch, pool))
+                e, start = batch.extend_lens[r], batch.extend_starts[r]
+                positions = chosen[at : at + e]
+                valid = (
+                    extends.valid[at : at + e]
+                    if extends is not None
+                    else positions <= batch.positions[start : start + e, None]
+                )
+                per_req[r], at = Selection(positions, valid), at + e
+        decode = self._select_decode(layer, q, w, batch, pool)
+        return StepSelection(batch, per_req, decode, extends)
 
     def _select_decode(self, layer, q, w, batch: ForwardBatch, pool) -> Selection | None:
         """Top-k for every decode request at once, over their padded contexts."""
