@@ -192,17 +192,15 @@ class PrefixCache:
                 host_slots = self.host.backup(slots)
             except OutOfPages:
                 host_slots = None
-        if host_slots is None and self.l3 is not None:
-            self.l3.leaving(n)  # leaves the tree for good: last chance to keep it in L3
+        if host_slots is None:  # leaves the tree for good (L3 gets its last copy)
+            self._drop_subtree(n)
+            return
         self.allocator.free([n.page])
         self.num_device_pages -= 1
         n.page = None
-        if host_slots is not None:
-            n.host_slots = host_slots
-            self.num_host_pages += 1
-            self.demoted_pages += 1
-        else:
-            self._remove_subtree(n)
+        n.host_slots = host_slots
+        self.num_host_pages += 1
+        self.demoted_pages += 1
 
     def free_host_pages(self, pages: int) -> None:
         """Drop the least recently used host-only pages until `pages` host pages are free,
@@ -219,27 +217,41 @@ class PrefixCache:
         leaves = [n for n in self._nodes() if n.page is None and not n.children and n.lock_ref == 0]
         leaves.sort(key=lambda n: n.last_access)
         for n in leaves[:count]:
-            self._remove_subtree(n)
-
-    def _remove_subtree(self, n: Node) -> None:
-        """Detach `n` (no device pages below it) and free its host copies."""
-        for c in list(n.children.values()):
-            self._remove_subtree(c)
-        if n.host_slots is not None:
-            if self.l3 is not None:
-                self.l3.leaving(n)
-            self.host.free(n.host_slots)
-            n.host_slots = None
-            self.num_host_pages -= 1
-        if n.parent is not None:
-            n.parent.children.pop(n.key, None)
+            self._drop_subtree(n)
 
     def reset(self) -> None:
-        """Drop everything not locked by a running request."""
-        self.evict(self.num_device_pages)
-        for n in list(self.root.children.values()):
-            if n.page is None and n.lock_ref == 0:
-                self._remove_subtree(n)
+        """Drop everything not locked by a running request, device pages and host copies
+        alike. Nothing is demoted to the host on the way out (SGLang's /flush_cache and
+        vLLM's /reset_prefix_cache drop, they do not offload); L3 still gets each page's
+        last copy (`leaving`), as on eviction."""
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            if n.lock_ref:
+                stack.extend(n.children.values())
+            else:
+                self._drop_subtree(n)  # nothing below is locked: a lock covers a root path
+
+    def _drop_subtree(self, top: Node) -> None:
+        """Detach `top` with every node below it (none locked), freeing their device and host
+        pages; each reaches L3 first (`leaving`: its last copy), parents before children."""
+        stack = [top]
+        while stack:
+            n = stack.pop()
+            if self.l3 is not None:
+                self.l3.leaving(n)
+            if n.page is not None:
+                self.allocator.free([n.page])
+                n.page = None
+                self.num_device_pages -= 1
+            if n.host_slots is not None:
+                self.host.free(n.host_slots)
+                n.host_slots = None
+                self.num_host_pages -= 1
+            stack.extend(n.children.values())
+            n.children = {}
+        if top.parent is not None:
+            top.parent.children.pop(top.key, None)
 
     def _nodes(self):
         stack = list(self.root.children.values())

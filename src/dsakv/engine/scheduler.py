@@ -356,8 +356,12 @@ class Scheduler:
             self._drop_pages(req)
             req.num_computed = 0
             return 0
-        req.metrics.prefix_hit_tokens += hit
-        self.stats.prefix_hit_tokens += hit
+        if not req.metrics.retractions:
+            # SGLang's cached_tokens: the first admission's hit only, never past the prompt
+            # (a re-admission finds the request's own pages; `prompt_tokens` counts it once)
+            hit = min(hit, len(req.prompt_ids))
+            req.metrics.prefix_hit_tokens = hit
+            self.stats.prefix_hit_tokens += hit
         return n
 
     def _admit_from_host(self, req: Request, budget: int) -> int:
