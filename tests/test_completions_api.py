@@ -249,6 +249,40 @@ def test_echo_streaming_starts_with_the_prompt(base):
     assert text == plain["choices"][0]["text"]
 
 
+def test_echo_of_a_truncated_text_prompt_is_the_prompt_that_ran(base, reference):
+    """With truncate_prompt_tokens, a text prompt echoes its kept tokens, as a token-id
+    prompt does: the text the usage, the logprobs' tokens and their offsets describe."""
+    ids = reference.tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    kept = reference.tokenizer.decode(ids[-5:])
+    assert kept != TEXTS[0]
+    body = {"max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 0, "ignore_eos": True}
+    got = {}
+    for prompt in (TEXTS[0], ids):
+        for stream in (False, True):
+            b = {**body, "prompt": prompt, "truncate_prompt_tokens": 5, "stream": stream}
+            if stream:
+                with httpx.stream("POST", f"{base}/v1/completions", json=b, timeout=TIMEOUT) as r:
+                    chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+                text = "".join(c["choices"][0]["text"] for c in chunks)
+                tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+                offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+            else:
+                r = httpx.post(f"{base}/v1/completions", json=b, timeout=TIMEOUT)
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                assert r.json()["usage"]["prompt_tokens"] == 5
+                text, tokens = choice["text"], choice["logprobs"]["tokens"]
+                offsets = choice["logprobs"]["text_offset"]
+            assert text.startswith(kept) and "".join(tokens[:5]) == kept, (prompt, stream, text)
+            assert all(text[o : o + len(t)] == t for t, o in zip(tokens, offsets))
+            got[isinstance(prompt, str), stream] = text
+    assert len(set(got.values())) == 1, got
+    # Not cut (it has fewer tokens than it may keep): the text as given.
+    b = {**body, "prompt": TEXTS[0], "truncate_prompt_tokens": len(ids) + 1}
+    r = httpx.post(f"{base}/v1/completions", json=b, timeout=TIMEOUT).json()
+    assert r["choices"][0]["text"].startswith(TEXTS[0])
+
+
 def _top_logprobs_chunks(base: str, body: dict) -> list:
     """A streamed completion's top_logprobs, all chunks' joined."""
     with httpx.stream(

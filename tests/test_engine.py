@@ -252,6 +252,8 @@ def test_stop_conditions_and_logprobs(tiny):
         (dict(top_k=-2), "top_k"),
         (dict(min_p=2), "min_p"),
         (dict(seed="x"), "seed"),
+        (dict(seed=2**63), "seed must be a 64-bit signed integer"),
+        (dict(seed=-(2**63) - 1), "seed must be a 64-bit signed integer"),
         (dict(logprobs=99), "logprobs"),
         (dict(stop=[""]), "stop"),
         (dict(stop=5), "stop must be a string or a list of strings, got 5"),

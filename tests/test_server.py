@@ -395,6 +395,21 @@ def test_stop_seed_and_sampling_extras(client, reference):
     assert a == b == ref.text
 
 
+def test_seed_takes_the_int64_range(base):
+    """Both ends of OpenAI's and vLLM's int64 range sample (n > 1 too: choice i takes seed
+    + i), reproducibly; one past either end is a 400 naming `seed`."""
+    for seed in (2**63 - 1, -(2**63)):
+        body = {"prompt": "Seed:", "max_tokens": 6, "temperature": 1.0, "seed": seed, "n": 2}
+        runs = [httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT) for _ in "ab"]
+        assert all(r.status_code == 200 for r in runs), runs[0].text
+        assert runs[0].json()["choices"] == runs[1].json()["choices"]
+    for seed in (2**63, -(2**63) - 1):
+        body = {"prompt": "Seed:", "max_tokens": 1, "seed": seed}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+        assert "seed must be" in r.json()["error"]["message"]
+
+
 def test_64_concurrent_streams(base, served, reference):
     """64 streaming clients at once: every one gets its complete greedy answer."""
     prompts = [f"Client {i} asks about item #{i * 7}:" for i in range(64)]
@@ -473,6 +488,22 @@ _BAD = [
         "messages",
     ),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    # seeds outside int64 (OpenAI's and vLLM's range; the sampler would alias them)
+    ("/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**63}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "sampling_seed": -(2**63) - 1}, 400, "sampling_seed"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "seed": 2**64},
+        400,
+        "seed",
+    ),
+    (
+        "/generate",
+        {"text": "x", "sampling_params": {"sampling_seed": 2**70}},
+        400,
+        "sampling_params.sampling_seed",
+    ),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -681,6 +712,39 @@ def test_api_key(served):
         )
         r = right.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
         assert r.usage.completion_tokens >= 1
+
+
+def test_retrieve_model(client, served):
+    """OpenAI's GET /v1/models/{model} (`client.models.retrieve`): the card /v1/models
+    lists, for a served name with a "/" in it too; another name is a 404
+    model_not_found; and behind the API key as /v1/models is."""
+    card = client.models.retrieve(MODEL).model_dump()
+    listed = client.models.list().data[0].model_dump()
+    assert {**card, "created": 0} == {**listed, "created": 0} and card["id"] == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+
+    app = build_app(served[1], "org/tiny", api_key="sekret")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    with running(server) as url:
+        right = openai.OpenAI(
+            base_url=f"{url}/v1", api_key="sekret", timeout=TIMEOUT, max_retries=0
+        )
+        assert right.models.retrieve("org/tiny").id == "org/tiny"  # (sent as org%2Ftiny)
+        r = httpx.get(f"{url}/v1/models/org/tiny", headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200 and r.json()["id"] == "org/tiny"
+        for name in ("org", "tiny", "org/tiny/x"):
+            with pytest.raises(openai.NotFoundError) as e:
+                right.models.retrieve(name)
+            assert e.value.status_code == 404
+            assert set(e.value.body) == {"message", "type", "param", "code"}
+            assert e.value.body["code"] == "model_not_found"
+        assert httpx.get(f"{url}/v1/models/org/tiny", timeout=TIMEOUT).status_code == 401
+        wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", timeout=TIMEOUT, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.retrieve("org/tiny")
 
 
 def test_metrics(base, served):

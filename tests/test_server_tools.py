@@ -195,15 +195,18 @@ def test_parallel_tool_calls_false_keeps_the_first_call(served, family):
 
 
 def test_named_tool_call_picks_that_tool(served, family):
+    """The named call, and OpenAI's and vLLM's finish_reason for it: "stop", not the
+    "tool_calls" of "auto" and "required", streamed or not."""
     client = served[0]
     named = {"type": "function", "function": {"name": "set_flags"}}
     r = _chat(client, family, tool_choice=named, temperature=1.0, seed=2)
     calls = _valid_calls(r.choices[0].message.tool_calls)
     assert [name for name, _ in calls] == ["set_flags"]
-    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].finish_reason == "stop"
     chunks = list(_chat(client, family, tool_choice=named, temperature=1.0, seed=2, stream=True))
     s = _reassemble(chunks)
     assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"]] == calls
+    assert s["finish"] == "stop"
 
 
 def test_tool_choice_none_and_auto_leave_plain_text_alone(served, family):

@@ -11,7 +11,7 @@ one `Engine`: requests that run elsewhere are mirrored in local `Request` object
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from dsakv.distributed.leader import Leader
@@ -176,8 +176,7 @@ class DPEngine:
         n = params.n
         if n > self.max_choices:
             raise DsakvError(f"n must be in 1..{self.max_choices}, got {n!r}")
-        seeds = [None if params.seed is None else params.seed + i for i in range(n)]
-        return [self.add_request(prompt, replace(params, seed=s, n=1)) for s in seeds]
+        return [self.add_request(prompt, params.choice(i)) for i in range(n)]
 
     def _pick_rank(self) -> int:
         """The rank with the most free KV pages once its queued prompts are counted."""

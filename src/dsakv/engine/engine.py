@@ -628,11 +628,9 @@ class Engine:
         n = params.n
         if n > self.max_choices:
             raise DsakvError(f"n must be in 1..{self.max_choices}, got {n!r}")
-        params = replace(params, n=1)  # each request is one choice
-        first = self.add_request(prompt, params)
+        first = self.add_request(prompt, params.choice(0))  # each request is one choice
         for i in range(1, n):
-            p = params if params.seed is None else replace(params, seed=params.seed + i)
-            fork = Request(list(first.prompt_ids), p)
+            fork = Request(list(first.prompt_ids), params.choice(i))
             self._init_request(fork)
             self.requests[fork.rid] = fork
             self.stats.prompt_tokens += len(fork.prompt_ids)

@@ -7,12 +7,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from dsakv.errors import DsakvError, is_int, is_number
+
+# A request's seed: OpenAI's and vLLM's range (torch.long), 2**64 seeds, each sampling
+# differently (`token_seed` keys on it mod 2**64: a wider one would alias a smaller one)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 # Temperatures below this sample greedily (vLLM's bound): dividing logits by less would
@@ -104,7 +108,10 @@ class SamplingParams:
                 "top_k must be -1 or 0 (off), or >= 1",
             ),
             (is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.seed is None or is_int(self.seed), "seed must be an integer"),
+            (
+                self.seed is None or (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+                f"seed must be a 64-bit signed integer ({SEED_MIN}..{SEED_MAX})",
+            ),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (
                 all(is_int(t) and t >= 0 for t in self.stop_token_ids),
@@ -190,6 +197,13 @@ class SamplingParams:
         for ok, message in checks:  # each message starts with the field it is about
             if not ok:
                 raise DsakvError(f"invalid sampling params: {message}", message.split()[0])
+
+    def choice(self, i: int) -> SamplingParams:
+        """Choice `i` of `n`: one completion, seeded `seed + i` (reproducible, yet not n
+        copies of one sample), wrapped into the seed range: `token_seed` keys on the seed
+        mod 2**64, so the wrap changes no sample."""
+        seed = None if self.seed is None else (self.seed + i - SEED_MIN) % 2**64 + SEED_MIN
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -24,10 +24,10 @@ from dsakv import __version__
 from dsakv.config.model import SAMPLING_FIELDS
 from dsakv.engine import SamplingParams
 from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
+from dsakv.engine.sampling import SEED_MAX, SEED_MIN
 from dsakv.errors import DsakvError
 
 from .chat import ChatParsers, chat_delta, chat_message, prepare_chat
-from .chat import finish_reason as chat_finish_reason
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
@@ -125,16 +125,13 @@ def build_app(
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
-        e = async_engine.engine
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "dsakv",
-            "root": e.config.model,
-            "max_model_len": e.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [api.model_card()]}
+
+    # OpenAI's retrieve-model (`client.models.retrieve`); `path`: a served name may hold "/"
+    @app.get("/v1/models/{model:path}", dependencies=auth)
+    async def model(model: str) -> dict[str, Any]:
+        api._check_model(model)
+        return api.model_card()
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -258,7 +255,12 @@ class Handlers:
         given = "max_tokens" if body.max_tokens is not None else None
         count = len(prompts)
         streams = await self._submit_all(prompts, [params] * count, n, raw, [given] * count)
-        choices = [_CompletionChoice(i, s, prompts[i // n], echo) for i, s in enumerate(streams)]
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep <= 0:  # (-1: as many as the context leaves room for)
+            keep = self.engine.engine.max_model_len - 1
+        choices = [
+            _CompletionChoice(i, s, prompts[i // n], echo, keep) for i, s in enumerate(streams)
+        ]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": rid,
@@ -396,7 +398,7 @@ class Handlers:
                     lp = _chat_logprobs(u) if top_n is not None else None
                     if not (delta or u.finished):
                         delta = {"content": ""}
-                    reason = chat_finish_reason(parser, _reason(u))
+                    reason = prep.finish_reason(parser, _reason(u))
                     choice = {
                         "index": i,
                         "delta": delta,
@@ -424,7 +426,7 @@ class Handlers:
                     "index": i,
                     "message": chat_message(parser, thinking),
                     "logprobs": _chat_logprobs(r.as_update()) if top_n is not None else None,
-                    "finish_reason": chat_finish_reason(parser, r.finish_reason),
+                    "finish_reason": prep.finish_reason(parser, r.finish_reason),
                     "stop_reason": r.stop_reason,
                     **({"token_ids": r.token_ids} if ids else {}),
                 }
@@ -452,6 +454,18 @@ class Handlers:
         if not flushed:
             raise APIError(400, "the cache was not flushed: requests are running or waiting")
         return Response("Cache flushed.\n", media_type="text/plain")
+
+    def model_card(self) -> dict[str, Any]:
+        """The served model, as /v1/models lists it and /v1/models/{model} returns it."""
+        e = self.engine.engine
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "dsakv",
+            "root": e.config.model,
+            "max_model_len": e.max_model_len,
+        }
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's `/model_info` shape (sglang-router reads `model_type` from it)."""
@@ -559,6 +573,14 @@ class Handlers:
                 f"seed ({body.seed}) and sampling_seed ({body.sampling_seed}) differ; "
                 "they are one setting, give one of them",
                 param="sampling_seed",
+            )
+        if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+            # (SamplingParams' check, here to name the field the request sent)
+            name = "seed" if body.seed is not None else "sampling_seed"
+            raise APIError(
+                400,
+                f"{name} must be a 64-bit signed integer ({SEED_MIN}..{SEED_MAX}), got {seed}",
+                param=name,
             )
         # What the request leaves out: the model's generation_config.json, else OpenAI's
         # (SamplingParams' own defaults).
@@ -1056,14 +1078,19 @@ class _CompletionChoice:
     stream: RequestStream
     prompt: str | list[int]
     echo: bool
+    keep: int | None = None  # truncate_prompt_tokens, in tokens
     offset: int = 0  # text_offset of the next token
 
     def echo_text(self, u: Update, tokenizer: Any) -> str:
+        """The prompt that ran: a text prompt as given, unless truncate_prompt_tokens may
+        have cut it; then, as token ids are, its kept tokens decoded (what prompt_tokens
+        and the logprobs' tokens and offsets describe)."""
         if not self.echo or u.prompt_token_ids is None:
             return ""
-        if isinstance(self.prompt, str):
+        ids = u.prompt_token_ids
+        if isinstance(self.prompt, str) and (self.keep is None or len(ids) < self.keep):
             return self.prompt
-        return tokenizer.decode(u.prompt_token_ids) if tokenizer is not None else ""
+        return tokenizer.decode(ids) if tokenizer is not None else ""
 
     def logprobs(self, u: Update) -> dict[str, Any]:
         """This update's `logprobs` block (prompt tokens first when echoing)."""

@@ -90,6 +90,7 @@ class PreparedChat:
     # "enabled", inside a reasoning block the prompt opened; "auto", where the model may open
     # one; "disabled", in the content (no reasoning parser, or the prompt closed the block).
     reasoning: str = "disabled"
+    named_tool: bool = False  # tool_choice names the function (`finish_reason`)
 
     def output_parser(self) -> ChatOutputParser:
         """A fresh parser for one choice's output."""
@@ -99,6 +100,13 @@ class PreparedChat:
         return ChatOutputParser(
             reasoning_parser(self.parsers.reasoning, self.prompt), tools, self.parallel_tool_calls
         )
+
+    def finish_reason(self, parser: ChatOutputParser, reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" when the model stopped after calling tools under "auto" or
+        "required"; under a named tool_choice OpenAI and vLLM keep "stop"."""
+        if reason == "stop" and parser.tool_calls and not self.named_tool:
+            return "tool_calls"
+        return reason
 
 
 def prepare_chat(body: ChatCompletionRequest, tokenizer: Any, parsers: ChatParsers) -> PreparedChat:
@@ -191,6 +199,7 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Any, parsers: ChatParse
         parsers,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         reasoning=reasoning_mode(prompt, True) if parsers.reasoning is not None else "disabled",
+        named_tool=isinstance(choice, dict),
     )
 
 
@@ -259,8 +268,3 @@ def chat_delta(d: ChatDelta, reasoning: bool = True) -> dict[str, Any]:
     if d.tool_calls:
         delta["tool_calls"] = d.tool_calls
     return delta
-
-
-def finish_reason(parser: ChatOutputParser, reason: str | None) -> str | None:
-    """OpenAI's "tool_calls" when the model stopped after calling tools."""
-    return "tool_calls" if reason == "stop" and parser.tool_calls else reason
