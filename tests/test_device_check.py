@@ -65,6 +65,10 @@ def test_device_check_dry_run(tmp_path):
     assert checks["hisparse"]["counters"]["hisparse_misses"] > 0
     assert checks["host_tier"]["counters"]["host_bytes_to_device"] > 0
     assert checks["mtp"]["counters"]["spec_verify_steps"] > 0
+    dense, sparse, _ = dc._parity_prompts(True)  # every prompt token's KV, all its layers
+    assert checks["pd"]["bytes_moved"] == checks["pd"]["bytes_per_token"] * sum(
+        map(len, dense + sparse)
+    )
     assert (out / dc.LOG_NAME).stat().st_size > 0
     assert not list(out.glob(".stage-*"))  # stage scratch files cleaned up
 

@@ -66,7 +66,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("triton_vs_torch", 45, "fp32, graphs off: greedy agreement, max logprob difference"),
     Stage("decode", 75, "decode tokens/s graph / eager / torch at batch 1 and 32"),
     Stage("kernel_bandwidth", 55, "each kernel's bytes/s against the measured copy bandwidth"),
-    Stage("features", 120, "HiSparse, host tier, MTP, seeded sampling, a grammar on the GPU"),
+    Stage("features", 120, "HiSparse, host tier, MTP, PD, seeded sampling, a grammar on the GPU"),
     Stage("prefill_profile", 40, "one step prefilling 16 requests under torch.profiler"),
 )
 BENCH = Stage("bench", 0, "`dsakv bench --quick` (only with --bench, in the time left)")
@@ -1120,13 +1120,14 @@ def _stage_features(ctx: Ctx, rec: Record) -> None:
     pinned host memory), a device pool too small for the batch over a host tier (prefixes
     retracted and evicted to the host come back), MTP drafting 3 tokens (verify steps),
     seeded sampling with every logit processor twice (equal tokens, finite logprobs); then
-    a JSON schema through xgrammar, and `dsakv serve` (streams and a chat completion)."""
+    a JSON schema through xgrammar, and `dsakv serve` (streams and a chat completion). PD:
+    a prefill engine's KV copied into a decode engine's pool, which decodes from there."""
     dry = ctx.dry_run
     dense, sparse, new = _parity_prompts(dry)
     checks: dict[str, dict[str, Any]] = {}
     rec["checks"] = checks
     for name, fn in (("hisparse", _feature_hisparse), ("host_tier", _feature_host_tier),
-                     ("mtp", _feature_mtp), ("sampling", _feature_sampling),
+                     ("mtp", _feature_mtp), ("pd", _feature_pd), ("sampling", _feature_sampling),
                      ("grammar", _feature_grammar), ("serve", _feature_serve)):  # fmt: skip
         row: dict[str, Any] = {}
         checks[name] = row
@@ -1234,6 +1235,52 @@ def _feature_mtp(ctx: Ctx, row, dense, sparse, new) -> None:
                        ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps"),
                        ("spec_verify_steps", "no verify step ran"))  # fmt: skip
     row["acceptance"] = c["spec_accepted_tokens"] / max(c["spec_draft_tokens"] or 0, 1)
+
+
+def _feature_pd(ctx: Ctx, row, dense, sparse, new) -> None:
+    """Prefill/decode disaggregation's engine side on the device: a prefill engine runs each
+    prompt to its first token and holds its pages, a decode engine reserves pages, the KV is
+    copied pool to pool (`copy_tokens`, where the servers move it with the transfer engine)
+    and the decode engine decodes from the first token. Tokens equal one engine's."""
+    from dsakv.engine import disagg
+    from dsakv.memory import copy_tokens
+
+    prompts = dense + sparse
+    one = _engine(ctx)
+    try:
+        want = _generate(one, prompts, new)
+    finally:
+        _close(one)
+    prefill, decode = _engine(ctx), _engine(ctx)
+    try:
+        got, moved = [], 0
+        for p in prompts:
+            first = prefill.add_request(p, _greedy(1))
+            disagg.hold(prefill, first)  # its pages stay until the KV is written
+            while prefill.has_unfinished():
+                prefill.step()
+            req = disagg.reserve(decode, p, _greedy(new))
+            if req is None:
+                raise RuntimeError("the decode engine had no room for one prompt")
+            n = len(p)
+            src = prefill.scheduler.slots(first, n).to(prefill.pool.device)
+            dst = decode.scheduler.slots(req, n).to(decode.pool.device)
+            moved += copy_tokens(decode.pool, dst, prefill.pool, src)
+            disagg.release_held(prefill, first)
+            disagg.start_decoding(decode, req, first.output_ids[0])
+            got.append(req)
+        while decode.has_unfinished():
+            decode.step()
+        decode.check_integrity()
+        prefill.check_integrity()
+        row["bytes_moved"] = moved
+        row["bytes_per_token"] = decode.pool.layout.bytes_per_token
+    finally:
+        _close(prefill)
+        _close(decode)
+    problems: list[str] = []
+    _compare(row, want, got, problems)
+    _finish(row, problems)
 
 
 def _feature_sampling(ctx: Ctx, row, dense, sparse, new) -> None:
