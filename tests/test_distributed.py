@@ -380,6 +380,28 @@ def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
         assert lp_dp[1:] == pytest.approx(lp_one[1:], abs=1e-4)
 
 
+def test_dp_attention_delivers_an_abort_while_nothing_else_runs(models):
+    """An abort of a request on rank 1 is queued for the next step; with nothing else left
+    the engine must still say it has work (a server steps only then), or rank 1 kept the
+    request and its pages until another request came."""
+    with LLM(models["glm"], **EXACT, num_pages=48, tp=2, dp_attention=True) as llm:
+        e = llm.engine
+        long = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+        reqs = [e.add_request(p, long) for p in _prompts(2, seed=7)]
+        for _ in range(3):
+            e.step()
+        assert [c["running_requests"] for c in _rank_counters(e)] == [1, 1]
+        for r in reqs:
+            e.abort(r.rid)
+        assert e.has_unfinished()  # the abort still has to reach rank 1
+        while e.has_unfinished():
+            e.step()
+        ranks = _rank_counters(e)
+        assert [c["running_requests"] for c in ranks] == [0, 0]
+        assert [c["pages_used"] - c["pages_cached"] for c in ranks] == [0, 0]
+        assert all(r.finish_reason == "abort" for r in reqs)
+
+
 @pytest.mark.parametrize(
     "parallel", [dict(tp=2), dict(tp=2, dp_attention=True)], ids=["tp2", "dp-attention"]
 )

@@ -199,7 +199,11 @@ class DPEngine:
             self._aborts.append((rank, rid))
 
     def has_unfinished(self) -> bool:
-        return self.local.has_unfinished() or bool(self._remote)
+        # (queued adds and aborts too: an idle server steps only while this holds, and the
+        # step is what delivers them; an abort left queued held its request's pages)
+        return (
+            self.local.has_unfinished() or bool(self._remote) or bool(self._adds or self._aborts)
+        )
 
     def flush_cache(self) -> bool:
         raise DsakvError(
