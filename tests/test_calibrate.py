@@ -197,6 +197,9 @@ def test_default_data_and_bytes_budget(model_dir, capsys):
         (["--data", "missing.jsonl"], None, "no such file"),
         ([], "\n\n", "holds no sequences"),
         ([], '{"token_ids": [1, 2]}\n{"text": "ab"\n', ":2: not valid JSON"),
+        # json.loads' limits raise ValueError / RecursionError, not JSONDecodeError (tracebacks)
+        ([], '{"token_ids": [' + "1" * 5000 + "]}\n", ":1: not valid JSON: Exceeds the limit"),
+        ([], "[" * 100000 + "]" * 100000 + "\n", ":1: not valid JSON: nested too deeply"),
         ([], '{"tokens": [1]}\n', 'expected an object with "text" or "token_ids"'),
         ([], '{"token_ids": [1, 999]}\n', "outside the vocabulary"),
         ([], '{"token_ids": []}\n', "empty sequence"),

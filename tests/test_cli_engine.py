@@ -334,3 +334,47 @@ def test_ctrl_c_while_torch_imports_ends_the_command_with_130():
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert (r.returncode, r.stderr, r.stdout) == (130, "", "")
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])
+def test_serve_pd_checks_the_timeout_before_its_servers_start(
+    tiny_dir, timeout, monkeypatch, capsys
+):
+    """`serve-pd --disaggregation-timeout -1` started both servers, each of which printed
+    the error, then printed a third line itself; `serve` takes the same flag."""
+    from dsakv.disagg import launch
+
+    started = []
+    monkeypatch.setattr(launch, "serve_pd", lambda *args, **kw: started.append(args))
+    flag = ["--disaggregation-timeout", timeout]
+    for args in (
+        ["serve-pd", str(tiny_dir), "--port", "18450", *flag],
+        ["serve", str(tiny_dir), "--port", "18451", "--disaggregation-mode", "decode", *flag],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            sys.exit(main(args))
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: argument --disaggregation-timeout")
+        assert started == []
+
+
+def test_init_tiny_refuses_an_empty_path(tmp_path, monkeypatch, capsys):
+    """`init-tiny ""` (the current directory to pathlib) said "error:  is not empty"."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["init-tiny", "", "--mtp", "none"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: init-tiny needs a directory to write into, got an empty path"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_engine_arg_past_jsons_limits_is_a_string():
+    """`bench --engine-arg KEY=VALUE` takes VALUE as JSON, else as the string it is: JSON's
+    nesting limit (a RecursionError, not a JSONDecodeError) was a traceback."""
+    from dsakv.cli import build_parser
+
+    deep = "[" * 100000 + "]" * 100000
+    args = build_parser().parse_args(["bench", "--serving", "--engine-arg", f"x={deep}"])
+    assert args.engine_arg == [("x", deep)]
+    args = build_parser().parse_args(["bench", "--serving", "--engine-arg", "num-pages=8"])
+    assert args.engine_arg == [("num_pages", 8)]

@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -107,6 +108,7 @@ def test_bad_config_files_exit_2(tmp_path):
         "bad_type": {**preset("glm-5"), "indexer_types": 5},
         "bad_range": {**preset("glm-5"), "num_experts_per_tok": 1000},
         "not_utf8": b"\xb8\x00\x00\x00garbage",
+        "model_type_list": {**preset("glm-5"), "model_type": ["glm_moe_dsa"]},  # (unhashable)
     }
     for name, cfg in cases.items():
         d = tmp_path / name
@@ -197,3 +199,82 @@ def test_unknown_quantization_needs_the_weights_given(tmp_path, capsys):
     assert r["weight_bytes_per_rank"] is None and r["max_total_num_tokens"] > 0
     assert main(["plan", str(tmp_path), "--kv-budget-gib", "10"]) == 0
     assert "n/a (unknown weights)" in capsys.readouterr().out
+
+
+def _one_error_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == code and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: ") and "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def _run_plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dsakv.cli", "plan", *args], capture_output=True, text=True
+    )
+
+
+def test_json_past_its_limits_is_one_error_line(tmp_path):
+    """json.loads refuses an integer of over 4,300 digits with a ValueError and deep nesting
+    with a RecursionError, not a JSONDecodeError: config.json and generation_config.json
+    gave tracebacks (exit 1)."""
+    from dsakv.config import preset
+
+    text = json.dumps(preset("glm-5.2"))
+    deep = "[" * 100000 + "]" * 100000
+    cases = [  # (config.json, generation_config.json or None, what the error says)
+        (text[:-1] + ', "index_topk_freq": ' + "4" * 5000 + "}", None, "4300 digits"),
+        (text[:-1] + f', "x": {deep}}}', None, "nested too deeply"),
+        (text, deep, "generation_config.json is not a JSON object: nested too deeply"),
+    ]
+    for i, (config, generation, message) in enumerate(cases):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "config.json").write_text(config)
+        if generation is not None:
+            (tmp_path / str(i) / "generation_config.json").write_text(generation)
+        assert message in _one_error_line(_run_plan(str(tmp_path / str(i))))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--weights-gib", "10"], "--weights-gib needs --gpu-memory-gib"),
+        (["--reserve-gib", "10"], "--reserve-gib needs --gpu-memory-gib"),
+        (["--mem-fraction-static", "0.5"], "--mem-fraction-static needs --gpu-memory-gib"),
+        (["--kv-budget-gib", "10", "--reserve-gib", "0"], "--reserve-gib needs --gpu-memory-gib"),
+        (["--gpu-memory-gib", "80", "--mem-fraction-static", "0"], "in (0, 1], got 0"),
+        (["--gpu-memory-gib", "80", "--mem-fraction-static", "1.5"], "in (0, 1], got 1.5"),
+    ],
+)
+def test_gpu_memory_flags_need_gpu_memory(flags, message, capsys):
+    """--weights-gib / --reserve-gib without --gpu-memory-gib blamed kv_budget_gib, which the
+    CLI had filled in itself; --mem-fraction-static was dropped without a word; its range
+    read (0, 1e+12]."""
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(["plan", "glm-5.2", *flags]))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_gpu_memory_flags_size_the_budget(capsys):
+    base = ["glm-5.2", "--gpu-memory-gib", "100", "--weights-gib", "40"]
+    r = _plan_json(capsys, *base, "--mem-fraction-static", "1", "--reserve-gib", "10")
+    assert r["kv_budget_bytes"] == 50 * 2**30
+    assert _plan_json(capsys, *base)["kv_budget_bytes"] == int(90 * 2**30) - 40 * 2**30
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_output_that_cannot_be_written_is_one_error_line(extra):
+    """`dsakv plan glm-5.2 > /dev/full` was an OSError traceback: now one line, and status 1
+    (nothing the user gave was wrong), as other CLIs report a write error."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dsakv.cli", "plan", "glm-5.2", *extra],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    err = _one_error_line(proc, code=1)
+    assert "cannot write the output: No space left on device" in err

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -175,3 +176,41 @@ def test_yarn_without_its_factor_is_one_error():
     raw["rope_scaling"] = {k: v for k, v in raw["rope_scaling"].items() if k != "factor"}
     with pytest.raises(ConfigError, match="rope_parameters.factor is required by yarn"):
         ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"model_type": ["glm_moe_dsa"]}, "model_type must be a string, got ['glm_moe_dsa']"),
+        ({"model_type": {"a": 1}}, "model_type must be a string"),
+        ({"model_type": None, "architectures": [["GlmMoeDsaForCausalLM"]]}, "architectures must"),
+        ({"model_type": None, "architectures": 5}, "architectures must be a list of strings"),
+        ({"model_type": None, "architectures": "GlmMoeDsaForCausalLM"}, "architectures must"),
+    ],
+)
+def test_model_type_and_architectures_must_be_strings(edit, message):
+    """Both are looked up in dicts: a list was a TypeError (unhashable), not a ConfigError."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_hf({**preset("glm-5"), **edit})
+
+
+def test_null_model_type_and_architectures_are_left_out():
+    raw = {**preset("glm-5"), "architectures": None}
+    assert ModelConfig.from_hf(raw).model_type == "glm_moe_dsa"
+    raw = {**preset("glm-5"), "model_type": None, "architectures": ["GlmMoeDsaForCausalLM"]}
+    assert ModelConfig.from_hf(raw).model_type == "glm_moe_dsa"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "message"),
+    [("", "dtype must be one of"), (0, "dtype must be a string"), ({}, "dtype must be a string")],
+)
+def test_an_empty_dtype_is_not_bfloat16(dtype, message):
+    """ "dtype": "" / 0 / {} became bfloat16 without a word (`or` took them for absent)."""
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**preset("glm-5"), "dtype": dtype})
+    # Absent or null: torch_dtype, then bfloat16.
+    raw = {**preset("glm-5"), "dtype": None, "torch_dtype": "float16"}
+    assert ModelConfig.from_hf(raw).dtype == "float16"
+    raw = {k: v for k, v in preset("glm-5").items() if k not in ("dtype", "torch_dtype")}
+    assert ModelConfig.from_hf(raw).dtype == "bfloat16"

@@ -30,9 +30,11 @@ def test_defaults_follow_the_model(source):
 
 
 def test_buffer_defaults_to_twice_top_k_and_values_are_kept():
-    assert HiSparseConfig.parse('{"top_k": 512}', GLM52).device_buffer_size == 1024
+    topk_512 = dataclasses.replace(GLM52, index_topk=512)
+    assert HiSparseConfig.parse('{"top_k": 512}', topk_512).device_buffer_size == 1024
     h = HiSparseConfig.parse(
-        {"top_k": 1024, "device_buffer_size": 1024, "host_to_device_ratio": 10}, GLM52
+        {"top_k": 1024, "device_buffer_size": 1024, "host_to_device_ratio": 10},
+        dataclasses.replace(GLM52, index_topk=1024),
     )
     assert (h.top_k, h.device_buffer_size, h.host_to_device_ratio) == (1024, 1024, 10)
     small = dataclasses.replace(GLM52, index_topk=64)
@@ -56,7 +58,9 @@ def test_buffer_defaults_to_twice_top_k_and_values_are_kept():
         ('{"top_k": 0}', "top_k must be >= 1"),
         ('{"top_k": -5}', "top_k must be >= 1"),
         ('{"device_buffer_size": 2047}', r"device_buffer_size must be >= 2048 \(top_k 2048\)"),
-        ('{"top_k": 100, "device_buffer_size": 99}', "device_buffer_size must be >= 100"),
+        # The hot buffer holds what one indexer step selects: top_k is the model's.
+        ('{"top_k": 100}', r"top_k 100 must be this model's index_topk \(2048\)"),
+        ('{"top_k": 4096, "device_buffer_size": 8192}', "must be this model's index_topk"),
         ('{"device_buffer_size": "big"}', "device_buffer_size must be an integer"),
         ('{"host_to_device_ratio": 0}', "host_to_device_ratio must be >= 1"),
         ('{"host_to_device_ratio": 2.5}', "host_to_device_ratio must be an integer"),
@@ -214,6 +218,9 @@ def test_plan_json_and_table(capsys):
         ["--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 0.5}'],
         ["--enable-hisparse", "--hisparse-config", '{"bogus": 1}'],
         ["--hisparse-config", '{"top_k": 2048}'],
+        # What every engine command refuses: planned without a word.
+        ["--enable-hisparse", "--hisparse-config", '{"top_k": 100}'],
+        ["--enable-hisparse", "--hisparse-config", '{"device_buffer_size": 100000000000}'],
     ],
 )
 def test_bad_hisparse_flags_exit_2(extra):
@@ -222,3 +229,27 @@ def test_bad_hisparse_flags_exit_2(extra):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+def test_plan_refuses_what_the_engine_refuses(capsys):
+    """`dsakv plan` planned a top_k other than the model's and a hot buffer larger than the
+    device pool; the engine refuses both, in these words."""
+    flags = ["glm-5.2", "--enable-hisparse", "--hisparse-config", '{"top_k": 100}']
+    assert main(["plan", *flags]) == 2
+    assert "top_k 100 must be this model's index_topk (2048)" in capsys.readouterr().err
+    # A 4,096-slot buffer + 1 slot is 65 pages of 64; 0.2 GiB holds 4,224 device tokens
+    # elided, 3,264 dense: the layout planned (elided unless --no-elide-index-k) decides.
+    flags = ["glm-5.2", "--enable-hisparse", "--kv-budget-gib", "0.2"]
+    assert main(["plan", *flags]) == 0
+    capsys.readouterr()
+    assert main(["plan", *flags, "--no-elide-index-k"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert "pool (3264 tokens) holds less than one hot buffer (device_buffer_size 4096 " in err
+
+
+def test_check_pool_is_the_engines_rule():
+    h = HiSparseConfig(64, 128)
+    h.check_pool(latent_pages=9, page_size=16)  # 129 slots: 9 pages of 16
+    with pytest.raises(ConfigError, match=r"pool \(128 tokens\) holds less than one hot buffer"):
+        h.check_pool(latent_pages=8, page_size=16)

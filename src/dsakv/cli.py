@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -38,6 +39,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not 0 < value <= _MAX_FLOAT:
         raise argparse.ArgumentTypeError(f"must be a number in (0, {_MAX_FLOAT:g}], got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
     return value
 
 
@@ -120,8 +128,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         args.page_size or 64,
     )
     dense = elided.dense()
-    if args.kv_budget_gib is None and args.gpu_memory_gib is None:
-        args.kv_budget_gib = 100.0
+    if args.gpu_memory_gib is None:  # they size a budget from GPU memory, else are dropped
+        given = [
+            f
+            for f in ("weights_gib", "mem_fraction_static", "reserve_gib")
+            if getattr(args, f) is not None
+        ]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise DsakvError(f"{flags} need{'s' if len(given) == 1 else ''} --gpu-memory-gib")
+        if args.kv_budget_gib is None:
+            args.kv_budget_gib = 100.0
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, dp_attention=args.dp_attention)
     parallel.check_model(config)
     subtracted = args.gpu_memory_gib is not None and args.weights_gib is None
@@ -136,8 +153,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     budget = dict(
         kv_budget_gib=args.kv_budget_gib,
         gpu_memory_gib=args.gpu_memory_gib,
-        mem_fraction_static=args.mem_fraction_static,
-        reserve_gib=args.reserve_gib,
+        mem_fraction_static=0.9 if args.mem_fraction_static is None else args.mem_fraction_static,
+        reserve_gib=args.reserve_gib or 0.0,
     )
     # Per layout: its budget, capacity and weights per rank (what the budget subtracted, else
     # the estimate). The dense layout also builds the indexers that shared layers skip.
@@ -190,6 +207,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             plan_hisparse(dense, hisparse, **budget_d),
             plan_hisparse(elided, hisparse, **budget_e),
         )
+        chosen_split = splits[0] if args.no_elide_index_k else splits[1]
+        page = chosen_layout.page_size
+        hisparse.check_pool(chosen_split.device_tokens // page, page)  # as the engine refuses
         report["hisparse"] = {
             **hisparse.to_dict(),
             "dense": splits[0].as_dict(),
@@ -330,11 +350,13 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--dp-attention", action="store_true", help="one scheduler and pool per rank")
     p.add_argument("--kv-budget-gib", type=_positive_float, help="explicit KV budget")
     p.add_argument("--gpu-memory-gib", type=_positive_float, help="GPU memory per rank")
-    p.add_argument("--mem-fraction-static", type=_positive_float, default=0.9)
+    p.add_argument(
+        "--mem-fraction-static", type=_fraction, help="of --gpu-memory-gib (default 0.9)"
+    )
     p.add_argument(
         "--weights-gib", type=_nonnegative_float, help="override the estimated weights per rank"
     )
-    p.add_argument("--reserve-gib", type=_nonnegative_float, default=0.0, help="activations etc.")
+    p.add_argument("--reserve-gib", type=_nonnegative_float, help="activations etc. (default 0)")
     p.add_argument("--draft-layers", type=_draft_layers, default=0, help="MTP/EAGLE draft layers")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_layout_args(p)
@@ -491,6 +513,8 @@ def _cmd_init_tiny(args: argparse.Namespace) -> int:
         raise DsakvError(f"unknown preset {args.preset!r} (choose from {', '.join(TINY_PRESETS)})")
     if not 0 <= args.seed < 2**63 - 1:  # (torch.manual_seed takes seed and seed + 1)
         raise DsakvError(f"--seed must be in 0..{2**63 - 2}, got {args.seed}")
+    if not args.dir:  # (Path("") is the current directory)
+        raise DsakvError("init-tiny needs a directory to write into, got an empty path")
     out = Path(args.dir)
     if out.exists() and not out.is_dir():
         raise DsakvError(f"{args.dir} exists and is not a directory")
@@ -681,7 +705,7 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--disaggregation-timeout",
-        type=float,
+        type=_positive_float,
         default=60.0,
         help="seconds either side waits for the other (default 60)",
     )
@@ -726,7 +750,7 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
                 check_listen("127.0.0.1", p)
         config = engine_config_from_args(args)  # what either server would refuse, refused once
         for mode in MODES:
-            DisaggConfig(mode).check_engine(config)
+            DisaggConfig(mode, timeout_s=args.disaggregation_timeout).check_engine(config)
         flags = _flags(args, add_engine_args)
         flags += ["--disaggregation-timeout", str(args.disaggregation_timeout)]
         for name in ("served_model_name", "api_key"):
@@ -782,7 +806,12 @@ def _add_disagg_commands(sub: Any) -> None:
     p.add_argument("--prefill-port", type=port, help="(default: a free port)")
     p.add_argument("--decode-port", type=port, help="(default: a free port)")
     p.add_argument("--bootstrap-port", type=port, help="(default: a free port)")
-    p.add_argument("--disaggregation-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--disaggregation-timeout",
+        type=_positive_float,
+        default=60.0,
+        help="seconds either side waits for the other (default 60)",
+    )
     p.add_argument("--served-model-name")
     p.add_argument("--api-key")
     add_engine_args(p)
@@ -1008,7 +1037,7 @@ def _engine_arg(text: str) -> tuple[str, Any]:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
         parsed = json.loads(value)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # (not JSON; or past its digit or nesting limits)
         parsed = value
     return key.strip().replace("-", "_"), parsed
 
@@ -1309,6 +1338,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # leave the exit status a process that SIGPIPE ended has (128 + 13).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit flush)
         return 141
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # A full disk (`dsakv plan … > /dev/full`, a model written there): one line and
+        # status 1, as other CLIs say it (not 2: nothing the user gave was wrong).
+        print(f"error: cannot write the output: {e.strerror}", file=sys.stderr)
+        with contextlib.suppress(OSError):  # (a stdout without a file descriptor)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit flush)
+        return 1
     except DsakvError as e:
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)  # 2: bad input; a rank that died says 1

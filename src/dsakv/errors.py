@@ -1,6 +1,9 @@
 """One error type for everything a user can get wrong (config, flags, requests), and the
 checks every layer runs on what users hand it."""
 
+import json
+from typing import Any
+
 
 class DsakvError(ValueError):
     """A user-facing error: the CLI prints it as one `error:` line and exits 2. `param`:
@@ -23,3 +26,16 @@ def is_int(x: object) -> bool:
 def is_number(x: object) -> bool:
     """An int or float, not a bool (JSON's numbers; True is not 1 here)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def load_json(text: str, message: str, error: type[DsakvError] = DsakvError) -> Any:
+    """`json.loads(text)`, every way it refuses text as one `error`, "`message`: why": not
+    JSON, and past its limits (an integer of over 4,300 digits, nesting deeper than the
+    recursion limit), where it raises a ValueError or RecursionError that were tracebacks."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        reason = "nested too deeply"
+    except ValueError as e:  # JSONDecodeError, or the digit limit ("...; use sys.set_...")
+        reason = str(e).split(";")[0]
+    raise error(f"{message}: {reason}")

@@ -7,13 +7,12 @@ Only positions past `index_topk` can see a different top-k, so sequences are cut
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
 from dsakv.config import ModelConfig
-from dsakv.errors import DsakvError, is_int
+from dsakv.errors import DsakvError, is_int, load_json
 
 DEFAULT_NUM_SEQUENCES = 4
 
@@ -78,10 +77,7 @@ def read_jsonl(path: str | Path) -> list[str | list[int]]:
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            obj: Any = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DsakvError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        obj: Any = load_json(line, f"{path}:{n}: not valid JSON")
         if not isinstance(obj, dict) or ("text" in obj) == ("token_ids" in obj):
             raise DsakvError(f'{path}:{n}: expected an object with "text" or "token_ids"')
         value = obj.get("text", obj.get("token_ids"))

@@ -11,12 +11,11 @@ number. A float such as 2.5 is rejected rather than rounded.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dsakv.errors import ConfigError, is_int
+from dsakv.errors import ConfigError, is_int, load_json
 
 HISPARSE_KEYS = ("top_k", "device_buffer_size", "host_to_device_ratio")
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
@@ -75,12 +74,18 @@ class HiSparseConfig:
 
         top_k defaults to the model's `index_topk`, device_buffer_size to 2 × top_k and
         host_to_device_ratio to 2. Raises one ConfigError per problem: invalid JSON, not an
-        object, unknown keys, non-integer or out-of-range values, or a model without an
-        indexer.
+        object, unknown keys, non-integer or out-of-range values, a top_k other than the
+        model's (the hot buffer must hold what one indexer step selects), or a model without
+        an indexer.
         """
         raw = cls.read(source)
         index_topk = model_index_topk(model_config)
         top_k = _check_int("top_k", raw.get("top_k", index_topk), 1)
+        if top_k != index_topk:
+            raise ConfigError(
+                f"hisparse-config top_k {top_k} must be this model's index_topk ({index_topk}): "
+                "the indexer selects index_topk positions per step"
+            )
         buffer = raw.get("device_buffer_size", BUFFER_PER_TOP_K * top_k)
         ratio = raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO)
         return cls(top_k, buffer, ratio)
@@ -92,11 +97,8 @@ class HiSparseConfig:
         if source is None:
             raw: Any = {}
         elif isinstance(source, str):
-            text = source.strip()
-            try:
-                raw = json.loads(text) if text else {}
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--hisparse-config is not valid JSON: {e}") from None
+            text = source.strip() or "{}"
+            raw = load_json(text, "--hisparse-config is not valid JSON", ConfigError)
         else:
             raw = source
         if not isinstance(raw, Mapping):
@@ -108,6 +110,21 @@ class HiSparseConfig:
                 f"(known: {', '.join(HISPARSE_KEYS)})"
             )
         return raw
+
+    def buffer_pages(self, page_size: int) -> int:
+        """Pages one hot buffer takes: its entries, then the newest token's reserved slot."""
+        return -(-(self.device_buffer_size + 1) // page_size)
+
+    def check_pool(self, latent_pages: int, page_size: int) -> None:
+        """A device latent pool of `latent_pages` pages holds one hot buffer, or no request
+        could ever be admitted."""
+        s, pages = self.device_buffer_size, self.buffer_pages(page_size)
+        if pages > latent_pages:
+            raise ConfigError(
+                f"HiSparse: the device latent pool ({latent_pages * page_size} tokens) holds less "
+                f"than one hot buffer (device_buffer_size {s} + 1 slot, {pages} "
+                "pages): give the pool more pages or the buffer fewer slots"
+            )
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import types
 from dataclasses import dataclass, field, fields
@@ -10,7 +9,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from dsakv.errors import ConfigError, is_int, is_number
+from dsakv.errors import ConfigError, is_int, is_number, load_json
 
 from .presets import PRESETS, is_model_dir, preset
 
@@ -162,13 +161,12 @@ class ModelConfig:
             if not path.is_file():
                 raise ConfigError(f"no model config at {path}")
             try:
-                raw = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} is not valid JSON: {e}") from None
+                text = path.read_text()
             except UnicodeDecodeError:
                 raise ConfigError(f"{path} is not valid JSON (not UTF-8 text)") from None
             except OSError as e:
                 raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+            raw = load_json(text, f"{path} is not valid JSON", ConfigError)
         if not isinstance(raw, dict):
             raise ConfigError("model config must be a JSON object")
         if not isinstance(source, dict):
@@ -196,10 +194,18 @@ class ModelConfig:
 
     @classmethod
     def _from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        model_type = raw.get("model_type")
+        model_type, architectures = raw.get("model_type"), raw.get("architectures")
+        if model_type is not None and not isinstance(model_type, str):  # (looked up below)
+            raise ConfigError(f"model config field model_type must be a string, got {model_type!r}")
+        if architectures is not None and not (
+            isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
+        ):
+            raise ConfigError(
+                f"model config field architectures must be a list of strings, got {architectures!r}"
+            )
         if model_type not in _SUPPORTED:
             model_type = next(
-                (_ARCHITECTURES[a] for a in raw.get("architectures") or [] if a in _ARCHITECTURES),
+                (_ARCHITECTURES[a] for a in architectures or [] if a in _ARCHITECTURES),
                 model_type,
             )
         if model_type not in _SUPPORTED:
@@ -215,7 +221,9 @@ class ModelConfig:
         kw.update((k, raw[k]) for k in known if k in raw and raw[k] is not None)
         kw["model_type"] = model_type
         kw["indexer_rope_interleave"] = _SUPPORTED[model_type]
-        kw["dtype"] = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+        dtype = raw.get("dtype")
+        dtype = raw.get("torch_dtype") if dtype is None else dtype  # ("" is refused, not bf16)
+        kw["dtype"] = "bfloat16" if dtype is None else dtype
         eos = raw.get("eos_token_id")
         kw["eos_token_ids"] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if isinstance(kw.get("indexer_types"), list):
@@ -238,10 +246,13 @@ def _with_generation_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     if not path.is_file():
         return raw
     try:
-        gen = json.loads(path.read_text())
-        eos = gen.get("eos_token_id")
-    except (ValueError, OSError, AttributeError) as e:  # (not JSON, unreadable, no object)
+        text = path.read_text()
+    except (ValueError, OSError) as e:  # (not UTF-8, unreadable)
         raise ConfigError(f"{path} is not a JSON object: {e}") from None
+    gen = load_json(text, f"{path} is not a JSON object", ConfigError)
+    if not isinstance(gen, dict):
+        raise ConfigError(f"{path} is not a JSON object: {gen!r:.80}")
+    eos = gen.get("eos_token_id")
     defaults = {k: gen[k] for k in SAMPLING_FIELDS if gen.get(k) is not None}
     if not all(is_number(v) for v in defaults.values()):
         raise ConfigError(f"{path}: {', '.join(defaults)} must be numbers, got {defaults}")
@@ -346,9 +357,7 @@ def _check(kw: dict[str, Any], raw: dict[str, Any]) -> None:
         )
     block = (kw.get("quantization_config") or {}).get("weight_block_size")
     if block is not None and not (
-        isinstance(block, list)
-        and len(block) == 2
-        and all(is_int(b) and b > 0 for b in block)
+        isinstance(block, list) and len(block) == 2 and all(is_int(b) and b > 0 for b in block)
     ):
         raise ConfigError(
             "model config field quantization_config.weight_block_size must be two positive "

@@ -543,17 +543,10 @@ class Engine:
 
     def _hisparse_config(self) -> HiSparseConfig | None:
         """`--hisparse-config` checked against the model (it needs an indexer, and top_k is
-        the indexer's: the hot buffer must hold what one step selects)."""
+        the indexer's: `HiSparseConfig.parse`, which `dsakv plan` shares)."""
         if not self.config.enable_hisparse:
             return None
-        hs = HiSparseConfig.parse(self.config.hisparse_config, self.model_config)
-        topk = self.model_config.index_topk
-        if hs.top_k != topk:
-            raise DsakvError(
-                f"hisparse-config top_k {hs.top_k} must be this model's index_topk ({topk}): "
-                "the indexer selects index_topk positions per step"
-            )
-        return hs
+        return HiSparseConfig.parse(self.config.hisparse_config, self.model_config)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Padded, graph-capturable decode steps: for the graph-safe backends on one rank

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan
-from dsakv.errors import ConfigError
 from dsakv.kernels.hisparse_ops import bind_newest, init_buffers
 from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
 from dsakv.memory.pool import DSAKVPool
@@ -91,13 +90,8 @@ class HotBuffers:
         self.config, self.pool, self.backend, self.device = config, pool, backend, device
         ps, s = pool.page_size, config.device_buffer_size
         self.page_size, self.size = ps, s
-        self.buffer_pages = -(-(s + 1) // ps)  # S entries, then the reserved slot
-        if self.buffer_pages > pool.latent_pages:  # no request could ever be admitted
-            raise ConfigError(
-                f"HiSparse: the device latent pool ({pool.latent_pages * ps} tokens) holds less "
-                f"than one hot buffer (device_buffer_size {s} + 1 slot, {self.buffer_pages} "
-                "pages): give the pool more pages or the buffer fewer slots"
-            )
+        config.check_pool(pool.latent_pages, ps)
+        self.buffer_pages = config.buffer_pages(ps)
         self.allocator = PageAllocator(pool.latent_pages, ps)
         layers = range(plan.num_layers)  # the MTP layer is refused with HiSparse
         self.groups = {f: [i for i in layers if plan.topk_source(i) == f] for f in layers}
