@@ -203,6 +203,32 @@ def test_a_refused_room_is_the_decode_sides_error_at_once_before_or_after_it_reg
         server.close()
 
 
+def test_a_refused_room_is_not_an_open_room():
+    """A refused room is kept for the timeout to answer a late registration; `open_rooms`
+    (`/disagg/info`: rooms claimed or registered) counted it all that time."""
+    layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
+    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt")
+    server = BootstrapServer("127.0.0.1", free_port(), mine, timeout=20.0)
+    reg = {"room": 7, "layout": mine, "session": "s", "buffers": [], "pages": [], "prompt_ids": [1]}
+
+    async def open_while_claimed() -> int:
+        claim = asyncio.create_task(server.claim(8))
+        while server.open_rooms == 0:
+            await asyncio.sleep(0.01)
+        claim.cancel()
+        return server.open_rooms
+
+    try:
+        server.refuse(7, "prompt has 405 tokens; at most 299 fit", 400)
+        assert server.open_rooms == 0
+        with pytest.raises(BootstrapError) as e:  # a late registration still hears it
+            asyncio.run(request_kv("127.0.0.1", server.port, reg, 20))
+        assert e.value.status == 400 and server.open_rooms == 0
+        assert asyncio.run(asyncio.wait_for(open_while_claimed(), 10)) == 1
+    finally:
+        server.close()
+
+
 def test_dsakv_imports_without_mooncake_and_says_how_to_get_it(monkeypatch):
     code = (
         "import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.engine'] = None\n"

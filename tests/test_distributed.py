@@ -7,6 +7,7 @@ import contextlib
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -137,6 +138,29 @@ def test_bad_parallel_flags_are_one_error_line(models, flags, message):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
+
+
+def test_a_dist_init_addr_in_use_is_one_error_line(models):
+    """This node hosts rank 0's rendezvous on --dist-init-addr's port: one in use was rank
+    0's EADDRINUSE after every rank had started, under rank 1's C++ stacks from pinging
+    what held the port (exit 1). Now it is checked first, as a busy --port is."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        addr = f"127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "dsakv.cli", "generate", models["glm"], "--prompt", "hi"]
+        r = subprocess.run(
+            [*cmd, "--tp", "2", "--dist-init-addr", addr],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: --dist-init-addr {addr}: rank 0's rendezvous cannot ")
+    assert f":{port}: Address already in use" in lines[0]
 
 
 def _children(pid: int) -> list[int]:

@@ -7,6 +7,7 @@ reference."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
@@ -30,6 +32,7 @@ from dsakv.disagg.handoff import (
     next_target,
 )
 from dsakv.disagg.launch import wait_healthy
+from dsakv.disagg.router import build_router_app
 from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 from dsakv.server.protocol import APIError
@@ -40,6 +43,7 @@ from .serving import (
     ServerProcess,
     check_pd_chat,
     free_port,
+    running,
     scrape_metrics,
     serving,
     start_decode,
@@ -165,6 +169,37 @@ def test_pd_prompt_lists_get_one_room_per_prompt(pd, reference):
     r = _client(pd["router"]).completions.create(model="m", prompt=prompts, max_tokens=5, **GREEDY)
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in want]
     wait_idle(pd["prefill"].url)
+
+
+def test_generate_logprobs_give_the_prompts_entry_once_through_either_router(pd, reference):
+    """sglang-router joins the prefill server's `input_token_logprobs` onto the decode
+    server's (its streams pass the decode server's alone), `dsakv router` passes the decode
+    server's: the prefill server sends none, so both give one engine's once."""
+    ids = reference.tokenizer.encode("The sky is blue and", add_special_tokens=False)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=1)
+    (want,) = reference.generate([ids], params)
+    sp = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": ids, "sampling_params": sp, "return_logprob": True, "top_logprobs_num": 1}
+    app = build_router_app([pd["prefill"].url], [pd["decode"].url])
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    with running(server) as dsakv_router:
+        for router in (pd["router"], dsakv_router):
+            for stream in (False, True):
+                r = httpx.post(f"{router}/generate", json={**body, "stream": stream}, timeout=60)
+                assert r.status_code == 200, r.text
+                if stream:
+                    events = [x[6:] for x in r.text.splitlines() if x.startswith("data: {")]
+                    m = json.loads(events[-1])["meta_info"]
+                else:
+                    m = r.json()["meta_info"]
+                case = (router, stream)
+                assert m["input_token_logprobs"] == [[None, ids[-1], None]], case
+                assert m["input_top_logprobs"] == [None], case
+                out = m["output_token_logprobs"]
+                assert [t for _, t, _ in out] == want.token_ids, case
+                assert all(abs(x - y) < 1e-4 for (x, _, _), y in zip(out, want.logprobs)), case
+    wait_idle(pd["prefill"].url)
+    wait_idle(pd["decode"].url)
 
 
 def test_probes_answer_in_sglangs_shape(pd):

@@ -130,9 +130,10 @@ class BootstrapServer:
 
     @property
     def open_rooms(self) -> int:
-        """Rooms claimed or registered and not yet done with (a claim left waiting shows)."""
+        """Rooms claimed or registered and not yet done with (a claim left waiting shows);
+        not refused ones, kept a while only to answer a late registration."""
         with self._lock:
-            return len(self._rooms)
+            return sum(slot.refused is None for slot in self._rooms.values())
 
     # --- used by the prefill server's request handlers (any event loop) -------------------
 

@@ -42,7 +42,13 @@ from tqdm import tqdm
 from dsakv.config import ModelConfig
 from dsakv.distributed.parallel import ParallelConfig, destroy_parallel, init_parallel
 from dsakv.errors import DsakvError
-from dsakv.procs import die_with_parent, free_port, ignore_stop_signals, stop_signals_blocked
+from dsakv.procs import (
+    die_with_parent,
+    free_port,
+    ignore_stop_signals,
+    split_address,
+    stop_signals_blocked,
+)
 
 from .dp import DPEngine, serve_dp_peer
 from .engine import Engine, resolve_device
@@ -86,6 +92,8 @@ def _launch(config: Any, exit_on_rank_death: bool) -> Any:
         rank, init, procs = torchrun, "env://", {}
     else:
         rank = pc.node_rank * pc.ranks_per_node
+        if rank == 0 and pc.dist_init_addr:
+            _check_rendezvous_port(pc.dist_init_addr)
         addr = pc.dist_init_addr or f"127.0.0.1:{free_port()}"
         init = f"tcp://{addr}"
         ctx = mp.get_context("spawn")
@@ -126,6 +134,19 @@ def _launch(config: Any, exit_on_rank_death: bool) -> Any:
         sys.exit(0)
     engine.on_close.append(watchdog.close)
     return engine
+
+
+def _check_rendezvous_port(addr: str) -> None:
+    """Rank 0's rendezvous (a TCPStore) listens on `addr`'s port on every address: one in
+    use is one line now, before any rank starts. It used to be rank 0's EADDRINUSE after
+    every rank had started, and another rank's C++ stacks from pinging what held the port."""
+    from dsakv.server.serve import Listener  # (which imports this module)
+
+    _, port = split_address(addr, "--dist-init-addr")
+    try:
+        Listener("0.0.0.0", port).close()
+    except DsakvError as e:
+        raise DsakvError(f"--dist-init-addr {addr}: rank 0's rendezvous {e}") from None
 
 
 # One multi-rank engine per process: its ranks share torch.distributed's default group.

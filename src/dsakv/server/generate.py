@@ -132,11 +132,15 @@ def add_generate_route(app: FastAPI, api: Handlers, auth: list[Any]) -> None:
 @dataclass(frozen=True)
 class _LogprobAsk:
     """What `return_logprob` asks for: input logprobs from prompt position `start` (-1:
-    the last one, which nothing scores), the top `top_n`, and each token's text."""
+    the last one, which nothing scores), the top `top_n`, and each token's text. `prompt`:
+    False on a prefill server, whose input logprobs would come twice: sglang-router
+    prepends them to the decode server's, which has them all (`dsakv router`, and
+    sglang-router's streams, pass the decode server's alone)."""
 
     start: int
     top_n: int
     texts: _TokenTexts
+    prompt: bool = True
 
 
 async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Response:
@@ -262,7 +266,8 @@ def _logprob_ask(api: Handlers, body: GenerateRequest) -> _LogprobAsk | None:
             400, f"logprob_start_len must be -1 or >= 0, got {start}", param="logprob_start_len"
         )
     texts = _TokenTexts(api.engine.engine.tokenizer if body.return_text_in_logprobs else None)
-    return _LogprobAsk(start, body.top_logprobs_num or 0, texts)
+    prefill = api.engine.server_info().get("disaggregation_mode") == "prefill"
+    return _LogprobAsk(start, body.top_logprobs_num or 0, texts, prompt=not prefill)
 
 
 async def _prompt_ids(api: Handlers, prompt: str | list[int], start: int, name: str) -> list[int]:
@@ -355,7 +360,8 @@ def _finish_reason(r: _Result) -> dict[str, Any] | None:
 
 def _logprobs(r: _Result, ask: _LogprobAsk) -> dict[str, Any]:
     """SGLang's `[logprob, token id, text or null]` triples: the output's, and the prompt's
-    from `logprob_start_len` (its first one null, as SGLang's), with the top ones if asked."""
+    from `logprob_start_len` (its first one null, as SGLang's; none from a prefill server),
+    with the top ones if asked."""
     first = r.first
     prompt = (first.prompt_token_ids if first else None) or []
     scores = (first.prompt_logprobs if first else None) or []
@@ -363,14 +369,14 @@ def _logprobs(r: _Result, ask: _LogprobAsk) -> dict[str, Any]:
     start = ask.start if ask.start >= 0 else max(len(prompt) - 1, 0)
     span = range(start + 1, len(scores))  # (empty where the prompt was not scored)
     text = ask.texts
+    inputs = _triples([None, *(_lp(scores[p]) for p in span)], prompt[start:], text)
     out: dict[str, Any] = {
-        "input_token_logprobs": _triples(
-            [None, *(_lp(scores[p]) for p in span)], prompt[start:], text
-        ),
+        "input_token_logprobs": inputs if ask.prompt else [],
         "output_token_logprobs": _triples([_lp(x) for x in r.logprobs], r.token_ids, text),
     }
     if ask.top_n > 0:
-        out["input_top_logprobs"] = [None, *(_top(tops[p], text) for p in span)]
+        top_inputs = [None, *(_top(tops[p], text) for p in span)]
+        out["input_top_logprobs"] = top_inputs if ask.prompt else []
         out["output_top_logprobs"] = [_top(top, text) for top in r.top_logprobs]
     return out
 
