@@ -1353,7 +1353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:
-        if not _is_dist_error(e):
+        from dsakv.distributed.parallel import is_dist_error
+
+        if not is_dist_error(e):
             raise
         print(f"error: a rank failed: {e}".splitlines()[0], file=sys.stderr)
         return 1
@@ -1370,13 +1372,6 @@ def _stdout_gone() -> bool:
         return any(events & select.POLLERR for _, events in poll.poll(0))
     except (AttributeError, OSError, ValueError):  # no poll(), or no real stdout
         return False
-
-
-def _is_dist_error(e: BaseException) -> bool:
-    """A collective failed (a peer rank died or timed out), not a bug in this process."""
-    import torch.distributed as dist
-
-    return isinstance(e, getattr(dist, "DistError", ())) or "gloo" in str(e).lower()
 
 
 def run() -> NoReturn:

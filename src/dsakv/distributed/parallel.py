@@ -259,3 +259,8 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
     if _excepthook is not None:  # (else each engine's group added one more "[rank0]: ")
         sys.excepthook, _excepthook = _excepthook, None
+
+
+def is_dist_error(e: BaseException) -> bool:
+    """A collective failed (a peer rank died or timed out), not a bug in this process."""
+    return isinstance(e, getattr(dist, "DistError", ())) or "gloo" in str(e).lower()

@@ -40,7 +40,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dsakv.config import ModelConfig
-from dsakv.distributed.parallel import ParallelConfig, destroy_parallel, init_parallel
+from dsakv.distributed.parallel import (
+    ParallelConfig,
+    destroy_parallel,
+    init_parallel,
+    is_dist_error,
+)
 from dsakv.errors import DsakvError
 from dsakv.procs import (
     die_with_parent,
@@ -410,7 +415,7 @@ class Watchdog:
         or nothing shows another rank failed; else the error of the rank that failed."""
         if not self.procs or isinstance(error, DsakvError) or not isinstance(error, Exception):
             return None
-        if self.failure is None and not _is_dist_error(error):
+        if self.failure is None and not is_dist_error(error):
             return None
         sentinels = [p.sentinel for p in self.procs.values()]
         if self._dead() is None:  # the peer's exit may not show yet
@@ -465,11 +470,6 @@ def _kill_ranks_at_exit() -> None:
 # Registered after multiprocessing's exit hook (`multiprocessing.connection`, imported
 # above, registers it), so it runs before that hook; an `LLM`'s own close runs before both.
 atexit.register(_kill_ranks_at_exit)
-
-
-def _is_dist_error(e: BaseException) -> bool:
-    """A collective failed (a peer rank died or timed out), not a bug in this process."""
-    return isinstance(e, getattr(dist, "DistError", ())) or "gloo" in str(e).lower()
 
 
 def _torchrun_rank(pc: ParallelConfig) -> int | None:
