@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from dsakv.config.layer_plan import plan_overrides
 from dsakv.disagg.config import DEFAULT_BOOTSTRAP_PORT, MODES, DisaggConfig
 from dsakv.errors import DsakvError
-from dsakv.procs import interrupts_deferred
+from dsakv.procs import Listener, interrupts_deferred
 from dsakv.writable import can_append, write_blocker
 
 
@@ -67,8 +67,6 @@ def listen(host: str, port: int):
     """A `Listener` on `host:port`: a port in use or a bad address fails now, in one line,
     not after the engine has loaded, in uvicorn's words; and nothing can take the port
     while it loads (the server serves these sockets)."""
-    from dsakv.server.serve import Listener
-
     return Listener(host, port)
 
 

@@ -117,3 +117,42 @@ def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) ->
 def stop_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
     """`stop_processes` for one."""
     stop_processes([proc], timeout_s)
+
+
+_BACKLOG = 2048  # uvicorn's default
+
+
+class Listener:
+    """TCP sockets listening on `host:port` from now on, bound as uvicorn binds (one per
+    address the host resolves to, SO_REUSEADDR, IPv6 only on an IPv6 one, as asyncio's
+    `create_server` does), for a server to serve later (`uvicorn.Server.run(sockets=...)`):
+    nothing else can take the port meanwhile, and connections made before the server
+    starts wait in the backlog. A bad address or a port in use is one `DsakvError` line."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.sockets: list[socket.socket] = []
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                self.sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen(_BACKLOG)
+        except OSError as e:
+            self.close()
+            raise DsakvError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+    def close(self) -> None:
+        """Stop listening (idempotent)."""
+        for sock in self.sockets:
+            sock.close()
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import httpx
 
 from dsakv.errors import DsakvError
-from dsakv.procs import exit_on_sigterm, free_port, stop_processes
-from dsakv.server.serve import Listener, serve_app
+from dsakv.procs import Listener, exit_on_sigterm, free_port, stop_processes
+from dsakv.server.serve import serve_app
 
 from .router import build_router_app
 

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from dsakv.engine import Engine, EngineConfig, Request, SamplingParams
 from dsakv.engine import disagg as ops
 from dsakv.errors import DsakvError
+from dsakv.procs import Listener
 from dsakv.server.metrics import PREFIX
 from dsakv.server.protocol import APIError
 from dsakv.server.runner import (
@@ -35,7 +36,6 @@ from dsakv.server.runner import (
     Update,
     _update,
 )
-from dsakv.server.serve import Listener
 
 from .bootstrap import BootstrapError, BootstrapServer, describe, request_kv
 from .config import DisaggConfig

@@ -48,6 +48,7 @@ from dsakv.distributed.parallel import (
 )
 from dsakv.errors import DsakvError
 from dsakv.procs import (
+    Listener,
     die_with_parent,
     free_port,
     ignore_stop_signals,
@@ -145,8 +146,6 @@ def _check_rendezvous_port(addr: str) -> None:
     """Rank 0's rendezvous (a TCPStore) listens on `addr`'s port on every address: one in
     use is one line now, before any rank starts. It used to be rank 0's EADDRINUSE after
     every rank had started, and another rank's C++ stacks from pinging what held the port."""
-    from dsakv.server.serve import Listener  # (which imports this module)
-
     _, port = split_address(addr, "--dist-init-addr")
     try:
         Listener("0.0.0.0", port).close()
