@@ -308,10 +308,25 @@ def test_min_tokens_ignores_stop_strings_before_it():
         stop = text[2][len(text[1]) :]  # the second token's text
         assert stop and _greedy_text(llm, stop=(stop,)).token_ids == plain[:2]
         got = _greedy_text(llm, stop=(stop,), min_tokens=6)
-        # The first occurrence that ends past the first five tokens' text.
-        cut = text[12].find(stop, len(text[5]) - len(stop) + 1)
+        # The first occurrence that ends past the first six tokens' text (vLLM's).
+        cut = text[12].find(stop, len(text[6]) - len(stop) + 1)
         assert len(got.token_ids) >= 6 and got.token_ids == plain[: len(got.token_ids)]
         assert got.text == (text[12] if cut < 0 else text[12][:cut])
+
+
+def test_a_stop_string_ending_in_the_min_tokens_th_token_is_ignored():
+    """As vLLM (and as the EOS ban, which covers token `min_tokens` too): "hello" ends in
+    token 5 of a byte-by-byte output, so under min_tokens 5 the next one stops it. It used
+    to stop the first: five tokens, empty text."""
+    forced = ("regex", "hello world, hello there")
+    sp = SamplingParams(max_tokens=40, min_tokens=5, stop=["hello"], grammar=forced)
+    with LLM(str(default_model_dir("glm-tiny")), **EXACT) as llm:
+        out = llm.generate("x", sp)[0]
+    assert (out.text, out.finish_reason, out.outputs[0].stop_reason) == (
+        "hello world, ",
+        "stop",
+        "hello",
+    )
 
 
 def test_min_tokens_counts_a_stop_whose_character_ends_past_it(tmp_path):

@@ -44,25 +44,21 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cleaning(model_dir):
-    """The model under a tokenizer asking to clean up spaces: outputs decoded whole."""
-    path = shutil.copytree(model_dir, model_dir.parent / "cleaning")
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({**config, "clean_up_tokenization_spaces": True})
-    )
-    with LLM(str(path), **ENGINE_ARGS) as llm:
+def decoding_whole(model_dir):
+    """The model with its outputs decoded whole each token, as for a tokenizer that has no
+    fast backend to stream them."""
+    with LLM(str(model_dir), **ENGINE_ARGS) as llm:
+        llm.engine._decodes_whole = True
         yield llm
 
 
 @pytest.mark.parametrize("whole", [False, True], ids=["incremental", "whole"])
-def test_an_output_is_what_it_adds_to_the_prompts_text(reference, cleaning, whole):
+def test_an_output_is_what_it_adds_to_the_prompts_text(reference, decoding_whole, whole):
     """The token finishing the character a token-id prompt left unfinished outputs it whole
     (not U+FFFD); one that does not leaves the prompt its U+FFFD; a character the output
     leaves unfinished is left out (vLLM's). Decoded as the tokens come or whole each token,
     the text is the same."""
-    llm = cleaning if whole else reference
-    assert llm.engine._decodes_whole == whole
+    llm = decoding_whole if whole else reference
 
     def text(prompt: list[int] | str, **params) -> str:
         return llm.generate([prompt], SamplingParams(temperature=0, **params))[0].text
@@ -80,6 +76,33 @@ def test_an_output_is_what_it_adds_to_the_prompts_text(reference, cleaning, whol
     texts = [o.text for o in outs]
     assert texts == [_added(llm.tokenizer, p, o.token_ids) for p, o in zip(prompts, outs)]
     assert any(not t.isascii() for t in texts)  # characters the prompts left were finished
+
+
+def test_a_tokenizer_cleaning_up_spaces_still_streams_text_that_only_grows(model_dir, tmp_path):
+    """A tokenizer that asks to clean up spaces (forced on, as transformers 5 ignores the ask
+    for BPE) rewrites text already out ("a " then "." is "a."): the server cut each delta at
+    the characters sent, dropping the "." and sending the space twice. An output's text is
+    now decoded without the clean-up (vLLM's), so each step only adds to it."""
+    path = shutil.copytree(model_dir, tmp_path / "cleaning")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    force = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    config |= {"clean_up_tokenization_spaces": True, force: True}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    want = "a . b , c n't d !"
+    with LLM(str(path), **ENGINE_ARGS) as llm:
+        assert llm.tokenizer.decode(llm.tokenizer.encode(want)) != want  # it does clean up
+        for whole in (False, True):
+            llm.engine._decodes_whole = whole
+            sp = SamplingParams(
+                max_tokens=30, temperature=0, grammar=("regex", want.replace(".", r"\."))
+            )
+            req = llm.engine.add_request("abc", sp)
+            texts = []
+            while not req.finished:
+                llm.engine.step()
+                texts.append(req.output_text)
+            assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts
+            assert texts[-1] == want
 
 
 def _sse(base: str, path: str, body: dict) -> list[dict]:

@@ -34,7 +34,7 @@ class TokenTexts:
         self.texts: list[str] | None = [] if keep else None
         self.output = prompt is not None
         self.tail = [] if prompt is None else prompt_tail(tokenizer, prompt)
-        self.tail_text = tokenizer.decode(self.tail, skip_special_tokens=skip)
+        self.tail_text = _decode(tokenizer, self.tail, skip)
         for t in self.tail if self.stream is not None else ():
             self._advance(t)
         # Where the tail ends inside a character, the stream holds its bytes back for the
@@ -46,7 +46,7 @@ class TokenTexts:
     def step(self, token: int) -> str:
         """The text `token` adds (and keeps)."""
         if self.stream is None:
-            text = self.tokenizer.decode([token], skip_special_tokens=self.skip)
+            text = _decode(self.tokenizer, [token], self.skip)
         else:
             text = self._advance(token)
             if self.first is not None:
@@ -85,7 +85,7 @@ class TokenTexts:
         return text.rstrip("\ufffd") if end and self.output else text
 
     def _added(self, ids: list[int]) -> str:
-        whole = self.tokenizer.decode(self.tail + ids, skip_special_tokens=self.skip)
+        whole = _decode(self.tokenizer, self.tail + ids, self.skip)
         return whole[len(os.path.commonprefix([self.tail_text, whole])) :]
 
     def shares(self, ids: list[int], start: int = 0, end: bool = False) -> list[str]:
@@ -98,6 +98,13 @@ class TokenTexts:
         if end and out and self.stream is not None:
             out[-1] += self.text(ids, end=True)[sum(map(len, self.texts[: len(ids)])) :]
         return out
+
+
+def _decode(tokenizer: Any, ids: list[int], skip: bool) -> str:
+    """`ids`' text with no clean-up of spaces, whatever the tokenizer asks: an output's
+    text only ever grows (a clean-up rewrites text already streamed: "a " then "." is
+    "a."), as vLLM's detokenizer, which never cleans up, gives it."""
+    return tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
 
 # The fewest and most prompt tokens an output is decoded after (vLLM's)
@@ -113,7 +120,7 @@ def prompt_tail(tokenizer: Any, prompt: list[int]) -> list[int]:
     where none do (vLLM takes the whole prompt then, decoding all of it each request)."""
     lo, hi = _TAIL
     for n in range(min(lo, len(prompt)), min(hi, len(prompt)) + 1):
-        text = tokenizer.decode(prompt[len(prompt) - n :]).rstrip("\ufffd")
+        text = _decode(tokenizer, prompt[len(prompt) - n :], False).rstrip("\ufffd")
         if text and "\ufffd" not in text:
             return prompt[len(prompt) - n :]
     return prompt[max(len(prompt) - hi, 0) :]

@@ -409,11 +409,8 @@ class Engine:
         # Found here, not on the first text prompt: it decodes every vocab entry (0.35-0.8 s
         # for a 150k vocabulary), which on the step loop would stall every running request.
         self.chars_per_token = chars_per_token(self.tokenizer)
-        # Outputs decoded whole each token (`_decode_output`): no fast tokenizer, or one that
-        # cleans up spaces over the whole text (so earlier text may change)
-        self._decodes_whole = getattr(self.tokenizer, "backend_tokenizer", None) is None or bool(
-            getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
-        )
+        # Outputs decoded whole each token (`_decode_output`): no fast tokenizer to stream
+        self._decodes_whole = getattr(self.tokenizer, "backend_tokenizer", None) is None
         self.runner = ModelRunner(
             self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
         )
@@ -1049,7 +1046,7 @@ class Engine:
         cut_text = False
         if self.tokenizer is not None:
             self._decode_output(req, token)
-            if p.stop and reason is None and len(req.output_ids) >= p.min_tokens:
+            if p.stop and reason is None and len(req.output_ids) > p.min_tokens:
                 hit = _find_stop(req.output_text, p.stops_by_last, req.stop_floor)
                 if hit is not None:
                     cut, stop = hit
@@ -1057,10 +1054,11 @@ class Engine:
                         : cut + (len(stop) if p.include_stop_str_in_output else 0)
                     ]
                     reason, cut_text, req.stop_reason = "stop", True, stop
-            # The next search starts here: a stop must end past it, so none counts under
-            # min_tokens; past them, the text before was searched already (unless a whole
-            # decode may change it: its floor stays where min_tokens left it)
-            whole = self._decodes_whole and len(req.output_ids) >= p.min_tokens
+            # The next search starts here: a stop must end past it, so none ending in the
+            # first min_tokens tokens' text counts (vLLM's); past them, the text before was
+            # searched already (unless a whole decode may change it: its floor stays where
+            # min_tokens left it)
+            whole = self._decodes_whole and len(req.output_ids) > p.min_tokens
             if p.stop and reason is None and not whole:
                 req.stop_floor = len(req.output_text.rstrip("\ufffd"))
         if reason is None and (
@@ -1080,8 +1078,8 @@ class Engine:
         """Extends `req.output_text` by `token`'s text: decoded incrementally (`TokenTexts`),
         not the whole output again per token (0.2 ms a token at 1,000 tokens, quadratic in
         a request's length); a finished request's text is the whole output decoded. Both
-        follow the prompt's last tokens (`TokenTexts`). Without a fast tokenizer, or where
-        decoding cleans up spaces over the whole text, every token decodes the whole output.
+        follow the prompt's last tokens (`TokenTexts`). Without a fast tokenizer, every token
+        decodes the whole output.
         A request with logprobs keeps each token's text (`req.detokenizer.texts`, which the
         server reports)."""
         p = req.params
