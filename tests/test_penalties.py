@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from dsakv import LLM, SamplingParams
-from dsakv.engine.sampling import allow, bad_word_ids, ban, banned_words_next, penalize
+from dsakv.engine.sampling import (
+    allow,
+    bad_word_ids,
+    ban,
+    banned_words_next,
+    filtered_probs,
+    penalize,
+)
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import TINY_PRESETS, default_model_dir, hf_config, random_hf_model
 
@@ -57,6 +64,25 @@ def test_penalize_matches_the_definitions():
     untouched = [t for t in range(50) if t not in {1, 2, 3, 4, 7, 9}]
     assert torch.equal(got[untouched], row[untouched])
     assert not SamplingParams().penalized and p.penalized
+
+
+@pytest.mark.parametrize(
+    "probs, params, want",
+    [
+        # min_p before top-p (vLLM's order): min_p keeps .4 and .3, top_p .5 then the first
+        ([0.4, 0.3, 0.1, 0.1, 0.1], dict(top_p=0.5, min_p=0.5), [1, 0, 0, 0, 0]),
+        # top-p keeps the smallest prefix whose mass reaches it, exactly reached too
+        ([0.5, 0.25, 0.25], dict(top_p=0.5), [1, 0, 0]),
+        ([0.25] * 4, dict(top_p=0.5), [0.5, 0.5, 0, 0]),
+        ([0.5, 0.25, 0.25], dict(top_p=0.75), [2 / 3, 1 / 3, 0]),
+        ([0.5, 0.3, 0.2], dict(top_p=0.7), [0.5 / 0.8, 0.3 / 0.8, 0]),
+        # top-k after min_p: of the two min_p keeps, top_k 3 changes nothing
+        ([0.4, 0.3, 0.1, 0.1, 0.1], dict(top_k=3, min_p=0.5), [4 / 7, 3 / 7, 0, 0, 0]),
+    ],
+)
+def test_filtered_probs_in_vllms_order(probs, params, want):
+    got = filtered_probs(torch.tensor(probs).log(), SamplingParams(**params))
+    torch.testing.assert_close(got, torch.tensor(want, dtype=got.dtype), rtol=0, atol=1e-6)
 
 
 def test_ban_gives_way_when_nothing_else_is_left():

@@ -340,8 +340,12 @@ def token_ranks(logp: torch.Tensor, tokens: Sequence[int]) -> list[int]:
 
 
 def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p filtering of one row of logits."""
+    """One row of logits as probabilities, in vLLM's order: temperature, min-p (against the
+    tempered distribution), then top-k and top-p over what min-p kept."""
     row = row / p.temperature
+    if p.min_p > 0:
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0 and p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -349,11 +353,9 @@ def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_p, dim=-1)
-        drop = cum - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
+        drop = cum - sorted_p >= p.top_p  # keep the smallest prefix reaching top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return probs / probs.sum()
 
 
