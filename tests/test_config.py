@@ -171,6 +171,30 @@ def test_fields_a_config_leaves_out_mean_what_transformers_says(name):
     assert {k: getattr(ours, k) for k in _OPTIONAL} == {k: getattr(theirs, k) for k in _OPTIONAL}
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}},
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_theta": 5e5},
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 7e5}},
+        {"rope_scaling": {}},
+    ],
+    ids=["legacy-type", "top-level-theta", "own-theta", "empty"],
+)
+def test_rope_scaling_beside_rope_parameters_reads_as_transformers_reads_it(fields):
+    """A transformers-5 config.json (`rope_parameters`) with a `rope_scaling` added, as model
+    cards say to extend the context: transformers (and vLLM through it) apply it in place of
+    `rope_parameters`, dsakv kept the default RoPE (other logits, no error)."""
+    import transformers
+
+    raw = {**preset("glm-5"), "rope_scaling": None, "rope_theta": None, **fields}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6}
+    theirs = dict(transformers.AutoConfig.for_model(**json.loads(json.dumps(raw))).rope_parameters)
+    theirs.pop("type", None)  # (kept beside rope_type, unread)
+    assert ModelConfig.from_hf(raw).rope_parameters == theirs
+
+
 def test_yarn_without_its_factor_is_one_error():
     raw = preset("deepseek-v3.2")
     raw["rope_scaling"] = {k: v for k, v in raw["rope_scaling"].items() if k != "factor"}

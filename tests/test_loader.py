@@ -265,6 +265,15 @@ def _misplaced(path):
     )
 
 
+def _deep(key: str, depth: int = 100_000) -> str:
+    """A JSON object nested past Python's recursion limit (json.loads: a RecursionError)."""
+    return f'{{"{key}": ' + "[" * depth + "]" * depth + "}"
+
+
+def _deep_index(path):
+    (path.parent / "model.safetensors.index.json").write_text(_deep("weight_map"))
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -273,6 +282,7 @@ def _misplaced(path):
         (_index(None), r"model\.safetensors\.index\.json is not a safetensors index"),
         (_index({"lm_head.weight": "gone.safetensors"}), "checkpoint file .*gone.safetensors"),
         (_misplaced, "checkpoint file .*other.safetensors holds no tensor lm_head.weight"),
+        (_deep_index, r"model\.safetensors\.index\.json is not a safetensors index: nested"),
     ],
 )
 def test_corrupt_checkpoint_file_is_named(ckpt, tmp_path, edit, message):
@@ -289,6 +299,8 @@ def test_corrupt_checkpoint_file_is_named(ckpt, tmp_path, edit, message):
         ("tokenizer.json", "{bad", DsakvError, "tokenizer.json is not valid JSON"),
         ("tokenizer.json", "{}", DsakvError, "cannot load the tokenizer in "),
         ("tokenizer_config.json", "[bad", DsakvError, "tokenizer_config.json is not valid JSON"),
+        ("tokenizer_config.json", _deep("a"), DsakvError, "_config.json is not valid JSON: nested"),
+        ("tokenizer.json", _deep("a"), DsakvError, "tokenizer.json is not valid JSON: nested"),
         ("config.json", {"pad_token_id": "x"}, ConfigError, "config.json: .*'pad_token_id'"),
     ],
 )
@@ -307,7 +319,13 @@ def test_broken_tokenizer_or_transformers_config_is_named(
 
 
 @pytest.mark.parametrize(
-    ("file", "text"), [("model.safetensors", "garbage"), ("tokenizer.json", "{bad")]
+    ("file", "text"),
+    [
+        ("model.safetensors", "garbage"),
+        ("tokenizer.json", "{bad"),
+        ("model.safetensors.index.json", _deep("weight_map")),
+        ("tokenizer_config.json", _deep("a")),
+    ],
 )
 def test_generate_with_corrupt_file_is_one_error_line(ckpt, tmp_path, capsys, file, text):
     path = shutil.copytree(ckpt, tmp_path / "bad")

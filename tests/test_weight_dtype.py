@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from dsakv import LLM, SamplingParams
 from dsakv.config import ModelConfig
@@ -17,7 +18,7 @@ from dsakv.kernels import cpu_native
 from dsakv.kernels.torch_ops import pack_fp8, unpack_fp8, widened
 from dsakv.memory import CacheLayout, DSAKVPool
 from dsakv.models.loader import _read_dequant, _read_packed, load_model
-from dsakv.models.tiny import default_model_dir, write_tiny_model
+from dsakv.models.tiny import default_model_dir, quantize_fp8_blocks, write_tiny_model
 
 native = pytest.mark.skipif(
     not cpu_native.available(), reason="no C++ compiler: the cpu backend runs its torch ops"
@@ -297,3 +298,45 @@ def test_native_fp8_blocks_at_ragged_widths_match_their_widening():
 
     h, out = torch.randn(3, hidden, generator=g), torch.randn(3, attn_dim, generator=g)
     assert torch.equal(ffn(0)(h, out), ffn(1)(h, out))
+
+
+@pytest.fixture(scope="module", params=["fp8-64", "e5m2", "bf16-scaled"])
+def unpackable_model(request, tmp_path_factory) -> str:
+    """glm-tiny (bf16) with block-scaled projections `pack_fp8` cannot hold: e4m3 in 64×64
+    blocks, e5m2 or bf16 weights beside 128×128 `weight_scale_inv`s."""
+    path = write_tiny_model(
+        tmp_path_factory.mktemp(f"glm-tiny-{request.param}"),
+        "glm-tiny",
+        5,
+        mtp="none",
+        weights="bf16",
+    )
+    quantize_fp8_blocks(path, block=64 if request.param == "fp8-64" else 128)
+    if request.param != "fp8-64":
+        as_ = torch.float8_e5m2 if request.param == "e5m2" else torch.bfloat16
+        file = path / "model.safetensors"
+        tensors = load_file(file)
+        for name, t in tensors.items():
+            if t.dtype == torch.float8_e4m3fn:
+                tensors[name] = t.float().to(as_)
+        save_file(tensors, file, metadata={"format": "pt"})
+    return str(path)
+
+
+def test_block_scaled_weights_it_cannot_pack_are_held_fp32(unpackable_model):
+    """They are dequantised at load into fp32, as `dtype="float32"` holds them, while the
+    unscaled matrices stay bf16: 64×64 blocks were held bf16 (rounded: other logits), e5m2
+    and bf16 weights were packed, then refused at the read, after allocating."""
+    stored, _, _ = load_model(unpackable_model, as_stored=True)
+    wide = dict(load_model(unpackable_model)[0].named_parameters())
+    attn = stored.model.layers[1].self_attn
+    assert _weight_dtype(stored) == torch.bfloat16
+    assert attn.q_b_proj.weight.dtype == attn.kv_b_proj.weight.dtype == torch.float32
+    for name, p in stored.named_parameters():
+        assert torch.equal(widened(p, wide[name]), wide[name]), name
+
+
+def test_auto_dtype_loads_them_for_the_float32_models_tokens_and_logprobs(unpackable_model):
+    prompts = [[5 + i % 200 for i in range(n)] for n in (40, 7)]
+    got = _generate(unpackable_model, prompts)
+    assert got == _generate(unpackable_model, prompts, dtype="float32")

@@ -366,15 +366,17 @@ def _check(kw: dict[str, Any], raw: dict[str, Any]) -> None:
 
 
 def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
-    """Merge transformers-5 `rope_parameters` and legacy `rope_theta` + `rope_scaling`."""
+    """Transformers-5 `rope_parameters` or legacy `rope_theta` + `rope_scaling`, read as
+    transformers reads them: a `rope_scaling` (added to extend the context, as model cards
+    say) replaces `rope_parameters` whole, its `rope_theta` included, the way transformers,
+    and vLLM through it, apply it."""
     if not isinstance(raw.get("rope_scaling") or {}, dict):
         raise ConfigError(
             f"model config field rope_scaling must be a JSON object, got {raw['rope_scaling']!r}"
         )
-    params: dict[str, Any] = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
-    for k, v in scaling.items():
-        params.setdefault("rope_type" if k == "type" else k, v)
+    params: dict[str, Any] = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    if "type" in params:  # (legacy name; rope_type wins where both are given)
+        params.setdefault("rope_type", params.pop("type"))
     params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     params.setdefault("rope_type", "default")
     if params["rope_type"] not in ("default", "yarn"):

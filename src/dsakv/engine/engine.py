@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import logging
 import math
 import reprlib
@@ -19,7 +18,7 @@ import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig, plan_overrides
 from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
-from dsakv.errors import ConfigError, DsakvError, is_int, is_number
+from dsakv.errors import ConfigError, DsakvError, is_int, is_number, load_json
 from dsakv.kernels import BACKENDS, cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
@@ -1248,9 +1247,9 @@ def _tokenizer_fault(path: Path, e: Exception) -> str:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         try:
             if (path / name).is_file():
-                json.loads((path / name).read_text())
-        except ValueError as bad:  # (JSONDecodeError, UnicodeDecodeError)
-            return f"{name} is not valid JSON: {bad}"
+                load_json((path / name).read_text(), f"{name} is not valid JSON")
+        except ValueError as bad:  # (DsakvError, UnicodeDecodeError)
+            return str(bad) if isinstance(bad, DsakvError) else f"{name} is not valid JSON: {bad}"
     return _one_line(e)
 
 

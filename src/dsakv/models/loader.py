@@ -17,7 +17,6 @@ ranks hold; FP8 scales are read for the 128-blocks that cover the slice.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections import Counter
@@ -33,7 +32,7 @@ from tqdm import tqdm
 
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.distributed.parallel import ParallelState
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, load_json
 from dsakv.kernels.torch_ops import WEIGHT_BLOCK, pack_fp8, packed_width, unpacked_width
 from dsakv.memory import allocation_failed
 
@@ -106,11 +105,14 @@ def load_model(
         model = DSAForCausalLM(config, plan, parallel=parallel, draft_vocab=draft_vocab)
     model.to(dtype)
     if as_stored and dtype == torch.float32:
-        fp8 = {name for name in files if name + "_scale_inv" in files}
-        if _matrices_bf16(files, fp8):
+        scaled = {name for name in files if name + "_scale_inv" in files}
+        if _matrices_bf16(files, scaled):
             store_matrices(model, torch.bfloat16)
-        if fp8 and _block_size(config) == (WEIGHT_BLOCK, WEIGHT_BLOCK):
-            packed = _pack_fp8(model, fp8)
+        if scaled:
+            packable: set[str] = set()
+            if _block_size(config) == (WEIGHT_BLOCK, WEIGHT_BLOCK):
+                packable = _e4m3(files, scaled)
+            packed = _pack_fp8(model, scaled, packable)
             log.info("%d weight matrices kept as FP8 blocks", packed)
     keep_fp32(model)
     _Filler(model, config, plan).load(files, read=False)
@@ -167,13 +169,16 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file, from `model.safetensors.index.json` or the single file."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
+        message = f"{index} is not a safetensors index"
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: path / file for name, file in weight_map.items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise DsakvError(
-                f"{index} is not a safetensors index: {type(e).__name__}: {e}"
-            ) from None
+            text = index.read_text()
+        except ValueError as e:  # (not UTF-8)
+            raise DsakvError(f"{message}: {type(e).__name__}: {e}") from None
+        raw = load_json(text, message)  # (nested too deeply: a RecursionError traceback)
+        try:
+            return {name: path / file for name, file in raw["weight_map"].items()}
+        except (KeyError, TypeError, AttributeError) as e:
+            raise DsakvError(f"{message}: {type(e).__name__}: {e}") from None
     single = path / "model.safetensors"
     files = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
     if not files:
@@ -207,13 +212,15 @@ def _get_slice(handles: dict[Path, Any], files: dict[str, Path], name: str) -> A
         ) from None
 
 
-def _matrices_bf16(files: dict[str, Path], fp8: set[str]) -> bool:
+def _matrices_bf16(files: dict[str, Path], scaled: set[str]) -> bool:
     """Whether every weight matrix of the checkpoint is stored as bf16 (read from the file
-    headers), the router's and weights_proj (fp32 whatever the model dtype) and the `fp8`
-    ones aside: then they can stay bf16 bit for bit."""
+    headers), the router's and weights_proj (fp32 whatever the model dtype) and the block
+    `scaled` ones (`_pack_fp8`'s) aside: then they can stay bf16 bit for bit."""
     handles: dict[Path, Any] = {}
     for name in files:
-        if name in fp8 or name.endswith(("_scale_inv", "mlp.gate.weight", "weights_proj.weight")):
+        if name in scaled or name.endswith(
+            ("_scale_inv", "mlp.gate.weight", "weights_proj.weight")
+        ):
             continue
         tensor = _get_slice(handles, files, name)
         if len(tensor.get_shape()) > 1 and tensor.get_dtype() != "BF16":
@@ -221,33 +228,42 @@ def _matrices_bf16(files: dict[str, Path], fp8: set[str]) -> bool:
     return True
 
 
-def _pack_fp8(model: DSAForCausalLM, fp8: set[str]) -> int:
-    """Make the (meta) weights the checkpoint stores as FP8 blocks packed uint8 rows
-    (`pack_fp8`) where this rank's slice starts on a block column: every linear layer's,
-    and a layer's stacked experts when all of its experts' are. The others are dequantised
-    at load into fp32 (bf16 would round them). Returns how many matrices were packed."""
+def _e4m3(files: dict[str, Path], scaled: set[str]) -> set[str]:
+    """The `scaled` weights stored as e4m3 (file headers): the ones `pack_fp8` can hold."""
+    handles: dict[Path, Any] = {}
+    return {n for n in scaled if _get_slice(handles, files, n).get_dtype() == "F8_E4M3"}
+
+
+def _pack_fp8(model: DSAForCausalLM, scaled: set[str], packable: set[str]) -> int:
+    """Make the (meta) weights the checkpoint stores with block scales (`scaled`) packed
+    uint8 rows (`pack_fp8`) where they are e4m3 128×128 blocks (`packable`) and this rank's
+    slice starts on a block column: every linear layer's, and a layer's stacked experts
+    when all of its experts' are. The others (e5m2, other block sizes, a bf16 weight with
+    scales) are dequantised at load into fp32 (bf16 would round them). Returns how many
+    matrices were packed."""
 
     def held(param: nn.Parameter, packed: bool) -> nn.Parameter:
         *rows, k = param.shape
         if not packed:
-            return nn.Parameter(torch.empty(*rows, k, device="meta"), False)
+            return nn.Parameter(torch.empty(*rows, k, dtype=torch.float32, device="meta"), False)
         return nn.Parameter(
             torch.empty(*rows, packed_width(k), dtype=torch.uint8, device="meta"), False
         )
 
     count = 0
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and f"{name}.weight" in fp8:
+        if isinstance(mod, nn.Linear) and f"{name}.weight" in scaled:
             shard = getattr(mod, "shard", None)
             aligned = shard is None or shard.dim == 0 or shard.start % WEIGHT_BLOCK == 0
-            ok = aligned and not name.endswith("weights_proj")  # (fp32 by design)
+            ok = f"{name}.weight" in packable and aligned
+            ok = ok and not name.endswith("weights_proj")  # (fp32 by design)
             mod.weight, count = held(mod.weight, ok), count + ok
         elif isinstance(mod, Experts):
             (first, last), (i0, _) = mod.expert_range, mod.inter_range
             parts = ("gate_proj", "up_proj", "down_proj")
             every = {f"{name}.{e}.{p}.weight" for e in range(first, last) for p in parts}
-            if every & fp8:
-                ok = every <= fp8 and i0 % WEIGHT_BLOCK == 0
+            if every & scaled:
+                ok = every <= packable and i0 % WEIGHT_BLOCK == 0
                 mod.gate_up_proj = held(mod.gate_up_proj, ok)
                 mod.down_proj = held(mod.down_proj, ok)
                 count += 2 * ok
