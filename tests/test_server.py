@@ -4,8 +4,10 @@ official `openai` client, and an offline `LLM` on the same tiny model as the ref
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -842,3 +844,242 @@ def test_serve_holds_its_ports_while_the_engine_loads(model_dir, monkeypatch, ca
     out = capsys.readouterr().out
     assert f"dsakv: serving 'tiny' at http://127.0.0.1:{port}/v1" in out
     assert not port_taken(port) and not port_taken(bootstrap)  # both given back
+
+
+# --- aborts' usage, latency metrics, scrapes during long steps, auth order ---------------------
+
+
+def _families(base: str) -> dict[str, tuple[str, dict[tuple, float]]]:
+    """/metrics as {family name: (type, {(sample name, labels without model_name): value})}."""
+    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT).text
+    out = {}
+    for f in text_string_to_metric_families(text):
+        samples = {
+            (
+                s.name,
+                tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")),
+            ): s.value
+            for s in f.samples
+        }
+        out[f.name] = (f.type, samples)
+    return out
+
+
+def _sample(fams: dict, family: str, name: str, **labels: str) -> float:
+    return fams[family][1].get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _sse_events(lines) -> list:
+    return [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+
+
+@contextlib.contextmanager
+def _engine_thread_busy(async_engine, seconds: float):
+    """The engine thread held for `seconds`, as by one long step (a call that sleeps)."""
+    thread = threading.Thread(
+        target=lambda: asyncio.run(async_engine.call(lambda e: time.sleep(seconds)))
+    )
+    thread.start()
+    time.sleep(0.3)  # (it is inside the sleep now)
+    try:
+        yield
+    finally:
+        thread.join(TIMEOUT)
+
+
+def test_aborted_streams_report_their_usage(base, served):
+    """An abort's last update (server shutdown: `abort_all`) carried the prompt's token count
+    as stop_reason and zero usage; /generate's, the output length as cached_tokens. Now:
+    no stop_reason, and the real prompt tokens and the tokens generated so far (vLLM's)."""
+    _wait_idle(base)
+    prompt, ids = [41, 42, 43, 44, 45, 46, 47], [51, 52, 53, 54, 55, 56, 57, 58, 59]
+    cmpl = {"prompt": prompt, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    cmpl |= {"stream_options": {"include_usage": True}, "return_token_ids": True}
+    gen = {"input_ids": ids, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+    with (
+        httpx.Client(timeout=TIMEOUT) as http,
+        http.stream("POST", f"{base}/v1/completions", json=cmpl) as r1,
+        http.stream("POST", f"{base}/generate", json={**gen, "stream": True}) as r2,
+    ):
+        lines1, lines2 = r1.iter_lines(), r2.iter_lines()
+        first = [next(lines1) for _ in range(6)] + [next(lines2) for _ in range(6)]
+        served[1].abort_all()
+        c = _sse_events(first[:6] + list(lines1))
+        g = _sse_events(first[6:] + list(lines2))
+    last, usage = c[-2]["choices"][0], c[-1]["usage"]
+    assert last["finish_reason"] == "abort" and last["stop_reason"] is None
+    streamed = sum(len(e["choices"][0]["token_ids"]) for e in c[:-1])
+    assert streamed >= 3
+    assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == streamed
+    meta, before = g[-1]["meta_info"], g[-2]["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert meta["prompt_tokens"] == len(ids)
+    assert meta["completion_tokens"] == len(g[-1]["output_ids"]) >= 3
+    assert meta["cached_tokens"] == before["cached_tokens"] < len(ids)
+    _wait_idle(base)
+
+
+def test_a_failed_step_ends_requests_with_their_usage(base, served, monkeypatch):
+    """`_fail_all`'s last update: finish_reason "error", no stop_reason, the prompt's tokens
+    and the tokens generated before the step failed. `Update` takes its fields after the
+    first four by keyword only, so a new field cannot shift them again."""
+    from dsakv.server.runner import Update
+
+    with pytest.raises(TypeError):
+        Update([], "", None, None, True, "abort")
+    _wait_idle(base)
+    async_engine = served[1]
+    engine, real, calls = async_engine.engine, async_engine.engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected")
+        return real()
+
+    monkeypatch.setattr(engine, "step", step)
+
+    async def run() -> list:
+        params = SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.0)
+        (stream,) = await async_engine.generate_n([61, 62, 63, 64, 65], params, 1)
+        updates = [await stream.get()]
+        while not updates[-1].finished:
+            updates.append(await asyncio.wait_for(stream.get(), TIMEOUT))
+        return updates
+
+    updates = asyncio.run(run())
+    monkeypatch.undo()
+    end = updates[-1]
+    assert end.error == "engine error: injected" and end.finish_reason == "error"
+    assert end.stop_reason is None and end.prompt_tokens == 5
+    assert end.completion_tokens == sum(len(u.token_ids) for u in updates) == 3
+    _wait_idle(base)
+
+
+def test_ttft_and_latency_count_the_wait_for_the_engine_thread(base, served):
+    """A request that arrives while the engine thread is inside a long step waits for it;
+    its TTFT and e2e latency count that wait, as the client sees it (vLLM measures from the
+    API server's arrival), not from when the engine thread took it."""
+    _wait_idle(base)
+    before = _families(base)
+    with _engine_thread_busy(served[1], 2.0):
+        body = {"input_ids": [71, 72, 73], "sampling_params": {"max_new_tokens": 1}}
+        assert httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT).status_code == 200
+    after = _families(base)
+    for name in ("dsakv_time_to_first_token_seconds", "dsakv_e2e_request_latency_seconds"):
+        count = [_sample(m, name, name + "_count") for m in (before, after)]
+        fast = [_sample(m, name, name + "_bucket", le="1.0") for m in (before, after)]
+        assert count[1] == count[0] + 1 and fast[1] == fast[0], name  # it took over 1 s
+
+
+def test_scrapes_do_not_wait_out_a_long_step(base, served):
+    """/metrics gave a 500 with an empty message once one engine step ran past 30 s, and
+    waited that long first; /server_info waited for the step. Both answer within about a
+    second now, with the engine counters the engine thread last read."""
+    _wait_idle(base)
+    with _engine_thread_busy(served[1], 3.0):
+        began = time.monotonic()
+        text = httpx.get(f"{base}/metrics", timeout=2.5).text
+        assert "dsakv_kv_pages_total" in text
+        info = httpx.get(f"{base}/server_info", timeout=2.5).json()
+        assert info["max_total_num_tokens"] == 64 * 16
+        assert time.monotonic() - began < 2.5
+
+
+def test_an_internal_error_without_a_message_names_its_type(served):
+    from fastapi.testclient import TestClient
+
+    app = build_app(served[1], MODEL)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise TimeoutError()
+
+    r = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert r.status_code == 500
+    assert r.json()["error"]["message"] == "internal error: TimeoutError"
+
+
+def test_api_key_is_checked_before_the_body(served):
+    """With --api-key, a keyless request whose body is not JSON was a 400 (auth ran after
+    parsing): now a 401, as vLLM checks before routing. The probes stay open."""
+    from fastapi.testclient import TestClient
+
+    client = TestClient(build_app(served[1], MODEL, api_key="sekret"))
+    key = {"Authorization": "Bearer sekret"}
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/tokenize"):
+        r = client.post(path, content=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        r = client.post(path, content=b"{not json", headers={**key, "Content-Type": "x"})
+        assert r.status_code == 400, path
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers=key).status_code == 200
+    assert client.post("/flush_cache", headers={"Authorization": "Bearer no"}).status_code == 401
+    for path in ("/health", "/version", "/metrics", "/model_info", "/server_info"):
+        assert client.get(path).status_code == 200, path
+
+
+def test_engine_counters_are_counters_and_endpoints_are_labelled(base, client):
+    """Step counts and time only go up: counters, not gauges. /version, /reset_prefix_cache
+    and /v1/models/{model} were counted as "other"."""
+    _wait_idle(base)
+    httpx.get(f"{base}/version", timeout=TIMEOUT)
+    httpx.post(f"{base}/reset_prefix_cache", timeout=TIMEOUT)
+    client.models.retrieve(MODEL)
+    fams = _families(base)
+    for name in ("engine_steps", "engine_step_time_seconds", "decode_request_steps"):
+        assert fams["dsakv_" + name][0] == "counter", name
+        assert _sample(fams, "dsakv_" + name, f"dsakv_{name}_total") > 0, name
+    assert "dsakv_steps" not in fams and "dsakv_decode_steps" not in fams
+    http = fams["dsakv_http_requests"][1]
+    labels = {dict(k[1])["endpoint"] for k in http}
+    assert {"/version", "/reset_prefix_cache", "/v1/models/{model}"} <= labels
+
+
+def test_inter_token_latency_and_success_by_finish_reason(base):
+    """vLLM's inter_token_latency_seconds (one gap per step between a request's tokens)
+    and request_success_total by finish reason, for streamed and whole responses."""
+    _wait_idle(base)
+    before = _families(base)
+    body = {"prompt": [81, 82, 83], "max_tokens": 5, "ignore_eos": True}
+    assert httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).status_code == 200
+    with httpx.stream(
+        "POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT
+    ) as r:
+        assert _sse_events(r.iter_lines())[-1]["choices"][0]["finish_reason"] == "length"
+    after = _families(base)
+    itl = "dsakv_inter_token_latency_seconds"
+    gaps = [_sample(m, itl, itl + "_count") for m in (before, after)]
+    assert gaps[1] - gaps[0] == 2 * 4  # 5 tokens each: 4 gaps
+    ok = [
+        _sample(m, "dsakv_request_success", "dsakv_request_success_total", finished_reason="length")
+        for m in (before, after)
+    ]
+    assert ok[1] - ok[0] == 2
+
+
+def test_usage_reports_cached_prompt_tokens(base):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix
+    cache held (its full 16-token pages), streamed or not; for n > 1 the prompt's, which
+    its first choice ran (the other choices find it cached)."""
+    _wait_idle(base)
+
+    def usage(path: str, body: dict, stream: bool = False) -> dict:
+        if not stream:
+            r = httpx.post(f"{base}{path}", json=body, timeout=TIMEOUT)
+            return r.json()["usage"]
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{base}{path}", json=body, timeout=TIMEOUT) as r:
+            return _sse_events(r.iter_lines())[-1]["usage"]
+
+    prompt = [(7 * i) % 200 + 20 for i in range(40)]
+    cmpl = {"prompt": prompt, "max_tokens": 2}
+    cached = lambda u: u["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+    assert cached(usage("/v1/completions", {**cmpl, "n": 2})) == 0  # first choice's
+    assert cached(usage("/v1/completions", cmpl)) == 32
+    assert cached(usage("/v1/completions", cmpl, stream=True)) == 32
+    chat = {"messages": [{"role": "user", "content": "cache me " * 12}], "max_tokens": 2}
+    first = usage("/v1/chat/completions", chat)
+    assert cached(first) == 0 and first["prompt_tokens"] > 32
+    assert cached(usage("/v1/chat/completions", chat)) > 0
+    assert cached(usage("/v1/chat/completions", {**chat, "n": 2}, stream=True)) > 0

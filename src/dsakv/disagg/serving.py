@@ -34,6 +34,7 @@ from dsakv.server.runner import (
     EngineThread,
     RequestStream,
     Update,
+    _ended,
     _update,
 )
 
@@ -50,9 +51,7 @@ _RESERVE_POLL_S = 0.05
 def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget:
     target = next_target(role)
     if n != 1:
-        raise APIError(
-            400, "n > 1 is not supported with prefill/decode disaggregation", param="n"
-        )
+        raise APIError(400, "n > 1 is not supported with prefill/decode disaggregation", param="n")
     if params.prompt_logprobs is not None:
         raise APIError(
             400,
@@ -223,6 +222,7 @@ class PrefillAsyncEngine(_DisaggEngine):
         """Engine thread: queue the prompt with its pages held past its finish. The engine
         feeds `shadow`; `_ship` passes the final update on to `public` after the write."""
         req = engine.add_request(ids, params)
+        req.metrics.arrival_time = public.arrival  # (`RequestStream.arrival`)
         ops.hold(engine, req)
         for s in (shadow, public):
             s.rid, s.request, s.prompt_tokens = req.rid, req, len(ids)
@@ -242,7 +242,7 @@ class PrefillAsyncEngine(_DisaggEngine):
         shadow = self._streams.get(stream.rid) if stream.rid is not None else None
         super()._abort(stream, reason)
         if shadow is not None and shadow is not stream:
-            shadow._push(Update([], "", None, None, True, reason, stream.prompt_tokens, 0))
+            shadow._push(_ended(shadow, reason))
 
     async def _ship(
         self, req: Request, reg: Any, shadow: RequestStream, public: RequestStream
@@ -287,7 +287,18 @@ class PrefillAsyncEngine(_DisaggEngine):
             log.warning("%s", message)
             reg.fail(message)
             public._push(
-                Update([], "", None, None, True, "error", len(req.prompt_ids), 0, error=message)
+                Update(
+                    [],
+                    "",
+                    None,
+                    None,
+                    finished=True,
+                    finish_reason="error",
+                    cached_tokens=req.metrics.prefix_hit_tokens,
+                    prompt_tokens=len(req.prompt_ids),
+                    completion_tokens=len(req.output_ids),
+                    error=message,
+                )
             )
         finally:
             self.pending -= 1
@@ -328,6 +339,7 @@ class DecodeAsyncEngine(_DisaggEngine):
                 "(X-Dsakv-Bootstrap-Host, or bootstrap_host)",
             )
         port = target.port or self.config.bootstrap_port  # SGLang's default when not given
+        stream = RequestStream(asyncio.get_running_loop())  # (its `arrival`: now)
         ids = await self.call(lambda e: e.prompt_ids(prompt, params.truncate_prompt_tokens))
         self.pending += 1
         try:
@@ -359,7 +371,6 @@ class DecodeAsyncEngine(_DisaggEngine):
         finally:
             self.pending -= 1
         self.stats.add(int(reply["bytes"]), int(reply["tokens"]), float(reply["seconds"]))
-        stream = RequestStream(asyncio.get_running_loop())
         start = functools.partial(self._start, req, reply, stream)
         await self.call(start, undo=lambda e, _: self._abort(stream, "abort"))
         return [stream]
@@ -398,6 +409,7 @@ class DecodeAsyncEngine(_DisaggEngine):
         if req.params.logprobs is not None and logprob is not None:
             req.logprobs.append(float(logprob))
             req.top_logprobs.append([(int(t), float(x)) for t, x in top or []])
+        req.metrics.arrival_time = stream.arrival  # (the prefill server's time included)
         ops.start_decoding(engine, req, int(reply["first_token"]))
         stream.rid, stream.request, stream.prompt_tokens = req.rid, req, len(req.prompt_ids)
         stream._push(_update(engine, stream, req))

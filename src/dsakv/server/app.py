@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -49,7 +49,10 @@ _ENDPOINTS = (
     "/v1/chat/completions",
     "/generate",
     "/flush_cache",
+    "/reset_prefix_cache",
     "/v1/models",
+    "/v1/models/{model}",  # (any model: `_endpoint`)
+    "/version",
     "/tokenize",
     "/detokenize",
     "/health",
@@ -59,6 +62,18 @@ _ENDPOINTS = (
     "/get_model_info",
     "/server_info",
     "/get_server_info",
+)
+# Routes open without the API key: probes and scrapers (`build_app`).
+_OPEN = (
+    "/health",
+    "/health_generate",
+    "/version",
+    "/metrics",
+    "/model_info",
+    "/get_model_info",
+    "/server_info",
+    "/get_server_info",
+    "/disagg/info",  # (a prefill or decode server's: `dsakv.disagg.serving`)
 )
 _DISCONNECT_POLL_S = 0.5
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -71,10 +86,11 @@ def build_app(
     api_key: str | None = None,
     chat_parsers: ChatParsers | None = None,
 ) -> FastAPI:
-    """The app for one engine. With `api_key`, every /v1 route needs `Authorization: Bearer`;
-    /health, /metrics and SGLang's probes (/health_generate, /model_info, /server_info, and
-    their older /get_* names, which routers such as sglang-router read at registration)
-    stay open for probes and scrapers. `chat_parsers` defaults to the model type's
+    """The app for one engine. With `api_key`, every route needs `Authorization: Bearer`
+    (checked before the body is read: `_BearerAuth`) but those left open for probes and
+    scrapers (`_OPEN`): /health, /version, /metrics and SGLang's probes (/health_generate,
+    /model_info, /server_info, and their older /get_* names, which routers such as
+    sglang-router read at registration). `chat_parsers` defaults to the model type's
     tool-call and reasoning parsers."""
     app = FastAPI(title="dsakv", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(model_name)
@@ -83,12 +99,13 @@ def build_app(
         model_name,
         metrics,
     )
+    if api_key:  # (inside the counting: a 401 is counted)
+        app.add_middleware(_BearerAuth, api_key=api_key)
     app.add_middleware(_CountRequests, metrics=metrics)
     _install_error_handlers(app)
     if chat_parsers is None:
         chat_parsers = ChatParsers.for_model(async_engine.engine.model_config.model_type)
     api = Handlers(async_engine, model_name, metrics, chat_parsers)
-    auth = [Depends(_bearer_check(api_key))] if api_key else []
 
     @app.get("/health")
     async def health() -> Response:
@@ -116,46 +133,44 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        snapshot = None
-        if async_engine.alive:
-            snapshot = await asyncio.wait_for(async_engine.call(lambda e: e.counters()), 30)
+        snapshot = await async_engine.counters()  # (never waits out a long step)
         return Response(
             metrics.render(snapshot), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [api.model_card()]}
 
     # OpenAI's retrieve-model (`client.models.retrieve`); `path`: a served name may hold "/"
-    @app.get("/v1/models/{model:path}", dependencies=auth)
+    @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
         api._check_model(model)
         return api.model_card()
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await api.completion(body, raw)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await api.chat(body, raw)
 
-    @app.post("/tokenize", dependencies=auth)
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         return await asyncio.to_thread(api.tokenize, body)  # (10 MB held every route 10 s)
 
-    @app.post("/detokenize", dependencies=auth)
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await asyncio.to_thread(api.detokenize, body)
 
     # SGLang's /flush_cache and vLLM's /reset_prefix_cache (benchmarks call them between runs)
-    app.add_api_route("/flush_cache", api.flush_cache, methods=["GET", "POST"], dependencies=auth)
-    app.add_api_route("/reset_prefix_cache", api.flush_cache, methods=["POST"], dependencies=auth)
+    app.add_api_route("/flush_cache", api.flush_cache, methods=["GET", "POST"])
+    app.add_api_route("/reset_prefix_cache", api.flush_cache, methods=["POST"])
 
     from .generate import add_generate_route  # (here: that module imports this one)
 
-    add_generate_route(app, api, auth)  # SGLang's native /generate
+    add_generate_route(app, api)  # SGLang's native /generate
     return app
 
 
@@ -294,7 +309,9 @@ class Handlers:
                     yield _sse({**head, "choices": [choice], **_chunk_usage(usage, running, u)})
                     if u.finished:
                         totals.completion_tokens += u.completion_tokens
-                        totals.prompt_tokens += u.prompt_tokens if i % n == 0 else 0
+                        if i % n == 0:  # (each prompt once: its first choice ran it)
+                            totals.prompt_tokens += u.prompt_tokens
+                            totals.cached_tokens += u.cached_tokens
                 if usage:
                     yield _sse({**head, "choices": [], "usage": _usage(totals)})
 
@@ -318,6 +335,7 @@ class Handlers:
         total = _Result(
             prompt_tokens=sum(r.prompt_tokens for r in results[::n]),
             completion_tokens=sum(r.completion_tokens for r in results),
+            cached_tokens=sum(r.cached_tokens for r in results[::n]),
         )
         return JSONResponse({**head, "choices": out, "usage": _usage(total)})
 
@@ -411,6 +429,8 @@ class Handlers:
                     if u.finished:
                         totals.prompt_tokens = u.prompt_tokens
                         totals.completion_tokens += u.completion_tokens
+                        if i == 0:  # (the prompt's: the forks found it cached)
+                            totals.cached_tokens = u.cached_tokens
                 if usage:
                     yield _sse({**head, "choices": [], "usage": _usage(totals)})
 
@@ -434,6 +454,7 @@ class Handlers:
         total = _Result(
             prompt_tokens=results[0].prompt_tokens,
             completion_tokens=sum(r.completion_tokens for r in results),
+            cached_tokens=results[0].cached_tokens,
         )
         out = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(total)}
         if body.prompt_logprobs is not None:  # vLLM's: the response's, not a choice's
@@ -487,7 +508,8 @@ class Handlers:
         lists; else "unknown") and loads the tokenizer at `model_path`."""
         e = self.engine.engine
         c = e.config
-        pages = (await self.engine.call(lambda e: e.counters()))["pages_total"]
+        counters = await self.engine.counters()  # (the last ones during a long step)
+        pages = counters["pages_total"] if counters else None
         return {
             "model_path": c.model,
             "tokenizer_path": c.model if e.tokenizer is not None else None,
@@ -495,7 +517,7 @@ class Handlers:
             "version": __version__,
             "context_length": e.max_model_len,
             "page_size": c.page_size,
-            "max_total_num_tokens": int(pages) * c.page_size,
+            "max_total_num_tokens": None if pages is None else int(pages) * c.page_size,
             "max_running_requests": c.max_running_requests,
             "chunked_prefill_size": c.chunked_prefill_size,
             "kv_cache_dtype": c.kv_cache_dtype,
@@ -858,31 +880,38 @@ class Handlers:
 
     async def _updates(self, stream: RequestStream) -> AsyncIterator[Update]:
         """A request's updates up to and including the finishing one; errors raise."""
-        while True:
-            u = await stream.get()
-            if u.error is not None:
-                raise _update_error(u)
-            yield u
-            if u.finished:
-                self.metrics.observe_request(u.ttft_s, u.latency_s)
-                return
+        finished = False
+        try:
+            while True:
+                u = await stream.get()
+                self.metrics.observe_update(u)
+                finished = u.finished
+                if u.error is not None:
+                    raise _update_error(u)
+                yield u
+                if u.finished:
+                    return
+        finally:
+            if not finished:  # the client left, or another choice failed: it is aborted
+                self.metrics.success.labels("abort").inc()
 
     async def _collect(self, stream: RequestStream, raw: Request) -> _Result:
         """Wait for the whole output, aborting if the client goes away meanwhile."""
 
         # (an abort ends the stream with finish_reason "abort")
         watcher = asyncio.create_task(_when_left(raw, lambda: self.engine.abort(stream)))
-        result = _Result()
+        result, finished = _Result(), False
         try:
-            while True:
+            while not finished:
                 u = await stream.get()
+                self.metrics.observe_update(u)
+                finished = u.finished
                 if u.error is not None:
                     raise _update_error(u)
                 result.add(u)
-                if u.finished:
-                    self.metrics.observe_request(u.ttft_s, u.latency_s)
-                    break
         finally:
+            if not finished:  # (cancelled: another choice failed)
+                self.metrics.success.labels("abort").inc()
             left = watcher.done() and not watcher.cancelled()
             watcher.cancel()
             self.engine.abort(stream)  # a no-op when it already finished
@@ -968,11 +997,14 @@ def _chunk_usage(usage: bool, running: bool, u: Update | _Result) -> dict[str, A
     return {"usage": _usage(u) if running else None}
 
 
-def _usage(u: Update | _Result) -> dict[str, int]:
+def _usage(u: Update | _Result) -> dict[str, Any]:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens the prefix
+    cache held."""
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
 
 
@@ -1268,18 +1300,28 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {e}", "server_error"), status_code=500)
+        message = f"internal error: {str(e) or type(e).__name__}"  # (TimeoutError(): "")
+        return JSONResponse(error_body(message, "server_error"), status_code=500)
 
 
-def _bearer_check(api_key: str) -> Callable[[Request], None]:
-    expected = f"Bearer {api_key}".encode()
+class _BearerAuth:
+    """Pure ASGI middleware: a request to any route but `_OPEN` needs `Authorization:
+    Bearer <api_key>`, checked before routing and body parsing (vLLM's order): a keyless
+    request is a 401 whatever its body, method or path."""
 
-    def check(request: Request) -> None:
-        got = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(got, expected):
-            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
 
-    return check
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("path", "") in _OPEN:
+            await self.app(scope, receive, send)
+            return
+        got = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if secrets.compare_digest(got, self.expected):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
 
 
 class _CountRequests:
@@ -1320,5 +1362,11 @@ class _CountRequests:
         finally:
             if left and not ended:
                 status = 499  # (nginx's "client closed request", as for the others)
-            path = scope.get("path", "")
-            self.metrics.requests.labels(path if path in _ENDPOINTS else "other", str(status)).inc()
+            self.metrics.requests.labels(_endpoint(scope.get("path", "")), str(status)).inc()
+
+
+def _endpoint(path: str) -> str:
+    """A request's `endpoint` label: its route, one label for every model's retrieve."""
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return path if path in _ENDPOINTS else "other"

@@ -120,13 +120,13 @@ _SGLANG_NAMES = {
 _OPENAI_WORDS = re.compile(r"\b(" + "|".join(_SGLANG_NAMES) + r")\b")
 
 
-def add_generate_route(app: FastAPI, api: Handlers, auth: list[Any]) -> None:
-    """`POST`/`PUT /generate` (SGLang takes both), behind the /v1 routes' `auth`."""
+def add_generate_route(app: FastAPI, api: Handlers) -> None:
+    """`POST`/`PUT /generate` (SGLang takes both), behind the API key as the /v1 routes."""
 
     async def generate(body: GenerateRequest, raw: Request) -> Response:
         return await _generate(api, body, raw)
 
-    app.add_api_route("/generate", generate, methods=["POST", "PUT"], dependencies=auth)
+    app.add_api_route("/generate", generate, methods=["POST", "PUT"])
 
 
 @dataclass(frozen=True)

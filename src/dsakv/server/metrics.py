@@ -1,17 +1,22 @@
 """Prometheus metrics: engine counters read at scrape time, plus per-request latencies.
 
 Each app gets its own `CollectorRegistry`, so several servers (or tests) in one process
-never clash. The engine snapshot comes from the engine thread (`AsyncEngine.call`) right
-before rendering, so gauges are consistent with one another.
+never clash. The engine snapshot comes from the engine thread (`AsyncEngine.counters`)
+right before rendering, or, while one long step holds that thread, the last one it took:
+either way gauges are consistent with one another.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .runner import Update
 
 PREFIX = "dsakv_"
 
@@ -69,6 +74,14 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "Request-steps in which the target verified MTP drafts",
     ),
     "finished_requests": ("finished_requests", "counter", "Requests finished"),
+    "steps": ("engine_steps", "counter", "Engine steps run"),
+    "step_time_s": ("engine_step_time_seconds", "counter", "Time spent in engine steps"),
+    "decode_steps": (
+        "decode_request_steps",
+        "counter",
+        "Request-steps that ran one token past the prompt (one per decoding request per "
+        "step, with any MTP drafts it verified)",
+    ),
     "aborted_requests": ("aborted_requests", "counter", "Requests aborted"),
     # L3 storage tier (dsakv.engine.l3)
     "l3_hits": ("l3_hits", "counter", "KV pages loaded from L3 storage"),
@@ -113,7 +126,11 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "gauge",
         "HiSparse logical tokens in use (requests + prefix cache)",
     ),
-    "hisparse_hot_buffers": ("hisparse_hot_buffers", "gauge", "Requests decoding from a hot buffer"),
+    "hisparse_hot_buffers": (
+        "hisparse_hot_buffers",
+        "gauge",
+        "Requests decoding from a hot buffer",
+    ),
     "hisparse_hits": ("hisparse_hits", "counter", "Top-k entries found in a hot buffer"),
     "hisparse_misses": ("hisparse_misses", "counter", "Top-k entries copied in from the host"),
     "hisparse_resolves": (
@@ -136,7 +153,11 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "counter",
         "Latent rows written to the host (every computed token, every layer)",
     ),
-    "hisparse_bytes_to_host": ("hisparse_bytes_to_host", "counter", "Latent bytes written to the host"),
+    "hisparse_bytes_to_host": (
+        "hisparse_bytes_to_host",
+        "counter",
+        "Latent bytes written to the host",
+    ),
     "l3_write_queue": ("l3_write_queue", "gauge", "KV pages waiting to be written to L3"),
 }
 
@@ -176,7 +197,9 @@ class EngineCollector(Collector):
                 "Mean tokens emitted per MTP verification (accepted drafts + 1)",
                 labels=labels,
             )
-            m.add_metric([self.model_name], 1 + snap["spec_accepted_tokens"] / steps if steps else 0)
+            m.add_metric(
+                [self.model_name], 1 + snap["spec_accepted_tokens"] / steps if steps else 0
+            )
             yield m
 
 
@@ -206,6 +229,29 @@ class ServerMetrics:
             buckets=buckets,
             registry=self.registry,
         )
+        self.inter_token = Histogram(  # (vLLM's inter_token_latency_seconds)
+            PREFIX + "inter_token_latency_seconds",
+            "Time between a request's consecutive output tokens (one per engine step)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2)
+            + (0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+        self.success = Counter(  # (vLLM's request_success_total)
+            PREFIX + "request_success",
+            "Requests (each choice) finished, by finish reason",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+
+    def observe_update(self, u: Update) -> None:
+        """What a handler read of one request: its token gap, and once finished its finish
+        reason and (unless it failed) latencies."""
+        if u.token_gap_s is not None:
+            self.inter_token.observe(u.token_gap_s)
+        if u.finished:
+            self.success.labels(u.finish_reason or "abort").inc()
+            if u.error is None:
+                self.observe_request(u.ttft_s, u.latency_s)
 
     def observe_request(self, ttft_s: float | None, latency_s: float | None) -> None:
         if ttft_s is not None:

@@ -16,14 +16,16 @@ context switches per op, thousands per decode step), which halved the server's d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any, TypeVar
 
 from dsakv.engine import Engine, Request, SamplingParams
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 STALL_WAIT_S = 0.005  # the engine thread's poll while nothing can run but pages are parked
+SNAPSHOT_WAIT_S = 1.0  # how long a scrape waits for fresh counters before taking the last ones
 
 
 class EngineThread:
@@ -88,6 +91,8 @@ class Update:
     text: str  # new text since the previous update (held back while it may still change)
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+    # Keywords only from here: a field added later cannot shift a caller's arguments.
+    _: KW_ONLY
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # (`Request.stop_reason`)
@@ -96,6 +101,7 @@ class Update:
     completion_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float | None = None
+    token_gap_s: float | None = None  # since the request's previous token (None: none yet)
     error: str | None = None  # the engine failed on this request
     error_status: int = 500  # 400 where the request itself was at fault (`Request.error`)
     # With logprobs: each token's text and each alternative's (`TokenTexts`)
@@ -116,6 +122,9 @@ class RequestStream:
     """The handler's end of one request: `await stream.get()` until an update is `finished`."""
 
     loop: asyncio.AbstractEventLoop
+    # When the request reached the server: its TTFT and latency count the wait for the
+    # engine thread too (a long step), as vLLM's count from the API server's arrival.
+    arrival: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0
     rid: int | None = None  # engine request id, known once accepted
     queue: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
@@ -124,6 +133,7 @@ class RequestStream:
     sent_tokens: int = 0
     sent_chars: int = 0
     sent_prompt: bool = False
+    last_token_at: float | None = None  # when its latest tokens were handed out
     request: Request | None = None
     texts: TokenTexts | None = None  # with logprobs, where the engine kept none (`_update`)
 
@@ -155,7 +165,8 @@ class RequestStream:
 
 class AsyncEngine:
     """Owns the engine thread. `generate()` submits; `abort()` cancels; `call()` runs a
-    function on the engine thread (counters, integrity checks) and awaits its result.
+    function on the engine thread (integrity checks) and awaits its result; `counters()`
+    reads the engine's counters without waiting out a long step.
     `thread`: the `EngineThread` that built `engine`, to step and close it there too (else a
     thread of its own steps it, and ends with the step loop)."""
 
@@ -167,6 +178,11 @@ class AsyncEngine:
         self._seq = itertools.count()
         self.error: BaseException | None = None  # set if the engine thread itself died
         self._finished = threading.Event()  # the step loop returned
+        # The engine's counters as the engine thread last read them (`counters`), and the
+        # read asked of it that scrapes wait on (one at a time, whichever loop asks).
+        self.snapshot: dict[str, float] | None = None
+        self._counting: Future[None] | None = None
+        self._counting_lock = threading.Lock()
         self._owner = thread or EngineThread()
         self._owns_thread = thread is None
         self._owner.submit(self._run)
@@ -258,6 +274,20 @@ class AsyncEngine:
         job = (lambda engine: undo(engine, result), loop, loop.create_future(), None)
         self._commands.put(("call", job))
 
+    async def counters(self, wait: float = SNAPSHOT_WAIT_S) -> dict[str, float] | None:
+        """The engine's counters, read on the engine thread between steps; while it is
+        busy past `wait` (one long step), the last ones it read: a scrape neither fails
+        nor hangs on the engine. The read it asked for still lands, for the next one."""
+        if self.alive:
+            with self._counting_lock:
+                read = self._counting
+                if read is None or read.done():
+                    read = self._counting = Future()
+                    self._commands.put(("counters", read))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(read)), wait)
+        return self.snapshot
+
     def abort_all(self) -> None:
         self._commands.put(("abort_all", None))
 
@@ -285,6 +315,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self._read_counters(None)  # (a scrape during the first step finds these)
             stalled = False
             while True:
                 # Block when idle; otherwise take whatever arrived since the last step, or
@@ -322,8 +353,18 @@ class AsyncEngine:
                     self._abort(stream, "abort")
             elif kind == "call":
                 self._call(*arg)
+            elif kind == "counters":
+                self._read_counters(arg)
             elif kind == "stop":
                 return False
+
+    def _read_counters(self, done: Future[None] | None) -> None:
+        try:
+            self.snapshot = self.engine.counters()
+        except Exception:  # pragma: no cover - the last snapshot stays
+            log.exception("reading the engine counters failed")
+        if done is not None and not done.done():
+            done.set_result(None)
 
     def _add(
         self, streams: list[RequestStream], prompt: str | list[int], params: SamplingParams
@@ -336,7 +377,8 @@ class AsyncEngine:
             for stream in streams:
                 stream._resolve(e)
             return
-        for stream, req in zip(streams, reqs):
+        for stream, req in zip(streams, reqs):  # (the forks too)
+            req.metrics.arrival_time = stream.arrival
             stream.rid, stream.request = req.rid, req
             stream.prompt_tokens = len(req.prompt_ids)
             self._streams[req.rid] = stream
@@ -348,10 +390,7 @@ class AsyncEngine:
         if stream.rid is None or self._streams.pop(stream.rid, None) is None:
             return  # never accepted, or already finished
         self.engine.abort(stream.rid)
-        req = stream.request
-        stream._push(
-            Update([], "", None, None, True, reason, stream.prompt_tokens, len(req.output_ids))
-        )
+        stream._push(_ended(stream, reason))
         stream.request = None
 
     def _call(
@@ -404,9 +443,8 @@ class AsyncEngine:
                 self.engine.abort(rid)
             except Exception:  # pragma: no cover
                 log.exception("abort of %d failed", rid)
-            stream._push(
-                Update([], "", None, None, True, "error", stream.prompt_tokens, 0, error=message)
-            )
+            stream._push(_ended(stream, "error", message))
+            stream.request = None
         self._streams.clear()
 
 
@@ -416,6 +454,24 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -
         return True
     except RuntimeError:  # the loop was closed (its server stopped)
         return False
+
+
+def _ended(stream: RequestStream, reason: str, error: str | None = None) -> Update:
+    """The last update of a request ended here (aborted, or failed with `error`): no new
+    tokens; its usage so far, as vLLM reports an aborted request's."""
+    req = stream.request
+    return Update(
+        [],
+        "",
+        None,
+        None,
+        finished=True,
+        finish_reason=reason,
+        cached_tokens=req.metrics.prefix_hit_tokens if req is not None else 0,
+        prompt_tokens=stream.prompt_tokens,
+        completion_tokens=len(req.output_ids) if req is not None else 0,
+        error=error,
+    )
 
 
 def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
@@ -451,6 +507,11 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         tops = [[t for t, _ in top or ()] for top in req.prompt_top_logprobs]
         prompt_top_texts = alternative_texts(tok, p, 0, tops, False, prompt_texts)
     m = req.metrics
+    gap = None
+    if ids:  # (one gap per update, however many tokens it brings: vLLM's inter-token latency)
+        now = time.perf_counter()
+        gap = None if stream.last_token_at is None else now - stream.last_token_at
+        stream.last_token_at = now
     return Update(
         error=req.error,
         error_status=400,
@@ -466,6 +527,7 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         completion_tokens=end,
         ttft_s=m.ttft,
         latency_s=m.latency,
+        token_gap_s=gap,
         texts=texts,
         top_texts=top_texts,
         prompt_token_ids=list(req.prompt_ids) if first else None,
