@@ -26,6 +26,7 @@ import uvicorn
 
 from dsakv.bench.pd import run_pd_bench, summary_lines
 from dsakv.config import ModelConfig
+from dsakv.config.checkpoint import model_identity
 from dsakv.disagg.bootstrap import BootstrapError, BootstrapServer, describe, request_kv
 from dsakv.disagg.launch import wait_healthy
 from dsakv.disagg.router import build_router_app
@@ -38,7 +39,6 @@ from dsakv.disagg.transfer import (
 )
 from dsakv.engine import LLM, SamplingParams
 from dsakv.memory import CacheLayout, DSAKVPool
-from dsakv.memory.storage import model_identity
 from dsakv.models.tiny import TINY_PRESETS, default_model_dir, write_tiny_model
 
 from .serving import (
@@ -411,7 +411,6 @@ def test_a_hisparse_decode_server_takes_prompts_past_its_device_pool(tmp_path, m
     from dsakv.disagg.serving import DecodeAsyncEngine, PrefillAsyncEngine
     from dsakv.engine import Engine, EngineConfig
     from dsakv.engine import engine as engine_module
-    from dsakv.memory import storage
 
     model = str(write_tiny_model(tmp_path / "m", "glm-tiny"))
     exact = dict(device="cpu", page_size=8, kv_cache_dtype="fp32", index_k_dtype="fp32")
@@ -422,7 +421,7 @@ def test_a_hisparse_decode_server_takes_prompts_past_its_device_pool(tmp_path, m
 
     def fingerprint(path):
         reads.append(path)
-        return storage.model_identity(path)
+        return model_identity(path)
 
     for module in (engine_module, serving):  # (serving no longer imports it)
         monkeypatch.setattr(module, "model_identity", fingerprint, raising=False)

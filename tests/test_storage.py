@@ -8,6 +8,7 @@ TTFT cold vs L3 hit).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -22,15 +23,19 @@ import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors import safe_open
 
 from dsakv import LLM, SamplingParams
 from dsakv.cli import main
+from dsakv.config.checkpoint import model_identity
 from dsakv.engine.prefix_cache import ROOT_HASH, PrefixCache, chain_hashes
+from dsakv.errors import DsakvError
 from dsakv.memory import CacheLayout, DSAKVPool, PageAllocator
 from dsakv.memory.storage import (
     HEADER,
     CorruptObject,
     FileStorage,
+    StorageConfig,
     decode_object,
     encode_object,
     start_mooncake_master,
@@ -241,6 +246,37 @@ def test_a_checkpoint_patched_mid_file_finds_no_hits(tiny, stored, tmp_path):
     assert c["l3_hits"] == 0 and c["l3_misses"] == 1
 
 
+def _in_subfolder(model: str, dest: Path) -> str:
+    """`model` with its weights in `dest/weights/`, named by a safetensors index."""
+    dest.mkdir()
+    for f in Path(model).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dest / f.name)
+    (dest / "weights").mkdir()
+    shutil.copy(Path(model) / "model.safetensors", dest / "weights" / "model.safetensors")
+    with safe_open(dest / "weights" / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "weights/model.safetensors")}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    return str(dest)
+
+
+def test_a_checkpoint_with_its_shards_in_a_subfolder_finds_no_other_checkpoints_hits(
+    tiny, tmp_path
+):
+    """The identity digested the top-level shards only: two seeds whose index puts the
+    weights in `weights/` had one identity, and one loaded the other's pages."""
+    seed0 = _in_subfolder(tiny, tmp_path / "s0")
+    seed1 = _in_subfolder(
+        str(write_tiny_model(tmp_path / "seed1", preset="glm-tiny", seed=1)), tmp_path / "s1"
+    )
+    assert model_identity(seed0) != model_identity(seed1)
+    (_,), c = _run(seed0, [PROMPT], **_file(tmp_path / "store"))
+    assert c["l3_pages_written"] == PAGES
+    (_,), c = _run(seed1, [PROMPT], **_file(tmp_path / "store"))
+    assert c["l3_hits"] == 0 and c["l3_misses"] == 1
+
+
 # --- write-back and the host tier ----------------------------------------------------------------
 
 
@@ -380,6 +416,51 @@ def test_full_store_keeps_serving(tiny, stored, tmp_path):
     assert len(_objects(tmp_path / "b")) == 3
 
 
+def test_an_unwritable_store_logs_once_not_per_page(tiny, stored, tmp_path, caplog):
+    """A full or unwritable directory logged a warning per page; it is the store-down path:
+    refused writes, one line every 30 s, serving goes on."""
+    store = tmp_path / "store"
+    llm = LLM(tiny, **_file(store))
+    try:
+        shutil.rmtree(store)
+        store.write_bytes(b"")  # (a file where the directory was: every write fails, as root too)
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == stored[1]
+        assert llm.engine.l3.drain(TIMEOUT)
+        c = llm.engine.counters()
+        assert c["l3_write_failures"] == PAGES and c["l3_pages_written"] == 0
+    finally:
+        llm.close()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "L3" in r.message]
+    assert len(warnings) == 1, [r.message for r in warnings]
+
+
+def test_a_store_directory_removed_mid_run_is_made_again(tiny, stored, tmp_path):
+    """Writes made the page's subdirectory only, not the root: one removal of the store
+    (a tmp cleaner) refused every write for the rest of the run."""
+    store = tmp_path / "store"
+    llm = LLM(tiny, **_file(store))
+    try:
+        shutil.rmtree(store)
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == stored[1]
+        assert llm.engine.l3.drain(TIMEOUT)
+        c = llm.engine.counters()
+        assert c["l3_pages_written"] == PAGES and c["l3_write_failures"] == 0
+    finally:
+        llm.close()
+    assert len(_objects(store)) == PAGES
+
+
+def test_a_prefetch_timeout_past_what_a_wait_takes_serves(tiny, stored, tmp_path):
+    """`Event.wait` takes at most `threading.TIMEOUT_MAX` (~9.2e9 s): a longer timeout was an
+    OverflowError on an idle engine's first lookup. Infinity is refused up front."""
+    with pytest.raises(DsakvError, match="prefetch-timeout must be a finite number"):
+        StorageConfig("file", str(tmp_path), prefetch_timeout_s=float("inf"))
+    (tokens,), c = _run(
+        tiny, [PROMPT], **_file(_copy(stored, tmp_path), hicache_storage_prefetch_timeout=1e11)
+    )
+    assert tokens == stored[1] and c["l3_hits"] == PAGES
+
+
 class _SlowStorage:
     """Wraps a backend; every `get` takes `delay` seconds."""
 
@@ -506,6 +587,10 @@ def test_glm52_bytes_per_stored_token_elided_vs_dense(tmp_path):
         (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x",
           "--hicache-storage-max-gib", "0"], "must be a number in (0, "),
         (["--hicache-storage-backend", "nfs"], "invalid choice"),
+        (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x",
+          "--hicache-storage-prefetch-timeout", "inf"], "must be a number in [0, "),
+        (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x",
+          "--hicache-storage-prefetch-timeout", "1e300"], "must be a number in [0, "),
     ],
 )  # fmt: skip
 def test_bad_flag_combinations_are_one_error_line(tiny, extra, message, capsys):

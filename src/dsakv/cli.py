@@ -474,7 +474,7 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--hicache-storage-prefetch-timeout",
-        type=float,
+        type=_nonnegative_float,
         metavar="S",
         help="longest a new request waits for its L3 lookup (default 2 s)",
     )

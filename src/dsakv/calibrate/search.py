@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dsakv.config import LayerPlan, ModelConfig
+from dsakv.config.checkpoint import checkpoint_files
 from dsakv.errors import DsakvError
 from dsakv.memory import CacheLayout, DSAKVPool, plan_capacity
 from dsakv.models import DSAForCausalLM, ForwardBatch
@@ -232,9 +233,7 @@ class Runner:
 def reference_plan(config: ModelConfig, model_dir: str | Path) -> tuple[LayerPlan, tuple[int, ...]]:
     """Every layer whose checkpoint has indexer weights runs its indexer; the others cannot
     (there is nothing to run), so they stay shared. Layer 0 must have them."""
-    from dsakv.models.loader import _checkpoint_files
-
-    names = _checkpoint_files(Path(model_dir))
+    names = checkpoint_files(Path(model_dir))
     n = config.num_hidden_layers
     have = {int(name.split(".")[2]) for name in names if ".self_attn.indexer." in name}
     missing = tuple(i for i in range(n) if i not in have)

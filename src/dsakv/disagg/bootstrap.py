@@ -48,7 +48,7 @@ class BootstrapError(RuntimeError):
 def describe(layout: CacheLayout, config: ModelConfig, checkpoint: str) -> dict[str, Any]:
     """Everything that must be equal on both sides for the pages to mean the same thing:
     the cache layout (LayerPlan pattern, draft layers, dims, dtypes, page size, elision),
-    the model's config and its weights (`checkpoint`: `storage.model_identity`; two seeds
+    the model's config and its weights (`checkpoint`: `config.checkpoint.model_identity`; two seeds
     of one architecture paired silently, each side's KV garbage to the other)."""
     d: dict[str, Any] = {
         f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.name != "plan"

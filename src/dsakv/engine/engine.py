@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig, plan_overrides
+from dsakv.config.checkpoint import model_identity
 from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
 from dsakv.errors import ConfigError, DsakvError, is_int, is_number, load_json
 from dsakv.kernels import BACKENDS, cpu_native, select_backend
@@ -24,7 +25,7 @@ from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
 from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
-from dsakv.memory.storage import StorageConfig, model_identity, storage_namespace
+from dsakv.memory.storage import StorageConfig, storage_namespace
 
 from .cuda_graph import DecodeGraphs
 from .detokenizer import TokenTexts, chars_per_token
@@ -519,7 +520,7 @@ class Engine:
 
     @functools.cached_property
     def model_identity(self) -> str:
-        """The checkpoint's fingerprint (`storage.model_identity`, ~4 MB read per shard): for
+        """The checkpoint's fingerprint (`config.checkpoint.model_identity`, ~4 MB read per shard): for
         L3's namespace and the PD handshake, read once."""
         return model_identity(self.config.model)
 

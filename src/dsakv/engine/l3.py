@@ -75,7 +75,7 @@ class L3Stats:
     write_failures: int = 0  # refused by the store (full, too large) or store down
     writes_dropped: int = 0  # the write queue was full
     prefetch_timeouts: int = 0
-    errors: int = 0  # store unreachable
+    errors: int = 0  # store unreachable, or a write failed (disk full, read-only)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **deltas: int) -> None:
@@ -223,7 +223,7 @@ class L3Cache:
         if left > 0 and not idle:
             return False
         if left > 0:
-            lookup.done.wait(left)
+            lookup.done.wait(min(left, threading.TIMEOUT_MAX))
         if not lookup.done.is_set():
             lookup.cancelled = True
             lookup.limit = len(lookup.payloads)

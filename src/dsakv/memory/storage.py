@@ -27,6 +27,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 import signal
@@ -107,37 +108,6 @@ def page_hash_of(key: str, namespace: bytes) -> bytes | None:
     return bytes.fromhex(key[len(prefix) :]) if key.startswith(prefix) else None
 
 
-# Shards up to this size are hashed whole; a larger one by 64 blocks of 64 KiB spread over
-# it (4 MiB read per shard: a 700 GB checkpoint's fingerprint reads 0.6 GB, not 700).
-_WHOLE_SHARD = 256 << 20
-_SAMPLES, _BLOCK = 64, 1 << 16
-
-
-def model_identity(model_dir: str | Path) -> str:
-    """A fingerprint of a checkpoint: its config.json and, per safetensors shard, its name,
-    size and bytes (all of them up to 256 MiB; else the first and last 64 KiB and 64 blocks
-    spread evenly between), so two checkpoints with one architecture but other weights
-    (another seed, a fine-tune, one tensor patched) differ."""
-    path = Path(model_dir)
-    h = hashlib.sha256()
-    if path.is_file():
-        path = path.parent
-    cfg = path / "config.json"
-    if cfg.exists():
-        h.update(cfg.read_bytes())
-    for shard in sorted(path.glob("*.safetensors")):
-        size = shard.stat().st_size
-        h.update(f"{shard.name}:{size}".encode())
-        with shard.open("rb") as f:
-            if size <= _WHOLE_SHARD:
-                h.update(f.read())
-                continue
-            for i in range(_SAMPLES + 1):
-                f.seek((size - _BLOCK) * i // _SAMPLES)
-                h.update(f.read(_BLOCK))
-    return h.hexdigest()[:32]
-
-
 def storage_namespace(layout: CacheLayout, model_id: str, compute: str) -> bytes:
     """What must match for stored pages to be readable: layout, checkpoint, and how the KV
     was computed (`compute`: dtype, kernel backend, deterministic or batched path), as a
@@ -178,9 +148,10 @@ class StorageConfig:
             )
         if self.max_gib is not None and not self.max_gib > 0:
             raise DsakvError(f"--hicache-storage-max-gib must be > 0, got {self.max_gib}")
-        if not self.prefetch_timeout_s >= 0:
+        if not 0 <= self.prefetch_timeout_s < math.inf:
             raise DsakvError(
-                f"--hicache-storage-prefetch-timeout must be >= 0, got {self.prefetch_timeout_s}"
+                "--hicache-storage-prefetch-timeout must be a finite number >= 0, "
+                f"got {self.prefetch_timeout_s}"
             )
         if self.backend == "file":
             if not self.dir:
@@ -215,7 +186,8 @@ class StorageConfig:
 class StorageBackend:
     """What the L3 tier needs from a store. Called from the tier's worker threads only;
     `get` returns None for a missing object, `put` False when the store refuses it (full,
-    too large); an unreachable store raises `StorageError`."""
+    too large); an unreachable store, or one that fails a write (a full or read-only
+    disk), raises `StorageError`."""
 
     evicted = 0  # objects the backend dropped to make room (where it can tell)
     evicts_by_use = False  # whether `touch` decides what it drops first
@@ -315,15 +287,15 @@ class FileStorage(StorageBackend):
             self._make_room(size)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)  # (the root too, if removed)
             with tmp.open("wb") as f:
                 f.write(data)
             os.replace(tmp, path)
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            log.warning("L3 file storage: cannot write %s: %s", path, e.strerror or e)
-            return False
+            # (a full or read-only disk: the tier logs it at most every 30 s, not per page)
+            raise StorageError(f"cannot write {path}: {e.strerror or e}") from None
         with self._lock:
             self.total_bytes += size - self._index.pop(key, 0)
             self._index[key] = size

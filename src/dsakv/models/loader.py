@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from torch import nn
 from tqdm import tqdm
 
 from dsakv.config import LayerPlan, ModelConfig
+from dsakv.config.checkpoint import checkpoint_files, open_checkpoint_file
 from dsakv.distributed.parallel import ParallelState
-from dsakv.errors import DsakvError, load_json
+from dsakv.errors import DsakvError
 from dsakv.kernels.torch_ops import WEIGHT_BLOCK, pack_fp8, packed_width, unpacked_width
 from dsakv.memory import allocation_failed
 
@@ -99,7 +100,7 @@ def load_model(
         )
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
-    files = _checkpoint_files(path)
+    files = checkpoint_files(path)
     draft_vocab = _draft_vocab(path, config, plan, files)
     with torch.device("meta"):
         model = DSAForCausalLM(config, plan, parallel=parallel, draft_vocab=draft_vocab)
@@ -165,44 +166,11 @@ def _draft_vocab(
     return prefix + "embed_tokens.weight" in files, prefix + "shared_head.head.weight" in files
 
 
-def _checkpoint_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> file, from `model.safetensors.index.json` or the single file."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        message = f"{index} is not a safetensors index"
-        try:
-            text = index.read_text()
-        except ValueError as e:  # (not UTF-8)
-            raise DsakvError(f"{message}: {type(e).__name__}: {e}") from None
-        raw = load_json(text, message)  # (nested too deeply: a RecursionError traceback)
-        try:
-            return {name: path / file for name, file in raw["weight_map"].items()}
-        except (KeyError, TypeError, AttributeError) as e:
-            raise DsakvError(f"{message}: {type(e).__name__}: {e}") from None
-    single = path / "model.safetensors"
-    files = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
-    if not files:
-        raise DsakvError(f"no safetensors checkpoint in {path}")
-    out = {}
-    for file in files:
-        with _open(file) as f:
-            out.update(dict.fromkeys(f.keys(), file))
-    return out
-
-
-def _open(file: Path) -> Any:
-    """`safe_open(file)`; a missing, unreadable or corrupt file is one error naming it."""
-    try:
-        return safe_open(file, "pt")
-    except (SafetensorError, OSError) as e:
-        raise DsakvError(f"cannot read checkpoint file {file}: {e}") from None
-
-
 def _get_slice(handles: dict[Path, Any], files: dict[str, Path], name: str) -> Any:
     """Tensor `name`'s lazy slice from its file (opened once, kept in `handles`)."""
     file = files[name]
     if file not in handles:
-        handles[file] = _open(file)
+        handles[file] = open_checkpoint_file(file)
     try:
         return handles[file].get_slice(name)
     except SafetensorError:

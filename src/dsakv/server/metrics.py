@@ -104,7 +104,11 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "counter",
         "L3 lookups cut short by the prefetch timeout",
     ),
-    "l3_errors": ("l3_errors", "counter", "L3 operations that found the store unreachable"),
+    "l3_errors": (
+        "l3_errors",
+        "counter",
+        "L3 operations that found the store unreachable or failed a write",
+    ),
     # HiSparse (dsakv.engine.hisparse)
     "hisparse_device_tokens_total": (
         "hisparse_device_tokens_total",
