@@ -434,6 +434,21 @@ def test_an_unwritable_store_logs_once_not_per_page(tiny, stored, tmp_path, capl
     assert len(warnings) == 1, [r.message for r in warnings]
 
 
+def test_a_store_refusing_every_page_warns_once(tiny, stored, tmp_path, caplog):
+    """A store that refuses writes (here a cap below one page; a full Mooncake Store alike,
+    which warned per page) is one warning every 30 s, not one per page."""
+    llm = LLM(tiny, **_file(tmp_path / "store", hicache_storage_max_gib=1e-6))
+    try:
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == stored[1]
+        assert llm.engine.l3.drain(TIMEOUT)
+        c = llm.engine.counters()
+        assert c["l3_write_failures"] == PAGES and c["l3_pages_written"] == 0
+    finally:
+        llm.close()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "L3" in r.message]
+    assert len(warnings) == 1 and "refused" in warnings[0].message, warnings
+
+
 def test_a_store_directory_removed_mid_run_is_made_again(tiny, stored, tmp_path):
     """Writes made the page's subdirectory only, not the root: one removal of the store
     (a tmp cleaner) refused every write for the rest of the run."""

@@ -269,10 +269,14 @@ class L3Cache:
 
     def _store_down(self, e: Exception) -> None:
         self.stats.add(errors=1)
+        self._warn(f"L3 storage unavailable ({e}); serving on without it")
+
+    def _warn(self, message: str) -> None:
+        """`message`, at most once every 30 s: a store down or full fails every page."""
         now = time.monotonic()
         if now - self._last_warning > 30:
             self._last_warning = now
-            log.warning("L3 storage unavailable (%s); serving on without it", e)
+            log.warning("%s", message)
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued write is done (a hand-off to another engine, the bench)."""
@@ -300,7 +304,7 @@ class L3Cache:
                 return
             page_hash, row = item
             key = object_key(self.namespace, page_hash)
-            ok = stored = False
+            ok = stored = failed = False
             try:
                 stored = self.backend.exists(key)  # another engine (or an earlier run) wrote it
                 if stored:
@@ -310,13 +314,17 @@ class L3Cache:
                     ok = self.backend.put(key, encode_object(self.namespace, page_hash, payload))
             except StorageError as e:
                 self._store_down(e)
+                failed = True
             except Exception:  # noqa: BLE001 - a store bug must not end the writer
                 log.exception("L3 write of %s failed", key)
+                failed = True
             finally:
                 self._writes.task_done()
             if ok:
                 self.stats.add(pages_written=1, bytes_written=self.page_bytes)
             elif not stored:
+                if not failed:
+                    self._warn("L3 storage refused a page (full, or the page past its cap)")
                 self.stats.add(write_failures=1)
                 self._forget(page_hash)
             # Objects the store dropped to make room are no longer stored: a page still in
