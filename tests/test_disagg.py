@@ -140,7 +140,7 @@ def test_handshake_answers_as_soon_as_the_kv_is_written_and_names_layout_differe
     from another layout or checkpoint is refused, naming the field, and the prefill side's
     claim fails with the same message."""
     layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
-    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt")
+    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt", "fp32")
     server = BootstrapServer("127.0.0.1", free_port(), mine, timeout=20.0)  # keepalive 5 s
     reg = {"layout": mine, "session": "s", "buffers": [], "pages": [], "prompt_ids": [1]}
 
@@ -177,7 +177,7 @@ def test_a_refused_room_is_the_decode_sides_error_at_once_before_or_after_it_reg
     """A prompt the prefill server refuses (longer than its context, say) never gets a
     claim: the decode server waited out the room's timeout, then answered a 502."""
     layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
-    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt")
+    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt", "fp32")
     server = BootstrapServer("127.0.0.1", free_port(), mine, timeout=20.0)
     reg = {"layout": mine, "session": "s", "buffers": [], "pages": [], "prompt_ids": [1]}
 
@@ -207,7 +207,7 @@ def test_a_refused_room_is_not_an_open_room():
     """A refused room is kept for the timeout to answer a late registration; `open_rooms`
     (`/disagg/info`: rooms claimed or registered) counted it all that time."""
     layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
-    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt")
+    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt", "fp32")
     server = BootstrapServer("127.0.0.1", free_port(), mine, timeout=20.0)
     reg = {"room": 7, "layout": mine, "session": "s", "buffers": [], "pages": [], "prompt_ids": [1]}
 
@@ -397,6 +397,57 @@ def test_a_request_waits_for_pages_parked_by_a_handoff(tmp_path):
         prefill.step()
     assert wait_then_run(prefill, lambda: engine_ops.release_held(prefill, first)) == alone
     prefill.check_integrity()
+
+
+def test_a_decode_server_keeps_to_max_running_requests(tmp_path):
+    """Reservations count as running: a decode server with --max-running-requests 2 ran all
+    8 concurrent requests at once (it checked only pages); a third waits for a slot."""
+    from dsakv.engine import Engine, EngineConfig
+    from dsakv.engine import disagg as engine_ops
+
+    model = str(write_tiny_model(tmp_path / "m", "glm-tiny"))
+    config = EngineConfig(model, device="cpu", num_pages=64, page_size=16, kv_cache_dtype="fp32",
+                          index_k_dtype="fp32", max_running_requests=2)  # fmt: skip
+    engine = Engine(config)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompts = [[k + 1] * (5 + k) for k in range(3)]
+    first, second = (engine_ops.reserve(engine, p, params) for p in prompts[:2])
+    assert first is not None and second is not None
+    assert engine_ops.reserve(engine, prompts[2], params) is None  # pages enough, no slot
+    engine_ops.start_decoding(engine, first, 7)
+    assert engine_ops.reserve(engine, prompts[2], params) is None  # one runs, one on its way
+    engine_ops.drop(engine, second)
+    third = engine_ops.reserve(engine, prompts[2], params)
+    assert third is not None
+    engine_ops.start_decoding(engine, third, 7)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.stats.peak_running == 2
+    engine.check_integrity()
+
+
+def test_servers_computing_in_other_dtypes_are_refused_naming_it(tmp_path):
+    """An fp32 prefill server and a bf16 decode server (same cache dtypes) paired silently:
+    the decode server's tokens matched neither server alone. Their handshake names how each
+    computes, the string L3's namespace keys on."""
+    from dsakv.disagg.serving import _describe
+    from dsakv.engine import Engine, EngineConfig
+
+    model = str(write_tiny_model(tmp_path / "m", "glm-tiny"))
+    exact = dict(device="cpu", num_pages=8, page_size=16, kv_cache_dtype="fp32",
+                 index_k_dtype="fp32")  # fmt: skip
+    fp32 = Engine(EngineConfig(model, dtype="float32", **exact))
+    bf16 = Engine(EngineConfig(model, dtype="bfloat16", **exact))
+    server = BootstrapServer("127.0.0.1", free_port(), _describe(fp32), timeout=20.0)
+    reg = {"room": 1, "layout": _describe(bf16), "session": "s", "buffers": [], "pages": [],
+           "prompt_ids": [1]}  # fmt: skip
+    try:
+        with pytest.raises(BootstrapError) as e:
+            asyncio.run(request_kv("127.0.0.1", server.port, reg, 20.0))
+    finally:
+        server.close()
+    assert f"compute: prefill {fp32.compute!r}, decode {bf16.compute!r}" in str(e.value)
+    assert "torch.float32" in fp32.compute and "torch.bfloat16" in bf16.compute
 
 
 def test_a_hisparse_decode_server_takes_prompts_past_its_device_pool(tmp_path, monkeypatch):
@@ -691,9 +742,11 @@ def _registration(cluster, room: int, prompt_ids: list[int], **change) -> bytes:
     model = cluster["model"]
     layout = CacheLayout.for_model(model, kv_cache_dtype="fp32", index_k_dtype="fp32", page_size=16)
     pool = DSAKVPool(layout, 4)
+    compute = disagg_info(cluster["prefill"].url)["compute"]  # (dtype, backend: the server's)
+    mine = describe(layout, ModelConfig.resolve(model), model_identity(model), compute)
     reg = {
         "room": room,
-        "layout": {**describe(layout, ModelConfig.resolve(model), model_identity(model)), **change},
+        "layout": {**mine, **change},
         "session": f"127.0.0.1:{free_port()}",  # no Mooncake there: the decode side is gone
         "buffers": [PeerBuffer.of(d).to_json() for d in pool.transfer_descriptors()],
         "pages": [0, 1],
@@ -888,6 +941,43 @@ def test_a_refused_prompt_is_a_400_before_the_room_is_claimed(cluster, prompt):
     with pytest.raises(BootstrapError) as e:
         asyncio.run(request_kv("127.0.0.1", cluster["bootstrap_port"], registration, 20))
     assert e.value.status == 400 and str(e.value) == r.json()["error"]["message"]
+
+
+def test_a_prefill_servers_error_answer_is_the_decode_servers_at_once(cluster):
+    """A request the prefill server answers with an error before its engine sees it (here a
+    404, an unknown model; an API key only the prefill server has, a 401, alike) never
+    claims its room: the decode server waited out the whole timeout (20 s here, 60 by
+    default), then answered a 502 "no request for room N". It answers the prefill server's
+    status and message now, whether it registered first or the refusal came first; so do
+    rooms named in SGLang's body fields."""
+    prefill, decode = cluster["prefill"].url, cluster["decode"].url
+    headers = {"x-dsakv-bootstrap-room": "7171", "x-dsakv-bootstrap-host": "127.0.0.1",
+               "x-dsakv-bootstrap-port": str(cluster["bootstrap_port"])}  # fmt: skip
+    body = {"model": "m", "prompt": "hello", "max_tokens": 4}
+    rooms = disagg_info(prefill)["open_rooms"]
+    start = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, f"{decode}/v1/completions", json=body,
+                              headers=headers, timeout=60)  # fmt: skip
+        deadline = time.monotonic() + 10
+        while disagg_info(prefill)["open_rooms"] == rooms:  # the decode server registered
+            assert time.monotonic() < deadline and not waiting.done()
+            time.sleep(0.05)
+        r = httpx.post(f"{prefill}/v1/completions", json={**body, "model": "nope"},
+                       headers=headers, timeout=60)  # fmt: skip
+        assert r.status_code == 404, r.text
+        answer = waiting.result()
+    assert time.monotonic() - start < 10
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["error"]["message"] == r.json()["error"]["message"]
+    r = httpx.post(f"{prefill}/v1/completions", timeout=60,
+                   json={**body, "max_tokens": "four", "bootstrap_room": 7272})  # fmt: skip
+    assert r.status_code == 400, r.text
+    with pytest.raises(BootstrapError) as e:
+        asyncio.run(request_kv("127.0.0.1", cluster["bootstrap_port"], {"room": 7272}, 20))
+    assert e.value.status == 400 and str(e.value) == r.json()["error"]["message"]
+    wait_idle(prefill)
+    wait_idle(decode)
 
 
 def test_a_request_the_decode_server_refuses_leaves_no_claim_waiting(cluster):

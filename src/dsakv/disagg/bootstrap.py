@@ -45,11 +45,15 @@ class BootstrapError(RuntimeError):
 # --- what must match ---------------------------------------------------------------------------
 
 
-def describe(layout: CacheLayout, config: ModelConfig, checkpoint: str) -> dict[str, Any]:
+def describe(
+    layout: CacheLayout, config: ModelConfig, checkpoint: str, compute: str
+) -> dict[str, Any]:
     """Everything that must be equal on both sides for the pages to mean the same thing:
     the cache layout (LayerPlan pattern, draft layers, dims, dtypes, page size, elision),
     the model's config and its weights (`checkpoint`: `config.checkpoint.model_identity`; two seeds
-    of one architecture paired silently, each side's KV garbage to the other)."""
+    of one architecture paired silently, each side's KV garbage to the other), and how the
+    KV is computed (`compute`: `Engine.compute`, what L3 keys on too: an fp32 prefill
+    server's pages under a bf16 decode server gave tokens neither server gives alone)."""
     d: dict[str, Any] = {
         f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.name != "plan"
     }
@@ -58,6 +62,7 @@ def describe(layout: CacheLayout, config: ModelConfig, checkpoint: str) -> dict[
     d["fingerprint"] = layout.fingerprint()
     d["model"] = dataclasses.asdict(config)
     d["checkpoint"] = checkpoint
+    d["compute"] = compute
     return json.loads(json.dumps(d, default=str))  # as it will arrive from the peer
 
 
@@ -159,9 +164,13 @@ class BootstrapServer:
     def refuse(self, room: int, message: str, status: int) -> None:
         """The prefill server refused `room`'s request (the client's error, e.g. a prompt
         longer than its context): the decode server waiting for the room hears why now, or
-        when it registers, instead of waiting out the timeout."""
+        when it registers, instead of waiting out the timeout. A room already claimed (its
+        registration hears the request's outcome) or refused is left as it is."""
         slot = self._room(room)
-        slot.refused = (message, status)
+        with self._lock:
+            if slot.claimed or slot.refused is not None:
+                return
+            slot.refused = (message, status)
         if slot.registered.done() and slot.registered.exception() is None:
             slot.registered.result().fail(message, status)
         self._loop.call_soon_threadsafe(

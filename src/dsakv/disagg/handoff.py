@@ -153,10 +153,16 @@ class BootstrapMiddleware:
     """ASGI middleware: the request's bootstrap targets (headers, else body fields) into
     the context `next_target()` reads; bad ones are a 400 before the handler runs. The body
     is read only for POSTs to the generation endpoints without the headers, and replayed
-    to the app unchanged."""
+    to the app unchanged.
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    `refuse` (a prefill server's `BootstrapServer.refuse`): called for each of the request's
+    rooms when the server answers it with an error, whoever answered (the API key check, an
+    unknown model, a validation error, the engine): the decode server waiting for a room
+    hears that status and message at once, instead of waiting out its timeout for a claim
+    that never comes. A room the request claimed has heard its outcome: `refuse` skips it."""
+
+    def __init__(self, app: Any, refuse: Callable[[int, str, int], None] | None = None) -> None:
+        self.app, self.refuse = app, refuse
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -172,10 +178,61 @@ class BootstrapMiddleware:
             await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
             return
         token = _current.set(_Targets(targets) if targets else None)
+        if targets and self.refuse is not None:
+            send = _Refusing(send, [t.room for t in targets], self.refuse)
         try:
             await self.app(scope, receive, send)
+        except Exception as e:
+            if isinstance(send, _Refusing):
+                send.failed(f"the prefill server failed: {e!r}", 500)
+            raise
         finally:
             _current.reset(token)
+
+
+class _Refusing:
+    """`send`, refusing the request's rooms when its response is an error: once the error
+    body is whole (its message), before the body's end goes out."""
+
+    def __init__(
+        self, send: Callable, rooms: list[int], refuse: Callable[[int, str, int], None]
+    ) -> None:
+        self.send, self.rooms, self.refuse = send, rooms, refuse
+        self.status: int | None = None
+        self.body: list[bytes] = []
+        self.done = False
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        elif message["type"] == "http.response.body" and not self._ok():
+            self.body.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                self.failed(_error_message(b"".join(self.body), self.status), self.status)
+        await self.send(message)
+
+    def failed(self, message: str, status: int | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        for room in self.rooms:
+            self.refuse(room, message, status or 500)
+
+    def _ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+
+def _error_message(raw: bytes, status: int | None) -> str:
+    """An error response's message: OpenAI's `error.message`, FastAPI's `detail`, else
+    the status."""
+    body = _json_or_none(raw)
+    if isinstance(body, dict):
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+        message = message or body.get("message") or body.get("detail")
+        if isinstance(message, str) and message:
+            return message
+    return f"the prefill server answered HTTP {status}"
 
 
 async def _buffer_body(receive: Callable) -> tuple[bytes, Callable]:

@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 _RESERVE_POLL_S = 0.05
 
 
+def _describe(engine: Engine) -> dict[str, Any]:
+    return describe(engine.layout, engine.model_config, engine.model_identity, engine.compute)
+
+
 def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget:
     target = next_target(role)
     if n != 1:
@@ -73,7 +77,7 @@ class _DisaggEngine(AsyncEngine):
         layout: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
-        self.layout = layout or describe(engine.layout, engine.model_config, engine.model_identity)
+        self.layout = layout or _describe(engine)
         host_latent = engine.hot.host if engine.hot is not None else None
         self.transfer = KVTransfer(
             engine.pool, config.host_for(server_host), host_latent=host_latent
@@ -91,8 +95,10 @@ class _DisaggEngine(AsyncEngine):
         task.add_done_callback(self._tasks.discard)
 
     def attach(self, app: FastAPI) -> None:
-        """Handoff middleware, transfer metrics and `GET /disagg/info` on the server's app."""
-        app.add_middleware(BootstrapMiddleware)
+        """Handoff middleware (on a prefill server: an error answer refuses the request's
+        rooms), transfer metrics and `GET /disagg/info` on the server's app."""
+        refuse = self.bootstrap.refuse if self.role == "prefill" else None
+        app.add_middleware(BootstrapMiddleware, refuse=refuse)
         app.state.metrics.registry.register(_TransferCollector(app.state.model_name, self))
 
         @app.get("/disagg/info")
@@ -103,6 +109,7 @@ class _DisaggEngine(AsyncEngine):
                 "session": self.transfer.session,
                 "bytes_per_token": self.engine.layout.bytes_per_token,
                 "fingerprint": self.engine.layout.fingerprint(),
+                "compute": self.engine.compute,
                 "pending": self.pending,
                 "open_rooms": self.bootstrap.open_rooms if self.role == "prefill" else None,
                 "transfer": self.stats.snapshot(),
@@ -145,7 +152,7 @@ class PrefillAsyncEngine(_DisaggEngine):
         server_host: str,
         thread: EngineThread | None = None,
     ) -> None:
-        layout = describe(engine.layout, engine.model_config, engine.model_identity)
+        layout = _describe(engine)
         self.bootstrap = BootstrapServer(
             server_host, config.bootstrap_port, layout, config.timeout_s
         )
@@ -155,13 +162,6 @@ class PrefillAsyncEngine(_DisaggEngine):
             self.bootstrap.close()
             raise
         self._writer = ThreadPoolExecutor(4, thread_name_prefix="dsakv-kv-write")
-
-    def refused(self, message: str, status: int) -> None:
-        try:
-            target = next_target(self.role)
-        except APIError:
-            return  # (no room: the request was not the router's)
-        self.bootstrap.refuse(target.room, message, status)
 
     async def generate_n(
         self, prompt: str | list[int], params: SamplingParams, n: int
@@ -176,12 +176,9 @@ class PrefillAsyncEngine(_DisaggEngine):
                 param="bootstrap_port",
             )
         # A prompt the engine refuses is the client's 400 now; claimed first, it waited out
-        # the room's timeout for a decode server that had refused it too.
-        try:
-            ids = await self.call(lambda e: e.prompt_ids(prompt, params.truncate_prompt_tokens))
-        except DsakvError as e:  # the decode server waiting for this room hears why, now
-            self.bootstrap.refuse(target.room, str(e), 400)
-            raise
+        # the room's timeout for a decode server that had refused it too. (The decode server
+        # waiting for the room hears the 400: `BootstrapMiddleware` refuses the room.)
+        ids = await self.call(lambda e: e.prompt_ids(prompt, params.truncate_prompt_tokens))
         try:
             reg = await self.bootstrap.claim(target.room)
         except BootstrapError as e:
@@ -366,8 +363,8 @@ class DecodeAsyncEngine(_DisaggEngine):
                 await self.call(lambda eng: ops.drop(eng, req))
                 if e.status < 500:  # the request failed on the prefill server by itself
                     raise APIError(e.status, str(e)) from None
-                self.stats.fail()
-                raise APIError(502, str(e), type="server_error") from None
+                self.stats.fail()  # (a status the prefill server answered, e.g. its 503)
+                raise APIError(e.status, str(e), type="server_error") from None
         finally:
             self.pending -= 1
         self.stats.add(int(reply["bytes"]), int(reply["tokens"]), float(reply["seconds"]))
@@ -377,7 +374,7 @@ class DecodeAsyncEngine(_DisaggEngine):
 
     async def _reserve(self, ids: list[int], params: SamplingParams) -> Request:
         """Pages for the prompt and the first decode token, waiting (up to the timeout)
-        while the pool is full."""
+        while the pool is full or `--max-running-requests` requests run or wait for KV."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.timeout_s
         while True:
@@ -390,8 +387,9 @@ class DecodeAsyncEngine(_DisaggEngine):
             if loop.time() > deadline:
                 raise APIError(
                     503,
-                    f"the decode server's KV pool had no room for {len(ids)} tokens within "
-                    f"{self.config.timeout_s:g} s",
+                    f"the decode server had no room for {len(ids)} tokens within "
+                    f"{self.config.timeout_s:g} s (its KV pool is full, or "
+                    "--max-running-requests requests run)",
                     type="server_error",
                 )
             await asyncio.sleep(_RESERVE_POLL_S)

@@ -388,8 +388,11 @@ class Engine:
             deterministic=self.deterministic,
         )
         self.model.use_backend(self.backend)
+        # How the KV is computed: engines that differ here compute other bytes, so they
+        # share no L3 pages and do not pair as prefill and decode servers.
+        self.compute = f"{dtype}|{self.backend.name}|deterministic={self.deterministic}"
         self.allocator = PageAllocator(num_pages, config.page_size)
-        self.host, self.hot, self.l3 = self._tiers(dtype)
+        self.host, self.hot, self.l3 = self._tiers()
         self.cache = PrefixCache(self.allocator, self.host, self.l3)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -471,13 +474,12 @@ class Engine:
             )
         return asked
 
-    def _tiers(
-        self, dtype: torch.dtype
-    ) -> tuple[HostPool | None, HotBuffers | None, L3Cache | None]:
+    def _tiers(self) -> tuple[HostPool | None, HotBuffers | None, L3Cache | None]:
         """The optional tiers around the device pool, each None when off: the host pool
         (`host_pool_gib`), HiSparse's hot buffers and the L3 storage tier. L3's namespace
-        names how pages were computed (dtype, backend, deterministic), not only the model
-        and layout: engines that compute different bytes do not share stored pages."""
+        names how pages were computed (`compute`: dtype, backend, deterministic), not only
+        the model and layout: engines that compute different bytes do not share stored
+        pages (nor pair as prefill and decode servers: `dsakv.disagg.bootstrap.describe`)."""
         config = self.config
         host = None
         if config.host_pool_gib > 0:
@@ -490,8 +492,7 @@ class Engine:
             hot = HotBuffers(self.hisparse, self.pool, self.plan, self.backend, self.device)
         l3 = None
         if config.storage is not None:
-            compute = f"{dtype}|{self.backend.name}|deterministic={self.deterministic}"
-            namespace = storage_namespace(self.layout, self.model_identity, compute)
+            namespace = storage_namespace(self.layout, self.model_identity, self.compute)
             l3 = L3Cache.create(config.storage, self.pool, host, namespace)
         return host, hot, l3
 

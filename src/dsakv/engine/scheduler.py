@@ -180,7 +180,12 @@ class Scheduler:
     def reserve_detached(self, req: Request, tokens: int) -> bool:
         """Pages for the first `tokens` positions of a request that is not queued (a decode
         server's: a prefill server writes its prompt KV), if running requests keep their
-        headroom; `adopt` runs it, `finish` (abort) gives the pages back."""
+        headroom and `max_running_requests` is not reached (counting those reserved, which
+        `adopt` runs without asking, and the retracted, which come back); `adopt` runs it,
+        `finish` (abort) gives the pages back."""
+        admitted = len(self.running) + len(self.parked) + len(self.waiting)
+        if admitted >= self.config.max_running_requests:
+            return False
         if self._pages_for(tokens) + self._headroom() > self.available_pages():
             return False
         if self.hot is not None and not self.hot.can_admit(req, detached=True):

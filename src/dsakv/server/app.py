@@ -717,11 +717,7 @@ class Handlers:
         which never comes for a request the decode server refused (the router hangs up).
         The prompt is tokenized here, off the engine thread (a 5 MB one held every stream
         five seconds there)."""
-        try:
-            prompt = await self._fitting(prompt, params, max_tokens_param, prompt_param)
-        except APIError as e:
-            self.engine.refused(e.message, e.status)
-            raise
+        prompt = await self._fitting(prompt, params, max_tokens_param, prompt_param)
         submit = asyncio.ensure_future(self.engine.generate_n(prompt, params, n))
         watcher = asyncio.create_task(_when_left(raw, submit.cancel))
         try:

@@ -221,10 +221,6 @@ class AsyncEngine:
             raise
         return streams
 
-    def refused(self, message: str, status: int) -> None:
-        """The server refused the current request before `generate_n` (a prefill server's
-        decode server, waiting for it, hears why)."""
-
     async def probe(self) -> None:
         """One greedy token of a one-token prompt, run by the engine thread (SGLang's
         `/health_generate`): proves the engine still steps, not only that its thread lives.
