@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import dsakv.calibrate
 from dsakv.calibrate import Pricing, calibrate_pattern, check_plot_path, write_config
+from dsakv.calibrate.data import calibration_sequences, read_jsonl
 from dsakv.cli import main
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.errors import DsakvError
@@ -204,6 +206,8 @@ def test_default_data_and_bytes_budget(model_dir, capsys):
         ([], '{"token_ids": [1, 999]}\n', "outside the vocabulary"),
         ([], '{"token_ids": []}\n', "empty sequence"),
         ([], '{"token_ids": [1, 2, 3]}\n', "at most index_topk"),
+        # a lone surrogate is valid JSON but no text: the tokenizer raised a TypeError
+        ([], '{"text": "ab\\ud800' + "a" * 50 + '"}\n', ':1: "text" holds U+D800 at character 2'),
         ([], bytes(range(128, 256)) * 8, "is not UTF-8 text"),
         (["--kv-budget-gib", "1e300"], None, "--kv-budget-gib"),
         (["--draft-layers", "100000000000"], None, "--draft-layers"),
@@ -224,6 +228,31 @@ def test_bad_input_is_one_error_line(model_dir, tmp_path, capsys, extra, content
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+
+
+def test_data_may_be_a_pipe_but_not_a_directory(data_file, tmp_path):
+    """`--data <(...)` and /dev/stdin are pipes, not regular files: they were refused as "no
+    such file", and so was a directory."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(data_file.read_bytes()))
+    writer.start()
+    try:
+        assert read_jsonl(fifo) == read_jsonl(data_file)
+    finally:  # a writer still waiting for a reader (none came) is let go
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join()
+    with pytest.raises(DsakvError, match="is a directory"):
+        read_jsonl(tmp_path)
+
+
+def test_text_the_tokenizer_refuses_is_one_error(model_dir, monkeypatch):
+    """Text that reaches the tokenizer and is refused there (a lone surrogate, which
+    read_jsonl now stops first) is a DsakvError, not a TypeError traceback."""
+    monkeypatch.setattr(dsakv.calibrate.data, "read_jsonl", lambda path: ["\ud800" + "a" * 50])
+    config = ModelConfig.from_hf(model_dir)
+    with pytest.raises(DsakvError, match="sequence 1: the tokenizer cannot encode the text"):
+        calibration_sequences(model_dir, config, "any.jsonl")
 
 
 def test_write_config_refuses_a_used_directory(model_dir, tmp_path, capsys):

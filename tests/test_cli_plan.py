@@ -242,8 +242,8 @@ def test_json_past_its_limits_is_one_error_line(tmp_path):
         (["--reserve-gib", "10"], "--reserve-gib needs --gpu-memory-gib"),
         (["--mem-fraction-static", "0.5"], "--mem-fraction-static needs --gpu-memory-gib"),
         (["--kv-budget-gib", "10", "--reserve-gib", "0"], "--reserve-gib needs --gpu-memory-gib"),
-        (["--gpu-memory-gib", "80", "--mem-fraction-static", "0"], "in (0, 1], got 0"),
-        (["--gpu-memory-gib", "80", "--mem-fraction-static", "1.5"], "in (0, 1], got 1.5"),
+        (["--gpu-memory-gib", "80", "--mem-fraction-static", "0"], "in (0, 1], got '0'"),
+        (["--gpu-memory-gib", "80", "--mem-fraction-static", "1.5"], "in (0, 1], got '1.5'"),
     ],
 )
 def test_gpu_memory_flags_need_gpu_memory(flags, message, capsys):
@@ -278,3 +278,44 @@ def test_output_that_cannot_be_written_is_one_error_line(extra):
         )
     err = _one_error_line(proc, code=1)
     assert "cannot write the output: No space left on device" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan", "glm-5.2", "--tp", "1e9"], "--tp: must be an integer >= 1, got '1e9'"),
+        (["plan", "glm-5.2", "--tp", "0"], "--tp: must be an integer >= 1, got '0'"),
+        (
+            ["plan", "glm-5.2", "--kv-budget-gib", "ten"],
+            "--kv-budget-gib: must be a number in (0, 1e+12], got 'ten'",
+        ),
+        (
+            ["plan", "glm-5.2", "--weights-gib", "x"],
+            "--weights-gib: must be a number in [0, 1e+12], got 'x'",
+        ),
+        (
+            ["plan", "glm-5.2", "--mem-fraction-static", "half"],
+            "--mem-fraction-static: must be a number in (0, 1], got 'half'",
+        ),
+        (
+            ["plan", "glm-5.2", "--draft-layers", "1.5"],
+            "--draft-layers: must be an integer in 0..64, got '1.5'",
+        ),
+        (
+            ["serve", "glm-tiny", "--port", "http"],
+            "--port: must be an integer in 1..65535, got 'http'",
+        ),
+        (
+            ["calibrate-pattern", "glm-tiny", "--max-seq-len", "1e9"],
+            "--max-seq-len: must be an integer >= 1, got '1e9'",
+        ),
+    ],
+)
+def test_unparsable_numbers_say_what_is_wanted(args, message, capsys):
+    """argparse named the type function for text it could not parse: "argument --tp: invalid
+    _positive_int value: '1e9'"."""
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(args))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: argument {message}"], err

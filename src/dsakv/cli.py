@@ -35,32 +35,32 @@ class _Parser(argparse.ArgumentParser):
 _MAX_FLOAT = 1e12
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= _MAX_FLOAT:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, {_MAX_FLOAT:g}], got {text}")
+def _checked(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool], want: str) -> Any:
+    """`convert(text)` where `ok` holds for it. Unparsable text gets the same "must be ..."
+    message: argparse's own would name the type function ("invalid _positive_int value")."""
+    try:
+        value = convert(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    return _checked(text, float, lambda v: 0 < v <= _MAX_FLOAT, f"a number in (0, {_MAX_FLOAT:g}]")
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
-    return value
+    return _checked(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def _nonnegative_float(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= _MAX_FLOAT:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, {_MAX_FLOAT:g}], got {text}")
-    return value
+    return _checked(text, float, lambda v: 0 <= v <= _MAX_FLOAT, f"a number in [0, {_MAX_FLOAT:g}]")
 
 
 def port(text: str) -> int:
-    value = int(text)
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {text}")
-    return value
+    return _checked(text, int, lambda v: 0 < v < 65536, "an integer in 1..65535")
 
 
 def listen(host: str, port: int):
@@ -77,17 +77,11 @@ def check_listen(host: str, port: int) -> None:
 
 
 def _draft_layers(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"must be in 0..64, got {text}")
-    return value
+    return _checked(text, int, lambda v: 0 <= v <= 64, "an integer in 0..64")
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
+    return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:

@@ -63,14 +63,17 @@ def default_texts(seed: int, num: int = DEFAULT_NUM_SEQUENCES, min_chars: int = 
 def read_jsonl(path: str | Path) -> list[str | list[int]]:
     """Each non-blank line is `{"text": str}` or `{"token_ids": [int, ...]}`."""
     path = Path(path)
-    if not path.is_file():
-        raise DsakvError(f"calibration data {path}: no such file")
+    # Read whatever is there, not only regular files: `--data <(...)` and /dev/stdin are pipes.
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:  # e.g. a binary file given by mistake
         raise DsakvError(
             f"calibration data {path} is not UTF-8 text (byte {e.start}); give a JSONL file"
         ) from None
+    except FileNotFoundError:
+        raise DsakvError(f"calibration data {path}: no such file") from None
+    except IsADirectoryError:
+        raise DsakvError(f"calibration data {path} is a directory; give a JSONL file") from None
     except OSError as e:
         raise DsakvError(f"cannot read calibration data {path}: {e.strerror or e}") from None
     items: list[str | list[int]] = []
@@ -83,10 +86,15 @@ def read_jsonl(path: str | Path) -> list[str | list[int]]:
         value = obj.get("text", obj.get("token_ids"))
         if "text" in obj and not isinstance(value, str):
             raise DsakvError(f'{path}:{n}: "text" must be a string')
-        if "token_ids" in obj and not (
-            isinstance(value, list)
-            and all(is_int(t) for t in value)
-        ):
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON may escape a lone surrogate: \ud800
+                raise DsakvError(
+                    f'{path}:{n}: "text" holds U+{ord(value[e.start]):04X} at character '
+                    f"{e.start}, a lone surrogate that is not text"
+                ) from None
+        if "token_ids" in obj and not (isinstance(value, list) and all(is_int(t) for t in value)):
             raise DsakvError(f'{path}:{n}: "token_ids" must be a list of integers')
         if not value:
             raise DsakvError(f"{path}:{n}: empty sequence")
@@ -113,7 +121,13 @@ def calibration_sequences(
     tokenizer = _tokenizer(model_dir) if any(isinstance(i, str) for i in items) else None
     seqs = []
     for n, item in enumerate(items, 1):
-        ids = tokenizer.encode(item) if isinstance(item, str) else item
+        try:
+            ids = tokenizer.encode(item) if isinstance(item, str) else item
+        except (TypeError, ValueError) as e:  # text the tokenizer refuses
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DsakvError(
+                f"sequence {n}: the tokenizer cannot encode the text ({first})"
+            ) from None
         bad = next((t for t in ids if not 0 <= t < config.vocab_size), None)
         if bad is not None:
             raise DsakvError(
