@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import shutil
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -476,6 +478,93 @@ def test_chat_takes_openai_messages_as_the_server_does(small_llm):
     ):
         with pytest.raises(DsakvError, match=message):
             small_llm.chat(bad, GREEDY)
+
+
+def test_generate_and_chat_take_vllms_sampling_params_keyword(small_llm):
+    """vLLM's code names it `sampling_params=` (a TypeError here); `params` still works, and
+    both at once are refused rather than one silently winning."""
+    asked = [{"role": "user", "content": "hi"}]
+    want = small_llm.generate("hi", GREEDY)[0].token_ids
+    assert small_llm.generate("hi", sampling_params=GREEDY)[0].token_ids == want
+    assert small_llm.generate("hi", params=GREEDY)[0].token_ids == want
+    chat = small_llm.chat(asked, GREEDY)[0].token_ids
+    assert small_llm.chat(asked, sampling_params=GREEDY)[0].token_ids == chat
+    for call in (small_llm.generate, small_llm.chat):
+        with pytest.raises(DsakvError, match="give params or sampling_params"):
+            call("hi" if call == small_llm.generate else asked, GREEDY, sampling_params=GREEDY)
+    assert not small_llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        ({"role": "user", "content": 5}, r"messages\[1\]: content must be a string or a list"),
+        ({"role": "user", "content": [{"type": "text", "text": 5}]}, r"messages\[1\]: a text"),
+        ({"role": "assistant", "tool_calls": {"id": "1"}}, r"messages\[1\].tool_calls must be"),
+        ({"role": "assistant", "tool_calls": ["call"]}, r"messages\[1\].tool_calls\[0\] must"),
+        (
+            {"role": "assistant", "tool_calls": [{"function": "f"}]},
+            r"messages\[1\].tool_calls\[0\].function must be a dict",
+        ),
+    ],
+)
+def test_malformed_chat_messages_name_the_message(small_llm, message, error):
+    """Each one DsakvError naming the message, as the other malformed ones are (a TypeError
+    or AttributeError from inside the rendering)."""
+    with pytest.raises(DsakvError, match=error):
+        small_llm.chat([{"role": "user", "content": "go"}, message], GREEDY)
+
+
+def test_a_broken_tokenizer_fails_before_the_weights_load(tiny, tmp_path):
+    """The tokenizer is loaded first: a broken one is refused in a second, not after a
+    checkpoint's load (nor after the L3 tier started its threads and master)."""
+    path = shutil.copytree(tiny, tmp_path / "bad")
+    (path / "tokenizer.json").write_text("{bad")
+    (path / "model.safetensors").write_text("garbage")
+    with pytest.raises(DsakvError, match="tokenizer.json"):
+        LLM(str(path), **EXACT, num_pages=8)
+
+
+def test_llm_of_an_engine_config_checks_its_keywords(tiny):
+    """`LLM(EngineConfig(...), **kw)` refuses an unknown keyword as `LLM(model, **kw)` does
+    (it was dataclasses.replace's TypeError), and applies the known ones."""
+    config = EngineConfig(model=tiny, **EXACT, num_pages=8)
+    with pytest.raises(DsakvError, match="unknown engine argument.*: bogus"):
+        LLM(config, bogus=1)
+    assert LLM(config, num_pages=6).engine.allocator.num_pages == 6
+
+
+def test_an_address_of_the_wrong_type_names_its_flag(tiny):
+    with pytest.raises(DsakvError, match="--dist-init-addr must be HOST:PORT .*got 5"):
+        EngineConfig(model=tiny, dist_init_addr=5)
+
+
+def test_a_request_id_in_use_is_refused(small_llm):
+    """vLLM refuses a duplicate request id: the second replaced the first in
+    `Engine.requests`, and aborting it then broke every later step (KeyError)."""
+    e = small_llm.engine
+    e.add_request([1, 2, 3], GREEDY, rid=10**9)
+    with pytest.raises(DsakvError, match="request id 1000000000 is already in use"):
+        e.add_request([4, 5, 6], GREEDY, rid=10**9)
+    e.step()
+    e.abort(10**9)
+    assert not e.has_unfinished()
+    assert len(small_llm.generate([[7, 8]], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    e.check_integrity()
+
+
+def test_stop_strings_need_a_tokenizer(tiny, tmp_path):
+    """As bad_words and grammars: stop strings are matched in the output's text, which a
+    model without a tokenizer has none of (they were accepted and never applied)."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).symlink_to(Path(tiny) / name)
+    llm = LLM(str(bare), **EXACT, num_pages=8)
+    with pytest.raises(DsakvError, match="stop needs a tokenizer"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, stop=["a"]))
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids) == 4
 
 
 @pytest.fixture(scope="module")

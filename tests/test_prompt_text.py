@@ -16,10 +16,10 @@ import shutil
 import httpx
 import pytest
 
-from dsakv.engine import LLM, SamplingParams
+from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.errors import DsakvError
 
-from .serving import TIMEOUT
+from .serving import TIMEOUT, serving
 
 # The completions tests' model, engine and server, their fixtures imported.
 from .test_completions_api import ENGINE_ARGS, MODEL, model_dir, reference, served  # noqa: F401
@@ -103,6 +103,61 @@ def test_a_tokenizer_cleaning_up_spaces_still_streams_text_that_only_grows(model
                 texts.append(req.output_text)
             assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts
             assert texts[-1] == want
+
+
+@pytest.fixture(scope="module")
+def with_bos(model_dir, tmp_path_factory) -> tuple[str, int]:
+    """The model under a tokenizer that adds a BOS to a text (as DeepSeek-V3.2's does); its
+    chat template writes one too. Returns the model's path and the BOS id."""
+    path = shutil.copytree(model_dir, tmp_path_factory.mktemp("bos") / "m")
+    tok = json.loads((path / "tokenizer.json").read_text())
+    bos = "<|bos|>"
+    bos_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == bos)
+    first, a, b = ({"SpecialToken": {"id": bos, "type_id": 0}},) + tuple(
+        {"Sequence": {"id": s, "type_id": i}} for i, s in enumerate("AB")
+    )
+    tok["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [first, a],
+        "pair": [first, a, b],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    return str(path), bos_id
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos_and_a_chat_prompt_the_templates(with_bos):
+    """As vLLM and SGLang tokenize them: a completion's text with its tokenizer's special
+    tokens (a BOS), unless `add_special_tokens` is false; a chat prompt without, as its
+    template writes the BOS. dsakv added none to a text, so DeepSeek-V3.2's completions ran
+    without the BOS every vLLM and SGLang completion has."""
+    path, bos = with_bos
+    text, messages = "hi there", [{"role": "user", "content": "hi"}]
+    greedy = SamplingParams(max_tokens=1, temperature=0)
+    with LLM(path, **ENGINE_ARGS) as llm:
+        plain = llm.tokenizer.encode(text, add_special_tokens=False)
+        assert llm.generate(text, greedy)[0].prompt_token_ids == [bos, *plain]
+        assert llm.generate([plain], greedy)[0].prompt_token_ids == plain  # ids as given
+        out = llm.chat(messages, greedy)[0]
+        assert out.prompt_token_ids[0] == bos and out.prompt_token_ids.count(bos) == 1
+        assert out.prompt == llm.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    with serving(EngineConfig(model=path, **ENGINE_ARGS)) as (base, _):
+        body = {"prompt": text, "max_tokens": 1, "return_token_ids": True}
+        choice = _post(base, "/v1/completions", body)["choices"][0]
+        assert choice["prompt_token_ids"] == [bos, *plain]
+        body["add_special_tokens"] = False
+        assert _post(base, "/v1/completions", body)["choices"][0]["prompt_token_ids"] == plain
+        out = _post(base, "/generate", {"text": text, "sampling_params": {"max_new_tokens": 1}})
+        assert out["meta_info"]["prompt_tokens"] == len(plain) + 1
+        assert _post(base, "/tokenize", {"prompt": text})["tokens"] == [bos, *plain]
+        body = {"prompt": text, "add_special_tokens": False}
+        assert _post(base, "/tokenize", body)["tokens"] == plain
+        chat = _post(base, "/tokenize", {"messages": messages})["tokens"]
+        assert chat[0] == bos and chat.count(bos) == 1
+        body = {"messages": messages, "max_tokens": 1}
+        assert _post(base, "/v1/chat/completions", body)["usage"]["prompt_tokens"] == len(chat)
 
 
 def _sse(base: str, path: str, body: dict) -> list[dict]:

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from dsakv import LLM, SamplingParams
 from dsakv.cli import main
 from dsakv.config.checkpoint import model_identity
+from dsakv.engine import Engine, EngineConfig
 from dsakv.engine.prefix_cache import ROOT_HASH, PrefixCache, chain_hashes
 from dsakv.errors import DsakvError
 from dsakv.memory import CacheLayout, DSAKVPool, PageAllocator
@@ -703,3 +704,52 @@ def test_close_ends_the_l3_threads(tiny, tmp_path):
     assert l3_threads() == before + 2
     llm.close()
     assert l3_threads() == before
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(hicache_storage_prefetch_timeout="2"), "--hicache-storage-prefetch-timeout must be"),
+        (dict(hicache_storage_max_gib="1"), "--hicache-storage-max-gib must be a finite number"),
+        (dict(hicache_storage_max_gib=float("inf")), "--hicache-storage-max-gib must be"),
+        (dict(hicache_storage_dir=5), "--hicache-storage-dir must be a directory path, got 5"),
+        (
+            dict(hicache_storage_backend="mooncake", hicache_storage_dir=None,
+                 hicache_mooncake_master=5),
+            "--hicache-mooncake-master must be HOST:PORT, got 5",
+        ),
+    ],
+)  # fmt: skip
+def test_storage_args_of_the_wrong_type_name_their_flag(tiny, tmp_path, kw, message):
+    """One DsakvError from the config, before any weight loads (a TypeError from comparing
+    "2" with 0, and a directory of 5 failed only after the load)."""
+    with pytest.raises(DsakvError, match=message):
+        EngineConfig(**{**_file(tmp_path), "model": tiny, **kw})
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_a_start_failing_after_the_tier_leaves_nothing_running(tiny, tmp_path, backend):
+    """A start that fails once the L3 tier is made (here CUDA-graph capture, as it may run
+    out of memory) stops its threads and the master it started: they outlived the failed
+    `LLM(...)`, and a retry could not start its master (the port was in use)."""
+
+    def l3_threads() -> int:
+        return sum(t.name.startswith("dsakv-l3-") for t in threading.enumerate())
+
+    def capture_fails(self):
+        raise RuntimeError("CUDA out of memory")
+
+    kw = _file(tmp_path)
+    if backend == "mooncake":
+        kw = dict(ARGS, hicache_storage_backend="mooncake", hicache_storage_max_gib=1 / 16)
+        kw.update(hicache_mooncake_master=f"127.0.0.1:{free_port()}")
+        kw.update(hicache_mooncake_start_master=True)
+    before = l3_threads()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Engine, "_decode_graphs", capture_fails)
+        with pytest.raises(RuntimeError, match="CUDA out of memory"):
+            LLM(tiny, **kw)
+    assert l3_threads() == before
+    llm = LLM(tiny, **kw)  # the same master address: free again
+    assert l3_threads() == before + 2
+    llm.close()

@@ -28,6 +28,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def split_address(address: str, flag: str, note: str = "") -> tuple[str, int]:
     """`HOST:PORT` as (host, port), the port in 1..65535; anything else is refused in one
     line naming `flag` (`note` follows `HOST:PORT` in it)."""
+    if not isinstance(address, str):  # (a port number alone, say: it had no rpartition)
+        raise DsakvError(f"{flag} must be HOST:PORT{note}, got {address!r}")
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise DsakvError(f"{flag} must be HOST:PORT{note}, got {address!r}")

@@ -347,6 +347,13 @@ class Engine:
             config.page_size,
             config.elide_index_k,
         )
+        # Before the weights: a broken tokenizer fails in a second, not after the load.
+        self.tokenizer = _load_tokenizer(config.model)
+        # Found here, not on the first text prompt: it decodes every vocab entry (0.35-0.8 s
+        # for a 150k vocabulary), which on the step loop would stall every running request.
+        self.chars_per_token = chars_per_token(self.tokenizer)
+        # Outputs decoded whole each token (`_decode_output`): no fast tokenizer to stream
+        self._decodes_whole = getattr(self.tokenizer, "backend_tokenizer", None) is None
         self.model, self.model_config, self.plan = load_model(
             config.model,
             plan,
@@ -393,45 +400,44 @@ class Engine:
         self.compute = f"{dtype}|{self.backend.name}|deterministic={self.deterministic}"
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.host, self.hot, self.l3 = self._tiers()
-        self.cache = PrefixCache(self.allocator, self.host, self.l3)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.page_size,
-                config.chunked_prefill_size,
-                config.max_running_requests,
-                config.enable_prefix_cache,
-            ),
-            self.allocator,
-            self.cache,
-            self.host,
-            self.l3,
-            self.hot,
-        )
-        self.sampler = Sampler(self.device, config.seed)
-        self.tokenizer = _load_tokenizer(config.model)
-        # Found here, not on the first text prompt: it decodes every vocab entry (0.35-0.8 s
-        # for a 150k vocabulary), which on the step loop would stall every running request.
-        self.chars_per_token = chars_per_token(self.tokenizer)
-        # Outputs decoded whole each token (`_decode_output`): no fast tokenizer to stream
-        self._decodes_whole = getattr(self.tokenizer, "backend_tokenizer", None) is None
-        self.runner = ModelRunner(
-            self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
-        )
-        self.drafter = None
-        if config.speculative_algorithm == "mtp":
-            self.drafter = MTPDrafter(
-                self.runner,
-                self.scheduler,
-                config.speculative_num_steps or DRAFT_STEPS,
-                self.max_model_len,
-                lockstep=self.parallel.config.dp_attention,
-                grammars=lambda: self.grammars,
+        try:
+            self.cache = PrefixCache(self.allocator, self.host, self.l3)
+            self.scheduler = Scheduler(
+                SchedulerConfig(
+                    config.page_size,
+                    config.chunked_prefill_size,
+                    config.max_running_requests,
+                    config.enable_prefix_cache,
+                ),
+                self.allocator,
+                self.cache,
+                self.host,
+                self.l3,
+                self.hot,
             )
-        self.stats = EngineStats()
-        self.requests: dict[int, Request] = {}
-        self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
-        self._grammars: GrammarCache | None = None
-        self._log_startup()
+            self.sampler = Sampler(self.device, config.seed)
+            self.runner = ModelRunner(
+                self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
+            )
+            self.drafter = None
+            if config.speculative_algorithm == "mtp":
+                self.drafter = MTPDrafter(
+                    self.runner,
+                    self.scheduler,
+                    config.speculative_num_steps or DRAFT_STEPS,
+                    self.max_model_len,
+                    lockstep=self.parallel.config.dp_attention,
+                    grammars=lambda: self.grammars,
+                )
+            self.stats = EngineStats()
+            self.requests: dict[int, Request] = {}
+            self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
+            self._grammars: GrammarCache | None = None
+            self._log_startup()
+        except BaseException:  # (graph capture, the MTP drafter): no L3 threads left behind
+            if self.l3 is not None:
+                self.l3.abandon()
+            raise
 
     def _num_pages(self) -> tuple[int, int | None]:
         """The pool's pages (`num_pages`, else as many as `kv_budget_gib` holds) and, under
@@ -579,11 +585,14 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, special: bool = True) -> list[int]:
+        """`prompt`'s tokens, with the special tokens its tokenizer adds to a text (a BOS,
+        as DeepSeek-V3.2's), as vLLM and SGLang tokenize a completion's prompt; a rendered
+        chat template holds its own (`special=False`)."""
         if self.tokenizer is None:
             raise DsakvError("this model has no tokenizer; pass token ids instead of text")
         try:
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt, add_special_tokens=special)
         except (TypeError, ValueError) as e:  # a lone surrogate, say
             raise DsakvError(f"the prompt cannot be tokenized: {_one_line(e)}") from None
 
@@ -593,7 +602,10 @@ class Engine:
         """Queue a prompt, one choice (`add_requests` makes `params.n`); `rid` is given when
         another rank (DP attention) numbered it. It is prefilled here, so under HiSparse its
         latent must fit the device (unlike a PD decode server's prompts, whose latent arrives
-        in host memory: `reserve_detached`)."""
+        in host memory: `reserve_detached`). A `rid` in use is refused (vLLM's): the second
+        request replaced the first in `requests`, and aborting it broke every later step."""
+        if rid is not None and rid in self.requests:
+            raise DsakvError(f"request id {rid!r} is already in use")
         ids = self.prompt_ids(prompt, params.truncate_prompt_tokens)
         if self.hot is not None and not self.hot.fits(len(ids)):
             raise DsakvError(
@@ -659,6 +671,8 @@ class Engine:
         self.check_params(p)
         if p.grammar is not None:
             req.matcher = self.grammars.matcher(p.grammar)
+        if p.stop and self.tokenizer is None:  # (matched in the output's text: none here)
+            raise DsakvError("stop needs a tokenizer; this model has none", "stop")
         if p.bad_words:
             if self.tokenizer is None:
                 raise DsakvError("bad_words needs a tokenizer; this model has none", "bad_words")
@@ -700,8 +714,11 @@ class Engine:
             self.scheduler.add(fork)
         req.forks = []
 
-    def prompt_ids(self, prompt: str | list[int], keep: int | None = None) -> list[int]:
-        """The prompt's token ids (its last `keep`: `truncate_prompt_tokens`), or a
+    def prompt_ids(
+        self, prompt: str | list[int], keep: int | None = None, special: bool = True
+    ) -> list[int]:
+        """The prompt's token ids (its last `keep`: `truncate_prompt_tokens`; a text's with
+        its tokenizer's special tokens unless `special` is False: `encode`), or a
         `DsakvError` saying why it cannot run. A text too long to fit whatever its tokens
         is refused untokenized (a 30 MB one took 6 GB to tokenize): a token stands for
         at most `chars_per_token` of its characters."""
@@ -713,7 +730,7 @@ class Engine:
                 f"at most {m} a token); at most {limit} fit (the context is "
                 f"{self.max_model_len} tokens, one kept for the output)"
             )
-        ids = self.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
+        ids = self.encode(prompt, special) if isinstance(prompt, str) else _token_ids(prompt)
         if not ids:
             raise DsakvError("prompt is empty")
         if keep is not None:

@@ -407,6 +407,16 @@ class L3Cache:
                 continue
             if not self._enqueue(n.hash, row, timeout=deadline - time.monotonic()):
                 break
+        self._stop(deadline)
+
+    def abandon(self, timeout_s: float = 5.0) -> None:
+        """Stop the threads, the backend and a master this engine started, storing nothing:
+        for an engine whose start failed after its tiers were made (it has no prefix cache
+        to store, and a started master would hold its port against a retry)."""
+        if not self._closed:
+            self._stop(time.monotonic() + timeout_s)
+
+    def _stop(self, deadline: float) -> None:
         self._closed = True
         for rid in list(self._lookups):
             self.cancel(rid)

@@ -114,7 +114,9 @@ class LLM:
 
     def __init__(self, model: str | EngineConfig, **engine_args: Any) -> None:
         if isinstance(model, EngineConfig):
-            config = dataclasses.replace(model, **engine_args) if engine_args else model
+            # (through from_kwargs: an unknown keyword is its one error, not replace's TypeError)
+            given = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+            config = EngineConfig.from_kwargs(**{**given, **engine_args}) if engine_args else model
         elif isinstance(model, (str, os.PathLike)):
             config = EngineConfig.from_kwargs(resolve_model_dir(str(model)), **engine_args)
         else:
@@ -154,12 +156,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        *,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt: text, token ids, or vLLM's `{"prompt": text}` /
-        `{"prompt_token_ids": ids}`; one `params` for all, or one per prompt. Outputs
-        come back in input order."""
+        `{"prompt_token_ids": ids}`; one `params` for all, or one per prompt (by keyword
+        `params` or vLLM's `sampling_params`). Outputs come back in input order."""
         if not self._close.alive:
             raise DsakvError("this LLM was closed; make a new one")
+        params = _params_or_vllms(params, sampling_params)
         prompts = _as_prompt_list(prompts)
         if params is None:
             params = self.get_default_sampling_params()
@@ -196,12 +201,15 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages)
         or a list of them, each rendered by the model's chat template and completed as
         `generate` completes text (`chat_template`: a Jinja template instead of the
-        tokenizer's). The output is the raw text: tool calls and reasoning are parsed by
-        `dsakv serve`'s chat endpoint, not here."""
+        tokenizer's; `sampling_params`: vLLM's name for `params`). The output is the raw
+        text: tool calls and reasoning are parsed by `dsakv serve`'s chat endpoint, not
+        here."""
+        params = _params_or_vllms(params, sampling_params)
         if continue_final_message and add_generation_prompt:
             raise DsakvError("continue_final_message needs add_generation_prompt=False")
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
@@ -232,7 +240,19 @@ class LLM:
                 )
             except Exception as e:  # the template's raise_exception: bad roles or order
                 raise DsakvError(f"chat template failed: {e}", "messages") from None
-        return self.generate(prompts, params, use_tqdm)
+        # Each rendered template holds its special tokens (a BOS): none added, as vLLM's chat
+        ids = [self.engine.encode(p, special=False) for p in prompts]
+        outs = self.generate(ids, params, use_tqdm)
+        return [dataclasses.replace(o, prompt=p) for o, p in zip(outs, prompts)]
+
+
+def _params_or_vllms(params: Any, sampling_params: Any) -> Any:
+    """`params`, or vLLM's keyword for it, `sampling_params`; not both."""
+    if sampling_params is None:
+        return params
+    if params is not None:
+        raise DsakvError("give params or sampling_params (vLLM's name for it), not both", "params")
+    return sampling_params
 
 
 def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
@@ -243,6 +263,12 @@ def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(message)
     content = message.get("content")
     if content is not None and not isinstance(content, str):
+        if not _is_list(content):
+            raise DsakvError(
+                f"messages[{i}]: content must be a string or a list of content parts, "
+                f"got {reprlib.repr(content)}",
+                "messages",
+            )
         texts = []
         for part in content:
             kind = part.get("type") if isinstance(part, Mapping) else None
@@ -250,16 +276,39 @@ def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
                 raise DsakvError(
                     f"messages[{i}]: content part type {kind!r} is not supported", "messages"
                 )
-            texts.append(part.get("text") or "")
+            text = part.get("text") or ""
+            if not isinstance(text, str):
+                raise DsakvError(
+                    f"messages[{i}]: a text part's text must be a string, got {reprlib.repr(text)}",
+                    "messages",
+                )
+            texts.append(text)
         content = "\n".join(texts)
     out["content"] = content or ""
-    if message.get("tool_calls"):
-        out["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(message["tool_calls"])]
+    calls = message.get("tool_calls")
+    if calls:
+        if not _is_list(calls):
+            raise DsakvError(
+                f"messages[{i}].tool_calls must be a list of tool calls, got {reprlib.repr(calls)}",
+                "messages",
+            )
+        out["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(calls)]
     return out
 
 
-def _template_call(i: int, j: int, call: Mapping[str, Any]) -> dict[str, Any]:
+def _template_call(i: int, j: int, call: object) -> dict[str, Any]:
+    if not isinstance(call, Mapping):
+        raise DsakvError(
+            f"messages[{i}].tool_calls[{j}] must be a tool call dict, got {reprlib.repr(call)}",
+            "messages",
+        )
     function = call.get("function") or {}
+    if not isinstance(function, Mapping):
+        raise DsakvError(
+            f"messages[{i}].tool_calls[{j}].function must be a dict with name and arguments, "
+            f"got {reprlib.repr(function)}",
+            "messages",
+        )
     args = function.get("arguments") or "{}"
     if isinstance(args, str):
         try:

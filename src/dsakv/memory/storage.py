@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, is_number
 from dsakv.procs import die_with_parent, free_port, split_address, stop_process
 from dsakv.writable import can_create_in
 
@@ -146,13 +146,17 @@ class StorageConfig:
                 f"--hicache-write-policy must be one of {', '.join(WRITE_POLICIES)}, "
                 f"got {self.write_policy!r}"
             )
-        if self.max_gib is not None and not self.max_gib > 0:
-            raise DsakvError(f"--hicache-storage-max-gib must be > 0, got {self.max_gib}")
-        if not 0 <= self.prefetch_timeout_s < math.inf:
+        # Types first: a "1" from a caller's config compared to a number raised TypeError.
+        cap = self.max_gib
+        if cap is not None and not (is_number(cap) and 0 < cap < math.inf):
+            raise DsakvError(f"--hicache-storage-max-gib must be a finite number > 0, got {cap!r}")
+        timeout = self.prefetch_timeout_s
+        if not (is_number(timeout) and 0 <= timeout < math.inf):
             raise DsakvError(
-                "--hicache-storage-prefetch-timeout must be a finite number >= 0, "
-                f"got {self.prefetch_timeout_s}"
+                f"--hicache-storage-prefetch-timeout must be a finite number >= 0, got {timeout!r}"
             )
+        if self.dir is not None and not isinstance(self.dir, (str, os.PathLike)):
+            raise DsakvError(f"--hicache-storage-dir must be a directory path, got {self.dir!r}")
         if self.backend == "file":
             if not self.dir:
                 raise DsakvError("--hicache-storage-backend file needs --hicache-storage-dir DIR")

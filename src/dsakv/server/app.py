@@ -269,7 +269,9 @@ class Handlers:
         params = await self._ready_grammar(params, _grammar_param(params))
         given = "max_tokens" if body.max_tokens is not None else None
         count = len(prompts)
-        streams = await self._submit_all(prompts, [params] * count, n, raw, [given] * count)
+        streams = await self._submit_all(
+            prompts, [params] * count, n, raw, [given] * count, special=body.add_special_tokens
+        )
         keep = params.truncate_prompt_tokens
         if keep is not None and keep <= 0:  # (-1: as many as the context leaves room for)
             keep = self.engine.engine.max_model_len - 1
@@ -378,7 +380,8 @@ class Handlers:
         params = await self._ready_grammar(params, grammar_param, prep.reasoning if wait else None)
         n = self._n(body)
         given = param if max_tokens is not None else None
-        streams = await self._submit_n(prompt, params, n, raw, "messages", given)
+        special = body.add_special_tokens  # (vLLM's: none, the template holds its own)
+        streams = await self._submit_n(prompt, params, n, raw, "messages", given, special)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": rid,
@@ -708,6 +711,7 @@ class Handlers:
         raw: Request,
         prompt_param: str = "prompt",
         max_tokens_param: str | None = None,
+        special: bool = True,
     ) -> list[RequestStream]:
         """`n` choices of one prompt (they share its KV pages); a rejected prompt or grammar
         is a 400, and so is one that leaves too little room in the context for the
@@ -717,7 +721,7 @@ class Handlers:
         which never comes for a request the decode server refused (the router hangs up).
         The prompt is tokenized here, off the engine thread (a 5 MB one held every stream
         five seconds there)."""
-        prompt = await self._fitting(prompt, params, max_tokens_param, prompt_param)
+        prompt = await self._fitting(prompt, params, max_tokens_param, prompt_param, special)
         submit = asyncio.ensure_future(self.engine.generate_n(prompt, params, n))
         watcher = asyncio.create_task(_when_left(raw, submit.cancel))
         try:
@@ -741,13 +745,15 @@ class Handlers:
         params: SamplingParams,
         param: str | None,
         prompt_param: str,
+        special: bool = True,
     ) -> list[int]:
         """`prompt`'s token ids (truncated as `params` says), if `params.max_tokens` more
         fit in the context after them where the client gave it (in field `param`); else
         vLLM's 400. Tokenized off the event loop (a long prompt takes a while)."""
         e, max_tokens = self.engine.engine, params.max_tokens
         try:
-            ids = await asyncio.to_thread(e.prompt_ids, prompt, params.truncate_prompt_tokens)
+            keep = params.truncate_prompt_tokens
+            ids = await asyncio.to_thread(e.prompt_ids, prompt, keep, special)
         except DsakvError as err:
             raise APIError(400, str(err), param=err.param or prompt_param) from None
         if param is not None and len(ids) + max_tokens > e.max_model_len:
@@ -769,6 +775,7 @@ class Handlers:
         raw: Request,
         max_tokens_params: Sequence[str | None],
         prompt_param: str = "prompt",
+        special: bool = True,
     ) -> list[RequestStream]:
         """Every prompt's `n` choices, in order, each prompt with its own params (and the
         field its client's max_tokens came in: `_submit_n`); if one is rejected, the others
@@ -776,7 +783,7 @@ class Handlers:
         streams: list[RequestStream] = []
         try:
             for prompt, p, given in zip(prompts, params, max_tokens_params, strict=True):
-                streams += await self._submit_n(prompt, p, n, raw, prompt_param, given)
+                streams += await self._submit_n(prompt, p, n, raw, prompt_param, given, special)
         except BaseException:
             for s in streams:
                 self.engine.abort(s)
@@ -850,18 +857,16 @@ class Handlers:
                 continue_final_message=body.continue_final_message,
             )
             try:
-                tokens = e.encode(prepare_chat(chat, e.tokenizer, self.chat_parsers).prompt)
+                text = prepare_chat(chat, e.tokenizer, self.chat_parsers).prompt
+                tokens = e.encode(text, special=bool(body.add_special_tokens))
             except DsakvError as err:
                 raise APIError(400, str(err), param="messages") from None
         else:
             try:
-                tokens = e.tokenizer.encode(
-                    body.prompt, add_special_tokens=bool(body.add_special_tokens)
-                )
-            except (TypeError, ValueError) as err:
-                raise APIError(
-                    400, f"the prompt cannot be tokenized: {err}", param="prompt"
-                ) from None
+                special = True if body.add_special_tokens is None else body.add_special_tokens
+                tokens = e.encode(body.prompt, special=special)
+            except DsakvError as err:
+                raise APIError(400, str(err), param="prompt") from None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": e.max_model_len}
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:

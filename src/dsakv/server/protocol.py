@@ -137,6 +137,7 @@ class CompletionRequest(GenerationRequest):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets its tokenizer's (a BOS)
 
 
 class ContentPart(_Strict):
@@ -193,6 +194,7 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    add_special_tokens: bool = False  # vLLM's: the template holds its own (a BOS)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. enable_thinking / thinking
     chat_template: str | None = None  # vLLM's; refused: the server's is --chat-template
     # vLLM's: to the template (reasoning_effort, documents); reasoning_content left out
@@ -210,7 +212,8 @@ class TokenizeRequest(_Strict):
 
     model: str | None = None
     prompt: str | None = None
-    add_special_tokens: bool | None = False  # for `prompt`; /v1/completions adds none
+    # None: as the generation endpoints tokenize (a prompt with them, messages without)
+    add_special_tokens: bool | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # with `messages`: rendered as chat renders them
     chat_template_kwargs: dict[str, Any] | None = None
