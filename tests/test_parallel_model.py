@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from dsakv.config import checkpoint as checkpoint_mod
 from dsakv.distributed.parallel import (
     ParallelConfig,
     ParallelState,
@@ -23,7 +24,6 @@ from dsakv.distributed.parallel import (
 from dsakv.errors import DsakvError
 from dsakv.memory import estimate_weight_bytes
 from dsakv.models import ForwardBatch, load_model, write_tiny_model
-from dsakv.models import loader as loader_mod
 from dsakv.models.moe import Experts
 from dsakv.models.tiny import TINY_PRESETS
 
@@ -170,7 +170,7 @@ def _fp8_checkpoint(src, dst):
     return dst
 
 
-_safe_open = loader_mod.safe_open
+_safe_open = checkpoint_mod.safe_open
 
 
 class _RecordingFile:
@@ -238,7 +238,7 @@ def test_sliced_fp8_load_equals_whole_load_sliced(runs, tmp_path, monkeypatch):
         for rank in range(2):
             reads: list = []
             monkeypatch.setattr(
-                loader_mod, "safe_open", lambda f, fw, reads=reads: _RecordingFile(f, fw, reads)
+                checkpoint_mod, "safe_open", lambda f, fw, reads=reads: _RecordingFile(f, fw, reads)
             )
             model, _, _ = load_model(path, parallel=ParallelState(pc, rank))
             for pname, p in model.named_parameters():
