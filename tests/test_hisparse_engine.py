@@ -337,8 +337,9 @@ def test_bad_settings_are_one_clear_error(tiny):
     with pytest.raises(DsakvError, match="less than one hot buffer"):  # refused every prompt
         _engine(tiny, num_pages=4, enable_hisparse=True, hisparse_config=HS)  # 32 slots
     on = _engine(tiny, num_pages=5, enable_hisparse=True, hisparse_config=HS)  # 40 slots
-    with pytest.raises(DsakvError, match="latent pool holds 40 tokens"):
-        on.add_request(list(range(1, 45)), GREEDY)
+    with pytest.raises(DsakvError, match="latent pool holds 40 tokens: at most 39 fit"):
+        on.add_request(list(range(1, 41)), GREEDY)  # (the message said 40 would)
+    on.add_request(list(range(1, 40)), GREEDY)
 
 
 def test_cli_flags(tiny):

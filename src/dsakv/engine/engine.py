@@ -608,9 +608,11 @@ class Engine:
             raise DsakvError(f"request id {rid!r} is already in use")
         ids = self.prompt_ids(prompt, params.truncate_prompt_tokens)
         if self.hot is not None and not self.hot.fits(len(ids)):
+            held = self.pool.num_latent_tokens
             raise DsakvError(
                 f"prompt has {len(ids)} tokens; under HiSparse a prompt is prefilled on the "
-                f"device, whose latent pool holds {self.pool.num_latent_tokens} tokens"
+                f"device, whose latent pool holds {held} tokens: at most {held - 1} fit (one "
+                "kept for the output)"
             )
         req = Request(ids, params) if rid is None else Request(ids, params, rid=rid)
         self._init_request(req)
