@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from dsakv.config.presets import EOS_ID, VOCAB_SIZE
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tokenizer
+from dsakv.server.chat import ChatParsers, PreparedChat
 from dsakv.server.parsers import (
     TOOL_FORMATS,
     ChatOutputParser,
@@ -42,9 +43,11 @@ SCHEMAS = {
 }
 
 
-def _parse(parser: str, text: str) -> tuple[str, list[tuple[str, dict]]]:
-    p = ToolCallParser(TOOL_FORMATS[parser], SCHEMAS)
-    p.feed(text, final=True)
+def _parse(
+    parser: str, text: str, forced: bool = False, cut: bool = False
+) -> tuple[str, list[tuple[str, dict]]]:
+    p = ToolCallParser(TOOL_FORMATS[parser], SCHEMAS, forced)
+    p.feed(text, final=True, cut=cut)
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in p.calls]
     return p.content, calls
 
@@ -111,11 +114,72 @@ def test_dsml_parameters_and_json_body():
     assert calls == [("get_weather", {"city": "Rome", "days": 1})] and content == " done"
 
 
+def test_glm_string_arguments_keep_their_whitespace():
+    """A string is taken as written (code keeps its indent and last newline), as vLLM and
+    SGLang read it; a typed value's layout is not data. Under a forcing grammar, whose GLM
+    markup allows layout whitespace around any value, the value is read as it reads it."""
+    text = (
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>    return x\n</arg_value>"
+        "<arg_key>days</arg_key><arg_value> 3\n</arg_value></tool_call>"
+    )
+    assert _parse("glm47", text)[1] == [("get_weather", {"city": "    return x\n", "days": 3})]
+    assert _parse("glm47", text, forced=True)[1] == [
+        ("get_weather", {"city": "return x", "days": 3})
+    ]
+
+
+def test_python_literal_values_and_dsml_strings_follow_the_schema():
+    """vLLM's parity: GLM values that are Python literals (`True`, `None`, a dict written
+    with quotes) parse for a typed parameter; DSML's string="false" on a string parameter
+    stays text."""
+    _, calls = _parse(
+        "glm47",
+        "<tool_call>get_weather<arg_key>metric</arg_key><arg_value>True</arg_value>"
+        "<arg_key>opts</arg_key><arg_value>{'k': None}</arg_value>"
+        "<arg_key>tags</arg_key><arg_value>{1, 2}</arg_value>"
+        "<arg_key>city</arg_key><arg_value>None</arg_value></tool_call>",
+    )
+    assert calls == [
+        ("get_weather", {"metric": True, "opts": {"k": None}, "tags": "{1, 2}", "city": "None"})
+    ]
+    _, calls = _parse(
+        "deepseekv32",
+        f'<{D}function_calls>\n<{D}invoke name="get_weather">\n'
+        f'<{D}parameter name="zip" string="false">75001</{D}parameter>\n'
+        f'<{D}parameter name="days" string="false">2</{D}parameter>\n'
+        f"</{D}invoke>\n</{D}function_calls>",
+    )
+    assert calls == [("get_weather", {"zip": "75001", "days": 2})]
+
+
+UNCLOSED = [
+    (
+        "glm47",
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</tool_call>"
+        "<tool_call>ping</tool_call>Done.",
+    ),
+    (
+        "deepseekv32",
+        f'<{D}function_calls>\n<{D}invoke name="get_weather">\n'
+        f'<{D}parameter name="city" string="true">Oslo</{D}invoke>\n'
+        f'<{D}invoke name="ping">\n</{D}invoke>\n</{D}function_calls>Done.',
+    ),
+]
+
+
+@pytest.mark.parametrize(("parser", "text"), UNCLOSED)
+def test_a_value_without_its_close_tag_ends_at_the_call(parser, text):
+    """A missing </arg_value> (or DSML </parameter>) ends the value at its call's close tag,
+    as vLLM reads it: later calls and text are not swallowed into it."""
+    assert _parse(parser, text) == ("Done.", [("get_weather", {"city": "Oslo"}), ("ping", {})])
+
+
 @pytest.mark.parametrize(
     ("parser", "text", "content", "calls"),
     [
         ("glm47", "plain <b>text</b> only", "plain <b>text</b> only", []),
-        ("glm47", "a <tool_ca", "a <tool_ca", []),  # a trigger prefix at the end is text
+        # a trigger prefix at the end of a response that stopped by itself is text
+        ("glm47", "a <tool_ca", "a <tool_ca", []),
         ("glm47", "x<tool_call>", "x<tool_call>", []),
         ("glm47", "x<tool_call>bad name<x>", "x<tool_call>bad name<x>", []),
         # a missing <arg_value> ends the call there
@@ -131,6 +195,25 @@ def test_dsml_parameters_and_json_body():
 )
 def test_malformed_text_never_raises_and_stays_content(parser, text, content, calls):
     assert _parse(parser, text) == (content, calls)
+
+
+@pytest.mark.parametrize("how", ["cut", "forced"])
+@pytest.mark.parametrize(
+    ("parser", "text", "content"),
+    [
+        ("glm47", "a <tool_ca", "a"),
+        ("glm47", "a\n<", "a"),
+        ("glm47", "x<tool_call>", "x"),
+        ("deepseekv32", f"ok\n\n<{D}function_ca", "ok"),
+        ("deepseekv32", f"ok\n\n<{D}function_calls>\n", "ok"),
+        ("glm47", "a < b", "a < b"),  # not at the end: text
+    ],
+)
+def test_a_trigger_cut_off_or_under_a_forcing_grammar_is_dropped(parser, text, content, how):
+    """When max_tokens cut the response, or a grammar forced calls, a trigger (or its start)
+    at the end is a call cut off: its markup is not content. (A response that stopped
+    there by itself keeps it, above.)"""
+    assert _parse(parser, text, **{how: True}) == (content, [])
 
 
 @pytest.mark.parametrize(
@@ -169,14 +252,15 @@ def test_a_call_cut_off_keeps_its_complete_arguments_and_drops_its_markup(
     assert _parse(parser, text) == (content, calls)
 
 
-def _stream(make, text: str, cuts: list[int]):
+def _stream(make, text: str, cuts: list[int], cut: bool = False):
     """Feed `text` in pieces split at `cuts`; reassemble content and tool-call deltas."""
     p = make()
     bounds = [0, *sorted(set(cuts)), len(text)]
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     reasoning, content, calls = "", "", {}
     for i, piece in enumerate(pieces):
-        d = p.feed(piece, final=i == len(pieces) - 1)
+        last = i == len(pieces) - 1
+        d = p.feed(piece, final=last, cut=cut and last)
         reasoning += d.reasoning
         content += d.content
         assert len({c["index"] for c in d.tool_calls}) == len(d.tool_calls)
@@ -205,16 +289,18 @@ _STREAM_CASES = [
     ("glm47", "<|assistant|>", "x<tool_call>ping<arg_key>a</arg_key>oops</tool_call>y<tool_c"),
     ("deepseekv32", "<|assistant|><think>", "why</thi</think>" + DSML),
     ("deepseekv32", "<|assistant|></think>", DSML_JSON + f"<{D}function_calls>\n<{D}inv"),
+    ("glm47", "<|assistant|></think>", UNCLOSED[0][1] + "\n<tool_ca"),
+    ("deepseekv32", "<|assistant|></think>", UNCLOSED[1][1] + f"\n\n<{D}func"),
 ]
 
 
-@settings(max_examples=60, deadline=None)
-@given(case=st.sampled_from(_STREAM_CASES), data=st.data())
-def test_streaming_any_split_reassembles_to_the_whole(case, data):
+@settings(max_examples=80, deadline=None)
+@given(case=st.sampled_from(_STREAM_CASES), cut=st.booleans(), data=st.data())
+def test_streaming_any_split_reassembles_to_the_whole(case, cut, data):
     parser, prompt, text = case
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
-    whole, r1, c1, calls1 = _stream(_chat_parser(parser, prompt), text, [])
-    p, r2, c2, calls2 = _stream(_chat_parser(parser, prompt), text, cuts)
+    whole, r1, c1, calls1 = _stream(_chat_parser(parser, prompt), text, [], cut)
+    p, r2, c2, calls2 = _stream(_chat_parser(parser, prompt), text, cuts, cut)
     assert (r2, c2) == (r1, c1) == (whole.reasoning or "", whole.content)
     assert [(c["name"], c["arguments"]) for c in calls2] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls
@@ -258,6 +344,18 @@ def test_reasoning_split(name, prompt, text, reasoning, content):
     p = ChatOutputParser(reasoning_parser(name, prompt))
     p.feed(text, final=True)
     assert (p.reasoning, p.content) == (reasoning, content)
+
+
+def test_a_forcing_grammar_makes_the_chat_parser_forced():
+    """The server's parser for a forced tool_choice drops a trigger cut off at the end (it
+    can only be a call cut off); under "auto" a response may end in one as text."""
+    for grammar, content in ((("structural_tag", "{}"), "Hi"), (None, "Hi <tool_c")):
+        prep = PreparedChat(
+            "<|assistant|></think>", grammar, SCHEMAS, ChatParsers("glm47", "glm45")
+        )
+        p = prep.output_parser()
+        p.feed("Hi <tool_c", final=True)
+        assert p.content == content
 
 
 def test_parser_names():
@@ -341,7 +439,7 @@ def test_forcing_grammar_yields_schema_valid_calls(tokenizer, parser, choice):
         assert ids[-1] == EOS_ID
         p = ChatOutputParser(
             reasoning_parser("glm45" if parser == "glm47" else "deepseek-v3", prompt),
-            ToolCallParser(TOOL_FORMATS[parser], schemas),
+            ToolCallParser(TOOL_FORMATS[parser], schemas, forced=True),
         )
         p.feed(tokenizer.decode(ids, skip_special_tokens=True), final=True)
         assert len(p.tool_calls) == 1 and p.content == "" and p.reasoning is None

@@ -194,6 +194,20 @@ def test_parallel_tool_calls_false_keeps_the_first_call(served, family):
     assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"]] == first
 
 
+def test_a_call_cut_inside_its_trigger_shows_no_markup(served, family):
+    """Under "auto", max_tokens cutting the output inside the tool-call trigger left that
+    markup (`<tool_c`) as content, streamed or not; a cut call's markup is dropped."""
+    client = served[0]
+    two = TWO_CALLS[family]
+    trigger = two[: two.index(">") + 1]
+    n = len(trigger.encode()) - 2  # (a byte-level tokenizer: a token a byte)
+    kw = dict(extra_body={"regex": _literal(two)}, max_tokens=n)
+    r = _chat(client, family, **kw)
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.content
+    s = _reassemble(list(_chat(client, family, stream=True, **kw)))
+    assert s["finish"] == "length" and not s["content"] and not s["calls"]
+
+
 def test_named_tool_call_picks_that_tool(served, family):
     """The named call, and OpenAI's and vLLM's finish_reason for it: "stop", not the
     "tool_calls" of "auto" and "required", streamed or not."""

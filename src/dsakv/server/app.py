@@ -413,7 +413,8 @@ class Handlers:
                 totals = _Result()
                 async for i, u in self._merged(streams):
                     parser = parsers[i]
-                    delta = chat_delta(parser.feed(u.text, final=u.finished), thinking)
+                    cut = _reason(u) == "length"
+                    delta = chat_delta(parser.feed(u.text, final=u.finished, cut=cut), thinking)
                     if not (delta or u.finished or ((top_n is not None or ids) and u.token_ids)):
                         continue  # held-back text and nobody wants the tokens yet
                     lp = _chat_logprobs(u) if top_n is not None else None
@@ -443,7 +444,7 @@ class Handlers:
         choices = []
         for i, r in enumerate(results):  # n choices of one prompt
             parser = prep.output_parser()
-            parser.feed(r.text, final=True)
+            parser.feed(r.text, final=True, cut=r.finish_reason == "length")
             choices.append(
                 {
                     "index": i,

@@ -96,7 +96,9 @@ class PreparedChat:
         """A fresh parser for one choice's output."""
         tools = None
         if self.tool_schemas is not None and self.parsers.tool is not None:
-            tools = ToolCallParser(TOOL_FORMATS[self.parsers.tool], self.tool_schemas)
+            tools = ToolCallParser(
+                TOOL_FORMATS[self.parsers.tool], self.tool_schemas, self.grammar is not None
+            )
         return ChatOutputParser(
             reasoning_parser(self.parsers.reasoning, self.prompt), tools, self.parallel_tool_calls
         )

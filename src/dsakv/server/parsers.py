@@ -9,6 +9,7 @@ read is closed with the arguments read so far, everything else stays content.
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -84,7 +85,8 @@ def _rule(pattern: str, kind: str, next: str) -> _Rule:
 
 
 # GLM-4.7/5: <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>;
-# GLM-4.5/4.6 put newlines after the name and between pairs (the \s* below).
+# GLM-4.5/4.6 put newlines after the name and between pairs (the \s* below). A value
+# whose close tag is missing ends at the call's (as vLLM reads it), not at a later call's.
 _GLM = ToolFormat(
     trigger="<tool_call>",
     first="name",
@@ -96,7 +98,7 @@ _GLM = ToolFormat(
         "args": (
             _rule(
                 r"\s*<arg_key>\s*(?P<key>[^<>]*?)\s*</arg_key>\s*"
-                r"<arg_value>(?P<value>.*?)</arg_value>",
+                r"<arg_value>(?P<value>.*?)(?:</arg_value>|(?=</tool_call>))",
                 "arg",
                 "args",
             ),
@@ -120,7 +122,7 @@ _DEEPSEEK = ToolFormat(
         "invoke": (
             _rule(
                 rf'\s*<{_D}parameter\s+name="(?P<key>[^"<>]*)"\s+string="(?P<string>true|false)"'
-                rf"\s*>(?P<value>.*?)</{_D}parameter>",
+                rf"\s*>(?P<value>.*?)(?:</{_D}parameter>|(?=</{_D}invoke>))",
                 "arg",
                 "invoke",
             ),
@@ -159,14 +161,25 @@ def _declared_types(schema: Any) -> set[str]:
 
 
 def _typed(raw: str, is_string: bool) -> Any:
-    """A raw argument value as JSON: strings stay as written, anything else is parsed (and
-    kept as a string when it is not valid JSON)."""
+    """A raw argument value as JSON: strings stay as written; anything else is parsed, as
+    JSON or else a Python literal (`True`, `None`, `{'k': 1}`: vLLM's `_deserialize`), and
+    kept as its text when it is neither."""
     if is_string:
         return raw
+    raw = raw.strip()
     try:
         return json.loads(raw)
     except ValueError:
+        pass
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return raw
+    try:
+        json.dumps(value)  # (a set, bytes or complex has no JSON form)
+    except (TypeError, ValueError):
+        return raw
+    return value
 
 
 @dataclass
@@ -177,11 +190,16 @@ class ToolCallDelta:
 
 class ToolCallParser:
     """Incremental parser of one response's tool calls in `fmt`. `tools` maps each tool's
-    name to its parameters schema, which types GLM's argument values."""
+    name to its parameters schema, which types the argument values. `forced`: a grammar
+    forces the calls (`tool_choice` required or named), so text can only end inside markup
+    when it was cut off."""
 
-    def __init__(self, fmt: ToolFormat, tools: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, fmt: ToolFormat, tools: Mapping[str, Any] | None = None, forced: bool = False
+    ) -> None:
         self.fmt = fmt
         self.tools = dict(tools or {})
+        self.forced = forced
         self.content = ""
         self.calls: list[dict[str, Any]] = []  # OpenAI tool_calls, arguments as JSON text
         self._buf = ""
@@ -190,20 +208,25 @@ class ToolCallParser:
         self._args = 0  # arguments written into the open call
         self._block_calls = 0  # calls started since the last trigger
 
-    def feed(self, text: str, final: bool = False) -> ToolCallDelta:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> ToolCallDelta:
         """Consume `text`; return the settled content and tool-call deltas. `final` flushes
         whatever was held back: a call cut off mid-markup is closed with the arguments that
-        were complete, and its partial markup dropped."""
+        were complete, and its partial markup dropped. `cut` (with `final`: the generation
+        hit max_tokens) or `forced` also drops a trigger cut off, or left alone, at the end;
+        a response that stopped there by itself keeps it as content."""
         self._buf += text
         out = ToolCallDelta()
         pos = 0
+        drop = final and (cut or self.forced)
         while True:
             if self._state == _TEXT:
                 i = self._buf.find(self.fmt.trigger, pos)
                 if i < 0:
-                    keep = 0 if final else _held_back(self._buf[pos:], self.fmt.trigger)
-                    out.content += self._buf[pos : len(self._buf) - keep]
-                    pos = len(self._buf) - keep
+                    rest, trigger = self._buf[pos:], self.fmt.trigger
+                    cut_off = drop and _partial_suffix(rest, [trigger])
+                    keep = _held_back(rest, trigger) if cut_off or not final else 0
+                    out.content += rest[: len(rest) - keep]
+                    pos = len(self._buf) if final else len(self._buf) - keep
                     break
                 out.content += self._buf[pos:i].rstrip()  # the call's lead-in whitespace
                 pos = i + len(self.fmt.trigger)
@@ -213,8 +236,8 @@ class ToolCallParser:
             if step is None and not final:
                 break  # could still become valid markup: wait for more text
             if step is None:  # the text ends inside markup (max_tokens): a call cut off,
-                if self._open or self._buf[pos:].strip():  # not content; an open call keeps
-                    if self._open:  # the arguments completed
+                if self._open or self._buf[pos:].strip() or drop:  # not content; an open
+                    if self._open:  # call keeps the arguments completed
                         self._close(out)
                     pos, self._state = len(self._buf), _TEXT
                     break
@@ -271,15 +294,16 @@ class ToolCallParser:
                 self._close(out)
         elif rule.kind == "arg":
             name = self.calls[-1]["function"]["name"]
-            if m.groupdict().get("string") is not None:
-                is_string = m["string"] == "true"
-            else:
-                schema = self.tools.get(name) or {}
-                prop = (schema.get("properties") or {}).get(m["key"])
-                is_string = _declared_types(prop) == {"string"}
-            # GLM's markup (and xgrammar's grammar for it) treats the whitespace around a
-            # value as layout, not data; DSML strings are taken verbatim.
-            raw = m["value"] if m.groupdict().get("string") == "true" else m["value"].strip()
+            schema = self.tools.get(name) or {}
+            prop = (schema.get("properties") or {}).get(m["key"])
+            # A string parameter keeps its value as written (whitespace included), as vLLM
+            # and SGLang: DSML's string="false" on one is still text, as vLLM coerces it.
+            # Under a forcing grammar GLM's whitespace around a value is layout (xgrammar's
+            # glm_xml allows it around an enum's "Rome"), so the value is read as it does.
+            is_string = _declared_types(prop) == {"string"} or m.groupdict().get("string") == "true"
+            raw = m["value"]
+            if self.forced and "string" not in m.groupdict():
+                raw = raw.strip()
             value = _typed(raw, is_string)
             sep = ", " if self._args else "{"
             self._emit(
@@ -412,13 +436,14 @@ class ChatOutputParser:
         self.parallel_tool_calls = parallel_tool_calls
         self.content = ""
 
-    def feed(self, text: str, final: bool = False) -> ChatDelta:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> ChatDelta:
+        """`cut`: the generation ended at max_tokens (see `ToolCallParser.feed`)."""
         reasoning, content = "", text
         if self.reasoning_parser is not None:
             reasoning, content = self.reasoning_parser.feed(text, final)
         calls: list[dict[str, Any]] = []
         if self.tool_parser is not None:
-            d = self.tool_parser.feed(content, final)
+            d = self.tool_parser.feed(content, final, cut)
             content, calls = d.content, d.tool_calls
             if not self.parallel_tool_calls:
                 calls = [c for c in calls if c["index"] == 0]
