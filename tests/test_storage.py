@@ -417,37 +417,27 @@ def test_full_store_keeps_serving(tiny, stored, tmp_path):
     assert len(_objects(tmp_path / "b")) == 3
 
 
-def test_an_unwritable_store_logs_once_not_per_page(tiny, stored, tmp_path, caplog):
-    """A full or unwritable directory logged a warning per page; it is the store-down path:
-    refused writes, one line every 30 s, serving goes on."""
+@pytest.mark.parametrize("store_fault", ["unwritable", "refusing"])
+def test_a_store_failing_every_page_warns_once(tiny, stored, tmp_path, caplog, store_fault):
+    """An unwritable directory logged a warning per page, and a store refusing writes (here
+    a cap below one page; a full Mooncake Store alike) warned per put: now one warning every
+    30 s either way, and serving goes on."""
     store = tmp_path / "store"
-    llm = LLM(tiny, **_file(store))
+    cap = dict(hicache_storage_max_gib=1e-6) if store_fault == "refusing" else {}
+    llm = LLM(tiny, **_file(store, **cap))
     try:
-        shutil.rmtree(store)
-        store.write_bytes(b"")  # (a file where the directory was: every write fails, as root too)
+        if store_fault == "unwritable":
+            shutil.rmtree(store)
+            store.write_bytes(b"")  # (a file where the directory was: every write fails)
         assert llm.generate([PROMPT], GREEDY)[0].token_ids == stored[1]
         assert llm.engine.l3.drain(TIMEOUT)
         c = llm.engine.counters()
         assert c["l3_write_failures"] == PAGES and c["l3_pages_written"] == 0
     finally:
         llm.close()
-    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "L3" in r.message]
-    assert len(warnings) == 1, [r.message for r in warnings]
-
-
-def test_a_store_refusing_every_page_warns_once(tiny, stored, tmp_path, caplog):
-    """A store that refuses writes (here a cap below one page; a full Mooncake Store alike,
-    which warned per page) is one warning every 30 s, not one per page."""
-    llm = LLM(tiny, **_file(tmp_path / "store", hicache_storage_max_gib=1e-6))
-    try:
-        assert llm.generate([PROMPT], GREEDY)[0].token_ids == stored[1]
-        assert llm.engine.l3.drain(TIMEOUT)
-        c = llm.engine.counters()
-        assert c["l3_write_failures"] == PAGES and c["l3_pages_written"] == 0
-    finally:
-        llm.close()
-    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "L3" in r.message]
-    assert len(warnings) == 1 and "refused" in warnings[0].message, warnings
+    warnings = [r.message for r in caplog.records if r.levelname == "WARNING" and "L3" in r.message]
+    assert len(warnings) == 1, warnings
+    assert ("refused" in warnings[0]) == (store_fault == "refusing"), warnings
 
 
 def test_a_store_directory_removed_mid_run_is_made_again(tiny, stored, tmp_path):
