@@ -417,6 +417,14 @@ def test_full_store_keeps_serving(tiny, stored, tmp_path):
     assert len(_objects(tmp_path / "b")) == 3
 
 
+def _run_stored(llm: LLM, stored) -> dict:
+    """`PROMPT`'s greedy run, checked against the stored one, and the counters once every
+    write it queued is done."""
+    assert llm.generate([PROMPT], GREEDY)[0].token_ids == stored[1]
+    assert llm.engine.l3.drain(TIMEOUT)
+    return llm.engine.counters()
+
+
 @pytest.mark.parametrize("store_fault", ["unwritable", "refusing"])
 def test_a_store_failing_every_page_warns_once(tiny, stored, tmp_path, caplog, store_fault):
     """An unwritable directory logged a warning per page, and a store refusing writes (here
@@ -429,9 +437,7 @@ def test_a_store_failing_every_page_warns_once(tiny, stored, tmp_path, caplog, s
         if store_fault == "unwritable":
             shutil.rmtree(store)
             store.write_bytes(b"")  # (a file where the directory was: every write fails)
-        assert llm.generate([PROMPT], GREEDY)[0].token_ids == stored[1]
-        assert llm.engine.l3.drain(TIMEOUT)
-        c = llm.engine.counters()
+        c = _run_stored(llm, stored)
         assert c["l3_write_failures"] == PAGES and c["l3_pages_written"] == 0
     finally:
         llm.close()
@@ -447,9 +453,7 @@ def test_a_store_directory_removed_mid_run_is_made_again(tiny, stored, tmp_path)
     llm = LLM(tiny, **_file(store))
     try:
         shutil.rmtree(store)
-        assert llm.generate([PROMPT], GREEDY)[0].token_ids == stored[1]
-        assert llm.engine.l3.drain(TIMEOUT)
-        c = llm.engine.counters()
+        c = _run_stored(llm, stored)
         assert c["l3_pages_written"] == PAGES and c["l3_write_failures"] == 0
     finally:
         llm.close()

@@ -399,45 +399,50 @@ class Engine:
         # share no L3 pages and do not pair as prefill and decode servers.
         self.compute = f"{dtype}|{self.backend.name}|deterministic={self.deterministic}"
         self.allocator = PageAllocator(num_pages, config.page_size)
+        self.stats = EngineStats()
+        self.requests: dict[int, Request] = {}
+        self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
+        self._grammars: GrammarCache | None = None
         self.host, self.hot, self.l3 = self._tiers()
         try:
-            self.cache = PrefixCache(self.allocator, self.host, self.l3)
-            self.scheduler = Scheduler(
-                SchedulerConfig(
-                    config.page_size,
-                    config.chunked_prefill_size,
-                    config.max_running_requests,
-                    config.enable_prefix_cache,
-                ),
-                self.allocator,
-                self.cache,
-                self.host,
-                self.l3,
-                self.hot,
-            )
-            self.sampler = Sampler(self.device, config.seed)
-            self.runner = ModelRunner(
-                self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
-            )
-            self.drafter = None
-            if config.speculative_algorithm == "mtp":
-                self.drafter = MTPDrafter(
-                    self.runner,
-                    self.scheduler,
-                    config.speculative_num_steps or DRAFT_STEPS,
-                    self.max_model_len,
-                    lockstep=self.parallel.config.dp_attention,
-                    grammars=lambda: self.grammars,
-                )
-            self.stats = EngineStats()
-            self.requests: dict[int, Request] = {}
-            self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
-            self._grammars: GrammarCache | None = None
-            self._log_startup()
+            self._build_loop(config)
         except BaseException:  # (graph capture, the MTP drafter): no L3 threads left behind
             if self.l3 is not None:
                 self.l3.abandon()
             raise
+        self._log_startup()
+
+    def _build_loop(self, config: EngineConfig) -> None:
+        """The prefix cache, scheduler, sampler, model runner (its CUDA graphs captured) and
+        MTP drafter, over the pool and its tiers."""
+        self.cache = PrefixCache(self.allocator, self.host, self.l3)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                config.page_size,
+                config.chunked_prefill_size,
+                config.max_running_requests,
+                config.enable_prefix_cache,
+            ),
+            self.allocator,
+            self.cache,
+            self.host,
+            self.l3,
+            self.hot,
+        )
+        self.sampler = Sampler(self.device, config.seed)
+        self.runner = ModelRunner(
+            self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
+        )
+        self.drafter = None
+        if config.speculative_algorithm == "mtp":
+            self.drafter = MTPDrafter(
+                self.runner,
+                self.scheduler,
+                config.speculative_num_steps or DRAFT_STEPS,
+                self.max_model_len,
+                lockstep=self.parallel.config.dp_attention,
+                grammars=lambda: self.grammars,
+            )
 
     def _num_pages(self) -> tuple[int, int | None]:
         """The pool's pages (`num_pages`, else as many as `kv_budget_gib` holds) and, under
