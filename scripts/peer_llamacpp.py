@@ -290,7 +290,7 @@ def check_parity(args, tools, model: Path, gguf: Path, outtype: str) -> bool:
     kw = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu")
     params = SamplingParams(max_tokens=args.parity_tokens, temperature=0, ignore_eos=True)
     with LLM(str(model), dtype=dtype, **kw) as llm:
-        outs = llm.generate(batch, dataclasses.replace(params, logprobs=TOP))
+        outs = llm.generate(batch, dataclasses.replace(params, logprobs=TOP), use_tqdm=False)
     ok = True
     for p, (a, a_top), o in zip(batch, ref, outs):
         eq, n, first = compare_tokens(a, o.token_ids)

@@ -9,6 +9,7 @@ import shutil
 from dataclasses import fields
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -337,6 +338,78 @@ def test_generate_takes_vllm_prompt_dicts(tiny):
     assert text.prompt_token_ids == llm.generate("hi", params)[0].prompt_token_ids
     assert ids.token_ids == out.token_ids
     llm.engine.check_integrity()
+
+
+def test_generate_takes_numpy_token_ids(small_llm):
+    """As vLLM's TokensPrompt: a 1-D integer array, or a list of numpy ints, is token ids
+    (Python's ints in the output); they were refused as "a prompt is ..., got np.int64(5)".
+    Floats, bools and 2-D arrays are still refused, and nothing is queued."""
+    params = SamplingParams(max_tokens=2, temperature=0)
+    want = small_llm.generate([[104, 105, 106]], params)[0].token_ids
+    for prompt in (
+        np.array([104, 105, 106]),
+        np.array([104, 105, 106], dtype=np.uint16),
+        [np.int64(104), np.int32(105), 106],
+        {"prompt_token_ids": np.array([104, 105, 106])},
+    ):
+        (out,) = small_llm.generate(prompt, params)
+        assert out.token_ids == want and out.prompt_token_ids == [104, 105, 106]
+        assert all(type(t) is int for t in out.prompt_token_ids)
+    both = small_llm.generate([np.array([104, 105, 106]), np.array([7, 8])], params)
+    assert len(both) == 2 and both[0].token_ids == want
+    for prompt, message in (
+        (np.array([1.0, 2.0]), "token-id array must be 1-D of integers, got 1-D of float64"),
+        (np.array([True, False]), "1-D of integers, got 1-D of bool"),
+        (np.array([[1, 2], [3, 4]]), "1-D of integers, got 2-D of int64"),
+        ([np.True_, np.int64(1)], "token ids must be ints, got (np.)?True"),
+        ([[1, np.float64(2)]], r"token ids must be ints, got (np.float64\()?2.0"),
+    ):
+        with pytest.raises(DsakvError, match=message):
+            small_llm.generate(prompt, params)
+        assert not small_llm.engine.has_unfinished()
+    small_llm.engine.check_integrity()
+
+
+def test_request_outputs_have_vllms_request_id_and_finished(small_llm):
+    """vLLM's `RequestOutput.request_id` (a string) and `finished`: one id per prompt, the
+    engine's id of its first choice, never reused; every output of generate and chat is
+    finished."""
+    params = SamplingParams(max_tokens=2, temperature=0, n=2)
+    outs = small_llm.generate(["hi", [5, 6]], params)
+    outs += small_llm.generate([[5, 6]], params)
+    outs += small_llm.chat([{"role": "user", "content": "hi"}], params)
+    ids = [o.request_id for o in outs]
+    assert all(isinstance(i, str) and i.isdigit() for i in ids) and len(set(ids)) == 4
+    assert all(o.finished for o in outs)
+
+
+def test_get_tokenizer_is_the_models_or_says_there_is_none(small_llm, tiny, tmp_path):
+    """vLLM's `LLM.get_tokenizer()`; a model without a tokenizer is an error naming it
+    rather than a None to fail later (`LLM.tokenizer` is None there, to check first)."""
+    tok = small_llm.get_tokenizer()
+    assert tok is small_llm.tokenizer and tok.decode(tok.encode("hi", add_special_tokens=False))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).symlink_to(Path(tiny) / name)
+    llm = LLM(str(bare), **EXACT, num_pages=8)
+    assert llm.tokenizer is None
+    with pytest.raises(DsakvError, match="bare has no tokenizer; give prompts as token ids"):
+        llm.get_tokenizer()
+
+
+def test_generate_shows_a_progress_bar_by_default_as_vllm(small_llm, capsys):
+    """vLLM's `use_tqdm=True` default: a bar on stderr (and nothing on stdout), off with
+    use_tqdm=False; chat passes it on."""
+    params = SamplingParams(max_tokens=2, temperature=0)
+    small_llm.generate([[5, 6], [7, 8]], params)
+    out, err = capsys.readouterr()
+    assert out == "" and "generate" in err and "2/2" in err
+    small_llm.chat([{"role": "user", "content": "hi"}], params)
+    assert "1/1" in capsys.readouterr().err
+    small_llm.generate([[5, 6]], params, use_tqdm=False)
+    small_llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)
+    assert capsys.readouterr() == ("", "")
 
 
 @pytest.mark.parametrize(

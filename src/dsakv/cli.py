@@ -541,7 +541,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 f"{config.model} has no tokenizer, so generate cannot encode text "
                 "(the Python API, LLM.generate, takes token ids)"
             )
-        outputs = llm.generate(args.prompt, params)
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
     if args.json:
         rows = [
             {

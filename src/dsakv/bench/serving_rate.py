@@ -210,7 +210,7 @@ WARM_TOKENS = 4
 def _warm_in_process(llm: Any) -> None:
     """One-time allocations and first-call costs, as the server's `warm` requests."""
     for batch in WARM_BATCHES:
-        llm.generate(batch, _params(WARM_TOKENS))
+        llm.generate(batch, _params(WARM_TOKENS), use_tqdm=False)
 
 
 def _in_process(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:

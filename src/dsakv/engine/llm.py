@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from dsakv.errors import DsakvError, is_int
@@ -23,8 +24,9 @@ from .launch import create_engine
 from .request import Request
 from .sampling import SamplingParams
 
-# What `LLM.generate` takes as one prompt: text, token ids, or vLLM's prompt dicts.
-Prompt: TypeAlias = str | Sequence[int] | Mapping[str, Any]
+# What `LLM.generate` takes as one prompt: text, token ids (ints or numpy's), or vLLM's
+# prompt dicts.
+Prompt: TypeAlias = str | Sequence[int] | np.ndarray | Mapping[str, Any]
 Conversation: TypeAlias = Sequence[Mapping[str, Any]]  # chat messages, as OpenAI's
 
 
@@ -64,6 +66,9 @@ class RequestOutput:
     """A prompt's `SamplingParams.n` choices (`outputs`, vLLM's shape); `text`, `token_ids`,
     `finish_reason`, `logprobs` and `top_logprobs` are the first choice's."""
 
+    # vLLM's, a string: the first choice's engine request id (`Request.rid`), unique in the
+    # process, as the engine's log lines name the request
+    request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     # counts summed over the choices; ttft_s the first's, latency_s the last to finish
@@ -75,6 +80,7 @@ class RequestOutput:
     prompt_ranks: list[int | None] | None = None
     error: str | None = None  # why it failed alone (finish_reason "error")
     prompt: str | None = None  # the prompt's text, where it was given as text (vLLM's)
+    finished: bool = True  # vLLM's: no partial outputs here, generate returns finished ones
 
     text = property(lambda self: self.outputs[0].text)
     token_ids = property(lambda self: self.outputs[0].token_ids)
@@ -88,6 +94,7 @@ class RequestOutput:
         first, ms = reqs[0], [r.metrics for r in reqs]
         latencies = [m.latency for m in ms]
         return cls(
+            request_id=str(first.rid),
             prompt_token_ids=list(first.prompt_ids),
             outputs=[CompletionOutput.from_request(i, r) for i, r in enumerate(reqs)],
             metrics={
@@ -105,6 +112,7 @@ class RequestOutput:
             prompt_ranks=_copy(first.prompt_ranks),
             error=next((r.error for r in reqs if r.error is not None), None),
             prompt=prompt,
+            finished=all(r.finished for r in reqs),
         )
 
 
@@ -146,6 +154,15 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """vLLM's: the model's tokenizer. Without one, an error saying so (vLLM raises too)
+        rather than a None that fails later; `tokenizer` is None there, for a check."""
+        if self.tokenizer is None:
+            raise DsakvError(
+                f"{self.engine.config.model} has no tokenizer; give prompts as token ids"
+            )
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses without params (vLLM's): SamplingParams' defaults, with the
         sampling fields the model's generation_config.json sets."""
@@ -155,13 +172,14 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         *,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt: text, token ids, or vLLM's `{"prompt": text}` /
-        `{"prompt_token_ids": ids}`; one `params` for all, or one per prompt (by keyword
-        `params` or vLLM's `sampling_params`). Outputs come back in input order."""
+        """Complete every prompt: text, token ids (ints, or a 1-D numpy integer array), or
+        vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`; one `params` for all, or one
+        per prompt (by keyword `params` or vLLM's `sampling_params`). Outputs come back in
+        input order; `use_tqdm` (vLLM's default, on) shows a progress bar on stderr."""
         if not self._close.alive:
             raise DsakvError("this LLM was closed; make a new one")
         params = _params_or_vllms(params, sampling_params)
@@ -175,12 +193,14 @@ class LLM:
             for p, sp in zip(prompts, plist):
                 groups.append(self.engine.add_requests(p, sp))
                 reqs += groups[-1]
-            bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
-            with interrupts_deferred() as check:
+            # vLLM's default: a bar on stderr (closed on an error too, so its message starts a line)
+            with (
+                tqdm(total=len(reqs), desc="generate", disable=not use_tqdm) as bar,
+                interrupts_deferred() as check,
+            ):
                 while self.engine.has_unfinished():
                     bar.update(sum(1 for r in self.engine.step() if r.finished))
                     check()
-            bar.close()
         except BaseException:  # a bad prompt further on, Ctrl-C: none of this call's stay
             for r in reqs:
                 self.engine.abort(r.rid)
@@ -194,7 +214,7 @@ class LLM:
         self,
         messages: Conversation | Sequence[Conversation],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         *,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -339,7 +359,7 @@ def _as_prompt_list(prompts: object) -> list[str | list[int]]:
     is a list of ints, dsakv's own shorthand), each as text or token ids. Anything else
     is refused here: bytes and bools would otherwise pass for token ids, and a dict for
     a list of its keys."""
-    if isinstance(prompts, (str, Mapping)) or _all_ints(prompts):
+    if isinstance(prompts, (str, Mapping, np.ndarray)) or _all_ints(prompts):
         return [_one_prompt(prompts)]
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
         raise DsakvError(
@@ -351,9 +371,9 @@ def _as_prompt_list(prompts: object) -> list[str | list[int]]:
 
 
 def _all_ints(x: object) -> bool:
-    """A non-empty sequence of ints (bools too, so that they are refused as token ids
-    rather than taken one by one as prompts)."""
-    return _is_list(x) and len(x) > 0 and all(isinstance(t, int) for t in x)
+    """A non-empty sequence of ints, Python's or numpy's (bools too, so that they are
+    refused as token ids rather than taken one by one as prompts)."""
+    return _is_list(x) and len(x) > 0 and all(isinstance(t, (int, np.integer, np.bool_)) for t in x)
 
 
 def _is_list(x: object) -> bool:
@@ -374,18 +394,25 @@ def _one_prompt(p: object) -> str | list[int]:
         p = p[keys[0]]
         if keys[0] == "prompt" and not isinstance(p, str):
             raise DsakvError(f"'prompt' must be a string, got {reprlib.repr(p)}", "prompts")
-        if keys[0] == "prompt_token_ids" and not _is_list(p):
+        if keys[0] == "prompt_token_ids" and not (_is_list(p) or isinstance(p, np.ndarray)):
             raise DsakvError(
                 f"'prompt_token_ids' must be a list of ints, got {reprlib.repr(p)}", "prompts"
             )
     if isinstance(p, str):
         return p
+    if isinstance(p, np.ndarray):
+        if p.ndim != 1 or p.dtype.kind not in "iu":
+            raise DsakvError(
+                f"a token-id array must be 1-D of integers, got {p.ndim}-D of {p.dtype}",
+                "prompts",
+            )
+        return p.tolist()
     if not _is_list(p):
         raise DsakvError(f"a prompt is {PROMPT_KINDS}, got {reprlib.repr(p)}", "prompts")
-    bad = [t for t in p if not is_int(t)]
+    bad = [t for t in p if not (is_int(t) or isinstance(t, np.integer))]
     if bad:
         raise DsakvError(f"token ids must be ints, got {reprlib.repr(bad[0])}", "prompts")
-    return list(p)
+    return [int(t) for t in p]  # numpy's ints as Python's
 
 
 def _as_params_list(params: object, n: int) -> list[SamplingParams]:
