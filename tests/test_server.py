@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -197,6 +198,7 @@ def test_chat_template_flag_replaces_the_tokenizers(model_dir, reference, tmp_pa
             r = httpx.post(f"{base}{route}", json={**body, "chat_template": "x"}, timeout=TIMEOUT)
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     assert load_chat_template(_TEMPLATE) == _TEMPLATE  # inline
+    capsys.readouterr()  # the reference's progress bars
     for bad, message in [("nofile", "no such file"), ("{% if %}", "line 1: ")]:
         with pytest.raises(SystemExit) as e:
             cli_main(["serve", "glm-tiny", "--chat-template", bad])
@@ -1019,6 +1021,46 @@ def test_api_key_is_checked_before_the_body(served):
         assert client.get(path).status_code == 200, path
 
 
+def test_api_key_leaves_unserved_paths_a_404(served):
+    """With --api-key, a keyless request to a path no route serves was a 401: now the same
+    404 a keyed one gets (vLLM's middleware guards only its API), body unread. A served
+    path still needs the key: in a method it does not take (no 405 without it), across a
+    trailing slash, and for a route added after the app was built; so does any /v1 path."""
+    from fastapi.testclient import TestClient
+
+    app = build_app(served[1], MODEL, api_key="sekret")
+
+    @app.post("/later")
+    async def later() -> dict:
+        return {}
+
+    client = TestClient(app, follow_redirects=False)
+    key = {"Authorization": "Bearer sekret"}
+    bad = {"content": b"{not json", "headers": {"Content-Type": "application/json"}}
+    keyed = client.post("/nope", **{**bad, "headers": {**bad["headers"], **key}})
+    assert keyed.status_code == 404
+    for method in ("GET", "POST", "DELETE"):
+        r = client.request(method, "/nope", **bad)
+        assert r.status_code == 404 and r.json() == keyed.json(), method
+    assert keyed.json()["error"]["type"] == "invalid_request_error"
+    assert client.get("/", headers={"Authorization": "Bearer no"}).status_code == 404
+    guarded = [
+        ("GET", "/v1/completions"),
+        ("DELETE", "/flush_cache"),
+        ("GET", "/reset_prefix_cache"),
+        ("POST", "/tokenize/"),
+        ("GET", "/v1/nope"),
+        ("POST", "/v1"),
+        ("POST", "/later"),
+    ]
+    for method, path in guarded:
+        r = client.request(method, path, **bad)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    assert client.get("/v1/completions", headers=key).status_code == 405
+    assert client.post("/tokenize/", headers=key).status_code == 307
+    assert client.post("/later", headers=key).status_code == 200
+
+
 def test_engine_counters_are_counters_and_endpoints_are_labelled(base, client):
     """Step counts and time only go up: counters, not gauges. /version, /reset_prefix_cache
     and /v1/models/{model} were counted as "other"."""
@@ -1056,6 +1098,55 @@ def test_inter_token_latency_and_success_by_finish_reason(base):
         for m in (before, after)
     ]
     assert ok[1] - ok[0] == 2
+
+
+def test_ttft_is_recorded_at_the_first_token_once_per_choice(base):
+    """TTFT went unrecorded for a request aborted after its first token (a stream the
+    client closed, or a whole response it stopped waiting for): it was taken only from
+    the finishing update. Now at the first token, as vLLM does, once per choice (vLLM's
+    n child requests each), aborted later or not; e2e latency only for a finished one."""
+    ttft, e2e = "dsakv_time_to_first_token_seconds", "dsakv_e2e_request_latency_seconds"
+
+    def counts() -> tuple[float, float]:
+        fams = _families(base)
+        return _sample(fams, ttft, ttft + "_count"), _sample(fams, e2e, e2e + "_count")
+
+    def tokens() -> float:
+        return _metrics(base)["dsakv_generation_tokens_total"]
+
+    aborted = _wait_idle(base)["dsakv_aborted_requests_total"]
+    before = counts()
+    body = {"prompt": [91, 92, 93], "max_tokens": 900, "ignore_eos": True}
+    stream = {**body, "n": 2, "stream": True, "return_token_ids": True}
+    with (
+        httpx.Client(timeout=TIMEOUT) as http,
+        http.stream("POST", f"{base}/v1/completions", json=stream) as r,
+    ):
+        lines, seen = r.iter_lines(), set()
+        while seen != {0, 1}:
+            events = _sse_events([next(lines)])
+            seen |= {c["index"] for e in events for c in e["choices"] if c["token_ids"]}
+    _wait_idle(base, aborted_at_least=aborted + 2)
+    assert counts() == (before[0] + 2, before[1])
+
+    # A whole response the client stops waiting for once its first token is out.
+    host, port = base.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    started = tokens()
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+        head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        sock.sendall(head.encode() + data)
+        deadline = time.monotonic() + TIMEOUT
+        while tokens() == started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    _wait_idle(base, aborted_at_least=aborted + 3)
+    assert counts() == (before[0] + 3, before[1])
+
+    r = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 3}, timeout=TIMEOUT)
+    assert r.status_code == 200
+    assert counts() == (before[0] + 4, before[1] + 1)
 
 
 def test_usage_reports_cached_prompt_tokens(base):

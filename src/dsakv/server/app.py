@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Router
 
 from dsakv import __version__
 from dsakv.config.model import SAMPLING_FIELDS
@@ -90,8 +91,8 @@ def build_app(
     (checked before the body is read: `_BearerAuth`) but those left open for probes and
     scrapers (`_OPEN`): /health, /version, /metrics and SGLang's probes (/health_generate,
     /model_info, /server_info, and their older /get_* names, which routers such as
-    sglang-router read at registration). `chat_parsers` defaults to the model type's
-    tool-call and reasoning parsers."""
+    sglang-router read at registration); a path no route serves is a 404 with or without
+    it. `chat_parsers` defaults to the model type's tool-call and reasoning parsers."""
     app = FastAPI(title="dsakv", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(model_name)
     app.state.async_engine, app.state.model_name, app.state.metrics = (
@@ -100,7 +101,7 @@ def build_app(
         metrics,
     )
     if api_key:  # (inside the counting: a 401 is counted)
-        app.add_middleware(_BearerAuth, api_key=api_key)
+        app.add_middleware(_BearerAuth, api_key=api_key, router=app.router)
     app.add_middleware(_CountRequests, metrics=metrics)
     _install_error_handlers(app)
     if chat_parsers is None:
@@ -882,11 +883,11 @@ class Handlers:
 
     async def _updates(self, stream: RequestStream) -> AsyncIterator[Update]:
         """A request's updates up to and including the finishing one; errors raise."""
-        finished = False
+        finished, times = False, self.metrics.request()
         try:
             while True:
                 u = await stream.get()
-                self.metrics.observe_update(u)
+                times.observe(u)
                 finished = u.finished
                 if u.error is not None:
                     raise _update_error(u)
@@ -902,11 +903,11 @@ class Handlers:
 
         # (an abort ends the stream with finish_reason "abort")
         watcher = asyncio.create_task(_when_left(raw, lambda: self.engine.abort(stream)))
-        result, finished = _Result(), False
+        result, finished, times = _Result(), False, self.metrics.request()
         try:
             while not finished:
                 u = await stream.get()
-                self.metrics.observe_update(u)
+                times.observe(u)
                 finished = u.finished
                 if u.error is not None:
                     raise _update_error(u)
@@ -1309,21 +1310,38 @@ def _install_error_handlers(app: FastAPI) -> None:
 class _BearerAuth:
     """Pure ASGI middleware: a request to any route but `_OPEN` needs `Authorization:
     Bearer <api_key>`, checked before routing and body parsing (vLLM's order): a keyless
-    request is a 401 whatever its body, method or path."""
+    request to a served path is a 401 whatever its body or method (a method the path does
+    not take too: its 405 would tell who has no key which methods it takes), and so is one
+    to any path under /v1 (vLLM guards that whole prefix). A keyless request to a path no
+    route serves goes on to the router's 404, as vLLM's only guards its API."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app: Any, api_key: str, router: Router) -> None:
+        self.app, self.expected, self.router = app, f"Bearer {api_key}".encode(), router
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope.get("path", "") in _OPEN:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in _OPEN:
             await self.app(scope, receive, send)
             return
         got = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        if secrets.compare_digest(got, self.expected):
+        if secrets.compare_digest(got, self.expected) or not self._guarded(scope):
             await self.app(scope, receive, send)
             return
         error = APIError(401, "invalid or missing API key", code="invalid_api_key")
         await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+
+    def _guarded(self, scope: dict) -> bool:
+        """Whether the path is under /v1 or a route serves it, in any method, or would
+        redirect to one across a trailing slash (the router's `redirect_slashes`): the
+        router's own matching, on the scope alone (no body read)."""
+        path = scope["path"]
+        if path == "/v1" or path.startswith("/v1/"):
+            return True
+        scopes = [scope]
+        if self.router.redirect_slashes and path != "/":
+            other = path.rstrip("/") if path.endswith("/") else path + "/"
+            scopes.append({**scope, "path": other})
+        return any(r.matches(s)[0] is not Match.NONE for s in scopes for r in self.router.routes)
 
 
 class _CountRequests:

@@ -247,23 +247,34 @@ class ServerMetrics:
             registry=self.registry,
         )
 
-    def observe_update(self, u: Update) -> None:
-        """What a handler read of one request: its token gap, and once finished its finish
-        reason and (unless it failed) latencies."""
-        if u.token_gap_s is not None:
-            self.inter_token.observe(u.token_gap_s)
-        if u.finished:
-            self.success.labels(u.finish_reason or "abort").inc()
-            if u.error is None:
-                self.observe_request(u.ttft_s, u.latency_s)
-
-    def observe_request(self, ttft_s: float | None, latency_s: float | None) -> None:
-        if ttft_s is not None:
-            self.ttft.observe(ttft_s)
-        if latency_s is not None:
-            self.latency.observe(latency_s)
+    def request(self) -> RequestTimes:
+        """A tracker for one engine request (one choice) whose updates a handler reads."""
+        return RequestTimes(self)
 
     def render(self, snapshot: Mapping[str, float] | None) -> bytes:
         if snapshot is not None:
             self.engine.update(snapshot)
         return generate_latest(self.registry)
+
+
+class RequestTimes:
+    """One engine request's (one choice's: vLLM counts its n child requests each) metrics,
+    fed each update its handler reads. TTFT is taken at the first update that has it, the
+    first token's, so a request aborted after it (a client gone mid-stream) still counts,
+    as vLLM records TTFT when the token is produced; e2e latency needs an end, so only a
+    request that finished (and did not fail) has one, as vLLM's."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics, self.timed = metrics, False
+
+    def observe(self, u: Update) -> None:
+        m = self.metrics
+        if u.ttft_s is not None and not self.timed:
+            self.timed = True
+            m.ttft.observe(u.ttft_s)
+        if u.token_gap_s is not None:
+            m.inter_token.observe(u.token_gap_s)
+        if u.finished:
+            m.success.labels(u.finish_reason or "abort").inc()
+            if u.error is None and u.latency_s is not None:
+                m.latency.observe(u.latency_s)
