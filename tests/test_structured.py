@@ -177,15 +177,16 @@ _BAD = [
         {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
         "response_format",
     ),
-    ({"guided_json": "{not json"}, "response_format"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs"),
     ({"regex": "(unclosed"}, "regex"),
     ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
     ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),
     ({"guided_choice": []}, "guided_choice"),
     # keywords xgrammar would accept and not enforce
-    ({"guided_json": {"type": "array", "uniqueItems": True}}, "response_format"),
-    ({"guided_json": {"properties": {"a": {"not": {"type": "string"}}}}}, "response_format"),
-    ({"guided_json": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, "response_format"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),
+    ({"guided_json": {"properties": {"a": {"not": {"type": "string"}}}}}, "guided_json"),
+    ({"guided_json": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, "guided_json"),
     ({"guided_choice": ["a", ""]}, "guided_choice"),
 ]
 
@@ -485,6 +486,27 @@ def test_after_reasoning_grammars(model_dir):
         after_reasoning(("json_schema", "{oops"), "auto")
     with pytest.raises(GrammarError, match="invalid ebnf"):
         after_reasoning(("ebnf", "root ::= undefined_rule"), "enabled")
+
+
+def test_json_strings_take_valid_utf8_only(model_dir):
+    """xgrammar admits a UTF-16 surrogate written as UTF-8 (ED A0..BF xx) in a JSON string:
+    invalid UTF-8, decoded as three U+FFFD, so `{"s": "a" + surrogate}` passed maxLength 2
+    and the output broke its schema with finish_reason "stop". Real characters still pass."""
+    from transformers import AutoTokenizer
+
+    cache = GrammarCache(AutoTokenizer.from_pretrained(str(model_dir)), 264, (257,))
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 2}}}
+    grammars = [("json_schema", json.dumps(schema)), ("json_object", "")]
+
+    def accepts(grammar, data: bytes) -> bool:  # the tiny tokenizer: token id = byte
+        m = cache.matcher(grammar)
+        return all(m.accept_token(b) for b in data)
+
+    for grammar in grammars:
+        for surrogate in (b"\xed\xa0\x80", b"\xed\xbc\x8f", b"\xed\xbf\xbf"):
+            assert not accepts(grammar, b'{"s": "a' + surrogate), (grammar, surrogate)
+        assert accepts(grammar, '{"s": "漢😀"}'.encode())
+    assert not accepts(grammars[1], b'{"\xed\xa0\x80')  # keys too
 
 
 def test_grammar_cache_is_bounded_and_masks_rows(model_dir):

@@ -21,8 +21,10 @@ import torch
 
 from dsakv.errors import DsakvError
 
-_LOOSE_CHAR = r"[^\"\\\r\n]"  # as xgrammar prints it: not `"`, `\`, CR, LF
-_JSON_CHAR = r"[^\0-\x1f\"\\\r\n]"  # ...nor any other control character
+# xgrammar's JSON string characters as it prints them: its length-bounded strings' (not
+# `"`, `\`, CR, LF) and its unbounded strings' (nor any other control character)
+_XGRAMMAR_CHARS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+_JSON_CHAR = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"  # ...and no UTF-16 surrogate
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
@@ -190,10 +192,11 @@ def _json_ebnf(kind: str, spec: str) -> str:
     """A json_schema's (or json_object's: any object, as OpenAI's json_object mode asks)
     grammar as EBNF, without free whitespace (`{"a": 1, "b": [2, 3]}`): a model trained on
     JSON writes it that way anyway, and an unsure one cannot wander off into endless
-    whitespace until max_tokens cuts it (an invalid, truncated output). One fix: xgrammar
+    whitespace until max_tokens cuts it (an invalid, truncated output). Two fixes: xgrammar
     0.2's length-bounded strings (`maxLength`) admit raw control characters, which JSON
-    forbids (`json.loads` rejects the output); they get the same character class as its
-    unbounded strings."""
+    forbids (`json.loads` rejects the output), and both kinds admit a UTF-16 surrogate
+    encoded as UTF-8 (invalid UTF-8: it decodes to three U+FFFD, so a `maxLength` string
+    overruns its bound); every JSON string gets one class that admits neither."""
     import xgrammar as xgr
 
     if kind == "json_object":
@@ -204,7 +207,10 @@ def _json_ebnf(kind: str, spec: str) -> str:
             raise GrammarError(f"invalid json schema: {hit} cannot be enforced")
         schema, strict = spec, True
     g = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
-    return str(g).replace(_LOOSE_CHAR, _JSON_CHAR)
+    ebnf = str(g)
+    for chars in _XGRAMMAR_CHARS:
+        ebnf = ebnf.replace(chars, _JSON_CHAR)
+    return ebnf
 
 
 REASONING_MODES = ("enabled", "auto", "disabled")

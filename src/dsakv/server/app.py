@@ -267,7 +267,7 @@ class Handlers:
         scored = body.prompt_logprobs is not None or (echo and body.logprobs is not None)
         if body.prompt_logprobs is None and echo and body.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-        params = await self._ready_grammar(params, _grammar_param(params))
+        params = await self._ready_grammar(params, _grammar_field(body))
         given = "max_tokens" if body.max_tokens is not None else None
         count = len(prompts)
         streams = await self._submit_all(
@@ -364,7 +364,7 @@ class Handlers:
         params = self._params(
             body, max_tokens, self.engine.engine.max_model_len, top_n, "top_logprobs", param
         )
-        grammar_param = _grammar_param(params)
+        grammar_param = _grammar_field(body)
         if prep.grammar is not None:  # tool_choice forces a call
             if params.grammar is not None:
                 raise APIError(
@@ -733,7 +733,7 @@ class Handlers:
                 raise  # this handler was cancelled, not the client gone
             raise APIError(499, "the client closed the request") from None
         except GrammarError as e:  # (compiled by `_ready_grammar`: only if evicted since)
-            raise APIError(400, str(e), param=_grammar_param(params)) from None
+            raise APIError(400, str(e)) from None
         except DsakvError as e:
             raise APIError(400, str(e), param=e.param or prompt_param) from None
         except RuntimeError as e:
@@ -1258,13 +1258,6 @@ def _choice_grammar(choices: list[str], param: str) -> tuple[str, str]:
     # EBNF string literals take JSON's escapes: one alternative per choice, exactly.
     alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
     return ("ebnf", f"root ::= {alternatives}")
-
-
-def _grammar_param(params: SamplingParams) -> str | None:
-    kind = params.grammar[0] if params.grammar else None
-    return {"regex": "regex", "ebnf": "ebnf", "structural_tag": "tools"}.get(
-        kind, "response_format"
-    )
 
 
 # --- errors, auth, request counting -----------------------------------------------------------
