@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -337,16 +338,16 @@ def test_an_llm_left_open_still_lets_the_script_exit(models, tmp_path):
 from dsakv import LLM, SamplingParams
 from dsakv.errors import DsakvError
 if __name__ == "__main__":
-    closed = LLM({models['glm']!r}, tp=2, **{EXACT!r})
+    closed = LLM({models["glm"]!r}, tp=2, **{EXACT!r})
     closed.close()
     try:
         closed.generate([[1, 2, 3]])
     except DsakvError as e:
         print("refused:", e)
-    llm = LLM({models['glm']!r}, tp=2, **{EXACT!r})
+    llm = LLM({models["glm"]!r}, tp=2, **{EXACT!r})
     ranks = len(mp.active_children())
     try:
-        LLM({models['glm']!r}, tp=2, dp_attention=True, **{EXACT!r})
+        LLM({models["glm"]!r}, tp=2, dp_attention=True, **{EXACT!r})
     except DsakvError as e:
         print("second:", e, len(mp.active_children()) == ranks)
     print(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids)
@@ -367,7 +368,9 @@ if __name__ == "__main__":
 def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
     """Requests that run on rank 1 come back with their prompt logprobs and their
     grammar-constrained tokens as on one rank; a bad grammar is refused on rank 0 before
-    any rank sees it, and the engine keeps serving."""
+    any rank sees it, and the engine keeps serving. Seeded samples are the one-rank ones
+    while unseeded choices differ across ranks (each rank's generator started from one
+    seed: n=2 gave two copies), and rank 1's TTFT counts from arrival on rank 0."""
     import json
 
     from dsakv.errors import DsakvError
@@ -378,9 +381,13 @@ def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
         prompt_logprobs=1,
     )  # fmt: skip
     prompts = _prompts(4, seed=3)
-    results = {}
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)
+    results, seeded = {}, {}
     for name, kw in (("one", {}), ("dp", {"tp": 2, "dp_attention": True})):
         with LLM(models["glm"], **EXACT, num_pages=48, **kw) as llm:
+            for _ in range(3):  # (a lone surrogate: the tokenizer's TypeError, a 500)
+                with pytest.raises(DsakvError, match="bad_words"):
+                    llm.engine.add_request([1, 2], SamplingParams(bad_words=["\ud800"]))
             if kw:
                 with pytest.raises(DsakvError):
                     llm.engine.add_request([1, 2], SamplingParams(grammar=("json_schema", "{")))
@@ -388,6 +395,20 @@ def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
                     with pytest.raises(DsakvError, match="stop_token_ids"):
                         llm.engine.add_request([1, 2], SamplingParams(stop_token_ids=(10**6,)))
                 engine = llm.engine
+                assert engine._assigned_tokens == [0, 0]  # (refused: not routing weight)
+                (a, b) = llm.generate([prompts[0]], sampled)[0].outputs
+                assert a.token_ids != b.token_ids  # one choice per rank
+                reqs = [engine.add_request(p, GREEDY) for p in prompts[:2]]
+                assert len(engine._adds) == 1  # one of them on rank 1
+                time.sleep(0.3)  # queued before the step that starts both
+                engine.step()
+                assert all(r.metrics.ttft >= 0.3 for r in reqs), [r.metrics.ttft for r in reqs]
+                for r in reqs:
+                    engine.abort(r.rid)
+            seeded[name] = [
+                [c.token_ids for c in o.outputs]
+                for o in llm.generate(prompts[:2], replace(sampled, seed=5))
+            ]
             outs = llm.generate(prompts, params)
             if kw:
                 assert all(c["finished_requests"] > 0 for c in _rank_counters(engine))
@@ -397,6 +418,7 @@ def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
                 for o in llm.generate(prompts[:2], dead):
                     assert o.finish_reason == "error" and "cannot be completed" in o.error
         results[name] = [(o.token_ids, o.prompt_logprobs) for o in outs]
+    assert seeded["dp"] == seeded["one"]
     for (tok_dp, lp_dp), (tok_one, lp_one) in zip(results["dp"], results["one"]):
         assert tok_dp == tok_one
         assert lp_dp[0] is None and lp_one[0] is None
@@ -407,14 +429,22 @@ def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
 def test_dp_attention_delivers_an_abort_while_nothing_else_runs(models):
     """An abort of a request on rank 1 is queued for the next step; with nothing else left
     the engine must still say it has work (a server steps only then), or rank 1 kept the
-    request and its pages until another request came."""
-    with LLM(models["glm"], **EXACT, num_pages=48, tp=2, dp_attention=True) as llm:
+    request and its pages until another request came. `max_running_requests` caps the
+    server, not each rank (SGLang divides it by dp_size): 2 ran 4 on two ranks."""
+    from dsakv.engine.engine import EngineConfig
+    from dsakv.errors import DsakvError
+
+    with pytest.raises(DsakvError, match="less than one request per rank"):
+        EngineConfig(models["glm"], tp=2, dp_attention=True, max_running_requests=1)
+    kw = dict(num_pages=48, tp=2, dp_attention=True, max_running_requests=2)
+    with LLM(models["glm"], **EXACT, **kw) as llm:
         e = llm.engine
         long = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
-        reqs = [e.add_request(p, long) for p in _prompts(2, seed=7)]
+        reqs = [e.add_request(p, long) for p in _prompts(4, seed=7)]
         for _ in range(3):
             e.step()
         assert [c["running_requests"] for c in _rank_counters(e)] == [1, 1]
+        assert e.counters()["waiting_requests"] == 2
         for r in reqs:
             e.abort(r.rid)
         assert e.has_unfinished()  # the abort still has to reach rank 1
@@ -548,9 +578,37 @@ _rank_main(None, 1, "tcp://127.0.0.1:1", send)
 
 def test_closing_a_multi_rank_llm_puts_back_the_excepthook(models):
     """torch's process group wraps sys.excepthook ("[rank0]: " before each line); it was
-    never put back, so each LLM(tp=2) made in a process added one more prefix."""
+    never put back, so each LLM(tp=2) made in a process added one more prefix. With a rank
+    killed, generate raised gloo's error and so did close, which never gave back the
+    process's one multi-rank engine: no LLM(tp=2) could be made in it again."""
+    import multiprocessing as mp
+
+    from dsakv.engine.launch import RankDied
+
     before = sys.excepthook
-    for _ in range(2):
-        with LLM(models["glm"], **EXACT, num_pages=16, tp=2):
+    for kill in (True, False):
+        with LLM(models["glm"], **EXACT, num_pages=16, tp=2) as llm:
             assert sys.excepthook is not before  # (torch's, while the group lives)
+            if kill:
+                (rank1,) = [p for p in mp.active_children() if p.name == "dsakv-rank1"]
+                os.kill(rank1.pid, signal.SIGKILL)
+                rank1.join(10)
+                with pytest.raises(RankDied, match="this engine cannot run"):
+                    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
         assert sys.excepthook is before
+
+
+def test_a_request_a_dp_peer_cannot_start_ends_alone(models):
+    """Rank 0 checks a request before a peer gets it (`Engine.check_request`); one that
+    fails on the peer anyway (here: sent unchecked) ends with its error instead of ending
+    that rank's loop, and with it every rank. (One rank's engine stands in for the peer.)"""
+    from dsakv.engine.dp import _Reporter
+
+    with LLM(models["glm"], **EXACT, num_pages=16) as llm:
+        peer = _Reporter(llm.engine)
+        bad = SamplingParams(max_tokens=2, bad_words=["\ud800"])
+        peer.apply(("step", [(0, 10**9, [1, 2, 3], bad), (0, 10**9 + 1, [1, 2], GREEDY)], []))
+        report = peer.report(llm.engine.step())
+        (up,) = [u for u in report.updates if u["rid"] == 10**9]
+        assert up["finish_reason"] == "error" and "bad_words" in up["error"], up
+        assert [u["rid"] for u in report.updates] == [10**9, 10**9 + 1]

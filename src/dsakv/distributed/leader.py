@@ -8,11 +8,14 @@ that follow it, so a heartbeat never lands between them.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
 
-from .parallel import ParallelState
+from .parallel import ParallelState, is_dist_error
+
+log = logging.getLogger(__name__)
 
 NOOP = ("noop",)
 STOP = ("stop",)
@@ -32,11 +35,18 @@ class Leader:
         self._last_sent = time.monotonic()
 
     def stop(self) -> None:
-        """Tell the other ranks to leave their loop; idempotent."""
+        """Tell the other ranks to leave their loop; idempotent. In a group a dead rank
+        broke there is no one left to tell: closing goes on (the watchdog ends the rest)."""
         with self.lock:
-            if not self.stopped:
-                self.stopped = True
+            if self.stopped:
+                return
+            self.stopped = True
+            try:
                 self.send(STOP)
+            except Exception as e:
+                if not is_dist_error(e):
+                    raise
+                log.info("the other ranks could not be told to stop: %s", e)
 
     def _heartbeat(self) -> None:
         period = self.parallel.config.timeout_s / 4

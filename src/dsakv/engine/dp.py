@@ -10,6 +10,8 @@ one `Engine`: requests that run elsewhere are mirrored in local `Request` object
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,8 @@ from dsakv.errors import DsakvError
 from .engine import Engine
 from .request import Request, Status
 from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 # Request fields that grow as it decodes, and the ones that are replaced.
 _GROWING = ("output_ids", "logprobs", "top_logprobs")
@@ -53,20 +57,22 @@ class _Reporter:
     engine's cache, as rank 0's server compiles off its loop: a schema that takes seconds
     would otherwise hold this rank's loop, and with it every rank's step (they step in
     lockstep); the others are queued meanwhile, as vLLM's scheduler skips a request whose
-    grammar is still compiling."""
+    grammar is still compiling. A request's times count from when its step message came
+    (rank 0 adds the time before it sent it: `DPEngine._mirror`)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.sent: dict[int, dict[str, int]] = {}
-        self.pending: dict[int, tuple[Future | None, list[int], SamplingParams]] = {}
+        self.pending: dict[int, tuple[Future | None, list[int], SamplingParams, float]] = {}
+        self.failed: list[Request] = []  # refused here: reported with the next step's
         self._compiler: ThreadPoolExecutor | None = None
 
     def apply(self, msg: tuple) -> None:
         _, adds, aborts = msg
-        me = self.engine.parallel.rank
+        me, now = self.engine.parallel.rank, time.perf_counter()
         for rank, rid, ids, params in adds:
             if rank == me:
-                self.pending[rid] = (self._compile(params), ids, params)
+                self.pending[rid] = (self._compile(params), ids, params, now)
         for rank, rid in aborts:
             if rank == me and self.pending.pop(rid, None) is None:
                 self.engine.abort(rid)
@@ -82,12 +88,23 @@ class _Reporter:
         return self._compiler.submit(grammars.compile, params.grammar)
 
     def _admit(self) -> None:
-        """Queue the pending requests whose grammar is ready (or that have none), in order."""
-        for rid, (compiling, ids, params) in list(self.pending.items()):
+        """Queue the pending requests whose grammar is ready (or that have none), in order.
+        Rank 0 checked each (`Engine.check_request`); one that still fails here ends alone,
+        with its error, rather than ending this rank and with it every rank."""
+        for rid, (compiling, ids, params, came) in list(self.pending.items()):
             if compiling is not None and not compiling.done():
                 continue
             del self.pending[rid]
-            self.engine.add_request(ids, params, rid=rid)  # (rank 0 checked it: it compiles)
+            try:
+                req = self.engine.add_request(ids, params, rid=rid)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the rank's
+                req = Request(ids, params, rid=rid)
+                req.finish_reason, req.status = "error", Status.FINISHED
+                req.error = f"rank {self.engine.parallel.rank} refused the request: {e}"
+                req.metrics.finish_time = time.perf_counter()
+                log.warning("request %d: %s", rid, req.error)
+                self.failed.append(req)
+            req.metrics.arrival_time = came
 
     def close(self) -> None:
         if self._compiler is not None:
@@ -95,6 +112,7 @@ class _Reporter:
 
     def report(self, stepped: list[Request]) -> RankReport:
         updates = []
+        stepped, self.failed = self.failed + stepped, []
         for req in stepped:
             sent = self.sent.setdefault(req.rid, {})
             up: dict[str, Any] = {"rid": req.rid}
@@ -112,7 +130,7 @@ class _Reporter:
             updates.append(up)
         e = self.engine
         waiting = sum(r.seq_len for r in e.scheduler.waiting)
-        waiting += sum(len(ids) for _, ids, _ in self.pending.values())
+        waiting += sum(len(ids) for _, ids, _, _ in self.pending.values())
         return RankReport(e.scheduler.available_pages(), waiting, e.counters(), updates)
 
 
@@ -141,6 +159,7 @@ class DPEngine:
         self.leader = Leader(local.parallel)
         self._reporter = _Reporter(local)
         self._remote: dict[int, tuple[int, Request]] = {}  # rid -> (rank, mirror)
+        self._sent: dict[int, float] = {}  # rid -> when the step that carried it was sent
         self._adds: list[tuple[int, int, list[int], SamplingParams]] = []
         self._aborts: list[tuple[int, int]] = []
         world = self.parallel.world_size
@@ -157,18 +176,17 @@ class DPEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         ids = self.local.prompt_ids(prompt, params.truncate_prompt_tokens)
-        self.local.check_params(params)  # the client's 400 here and now, not on a peer
-        if params.grammar is not None:
-            self.local.grammars.matcher(params.grammar)
         rank = self._pick_rank()
-        self._assigned_tokens[rank] += len(ids)
         if rank == 0:
-            return self.local.add_request(ids, params)
-        mirror = Request(ids, params)
-        mirror.status = Status.RUNNING
-        self._remote[mirror.rid] = (rank, mirror)
-        self._adds.append((rank, mirror.rid, ids, params))
-        return mirror
+            req = self.local.add_request(ids, params)
+        else:
+            self.local.check_request(params)  # the client's 400 here and now, not on a peer
+            req = Request(ids, params)
+            req.status = Status.RUNNING
+            self._remote[req.rid] = (rank, req)
+            self._adds.append((rank, req.rid, ids, params))
+        self._assigned_tokens[rank] += len(ids)
+        return req
 
     def add_requests(self, prompt: str | list[int], params: SamplingParams) -> list[Request]:
         """`params.n` choices, each routed on its own (seed + i, as `Engine.add_requests`
@@ -194,6 +212,7 @@ class DPEngine:
             self.local.abort(rid)
             return
         rank, mirror = self._remote.pop(rid)
+        self._sent.pop(rid, None)
         if not mirror.finished:
             mirror.finish_reason, mirror.status = "abort", Status.FINISHED
             self._aborts.append((rank, rid))
@@ -201,9 +220,7 @@ class DPEngine:
     def has_unfinished(self) -> bool:
         # (queued adds and aborts too: an idle server steps only while this holds, and the
         # step is what delivers them; an abort left queued held its request's pages)
-        return (
-            self.local.has_unfinished() or bool(self._remote) or bool(self._adds or self._aborts)
-        )
+        return self.local.has_unfinished() or bool(self._remote) or bool(self._adds or self._aborts)
 
     def flush_cache(self) -> bool:
         raise DsakvError(
@@ -214,9 +231,11 @@ class DPEngine:
     # --- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        with self.leader.lock:
+        with self.leader.lock, self.local.rank_failures():
             msg = ("step", self._adds, self._aborts)
             self._adds, self._aborts = [], []
+            sent = time.perf_counter()
+            self._sent.update((rid, sent) for _, rid, _, _ in msg[1] if rid in self._remote)
             self.leader.send(msg)
             self._reporter.apply(msg)
             out = self.local.step()
@@ -243,14 +262,16 @@ class DPEngine:
         for name in _REPLACED:
             setattr(mirror, name, up[name])
         m = mirror.metrics
+        sent = self._sent.get(up["rid"], m.arrival_time)  # (the peer's times count from it)
         if up["ttft_s"] is not None:
-            m.first_token_time = m.arrival_time + up["ttft_s"]
+            m.first_token_time = sent + up["ttft_s"]
         if up["latency_s"] is not None:
-            m.finish_time = m.arrival_time + up["latency_s"]
+            m.finish_time = sent + up["latency_s"]
         m.prefix_hit_tokens, m.retractions = up["prefix_hit_tokens"], up["retractions"]
         if mirror.finish_reason is not None:
             mirror.status = Status.FINISHED
             del self._remote[up["rid"]]
+            self._sent.pop(up["rid"], None)
         return mirror
 
     # --- introspection -------------------------------------------------------------------------
@@ -271,5 +292,9 @@ class DPEngine:
         self.local.check_integrity()
 
     def close(self) -> None:
-        self.leader.stop()
-        self.local.close()
+        """Stop the other ranks and release the group; completes after a rank died too."""
+        try:
+            self.leader.stop()
+        finally:
+            self._reporter.close()
+            self.local.close()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
 import math
 import reprlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 from itertools import accumulate
 from pathlib import Path
@@ -18,7 +19,12 @@ import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig, plan_overrides
 from dsakv.config.checkpoint import model_identity
-from dsakv.distributed.parallel import ParallelConfig, ParallelState, destroy_parallel
+from dsakv.distributed.parallel import (
+    ParallelConfig,
+    ParallelState,
+    destroy_parallel,
+    is_dist_error,
+)
 from dsakv.errors import ConfigError, DsakvError, is_int, is_number, load_json
 from dsakv.kernels import BACKENDS, cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
@@ -55,6 +61,12 @@ log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
 DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLang's default)
+
+
+class RankDied(DsakvError):
+    """Another rank of this engine died or failed (not bad input): the CLI exits 1."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True)
@@ -168,7 +180,12 @@ class EngineConfig:
             raise DsakvError("--speculative-num-steps needs --speculative-algorithm")
         if self.kv_budget_gib is not None and self.num_pages is not None:
             raise DsakvError("--kv-budget-gib and --num-pages both size the KV pool: give one")
-        self.parallel  # noqa: B018 - validates the parallel flags
+        pc = self.parallel  # (validates the parallel flags)
+        if pc.dp_attention and self.max_running_requests < pc.world_size:
+            raise DsakvError(
+                f"--max-running-requests {self.max_running_requests} is less than one request "
+                f"per rank: under --dp-attention the {pc.world_size} ranks share it"
+            )
         self._check_hisparse()
         if self.enable_deterministic_inference:
             refused = (
@@ -402,6 +419,8 @@ class Engine:
         self.stats = EngineStats()
         self.requests: dict[int, Request] = {}
         self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
+        # Which rank died and how, once known (the launcher's watchdog says; None: unknown).
+        self.rank_failure: Callable[[], str | None] = lambda: None
         self._grammars: GrammarCache | None = None
         self.host, self.hot, self.l3 = self._tiers()
         try:
@@ -420,7 +439,7 @@ class Engine:
             SchedulerConfig(
                 config.page_size,
                 config.chunked_prefill_size,
-                config.max_running_requests,
+                self._rank_max_running(),
                 config.enable_prefix_cache,
             ),
             self.allocator,
@@ -429,7 +448,10 @@ class Engine:
             self.l3,
             self.hot,
         )
-        self.sampler = Sampler(self.device, config.seed)
+        # Under DP attention each rank samples its own requests: unseeded ones would draw
+        # the same tokens on every rank from one seed. (TP ranks sample nothing but rank 0's.)
+        dp_rank = self.parallel.rank if self.parallel.config.dp_attention else 0
+        self.sampler = Sampler(self.device, config.seed + dp_rank)
         self.runner = ModelRunner(
             self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
         )
@@ -443,6 +465,15 @@ class Engine:
                 lockstep=self.parallel.config.dp_attention,
                 grammars=lambda: self.grammars,
             )
+
+    def _rank_max_running(self) -> int:
+        """This rank's share of `max_running_requests`: all of it, but under DP attention,
+        where each rank schedules its own requests, the ranks split it (the remainder to
+        the first) so the cap holds for the whole server, as SGLang divides it by dp_size."""
+        cap, pc = self.config.max_running_requests, self.parallel.config
+        if not pc.dp_attention:
+            return cap
+        return cap // pc.world_size + (self.parallel.rank < cap % pc.world_size)
 
     def _num_pages(self) -> tuple[int, int | None]:
         """The pool's pages (`num_pages`, else as many as `kv_budget_gib` holds) and, under
@@ -674,21 +705,33 @@ class Engine:
             req.params = replace(
                 req.params, max_tokens=room, min_tokens=min(req.params.min_tokens, room)
             )
+        req.matcher, req.bad_words_ids = self.check_request(req.params)
         p = req.params
-        self.check_params(p)
-        if p.grammar is not None:
-            req.matcher = self.grammars.matcher(p.grammar)
-        if p.stop and self.tokenizer is None:  # (matched in the output's text: none here)
-            raise DsakvError("stop needs a tokenizer; this model has none", "stop")
-        if p.bad_words:
-            if self.tokenizer is None:
-                raise DsakvError("bad_words needs a tokenizer; this model has none", "bad_words")
-            req.bad_words_ids = bad_word_ids(self.tokenizer, p.bad_words)
         if p.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(req.prompt_ids)
             req.prompt_top_logprobs = [None] * len(req.prompt_ids)
             req.prompt_ranks = [None] * len(req.prompt_ids)
             req.score_prompt = len(req.prompt_ids) > 1
+
+    def check_request(self, p: SamplingParams) -> tuple[Any, list[list[int]]]:
+        """Every check that can refuse a request for `p` (a `DsakvError`), and what the
+        checks build: its grammar matcher (None without a grammar) and its bad words' token
+        ids. Under DP attention rank 0 runs it before sending a request to another rank:
+        refused there, the request had no client left to hear it."""
+        self.check_params(p)
+        matcher = None if p.grammar is None else self.grammars.matcher(p.grammar)
+        if p.stop and self.tokenizer is None:  # (matched in the output's text: none here)
+            raise DsakvError("stop needs a tokenizer; this model has none", "stop")
+        if not p.bad_words:
+            return matcher, []
+        if self.tokenizer is None:
+            raise DsakvError("bad_words needs a tokenizer; this model has none", "bad_words")
+        try:
+            return matcher, bad_word_ids(self.tokenizer, p.bad_words)
+        except (TypeError, ValueError) as e:  # a lone surrogate, say
+            raise DsakvError(
+                f"bad_words cannot be tokenized: {_one_line(e)}", "bad_words"
+            ) from None
 
     def check_params(self, p: SamplingParams) -> None:
         """What `p` asks of this model that `SamplingParams` cannot check alone: its token
@@ -776,14 +819,36 @@ class Engine:
         return True
 
     def close(self) -> None:
-        """Release the other ranks (if any) and wait for them to leave; idempotent."""
-        self.runner.stop()
+        """Release the other ranks (if any) and wait for them to leave; idempotent. Every
+        part runs even if one fails (a rank that died broke the group): the process group
+        and its one-per-process claim are always released; the first error is raised after."""
+        first: Exception | None = None
+        parts = [self.runner.stop]
         if self.l3 is not None:
-            self.l3.close(self.cache)
-        while self.on_close:
-            self.on_close.pop()()
+            parts.append(functools.partial(self.l3.close, self.cache))
+        while parts or self.on_close:
+            part = parts.pop(0) if parts else self.on_close.pop()
+            try:
+                part()
+            except Exception as e:  # noqa: BLE001 - raised once the rest has run
+                first = first or e
         if self.parallel.world_size > 1:
             destroy_parallel()
+        if first is not None:
+            raise first
+
+    @contextlib.contextmanager
+    def rank_failures(self) -> Iterator[None]:
+        """On rank 0, a collective that fails because another rank died or hung becomes
+        `RankDied`, naming the rank when the launcher knows it, not the transport's error
+        (gloo's "Connection reset by peer")."""
+        try:
+            yield
+        except Exception as e:
+            if self.parallel.world_size == 1 or self.parallel.rank != 0 or not is_dist_error(e):
+                raise
+            why = self.rank_failure() or f"a collective with another rank failed: {_one_line(e)}"
+            raise RankDied(f"{why}; this engine cannot run (close it and make a new one)") from e
 
     # --- prefill/decode disaggregation (`dsakv.engine.disagg`) ----------------------------
 
@@ -810,6 +875,10 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that got a token (finished ones included)."""
+        with self.rank_failures():
+            return self._step()
+
+    def _step(self) -> list[Request]:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         failed = self._fail_unschedulable(idle=not batch)

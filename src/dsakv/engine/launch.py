@@ -57,7 +57,7 @@ from dsakv.procs import (
 )
 
 from .dp import DPEngine, serve_dp_peer
-from .engine import Engine, resolve_device
+from .engine import Engine, RankDied, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,8 @@ def _start_rank(config: Any, rank: int, init: str, watchdog: Watchdog | None = N
 
     parallel = join() if watchdog is None else watchdog.rendezvous(join)
     engine = Engine(config, parallel, device)
+    if watchdog is not None:
+        engine.rank_failure = lambda: watchdog.failure
     # Startup ends on every rank together: rank 0's fails (and says why) if another rank's
     # does, rather than serving until its first step meets the dead rank.
     parallel.broadcast_object(None)
@@ -228,12 +230,6 @@ _NO_MAIN_GUARD = 87
 # After another rank died during startup, how long rank 0's own startup may take to fail
 # (a collective with the dead rank fails within seconds) before a server ends itself.
 _STARTUP_GRACE_S = 10.0
-
-
-class RankDied(DsakvError):
-    """Another rank of this engine died or failed (not bad input): the CLI exits 1."""
-
-    exit_code = 1
 
 
 def _exit_text(rank: int, code: int | None, during_startup: bool) -> str:
