@@ -143,6 +143,47 @@ def test_native_decode_rejects_slots_outside_the_pool(tiny):
         cpu_native.mla_decode(q_nope, q_rope, data, slots, valid, math.scale, "fp8_ds_mla")
 
 
+@native
+def test_native_kernels_widen_every_e4m3_byte_as_torch_does():
+    """Every e4m3 byte widens to torch's value (stored latent rows in `mla_decode`, packed
+    FP8 weights in `linear`) whatever the FPU's flush-to-zero / denormals-are-zero mode
+    (`torch.set_flush_denormal`): the subnormals 2^-9 .. 7 · 2^-9 are fp32 normals, never
+    read as 0, and not after the mode is off again either (in a fresh process: the kernels
+    build a table on first use). Each byte is in a kernel's vector body and its scalar
+    tail; compared bit for bit after `+ 0.0` (a sum of products from +0 turns -0 into +0)."""
+    code = """
+import torch
+from dsakv.kernels import cpu_native, torch_ops
+from dsakv.memory.fp8 import FP8_DTYPE
+
+every = torch.arange(256)
+finite = every[(every & 0x7F) != 0x7F]
+sub = ((finite & 0x7F) < 8) & ((finite & 0x7F) > 0)  # 0x01..0x07, 0x81..0x87
+rows = [finite, torch.cat([finite[~sub], finite[sub]])]  # subnormals early, then last
+rows = torch.stack([*rows, torch.full_like(finite, 0x7F), torch.full_like(finite, 0xFF)])
+rows = rows.to(torch.uint8)
+want = rows[:2].view(FP8_DTYPE).float() + 0.0
+k, heads, rope = rows.shape[1], 2, 16
+for on in (True, False):
+    assert torch.set_flush_denormal(on) or not on
+    # One valid row a request (its softmax weight exactly 1): the output is the row.
+    data = torch.cat([rows, torch.zeros(4, rope, dtype=torch.uint8)], 1)
+    q = torch.zeros(4, heads, k), torch.zeros(4, heads, rope)
+    slots, valid = torch.arange(4)[:, None], torch.ones(4, 1, dtype=torch.bool)
+    out = cpu_native.mla_decode(*q, data, slots, valid, 0.1, "fp8_e4m3")
+    assert torch.equal(out[:2], want[:, None].expand(2, heads, k)), ("mla_decode", on)
+    assert out[2:].isnan().all()
+    # One-hot inputs: output t of weight row r is the row's value t (scale 1).
+    packed = torch_ops.pack_fp8(rows.view(FP8_DTYPE), torch.ones(4, -(-k // 128)))
+    out = cpu_native.linear(torch.eye(k), packed)
+    assert torch.equal(out[:, :2].T, want), ("linear", on)
+    assert out[:, 2:].isnan().all()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 # --- stores ----------------------------------------------------------------------------------
 
 
@@ -511,6 +552,88 @@ print(out[0].token_ids)
     assert llm.engine.backend.native == cpu_native.available()
 
 
+_DAMAGED_CACHE = """
+import logging, os, shutil, sys
+from pathlib import Path
+import torch
+from dsakv.kernels import cpu_native
+
+tmp, good = Path(sys.argv[1]), sys.argv[2]
+said = []
+class Said(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("dsakv.kernels.cpu_native").addHandler(Said())
+
+def path(cache):
+    os.environ["DSAKV_CACHE"] = str(cache)
+    return cpu_native.library_path()
+
+def builds():
+    return (tmp / "builds").read_text().count("built") if (tmp / "builds").exists() else 0
+
+def load(cache, copies=good):
+    # The kernels from `cache`, as a new process loads them: (built?, how many builds, warnings).
+    path(cache)
+    (tmp / "source").write_text(copies)
+    before, n = builds(), len(said)
+    cpu_native._library.cache_clear()
+    ok = cpu_native.available()
+    if ok:
+        x, w = torch.randn(3, 64), torch.rand(64) + 0.5
+        want = torch.nn.functional.rms_norm(x, (64,), w, 1e-5)
+        torch.testing.assert_close(cpu_native.rms_norm(x, w, 1e-5), want)
+    return ok, builds() - before, " | ".join(said[n:])
+
+(tmp / "bad.so").write_bytes(b"\\x7fELF not a library")
+lib = path(tmp / "a")
+ok, n, msg = load(tmp / "a", str(tmp / "bad.so"))  # built, does not load: the torch ops
+assert not ok and n == 1 and f"{lib}, just built, does not load" in msg, msg
+ok, n, msg = load(tmp / "a")  # cached whole, as built, but does not load
+assert ok and n == 1 and f"{lib}: does not load" in msg and "rebuilding" in msg, msg
+ok, n, msg = load(tmp / "a")  # whole and loads: no build, no warning
+assert ok and n == 0 and not msg, msg
+shutil.copytree(tmp / "a", tmp / "b")  # (a path dlopen has not seen)
+lib = path(tmp / "b")
+lib.write_bytes(lib.read_bytes()[:1000])  # truncated after its build
+ok, n, msg = load(tmp / "b")
+assert ok and n == 1 and f"{lib}: 1000 bytes" in msg, msg
+assert lib.read_bytes() == Path(good).read_bytes()
+lib = path(tmp / "c")
+lib.parent.mkdir(parents=True)
+lib.write_bytes(b"")  # empty, and nothing beside it
+ok, n, msg = load(tmp / "c")
+assert ok and n == 1 and str(lib) in msg, msg
+print("ok")
+"""
+
+
+@native
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(tmp_path):
+    """A cached library that is truncated (dlopen would map it and the process die of
+    SIGBUS, no message), empty, or whole but not loadable is rebuilt once, with a warning
+    naming it, and the kernels run; a whole one is loaded as it is. `$CXX` is a stand-in
+    that copies a file where the compiler writes (this process's library, or one that
+    does not load): a real build takes tens of seconds."""
+    cxx = tmp_path / "cxx"
+    cxx.write_text(
+        f'#!/bin/sh\nwhile [ "$1" != -o ]; do shift; done\ncp "$(cat {tmp_path}/source)" "$2"\n'
+        f"echo built >> {tmp_path}/builds\n"
+    )
+    cxx.chmod(0o755)
+    good = cpu_native._library()._name
+    done = subprocess.run(
+        [sys.executable, "-c", _DAMAGED_CACHE, str(tmp_path), good],
+        env={**os.environ, "CXX": str(cxx)},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (
+        done.returncode,
+        done.stderr[-2000:],
+    )
+
+
 # --- what `--enable-deterministic-inference` rests on --------------------------------------
 
 
@@ -621,9 +744,7 @@ def test_native_index_decode_one_shared_table_and_row_keys(tiny, low):
         got = cpu_native.index_decode(
             q, w, rows.index_k_data(layer), 16, table, lens, scale, low and dtype == "bf16"
         )
-        want = _torch_index_scores(
-            rows, layer, q, w, table, lens, scale, low and dtype == "bf16"
-        )
+        want = _torch_index_scores(rows, layer, q, w, table, lens, scale, low and dtype == "bf16")
         assert torch.equal(got.isinf(), want.isinf())
         tol = dict(rtol=1e-2, atol=1e-3) if low and dtype == "bf16" else {}
         torch.testing.assert_close(got[want.isfinite()], want[want.isfinite()], **tol)

@@ -9,9 +9,10 @@ runs the scores, an online softmax and the weighted sum over it.
 The source is plain C++ over raw pointers (no torch headers): `$CXX` (default `c++`)
 builds it in about a second with `-O3 -march=native -fopenmp` into
 `$DSAKV_CACHE/kernels` (default `~/.cache/dsakv/kernels`), keyed by the source, the
-compiler and this CPU's flags. OpenMP resolves to the libgomp torch has loaded, so the
-kernels use torch's threads. Without a compiler `available()` is False and the cpu backend
-keeps its torch ops (one warning).
+compiler and this CPU's flags, with its size and sha256 beside it: a cached library that
+differs (a truncated or empty file) or does not load is rebuilt once, never loaded. OpenMP
+resolves to the libgomp torch has loaded, so the kernels use torch's threads. Without a
+compiler `available()` is False and the cpu backend keeps its torch ops (one warning).
 """
 
 from __future__ import annotations
@@ -57,26 +58,93 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build() -> ctypes.CDLL:
+def library_path() -> Path:
+    """Where the build for this source, `$CXX`, the flags and this CPU is cached."""
     cxx = os.environ.get("CXX") or "c++"
-    if shutil.which(cxx) is None:
-        raise OSError(f"no C++ compiler ({cxx!r} is not on PATH)")
-    src = SOURCE.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([src, cxx.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()])
+        b"\0".join(
+            [SOURCE.read_bytes(), cxx.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]
+        )
     )
     root = Path(os.environ.get("DSAKV_CACHE") or Path.home() / ".cache" / "dsakv") / "kernels"
-    lib = root / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-    if not lib.is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root) as tmp:
-            out = Path(tmp) / lib.name
-            cmd = [cxx, *FLAGS, str(SOURCE), "-o", str(out)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(out, lib)  # atomic: concurrent builders each install a whole file
-    dll = ctypes.CDLL(str(lib))
+    return root / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def _digest_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _digest(data: bytes) -> str:
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+
+
+def _damage(lib: Path) -> str | None:
+    """Why the cached `lib` cannot be trusted (None: it is the file its build wrote).
+    Checked before dlopen, which maps a truncated library and then dies of SIGBUS (no
+    message) where the loader reads past its end."""
+    try:
+        want = _digest_path(lib).read_text().strip()
+    except OSError:
+        return f"no {_digest_path(lib).name} (an interrupted build, or an older dsakv's)"
+    try:
+        data = lib.read_bytes()
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if _digest(data) != want:
+        return f"{len(data)} bytes, not the {want.split()[0]} bytes its build wrote, or corrupt"
+    return None
+
+
+def _install(path: Path, dest: Path) -> None:
+    """Renames `path` to `dest` once its bytes are on disk: concurrent builders each install
+    a whole file, and a crash leaves the old file or the new one, never a part of one."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(path, dest)
+
+
+def _compile(cxx: str, lib: Path) -> None:
+    """Builds the source into `lib`, its size and sha256 installed beside it first: a
+    library is never there without them, and never loaded without them."""
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [cxx, *FLAGS, str(SOURCE), "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        digest = Path(tmp) / _digest_path(lib).name
+        digest.write_text(f"{_digest(out.read_bytes())}\n")
+        _install(digest, _digest_path(lib))
+        _install(out, lib)
+
+
+def _load(cxx: str) -> ctypes.CDLL:
+    """The cached library if it is whole and loads, else built (again) once: a damaged
+    cache costs one build, never a crash or a permanent fallback to the torch ops."""
+    if shutil.which(cxx) is None:
+        raise OSError(f"no C++ compiler ({cxx!r} is not on PATH)")
+    lib = library_path()
+    if lib.exists():
+        damage = _damage(lib)
+        if damage is None:
+            try:
+                return ctypes.CDLL(str(lib))
+            except OSError as e:
+                damage = f"does not load ({e})"
+        log.warning("cached native CPU kernels %s: %s; rebuilding them", lib, damage)
+    _compile(cxx, lib)
+    try:
+        return ctypes.CDLL(str(lib))
+    except OSError as e:
+        raise OSError(f"{lib}, just built, does not load: {e}") from e
+
+
+def _build() -> ctypes.CDLL:
+    dll = _load(os.environ.get("CXX") or "c++")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in ("dsakv_store_latent", "dsakv_store_index_k_fp8"):
         getattr(dll, name).restype = i64

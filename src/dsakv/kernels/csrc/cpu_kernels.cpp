@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <limits>
 #include <vector>
 
 #include <immintrin.h>
@@ -31,17 +30,23 @@ inline float bits_to_float(uint32_t b) {
   return f;
 }
 
-// e4m3fn bytes to fp32, branch-free (vectorises): the 7 magnitude bits placed at the top
-// of an fp32 mantissa/exponent and rescaled by 2^(127-7) give every normal and subnormal
-// value exactly; 0x7f / 0xff are NaN.
+// An e4m3fn byte's fp32 bits, built in integer arithmetic as c10's conversion does, so
+// no fp32 subnormal is ever formed and the FPU's flush-to-zero / denormals-are-zero mode
+// (`torch.set_flush_denormal`) cannot read a value as 0: a normal value's exponent rebiased
+// by 127 - 7; a subnormal one (m · 2^-9, m = 1..7) normalised, its leading bit p into the
+// exponent; 0x7f / 0xff NaN. Branch-free (vectorises).
+inline uint32_t e4m3_bits(uint32_t b) {
+  const uint32_t mag = b & 0x7f, m = b & 7;
+  const uint32_t p = (m >= 2) + (m >= 4);
+  const uint32_t sub = m ? ((118 + p) << 23) | ((m << (23 - p)) & 0x7fffff) : 0;
+  uint32_t r = mag >= 8 ? (mag << 20) + (120u << 23) : sub;
+  r = mag == 0x7f ? 0x7fc00000u : r;
+  return r | (b & 0x80) << 24;
+}
+
+// e4m3fn bytes times `scale` to fp32: each value exact, so the product rounds once.
 inline void widen_e4m3_scalar(const uint8_t* src, float* dst, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t b = src[i];
-    uint32_t mag = b & 0x7f;
-    float v = bits_to_float(mag << 20) * 0x1p120f;
-    v = mag == 0x7f ? std::numeric_limits<float>::quiet_NaN() : v;
-    dst[i] = (b & 0x80 ? -v : v) * scale;
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = bits_to_float(e4m3_bits(src[i])) * scale;
 }
 
 #if defined(__AVX512VBMI__)
@@ -338,20 +343,17 @@ inline u32x16 widen_bytes(const uint8_t* p) {
   return r;
 }
 
-// 16 e4m3 bytes times their block's scale, in registers: the values `widen_e4m3` writes.
-// The bytes placed as a tiny fp32 (value · 2^-120, sign included) times scale · 2^120:
-// both exact scalings of the one product, so it rounds once, as value × scale does (while
-// scale < 2^8 keeps scale · 2^120 finite; the loader's block scales are amax / 448).
+// 16 e4m3 bytes times their block's scale, in registers: the values `widen_e4m3` writes
+// (`e4m3_bits` lane by lane: integer ops only, whatever the FPU's denormal mode).
 inline v16 load16_e4m3(const uint8_t* p, float scale) {
   const u32x16 u = widen_bytes(p);
-  const v16 v = reinterpret_cast<v16>(((u & 0x7f) << 20) | ((u & 0x80) << 24));
-  if (scale < 0x1p8f) {
-    const v16 nan = v16{} + std::numeric_limits<float>::quiet_NaN();
-    return reinterpret_cast<i32x16>((u & 0x7f) == 0x7f) ? nan : v * (scale * 0x1p120f);
-  }
-  float out[16];
-  widen_e4m3(p, out, 16, scale);
-  return load16(out);
+  const u32x16 mag = u & 0x7f, m = u & 7;
+  const u32x16 lead = -reinterpret_cast<u32x16>(m >= 2) - reinterpret_cast<u32x16>(m >= 4);
+  const u32x16 sub = ((118 + lead) << 23) | ((m << (23 - lead)) & 0x7fffff);
+  u32x16 r = reinterpret_cast<u32x16>(m != 0) & sub;  // (comparisons: lanes of 0 / ~0)
+  r = reinterpret_cast<u32x16>(mag >= 8) ? (mag << 20) + (120u << 23) : r;
+  r = reinterpret_cast<u32x16>(mag == 0x7f) ? u32x16{} + 0x7fc00000u : r;
+  return reinterpret_cast<v16>(r | (u & 0x80) << 24) * scale;
 }
 
 // The weight GEMVs' one summation order, for a row of K weights times an input x: 16-lane
