@@ -34,8 +34,12 @@ $(TRITON_36_STAMP): | $(STAMP)
 run: install
 	$(BIN)/dsakv bench --json bench-out/bench.json --plot bench-out/plots
 
+# Test files run on TEST_WORKERS processes (pytest-xdist), each file's tests on one of them,
+# so a file's module fixtures (servers, PD pairs) start once. Most tests run one torch
+# thread: two workers keep both cores of a small machine busy. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Wheels the GPU machine's image lacks (it has torch + triton, no network): its python3 is
 # 3.12 and its transformers (5.17) older than the `indexed_attention` layer type dsakv's
