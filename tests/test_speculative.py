@@ -549,6 +549,39 @@ def test_put_off_catch_ups_write_the_same_draft_kv(unfitted, cache, caches):
         assert torch.equal(latent, latent0) and torch.equal(keys, keys0)
 
 
+@pytest.mark.parametrize(("prompt_len", "max_tokens"), [(32, 1), (20, 13)])
+def test_cached_pages_hold_the_draft_kv_of_the_finishing_step(unfitted, prompt_len, max_tokens):
+    """The prefix cache keeps a finished request's full pages, so their draft-layer KV must
+    be sound for a request reusing them: the step the request finished in wrote none (its
+    pages had gone when the drafter ran), and a request that ended on its prefill (max_tokens
+    1, a stop on the first token) left its whole prompt without. Each position's draft KV
+    must hold what a request running on past those tokens writes."""
+    from dsakv.memory.allocator import page_slots
+
+    def run(prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+        llm = LLM(unfitted, **EXACT, num_pages=64, speculative_num_steps=3, **MTP)
+        engine, seen = llm.engine, {}
+        finish = engine.scheduler.finish
+
+        def recording(req, finish=finish):
+            seen.setdefault("slots", page_slots(req.pages, 16)[: req.num_computed])
+            finish(req)
+
+        engine.scheduler.finish = recording
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        draft = engine.pool.latent_data(engine.model_config.num_hidden_layers)
+        rows = draft[seen["slots"]].clone()
+        llm.close()
+        return out.token_ids, rows
+
+    prompt = _prompts(1, seed=7, lo=prompt_len, hi=prompt_len)[0]
+    tokens, rows = run(prompt, max_tokens)
+    assert len(rows) == 32  # two full pages, both cached
+    _, ran_on = run(prompt + tokens, 2)  # (its prefill catches up over every position)
+    assert torch.equal(rows, ran_on[:32])
+
+
 def test_a_retracted_request_drops_what_it_owed(unfitted):
     """A request sitting out drafts owes the draft layer's catch-up; retracted, then
     recomputed in one chunk after a prefix hit, what it owed is stale (its pages went and

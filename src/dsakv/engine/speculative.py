@@ -106,6 +106,9 @@ class MTPDrafter:
         # Catch-ups may wait where no other rank repeats this one's calls (they would need
         # the kept h rows) and no rank waits for this one's draft forwards.
         self.defers = runner.leader is None and not lockstep
+        # The slots of requests that finished in this step with pages that outlive them (the
+        # prefix cache): `step` still catches the draft layer up over the step's positions.
+        self._finished_slots: dict[int, torch.Tensor] = {}
 
     def wanted(self, req: Request) -> int:
         """How many drafts are worth proposing for `req`'s next step: its adaptive draft
@@ -155,11 +158,14 @@ class MTPDrafter:
         was accepted. Fills the draft KV for those positions, then chains drafts: in one
         native call where the runner has one and no request has a grammar, else here."""
         toks, slots, rows, reqs = [], [], [], []
+        finished_slots, self._finished_slots = self._finished_slots, {}
         for req, start, row in work:
             stop = req.num_computed
-            # A finished request's pages are gone, unless a prefill server holds them to
-            # ship (its draft KV travels too, so the decode side's drafts start sound).
-            gone = req.finished and req.rid not in self.scheduler.held
+            # A finished request's pages are gone, unless the prefix cache keeps them or a
+            # prefill server holds them to ship (its draft KV travels too, so the decode
+            # side's drafts start sound).
+            kept = finished_slots.get(req.rid)
+            gone = req.finished and req.rid not in self.scheduler.held and kept is None
             if gone or stop <= start:
                 continue
             self.adapt(req)
@@ -172,7 +178,7 @@ class MTPDrafter:
                 continue
             self.settle(req)
             toks.append(req.ids(start + 1, stop + 1))
-            slots.append(self.scheduler.slots(req, stop))
+            slots.append(kept if kept is not None else self.scheduler.slots(req, stop))
             rows.extend(range(row, row + stop - start))
             reqs.append(req)
         if not reqs and not self.lockstep:
@@ -218,17 +224,22 @@ class MTPDrafter:
         self.runner.catch_up([req.ids(first + 1, stop + 1)], [self.scheduler.slots(req, stop)], h)
 
     def finish(self, req: Request) -> None:
-        """Before a finished request's pages go: what it owes is paid where they outlive it
-        (the prefix cache, a prefill server's hand-off), so a request reusing them drafts
-        from sound KV; else dropped."""
+        """Before a finished request's pages go, where they outlive it (the prefix cache, a
+        prefill server's hand-off): what it owes is paid, and the positions of the step it
+        finished in are caught up by `step` (from slots kept here), so a request reusing
+        the pages drafts from sound KV, even after a request that ended on its prefill.
+        Else (aborted, or no one keeps the pages) dropped."""
         s = req.draft_len
-        if s is None or not s.owed:
-            return
-        kept = self.scheduler.config.enable_prefix_cache or req.rid in self.scheduler.held
-        computed = req.num_computed >= s.owed_from + sum(len(h) for h in s.owed)  # (not retracted)
-        if kept and computed and req.finish_reason != "abort":
+        owed = s.owed if s is not None else []
+        held = req.rid in self.scheduler.held
+        kept = self.scheduler.config.enable_prefix_cache or held
+        computed = not owed or req.num_computed >= s.owed_from + sum(map(len, owed))
+        if kept and computed and req.finish_reason != "abort":  # (computed: not retracted)
             self.settle(req)
-        s.owed = []
+            if not held:  # (a held request keeps its slots until shipped)
+                self._finished_slots[req.rid] = self.scheduler.slots(req, req.num_computed).clone()
+        if s is not None:
+            s.owed = []
 
     def _chain(
         self, reqs: list[Request], want: list[int], ends: list[int], chain: list[torch.Tensor]
