@@ -130,6 +130,10 @@ def wait_idle(base: str) -> dict[str, float]:
 
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})  # openai-client greedy kwargs
+# Chat without the reasoning block the tiny GLM template opens (as GLM-5's): the output is
+# all content, comparable with a completion of the rendered prompt.
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+GREEDY_CHAT = dict(temperature=0, extra_body={"ignore_eos": True, **NO_THINKING})
 
 
 def check_pd_chat(client, decode_url: str, reference, max_tokens: int, **stream_kw):
@@ -140,12 +144,13 @@ def check_pd_chat(client, decode_url: str, reference, max_tokens: int, **stream_
     from dsakv.engine import SamplingParams
 
     messages = [{"role": "user", "content": "Name a colour."}]
-    ids = httpx.post(f"{decode_url}/tokenize", json={"messages": messages}).json()["tokens"]
+    body = {"messages": messages, **NO_THINKING}
+    ids = httpx.post(f"{decode_url}/tokenize", json=body).json()["tokens"]
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
     ref = reference.generate([ids], params)[0]
     r = client.chat.completions.create(
         model="m", messages=messages, max_tokens=max_tokens, logprobs=True, top_logprobs=2,
-        **GREEDY,
+        **GREEDY_CHAT,
     )  # fmt: skip
     assert r.choices[0].message.content == ref.text
     assert [x.logprob for x in r.choices[0].logprobs.content] == pytest.approx(
@@ -158,7 +163,7 @@ def check_pd_chat(client, decode_url: str, reference, max_tokens: int, **stream_
             max_tokens=max_tokens,
             stream=True,
             **stream_kw,
-            **GREEDY,
+            **GREEDY_CHAT,
         )  # fmt: skip
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text

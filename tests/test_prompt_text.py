@@ -130,7 +130,7 @@ def test_a_text_prompt_gets_the_tokenizers_bos_and_a_chat_prompt_the_templates(w
     """As vLLM and SGLang tokenize them: a completion's text with its tokenizer's special
     tokens (a BOS), unless `add_special_tokens` is false; a chat prompt without, as its
     template writes the BOS. dsakv added none to a text, so DeepSeek-V3.2's completions ran
-    without the BOS every vLLM and SGLang completion has."""
+    without the BOS every vLLM and SGLang completion has; a streamed chat reported two."""
     path, bos = with_bos
     text, messages = "hi there", [{"role": "user", "content": "hi"}]
     greedy = SamplingParams(max_tokens=1, temperature=0)
@@ -156,8 +156,11 @@ def test_a_text_prompt_gets_the_tokenizers_bos_and_a_chat_prompt_the_templates(w
         assert _post(base, "/tokenize", body)["tokens"] == plain
         chat = _post(base, "/tokenize", {"messages": messages})["tokens"]
         assert chat[0] == bos and chat.count(bos) == 1
-        body = {"messages": messages, "max_tokens": 1}
-        assert _post(base, "/v1/chat/completions", body)["usage"]["prompt_tokens"] == len(chat)
+        body = {"messages": messages, "max_tokens": 1, "return_token_ids": True}
+        plain = _post(base, "/v1/chat/completions", body)
+        assert plain["usage"]["prompt_tokens"] == len(chat) and plain["prompt_token_ids"] == chat
+        # streamed, the ids reported are those run too, not the text's BOS on the template's
+        assert _sse(base, "/v1/chat/completions", body)[0]["prompt_token_ids"] == chat
 
 
 def _sse(base: str, path: str, body: dict) -> list[dict]:

@@ -151,8 +151,9 @@ def test_chat_matches_offline(client, reference):
         extra_body={"ignore_eos": True},
     )
     choice = r.choices[0]
-    assert choice.message.role == "assistant" and choice.message.content == ref.text
-    assert choice.finish_reason == "length"
+    # GLM-5 thinks unless told not to: its prompt opens `<think>`, the output is reasoning
+    assert choice.message.role == "assistant" and choice.message.reasoning_content == ref.text
+    assert choice.message.content == "" and choice.finish_reason == "length"
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 10
     lps = choice.logprobs.content
     assert [x.logprob for x in lps] == pytest.approx(ref.logprobs, abs=1e-4)
@@ -306,7 +307,9 @@ def test_streaming_completion_and_chat(client, reference):
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == ref.text
+    assert not "".join(d.content or "" for d in deltas)  # (the prompt opened `<think>`)
     assert chunks[-1].choices[0].finish_reason == "length"
     assert all(c.usage is None for c in chunks)
 

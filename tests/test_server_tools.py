@@ -15,12 +15,14 @@ from transformers import AutoTokenizer
 
 from dsakv.cli import main as cli_main
 from dsakv.engine import EngineConfig
+from dsakv.engine.chat_format import render_chat
 from dsakv.models.tiny import write_tiny_model
 
 from .serving import TIMEOUT, serving
 from .test_server import ENGINE_ARGS
 
 PRESETS = {"glm": "glm-tiny", "deepseek": "deepseek-tiny"}
+MODEL_TYPES = {"glm": "glm_moe_dsa", "deepseek": "deepseek_v32"}
 # GLM thinks unless told not to; DeepSeek-V3.2 only when told to.
 NO_THINKING = {"glm": {"enable_thinking": False}, "deepseek": {}}
 THINKING = {"glm": {}, "deepseek": {"thinking": True}}
@@ -257,7 +259,8 @@ def test_tool_history_is_rendered(served, family):
     ]
     r = _chat(client, family, messages=history, max_tokens=2, tool_choice="none")
     tok = AutoTokenizer.from_pretrained(path)
-    rendered = tok.apply_chat_template(
+    rendered = render_chat(
+        tok,
         [
             *USER,
             {
@@ -269,9 +272,8 @@ def test_tool_history_is_rendered(served, family):
             },
             {"role": "tool", "content": "sunny, 21 C"},
         ],
+        MODEL_TYPES[family],
         tools=TOOLS,
-        add_generation_prompt=True,
-        tokenize=False,
         **NO_THINKING[family],
     )
     assert "sunny, 21 C" in rendered and "Oslo" in rendered
@@ -283,15 +285,14 @@ def test_tool_history_is_rendered(served, family):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_reasoning_is_split(served, family, stream):
-    """A regex makes even the random model think, then answer; the split must follow
-    whichever way the template opened reasoning (GLM: the model writes `<think>`;
-    DeepSeek-V3.2 with thinking: the prompt ends with it)."""
+    """A regex makes even the random model think, then answer; the split must follow the
+    prompt, which opened the reasoning block (GLM-5 and DeepSeek-V3.2 with thinking: the
+    prompt ends with `<think>`)."""
     client = served[0]
-    opener = "<think>" if family == "glm" else ""
     kw = dict(
         tools=None,
         template_kwargs=THINKING[family],
-        extra_body={"regex": opener + "[a-z]{3,6}</think>[a-z]{2,4}"},
+        extra_body={"regex": "[a-z]{3,6}</think>[a-z]{2,4}"},
         stream=stream,
     )
     r = _chat(client, family, **kw)
@@ -312,8 +313,8 @@ def test_reasoning_is_split(served, family, stream):
     else:
         assert r.choices[0].message.content == content
         assert getattr(r.choices[0].message, "reasoning_content", None) is None
-    # Without thinking the same text is all content (DeepSeek's prompt closes the block).
-    if family == "deepseek" and not stream:
+    # Without thinking the same text is all content (the prompt closes the block).
+    if not stream:
         r = _chat(client, family, tools=None, extra_body={"regex": "[a-z]{3,6}"})
         assert r.choices[0].message.content.isalpha()
         assert getattr(r.choices[0].message, "reasoning_content", None) is None

@@ -39,6 +39,8 @@ from dsakv.server.protocol import APIError
 
 from .serving import (
     GREEDY,
+    GREEDY_CHAT,
+    NO_THINKING,
     TIMEOUT,
     ServerProcess,
     check_pd_chat,
@@ -377,10 +379,11 @@ def test_regular_mode_cache_aware_keeps_a_prompt_on_one_replica(replicas, refere
     assert sorted(served) == [0, 4], served
     messages = [{"role": "user", "content": "Name a colour."}]
     stream = client.chat.completions.create(
-        model="m", messages=messages, max_tokens=6, stream=True, **GREEDY
+        model="m", messages=messages, max_tokens=6, stream=True, **GREEDY_CHAT
     )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    ids = httpx.post(f"{urls[0]}/tokenize", json={"messages": messages}).json()["tokens"]
+    body = {"messages": messages, **NO_THINKING}
+    ids = httpx.post(f"{urls[0]}/tokenize", json=body).json()["tokens"]
     ref = reference.generate([ids], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert text == ref[0].text
     models = httpx.get(f"{replicas['router']}/v1/models", timeout=30).json()["data"]

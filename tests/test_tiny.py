@@ -47,7 +47,7 @@ def test_tokenizer_is_byte_level_with_chat_template(glm_tiny):
     assert (tok.bos_token_id, tok.eos_token_id) == (BOS_ID, EOS_ID)
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     ids = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
-    assert ids[0] == BOS_ID and ids[-3:-1] == list(b"hi")
+    assert ids[0] == BOS_ID and tok.decode(ids[1:]).endswith("hi<|assistant|><think>")
     assert max(ids) < _config("glm-tiny").vocab_size
 
 
@@ -86,7 +86,7 @@ def test_default_model_dir_generates_once(tmp_path, monkeypatch):
     """(A named weight format: no MTP layer to fit, so the cache is written in seconds.)"""
     monkeypatch.setenv("DSAKV_CACHE", str(tmp_path))
     path = default_model_dir("glm-tiny", weights="fp32")
-    assert path == tmp_path / "glm-tiny-fp32-seed0" and (path / "model.safetensors").is_file()
+    assert path == tmp_path / "glm-tiny-fp32-chat2-seed0" and (path / "model.safetensors").is_file()
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model_dir("glm-tiny", weights="fp32") == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp

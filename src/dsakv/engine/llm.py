@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import os
 import reprlib
 import weakref
@@ -19,6 +18,7 @@ from dsakv.errors import DsakvError, is_int
 from dsakv.models.tiny import resolve_model_dir
 from dsakv.procs import interrupts_deferred
 
+from .chat_format import has_chat_format, render_chat, template_message
 from .engine import EngineConfig
 from .launch import create_engine
 from .request import Request
@@ -224,7 +224,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages)
-        or a list of them, each rendered by the model's chat template and completed as
+        or a list of them, each rendered by the model's chat template (DeepSeek-V3.2, which
+        ships none, by its encoding: `render_chat`) and completed as
         `generate` completes text (`chat_template`: a Jinja template instead of the
         tokenizer's; `sampling_params`: vLLM's name for `params`). The output is the raw
         text: tool calls and reasoning are parsed by `dsakv serve`'s chat endpoint, not
@@ -240,24 +241,27 @@ class LLM:
                 f"list of them, got {reprlib.repr(messages)}",
                 "messages",
             )
-        tokenizer = self.tokenizer
-        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+        tokenizer, model_type = self.tokenizer, self.engine.model_config.model_type
+        if not has_chat_format(tokenizer, model_type, chat_template):
             raise DsakvError("this model's tokenizer has no chat template", "messages")
         prompts = []
         for conversation in messages:
             rendered = [template_message(i, m) for i, m in enumerate(conversation)]
             try:
                 prompts.append(
-                    tokenizer.apply_chat_template(
+                    render_chat(
+                        tokenizer,
                         rendered,
+                        model_type,
                         tools=tools,
                         chat_template=chat_template,
                         add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message,
-                        tokenize=False,
                         **dict(chat_template_kwargs or {}),
                     )
                 )
+            except DsakvError:
+                raise
             except Exception as e:  # the template's raise_exception: bad roles or order
                 raise DsakvError(f"chat template failed: {e}", "messages") from None
         # Each rendered template holds its special tokens (a BOS): none added, as vLLM's chat
@@ -273,77 +277,6 @@ def _params_or_vllms(params: Any, sampling_params: Any) -> Any:
     if params is not None:
         raise DsakvError("give params or sampling_params (vLLM's name for it), not both", "params")
     return sampling_params
-
-
-def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
-    """OpenAI message `i` as chat templates expect it, as vLLM reads it: text content parts
-    joined by newlines, tool-call arguments (JSON text) as dicts; other keys as given."""
-    if not isinstance(message, Mapping):
-        raise DsakvError(f"messages[{i}] must be a message dict, got {message!r}", "messages")
-    out = dict(message)
-    content = message.get("content")
-    if content is not None and not isinstance(content, str):
-        if not _is_list(content):
-            raise DsakvError(
-                f"messages[{i}]: content must be a string or a list of content parts, "
-                f"got {reprlib.repr(content)}",
-                "messages",
-            )
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind != "text":
-                raise DsakvError(
-                    f"messages[{i}]: content part type {kind!r} is not supported", "messages"
-                )
-            text = part.get("text") or ""
-            if not isinstance(text, str):
-                raise DsakvError(
-                    f"messages[{i}]: a text part's text must be a string, got {reprlib.repr(text)}",
-                    "messages",
-                )
-            texts.append(text)
-        content = "\n".join(texts)
-    out["content"] = content or ""
-    calls = message.get("tool_calls")
-    if calls:
-        if not _is_list(calls):
-            raise DsakvError(
-                f"messages[{i}].tool_calls must be a list of tool calls, got {reprlib.repr(calls)}",
-                "messages",
-            )
-        out["tool_calls"] = [_template_call(i, j, c) for j, c in enumerate(calls)]
-    return out
-
-
-def _template_call(i: int, j: int, call: object) -> dict[str, Any]:
-    if not isinstance(call, Mapping):
-        raise DsakvError(
-            f"messages[{i}].tool_calls[{j}] must be a tool call dict, got {reprlib.repr(call)}",
-            "messages",
-        )
-    function = call.get("function") or {}
-    if not isinstance(function, Mapping):
-        raise DsakvError(
-            f"messages[{i}].tool_calls[{j}].function must be a dict with name and arguments, "
-            f"got {reprlib.repr(function)}",
-            "messages",
-        )
-    args = function.get("arguments") or "{}"
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            args = None
-    if not isinstance(args, dict):
-        raise DsakvError(
-            f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object", "messages"
-        )
-    return {
-        "id": call.get("id"),
-        "type": "function",
-        "function": {"name": function.get("name"), "arguments": args},
-    }
 
 
 def _copy(xs: list | None) -> list | None:

@@ -236,7 +236,9 @@ class MTPDrafter:
         computed = not owed or req.num_computed >= s.owed_from + sum(map(len, owed))
         if kept and computed and req.finish_reason != "abort":  # (computed: not retracted)
             self.settle(req)
-            if not held:  # (a held request keeps its slots until shipped)
+            # (a held request keeps its slots until shipped; one that ended without a token,
+            # its grammar stuck, has no next token to catch up with)
+            if not held and req.seq_len > req.num_computed:
                 self._finished_slots[req.rid] = self.scheduler.slots(req, req.num_computed).clone()
         if s is not None:
             s.owed = []

@@ -14,21 +14,29 @@ from typing import Any
 
 import torch
 
-from dsakv.config.presets import QUANTIZED_WEIGHT, SPECIAL_TOKENS, TINY_PRESETS, is_model_dir
+from dsakv.config.presets import (
+    BOS_ID,
+    QUANTIZED_WEIGHT,
+    SPECIAL_TOKENS,
+    TINY_PRESETS,
+    is_model_dir,
+)
 from dsakv.errors import DsakvError
 from dsakv.writable import write_blocker
 
 # Chat templates in the real models' shapes (role markers are the tiny specials; every other
 # tag is plain text). Tools arrive as `tools=[{"type": "function", "function": {...}}]`;
-# assistant tool-call arguments as dicts; thinking via `enable_thinking` (GLM, on by
-# default: the model opens `<think>` itself) or `thinking` (DeepSeek-V3.2, off by default; on,
-# the prompt ends with `<think>`).
+# assistant tool-call arguments as dicts. DeepSeek-V3.2 ships no template (its prompt is
+# rendered in code: `dsakv.engine.chat_format.render_chat`), nor does the tiny preset.
 _ROLE_ERROR = "{{ raise_exception('unsupported role ' ~ m.role) }}"
 _ARG_TEXT = "{{ v if v is string else v | tojson }}"
 
-# GLM-4.7 / GLM-5 tool calls, `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>
-# </tool_call>`, tool results under `<|observation|><tool_response>`; the generation prompt in
-# GLM-4.5's shape (`<|assistant|>`, or `<|assistant|>\n<think></think>` without thinking).
+# GLM-5's: tool calls `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>
+# </tool_call>`, tool results under `<|observation|><tool_response>`; thinking on unless
+# `enable_thinking` is false (the generation prompt `<|assistant|><think>`, else
+# `<|assistant|></think>`); an assistant turn's reasoning (`reasoning_content`, else a
+# `<think>` block in its content) kept only after the last user turn unless `clear_thinking`
+# is false. ([gMASK]<sop>, GLM's prefix, is the tiny BOS here.)
 GLM_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}<|system|>\n# Tools\n\nYou may call one or more functions to assist "
@@ -37,12 +45,22 @@ GLM_CHAT_TEMPLATE = (
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\n"
     "For each function call, output the function name and arguments within the following "
     "XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>"
-    "{arg-value-1}</arg_value>...</tool_call>{% endif %}"
+    "{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}"
+    "</arg_value>...</tool_call>{% endif %}"
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}"
+    "{% endif %}{% endfor %}"
     "{% for m in messages %}"
     "{% if m.role == 'system' %}<|system|>{{ m.content }}"
     "{% elif m.role == 'user' %}<|user|>{{ m.content }}"
     "{% elif m.role == 'assistant' %}<|assistant|>"
-    "<think>{{ m.reasoning_content or '' }}</think>{{ m.content or '' }}"
+    "{% set text = m.content or '' %}{% set thought = m.reasoning_content %}"
+    "{% if thought is not string and '</think>' in text %}"
+    "{% set thought = text.split('</think>')[0].rstrip('\n').split('<think>')[-1]"
+    ".lstrip('\n') %}{% set text = text.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    "{% if thought and (loop.index0 > ns.last_user "
+    "or (clear_thinking is defined and not clear_thinking)) %}"
+    "<think>{{ thought.strip() }}</think>{% else %}</think>{% endif %}{{ text.strip() }}"
     "{% for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}"
     "{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key><arg_value>"
     + _ARG_TEXT
@@ -53,55 +71,10 @@ GLM_CHAT_TEMPLATE = (
     "{% else %}" + _ROLE_ERROR + "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>"
-    "{{ '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' }}"
+    "{{ '</think>' if (enable_thinking is defined and not enable_thinking) else '<think>' }}"
     "{% endif %}"
 )
-
-_DSML = "｜DSML｜"  # fullwidth bars, as DeepSeek-V3.2 spells them
-# DeepSeek-V3.2: DSML tool calls (`string="true"` = raw string, `"false"` = JSON), tool
-# results as `<function_results>`, the prompt ending in `<think>` or `</think>`.
-DEEPSEEK_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% set ns = namespace(system='') %}"
-    "{% for m in messages if m.role == 'system' %}"
-    "{% set ns.system = ns.system ~ m.content %}{% endfor %}{{ ns.system }}"
-    "{% if tools %}\n\n## Tools\n\nYou have access to a set of tools. To call them, "
-    "answer with a block like:\n<" + _DSML + "function_calls>\n<" + _DSML + "invoke "
-    'name="$FUNCTION_NAME">\n<' + _DSML + 'parameter name="$PARAMETER_NAME" '
-    'string="true|false">$VALUE</' + _DSML + "parameter>\n</" + _DSML + "invoke>\n</"
-    + _DSML
-    + "function_calls>\n\n### Available Tool Schemas\n\n"
-    "{% for tool in tools %}{{ tool.function | tojson }}\n{% endfor %}{% endif %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'system' %}"
-    "{% elif m.role == 'user' %}<|user|>{{ m.content }}"
-    "{% elif m.role == 'assistant' %}<|assistant|>"
-    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
-    "{% else %}</think>{% endif %}{{ m.content or '' }}"
-    "{% if m.tool_calls %}\n\n<" + _DSML + "function_calls>\n"
-    "{% for tc in m.tool_calls %}<" + _DSML + 'invoke name="{{ tc.function.name }}">\n'
-    "{% for k, v in tc.function.arguments.items() %}<" + _DSML + 'parameter name="{{ k }}" '
-    "string=\"{{ 'true' if v is string else 'false' }}\">" + _ARG_TEXT + "</" + _DSML
-    + "parameter>\n{% endfor %}</" + _DSML + "invoke>\n{% endfor %}</" + _DSML
-    + "function_calls>{% endif %}<|eos|>"
-    "{% elif m.role == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
-    "<|user|><function_results>{% endif %}"
-    "<result>{{ m.content }}</result>"
-    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}</function_results>"
-    "{% endif %}"
-    "{% else %}" + _ROLE_ERROR + "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>"
-    "{{ '<think>' if thinking is defined and thinking else '</think>' }}"
-    "{% endif %}"
-)
-CHAT_TEMPLATES = {
-    "glm_moe_dsa": GLM_CHAT_TEMPLATE,
-    "deepseek_v32": DEEPSEEK_CHAT_TEMPLATE,
-}
-
-
+CHAT_TEMPLATES = {"glm_moe_dsa": GLM_CHAT_TEMPLATE}
 
 
 def hf_config(preset: str | dict[str, Any]):
@@ -151,8 +124,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def write_tokenizer(path: str | Path, model_type: str = "glm_moe_dsa") -> None:
     """Byte-level tokenizer: token id == byte value, specials from 256 up; the chat
-    template of `model_type`'s family."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    template of `model_type`'s family. DeepSeek-V3.2's, as its release, has no template and
+    adds a BOS to a text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
@@ -160,12 +134,16 @@ def write_tokenizer(path: str | Path, model_type: str = "glm_moe_dsa") -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if model_type == "deepseek_v32":
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", BOS_ID)]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
-        chat_template=CHAT_TEMPLATES[model_type],
+        chat_template=CHAT_TEMPLATES.get(model_type),
     )
     fast.save_pretrained(str(path))
 
@@ -300,8 +278,10 @@ def default_model_dir(preset: str = "glm-bench", seed: int = 0, weights: str | N
         raise DsakvError(f"unknown tiny preset {preset!r} (choose from {', '.join(TINY_PRESETS)})")
     root = Path(os.environ.get("DSAKV_CACHE") or Path.home() / ".cache" / "dsakv")
     # "-mtp2": caches from before the MTP layer was fitted on prompts of several lengths
-    # regenerate
-    name = f"{preset}-mtp2-seed{seed}" if weights is None else f"{preset}-{weights}-seed{seed}"
+    # regenerate; "-chat2": those from before GLM-5's chat template and DeepSeek-V3.2's
+    # template-less, BOS-adding tokenizer
+    tag = "mtp2-chat2" if weights is None else f"{weights}-chat2"
+    name = f"{preset}-{tag}-seed{seed}"
     path = root / name
     done = path / ".complete"
     if not done.is_file():
@@ -315,12 +295,14 @@ def default_model_dir(preset: str = "glm-bench", seed: int = 0, weights: str | N
         write_tiny_model(tmp, preset, seed, mtp=mtp, weights=weights)
         done_note = {"preset": preset, "seed": seed, "mtp": mtp, "weights": weights}
         (tmp / ".complete").write_text(json.dumps(done_note))
-        if path.exists():  # a concurrent writer won; keep theirs
+        try:
+            tmp.rename(path)
+        except OSError:  # a concurrent writer won (`make test`'s workers): keep theirs
+            if not done.is_file():
+                raise
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.rename(path)
     return path
 
 

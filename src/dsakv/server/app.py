@@ -24,6 +24,7 @@ from starlette.routing import Match, Router
 from dsakv import __version__
 from dsakv.config.model import SAMPLING_FIELDS
 from dsakv.engine import SamplingParams
+from dsakv.engine.chat_format import has_chat_format
 from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
 from dsakv.engine.sampling import SEED_MAX, SEED_MIN
 from dsakv.errors import DsakvError
@@ -349,9 +350,10 @@ class Handlers:
         if body.echo:  # (vLLM's: the last message prepended to a reply in the same role)
             raise APIError(400, "echo is not supported on chat completions", param="echo")
         tokenizer = self.engine.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        model_type = self.engine.engine.model_config.model_type
+        if not has_chat_format(tokenizer, model_type):
             raise APIError(400, "this model has no chat template; use /v1/completions")
-        prep = prepare_chat(body, tokenizer, self.chat_parsers)  # tools, reasoning, template
+        prep = prepare_chat(body, tokenizer, self.chat_parsers, model_type)  # tools, reasoning
         prompt = prep.prompt
         max_tokens = (
             body.max_completion_tokens
@@ -396,7 +398,9 @@ class Handlers:
             usage, running = _stream_usage(body)
             if ids:  # (vLLM's first chunk carries them; the engine's own tokenization)
                 keep = params.truncate_prompt_tokens
-                prompt_ids = await asyncio.to_thread(self.engine.engine.prompt_ids, prompt, keep)
+                prompt_ids = await asyncio.to_thread(
+                    self.engine.engine.prompt_ids, prompt, keep, special
+                )
 
             async def events() -> AsyncIterator[str]:
                 for i in range(n):
@@ -859,7 +863,8 @@ class Handlers:
                 continue_final_message=body.continue_final_message,
             )
             try:
-                text = prepare_chat(chat, e.tokenizer, self.chat_parsers).prompt
+                model_type = e.model_config.model_type
+                text = prepare_chat(chat, e.tokenizer, self.chat_parsers, model_type).prompt
                 tokens = e.encode(text, special=bool(body.add_special_tokens))
             except DsakvError as err:
                 raise APIError(400, str(err), param="messages") from None

@@ -12,8 +12,8 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
+from dsakv.engine.chat_format import render_chat, template_message
 from dsakv.engine.grammar import unenforced_keyword
-from dsakv.engine.llm import template_message
 from dsakv.errors import DsakvError
 
 from .parsers import (
@@ -111,8 +111,14 @@ class PreparedChat:
         return reason
 
 
-def prepare_chat(body: ChatCompletionRequest, tokenizer: Any, parsers: ChatParsers) -> PreparedChat:
-    """Render the prompt (tools included) and build the forcing grammar; bad input is a 400."""
+def prepare_chat(
+    body: ChatCompletionRequest,
+    tokenizer: Any,
+    parsers: ChatParsers,
+    model_type: str | None = None,
+) -> PreparedChat:
+    """Render the prompt (tools included: `render_chat`) and build the forcing grammar; bad
+    input is a 400."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     schemas: dict[str, Any] = {}
     for i, t in enumerate(tools):
@@ -160,11 +166,12 @@ def prepare_chat(body: ChatCompletionRequest, tokenizer: Any, parsers: ChatParse
             )
         kwargs["continue_final_message"] = True
     try:
-        prompt = tokenizer.apply_chat_template(
+        prompt = render_chat(
+            tokenizer,
             [_template_message(i, m) for i, m in enumerate(body.messages)],
+            model_type,
             tools=tools or None,
             add_generation_prompt=body.add_generation_prompt is not False,
-            tokenize=False,
             **kwargs,
         )
     except APIError:

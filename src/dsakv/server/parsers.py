@@ -18,6 +18,7 @@ from typing import Any
 
 import regex
 
+from dsakv.engine.chat_format import DSML
 from dsakv.errors import DsakvError
 
 TOOL_PARSERS = ("glm47", "glm45", "deepseekv32")
@@ -108,7 +109,7 @@ _GLM = ToolFormat(
     structural_tag="glm_4_7",
 )
 
-_D = "｜DSML｜"  # fullwidth vertical bars (U+FF5C), as DeepSeek-V3.2 spells them
+_D = DSML
 # DeepSeek-V3.2 DSML: parameters with string="true" (raw text) or "false" (JSON); some
 # outputs put one JSON object in the invoke instead.
 _DEEPSEEK = ToolFormat(

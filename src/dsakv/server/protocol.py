@@ -162,7 +162,9 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: which call it answers
-    reasoning_content: str | None = None  # an assistant turn's earlier reasoning
+    # an assistant turn's earlier reasoning, by vLLM's name now or its former one
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(_Strict):
