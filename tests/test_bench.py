@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from dsakv.bench import BenchSizes, run_bench
 from dsakv.bench import run as bench_run
@@ -160,7 +161,9 @@ def test_parity_holds(report):
     p = result["parity"]
     assert p["elided_equals_dense"] is True
     assert p["elided_vs_dense"]["mismatched_requests"] == []
-    assert p["elided_vs_dense"]["tokens"] == TINY.hf_requests * TINY.hf_new_tokens
+    past = p["elided_vs_dense"]["past_topk_requests"]
+    assert past == bench_run.PAST_TOPK_REQUESTS and p["elided_vs_dense"]["index_topk"] == 16
+    assert p["elided_vs_dense"]["tokens"] == (TINY.hf_requests + past) * TINY.hf_new_tokens
     a = p["fp8_vs_fp32"]
     assert a["compared"] == TINY.fp8_sequences * TINY.fp8_steps
     assert 0.0 <= a["top1_agreement"] <= 1.0
@@ -183,6 +186,40 @@ def test_parity_failure_is_loud(tiny, tmp_path, monkeypatch):
     with pytest.raises(ParityError, match="different greedy tokens"):
         run_bench(tiny, json_path=str(tmp_path / "b.json"), sizes=sizes, print_summary=False)
     assert json.loads((tmp_path / "b.json").read_text())["parity"]["elided_equals_dense"] is False
+
+
+class _GarbageIndexK:
+    """An indexer's ops storing random index-K: what a layout bug would leave it reading."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def store_index_k(self, pool, layer, slots, keys):
+        return self.ops.store_index_k(pool, layer, slots, torch.randn_like(keys) * 10)
+
+
+def test_parity_reads_index_k(tiny, tmp_path, monkeypatch):
+    """Elided vs dense parity must be able to fail on a wrong index-K: with every context
+    within index_topk the indexers keep every position and never read it, so the check
+    passed with garbage keys. Its prompts past index_topk make every full layer select."""
+    make = bench_run.tp.make_engine
+
+    def garbled(path, *, elide, **kw):
+        engine = make(path, elide=elide, **kw)
+        if elide:
+            for layer in engine.model.model.layers:
+                if getattr(layer.self_attn, "indexer", None) is not None:
+                    layer.self_attn.indexer.ops = _GarbageIndexK(layer.self_attn.indexer.ops)
+        return engine
+
+    monkeypatch.setattr(bench_run.tp, "make_engine", garbled)
+    fits = dict(transformers=False, memory=False, storage=False, hf_prompt_lens=(8, 12))
+    sizes = BenchSizes(**{**TINY.__dict__, **fits})  # contexts <= 15: within index_topk 16
+    with pytest.raises(ParityError, match="different greedy tokens"):
+        run_bench(tiny, json_path=str(tmp_path / "b.json"), sizes=sizes, print_summary=False)
 
 
 def test_storage_section(report):

@@ -196,7 +196,9 @@ def summary(r: dict[str, Any]) -> str:
             "",
             "4. parity",
             f"  elided == dense greedy tokens: {_f(p['elided_equals_dense'])} "
-            f"({p['elided_vs_dense']['requests']} requests, {p['elided_vs_dense']['tokens']:,} tokens);"
+            f"({p['elided_vs_dense']['requests']} requests, {p['elided_vs_dense']['tokens']:,} tokens, "
+            f"{p['elided_vs_dense']['past_topk_requests']} of them past index_topk "
+            f"{p['elided_vs_dense']['index_topk']});"
             f" saturated runs identical: {_f(p['saturated_runs_identical'])}",
         ]
         if a is not None:

@@ -80,6 +80,9 @@ class BenchSizes:
     seed: int = 0
 
 
+# Requests of the parity check past index_topk (a few long prompts, each layer selecting).
+PAST_TOPK_REQUESTS = 4
+
 DEFAULT = BenchSizes()
 QUICK = BenchSizes(
     requests=24,
@@ -380,7 +383,20 @@ def _throughput(
         (sizes.hf_new_tokens, sizes.hf_new_tokens),
         sizes.seed + 1,
     )
-    pages = sizes.hf_requests * (-(-(sizes.hf_prompt_lens[1] + sizes.hf_new_tokens) // ps) + 2)
+    # Parity past the indexer's top-k too: in `base` every context fits in index_topk, so
+    # each indexer keeps every position and never reads index-K (elided and dense would
+    # agree with index-K wrong). `past` prompts are 1.5-2 × index_topk: every full layer
+    # selects from the index-K it stored.
+    from dsakv.config import ModelConfig
+
+    topk = ModelConfig.from_hf(path).index_topk
+    past = tp.Workload.make(
+        PAST_TOPK_REQUESTS, (topk + topk // 2, 2 * topk), (sizes.hf_new_tokens,) * 2, sizes.seed + 3
+    )
+    pages = max(
+        sizes.hf_requests * (-(-(sizes.hf_prompt_lens[1] + sizes.hf_new_tokens) // ps) + 2),
+        PAST_TOPK_REQUESTS * (-(-(2 * topk + sizes.hf_new_tokens) // ps) + 1),
+    )
     # "fp32": transformers keeps an fp32 cache, so the like-for-like dsakv run does too.
     variants: dict[str, dict[str, Any]] = {"elided": {"elide": True}, "dense": {"elide": False}}
     if full:
@@ -405,7 +421,9 @@ def _throughput(
             path, base.prompts, sizes.hf_new_tokens, _pad_id(path, PAD_ID)
         )
     same = tp.run_interleaved(pair, base, desc="vs transformers")
-    del pair
+    layouts = {name: pair[name] for name in ("elided", "dense")}
+    selected = tp.run_interleaved(layouts, past, desc="past top-k")
+    del pair, layouts
     out["equal_pages"] = {
         "num_pages": pages,
         "workload": {
@@ -430,9 +448,9 @@ def _throughput(
         tp.ratio(same["elided"]["output_tokens_per_s"], hf["output_tokens_per_s"]) if hf else None
     )
     equal = {
-        "elided": same["elided"]["_outputs"],
-        "dense": same["dense"]["_outputs"],
+        name: same[name]["_outputs"] + selected[name]["_outputs"] for name in ("elided", "dense")
     }
+    equal["past_topk"] = {"requests": past.num_requests, "index_topk": topk}
     return out, equal
 
 
@@ -458,6 +476,7 @@ def _pad_id(path: str, default: int) -> int:
 def _parity(model, sizes: BenchSizes, outputs: dict, throughput: dict) -> dict[str, Any]:
     """Elided vs dense greedy tokens; FP8 vs fp32 top-1 on `model` (None: not measured)."""
     cmp = compare_outputs(outputs["elided"], outputs["dense"])
+    past = outputs["past_topk"]
     agreement = None
     if model is not None:
         g = torch.Generator().manual_seed(sizes.seed + 2)
@@ -471,7 +490,10 @@ def _parity(model, sizes: BenchSizes, outputs: dict, throughput: dict) -> dict[s
         "elided_equals_dense": cmp["identical"],
         "elided_vs_dense": {
             **cmp,
-            "setting": "equal page count, same workload and batches (vs-transformers workload)",
+            "past_topk_requests": past["requests"],
+            "index_topk": past["index_topk"],
+            "setting": "equal page count, same workload and batches (vs-transformers workload, "
+            "then prompts of 1.5-2 × index_topk, where every full layer selects)",
         },
         "saturated_runs_identical": throughput["saturated_outputs"]["identical"],
         "fp8_vs_fp32": agreement,
