@@ -412,7 +412,9 @@ def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
             ]
             outs = llm.generate(prompts, params)
             if kw:
-                assert all(c["finished_requests"] > 0 for c in _rank_counters(engine))
+                ranks = _rank_counters(engine)
+                assert all(c["finished_requests"] > 0 for c in ranks)
+                assert engine.counters()["steps"] == ranks[0]["steps"] == ranks[1]["steps"]
                 # A grammar with no way on ends its request alone, on either rank, with
                 # its error (rank 1's reached rank 0 without it).
                 dead = SamplingParams(max_tokens=8, temperature=0, grammar=("regex", r"ab[^\s\S]"))
