@@ -51,7 +51,11 @@ class Router:
             raise ValueError("the router needs at least one --prefill and one --decode URL")
         for url in (*prefill, *decode):
             parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
+            try:
+                parts.port  # noqa: B018 - a port past 65535 raises only here (else: every request)
+            except ValueError:
+                parts = None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
                 raise DsakvError(f"a server URL must be http(s)://HOST[:PORT], got {url!r}")
         self.prefill = [u.rstrip("/") for u in prefill]
         self.decode = [u.rstrip("/") for u in decode]
