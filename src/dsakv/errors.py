@@ -2,6 +2,7 @@
 checks every layer runs on what users hand it."""
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -21,6 +22,11 @@ class ConfigError(DsakvError):
 def is_int(x: object) -> bool:
     """An int, not a bool (a count, a token id, a page: True is not 1 here)."""
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_list(x: object) -> bool:
+    """A list, tuple or other sequence, but not text or bytes (which are sequences too)."""
+    return isinstance(x, Sequence) and not isinstance(x, (str, bytes, bytearray))
 
 
 def is_number(x: object) -> bool:

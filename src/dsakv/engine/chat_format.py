@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, is_list
 
 
 def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(message)
     content = message.get("content")
     if content is not None and not isinstance(content, str):
-        if not _is_list(content):
+        if not is_list(content):
             raise DsakvError(
                 f"messages[{i}]: content must be a string or a list of content parts, "
                 f"got {reprlib.repr(content)}",
@@ -52,7 +52,7 @@ def template_message(i: int, message: Mapping[str, Any]) -> dict[str, Any]:
         out["reasoning"] = out["reasoning_content"] = reasoning
     calls = message.get("tool_calls")
     if calls:
-        if not _is_list(calls):
+        if not is_list(calls):
             raise DsakvError(
                 f"messages[{i}].tool_calls must be a list of tool calls, got {reprlib.repr(calls)}",
                 "messages",
@@ -264,8 +264,3 @@ def _ds_tool_result(messages: list[dict[str, Any]], i: int, think: bool) -> str:
     if i - start + 1 == len(calls):
         text += "\n</function_results>\n\n" + ("<think>" if think else "</think>")
     return text
-
-
-def _is_list(x: object) -> bool:
-    """A list, tuple or other sequence, but not text or bytes (which are sequences too)."""
-    return isinstance(x, Sequence) and not isinstance(x, (str, bytes, bytearray))

@@ -14,7 +14,7 @@ from typing import Any, TypeAlias
 import numpy as np
 from tqdm.auto import tqdm
 
-from dsakv.errors import DsakvError, is_int
+from dsakv.errors import DsakvError, is_int, is_list
 from dsakv.models.tiny import resolve_model_dir
 from dsakv.procs import interrupts_deferred
 
@@ -235,7 +235,7 @@ class LLM:
             raise DsakvError("continue_final_message needs add_generation_prompt=False")
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
             messages = [messages]  # one conversation
-        if not _is_list(messages) or not all(_is_list(c) and c for c in messages):
+        if not is_list(messages) or not all(is_list(c) and c for c in messages):
             raise DsakvError(
                 "messages must be a conversation (a non-empty list of message dicts) or a "
                 f"list of them, got {reprlib.repr(messages)}",
@@ -306,12 +306,7 @@ def _as_prompt_list(prompts: object) -> list[str | list[int]]:
 def _all_ints(x: object) -> bool:
     """A non-empty sequence of ints, Python's or numpy's (bools too, so that they are
     refused as token ids rather than taken one by one as prompts)."""
-    return _is_list(x) and len(x) > 0 and all(isinstance(t, (int, np.integer, np.bool_)) for t in x)
-
-
-def _is_list(x: object) -> bool:
-    """A list, tuple or other sequence, but not text or bytes (which are sequences too)."""
-    return isinstance(x, Sequence) and not isinstance(x, (str, bytes, bytearray))
+    return is_list(x) and len(x) > 0 and all(isinstance(t, (int, np.integer, np.bool_)) for t in x)
 
 
 def _one_prompt(p: object) -> str | list[int]:
@@ -327,7 +322,7 @@ def _one_prompt(p: object) -> str | list[int]:
         p = p[keys[0]]
         if keys[0] == "prompt" and not isinstance(p, str):
             raise DsakvError(f"'prompt' must be a string, got {reprlib.repr(p)}", "prompts")
-        if keys[0] == "prompt_token_ids" and not (_is_list(p) or isinstance(p, np.ndarray)):
+        if keys[0] == "prompt_token_ids" and not (is_list(p) or isinstance(p, np.ndarray)):
             raise DsakvError(
                 f"'prompt_token_ids' must be a list of ints, got {reprlib.repr(p)}", "prompts"
             )
@@ -340,7 +335,7 @@ def _one_prompt(p: object) -> str | list[int]:
                 "prompts",
             )
         return p.tolist()
-    if not _is_list(p):
+    if not is_list(p):
         raise DsakvError(f"a prompt is {PROMPT_KINDS}, got {reprlib.repr(p)}", "prompts")
     bad = [t for t in p if not (is_int(t) or isinstance(t, np.integer))]
     if bad:
@@ -355,7 +350,7 @@ def _as_params_list(params: object, n: int) -> list[SamplingParams]:
         params = SamplingParams()
     if isinstance(params, SamplingParams):
         return [params] * n
-    if not _is_list(params) or not all(isinstance(p, SamplingParams) for p in params):
+    if not is_list(params) or not all(isinstance(p, SamplingParams) for p in params):
         hint = " (for a dict of settings: SamplingParams(**settings))"
         raise DsakvError(
             "params must be a SamplingParams or a list of them, one per prompt, got "

@@ -366,7 +366,7 @@ class Handlers:
         params = self._params(
             body, max_tokens, self.engine.engine.max_model_len, top_n, "top_logprobs", param
         )
-        grammar_param = _grammar_field(body)
+        grammar_param = field = _grammar_field(body)
         if prep.grammar is not None:  # tool_choice forces a call
             if params.grammar is not None:
                 raise APIError(
@@ -379,7 +379,7 @@ class Handlers:
         # OpenAI's and vLLM's structured output is the answer's (`content`): where the model
         # reasons first, the grammar starts once the reasoning is over (vLLM's reasoning
         # parsers); SGLang's regex / ebnf / json_schema still cover the whole output.
-        wait = _grammar_field(body) in _AFTER_REASONING
+        wait = field in _AFTER_REASONING
         params = await self._ready_grammar(params, grammar_param, prep.reasoning if wait else None)
         n = self._n(body)
         given = param if max_tokens is not None else None
