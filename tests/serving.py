@@ -3,6 +3,7 @@ processes), reading their metrics, and stopping them after."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -64,6 +65,31 @@ def serving(config: EngineConfig, **server_args) -> Iterator[tuple[str, AsyncEng
     finally:
         async_engine.shutdown()
         async_engine.close_engine()  # on the engine thread, which then ends
+
+
+@contextlib.contextmanager
+def engine_held_until_an_abort(async_engine, monkeypatch) -> Iterator[None]:
+    """Hold the engine thread (between steps) until the server asks for an abort, so a
+    request cannot finish before its client's hang-up is seen, however fast the machine
+    (the tiny models write 500 tokens in half a second)."""
+    held, asked = threading.Event(), threading.Event()
+    abort = async_engine.abort
+
+    def abort_and_tell(stream) -> None:
+        abort(stream)
+        asked.set()
+
+    monkeypatch.setattr(async_engine, "abort", abort_and_tell)
+    holder = threading.Thread(
+        target=lambda: asyncio.run(async_engine.call(lambda e: held.set() or asked.wait(TIMEOUT)))
+    )
+    holder.start()
+    assert held.wait(TIMEOUT)
+    try:
+        yield
+    finally:
+        holder.join(TIMEOUT)
+    assert asked.is_set(), "the server asked no abort"
 
 
 # --- `dsakv serve` processes (prefill/decode disaggregation, kill tests) -------------------------

@@ -17,7 +17,7 @@ import pytest
 
 from dsakv.engine import LLM, EngineConfig, SamplingParams
 
-from .serving import TIMEOUT, serving
+from .serving import TIMEOUT, engine_held_until_an_abort, serving
 
 # The completions tests' model, engine and server (index_topk over every context: chunking
 # changes nothing), their fixtures imported: both files run the same setup.
@@ -293,12 +293,12 @@ def _wait_aborted(async_engine, at_least: float) -> None:
         time.sleep(0.05)
 
 
-def test_a_client_that_leaves_aborts_its_requests(base, served):
+def test_a_client_that_leaves_aborts_its_requests(base, served, monkeypatch):
     """Streamed or not, the engine stops a request whose client hung up."""
     async_engine = served[1]
     before = _engine_counters(async_engine)["aborted_requests"]
     body = {"text": TEXTS[0], "sampling_params": {"max_new_tokens": 500, **GREEDY}}
-    with pytest.raises(httpx.ReadTimeout):
+    with engine_held_until_an_abort(async_engine, monkeypatch), pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base}/generate", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.5))
     _wait_aborted(async_engine, before + 1)
     with (

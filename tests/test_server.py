@@ -25,7 +25,7 @@ from dsakv.models.tiny import write_tiny_model
 from dsakv.server import build_app, make_server
 from dsakv.server.chat import load_chat_template
 
-from .serving import TIMEOUT, free_port, port_taken, running, serving
+from .serving import TIMEOUT, engine_held_until_an_abort, free_port, port_taken, running, serving
 
 ENGINE_ARGS = dict(
     kv_cache_dtype="fp32", index_k_dtype="fp32", num_pages=64, page_size=16, device="cpu"
@@ -666,7 +666,7 @@ def _statuses(base: str) -> dict[str, float]:
     }
 
 
-def test_disconnect_while_waiting_for_full_response(base, served):
+def test_disconnect_while_waiting_for_full_response(base, served, monkeypatch):
     """Aborted, and counted as the client's doing (499), not as a server error (503)."""
     before, statuses = _wait_idle(base), _statuses(base)
     body = {
@@ -675,7 +675,7 @@ def test_disconnect_while_waiting_for_full_response(base, served):
         "temperature": 0,
         "ignore_eos": True,
     }
-    with pytest.raises(httpx.ReadTimeout):
+    with engine_held_until_an_abort(served[1], monkeypatch), pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.5))
     after = _wait_idle(base, aborted_at_least=before["dsakv_aborted_requests_total"] + 1)
     assert after["dsakv_generation_tokens_total"] - before["dsakv_generation_tokens_total"] < 900

@@ -77,7 +77,6 @@ _OPEN = (
     "/get_server_info",
     "/disagg/info",  # (a prefill or decode server's: `dsakv.disagg.serving`)
 )
-_DISCONNECT_POLL_S = 0.5
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 _HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's: a probe stuck behind a long queue is unhealthy
 
@@ -966,9 +965,12 @@ class _AbortingStream(StreamingResponse):
 
 
 async def _when_left(raw: Request, then: Callable[[], Any]) -> None:
-    """Call `then` once the client has hung up (run as a task; cancel it when done)."""
-    while not await raw.is_disconnected():
-        await asyncio.sleep(_DISCONNECT_POLL_S)
+    """Call `then` once the client has hung up (run as a task; cancel it when done). It waits
+    for the server's disconnect message, as vLLM's `listen_for_disconnect` does: polling let a
+    short request run to its end after its client had gone (the body is read already, so the
+    next message is the disconnect)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
     then()
 
 
