@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsakv.errors import DsakvError
+from dsakv.server.app import client_left
 from dsakv.server.protocol import error_body
 
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
@@ -228,11 +229,15 @@ async def _unless_left(call: Any, request: Request) -> Any:
     is cancelled, which closes its connection, and the decode server aborts the request as
     it does for a client of its own (through the router it generated on to max_tokens)."""
     task = asyncio.ensure_future(call)
-    while not (await asyncio.wait({task}, timeout=0.5))[0]:
-        if await request.is_disconnected():
-            task.cancel()
-            return None
-    return task.result()
+    left = asyncio.ensure_future(client_left(request))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        answered = task.done()
+        if not answered:
+            task.cancel()  # (the client left, or this handler was cancelled)
+    return task.result() if answered else None
 
 
 def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:

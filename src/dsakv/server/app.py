@@ -964,13 +964,17 @@ class _AbortingStream(StreamingResponse):
             self._on_close()
 
 
-async def _when_left(raw: Request, then: Callable[[], Any]) -> None:
-    """Call `then` once the client has hung up (run as a task; cancel it when done). It waits
-    for the server's disconnect message, as vLLM's `listen_for_disconnect` does: polling let a
-    short request run to its end after its client had gone (the body is read already, so the
-    next message is the disconnect)."""
+async def client_left(raw: Request) -> None:
+    """Return once the client has hung up. The body is read already, so the next ASGI message
+    is the disconnect: waiting for it (as vLLM's `listen_for_disconnect` does) sees a hang-up
+    at once, where a poll let a short request run to its end after its client had gone."""
     while (await raw.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _when_left(raw: Request, then: Callable[[], Any]) -> None:
+    """Call `then` once the client has hung up (run as a task; cancel it when done)."""
+    await client_left(raw)
     then()
 
 
