@@ -258,6 +258,7 @@ def test_stop_conditions_and_logprobs(tiny):
         (dict(seed=2**63), "seed must be a 64-bit signed integer"),
         (dict(seed=-(2**63) - 1), "seed must be a 64-bit signed integer"),
         (dict(logprobs=99), "logprobs"),
+        (dict(logprobs_mode="sglang"), "logprobs_mode must be one of raw, processed, got 'sg"),
         (dict(stop=[""]), "stop"),
         (dict(stop=5), "stop must be a string or a list of strings, got 5"),
         (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids, got 5"),
@@ -772,6 +773,38 @@ def test_logprobs_are_kept_only_for_requests_that_asked(tiny):
         e.step()
     assert plain.logprobs == [] and plain.top_logprobs == []
     assert len(asked.logprobs) == len(asked.output_ids) and len(asked.top_logprobs[0]) == 2
+
+
+def test_processed_logprobs_are_the_same_through_mtp_verification():
+    """logprobs_mode="processed" (SGLang's): a verified draft's logprob is of its own
+    position's penalized, tempered row, as when each token is sampled alone (seeded, the
+    tokens are the same too); raw ones are not."""
+    from dsakv.models.tiny import default_model_dir
+
+    model = str(default_model_dir("glm-tiny"))  # (cached, its MTP layer fitted)
+    # (top_k 2: drafts are often kept; the logprobs are of the whole tempered row still)
+    common = dict(max_tokens=40, temperature=0.5, top_k=2, seed=3, ignore_eos=True, logprobs=2)
+    penalties = dict(presence_penalty=0.2, frequency_penalty=0.1, repetition_penalty=1.1)
+    params = SamplingParams(**common, **penalties, logprobs_mode="processed")
+    prompts = _prompts(4, lo=8, hi=70)
+    prompts.append(prompts[0])  # (its raw logprobs)
+    runs = []
+    for kw in ({}, {"speculative_algorithm": "mtp", "speculative_num_steps": 3}):
+        llm = LLM(model, **EXACT, num_pages=64, **kw)
+        runs.append(
+            llm.generate(prompts, [*[params] * 4, dataclasses.replace(params, logprobs_mode="raw")])
+        )
+        llm.engine.check_integrity()
+    assert llm.engine.counters()["spec_accepted_tokens"] > 0
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert [[t for t, _ in top] for top in a.top_logprobs] == [
+            [t for t, _ in top] for top in b.top_logprobs
+        ]
+    processed, raw = runs[0][0], runs[0][4]
+    assert processed.token_ids == raw.token_ids  # (the mode changes no sample)
+    assert processed.logprobs != pytest.approx(raw.logprobs, abs=1e-2)
 
 
 @settings(max_examples=300, deadline=None)

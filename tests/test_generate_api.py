@@ -14,9 +14,13 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from dsakv.engine import LLM, EngineConfig, SamplingParams
+from dsakv.models import ForwardBatch
+from dsakv.models.loader import load_model
 
+from .model_driver import make_pool
 from .serving import TIMEOUT, engine_held_until_an_abort, serving
 
 # The completions tests' model, engine and server (index_topk over every context: chunking
@@ -234,6 +238,8 @@ _BAD = [
     ({"input_ids": [1, "a"]}, "input_ids"),
     ({"text": "x", "sampling_params": {"max_tokens": 3}}, "sampling_params.max_tokens"),
     ({"text": "x", "sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
+    ({"text": "x", "sampling_params": {"stop_regex": ["a+"]}}, "sampling_params.stop_regex"),
+    ({"text": "x", "sampling_params": {"stream_interval": 2}}, "sampling_params.stream_interval"),
     (
         {"text": "x", "sampling_params": {"custom_params": {"a": 1}}},
         "sampling_params.custom_params",
@@ -311,19 +317,144 @@ def test_a_client_that_leaves_aborts_its_requests(base, served, monkeypatch):
 
 
 def test_generation_config_defaults_and_the_api_key(model_dir, reference, tmp_path):
-    """What sampling_params leave out comes from generation_config.json (here greedy, at
-    most 5 new tokens), as in the OpenAI routes; with --api-key /generate needs it too."""
+    """/generate ignores generation_config.json (here greedy, at most 5 new tokens), as
+    SGLang's, which applies it to its chat route alone: what sampling_params leave out is
+    SGLang's default (temperature 1); the OpenAI routes still take it. With --api-key
+    /generate needs the key too."""
     path = shutil.copytree(model_dir, tmp_path / "m")
     gen = {"temperature": 0.0, "max_new_tokens": 5}
     (path / "generation_config.json").write_text(json.dumps(gen))
-    (ref,) = reference.generate(
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    (ref,) = reference.generate([TEXTS[0]], params)
+    (greedy,) = reference.generate(
         [TEXTS[0]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     )
+    assert ref.token_ids[:5] != greedy.token_ids
     config = EngineConfig(model=str(path), **ENGINE_ARGS)
+    key = {"Authorization": "Bearer sekret"}
     with serving(config, api_key="sekret") as (base, _):
-        body = {"text": TEXTS[0], "sampling_params": {"ignore_eos": True}}
+        sp = {"ignore_eos": True, "sampling_seed": 3, "max_new_tokens": 8}
+        body = {"text": TEXTS[0], "sampling_params": sp}
         r = httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        out = _generate(base, {"Authorization": "Bearer sekret"}, **body)
+        out = _generate(base, key, **body)
+        cmpl = {"prompt": TEXTS[0], "max_tokens": 8, "seed": 3, "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/completions", json=cmpl, headers=key, timeout=TIMEOUT)
     assert out["output_ids"] == ref.token_ids
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert r.json()["choices"][0]["text"] == greedy.text  # (the OpenAI route's defaults)
+
+
+def test_sglang_clients_unset_sampling_params_are_taken(base, reference):
+    """sgl.gen (`RuntimeEndpoint`) always sends stop_regex: []; SGLang takes empty values
+    of the params dsakv does not run as unset."""
+    (ref,) = reference.generate([TEXTS[0]], SamplingParams(max_tokens=3, **GREEDY))
+    for unset in ({"stop_regex": []}, {"stop_regex": ""}, {"custom_params": {}}):
+        sp = {"max_new_tokens": 3, **GREEDY, **unset, "stream_interval": 0}
+        out = _generate(base, text=TEXTS[0], sampling_params=sp)
+        assert out["output_ids"] == ref.token_ids
+
+
+def test_meta_info_has_the_weight_version(base):
+    """SGLang's meta_info.weight_version, /model_info's (slime's router reads it)."""
+    version = httpx.get(f"{base}/model_info", timeout=TIMEOUT).json()["weight_version"]
+    out = _generate(base, text=TEXTS[0], sampling_params={"max_new_tokens": 1})
+    assert out["meta_info"]["weight_version"] == version == "default"
+    chunks = _stream(base, text=TEXTS[0], sampling_params={"max_new_tokens": 2})
+    assert all(c["meta_info"]["weight_version"] == "default" for c in chunks)
+
+
+def test_max_new_tokens_null_runs_to_the_context_limit(base, reference):
+    """max_new_tokens: null is SGLang's "up to the context", not its default of 128 (the
+    default when the key is left out)."""
+    room = 131
+    prompt = [i % 200 + 10 for i in range(reference.engine.max_model_len - room)]
+    out = _generate(
+        base, input_ids=prompt, sampling_params={"max_new_tokens": None, "ignore_eos": True}
+    )
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": room}
+    out = _generate(base, input_ids=prompt, sampling_params={"ignore_eos": True})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 128}
+
+
+def test_logprob_start_len_at_the_prompts_end_scores_nothing(base, reference):
+    """logprob_start_len equal to the prompt's length is SGLang's no input logprobs (only
+    one past it is an error)."""
+    ids = _ids(reference, TEXTS[1])
+    for top in (0, 2):
+        m = _generate(
+            base,
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 2, **GREEDY},
+            return_logprob=True,
+            logprob_start_len=len(ids),
+            top_logprobs_num=top,
+        )["meta_info"]
+        assert m["input_token_logprobs"] == [] and len(m["output_token_logprobs"]) == 2
+        assert m.get("input_top_logprobs", []) == []
+
+
+def _logits(model_dir, ids: list[int]) -> torch.Tensor:
+    """The model's fp32 logits of one prefill over `ids`: row p predicts token p + 1."""
+    model, config, plan = load_model(str(model_dir))
+    pool = make_pool(config, plan, num_tokens=256)
+    fb = ForwardBatch.from_requests([ids], [torch.arange(len(ids))])
+    with torch.inference_mode():
+        return model.compute_logits(model(fb, pool)).float()
+
+
+def _penalized(row: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """`PENALTIES` on one row by their definitions, in vLLM's order: bias, repetition
+    (prompt and output tokens), then frequency and presence (output tokens)."""
+    row = row.clone()
+    for t, b in PENALTIES["logit_bias"].items():
+        row[int(t)] += b
+    r = PENALTIES["repetition_penalty"]
+    for t in set(prompt + output):
+        row[t] = row[t] / r if row[t] > 0 else row[t] * r
+    for t in set(output):
+        row[t] -= PENALTIES["frequency_penalty"] * output.count(t) + PENALTIES["presence_penalty"]
+    return row
+
+
+PENALTIES = {
+    "repetition_penalty": 1.3,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.25,
+    "logit_bias": {"7": 2.0},
+}
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_output_logprobs_are_sglangs_processed_ones(base, reference, model_dir, temperature):
+    """SGLang's output logprobs: log_softmax(logits / T) of the logits after penalties and
+    bias (T 1 when greedy), the top ones of the same distribution; the OpenAI route's stay
+    vLLM's raw ones (of the model's logits) at the same settings."""
+    ids = _ids(reference, TEXTS[0])
+    sp = {"max_new_tokens": 6, "temperature": temperature, "sampling_seed": 5, **PENALTIES}
+    out = _generate(
+        base,
+        input_ids=ids,
+        sampling_params={**sp, "ignore_eos": True},
+        return_logprob=True,
+        top_logprobs_num=3,
+    )
+    tokens = out["output_ids"]
+    logits = _logits(model_dir, ids + tokens)
+    m = out["meta_info"]
+    for j, t in enumerate(tokens):
+        row = _penalized(logits[len(ids) - 1 + j], ids, tokens[:j])
+        want = torch.log_softmax(row / (temperature or 1.0), -1)
+        assert m["output_token_logprobs"][j][:2] == [pytest.approx(float(want[t]), abs=1e-4), t]
+        values, top = want.topk(3)
+        got = m["output_top_logprobs"][j]
+        assert [x[1] for x in got] == top.tolist()
+        assert [x[0] for x in got] == pytest.approx(values.tolist(), abs=1e-4)
+
+    body = {"prompt": ids, "max_tokens": 6, "temperature": temperature, "seed": 5, **PENALTIES}
+    body.update(ignore_eos=True, logprobs=1, return_token_ids=True)
+    choice = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+    tokens = choice["token_ids"]
+    raw = torch.log_softmax(_logits(model_dir, ids + tokens), -1)
+    want = [float(raw[len(ids) - 1 + j, t]) for j, t in enumerate(tokens)]
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)

@@ -51,6 +51,7 @@ from .sampling import (
     bias_tensors,
     gather_logprobs,
     penalize,
+    processed_logprobs,
     token_mask,
     token_ranks,
 )
@@ -964,7 +965,10 @@ class Engine:
                     return
                 drafts, logits = drafts[: dead[0] - 1], logits[: dead[0]]
         k = req.params.logprobs
-        raw = torch.log_softmax(logits.float(), -1) if k is not None else None  # `_sample_one`
+        processed = req.params.logprobs_mode == "processed"
+        logp = None  # (as `_sample_one`'s)
+        if k is not None and not processed:
+            logp = torch.log_softmax(logits.float(), -1)
         for j in range(len(drafts) + 1):
             if req.params.penalized:
                 penalize(
@@ -975,6 +979,8 @@ class Engine:
                     self._bias(req),
                 )
             self._restrict(req, logits[j], req.output_ids + drafts[:j])
+        if k is not None and processed:  # each position after its own penalties
+            logp = processed_logprobs(logits.float(), [req.params] * logits.shape[0])
         tokens = verify(logits, drafts, req.params, self.sampler.generator, len(req.output_ids))
         accepted = len(tokens) - 1
         req.metrics.draft_tokens += len(drafts)
@@ -982,7 +988,7 @@ class Engine:
         self.stats.draft_tokens += len(drafts)
         self.stats.accepted_tokens += accepted
         self.stats.verify_steps += 1
-        logps = None if raw is None else gather_logprobs(raw, tokens, [k] * len(tokens))
+        logps = None if logp is None else gather_logprobs(logp, tokens, [k] * len(tokens))
         base = req.num_computed  # the last token's KV is counted; the drafts' are not yet
         for j, token in enumerate(tokens):
             req.num_computed = base + j
@@ -1016,9 +1022,12 @@ class Engine:
                     if not reqs:
                         return done
             # vLLM's raw logprobs: of the model's logits as the grammar left them (vLLM masks
-            # before its sampler too), not of what penalties, bans and temperature make of them
+            # before its sampler too), not of what penalties, bans and temperature make of
+            # them; "processed" ones (SGLang's) of what they make of them
             asked = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-            raw = torch.log_softmax(logits[asked], -1) if asked else None
+            raw = [i for i in asked if reqs[i].params.logprobs_mode == "raw"]
+            processed = [i for i in asked if reqs[i].params.logprobs_mode == "processed"]
+            logps = [(raw, torch.log_softmax(logits[raw], -1))] if raw else []
             for i, req in enumerate(reqs):
                 if req.params.penalized:
                     penalize(
@@ -1029,15 +1038,17 @@ class Engine:
                         self._bias(req),
                     )
                 self._restrict(req, logits[i], req.output_ids)
+            if processed:
+                ps = [reqs[i].params for i in processed]
+                logps.append((processed, processed_logprobs(logits[processed], ps)))
             tokens = self.sampler.sample(
                 logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs]
             )
             for req, token in zip(reqs, tokens):
                 self._emit(req, token, now)
-            if raw is not None:
-                ks = [reqs[i].params.logprobs for i in asked]
-                logps = gather_logprobs(raw, [tokens[i] for i in asked], ks)
-                for i, (lp, top) in zip(asked, logps):
+            for rows, logp in logps:
+                ks = [reqs[i].params.logprobs for i in rows]
+                for i, (lp, top) in zip(rows, gather_logprobs(logp, [tokens[i] for i in rows], ks)):
                     reqs[i].logprobs.append(lp)
                     reqs[i].top_logprobs.append(top)
         return done + reqs

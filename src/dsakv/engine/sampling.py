@@ -8,7 +8,7 @@ import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -22,6 +22,7 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag"
 # Temperatures below this sample greedily (vLLM's bound): dividing logits by less would
 # overflow them to inf, and softmax of inf is NaN.
 GREEDY_BELOW = 1e-5
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs added to the logits; a dict is taken too
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # the chosen token's logprob and the top-n, vLLM's raw logprobs: of the model's logits
-    # (grammar-masked), before logit_bias, penalties, bans and temperature
+    # the chosen token's logprob and the top-n; by default vLLM's raw logprobs: of the
+    # model's logits (grammar-masked), before logit_bias, penalties, bans and temperature
     logprobs: int | None = None
+    # "processed": SGLang's (its /generate's, which RL frameworks train against), of the
+    # logits after penalties, logit_bias, bans and grammar, over the temperature (1 when
+    # greedy); vLLM calls it processed_logprobs. Prompt logprobs stay raw either way.
+    logprobs_mode: Literal["raw", "processed"] = "raw"
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # in the output's text
     # (kind, spec): kind in GRAMMAR_KINDS; compiled and checked by `Engine.add_request`
@@ -150,6 +155,11 @@ class SamplingParams:
             (
                 self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                 "logprobs must be in 0..20",
+            ),
+            (
+                self.logprobs_mode in LOGPROBS_MODES,
+                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                f"got {self.logprobs_mode!r}",
             ),
             (
                 self.allowed_token_ids is None
@@ -330,6 +340,15 @@ def gather_logprobs(
     top_v, top_i = ([], []) if n == 0 else (t.tolist() for t in logp.topk(n, dim=-1))
     tops = [list(zip(top_i[i][:w], top_v[i][:w])) if w else [] for i, w in enumerate(k)]
     return list(zip(picked, tops))
+
+
+def processed_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`logprobs_mode="processed"` rows: log_softmax of the logits as penalties, bias, bans
+    and grammar left them, over each row's temperature (1 for a greedy row, as SGLang's,
+    whose greedy requests run at temperature 1)."""
+    t = [1.0 if p.greedy else float(p.temperature) for p in params]
+    t = torch.tensor(t, dtype=logits.dtype, device=logits.device)
+    return torch.log_softmax(logits / t[:, None], -1)
 
 
 def token_ranks(logp: torch.Tensor, tokens: Sequence[int]) -> list[int]:

@@ -45,6 +45,9 @@ from .runner import AsyncEngine, RequestStream, Update
 # Grammar compiles at once, and how long a request waits for its grammar.
 GRAMMAR_WORKERS = 2
 GRAMMAR_TIMEOUT_S = 60.0
+# SGLang's weight version until an update names another (dsakv never updates weights):
+# /model_info's, and each /generate output's meta_info
+WEIGHT_VERSION = "default"
 
 _ENDPOINTS = (
     "/v1/completions",
@@ -504,7 +507,7 @@ class Handlers:
             "tokenizer_path": e.config.model if e.tokenizer is not None else None,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": WEIGHT_VERSION,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": e.model_config.model_type,
@@ -554,8 +557,11 @@ class Handlers:
         logprobs_param: str,
         max_tokens_param: str = "max_tokens",
         min_max_tokens: int = 1,
+        generation_config: bool = True,
     ) -> SamplingParams:
-        """Sampling params from the request (n is each handler's business: `_n`)."""
+        """Sampling params from the request (n is each handler's business: `_n`);
+        `generation_config`: whether the model's defaults fill in what it leaves out (not
+        on SGLang's /generate)."""
         self._n(body)
         if body.prompt_logprobs is not None and body.stream:  # (vLLM's rule)
             raise APIError(
@@ -614,7 +620,8 @@ class Handlers:
             )
         # What the request leaves out: the model's generation_config.json, else OpenAI's
         # (SamplingParams' own defaults).
-        sampling = dict(self.engine.engine.model_config.sampling_defaults)
+        defaults = self.engine.engine.model_config.sampling_defaults
+        sampling = dict(defaults if generation_config else {})
         sampling.update((k, v) for k in SAMPLING_FIELDS if (v := getattr(body, k)) is not None)
         most = max_tokens if max_tokens is not None else default_max_tokens
         most = min(most, sampling.pop("max_tokens", most))  # max_new_tokens caps (vLLM's)

@@ -1,13 +1,15 @@
 """SGLang's native `/generate` API, which SGLang clients, RL frameworks (slime, AReaL, verl's
 sglang rollout) and sglang-router call: SGLang's request (`GenerateReqInput`, its
 `sampling_params` names) and response shapes (`text`, `output_ids`, `meta_info`), over the
-OpenAI handlers' plumbing (`Handlers`): the same sampling params and generation_config
-defaults, submission, disconnect aborts and SSE streaming."""
+OpenAI handlers' plumbing (`Handlers`): the same sampling params (less generation_config's
+defaults, which SGLang applies to its chat route alone), submission, disconnect aborts and
+SSE streaming."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import time
 import uuid
@@ -22,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from dsakv.engine import SamplingParams
 from dsakv.errors import DsakvError
 
-from .app import Handlers, _lp, _prompt_list, _Result, _sse
+from .app import WEIGHT_VERSION, Handlers, _lp, _prompt_list, _Result, _sse
 from .protocol import APIError, GenerationRequest
 
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
@@ -97,7 +99,8 @@ class SGLangSamplingParams(BaseModel):
     # A fast (tokenizers) tokenizer's decode has no such option, so SGLang's does nothing
     # with it either: taken, as RL frameworks send it.
     spaces_between_special_tokens: bool | None = None
-    # SGLang's, not run here: a 400 unless null
+    # SGLang's, not run here: a 400 unless left unset (null, or empty or 0 as SGLang's
+    # clients send them: sgl.gen sends stop_regex: [])
     stop_regex: Any = None
     custom_params: Any = None
     stream_interval: Any = None
@@ -234,7 +237,7 @@ def _sampling(given: dict[str, Any]) -> SGLangSamplingParams:
             raise APIError(400, message, param=name) from None
         raise APIError(400, f"{name}: {first['msg']}", param=name) from None
     for key in _SAMPLING_NOT_RUN:
-        if getattr(sp, key) is not None:
+        if getattr(sp, key):
             name = f"sampling_params.{key}"
             raise APIError(400, f"{name} is not supported by this server", param=name)
     return sp
@@ -276,10 +279,10 @@ async def _prompt_ids(api: Handlers, prompt: str | list[int], start: int, name: 
         ids = await asyncio.to_thread(api.engine.engine.prompt_ids, prompt)
     except DsakvError as e:
         raise APIError(400, str(e), param=e.param or name) from None
-    if start >= len(ids):
+    if start > len(ids):  # (the prompt's length: no input logprobs, as SGLang's)
         raise APIError(
             400,
-            f"logprob_start_len ({start}) must be less than the prompt's {len(ids)} tokens",
+            f"logprob_start_len ({start}) must be at most the prompt's {len(ids)} tokens",
             param="logprob_start_len",
         )
     return ids
@@ -289,7 +292,9 @@ async def _params(
     api: Handlers, sp: SGLangSamplingParams, ask: _LogprobAsk | None
 ) -> SamplingParams:
     """`sp` as the engine's `SamplingParams`, built and checked by `Handlers._params` (and
-    its grammar compiled) as for /v1/completions, under OpenAI's names."""
+    its grammar compiled) as for /v1/completions, under OpenAI's names, but as SGLang's
+    /generate: no generation_config defaults, max_new_tokens null runs to the context's
+    end (left out: 128), and output logprobs of the processed logits."""
     skip = {"max_new_tokens", "min_new_tokens", "structural_tag", "spaces_between_special_tokens"}
     fields = sp.model_dump(exclude_none=True, exclude=skip | set(_SAMPLING_NOT_RUN))
     if sp.min_new_tokens is not None:
@@ -300,15 +305,18 @@ async def _params(
         fields["prompt_logprobs"] = ask.top_n
     body = GenerationRequest.model_validate(fields)
     logprobs = None if ask is None else ask.top_n
+    null = sp.max_new_tokens is None and "max_new_tokens" in sp.model_fields_set
     params = api._params(
         body,
         sp.max_new_tokens,
-        _DEFAULT_MAX_NEW_TOKENS,
+        api.engine.engine.max_model_len if null else _DEFAULT_MAX_NEW_TOKENS,
         logprobs,
         "top_logprobs_num",
         "max_new_tokens",
         min_max_tokens=0,  # (SGLang's prefill-only request: scores the prompt)
+        generation_config=False,
     )
+    params = dataclasses.replace(params, logprobs_mode="processed")
     grammar = next((k for k in _GRAMMAR_KEYS if getattr(sp, k) is not None), None)
     return await api._ready_grammar(params, grammar and f"sampling_params.{grammar}")
 
@@ -337,6 +345,7 @@ def _output(rid: str, r: _Result, ask: _LogprobAsk | None, began: float) -> dict
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens,
+        "weight_version": WEIGHT_VERSION,  # (slime's router reads it)
     }
     if r.finish_reason is not None:
         meta["e2e_latency"] = time.perf_counter() - began
@@ -370,12 +379,13 @@ def _logprobs(r: _Result, ask: _LogprobAsk) -> dict[str, Any]:
     span = range(start + 1, len(scores))  # (empty where the prompt was not scored)
     text = ask.texts
     inputs = _triples([None, *(_lp(scores[p]) for p in span)], prompt[start:], text)
+    first_top = [None] if start < len(prompt) else []  # (start at the prompt's end: none)
     out: dict[str, Any] = {
         "input_token_logprobs": inputs if ask.prompt else [],
         "output_token_logprobs": _triples([_lp(x) for x in r.logprobs], r.token_ids, text),
     }
     if ask.top_n > 0:
-        top_inputs = [None, *(_top(tops[p], text) for p in span)]
+        top_inputs = [*first_top, *(_top(tops[p], text) for p in span)]
         out["input_top_logprobs"] = top_inputs if ask.prompt else []
         out["output_top_logprobs"] = [_top(top, text) for top in r.top_logprobs]
     return out
