@@ -10,11 +10,13 @@ order, from device slots instead of pool slots.
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -331,6 +333,8 @@ def test_bad_settings_are_one_clear_error(tiny):
         ('{"top_k": 8}', "must be this model's index_topk"),
         ("{nope", "not valid JSON"),
         ('{"ratio": 2}', "unknown key"),
+        # The kernels' sort keys pack entry ids in 16 bits (was: a traceback at decode).
+        ('{"device_buffer_size": 65537}', "device_buffer_size must be <= 65536"),
     ):
         with pytest.raises(DsakvError, match=msg):
             _engine(tiny, num_pages=8, enable_hisparse=True, hisparse_config=cfg)
@@ -340,6 +344,50 @@ def test_bad_settings_are_one_clear_error(tiny):
     with pytest.raises(DsakvError, match="latent pool holds 40 tokens: at most 39 fit"):
         on.add_request(list(range(1, 41)), GREEDY)  # (the message said 40 would)
     on.add_request(list(range(1, 40)), GREEDY)
+
+
+def test_truncating_to_what_fits_keeps_what_the_device_holds(tiny):
+    """`truncate_prompt_tokens=-1` keeps as many tokens as leave one for the output: under
+    HiSparse, of the device's latent pool, not of the context (which it refused)."""
+    engine = _engine(tiny, num_pages=5, enable_hisparse=True, hisparse_config=HS)  # 40 slots
+    prompt = list(range(1, 101))
+    with pytest.raises(DsakvError, match="at most 39 fit"):
+        engine.add_request(prompt, SamplingParams(max_tokens=3, truncate_prompt_tokens=60))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    req = engine.add_request(prompt, replace(params, truncate_prompt_tokens=-1))
+    assert req.prompt_ids == prompt[-39:]
+    kept = engine.add_request(prompt[-39:], params)
+    _run(engine, [])
+    assert req.output_ids == kept.output_ids and len(req.output_ids) == 3
+
+
+@pytest.mark.parametrize("buffer", [31, 40])  # page 16 divides 31 + 1 only, neither 40 nor 41
+def test_plan_counts_the_hot_buffers_the_engine_runs(tiny, buffer, capsys):
+    """`dsakv plan` counted a hot buffer as buffer + one page (47 and 56 slots here); the
+    engine takes the buffer + one slot in whole pages (32 and 48), so more run at once."""
+    from dsakv.cli import main
+
+    cfg = {"device_buffer_size": buffer, "host_to_device_ratio": 2}
+    budget = 12 * 16 * (8 * 2304 + 4 * 512 * 2) / 2**30  # 12 pages of 16 device tokens
+    flags = ["--page-size", "16", "--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32"]
+    args = [*flags, "--kv-budget-gib", repr(budget), "--enable-hisparse"]
+    assert main(["plan", tiny, *args, "--hisparse-config", json.dumps(cfg), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["hisparse"]["elided"]
+    engine = _engine(
+        tiny, page_size=16, kv_budget_gib=budget, enable_hisparse=True, hisparse_config=cfg
+    )
+    hot = engine.hot
+    assert plan["device_tokens"] == engine.pool.num_latent_tokens == 12 * 16
+    assert plan["hot_buffer_slots"] == hot.buffer_pages * 16 == {31: 32, 40: 48}[buffer]
+    assert plan["concurrent_hot_buffers"] == hot.buf_slot.shape[0] == {31: 6, 40: 4}[buffer]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for p in _prompts(8, lo=8, hi=12):
+        engine.add_request(p, params)
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.counters()["hisparse_hot_buffers"])
+    assert peak == plan["concurrent_hot_buffers"]
 
 
 def test_cli_flags(tiny):

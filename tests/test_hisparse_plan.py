@@ -87,6 +87,21 @@ def test_model_without_indexer(model):
         HiSparseConfig.parse(None, model)
 
 
+def test_buffer_past_the_kernels_bound_is_refused():
+    """The kernels' sort keys pack a buffer entry's id in 16 bits: a larger buffer was
+    accepted, planned, then failed the first decode step with a traceback."""
+    from dsakv.config.hisparse import MAX_DEVICE_BUFFER_SIZE
+    from dsakv.kernels import hisparse_ops
+
+    assert hisparse_ops.MAX_BUFFER == MAX_DEVICE_BUFFER_SIZE == 65536
+    assert HiSparseConfig(2048, 65536).device_buffer_size == 65536
+    bound = r"device_buffer_size must be <= 65536 \(the HiSparse kernels"
+    with pytest.raises(ConfigError, match=bound):
+        HiSparseConfig(2048, 65537)
+    with pytest.raises(ConfigError, match=bound):
+        HiSparseConfig.parse('{"device_buffer_size": 70000}', GLM52)
+
+
 def test_direct_construction_is_checked():
     with pytest.raises(ConfigError, match="device_buffer_size must be >= 2048"):
         HiSparseConfig(2048, 1000)
@@ -143,6 +158,21 @@ def test_hot_buffers_at_r10_in_64_gib():
     assert e.host_bytes == e.logical_tokens * 78 * 656
     assert e.device_kv_bytes <= budget < e.device_kv_bytes + 64 * 78888
     assert e.as_dict()["concurrent_hot_buffers"] == 209 and e.as_dict()["elide_index_k"]
+
+
+def test_hot_buffer_is_the_buffer_and_one_slot_in_whole_pages():
+    """The planner counted `device_buffer_size + page_size` slots per hot buffer; the engine
+    allocates `ceil((device_buffer_size + 1) / page_size)` pages. They differ unless the
+    page size divides the buffer."""
+    h = HiSparseConfig.parse('{"device_buffer_size": 2100}', GLM52)
+    assert h.buffer_pages(64) == 33
+    e = plan_hisparse(_layout(), h, kv_budget_gib=100)
+    d = plan_hisparse(_layout().dense(), h, kv_budget_gib=100)
+    assert e.hot_buffer_slots == d.hot_buffer_slots == 33 * 64 == 2112
+    assert (d.concurrent_hot_buffers, e.concurrent_hot_buffers) == (708, 896)
+    assert d.concurrent_hot_buffers == d.device_tokens // 64 // 33
+    small = HiSparseConfig(16, 31)
+    assert plan_hisparse(_layout(page_size=16), small, kv_budget_gib=1).hot_buffer_slots == 32
 
 
 def test_split_follows_the_layout():
@@ -221,6 +251,8 @@ def test_plan_json_and_table(capsys):
         # What every engine command refuses: planned without a word.
         ["--enable-hisparse", "--hisparse-config", '{"top_k": 100}'],
         ["--enable-hisparse", "--hisparse-config", '{"device_buffer_size": 100000000000}'],
+        # Past the kernels' 16-bit entry ids, though the device pool holds it.
+        ["--enable-hisparse", "--hisparse-config", '{"device_buffer_size": 65537}'],
     ],
 )
 def test_bad_hisparse_flags_exit_2(extra):
@@ -246,6 +278,24 @@ def test_plan_refuses_what_the_engine_refuses(capsys):
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
     assert "pool (3264 tokens) holds less than one hot buffer (device_buffer_size 4096 " in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "what"),
+    [
+        (["--tp", "8"], "more than one rank"),
+        (["--tp", "2", "--dp-attention"], "more than one rank"),
+        (["--draft-layers", "1"], "--draft-layers (MTP)"),
+    ],
+)
+def test_plan_refuses_what_hisparse_does_not_run_with(flags, what, capsys):
+    """The engine refuses HiSparse with MTP and with more than one rank; the planner
+    planned both."""
+    assert main(["plan", "glm-5.2", *flags]) == 0
+    capsys.readouterr()
+    assert main(["plan", "glm-5.2", "--enable-hisparse", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: --enable-hisparse does not run with {what} yet\n"
 
 
 def test_check_pool_is_the_engines_rule():

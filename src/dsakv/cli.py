@@ -104,6 +104,7 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.config import LayerPlan, ModelConfig
+    from dsakv.config.hisparse import check_runs_with
     from dsakv.distributed import ParallelConfig
     from dsakv.errors import ConfigError
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_capacity
@@ -133,6 +134,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             args.kv_budget_gib = 100.0
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, dp_attention=args.dp_attention)
     parallel.check_model(config)
+    if hisparse is not None:  # what the engine refuses is not planned
+        check_runs_with(
+            mtp="--draft-layers" if args.draft_layers else None, ranks=parallel.world_size
+        )
     subtracted = args.gpu_memory_gib is not None and args.weights_gib is None
     try:
         weights = estimate_weight_bytes(
@@ -252,7 +257,7 @@ def _hisparse_table(dense: Any, elided: Any) -> str:
     lines = [
         "",
         f"HiSparse: top_k {h.top_k:,}, device buffer {h.device_buffer_size:,} "
-        f"(+1 page = {elided.hot_buffer_slots:,} slots per request), "
+        f"(+1 slot, rounded up to whole pages: {elided.hot_buffer_slots:,} slots per request), "
         f"host:device ratio {h.host_to_device_ratio}",
         "device: latent hot buffers + index-K of every logical token; host: every layer's latent",
         "",

@@ -20,6 +20,9 @@ from dsakv.errors import ConfigError, is_int, load_json
 HISPARSE_KEYS = ("top_k", "device_buffer_size", "host_to_device_ratio")
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
 BUFFER_PER_TOP_K = 2  # default buffer = 2 × top_k: at exactly top_k the LRU thrashes
+# The resolve kernels' sort keys pack a buffer entry's id in 16 bits; kernels/hisparse_ops.py
+# (whose checks the Triton resolve runs too) imports this bound as its MAX_BUFFER.
+MAX_DEVICE_BUFFER_SIZE = 1 << 16
 
 
 def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
@@ -28,6 +31,28 @@ def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
     if value < minimum:
         raise ConfigError(f"hisparse-config {name} must be >= {minimum}{hint}, got {value}")
     return value
+
+
+def check_runs_with(
+    *,
+    mtp: str | None = None,
+    ranks: int = 1,
+    host_pool: bool = False,
+    storage: bool = False,
+    chunked_prefill_size: int = 2,
+) -> None:
+    """Refuse what HiSparse does not run with yet, one ConfigError: the engine refuses it,
+    so `dsakv plan` must not plan it either. `mtp` is the flag that turned MTP on, if any."""
+    refused = (
+        (mtp is not None, f"{mtp} (MTP)"),
+        (ranks > 1, "more than one rank"),
+        (host_pool, "--host-pool-gib (HiSparse's host pool holds the latent)"),
+        (storage, "--hicache-storage-backend"),
+        (chunked_prefill_size < 2, "--chunked-prefill-size 1 (a 1-token step decodes)"),
+    )
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"--enable-hisparse does not run with {what} yet")
 
 
 def model_index_topk(model_config: Any) -> int:
@@ -66,6 +91,11 @@ class HiSparseConfig:
             self.top_k,
             f" (top_k {self.top_k})",
         )
+        if self.device_buffer_size > MAX_DEVICE_BUFFER_SIZE:
+            raise ConfigError(
+                f"hisparse-config device_buffer_size must be <= {MAX_DEVICE_BUFFER_SIZE} (the "
+                f"HiSparse kernels pack a buffer entry's id in 16 bits), got {self.device_buffer_size}"
+            )
         _check_int("host_to_device_ratio", self.host_to_device_ratio, 1)
 
     @classmethod

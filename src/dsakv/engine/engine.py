@@ -19,6 +19,7 @@ import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig, plan_overrides
 from dsakv.config.checkpoint import model_identity
+from dsakv.config.hisparse import check_runs_with
 from dsakv.distributed.parallel import (
     ParallelConfig,
     ParallelState,
@@ -215,16 +216,13 @@ class EngineConfig:
             if self.hisparse_config is not None:
                 raise DsakvError("--hisparse-config needs --enable-hisparse")
             return
-        refused = (
-            (self.speculative_algorithm is not None, "--speculative-algorithm (MTP)"),
-            (self.parallel.world_size > 1, "more than one rank"),
-            (self.host_pool_gib > 0, "--host-pool-gib (HiSparse's host pool holds the latent)"),
-            (self.hicache_storage_backend is not None, "--hicache-storage-backend"),
-            (self.chunked_prefill_size < 2, "--chunked-prefill-size 1 (a 1-token step decodes)"),
+        check_runs_with(
+            mtp="--speculative-algorithm" if self.speculative_algorithm is not None else None,
+            ranks=self.parallel.world_size,
+            host_pool=self.host_pool_gib > 0,
+            storage=self.hicache_storage_backend is not None,
+            chunked_prefill_size=self.chunked_prefill_size,
         )
-        for bad, what in refused:
-            if bad:
-                raise DsakvError(f"--enable-hisparse does not run with {what} yet")
 
     @property
     def storage(self) -> StorageConfig | None:
@@ -646,11 +644,13 @@ class Engine:
         ids = self.prompt_ids(prompt, params.truncate_prompt_tokens)
         if self.hot is not None and not self.hot.fits(len(ids)):
             held = self.pool.num_latent_tokens
-            raise DsakvError(
-                f"prompt has {len(ids)} tokens; under HiSparse a prompt is prefilled on the "
-                f"device, whose latent pool holds {held} tokens: at most {held - 1} fit (one "
-                "kept for the output)"
-            )
+            if params.truncate_prompt_tokens != -1:
+                raise DsakvError(
+                    f"prompt has {len(ids)} tokens; under HiSparse a prompt is prefilled on the "
+                    f"device, whose latent pool holds {held} tokens: at most {held - 1} fit (one "
+                    "kept for the output)"
+                )
+            ids = ids[-(held - 1) :]  # -1, "as many as fit": here, as the device holds
         req = Request(ids, params) if rid is None else Request(ids, params, rid=rid)
         self._init_request(req)
         self.requests[req.rid] = req

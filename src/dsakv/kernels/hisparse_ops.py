@@ -46,13 +46,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from dsakv.config.hisparse import MAX_DEVICE_BUFFER_SIZE as MAX_BUFFER
+
 # Sentinel position of a top-k column that is not looked up (padding / the newest token);
 # it sorts after every real position (< 2^40).
 _NO_POS = 1 << 46
 _STAMP_MAX = torch.iinfo(torch.int64).max  # the sort key of a hit entry (never evicted)
 
 _INT = (torch.int32, torch.int64)
-MAX_BUFFER = 1 << 16
 
 
 def _check_resolve(topk, newest, reserved_slot, buf_pos, stamp, buf_slot) -> tuple[int, int, int]:

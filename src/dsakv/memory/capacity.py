@@ -381,8 +381,9 @@ class HiSparsePlan:
 
     @property
     def hot_buffer_slots(self) -> int:
-        """Device latent slots per request: the buffer plus one page (its newest token)."""
-        return self.hisparse.device_buffer_size + self.layout.page_size
+        """Device latent slots per request: the buffer plus one slot (its newest token),
+        rounded up to whole pages, as the engine allocates it."""
+        return self.hisparse.buffer_pages(self.layout.page_size) * self.layout.page_size
 
     @property
     def concurrent_hot_buffers(self) -> int:
