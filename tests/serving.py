@@ -92,6 +92,58 @@ def engine_held_until_an_abort(async_engine, monkeypatch) -> Iterator[None]:
     assert asked.is_set(), "the server asked no abort"
 
 
+class _Paused:
+    """The engine as the server's engine thread sees it: without work (so it takes no step)
+    once every request in flight has `tokens` output tokens; everything else is the engine's,
+    so the thread still applies adds, aborts, counter reads and calls (`Engine.flush_cache`
+    asks the engine itself: requests in flight still count there)."""
+
+    def __init__(self, engine, tokens: int) -> None:
+        self.engine, self.tokens = engine, tokens
+
+    def has_unfinished(self) -> bool:
+        reqs = self.engine.requests.values()
+        short = any(len(r.output_ids) < self.tokens for r in reqs if not r.finished)
+        return short and self.engine.has_unfinished()
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+@contextlib.contextmanager
+def engine_stops_stepping_at(async_engine, tokens: int) -> Iterator[None]:
+    """Inside the block, the server's engine steps only until each request in flight has
+    `tokens` output tokens: a request is still running when the test looks, however fast
+    the machine (the tiny models write 900 tokens in a second), and can only end by an
+    abort. Its thread blocks on its command queue meanwhile (as when idle), not spinning."""
+    paused = _Paused(async_engine.engine, tokens)
+    async_engine.engine = paused
+    try:
+        yield
+    finally:
+        async_engine.engine = paused.engine
+        if async_engine.alive:  # wake the thread, blocked while it saw no work
+            asyncio.run(asyncio.wait_for(async_engine.call(lambda e: None), TIMEOUT))
+
+
+@contextlib.contextmanager
+def engine_thread_held(async_engine) -> Iterator[None]:
+    """The engine thread held between steps (in a call) from the block's start to its end, as
+    by one long step: whatever is queued meanwhile waits for it. The hold is known to have
+    begun when the block starts, and ends only with the block (or after `TIMEOUT`)."""
+    held, release = threading.Event(), threading.Event()
+    holder = threading.Thread(
+        target=lambda: asyncio.run(async_engine.call(lambda e: held.set() or release.wait(TIMEOUT)))
+    )
+    holder.start()
+    try:
+        assert held.wait(TIMEOUT), "the engine thread was not held"
+        yield
+    finally:
+        release.set()
+        holder.join(TIMEOUT)
+
+
 # --- `dsakv serve` processes (prefill/decode disaggregation, kill tests) -------------------------
 
 

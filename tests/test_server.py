@@ -4,12 +4,12 @@ official `openai` client, and an offline `LLM` on the same tiny model as the ref
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -25,7 +25,16 @@ from dsakv.models.tiny import write_tiny_model
 from dsakv.server import build_app, make_server
 from dsakv.server.chat import load_chat_template
 
-from .serving import TIMEOUT, engine_held_until_an_abort, free_port, port_taken, running, serving
+from .serving import (
+    TIMEOUT,
+    engine_held_until_an_abort,
+    engine_stops_stepping_at,
+    engine_thread_held,
+    free_port,
+    port_taken,
+    running,
+    serving,
+)
 
 ENGINE_ARGS = dict(
     kv_cache_dtype="fp32", index_k_dtype="fp32", num_pages=64, page_size=16, device="cpu"
@@ -214,9 +223,13 @@ def test_flush_cache_drops_the_prefix_cache_when_idle(base, served):
     httpx.post(f"{base}/v1/completions", json=prompt, timeout=TIMEOUT)
     assert _wait_idle(base)["dsakv_kv_pages_cached"] > 0
     long = {"prompt": "busy", "max_tokens": 600, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=TIMEOUT) as r:
+    long |= {"return_token_ids": True}  # (a line per token, held-back text or not)
+    with (
+        engine_stops_stepping_at(served[1], tokens=4),
+        httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=TIMEOUT) as r,
+    ):
         lines = r.iter_lines()  # (kept: a dropped iterator closes the stream)
-        next(lines)  # running now
+        next(lines)  # running now, and still running: it cannot finish in the block
         refused = httpx.post(f"{base}/flush_cache", timeout=TIMEOUT)
     assert refused.status_code == 400 and "running or waiting" in refused.text
     assert _wait_idle(base, aborted_at_least=1)["dsakv_kv_pages_cached"] > 0
@@ -632,8 +645,10 @@ def test_disconnect_mid_stream_frees_pages(base, served):
         "temperature": 0,
         "stream": True,
         "ignore_eos": True,
+        "return_token_ids": True,  # (a line per token, held-back text or not)
     }
     with (
+        engine_stops_stepping_at(served[1], tokens=20),  # (it cannot finish before the hang-up)
         httpx.Client(timeout=TIMEOUT) as http,
         http.stream("POST", f"{base}/v1/completions", json=body) as r,
     ):
@@ -778,10 +793,12 @@ def test_shutdown_ends_open_streams(model_dir):
         "temperature": 0,
         "stream": True,
         "ignore_eos": True,
+        "return_token_ids": True,  # (a line per token, held-back text or not)
     }
     try:
         with (
             running(server) as url,
+            engine_stops_stepping_at(async_engine, tokens=4),  # (still running at the stop)
             httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r,
         ):
             lines = r.iter_lines()
@@ -878,20 +895,6 @@ def _sse_events(lines) -> list:
     return [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
 
 
-@contextlib.contextmanager
-def _engine_thread_busy(async_engine, seconds: float):
-    """The engine thread held for `seconds`, as by one long step (a call that sleeps)."""
-    thread = threading.Thread(
-        target=lambda: asyncio.run(async_engine.call(lambda e: time.sleep(seconds)))
-    )
-    thread.start()
-    time.sleep(0.3)  # (it is inside the sleep now)
-    try:
-        yield
-    finally:
-        thread.join(TIMEOUT)
-
-
 def test_aborted_streams_report_their_usage(base, served):
     """An abort's last update (server shutdown: `abort_all`) carried the prompt's token count
     as stop_reason and zero usage; /generate's, the output length as cached_tokens. Now:
@@ -902,6 +905,7 @@ def test_aborted_streams_report_their_usage(base, served):
     cmpl |= {"stream_options": {"include_usage": True}, "return_token_ids": True}
     gen = {"input_ids": ids, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
     with (
+        engine_stops_stepping_at(served[1], tokens=10),  # (both still running at the abort)
         httpx.Client(timeout=TIMEOUT) as http,
         http.stream("POST", f"{base}/v1/completions", json=cmpl) as r1,
         http.stream("POST", f"{base}/generate", json={**gen, "stream": True}) as r2,
@@ -961,15 +965,29 @@ def test_a_failed_step_ends_requests_with_their_usage(base, served, monkeypatch)
     _wait_idle(base)
 
 
-def test_ttft_and_latency_count_the_wait_for_the_engine_thread(base, served):
+def test_ttft_and_latency_count_the_wait_for_the_engine_thread(base, served, monkeypatch):
     """A request that arrives while the engine thread is inside a long step waits for it;
     its TTFT and e2e latency count that wait, as the client sees it (vLLM measures from the
     API server's arrival), not from when the engine thread took it."""
     _wait_idle(base)
     before = _families(base)
-    with _engine_thread_busy(served[1], 2.0):
-        body = {"input_ids": [71, 72, 73], "sampling_params": {"max_new_tokens": 1}}
-        assert httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT).status_code == 200
+    async_engine, arrived = served[1], threading.Event()
+    submit = async_engine.generate_n
+
+    async def generate_n(*args, **kw):
+        task = asyncio.ensure_future(submit(*args, **kw))
+        await asyncio.sleep(0)  # (it ran up to its wait: its arrival is stamped, it is queued)
+        arrived.set()
+        return await task
+
+    monkeypatch.setattr(async_engine, "generate_n", generate_n)
+    body = {"input_ids": [71, 72, 73], "sampling_params": {"max_new_tokens": 1}}
+    with ThreadPoolExecutor(1) as pool:
+        with engine_thread_held(async_engine):
+            r = pool.submit(httpx.post, f"{base}/generate", json=body, timeout=TIMEOUT)
+            assert arrived.wait(TIMEOUT)
+            time.sleep(1.5)  # the request waits at least this long for the engine thread
+        assert r.result().status_code == 200
     after = _families(base)
     for name in ("dsakv_time_to_first_token_seconds", "dsakv_e2e_request_latency_seconds"):
         count = [_sample(m, name, name + "_count") for m in (before, after)]
@@ -979,16 +997,15 @@ def test_ttft_and_latency_count_the_wait_for_the_engine_thread(base, served):
 
 def test_scrapes_do_not_wait_out_a_long_step(base, served):
     """/metrics gave a 500 with an empty message once one engine step ran past 30 s, and
-    waited that long first; /server_info waited for the step. Both answer within about a
-    second now, with the engine counters the engine thread last read."""
+    waited that long first; /server_info waited for the step. Both answer while the step
+    lasts now, with the engine counters the engine thread last read. (The step lasts until
+    both answered: one that waited for it would time out.)"""
     _wait_idle(base)
-    with _engine_thread_busy(served[1], 3.0):
-        began = time.monotonic()
-        text = httpx.get(f"{base}/metrics", timeout=2.5).text
+    with engine_thread_held(served[1]):
+        text = httpx.get(f"{base}/metrics", timeout=10).text
         assert "dsakv_kv_pages_total" in text
-        info = httpx.get(f"{base}/server_info", timeout=2.5).json()
+        info = httpx.get(f"{base}/server_info", timeout=10).json()
         assert info["max_total_num_tokens"] == 64 * 16
-        assert time.monotonic() - began < 2.5
 
 
 def test_an_internal_error_without_a_message_names_its_type(served):
@@ -1103,7 +1120,7 @@ def test_inter_token_latency_and_success_by_finish_reason(base):
     assert ok[1] - ok[0] == 2
 
 
-def test_ttft_is_recorded_at_the_first_token_once_per_choice(base):
+def test_ttft_is_recorded_at_the_first_token_once_per_choice(base, served):
     """TTFT went unrecorded for a request aborted after its first token (a stream the
     client closed, or a whole response it stopped waiting for): it was taken only from
     the finishing update. Now at the first token, as vLLM does, once per choice (vLLM's
@@ -1122,6 +1139,7 @@ def test_ttft_is_recorded_at_the_first_token_once_per_choice(base):
     body = {"prompt": [91, 92, 93], "max_tokens": 900, "ignore_eos": True}
     stream = {**body, "n": 2, "stream": True, "return_token_ids": True}
     with (
+        engine_stops_stepping_at(served[1], tokens=4),  # (neither can finish before the close)
         httpx.Client(timeout=TIMEOUT) as http,
         http.stream("POST", f"{base}/v1/completions", json=stream) as r,
     ):
@@ -1136,7 +1154,10 @@ def test_ttft_is_recorded_at_the_first_token_once_per_choice(base):
     host, port = base.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     started = tokens()
-    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+    with (
+        engine_stops_stepping_at(served[1], tokens=4),  # (it cannot finish before the close)
+        socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock,
+    ):
         head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
         head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
         sock.sendall(head.encode() + data)

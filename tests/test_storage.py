@@ -136,6 +136,20 @@ def test_file_storage_lru_cap_survives_restart(tmp_path):
     assert fs.get("c" * 8) is None
 
 
+def test_a_rescan_keeps_the_order_of_equal_mtimes(tmp_path):
+    """The kernel stamps files from a coarse clock, so a read's touch often ties the write
+    just before it; the rescan (every RESCAN_S, as on a slow machine) broke ties by key
+    and evicted the object just read."""
+    fs = FileStorage(tmp_path, max_bytes=250)
+    fs.RESCAN_S = 0.0  # every eviction rescans
+    assert fs.put("a" * 8, b"1" * 100) and fs.put("b" * 8, b"2" * 100)
+    assert fs.get("a" * 8) == b"1" * 100  # a is now the most recently used
+    ns = fs._path("a" * 8).stat().st_mtime_ns
+    os.utime(fs._path("b" * 8), ns=(ns, ns))  # the tie
+    assert fs.put("c" * 8, b"3" * 100)
+    assert fs.exists("a" * 8) and not fs.exists("b" * 8)
+
+
 def test_engines_sharing_a_file_store_share_its_cap(tmp_path):
     """Each engine's store counted only its own objects: two engines on one directory with
     a 250-byte cap filled it to 400 bytes."""

@@ -246,13 +246,17 @@ class FileStorage(StorageBackend):
         self._scan()
 
     def _scan(self) -> None:
-        """The index and total from the directory's files, least recently used first."""
+        """The index and total from the directory's files, least recently used first. Equal
+        mtimes are common (the kernel stamps files from a coarse clock: a read's touch can
+        tie the write just before it), so ties keep this process's own order, which is
+        exact; others' objects go first among them."""
+        rank = {key: i for i, key in enumerate(self._index)}
         found = []
         for f in self.root.glob(f"*/*{self.SUFFIX}"):
             with contextlib.suppress(OSError):
-                st = f.stat()
-                found.append((st.st_mtime, f.name[: -len(self.SUFFIX)], st.st_size))
-        self._index = OrderedDict((key, size) for _, key, size in sorted(found))
+                st, key = f.stat(), f.name[: -len(self.SUFFIX)]
+                found.append((st.st_mtime_ns, rank.get(key, -1), key, st.st_size))
+        self._index = OrderedDict((key, size) for *_, key, size in sorted(found))
         self.total_bytes = sum(self._index.values())
         self._scanned = time.monotonic()
 
