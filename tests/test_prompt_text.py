@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shutil
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -255,6 +256,54 @@ def test_byte_fallback_tails_and_ends():
     assert [texts.step(t) for t in out] == ["b", "", "", "日", ""]
     assert texts.text(out, end=True) == "b日"
     assert texts.shares(out, end=True) == ["b", "", "", "日", ""]
+    # A stray continuation byte: decoded whole, é's bytes read U+FFFD too; the shares (the
+    # logprobs' tokens) stay what streamed, joining to the output's text.
+    out = [byte(0xC3), byte(0xA9), byte(0xA9), 260]
+    assert TokenTexts(tok, True, prompt=[260, 261]).shares(out, end=True) == ["", "é", "", "a"]
+
+
+def _vllm_text(tok, prompt: list[int], output: list[int]) -> str:
+    """vLLM's text of `output` (its fast incremental detokenizer): tokenizers' DecodeStream
+    primed with the prompt's last tokens, started afresh where it raises "Invalid prefix"."""
+    from tokenizers.decoders import DecodeStream
+
+    backend, stream = tok.backend_tokenizer, [DecodeStream(skip_special_tokens=True)]
+
+    def step(t: int) -> str:
+        try:
+            return stream[0].step(backend, t) or ""
+        except Exception as e:
+            assert str(e).startswith("Invalid prefix"), e
+            stream[0] = DecodeStream(skip_special_tokens=True)
+            return stream[0].step(backend, t) or ""
+
+    for t in prompt[-4:]:
+        step(t)
+    return "".join(step(t) for t in output)
+
+
+def test_an_invalid_byte_run_ends_as_it_streamed(model_dir, tmp_path):
+    """A byte-fallback decoder reads a run of bytes that is not UTF-8 (é, then a stray
+    continuation byte) as one U+FFFD per byte, é's too. The finished text was the whole
+    output decoded again: "éa" streamed ended as "���a", and a stream's last delta (the
+    server cuts the final text where the stream had got to) spliced the two. It ends as it
+    streamed, as vLLM's, with a stop token's text dropped from it."""
+    path = shutil.copytree(model_dir, tmp_path / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (path / name).unlink(missing_ok=True)
+    tok = _byte_fallback_tokenizer()
+    tok.save_pretrained(path)
+    byte, a = (lambda x: 3 + x), 260
+    prompt, allowed = [a, 261, a, 261], [byte(0xC3), byte(0xA9), a]
+    with LLM(str(path), **ENGINE_ARGS) as llm:
+        for seed in range(12):
+            params = SamplingParams(max_tokens=10, seed=seed, allowed_token_ids=allowed)
+            stop = replace(params, stop_token_ids=(a,), min_tokens=3)
+            outs = llm.generate([prompt, prompt], [params, stop], use_tqdm=False)
+            for out in (o.outputs[0] for o in outs):
+                ids = list(out.token_ids)
+                shown = ids[:-1] if out.stop_reason == a else ids
+                assert out.text == _vllm_text(tok, prompt, shown), (seed, ids)
 
 
 def test_a_text_too_long_for_any_tokens_is_refused_untokenized(reference, monkeypatch):

@@ -91,12 +91,16 @@ class TokenTexts:
     def shares(self, ids: list[int], start: int = 0, end: bool = False) -> list[str]:
         """The kept texts of `ids[start:]`, where `ids` are every token of the text so far
         (any not stepped yet are stepped now); with `end`, the text ends there and what the
-        stream still holds back of it (`text`) goes to its last token."""
+        stream still holds back of it (`text`: a prompt's unfinished character) goes to its
+        last token, where it extends what streamed (an invalid byte run decoded whole does
+        not)."""
         for t in ids[len(self.texts) :]:
             self.step(t)
         out = self.texts[start : len(ids)]
         if end and out and self.stream is not None:
-            out[-1] += self.text(ids, end=True)[sum(map(len, self.texts[: len(ids)])) :]
+            kept, whole = "".join(self.texts[: len(ids)]), self.text(ids, end=True)
+            if whole.startswith(kept):
+                out[-1] += whole[len(kept) :]
         return out
 
 

@@ -1150,6 +1150,7 @@ class Engine:
         by_token = reason is not None
         cut_text = False
         if self.tokenizer is not None:
+            streamed = len(req.output_text)  # (the text before this token's)
             self._decode_output(req, token)
             if p.stop and reason is None and len(req.output_ids) > p.min_tokens:
                 hit = _find_stop(req.output_text, p.stops_by_last, req.stop_floor)
@@ -1171,20 +1172,23 @@ class Engine:
         ):
             reason = "length"
         if reason is not None:
-            if self.tokenizer is not None and not cut_text:  # decoded whole, as it ends
-                # A stop token's own text is not output (vLLM), unless asked for.
-                drop = by_token and not p.include_stop_str_in_output
+            # A stop token's own text is not output (vLLM), unless asked for.
+            drop = by_token and not p.include_stop_str_in_output
+            if self.tokenizer is not None and not cut_text and self._decodes_whole:
                 req.output_text = req.detokenizer.text(
                     req.output_ids[: -1 if drop else None], end=True
                 )
+            elif self.tokenizer is not None and not cut_text and drop:
+                req.output_text = req.output_text[:streamed]
             self._finish(req, reason, now)
 
     def _decode_output(self, req: Request, token: int) -> None:
         """Extends `req.output_text` by `token`'s text: decoded incrementally (`TokenTexts`),
         not the whole output again per token (0.2 ms a token at 1,000 tokens, quadratic in
-        a request's length); a finished request's text is the whole output decoded. Both
-        follow the prompt's last tokens (`TokenTexts`). Without a fast tokenizer, every token
-        decodes the whole output.
+        a request's length), after the prompt's last tokens (`TokenTexts`). A finished
+        request's text is what streamed, as vLLM's: decoded whole, a byte-fallback decoder
+        reads a run of bytes that is not UTF-8 as U+FFFDs, characters streamed before it
+        too. Without a fast tokenizer, every token decodes the whole output.
         A request with logprobs keeps each token's text (`req.detokenizer.texts`, which the
         server reports)."""
         p = req.params
