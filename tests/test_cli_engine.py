@@ -137,6 +137,7 @@ def test_servers_refuse_bad_addresses_before_loading(tiny_dir):
             (["router", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", taken], "cannot listen"),  # fmt: skip
             (["serve-pd", str(tiny_dir), "--prefill-port", "9123", "--decode-port", "9123"], "must differ"),  # fmt: skip
             (["serve-pd", str(tiny_dir), "--tp", "2"], "one rank"),
+            (["serve-pd", str(tiny_dir), "--tp", "2", "--port", taken], "one rank"),  # (first)
         ]
         for args, message in cases:
             proc = subprocess.run(

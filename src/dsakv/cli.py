@@ -741,13 +741,13 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
     given = [p for p in ports if p is not None]
     if len(set(given)) < len(given):
         raise DsakvError("--port, --prefill-port, --decode-port and --bootstrap-port must differ")
+    config = engine_config_from_args(args)  # what either server would refuse, refused once
+    for mode in MODES:  # (first: a bad flag is its own error, whoever holds the port)
+        DisaggConfig(mode, timeout_s=args.disaggregation_timeout).check_engine(config)
     with listen(args.host, args.port) as listener:  # the router's, held from now
         for p in ports[1:]:
             if p is not None:  # (each server takes its own at its start)
                 check_listen("127.0.0.1", p)
-        config = engine_config_from_args(args)  # what either server would refuse, refused once
-        for mode in MODES:
-            DisaggConfig(mode, timeout_s=args.disaggregation_timeout).check_engine(config)
         flags = _flags(args, add_engine_args)
         flags += ["--disaggregation-timeout", str(args.disaggregation_timeout)]
         for name in ("served_model_name", "api_key"):
