@@ -95,6 +95,42 @@ def test_greedy_equal_under_chunking_and_memory_pressure(dense, reference, varia
         assert engine.counters()["retractions_to_host"] > 0
 
 
+def test_tp_host_tier_copies_reach_rank_1_before_the_draft_chain(dense):
+    """Under TP the other ranks replay rank 0's host-tier copies. A draft step's page
+    reservation can back a cached page up to the host; that copy went out with the next
+    forward, after rank 1's draft chain had written the page: rank 1's host copy held the
+    chain's rows, and a later hit on that page drafted from them there (tokens equal, fewer
+    accepted than on one rank)."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(70, 100))] for _ in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run(tp: int) -> list[tuple[list[int], int]]:
+        kw = dict(num_pages=10, host_pool_gib=0.05, tp=tp, speculative_num_steps=3)
+        with LLM(dense, **EXACT, **kw, **MTP) as llm:
+            outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts * 2]
+            longer = [p + o.token_ids for p, o in zip(prompts, outs)]
+            for p in longer + prompts + longer:
+                outs.append(llm.generate([p], params, use_tqdm=False)[0])
+            assert llm.engine.counters()["prefix_pages_promoted"] > 0
+        return [(o.token_ids, o.metrics["spec_accepted_tokens"]) for o in outs]
+
+    assert run(2) == run(1)
+
+
+def test_dp_attention_reports_each_requests_drafts(dense, reference):
+    """Under DP attention a request another rank served reported 0 drafts and 0 accepted
+    (only its prefix hits and retractions came back to rank 0): the per-request figures
+    now add up to the counters, and the tokens are one rank's."""
+    prompts, ref = reference
+    with LLM(dense, **EXACT, num_pages=64, tp=2, dp_attention=True, **MTP) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        c = llm.engine.counters()
+    assert [o.token_ids for o in outs] == ref
+    for name in ("spec_draft_tokens", "spec_accepted_tokens"):
+        assert sum(o.metrics[name] for o in outs) == c[name] > 0, name
+
+
 def test_greedy_equal_with_prefix_hits(dense):
     """Requests that share a long prefix hit the cache (target and draft KV both come from
     the cached pages) and still decode exactly as without MTP."""

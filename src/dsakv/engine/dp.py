@@ -37,6 +37,8 @@ _REPLACED = (
     "prompt_top_logprobs",
     "prompt_ranks",
 )
+# Per-request counts (`RequestMetrics`) a rank reports as they stand
+_COUNTS = ("prefix_hit_tokens", "retractions", "draft_tokens", "accepted_tokens")
 
 
 @dataclass
@@ -124,7 +126,7 @@ class _Reporter:
                 up[name] = getattr(req, name)
             m = req.metrics
             up["ttft_s"], up["latency_s"] = m.ttft, m.latency
-            up["prefix_hit_tokens"], up["retractions"] = m.prefix_hit_tokens, m.retractions
+            up.update((name, getattr(m, name)) for name in _COUNTS)
             if req.finished:
                 self.sent.pop(req.rid, None)
             updates.append(up)
@@ -267,7 +269,8 @@ class DPEngine:
             m.first_token_time = sent + up["ttft_s"]
         if up["latency_s"] is not None:
             m.finish_time = sent + up["latency_s"]
-        m.prefix_hit_tokens, m.retractions = up["prefix_hit_tokens"], up["retractions"]
+        for name in _COUNTS:
+            setattr(m, name, up[name])
         if mirror.finish_reason is not None:
             mirror.status = Status.FINISHED
             del self._remote[up["rid"]]

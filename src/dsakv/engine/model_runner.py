@@ -2,8 +2,7 @@
 
 Under plain tensor parallelism only rank 0 schedules. Before each call its runner
 broadcasts what the other ranks need (the step's tokens and slots, and the host-tier
-copies the scheduler made since the last step, so every rank's pool replica stays
-identical); the other ranks sit in `serve()` and make the same calls, which meet in the
+copies made since its last message, so every rank's pool replica stays identical); the other ranks sit in `serve()` and make the same calls, which meet in the
 model's collectives. Hidden states never travel: every rank keeps the last target and
 draft outputs ("target", "draft") and messages name rows of them. Under DP attention every
 rank schedules for itself, so nothing is broadcast here (see `dsakv.engine.dp`).
@@ -13,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -60,8 +60,7 @@ class ModelRunner:
         only)."""
         with self._leading() as send:
             if send:
-                host_ops = self.host.take_journal() if self.host is not None else []
-                send(("forward", _pack(new_tokens), _pack_slots(slots), host_ops, list(rows)))
+                send("forward", _pack(new_tokens), _pack_slots(slots), list(rows))
             return self._forward(new_tokens, slots, hot, rows)
 
     def forward_draft(
@@ -75,7 +74,7 @@ class ModelRunner:
         (the target's hidden state, or the draft's own previous output when chaining)."""
         with self._leading() as send:
             if send:
-                send(("draft", _pack(new_tokens), _pack_slots(slots), source, rows.cpu()))
+                send("draft", _pack(new_tokens), _pack_slots(slots), source, rows.cpu())
             return self._forward_draft(new_tokens, slots, source, rows)
 
     def catch_up(
@@ -119,7 +118,7 @@ class ModelRunner:
         """fp32 logits `[len(rows), vocab]` of `self.last[source][rows]` (vocab-parallel)."""
         with self._leading() as send:
             if send:
-                send(("logits", rows.cpu(), source))
+                send("logits", rows.cpu(), source)
             return self._logits(rows, source)
 
     def stop(self) -> None:
@@ -131,27 +130,36 @@ class ModelRunner:
         """The other ranks under plain TP: make rank 0's calls until it says stop."""
         while True:
             msg = self.parallel.broadcast_object()
-            if msg[0] == "forward":
-                _, tokens, slots, host_ops, rows = msg
-                if host_ops:
-                    self.host.replay(host_ops)
-                self._forward(tokens, [s.long() for s in slots], rows=rows)
-            elif msg[0] == "draft":
-                _, tokens, slots, source, rows = msg
-                self._forward_draft(tokens, [s.long() for s in slots], source, rows)
-            elif msg[0] == "logits":
-                self._logits(msg[1], msg[2])
-            elif msg[0] == "stop":
+            if msg[0] == "stop":
                 return
+            kind, host_ops, *args = msg
+            if host_ops:  # rank 0's host copies since its last message, made before it
+                self.host.replay(host_ops)
+            if kind == "forward":
+                tokens, slots, rows = args
+                self._forward(tokens, [s.long() for s in slots], rows=rows)
+            elif kind == "draft":
+                tokens, slots, source, rows = args
+                self._forward_draft(tokens, [s.long() for s in slots], source, rows)
+            elif kind == "logits":
+                self._logits(*args)
 
     @contextlib.contextmanager
     def _leading(self):
-        """Holds the leader's lock for a message and its collectives; yields its `send`."""
+        """Holds the leader's lock for a message and its collectives; yields its `send`,
+        which adds the host copies made since the last message: the other ranks replay
+        them first (a draft step's page reservation may back a page up to the host, then
+        the chain writes that page)."""
         if self.leader is None:
             yield None
             return
+
+        def send(kind: str, *args: Any) -> None:
+            host_ops = self.host.take_journal() if self.host is not None else []
+            self.leader.send((kind, host_ops, *args))
+
         with self.leader.lock:
-            yield self.leader.send
+            yield send
 
     def _forward(self, new_tokens, slots, hot=None, rows: Sequence[int] = ()):
         graphs, logits = self.decode_graphs, None
