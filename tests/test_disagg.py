@@ -5,6 +5,7 @@ official `openai` client in front, and an offline `LLM` on the same model as ref
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -455,12 +456,16 @@ def test_a_hisparse_decode_server_takes_prompts_past_its_device_pool(tmp_path, m
     the device, so a prompt longer than the device latent pool (100 tokens, 64 slots) is
     served (it was refused: "under HiSparse a prompt is prefilled on the device") and gives
     one roomy engine's tokens (glm-tiny's top-k 16 is sparse here; fp32, exact). And the
-    prefill server reads the checkpoint's fingerprint once (it did twice, ~4 MB a shard)."""
+    prefill server reads the checkpoint's fingerprint once (it did twice, ~4 MB a shard).
+    `truncate_prompt_tokens=-1` keeps what the decode server's context holds (its logical
+    pool, 512 tokens, here less than the prefill server's): each side kept its own, and the
+    request was a 502 blaming the tokenizers."""
     from dsakv.disagg import handoff, serving
     from dsakv.disagg.config import DisaggConfig
     from dsakv.disagg.handoff import BootstrapTarget
     from dsakv.disagg.serving import DecodeAsyncEngine, PrefillAsyncEngine
     from dsakv.engine import Engine, EngineConfig
+    from dsakv.engine import disagg as ops
     from dsakv.engine import engine as engine_module
 
     model = str(write_tiny_model(tmp_path / "m", "glm-tiny"))
@@ -478,7 +483,7 @@ def test_a_hisparse_decode_server_takes_prompts_past_its_device_pool(tmp_path, m
         monkeypatch.setattr(module, "model_identity", fingerprint, raising=False)
     port = free_port()
     prefill = PrefillAsyncEngine(
-        Engine(EngineConfig(model, num_pages=64, **exact)),
+        Engine(EngineConfig(model, num_pages=128, **exact)),
         DisaggConfig("prefill", bootstrap_port=port),
         "127.0.0.1",
     )
@@ -491,7 +496,7 @@ def test_a_hisparse_decode_server_takes_prompts_past_its_device_pool(tmp_path, m
     )
     assert decode.engine.pool.num_latent_tokens == 64 < len(prompt)
 
-    async def side(bridge, target: BootstrapTarget) -> tuple[list[int], str | None]:
+    async def side(bridge, target, prompt, params) -> tuple[list[int], str | None]:
         handoff._current.set(handoff._Targets([target]))
         (stream,) = await bridge.generate_n(prompt, params, 1)
         ids, u = [], None
@@ -501,19 +506,31 @@ def test_a_hisparse_decode_server_takes_prompts_past_its_device_pool(tmp_path, m
             ids += u.token_ids
         return ids, u.finish_reason
 
-    async def run() -> list[tuple[list[int], str | None]]:
+    async def run(room: int, prompt, params) -> list[tuple[list[int], str | None]]:
         return await asyncio.gather(
-            side(prefill, BootstrapTarget(1, None, port)),
-            side(decode, BootstrapTarget(1, "127.0.0.1", port)),
+            side(prefill, BootstrapTarget(room, None, port), prompt, params),
+            side(decode, BootstrapTarget(room, "127.0.0.1", port), prompt, params),
         )
 
+    long = [(3 * j) % 250 + 1 for j in range(700)]
+    cut = dataclasses.replace(params, max_tokens=2, truncate_prompt_tokens=-1)
+    assert decode.engine.max_model_len == 512 < prefill.engine.max_model_len
     try:
-        (first, _), (got, reason) = asyncio.run(run())
+        (first, _), (got, reason) = asyncio.run(run(1, prompt, params))
+        (_, _), (kept, ended) = asyncio.run(run(2, long, cut))
+        # Reserved, not yet started (counted off `pending` first): busy, not a leak.
+        held = asyncio.run(decode.call(lambda e: ops.reserve(e, prompt, params)))
+        assert asyncio.run(decode._integrity()) == "busy"
+        asyncio.run(decode.call(lambda e: ops.drop(e, held)))
+        assert asyncio.run(decode._integrity()) == "ok"
     finally:
         prefill.shutdown()
         decode.shutdown()
     assert first == want[:1] and got == want and reason == "length"
     assert decode.engine.counters()["hisparse_misses"] > 0
+    # (511 tokens leave the decode server's context room for one)
+    ref = LLM(model, num_pages=128, **exact).generate([long[-511:]], cut)[0].token_ids
+    assert kept == ref[:1] and ended == "length"
 
 
 # --- servers ------------------------------------------------------------------------------------

@@ -217,7 +217,8 @@ def _pd(
 ) -> Iterator[Callable[[list[int], SamplingParams], Request]]:
     """`start(prompt, params)`: `prefill` (no HiSparse) runs the prompt and writes its KV over
     Mooncake into a reservation on HiSparse `decode` (latent into its host rows, index-K,
-    full layers only, into its device pool), which then decodes from the first token."""
+    full layers only, into its device pool), which then decodes from the first token; None
+    where `decode` reserves nothing now."""
     pytest.importorskip("mooncake.engine")
     from dsakv.disagg.transfer import KVTransfer, PeerBuffer
 
@@ -226,13 +227,15 @@ def _pd(
     peer = [PeerBuffer.of(d) for d in dst.buffers]
     assert len(peer) == 8 + len(decode.layout.index_k_layers)
 
-    def start(prompt: list[int], params: SamplingParams) -> Request:
+    def start(prompt: list[int], params: SamplingParams) -> Request | None:
+        req = ops.reserve(decode, prompt, params)
+        if req is None:  # (the decode side has no room now)
+            return None
+        assert len(decode.hot._reqs[req.rid].pages) == decode.hot.buffer_pages
         first = prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
         ops.hold(prefill, first)
         while prefill.has_unfinished():
             prefill.step()
-        req = ops.reserve(decode, prompt, params)
-        assert req is not None and len(decode.hot._reqs[req.rid].pages) == decode.hot.buffer_pages
         nbytes, _ = src.write(dst.session, peer, first.pages, req.pages, len(prompt))
         assert nbytes == len(prompt) * decode.layout.bytes_per_token
         ops.release_held(prefill, first)
@@ -298,12 +301,15 @@ def test_a_retracted_pd_request_is_recomputed_or_cut_short_at_once(tiny, prompt_
     assert decode.counters()["retractions"] == 1
 
 
-def test_a_pd_request_the_device_cannot_prefill_is_retracted_last(tiny):
-    """The same pools; the newer request's 85-token prompt no device prefill holds, the
-    older's 60 does. The older one is retracted (and recomputed) instead of the newer being
-    cut short: both finish with every token."""
-    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((60, 85))]
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+@pytest.mark.parametrize("lens, max_tokens", [((60, 85), 60), ((40, 110), 100)])
+def test_a_pd_request_the_device_cannot_prefill_is_retracted_last(tiny, lens, max_tokens):
+    """The same pools; the newer request's prompt (85, 110 tokens) no device prefill holds,
+    the older's (60, 40) does. The older one is retracted (and recomputed) instead of the
+    newer being cut short: both finish with every token. With 40 and 110 the newer needed
+    its page after the step's batch had taken the older: the step ran the retracted one
+    ("unknown request", every request in flight failed)."""
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate(lens)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     want = _run(_engine(tiny, num_pages=256), prompts, params, check_every_step=False)
     prefill = _engine(tiny, num_pages=64)
     decode = _engine(tiny, num_pages=10, enable_hisparse=True,
@@ -315,6 +321,28 @@ def test_a_pd_request_the_device_cannot_prefill_is_retracted_last(tiny):
         decode.check_integrity()
     assert decode.counters()["retractions"] == 1 and older.metrics.retractions == 1
     assert [older.output_ids, newer.output_ids] == want
+
+
+def test_the_retracted_come_back_before_new_reservations(tiny):
+    """A retracted PD request whose prompt the device holds is prefilled again, which needs
+    more device pages than one hot buffer; new PD reservations took every buffer freed, and
+    it waited for good (3,000 steps, 200 newer requests served). They now wait for it."""
+    prefill = _engine(tiny, num_pages=256)
+    decode = _engine(tiny, num_pages=10, enable_hisparse=True,
+                     hisparse_config={"host_to_device_ratio": 3})  # fmt: skip
+    long = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    steps = 0
+    with _pd(prefill, decode) as start:
+        start([(3 * j) % 250 + 1 for j in range(20)], long)
+        retracted = start([(5 * j) % 250 + 1 for j in range(75)], long)
+        while not retracted.finished:
+            start([(7 * j + steps) % 250 + 1 for j in range(20)], short)  # a steady stream
+            decode.step()
+            steps += 1
+            assert steps < 1000, (retracted.status, len(retracted.output_ids))
+    assert retracted.metrics.retractions > 0 and len(retracted.output_ids) == 120
+    decode.check_integrity()
 
 
 def test_bad_settings_are_one_clear_error(tiny):

@@ -123,8 +123,8 @@ class _DisaggEngine(AsyncEngine):
     async def _integrity(self) -> str:
         """`ok` when no page is held by anything but the prefix cache (idle, leak-free)."""
 
-        def check(e: Engine) -> str:
-            if e.has_unfinished() or self.pending:
+        def check(e: Engine) -> str:  # (a reserved request is counted off `pending` first)
+            if e.has_unfinished() or self.pending or e.scheduler.parked:
                 return "busy"
             try:
                 e.check_integrity()
@@ -187,6 +187,11 @@ class PrefillAsyncEngine(_DisaggEngine):
         loop = asyncio.get_running_loop()
         shadow, public = RequestStream(loop), RequestStream(loop)
         try:
+            if (
+                params.truncate_prompt_tokens == -1
+                and ids[-len(reg.prompt_ids) :] == reg.prompt_ids
+            ):
+                ids = reg.prompt_ids  # "as many as fit": the decode server's context may be less
             if ids != reg.prompt_ids:
                 raise APIError(
                     502,

@@ -98,6 +98,9 @@ class Scheduler:
                 if req.seq_len - req.num_computed > 1:
                     budget -= n
         if self.stats.retractions > retractions:
+            # (under HiSparse the victim may be older than the request that needed room,
+            # and already in the batch)
+            batch = [(r, n) for r, n in batch if r.status is Status.RUNNING]
             c = self.config
             self.new_token_ratio = min(1.0, max(2 * self.new_token_ratio, c.init_new_token_ratio))
         else:
@@ -181,10 +184,12 @@ class Scheduler:
         """Pages for the first `tokens` positions of a request that is not queued (a decode
         server's: a prefill server writes its prompt KV), if running requests keep their
         headroom and `max_running_requests` is not reached (counting those reserved, which
-        `adopt` runs without asking, and the retracted, which come back); `adopt` runs it,
-        `finish` (abort) gives the pages back."""
+        `adopt` runs without asking, and the retracted, which come back), and nothing waits:
+        the retracted come back first, as SGLang's (new reservations took every hot buffer
+        freed, and a prompt to prefill again under HiSparse waited for good). `adopt` runs
+        it, `finish` (abort) gives the pages back."""
         admitted = len(self.running) + len(self.parked) + len(self.waiting)
-        if admitted >= self.config.max_running_requests:
+        if admitted >= self.config.max_running_requests or self.waiting:
             return False
         if self._pages_for(tokens) + self._headroom() > self.available_pages():
             return False
