@@ -105,6 +105,21 @@ def test_tp_with_host_tier_retraction_and_prefix_cache(models, reference):
     assert counters["retractions_to_host"] > 0 and counters["prefix_hit_tokens"] > 0
 
 
+def test_the_other_ranks_take_the_leaders_heartbeat():
+    """Rank 0's leader says NOOP after a quiet while (a quarter of the group's timeout, 30 s
+    by default) so the other ranks' waits never time out; their loop must take it (it read
+    every message as (kind, host copies, ...): an idle `serve --tp 2` died in 30 s)."""
+    from types import SimpleNamespace
+
+    from dsakv.distributed.leader import NOOP, STOP
+    from dsakv.engine.model_runner import ModelRunner
+
+    said = iter([NOOP, NOOP, STOP])
+    rank1 = SimpleNamespace(parallel=SimpleNamespace(broadcast_object=lambda: next(said)))
+    ModelRunner.serve(rank1)
+    assert next(said, None) is None  # (it read up to the STOP)
+
+
 def test_sparse_config_agreement(models, reference):
     """index_topk 16 < context: TP changes reduction order, so a near-tie in the indexer can
     pick another row. Measured: every token agreed on this workload."""

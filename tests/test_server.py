@@ -702,6 +702,31 @@ def test_disconnect_while_waiting_for_full_response(base, served, monkeypatch):
     assert now.get("503", 0) == statuses.get("503", 0)
 
 
+def test_a_hang_up_after_a_pipelined_request_aborts(base, served):
+    """A client that sent its next request down the same connection, then hung up: uvicorn
+    stops reading a connection while its request runs, until a fresh `receive`; a watcher
+    in one long `receive` never saw the hang-up (the request ran to max_tokens)."""
+    before = _wait_idle(base)
+
+    def raw(body: dict) -> bytes:
+        data = json.dumps(body).encode()
+        head = "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        return f"{head}Content-Length: {len(data)}\r\n\r\n".encode() + data
+
+    long = {"prompt": "A long story:", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    with engine_stops_stepping_at(served[1], 4):  # (still running when the client leaves)
+        with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))) as s:
+            s.sendall(raw(long))
+            deadline = time.monotonic() + TIMEOUT
+            while _metrics(base)["dsakv_running_requests"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            s.sendall(raw({"prompt": "x", "max_tokens": 2}))
+            time.sleep(0.3)  # (read and paused on before the hang-up)
+        _wait_idle(base, aborted_at_least=before["dsakv_aborted_requests_total"] + 1)
+    _check_integrity(served[1])
+
+
 def test_refused_choices_leave_no_unread_errors(base, caplog):
     """All n choices of a refused prompt are refused alike and the handler reads one: asyncio
     logged each other one, with its traceback, as an exception never retrieved."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dsakv.distributed.leader import Leader
+from dsakv.distributed.leader import NOOP, STOP, Leader
 from dsakv.distributed.parallel import ParallelState
 from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
@@ -130,8 +130,10 @@ class ModelRunner:
         """The other ranks under plain TP: make rank 0's calls until it says stop."""
         while True:
             msg = self.parallel.broadcast_object()
-            if msg[0] == "stop":
+            if msg == STOP:
                 return
+            if msg == NOOP:  # (the leader's heartbeat: it said nothing for a while)
+                continue
             kind, host_ops, *args = msg
             if host_ops:  # rank 0's host copies since its last message, made before it
                 self.host.replay(host_ops)

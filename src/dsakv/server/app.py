@@ -45,6 +45,7 @@ from .runner import AsyncEngine, RequestStream, Update
 # Grammar compiles at once, and how long a request waits for its grammar.
 GRAMMAR_WORKERS = 2
 GRAMMAR_TIMEOUT_S = 60.0
+_RECEIVE_AGAIN_S = 0.5  # how long `client_left` waits before asking the server again
 # SGLang's weight version until an update names another (dsakv never updates weights):
 # /model_info's, and each /generate output's meta_info
 WEIGHT_VERSION = "default"
@@ -974,9 +975,16 @@ class _AbortingStream(StreamingResponse):
 async def client_left(raw: Request) -> None:
     """Return once the client has hung up. The body is read already, so the next ASGI message
     is the disconnect: waiting for it (as vLLM's `listen_for_disconnect` does) sees a hang-up
-    at once, where a poll let a short request run to its end after its client had gone."""
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
+    at once, where a poll let a short request run to its end after its client had gone. Each
+    wait is bounded: a client that pipelined its next request paused uvicorn's reading,
+    which only a fresh `receive` resumes (else its hang-up went unseen)."""
+    while True:
+        try:
+            message = await asyncio.wait_for(raw.receive(), _RECEIVE_AGAIN_S)
+        except asyncio.TimeoutError:
+            continue
+        if message["type"] == "http.disconnect":
+            return
 
 
 async def _when_left(raw: Request, then: Callable[[], Any]) -> None:
