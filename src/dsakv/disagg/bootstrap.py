@@ -341,9 +341,12 @@ async def request_kv(
             if msg.get("type") == "wait":
                 continue
             if msg.get("type") == "done":
+                int(msg["bytes"]), int(msg["tokens"]), float(msg["seconds"])  # (read after)
                 return msg
             raise BootstrapError(str(msg.get("message", msg)), int(msg.get("status", 502)))
     except OSError as e:
         raise BootstrapError(f"lost the prefill server {host}:{port}: {e}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # (garbled: the caller frees)
+        raise BootstrapError(f"the prefill server {host}:{port} answered garbage: {e!r}") from None
     finally:
         writer.close()

@@ -123,8 +123,8 @@ class _DisaggEngine(AsyncEngine):
     async def _integrity(self) -> str:
         """`ok` when no page is held by anything but the prefix cache (idle, leak-free)."""
 
-        def check(e: Engine) -> str:  # (a reserved request is counted off `pending` first)
-            if e.has_unfinished() or self.pending or e.scheduler.parked:
+        def check(e: Engine) -> str:
+            if e.has_unfinished() or self.pending:
                 return "busy"
             try:
                 e.check_integrity()
@@ -303,9 +303,11 @@ class PrefillAsyncEngine(_DisaggEngine):
                 )
             )
         finally:
-            self.pending -= 1
-            with contextlib.suppress(RuntimeError):  # a stopped engine has nothing to free
-                await self.call(lambda e: ops.release_held(e, req))
+            try:
+                with contextlib.suppress(RuntimeError):  # a stopped engine has nothing to free
+                    await self.call(lambda e: ops.release_held(e, req))
+            finally:
+                self.pending -= 1  # (after: pages held until then are not a leak)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.bootstrap.close()
@@ -370,11 +372,11 @@ class DecodeAsyncEngine(_DisaggEngine):
                     raise APIError(e.status, str(e)) from None
                 self.stats.fail()  # (a status the prefill server answered, e.g. its 503)
                 raise APIError(e.status, str(e), type="server_error") from None
+            self.stats.add(int(reply["bytes"]), int(reply["tokens"]), float(reply["seconds"]))
+            start = functools.partial(self._start, req, reply, stream)
+            await self.call(start, undo=lambda e, _: self._abort(stream, "abort"))
         finally:
-            self.pending -= 1
-        self.stats.add(int(reply["bytes"]), int(reply["tokens"]), float(reply["seconds"]))
-        start = functools.partial(self._start, req, reply, stream)
-        await self.call(start, undo=lambda e, _: self._abort(stream, "abort"))
+            self.pending -= 1  # (after the start: a reservation is not a leak until then)
         return [stream]
 
     async def _reserve(self, ids: list[int], params: SamplingParams) -> Request:
