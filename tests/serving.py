@@ -72,7 +72,7 @@ def engine_held_until_an_abort(async_engine, monkeypatch) -> Iterator[None]:
     """Hold the engine thread (between steps) until the server asks for an abort, so a
     request cannot finish before its client's hang-up is seen, however fast the machine
     (the tiny models write 500 tokens in half a second)."""
-    held, asked = threading.Event(), threading.Event()
+    asked = threading.Event()
     abort = async_engine.abort
 
     def abort_and_tell(stream) -> None:
@@ -80,16 +80,9 @@ def engine_held_until_an_abort(async_engine, monkeypatch) -> Iterator[None]:
         asked.set()
 
     monkeypatch.setattr(async_engine, "abort", abort_and_tell)
-    holder = threading.Thread(
-        target=lambda: asyncio.run(async_engine.call(lambda e: held.set() or asked.wait(TIMEOUT)))
-    )
-    holder.start()
-    assert held.wait(TIMEOUT)
-    try:
+    with _held(async_engine, asked):
         yield
-    finally:
-        holder.join(TIMEOUT)
-    assert asked.is_set(), "the server asked no abort"
+        assert asked.wait(TIMEOUT), "the server asked no abort"
 
 
 class _Paused:
@@ -126,12 +119,18 @@ def engine_stops_stepping_at(async_engine, tokens: int) -> Iterator[None]:
             asyncio.run(asyncio.wait_for(async_engine.call(lambda e: None), TIMEOUT))
 
 
-@contextlib.contextmanager
-def engine_thread_held(async_engine) -> Iterator[None]:
+def engine_thread_held(async_engine) -> contextlib.AbstractContextManager[None]:
     """The engine thread held between steps (in a call) from the block's start to its end, as
     by one long step: whatever is queued meanwhile waits for it. The hold is known to have
     begun when the block starts, and ends only with the block (or after `TIMEOUT`)."""
-    held, release = threading.Event(), threading.Event()
+    return _held(async_engine, threading.Event())
+
+
+@contextlib.contextmanager
+def _held(async_engine, release: threading.Event) -> Iterator[None]:
+    """The engine thread held in a call from the block's start until `release` is set (at
+    the block's end at the latest, or after `TIMEOUT`)."""
+    held = threading.Event()
     holder = threading.Thread(
         target=lambda: asyncio.run(async_engine.call(lambda e: held.set() or release.wait(TIMEOUT)))
     )

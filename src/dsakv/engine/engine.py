@@ -1172,14 +1172,14 @@ class Engine:
         ):
             reason = "length"
         if reason is not None:
-            # A stop token's own text is not output (vLLM), unless asked for.
-            drop = by_token and not p.include_stop_str_in_output
-            if self.tokenizer is not None and not cut_text and self._decodes_whole:
-                req.output_text = req.detokenizer.text(
-                    req.output_ids[: -1 if drop else None], end=True
-                )
-            elif self.tokenizer is not None and not cut_text and drop:
-                req.output_text = req.output_text[:streamed]
+            if self.tokenizer is not None and not cut_text:
+                # A stop token's own text is not output (vLLM), unless asked for.
+                drop = by_token and not p.include_stop_str_in_output
+                if self._decodes_whole:  # decoded whole, as it ends
+                    ids = req.output_ids[: -1 if drop else None]
+                    req.output_text = req.detokenizer.text(ids, end=True)
+                elif drop:
+                    req.output_text = req.output_text[:streamed]
             self._finish(req, reason, now)
 
     def _decode_output(self, req: Request, token: int) -> None:

@@ -2,8 +2,9 @@
 
 Under plain tensor parallelism only rank 0 schedules. Before each call its runner
 broadcasts what the other ranks need (the step's tokens and slots, and the host-tier
-copies made since its last message, so every rank's pool replica stays identical); the other ranks sit in `serve()` and make the same calls, which meet in the
-model's collectives. Hidden states never travel: every rank keeps the last target and
+copies made since its last message, so every rank's pool replica stays identical); the
+other ranks sit in `serve()` and make the same calls, which meet in the model's
+collectives. Hidden states never travel: every rank keeps the last target and
 draft outputs ("target", "draft") and messages name rows of them. Under DP attention every
 rank schedules for itself, so nothing is broadcast here (see `dsakv.engine.dp`).
 """

@@ -8,7 +8,7 @@ import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -22,7 +22,7 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag"
 # Temperatures below this sample greedily (vLLM's bound): dividing logits by less would
 # overflow them to inf, and softmax of inf is NaN.
 GREEDY_BELOW = 1e-5
-LOGPROBS_MODES = ("raw", "processed")
+LogprobsMode = Literal["raw", "processed"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class SamplingParams:
     # "processed": SGLang's (its /generate's, which RL frameworks train against), of the
     # logits after penalties, logit_bias, bans and grammar, over the temperature (1 when
     # greedy); vLLM calls it processed_logprobs. Prompt logprobs stay raw either way.
-    logprobs_mode: Literal["raw", "processed"] = "raw"
+    logprobs_mode: LogprobsMode = "raw"
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # in the output's text
     # (kind, spec): kind in GRAMMAR_KINDS; compiled and checked by `Engine.add_request`
@@ -157,8 +157,8 @@ class SamplingParams:
                 "logprobs must be in 0..20",
             ),
             (
-                self.logprobs_mode in LOGPROBS_MODES,
-                f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, "
+                self.logprobs_mode in get_args(LogprobsMode),
+                f"logprobs_mode must be one of {', '.join(get_args(LogprobsMode))}, "
                 f"got {self.logprobs_mode!r}",
             ),
             (
