@@ -594,8 +594,10 @@ def _client(base: str) -> openai.OpenAI:
 
 
 @contextmanager
-def _router(prefill: ServerProcess, decode: ServerProcess) -> Iterator[str]:
-    app = build_router_app([prefill.url], [decode.url])
+def _router(prefill: ServerProcess | str, decode: ServerProcess | str, *more: str) -> Iterator[str]:
+    """A router in this process; `more` URLs join both lists (a server that is down)."""
+    urls = [p if isinstance(p, str) else p.url for p in (prefill, decode)]
+    app = build_router_app([*more, urls[0]], [*more, urls[1]])
     server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
     with running(server) as base:
         yield base
@@ -620,6 +622,26 @@ def test_completions_and_chat_equal_one_engine(cluster, reference):
     assert scrape_metrics(cluster["prefill"].url)["dsakv_prefix_hit_tokens_total"] >= 16
 
     check_pd_chat(client, cluster["decode"].url, reference, 10)
+
+
+def test_the_router_passes_over_servers_that_are_down(cluster, reference):
+    """A prefill or decode server refusing connections failed every other request through
+    the router (round robin), and /v1/models asked only the first decode server: the next
+    server takes them."""
+    prompts = [f"Failover {i}: " + "abc " * i for i in range(4)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want = [o.text for o in reference.generate(prompts, params)]
+    down = f"http://127.0.0.1:{free_port()}"
+    with _router(cluster["prefill"], cluster["decode"], down) as base:
+        client = _client(base)
+        got = [
+            client.completions.create(model="m", prompt=p, max_tokens=4, **GREEDY).choices[0].text
+            for p in prompts
+        ]
+        models = [m.id for m in client.models.list().data]
+    assert got == want
+    assert models == [m.id for m in _client(cluster["decode"].url).models.list().data]
+    wait_idle(cluster["prefill"].url)
 
 
 def test_sglangs_generate_through_the_router_equals_one_engine(cluster, reference):

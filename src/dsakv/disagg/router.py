@@ -105,13 +105,11 @@ class Router:
             return _error(400, f"request body is not valid JSON: {e}", "invalid_request_error")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "invalid_request_error")
-        p_url = self.prefill[next(self._next_prefill)]
-        d_url = self.decode[next(self._next_decode)]
         try:
-            host, port = await self.bootstrap_of(p_url)
-        except (httpx.HTTPError, ValueError, KeyError) as e:
+            p_url, host, port = await self._pick_prefill()
+        except _Unusable as e:
             self.failures += 1
-            return _error(502, f"prefill server {p_url} is not usable: {e!r}")
+            return _error(502, f"no prefill server is usable: {e}")
         rooms = ",".join(str(secrets.randbits(62)) for _ in range(_num_prompts(body)))
         headers = {ROOM_HEADER: rooms, HOST_HEADER: host, PORT_HEADER: str(port)}
         if "authorization" in request.headers:
@@ -120,20 +118,16 @@ class Router:
         p_body = {**body, "stream": False}
         p_body.pop("stream_options", None)
         prefill = self._spawn(self._prefill(p_url, path, p_body, headers))
-        send = self.client.build_request(
-            "POST",
-            f"{d_url}{path}",
-            content=raw,
-            headers={**headers, "content-type": "application/json"},
-        )
+        headers["content-type"] = "application/json"
         try:  # (a non-streamed answer's headers come when it is complete)
-            resp = await _unless_left(self.client.send(send, stream=True), request)
+            sent = await _unless_left(self._send_decode(path, raw, headers), request)
         except httpx.HTTPError as e:
             self._failed(p_url, prefill)
-            return _error(502, f"decode server {d_url} is unreachable: {e!r}")
-        if resp is None:
+            return _error(502, f"the decode server is unreachable: {e!r}")
+        if sent is None:
             prefill.cancel()
             return Response(status_code=499)  # the client left: nobody to answer
+        d_url, resp = sent
         kind = resp.headers.get("content-type", "")
         if resp.status_code != 200 or "text/event-stream" not in kind:
             try:
@@ -156,6 +150,35 @@ class Router:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
+
+    async def _pick_prefill(self) -> tuple[str, str, int]:
+        """The next prefill server that tells its bootstrap port, with that port: one that
+        cannot (down, restarting) is passed over, not handed every Nth request."""
+        errors = []
+        for _ in self.prefill:
+            url = self.prefill[next(self._next_prefill)]
+            try:
+                return (url, *await self.bootstrap_of(url))
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                errors.append(f"{url}: {e!r}")
+        raise _Unusable("; ".join(errors))
+
+    async def _send_decode(
+        self, path: str, raw: bytes, headers: dict[str, str]
+    ) -> tuple[str, httpx.Response]:
+        """The request sent to the next decode server that takes the connection. A refused
+        connection carried none of the request, so the next server may have it: the
+        prefill server's copy waits for whichever decode server asks for its room."""
+        url = self.decode[next(self._next_decode)]
+        for _ in self.decode[1:]:
+            send = self.client.build_request("POST", f"{url}{path}", content=raw, headers=headers)
+            try:
+                return url, await self.client.send(send, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                log.warning("decode %s refused the connection (%r): trying the next", url, e)
+                url = self.decode[next(self._next_decode)]
+        send = self.client.build_request("POST", f"{url}{path}", content=raw, headers=headers)
+        return url, await self.client.send(send, stream=True)
 
     async def _relay(self, resp: httpx.Response, d_url: str) -> AsyncIterator[bytes]:
         """The decode server's SSE bytes as they come; if it dies, an error event."""
@@ -214,6 +237,10 @@ class Router:
             await self._client.aclose()
 
 
+class _Unusable(Exception):
+    """No prefill server told its bootstrap port."""
+
+
 def _num_prompts(body: dict[str, Any]) -> int:
     """How many prompts a body holds (each needs its own bootstrap room): completions'
     `prompt`, or SGLang's /generate `text` / `input_ids`."""
@@ -263,11 +290,15 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
         headers = {}
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
-        try:
-            r = await router.client.get(f"{router.decode[0]}/v1/models", headers=headers)
-        except httpx.HTTPError as e:
-            return _error(502, f"decode server unreachable: {e}")
-        return Response(r.content, r.status_code, media_type="application/json")
+        errors = []
+        for url in router.decode:  # the first that answers: they serve one model
+            try:
+                r = await router.client.get(f"{url}/v1/models", headers=headers)
+            except httpx.HTTPError as e:
+                errors.append(f"{url}: {e!r}")
+                continue
+            return Response(r.content, r.status_code, media_type="application/json")
+        return _error(502, f"no decode server is reachable: {'; '.join(errors)}")
 
     @app.get("/health")
     async def health() -> Response:
