@@ -332,3 +332,43 @@ def test_an_error_other_than_no_memory_is_not_reported_as_one(monkeypatch):
     monkeypatch.setattr(torch, "zeros", zeros)
     with pytest.raises(RuntimeError, match="accelerator device"):
         DSAKVPool(layout, 4)
+
+
+def test_a_pinned_host_tier_locks_its_own_bytes_and_gives_them_back(monkeypatch):
+    """torch's pinned allocator rounds each block up to a power of two, so a GLM-5.2 host
+    tier of 100 GiB (per-layer blocks) locked 161 GiB. A pinned pool now registers its own
+    pages with CUDA: each buffer's bytes rounded to whole OS pages, no page registered twice
+    (CUDA refuses an overlap), all unregistered when the pool goes. CUDA's two calls are
+    stood in for by a ledger that refuses what CUDA refuses."""
+    import gc
+
+    from dsakv.memory import HostPool
+
+    class Ledger:
+        def __init__(self) -> None:
+            self.locked: dict[int, int] = {}
+
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+            if ptr % 4096 or size % 4096:
+                return 1  # (CUDA would lock the whole pages around it: a neighbour's too)
+            if any(p < ptr + size and ptr < p + n for p, n in self.locked.items()):
+                return 712  # cudaErrorHostMemoryAlreadyRegistered
+            self.locked[ptr] = size
+            return 0
+
+        def cudaHostUnregister(self, ptr: int) -> int:
+            return 0 if self.locked.pop(ptr, None) is not None else 713
+
+    ledger = Ledger()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: ledger)
+    device = DSAKVPool(small_layout("fp8_ds_mla", "fp8"), 4)
+    host = HostPool(device, 3, pin_memory=True)
+    buffers = [b.data for _, _, b in host.pool._buffers()]
+    assert len(ledger.locked) == len(buffers) > 0
+    for b in buffers:
+        nbytes = b.numel() * b.element_size()
+        assert ledger.locked[b.data_ptr()] == -(-nbytes // 4096) * 4096
+        assert not b.any()  # zeroed, as an unpinned pool is
+    del host, buffers, b
+    gc.collect()
+    assert ledger.locked == {}

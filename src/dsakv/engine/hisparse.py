@@ -33,7 +33,7 @@ import torch
 from dsakv.config import HiSparseConfig, LayerPlan
 from dsakv.kernels.hisparse_ops import bind_newest, init_buffers
 from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
-from dsakv.memory.pool import DSAKVPool
+from dsakv.memory.pool import DSAKVPool, pinned_empty
 
 from .request import Request
 
@@ -101,8 +101,10 @@ class HotBuffers:
         self.device_rows = [pool.latent_data(i).view(torch.uint8) for i in layers]
         width = self.device_rows[0].shape[1]
         # Not zero-filled (hundreds of GB at real sizes): a row is written before it is read.
+        shape = (pool.num_tokens, width)
         self.host = [
-            torch.empty(pool.num_tokens, width, dtype=torch.uint8, pin_memory=pin) for _ in layers
+            pinned_empty(shape, torch.uint8) if pin else torch.empty(shape, dtype=torch.uint8)
+            for _ in layers
         ]
         rows = max(1, pool.latent_pages // self.buffer_pages)
         g = len(self.groups)
