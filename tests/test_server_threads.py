@@ -215,3 +215,51 @@ def test_serve_flags_round_trip_through_the_cli(model_dir):
     flags = serve_flags(config, args)
     assert "--no-elide-index-k" in flags and "--no-prefix-cache" in flags
     assert flags[flags.index("--attention-backend") + 1] == "torch"
+
+
+def test_a_request_whose_update_fails_fails_alone(model_dir, monkeypatch):
+    """A request's update (its texts, its alternatives' texts) was built outside the step's
+    guard: one request failing there ended the engine thread, and the server answered 503
+    until restarted. Now that request ends with its error; the others run on, unchanged."""
+    from dsakv.engine import SamplingParams
+    from dsakv.engine.launch import create_engine
+    from dsakv.server import runner
+
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    thread = EngineThread()
+    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS)
+    async_engine = runner.AsyncEngine(thread.call(lambda: create_engine(config)), thread)
+
+    async def one(prompt: list[int]) -> tuple[list[int], str | None, str | None]:
+        (stream,) = await async_engine.generate_n(prompt, params, 1)
+        tokens: list[int] = []
+        while True:
+            update = await asyncio.wait_for(stream.get(), 60)
+            tokens += update.token_ids
+            if update.finished:
+                return tokens, update.finish_reason, update.error
+
+    async def both():
+        return await asyncio.gather(one([5, 6, 7, 8]), one([7, 7, 7, 9]))
+
+    real = runner._update
+
+    def update(engine, stream, req):
+        if list(req.prompt_ids[:3]) == [7, 7, 7] and len(req.output_ids) >= 2:
+            raise RuntimeError("boom")
+        return real(engine, stream, req)
+
+    try:
+        want = asyncio.run(one([5, 6, 7, 8]))
+        monkeypatch.setattr(runner, "_update", update)
+        good, bad = asyncio.run(both())
+        assert good == want and len(want[0]) == 8
+        assert bad[1:] == ("error", "engine error: boom") and len(bad[0]) < 8
+        assert async_engine.alive
+        monkeypatch.undo()
+        assert asyncio.run(one([5, 6, 7, 8])) == want
+        in_flight = asyncio.run(async_engine.call(lambda e: e.check_integrity() or e.requests))
+        assert not in_flight
+    finally:
+        async_engine.shutdown()
+        async_engine.close_engine()

@@ -426,7 +426,17 @@ class AsyncEngine:
             stream = self._streams.get(req.rid)
             if stream is None:
                 continue
-            if not stream._push(_update(self.engine, stream, req)):
+            try:
+                update = _update(self.engine, stream, req)
+            except Exception as e:  # (its texts, say): this request fails, not the thread
+                log.exception("update of request %d failed; aborting it", req.rid)
+                self._streams.pop(req.rid, None)
+                if not req.finished:
+                    self.engine.abort(req.rid)
+                stream._push(_ended(stream, "error", f"engine error: {e}"))
+                stream.request = None
+                continue
+            if not stream._push(update):
                 self._abort(stream, "abort")  # its event loop closed under it
             elif req.finished:
                 self._streams.pop(req.rid, None)
