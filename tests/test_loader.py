@@ -70,6 +70,12 @@ def test_plan_needing_absent_indexers_is_a_clear_error(ckpt):
         DsakvError, match=r"missing tensor\(s\): model\.layers\.2\.self_attn\.indexer"
     ):
         load_model(ckpt, no_index_share=True)
+    with pytest.raises(DsakvError) as e:  # the layers named, and what to do
+        load_model(ckpt, index_topk_pattern="FFFSFSSF")
+    assert str(e.value).endswith(
+        "layer(s) 2, 7 run their indexer in the layer plan FFFSFSSF but the checkpoint holds "
+        "none for them: make them shared (--index-topk-pattern)"
+    )
 
 
 def test_missing_and_unexpected_tensors(ckpt, tmp_path):

@@ -238,6 +238,9 @@ def _pack_fp8(model: DSAForCausalLM, scaled: set[str], packable: set[str]) -> in
     return count
 
 
+_INDEXER = re.compile(r"model\.layers\.(\d+)\.self_attn\.indexer\.")
+
+
 def _listing(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
@@ -459,6 +462,13 @@ class _Filler:
         problems = []
         if missing:
             problems.append(f"{len(missing)} missing tensor(s): {_listing(missing)}")
+        no_indexer = sorted({int(m[1]) for n in missing if (m := _INDEXER.match(n))})
+        if no_indexer:  # (a layer plan override, a calibrated pattern: the usual cause)
+            problems.append(
+                f"layer(s) {', '.join(map(str, no_indexer))} run their indexer in the layer "
+                f"plan {self.plan.pattern} but the checkpoint holds none for them: make them "
+                "shared (--index-topk-pattern)"
+            )
         if self.unexpected:
             problems.append(
                 f"{len(self.unexpected)} unexpected tensor(s): {_listing(self.unexpected)}"
