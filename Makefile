@@ -11,7 +11,7 @@ STAMP := $(VENV)/.dsakv-installed
 TRITON_36 ?= .triton-3.6
 TRITON_36_STAMP := $(TRITON_36)/.installed
 
-.PHONY: install system-libs run test lint bench clean wheelhouse device-check-dry device-models
+.PHONY: install system-libs run test lint clean wheelhouse device-check-dry device-models
 
 install: system-libs $(STAMP) $(TRITON_36_STAMP)
 
