@@ -294,7 +294,8 @@ def check_parity(args, tools, model: Path, gguf: Path, outtype: str) -> bool:
     ok = True
     for p, (a, a_top), o in zip(batch, ref, outs):
         eq, n, first = compare_tokens(a, o.token_ids)
-        gap = logprob_gap(a_top[:first], [dict(t) for t in o.top_logprobs][:first])
+        ours = [{t: x.logprob for t, x in d.items()} for d in o.outputs[0].logprobs]
+        gap = logprob_gap(a_top[:first], ours[:first])
         where = "" if first is None else f", FIRST DIFFERENCE AT TOKEN {first}"
         print(f"parity ({outtype}, {len(p)}-token prompt): {eq} of {n} tokens equal{where}; "
               f"top-{TOP} logprobs within {gap:.1e}", flush=True)  # fmt: skip

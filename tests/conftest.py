@@ -62,3 +62,20 @@ def client(base):
     from .serving import TIMEOUT
 
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def flat_logprobs(positions, ids, k: int | None = None) -> list:
+    """vLLM-shaped logprobs (`CompletionOutput.logprobs`, `RequestOutput.prompt_logprobs`)
+    as the engine's flat lists: the logprob of each of `ids` at its position, or with `k`
+    each position's top-k (token id, logprob) pairs by rank; None where a position has no
+    dict (the prompt's first)."""
+    if k is None:
+        return [None if d is None else d[t].logprob for t, d in zip(ids, positions)]
+    return [
+        None if d is None else [(t, x.logprob) for t, x in sorted(d.items(), key=_rank)][:k]
+        for d in positions
+    ]
+
+
+def _rank(item):
+    return item[1].rank

@@ -22,6 +22,7 @@ from dsakv.models.loader import load_model
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 from dsakv.server.runner import RequestStream, _update
 
+from .conftest import flat_logprobs
 from .model_driver import make_pool
 from .serving import TIMEOUT, serving
 
@@ -92,13 +93,14 @@ def test_prompt_logprobs_are_teacher_forced_whatever_the_cache(model_dir, refere
     (out,) = reference.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=3))
     assert reference.engine.scheduler.stats.prefix_hit_tokens == hits  # scored from row 0
     assert out.token_ids == [] and out.finish_reason == "length"
-    assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
-    got = out.prompt_logprobs[1:]
+    assert out.prompt_logprobs[0] is None
+    got = flat_logprobs(out.prompt_logprobs, ids)[1:]
     assert max(abs(a - b) for a, b in zip(got, want[1:])) < 1e-5
     ranks = [int((full[p] > full[p, ids[p + 1]]).sum()) + 1 for p in range(len(ids) - 1)]
-    assert out.prompt_ranks == [None, *ranks]
+    assert [d[t].rank for t, d in zip(ids[1:], out.prompt_logprobs[1:])] == ranks
+    tops = flat_logprobs(out.prompt_logprobs, ids, k=3)
     for p in range(1, len(ids)):
-        top = out.prompt_top_logprobs[p]
+        top = tops[p]
         ref_v, ref_i = torch.topk(full[p - 1], 3)
         assert [t for t, _ in top] == ref_i.tolist()
         assert max(abs(x - float(v)) for (_, x), v in zip(top, ref_v)) < 1e-5
@@ -139,10 +141,14 @@ def test_echo_logprobs_equal_offline_teacher_forced(client, reference, model_dir
         assert "".join(lp.tokens) == text  # byte-level tokens of ASCII text
         assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        diffs = [abs(a - b) for a, b in zip(lp.token_logprobs[1:], ref.prompt_logprobs[1:])]
+        ids = ref.prompt_token_ids
+        diffs = [
+            abs(a - b)
+            for a, b in zip(lp.token_logprobs[1:], flat_logprobs(ref.prompt_logprobs, ids)[1:])
+        ]
         assert max(diffs) < 1e-5
         pairs = zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:])
-        for (tok, x, top), ref_top in zip(pairs, ref.prompt_top_logprobs[1:]):
+        for (tok, x, top), ref_top in zip(pairs, flat_logprobs(ref.prompt_logprobs, ids, k=2)[1:]):
             # the top 2 and the prompt token (ASCII here: one token per text), keyed by text
             assert 1 <= len(top) <= 3 and top[tok] == pytest.approx(x, abs=1e-5)
             assert max(top.values()) == pytest.approx(ref_top[0][1], abs=1e-5)
@@ -152,7 +158,8 @@ def test_echo_logprobs_equal_offline_teacher_forced(client, reference, model_dir
     ids = refs[1].prompt_token_ids
     full = _full_forward_logprobs(model_dir, ids)
     want = [float(full[p, ids[p + 1]]) for p in range(len(ids) - 1)]
-    assert max(abs(a - b) for a, b in zip(refs[1].prompt_logprobs[1:], want)) < 1e-5
+    got = flat_logprobs(refs[1].prompt_logprobs, ids)[1:]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
 
 
 def test_echo_with_generation_and_lm_eval_shape(client, reference):
@@ -167,11 +174,15 @@ def test_echo_with_generation_and_lm_eval_shape(client, reference):
     lp = choice["logprobs"]
     assert len(lp["token_logprobs"]) == len(ids) + 1
     assert choice["text"] == TEXTS[0] + ref.text
-    assert lp["token_logprobs"][-1] == pytest.approx(ref.logprobs[0], abs=1e-5)
+    (c,) = ref.outputs
+    assert lp["token_logprobs"][-1] == pytest.approx(
+        c.logprobs[0][c.token_ids[0]].logprob, abs=1e-5
+    )
     # is_greedy as lm-eval computes it: each token's logprob equals its top-1 logprob.
     pairs = zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:])
     greedy = [t == max(top.values()) for t, top in pairs]
-    want = [ref.prompt_top_logprobs[p][0][0] == ids[p] for p in range(1, len(ids))]
+    tops = flat_logprobs(ref.prompt_logprobs, ids, k=1)
+    want = [tops[p][0][0] == ids[p] for p in range(1, len(ids))]
     assert greedy[:-1] == want and greedy[-1]
 
 
@@ -226,8 +237,10 @@ def test_prompt_logprobs_as_vllm_gives_them(base, client, reference, model_dir):
     assert len(chat) == len(ref.prompt_token_ids) and chat[0] is None
     for p, (t, entry) in enumerate(zip(ref.prompt_token_ids[1:], chat[1:]), 1):
         assert list(entry) == [str(t)]
-        assert entry[str(t)]["logprob"] == pytest.approx(ref.prompt_logprobs[p], abs=1e-5)
-        assert entry[str(t)]["rank"] == ref.prompt_ranks[p]
+        assert entry[str(t)]["logprob"] == pytest.approx(
+            ref.prompt_logprobs[p][t].logprob, abs=1e-5
+        )
+        assert entry[str(t)]["rank"] == ref.prompt_logprobs[p][t].rank
 
 
 def test_echo_streaming_starts_with_the_prompt(base):

@@ -20,6 +20,7 @@ import pytest
 from dsakv import LLM, SamplingParams
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
+from .conftest import flat_logprobs
 from .serving import free_port
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
@@ -435,7 +436,9 @@ def test_dp_attention_carries_grammar_and_prompt_logprobs(models):
                 dead = SamplingParams(max_tokens=8, temperature=0, grammar=("regex", r"ab[^\s\S]"))
                 for o in llm.generate(prompts[:2], dead):
                     assert o.finish_reason == "error" and "cannot be completed" in o.error
-        results[name] = [(o.token_ids, o.prompt_logprobs) for o in outs]
+        results[name] = [
+            (o.token_ids, flat_logprobs(o.prompt_logprobs, o.prompt_token_ids)) for o in outs
+        ]
     assert seeded["dp"] == seeded["one"]
     for (tok_dp, lp_dp), (tok_one, lp_one) in zip(results["dp"], results["one"]):
         assert tok_dp == tok_one

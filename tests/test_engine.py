@@ -14,12 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsakv import LLM, SamplingParams
+from dsakv import LLM, Logprob, SamplingParams
 from dsakv.engine import Engine, EngineConfig
 from dsakv.engine.engine import _find_stop
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server.metrics import EngineCollector
+
+from .conftest import flat_logprobs
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
 
@@ -238,9 +240,13 @@ def test_stop_conditions_and_logprobs(tiny):
     (out,) = llm.generate(
         [prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
     )
-    assert len(out.logprobs) == 4 and all(len(t) == 3 for t in out.top_logprobs)
-    # Greedy picks the most likely token, so its logprob is the top one.
-    assert all(abs(lp - top[0][1]) < 1e-6 for lp, top in zip(out.logprobs, out.top_logprobs))
+    (c,) = out.outputs
+    tops = flat_logprobs(c.logprobs, c.token_ids, k=3)
+    assert len(c.logprobs) == 4 and all(len(t) == 3 for t in tops)
+    # Greedy picks the most likely token, so its logprob is the top one (rank 1).
+    lps = flat_logprobs(c.logprobs, c.token_ids)
+    assert all(abs(lp - top[0][1]) < 1e-6 for lp, top in zip(lps, tops))
+    assert all(d[t].rank == 1 for t, d in zip(c.token_ids, c.logprobs))
     llm.engine.check_integrity()
 
 
@@ -470,7 +476,10 @@ def test_n_choices_per_prompt_come_back_in_vllms_shape(tiny):
         for i, choice in enumerate(out.outputs):
             alone = llm.generate(prompt, dataclasses.replace(params, n=1, seed=7 + i))[0]
             assert (choice.index, choice.token_ids, choice.text) == (i, alone.token_ids, alone.text)
-            assert choice.cumulative_logprob == pytest.approx(sum(alone.logprobs))
+            c = alone.outputs[0]
+            assert choice.cumulative_logprob == pytest.approx(
+                sum(flat_logprobs(c.logprobs, c.token_ids))
+            )
         assert out.token_ids == out.outputs[0].token_ids and out.text == out.outputs[0].text
         assert out.metrics["output_tokens"] == 18
     assert outs[1].prompt_token_ids == [104, 105, 106]
@@ -798,13 +807,16 @@ def test_processed_logprobs_are_the_same_through_mtp_verification():
     assert llm.engine.counters()["spec_accepted_tokens"] > 0
     for a, b in zip(*runs):
         assert a.token_ids == b.token_ids
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
-        assert [[t for t, _ in top] for top in a.top_logprobs] == [
-            [t for t, _ in top] for top in b.top_logprobs
-        ]
-    processed, raw = runs[0][0], runs[0][4]
+        a, b = a.outputs[0], b.outputs[0]
+        lps = [flat_logprobs(c.logprobs, c.token_ids) for c in (a, b)]
+        assert lps[0] == pytest.approx(lps[1], abs=1e-4)
+        tops = [flat_logprobs(c.logprobs, c.token_ids, k=2) for c in (a, b)]
+        assert [[t for t, _ in top] for top in tops[0]] == [[t for t, _ in top] for top in tops[1]]
+    processed, raw = (c.outputs[0] for c in (runs[0][0], runs[0][4]))
     assert processed.token_ids == raw.token_ids  # (the mode changes no sample)
-    assert processed.logprobs != pytest.approx(raw.logprobs, abs=1e-2)
+    assert flat_logprobs(processed.logprobs, processed.token_ids) != pytest.approx(
+        flat_logprobs(raw.logprobs, raw.token_ids), abs=1e-2
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -825,3 +837,156 @@ def test_find_stop_is_the_first_stop_ending_past_the_floor(text, stops, floor):
     ]
     want = min(((min(i for i, t in hits if t == s), s) for s in {s for _, s in hits}), default=None)
     assert _find_stop(text, SamplingParams(stop=stops).stops_by_last, floor) == want
+
+
+def test_a_gpu_device_always_carries_its_index(monkeypatch):
+    """`--device cuda` (or auto) resolved to an index-less `cuda`, while every tensor says
+    `cuda:0`: tables kept per device were built twice. And `cuda:N` past the machine's GPUs
+    was taken, to fail later in a kernel."""
+    import torch
+
+    from dsakv.engine.engine import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(DsakvError, match="has 2 GPU"):
+        resolve_device("cuda:2")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_max_tokens_none_runs_to_the_contexts_end(tiny):
+    """vLLM's `max_tokens=None`: as many tokens as the context leaves (resolved per request,
+    n's forks included), with `min_tokens` checked against that; it was refused."""
+    llm = LLM(tiny, **EXACT, num_pages=16, max_model_len=64)
+    params = SamplingParams(max_tokens=None, min_tokens=5, temperature=0, ignore_eos=True, n=2)
+    (out,) = llm.generate([[104, 105, 106]], params)
+    assert [len(c.token_ids) for c in out.outputs] == [61, 61]
+    assert {c.finish_reason for c in out.outputs} == {"length"}
+    llm.engine.check_integrity()
+
+
+def test_num_cached_tokens_is_the_first_choices_prefix_hit(tiny):
+    """vLLM's `RequestOutput.num_cached_tokens`: the prompt tokens the prefix cache held."""
+    llm = LLM(tiny, **EXACT, num_pages=32)
+    prompt, params = _prompts(1, seed=3, lo=40, hi=40)[0], SamplingParams(max_tokens=2, n=2)
+    (first,) = llm.generate([prompt], params)
+    (again,) = llm.generate([prompt], params)
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 32  # (2 full pages)
+    assert again.metrics["prefix_hit_tokens"] == 64  # (summed over the choices)
+
+
+def test_logprobs_come_in_vllms_shape(tiny):
+    """vLLM's: per output token a dict of the token and its top-k, each a `Logprob` with
+    its rank among the vocabulary and its text; prompt logprobs likewise, None first."""
+    llm = LLM(tiny, **EXACT, num_pages=32)
+    prompt = llm.tokenizer.encode("a plain prompt", add_special_tokens=False)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, logprobs=2, prompt_logprobs=1)
+    (out,) = llm.generate([prompt], params)
+    (c,) = out.outputs
+    assert len(c.logprobs) == len(c.token_ids) == 6 and c.finished()
+    for t, d in zip(c.token_ids, c.logprobs):
+        assert next(iter(d)) == t and all(isinstance(x, Logprob) for x in d.values())
+        others = sorted((x for u, x in d.items() if u != t), key=lambda x: x.rank)
+        assert len(d) in (2, 3) and [x.rank for x in others][:1] in ([1], [2])
+        assert d[t].rank == 1 + sum(x.logprob > d[t].logprob for x in d.values()) or d[t].rank > 2
+    assert "".join(d[t].decoded_token for t, d in zip(c.token_ids, c.logprobs)) == c.text
+    assert c.cumulative_logprob == pytest.approx(
+        sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs))
+    )
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for t, d in zip(prompt[1:], out.prompt_logprobs[1:]):
+        assert d[t].rank >= 1 and d[t].decoded_token == llm.tokenizer.decode([t])
+    # Ranks (one more copy per step) only for requests that asked
+    e = llm.engine
+    plain, asked = (
+        e.add_request([1, 2, 3], SamplingParams(max_tokens=3, logprobs=k)) for k in (None, 0)
+    )
+    while e.has_unfinished():
+        e.step()
+    assert plain.ranks == [] and len(asked.ranks) == 3
+    (none,) = llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert none.outputs[0].logprobs is none.outputs[0].cumulative_logprob is None
+    assert none.prompt_logprobs is None
+
+
+def test_chat_template_kwargs_may_set_the_named_arguments(small_llm):
+    """vLLM's `LLM.chat` merges chat_template_kwargs over its own arguments (it raised
+    "multiple values"), the continue_final_message check on the merged values."""
+    asked = [{"role": "user", "content": "Hi"}]
+    (plain,) = small_llm.chat(asked, GREEDY, add_generation_prompt=False)
+    (kw,) = small_llm.chat(asked, GREEDY, chat_template_kwargs={"add_generation_prompt": False})
+    assert kw.prompt == plain.prompt
+    (raw,) = small_llm.chat(asked, GREEDY, chat_template_kwargs={"chat_template": "{{ 'X' }}"})
+    assert raw.prompt == "X"
+    with pytest.raises(DsakvError, match="needs add_generation_prompt=False"):
+        small_llm.chat(asked, GREEDY, chat_template_kwargs={"continue_final_message": True})
+
+
+def test_sampling_params_take_vllms_spellings():
+    """seed -1 is unseeded, logprobs True is 1, clone() a copy (vLLM's)."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert SamplingParams(logprobs=True).logprobs == 1
+    sp = SamplingParams(max_tokens=3, stop=["x"])
+    assert sp.clone() == sp
+    with pytest.raises(DsakvError, match="bad_words must be strings with more than whitespace"):
+        SamplingParams(bad_words=[" "])
+
+
+def test_unseeded_minus_one_samples_anew_each_call(small_llm):
+    sp = SamplingParams(seed=-1, max_tokens=8, temperature=1.0)
+    outs = [small_llm.generate([[104, 105]], sp)[0].token_ids for _ in range(3)]
+    assert not outs[0] == outs[1] == outs[2]
+
+
+def test_bad_words_ban_the_word_without_its_leading_space(small_llm):
+    """vLLM's: " ab" bans "ab" (its token sequences are of the word lstripped)."""
+    from dsakv.engine.sampling import bad_word_ids
+
+    tok = small_llm.tokenizer
+    assert bad_word_ids(tok, [" ab"]) == bad_word_ids(tok, ["ab"])
+    sp = SamplingParams(
+        max_tokens=16, temperature=1.0, seed=0, n=4, allowed_token_ids=[97, 98], bad_words=[" ab"]
+    )
+    (out,) = small_llm.generate("Hi", sp)
+    assert not any("ab" in c.text for c in out.outputs)
+
+
+def test_allowed_token_ids_hold_where_bans_would_empty_them(small_llm):
+    """`allowed_token_ids` were applied after min_tokens' and bad_words' bans: where those
+    banned every allowed id, the mask gave way and the whole vocabulary was open (tokens the
+    client ruled out, no error). The bans give way instead, as they do to a grammar; bad
+    words that ban every allowed token are refused."""
+    eos = small_llm.engine.eos_token_ids[0]
+    for allowed, extra in (
+        ([eos], {"min_tokens": 3}),
+        ([65, 66], {"stop_token_ids": [65, 66], "min_tokens": 3}),
+        ([65, 66], {"bad_words": ["AB"], "seed": 1, "temperature": 1.0}),
+    ):
+        params = {"max_tokens": 6, "temperature": 0.0, "allowed_token_ids": allowed, **extra}
+        (out,) = small_llm.generate("Hi", SamplingParams(**params))
+        assert out.token_ids and set(out.token_ids) <= set(allowed), (allowed, extra)
+    with pytest.raises(DsakvError, match="bad_words ban every token allowed_token_ids allows"):
+        small_llm.generate("Hi", SamplingParams(allowed_token_ids=[65], bad_words=["A"]))
+
+
+def test_detokenize_false_gives_token_ids_alone(small_llm):
+    """vLLM's `detokenize=False` (an RL rollout's: ids only) and
+    `spaces_between_special_tokens` were a TypeError here. The tokens are those of a
+    detokenized run; the text and the logprobs' token texts are left out."""
+    greedy = {"max_tokens": 8, "temperature": 0.0, "logprobs": 2, "ignore_eos": True}
+    (want,) = small_llm.generate("Hello", SamplingParams(**greedy))
+    sp = SamplingParams(**greedy, detokenize=False, spaces_between_special_tokens=False)
+    (got,) = small_llm.generate("Hello", sp)
+    c = got.outputs[0]
+    assert c.token_ids == want.token_ids and want.text and c.text == ""
+    assert flat_logprobs(c.logprobs, c.token_ids) == flat_logprobs(
+        want.outputs[0].logprobs, want.token_ids
+    )
+    assert all(x.decoded_token is None for d in c.logprobs for x in d.values())
+    with pytest.raises(DsakvError, match="detokenize=False"):
+        small_llm.generate("Hello", SamplingParams(stop=["a"], detokenize=False))
+    with pytest.raises(DsakvError, match="detokenize must be"):
+        SamplingParams(detokenize="no")

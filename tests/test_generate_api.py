@@ -20,6 +20,7 @@ from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.models import ForwardBatch
 from dsakv.models.loader import load_model
 
+from .conftest import flat_logprobs
 from .model_driver import make_pool
 from .serving import TIMEOUT, engine_held_until_an_abort, serving
 
@@ -152,6 +153,7 @@ def test_logprobs_equal_the_offline_engines(base, reference):
     ids = _ids(reference, TEXTS[0])
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0, logprobs=2)
     (ref,) = reference.generate([ids], SamplingParams(**{**vars(params), "prompt_logprobs": 2}))
+    (c,) = ref.outputs
     sp = {"max_new_tokens": 4, **GREEDY}
     for start in (0, 5):
         m = _generate(
@@ -164,18 +166,19 @@ def test_logprobs_equal_the_offline_engines(base, reference):
         )["meta_info"]
         out = m["output_token_logprobs"]
         assert [t for _, t, _ in out] == ref.token_ids
-        assert _same([x for x, _, _ in out], ref.logprobs)
+        assert _same([x for x, _, _ in out], flat_logprobs(c.logprobs, c.token_ids))
         assert all(s is None for *_, s in out)
         tops = m["output_top_logprobs"]
-        assert _same([[[t, x] for x, t, _ in top] for top in tops], ref.top_logprobs)
+        want = flat_logprobs(c.logprobs, c.token_ids, k=2)
+        assert _same([[[t, x] for x, t, _ in top] for top in tops], want)
         inp = m["input_token_logprobs"]
         assert [t for _, t, _ in inp] == ids[start:]
         assert inp[0][0] is None and _same(
-            [x for x, _, _ in inp[1:]], ref.prompt_logprobs[start + 1 :]
+            [x for x, _, _ in inp[1:]], flat_logprobs(ref.prompt_logprobs, ids)[start + 1 :]
         )
         tops = m["input_top_logprobs"]
         assert tops[0] is None and len(tops) == len(ids) - start
-        want = ref.prompt_top_logprobs[start + 1 :]
+        want = flat_logprobs(ref.prompt_logprobs, ids, k=2)[start + 1 :]
         assert _same([[[t, x] for x, t, _ in top] for top in tops[1:]], want)
 
     tok = reference.tokenizer
@@ -185,7 +188,7 @@ def test_logprobs_equal_the_offline_engines(base, reference):
     assert m["input_token_logprobs"] == [[None, ids[-1], tok.decode([ids[-1]])]]
     out = m["output_token_logprobs"]
     assert [s for *_, s in out] == [tok.decode([t]) for t in ref.token_ids]
-    assert _same([x for x, _, _ in out], ref.logprobs)
+    assert _same([x for x, _, _ in out], flat_logprobs(c.logprobs, c.token_ids))
     assert "output_top_logprobs" not in m and "input_top_logprobs" not in m  # (num 0)
     # max_new_tokens 0 only scores the prompt (SGLang's prefill-only request)
     m = _generate(
@@ -196,7 +199,9 @@ def test_logprobs_equal_the_offline_engines(base, reference):
         logprob_start_len=0,
     )["meta_info"]
     assert m["finish_reason"] == {"type": "length", "length": 0}
-    assert _same([x for x, _, _ in m["input_token_logprobs"]], ref.prompt_logprobs)
+    assert _same(
+        [x for x, _, _ in m["input_token_logprobs"]], flat_logprobs(ref.prompt_logprobs, ids)
+    )
 
 
 def test_streaming_joins_to_the_whole_response(base, reference):
@@ -234,6 +239,7 @@ _BAD = [
     ({"sampling_params": {}}, "text"),
     ({"text": "x", "input_ids": [1]}, "text"),
     ({"text": []}, "text"),
+    ({"text": ""}, "text"),  # (GLM's tokenizer adds nothing to it; DeepSeek's adds a BOS)
     ({"input_ids": []}, "input_ids"),
     ({"input_ids": [1, "a"]}, "input_ids"),
     ({"text": "x", "sampling_params": {"max_tokens": 3}}, "sampling_params.max_tokens"),

@@ -17,6 +17,7 @@ import pytest
 from dsakv.engine import LLM, SamplingParams
 from dsakv.models.tiny import write_tiny_model
 
+from .conftest import flat_logprobs
 from .serving import free_port
 
 DATA = Path(__file__).parent / "data"
@@ -130,7 +131,7 @@ def test_multiple_choice_matches_offline_loglikelihoods(results, offline):
             ctx = tok.encode(context, add_special_tokens=False)
             ids = tok.encode(context + continuation, add_special_tokens=False)
             (out,) = offline.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=0))
-            want.append(sum(out.prompt_logprobs[len(ctx) :]))
+            want.append(sum(flat_logprobs(out.prompt_logprobs, ids)[len(ctx) :]))
         assert all(math.isfinite(x) for x in scored)
         assert max(abs(a - b) for a, b in zip(scored, want)) < 1e-4
         best = max(range(len(want)), key=want.__getitem__)

@@ -24,6 +24,8 @@ from dsakv.engine.sampling import (
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import TINY_PRESETS, default_model_dir, hf_config, random_hf_model
 
+from .conftest import flat_logprobs
+
 # fp32 caches, index_topk over the whole context: the engine's greedy tokens are
 # transformers' (as in test_model_parity), so only the processors can make them differ.
 EXACT = dict(
@@ -273,8 +275,9 @@ def test_logprobs_are_the_models_raw_ones(checkpoint, name):
     (out,) = llm.generate([PROMPT], sp)
     want = _hf_logprobs(hf, out.token_ids)
     got = [want[i, t].item() for i, t in enumerate(out.token_ids)]
-    assert out.logprobs == pytest.approx(got, abs=1e-4)
-    for top, row in zip(out.top_logprobs, want):
+    (c,) = out.outputs
+    assert flat_logprobs(c.logprobs, c.token_ids) == pytest.approx(got, abs=1e-4)
+    for top, row in zip(flat_logprobs(c.logprobs, c.token_ids, k=3), want):
         values, ids = row.topk(3)
         assert [t for t, _ in top] == ids.tolist()
         assert [x for _, x in top] == pytest.approx(values.tolist(), abs=1e-4)
@@ -318,7 +321,7 @@ def test_mtp_keeps_the_processed_tokens():
         with LLM(model, **exact, **extra) as llm:
             out = llm.generate(prompts, params)
             runs.append([o.token_ids for o in out])
-            logprobs.append(out[0].logprobs)
+            logprobs.append(flat_logprobs(out[0].outputs[0].logprobs, out[0].token_ids))
             if extra:
                 assert llm.engine.stats.accepted_tokens > 0  # the drafts were checked
     assert runs[0] == runs[1]

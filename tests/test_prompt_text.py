@@ -20,6 +20,7 @@ import pytest
 from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.errors import DsakvError
 
+from .conftest import flat_logprobs
 from .serving import TIMEOUT, serving
 
 # The completions tests' model, engine and server, their fixtures imported.
@@ -152,6 +153,8 @@ def test_a_text_prompt_gets_the_tokenizers_bos_and_a_chat_prompt_the_templates(w
         assert _post(base, "/v1/completions", body)["choices"][0]["prompt_token_ids"] == plain
         out = _post(base, "/generate", {"text": text, "sampling_params": {"max_new_tokens": 1}})
         assert out["meta_info"]["prompt_tokens"] == len(plain) + 1
+        out = _post(base, "/generate", {"text": "", "sampling_params": {"max_new_tokens": 1}})
+        assert out["meta_info"]["prompt_tokens"] == 1  # (the BOS: as /v1/completions runs it)
         assert _post(base, "/tokenize", {"prompt": text})["tokens"] == [bos, *plain]
         body = {"prompt": text, "add_special_tokens": False}
         assert _post(base, "/tokenize", body)["tokens"] == plain
@@ -203,7 +206,8 @@ def test_a_top_logprobs_text_follows_the_prompt_too(base, reference):
     finishes the character the prompt left unfinished reads as that character."""
     prompt = HI + SUN[:2]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
-    top = reference.generate([prompt], params)[0].top_logprobs[0]
+    (c,) = reference.generate([prompt], params)[0].outputs
+    top = flat_logprobs(c.logprobs, c.token_ids, k=5)[0]
     want = {_added(reference.tokenizer, prompt, [t]) for t, _ in top}
     assert any(not key.isascii() for key in want)  # (read alone, each was U+FFFD)
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 5}

@@ -25,6 +25,7 @@ from dsakv.models.tiny import write_tiny_model
 from dsakv.server import build_app, make_server
 from dsakv.server.chat import load_chat_template
 
+from .conftest import flat_logprobs
 from .serving import (
     TIMEOUT,
     engine_held_until_an_abort,
@@ -129,7 +130,7 @@ def test_completion_matches_offline(client, reference):
     assert choice.finish_reason == "length"
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
-    assert choice.logprobs.token_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert choice.logprobs.token_logprobs == pytest.approx(_flat(ref), abs=1e-4)
     assert all(len(top) <= 3 for top in choice.logprobs.top_logprobs)
     # Token ids as the prompt give the same answer.
     r2 = client.completions.create(
@@ -165,7 +166,7 @@ def test_chat_matches_offline(client, reference):
     assert choice.message.content == "" and choice.finish_reason == "length"
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 10
     lps = choice.logprobs.content
-    assert [x.logprob for x in lps] == pytest.approx(ref.logprobs, abs=1e-4)
+    assert [x.logprob for x in lps] == pytest.approx(_flat(ref), abs=1e-4)
     assert all(len(x.top_logprobs) == 2 for x in lps)
 
 
@@ -1223,3 +1224,8 @@ def test_usage_reports_cached_prompt_tokens(base):
     assert cached(first) == 0 and first["prompt_tokens"] > 32
     assert cached(usage("/v1/chat/completions", chat)) > 0
     assert cached(usage("/v1/chat/completions", {**chat, "n": 2}, stream=True)) > 0
+
+
+def _flat(out) -> list[float]:
+    """The first choice's sampled-token logprobs of an offline output."""
+    return flat_logprobs(out.outputs[0].logprobs, out.token_ids)

@@ -20,6 +20,8 @@ from dsakv.memory import CacheLayout, DSAKVPool
 from dsakv.models.loader import _read_dequant, _read_packed, load_model
 from dsakv.models.tiny import default_model_dir, quantize_fp8_blocks, write_tiny_model
 
+from .conftest import flat_logprobs
+
 native = pytest.mark.skipif(
     not cpu_native.available(), reason="no C++ compiler: the cpu backend runs its torch ops"
 )
@@ -217,7 +219,7 @@ def _check_w_uv(attn_a, attn_b, pool, batch: int) -> None:
 
 def _generate(model: str, prompts, **kw):
     out = LLM(model, **{**KW, **kw}).generate(prompts, GREEDY)
-    return [(o.token_ids, o.logprobs, o.top_logprobs) for o in out]
+    return [(o.token_ids, o.outputs[0].logprobs) for o in out]
 
 
 @native
@@ -234,7 +236,7 @@ def test_auto_dtype_generates_the_float32_models_tokens_and_logprobs(checkpoint,
     assert (model.dtype, _weight_dtype(model)) == (torch.float32, torch.bfloat16)
     assert model.model.layers[1].self_attn.q_b_proj.weight.dtype != torch.float32
     assert llm.engine.deterministic == (deterministic is None)
-    got = [(o.token_ids, o.logprobs, o.top_logprobs) for o in llm.generate(prompts, GREEDY)]
+    got = [(o.token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, GREEDY)]
     assert got == _generate(checkpoint, prompts, dtype="float32", **kw)
 
 
@@ -252,7 +254,9 @@ def test_auto_dtype_holds_glm_bench_short_in_half_the_bytes():
     auto, wide = LLM(path, **KW), LLM(path, **KW, dtype="float32")
     assert 0.5 <= weight_bytes(auto) / weight_bytes(wide) < 0.52
     got, want = auto.generate(prompts, GREEDY), wide.generate(prompts, GREEDY)
-    assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
+    assert [(o.token_ids, flat_logprobs(o.outputs[0].logprobs, o.token_ids)) for o in got] == [
+        (o.token_ids, flat_logprobs(o.outputs[0].logprobs, o.token_ids)) for o in want
+    ]
 
 
 def _fp8_pair(

@@ -2,7 +2,7 @@
 what runs engines on several ranks (`launch`, DP attention in `dp`)."""
 
 from .engine import Engine, EngineConfig
-from .llm import LLM, CompletionOutput, RequestOutput
+from .llm import LLM, CompletionOutput, Logprob, RequestOutput
 from .request import Request, Status
 from .sampling import SamplingParams
 
@@ -11,6 +11,7 @@ __all__ = [
     "CompletionOutput",
     "Engine",
     "EngineConfig",
+    "Logprob",
     "Request",
     "RequestOutput",
     "SamplingParams",

@@ -176,3 +176,35 @@ def _steps(part: Any, key: str) -> list[dict[str, Any]]:
         else:
             out.append(step)
     return out
+
+
+# tokens before a position that its alternatives are decoded after (`alternative_texts`)
+ALTERNATIVE_CONTEXT = 6
+
+
+def alternative_texts(
+    tokenizer: Any,
+    ids: list[int],
+    start: int,
+    alternatives: list[list[int]],
+    skip: bool,
+    chosen: list[str],
+) -> list[list[str]]:
+    """The text each alternative at positions `start..` would have added after the tokens
+    before it (the last few, decoded in one batch), as `TokenTexts` counts: "" for part of
+    a character. The chosen token's is its own text (`chosen`), so the top-1's key is the
+    token's (lm-eval's greedy check)."""
+    seqs: list[list[int]] = []
+    for i, alts in zip(range(start, len(ids)), alternatives):
+        ctx = ids[max(0, i - ALTERNATIVE_CONTEXT) : i]
+        seqs += [ctx, *(ctx + [t] for t in alts)]
+    decoded = iter(tokenizer.batch_decode(seqs, skip_special_tokens=skip))
+    out = []
+    for i, alts, mine in zip(range(start, len(ids)), alternatives, chosen):
+        before = next(decoded)  # (may start with U+FFFD: a window cut mid-character)
+        texts = []
+        for t in alts:
+            s = next(decoded).rstrip("\ufffd")
+            texts.append(mine if t == ids[i] else s[len(os.path.commonprefix([before, s])) :])
+        out.append(texts)
+    return out

@@ -26,7 +26,7 @@ from .sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 # Request fields that grow as it decodes, and the ones that are replaced.
-_GROWING = ("output_ids", "logprobs", "top_logprobs")
+_GROWING = ("output_ids", "logprobs", "top_logprobs", "ranks")
 _REPLACED = (
     "output_text",
     "finish_reason",

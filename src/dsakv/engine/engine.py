@@ -294,17 +294,24 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt p
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device `name` picks, a GPU always with its index: tensors report `cuda:0`, so an
+    index-less key (`cuda`) missed every table kept per device and built it twice."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
         raise DsakvError(f"unknown device {name!r}") from None
     if device.type not in ("cpu", "cuda"):
         raise DsakvError(f"device {name!r}: dsakv runs on cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise DsakvError("device cuda requested but CUDA is not available")
-    return device
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise DsakvError(f"device {name!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return torch.device("cuda", index)
 
 
 @dataclass
@@ -346,6 +353,8 @@ class Engine:
         self.device = device or resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
+        else:  # Triton launches, graph captures and events use the thread's current GPU
+            torch.cuda.set_device(self.device)
         auto = "float32" if self.device.type == "cpu" else "bfloat16"
         dtype = torch_dtype(auto if config.dtype == "auto" else config.dtype)
         torch.manual_seed(config.seed)
@@ -551,10 +560,11 @@ class Engine:
         )
         if self.hot is not None:
             log.info(
-                "HiSparse: %d device latent slots (%d B/token, hot buffers of %d + 1 page), "
-                "%d logical tokens (%.1f MiB of latent in host memory)",
+                "HiSparse: %d device latent slots (%d B/token, hot buffers of %d slots: "
+                "%d + 1 in whole pages), %d logical tokens (%.1f MiB of latent in host memory)",
                 self.pool.num_latent_tokens,
                 self.layout.latent_bytes_per_token,
+                self.hot.buffer_pages * self.hot.page_size,
                 self.hisparse.device_buffer_size,
                 self.pool.num_tokens,
                 self.hot.host_nbytes / 2**20,
@@ -698,13 +708,16 @@ class Engine:
     def _init_request(self, req: Request) -> None:
         """Per-request state its params ask for: a grammar matcher (a bad grammar raises
         `DsakvError` here, before the request is queued) and room for prompt logprobs.
-        `max_tokens` is cut to what the context leaves: the context ends the request there
-        anyway, and admission reserves pages for a share of `max_tokens` (uncut, a client's
-        `max_tokens` of 10**8 made a request that could never be admitted)."""
+        `max_tokens` is cut to what the context leaves, and None (vLLM's "to the context's
+        end") is that: the context ends the request there anyway, and admission reserves
+        pages for a share of `max_tokens` (uncut, a client's `max_tokens` of 10**8 made a
+        request that could never be admitted)."""
         room = self.max_model_len - len(req.prompt_ids)
-        if req.params.max_tokens > room >= 1:
+        most = req.params.max_tokens
+        if most is None or most > room >= 1:
+            most = max(room, 1)
             req.params = replace(
-                req.params, max_tokens=room, min_tokens=min(req.params.min_tokens, room)
+                req.params, max_tokens=most, min_tokens=min(req.params.min_tokens, most)
             )
         req.matcher, req.bad_words_ids = self.check_request(req.params)
         p = req.params
@@ -723,16 +736,23 @@ class Engine:
         matcher = None if p.grammar is None else self.grammars.matcher(p.grammar)
         if p.stop and self.tokenizer is None:  # (matched in the output's text: none here)
             raise DsakvError("stop needs a tokenizer; this model has none", "stop")
+        if p.stop and not p.detokenize:
+            raise DsakvError("stop strings are matched in the text: not with detokenize=False", "stop")
         if not p.bad_words:
             return matcher, []
         if self.tokenizer is None:
             raise DsakvError("bad_words needs a tokenizer; this model has none", "bad_words")
         try:
-            return matcher, bad_word_ids(self.tokenizer, p.bad_words)
+            bad = bad_word_ids(self.tokenizer, p.bad_words)
         except (TypeError, ValueError) as e:  # a lone surrogate, say
             raise DsakvError(
                 f"bad_words cannot be tokenized: {_one_line(e)}", "bad_words"
             ) from None
+        if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= {
+            ids[0] for ids in bad if len(ids) == 1
+        }:
+            raise DsakvError("bad_words ban every token allowed_token_ids allows", "bad_words")
+        return matcher, bad
 
     def check_params(self, p: SamplingParams) -> None:
         """What `p` asks of this model that `SamplingParams` cannot check alone: its token
@@ -989,6 +1009,7 @@ class Engine:
         self.stats.accepted_tokens += accepted
         self.stats.verify_steps += 1
         logps = None if logp is None else gather_logprobs(logp, tokens, [k] * len(tokens))
+        ranks = None if logp is None else token_ranks(logp[: len(tokens)], tokens)
         base = req.num_computed  # the last token's KV is counted; the drafts' are not yet
         for j, token in enumerate(tokens):
             req.num_computed = base + j
@@ -996,6 +1017,7 @@ class Engine:
             if logps is not None:
                 req.logprobs.append(logps[j][0])
                 req.top_logprobs.append(logps[j][1])
+                req.ranks.append(ranks[j])
             if req.finished:
                 return
 
@@ -1048,9 +1070,12 @@ class Engine:
                 self._emit(req, token, now)
             for rows, logp in logps:
                 ks = [reqs[i].params.logprobs for i in rows]
-                for i, (lp, top) in zip(rows, gather_logprobs(logp, [tokens[i] for i in rows], ks)):
+                picked = [tokens[i] for i in rows]
+                scores = zip(gather_logprobs(logp, picked, ks), token_ranks(logp, picked))
+                for i, ((lp, top), rank) in zip(rows, scores):
                     reqs[i].logprobs.append(lp)
                     reqs[i].top_logprobs.append(top)
+                    reqs[i].ranks.append(rank)
         return done + reqs
 
     def _score_prompts(self, batch: list[tuple[Request, int]], ends: list[int]) -> None:
@@ -1098,17 +1123,19 @@ class Engine:
         self._finish(req, "error", now)
 
     def _restrict(self, req: Request, row: torch.Tensor, output: list[int]) -> None:
-        """What `req` may not pick after `output`: a stop token under `min_tokens`, the
-        last token of a bad word, anything outside `allowed_token_ids`."""
+        """What `req` may not pick after `output`: anything outside `allowed_token_ids`,
+        then a stop token under `min_tokens` and the last token of a bad word, each unless
+        nothing else is left (allowed last, those bans emptied it and it let everything
+        through)."""
         p = req.params
         if not p.masked:
             return
+        if p.allowed_token_ids is not None:
+            allow(row, p.allowed_token_ids)
         if len(output) < p.min_tokens:
             ban(row, [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)])
         if req.bad_words_ids:
             ban(row, banned_words_next(req.bad_words_ids, output))
-        if p.allowed_token_ids is not None:
-            allow(row, p.allowed_token_ids)
 
     def _bias(self, req: Request) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`req`'s logit_bias as tensors on the device, made once (a whole vocabulary's, from
@@ -1149,7 +1176,8 @@ class Engine:
             reason, req.stop_reason = "stop", token
         by_token = reason is not None
         cut_text = False
-        if self.tokenizer is not None:
+        decode = self.tokenizer is not None and p.detokenize
+        if decode:
             streamed = len(req.output_text)  # (the text before this token's)
             self._decode_output(req, token)
             if p.stop and reason is None and len(req.output_ids) > p.min_tokens:
@@ -1172,7 +1200,7 @@ class Engine:
         ):
             reason = "length"
         if reason is not None:
-            if self.tokenizer is not None and not cut_text:
+            if decode and not cut_text:
                 # A stop token's own text is not output (vLLM), unless asked for.
                 drop = by_token and not p.include_stop_str_in_output
                 if self._decodes_whole:  # decoded whole, as it ends

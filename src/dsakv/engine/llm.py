@@ -19,6 +19,7 @@ from dsakv.models.tiny import resolve_model_dir
 from dsakv.procs import interrupts_deferred
 
 from .chat_format import has_chat_format, render_chat, template_message
+from .detokenizer import TokenTexts, alternative_texts
 from .engine import EngineConfig
 from .launch import create_engine
 from .request import Request
@@ -31,6 +32,21 @@ Conversation: TypeAlias = Sequence[Mapping[str, Any]]  # chat messages, as OpenA
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """vLLM's: a token's logprob, its rank among the vocabulary (1 = likeliest) and its
+    text (as the server's logprobs give it; None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's: per position, the scored token and its top-k alternatives by token id
+SampleLogprobs: TypeAlias = list[dict[int, Logprob]]
+PromptLogprobs: TypeAlias = list[dict[int, Logprob] | None]
+
+
+@dataclass(frozen=True)
 class CompletionOutput:
     """One choice of a prompt, as vLLM's `CompletionOutput`."""
 
@@ -38,33 +54,34 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
-    logprobs: list[float] | None  # each chosen token's, with `SamplingParams.logprobs`
-    top_logprobs: list[list[tuple[int, float]]] | None
+    # with `SamplingParams.logprobs`: per output token, the token's and its top-k's
+    logprobs: SampleLogprobs | None
+    cumulative_logprob: float | None  # the sum of the output tokens' logprobs
     # the stop string or `stop_token_ids` token that ended it (None: EOS, length, ...)
     stop_reason: str | int | None = None
 
-    @property
-    def cumulative_logprob(self) -> float | None:
-        return None if self.logprobs is None else sum(self.logprobs)
+    def finished(self) -> bool:
+        """vLLM's (a method here, unlike `RequestOutput.finished`, as there)."""
+        return self.finish_reason is not None
 
     @classmethod
-    def from_request(cls, index: int, req: Request) -> CompletionOutput:
+    def from_request(cls, index: int, req: Request, tokenizer: Any = None) -> CompletionOutput:
         asked = req.params.logprobs is not None
         return cls(
             index,
             req.output_text,
             list(req.output_ids),
             req.finish_reason or "",
-            list(req.logprobs) if asked else None,
-            list(req.top_logprobs) if asked else None,
+            _output_logprobs(req, tokenizer) if asked else None,
+            sum(req.logprobs) if asked else None,
             req.stop_reason,
         )
 
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A prompt's `SamplingParams.n` choices (`outputs`, vLLM's shape); `text`, `token_ids`,
-    `finish_reason`, `logprobs` and `top_logprobs` are the first choice's."""
+    """A prompt's `SamplingParams.n` choices (`outputs`, vLLM's shape); `text`, `token_ids`
+    and `finish_reason` are the first choice's."""
 
     # vLLM's, a string: the first choice's engine request id (`Request.rid`), unique in the
     # process, as the engine's log lines name the request
@@ -73,30 +90,32 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     # counts summed over the choices; ttft_s the first's, latency_s the last to finish
     metrics: dict[str, float | int | None]
-    # With `SamplingParams(prompt_logprobs=k)`: teacher-forced logprob of each prompt token
-    # (None for the first), its top-k alternatives and its rank (vLLM's Logprob.rank).
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    prompt_ranks: list[int | None] | None = None
+    # With `SamplingParams(prompt_logprobs=k)`, vLLM's: per prompt token (None for the
+    # first), its teacher-forced logprob and its top-k alternatives'
+    prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None  # why it failed alone (finish_reason "error")
     prompt: str | None = None  # the prompt's text, where it was given as text (vLLM's)
     finished: bool = True  # vLLM's: no partial outputs here, generate returns finished ones
+    # vLLM's: the prompt tokens the prefix cache held (the first choice's; the others
+    # share its prompt pages)
+    num_cached_tokens: int | None = None
 
     text = property(lambda self: self.outputs[0].text)
     token_ids = property(lambda self: self.outputs[0].token_ids)
     finish_reason = property(lambda self: self.outputs[0].finish_reason)
-    logprobs = property(lambda self: self.outputs[0].logprobs)
-    top_logprobs = property(lambda self: self.outputs[0].top_logprobs)
 
     @classmethod
-    def from_requests(cls, reqs: Sequence[Request], prompt: str | None = None) -> RequestOutput:
-        """The output of one prompt's choices (`Engine.add_requests`)."""
+    def from_requests(
+        cls, reqs: Sequence[Request], prompt: str | None = None, tokenizer: Any = None
+    ) -> RequestOutput:
+        """The output of one prompt's choices (`Engine.add_requests`); `tokenizer` gives
+        the logprobs' token texts."""
         first, ms = reqs[0], [r.metrics for r in reqs]
         latencies = [m.latency for m in ms]
         return cls(
             request_id=str(first.rid),
             prompt_token_ids=list(first.prompt_ids),
-            outputs=[CompletionOutput.from_request(i, r) for i, r in enumerate(reqs)],
+            outputs=[CompletionOutput.from_request(i, r, tokenizer) for i, r in enumerate(reqs)],
             metrics={
                 "ttft_s": ms[0].ttft,
                 "latency_s": None if None in latencies else max(latencies),
@@ -107,13 +126,71 @@ class RequestOutput:
                 "prompt_tokens": len(first.prompt_ids),
                 "output_tokens": sum(len(r.output_ids) for r in reqs),
             },
-            prompt_logprobs=_copy(first.prompt_logprobs),
-            prompt_top_logprobs=_copy(first.prompt_top_logprobs),
-            prompt_ranks=_copy(first.prompt_ranks),
+            prompt_logprobs=_prompt_logprobs(first, tokenizer),
             error=next((r.error for r in reqs if r.error is not None), None),
             prompt=prompt,
             finished=all(r.finished for r in reqs),
+            num_cached_tokens=ms[0].prefix_hit_tokens,
         )
+
+
+def _output_logprobs(req: Request, tokenizer: Any) -> SampleLogprobs:
+    """`req`'s output logprobs in vLLM's shape, with the texts the server reports for them
+    (`dsakv.server.runner`'s: each token's share of the output's text, and what each
+    alternative would have added there)."""
+    ids, tops = req.output_ids, req.top_logprobs
+    texts, top_texts = [None] * len(ids), [[None] * len(top) for top in tops]
+    if tokenizer is not None and ids and req.params.detokenize:
+        skip = req.params.skip_special_tokens
+        kept = req.detokenizer
+        if kept is None or kept.texts is None:
+            kept = TokenTexts(tokenizer, skip, prompt=req.prompt_ids)
+        texts = kept.shares(ids, end=True)
+        alts = [[t for t, _ in top] for top in tops]
+        top_texts = alternative_texts(
+            tokenizer, req.all_ids, len(req.prompt_ids), alts, skip, texts
+        )
+    return [
+        _position(t, lp, rank, text, top, alt_texts)
+        for t, lp, rank, text, top, alt_texts in zip(
+            ids, req.logprobs, req.ranks, texts, tops, top_texts
+        )
+    ]
+
+
+def _prompt_logprobs(req: Request, tokenizer: Any) -> PromptLogprobs | None:
+    """`req`'s prompt logprobs in vLLM's shape (None for the first token), with texts as
+    the server echoes them (special tokens' included)."""
+    if req.prompt_logprobs is None:
+        return None
+    ids, tops = req.prompt_ids, req.prompt_top_logprobs
+    texts, top_texts = [None] * len(ids), [[None] * len(top or ()) for top in tops]
+    if tokenizer is not None and req.params.detokenize:
+        texts = TokenTexts(tokenizer, skip=False).shares(ids, end=True)
+        alts = [[t for t, _ in top or ()] for top in tops]
+        top_texts = alternative_texts(tokenizer, ids, 0, alts, False, texts)
+    return [
+        None if lp is None else _position(t, lp, rank, text, top, alt_texts)
+        for t, lp, rank, text, top, alt_texts in zip(
+            ids, req.prompt_logprobs, req.prompt_ranks, texts, tops, top_texts
+        )
+    ]
+
+
+def _position(
+    token: int,
+    logprob: float,
+    rank: int | None,
+    text: str | None,
+    top: Sequence[tuple[int, float]],
+    top_texts: Sequence[str | None],
+) -> dict[int, Logprob]:
+    """One position's dict, as vLLM's: the scored token first, then its top-k alternatives
+    ranked 1..k (the scored token among them keeps its own entry)."""
+    out = {token: Logprob(logprob, rank, text)}
+    for r, ((t, lp), s) in enumerate(zip(top, top_texts), 1):
+        out.setdefault(t, Logprob(lp, r, s))
+    return out
 
 
 class LLM:
@@ -205,8 +282,9 @@ class LLM:
             for r in reqs:
                 self.engine.abort(r.rid)
             raise
+        tokenizer = self.tokenizer
         return [
-            RequestOutput.from_requests(g, p if isinstance(p, str) else None)
+            RequestOutput.from_requests(g, p if isinstance(p, str) else None, tokenizer)
             for g, p in zip(groups, prompts)
         ]
 
@@ -231,7 +309,15 @@ class LLM:
         text: tool calls and reasoning are parsed by `dsakv serve`'s chat endpoint, not
         here."""
         params = _params_or_vllms(params, sampling_params)
-        if continue_final_message and add_generation_prompt:
+        # vLLM's: chat_template_kwargs may set the named arguments too, and win
+        kwargs = {
+            "chat_template": chat_template,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "tools": tools,
+            **(chat_template_kwargs or {}),
+        }
+        if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
             raise DsakvError("continue_final_message needs add_generation_prompt=False")
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
             messages = [messages]  # one conversation
@@ -242,24 +328,13 @@ class LLM:
                 "messages",
             )
         tokenizer, model_type = self.tokenizer, self.engine.model_config.model_type
-        if not has_chat_format(tokenizer, model_type, chat_template):
+        if not has_chat_format(tokenizer, model_type, kwargs["chat_template"]):
             raise DsakvError("this model's tokenizer has no chat template", "messages")
         prompts = []
         for conversation in messages:
             rendered = [template_message(i, m) for i, m in enumerate(conversation)]
             try:
-                prompts.append(
-                    render_chat(
-                        tokenizer,
-                        rendered,
-                        model_type,
-                        tools=tools,
-                        chat_template=chat_template,
-                        add_generation_prompt=add_generation_prompt,
-                        continue_final_message=continue_final_message,
-                        **dict(chat_template_kwargs or {}),
-                    )
-                )
+                prompts.append(render_chat(tokenizer, rendered, model_type, **kwargs))
             except DsakvError:
                 raise
             except Exception as e:  # the template's raise_exception: bad roles or order
@@ -277,10 +352,6 @@ def _params_or_vllms(params: Any, sampling_params: Any) -> Any:
     if params is not None:
         raise DsakvError("give params or sampling_params (vLLM's name for it), not both", "params")
     return sampling_params
-
-
-def _copy(xs: list | None) -> list | None:
-    return None if xs is None else list(xs)
 
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt

@@ -29,12 +29,13 @@ LogprobsMode = Literal["raw", "processed"]
 class SamplingParams:
     """How to pick each request's next token and when to stop; validated on creation."""
 
-    max_tokens: int = 16
+    # None: as many as the context leaves (vLLM's; `Engine._init_request` resolves it)
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # -1 is None (vLLM's)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -47,8 +48,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs added to the logits; a dict is taken too
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # the chosen token's logprob and the top-n; by default vLLM's raw logprobs: of the
-    # model's logits (grammar-masked), before logit_bias, penalties, bans and temperature
+    # the chosen token's logprob and the top-n (True: 1, vLLM's); by default vLLM's raw
+    # logprobs: of the model's logits (grammar-masked), before logit_bias, penalties, bans
+    # and temperature
     logprobs: int | None = None
     # "processed": SGLang's (its /generate's, which RL frameworks train against), of the
     # logits after penalties, logit_bias, bans and grammar, over the temperature (1 when
@@ -56,6 +58,12 @@ class SamplingParams:
     logprobs_mode: LogprobsMode = "raw"
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # in the output's text
+    # vLLM's: False leaves the output's text (and the logprobs' token texts) out, token ids
+    # only (an RL rollout's); stop strings need the text
+    detokenize: bool = True
+    # vLLM's; taken, and as in vLLM's fast detokenizer it changes nothing (a fast
+    # tokenizer's decoder has no such option)
+    spaces_between_special_tokens: bool = True
     # (kind, spec): kind in GRAMMAR_KINDS; compiled and checked by `Engine.add_request`
     grammar: tuple[str, str] | None = None
     prompt_logprobs: int | None = None  # teacher-forced top-n over the prompt (None = off)
@@ -82,6 +90,10 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", allowed)
         if self.top_k == 0 and is_int(self.top_k):  # vLLM's "off", as -1
             object.__setattr__(self, "top_k", -1)
+        if self.seed == -1 and is_int(self.seed):  # vLLM's "unseeded"
+            object.__setattr__(self, "seed", None)
+        if self.logprobs is True:  # vLLM's: the sampled token and the likeliest
+            object.__setattr__(self, "logprobs", 1)
         bias = self.logit_bias
         if isinstance(bias, dict):
             bias = bias.items()
@@ -94,13 +106,14 @@ class SamplingParams:
             ) from None
         checks = [
             (
-                is_int(self.max_tokens)
+                self.max_tokens is None
+                or is_int(self.max_tokens)
                 and (
                     self.max_tokens >= 1
                     or self.max_tokens == 0
                     and self.prompt_logprobs is not None
                 ),
-                "max_tokens must be an integer >= 1 (0 only with prompt_logprobs)",
+                "max_tokens must be None or an integer >= 1 (0 only with prompt_logprobs)",
             ),
             (is_int(self.n) and self.n >= 1, "n must be an integer >= 1"),
             (
@@ -124,8 +137,8 @@ class SamplingParams:
             ),
             (
                 is_int(self.min_tokens)
-                and is_int(self.max_tokens)
-                and 0 <= self.min_tokens <= self.max_tokens,
+                and self.min_tokens >= 0
+                and (not is_int(self.max_tokens) or self.min_tokens <= self.max_tokens),
                 "min_tokens must be an integer in 0..max_tokens",
             ),
             (
@@ -170,8 +183,8 @@ class SamplingParams:
                 "allowed_token_ids must be a non-empty list of token ids",
             ),
             (
-                all(isinstance(w, str) and w for w in self.bad_words),
-                "bad_words must be non-empty strings",
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words must be strings with more than whitespace",
             ),
             (
                 self.truncate_prompt_tokens is None
@@ -207,6 +220,10 @@ class SamplingParams:
         for ok, message in checks:  # each message starts with the field it is about
             if not ok:
                 raise DsakvError(f"invalid sampling params: {message}", message.split()[0])
+
+    def clone(self) -> SamplingParams:
+        """vLLM's deep copy; these params are frozen, so a copy is all it takes."""
+        return replace(self)
 
     def choice(self, i: int) -> SamplingParams:
         """Choice `i` of `n`: one completion, seeded `seed + i` (reproducible, yet not n
@@ -258,7 +275,13 @@ class SamplingParams:
 
 
 # Checked to be bools: a truthy string such as "no" would otherwise switch one on.
-BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+BOOL_FIELDS = (
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "detokenize",
+    "spaces_between_special_tokens",
+)
 
 
 def _as_tuple(value: object, name: str, what: str) -> tuple:
@@ -428,11 +451,12 @@ def allow(row: torch.Tensor, token_ids: Sequence[int]) -> None:
 
 
 def bad_word_ids(tokenizer: Any, words: Sequence[str]) -> list[list[int]]:
-    """vLLM's token sequences of `bad_words`: each word as given, and with a leading space
-    where that tokenizes to as many tokens, starting differently."""
+    """vLLM's token sequences of `bad_words`: each word without its leading whitespace, and
+    with one space before it where that tokenizes to as many tokens, starting differently
+    (so " ab" bans "ab" too, as in vLLM)."""
     out: list[list[int]] = []
     for word in words:
-        ids = tokenizer.encode(word, add_special_tokens=False)
+        ids = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         out.append(ids)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         if spaced and len(spaced) == len(ids) and spaced[0] != ids[0]:

@@ -202,7 +202,7 @@ def _prompts(body: GenerateRequest) -> tuple[list[str | list[int]], bool, str]:
         raise APIError(400, "give exactly one of text and input_ids", param="text")
     name = "text" if body.text is not None else "input_ids"
     value = body.text if body.text is not None else body.input_ids
-    if not value:
+    if not value and not isinstance(value, str):  # ("" is a text its tokenizer may add to)
         raise APIError(400, f"{name} is empty", param=name)
     try:
         prompts = _prompt_list(value)

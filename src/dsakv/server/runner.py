@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -29,7 +28,7 @@ from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any, TypeVar
 
 from dsakv.engine import Engine, Request, SamplingParams
-from dsakv.engine.detokenizer import TokenTexts
+from dsakv.engine.detokenizer import ALTERNATIVE_CONTEXT, TokenTexts, alternative_texts
 from dsakv.errors import DsakvError
 
 log = logging.getLogger(__name__)
@@ -505,7 +504,7 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         tops = [[t for t, _ in top] for top in req.top_logprobs[start:end]]
         # (after the prompt's last tokens too, as the output's own texts)
         n = len(req.prompt_ids)
-        lo = max(n + start - _CONTEXT, 0)
+        lo = max(n + start - ALTERNATIVE_CONTEXT, 0)
         top_texts = alternative_texts(tok, req.ids(lo, n + end), n + start - lo, tops, skip, texts)
     if scored and tok is not None:  # echoed as given: special tokens' text included
         p = req.prompt_ids
@@ -546,37 +545,6 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
 
 
 # Tokens of context decoded before a position: more than any character needs (4 bytes).
-_CONTEXT = 6
-
-
-def alternative_texts(
-    tokenizer: Any,
-    ids: list[int],
-    start: int,
-    alternatives: list[list[int]],
-    skip: bool,
-    chosen: list[str],
-) -> list[list[str]]:
-    """The text each alternative at positions `start..` would have added after the tokens
-    before it (the last few, decoded in one batch), as `TokenTexts` counts: "" for part of
-    a character. The chosen token's is its own text (`chosen`), so the top-1's key is the
-    token's (lm-eval's greedy check)."""
-    seqs: list[list[int]] = []
-    for i, alts in zip(range(start, len(ids)), alternatives):
-        ctx = ids[max(0, i - _CONTEXT) : i]
-        seqs += [ctx, *(ctx + [t] for t in alts)]
-    decoded = iter(tokenizer.batch_decode(seqs, skip_special_tokens=skip))
-    out = []
-    for i, alts, mine in zip(range(start, len(ids)), alternatives, chosen):
-        before = next(decoded)  # (may start with U+FFFD: a window cut mid-character)
-        texts = []
-        for t in alts:
-            s = next(decoded).rstrip("\ufffd")
-            texts.append(mine if t == ids[i] else s[len(os.path.commonprefix([before, s])) :])
-        out.append(texts)
-    return out
-
-
 def _stable_len(text: str, longest_stop: int) -> int:
     """How much of an unfinished output can be streamed without being taken back later: not a
     trailing partial UTF-8 character (decoded as U+FFFD), nor a tail that could still grow into
