@@ -30,7 +30,7 @@ from dsakv.config import ModelConfig
 from dsakv.config.checkpoint import model_identity
 from dsakv.disagg.bootstrap import BootstrapError, BootstrapServer, describe, request_kv
 from dsakv.disagg.launch import wait_healthy
-from dsakv.disagg.router import build_router_app
+from dsakv.disagg.router import Router, build_router_app
 from dsakv.disagg.transfer import (
     KVTransfer,
     PeerBuffer,
@@ -642,6 +642,37 @@ def test_the_router_passes_over_servers_that_are_down(cluster, reference):
     assert got == want
     assert models == [m.id for m in _client(cluster["decode"].url).models.list().data]
     wait_idle(cluster["prefill"].url)
+
+
+def test_concurrent_requests_through_the_router_all_find_the_server_that_is_up():
+    """Each try of each request advanced one shared rotation: while a request waited on a
+    server that was down, another's try moved the rotation past the one that was up, and
+    the first was told that no server was usable. And a server that failed is asked last
+    for a while (a host dropping packets cost every Nth request a connect timeout)."""
+    router = Router(["http://down:1", "http://up:1"], ["http://down:2", "http://up:2"])
+    asked: list[str] = []
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.host)
+        if request.url.host == "down":
+            await asyncio.sleep(0.2)  # (a connect timeout, shortened)
+            raise httpx.ConnectError("down", request=request)
+        if request.url.path == "/disagg/info":
+            return httpx.Response(200, json={"mode": "prefill", "bootstrap_port": 9000})
+        return httpx.Response(200, json={})
+
+    async def run():
+        router._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        picks = [router._pick_prefill() for _ in range(4)]
+        sends = [router._send_decode("/v1/completions", b"{}", {}) for _ in range(4)]
+        found = await asyncio.gather(*picks, *sends)
+        asked.clear()
+        await asyncio.gather(router._pick_prefill(), router._send_decode("/generate", b"{}", {}))
+        return found
+
+    found = asyncio.run(run())
+    assert [f[0] for f in found] == ["http://up:1"] * 4 + ["http://up:2"] * 4
+    assert asked == ["up"]  # (the prefill server's port was kept; the decode server asked)
 
 
 def test_sglangs_generate_through_the_router_equals_one_engine(cluster, reference):

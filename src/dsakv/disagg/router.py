@@ -13,7 +13,9 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -63,6 +65,7 @@ class Router:
         self._next_prefill = itertools.cycle(range(len(self.prefill)))
         self._next_decode = itertools.cycle(range(len(self.decode)))
         self._bootstrap: dict[str, tuple[str, int]] = {}
+        self._down: dict[str, float] = {}  # server -> when it last failed to connect
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task] = set()
         self.requests = 0
@@ -118,12 +121,15 @@ class Router:
         p_body = {**body, "stream": False}
         p_body.pop("stream_options", None)
         prefill = self._spawn(self._prefill(p_url, path, p_body, headers))
-        headers["content-type"] = "application/json"
+        d_headers = {**headers, "content-type": "application/json"}
         try:  # (a non-streamed answer's headers come when it is complete)
-            sent = await _unless_left(self._send_decode(path, raw, headers), request)
+            sent = await _unless_left(self._send_decode(path, raw, d_headers), request)
+        except _Unreachable as e:
+            self._failed(p_url, prefill)
+            return _error(502, f"decode server {e.url} is unreachable: {e.error!r}")
         except httpx.HTTPError as e:
             self._failed(p_url, prefill)
-            return _error(502, f"the decode server is unreachable: {e!r}")
+            return _error(502, f"the decode server failed: {e!r}")
         if sent is None:
             prefill.cancel()
             return Response(status_code=499)  # the client left: nobody to answer
@@ -153,14 +159,18 @@ class Router:
 
     async def _pick_prefill(self) -> tuple[str, str, int]:
         """The next prefill server that tells its bootstrap port, with that port: one that
-        cannot (down, restarting) is passed over, not handed every Nth request."""
+        cannot (down, restarting) is passed over, not handed every Nth request, and asked
+        last for a while (a host that drops packets costs a connect timeout each time)."""
         errors = []
-        for _ in self.prefill:
-            url = self.prefill[next(self._next_prefill)]
+        for url in _in_turn(self.prefill, next(self._next_prefill), self._down):
             try:
-                return (url, *await self.bootstrap_of(url))
+                found = (url, *await self.bootstrap_of(url))
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 errors.append(f"{url}: {e!r}")
+                self._down[url] = time.monotonic()
+                continue
+            self._down.pop(url, None)
+            return found
         raise _Unusable("; ".join(errors))
 
     async def _send_decode(
@@ -169,16 +179,30 @@ class Router:
         """The request sent to the next decode server that takes the connection. A refused
         connection carried none of the request, so the next server may have it: the
         prefill server's copy waits for whichever decode server asks for its room."""
-        url = self.decode[next(self._next_decode)]
-        for _ in self.decode[1:]:
-            send = self.client.build_request("POST", f"{url}{path}", content=raw, headers=headers)
+        *others, last = _in_turn(self.decode, next(self._next_decode), self._down)
+        for url in others:
             try:
-                return url, await self.client.send(send, stream=True)
+                return url, await self._post(url, path, raw, headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 log.warning("decode %s refused the connection (%r): trying the next", url, e)
-                url = self.decode[next(self._next_decode)]
+        try:
+            return last, await self._post(last, path, raw, headers)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            raise _Unreachable(last, e) from e
+
+    async def _post(
+        self, url: str, path: str, raw: bytes, headers: dict[str, str]
+    ) -> httpx.Response:
+        """`raw` sent to `url`, its answer streamed; a server refusing the connection is
+        marked down for a while (`_in_turn`)."""
         send = self.client.build_request("POST", f"{url}{path}", content=raw, headers=headers)
-        return url, await self.client.send(send, stream=True)
+        try:
+            resp = await self.client.send(send, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            self._down[url] = time.monotonic()
+            raise
+        self._down.pop(url, None)
+        return resp
 
     async def _relay(self, resp: httpx.Response, d_url: str) -> AsyncIterator[bytes]:
         """The decode server's SSE bytes as they come; if it dies, an error event."""
@@ -241,6 +265,27 @@ class _Unusable(Exception):
     """No prefill server told its bootstrap port."""
 
 
+class _Unreachable(Exception):
+    """No decode server took the connection; the last one tried, and its error."""
+
+    def __init__(self, url: str, error: Exception) -> None:
+        super().__init__(url, error)
+        self.url, self.error = url, error
+
+
+# How long a server that failed to connect is asked after the others.
+_DOWN_S = 10.0
+
+
+def _in_turn(urls: list[str], start: int, down: dict[str, float]) -> list[str]:
+    """`urls` from `start` round, those that failed in the last `_DOWN_S` seconds last. One
+    start per request: concurrent requests advancing a shared cycle per try could each skip
+    the one server that is up."""
+    turn = urls[start:] + urls[:start]
+    now = time.monotonic()
+    return sorted(turn, key=lambda u: now - down.get(u, -math.inf) < _DOWN_S)
+
+
 def _num_prompts(body: dict[str, Any]) -> int:
     """How many prompts a body holds (each needs its own bootstrap room): completions'
     `prompt`, or SGLang's /generate `text` / `input_ids`."""
@@ -296,6 +341,9 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
                 r = await router.client.get(f"{url}/v1/models", headers=headers)
             except httpx.HTTPError as e:
                 errors.append(f"{url}: {e!r}")
+                continue
+            if r.status_code >= 500:  # (loading, restarting: another may answer)
+                errors.append(f"{url}: {r.status_code}")
                 continue
             return Response(r.content, r.status_code, media_type="application/json")
         return _error(502, f"no decode server is reachable: {'; '.join(errors)}")

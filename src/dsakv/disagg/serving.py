@@ -414,6 +414,7 @@ class DecodeAsyncEngine(_DisaggEngine):
         if req.params.logprobs is not None and logprob is not None:
             req.logprobs.append(float(logprob))
             req.top_logprobs.append([(int(t), float(x)) for t, x in top or []])
+            req.ranks.append(None)  # (the prefill server's; no route reports it)
         req.metrics.arrival_time = stream.arrival  # (the prefill server's time included)
         ops.start_decoding(engine, req, int(reply["first_token"]))
         stream.rid, stream.request, stream.prompt_tokens = req.rid, req, len(req.prompt_ids)

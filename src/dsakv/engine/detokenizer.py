@@ -1,6 +1,7 @@
 """Token ids to text and back, as the output streams: `TokenTexts` (incremental, after the
-prompt's last tokens, as vLLM's detokenizer) and `chars_per_token` (the bound that refuses
-a text too long to fit before it is tokenized)."""
+prompt's last tokens, as vLLM's detokenizer), `alternative_texts` (what each logprob
+alternative would have added) and `chars_per_token` (the bound that refuses a text too
+long to fit before it is tokenized)."""
 
 from __future__ import annotations
 
@@ -178,7 +179,8 @@ def _steps(part: Any, key: str) -> list[dict[str, Any]]:
     return out
 
 
-# tokens before a position that its alternatives are decoded after (`alternative_texts`)
+# Tokens of context an alternative is decoded after (`alternative_texts`): more than any
+# character needs (4 bytes).
 ALTERNATIVE_CONTEXT = 6
 
 

@@ -54,7 +54,6 @@ from .sampling import (
     penalize,
     processed_logprobs,
     token_mask,
-    token_ranks,
 )
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import MTPDrafter, verify
@@ -291,6 +290,12 @@ def keep_freed_memory() -> None:
 
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` as the thread's current GPU for a step: `set_device` at build time holds
+    for the building thread only, and an engine stepped on another launched on GPU 0."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -737,7 +742,9 @@ class Engine:
         if p.stop and self.tokenizer is None:  # (matched in the output's text: none here)
             raise DsakvError("stop needs a tokenizer; this model has none", "stop")
         if p.stop and not p.detokenize:
-            raise DsakvError("stop strings are matched in the text: not with detokenize=False", "stop")
+            raise DsakvError(
+                "stop strings are matched in the text: not with detokenize=False", "stop"
+            )
         if not p.bad_words:
             return matcher, []
         if self.tokenizer is None:
@@ -896,7 +903,7 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that got a token (finished ones included)."""
-        with self.rank_failures():
+        with self.rank_failures(), _on(self.device):
             return self._step()
 
     def _step(self) -> list[Request]:
@@ -1009,15 +1016,15 @@ class Engine:
         self.stats.accepted_tokens += accepted
         self.stats.verify_steps += 1
         logps = None if logp is None else gather_logprobs(logp, tokens, [k] * len(tokens))
-        ranks = None if logp is None else token_ranks(logp[: len(tokens)], tokens)
         base = req.num_computed  # the last token's KV is counted; the drafts' are not yet
         for j, token in enumerate(tokens):
             req.num_computed = base + j
             self._emit(req, token, now)
             if logps is not None:
-                req.logprobs.append(logps[j][0])
-                req.top_logprobs.append(logps[j][1])
-                req.ranks.append(ranks[j])
+                lp, top, rank = logps[j]
+                req.logprobs.append(lp)
+                req.top_logprobs.append(top)
+                req.ranks.append(rank)
             if req.finished:
                 return
 
@@ -1071,8 +1078,7 @@ class Engine:
             for rows, logp in logps:
                 ks = [reqs[i].params.logprobs for i in rows]
                 picked = [tokens[i] for i in rows]
-                scores = zip(gather_logprobs(logp, picked, ks), token_ranks(logp, picked))
-                for i, ((lp, top), rank) in zip(rows, scores):
+                for i, (lp, top, rank) in zip(rows, gather_logprobs(logp, picked, ks)):
                     reqs[i].logprobs.append(lp)
                     reqs[i].top_logprobs.append(top)
                     reqs[i].ranks.append(rank)
@@ -1107,8 +1113,7 @@ class Engine:
             chunk = targets[lo : lo + _SCORE_ROWS]
             tokens = [req.prompt_ids[pos] for req, pos in chunk]
             ks = [req.params.prompt_logprobs for req, _ in chunk]
-            scores = gather_logprobs(logp, tokens, ks)
-            for (req, pos), (lp, top), rank in zip(chunk, scores, token_ranks(logp, tokens)):
+            for (req, pos), (lp, top, rank) in zip(chunk, gather_logprobs(logp, tokens, ks)):
                 req.prompt_logprobs[pos], req.prompt_top_logprobs[pos] = lp, top
                 req.prompt_ranks[pos] = rank
 

@@ -62,7 +62,7 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         """vLLM's (a method here, unlike `RequestOutput.finished`, as there)."""
-        return self.finish_reason is not None
+        return bool(self.finish_reason)
 
     @classmethod
     def from_request(cls, index: int, req: Request, tokenizer: Any = None) -> CompletionOutput:
@@ -136,8 +136,8 @@ class RequestOutput:
 
 def _output_logprobs(req: Request, tokenizer: Any) -> SampleLogprobs:
     """`req`'s output logprobs in vLLM's shape, with the texts the server reports for them
-    (`dsakv.server.runner`'s: each token's share of the output's text, and what each
-    alternative would have added there)."""
+    (each token's share of the output's text, and what each alternative would have added
+    there: `TokenTexts`, `alternative_texts`)."""
     ids, tops = req.output_ids, req.top_logprobs
     texts, top_texts = [None] * len(ids), [[None] * len(top) for top in tops]
     if tokenizer is not None and ids and req.params.detokenize:

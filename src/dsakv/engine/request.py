@@ -87,7 +87,7 @@ class Request:
     detokenizer: Any = None  # decodes output_ids as they come (`Engine._decode_output`)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    ranks: list[int] = field(default_factory=list)  # each output token's, with logprobs
+    ranks: list[int | None] = field(default_factory=list)  # each output token's, with logprobs
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     matcher: Any = None
     forks: list[Request] = field(default_factory=list)

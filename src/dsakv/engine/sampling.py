@@ -354,15 +354,20 @@ class Sampler:
 
 def gather_logprobs(
     logp: torch.Tensor, tokens: Sequence[int], k: Sequence[int]
-) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Row i of the log-softmaxed `logp`: its logprob of `tokens[i]` and its `k[i]` most
-    likely (token id, logprob) pairs, in two device→host copies whatever the rows."""
+) -> list[tuple[float, list[tuple[int, float]], int]]:
+    """Row i of the log-softmaxed `logp`: its logprob of `tokens[i]`, its `k[i]` most
+    likely (token id, logprob) pairs, and the token's rank (vLLM's: 1 + how many tokens
+    are likelier), in two device→host copies whatever the rows."""
+    logp = logp[: len(tokens)]
     ids = torch.tensor(tokens, dtype=torch.long, device=logp.device)
-    picked = logp.gather(1, ids[:, None])[:, 0].tolist()
+    picked = logp.gather(1, ids[:, None])
+    ranks = (logp > picked).sum(-1) + 1
+    # (float64 holds each float32 logprob and each rank exactly)
+    picked, ranks = torch.stack([picked[:, 0].double(), ranks.double()]).tolist()
     n = max(k, default=0)
     top_v, top_i = ([], []) if n == 0 else (t.tolist() for t in logp.topk(n, dim=-1))
     tops = [list(zip(top_i[i][:w], top_v[i][:w])) if w else [] for i, w in enumerate(k)]
-    return list(zip(picked, tops))
+    return [(lp, top, int(r)) for lp, top, r in zip(picked, tops, ranks)]
 
 
 def processed_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -372,13 +377,6 @@ def processed_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     t = [1.0 if p.greedy else float(p.temperature) for p in params]
     t = torch.tensor(t, dtype=logits.dtype, device=logits.device)
     return torch.log_softmax(logits / t[:, None], -1)
-
-
-def token_ranks(logp: torch.Tensor, tokens: Sequence[int]) -> list[int]:
-    """vLLM's rank of `tokens[i]` in row i of `logp`: 1 + how many tokens are likelier."""
-    ids = torch.tensor(tokens, dtype=torch.long, device=logp.device)
-    picked = logp.gather(1, ids[:, None])
-    return ((logp > picked).sum(-1) + 1).tolist()
 
 
 def filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -10,6 +10,7 @@ work on parts, one token at a time (§7.4), whatever the page-internal arrangeme
 from __future__ import annotations
 
 import math
+import mmap
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,7 +88,8 @@ def allocation_failed(e: BaseException) -> bool:
     )
 
 
-_OS_PAGE = 4096
+_OS_PAGE = mmap.PAGESIZE
+_CUDA_OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation
 
 
 def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -111,9 +113,12 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if length:
         cudart = torch.cuda.cudart()
         err = int(cudart.cudaHostRegister(t.data_ptr(), length, 0))
+        if err == _CUDA_OUT_OF_MEMORY:
+            raise RuntimeError(f"out of memory: cannot page-lock {length} bytes")
         if err:
-            raise RuntimeError(f"out of memory: cannot page-lock {length} bytes (cudaError {err})")
-        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+            raise RuntimeError(f"cannot page-lock {length} bytes: cudaError {err}")
+        # (not at exit: an engine thread still stepping may read it)
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr()).atexit = False
     return t
 
 

@@ -544,7 +544,6 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
     )
 
 
-# Tokens of context decoded before a position: more than any character needs (4 bytes).
 def _stable_len(text: str, longest_stop: int) -> int:
     """How much of an unfinished output can be streamed without being taken back later: not a
     trailing partial UTF-8 character (decoded as U+FFFD), nor a tail that could still grow into
