@@ -292,7 +292,7 @@ def keep_freed_memory() -> None:
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
 
 
-def _on(device: torch.device) -> contextlib.AbstractContextManager:
+def _current_gpu(device: torch.device) -> contextlib.AbstractContextManager:
     """`device` as the thread's current GPU for a step: `set_device` at build time holds
     for the building thread only, and an engine stepped on another launched on GPU 0."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -903,7 +903,7 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that got a token (finished ones included)."""
-        with self.rank_failures(), _on(self.device):
+        with self.rank_failures(), _current_gpu(self.device):
             return self._step()
 
     def _step(self) -> list[Request]:
@@ -1130,8 +1130,8 @@ class Engine:
     def _restrict(self, req: Request, row: torch.Tensor, output: list[int]) -> None:
         """What `req` may not pick after `output`: anything outside `allowed_token_ids`,
         then a stop token under `min_tokens` and the last token of a bad word, each unless
-        nothing else is left (allowed last, those bans emptied it and it let everything
-        through)."""
+        nothing else is left (applied after those bans, the allowed mask gave way where they
+        had banned every allowed id, and the whole vocabulary was open)."""
         p = req.params
         if not p.masked:
             return
