@@ -181,7 +181,32 @@ def _steps(part: Any, key: str) -> list[dict[str, Any]]:
 
 # Tokens of context an alternative is decoded after (`alternative_texts`): more than any
 # character needs (4 bytes).
-ALTERNATIVE_CONTEXT = 6
+_CONTEXT = 6
+
+
+def output_logprob_texts(
+    tokenizer: Any, req: Any, kept: TokenTexts, start: int, end: int
+) -> tuple[list[str], list[list[str]]]:
+    """The texts of a request's output tokens `start:end` (`kept`'s shares of its output
+    text) and of each one's logprob alternatives (after the prompt's last tokens too, as
+    the output's own texts): what the server's logprobs and the offline `Logprob`s say."""
+    texts = kept.shares(req.output_ids, start, end=req.finished)
+    tops = [[t for t, _ in top] for top in req.top_logprobs[start:end]]
+    n = len(req.prompt_ids)
+    lo = max(n + start - _CONTEXT, 0)
+    skip = req.params.skip_special_tokens
+    return texts, alternative_texts(
+        tokenizer, req.ids(lo, n + end), n + start - lo, tops, skip, texts
+    )
+
+
+def prompt_logprob_texts(tokenizer: Any, req: Any) -> tuple[list[str], list[list[str]]]:
+    """The texts of a request's prompt tokens and their logprob alternatives, echoed as
+    given (special tokens' text included)."""
+    p = req.prompt_ids
+    texts = TokenTexts(tokenizer, skip=False).shares(p, end=True)
+    tops = [[t for t, _ in top or ()] for top in req.prompt_top_logprobs]
+    return texts, alternative_texts(tokenizer, p, 0, tops, False, texts)
 
 
 def alternative_texts(
@@ -198,7 +223,7 @@ def alternative_texts(
     token's (lm-eval's greedy check)."""
     seqs: list[list[int]] = []
     for i, alts in zip(range(start, len(ids)), alternatives):
-        ctx = ids[max(0, i - ALTERNATIVE_CONTEXT) : i]
+        ctx = ids[max(0, i - _CONTEXT) : i]
         seqs += [ctx, *(ctx + [t] for t in alts)]
     decoded = iter(tokenizer.batch_decode(seqs, skip_special_tokens=skip))
     out = []

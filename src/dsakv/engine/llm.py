@@ -19,7 +19,7 @@ from dsakv.models.tiny import resolve_model_dir
 from dsakv.procs import interrupts_deferred
 
 from .chat_format import has_chat_format, render_chat, template_message
-from .detokenizer import TokenTexts, alternative_texts
+from .detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
 from .engine import EngineConfig
 from .launch import create_engine
 from .request import Request
@@ -136,20 +136,14 @@ class RequestOutput:
 
 def _output_logprobs(req: Request, tokenizer: Any) -> SampleLogprobs:
     """`req`'s output logprobs in vLLM's shape, with the texts the server reports for them
-    (each token's share of the output's text, and what each alternative would have added
-    there: `TokenTexts`, `alternative_texts`)."""
+    (`output_logprob_texts`)."""
     ids, tops = req.output_ids, req.top_logprobs
     texts, top_texts = [None] * len(ids), [[None] * len(top) for top in tops]
     if tokenizer is not None and ids and req.params.detokenize:
-        skip = req.params.skip_special_tokens
         kept = req.detokenizer
         if kept is None or kept.texts is None:
-            kept = TokenTexts(tokenizer, skip, prompt=req.prompt_ids)
-        texts = kept.shares(ids, end=True)
-        alts = [[t for t, _ in top] for top in tops]
-        top_texts = alternative_texts(
-            tokenizer, req.all_ids, len(req.prompt_ids), alts, skip, texts
-        )
+            kept = TokenTexts(tokenizer, req.params.skip_special_tokens, prompt=req.prompt_ids)
+        texts, top_texts = output_logprob_texts(tokenizer, req, kept, 0, len(ids))
     return [
         _position(t, lp, rank, text, top, alt_texts)
         for t, lp, rank, text, top, alt_texts in zip(
@@ -160,15 +154,13 @@ def _output_logprobs(req: Request, tokenizer: Any) -> SampleLogprobs:
 
 def _prompt_logprobs(req: Request, tokenizer: Any) -> PromptLogprobs | None:
     """`req`'s prompt logprobs in vLLM's shape (None for the first token), with texts as
-    the server echoes them (special tokens' included)."""
+    the server echoes them (`prompt_logprob_texts`)."""
     if req.prompt_logprobs is None:
         return None
     ids, tops = req.prompt_ids, req.prompt_top_logprobs
     texts, top_texts = [None] * len(ids), [[None] * len(top or ()) for top in tops]
     if tokenizer is not None and req.params.detokenize:
-        texts = TokenTexts(tokenizer, skip=False).shares(ids, end=True)
-        alts = [[t for t, _ in top or ()] for top in tops]
-        top_texts = alternative_texts(tokenizer, ids, 0, alts, False, texts)
+        texts, top_texts = prompt_logprob_texts(tokenizer, req)
     return [
         None if lp is None else _position(t, lp, rank, text, top, alt_texts)
         for t, lp, rank, text, top, alt_texts in zip(

@@ -28,7 +28,7 @@ from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any, TypeVar
 
 from dsakv.engine import Engine, Request, SamplingParams
-from dsakv.engine.detokenizer import ALTERNATIVE_CONTEXT, TokenTexts, alternative_texts
+from dsakv.engine.detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
 from dsakv.errors import DsakvError
 
 log = logging.getLogger(__name__)
@@ -500,17 +500,9 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         kept = req.detokenizer
         if kept is None or kept.texts is None:
             kept = stream.texts = stream.texts or TokenTexts(tok, skip, prompt=req.prompt_ids)
-        texts = kept.shares(req.output_ids, start, end=req.finished)
-        tops = [[t for t, _ in top] for top in req.top_logprobs[start:end]]
-        # (after the prompt's last tokens too, as the output's own texts)
-        n = len(req.prompt_ids)
-        lo = max(n + start - ALTERNATIVE_CONTEXT, 0)
-        top_texts = alternative_texts(tok, req.ids(lo, n + end), n + start - lo, tops, skip, texts)
-    if scored and tok is not None:  # echoed as given: special tokens' text included
-        p = req.prompt_ids
-        prompt_texts = TokenTexts(tok, skip=False).shares(p, end=True)
-        tops = [[t for t, _ in top or ()] for top in req.prompt_top_logprobs]
-        prompt_top_texts = alternative_texts(tok, p, 0, tops, False, prompt_texts)
+        texts, top_texts = output_logprob_texts(tok, req, kept, start, end)
+    if scored and tok is not None:
+        prompt_texts, prompt_top_texts = prompt_logprob_texts(tok, req)
     m = req.metrics
     gap = None
     if ids:  # (one gap per update, however many tokens it brings: vLLM's inter-token latency)
