@@ -12,7 +12,6 @@ from dsakv.models import ForwardBatch
 PAGE = 16
 
 
-
 def make_pool(config, plan, num_tokens: int = 4096, **layout_kw) -> DSAKVPool:
     layout_kw = {"kv_cache_dtype": "fp32", "index_k_dtype": "fp32", **layout_kw}
     layout = CacheLayout.from_plan(config, plan, page_size=PAGE, **layout_kw)

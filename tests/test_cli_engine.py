@@ -134,8 +134,14 @@ def test_servers_refuse_bad_addresses_before_loading(tiny_dir):
             (["serve", str(tiny_dir), "--host", "no.such.host.invalid"], "cannot listen"),
             (["router", "--prefill", "notaurl", "--decode", "http://127.0.0.1:9"], "http(s)"),
             (["router", "--prefill", "http://a:99999", "--decode", "http://b:2"], "http(s)"),
-            (["router", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", taken], "cannot listen"),  # fmt: skip
-            (["serve-pd", str(tiny_dir), "--prefill-port", "9123", "--decode-port", "9123"], "must differ"),  # fmt: skip
+            (
+                ["router", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", taken],
+                "cannot listen",
+            ),  # fmt: skip
+            (
+                ["serve-pd", str(tiny_dir), "--prefill-port", "9123", "--decode-port", "9123"],
+                "must differ",
+            ),  # fmt: skip
             (["serve-pd", str(tiny_dir), "--tp", "2"], "one rank"),
             (["serve-pd", str(tiny_dir), "--tp", "2", "--port", taken], "one rank"),  # (first)
         ]

@@ -29,7 +29,6 @@ PATTERN = "FFSSFS"
 PS = 4
 
 
-
 def small_layout(kv: str, ik: str) -> CacheLayout:
     return CacheLayout.for_model(
         small_glm_config(),

@@ -78,8 +78,7 @@ def select_backend(
             "--enable-deterministic-inference runs on the cpu backend only (on a CPU, "
             f"--attention-backend auto or cpu), not {name} on {device.type}: the "
             + (
-                "torch reference's GEMMs and attention change their reduction order with the "
-                "batch"
+                "torch reference's GEMMs and attention change their reduction order with the batch"
                 if name == "torch"
                 else "CUDA path has no batch-invariant matmul, fixed-split attention and "
                 "deterministic MoE sum yet"

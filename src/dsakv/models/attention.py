@@ -128,9 +128,7 @@ class MLAttention(nn.Module):
             )
         if not batch.extend_reqs:  # an empty step (a DP-attention rank with no request)
             return torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
-        ext = ops.mla_extends(
-            self.math, pool, self.layer, q_nope, q_rope, batch, sels, w_uk, w_uv
-        )
+        ext = ops.mla_extends(self.math, pool, self.layer, q_nope, q_rope, batch, sels, w_uk, w_uv)
         if not batch.decode_reqs:
             return ext
         rows, sel = batch.decode_tokens, sels.decode
