@@ -274,6 +274,22 @@ _BAD = [
     ({"text": "x", "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
     ({"text": "x", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
     ({"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"text": ["x", "y"], "return_logprob": [True]}, "return_logprob"),
+    ({"text": "x", "return_logprob": [True, True]}, "return_logprob"),
+    ({"text": ["x", "y"], "return_logprob": True, "logprob_start_len": [0]}, "logprob_start_len"),
+    (
+        {"text": ["x", "y"], "return_logprob": True, "logprob_start_len": [0, -2]},
+        "logprob_start_len",
+    ),
+    ({"text": ["x", "y"], "return_logprob": True, "top_logprobs_num": [1, 21]}, "top_logprobs_num"),
+    (
+        {"text": ["x", "y"], "return_logprob": True, "top_logprobs_num": [1, 2, 3]},
+        "top_logprobs_num",
+    ),
+    (  # (SGLang's: a list is per prompt, not per sample)
+        {"text": ["x", "y"], "return_logprob": [True, True], "sampling_params": {"n": 2}},
+        "return_logprob",
+    ),
     ({"input_ids": [10**7]}, "input_ids"),
 ]
 
@@ -398,6 +414,133 @@ def test_logprob_start_len_at_the_prompts_end_scores_nothing(base, reference):
         )["meta_info"]
         assert m["input_token_logprobs"] == [] and len(m["output_token_logprobs"]) == 2
         assert m.get("input_top_logprobs", []) == []
+
+
+def _meta_free(out: dict) -> dict:
+    """An output less what differs from call to call (its id, latency and cache hit)."""
+    varies = ("id", "e2e_latency", "cached_tokens")
+    meta = {k: v for k, v in out["meta_info"].items() if k not in varies}
+    return {**{k: v for k, v in out.items() if k != "index"}, "meta_info": meta}
+
+
+def test_logprob_start_len_lets_the_prefix_cache_serve_the_prefix(base, served, reference):
+    """As SGLang's, the prefix cache serves a scored prompt up to logprob_start_len, whose
+    row scores the token after it (so a start one short of a page keeps that page out): the
+    logprobs are those of the whole prompt scored; from 0 nothing comes from the cache.
+    A fork (n > 1) and every sample get the same scores."""
+    ids = _ids(reference, "Scored prefix: " + TEXTS[0] * 3)  # (no other test caches it)
+    page = ENGINE_ARGS["page_size"]
+    assert len(ids) > 4 * page + 2
+    params = SamplingParams(
+        max_tokens=3, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2
+    )
+    (ref,) = reference.generate([ids], params)  # (scored whole: no cache hit)
+    (c,) = ref.outputs
+    scores = flat_logprobs(ref.prompt_logprobs, ids)
+    tops = flat_logprobs(ref.prompt_logprobs, ids, k=2)
+    _generate(base, input_ids=ids, sampling_params={"max_new_tokens": 1, **GREEDY})  # cache it
+    last = len(ids) - 2
+    for start, cached in (
+        (3 * page - 1, 2 * page),
+        (3 * page, 3 * page),
+        (last, last // page * page),
+        (0, 0),
+    ):
+        before = _engine_counters(served[1])["prefix_hit_tokens"]
+        m = _generate(
+            base,
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 3, **GREEDY},
+            return_logprob=True,
+            logprob_start_len=start,
+            top_logprobs_num=2,
+        )["meta_info"]
+        assert m["cached_tokens"] == cached, start
+        assert _engine_counters(served[1])["prefix_hit_tokens"] - before == cached
+        inp = m["input_token_logprobs"]
+        assert [t for _, t, _ in inp] == ids[start:] and inp[0][0] is None
+        assert _same([x for x, _, _ in inp[1:]], scores[start + 1 :]), start
+        got = [[[t, x] for x, t, _ in top] for top in m["input_top_logprobs"][1:]]
+        assert _same(got, tops[start + 1 :])
+        out = m["output_token_logprobs"]
+        assert [t for _, t, _ in out] == ref.token_ids
+        assert _same([x for x, _, _ in out], flat_logprobs(c.logprobs, c.token_ids))
+
+    start = 3 * page - 1
+    outs = _generate(
+        base,
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 2, "temperature": 1.0, "sampling_seed": 3, "n": 2},
+        return_logprob=True,
+        logprob_start_len=start,
+    )
+    assert outs[0]["meta_info"]["cached_tokens"] == 2 * page
+    for o in outs:
+        inp = o["meta_info"]["input_token_logprobs"]
+        assert _same([x for x, _, _ in inp[1:]], scores[start + 1 :])
+
+
+def test_a_scored_request_retracted_mid_prefill_is_scored_again(reference):
+    """Offline, `prompt_logprobs_start` (the route's logprob_start_len): a request retracted
+    while its prompt is scored (no host tier: recomputed) is served by the prefix cache
+    only up to the start again, and its scores are those of the prompt scored whole."""
+    engine = reference.engine
+    page, chunk = ENGINE_ARGS["page_size"], ENGINE_ARGS["chunked_prefill_size"]
+    ids = _ids(reference, "Retracted: " + TEXTS[1] * 5)
+    assert len(ids) > page + chunk + 2
+    greedy = dict(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    (whole,) = reference.generate([ids], SamplingParams(**greedy))  # (and caches it)
+    start = page + 3
+    (req,) = engine.add_requests(ids, SamplingParams(**greedy, prompt_logprobs_start=start))
+    for _ in range(2):  # admitted, then re-admitted after the retraction
+        engine.step()
+        assert req.score_prompt and req.num_computed == page + chunk  # (one page cached)
+        if not req.metrics.retractions:
+            engine.scheduler.retract(req)
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_ids == whole.token_ids and req.metrics.prefix_hit_tokens == page
+    assert req.prompt_logprobs[: start + 1] == [None] * (start + 1)
+    want = flat_logprobs(whole.prompt_logprobs, ids)[start + 1 :]
+    assert _same(req.prompt_logprobs[start + 1 :], want)
+    engine.check_integrity()
+
+
+def test_logprob_params_per_prompt(base, reference):
+    """return_logprob, logprob_start_len and top_logprobs_num as SGLang's: one for all
+    prompts, or a list of one each (a single prompt's list of one is its value); each
+    prompt gets what it would alone, streamed or not."""
+    ids = [_ids(reference, t) for t in TEXTS]
+    sp = {"max_new_tokens": 3, **GREEDY}
+    asks = [
+        {"return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 1},
+        {"return_logprob": False, "logprob_start_len": 0, "top_logprobs_num": 3},
+    ]
+    alone = [_generate(base, input_ids=i, sampling_params=sp, **a) for i, a in zip(ids, asks)]
+    lists = {k: [a[k] for a in asks] for k in asks[0]}
+    batch = _generate(base, input_ids=ids, sampling_params=sp, **lists)
+    assert _same([_meta_free(o) for o in batch], [_meta_free(o) for o in alone])
+    assert len(batch[0]["meta_info"]["input_top_logprobs"]) == len(ids[0]) - 2
+    assert "output_token_logprobs" not in batch[1]["meta_info"]
+    last = {c["index"]: c for c in _stream(base, input_ids=ids, sampling_params=sp, **lists)}
+    assert _same([_meta_free(last[i]) for i in range(2)], [_meta_free(o) for o in alone])
+
+    mixed = {"return_logprob": True, "logprob_start_len": [0, -1], "top_logprobs_num": 2}
+    batch = _generate(base, input_ids=ids, sampling_params=sp, **mixed)
+    for i, start in enumerate(mixed["logprob_start_len"]):
+        one = _generate(
+            base,
+            input_ids=ids[i],
+            sampling_params=sp,
+            return_logprob=True,
+            logprob_start_len=start,
+            top_logprobs_num=2,
+        )
+        assert _same(_meta_free(batch[i]), _meta_free(one))
+    one = _generate(
+        base, input_ids=ids[0], sampling_params=sp, **{k: [v] for k, v in asks[0].items()}
+    )
+    assert _same(_meta_free(one), _meta_free(alone[0]))
 
 
 def _logits(model_dir, ids: list[int]) -> torch.Tensor:

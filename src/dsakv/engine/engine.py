@@ -730,7 +730,7 @@ class Engine:
             req.prompt_logprobs = [None] * len(req.prompt_ids)
             req.prompt_top_logprobs = [None] * len(req.prompt_ids)
             req.prompt_ranks = [None] * len(req.prompt_ids)
-            req.score_prompt = len(req.prompt_ids) > 1
+            req.score_prompt = p.prompt_logprobs_start < len(req.prompt_ids) - 1
 
     def check_request(self, p: SamplingParams) -> tuple[Any, list[list[int]]]:
         """Every check that can refuse a request for `p` (a `DsakvError`), and what the
@@ -1089,9 +1089,10 @@ class Engine:
 
         Row p of a request predicts token p + 1, so a chunk covering positions
         `start..start+n-1` scores prompt tokens `start+1..start+n` (capped at the prompt's
-        end). A request being scored skips the prefix cache at admission (the scheduler
-        checks `score_prompt`): cached pages have KV but no logits, and recomputing a
-        prefix costs less than special-casing it. Its pages still join the cache for
+        end), those past `prompt_logprobs_start` only. While a request is being scored the
+        prefix cache serves it at most its positions before `prompt_logprobs_start` (the
+        scheduler checks `score_prompt`): cached pages have KV but no logits, and recomputing
+        a prefix costs less than special-casing it. Its pages still join the cache for
         others. Scores are stored by position, so a prefill redone after a retraction just
         rewrites them.
         """
@@ -1102,7 +1103,9 @@ class Engine:
                 continue
             start, last = req.num_computed, len(req.prompt_ids) - 2  # last position to score
             first_row = int(ends[i]) - n + 1
-            for pos in range(start, min(start + n - 1, last) + 1):
+            for pos in range(
+                max(start, req.params.prompt_logprobs_start), min(start + n - 1, last) + 1
+            ):
                 rows.append(first_row + pos - start)
                 targets.append((req, pos + 1))
             if start + n - 1 >= last:

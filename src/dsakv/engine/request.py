@@ -68,7 +68,9 @@ class Request:
     host tier. `matcher` is its xgrammar matcher under structured output. `forks` are the other
     choices of an `n > 1` request, queued once this one's prompt KV is cached.
     `prompt_logprobs[p]` is the teacher-forced log-probability of prompt token p (None for
-    p = 0), `prompt_ranks[p]` its rank among the vocabulary (1 = likeliest), scored while `score_prompt` is set (see `Engine._score_prompts`).
+    p = 0, and through `params.prompt_logprobs_start`), `prompt_ranks[p]` its rank among the
+    vocabulary (1 = likeliest), scored while `score_prompt` is set (see
+    `Engine._score_prompts`).
     """
 
     prompt_ids: list[int]

@@ -67,6 +67,10 @@ class SamplingParams:
     # (kind, spec): kind in GRAMMAR_KINDS; compiled and checked by `Engine.add_request`
     grammar: tuple[str, str] | None = None
     prompt_logprobs: int | None = None  # teacher-forced top-n over the prompt (None = off)
+    # Score prompt tokens after this position only (SGLang's logprob_start_len): the prefix
+    # cache may then serve the positions before it, whose logits nothing needs. 0: all of
+    # them, as vLLM's, which skips the cache.
+    prompt_logprobs_start: int = 0
     # choices of the prompt (`Engine.add_requests`), sharing its KV pages (vLLM's field)
     n: int = 1
     # vLLM's: only these tokens may be picked (None: any)
@@ -198,6 +202,10 @@ class SamplingParams:
                 self.prompt_logprobs is None
                 or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                 "prompt_logprobs must be in 0..20",
+            ),
+            (
+                is_int(self.prompt_logprobs_start) and self.prompt_logprobs_start >= 0,
+                "prompt_logprobs_start must be an integer >= 0",
             ),
             (
                 self.grammar is None

@@ -74,9 +74,9 @@ class Scheduler:
 
     def _prefetch(self, req: Request) -> None:
         """Start looking up the request's prompt pages beyond the prefix cache in L3."""
-        if self.l3 is None or not self.config.enable_prefix_cache or req.score_prompt:
+        if self.l3 is None or not self.config.enable_prefix_cache:
             return
-        max_pages = (req.seq_len - 1) // self.config.page_size
+        max_pages = self._hit_pages(req, req.seq_len)
         nodes = self.cache.match(req.all_ids, max_pages)
         parent = nodes[-1].hash if nodes else ROOT_HASH
         self.l3.prefetch(req.rid, req.all_ids, len(nodes), parent, max_pages)
@@ -328,12 +328,21 @@ class Scheduler:
         """Pages kept free at admission so running requests can keep decoding."""
         return sum(self._future_pages(r, len(r.pages)) for r in self.running)
 
+    def _hit_pages(self, req: Request, end: int) -> int:
+        """How many pages of `req`'s first `end` positions the prefix cache and L3 may serve:
+        never the last one's (the step computes it), and while its prompt is scored none
+        from `prompt_logprobs_start` on, whose rows give the scores (SGLang's cap at
+        logprob_start_len)."""
+        if req.score_prompt:
+            end = min(end, req.params.prompt_logprobs_start + 1)
+        return (end - 1) // self.config.page_size
+
     def _admit_fresh(self, req: Request, budget: int) -> int:
         nodes: list = []
         # at most what the step computes in one go (HiSparse: a hit's latent goes on the device)
         end = req.seq_len if self.hot is None else self.hot.prefill_end(req)
-        max_pages = (end - 1) // self.config.page_size
-        if self.config.enable_prefix_cache and not req.score_prompt:  # scoring needs its rows
+        max_pages = self._hit_pages(req, end)
+        if self.config.enable_prefix_cache:
             nodes = self.cache.match(req.all_ids, max_pages)
         stored = self.l3.pages_for(req.rid, len(nodes)) if self.l3 is not None else []
         stored = stored[: max(0, max_pages - len(nodes))]

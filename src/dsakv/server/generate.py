@@ -41,9 +41,10 @@ class GenerateRequest(BaseModel):
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     stream: bool | None = False
-    return_logprob: bool | None = None
-    logprob_start_len: int | None = None  # -1: from the last prompt token (no scoring)
-    top_logprobs_num: int | None = None
+    # (these three: one for all prompts, or a list of one per prompt)
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None  # -1: from the last prompt token (no scoring)
+    top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool | None = False
 
 
@@ -157,14 +158,15 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
             400, "n must be the same in every sampling_params", param="sampling_params.n"
         )
     rids = _rids(body.rid, len(prompts), n, single)
-    ask = _logprob_ask(api, body)
-    if ask is not None and ask.start >= 0:  # check it against the prompts' lengths
-        prompts = [await _prompt_ids(api, p, ask.start, prompt_field) for p in prompts]
+    asks = _logprob_asks(api, body, len(prompts), n)
+    for i, ask in enumerate(asks):
+        if ask is not None and ask.start >= 0:  # check it against the prompt's length
+            prompts[i] = await _prompt_ids(api, prompts[i], ask.start, prompt_field)
     with _in_sglang_terms():
-        if isinstance(body.sampling_params, list):
-            params = [await _params(api, s, ask) for s in samplings]
+        if isinstance(body.sampling_params, list) or len(set(asks)) > 1:
+            params = [await _params(api, s, a) for s, a in zip(samplings, asks)]
         else:
-            params = [await _params(api, samplings[0], ask)] * len(prompts)
+            params = [await _params(api, samplings[0], asks[0])] * len(prompts)
         # (the context check only where the client gave max_new_tokens, as SGLang's)
         given = ["max_new_tokens" if s.max_new_tokens is not None else None for s in samplings]
         streams = await api._submit_all(prompts, params, n, raw, given, prompt_field)
@@ -176,13 +178,13 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
         async def events() -> AsyncIterator[str]:
             async for i, u in api._merged(streams):
                 so_far[i].add(u)  # SGLang streams the output so far (cumulative)
-                out = _output(rids[i], so_far[i], ask, began)
+                out = _output(rids[i], so_far[i], asks[i // n], began)
                 yield _sse({**out, "index": i} if batch else out)
 
         return api._stream_response(events(), streams)
 
     results = await api._collect_all(streams, raw)
-    outs = [_output(rid, r, ask, began) for rid, r in zip(rids, results)]
+    outs = [_output(rid, r, asks[i // n], began) for i, (rid, r) in enumerate(zip(rids, results))]
     return JSONResponse(outs if batch else outs[0])
 
 
@@ -260,17 +262,40 @@ def _rids(rid: str | list[str] | None, prompts: int, n: int, single: bool) -> li
     return [f"{rid}_{i}" for i in range(prompts)] if isinstance(rid, str) else list(rid)
 
 
-def _logprob_ask(api: Handlers, body: GenerateRequest) -> _LogprobAsk | None:
-    if not body.return_logprob:
-        return None
-    start = -1 if body.logprob_start_len is None else body.logprob_start_len
-    if start < -1:
-        raise APIError(
-            400, f"logprob_start_len must be -1 or >= 0, got {start}", param="logprob_start_len"
-        )
+def _logprob_asks(
+    api: Handlers, body: GenerateRequest, prompts: int, n: int
+) -> list[_LogprobAsk | None]:
+    """Each prompt's `_LogprobAsk` (None: no logprobs)."""
+    wanted = _per_prompt(body.return_logprob, "return_logprob", prompts, n)
+    starts = _per_prompt(body.logprob_start_len, "logprob_start_len", prompts, n)
+    tops = _per_prompt(body.top_logprobs_num, "top_logprobs_num", prompts, n)
+    if not any(wanted):
+        return [None] * prompts
     texts = _TokenTexts(api.engine.engine.tokenizer if body.return_text_in_logprobs else None)
     prefill = api.engine.server_info().get("disaggregation_mode") == "prefill"
-    return _LogprobAsk(start, body.top_logprobs_num or 0, texts, prompt=not prefill)
+    asks: list[_LogprobAsk | None] = []
+    for want, start, top in zip(wanted, starts, tops):
+        start = -1 if start is None else start
+        if want and start < -1:
+            raise APIError(
+                400, f"logprob_start_len must be -1 or >= 0, got {start}", param="logprob_start_len"
+            )
+        asks.append(_LogprobAsk(start, top or 0, texts, prompt=not prefill) if want else None)
+    return asks
+
+
+def _per_prompt(value: Any, name: str, prompts: int, n: int) -> list[Any]:
+    """One value per prompt, as SGLang's `GenerateReqInput` normalises them: one for all,
+    or a list of one each (not with n > 1)."""
+    if not isinstance(value, list):
+        return [value] * prompts
+    if len(value) != prompts:
+        raise APIError(
+            400, f"{name} must be one value, or a list of one per prompt ({prompts})", param=name
+        )
+    if n > 1:
+        raise APIError(400, f"{name} cannot be a list with n > 1", param=name)
+    return value
 
 
 async def _prompt_ids(api: Handlers, prompt: str | list[int], start: int, name: str) -> list[int]:
@@ -317,6 +342,8 @@ async def _params(
         generation_config=False,
     )
     params = dataclasses.replace(params, logprobs_mode="processed")
+    if ask is not None and ask.start >= 0:  # (the cache may serve the prefix before it)
+        params = dataclasses.replace(params, prompt_logprobs_start=ask.start)
     grammar = next((k for k in _GRAMMAR_KEYS if getattr(sp, k) is not None), None)
     return await api._ready_grammar(params, grammar and f"sampling_params.{grammar}")
 
