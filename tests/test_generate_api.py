@@ -552,14 +552,14 @@ def _logits(model_dir, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(model(fb, pool)).float()
 
 
-def _penalized(row: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
+def _penalized(row: torch.Tensor, output: list[int]) -> torch.Tensor:
     """`PENALTIES` on one row by their definitions, in vLLM's order: bias, repetition
-    (prompt and output tokens), then frequency and presence (output tokens)."""
+    (SGLang's: the output's tokens), then frequency and presence (the output's)."""
     row = row.clone()
     for t, b in PENALTIES["logit_bias"].items():
         row[int(t)] += b
     r = PENALTIES["repetition_penalty"]
-    for t in set(prompt + output):
+    for t in set(output):
         row[t] = row[t] / r if row[t] > 0 else row[t] * r
     for t in set(output):
         row[t] -= PENALTIES["frequency_penalty"] * output.count(t) + PENALTIES["presence_penalty"]
@@ -592,7 +592,7 @@ def test_output_logprobs_are_sglangs_processed_ones(base, reference, model_dir, 
     logits = _logits(model_dir, ids + tokens)
     m = out["meta_info"]
     for j, t in enumerate(tokens):
-        row = _penalized(logits[len(ids) - 1 + j], ids, tokens[:j])
+        row = _penalized(logits[len(ids) - 1 + j], tokens[:j])
         want = torch.log_softmax(row / (temperature or 1.0), -1)
         assert m["output_token_logprobs"][j][:2] == [pytest.approx(float(want[t]), abs=1e-4), t]
         values, top = want.topk(3)
@@ -607,3 +607,25 @@ def test_output_logprobs_are_sglangs_processed_ones(base, reference, model_dir, 
     raw = torch.log_softmax(_logits(model_dir, ids + tokens), -1)
     want = [float(raw[len(ids) - 1 + j, t]) for j, t in enumerate(tokens)]
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
+
+
+def test_repetition_penalty_counts_the_outputs_tokens_only(base, reference):
+    """SGLang's repetition penalty (its /generate's) counts the output's tokens, not the
+    prompt's as vLLM's does: the first token is never penalized."""
+    greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prompt = _ids(reference, TEXTS[0])
+    for _ in range(8):  # a prompt holding the token it continues with
+        first = reference.generate([prompt], greedy)[0].token_ids[0]
+        if first in prompt:
+            break
+        prompt = [first, *prompt]
+    assert first in prompt
+    penalty = {"repetition_penalty": 100.0, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    vllm = reference.generate([prompt], SamplingParams(**penalty))[0].token_ids
+    sglang = reference.generate(
+        [prompt], SamplingParams(**penalty, repetition_penalty_prompt=False)
+    )[0].token_ids
+    assert vllm[0] != first and sglang[0] == first
+    sp = {"repetition_penalty": 100.0, "max_new_tokens": 6, **GREEDY}
+    out = _generate(base, input_ids=prompt, sampling_params=sp)
+    assert out["output_ids"] == sglang

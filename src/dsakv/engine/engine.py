@@ -1154,9 +1154,10 @@ class Engine:
 
     def _prompt_mask(self, req: Request, vocab: int) -> torch.Tensor:
         """`req`'s prompt tokens as a mask over the logits (the repetition penalty's), made
-        once."""
+        once; none of them where the penalty counts the output's only."""
         if req.prompt_mask is None:
-            req.prompt_mask = token_mask(req.prompt_ids, vocab, self.device)
+            counted = req.prompt_ids if req.params.repetition_penalty_prompt else []
+            req.prompt_mask = token_mask(counted, vocab, self.device)
         return req.prompt_mask
 
     def _emit(self, req: Request, token: int, now: float) -> None:

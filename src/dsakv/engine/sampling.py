@@ -44,8 +44,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # vLLM's (and HF's) on the prompt's and the output's tokens: positive logits / r,
-    # negative ones * r
+    # negative ones * r; on the output's only without `repetition_penalty_prompt` (SGLang's)
     repetition_penalty: float = 1.0
+    repetition_penalty_prompt: bool = True
     # (token id, bias) pairs added to the logits; a dict is taken too
     logit_bias: tuple[tuple[int, float], ...] = ()
     # the chosen token's logprob and the top-n (True: 1, vLLM's); by default vLLM's raw
@@ -289,6 +290,7 @@ BOOL_FIELDS = (
     "skip_special_tokens",
     "detokenize",
     "spaces_between_special_tokens",
+    "repetition_penalty_prompt",
 )
 
 

@@ -341,7 +341,8 @@ async def _params(
         min_max_tokens=0,  # (SGLang's prefill-only request: scores the prompt)
         generation_config=False,
     )
-    params = dataclasses.replace(params, logprobs_mode="processed")
+    # SGLang's: processed logprobs, and the repetition penalty on the output's tokens only
+    params = dataclasses.replace(params, logprobs_mode="processed", repetition_penalty_prompt=False)
     if ask is not None and ask.start >= 0:  # (the cache may serve the prefix before it)
         params = dataclasses.replace(params, prompt_logprobs_start=ask.start)
     grammar = next((k for k in _GRAMMAR_KEYS if getattr(sp, k) is not None), None)
