@@ -247,10 +247,57 @@ def test_a_trigger_cut_off_or_under_a_forcing_grammar_is_dropped(parser, text, c
 def test_a_call_cut_off_keeps_its_complete_arguments_and_drops_its_markup(
     parser, text, content, calls
 ):
-    """A response that ends inside an open call (max_tokens) reports the call with the
-    arguments completed before the cut; the partial markup is not content (a client
-    would show it to the user)."""
+    """A response that ends inside an open call without max_tokens cutting it (a stop
+    string, say) reports the call with the arguments completed, closed; the partial markup
+    is not content (a client would show it to the user). Cut by max_tokens: below."""
     assert _parse(parser, text) == (content, calls)
+
+
+def _cut(parser: str, text: str, forced: bool = False) -> tuple[str, list[tuple[str, str]]]:
+    """Content and (name, arguments text) of each call, the text cut by max_tokens."""
+    p = ToolCallParser(TOOL_FORMATS[parser], SCHEMAS, forced)
+    p.feed(text, final=True, cut=True)
+    return p.content, [(c["function"]["name"], c["function"]["arguments"]) for c in p.calls]
+
+
+_GLM_ARG = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+_DSML_CALL = f'<{D}function_calls>\n<{D}invoke name="get_weather">\n'
+_DSML_ARG = _DSML_CALL + f'<{D}parameter name="city" string="true">Paris</{D}parameter>\n'
+
+
+@pytest.mark.parametrize("forced", [False, True])
+@pytest.mark.parametrize(
+    ("parser", "text", "arguments"),
+    [
+        ("glm47", "<tool_call>get_weather<arg_key>", '{"'),
+        ("glm47", "<tool_call>get_weather<arg_key>ci", '{"ci'),
+        ("glm47", "<tool_call>get_weather<arg_key>city</arg_", '{"city'),
+        ("glm47", "<tool_call>get_weather<arg_key>city</arg_key><arg_val", '{"city"'),
+        ("glm47", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>", '{"city": "'),
+        ("glm47", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Pa", '{"city": "Pa'),
+        ("glm47", _GLM_ARG + "</tool_ca", '{"city": "Paris"'),
+        ("glm47", _GLM_ARG + "<arg_key>days</arg_key><arg_value>1", '{"city": "Paris", "days": 1'),
+        ("glm47", _GLM_ARG + "<arg_key>opts</arg_key><arg_value>{\"u\": [1", '{"city": "Paris", "opts": {"u": [1'),
+        ("glm47", _GLM_ARG + "<arg_key>metric</arg_key><arg_value>tr", '{"city": "Paris", "metric": tr'),
+        ("glm47", _GLM_ARG + "<arg_key>zip</arg_key><arg_value>7500</arg_va", '{"city": "Paris", "zip": "7500'),
+        ("glm47", _GLM_ARG + "</tool_call>", '{"city": "Paris"}'),  # cut just after it
+        ("glm47", "<tool_call>ping<arg_key>note</arg_key><arg_value>a \"b", '{"note": "a \\"b'),
+        ("deepseekv32", _DSML_CALL, ""),
+        ("deepseekv32", _DSML_CALL + f'<{D}parameter name="ci', '{"ci'),
+        ("deepseekv32", _DSML_CALL + f'<{D}parameter name="city" str', '{"city"'),
+        ("deepseekv32", _DSML_CALL + f'<{D}parameter name="city" string="true">Pa', '{"city": "Pa'),
+        ("deepseekv32", _DSML_ARG + f'<{D}parameter name="days" string="false">1', '{"city": "Paris", "days": 1'),
+        ("deepseekv32", _DSML_ARG + f"</{D}inv", '{"city": "Paris"'),
+        ("deepseekv32", _DSML_CALL + '{"city": "Ro', '{"city": "Ro'),
+        ("deepseekv32", _DSML_CALL + f'{{"city":"Rome"}}\n</{D}inv', '{"city": "Rome"}'),
+    ],
+)  # fmt: skip
+def test_a_call_cut_by_max_tokens_keeps_the_arguments_written(parser, text, arguments, forced):
+    """max_tokens cutting a call reported it with the arguments completed before the cut,
+    "{}" when the first was being written: now, as OpenAI, the arguments as far as the
+    model wrote them (unclosed JSON), the argument being written included."""
+    name = "ping" if "ping" in text else "get_weather"
+    assert _cut(parser, text, forced) == ("", [(name, arguments)])
 
 
 def _stream(make, text: str, cuts: list[int], cut: bool = False):
@@ -292,6 +339,9 @@ _STREAM_CASES = [
     ("deepseekv32", "<|assistant|></think>", DSML_JSON + f"<{D}function_calls>\n<{D}inv"),
     ("glm47", "<|assistant|></think>", UNCLOSED[0][1] + "\n<tool_ca"),
     ("deepseekv32", "<|assistant|></think>", UNCLOSED[1][1] + f"\n\n<{D}func"),
+    ("glm47", "<|assistant|></think>", GLM47[:-70]),  # (cut: inside a value)
+    ("deepseekv32", "<|assistant|></think>", DSML[:-120]),
+    ("deepseekv32", "<|assistant|></think>", DSML_JSON[:-40]),
 ]
 
 
@@ -307,8 +357,8 @@ def test_streaming_any_split_reassembles_to_the_whole(case, cut, data):
         (c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls
     ]
     assert [c["id"] for c in calls2] == [c["id"] for c in p.tool_calls]
-    for c in calls2:
-        json.loads(c["arguments"])  # every reassembled call is complete JSON
+    for c in calls2[:-1] if cut else calls2:
+        json.loads(c["arguments"])  # complete JSON (a call cut by max_tokens is not)
 
 
 def test_streaming_holds_back_partial_tags():
@@ -408,11 +458,13 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(path)
 
 
-@pytest.mark.parametrize("parser", ["glm47", "deepseekv32"])
-@pytest.mark.parametrize("choice", ["required", "named"])
-def test_forcing_grammar_yields_schema_valid_calls(tokenizer, parser, choice):
-    """Random logits under the structural tag's mask always spell a call our parser reads,
-    with arguments valid for the schema."""
+_GRAMMAR_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in _GRAMMAR_TOOLS}
+_GRAMMAR_PROMPT = "<|assistant|></think>"
+
+
+def _forced_outputs(tokenizer, parser: str, choice: str) -> list[str]:
+    """The texts four seeds' random logits spell under the structural tag forcing `choice`
+    ("required" or "named": book), one call each."""
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB_SIZE)
@@ -420,11 +472,12 @@ def test_forcing_grammar_yields_schema_valid_calls(tokenizer, parser, choice):
     tool_choice = (
         choice if choice == "required" else {"type": "function", "function": {"name": "book"}}
     )
-    prompt = "<|assistant|></think>"
-    spec = tool_call_structural_tag(parser, _GRAMMAR_TOOLS, tool_choice, prompt, True, False)
+    spec = tool_call_structural_tag(
+        parser, _GRAMMAR_TOOLS, tool_choice, _GRAMMAR_PROMPT, True, False
+    )
     compiled = compiler.compile_structural_tag(spec)
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in _GRAMMAR_TOOLS}
     mask = xgr.allocate_token_bitmask(1, VOCAB_SIZE)
+    texts = []
     for seed in range(4):
         matcher = xgr.GrammarMatcher(compiled)
         g = torch.Generator().manual_seed(seed)
@@ -438,15 +491,58 @@ def test_forcing_grammar_yields_schema_valid_calls(tokenizer, parser, choice):
             assert matcher.accept_token(t)
             ids.append(t)
         assert ids[-1] == EOS_ID
-        p = ChatOutputParser(
-            reasoning_parser("glm45" if parser == "glm47" else "deepseek-v3", prompt),
-            ToolCallParser(TOOL_FORMATS[parser], schemas, forced=True),
-        )
-        p.feed(tokenizer.decode(ids, skip_special_tokens=True), final=True)
+        texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+    return texts
+
+
+def _forced_parser(parser: str) -> ChatOutputParser:
+    return ChatOutputParser(
+        reasoning_parser("glm45" if parser == "glm47" else "deepseek-v3", _GRAMMAR_PROMPT),
+        ToolCallParser(TOOL_FORMATS[parser], _GRAMMAR_SCHEMAS, forced=True),
+    )
+
+
+@pytest.mark.parametrize("parser", ["glm47", "deepseekv32"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forcing_grammar_yields_schema_valid_calls(tokenizer, parser, choice):
+    """Random logits under the structural tag's mask always spell a call our parser reads,
+    with arguments valid for the schema."""
+    for text in _forced_outputs(tokenizer, parser, choice):
+        p = _forced_parser(parser)
+        p.feed(text, final=True)
         assert len(p.tool_calls) == 1 and p.content == "" and p.reasoning is None
         fn = p.tool_calls[0]["function"]
         assert choice == "required" or fn["name"] == "book"
-        jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+        jsonschema.validate(json.loads(fn["arguments"]), _GRAMMAR_SCHEMAS[fn["name"]])
+
+
+@pytest.mark.parametrize("parser", ["glm47", "deepseekv32"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_call_cut_anywhere_keeps_what_was_written(tokenizer, parser, choice):
+    """A forced call cut by max_tokens at any point: its arguments so far are where the
+    whole call's are then (a prefix of them: no longer "{}" whatever was written), no
+    markup is content (a cut in the lead-in before the trigger may leave its whitespace),
+    and streamed deltas add up to the same."""
+    for text in _forced_outputs(tokenizer, parser, choice):
+        whole = _forced_parser(parser)
+        whole.feed(text, final=True)
+        (call,) = whole.tool_calls
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        longest = 0
+        for n in range(len(text) + 1):
+            cut = _forced_parser(parser)
+            cut.feed(text[:n], final=True, cut=True)
+            assert not cut.content.strip() and len(cut.tool_calls) <= 1, text[:n]
+            if cut.tool_calls:
+                fn = cut.tool_calls[0]["function"]
+                assert fn["name"] == name and arguments.startswith(fn["arguments"]), text[:n]
+                assert len(fn["arguments"]) >= longest  # (never loses what it showed)
+                longest = len(fn["arguments"])
+            _, _, content, calls = _stream(lambda: _forced_parser(parser), text[:n], [n // 2], True)
+            assert content == cut.content and [(c["name"], c["arguments"]) for c in calls] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in cut.tool_calls
+            ]
+        assert longest == len(arguments)
 
 
 def test_forcing_grammar_reasoning_modes(tokenizer):

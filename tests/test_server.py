@@ -1034,6 +1034,18 @@ def test_scrapes_do_not_wait_out_a_long_step(base, served):
         assert info["max_total_num_tokens"] == 64 * 16
 
 
+def test_server_info_reports_the_data_parallel_size(base, model_dir):
+    """/server_info said dp_size 1 under DP attention, where each of the --tp ranks schedules
+    its own requests: now SGLang's dp_size (what sglang-router's dp-aware mode reads), 1
+    without it."""
+    info = httpx.get(f"{base}/server_info", timeout=TIMEOUT).json()
+    assert (info["tp_size"], info["dp_size"], info["enable_dp_attention"]) == (1, 1, False)
+    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS, tp=2, dp_attention=True)
+    with serving(config) as (dp_base, _):
+        info = httpx.get(f"{dp_base}/server_info", timeout=TIMEOUT).json()
+    assert (info["tp_size"], info["dp_size"], info["enable_dp_attention"]) == (2, 2, True)
+
+
 def test_an_internal_error_without_a_message_names_its_type(served):
     from fastapi.testclient import TestClient
 

@@ -149,6 +149,30 @@ def test_required_tool_call_is_valid_and_streams_the_same(served, family):
     assert all(c["id"] and c["id"].startswith("call_") for c in s["calls"])
 
 
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_call_cut_by_max_tokens_keeps_its_arguments_so_far(served, family, choice):
+    """A forced call cut by max_tokens halfway reported `arguments` "{}" (what the model had
+    written of them dropped): now, as OpenAI, the arguments as far as they were written,
+    unclosed, with finish_reason "length"; the streamed deltas add up to the same."""
+    client = served[0]
+    if choice == "named":
+        choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = _chat(client, family, tool_choice=choice, parallel_tool_calls=False)
+    (call,) = whole.choices[0].message.tool_calls
+    half = whole.usage.completion_tokens // 2  # (inside the arguments, both families)
+    r = _chat(client, family, tool_choice=choice, parallel_tool_calls=False, max_tokens=half)
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.content
+    (cut,) = r.choices[0].message.tool_calls
+    args = cut.function.arguments
+    assert cut.function.name == call.function.name and cut.id.startswith("call_")
+    assert call.function.arguments.startswith(args) and len(args) > len('{"')
+    assert args != call.function.arguments and not args.endswith("}")
+    kw = dict(tool_choice=choice, parallel_tool_calls=False, max_tokens=half, stream=True)
+    s = _reassemble(_chat(client, family, **kw))
+    assert s["finish"] == "length" and not s["content"]
+    assert [(c["name"], c["arguments"]) for c in s["calls"]] == [(cut.function.name, args)]
+
+
 _D = "｜DSML｜"
 # Two calls in each family's markup (forced with a regex of the literal text below).
 TWO_CALLS = {

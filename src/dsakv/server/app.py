@@ -534,7 +534,11 @@ class Handlers:
             "chunked_prefill_size": c.chunked_prefill_size,
             "kv_cache_dtype": c.kv_cache_dtype,
             "tp_size": c.tp,
-            "dp_size": 1,  # one HTTP entry point; DP attention ranks sit behind it
+            # SGLang's data-parallel size: under DP attention each rank schedules its own
+            # requests (still behind this one entry point), as sglang-router's dp-aware mode
+            # reads it
+            "dp_size": c.parallel.dp,
+            "enable_dp_attention": c.dp_attention,
             **self.engine.server_info(),
         }
 

@@ -4,7 +4,8 @@ Both are incremental: `feed` takes each new piece of generated text and returns 
 settled (text that could still turn out to start a tag is held back); a non-streamed
 response is the same parser fed the whole text at once, so streamed and non-streamed
 results cannot disagree. Malformed or cut-off markup never raises: a call whose name was
-read is closed with the arguments read so far, everything else stays content.
+read is closed with the arguments read so far (cut by max_tokens: left open, with the
+argument being written when the cut came as far as it got), everything else stays content.
 """
 
 from __future__ import annotations
@@ -73,12 +74,17 @@ class _Rule:
 class ToolFormat:
     """A model's tool-call markup: the trigger that opens it, and per state the rules that may
     follow (mutually exclusive from their first character, so the first full match is the
-    only one). `structural_tag` names xgrammar's builtin grammar for the same format."""
+    only one). `structural_tag` names xgrammar's builtin grammar for the same format.
+    `partial` matches (whole) what is left of an open call's arguments when max_tokens cut
+    them, after any proper prefix of one of `tags` at the end is taken off: the argument
+    being written, its `key` (closed when `key_end` matched), and the `value` once begun."""
 
     trigger: str
     first: str
     states: Mapping[str, tuple[_Rule, ...]]
     structural_tag: str
+    partial: regex.Pattern[str]
+    tags: tuple[str, ...]
 
 
 def _rule(pattern: str, kind: str, next: str) -> _Rule:
@@ -107,6 +113,12 @@ _GLM = ToolFormat(
         ),
     },
     structural_tag="glm_4_7",
+    partial=regex.compile(
+        r"\s*<arg_key>\s*(?P<key>[^<>]*?)\s*"
+        r"(?:</arg_key>(?P<key_end>)\s*(?:<arg_value>(?P<value>.*))?)?",
+        regex.DOTALL,
+    ),
+    tags=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "</tool_call>"),
 )
 
 _D = DSML
@@ -132,6 +144,12 @@ _DEEPSEEK = ToolFormat(
         ),
     },
     structural_tag="deepseek_v3_2",
+    partial=regex.compile(
+        rf'\s*<{_D}parameter\s+name="(?P<key>[^"<>]*)(?:"(?P<key_end>)'
+        rf'(?:\s+string="(?P<string>true|false)"\s*>(?P<value>.*)|[^<>]*))?',
+        regex.DOTALL,
+    ),
+    tags=(f"<{_D}parameter", f"</{_D}parameter>", f"</{_D}invoke>"),
 )
 
 TOOL_FORMATS = {"glm47": _GLM, "glm45": _GLM, "deepseekv32": _DEEPSEEK}
@@ -183,6 +201,22 @@ def _typed(raw: str, is_string: bool) -> Any:
     return value
 
 
+_LITERALS = ("true", "false", "null")
+
+
+def _partial_value(raw: str, is_string: bool) -> str:
+    """JSON text for the start of a value cut off at `raw`: a string left unterminated;
+    else JSON as written (a number, a container or literal begun), or a string begun."""
+    if not is_string:
+        value = _typed(raw, False)
+        if not isinstance(value, str):
+            return json.dumps(value, ensure_ascii=False)
+        raw = raw.lstrip()
+        if raw[:1] in tuple('{["-0123456789') or any(w.startswith(raw) for w in _LITERALS):
+            return raw
+    return json.dumps(raw, ensure_ascii=False)[:-1]
+
+
 @dataclass
 class ToolCallDelta:
     content: str = ""
@@ -211,10 +245,13 @@ class ToolCallParser:
 
     def feed(self, text: str, final: bool = False, cut: bool = False) -> ToolCallDelta:
         """Consume `text`; return the settled content and tool-call deltas. `final` flushes
-        whatever was held back: a call cut off mid-markup is closed with the arguments that
+        whatever was held back: a call that ends mid-markup is closed with the arguments that
         were complete, and its partial markup dropped. `cut` (with `final`: the generation
-        hit max_tokens) or `forced` also drops a trigger cut off, or left alone, at the end;
-        a response that stopped there by itself keeps it as content."""
+        hit max_tokens) leaves such a call's arguments as far as they were written instead,
+        unclosed JSON as OpenAI reports a call cut off (the argument being written included,
+        so a client sees what the model wrote); `cut` or `forced` also drops a trigger cut
+        off, or left alone, at the end; a response that stopped there by itself keeps it as
+        content."""
         self._buf += text
         out = ToolCallDelta()
         pos = 0
@@ -238,7 +275,9 @@ class ToolCallParser:
                 break  # could still become valid markup: wait for more text
             if step is None:  # the text ends inside markup (max_tokens): a call cut off,
                 if self._open or self._buf[pos:].strip() or drop:  # not content; an open
-                    if self._open:  # call keeps the arguments completed
+                    if self._open and cut:  # call keeps the arguments written
+                        self._emit_partial(self._buf[pos:], out)
+                    elif self._open:
                         self._close(out)
                     pos, self._state = len(self._buf), _TEXT
                     break
@@ -294,17 +333,7 @@ class ToolCallParser:
             if rule.kind == "start_end":
                 self._close(out)
         elif rule.kind == "arg":
-            name = self.calls[-1]["function"]["name"]
-            schema = self.tools.get(name) or {}
-            prop = (schema.get("properties") or {}).get(m["key"])
-            # A string parameter keeps its value as written (whitespace included), as vLLM
-            # and SGLang: DSML's string="false" on one is still text, as vLLM coerces it.
-            # Under a forcing grammar GLM's whitespace around a value is layout (xgrammar's
-            # glm_xml allows it around an enum's "Rome"), so the value is read as it does.
-            is_string = _declared_types(prop) == {"string"} or m.groupdict().get("string") == "true"
-            raw = m["value"]
-            if self.forced and "string" not in m.groupdict():
-                raw = raw.strip()
+            is_string, raw = self._raw_value(m)
             value = _typed(raw, is_string)
             sep = ", " if self._args else "{"
             self._emit(
@@ -319,9 +348,45 @@ class ToolCallParser:
         elif rule.kind == "end":
             self._close(out)
 
+    def _raw_value(self, m: regex.Match[str]) -> tuple[bool, str]:
+        """Whether the value of the argument `m` is a string, and its text to read."""
+        name = self.calls[-1]["function"]["name"]
+        schema = self.tools.get(name) or {}
+        prop = (schema.get("properties") or {}).get(m["key"])
+        # A string parameter keeps its value as written (whitespace included), as vLLM
+        # and SGLang: DSML's string="false" on one is still text, as vLLM coerces it.
+        # Under a forcing grammar GLM's whitespace around a value is layout (xgrammar's
+        # glm_xml allows it around an enum's "Rome"), so the value is read as it does.
+        is_string = _declared_types(prop) == {"string"} or m.groupdict().get("string") == "true"
+        raw = m["value"]
+        if self.forced and "string" not in m.groupdict():
+            raw = raw.strip()
+        return is_string, raw
+
     def _close(self, out: ToolCallDelta) -> None:
         self._emit(out, "}" if self._args else "{}")
         self._open = False
+
+    def _emit_partial(self, rest: str, out: ToolCallDelta) -> None:
+        """Leave the open call cut off by max_tokens unclosed, its arguments written on as far
+        as `rest` (its markup after the last complete argument) went: a DSML JSON body as
+        written (as the whole body reads when only its close tag was cut), else the argument
+        begun, key and value, as JSON text cut at the same point."""
+        self._open = False
+        rest = rest[: len(rest) - _partial_suffix(rest, self.fmt.tags)]
+        if not self._args and rest.lstrip().startswith("{"):
+            body = self._json_args(rest)  # (only its close markup cut off)
+            self._emit(out, rest.lstrip() if body is None else json.dumps(body, ensure_ascii=False))
+            return
+        m = self.fmt.partial.fullmatch(rest)
+        if m is None:
+            return
+        key = json.dumps(m["key"], ensure_ascii=False)
+        fragment = (", " if self._args else "{") + (key if m["key_end"] is not None else key[:-1])
+        if m["value"] is not None:
+            is_string, raw = self._raw_value(m)
+            fragment += ": " + _partial_value(raw, is_string)
+        self._emit(out, fragment)
 
     def _emit(self, out: ToolCallDelta, fragment: str) -> None:
         self.calls[-1]["function"]["arguments"] += fragment
