@@ -386,3 +386,137 @@ def test_engine_arg_past_jsons_limits_is_a_string():
     assert args.engine_arg == [("x", deep)]
     args = build_parser().parse_args(["bench", "--serving", "--engine-arg", "num-pages=8"])
     assert args.engine_arg == [("num_pages", 8)]
+
+
+def _parse_error(argv: list[str], capsys) -> str:
+    """The one `error:` line (exit 2) the parser gives `argv`."""
+    from dsakv.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "flags, field, value",
+    [
+        (["--kv-cache-dtype", "auto"], "kv_cache_dtype", None),  # None: EngineConfig's default
+        (["--kv-cache-dtype", "fp8"], "kv_cache_dtype", "fp8_e4m3"),
+        (["--kv-cache-dtype", "bfloat16"], "kv_cache_dtype", "bf16"),
+        (["--dtype", "half"], "dtype", "float16"),
+        (["--dtype", "float"], "dtype", "float32"),
+        (["--speculative-algorithm", "NEXTN"], "speculative_algorithm", "mtp"),
+        (["--speculative-algorithm", "EAGLE"], "speculative_algorithm", "mtp"),
+        (["--speculative-algorithm", "eagle"], "speculative_algorithm", "mtp"),
+        (["--tp-size", "2"], "tp", 2),
+        (["--tensor-parallel-size", "2"], "tp", 2),
+        (["--tp", "2", "--ep-size", "2"], "ep", 2),
+        (["--tp", "2", "--expert-parallel-size", "2"], "ep", 2),
+        (["--seed", "7"], "seed", 7),
+    ],
+)
+def test_vllm_and_sglang_spellings_mean_dsakvs_own(tiny_dir, flags, field, value):
+    """What users paste from vLLM's / SGLang's GLM-5 and DeepSeek-V3.2 launch commands was
+    "invalid choice" or "unrecognized arguments"; each now sets what dsakv's own spelling
+    does, on every command that takes it."""
+    from dataclasses import fields
+
+    from dsakv.cli import build_parser, engine_config_from_args
+    from dsakv.engine import EngineConfig
+
+    if value is None:
+        value = {f.name: f.default for f in fields(EngineConfig)}[field]
+    for command in ("serve", "serve-pd", "generate"):
+        if command == "generate" and field == "seed":
+            continue  # (generate's --seed is the requests')
+        extra = ["--prompt", "x"] if command == "generate" else []
+        args = build_parser().parse_args([command, str(tiny_dir), *extra, *flags])
+        assert getattr(engine_config_from_args(args), field) == value, command
+    if field in ("kv_cache_dtype", "tp", "ep"):
+        args = build_parser().parse_args(["plan", "glm-5", *flags])
+        assert getattr(args, field) == value
+
+
+def test_dsakvs_own_spellings_stay_what_help_and_errors_name(capsys, monkeypatch):
+    """The aliases are read before `choices`: --help lists dsakv's names alone, a bad value
+    is one line naming them, and `half` is refused as float16 is where float16 is."""
+    from dsakv.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "200")  # (no help line wrapped)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--kv-cache-dtype {fp8_e4m3,fp8_ds_mla,bf16,fp32}" in out
+    assert "--dtype {auto,float32,bfloat16,float16}" in out
+    assert "--speculative-algorithm {mtp}" in out
+    assert "--tp TP tensor-parallel ranks, one process each (also --tp-size," in out
+    assert "--tp-size TP" not in out
+    err = _parse_error(["serve", "m", "--kv-cache-dtype", "fp8_e5m2"], capsys)
+    assert "invalid choice: 'fp8_e5m2' (choose from 'fp8_e4m3', 'fp8_ds_mla'" in err
+    err = _parse_error(["serve", "m", "--tp-size", "0"], capsys)
+    assert "argument --tp-size: must be an integer >= 1, got '0'" in err
+    err = _parse_error(["serve", "m", "--speculative-algorithm", "EAGLE3"], capsys)
+    assert "invalid choice: 'EAGLE3' (choose from 'mtp')" in err
+    calibrate = ["calibrate-pattern", "m", "--dtype"]
+    assert _parse_error([*calibrate, "half"], capsys) == _parse_error(
+        [*calibrate, "float16"], capsys
+    )
+    args = build_parser().parse_args([*calibrate, "float", "--kv-cache-dtype", "fp8"])
+    assert (args.dtype, args.kv_cache_dtype) == ("float32", "fp8_e4m3")
+
+
+def test_switches_dsakv_needs_not_are_taken_and_ignored(tiny_dir, capsys):
+    """--trust-remote-code (no remote code runs here) and serve's --enable-auto-tool-choice
+    (tool_choice "auto" needs no switch) are in every vLLM / SGLang launch command: they
+    change nothing."""
+    from dsakv.cli import build_parser, engine_config_from_args
+
+    def config(*argv: str):
+        return engine_config_from_args(build_parser().parse_args(list(argv)))
+
+    serve = ["serve", str(tiny_dir)]
+    ignored = ["--trust-remote-code", "--enable-auto-tool-choice"]
+    assert config(*serve, *ignored) == config(*serve)
+    generate = ["generate", str(tiny_dir), "--prompt", "x"]
+    assert config(*generate, "--trust-remote-code") == config(*generate)
+    assert config("serve-pd", str(tiny_dir), "--trust-remote-code") == config(*serve)
+    err = _parse_error([*generate, "--enable-auto-tool-choice"], capsys)
+    assert "unrecognized arguments: --enable-auto-tool-choice" in err
+
+
+def test_the_engine_seed_is_a_flag_passed_on(tiny_dir, capsys):
+    """`EngineConfig.seed` (what unseeded requests' shared generator starts from) had no
+    flag: serve takes vLLM's --seed, serve-pd hands it (and the aliased flags, under
+    dsakv's names) to its servers, and bench --serving can ask for it."""
+    from dsakv.bench.serving_rate import serve_flags
+    from dsakv.cli import _flags, add_engine_args, build_parser
+    from dsakv.engine import EngineConfig
+
+    args = build_parser().parse_args(
+        ["serve-pd", str(tiny_dir), "--seed", "7", "--tp-size", "2", "--dtype", "half"]
+    )
+    flags = _flags(args, add_engine_args)
+    assert " ".join(flags) == "--dtype float16 --seed 7 --tp 2", flags
+    config = EngineConfig.from_kwargs(str(tiny_dir), seed=3)
+    assert serve_flags(config, {"seed": 3}) == ["--seed", "3"]
+    err = _parse_error(["serve", "m", "--seed", str(2**64)], capsys)
+    assert "--seed: must be an integer in 0..2**64-1" in err
+
+
+def test_flags_are_never_abbreviated(capsys):
+    """argparse took `--dp 2` (SGLang's) for `--dp-attention`, then failed on "2", and any
+    prefix for a flag: each is now the unknown flag it is, on every command."""
+    import argparse
+
+    from dsakv.cli import build_parser
+
+    parser = build_parser()
+    assert parser.allow_abbrev is False
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert all(p.allow_abbrev is False for p in sub.choices.values())
+    assert "unrecognized arguments: --dp 2" in _parse_error(["serve", "m", "--dp", "2"], capsys)
+    err = _parse_error(["plan", "glm-5", "--kv-budget", "10"], capsys)
+    assert "unrecognized arguments: --kv-budget 10" in err

@@ -180,7 +180,6 @@ def test_bench_serving_quick_end_to_end(tmp_path, capsys):
     [
         ["--engine-arg", "no_such_arg=1"],
         ["--engine-arg", "page_size=0"],
-        ["--engine-arg", "seed=3"],  # no `dsakv serve` flag: the server could not match it
         ["--engine-arg", "attention_backend"],
         ["--pd"],
         ["--tp", "2"],

@@ -24,7 +24,13 @@ from dsakv.writable import can_append, write_blocker
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad arguments as one `error:` line and exit code 2."""
+    """argparse that reports bad arguments as one `error:` line and exit code 2, and takes
+    no abbreviated flags: SGLang's `--dp 2` would otherwise be `--dp-attention`, then
+    "unrecognized arguments: 2"."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         print(f"error: {message}", file=sys.stderr)
@@ -84,12 +90,52 @@ def _positive_int(text: str) -> int:
     return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
 
 
+def _seed(text: str) -> int:
+    return _checked(text, int, lambda v: 0 <= v < 2**64, "an integer in 0..2**64-1")
+
+
+def _spelled(aliases: dict[str, str], fold_case: bool = False) -> Callable[[str], str]:
+    """argparse type: vLLM's / SGLang's spellings of a value as dsakv's own, before `choices`
+    checks it (so --help lists dsakv's names; anything else is still one "invalid choice")."""
+
+    def convert(text: str) -> str:
+        return aliases.get(text.lower() if fold_case else text, text)
+
+    return convert
+
+
+DEFAULT_KV_CACHE_DTYPE = "fp8_e4m3"  # (EngineConfig's)
+# "auto" (vLLM's and SGLang's default) is dsakv's default; "fp8" is e4m3, as SGLang maps it
+_KV_CACHE_DTYPE = _spelled({"auto": DEFAULT_KV_CACHE_DTYPE, "fp8": "fp8_e4m3", "bfloat16": "bf16"})
+_DTYPE = _spelled({"half": "float16", "float": "float32"})  # (vLLM's and SGLang's)
+# SGLang runs DeepSeek / GLM MTP as NEXTN or EAGLE (with no draft model: the nextn layer)
+_SPECULATIVE = _spelled({"nextn": "mtp", "eagle": "mtp", "mtp": "mtp"}, fold_case=True)
+
+# SGLang's names for --tp and --ep (vLLM's the long ones) besides dsakv's own.
+_TP = ("--tp", "--tp-size", "--tensor-parallel-size")
+_EP = ("--ep", "--ep-size", "--expert-parallel-size")
+
+
+def _add_aliased(g: Any, flags: Sequence[str], help: str, **kw: Any) -> None:
+    """`flags[0]` and, hidden, its other spellings: --help shows dsakv's name and an error
+    the spelling given (not "--tp/--tp-size/--tensor-parallel-size")."""
+    g.add_argument(flags[0], help=f"{help} (also {', '.join(flags[1:])})", **kw)
+    for alias in flags[1:]:
+        g.add_argument(alias, help=argparse.SUPPRESS, **kw)
+
+
 def add_layout_args(p: argparse.ArgumentParser) -> None:
     """Cache-layout and layer-plan flags, shared by every command that builds a pool."""
     from dsakv.memory.layout import INDEX_K_DTYPES, LATENT_DTYPES
 
     g = p.add_argument_group("cache layout and layer plan")
-    g.add_argument("--kv-cache-dtype", choices=LATENT_DTYPES, default=None)
+    g.add_argument(
+        "--kv-cache-dtype",
+        type=_KV_CACHE_DTYPE,
+        choices=LATENT_DTYPES,
+        default=None,
+        help=f"latent (default {DEFAULT_KV_CACHE_DTYPE}, also spelled auto or fp8; bfloat16: bf16)",
+    )
     g.add_argument("--index-k-dtype", choices=INDEX_K_DTYPES, default=None)
     g.add_argument("--page-size", type=_positive_int, default=None)
     g.add_argument("--no-elide-index-k", action="store_true", help="dense index-K on every layer")
@@ -116,7 +162,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     elided = CacheLayout.from_plan(
         config,
         plan,
-        args.kv_cache_dtype or "fp8_e4m3",
+        args.kv_cache_dtype or DEFAULT_KV_CACHE_DTYPE,
         args.index_k_dtype or "fp8",
         args.page_size or 64,
     )
@@ -342,8 +388,8 @@ def _plan_table(
 def _add_plan(sub: Any) -> None:
     p = sub.add_parser("plan", help="KV capacity plan: bytes per token and pool tokens")
     p.add_argument("model", help="preset (glm-5, glm-5.2, deepseek-v3.2) or model path")
-    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel degree")
-    p.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel groups")
+    _add_aliased(p, _TP, "tensor-parallel degree", dest="tp", type=_positive_int, default=1)
+    _add_aliased(p, _EP, "expert-parallel groups", dest="ep", type=_positive_int, default=1)
     p.add_argument("--dp-attention", action="store_true", help="one scheduler and pool per rank")
     p.add_argument("--kv-budget-gib", type=_positive_float, help="explicit KV budget")
     p.add_argument("--gpu-memory-gib", type=_positive_float, help="GPU memory per rank")
@@ -375,8 +421,9 @@ def add_hisparse_args(p: argparse.ArgumentParser, what: str) -> None:
 # --- engine commands: init-tiny, generate, serve ----------------------------------------------
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Every `EngineConfig` field as a flag (defaults live in `EngineConfig`)."""
+def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
+    """Every `EngineConfig` field as a flag (defaults live in `EngineConfig`); `seed=False`
+    where the command's --seed is the requests' own (generate's)."""
     add_layout_args(p)
     g = p.add_argument_group("engine")
     g.add_argument("--kv-budget-gib", type=_positive_float, help="device KV pool size (default 1)")
@@ -388,7 +435,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=_positive_int)
     g.add_argument("--max-model-len", type=_positive_int)
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
-    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument(
+        "--dtype",
+        type=_DTYPE,
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="compute dtype (vLLM's half and float: float16, float32)",
+    )
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix cache")
     g.add_argument(
         "--generation-config",
@@ -425,20 +477,48 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="the batched path of before (torch GEMMs for steps over 64 tokens)",
     )
     g.add_argument(
-        "--speculative-algorithm", choices=("mtp",), help="draft with the MTP layer, verify"
+        "--speculative-algorithm",
+        type=_SPECULATIVE,
+        choices=("mtp",),
+        help="draft with the MTP layer, verify (SGLang's NEXTN and EAGLE are it)",
     )
     g.add_argument(
         "--speculative-num-steps", type=_positive_int, help="MTP drafts per step (default 3)"
     )
+    if seed:
+        g.add_argument(
+            "--seed",
+            type=_seed,
+            help="the engine's: starts the generator requests without their own seed share "
+            "(default 0)",
+        )
     add_hisparse_args(p, "every token's latent on the host, a hot buffer per request here")
     add_parallel_args(p)
+
+
+def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """vLLM's / SGLang's switches that dsakv has no use for: taken, so their launch commands
+    run, and ignored."""
+    g = p.add_argument_group("accepted and ignored (vLLM / SGLang switches)")
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="dsakv runs no code from the model's folder: its own model code, the tokenizer "
+        "without remote code",
+    )
+    if serve:
+        g.add_argument(
+            "--enable-auto-tool-choice",
+            action="store_true",
+            help='tool_choice "auto" needs no switch here (calls are parsed by --tool-call-parser)',
+        )
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """Ranks and how the model is split over them (SGLang's flag names)."""
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tp", type=_positive_int, help="tensor-parallel ranks (one process each)")
-    g.add_argument("--ep", type=_positive_int, help="expert-parallel groups (whole experts)")
+    _add_aliased(g, _TP, "tensor-parallel ranks, one process each", dest="tp", type=_positive_int)
+    _add_aliased(g, _EP, "expert-parallel groups of whole experts", dest="ep", type=_positive_int)
     g.add_argument(
         "--dp-attention", action="store_true", help="each rank schedules its own requests"
     )
@@ -535,7 +615,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
+        seed=args.sampling_seed,
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
     )
@@ -648,12 +728,19 @@ def _add_engine_commands(sub: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--seed",
+        type=int,
+        dest="sampling_seed",
+        metavar="SEED",
+        help="every prompt's sampling seed (the engine's seed stays its default)",
+    )
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true")
-    add_engine_args(p)
+    add_engine_args(p, seed=False)
     add_storage_args(p)
+    add_ignored_args(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -682,6 +769,7 @@ def _add_engine_commands(sub: Any) -> None:
     add_engine_args(p)
     add_storage_args(p)
     add_disagg_args(p)
+    add_ignored_args(p, serve=True)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -777,6 +865,8 @@ def _flags(args: argparse.Namespace, add_args: Any) -> list[str]:
     """The flags `add_args` defines, as given on this command line (to pass them on)."""
     out: list[str] = []
     for action in _actions(add_args):
+        if action.help == argparse.SUPPRESS:
+            continue  # (a hidden alias: dsakv's own flag passes the value)
         value = getattr(args, action.dest, None)
         if value is None or value is False or value == action.default:
             continue
@@ -812,6 +902,7 @@ def _add_disagg_commands(sub: Any) -> None:
     p.add_argument("--served-model-name")
     p.add_argument("--api-key")
     add_engine_args(p)
+    add_ignored_args(p)
     p.set_defaults(func=_cmd_serve_pd)
 
 
@@ -1283,9 +1374,14 @@ def _add_calibrate(sub: Any) -> None:
     p.add_argument("--max-seq-len", type=_positive_int, help="default: 2 x index_topk")
     p.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per forward")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", type=_DTYPE, choices=("float32", "bfloat16"), default="float32")
     g = p.add_argument_group("pricing (as dsakv plan)")
-    g.add_argument("--kv-cache-dtype", choices=LATENT_DTYPES, default="fp8_e4m3")
+    g.add_argument(
+        "--kv-cache-dtype",
+        type=_KV_CACHE_DTYPE,
+        choices=LATENT_DTYPES,
+        default=DEFAULT_KV_CACHE_DTYPE,
+    )
     g.add_argument("--index-k-dtype", choices=INDEX_K_DTYPES, default="fp8")
     g.add_argument("--page-size", type=_positive_int, default=64)
     g.add_argument("--draft-layers", type=_draft_layers, default=0, help="MTP/EAGLE draft layers")
