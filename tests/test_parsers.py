@@ -414,7 +414,12 @@ def test_parser_names():
     assert resolve_parsers("deepseek_v32", None, "auto") == ("deepseekv32", "deepseek-v3")
     assert resolve_parsers("deepseek_v32", "none", "glm45") == (None, "glm45")
     assert resolve_parsers("llama", "auto", "auto") == (None, None)
-    for bad in (("x", None), (None, "y")):
+    # vLLM's names (its DeepSeek-V3.2 launch command's), each for its own kind of parser
+    assert resolve_parsers("glm_moe_dsa", "deepseek_v32", "deepseek_v3") == (
+        "deepseekv32",
+        "deepseek-v3",
+    )
+    for bad in (("x", None), (None, "y"), ("deepseek_v3", None), (None, "deepseek_v32")):
         with pytest.raises(DsakvError, match="unknown"):
             resolve_parsers("glm_moe_dsa", *bad)
 

@@ -29,6 +29,9 @@ DEFAULT_PARSERS = {
     "glm_moe_dsa": ("glm47", "glm45"),
     "deepseek_v32": ("deepseekv32", "deepseek-v3"),
 }
+# vLLM's names for the same parsers (in its DeepSeek-V3.2 launch commands)
+_VLLM_TOOL_PARSERS = {"deepseek_v32": "deepseekv32"}
+_VLLM_REASONING_PARSERS = {"deepseek_v3": "deepseek-v3"}
 THINK_START, THINK_END = "<think>", "</think>"
 _TEXT = "text"  # the parser state outside any tool-call markup
 
@@ -37,13 +40,15 @@ def resolve_parsers(
     model_type: str, tool_parser: str | None, reasoning_parser: str | None
 ) -> tuple[str | None, str | None]:
     """The parser names to use: "auto" (or None) picks the model type's default, "none"
-    turns a parser off; anything unknown is a `DsakvError`."""
+    turns a parser off, vLLM's names are dsakv's (SGLang's); anything unknown is a
+    `DsakvError`."""
     defaults = DEFAULT_PARSERS.get(model_type, (None, None))
     out = []
-    for name, known, default, what in (
-        (tool_parser, TOOL_PARSERS, defaults[0], "tool-call"),
-        (reasoning_parser, REASONING_PARSERS, defaults[1], "reasoning"),
+    for name, known, vllm, default, what in (
+        (tool_parser, TOOL_PARSERS, _VLLM_TOOL_PARSERS, defaults[0], "tool-call"),
+        (reasoning_parser, REASONING_PARSERS, _VLLM_REASONING_PARSERS, defaults[1], "reasoning"),
     ):
+        name = vllm.get(name, name)
         if name in (None, "auto"):
             out.append(default)
         elif name == "none":
