@@ -76,6 +76,20 @@ def test_a_retracted_request_keeps_its_first_admissions_hit(tiny):
     assert c["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 96
     assert c["prefix_hit_tokens"] <= c["prompt_tokens"]
     assert 0.0 < _hit_rate(c) <= 1.0
+    assert _hit_rate(c) == 3 * 32 / (33 + 3 * 33)  # each prompt counted once, retracted or not
+
+
+def test_the_hit_rate_is_hit_tokens_over_prompt_tokens(tiny):
+    """A 33-token prompt caches two pages; a 47-token prompt sharing them hits 32 tokens:
+    32 of the 80 prompt tokens, 0.4 (a gauge at 1.0 whenever anything hit passed above)."""
+    e = Engine(EngineConfig(model=tiny, **EXACT, num_pages=32))
+    shared = _prompt(500, 32)
+    _drive(e, [shared + [1]], SHORT)
+    assert _hit_rate(e.counters()) == 0.0
+    (req,) = _drive(e, [shared + _prompt(501, 15)], SHORT)
+    assert req.metrics.prefix_hit_tokens == 32
+    assert _hit_rate(e.counters()) == 32 / (33 + 47)
+    assert _hit_rate({"prompt_tokens": 8, "prefix_hit_tokens": 2}) == 0.25
 
 
 def test_flush_cache_drops_device_and_host_pages_without_copying(tiny):

@@ -319,6 +319,39 @@ def test_prefill_bench_reports_every_variant(tiny):
     assert json.loads(json.dumps(r)) == r
 
 
+class _GarbageLatent:
+    """A backend storing random latent rows: every attention it runs reads garbage."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def store_latent(self, pool, layer, slots, rows):
+        return self.ops.store_latent(pool, layer, slots, torch.randn_like(rows) * 10)
+
+
+def test_prefill_bench_agreement_is_measured_not_assumed(tiny, monkeypatch):
+    """With the old backend's KV garbage it computes another model: its last chunk's top-1
+    must then disagree with the new backend's, sparse and dense alike (a figure set to 1.0
+    rather than compared passed the test above)."""
+    from dsakv.bench import prefill
+
+    make = prefill.select_backend
+
+    def garbled(name, *args, **kw):
+        ops = make(name, *args, **kw)
+        return _GarbageLatent(ops) if name == "torch" else ops
+
+    monkeypatch.setattr(prefill, "select_backend", garbled)
+    torch.manual_seed(0)
+    r = prefill.run_prefill_sparse_vs_dense(tiny, (48,), chunk=16, page_size=16)
+    assert r["backends"] == ["cpu", "torch"]
+    assert r["last_chunk_top1_agreement"]["sparse"] < 1.0
+    assert r["last_chunk_top1_agreement"]["dense"] < 1.0
+
+
 def test_bench_cli_sparse_vs_dense_quick(tiny, tmp_path):
     out = tmp_path / "prefill.json"
     proc = subprocess.run(

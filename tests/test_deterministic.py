@@ -166,7 +166,6 @@ def test_host_tier_and_l3_tier(sparse, tmp_path):
 def test_pd_matches_colocated(sparse):
     """Prefill on one engine, KV over Mooncake, decode on another: the colocated tokens and
     logprobs (the first token's logprob is the prefill side's)."""
-    pytest.importorskip("mooncake.engine")
     from dsakv.disagg.transfer import KVTransfer, PeerBuffer
 
     prompts = _prompts(4, seed=7, lo=20, hi=80)

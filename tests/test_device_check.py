@@ -103,8 +103,8 @@ def test_device_check_deadline_and_rewrites(tmp_path, capsys, monkeypatch):
     assert on_disk[1][1]["kernel_tests"] == "pending"
     assert on_disk[2][1]["kernel_tests"] == "ok"
     cut = result["stages"]["kernel_launch"]
-    assert not cut["ok"] and "deadline" in cut["error"]
-    assert cut["seconds"] < 3.0 + dc.KILL_GRACE_S + 5
+    assert not cut["ok"] and cut["error"].startswith("past its deadline of 3 s (killed")
+    assert 3.0 <= cut["seconds"] < 600  # the kill ended it: the stalled stage sleeps an hour
     assert not result["ok"] and result["complete"]
     out = capsys.readouterr().out
     assert "[2/3] kernel_launch: timed_out" in out and "[3/3] kernel_tests: ok" in out

@@ -990,3 +990,75 @@ def test_detokenize_false_gives_token_ids_alone(small_llm):
         small_llm.generate("Hello", SamplingParams(stop=["a"], detokenize=False))
     with pytest.raises(DsakvError, match="detokenize must be"):
         SamplingParams(detokenize="no")
+
+
+# --- the integrity check the other tests use as their oracle ------------------------------
+
+
+@pytest.fixture(scope="module")
+def idle_engine(tiny) -> Engine:
+    """Idle after one request: two prompt pages in the prefix cache, a host tier beside it."""
+    llm = LLM(tiny, **EXACT, num_pages=32, host_pool_gib=0.01)
+    llm.generate([_prompts(1, seed=9, lo=40, hi=40)[0]], GREEDY)
+    assert llm.engine.cache.num_device_pages > 0
+    return llm.engine
+
+
+def _duplicate_free_page(e: Engine):
+    e.allocator._free.append(e.allocator._free[-1])
+    return e.allocator._free.pop
+
+
+def _leak_device_page(e: Engine):
+    pages = e.allocator.alloc(1)
+    return lambda: e.allocator.free(pages)
+
+
+def _leave_a_request_row(e: Engine):
+    e.scheduler.req_to_token.extend(10**6, [0, 1])
+    return lambda: e.scheduler.req_to_token.release(10**6)
+
+
+def _leak_host_page(e: Engine):
+    pages = e.host.allocator.alloc(1)
+    return lambda: e.host.allocator.free(pages)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (_duplicate_free_page, "duplicate pages"),
+        (_leak_device_page, "cached != 32 pages"),
+        (_leave_a_request_row, "still maps request slots"),
+        (_leak_host_page, "host pages used"),
+    ],
+    ids=["allocator", "leaked-page", "request-row", "host-page"],
+)
+def test_check_integrity_fails_on_each_invariant_it_checks(idle_engine, corrupt, message):
+    """~70 tests take a passing `check_integrity` as proof that nothing leaked: it must
+    raise on each kind of leak it claims to catch, and pass again once it is undone."""
+    e = idle_engine
+    e.check_integrity()
+    undo = corrupt(e)
+    try:
+        with pytest.raises(AssertionError, match=message):
+            e.check_integrity()
+    finally:
+        undo()
+    e.check_integrity()
+
+
+def test_check_integrity_fails_on_a_prefix_lock_left_behind(idle_engine):
+    """A request's lock on cached pages outliving it pins them for good (never evictable):
+    idle, no request holds a page, and so no cached page may be locked."""
+    e = idle_engine
+    prompt = _prompts(1, seed=9, lo=40, hi=40)[0]
+    nodes = e.cache.match(prompt, 8)
+    assert nodes
+    e.cache.lock(nodes)
+    try:
+        with pytest.raises(AssertionError):
+            e.check_integrity()
+    finally:
+        e.cache.unlock(nodes)
+    e.check_integrity()

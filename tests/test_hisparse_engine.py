@@ -23,6 +23,7 @@ import torch
 
 from dsakv.engine import Engine, EngineConfig, Request, SamplingParams
 from dsakv.engine import disagg as ops
+from dsakv.engine.hisparse import _Hot
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 
@@ -132,6 +133,48 @@ def test_prefix_cache_hits_load_latent_from_the_host(tiny):
     assert c["hisparse_rows_to_device"] - before["hisparse_rows_to_device"] >= 3 * 80 * 8
 
 
+def _leak_latent_page(e: Engine):
+    pages = e.hot.allocator.alloc(1)
+    return lambda: e.hot.allocator.free(pages)
+
+
+def _leak_state_row(e: Engine):
+    row = e.hot._free_rows.pop()
+    return lambda: e.hot._free_rows.append(row)
+
+
+def _keep_a_finished_requests_buffer(e: Engine):
+    e.hot._reqs[10**6] = _Hot(e.hot.allocator.alloc(1))
+
+    def undo() -> None:
+        e.hot.allocator.free(e.hot._reqs.pop(10**6).pages)
+
+    return undo
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (_leak_latent_page, "requests hold 0 latent pages, 1 used"),
+        (_leak_state_row, "state rows leaked"),
+        (_keep_a_finished_requests_buffer, "idle engine still holds hot buffers"),
+    ],
+    ids=["latent-page", "state-row", "idle-buffer"],
+)
+def test_check_integrity_fails_on_each_hot_buffer_leak(tiny, corrupt, message):
+    """The HiSparse half of `Engine.check_integrity`, the oracle of the tests here: it must
+    raise on each leak it claims to catch, and pass again once it is undone."""
+    e = _engine(tiny, num_pages=20, enable_hisparse=True, hisparse_config=HS)
+    _run(e, _prompts(1, seed=4, lo=40, hi=40), check_every_step=False)
+    undo = corrupt(e)
+    try:
+        with pytest.raises(AssertionError, match=message):
+            e.check_integrity()
+    finally:
+        undo()
+    e.check_integrity()
+
+
 def test_retraction_abort_and_host_pages_as_the_limit(tiny, reference):
     """host_to_device_ratio 1: the logical (host) pages run out before the device slots;
     requests are retracted and recomputed, and every page, slot and state row comes back."""
@@ -219,7 +262,6 @@ def _pd(
     Mooncake into a reservation on HiSparse `decode` (latent into its host rows, index-K,
     full layers only, into its device pool), which then decodes from the first token; None
     where `decode` reserves nothing now."""
-    pytest.importorskip("mooncake.engine")
     from dsakv.disagg.transfer import KVTransfer, PeerBuffer
 
     src = KVTransfer(prefill.pool)

@@ -247,11 +247,10 @@ def test_decode_killed_mid_stream_client_errors_prefill_leaks_nothing(pd):
             first = next(iter(stream))
             assert first.choices[0].text is not None
             decode2.proc.send_signal(signal.SIGKILL)
-            start = time.monotonic()
-            with pytest.raises(openai.APIError):  # the router drops the connection
+            with pytest.raises(openai.APIError) as e:  # the router drops the connection
                 for _ in stream:
                     pass
-            assert time.monotonic() - start < 20
+            assert not isinstance(e.value, openai.APITimeoutError)  # not our 60 s patience
         finally:
             stream.close()
     after = wait_idle(pd["prefill"].url)  # every page free or prefix-cached

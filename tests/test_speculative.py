@@ -279,6 +279,10 @@ def test_random_workload_with_aborts_leaves_the_pool_whole(dense):
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()
+    c = engine.counters()
+    assert c["aborted_requests"] > 0 and c["pages_used"] == c["pages_cached"]
+    assert len(engine.scheduler.req_to_token) == 0
+    assert c["host_pages_used"] == engine.cache.num_host_pages
 
 
 def test_server_streams_several_tokens_per_step(dense):

@@ -23,6 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "src" / "dsakv" / "kernels"
 TRITON_36 = ROOT / ".triton-3.6"
+OLD_STORE = ROOT / "tests" / "data" / "triton_store_4f57181.py"  # git show 4f57181:...
 LATENT_KINDS = ("fp32", "bf16", "fp8_e4m3", "fp8_ds_mla")
 TIMEOUT = 1200  # a cold compile of everything on a busy 2-core machine
 
@@ -126,25 +127,15 @@ def test_bad_triton_is_one_error_line(tmp_path):
     ]
 
 
-def test_catches_two_returns_under_a_constexpr_if(tmp_path):
-    """The store module before 53668be: `_load_rows` returned under `if X_BF16:` and again
-    after it. The interpreter ran it; the compiler rejects the bf16-rows specialisation."""
-    try:
-        old = subprocess.run(
-            ["git", "show", "4f57181:src/dsakv/kernels/triton_store.py"],
-            capture_output=True, text=True, cwd=ROOT,
-        )  # fmt: skip
-    except FileNotFoundError:
-        pytest.skip("no git here")
-    if old.returncode != 0:
-        pytest.skip("commit 4f57181 not in this checkout")
-    assert "        return bf16_to_f32(" in old.stdout
-    path = tmp_path / "old_triton_store.py"
-    path.write_text(old.stdout)
+def test_catches_two_returns_under_a_constexpr_if():
+    """The store module before 53668be (kept in tests/data, cut to its latent store):
+    `_load_rows` returned under `if X_BF16:` and again after it. The interpreter ran it;
+    the compiler rejects the bf16-rows specialisation."""
+    assert "        return bf16_to_f32(" in OLD_STORE.read_text()
     res = _script(f"""
         import importlib.util, sys, time, torch
         from dsakv.kernels import triton_aot as aot
-        spec = importlib.util.spec_from_file_location("dsakv.kernels._old_store", {str(path)!r})
+        spec = importlib.util.spec_from_file_location("dsakv.kernels._old_store", {str(OLD_STORE)!r})
         old = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = old
         spec.loader.exec_module(old)

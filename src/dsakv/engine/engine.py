@@ -1280,7 +1280,8 @@ class Engine:
     # --- introspection --------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """When idle: every page is free or held by the prefix cache; no request holds any."""
+        """When idle: every page is free or held by the prefix cache; no request holds any,
+        nor a lock on a cached one (which would pin it for good)."""
         self.allocator.check()
         if self.hot is not None:
             self.hot.check(idle=not self.has_unfinished())
@@ -1288,6 +1289,8 @@ class Engine:
             total = self.allocator.num_free_pages + self.cache.num_device_pages
             if len(self.scheduler.req_to_token):
                 raise AssertionError("idle engine still maps request slots")
+            if self.cache.num_evictable_pages != self.cache.num_device_pages:
+                raise AssertionError("idle engine's prefix cache has locked pages")
             if total != self.allocator.num_pages:
                 raise AssertionError(
                     f"{self.allocator.num_free_pages} free + {self.cache.num_device_pages} cached "
