@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dsakv.cli import main
+from dsakv.procs import free_port
 
 
 @pytest.fixture(scope="module")
@@ -520,3 +521,20 @@ def test_flags_are_never_abbreviated(capsys):
     assert "unrecognized arguments: --dp 2" in _parse_error(["serve", "m", "--dp", "2"], capsys)
     err = _parse_error(["plan", "glm-5", "--kv-budget", "10"], capsys)
     assert "unrecognized arguments: --kv-budget 10" in err
+
+
+def test_several_served_model_names_reach_the_servers(tiny_dir, monkeypatch):
+    """vLLM's `--served-model-name a b` (nargs): serve takes the list, serve-pd hands every
+    name to its two servers (it passed the list as one argument)."""
+    from dsakv.cli import build_parser
+    from dsakv.disagg import launch
+
+    args = build_parser().parse_args(["serve", str(tiny_dir), "--served-model-name", "a", "b/c"])
+    assert args.served_model_name == ["a", "b/c"]
+    started = []
+    monkeypatch.setattr(launch, "serve_pd", lambda *a, **kw: started.append(a))
+    port = str(free_port())
+    assert main(["serve-pd", str(tiny_dir), "--port", port, "--served-model-name", "a", "b/c"]) == 0
+    flags = started[0][1]
+    i = flags.index("--served-model-name")
+    assert flags[i : i + 3] == ["--served-model-name", "a", "b/c"]

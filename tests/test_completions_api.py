@@ -759,6 +759,38 @@ def test_max_tokens_past_the_context_is_a_400(base, reference):
         assert r.json()["usage"]["completion_tokens"] == 3
 
 
+def test_max_tokens_null_runs_to_the_context(base, reference):
+    """vLLM's: an explicit `"max_tokens": null` runs up to the context's end (completions gave
+    it their default 16), while left out it is 16 on completions; on chat both, and
+    `max_completion_tokens: null`, run up to the context's end."""
+    n, tok = reference.engine.max_model_len, reference.tokenizer
+    room = 24  # more than 16
+    for body, want in [({"max_tokens": None}, room), ({}, 16)]:
+        body = {"prompt": [5] * (n - room), "ignore_eos": True, **body}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == want, body.keys()
+
+    def room_left(k: int) -> int:  # after a chat prompt of k words
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": " a" * k}], add_generation_prompt=True, tokenize=False
+        )
+        return n - len(tok.encode(chat, add_special_tokens=False))
+
+    lo, hi = 0, n  # the most words that leave `room`
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if room_left(mid) >= room else (lo, mid - 1)
+    messages, left = [{"role": "user", "content": " a" * lo}], room_left(lo)
+    assert 16 < left < 2 * room
+    for extra in ({}, {"max_tokens": None}, {"max_completion_tokens": None}):
+        body = {"messages": messages, "ignore_eos": True, **extra}
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == left, extra
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_token_texts_come_from_the_engines_one_decoder(reference):
     """A logprob request's token texts are those the engine's incremental decoder made its
     text from: one `DecodeStream` per request, not a second one in the server."""

@@ -21,9 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from dsakv import __version__
 from dsakv.cli import main as cli_main
 from dsakv.engine import LLM, EngineConfig, SamplingParams
+from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server import build_app, make_server
 from dsakv.server.chat import load_chat_template
+from dsakv.server.serve import model_names
 
 from .conftest import flat_logprobs
 from .serving import (
@@ -793,6 +795,66 @@ def test_retrieve_model(client, served):
         wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", timeout=TIMEOUT, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.models.retrieve("org/tiny")
+
+
+def test_a_request_may_name_the_model_path(base, model_dir):
+    """vLLM names the model after `--model` as given, SGLang after its model path: scripts
+    written for them send the path, which was a 404 here. It (and its resolved form) is
+    accepted beside the directory's name, which /v1/models still lists and responses
+    report."""
+    for name in (str(model_dir), str(model_dir.resolve()), MODEL, None):
+        body = {"model": name, "prompt": "x", "max_tokens": 1}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["model"] == MODEL, (name, r.text)
+        chat = {"model": name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+        r = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["model"] == MODEL, (name, r.text)
+    quoted = str(model_dir).replace("/", "%2F")
+    r = httpx.get(f"{base}/v1/models/{quoted}", timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["id"] == MODEL
+    assert [m["id"] for m in httpx.get(f"{base}/v1/models", timeout=TIMEOUT).json()["data"]] == [
+        MODEL
+    ]
+    for other in (f"{model_dir}/x", str(model_dir.parent), "gpt-4"):
+        body = {"model": other, "prompt": "x", "max_tokens": 1}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", other
+
+
+def test_several_served_model_names(served, tmp_path, monkeypatch):
+    """vLLM's `--served-model-name a b`: /v1/models lists every name, a request may name any
+    (and no other, as vLLM's), and responses, /server_info and the metrics report the
+    first. Without it, the directory's name, and the path as given or resolved."""
+    (tmp_path / "m").mkdir()
+    rel = Path(tmp_path.name) / "m"  # a relative path, as given on a command line
+    monkeypatch.chdir(tmp_path.parent)
+    names, aliases = model_names(str(rel), ["first", "org/second"])
+    paths = [str(rel), str((tmp_path / "m").resolve())]
+    assert model_names(str(rel)) == (["m"], paths) == model_names(str(rel), "")
+    assert names == ["first", "org/second"] and aliases == []
+    with pytest.raises(DsakvError, match="must not be empty"):
+        model_names(str(rel), ["first", ""])
+
+    app = build_app(served[1], names, aliases=aliases)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    )
+    with running(server) as url:
+        listed = httpx.get(f"{url}/v1/models", timeout=TIMEOUT).json()["data"]
+        assert [m["id"] for m in listed] == names
+        for name in (*names, *aliases):
+            body = {"model": name, "prompt": "x", "max_tokens": 1}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+            assert r.status_code == 200 and r.json()["model"] == "first", (name, r.text)
+        r = httpx.get(f"{url}/v1/models/org/second", timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["id"] == "org/second"
+        info = httpx.get(f"{url}/server_info", timeout=TIMEOUT).json()
+        assert info["served_model_name"] == "first"
+        assert 'model_name="first"' in httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+        for other in ("second", "m", str(rel)):
+            body = {"model": other, "prompt": "x", "max_tokens": 1}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+            assert r.status_code == 404, other
 
 
 def test_metrics(base, served):

@@ -309,14 +309,18 @@ def test_tool_history_is_rendered(served, family):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_reasoning_is_split(served, family, stream):
-    """A regex makes even the random model think, then answer; the split must follow the
+    """A grammar makes even the random model think, then answer; the split must follow the
     prompt, which opened the reasoning block (GLM-5 and DeepSeek-V3.2 with thinking: the
-    prompt ends with `<think>`)."""
+    prompt ends with `<think>`). (A regex now starts after the reasoning, as SGLang's
+    ReasonerGrammarBackend; a structural tag, as a forcing tool_choice's, is the whole
+    output.)"""
     client = served[0]
+    tag = {"type": "regex", "pattern": "[a-z]{3,6}</think>[a-z]{2,4}"}
+    tag = json.dumps({"type": "structural_tag", "format": tag})
     kw = dict(
         tools=None,
         template_kwargs=THINKING[family],
-        extra_body={"regex": "[a-z]{3,6}</think>[a-z]{2,4}"},
+        extra_body={"structured_outputs": {"structural_tag": tag}},
         stream=stream,
     )
     r = _chat(client, family, **kw)

@@ -373,6 +373,9 @@ _AFTER_THINKING = [
     ({"guided_regex": "[a-z]{3,6}"}, lambda s: re.fullmatch("[a-z]{3,6}", s)),
     ({"guided_choice": ["yes", "no"]}, lambda s: s in ("yes", "no")),
     ({"guided_grammar": 'root ::= "a" | "bb"'}, lambda s: s in ("a", "bb")),
+    ({"json_schema": AGE}, _is_age),  # SGLang's three (its ReasonerGrammarBackend)
+    ({"regex": "[a-z]{3,6}"}, lambda s: re.fullmatch("[a-z]{3,6}", s)),
+    ({"ebnf": 'root ::= "yes" | "no"'}, lambda s: s in ("yes", "no")),
 ]  # fmt: skip
 
 
@@ -381,9 +384,10 @@ _AFTER_THINKING = [
     ("extra", "check"), _AFTER_THINKING, ids=[next(iter(e)) for e, _ in _AFTER_THINKING]
 )
 def test_structured_output_starts_after_the_reasoning(thinker, extra, check, stream):
-    """The prompt opens `<think>`: response_format and vLLM's guided_* constrain the answer
-    once the reasoning is over (vLLM's reasoning parsers), so `content` holds it. (Enforced
-    from the first token, they put the JSON in reasoning_content and left content empty.)"""
+    """The prompt opens `<think>`: response_format, vLLM's guided_* and SGLang's regex /
+    ebnf / json_schema constrain the answer once the reasoning is over (vLLM's reasoning
+    parsers, SGLang's ReasonerGrammarBackend), so `content` holds it. (Enforced from the
+    first token, they put the answer in reasoning_content and left content empty.)"""
     kw = dict(
         model=MODEL,
         messages=[{"role": "user", "content": "Your age as JSON?"}],
@@ -406,17 +410,15 @@ def test_structured_output_starts_after_the_reasoning(thinker, extra, check, str
     assert check(content), content
 
 
-def test_sglang_grammars_still_cover_the_reasoning(thinker):
-    """SGLang's regex / ebnf / json_schema constrain the whole output, reasoning included."""
-    r = thinker.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Think, then answer."}],
-        max_tokens=20,
-        temperature=0,
-        extra_body={"regex": "[a-z]{3}</think>[a-z]{2}"},
-    )
-    msg = r.choices[0].message
-    assert re.fullmatch("[a-z]{3}", msg.reasoning_content) and re.fullmatch("[a-z]{2}", msg.content)
+def test_generate_grammars_still_cover_the_reasoning(thinker):
+    """SGLang's /generate has no reasoning parser: its grammar covers the whole output, the
+    reasoning block included, as SGLang's does."""
+    prompt = "<|user|>Think, then answer.<|assistant|><think>"
+    params = {"max_new_tokens": 20, "temperature": 0, "regex": "[a-z]{3}</think>[a-z]{2}"}
+    url = str(thinker.base_url).removesuffix("/").removesuffix("/v1")
+    r = httpx.post(f"{url}/generate", json={"text": prompt, "sampling_params": params})
+    assert r.status_code == 200, r.text
+    assert re.fullmatch("[a-z]{3}</think>[a-z]{2}", r.json()["text"]), r.json()["text"]
 
 
 # --- the engine side ---------------------------------------------------------------------------

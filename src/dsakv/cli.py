@@ -748,7 +748,11 @@ def _add_engine_commands(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument("--api-key", help="require this Bearer token")
-    p.add_argument("--served-model-name", help="model name clients use (default: dir name)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="name(s) clients use; the first is reported (default: the model dir's name)",
+    )
     p.add_argument(
         "--tool-call-parser",
         type=_chat_parser("tool"),
@@ -838,9 +842,10 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
                 check_listen("127.0.0.1", p)
         flags = _flags(args, add_engine_args)
         flags += ["--disaggregation-timeout", str(args.disaggregation_timeout)]
-        for name in ("served_model_name", "api_key"):
-            if getattr(args, name):
-                flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
+        if args.served_model_name:
+            flags += ["--served-model-name", *args.served_model_name]
+        if args.api_key:
+            flags += ["--api-key", args.api_key]
         serve_pd(
             resolve_model_dir(args.model),
             flags,
@@ -899,7 +904,7 @@ def _add_disagg_commands(sub: Any) -> None:
         default=60.0,
         help="seconds either side waits for the other (default 60)",
     )
-    p.add_argument("--served-model-name")
+    p.add_argument("--served-model-name", nargs="+")
     p.add_argument("--api-key")
     add_engine_args(p)
     add_ignored_args(p)

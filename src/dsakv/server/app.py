@@ -87,16 +87,24 @@ _HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's: a probe stuck behind a long queue
 
 def build_app(
     async_engine: AsyncEngine,
-    model_name: str,
+    model_name: str | Sequence[str],
     api_key: str | None = None,
     chat_parsers: ChatParsers | None = None,
+    aliases: Sequence[str] = (),
 ) -> FastAPI:
-    """The app for one engine. With `api_key`, every route needs `Authorization: Bearer`
-    (checked before the body is read: `_BearerAuth`) but those left open for probes and
-    scrapers (`_OPEN`): /health, /version, /metrics and SGLang's probes (/health_generate,
-    /model_info, /server_info, and their older /get_* names, which routers such as
-    sglang-router read at registration); a path no route serves is a 404 with or without
-    it. `chat_parsers` defaults to the model type's tool-call and reasoning parsers."""
+    """The app for one engine. `model_name`: the served name, or several (vLLM's
+    `--served-model-name`): /v1/models lists each, responses report the first, a request
+    may name any, or one of `aliases` (accepted, not listed: `make_server` gives the model's
+    path). With `api_key`, every route needs `Authorization: Bearer` (checked before the
+    body is read: `_BearerAuth`) but those left open for probes and scrapers (`_OPEN`):
+    /health, /version, /metrics and SGLang's probes (/health_generate, /model_info,
+    /server_info, and their older /get_* names, which routers such as sglang-router read at
+    registration); a path no route serves is a 404 with or without it. `chat_parsers`
+    defaults to the model type's tool-call and reasoning parsers."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names or not all(names):
+        raise DsakvError("a served model name must be a non-empty string")
+    model_name = names[0]
     app = FastAPI(title="dsakv", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(model_name)
     app.state.async_engine, app.state.model_name, app.state.metrics = (
@@ -110,7 +118,7 @@ def build_app(
     _install_error_handlers(app)
     if chat_parsers is None:
         chat_parsers = ChatParsers.for_model(async_engine.engine.model_config.model_type)
-    api = Handlers(async_engine, model_name, metrics, chat_parsers)
+    api = Handlers(async_engine, names, metrics, chat_parsers, aliases)
 
     @app.get("/health")
     async def health() -> Response:
@@ -144,14 +152,14 @@ def build_app(
         )
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [api.model_card()]}
+    async def models() -> dict[str, Any]:  # (vLLM's: a card per served name)
+        return {"object": "list", "data": [api.model_card(name) for name in api.model_names]}
 
     # OpenAI's retrieve-model (`client.models.retrieve`); `path`: a served name may hold "/"
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
         api._check_model(model)
-        return api.model_card()
+        return api.model_card(model if model in api.model_names else api.model_name)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -233,12 +241,15 @@ class Handlers:
     def __init__(
         self,
         async_engine: AsyncEngine,
-        model_name: str,
+        model_names: Sequence[str],
         metrics: ServerMetrics,
         chat_parsers: ChatParsers,
+        aliases: Sequence[str] = (),
     ) -> None:
         self.engine = async_engine
-        self.model_name = model_name
+        self.model_names = list(model_names)
+        self.model_name = self.model_names[0]  # what responses report
+        self._accepted = frozenset((*self.model_names, *aliases))
         self.metrics = metrics
         self.chat_parsers = chat_parsers
         self._grammars_lock = threading.Lock()  # the engine builds its GrammarCache lazily
@@ -263,8 +274,12 @@ class Handlers:
             raise APIError(400, "best_of must equal n (no server-side ranking)", param="best_of")
         prompts = _prompt_list(body.prompt)
         echo = bool(body.echo)
+        # vLLM's CompletionRequest: max_tokens left out is 16; an explicit null, up to the
+        # context's end (what chat gets either way)
+        null = "max_tokens" in body.model_fields_set and body.max_tokens is None
+        most = self.engine.engine.max_model_len if null else 16
         params = self._params(
-            body, body.max_tokens, 16, body.logprobs, "logprobs", min_max_tokens=0 if echo else 1
+            body, body.max_tokens, most, body.logprobs, "logprobs", min_max_tokens=0 if echo else 1
         )
         # vLLM's: echo with logprobs scores the prompt too (unless prompt_logprobs says how),
         # and the choices then carry its prompt_logprobs
@@ -369,7 +384,7 @@ class Handlers:
         params = self._params(
             body, max_tokens, self.engine.engine.max_model_len, top_n, "top_logprobs", param
         )
-        grammar_param = field = _grammar_field(body)
+        grammar_param = _grammar_field(body)
         if prep.grammar is not None:  # tool_choice forces a call
             if params.grammar is not None:
                 raise APIError(
@@ -379,11 +394,12 @@ class Handlers:
                 )
             params = dataclasses.replace(params, grammar=prep.grammar)
             grammar_param = "tools"
-        # OpenAI's and vLLM's structured output is the answer's (`content`): where the model
-        # reasons first, the grammar starts once the reasoning is over (vLLM's reasoning
-        # parsers); SGLang's regex / ebnf / json_schema still cover the whole output.
-        wait = field in _AFTER_REASONING
-        params = await self._ready_grammar(params, grammar_param, prep.reasoning if wait else None)
+        # Structured output is the answer's (`content`): where the model reasons first, the
+        # grammar starts once the reasoning is over, whichever field asked for it (vLLM's
+        # reasoning parsers; SGLang's ReasonerGrammarBackend, for its regex / ebnf /
+        # json_schema too); /generate keeps a grammar over the whole output. A structural tag
+        # is left as it is (`after_reasoning`): a forcing tool_choice's holds the reasoning.
+        params = await self._ready_grammar(params, grammar_param, prep.reasoning)
         n = self._n(body)
         given = param if max_tokens is not None else None
         special = body.add_special_tokens  # (vLLM's: none, the template holds its own)
@@ -488,11 +504,11 @@ class Handlers:
             raise APIError(400, "the cache was not flushed: requests are running or waiting")
         return Response("Cache flushed.\n", media_type="text/plain")
 
-    def model_card(self) -> dict[str, Any]:
-        """The served model, as /v1/models lists it and /v1/models/{model} returns it."""
+    def model_card(self, name: str) -> dict[str, Any]:
+        """A served name's card, as /v1/models lists it and /v1/models/{model} returns it."""
         e = self.engine.engine
         return {
-            "id": self.model_name,
+            "id": name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "dsakv",
@@ -545,7 +561,7 @@ class Handlers:
     # --- plumbing -----------------------------------------------------------------------------
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self._accepted:
             raise APIError(
                 404,
                 f"model {model!r} does not exist; this server serves {self.model_name!r}",
@@ -1200,20 +1216,6 @@ _GRAMMAR_FIELDS = (
     ("guided_grammar", "ebnf"),
     ("json_schema", "json_schema"),
     ("guided_json", "json_schema"),
-)
-
-
-# Fields whose grammar is the answer's (`content`), applied after a chat's reasoning block:
-# OpenAI's and vLLM's, as vLLM's reasoning parsers do (SGLang's cover the whole output).
-_AFTER_REASONING = frozenset(
-    (
-        "response_format",
-        "guided_json",
-        "guided_regex",
-        "guided_grammar",
-        "guided_choice",
-        "structured_outputs",
-    )
 )
 
 

@@ -10,6 +10,7 @@ import logging
 import signal
 import socket
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import uvicorn
@@ -66,12 +67,28 @@ def serve_app(app, listener: Listener, banner: str, log_level: str = "warning") 
     _Server(config, sockets=listener.sockets, banner=banner).run()
 
 
+def model_names(
+    model: str, served: str | Sequence[str] | None = None
+) -> tuple[list[str], list[str]]:
+    """(The names /v1/models lists, the first reported; other names a request may use) for
+    a model served from the directory `model`: the served names (vLLM's
+    `--served-model-name` takes several) and no other, as vLLM's; without them the
+    directory's name, and the path as given and resolved (vLLM's and SGLang's default
+    name, which scripts written for them send)."""
+    names = ([served] if served else []) if isinstance(served, str) else list(served or ())
+    if not all(names):
+        raise DsakvError("a served model name must not be empty")
+    if names:
+        return names, []
+    return [Path(model).name or str(model)], [str(model), str(Path(model).resolve())]
+
+
 def make_server(
     config: EngineConfig,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     log_level: str = "info",
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = "auto",
@@ -84,8 +101,9 @@ def make_server(
     `parsers.REASONING_PARSERS`. `bridge`: what the app talks to (default: a plain
     `AsyncEngine`). `listener`: the sockets to serve, taken earlier (else uvicorn binds
     `host:port` when it starts). `chat_template`: replaces the tokenizer's
-    (`load_chat_template`)."""
+    (`load_chat_template`). `served_model_name`: one name or several (`model_names`)."""
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
+    names, aliases = model_names(config.model, served_model_name)
     # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
     thread = EngineThread()
     try:
@@ -99,11 +117,10 @@ def make_server(
     except BaseException:
         thread.close()  # a no-op once the step loop started
         raise
-    name = served_model_name or Path(config.model).name or str(config.model)
     parsers = ChatParsers.for_model(
         engine.model_config.model_type, tool_call_parser, reasoning_parser
     )
-    app = build_app(async_engine, name, api_key=api_key, chat_parsers=parsers)
+    app = build_app(async_engine, names, api_key=api_key, chat_parsers=parsers, aliases=aliases)
     async_engine.attach(app)
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     sockets = listener.sockets if listener is not None else None
@@ -115,7 +132,7 @@ def run_server(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = "auto",
     bridge: Bridge | None = None,
