@@ -9,6 +9,7 @@ TTFT cold vs L3 hit).
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import random
 import shutil
@@ -161,6 +162,95 @@ def test_engines_sharing_a_file_store_share_its_cap(tmp_path):
     on_disk = sum(f.stat().st_size for f in tmp_path.glob("*/*.kv"))
     assert on_disk <= 250, on_disk
     assert two.exists(f"{3:08x}") and not one.exists(f"{0:08x}")  # the oldest went
+
+
+def _on_disk(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.glob("*/*.kv"))
+
+
+def _ledger(root: Path) -> int:
+    return int((root / FileStorage.LEDGER).read_text())
+
+
+OBJ, CAP = 1000, 10_000  # room for 10 objects
+
+
+def _writer(i: int, root: str, waves: int, bar) -> None:
+    """Writes 12 objects a wave, 4 of them the keys every writer puts (the same bytes)."""
+    store = FileStorage(root, max_bytes=CAP)
+    for w in range(waves):
+        bar.wait(30)
+        for j in range(12):
+            key = f"{w:04x}{j:04x}" if j < 4 else f"{i:02x}{w:04x}{j:04x}"
+            assert store.put(key, bytes([j]) * OBJ)
+        bar.wait(30)
+        bar.wait(30)  # (the parent measures)
+
+
+def test_writers_in_several_processes_hold_the_shared_cap(tmp_path):
+    """Each process counted its own objects and rescanned at most once a second: three
+    writing in bursts filled a 10-object cap with 30. Now a shared ledger holds the cap,
+    and objects two writers both put count once (the directory stays full, not less)."""
+    ctx, writers, waves = mp.get_context("fork"), 3, 3
+    bar = ctx.Barrier(writers + 1)
+    procs = [
+        ctx.Process(target=_writer, args=(i, str(tmp_path), waves, bar)) for i in range(writers)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for _ in range(waves):
+            bar.wait(30)
+            bar.wait(30)
+            assert _on_disk(tmp_path) == CAP  # at most the cap, and all of it used
+            assert _ledger(tmp_path) == CAP
+            bar.wait(30)
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert _on_disk(tmp_path) == _ledger(tmp_path) == CAP
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def _dies_mid_write(root: str) -> None:
+    os.replace = lambda *_: os._exit(3)  # (killed after it wrote, before the rename)
+    FileStorage(root, max_bytes=5 * OBJ).put("dead" * 4, bytes(OBJ))
+
+
+def test_a_writer_dying_mid_write_leaves_no_file_and_no_drift(tmp_path):
+    """Its temporary file stayed for good, uncounted; now its reservation (counted in the
+    ledger) is dropped, with the file, by the next put that makes room."""
+    store = FileStorage(tmp_path, max_bytes=5 * OBJ)
+    store.RESCAN_S = 0.0  # (the sweep for dead writers: at most every RESCAN_S)
+    for i in range(5):
+        assert store.put(f"{i:08x}", bytes(OBJ))
+    proc = mp.get_context("fork").Process(target=_dies_mid_write, args=(str(tmp_path),))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 3
+    assert len(list(tmp_path.rglob("*.tmp"))) == 1  # (what it left)
+    for i in range(5, 10):
+        assert store.put(f"{i:08x}", bytes(OBJ))
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert _on_disk(tmp_path) == _ledger(tmp_path) == 5 * OBJ  # the whole cap, no drift
+    assert all(store.exists(f"{i:08x}") for i in range(5, 10))
+
+
+def test_an_object_another_process_read_is_not_the_next_evicted(tmp_path):
+    """A process evicts from its own LRU order; a hit in another process (the file's newer
+    mtime) keeps the object, as the once-a-second rescan did only a second later."""
+    one = FileStorage(tmp_path, max_bytes=3 * OBJ)
+    for i in range(3):
+        assert one.put(f"{i:08x}", bytes(OBJ))
+    two = FileStorage(tmp_path, max_bytes=3 * OBJ)
+    assert two.get(f"{0:08x}") == bytes(OBJ)  # 0 is now the most recently used
+    assert one.put(f"{3:08x}", bytes(OBJ))
+    assert one.exists(f"{0:08x}") and not one.exists(f"{1:08x}")
+    assert _on_disk(tmp_path) == 3 * OBJ
 
 
 def test_pool_page_bytes_are_the_elided_layout():

@@ -24,6 +24,7 @@ Backends are small (`get/put/exists/delete`): a directory with an LRU size cap
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -37,6 +38,7 @@ import subprocess
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,11 +226,20 @@ class FileStorage(StorageBackend):
     temporary name and renamed, so a reader never sees half an object. With `max_bytes`,
     the least recently used objects (whole files, any namespace) are deleted to make room;
     the order survives restarts through file modification times (touched on each hit).
-    Several engines may share a directory and its cap: each rescans it (at most every
-    `RESCAN_S`) before it evicts, so the others' objects count too."""
+
+    Several processes may share a directory and its cap. The directory's total lives in a
+    ledger (`<root>/.ledger`), changed under its `flock` by every put and delete: a put
+    reserves its bytes before it writes (a temporary file in `<root>/.writing/`, locked while
+    its writer lives), makes room first from this process's LRU index (an object another
+    process used since is kept: its mtime is newer), and when that runs dry rescans the
+    directory, which re-derives the ledger. The cap holds across processes; reads take no
+    lock. A writer that dies mid-write leaves its reservation: the next put that must make
+    room drops it (at most once every `RESCAN_S`), its file no longer locked."""
 
     SUFFIX = ".kv"
-    RESCAN_S = 1.0
+    LEDGER = ".ledger"
+    TMP = ".writing"
+    RESCAN_S = 1.0  # (the sweep for dead writers' reservations)
 
     def __init__(self, root: str | Path, max_bytes: int | None = None) -> None:
         self.root = Path(root)
@@ -242,8 +253,17 @@ class FileStorage(StorageBackend):
         self.evicted = 0
         self._evicted_keys: list[str] = []
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, LRU first
-        self._scan()
+        self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (size, mtime)
+        self._ledger_fd: int | None = None
+        self._swept = time.monotonic()
+        if max_bytes is None:
+            self._scan()
+            return
+        try:
+            with self._lock, self._shared(rescan=True):  # (repairs the ledger's drift)
+                pass
+        except OSError as e:
+            raise DsakvError(f"--hicache-storage-dir {root}: {e.strerror or e}") from None
 
     def _scan(self) -> None:
         """The index and total from the directory's files, least recently used first. Equal
@@ -256,12 +276,134 @@ class FileStorage(StorageBackend):
             with contextlib.suppress(OSError):
                 st, key = f.stat(), f.name[: -len(self.SUFFIX)]
                 found.append((st.st_mtime_ns, rank.get(key, -1), key, st.st_size))
-        self._index = OrderedDict((key, size) for *_, key, size in sorted(found))
-        self.total_bytes = sum(self._index.values())
-        self._scanned = time.monotonic()
+        self._index = OrderedDict((key, (size, ns)) for ns, _, key, size in sorted(found))
+        self.total_bytes = sum(size for size, _ in self._index.values())
 
     def _path(self, key: str) -> Path:
         return self.root / key[-2:] / f"{key}{self.SUFFIX}"
+
+    # --- the shared ledger (a cap only; both locks held) ------------------------------------
+
+    def _lock_ledger(self) -> int:
+        """The ledger's descriptor, `flock`ed; a ledger removed (with the directory, by a
+        tmp cleaner) is made again, as the other processes lock the one at the path."""
+        path = self.root / self.LEDGER
+        while True:
+            if self._ledger_fd is None:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._ledger_fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = self._ledger_fd
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError):
+                st, held = os.stat(path), os.fstat(fd)
+                if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+                    return fd
+            self._ledger_fd = None
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _shared(self, rescan: bool = False) -> Iterator[None]:
+        """Inside, `total_bytes` is the directory's total, written back on the way out."""
+        fd = self._lock_ledger()
+        try:
+            if not rescan:
+                try:
+                    self.total_bytes = int(os.pread(fd, self._LEDGER_BYTES, 0))
+                except ValueError:  # a new ledger (or one a crash cut short)
+                    rescan = True
+            if rescan:
+                self._rescan()
+            try:
+                yield
+            finally:
+                self._save(fd)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    _LEDGER_BYTES = 21
+
+    def _save(self, fd: int | None = None) -> None:
+        self.total_bytes = max(self.total_bytes, 0)
+        os.pwrite(self._ledger_fd if fd is None else fd, b"%20d\n" % self.total_bytes, 0)
+
+    def _rescan(self) -> None:
+        """The index and the ledger from the directory: its objects and live reservations."""
+        reserved = self._sweep()
+        self._scan()
+        self.total_bytes += reserved
+
+    def _sweep(self) -> int:
+        """Drop dead writers' reservations (their temporary files, no longer locked) from
+        the directory and the total; the bytes that live writers hold."""
+        self._swept = time.monotonic()
+        tmp, live = self.root / self.TMP, 0
+        try:
+            names = os.listdir(tmp)
+        except OSError:
+            return 0
+        for name in names:
+            try:
+                fd = os.open(tmp / name, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    live += size
+                    continue
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp / name)
+                    self.total_bytes -= size
+            finally:
+                os.close(fd)
+        return live
+
+    def _make_room(self, size: int) -> bool:
+        """Delete least recently used objects until `size` more bytes fit; False when they
+        cannot (the others' writes in flight fill the cap)."""
+        cap = self.max_bytes
+        assert cap is not None
+        if self.total_bytes + size > cap and time.monotonic() - self._swept >= self.RESCAN_S:
+            self._sweep()
+        rescanned, spared = False, set()
+        while self.total_bytes + size > cap:
+            if not self._index:
+                if rescanned:
+                    return False
+                self._rescan()  # (what the other processes wrote; repairs the ledger)
+                rescanned = True
+                continue
+            key, (_, ns) = self._index.popitem(last=False)
+            path = self._path(key)
+            try:
+                st = path.stat()
+            except FileNotFoundError:  # another process dropped it
+                self._evicted_keys.append(key)
+                continue
+            except OSError:
+                continue
+            head = next(iter(self._index.values()), (0, st.st_mtime_ns))[1]
+            if st.st_mtime_ns > max(ns, head) and key not in spared:
+                # Another process used it since, later than the next one's use (ties keep
+                # this process's order, as a rescan does): it stays, most recent.
+                spared.add(key)
+                self._index[key] = (st.st_size, st.st_mtime_ns)
+                continue
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                self._evicted_keys.append(key)
+                continue
+            except OSError:
+                continue
+            self.total_bytes -= st.st_size
+            self.evicted += 1
+            self._evicted_keys.append(key)
+        return True
+
+    # --- the backend --------------------------------------------------------------------------
 
     def get(self, key: str) -> bytes | None:
         path = self._path(key)
@@ -280,19 +422,75 @@ class FileStorage(StorageBackend):
         return self.max_bytes is not None
 
     def touch(self, key: str) -> None:
+        now = time.time_ns()  # (what the index records: a later, larger mtime is another's use)
         with self._lock:
             if key in self._index:
-                self._index.move_to_end(key)
+                self._index[key] = (self._index.pop(key)[0], now)
         with contextlib.suppress(OSError):
-            os.utime(self._path(key))  # also for the next process's LRU order
+            os.utime(self._path(key), ns=(now, now))  # also for the next process's LRU order
 
     def put(self, key: str, data: bytes) -> bool:
         size = len(data)
-        if self.max_bytes is not None and size > self.max_bytes:
+        if self.max_bytes is None:
+            self._write(key, data)
+            with self._lock:
+                self.total_bytes += size - self._index.pop(key, (0, 0))[0]
+                self._index[key] = (size, 0)
+            return True
+        if size > self.max_bytes:
             return False
         path = self._path(key)
-        with self._lock:
-            self._make_room(size)
+        tmp = self.root / self.TMP / f"{key}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        fd = None
+        try:
+            with self._lock, self._shared():
+                if not self._make_room(size):
+                    return False
+                self.total_bytes += size  # the reservation, saved before its file exists
+                self._save()
+                try:
+                    tmp.parent.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                    fcntl.flock(fd, fcntl.LOCK_EX)  # (held while this writer lives)
+                    os.ftruncate(fd, size)  # (what a rescan counts as reserved)
+                except OSError:
+                    self.total_bytes -= size
+                    if fd is not None:
+                        os.close(fd)
+                        fd = None
+                        with contextlib.suppress(OSError):
+                            tmp.unlink()
+                    raise
+            with open(fd, "wb", closefd=False) as f:
+                f.write(data)
+            ns = os.fstat(fd).st_mtime_ns
+            with self._lock, self._shared():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    old = path.stat().st_size  # (another process put the same key)
+                except FileNotFoundError:
+                    old = 0
+                os.replace(tmp, path)
+                self.total_bytes -= old
+                self._index.pop(key, None)
+                self._index[key] = (size, ns)
+            return True
+        except OSError as e:
+            if fd is not None:
+                self._unreserve(tmp, size)
+            raise StorageError(f"cannot write {path}: {e.strerror or e}") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _unreserve(self, tmp: Path, size: int) -> None:
+        with contextlib.suppress(OSError), self._lock, self._shared():
+            if tmp.exists():
+                tmp.unlink()
+                self.total_bytes -= size
+
+    def _write(self, key: str, data: bytes) -> None:
+        path = self._path(key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)  # (the root too, if removed)
@@ -304,41 +502,39 @@ class FileStorage(StorageBackend):
                 tmp.unlink()
             # (a full or read-only disk: the tier logs it at most every 30 s, not per page)
             raise StorageError(f"cannot write {path}: {e.strerror or e}") from None
-        with self._lock:
-            self.total_bytes += size - self._index.pop(key, 0)
-            self._index[key] = size
-        return True
 
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
 
     def delete(self, key: str) -> None:
-        with contextlib.suppress(OSError):
-            self._path(key).unlink()
-        self._forget(key)
+        path = self._path(key)
+        if self.max_bytes is None:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self._forget(key)
+            return
+        with contextlib.suppress(OSError), self._lock, self._shared():
+            self._index.pop(key, None)
+            size = path.stat().st_size
+            path.unlink()
+            self.total_bytes -= size  # (only what this process unlinked)
 
     def _forget(self, key: str) -> None:
         with self._lock:
-            self.total_bytes -= self._index.pop(key, 0)
-
-    def _make_room(self, size: int) -> None:
-        """Delete least recently used objects until `size` more bytes fit (lock held)."""
-        if self.max_bytes is None:
-            return
-        if time.monotonic() - self._scanned >= self.RESCAN_S:
-            self._scan()  # (what other engines sharing the directory wrote)
-        while self._index and self.total_bytes + size > self.max_bytes:
-            key, old = self._index.popitem(last=False)
-            self.total_bytes -= old
-            with contextlib.suppress(OSError):
-                self._path(key).unlink()
-            self.evicted += 1
-            self._evicted_keys.append(key)
+            size = self._index.pop(key, (0, 0))[0]
+            if self.max_bytes is None:  # (with a cap, whoever deleted it counted it)
+                self.total_bytes -= size
 
     def take_evicted(self) -> list[str]:
         with self._lock:
             keys, self._evicted_keys = self._evicted_keys, []
         return keys
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._ledger_fd = self._ledger_fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 class MooncakeStorage(StorageBackend):
