@@ -387,6 +387,40 @@ def test_the_retracted_come_back_before_new_reservations(tiny):
     decode.check_integrity()
 
 
+@pytest.mark.parametrize(
+    "hisparse, num_pages, prompt_len, max_tokens", [(False, 20, 30, 60), (True, 16, 40, 90)]
+)
+def test_reservations_take_what_the_retracted_leave(
+    tiny, hisparse, num_pages, prompt_len, max_tokens
+):
+    """While a retracted request waits, a PD decode server took no reservation at all (a
+    new request could wait out the disaggregation timeout behind it). As SGLang's, it now
+    takes what is left beyond the pages (and, under HiSparse, device latent) the waiting one
+    needs to come back: reservations held and never started still let it resume and finish
+    with its tokens."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(prompt_len)] for i in range(2)]
+    want = _run(_engine(tiny, num_pages=64), prompts, params, check_every_step=False)
+    kw = dict(enable_hisparse=True, hisparse_config={"host_to_device_ratio": 2}) if hisparse else {}
+    e = _engine(tiny, num_pages=num_pages, **kw)
+    reqs = [e.add_request(p, params) for p in prompts]
+    held, steps, waited = [], 0, False
+    while e.has_unfinished():
+        if e.scheduler.waiting and e.counters()["retractions"]:
+            waited = True
+            r = e.reserve_detached([5, 6, 7, 8, 9], GREEDY)  # (one page, never started)
+            if r is not None:
+                held.append(r)
+        e.step()
+        steps += 1
+        assert steps < 500, "the retracted request never came back"
+    assert waited and held, "no reservation was taken while the retracted request waited"
+    assert [r.output_ids for r in reqs] == want
+    for r in held:
+        ops.drop(e, r)
+    e.check_integrity()
+
+
 def test_bad_settings_are_one_clear_error(tiny):
     with pytest.raises(DsakvError, match="needs --enable-hisparse"):
         EngineConfig(model=tiny, hisparse_config={"top_k": 16})

@@ -26,6 +26,7 @@ A request's life, as the scheduler and the step drive it:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -178,11 +179,15 @@ class HotBuffers:
         """Whether a prompt can ever be prefilled: its latent must all be on the device."""
         return -(-max(prompt_len + 1, self.size + 1) // self.page_size) <= self.allocator.num_pages
 
-    def can_admit(self, req: Request, detached: bool = False) -> bool:
+    def can_admit(
+        self, req: Request, detached: bool = False, behind: Iterable[Request] = ()
+    ) -> bool:
         """Whether the device latent pool holds this request's prompt (and, later, buffer);
-        `detached`: its prompt's latent arrives in host memory (PD), only the buffer."""
+        `detached`: its prompt's latent arrives in host memory (PD), only the buffer. The
+        pages `behind` (retracted requests that come back first) need stay theirs."""
         need = self.buffer_pages if detached else self._pages_for(req)
-        return need <= self.allocator.num_free_pages
+        owed = sum(self._pages_for(r) for r in behind if self.fits(len(r.prompt_ids)))
+        return need + owed <= self.allocator.num_free_pages
 
     def admit(self, req: Request, hit_slots: torch.Tensor) -> None:
         """Take the request's latent pages; bring the latent of its prefix hit (the logical

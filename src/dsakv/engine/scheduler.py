@@ -184,16 +184,18 @@ class Scheduler:
         """Pages for the first `tokens` positions of a request that is not queued (a decode
         server's: a prefill server writes its prompt KV), if running requests keep their
         headroom and `max_running_requests` is not reached (counting those reserved, which
-        `adopt` runs without asking, and the retracted, which come back), and nothing waits:
-        the retracted come back first, as SGLang's (new reservations took every hot buffer
-        freed, and a prompt to prefill again under HiSparse waited for good). `adopt` runs
-        it, `finish` (abort) gives the pages back."""
+        `adopt` runs without asking, and the retracted, which come back). The retracted come
+        back first, as SGLang's: a reservation takes only what is left beyond the pages (and
+        HiSparse's device latent) each waiting one needs to resume (new reservations took
+        every hot buffer freed, and a prompt to prefill again under HiSparse waited for
+        good). `adopt` runs it, `finish` (abort) gives the pages back."""
         admitted = len(self.running) + len(self.parked) + len(self.waiting)
-        if admitted >= self.config.max_running_requests or self.waiting:
+        if admitted >= self.config.max_running_requests:
             return False
-        if self._pages_for(tokens) + self._headroom() > self.available_pages():
+        owed = sum(self._future_pages(r, 0) for r in self.waiting)
+        if self._pages_for(tokens) + self._headroom() + owed > self.available_pages():
             return False
-        if self.hot is not None and not self.hot.can_admit(req, detached=True):
+        if self.hot is not None and not self.hot.can_admit(req, True, self.waiting):
             return False
         if not self.reserve(req, tokens):
             return False
