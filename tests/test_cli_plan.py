@@ -319,3 +319,18 @@ def test_unparsable_numbers_say_what_is_wanted(args, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: argument {message}"], err
+
+
+def test_a_plan_the_checkpoint_cannot_run_is_refused(tmp_path, capsys):
+    """plan read only the config, so it planned a pattern whose full layers the checkpoint
+    has no indexer weights for, which the engine then refused: now plan refuses it too,
+    naming the layers (its own pattern, and sharing more, still plan)."""
+    from dsakv.models.tiny import write_tiny_model
+
+    model = str(write_tiny_model(tmp_path / "m", preset="glm-tiny", seed=0, mtp="none"))
+    assert _plan_json(capsys, model)["num_full_layers"] == 4  # (FFSSFSFS)
+    assert _plan_json(capsys, model, "--index-topk-pattern", "FSSSFSSS")["num_full_layers"] == 2
+    assert main(["plan", model, "--index-topk-pattern", "FFFSFSFF"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layer(s) 2, 7 run their indexer in the layer plan FFFSFSFF" in err[0]
+    assert "--index-topk-pattern" in err[0]

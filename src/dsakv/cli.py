@@ -148,6 +148,23 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 # --- plan ----------------------------------------------------------------------------------
 
 
+def _check_indexers(model: str, plan: Any) -> None:
+    """A plan whose full layers a checkpoint has no indexer weights for is refused, as the
+    engine refuses it (a config-only folder or a preset: nothing to check against)."""
+    from dsakv.config.checkpoint import checkpoint_files, indexer_layers, no_indexer_problem
+
+    path = Path(model)
+    if not path.is_dir():
+        return
+    try:
+        names = checkpoint_files(path)
+    except DsakvError:
+        return
+    lacking = set(plan.full_layers) - indexer_layers(names)
+    if lacking:
+        raise DsakvError(f"{model}: {no_indexer_problem(lacking, plan.pattern)}")
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.config import LayerPlan, ModelConfig
     from dsakv.config.hisparse import check_runs_with
@@ -159,6 +176,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     config = ModelConfig.resolve(args.model)
     hisparse = _hisparse_config(args, config)
     plan = LayerPlan.from_config(config, draft_layers=args.draft_layers, **plan_overrides(args))
+    _check_indexers(args.model, plan)
     elided = CacheLayout.from_plan(
         config,
         plan,

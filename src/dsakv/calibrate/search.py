@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dsakv.config import LayerPlan, ModelConfig
-from dsakv.config.checkpoint import checkpoint_files
+from dsakv.config.checkpoint import checkpoint_files, indexer_layers
 from dsakv.errors import DsakvError
 from dsakv.memory import CacheLayout, DSAKVPool, plan_capacity
 from dsakv.models import DSAForCausalLM, ForwardBatch
@@ -235,7 +235,7 @@ def reference_plan(config: ModelConfig, model_dir: str | Path) -> tuple[LayerPla
     (there is nothing to run), so they stay shared. Layer 0 must have them."""
     names = checkpoint_files(Path(model_dir))
     n = config.num_hidden_layers
-    have = {int(name.split(".")[2]) for name in names if ".self_attn.indexer." in name}
+    have = indexer_layers(names)
     missing = tuple(i for i in range(n) if i not in have)
     if 0 in missing:
         raise DsakvError(f"{model_dir}: the checkpoint has no indexer weights for layer 0")

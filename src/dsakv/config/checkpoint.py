@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,24 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         with open_checkpoint_file(file) as f:
             out.update(dict.fromkeys(f.keys(), file))
     return out
+
+
+_INDEXER = re.compile(r"model\.layers\.(\d+)\.self_attn\.indexer\.")
+
+
+def indexer_layers(names: Iterable[str]) -> set[int]:
+    """The layers whose indexer weights are among the tensor `names`."""
+    return {int(m[1]) for name in names if (m := _INDEXER.match(name))}
+
+
+def no_indexer_problem(layers: Iterable[int], pattern: str) -> str:
+    """Why a layer plan cannot run on a checkpoint without these layers' indexer weights
+    (a plan override or a calibrated pattern, usually), and the fix."""
+    return (
+        f"layer(s) {', '.join(map(str, sorted(layers)))} run their indexer in the layer plan "
+        f"{pattern} but the checkpoint holds none for them: make them shared "
+        "(--index-topk-pattern)"
+    )
 
 
 def open_checkpoint_file(file: Path) -> Any:

@@ -31,7 +31,12 @@ from torch import nn
 from tqdm import tqdm
 
 from dsakv.config import LayerPlan, ModelConfig
-from dsakv.config.checkpoint import checkpoint_files, open_checkpoint_file
+from dsakv.config.checkpoint import (
+    checkpoint_files,
+    indexer_layers,
+    no_indexer_problem,
+    open_checkpoint_file,
+)
 from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import DsakvError
 from dsakv.kernels.torch_ops import WEIGHT_BLOCK, pack_fp8, packed_width, unpacked_width
@@ -236,9 +241,6 @@ def _pack_fp8(model: DSAForCausalLM, scaled: set[str], packable: set[str]) -> in
                 mod.down_proj = held(mod.down_proj, ok)
                 count += 2 * ok
     return count
-
-
-_INDEXER = re.compile(r"model\.layers\.(\d+)\.self_attn\.indexer\.")
 
 
 def _listing(names: list[str], limit: int = 8) -> str:
@@ -462,13 +464,9 @@ class _Filler:
         problems = []
         if missing:
             problems.append(f"{len(missing)} missing tensor(s): {_listing(missing)}")
-        no_indexer = sorted({int(m[1]) for n in missing if (m := _INDEXER.match(n))})
-        if no_indexer:  # (a layer plan override, a calibrated pattern: the usual cause)
-            problems.append(
-                f"layer(s) {', '.join(map(str, no_indexer))} run their indexer in the layer "
-                f"plan {self.plan.pattern} but the checkpoint holds none for them: make them "
-                "shared (--index-topk-pattern)"
-            )
+        no_indexer = indexer_layers(missing)
+        if no_indexer:
+            problems.append(no_indexer_problem(no_indexer, self.plan.pattern))
         if self.unexpected:
             problems.append(
                 f"{len(self.unexpected)} unexpected tensor(s): {_listing(self.unexpected)}"
