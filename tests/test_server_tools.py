@@ -307,34 +307,52 @@ def test_tool_history_is_rendered(served, family):
 # --- reasoning --------------------------------------------------------------------------------
 
 
+CLOSER = 263  # the tiny tokenizer's `<|reserved_1|>`, made the text "abc</think>" by `closing`
+
+
+@pytest.fixture(scope="module")
+def closing(family, tmp_path_factory):
+    """A client of a server on `family`'s tiny model with one token that is the text
+    "abc</think>": a logit_bias on it makes even the random model reason, then close the
+    block (no grammar can force that on the chat route: every one starts after the
+    reasoning)."""
+    path = write_tiny_model(tmp_path_factory.mktemp(family) / family, PRESETS[family], seed=0)
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    (token,) = [t for t in tokenizer["added_tokens"] if t["id"] == CLOSER]
+    token.update(content="abc</think>", special=False)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = EngineConfig(model=str(path), **{**ENGINE_ARGS, "num_pages": 256})
+    with serving(config) as (base, _):
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_reasoning_is_split(served, family, stream):
-    """A grammar makes even the random model think, then answer; the split must follow the
-    prompt, which opened the reasoning block (GLM-5 and DeepSeek-V3.2 with thinking: the
-    prompt ends with `<think>`). (A regex now starts after the reasoning, as SGLang's
-    ReasonerGrammarBackend; a structural tag, as a forcing tool_choice's, is the whole
-    output.)"""
-    client = served[0]
-    tag = {"type": "regex", "pattern": "[a-z]{3,6}</think>[a-z]{2,4}"}
+def test_reasoning_is_split(closing, family, stream):
+    """The model reasons "abc", closes the block, then answers under a structural tag (which
+    starts after the reasoning, as SGLang's ReasonerGrammarBackend and vLLM's reasoning
+    parsers start it); the split must follow the prompt, which opened the reasoning block
+    (GLM-5 and DeepSeek-V3.2 with thinking: the prompt ends with `<think>`)."""
+    tag = {"type": "regex", "pattern": "[a-z]{2,4}"}
     tag = json.dumps({"type": "structural_tag", "format": tag})
     kw = dict(
         tools=None,
         template_kwargs=THINKING[family],
+        logit_bias={str(CLOSER): 100},
         extra_body={"structured_outputs": {"structural_tag": tag}},
         stream=stream,
     )
-    r = _chat(client, family, **kw)
+    r = _chat(closing, family, **kw)
     if stream:
         s = _reassemble(list(r))
         reasoning, content = s["reasoning"], s["content"]
     else:
         reasoning = r.choices[0].message.reasoning_content
         content = r.choices[0].message.content
-    assert reasoning.isalpha() and 3 <= len(reasoning) <= 6
-    assert content.isalpha() and 2 <= len(content) <= 4
+    assert reasoning == "abc", (reasoning, content)
+    assert content.isalpha() and 2 <= len(content) <= 4, (reasoning, content)
     # vLLM's include_reasoning: false leaves the reasoning out, the answer as it was
     kw["extra_body"] = {**kw["extra_body"], "include_reasoning": False}
-    r = _chat(client, family, **kw)
+    r = _chat(closing, family, **kw)
     if stream:
         s = _reassemble(list(r))
         assert (s["reasoning"], s["content"]) == ("", content)
@@ -343,9 +361,26 @@ def test_reasoning_is_split(served, family, stream):
         assert getattr(r.choices[0].message, "reasoning_content", None) is None
     # Without thinking the same text is all content (the prompt closes the block).
     if not stream:
-        r = _chat(client, family, tools=None, extra_body={"regex": "[a-z]{3,6}"})
+        r = _chat(closing, family, tools=None, extra_body={"regex": "[a-z]{3,6}"})
         assert r.choices[0].message.content.isalpha()
         assert getattr(r.choices[0].message, "reasoning_content", None) is None
+
+
+def test_forced_call_after_reasoning_closes_it_once(closing, family):
+    """A forcing tool_choice's structural tag holds the reasoning itself: the chat route
+    must not put a second reasoning block before it (one `</think>`, then the call, no
+    "abc</think>" left in the content)."""
+    r = _chat(
+        closing,
+        family,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        template_kwargs=THINKING[family],
+        logit_bias={str(CLOSER): 100},
+    )
+    m = r.choices[0].message
+    assert m.reasoning_content == "abc" and not m.content, (m.reasoning_content, m.content)
+    assert [name for name, _ in _valid_calls(m.tool_calls)] in (["get_weather"], ["set_flags"])
 
 
 # --- bad input --------------------------------------------------------------------------------

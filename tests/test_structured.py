@@ -361,6 +361,17 @@ def thinker(tmp_path_factory):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
 
 
+AGE_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "tag",
+        "begin": "<age>",
+        "content": {"type": "regex", "pattern": "[0-9]{1,3}"},
+        "end": "</age>",
+    },
+}
+
+
 def _is_age(text: str) -> bool:
     jsonschema.validate(json.loads(text), AGE)
     return True
@@ -376,6 +387,8 @@ _AFTER_THINKING = [
     ({"json_schema": AGE}, _is_age),  # SGLang's three (its ReasonerGrammarBackend)
     ({"regex": "[a-z]{3,6}"}, lambda s: re.fullmatch("[a-z]{3,6}", s)),
     ({"ebnf": 'root ::= "yes" | "no"'}, lambda s: s in ("yes", "no")),
+    ({"structured_outputs": {"structural_tag": json.dumps(AGE_TAG)}},  # (as SGLang's, vLLM's)
+     lambda s: re.fullmatch("<age>[0-9]{1,3}</age>", s)),
 ]  # fmt: skip
 
 
@@ -384,10 +397,11 @@ _AFTER_THINKING = [
     ("extra", "check"), _AFTER_THINKING, ids=[next(iter(e)) for e, _ in _AFTER_THINKING]
 )
 def test_structured_output_starts_after_the_reasoning(thinker, extra, check, stream):
-    """The prompt opens `<think>`: response_format, vLLM's guided_* and SGLang's regex /
-    ebnf / json_schema constrain the answer once the reasoning is over (vLLM's reasoning
-    parsers, SGLang's ReasonerGrammarBackend), so `content` holds it. (Enforced from the
-    first token, they put the answer in reasoning_content and left content empty.)"""
+    """The prompt opens `<think>`: response_format, vLLM's guided_* and structured_outputs
+    (a structural tag too) and SGLang's regex / ebnf / json_schema constrain the answer once
+    the reasoning is over (vLLM's reasoning parsers, SGLang's ReasonerGrammarBackend), so
+    `content` holds it. (Enforced from the first token, they put the answer in
+    reasoning_content and left content empty.)"""
     kw = dict(
         model=MODEL,
         messages=[{"role": "user", "content": "Your age as JSON?"}],
@@ -447,8 +461,9 @@ def test_offline_grammar_mixed_batch_and_cache(model_dir):
 
 def test_after_reasoning_grammars(model_dir):
     """`after_reasoning`: "enabled" (the prompt opened `<think>`) takes free text up to
-    `</think>`, then the grammar; "auto" an optional `<think>...</think>` first; "disabled"
-    the grammar as it is. The inner grammar is checked as `compile` checks it."""
+    `</think>`, then the grammar (a structural tag's format too); "auto" an optional
+    `<think>...</think>` first; "disabled" the grammar as it is. The inner grammar is
+    checked as `compile` checks it."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -463,6 +478,7 @@ def test_after_reasoning_grammars(model_dir):
         (("json_object", ""), '{"a": [1, "b"]}'),
         (("regex", "[a-z]{3}"), "abc"),
         (("ebnf", 'root ::= "yes" | "no"'), "no"),
+        (("structural_tag", json.dumps(AGE_TAG)), "<age>7</age>"),
     ]
     for grammar, answer in cases:
         assert after_reasoning(grammar, "disabled") == grammar
@@ -483,6 +499,8 @@ def test_after_reasoning_grammars(model_dir):
         after_reasoning(("json_schema", "{oops"), "auto")
     with pytest.raises(GrammarError, match="invalid ebnf"):
         after_reasoning(("ebnf", "root ::= undefined_rule"), "enabled")
+    with pytest.raises(GrammarError, match="invalid structural tag: .*must have a format"):
+        after_reasoning(("structural_tag", '{"type": "structural_tag"}'), "auto")
 
 
 def test_json_strings_take_valid_utf8_only(model_dir):

@@ -219,27 +219,34 @@ REASONING_MODES = ("enabled", "auto", "disabled")
 def after_reasoning(
     grammar: tuple[str, str], mode: str, start: str = "<think>", end: str = "</think>"
 ) -> tuple[str, str]:
-    """`grammar` (json_schema, json_object, regex or ebnf) enforced only once the output's
-    reasoning block is over, as a structural tag; the reasoning itself is free text (as
-    vLLM's reasoning parsers leave it). `mode` says where the output starts: "enabled",
+    """`grammar` (json_schema, json_object, regex, ebnf or structural_tag) enforced only
+    once the output's reasoning block is over, as a structural tag; the reasoning itself is
+    free text (as vLLM's reasoning parsers leave it, and SGLang's ReasonerGrammarBackend for
+    every kind, structural tags included). `mode` says where the output starts: "enabled",
     inside a block the prompt opened (free text up to `end`, then the grammar); "auto", where
-    it may open one (an optional `start` ... `end` first); "disabled": `grammar` as it is.
-    The inner grammar is checked here (`GrammarError`, as `GrammarCache.compile` words it);
-    turning a schema into a grammar can take seconds, so call this off the engine thread."""
+    it may open one (an optional `start` ... `end` first); "disabled": `grammar` as it is
+    (also the mode for a grammar that holds the reasoning itself, as a forcing tool_choice's
+    does). The inner grammar is checked here (`GrammarError`, as `GrammarCache.compile`
+    words it); turning a schema into a grammar can take seconds, so call this off the engine
+    thread."""
     if mode not in REASONING_MODES:
         raise ValueError(f"reasoning mode must be one of {REASONING_MODES}, not {mode!r}")
     kind, spec = grammar
-    if mode == "disabled" or kind == "structural_tag":
+    if mode == "disabled":
         return grammar
     import xgrammar as xgr
 
+    answer: Any  # the format that follows the reasoning
     with _grammar_errors(kind):
         if kind in ("json_schema", "json_object"):
-            ebnf = _json_ebnf(kind, spec)
+            answer = {"type": "grammar", "grammar": _json_ebnf(kind, spec)}
         elif kind == "regex":
-            ebnf = str(xgr.Grammar.from_regex(spec))
+            answer = {"type": "grammar", "grammar": str(xgr.Grammar.from_regex(spec))}
         elif kind == "ebnf":
-            ebnf = str(xgr.Grammar.from_ebnf(spec))
+            answer = {"type": "grammar", "grammar": str(xgr.Grammar.from_ebnf(spec))}
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(spec)  # (its errors, before taking it apart)
+            answer = json.loads(spec)["format"]
         else:
             raise GrammarError(f"unknown grammar kind {kind!r}")
     reasoning: dict[str, Any] = {
@@ -254,7 +261,7 @@ def after_reasoning(
         "type": "structural_tag",
         "format": {
             "type": "sequence",
-            "elements": [reasoning, {"type": "grammar", "grammar": ebnf}],
+            "elements": [reasoning, answer],
         },
     }
     return "structural_tag", json.dumps(tag, ensure_ascii=False)

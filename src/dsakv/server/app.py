@@ -397,8 +397,9 @@ class Handlers:
         # Structured output is the answer's (`content`): where the model reasons first, the
         # grammar starts once the reasoning is over, whichever field asked for it (vLLM's
         # reasoning parsers; SGLang's ReasonerGrammarBackend, for its regex / ebnf /
-        # json_schema too); /generate keeps a grammar over the whole output. A structural tag
-        # is left as it is (`after_reasoning`): a forcing tool_choice's holds the reasoning.
+        # json_schema and structural tags too); /generate keeps a grammar over the whole
+        # output. A forcing tool_choice's tag holds the reasoning itself (`prepare_chat`
+        # gives it reasoning "disabled").
         params = await self._ready_grammar(params, grammar_param, prep.reasoning)
         n = self._n(body)
         given = param if max_tokens is not None else None

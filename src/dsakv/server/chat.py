@@ -88,7 +88,8 @@ class PreparedChat:
     parallel_tool_calls: bool = True  # False: only the first call is returned
     # Where the output starts for structured output (`dsakv.engine.grammar.after_reasoning`):
     # "enabled", inside a reasoning block the prompt opened; "auto", where the model may open
-    # one; "disabled", in the content (no reasoning parser, or the prompt closed the block).
+    # one; "disabled", in the content (no reasoning parser, or the prompt closed the block),
+    # or where `grammar` (a forced call's) already lets the reasoning finish first.
     reasoning: str = "disabled"
     named_tool: bool = False  # tool_choice names the function (`finish_reason`)
 
@@ -207,7 +208,11 @@ def prepare_chat(
         schemas if parse_tools else None,
         parsers,
         parallel_tool_calls=body.parallel_tool_calls is not False,
-        reasoning=reasoning_mode(prompt, True) if parsers.reasoning is not None else "disabled",
+        reasoning=(
+            reasoning_mode(prompt, True)
+            if parsers.reasoning is not None and grammar is None
+            else "disabled"
+        ),
         named_tool=isinstance(choice, dict),
     )
 
