@@ -253,6 +253,38 @@ def test_an_object_another_process_read_is_not_the_next_evicted(tmp_path):
     assert _on_disk(tmp_path) == 3 * OBJ
 
 
+def test_objects_deleted_from_outside_free_their_room(tmp_path, monkeypatch):
+    """The ledger counted objects a cleaner (or an operator) deleted for good: the store
+    held half its cap from then on. A put that must make room rescans (at most every
+    `RESCAN_S`, here every time), which re-derives the ledger from the disk."""
+    monkeypatch.setattr(FileStorage, "RESCAN_S", 0.0)
+    store = FileStorage(tmp_path, max_bytes=10 * OBJ)
+    for i in range(10):
+        assert store.put(f"{i:08x}", bytes(OBJ))
+    for i in range(5):
+        store._path(f"{i:08x}").unlink()
+    for i in range(10, 15):
+        assert store.put(f"{i:08x}", bytes(OBJ))
+    assert _on_disk(tmp_path) == 10 * OBJ  # (was 5 objects: the cap shrunk by what went)
+    assert int((tmp_path / FileStorage.LEDGER).read_text()) == 10 * OBJ
+
+
+def test_eviction_is_least_recently_used_across_processes(tmp_path, monkeypatch):
+    """A process evicted from its own index only: its hottest object went while another
+    process's never-read ones stayed. The rescan before evicting orders every process's
+    objects by their last use."""
+    monkeypatch.setattr(FileStorage, "RESCAN_S", 0.0)
+    mine, other = FileStorage(tmp_path, max_bytes=3 * OBJ), FileStorage(tmp_path, max_bytes=3 * OBJ)
+    for key in ("b0", "b1"):
+        assert other.put(f"{key:0>8}", bytes(OBJ))
+        time.sleep(0.01)
+    assert mine.put(f"{'a0':0>8}", bytes(OBJ))
+    time.sleep(0.01)
+    mine.touch(f"{'a0':0>8}")  # (a hit)
+    assert mine.put(f"{'a1':0>8}", bytes(OBJ))
+    assert [mine.exists(f"{k:0>8}") for k in ("b0", "b1", "a0", "a1")] == [False, True, True, True]
+
+
 def test_pool_page_bytes_are_the_elided_layout():
     layout = CacheLayout.for_model("glm-5.2", page_size=4, draft_layers=1)
     pool = DSAKVPool(layout, 3)

@@ -230,16 +230,17 @@ class FileStorage(StorageBackend):
     Several processes may share a directory and its cap. The directory's total lives in a
     ledger (`<root>/.ledger`), changed under its `flock` by every put and delete: a put
     reserves its bytes before it writes (a temporary file in `<root>/.writing/`, locked while
-    its writer lives), makes room first from this process's LRU index (an object another
-    process used since is kept: its mtime is newer), and when that runs dry rescans the
-    directory, which re-derives the ledger. The cap holds across processes; reads take no
-    lock. A writer that dies mid-write leaves its reservation: the next put that must make
-    room drops it (at most once every `RESCAN_S`), its file no longer locked."""
+    its writer lives), so the cap holds across processes; reads take no lock. A put that
+    must make room rescans the directory first (at most every `RESCAN_S`): the index then
+    holds every process's objects in LRU order, the ledger is re-derived from the disk (what
+    a crash or a hand-deleted file left wrong), and a dead writer's reservation (its file no
+    longer locked) is dropped. Between rescans an object another process used since the
+    last one is kept (its mtime is newer)."""
 
     SUFFIX = ".kv"
     LEDGER = ".ledger"
     TMP = ".writing"
-    RESCAN_S = 1.0  # (the sweep for dead writers' reservations)
+    RESCAN_S = 1.0
 
     def __init__(self, root: str | Path, max_bytes: int | None = None) -> None:
         self.root = Path(root)
@@ -255,7 +256,7 @@ class FileStorage(StorageBackend):
         self._lock = threading.Lock()
         self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (size, mtime)
         self._ledger_fd: int | None = None
-        self._swept = time.monotonic()
+        self._scanned = time.monotonic()
         if max_bytes is None:
             self._scan()
             return
@@ -331,11 +332,11 @@ class FileStorage(StorageBackend):
         reserved = self._sweep()
         self._scan()
         self.total_bytes += reserved
+        self._scanned = time.monotonic()
 
     def _sweep(self) -> int:
         """Drop dead writers' reservations (their temporary files, no longer locked) from
         the directory and the total; the bytes that live writers hold."""
-        self._swept = time.monotonic()
         tmp, live = self.root / self.TMP, 0
         try:
             names = os.listdir(tmp)
@@ -365,14 +366,15 @@ class FileStorage(StorageBackend):
         cannot (the others' writes in flight fill the cap)."""
         cap = self.max_bytes
         assert cap is not None
-        if self.total_bytes + size > cap and time.monotonic() - self._swept >= self.RESCAN_S:
-            self._sweep()
         rescanned, spared = False, set()
+        if self.total_bytes + size > cap and time.monotonic() - self._scanned >= self.RESCAN_S:
+            self._rescan()  # (every process's objects, in LRU order; repairs the ledger)
+            rescanned = True
         while self.total_bytes + size > cap:
             if not self._index:
                 if rescanned:
                     return False
-                self._rescan()  # (what the other processes wrote; repairs the ledger)
+                self._rescan()
                 rescanned = True
                 continue
             key, (_, ns) = self._index.popitem(last=False)
