@@ -77,8 +77,8 @@ def engine_held_until_an_abort(async_engine, monkeypatch) -> Iterator[None]:
     asked = threading.Event()
     abort = async_engine.abort
 
-    def abort_and_tell(stream) -> None:
-        abort(stream)
+    def abort_and_tell(stream, **kw) -> None:
+        abort(stream, **kw)
         asked.set()
 
     monkeypatch.setattr(async_engine, "abort", abort_and_tell)

@@ -10,6 +10,7 @@ import asyncio
 import json
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -22,7 +23,13 @@ from dsakv.models.loader import load_model
 
 from .conftest import flat_logprobs
 from .model_driver import make_pool
-from .serving import TIMEOUT, engine_held_until_an_abort, serving
+from .serving import (
+    TIMEOUT,
+    engine_held_until_an_abort,
+    engine_stops_stepping_at,
+    engine_thread_held,
+    serving,
+)
 
 # The completions tests' model, engine and server (index_topk over every context: chunking
 # changes nothing), their fixtures imported: both files run the same setup.
@@ -338,11 +345,167 @@ def test_a_client_that_leaves_aborts_its_requests(base, served, monkeypatch):
     _wait_aborted(async_engine, before + 2)
 
 
+_ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+_ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+
+
+def _abort(base: str, headers: dict | None = None, **body: Any) -> None:
+    """SGLang's /abort_request: a 200 with an empty body, whatever it found."""
+    r = httpx.post(f"{base}/abort_request", json=body, headers=headers, timeout=TIMEOUT)
+    assert (r.status_code, r.content) == (200, b""), r.text
+
+
+def _live(async_engine) -> list[int]:
+    """The output lengths of the requests in the engine (read on its thread)."""
+
+    def lengths(e) -> list[int]:
+        return [len(r.output_ids) for r in e.requests.values() if not r.finished]
+
+    async def get() -> list[int]:
+        return await asyncio.wait_for(async_engine.call(lengths), TIMEOUT)
+
+    return asyncio.run(get())
+
+
+def _wait_live(async_engine, count: int, tokens: int) -> None:
+    """Until `count` requests are in the engine, each with `tokens` output tokens or more."""
+    deadline = time.monotonic() + TIMEOUT
+    while not ((got := _live(async_engine)) and len(got) == count and min(got) >= tokens):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.02)
+
+
+def _check_clean(async_engine) -> None:
+    """Once idle, every page is free or cached (`Engine.check_integrity`)."""
+    deadline = time.monotonic() + TIMEOUT
+    while _live(async_engine):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+    async def check() -> None:
+        await asyncio.wait_for(async_engine.call(lambda e: e.check_integrity()), TIMEOUT)
+
+    asyncio.run(check())
+
+
+def _as_it_stood(out: dict, reference: LLM, ref, rid: str) -> None:
+    """An output aborted while running: the greedy output so far (some tokens, and their
+    text), SGLang's abort finish reason."""
+    meta = out["meta_info"]
+    assert (meta["id"], meta["finish_reason"]) == (rid, _ABORTED)
+    got = out["output_ids"]
+    assert 3 <= len(got) < 400 and got == ref.token_ids[: len(got)]
+    assert meta["completion_tokens"] == len(got)
+    assert out["text"] == reference.tokenizer.decode(got) != ""
+
+
+def test_abort_request_by_rid_ends_that_request_as_it_stands(base, served, reference):
+    """SGLang's /abort_request {"rid"}: that request ends at once with the output it has,
+    finish_reason abort (a 200, streamed or not); an unknown rid changes nothing (a 200 too),
+    and another client's request runs on to its end. The engine is left clean."""
+    async_engine = served[1]
+    # Text, not the random model's bytes (U+FFFD), and a stop string never met: the text
+    # held back while it could still grow into the stop comes with the abort too.
+    word = _ids(reference, "x")[0]
+    sp = {"max_new_tokens": 400, "stop": ["@@@@@@@@@@"], "logit_bias": {str(word): 100.0}}
+    params = SamplingParams(
+        max_tokens=400, temperature=0, ignore_eos=True, stop=tuple(sp["stop"]),
+        logit_bias={word: 100.0},
+    )  # fmt: skip
+    (ref,) = reference.generate([TEXTS[0]], params)
+    assert ref.text
+    (plain_ref,) = reference.generate(
+        [TEXTS[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    )
+    long = {"text": TEXTS[0], "sampling_params": {**sp, **GREEDY}}
+    short = {"text": TEXTS[0], "sampling_params": {"max_new_tokens": 8, **GREEDY}}
+    before = _engine_counters(async_engine)["aborted_requests"]
+    with ThreadPoolExecutor(3) as pool, engine_stops_stepping_at(async_engine, 3):
+        plain = pool.submit(_generate, base, **long, rid="plain")
+        streamed = pool.submit(_stream, base, **long, rid="streamed")
+        other = pool.submit(_generate, base, **short, rid="other")
+        _wait_live(async_engine, 3, 3)
+        _abort(base, rid="nobody")
+        _abort(base)  # (SGLang's: no rid, nothing happens)
+        _abort(base, rid="plain")
+        _as_it_stood(plain.result(TIMEOUT), reference, ref, "plain")
+        _abort(base, rid="streamed")
+        chunks = streamed.result(TIMEOUT)
+        assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+        _as_it_stood(chunks[-1], reference, ref, "streamed")
+        assert len(_live(async_engine)) == 1 and not other.done()
+        r = httpx.post(f"{base}/abort_request", json={"rid": 5}, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
+    out = other.result(TIMEOUT)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert out["output_ids"] == plain_ref.token_ids
+    assert _engine_counters(async_engine)["aborted_requests"] == before + 2
+    _check_clean(async_engine)
+
+
+def test_abort_all_ends_every_request_in_flight(base, served):
+    """{"abort_all": true} ends every generation in flight, /generate's (a batch, streamed)
+    and the OpenAI routes' (a 200, finish_reason "abort", as SGLang's); a prompt's rid ends
+    its n samples, which have ids of their own."""
+    async_engine = served[1]
+    sp = {"max_new_tokens": 400, **GREEDY}
+    cmpl = {"prompt": TEXTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool, engine_stops_stepping_at(async_engine, 2):
+        samples = pool.submit(
+            _generate, base, text=TEXTS[1], sampling_params={**sp, "n": 2}, rid="g"
+        )
+        batch = pool.submit(_generate, base, text=TEXTS, sampling_params=sp, rid="b")
+        streamed = pool.submit(_stream, base, text=TEXTS[0], sampling_params=sp)
+        openai = pool.submit(
+            httpx.post, f"{base}/v1/completions", json=cmpl, timeout=TIMEOUT
+        )  # fmt: skip
+        _wait_live(async_engine, 6, 2)
+        _abort(base, rid="g")
+        outs = samples.result(TIMEOUT)
+        assert [o["meta_info"]["finish_reason"] for o in outs] == [_ABORTED] * 2
+        assert len({o["meta_info"]["id"] for o in outs} | {"g"}) == 3
+        assert len(_live(async_engine)) == 4
+        _abort(base, abort_all=True)
+        outs = [*batch.result(TIMEOUT), streamed.result(TIMEOUT)[-1]]
+        assert [o["meta_info"]["finish_reason"] for o in outs] == [_ABORTED] * 3
+        assert [o["meta_info"]["id"] for o in outs[:2]] == ["b_0", "b_1"]
+        assert all(len(o["output_ids"]) >= 2 for o in outs)
+        r = openai.result(TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "abort"
+        assert r.json()["usage"]["completion_tokens"] >= 2
+    _check_clean(async_engine)
+
+
+def test_an_abort_reaches_a_request_the_engine_has_not_taken_yet(base, served):
+    """An abort that comes while its request is still on its way into the engine (here the
+    engine thread is busy; a decode server's waits for the prefill server's KV) ends it as
+    the engine takes it, before it runs: SGLang's waiting-queue abort, no output."""
+    async_engine = served[1]
+    body = {"text": TEXTS[0], "sampling_params": {"max_new_tokens": 400, **GREEDY}}
+    with (
+        ThreadPoolExecutor(1) as pool,
+        engine_stops_stepping_at(async_engine, 0),  # (nothing runs: it stays queued)
+        engine_thread_held(async_engine),
+    ):
+        early = pool.submit(_generate, base, **body, rid="early")
+        deadline = time.monotonic() + TIMEOUT
+        while async_engine._commands.qsize() == 0:  # (its add, queued behind the hold)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        _abort(base, rid="early")
+        assert not early.done()
+    out = early.result(TIMEOUT)
+    assert out["meta_info"]["finish_reason"] == _ABORTED_WAITING
+    assert (out["output_ids"], out["meta_info"]["completion_tokens"]) == ([], 0)
+    _check_clean(async_engine)
+
+
 def test_generation_config_defaults_and_the_api_key(model_dir, reference, tmp_path):
     """/generate ignores generation_config.json (here greedy, at most 5 new tokens), as
     SGLang's, which applies it to its chat route alone: what sampling_params leave out is
     SGLang's default (temperature 1); the OpenAI routes still take it. With --api-key
-    /generate needs the key too."""
+    /generate needs the key too, and so does /abort_request."""
     path = shutil.copytree(model_dir, tmp_path / "m")
     gen = {"temperature": 0.0, "max_new_tokens": 5}
     (path / "generation_config.json").write_text(json.dumps(gen))
@@ -360,6 +523,9 @@ def test_generation_config_defaults_and_the_api_key(model_dir, reference, tmp_pa
         r = httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         out = _generate(base, key, **body)
+        r = httpx.post(f"{base}/abort_request", json={"abort_all": True}, timeout=TIMEOUT)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        _abort(base, key, abort_all=True)
         cmpl = {"prompt": TEXTS[0], "max_tokens": 8, "seed": 3, "ignore_eos": True}
         r = httpx.post(f"{base}/v1/completions", json=cmpl, headers=key, timeout=TIMEOUT)
     assert out["output_ids"] == ref.token_ids

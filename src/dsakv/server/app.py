@@ -10,7 +10,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +54,7 @@ _ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
     "/generate",
+    "/abort_request",
     "/flush_cache",
     "/reset_prefix_cache",
     "/v1/models",
@@ -205,6 +206,7 @@ class _Result:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    abort_asked: str | None = None  # (`Update.abort_asked`)
     first: Update | None = None  # carries the prompt (and its logprobs when scored)
 
     def add(self, u: Update) -> None:
@@ -218,6 +220,7 @@ class _Result:
         self.finish_reason, self.stop_reason = u.finish_reason, u.stop_reason
         self.prompt_tokens, self.completion_tokens = u.prompt_tokens, u.completion_tokens
         self.cached_tokens = u.cached_tokens
+        self.abort_asked = u.abort_asked
 
     def as_update(self) -> Update:
         f = self.first
@@ -237,6 +240,62 @@ class _Result:
         )
 
 
+@dataclass(eq=False)
+class _Call:
+    """One generation call's outputs as /abort_request finds them: each output's names (a
+    /generate output's `meta_info.id` and the rid its prompt was given; none on /v1), the
+    streams the engine took for them so far (in output order), and the outputs an abort
+    reached before the engine took them."""
+
+    names: list[frozenset[str]]
+    streams: list[RequestStream] = field(default_factory=list)
+    early: set[int] = field(default_factory=set)
+
+
+class InFlight:
+    """The generation calls in flight, for SGLang's /abort_request: a call is opened before
+    its prompts are tokenized and closed when its answer ends, so an abort also reaches an
+    output the engine has not taken yet (a prompt still tokenizing; a decode server's,
+    until the prefill server sent its KV): it is aborted as the engine takes it."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._calls: set[_Call] = set()
+
+    def open(self, names: Iterable[Iterable[str]]) -> _Call:
+        call = _Call([frozenset(x) for x in names])
+        self._calls.add(call)
+        return call
+
+    def close(self, call: _Call | None) -> None:
+        self._calls.discard(call)
+
+    def took(self, call: _Call, streams: list[RequestStream]) -> None:
+        """The engine took `call`'s next outputs; those already aborted are aborted now."""
+        start = len(call.streams)
+        call.streams += streams
+        for i in range(start, len(call.streams)):
+            if i in call.early:
+                self.engine.abort(call.streams[i], asked=True)
+
+    def abort(self, rid: str) -> None:
+        """Abort every output named `rid`; none: nothing happens (SGLang's)."""
+        self._abort(lambda names: rid in names)
+
+    def abort_all(self) -> None:
+        self._abort(lambda names: True)
+
+    def _abort(self, match: Callable[[frozenset[str]], bool]) -> None:
+        for call in self._calls:
+            for i, names in enumerate(call.names):
+                if not match(names):
+                    continue
+                if i < len(call.streams):
+                    self.engine.abort(call.streams[i], asked=True)
+                else:
+                    call.early.add(i)
+
+
 class Handlers:
     def __init__(
         self,
@@ -252,6 +311,7 @@ class Handlers:
         self._accepted = frozenset((*self.model_names, *aliases))
         self.metrics = metrics
         self.chat_parsers = chat_parsers
+        self.in_flight = InFlight(async_engine)
         self._grammars_lock = threading.Lock()  # the engine builds its GrammarCache lazily
         # Grammars compile on threads of their own: schemas slow to compile (seconds each,
         # and xgrammar cannot stop one) queue behind each other, not other requests' prompts
@@ -289,8 +349,15 @@ class Handlers:
         params = await self._ready_grammar(params, _grammar_field(body))
         given = "max_tokens" if body.max_tokens is not None else None
         count = len(prompts)
+        call = self.in_flight.open([()] * (count * n))  # (no rid: abort_all reaches it)
         streams = await self._submit_all(
-            prompts, [params] * count, n, raw, [given] * count, special=body.add_special_tokens
+            prompts,
+            [params] * count,
+            n,
+            raw,
+            [given] * count,
+            special=body.add_special_tokens,
+            call=call,
         )
         keep = params.truncate_prompt_tokens
         if keep is not None and keep <= 0:  # (-1: as many as the context leaves room for)
@@ -337,9 +404,9 @@ class Handlers:
                 if usage:
                     yield _sse({**head, "choices": [], "usage": _usage(totals)})
 
-            return self._stream_response(events(), streams)
+            return self._stream_response(events(), streams, call)
 
-        results = await self._collect_all(streams, raw)
+        results = await self._collect_all(streams, raw, call)
         out = []
         for c, r in zip(choices, results):
             u = r.as_update()
@@ -404,7 +471,10 @@ class Handlers:
         n = self._n(body)
         given = param if max_tokens is not None else None
         special = body.add_special_tokens  # (vLLM's: none, the template holds its own)
-        streams = await self._submit_n(prompt, params, n, raw, "messages", given, special)
+        call = self.in_flight.open([()] * n)
+        streams = await self._submit_all(
+            [prompt], [params], n, raw, [given], "messages", special, call=call
+        )
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": rid,
@@ -463,9 +533,9 @@ class Handlers:
                 if usage:
                     yield _sse({**head, "choices": [], "usage": _usage(totals)})
 
-            return self._stream_response(events(), streams)
+            return self._stream_response(events(), streams, call)
 
-        results = await self._collect_all(streams, raw)
+        results = await self._collect_all(streams, raw, call)
         choices = []
         for i, r in enumerate(results):  # n choices of one prompt
             parser = prep.output_parser()
@@ -810,17 +880,23 @@ class Handlers:
         max_tokens_params: Sequence[str | None],
         prompt_param: str = "prompt",
         special: bool = True,
+        call: _Call | None = None,
     ) -> list[RequestStream]:
         """Every prompt's `n` choices, in order, each prompt with its own params (and the
         field its client's max_tokens came in: `_submit_n`); if one is rejected, the others
-        are aborted."""
+        are aborted (and `call` closed: `InFlight`, which learns of each prompt's choices
+        as the engine takes them)."""
         streams: list[RequestStream] = []
         try:
             for prompt, p, given in zip(prompts, params, max_tokens_params, strict=True):
-                streams += await self._submit_n(prompt, p, n, raw, prompt_param, given, special)
+                taken = await self._submit_n(prompt, p, n, raw, prompt_param, given, special)
+                streams += taken
+                if call is not None:
+                    self.in_flight.took(call, taken)
         except BaseException:
             for s in streams:
                 self.engine.abort(s)
+            self.in_flight.close(call)
             raise
         return streams
 
@@ -852,14 +928,21 @@ class Handlers:
             for t in tasks:
                 t.cancel()
 
-    async def _collect_all(self, streams: list[RequestStream], raw: Request) -> list[_Result]:
-        """`_collect` for every stream at once; the first failure aborts the rest."""
+    async def _collect_all(
+        self, streams: list[RequestStream], raw: Request, call: _Call | None = None
+    ) -> list[_Result]:
+        """`_collect` for every stream at once; the first failure aborts the rest. `call`
+        is closed at the end."""
         if len(streams) == 1:
-            return [await self._collect(streams[0], raw)]
+            try:
+                return [await self._collect(streams[0], raw)]
+            finally:
+                self.in_flight.close(call)
         tasks = [asyncio.ensure_future(self._collect(s, raw)) for s in streams]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
+            self.in_flight.close(call)
             for s in streams:
                 self.engine.abort(s)  # (a finished one: nothing to do)
             for t in tasks:
@@ -954,12 +1037,18 @@ class Handlers:
         if result.finish_reason == "abort":
             if left:  # nobody hears this answer; it is counted as the client's doing
                 raise APIError(499, "the client closed the request")
-            raise APIError(503, "request aborted (server shutting down)", type="server_error")
+            if result.abort_asked is None:  # (asked: the output so far, as SGLang answers)
+                raise APIError(503, "request aborted (server shutting down)", type="server_error")
         return result
 
     def _stream_response(
-        self, events: AsyncIterator[str], stream: RequestStream | list[RequestStream]
+        self,
+        events: AsyncIterator[str],
+        stream: RequestStream | list[RequestStream],
+        call: _Call | None = None,
     ) -> Response:
+        """The SSE response; its engine requests are aborted and `call` closed however it
+        ends."""
         streams = stream if isinstance(stream, list) else [stream]
 
         async def sse() -> AsyncIterator[str]:
@@ -971,6 +1060,7 @@ class Handlers:
             yield "data: [DONE]\n\n"
 
         def close() -> None:
+            self.in_flight.close(call)
             for s in streams:
                 self.engine.abort(s)
 

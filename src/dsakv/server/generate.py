@@ -3,7 +3,7 @@ sglang rollout) and sglang-router call: SGLang's request (`GenerateReqInput`, it
 `sampling_params` names) and response shapes (`text`, `output_ids`, `meta_info`), over the
 OpenAI handlers' plumbing (`Handlers`): the same sampling params (less generation_config's
 defaults, which SGLang applies to its chat route alone), submission, disconnect aborts and
-SSE streaming."""
+SSE streaming; and its `/abort_request`, with which those frameworks stop their rollouts."""
 
 from __future__ import annotations
 
@@ -71,6 +71,14 @@ _NOT_RUN = (
 )
 
 
+class AbortRequest(BaseModel):
+    """SGLang's `AbortReq` as its /abort_request reads it: a `rid`, or `abort_all`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    rid: str | None = None
+    abort_all: bool | None = False
+
+
 class SGLangSamplingParams(BaseModel):
     """SGLang's `sampling_params` (null: its default). A key SGLang does not have is a 400,
     and so is one it has that dsakv does not run, unless null (`_refuse_not_run`)."""
@@ -125,12 +133,25 @@ _OPENAI_WORDS = re.compile(r"\b(" + "|".join(_SGLANG_NAMES) + r")\b")
 
 
 def add_generate_route(app: FastAPI, api: Handlers) -> None:
-    """`POST`/`PUT /generate` (SGLang takes both), behind the API key as the /v1 routes."""
+    """`POST`/`PUT /generate` (SGLang takes both) and `POST /abort_request`, behind the API
+    key as the /v1 routes."""
 
     async def generate(body: GenerateRequest, raw: Request) -> Response:
         return await _generate(api, body, raw)
 
+    async def abort_request(body: AbortRequest) -> Response:
+        """SGLang's: `abort_all` aborts every generation in flight (the /v1 routes' too),
+        else `rid` those it names (a /generate output's `meta_info.id`, or the rid a prompt
+        was given: its n samples too); a 200 either way, an unknown rid changes nothing.
+        Each ends as it stands, finish_reason abort (`_finish_reason`)."""
+        if body.abort_all:
+            api.in_flight.abort_all()
+        elif body.rid:
+            api.in_flight.abort(body.rid)
+        return Response(status_code=200)
+
     app.add_api_route("/generate", generate, methods=["POST", "PUT"])
+    app.add_api_route("/abort_request", abort_request, methods=["POST"])
 
 
 @dataclass(frozen=True)
@@ -158,6 +179,7 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
             400, "n must be the same in every sampling_params", param="sampling_params.n"
         )
     rids = _rids(body.rid, len(prompts), n, single)
+    given_rids = _given_rids(body.rid, len(prompts), single)
     asks = _logprob_asks(api, body, len(prompts), n)
     for i, ask in enumerate(asks):
         if ask is not None and ask.start >= 0:  # check it against the prompt's length
@@ -169,7 +191,9 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
             params = [await _params(api, samplings[0], asks[0])] * len(prompts)
         # (the context check only where the client gave max_new_tokens, as SGLang's)
         given = ["max_new_tokens" if s.max_new_tokens is not None else None for s in samplings]
-        streams = await api._submit_all(prompts, params, n, raw, given, prompt_field)
+        names = [{rid, given_rids[i // n]} - {None} for i, rid in enumerate(rids)]
+        call = api.in_flight.open(names)
+        streams = await api._submit_all(prompts, params, n, raw, given, prompt_field, call=call)
     batch = not single or n > 1  # (outputs prompt-major: prompt i's sample j is i * n + j)
 
     if body.stream:
@@ -181,9 +205,9 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
                 out = _output(rids[i], so_far[i], asks[i // n], began)
                 yield _sse({**out, "index": i} if batch else out)
 
-        return api._stream_response(events(), streams)
+        return api._stream_response(events(), streams, call)
 
-    results = await api._collect_all(streams, raw)
+    results = await api._collect_all(streams, raw, call)
     outs = [_output(rid, r, asks[i // n], began) for i, (rid, r) in enumerate(zip(rids, results))]
     return JSONResponse(outs if batch else outs[0])
 
@@ -260,6 +284,17 @@ def _rids(rid: str | list[str] | None, prompts: int, n: int, single: bool) -> li
     if n > 1 or rid is None:
         return [uuid.uuid4().hex for _ in range(prompts * n)]
     return [f"{rid}_{i}" for i in range(prompts)] if isinstance(rid, str) else list(rid)
+
+
+def _given_rids(rid: str | list[str] | None, prompts: int, single: bool) -> list[str | None]:
+    """Each prompt's rid as the client named it, which /abort_request takes for all its
+    samples too (with n > 1 each has an id of its own; SGLang drops the prompt's rid then,
+    and an abort naming it does nothing)."""
+    if rid is None:
+        return [None] * prompts
+    if isinstance(rid, list):
+        return list(rid)
+    return [rid] if single else [f"{rid}_{i}" for i in range(prompts)]
 
 
 def _logprob_asks(
@@ -392,6 +427,10 @@ def _finish_reason(r: _Result) -> dict[str, Any] | None:
     if r.finish_reason == "stop":
         last = r.token_ids[-1] if r.token_ids else None
         return {"type": "stop", "matched": r.stop_reason if r.stop_reason is not None else last}
+    if r.abort_asked == "waiting":  # (/abort_request's; SGLang's words: slime reads them)
+        return {"type": "abort", "message": "Abort in waiting queue"}
+    if r.abort_asked is not None:  # (SGLang's `FINISH_ABORT()`)
+        return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
     return {"type": "abort", "message": "the request was aborted"}
 
 

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any, TypeVar
 
-from dsakv.engine import Engine, Request, SamplingParams
+from dsakv.engine import Engine, Request, SamplingParams, Status
 from dsakv.engine.detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
 from dsakv.errors import DsakvError
 
@@ -103,6 +103,9 @@ class Update:
     token_gap_s: float | None = None  # since the request's previous token (None: none yet)
     error: str | None = None  # the engine failed on this request
     error_status: int = 500  # 400 where the request itself was at fault (`Request.error`)
+    # An abort a client asked for (SGLang's /abort_request): the request's `Status` then,
+    # "waiting" or "running" (None: not asked; its client left, or the server stops)
+    abort_asked: str | None = None
     # With logprobs: each token's text and each alternative's (`TokenTexts`)
     texts: list[str] | None = None
     top_texts: list[list[str]] | None = None
@@ -135,6 +138,7 @@ class RequestStream:
     last_token_at: float | None = None  # when its latest tokens were handed out
     request: Request | None = None
     texts: TokenTexts | None = None  # with logprobs, where the engine kept none (`_update`)
+    abort_asked: bool = False  # `abort(asked=True)`: its last update says so
 
     def __post_init__(self) -> None:
         self.accepted = self.loop.create_future()
@@ -242,8 +246,12 @@ class AsyncEngine:
     def attach(self, app: Any) -> None:
         """Routes and middleware this bridge adds to the server's app (none here)."""
 
-    def abort(self, stream: RequestStream) -> None:
-        """Cancel a request (client went away); idempotent, safe from any thread."""
+    def abort(self, stream: RequestStream, asked: bool = False) -> None:
+        """Cancel a request (client went away); idempotent, safe from any thread. `asked`:
+        a client asked for it (/abort_request), so its answer is the output so far, not an
+        error."""
+        if asked:
+            stream.abort_asked = True  # (read on the engine thread after the command)
         self._commands.put(("abort", stream))
 
     async def call(
@@ -384,8 +392,10 @@ class AsyncEngine:
     def _abort(self, stream: RequestStream, reason: str) -> None:
         if stream.rid is None or self._streams.pop(stream.rid, None) is None:
             return  # never accepted, or already finished
+        req = stream.request
+        status = req.status if req is not None else Status.WAITING  # (before the abort)
         self.engine.abort(stream.rid)
-        stream._push(_ended(stream, reason))
+        stream._push(_ended(stream, reason, status=status))
         stream.request = None
 
     def _call(
@@ -461,13 +471,20 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -
         return False
 
 
-def _ended(stream: RequestStream, reason: str, error: str | None = None) -> Update:
+def _ended(
+    stream: RequestStream, reason: str, error: str | None = None, status: Status | None = None
+) -> Update:
     """The last update of a request ended here (aborted, or failed with `error`): no new
-    tokens; its usage so far, as vLLM reports an aborted request's."""
+    tokens; its usage so far, as vLLM reports an aborted request's. `status`: the request's
+    when it was aborted."""
     req = stream.request
+    asked = stream.abort_asked and reason == "abort" and error is None
+    text = ""
+    if asked and req is not None:  # its client reads the output as it stands: the text too
+        text = req.output_text[stream.sent_chars :].rstrip("\ufffd")  # (held back: `_update`)
     return Update(
         [],
-        "",
+        text,
         None,
         None,
         finished=True,
@@ -476,6 +493,7 @@ def _ended(stream: RequestStream, reason: str, error: str | None = None) -> Upda
         prompt_tokens=stream.prompt_tokens,
         completion_tokens=len(req.output_ids) if req is not None else 0,
         error=error,
+        abort_asked=(status or Status.RUNNING).value if asked else None,
     )
 
 
