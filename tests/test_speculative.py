@@ -14,6 +14,7 @@ from dsakv import LLM, SamplingParams
 from dsakv.engine import Engine, EngineConfig
 from dsakv.engine.model_runner import DRAFT, TARGET
 from dsakv.engine.request import Request
+from dsakv.engine.scheduler import SchedulerConfig
 from dsakv.engine.speculative import MAX_WAIT, MTPDrafter, verify
 from dsakv.memory import copy_tokens
 from dsakv.models.tiny import TINY_PRESETS, default_model_dir, write_tiny_model
@@ -461,6 +462,7 @@ class _Runner:
 
 class _Scheduler:
     held: set = set()
+    config = SchedulerConfig(page_size=16)
 
     def slots(self, req, n):
         return torch.arange(n)
@@ -625,6 +627,136 @@ def test_cached_pages_hold_the_draft_kv_of_the_finishing_step(unfitted, prompt_l
     assert len(rows) == 32  # two full pages, both cached
     _, ran_on = run(prompt + tokens, 2)  # (its prefill catches up over every position)
     assert torch.equal(rows, ran_on[:32])
+
+
+def _cached_nodes(cache):
+    todo = list(cache.root.children.values())
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(node.children.values())
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+# Page pressure with MTP: 4-token pages, 10 of them.
+PRESSED = dict(EXACT, page_size=4, speculative_num_steps=3, **MTP)
+
+
+def _pressed_jobs(seed: int, lo: int, hi: int, most: int) -> list[tuple[list[int], int]]:
+    """Four prompts with their max_tokens, then the same prompts again (prefix hits)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(lo, hi))] for _ in range(4)]
+    jobs = [(p, rng.randint(2, most)) for p in prompts]
+    return jobs + [(p, rng.randint(2, most)) for p in prompts]
+
+
+def _run_pressed(engine: Engine, jobs, before_step=lambda: None) -> list[Request]:
+    """Two arrivals a step, so requests finish while others draft."""
+    reqs, todo = [], list(jobs)
+    while todo or engine.has_unfinished():
+        reqs += [engine.add_request(p, _greedy(m)) for p, m in todo[:2]]
+        del todo[:2]
+        before_step()
+        engine.step()
+    engine.check_integrity()
+    return reqs
+
+
+@pytest.mark.parametrize(
+    ("lengths", "tier"),
+    [((6, 30, 20), "l3"), ((4, 20, 16), "host"), ((4, 20, 16), "l3")],
+    ids=["recomputed-then-cached", "finished-then-demoted", "finished-then-stored"],
+)
+def test_every_copy_of_a_cached_page_holds_its_draft_kv(dense, tmp_path, lengths, tier):
+    """Under page pressure, every page the prefix cache holds (device, host tier) and every
+    page written to L3 (write-through) holds the bytes the same page has in a run of one
+    request at a time with room to spare, the draft layer's included (a request reusing
+    it drafts from them). Two ways it did not: a request sitting out drafts, retracted and
+    recomputed, put off the draft catch-up of its last chunk, whose full pages the cache
+    had just shared and L3 snapshotted (`recomputed-then-cached`); and a request's draft
+    reservation evicted pages of a request finished in the same step (to the host tier,
+    or with none to L3) before the catch-up over them (`finished-*`)."""
+    from dsakv.memory.storage import decode_object, object_key
+
+    jobs = _pressed_jobs(3, *lengths)
+    llm = LLM(dense, **PRESSED, num_pages=400)
+    ref = [llm.generate([p], _greedy(m), use_tqdm=False)[0].token_ids for p, m in jobs]
+    pool = llm.engine.pool
+    clean = {
+        n.hash: pool.read_pages([n.page])[0] for n in _cached_nodes(llm.engine.scheduler.cache)
+    }
+    llm.close()
+
+    if tier == "host":
+        tiers = dict(host_pool_gib=0.004)
+    else:
+        tiers = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    engine = Engine(EngineConfig(dense, **PRESSED, **tiers, num_pages=10, max_running_requests=8))
+    reqs = _run_pressed(engine, jobs)
+    # (a request may end sooner: the small pool bounds the context)
+    assert all(r.output_ids == t[: len(r.output_ids)] for r, t in zip(reqs, ref))
+    copies = []
+    for n in _cached_nodes(engine.scheduler.cache):
+        if n.page is not None:
+            copies.append((n.hash, engine.pool.read_pages([n.page])[0]))
+        elif n.host_slots is not None:
+            page = int(n.host_slots[0]) // 4
+            copies.append((n.hash, engine.host.pool.read_pages([page])[0]))
+    if engine.l3 is not None:
+        l3 = engine.l3
+        assert l3.drain()
+        for h in clean:
+            blob = l3.backend.get(object_key(l3.namespace, h))
+            if blob is not None:
+                payload = decode_object(blob, l3.namespace, h, l3.page_bytes)
+                copies.append((h, torch.frombuffer(bytearray(payload), dtype=torch.uint8)))
+    retractions = engine.counters()["retractions"]
+    engine.close()
+    copies = [(h, row) for h, row in copies if h in clean]
+    assert len(copies) > 20 and (retractions > 0) == (lengths[1] == 30)
+    assert [h.hex() for h, row in copies if not torch.equal(row, clean[h])] == []
+
+
+@pytest.mark.parametrize(
+    ("seed", "lengths", "num_pages"),
+    [(2, (4, 20, 16), 10), (8, (4, 12, 24), 8)],
+    ids=["recomputed-then-cached", "finished-on-a-hit"],
+)
+def test_put_off_catch_ups_never_write_the_caches_pages(unfitted, seed, lengths, num_pages):
+    """What a request sitting out drafts owes is in its own pages, never in one the prefix
+    cache holds (shared, and copied to its tiers as it stands). Two ways it was: the
+    put-off catch-up of a retracted request's last recompute chunk, whose full pages the
+    cache had just taken (`recomputed-then-cached`); and a retracted request whose
+    recompute hit cached pages of the same tokens (another request's, holding that draft
+    KV already) and finished in that step, paying what it owed from before into them
+    (`finished-on-a-hit`). A deferred catch-up writes no page the cache held when the
+    step began."""
+    jobs = _pressed_jobs(seed, *lengths)
+    plain = LLM(unfitted, **EXACT, num_pages=64)  # (no MTP)
+    ref = [plain.generate([p], _greedy(m), use_tqdm=False)[0].token_ids for p, m in jobs]
+    plain.close()
+    engine = Engine(EngineConfig(unfitted, **PRESSED, num_pages=num_pages, max_running_requests=8))
+    shared: set[int] = set()  # the cache's device pages when the step starts
+    written: list[set[int]] = []  # of those, the ones each deferred catch-up wrote
+    catch_up = engine.runner.catch_up
+
+    def recording(toks, slots, hidden):
+        written.append({int(x) // 4 for x in slots[0][-len(hidden) :]} & shared)
+        catch_up(toks, slots, hidden)
+
+    def before_step():
+        shared.clear()
+        shared.update(n.page for n in _cached_nodes(engine.scheduler.cache) if n.page is not None)
+
+    engine.runner.catch_up = recording
+    reqs = _run_pressed(engine, jobs, before_step)
+    assert all(r.output_ids == t[: len(r.output_ids)] for r, t in zip(reqs, ref))
+    assert engine.counters()["retractions"] > 0 and len(written) > 5
+    assert [pages for pages in written if pages] == []
+    engine.close()
 
 
 def test_a_retracted_request_drops_what_it_owed(unfitted):

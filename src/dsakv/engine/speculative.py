@@ -11,6 +11,10 @@ token i+1 with the target's hidden state h_i. One exception: a request sitting o
 (`DraftLength.owed`), paid in one call before it drafts again, or before its pages outlive
 it (the prefix cache, a prefill server's hand-off). On glm-bench-short a decode step of a
 waiting request spent a fifth of its time catching up (0.56 of 2.87 ms, most of it Python).
+A page the prefix cache holds is shared, and copied to the host tier and L3, so its draft
+KV is written by the end of the step it joined the cache in: a position in such a page is
+never owed, and a finished request's pages stay locked until the catch-up over its last
+step has written them.
 
 Drafts are the draft layer's argmax; a structured-output request's over the tokens its
 grammar allows after the drafts before them (its matcher steps through the chain, then
@@ -38,6 +42,7 @@ from typing import Any
 import torch
 
 from .model_runner import DRAFT, TARGET, ModelRunner
+from .prefix_cache import Node
 from .request import DraftLength, Request
 from .sampling import SamplingParams, draw, filtered_probs
 from .scheduler import Scheduler
@@ -159,6 +164,8 @@ class MTPDrafter:
         native call where the runner has one and no request has a grammar, else here."""
         toks, slots, rows, reqs = [], [], [], []
         finished_slots, self._finished_slots = self._finished_slots, {}
+        pinned: list[Node] = []  # cached pages this catch-up writes, locked until it has
+        ps = self.scheduler.config.page_size
         for req, start, row in work:
             stop = req.num_computed
             # A finished request's pages are gone, unless the prefix cache keeps them or a
@@ -170,19 +177,48 @@ class MTPDrafter:
                 continue
             self.adapt(req)
             s = req.draft_len
-            if s.owed and (req.in_prefill or s.owed_from + sum(map(len, s.owed)) != start):
-                s.owed = []  # retracted: its recompute's chunks catch up over what it owed
-            if not req.in_prefill and self.defers and s.k == 0 and not req.finished:
+            # Positions in pages the prefix cache holds are never owed: it shares them, and
+            # its host tier and L3 copy them, from the end of this step on.
+            shared = req.num_cached_pages * ps
+            if s.owed and (
+                req.in_prefill
+                or s.owed_from < shared
+                or s.owed_from + sum(map(len, s.owed)) != start
+            ):
+                s.owed = []  # retracted: its recompute (or the pages it hit) covers them
+            if (
+                not req.in_prefill
+                and self.defers
+                and s.k == 0
+                and not req.finished
+                and start >= shared
+            ):
                 req.draft_ids, s.proposed = [], 0  # (what a chain of none would leave)
                 self._owe(req, start, row, stop - start)
                 continue
             self.settle(req)
+            if kept is not None:
+                pinned += self._pin(req, start)
             toks.append(req.ids(start + 1, stop + 1))
             slots.append(kept if kept is not None else self.scheduler.slots(req, stop))
             rows.extend(range(row, row + stop - start))
             reqs.append(req)
         if not reqs and not self.lockstep:
             return
+        try:
+            self._draft(toks, slots, rows, reqs)
+        finally:
+            if pinned:
+                self.scheduler.cache.unlock(pinned)
+
+    def _draft(
+        self,
+        toks: list[list[int]],
+        slots: list[torch.Tensor],
+        rows: list[int],
+        reqs: list[Request],
+    ) -> None:
+        """The catch-up over `toks` at `slots` (h rows `rows`), then each request's chain."""
         ends = [e - 1 for e in accumulate(len(t) for t in toks)]
         want = [self._reserve(r, self.wanted(r)) for r in reqs]
         # The slots of every position a request's chain writes, looked up once.
@@ -202,6 +238,18 @@ class MTPDrafter:
                 r.matcher.rollback(len(d))
             if r.draft_len is not None:
                 r.draft_len.proposed = len(d)
+
+    def _pin(self, req: Request, start: int) -> list[Node]:
+        """Lock the prefix-cache nodes of the full pages that `req`, finished in this step,
+        is caught up over from `start`: the chain's reservations could otherwise evict
+        them (to the host tier, to L3) before the catch-up writes their draft KV."""
+        ps = self.scheduler.config.page_size
+        full = req.num_computed // ps
+        if start // ps >= full:
+            return []
+        nodes = self.scheduler.cache.match(req.ids(0, full * ps), full)[start // ps :]
+        self.scheduler.cache.lock(nodes)
+        return nodes
 
     def _owe(self, req: Request, start: int, row: int, n: int) -> None:
         """Keep the h rows of `req`'s positions [start, start + n) (rows `row`.. of the
@@ -226,8 +274,9 @@ class MTPDrafter:
     def finish(self, req: Request) -> None:
         """Before a finished request's pages go, where they outlive it (the prefix cache, a
         prefill server's hand-off): what it owes is paid, and the positions of the step it
-        finished in are caught up by `step` (from slots kept here), so a request reusing
-        the pages drafts from sound KV, even after a request that ended on its prefill.
+        finished in are caught up by `step` (from slots kept here; `_pin` keeps the pages),
+        so a request reusing them drafts from sound KV, even after one that ended on its
+        prefill.
         Else (aborted, or no one keeps the pages) dropped."""
         s = req.draft_len
         owed = s.owed if s is not None else []
@@ -235,7 +284,10 @@ class MTPDrafter:
         kept = self.scheduler.config.enable_prefix_cache or held
         computed = not owed or req.num_computed >= s.owed_from + sum(map(len, owed))
         if kept and computed and req.finish_reason != "abort":  # (computed: not retracted)
-            self.settle(req)
+            # (what it owes starting in the cache's pages went with a retraction: the pages
+            # its recompute hit hold it, and `step` catches up over the rest)
+            if not owed or s.owed_from >= req.num_cached_pages * self.scheduler.config.page_size:
+                self.settle(req)
             # (a held request keeps its slots until shipped; one that ended without a token,
             # its grammar stuck, has no next token to catch up with)
             if not held and req.seq_len > req.num_computed:
