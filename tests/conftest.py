@@ -79,3 +79,17 @@ def flat_logprobs(positions, ids, k: int | None = None) -> list:
 
 def _rank(item):
     return item[1].rank
+
+
+def assert_integrity_catches(engine, corrupt, message: str) -> None:
+    """`engine.check_integrity()` (many tests' proof that nothing leaked) raises `message`
+    once `corrupt(engine)` has broken what it claims to check, and passes again once the
+    undo `corrupt` returned has run."""
+    engine.check_integrity()
+    undo = corrupt(engine)
+    try:
+        with pytest.raises(AssertionError, match=message):
+            engine.check_integrity()
+    finally:
+        undo()
+    engine.check_integrity()

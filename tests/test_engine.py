@@ -21,7 +21,7 @@ from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server.metrics import EngineCollector
 
-from .conftest import flat_logprobs
+from .conftest import assert_integrity_catches, flat_logprobs
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
 
@@ -1037,15 +1037,7 @@ def _leak_host_page(e: Engine):
 def test_check_integrity_fails_on_each_invariant_it_checks(idle_engine, corrupt, message):
     """~70 tests take a passing `check_integrity` as proof that nothing leaked: it must
     raise on each kind of leak it claims to catch, and pass again once it is undone."""
-    e = idle_engine
-    e.check_integrity()
-    undo = corrupt(e)
-    try:
-        with pytest.raises(AssertionError, match=message):
-            e.check_integrity()
-    finally:
-        undo()
-    e.check_integrity()
+    assert_integrity_catches(idle_engine, corrupt, message)
 
 
 def test_check_integrity_fails_on_a_prefix_lock_left_behind(idle_engine):

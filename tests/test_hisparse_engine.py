@@ -27,6 +27,8 @@ from dsakv.engine.hisparse import _Hot
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 
+from .conftest import assert_integrity_catches
+
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=8)
 HS = {"host_to_device_ratio": 8}  # top_k 16 (index_topk), buffer 32
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -166,13 +168,7 @@ def test_check_integrity_fails_on_each_hot_buffer_leak(tiny, corrupt, message):
     raise on each leak it claims to catch, and pass again once it is undone."""
     e = _engine(tiny, num_pages=20, enable_hisparse=True, hisparse_config=HS)
     _run(e, _prompts(1, seed=4, lo=40, hi=40), check_every_step=False)
-    undo = corrupt(e)
-    try:
-        with pytest.raises(AssertionError, match=message):
-            e.check_integrity()
-    finally:
-        undo()
-    e.check_integrity()
+    assert_integrity_catches(e, corrupt, message)
 
 
 def test_retraction_abort_and_host_pages_as_the_limit(tiny, reference):

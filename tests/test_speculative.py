@@ -629,14 +629,6 @@ def test_cached_pages_hold_the_draft_kv_of_the_finishing_step(unfitted, prompt_l
     assert torch.equal(rows, ran_on[:32])
 
 
-def _cached_nodes(cache):
-    todo = list(cache.root.children.values())
-    while todo:
-        node = todo.pop()
-        yield node
-        todo.extend(node.children.values())
-
-
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
@@ -685,9 +677,7 @@ def test_every_copy_of_a_cached_page_holds_its_draft_kv(dense, tmp_path, lengths
     llm = LLM(dense, **PRESSED, num_pages=400)
     ref = [llm.generate([p], _greedy(m), use_tqdm=False)[0].token_ids for p, m in jobs]
     pool = llm.engine.pool
-    clean = {
-        n.hash: pool.read_pages([n.page])[0] for n in _cached_nodes(llm.engine.scheduler.cache)
-    }
+    clean = {n.hash: pool.read_pages([n.page])[0] for n in llm.engine.scheduler.cache._nodes()}
     llm.close()
 
     if tier == "host":
@@ -699,7 +689,7 @@ def test_every_copy_of_a_cached_page_holds_its_draft_kv(dense, tmp_path, lengths
     # (a request may end sooner: the small pool bounds the context)
     assert all(r.output_ids == t[: len(r.output_ids)] for r, t in zip(reqs, ref))
     copies = []
-    for n in _cached_nodes(engine.scheduler.cache):
+    for n in engine.scheduler.cache._nodes():
         if n.page is not None:
             copies.append((n.hash, engine.pool.read_pages([n.page])[0]))
         elif n.host_slots is not None:
@@ -749,7 +739,7 @@ def test_put_off_catch_ups_never_write_the_caches_pages(unfitted, seed, lengths,
 
     def before_step():
         shared.clear()
-        shared.update(n.page for n in _cached_nodes(engine.scheduler.cache) if n.page is not None)
+        shared.update(n.page for n in engine.scheduler.cache._nodes() if n.page is not None)
 
     engine.runner.catch_up = recording
     reqs = _run_pressed(engine, jobs, before_step)
