@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -414,11 +415,12 @@ def test_abort_request_by_rid_ends_that_request_as_it_stands(base, served, refer
     )  # fmt: skip
     (ref,) = reference.generate([TEXTS[0]], params)
     assert ref.text
+    # (16: each of the three arrivals may step the others up to 3 tokens; 8 could end first)
     (plain_ref,) = reference.generate(
-        [TEXTS[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        [TEXTS[0]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     )
     long = {"text": TEXTS[0], "sampling_params": {**sp, **GREEDY}}
-    short = {"text": TEXTS[0], "sampling_params": {"max_new_tokens": 8, **GREEDY}}
+    short = {"text": TEXTS[0], "sampling_params": {"max_new_tokens": 16, **GREEDY}}
     before = _engine_counters(async_engine)["aborted_requests"]
     with ThreadPoolExecutor(3) as pool, engine_stops_stepping_at(async_engine, 3):
         plain = pool.submit(_generate, base, **long, rid="plain")
@@ -437,7 +439,7 @@ def test_abort_request_by_rid_ends_that_request_as_it_stands(base, served, refer
         r = httpx.post(f"{base}/abort_request", json={"rid": 5}, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
     out = other.result(TIMEOUT)
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
     assert out["output_ids"] == plain_ref.token_ids
     assert _engine_counters(async_engine)["aborted_requests"] == before + 2
     _check_clean(async_engine)
@@ -479,8 +481,7 @@ def test_abort_all_ends_every_request_in_flight(base, served):
 
 def test_an_abort_reaches_a_request_the_engine_has_not_taken_yet(base, served):
     """An abort that comes while its request is still on its way into the engine (here the
-    engine thread is busy; a decode server's waits for the prefill server's KV) ends it as
-    the engine takes it, before it runs: SGLang's waiting-queue abort, no output."""
+    engine thread is busy) ends it as the engine takes it, before it runs: no output."""
     async_engine = served[1]
     body = {"text": TEXTS[0], "sampling_params": {"max_new_tokens": 400, **GREEDY}}
     with (
@@ -496,8 +497,94 @@ def test_an_abort_reaches_a_request_the_engine_has_not_taken_yet(base, served):
         _abort(base, rid="early")
         assert not early.done()
     out = early.result(TIMEOUT)
-    assert out["meta_info"]["finish_reason"] == _ABORTED_WAITING
+    # (queued, or admitted by the step its add woke before the abort came: no output either way)
+    assert out["meta_info"]["finish_reason"] in (_ABORTED_WAITING, _ABORTED)
     assert (out["output_ids"], out["meta_info"]["completion_tokens"]) == ([], 0)
+    _check_clean(async_engine)
+
+
+def test_an_abort_while_the_grammar_compiles_ends_the_request(base, served, monkeypatch):
+    """An abort that comes while its request's grammar compiles (seconds, for a large
+    schema) is not lost: the request ends as the engine takes it, before it runs to its end
+    (SGLang's abort empties its grammar queue). Another request compiling meanwhile runs on;
+    an abort_all reaches the OpenAI routes' compiling requests too."""
+    async_engine = served[1]
+    cache = async_engine.engine.grammars
+    compile_, entered, release = cache.compile, [], threading.Event()
+
+    def held_compile(grammar):  # (the compile itself is the engine's; it only starts later)
+        entered.append(grammar)
+        assert release.wait(TIMEOUT)
+        return compile_(grammar)
+
+    def wait_entered(count: int) -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while len(entered) < count:
+            assert time.monotonic() < deadline, entered
+            time.sleep(0.01)
+
+    monkeypatch.setattr(cache, "compile", held_compile)
+    sp = {"max_new_tokens": 8, "regex": "[a-z ]+", **GREEDY}
+    cmpl = {"prompt": TEXTS[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    cmpl["structured_outputs"] = {"regex": "[a-z ]+"}
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(_generate, base, text=TEXTS[0], sampling_params=sp, rid="slow")
+        other = pool.submit(httpx.post, f"{base}/v1/completions", json=cmpl, timeout=TIMEOUT)
+        wait_entered(2)
+        _abort(base, rid="slow")
+        assert not slow.done()
+        release.set()
+        out = slow.result(TIMEOUT)
+        r = other.result(TIMEOUT)
+    # (ended as the engine took it: in its waiting queue, or after its first step or so)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort", out
+    assert len(out["output_ids"]) < 8
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    entered.clear()  # (the engine thread looked them up in the cache too)
+    release.clear()
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, f"{base}/v1/completions", json=cmpl, timeout=TIMEOUT)
+        wait_entered(1)
+        _abort(base, abort_all=True)
+        release.set()
+        r = held.result(TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "abort"
+    _check_clean(async_engine)
+
+
+def test_a_rid_in_flight_is_refused(base, served, reference):
+    """SGLang's: a /generate naming a rid already in flight (its output's id, or a prompt's
+    rid) is a 400, so another client's abort cannot reach a request that is not its own;
+    the request in flight runs on untouched, and once it ended its rid is free again."""
+    async_engine = served[1]
+    # (16: each arrival may step the others up to 3 tokens; 8 could end before the checks)
+    (ref,) = reference.generate([TEXTS[0]], SamplingParams(max_tokens=16, **GREEDY))
+    short = {"text": TEXTS[0], "sampling_params": {"max_new_tokens": 16, **GREEDY}}
+    samples = {"max_new_tokens": 16, **GREEDY}
+    with ThreadPoolExecutor(2) as pool, engine_stops_stepping_at(async_engine, 3):
+        first = pool.submit(_generate, base, **short, rid="dup")
+        batch = pool.submit(_generate, base, text=TEXTS, sampling_params=samples, rid="b")
+        _wait_live(async_engine, 3, 3)
+        for again in (
+            {**short, "rid": "dup"},
+            {"text": TEXTS, "rid": ["x", "dup"]},
+            {"text": TEXTS[1], "rid": "b_1"},  # (the batch's second prompt)
+        ):
+            r = httpx.post(f"{base}/generate", json=again, timeout=TIMEOUT)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "rid" and err["message"].startswith("Duplicate request ID")
+        assert not first.done() and len(_live(async_engine)) == 3
+        _abort(base, rid="b_0")  # (nothing else had the name)
+    out = first.result(TIMEOUT)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
+    assert out["output_ids"] == ref.token_ids
+    outs = batch.result(TIMEOUT)
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "length"]
+    again = _generate(base, **short, rid="dup")
+    assert (again["meta_info"]["id"], again["output_ids"]) == ("dup", ref.token_ids)
     _check_clean(async_engine)
 
 

@@ -254,21 +254,35 @@ class _Call:
 
 class InFlight:
     """The generation calls in flight, for SGLang's /abort_request: a call is opened before
-    its prompts are tokenized and closed when its answer ends, so an abort also reaches an
-    output the engine has not taken yet (a prompt still tokenizing; a decode server's,
-    until the prefill server sent its KV): it is aborted as the engine takes it."""
+    its prompts are tokenized or its grammar compiled, and closed when its answer ends, so
+    an abort also reaches an output the engine has not taken yet (a prompt still tokenizing,
+    a grammar compiling; a decode server's, until it takes it): it is aborted as the engine
+    takes it. A name is one call's at a time (SGLang refuses a duplicate rid in flight), so
+    an abort never reaches another client's request."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self._calls: set[_Call] = set()
+        self._named: dict[str, _Call] = {}
 
     def open(self, names: Iterable[Iterable[str]]) -> _Call:
+        """A call for outputs named `names` (outputs of one prompt share its rid); a name
+        already in flight is a 400, as SGLang's."""
         call = _Call([frozenset(x) for x in names])
+        taken = set().union(*call.names)
+        for name in sorted(taken):
+            if name in self._named:
+                raise APIError(400, f"Duplicate request ID detected: {name}", param="rid")
         self._calls.add(call)
+        self._named.update(dict.fromkeys(taken, call))
         return call
 
     def close(self, call: _Call | None) -> None:
+        if call is None or call not in self._calls:
+            return
         self._calls.discard(call)
+        for name in set().union(*call.names):
+            del self._named[name]
 
     def took(self, call: _Call, streams: list[RequestStream]) -> None:
         """The engine took `call`'s next outputs; those already aborted are aborted now."""
@@ -280,20 +294,22 @@ class InFlight:
 
     def abort(self, rid: str) -> None:
         """Abort every output named `rid`; none: nothing happens (SGLang's)."""
-        self._abort(lambda names: rid in names)
+        call = self._named.get(rid)
+        if call is not None:
+            self._abort(call, lambda names: rid in names)
 
     def abort_all(self) -> None:
-        self._abort(lambda names: True)
-
-    def _abort(self, match: Callable[[frozenset[str]], bool]) -> None:
         for call in self._calls:
-            for i, names in enumerate(call.names):
-                if not match(names):
-                    continue
-                if i < len(call.streams):
-                    self.engine.abort(call.streams[i], asked=True)
-                else:
-                    call.early.add(i)
+            self._abort(call, lambda names: True)
+
+    def _abort(self, call: _Call, match: Callable[[frozenset[str]], bool]) -> None:
+        for i, names in enumerate(call.names):
+            if not match(names):
+                continue
+            if i < len(call.streams):
+                self.engine.abort(call.streams[i], asked=True)
+            else:
+                call.early.add(i)
 
 
 class Handlers:
@@ -346,19 +362,24 @@ class Handlers:
         scored = body.prompt_logprobs is not None or (echo and body.logprobs is not None)
         if body.prompt_logprobs is None and echo and body.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-        params = await self._ready_grammar(params, _grammar_field(body))
         given = "max_tokens" if body.max_tokens is not None else None
         count = len(prompts)
+        # Opened before the grammar compiles: an abort meanwhile ends it as it is taken
         call = self.in_flight.open([()] * (count * n))  # (no rid: abort_all reaches it)
-        streams = await self._submit_all(
-            prompts,
-            [params] * count,
-            n,
-            raw,
-            [given] * count,
-            special=body.add_special_tokens,
-            call=call,
-        )
+        try:
+            params = await self._ready_grammar(params, _grammar_field(body))
+            streams = await self._submit_all(
+                prompts,
+                [params] * count,
+                n,
+                raw,
+                [given] * count,
+                special=body.add_special_tokens,
+                call=call,
+            )
+        except BaseException:  # (from here `_collect_all` or `_stream_response` closes it)
+            self.in_flight.close(call)
+            raise
         keep = params.truncate_prompt_tokens
         if keep is not None and keep <= 0:  # (-1: as many as the context leaves room for)
             keep = self.engine.engine.max_model_len - 1
@@ -467,14 +488,27 @@ class Handlers:
         # json_schema and structural tags too); /generate keeps a grammar over the whole
         # output. A forcing tool_choice's tag holds the reasoning itself (`prepare_chat`
         # gives it reasoning "disabled").
-        params = await self._ready_grammar(params, grammar_param, prep.reasoning)
         n = self._n(body)
         given = param if max_tokens is not None else None
         special = body.add_special_tokens  # (vLLM's: none, the template holds its own)
-        call = self.in_flight.open([()] * n)
-        streams = await self._submit_all(
-            [prompt], [params], n, raw, [given], "messages", special, call=call
-        )
+        ids, thinking = bool(body.return_token_ids), body.include_reasoning is not False
+        call = self.in_flight.open([()] * n)  # (as completion's)
+        streams: list[RequestStream] = []
+        try:
+            params = await self._ready_grammar(params, grammar_param, prep.reasoning)
+            streams = await self._submit_all(
+                [prompt], [params], n, raw, [given], "messages", special, call=call
+            )
+            if body.stream and ids:  # (vLLM's first chunk carries them; the engine's own)
+                keep = params.truncate_prompt_tokens
+                prompt_ids = await asyncio.to_thread(
+                    self.engine.engine.prompt_ids, prompt, keep, special
+                )
+        except BaseException:
+            for s in streams:
+                self.engine.abort(s)
+            self.in_flight.close(call)
+            raise
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": rid,
@@ -483,14 +517,8 @@ class Handlers:
             "model": self.model_name,
         }
 
-        ids, thinking = bool(body.return_token_ids), body.include_reasoning is not False
         if body.stream:
             usage, running = _stream_usage(body)
-            if ids:  # (vLLM's first chunk carries them; the engine's own tokenization)
-                keep = params.truncate_prompt_tokens
-                prompt_ids = await asyncio.to_thread(
-                    self.engine.engine.prompt_ids, prompt, keep, special
-                )
 
             async def events() -> AsyncIterator[str]:
                 for i in range(n):

@@ -181,19 +181,25 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
     rids = _rids(body.rid, len(prompts), n, single)
     given_rids = _given_rids(body.rid, len(prompts), single)
     asks = _logprob_asks(api, body, len(prompts), n)
-    for i, ask in enumerate(asks):
-        if ask is not None and ask.start >= 0:  # check it against the prompt's length
-            prompts[i] = await _prompt_ids(api, prompts[i], ask.start, prompt_field)
-    with _in_sglang_terms():
-        if isinstance(body.sampling_params, list) or len(set(asks)) > 1:
-            params = [await _params(api, s, a) for s, a in zip(samplings, asks)]
-        else:
-            params = [await _params(api, samplings[0], asks[0])] * len(prompts)
-        # (the context check only where the client gave max_new_tokens, as SGLang's)
-        given = ["max_new_tokens" if s.max_new_tokens is not None else None for s in samplings]
-        names = [{rid, given_rids[i // n]} - {None} for i, rid in enumerate(rids)]
-        call = api.in_flight.open(names)
-        streams = await api._submit_all(prompts, params, n, raw, given, prompt_field, call=call)
+    # Opened before its prompts are tokenized and its grammar compiled, so that an abort
+    # meanwhile is not lost (SGLang registers the rid first too); a rid in flight is a 400
+    names = [{rid, given_rids[i // n]} - {None} for i, rid in enumerate(rids)]
+    call = api.in_flight.open(names)
+    try:
+        for i, ask in enumerate(asks):
+            if ask is not None and ask.start >= 0:  # check it against the prompt's length
+                prompts[i] = await _prompt_ids(api, prompts[i], ask.start, prompt_field)
+        with _in_sglang_terms():
+            if isinstance(body.sampling_params, list) or len(set(asks)) > 1:
+                params = [await _params(api, s, a) for s, a in zip(samplings, asks)]
+            else:
+                params = [await _params(api, samplings[0], asks[0])] * len(prompts)
+            # (the context check only where the client gave max_new_tokens, as SGLang's)
+            given = ["max_new_tokens" if s.max_new_tokens is not None else None for s in samplings]
+            streams = await api._submit_all(prompts, params, n, raw, given, prompt_field, call=call)
+    except BaseException:  # (from here `_collect_all` or `_stream_response` closes it)
+        api.in_flight.close(call)
+        raise
     batch = not single or n > 1  # (outputs prompt-major: prompt i's sample j is i * n + j)
 
     if body.stream:
@@ -279,8 +285,9 @@ def _rids(rid: str | list[str] | None, prompts: int, n: int, single: bool) -> li
     if isinstance(rid, list):
         if len(rid) != prompts:
             raise APIError(400, f"rid must have one id per prompt ({prompts})", param="rid")
-        if len(set(rid)) != len(rid):
-            raise APIError(400, "rid has an id twice", param="rid")
+        twice = next((x for i, x in enumerate(rid) if x in rid[:i]), None)
+        if twice is not None:  # (SGLang's words, as for a rid in flight)
+            raise APIError(400, f"Duplicate request ID detected: {twice}", param="rid")
     if n > 1 or rid is None:
         return [uuid.uuid4().hex for _ in range(prompts * n)]
     return [f"{rid}_{i}" for i in range(prompts)] if isinstance(rid, str) else list(rid)
