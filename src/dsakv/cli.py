@@ -104,9 +104,14 @@ def _spelled(aliases: dict[str, str], fold_case: bool = False) -> Callable[[str]
     return convert
 
 
-DEFAULT_KV_CACHE_DTYPE = "fp8_e4m3"  # (EngineConfig's)
-# "auto" (vLLM's and SGLang's default) is dsakv's default; "fp8" is e4m3, as SGLang maps it
-_KV_CACHE_DTYPE = _spelled({"auto": DEFAULT_KV_CACHE_DTYPE, "fp8": "fp8_e4m3", "bfloat16": "bf16"})
+def _kv_cache_dtype(text: str) -> str:
+    """argparse type: "auto" (vLLM's and SGLang's default) is dsakv's default, "fp8" e4m3
+    (as SGLang maps it), "bfloat16" bf16."""
+    from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
+
+    return _spelled({"auto": DEFAULT_LATENT_DTYPE, "fp8": "fp8_e4m3", "bfloat16": "bf16"})(text)
+
+
 _DTYPE = _spelled({"half": "float16", "float": "float32"})  # (vLLM's and SGLang's)
 # SGLang runs DeepSeek / GLM MTP as NEXTN or EAGLE (with no draft model: the nextn layer)
 _SPECULATIVE = _spelled({"nextn": "mtp", "eagle": "mtp", "mtp": "mtp"}, fold_case=True)
@@ -126,15 +131,15 @@ def _add_aliased(g: Any, flags: Sequence[str], help: str, **kw: Any) -> None:
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
     """Cache-layout and layer-plan flags, shared by every command that builds a pool."""
-    from dsakv.memory.layout import INDEX_K_DTYPES, LATENT_DTYPES
+    from dsakv.memory.layout import DEFAULT_LATENT_DTYPE, INDEX_K_DTYPES, LATENT_DTYPES
 
     g = p.add_argument_group("cache layout and layer plan")
     g.add_argument(
         "--kv-cache-dtype",
-        type=_KV_CACHE_DTYPE,
+        type=_kv_cache_dtype,
         choices=LATENT_DTYPES,
         default=None,
-        help=f"latent (default {DEFAULT_KV_CACHE_DTYPE}, also spelled auto or fp8; bfloat16: bf16)",
+        help=f"latent (default {DEFAULT_LATENT_DTYPE}, also spelled auto or fp8; bfloat16: bf16)",
     )
     g.add_argument("--index-k-dtype", choices=INDEX_K_DTYPES, default=None)
     g.add_argument("--page-size", type=_positive_int, default=None)
@@ -172,6 +177,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.errors import ConfigError
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_capacity
     from dsakv.memory.capacity import GIB, gain_pct
+    from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 
     config = ModelConfig.resolve(args.model)
     hisparse = _hisparse_config(args, config)
@@ -180,7 +186,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     elided = CacheLayout.from_plan(
         config,
         plan,
-        args.kv_cache_dtype or DEFAULT_KV_CACHE_DTYPE,
+        args.kv_cache_dtype or DEFAULT_LATENT_DTYPE,
         args.index_k_dtype or "fp8",
         args.page_size or 64,
     )
@@ -1376,7 +1382,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _add_calibrate(sub: Any) -> None:
-    from dsakv.memory.layout import INDEX_K_DTYPES, LATENT_DTYPES
+    from dsakv.memory.layout import DEFAULT_LATENT_DTYPE, INDEX_K_DTYPES, LATENT_DTYPES
 
     p = sub.add_parser(
         "calibrate-pattern", help="IndexCache greedy search: which layers keep their indexer"
@@ -1401,9 +1407,9 @@ def _add_calibrate(sub: Any) -> None:
     g = p.add_argument_group("pricing (as dsakv plan)")
     g.add_argument(
         "--kv-cache-dtype",
-        type=_KV_CACHE_DTYPE,
+        type=_kv_cache_dtype,
         choices=LATENT_DTYPES,
-        default=DEFAULT_KV_CACHE_DTYPE,
+        default=DEFAULT_LATENT_DTYPE,
     )
     g.add_argument("--index-k-dtype", choices=INDEX_K_DTYPES, default="fp8")
     g.add_argument("--page-size", type=_positive_int, default=64)

@@ -31,6 +31,7 @@ from dsakv.kernels import BACKENDS, cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
 from dsakv.memory.host import HostPool
+from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 from dsakv.memory.pool import DSAKVPool
 from dsakv.memory.storage import StorageConfig, storage_namespace
 
@@ -75,7 +76,7 @@ class EngineConfig:
     """Engine arguments; the same names as `LLM(...)` keywords and `dsakv` CLI flags."""
 
     model: str
-    kv_cache_dtype: str = "fp8_e4m3"
+    kv_cache_dtype: str = DEFAULT_LATENT_DTYPE
     index_k_dtype: str = "fp8"
     elide_index_k: bool = True
     kv_budget_gib: float | None = None

@@ -13,6 +13,7 @@ from dsakv.errors import ConfigError
 from .fp8 import scale_blocks
 
 LATENT_DTYPES = ("fp8_e4m3", "fp8_ds_mla", "bf16", "fp32")
+DEFAULT_LATENT_DTYPE = "fp8_e4m3"  # (what vLLM's and SGLang's "auto" spells here)
 INDEX_K_DTYPES = ("fp8", "bf16", "fp32")
 
 

@@ -278,11 +278,9 @@ def _sampling(given: dict[str, Any]) -> SGLangSamplingParams:
 def _rids(rid: str | list[str] | None, prompts: int, n: int, single: bool) -> list[str]:
     """Each output's `meta_info.id`, as SGLang names them: the one `rid` of a single prompt;
     `rid_i`, or the list's own, in a batch; a new one for each sample when n > 1."""
-    if single and n == 1:
-        if isinstance(rid, list):
-            raise APIError(400, "rid must be a string for one prompt", param="rid")
-        return [rid or uuid.uuid4().hex]
     if isinstance(rid, list):
+        if single and n == 1:
+            raise APIError(400, "rid must be a string for one prompt", param="rid")
         if len(rid) != prompts:
             raise APIError(400, f"rid must have one id per prompt ({prompts})", param="rid")
         twice = next((x for i, x in enumerate(rid) if x in rid[:i]), None)
@@ -290,7 +288,7 @@ def _rids(rid: str | list[str] | None, prompts: int, n: int, single: bool) -> li
             raise APIError(400, f"Duplicate request ID detected: {twice}", param="rid")
     if n > 1 or rid is None:
         return [uuid.uuid4().hex for _ in range(prompts * n)]
-    return [f"{rid}_{i}" for i in range(prompts)] if isinstance(rid, str) else list(rid)
+    return _given_rids(rid, prompts, single)
 
 
 def _given_rids(rid: str | list[str] | None, prompts: int, single: bool) -> list[str | None]:
