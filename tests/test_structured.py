@@ -188,7 +188,11 @@ _BAD = [
     ({"guided_json": {"properties": {"a": {"not": {"type": "string"}}}}}, "guided_json"),
     ({"guided_json": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, "guided_json"),
     ({"guided_choice": ["a", ""]}, "guided_choice"),
-]
+    ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}},
+     "response_format"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>"}],
+                          "triggers": ["<a>"]}}, "response_format"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("extra", "param"), _BAD, ids=range(len(_BAD)))
@@ -389,6 +393,7 @@ _AFTER_THINKING = [
     ({"ebnf": 'root ::= "yes" | "no"'}, lambda s: s in ("yes", "no")),
     ({"structured_outputs": {"structural_tag": json.dumps(AGE_TAG)}},  # (as SGLang's, vLLM's)
      lambda s: re.fullmatch("<age>[0-9]{1,3}</age>", s)),
+    ({"response_format": AGE_TAG}, lambda s: re.fullmatch("<age>[0-9]{1,3}</age>", s)),
 ]  # fmt: skip
 
 
@@ -501,6 +506,44 @@ def test_after_reasoning_grammars(model_dir):
         after_reasoning(("ebnf", "root ::= undefined_rule"), "enabled")
     with pytest.raises(GrammarError, match="invalid structural tag: .*must have a format"):
         after_reasoning(("structural_tag", '{"type": "structural_tag"}'), "auto")
+
+
+def test_structural_tags_legacy_format_and_compact_json(model_dir):
+    """SGLang's and vLLM's legacy structural tag (`structures`, `triggers`) is taken: free
+    text until a trigger, then its structure; a JSON-schema part is whitespace-free as the
+    `json_schema` kind is (xgrammar's own let a model wander into endless whitespace), unless
+    the tag bounds its whitespace itself. A malformed legacy tag is one clear error."""
+    from transformers import AutoTokenizer
+
+    cache = GrammarCache(AutoTokenizer.from_pretrained(str(model_dir)), 264, (257,))
+
+    def accepts(grammar, text: str) -> bool:
+        m = cache.matcher(grammar)
+        return m.accept_string(text) and m.accept_token(257) and m.is_terminated()
+
+    structure = {"begin": "<f>", "schema": AGE, "end": "</f>"}
+    legacy = ("structural_tag", json.dumps({"structures": [structure], "triggers": ["<f>"]}))
+    assert accepts(legacy, 'Sure. <f>{"age": 7}</f> and <f>{"age": 12}</f> done')
+    assert accepts(legacy, "no call at all")
+    assert not accepts(legacy, 'x <f>{"age": "7"}</f>')
+    assert not accepts(legacy, 'x <f>{ "age": 7}</f>')
+    tagged = {"type": "tag", "begin": "<f>", "end": "</f>"}
+    plain = {"type": "json_schema", "json_schema": AGE}
+    compact = ("structural_tag", json.dumps({"format": {**tagged, "content": plain}}))
+    assert accepts(compact, '<f>{"age": 7}</f>')
+    assert not accepts(compact, '<f>{"age": 7 }</f>')
+    loose = {"format": {**tagged, "content": {**plain, "max_whitespace_cnt": 2}}}
+    assert accepts(("structural_tag", json.dumps(loose)), '<f>{ "age":  7 }</f>')
+    bad = [
+        ({"structures": [structure], "triggers": "<f>"}, "triggers must be a list"),
+        ({"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": []}, "each structure"),
+        ([1], "not a JSON object"),
+    ]
+    for tag, message in bad:
+        with pytest.raises(GrammarError, match=f"invalid structural tag: {message}"):
+            cache.compile(("structural_tag", json.dumps(tag)))
+        with pytest.raises(GrammarError, match=f"invalid structural tag: {message}"):
+            after_reasoning(("structural_tag", json.dumps(tag)), "auto")
 
 
 def test_json_strings_take_valid_utf8_only(model_dir):

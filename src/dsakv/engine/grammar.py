@@ -123,7 +123,7 @@ class GrammarCache:
             elif kind == "ebnf":
                 compiled = c.compile_grammar(spec)
             elif kind == "structural_tag":
-                compiled = c.compile_structural_tag(spec)
+                compiled = c.compile_structural_tag(json.dumps(structural_tag(spec)))
             else:
                 raise GrammarError(f"unknown grammar kind {kind!r}")
         with self._lock:
@@ -213,6 +213,62 @@ def _json_ebnf(kind: str, spec: str) -> str:
     return ebnf
 
 
+def structural_tag(spec: str) -> dict[str, Any]:
+    """A structural tag (JSON text) in xgrammar's format, each of its plain JSON-schema parts
+    whitespace-free as dsakv's `json_schema` is (`_json_ebnf`; a part that sets its own
+    `max_whitespace_cnt`, a style or excludes is left as written). The legacy format SGLang
+    and vLLM also take (`structures` of begin / schema / end, and `triggers`: free text until
+    a trigger, then that structure) is converted as xgrammar converts it."""
+    import xgrammar as xgr
+
+    tag = json.loads(spec)
+    if not isinstance(tag, dict):
+        raise GrammarError("invalid structural tag: not a JSON object")
+    if "structures" in tag:
+        structures, triggers = tag["structures"], tag.get("triggers")
+        if not isinstance(triggers, list) or not all(isinstance(t, str) for t in triggers):
+            raise GrammarError("invalid structural tag: triggers must be a list of strings")
+        if not isinstance(structures, list) or not all(_is_structure(x) for x in structures):
+            raise GrammarError(
+                "invalid structural tag: each structure needs a begin and end string and a "
+                "schema object"
+            )
+        items = [xgr.StructuralTagItem(**x) for x in structures]
+        tag = xgr.StructuralTag.from_legacy_structural_tag(items, triggers).model_dump(
+            exclude_none=True
+        )
+    return _compact_json_parts(tag)
+
+
+def _is_structure(x: Any) -> bool:
+    return (
+        isinstance(x, dict)
+        and isinstance(x.get("begin"), str)
+        and isinstance(x.get("end"), str)
+        and isinstance(x.get("schema"), dict)
+    )
+
+
+def _compact_json_parts(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_compact_json_parts(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    plain = {"type", "json_schema", "style", "any_order", "excludes"}
+    if (
+        node.get("type") == "json_schema"
+        and node.keys() <= plain
+        and node.get("style", "json") == "json"
+        and not node.get("any_order")
+        and not node.get("excludes")
+    ):
+        return {
+            "type": "grammar",
+            "grammar": _json_ebnf("json_schema", json.dumps(node["json_schema"])),
+        }
+    return {k: _compact_json_parts(v) for k, v in node.items()}
+
+
 REASONING_MODES = ("enabled", "auto", "disabled")
 
 
@@ -245,8 +301,9 @@ def after_reasoning(
         elif kind == "ebnf":
             answer = {"type": "grammar", "grammar": str(xgr.Grammar.from_ebnf(spec))}
         elif kind == "structural_tag":
-            xgr.Grammar.from_structural_tag(spec)  # (its errors, before taking it apart)
-            answer = json.loads(spec)["format"]
+            tag = structural_tag(spec)
+            xgr.Grammar.from_structural_tag(tag)  # (its errors, before taking it apart)
+            answer = tag["format"]
         else:
             raise GrammarError(f"unknown grammar kind {kind!r}")
     reasoning: dict[str, Any] = {

@@ -1365,10 +1365,15 @@ def _grammar_request(body: GenerationRequest) -> tuple[str, tuple[str, str]] | N
                     param="response_format",
                 )
             found.append(("response_format", ("json_schema", json.dumps(rf.json_schema.schema_))))
+        elif rf.type == "structural_tag":
+            tag = rf.model_dump(include={"type", "format", "structures", "triggers"})
+            tag = {k: v for k, v in tag.items() if v is not None}
+            found.append(("response_format", ("structural_tag", json.dumps(tag))))
         else:
             raise APIError(
                 400,
-                f"response_format type must be text, json_object or json_schema, not {rf.type!r}",
+                "response_format type must be text, json_object, json_schema or "
+                f"structural_tag, not {rf.type!r}",
                 param="response_format",
             )
     for name, kind in _GRAMMAR_FIELDS:

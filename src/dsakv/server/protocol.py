@@ -69,10 +69,15 @@ class StructuredOutputs(BaseModel):
 
 
 class ResponseFormat(_Strict):
-    """OpenAI's `response_format`: `text`, `json_object` or `json_schema` (checked later)."""
+    """OpenAI's `response_format`: `text`, `json_object` or `json_schema` (checked later), or
+    vLLM's and SGLang's `structural_tag` (xgrammar's `format`, or the legacy `structures` and
+    `triggers`)."""
 
     type: str
     json_schema: JsonSchemaFormat | None = None
+    format: Any = None
+    structures: list[Any] | None = None
+    triggers: list[Any] | None = None
 
 
 class GenerationRequest(_Strict):
