@@ -4,7 +4,7 @@ Each completions or chat request goes to one prefill server and one decode serve
 robin) with the same bootstrap room; the decode server's answer (streamed or not) is the
 client's. The prefill server's own answer (its one token) is only logged when it fails:
 any failure reaches the client through the decode server, which hears it in the handshake.
-Light on purpose: no torch, no engine.
+SGLang's /abort_request goes to every server. Light on purpose: no torch, no engine.
 """
 
 from __future__ import annotations
@@ -157,6 +157,43 @@ class Router:
             headers={"Cache-Control": "no-cache"},
         )
 
+    async def abort(self, request: Request) -> Response:
+        """SGLang's /abort_request, its body relayed to every decode server, then to every
+        prefill server: the rid is the client's on both, as the router passes each request
+        on (a prefill server's copy waiting for its decode server ends too). Decode servers
+        first: a request the prefill server's abort reached first would end with the
+        handshake's error instead. A 200 when all answered it; else a server's 4xx (the
+        client's error, the same on all), or a 502 naming the servers that failed."""
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        headers = {"content-type": "application/json"}
+        if "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        answers = []
+        for urls in (self.decode, self.prefill):
+            answers += await asyncio.gather(*(self._abort_one(u, raw, headers) for u in urls))
+        failed = [(u, r) for u, r in answers if not isinstance(r, httpx.Response) or r.is_error]
+        if not failed:
+            return Response(status_code=200)
+        for _, r in failed:
+            if isinstance(r, httpx.Response) and r.status_code < 500:  # the client's (bad key)
+                return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        self.failures += 1
+        named = "; ".join(f"{u}: {_said(r)}" for u, r in failed)
+        return _error(502, f"abort_request failed on {len(failed)} of {len(answers)}: {named}")
+
+    async def _abort_one(
+        self, url: str, raw: bytes, headers: dict[str, str]
+    ) -> tuple[str, httpx.Response | httpx.HTTPError]:
+        try:
+            return url, await self.client.post(
+                f"{url}/abort_request", content=raw, headers=headers, timeout=_ABORT_TIMEOUT_S
+            )
+        except httpx.HTTPError as e:
+            return url, e
+
     async def _pick_prefill(self) -> tuple[str, str, int]:
         """The next prefill server that tells its bootstrap port, with that port: one that
         cannot (down, restarting) is passed over, not handed every Nth request, and asked
@@ -275,6 +312,8 @@ class _Unreachable(Exception):
 
 # How long a server that failed to connect is asked after the others.
 _DOWN_S = 10.0
+# How long the router waits for a server's answer to an abort it relays.
+_ABORT_TIMEOUT_S = 30.0
 
 
 def _in_turn(urls: list[str], start: int, down: dict[str, float]) -> list[str]:
@@ -284,6 +323,12 @@ def _in_turn(urls: list[str], start: int, down: dict[str, float]) -> list[str]:
     turn = urls[start:] + urls[:start]
     now = time.monotonic()
     return sorted(turn, key=lambda u: now - down.get(u, -math.inf) < _DOWN_S)
+
+
+def _said(answer: httpx.Response | httpx.HTTPError) -> str:
+    if isinstance(answer, httpx.Response):
+        return f"{answer.status_code} {answer.text[:200]}"
+    return repr(answer)
 
 
 def _num_prompts(body: dict[str, Any]) -> int:
@@ -329,6 +374,10 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
             return await router.generate(path, request)
 
         app.add_api_route(path, generate, methods=["POST"])
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        return await router.abort(request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -178,12 +178,17 @@ class PrefillAsyncEngine(_DisaggEngine):
         # A prompt the engine refuses is the client's 400 now; claimed first, it waited out
         # the room's timeout for a decode server that had refused it too. (The decode server
         # waiting for the room hears the 400: `BootstrapMiddleware` refuses the room.)
-        ids = await self.call(lambda e: e.prompt_ids(prompt, params.truncate_prompt_tokens))
         try:
+            ids = await self.call(lambda e: e.prompt_ids(prompt, params.truncate_prompt_tokens))
             reg = await self.bootstrap.claim(target.room)
         except BootstrapError as e:
             self.stats.fail()
             raise APIError(502, str(e), type="server_error") from None
+        except asyncio.CancelledError:  # aborted, or its client left, before the room came
+            # The decode server waiting for the room hears so now and gives its reserved
+            # pages back; it waited out the timeout for a claim that would never come.
+            self.bootstrap.refuse(target.room, "the prefill request was cancelled", 499)
+            raise
         loop = asyncio.get_running_loop()
         shadow, public = RequestStream(loop), RequestStream(loop)
         try:
@@ -318,7 +323,9 @@ class PrefillAsyncEngine(_DisaggEngine):
 class DecodeAsyncEngine(_DisaggEngine):
     """Reserves pages, has the prefill server write the prompt's KV into them, then decodes
     from the prefill server's first token. Reserved pages go back when the prefill server
-    fails, hangs up or stays silent for `timeout_s`."""
+    fails, hangs up or stays silent for `timeout_s`; for a `generate_n` cancelled meanwhile
+    (an abort, a client gone), at once, or once the prefill server answers if it was asked
+    for the KV (it may be writing into them)."""
 
     role = "decode"
 

@@ -40,7 +40,7 @@ from .protocol import (
     TokenizeRequest,
     error_body,
 )
-from .runner import AsyncEngine, RequestStream, Update
+from .runner import AsyncEngine, RequestStream, Update, aborted_waiting
 
 # Grammar compiles at once, and how long a request waits for its grammar.
 GRAMMAR_WORKERS = 2
@@ -244,21 +244,28 @@ class _Result:
 class _Call:
     """One generation call's outputs as /abort_request finds them: each output's names (a
     /generate output's `meta_info.id` and the rid its prompt was given; none on /v1), the
-    streams the engine took for them so far (in output order), and the outputs an abort
-    reached before the engine took them."""
+    streams the engine took for them so far (in output order), the outputs an abort
+    reached before the engine took them, and the engine's `generate_n` taking the next
+    `waiting_n` outputs while it runs."""
 
     names: list[frozenset[str]]
     streams: list[RequestStream] = field(default_factory=list)
     early: set[int] = field(default_factory=set)
+    waiting: asyncio.Future | None = None
+    waiting_n: int = 0
 
 
 class InFlight:
     """The generation calls in flight, for SGLang's /abort_request: a call is opened before
     its prompts are tokenized or its grammar compiled, and closed when its answer ends, so
-    an abort also reaches an output the engine has not taken yet (a prompt still tokenizing,
-    a grammar compiling; a decode server's, until it takes it): it is aborted as the engine
-    takes it. A name is one call's at a time (SGLang refuses a duplicate rid in flight), so
-    an abort never reaches another client's request."""
+    an abort also reaches an output the engine has not taken yet. An engine still taking it
+    (its `generate_n` waiting: a decode server's for room or for the prefill server's KV, a
+    busy engine thread) is cancelled and the output ends at once as aborted while waiting
+    (`Handlers._submit_n`), as SGLang's abort empties its queues; one still tokenizing or
+    its grammar compiling ends so before its `generate_n` starts. (One of a prompt's
+    several samples, which the engine takes together, is aborted as the engine takes it.)
+    A name is one call's at a time (SGLang refuses a duplicate rid in flight), so an abort
+    never reaches another client's request."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -284,8 +291,22 @@ class InFlight:
         for name in set().union(*call.names):
             del self._named[name]
 
+    def waiting(self, call: _Call, submit: asyncio.Future, n: int) -> None:
+        """`submit`, the engine's `generate_n`, takes `call`'s next `n` outputs: an abort of
+        them all cancels it (at once, if it came earlier)."""
+        call.waiting, call.waiting_n = submit, n
+        self._cancel_waiting(call)
+
+    def aborted(self, call: _Call | None, n: int) -> bool:
+        """Whether an abort reached each of `call`'s next `n` outputs before they were taken."""
+        if call is None:
+            return False
+        start = len(call.streams)
+        return all(i in call.early for i in range(start, start + n))
+
     def took(self, call: _Call, streams: list[RequestStream]) -> None:
         """The engine took `call`'s next outputs; those already aborted are aborted now."""
+        call.waiting = None
         start = len(call.streams)
         call.streams += streams
         for i in range(start, len(call.streams)):
@@ -310,6 +331,11 @@ class InFlight:
                 self.engine.abort(call.streams[i], asked=True)
             else:
                 call.early.add(i)
+        self._cancel_waiting(call)
+
+    def _cancel_waiting(self, call: _Call) -> None:
+        if call.waiting is not None and self.aborted(call, call.waiting_n):
+            call.waiting.cancel()
 
 
 class Handlers:
@@ -364,7 +390,7 @@ class Handlers:
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         given = "max_tokens" if body.max_tokens is not None else None
         count = len(prompts)
-        # Opened before the grammar compiles: an abort meanwhile ends it as it is taken
+        # Opened before the grammar compiles: an abort meanwhile ends it once compiled
         call = self.in_flight.open([()] * (count * n))  # (no rid: abort_all reaches it)
         try:
             params = await self._ready_grammar(params, _grammar_field(body))
@@ -844,6 +870,7 @@ class Handlers:
         prompt_param: str = "prompt",
         max_tokens_param: str | None = None,
         special: bool = True,
+        call: _Call | None = None,
     ) -> list[RequestStream]:
         """`n` choices of one prompt (they share its KV pages); a rejected prompt or grammar
         is a 400, and so is one that leaves too little room in the context for the
@@ -851,14 +878,20 @@ class Handlers:
         engine would cut the output short at the context). A client that leaves before the
         engine takes them cancels them: a prefill server waits here for its decode server,
         which never comes for a request the decode server refused (the router hangs up).
-        The prompt is tokenized here, off the engine thread (a 5 MB one held every stream
-        five seconds there)."""
+        So does an abort of them all (`call`'s, `InFlight`): they then end at once, aborted
+        while waiting. The prompt is tokenized here, off the engine thread (a 5 MB one held
+        every stream five seconds there)."""
         prompt = await self._fitting(prompt, params, max_tokens_param, prompt_param, special)
         submit = asyncio.ensure_future(self.engine.generate_n(prompt, params, n))
+        if call is not None:
+            self.in_flight.waiting(call, submit, n)
         watcher = asyncio.create_task(_when_left(raw, submit.cancel))
         try:
             return await submit
         except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if self.in_flight.aborted(call, n) and not (me and me.cancelling()):
+                return [aborted_waiting(len(prompt)) for _ in range(n)]
             if not watcher.done():
                 raise  # this handler was cancelled, not the client gone
             raise APIError(499, "the client closed the request") from None
@@ -917,7 +950,7 @@ class Handlers:
         streams: list[RequestStream] = []
         try:
             for prompt, p, given in zip(prompts, params, max_tokens_params, strict=True):
-                taken = await self._submit_n(prompt, p, n, raw, prompt_param, given, special)
+                taken = await self._submit_n(prompt, p, n, raw, prompt_param, given, special, call)
                 streams += taken
                 if call is not None:
                     self.in_flight.took(call, taken)

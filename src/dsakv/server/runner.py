@@ -471,6 +471,16 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -
         return False
 
 
+def aborted_waiting(prompt_tokens: int) -> RequestStream:
+    """The stream of an output an abort reached before the engine took it (its
+    `generate_n` cancelled): it ends at once, as one the engine aborted in its waiting
+    queue."""
+    stream = RequestStream(asyncio.get_running_loop(), prompt_tokens=prompt_tokens)
+    stream.abort_asked = True
+    stream._push(_ended(stream, "abort", status=Status.WAITING))
+    return stream
+
+
 def _ended(
     stream: RequestStream, reason: str, error: str | None = None, status: Status | None = None
 ) -> Update:
