@@ -229,6 +229,48 @@ def test_a_refused_room_is_not_an_open_room():
         server.close()
 
 
+def test_a_claim_cancelled_as_its_room_is_registered_answers_the_decode_server():
+    """The prefill request is cancelled (aborted, its client gone) in the very loop pass its
+    room's registration lands: the decode server hears so at once and gives its reserved
+    pages back. (The claim forgot the room, registration and all: the decode server waited
+    out the room's timeout.)"""
+    layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
+    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt", "fp32")
+    server = BootstrapServer("127.0.0.1", free_port(), mine, timeout=20.0)
+    reg = {"room": 5, "layout": mine, "session": "s", "buffers": [], "pages": [], "prompt_ids": [1]}
+    answer: dict = {}
+
+    def decode_side() -> None:
+        start = time.monotonic()
+        try:
+            asyncio.run(request_kv("127.0.0.1", server.port, reg, 20))
+        except BootstrapError as e:
+            answer.update(status=e.status, message=str(e))
+        answer["took"] = time.monotonic() - start
+
+    async def cancelled_as_registered() -> None:
+        claim = asyncio.create_task(server.claim(5))
+        while server.open_rooms == 0:
+            await asyncio.sleep(0.01)
+        decode = threading.Thread(target=decode_side)
+        decode.start()
+        slot = server._rooms[5]
+        while not slot.registered.done():  # (the loop blocked: the claim cannot see it yet)
+            time.sleep(0.001)
+        claim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await claim
+        await asyncio.to_thread(decode.join, 30)
+
+    try:
+        asyncio.run(cancelled_as_registered())
+        assert answer["status"] == 499 and "cancelled" in answer["message"], answer
+        assert answer["took"] < 10, answer
+        assert server.open_rooms == 0
+    finally:
+        server.close()
+
+
 def test_dsakv_imports_without_mooncake_and_says_how_to_get_it(monkeypatch):
     code = (
         "import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.engine'] = None\n"

@@ -144,7 +144,9 @@ class BootstrapServer:
 
     async def claim(self, room: int, timeout: float | None = None) -> Registration:
         """The decode server's registration for `room`, once it arrives; raises
-        `BootstrapError` after `timeout` or when its layout was refused."""
+        `BootstrapError` after `timeout` or when its layout was refused. Cancelled (an abort,
+        its client gone), it refuses the room: the decode server, registered or still to
+        come, hears so and gives its reserved pages back."""
         slot = self._room(room)
         try:
             reg = await asyncio.wait_for(
@@ -155,8 +157,11 @@ class BootstrapServer:
             raise BootstrapError(
                 f"no decode server registered room {room} within {timeout or self.timeout:g} s"
             ) from None
-        except (BootstrapError, asyncio.CancelledError):  # cancelled: its client left
+        except BootstrapError:
             self._forget(room, slot)
+            raise
+        except asyncio.CancelledError:
+            self.refuse(room, "the prefill request was cancelled", 499)
             raise
         slot.claimed = True
         return reg

@@ -185,8 +185,8 @@ class PrefillAsyncEngine(_DisaggEngine):
             self.stats.fail()
             raise APIError(502, str(e), type="server_error") from None
         except asyncio.CancelledError:  # aborted, or its client left, before the room came
-            # The decode server waiting for the room hears so now and gives its reserved
-            # pages back; it waited out the timeout for a claim that would never come.
+            # (as `claim` does): the decode server waiting for the room hears so now and
+            # gives its reserved pages back, not after the timeout
             self.bootstrap.refuse(target.room, "the prefill request was cancelled", 499)
             raise
         loop = asyncio.get_running_loop()
