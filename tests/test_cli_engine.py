@@ -268,9 +268,11 @@ def test_engine_flags_are_read_from_their_definitions(tiny_dir, tmp_path):
     define (a hand-kept list could miss a new one): each is an `EngineConfig` field, or
     turns one off; a flag of the command that is not an engine flag (generate's sampling
     --seed) stays out."""
+    import argparse
     from dataclasses import fields
 
     from dsakv.cli import (
+        _FOLDED,
         _OFF_FLAGS,
         _actions,
         add_engine_args,
@@ -282,6 +284,9 @@ def test_engine_flags_are_read_from_their_definitions(tiny_dir, tmp_path):
 
     names = {f.name for f in fields(EngineConfig)}
     for action in _actions(add_engine_args) + _actions(add_storage_args):
+        if action.dest in _FOLDED:  # (SGLang's / vLLM's, checked and set as dsakv's own)
+            assert action.help == argparse.SUPPRESS, action.dest
+            continue
         assert _OFF_FLAGS.get(action.dest, (action.dest,))[0] in names, action.dest
     generate = ["generate", str(tiny_dir), "--prompt", "x", "--seed", "5"]
     args = build_parser().parse_args(
@@ -417,6 +422,33 @@ def _parse_error(argv: list[str], capsys) -> str:
         (["--tp", "2", "--ep-size", "2"], "ep", 2),
         (["--tp", "2", "--expert-parallel-size", "2"], "ep", 2),
         (["--seed", "7"], "seed", 7),
+        (["--tp", "2", "--dp-size", "2", "--enable-dp-attention"], "dp_attention", True),
+        (["--tp", "2", "--dp", "2", "--enable-dp-attention"], "dp_attention", True),
+        (["--tp", "2", "--data-parallel-size", "2", "--dp-attention"], "dp_attention", True),
+        (["--dp-size", "1"], "dp_attention", False),
+        (["--chunked-prefill-size", "-1"], "chunked_prefill_size", 16384),  # the positions
+        (["--chunked-prefill-size", "-1", "--max-model-len", "900"], "chunked_prefill_size", 900),
+        (
+            ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"]
+            + ["--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
+            "speculative_num_steps",
+            3,
+        ),
+        (
+            ["--speculative-algorithm", "EAGLE", "--speculative-num-draft-tokens", "4"],
+            "speculative_num_steps",
+            None,  # dsakv's default 3 drafts: 4 tokens verified
+        ),
+        (
+            ["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 2}'],
+            "speculative_num_steps",
+            2,
+        ),
+        (
+            ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+            "speculative_algorithm",
+            "mtp",
+        ),
     ],
 )
 def test_vllm_and_sglang_spellings_mean_dsakvs_own(tiny_dir, flags, field, value):
@@ -435,7 +467,9 @@ def test_vllm_and_sglang_spellings_mean_dsakvs_own(tiny_dir, flags, field, value
             continue  # (generate's --seed is the requests')
         extra = ["--prompt", "x"] if command == "generate" else []
         args = build_parser().parse_args([command, str(tiny_dir), *extra, *flags])
-        assert getattr(engine_config_from_args(args), field) == value, command
+        config = engine_config_from_args(args)
+        assert getattr(config, field) == value, command
+        assert config.parallel.dp == (config.tp if config.dp_attention else 1)
     if field in ("kv_cache_dtype", "tp", "ep"):
         args = build_parser().parse_args(["plan", "glm-5", *flags])
         assert getattr(args, field) == value
@@ -455,6 +489,9 @@ def test_dsakvs_own_spellings_stay_what_help_and_errors_name(capsys, monkeypatch
     assert "--speculative-algorithm {mtp}" in out
     assert "--tp TP tensor-parallel ranks, one process each (also --tp-size," in out
     assert "--tp-size TP" not in out
+    for hidden in ("--enable-dp-attention", "--dp-size", "--speculative-config"):
+        assert f"[{hidden}" not in out and f"  {hidden}" not in out, hidden  # (usage, list)
+    assert "--dp-attention each rank schedules its own requests (also --enable-dp-att" in out
     err = _parse_error(["serve", "m", "--kv-cache-dtype", "fp8_e5m2"], capsys)
     assert "invalid choice: 'fp8_e5m2' (choose from 'fp8_e4m3', 'fp8_ds_mla'" in err
     err = _parse_error(["serve", "m", "--tp-size", "0"], capsys)
@@ -509,7 +546,8 @@ def test_the_engine_seed_is_a_flag_passed_on(tiny_dir, capsys):
 
 def test_flags_are_never_abbreviated(capsys):
     """argparse took `--dp 2` (SGLang's) for `--dp-attention`, then failed on "2", and any
-    prefix for a flag: each is now the unknown flag it is, on every command."""
+    prefix for a flag: each is now the unknown flag it is, on every command (and `--dp`
+    SGLang's DP size)."""
     import argparse
 
     from dsakv.cli import build_parser
@@ -518,7 +556,9 @@ def test_flags_are_never_abbreviated(capsys):
     assert parser.allow_abbrev is False
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert all(p.allow_abbrev is False for p in sub.choices.values())
-    assert "unrecognized arguments: --dp 2" in _parse_error(["serve", "m", "--dp", "2"], capsys)
+    args = parser.parse_args(["serve", "m", "--dp", "2"])
+    assert (args.dp_size, args.dp_attention) == (("--dp", 2), False)
+    assert "unrecognized arguments: --dp-att" in _parse_error(["serve", "m", "--dp-att"], capsys)
     err = _parse_error(["plan", "glm-5", "--kv-budget", "10"], capsys)
     assert "unrecognized arguments: --kv-budget 10" in err
 
@@ -538,3 +578,116 @@ def test_several_served_model_names_reach_the_servers(tiny_dir, monkeypatch):
     flags = started[0][1]
     i = flags.index("--served-model-name")
     assert flags[i : i + 3] == ["--served-model-name", "a", "b/c"]
+
+
+_DP_ATTENTION = ["--tp", "2", "--enable-dp-attention"]
+_EAGLE = ["--speculative-algorithm", "EAGLE"]
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--dp-size", "2"], ["--dp-size 2 without DP attention", "sglang-router", "--tp 2 --dp"]),
+        (["--tp", "2", "--data-parallel-size", "2"], ["--data-parallel-size 2 without DP"]),
+        ([*_DP_ATTENTION, "--dp", "1"], ["--dp 1 with --tp 2", "one DP rank per TP rank"]),
+        ([*_DP_ATTENTION, "--dp", "4"], ["--dp 4 with --tp 2", "give --dp 2"]),
+        (["--dp", "0"], ["argument --dp: must be an integer >= 1, got '0'"]),
+        (["--chunked-prefill-size", "0"], ["an integer >= 1, or -1 (no chunking), got '0'"]),
+        (["--chunked-prefill-size", "-2"], ["an integer >= 1, or -1 (no chunking), got '-2'"]),
+        ([*_EAGLE, "--speculative-eagle-topk", "4"], ["--speculative-eagle-topk 4", "one chain"]),
+        (
+            [*_EAGLE, "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "4"],
+            ["--speculative-num-draft-tokens 4", "a chain of 2 drafts", "give 3"],
+        ),
+        ([*_EAGLE, "--speculative-num-draft-tokens", "8"], ["chain of 3 drafts", "give 4"]),
+        (["--speculative-eagle-topk", "1"], ["--speculative-eagle-topk needs --speculative-alg"]),
+        (["--speculative-num-draft-tokens", "4"], ["--speculative-num-draft-tokens needs"]),
+        (
+            ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
+            ["takes {"],
+        ),
+        (["--speculative-config", '{"method": "mtp"}'], ['"num_speculative_tokens": N in 1..16']),
+        (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'], ["dsakv"]),
+        (["--speculative-config", "mtp"], ["--speculative-config: dsakv takes {"]),
+        (
+            [*_EAGLE, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'],
+            ["--speculative-config and --speculative-algorithm", "give one"],
+        ),
+    ],
+)
+def test_sglang_and_vllm_flags_dsakv_cannot_honour_are_one_error_line(
+    tiny_dir, flags, words, capsys
+):
+    """SGLang's DP size, chunking switch and EAGLE tree shape, and vLLM's DP size and
+    speculative config, where dsakv has no such layout: one `error:` line, exit 2, before
+    anything loads (serve's port is taken, then given back)."""
+    for command in (["generate", "--prompt", "x"], ["serve", "--port", "23417"]):
+        with pytest.raises(SystemExit) as exc:
+            sys.exit(main([command[0], str(tiny_dir), *command[1:], *flags]))
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        assert all(w in err[0] for w in words), err
+
+
+def test_plan_takes_sglangs_dp_attention_as_the_engine_does(capsys):
+    """`dsakv plan` lays out what `serve` would run: SGLang's DP-attention launch flags plan
+    dsakv's DP attention, and what serve refuses plan refuses."""
+    assert main(["plan", "glm-5", "--tp", "8", "--json", "--dp-attention"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert own["dp_attention"] is True
+    sglang = ["--tp-size", "8", "--dp-size", "8", "--enable-dp-attention"]
+    assert main(["plan", "glm-5", "--json", *sglang]) == 0
+    assert json.loads(capsys.readouterr().out) == own
+    for flags, words in (
+        (["--tp", "8", "--dp", "4", "--enable-dp-attention"], "--dp 4 with --tp 8"),
+        (["--tp", "8", "--dp", "8"], "--dp 8 without DP attention"),
+    ):
+        assert main(["plan", "glm-5", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+
+
+def test_no_chunking_prefills_a_long_prompt_in_one_step(tiny_dir):
+    """SGLang's `--chunked-prefill-size -1` (refused before): the budget is the context,
+    so the first step runs a prompt far past the default 512-token chunk whole and samples
+    its first token."""
+    from dsakv.cli import build_parser, engine_config_from_args
+    from dsakv.engine import Engine, SamplingParams
+
+    prompt = [(7 * i) % 200 + 3 for i in range(1500)]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    base = ["generate", str(tiny_dir), "--prompt", "x", "--num-pages", "32", "--page-size", "64"]
+    for flags, computed in (([], 512), (["--chunked-prefill-size", "-1"], 1500)):
+        config = engine_config_from_args(build_parser().parse_args([*base, *flags]))
+        engine = Engine(config)
+        try:
+            req = engine.add_request(prompt, params)
+            engine.step()
+            assert (req.num_computed, len(req.output_ids)) == (computed, computed // 1500)
+        finally:
+            engine.close()
+
+
+def test_serve_pd_passes_sglangs_flags_on_as_dsakvs(tiny_dir):
+    """serve-pd's servers get dsakv's flags for what SGLang's / vLLM's meant (the hidden
+    spellings are not passed on: a server would get no MTP from a dropped
+    --speculative-config)."""
+    from dsakv.cli import _flags, add_engine_args, build_parser, engine_config_from_args
+
+    def passed(*flags: str) -> str:
+        args = build_parser().parse_args(["serve-pd", str(tiny_dir), *flags])
+        engine_config_from_args(args)
+        return " ".join(_flags(args, add_engine_args))
+
+    sglang = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", *_EAGLE]
+    sglang += ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1"]
+    sglang += ["--speculative-num-draft-tokens", "4", "--chunked-prefill-size", "-1"]
+    assert passed(*sglang) == (
+        "--chunked-prefill-size 16384 --speculative-algorithm mtp --speculative-num-steps 3 "
+        "--tp 2 --dp-attention"
+    )
+    vllm = '{"method": "deepseek_mtp", "num_speculative_tokens": 2}'
+    assert passed("--speculative-config", vllm) == (
+        "--speculative-algorithm mtp --speculative-num-steps 2"
+    )

@@ -90,6 +90,28 @@ def _positive_int(text: str) -> int:
     return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
 
 
+def _chunk_size(text: str) -> int:
+    """argparse type: a size, or SGLang's -1 (no chunking: `_fold_foreign` makes it the
+    context length)."""
+    return _checked(text, int, lambda v: v >= 1 or v == -1, "an integer >= 1, or -1 (no chunking)")
+
+
+def _speculative_config(text: str) -> int:
+    """argparse type for vLLM's --speculative-config JSON: its MTP methods, as drafts per
+    step (dsakv's --speculative-num-steps)."""
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError):
+        spec = None
+    want = '{"method": "deepseek_mtp" or "mtp", "num_speculative_tokens": N in 1..16}'
+    if not isinstance(spec, dict) or set(spec) != {"method", "num_speculative_tokens"}:
+        raise argparse.ArgumentTypeError(f"dsakv takes {want}, got {text!r}")
+    n = spec["num_speculative_tokens"]
+    if spec["method"] not in ("deepseek_mtp", "mtp") or type(n) is not int or not 1 <= n <= 16:
+        raise argparse.ArgumentTypeError(f"dsakv takes {want}, got {text!r}")
+    return n
+
+
 def _seed(text: str) -> int:
     return _checked(text, int, lambda v: 0 <= v < 2**64, "an integer in 0..2**64-1")
 
@@ -119,6 +141,16 @@ _SPECULATIVE = _spelled({"nextn": "mtp", "eagle": "mtp", "mtp": "mtp"}, fold_cas
 # SGLang's names for --tp and --ep (vLLM's the long ones) besides dsakv's own.
 _TP = ("--tp", "--tp-size", "--tensor-parallel-size")
 _EP = ("--ep", "--ep-size", "--expert-parallel-size")
+# SGLang's (and vLLM's) data-parallel size: dsakv's is --tp's under --dp-attention, else 1.
+_DP = ("--dp-size", "--dp", "--data-parallel-size")
+# Hidden flags with no field of their own: `_fold_foreign` checks them against dsakv's
+# flags, then they are dropped (never passed on: serve-pd passes what they checked).
+_FOLDED = (
+    "dp_size",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "speculative_config",
+)
 
 
 def _add_aliased(g: Any, flags: Sequence[str], help: str, **kw: Any) -> None:
@@ -127,6 +159,43 @@ def _add_aliased(g: Any, flags: Sequence[str], help: str, **kw: Any) -> None:
     g.add_argument(flags[0], help=f"{help} (also {', '.join(flags[1:])})", **kw)
     for alias in flags[1:]:
         g.add_argument(alias, help=argparse.SUPPRESS, **kw)
+
+
+def _add_dp_args(g: Any, help: str) -> None:
+    """--dp-attention (SGLang's --enable-dp-attention too) and, hidden, the DP size's
+    spellings, each kept with the flag given: `_check_dp_size` names it."""
+    help += " (also --enable-dp-attention; --dp-size, --dp or --data-parallel-size: --tp's N)"
+    g.add_argument("--dp-attention", action="store_true", help=help)
+    g.add_argument(
+        "--enable-dp-attention", dest="dp_attention", action="store_true", help=argparse.SUPPRESS
+    )
+    for flag in _DP:
+        g.add_argument(
+            flag,
+            dest="dp_size",
+            type=lambda text, flag=flag: (flag, _positive_int(text)),
+            help=argparse.SUPPRESS,
+        )
+
+
+def _check_dp_size(args: argparse.Namespace) -> None:
+    """SGLang's / vLLM's DP size as dsakv's layout: under DP attention one DP rank per TP
+    rank, without it one replica (1 is the no-op default); anything else is refused."""
+    if args.dp_size is None:
+        return
+    (flag, n), tp = args.dp_size, args.tp or 1
+    if args.dp_attention and n != tp:
+        raise DsakvError(
+            f"{flag} {n} with --tp {tp}: dsakv's DP attention runs one DP rank per TP rank "
+            f"(attention split over ranks within a DP group is not supported): give {flag} "
+            f"{tp} or leave it out"
+        )
+    if not args.dp_attention and n > 1:
+        raise DsakvError(
+            f"{flag} {n} without DP attention asks for {n} replicas, and a dsakv server is "
+            f"one: run {n} `dsakv serve` behind sglang-router (README), or DP attention over "
+            f"the ranks with --tp {n} --dp-attention"
+        )
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -202,6 +271,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise DsakvError(f"{flags} need{'s' if len(given) == 1 else ''} --gpu-memory-gib")
         if args.kv_budget_gib is None:
             args.kv_budget_gib = 100.0
+    _check_dp_size(args)
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, dp_attention=args.dp_attention)
     parallel.check_model(config)
     if hisparse is not None:  # what the engine refuses is not planned
@@ -414,7 +484,7 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("model", help="preset (glm-5, glm-5.2, deepseek-v3.2) or model path")
     _add_aliased(p, _TP, "tensor-parallel degree", dest="tp", type=_positive_int, default=1)
     _add_aliased(p, _EP, "expert-parallel groups", dest="ep", type=_positive_int, default=1)
-    p.add_argument("--dp-attention", action="store_true", help="one scheduler and pool per rank")
+    _add_dp_args(p, "one scheduler and pool per rank")
     p.add_argument("--kv-budget-gib", type=_positive_float, help="explicit KV budget")
     p.add_argument("--gpu-memory-gib", type=_positive_float, help="GPU memory per rank")
     p.add_argument(
@@ -455,7 +525,11 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument(
         "--host-pool-gib", type=_nonnegative_float, help="host (CPU) KV tier size; 0 = off"
     )
-    g.add_argument("--chunked-prefill-size", type=_positive_int, help="prefill tokens per step")
+    g.add_argument(
+        "--chunked-prefill-size",
+        type=_chunk_size,
+        help="prefill tokens per step (-1: no chunking, whole prompts up to the context length)",
+    )
     g.add_argument("--max-running-requests", type=_positive_int)
     g.add_argument("--max-model-len", type=_positive_int)
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
@@ -507,8 +581,14 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         help="draft with the MTP layer, verify (SGLang's NEXTN and EAGLE are it)",
     )
     g.add_argument(
-        "--speculative-num-steps", type=_positive_int, help="MTP drafts per step (default 3)"
+        "--speculative-num-steps",
+        type=_positive_int,
+        help="MTP drafts per step, one chain (default 3; SGLang's --speculative-eagle-topk 1 "
+        "and --speculative-num-draft-tokens N+1, vLLM's --speculative-config, taken)",
     )
+    for flag in ("--speculative-eagle-topk", "--speculative-num-draft-tokens"):
+        g.add_argument(flag, type=_positive_int, help=argparse.SUPPRESS)
+    g.add_argument("--speculative-config", type=_speculative_config, help=argparse.SUPPRESS)
     if seed:
         g.add_argument(
             "--seed",
@@ -543,9 +623,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     _add_aliased(g, _TP, "tensor-parallel ranks, one process each", dest="tp", type=_positive_int)
     _add_aliased(g, _EP, "expert-parallel groups of whole experts", dest="ep", type=_positive_int)
-    g.add_argument(
-        "--dp-attention", action="store_true", help="each rank schedules its own requests"
-    )
+    _add_dp_args(g, "each rank schedules its own requests")
     g.add_argument("--nnodes", type=_positive_int, help="machines the ranks span")
     g.add_argument("--node-rank", type=int, help="this machine's index (0 runs the server)")
     g.add_argument("--dist-init-addr", help="HOST:PORT of node 0's rendezvous")
@@ -591,6 +669,42 @@ _OFF_FLAGS = {
 }
 
 
+def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
+    """SGLang's / vLLM's values and flags (`_FOLDED`) as dsakv's own flags, set in `args`
+    (what serve-pd passes on), or refused where dsakv has no such meaning."""
+    from dsakv.config import ModelConfig
+    from dsakv.engine.engine import DRAFT_STEPS
+
+    _check_dp_size(args)
+    if args.chunked_prefill_size == -1:  # a budget no prompt exceeds: every prompt whole
+        context = args.max_model_len or ModelConfig.from_hf(model_dir).max_position_embeddings
+        args.chunked_prefill_size = context
+    if args.speculative_config is not None:
+        if args.speculative_algorithm or args.speculative_num_steps:
+            raise DsakvError(
+                "--speculative-config and --speculative-algorithm / --speculative-num-steps "
+                "both ask for speculative decoding: give one"
+            )
+        args.speculative_algorithm, args.speculative_num_steps = "mtp", args.speculative_config
+        args.speculative_config = None  # (folded: a second call finds dsakv's flags alone)
+    topk, tokens = args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    for flag, value in (("eagle-topk", topk), ("num-draft-tokens", tokens)):
+        if value is not None and args.speculative_algorithm is None:
+            raise DsakvError(f"--speculative-{flag} needs --speculative-algorithm")
+    if topk not in (None, 1):
+        raise DsakvError(
+            f"--speculative-eagle-topk {topk}: dsakv drafts one chain (the top token at each "
+            "step), not a tree: give 1 or leave it out"
+        )
+    steps = args.speculative_num_steps or DRAFT_STEPS
+    if tokens is not None and tokens != steps + 1:
+        raise DsakvError(
+            f"--speculative-num-draft-tokens {tokens}: a chain of {steps} drafts "
+            f"(--speculative-num-steps) verifies {steps + 1} tokens: give {steps + 1} or "
+            "leave it out"
+        )
+
+
 def engine_config_from_args(args: argparse.Namespace):
     """The `EngineConfig` the engine flags (`add_engine_args`, `add_storage_args`) give:
     each flag given sets the field of its name (`_OFF_FLAGS`: another's), so a new flag
@@ -598,13 +712,17 @@ def engine_config_from_args(args: argparse.Namespace):
     from dsakv.engine import EngineConfig
     from dsakv.models.tiny import resolve_model_dir
 
+    model_dir = resolve_model_dir(args.model)
+    _fold_foreign(args, model_dir)
     kw: dict[str, Any] = {}
     for action in _actions(add_engine_args) + _actions(add_storage_args):
+        if action.dest in _FOLDED:
+            continue
         value = getattr(args, action.dest, None)
         if value is not None and value is not False:  # (given)
             name, value = _OFF_FLAGS.get(action.dest, (action.dest, value))
             kw[name] = value
-    return EngineConfig.from_kwargs(resolve_model_dir(args.model), **kw)
+    return EngineConfig.from_kwargs(model_dir, **kw)
 
 
 def _cmd_init_tiny(args: argparse.Namespace) -> int:
