@@ -878,6 +878,26 @@ def test_num_cached_tokens_is_the_first_choices_prefix_hit(tiny):
     assert again.metrics["prefix_hit_tokens"] == 64  # (summed over the choices)
 
 
+def test_n_choices_count_as_requests_from_the_start(tiny):
+    """The gauges count each of n's choices from the start, as vLLM's and SGLang's queue n
+    requests (the prompt-token counter already did): the forks that wait for the first
+    choice's prefill are waiting requests (they were in neither gauge)."""
+    llm = LLM(tiny, **EXACT, num_pages=64, chunked_prefill_size=16)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, n=4)
+    llm.engine.add_requests(_prompts(1, seed=5, lo=80, hi=80)[0], params)
+    seen = []
+    while llm.engine.has_unfinished():
+        c = llm.engine.counters()
+        live = sum(not r.finished for r in llm.engine.requests.values())
+        seen.append((c["running_requests"], c["waiting_requests"], live))
+        llm.engine.step()
+    assert seen[0] == (0, 4, 4) and seen[1] == (1, 3, 4), seen  # (prefilled in 16-token chunks)
+    assert all(running + waiting == live for running, waiting, live in seen), seen
+    c = llm.engine.counters()
+    assert (c["running_requests"], c["waiting_requests"]) == (0, 0)
+    llm.engine.check_integrity()
+
+
 def test_logprobs_come_in_vllms_shape(tiny):
     """vLLM's: per output token a dict of the token and its top-k, each a `Logprob` with
     its rank among the vocabulary and its text; prompt logprobs likewise, None first."""

@@ -280,15 +280,17 @@ class DPEngine:
     # --- introspection -------------------------------------------------------------------------
 
     def counters(self) -> dict[str, float]:
-        """Every rank's counters summed (as of the last step); per-token sizes as they are,
-        and the steps and their time rank 0's: the ranks step together, so the server's
-        steps are each rank's (summed, they read the rank count times too many)."""
-        total: dict[str, float] = {}
-        for r in self._reports:
+        """Every rank's counters summed (rank 0's as they stand, the others' as of the last
+        step: an abort here frees its request with no step after it); per-token sizes as
+        they are, and the steps and their time rank 0's: the ranks step together, so the
+        server's steps are each rank's (summed, they read the rank count times too many)."""
+        mine = self.local.counters()
+        total: dict[str, float] = dict(mine)
+        for r in self._reports[1:]:
             for k, v in r.counters.items():
                 total[k] = total.get(k, 0) + v
         for k in ("bytes_per_token", "index_k_bytes_per_token_saved", "steps", "step_time_s"):
-            total[k] = self._reports[0].counters[k]
+            total[k] = mine[k]
         total["peak_running_requests"] = self.peak_running
         total["dp_ranks"] = self.parallel.world_size
         return total

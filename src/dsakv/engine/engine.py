@@ -1316,7 +1316,9 @@ class Engine:
             "host_pages_total": self.host.num_pages if self.host else 0,
             "host_pages_used": (self.host.num_pages - self.host.num_free_pages) if self.host else 0,
             "running_requests": len(self.scheduler.running),
-            "waiting_requests": len(self.scheduler.waiting),
+            # (n's forks wait for their first choice's prefill outside the scheduler)
+            "waiting_requests": len(self.scheduler.waiting)
+            + sum(len(r.forks) for r in self.requests.values()),
             "peak_running_requests": sch.peak_running,
             "prompt_tokens": s.prompt_tokens,
             "output_tokens": s.output_tokens,
