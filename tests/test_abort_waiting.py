@@ -169,6 +169,28 @@ def test_an_abort_of_one_prompt_of_a_batch_ends_that_prompt_alone(pair):
     wait_idle(pair.prefill_url)
 
 
+def test_an_abort_that_finds_the_servers_at_different_prompts_ends_its_prompt_alone(pair):
+    """A /generate batch through the router: the prefill server (its engine paused) has
+    taken prompt a and waits for b's room, while the decode server waits for a's KV and has
+    not begun b. Aborting b ends b alone: each server still gives b its bootstrap room (a
+    prompt whose engine never ran left its room to the next, and the whole batch failed)."""
+    decode, prefill = pair.decode, pair.prefill
+    sp = {"max_new_tokens": 6, **GREEDY}
+    texts = [*TEXTS, "A third prompt, after the aborted one."]
+    with ThreadPoolExecutor(1) as pool:
+        with engine_stops_stepping_at(prefill, 0):
+            batch = pool.submit(_generate, pair.router, text=texts, sampling_params=sp,
+                                rid=["a", "b", "c"])  # fmt: skip
+            _wait(lambda: decode.pending == 1 and prefill.bootstrap.open_rooms == 2)
+            _abort(pair.router, rid="b")
+        a, b, c = batch.result(TIMEOUT)
+    for out, rid in ((a, "a"), (c, "c")):
+        assert out["meta_info"]["id"] == rid and len(out["output_ids"]) == 6, out
+    _aborted_waiting(b, "b")
+    wait_idle(pair.decode_url)
+    wait_idle(pair.prefill_url)
+
+
 def test_an_abort_while_the_prefill_server_is_busy_gives_the_pages_back(pair):
     """A decode server holds pages for a request whose prefill server has not taken it yet
     (its engine busy): the abort ends the request at once, and reaches the prefill server's

@@ -534,9 +534,22 @@ def test_structural_tags_legacy_format_and_compact_json(model_dir):
     assert not accepts(compact, '<f>{"age": 7 }</f>')
     loose = {"format": {**tagged, "content": {**plain, "max_whitespace_cnt": 2}}}
     assert accepts(("structural_tag", json.dumps(loose)), '<f>{ "age":  7 }</f>')
+    # SGLang's at_least_one: a structure must come; a structure without a schema: any JSON
+    forced = {"structures": [structure], "triggers": ["<f>"], "at_least_one": True}
+    assert not accepts(("structural_tag", json.dumps(forced)), "no call at all")
+    assert accepts(("structural_tag", json.dumps(forced)), '<f>{"age": 7}</f>')
+    free = {"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": ["<f>"]}
+    assert accepts(("structural_tag", json.dumps(free)), 'x <f>{"any": [1, "json"]}</f>')
+    # a JSON schema's own values are data, never rewritten (a const shaped like a part)
+    part = {"type": "json_schema", "json_schema": {"type": "integer"}}
+    data = {"type": "object", "properties": {"p": {"const": part}}, "required": ["p"]}
+    as_data = {"format": {**tagged, "content": {**plain, "json_schema": data}}}
+    const = json.dumps(part, separators=(",", ":"))  # (how xgrammar writes a const)
+    assert accepts(("structural_tag", json.dumps(as_data)), f'<f>{{"p": {const}}}</f>')
     bad = [
         ({"structures": [structure], "triggers": "<f>"}, "triggers must be a list"),
-        ({"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": []}, "each structure"),
+        ({"structures": [{"begin": "<f>", "schema": []}], "triggers": []}, "each structure"),
+        ({"structures": [], "triggers": [], "at_least_one": "yes"}, "at_least_one must be"),
         ([1], "not a JSON object"),
     ]
     for tag, message in bad:

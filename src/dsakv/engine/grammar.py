@@ -216,9 +216,10 @@ def _json_ebnf(kind: str, spec: str) -> str:
 def structural_tag(spec: str) -> dict[str, Any]:
     """A structural tag (JSON text) in xgrammar's format, each of its plain JSON-schema parts
     whitespace-free as dsakv's `json_schema` is (`_json_ebnf`; a part that sets its own
-    `max_whitespace_cnt`, a style or excludes is left as written). The legacy format SGLang
-    and vLLM also take (`structures` of begin / schema / end, and `triggers`: free text until
-    a trigger, then that structure) is converted as xgrammar converts it."""
+    `max_whitespace_cnt`, a style, `any_order` or excludes is left as written). The legacy
+    format SGLang and vLLM also take (`structures` of begin / schema / end, `triggers` and
+    `at_least_one`: free text until a trigger, then that structure) is converted as
+    xgrammar converts it, a structure without a schema taking any JSON, as SGLang's."""
     import xgrammar as xgr
 
     tag = json.loads(spec)
@@ -231,13 +232,20 @@ def structural_tag(spec: str) -> dict[str, Any]:
         if not isinstance(structures, list) or not all(_is_structure(x) for x in structures):
             raise GrammarError(
                 "invalid structural tag: each structure needs a begin and end string and a "
-                "schema object"
+                "schema object (or none)"
             )
-        items = [xgr.StructuralTagItem(**x) for x in structures]
-        tag = xgr.StructuralTag.from_legacy_structural_tag(items, triggers).model_dump(
-            exclude_none=True
-        )
-    return _compact_json_parts(tag)
+        items = [
+            xgr.StructuralTagItem(**{**x, "schema": x.get("schema") or {}}) for x in structures
+        ]
+        at_least_one = tag.get("at_least_one") or False
+        if not isinstance(at_least_one, bool):
+            raise GrammarError("invalid structural tag: at_least_one must be true or false")
+        legacy = xgr.StructuralTag.from_legacy_structural_tag(items, triggers)
+        tag = legacy.model_dump(exclude_none=True)
+        tag["format"]["at_least_one"] = at_least_one
+    if "format" not in tag:
+        return tag  # (xgrammar's error names what is missing)
+    return {**tag, "format": _compact_json_parts(tag["format"])}
 
 
 def _is_structure(x: Any) -> bool:
@@ -245,28 +253,29 @@ def _is_structure(x: Any) -> bool:
         isinstance(x, dict)
         and isinstance(x.get("begin"), str)
         and isinstance(x.get("end"), str)
-        and isinstance(x.get("schema"), dict)
+        and isinstance(x.get("schema"), dict | None)
     )
 
 
 def _compact_json_parts(node: Any) -> Any:
+    """A format tree with its plain JSON-schema parts as whitespace-free grammars; a JSON
+    schema itself is never walked (its `const` or `enum` values are data)."""
     if isinstance(node, list):
         return [_compact_json_parts(x) for x in node]
     if not isinstance(node, dict):
         return node
+    if node.get("type") != "json_schema":
+        return {k: v if k == "json_schema" else _compact_json_parts(v) for k, v in node.items()}
     plain = {"type", "json_schema", "style", "any_order", "excludes"}
     if (
-        node.get("type") == "json_schema"
-        and node.keys() <= plain
+        node.keys() <= plain
         and node.get("style", "json") == "json"
         and not node.get("any_order")
         and not node.get("excludes")
     ):
-        return {
-            "type": "grammar",
-            "grammar": _json_ebnf("json_schema", json.dumps(node["json_schema"])),
-        }
-    return {k: _compact_json_parts(v) for k, v in node.items()}
+        schema = json.dumps(node["json_schema"])
+        return {"type": "grammar", "grammar": _json_ebnf("json_schema", schema)}
+    return node
 
 
 REASONING_MODES = ("enabled", "auto", "disabled")

@@ -293,9 +293,11 @@ class InFlight:
 
     def waiting(self, call: _Call, submit: asyncio.Future, n: int) -> None:
         """`submit`, the engine's `generate_n`, takes `call`'s next `n` outputs: an abort of
-        them all cancels it (at once, if it came earlier)."""
+        them all cancels it. One that came earlier cancels it after its first step (the
+        loop runs callbacks in order): a PD engine takes its prompt's bootstrap room before
+        its first await, and a prompt whose engine never ran would leave it to the next."""
         call.waiting, call.waiting_n = submit, n
-        self._cancel_waiting(call)
+        asyncio.get_running_loop().call_soon(self._cancel_waiting, call)
 
     def aborted(self, call: _Call | None, n: int) -> bool:
         """Whether an abort reached each of `call`'s next `n` outputs before they were taken."""
@@ -334,7 +336,7 @@ class InFlight:
         self._cancel_waiting(call)
 
     def _cancel_waiting(self, call: _Call) -> None:
-        if call.waiting is not None and self.aborted(call, call.waiting_n):
+        if call.waiting is not None and self.aborted(call, call.waiting_n):  # (None: taken)
             call.waiting.cancel()
 
 
@@ -1399,7 +1401,9 @@ def _grammar_request(body: GenerationRequest) -> tuple[str, tuple[str, str]] | N
                 )
             found.append(("response_format", ("json_schema", json.dumps(rf.json_schema.schema_))))
         elif rf.type == "structural_tag":
-            tag = rf.model_dump(include={"type", "format", "structures", "triggers"})
+            tag = rf.model_dump(
+                include={"type", "format", "structures", "triggers", "at_least_one"}
+            )
             tag = {k: v for k, v in tag.items() if v is not None}
             found.append(("response_format", ("structural_tag", json.dumps(tag))))
         else:

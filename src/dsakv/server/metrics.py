@@ -82,7 +82,12 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "Request-steps that ran one token past the prompt (one per decoding request per "
         "step, with any MTP drafts it verified)",
     ),
-    "aborted_requests": ("aborted_requests", "counter", "Requests aborted"),
+    "aborted_requests": (
+        "aborted_requests",
+        "counter",
+        "Requests the engine aborted (one aborted before the engine took it counts in "
+        'request_success_total{finished_reason="abort"} only)',
+    ),
     # L3 storage tier (dsakv.engine.l3)
     "l3_hits": ("l3_hits", "counter", "KV pages loaded from L3 storage"),
     "l3_hit_tokens": ("l3_hit_tokens", "counter", "Prompt tokens served from L3 storage"),

@@ -78,6 +78,7 @@ class ResponseFormat(_Strict):
     format: Any = None
     structures: list[Any] | None = None
     triggers: list[Any] | None = None
+    at_least_one: bool | None = None
 
 
 class GenerationRequest(_Strict):
