@@ -425,6 +425,7 @@ def _parse_error(argv: list[str], capsys) -> str:
         (["--tp", "2", "--dp-size", "2", "--enable-dp-attention"], "dp_attention", True),
         (["--tp", "2", "--dp", "2", "--enable-dp-attention"], "dp_attention", True),
         (["--tp", "2", "--data-parallel-size", "2", "--dp-attention"], "dp_attention", True),
+        (["--data-parallel-size", "2"], "dp_attention", True),  # vLLM's: DP attention, tp 2
         (["--dp-size", "1"], "dp_attention", False),
         (["--chunked-prefill-size", "-1"], "chunked_prefill_size", 16384),  # the positions
         (["--chunked-prefill-size", "-1", "--max-model-len", "900"], "chunked_prefill_size", 900),
@@ -588,7 +589,7 @@ _EAGLE = ["--speculative-algorithm", "EAGLE"]
     "flags, words",
     [
         (["--dp-size", "2"], ["--dp-size 2 without DP attention", "sglang-router", "--tp 2 --dp"]),
-        (["--tp", "2", "--data-parallel-size", "2"], ["--data-parallel-size 2 without DP"]),
+        (["--tp", "2", "--data-parallel-size", "2"], ["is (as vLLM's) 4 ranks", "--tp 4 --dp"]),
         ([*_DP_ATTENTION, "--dp", "1"], ["--dp 1 with --tp 2", "one DP rank per TP rank"]),
         ([*_DP_ATTENTION, "--dp", "4"], ["--dp 4 with --tp 2", "give --dp 2"]),
         (["--dp", "0"], ["argument --dp: must be an integer >= 1, got '0'"]),

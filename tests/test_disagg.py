@@ -271,6 +271,25 @@ def test_a_claim_cancelled_as_its_room_is_registered_answers_the_decode_server()
         server.close()
 
 
+def test_a_late_registration_hears_the_prefill_server_gave_up():
+    """A decode server that registers just after the prefill server's claim timed out (its
+    pages reserved late, the pool full) hears so at once, not after a timeout of its own."""
+    layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
+    mine = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt", "fp32")
+    server = BootstrapServer("127.0.0.1", free_port(), mine, timeout=20.0)
+    reg = {"room": 6, "layout": mine, "session": "s", "buffers": [], "pages": [], "prompt_ids": [1]}
+    try:
+        with pytest.raises(BootstrapError, match="no decode server registered room 6"):
+            asyncio.run(server.claim(6, timeout=0.2))
+        start = time.monotonic()
+        with pytest.raises(BootstrapError) as e:
+            asyncio.run(request_kv("127.0.0.1", server.port, reg, 20))
+        assert e.value.status == 502 and "gave up" in str(e.value), e.value
+        assert time.monotonic() - start < 10 and server.open_rooms == 0
+    finally:
+        server.close()
+
+
 def test_dsakv_imports_without_mooncake_and_says_how_to_get_it(monkeypatch):
     code = (
         "import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.engine'] = None\n"

@@ -895,6 +895,11 @@ def test_n_choices_count_as_requests_from_the_start(tiny):
     assert all(running + waiting == live for running, waiting, live in seen), seen
     c = llm.engine.counters()
     assert (c["running_requests"], c["waiting_requests"]) == (0, 0)
+    reqs = llm.engine.add_requests(_prompts(1, seed=6, lo=80, hi=80)[0], params)
+    llm.engine.abort(reqs[2].rid)  # (a fork aborted before it left its first choice)
+    assert llm.engine.counters()["waiting_requests"] == 3
+    while llm.engine.has_unfinished():
+        llm.engine.step()
     llm.engine.check_integrity()
 
 

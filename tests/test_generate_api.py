@@ -504,9 +504,11 @@ def test_an_abort_reaches_a_request_the_engine_has_not_taken_yet(base, served):
 
 def test_an_abort_while_the_grammar_compiles_ends_the_request(base, served, monkeypatch):
     """An abort that comes while its request's grammar compiles (seconds, for a large
-    schema) is not lost: the request ends as the engine takes it, before it runs to its end
-    (SGLang's abort empties its grammar queue). Another request compiling meanwhile runs on;
-    an abort_all reaches the OpenAI routes' compiling requests too."""
+    schema) is not lost: the request ends once the compile is done, aborted in the waiting
+    queue, and the engine never sees it (SGLang's abort empties its grammar queue; a version
+    of this handed it to the engine, which could prefill it for nothing). Another request
+    compiling meanwhile runs on; an abort_all reaches the OpenAI routes' compiling requests
+    too."""
     async_engine = served[1]
     cache = async_engine.engine.grammars
     compile_, entered, release = cache.compile, [], threading.Event()
@@ -526,6 +528,7 @@ def test_an_abort_while_the_grammar_compiles_ends_the_request(base, served, monk
     sp = {"max_new_tokens": 8, "regex": "[a-z ]+", **GREEDY}
     cmpl = {"prompt": TEXTS[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     cmpl["structured_outputs"] = {"regex": "[a-z ]+"}
+    before = _engine_counters(async_engine)
     with ThreadPoolExecutor(2) as pool:
         slow = pool.submit(_generate, base, text=TEXTS[0], sampling_params=sp, rid="slow")
         other = pool.submit(httpx.post, f"{base}/v1/completions", json=cmpl, timeout=TIMEOUT)
@@ -535,11 +538,14 @@ def test_an_abort_while_the_grammar_compiles_ends_the_request(base, served, monk
         release.set()
         out = slow.result(TIMEOUT)
         r = other.result(TIMEOUT)
-    # (ended as the engine took it: in its waiting queue, or after its first step or so)
-    assert out["meta_info"]["finish_reason"]["type"] == "abort", out
-    assert len(out["output_ids"]) < 8
+    assert out["meta_info"]["finish_reason"] == _ABORTED_WAITING, out
+    assert out["output_ids"] == []
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "length"
+    _check_clean(async_engine)
+    after = _engine_counters(async_engine)  # (the other request's prompt alone)
+    assert after["prompt_tokens"] - before["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+    assert after["aborted_requests"] == before["aborted_requests"]
     entered.clear()  # (the engine thread looked them up in the cache too)
     release.clear()
     with ThreadPoolExecutor(1) as pool:

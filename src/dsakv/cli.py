@@ -180,10 +180,21 @@ def _add_dp_args(g: Any, help: str) -> None:
 
 def _check_dp_size(args: argparse.Namespace) -> None:
     """SGLang's / vLLM's DP size as dsakv's layout: under DP attention one DP rank per TP
-    rank, without it one replica (1 is the no-op default); anything else is refused."""
+    rank, without it one replica (1 is the no-op default); anything else is refused. vLLM's
+    --data-parallel-size N alone is N ranks of data-parallel attention (vLLM's for MLA
+    models: GPUs = DP × TP), dsakv's --tp N --dp-attention."""
     if args.dp_size is None:
         return
     (flag, n), tp = args.dp_size, args.tp or 1
+    if flag == "--data-parallel-size" and n > 1 and not args.dp_attention:
+        if tp > 1:
+            raise DsakvError(
+                f"--data-parallel-size {n} with --tp {tp} is (as vLLM's) {tp * n} ranks with "
+                f"attention split {tp} ways in each DP group, which dsakv does not run: its DP "
+                f"attention is one DP rank per rank (--tp {tp * n} --dp-attention)"
+            )
+        args.tp = tp = n
+        args.dp_attention = True
     if args.dp_attention and n != tp:
         raise DsakvError(
             f"{flag} {n} with --tp {tp}: dsakv's DP attention runs one DP rank per TP rank "

@@ -145,18 +145,19 @@ class BootstrapServer:
     async def claim(self, room: int, timeout: float | None = None) -> Registration:
         """The decode server's registration for `room`, once it arrives; raises
         `BootstrapError` after `timeout` or when its layout was refused. Cancelled (an abort,
-        its client gone), it refuses the room: the decode server, registered or still to
-        come, hears so and gives its reserved pages back."""
+        its client gone) or timed out, it refuses the room: the decode server, registered or
+        still to come, hears so and gives its reserved pages back."""
         slot = self._room(room)
         try:
             reg = await asyncio.wait_for(
                 asyncio.shield(asyncio.wrap_future(slot.registered)), timeout or self.timeout
             )
         except (asyncio.TimeoutError, TimeoutError):
-            self._forget(room, slot)
-            raise BootstrapError(
+            message = (
                 f"no decode server registered room {room} within {timeout or self.timeout:g} s"
-            ) from None
+            )
+            self.refuse(room, f"the prefill server gave up: {message}", 502)  # (a late one hears)
+            raise BootstrapError(message) from None
         except BootstrapError:
             self._forget(room, slot)
             raise

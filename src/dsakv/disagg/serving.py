@@ -163,6 +163,10 @@ class PrefillAsyncEngine(_DisaggEngine):
             raise
         self._writer = ThreadPoolExecutor(4, thread_name_prefix="dsakv-kv-write")
 
+    def forgo(self, n: int) -> None:
+        """(The decode server waiting for the room hears so now, as `claim` tells it.)"""
+        self.bootstrap.refuse(next_target(self.role).room, "the prefill request was cancelled", 499)
+
     async def generate_n(
         self, prompt: str | list[int], params: SamplingParams, n: int
     ) -> list[RequestStream]:
@@ -338,6 +342,9 @@ class DecodeAsyncEngine(_DisaggEngine):
     ) -> None:
         super().__init__(engine, config, server_host, thread)
         self.stats = TransferStats()
+
+    def forgo(self, n: int) -> None:
+        next_target(self.role)  # (the prefill server's copy is aborted by the router)
 
     async def generate_n(
         self, prompt: str | list[int], params: SamplingParams, n: int

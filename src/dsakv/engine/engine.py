@@ -385,15 +385,14 @@ class Engine:
         self.chars_per_token = chars_per_token(self.tokenizer)
         # Outputs decoded whole each token (`_decode_output`): no fast tokenizer to stream
         self._decodes_whole = getattr(self.tokenizer, "backend_tokenizer", None) is None
+        # a CPU computes in fp32 over a bf16 checkpoint's matrices as stored (half the
+        # bytes a memory-bound decode step reads, the same outputs)
+        self._stored = dict(
+            dtype=dtype, as_stored=config.dtype == "auto" and self.device.type == "cpu"
+        )
+        self.weights_path = config.model  # the checkpoint the weights came from
         self.model, self.model_config, self.plan = load_model(
-            config.model,
-            plan,
-            device=self.device,
-            dtype=dtype,
-            # a CPU computes in fp32 over a bf16 checkpoint's matrices as stored (half the
-            # bytes a memory-bound decode step reads, the same outputs)
-            as_stored=config.dtype == "auto" and self.device.type == "cpu",
-            parallel=self.parallel,
+            config.model, plan, device=self.device, parallel=self.parallel, **self._stored
         )
         defaults = self.model_config.sampling_defaults
         if config.generation_config == "vllm":
@@ -580,7 +579,7 @@ class Engine:
     def model_identity(self) -> str:
         """The checkpoint's fingerprint (`config.checkpoint.model_identity`, ~4 MB read per shard): for
         L3's namespace and the PD handshake, read once."""
-        return model_identity(self.config.model)
+        return model_identity(self.weights_path)
 
     def _deterministic(self, dtype: torch.dtype) -> bool:
         """Whether every step runs the cpu backend's per-token path: as asked, or by default
@@ -845,6 +844,34 @@ class Engine:
         if self.has_unfinished() or self.scheduler.held:
             return False
         self.cache.reset()
+        return True
+
+    def update_weights(self, path: str | Path) -> bool:
+        """SGLang's /update_weights_from_disk: load checkpoint `path` (the served
+        architecture, its weights stored as the served ones) into the model in place
+        (`loader.update_weights`; a refused or failed load leaves the weights served), and
+        move L3 to the new weights' namespace. The prefix cache, whose KV the old weights
+        computed, is dropped first. Only with nothing running or waiting (False, nothing
+        loaded), and on one rank: the other ranks have no message that loads."""
+        from dsakv.models.loader import update_weights
+
+        if self.parallel.world_size > 1:
+            raise DsakvError(
+                f"weights are updated on one rank only; this engine runs on "
+                f"{self.parallel.world_size} (--tp / --dp-attention): restart it on {path}"
+            )
+        if self.has_unfinished() or self.scheduler.held:
+            return False
+        # First, so that L3 writes every old page under the old weights' namespace.
+        self.cache.reset()
+        if self.l3 is not None and not self.l3.drain():
+            raise DsakvError("L3 storage did not take the old pages in time; weights not updated")
+        update_weights(self.model, path, previous=self.weights_path, **self._stored)
+        self.weights_path = str(path)
+        self.__dict__.pop("model_identity", None)  # (the PD handshake's and L3's)
+        if self.l3 is not None:
+            self.l3.rename(storage_namespace(self.layout, self.model_identity, self.compute))
+        log.info("weights updated from %s", path)
         return True
 
     def close(self) -> None:
@@ -1318,7 +1345,7 @@ class Engine:
             "running_requests": len(self.scheduler.running),
             # (n's forks wait for their first choice's prefill outside the scheduler)
             "waiting_requests": len(self.scheduler.waiting)
-            + sum(len(r.forks) for r in self.requests.values()),
+            + sum(not f.finished for r in self.requests.values() for f in r.forks),
             "peak_running_requests": sch.peak_running,
             "prompt_tokens": s.prompt_tokens,
             "output_tokens": s.output_tokens,

@@ -287,6 +287,13 @@ class L3Cache:
             time.sleep(0.005)
         return True
 
+    def rename(self, namespace: bytes) -> None:
+        """Store and look up under `namespace` from now on (new weights: the pages stored
+        under the old one are another model's KV); call it drained."""
+        with self._lock:
+            self.namespace = namespace
+            self._known.clear()
+
     def counters(self) -> dict[str, float]:
         s = self.stats
         with s._lock:

@@ -232,6 +232,14 @@ class LLM:
             )
         return self.tokenizer
 
+    def update_weights(self, path: str | os.PathLike) -> None:
+        """Load checkpoint `path` (the same architecture, stored alike) in place of the
+        weights, as the server's /update_weights_from_disk (`Engine.update_weights`); the
+        prefix cache is dropped. A checkpoint that does not fit is an error and the weights
+        stay as they were."""
+        if not self.engine.update_weights(path):  # (generate returns with nothing running)
+            raise DsakvError("weights are updated with no request running")
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses without params (vLLM's): SamplingParams' defaults, with the
         sampling fields the model's generation_config.json sets."""

@@ -21,7 +21,7 @@ import logging
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from dsakv.memory import allocation_failed
 
 from .dsa import DSAForCausalLM, keep_fp32, store_matrices
 from .moe import Experts
+from .mtp import VOCAB_COPIES
 from .parallel_layers import Shard
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,29 @@ def load_model(
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype)
     files = checkpoint_files(path)
+    model = _meta_model(path, config, plan, files, dtype, as_stored, parallel)
+    _allocate(model, device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _Filler(model, config, plan).load(files)
+    if plan.num_draft_layers:
+        kept = model.mtp.drop_duplicate_vocab(model)
+        log.info("MTP layer %d loaded; own vocab copies kept: %s", config.num_hidden_layers, kept)
+    return model.eval(), config, plan
+
+
+def _meta_model(
+    path: Path,
+    config: ModelConfig,
+    plan: LayerPlan,
+    files: dict[str, Path],
+    dtype: torch.dtype,
+    as_stored: bool,
+    parallel: ParallelState | None,
+) -> DSAForCausalLM:
+    """The model on the meta device, each weight in the form the load keeps it (`as_stored`:
+    bf16 or packed FP8 where the checkpoint stores them so), matched against the
+    checkpoint's names, shapes and dtypes (its headers)."""
     draft_vocab = _draft_vocab(path, config, plan, files)
     with torch.device("meta"):
         model = DSAForCausalLM(config, plan, parallel=parallel, draft_vocab=draft_vocab)
@@ -122,14 +146,153 @@ def load_model(
             log.info("%d weight matrices kept as FP8 blocks", packed)
     keep_fp32(model)
     _Filler(model, config, plan).load(files, read=False)
-    _allocate(model, device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    _Filler(model, config, plan).load(files)
-    if plan.num_draft_layers:
-        kept = model.mtp.drop_duplicate_vocab(model)
-        log.info("MTP layer %d loaded; own vocab copies kept: %s", config.num_hidden_layers, kept)
-    return model.eval(), config, plan
+    return model
+
+
+# config.json fields a weight update may change: how the weights are stored (checked
+# weight by weight) and the tokens' ids; every other field shapes the model or its math.
+_UPDATABLE = frozenset(
+    {"dtype", "quantization_config", "bos_token_id", "eos_token_ids", "sampling_defaults"}
+)
+
+
+def update_weights(
+    model: DSAForCausalLM,
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    as_stored: bool,
+    previous: str | Path | None = None,
+) -> None:
+    """Load checkpoint `path` into `model`'s own tensors (`copy_`: CUDA graphs, native
+    kernels' weight pointers and views keep reading them), this rank's slices, the MTP
+    layer's too; `dtype` and `as_stored` as `load_model` was given them.
+
+    Refused before any weight changes unless the checkpoint is the served architecture
+    (config.json) and every tensor it fills has the name, shape and stored form (bf16,
+    packed FP8, fp32) of the weight it replaces, so that the model computes what a fresh
+    load of `path` computes. A read that still fails part way reloads `previous` (the
+    checkpoint served until now), as SGLang rolls back."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DsakvError(f"model_path {path} is not a directory")
+    config = ModelConfig.from_hf(path)
+    _same_architecture(model.config, config, path)
+    files = checkpoint_files(path)
+    twin = _meta_model(path, config, model.plan, files, dtype, as_stored, model.parallel)
+    dropped = _same_forms(model, twin, path)
+    _copies_equal(model, config, files, dropped, path)
+    try:
+        _Filler(model, config, model.plan, ignore=dropped).load(files)
+    except Exception as e:
+        if previous is None:
+            raise
+        try:
+            _reload(model, Path(previous))
+        except Exception as again:
+            raise DsakvError(
+                f"loading {path} failed part way ({_one_line(e)}), and reloading {previous} "
+                f"failed too ({_one_line(again)}): the weights are mixed, restart the server"
+            ) from e
+        raise DsakvError(
+            f"loading {path} failed part way ({_one_line(e)}); {previous} reloaded"
+        ) from e
+
+
+def _reload(model: DSAForCausalLM, path: Path) -> None:
+    """Fill `model` from `path` again, as `update_weights` had validated it."""
+    config = ModelConfig.from_hf(path)
+    files = checkpoint_files(path)
+    dropped = _mtp_copies(model, files) - set(dict(model.named_parameters()))
+    _Filler(model, config, model.plan, ignore=dropped).load(files)
+
+
+def _one_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def _same_architecture(served: ModelConfig, new: ModelConfig, path: Path) -> None:
+    differ = [
+        f"{f.name} {getattr(new, f.name)!r} (served: {getattr(served, f.name)!r})"
+        for f in fields(ModelConfig)
+        if f.name not in _UPDATABLE and getattr(new, f.name) != getattr(served, f.name)
+    ]
+    if differ:
+        raise DsakvError(
+            f"checkpoint {path} is another architecture than the served model's: "
+            f"{_listing(differ, 4)}"
+        )
+
+
+def _weights(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers()]
+    return {name: (tuple(t.shape), t.dtype) for name, t in tensors}
+
+
+def _mtp_copies(model: DSAForCausalLM, files: dict[str, Path]) -> set[str]:
+    """The MTP layer's own vocab copies `files` holds (of the layer `model` builds)."""
+    if not model.num_draft_layers:
+        return set()
+    n = model.config.num_hidden_layers
+    return {f"model.layers.{n}.{p}.weight" for p in VOCAB_COPIES} & set(files)
+
+
+def _same_forms(model: DSAForCausalLM, twin: DSAForCausalLM, path: Path) -> set[str]:
+    """Refuse unless `twin` (`path` as a load would build it) has `model`'s weights, by name,
+    shape and dtype; returns the MTP vocab copies `twin` has that `model` dropped (equal to
+    the target's at start), which are then only compared (`_copies_equal`)."""
+    served, new = _weights(model), _weights(twin)
+    n = model.config.num_hidden_layers
+    copies = {f"model.layers.{n}.{p}.weight" for p in VOCAB_COPIES}
+    dropped = (set(new) - set(served)) & copies
+    differ = []
+    for name in sorted(set(served) | (set(new) - dropped)):
+        if served.get(name) == new.get(name):
+            continue
+        here, there = served.get(name), new.get(name)
+        differ.append(f"{name}: {_form(there)} there, {_form(here)} served")
+    if differ:
+        raise DsakvError(
+            f"checkpoint {path} does not hold the served model's weights as it stores them "
+            f"({_listing(differ, 4)}): a checkpoint stored otherwise (bf16, FP8 blocks, "
+            "fp32) or with another MTP layer needs a restart on it"
+        )
+    return dropped
+
+
+def _form(form: tuple[tuple[int, ...], torch.dtype] | None) -> str:
+    if form is None:
+        return "none"
+    shape, dtype = form
+    return f"{str(dtype).removeprefix('torch.')} {list(shape)}"
+
+
+def _copies_equal(
+    model: DSAForCausalLM,
+    config: ModelConfig,
+    files: dict[str, Path],
+    dropped: set[str],
+    path: Path,
+) -> None:
+    """The MTP layer's vocab copies that `model` dropped (it reads the target's) must equal
+    the target's in `files` too: the layer has no tensor left to hold another."""
+    handles: dict[Path, Any] = {}
+    n = config.num_hidden_layers
+    for copy, target in VOCAB_COPIES.items():
+        name = f"model.layers.{n}.{copy}.weight"
+        if name not in dropped:
+            continue
+        if target == "lm_head" and config.tie_word_embeddings:
+            target = "model.embed_tokens"
+        own = _get_slice(handles, files, name)[:]
+        if f"{target}.weight" not in files or not torch.equal(
+            own, _get_slice(handles, files, f"{target}.weight")[:]
+        ):
+            raise DsakvError(
+                f"checkpoint {path}'s {name} differs from its {target}.weight; the served "
+                "MTP layer reads the target's (its own copy equalled it at start): restart "
+                "the server on this checkpoint"
+            )
 
 
 def _allocate(model: DSAForCausalLM, device: str | torch.device) -> None:
@@ -266,8 +429,15 @@ class _Filler:
     tracks what is filled. A parameter's slice comes from its module's `shard`; routed
     experts from `Experts.expert_range` / `inter_range` (other ranks' experts are never read)."""
 
-    def __init__(self, model: DSAForCausalLM, config: ModelConfig, plan: LayerPlan) -> None:
+    def __init__(
+        self,
+        model: DSAForCausalLM,
+        config: ModelConfig,
+        plan: LayerPlan,
+        ignore: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
         self.config, self.plan = config, plan
+        self.ignore = ignore  # checkpoint tensors not read (`update_weights`' checked copies)
         self.targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=True))
         self.targets.update(dict(model.named_buffers()))
         if config.tie_word_embeddings:
@@ -381,7 +551,7 @@ class _Filler:
                 self.skipped["indexer"] += 1
                 return True
         tied_head = self.config.tie_word_embeddings and name == "lm_head.weight"
-        return bool(_IGNORED.search(name)) or tied_head
+        return bool(_IGNORED.search(name)) or tied_head or name in self.ignore
 
     def _pieces(self, name: str) -> list[_Piece]:
         """What to read of `name` for this rank (empty: unexpected, or another rank's)."""

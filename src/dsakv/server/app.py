@@ -46,15 +46,21 @@ from .runner import AsyncEngine, RequestStream, Update, aborted_waiting
 GRAMMAR_WORKERS = 2
 GRAMMAR_TIMEOUT_S = 60.0
 _RECEIVE_AGAIN_S = 0.5  # how long `client_left` waits before asking the server again
-# SGLang's weight version until an update names another (dsakv never updates weights):
-# /model_info's, and each /generate output's meta_info
+# SGLang's weight version until an update names another (/update_weights_from_disk,
+# /update_weight_version): /model_info's, and each /generate output's meta_info
 WEIGHT_VERSION = "default"
+# How long a weight update waits for the engine to be idle once no generation call is in
+# flight (a /health_generate probe, a prefill server's pages awaiting their decode server).
+_UPDATE_IDLE_TIMEOUT_S = 60.0
 
 _ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
     "/generate",
     "/abort_request",
+    "/update_weights_from_disk",
+    "/get_weight_version",
+    "/update_weight_version",
     "/flush_cache",
     "/reset_prefix_cache",
     "/v1/models",
@@ -271,6 +277,8 @@ class InFlight:
         self.engine = engine
         self._calls: set[_Call] = set()
         self._named: dict[str, _Call] = {}
+        self._idle = asyncio.Event()  # set while no call is in flight
+        self._idle.set()
 
     def open(self, names: Iterable[Iterable[str]]) -> _Call:
         """A call for outputs named `names` (outputs of one prompt share its rid); a name
@@ -282,6 +290,7 @@ class InFlight:
                 raise APIError(400, f"Duplicate request ID detected: {name}", param="rid")
         self._calls.add(call)
         self._named.update(dict.fromkeys(taken, call))
+        self._idle.clear()
         return call
 
     def close(self, call: _Call | None) -> None:
@@ -290,14 +299,18 @@ class InFlight:
         self._calls.discard(call)
         for name in set().union(*call.names):
             del self._named[name]
+        if not self._calls:
+            self._idle.set()
+
+    async def drained(self) -> None:
+        """Until no call is in flight."""
+        while self._calls:
+            await self._idle.wait()
 
     def waiting(self, call: _Call, submit: asyncio.Future, n: int) -> None:
         """`submit`, the engine's `generate_n`, takes `call`'s next `n` outputs: an abort of
-        them all cancels it. One that came earlier cancels it after its first step (the
-        loop runs callbacks in order): a PD engine takes its prompt's bootstrap room before
-        its first await, and a prompt whose engine never ran would leave it to the next."""
+        them all cancels it."""
         call.waiting, call.waiting_n = submit, n
-        asyncio.get_running_loop().call_soon(self._cancel_waiting, call)
 
     def aborted(self, call: _Call | None, n: int) -> bool:
         """Whether an abort reached each of `call`'s next `n` outputs before they were taken."""
@@ -356,6 +369,12 @@ class Handlers:
         self.metrics = metrics
         self.chat_parsers = chat_parsers
         self.in_flight = InFlight(async_engine)
+        # SGLang's model_update_lock: generation calls start while `_serving` is set (an
+        # update clears it, then waits for the calls in flight), one update at a time.
+        self.weight_version = WEIGHT_VERSION
+        self._serving = asyncio.Event()
+        self._serving.set()
+        self._updating = asyncio.Lock()
         self._grammars_lock = threading.Lock()  # the engine builds its GrammarCache lazily
         # Grammars compile on threads of their own: schemas slow to compile (seconds each,
         # and xgrammar cannot stop one) queue behind each other, not other requests' prompts
@@ -392,6 +411,7 @@ class Handlers:
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         given = "max_tokens" if body.max_tokens is not None else None
         count = len(prompts)
+        await self.weights_ready()
         # Opened before the grammar compiles: an abort meanwhile ends it once compiled
         call = self.in_flight.open([()] * (count * n))  # (no rid: abort_all reaches it)
         try:
@@ -520,6 +540,7 @@ class Handlers:
         given = param if max_tokens is not None else None
         special = body.add_special_tokens  # (vLLM's: none, the template holds its own)
         ids, thinking = bool(body.return_token_ids), body.include_reasoning is not False
+        await self.weights_ready()
         call = self.in_flight.open([()] * n)  # (as completion's)
         streams: list[RequestStream] = []
         try:
@@ -631,6 +652,40 @@ class Handlers:
             raise APIError(400, "the cache was not flushed: requests are running or waiting")
         return Response("Cache flushed.\n", media_type="text/plain")
 
+    async def weights_ready(self) -> None:
+        """Until no weight update runs or waits: a generation call awaits it right before it
+        opens (`InFlight.open`), so that an update never runs under a call."""
+        await self._serving.wait()
+
+    async def update_weights(
+        self, path: str, abort_all: bool = False, version: str | None = None
+    ) -> tuple[bool, str]:
+        """SGLang's /update_weights_from_disk: new generation calls wait, the ones in flight
+        end first (`abort_all`: aborted, as /abort_request's), then the engine loads `path`
+        between steps (`Engine.update_weights`: the prefix cache is dropped, a checkpoint
+        that does not fit changes nothing). (success, SGLang's message)."""
+        if abort_all:
+            self.in_flight.abort_all()
+        async with self._updating:
+            self._serving.clear()
+            try:
+                await self.in_flight.drained()
+                deadline = time.monotonic() + _UPDATE_IDLE_TIMEOUT_S
+                while not await self.engine.call(lambda e: e.update_weights(path)):
+                    if time.monotonic() > deadline:
+                        return False, "Failed to update weights: the engine stayed busy"
+                    await asyncio.sleep(0.01)
+                if version is not None:
+                    self.weight_version = version
+            except Exception as e:  # noqa: BLE001 - the answer says it; the weights stand
+                return False, f"Failed to update weights: {e}"
+            finally:
+                self._serving.set()
+        message = "Succeeded to update model weights."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return True, message
+
     def model_card(self, name: str) -> dict[str, Any]:
         """A served name's card, as /v1/models lists it and /v1/models/{model} returns it."""
         e = self.engine.engine
@@ -651,7 +706,7 @@ class Handlers:
             "tokenizer_path": e.config.model if e.tokenizer is not None else None,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": WEIGHT_VERSION,
+            "weight_version": self.weight_version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": e.model_config.model_type,
@@ -884,6 +939,9 @@ class Handlers:
         while waiting. The prompt is tokenized here, off the engine thread (a 5 MB one held
         every stream five seconds there)."""
         prompt = await self._fitting(prompt, params, max_tokens_param, prompt_param, special)
+        if self.in_flight.aborted(call, n):  # while it tokenized: the engine never sees it
+            self.engine.forgo(n)
+            return [aborted_waiting(len(prompt)) for _ in range(n)]
         submit = asyncio.ensure_future(self.engine.generate_n(prompt, params, n))
         if call is not None:
             self.in_flight.waiting(call, submit, n)

@@ -3,7 +3,9 @@ sglang rollout) and sglang-router call: SGLang's request (`GenerateReqInput`, it
 `sampling_params` names) and response shapes (`text`, `output_ids`, `meta_info`), over the
 OpenAI handlers' plumbing (`Handlers`): the same sampling params (less generation_config's
 defaults, which SGLang applies to its chat route alone), submission, disconnect aborts and
-SSE streaming; and its `/abort_request`, with which those frameworks stop their rollouts."""
+SSE streaming; its `/abort_request`, with which those frameworks stop their rollouts, and
+`/update_weights_from_disk` (with `/get_weight_version`, `/update_weight_version`), with
+which they load the trained weights between rollouts."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from dsakv.engine import SamplingParams
 from dsakv.errors import DsakvError
 
-from .app import WEIGHT_VERSION, Handlers, _lp, _prompt_list, _Result, _sse
+from .app import Handlers, _lp, _prompt_list, _Result, _sse
 from .protocol import APIError, GenerationRequest
 
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
@@ -77,6 +79,29 @@ class AbortRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     rid: str | None = None
     abort_all: bool | None = False
+
+
+class UpdateWeightsRequest(BaseModel):
+    """SGLang's `UpdateWeightFromDiskReqInput`, the fields dsakv runs (its others, such as
+    is_async or keep_pause, are ignored: the update always waits and flushes the cache)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+
+
+class UpdateWeightVersionRequest(BaseModel):
+    """SGLang's `UpdateWeightVersionReqInput`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    new_version: str
+    abort_all_requests: bool = True
+
+
+# The load formats dsakv reads: safetensors checkpoints (SGLang's default "auto" too).
+_LOAD_FORMATS = (None, "auto", "safetensors")
 
 
 class SGLangSamplingParams(BaseModel):
@@ -133,8 +158,8 @@ _OPENAI_WORDS = re.compile(r"\b(" + "|".join(_SGLANG_NAMES) + r")\b")
 
 
 def add_generate_route(app: FastAPI, api: Handlers) -> None:
-    """`POST`/`PUT /generate` (SGLang takes both) and `POST /abort_request`, behind the API
-    key as the /v1 routes."""
+    """`POST`/`PUT /generate` (SGLang takes both), `POST /abort_request` and the weight
+    routes, behind the API key as the /v1 routes."""
 
     async def generate(body: GenerateRequest, raw: Request) -> Response:
         return await _generate(api, body, raw)
@@ -150,8 +175,43 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
             api.in_flight.abort(body.rid)
         return Response(status_code=200)
 
+    async def update_weights_from_disk(body: UpdateWeightsRequest) -> Response:
+        """SGLang's: `model_path` loaded in place of the served weights once the generation
+        calls in flight end (aborted first with `abort_all_requests`; new ones wait), the
+        prefix cache dropped, `weight_version` reported from then on. A checkpoint that does
+        not fit (another architecture, weights stored otherwise) or fails to load is a 400
+        with success false, the served weights unchanged."""
+        if body.load_format not in _LOAD_FORMATS:
+            ok, message = False, f"load_format {body.load_format!r} is not supported (safetensors)"
+        else:
+            ok, message = await api.update_weights(
+                body.model_path, body.abort_all_requests, body.weight_version
+            )
+        return JSONResponse(
+            {"success": ok, "message": message, "num_paused_requests": 0},
+            status_code=200 if ok else 400,
+        )
+
+    async def get_weight_version() -> dict[str, str]:
+        return {"weight_version": api.weight_version}
+
+    async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
+        """SGLang's: only the name /generate reports (aborting every call in flight unless
+        `abort_all_requests` is false)."""
+        if body.abort_all_requests:
+            api.in_flight.abort_all()
+        api.weight_version = body.new_version
+        return {
+            "success": True,
+            "message": f"Weight version updated to {body.new_version}",
+            "new_version": body.new_version,
+        }
+
     app.add_api_route("/generate", generate, methods=["POST", "PUT"])
     app.add_api_route("/abort_request", abort_request, methods=["POST"])
+    app.add_api_route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"])
+    app.add_api_route("/get_weight_version", get_weight_version, methods=["GET"])
+    app.add_api_route("/update_weight_version", update_weight_version, methods=["POST"])
 
 
 @dataclass(frozen=True)
@@ -184,6 +244,7 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
     # Opened before its prompts are tokenized and its grammar compiled, so that an abort
     # meanwhile is not lost (SGLang registers the rid first too); a rid in flight is a 400
     names = [{rid, given_rids[i // n]} - {None} for i, rid in enumerate(rids)]
+    await api.weights_ready()
     call = api.in_flight.open(names)
     try:
         for i, ask in enumerate(asks):
@@ -208,13 +269,17 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
         async def events() -> AsyncIterator[str]:
             async for i, u in api._merged(streams):
                 so_far[i].add(u)  # SGLang streams the output so far (cumulative)
-                out = _output(rids[i], so_far[i], asks[i // n], began)
+                out = _output(rids[i], so_far[i], asks[i // n], began, api.weight_version)
                 yield _sse({**out, "index": i} if batch else out)
 
         return api._stream_response(events(), streams, call)
 
     results = await api._collect_all(streams, raw, call)
-    outs = [_output(rid, r, asks[i // n], began) for i, (rid, r) in enumerate(zip(rids, results))]
+    version = api.weight_version
+    outs = [
+        _output(rid, r, asks[i // n], began, version)
+        for i, (rid, r) in enumerate(zip(rids, results))
+    ]
     return JSONResponse(outs if batch else outs[0])
 
 
@@ -405,15 +470,17 @@ def _in_sglang_terms() -> Iterator[None]:
 # --- response ----------------------------------------------------------------------------------
 
 
-def _output(rid: str, r: _Result, ask: _LogprobAsk | None, began: float) -> dict[str, Any]:
-    """One output in SGLang's shape, from what it has so far."""
+def _output(
+    rid: str, r: _Result, ask: _LogprobAsk | None, began: float, version: str
+) -> dict[str, Any]:
+    """One output in SGLang's shape, from what it has so far, by weights `version`."""
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": _finish_reason(r),
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens,
-        "weight_version": WEIGHT_VERSION,  # (slime's router reads it)
+        "weight_version": version,  # (slime's router reads it)
     }
     if r.finish_reason is not None:
         meta["e2e_latency"] = time.perf_counter() - began

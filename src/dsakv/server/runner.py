@@ -224,6 +224,11 @@ class AsyncEngine:
             raise
         return streams
 
+    def forgo(self, n: int) -> None:
+        """An abort reached `n` outputs of the next prompt before `generate_n` ran for it:
+        the engine never sees them (a prefill/decode engine gives the prompt's bootstrap
+        room up, or the next prompt would take it)."""
+
     async def probe(self) -> None:
         """One greedy token of a one-token prompt, run by the engine thread (SGLang's
         `/health_generate`): proves the engine still steps, not only that its thread lives.
