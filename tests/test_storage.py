@@ -332,6 +332,30 @@ def test_restart_reads_the_prefix_from_l3(tiny, stored):
     assert c["l3_pages_written"] == 0  # every page it cached was known to be stored
 
 
+def test_a_prefix_the_cache_lost_while_queued_is_read_from_l3(tiny, stored, tmp_path):
+    """A request found its prompt in the prefix cache when it arrived, and the cache lost
+    those pages before its turn (evicted for the requests ahead of it): L3, which holds
+    them, is asked again from what the cache still holds (it computed the whole prompt)."""
+    llm = LLM(tiny, **_file(_copy(stored, tmp_path)))
+    try:
+        e = llm.engine
+        llm.generate([PROMPT], GREEDY)  # (its pages in the prefix cache)
+        req = e.add_request(PROMPT, GREEDY)
+        assert e.l3.starts_at(req.rid) == PAGES  # (nothing for L3 to look up)
+        e.cache.reset()  # (as eviction under pressure does, before its turn)
+        before = e.counters()
+        while e.has_unfinished():
+            e.step()
+        c = e.counters()
+        assert req.output_ids == stored[1]
+        assert req.metrics.prefix_hit_tokens == PAGES * PS
+        assert c["l3_hits"] - before["l3_hits"] == PAGES
+        assert c["computed_tokens"] - before["computed_tokens"] == len(PROMPT) - PAGES * PS + 7
+        e.check_integrity()
+    finally:
+        llm.close()
+
+
 def test_mtp_draft_layer_travels_and_tokens_match(tiny, tmp_path):
     mtp = dict(speculative_algorithm="mtp", speculative_num_steps=2)
     (cold,), first = _run(tiny, [PROMPT], **_file(tmp_path, **mtp))

@@ -202,16 +202,26 @@ class L3Cache:
         self, rid: int, tokens: Sequence[int], matched: int, parent: bytes, max_pages: int
     ) -> None:
         """Start looking up pages `matched..max_pages-1` of `tokens` (the first `matched`
-        are in the prefix cache; `parent` is the hash of the last of them)."""
+        are in the prefix cache; `parent` is the hash of the last of them). With none to
+        look up, the lookup only records where it starts (`starts_at`)."""
         self.cancel(rid)
         stop = min(max_pages, matched + self.pool.num_pages)
-        if matched >= stop or self._closed:
+        if self._closed:
             return
         hashes = chain_hashes(tokens, self.page_size, matched, stop, parent)
         lookup = _Lookup(hashes, matched, time.monotonic() + self.config.prefetch_timeout_s)
         self._lookups[rid] = lookup
+        if not hashes:
+            lookup.done.set()
+            return
         self.stats.add(lookups=1)
         self._reads.put(lookup)
+
+    def starts_at(self, rid: int) -> int | None:
+        """The page request `rid`'s lookup starts at: the prefix cache held those before it
+        (None: no lookup)."""
+        lookup = self._lookups.get(rid)
+        return None if lookup is None else lookup.first
 
     def ready(self, rid: int, idle: bool) -> bool:
         """Whether request `rid` may be admitted now. It waits for its lookup until the
@@ -232,7 +242,8 @@ class L3Cache:
 
     def pages_for(self, rid: int, matched: int) -> list[torch.Tensor]:
         """Verified payloads of the pages right after the first `matched` (call after
-        `ready`); empty when the tree lost pages the lookup started after."""
+        `ready`); empty when the tree lost pages the lookup started after (the scheduler
+        then looks again: `Scheduler._admit`)."""
         lookup = self._lookups.get(rid)
         if lookup is None or matched < lookup.first:
             return []

@@ -305,8 +305,13 @@ class Scheduler:
             if len(self.running) >= self.config.max_running_requests:
                 return
             req = self.waiting[0]
-            if self.l3 is not None and not self.l3.ready(req.rid, idle=not self.running):
-                return  # its L3 lookup is still running; running requests step on
+            if self.l3 is not None:
+                start = self.l3.starts_at(req.rid)
+                lost = start and len(self.cache.match(req.all_ids, start)) < start
+                if lost and req.host_slots is None:
+                    self._prefetch(req)  # the cache lost pages since: L3 may still hold them
+                if not self.l3.ready(req.rid, idle=not self.running):
+                    return  # its L3 lookup is still running; running requests step on
             if req.host_slots is not None:
                 n = self._admit_from_host(req, budget)
             else:
