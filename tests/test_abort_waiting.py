@@ -223,3 +223,19 @@ def test_the_router_relays_abort_request_to_every_server(pair):
         r = httpx.post(f"{router}/abort_request", json={"abort_all": True}, timeout=TIMEOUT)
     assert r.status_code == 502 and dead in r.json()["error"]["message"], r.text
     assert "1 of 3" in r.json()["error"]["message"]
+
+
+def test_the_router_relays_the_admin_calls_to_every_server(pair):
+    """SGLang's /flush_cache and weight-version calls, which RL frameworks send the one
+    address they know, reach every server behind the router."""
+    for method in ("GET", "POST"):
+        r = httpx.request(method, f"{pair.router}/flush_cache", timeout=TIMEOUT)
+        assert (r.status_code, r.text) == (200, "Cache flushed.\n")
+    body = {"new_version": "rollout-7", "abort_all_requests": False}
+    r = httpx.post(f"{pair.router}/update_weight_version", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["new_version"] == "rollout-7", r.text
+    for url in (pair.prefill_url, pair.decode_url):
+        version = httpx.get(f"{url}/get_weight_version", timeout=TIMEOUT).json()
+        assert version == {"weight_version": "rollout-7"}
+    r = httpx.post(f"{pair.router}/update_weights_from_disk", json={}, timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model_path", r.text

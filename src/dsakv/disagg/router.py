@@ -4,7 +4,8 @@ Each completions or chat request goes to one prefill server and one decode serve
 robin) with the same bootstrap room; the decode server's answer (streamed or not) is the
 client's. The prefill server's own answer (its one token) is only logged when it fails:
 any failure reaches the client through the decode server, which hears it in the handshake.
-SGLang's /abort_request goes to every server. Light on purpose: no torch, no engine.
+SGLang's admin calls (/abort_request, /flush_cache, the weight updates) go to every
+server. Light on purpose: no torch, no engine.
 """
 
 from __future__ import annotations
@@ -157,39 +158,42 @@ class Router:
             headers={"Cache-Control": "no-cache"},
         )
 
-    async def abort(self, request: Request) -> Response:
-        """SGLang's /abort_request, its body relayed to every decode server, then to every
-        prefill server: the rid is the client's on both, as the router passes each request
-        on (a prefill server's copy waiting for its decode server ends too). Decode servers
-        first: a request the prefill server's abort reached first would end with the
-        handshake's error instead. A 200 when all answered it; else a server's 4xx (the
-        client's error, the same on all), or a 502 naming the servers that failed."""
+    async def broadcast(self, path: str, request: Request) -> Response:
+        """An admin call every server must hear (`BROADCAST`), its body relayed to every
+        decode server, then to every prefill server. For SGLang's /abort_request the rid is
+        the client's on both, as the router passes each request on (a prefill server's
+        copy waiting for its decode server ends too); decode servers first: a request the
+        prefill server's abort reached first would end with the handshake's error instead.
+        The first decode server's answer when all answered 200; else a server's 4xx (the
+        client's error, e.g. a bad key or body), or a 502 naming the servers that failed."""
         try:
             raw = await request.body()
         except ClientDisconnect:
             return Response(status_code=499)
-        headers = {"content-type": "application/json"}
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
         answers = []
         for urls in (self.decode, self.prefill):
-            answers += await asyncio.gather(*(self._abort_one(u, raw, headers) for u in urls))
+            calls = (self._call(u, path, request.method, raw, headers) for u in urls)
+            answers += await asyncio.gather(*calls)
         failed = [(u, r) for u, r in answers if not isinstance(r, httpx.Response) or r.is_error]
         if not failed:
-            return Response(status_code=200)
+            first = answers[0][1]
+            return Response(first.content, 200, media_type=first.headers.get("content-type"))
         for _, r in failed:
-            if isinstance(r, httpx.Response) and r.status_code < 500:  # the client's (bad key)
+            if isinstance(r, httpx.Response) and r.status_code < 500:  # the client's
                 return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         self.failures += 1
         named = "; ".join(f"{u}: {_said(r)}" for u, r in failed)
-        return _error(502, f"abort_request failed on {len(failed)} of {len(answers)}: {named}")
+        return _error(502, f"{path} failed on {len(failed)} of {len(answers)}: {named}")
 
-    async def _abort_one(
-        self, url: str, raw: bytes, headers: dict[str, str]
+    async def _call(
+        self, url: str, path: str, method: str, raw: bytes, headers: dict[str, str]
     ) -> tuple[str, httpx.Response | httpx.HTTPError]:
         try:
-            return url, await self.client.post(
-                f"{url}/abort_request", content=raw, headers=headers, timeout=_ABORT_TIMEOUT_S
+            return url, await self.client.request(
+                method, f"{url}{path}", content=raw, headers=headers, timeout=BROADCAST[path]
             )
         except httpx.HTTPError as e:
             return url, e
@@ -312,8 +316,14 @@ class _Unreachable(Exception):
 
 # How long a server that failed to connect is asked after the others.
 _DOWN_S = 10.0
-# How long the router waits for a server's answer to an abort it relays.
-_ABORT_TIMEOUT_S = 30.0
+# SGLang's admin calls the router relays to every server, and how long it waits for each
+# server's answer (a weight update loads a checkpoint after the requests in flight end).
+BROADCAST = {
+    "/abort_request": 30.0,
+    "/flush_cache": 30.0,
+    "/update_weights_from_disk": None,
+    "/update_weight_version": 30.0,
+}
 
 
 def _in_turn(urls: list[str], start: int, down: dict[str, float]) -> list[str]:
@@ -375,9 +385,13 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
 
         app.add_api_route(path, generate, methods=["POST"])
 
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        return await router.abort(request)
+    for path in BROADCAST:
+
+        async def broadcast(request: Request, path: str = path) -> Response:
+            return await router.broadcast(path, request)
+
+        methods = ["GET", "POST"] if path == "/flush_cache" else ["POST"]  # (SGLang's)
+        app.add_api_route(path, broadcast, methods=methods)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
