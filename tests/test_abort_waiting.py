@@ -67,8 +67,9 @@ def pair(tmp_path_factory) -> Iterator[SimpleNamespace]:
         # (the router asks the prefill server for its bootstrap port on the first request)
         _generate(router, text="hi", sampling_params={"max_new_tokens": 2, **GREEDY})
         yield SimpleNamespace(
-            router=router, prefill_url=p_url, decode_url=d_url, prefill=prefill, decode=decode
-        )
+            router=router, prefill_url=p_url, decode_url=d_url, prefill=prefill, decode=decode,
+            model=model, common=common,
+        )  # fmt: skip
 
 
 def _generate(base: str, **body: Any) -> Any:
@@ -239,3 +240,33 @@ def test_the_router_relays_the_admin_calls_to_every_server(pair):
         assert version == {"weight_version": "rollout-7"}
     r = httpx.post(f"{pair.router}/update_weights_from_disk", json={}, timeout=TIMEOUT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model_path", r.text
+
+
+def test_a_weight_update_is_what_the_handshake_checks(pair, tmp_path):
+    """After /update_weights_from_disk the prefill/decode handshake describes the weights
+    served now: a prefill server updated alone is refused by its decode server (it went on
+    checking the old checkpoint: the decode server took KV the other weights computed),
+    and once both serve the new checkpoint, requests run on it."""
+    from dsakv.engine import LLM, SamplingParams
+
+    other = str(write_tiny_model(tmp_path / "b", "glm-tiny", seed=1))
+    sp = {"max_new_tokens": 6, **GREEDY}
+    (want,) = LLM(other, **pair.common).generate([TEXTS[0]], SamplingParams(max_tokens=6, **GREEDY))
+
+    def update(url: str, path: str) -> None:
+        r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": path}, timeout=60)
+        assert r.status_code == 200 and r.json()["success"], r.text
+
+    try:
+        update(pair.prefill_url, other)
+        r = httpx.post(f"{pair.router}/generate", json={"text": TEXTS[0], "sampling_params": sp},
+                       timeout=TIMEOUT)  # fmt: skip
+        assert r.status_code == 502 and "different KV layouts" in r.text, r.text
+        update(pair.decode_url, other)
+        out = _generate(pair.router, text=TEXTS[0], sampling_params=sp)
+        assert out["output_ids"] == want.outputs[0].token_ids
+    finally:
+        update(pair.prefill_url, pair.model)
+        update(pair.decode_url, pair.model)
+    wait_idle(pair.decode_url)
+    wait_idle(pair.prefill_url)

@@ -116,6 +116,13 @@ class _DisaggEngine(AsyncEngine):
                 "integrity": await self._integrity(),
             }
 
+    def weights_updated(self) -> None:
+        """The handshake describes the weights served now: a peer on the old checkpoint is
+        refused, one on the new is taken."""
+        self.layout = _describe(self.engine)
+        if self.role == "prefill":
+            self.bootstrap.layout = self.layout
+
     def server_info(self) -> dict[str, Any]:
         port = self.config.bootstrap_port
         return {"disaggregation_mode": self.role, "disaggregation_bootstrap_port": port}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import secrets
@@ -309,8 +310,9 @@ class InFlight:
 
     def waiting(self, call: _Call, submit: asyncio.Future, n: int) -> None:
         """`submit`, the engine's `generate_n`, takes `call`'s next `n` outputs: an abort of
-        them all cancels it."""
+        them all cancels it (at once, if it came earlier)."""
         call.waiting, call.waiting_n = submit, n
+        self._cancel_waiting(call)
 
     def aborted(self, call: _Call | None, n: int) -> bool:
         """Whether an abort reached each of `call`'s next `n` outputs before they were taken."""
@@ -675,6 +677,7 @@ class Handlers:
                     if time.monotonic() > deadline:
                         return False, "Failed to update weights: the engine stayed busy"
                     await asyncio.sleep(0.01)
+                await asyncio.to_thread(self.engine.weights_updated)
                 if version is not None:
                     self.weight_version = version
             except Exception as e:  # noqa: BLE001 - the answer says it; the weights stand
@@ -702,7 +705,7 @@ class Handlers:
         """SGLang's `/model_info` shape (sglang-router reads `model_type` from it)."""
         e = self.engine.engine
         return {
-            "model_path": e.config.model,
+            "model_path": e.weights_path,  # (as SGLang's, the last update's)
             "tokenizer_path": e.config.model if e.tokenizer is not None else None,
             "is_generation": True,
             "preferred_sampling_params": None,
@@ -939,16 +942,23 @@ class Handlers:
         while waiting. The prompt is tokenized here, off the engine thread (a 5 MB one held
         every stream five seconds there)."""
         prompt = await self._fitting(prompt, params, max_tokens_param, prompt_param, special)
-        if self.in_flight.aborted(call, n):  # while it tokenized: the engine never sees it
-            self.engine.forgo(n)
-            return [aborted_waiting(len(prompt)) for _ in range(n)]
-        submit = asyncio.ensure_future(self.engine.generate_n(prompt, params, n))
+        started = False
+
+        async def generate_n() -> list[RequestStream]:
+            nonlocal started
+            started = True
+            return await self.engine.generate_n(prompt, params, n)
+
+        submit = asyncio.ensure_future(generate_n())
         if call is not None:
-            self.in_flight.waiting(call, submit, n)
+            self.in_flight.waiting(call, submit, n)  # (aborted while it tokenized: cancelled)
         watcher = asyncio.create_task(_when_left(raw, submit.cancel))
         try:
             return await submit
         except asyncio.CancelledError:
+            if not started:  # the engine never saw it
+                with contextlib.suppress(APIError):
+                    self.engine.forgo(n)
             me = asyncio.current_task()
             if self.in_flight.aborted(call, n) and not (me and me.cancelling()):
                 return [aborted_waiting(len(prompt)) for _ in range(n)]

@@ -229,6 +229,10 @@ class AsyncEngine:
         the engine never sees them (a prefill/decode engine gives the prompt's bootstrap
         room up, or the next prompt would take it)."""
 
+    def weights_updated(self) -> None:
+        """The engine serves new weights (/update_weights_from_disk): what was derived from
+        the old ones outside it is derived again (a PD server's handshake description)."""
+
     async def probe(self) -> None:
         """One greedy token of a one-token prompt, run by the engine thread (SGLang's
         `/health_generate`): proves the engine still steps, not only that its thread lives.
