@@ -2,7 +2,9 @@
 a server updated from one checkpoint to another answers as a fresh server on the second
 (every weight replaced, the MTP layer's too, the prefix cache not reused), in each form the
 loader keeps weights in; a checkpoint that does not fit changes nothing; an update waits for
-the generation in flight (or aborts it) and holds back new ones until it is done."""
+the generation in flight (or aborts it) and holds back new ones until it is done. Over
+several ranks (`--tp 2`, `--dp-attention`) every rank loads its part, or none does, or all
+roll back."""
 
 from __future__ import annotations
 
@@ -180,10 +182,18 @@ def test_python_api_updates_in_place(models):
     assert (out.token_ids, out.logprobs) == (fresh.token_ids, fresh.logprobs)
 
 
-def test_l3_pages_of_the_old_weights_are_not_read_after(models, tmp_path):
+@pytest.mark.parametrize("identity", ["own", "blind"])
+def test_l3_pages_of_the_old_weights_are_not_read_after(models, tmp_path, monkeypatch, identity):
     """The L3 storage tier: pages stored under the old weights are not the new weights' (an
-    update moves L3 to the new checkpoint's namespace), and its pages are stored anew."""
+    update moves L3 to a namespace of its own), and its pages are stored anew; also where
+    the checkpoint's identity does not see the change ("blind": it samples a large shard,
+    and a fine-tune step may change only tensors the samples miss; the stale pages were
+    read)."""
+    import dsakv.engine.engine as engine_module
     from dsakv.engine import SamplingParams
+
+    if identity == "blind":
+        monkeypatch.setattr(engine_module, "model_identity", lambda path: "same-samples")
 
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
     old, new = models["glm-tiny", "fp32", 0], models["glm-tiny", "fp32", 1]
@@ -290,3 +300,120 @@ def test_update_weight_version(models):
             "new_version": "step-7",
         }
         assert _generate(base)["meta_info"]["weight_version"] == "step-7"
+
+
+# --- every rank (`--tp 2`, `--dp-attention`; gloo on CPU) ---------------------------------
+
+PROMPTS = [PROMPT, list(range(60, 100))]  # two pages each (one per rank under DP attention)
+
+
+def _outputs(llm: LLM) -> list[tuple]:
+    from dsakv.engine import SamplingParams
+
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    return [(c.token_ids, c.logprobs) for o in llm.generate(PROMPTS, sp) for c in o.outputs]
+
+
+def _split(src, dst, ranks: int = 2):
+    """`src`'s checkpoint in 1 + `ranks` files: the routed experts of expert-parallel rank r
+    in file r + 2 (read by that rank alone under `--ep ranks`), the rest in file 1."""
+    import json
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(src / "model.safetensors")
+    experts = TINY_PRESETS["glm-tiny"]["n_routed_experts"]
+    names = [f"model-{i:05d}-of-{ranks + 1:05d}.safetensors" for i in range(1, ranks + 2)]
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in names]
+    weight_map = {}
+    for name in sorted(tensors):
+        m = re.search(r"\.experts\.(\d+)\.", name)
+        part = 0 if m is None else 1 + int(m.group(1)) * ranks // experts
+        parts[part][name] = tensors[name]
+        weight_map[name] = names[part]
+    for file, part in zip(names, parts):
+        save_file(part, dst / file, metadata={"format": "pt"})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def split(models, tmp_path_factory):
+    """Seed 1's glm-tiny with each expert-parallel rank's experts in a file of its own."""
+    return _split(models["glm-tiny", "fp32", 1], tmp_path_factory.mktemp("split") / "glm")
+
+
+def test_tp2_update_answers_as_a_fresh_tp2_engine(models, split, tmp_path, monkeypatch):
+    """`--tp 2 --ep 2`: every rank loads its own slices, and the engine then answers as a
+    fresh one on the new checkpoint. A checkpoint that one rank alone refuses (its experts
+    of another shape) changes nothing on any rank; a read that fails part way on one rank
+    (its experts' file gone after the check: the trainer replaced the checkpoint) leaves
+    every rank on the old weights, the rank that loaded all of it too."""
+    from safetensors.torch import load_file, save_file
+
+    old, new = models["glm-tiny", "fp32", 0], models["glm-tiny", "fp32", 1]
+    tp = dict(tp=2, ep=2)
+    with LLM(str(new), **ENGINE_ARGS, **tp) as fresh:
+        want = _outputs(fresh)
+    odd = _split(new, tmp_path / "odd")  # rank 1's expert 5 one column wider
+    rank1 = odd / "model-00003-of-00003.safetensors"
+    tensors = load_file(rank1)
+    name = next(n for n in tensors if ".experts.5.gate_proj." in n)
+    tensors[name] = torch.zeros(tensors[name].shape[0], tensors[name].shape[1] + 1)
+    save_file(tensors, rank1, metadata={"format": "pt"})
+    with LLM(str(old), **ENGINE_ARGS, **tp) as llm:
+        before, cached = _outputs(llm), _outputs(llm)  # (over several ranks a cached
+        assert before != want  # prefix changes the last bits: the two are compared apart)
+        with pytest.raises(DsakvError, match="another architecture"):
+            llm.update_weights(models["deepseek-tiny", "fp32", 1])
+        with pytest.raises(DsakvError, match=r"^rank 1: checkpoint tensor .*experts\.5\.gate"):
+            llm.update_weights(odd)
+        assert _outputs(llm) == cached  # (a refused checkpoint keeps the cache too)
+
+        from dsakv.models import loader
+
+        check = loader.check_update
+        rank0 = split / "model-00002-of-00003.safetensors"  # experts 0-3: rank 0's alone
+
+        def then_gone(*args, **kw):
+            checked = check(*args, **kw)
+            rank0.rename(rank0.with_suffix(".gone"))
+            return checked
+
+        with monkeypatch.context() as m:
+            m.setattr(loader, "check_update", then_gone)
+            with pytest.raises(DsakvError) as e:
+                llm.update_weights(split)
+        assert f"rank 0: cannot read checkpoint file {rank0}" in str(e.value)
+        assert str(e.value).endswith(f"; every rank serves {old} again")
+        assert _outputs(llm) == before  # (the cache was dropped before the copy)
+        rank0.with_suffix(".gone").rename(rank0)
+        llm.update_weights(split)
+        assert llm.engine.weights_path == str(split)
+        assert _outputs(llm) == want
+
+
+def test_dp_attention_update_drops_every_ranks_cache(models):
+    """`--dp-attention`: each rank loads the checkpoint and drops its own prefix cache (its
+    pages were computed by the old weights): the same prompts, cached on both ranks
+    before, then answer as a fresh engine's on the new checkpoint."""
+    old, new = models["glm-tiny", "fp32", 0], models["glm-tiny", "fp32", 1]
+    dp = dict(tp=2, dp_attention=True)
+    with LLM(str(new), **ENGINE_ARGS, **dp) as fresh:
+        want = _outputs(fresh)
+    with LLM(str(old), **ENGINE_ARGS, **dp) as llm:
+        before, cached = _outputs(llm), _outputs(llm)
+        assert before != want
+        hits = [r.counters["prefix_hit_tokens"] for r in llm.engine._reports]
+        assert hits == [32, 32]  # (each rank ran one prompt, and reused its two pages)
+        with pytest.raises(DsakvError, match="another architecture"):
+            llm.update_weights(models["deepseek-tiny", "fp32", 1])
+        assert _outputs(llm) == cached
+        hits = [r.counters["prefix_hit_tokens"] for r in llm.engine._reports]
+        llm.update_weights(new)
+        assert _outputs(llm) == want
+        hits_after = [r.counters["prefix_hit_tokens"] for r in llm.engine._reports]
+        assert hits_after == hits

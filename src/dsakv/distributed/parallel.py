@@ -226,6 +226,15 @@ class ParallelState:
         dist.gather_object(obj, out, dst=0, group=self.cpu_group)
         return out
 
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (in rank order) on every rank: a decision all ranks must take
+        alike from each one's outcome (`Engine.update_weights_here`'s phases)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
 
 def init_parallel(
     config: ParallelConfig,

@@ -14,12 +14,13 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dsakv.distributed.leader import Leader
 from dsakv.errors import DsakvError
 
-from .engine import Engine
+from .engine import Engine, updated
 from .request import Request, Status
 from .sampling import SamplingParams
 
@@ -144,6 +145,9 @@ def serve_dp_peer(engine: Engine) -> None:
             msg = engine.parallel.broadcast_object()
             if msg[0] == "stop":
                 return
+            if msg[0] == "update_weights":
+                engine.update_weights_here(msg[1])
+                continue
             if msg[0] != "step":
                 continue  # heartbeat
             reporter.apply(msg)
@@ -229,6 +233,17 @@ class DPEngine:
             "flushing the cache does not run with --dp-attention yet (each rank "
             "holds a prefix cache of its own)"
         )
+
+    def update_weights(self, path: str | Path) -> bool:
+        """`Engine.update_weights` on every rank: each loads the checkpoint and drops its
+        own prefix cache (`Engine.update_weights_here`, the peers from `serve_dp_peer`).
+        Only with no request on any rank, queued adds and aborts included (False, nothing
+        loaded: the step that delivers them comes first)."""
+        if self.has_unfinished():
+            return False
+        with self.leader.lock, self.local.rank_failures():
+            self.leader.send(("update_weights", str(path)))
+            return updated(self.local.update_weights_here(str(path)))
 
     # --- the step ------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import logging
 import math
 import reprlib
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 from itertools import accumulate
@@ -466,7 +467,13 @@ class Engine:
         dp_rank = self.parallel.rank if self.parallel.config.dp_attention else 0
         self.sampler = Sampler(self.device, config.seed + dp_rank)
         self.runner = ModelRunner(
-            self.model, self.pool, self.host, self.parallel, self.device, self._decode_graphs()
+            self.model,
+            self.pool,
+            self.host,
+            self.parallel,
+            self.device,
+            self._decode_graphs(),
+            on_update=self.update_weights_here,
         )
         self.drafter = None
         if config.speculative_algorithm == "mtp":
@@ -852,27 +859,91 @@ class Engine:
         (`loader.update_weights`; a refused or failed load leaves the weights served), and
         move L3 to the new weights' namespace. The prefix cache, whose KV the old weights
         computed, is dropped first. Only with nothing running or waiting (False, nothing
-        loaded), and on one rank: the other ranks have no message that loads."""
+        loaded). Under `--tp` every rank loads its own slices (`update_weights_here`);
+        under DP attention `DPEngine.update_weights` runs it."""
         from dsakv.models.loader import update_weights
 
-        if self.parallel.world_size > 1:
-            raise DsakvError(
-                f"weights are updated on one rank only; this engine runs on "
-                f"{self.parallel.world_size} (--tp / --dp-attention): restart it on {path}"
-            )
         if self.has_unfinished() or self.scheduler.held:
             return False
+        if self.parallel.world_size > 1:
+            if self.parallel.config.dp_attention:
+                raise DsakvError("under --dp-attention DPEngine.update_weights updates every rank")
+            with self.rank_failures():
+                return updated(self.runner.update_weights(str(path)))
         # First, so that L3 writes every old page under the old weights' namespace.
         self.cache.reset()
         if self.l3 is not None and not self.l3.drain():
             raise DsakvError("L3 storage did not take the old pages in time; weights not updated")
         update_weights(self.model, path, previous=self.weights_path, **self._stored)
-        self.weights_path = str(path)
+        self._weights_updated(str(path))
+        return True
+
+    def update_weights_here(self, path: str) -> bool | str:
+        """This rank's part of a weight update on every rank, run by each between steps
+        (rank 0's runner or `DPEngine` sends the message; `ModelRunner.serve`,
+        `serve_dp_peer`). Each phase's outcome is all-gathered, so every rank takes the
+        same decision: (1) each rank, idle, checks `path` against the slices it reads
+        (`loader.check_update`: its own experts' files); (2) only if every rank passed
+        does each drop its prefix cache and copy its slices in; (3) if any rank's read
+        failed part way, every rank that touched its weights reloads the previous
+        checkpoint, so that all ranks serve the same weights. Returns, alike on every rank,
+        True (updated), False (a rank was busy: nothing loaded) or what failed (nothing
+        loaded, or rolled back, or the weights are mixed)."""
+        from dsakv.models import loader
+
+        gather, previous = self.parallel.all_gather_objects, self.weights_path
+        checked, why = None, None
+        if self.has_unfinished() or self.scheduler.held:
+            why = _BUSY
+        else:
+            try:
+                checked = loader.check_update(self.model, path, **self._stored)
+            except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
+                why = _said(e)
+        whys = gather(why)
+        if _BUSY in whys:
+            return False
+        if any(whys):
+            return _by_rank(whys)
+        failed, touched = None, False
+        try:
+            # First, so that L3 writes every old page under the old weights' namespace.
+            self.cache.reset()
+            if self.l3 is not None and not self.l3.drain():
+                raise DsakvError("L3 storage did not take the old pages in time")
+            touched = True
+            loader.load_update(self.model, checked)
+        except Exception as e:  # noqa: BLE001 - every rank hears it: all roll back
+            failed = _said(e)
+        fails = gather(failed)
+        if not any(fails):
+            self._weights_updated(path)
+            return True
+        again = None
+        if touched:
+            try:
+                loader.reload_weights(self.model, previous)
+            except Exception as e:  # noqa: BLE001 - told below: the weights are mixed
+                again = _said(e)
+        agains = gather(again)
+        what = f"loading {path} failed part way ({_by_rank(fails)})"
+        if any(agains):
+            return (
+                f"{what}, and reloading {previous} failed too ({_by_rank(agains)}): the "
+                "weights are mixed, restart the server"
+            )
+        return f"{what}; every rank serves {previous} again"
+
+    def _weights_updated(self, path: str) -> None:
+        self.weights_path = path
         self.__dict__.pop("model_identity", None)  # (the PD handshake's and L3's)
         if self.l3 is not None:
-            self.l3.rename(storage_namespace(self.layout, self.model_identity, self.compute))
-        log.info("weights updated from %s", path)
-        return True
+            # A namespace of this update's own: the identity samples a large shard, and an
+            # update (a fine-tune step) may change only tensors the samples miss.
+            identity = f"{self.model_identity}+update-{uuid.uuid4().hex}"
+            self.l3.rename(storage_namespace(self.layout, identity, self.compute))
+        if self.parallel.is_driver:
+            log.info("weights updated from %s", path)
 
     def close(self) -> None:
         """Release the other ranks (if any) and wait for them to leave; idempotent. Every
@@ -1435,3 +1506,30 @@ def _tokenizer_fault(path: Path, e: Exception) -> str:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
+
+
+_BUSY = "busy"  # a rank that has requests: an update on every rank waits for idle ranks
+
+
+def updated(outcome: bool | str) -> bool:
+    """`Engine.update_weights_here`'s outcome on rank 0: True/False, or its error raised."""
+    if isinstance(outcome, str):
+        raise DsakvError(outcome)
+    return outcome
+
+
+def _said(e: BaseException) -> str:
+    return str(e) if isinstance(e, DsakvError) else _one_line(e)
+
+
+def _by_rank(whys: list[str | None]) -> str:
+    """Each rank's error, once per text: as is where every rank says the same."""
+    ranks: dict[str, list[int]] = {}
+    for rank, why in enumerate(whys):
+        if why is not None:
+            ranks.setdefault(why, []).append(rank)
+    if len(ranks) == 1 and len(next(iter(ranks.values()))) == len(whys):
+        return next(iter(ranks))
+    return "; ".join(
+        f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {why}" for why, r in ranks.items()
+    )

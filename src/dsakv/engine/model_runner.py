@@ -5,14 +5,16 @@ broadcasts what the other ranks need (the step's tokens and slots, and the host-
 copies made since its last message, so every rank's pool replica stays identical); the
 other ranks sit in `serve()` and make the same calls, which meet in the model's
 collectives. Hidden states never travel: every rank keeps the last target and
-draft outputs ("target", "draft") and messages name rows of them. Under DP attention every
-rank schedules for itself, so nothing is broadcast here (see `dsakv.engine.dp`).
+draft outputs ("target", "draft") and messages name rows of them. Between steps rank 0
+may have every rank load new weights (`update_weights`: each rank its own slices). Under
+DP attention every rank schedules for itself, so nothing is broadcast here (see
+`dsakv.engine.dp`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,10 +39,12 @@ class ModelRunner:
         parallel: ParallelState,
         device: torch.device,
         decode_graphs: DecodeGraphs | None = None,
+        on_update: Callable[[str], Any] | None = None,
     ) -> None:
         self.model, self.pool, self.host = model, pool, host
         self.parallel, self.device = parallel, device
         self.decode_graphs = decode_graphs  # padded (CUDA-graph) decode steps
+        self.on_update = on_update  # this rank's part of a weight update (the engine's)
         follows_rank0 = parallel.world_size > 1 and not parallel.config.dp_attention
         if follows_rank0 and host is not None:
             host.journal = []
@@ -122,6 +126,14 @@ class ModelRunner:
                 send("logits", rows.cpu(), source)
             return self._logits(rows, source)
 
+    def update_weights(self, path: str) -> Any:
+        """Have every rank run `on_update(path)` now, between steps (the other ranks from
+        `serve`), whose collectives meet across them; returns rank 0's outcome."""
+        with self._leading() as send:
+            if send:
+                send("update_weights", path)
+            return self.on_update(path)
+
     def stop(self) -> None:
         """Release the other ranks from `serve()`."""
         if self.leader is not None:
@@ -146,6 +158,8 @@ class ModelRunner:
                 self._forward_draft(tokens, [s.long() for s in slots], source, rows)
             elif kind == "logits":
                 self._logits(*args)
+            elif kind == "update_weights":
+                self.on_update(*args)
 
     @contextlib.contextmanager
     def _leading(self):

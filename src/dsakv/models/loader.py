@@ -171,24 +171,16 @@ def update_weights(
     Refused before any weight changes unless the checkpoint is the served architecture
     (config.json) and every tensor it fills has the name, shape and stored form (bf16,
     packed FP8, fp32) of the weight it replaces, so that the model computes what a fresh
-    load of `path` computes. A read that still fails part way reloads `previous` (the
-    checkpoint served until now), as SGLang rolls back."""
-    path = Path(path)
-    if not path.is_dir():
-        raise DsakvError(f"model_path {path} is not a directory")
-    config = ModelConfig.from_hf(path)
-    _same_architecture(model.config, config, path)
-    files = checkpoint_files(path)
-    twin = _meta_model(path, config, model.plan, files, dtype, as_stored, model.parallel)
-    dropped = _same_forms(model, twin, path)
-    _copies_equal(model, config, files, dropped, path)
+    load of `path` computes (`check_update`). A read that still fails part way reloads
+    `previous` (the checkpoint served until now), as SGLang rolls back."""
+    checked = check_update(model, path, dtype=dtype, as_stored=as_stored)
     try:
-        _Filler(model, config, model.plan, ignore=dropped).load(files)
+        load_update(model, checked)
     except Exception as e:
         if previous is None:
             raise
         try:
-            _reload(model, Path(previous))
+            reload_weights(model, previous)
         except Exception as again:
             raise DsakvError(
                 f"loading {path} failed part way ({_one_line(e)}), and reloading {previous} "
@@ -199,8 +191,41 @@ def update_weights(
         ) from e
 
 
-def _reload(model: DSAForCausalLM, path: Path) -> None:
-    """Fill `model` from `path` again, as `update_weights` had validated it."""
+@dataclass(frozen=True)
+class CheckedUpdate:
+    """A checkpoint `check_update` found to fit the served model, as `load_update` reads it."""
+
+    config: ModelConfig
+    files: dict[str, Path]
+    dropped: set[str]  # the MTP layer's vocab copies, only compared
+
+
+def check_update(
+    model: DSAForCausalLM, path: str | Path, *, dtype: torch.dtype, as_stored: bool
+) -> CheckedUpdate:
+    """`update_weights`' checks, reading headers only (and the MTP vocab copies it drops);
+    on several ranks each checks the slices it reads (its experts' files only)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DsakvError(f"model_path {path} is not a directory")
+    config = ModelConfig.from_hf(path)
+    _same_architecture(model.config, config, path)
+    files = checkpoint_files(path)
+    twin = _meta_model(path, config, model.plan, files, dtype, as_stored, model.parallel)
+    dropped = _same_forms(model, twin, path)
+    _copies_equal(model, config, files, dropped, path)
+    return CheckedUpdate(config, files, dropped)
+
+
+def load_update(model: DSAForCausalLM, checked: CheckedUpdate) -> None:
+    """Copy a checked checkpoint into `model`; a read that fails part way leaves the
+    weights mixed (`reload_weights` the previous one)."""
+    _Filler(model, checked.config, model.plan, ignore=checked.dropped).load(checked.files)
+
+
+def reload_weights(model: DSAForCausalLM, path: str | Path) -> None:
+    """Fill `model` from `path` again (the checkpoint it served), as it was checked once."""
+    path = Path(path)
     config = ModelConfig.from_hf(path)
     files = checkpoint_files(path)
     dropped = _mtp_copies(model, files) - set(dict(model.named_parameters()))
