@@ -290,6 +290,35 @@ def test_a_late_registration_hears_the_prefill_server_gave_up():
         server.close()
 
 
+def test_a_room_registered_before_new_weights_is_refused_when_claimed():
+    """A decode server registered a room, then the prefill server's weights were updated
+    (its request for the room waited for the update): the claim checks the layout again,
+    and both sides hear it differs (the prefill server shipped KV of the new weights to a
+    decode server on the old)."""
+    layout = CacheLayout.for_model(TINY_PRESETS["glm-tiny"], page_size=16)
+    old = describe(layout, ModelConfig.resolve(TINY_PRESETS["glm-tiny"]), "ckpt-a", "fp32")
+    server = BootstrapServer("127.0.0.1", free_port(), old, timeout=20.0)
+    reg = {"room": 9, "layout": old, "session": "s", "buffers": [], "pages": [], "prompt_ids": [1]}
+
+    async def run() -> tuple[BootstrapError, BootstrapError]:
+        decode = asyncio.ensure_future(request_kv("127.0.0.1", server.port, reg, 20))
+        while server.open_rooms == 0:
+            await asyncio.sleep(0.01)
+        server.layout = {**old, "checkpoint": "ckpt-b"}  # (`weights_updated`)
+        with pytest.raises(BootstrapError) as claimed:
+            await server.claim(9, timeout=5)
+        with pytest.raises(BootstrapError) as heard:
+            await decode
+        return claimed.value, heard.value
+
+    try:
+        claimed, heard = asyncio.run(asyncio.wait_for(run(), 30))
+        for e in (claimed, heard):
+            assert "different KV layouts" in str(e) and "checkpoint" in str(e), e
+    finally:
+        server.close()
+
+
 def test_dsakv_imports_without_mooncake_and_says_how_to_get_it(monkeypatch):
     code = (
         "import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.engine'] = None\n"

@@ -96,6 +96,7 @@ class Registration:
     buffers: list[PeerBuffer]
     pages: list[int]
     prompt_ids: list[int]
+    layout: dict[str, Any] = field(default_factory=dict)  # the decode side's (`describe`)
     result: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     gone: threading.Event = field(default_factory=threading.Event)  # decode side hung up
 
@@ -165,6 +166,12 @@ class BootstrapServer:
             self.refuse(room, "the prefill request was cancelled", 499)
             raise
         slot.claimed = True
+        # A layout that changed since the room registered (new weights: `weights_updated`)
+        diffs = differences(self.layout, reg.layout, "prefill", "decode")
+        if diffs:
+            error = mismatch_message(diffs)
+            reg.fail(error)
+            raise BootstrapError(error)
         return reg
 
     def refuse(self, room: int, message: str, status: int) -> None:
@@ -244,6 +251,7 @@ class BootstrapServer:
                 [PeerBuffer.from_json(b) for b in msg["buffers"]],
                 [int(p) for p in msg["pages"]],
                 [int(t) for t in msg["prompt_ids"]],
+                msg["layout"],
             )
             try:
                 slot.registered.set_result(reg)
