@@ -238,6 +238,9 @@ def test_the_router_relays_the_admin_calls_to_every_server(pair):
     for url in (pair.prefill_url, pair.decode_url):
         version = httpx.get(f"{url}/get_weight_version", timeout=TIMEOUT).json()
         assert version == {"weight_version": "rollout-7"}
+    for path in ("/pause_generation", "/continue_generation"):
+        r = httpx.post(f"{pair.router}{path}", json={}, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
     r = httpx.post(f"{pair.router}/update_weights_from_disk", json={}, timeout=TIMEOUT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model_path", r.text
 

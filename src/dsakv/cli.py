@@ -534,6 +534,18 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument("--kv-budget-gib", type=_positive_float, help="device KV pool size (default 1)")
     g.add_argument("--num-pages", type=_positive_int, help="device KV pool size in pages")
     g.add_argument(
+        "--mem-fraction-static",
+        type=_fraction,
+        help="CUDA: size the KV pool as SGLang does, so weights and KV take this share of the "
+        "GPU: what is free after the load less (1 - F) of the GPU, the least over ranks",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        help="vLLM's: taken and refused (dsakv cannot hold the whole instance to a share of "
+        "the GPU); give --mem-fraction-static",
+    )
+    g.add_argument(
         "--host-pool-gib", type=_nonnegative_float, help="host (CPU) KV tier size; 0 = off"
     )
     g.add_argument(

@@ -4,8 +4,8 @@ Each completions or chat request goes to one prefill server and one decode serve
 robin) with the same bootstrap room; the decode server's answer (streamed or not) is the
 client's. The prefill server's own answer (its one token) is only logged when it fails:
 any failure reaches the client through the decode server, which hears it in the handshake.
-SGLang's admin calls (/abort_request, /flush_cache, the weight updates) go to every
-server. Light on purpose: no torch, no engine.
+SGLang's admin calls (/abort_request, /flush_cache, the weight updates, pausing) go to
+every server. Light on purpose: no torch, no engine.
 """
 
 from __future__ import annotations
@@ -323,6 +323,8 @@ BROADCAST = {
     "/flush_cache": 30.0,
     "/update_weights_from_disk": None,
     "/update_weight_version": 30.0,
+    "/pause_generation": None,  # ("abort" answers once the requests in flight ended)
+    "/continue_generation": 30.0,
 }
 
 

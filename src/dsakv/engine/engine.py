@@ -31,6 +31,7 @@ from dsakv.errors import ConfigError, DsakvError, is_int, is_number, load_json
 from dsakv.kernels import BACKENDS, cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
+from dsakv.memory.capacity import GIB, gpu_kv_budget_bytes
 from dsakv.memory.host import HostPool
 from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 from dsakv.memory.pool import DSAKVPool
@@ -82,6 +83,10 @@ class EngineConfig:
     elide_index_k: bool = True
     kv_budget_gib: float | None = None
     num_pages: int | None = None
+    # The pool from what the GPU has free after the load (SGLang's flag; CUDA only), and
+    # vLLM's, refused: see `_check_pool_size`.
+    mem_fraction_static: float | None = None
+    gpu_memory_utilization: float | None = None
     host_pool_gib: float = 0.0
     page_size: int = 64
     chunked_prefill_size: int = 512
@@ -181,8 +186,7 @@ class EngineConfig:
         # Settings that act only beside another are refused alone, not silently ignored.
         if n is not None and self.speculative_algorithm is None:
             raise DsakvError("--speculative-num-steps needs --speculative-algorithm")
-        if self.kv_budget_gib is not None and self.num_pages is not None:
-            raise DsakvError("--kv-budget-gib and --num-pages both size the KV pool: give one")
+        self._check_pool_size()
         pc = self.parallel  # (validates the parallel flags)
         if pc.dp_attention and self.max_running_requests < pc.world_size:
             raise DsakvError(
@@ -210,6 +214,43 @@ class EngineConfig:
                     "--hicache-storage-backend runs with one rank only (--tp 1): pages read "
                     "from storage would reach rank 0's pool, not the other ranks' replicas"
                 )
+
+    def _check_pool_size(self) -> None:
+        """One way to size the pool; a fraction of the GPU on a GPU, with SGLang's meaning."""
+        given = [
+            flag
+            for flag, v in (
+                ("--kv-budget-gib", self.kv_budget_gib),
+                ("--num-pages", self.num_pages),
+                ("--mem-fraction-static", self.mem_fraction_static),
+                ("--gpu-memory-utilization", self.gpu_memory_utilization),
+            )
+            if v is not None
+        ]
+        if len(given) > 1:
+            both = "both" if len(given) == 2 else "all"
+            raise DsakvError(f"{' and '.join(given)} {both} size the KV pool: give one")
+        for name in ("mem_fraction_static", "gpu_memory_utilization"):
+            v = getattr(self, name)
+            if v is not None and not (is_number(v) and 0 < v <= 1):
+                raise DsakvError(f"{name} must be a number in (0, 1], got {v!r}")
+        if self.mem_fraction_static is None and self.gpu_memory_utilization is None:
+            return
+        flag = given[0]
+        device = str(self.device)
+        if device.startswith("cpu") or device == "auto" and not torch.cuda.is_available():
+            raise DsakvError(
+                f"{flag} sizes the KV pool from GPU memory, and this engine runs on the CPU, "
+                "where the pool is host RAM: give --kv-budget-gib"
+            )
+        if self.gpu_memory_utilization is not None:
+            raise DsakvError(
+                "--gpu-memory-utilization (vLLM's: the share of the GPU the whole instance may "
+                "use, activations and CUDA graphs included, which vLLM measures with a "
+                "profiling run dsakv does not make) cannot be honoured: give "
+                "--mem-fraction-static F (SGLang's: F of the GPU for weights and KV, the rest "
+                "for activations) or --kv-budget-gib"
+            )
 
     def _check_hisparse(self) -> None:
         """What HiSparse runs with; the model-dependent checks come with the model."""
@@ -432,6 +473,9 @@ class Engine:
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.stats = EngineStats()
         self.requests: dict[int, Request] = {}
+        # Generation paused (the server's /pause_generation, in place or retracted): a
+        # weight update or a cache flush then runs under the requests it holds, as SGLang's.
+        self.paused = False
         self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
         # Which rank died and how, once known (the launcher's watchdog says; None: unknown).
         self.rank_failure: Callable[[], str | None] = lambda: None
@@ -501,7 +545,7 @@ class Engine:
         `host_to_device_ratio` logical pages (index-K on the device, every layer's latent
         on the host)."""
         config = self.config
-        budget = config.kv_budget_gib or 1.0
+        budget = self._kv_budget_gib()
         latent_pages = None
         if self.hisparse is not None:
             latent_pages = config.num_pages or (
@@ -516,6 +560,31 @@ class Engine:
         if num_pages < 1 or latent_pages == 0:
             raise DsakvError("the KV budget holds less than one page")
         return num_pages, latent_pages
+
+    def _kv_budget_gib(self) -> float:
+        """`kv_budget_gib` (default 1), or under `mem_fraction_static` what the GPU keeps for
+        the pool once the weights are in (`static_kv_budget_bytes`), the least any rank
+        has: the ranks' pools are one size. Every rank gets every rank's numbers first, so
+        a refusal is every rank's."""
+        fraction = self.config.mem_fraction_static
+        if fraction is None:
+            return self.config.kv_budget_gib or 1.0
+        if self.device.type != "cuda":  # (an engine given a CPU device past its config)
+            raise DsakvError(
+                "--mem-fraction-static sizes the KV pool from GPU memory, and this engine runs "
+                "on the CPU, where the pool is host RAM: give --kv-budget-gib"
+            )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # (blocks the load freed count as used otherwise)
+        free, total = torch.cuda.mem_get_info(self.device)
+        per_rank = self.parallel.all_gather_objects((free, total))
+        budget = gpu_kv_budget_bytes(fraction, per_rank) / GIB
+        log.info(
+            "KV budget %.2f GiB: --mem-fraction-static %s of %.2f GiB, %.2f GiB in use here after "
+            "the load (least over %d rank(s))",
+            budget, fraction, total / GIB, (total - free) / GIB, len(per_rank),
+        )  # fmt: skip
+        return budget
 
     def _max_model_len(self, pool_tokens: int) -> int:
         """The context: `max_model_len` as given, else the model's positions, cut to what the
@@ -844,11 +913,26 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def _busy(self) -> bool:
+        """Whether requests keep a weight update or a cache flush off: any request, or
+        while `paused` only pages held for a prefill server's hand-off (the paused ones stay
+        through it: their KV so far is the old weights', what partial rollouts accept)."""
+        return (not self.paused and self.has_unfinished()) or bool(self.scheduler.held)
+
+    def retract_all(self) -> None:
+        """SGLang's /pause_generation "retract": every running request gives its pages back
+        and waits, to resume from its output so far (its KV recomputed, or reloaded from the
+        host tier). Not under DP attention, where each rank schedules its own requests."""
+        if self.parallel.world_size > 1 and self.parallel.config.dp_attention:
+            raise DsakvError("pausing with mode retract does not run with --dp-attention")
+        self.scheduler.retract_all()
+
     def flush_cache(self) -> bool:
         """SGLang's /flush_cache (vLLM's /reset_prefix_cache): drop the prefix cache's device
         and host pages, e.g. between benchmark runs; only with nothing running or waiting
-        (False, nothing dropped) and no pages held for a prefill server's hand-off."""
-        if self.has_unfinished() or self.scheduler.held:
+        (False, nothing dropped) and no pages held for a prefill server's hand-off. While
+        `paused`, with nothing running (SGLang's: retracted requests compute theirs again)."""
+        if self._busy() or (self.paused and self.scheduler.running):
             return False
         self.cache.reset()
         return True
@@ -859,12 +943,20 @@ class Engine:
         (`loader.update_weights`; a refused or failed load leaves the weights served), and
         move L3 to the new weights' namespace. The prefix cache, whose KV the old weights
         computed, is dropped first. Only with nothing running or waiting (False, nothing
-        loaded). Under `--tp` every rank loads its own slices (`update_weights_here`);
-        under DP attention `DPEngine.update_weights` runs it."""
+        loaded), unless `paused`: then what the requests hold stays (SGLang's), they go on
+        with the new weights, and only the cache's unlocked pages are dropped. Under `--tp`
+        every rank loads its own slices (`update_weights_here`); under DP attention
+        `DPEngine.update_weights` runs it."""
         from dsakv.models.loader import update_weights
 
-        if self.has_unfinished() or self.scheduler.held:
+        if self._busy():
             return False
+        if self.l3 is not None and self.has_unfinished():  # (paused)
+            raise DsakvError(
+                "with the L3 tier a weight update does not run under paused requests: their "
+                "pages would be stored under the new weights' namespace (pause with mode "
+                "abort, or continue generation first)"
+            )
         if self.parallel.world_size > 1:
             if self.parallel.config.dp_attention:
                 raise DsakvError("under --dp-attention DPEngine.update_weights updates every rank")
@@ -893,7 +985,7 @@ class Engine:
 
         gather, previous = self.parallel.all_gather_objects, self.weights_path
         checked, why = None, None
-        if self.has_unfinished() or self.scheduler.held:
+        if self._busy():  # (under --tp rank 0 holds the requests, and `paused`)
             why = _BUSY
         else:
             try:

@@ -264,6 +264,12 @@ class Scheduler:
         if req.host_slots is None:
             self._prefetch(req)
 
+    def retract_all(self) -> None:
+        """Retract every running request, the newest first, so that the oldest heads the
+        waiting queue again."""
+        for req in reversed(list(self.running)):
+            self.retract(req)
+
     def slots(self, req: Request, n: int):
         """Token slots of the request's first `n` positions."""
         return self.req_to_token.get(req.rid, n)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -260,13 +261,48 @@ def kv_budget_bytes(
         weight_bytes = estimate_weight_bytes(config, layout.plan, tp).total_bytes
     else:
         raise ConfigError("need weights_gib or a model config to estimate the weights")
-    budget = gpu_memory_gib * mem_fraction_static * GIB - weight_bytes - reserve_gib * GIB
+    used = weight_bytes + int(reserve_gib * GIB)
+    what = "weights and reserve" if reserve_gib else "weights"
+    budget = static_kv_budget_bytes(int(gpu_memory_gib * GIB), mem_fraction_static, used, what)
+    return budget, weight_bytes
+
+
+def static_kv_budget_bytes(
+    total_bytes: int, fraction: float, used_bytes: int, used_by: str = "weights"
+) -> int:
+    """`total × fraction − used`: the KV pool's share of a GPU under SGLang's
+    `--mem-fraction-static`, which keeps `fraction` of the GPU for weights and KV and the
+    rest for activations and CUDA graphs. `used` is what is on the device before the pool:
+    `dsakv plan`'s weights and reserve, or on a live GPU after the load `total − free`
+    (SGLang's `free − total × (1 − fraction)`, other processes' memory included).
+    Nothing left is a `ConfigError`."""
+    if not (_finite(fraction) and 0 < fraction <= 1):
+        raise ConfigError(f"mem_fraction_static must be in (0, 1], got {fraction!r}")
+    budget = int(total_bytes * fraction) - used_bytes
     if budget <= 0:
         raise ConfigError(
-            f"no memory left for the KV cache: {gpu_memory_gib} GiB × {mem_fraction_static} "
-            f"− weights {weight_bytes / GIB:.2f} GiB − reserve {reserve_gib} GiB ≤ 0"
+            f"no memory left for the KV cache: {used_by} take {used_bytes / GIB:.2f} GiB of "
+            f"{total_bytes / GIB:.2f} GiB; --mem-fraction-static {fraction} leaves no KV room "
+            f"(it keeps {total_bytes * fraction / GIB:.2f} GiB for them and the KV)"
         )
-    return int(budget), weight_bytes
+    return budget
+
+
+def gpu_kv_budget_bytes(fraction: float, mem_info: Sequence[tuple[int, int]]) -> int:
+    """The pool every rank holds under `--mem-fraction-static`, from each rank's
+    `(free, total)` after the load (`torch.cuda.mem_get_info`): the least rank's
+    `static_kv_budget_bytes`, as the ranks' pools are one size; a rank with no room
+    refuses for all."""
+    where = len(mem_info) > 1
+    return min(
+        static_kv_budget_bytes(
+            total,
+            fraction,
+            total - free,
+            "the weights and all else on the GPU" + where * f" of rank {r}",
+        )
+        for r, (free, total) in enumerate(mem_info)
+    )
 
 
 def _finite(value: Any) -> bool:

@@ -62,6 +62,8 @@ _ENDPOINTS = (
     "/update_weights_from_disk",
     "/get_weight_version",
     "/update_weight_version",
+    "/pause_generation",
+    "/continue_generation",
     "/flush_cache",
     "/reset_prefix_cache",
     "/v1/models",
@@ -377,6 +379,9 @@ class Handlers:
         self._serving = asyncio.Event()
         self._serving.set()
         self._updating = asyncio.Lock()
+        # SGLang's is_pause: generation calls start while it is set (`pause_generation`)
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
         self._grammars_lock = threading.Lock()  # the engine builds its GrammarCache lazily
         # Grammars compile on threads of their own: schemas slow to compile (seconds each,
         # and xgrammar cannot stop one) queue behind each other, not other requests' prompts
@@ -655,9 +660,35 @@ class Handlers:
         return Response("Cache flushed.\n", media_type="text/plain")
 
     async def weights_ready(self) -> None:
-        """Until no weight update runs or waits: a generation call awaits it right before it
-        opens (`InFlight.open`), so that an update never runs under a call."""
-        await self._serving.wait()
+        """Until no weight update runs or waits and generation is not paused: a generation
+        call awaits it right before it opens (`InFlight.open`), so that an update never runs
+        under a call it did not mean to (a paused one's)."""
+        while not (self._serving.is_set() and self._unpaused.is_set()):
+            await self._unpaused.wait()
+            await self._serving.wait()
+
+    async def pause_generation(self, mode: str) -> None:
+        """SGLang's /pause_generation: new generation calls wait until
+        `continue_generation`; "abort" ends every call in flight (as /abort_request's) and
+        returns once they ended, "in_place" stops the engine stepping (requests keep their
+        KV) and "retract" also has the running requests give their KV back, to compute it
+        again when they go on. Paused requests' clients only wait."""
+        was = self._unpaused.is_set()
+        self._unpaused.clear()
+        if mode == "abort":
+            self.in_flight.abort_all()
+            await self.in_flight.drained()
+            return
+        try:
+            await self.engine.pause(retract=mode == "retract")
+        except DsakvError as e:
+            if was:
+                self._unpaused.set()
+            raise APIError(400, str(e)) from None
+
+    async def continue_generation(self) -> None:
+        await self.engine.resume()
+        self._unpaused.set()
 
     async def update_weights(
         self, path: str, abort_all: bool = False, version: str | None = None
@@ -665,15 +696,26 @@ class Handlers:
         """SGLang's /update_weights_from_disk: new generation calls wait, the ones in flight
         end first (`abort_all`: aborted, as /abort_request's), then the engine loads `path`
         between steps (`Engine.update_weights`: the prefix cache is dropped, a checkpoint
-        that does not fit changes nothing). (success, SGLang's message)."""
+        that does not fit changes nothing). While generation is paused, as SGLang's, it does
+        not wait for the calls in flight: paused requests go on with the new weights once
+        generation continues. (success, SGLang's message)."""
         if abort_all:
             self.in_flight.abort_all()
         async with self._updating:
+            paused = not self._unpaused.is_set()
             self._serving.clear()
             try:
-                await self.in_flight.drained()
+                if not paused:
+                    await self.in_flight.drained()
                 deadline = time.monotonic() + _UPDATE_IDLE_TIMEOUT_S
                 while not await self.engine.call(lambda e: e.update_weights(path)):
+                    served = self.engine.engine
+                    if served.paused and served.config.dp_attention:  # (no rank there steps)
+                        return False, (
+                            "Failed to update weights: under --dp-attention an update does "
+                            "not run under paused requests (pause with mode abort, or "
+                            "continue generation first)"
+                        )
                     if time.monotonic() > deadline:
                         return False, "Failed to update weights: the engine stayed busy"
                     await asyncio.sleep(0.01)

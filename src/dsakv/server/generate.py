@@ -5,7 +5,8 @@ OpenAI handlers' plumbing (`Handlers`): the same sampling params (less generatio
 defaults, which SGLang applies to its chat route alone), submission, disconnect aborts and
 SSE streaming; its `/abort_request`, with which those frameworks stop their rollouts, and
 `/update_weights_from_disk` (with `/get_weight_version`, `/update_weight_version`), with
-which they load the trained weights between rollouts."""
+which they load the trained weights between rollouts, and `/pause_generation` /
+`/continue_generation` around them (partial rollouts)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -83,13 +84,21 @@ class AbortRequest(BaseModel):
 
 class UpdateWeightsRequest(BaseModel):
     """SGLang's `UpdateWeightFromDiskReqInput`, the fields dsakv runs (its others, such as
-    is_async or keep_pause, are ignored: the update always waits and flushes the cache)."""
+    is_async or keep_pause, are ignored: the update waits unless generation is paused, and
+    flushes the cache)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
     model_path: str
     load_format: str | None = None
     weight_version: str | None = None
     abort_all_requests: bool = False
+
+
+class PauseGenerationRequest(BaseModel):
+    """SGLang's `PauseGenerationReqInput`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 class UpdateWeightVersionRequest(BaseModel):
@@ -158,8 +167,8 @@ _OPENAI_WORDS = re.compile(r"\b(" + "|".join(_SGLANG_NAMES) + r")\b")
 
 
 def add_generate_route(app: FastAPI, api: Handlers) -> None:
-    """`POST`/`PUT /generate` (SGLang takes both), `POST /abort_request` and the weight
-    routes, behind the API key as the /v1 routes."""
+    """`POST`/`PUT /generate` (SGLang takes both), `POST /abort_request`, the weight
+    routes and pausing, behind the API key as the /v1 routes."""
 
     async def generate(body: GenerateRequest, raw: Request) -> Response:
         return await _generate(api, body, raw)
@@ -177,8 +186,8 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
 
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> Response:
         """SGLang's: `model_path` loaded in place of the served weights once the generation
-        calls in flight end (aborted first with `abort_all_requests`; new ones wait), the
-        prefix cache dropped, `weight_version` reported from then on. A checkpoint that does
+        calls in flight end (aborted first with `abort_all_requests`; new ones wait; while
+        generation is paused, at once: the paused ones go on with it), the prefix cache dropped, `weight_version` reported from then on. A checkpoint that does
         not fit (another architecture, weights stored otherwise) or fails to load is a 400
         with success false, the served weights unchanged."""
         if body.load_format not in _LOAD_FORMATS:
@@ -191,6 +200,17 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
             {"success": ok, "message": message, "num_paused_requests": 0},
             status_code=200 if ok else 400,
         )
+
+    async def pause_generation(body: PauseGenerationRequest | None = None) -> dict[str, str]:
+        """SGLang's: new generation calls wait until /continue_generation, and those in flight
+        are aborted (mode "abort", the default), paused with their KV ("in_place") or paused
+        with their KV given back, to compute again ("retract")."""
+        await api.pause_generation((body or PauseGenerationRequest()).mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    async def continue_generation() -> dict[str, str]:
+        await api.continue_generation()
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     async def get_weight_version() -> dict[str, str]:
         return {"weight_version": api.weight_version}
@@ -210,6 +230,8 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
     app.add_api_route("/generate", generate, methods=["POST", "PUT"])
     app.add_api_route("/abort_request", abort_request, methods=["POST"])
     app.add_api_route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"])
+    app.add_api_route("/pause_generation", pause_generation, methods=["POST"])
+    app.add_api_route("/continue_generation", continue_generation, methods=["POST"])
     app.add_api_route("/get_weight_version", get_weight_version, methods=["GET"])
     app.add_api_route("/update_weight_version", update_weight_version, methods=["POST"])
 

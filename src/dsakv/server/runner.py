@@ -186,6 +186,7 @@ class AsyncEngine:
         self.snapshot: dict[str, float] | None = None
         self._counting: Future[None] | None = None
         self._counting_lock = threading.Lock()
+        self._paused = False  # (engine thread) no step until `resume`: `pause`
         self._owner = thread or EngineThread()
         self._owns_thread = thread is None
         self._owner.submit(self._run)
@@ -300,6 +301,27 @@ class AsyncEngine:
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(read)), wait)
         return self.snapshot
 
+    async def pause(self, retract: bool = False) -> None:
+        """SGLang's /pause_generation in place: the engine thread takes no step until
+        `resume`, while adds, aborts, calls (a weight update, a scrape) still run between;
+        the requests keep their KV. `retract`: the running ones give it back first and wait
+        (`Engine.retract_all`), to compute it again once resumed."""
+
+        def pause(engine: Engine) -> None:
+            if retract:
+                engine.retract_all()
+            self._paused = engine.paused = True
+
+        await self.call(pause)
+
+    async def resume(self) -> None:
+        """SGLang's /continue_generation: the engine steps again."""
+
+        def resume(engine: Engine) -> None:
+            self._paused = engine.paused = False
+
+        await self.call(resume)
+
     def abort_all(self) -> None:
         self._commands.put(("abort_all", None))
 
@@ -333,10 +355,11 @@ class AsyncEngine:
                 # Block when idle; otherwise take whatever arrived since the last step, or
                 # wait a little for it when the queue is stalled on PD's parked pages (they
                 # come back through a command: a handoff's end), instead of spinning.
-                idle = not self.engine.has_unfinished()
+                # Paused (`pause`): as idle, whatever waits.
+                idle = self._paused or not self.engine.has_unfinished()
                 if not self._drain(idle or stalled, None if idle else STALL_WAIT_S):
                     return
-                if self.engine.has_unfinished():
+                if self.engine.has_unfinished() and not self._paused:
                     s = self.engine.scheduler
                     stalled = not self._step() and not s.running and bool(s.parked)
         except BaseException as e:  # pragma: no cover - a bug in the bridge itself
