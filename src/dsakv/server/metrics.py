@@ -85,8 +85,8 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "aborted_requests": (
         "aborted_requests",
         "counter",
-        "Requests the engine aborted (one aborted before the engine took it counts in "
-        'request_success_total{finished_reason="abort"} only)',
+        "Requests the engine aborted (one aborted before the engine took it counts only in "
+        "request_success_total, finished_reason abort)",
     ),
     # L3 storage tier (dsakv.engine.l3)
     "l3_hits": ("l3_hits", "counter", "KV pages loaded from L3 storage"),
