@@ -46,16 +46,21 @@ def test_static_budget_is_the_fraction_less_what_is_used():
 
 
 def test_ranks_get_the_least_ranks_budget_and_one_without_room_refuses_for_all():
-    """The engine's CUDA path: each rank's (free, total) after the load, all-gathered."""
-    assert gpu_kv_budget_bytes(0.85, [(30 * GIB, 80 * GIB)]) == 18 * GIB
-    # Rank 1 has 5 GiB less free (another process on its GPU): 25 - 12 = 13 GiB for both.
-    assert gpu_kv_budget_bytes(0.85, [(30 * GIB, 80 * GIB), (25 * GIB, 80 * GIB)]) == 13 * GIB
+    """The engine's CUDA path, SGLang's: each rank's free memory (before, after) the load,
+    all-gathered; the pool is after − before × (1 − F), what was in use before the load
+    (another process, the CUDA context) not counted against the fraction."""
+    assert gpu_kv_budget_bytes(0.85, [(80 * GIB, 30 * GIB)]) == 18 * GIB
+    # 20 GiB held by another process before the load: SGLang's 60 × 0.85 − 30 = 21 GiB
+    assert gpu_kv_budget_bytes(0.85, [(60 * GIB, 30 * GIB)]) == 21 * GIB
+    # Rank 1 had 5 GiB less free: 25 − 75 × 0.15 = 13.75 GiB for both.
+    two = [(80 * GIB, 30 * GIB), (75 * GIB, 25 * GIB)]
+    assert gpu_kv_budget_bytes(0.85, two) == int(75 * GIB * 0.85) - 50 * GIB
     with pytest.raises(ConfigError) as e:
-        gpu_kv_budget_bytes(0.85, [(30 * GIB, 80 * GIB), (10 * GIB, 80 * GIB)])
-    assert "on the GPU of rank 1 take 70.00 GiB of 80.00 GiB" in str(e.value)
+        gpu_kv_budget_bytes(0.85, [(80 * GIB, 30 * GIB), (80 * GIB, 10 * GIB)])
+    assert "weights of rank 1 take 70.00 GiB of 80.00 GiB" in str(e.value)
     assert "--mem-fraction-static 0.85 leaves no KV room" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        gpu_kv_budget_bytes(0.5, [(30 * GIB, 80 * GIB)])
+        gpu_kv_budget_bytes(0.5, [(80 * GIB, 30 * GIB)])
     assert "rank" not in str(e.value) and "take 50.00 GiB of 80.00 GiB" in str(e.value)
 
 

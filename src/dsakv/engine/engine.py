@@ -433,6 +433,8 @@ class Engine:
             dtype=dtype, as_stored=config.dtype == "auto" and self.device.type == "cpu"
         )
         self.weights_path = config.model  # the checkpoint the weights came from
+        # (SGLang's total for --mem-fraction-static: what the GPU has free before the load)
+        self._free_before_load = self._free_gpu() if config.mem_fraction_static else None
         self.model, self.model_config, self.plan = load_model(
             config.model, plan, device=self.device, parallel=self.parallel, **self._stored
         )
@@ -563,28 +565,34 @@ class Engine:
 
     def _kv_budget_gib(self) -> float:
         """`kv_budget_gib` (default 1), or under `mem_fraction_static` what the GPU keeps for
-        the pool once the weights are in (`static_kv_budget_bytes`), the least any rank
-        has: the ranks' pools are one size. Every rank gets every rank's numbers first, so
-        a refusal is every rank's."""
+        the pool once the weights are in (`gpu_kv_budget_bytes`: SGLang's), the least any
+        rank has: the ranks' pools are one size. Every rank gets every rank's numbers
+        first, so a refusal is every rank's."""
         fraction = self.config.mem_fraction_static
         if fraction is None:
             return self.config.kv_budget_gib or 1.0
-        if self.device.type != "cuda":  # (an engine given a CPU device past its config)
+        before, after = self._free_before_load, self._free_gpu()
+        if before is None or after is None:  # (an engine given a CPU device past its config)
             raise DsakvError(
                 "--mem-fraction-static sizes the KV pool from GPU memory, and this engine runs "
                 "on the CPU, where the pool is host RAM: give --kv-budget-gib"
             )
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # (blocks the load freed count as used otherwise)
-        free, total = torch.cuda.mem_get_info(self.device)
-        per_rank = self.parallel.all_gather_objects((free, total))
+        per_rank = self.parallel.all_gather_objects((before, after))
         budget = gpu_kv_budget_bytes(fraction, per_rank) / GIB
         log.info(
-            "KV budget %.2f GiB: --mem-fraction-static %s of %.2f GiB, %.2f GiB in use here after "
-            "the load (least over %d rank(s))",
-            budget, fraction, total / GIB, (total - free) / GIB, len(per_rank),
+            "KV budget %.2f GiB: --mem-fraction-static %s of the %.2f GiB free before the "
+            "load, %.2f GiB of it the weights' (least over %d rank(s))",
+            budget, fraction, before / GIB, (before - after) / GIB, len(per_rank),
         )  # fmt: skip
         return budget
+
+    def _free_gpu(self) -> int | None:
+        """Free memory on this engine's GPU, its allocator's cache emptied (None: a CPU)."""
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # (blocks the load freed count as used otherwise)
+        return torch.cuda.mem_get_info(self.device)[0]
 
     def _max_model_len(self, pool_tokens: int) -> int:
         """The context: `max_model_len` as given, else the model's positions, cut to what the

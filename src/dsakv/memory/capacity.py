@@ -273,9 +273,8 @@ def static_kv_budget_bytes(
     """`total × fraction − used`: the KV pool's share of a GPU under SGLang's
     `--mem-fraction-static`, which keeps `fraction` of the GPU for weights and KV and the
     rest for activations and CUDA graphs. `used` is what is on the device before the pool:
-    `dsakv plan`'s weights and reserve, or on a live GPU after the load `total − free`
-    (SGLang's `free − total × (1 − fraction)`, other processes' memory included).
-    Nothing left is a `ConfigError`."""
+    `dsakv plan`'s weights and reserve, or on a live GPU what the load took
+    (`gpu_kv_budget_bytes`). Nothing left is a `ConfigError`."""
     if not (_finite(fraction) and 0 < fraction <= 1):
         raise ConfigError(f"mem_fraction_static must be in (0, 1], got {fraction!r}")
     budget = int(total_bytes * fraction) - used_bytes
@@ -289,19 +288,21 @@ def static_kv_budget_bytes(
 
 
 def gpu_kv_budget_bytes(fraction: float, mem_info: Sequence[tuple[int, int]]) -> int:
-    """The pool every rank holds under `--mem-fraction-static`, from each rank's
-    `(free, total)` after the load (`torch.cuda.mem_get_info`): the least rank's
-    `static_kv_budget_bytes`, as the ranks' pools are one size; a rank with no room
+    """The pool every rank holds under `--mem-fraction-static`, from each rank's free GPU
+    memory `(before, after)` the load (`torch.cuda.mem_get_info`), as SGLang sizes it:
+    `after − before × (1 − fraction)`, the memory free before the load being SGLang's
+    total (another process's and the CUDA context's memory are not the engine's to
+    keep). The least rank's, as the ranks' pools are one size; a rank with no room
     refuses for all."""
     where = len(mem_info) > 1
     return min(
         static_kv_budget_bytes(
-            total,
+            before,
             fraction,
-            total - free,
-            "the weights and all else on the GPU" + where * f" of rank {r}",
+            before - after,
+            "the weights" + where * f" of rank {r}",
         )
-        for r, (free, total) in enumerate(mem_info)
+        for r, (before, after) in enumerate(mem_info)
     )
 
 
