@@ -222,8 +222,13 @@ def test_the_router_relays_abort_request_to_every_server(pair):
     server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
     with running(server) as router:
         r = httpx.post(f"{router}/abort_request", json={"abort_all": True}, timeout=TIMEOUT)
-    assert r.status_code == 502 and dead in r.json()["error"]["message"], r.text
-    assert "1 of 3" in r.json()["error"]["message"]
+        assert r.status_code == 502 and dead in r.json()["error"]["message"], r.text
+        assert "1 of 3" in r.json()["error"]["message"]
+        # a pause that failed on one server pauses none: the others continue at once
+        r = httpx.post(f"{router}/pause_generation", json={}, timeout=TIMEOUT)
+        assert r.status_code == 502, r.text
+    out = _generate(pair.router, text=TEXTS[0], sampling_params={"max_new_tokens": 3, **GREEDY})
+    assert len(out["output_ids"]) == 3
 
 
 def test_the_router_relays_the_admin_calls_to_every_server(pair):

@@ -181,6 +181,10 @@ class Router:
         if not failed:
             first = answers[0][1]
             return Response(first.content, 200, media_type=first.headers.get("content-type"))
+        if path == "/pause_generation":  # (a pause that failed somewhere pauses nothing)
+            paused = [u for u, r in answers if (u, r) not in failed]
+            resume = "/continue_generation"
+            await asyncio.gather(*(self._call(u, resume, "POST", b"{}", headers) for u in paused))
         for _, r in failed:
             if isinstance(r, httpx.Response) and r.status_code < 500:  # the client's
                 return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
