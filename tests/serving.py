@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -246,3 +248,21 @@ def check_pd_chat(client, decode_url: str, reference, max_tokens: int, **stream_
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     return chunks
+
+
+def sglang_generate(base: str, headers: dict | None = None, **body: Any) -> Any:
+    """SGLang's /generate, answered 200: its JSON."""
+    r = httpx.post(f"{base}/generate", json=body, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sglang_stream(base: str, **body: Any) -> list[dict]:
+    """SGLang's /generate streamed: each event's JSON, the stream ended by [DONE]."""
+    with httpx.stream(
+        "POST", f"{base}/generate", json={**body, "stream": True}, timeout=TIMEOUT
+    ) as r:
+        assert r.status_code == 200
+        events = [x for x in r.iter_lines() if x.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(x[6:]) for x in events[:-1]]

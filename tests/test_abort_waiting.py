@@ -6,7 +6,6 @@ its reserved pages back; the router relays the abort to every server."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,8 @@ from .serving import (
     running,
     scrape_metrics,
     serving,
+    sglang_generate,
+    sglang_stream,
     wait_idle,
 )
 
@@ -65,27 +66,11 @@ def pair(tmp_path_factory) -> Iterator[SimpleNamespace]:
         server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
         router = stack.enter_context(running(server))
         # (the router asks the prefill server for its bootstrap port on the first request)
-        _generate(router, text="hi", sampling_params={"max_new_tokens": 2, **GREEDY})
+        sglang_generate(router, text="hi", sampling_params={"max_new_tokens": 2, **GREEDY})
         yield SimpleNamespace(
             router=router, prefill_url=p_url, decode_url=d_url, prefill=prefill, decode=decode,
             model=model, common=common,
         )  # fmt: skip
-
-
-def _generate(base: str, **body: Any) -> Any:
-    r = httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _stream(base: str, **body: Any) -> list[dict]:
-    with httpx.stream(
-        "POST", f"{base}/generate", json={**body, "stream": True}, timeout=TIMEOUT
-    ) as r:
-        assert r.status_code == 200
-        events = [x for x in r.iter_lines() if x.startswith("data: ")]
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(x[6:]) for x in events[:-1]]
 
 
 def _abort(base: str, **body: Any) -> None:
@@ -125,10 +110,16 @@ def test_an_abort_ends_requests_waiting_for_room_at_once(pair):
     sp = {"max_new_tokens": 400, **GREEDY}
     cmpl = {"model": "m", "prompt": TEXTS[1], "max_tokens": 400, **GREEDY}
     with ThreadPoolExecutor(4) as pool, engine_stops_stepping_at(decode, 2):
-        holder = pool.submit(_generate, pair.router, text=TEXTS[0], sampling_params=sp, rid="h")
+        holder = pool.submit(
+            sglang_generate, pair.router, text=TEXTS[0], sampling_params=sp, rid="h"
+        )
         _wait(lambda: _running(decode) == 1)
-        plain = pool.submit(_generate, pair.router, text=TEXTS[1], sampling_params=sp, rid="p")
-        streamed = pool.submit(_stream, pair.router, text=TEXTS[1], sampling_params=sp, rid="s")
+        plain = pool.submit(
+            sglang_generate, pair.router, text=TEXTS[1], sampling_params=sp, rid="p"
+        )
+        streamed = pool.submit(
+            sglang_stream, pair.router, text=TEXTS[1], sampling_params=sp, rid="s"
+        )
         v1 = pool.submit(httpx.post, f"{pair.router}/v1/completions", json=cmpl, timeout=TIMEOUT)
         _wait(lambda: decode.pending == 3)  # (each waiting for the slot)
         _abort(pair.router, rid="p")
@@ -156,7 +147,7 @@ def test_an_abort_of_one_prompt_of_a_batch_ends_that_prompt_alone(pair):
     sp = {"max_new_tokens": 6, **GREEDY}
     with ThreadPoolExecutor(1) as pool:
         with engine_stops_stepping_at(decode, 2):
-            batch = pool.submit(_generate, pair.router, text=TEXTS, sampling_params=sp,
+            batch = pool.submit(sglang_generate, pair.router, text=TEXTS, sampling_params=sp,
                                 rid=["a", "b"])  # fmt: skip
             _wait(lambda: _running(decode) == 1 and decode.pending == 1)
             _abort(pair.router, rid="b")
@@ -180,7 +171,7 @@ def test_an_abort_that_finds_the_servers_at_different_prompts_ends_its_prompt_al
     texts = [*TEXTS, "A third prompt, after the aborted one."]
     with ThreadPoolExecutor(1) as pool:
         with engine_stops_stepping_at(prefill, 0):
-            batch = pool.submit(_generate, pair.router, text=texts, sampling_params=sp,
+            batch = pool.submit(sglang_generate, pair.router, text=texts, sampling_params=sp,
                                 rid=["a", "b", "c"])  # fmt: skip
             _wait(lambda: decode.pending == 1 and prefill.bootstrap.open_rooms == 2)
             _abort(pair.router, rid="b")
@@ -200,7 +191,7 @@ def test_an_abort_while_the_prefill_server_is_busy_gives_the_pages_back(pair):
     decode, prefill = pair.decode, pair.prefill
     sp = {"max_new_tokens": 8, **GREEDY}
     with ThreadPoolExecutor(1) as pool, engine_thread_held(prefill):
-        held = pool.submit(_generate, pair.router, text=TEXTS[0], sampling_params=sp, rid="w")
+        held = pool.submit(sglang_generate, pair.router, text=TEXTS[0], sampling_params=sp, rid="w")
         _wait(lambda: decode.pending == 1 and prefill.bootstrap.open_rooms == 1)
         assert scrape_metrics(pair.decode_url)["dsakv_kv_pages_used"] > 0  # (reserved)
         _abort(pair.router, rid="w")
@@ -227,7 +218,9 @@ def test_the_router_relays_abort_request_to_every_server(pair):
         # a pause that failed on one server pauses none: the others continue at once
         r = httpx.post(f"{router}/pause_generation", json={}, timeout=TIMEOUT)
         assert r.status_code == 502, r.text
-    out = _generate(pair.router, text=TEXTS[0], sampling_params={"max_new_tokens": 3, **GREEDY})
+    out = sglang_generate(
+        pair.router, text=TEXTS[0], sampling_params={"max_new_tokens": 3, **GREEDY}
+    )
     assert len(out["output_ids"]) == 3
 
 
@@ -271,7 +264,7 @@ def test_a_weight_update_is_what_the_handshake_checks(pair, tmp_path):
                        timeout=TIMEOUT)  # fmt: skip
         assert r.status_code == 502 and "different KV layouts" in r.text, r.text
         update(pair.decode_url, other)
-        out = _generate(pair.router, text=TEXTS[0], sampling_params=sp)
+        out = sglang_generate(pair.router, text=TEXTS[0], sampling_params=sp)
         assert out["output_ids"] == want.outputs[0].token_ids
     finally:
         update(pair.prefill_url, pair.model)

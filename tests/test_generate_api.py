@@ -30,6 +30,8 @@ from .serving import (
     engine_stops_stepping_at,
     engine_thread_held,
     serving,
+    sglang_generate,
+    sglang_stream,
 )
 
 # The completions tests' model, engine and server (index_topk over every context: chunking
@@ -41,22 +43,6 @@ TEXTS = [
     "RL frameworks roll out with SGLang's native API and train on its token ids.",
 ]
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def _generate(base: str, headers: dict | None = None, **body: Any) -> Any:
-    r = httpx.post(f"{base}/generate", json=body, headers=headers, timeout=TIMEOUT)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _stream(base: str, **body: Any) -> list[dict]:
-    with httpx.stream(
-        "POST", f"{base}/generate", json={**body, "stream": True}, timeout=TIMEOUT
-    ) as r:
-        assert r.status_code == 200
-        events = [x for x in r.iter_lines() if x.startswith("data: ")]
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(x[6:]) for x in events[:-1]]
 
 
 def _ids(reference: LLM, text: str) -> list[int]:
@@ -80,23 +66,23 @@ def test_greedy_outputs_equal_the_offline_engines(base, reference):
     ids = [_ids(reference, t) for t in TEXTS]
     refs = reference.generate(TEXTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     sp = {"max_new_tokens": 6, **GREEDY}
-    one = _generate(base, text=TEXTS[0], sampling_params=sp, rid="mine")
+    one = sglang_generate(base, text=TEXTS[0], sampling_params=sp, rid="mine")
     assert (one["text"], one["output_ids"]) == (refs[0].text, refs[0].token_ids)
     meta = one["meta_info"]
     assert meta["id"] == "mine" and meta["finish_reason"] == {"type": "length", "length": 6}
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(ids[0]), 6)
     assert meta["e2e_latency"] > 0 and meta["cached_tokens"] >= 0
     assert "output_token_logprobs" not in meta  # (not asked)
-    by_ids = _generate(base, input_ids=ids[0], sampling_params=sp)
+    by_ids = sglang_generate(base, input_ids=ids[0], sampling_params=sp)
     assert (by_ids["text"], by_ids["output_ids"]) == (one["text"], one["output_ids"])
     page = ENGINE_ARGS["page_size"]  # the first request's full pages are cached now
     assert by_ids["meta_info"]["cached_tokens"] == (len(ids[0]) - 1) // page * page > 0
     for name, prompts in (("text", TEXTS), ("input_ids", ids)):
-        outs = _generate(base, **{name: prompts}, sampling_params=sp, rid="b")
+        outs = sglang_generate(base, **{name: prompts}, sampling_params=sp, rid="b")
         assert [(o["text"], o["output_ids"]) for o in outs] == [(r.text, r.token_ids) for r in refs]
         assert [o["meta_info"]["id"] for o in outs] == ["b_0", "b_1"]  # SGLang's batch ids
     each = [{"max_new_tokens": 2, **GREEDY}, {"max_new_tokens": 4, **GREEDY}]
-    outs = _generate(base, text=TEXTS, sampling_params=each, rid=["x", "y"])
+    outs = sglang_generate(base, text=TEXTS, sampling_params=each, rid=["x", "y"])
     assert [o["output_ids"] for o in outs] == [refs[0].token_ids[:2], refs[1].token_ids[:4]]
     assert [o["meta_info"]["id"] for o in outs] == ["x", "y"]
 
@@ -107,13 +93,13 @@ def test_n_samples_are_seeded_and_prompt_major(base, reference):
     sp = {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 7, "n": 3, "ignore_eos": True}
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=3, ignore_eos=True)
     refs = reference.generate(TEXTS, params)
-    a = _generate(base, text=TEXTS[0], sampling_params=sp)
+    a = sglang_generate(base, text=TEXTS[0], sampling_params=sp)
     assert [o["output_ids"] for o in a] == [c.token_ids for c in refs[0].outputs]
     assert len({tuple(o["output_ids"]) for o in a}) > 1
-    again = _generate(base, text=TEXTS[0], sampling_params=sp)
+    again = sglang_generate(base, text=TEXTS[0], sampling_params=sp)
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in a]
     assert len({o["meta_info"]["id"] for o in a + again}) == 6  # a new id per sample
-    batch = _generate(base, text=TEXTS, sampling_params={**sp, "n": 2})
+    batch = sglang_generate(base, text=TEXTS, sampling_params={**sp, "n": 2})
     want = [c.token_ids for r in refs for c in r.outputs[:2]]
     assert [o["output_ids"] for o in batch] == want
 
@@ -127,20 +113,20 @@ def test_finish_reasons_name_what_matched(base, reference):
     stop = plain.token_ids[3]
     first = plain.token_ids.index(stop)
     sp = {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop]}
-    out = _generate(base, input_ids=prompt, sampling_params=sp)
+    out = sglang_generate(base, input_ids=prompt, sampling_params=sp)
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["output_ids"] == plain.token_ids[: first + 1]
     # (the text less an unfinished last character: the engine's one text, as vLLM's)
     assert out["text"] == tok.decode(plain.token_ids[:first]).rstrip("\ufffd")
-    kept = _generate(base, input_ids=prompt, sampling_params={**sp, "no_stop_trim": True})
+    kept = sglang_generate(base, input_ids=prompt, sampling_params={**sp, "no_stop_trim": True})
     assert kept["text"] == tok.decode(plain.token_ids[: first + 1]).rstrip("\ufffd")
 
     (a,) = _ids(reference, "a")
     sp = {"max_new_tokens": 8, "temperature": 0, "logit_bias": {str(a): 100}, "stop": "aaa"}
-    out = _generate(base, text=TEXTS[1], sampling_params=sp)
+    out = sglang_generate(base, text=TEXTS[1], sampling_params=sp)
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "aaa"}
     assert out["text"] == "" and out["output_ids"] == [a, a, a]
-    kept = _generate(base, text=TEXTS[1], sampling_params={**sp, "no_stop_trim": True})
+    kept = sglang_generate(base, text=TEXTS[1], sampling_params={**sp, "no_stop_trim": True})
     assert kept["text"] == "aaa"
 
     eos = reference.engine.eos_token_ids[0]
@@ -149,7 +135,7 @@ def test_finish_reasons_name_what_matched(base, reference):
         [prompt], SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100})
     )
     assert (ref.token_ids, ref.finish_reason, ref.outputs[0].stop_reason) == ([eos], "stop", None)
-    out = _generate(base, input_ids=prompt, sampling_params=sp)
+    out = sglang_generate(base, input_ids=prompt, sampling_params=sp)
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
     assert (out["text"], out["output_ids"]) == (ref.text, [eos])
 
@@ -164,7 +150,7 @@ def test_logprobs_equal_the_offline_engines(base, reference):
     (c,) = ref.outputs
     sp = {"max_new_tokens": 4, **GREEDY}
     for start in (0, 5):
-        m = _generate(
+        m = sglang_generate(
             base,
             input_ids=ids,
             sampling_params=sp,
@@ -190,7 +176,7 @@ def test_logprobs_equal_the_offline_engines(base, reference):
         assert _same([[[t, x] for x, t, _ in top] for top in tops[1:]], want)
 
     tok = reference.tokenizer
-    m = _generate(
+    m = sglang_generate(
         base, input_ids=ids, sampling_params=sp, return_logprob=True, return_text_in_logprobs=True
     )["meta_info"]
     assert m["input_token_logprobs"] == [[None, ids[-1], tok.decode([ids[-1]])]]
@@ -199,7 +185,7 @@ def test_logprobs_equal_the_offline_engines(base, reference):
     assert _same([x for x, _, _ in out], flat_logprobs(c.logprobs, c.token_ids))
     assert "output_top_logprobs" not in m and "input_top_logprobs" not in m  # (num 0)
     # max_new_tokens 0 only scores the prompt (SGLang's prefill-only request)
-    m = _generate(
+    m = sglang_generate(
         base,
         input_ids=ids,
         sampling_params={"max_new_tokens": 0},
@@ -224,8 +210,8 @@ def test_streaming_joins_to_the_whole_response(base, reference):
         top_logprobs_num=1,
         rid="s",
     )
-    whole = _generate(base, **body)
-    chunks = _stream(base, **body)
+    whole = sglang_generate(base, **body)
+    chunks = sglang_stream(base, **body)
     assert len(chunks) == 6  # one per token
     for a, b in zip(chunks, chunks[1:]):
         assert b["text"].startswith(a["text"])
@@ -236,8 +222,8 @@ def test_streaming_joins_to_the_whole_response(base, reference):
     assert _same(chunks[-1], whole)
 
     sp = {"max_new_tokens": 3, **GREEDY, "n": 2}
-    outs = _generate(base, text=TEXTS, sampling_params=sp)
-    last = {c["index"]: c for c in _stream(base, text=TEXTS, sampling_params=sp)}
+    outs = sglang_generate(base, text=TEXTS, sampling_params=sp)
+    last = {c["index"]: c for c in sglang_stream(base, text=TEXTS, sampling_params=sp)}
     assert sorted(last) == [0, 1, 2, 3]
     assert [last[i]["output_ids"] for i in range(4)] == [o["output_ids"] for o in outs]
     assert [last[i]["text"] for i in range(4)] == [o["text"] for o in outs]
@@ -423,9 +409,9 @@ def test_abort_request_by_rid_ends_that_request_as_it_stands(base, served, refer
     short = {"text": TEXTS[0], "sampling_params": {"max_new_tokens": 16, **GREEDY}}
     before = _engine_counters(async_engine)["aborted_requests"]
     with ThreadPoolExecutor(3) as pool, engine_stops_stepping_at(async_engine, 3):
-        plain = pool.submit(_generate, base, **long, rid="plain")
-        streamed = pool.submit(_stream, base, **long, rid="streamed")
-        other = pool.submit(_generate, base, **short, rid="other")
+        plain = pool.submit(sglang_generate, base, **long, rid="plain")
+        streamed = pool.submit(sglang_stream, base, **long, rid="streamed")
+        other = pool.submit(sglang_generate, base, **short, rid="other")
         _wait_live(async_engine, 3, 3)
         _abort(base, rid="nobody")
         _abort(base)  # (SGLang's: no rid, nothing happens)
@@ -454,10 +440,10 @@ def test_abort_all_ends_every_request_in_flight(base, served):
     cmpl = {"prompt": TEXTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     with ThreadPoolExecutor(4) as pool, engine_stops_stepping_at(async_engine, 2):
         samples = pool.submit(
-            _generate, base, text=TEXTS[1], sampling_params={**sp, "n": 2}, rid="g"
+            sglang_generate, base, text=TEXTS[1], sampling_params={**sp, "n": 2}, rid="g"
         )
-        batch = pool.submit(_generate, base, text=TEXTS, sampling_params=sp, rid="b")
-        streamed = pool.submit(_stream, base, text=TEXTS[0], sampling_params=sp)
+        batch = pool.submit(sglang_generate, base, text=TEXTS, sampling_params=sp, rid="b")
+        streamed = pool.submit(sglang_stream, base, text=TEXTS[0], sampling_params=sp)
         openai = pool.submit(
             httpx.post, f"{base}/v1/completions", json=cmpl, timeout=TIMEOUT
         )  # fmt: skip
@@ -490,7 +476,7 @@ def test_an_abort_reaches_a_request_the_engine_has_not_taken_yet(base, served):
         engine_stops_stepping_at(async_engine, 0),  # (nothing runs: it stays queued)
         engine_thread_held(async_engine),
     ):
-        early = pool.submit(_generate, base, **body, rid="early")
+        early = pool.submit(sglang_generate, base, **body, rid="early")
         deadline = time.monotonic() + TIMEOUT
         while async_engine._commands.qsize() == 0:  # (its add, queued behind the hold)
             assert time.monotonic() < deadline
@@ -530,7 +516,7 @@ def test_an_abort_while_the_grammar_compiles_ends_the_request(base, served, monk
     cmpl["structured_outputs"] = {"regex": "[a-z ]+"}
     before = _engine_counters(async_engine)
     with ThreadPoolExecutor(2) as pool:
-        slow = pool.submit(_generate, base, text=TEXTS[0], sampling_params=sp, rid="slow")
+        slow = pool.submit(sglang_generate, base, text=TEXTS[0], sampling_params=sp, rid="slow")
         other = pool.submit(httpx.post, f"{base}/v1/completions", json=cmpl, timeout=TIMEOUT)
         wait_entered(2)
         _abort(base, rid="slow")
@@ -569,8 +555,8 @@ def test_a_rid_in_flight_is_refused(base, served, reference):
     short = {"text": TEXTS[0], "sampling_params": {"max_new_tokens": 16, **GREEDY}}
     samples = {"max_new_tokens": 16, **GREEDY}
     with ThreadPoolExecutor(2) as pool, engine_stops_stepping_at(async_engine, 3):
-        first = pool.submit(_generate, base, **short, rid="dup")
-        batch = pool.submit(_generate, base, text=TEXTS, sampling_params=samples, rid="b")
+        first = pool.submit(sglang_generate, base, **short, rid="dup")
+        batch = pool.submit(sglang_generate, base, text=TEXTS, sampling_params=samples, rid="b")
         _wait_live(async_engine, 3, 3)
         for again in (
             {**short, "rid": "dup"},
@@ -588,7 +574,7 @@ def test_a_rid_in_flight_is_refused(base, served, reference):
     assert out["output_ids"] == ref.token_ids
     outs = batch.result(TIMEOUT)
     assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "length"]
-    again = _generate(base, **short, rid="dup")
+    again = sglang_generate(base, **short, rid="dup")
     assert (again["meta_info"]["id"], again["output_ids"]) == ("dup", ref.token_ids)
     _check_clean(async_engine)
 
@@ -614,7 +600,7 @@ def test_generation_config_defaults_and_the_api_key(model_dir, reference, tmp_pa
         body = {"text": TEXTS[0], "sampling_params": sp}
         r = httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        out = _generate(base, key, **body)
+        out = sglang_generate(base, key, **body)
         r = httpx.post(f"{base}/abort_request", json={"abort_all": True}, timeout=TIMEOUT)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         _abort(base, key, abort_all=True)
@@ -631,16 +617,16 @@ def test_sglang_clients_unset_sampling_params_are_taken(base, reference):
     (ref,) = reference.generate([TEXTS[0]], SamplingParams(max_tokens=3, **GREEDY))
     for unset in ({"stop_regex": []}, {"stop_regex": ""}, {"custom_params": {}}):
         sp = {"max_new_tokens": 3, **GREEDY, **unset, "stream_interval": 0}
-        out = _generate(base, text=TEXTS[0], sampling_params=sp)
+        out = sglang_generate(base, text=TEXTS[0], sampling_params=sp)
         assert out["output_ids"] == ref.token_ids
 
 
 def test_meta_info_has_the_weight_version(base):
     """SGLang's meta_info.weight_version, /model_info's (slime's router reads it)."""
     version = httpx.get(f"{base}/model_info", timeout=TIMEOUT).json()["weight_version"]
-    out = _generate(base, text=TEXTS[0], sampling_params={"max_new_tokens": 1})
+    out = sglang_generate(base, text=TEXTS[0], sampling_params={"max_new_tokens": 1})
     assert out["meta_info"]["weight_version"] == version == "default"
-    chunks = _stream(base, text=TEXTS[0], sampling_params={"max_new_tokens": 2})
+    chunks = sglang_stream(base, text=TEXTS[0], sampling_params={"max_new_tokens": 2})
     assert all(c["meta_info"]["weight_version"] == "default" for c in chunks)
 
 
@@ -649,11 +635,11 @@ def test_max_new_tokens_null_runs_to_the_context_limit(base, reference):
     default when the key is left out)."""
     room = 131
     prompt = [i % 200 + 10 for i in range(reference.engine.max_model_len - room)]
-    out = _generate(
+    out = sglang_generate(
         base, input_ids=prompt, sampling_params={"max_new_tokens": None, "ignore_eos": True}
     )
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": room}
-    out = _generate(base, input_ids=prompt, sampling_params={"ignore_eos": True})
+    out = sglang_generate(base, input_ids=prompt, sampling_params={"ignore_eos": True})
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 128}
 
 
@@ -662,7 +648,7 @@ def test_logprob_start_len_at_the_prompts_end_scores_nothing(base, reference):
     one past it is an error)."""
     ids = _ids(reference, TEXTS[1])
     for top in (0, 2):
-        m = _generate(
+        m = sglang_generate(
             base,
             input_ids=ids,
             sampling_params={"max_new_tokens": 2, **GREEDY},
@@ -696,7 +682,9 @@ def test_logprob_start_len_lets_the_prefix_cache_serve_the_prefix(base, served, 
     (c,) = ref.outputs
     scores = flat_logprobs(ref.prompt_logprobs, ids)
     tops = flat_logprobs(ref.prompt_logprobs, ids, k=2)
-    _generate(base, input_ids=ids, sampling_params={"max_new_tokens": 1, **GREEDY})  # cache it
+    sglang_generate(
+        base, input_ids=ids, sampling_params={"max_new_tokens": 1, **GREEDY}
+    )  # cache it
     last = len(ids) - 2
     for start, cached in (
         (3 * page - 1, 2 * page),
@@ -705,7 +693,7 @@ def test_logprob_start_len_lets_the_prefix_cache_serve_the_prefix(base, served, 
         (0, 0),
     ):
         before = _engine_counters(served[1])["prefix_hit_tokens"]
-        m = _generate(
+        m = sglang_generate(
             base,
             input_ids=ids,
             sampling_params={"max_new_tokens": 3, **GREEDY},
@@ -725,7 +713,7 @@ def test_logprob_start_len_lets_the_prefix_cache_serve_the_prefix(base, served, 
         assert _same([x for x, _, _ in out], flat_logprobs(c.logprobs, c.token_ids))
 
     start = 3 * page - 1
-    outs = _generate(
+    outs = sglang_generate(
         base,
         input_ids=ids,
         sampling_params={"max_new_tokens": 2, "temperature": 1.0, "sampling_seed": 3, "n": 2},
@@ -774,19 +762,19 @@ def test_logprob_params_per_prompt(base, reference):
         {"return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 1},
         {"return_logprob": False, "logprob_start_len": 0, "top_logprobs_num": 3},
     ]
-    alone = [_generate(base, input_ids=i, sampling_params=sp, **a) for i, a in zip(ids, asks)]
+    alone = [sglang_generate(base, input_ids=i, sampling_params=sp, **a) for i, a in zip(ids, asks)]
     lists = {k: [a[k] for a in asks] for k in asks[0]}
-    batch = _generate(base, input_ids=ids, sampling_params=sp, **lists)
+    batch = sglang_generate(base, input_ids=ids, sampling_params=sp, **lists)
     assert _same([_meta_free(o) for o in batch], [_meta_free(o) for o in alone])
     assert len(batch[0]["meta_info"]["input_top_logprobs"]) == len(ids[0]) - 2
     assert "output_token_logprobs" not in batch[1]["meta_info"]
-    last = {c["index"]: c for c in _stream(base, input_ids=ids, sampling_params=sp, **lists)}
+    last = {c["index"]: c for c in sglang_stream(base, input_ids=ids, sampling_params=sp, **lists)}
     assert _same([_meta_free(last[i]) for i in range(2)], [_meta_free(o) for o in alone])
 
     mixed = {"return_logprob": True, "logprob_start_len": [0, -1], "top_logprobs_num": 2}
-    batch = _generate(base, input_ids=ids, sampling_params=sp, **mixed)
+    batch = sglang_generate(base, input_ids=ids, sampling_params=sp, **mixed)
     for i, start in enumerate(mixed["logprob_start_len"]):
-        one = _generate(
+        one = sglang_generate(
             base,
             input_ids=ids[i],
             sampling_params=sp,
@@ -795,7 +783,7 @@ def test_logprob_params_per_prompt(base, reference):
             top_logprobs_num=2,
         )
         assert _same(_meta_free(batch[i]), _meta_free(one))
-    one = _generate(
+    one = sglang_generate(
         base, input_ids=ids[0], sampling_params=sp, **{k: [v] for k, v in asks[0].items()}
     )
     assert _same(_meta_free(one), _meta_free(alone[0]))
@@ -839,7 +827,7 @@ def test_output_logprobs_are_sglangs_processed_ones(base, reference, model_dir, 
     vLLM's raw ones (of the model's logits) at the same settings."""
     ids = _ids(reference, TEXTS[0])
     sp = {"max_new_tokens": 6, "temperature": temperature, "sampling_seed": 5, **PENALTIES}
-    out = _generate(
+    out = sglang_generate(
         base,
         input_ids=ids,
         sampling_params={**sp, "ignore_eos": True},
@@ -885,5 +873,5 @@ def test_repetition_penalty_counts_the_outputs_tokens_only(base, reference):
     )[0].token_ids
     assert vllm[0] != first and sglang[0] == first
     sp = {"repetition_penalty": 100.0, "max_new_tokens": 6, **GREEDY}
-    out = _generate(base, input_ids=prompt, sampling_params=sp)
+    out = sglang_generate(base, input_ids=prompt, sampling_params=sp)
     assert out["output_ids"] == sglang

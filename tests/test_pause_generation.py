@@ -25,16 +25,9 @@ from dsakv.models.tiny import write_tiny_model
 
 from .serving import TIMEOUT, serving
 
-# index_topk over every context: chunked prefill and cached prefixes change no number
-# (as tests/test_update_weights.py's).
-ENGINE_ARGS = dict(
-    kv_cache_dtype="fp32",
-    index_k_dtype="fp32",
-    num_pages=64,
-    page_size=16,
-    chunked_prefill_size=40,
-    device="cpu",
-)
+# index_topk over every context: chunked prefill and cached prefixes change no number.
+from .test_update_weights import ENGINE_ARGS
+
 PROMPT = list(range(5, 45))
 TOKENS = 24  # the request's output
 AT = 6  # output tokens it has when paused

@@ -24,16 +24,10 @@ from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 
 from .serving import TIMEOUT, engine_stops_stepping_at, serving
+from .test_completions_api import ENGINE_ARGS as COMPLETIONS_ARGS
 
 # index_topk over every context: chunked prefill and cached prefixes change no number.
-ENGINE_ARGS = dict(
-    kv_cache_dtype="fp32",
-    index_k_dtype="fp32",
-    num_pages=64,
-    page_size=16,
-    chunked_prefill_size=40,
-    device="cpu",
-)
+ENGINE_ARGS = {**COMPLETIONS_ARGS, "num_pages": 64}
 PROMPT = list(range(5, 45))  # two whole pages to cache
 ASK = {
     "input_ids": PROMPT,
