@@ -131,7 +131,8 @@ def test_updated_server_answers_as_a_fresh_one(models, preset, weights, args):
 
 def test_a_checkpoint_that_does_not_fit_changes_nothing(models, tmp_path):
     """Another preset, a missing path, weights stored otherwise (bf16 where the server keeps
-    fp32), an unknown load_format: a 400 with success false; the server answers as before."""
+    fp32), an unknown load_format: a 400 with success false; the server answers as before,
+    its prefix cache kept (a refused checkpoint dropped it on one rank)."""
     base_model = models["glm-tiny", "fp32", 0]
     with serving(_config(base_model)) as (base, async_engine):
         before, weights = _generate(base), _weights(async_engine)
@@ -154,6 +155,7 @@ def test_a_checkpoint_that_does_not_fit_changes_nothing(models, tmp_path):
         after = _generate(base)
         assert _answer(after) == _answer(before)
         assert after["meta_info"]["weight_version"] == "default"
+        assert after["meta_info"]["cached_tokens"] > 0
         for name, tensor in _weights(async_engine).items():
             assert torch.equal(tensor, weights[name]), name
 

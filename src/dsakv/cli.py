@@ -536,8 +536,8 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument(
         "--mem-fraction-static",
         type=_fraction,
-        help="CUDA: size the KV pool as SGLang does, so weights and KV take this share of the "
-        "GPU: what is free after the load less (1 - F) of the GPU, the least over ranks",
+        help="CUDA: size the KV pool as SGLang does: the memory free after the load less "
+        "(1 - F) of the memory free before it, the least over ranks",
     )
     g.add_argument(
         "--gpu-memory-utilization",

@@ -948,15 +948,14 @@ class Engine:
     def update_weights(self, path: str | Path) -> bool:
         """SGLang's /update_weights_from_disk: load checkpoint `path` (the served
         architecture, its weights stored as the served ones) into the model in place
-        (`loader.update_weights`; a refused or failed load leaves the weights served), and
-        move L3 to the new weights' namespace. The prefix cache, whose KV the old weights
-        computed, is dropped first. Only with nothing running or waiting (False, nothing
+        (`update_weights_here`: a refused checkpoint changes nothing, the prefix cache
+        included; a failed load leaves the weights served), and move L3 to the new
+        weights' namespace. The prefix cache, whose KV the old weights computed, is dropped
+        once the checkpoint passed its checks. Only with nothing running or waiting (False, nothing
         loaded), unless `paused`: then what the requests hold stays (SGLang's), they go on
         with the new weights, and only the cache's unlocked pages are dropped. Under `--tp`
         every rank loads its own slices (`update_weights_here`); under DP attention
         `DPEngine.update_weights` runs it."""
-        from dsakv.models.loader import update_weights
-
         if self._busy():
             return False
         if self.l3 is not None and self.has_unfinished():  # (paused)
@@ -970,13 +969,7 @@ class Engine:
                 raise DsakvError("under --dp-attention DPEngine.update_weights updates every rank")
             with self.rank_failures():
                 return updated(self.runner.update_weights(str(path)))
-        # First, so that L3 writes every old page under the old weights' namespace.
-        self.cache.reset()
-        if self.l3 is not None and not self.l3.drain():
-            raise DsakvError("L3 storage did not take the old pages in time; weights not updated")
-        update_weights(self.model, path, previous=self.weights_path, **self._stored)
-        self._weights_updated(str(path))
-        return True
+        return updated(self.update_weights_here(str(path)))
 
     def update_weights_here(self, path: str) -> bool | str:
         """This rank's part of a weight update on every rank, run by each between steps

@@ -6,7 +6,7 @@ copies made since its last message, so every rank's pool replica stays identical
 other ranks sit in `serve()` and make the same calls, which meet in the model's
 collectives. Hidden states never travel: every rank keeps the last target and
 draft outputs ("target", "draft") and messages name rows of them. Between steps rank 0
-may have every rank load new weights (`update_weights`: each rank its own slices). Under
+may have every rank load new weights (`Engine.update_weights_here`: each rank its own slices). Under
 DP attention every rank schedules for itself, so nothing is broadcast here (see
 `dsakv.engine.dp`).
 """

@@ -156,41 +156,6 @@ _UPDATABLE = frozenset(
 )
 
 
-def update_weights(
-    model: DSAForCausalLM,
-    path: str | Path,
-    *,
-    dtype: torch.dtype,
-    as_stored: bool,
-    previous: str | Path | None = None,
-) -> None:
-    """Load checkpoint `path` into `model`'s own tensors (`copy_`: CUDA graphs, native
-    kernels' weight pointers and views keep reading them), this rank's slices, the MTP
-    layer's too; `dtype` and `as_stored` as `load_model` was given them.
-
-    Refused before any weight changes unless the checkpoint is the served architecture
-    (config.json) and every tensor it fills has the name, shape and stored form (bf16,
-    packed FP8, fp32) of the weight it replaces, so that the model computes what a fresh
-    load of `path` computes (`check_update`). A read that still fails part way reloads
-    `previous` (the checkpoint served until now), as SGLang rolls back."""
-    checked = check_update(model, path, dtype=dtype, as_stored=as_stored)
-    try:
-        load_update(model, checked)
-    except Exception as e:
-        if previous is None:
-            raise
-        try:
-            reload_weights(model, previous)
-        except Exception as again:
-            raise DsakvError(
-                f"loading {path} failed part way ({_one_line(e)}), and reloading {previous} "
-                f"failed too ({_one_line(again)}): the weights are mixed, restart the server"
-            ) from e
-        raise DsakvError(
-            f"loading {path} failed part way ({_one_line(e)}); {previous} reloaded"
-        ) from e
-
-
 @dataclass(frozen=True)
 class CheckedUpdate:
     """A checkpoint `check_update` found to fit the served model, as `load_update` reads it."""
@@ -203,8 +168,12 @@ class CheckedUpdate:
 def check_update(
     model: DSAForCausalLM, path: str | Path, *, dtype: torch.dtype, as_stored: bool
 ) -> CheckedUpdate:
-    """`update_weights`' checks, reading headers only (and the MTP vocab copies it drops);
-    on several ranks each checks the slices it reads (its experts' files only)."""
+    """A weight update's checks (`Engine.update_weights_here`), before any weight changes:
+    the checkpoint must be the served architecture (config.json) and every tensor it fills
+    must have the name, shape and stored form (bf16, packed FP8, fp32) of the weight it
+    replaces, so that the model computes what a fresh load of `path` computes. Headers
+    only (and the MTP vocab copies the model dropped); on several ranks each checks the
+    slices it reads (its experts' files only)."""
     path = Path(path)
     if not path.is_dir():
         raise DsakvError(f"model_path {path} is not a directory")
@@ -230,10 +199,6 @@ def reload_weights(model: DSAForCausalLM, path: str | Path) -> None:
     files = checkpoint_files(path)
     dropped = _mtp_copies(model, files) - set(dict(model.named_parameters()))
     _Filler(model, config, model.plan, ignore=dropped).load(files)
-
-
-def _one_line(e: BaseException) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def _same_architecture(served: ModelConfig, new: ModelConfig, path: Path) -> None:
@@ -462,7 +427,7 @@ class _Filler:
         ignore: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         self.config, self.plan = config, plan
-        self.ignore = ignore  # checkpoint tensors not read (`update_weights`' checked copies)
+        self.ignore = ignore  # checkpoint tensors not read (`check_update`'s compared copies)
         self.targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=True))
         self.targets.update(dict(model.named_buffers()))
         if config.tie_word_embeddings:

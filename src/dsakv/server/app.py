@@ -1001,8 +1001,7 @@ class Handlers:
             if not started:  # the engine never saw it
                 with contextlib.suppress(APIError):
                     self.engine.forgo(n)
-            me = asyncio.current_task()
-            if self.in_flight.aborted(call, n) and not (me and me.cancelling()):
+            if self.in_flight.aborted(call, n) and not _cancelling():
                 return [aborted_waiting(len(prompt)) for _ in range(n)]
             if not watcher.done():
                 raise  # this handler was cancelled, not the client gone
@@ -1254,6 +1253,14 @@ class _AbortingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+def _cancelling() -> bool:
+    """Whether this task itself is being cancelled (its handler, not what it awaited);
+    Python 3.10 has no `Task.cancelling`, and there only the awaited task was."""
+    me = asyncio.current_task()
+    cancelling = getattr(me, "cancelling", None)
+    return bool(cancelling and cancelling())
 
 
 async def client_left(raw: Request) -> None:

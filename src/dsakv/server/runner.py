@@ -226,8 +226,8 @@ class AsyncEngine:
         return streams
 
     def forgo(self, n: int) -> None:
-        """An abort reached `n` outputs of the next prompt before `generate_n` ran for it:
-        the engine never sees them (a prefill/decode engine gives the prompt's bootstrap
+        """The next prompt's `n` outputs were cancelled (an abort, or the client gone) before
+        `generate_n` ran for it: the engine never sees them (a prefill/decode engine gives the prompt's bootstrap
         room up, or the next prompt would take it)."""
 
     def weights_updated(self) -> None:
