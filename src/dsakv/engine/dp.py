@@ -238,8 +238,14 @@ class DPEngine:
         """`Engine.update_weights` on every rank: each loads the checkpoint and drops its
         own prefix cache (`Engine.update_weights_here`, the peers from `serve_dp_peer`).
         Only with no request on any rank, queued adds and aborts included (False, nothing
-        loaded: the step that delivers them comes first)."""
+        loaded: the step that delivers them comes first); refused under paused requests,
+        as no rank steps them out."""
         if self.has_unfinished():
+            if self.paused:
+                raise DsakvError(
+                    "under --dp-attention an update does not run under paused requests "
+                    "(pause with mode abort, or continue generation first)"
+                )
             return False
         with self.leader.lock, self.local.rank_failures():
             self.leader.send(("update_weights", str(path)))

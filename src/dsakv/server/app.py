@@ -709,13 +709,6 @@ class Handlers:
                     await self.in_flight.drained()
                 deadline = time.monotonic() + _UPDATE_IDLE_TIMEOUT_S
                 while not await self.engine.call(lambda e: e.update_weights(path)):
-                    served = self.engine.engine
-                    if served.paused and served.config.dp_attention:  # (no rank there steps)
-                        return False, (
-                            "Failed to update weights: under --dp-attention an update does "
-                            "not run under paused requests (pause with mode abort, or "
-                            "continue generation first)"
-                        )
                     if time.monotonic() > deadline:
                         return False, "Failed to update weights: the engine stayed busy"
                     await asyncio.sleep(0.01)

@@ -186,7 +186,6 @@ class AsyncEngine:
         self.snapshot: dict[str, float] | None = None
         self._counting: Future[None] | None = None
         self._counting_lock = threading.Lock()
-        self._paused = False  # (engine thread) no step until `resume`: `pause`
         self._owner = thread or EngineThread()
         self._owns_thread = thread is None
         self._owner.submit(self._run)
@@ -310,7 +309,7 @@ class AsyncEngine:
         def pause(engine: Engine) -> None:
             if retract:
                 engine.retract_all()
-            self._paused = engine.paused = True
+            engine.paused = True
 
         await self.call(pause)
 
@@ -318,7 +317,7 @@ class AsyncEngine:
         """SGLang's /continue_generation: the engine steps again."""
 
         def resume(engine: Engine) -> None:
-            self._paused = engine.paused = False
+            engine.paused = False
 
         await self.call(resume)
 
@@ -356,10 +355,10 @@ class AsyncEngine:
                 # wait a little for it when the queue is stalled on PD's parked pages (they
                 # come back through a command: a handoff's end), instead of spinning.
                 # Paused (`pause`): as idle, whatever waits.
-                idle = self._paused or not self.engine.has_unfinished()
+                idle = self.engine.paused or not self.engine.has_unfinished()
                 if not self._drain(idle or stalled, None if idle else STALL_WAIT_S):
                     return
-                if self.engine.has_unfinished() and not self._paused:
+                if self.engine.has_unfinished() and not self.engine.paused:
                     s = self.engine.scheduler
                     stalled = not self._step() and not s.running and bool(s.parked)
         except BaseException as e:  # pragma: no cover - a bug in the bridge itself
