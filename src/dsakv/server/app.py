@@ -1,5 +1,6 @@
 """The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models,
-/health and /metrics, over one shared `AsyncEngine`."""
+/health and /metrics (/v1/responses: `responses`; SGLang's /generate: `generate`), over one
+shared `AsyncEngine`."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
 from dsakv.engine.sampling import SEED_MAX, SEED_MIN
 from dsakv.errors import DsakvError
 
-from .chat import ChatParsers, chat_delta, chat_message, prepare_chat
+from .chat import ChatParsers, PreparedChat, chat_delta, chat_message, prepare_chat
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
@@ -57,6 +58,9 @@ _UPDATE_IDLE_TIMEOUT_S = 60.0
 _ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/responses/{response_id}",  # (any id: `_endpoint`)
+    "/v1/responses/{response_id}/cancel",
     "/generate",
     "/abort_request",
     "/update_weights_from_disk",
@@ -191,9 +195,11 @@ def build_app(
     app.add_api_route("/flush_cache", api.flush_cache, methods=["GET", "POST"])
     app.add_api_route("/reset_prefix_cache", api.flush_cache, methods=["POST"])
 
-    from .generate import add_generate_route  # (here: that module imports this one)
+    from .generate import add_generate_route  # (here: these modules import this one)
+    from .responses import add_responses_routes
 
     add_generate_route(app, api)  # SGLang's native /generate
+    add_responses_routes(app, api)  # OpenAI's Responses API
     return app
 
 
@@ -262,6 +268,19 @@ class _Call:
     early: set[int] = field(default_factory=set)
     waiting: asyncio.Future | None = None
     waiting_n: int = 0
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request the engine took (`Handlers.start_chat`): how to read its output back,
+    its choices' streams, its /abort_request entry, and (streamed, with return_token_ids)
+    the prompt's token ids."""
+
+    prep: PreparedChat
+    streams: list[RequestStream]
+    call: _Call
+    params: SamplingParams
+    prompt_ids: list[int] | None = None
 
 
 class InFlight:
@@ -505,66 +524,10 @@ class Handlers:
         return JSONResponse({**head, "choices": out, "usage": _usage(total)})
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        self._check_model(body.model)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if body.echo:  # (vLLM's: the last message prepended to a reply in the same role)
-            raise APIError(400, "echo is not supported on chat completions", param="echo")
-        tokenizer = self.engine.engine.tokenizer
-        model_type = self.engine.engine.model_config.model_type
-        if not has_chat_format(tokenizer, model_type):
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        prep = prepare_chat(body, tokenizer, self.chat_parsers, model_type)  # tools, reasoning
-        prompt = prep.prompt
-        max_tokens = (
-            body.max_completion_tokens
-            if body.max_completion_tokens is not None
-            else body.max_tokens
-        )
-        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        run = await self.start_chat(body, raw)
+        prep, streams, call, n = run.prep, run.streams, run.call, len(run.streams)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        # No max_tokens: generate until the context is full (the engine stops at its limit).
-        params = self._params(
-            body, max_tokens, self.engine.engine.max_model_len, top_n, "top_logprobs", param
-        )
-        grammar_param = _grammar_field(body)
-        if prep.grammar is not None:  # tool_choice forces a call
-            if params.grammar is not None:
-                raise APIError(
-                    400,
-                    "a required or named tool_choice cannot be combined with another grammar",
-                    param="tool_choice",
-                )
-            params = dataclasses.replace(params, grammar=prep.grammar)
-            grammar_param = "tools"
-        # Structured output is the answer's (`content`): where the model reasons first, the
-        # grammar starts once the reasoning is over, whichever field asked for it (vLLM's
-        # reasoning parsers; SGLang's ReasonerGrammarBackend, for its regex / ebnf /
-        # json_schema and structural tags too); /generate keeps a grammar over the whole
-        # output. A forcing tool_choice's tag holds the reasoning itself (`prepare_chat`
-        # gives it reasoning "disabled").
-        n = self._n(body)
-        given = param if max_tokens is not None else None
-        special = body.add_special_tokens  # (vLLM's: none, the template holds its own)
         ids, thinking = bool(body.return_token_ids), body.include_reasoning is not False
-        await self.weights_ready()
-        call = self.in_flight.open([()] * n)  # (as completion's)
-        streams: list[RequestStream] = []
-        try:
-            params = await self._ready_grammar(params, grammar_param, prep.reasoning)
-            streams = await self._submit_all(
-                [prompt], [params], n, raw, [given], "messages", special, call=call
-            )
-            if body.stream and ids:  # (vLLM's first chunk carries them; the engine's own)
-                keep = params.truncate_prompt_tokens
-                prompt_ids = await asyncio.to_thread(
-                    self.engine.engine.prompt_ids, prompt, keep, special
-                )
-        except BaseException:
-            for s in streams:
-                self.engine.abort(s)
-            self.in_flight.close(call)
-            raise
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {
             "id": rid,
@@ -585,7 +548,7 @@ class Handlers:
                         "finish_reason": None,
                     }
                     start = _Result(prompt_tokens=streams[i].prompt_tokens)  # no tokens yet
-                    first = {"prompt_token_ids": prompt_ids} if i == 0 and ids else {}
+                    first = {"prompt_token_ids": run.prompt_ids} if i == 0 and ids else {}
                     chunk = {**head, **first, "choices": [role]}
                     yield _sse({**chunk, **_chunk_usage(usage, running, start)})
                 parsers = [prep.output_parser() for _ in range(n)]  # one per choice
@@ -645,6 +608,73 @@ class Handlers:
         if ids:
             out["prompt_token_ids"] = results[0].as_update().prompt_token_ids
         return JSONResponse(out)
+
+    async def start_chat(self, body: ChatCompletionRequest, raw: Request) -> ChatRun:
+        """A chat request's prompt rendered (tools, reasoning: `prepare_chat`) and its `n`
+        choices handed to the engine: what /v1/chat/completions and /v1/responses share.
+        The caller owns the run's streams and call from here (`_collect_all`,
+        `_stream_response`)."""
+        self._check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.echo:  # (vLLM's chat echo: the last message prepended to a reply in its role)
+            raise APIError(400, "echo is not supported on chat completions", param="echo")
+        tokenizer = self.engine.engine.tokenizer
+        model_type = self.engine.engine.model_config.model_type
+        if not has_chat_format(tokenizer, model_type):
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        prep = prepare_chat(body, tokenizer, self.chat_parsers, model_type)  # tools, reasoning
+        prompt = prep.prompt
+        max_tokens = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        # No max_tokens: generate until the context is full (the engine stops at its limit).
+        params = self._params(
+            body, max_tokens, self.engine.engine.max_model_len, top_n, "top_logprobs", param
+        )
+        grammar_param = _grammar_field(body)
+        if prep.grammar is not None:  # tool_choice forces a call
+            if params.grammar is not None:
+                raise APIError(
+                    400,
+                    "a required or named tool_choice cannot be combined with another grammar",
+                    param="tool_choice",
+                )
+            params = dataclasses.replace(params, grammar=prep.grammar)
+            grammar_param = "tools"
+        # Structured output is the answer's (`content`): where the model reasons first, the
+        # grammar starts once the reasoning is over, whichever field asked for it (vLLM's
+        # reasoning parsers; SGLang's ReasonerGrammarBackend, for its regex / ebnf /
+        # json_schema and structural tags too); /generate keeps a grammar over the whole
+        # output. A forcing tool_choice's tag holds the reasoning itself (`prepare_chat`
+        # gives it reasoning "disabled").
+        n = self._n(body)
+        given = param if max_tokens is not None else None
+        special = body.add_special_tokens  # (vLLM's: none, the template holds its own)
+        await self.weights_ready()
+        call = self.in_flight.open([()] * n)  # (as completion's)
+        streams: list[RequestStream] = []
+        prompt_ids = None
+        try:
+            params = await self._ready_grammar(params, grammar_param, prep.reasoning)
+            streams = await self._submit_all(
+                [prompt], [params], n, raw, [given], "messages", special, call=call
+            )
+            if body.stream and body.return_token_ids:  # (vLLM's first chunk carries them)
+                keep = params.truncate_prompt_tokens
+                prompt_ids = await asyncio.to_thread(
+                    self.engine.engine.prompt_ids, prompt, keep, special
+                )
+        except BaseException:
+            for s in streams:
+                self.engine.abort(s)
+            self.in_flight.close(call)
+            raise
+        return ChatRun(prep, streams, call, params, prompt_ids)
 
     async def flush_cache(self) -> Response:
         """Drop the prefix cache (`Engine.flush_cache`); a 400 while requests run or wait,
@@ -1685,4 +1715,7 @@ def _endpoint(path: str) -> str:
     """A request's `endpoint` label: its route, one label for every model's retrieve."""
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
+    if path.startswith("/v1/responses/"):
+        cancel = path.endswith("/cancel") and path.count("/") == 4
+        return "/v1/responses/{response_id}" + ("/cancel" if cancel else "")
     return path if path in _ENDPOINTS else "other"

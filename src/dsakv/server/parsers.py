@@ -456,6 +456,11 @@ class ReasoningParser:
         self.reasoning += reasoning
         return reasoning, content
 
+    @property
+    def done(self) -> bool:
+        """Whether the output is past its reasoning (or never had any)."""
+        return self._state == "content"
+
 
 def reasoning_mode(prompt: str, reasoning: bool) -> str:
     """Where a response to `prompt` starts, as xgrammar's structural tags name it: "enabled"

@@ -233,3 +233,69 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesTextFormat(_Strict):
+    """`text.format`: `text`, `json_object` or `json_schema` (its schema inline)."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Strict):
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesReasoning(_Strict):
+    effort: str | None = None  # (to the chat template, as chat's reasoning_effort)
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(_Strict):
+    """OpenAI's Responses API request (`dsakv.server.responses`), with vLLM's extras;
+    `input` items are checked where they are read (their shapes are many)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    background: bool | None = False
+    metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    user: str | None = None
+    # accepted and echoed, nothing to run (as vLLM)
+    max_tool_calls: int | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # refused unless left off: what they ask for is not run here
+    prompt: Any = None
+    conversation: Any = None
+    # vLLM's extras
+    request_id: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None

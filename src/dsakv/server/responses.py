@@ -1,0 +1,692 @@
+"""OpenAI's Responses API (`/v1/responses`), as vLLM serves it, over the chat path: input
+items become chat messages (rendered with tools and reasoning by `Handlers.start_chat`,
+exactly as /v1/chat/completions renders them), and the chat parser's reasoning, content and
+tool calls become output items (`reasoning`, `message`, `function_call`), whole or as the
+API's stream events. Responses are kept in memory (`store`, on by default as OpenAI's) for
+`previous_response_id`, GET, and `background`'s polling and cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from .app import ChatRun, Handlers, _AbortingStream, _Result
+from .chat import PreparedChat
+from .parsers import ChatDelta, reasoning_parser
+from .protocol import APIError, ChatCompletionRequest, ResponsesRequest
+
+# Responses kept for previous_response_id and GET, the least recently used dropped first (a
+# background response still running is never dropped). vLLM keeps every one, for ever.
+RESPONSES_KEPT = 4096
+# A previous response's output item that can start the next turn unfinished (vLLM's partial
+# continuation: the model goes on writing it)
+_UNFINISHED = ("in_progress", "incomplete")
+# chat's names for a request's fields, in the Responses API's words (errors name those)
+_PARAMS = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "truncate_prompt_tokens": "truncation",
+}
+_LOGPROBS = "message.output_text.logprobs"
+
+
+def add_responses_routes(app: FastAPI, api: Handlers) -> None:
+    """POST /v1/responses, GET and DELETE /v1/responses/{id}, POST .../cancel."""
+    store = ResponseStore()
+    app.state.responses = store
+
+    async def create(body: ResponsesRequest, raw: Request) -> Response:
+        return await _create(api, store, body, raw)
+
+    async def retrieve(response_id: str) -> dict[str, Any]:
+        return store.get(response_id).response
+
+    async def delete(response_id: str) -> dict[str, Any]:
+        stored = store.get(response_id)
+        _cancel(api, stored)
+        store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def cancel(response_id: str) -> dict[str, Any]:
+        """vLLM's and OpenAI's: a background response still running ends, cancelled, with
+        the output it had; any other is a 400."""
+        stored = store.get(response_id)
+        status = stored.response["status"]
+        if not stored.response["background"]:
+            raise APIError(400, "Cannot cancel a synchronous response.", param="response_id")
+        if status not in ("queued", "in_progress"):
+            raise APIError(400, f"Cannot cancel a response that is {status}.", param="response_id")
+        _cancel(api, stored)
+        if stored.task is not None:
+            await asyncio.shield(stored.task)  # (ends at the engine's next step)
+        return stored.response
+
+    app.add_api_route("/v1/responses", create, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"])
+
+
+# --- the store --------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Stored:
+    response: dict[str, Any]
+    messages: list[dict[str, Any]]  # the chat turns its input added (instructions aside)
+    run: ChatRun | None = None  # while it runs
+    task: asyncio.Task | None = None  # a background response's
+    cancelled: bool = False
+
+
+class ResponseStore:
+    """Responses by id, in memory, the least recently used dropped past `capacity`."""
+
+    def __init__(self, capacity: int = RESPONSES_KEPT) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[str, _Stored] = OrderedDict()
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._kept
+
+    def put(self, rid: str, stored: _Stored) -> None:
+        self._kept[rid] = stored
+        self._kept.move_to_end(rid)
+        for old in [k for k, s in self._kept.items() if s.task is None or s.task.done()]:
+            if len(self._kept) <= self.capacity:
+                break
+            del self._kept[old]
+
+    def get(self, rid: str, param: str = "response_id") -> _Stored:
+        stored = self._kept.get(rid)
+        if stored is None:
+            raise APIError(404, f"Response with id '{rid}' not found.", param=param)
+        self._kept.move_to_end(rid)
+        return stored
+
+    def delete(self, rid: str) -> None:
+        self._kept.pop(rid, None)
+
+    def history(self, rid: str) -> list[dict[str, Any]]:
+        """The conversation up to and including response `rid`: each earlier response's
+        input turns and output, oldest first (their instructions left out, as OpenAI's)."""
+        chain: list[_Stored] = []
+        while rid is not None:
+            stored = self.get(rid, "previous_response_id")
+            status = stored.response["status"]
+            if status not in ("completed", "incomplete"):
+                raise APIError(
+                    400,
+                    f"previous response '{rid}' is {status}; only a completed or incomplete "
+                    "one can be continued",
+                    param="previous_response_id",
+                )
+            chain.append(stored)
+            rid = stored.response["previous_response_id"]
+        messages: list[dict[str, Any]] = []
+        for stored in reversed(chain):
+            messages += stored.messages + input_messages(stored.response["output"], "output")
+        return messages
+
+
+# --- POST /v1/responses -----------------------------------------------------------------------
+
+
+async def _create(
+    api: Handlers, store: ResponseStore, body: ResponsesRequest, raw: Request
+) -> Response:
+    api._check_model(body.model)
+    for name in ("prompt", "conversation"):
+        if getattr(body, name) is not None:
+            raise APIError(400, f"{name} is not supported", param=name)
+    if _LOGPROBS in (body.include or ()):
+        raise APIError(400, f"include {_LOGPROBS!r} is not supported", param="include")
+    if body.background and body.store is False:
+        raise APIError(400, "background needs store: true", param="background")
+    if body.background and body.stream:
+        raise APIError(400, "a background response cannot be streamed", param="stream")
+    rid = body.request_id or f"resp_{uuid.uuid4().hex}"
+    if rid in store:
+        raise APIError(400, f"a response with id '{rid}' exists already", param="request_id")
+    own = input_messages(body.input)
+    history = store.history(body.previous_response_id) if body.previous_response_id else []
+    chat = _chat_request(body, history, own)
+    run = await _start(api, chat, _DETACHED if body.background else raw)
+    response = _response(rid, body, api, run, "in_progress")
+    stored = _Stored(response, own, run)
+    if body.background:
+        store.put(rid, stored)
+        stored.task = asyncio.create_task(_finish_in_background(api, stored))
+        return JSONResponse(response)
+    if body.stream:
+        if body.store is not False:
+            store.put(rid, stored)
+        return _stream(api, store, body, stored)
+    results = await api._collect_all(run.streams, raw, run.call)
+    _finish(api, stored, _full_output(run.prep, results[0]), results[0])
+    if body.store is not False:
+        store.put(rid, stored)
+    return JSONResponse(stored.response)
+
+
+async def _start(api: Handlers, chat: ChatCompletionRequest, raw: Any) -> ChatRun:
+    """`start_chat`, its errors naming the Responses API's fields."""
+    try:
+        return await api.start_chat(chat, raw)
+    except APIError as e:
+        param = _PARAMS.get(e.param or "", e.param)
+        message = e.message
+        for chat_name, name in _PARAMS.items():
+            if chat_name != "messages":
+                message = message.replace(chat_name, name)
+        raise APIError(e.status, message, e.type, param, e.code) from None
+
+
+async def _finish_in_background(api: Handlers, stored: _Stored) -> None:
+    run = stored.run
+    assert run is not None
+    try:
+        results = await api._collect_all(run.streams, _DETACHED, run.call)
+    except APIError as e:
+        stored.response.update(
+            status="failed", error={"code": "server_error", "message": e.message}
+        )
+        stored.run = None
+        return
+    _finish(api, stored, _full_output(run.prep, results[0]), results[0])
+
+
+def _cancel(api: Handlers, stored: _Stored) -> None:
+    """End a running response where it stands (its output so far kept), cancelled."""
+    if stored.run is None:
+        return
+    stored.cancelled = True
+    for s in stored.run.streams:
+        api.engine.abort(s, asked=True)
+
+
+def _finish(api: Handlers, stored: _Stored, output: _Output, r: _Result) -> None:
+    """The response's final state: its output, status, usage."""
+    run = stored.run
+    assert run is not None
+    if stored.cancelled or r.finish_reason == "abort":
+        status = "cancelled"
+    elif r.finish_reason == "length":
+        status = "incomplete"
+    else:
+        status = "completed"
+    output.finish("incomplete" if status != "completed" else "completed")
+    tokenizer = api.engine.engine.tokenizer
+    stored.response.update(
+        status=status,
+        output=output.items,
+        incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
+        usage={
+            "input_tokens": r.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": r.cached_tokens},
+            "output_tokens": r.completion_tokens,
+            "output_tokens_details": {
+                "reasoning_tokens": _reasoning_tokens(run.prep, tokenizer, r.token_ids)
+            },
+            "total_tokens": r.prompt_tokens + r.completion_tokens,
+        },
+    )
+    stored.run = None
+
+
+def _full_output(prep: PreparedChat, r: _Result) -> _Output:
+    parser = prep.output_parser()
+    output = _Output()
+    output.feed(parser.feed(r.text, final=True, cut=r.finish_reason == "length"))
+    return output
+
+
+# --- streaming --------------------------------------------------------------------------------
+
+
+def _stream(
+    api: Handlers, store: ResponseStore, body: ResponsesRequest, stored: _Stored
+) -> Response:
+    """The response as OpenAI's stream events: `response.created`, `response.in_progress`,
+    each item added, its text or arguments in deltas and done, then `response.completed` (or
+    `response.incomplete`, cut by max_output_tokens), each with its `sequence_number`; an
+    engine failure ends it with `response.failed`. A client that leaves aborts it (the
+    stored response then reads cancelled)."""
+    run = stored.run
+    assert run is not None
+    response = stored.response
+    seq = 0
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal seq
+        data = {"type": kind, "sequence_number": seq, **fields}
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        yield event("response.created", response=copy.deepcopy(response))
+        yield event("response.in_progress", response=copy.deepcopy(response))
+        parser, output, totals = run.prep.output_parser(), _Output(), _Result()
+        try:
+            async for _, u in api._merged(run.streams):
+                totals.add(u)
+                cut = u.finished and u.finish_reason == "length"
+                for kind, fields in output.feed(parser.feed(u.text, final=u.finished, cut=cut)):
+                    yield event(kind, **fields)
+        except APIError as e:
+            response.update(status="failed", error={"code": "server_error", "message": e.message})
+            stored.run = None
+            yield event("response.failed", response=response)
+            return
+        _finish(api, stored, output, totals)
+        for kind, fields in output.events:
+            yield event(kind, **fields)
+        status = response["status"]
+        done = "response.incomplete" if status == "incomplete" else "response.completed"
+        yield event(done, response=response)
+
+    def close() -> None:
+        api.in_flight.close(run.call)
+        for s in run.streams:
+            api.engine.abort(s)
+        if stored.run is not None:  # (the client left before the end)
+            response["status"] = "cancelled"
+            stored.run = None
+
+    return _AbortingStream(events(), close)
+
+
+# --- output items -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Output:
+    """A response's output items, built from a chat parser's deltas, and the stream events
+    each delta makes: an item is added (a text item with its one content part), written in
+    deltas, and done when the next item starts or the response ends; ids are the same in
+    the events and the final output (the SDK's stream helper checks them)."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # `finish`'s
+    _open: dict[str, Any] | None = None
+    _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool-call index -> item
+
+    def feed(self, d: ChatDelta) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        if d.reasoning:
+            self._text("reasoning", d.reasoning, out)
+        if d.content:
+            self._text("message", d.content, out)
+        for call in d.tool_calls:
+            self._call(call, out)
+        return out
+
+    def finish(self, status: str) -> None:
+        """Close the item being written (`status`: how the response ended)."""
+        self.events = []
+        self._close(self.events, status)
+
+    def _add(self, item: dict[str, Any], out: list) -> dict[str, Any]:
+        self._close(out)
+        self.items.append(item)
+        self._open = item
+        out.append(("response.output_item.added", self._at(item, item=copy.deepcopy(item))))
+        return item
+
+    def _text(self, kind: str, text: str, out: list) -> None:
+        item = self._open
+        if item is None or item["type"] != kind:
+            if kind == "reasoning":
+                item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": []}
+                part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+            else:
+                item = {"id": _id("msg"), "type": "message", "role": "assistant", "content": []}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["status"] = "in_progress"
+            self._add(item, out)
+            item["content"].append(part)
+            out.append(
+                ("response.content_part.added", self._at(item, content_index=0, part=dict(part)))
+            )
+        item["content"][0]["text"] += text
+        if kind == "reasoning":
+            out.append(
+                ("response.reasoning_text.delta", self._at(item, content_index=0, delta=text))
+            )
+        else:
+            out.append(
+                (
+                    "response.output_text.delta",
+                    self._at(item, content_index=0, delta=text, logprobs=[]),
+                )
+            )
+
+    def _call(self, call: dict[str, Any], out: list) -> None:
+        if "id" in call:  # a call starts
+            item = {
+                "id": _id("fc"),
+                "type": "function_call",
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": "",
+                "status": "in_progress",
+            }
+            self._calls[call["index"]] = self._add(item, out)
+        item = self._calls[call["index"]]
+        fragment = call["function"].get("arguments") or ""
+        if fragment:
+            item["arguments"] += fragment
+            out.append(("response.function_call_arguments.delta", self._at(item, delta=fragment)))
+
+    def _close(self, out: list, status: str = "completed") -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        item["status"] = status
+        if item["type"] == "function_call":
+            done = self._at(item, arguments=item["arguments"], name=item["name"])
+            out.append(("response.function_call_arguments.done", done))
+        else:
+            part = item["content"][0]
+            kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
+            extra = {"logprobs": []} if kind == "output_text" else {}
+            out.append(
+                (
+                    f"response.{kind}.done",
+                    self._at(item, content_index=0, text=part["text"], **extra),
+                )
+            )
+            out.append(
+                ("response.content_part.done", self._at(item, content_index=0, part=dict(part)))
+            )
+        out.append(("response.output_item.done", self._at(item, item=copy.deepcopy(item))))
+
+    def _at(self, of: dict[str, Any], **fields: Any) -> dict[str, Any]:
+        """An event's fields about item `of`: its id (unless the event carries the item)
+        and its place in the output."""
+        index = next(i for i, x in enumerate(self.items) if x is of)
+        if "item" in fields:
+            return {"output_index": index, **fields}
+        return {"item_id": of["id"], "output_index": index, **fields}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _reasoning_tokens(prep: PreparedChat, tokenizer: Any, ids: list[int]) -> int:
+    """How many of the output tokens `ids` the reasoning took (the one that ended it
+    included): the fewest whose text carries the parser past the reasoning, found by
+    bisection (the text of a longer prefix only adds to it)."""
+    name = prep.parsers.reasoning
+    if name is None or tokenizer is None or not ids:
+        return 0
+
+    def parsed(k: int) -> Any:
+        parser = reasoning_parser(name, prep.prompt)
+        assert parser is not None
+        parser.feed(tokenizer.decode(ids[:k], skip_special_tokens=True))
+        return parser
+
+    whole = parsed(len(ids))
+    if not whole.seen:
+        return 0
+    if not whole.done:
+        return len(ids)  # (cut off while reasoning)
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if parsed(mid).done:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+# --- the request as a chat request ------------------------------------------------------------
+
+
+def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> list[dict]:
+    """Responses API items as chat messages (OpenAI's turns, as vLLM reads them): a message
+    item is a turn (`developer` is the system's), a `function_call` an assistant turn's
+    tool call (consecutive calls one turn), a `function_call_output` a tool turn, and a
+    `reasoning` item the reasoning of the assistant turn that follows. An assistant item
+    left unfinished (`in_progress`, `incomplete`) last is continued (`_chat_request`)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    reasoning: str | None = None
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(
+                    400,
+                    f"{at}.role must be user, system, developer or assistant, got {role!r}",
+                    param=where,
+                )
+            message: dict[str, Any] = {
+                "role": "system" if role == "developer" else role,
+                "content": _text(item.get("content"), f"{at}.content", where),
+            }
+            if role == "assistant":
+                if reasoning is not None:
+                    message["reasoning_content"], reasoning = reasoning, None
+                if item.get("status") in _UNFINISHED:
+                    message["_unfinished"] = True
+            messages.append(message)
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list):
+                raise APIError(400, f"{at}.content must be a list of parts", param=where)
+            text = "".join(_field(p, "text", f"{at}.content", where) for p in parts)
+            reasoning = (reasoning or "") + text
+        elif kind == "function_call":
+            call = {
+                "id": _field(item, "call_id", at, where),
+                "type": "function",
+                "function": {
+                    "name": _field(item, "name", at, where),
+                    "arguments": _field(item, "arguments", at, where),
+                },
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and reasoning is None:
+                last.setdefault("tool_calls", []).append(call)
+                last.pop("_unfinished", None)
+            else:
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if reasoning is not None:
+                    message["reasoning_content"], reasoning = reasoning, None
+                messages.append(message)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            content = output if isinstance(output, str) else _text(output, f"{at}.output", where)
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _field(item, "call_id", at, where),
+                    "content": content,
+                }
+            )
+        else:
+            raise APIError(
+                400,
+                f"{at}.type {kind!r} is not supported (message, function_call, "
+                "function_call_output and reasoning items are)",
+                param=where,
+            )
+    return messages
+
+
+def _field(item: Any, key: str, at: str, where: str) -> str:
+    value = item.get(key) if isinstance(item, dict) else None
+    if not isinstance(value, str):
+        raise APIError(400, f"{at}.{key} must be a string", param=where)
+    return value
+
+
+def _text(content: Any, at: str, where: str) -> str | list[dict[str, str]]:
+    """A message's content: text, or its text parts (the chat template joins them)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{at} must be a string or a list of content parts", param=where)
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            raise APIError(
+                400, f"{at}[{j}]: content part type {kind!r} is not supported", param=where
+            )
+        parts.append({"type": "text", "text": _field(part, "text", f"{at}[{j}]", where)})
+    return parts
+
+
+def _chat_request(
+    body: ResponsesRequest, history: list[dict[str, Any]], own: list[dict[str, Any]]
+) -> ChatCompletionRequest:
+    """The chat request that runs `body`: its instructions first (a system turn), then the
+    conversation so far and its own input."""
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    messages += [dict(m) for m in history + own]
+    unfinished = bool(messages) and messages[-1].pop("_unfinished", False)
+    for m in messages:
+        m.pop("_unfinished", None)
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.get("type") != "function":
+            raise APIError(
+                400,
+                f"tools[{i}]: type {tool.get('type')!r} is not supported (function tools only)",
+                param="tools",
+            )
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        tools.append({"type": "function", "function": fn})
+    chat: dict[str, Any] = {
+        "model": body.model,
+        "messages": messages,
+        "tools": tools or None,
+        "tool_choice": _tool_choice(body.tool_choice),
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "max_completion_tokens": body.max_output_tokens,
+        "response_format": _response_format(body),
+        "reasoning_effort": body.reasoning.effort if body.reasoning else None,
+        "chat_template_kwargs": body.chat_template_kwargs,
+        # vLLM's "auto": the prompt's first tokens dropped to fit (as truncate_prompt_tokens)
+        "truncate_prompt_tokens": -1 if body.truncation == "auto" else None,
+    }
+    if unfinished:
+        chat.update(add_generation_prompt=False, continue_final_message=True)
+    for key in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "stop",
+        "logit_bias",
+    ):
+        chat[key] = getattr(body, key)
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in chat.items() if v is not None}
+        )
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        param = _PARAMS.get(str(first["loc"][0]), str(first["loc"][0]))
+        raise APIError(400, f"{loc}: {first['msg']}", param=param) from None
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError(
+        400,
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+        param="tool_choice",
+    )
+
+
+def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = body.text.format if body.text else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.type == "json_schema":
+        schema = fmt.model_dump(by_alias=True, exclude_none=True, exclude={"type"})
+        return {"type": "json_schema", "json_schema": schema}
+    raise APIError(400, f"text.format type {fmt.type!r} is not supported", param="text.format")
+
+
+def _response(
+    rid: str, body: ResponsesRequest, api: Handlers, run: ChatRun, status: str
+) -> dict[str, Any]:
+    """The response object, as it stands before its output (`_finish` completes it)."""
+    p = run.params
+    fmt = body.text.format if body.text and body.text.format else None
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "background": bool(body.background),
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.instructions,
+        "max_output_tokens": p.max_tokens,
+        "max_tool_calls": body.max_tool_calls,
+        "metadata": body.metadata or {},
+        "model": api.model_name,
+        "output": [],
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": body.reasoning.model_dump() if body.reasoning else None,
+        "service_tier": body.service_tier or "auto",
+        "store": body.store is not False,
+        "temperature": p.temperature,
+        "text": {
+            "format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
+        },
+        "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+        "tools": body.tools or [],
+        "top_logprobs": body.top_logprobs,
+        "top_p": p.top_p,
+        "truncation": body.truncation or "disabled",
+        "usage": None,
+        "user": body.user,
+    }
+
+
+class _Detached:
+    """A background response's `raw` request: a client that never leaves (the response
+    runs on whether its POST's connection stays or not)."""
+
+    async def receive(self) -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+_DETACHED: Any = _Detached()

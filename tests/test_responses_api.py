@@ -1,0 +1,372 @@
+"""OpenAI's Responses API (/v1/responses) through a real server and the `openai` client, on
+the GLM tiny model: each response equals the chat completion of the same conversation
+(greedy, token for token), streamed events reassemble (through the SDK's own stream helper,
+which checks their order and ids) into the non-streamed response, previous_response_id and
+function_call_output items continue a conversation as chat messages would, stored responses
+are retrieved, deleted and cancelled, and bad requests are one clear 4xx."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from transformers import AutoTokenizer
+
+from dsakv.engine import EngineConfig
+from dsakv.models.tiny import write_tiny_model
+from dsakv.server.chat import ChatParsers, PreparedChat
+from dsakv.server.responses import _reasoning_tokens
+
+from .serving import TIMEOUT, engine_stops_stepping_at, serving
+from .test_server import ENGINE_ARGS
+from .test_server_tools import SCHEMAS, TOOLS
+
+QUIET = {"chat_template_kwargs": {"enable_thinking": False}}  # GLM answers without reasoning
+WEATHER = {  # the Responses API's flat function tool
+    "type": "function",
+    **{k: TOOLS[0]["function"][k] for k in ("name", "description", "parameters")},
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(client, base URL, async engine, model dir) of a server on the GLM tiny model."""
+    path = write_tiny_model(tmp_path_factory.mktemp("glm") / "glm", "glm-tiny", seed=0)
+    config = EngineConfig(model=str(path), **{**ENGINE_ARGS, "num_pages": 256})
+    with serving(config) as (base, async_engine):
+        client = openai.OpenAI(
+            base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0
+        )
+        yield client, base, async_engine, path
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _respond(client, model, **kw):
+    kw.setdefault("max_output_tokens", 24)
+    kw.setdefault("temperature", 0)
+    return client.responses.create(model=model, **kw)
+
+
+def _chat(client, model, messages, max_tokens=24, **kw):
+    return client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, **kw
+    )
+
+
+def _items(response) -> list[str]:
+    return [item.type for item in response.output]
+
+
+def test_text_equals_chat(client, model):
+    r = _respond(client, model, input="Tell me a story.", extra_body=QUIET)
+    c = _chat(client, model, [{"role": "user", "content": "Tell me a story."}], extra_body=QUIET)
+    choice = c.choices[0]
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == model
+    assert _items(r) == ["message"] and r.output_text == choice.message.content
+    assert r.output[0].content[0].type == "output_text"
+    assert r.usage.input_tokens == c.usage.prompt_tokens
+    assert r.usage.output_tokens == c.usage.completion_tokens
+    assert r.usage.total_tokens == c.usage.total_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    if choice.finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert r.output[0].status == "incomplete"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+    assert r.max_output_tokens == 24 and r.temperature == 0
+
+
+def test_instructions_and_items_equal_chat_messages(client, model):
+    """instructions are a system turn, developer is system, content parts are joined."""
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+    ]
+    r = _respond(client, model, input=items, instructions="You are terse.", extra_body=QUIET)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    assert (
+        r.output_text == _chat(client, model, messages, extra_body=QUIET).choices[0].message.content
+    )
+    assert r.instructions == "You are terse."
+
+
+def test_reasoning_item(client, model):
+    """GLM thinks by default: the output opens with a reasoning item holding what chat
+    returns as reasoning_content (here all of it: random weights never close the block)."""
+    r = _respond(client, model, input="Why?")
+    c = _chat(client, model, [{"role": "user", "content": "Why?"}])
+    assert r.output[0].type == "reasoning" and r.output[0].summary == []
+    assert r.output[0].content[0].text == c.choices[0].message.reasoning_content
+    assert r.output_text == (c.choices[0].message.content or "")
+    reasoning = r.usage.output_tokens_details.reasoning_tokens
+    assert 0 < reasoning <= r.usage.output_tokens
+
+
+def test_reasoning_tokens_count_up_to_the_end_of_reasoning(served):
+    """The reasoning's token count stops at the token that closed the block."""
+    tokenizer = AutoTokenizer.from_pretrained(served[3])
+    prep = PreparedChat("<|assistant|><think>", None, None, ChatParsers(None, "glm45"))
+    ids = tokenizer.encode("abc</think>xyz", add_special_tokens=False)
+    assert _reasoning_tokens(prep, tokenizer, ids) == len(
+        tokenizer.encode("abc</think>", add_special_tokens=False)
+    )
+    closed = PreparedChat("<|assistant|></think>", None, None, ChatParsers(None, "glm45"))
+    assert _reasoning_tokens(closed, tokenizer, ids) == 0
+    assert _reasoning_tokens(prep, tokenizer, ids[:5]) == 5  # cut off while reasoning
+
+
+def test_forced_function_call(client, model):
+    r = _respond(
+        client,
+        model,
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=200,
+        extra_body=QUIET,
+    )
+    c = _chat(
+        client,
+        model,
+        [{"role": "user", "content": "Weather in Paris?"}],
+        max_tokens=200,
+        tools=[TOOLS[0]],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body=QUIET,
+    )
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].status == "completed"
+    assert calls[0].id.startswith("fc_") and calls[0].call_id
+    args = json.loads(calls[0].arguments)
+    jsonschema.validate(args, SCHEMAS["get_weather"])
+    assert args == json.loads(c.choices[0].message.tool_calls[0].function.arguments)
+
+
+def test_function_call_output_continues_as_chat(client, model):
+    """A function_call and its output (given as items, or by previous_response_id) are the
+    assistant's tool call and the tool's turn."""
+    first = _respond(
+        client,
+        model,
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+        extra_body=QUIET,
+    )
+    assert first.status == "completed"
+    call = next(item for item in first.output if item.type == "function_call")
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    by_id = _respond(
+        client,
+        model,
+        input=[result],
+        previous_response_id=first.id,
+        tools=[WEATHER],
+        extra_body=QUIET,
+    )
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+        },
+        result,
+    ]
+    by_items = _respond(client, model, input=items, tools=[WEATHER], extra_body=QUIET)
+    tool_call = {
+        "id": call.call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
+    ]
+    c = _chat(client, model, messages, tools=[TOOLS[0]], extra_body=QUIET)
+    assert by_id.output_text == by_items.output_text == (c.choices[0].message.content or "")
+    assert by_id.usage.input_tokens == by_items.usage.input_tokens == c.usage.prompt_tokens
+    assert by_id.previous_response_id == first.id
+
+
+def test_previous_response_id_drops_its_instructions(client, model):
+    first = _respond(client, model, input="One.", instructions="Count.", extra_body=QUIET)
+    second = _respond(client, model, input="Two.", previous_response_id=first.id, extra_body=QUIET)
+    messages = [
+        {"role": "user", "content": "One."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Two."},
+    ]
+    c = _chat(client, model, messages, extra_body=QUIET)
+    assert second.output_text == c.choices[0].message.content
+    assert second.usage.input_tokens == c.usage.prompt_tokens
+
+
+def test_stream_reassembles_into_the_response(client, model):
+    """The SDK's stream helper (which checks the events' order, indexes and ids) ends on
+    the same response as a non-streamed call; the raw events count up from 0 and their
+    deltas add up to each item."""
+    kw = dict(input="Why?", max_output_tokens=30)
+    whole = _respond(client, model, **kw)
+    with client.responses.stream(model=model, temperature=0, **kw) as stream:
+        events = list(stream)
+    final = events[-1].response  # (`get_final_response` wants response.completed)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[1].type == "response.in_progress"
+    assert events[-1].type == f"response.{whole.status}"  # completed or incomplete
+    assert final.id == events[0].response.id and final.status == whole.status
+    assert (
+        _items(final) == _items(whole) == ["reasoning"] + (["message"] if whole.output_text else [])
+    )
+    assert final.output[0].content[0].text == whole.output[0].content[0].text
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == whole.output[0].content[0].text
+    assert final.output_text == whole.output_text
+    assert final.usage.model_dump() == whole.usage.model_dump()
+    got = client.responses.retrieve(final.id)
+    assert got.status == final.status and got.output_text == final.output_text
+
+
+def test_streamed_function_call(client, model):
+    kw = dict(
+        input="Weather in Rome?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+        extra_body=QUIET,
+    )
+    whole = _respond(client, model, **kw)
+    with client.responses.stream(model=model, temperature=0, **kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert whole.status == "completed"
+    call = next(item for item in final.output if item.type == "function_call")
+    expected = next(item for item in whole.output if item.type == "function_call")
+    assert (call.name, call.arguments) == (expected.name, expected.arguments)
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == call.arguments
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [call.arguments]
+
+
+def test_structured_output(client, model):
+    class City(BaseModel):
+        name: Literal["Paris", "Rome", "Oslo"]
+        days: int = Field(ge=1, le=7)
+
+    r = client.responses.parse(
+        model=model,
+        input="A city and a number of days.",
+        text_format=City,
+        max_output_tokens=300,
+        temperature=0,
+        extra_body=QUIET,
+    )
+    assert r.status == "completed" and isinstance(r.output_parsed, City)
+
+
+def test_store_retrieve_delete(client, model):
+    r = _respond(client, model, input="Hi", extra_body=QUIET)
+    got = client.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(r.id)
+    unstored = _respond(client, model, input="Hi", store=False, extra_body=QUIET)
+    assert unstored.output_text == r.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError, match="previous_response_id|not found"):
+        _respond(client, model, input="Hi", previous_response_id=unstored.id)
+
+
+def test_background_runs_to_the_end(client, model):
+    r = _respond(client, model, input="Tell me a story.", background=True, extra_body=QUIET)
+    assert r.background and r.status in ("queued", "in_progress")
+    deadline = time.monotonic() + TIMEOUT
+    while r.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        r = client.responses.retrieve(r.id)
+    expected = _respond(client, model, input="Tell me a story.", extra_body=QUIET)
+    assert r.status == expected.status and r.output_text == expected.output_text
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel"):
+        client.responses.cancel(r.id)
+    with pytest.raises(openai.BadRequestError, match="synchronous"):
+        client.responses.cancel(expected.id)
+
+
+def test_cancel_a_background_response(served, model):
+    client, _, async_engine, _ = served
+    with engine_stops_stepping_at(async_engine, 5):
+        r = _respond(client, model, input="Go on.", background=True, max_output_tokens=100)
+        deadline = time.monotonic() + TIMEOUT
+        while not any(len(x.output_ids) >= 5 for x in async_engine.engine.requests.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        cancelled = client.responses.cancel(r.id)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens == 5
+    assert cancelled.output[0].type == "reasoning" and cancelled.output[0].status == "incomplete"
+    assert client.responses.retrieve(r.id).status == "cancelled"
+    assert not async_engine.engine.requests  # its pages given back
+
+
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ({"model": "other", "input": "x"}, 404, "does not exist"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
+        ({"input": [{"role": "robot", "content": "x"}]}, 400, "input[0].role"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input_image"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, 400, "call_id"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "function tools only"),
+        ({"input": "x", "background": True, "store": False}, 400, "store"),
+        ({"input": "x", "background": True, "stream": True}, 400, "streamed"),
+        ({"input": "x", "prompt": {"id": "p"}}, 400, "prompt"),
+        ({"input": "x", "include": ["message.output_text.logprobs"]}, 400, "logprobs"),
+        ({"input": "x", "previous_response_id": "resp_x"}, 404, "not found"),
+        ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format"),
+        ({"input": "x", "tool_choice": {"type": "mcp"}}, 400, "tool_choice"),
+        ({"input": 3}, 400, "input"),
+    ],
+)
+def test_bad_requests(served, body, status, words):
+    base = served[1]
+    r = httpx.post(f"{base}/v1/responses", json=body, timeout=TIMEOUT)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert words in error["message"]
+    if status == 400:
+        assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_ids(served):
+    base = served[1]
+    for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/cancel")):
+        r = httpx.request(method, f"{base}/v1/responses/resp_missing{path}", timeout=TIMEOUT)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
