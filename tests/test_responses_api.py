@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import httpx
@@ -21,7 +22,15 @@ from transformers import AutoTokenizer
 from dsakv.engine import EngineConfig
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server.chat import ChatParsers, PreparedChat
-from dsakv.server.responses import _reasoning_tokens
+from dsakv.server.parsers import ChatDelta
+from dsakv.server.protocol import APIError
+from dsakv.server.responses import (
+    ResponseStore,
+    _Output,
+    _reasoning_tokens,
+    _Stored,
+    input_messages,
+)
 
 from .serving import TIMEOUT, engine_stops_stepping_at, serving
 from .test_server import ENGINE_ARGS
@@ -370,3 +379,132 @@ def test_unknown_ids(served):
     for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/cancel")):
         r = httpx.request(method, f"{base}/v1/responses/resp_missing{path}", timeout=TIMEOUT)
         assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
+
+
+# --- the review's cases: ids, event order, continuations, truncation, the store -------------
+
+
+def test_a_request_id_in_flight_is_refused(served, model):
+    """A second request naming a request_id the first still runs under is a 400 (the first
+    one is stored only once it ends)."""
+    client, base, async_engine, _ = served
+    body = {"input": "Go on.", "request_id": "resp_mine", "max_output_tokens": 50}
+    with ThreadPoolExecutor(1) as pool, engine_stops_stepping_at(async_engine, 3):
+        first = pool.submit(httpx.post, f"{base}/v1/responses", json=body, timeout=TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while not async_engine.engine.requests:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        second = httpx.post(f"{base}/v1/responses", json=body, timeout=TIMEOUT)
+        assert second.status_code == 400 and "exists already" in second.json()["error"]["message"]
+    assert first.result().status_code == 200 and first.result().json()["id"] == "resp_mine"
+    client.responses.delete("resp_mine")
+
+
+def test_a_call_closes_before_the_text_after_it():
+    """One update holding a call's close and the text after it: the call's last fragment
+    comes before its item is done, the text's item after."""
+    out = _Output()
+    start = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}
+    out.feed(ChatDelta(tool_calls=[{**start, "function": {"name": "f", "arguments": '{"a": 1'}}]))
+    events = out.feed(
+        ChatDelta(content="after", tool_calls=[{"index": 0, "function": {"arguments": "}"}}])
+    )
+    kinds = [kind for kind, _ in events]
+    assert (
+        kinds.index("response.function_call_arguments.delta")
+        < kinds.index("response.output_item.done")
+        < kinds.index("response.output_item.added")
+    )
+    done = next(f for kind, f in events if kind == "response.output_item.done")
+    assert done["item"]["arguments"] == '{"a": 1}' and done["item"]["status"] == "completed"
+
+
+def test_unfinished_turns_are_continued_as_one():
+    """A reasoning item opens the assistant turn its message (or call) joins; a turn cut off
+    goes on in the next assistant item; a call cut off is left out."""
+    reasoning = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Hm"}]}
+    cut = {
+        "type": "message",
+        "role": "assistant",
+        "status": "incomplete",
+        "content": [{"type": "output_text", "text": "Once"}],
+    }
+    rest = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": " upon"}],
+    }
+    call = {
+        "type": "function_call",
+        "call_id": "c",
+        "name": "f",
+        "arguments": '{"x"',
+        "status": "incomplete",
+    }
+    user = {"role": "user", "content": "Tell."}
+    got = input_messages([user, reasoning, cut, rest, call])
+    assert got == [
+        {"role": "user", "content": "Tell."},
+        {
+            "role": "assistant",
+            "content": "Once upon",
+            "reasoning_content": "Hm",
+            "_unfinished": False,
+        },
+    ]
+    thinking = input_messages([user, {**reasoning, "status": "incomplete"}])
+    assert thinking[-1] == {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "Hm",
+        "_unfinished": True,
+    }
+
+
+def test_continuing_an_incomplete_response(client, model):
+    """`input: []` after a response cut off writes on in the same turn (chat's
+    continue_final_message), and so does the one after that: one assistant turn."""
+    first = _respond(client, model, input="Tell me a story.", max_output_tokens=6, extra_body=QUIET)
+    assert first.status == "incomplete"
+    second = _respond(client, model, input=[], previous_response_id=first.id, max_output_tokens=6)
+    third = _respond(client, model, input=[], previous_response_id=second.id, max_output_tokens=6)
+    so_far = first.output_text + second.output_text
+    messages = [
+        {"role": "user", "content": "Tell me a story."},
+        {"role": "assistant", "content": so_far},
+    ]
+    c = _chat(
+        client,
+        model,
+        messages,
+        max_tokens=6,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert third.output_text == c.choices[0].message.content
+    assert third.usage.input_tokens == c.usage.prompt_tokens
+
+
+def test_truncation_auto_leaves_room_for_the_output(served, client, model):
+    async_engine = served[2]
+    long = "word " * (2 * async_engine.engine.max_model_len)
+    with pytest.raises(openai.BadRequestError, match="at most"):
+        _respond(client, model, input=long, max_output_tokens=8)
+    r = _respond(client, model, input=long, max_output_tokens=8, truncation="auto")
+    assert r.usage.input_tokens + 8 == async_engine.engine.max_model_len
+    assert r.usage.output_tokens == 8 or r.status == "completed"
+
+
+def test_the_store_keeps_what_runs_and_what_it_just_took():
+    store = ResponseStore(capacity=2)
+    running = [_Stored({"id": i}, [], run=object()) for i in range(3)]  # (`run`: still going)
+    for i, s in enumerate(running):
+        store.put(f"r{i}", s)
+    store.put("done", _Stored({"id": "done"}, []))
+    for name in ("r0", "r1", "r2", "done"):
+        store.get(name)  # none dropped: three run, one was just put
+    for s in running:
+        s.run = None
+    store.put("next", _Stored({"id": "next"}, []))
+    with pytest.raises(APIError):
+        store.get("r0")  # the least recently used that no longer runs

@@ -8,12 +8,13 @@ API's stream events. Responses are kept in memory (`store`, on by default as Ope
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,19 +94,30 @@ class _Stored:
 
 
 class ResponseStore:
-    """Responses by id, in memory, the least recently used dropped past `capacity`."""
+    """Responses by id, in memory, the least recently used dropped past `capacity` (never
+    one still running). An id is taken from its request's start (`reserve`), so a second
+    request cannot take it while the first runs."""
 
     def __init__(self, capacity: int = RESPONSES_KEPT) -> None:
         self.capacity = capacity
         self._kept: OrderedDict[str, _Stored] = OrderedDict()
+        self._reserved: set[str] = set()
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._kept
+    @contextlib.contextmanager
+    def reserve(self, rid: str) -> Iterator[None]:
+        """Hold `rid` while its request starts (a 400 if it is taken)."""
+        if rid in self._kept or rid in self._reserved:
+            raise APIError(400, f"a response with id '{rid}' exists already", param="request_id")
+        self._reserved.add(rid)
+        try:
+            yield
+        finally:
+            self._reserved.discard(rid)
 
     def put(self, rid: str, stored: _Stored) -> None:
         self._kept[rid] = stored
         self._kept.move_to_end(rid)
-        for old in [k for k, s in self._kept.items() if s.task is None or s.task.done()]:
+        for old in [k for k, s in self._kept.items() if s.run is None and k != rid]:
             if len(self._kept) <= self.capacity:
                 break
             del self._kept[old]
@@ -122,7 +134,8 @@ class ResponseStore:
 
     def history(self, rid: str) -> list[dict[str, Any]]:
         """The conversation up to and including response `rid`: each earlier response's
-        input turns and output, oldest first (their instructions left out, as OpenAI's)."""
+        input turns and output, oldest first (their instructions left out, as OpenAI's); a
+        response that went on writing an unfinished one continues its turn."""
         chain: list[_Stored] = []
         while rid is not None:
             stored = self.get(rid, "previous_response_id")
@@ -138,7 +151,8 @@ class ResponseStore:
             rid = stored.response["previous_response_id"]
         messages: list[dict[str, Any]] = []
         for stored in reversed(chain):
-            messages += stored.messages + input_messages(stored.response["output"], "output")
+            for m in stored.messages + input_messages(stored.response["output"], "output"):
+                _append(messages, dict(m))
         return messages
 
 
@@ -159,27 +173,26 @@ async def _create(
     if body.background and body.stream:
         raise APIError(400, "a background response cannot be streamed", param="stream")
     rid = body.request_id or f"resp_{uuid.uuid4().hex}"
-    if rid in store:
-        raise APIError(400, f"a response with id '{rid}' exists already", param="request_id")
-    own = input_messages(body.input)
-    history = store.history(body.previous_response_id) if body.previous_response_id else []
-    chat = _chat_request(body, history, own)
-    run = await _start(api, chat, _DETACHED if body.background else raw)
-    response = _response(rid, body, api, run, "in_progress")
-    stored = _Stored(response, own, run)
-    if body.background:
-        store.put(rid, stored)
-        stored.task = asyncio.create_task(_finish_in_background(api, stored))
-        return JSONResponse(response)
-    if body.stream:
+    with store.reserve(rid):
+        own = input_messages(body.input)
+        history = store.history(body.previous_response_id) if body.previous_response_id else []
+        chat = _chat_request(body, history, own, api.engine.engine.max_model_len)
+        run = await _start(api, chat, _DETACHED if body.background else raw)
+        response = _response(rid, body, api, run, "in_progress")
+        stored = _Stored(response, own, run)
+        if body.background:
+            store.put(rid, stored)
+            stored.task = asyncio.create_task(_finish_in_background(api, stored))
+            return JSONResponse(response)
+        if body.stream:
+            if body.store is not False:
+                store.put(rid, stored)
+            return _stream(api, body, stored)
+        results = await api._collect_all(run.streams, raw, run.call)
+        _finish(api, stored, _full_output(run.prep, results[0]), results[0])
         if body.store is not False:
             store.put(rid, stored)
-        return _stream(api, store, body, stored)
-    results = await api._collect_all(run.streams, raw, run.call)
-    _finish(api, stored, _full_output(run.prep, results[0]), results[0])
-    if body.store is not False:
-        store.put(rid, stored)
-    return JSONResponse(stored.response)
+        return JSONResponse(stored.response)
 
 
 async def _start(api: Handlers, chat: ChatCompletionRequest, raw: Any) -> ChatRun:
@@ -200,13 +213,11 @@ async def _finish_in_background(api: Handlers, stored: _Stored) -> None:
     assert run is not None
     try:
         results = await api._collect_all(run.streams, _DETACHED, run.call)
-    except APIError as e:
-        stored.response.update(
-            status="failed", error={"code": "server_error", "message": e.message}
-        )
+        _finish(api, stored, _full_output(run.prep, results[0]), results[0])
+    except Exception as e:  # noqa: BLE001 - nobody awaits this task: the response says it
+        message = e.message if isinstance(e, APIError) else f"internal error: {e!r}"
+        stored.response.update(status="failed", error={"code": "server_error", "message": message})
         stored.run = None
-        return
-    _finish(api, stored, _full_output(run.prep, results[0]), results[0])
 
 
 def _cancel(api: Handlers, stored: _Stored) -> None:
@@ -257,9 +268,7 @@ def _full_output(prep: PreparedChat, r: _Result) -> _Output:
 # --- streaming --------------------------------------------------------------------------------
 
 
-def _stream(
-    api: Handlers, store: ResponseStore, body: ResponsesRequest, stored: _Stored
-) -> Response:
+def _stream(api: Handlers, body: ResponsesRequest, stored: _Stored) -> Response:
     """The response as OpenAI's stream events: `response.created`, `response.in_progress`,
     each item added, its text or arguments in deltas and done, then `response.completed` (or
     `response.incomplete`, cut by max_output_tokens), each with its `sequence_number`; an
@@ -328,9 +337,14 @@ class _Output:
         out: list[tuple[str, dict[str, Any]]] = []
         if d.reasoning:
             self._text("reasoning", d.reasoning, out)
+        # The calls written before this delta end before its text (one update may hold a
+        # call's close and the text after it); the calls it starts come after the text.
+        opened = set(self._calls)
+        for call in (c for c in d.tool_calls if c["index"] in opened):
+            self._call(call, out)
         if d.content:
             self._text("message", d.content, out)
-        for call in d.tool_calls:
+        for call in (c for c in d.tool_calls if c["index"] not in opened):
             self._call(call, out)
         return out
 
@@ -462,16 +476,18 @@ def _reasoning_tokens(prep: PreparedChat, tokenizer: Any, ids: list[int]) -> int
 def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> list[dict]:
     """Responses API items as chat messages (OpenAI's turns, as vLLM reads them): a message
     item is a turn (`developer` is the system's), a `function_call` an assistant turn's
-    tool call (consecutive calls one turn), a `function_call_output` a tool turn, and a
-    `reasoning` item the reasoning of the assistant turn that follows. An assistant item
-    left unfinished (`in_progress`, `incomplete`) last is continued (`_chat_request`)."""
+    tool call (consecutive calls one turn; one cut off, `incomplete`, is left out: its
+    arguments are not JSON), a `function_call_output` a tool turn, and a `reasoning` item
+    the reasoning of the assistant turn it opens. An assistant turn left unfinished
+    (`in_progress`, `incomplete`) is continued by the assistant turn that follows it, or,
+    last, by the response (`_chat_request`)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
-    reasoning: str | None = None
     for i, item in enumerate(items):
         at = f"{where}[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
+        unfinished = item.get("status") in _UNFINISHED
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -480,22 +496,20 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
                     f"{at}.role must be user, system, developer or assistant, got {role!r}",
                     param=where,
                 )
-            message: dict[str, Any] = {
-                "role": "system" if role == "developer" else role,
-                "content": _text(item.get("content"), f"{at}.content", where),
-            }
-            if role == "assistant":
-                if reasoning is not None:
-                    message["reasoning_content"], reasoning = reasoning, None
-                if item.get("status") in _UNFINISHED:
-                    message["_unfinished"] = True
-            messages.append(message)
+            content = _text(item.get("content"), f"{at}.content", where)
+            if role != "assistant":
+                _append(
+                    messages,
+                    {"role": "system" if role == "developer" else role, "content": content},
+                )
+                continue
+            _append(messages, _turn(content=content, _unfinished=unfinished))
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list):
                 raise APIError(400, f"{at}.content must be a list of parts", param=where)
             text = "".join(_field(p, "text", f"{at}.content", where) for p in parts)
-            reasoning = (reasoning or "") + text
+            messages.append(_turn(reasoning_content=text, _opened=True, _unfinished=unfinished))
         elif kind == "function_call":
             call = {
                 "id": _field(item, "call_id", at, where),
@@ -505,25 +519,13 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
                     "arguments": _field(item, "arguments", at, where),
                 },
             }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and reasoning is None:
-                last.setdefault("tool_calls", []).append(call)
-                last.pop("_unfinished", None)
-            else:
-                message = {"role": "assistant", "content": None, "tool_calls": [call]}
-                if reasoning is not None:
-                    message["reasoning_content"], reasoning = reasoning, None
-                messages.append(message)
+            if item.get("status") != "incomplete":
+                _append(messages, _turn(tool_calls=[call]), calls=True)
         elif kind == "function_call_output":
             output = item.get("output")
             content = output if isinstance(output, str) else _text(output, f"{at}.output", where)
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": _field(item, "call_id", at, where),
-                    "content": content,
-                }
-            )
+            call_id = _field(item, "call_id", at, where)
+            _append(messages, {"role": "tool", "tool_call_id": call_id, "content": content})
         else:
             raise APIError(
                 400,
@@ -531,7 +533,43 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
                 "function_call_output and reasoning items are)",
                 param=where,
             )
+    for m in messages:
+        m.pop("_opened", None)
     return messages
+
+
+def _turn(**fields: Any) -> dict[str, Any]:
+    """An assistant turn (only the fields given: content None, as OpenAI's, with calls)."""
+    out: dict[str, Any] = {"role": "assistant", "content": fields.pop("content", None)}
+    out.update((k, v) for k, v in fields.items() if v)
+    return out
+
+
+def _append(messages: list[dict[str, Any]], m: dict[str, Any], calls: bool = False) -> None:
+    """Add turn `m`; an assistant turn goes on in the assistant turn before it where that
+    one is open (a reasoning item opened it) or unfinished (cut off), and a tool call
+    (`calls`) joins the assistant turn just before it."""
+    last = messages[-1] if messages else None
+    if (
+        last is None
+        or not last["role"] == "assistant" == m["role"]
+        or not (calls or last.get("_opened") or last.get("_unfinished"))
+    ):
+        messages.append(m)
+        return
+    last.pop("_opened", None)
+    for key in ("reasoning_content", "content"):
+        if m.get(key):
+            last[key] = _joined(last.get(key)) + _joined(m[key])
+    if m.get("tool_calls"):
+        last["tool_calls"] = last.get("tool_calls", []) + m["tool_calls"]
+    last["_unfinished"] = bool(m.get("_unfinished"))
+
+
+def _joined(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(part["text"] for part in content)
 
 
 def _field(item: Any, key: str, at: str, where: str) -> str:
@@ -559,12 +597,16 @@ def _text(content: Any, at: str, where: str) -> str | list[dict[str, str]]:
 
 
 def _chat_request(
-    body: ResponsesRequest, history: list[dict[str, Any]], own: list[dict[str, Any]]
+    body: ResponsesRequest,
+    history: list[dict[str, Any]],
+    own: list[dict[str, Any]],
+    max_model_len: int,
 ) -> ChatCompletionRequest:
     """The chat request that runs `body`: its instructions first (a system turn), then the
     conversation so far and its own input."""
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    messages += [dict(m) for m in history + own]
+    for m in history + own:
+        _append(messages, dict(m))
     unfinished = bool(messages) and messages[-1].pop("_unfinished", False)
     for m in messages:
         m.pop("_unfinished", None)
@@ -588,8 +630,7 @@ def _chat_request(
         "response_format": _response_format(body),
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
         "chat_template_kwargs": body.chat_template_kwargs,
-        # vLLM's "auto": the prompt's first tokens dropped to fit (as truncate_prompt_tokens)
-        "truncate_prompt_tokens": -1 if body.truncation == "auto" else None,
+        "truncate_prompt_tokens": _truncation(body, max_model_len),
     }
     if unfinished:
         chat.update(add_generation_prompt=False, continue_final_message=True)
@@ -615,6 +656,15 @@ def _chat_request(
         loc = ".".join(str(x) for x in first["loc"])
         param = _PARAMS.get(str(first["loc"][0]), str(first["loc"][0]))
         raise APIError(400, f"{loc}: {first['msg']}", param=param) from None
+
+
+def _truncation(body: ResponsesRequest, max_model_len: int) -> int | None:
+    """vLLM's `truncation: "auto"`: the prompt's first tokens dropped to leave room for
+    `max_output_tokens` (or one token), as chat's `truncate_prompt_tokens` drops them."""
+    if body.truncation != "auto":
+        return None
+    room = body.max_output_tokens or 1
+    return max_model_len - room if room < max_model_len else None
 
 
 def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
