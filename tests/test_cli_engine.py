@@ -450,6 +450,20 @@ def _parse_error(argv: list[str], capsys) -> str:
             "speculative_algorithm",
             "mtp",
         ),
+        (
+            ["--speculative-config.method", "mtp", "--speculative-config.num_speculative_tokens"]
+            + ["2"],
+            "speculative_num_steps",
+            2,
+        ),
+        (["--max-num-seqs", "3"], "max_running_requests", 3),
+        (["--block-size", "32"], "page_size", 32),
+        (["--context-length", "900"], "max_model_len", 900),
+        (["--max-num-batched-tokens", "700"], "chunked_prefill_size", 700),
+        (["--disable-radix-cache"], "enable_prefix_cache", False),
+        (["--no-enable-prefix-caching"], "enable_prefix_cache", False),
+        (["--enable-prefix-caching"], "enable_prefix_cache", True),
+        (["--no-enable-prefix-caching", "--enable-prefix-caching"], "enable_prefix_cache", True),
     ],
 )
 def test_vllm_and_sglang_spellings_mean_dsakvs_own(tiny_dir, flags, field, value):
@@ -614,6 +628,24 @@ _EAGLE = ["--speculative-algorithm", "EAGLE"]
             [*_EAGLE, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'],
             ["--speculative-config and --speculative-algorithm", "give one"],
         ),
+        (["--speculative-config.method", "mtp"], ['"num_speculative_tokens": N in 1..16']),
+        (
+            ["--speculative-config.method", "eagle3"]
+            + ["--speculative-config.num_speculative_tokens", "2"],
+            ['got \'{"method": "eagle3", "num_speculative_tokens": 2}\''],
+        ),
+        (
+            ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+            + ["--speculative-config.method", "mtp"],
+            ["--speculative-config and --speculative-config.KEY: give one"],
+        ),
+        (["--max-num-seqs", "0"], ["argument --max-num-seqs: must be an integer >= 1, got '0'"]),
+        (["--block-size", "x"], ["argument --block-size: must be an integer >= 1, got 'x'"]),
+        (["--context-length", "0"], ["argument --context-length: must be an integer >= 1"]),
+        (["--max-num-batched-tokens", "-1"], ["--max-num-batched-tokens: must be an integer >="]),
+        (["--load-format", "pt"], ["--load-format: dsakv takes auto or safetensors", "'pt'"]),
+        (["--tokenizer-mode", "deepseek_v32"], ["--tokenizer-mode: dsakv takes auto or hf ("]),
+        (["--tokenizer-mode", "slow"], ["--tokenizer-mode: dsakv takes auto or hf ("]),
     ],
 )
 def test_sglang_and_vllm_flags_dsakv_cannot_honour_are_one_error_line(
@@ -692,3 +724,72 @@ def test_serve_pd_passes_sglangs_flags_on_as_dsakvs(tiny_dir):
     assert passed("--speculative-config", vllm) == (
         "--speculative-algorithm mtp --speculative-num-steps 2"
     )
+    dotted = ["--speculative-config.method", "mtp", "--speculative-config.num_speculative_tokens"]
+    vllm_flags = ["--max-num-seqs", "3", "--block-size", "32", "--context-length", "900"]
+    vllm_flags += ["--max-num-batched-tokens", "700", "--no-enable-prefix-caching", *dotted, "1"]
+    assert passed(*vllm_flags) == (
+        "--page-size 32 --chunked-prefill-size 700 --max-running-requests 3 --max-model-len 900 "
+        "--no-prefix-cache --speculative-algorithm mtp --speculative-num-steps 1"
+    )
+    assert passed("--disable-radix-cache", "--enable-prefix-caching") == ""
+
+
+def test_vllm_switches_for_what_dsakv_does_anyway_change_nothing(tiny_dir, capsys, monkeypatch):
+    """vLLM's --load-format and --tokenizer-mode with the values dsakv runs as it is (a
+    safetensors checkpoint, transformers' fast tokenizer), serve's --disable-log-requests
+    (dsakv logs none) and --uvicorn-log-level info (its server's level) were "unrecognized
+    arguments"; they change no engine field, another value is one error line, and --help
+    names dsakv's own flags, not the hidden spellings."""
+    from dsakv.cli import build_parser, engine_config_from_args
+
+    def config(*argv: str):
+        return engine_config_from_args(build_parser().parse_args(list(argv)))
+
+    taken = ["--load-format", "auto", "--load-format", "safetensors", "--tokenizer-mode", "hf"]
+    serve, generate = ["serve", str(tiny_dir)], ["generate", str(tiny_dir), "--prompt", "x"]
+    server_only = ["--disable-log-requests", "--uvicorn-log-level", "info"]
+    assert config(*serve, *taken, *server_only) == config(*serve)
+    assert config(*generate, *taken, "--tokenizer-mode", "auto") == config(*generate)
+    assert config("serve-pd", str(tiny_dir), *taken) == config(*serve)
+    assert config(*serve, "--uvicorn-log-level", "debug") == config(*serve)
+    err = _parse_error([*serve, "--uvicorn-log-level", "loud"], capsys)
+    assert "--uvicorn-log-level: invalid choice: 'loud'" in err
+    assert "unrecognized arguments: --disable-log-requests" in _parse_error(
+        [*generate, "--disable-log-requests"], capsys
+    )
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--max-running-requests MAX_RUNNING_REQUESTS concurrency cap (also --max-num-s" in out
+    assert "--no-prefix-cache disable the radix cache (also --disable-radix-cache, --no-ena" in out
+    for hidden in ("--max-num-seqs", "--block-size", "--context-length", "--enable-prefix-cach"):
+        assert f"[{hidden}" not in out and f"  {hidden}" not in out, hidden
+
+
+def test_uvicorn_log_level_reaches_the_server(tiny_dir, tmp_path):
+    """vLLM's --uvicorn-log-level warning: the server answers, and uvicorn's info lines
+    (startup, each request) are not logged; dsakv's own "serving" line is."""
+    import time
+
+    import httpx
+
+    from .serving import TIMEOUT, ServerProcess
+
+    server = ServerProcess(tmp_path, "quiet", str(tiny_dir), "--uvicorn-log-level", "warning")
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.tail()
+            time.sleep(0.2)
+        httpx.get(f"{server.url}/v1/models", timeout=5)
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "dsakv: serving 'm'" in log
+    assert "Application startup complete" not in log and '"GET /health' not in log, log

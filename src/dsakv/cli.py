@@ -126,6 +126,20 @@ def _spelled(aliases: dict[str, str], fold_case: bool = False) -> Callable[[str]
     return convert
 
 
+def _only(supported: Sequence[str], why: str) -> Callable[[str], str]:
+    """argparse type for a vLLM / SGLang flag taken for the values that are what dsakv does
+    anyway; another asks for what it does not: one line naming what it takes."""
+
+    def check(text: str) -> str:
+        if text not in supported:
+            raise argparse.ArgumentTypeError(
+                f"dsakv takes {' or '.join(supported)} ({why}), got {text!r}"
+            )
+        return text
+
+    return check
+
+
 def _kv_cache_dtype(text: str) -> str:
     """argparse type: "auto" (vLLM's and SGLang's default) is dsakv's default, "fp8" e4m3
     (as SGLang maps it), "bfloat16" bf16."""
@@ -145,11 +159,14 @@ _EP = ("--ep", "--ep-size", "--expert-parallel-size")
 _DP = ("--dp-size", "--dp", "--data-parallel-size")
 # Hidden flags with no field of their own: `_fold_foreign` checks them against dsakv's
 # flags, then they are dropped (never passed on: serve-pd passes what they checked).
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # (vLLM's)
 _FOLDED = (
     "dp_size",
     "speculative_eagle_topk",
     "speculative_num_draft_tokens",
     "speculative_config",
+    "spec_method",
+    "spec_num_speculative_tokens",
 )
 
 
@@ -222,7 +239,14 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
         help=f"latent (default {DEFAULT_LATENT_DTYPE}, also spelled auto or fp8; bfloat16: bf16)",
     )
     g.add_argument("--index-k-dtype", choices=INDEX_K_DTYPES, default=None)
-    g.add_argument("--page-size", type=_positive_int, default=None)
+    _add_aliased(
+        g,
+        ("--page-size", "--block-size"),
+        "tokens per page",
+        dest="page_size",
+        type=_positive_int,
+        default=None,
+    )
     g.add_argument("--no-elide-index-k", action="store_true", help="dense index-K on every layer")
     g.add_argument("--index-topk-pattern", help="per-layer F/S string overriding the checkpoint")
     g.add_argument("--index-topk-freq", type=int, help="run the indexer every N layers")
@@ -551,10 +575,30 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument(
         "--chunked-prefill-size",
         type=_chunk_size,
-        help="prefill tokens per step (-1: no chunking, whole prompts up to the context length)",
+        help="prefill tokens per step (-1: no chunking, whole prompts up to the context "
+        "length; vLLM's --max-num-batched-tokens N is taken as N here, though vLLM counts a "
+        "step's decode tokens in it too)",
     )
-    g.add_argument("--max-running-requests", type=_positive_int)
-    g.add_argument("--max-model-len", type=_positive_int)
+    g.add_argument(  # (no -1: vLLM's takes none)
+        "--max-num-batched-tokens",
+        dest="chunked_prefill_size",
+        type=_positive_int,
+        help=argparse.SUPPRESS,
+    )
+    _add_aliased(
+        g,
+        ("--max-running-requests", "--max-num-seqs"),
+        "concurrency cap",
+        dest="max_running_requests",
+        type=_positive_int,
+    )
+    _add_aliased(
+        g,
+        ("--max-model-len", "--context-length"),
+        "context length in tokens",
+        dest="max_model_len",
+        type=_positive_int,
+    )
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     g.add_argument(
         "--dtype",
@@ -562,7 +606,20 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         choices=("auto", "float32", "bfloat16", "float16"),
         help="compute dtype (vLLM's half and float: float16, float32)",
     )
-    g.add_argument("--no-prefix-cache", action="store_true", help="disable the radix cache")
+    _add_aliased(
+        g,
+        ("--no-prefix-cache", "--disable-radix-cache", "--no-enable-prefix-caching"),
+        "disable the radix cache",
+        dest="no_prefix_cache",
+        action="store_true",
+    )
+    g.add_argument(  # vLLM's, the default: it undoes an earlier --no-enable-prefix-caching
+        "--enable-prefix-caching",
+        dest="no_prefix_cache",
+        action="store_false",
+        default=False,
+        help=argparse.SUPPRESS,
+    )
     g.add_argument(
         "--generation-config",
         choices=("auto", "vllm"),
@@ -612,6 +669,8 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     for flag in ("--speculative-eagle-topk", "--speculative-num-draft-tokens"):
         g.add_argument(flag, type=_positive_int, help=argparse.SUPPRESS)
     g.add_argument("--speculative-config", type=_speculative_config, help=argparse.SUPPRESS)
+    for key in ("method", "num_speculative_tokens"):  # vLLM's dotted spelling (its recipes')
+        g.add_argument(f"--speculative-config.{key}", dest=f"spec_{key}", help=argparse.SUPPRESS)
     if seed:
         g.add_argument(
             "--seed",
@@ -633,7 +692,34 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         help="dsakv runs no code from the model's folder: its own model code, the tokenizer "
         "without remote code",
     )
+    g.add_argument(
+        "--load-format",
+        type=_only(("auto", "safetensors"), "it reads safetensors checkpoints"),
+        metavar="{auto,safetensors}",
+        help="vLLM's: the checkpoint is read as safetensors either way",
+    )
+    g.add_argument(
+        "--tokenizer-mode",
+        type=_only(
+            ("auto", "hf"),
+            "the tokenizer is transformers' fast one and chats go through its Jinja chat "
+            "template or --chat-template",
+        ),
+        metavar="{auto,hf}",
+        help="vLLM's: the tokenizer is transformers' fast one either way",
+    )
     if serve:
+        g.add_argument(
+            "--disable-log-requests",
+            action="store_true",
+            help="vLLM's: dsakv logs no requests",
+        )
+        g.add_argument(
+            "--uvicorn-log-level",
+            choices=UVICORN_LOG_LEVELS,
+            default="info",
+            help="vLLM's: the server's (uvicorn's) log level (default info)",
+        )
         g.add_argument(
             "--enable-auto-tool-choice",
             action="store_true",
@@ -702,6 +788,23 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
     if args.chunked_prefill_size == -1:  # a budget no prompt exceeds: every prompt whole
         context = args.max_model_len or ModelConfig.from_hf(model_dir).max_position_embeddings
         args.chunked_prefill_size = context
+    dotted = {
+        "method": args.spec_method,
+        "num_speculative_tokens": args.spec_num_speculative_tokens,
+    }
+    if dotted != dict.fromkeys(dotted):  # vLLM's --speculative-config.KEY VALUE flags
+        if args.speculative_config is not None:
+            raise DsakvError("--speculative-config and --speculative-config.KEY: give one")
+        given = {k: v for k, v in dotted.items() if v is not None}
+        with contextlib.suppress(KeyError, ValueError):
+            given["num_speculative_tokens"] = int(given["num_speculative_tokens"])
+        try:
+            args.speculative_config = _speculative_config(json.dumps(given))
+        except argparse.ArgumentTypeError as e:
+            raise DsakvError(
+                f"--speculative-config.method / .num_speculative_tokens: {e}"
+            ) from None
+        args.spec_method = args.spec_num_speculative_tokens = None
     if args.speculative_config is not None:
         if args.speculative_algorithm or args.speculative_num_steps:
             raise DsakvError(
@@ -837,6 +940,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             bridge=bridge,
             listener=listener,
             chat_template=args.chat_template,
+            log_level=args.uvicorn_log_level,
         )
     return 0
 

@@ -138,9 +138,11 @@ def run_server(
     bridge: Bridge | None = None,
     listener: Listener | None = None,
     chat_template: str | None = None,
+    log_level: str = "info",
 ) -> None:
     """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`). The
-    port is taken before the engine loads (`listener`, else `Listener(host, port)` now)."""
+    port is taken before the engine loads (`listener`, else `Listener(host, port)` now);
+    `log_level` is uvicorn's."""
     listener = listener or Listener(host, port)
     try:
         server, async_engine = make_server(
@@ -154,6 +156,7 @@ def run_server(
             bridge=bridge,
             listener=listener,
             chat_template=chat_template,
+            log_level=log_level,
         )
     except BaseException:
         listener.close()
