@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dsakv.distributed.leader import Leader
+from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.errors import DsakvError
 
 from .engine import Engine, updated
@@ -145,8 +146,8 @@ def serve_dp_peer(engine: Engine) -> None:
             msg = engine.parallel.broadcast_object()
             if msg[0] == "stop":
                 return
-            if msg[0] == "update_weights":
-                engine.update_weights_here(msg[1])
+            if msg[0] == "weights":
+                engine.weights_call(*msg[1:])
                 continue
             if msg[0] != "step":
                 continue  # heartbeat
@@ -234,12 +235,12 @@ class DPEngine:
             "holds a prefix cache of its own)"
         )
 
-    def update_weights(self, path: str | Path) -> bool:
-        """`Engine.update_weights` on every rank: each loads the checkpoint and drops its
-        own prefix cache (`Engine.update_weights_here`, the peers from `serve_dp_peer`).
-        Only with no request on any rank, queued adds and aborts included (False, nothing
-        loaded: the step that delivers them comes first); refused under paused requests,
-        as no rank steps them out."""
+    def update_weights(self, source: str | Path | GroupUpdate) -> bool:
+        """`Engine.update_weights` on every rank: each loads the checkpoint (or receives a
+        trainer's tensors) and drops its own prefix cache (`Engine.update_weights_here`,
+        the peers from `serve_dp_peer`). Only with no request on any rank, queued adds and
+        aborts included (False, nothing loaded: the step that delivers them comes first);
+        refused under paused requests, as no rank steps them out."""
         if self.has_unfinished():
             if self.paused:
                 raise DsakvError(
@@ -247,9 +248,24 @@ class DPEngine:
                     "(pause with mode abort, or continue generation first)"
                 )
             return False
+        source = source if isinstance(source, GroupUpdate) else str(source)
+        return updated(self._on_every_rank("update_weights_here", source))
+
+    def join_weight_group(self, spec: WeightGroup) -> None:
+        spec.check(self.parallel.world_size, self.local.device)
+        outcome = self._on_every_rank("join_weight_group_here", spec)
+        if outcome is not None:
+            raise DsakvError(outcome)
+
+    def leave_weight_group(self, name: str) -> None:
+        if name not in self.local.weight_groups:
+            raise DsakvError(f"no weight update group {name!r}")
+        self._on_every_rank("leave_weight_group_here", name)
+
+    def _on_every_rank(self, method: str, *args: Any) -> Any:
         with self.leader.lock, self.local.rank_failures():
-            self.leader.send(("update_weights", str(path)))
-            return updated(self.local.update_weights_here(str(path)))
+            self.leader.send(("weights", method, *args))
+            return self.local.weights_call(method, *args)
 
     # --- the step ------------------------------------------------------------------------------
 

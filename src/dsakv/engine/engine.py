@@ -21,12 +21,14 @@ import torch
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig, plan_overrides
 from dsakv.config.checkpoint import model_identity
 from dsakv.config.hisparse import check_runs_with
+from dsakv.distributed import weight_sync
 from dsakv.distributed.parallel import (
     ParallelConfig,
     ParallelState,
     destroy_parallel,
     is_dist_error,
 )
+from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.errors import ConfigError, DsakvError, is_int, is_number, load_json
 from dsakv.kernels import BACKENDS, cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
@@ -433,6 +435,8 @@ class Engine:
             dtype=dtype, as_stored=config.dtype == "auto" and self.device.type == "cpu"
         )
         self.weights_path = config.model  # the checkpoint the weights came from
+        # trainers' groups for weight updates (`join_weight_group`): name -> (spec, group)
+        self.weight_groups: dict[str, tuple[WeightGroup, Any]] = {}
         # (SGLang's total for --mem-fraction-static: what the GPU has free before the load)
         self._free_before_load = self._free_gpu() if config.mem_fraction_static else None
         self.model, self.model_config, self.plan = load_model(
@@ -519,7 +523,7 @@ class Engine:
             self.parallel,
             self.device,
             self._decode_graphs(),
-            on_update=self.update_weights_here,
+            on_weights=self.weights_call,
         )
         self.drafter = None
         if config.speculative_algorithm == "mtp":
@@ -945,17 +949,19 @@ class Engine:
         self.cache.reset()
         return True
 
-    def update_weights(self, path: str | Path) -> bool:
-        """SGLang's /update_weights_from_disk: load checkpoint `path` (the served
-        architecture, its weights stored as the served ones) into the model in place
-        (`update_weights_here`: a refused checkpoint changes nothing, the prefix cache
-        included; a failed load leaves the weights served), and move L3 to the new
-        weights' namespace. The prefix cache, whose KV the old weights computed, is dropped
-        once the checkpoint passed its checks. Only with nothing running or waiting (False, nothing
-        loaded), unless `paused`: then what the requests hold stays (SGLang's), they go on
-        with the new weights, and only the cache's unlocked pages are dropped. Under `--tp`
-        every rank loads its own slices (`update_weights_here`); under DP attention
-        `DPEngine.update_weights` runs it."""
+    def update_weights(self, source: str | Path | GroupUpdate) -> bool:
+        """SGLang's /update_weights_from_disk (`source` a checkpoint path: the served
+        architecture, its weights stored as the served ones) and
+        /update_weights_from_distributed (a `GroupUpdate`: named tensors a trainer
+        broadcasts over a group `join_weight_group` joined), copied into the model in place
+        (`update_weights_here`: a refused update changes nothing, the prefix cache included;
+        a checkpoint that fails to load part way leaves the weights served), and L3 moved to
+        the new weights' namespace. The prefix cache, whose KV the old weights computed, is
+        dropped once the update passed its checks (a `GroupUpdate` may keep it). Only with
+        nothing running or waiting (False, nothing loaded), unless `paused`: then what the
+        requests hold stays (SGLang's), they go on with the new weights, and only the
+        cache's unlocked pages are dropped. Under `--tp` every rank loads its own slices;
+        under DP attention `DPEngine.update_weights` runs it."""
         if self._busy():
             return False
         if self.l3 is not None and self.has_unfinished():  # (paused)
@@ -964,54 +970,125 @@ class Engine:
                 "pages would be stored under the new weights' namespace (pause with mode "
                 "abort, or continue generation first)"
             )
-        if self.parallel.world_size > 1:
-            if self.parallel.config.dp_attention:
-                raise DsakvError("under --dp-attention DPEngine.update_weights updates every rank")
-            with self.rank_failures():
-                return updated(self.runner.update_weights(str(path)))
-        return updated(self.update_weights_here(str(path)))
+        source = source if isinstance(source, GroupUpdate) else str(source)
+        return updated(self._on_every_rank("update_weights_here", source))
 
-    def update_weights_here(self, path: str) -> bool | str:
+    def join_weight_group(self, spec: WeightGroup) -> None:
+        """SGLang's /init_weights_update_group: every rank joins the trainer's group (rank
+        `spec.rank_offset` + its own), waiting for the trainer and each other (up to
+        `weight_sync.JOIN_TIMEOUT`); a group no rank could join is left by all."""
+        spec.check(self.parallel.world_size, self.device)
+        outcome = self._on_every_rank("join_weight_group_here", spec)
+        if outcome is not None:
+            raise DsakvError(outcome)
+
+    def leave_weight_group(self, name: str) -> None:
+        """SGLang's /destroy_weights_update_group, on every rank."""
+        if name not in self.weight_groups:
+            raise DsakvError(f"no weight update group {name!r}")
+        self._on_every_rank("leave_weight_group_here", name)
+
+    def _on_every_rank(self, method: str, *args: Any) -> Any:
+        """`weights_call(method, *args)` on every rank, between steps; rank 0's outcome."""
+        if self.parallel.world_size == 1:
+            return self.weights_call(method, *args)
+        if self.parallel.config.dp_attention:
+            raise DsakvError(f"under --dp-attention DPEngine runs {method} on every rank")
+        with self.rank_failures():
+            return self.runner.weights(method, *args)
+
+    def weights_call(self, method: str, *args: Any) -> Any:
+        """This rank's part of a weight call every rank makes (rank 0's runner or
+        `DPEngine` sends it: `ModelRunner.serve`, `serve_dp_peer`)."""
+        if method not in _WEIGHT_CALLS:
+            raise DsakvError(f"{method} is not a weight call")
+        return getattr(self, method)(*args)
+
+    def join_weight_group_here(self, spec: WeightGroup) -> str | None:
+        """This rank joins `spec`'s group; every rank then hears whether all did (None), or
+        each one's error, and those that joined leave."""
+        why = None
+        try:
+            if spec.group_name in self.weight_groups:
+                raise DsakvError(f"weight update group {spec.group_name!r} exists already")
+            group = weight_sync.join(spec, spec.rank_offset + self.parallel.rank)
+            self.weight_groups[spec.group_name] = (spec, group)
+        except Exception as e:  # noqa: BLE001 - every rank hears it
+            why = _said(e)
+        whys = self.parallel.all_gather_objects(why)
+        if not any(whys):
+            return None
+        if why is None:
+            self.leave_weight_group_here(spec.group_name)
+        return _by_rank(whys)
+
+    def leave_weight_group_here(self, name: str) -> None:
+        _, group = self.weight_groups.pop(name)
+        weight_sync.leave(group)
+
+    def update_weights_here(self, source: str | GroupUpdate) -> bool | str:
         """This rank's part of a weight update on every rank, run by each between steps
-        (rank 0's runner or `DPEngine` sends the message; `ModelRunner.serve`,
-        `serve_dp_peer`). Each phase's outcome is all-gathered, so every rank takes the
-        same decision: (1) each rank, idle, checks `path` against the slices it reads
-        (`loader.check_update`: its own experts' files); (2) only if every rank passed
-        does each drop its prefix cache and copy its slices in; (3) if any rank's read
+        (`weights_call`). Each phase's outcome is all-gathered, so every rank takes the same
+        decision: (1) each rank, idle, checks the update against the slices it reads (a
+        checkpoint: `loader.check_update`, its own experts' files; a group's tensors:
+        received first, then `loader.check_tensors`); (2) only if every rank passed does
+        each drop its prefix cache and copy its slices in; (3) if any rank's checkpoint read
         failed part way, every rank that touched its weights reloads the previous
         checkpoint, so that all ranks serve the same weights. Returns, alike on every rank,
-        True (updated), False (a rank was busy: nothing loaded) or what failed (nothing
-        loaded, or rolled back, or the weights are mixed)."""
+        True (updated), False (a rank was busy: nothing loaded, nothing received) or what
+        failed (nothing loaded, or rolled back, or the weights are mixed)."""
         from dsakv.models import loader
 
         gather, previous = self.parallel.all_gather_objects, self.weights_path
-        checked, why = None, None
+        grouped = isinstance(source, GroupUpdate)
+        checked: Any = None
+        why = None
         if self._busy():  # (under --tp rank 0 holds the requests, and `paused`)
             why = _BUSY
         else:
             try:
-                checked = loader.check_update(self.model, path, **self._stored)
+                if grouped:
+                    if source.group_name not in self.weight_groups:
+                        raise DsakvError(f"no weight update group {source.group_name!r}")
+                    source.check()
+                else:
+                    checked = loader.check_update(self.model, source, **self._stored)
             except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
                 why = _said(e)
         whys = gather(why)
         if _BUSY in whys:
             return False
+        if grouped and not any(whys):  # every rank receives: the trainer sends once
+            try:
+                spec, group = self.weight_groups[source.group_name]
+                named = weight_sync.receive(group, source, spec.backend, self.device)
+                checked = loader.check_tensors(self.model, named)
+            except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
+                why = _said(e)
+            whys = gather(why)
         if any(whys):
             return _by_rank(whys)
         failed, touched = None, False
         try:
             # First, so that L3 writes every old page under the old weights' namespace.
-            self.cache.reset()
+            if not grouped or source.flush_cache:
+                self.cache.reset()
             if self.l3 is not None and not self.l3.drain():
                 raise DsakvError("L3 storage did not take the old pages in time")
             touched = True
-            loader.load_update(self.model, checked)
+            if grouped:
+                loader.load_tensors(checked)
+            else:
+                loader.load_update(self.model, checked)
         except Exception as e:  # noqa: BLE001 - every rank hears it: all roll back
             failed = _said(e)
         fails = gather(failed)
         if not any(fails):
-            self._weights_updated(path)
+            self._weights_updated(source)
             return True
+        what = f"loading {_named(source)} failed part way ({_by_rank(fails)})"
+        if grouped:  # (nothing on disk to go back to)
+            return f"{what}: the weights are mixed, update them again"
         again = None
         if touched:
             try:
@@ -1019,7 +1096,6 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - told below: the weights are mixed
                 again = _said(e)
         agains = gather(again)
-        what = f"loading {path} failed part way ({_by_rank(fails)})"
         if any(agains):
             return (
                 f"{what}, and reloading {previous} failed too ({_by_rank(agains)}): the "
@@ -1027,8 +1103,9 @@ class Engine:
             )
         return f"{what}; every rank serves {previous} again"
 
-    def _weights_updated(self, path: str) -> None:
-        self.weights_path = path
+    def _weights_updated(self, source: str | GroupUpdate) -> None:
+        if not isinstance(source, GroupUpdate):
+            self.weights_path = source  # (what a failed update later goes back to)
         self.__dict__.pop("model_identity", None)  # (the PD handshake's and L3's)
         if self.l3 is not None:
             # A namespace of this update's own: the identity samples a large shard, and an
@@ -1036,7 +1113,7 @@ class Engine:
             identity = f"{self.model_identity}+update-{uuid.uuid4().hex}"
             self.l3.rename(storage_namespace(self.layout, identity, self.compute))
         if self.parallel.is_driver:
-            log.info("weights updated from %s", path)
+            log.info("weights updated from %s", _named(source))
 
     def close(self) -> None:
         """Release the other ranks (if any) and wait for them to leave; idempotent. Every
@@ -1046,6 +1123,8 @@ class Engine:
         parts = [self.runner.stop]
         if self.l3 is not None:
             parts.append(functools.partial(self.l3.close, self.cache))
+        parts += [functools.partial(weight_sync.leave, g) for _, g in self.weight_groups.values()]
+        self.weight_groups.clear()
         while parts or self.on_close:
             part = parts.pop(0) if parts else self.on_close.pop()
             try:
@@ -1602,6 +1681,15 @@ def _one_line(e: BaseException) -> str:
 
 
 _BUSY = "busy"  # a rank that has requests: an update on every rank waits for idle ranks
+# What `weights_call` runs on every rank
+_WEIGHT_CALLS = ("update_weights_here", "join_weight_group_here", "leave_weight_group_here")
+
+
+def _named(source: str | GroupUpdate) -> str:
+    """An update's source in a message: its checkpoint, or the group it came over."""
+    if isinstance(source, GroupUpdate):
+        return f"{len(source.names)} tensor(s) over {source.group_name!r}"
+    return source
 
 
 def updated(outcome: bool | str) -> bool:

@@ -39,12 +39,12 @@ class ModelRunner:
         parallel: ParallelState,
         device: torch.device,
         decode_graphs: DecodeGraphs | None = None,
-        on_update: Callable[[str], Any] | None = None,
+        on_weights: Callable[..., Any] | None = None,
     ) -> None:
         self.model, self.pool, self.host = model, pool, host
         self.parallel, self.device = parallel, device
         self.decode_graphs = decode_graphs  # padded (CUDA-graph) decode steps
-        self.on_update = on_update  # this rank's part of a weight update (the engine's)
+        self.on_weights = on_weights  # this rank's part of a weight call (`Engine.weights_call`)
         follows_rank0 = parallel.world_size > 1 and not parallel.config.dp_attention
         if follows_rank0 and host is not None:
             host.journal = []
@@ -126,13 +126,15 @@ class ModelRunner:
                 send("logits", rows.cpu(), source)
             return self._logits(rows, source)
 
-    def update_weights(self, path: str) -> Any:
-        """Have every rank run `on_update(path)` now, between steps (the other ranks from
-        `serve`), whose collectives meet across them; returns rank 0's outcome."""
+    def weights(self, method: str, *args: Any) -> Any:
+        """Have every rank run `on_weights(method, *args)` now, between steps (the other
+        ranks from `serve`), whose collectives meet across them (a weight update, a trainer's
+        group joined or left); returns rank 0's outcome."""
         with self._leading() as send:
             if send:
-                send("update_weights", path)
-            return self.on_update(path)
+                send("weights", method, *args)
+            assert self.on_weights is not None
+            return self.on_weights(method, *args)
 
     def stop(self) -> None:
         """Release the other ranks from `serve()`."""
@@ -158,8 +160,9 @@ class ModelRunner:
                 self._forward_draft(tokens, [s.long() for s in slots], source, rows)
             elif kind == "logits":
                 self._logits(*args)
-            elif kind == "update_weights":
-                self.on_update(*args)
+            elif kind == "weights":
+                assert self.on_weights is not None
+                self.on_weights(*args)
 
     @contextlib.contextmanager
     def _leading(self):

@@ -201,6 +201,51 @@ def reload_weights(model: DSAForCausalLM, path: str | Path) -> None:
     _Filler(model, config, model.plan, ignore=dropped).load(files)
 
 
+def check_tensors(
+    model: DSAForCausalLM, named: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, _Piece, torch.Tensor]]:
+    """A weight update from tensors (a trainer's, by checkpoint name: some or all of them)
+    checked before any weight changes: each must be a tensor of the model, whole, floating
+    point; returns what `load_tensors` copies into this rank's slices. What a load skips is
+    skipped (shared layers' indexers, another rank's experts, a draft layer the engine does
+    not run), and so are the MTP layer's vocab copies the model shares with the target."""
+    filler = _Filler(model, model.config, model.plan)
+    n = model.config.num_hidden_layers
+    shared = {f"model.layers.{n}.{p}.weight" for p in VOCAB_COPIES} - set(filler.targets)
+    out, seen = [], set()
+    for name, tensor in named:
+        if name in seen:
+            raise DsakvError(f"tensor {name} is sent twice")
+        seen.add(name)
+        if name in shared or filler._skip(name):
+            continue
+        if not tensor.is_floating_point():
+            raise DsakvError(f"tensor {name} is {tensor.dtype}, not floating point")
+        for piece in filler._pieces(name):
+            if tuple(tensor.shape) != piece.shape:
+                raise DsakvError(
+                    f"tensor {name} has shape {tuple(tensor.shape)}, model expects {piece.shape}"
+                )
+            if piece.dest.dtype == torch.uint8:
+                raise DsakvError(
+                    f"{name} is served as packed FP8 blocks: update it from a checkpoint "
+                    "(/update_weights_from_disk)"
+                )
+            out.append((name, piece, tensor))
+    if filler.unexpected:
+        raise DsakvError(
+            f"{len(filler.unexpected)} tensor(s) the model does not have: "
+            f"{_listing(filler.unexpected)}"
+        )
+    return out
+
+
+def load_tensors(checked: list[tuple[str, _Piece, torch.Tensor]]) -> None:
+    """Copy what `check_tensors` passed into the model (cast to each weight's dtype)."""
+    for name, piece, tensor in checked:
+        _copy(name, piece.dest, tensor[piece.index].to(piece.dest.device))
+
+
 def _same_architecture(served: ModelConfig, new: ModelConfig, path: Path) -> None:
     differ = [
         f"{f.name} {getattr(new, f.name)!r} (served: {getattr(served, f.name)!r})"

@@ -25,6 +25,7 @@ from starlette.routing import Match, Router
 
 from dsakv import __version__
 from dsakv.config.model import SAMPLING_FIELDS
+from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.engine import SamplingParams
 from dsakv.engine.chat_format import has_chat_format
 from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
@@ -64,6 +65,9 @@ _ENDPOINTS = (
     "/generate",
     "/abort_request",
     "/update_weights_from_disk",
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
     "/get_weight_version",
     "/update_weight_version",
     "/pause_generation",
@@ -721,14 +725,22 @@ class Handlers:
         self._unpaused.set()
 
     async def update_weights(
-        self, path: str, abort_all: bool = False, version: str | None = None
+        self, source: str | GroupUpdate, abort_all: bool = False, version: str | None = None
     ) -> tuple[bool, str]:
-        """SGLang's /update_weights_from_disk: new generation calls wait, the ones in flight
-        end first (`abort_all`: aborted, as /abort_request's), then the engine loads `path`
-        between steps (`Engine.update_weights`: the prefix cache is dropped, a checkpoint
-        that does not fit changes nothing). While generation is paused, as SGLang's, it does
-        not wait for the calls in flight: paused requests go on with the new weights once
-        generation continues. (success, SGLang's message)."""
+        """SGLang's /update_weights_from_disk (`source` a checkpoint path) and
+        /update_weights_from_distributed (a trainer's tensors over a group `join_weight_group`
+        joined): new generation calls wait, the ones in flight end first (`abort_all`:
+        aborted, as /abort_request's), then the engine loads `source` between steps
+        (`Engine.update_weights`: the prefix cache is dropped, an update that does not fit
+        changes nothing). While generation is paused, as SGLang's, it does not wait for the
+        calls in flight: paused requests go on with the new weights once generation
+        continues. (success, SGLang's message)."""
+        grouped = isinstance(source, GroupUpdate)
+        if grouped and self.engine.server_info()["disaggregation_mode"] != "null":
+            return False, (
+                "Failed to update weights: a prefill or decode server is updated from a "
+                "checkpoint (/update_weights_from_disk): the handshake compares checkpoints"
+            )
         if abort_all:
             self.in_flight.abort_all()
         async with self._updating:
@@ -738,7 +750,7 @@ class Handlers:
                 if not paused:
                     await self.in_flight.drained()
                 deadline = time.monotonic() + _UPDATE_IDLE_TIMEOUT_S
-                while not await self.engine.call(lambda e: e.update_weights(path)):
+                while not await self.engine.call(lambda e: e.update_weights(source)):
                     if time.monotonic() > deadline:
                         return False, "Failed to update weights: the engine stayed busy"
                     await asyncio.sleep(0.01)
@@ -753,6 +765,22 @@ class Handlers:
         if version is not None:
             message += f" Weight version updated to {version}."
         return True, message
+
+    async def join_weight_group(self, spec: WeightGroup) -> tuple[bool, str]:
+        """SGLang's /init_weights_update_group: every engine rank joins the trainer's group
+        (the engine thread waits for the trainer meanwhile: `Engine.join_weight_group`)."""
+        try:
+            await self.engine.call(lambda e: e.join_weight_group(spec))
+        except DsakvError as e:
+            return False, f"Failed to init weights update group: {e}"
+        return True, "Succeeded to initialize custom process group."
+
+    async def leave_weight_group(self, name: str) -> tuple[bool, str]:
+        try:
+            await self.engine.call(lambda e: e.leave_weight_group(name))
+        except DsakvError as e:
+            return False, f"Failed to destroy weights update group: {e}"
+        return True, "Succeeded to destroy custom process group."
 
     def model_card(self, name: str) -> dict[str, Any]:
         """A served name's card, as /v1/models lists it and /v1/models/{model} returns it."""

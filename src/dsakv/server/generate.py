@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.engine import SamplingParams
 from dsakv.errors import DsakvError
 
@@ -92,6 +93,37 @@ class UpdateWeightsRequest(BaseModel):
     load_format: str | None = None
     weight_version: str | None = None
     abort_all_requests: bool = False
+
+
+class InitWeightsUpdateGroupRequest(BaseModel):
+    """SGLang's `InitWeightsUpdateGroupReqInput` (`WeightGroup`)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(BaseModel):
+    """SGLang's `UpdateWeightsFromDistributedReqInput` (`GroupUpdate`), the fields dsakv runs."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class DestroyWeightsUpdateGroupRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    group_name: str = "weight_update_group"
 
 
 class PauseGenerationRequest(BaseModel):
@@ -201,6 +233,39 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
             status_code=200 if ok else 400,
         )
 
+    async def init_weights_update_group(body: InitWeightsUpdateGroupRequest) -> Response:
+        """SGLang's: every engine rank joins the trainer's process group (it answers once
+        the trainer has joined too), over which /update_weights_from_distributed then
+        receives its tensors."""
+        ok, message = await api.join_weight_group(WeightGroup(**body.model_dump()))
+        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+
+    async def update_weights_from_distributed(
+        body: UpdateWeightsFromDistributedRequest,
+    ) -> Response:
+        """SGLang's: the trainer broadcasts the tensors `names` lists (checkpoint names, some
+        or all of the model's) over the group, and they are copied into the served weights
+        as /update_weights_from_disk copies a checkpoint (waiting for the calls in flight,
+        unless paused; on every rank; one that does not fit changes nothing)."""
+        if body.load_format not in (None, "auto"):
+            ok, message = False, f"load_format {body.load_format!r} is not supported"
+        else:
+            update = GroupUpdate(
+                body.group_name,
+                tuple(body.names),
+                tuple(body.dtypes),
+                tuple(tuple(shape) for shape in body.shapes),
+                body.flush_cache,
+            )
+            ok, message = await api.update_weights(
+                update, body.abort_all_requests, body.weight_version
+            )
+        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupRequest) -> Response:
+        ok, message = await api.leave_weight_group(body.group_name)
+        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+
     async def pause_generation(body: PauseGenerationRequest | None = None) -> dict[str, str]:
         """SGLang's: new generation calls wait until /continue_generation, and those in flight
         are aborted (mode "abort", the default), paused with their KV ("in_place") or paused
@@ -230,6 +295,13 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
     app.add_api_route("/generate", generate, methods=["POST", "PUT"])
     app.add_api_route("/abort_request", abort_request, methods=["POST"])
     app.add_api_route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"])
+    app.add_api_route("/init_weights_update_group", init_weights_update_group, methods=["POST"])
+    app.add_api_route(
+        "/update_weights_from_distributed", update_weights_from_distributed, methods=["POST"]
+    )
+    app.add_api_route(
+        "/destroy_weights_update_group", destroy_weights_update_group, methods=["POST"]
+    )
     app.add_api_route("/pause_generation", pause_generation, methods=["POST"])
     app.add_api_route("/continue_generation", continue_generation, methods=["POST"])
     app.add_api_route("/get_weight_version", get_weight_version, methods=["GET"])

@@ -1,0 +1,200 @@
+"""SGLang's /init_weights_update_group, /update_weights_from_distributed and
+/destroy_weights_update_group, with a real trainer: another process that joins the group as
+RL frameworks' trainers do (torch's rendezvous and group helper, gloo on a CPU) and
+broadcasts a checkpoint's tensors. The served model then answers as a fresh one on that
+checkpoint, token for token and logprob for logprob, whether it came in one update or in
+buckets; an update that does not fit changes nothing; over `--tp 2` every rank receives
+and copies its own slices."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from safetensors.torch import load_file
+
+from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
+from dsakv.engine import LLM, EngineConfig
+from dsakv.errors import DsakvError
+from dsakv.procs import free_port
+
+from .serving import TIMEOUT, serving
+from .test_update_weights import ENGINE_ARGS, _answer, _generate, _model, _outputs
+
+# The trainer: rank 0 of the group, broadcasting each bucket's tensors in order: a name alone
+# is the checkpoint's tensor, a [name, shape] pair zeros of that shape.
+TRAINER = """
+import datetime, json, sys
+import torch, torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from safetensors.torch import load_file
+
+job = json.loads(sys.argv[1])
+timeout = datetime.timedelta(seconds=60)
+url = f"tcp://127.0.0.1:{job['port']}"
+store, rank, world = next(c10d.rendezvous(url, 0, job["world"], timeout=timeout))
+group, _ = c10d._new_process_group_helper(
+    world, 0, [], "gloo", store, group_name="weight_update_group", timeout=timeout
+)
+c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
+tensors = load_file(job["model"] + "/model.safetensors")
+for bucket in job["buckets"]:
+    for item in bucket:
+        t = tensors[item] if isinstance(item, str) else torch.zeros(item[1])
+        dist.broadcast(t.contiguous(), src=0, group=group)
+print("sent", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    return {seed: _model(root, "glm-tiny", seed) for seed in (0, 1)}
+
+
+class Trainer:
+    """The trainer process for one group: started, then joined by the engine."""
+
+    def __init__(self, model, buckets, ranks: int = 1) -> None:
+        self.port, self.ranks = free_port(), ranks
+        self.tensors = load_file(model / "model.safetensors")
+        self.buckets = buckets
+        job = {"port": self.port, "world": 1 + ranks, "model": str(model), "buckets": buckets}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", TRAINER, json.dumps(job)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def group(self) -> dict:
+        return {
+            "master_address": "127.0.0.1",
+            "master_port": self.port,
+            "rank_offset": 1,
+            "world_size": 1 + self.ranks,
+            "backend": "gloo",
+        }
+
+    def bucket(self, i: int, **kw) -> dict:
+        """Bucket `i`'s metadata, as the trainer tells the server before broadcasting it."""
+        items = [(x, None) if isinstance(x, str) else x for x in self.buckets[i]]
+        return {
+            "names": [name for name, _ in items],
+            "dtypes": [
+                "torch.float32" if shape else str(self.tensors[name].dtype) for name, shape in items
+            ],
+            "shapes": [shape or list(self.tensors[name].shape) for name, shape in items],
+            **kw,
+        }
+
+    def done(self) -> None:
+        out, err = self.proc.communicate(timeout=TIMEOUT)
+        assert self.proc.returncode == 0 and "sent" in out, err
+
+
+def _post(base: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{base}{path}", json=body, timeout=TIMEOUT)
+
+
+def test_trainer_weights_answer_as_a_fresh_server(models):
+    old, new = models[0], models[1]
+    with serving(EngineConfig(model=str(new), **ENGINE_ARGS)) as (base, _):
+        want = _answer(_generate(base))
+    names = sorted(load_file(new / "model.safetensors"))
+    half = len(names) // 2
+    trainer = Trainer(new, [names[:half], names[half:]])
+    with serving(EngineConfig(model=str(old), **ENGINE_ARGS)) as (base, _):
+        before = _answer(_generate(base))
+        assert before != want
+        r = _post(base, "/init_weights_update_group", trainer.group())
+        assert r.status_code == 200 and r.json()["success"], r.text
+        # Two buckets, as trainers send them: the cache kept after the first, dropped after
+        # the last (the prompt was cached by the old weights)
+        r = _post(base, "/update_weights_from_distributed", trainer.bucket(0, flush_cache=False))
+        assert r.status_code == 200 and r.json()["success"], r.text
+        bucket = trainer.bucket(1, weight_version="step-1")
+        r = _post(base, "/update_weights_from_distributed", bucket)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        trainer.done()
+        out = _generate(base)
+        assert _answer(out) == want
+        assert out["meta_info"]["weight_version"] == "step-1"
+        r = _post(base, "/destroy_weights_update_group", {})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        r = _post(base, "/destroy_weights_update_group", {})
+        assert r.status_code == 400 and "no weight update group" in r.json()["message"]
+
+
+def test_an_update_that_does_not_fit_changes_nothing(models):
+    """Received in full (the trainer's broadcast completes), then refused: a tensor the model
+    does not have, or one of another shape; the served weights and cache stay as they were.
+    Metadata that cannot be received is refused before the broadcast."""
+    old, new = models[0], models[1]
+    names = sorted(load_file(new / "model.safetensors"))
+    nope = ["model.layers.0.self_attn.nope.weight", [4, 4]]
+    embed = load_file(new / "model.safetensors")["model.embed_tokens.weight"]
+    wide = ["model.embed_tokens.weight", [embed.shape[0], embed.shape[1] + 1]]
+    trainer = Trainer(new, [[*names, nope], [wide]])
+    with serving(EngineConfig(model=str(old), **ENGINE_ARGS)) as (base, _):
+        before = _answer(_generate(base))
+        r = _post(base, "/init_weights_update_group", trainer.group())
+        assert r.json()["success"], r.text
+        for i, words in ((0, "does not have: model.layers.0.self_attn.nope.weight"), (1, "shape")):
+            r = _post(base, "/update_weights_from_distributed", trainer.bucket(i))
+            assert r.status_code == 400 and not r.json()["success"]
+            assert words in r.json()["message"], r.text
+        trainer.done()
+        assert _answer(_generate(base)) == before
+        bad = trainer.bucket(1)
+        for body, words in (
+            ({**bad, "group_name": "other"}, "no weight update group 'other'"),
+            ({**bad, "dtypes": ["int8"]}, "not a floating-point"),
+            ({**bad, "dtypes": []}, "differ in length"),
+            ({**bad, "load_format": "bin"}, "load_format"),
+        ):
+            r = _post(base, "/update_weights_from_distributed", body)
+            assert r.status_code == 400 and words in r.json()["message"], r.text
+        r = _post(base, "/init_weights_update_group", {**trainer.group(), "backend": "nccl"})
+        assert r.status_code == 400 and "nccl needs CUDA" in r.json()["message"]
+        r = _post(base, "/init_weights_update_group", {**trainer.group(), "rank_offset": 0})
+        assert r.status_code == 400 and "rank_offset" in r.json()["message"]
+        assert _answer(_generate(base)) == before
+
+
+@pytest.mark.parametrize(
+    "layout", [dict(tp=2, ep=2), dict(tp=2, dp_attention=True)], ids=["tp2-ep2", "dp-attention"]
+)
+def test_every_rank_receives_its_slices(models, layout):
+    """`--tp 2 --ep 2` and `--dp-attention`: both ranks join (world 3) and receive every
+    tensor, each copying its own slices and experts (or all of it); the engine then answers
+    as a fresh one on the checkpoint. A group joined twice is refused on both ranks."""
+    old, new = models[0], models[1]
+    tp = layout
+    with LLM(str(new), **ENGINE_ARGS, **tp) as fresh:
+        want = _outputs(fresh)
+    tensors = load_file(new / "model.safetensors")
+    names = sorted(tensors)
+    trainer = Trainer(new, [names], ranks=2)
+    with LLM(str(old), **ENGINE_ARGS, **tp) as llm:
+        before = _outputs(llm)
+        assert before != want
+        engine = llm.engine
+        engine.join_weight_group(WeightGroup(**trainer.group()))
+        meta = trainer.bucket(0)
+        update = GroupUpdate(
+            "weight_update_group",
+            tuple(names),
+            tuple(meta["dtypes"]),
+            tuple(tuple(s) for s in meta["shapes"]),
+        )
+        assert engine.update_weights(update)
+        trainer.done()
+        assert _outputs(llm) == want
+        with pytest.raises(DsakvError, match="^weight update group 'weight_update_group' exists"):
+            engine.join_weight_group(WeightGroup(**trainer.group()))  # (each rank refuses)
+        engine.leave_weight_group("weight_update_group")
+        assert not engine.weight_groups
