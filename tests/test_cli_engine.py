@@ -793,3 +793,23 @@ def test_uvicorn_log_level_reaches_the_server(tiny_dir, tmp_path):
     log = server.log.read_text()
     assert "dsakv: serving 'm'" in log
     assert "Application startup complete" not in log and '"GET /health' not in log, log
+
+
+def test_the_model_as_sglangs_and_vllms_flag(tiny_dir, capsys):
+    """SGLang's --model-path and vLLM's --model name the model as the positional does (on
+    generate, serve and serve-pd); the model given twice, differently, is one error line."""
+    from dsakv.cli import _fold_model_option, build_parser, engine_config_from_args
+
+    def config(*argv: str):
+        args = build_parser().parse_args(list(argv))
+        _fold_model_option(args)
+        return engine_config_from_args(args)
+
+    for command in (["serve"], ["serve-pd"], ["generate", "--prompt", "x"]):
+        want = config(*command, str(tiny_dir))
+        assert config(*command, "--model-path", str(tiny_dir)) == want
+        assert config(*command, "--model", str(tiny_dir)) == want
+        assert config(*command, str(tiny_dir), "--model", str(tiny_dir)) == want
+    code = main(["generate", "glm-tiny", "--model-path", str(tiny_dir), "--prompt", "x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "the model is given twice" in err[0], err

@@ -170,6 +170,24 @@ _FOLDED = (
 )
 
 
+def _add_model_option(p: argparse.ArgumentParser) -> None:
+    """SGLang's --model-path and vLLM's --model, hidden: the model as a flag
+    (`_fold_model_option` makes it the positional's)."""
+    for flag in ("--model-path", "--model"):
+        p.add_argument(flag, dest="model_option", help=argparse.SUPPRESS)
+
+
+def _fold_model_option(args: argparse.Namespace) -> None:
+    option = getattr(args, "model_option", None)
+    if option is None:
+        return
+    if args.model is not None and args.model != option:
+        raise DsakvError(
+            f"the model is given twice ({args.model!r} and --model-path/--model {option!r})"
+        )
+    args.model = option
+
+
 def _add_aliased(g: Any, flags: Sequence[str], help: str, **kw: Any) -> None:
     """`flags[0]` and, hidden, its other spellings: --help shows dsakv's name and an error
     the spelling given (not "--tp/--tp-size/--tensor-parallel-size")."""
@@ -992,6 +1010,7 @@ def _add_engine_commands(sub: Any) -> None:
 
     p = sub.add_parser("generate", help="complete prompts offline")
     p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
+    _add_model_option(p)
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--max-tokens", type=_positive_int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -1014,6 +1033,7 @@ def _add_engine_commands(sub: Any) -> None:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
+    _add_model_option(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument("--api-key", help="require this Bearer token")
@@ -1162,6 +1182,7 @@ def _add_disagg_commands(sub: Any) -> None:
         "serve-pd", help="a prefill server, a decode server and the router, on this machine"
     )
     p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
+    _add_model_option(p)
     p.add_argument("--host", default="127.0.0.1", help="the router's address")
     p.add_argument("--port", type=port, default=8000, help="the router's port")
     p.add_argument("--prefill-port", type=port, help="(default: a free port)")
@@ -1691,6 +1712,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # module more than once"); the parser's choices import it anyway.
             import torch  # noqa: F401
         args = build_parser().parse_args(argv)
+        _fold_model_option(args)
         logging.basicConfig(
             level=logging.INFO if args.verbose else logging.WARNING,
             format="%(levelname)s %(name)s: %(message)s",
