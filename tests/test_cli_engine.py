@@ -445,6 +445,11 @@ def _parse_error(argv: list[str], capsys) -> str:
             "speculative_num_steps",
             2,
         ),
+        # vLLM's defaults: the model's own MTP layer, one draft per step
+        (["--speculative-config", '{"method": "mtp"}'], "speculative_num_steps", 1),
+        (["--speculative-config", '{"num_speculative_tokens": 2}'], "speculative_num_steps", 2),
+        (["--speculative-config.method", "mtp"], "speculative_num_steps", 1),
+        (["--speculative-config.num_speculative_tokens", "2"], "speculative_num_steps", 2),
         (
             ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
             "speculative_algorithm",
@@ -464,9 +469,14 @@ def _parse_error(argv: list[str], capsys) -> str:
         (["--no-enable-prefix-caching"], "enable_prefix_cache", False),
         (["--enable-prefix-caching"], "enable_prefix_cache", True),
         (["--no-enable-prefix-caching", "--enable-prefix-caching"], "enable_prefix_cache", True),
+        (["-tp", "2"], "tp", 2),
+        (["-dp", "2"], "dp_attention", True),  # (vLLM's -dp N alone: --tp N --dp-attention)
+        (["-tp", "2", "--enable-expert-parallel"], "ep", 2),
+        (["-dp", "2", "--enable-expert-parallel"], "ep", 2),
+        (["--enable-expert-parallel"], "ep", 1),
     ],
 )
-def test_vllm_and_sglang_spellings_mean_dsakvs_own(tiny_dir, flags, field, value):
+def test_vllm_and_sglang_spellings_mean_dsakvs_own(tiny_dir, flags, field, value, capsys):
     """What users paste from vLLM's / SGLang's GLM-5 and DeepSeek-V3.2 launch commands was
     "invalid choice" or "unrecognized arguments"; each now sets what dsakv's own spelling
     does, on every command that takes it."""
@@ -485,9 +495,9 @@ def test_vllm_and_sglang_spellings_mean_dsakvs_own(tiny_dir, flags, field, value
         config = engine_config_from_args(args)
         assert getattr(config, field) == value, command
         assert config.parallel.dp == (config.tp if config.dp_attention else 1)
-    if field in ("kv_cache_dtype", "tp", "ep"):
-        args = build_parser().parse_args(["plan", "glm-5", *flags])
-        assert getattr(args, field) == value
+    if field in ("kv_cache_dtype", "tp", "ep", "dp_attention"):
+        assert main(["plan", "glm-5", *flags, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)[field] == value
 
 
 def test_dsakvs_own_spellings_stay_what_help_and_errors_name(capsys, monkeypatch):
@@ -621,14 +631,12 @@ _EAGLE = ["--speculative-algorithm", "EAGLE"]
             ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 2}'],
             ["takes {"],
         ),
-        (["--speculative-config", '{"method": "mtp"}'], ['"num_speculative_tokens": N in 1..16']),
         (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'], ["dsakv"]),
         (["--speculative-config", "mtp"], ["--speculative-config: dsakv takes {"]),
         (
             [*_EAGLE, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'],
             ["--speculative-config and --speculative-algorithm", "give one"],
         ),
-        (["--speculative-config.method", "mtp"], ['"num_speculative_tokens": N in 1..16']),
         (
             ["--speculative-config.method", "eagle3"]
             + ["--speculative-config.num_speculative_tokens", "2"],
@@ -644,8 +652,15 @@ _EAGLE = ["--speculative-algorithm", "EAGLE"]
         (["--context-length", "0"], ["argument --context-length: must be an integer >= 1"]),
         (["--max-num-batched-tokens", "-1"], ["--max-num-batched-tokens: must be an integer >="]),
         (["--load-format", "pt"], ["--load-format: dsakv takes auto or safetensors", "'pt'"]),
-        (["--tokenizer-mode", "deepseek_v32"], ["--tokenizer-mode: dsakv takes auto or hf ("]),
-        (["--tokenizer-mode", "slow"], ["--tokenizer-mode: dsakv takes auto or hf ("]),
+        (["--tokenizer-mode", "deepseek_v32"], ["deepseek_v32 is DeepSeek-V3.2's", "glm_moe_dsa"]),
+        (["--tokenizer-mode", "slow"], ["--tokenizer-mode: dsakv takes auto or hf or deepseek_v3"]),
+        (["--chat-template-content-format", "openai"], ["dsakv takes auto or string"]),
+        (["--speculative-config", "{}"], ["--speculative-config: dsakv takes {"]),
+        (
+            ["-tp", "2", "--ep", "1", "--enable-expert-parallel"],
+            ["--enable-expert-parallel splits the experts over all 2 rank(s); --ep 1"],
+        ),
+        (["-tp", "2", "-dp", "2"], ["-dp 2 with --tp 2 is (as vLLM's) 4 ranks"]),
     ],
 )
 def test_sglang_and_vllm_flags_dsakv_cannot_honour_are_one_error_line(

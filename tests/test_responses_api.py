@@ -421,8 +421,9 @@ def test_a_call_closes_before_the_text_after_it():
 
 
 def test_unfinished_turns_are_continued_as_one():
-    """A reasoning item opens the assistant turn its message (or call) joins; a turn cut off
-    goes on in the next assistant item; a call cut off is left out."""
+    """A reasoning item opens the assistant turn its message (or call, or more reasoning)
+    joins; a turn cut off goes on in the next assistant item; a call cut off is left out,
+    its turn going on."""
     reasoning = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Hm"}]}
     cut = {
         "type": "message",
@@ -443,15 +444,23 @@ def test_unfinished_turns_are_continued_as_one():
         "status": "incomplete",
     }
     user = {"role": "user", "content": "Tell."}
-    got = input_messages([user, reasoning, cut, rest, call])
+    got = input_messages([user, reasoning, reasoning, cut, rest, call])
     assert got == [
         {"role": "user", "content": "Tell."},
         {
             "role": "assistant",
             "content": "Once upon",
-            "reasoning_content": "Hm",
-            "_unfinished": False,
+            "reasoning_content": "HmHm",
+            "_unfinished": True,  # (its call was cut off)
         },
+    ]
+    assert input_messages([user, reasoning, rest, user])[1:] == [
+        {"role": "assistant", "content": " upon", "reasoning_content": "Hm", "_unfinished": False},
+        {"role": "user", "content": "Tell."},
+    ]
+    assert input_messages([user, call]) == [
+        {"role": "user", "content": "Tell."},
+        {"role": "assistant", "content": "", "_unfinished": True},
     ]
     thinking = input_messages([user, {**reasoning, "status": "incomplete"}])
     assert thinking[-1] == {

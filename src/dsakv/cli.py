@@ -104,10 +104,13 @@ def _speculative_config(text: str) -> int:
     except (ValueError, RecursionError):
         spec = None
     want = '{"method": "deepseek_mtp" or "mtp", "num_speculative_tokens": N in 1..16}'
-    if not isinstance(spec, dict) or set(spec) != {"method", "num_speculative_tokens"}:
+    keys = {"method", "num_speculative_tokens"}
+    if not isinstance(spec, dict) or not spec or not set(spec) <= keys:
         raise argparse.ArgumentTypeError(f"dsakv takes {want}, got {text!r}")
-    n = spec["num_speculative_tokens"]
-    if spec["method"] not in ("deepseek_mtp", "mtp") or type(n) is not int or not 1 <= n <= 16:
+    # vLLM's defaults for these models: their own MTP layer, as many drafts as it has (one)
+    n = spec.get("num_speculative_tokens", 1)
+    method = spec.get("method", "mtp")
+    if method not in ("deepseek_mtp", "mtp") or type(n) is not int or not 1 <= n <= 16:
         raise argparse.ArgumentTypeError(f"dsakv takes {want}, got {text!r}")
     return n
 
@@ -153,15 +156,16 @@ _DTYPE = _spelled({"half": "float16", "float": "float32"})  # (vLLM's and SGLang
 _SPECULATIVE = _spelled({"nextn": "mtp", "eagle": "mtp", "mtp": "mtp"}, fold_case=True)
 
 # SGLang's names for --tp and --ep (vLLM's the long ones) besides dsakv's own.
-_TP = ("--tp", "--tp-size", "--tensor-parallel-size")
+_TP = ("--tp", "--tp-size", "--tensor-parallel-size", "-tp")
 _EP = ("--ep", "--ep-size", "--expert-parallel-size")
 # SGLang's (and vLLM's) data-parallel size: dsakv's is --tp's under --dp-attention, else 1.
-_DP = ("--dp-size", "--dp", "--data-parallel-size")
+_DP = ("--dp-size", "--dp", "--data-parallel-size", "-dp")
 # Hidden flags with no field of their own: `_fold_foreign` checks them against dsakv's
 # flags, then they are dropped (never passed on: serve-pd passes what they checked).
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # (vLLM's)
 _FOLDED = (
     "dp_size",
+    "enable_expert_parallel",
     "speculative_eagle_topk",
     "speculative_num_draft_tokens",
     "speculative_config",
@@ -213,6 +217,21 @@ def _add_dp_args(g: Any, help: str) -> None:
         )
 
 
+def _fold_expert_parallel(args: argparse.Namespace) -> None:
+    """vLLM's --enable-expert-parallel: the experts split over every rank (after
+    `_check_dp_size`: vLLM's -dp N is N ranks here), dsakv's --ep set to the ranks."""
+    if not args.enable_expert_parallel:
+        return
+    ranks = args.tp or 1
+    if args.ep not in (None, ranks):
+        raise DsakvError(
+            f"--enable-expert-parallel splits the experts over all {ranks} rank(s); "
+            f"--ep {args.ep} says otherwise: give one"
+        )
+    args.ep = ranks if ranks > 1 else args.ep
+    args.enable_expert_parallel = False
+
+
 def _check_dp_size(args: argparse.Namespace) -> None:
     """SGLang's / vLLM's DP size as dsakv's layout: under DP attention one DP rank per TP
     rank, without it one replica (1 is the no-op default); anything else is refused. vLLM's
@@ -221,10 +240,10 @@ def _check_dp_size(args: argparse.Namespace) -> None:
     if args.dp_size is None:
         return
     (flag, n), tp = args.dp_size, args.tp or 1
-    if flag == "--data-parallel-size" and n > 1 and not args.dp_attention:
+    if flag in ("--data-parallel-size", "-dp") and n > 1 and not args.dp_attention:
         if tp > 1:
             raise DsakvError(
-                f"--data-parallel-size {n} with --tp {tp} is (as vLLM's) {tp * n} ranks with "
+                f"{flag} {n} with --tp {tp} is (as vLLM's) {tp * n} ranks with "
                 f"attention split {tp} ways in each DP group, which dsakv does not run: its DP "
                 f"attention is one DP rank per rank (--tp {tp * n} --dp-attention)"
             )
@@ -325,6 +344,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.kv_budget_gib is None:
             args.kv_budget_gib = 100.0
     _check_dp_size(args)
+    _fold_expert_parallel(args)
+    args.ep = args.ep or 1
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, dp_attention=args.dp_attention)
     parallel.check_model(config)
     if hisparse is not None:  # what the engine refuses is not planned
@@ -536,7 +557,8 @@ def _add_plan(sub: Any) -> None:
     p = sub.add_parser("plan", help="KV capacity plan: bytes per token and pool tokens")
     p.add_argument("model", help="preset (glm-5, glm-5.2, deepseek-v3.2) or model path")
     _add_aliased(p, _TP, "tensor-parallel degree", dest="tp", type=_positive_int, default=1)
-    _add_aliased(p, _EP, "expert-parallel groups", dest="ep", type=_positive_int, default=1)
+    _add_aliased(p, _EP, "expert-parallel groups (default 1)", dest="ep", type=_positive_int)
+    p.add_argument("--enable-expert-parallel", action="store_true", help=argparse.SUPPRESS)
     _add_dp_args(p, "one scheduler and pool per rank")
     p.add_argument("--kv-budget-gib", type=_positive_float, help="explicit KV budget")
     p.add_argument("--gpu-memory-gib", type=_positive_float, help="GPU memory per rank")
@@ -719,12 +741,20 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     g.add_argument(
         "--tokenizer-mode",
         type=_only(
-            ("auto", "hf"),
+            ("auto", "hf", "deepseek_v32"),
             "the tokenizer is transformers' fast one and chats go through its Jinja chat "
-            "template or --chat-template",
+            "template or --chat-template (DeepSeek-V3.2's, without one, through its "
+            "encoding in code)",
         ),
-        metavar="{auto,hf}",
-        help="vLLM's: the tokenizer is transformers' fast one either way",
+        metavar="{auto,hf,deepseek_v32}",
+        help="vLLM's: the tokenizer is transformers' fast one either way; deepseek_v32 (a "
+        "DeepSeek-V3.2 model only) is its chat encoding, which dsakv runs in code",
+    )
+    g.add_argument(
+        "--chat-template-content-format",
+        type=_only(("auto", "string"), "it joins a message's text parts into one string"),
+        metavar="{auto,string}",
+        help="vLLM's: a message's text parts reach the template joined (its string format)",
     )
     if serve:
         g.add_argument(
@@ -751,6 +781,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     _add_aliased(g, _TP, "tensor-parallel ranks, one process each", dest="tp", type=_positive_int)
     _add_aliased(g, _EP, "expert-parallel groups of whole experts", dest="ep", type=_positive_int)
     _add_dp_args(g, "each rank schedules its own requests")
+    g.add_argument("--enable-expert-parallel", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--nnodes", type=_positive_int, help="machines the ranks span")
     g.add_argument("--node-rank", type=int, help="this machine's index (0 runs the server)")
     g.add_argument("--dist-init-addr", help="HOST:PORT of node 0's rendezvous")
@@ -803,6 +834,14 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
     from dsakv.engine.engine import DRAFT_STEPS
 
     _check_dp_size(args)
+    _fold_expert_parallel(args)
+    if getattr(args, "tokenizer_mode", None) == "deepseek_v32":
+        model_type = ModelConfig.from_hf(model_dir).model_type
+        if model_type != "deepseek_v32":
+            raise DsakvError(
+                f"--tokenizer-mode deepseek_v32 is DeepSeek-V3.2's chat encoding; this model "
+                f"is {model_type}"
+            )
     if args.chunked_prefill_size == -1:  # a budget no prompt exceeds: every prompt whole
         context = args.max_model_len or ModelConfig.from_hf(model_dir).max_position_embeddings
         args.chunked_prefill_size = context
@@ -1135,6 +1174,7 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
             flags += ["--served-model-name", *args.served_model_name]
         if args.api_key:
             flags += ["--api-key", args.api_key]
+        flags += ["--uvicorn-log-level", args.uvicorn_log_level]
         serve_pd(
             resolve_model_dir(args.model),
             flags,
@@ -1197,7 +1237,7 @@ def _add_disagg_commands(sub: Any) -> None:
     p.add_argument("--served-model-name", nargs="+")
     p.add_argument("--api-key")
     add_engine_args(p)
-    add_ignored_args(p)
+    add_ignored_args(p, serve=True)
     p.set_defaults(func=_cmd_serve_pd)
 
 

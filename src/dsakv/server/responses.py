@@ -509,7 +509,7 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
             if not isinstance(parts, list):
                 raise APIError(400, f"{at}.content must be a list of parts", param=where)
             text = "".join(_field(p, "text", f"{at}.content", where) for p in parts)
-            messages.append(_turn(reasoning_content=text, _opened=True, _unfinished=unfinished))
+            _append(messages, _turn(reasoning_content=text, _opened=True, _unfinished=unfinished))
         elif kind == "function_call":
             call = {
                 "id": _field(item, "call_id", at, where),
@@ -521,6 +521,8 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
             }
             if item.get("status") != "incomplete":
                 _append(messages, _turn(tool_calls=[call]), calls=True)
+            else:  # (cut off: the turn it was in goes on)
+                _append(messages, _turn(content="", _unfinished=True), calls=True)
         elif kind == "function_call_output":
             output = item.get("output")
             content = output if isinstance(output, str) else _text(output, f"{at}.output", where)
@@ -557,13 +559,14 @@ def _append(messages: list[dict[str, Any]], m: dict[str, Any], calls: bool = Fal
     ):
         messages.append(m)
         return
-    last.pop("_opened", None)
     for key in ("reasoning_content", "content"):
         if m.get(key):
             last[key] = _joined(last.get(key)) + _joined(m[key])
     if m.get("tool_calls"):
         last["tool_calls"] = last.get("tool_calls", []) + m["tool_calls"]
     last["_unfinished"] = bool(m.get("_unfinished"))
+    if not m.get("_opened"):  # (a reasoning item keeps the turn open for what follows)
+        last.pop("_opened", None)
 
 
 def _joined(content: Any) -> str:
