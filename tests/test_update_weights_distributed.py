@@ -46,6 +46,7 @@ for bucket in job["buckets"]:
         t = tensors[item] if isinstance(item, str) else torch.zeros(item[1])
         dist.broadcast(t.contiguous(), src=0, group=group)
 print("sent", flush=True)
+dist.destroy_process_group(group)  # (a group alive at exit ends the process in std::terminate)
 """
 
 
@@ -198,3 +199,58 @@ def test_every_rank_receives_its_slices(models, layout):
             engine.join_weight_group(WeightGroup(**trainer.group()))  # (each rank refuses)
         engine.leave_weight_group("weight_update_group")
         assert not engine.weight_groups
+
+
+def test_a_refused_update_is_still_received(models, tmp_path):
+    """The trainer broadcasts once whatever the answer: an update refused before its tensors
+    are read (here: the L3 tier under a paused request) is received and dropped, so the next
+    update reads its own tensors, not the refused one's."""
+    from dsakv.engine import SamplingParams
+
+    old, new = models[0], models[1]
+    with LLM(str(new), **ENGINE_ARGS) as fresh:
+        want = _outputs(fresh)
+    names = sorted(load_file(new / "model.safetensors"))
+    embed = list(load_file(new / "model.safetensors")["model.embed_tokens.weight"].shape)
+    trainer = Trainer(new, [[["model.embed_tokens.weight", embed]], names])
+    store = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    with LLM(str(old), **ENGINE_ARGS, **store) as llm:
+        engine = llm.engine
+        engine.join_weight_group(WeightGroup(**trainer.group()))
+        engine.add_request(list(range(5, 25)), SamplingParams(max_tokens=4, temperature=0))
+        engine.step()
+        engine.paused = True
+        meta = trainer.bucket(0)
+        zeros = GroupUpdate("weight_update_group", tuple(meta["names"]), tuple(meta["dtypes"]),
+                            tuple(tuple(s) for s in meta["shapes"]))  # fmt: skip
+        with pytest.raises(DsakvError, match="with the L3 tier"):
+            engine.update_weights(zeros)
+        engine.paused = False
+        while engine.has_unfinished():
+            engine.step()
+        meta = trainer.bucket(1)
+        update = GroupUpdate("weight_update_group", tuple(names), tuple(meta["dtypes"]),
+                             tuple(tuple(s) for s in meta["shapes"]))  # fmt: skip
+        assert engine.update_weights(update)
+        trainer.done()
+        assert _outputs(llm) == want
+
+
+def test_fp8_tensors_and_prefill_servers_are_refused(models):
+    """FP8 tensors would be copied as raw e4m3 values without their block scales; a prefill
+    or decode server refuses the join itself (its handshake compares checkpoints), before a
+    trainer starts broadcasting."""
+    from dsakv.distributed.weight_sync import GroupUpdate as Update
+
+    with pytest.raises(DsakvError, match="is FP8: send the weights dequantized"):
+        Update("g", ("w",), ("torch.float8_e4m3fn",), ((2, 2),)).check()
+    from dsakv.disagg.config import DisaggConfig
+    from dsakv.disagg.serving import bridge_for
+
+    config = EngineConfig(model=str(models[0]), **ENGINE_ARGS)
+    bridge = bridge_for(DisaggConfig("prefill", bootstrap_port=free_port()), config, "127.0.0.1")
+    with serving(config, bridge=bridge) as (base, _):
+        body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+                "world_size": 2, "backend": "gloo"}  # fmt: skip
+        r = _post(base, "/init_weights_update_group", body)
+        assert r.status_code == 400 and "prefill or decode server" in r.json()["message"]

@@ -77,9 +77,13 @@ class GroupUpdate:
 
 
 def _dtype(name: str) -> torch.dtype:
+    """A tensor's dtype by name: floating point, and not FP8 (its block scales would be
+    separate tensors, which the model folds into its weights: send those dequantized)."""
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise DsakvError(f"dtype {name!r} is not a floating-point torch dtype")
+    if dtype.itemsize == 1:
+        raise DsakvError(f"dtype {name!r} is FP8: send the weights dequantized")
     return dtype
 
 
@@ -88,7 +92,7 @@ def join(spec: WeightGroup, rank: int) -> dist.ProcessGroup:
     url = f"tcp://{spec.master_address}:{spec.master_port}"
     try:
         store, rank, world = next(c10d.rendezvous(url, rank, spec.world_size, timeout=JOIN_TIMEOUT))
-        store.set_timeout(RECEIVE_TIMEOUT)
+        store.set_timeout(JOIN_TIMEOUT)  # (the group's connections wait on the store)
         group, _ = c10d._new_process_group_helper(
             world,
             rank,
@@ -98,6 +102,7 @@ def join(spec: WeightGroup, rank: int) -> dist.ProcessGroup:
             group_name=spec.group_name,
             timeout=RECEIVE_TIMEOUT,
         )
+        store.set_timeout(RECEIVE_TIMEOUT)
     except (RuntimeError, ValueError, OSError) as e:  # (torch's DistError too)
         raise DsakvError(f"joining {spec.group_name!r} at {url} failed: {e}") from None
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}

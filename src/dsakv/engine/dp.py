@@ -15,7 +15,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from dsakv.distributed.leader import Leader
 from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
@@ -243,13 +243,19 @@ class DPEngine:
         refused under paused requests, as no rank steps them out."""
         if self.has_unfinished():
             if self.paused:
-                raise DsakvError(
+                self.refuse_update(
+                    source,
                     "under --dp-attention an update does not run under paused requests "
-                    "(pause with mode abort, or continue generation first)"
+                    "(pause with mode abort, or continue generation first)",
                 )
             return False
         source = source if isinstance(source, GroupUpdate) else str(source)
         return updated(self._on_every_rank("update_weights_here", source))
+
+    def refuse_update(self, source: str | Path | GroupUpdate, why: str) -> NoReturn:
+        if isinstance(source, GroupUpdate):
+            self._on_every_rank("drop_update_here", source)
+        raise DsakvError(why)
 
     def join_weight_group(self, spec: WeightGroup) -> None:
         spec.check(self.parallel.world_size, self.local.device)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -965,13 +965,30 @@ class Engine:
         if self._busy():
             return False
         if self.l3 is not None and self.has_unfinished():  # (paused)
-            raise DsakvError(
+            self.refuse_update(
+                source,
                 "with the L3 tier a weight update does not run under paused requests: their "
                 "pages would be stored under the new weights' namespace (pause with mode "
-                "abort, or continue generation first)"
+                "abort, or continue generation first)",
             )
         source = source if isinstance(source, GroupUpdate) else str(source)
         return updated(self._on_every_rank("update_weights_here", source))
+
+    def refuse_update(self, source: str | Path | GroupUpdate, why: str) -> NoReturn:
+        """Refuse an update with `why`; a trainer's is received first on every rank, and
+        dropped: it broadcasts once whatever the answer, and an update left unreceived
+        would be the next one's tensors."""
+        if isinstance(source, GroupUpdate):
+            self._on_every_rank("drop_update_here", source)
+        raise DsakvError(why)
+
+    def drop_update_here(self, update: GroupUpdate) -> None:
+        """Receive a trainer's update and drop it (where it can be received at all)."""
+        joined = self.weight_groups.get(update.group_name)
+        if joined is None:
+            return
+        with contextlib.suppress(DsakvError):  # (metadata that cannot be: nothing was sent)
+            weight_sync.receive(joined[1], update, joined[0].backend, self.device)
 
     def join_weight_group(self, spec: WeightGroup) -> None:
         """SGLang's /init_weights_update_group: every rank joins the trainer's group (rank
@@ -1682,7 +1699,12 @@ def _one_line(e: BaseException) -> str:
 
 _BUSY = "busy"  # a rank that has requests: an update on every rank waits for idle ranks
 # What `weights_call` runs on every rank
-_WEIGHT_CALLS = ("update_weights_here", "join_weight_group_here", "leave_weight_group_here")
+_WEIGHT_CALLS = (
+    "update_weights_here",
+    "drop_update_here",
+    "join_weight_group_here",
+    "leave_weight_group_here",
+)
 
 
 def _named(source: str | GroupUpdate) -> str:

@@ -735,12 +735,6 @@ class Handlers:
         changes nothing). While generation is paused, as SGLang's, it does not wait for the
         calls in flight: paused requests go on with the new weights once generation
         continues. (success, SGLang's message)."""
-        grouped = isinstance(source, GroupUpdate)
-        if grouped and self.engine.server_info()["disaggregation_mode"] != "null":
-            return False, (
-                "Failed to update weights: a prefill or decode server is updated from a "
-                "checkpoint (/update_weights_from_disk): the handshake compares checkpoints"
-            )
         if abort_all:
             self.in_flight.abort_all()
         async with self._updating:
@@ -751,8 +745,9 @@ class Handlers:
                     await self.in_flight.drained()
                 deadline = time.monotonic() + _UPDATE_IDLE_TIMEOUT_S
                 while not await self.engine.call(lambda e: e.update_weights(source)):
-                    if time.monotonic() > deadline:
-                        return False, "Failed to update weights: the engine stayed busy"
+                    if time.monotonic() > deadline:  # (a trainer's tensors received first)
+                        busy = "the engine stayed busy"
+                        await self.engine.call(lambda e, why=busy: e.refuse_update(source, why))
                     await asyncio.sleep(0.01)
                 await asyncio.to_thread(self.engine.weights_updated)
                 if version is not None:
@@ -768,7 +763,14 @@ class Handlers:
 
     async def join_weight_group(self, spec: WeightGroup) -> tuple[bool, str]:
         """SGLang's /init_weights_update_group: every engine rank joins the trainer's group
-        (the engine thread waits for the trainer meanwhile: `Engine.join_weight_group`)."""
+        (the engine thread waits for the trainer meanwhile: `Engine.join_weight_group`).
+        Not on a prefill or decode server: their handshake compares checkpoints on disk."""
+        if self.engine.server_info()["disaggregation_mode"] != "null":
+            return False, (
+                "Failed to init weights update group: a prefill or decode server is updated "
+                "from a checkpoint (/update_weights_from_disk): their handshake compares "
+                "checkpoints"
+            )
         try:
             await self.engine.call(lambda e: e.join_weight_group(spec))
         except DsakvError as e:
