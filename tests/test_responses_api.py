@@ -517,3 +517,55 @@ def test_the_store_keeps_what_runs_and_what_it_just_took():
     store.put("next", _Stored({"id": "next"}, []))
     with pytest.raises(APIError):
         store.get("r0")  # the least recently used that no longer runs
+
+
+def test_deepseek_reasoning_and_calls_round_trip(tmp_path):
+    """DeepSeek-V3.2 (its chat encoded in code, DSML calls): the forced call's arguments
+    equal chat's, and its output fed back (by previous_response_id, with the call's result)
+    is chat's conversation of the same turns, then with thinking on. (Random weights never
+    close a reasoning block before a forced call: thinking is off for the call.)"""
+    path = write_tiny_model(tmp_path / "ds", "deepseek-tiny", seed=0)
+    config = EngineConfig(model=str(path), **{**ENGINE_ARGS, "num_pages": 256})
+    thinking: dict = {}
+    with serving(config) as (base, _):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=TIMEOUT, max_retries=0)
+        model = client.models.list().data[0].id
+        kw = dict(tool_choice="required", parallel_tool_calls=False, max_output_tokens=300)
+        first = _respond(
+            client, model, input="Weather?", tools=[WEATHER], extra_body=thinking, **kw
+        )
+        c = _chat(
+            client, model, [{"role": "user", "content": "Weather?"}], max_tokens=300,
+            tools=[TOOLS[0]], tool_choice="required", parallel_tool_calls=False,
+            extra_body=thinking,
+        )  # fmt: skip
+        message = c.choices[0].message
+        call = next(item for item in first.output if item.type == "function_call")
+        assert call.arguments == message.tool_calls[0].function.arguments
+        reasoning = [item for item in first.output if item.type == "reasoning"]
+        got = reasoning[0].content[0].text if reasoning else None
+        assert got == getattr(message, "reasoning_content", None)
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}
+        thinking = {"chat_template_kwargs": {"thinking": True}}
+        second = _respond(
+            client, model, input=[result], previous_response_id=first.id, tools=[WEATHER],
+            extra_body=thinking,
+        )  # fmt: skip
+        turn = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call.call_id, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}
+            ],
+            **({"reasoning_content": got} if got is not None else {}),
+        }  # fmt: skip
+        messages = [
+            {"role": "user", "content": "Weather?"},
+            turn,
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"},
+        ]
+        c2 = _chat(client, model, messages, tools=[TOOLS[0]], extra_body=thinking)
+        assert second.usage.input_tokens == c2.usage.prompt_tokens
+        assert second.output_text == (c2.choices[0].message.content or "")
+        assert second.output[0].content[0].text == c2.choices[0].message.reasoning_content
