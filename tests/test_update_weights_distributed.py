@@ -184,21 +184,18 @@ def test_every_rank_receives_its_slices(models, layout):
         before = _outputs(llm)
         assert before != want
         engine = llm.engine
-        engine.join_weight_group(WeightGroup(**trainer.group()))
+        llm.init_weights_update_group(**trainer.group())  # (SGLang's offline Engine API)
         meta = trainer.bucket(0)
-        update = GroupUpdate(
-            "weight_update_group",
-            tuple(names),
-            tuple(meta["dtypes"]),
-            tuple(tuple(s) for s in meta["shapes"]),
-        )
-        assert engine.update_weights(update)
+        llm.update_weights_from_distributed(names, meta["dtypes"], meta["shapes"])
         trainer.done()
         assert _outputs(llm) == want
         with pytest.raises(DsakvError, match="^weight update group 'weight_update_group' exists"):
             engine.join_weight_group(WeightGroup(**trainer.group()))  # (each rank refuses)
-        engine.leave_weight_group("weight_update_group")
+        llm.destroy_weights_update_group()
         assert not engine.weight_groups
+        # a trainer in this process: its tensors go to every rank with the update's message
+        llm.update_weights_from_tensor(load_file(old / "model.safetensors").items())
+        assert _outputs(llm) == before
 
 
 def test_a_refused_update_is_still_received(models, tmp_path):
@@ -254,3 +251,23 @@ def test_fp8_tensors_and_prefill_servers_are_refused(models):
                 "world_size": 2, "backend": "gloo"}  # fmt: skip
         r = _post(base, "/init_weights_update_group", body)
         assert r.status_code == 400 and "prefill or decode server" in r.json()["message"]
+
+
+def test_tensors_in_this_process(models):
+    """SGLang's `update_weights_from_tensor` (a trainer in this process): in two buckets,
+    the cache kept after the first, the engine then answers as a fresh one on those
+    weights; a name the model does not have changes nothing."""
+    old, new = models[0], models[1]
+    with LLM(str(new), **ENGINE_ARGS) as fresh:
+        want = _outputs(fresh)
+    tensors = sorted(load_file(new / "model.safetensors").items())
+    with LLM(str(old), **ENGINE_ARGS) as llm:
+        before = _outputs(llm)
+        bad = [*tensors[:3], ("model.layers.0.nope.weight", tensors[0][1])]
+        with pytest.raises(DsakvError, match="does not have: model.layers.0.nope.weight"):
+            llm.update_weights_from_tensor(bad)
+        assert _outputs(llm) == before
+        half = len(tensors) // 2
+        llm.update_weights_from_tensor(tensors[:half], flush_cache=False)
+        llm.update_weights_from_tensor(tensors[half:])
+        assert _outputs(llm) == want

@@ -76,6 +76,16 @@ class GroupUpdate:
         return [_dtype(name) for name in self.dtypes]
 
 
+@dataclass(frozen=True, eq=False)
+class TensorUpdate:
+    """SGLang's `Engine.update_weights_from_tensor`: named tensors this process holds (a
+    trainer's in the same process), by checkpoint name, some or all of the model's; under
+    `--tp` they go to every rank with the update's message."""
+
+    tensors: tuple[tuple[str, torch.Tensor], ...]
+    flush_cache: bool = True
+
+
 def _dtype(name: str) -> torch.dtype:
     """A tensor's dtype by name: floating point, and not FP8 (its block scales would be
     separate tensors, which the model folds into its weights: send those dequantized)."""

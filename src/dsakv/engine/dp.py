@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dsakv.distributed.leader import Leader
-from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
+from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate, WeightGroup
 from dsakv.errors import DsakvError
 
 from .engine import Engine, updated
@@ -235,7 +235,7 @@ class DPEngine:
             "holds a prefix cache of its own)"
         )
 
-    def update_weights(self, source: str | Path | GroupUpdate) -> bool:
+    def update_weights(self, source: str | Path | GroupUpdate | TensorUpdate) -> bool:
         """`Engine.update_weights` on every rank: each loads the checkpoint (or receives a
         trainer's tensors) and drops its own prefix cache (`Engine.update_weights_here`,
         the peers from `serve_dp_peer`). Only with no request on any rank, queued adds and
@@ -249,7 +249,8 @@ class DPEngine:
                     "(pause with mode abort, or continue generation first)",
                 )
             return False
-        source = source if isinstance(source, GroupUpdate) else str(source)
+        if not isinstance(source, (GroupUpdate, TensorUpdate)):
+            source = str(source)
         return updated(self._on_every_rank("update_weights_here", source))
 
     def refuse_update(self, source: str | Path | GroupUpdate, why: str) -> NoReturn:

@@ -28,7 +28,7 @@ from dsakv.distributed.parallel import (
     destroy_parallel,
     is_dist_error,
 )
-from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
+from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate, WeightGroup
 from dsakv.errors import ConfigError, DsakvError, is_int, is_number, load_json
 from dsakv.kernels import BACKENDS, cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
@@ -949,11 +949,12 @@ class Engine:
         self.cache.reset()
         return True
 
-    def update_weights(self, source: str | Path | GroupUpdate) -> bool:
+    def update_weights(self, source: str | Path | GroupUpdate | TensorUpdate) -> bool:
         """SGLang's /update_weights_from_disk (`source` a checkpoint path: the served
         architecture, its weights stored as the served ones) and
         /update_weights_from_distributed (a `GroupUpdate`: named tensors a trainer
-        broadcasts over a group `join_weight_group` joined), copied into the model in place
+        broadcasts over a group `join_weight_group` joined; a `TensorUpdate`: named tensors
+        this process holds), copied into the model in place
         (`update_weights_here`: a refused update changes nothing, the prefix cache included;
         a checkpoint that fails to load part way leaves the weights served), and L3 moved to
         the new weights' namespace. The prefix cache, whose KV the old weights computed, is
@@ -971,7 +972,8 @@ class Engine:
                 "pages would be stored under the new weights' namespace (pause with mode "
                 "abort, or continue generation first)",
             )
-        source = source if isinstance(source, GroupUpdate) else str(source)
+        if not isinstance(source, (GroupUpdate, TensorUpdate)):
+            source = str(source)
         return updated(self._on_every_rank("update_weights_here", source))
 
     def refuse_update(self, source: str | Path | GroupUpdate, why: str) -> NoReturn:
@@ -1043,12 +1045,13 @@ class Engine:
         _, group = self.weight_groups.pop(name)
         weight_sync.leave(group)
 
-    def update_weights_here(self, source: str | GroupUpdate) -> bool | str:
+    def update_weights_here(self, source: str | GroupUpdate | TensorUpdate) -> bool | str:
         """This rank's part of a weight update on every rank, run by each between steps
         (`weights_call`). Each phase's outcome is all-gathered, so every rank takes the same
         decision: (1) each rank, idle, checks the update against the slices it reads (a
         checkpoint: `loader.check_update`, its own experts' files; a group's tensors:
-        received first, then `loader.check_tensors`); (2) only if every rank passed does
+        received first, then `loader.check_tensors`; tensors given: that check); (2) only if
+        every rank passed does
         each drop its prefix cache and copy its slices in; (3) if any rank's checkpoint read
         failed part way, every rank that touched its weights reloads the previous
         checkpoint, so that all ranks serve the same weights. Returns, alike on every rank,
@@ -1058,6 +1061,7 @@ class Engine:
 
         gather, previous = self.parallel.all_gather_objects, self.weights_path
         grouped = isinstance(source, GroupUpdate)
+        named = isinstance(source, (GroupUpdate, TensorUpdate))  # (not a checkpoint)
         checked: Any = None
         why = None
         if self._busy():  # (under --tp rank 0 holds the requests, and `paused`)
@@ -1068,6 +1072,8 @@ class Engine:
                     if source.group_name not in self.weight_groups:
                         raise DsakvError(f"no weight update group {source.group_name!r}")
                     source.check()
+                elif isinstance(source, TensorUpdate):
+                    checked = loader.check_tensors(self.model, list(source.tensors))
                 else:
                     checked = loader.check_update(self.model, source, **self._stored)
             except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
@@ -1078,8 +1084,8 @@ class Engine:
         if grouped and not any(whys):  # every rank receives: the trainer sends once
             try:
                 spec, group = self.weight_groups[source.group_name]
-                named = weight_sync.receive(group, source, spec.backend, self.device)
-                checked = loader.check_tensors(self.model, named)
+                tensors = weight_sync.receive(group, source, spec.backend, self.device)
+                checked = loader.check_tensors(self.model, tensors)
             except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
                 why = _said(e)
             whys = gather(why)
@@ -1088,12 +1094,12 @@ class Engine:
         failed, touched = None, False
         try:
             # First, so that L3 writes every old page under the old weights' namespace.
-            if not grouped or source.flush_cache:
+            if not named or source.flush_cache:
                 self.cache.reset()
             if self.l3 is not None and not self.l3.drain():
                 raise DsakvError("L3 storage did not take the old pages in time")
             touched = True
-            if grouped:
+            if named:
                 loader.load_tensors(checked)
             else:
                 loader.load_update(self.model, checked)
@@ -1104,7 +1110,7 @@ class Engine:
             self._weights_updated(source)
             return True
         what = f"loading {_named(source)} failed part way ({_by_rank(fails)})"
-        if grouped:  # (nothing on disk to go back to)
+        if named:  # (nothing on disk to go back to)
             return f"{what}: the weights are mixed, update them again"
         again = None
         if touched:
@@ -1120,8 +1126,8 @@ class Engine:
             )
         return f"{what}; every rank serves {previous} again"
 
-    def _weights_updated(self, source: str | GroupUpdate) -> None:
-        if not isinstance(source, GroupUpdate):
+    def _weights_updated(self, source: str | GroupUpdate | TensorUpdate) -> None:
+        if isinstance(source, str):
             self.weights_path = source  # (what a failed update later goes back to)
         self.__dict__.pop("model_identity", None)  # (the PD handshake's and L3's)
         if self.l3 is not None:
@@ -1707,10 +1713,12 @@ _WEIGHT_CALLS = (
 )
 
 
-def _named(source: str | GroupUpdate) -> str:
-    """An update's source in a message: its checkpoint, or the group it came over."""
+def _named(source: str | GroupUpdate | TensorUpdate) -> str:
+    """An update's source in a message: its checkpoint, the group it came over, or none."""
     if isinstance(source, GroupUpdate):
         return f"{len(source.names)} tensor(s) over {source.group_name!r}"
+    if isinstance(source, TensorUpdate):
+        return f"{len(source.tensors)} tensor(s)"
     return source
 
 

@@ -14,6 +14,7 @@ from typing import Any, TypeAlias
 import numpy as np
 from tqdm.auto import tqdm
 
+from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate, WeightGroup
 from dsakv.errors import DsakvError, is_int, is_list
 from dsakv.models.tiny import resolve_model_dir
 from dsakv.procs import interrupts_deferred
@@ -239,6 +240,53 @@ class LLM:
         stay as they were."""
         if not self.engine.update_weights(path):  # (generate returns with nothing running)
             raise DsakvError("weights are updated with no request running")
+
+    def update_weights_from_tensor(
+        self, named_tensors: Iterable[tuple[str, Any]], flush_cache: bool = True
+    ) -> None:
+        """SGLang's `Engine.update_weights_from_tensor`: copy `(checkpoint name, tensor)`
+        pairs (some of the model's weights or all: a trainer in this process sends them in
+        buckets, keeping the prefix cache with `flush_cache=False` until the last) into the
+        weights in place; under `--tp` each rank copies its slices. A name the model does
+        not have, or a shape it does not expect, is an error and changes nothing."""
+        update = TensorUpdate(tuple(named_tensors), flush_cache)
+        if not self.engine.update_weights(update):
+            raise DsakvError("weights are updated with no request running")
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """SGLang's: every rank joins a trainer's process group (rank `rank_offset` + its
+        own; the trainer is rank 0), for `update_weights_from_distributed`."""
+        spec = WeightGroup(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+        self.engine.join_weight_group(spec)
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+    ) -> None:
+        """SGLang's: receive the tensors the trainer broadcasts over `group_name` (in the
+        order named) and copy them in, as `update_weights_from_tensor` does."""
+        update = GroupUpdate(
+            group_name, tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes), flush_cache
+        )
+        if not self.engine.update_weights(update):
+            raise DsakvError("weights are updated with no request running")
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.engine.leave_weight_group(group_name)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses without params (vLLM's): SamplingParams' defaults, with the
