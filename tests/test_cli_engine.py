@@ -661,6 +661,8 @@ _EAGLE = ["--speculative-algorithm", "EAGLE"]
             ["--enable-expert-parallel splits the experts over all 2 rank(s); --ep 1"],
         ),
         (["-tp", "2", "-dp", "2"], ["-dp 2 with --tp 2 is (as vLLM's) 4 ranks"]),
+        (["-d", "2"], ["unrecognized arguments: -d 2"]),  # (not -dp: no flag is abbreviated)
+        (["-t", "2"], ["unrecognized arguments: -t 2"]),
     ],
 )
 def test_sglang_and_vllm_flags_dsakv_cannot_honour_are_one_error_line(

@@ -462,6 +462,10 @@ def test_unfinished_turns_are_continued_as_one():
         {"role": "user", "content": "Tell."},
         {"role": "assistant", "content": "", "_unfinished": True},
     ]
+    done = {**call, "arguments": "{}", "status": "completed"}
+    turns = input_messages([user, done, call])  # (a turn that made calls is not continued)
+    assert turns[-1]["tool_calls"][0]["function"]["arguments"] == "{}"
+    assert not turns[-1].get("_unfinished")
     thinking = input_messages([user, {**reasoning, "status": "incomplete"}])
     assert thinking[-1] == {
         "role": "assistant",

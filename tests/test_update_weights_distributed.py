@@ -25,9 +25,11 @@ from .serving import TIMEOUT, serving
 from .test_update_weights import ENGINE_ARGS, _answer, _generate, _model, _outputs
 
 # The trainer: rank 0 of the group, broadcasting each bucket's tensors in order: a name alone
-# is the checkpoint's tensor, a [name, shape] pair zeros of that shape.
+# is the checkpoint's tensor, [name, shape] zeros of that shape, [name, shape, dtype] zeros of
+# that dtype. Once the test has seen the engine take everything, it exits (as `os._exit`: gloo
+# may abort a process that leaves its group while the engine is still in it).
 TRAINER = """
-import datetime, json, sys
+import datetime, json, os, sys
 import torch, torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from safetensors.torch import load_file
@@ -43,10 +45,14 @@ c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
 tensors = load_file(job["model"] + "/model.safetensors")
 for bucket in job["buckets"]:
     for item in bucket:
-        t = tensors[item] if isinstance(item, str) else torch.zeros(item[1])
+        if isinstance(item, str):
+            t = tensors[item]
+        else:
+            t = torch.zeros(item[1], dtype=getattr(torch, item[2] if len(item) > 2 else "float32"))
         dist.broadcast(t.contiguous(), src=0, group=group)
 print("sent", flush=True)
-dist.destroy_process_group(group)  # (a group alive at exit ends the process in std::terminate)
+sys.stdin.readline()
+os._exit(0)
 """
 
 
@@ -66,6 +72,7 @@ class Trainer:
         job = {"port": self.port, "world": 1 + ranks, "model": str(model), "buckets": buckets}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", TRAINER, json.dumps(job)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -82,18 +89,21 @@ class Trainer:
 
     def bucket(self, i: int, **kw) -> dict:
         """Bucket `i`'s metadata, as the trainer tells the server before broadcasting it."""
-        items = [(x, None) if isinstance(x, str) else x for x in self.buckets[i]]
+        items = [
+            (x, None, None) if isinstance(x, str) else (*x, "float32")[:3] for x in self.buckets[i]
+        ]
         return {
-            "names": [name for name, _ in items],
+            "names": [name for name, _, _ in items],
             "dtypes": [
-                "torch.float32" if shape else str(self.tensors[name].dtype) for name, shape in items
+                f"torch.{dtype}" if shape else str(self.tensors[name].dtype)
+                for name, shape, dtype in items
             ],
-            "shapes": [shape or list(self.tensors[name].shape) for name, shape in items],
+            "shapes": [shape or list(self.tensors[name].shape) for name, shape, _ in items],
             **kw,
         }
 
     def done(self) -> None:
-        out, err = self.proc.communicate(timeout=TIMEOUT)
+        out, err = self.proc.communicate("\n", timeout=TIMEOUT)
         assert self.proc.returncode == 0 and "sent" in out, err
 
 
@@ -153,7 +163,7 @@ def test_an_update_that_does_not_fit_changes_nothing(models):
         bad = trainer.bucket(1)
         for body, words in (
             ({**bad, "group_name": "other"}, "no weight update group 'other'"),
-            ({**bad, "dtypes": ["int8"]}, "not a floating-point"),
+            ({**bad, "dtypes": ["float9"]}, "not a torch dtype"),
             ({**bad, "dtypes": []}, "differ in length"),
             ({**bad, "load_format": "bin"}, "load_format"),
         ):
@@ -200,8 +210,8 @@ def test_every_rank_receives_its_slices(models, layout):
 
 def test_a_refused_update_is_still_received(models, tmp_path):
     """The trainer broadcasts once whatever the answer: an update refused before its tensors
-    are read (here: the L3 tier under a paused request) is received and dropped, so the next
-    update reads its own tensors, not the refused one's."""
+    are read (here: the L3 tier under a paused request), or for what they hold (integers), is
+    received and dropped, so the next update reads its own tensors, not the refused one's."""
     from dsakv.engine import SamplingParams
 
     old, new = models[0], models[1]
@@ -209,7 +219,8 @@ def test_a_refused_update_is_still_received(models, tmp_path):
         want = _outputs(fresh)
     names = sorted(load_file(new / "model.safetensors"))
     embed = list(load_file(new / "model.safetensors")["model.embed_tokens.weight"].shape)
-    trainer = Trainer(new, [[["model.embed_tokens.weight", embed]], names])
+    ints = [["model.embed_tokens.weight", embed, "int32"]]
+    trainer = Trainer(new, [[["model.embed_tokens.weight", embed]], ints, names])
     store = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
     with LLM(str(old), **ENGINE_ARGS, **store) as llm:
         engine = llm.engine
@@ -226,6 +237,9 @@ def test_a_refused_update_is_still_received(models, tmp_path):
         while engine.has_unfinished():
             engine.step()
         meta = trainer.bucket(1)
+        with pytest.raises(DsakvError, match="torch.int32, not floating point"):
+            llm.update_weights_from_distributed(meta["names"], meta["dtypes"], meta["shapes"])
+        meta = trainer.bucket(2)
         update = GroupUpdate("weight_update_group", tuple(names), tuple(meta["dtypes"]),
                              tuple(tuple(s) for s in meta["shapes"]))  # fmt: skip
         assert engine.update_weights(update)
@@ -237,10 +251,15 @@ def test_fp8_tensors_and_prefill_servers_are_refused(models):
     """FP8 tensors would be copied as raw e4m3 values without their block scales; a prefill
     or decode server refuses the join itself (its handshake compares checkpoints), before a
     trainer starts broadcasting."""
-    from dsakv.distributed.weight_sync import GroupUpdate as Update
+    import torch
 
-    with pytest.raises(DsakvError, match="is FP8: send the weights dequantized"):
-        Update("g", ("w",), ("torch.float8_e4m3fn",), ((2, 2),)).check()
+    with LLM(str(models[0]), **ENGINE_ARGS) as llm:
+        before = _outputs(llm)
+        embed = load_file(models[1] / "model.safetensors")["model.embed_tokens.weight"]
+        fp8 = [("model.embed_tokens.weight", embed.to(torch.float8_e4m3fn))]
+        with pytest.raises(DsakvError, match=r"is FP8 \(torch.float8_e4m3fn\): send it deq"):
+            llm.update_weights_from_tensor(fp8)
+        assert _outputs(llm) == before
     from dsakv.disagg.config import DisaggConfig
     from dsakv.disagg.serving import bridge_for
 

@@ -36,6 +36,13 @@ class _Parser(argparse.ArgumentParser):
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
 
+    def _get_option_tuples(self, option_string: str) -> list[Any]:
+        """Single-dash flags unabbreviated too (argparse before 3.12 abbreviates them even
+        without `allow_abbrev`: `-d 2` was vLLM's `-dp 2`); a short flag with its value
+        attached (`-v`'s kind) still parses."""
+        tuples = super()._get_option_tuples(option_string)
+        return [t for t in tuples if t[1] == option_string[:2]]
+
 
 # Sizes (GiB) and seconds past this are typos; beyond ~1e300 they overflowed into tracebacks.
 _MAX_FLOAT = 1e12

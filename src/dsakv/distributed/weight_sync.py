@@ -65,7 +65,8 @@ class GroupUpdate:
     flush_cache: bool = True
 
     def check(self) -> list[torch.dtype]:
-        """The tensors' dtypes; one clear error for metadata that cannot be received."""
+        """The tensors' dtypes; one clear error for metadata that cannot be received (what
+        can be received but not loaded is refused after it: `loader.check_tensors`)."""
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise DsakvError(
                 f"names, dtypes and shapes differ in length ({len(self.names)}, "
@@ -87,13 +88,9 @@ class TensorUpdate:
 
 
 def _dtype(name: str) -> torch.dtype:
-    """A tensor's dtype by name: floating point, and not FP8 (its block scales would be
-    separate tensors, which the model folds into its weights: send those dequantized)."""
     dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise DsakvError(f"dtype {name!r} is not a floating-point torch dtype")
-    if dtype.itemsize == 1:
-        raise DsakvError(f"dtype {name!r} is FP8: send the weights dequantized")
+    if not isinstance(dtype, torch.dtype):
+        raise DsakvError(f"dtype {name!r} is not a torch dtype")
     return dtype
 
 

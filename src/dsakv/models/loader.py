@@ -221,6 +221,8 @@ def check_tensors(
             continue
         if not tensor.is_floating_point():
             raise DsakvError(f"tensor {name} is {tensor.dtype}, not floating point")
+        if tensor.element_size() == 1:  # (its block scales are folded into the weights)
+            raise DsakvError(f"tensor {name} is FP8 ({tensor.dtype}): send it dequantized")
         for piece in filler._pieces(name):
             if tuple(tensor.shape) != piece.shape:
                 raise DsakvError(

@@ -521,7 +521,9 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
             }
             if item.get("status") != "incomplete":
                 _append(messages, _turn(tool_calls=[call]), calls=True)
-            else:  # (cut off: the turn it was in goes on)
+            elif not (messages and messages[-1].get("tool_calls")):
+                # (cut off: the turn it was in goes on, unless it made calls: a template
+                # continuing a turn cuts it at its text, before its calls)
                 _append(messages, _turn(content="", _unfinished=True), calls=True)
         elif kind == "function_call_output":
             output = item.get("output")
