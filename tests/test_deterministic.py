@@ -30,7 +30,9 @@ from dsakv.models.tiny import default_model_dir, write_tiny_model
 
 from .serving import TIMEOUT, serving
 
-DET = dict(enable_deterministic_inference=True, device="cpu", page_size=16)
+# 1,024 pages: the context the model's positions allow (16,384 tokens) and no more (the
+# default, the CPU's KV budget, is ~1.2 GB a pool: the file's engines held 17 GB at once)
+DET = dict(enable_deterministic_inference=True, device="cpu", page_size=16, num_pages=1024)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True, logprobs=2)
 
