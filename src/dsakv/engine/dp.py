@@ -15,10 +15,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from dsakv.distributed.leader import Leader
-from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate, WeightGroup
+from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate
 from dsakv.errors import DsakvError
 
 from .engine import Engine, updated
@@ -253,21 +253,11 @@ class DPEngine:
             source = str(source)
         return updated(self._on_every_rank("update_weights_here", source))
 
-    def refuse_update(self, source: str | Path | GroupUpdate, why: str) -> NoReturn:
-        if isinstance(source, GroupUpdate):
-            self._on_every_rank("drop_update_here", source)
-        raise DsakvError(why)
-
-    def join_weight_group(self, spec: WeightGroup) -> None:
-        spec.check(self.parallel.world_size, self.local.device)
-        outcome = self._on_every_rank("join_weight_group_here", spec)
-        if outcome is not None:
-            raise DsakvError(outcome)
-
-    def leave_weight_group(self, name: str) -> None:
-        if name not in self.local.weight_groups:
-            raise DsakvError(f"no weight update group {name!r}")
-        self._on_every_rank("leave_weight_group_here", name)
+    # Engine's, each on every rank through this class's `_on_every_rank` (the rest of what
+    # they read is rank 0's engine's)
+    refuse_update = Engine.refuse_update
+    join_weight_group = Engine.join_weight_group
+    leave_weight_group = Engine.leave_weight_group
 
     def _on_every_rank(self, method: str, *args: Any) -> Any:
         with self.leader.lock, self.local.rank_failures():

@@ -47,7 +47,6 @@ _LOGPROBS = "message.output_text.logprobs"
 def add_responses_routes(app: FastAPI, api: Handlers) -> None:
     """POST /v1/responses, GET and DELETE /v1/responses/{id}, POST .../cancel."""
     store = ResponseStore()
-    app.state.responses = store
 
     async def create(body: ResponsesRequest, raw: Request) -> Response:
         return await _create(api, store, body, raw)
@@ -187,7 +186,7 @@ async def _create(
         if body.stream:
             if body.store is not False:
                 store.put(rid, stored)
-            return _stream(api, body, stored)
+            return _stream(api, stored)
         results = await api._collect_all(run.streams, raw, run.call)
         _finish(api, stored, _full_output(run.prep, results[0]), results[0])
         if body.store is not False:
@@ -268,7 +267,7 @@ def _full_output(prep: PreparedChat, r: _Result) -> _Output:
 # --- streaming --------------------------------------------------------------------------------
 
 
-def _stream(api: Handlers, body: ResponsesRequest, stored: _Stored) -> Response:
+def _stream(api: Handlers, stored: _Stored) -> Response:
     """The response as OpenAI's stream events: `response.created`, `response.in_progress`,
     each item added, its text or arguments in deltas and done, then `response.completed` (or
     `response.incomplete`, cut by max_output_tokens), each with its `sequence_number`; an
