@@ -976,7 +976,7 @@ class Engine:
             source = str(source)
         return updated(self._on_every_rank("update_weights_here", source))
 
-    def refuse_update(self, source: str | Path | GroupUpdate, why: str) -> NoReturn:
+    def refuse_update(self, source: str | Path | GroupUpdate | TensorUpdate, why: str) -> NoReturn:
         """Refuse an update with `why`; a trainer's is received first on every rank, and
         dropped: it broadcasts once whatever the answer, and an update left unreceived
         would be the next one's tensors."""
@@ -1050,9 +1050,9 @@ class Engine:
         (`weights_call`). Each phase's outcome is all-gathered, so every rank takes the same
         decision: (1) each rank, idle, checks the update against the slices it reads (a
         checkpoint: `loader.check_update`, its own experts' files; a group's tensors:
-        received first, then `loader.check_tensors`; tensors given: that check); (2) only if
-        every rank passed does
-        each drop its prefix cache and copy its slices in; (3) if any rank's checkpoint read
+        received first, then `loader.check_tensors`; tensors given: that check); (2) only
+        if every rank passed does each drop its prefix cache and copy its slices in; (3) if
+        any rank's checkpoint read
         failed part way, every rank that touched its weights reloads the previous
         checkpoint, so that all ranks serve the same weights. Returns, alike on every rank,
         True (updated), False (a rank was busy: nothing loaded, nothing received) or what

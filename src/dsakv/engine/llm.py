@@ -238,7 +238,10 @@ class LLM:
         weights, as the server's /update_weights_from_disk (`Engine.update_weights`); the
         prefix cache is dropped. A checkpoint that does not fit is an error and the weights
         stay as they were."""
-        if not self.engine.update_weights(path):  # (generate returns with nothing running)
+        self._update_weights(path)
+
+    def _update_weights(self, source: str | os.PathLike | GroupUpdate | TensorUpdate) -> None:
+        if not self.engine.update_weights(source):  # (generate returns with nothing running)
             raise DsakvError("weights are updated with no request running")
 
     def update_weights_from_tensor(
@@ -249,9 +252,7 @@ class LLM:
         buckets, keeping the prefix cache with `flush_cache=False` until the last) into the
         weights in place; under `--tp` each rank copies its slices. A name the model does
         not have, or a shape it does not expect, is an error and changes nothing."""
-        update = TensorUpdate(tuple(named_tensors), flush_cache)
-        if not self.engine.update_weights(update):
-            raise DsakvError("weights are updated with no request running")
+        self._update_weights(TensorUpdate(tuple(named_tensors), flush_cache))
 
     def init_weights_update_group(
         self,
@@ -279,11 +280,10 @@ class LLM:
     ) -> None:
         """SGLang's: receive the tensors the trainer broadcasts over `group_name` (in the
         order named) and copy them in, as `update_weights_from_tensor` does."""
-        update = GroupUpdate(
-            group_name, tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes), flush_cache
+        shaped = tuple(tuple(s) for s in shapes)
+        self._update_weights(
+            GroupUpdate(group_name, tuple(names), tuple(dtypes), shaped, flush_cache)
         )
-        if not self.engine.update_weights(update):
-            raise DsakvError("weights are updated with no request running")
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         self.engine.leave_weight_group(group_name)
