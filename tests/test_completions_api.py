@@ -20,6 +20,7 @@ from dsakv.errors import ConfigError, DsakvError
 from dsakv.models import ForwardBatch
 from dsakv.models.loader import load_model
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+from dsakv.server.app import _AbortingStream
 from dsakv.server.runner import RequestStream, _update
 
 from .conftest import flat_logprobs
@@ -296,6 +297,137 @@ def test_echo_of_a_truncated_text_prompt_is_the_prompt_that_ran(base, reference)
     assert r["choices"][0]["text"].startswith(TEXTS[0])
 
 
+def _completion(base: str, body: dict) -> tuple[str, list[str], int | None]:
+    """A completion's text, logprobs tokens and prompt_tokens, streamed or not."""
+    if not body.get("stream"):
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"], choice["logprobs"]["tokens"], r.json()["usage"]["prompt_tokens"]
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    return text, [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]], None
+
+
+def test_truncation_side_right_keeps_the_prompts_first_tokens(base, reference):
+    """vLLM's truncation_side "right": truncate_prompt_tokens keeps the prompt's first
+    tokens; the echo, logprobs and usage are of those, as under "left" of the last ones."""
+    ids = reference.tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    kept = reference.tokenizer.decode(ids[:5])
+    body = {"max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 0, "ignore_eos": True}
+    want, _, _ = _completion(base, {**body, "prompt": ids[:5]})  # (nothing to cut)
+    for prompt in (TEXTS[0], ids):
+        for stream in (False, True):
+            b = {**body, "prompt": prompt, "stream": stream, "truncate_prompt_tokens": 5}
+            text, tokens, used = _completion(base, {**b, "truncation_side": "right"})
+            assert text == want and "".join(tokens[:5]) == kept, (prompt, stream, text)
+            assert used in (None, 5)
+    b = {**body, "prompt": TEXTS[0], "truncate_prompt_tokens": len(ids) + 1}
+    text, _, _ = _completion(base, {**b, "truncation_side": "right"})
+    assert text.startswith(TEXTS[0])  # not cut: the text as given
+    # chat: the rendered prompt's first tokens
+    tok = reference.tokenizer
+    messages = [{"role": "user", "content": TEXTS[1]}]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat = {"messages": messages, "max_tokens": 2, "truncate_prompt_tokens": 4}
+    chat.update(truncation_side="right", return_token_ids=True)
+    r = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"] == tok.encode(rendered, add_special_tokens=False)[:4]
+    assert r.json()["usage"]["prompt_tokens"] == 4
+
+
+def test_truncation_side_right_tokenizes_the_whole_prompt(model_dir, tmp_path):
+    """truncation_side "right" under a tokenizer with no characters-per-token bound (a
+    normalizer step that may change the text): the first tokens of the whole prompt's
+    tokenization, as vLLM's, completions and chat."""
+    copy_dir = tmp_path / MODEL
+    shutil.copytree(model_dir, copy_dir)
+    spec = json.loads((copy_dir / "tokenizer.json").read_text())
+    steps = [spec["normalizer"]] if spec.get("normalizer") else []
+    noop = {"type": "Replace", "pattern": {"String": "\r"}, "content": "\r"}
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [*steps, noop]}
+    (copy_dir / "tokenizer.json").write_text(json.dumps(spec))
+    with serving(EngineConfig(model=str(copy_dir), **ENGINE_ARGS)) as (base, async_engine):
+        e = async_engine.engine
+        assert e.chars_per_token is None
+        body = {"max_tokens": 1, "truncate_prompt_tokens": 5, "truncation_side": "right"}
+        body["return_token_ids"] = True
+        r = httpx.post(f"{base}/v1/completions", json={**body, "prompt": TEXTS[0]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["prompt_token_ids"] == e.encode(TEXTS[0])[:5]
+        messages = [{"role": "user", "content": TEXTS[1]}]
+        r = httpx.post(f"{base}/v1/chat/completions", json={**body, "messages": messages})
+        assert r.status_code == 200, r.text
+        rendered = e.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        assert r.json()["prompt_token_ids"] == e.encode(rendered, special=False)[:5]
+
+
+def test_truncation_side_right_as_many_as_fit_is_a_400_under_pd(model_dir):
+    """-1 ("as many as fit") with truncation_side right is refused on a prefill or decode
+    server (here a prefill server, asked as a router asks it, before it waits for the
+    room): each would cut at its own context, and the servers' prompts then differ."""
+    from dsakv.disagg.config import DisaggConfig
+    from dsakv.disagg.serving import bridge_for
+    from dsakv.procs import free_port
+
+    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS)
+    disagg = DisaggConfig("prefill", bootstrap_port=free_port(), timeout_s=5)
+    with serving(config, bridge=bridge_for(disagg, config, "127.0.0.1")) as (base, _):
+        body = {"max_tokens": 1, "truncate_prompt_tokens": -1, "truncation_side": "right"}
+        body["bootstrap_room"] = 7
+        chat = {**body, "messages": [{"role": "user", "content": "Hi"}]}
+        for route, b in (("completions", {**body, "prompt": "Hi"}), ("chat/completions", chat)):
+            r = httpx.post(f"{base}/v1/{route}", json=b, timeout=TIMEOUT)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_chat_echo_prepends_the_last_assistant_message(base):
+    """vLLM's chat echo: a reply starts with the last message's content when that is in
+    the reply's role (assistant; any role under add_generation_prompt false), streamed as
+    the chunk after the role's; else the reply as without echo."""
+    said = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, "}]
+    body = {"messages": said, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    body.update(add_generation_prompt=False, continue_final_message=True)
+    url = f"{base}/v1/chat/completions"
+    plain = httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["message"]
+    r = httpx.post(url, json={**body, "echo": True}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "Sure, " + plain["content"]
+    with httpx.stream("POST", url, json={**body, "echo": True, "stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant" and deltas[1] == {"content": "Sure, "}
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure, " + plain["content"]
+    asked = {**body, "messages": said[:1], "add_generation_prompt": True}
+    asked["continue_final_message"] = False
+    plain = httpx.post(url, json=asked, timeout=TIMEOUT).json()["choices"][0]["message"]
+    echoed = httpx.post(url, json={**asked, "echo": True}, timeout=TIMEOUT).json()
+    assert echoed["choices"][0]["message"] == plain  # a user message last: nothing echoed
+
+
+def test_chat_reply_is_in_the_last_messages_role_without_a_generation_prompt(base):
+    """vLLM's `get_chat_request_role`: under add_generation_prompt false the reply goes on
+    with the last message, in its role (echo prepends it), streamed or not."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "echo": True}
+    body.update(temperature=0, ignore_eos=True, add_generation_prompt=False)
+    url = f"{base}/v1/chat/completions"
+    r = httpx.post(url, json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["role"] == "user" and message["content"].startswith("Hi")
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=TIMEOUT) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "user" and deltas[1] == {"content": "Hi"}
+    asked = httpx.post(url, json={**body, "add_generation_prompt": True}, timeout=TIMEOUT)
+    assert asked.json()["choices"][0]["message"]["role"] == "assistant"
+
+
 def _top_logprobs_chunks(base: str, body: dict) -> list:
     """A streamed completion's top_logprobs, all chunks' joined."""
     with httpx.stream(
@@ -433,7 +565,7 @@ def test_tokenize_and_detokenize(base, reference):
     assert r["tokens"] == tok.encode(TEXTS[0], add_special_tokens=False)
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == reference.engine.max_model_len
     back = httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}, timeout=TIMEOUT).json()
-    assert back == {"prompt": TEXTS[0]}
+    assert back == {"prompt": TEXTS[0], "text": TEXTS[0]}  # (vLLM's key, SGLang's)
     messages = [{"role": "user", "content": "Hello"}]
     r = httpx.post(f"{base}/tokenize", json={"messages": messages}, timeout=TIMEOUT).json()
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -468,21 +600,28 @@ _BAD = [
     # vLLM's fields that change what is run: honoured, or refused (they were ignored)
     ("/v1/completions", {"prompt": "x", "priority": 5}, "priority"),
     ("/v1/completions", {"prompt": "x", "logprob_token_ids": [1]}, "logprob_token_ids"),
-    ("/v1/completions", {"prompt": "x", "cache_salt": "abc"}, "cache_salt"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt"),
     ("/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ("/v1/completions", {"prompt": "x", "repetition_detection": {}}, "repetition_detection"),
-    ("/v1/completions", {"prompt": "x", "thinking_token_budget": 9}, "thinking_token_budget"),
-    (
-        "/v1/completions",
-        {"prompt": "x", "return_tokens_as_token_ids": True},
-        "return_tokens_as_token_ids",
-    ),
-    ("/v1/completions", {"prompt": "x", "truncation_side": "right"}, "truncation_side"),
+    ("/v1/completions", {"prompt": "x", "thinking_token_budget": -2}, "thinking_token_budget"),
+    ("/v1/completions", {"prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
+    # SGLang's fields that change what is run, refused as /generate refuses them
+    ("/v1/completions", {"prompt": "x", "stop_regex": ["\\w"]}, "stop_regex"),
+    ("/v1/completions", {"prompt": "x", "custom_logit_processor": "{}"}, "custom_logit_processor"),
+    ("/v1/completions", {"prompt": "x", "lora_path": "adapter"}, "lora_path"),
+    ("/v1/completions", {"prompt": "x", "session_params": {"id": "s"}}, "session_params"),
+    ("/v1/completions", {"prompt": "x", "return_hidden_states": True}, "return_hidden_states"),
     (
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "echo": True},
-        "echo",
+        {"messages": [{"role": "user", "content": "x"}], "return_routed_experts": True},
+        "return_routed_experts",
     ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "bogus"},
+        "reasoning_effort",
+    ),
+    ("/v1/completions", {"prompt": "x", "truncation_side": "middle"}, "truncation_side"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, "allowed_token_ids"),
@@ -519,6 +658,155 @@ def test_bad_input_is_a_400(base, served, path, body, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param, err
+
+
+def test_unset_sglang_fields_are_taken(base):
+    """Null, false or empty is SGLang's unset (sgl.gen sends stop_regex: [])."""
+    body = {"prompt": "x", "max_tokens": 2, "stop_regex": [], "lora_path": None,
+            "return_hidden_states": False, "session_params": {}}  # fmt: skip
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+
+
+def test_request_id_names_the_response_as_vllm(base):
+    """vLLM's: the X-Request-Id header, else the body's request_id, is the response's id
+    (after "cmpl-" / "chatcmpl-"), and comes back in the X-Request-Id header."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for path, body, prefix in (
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2}, "cmpl-"),
+        ("/v1/chat/completions", chat, "chatcmpl-"),
+    ):
+        for stream in (False, True):
+            b = {**body, "stream": stream, "request_id": "body-id"}
+            for headers, want in (({}, "body-id"), ({"X-Request-Id": "hdr-id"}, "hdr-id")):
+                r = httpx.post(base + path, json=b, headers=headers, timeout=TIMEOUT)
+                assert r.status_code == 200, r.text
+                first = r.json() if not stream else json.loads(r.text.split("\n")[0][6:])
+                assert first["id"] == prefix + want
+                assert r.headers["x-request-id"] == want
+        r = httpx.post(base + path, json=body, timeout=TIMEOUT)
+        rid = r.json()["id"]
+        assert rid.startswith(prefix) and r.headers["x-request-id"] == rid[len(prefix) :]
+
+
+def test_a_request_id_that_cannot_be_a_header_is_a_400(base):
+    """A body request_id the X-Request-Id header cannot carry is a 400 before anything
+    runs: it was a 500 or a dropped connection after the whole generation, and streamed,
+    the call was never closed (/load stayed 1, the id "in flight", an abort-mode pause
+    waited forever)."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                       ("/v1/chat/completions", chat)):  # fmt: skip
+        for rid in ("日本", "a\nb", " padded"):
+            for stream in (False, True):
+                b = {**body, "request_id": rid, "stream": stream}
+                r = httpx.post(base + path, json=b, timeout=TIMEOUT)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+    assert httpx.get(f"{base}/load", timeout=TIMEOUT).json() == {"server_load": 0}
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                   "request_id": "a b"}, timeout=TIMEOUT)  # fmt: skip
+    assert r.status_code == 200 and r.headers["x-request-id"] == "a b", r.text
+
+
+def test_a_stream_response_that_cannot_be_built_closes_its_call():
+    """Whatever stops an SSE response being built (a header it cannot send) still ends
+    its engine requests and closes its call, as a stream that ends does."""
+
+    async def nothing():
+        yield ""
+
+    closed = []
+    with pytest.raises(UnicodeEncodeError):
+        _AbortingStream(nothing(), lambda: closed.append(True), {"X-Request-Id": "日本"})
+    assert closed == [True]
+
+
+def _ids(ids) -> list[str]:
+    return [f"token_id:{t}" for t in ids]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids_as_vllm_gives_them(base, stream):
+    """vLLM's return_tokens_as_token_ids: each logprobs token (and top one) is named
+    "token_id:N"; the scores are those of the same request without it."""
+    body = {"prompt": TEXTS[0][:20], "max_tokens": 6, "temperature": 0, "echo": True,
+            "logprobs": 2, "return_token_ids": True, "stream": stream}  # fmt: skip
+
+    def completion(**kw):
+        r = httpx.post(f"{base}/v1/completions", json={**body, **kw}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        if not stream:
+            return r.json()["choices"][0]
+        chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        out = {"prompt_token_ids": [], "token_ids": [], "logprobs": {}}
+        for c in chunks:
+            ch = c["choices"][0]
+            out["prompt_token_ids"] += ch.get("prompt_token_ids") or []
+            out["token_ids"] += ch["token_ids"]
+            for k, v in ch["logprobs"].items():
+                out["logprobs"][k] = out["logprobs"].get(k, []) + v
+        return out
+
+    plain, named = completion(), completion(return_tokens_as_token_ids=True)
+    ids = named["prompt_token_ids"] + named["token_ids"]
+    lp, want = named["logprobs"], plain["logprobs"]
+    assert lp["tokens"] == _ids(ids) and ids == plain["prompt_token_ids"] + plain["token_ids"]
+    assert lp["token_logprobs"] == want["token_logprobs"]
+    assert lp["text_offset"] == want["text_offset"]  # (the text's, as without)
+    assert lp["top_logprobs"][0] is None
+    for tok, top, plain_top in zip(
+        lp["tokens"][1:], lp["top_logprobs"][1:], want["top_logprobs"][1:]
+    ):
+        assert tok in top and all(k.startswith("token_id:") for k in top)
+        assert max(top.values()) == pytest.approx(max(plain_top.values()), abs=1e-6)
+
+    chat = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}  # fmt: skip
+    plain = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=TIMEOUT).json()
+    chat["return_tokens_as_token_ids"] = True
+    named = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=TIMEOUT).json()
+    content, want = (
+        named["choices"][0]["logprobs"]["content"],
+        plain["choices"][0]["logprobs"]["content"],
+    )
+    assert [e["token"] for e in content] == _ids(named["choices"][0]["token_ids"])
+    for e, w in zip(content, want, strict=True):
+        assert e["bytes"] == w["bytes"] and e["logprob"] == w["logprob"]  # (the text's bytes)
+        for t in e["top_logprobs"]:
+            assert t["token"].startswith("token_id:") and t["bytes"] == list(t["token"].encode())
+
+
+def test_small_endpoints_of_vllm_and_sglang(base, served):
+    """vLLM's /ping and /load, SGLang's /v1/tokenize, /v1/detokenize, /get_load and
+    /server_info's internal_states."""
+    for method in ("GET", "POST"):
+        r = httpx.request(method, f"{base}/ping", timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+    ids = httpx.post(f"{base}/tokenize", json={"prompt": "hello"}, timeout=TIMEOUT).json()
+    assert (
+        httpx.post(f"{base}/v1/tokenize", json={"prompt": "hello"}, timeout=TIMEOUT).json() == ids
+    )
+    text = httpx.post(f"{base}/detokenize", json={"tokens": ids["tokens"]}, timeout=TIMEOUT)
+    again = httpx.post(f"{base}/v1/detokenize", json={"tokens": ids["tokens"]}, timeout=TIMEOUT)
+    assert again.json() == text.json() and text.json()["text"] == text.json()["prompt"]
+    # An idle server's load is none, though its prefix cache holds pages (SGLang's
+    # num_tokens leaves the evictable ones out; it counted them)
+    body = {"prompt": TEXTS[1], "max_tokens": 3}
+    httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+    assert _counters(served[1])["pages_evictable"] > 0
+    load = httpx.get(f"{base}/get_load", timeout=TIMEOUT).json()
+    assert [sorted(x) for x in load] == [["dp_rank", "num_reqs", "num_tokens", "num_waiting_reqs"]]
+    assert load[0]["num_reqs"] == load[0]["num_waiting_reqs"] == load[0]["num_tokens"] == 0
+    assert httpx.get(f"{base}/load", timeout=TIMEOUT).json() == {"server_load": 0}
+    # The engine's recent throughput: a read does not reset it for the next reader
+    states = [
+        httpx.get(f"{base}/server_info", timeout=TIMEOUT).json()["internal_states"]
+        for _ in range(2)
+    ]
+    for (state,) in states:
+        assert state["last_gen_throughput"] > 0 and "avg_spec_accept_length" not in state
+    first, second = (s[0]["last_gen_throughput"] for s in states)
+    assert second == pytest.approx(first, rel=0.5)
 
 
 def test_token_texts_join_to_the_text_across_multibyte_characters(base, client):

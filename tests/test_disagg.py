@@ -185,12 +185,12 @@ def test_a_refused_room_is_the_decode_sides_error_at_once_before_or_after_it_reg
 
     async def refused(room: int, registered_first: bool) -> BootstrapError:
         if not registered_first:
-            server.refuse(room, "prompt has 405 tokens; at most 299 fit", 400)
+            server.refuse(room, "prompt has 405 tokens; at most 299 fit", 400, "prompt")
         wait = asyncio.create_task(request_kv("127.0.0.1", server.port, {**reg, "room": room}, 20))
         if registered_first:
             while server.open_rooms == 0:
                 await asyncio.sleep(0.01)
-            server.refuse(room, "prompt has 405 tokens; at most 299 fit", 400)
+            server.refuse(room, "prompt has 405 tokens; at most 299 fit", 400, "prompt")
         with pytest.raises(BootstrapError) as e:
             await wait
         return e.value
@@ -199,6 +199,7 @@ def test_a_refused_room_is_the_decode_sides_error_at_once_before_or_after_it_reg
         for registered_first in (False, True):
             error = asyncio.run(refused(3 + registered_first, registered_first))
             assert (str(error), error.status) == ("prompt has 405 tokens; at most 299 fit", 400)
+            assert error.param == "prompt"  # (the decode server's 400 names the field too)
     finally:
         server.close()
 
@@ -1073,6 +1074,34 @@ def test_a_client_leaving_during_prefill_is_no_failure_and_no_traceback(cluster)
     assert "never retrieved" not in cluster["prefill"].log.read_text()
 
 
+def test_the_request_id_header_goes_through_the_router(cluster):
+    """vLLM's X-Request-Id reaches both servers and comes back: the response's id, and
+    the name /abort_request (broadcast) ends the stream by; the router dropped it, so the
+    id was a random one and the abort reached nothing."""
+    router, body = cluster["router"], {"prompt": "x", "max_tokens": 3}
+    named = {"X-Request-Id": "via-header"}
+    for stream in (False, True):
+        r = httpx.post(f"{router}/v1/completions", json={**body, "stream": stream},
+                       headers=named, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        first = json.loads(r.text.split("\n")[0][6:]) if stream else r.json()
+        assert first["id"] == "cmpl-via-header" and r.headers["x-request-id"] == "via-header"
+    # (max_tokens null: to the context's end)
+    body = {"prompt": "hello", "max_tokens": None, "ignore_eos": True, "stream": True}
+    named = {"X-Request-Id": "to-abort"}
+    with httpx.stream("POST", f"{router}/v1/completions", json=body, headers=named,
+                      timeout=60) as r:  # fmt: skip
+        assert r.headers["x-request-id"] == "to-abort"
+        chunks = (json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {"))
+        assert next(chunks)["id"] == "cmpl-to-abort"
+        a = httpx.post(f"{router}/abort_request", json={"rid": "to-abort"}, timeout=60)
+        assert a.status_code == 200, a.text
+        *_, last = chunks
+    assert last["choices"][0]["finish_reason"] == "abort"
+    wait_idle(cluster["prefill"].url)
+    wait_idle(cluster["decode"].url)
+
+
 def test_a_list_of_prompts_through_the_router(cluster, reference):
     """A completions request with several prompts: one bootstrap room each (it failed with
     a 502, or a 400 "more prompts than bootstrap rooms")."""
@@ -1132,6 +1161,7 @@ def test_a_prefill_servers_error_answer_is_the_decode_servers_at_once(cluster):
         answer = waiting.result()
     assert answer.status_code == 404, answer.text
     assert answer.json()["error"]["message"] == r.json()["error"]["message"]
+    assert answer.json()["error"]["param"] == r.json()["error"]["param"] == "model"
     r = httpx.post(f"{prefill}/v1/completions", timeout=60,
                    json={**body, "max_tokens": "four", "bootstrap_room": 7272})  # fmt: skip
     assert r.status_code == 400, r.text

@@ -445,6 +445,18 @@ def test_generate_refuses_what_it_would_misread(small_llm, prompts, params, mess
     assert not small_llm.engine.has_unfinished()
 
 
+def test_generate_reads_an_iterable_of_prompts_once(small_llm):
+    """A generator of prompts (vLLM takes any iterable) gives one output each; reading it
+    twice (the prompts, then their salts) gave none."""
+    want = small_llm.generate([[5, 6], {"prompt_token_ids": [7, 8]}], GREEDY, use_tqdm=False)
+    got = small_llm.generate(
+        (p for p in ([5, 6], {"prompt_token_ids": [7, 8], "cache_salt": "s"})),
+        GREEDY,
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 def test_llm_takes_what_the_commands_take_as_model(tmp_path):
     """A tiny preset's name (its cached directory, as `dsakv generate glm-tiny` runs it);
     anything else that is no model directory is one error saying so (it was "no model

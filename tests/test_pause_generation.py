@@ -210,6 +210,44 @@ def test_abort_pause_ends_requests_and_holds_new_ones(models):
         _idle_and_intact(async_engine)
 
 
+def test_a_wait_or_abort_pause_over_an_in_place_one_ends_its_request(models):
+    """Paused in place, a "wait" pause has the engine step again and returns once the
+    request ended (its whole output), an "abort" one (SGLang's too) aborts it at once;
+    either way generation stays paused: a request sent meanwhile waits for /resume."""
+    with serving(_config(models[0])) as (base, async_engine):
+        want = _generate(base)["output_ids"]
+        for pause in ({"mode": "wait"}, {"mode": "abort"}, None):
+            with _frozen_at(async_engine, AT):
+                stream = _Stream(base)
+                stream.wait_tokens(AT)
+                r = httpx.post(f"{base}/pause", params={"mode": "keep"}, timeout=TIMEOUT)
+                assert r.status_code == 200, r.text
+            time.sleep(0.1)
+            if pause is None:
+                _post(base, "/pause_generation", timeout=10, mode="abort")
+            else:
+                r = httpx.post(f"{base}/pause", params=pause, timeout=10)
+                assert r.status_code == 200, r.text
+            last = stream.last()
+            if pause == {"mode": "wait"}:
+                assert last["output_ids"] == want
+                assert last["meta_info"]["finish_reason"]["type"] == "length"
+            else:
+                assert len(last["output_ids"]) == AT
+                assert last["meta_info"]["finish_reason"]["type"] == "abort"
+            assert httpx.get(f"{base}/is_paused", timeout=TIMEOUT).json() == {"is_paused": True}
+            later: list[dict] = []
+            ask = lambda got=later: got.append(_generate(base))  # noqa: E731
+            sent = threading.Thread(target=ask, daemon=True)
+            sent.start()
+            time.sleep(0.3)
+            assert sent.is_alive() and not later
+            _post(base, "/resume")
+            sent.join(TIMEOUT)
+            assert later and later[0]["output_ids"] == want
+        _idle_and_intact(async_engine)
+
+
 def test_pause_refuses_an_unknown_mode(models):
     with serving(_config(models[0])) as (base, _):
         r = httpx.post(f"{base}/pause_generation", json={"mode": "sleep"}, timeout=TIMEOUT)
@@ -238,7 +276,7 @@ def test_update_while_paused_does_not_wait_for_the_paused_request(models):
             model_path=str(models[1]),
             weight_version="v1",
         )
-        assert r.json()["success"] is True
+        assert r.json()["success"] is True and r.json()["num_paused_requests"] == 1
         assert time.monotonic() - began < 10
         assert stream.thread.is_alive() and stream.tokens() == AT
         assert _on_engine(async_engine, lambda e: len(e.requests)) == 1  # still there
@@ -277,3 +315,49 @@ def test_a_paused_update_under_the_l3_tier_is_refused(models, tmp_path):
         e.check_integrity()
     finally:
         llm.close()
+
+
+def test_vllm_pause_resume_and_is_paused(models):
+    """vLLM's /pause, /resume and /is_paused, the same pause: mode "keep" holds the request
+    with its KV until /resume, "wait" returns once the calls in flight ended (their whole
+    output, the prefix cache then dropped unless clear_cache=false), the default aborts."""
+    with serving(_config(models[0])) as (base, async_engine):
+        want = _generate(base)["output_ids"]
+        assert httpx.get(f"{base}/is_paused", timeout=TIMEOUT).json() == {"is_paused": False}
+        with _frozen_at(async_engine, AT):
+            stream = _Stream(base)
+            stream.wait_tokens(AT)
+            r = httpx.post(f"{base}/pause", params={"mode": "keep"}, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json() == {"status": "paused"}, r.text
+        assert httpx.get(f"{base}/is_paused", timeout=TIMEOUT).json() == {"is_paused": True}
+        time.sleep(0.2)
+        running = _on_engine(async_engine, lambda e: [len(r.pages) for r in e.scheduler.running])
+        assert stream.tokens() == AT and len(running) == 1 and running[0] > 0
+        assert _post(base, "/resume").json() == {"status": "resumed"}
+        assert stream.last()["output_ids"] == want
+        assert httpx.get(f"{base}/is_paused", timeout=TIMEOUT).json() == {"is_paused": False}
+
+        cached = lambda e: e.cache.num_evictable_pages  # noqa: E731
+        for clear in (False, True):
+            stream = _Stream(base)
+            stream.wait_tokens(1)
+            r = httpx.post(
+                f"{base}/pause", params={"mode": "wait", "clear_cache": clear}, timeout=TIMEOUT
+            )
+            assert r.status_code == 200, r.text
+            last = stream.last()  # (its whole output: not aborted)
+            assert last["output_ids"] == want
+            assert last["meta_info"]["finish_reason"]["type"] == "length"
+            assert (_on_engine(async_engine, cached) > 0) is not clear
+            _post(base, "/resume")
+
+        with _frozen_at(async_engine, AT):
+            stream = _Stream(base)
+            stream.wait_tokens(AT)
+            _post(base, "/pause")  # (vLLM's default: abort)
+        assert stream.last()["meta_info"]["finish_reason"]["type"] == "abort"
+        r = httpx.post(f"{base}/pause", params={"mode": "sleep"}, timeout=TIMEOUT)
+        assert r.status_code == 400, r.text
+        _post(base, "/resume")
+        assert _generate(base)["output_ids"] == want
+        _idle_and_intact(async_engine)

@@ -7,6 +7,7 @@ are retrieved, deleted and cancelled, and bad requests are one clear 4xx."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,17 +21,23 @@ from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
 
 from dsakv.engine import EngineConfig
+from dsakv.engine.sampling import SamplingParams
 from dsakv.models.tiny import write_tiny_model
+from dsakv.server import responses
+from dsakv.server.app import ChatRun
 from dsakv.server.chat import ChatParsers, PreparedChat
 from dsakv.server.parsers import ChatDelta
 from dsakv.server.protocol import APIError
 from dsakv.server.responses import (
     ResponseStore,
+    _EventLog,
     _Output,
+    _Reader,
     _reasoning_tokens,
     _Stored,
     input_messages,
 )
+from dsakv.server.runner import Update
 
 from .serving import TIMEOUT, engine_stops_stepping_at, serving
 from .test_server import ENGINE_ARGS
@@ -315,7 +322,7 @@ def test_store_retrieve_delete(client, model):
 
 def test_background_runs_to_the_end(client, model):
     r = _respond(client, model, input="Tell me a story.", background=True, extra_body=QUIET)
-    assert r.background and r.status in ("queued", "in_progress")
+    assert r.background and r.status == "queued"  # (vLLM's; in_progress once it runs)
     deadline = time.monotonic() + TIMEOUT
     while r.status in ("queued", "in_progress"):
         assert time.monotonic() < deadline
@@ -354,9 +361,12 @@ def test_cancel_a_background_response(served, model):
         ({"input": [{"type": "function_call", "name": "f"}]}, 400, "call_id"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "function tools only"),
         ({"input": "x", "background": True, "store": False}, 400, "store"),
-        ({"input": "x", "background": True, "stream": True}, 400, "streamed"),
         ({"input": "x", "prompt": {"id": "p"}}, 400, "prompt"),
-        ({"input": "x", "include": ["message.output_text.logprobs"]}, 400, "logprobs"),
+        (
+            {"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21},
+            400,
+            "top_logprobs",
+        ),
         ({"input": "x", "previous_response_id": "resp_x"}, 404, "not found"),
         ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
         ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format"),
@@ -573,3 +583,277 @@ def test_deepseek_reasoning_and_calls_round_trip(tmp_path):
         assert second.usage.input_tokens == c2.usage.prompt_tokens
         assert second.output_text == (c2.choices[0].message.content or "")
         assert second.output[0].content[0].text == c2.choices[0].message.reasoning_content
+
+
+# --- include: message.output_text.logprobs; streaming a background response ----------------
+
+LOGPROBS = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+
+
+def test_text_logprobs_equal_chat(client, model):
+    """The message's logprobs are chat's for its tokens (no reasoning here: all of them but
+    the end token, which writes no text), their texts the message's; streamed, the deltas
+    carry the same, token by token."""
+    kw = dict(input="Tell me a story.", extra_body=QUIET, **LOGPROBS)
+    r = _respond(client, model, **kw)
+    c = _chat(
+        client,
+        model,
+        [{"role": "user", "content": "Tell me a story."}],
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=QUIET,
+    )
+    got = [x.model_dump() for x in r.output[0].content[0].logprobs]
+    want = [x.model_dump() for x in c.choices[0].logprobs.content]
+    assert r.output_text and got and got == want[: len(got)] and len(want) - len(got) <= 1
+    assert "".join(x["token"] for x in got) == r.output_text
+    assert all(len(x["top_logprobs"]) == 2 for x in got)
+    with client.responses.stream(model=model, temperature=0, max_output_tokens=24, **kw) as s:
+        events = list(s)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [x.model_dump(exclude_none=True) for e in deltas for x in e.logprobs] == got
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [x.model_dump() for x in done.logprobs] == got
+    assert [x.model_dump() for x in events[-1].response.output[0].content[0].logprobs] == got
+
+
+def _update(texts: list[str], first: int) -> Update:
+    """An update of one token per text, each token's logprob minus its place in the output."""
+    return Update(
+        list(range(len(texts))),
+        "".join(texts),
+        [-float(first + i) for i in range(len(texts))],
+        [[] for _ in texts],
+        texts=texts,
+        top_texts=[[] for _ in texts],
+    )
+
+
+def _text_logprobs(
+    prep: PreparedChat, tokens: list[str], per_update: int, cut: bool = False
+) -> list[float]:
+    run = ChatRun(prep, [], None, SamplingParams(logprobs=0))
+    reader, output = _Reader(run), _Output()
+    for i in range(0, len(tokens), per_update):
+        u = _update(tokens[i : i + per_update], i)
+        last = i + per_update >= len(tokens)
+        for d, logprobs in reader.feed(u, u.text, last, cut and last):
+            output.feed(d, logprobs)
+    output.finish("completed")
+    parts = [i["content"][0] for i in output.items if i["type"] == "message"]
+    return [x["logprob"] for part in parts for x in part["logprobs"]]
+
+
+@pytest.mark.parametrize("per_update", [1, 3, 100])
+def test_text_logprobs_are_its_own_tokens(per_update):
+    """Reasoning's tokens and a tool call's markup keep their logprobs; held-back text
+    (whitespace, a `<` that may open a tag) gets its tokens once settled; a token holding
+    the end of reasoning and text is the text's; however many tokens an update holds."""
+    prep = PreparedChat("<|assistant|><think>", None, {"f": {}}, ChatParsers("glm47", "glm45"))
+    tokens = ["Let", " me", "</think>", "\n", "Hi", " <", " b", "\n"]
+    tokens += ["<tool_call>", "f", "</tool_call>", "ok.</think>x", "!"]
+    lp = _text_logprobs(prep, tokens, per_update)
+    assert lp == [-3.0, -4.0, -5.0, -6.0, -11.0, -12.0]
+    straddling = ["Hm", "m.</think>Yes", ", it", "."]
+    assert _text_logprobs(prep, straddling, per_update) == [-1.0, -2.0, -3.0]
+    # text the parser still holds back (a `<` that may open a tool call) is not matched
+    assert _text_logprobs(prep, list("ok</think>yes<<no"), per_update) == [
+        -10.0, -11.0, -12.0, -13.0, -14.0, -15.0, -16.0,
+    ]  # fmt: skip
+    assert _text_logprobs(prep, ["a</think>a", "b"], per_update) == [-0.0, -1.0]
+    answer = PreparedChat("<|assistant|></think>", None, {"f": {}}, prep.parsers)
+    for tokens in (["Hi", "<", "<", "x", "!"], list("x<<<y"), ["<", "<", "EOF"]):
+        assert _text_logprobs(answer, tokens, per_update) == [-float(i) for i in range(len(tokens))]
+    # cut off by max_output_tokens: the `<` that may open a call is dropped, its token too
+    assert _text_logprobs(answer, ["a", "<", "<"], per_update, cut=True) == [-0.0, -1.0]
+    opens = PreparedChat("<|assistant|>", None, {"f": {}}, prep.parsers)  # (its own <think>)
+    assert _text_logprobs(opens, [" <think>a</think>a", "b"], per_update) == [-0.0, -1.0]
+
+
+def test_a_reader_that_falls_behind_the_kept_events_ends_with_an_error(monkeypatch):
+    """A stream reader that stalls goes on from the next event while it is kept, however
+    many older ones were dropped meanwhile; once that one is dropped too, its stream ends
+    with OpenAI's `error` event instead of skipping ahead."""
+    monkeypatch.setattr(responses, "EVENTS_KEPT", 4)
+
+    async def read() -> tuple[list[str], list[str]]:
+        log = _EventLog()
+        for i in range(3):
+            log.add(f"e{i}")
+        kept, dropped = log.replay(-1), log.replay(-1)
+        first = [await anext(kept), await anext(dropped)]
+        for i in range(3, 5):
+            log.add(f"e{i}")  # (e0 dropped: e1, the next `kept` reads, is not)
+        got = [first[0]] + [await anext(kept)]
+        log.add("e5")  # (e1 dropped: `dropped` needs it)
+        log.add(None)
+        return got + [e async for e in kept], [first[1]] + [e async for e in dropped]
+
+    kept, dropped = asyncio.run(read())
+    assert kept == ["e0", "e1", "e2", "e3", "e4", "e5"]
+    assert dropped[0] == "e0" and len(dropped) == 2
+    kind, data = dropped[1].split("\n")[:2]
+    error = openai.types.responses.ResponseErrorEvent.model_validate_json(data[len("data: ") :])
+    assert kind == "event: error" and error.sequence_number == 1 and "no longer" in error.message
+
+
+def test_a_background_response_streams_and_replays(client, model):
+    """background + stream answers its events live (created: queued); GET ?stream=true
+    replays them, from the one after starting_after, however often."""
+    kw = dict(input="Why?", max_output_tokens=30, temperature=0)
+    events = list(client.responses.create(model=model, background=True, stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[0].response.status == "queued" and events[0].response.background
+    assert events[1].response.status == "in_progress"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    rid = events[0].response.id
+    whole = _respond(client, model, **kw)
+    assert events[-1].response.output_text == whole.output_text
+    assert client.responses.retrieve(rid).model_dump() == events[-1].response.model_dump()
+    dumped = [e.model_dump() for e in events]
+    again = client.responses.retrieve(rid, stream=True)
+    assert [e.model_dump() for e in again] == dumped
+    tail = client.responses.retrieve(rid, stream=True, starting_after=5)
+    assert [e.model_dump() for e in tail] == dumped[6:]
+    with pytest.raises(openai.BadRequestError, match=r"starting_after must be .* -1"):
+        client.responses.retrieve(rid, stream=True, starting_after=-5)
+
+
+def test_attach_to_a_running_background_response(served, model):
+    """A client attaching while it runs gets the events so far, then each as it comes, to
+    the end; cancelled, its stream ends with the cancelled response."""
+    client, _, async_engine, _ = served
+    with engine_stops_stepping_at(async_engine, 5):
+        r = _respond(client, model, input="Go on.", background=True, max_output_tokens=100)
+        deadline = time.monotonic() + TIMEOUT
+        while not any(len(x.output_ids) >= 5 for x in async_engine.engine.requests.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with ThreadPoolExecutor(1) as pool:
+            attached = pool.submit(lambda: list(client.responses.retrieve(r.id, stream=True)))
+            time.sleep(0.2)
+            assert not attached.done()  # (live: waits for what comes)
+            client.responses.cancel(r.id)
+            events = attached.result(timeout=TIMEOUT)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.completed"  # (OpenAI's events have no .cancelled)
+    assert events[-1].response.status == "cancelled"
+    assert events[-1].response.usage.output_tokens == 5
+
+
+def test_only_a_background_response_streams_again(served, client, model):
+    base = served[1]
+    r = _respond(client, model, input="Hi", extra_body=QUIET)
+    got = httpx.get(f"{base}/v1/responses/{r.id}", params={"stream": "true"}, timeout=TIMEOUT)
+    assert got.status_code == 400 and "background" in got.json()["error"]["message"]
+
+
+def test_input_items_are_the_conversation_a_response_was_made_from(served, model):
+    """OpenAI's input_items: a response's input items, each with an id (text as a user
+    message of one input_text part); a continuation's are the conversation (the earlier
+    responses' input and output items, their ids kept, then its own), newest first
+    unless asc, in pages (after, before, limit)."""
+    client, base = served[0], served[1]
+    first = _respond(client, model, input="Hi", instructions="Be brief.")
+    own = [
+        {"role": "user", "content": "More?"},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be"}]},
+    ]
+    second = _respond(client, model, input=own, previous_response_id=first.id, extra_body=QUIET)
+    alone = client.responses.input_items.list(first.id).data
+    assert [(i.type, i.role, i.content[0].type, i.content[0].text) for i in alone] == [
+        ("message", "user", "input_text", "Hi")
+    ]
+    items = client.responses.input_items.list(second.id, order="asc", limit=100).data
+    ids = [i.id for i in items]
+    assert ids[0] == alone[0].id and ids[1:-2] == [o.id for o in first.output]
+    assert [i.content[0].text for i in items[-2:]] == ["More?", "Be"]
+    assert items[-2].content[0].type == "input_text" and len(set(ids)) == len(ids)
+    desc = client.responses.input_items.list(second.id)  # (desc: OpenAI's default)
+    assert [i.id for i in desc.data] == ids[::-1]
+    assert [i.id for i in client.responses.input_items.list(second.id, limit=2)] == ids[::-1]
+    url = f"{base}/v1/responses/{second.id}/input_items"
+    page = httpx.get(url, params={"limit": 2, "after": ids[-1]}, timeout=TIMEOUT).json()
+    assert page["object"] == "list" and [i["id"] for i in page["data"]] == ids[-2:-4:-1]
+    assert (page["first_id"], page["last_id"], page["has_more"]) == (ids[-2], ids[-3], True)
+    asc = {"order": "asc", "before": ids[-1], "limit": 2}
+    page = httpx.get(url, params=asc, timeout=TIMEOUT).json()
+    assert [i["id"] for i in page["data"]] == ids[-3:-1] and page["has_more"] == (len(ids) > 3)
+    for params, param in (({"limit": 0}, "limit"), ({"after": "msg_x"}, "after")):
+        r = httpx.get(url, params=params, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    r = httpx.get(f"{base}/v1/responses/resp_missing/input_items", timeout=TIMEOUT)
+    assert r.status_code == 404
+
+
+# Conversations whose turns go on across a response's end: the first response's input (its
+# output one message, completed), then the continuation's input and arguments.
+_ONE_OF = {
+    "format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "enum": ["a"]}}
+}
+_CALL = [
+    {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c1", "output": "42"},
+]
+_THOUGHT = {
+    "type": "reasoning",
+    "summary": [],
+    "content": [{"type": "reasoning_text", "text": "hm"}],
+}
+ACROSS = {
+    # a completed message, then a call: the call joins the message's turn
+    "call after a message": ("hi", _CALL, {"tools": [WEATHER]}),
+    # input ending with a reasoning item: the output's message joins the turn it opened
+    "message after reasoning": ([{"role": "user", "content": "q"}, _THOUGHT], "next", {}),
+}
+
+
+def _as_list(items) -> list:
+    return [{"role": "user", "content": items}] if isinstance(items, str) else items
+
+
+@pytest.mark.parametrize("case", ACROSS)
+def test_previous_response_id_equals_sending_its_items(client, model, case):
+    """previous_response_id reads the conversation's items as one input: the prompt (and
+    so the output) of the same items sent again, turns joined across a response's end."""
+    first_input, then, then_kw = ACROSS[case]
+    first = _respond(client, model, input=first_input, text=_ONE_OF, extra_body=QUIET)
+    assert first.status == "completed" and _items(first)[-1] == "message"
+    by_id = _respond(
+        client, model, input=then, previous_response_id=first.id, extra_body=QUIET, **then_kw
+    )
+    sent = [*_as_list(first_input), *(o.model_dump() for o in first.output)]
+    by_items = _respond(client, model, input=sent + _as_list(then), extra_body=QUIET, **then_kw)
+    assert by_id.usage.input_tokens == by_items.usage.input_tokens
+    assert by_id.output_text == by_items.output_text
+
+
+def test_an_item_id_given_twice_is_refused(client, model, served):
+    """OpenAI's 400 for an id twice in the conversation (an earlier response's output sent
+    again with previous_response_id, or twice in one input), and for an id not a string:
+    input_items pages by id."""
+    base = served[1]
+    first = _respond(client, model, input="Hi", max_output_tokens=2)
+    again = [o.model_dump() for o in first.output] + [{"role": "user", "content": "More"}]
+    user = {"type": "message", "role": "user", "content": "Hi", "id": "msg_1"}
+    for body in (
+        {"input": again, "previous_response_id": first.id},
+        {"input": [user, {**user, "content": "Ho"}]},
+    ):
+        r = httpx.post(
+            f"{base}/v1/responses", json={**body, "max_output_tokens": 2}, timeout=TIMEOUT
+        )
+        assert r.status_code == 400, r.text[:200]
+        error = r.json()["error"]
+        dup = again[0]["id"] if "previous_response_id" in body else "msg_1"
+        assert error["message"] == (
+            f"Duplicate item found with id {dup}. Remove duplicate items from your input and "
+            "try again."
+        )
+        assert error["param"] == "input"
+    for bad in (None, 3):
+        body = {"input": [{**user, "id": bad}], "max_output_tokens": 2}
+        r = httpx.post(f"{base}/v1/responses", json=body, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text[:200]

@@ -366,6 +366,53 @@ def test_reasoning_is_split(closing, family, stream):
         assert getattr(r.choices[0].message, "reasoning_content", None) is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_sglangs_separate_and_stream_reasoning(closing, family, stream):
+    """SGLang's separate_reasoning: false leaves the reasoning, its closing tag too, in the
+    content; stream_reasoning: false streams it in one piece once it is over."""
+    tag = json.dumps({"type": "structural_tag", "format": {"type": "regex", "pattern": "[a-z]{3}"}})
+    kw = dict(
+        tools=None,
+        template_kwargs=THINKING[family],
+        logit_bias={str(CLOSER): 100},
+        stream=stream,
+    )
+    extra = {"structured_outputs": {"structural_tag": tag}, "separate_reasoning": False}
+    r = _chat(closing, family, extra_body=extra, **kw)
+    if stream:
+        s = _reassemble(list(r))
+        reasoning, content = s["reasoning"], s["content"]
+    else:
+        reasoning = getattr(r.choices[0].message, "reasoning_content", None)
+        content = r.choices[0].message.content
+    assert not reasoning and content.startswith("abc</think>"), (reasoning, content)
+    assert len(content) == len("abc</think>") + 3 and content[-3:].isalpha(), content
+    if stream:
+        extra = {"structured_outputs": {"structural_tag": tag}, "stream_reasoning": False}
+        chunks = list(_chat(closing, family, extra_body=extra, **kw))
+        parts = [
+            x.choices[0].delta.reasoning_content
+            for x in chunks
+            if x.choices and getattr(x.choices[0].delta, "reasoning_content", None)
+        ]
+        assert parts == ["abc"], parts
+        assert _reassemble(chunks)["content"] == content[-3:]
+
+
+def test_reasoning_effort_none_turns_thinking_off(closing, family):
+    """vLLM's reasoning_effort "none": thinking off (the prompt closes the block, so no
+    reasoning), unless chat_template_kwargs say otherwise."""
+    kw = dict(tools=None, logit_bias={str(CLOSER): 100}, max_tokens=3)
+    on = _chat(closing, family, template_kwargs=THINKING[family], **kw).choices[0].message
+    assert on.reasoning_content == "abc"
+    extra = {"reasoning_effort": "none"}
+    off = _chat(closing, family, template_kwargs={}, extra_body=extra, **kw).choices[0].message
+    assert getattr(off, "reasoning_content", None) is None, off
+    kept = _chat(closing, family, template_kwargs=THINKING[family] or {"enable_thinking": True},
+                 extra_body=extra, **kw).choices[0].message  # fmt: skip
+    assert kept.reasoning_content == "abc"
+
+
 def test_forced_call_after_reasoning_closes_it_once(closing, family):
     """A forcing tool_choice's structural tag holds the reasoning itself: the chat route
     must not put a second reasoning block before it (one `</think>`, then the call, no

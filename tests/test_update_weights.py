@@ -178,6 +178,49 @@ def test_python_api_updates_in_place(models):
     assert (out.token_ids, out.logprobs) == (fresh.token_ids, fresh.logprobs)
 
 
+def test_an_update_takes_the_checkpoints_stop_tokens_and_defaults(models, tmp_path):
+    """generation_config.json's eos ids and sampling defaults come with the weights: the
+    updated engine stops and samples as a fresh one on that checkpoint; a checkpoint whose
+    defaults are bad is refused and changes nothing."""
+    import json
+    import shutil
+
+    from dsakv.engine import SamplingParams
+
+    new = models["glm-tiny", "fp32", 1]
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    with LLM(str(new), **ENGINE_ARGS) as fresh:
+        stop = fresh.generate([PROMPT], sp)[0].outputs[0].token_ids[2]
+
+    def variant(name: str, **generation) -> str:
+        path = tmp_path / name
+        shutil.copytree(new, path)
+        config = json.loads((path / "generation_config.json").read_text())
+        (path / "generation_config.json").write_text(json.dumps({**config, **generation}))
+        return str(path)
+
+    eos = json.loads((new / "generation_config.json").read_text())["eos_token_id"]
+    eos = [eos] if isinstance(eos, int) else eos
+    stops = variant("stops", eos_token_id=[*eos, stop], temperature=0.0, max_new_tokens=5)
+    bad = variant("bad", temperature=-1.0)
+
+    def answers(llm: LLM) -> tuple:
+        out = llm.generate([PROMPT], sp)[0].outputs[0]
+        plain = llm.generate([PROMPT])[0].outputs[0]  # (the checkpoint's defaults)
+        return out.token_ids, out.finish_reason, plain.token_ids, llm.engine.eos_token_ids
+
+    with LLM(stops, **ENGINE_ARGS) as fresh:
+        want = answers(fresh), fresh.get_default_sampling_params()
+    with LLM(str(models["glm-tiny", "fp32", 0]), **ENGINE_ARGS) as llm:
+        before = llm.get_default_sampling_params()
+        with pytest.raises(DsakvError, match="temperature"):
+            llm.update_weights(bad)
+        assert llm.get_default_sampling_params() == before
+        llm.update_weights(stops)
+        assert (answers(llm), llm.get_default_sampling_params()) == want
+    assert want[0][1] == "stop" and len(want[0][2]) <= 5
+
+
 @pytest.mark.parametrize("identity", ["own", "blind"])
 def test_l3_pages_of_the_old_weights_are_not_read_after(models, tmp_path, monkeypatch, identity):
     """The L3 storage tier: pages stored under the old weights are not the new weights' (an

@@ -35,11 +35,12 @@ _MAX_LINE = 64 << 20  # a registration carries the prompt's ids and the page lis
 
 class BootstrapError(RuntimeError):
     """The handshake failed: layouts differ, the peer is gone, or nobody answered in time.
-    `status` 400: the request itself failed on the prefill server (its client's fault)."""
+    `status` 400: the request itself failed on the prefill server (its client's fault);
+    `param`: the request field its answer named."""
 
-    def __init__(self, message: str, status: int = 502) -> None:
+    def __init__(self, message: str, status: int = 502, param: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.param = status, param
 
 
 # --- what must match ---------------------------------------------------------------------------
@@ -103,8 +104,8 @@ class Registration:
     def done(self, **info: Any) -> None:
         self._set({"type": "done", **info})
 
-    def fail(self, message: str, status: int = 502) -> None:
-        self._set({"type": "error", "message": message, "status": status})
+    def fail(self, message: str, status: int = 502, param: str | None = None) -> None:
+        self._set({"type": "error", "message": message, "status": status, "param": param})
 
     def _set(self, reply: dict[str, Any]) -> None:
         with contextlib.suppress(concurrent.futures.InvalidStateError):
@@ -115,7 +116,8 @@ class Registration:
 class _Room:
     registered: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     claimed: bool = False
-    refused: tuple[str, int] | None = None  # (message, status): the prefill server's refusal
+    # (message, status, param): the prefill server's refusal
+    refused: tuple[str, int, str | None] | None = None
 
 
 class BootstrapServer:
@@ -174,7 +176,7 @@ class BootstrapServer:
             raise BootstrapError(error)
         return reg
 
-    def refuse(self, room: int, message: str, status: int) -> None:
+    def refuse(self, room: int, message: str, status: int, param: str | None = None) -> None:
         """The prefill server refused `room`'s request (the client's error, e.g. a prompt
         longer than its context): the decode server waiting for the room hears why now, or
         when it registers, instead of waiting out the timeout. A room already claimed (its
@@ -183,9 +185,9 @@ class BootstrapServer:
         with self._lock:
             if slot.claimed or slot.refused is not None:
                 return
-            slot.refused = (message, status)
+            slot.refused = (message, status, param)
         if slot.registered.done() and slot.registered.exception() is None:
-            slot.registered.result().fail(message, status)
+            slot.registered.result().fail(message, status, param)
         self._loop.call_soon_threadsafe(
             self._loop.call_later, self.timeout, self._forget, room, slot
         )
@@ -233,8 +235,9 @@ class BootstrapServer:
             room = int(msg["room"])
             slot = self._room(room)
             if slot.refused is not None:
-                message, status = slot.refused
-                await _send(writer, {"type": "error", "message": message, "status": status})
+                message, status, param = slot.refused
+                error = {"type": "error", "message": message, "status": status, "param": param}
+                await _send(writer, error)
                 return
             diffs = differences(self.layout, msg["layout"], "prefill", "decode")
             if diffs:
@@ -357,7 +360,12 @@ async def request_kv(
             if msg.get("type") == "done":
                 int(msg["bytes"]), int(msg["tokens"]), float(msg["seconds"])  # (read after)
                 return msg
-            raise BootstrapError(str(msg.get("message", msg)), int(msg.get("status", 502)))
+            param = msg.get("param")
+            raise BootstrapError(
+                str(msg.get("message", msg)),
+                int(msg.get("status", 502)),
+                param if isinstance(param, str) else None,
+            )
     except OSError as e:
         raise BootstrapError(f"lost the prefill server {host}:{port}: {e}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # (garbled: the caller frees)

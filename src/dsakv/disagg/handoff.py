@@ -161,7 +161,7 @@ class BootstrapMiddleware:
     hears that status and message at once, instead of waiting out its timeout for a claim
     that never comes. A room the request claimed has heard its outcome: `refuse` skips it."""
 
-    def __init__(self, app: Any, refuse: Callable[[int, str, int], None] | None = None) -> None:
+    def __init__(self, app: Any, refuse: Callable[..., None] | None = None) -> None:
         self.app, self.refuse = app, refuse
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -184,7 +184,7 @@ class BootstrapMiddleware:
             await self.app(scope, receive, send)
         except Exception as e:
             if isinstance(send, _Refusing):
-                send.failed(f"the prefill server failed: {e!r}", 500)
+                send.failed(f"the prefill server failed: {e!r}", None, 500)
             raise
         finally:
             _current.reset(token)
@@ -194,9 +194,7 @@ class _Refusing:
     """`send`, refusing the request's rooms when its response is an error: once the error
     body is whole (its message), before the body's end goes out."""
 
-    def __init__(
-        self, send: Callable, rooms: list[int], refuse: Callable[[int, str, int], None]
-    ) -> None:
+    def __init__(self, send: Callable, rooms: list[int], refuse: Callable[..., None]) -> None:
         self.send, self.rooms, self.refuse = send, rooms, refuse
         self.status: int | None = None
         self.body: list[bytes] = []
@@ -208,31 +206,32 @@ class _Refusing:
         elif message["type"] == "http.response.body" and not self._ok():
             self.body.append(message.get("body", b""))
             if not message.get("more_body", False):
-                self.failed(_error_message(b"".join(self.body), self.status), self.status)
+                self.failed(*_error(b"".join(self.body), self.status), self.status)
         await self.send(message)
 
-    def failed(self, message: str, status: int | None) -> None:
+    def failed(self, message: str, param: str | None, status: int | None) -> None:
         if self.done:
             return
         self.done = True
         for room in self.rooms:
-            self.refuse(room, message, status or 500)
+            self.refuse(room, message, status or 500, param)
 
     def _ok(self) -> bool:
         return self.status is not None and 200 <= self.status < 300
 
 
-def _error_message(raw: bytes, status: int | None) -> str:
-    """An error response's message: OpenAI's `error.message`, FastAPI's `detail`, else
-    the status."""
+def _error(raw: bytes, status: int | None) -> tuple[str, str | None]:
+    """An error response's message (OpenAI's `error.message`, FastAPI's `detail`, else
+    the status) and the request field it names (OpenAI's `error.param`)."""
     body = _json_or_none(raw)
     if isinstance(body, dict):
         error = body.get("error")
         message = error.get("message") if isinstance(error, dict) else error
         message = message or body.get("message") or body.get("detail")
+        param = error.get("param") if isinstance(error, dict) else None
         if isinstance(message, str) and message:
-            return message
-    return f"the prefill server answered HTTP {status}"
+            return message, param if isinstance(param, str) else None
+    return f"the prefill server answered HTTP {status}", None
 
 
 async def _buffer_body(receive: Callable) -> tuple[bytes, Callable]:

@@ -1,8 +1,10 @@
 """`dsakv router`: the OpenAI-compatible front door of a prefill/decode deployment.
 
-Each completions or chat request goes to one prefill server and one decode server (round
-robin) with the same bootstrap room; the decode server's answer (streamed or not) is the
-client's. The prefill server's own answer (its one token) is only logged when it fails:
+Each completions, chat or Responses API request goes to one prefill server and one decode
+server (round robin) with the same bootstrap room; the decode server's answer (streamed or
+not) is the client's. A stored response lives on the decode server that wrote it: the
+router remembers which (else asks each), for GET, DELETE, cancel, its input items and
+`previous_response_id`. The prefill server's own answer (its one token) is only logged when it fails:
 any failure reaches the client through the decode server, which hears it in the handshake.
 SGLang's admin calls (/abort_request, /flush_cache, the weight updates, pausing) go to
 every server. Light on purpose: no torch, no engine.
@@ -17,6 +19,8 @@ import logging
 import math
 import secrets
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,6 +35,7 @@ from starlette.requests import ClientDisconnect
 from dsakv.errors import DsakvError
 from dsakv.server.app import client_left
 from dsakv.server.protocol import error_body
+from dsakv.server.responses import RESPONSES_KEPT
 
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
 from .handoff import GENERATE_PATHS
@@ -40,6 +45,18 @@ log = logging.getLogger(__name__)
 
 def _error(status: int, message: str, type: str = "server_error") -> JSONResponse:
     return JSONResponse(error_body(message, type), status_code=status)
+
+
+def _not_found(rid: str, param: str) -> JSONResponse:
+    """The servers' answer for a response id they do not hold."""
+    message = f"Response with id '{rid}' not found."
+    return JSONResponse(error_body(message, "invalid_request_error", param), status_code=404)
+
+
+def _taken(rid: str) -> JSONResponse:
+    """The servers' answer for a request_id a response has (or a request runs under)."""
+    message = f"a response with id '{rid}' exists already"
+    return JSONResponse(error_body(message, "invalid_request_error", "request_id"), 400)
 
 
 def _sse_error(message: str) -> bytes:
@@ -69,6 +86,12 @@ class Router:
         self._down: dict[str, float] = {}  # server -> when it last failed to connect
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task] = set()
+        # The decode server holding each stored response, by id, the least recently used
+        # forgotten first; as many as the decode servers keep (each its own RESPONSES_KEPT).
+        # One forgotten (or from before a restart) is asked of each decode server.
+        self._responses: OrderedDict[str, str] = OrderedDict()
+        self.responses_kept = RESPONSES_KEPT * len(self.decode)
+        self._pending: set[str] = set()  # the clients' request_ids sent, not yet answered
         self.requests = 0
         self.failures = 0
 
@@ -99,32 +122,236 @@ class Router:
 
     async def generate(self, path: str, request: Request) -> Response:
         self.requests += 1
+        got = await _json_body(request)
+        if isinstance(got, Response):
+            return got
+        raw, body = got
+        # The prefill server answers with its one token; only the decode server streams.
+        p_body = {**body, "stream": False}
+        p_body.pop("stream_options", None)
+        return await self._pair(path, request, raw, p_body, _num_prompts(body))
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses, relayed as chat is, with an id the router gives it (unless
+        the client did: `request_id`, a 400 while a response has it, or a request under it
+        is not yet answered, as the servers') so it knows where the response is stored. A
+        continuation (`previous_response_id`) goes to the decode server holding the
+        previous response; the prefill server, which holds no stored response (its copy is
+        not stored: `store` false), gets the whole conversation as its input instead, as the
+        decode server tells it (`_conversation`). The decode server renders the same turns
+        from its store, and the prefill server checks the prompts are the same tokens (a
+        502 if not)."""
+        self.requests += 1
+        got = await _json_body(request)
+        if isinstance(got, Response):
+            return got
+        raw, body = got
+        rid = body.get("request_id")
+        if rid is None:
+            rid = body["request_id"] = f"resp_{uuid.uuid4().hex}"
+            raw = json.dumps(body).encode()
+        elif isinstance(rid, str):
+            # (another decode server than the one it goes to may hold it, or run it)
+            if rid in self._responses or rid in self._pending:
+                return _taken(rid)
+            self._pending.add(rid)
+            try:
+                if await self._held(rid, _auth(request)):
+                    return _taken(rid)
+                return await self._respond(request, raw, body, rid)
+            finally:
+                self._pending.discard(rid)
+        return await self._respond(request, raw, body, rid)
+
+    async def _respond(
+        self, request: Request, raw: bytes, body: dict[str, Any], rid: Any
+    ) -> Response:
+        """The request (`raw`, `body`) to a prefill and a decode server: `responses`."""
+        p_body = {**body, "stream": False, "store": False, "background": False}
+        p_body.pop("stream_options", None)
+        decode = None
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            found = await self._conversation(previous, body.get("input"), request)
+            if isinstance(found, Response):
+                return found
+            decode, p_body["input"] = found
+            del p_body["previous_response_id"]
+        stored = body.get("store") is not False and isinstance(rid, str)
+        return await self._pair(
+            "/v1/responses", request, raw, p_body, 1, decode, rid if stored else None
+        )
+
+    async def _conversation(
+        self, previous: Any, own: Any, request: Request
+    ) -> tuple[str | None, Any] | Response:
+        """The decode server holding response `previous`, and the conversation up to it
+        followed by `own` input, as input items: what the decode server makes of the
+        request from its store. It tells it: the items `previous` was made from (its
+        input_items: the earlier responses' input and output, then its own input; their
+        instructions left out, as there) and its output, so the router needs to have
+        seen none of them (it may have restarted since)."""
+        if not isinstance(previous, str) or not isinstance(own, (str, list)):
+            return None, own  # (the decode server refuses it, naming the field)
+        headers = _auth(request)
+        found = await self._holder(previous, headers)
+        if isinstance(found, Response):
+            return found
+        decode, response = found
+        url = f"{decode}/v1/responses/{previous}/input_items"
+        items: list[Any] = []
+        params: dict[str, Any] = {"order": "asc", "limit": 100}
+        cursors: set[Any] = set()
+        for _ in range(_ITEM_PAGES):
+            try:
+                call = self.client.get(url, params=params, headers=headers)
+                answer = await _unless_left(call, request)
+            except httpx.HTTPError as e:
+                self.failures += 1
+                return _error(502, f"decode server {decode} is unreachable: {e!r}")
+            if answer is None:
+                return Response(status_code=499)
+            if answer.status_code != 200:  # (deleted meanwhile: its 404)
+                return _answer(answer)
+            page = answer.json()
+            items += page["data"]
+            if not page["has_more"]:
+                return decode, items + response["output"] + _items(own)
+            if not page["data"] or page["last_id"] in cursors:
+                break  # (a page that goes nowhere: the next would be the same)
+            cursors.add(page["last_id"])
+            params["after"] = page["last_id"]
+        self.failures += 1
+        return _error(502, f"decode server {decode} lists the input items of {previous} endlessly")
+
+    async def _holder(
+        self, rid: str, headers: dict[str, str]
+    ) -> tuple[str, dict[str, Any]] | Response:
+        """The decode server holding response `rid` (the one remembered, else the first of
+        them that has it), and the response; else a server's error (other than its 404),
+        the servers' 404, or a 502."""
+        known = self._responses.get(rid)
+        errors, refused = [], None
+        for url in [known] if known is not None else self.decode:
+            try:
+                answer = await self.client.get(f"{url}/v1/responses/{rid}", headers=headers)
+            except httpx.HTTPError as e:
+                errors.append(f"{url}: {e!r}")
+                continue
+            if answer.status_code == 200:
+                self._keep(rid, url)
+                return url, answer.json()
+            if answer.status_code != 404:  # (e.g. a bad key: another may hold it all the same)
+                refused = refused or answer
+        if refused is not None:
+            return _answer(refused)
+        self._responses.pop(rid, None)
+        if errors:
+            self.failures += 1
+            return _error(502, f"no decode server holding {rid} answered: {'; '.join(errors)}")
+        return _not_found(rid, "previous_response_id")
+
+    async def _held(self, rid: str, headers: dict[str, str]) -> bool:
+        """Whether a decode server holds response `rid` (then remembered): a request_id the
+        router does not know (it restarted, or another router took it)."""
+        for url in self.decode:
+            try:
+                answer = await self.client.get(f"{url}/v1/responses/{rid}", headers=headers)
+            except httpx.HTTPError:
+                continue  # (down: the request goes to another)
+            if answer.status_code == 200:
+                self._keep(rid, url)
+                return True
+        return False
+
+    async def stored(self, request: Request, rid: str) -> Response:
+        """GET or DELETE /v1/responses/{id}, GET .../input_items, POST .../cancel: at the
+        decode server holding the response. One the router does not know (it restarted, or
+        forgot it) is asked of each decode server until one answers it (2xx); none does: the
+        first error other than a 404 (e.g. a bad limit), else their 404. A stream (a
+        background response's events) is passed on as it comes."""
+        known = self._responses.get(rid)
+        if known is not None:
+            self._responses.move_to_end(rid)
         try:
             raw = await request.body()
         except ClientDisconnect:
-            return Response(status_code=499)  # gone before its request was whole
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            return _error(400, f"request body is not valid JSON: {e}", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "invalid_request_error")
+            return Response(status_code=499)
+        headers = _auth(request)
+        if raw:
+            headers["content-type"] = request.headers.get("content-type", "application/json")
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        answers: list[tuple[httpx.Response, bytes]] = []
+        errors = []
+        for url in [known] if known is not None else self.decode:
+            send = self.client.build_request(
+                request.method, f"{url}{path}", content=raw, headers=headers
+            )
+            try:
+                r = await _unless_left(self.client.send(send, stream=True), request)
+                if r is None:
+                    return Response(status_code=499)
+                if r.is_success and "text/event-stream" in r.headers.get("content-type", ""):
+                    self._keep(rid, url)
+                    return StreamingResponse(
+                        self._relay(r, url),
+                        media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache"},
+                    )
+                try:
+                    content = await _unless_left(r.aread(), request)
+                finally:
+                    await r.aclose()
+            except httpx.HTTPError as e:
+                errors.append(f"{url}: {e!r}")
+                continue
+            if content is None:
+                return Response(status_code=499)
+            answers.append((r, content))
+            if r.is_success:
+                self._keep(rid, url)
+                break
+        answers.sort(key=lambda a: (not a[0].is_success, a[0].status_code == 404))
+        if not answers or (answers[0][0].status_code == 404 and errors):
+            self.failures += 1
+            return _error(502, f"no decode server holding {rid} answered: {'; '.join(errors)}")
+        answer, content = answers[0]
+        if answer.status_code == 404 or (request.method == "DELETE" and answer.is_success):
+            self._responses.pop(rid, None)
+        kind = answer.headers.get("content-type")
+        return Response(content, answer.status_code, media_type=kind)
+
+    def _keep(self, rid: str, decode: str) -> None:
+        self._responses[rid] = decode
+        self._responses.move_to_end(rid)
+        while len(self._responses) > self.responses_kept:
+            self._responses.popitem(last=False)
+
+    async def _pair(
+        self,
+        path: str,
+        request: Request,
+        raw: bytes,
+        p_body: dict[str, Any],
+        prompts: int,
+        decode: str | None = None,
+        rid: str | None = None,
+    ) -> Response:
+        """`raw` to a decode server (`decode`, else the next), `p_body` to the next prefill
+        server; `rid`: the response the decode server stores if it takes it."""
         try:
             p_url, host, port = await self._pick_prefill()
         except _Unusable as e:
             self.failures += 1
             return _error(502, f"no prefill server is usable: {e}")
-        rooms = ",".join(str(secrets.randbits(62)) for _ in range(_num_prompts(body)))
+        rooms = ",".join(str(secrets.randbits(62)) for _ in range(prompts))
         headers = {ROOM_HEADER: rooms, HOST_HEADER: host, PORT_HEADER: str(port)}
-        if "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
-        # The prefill server answers with its one token; only the decode server streams.
-        p_body = {**body, "stream": False}
-        p_body.pop("stream_options", None)
+        headers.update(_auth(request))
+        headers.update(_request_id(request))  # (both servers' name for /abort_request)
         prefill = self._spawn(self._prefill(p_url, path, p_body, headers))
         d_headers = {**headers, "content-type": "application/json"}
         try:  # (a non-streamed answer's headers come when it is complete)
-            sent = await _unless_left(self._send_decode(path, raw, d_headers), request)
+            sent = await _unless_left(self._send_decode(path, raw, d_headers, decode), request)
         except _Unreachable as e:
             self._failed(p_url, prefill)
             return _error(502, f"decode server {e.url} is unreachable: {e.error!r}")
@@ -135,6 +362,8 @@ class Router:
             prefill.cancel()
             return Response(status_code=499)  # the client left: nobody to answer
         d_url, resp = sent
+        if rid is not None and resp.status_code == 200:
+            self._keep(rid, d_url)
         kind = resp.headers.get("content-type", "")
         if resp.status_code != 200 or "text/event-stream" not in kind:
             try:
@@ -151,11 +380,13 @@ class Router:
                 self._failed(p_url, prefill)
             elif resp.status_code != 200:  # the client's error: the prefill server's copy
                 prefill.cancel()  # would wait for a decode server that refused it
-            return Response(content, resp.status_code, media_type=kind or None)
+            return Response(
+                content, resp.status_code, media_type=kind or None, headers=_request_id(resp)
+            )
         return StreamingResponse(
             self._relay(resp, d_url),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
+            headers={"Cache-Control": "no-cache", **_request_id(resp)},
         )
 
     async def broadcast(self, path: str, request: Request) -> Response:
@@ -219,12 +450,16 @@ class Router:
         raise _Unusable("; ".join(errors))
 
     async def _send_decode(
-        self, path: str, raw: bytes, headers: dict[str, str]
+        self, path: str, raw: bytes, headers: dict[str, str], only: str | None = None
     ) -> tuple[str, httpx.Response]:
-        """The request sent to the next decode server that takes the connection. A refused
-        connection carried none of the request, so the next server may have it: the
-        prefill server's copy waits for whichever decode server asks for its room."""
-        *others, last = _in_turn(self.decode, next(self._next_decode), self._down)
+        """The request sent to the next decode server that takes the connection (`only`:
+        to that one). A refused connection carried none of the request, so the next server
+        may have it: the prefill server's copy waits for whichever decode server asks for
+        its room."""
+        if only is not None:
+            others, last = [], only
+        else:
+            *others, last = _in_turn(self.decode, next(self._next_decode), self._down)
         for url in others:
             try:
                 return url, await self._post(url, path, raw, headers)
@@ -318,6 +553,9 @@ class _Unreachable(Exception):
         self.url, self.error = url, error
 
 
+# The most pages (of 100) of a previous response's input items the router reads: more than
+# any context holds.
+_ITEM_PAGES = 10_000
 # How long a server that failed to connect is asked after the others.
 _DOWN_S = 10.0
 # SGLang's admin calls the router relays to every server, and how long it waits for each
@@ -341,10 +579,51 @@ def _in_turn(urls: list[str], start: int, down: dict[str, float]) -> list[str]:
     return sorted(turn, key=lambda u: now - down.get(u, -math.inf) < _DOWN_S)
 
 
+def _answer(answer: httpx.Response) -> Response:
+    """A server's answer, as it is, for the client."""
+    kind = answer.headers.get("content-type")
+    return Response(answer.content, answer.status_code, media_type=kind)
+
+
 def _said(answer: httpx.Response | httpx.HTTPError) -> str:
     if isinstance(answer, httpx.Response):
         return f"{answer.status_code} {answer.text[:200]}"
     return repr(answer)
+
+
+async def _json_body(request: Request) -> tuple[bytes, dict[str, Any]] | Response:
+    """The request's body, raw and as the JSON object it must be (else the error)."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        return Response(status_code=499)  # gone before its request was whole
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        return _error(400, f"request body is not valid JSON: {e}", "invalid_request_error")
+    if not isinstance(body, dict):
+        return _error(400, "request body must be a JSON object", "invalid_request_error")
+    return raw, body
+
+
+def _auth(request: Request) -> dict[str, str]:
+    """The client's API key, for the servers."""
+    if "authorization" in request.headers:
+        return {"authorization": request.headers["authorization"]}
+    return {}
+
+
+def _request_id(message: Request | httpx.Response) -> dict[str, str]:
+    """vLLM's X-Request-Id header, if `message` has one: the client's, for the servers (the
+    response's id and what /abort_request names it), and the decode server's, for the client."""
+    if "x-request-id" in message.headers:
+        return {"x-request-id": message.headers["x-request-id"]}
+    return {}
+
+
+def _items(input: Any) -> list[Any]:
+    """A Responses API input as items (text is one user message)."""
+    return [{"role": "user", "content": input}] if isinstance(input, str) else list(input or [])
 
 
 def _num_prompts(body: dict[str, Any]) -> int:
@@ -390,6 +669,17 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
             return await router.generate(path, request)
 
         app.add_api_route(path, generate, methods=["POST"])
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await router.responses(request)
+
+    async def stored(request: Request, response_id: str) -> Response:
+        return await router.stored(request, response_id)
+
+    app.add_api_route("/v1/responses/{response_id}", stored, methods=["GET", "DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", stored, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", stored, methods=["GET"])
 
     for path in BROADCAST:
 

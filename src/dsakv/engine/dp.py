@@ -258,6 +258,9 @@ class DPEngine:
     refuse_update = Engine.refuse_update
     join_weight_group = Engine.join_weight_group
     leave_weight_group = Engine.leave_weight_group
+    get_weights_by_name = Engine.get_weights_by_name
+    start_profile = Engine.start_profile
+    stop_profile = Engine.stop_profile
 
     def _on_every_rank(self, method: str, *args: Any) -> Any:
         with self.leader.lock, self.local.rank_failures():

@@ -7,7 +7,9 @@ import ctypes
 import functools
 import logging
 import math
+import os
 import reprlib
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -48,8 +50,10 @@ from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .request import Request
 from .sampling import (
+    THINK_MARKERS,
     Sampler,
     SamplingParams,
+    ThinkingBudget,
     allow,
     bad_word_ids,
     ban,
@@ -364,6 +368,26 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+@dataclass(frozen=True)
+class ProfileSpec:
+    """What /start_profile asked for, as every rank runs it (`Engine.start_profile_here`);
+    `profile_id` names every rank's trace alike."""
+
+    output_dir: str
+    num_steps: int | None
+    activities: tuple[str, ...]
+    with_stack: bool
+    record_shapes: bool
+    profile_id: str
+
+
+@dataclass
+class _Profiling:
+    spec: ProfileSpec
+    torch: Any  # the running `torch.profiler.profile`
+    steps: int = 0
+
+
 @dataclass
 class EngineStats:
     """Counters the server's /metrics and the benchmark read."""
@@ -442,18 +466,15 @@ class Engine:
         self.model, self.model_config, self.plan = load_model(
             config.model, plan, device=self.device, parallel=self.parallel, **self._stored
         )
-        defaults = self.model_config.sampling_defaults
-        if config.generation_config == "vllm":
-            self.model_config = replace(self.model_config, sampling_defaults={})
-        elif defaults:
-            try:  # (what requests leave out; a bad one would fail each of them)
-                SamplingParams(**defaults)
-            except DsakvError as e:
-                raise ConfigError(f"{config.model}/generation_config.json: {e}") from None
+        try:
+            self.model_config = self._served(self.model_config)
+        except DsakvError as e:
+            raise ConfigError(f"{config.model}/generation_config.json: {e}") from None
+        if self.model_config.sampling_defaults:
             log.info(
                 "requests that leave them out get generation_config.json's %s "
                 "(--generation-config vllm: SamplingParams' own)",
-                defaults,
+                self.model_config.sampling_defaults,
             )
         self.hisparse = self._hisparse_config()
         num_pages, latent_pages = self._num_pages()
@@ -478,6 +499,8 @@ class Engine:
         self.compute = f"{dtype}|{self.backend.name}|deterministic={self.deterministic}"
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.stats = EngineStats()
+        # (when, output tokens) where the last two windows began: `counters`' gen_throughput
+        self._gen_marks = [(time.monotonic(), 0)] * 2
         self.requests: dict[int, Request] = {}
         # Generation paused (the server's /pause_generation, in place or retracted): a
         # weight update or a cache flush then runs under the requests it holds, as SGLang's.
@@ -485,6 +508,7 @@ class Engine:
         self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
         # Which rank died and how, once known (the launcher's watchdog says; None: unknown).
         self.rank_failure: Callable[[], str | None] = lambda: None
+        self.profiler: _Profiling | None = None  # /start_profile's, on every rank
         self._grammars: GrammarCache | None = None
         self.host, self.hot, self.l3 = self._tiers()
         try:
@@ -798,6 +822,12 @@ class Engine:
             )
         return self._grammars
 
+    @functools.cached_property
+    def think_marker_ids(self) -> tuple[list[int], list[int]]:
+        """The reasoning block's start and end markers as tokens (one each in GLM-5's and
+        DeepSeek-V3.2's vocabularies; several in a byte-level one)."""
+        return tuple(self.encode(m, special=False) for m in THINK_MARKERS)
+
     def _init_request(self, req: Request) -> None:
         """Per-request state its params ask for: a grammar matcher (a bad grammar raises
         `DsakvError` here, before the request is queued) and room for prompt logprobs.
@@ -832,6 +862,12 @@ class Engine:
         if p.stop and not p.detokenize:
             raise DsakvError(
                 "stop strings are matched in the text: not with detokenize=False", "stop"
+            )
+        if p.thinking_token_budget is not None and self.tokenizer is None:
+            raise DsakvError(
+                "thinking_token_budget needs a tokenizer (for the reasoning markers); "
+                "this model has none",
+                "thinking_token_budget",
             )
         if not p.bad_words:
             return matcher, []
@@ -1007,6 +1043,152 @@ class Engine:
             raise DsakvError(f"no weight update group {name!r}")
         self._on_every_rank("leave_weight_group_here", name)
 
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang's /get_weights_by_name: the first `truncate_size` rows of checkpoint tensor
+        `name` (the name updates take) as the engine holds it, as fp32 nested lists: every
+        rank's slices and experts put together (under DP attention too: one tensor),
+        FP8 blocks dequantized. For a trainer to compare what it sent with what is served."""
+        if not is_int(truncate_size) or truncate_size < 0:
+            raise DsakvError(f"truncate_size must be an integer >= 0, got {truncate_size!r}")
+        outcome = self._on_every_rank("weights_by_name_here", name, truncate_size)
+        if isinstance(outcome, str):
+            raise DsakvError(outcome)
+        return outcome.tolist()
+
+    def weights_by_name_here(self, name: str, rows: int) -> torch.Tensor | str | None:
+        """This rank's slices of `name`, gathered on rank 0: the tensor there (each rank's
+        error, if any failed), None elsewhere."""
+        from dsakv.models import loader
+
+        held, why = None, None
+        try:
+            held = loader.held_rows(self.model, name, rows)
+        except Exception as e:  # noqa: BLE001 - rank 0 tells it
+            why = _said(e)
+        shares = self.parallel.gather_objects((why, held))
+        if shares is None:
+            return None
+        if any(w for w, _ in shares):
+            return _by_rank([w for w, _ in shares])
+        return loader.first_rows([h for _, h in shares], rows)
+
+    def start_profile(
+        self,
+        output_dir: str | None = None,
+        num_steps: int | None = None,
+        activities: Iterable[str] | None = None,
+        with_stack: bool | None = None,
+        record_shapes: bool | None = None,
+    ) -> None:
+        """SGLang's /start_profile: torch.profiler on every rank's engine thread (CPU ops,
+        and CUDA kernels on a GPU; SGLang's defaults: both, with stacks, no shapes) until
+        `stop_profile`, or by itself after `num_steps` engine steps. Each rank writes its
+        Chrome trace, `{output_dir}/{id}-TP-{rank}.trace.json.gz` (`-DP-{rank}` added under
+        DP attention), output_dir by default $DSAKV_TORCH_PROFILER_DIR, else
+        $SGLANG_TORCH_PROFILER_DIR, else /tmp."""
+        if self.profiler is not None:
+            raise DsakvError("a profile is running already (stop it first: /stop_profile)")
+        if isinstance(activities, str):  # (one activity named alone)
+            activities = [activities]
+        activities = ("CPU", "GPU") if activities is None else tuple(activities)
+        if not activities or not set(activities) <= {"CPU", "GPU"}:
+            raise DsakvError(f"activities must be some of CPU, GPU, got {list(activities)}")
+        if num_steps is not None and (not is_int(num_steps) or num_steps < 1):
+            raise DsakvError(f"num_steps must be a positive integer, got {num_steps!r}")
+        env = os.environ.get
+        output_dir = (
+            output_dir
+            or env("DSAKV_TORCH_PROFILER_DIR")
+            or env("SGLANG_TORCH_PROFILER_DIR")
+            or "/tmp"
+        )
+        stack = True if with_stack is None else bool(with_stack)
+        spec = ProfileSpec(
+            output_dir, num_steps, activities, stack, bool(record_shapes), str(time.time())
+        )
+        outcome = self._on_every_rank("start_profile_here", spec)
+        if outcome is not None:
+            raise DsakvError(outcome)
+        log.info("profiling: traces go to %s (profile %s)", output_dir, spec.profile_id)
+
+    def stop_profile(self) -> list[str]:
+        """SGLang's /stop_profile: every rank stops and writes its trace; their paths."""
+        if self.profiler is None:
+            raise DsakvError("no profile is running (start one: /start_profile)")
+        outcome = self._on_every_rank("stop_profile_here")
+        if isinstance(outcome, str):
+            raise DsakvError(f"the profile was not saved: {outcome}")
+        return outcome
+
+    def start_profile_here(self, spec: ProfileSpec) -> str | None:
+        """This rank starts its profiler; None where every rank did, else each one's error
+        (and none runs)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        why = None
+        try:
+            Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
+            tempfile.NamedTemporaryFile(dir=spec.output_dir).close()  # (writable: not at stop)
+            kinds = [ProfilerActivity.CPU] if "CPU" in spec.activities else []
+            if "GPU" in spec.activities and self.device.type == "cuda":
+                kinds.append(ProfilerActivity.CUDA)
+            if not kinds:
+                raise DsakvError("activities GPU alone: this engine runs on no GPU")
+            prof = profile(
+                activities=kinds, with_stack=spec.with_stack, record_shapes=spec.record_shapes
+            )
+            prof.start()
+            self.profiler = _Profiling(spec, prof)
+        except Exception as e:  # noqa: BLE001 - every rank hears it
+            why = _said(e)
+        whys = self.parallel.all_gather_objects(why)
+        if not any(whys):
+            return None
+        self._drop_profile()
+        return _by_rank(whys)
+
+    def stop_profile_here(self) -> list[str] | str:
+        """This rank stops its profiler and writes its trace: every rank's path (or each
+        one's error)."""
+        running, self.profiler = self.profiler, None
+        path, why = None, None
+        try:
+            if running is None:
+                raise DsakvError("no profile is running")
+            running.torch.stop()
+            spec, rank = running.spec, self.parallel.rank
+            dp = f"-DP-{rank}" if self.parallel.config.dp_attention else ""
+            path = os.path.join(spec.output_dir, f"{spec.profile_id}-TP-{rank}{dp}.trace.json.gz")
+            running.torch.export_chrome_trace(path)
+        except Exception as e:  # noqa: BLE001 - every rank hears it
+            why = _said(e)
+        outcomes = self.parallel.all_gather_objects((path, why))
+        if any(w for _, w in outcomes):
+            return _by_rank([w for _, w in outcomes])
+        if self.parallel.is_driver:
+            log.info("profile saved: %s", ", ".join(p for p, _ in outcomes))
+        return [p for p, _ in outcomes]
+
+    def _profiled_step(self) -> None:
+        """A step under the profiler: the profile's last (`num_steps`) stops it, on every
+        rank (under DP attention they step together, each stopping its own)."""
+        running = self.profiler
+        assert running is not None
+        running.steps += 1
+        if running.spec.num_steps is None or running.steps < running.spec.num_steps:
+            return
+        if self.parallel.world_size > 1 and self.parallel.config.dp_attention:
+            outcome = self.stop_profile_here()
+        else:
+            outcome = self._on_every_rank("stop_profile_here")
+        if isinstance(outcome, str):  # (no caller to tell)
+            log.warning("the profile was not saved: %s", outcome)
+
+    def _drop_profile(self) -> None:
+        running, self.profiler = self.profiler, None
+        if running is not None:
+            running.torch.stop()
+
     def _on_every_rank(self, method: str, *args: Any) -> Any:
         """`weights_call(method, *args)` on every rank, between steps; rank 0's outcome."""
         if self.parallel.world_size == 1:
@@ -1076,6 +1258,7 @@ class Engine:
                     checked = loader.check_tensors(self.model, list(source.tensors))
                 else:
                     checked = loader.check_update(self.model, source, **self._stored)
+                    self._served(checked.config)
             except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
                 why = _said(e)
         whys = gather(why)
@@ -1094,8 +1277,9 @@ class Engine:
         failed, touched = None, False
         try:
             # First, so that L3 writes every old page under the old weights' namespace.
+            # Paused requests keep their pages, out of the cache's reach (`retire`).
             if not named or source.flush_cache:
-                self.cache.reset()
+                self.cache.retire()
             if self.l3 is not None and not self.l3.drain():
                 raise DsakvError("L3 storage did not take the old pages in time")
             touched = True
@@ -1107,7 +1291,7 @@ class Engine:
             failed = _said(e)
         fails = gather(failed)
         if not any(fails):
-            self._weights_updated(source)
+            self._weights_updated(source, checked)
             return True
         what = f"loading {_named(source)} failed part way ({_by_rank(fails)})"
         if named:  # (nothing on disk to go back to)
@@ -1126,9 +1310,30 @@ class Engine:
             )
         return f"{what}; every rank serves {previous} again"
 
-    def _weights_updated(self, source: str | GroupUpdate | TensorUpdate) -> None:
+    def _served(self, model_config: ModelConfig) -> ModelConfig:
+        """`model_config` as served: generation_config.json's sampling defaults (what
+        requests leave out; one that is bad would fail each of them) checked, or dropped
+        under --generation-config vllm."""
+        if self.config.generation_config == "vllm":
+            return replace(model_config, sampling_defaults={})
+        if model_config.sampling_defaults:
+            SamplingParams(**model_config.sampling_defaults)
+        return model_config
+
+    def _weights_updated(
+        self, source: str | GroupUpdate | TensorUpdate, checked: Any = None
+    ) -> None:
         if isinstance(source, str):
             self.weights_path = source  # (what a failed update later goes back to)
+            # The checkpoint's token ids and sampling defaults, as a fresh engine's (the
+            # grammars' stop tokens with them).
+            from dsakv.models.loader import TOKEN_FIELDS
+
+            served = self._served(checked.config)
+            self.model_config = replace(
+                self.model_config, **{k: getattr(served, k) for k in TOKEN_FIELDS}
+            )
+            self._grammars = None
         self.__dict__.pop("model_identity", None)  # (the PD handshake's and L3's)
         if self.l3 is not None:
             # A namespace of this update's own: the identity samples a large shard, and an
@@ -1143,7 +1348,7 @@ class Engine:
         part runs even if one fails (a rank that died broke the group): the process group
         and its one-per-process claim are always released; the first error is raised after."""
         first: Exception | None = None
-        parts = [self.runner.stop]
+        parts = [self._drop_profile, self.runner.stop]
         if self.l3 is not None:
             parts.append(functools.partial(self.l3.close, self.cache))
         parts += [functools.partial(weight_sync.leave, g) for _, g in self.weight_groups.values()]
@@ -1198,7 +1403,10 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that got a token (finished ones included)."""
         with self.rank_failures(), _current_gpu(self.device):
-            return self._step()
+            out = self._step()
+            if self.profiler is not None:
+                self._profiled_step()
+            return out
 
     def _step(self) -> list[Request]:
         start = time.perf_counter()
@@ -1245,6 +1453,9 @@ class Engine:
             self.l3.flush()  # write-through: this step's new cached pages, draft KV included
         self.stats.steps += 1
         self.stats.step_time_s += time.perf_counter() - start
+        now = time.monotonic()
+        if now - self._gen_marks[1][0] >= GEN_WINDOW_S:
+            self._gen_marks = [self._gen_marks[1], (now, self.stats.output_tokens)]
         return out
 
     def _drafts(self, req: Request, n: int, end: int) -> list[int]:
@@ -1428,10 +1639,18 @@ class Engine:
         """What `req` may not pick after `output`: anything outside `allowed_token_ids`,
         then a stop token under `min_tokens` and the last token of a bad word, each unless
         nothing else is left (applied after those bans, the allowed mask gave way where they
-        had banned every allowed id, and the whole vocabulary was open)."""
+        had banned every allowed id, and the whole vocabulary was open). Before them all, the
+        end of a reasoning block past `thinking_token_budget` is forced (vLLM's, whose forced
+        token outranks them; a grammar, applied before, outranks it)."""
         p = req.params
         if not p.masked:
             return
+        if p.thinking_token_budget is not None:
+            if req.thinking is None:
+                start, end = self.think_marker_ids
+                req.thinking = ThinkingBudget(p.thinking_token_budget, start, end, req.prompt_ids)
+            if (token := req.thinking.forced(output, len(req.output_ids))) is not None:
+                allow(row, [token])
         if p.allowed_token_ids is not None:
             allow(row, p.allowed_token_ids)
         if len(output) < p.min_tokens:
@@ -1597,6 +1816,13 @@ class Engine:
                         f"{host_used} host pages used, cache holds {self.cache.num_host_pages}"
                     )
 
+    def _gen_throughput(self) -> float:
+        """Output tokens per second since the older of the last two window starts (steps
+        move them, every `GEN_WINDOW_S`): the same whoever reads it, and how often."""
+        then, before = self._gen_marks[0]
+        now = time.monotonic()
+        return (self.stats.output_tokens - before) / (now - then) if now > then else 0.0
+
     def counters(self) -> dict[str, float]:
         """A flat snapshot for /metrics and the benchmark."""
         s, sch = self.stats, self.scheduler.stats
@@ -1606,15 +1832,18 @@ class Engine:
             "pages_total": self.allocator.num_pages,
             "pages_used": self.allocator.num_used_pages,
             "pages_cached": self.cache.num_device_pages,
+            "pages_evictable": self.cache.num_evictable_pages,  # (cached, no request holds)
             "host_pages_total": self.host.num_pages if self.host else 0,
             "host_pages_used": (self.host.num_pages - self.host.num_free_pages) if self.host else 0,
             "running_requests": len(self.scheduler.running),
             # (n's forks wait for their first choice's prefill outside the scheduler)
             "waiting_requests": len(self.scheduler.waiting)
             + sum(not f.finished for r in self.requests.values() for f in r.forks),
+            "waiting_tokens": sum(len(r.prompt_ids) for r in self.scheduler.waiting),
             "peak_running_requests": sch.peak_running,
             "prompt_tokens": s.prompt_tokens,
             "output_tokens": s.output_tokens,
+            "gen_throughput": self._gen_throughput(),
             "computed_tokens": s.computed_tokens,
             "prefix_hit_tokens": sch.prefix_hit_tokens,
             "retractions": sch.retractions,
@@ -1642,6 +1871,7 @@ class Engine:
         }
 
 
+GEN_WINDOW_S = 5.0  # SGLang's last_gen_throughput: output tokens/s over 1-2 such windows
 _SCORE_ROWS = 256  # prompt rows per logits call: bounds a [rows, vocab] fp32 temporary
 
 
@@ -1710,6 +1940,9 @@ _WEIGHT_CALLS = (
     "drop_update_here",
     "join_weight_group_here",
     "leave_weight_group_here",
+    "weights_by_name_here",
+    "start_profile_here",
+    "stop_profile_here",
 )
 
 

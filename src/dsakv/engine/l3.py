@@ -12,7 +12,9 @@ bytes, elided) and queues them; a writer thread checksums and stores them. Which
 - both: pages the cache still holds when the engine closes (bounded by a timeout).
 
 A page already stored or queued (known by its hash) is not copied again; a full write
-queue drops the page (counted), it never blocks the step.
+queue drops the page (counted), it never blocks the step. A page's key is its chain hash
+(`prefix_cache`), which starts from its request's `cache_salt` (`root_hash`): a salted
+prefix is never found by a lookup of another salt, or of none.
 
 Reads. When a request is queued, its full prompt pages beyond the device/host prefix
 match are looked up in order by a reader thread, which stops at the first page that is
@@ -406,7 +408,7 @@ class L3Cache:
         # Least recently used first (a parent before its children), the stored ones only
         # marked used where that orders the store's evictions: where it must drop some to
         # stay under its cap, it drops the coldest and keeps whole chains of the hottest.
-        nodes, todo = [], deque(cache.root.children.values())
+        nodes, todo = [], deque(n for r in cache.roots.values() for n in r.children.values())
         while todo:
             nodes.append(todo.popleft())
             todo.extend(nodes[-1].children.values())

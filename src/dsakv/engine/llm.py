@@ -288,6 +288,28 @@ class LLM:
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         self.engine.leave_weight_group(group_name)
 
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang's: the first `truncate_size` rows of checkpoint tensor `name` as served
+        (fp32 nested lists, every rank's slices put together), to compare with what a
+        trainer sent (`Engine.get_weights_by_name`). A name the model lacks is an error."""
+        return self.engine.get_weights_by_name(name, truncate_size)
+
+    def start_profile(
+        self,
+        output_dir: str | None = None,
+        num_steps: int | None = None,
+        activities: Sequence[str] | None = None,
+        with_stack: bool | None = None,
+        record_shapes: bool | None = None,
+    ) -> None:
+        """SGLang's: torch.profiler over the engine's steps (every rank's) until
+        `stop_profile`, or `num_steps` steps (`Engine.start_profile`)."""
+        self.engine.start_profile(output_dir, num_steps, activities, with_stack, record_shapes)
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile; the traces written (one per rank, `.trace.json.gz`)."""
+        return self.engine.stop_profile()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses without params (vLLM's): SamplingParams' defaults, with the
         sampling fields the model's generation_config.json sets."""
@@ -302,16 +324,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt: text, token ids (ints, or a 1-D numpy integer array), or
-        vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`; one `params` for all, or one
-        per prompt (by keyword `params` or vLLM's `sampling_params`). Outputs come back in
-        input order; `use_tqdm` (vLLM's default, on) shows a progress bar on stderr."""
+        vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (with vLLM's `"cache_salt"`:
+        it shares prefix-cache pages only with prompts of the same salt); one `params` for
+        all, or one per prompt (by keyword `params` or vLLM's `sampling_params`). Outputs come
+        back in input order; `use_tqdm` (vLLM's default, on) shows a progress bar on stderr."""
         if not self._close.alive:
             raise DsakvError("this LLM was closed; make a new one")
         params = _params_or_vllms(params, sampling_params)
-        prompts = _as_prompt_list(prompts)
+        listed = _listed_prompts(prompts)
+        salts = [_prompt_salt(p) for p in listed]
+        prompts = [_one_prompt(p) for p in listed]
         if params is None:
             params = self.get_default_sampling_params()
         plist = _as_params_list(params, len(prompts))
+        plist = [
+            sp if s is None else dataclasses.replace(sp, cache_salt=s)
+            for sp, s in zip(plist, salts)
+        ]
         groups: list[list[Request]] = []
         reqs: list[Request] = []
         try:
@@ -406,20 +435,31 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensProm
 PROMPT_KINDS = "a string, a list of int token ids, or a dict with 'prompt' or 'prompt_token_ids'"
 
 
-def _as_prompt_list(prompts: object) -> list[str | list[int]]:
-    """One prompt or a list of them, as vLLM takes them (a str or dict is one prompt; so
-    is a list of ints, dsakv's own shorthand), each as text or token ids. Anything else
-    is refused here: bytes and bools would otherwise pass for token ids, and a dict for
-    a list of its keys."""
+def _listed_prompts(prompts: object) -> list:
+    """One prompt or a list of them (any iterable, read once), as vLLM takes them (a str
+    or dict is one prompt; so is a list of ints, dsakv's own shorthand). Anything else is
+    refused here: bytes and bools would otherwise pass for token ids, and a dict for a
+    list of its keys."""
     if isinstance(prompts, (str, Mapping, np.ndarray)) or _all_ints(prompts):
-        return [_one_prompt(prompts)]
+        return [prompts]
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
         raise DsakvError(
             f"prompts must be a prompt ({PROMPT_KINDS}) or a list of them, "
             f"got {reprlib.repr(prompts)}",
             "prompts",
         )
-    return [_one_prompt(p) for p in prompts]
+    return list(prompts)
+
+
+def _prompt_salt(prompt: object) -> str | None:
+    """A prompt's `cache_salt` (vLLM's prompt dict key; None: its params' own), or a
+    `DsakvError` for one that is not a non-empty string."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise DsakvError(
+            f"'cache_salt' must be a non-empty string, got {reprlib.repr(salt)}", "prompts"
+        )
+    return salt
 
 
 def _all_ints(x: object) -> bool:
@@ -432,10 +472,10 @@ def _one_prompt(p: object) -> str | list[int]:
     """One prompt as text or token ids; a prompt dict is unwrapped first."""
     if isinstance(p, Mapping):
         keys = [k for k in PROMPT_KEYS if k in p]
-        if len(keys) != 1 or len(p) != 1:
+        if len(keys) != 1 or len(p) != 1 + ("cache_salt" in p):
             raise DsakvError(
-                "a prompt dict has one key, 'prompt' (text) or 'prompt_token_ids', "
-                f"got keys {sorted(map(str, p))}",
+                "a prompt dict has one key, 'prompt' (text) or 'prompt_token_ids', and "
+                f"optionally 'cache_salt', got keys {sorted(map(str, p))}",
                 "prompts",
             )
         p = p[keys[0]]

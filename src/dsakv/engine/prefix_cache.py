@@ -9,6 +9,11 @@ Each node also carries `hash`, a digest of every token from the start of the seq
 the end of its page (a hash chain over pages): the name of that page's KV anywhere outside
 this tree, e.g. in the L3 storage tier (`dsakv.engine.l3`), which this cache tells about
 pages it adopts (`adopted`) and pages about to leave it for good (`leaving`).
+
+A request's `cache_salt` (vLLM's; SGLang's `extra_key`) picks the tree it shares: each salt
+has its own root, whose hash starts the chain (`root_hash`), so requests with different
+salts (or one salted, one not) never share a page: not on the device, not in the host
+tier, not in L3, whose keys are the chain's hashes.
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ if TYPE_CHECKING:  # (l3 imports this module)
 
 _clock = itertools.count()
 ROOT_HASH = b"\0" * 16
+
+
+def root_hash(salt: str | None) -> bytes:
+    """The hash a chain starts from: `ROOT_HASH` unsalted (L3 keys stored before salts
+    existed still match), else a digest of the salt."""
+    if salt is None:
+        return ROOT_HASH
+    data = b"dsakv-cache-salt\0" + salt.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).digest()[:16]
 
 
 def page_hash(parent: bytes, key: Sequence[int]) -> bytes:
@@ -56,6 +70,7 @@ class Node:
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = field(default_factory=lambda: next(_clock))
+    stale: bool = False  # out of the tree since `retire`: freed when its last lock goes
 
 
 class PrefixCache:
@@ -67,18 +82,25 @@ class PrefixCache:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.host = host
-        self.root = Node((), None)
+        self.root = Node((), None)  # the unsalted tree's; a salted one's is in `roots`
+        self.roots: dict[bytes, Node] = {ROOT_HASH: self.root}  # by `root_hash`
         self.num_device_pages = 0  # pages the tree holds on the device
         self.num_host_pages = 0
         self.demoted_pages = 0  # to the host tier on eviction; promoted: back on a hit
         self.promoted_pages = 0
         self.l3 = l3  # the storage tier, told about pages coming and going
+        # Weights the KV is computed with: `retire` counts each update; a request's KV from
+        # an earlier epoch (`Request.kv_epoch`) never joins the tree.
+        self.epoch = 0
 
     # --- lookups ---------------------------------------------------------------------------
 
-    def match(self, tokens: list[int], max_pages: int) -> list[Node]:
-        """Nodes for the longest cached page-aligned prefix of `tokens` (≤ `max_pages`)."""
-        node, out, tick = self.root, [], next(_clock)
+    def match(self, tokens: list[int], max_pages: int, root: bytes = ROOT_HASH) -> list[Node]:
+        """Nodes for the longest cached page-aligned prefix of `tokens` (≤ `max_pages`) in
+        the tree of `root` (a salt's `root_hash`)."""
+        node, out, tick = self.roots.get(root), [], next(_clock)
+        if node is None:
+            return out
         ps = self.page_size
         for i in range(min(max_pages, len(tokens) // ps)):
             child = node.children.get(tuple(tokens[i * ps : (i + 1) * ps]))
@@ -98,6 +120,10 @@ class PrefixCache:
             if n.lock_ref <= 0:
                 raise AssertionError("unlock of an unlocked prefix-cache node")
             n.lock_ref -= 1
+            if n.stale and not n.lock_ref:
+                self.allocator.free([n.page])
+                n.page = None
+                self.num_device_pages -= 1
 
     def promote(self, nodes: list[Node]) -> None:
         """Bring host-resident nodes back to device pages (nodes must be locked)."""
@@ -115,14 +141,19 @@ class PrefixCache:
 
     # --- insertion -------------------------------------------------------------------------
 
-    def insert(self, tokens: list[int], pages: list[int], start: int = 0) -> list[Node]:
-        """Adopt the full pages of `tokens`; pages already cached are freed as duplicates.
+    def insert(
+        self, tokens: list[int], pages: list[int], start: int = 0, root: bytes = ROOT_HASH
+    ) -> list[Node]:
+        """Adopt the full pages of `tokens` into the tree of `root` (a salt's `root_hash`);
+        pages already cached are freed as duplicates.
 
         `pages[i]` holds tokens of page i; pages before `start` are already tree nodes (the
         caller's locked prefix). Returns the path of nodes covering every full page.
         """
         ps = self.page_size
-        node, path, tick = self.root, [], next(_clock)
+        if root not in self.roots and len(tokens) >= ps:
+            self.roots[root] = Node((), None, hash=root)
+        node, path, tick = self.roots.get(root), [], next(_clock)
         duplicates: list[int] = []
         for i in range(len(tokens) // ps):
             key = tuple(tokens[i * ps : (i + 1) * ps])
@@ -224,13 +255,26 @@ class PrefixCache:
         alike. Nothing is demoted to the host on the way out (SGLang's /flush_cache and
         vLLM's /reset_prefix_cache drop, they do not offload); L3 still gets each page's
         last copy (`leaving`), as on eviction."""
-        stack = list(self.root.children.values())
+        stack = [n for r in list(self.roots.values()) for n in r.children.values()]
         while stack:
             n = stack.pop()
             if n.lock_ref:
                 stack.extend(n.children.values())
             else:
                 self._drop_subtree(n)  # nothing below is locked: a lock covers a root path
+
+    def retire(self) -> None:
+        """`reset` for a weight update: the pages requests still lock (paused ones', their KV
+        the old weights') stay theirs but leave the tree too, so that no request admitted
+        from now on matches them; each is freed when its last lock goes. Nothing reaches
+        L3, which takes no update under paused requests."""
+        self.reset()
+        stack = list(self._nodes())  # (all locked: `reset` left no other)
+        for n in stack:
+            n.stale = True
+        self.root.children = {}
+        self.roots = {ROOT_HASH: self.root}
+        self.epoch += 1
 
     def _drop_subtree(self, top: Node) -> None:
         """Detach `top` with every node below it (none locked), freeing their device and host
@@ -250,11 +294,14 @@ class PrefixCache:
                 self.num_host_pages -= 1
             stack.extend(n.children.values())
             n.children = {}
-        if top.parent is not None:
-            top.parent.children.pop(top.key, None)
+        parent = top.parent
+        if parent is not None:
+            parent.children.pop(top.key, None)
+            if not parent.children and parent is not self.root and parent.parent is None:
+                self.roots.pop(parent.hash, None)  # a salt's last page: its root goes too
 
     def _nodes(self):
-        stack = list(self.root.children.values())
+        stack = [n for r in self.roots.values() for n in r.children.values()]
         while stack:
             n = stack.pop()
             yield n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -10,7 +11,8 @@ from typing import Any
 
 import torch
 
-from .sampling import SamplingParams
+from .prefix_cache import root_hash
+from .sampling import SamplingParams, ThinkingBudget
 
 _ids = itertools.count()
 
@@ -80,6 +82,7 @@ class Request:
     status: Status = Status.WAITING
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # positions whose KV is in the pool
+    kv_epoch: int = 0  # the weights its first KV was computed with (`PrefixCache.epoch`)
     prefix_nodes: list = field(default_factory=list)
     host_slots: torch.Tensor | None = None
     finish_reason: str | None = None
@@ -102,6 +105,7 @@ class Request:
     bad_words_ids: list[list[int]] = field(default_factory=list)  # (`bad_word_ids`)
     prompt_mask: torch.Tensor | None = field(default=None, repr=False)  # (`_prompt_mask`)
     bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (`_bias`)
+    thinking: ThinkingBudget | None = field(default=None, repr=False)  # (`_restrict`)
     stop_floor: int = 0  # a stop string counts only where it ends past this text offset
     error: str | None = None  # why it failed, where it alone did (finish_reason "error")
 
@@ -116,6 +120,11 @@ class Request:
         if start >= p:
             return self.output_ids[start - p : stop - p]
         return self.all_ids[start:stop]
+
+    @functools.cached_property
+    def cache_root(self) -> bytes:
+        """The prefix-cache tree it shares, by its `cache_salt` (`root_hash`)."""
+        return root_hash(self.params.cache_salt)
 
     @property
     def seq_len(self) -> int:

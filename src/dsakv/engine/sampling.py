@@ -80,6 +80,12 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     # vLLM's: keep only the prompt's last N tokens (-1: as many as the context leaves room)
     truncate_prompt_tokens: int | None = None
+    # vLLM's (a prompt's, there; SGLang's extra_key): requests share prefix-cache pages only
+    # with requests of the same salt, or none; the host tier's and L3's too
+    cache_salt: str | None = None
+    # vLLM's: at most this many tokens inside the reasoning block (`ThinkingBudget`); -1 is
+    # None, unlimited
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -97,6 +103,8 @@ class SamplingParams:
             object.__setattr__(self, "top_k", -1)
         if self.seed == -1 and is_int(self.seed):  # vLLM's "unseeded"
             object.__setattr__(self, "seed", None)
+        if self.thinking_token_budget == -1 and is_int(self.thinking_token_budget):
+            object.__setattr__(self, "thinking_token_budget", None)
         if self.logprobs is True:  # vLLM's: the sampled token and the likeliest
             object.__setattr__(self, "logprobs", 1)
         bias = self.logit_bias
@@ -200,6 +208,15 @@ class SamplingParams:
                 "truncate_prompt_tokens must be -1 or an integer >= 1",
             ),
             (
+                self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+                "cache_salt must be a non-empty string",
+            ),
+            (
+                self.thinking_token_budget is None
+                or (is_int(self.thinking_token_budget) and self.thinking_token_budget >= 0),
+                "thinking_token_budget must be an integer >= 0, or -1 (unlimited)",
+            ),
+            (
                 self.prompt_logprobs is None
                 or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                 "prompt_logprobs must be in 0..20",
@@ -269,8 +286,13 @@ class SamplingParams:
     @property
     def masked(self) -> bool:
         """Whether `Engine._restrict` takes tokens away: stops under `min_tokens`, bad
-        words, or all but `allowed_token_ids`."""
-        return bool(self.min_tokens or self.bad_words or self.allowed_token_ids is not None)
+        words, all but `allowed_token_ids`, or all but a forced end of the reasoning."""
+        return bool(
+            self.min_tokens
+            or self.bad_words
+            or self.allowed_token_ids is not None
+            or self.thinking_token_budget is not None
+        )
 
     @property
     def penalized(self) -> bool:
@@ -491,3 +513,66 @@ def ban(row: torch.Tensor, token_ids: Sequence[int]) -> None:
     row[ids] = -math.inf
     if not bool(torch.isfinite(row).any()):
         row[ids] = kept
+
+
+# The reasoning block's markers: both reasoning parsers' (GLM-4.5/5's, DeepSeek-V3's)
+THINK_MARKERS = ("<think>", "</think>")
+
+
+class ThinkingBudget:
+    """vLLM's thinking_token_budget for one request. Tokens after the reasoning block's
+    start marker are counted (from the prompt's, where the prompt left a block open: GLM's
+    and DeepSeek-V3.2's templates end with `<think>` when thinking); once `budget` of them
+    are out, the end marker's tokens are forced one by one. After the block closes nothing
+    is forced again. A pure function of the prompt and the output (so an MTP draft row is
+    forced as the plain step would be); the committed output is scanned once, a row's
+    drafts on a copy of that state."""
+
+    def __init__(
+        self, budget: int, start: Sequence[int], end: Sequence[int], prompt: Sequence[int]
+    ) -> None:
+        self.budget, self.start, self.end = budget, tuple(start), tuple(end)
+        self._keep = max(len(self.start), len(self.end))
+        opened, closed = _last_index(prompt, self.start), _last_index(prompt, self.end)
+        # (phase, tokens in the block, last tokens): phase 0 before the block, 1 in, 2 after
+        if opened >= 0 and opened > closed:
+            self._state = (1, len(prompt) - opened - len(self.start), ())
+        else:
+            self._state = (0, 0, ())
+        # where forcing starts: a prompt past the budget already is forced at once
+        self._cut = max(budget, self._state[1])
+        self._seen = 0  # output tokens in `_state`
+
+    def forced(self, output: Sequence[int], committed: int) -> int | None:
+        """The token `output` must be followed by (None: any), where its first `committed`
+        tokens are the request's output and the rest drafts."""
+        if self._seen < committed:
+            self._state = self._advance(self._state, output[self._seen : committed])
+            self._seen = committed
+        phase, count, _ = self._advance(self._state, output[committed:])
+        if phase != 1 or count < self._cut:
+            return None
+        return self.end[(count - self._cut) % len(self.end)]
+
+    def _advance(self, state: tuple, tokens: Sequence[int]) -> tuple:
+        phase, count, tail = state
+        for t in tokens:
+            if phase == 2:
+                break
+            tail = (*tail, t)[-self._keep :]
+            if phase == 1:
+                count += 1
+                if tail[-len(self.end) :] == self.end:
+                    phase = 2
+            elif tail[-len(self.start) :] == self.start:
+                phase, count = 1, 0
+        return phase, count, tail
+
+
+def _last_index(seq: Sequence[int], marker: Sequence[int]) -> int:
+    """Where `marker` last starts in `seq` (-1: nowhere)."""
+    n = len(marker)
+    for i in range(len(seq) - n, -1, -1):
+        if seq[i] == marker[0] and tuple(seq[i : i + n]) == marker:
+            return i
+    return -1

@@ -15,7 +15,7 @@ from typing import Any
 from dsakv.memory.allocator import OutOfPages, PageAllocator, ReqToTokenTable, page_slots
 from dsakv.memory.host import HostPool
 
-from .prefix_cache import ROOT_HASH, PrefixCache
+from .prefix_cache import PrefixCache
 from .request import Request, Status
 
 
@@ -77,8 +77,8 @@ class Scheduler:
         if self.l3 is None or not self.config.enable_prefix_cache:
             return
         max_pages = self._hit_pages(req, req.seq_len)
-        nodes = self.cache.match(req.all_ids, max_pages)
-        parent = nodes[-1].hash if nodes else ROOT_HASH
+        nodes = self.cache.match(req.all_ids, max_pages, req.cache_root)
+        parent = nodes[-1].hash if nodes else req.cache_root
         self.l3.prefetch(req.rid, req.all_ids, len(nodes), parent, max_pages)
 
     def has_work(self) -> bool:
@@ -163,9 +163,10 @@ class Scheduler:
             self.host.free(req.host_slots)
             req.host_slots = None
         keep = 0
-        if self.config.enable_prefix_cache and req.pages and req.finish_reason != "abort":
+        if self._caches(req) and req.pages and req.finish_reason != "abort":
             tokens = req.all_ids[: req.num_computed]
-            keep = len(self.cache.insert(tokens, req.pages, start=req.num_cached_pages))
+            path = self.cache.insert(tokens, req.pages, req.num_cached_pages, req.cache_root)
+            keep = len(path)
         private = req.pages[max(keep, req.num_cached_pages) :]
         self.cache.unlock(req.prefix_nodes)
         if private:
@@ -199,6 +200,7 @@ class Scheduler:
             return False
         if not self.reserve(req, tokens):
             return False
+        req.kv_epoch = self.cache.epoch
         if self.hot is not None:
             self.hot.admit_detached(req)  # the latent arrives in host memory
         self.parked[req.rid] = req
@@ -223,10 +225,10 @@ class Scheduler:
         requests arriving while it still decodes can hit them. The request keeps using the
         tree's pages (locked); where another request already cached the same tokens, its own
         duplicate page is freed and it switches to the cached one."""
-        if not self.config.enable_prefix_cache:
+        if not self._caches(req):
             return
         path = self.cache.insert(
-            req.all_ids[: req.num_computed], req.pages, start=req.num_cached_pages
+            req.all_ids[: req.num_computed], req.pages, req.num_cached_pages, req.cache_root
         )
         if len(path) <= req.num_cached_pages:
             return
@@ -236,6 +238,12 @@ class Scheduler:
         self.req_to_token.release(req.rid)
         req.pages = []
         self._add_pages(req, pages)
+
+    def _caches(self, req: Request) -> bool:
+        """Whether `req`'s pages may join the prefix cache: not where weights updated since
+        its KV was first computed (paused through the update: that KV is the old weights',
+        or mixed), which then serves that request alone."""
+        return self.config.enable_prefix_cache and req.kv_epoch == self.cache.epoch
 
     def retract(self, req: Request) -> None:
         """Give up a running request's pages; it resumes later from the host or by recompute."""
@@ -313,7 +321,7 @@ class Scheduler:
             req = self.waiting[0]
             if self.l3 is not None:
                 start = self.l3.starts_at(req.rid)
-                lost = start and len(self.cache.match(req.all_ids, start)) < start
+                lost = start and len(self.cache.match(req.all_ids, start, req.cache_root)) < start
                 if lost and req.host_slots is None:
                     self._prefetch(req)  # the cache lost pages since: L3 may still hold them
                 if not self.l3.ready(req.rid, idle=not self.running):
@@ -356,7 +364,7 @@ class Scheduler:
         end = req.seq_len if self.hot is None else self.hot.prefill_end(req)
         max_pages = self._hit_pages(req, end)
         if self.config.enable_prefix_cache:
-            nodes = self.cache.match(req.all_ids, max_pages)
+            nodes = self.cache.match(req.all_ids, max_pages, req.cache_root)
         stored = self.l3.pages_for(req.rid, len(nodes)) if self.l3 is not None else []
         stored = stored[: max(0, max_pages - len(nodes))]
         hit = (len(nodes) + len(stored)) * self.config.page_size
@@ -375,6 +383,7 @@ class Scheduler:
             self._add_pages(req, [x.page for x in nodes])
             req.prefix_nodes = nodes
             req.num_computed = hit
+            req.kv_epoch = self.cache.epoch
             if not self.reserve(req, hit + n):
                 raise OutOfPages("admission")
             if self.l3 is not None:  # L3 pages are the request's own, as if computed

@@ -247,7 +247,8 @@ class MTPDrafter:
         full = req.num_computed // ps
         if start // ps >= full:
             return []
-        nodes = self.scheduler.cache.match(req.ids(0, full * ps), full)[start // ps :]
+        ids = req.ids(0, full * ps)
+        nodes = self.scheduler.cache.match(ids, full, req.cache_root)[start // ps :]
         self.scheduler.cache.lock(nodes)
         return nodes
 

@@ -39,7 +39,13 @@ from dsakv.config.checkpoint import (
 )
 from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import DsakvError
-from dsakv.kernels.torch_ops import WEIGHT_BLOCK, pack_fp8, packed_width, unpacked_width
+from dsakv.kernels.torch_ops import (
+    WEIGHT_BLOCK,
+    pack_fp8,
+    packed_width,
+    unpack_fp8,
+    unpacked_width,
+)
 from dsakv.memory import allocation_failed
 
 from .dsa import DSAForCausalLM, keep_fp32, store_matrices
@@ -149,11 +155,11 @@ def _meta_model(
     return model
 
 
-# config.json fields a weight update may change: how the weights are stored (checked
-# weight by weight) and the tokens' ids; every other field shapes the model or its math.
-_UPDATABLE = frozenset(
-    {"dtype", "quantization_config", "bos_token_id", "eos_token_ids", "sampling_defaults"}
-)
+# Config fields a weight update may change: how the weights are stored (checked weight by
+# weight) and the tokens' ids and sampling defaults (the engine takes the new ones); every
+# other field shapes the model or its math.
+TOKEN_FIELDS = ("bos_token_id", "eos_token_ids", "sampling_defaults")
+_UPDATABLE = frozenset({"dtype", "quantization_config", *TOKEN_FIELDS})
 
 
 @dataclass(frozen=True)
@@ -210,8 +216,7 @@ def check_tensors(
     skipped (shared layers' indexers, another rank's experts, a draft layer the engine does
     not run), and so are the MTP layer's vocab copies the model shares with the target."""
     filler = _Filler(model, model.config, model.plan)
-    n = model.config.num_hidden_layers
-    shared = {f"model.layers.{n}.{p}.weight" for p in VOCAB_COPIES} - set(filler.targets)
+    shared = _shared_copies(model, filler)
     out, seen = [], set()
     for name, tensor in named:
         if name in seen:
@@ -246,6 +251,67 @@ def load_tensors(checked: list[tuple[str, _Piece, torch.Tensor]]) -> None:
     """Copy what `check_tensors` passed into the model (cast to each weight's dtype)."""
     for name, piece, tensor in checked:
         _copy(name, piece.dest, tensor[piece.index].to(piece.dest.device))
+
+
+# (checkpoint tensor's shape, [(where in it, fp32 values on the host)]): a rank's share
+Held = tuple[tuple[int, ...], list[tuple[tuple[slice, ...], torch.Tensor]]]
+
+
+def held_rows(model: DSAForCausalLM, name: str, rows: int) -> Held | None:
+    """What this rank holds of checkpoint tensor `name` (the names updates take:
+    `check_tensors`' pieces read the other way), within its first `rows` rows, in fp32 on
+    the host (packed FP8 blocks dequantized); None where it holds none (another rank's
+    experts). The tied head and the MTP layer's shared vocab copies read the tensor they
+    share; a tensor the load skips is an error saying why."""
+    filler = _Filler(model, model.config, model.plan)
+    if model.num_draft_layers and name in _shared_copies(model, filler):
+        target = VOCAB_COPIES[name.split(".", 3)[3].removesuffix(".weight")]
+        name = f"{target}.weight"
+    if model.config.tie_word_embeddings and name == "lm_head.weight":
+        name = "model.embed_tokens.weight"
+    if filler._skip(name):
+        if filler.skipped["draft"]:
+            raise DsakvError(f"{name} is the MTP layer's, which this engine does not run")
+        if filler.skipped["indexer"]:
+            raise DsakvError(
+                f"{name} is not loaded: its layer shares another's indexer "
+                f"(plan {model.plan.pattern})"
+            )
+        raise DsakvError(f"{name} is not among the served weights")
+    pieces = filler._pieces(name)
+    if filler.unexpected:
+        weight = name.removesuffix("_scale_inv")
+        if weight != name and (weight in filler.targets or _EXPERT.match(weight)):
+            raise DsakvError(f"{name} is an FP8 block scale: its weight reads back dequantized")
+        raise DsakvError(f"the model has no tensor {name} (a checkpoint tensor name)")
+    out = []
+    for piece in pieces:
+        first = piece.index[0]
+        start = first.start or 0
+        keep = min(piece.shape[0] if first.stop is None else first.stop, rows) - start
+        if keep <= 0:
+            continue
+        values = piece.dest.detach()[:keep]
+        values = unpack_fp8(values) if values.dtype == torch.uint8 else values.float()
+        out.append(((slice(start, start + keep), *piece.index[1:]), values.cpu()))
+    return (pieces[0].shape, out) if pieces else None
+
+
+def first_rows(shares: list[Held | None], rows: int) -> torch.Tensor:
+    """Checkpoint tensor's first `rows` rows, from every rank's `held_rows`."""
+    held = [h for h in shares if h is not None]
+    shape = held[0][0]
+    out = torch.zeros(min(rows, shape[0]), *shape[1:])
+    for _, parts in held:
+        for index, values in parts:
+            out[index] = values
+    return out
+
+
+def _shared_copies(model: DSAForCausalLM, filler: _Filler) -> set[str]:
+    """The MTP layer's vocab copies the model does not hold: it reads the target's."""
+    n = model.config.num_hidden_layers
+    return {f"model.layers.{n}.{p}.weight" for p in VOCAB_COPIES} - set(filler.targets)
 
 
 def _same_architecture(served: ModelConfig, new: ModelConfig, path: Path) -> None:

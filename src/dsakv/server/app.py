@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 import secrets
 import threading
 import time
@@ -32,7 +33,15 @@ from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
 from dsakv.engine.sampling import SEED_MAX, SEED_MIN
 from dsakv.errors import DsakvError
 
-from .chat import ChatParsers, PreparedChat, chat_delta, chat_message, prepare_chat
+from .chat import (
+    ChatParsers,
+    PreparedChat,
+    chat_delta,
+    chat_message,
+    echo_content,
+    prepare_chat,
+    reply_role,
+)
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
@@ -72,6 +81,9 @@ _ENDPOINTS = (
     "/update_weight_version",
     "/pause_generation",
     "/continue_generation",
+    "/pause",
+    "/resume",
+    "/is_paused",
     "/flush_cache",
     "/reset_prefix_cache",
     "/v1/models",
@@ -79,7 +91,12 @@ _ENDPOINTS = (
     "/version",
     "/tokenize",
     "/detokenize",
+    "/v1/tokenize",
+    "/v1/detokenize",
     "/health",
+    "/ping",
+    "/get_load",
+    "/load",
     "/health_generate",
     "/metrics",
     "/model_info",
@@ -90,6 +107,9 @@ _ENDPOINTS = (
 # Routes open without the API key: probes and scrapers (`build_app`).
 _OPEN = (
     "/health",
+    "/ping",
+    "/get_load",
+    "/load",
     "/health_generate",
     "/version",
     "/metrics",
@@ -138,11 +158,35 @@ def build_app(
         chat_parsers = ChatParsers.for_model(async_engine.engine.model_config.model_type)
     api = Handlers(async_engine, names, metrics, chat_parsers, aliases)
 
-    @app.get("/health")
     async def health() -> Response:
         if not async_engine.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # (vLLM's, SageMaker's)
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        """SGLang's: the load on each DP rank (this engine's, as one)."""
+        c = await async_engine.counters() or {}
+        running, waiting = int(c.get("running_requests", 0)), int(c.get("waiting_requests", 0))
+        # SGLang's: the tokens requests hold (not the prefix cache's evictable pages), and
+        # those the waiting ones will
+        held = int(c.get("pages_used", 0)) - int(c.get("pages_evictable", 0))
+        tokens = held * async_engine.engine.config.page_size + int(c.get("waiting_tokens", 0))
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": running + waiting,
+                "num_waiting_reqs": waiting,
+                "num_tokens": tokens,
+            }
+        ]
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:  # (vLLM's: the generation requests in flight)
+        return {"server_load": api.in_flight.count}
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
@@ -187,13 +231,15 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await api.chat(body, raw)
 
-    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         return await asyncio.to_thread(api.tokenize, body)  # (10 MB held every route 10 s)
 
-    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await asyncio.to_thread(api.detokenize, body)
+
+    for prefix in ("", "/v1"):  # (SGLang's /v1 names too)
+        app.add_api_route(f"{prefix}/tokenize", tokenize, methods=["POST"])
+        app.add_api_route(f"{prefix}/detokenize", detokenize, methods=["POST"])
 
     # SGLang's /flush_cache and vLLM's /reset_prefix_cache (benchmarks call them between runs)
     app.add_api_route("/flush_cache", api.flush_cache, methods=["GET", "POST"])
@@ -306,14 +352,14 @@ class InFlight:
         self._idle = asyncio.Event()  # set while no call is in flight
         self._idle.set()
 
-    def open(self, names: Iterable[Iterable[str]]) -> _Call:
+    def open(self, names: Iterable[Iterable[str]], param: str = "rid") -> _Call:
         """A call for outputs named `names` (outputs of one prompt share its rid); a name
-        already in flight is a 400, as SGLang's."""
+        already in flight is a 400, as SGLang's (`param`: the field that named it)."""
         call = _Call([frozenset(x) for x in names])
         taken = set().union(*call.names)
         for name in sorted(taken):
             if name in self._named:
-                raise APIError(400, f"Duplicate request ID detected: {name}", param="rid")
+                raise APIError(400, f"Duplicate request ID detected: {name}", param=param)
         self._calls.add(call)
         self._named.update(dict.fromkeys(taken, call))
         self._idle.clear()
@@ -327,6 +373,11 @@ class InFlight:
             del self._named[name]
         if not self._calls:
             self._idle.set()
+
+    @property
+    def count(self) -> int:
+        """Calls in flight (vLLM's /load)."""
+        return len(self._calls)
 
     async def drained(self) -> None:
         """Until no call is in flight."""
@@ -439,11 +490,15 @@ class Handlers:
         scored = body.prompt_logprobs is not None or (echo and body.logprobs is not None)
         if body.prompt_logprobs is None and echo and body.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+        if body.truncation_side == "right":
+            cut = [await self._first_tokens(p, params, body.add_special_tokens) for p in prompts]
+            prompts, params = cut, dataclasses.replace(params, truncate_prompt_tokens=None)
         given = "max_tokens" if body.max_tokens is not None else None
         count = len(prompts)
+        named = _request_id(body, raw)
         await self.weights_ready()
         # Opened before the grammar compiles: an abort meanwhile ends it once compiled
-        call = self.in_flight.open([()] * (count * n))  # (no rid: abort_all reaches it)
+        call = self.in_flight.open([_names(named)] * (count * n), "request_id")
         try:
             params = await self._ready_grammar(params, _grammar_field(body))
             streams = await self._submit_all(
@@ -461,10 +516,13 @@ class Handlers:
         keep = params.truncate_prompt_tokens
         if keep is not None and keep <= 0:  # (-1: as many as the context leaves room for)
             keep = self.engine.engine.max_model_len - 1
+        as_ids = bool(body.return_tokens_as_token_ids)
         choices = [
-            _CompletionChoice(i, s, prompts[i // n], echo, keep) for i, s in enumerate(streams)
+            _CompletionChoice(i, s, prompts[i // n], echo, keep, as_ids)
+            for i, s in enumerate(streams)
         ]
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        base = named or uuid.uuid4().hex
+        rid, created = f"cmpl-{base}", int(time.time())
         head = {
             "id": rid,
             "object": "text_completion",
@@ -503,7 +561,7 @@ class Handlers:
                 if usage:
                     yield _sse({**head, "choices": [], "usage": _usage(totals)})
 
-            return self._stream_response(events(), streams, call)
+            return self._stream_response(events(), streams, call, _id_header(base))
 
         results = await self._collect_all(streams, raw, call)
         out = []
@@ -525,14 +583,19 @@ class Handlers:
             completion_tokens=sum(r.completion_tokens for r in results),
             cached_tokens=sum(r.cached_tokens for r in results[::n]),
         )
-        return JSONResponse({**head, "choices": out, "usage": _usage(total)})
+        answer = {**head, "choices": out, "usage": _usage(total)}
+        return JSONResponse(answer, headers=_id_header(base))
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        run = await self.start_chat(body, raw)
+        named = _request_id(body, raw)
+        run = await self.start_chat(body, raw, named)
         prep, streams, call, n = run.prep, run.streams, run.call, len(run.streams)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         ids, thinking = bool(body.return_token_ids), body.include_reasoning is not False
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        as_ids = bool(body.return_tokens_as_token_ids)
+        echo, role = echo_content(body), reply_role(body)
+        base = named or uuid.uuid4().hex
+        rid, created = f"chatcmpl-{base}", int(time.time())
         head = {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -545,25 +608,39 @@ class Handlers:
 
             async def events() -> AsyncIterator[str]:
                 for i in range(n):
-                    role = {
+                    opening = {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": role, "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
                     }
                     start = _Result(prompt_tokens=streams[i].prompt_tokens)  # no tokens yet
                     first = {"prompt_token_ids": run.prompt_ids} if i == 0 and ids else {}
-                    chunk = {**head, **first, "choices": [role]}
+                    chunk = {**head, **first, "choices": [opening]}
+                    yield _sse({**chunk, **_chunk_usage(usage, running, start)})
+                for i in range(n if echo else 0):  # (vLLM's: after the role chunks)
+                    said = {"index": i, "delta": {"content": echo}, "logprobs": None}
+                    start = _Result(prompt_tokens=streams[i].prompt_tokens)
+                    chunk = {**head, "choices": [{**said, "finish_reason": None}]}
                     yield _sse({**chunk, **_chunk_usage(usage, running, start)})
                 parsers = [prep.output_parser() for _ in range(n)]  # one per choice
+                held = [""] * n  # SGLang's stream_reasoning false: each one's, until over
                 totals = _Result()
                 async for i, u in self._merged(streams):
                     parser = parsers[i]
                     cut = _reason(u) == "length"
-                    delta = chat_delta(parser.feed(u.text, final=u.finished, cut=cut), thinking)
+                    d = parser.feed(u.text, final=u.finished, cut=cut)
+                    if body.stream_reasoning is False:
+                        held[i] += d.reasoning
+                        r = parser.reasoning_parser
+                        if u.finished or r is None or r.done:
+                            d, held[i] = dataclasses.replace(d, reasoning=held[i]), ""
+                        else:
+                            d = dataclasses.replace(d, reasoning="")
+                    delta = chat_delta(d, thinking)
                     if not (delta or u.finished or ((top_n is not None or ids) and u.token_ids)):
                         continue  # held-back text and nobody wants the tokens yet
-                    lp = _chat_logprobs(u) if top_n is not None else None
+                    lp = _chat_logprobs(u, as_ids) if top_n is not None else None
                     if not (delta or u.finished):
                         delta = {"content": ""}
                     reason = prep.finish_reason(parser, _reason(u))
@@ -584,18 +661,23 @@ class Handlers:
                 if usage:
                     yield _sse({**head, "choices": [], "usage": _usage(totals)})
 
-            return self._stream_response(events(), streams, call)
+            return self._stream_response(events(), streams, call, _id_header(base))
 
         results = await self._collect_all(streams, raw, call)
         choices = []
         for i, r in enumerate(results):  # n choices of one prompt
             parser = prep.output_parser()
             parser.feed(r.text, final=True, cut=r.finish_reason == "length")
+            message = {**chat_message(parser, thinking), "role": role}
+            if echo:
+                message["content"] = echo + (message["content"] or "")
             choices.append(
                 {
                     "index": i,
-                    "message": chat_message(parser, thinking),
-                    "logprobs": _chat_logprobs(r.as_update()) if top_n is not None else None,
+                    "message": message,
+                    "logprobs": (
+                        _chat_logprobs(r.as_update(), as_ids) if top_n is not None else None
+                    ),
                     "finish_reason": prep.finish_reason(parser, r.finish_reason),
                     "stop_reason": r.stop_reason,
                     **({"token_ids": r.token_ids} if ids else {}),
@@ -611,18 +693,18 @@ class Handlers:
             out["prompt_logprobs"] = _prompt_logprobs(results[0].as_update())
         if ids:
             out["prompt_token_ids"] = results[0].as_update().prompt_token_ids
-        return JSONResponse(out)
+        return JSONResponse(out, headers=_id_header(base))
 
-    async def start_chat(self, body: ChatCompletionRequest, raw: Request) -> ChatRun:
+    async def start_chat(
+        self, body: ChatCompletionRequest, raw: Request, name: str | None = None
+    ) -> ChatRun:
         """A chat request's prompt rendered (tools, reasoning: `prepare_chat`) and its `n`
         choices handed to the engine: what /v1/chat/completions and /v1/responses share.
         The caller owns the run's streams and call from here (`_collect_all`,
-        `_stream_response`)."""
+        `_stream_response`). `name`: the client's request id (`_request_id`)."""
         self._check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if body.echo:  # (vLLM's chat echo: the last message prepended to a reply in its role)
-            raise APIError(400, "echo is not supported on chat completions", param="echo")
         tokenizer = self.engine.engine.tokenizer
         model_type = self.engine.engine.model_config.model_type
         if not has_chat_format(tokenizer, model_type):
@@ -659,8 +741,11 @@ class Handlers:
         n = self._n(body)
         given = param if max_tokens is not None else None
         special = body.add_special_tokens  # (vLLM's: none, the template holds its own)
+        if body.truncation_side == "right":  # (the rendered prompt's first tokens, as vLLM's)
+            prompt = await self._first_tokens(prompt, params, special)
+            params = dataclasses.replace(params, truncate_prompt_tokens=None)
         await self.weights_ready()
-        call = self.in_flight.open([()] * n)  # (as completion's)
+        call = self.in_flight.open([_names(name)] * n, "request_id")  # (as completion's)
         streams: list[RequestStream] = []
         prompt_ids = None
         try:
@@ -706,11 +791,16 @@ class Handlers:
         `continue_generation`; "abort" ends every call in flight (as /abort_request's) and
         returns once they ended, "in_place" stops the engine stepping (requests keep their
         KV) and "retract" also has the running requests give their KV back, to compute it
-        again when they go on. Paused requests' clients only wait."""
+        again when they go on. Paused requests' clients only wait. An "abort" or "wait"
+        pause over an in-place one has the engine step again (new calls still wait), so
+        that its requests end."""
         was = self._unpaused.is_set()
         self._unpaused.clear()
-        if mode == "abort":
-            self.in_flight.abort_all()
+        if mode in ("abort", "wait"):  # ("wait", vLLM's /pause: the calls in flight end first)
+            if mode == "abort":
+                self.in_flight.abort_all()
+            if not was:  # (paused in place: its requests end only if the engine steps)
+                await self.engine.resume()
             await self.in_flight.drained()
             return
         try:
@@ -723,6 +813,18 @@ class Handlers:
     async def continue_generation(self) -> None:
         await self.engine.resume()
         self._unpaused.set()
+
+    @property
+    def generation_paused(self) -> bool:
+        return not self._unpaused.is_set()
+
+    async def paused_requests(self) -> int:
+        """The requests a pause holds in the engine (in place or retracted: a weight update
+        runs under them, SGLang's num_paused_requests); none while generation goes on."""
+        if self._unpaused.is_set():
+            return 0
+        c = await self.engine.call(lambda e: e.counters())
+        return int(c["running_requests"] + c["waiting_requests"])
 
     async def update_weights(
         self, source: str | GroupUpdate, abort_all: bool = False, version: str | None = None
@@ -835,8 +937,19 @@ class Handlers:
             # reads it
             "dp_size": c.parallel.dp,
             "enable_dp_attention": c.dp_attention,
+            "internal_states": [self._internal_state(counters)] if counters else [],
             **self.engine.server_info(),
         }
+
+    def _internal_state(self, counters: dict[str, float]) -> dict[str, float]:
+        """SGLang's `internal_states` entry: output tokens per second over the engine's
+        recent window (`last_gen_throughput`, `Engine.counters`' gen_throughput, whoever
+        reads it how often) and, with MTP, `avg_spec_accept_length` (accepted drafts + 1
+        per verification, which sglang.bench_serving reports)."""
+        state = {"last_gen_throughput": float(counters.get("gen_throughput", 0.0))}
+        if steps := counters.get("spec_verify_steps", 0):
+            state["avg_spec_accept_length"] = 1 + counters["spec_accepted_tokens"] / steps
+        return state
 
     # --- plumbing -----------------------------------------------------------------------------
 
@@ -879,15 +992,20 @@ class Handlers:
         for name in _NOT_RUN:  # (each was accepted and ignored)
             if getattr(body, name, None) not in (None, False):
                 raise APIError(400, f"{name} is not supported", param=name)
-        if body.thinking_token_budget not in (None, -1):
-            raise APIError(
-                400, "thinking_token_budget is not supported", param="thinking_token_budget"
+        # SGLang's (stop_regex: a sampling param on /generate, `generate._SAMPLING_NOT_RUN`)
+        for name in (*SGLANG_NOT_RUN, "stop_regex"):
+            if getattr(body, name, None):
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        if body.thinking_token_budget not in (None, -1) and self.chat_parsers.reasoning is None:
+            raise APIError(  # (vLLM's rule: the budget counts inside the parser's markers)
+                400,
+                "thinking_token_budget needs a reasoning parser; this server runs none",
+                param="thinking_token_budget",
             )
-        if body.truncation_side not in (None, "left"):
+        if body.truncation_side not in (None, "left", "right"):
             raise APIError(
                 400,
-                "truncation_side must be 'left': truncate_prompt_tokens keeps the prompt's last "
-                "tokens",
+                f"truncation_side must be 'left' or 'right', got {body.truncation_side!r}",
                 param="truncation_side",
             )
         if body.stream_options is not None and not body.stream:
@@ -947,6 +1065,8 @@ class Handlers:
                 allowed_token_ids=body.allowed_token_ids,
                 bad_words=tuple(body.bad_words or ()),
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
+                cache_salt=request_salt(body.cache_salt, body.extra_key),
+                thinking_token_budget=body.thinking_token_budget,
                 prompt_logprobs=(
                     body.prompt_logprobs
                     if body.prompt_logprobs is not None
@@ -1096,6 +1216,35 @@ class Handlers:
             )
         return ids
 
+    async def _first_tokens(
+        self, prompt: str | list[int], params: SamplingParams, special: bool = True
+    ) -> str | list[int]:
+        """vLLM's truncation_side "right": the prompt's first `truncate_prompt_tokens` token
+        ids, where it has more (else the prompt as given, as "left" leaves it). A text is
+        tokenized whole, as a left-truncated one (`Engine.prompt_ids`), then cut: a cut of
+        its characters first could tokenize otherwise (BPE merges across the cut). -1 ("as
+        many as fit") is refused under PD, where each server would cut at its own context
+        (the left cut's suffix check, `PrefillAsyncEngine.generate_n`, has no prefix one)."""
+        e, keep = self.engine.engine, params.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        if keep == -1 and self.engine.server_info()["disaggregation_mode"] != "null":
+            raise APIError(
+                400,
+                "truncate_prompt_tokens -1 with truncation_side right is not supported with "
+                "prefill/decode disaggregation",
+                param="truncate_prompt_tokens",
+            )
+        keep = keep if keep > 0 else e.max_model_len - 1
+        try:
+            if isinstance(prompt, str):
+                ids = await asyncio.to_thread(e.encode, prompt, special)
+            else:
+                ids = list(prompt)
+        except DsakvError as err:
+            raise APIError(400, str(err), param=err.param or "prompt") from None
+        return ids[:keep] if len(ids) > keep else prompt
+
     async def _submit_all(
         self,
         prompts: list[str | list[int]],
@@ -1220,7 +1369,8 @@ class Handlers:
         vocab = e.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens must be in 0..{vocab - 1}", param="tokens")
-        return {"prompt": e.tokenizer.decode(body.tokens)}
+        text = e.tokenizer.decode(body.tokens)
+        return {"prompt": text, "text": text}  # (vLLM's key, SGLang's)
 
     async def _updates(self, stream: RequestStream) -> AsyncIterator[Update]:
         """A request's updates up to and including the finishing one; errors raise."""
@@ -1271,9 +1421,10 @@ class Handlers:
         events: AsyncIterator[str],
         stream: RequestStream | list[RequestStream],
         call: _Call | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Response:
         """The SSE response; its engine requests are aborted and `call` closed however it
-        ends."""
+        ends, its building (`headers` not sendable) included."""
         streams = stream if isinstance(stream, list) else [stream]
 
         async def sse() -> AsyncIterator[str]:
@@ -1289,17 +1440,29 @@ class Handlers:
             for s in streams:
                 self.engine.abort(s)
 
-        return _AbortingStream(sse(), close)
+        return _AbortingStream(sse(), close, headers)
 
 
 class _AbortingStream(StreamingResponse):
-    """An SSE response that aborts its engine request however it ends (disconnect included)."""
+    """An SSE response that aborts its engine request however it ends (disconnect
+    included), or fails to be built."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self._on_close = on_close
+        try:
+            super().__init__(
+                content,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", **(headers or {})},
+            )
+        except BaseException:
+            on_close()
+            raise
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -1338,6 +1501,38 @@ async def _when_left(raw: Request, then: Callable[[], Any]) -> None:
 
 
 # --- formatting -------------------------------------------------------------------------------
+
+
+def _request_id(body: GenerationRequest, raw: Request) -> str | None:
+    """The client's id for a request, vLLM's: its X-Request-Id header, else the body's
+    `request_id` (the response's id is "cmpl-" or "chatcmpl-" and it). Like a /generate
+    rid it names the request for /abort_request, one call's at a time. A body id that
+    cannot be the X-Request-Id header it comes back in is a 400 before anything runs."""
+    named = raw.headers.get("x-request-id")
+    if named:
+        return named
+    if body.request_id and not _HEADER_SAFE.fullmatch(body.request_id):
+        raise APIError(
+            400,
+            "request_id must be printable ASCII without leading or trailing spaces "
+            f"(it is sent back as the X-Request-Id header), got {body.request_id!r}",
+            param="request_id",
+        )
+    return body.request_id or None
+
+
+# What an HTTP header value may be (RFC 9110's field-value), in ASCII
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*")
+
+
+def _names(name: str | None) -> tuple[str, ...]:
+    return (name,) if name else ()
+
+
+def _id_header(base: str) -> dict[str, str]:
+    """The response's id as its X-Request-Id header (vLLM's, with
+    --enable-request-id-headers)."""
+    return {"X-Request-Id": base}
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -1386,16 +1581,24 @@ def _lp(x: float) -> float:
     return x if x > _MIN_LOGPROB else _MIN_LOGPROB  # -inf and NaN too
 
 
-def _completion_logprobs(u: Update) -> dict[str, Any]:
+def _completion_logprobs(u: Update, as_ids: bool = False) -> dict[str, Any]:
     tops = u.top_logprobs or []
     texts = list(u.texts or [""] * len(u.token_ids))
     scores = u.logprobs or []
     alts = _or_blank(u.top_texts, tops)
+    if as_ids:
+        texts, alts = _id_texts(u.token_ids), [_id_texts(t for t, _ in top) for top in tops]
     return {
         "tokens": texts,
         "token_logprobs": [_lp(x) for x in scores],
         "top_logprobs": [_top_dict(*z) for z in zip(tops, alts, texts, scores)],
     }
+
+
+def _id_texts(ids: Iterable[int]) -> list[str]:
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N" (a token
+    that is part of a character has no text of its own)."""
+    return [f"token_id:{t}" for t in ids]
 
 
 def _or_blank(texts: list[list[str]] | None, tops: list) -> list[list[str]]:
@@ -1445,16 +1648,27 @@ def _prompt_logprobs(u: Update) -> list[dict[str, dict[str, Any]] | None]:
     return out
 
 
-def _chat_logprobs(u: Update) -> dict[str, Any]:
+def _chat_logprobs(u: Update, as_ids: bool = False) -> dict[str, Any]:
+    """`as_ids`: tokens named "token_id:N" (`_id_texts`); a chosen token's `bytes` stay its
+    text's, its top ones' are the name's, as vLLM gives them."""
+
     def entry(s: str, x: float) -> dict[str, Any]:
         return {"token": s, "logprob": _lp(x), "bytes": list(s.encode("utf-8"))}
 
     tops = u.top_logprobs or []
     texts = u.texts or [""] * len(u.token_ids)
+    alts = _or_blank(u.top_texts, tops)
+    names = _id_texts(u.token_ids) if as_ids else texts
+    if as_ids:
+        alts = [_id_texts(t for t, _ in top) for top in tops]
     content = []
-    for s, x, top, alts in zip(texts, u.logprobs or [], tops, _or_blank(u.top_texts, tops)):
+    for s, name, x, top, a in zip(texts, names, u.logprobs or [], tops, alts):
         content.append(
-            {**entry(s, x), "top_logprobs": [entry(a, y) for (_, y), a in zip(top, alts)]}
+            {
+                **entry(s, x),
+                "token": name,
+                "top_logprobs": [entry(b, y) for (_, y), b in zip(top, a)],
+            }
         )
     return {"content": content}
 
@@ -1484,6 +1698,7 @@ class _CompletionChoice:
     prompt: str | list[int]
     echo: bool
     keep: int | None = None  # truncate_prompt_tokens, in tokens
+    as_ids: bool = False  # return_tokens_as_token_ids (`_id_texts`)
     offset: int = 0  # text_offset of the next token
 
     def echo_text(self, u: Update, tokenizer: Any) -> str:
@@ -1500,11 +1715,15 @@ class _CompletionChoice:
     def logprobs(self, u: Update) -> dict[str, Any]:
         """This update's `logprobs` block (prompt tokens first when echoing)."""
         prompt: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+        shown: list[str] = []  # (the tokens' texts, for text_offset, whatever they are named)
         if self.echo and u.prompt_token_ids is not None:
             scored = u.prompt_logprobs or [None] * len(u.prompt_token_ids)
             tops = u.prompt_top_logprobs or [None] * len(u.prompt_token_ids)
             alts = u.prompt_top_texts or _or_blank(None, tops)
-            texts = list(u.prompt_texts or [""] * len(u.prompt_token_ids))
+            texts = shown = list(u.prompt_texts or [""] * len(u.prompt_token_ids))
+            if self.as_ids:
+                texts = _id_texts(u.prompt_token_ids)
+                alts = [_id_texts(t for t, _ in top or ()) for top in tops]
             prompt = {
                 "tokens": texts,
                 "token_logprobs": [None if x is None else _lp(x) for x in scored],
@@ -1513,10 +1732,10 @@ class _CompletionChoice:
                     for top, a, s, x in zip(tops, alts, texts, scored)
                 ],
             }
-        gen = _completion_logprobs(u)
+        gen = _completion_logprobs(u, self.as_ids)
         out = {k: prompt[k] + gen[k] for k in ("tokens", "token_logprobs", "top_logprobs")}
         out["text_offset"] = []
-        for s in out["tokens"]:
+        for s in shown + list(u.texts or [""] * len(u.token_ids)):
             out["text_offset"].append(self.offset)
             self.offset += len(s)
         return out
@@ -1527,8 +1746,31 @@ _NOT_RUN = (
     "logprob_token_ids",
     "prompt_embeds",
     "repetition_detection",
-    "return_tokens_as_token_ids",
-    "cache_salt",  # (a prefix cache per salt: not here, so no isolation to promise)
+    "kv_transfer_params",  # (P/D through a KV connector: dsakv's is `dsakv.disagg`)
+)
+
+
+def request_salt(cache_salt: str | None, extra_key: str | None) -> str | None:
+    """A request's prefix-cache salt (`SamplingParams.cache_salt`): vLLM's `cache_salt`,
+    refused empty (vLLM's words), then SGLang's `extra_key` appended (its OpenAI routes join
+    the two; an empty one is none)."""
+    if cache_salt == "":
+        raise APIError(
+            400,
+            "Parameter 'cache_salt' must be a non-empty string if provided.",
+            param="cache_salt",
+        )
+    return (cache_salt or "") + (extra_key or "") or None
+
+
+# SGLang's request fields, on /generate and the OpenAI routes alike, whose feature dsakv
+# does not run: a 400 unless unset (null, false, or empty as its clients send them).
+SGLANG_NOT_RUN = (
+    "lora_path",
+    "custom_logit_processor",
+    "session_params",
+    "return_hidden_states",
+    "return_routed_experts",
 )
 
 

@@ -37,6 +37,8 @@ _RESERVED_KWARGS = (
     "tokenize",
     "conversation",
 )
+# vLLM's reasoning_effort values; "none" turns thinking off (`prepare_chat`)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def load_chat_template(value: str) -> str:
@@ -92,6 +94,7 @@ class PreparedChat:
     # or where `grammar` (a forced call's) already lets the reasoning finish first.
     reasoning: str = "disabled"
     named_tool: bool = False  # tool_choice names the function (`finish_reason`)
+    separate_reasoning: bool = True  # SGLang's: False leaves the reasoning in the content
 
     def output_parser(self) -> ChatOutputParser:
         """A fresh parser for one choice's output."""
@@ -100,8 +103,9 @@ class PreparedChat:
             tools = ToolCallParser(
                 TOOL_FORMATS[self.parsers.tool], self.tool_schemas, self.grammar is not None
             )
+        reasoning = self.parsers.reasoning if self.separate_reasoning else None
         return ChatOutputParser(
-            reasoning_parser(self.parsers.reasoning, self.prompt), tools, self.parallel_tool_calls
+            reasoning_parser(reasoning, self.prompt), tools, self.parallel_tool_calls
         )
 
     def finish_reason(self, parser: ChatOutputParser, reason: str | None) -> str | None:
@@ -149,6 +153,15 @@ def prepare_chat(
             raise APIError(
                 400, f"chat_template_kwargs may not set {key!r}", param="chat_template_kwargs"
             )
+    effort = body.reasoning_effort
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise APIError(
+            400,
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+            param="reasoning_effort",
+        )
+    if effort == "none" and not {"enable_thinking", "thinking"} & kwargs.keys():
+        kwargs["enable_thinking"] = False  # (vLLM's; the template's own kwargs win)
     for key in ("reasoning_effort", "documents"):  # vLLM's: the template reads them
         if getattr(body, key) is not None:
             kwargs[key] = getattr(body, key)
@@ -214,6 +227,7 @@ def prepare_chat(
             else "disabled"
         ),
         named_tool=isinstance(choice, dict),
+        separate_reasoning=body.separate_reasoning is not False,
     )
 
 
@@ -255,6 +269,24 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
 
 
 # --- output -----------------------------------------------------------------------------------
+
+
+def reply_role(body: ChatCompletionRequest) -> str:
+    """vLLM's `get_chat_request_role`: the assistant's, or under add_generation_prompt false
+    the last message's role (the reply goes on with that message)."""
+    if body.add_generation_prompt is not False or not body.messages:
+        return "assistant"
+    return body.messages[-1].role
+
+
+def echo_content(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text, which each reply starts with, when it is
+    in the reply's role (`reply_role`); else nothing."""
+    last = body.messages[-1] if body.echo and body.messages else None
+    if last is None or last.role != reply_role(body):
+        return ""
+    content = _template_message(len(body.messages) - 1, last).get("content")
+    return content if isinstance(content, str) else ""
 
 
 def chat_message(parser: ChatOutputParser, reasoning: bool = True) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -28,7 +28,7 @@ from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.engine import SamplingParams
 from dsakv.errors import DsakvError
 
-from .app import Handlers, _lp, _prompt_list, _Result, _sse
+from .app import SGLANG_NOT_RUN, Handlers, _lp, _prompt_list, _Result, _sse, request_salt
 from .protocol import APIError, GenerationRequest
 
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
@@ -50,6 +50,10 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int | list[int] | None = None  # -1: from the last prompt token (no scoring)
     top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool | None = False
+    # the prefix-cache salt (`app.request_salt`): SGLang's extra_key, and vLLM's cache_salt
+    # (one for all prompts, or a list of one per prompt)
+    extra_key: str | list[str] | None = None
+    cache_salt: str | list[str] | None = None
 
 
 # GenerateReqInput's fields that change what is generated or returned, not run here.
@@ -59,17 +63,13 @@ _NOT_RUN = (
     "video_data",
     "audio_data",
     "positional_embed_overrides",
-    "lora_path",
-    "custom_logit_processor",
-    "session_params",
+    *SGLANG_NOT_RUN,  # (those the OpenAI routes refuse too)
     "priority",
     "max_thinking_tokens",
     "require_reasoning",
     "token_ids_logprob",
     "return_sampling_mask",
     "return_flat_raw_top_logprobs",
-    "return_hidden_states",
-    "return_routed_experts",
     "return_indexer_topk",
     "return_entropy",
 )
@@ -139,6 +139,27 @@ class UpdateWeightVersionRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     new_version: str
     abort_all_requests: bool = True
+
+
+class GetWeightsByNameRequest(BaseModel):
+    """SGLang's `GetWeightsByNameReqInput`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    truncate_size: int = 100
+
+
+class ProfileRequest(BaseModel):
+    """SGLang's `ProfileReqInput`, the fields dsakv runs (its others are ignored, but a
+    `start_step`, which would change what is recorded)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    output_dir: str | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    start_step: int | None = None
 
 
 # The load formats dsakv reads: safetensors checkpoints (SGLang's default "auto" too).
@@ -221,15 +242,17 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
         calls in flight end (aborted first with `abort_all_requests`; new ones wait; while
         generation is paused, at once: the paused ones go on with it), the prefix cache dropped, `weight_version` reported from then on. A checkpoint that does
         not fit (another architecture, weights stored otherwise) or fails to load is a 400
-        with success false, the served weights unchanged."""
+        with success false, the served weights unchanged. num_paused_requests: the paused
+        requests the update ran under."""
         if body.load_format not in _LOAD_FORMATS:
             ok, message = False, f"load_format {body.load_format!r} is not supported (safetensors)"
         else:
             ok, message = await api.update_weights(
                 body.model_path, body.abort_all_requests, body.weight_version
             )
+        paused = await api.paused_requests() if ok else 0
         return JSONResponse(
-            {"success": ok, "message": message, "num_paused_requests": 0},
+            {"success": ok, "message": message, "num_paused_requests": paused},
             status_code=200 if ok else 400,
         )
 
@@ -277,6 +300,29 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
         await api.continue_generation()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
+    async def pause(
+        mode: Literal["abort", "wait", "keep"] = Query("abort"),
+        wait_for_inflight_requests: bool = Query(False),
+        clear_cache: bool = Query(True),
+    ) -> dict[str, str]:
+        """vLLM's /pause, the same pause as /pause_generation: "abort" (its default), "wait"
+        (for the calls in flight to end) or "keep" (SGLang's "in_place"); then, unless
+        kept, the prefix cache dropped (clear_cache, as vLLM's)."""
+        if wait_for_inflight_requests:  # (vLLM's, deprecated for mode "wait")
+            mode = "wait"
+        await api.pause_generation("in_place" if mode == "keep" else mode)
+        if clear_cache and mode != "keep":
+            with contextlib.suppress(APIError):  # (a prefill server's hand-offs hold pages)
+                await api.flush_cache()
+        return {"status": "paused"}
+
+    async def resume() -> dict[str, str]:
+        await api.continue_generation()
+        return {"status": "resumed"}
+
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": api.generation_paused}
+
     async def get_weight_version() -> dict[str, str]:
         return {"weight_version": api.weight_version}
 
@@ -292,6 +338,30 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
             "new_version": body.new_version,
         }
 
+    async def get_weights_by_name(body: GetWeightsByNameRequest) -> Response:
+        """SGLang's: the first `truncate_size` rows of checkpoint tensor `name` as served,
+        fp32 nested lists (`Engine.get_weights_by_name`: every rank's slices together);
+        a name the model lacks is a 400."""
+        rows = await _engine_call(
+            api, lambda e: e.get_weights_by_name(body.name, body.truncate_size)
+        )
+        return JSONResponse(rows)
+
+    async def start_profile(body: ProfileRequest | None = None) -> Response:
+        """SGLang's (vLLM's: POST, no body): torch.profiler on every rank until /stop_profile
+        or `num_steps` engine steps (`Engine.start_profile`); a 400 while one runs."""
+        b = body or ProfileRequest()
+        if b.start_step is not None:
+            raise APIError(400, "start_step is not supported", param="start_step")
+        args = (b.output_dir, b.num_steps, b.activities, b.with_stack, b.record_shapes)
+        await _engine_call(api, lambda e: e.start_profile(*args))
+        return Response("Start profiling.\n", media_type="text/plain")
+
+    async def stop_profile() -> Response:
+        """Every rank writes its trace (`.trace.json.gz`); a 400 with no profile running."""
+        await _engine_call(api, lambda e: e.stop_profile())
+        return Response("Stop profiling. This will take some time.\n", media_type="text/plain")
+
     app.add_api_route("/generate", generate, methods=["POST", "PUT"])
     app.add_api_route("/abort_request", abort_request, methods=["POST"])
     app.add_api_route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"])
@@ -304,8 +374,24 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
     )
     app.add_api_route("/pause_generation", pause_generation, methods=["POST"])
     app.add_api_route("/continue_generation", continue_generation, methods=["POST"])
+    app.add_api_route("/pause", pause, methods=["POST"])  # (vLLM's names for them)
+    app.add_api_route("/resume", resume, methods=["POST"])
+    app.add_api_route("/is_paused", is_paused, methods=["GET"])
     app.add_api_route("/get_weight_version", get_weight_version, methods=["GET"])
     app.add_api_route("/update_weight_version", update_weight_version, methods=["POST"])
+    app.add_api_route("/get_weights_by_name", get_weights_by_name, methods=["GET", "POST"])
+    app.add_api_route("/start_profile", start_profile, methods=["GET", "POST"])
+    app.add_api_route("/stop_profile", stop_profile, methods=["GET", "POST"])
+
+
+async def _engine_call(api: Handlers, fn: Any) -> Any:
+    """`fn(engine)` between steps; its `DsakvError` a 400, a stopped engine a 503."""
+    try:
+        return await api.engine.call(fn)
+    except DsakvError as e:
+        raise APIError(400, str(e)) from None
+    except RuntimeError as e:
+        raise APIError(503, str(e), type="server_error") from None
 
 
 @dataclass(frozen=True)
@@ -335,6 +421,13 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
     rids = _rids(body.rid, len(prompts), n, single)
     given_rids = _given_rids(body.rid, len(prompts), single)
     asks = _logprob_asks(api, body, len(prompts), n)
+    salts = [
+        request_salt(c, k)
+        for c, k in zip(
+            _per_prompt(body.cache_salt, "cache_salt", len(prompts), n),
+            _per_prompt(body.extra_key, "extra_key", len(prompts), n),
+        )
+    ]
     # Opened before its prompts are tokenized and its grammar compiled, so that an abort
     # meanwhile is not lost (SGLang registers the rid first too); a rid in flight is a 400
     names = [{rid, given_rids[i // n]} - {None} for i, rid in enumerate(rids)]
@@ -349,6 +442,10 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
                 params = [await _params(api, s, a) for s, a in zip(samplings, asks)]
             else:
                 params = [await _params(api, samplings[0], asks[0])] * len(prompts)
+            params = [
+                p if s is None else dataclasses.replace(p, cache_salt=s)
+                for p, s in zip(params, salts)
+            ]
             # (the context check only where the client gave max_new_tokens, as SGLang's)
             given = ["max_new_tokens" if s.max_new_tokens is not None else None for s in samplings]
             streams = await api._submit_all(prompts, params, n, raw, given, prompt_field, call=call)

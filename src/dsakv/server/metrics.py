@@ -25,6 +25,17 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "pages_used": ("kv_pages_used", "gauge", "Device KV pages in use (requests + prefix cache)"),
     "pages_total": ("kv_pages_total", "gauge", "Device KV pages in the pool"),
     "pages_cached": ("kv_pages_cached", "gauge", "Device KV pages held by the prefix cache"),
+    "pages_evictable": (
+        "kv_pages_evictable",
+        "gauge",
+        "Prefix-cache device pages no request holds (freed on demand)",
+    ),
+    "waiting_tokens": ("waiting_tokens", "gauge", "Prompt tokens of the waiting requests"),
+    "gen_throughput": (
+        "gen_throughput",
+        "gauge",
+        "Output tokens per second over the engine's last 5-10 s",
+    ),
     "host_pages_used": ("host_pages_used", "gauge", "Host-tier KV pages in use"),
     "host_pages_total": ("host_pages_total", "gauge", "Host-tier KV pages"),
     "running_requests": ("running_requests", "gauge", "Requests holding KV pages"),

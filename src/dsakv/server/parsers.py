@@ -269,7 +269,7 @@ class ToolCallParser:
                     cut_off = drop and _partial_suffix(rest, [trigger])
                     keep = _held_back(rest, trigger) if cut_off or not final else 0
                     out.content += rest[: len(rest) - keep]
-                    pos = len(self._buf) if final else len(self._buf) - keep
+                    pos = len(self._buf) - keep  # (one cut off stays, never given out: `held`)
                     break
                 out.content += self._buf[pos:i].rstrip()  # the call's lead-in whitespace
                 pos = i + len(self.fmt.trigger)
@@ -535,6 +535,14 @@ class ChatOutputParser:
     def tool_calls(self) -> list[dict[str, Any]]:
         calls = self.tool_parser.calls if self.tool_parser is not None else []
         return calls if self.parallel_tool_calls else calls[:1]
+
+    @property
+    def held(self) -> int:
+        """How many of the last characters fed it has not given out: held back (a tag that
+        may be beginning, the whitespace before it, markup being read), or, once the text
+        ended cut off, a trigger it dropped."""
+        parsers = (self.reasoning_parser, self.tool_parser)
+        return sum(len(p._buf) for p in parsers if p is not None)
 
 
 # --- constrained tool calls ------------------------------------------------------------------

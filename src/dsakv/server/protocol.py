@@ -125,6 +125,10 @@ class GenerationRequest(_Strict):
     truncate_prompt_tokens: int | None = None
     no_stop_trim: bool | None = None  # SGLang's include_stop_str_in_output
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's ids too
+    # vLLM's prefix-cache isolation (a non-empty string), and SGLang's, which appends its
+    # extra_key to it (`app.request_salt`)
+    cache_salt: str | None = None
+    extra_key: str | None = None
     # refused unless off (`Handlers._params`): what they ask for is not run here
     priority: int | None = None
     use_beam_search: bool | None = None
@@ -133,8 +137,17 @@ class GenerationRequest(_Strict):
     prompt_embeds: Any = None
     repetition_detection: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
-    return_tokens_as_token_ids: bool | None = None
-    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    # SGLang's, not run here: a 400 unless unset (null, false or empty: sgl.gen sends
+    # stop_regex: []); any shape, so the refusal names the field
+    stop_regex: Any = None
+    custom_logit_processor: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens as "token_id:N"
+    request_id: str | None = None  # vLLM's: the response's id (after "cmpl-" / "chatcmpl-")
 
 
 class CompletionRequest(GenerationRequest):
@@ -209,7 +222,11 @@ class ChatCompletionRequest(GenerationRequest):
     reasoning_effort: str | None = None
     documents: list[dict[str, Any]] | None = None
     include_reasoning: bool | None = True
-    echo: bool | None = None  # (vLLM's chat echo: refused)
+    # SGLang's: false leaves the reasoning in `content`; stream_reasoning false sends it in
+    # one piece once it is over
+    separate_reasoning: bool | None = True
+    stream_reasoning: bool | None = True
+    echo: bool | None = None  # vLLM's: the last message prepended (`echo_content`)
     # vLLM's: continue the last (assistant) message instead of opening a new one
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -290,6 +307,7 @@ class ResponsesRequest(_Strict):
     conversation: Any = None
     # vLLM's extras
     request_id: str | None = None
+    cache_salt: str | None = None  # (`GenerationRequest.cache_salt`)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

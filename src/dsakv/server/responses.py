@@ -3,7 +3,8 @@ items become chat messages (rendered with tools and reasoning by `Handlers.start
 exactly as /v1/chat/completions renders them), and the chat parser's reasoning, content and
 tool calls become output items (`reasoning`, `message`, `function_call`), whole or as the
 API's stream events. Responses are kept in memory (`store`, on by default as OpenAI's) for
-`previous_response_id`, GET, and `background`'s polling and cancel."""
+`previous_response_id`, GET, the input items' listing, and `background`'s polling,
+streaming and cancel."""
 
 from __future__ import annotations
 
@@ -16,20 +17,25 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from .app import ChatRun, Handlers, _AbortingStream, _Result
+from .app import ChatRun, Handlers, _AbortingStream, _chat_logprobs, _Result
 from .chat import PreparedChat
-from .parsers import ChatDelta, reasoning_parser
+from .parsers import THINK_START, ChatDelta, reasoning_parser
 from .protocol import APIError, ChatCompletionRequest, ResponsesRequest
 
 # Responses kept for previous_response_id and GET, the least recently used dropped first (a
 # background response still running is never dropped). vLLM keeps every one, for ever.
 RESPONSES_KEPT = 4096
+# A background response's stream events kept for GET ?stream=true (a client attaching, or
+# coming back): its newest EVENTS_KEPT, and once it ended, only for the STREAMS_KEPT
+# background responses that ended last (vLLM keeps every event of every one).
+EVENTS_KEPT = 10_000
+STREAMS_KEPT = 16
 # A previous response's output item that can start the next turn unfinished (vLLM's partial
 # continuation: the model goes on writing it)
 _UNFINISHED = ("in_progress", "incomplete")
@@ -45,14 +51,78 @@ _LOGPROBS = "message.output_text.logprobs"
 
 
 def add_responses_routes(app: FastAPI, api: Handlers) -> None:
-    """POST /v1/responses, GET and DELETE /v1/responses/{id}, POST .../cancel."""
+    """POST /v1/responses, GET and DELETE /v1/responses/{id}, GET .../input_items, POST
+    .../cancel."""
     store = ResponseStore()
 
     async def create(body: ResponsesRequest, raw: Request) -> Response:
         return await _create(api, store, body, raw)
 
-    async def retrieve(response_id: str) -> dict[str, Any]:
-        return store.get(response_id).response
+    async def retrieve(
+        response_id: str, stream: bool = False, starting_after: int | None = None
+    ) -> Any:
+        """The response; with `stream`, a background response's events (from the one after
+        `starting_after`, or the first) and then, while it runs, each as it comes."""
+        stored = store.get(response_id)
+        if not stream:
+            return stored.response
+        log = stored.log
+        if log is None:
+            raise APIError(
+                400,
+                f"response '{response_id}' cannot be streamed: only a background one can, "
+                f"while its events are kept",
+                param="stream",
+            )
+        start = -1 if starting_after is None else starting_after
+        if start < -1:
+            raise APIError(
+                400,
+                f"starting_after must be an event's sequence number (0 or more), or -1 "
+                f"(from the first), got {start}",
+                param="starting_after",
+            )
+        if start + 1 < log.first:
+            raise APIError(
+                400,
+                f"the events of response '{response_id}' before {log.first} are no longer kept",
+                param="starting_after",
+            )
+        return _event_stream(log.replay(start))
+
+    async def input_items(
+        response_id: str,
+        after: str | None = None,
+        before: str | None = None,
+        limit: int = 20,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> dict[str, Any]:
+        """OpenAI's list of the items a response was made from: as there, a continuation's
+        are the whole conversation (each earlier response's input and output items, then
+        its own input), newest first unless `order` is asc; a page of `limit` (1 to 100),
+        after or before the item with that id."""
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be 1 to 100, got {limit}", param="limit")
+        items = store.get(response_id).items
+        items = items[::-1] if order == "desc" else list(items)
+        lo, hi = 0, len(items)
+        for param, cursor in (("after", after), ("before", before)):
+            if cursor is None:
+                continue
+            at = next((i for i, x in enumerate(items) if x.get("id") == cursor), None)
+            if at is None:
+                message = f"no input item with id '{cursor}' in response '{response_id}'"
+                raise APIError(400, message, param=param)
+            lo, hi = (max(lo, at + 1), hi) if param == "after" else (lo, min(hi, at))
+        page = items[lo:hi][:limit] if before is None else items[lo:hi][-limit:]
+        more = len(page) < max(hi - lo, 0)
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": more,
+        }
 
     async def delete(response_id: str) -> dict[str, Any]:
         stored = store.get(response_id)
@@ -77,6 +147,7 @@ def add_responses_routes(app: FastAPI, api: Handlers) -> None:
     app.add_api_route("/v1/responses", create, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"])
 
 
@@ -86,10 +157,58 @@ def add_responses_routes(app: FastAPI, api: Handlers) -> None:
 @dataclass(eq=False)
 class _Stored:
     response: dict[str, Any]
-    messages: list[dict[str, Any]]  # the chat turns its input added (instructions aside)
+    # the items it was made from: its previous responses' input and output, then its input
+    items: list[dict[str, Any]] = field(default_factory=list)
     run: ChatRun | None = None  # while it runs
     task: asyncio.Task | None = None  # a background response's
     cancelled: bool = False
+    log: _EventLog | None = None  # a background response's stream events
+
+
+class _EventLog:
+    """A background response's stream events, numbered from 0 (`EVENTS_KEPT` newest kept),
+    for any number of readers, each from where it starts."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.first = 0  # the number of events[0] (older ones dropped)
+        self.done = False
+        self._wake = asyncio.Event()
+
+    def add(self, event: str | None) -> None:
+        """Append `event` (None: the response ended) and wake the readers."""
+        if event is None:
+            self.done = True
+        else:
+            self.events.append(event)
+            if len(self.events) > EVENTS_KEPT:
+                drop = len(self.events) - EVENTS_KEPT
+                del self.events[:drop]
+                self.first += drop
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    async def replay(self, after: int) -> AsyncIterator[str]:
+        """The events after number `after`, then each new one, until the response ends. A
+        reader that fell behind what is kept (it read slower than the response wrote) ends
+        with an `error` event (at the number of the first one it missed), not a gap."""
+        n = after + 1
+        while True:
+            wake = self._wake
+            while n < self.first + len(self.events):
+                if n < self.first:
+                    message = (
+                        f"events {n} to {self.first - 1} are no longer kept: read them "
+                        f"faster, or GET the response"
+                    )
+                    yield _sse("error", n, code="events_dropped", message=message, param=None)
+                    return
+                event = self.events[n - self.first]
+                n += 1
+                yield event
+            if self.done:
+                return
+            await wake.wait()
 
 
 class ResponseStore:
@@ -101,6 +220,14 @@ class ResponseStore:
         self.capacity = capacity
         self._kept: OrderedDict[str, _Stored] = OrderedDict()
         self._reserved: set[str] = set()
+        self._logs: OrderedDict[int, _Stored] = OrderedDict()  # ended, with their events
+
+    def ended(self, stored: _Stored) -> None:
+        """Background response `stored` ended: its events are kept among the last
+        STREAMS_KEPT."""
+        self._logs[id(stored)] = stored
+        while len(self._logs) > STREAMS_KEPT:
+            self._logs.popitem(last=False)[1].log = None
 
     @contextlib.contextmanager
     def reserve(self, rid: str) -> Iterator[None]:
@@ -131,13 +258,11 @@ class ResponseStore:
     def delete(self, rid: str) -> None:
         self._kept.pop(rid, None)
 
-    def history(self, rid: str) -> list[dict[str, Any]]:
-        """The conversation up to and including response `rid`: each earlier response's
-        input turns and output, oldest first (their instructions left out, as OpenAI's); a
-        response that went on writing an unfinished one continues its turn."""
-        chain: list[_Stored] = []
-        while rid is not None:
-            stored = self.get(rid, "previous_response_id")
+    def continued(self, rid: str) -> _Stored:
+        """Response `rid`, to continue (`previous_response_id`): it and each response
+        before it must be completed or incomplete."""
+        first = stored = self.get(rid, "previous_response_id")
+        while True:
             status = stored.response["status"]
             if status not in ("completed", "incomplete"):
                 raise APIError(
@@ -146,13 +271,10 @@ class ResponseStore:
                     "one can be continued",
                     param="previous_response_id",
                 )
-            chain.append(stored)
             rid = stored.response["previous_response_id"]
-        messages: list[dict[str, Any]] = []
-        for stored in reversed(chain):
-            for m in stored.messages + input_messages(stored.response["output"], "output"):
-                _append(messages, dict(m))
-        return messages
+            if rid is None:
+                return first
+            stored = self.get(rid, "previous_response_id")
 
 
 # --- POST /v1/responses -----------------------------------------------------------------------
@@ -165,30 +287,38 @@ async def _create(
     for name in ("prompt", "conversation"):
         if getattr(body, name) is not None:
             raise APIError(400, f"{name} is not supported", param=name)
-    if _LOGPROBS in (body.include or ()):
-        raise APIError(400, f"include {_LOGPROBS!r} is not supported", param="include")
     if body.background and body.store is False:
         raise APIError(400, "background needs store: true", param="background")
-    if body.background and body.stream:
-        raise APIError(400, "a background response cannot be streamed", param="stream")
     rid = body.request_id or f"resp_{uuid.uuid4().hex}"
     with store.reserve(rid):
-        own = input_messages(body.input)
-        history = store.history(body.previous_response_id) if body.previous_response_id else []
-        chat = _chat_request(body, history, own, api.engine.engine.max_model_len)
+        turns = input_messages(body.input)
+        items = _with_ids(body.input)
+        if body.previous_response_id:
+            # The conversation's items read as one input (turns merge across a response's
+            # end): the turns of the same items sent again, and of the prefill server's copy
+            # through the router, which gets them so.
+            previous = store.continued(body.previous_response_id)
+            earlier = previous.items + previous.response["output"]
+            turns = input_messages(earlier + _as_items(body.input))
+            items = earlier + items
+        _check_ids(items)
+        chat = _chat_request(body, turns, api.engine.engine.max_model_len)
         run = await _start(api, chat, _DETACHED if body.background else raw)
-        response = _response(rid, body, api, run, "in_progress")
-        stored = _Stored(response, own, run)
+        # (vLLM's: a background response is `queued` until its task starts)
+        response = _response(rid, body, api, run, "queued" if body.background else "in_progress")
+        stored = _Stored(response, items, run)
         if body.background:
+            stored.log = _EventLog()
             store.put(rid, stored)
-            stored.task = asyncio.create_task(_finish_in_background(api, stored))
-            return JSONResponse(response)
+            answer = JSONResponse(response) if not body.stream else None
+            stored.task = asyncio.create_task(_run_in_background(api, store, stored))
+            return answer or _event_stream(stored.log.replay(-1))
         if body.stream:
             if body.store is not False:
                 store.put(rid, stored)
             return _stream(api, stored)
         results = await api._collect_all(run.streams, raw, run.call)
-        _finish(api, stored, _full_output(run.prep, results[0]), results[0])
+        _finish(api, stored, _full_output(run, results[0]), results[0])
         if body.store is not False:
             store.put(rid, stored)
         return JSONResponse(stored.response)
@@ -207,16 +337,25 @@ async def _start(api: Handlers, chat: ChatCompletionRequest, raw: Any) -> ChatRu
         raise APIError(e.status, message, e.type, param, e.code) from None
 
 
-async def _finish_in_background(api: Handlers, stored: _Stored) -> None:
-    run = stored.run
-    assert run is not None
+async def _run_in_background(api: Handlers, store: ResponseStore, stored: _Stored) -> None:
+    """A background response run to its end as its stream events, kept (`_EventLog`) for
+    its streams to read (none needed: GET polls the response)."""
+    run, log = stored.run, stored.log
+    assert run is not None and log is not None
     try:
-        results = await api._collect_all(run.streams, _DETACHED, run.call)
-        _finish(api, stored, _full_output(run.prep, results[0]), results[0])
+        async for event in _events(api, stored):
+            log.add(event)
     except Exception as e:  # noqa: BLE001 - nobody awaits this task: the response says it
         message = e.message if isinstance(e, APIError) else f"internal error: {e!r}"
         stored.response.update(status="failed", error={"code": "server_error", "message": message})
         stored.run = None
+        log.add(_sse("response.failed", log.first + len(log.events), response=stored.response))
+    finally:
+        api.in_flight.close(run.call)
+        for s in run.streams:
+            api.engine.abort(s)
+        log.add(None)
+        store.ended(stored)
 
 
 def _cancel(api: Handlers, stored: _Stored) -> None:
@@ -257,10 +396,10 @@ def _finish(api: Handlers, stored: _Stored, output: _Output, r: _Result) -> None
     stored.run = None
 
 
-def _full_output(prep: PreparedChat, r: _Result) -> _Output:
-    parser = prep.output_parser()
-    output = _Output()
-    output.feed(parser.feed(r.text, final=True, cut=r.finish_reason == "length"))
+def _full_output(run: ChatRun, r: _Result) -> _Output:
+    reader, output = _Reader(run), _Output()
+    for d, logprobs in reader.feed(r.as_update(), r.text, True, r.finish_reason == "length"):
+        output.feed(d, logprobs)
     return output
 
 
@@ -268,11 +407,36 @@ def _full_output(prep: PreparedChat, r: _Result) -> _Output:
 
 
 def _stream(api: Handlers, stored: _Stored) -> Response:
-    """The response as OpenAI's stream events: `response.created`, `response.in_progress`,
-    each item added, its text or arguments in deltas and done, then `response.completed` (or
-    `response.incomplete`, cut by max_output_tokens), each with its `sequence_number`; an
-    engine failure ends it with `response.failed`. A client that leaves aborts it (the
+    """A response streamed to its client (`_events`). A client that leaves aborts it (the
     stored response then reads cancelled)."""
+    run = stored.run
+    assert run is not None
+
+    def close() -> None:
+        api.in_flight.close(run.call)
+        for s in run.streams:
+            api.engine.abort(s)
+        if stored.run is not None:  # (the client left before the end)
+            stored.response["status"] = "cancelled"
+            stored.run = None
+
+    return _AbortingStream(_events(api, stored), close)
+
+
+def _event_stream(events: AsyncIterator[str]) -> Response:
+    """A background response's events: its client leaving leaves it running."""
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _events(api: Handlers, stored: _Stored) -> AsyncIterator[str]:
+    """The response as OpenAI's stream events: `response.created` (a background one's
+    `queued`), `response.in_progress`, each item added, its text or arguments in deltas and
+    done, then `response.completed` (or `response.incomplete`, cut by max_output_tokens; a
+    cancelled one's is `response.completed`, its response `cancelled`: OpenAI's events have
+    no `response.cancelled`), each with its `sequence_number`; an engine failure ends it
+    with `response.failed`."""
     run = stored.run
     assert run is not None
     response = stored.response
@@ -280,41 +444,112 @@ def _stream(api: Handlers, stored: _Stored) -> Response:
 
     def event(kind: str, **fields: Any) -> str:
         nonlocal seq
-        data = {"type": kind, "sequence_number": seq, **fields}
         seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return _sse(kind, seq - 1, **fields)
 
-    async def events() -> AsyncIterator[str]:
-        yield event("response.created", response=copy.deepcopy(response))
-        yield event("response.in_progress", response=copy.deepcopy(response))
-        parser, output, totals = run.prep.output_parser(), _Output(), _Result()
-        try:
-            async for _, u in api._merged(run.streams):
-                totals.add(u)
-                cut = u.finished and u.finish_reason == "length"
-                for kind, fields in output.feed(parser.feed(u.text, final=u.finished, cut=cut)):
+    yield event("response.created", response=copy.deepcopy(response))
+    response["status"] = "in_progress"
+    yield event("response.in_progress", response=copy.deepcopy(response))
+    reader, output, totals = _Reader(run), _Output(), _Result()
+    try:
+        async for _, u in api._merged(run.streams):
+            totals.add(u)
+            cut = u.finished and u.finish_reason == "length"
+            for d, logprobs in reader.feed(u, u.text, u.finished, cut):
+                for kind, fields in output.feed(d, logprobs):
                     yield event(kind, **fields)
-        except APIError as e:
-            response.update(status="failed", error={"code": "server_error", "message": e.message})
-            stored.run = None
-            yield event("response.failed", response=response)
-            return
-        _finish(api, stored, output, totals)
-        for kind, fields in output.events:
-            yield event(kind, **fields)
-        status = response["status"]
-        done = "response.incomplete" if status == "incomplete" else "response.completed"
-        yield event(done, response=response)
+    except APIError as e:
+        response.update(status="failed", error={"code": "server_error", "message": e.message})
+        stored.run = None
+        yield event("response.failed", response=response)
+        return
+    _finish(api, stored, output, totals)
+    for kind, fields in output.events:
+        yield event(kind, **fields)
+    status = response["status"]
+    done = "response.incomplete" if status == "incomplete" else "response.completed"
+    yield event(done, response=response)
 
-    def close() -> None:
-        api.in_flight.close(run.call)
-        for s in run.streams:
-            api.engine.abort(s)
-        if stored.run is not None:  # (the client left before the end)
-            response["status"] = "cancelled"
-            stored.run = None
 
-    return _AbortingStream(events(), close)
+def _sse(kind: str, seq: int, **fields: Any) -> str:
+    data = {"type": kind, "sequence_number": seq, **fields}
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class _Reader:
+    """A run's output through its chat parser. With `include: ["message.output_text.logprobs"]`
+    it is fed token by token, and each token's logprob entry (chat's: `_chat_logprobs`, the
+    same values /v1/chat/completions gives) goes to the message text it wrote: the text the
+    parser settles is found last in the output it has given out (all but what it holds back:
+    whitespace, a tag begun; or dropped: a tag begun when max_output_tokens cut it), after
+    the reasoning (one piece from where it opens), and the tokens whose text it covers are
+    the text's. So reasoning and tool-call markup keep theirs, and tokens of a stop string
+    (never in the text), of a dropped tag and the end token (no text) have none. A token whose text is partly reasoning or
+    markup and partly message text (one holding `</think>` and what follows it) counts as
+    the text's; the tokens of a character split across tokens go with the token that
+    completes it; text the parser gives back that the output does not hold as it stands
+    (the whole of a `<tool_call>` that turned out not to be one, read at once) has none."""
+
+    def __init__(self, run: ChatRun) -> None:
+        self.parser = run.prep.output_parser()
+        self.logprobs = run.params.logprobs is not None
+        self.text = ""  # the output's text fed so far
+        self.settled = 0  # where what the parser settled ends in `text`
+        r = self.parser.reasoning_parser
+        # where the reasoning begins in `text` (None: not known yet): at once when the prompt
+        # opened it, else after the output's own `<think>`
+        self.reasoning_at: int | None = 0 if r is not None and r.seen else None
+        self.tokens: list[tuple[int, int, dict[str, Any]]] = []  # span in the text, entry
+        self.end = 0  # where the tokens' texts end
+        self.next = 0  # the first token not placed yet
+
+    def feed(
+        self, u: Any, text: str, final: bool, cut: bool
+    ) -> list[tuple[ChatDelta, list[dict[str, Any]] | None]]:
+        """Update `u` (its new `text`): the parser's deltas, each with its text's logprobs."""
+        if not self.logprobs:
+            return [(self.parser.feed(text, final=final, cut=cut), None)]
+        for share, entry in zip(u.texts or [], _chat_logprobs(u)["content"]):
+            self.tokens.append((self.end, self.end + len(share), entry))
+            self.end += len(share)
+        cuts = sorted({e - len(self.text) for _, e, _ in self.tokens if e > len(self.text)})
+        chunks, at = [], 0
+        for c in cuts:
+            if at < c < len(text):
+                chunks.append(text[at:c])
+                at = c
+        chunks.append(text[at:])
+        out = []
+        for i, chunk in enumerate(chunks):
+            self.text += chunk
+            last = i == len(chunks) - 1
+            d = self.parser.feed(chunk, final=final and last, cut=cut and last)
+            if d.reasoning:  # (one piece of text, verbatim: its tokens may end in the text)
+                r = self.parser.reasoning_parser
+                assert r is not None
+                if self.reasoning_at is None:
+                    opened = len(self.text) - len(self.text.lstrip())
+                    self.reasoning_at = opened + len(THINK_START)
+                self.settled = self.reasoning_at + len(r.reasoning)
+            out.append((d, self._settle(d.content)))
+        return out
+
+    def _settle(self, piece: str) -> list[dict[str, Any]]:
+        """The entries of the tokens whose text message text `piece` (settled now) covers."""
+        if not piece:
+            return []
+        p = self.text.rfind(piece, self.settled, len(self.text) - self.parser.held)
+        if p < 0:
+            return []
+        q, self.settled = p + len(piece), p + len(piece)
+        took, i = [], self.next
+        while i < len(self.tokens) and self.tokens[i][0] < q:
+            s, e, entry = self.tokens[i]
+            if e > p or s == e >= p:
+                took.append(entry)
+            i += 1
+        self.next = i
+        return took
 
 
 # --- output items -----------------------------------------------------------------------------
@@ -332,7 +567,10 @@ class _Output:
     _open: dict[str, Any] | None = None
     _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool-call index -> item
 
-    def feed(self, d: ChatDelta) -> list[tuple[str, dict[str, Any]]]:
+    def feed(
+        self, d: ChatDelta, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """`d`'s events (`logprobs`: its text's tokens', `_Reader`)."""
         out: list[tuple[str, dict[str, Any]]] = []
         if d.reasoning:
             self._text("reasoning", d.reasoning, out)
@@ -342,7 +580,7 @@ class _Output:
         for call in (c for c in d.tool_calls if c["index"] in opened):
             self._call(call, out)
         if d.content:
-            self._text("message", d.content, out)
+            self._text("message", d.content, out, logprobs or [])
         for call in (c for c in d.tool_calls if c["index"] not in opened):
             self._call(call, out)
         return out
@@ -359,7 +597,7 @@ class _Output:
         out.append(("response.output_item.added", self._at(item, item=copy.deepcopy(item))))
         return item
 
-    def _text(self, kind: str, text: str, out: list) -> None:
+    def _text(self, kind: str, text: str, out: list, logprobs: list | None = None) -> None:
         item = self._open
         if item is None or item["type"] != kind:
             if kind == "reasoning":
@@ -375,6 +613,8 @@ class _Output:
                 ("response.content_part.added", self._at(item, content_index=0, part=dict(part)))
             )
         item["content"][0]["text"] += text
+        if logprobs:  # (a new list: the events before hold the old one)
+            item["content"][0]["logprobs"] = item["content"][0]["logprobs"] + logprobs
         if kind == "reasoning":
             out.append(
                 ("response.reasoning_text.delta", self._at(item, content_index=0, delta=text))
@@ -383,7 +623,7 @@ class _Output:
             out.append(
                 (
                     "response.output_text.delta",
-                    self._at(item, content_index=0, delta=text, logprobs=[]),
+                    self._at(item, content_index=0, delta=text, logprobs=logprobs or []),
                 )
             )
 
@@ -415,7 +655,7 @@ class _Output:
         else:
             part = item["content"][0]
             kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
-            extra = {"logprobs": []} if kind == "output_text" else {}
+            extra = {"logprobs": part["logprobs"]} if kind == "output_text" else {}
             out.append(
                 (
                     f"response.{kind}.done",
@@ -541,6 +781,46 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
     return messages
 
 
+_ITEM_IDS = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
+
+
+def _as_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An input as items (text is one user message)."""
+    return [{"role": "user", "content": items}] if isinstance(items, str) else list(items)
+
+
+def _with_ids(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as the items input_items lists (OpenAI's): each with an id (one given
+    unless it had one), text as a message, a message's text as its one content part."""
+    out = []
+    for i, item in enumerate(_as_items(items)):
+        if "id" in item and not isinstance(item["id"], str):
+            raise APIError(400, f"input[{i}].id must be a string", param="input")
+        kind = item.get("type", "message" if "role" in item else None)
+        item = {"id": _id(_ITEM_IDS.get(kind, "item")), "type": kind, **item}
+        if kind == "message" and isinstance(item.get("content"), str):
+            own = item.get("role") == "assistant"
+            part = {"type": "output_text", "annotations": []} if own else {"type": "input_text"}
+            item["content"] = [{**part, "text": item["content"]}]
+        out.append(item)
+    return out
+
+
+def _check_ids(items: list[dict[str, Any]]) -> None:
+    """OpenAI's 400 for an item id given twice in a conversation (its items are listed,
+    and paged through, by id)."""
+    seen: set[str] = set()
+    for item in items:
+        if item["id"] in seen:
+            raise APIError(
+                400,
+                f"Duplicate item found with id {item['id']}. Remove duplicate items from your "
+                "input and try again.",
+                param="input",
+            )
+        seen.add(item["id"])
+
+
 def _turn(**fields: Any) -> dict[str, Any]:
     """An assistant turn (only the fields given: content None, as OpenAI's, with calls)."""
     out: dict[str, Any] = {"role": "assistant", "content": fields.pop("content", None)}
@@ -601,16 +881,12 @@ def _text(content: Any, at: str, where: str) -> str | list[dict[str, str]]:
 
 
 def _chat_request(
-    body: ResponsesRequest,
-    history: list[dict[str, Any]],
-    own: list[dict[str, Any]],
-    max_model_len: int,
+    body: ResponsesRequest, turns: list[dict[str, Any]], max_model_len: int
 ) -> ChatCompletionRequest:
     """The chat request that runs `body`: its instructions first (a system turn), then the
-    conversation so far and its own input."""
+    conversation's `turns` (so far, and its own input)."""
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    for m in history + own:
-        _append(messages, dict(m))
+    messages += [dict(m) for m in turns]
     unfinished = bool(messages) and messages[-1].pop("_unfinished", False)
     for m in messages:
         m.pop("_unfinished", None)
@@ -635,9 +911,12 @@ def _chat_request(
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
         "chat_template_kwargs": body.chat_template_kwargs,
         "truncate_prompt_tokens": _truncation(body, max_model_len),
+        "cache_salt": body.cache_salt,
     }
     if unfinished:
         chat.update(add_generation_prompt=False, continue_final_message=True)
+    if _LOGPROBS in (body.include or ()):  # (vLLM's: top_logprobs without it asks nothing)
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     for key in (
         "temperature",
         "top_p",
