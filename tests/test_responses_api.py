@@ -78,6 +78,17 @@ def _respond(client, model, **kw):
     return client.responses.create(model=model, **kw)
 
 
+def _stopped_in_the_background(client, model, async_engine):
+    """A background response whose engine stopped stepping at its 5th token (under
+    `engine_stops_stepping_at(async_engine, 5)`), once it got there."""
+    r = _respond(client, model, input="Go on.", background=True, max_output_tokens=100)
+    deadline = time.monotonic() + TIMEOUT
+    while not any(len(x.output_ids) >= 5 for x in async_engine.engine.requests.values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return r
+
+
 def _chat(client, model, messages, max_tokens=24, **kw):
     return client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, **kw
@@ -339,11 +350,7 @@ def test_background_runs_to_the_end(client, model):
 def test_cancel_a_background_response(served, model):
     client, _, async_engine, _ = served
     with engine_stops_stepping_at(async_engine, 5):
-        r = _respond(client, model, input="Go on.", background=True, max_output_tokens=100)
-        deadline = time.monotonic() + TIMEOUT
-        while not any(len(x.output_ids) >= 5 for x in async_engine.engine.requests.values()):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        r = _stopped_in_the_background(client, model, async_engine)
         cancelled = client.responses.cancel(r.id)
     assert cancelled.status == "cancelled" and cancelled.usage.output_tokens == 5
     assert cancelled.output[0].type == "reasoning" and cancelled.output[0].status == "incomplete"
@@ -726,11 +733,7 @@ def test_attach_to_a_running_background_response(served, model):
     the end; cancelled, its stream ends with the cancelled response."""
     client, _, async_engine, _ = served
     with engine_stops_stepping_at(async_engine, 5):
-        r = _respond(client, model, input="Go on.", background=True, max_output_tokens=100)
-        deadline = time.monotonic() + TIMEOUT
-        while not any(len(x.output_ids) >= 5 for x in async_engine.engine.requests.values()):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        r = _stopped_in_the_background(client, model, async_engine)
         with ThreadPoolExecutor(1) as pool:
             attached = pool.submit(lambda: list(client.responses.retrieve(r.id, stream=True)))
             time.sleep(0.2)

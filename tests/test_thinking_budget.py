@@ -191,3 +191,5 @@ def test_budget_needs_a_reasoning_parser(tmp_path):
         assert r.status_code == 400 and "reasoning parser" in r.json()["error"]["message"]
         r = httpx.post(f"{base}/v1/completions", json={**body, "thinking_token_budget": -1})
         assert r.status_code == 200, r.text
+        r = httpx.post(f"{base}/v1/completions", json={**body, "thinking_token_budget": -2})
+        assert r.status_code == 400 and "reasoning parser" not in r.text  # (the value's error)

@@ -996,7 +996,8 @@ class Handlers:
         for name in (*SGLANG_NOT_RUN, "stop_regex"):
             if getattr(body, name, None):
                 raise APIError(400, f"{name} is not supported by this server", param=name)
-        if body.thinking_token_budget not in (None, -1) and self.chat_parsers.reasoning is None:
+        budget = body.thinking_token_budget
+        if budget is not None and budget >= 0 and self.chat_parsers.reasoning is None:
             raise APIError(  # (vLLM's rule: the budget counts inside the parser's markers)
                 400,
                 "thinking_token_budget needs a reasoning parser; this server runs none",
