@@ -379,6 +379,10 @@ def test_cancel_a_background_response(served, model):
         ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format"),
         ({"input": "x", "tool_choice": {"type": "mcp"}}, 400, "tool_choice"),
         ({"input": 3}, 400, "input"),
+        ({"input": "x", "stop_regex": ["a"]}, 400, "stop_regex"),
+        ({"input": "x", "kv_transfer_params": {}}, 400, "kv_transfer_params"),
+        ({"input": "x", "thinking_token_budget": -5}, 400, "thinking_token_budget"),
+        ({"input": "x", "return_tokens_as_token_ids": "yes"}, 400, "return_tokens_as_token_ids"),
     ],
 )
 def test_bad_requests(served, body, status, words):
@@ -416,6 +420,52 @@ def test_a_request_id_in_flight_is_refused(served, model):
         assert second.status_code == 400 and "exists already" in second.json()["error"]["message"]
     assert first.result().status_code == 200 and first.result().json()["id"] == "resp_mine"
     client.responses.delete("resp_mine")
+
+
+def test_chats_request_fields_reach_the_response(served, model):
+    """What chat takes of vLLM's and SGLang's fields a response takes alike (they were
+    dropped): SGLang's extra_key salts the prefix cache, thinking_token_budget cuts the
+    reasoning where chat's does, return_tokens_as_token_ids names the logprobs' tokens."""
+    client, base, _, _ = served
+    long = "Tell me about the weather in every city you know of, one by one. " * 3
+    cached = []
+    for key in ("k1", "k1", "k2"):
+        r = _respond(client, model, input=long, max_output_tokens=2, extra_body={"extra_key": key})
+        cached.append(r.usage.input_tokens_details.cached_tokens)
+    assert cached[0] == cached[2] == 0 < cached[1]
+    budget = {"thinking_token_budget": 3}
+    messages = [{"role": "user", "content": "Think."}]
+    chat = _chat(client, model, messages, max_tokens=30, extra_body=budget)
+    r = _respond(client, model, input="Think.", max_output_tokens=30, extra_body=budget)
+    thought = chat.choices[0].message.model_extra["reasoning_content"]
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text == thought
+    r = _respond(
+        client,
+        model,
+        input="Hi.",
+        max_output_tokens=4,
+        include=["message.output_text.logprobs"],
+        extra_body={**QUIET, "return_tokens_as_token_ids": True},
+    )
+    tokens = [lp.token for lp in r.output[-1].content[0].logprobs]
+    assert tokens and all(t.startswith("token_id:") for t in tokens)
+
+
+def test_abort_request_reaches_a_response(served, model):
+    """SGLang's /abort_request with a response's id ends it (it ran on to its end)."""
+    _, base, async_engine, _ = served
+    body = {"input": "Go on.", "request_id": "resp_abort", "max_output_tokens": 200}
+    with ThreadPoolExecutor(1) as pool, engine_stops_stepping_at(async_engine, 3):
+        running = pool.submit(httpx.post, f"{base}/v1/responses", json=body, timeout=TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while not async_engine.engine.requests:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = httpx.post(f"{base}/abort_request", json={"rid": "resp_abort"}, timeout=TIMEOUT)
+        assert r.status_code == 200
+        answer = running.result()
+    assert answer.status_code == 200 and answer.json()["usage"]["output_tokens"] <= 3
+    httpx.delete(f"{base}/v1/responses/resp_abort", timeout=TIMEOUT)
 
 
 def test_a_call_closes_before_the_text_after_it():

@@ -331,6 +331,7 @@ class ChatRun:
     call: _Call
     params: SamplingParams
     prompt_ids: list[int] | None = None
+    as_ids: bool = False  # logprobs' tokens as "token_id:N" (vLLM's return_tokens_as_token_ids)
 
 
 class InFlight:
@@ -592,7 +593,7 @@ class Handlers:
         prep, streams, call, n = run.prep, run.streams, run.call, len(run.streams)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         ids, thinking = bool(body.return_token_ids), body.include_reasoning is not False
-        as_ids = bool(body.return_tokens_as_token_ids)
+        as_ids = run.as_ids
         echo, role = echo_content(body), reply_role(body)
         base = named or uuid.uuid4().hex
         rid, created = f"chatcmpl-{base}", int(time.time())
@@ -763,7 +764,8 @@ class Handlers:
                 self.engine.abort(s)
             self.in_flight.close(call)
             raise
-        return ChatRun(prep, streams, call, params, prompt_ids)
+        as_ids = bool(body.return_tokens_as_token_ids)
+        return ChatRun(prep, streams, call, params, prompt_ids, as_ids)
 
     async def flush_cache(self) -> Response:
         """Drop the prefix cache (`Engine.flush_cache`); a 400 while requests run or wait,

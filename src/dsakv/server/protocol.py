@@ -308,6 +308,17 @@ class ResponsesRequest(_Strict):
     # vLLM's extras
     request_id: str | None = None
     cache_salt: str | None = None  # (`GenerationRequest.cache_salt`)
+    extra_key: str | None = None
+    thinking_token_budget: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # SGLang's and vLLM's fields chat refuses unless unset (`app.SGLANG_NOT_RUN`): to chat
+    stop_regex: Any = None
+    custom_logit_processor: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
+    kv_transfer_params: Any = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

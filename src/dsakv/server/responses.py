@@ -303,7 +303,7 @@ async def _create(
             items = earlier + items
         _check_ids(items)
         chat = _chat_request(body, turns, api.engine.engine.max_model_len)
-        run = await _start(api, chat, _DETACHED if body.background else raw)
+        run = await _start(api, chat, _DETACHED if body.background else raw, rid)
         # (vLLM's: a background response is `queued` until its task starts)
         response = _response(rid, body, api, run, "queued" if body.background else "in_progress")
         stored = _Stored(response, items, run)
@@ -324,10 +324,11 @@ async def _create(
         return JSONResponse(stored.response)
 
 
-async def _start(api: Handlers, chat: ChatCompletionRequest, raw: Any) -> ChatRun:
-    """`start_chat`, its errors naming the Responses API's fields."""
+async def _start(api: Handlers, chat: ChatCompletionRequest, raw: Any, rid: str) -> ChatRun:
+    """`start_chat` under the response's id (SGLang's /abort_request takes it), its errors
+    naming the Responses API's fields."""
     try:
-        return await api.start_chat(chat, raw)
+        return await api.start_chat(chat, raw, rid)
     except APIError as e:
         param = _PARAMS.get(e.param or "", e.param)
         message = e.message
@@ -493,6 +494,7 @@ class _Reader:
     def __init__(self, run: ChatRun) -> None:
         self.parser = run.prep.output_parser()
         self.logprobs = run.params.logprobs is not None
+        self.as_ids = bool(run.as_ids)  # (vLLM's return_tokens_as_token_ids)
         self.text = ""  # the output's text fed so far
         self.settled = 0  # where what the parser settled ends in `text`
         r = self.parser.reasoning_parser
@@ -509,7 +511,7 @@ class _Reader:
         """Update `u` (its new `text`): the parser's deltas, each with its text's logprobs."""
         if not self.logprobs:
             return [(self.parser.feed(text, final=final, cut=cut), None)]
-        for share, entry in zip(u.texts or [], _chat_logprobs(u)["content"]):
+        for share, entry in zip(u.texts or [], _chat_logprobs(u, self.as_ids)["content"]):
             self.tokens.append((self.end, self.end + len(share), entry))
             self.end += len(share)
         cuts = sorted({e - len(self.text) for _, e, _ in self.tokens if e > len(self.text)})
@@ -928,6 +930,16 @@ def _chat_request(
         "seed",
         "stop",
         "logit_bias",
+        "extra_key",
+        "thinking_token_budget",
+        "return_tokens_as_token_ids",
+        "stop_regex",
+        "custom_logit_processor",
+        "lora_path",
+        "session_params",
+        "return_hidden_states",
+        "return_routed_experts",
+        "kv_transfer_params",
     ):
         chat[key] = getattr(body, key)
     try:
