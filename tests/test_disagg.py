@@ -44,6 +44,7 @@ from dsakv.models.tiny import TINY_PRESETS, default_model_dir, write_tiny_model
 
 from .serving import (
     GREEDY,
+    NO_THINKING,
     TIMEOUT,
     ServerProcess,
     check_pd_chat,
@@ -782,6 +783,47 @@ def test_sglangs_generate_through_the_router_equals_one_engine(cluster, referenc
     r = httpx.post(f"{cluster['router']}/v1/completions", json=body, timeout=60).json()
     assert r["choices"][0]["text"] == cut.text and r["usage"]["prompt_tokens"] == 9
     wait_idle(cluster["prefill"].url)
+
+
+def test_cached_tokens_are_the_prefill_servers_prefix_hit(cluster):
+    """A prompt sent twice: the second's cached tokens (completions, chat, /generate) are
+    what the prefill server's prefix cache served, as one engine reports for the same
+    sequence; the decode server, which answers the client, had reported 0."""
+    decode, prefill = cluster["decode"].url, cluster["prefill"].url
+    text = "is a prompt long enough to fill several pages of the prefix cache. " * 3
+    chat = {"messages": [{"role": "user", "content": "Chat " + text}], **NO_THINKING}
+    body = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    asks = {
+        "/v1/completions": ({"prompt": "Completions " + text}, {"prompt": "Completions " + text}),
+        "/v1/chat/completions": (chat, chat),
+        "/generate": ({"text": "Generate " + text}, {"prompt": "Generate " + text}),
+    }
+    one = LLM(cluster["model"], kv_cache_dtype="fp32", index_k_dtype="fp32", page_size=16,
+              num_pages=256, device="cpu")  # fmt: skip
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    own = scrape_metrics(decode)["dsakv_prefix_hit_tokens_total"]
+    for path, (ask, tokenize) in asks.items():
+        ids = httpx.post(f"{decode}/tokenize", json=tokenize).json()["tokens"]
+        want = [one.generate([ids], params)[0].num_cached_tokens for _ in range(2)]
+        got, hits = [], []
+        for _ in range(2):
+            before = scrape_metrics(prefill)["dsakv_prefix_hit_tokens_total"]
+            if path == "/generate":
+                sp = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+                r = httpx.post(
+                    cluster["router"] + path, json={**ask, "sampling_params": sp}, timeout=60
+                )
+                got.append(r.json()["meta_info"]["cached_tokens"])
+            else:
+                r = httpx.post(
+                    cluster["router"] + path, json={"model": "m", **ask, **body}, timeout=60
+                )
+                got.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            hits.append(scrape_metrics(prefill)["dsakv_prefix_hit_tokens_total"] - before)
+        assert got == hits == want and want[1] > 0, path
+    # (its metric stays its own prefix cache's: a decode server hits none of it)
+    assert scrape_metrics(decode)["dsakv_prefix_hit_tokens_total"] == own
+    wait_idle(prefill)
 
 
 def test_32_concurrent_requests_none_lost_and_bytes_per_token(cluster, reference):

@@ -18,11 +18,22 @@ from dsakv.errors import DsakvError
 _PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
 
 
+_GIVEN: set[int] = set()  # ports `free_port` handed out, maybe not bound yet
+_GIVEN_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on at `host` now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on at `host` now (the OS picks it), and not one this
+    process was given before: a server told a port binds it later, and meanwhile the OS
+    may offer the same one again."""
+    with _GIVEN_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _GIVEN:
+                _GIVEN.add(port)
+                return port
 
 
 def split_address(address: str, flag: str, note: str = "") -> tuple[str, int]:

@@ -7,7 +7,8 @@ session, its pool buffers, the pages and the prompt's token ids. The prefill ser
 request handler `claim`s the room, runs the prompt, writes the KV and sets the result;
 meanwhile this side sends `{"type": "wait"}` every few seconds, so the decode server can
 tell a slow prefill from a dead one (no line for `timeout` seconds: it gives up and frees
-its pages). The last line is `{"type": "done", "first_token", ...}` or an error.
+its pages). The last line is `{"type": "done", "first_token", ...}` (with `cached_tokens`:
+the prompt tokens the prefill server's prefix cache served, the client's usage) or an error.
 """
 
 from __future__ import annotations
@@ -330,8 +331,8 @@ async def request_kv(
     host: str, port: int, registration: dict[str, Any], timeout: float
 ) -> dict[str, Any]:
     """Register with a prefill server and wait until it has written the KV; returns its
-    `done` reply (`first_token`, `bytes`, `seconds`). Raises `BootstrapError` on a refusal,
-    a hang-up, or `timeout` seconds without a word."""
+    `done` reply (`first_token`, `bytes`, `seconds`, `cached_tokens`). Raises
+    `BootstrapError` on a refusal, a hang-up, or `timeout` seconds without a word."""
     try:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host, port, limit=_MAX_LINE), timeout
@@ -359,6 +360,9 @@ async def request_kv(
                 continue
             if msg.get("type") == "done":
                 int(msg["bytes"]), int(msg["tokens"]), float(msg["seconds"])  # (read after)
+                # The prefill side's prefix-cache hit (an older prefill server sends none: 0)
+                hit = int(msg.get("cached_tokens") or 0)
+                msg["cached_tokens"] = max(0, min(hit, int(msg["tokens"])))
                 return msg
             param = msg.get("param")
             raise BootstrapError(

@@ -297,6 +297,7 @@ class PrefillAsyncEngine(_DisaggEngine):
                 bytes=nbytes,
                 tokens=n,
                 seconds=seconds,
+                cached_tokens=req.metrics.prefix_hit_tokens,  # the client's cached_tokens
             )
             public._push(u)
         except Exception as e:
@@ -437,6 +438,10 @@ class DecodeAsyncEngine(_DisaggEngine):
             req.top_logprobs.append([(int(t), float(x)) for t, x in top or []])
             req.ranks.append(None)  # (the prefill server's; no route reports it)
         req.metrics.arrival_time = stream.arrival  # (the prefill server's time included)
+        # What the client's usage reports as cached is what the prefill server's prefix
+        # cache served (SGLang's decode side takes it from the prefill side's metadata); this
+        # server's `dsakv_prefix_hit_tokens_total` stays its own cache's.
+        req.metrics.prefix_hit_tokens = int(reply.get("cached_tokens") or 0)
         ops.start_decoding(engine, req, int(reply["first_token"]))
         stream.rid, stream.request, stream.prompt_tokens = req.rid, req, len(req.prompt_ids)
         stream._push(_update(engine, stream, req))

@@ -1839,7 +1839,7 @@ class Engine:
             # (n's forks wait for their first choice's prefill outside the scheduler)
             "waiting_requests": len(self.scheduler.waiting)
             + sum(not f.finished for r in self.requests.values() for f in r.forks),
-            "waiting_tokens": sum(len(r.prompt_ids) for r in self.scheduler.waiting),
+            "waiting_tokens": sum(r.seq_len for r in self.scheduler.waiting),
             "peak_running_requests": sch.peak_running,
             "prompt_tokens": s.prompt_tokens,
             "output_tokens": s.output_tokens,

@@ -30,7 +30,7 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "gauge",
         "Prefix-cache device pages no request holds (freed on demand)",
     ),
-    "waiting_tokens": ("waiting_tokens", "gauge", "Prompt tokens of the waiting requests"),
+    "waiting_tokens": ("waiting_tokens", "gauge", "Tokens of the waiting requests (outputs too)"),
     "gen_throughput": (
         "gen_throughput",
         "gauge",
