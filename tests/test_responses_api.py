@@ -381,6 +381,7 @@ def test_cancel_a_background_response(served, model):
         ({"input": 3}, 400, "input"),
         ({"input": "x", "stop_regex": ["a"]}, 400, "stop_regex"),
         ({"input": "x", "kv_transfer_params": {}}, 400, "kv_transfer_params"),
+        ({"input": "x", "priority": 5}, 400, "priority"),
         ({"input": "x", "thinking_token_budget": -5}, 400, "thinking_token_budget"),
         ({"input": "x", "return_tokens_as_token_ids": "yes"}, 400, "return_tokens_as_token_ids"),
     ],

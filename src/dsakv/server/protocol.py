@@ -319,6 +319,7 @@ class ResponsesRequest(_Strict):
     return_hidden_states: Any = None
     return_routed_experts: Any = None
     kv_transfer_params: Any = None
+    priority: int | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

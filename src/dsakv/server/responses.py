@@ -940,6 +940,7 @@ def _chat_request(
         "return_hidden_states",
         "return_routed_experts",
         "kv_transfer_params",
+        "priority",
     ):
         chat[key] = getattr(body, key)
     try:
