@@ -42,6 +42,7 @@ from dsakv.server.runner import Update
 from .serving import TIMEOUT, engine_stops_stepping_at, serving
 from .test_server import ENGINE_ARGS
 from .test_server_tools import SCHEMAS, TOOLS
+from .test_update_weights import _until
 
 QUIET = {"chat_template_kwargs": {"enable_thinking": False}}  # GLM answers without reasoning
 WEATHER = {  # the Responses API's flat function tool
@@ -82,10 +83,8 @@ def _stopped_in_the_background(client, model, async_engine):
     """A background response whose engine stopped stepping at its 5th token (under
     `engine_stops_stepping_at(async_engine, 5)`), once it got there."""
     r = _respond(client, model, input="Go on.", background=True, max_output_tokens=100)
-    deadline = time.monotonic() + TIMEOUT
-    while not any(len(x.output_ids) >= 5 for x in async_engine.engine.requests.values()):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    requests = async_engine.engine.requests
+    _until(lambda: any(len(x.output_ids) >= 5 for x in requests.values()), "5 tokens out")
     return r
 
 
@@ -413,10 +412,7 @@ def test_a_request_id_in_flight_is_refused(served, model):
     body = {"input": "Go on.", "request_id": "resp_mine", "max_output_tokens": 50}
     with ThreadPoolExecutor(1) as pool, engine_stops_stepping_at(async_engine, 3):
         first = pool.submit(httpx.post, f"{base}/v1/responses", json=body, timeout=TIMEOUT)
-        deadline = time.monotonic() + TIMEOUT
-        while not async_engine.engine.requests:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _until(lambda: async_engine.engine.requests, "the request runs")
         second = httpx.post(f"{base}/v1/responses", json=body, timeout=TIMEOUT)
         assert second.status_code == 400 and "exists already" in second.json()["error"]["message"]
     assert first.result().status_code == 200 and first.result().json()["id"] == "resp_mine"
@@ -458,10 +454,7 @@ def test_abort_request_reaches_a_response(served, model):
     body = {"input": "Go on.", "request_id": "resp_abort", "max_output_tokens": 200}
     with ThreadPoolExecutor(1) as pool, engine_stops_stepping_at(async_engine, 3):
         running = pool.submit(httpx.post, f"{base}/v1/responses", json=body, timeout=TIMEOUT)
-        deadline = time.monotonic() + TIMEOUT
-        while not async_engine.engine.requests:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _until(lambda: async_engine.engine.requests, "the request runs")
         r = httpx.post(f"{base}/abort_request", json={"rid": "resp_abort"}, timeout=TIMEOUT)
         assert r.status_code == 200
         answer = running.result()

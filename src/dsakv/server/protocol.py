@@ -81,7 +81,30 @@ class ResponseFormat(_Strict):
     at_least_one: bool | None = None
 
 
-class GenerationRequest(_Strict):
+class ServingExtras(_Strict):
+    """vLLM's and SGLang's request fields beyond sampling, as completions and chat read
+    them; a response takes the same ones (`responses._chat_request` hands them to chat)."""
+
+    # vLLM's prefix-cache isolation (a non-empty string), and SGLang's, which appends its
+    # extra_key to it (`app.request_salt`)
+    cache_salt: str | None = None
+    extra_key: str | None = None
+    thinking_token_budget: int | None = None  # vLLM's (`SamplingParams`)
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens as "token_id:N"
+    # refused unless off (`Handlers._params`): what they ask for is not run here
+    priority: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    # SGLang's, not run here: a 400 unless unset (null, false or empty: sgl.gen sends
+    # stop_regex: []); any shape, so the refusal names the field
+    stop_regex: Any = None
+    custom_logit_processor: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
+
+
+class GenerationRequest(ServingExtras):
     """Fields shared by completions and chat completions (plus vLLM-style extras)."""
 
     model: str | None = None
@@ -125,28 +148,12 @@ class GenerationRequest(_Strict):
     truncate_prompt_tokens: int | None = None
     no_stop_trim: bool | None = None  # SGLang's include_stop_str_in_output
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's ids too
-    # vLLM's prefix-cache isolation (a non-empty string), and SGLang's, which appends its
-    # extra_key to it (`app.request_salt`)
-    cache_salt: str | None = None
-    extra_key: str | None = None
+    truncation_side: str | None = None  # vLLM's: "left" keeps the last tokens, "right" the first
     # refused unless off (`Handlers._params`): what they ask for is not run here
-    priority: int | None = None
     use_beam_search: bool | None = None
-    truncation_side: str | None = None  # ("left" is what truncate_prompt_tokens does)
     logprob_token_ids: list[int] | None = None
     prompt_embeds: Any = None
     repetition_detection: dict[str, Any] | None = None
-    thinking_token_budget: int | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    # SGLang's, not run here: a 400 unless unset (null, false or empty: sgl.gen sends
-    # stop_regex: []); any shape, so the refusal names the field
-    stop_regex: Any = None
-    custom_logit_processor: Any = None
-    lora_path: Any = None
-    session_params: Any = None
-    return_hidden_states: Any = None
-    return_routed_experts: Any = None
-    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens as "token_id:N"
     request_id: str | None = None  # vLLM's: the response's id (after "cmpl-" / "chatcmpl-")
 
 
@@ -273,7 +280,7 @@ class ResponsesReasoning(_Strict):
     generate_summary: str | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(ServingExtras):
     """OpenAI's Responses API request (`dsakv.server.responses`), with vLLM's extras;
     `input` items are checked where they are read (their shapes are many)."""
 
@@ -305,21 +312,8 @@ class ResponsesRequest(_Strict):
     # refused unless left off: what they ask for is not run here
     prompt: Any = None
     conversation: Any = None
-    # vLLM's extras
+    # vLLM's extras (and `ServingExtras`, to chat)
     request_id: str | None = None
-    cache_salt: str | None = None  # (`GenerationRequest.cache_salt`)
-    extra_key: str | None = None
-    thinking_token_budget: int | None = None
-    return_tokens_as_token_ids: bool | None = None
-    # SGLang's and vLLM's fields chat refuses unless unset (`app.SGLANG_NOT_RUN`): to chat
-    stop_regex: Any = None
-    custom_logit_processor: Any = None
-    lora_path: Any = None
-    session_params: Any = None
-    return_hidden_states: Any = None
-    return_routed_experts: Any = None
-    kv_transfer_params: Any = None
-    priority: int | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

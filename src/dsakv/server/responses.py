@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from .app import ChatRun, Handlers, _AbortingStream, _chat_logprobs, _Result
 from .chat import PreparedChat
 from .parsers import THINK_START, ChatDelta, reasoning_parser
-from .protocol import APIError, ChatCompletionRequest, ResponsesRequest
+from .protocol import APIError, ChatCompletionRequest, ResponsesRequest, ServingExtras
 
 # Responses kept for previous_response_id and GET, the least recently used dropped first (a
 # background response still running is never dropped). vLLM keeps every one, for ever.
@@ -913,7 +913,6 @@ def _chat_request(
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
         "chat_template_kwargs": body.chat_template_kwargs,
         "truncate_prompt_tokens": _truncation(body, max_model_len),
-        "cache_salt": body.cache_salt,
     }
     if unfinished:
         chat.update(add_generation_prompt=False, continue_final_message=True)
@@ -930,17 +929,7 @@ def _chat_request(
         "seed",
         "stop",
         "logit_bias",
-        "extra_key",
-        "thinking_token_budget",
-        "return_tokens_as_token_ids",
-        "stop_regex",
-        "custom_logit_processor",
-        "lora_path",
-        "session_params",
-        "return_hidden_states",
-        "return_routed_experts",
-        "kv_transfer_params",
-        "priority",
+        *ServingExtras.model_fields,
     ):
         chat[key] = getattr(body, key)
     try:
