@@ -926,12 +926,12 @@ def test_serve_holds_its_ports_while_the_engine_loads(model_dir, monkeypatch, ca
     after "serving" had been printed. Now the socket is bound and listening before the
     engine loads and uvicorn serves that one; "serving" comes once it does. A prefill
     server holds its bootstrap port the same way until its bootstrap server binds it."""
-    from dsakv import cli
+    from dsakv import cli, procs
     from dsakv.server import serve
 
     port, bootstrap = free_port(), free_port()
     seen: dict[str, list[bool]] = {"loading": [], "serving": []}
-    real_create, real_startup = serve.create_engine, serve._Server.startup
+    real_create, real_startup = serve.create_engine, procs.AppServer.startup
 
     def create_engine(config, **kw):
         seen["loading"] += [port_taken(port), port_taken(bootstrap)]
@@ -943,7 +943,7 @@ def test_serve_holds_its_ports_while_the_engine_loads(model_dir, monkeypatch, ca
         self.should_exit = True  # stop at once
 
     monkeypatch.setattr(serve, "create_engine", create_engine)
-    monkeypatch.setattr(serve._Server, "startup", startup)
+    monkeypatch.setattr(procs.AppServer, "startup", startup)
     args = ["serve", str(model_dir), "--port", str(port), "--device", "cpu", "--num-pages", "16"]
     args += ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32"]
     if role:

@@ -639,6 +639,23 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         dest="max_running_requests",
         type=_positive_int,
     )
+    g.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        help="which waiting request runs first: fcfs (default), or priority: the requests' "
+        "priority field, lower values first, then arrival; a request that cannot be admitted "
+        "retracts running ones of lower priority (vLLM's)",
+    )
+    g.add_argument(
+        "--enable-priority-scheduling",
+        action="store_true",
+        help="SGLang's spelling: priority scheduling, higher values first",
+    )
+    g.add_argument(
+        "--schedule-low-priority-values-first",
+        action="store_true",
+        help="with --enable-priority-scheduling: lower values first (SGLang's)",
+    )
     _add_aliased(
         g,
         ("--max-model-len", "--context-length"),
@@ -842,6 +859,8 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
 
     _check_dp_size(args)
     _fold_expert_parallel(args)
+    if args.scheduling_policy == "fcfs" and args.enable_priority_scheduling:
+        raise DsakvError("--scheduling-policy fcfs and --enable-priority-scheduling contradict")
     if getattr(args, "tokenizer_mode", None) == "deepseek_v32":
         model_type = ModelConfig.from_hf(model_dir).model_type
         if model_type != "deepseek_v32":

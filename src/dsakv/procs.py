@@ -1,19 +1,25 @@
 """Child processes and local ports: the few helpers every layer that starts a process or
 listens needs (the Mooncake master, engine ranks, `dsakv serve-pd`'s servers, bench's
-server). They sit at the bottom, beside `errors`, so each of those layers uses this one
+server, uvicorn serving a `Listener`'s sockets). They sit at the bottom, beside `errors`, so each of those layers uses this one
 copy instead of its own."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import signal
 import socket
 import subprocess
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import uvicorn
 
 from dsakv.errors import DsakvError
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
 
@@ -169,3 +175,42 @@ class Listener:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AppServer(uvicorn.Server):
+    """Serves `sockets` when given (bound before the engine loaded) and prints `banner`
+    once it listens; aborts in-flight requests first on shutdown, so open streams end at
+    once (with finish_reason "abort") instead of holding shutdown until they complete."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        async_engine: Any = None,  # (`AsyncEngine`)
+        sockets: list[socket.socket] | None = None,
+        banner: str | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.sockets = sockets
+        self.banner = banner
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().serve(sockets if sockets is not None else self.sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.banner:
+            log.info("%s", self.banner)
+            print(self.banner, flush=True)
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.async_engine is not None:
+            self.async_engine.abort_all()
+        await super().shutdown(sockets)
+
+
+def serve_app(app, listener: Listener, banner: str, log_level: str = "warning") -> None:
+    """Serve an ASGI `app` on `listener`'s sockets until interrupted, printing `banner`
+    once it serves (the router: here, below the engine, so that it loads no torch)."""
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    AppServer(config, sockets=listener.sockets, banner=banner).run()

@@ -25,7 +25,7 @@ from dsakv.server.protocol import APIError
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
 
 # The generation endpoints whose JSON body may carry SGLang's bootstrap fields.
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/score")
 _MAX_ROOM = 2**64 - 1  # SGLang's routers draw rooms below 2**63; any u64 is accepted
 
 

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 import httpx
 
 from dsakv.errors import DsakvError
-from dsakv.procs import Listener, exit_on_sigterm, free_port, stop_processes
-from dsakv.server.serve import serve_app
+from dsakv.procs import Listener, exit_on_sigterm, free_port, serve_app, stop_processes
 
 from .router import build_router_app
 

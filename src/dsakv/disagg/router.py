@@ -6,8 +6,9 @@ not) is the client's. A stored response lives on the decode server that wrote it
 router remembers which (else asks each), for GET, DELETE, cancel, its input items and
 `previous_response_id`. The prefill server's own answer (its one token) is only logged when it fails:
 any failure reaches the client through the decode server, which hears it in the handshake.
-SGLang's admin calls (/abort_request, /flush_cache, the weight updates, pausing) go to
-every server. Light on purpose: no torch, no engine.
+SGLang's and vLLM's admin calls (/abort_request, /flush_cache, the weight updates, pausing,
+profiling) go to every server; calls every server answers alike (/v1/models, /tokenize)
+to one. Light on purpose: no torch, no engine.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsakv.errors import DsakvError
-from dsakv.server.app import client_left
-from dsakv.server.protocol import error_body
-from dsakv.server.responses import RESPONSES_KEPT
+from dsakv.server.protocol import (
+    RESPONSES_KEPT,
+    APIError,
+    client_left,
+    error_body,
+    invocation_path,
+)
 
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
 from .handoff import GENERATE_PATHS
@@ -397,6 +402,40 @@ class Router:
         prefill server's abort reached first would end with the handshake's error instead.
         The first decode server's answer when all answered 200; else a server's 4xx (the
         client's error, e.g. a bad key or body), or a 502 naming the servers that failed."""
+        answers = await self._everyone(path, request)
+        if isinstance(answers, Response):
+            return answers
+        first = answers[0]
+        return Response(first.content, 200, media_type=first.headers.get("content-type"))
+
+    async def every_server(self, path: str, request: Request) -> Response:
+        """vLLM's GET /is_paused and /is_sleeping, true only while every server is: a trainer
+        reading true swaps the weights (or uses the memory), which is safe only once no
+        server generates (a pause or a sleep that failed somewhere is undone, so a mixed
+        state is a server restarted or resumed alone; asking again, as false bids, mends
+        it)."""
+        answers = await self._everyone(path, request)
+        if isinstance(answers, Response):
+            return answers
+        key = path.lstrip("/")
+        return JSONResponse({key: all(r.json()[key] is True for r in answers)})
+
+    async def load(self, request: Request) -> Response:
+        """vLLM's GET /load: the decode servers' requests in flight together (each request
+        through the router is in flight on one decode server from start to end, and only
+        part of that time on its prefill server too)."""
+        answers = await self._everyone("/load", request, (self.decode,))
+        if isinstance(answers, Response):
+            return answers
+        return JSONResponse({"server_load": sum(int(r.json()["server_load"]) for r in answers)})
+
+    async def _everyone(
+        self, path: str, request: Request, groups: tuple[list[str], ...] | None = None
+    ) -> list[httpx.Response] | Response:
+        """`request` (its method, query, body and key) to each server at `path`, the decode
+        servers, then the prefill servers (`groups`: those groups in turn): their answers,
+        when each is a 2xx; else a server's 4xx, or a 502 naming those that failed. A pause
+        that failed somewhere pauses nothing (`_UNDO`)."""
         try:
             raw = await request.body()
         except ClientDisconnect:
@@ -404,18 +443,18 @@ class Router:
         headers = {"content-type": request.headers.get("content-type", "application/json")}
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
+        query = request.url.query
         answers = []
-        for urls in (self.decode, self.prefill):
-            calls = (self._call(u, path, request.method, raw, headers) for u in urls)
+        for urls in groups or (self.decode, self.prefill):
+            calls = (self._call(u, path, request.method, raw, headers, query) for u in urls)
             answers += await asyncio.gather(*calls)
         failed = [(u, r) for u, r in answers if not isinstance(r, httpx.Response) or r.is_error]
         if not failed:
-            first = answers[0][1]
-            return Response(first.content, 200, media_type=first.headers.get("content-type"))
-        if path == "/pause_generation":  # (a pause that failed somewhere pauses nothing)
+            return [r for _, r in answers]
+        if path in _UNDO:
             paused = [u for u, r in answers if (u, r) not in failed]
-            resume = "/continue_generation"
-            await asyncio.gather(*(self._call(u, resume, "POST", b"{}", headers) for u in paused))
+            undo = _UNDO[path]
+            await asyncio.gather(*(self._call(u, undo, "POST", b"{}", headers) for u in paused))
         for _, r in failed:
             if isinstance(r, httpx.Response) and r.status_code < 500:  # the client's
                 return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
@@ -424,14 +463,60 @@ class Router:
         return _error(502, f"{path} failed on {len(failed)} of {len(answers)}: {named}")
 
     async def _call(
-        self, url: str, path: str, method: str, raw: bytes, headers: dict[str, str]
+        self,
+        url: str,
+        path: str,
+        method: str,
+        raw: bytes,
+        headers: dict[str, str],
+        query: str = "",
     ) -> tuple[str, httpx.Response | httpx.HTTPError]:
+        target = f"{url}{path}" + (f"?{query}" if query else "")
         try:
             return url, await self.client.request(
-                method, f"{url}{path}", content=raw, headers=headers, timeout=BROADCAST[path]
+                method, target, content=raw, headers=headers, timeout=BROADCAST.get(path, 30.0)
             )
         except httpx.HTTPError as e:
             return url, e
+
+    async def one(self, request: Request) -> Response:
+        """`request` as it is (method, path, query, body, key) to the first decode server
+        that answers it without a 5xx (one loading or restarting: the next): a call every
+        server answers alike, as they serve one model (/v1/models, /tokenize, ...: `_ONE`)."""
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        headers = _auth(request)
+        if raw:
+            headers["content-type"] = request.headers.get("content-type", "application/json")
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        errors = []
+        for url in self.decode:
+            try:
+                r = await self.client.request(
+                    request.method, f"{url}{path}", content=raw, headers=headers
+                )
+            except httpx.HTTPError as e:
+                errors.append(f"{url}: {e!r}")
+                continue
+            if r.status_code >= 500:
+                errors.append(f"{url}: {r.status_code}")
+                continue
+            return _answer(r)
+        return _error(502, f"no decode server is reachable: {'; '.join(errors)}")
+
+    async def invocations(self, request: Request) -> Response:
+        """vLLM's (SageMaker's) POST /invocations: relayed as the route its body's shape
+        picks (`invocation_path`, as the servers pick it)."""
+        got = await _json_body(request)
+        if isinstance(got, Response):
+            return got
+        try:
+            path = invocation_path(got[1])
+        except APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        return await self.generate(path, request)
 
     async def _pick_prefill(self) -> tuple[str, str, int]:
         """The next prefill server that tells its bootstrap port, with that port: one that
@@ -567,6 +652,43 @@ BROADCAST = {
     "/update_weight_version": 30.0,
     "/pause_generation": None,  # ("abort" answers once the requests in flight ended)
     "/continue_generation": 30.0,
+    # vLLM's names for pausing and for /flush_cache; profiling (SGLang's and vLLM's)
+    "/pause": None,
+    "/resume": 30.0,
+    "/reset_prefix_cache": 30.0,
+    "/start_profile": 30.0,
+    "/stop_profile": None,  # (every rank writes its trace first)
+    # sleep mode for a colocated trainer (SGLang's, vLLM's): weights copied to or from the host
+    "/release_memory_occupation": None,
+    "/resume_memory_occupation": None,
+    "/sleep": None,
+    "/wake_up": None,
+}
+# Broadcast calls SGLang takes as GET too.
+_GET_TOO = (
+    "/flush_cache",
+    "/start_profile",
+    "/stop_profile",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+)
+# The call that undoes a broadcast one (on the servers it reached) when another server failed it.
+_UNDO = {
+    "/pause_generation": "/continue_generation",
+    "/pause": "/resume",
+    "/release_memory_occupation": "/resume_memory_occupation",
+    "/sleep": "/wake_up",
+}
+# Calls every server answers alike, asked of one decode server (`Router.one`), and methods.
+_ONE = {
+    "/v1/models": ["GET"],
+    "/v1/models/{model:path}": ["GET"],  # (OpenAI's retrieve; a served name may hold "/")
+    "/tokenize": ["POST"],
+    "/detokenize": ["POST"],
+    "/v1/tokenize": ["POST"],
+    "/v1/detokenize": ["POST"],
+    "/version": ["GET"],
+    "/get_weights_by_name": ["GET", "POST"],
 }
 
 
@@ -628,8 +750,8 @@ def _items(input: Any) -> list[Any]:
 
 def _num_prompts(body: dict[str, Any]) -> int:
     """How many prompts a body holds (each needs its own bootstrap room): completions'
-    `prompt`, or SGLang's /generate `text` / `input_ids`."""
-    for key in ("prompt", "text", "input_ids"):
+    `prompt`, SGLang's /generate `text` / `input_ids`, or its /v1/score `items`."""
+    for key in ("prompt", "text", "input_ids", "items"):
         value = body.get(key)
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             return len(value)  # a list of texts or of token-id lists
@@ -686,30 +808,35 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
         async def broadcast(request: Request, path: str = path) -> Response:
             return await router.broadcast(path, request)
 
-        methods = ["GET", "POST"] if path == "/flush_cache" else ["POST"]  # (SGLang's)
+        methods = ["GET", "POST"] if path in _GET_TOO else ["POST"]
         app.add_api_route(path, broadcast, methods=methods)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        headers = {}
-        if "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
-        errors = []
-        for url in router.decode:  # the first that answers: they serve one model
-            try:
-                r = await router.client.get(f"{url}/v1/models", headers=headers)
-            except httpx.HTTPError as e:
-                errors.append(f"{url}: {e!r}")
-                continue
-            if r.status_code >= 500:  # (loading, restarting: another may answer)
-                errors.append(f"{url}: {r.status_code}")
-                continue
-            return Response(r.content, r.status_code, media_type="application/json")
-        return _error(502, f"no decode server is reachable: {'; '.join(errors)}")
+    for path in ("/is_paused", "/is_sleeping"):
 
-    @app.get("/health")
+        async def every_server(request: Request, path: str = path) -> Response:
+            return await router.every_server(path, request)
+
+        app.add_api_route(path, every_server, methods=["GET"])
+
+    @app.get("/load")
+    async def load(request: Request) -> Response:
+        return await router.load(request)
+
+    async def one(request: Request) -> Response:
+        return await router.one(request)
+
+    for path, methods in _ONE.items():
+        app.add_api_route(path, one, methods=methods)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        return await router.invocations(request)
+
     async def health() -> Response:
         return await router.health()
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # (vLLM's, SageMaker's)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -294,6 +294,7 @@ class PrefillAsyncEngine(_DisaggEngine):
                 first_token=u.token_ids[0],
                 logprob=u.logprobs[0] if u.logprobs else None,
                 top_logprobs=u.top_logprobs[0] if u.top_logprobs else None,
+                token_ids_logprobs=u.token_ids_logprobs[0] if u.token_ids_logprobs else None,
                 bytes=nbytes,
                 tokens=n,
                 seconds=seconds,
@@ -437,6 +438,9 @@ class DecodeAsyncEngine(_DisaggEngine):
             req.logprobs.append(float(logprob))
             req.top_logprobs.append([(int(t), float(x)) for t, x in top or []])
             req.ranks.append(None)  # (the prefill server's; no route reports it)
+            by_id = reply.get("token_ids_logprobs")
+            if req.params.token_ids_logprob is not None and by_id is not None:
+                req.token_ids_logprobs.append([float(x) for x in by_id])
         req.metrics.arrival_time = stream.arrival  # (the prefill server's time included)
         # What the client's usage reports as cached is what the prefill server's prefix
         # cache served (SGLang's decode side takes it from the prefill side's metadata); this

@@ -122,6 +122,17 @@ class DecodeGraphs:
             self.capture_seconds,
         )
 
+    def drop(self) -> None:
+        """Forget every captured graph: each replays the addresses of the weights and the
+        pool it was captured over, which sleep mode moves; `capture_all` captures them again,
+        in a memory pool of their own (the old one's blocks go with its graphs)."""
+        if not self.graphs:
+            return
+        torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self._mempool = torch.cuda.graph_pool_handle()
+        self.out_slots.fill_(-1)  # (a capture writes nowhere, as at start-up: not the last step's)
+
     def _fill(self, new_tokens, slots, bucket: int, width: int) -> None:
         ps, cols = self.ps, width // self.ps
         if self._copied is not None:

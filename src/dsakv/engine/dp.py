@@ -28,7 +28,7 @@ from .sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 # Request fields that grow as it decodes, and the ones that are replaced.
-_GROWING = ("output_ids", "logprobs", "top_logprobs", "ranks")
+_GROWING = ("output_ids", "logprobs", "top_logprobs", "ranks", "token_ids_logprobs")
 _REPLACED = (
     "output_text",
     "finish_reason",
@@ -38,6 +38,7 @@ _REPLACED = (
     "prompt_logprobs",
     "prompt_top_logprobs",
     "prompt_ranks",
+    "prompt_token_ids_logprobs",
 )
 # Per-request counts (`RequestMetrics`) a rank reports as they stand
 _COUNTS = ("prefix_hit_tokens", "retractions", "draft_tokens", "accepted_tokens")
@@ -182,6 +183,7 @@ class DPEngine:
     # --- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        self.local.check_awake()  # (every rank sleeps and wakes with rank 0)
         ids = self.local.prompt_ids(prompt, params.truncate_prompt_tokens)
         rank = self._pick_rank()
         if rank == 0:
@@ -249,6 +251,7 @@ class DPEngine:
                     "(pause with mode abort, or continue generation first)",
                 )
             return False
+        self.refuse_if_released(source)
         if not isinstance(source, (GroupUpdate, TensorUpdate)):
             source = str(source)
         return updated(self._on_every_rank("update_weights_here", source))
@@ -261,6 +264,11 @@ class DPEngine:
     get_weights_by_name = Engine.get_weights_by_name
     start_profile = Engine.start_profile
     stop_profile = Engine.stop_profile
+    refuse_if_released = Engine.refuse_if_released
+    release_memory_occupation = Engine.release_memory_occupation
+    resume_memory_occupation = Engine.resume_memory_occupation
+    sleep = Engine.sleep
+    wake_up = Engine.wake_up
 
     def _on_every_rank(self, method: str, *args: Any) -> Any:
         with self.leader.lock, self.local.rank_failures():

@@ -31,7 +31,7 @@ from dsakv.distributed.parallel import (
     is_dist_error,
 )
 from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate, WeightGroup
-from dsakv.errors import ConfigError, DsakvError, is_int, is_number, load_json
+from dsakv.errors import ConfigError, DsakvError, is_int, is_list, is_number, load_json
 from dsakv.kernels import BACKENDS, cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
@@ -39,6 +39,7 @@ from dsakv.memory.capacity import GIB, gpu_kv_budget_bytes
 from dsakv.memory.host import HostPool
 from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 from dsakv.memory.pool import DSAKVPool
+from dsakv.memory.release import Stash
 from dsakv.memory.storage import StorageConfig, storage_namespace
 
 from .cuda_graph import DecodeGraphs
@@ -59,6 +60,7 @@ from .sampling import (
     ban,
     banned_words_next,
     bias_tensors,
+    gather_ids,
     gather_logprobs,
     penalize,
     processed_logprobs,
@@ -79,6 +81,17 @@ class RankDied(DsakvError):
     exit_code = 1
 
 
+class EngineAsleep(DsakvError, RuntimeError):
+    """A request while the engine's memory is released (sleep mode), or its discarded
+    weights are not all loaded again: a `DsakvError` (one line, no traceback), and a
+    `RuntimeError`, which the server answers 503 as a stopped engine's (try again later)."""
+
+
+# What `Engine.release_memory_occupation` frees (SGLang's GPU memory types); vLLM's sleep
+# mode frees the first two.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine arguments; the same names as `LLM(...)` keywords and `dsakv` CLI flags."""
@@ -97,6 +110,12 @@ class EngineConfig:
     page_size: int = 64
     chunked_prefill_size: int = 512
     max_running_requests: int = 256
+    # Which waiting request runs first (`priority_sign`): vLLM's "fcfs", or "priority", by
+    # the requests' `priority`, lower values first; or SGLang's switch, higher values first
+    # unless `schedule_low_priority_values_first`
+    scheduling_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
     max_model_len: int | None = None
     device: str = "auto"
     dtype: str = "auto"
@@ -172,6 +191,20 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise DsakvError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise DsakvError(
+                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
+        if self.schedule_low_priority_values_first and not self.enable_priority_scheduling:
+            raise DsakvError(
+                "--schedule-low-priority-values-first needs --enable-priority-scheduling"
+            )
+        if self.enable_priority_scheduling and self.scheduling_policy == "priority":
+            raise DsakvError(
+                "--scheduling-policy priority (vLLM's: lower values first) and "
+                "--enable-priority-scheduling (SGLang's: higher values first unless "
+                "--schedule-low-priority-values-first) both ask for priority scheduling: give one"
             )
         if self.generation_config not in ("auto", "vllm"):
             raise DsakvError(
@@ -311,6 +344,14 @@ class EngineConfig:
     @property
     def plan_overrides(self) -> dict[str, Any]:
         return plan_overrides(self)
+
+    @property
+    def priority_sign(self) -> int:
+        """The scheduler's order (`SchedulerConfig.priority_sign`): 0 first come first
+        served, 1 lower `priority` values first, -1 higher ones first."""
+        if self.scheduling_policy == "priority" or self.schedule_low_priority_values_first:
+            return 1
+        return -1 if self.enable_priority_scheduling else 0
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -505,6 +546,12 @@ class Engine:
         # Generation paused (the server's /pause_generation, in place or retracted): a
         # weight update or a cache flush then runs under the requests it holds, as SGLang's.
         self.paused = False
+        # Sleep mode (`release_memory_occupation`): the tags released, what brings each back,
+        # and after weights were discarded (vLLM's level 2) this rank's parts of them not
+        # loaded again yet (None: none discarded).
+        self.released: set[str] = set()
+        self._stashes: dict[str, list[Stash]] = {}
+        self._unloaded: dict[str, set[Any]] | None = None
         self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
         # Which rank died and how, once known (the launcher's watchdog says; None: unknown).
         self.rank_failure: Callable[[], str | None] = lambda: None
@@ -529,6 +576,7 @@ class Engine:
                 config.chunked_prefill_size,
                 self._rank_max_running(),
                 config.enable_prefix_cache,
+                priority_sign=config.priority_sign,
             ),
             self.allocator,
             self.cache,
@@ -768,6 +816,7 @@ class Engine:
         request replaced the first in `requests`, and aborting it broke every later step."""
         if rid is not None and rid in self.requests:
             raise DsakvError(f"request id {rid!r} is already in use")
+        self.check_awake()
         ids = self.prompt_ids(prompt, params.truncate_prompt_tokens)
         if self.hot is not None and not self.hot.fits(len(ids)):
             held = self.pool.num_latent_tokens
@@ -848,6 +897,8 @@ class Engine:
             req.prompt_logprobs = [None] * len(req.prompt_ids)
             req.prompt_top_logprobs = [None] * len(req.prompt_ids)
             req.prompt_ranks = [None] * len(req.prompt_ids)
+            if p.token_ids_logprob:
+                req.prompt_token_ids_logprobs = [None] * len(req.prompt_ids)
             req.score_prompt = p.prompt_logprobs_start < len(req.prompt_ids) - 1
 
     def check_request(self, p: SamplingParams) -> tuple[Any, list[list[int]]]:
@@ -887,20 +938,29 @@ class Engine:
 
     def check_params(self, p: SamplingParams) -> None:
         """What `p` asks of this model that `SamplingParams` cannot check alone: its token
-        ids in the vocabulary (an id past it fails the step it is used in); and one choice
-        per request (`add_requests` makes `n`)."""
+        ids in the vocabulary (an id past it fails the step it is used in); one choice per
+        request (`add_requests` makes `n`); a priority only under priority scheduling."""
         if p.n != 1:  # (add_request made one, silently)
             raise DsakvError(f"add_request makes one choice; n={p.n} is add_requests'", "n")
+        self.check_priority(p.priority)
         vocab = self.model_config.vocab_size
         for name, ids in (
             ("logit_bias", [t for t, _ in p.logit_bias]),
             ("stop_token_ids", p.stop_token_ids),
             ("allowed_token_ids", p.allowed_token_ids or ()),
+            ("token_ids_logprob", p.token_ids_logprob or ()),
         ):
             if any(t >= vocab for t in ids):
                 raise DsakvError(
                     f"{name} has token ids outside the vocabulary (0..{vocab - 1})", name
                 )
+
+    def check_priority(self, priority: int | None) -> None:
+        """A `priority` other than 0 runs under priority scheduling only (vLLM's refusal)."""
+        if priority and not self.config.priority_sign:
+            raise DsakvError(
+                f"Got priority {priority} but priority scheduling is not enabled", "priority"
+            )
 
     def _release_forks(self, req: Request) -> None:
         """Queue `req`'s forks (its prefill is done, or it ended): they inherit its prompt
@@ -912,6 +972,8 @@ class Engine:
                 fork.prompt_logprobs = list(req.prompt_logprobs)
                 fork.prompt_top_logprobs = list(req.prompt_top_logprobs)
                 fork.prompt_ranks = list(req.prompt_ranks)
+                if req.prompt_token_ids_logprobs is not None:
+                    fork.prompt_token_ids_logprobs = list(req.prompt_token_ids_logprobs)
                 fork.score_prompt = req.score_prompt
             self.scheduler.add(fork)
         req.forks = []
@@ -985,6 +1047,93 @@ class Engine:
         self.cache.reset()
         return True
 
+    # --- sleep mode: memory given to a colocated trainer and back -------------------------
+
+    def release_memory_occupation(
+        self, tags: Iterable[str] | None = None, discard_weights: bool = False
+    ) -> None:
+        """SGLang's /release_memory_occupation (vLLM's /sleep: `sleep`), on every rank: free
+        what `tags` name (None or none: all of `MEMORY_TAGS`) for a trainer sharing the
+        device. "kv_cache": the pool's buffers, the prefix cache dropped first so that no
+        page refers to them (its host-tier copies too; L3 keeps its pages); "weights": the
+        model's parameters and buffers, copied to host memory first to come back bit for bit,
+        or with `discard_weights` (vLLM's level 2) the parameters dropped: they come back as
+        zeros, and nothing is generated until weight updates have loaded every one of them
+        again (checkpoint tensor by tensor, in as many updates as the trainer likes); "cuda_graph":
+        the captured decode graphs. Whatever holds the weights' or the pool's addresses (the
+        graphs, the native CPU path's tables) goes with either, made again once both are
+        back. Freed for real: the storage goes, not just a flag. A tag released already is
+        left as it is. Refused while a request holds KV or waits to run (pause with mode
+        "retract" first, and the paused requests may wait through it: they hold none); new
+        requests are refused (`EngineAsleep`) until `resume_memory_occupation` brought every
+        tag back."""
+        tags = memory_tags(tags)
+        if self.has_unfinished() and not self.paused:
+            raise DsakvError(_HOLDING)
+        outcome = self._on_every_rank("release_memory_here", tags, bool(discard_weights))
+        if outcome is not None:
+            raise DsakvError(outcome)
+
+    def resume_memory_occupation(self, tags: Iterable[str] | None = None) -> None:
+        """SGLang's /resume_memory_occupation (vLLM's /wake_up): bring back what `tags`
+        name (None or none: all), on every rank: the weights as they were (or zeros, after
+        `discard_weights`), the pool zeroed and its prefix cache empty; the decode graphs
+        are captured again once weights and pool are both back (and the weights loaded).
+        A tag that is not released is left as it is. A device that cannot hold it all (the
+        trainer still holds its memory) is an error, nothing brought back on any rank."""
+        outcome = self._on_every_rank("resume_memory_here", memory_tags(tags))
+        if outcome is not None:
+            raise DsakvError(outcome)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: level 1 frees the KV cache and moves the weights to host memory
+        (`wake_up` brings them back bit for bit), level 2 frees both, the weights dropped
+        (for a trainer that sends new ones after `wake_up`). `release_memory_occupation` of
+        weights and kv_cache."""
+        if not is_int(level) or level not in (1, 2):
+            raise DsakvError(
+                f"level must be 1 (the weights kept in host memory) or 2 (dropped), got {level!r}",
+                "level",
+            )
+        self.release_memory_occupation(("weights", "kv_cache"), discard_weights=level == 2)
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """vLLM's: `resume_memory_occupation(tags)` (None: everything)."""
+        self.resume_memory_occupation(tags)
+
+    def is_sleeping(self) -> bool:
+        """vLLM's: whether any tag is released (until every one is back)."""
+        return bool(self.released)
+
+    @property
+    def asleep(self) -> bool:
+        """Whether generation waits: memory released, or discarded weights not all loaded
+        again (the server takes no step meanwhile: a retracted request waits it out)."""
+        return bool(self.released) or self._unloaded is not None
+
+    def check_awake(self) -> None:
+        """`EngineAsleep` unless the engine can generate: nothing released, and the weights
+        loaded again if discarded (on every rank)."""
+        if self.released:
+            raise EngineAsleep(
+                f"the engine is asleep (its {', '.join(sorted(self.released))} memory released "
+                "for a trainer): wake it first (/wake_up, /resume_memory_occupation; "
+                "LLM.wake_up)"
+            )
+        if self._unloaded is not None:
+            left = sorted(self._unloaded)
+            which = (
+                f"{len(left)} of this rank's weights, e.g. {', '.join(left[:2])}"
+                if left
+                else "another rank's weights"
+            )
+            raise EngineAsleep(
+                f"the weights were discarded (sleep level 2) and not all loaded again "
+                f"({which}): load them with /update_weights_from_disk, "
+                "/update_weights_from_distributed or update_weights_from_tensor, every "
+                "checkpoint tensor"
+            )
+
     def update_weights(self, source: str | Path | GroupUpdate | TensorUpdate) -> bool:
         """SGLang's /update_weights_from_disk (`source` a checkpoint path: the served
         architecture, its weights stored as the served ones) and
@@ -999,6 +1148,7 @@ class Engine:
         requests hold stays (SGLang's), they go on with the new weights, and only the
         cache's unlocked pages are dropped. Under `--tp` every rank loads its own slices;
         under DP attention `DPEngine.update_weights` runs it."""
+        self.refuse_if_released(source)
         if self._busy():
             return False
         if self.l3 is not None and self.has_unfinished():  # (paused)
@@ -1019,6 +1169,12 @@ class Engine:
         if isinstance(source, GroupUpdate):
             self._on_every_rank("drop_update_here", source)
         raise DsakvError(why)
+
+    def refuse_if_released(self, source: str | Path | GroupUpdate | TensorUpdate) -> None:
+        """Refuse an update while the weights are released (sleep mode): they have no memory
+        to be copied into."""
+        if "weights" in self.released:
+            self.refuse_update(source, _RELEASED_WEIGHTS)
 
     def drop_update_here(self, update: GroupUpdate) -> None:
         """Receive a trainer's update and drop it (where it can be received at all)."""
@@ -1050,6 +1206,8 @@ class Engine:
         FP8 blocks dequantized. For a trainer to compare what it sent with what is served."""
         if not is_int(truncate_size) or truncate_size < 0:
             raise DsakvError(f"truncate_size must be an integer >= 0, got {truncate_size!r}")
+        if "weights" in self.released:
+            raise DsakvError(_RELEASED_WEIGHTS)
         outcome = self._on_every_rank("weights_by_name_here", name, truncate_size)
         if isinstance(outcome, str):
             raise DsakvError(outcome)
@@ -1308,6 +1466,7 @@ class Engine:
                 f"{what}, and reloading {previous} failed too ({_by_rank(agains)}): the "
                 "weights are mixed, restart the server"
             )
+        self._note_loaded(None if touched else [])  # (discarded weights: all back, reloaded)
         return f"{what}; every rank serves {previous} again"
 
     def _served(self, model_config: ModelConfig) -> ModelConfig:
@@ -1342,6 +1501,118 @@ class Engine:
             self.l3.rename(storage_namespace(self.layout, identity, self.compute))
         if self.parallel.is_driver:
             log.info("weights updated from %s", _named(source))
+        self._note_loaded(checked)
+
+    def release_memory_here(self, tags: tuple[str, ...], discard: bool) -> str | None:
+        """This rank's part of `release_memory_occupation`, between steps, in two rounds
+        whose outcomes every rank hears: (1) each checks it holds no request's KV; (2) each
+        drops its prefix cache and copies the weights to the host; only if every rank could
+        does each free its memory. None, or what refused it (alike on every rank)."""
+        gather = self.parallel.all_gather_objects
+        s = self.scheduler
+        whys = gather(_HOLDING if s.running or s.held or s.parked else None)
+        if any(whys):
+            return _by_rank(whys)
+        new = [t for t in tags if t not in self.released]
+        stashes: dict[str, list[Stash]] = {}
+        why = None
+        try:
+            if "kv_cache" in new:
+                self.cache.reset()  # (first: L3 gets each page's last copy, `leaving`)
+                if self.l3 is not None and not self.l3.drain():
+                    raise DsakvError("L3 storage did not take the cached pages in time")
+                stashes["kv_cache"] = [Stash(self._pool_tensors(), keep=False)]
+            if "weights" in new:
+                params = Stash(self.model.parameters(), keep=not discard)
+                stashes["weights"] = [params, Stash(self.model.buffers(), keep=True)]
+        except Exception as e:  # noqa: BLE001 - every rank hears it: none frees anything
+            why = _said(e)
+        whys = gather(why)
+        if any(whys):
+            return f"nothing was released: {_by_rank(whys)}"
+        self._forget_addresses()
+        for tag, stash in stashes.items():
+            for part in stash:
+                part.free()
+            self._stashes[tag] = stash
+        if discard and "weights" in stashes:
+            from dsakv.models.loader import weight_parts
+
+            self._unloaded = weight_parts(self.model)
+        self.released.update(new)
+        _give_back_memory(self.device)
+        if self.parallel.is_driver and new:
+            freed = sum(p.nbytes for stash in stashes.values() for p in stash)
+            kept = " (weights discarded)" if discard and "weights" in stashes else ""
+            log.info("released %s: %.2f GiB freed%s", ", ".join(new), freed / GIB, kept)
+        return None
+
+    def resume_memory_here(self, tags: tuple[str, ...]) -> str | None:
+        """This rank's part of `resume_memory_occupation`: each brings its memory back; if
+        any rank could not, every rank frees again what it brought back. None, or why not."""
+        back = [t for t in tags if t in self._stashes]
+        done: list[Stash] = []
+        why = None
+        try:
+            for tag in back:
+                for part in self._stashes[tag]:
+                    part.restore()
+                    done.append(part)
+        except Exception as e:  # noqa: BLE001 - every rank hears it: all free it again
+            why = _said(e)
+        whys = self.parallel.all_gather_objects(why)
+        if any(whys):
+            for part in done:
+                part.free()
+            _give_back_memory(self.device)
+            return f"the memory was not brought back (is the trainer holding it?): {_by_rank(whys)}"
+        for tag in back:
+            del self._stashes[tag]
+        self.released.difference_update(tags)
+        self._capture_again()
+        if self.parallel.is_driver and back:
+            log.info("resumed %s", ", ".join(back))
+        return None
+
+    def _pool_tensors(self) -> list[torch.Tensor]:
+        """The KV pool's buffers as stored: every layer's latent, index-K where it has one."""
+        pool, layout = self.pool, self.pool.layout
+        latent = [pool.latent_data(i) for i in range(layout.num_layers)]
+        return latent + [pool.index_k_data(i) for i in layout.index_k_layers]
+
+    def _forget_addresses(self) -> None:
+        """Drop what holds the weights' or the pool's addresses, which release moves: the
+        decode graphs, the native CPU path's tables (made again on their next use), and the
+        last step's outputs."""
+        if self.runner.decode_graphs is not None:
+            self.runner.decode_graphs.drop()
+        self.model.forget_addresses()
+        self.runner.last.clear()
+
+    def _capture_again(self) -> None:
+        """The decode graphs captured again, once everything they read is back: the weights
+        (loaded, if they were discarded), the pool, and the graphs' own tag."""
+        graphs = self.runner.decode_graphs
+        if graphs is not None and not self.released and self._unloaded is None:
+            graphs.capture_all()
+
+    def _note_loaded(self, checked: Any) -> None:
+        """After weights were discarded: cross off what an update loaded (a checkpoint: all
+        of it; named tensors: their parts), and once every rank has it all, generate again."""
+        if self._unloaded is None:
+            return
+        if isinstance(checked, list):  # (`loader.check_tensors`' pieces)
+            for _, piece, _ in checked:
+                left = self._unloaded.get(piece.target)
+                if left is not None:
+                    left.difference_update(piece.parts)
+                    if not left:
+                        del self._unloaded[piece.target]
+        else:
+            self._unloaded.clear()
+        if not any(self.parallel.all_gather_objects(bool(self._unloaded))):
+            self._unloaded = None
+            self._capture_again()
 
     def close(self) -> None:
         """Release the other ranks (if any) and wait for them to leave; idempotent. Every
@@ -1383,6 +1654,7 @@ class Engine:
         """A decode server's request, with pages for its prompt and first decode token but
         not queued: the prefill server writes the prompt's KV there, then `start_decoding`
         runs it. None while the pool has no room for it (the caller retries)."""
+        self.check_awake()
         req = Request(list(prompt_ids), params)
         self._init_request(req)  # its grammar matcher: the first token comes from prefill
         if not self.scheduler.reserve_detached(req, len(req.prompt_ids) + 1):
@@ -1521,6 +1793,8 @@ class Engine:
         self.stats.accepted_tokens += accepted
         self.stats.verify_steps += 1
         logps = None if logp is None else gather_logprobs(logp, tokens, [k] * len(tokens))
+        asked = req.params.token_ids_logprob if logp is not None else None
+        by_id = gather_ids(logp, [asked] * len(tokens)) if asked else None
         base = req.num_computed  # the last token's KV is counted; the drafts' are not yet
         for j, token in enumerate(tokens):
             req.num_computed = base + j
@@ -1530,6 +1804,8 @@ class Engine:
                 req.logprobs.append(lp)
                 req.top_logprobs.append(top)
                 req.ranks.append(rank)
+            if by_id is not None:
+                req.token_ids_logprobs.append(by_id[j])
             if req.finished:
                 return
 
@@ -1587,6 +1863,10 @@ class Engine:
                     reqs[i].logprobs.append(lp)
                     reqs[i].top_logprobs.append(top)
                     reqs[i].ranks.append(rank)
+                asked = [reqs[i].params.token_ids_logprob for i in rows]
+                for i, by_id in zip(rows, gather_ids(logp, asked)):
+                    if by_id is not None:
+                        reqs[i].token_ids_logprobs.append(by_id)
         return done + reqs
 
     def _score_prompts(self, batch: list[tuple[Request, int]], ends: list[int]) -> None:
@@ -1624,6 +1904,10 @@ class Engine:
             for (req, pos), (lp, top, rank) in zip(chunk, gather_logprobs(logp, tokens, ks)):
                 req.prompt_logprobs[pos], req.prompt_top_logprobs[pos] = lp, top
                 req.prompt_ranks[pos] = rank
+            asked = [req.params.token_ids_logprob for req, _ in chunk]
+            for (req, pos), by_id in zip(chunk, gather_ids(logp, asked)):
+                if by_id is not None:
+                    req.prompt_token_ids_logprobs[pos] = by_id
 
     def _grammar_dead_end(self, req: Request, now: float) -> None:
         """`req`'s grammar allows no next token (nor the end): it cannot be completed, and
@@ -1934,6 +2218,15 @@ def _one_line(e: BaseException) -> str:
 
 
 _BUSY = "busy"  # a rank that has requests: an update on every rank waits for idle ranks
+_RELEASED_WEIGHTS = (
+    "the weights are released (sleep mode): bring them back first (/resume_memory_occupation "
+    "with tag weights, /wake_up; LLM.wake_up)"
+)
+_HOLDING = (
+    "memory is released only with no request running or waiting: abort them "
+    '(/abort_request, /pause_generation with mode "abort") or pause with mode "retract" '
+    "(they give their KV back and wait) first"
+)
 # What `weights_call` runs on every rank
 _WEIGHT_CALLS = (
     "update_weights_here",
@@ -1943,7 +2236,39 @@ _WEIGHT_CALLS = (
     "weights_by_name_here",
     "start_profile_here",
     "stop_profile_here",
+    "release_memory_here",
+    "resume_memory_here",
 )
+
+
+def memory_tags(tags: Iterable[str] | None) -> tuple[str, ...]:
+    """`tags` as `Engine.release_memory_occupation` takes them (SGLang's: None or none, all
+    of `MEMORY_TAGS`), checked."""
+    if tags is None:
+        return MEMORY_TAGS
+    if not is_list(tags) or not all(isinstance(t, str) for t in tags):
+        raise DsakvError(
+            f"tags must be a list of {', '.join(MEMORY_TAGS)}, got {reprlib.repr(tags)}", "tags"
+        )
+    bad = sorted(set(tags) - set(MEMORY_TAGS))
+    if bad:
+        raise DsakvError(
+            f"unknown memory tag(s) {', '.join(map(repr, bad))}: the tags are "
+            f"{', '.join(MEMORY_TAGS)}",
+            "tags",
+        )
+    return tuple(t for t in MEMORY_TAGS if t in tags) or MEMORY_TAGS
+
+
+def _give_back_memory(device: torch.device) -> None:
+    """Hand freed memory back to whoever needs it next: the caching allocator's blocks to
+    the driver on a GPU, the heap's free pages to the OS on a CPU (glibc keeps them:
+    `keep_freed_memory`)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _named(source: str | GroupUpdate | TensorUpdate) -> str:

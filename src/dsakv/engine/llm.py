@@ -60,6 +60,8 @@ class CompletionOutput:
     cumulative_logprob: float | None  # the sum of the output tokens' logprobs
     # the stop string or `stop_token_ids` token that ended it (None: EOS, length, ...)
     stop_reason: str | int | None = None
+    # with `SamplingParams.token_ids_logprob`: per output token, {id: logprob} of those ids
+    token_ids_logprobs: list[dict[int, float]] | None = None
 
     def finished(self) -> bool:
         """vLLM's (a method here, unlike `RequestOutput.finished`, as there)."""
@@ -76,6 +78,7 @@ class CompletionOutput:
             _output_logprobs(req, tokenizer) if asked else None,
             sum(req.logprobs) if asked else None,
             req.stop_reason,
+            _by_id(req.params.token_ids_logprob, req.token_ids_logprobs) if asked else None,
         )
 
 
@@ -100,6 +103,9 @@ class RequestOutput:
     # vLLM's: the prompt tokens the prefix cache held (the first choice's; the others
     # share its prompt pages)
     num_cached_tokens: int | None = None
+    # With `SamplingParams(prompt_logprobs=k, token_ids_logprob=ids)`: per prompt token
+    # (None where `prompt_logprobs` has none), {id: logprob} of those ids
+    prompt_token_ids_logprobs: list[dict[int, float] | None] | None = None
 
     text = property(lambda self: self.outputs[0].text)
     token_ids = property(lambda self: self.outputs[0].token_ids)
@@ -132,7 +138,21 @@ class RequestOutput:
             prompt=prompt,
             finished=all(r.finished for r in reqs),
             num_cached_tokens=ms[0].prefix_hit_tokens,
+            prompt_token_ids_logprobs=(
+                None
+                if first.prompt_token_ids_logprobs is None
+                else _by_id(first.params.token_ids_logprob, first.prompt_token_ids_logprobs)
+            ),
         )
+
+
+def _by_id(
+    ids: Sequence[int] | None, positions: Sequence[Sequence[float] | None]
+) -> list[dict[int, float] | None] | None:
+    """`token_ids_logprob`'s per-position lists as {id: logprob} (None: not asked)."""
+    if ids is None:
+        return None
+    return [None if x is None else dict(zip(ids, x)) for x in positions]
 
 
 def _output_logprobs(req: Request, tokenizer: Any) -> SampleLogprobs:
@@ -294,6 +314,30 @@ class LLM:
         trainer sent (`Engine.get_weights_by_name`). A name the model lacks is an error."""
         return self.engine.get_weights_by_name(name, truncate_size)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode, for a trainer sharing the device: level 1 frees the KV cache
+        and moves the weights to host memory, level 2 frees both (load new weights after
+        `wake_up`: `update_weights*`); the prefix cache is dropped. `generate` is refused
+        until `wake_up` (`Engine.sleep`)."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """vLLM's: bring back `tags` ("weights", "kv_cache"; None: everything slept)."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """vLLM's: whether any memory is still released."""
+        return self.engine.is_sleeping()
+
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """SGLang's `Engine.release_memory_occupation`: free "weights" (kept in host memory),
+        "kv_cache" and "cuda_graph" (None: all) until `resume_memory_occupation`."""
+        self.engine.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """SGLang's: bring back what `tags` name (None: all), as it was."""
+        self.engine.resume_memory_occupation(tags)
+
     def start_profile(
         self,
         output_dir: str | None = None,
@@ -322,12 +366,14 @@ class LLM:
         use_tqdm: bool = True,
         *,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt: text, token ids (ints, or a 1-D numpy integer array), or
         vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (with vLLM's `"cache_salt"`:
         it shares prefix-cache pages only with prompts of the same salt); one `params` for
         all, or one per prompt (by keyword `params` or vLLM's `sampling_params`). Outputs come
-        back in input order; `use_tqdm` (vLLM's default, on) shows a progress bar on stderr."""
+        back in input order; `use_tqdm` (vLLM's default, on) shows a progress bar on stderr.
+        `priority`: vLLM's, one per prompt, under priority scheduling (`scheduling_policy`)."""
         if not self._close.alive:
             raise DsakvError("this LLM was closed; make a new one")
         params = _params_or_vllms(params, sampling_params)
@@ -341,6 +387,14 @@ class LLM:
             sp if s is None else dataclasses.replace(sp, cache_salt=s)
             for sp, s in zip(plist, salts)
         ]
+        if priority is not None:
+            if not is_list(priority) or len(priority) != len(prompts):
+                raise DsakvError(
+                    f"priority must be a list of one integer per prompt ({len(prompts)}), got "
+                    f"{reprlib.repr(priority)}",
+                    "priority",
+                )
+            plist = [dataclasses.replace(sp, priority=p) for sp, p in zip(plist, priority)]
         groups: list[list[Request]] = []
         reqs: list[Request] = []
         try:

@@ -93,6 +93,8 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     ranks: list[int | None] = field(default_factory=list)  # each output token's, with logprobs
+    # each output token's logprobs of `params.token_ids_logprob` (`gather_ids`)
+    token_ids_logprobs: list[list[float]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     matcher: Any = None
     forks: list[Request] = field(default_factory=list)
@@ -100,6 +102,7 @@ class Request:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_ranks: list[int | None] | None = None
+    prompt_token_ids_logprobs: list[list[float] | None] | None = None  # (as prompt_ranks)
     draft_ids: list[int] = field(default_factory=list)  # MTP proposals for the next step
     draft_len: DraftLength | None = None  # MTP: its adaptive draft length (set on first use)
     bad_words_ids: list[list[int]] = field(default_factory=list)  # (`bad_word_ids`)

@@ -72,6 +72,10 @@ class SamplingParams:
     # cache may then serve the positions before it, whose logits nothing needs. 0: all of
     # them, as vLLM's, which skips the cache.
     prompt_logprobs_start: int = 0
+    # SGLang's token_ids_logprob: with `logprobs`, each output position's logprobs of exactly
+    # these ids (as `logprobs_mode` says), and with `prompt_logprobs` each scored prompt
+    # position's (raw, as those). None (or empty): none
+    token_ids_logprob: tuple[int, ...] | None = None
     # choices of the prompt (`Engine.add_requests`), sharing its KV pages (vLLM's field)
     n: int = 1
     # vLLM's: only these tokens may be picked (None: any)
@@ -86,6 +90,10 @@ class SamplingParams:
     # vLLM's: at most this many tokens inside the reasoning block (`ThinkingBudget`); -1 is
     # None, unlimited
     thinking_token_budget: int | None = None
+    # vLLM's and SGLang's request priority, run by the scheduler's priority policy only
+    # (`SchedulerConfig.priority_sign`); here so that it travels with the request (through
+    # DP attention's ranks and to a PD decode server), as `cache_salt` does
+    priority: int = 0
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -99,6 +107,9 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             allowed = _as_tuple(self.allowed_token_ids, "allowed_token_ids", "a list of token ids")
             object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.token_ids_logprob is not None:
+            ids = _as_tuple(self.token_ids_logprob, "token_ids_logprob", "a list of token ids")
+            object.__setattr__(self, "token_ids_logprob", ids or None)
         if self.top_k == 0 and is_int(self.top_k):  # vLLM's "off", as -1
             object.__setattr__(self, "top_k", -1)
         if self.seed == -1 and is_int(self.seed):  # vLLM's "unseeded"
@@ -216,6 +227,7 @@ class SamplingParams:
                 or (is_int(self.thinking_token_budget) and self.thinking_token_budget >= 0),
                 "thinking_token_budget must be an integer >= 0, or -1 (unlimited)",
             ),
+            (is_int(self.priority), f"priority must be an integer, got {self.priority!r}"),
             (
                 self.prompt_logprobs is None
                 or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
@@ -224,6 +236,14 @@ class SamplingParams:
             (
                 is_int(self.prompt_logprobs_start) and self.prompt_logprobs_start >= 0,
                 "prompt_logprobs_start must be an integer >= 0",
+            ),
+            (
+                all(is_int(t) and t >= 0 for t in self.token_ids_logprob or ()),
+                "token_ids_logprob must be token ids",
+            ),
+            (
+                self.token_ids_logprob is None or self.logprobs is not None,
+                "token_ids_logprob needs logprobs (0: the sampled token's alone)",
             ),
             (
                 self.grammar is None
@@ -400,6 +420,23 @@ def gather_logprobs(
     top_v, top_i = ([], []) if n == 0 else (t.tolist() for t in logp.topk(n, dim=-1))
     tops = [list(zip(top_i[i][:w], top_v[i][:w])) if w else [] for i, w in enumerate(k)]
     return [(lp, top, int(r)) for lp, top, r in zip(picked, tops, ranks)]
+
+
+def gather_ids(logp: torch.Tensor, ids: Sequence[Sequence[int] | None]) -> list[list[float] | None]:
+    """Row i of the log-softmaxed `logp`: its logprobs of exactly `ids[i]`, in that order
+    (SGLang's token_ids_logprob; None where not asked), in one device→host copy."""
+    rows = [i for i, x in enumerate(ids) if x]
+    out: list[list[float] | None] = [None] * len(ids)
+    if not rows:
+        return out
+    width = max(len(ids[i]) for i in rows)
+    idx = [list(ids[i]) + [0] * (width - len(ids[i])) for i in rows]
+    picked = logp[torch.tensor(rows, device=logp.device)].gather(
+        1, torch.tensor(idx, dtype=torch.long, device=logp.device)
+    )
+    for i, values in zip(rows, picked.double().tolist()):
+        out[i] = values[: len(ids[i])]
+    return out
 
 
 def processed_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

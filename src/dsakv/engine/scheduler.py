@@ -3,11 +3,14 @@
 Every step runs each running request's next chunk (one token when decoding) and admits
 waiting requests under the prefill token budget. Pages are reserved before a request
 runs; when they run out mid-decode the newest requests are retracted, to the host tier
-when it has room (their KV comes back bit-exact), else to be recomputed later.
+when it has room (their KV comes back bit-exact), else to be recomputed later. Under
+priority scheduling the waiting queue is ordered by priority and the lowest-priority
+requests are retracted first, also to let in a waiting request of higher priority.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +33,11 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.5
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002
+    # Which waiting request goes first: 0, the first to come (FCFS); 1, the lowest
+    # `params.priority` (vLLM's --scheduling-policy priority); -1, the highest (SGLang's
+    # --enable-priority-scheduling); ties by arrival. Under 1 or -1 a waiting request that
+    # cannot be admitted retracts running ones of lower priority (`_preempt_for`).
+    priority_sign: int = 0
 
 
 @dataclass
@@ -69,8 +77,23 @@ class Scheduler:
     # --- public ---------------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self._enqueue(req)
         self._prefetch(req)
+
+    def _rank(self, req: Request) -> tuple[int, int]:
+        """Its place under priority scheduling, the lowest first: priority, then arrival
+        (rids are numbered as requests come)."""
+        return self.config.priority_sign * req.params.priority, req.rid
+
+    def _enqueue(self, req: Request, retracted: bool = False) -> None:
+        """Queue `req` by its rank under priority scheduling; else last, or first when
+        `retracted` (it was admitted before any other waiting one)."""
+        if self.config.priority_sign:
+            self.waiting.insert(bisect.bisect(self.waiting, self._rank(req), key=self._rank), req)
+        elif retracted:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def _prefetch(self, req: Request) -> None:
         """Start looking up the request's prompt pages beyond the prefix cache in L3."""
@@ -127,7 +150,7 @@ class Scheduler:
         return n
 
     def _make_room(self, req: Request, tokens: int) -> bool:
-        """Pages for `tokens` positions of `req`, retracting the newest requests until they
+        """Pages for `tokens` positions of `req`, retracting others (`_victim`) until they
         are free; False when `req` itself went."""
         while not self.reserve(req, tokens):
             victim = self._victim()
@@ -137,14 +160,32 @@ class Scheduler:
         return True
 
     def _victim(self) -> Request:
-        """The newest running request that can come back: under HiSparse one whose prompt
-        the device latent pool cannot hold (a PD decode server's) is cut short if
-        retracted, so it goes only when no other can."""
+        """The running request to retract first: the newest, or under priority scheduling
+        the lowest priority (the newest of those, vLLM's), that can come back: under
+        HiSparse one whose prompt the device latent pool cannot hold (a PD decode
+        server's) is cut short if retracted, so it goes only when no other can."""
+        if self.config.priority_sign:
+            order = sorted(self.running, key=self._rank, reverse=True)
+        else:
+            order = self.running[::-1]
         if self.hot is not None:
-            for req in reversed(self.running):
+            for req in order:
                 if self.hot.fits(len(req.prompt_ids)):
                     return req
-        return self.running[-1]
+        return order[0]
+
+    def _preempt_for(self, req: Request, batch: list[tuple[Request, int]]) -> bool:
+        """Make room for waiting `req`, which cannot be admitted: under priority scheduling
+        retract the running request `_victim` picks if its priority is lower (vLLM's and
+        SGLang's preemption), and drop it from this step's `batch`; False if none is."""
+        if not self.config.priority_sign or not self.running:
+            return False
+        victim = self._victim()
+        if self._rank(victim)[0] <= self._rank(req)[0]:
+            return False
+        self.retract(victim)
+        batch[:] = [(r, n) for r, n in batch if r is not victim]
+        return True
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request's pages; its full pages join the cache."""
@@ -268,13 +309,13 @@ class Scheduler:
         self._drop_pages(req)
         req.num_computed = 0
         req.status = Status.WAITING
-        self.waiting.appendleft(req)
+        self._enqueue(req, retracted=True)
         if req.host_slots is None:
             self._prefetch(req)
 
     def retract_all(self) -> None:
-        """Retract every running request, the newest first, so that the oldest heads the
-        waiting queue again."""
+        """Retract every running request, the newest first, so that the oldest (under
+        priority scheduling: the first by rank) heads the waiting queue again."""
         for req in reversed(list(self.running)):
             self.retract(req)
 
@@ -316,9 +357,11 @@ class Scheduler:
 
     def _admit(self, batch: list[tuple[Request, int]], budget: int) -> None:
         while self.waiting and budget > 0:
-            if len(self.running) >= self.config.max_running_requests:
-                return
             req = self.waiting[0]
+            if len(self.running) >= self.config.max_running_requests:
+                if self._preempt_for(req, batch):
+                    continue
+                return
             if self.l3 is not None:
                 start = self.l3.starts_at(req.rid)
                 lost = start and len(self.cache.match(req.all_ids, start, req.cache_root)) < start
@@ -331,6 +374,8 @@ class Scheduler:
             else:
                 n = self._admit_fresh(req, budget)
             if n == 0:
+                if self._preempt_for(req, batch):
+                    continue
                 return
             self.waiting.popleft()
             req.status = Status.RUNNING

@@ -124,6 +124,15 @@ class DSAForCausalLM(nn.Module):
             if hasattr(layer.mlp, "experts"):
                 layer.mlp.experts.ops = backend
 
+    def forget_addresses(self) -> None:
+        """Drop the native forms (`cpu_native`: the layers' blocks, the indexers' inputs, the
+        layer loops), which hold the weights' and the pool's addresses: each is made again
+        on its next use, after sleep mode moved them (`Engine.resume_memory_occupation`)."""
+        for module in self.modules():
+            if hasattr(module, "_native"):
+                module._native = False
+            module.__dict__.pop("_layer_loop", None)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool) -> torch.Tensor:
         """Runs every layer, writing this step's KV into `pool`; returns normed hidden `[T, H]`."""

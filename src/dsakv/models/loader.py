@@ -253,6 +253,15 @@ def load_tensors(checked: list[tuple[str, _Piece, torch.Tensor]]) -> None:
         _copy(name, piece.dest, tensor[piece.index].to(piece.dest.device))
 
 
+def weight_parts(model: DSAForCausalLM) -> dict[str, set[Any]]:
+    """What a full load fills of this rank's parameters: each one's name (the load's targets,
+    buffers left out) and its parts (a stacked experts tensor's (expert, projection) pairs,
+    `{None}` for a whole tensor), as `check_tensors`' pieces name them."""
+    buffers = dict(model.named_buffers())
+    filler = _Filler(model, model.config, model.plan)
+    return {name: set(parts) for name, parts in filler.need.items() if name not in buffers}
+
+
 # (checkpoint tensor's shape, [(where in it, fp32 values on the host)]): a rank's share
 Held = tuple[tuple[int, ...], list[tuple[tuple[slice, ...], torch.Tensor]]]
 

@@ -1,7 +1,21 @@
-"""OpenAI-compatible HTTP server over the engine (`dsakv serve`)."""
+"""OpenAI-compatible HTTP server over the engine (`dsakv serve`). Its names are imported on
+first use, so that `dsakv router`, which shares the wire format (`protocol`), loads no torch."""
 
-from .app import build_app
-from .runner import AsyncEngine
-from .serve import make_server, run_server
+from __future__ import annotations
 
-__all__ = ["AsyncEngine", "build_app", "make_server", "run_server"]
+import importlib
+from typing import Any
+
+_NAMES = {
+    "AsyncEngine": ".runner",
+    "build_app": ".app",
+    "make_server": ".serve",
+    "run_server": ".serve",
+}
+__all__ = list(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_NAMES[name], __name__), name)

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Router
 
@@ -29,6 +30,7 @@ from dsakv.config.model import SAMPLING_FIELDS
 from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.engine import SamplingParams
 from dsakv.engine.chat_format import has_chat_format
+from dsakv.engine.engine import EngineAsleep
 from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
 from dsakv.engine.sampling import SEED_MAX, SEED_MIN
 from dsakv.errors import DsakvError
@@ -50,14 +52,15 @@ from .protocol import (
     DetokenizeRequest,
     GenerationRequest,
     TokenizeRequest,
+    client_left,
     error_body,
+    invocation_path,
 )
 from .runner import AsyncEngine, RequestStream, Update, aborted_waiting
 
 # Grammar compiles at once, and how long a request waits for its grammar.
 GRAMMAR_WORKERS = 2
 GRAMMAR_TIMEOUT_S = 60.0
-_RECEIVE_AGAIN_S = 0.5  # how long `client_left` waits before asking the server again
 # SGLang's weight version until an update names another (/update_weights_from_disk,
 # /update_weight_version): /model_info's, and each /generate output's meta_info
 WEIGHT_VERSION = "default"
@@ -68,10 +71,12 @@ _UPDATE_IDLE_TIMEOUT_S = 60.0
 _ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/invocations",
     "/v1/responses",
     "/v1/responses/{response_id}",  # (any id: `_endpoint`)
     "/v1/responses/{response_id}/cancel",
     "/generate",
+    "/v1/score",
     "/abort_request",
     "/update_weights_from_disk",
     "/init_weights_update_group",
@@ -231,6 +236,13 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await api.chat(body, raw)
 
+    @app.post("/invocations")
+    async def invocations(body: dict[str, Any], raw: Request) -> Response:
+        """vLLM's (SageMaker's): the route `invocation_path` picks, its answers and 400s."""
+        if invocation_path(body) == "/v1/chat/completions":
+            return await api.chat(_validated(ChatCompletionRequest, body), raw)
+        return await api.completion(_validated(CompletionRequest, body), raw)
+
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         return await asyncio.to_thread(api.tokenize, body)  # (10 MB held every route 10 s)
 
@@ -247,9 +259,11 @@ def build_app(
 
     from .generate import add_generate_route  # (here: these modules import this one)
     from .responses import add_responses_routes
+    from .score import add_score_route
 
     add_generate_route(app, api)  # SGLang's native /generate
     add_responses_routes(app, api)  # OpenAI's Responses API
+    add_score_route(app, api)  # SGLang's /v1/score
     return app
 
 
@@ -266,6 +280,7 @@ class _Result:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     top_texts: list[list[str]] = field(default_factory=list)
+    token_ids_logprobs: list[list[float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
@@ -282,6 +297,7 @@ class _Result:
         self.top_logprobs += u.top_logprobs or []
         self.texts += u.texts or []
         self.top_texts += u.top_texts or []
+        self.token_ids_logprobs += u.token_ids_logprobs or []
         self.finish_reason, self.stop_reason = u.finish_reason, u.stop_reason
         self.prompt_tokens, self.completion_tokens = u.prompt_tokens, u.completion_tokens
         self.cached_tokens = u.cached_tokens
@@ -302,6 +318,8 @@ class _Result:
             prompt_ranks=f.prompt_ranks if f else None,
             prompt_texts=f.prompt_texts if f else None,
             prompt_top_texts=f.prompt_top_texts if f else None,
+            token_ids_logprobs=self.token_ids_logprobs,
+            prompt_token_ids_logprobs=f.prompt_token_ids_logprobs if f else None,
         )
 
 
@@ -983,12 +1001,10 @@ class Handlers:
             raise APIError(
                 400, "prompt_logprobs are not available with stream: true", param="prompt_logprobs"
             )
-        if body.priority not in (None, 0):  # (vLLM's words)
-            raise APIError(
-                400,
-                f"Got priority {body.priority} but priority scheduling is not enabled",
-                param="priority",
-            )
+        try:  # (refused before the prompt is tokenized)
+            self.engine.engine.check_priority(body.priority)
+        except DsakvError as e:
+            raise APIError(400, str(e), param=e.param) from None
         if body.use_beam_search:
             raise APIError(400, "beam search is not supported", param="use_beam_search")
         for name in _NOT_RUN:  # (each was accepted and ignored)
@@ -1069,6 +1085,7 @@ class Handlers:
                 bad_words=tuple(body.bad_words or ()),
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 cache_salt=request_salt(body.cache_salt, body.extra_key),
+                priority=body.priority or 0,
                 thinking_token_budget=body.thinking_token_budget,
                 prompt_logprobs=(
                     body.prompt_logprobs
@@ -1184,6 +1201,8 @@ class Handlers:
             raise APIError(499, "the client closed the request") from None
         except GrammarError as e:  # (compiled by `_ready_grammar`: only if evicted since)
             raise APIError(400, str(e)) from None
+        except EngineAsleep as e:  # (sleep mode: the engine takes requests again later)
+            raise APIError(503, str(e), type="server_error") from None
         except DsakvError as e:
             raise APIError(400, str(e), param=e.param or prompt_param) from None
         except RuntimeError as e:
@@ -1482,19 +1501,13 @@ def _cancelling() -> bool:
     return bool(cancelling and cancelling())
 
 
-async def client_left(raw: Request) -> None:
-    """Return once the client has hung up. The body is read already, so the next ASGI message
-    is the disconnect: waiting for it (as vLLM's `listen_for_disconnect` does) sees a hang-up
-    at once, where a poll let a short request run to its end after its client had gone. Each
-    wait is bounded: a client that pipelined its next request paused uvicorn's reading,
-    which only a fresh `receive` resumes (else its hang-up went unseen)."""
-    while True:
-        try:
-            message = await asyncio.wait_for(raw.receive(), _RECEIVE_AGAIN_S)
-        except asyncio.TimeoutError:
-            continue
-        if message["type"] == "http.disconnect":
-            return
+def _validated(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """`body` as `model`, as FastAPI validates a route's body: a 400 the same as there."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        errors = [{**error, "loc": ("body", *error["loc"])} for error in e.errors()]
+        raise RequestValidationError(errors) from None
 
 
 async def _when_left(raw: Request, then: Callable[[], Any]) -> None:

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.engine import SamplingParams
+from dsakv.engine.engine import EngineAsleep
 from dsakv.errors import DsakvError
 
 from .app import SGLANG_NOT_RUN, Handlers, _lp, _prompt_list, _Result, _sse, request_salt
@@ -49,11 +50,14 @@ class GenerateRequest(BaseModel):
     return_logprob: bool | list[bool] | None = None
     logprob_start_len: int | list[int] | None = None  # -1: from the last prompt token (no scoring)
     top_logprobs_num: int | list[int] | None = None
+    # the ids whose logprobs each position reports: one list for all prompts, or one each
+    token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool | None = False
     # the prefix-cache salt (`app.request_salt`): SGLang's extra_key, and vLLM's cache_salt
     # (one for all prompts, or a list of one per prompt)
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
+    priority: int | None = None  # (every prompt's; under priority scheduling only)
 
 
 # GenerateReqInput's fields that change what is generated or returned, not run here.
@@ -64,10 +68,8 @@ _NOT_RUN = (
     "audio_data",
     "positional_embed_overrides",
     *SGLANG_NOT_RUN,  # (those the OpenAI routes refuse too)
-    "priority",
     "max_thinking_tokens",
     "require_reasoning",
-    "token_ids_logprob",
     "return_sampling_mask",
     "return_flat_raw_top_logprobs",
     "return_indexer_topk",
@@ -93,6 +95,14 @@ class UpdateWeightsRequest(BaseModel):
     load_format: str | None = None
     weight_version: str | None = None
     abort_all_requests: bool = False
+
+
+class MemoryOccupationRequest(BaseModel):
+    """SGLang's `ReleaseMemoryOccupationReqInput` / `ResumeMemoryOccupationReqInput`: the
+    tags ("weights", "kv_cache", "cuda_graph"; null or none: all)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    tags: list[str] | None = None
 
 
 class InitWeightsUpdateGroupRequest(BaseModel):
@@ -326,6 +336,33 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
     async def get_weight_version() -> dict[str, str]:
         return {"weight_version": api.weight_version}
 
+    async def release_memory_occupation(body: MemoryOccupationRequest | None = None) -> Response:
+        """SGLang's: free the tags' memory for a trainer on the same device, the weights
+        kept in host memory (`Engine.release_memory_occupation`); a 400 while requests run
+        or wait, and generation calls are a 503 until /resume_memory_occupation."""
+        tags = (body or MemoryOccupationRequest()).tags
+        await _memory_call(api, tags, lambda e: e.release_memory_occupation(tags))
+        return JSONResponse({"success": True, "message": "Memory released."})
+
+    async def resume_memory_occupation(body: MemoryOccupationRequest | None = None) -> Response:
+        tags = (body or MemoryOccupationRequest()).tags
+        await _engine_call(api, lambda e: e.resume_memory_occupation(tags))
+        return JSONResponse({"success": True, "message": "Memory resumed."})
+
+    async def sleep(level: int = Query(1)) -> Response:
+        """vLLM's sleep mode: level 1 frees the KV cache and keeps the weights in host
+        memory, level 2 drops them too (`Engine.sleep`); /wake_up brings them back."""
+        await _memory_call(api, None, lambda e: e.sleep(level))
+        return Response(status_code=200)
+
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
+        """vLLM's: `?tags=weights&tags=kv_cache` (none: everything)."""
+        await _engine_call(api, lambda e: e.wake_up(tags))
+        return Response(status_code=200)
+
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": await _engine_call(api, lambda e: e.is_sleeping())}
+
     async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
         """SGLang's: only the name /generate reports (aborting every call in flight unless
         `abort_all_requests` is false)."""
@@ -380,6 +417,14 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
     app.add_api_route("/get_weight_version", get_weight_version, methods=["GET"])
     app.add_api_route("/update_weight_version", update_weight_version, methods=["POST"])
     app.add_api_route("/get_weights_by_name", get_weights_by_name, methods=["GET", "POST"])
+    for path, route in (
+        ("/release_memory_occupation", release_memory_occupation),
+        ("/resume_memory_occupation", resume_memory_occupation),
+    ):
+        app.add_api_route(path, route, methods=["GET", "POST"])  # (SGLang's)
+    app.add_api_route("/sleep", sleep, methods=["POST"])  # (vLLM's)
+    app.add_api_route("/wake_up", wake_up, methods=["POST"])
+    app.add_api_route("/is_sleeping", is_sleeping, methods=["GET"])
     app.add_api_route("/start_profile", start_profile, methods=["GET", "POST"])
     app.add_api_route("/stop_profile", stop_profile, methods=["GET", "POST"])
 
@@ -388,16 +433,34 @@ async def _engine_call(api: Handlers, fn: Any) -> Any:
     """`fn(engine)` between steps; its `DsakvError` a 400, a stopped engine a 503."""
     try:
         return await api.engine.call(fn)
+    except EngineAsleep as e:
+        raise APIError(503, str(e), type="server_error") from None
     except DsakvError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=e.param) from None
     except RuntimeError as e:
         raise APIError(503, str(e), type="server_error") from None
+
+
+async def _memory_call(api: Handlers, tags: list[str] | None, fn: Any) -> None:
+    """A release (`fn(engine)`) as `_engine_call` runs it; the KV cache is not released on
+    a prefill or decode server, whose peer registered the pool's addresses."""
+    if api.engine.server_info()["disaggregation_mode"] != "null" and (
+        not tags or "kv_cache" in tags
+    ):
+        raise APIError(
+            400,
+            "a prefill or decode server does not release its KV cache: its peers hold the "
+            'pool\'s registered addresses (release only the weights: tags ["weights"])',
+            param="tags",
+        )
+    await _engine_call(api, fn)
 
 
 @dataclass(frozen=True)
 class _LogprobAsk:
     """What `return_logprob` asks for: input logprobs from prompt position `start` (-1:
-    the last one, which nothing scores), the top `top_n`, and each token's text. `prompt`:
+    the last one, which nothing scores), the top `top_n`, those of `token_ids` (None:
+    none; `token_ids_logprob`), and each token's text. `prompt`:
     False on a prefill server, whose input logprobs would come twice: sglang-router
     prepends them to the decode server's, which has them all (`dsakv router`, and
     sglang-router's streams, pass the decode server's alone)."""
@@ -406,11 +469,16 @@ class _LogprobAsk:
     top_n: int
     texts: _TokenTexts
     prompt: bool = True
+    token_ids: tuple[int, ...] | None = None
 
 
 async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Response:
     began = time.perf_counter()
     _refuse_not_run(body)
+    try:
+        api.engine.engine.check_priority(body.priority)
+    except DsakvError as e:
+        raise APIError(400, str(e), param=e.param) from None
     prompts, single, prompt_field = _prompts(body)
     samplings = _samplings(body.sampling_params, len(prompts), single)
     n = samplings[0].n or 1
@@ -443,7 +511,9 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
             else:
                 params = [await _params(api, samplings[0], asks[0])] * len(prompts)
             params = [
-                p if s is None else dataclasses.replace(p, cache_salt=s)
+                dataclasses.replace(
+                    p, cache_salt=p.cache_salt if s is None else s, priority=body.priority or 0
+                )
                 for p, s in zip(params, salts)
             ]
             # (the context check only where the client gave max_new_tokens, as SGLang's)
@@ -565,19 +635,36 @@ def _logprob_asks(
     wanted = _per_prompt(body.return_logprob, "return_logprob", prompts, n)
     starts = _per_prompt(body.logprob_start_len, "logprob_start_len", prompts, n)
     tops = _per_prompt(body.top_logprobs_num, "top_logprobs_num", prompts, n)
+    by_ids = _token_ids_logprob(body.token_ids_logprob, prompts, n)
     if not any(wanted):
         return [None] * prompts
     texts = _TokenTexts(api.engine.engine.tokenizer if body.return_text_in_logprobs else None)
     prefill = api.engine.server_info().get("disaggregation_mode") == "prefill"
     asks: list[_LogprobAsk | None] = []
-    for want, start, top in zip(wanted, starts, tops):
+    for want, start, top, ids in zip(wanted, starts, tops, by_ids):
         start = -1 if start is None else start
         if want and start < -1:
             raise APIError(
                 400, f"logprob_start_len must be -1 or >= 0, got {start}", param="logprob_start_len"
             )
-        asks.append(_LogprobAsk(start, top or 0, texts, prompt=not prefill) if want else None)
+        ask = _LogprobAsk(start, top or 0, texts, prompt=not prefill, token_ids=ids)
+        asks.append(ask if want else None)
     return asks
+
+
+def _token_ids_logprob(
+    value: list[int] | list[list[int]] | None, prompts: int, n: int
+) -> list[tuple[int, ...] | None]:
+    """Each prompt's `token_ids_logprob`, as SGLang normalises it: one list of ids for all
+    prompts, or a list of one list each (not with n > 1); empty is none."""
+    name = "token_ids_logprob"
+    if not value:
+        return [None] * prompts
+    one = not isinstance(value[0], list)
+    each = [value] * prompts if one else _per_prompt(value, name, prompts, n)
+    if any(t < 0 for ids in each for t in ids):
+        raise APIError(400, f"{name} must be token ids (>= 0)", param=name)
+    return [tuple(ids) or None for ids in each]
 
 
 def _per_prompt(value: Any, name: str, prompts: int, n: int) -> list[Any]:
@@ -641,6 +728,8 @@ async def _params(
     params = dataclasses.replace(params, logprobs_mode="processed", repetition_penalty_prompt=False)
     if ask is not None and ask.start >= 0:  # (the cache may serve the prefix before it)
         params = dataclasses.replace(params, prompt_logprobs_start=ask.start)
+    if ask is not None and ask.token_ids is not None:  # (checked against the vocabulary later)
+        params = dataclasses.replace(params, token_ids_logprob=ask.token_ids)
     grammar = next((k for k in _GRAMMAR_KEYS if getattr(sp, k) is not None), None)
     return await api._ready_grammar(params, grammar and f"sampling_params.{grammar}")
 
@@ -718,7 +807,19 @@ def _logprobs(r: _Result, ask: _LogprobAsk) -> dict[str, Any]:
         top_inputs = [*first_top, *(_top(tops[p], text) for p in span)]
         out["input_top_logprobs"] = top_inputs if ask.prompt else []
         out["output_top_logprobs"] = [_top(top, text) for top in r.top_logprobs]
+    if ask.token_ids is not None:  # (as the top ones: [logprob, id, text] per asked id)
+        ids = list(ask.token_ids)
+        by_id = (first.prompt_token_ids_logprobs if first else None) or []
+        top_inputs = [*first_top, *(_triples(_lps(by_id[p]), ids, text) for p in span)]
+        out["input_token_ids_logprobs"] = top_inputs if ask.prompt else []
+        out["output_token_ids_logprobs"] = [
+            _triples(_lps(x), ids, text) for x in r.token_ids_logprobs
+        ]
     return out
+
+
+def _lps(values: list[float] | None) -> list[float]:
+    return [_lp(x) for x in values or ()]
 
 
 def _triples(logprobs: list[float | None], ids: list[int], text: _TokenTexts) -> list[list]:

@@ -3,9 +3,17 @@ never a silent coercion; unknown fields are ignored (clients send many we do not
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+
+# Responses kept for previous_response_id and GET, the least recently used dropped first (a
+# background response still running is never dropped; a router keeps as many per decode
+# server). vLLM keeps every one, for ever.
+RESPONSES_KEPT = 4096
+_RECEIVE_AGAIN_S = 0.5  # how long `client_left` waits before asking the server again
 
 
 class APIError(Exception):
@@ -91,8 +99,8 @@ class ServingExtras(_Strict):
     extra_key: str | None = None
     thinking_token_budget: int | None = None  # vLLM's (`SamplingParams`)
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens as "token_id:N"
+    priority: int | None = None  # under priority scheduling only (`Engine.check_priority`)
     # refused unless off (`Handlers._params`): what they ask for is not run here
-    priority: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     # SGLang's, not run here: a 400 unless unset (null, false or empty: sgl.gen sends
     # stop_regex: []); any shape, so the refusal names the field
@@ -323,3 +331,30 @@ class ResponsesRequest(ServingExtras):
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+async def client_left(raw: Request) -> None:
+    """Return once the client has hung up. The body is read already, so the next ASGI message
+    is the disconnect: waiting for it (as vLLM's `listen_for_disconnect` does) sees a hang-up
+    at once, where a poll let a short request run to its end after its client had gone. Each
+    wait is bounded: a client that pipelined its next request paused uvicorn's reading,
+    which only a fresh `receive` resumes (else its hang-up went unseen)."""
+    while True:
+        try:
+            message = await asyncio.wait_for(raw.receive(), _RECEIVE_AGAIN_S)
+        except asyncio.TimeoutError:
+            continue
+        if message["type"] == "http.disconnect":
+            return
+
+
+def invocation_path(body: dict[str, Any]) -> str:
+    """The route vLLM's /invocations (SageMaker's one route) passes `body` to, by its shape:
+    chat for `messages`, else completions for a `prompt` (vLLM tries them in that order);
+    neither: vLLM's 400. Told by the field alone, so a malformed request gets that route's
+    own 400 naming the field (vLLM's tries the next shape, then answers this one)."""
+    for key, path in (("messages", "/v1/chat/completions"), ("prompt", "/v1/completions")):
+        if body.get(key) is not None:
+            return path
+    expected = "['ChatCompletionRequest', 'CompletionRequest']"
+    raise APIError(400, f"Cannot find suitable handler for request. Expected one of: {expected}")

@@ -26,11 +26,14 @@ from pydantic import ValidationError
 from .app import ChatRun, Handlers, _AbortingStream, _chat_logprobs, _Result
 from .chat import PreparedChat
 from .parsers import THINK_START, ChatDelta, reasoning_parser
-from .protocol import APIError, ChatCompletionRequest, ResponsesRequest, ServingExtras
+from .protocol import (
+    RESPONSES_KEPT,
+    APIError,
+    ChatCompletionRequest,
+    ResponsesRequest,
+    ServingExtras,
+)
 
-# Responses kept for previous_response_id and GET, the least recently used dropped first (a
-# background response still running is never dropped). vLLM keeps every one, for ever.
-RESPONSES_KEPT = 4096
 # A background response's stream events kept for GET ?stream=true (a client attaching, or
 # coming back): its newest EVENTS_KEPT, and once it ended, only for the STREAMS_KEPT
 # background responses that ended last (vLLM keeps every event of every one).

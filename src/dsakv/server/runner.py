@@ -109,6 +109,8 @@ class Update:
     # With logprobs: each token's text and each alternative's (`TokenTexts`)
     texts: list[str] | None = None
     top_texts: list[list[str]] | None = None
+    # With `SamplingParams.token_ids_logprob`: each token's logprobs of those ids
+    token_ids_logprobs: list[list[float]] | None = None
     # In a request's first update only: its prompt, and with prompt_logprobs their scores
     # (and texts, as above).
     prompt_token_ids: list[int] | None = None
@@ -117,6 +119,7 @@ class Update:
     prompt_ranks: list[int | None] | None = None
     prompt_texts: list[str] | None = None
     prompt_top_texts: list[list[str]] | None = None
+    prompt_token_ids_logprobs: list[list[float] | None] | None = None
 
 
 @dataclass(eq=False)
@@ -354,11 +357,13 @@ class AsyncEngine:
                 # Block when idle; otherwise take whatever arrived since the last step, or
                 # wait a little for it when the queue is stalled on PD's parked pages (they
                 # come back through a command: a handoff's end), instead of spinning.
-                # Paused (`pause`): as idle, whatever waits.
-                idle = self.engine.paused or not self.engine.has_unfinished()
+                # Paused (`pause`), or asleep (memory released): as idle, whatever waits.
+                idle = self._held() or not self.engine.has_unfinished()
                 if not self._drain(idle or stalled, None if idle else STALL_WAIT_S):
                     return
-                if self.engine.has_unfinished() and not self.engine.paused:
+                # (asked again: the commands just applied may have paused it or released
+                # the memory a step would read)
+                if self.engine.has_unfinished() and not self._held():
                     s = self.engine.scheduler
                     stalled = not self._step() and not s.running and bool(s.parked)
         except BaseException as e:  # pragma: no cover - a bug in the bridge itself
@@ -368,6 +373,10 @@ class AsyncEngine:
             self._stop.set()
         finally:
             self._finished.set()
+
+    def _held(self) -> bool:
+        """Whether the engine takes no step now: paused, or asleep (`Engine.asleep`)."""
+        return self.engine.paused or self.engine.asleep
 
     def _drain(self, block: bool, timeout: float | None = None) -> bool:
         """Apply queued commands (waiting up to `timeout` for the first when `block`);
@@ -552,6 +561,7 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
     first = not stream.sent_prompt
     stream.sent_prompt = True
     scored = first and req.prompt_logprobs is not None
+    by_id = want and req.params.token_ids_logprob is not None
     tok, skip = engine.tokenizer, req.params.skip_special_tokens
     texts = top_texts = prompt_texts = prompt_top_texts = None
     if want and tok is not None:
@@ -592,6 +602,12 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         prompt_ranks=list(req.prompt_ranks) if scored else None,
         prompt_texts=prompt_texts,
         prompt_top_texts=prompt_top_texts,
+        token_ids_logprobs=req.token_ids_logprobs[start:end] if by_id else None,
+        prompt_token_ids_logprobs=(
+            list(req.prompt_token_ids_logprobs)
+            if scored and req.prompt_token_ids_logprobs is not None
+            else None
+        ),
     )
 
 

@@ -6,9 +6,7 @@ once "serving" had been printed. "serving" is printed once uvicorn serves the so
 
 from __future__ import annotations
 
-import logging
 import signal
-import socket
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,53 +16,12 @@ import uvicorn
 from dsakv.engine import EngineConfig
 from dsakv.engine.launch import create_engine
 from dsakv.errors import DsakvError
-from dsakv.procs import Listener, exit_on_sigterm
+from dsakv.procs import AppServer, Listener, exit_on_sigterm
 
 from .app import build_app
 from .chat import ChatParsers
 from .parsers import resolve_parsers
 from .runner import AsyncEngine, Bridge, EngineThread
-
-log = logging.getLogger(__name__)
-
-
-class _Server(uvicorn.Server):
-    """Serves `sockets` when given (bound before the engine loaded) and prints `banner`
-    once it listens; aborts in-flight requests first on shutdown, so open streams end at
-    once (with finish_reason "abort") instead of holding shutdown until they complete."""
-
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        async_engine: AsyncEngine | None = None,
-        sockets: list[socket.socket] | None = None,
-        banner: str | None = None,
-    ) -> None:
-        super().__init__(config)
-        self.async_engine = async_engine
-        self.sockets = sockets
-        self.banner = banner
-
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().serve(sockets if sockets is not None else self.sockets)
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started and self.banner:
-            log.info("%s", self.banner)
-            print(self.banner, flush=True)
-
-    async def shutdown(self, sockets=None) -> None:
-        if self.async_engine is not None:
-            self.async_engine.abort_all()
-        await super().shutdown(sockets)
-
-
-def serve_app(app, listener: Listener, banner: str, log_level: str = "warning") -> None:
-    """Serve an ASGI `app` on `listener`'s sockets until interrupted, printing `banner`
-    once it serves (the router)."""
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    _Server(config, sockets=listener.sockets, banner=banner).run()
 
 
 def model_names(
@@ -124,7 +81,7 @@ def make_server(
     async_engine.attach(app)
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     sockets = listener.sockets if listener is not None else None
-    return _Server(uv, async_engine, sockets), async_engine
+    return AppServer(uv, async_engine, sockets), async_engine
 
 
 def run_server(

@@ -1,0 +1,260 @@
+"""Priority scheduling: vLLM's `--scheduling-policy priority` (lower `priority` values first)
+and SGLang's `--enable-priority-scheduling` (higher first unless
+`--schedule-low-priority-values-first`). The waiting queue runs by priority, then arrival;
+a request that cannot be admitted retracts running ones of lower priority, which resume
+(from the host tier or recomputed) with the tokens they would have had alone. index_topk
+covers every context here, so a recompute gives the same numbers."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from dsakv import LLM, SamplingParams
+from dsakv.cli import build_parser, engine_config_from_args, main
+from dsakv.engine import EngineConfig
+from dsakv.errors import DsakvError
+from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+
+from .serving import TIMEOUT, serving
+
+ARGS = dict(device="cpu", page_size=16, kv_cache_dtype="fp32", index_k_dtype="fp32")
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def _prompts(n: int, length: int = 60, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 256) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    preset = copy.deepcopy(TINY_PRESETS["glm-tiny"])
+    preset["index_topk"] = 4096
+    return str(write_tiny_model(tmp_path_factory.mktemp("prio") / "tiny", preset=preset, seed=1))
+
+
+@pytest.fixture(scope="module")
+def alone(tiny) -> tuple[list[list[int]], list[list[int]]]:
+    """Three prompts and each one's greedy tokens, run alone in a roomy pool."""
+    prompts = _prompts(3)
+    with LLM(tiny, **ARGS, num_pages=64) as llm:
+        tokens = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
+    return prompts, tokens
+
+
+def _finish_order(llm: LLM, priorities: list[int], **kw) -> list[int]:
+    """The indexes of requests queued at once with `priorities`, in the order they end."""
+    e = llm.engine
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    reqs = [
+        e.add_requests(p, dataclasses.replace(params, priority=x))[0]
+        for p, x in zip(_prompts(len(priorities), length=20), priorities)
+    ]
+    index = {r.rid: i for i, r in enumerate(reqs)}
+    order = []
+    while e.has_unfinished():
+        order += [index[r.rid] for r in e.step() if r.finished]
+    return order
+
+
+PRIORITIES = [3, 1, 2, 0, 1]
+LOW_FIRST = [3, 1, 4, 2, 0]  # by value, ties (1, 1) by arrival
+
+
+@pytest.mark.parametrize(
+    "policy, order",
+    [
+        (dict(scheduling_policy="priority"), LOW_FIRST),
+        (dict(enable_priority_scheduling=True), [0, 2, 1, 4, 3]),  # SGLang's: higher first
+        (
+            dict(enable_priority_scheduling=True, schedule_low_priority_values_first=True),
+            LOW_FIRST,
+        ),
+        (dict(), [0, 1, 2, 3, 4]),  # fcfs: arrival order, priorities 0
+    ],
+    ids=["vllm", "sglang", "sglang-low-first", "fcfs"],
+)
+def test_waiting_requests_run_by_priority_then_arrival(tiny, policy, order):
+    """One request runs at a time, so the order they end is the order they were admitted."""
+    with LLM(tiny, **ARGS, num_pages=32, max_running_requests=1, **policy) as llm:
+        priorities = PRIORITIES if policy else [0] * len(PRIORITIES)
+        assert _finish_order(llm, priorities) == order
+        llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),
+        dict(host_pool_gib=0.05),
+        dict(chunked_prefill_size=16),
+        dict(speculative_algorithm="mtp"),
+        dict(enable_prefix_cache=False),
+    ],
+    ids=["recompute", "host", "chunked", "mtp", "no-prefix-cache"],
+)
+def test_a_higher_priority_request_retracts_a_running_lower_one(tiny, alone, variant):
+    """Two low-priority requests fill the pool; a high-priority one arriving then cannot be
+    admitted, so the low ones are retracted for it (the newest first), resume after it and
+    still end with the tokens they have alone. An arrival of equal priority only waits."""
+    prompts, expected = alone
+    for high, preempts in ((0, True), (5, False)):
+        llm = LLM(tiny, **ARGS, num_pages=12, scheduling_policy="priority", **variant)
+        e = llm.engine
+        low = [e.add_requests(p, dataclasses.replace(GREEDY, priority=5))[0] for p in prompts[:2]]
+        while not all(r.output_ids for r in low):  # (both decoding)
+            e.step()
+        assert len(e.scheduler.running) == 2 and not e.scheduler.waiting
+        h = e.add_requests(prompts[2], dataclasses.replace(GREEDY, priority=high))[0]
+        e.step()
+        assert (h in e.scheduler.running) is preempts
+        assert (low[1] in e.scheduler.waiting) is preempts  # the newest went first
+        ended = []
+        while e.has_unfinished():
+            ended += [r for r in e.step() if r.finished]
+        assert [r.output_ids for r in (*low, h)] == expected
+        assert h.metrics.retractions == 0
+        c = e.counters()
+        if preempts:
+            assert ended[0] is h and c["retractions"] > 0
+            if "host_pool_gib" in variant:
+                assert c["retractions_to_host"] > 0
+        else:  # (a low one may still be retracted as they grow: it resumes before h)
+            assert ended[-1] is h
+        e.check_integrity()
+        llm.close()
+
+
+def test_generate_takes_vllms_priority_list(tiny, alone):
+    prompts, expected = alone
+    with LLM(tiny, **ARGS, num_pages=64, scheduling_policy="priority") as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[2, 0, 1])
+        assert [o.token_ids for o in outs] == expected  # (in input order)
+        with pytest.raises(DsakvError, match="one integer per prompt"):
+            llm.generate(prompts, GREEDY, use_tqdm=False, priority=[1])
+        with pytest.raises(DsakvError, match="priority must be an integer"):
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False, priority=["high"])
+    with LLM(tiny, **ARGS, num_pages=64) as fcfs:  # vLLM's refusal
+        with pytest.raises(DsakvError, match="Got priority 1 but priority scheduling is not"):
+            fcfs.generate(prompts[:1], GREEDY, use_tqdm=False, priority=[1])
+        (out,) = fcfs.generate(prompts[:1], GREEDY, use_tqdm=False, priority=[0])
+        assert out.token_ids == expected[0]
+        assert not fcfs.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "flags, sign",
+    [
+        ([], 0),
+        (["--scheduling-policy", "fcfs"], 0),
+        (["--scheduling-policy", "priority"], 1),
+        (["--enable-priority-scheduling"], -1),
+        (["--enable-priority-scheduling", "--schedule-low-priority-values-first"], 1),
+    ],
+)
+def test_vllm_and_sglang_flags(tiny, flags, sign):
+    args = build_parser().parse_args(["serve", tiny, *flags])
+    assert engine_config_from_args(args).priority_sign == sign
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--scheduling-policy", "priority", "--enable-priority-scheduling"], "give one"),
+        (["--scheduling-policy", "fcfs", "--enable-priority-scheduling"], "contradict"),
+        (["--schedule-low-priority-values-first"], "needs --enable-priority-scheduling"),
+        (
+            ["--scheduling-policy", "priority", "--schedule-low-priority-values-first"],
+            "needs --enable-priority-scheduling",
+        ),
+    ],
+)
+def test_flags_that_disagree_exit_2(tiny, flags, message, capsys):
+    assert main(["generate", tiny, "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+    with pytest.raises(DsakvError, match="fcfs or priority"):
+        EngineConfig(model=tiny, scheduling_policy="lifo")
+
+
+# --- over HTTP ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    config = EngineConfig(
+        model=tiny, **ARGS, num_pages=96, max_running_requests=2, scheduling_policy="priority"
+    )
+    with serving(config) as served:
+        yield served
+
+
+def _in_engine(async_engine) -> int:
+    async def count() -> int:
+        c = await asyncio.wait_for(async_engine.call(lambda e: e.counters()), TIMEOUT)
+        return int(c["running_requests"] + c["waiting_requests"])
+
+    return asyncio.run(count())
+
+
+def test_a_high_priority_request_overtakes_a_flood(served):
+    """Sent after eight requests already queued (two run at a time), it ends before most of
+    them: it takes a running one's place at once."""
+    base, async_engine = served
+    flood, ended = 8, []
+    lock = threading.Lock()
+
+    def complete(name: str, priority: int, seed: int) -> None:
+        body = {"prompt": _prompts(1, 20, seed)[0], "max_tokens": 600}
+        body |= {"temperature": 0, "ignore_eos": True, "priority": priority}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        with lock:
+            ended.append(name)
+
+    with ThreadPoolExecutor(flood + 1) as pool:
+        done = [pool.submit(complete, f"flood{i}", 0, i) for i in range(flood)]
+        while _in_engine(async_engine) + len(ended) < flood:
+            assert not any(f.done() and f.exception() for f in done)
+        done.append(pool.submit(complete, "high", -1, flood))
+        for f in done:
+            f.result()
+    assert ended.index("high") < flood // 2, ended
+
+
+ROUTES = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
+]
+
+
+def test_every_route_takes_priority(served):
+    base = served[0]
+    for path, body in ROUTES:
+        r = httpx.post(f"{base}{path}", json={**body, "priority": 7}, timeout=TIMEOUT)
+        assert r.status_code == 200, (path, r.text)
+        r = httpx.post(f"{base}{path}", json={**body, "priority": "7"}, timeout=TIMEOUT)
+        assert r.status_code == 400, (path, r.text)
+
+
+def test_fcfs_refuses_priority_on_every_route(tiny):
+    with serving(EngineConfig(model=tiny, **ARGS, num_pages=32)) as (base, _):
+        for path, body in ROUTES:
+            r = httpx.post(f"{base}{path}", json={**body, "priority": 3}, timeout=TIMEOUT)
+            assert r.status_code == 400, (path, r.text)
+            error = r.json()["error"]
+            assert error["message"] == "Got priority 3 but priority scheduling is not enabled"
+            assert error["param"] == "priority"
+            r = httpx.post(f"{base}{path}", json={**body, "priority": 0}, timeout=TIMEOUT)
+            assert r.status_code == 200, (path, r.text)

@@ -1,0 +1,236 @@
+"""What `dsakv router` relays besides generation, on a prefill/decode pair behind it (all in
+this process, on loopback, glm-tiny on the CPU): vLLM's pausing (/pause, its query too,
+/resume, /is_paused: paused only while every server is), /reset_prefix_cache and SGLang's
+profiling reach every server, a pause that fails somewhere being undone; tokenizing, a
+model's card, /version and /get_weights_by_name are one server's answer; /load is the
+decode servers' requests in flight; SageMaker's /ping and /invocations (a chat or a
+completions request, told apart by its shape)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import uvicorn
+
+from dsakv.disagg.config import DisaggConfig
+from dsakv.disagg.router import build_router_app
+from dsakv.disagg.serving import bridge_for
+from dsakv.engine import EngineConfig
+from dsakv.models.tiny import write_tiny_model
+
+from .serving import (
+    NO_THINKING,
+    TIMEOUT,
+    engine_stops_stepping_at,
+    free_port,
+    running,
+    scrape_metrics,
+    serving,
+    wait_idle,
+)
+
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 4}
+CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], **NO_THINKING, **GREEDY}
+NO_HANDLER = (
+    "Cannot find suitable handler for request. Expected one of: "
+    "['ChatCompletionRequest', 'CompletionRequest']"
+)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
+    """A prefill server and a decode server, the router in front."""
+    model = str(write_tiny_model(tmp_path_factory.mktemp("relays") / "m", "glm-tiny"))
+    conf = EngineConfig(model, device="cpu", num_pages=64, page_size=16,
+                        kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
+    p_disagg = DisaggConfig("prefill", bootstrap_port=free_port(), timeout_s=30)
+    d_disagg = DisaggConfig("decode", timeout_s=30)
+    with ExitStack() as stack:
+        p_url, _ = stack.enter_context(
+            serving(conf, bridge=bridge_for(p_disagg, conf, "127.0.0.1"))
+        )
+        d_url, decode = stack.enter_context(
+            serving(conf, bridge=bridge_for(d_disagg, conf, "127.0.0.1"))
+        )
+        app = build_router_app([p_url], [d_url])
+        server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+        router = stack.enter_context(running(server))
+        yield SimpleNamespace(router=router, prefill_url=p_url, decode_url=d_url, decode=decode)
+
+
+def _get(base: str, path: str, **kw) -> httpx.Response:
+    return httpx.get(f"{base}{path}", timeout=TIMEOUT, **kw)
+
+
+def _post(base: str, path: str, **kw) -> httpx.Response:
+    return httpx.post(f"{base}{path}", timeout=TIMEOUT, **kw)
+
+
+def _is_paused(base: str) -> bool:
+    r = _get(base, "/is_paused")
+    assert r.status_code == 200, r.text
+    return r.json()["is_paused"]
+
+
+def _cached(base: str) -> float:
+    """The pages a server's prefix cache holds."""
+    return scrape_metrics(base)["dsakv_kv_pages_cached"]
+
+
+def _complete(base: str, path: str, body: dict) -> dict:
+    r = _post(base, path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_vllms_pause_resume_and_is_paused_reach_every_server(pd):
+    """/pause's query goes with it (`keep`: the prefix cache stays, where the default
+    `abort` drops it); /is_paused is true only while every server is paused (a trainer
+    reading true may swap the weights: no server generates)."""
+    _complete(pd.router, "/v1/chat/completions", CHAT)
+    wait_idle(pd.prefill_url)
+    cached = _cached(pd.prefill_url)
+    assert cached > 0
+    servers = (pd.prefill_url, pd.decode_url)
+    r = _post(pd.router, "/pause", params={"mode": "keep"})
+    assert (r.status_code, r.json()) == (200, {"status": "paused"}), r.text
+    assert [_is_paused(u) for u in servers] == [True, True]
+    assert _is_paused(pd.router) is True
+    assert _cached(pd.prefill_url) == cached
+    assert _post(pd.decode_url, "/resume").status_code == 200  # one server resumed alone
+    assert _is_paused(pd.router) is False
+    r = _post(pd.router, "/resume")
+    assert (r.status_code, r.json()) == (200, {"status": "resumed"}), r.text
+    assert [_is_paused(u) for u in servers] == [False, False]
+    r = _post(pd.router, "/pause")  # (abort: then the cache is dropped)
+    assert r.status_code == 200, r.text
+    assert [_is_paused(u) for u in servers] == [True, True]
+    assert _cached(pd.prefill_url) == 0
+    assert _post(pd.router, "/resume").status_code == 200
+    assert _complete(pd.router, "/v1/chat/completions", CHAT)["usage"]["completion_tokens"] == 4
+
+
+def test_a_pause_that_fails_on_one_server_is_undone_on_the_others(pd):
+    """(As SGLang's /pause_generation is.) A call for one server passes over one that is
+    down."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    app = build_router_app([pd.prefill_url], [dead, pd.decode_url])
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    with running(server) as router:
+        r = _post(router, "/pause", params={"mode": "keep"})
+        assert r.status_code == 502 and dead in r.json()["error"]["message"], r.text
+        assert "1 of 3" in r.json()["error"]["message"]
+        assert [_is_paused(u) for u in (pd.prefill_url, pd.decode_url)] == [False, False]
+        r = _get(router, "/is_paused")
+        assert r.status_code == 502 and dead in r.json()["error"]["message"], r.text
+        r = _post(router, "/tokenize", json={"prompt": "Hi"})
+        assert r.json() == _post(pd.decode_url, "/tokenize", json={"prompt": "Hi"}).json()
+
+
+def test_reset_prefix_cache_and_profiling_reach_every_server(pd):
+    """vLLM's /reset_prefix_cache drops both servers' prefix caches; /start_profile and
+    /stop_profile (GET or POST, as SGLang's) get the servers' own answers, their 400s too."""
+    _complete(pd.router, "/v1/completions", {"prompt": "A prompt to cache.", **GREEDY})
+    wait_idle(pd.prefill_url)
+    wait_idle(pd.decode_url)
+    assert _cached(pd.prefill_url) > 0
+    r = _post(pd.router, "/reset_prefix_cache")
+    assert (r.status_code, r.text) == (200, "Cache flushed.\n")
+    assert [_cached(u) for u in (pd.prefill_url, pd.decode_url)] == [0, 0]
+    r = _post(pd.router, "/start_profile", json={"activities": ["TPU"]})
+    assert r.status_code == 400 and "activities" in r.json()["error"]["message"], r.text
+    for method in ("GET", "POST"):
+        r = httpx.request(method, f"{pd.router}/stop_profile", timeout=TIMEOUT)
+        assert r.status_code == 400 and "no profile is running" in r.text, r.text
+
+
+def test_tokenizing_cards_version_and_weights_are_one_servers_answer(pd):
+    name = _get(pd.router, "/v1/models").json()["data"][0]["id"]
+    calls = [
+        ("POST", "/tokenize", {"prompt": "Hello there"}),
+        ("POST", "/v1/tokenize", {"messages": CHAT["messages"]}),
+        ("POST", "/detokenize", {"tokens": [72, 101, 108]}),
+        ("POST", "/v1/detokenize", {"tokens": [72]}),
+        ("GET", "/version", None),
+        ("GET", f"/v1/models/{name}", None),
+        ("GET", "/v1/models/not-served", None),  # (its 404, as it is)
+        ("GET", "/get_weights_by_name", {"name": "model.embed_tokens.weight", "truncate_size": 2}),
+        ("POST", "/get_weights_by_name", {"name": "model.nope.weight"}),  # (its 400)
+    ]
+    for method, path, body in calls:
+        got, want = (
+            httpx.request(method, f"{base}{path}", json=body, timeout=TIMEOUT)
+            for base in (pd.router, pd.decode_url)
+        )
+        assert (got.status_code, got.json()) == (want.status_code, want.json()), path
+    assert _get(pd.router, "/v1/models/not-served").status_code == 404
+    rows = httpx.request(
+        "GET", f"{pd.router}/get_weights_by_name", json=calls[7][2], timeout=TIMEOUT
+    )
+    assert rows.status_code == 200 and len(rows.json()) == 2, rows.text
+
+
+def test_load_counts_the_requests_in_flight_on_the_decode_servers(pd):
+    assert _get(pd.router, "/load").json() == {"server_load": 0}
+    body = {"prompt": "Hold on.", "temperature": 0, "ignore_eos": True, "max_tokens": 100}
+    with ThreadPoolExecutor(1) as pool, engine_stops_stepping_at(pd.decode, 2):
+        held = pool.submit(_post, pd.router, "/v1/completions", json=body)
+        deadline = time.monotonic() + TIMEOUT
+        while _get(pd.decode_url, "/load").json()["server_load"] != 1:
+            assert not held.done(), held.result().text
+            assert time.monotonic() < deadline, "the request never reached the decode server"
+        assert _get(pd.router, "/load").json() == {"server_load": 1}
+        assert _post(pd.router, "/abort_request", json={"abort_all": True}).status_code == 200
+        assert held.result().json()["choices"][0]["finish_reason"] == "abort"
+    assert _get(pd.router, "/load").json() == {"server_load": 0}
+
+
+def test_sagemakers_ping_and_invocations(pd):
+    """/invocations is chat for a body with messages (first, as vLLM's), completions for one
+    with a prompt, the same answer as that route's, streamed too; a body with neither is
+    vLLM's 400."""
+    for method in ("GET", "POST"):
+        r = httpx.request(method, f"{pd.router}/ping", timeout=TIMEOUT)
+        assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    prompt = {"prompt": "Once upon a time", **GREEDY}
+    for body, path in ((CHAT, "/v1/chat/completions"), (prompt, "/v1/completions")):
+        got = _complete(pd.router, "/invocations", body)
+        want = _complete(pd.router, path, body)
+        assert got["object"] == want["object"]
+        assert got["choices"] == want["choices"]
+        tokens = ("prompt_tokens", "completion_tokens")  # (cached tokens differ: the 2nd hits)
+        assert [got["usage"][k] for k in tokens] == [want["usage"][k] for k in tokens]
+    both = _complete(pd.router, "/invocations", {**CHAT, "prompt": "ignored"})
+    assert both["object"] == "chat.completion"
+    r = _post(pd.router, "/invocations", json={**CHAT, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[0])["object"] == "chat.completion.chunk"
+    r = _post(pd.router, "/invocations", json={"input": "Hi"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == NO_HANDLER, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = _post(pd.router, "/invocations", content=b"{not json")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+
+
+def test_the_router_loads_no_torch():
+    """`dsakv router` is the light process in front of the servers: starting it (the CLI,
+    its app, its launcher) imports neither torch nor the engine (it once did, through the
+    server's app module for two small helpers)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dsakv.cli, dsakv.disagg.router, dsakv.disagg.launch\n"
+        "print(sorted(m for m in ('torch', 'dsakv.engine', 'dsakv.server.app') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
