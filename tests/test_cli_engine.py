@@ -474,6 +474,37 @@ def _parse_error(argv: list[str], capsys) -> str:
         (["-tp", "2", "--enable-expert-parallel"], "ep", 2),
         (["-dp", "2", "--enable-expert-parallel"], "ep", 2),
         (["--enable-expert-parallel"], "ep", 1),
+        (["--enforce-eager"], "disable_cuda_graph", True),
+        (["--swap-space", "2"], "host_pool_gib", 2.0),
+        (["--cuda-graph-max-bs", "16"], "cuda_graph_max_bs", 16),
+        (["--enable-chunked-prefill"], "chunked_prefill_size", None),  # (vLLM's default)
+        (["--no-enable-chunked-prefill"], "chunked_prefill_size", 16384),  # prompts whole
+        (["--no-enable-chunked-prefill", "--max-model-len", "900"], "chunked_prefill_size", 900),
+        (
+            ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "20000"],
+            "chunked_prefill_size",
+            20000,
+        ),
+        # SGLang's cap on a step's prompt tokens: binds only where prompts run whole
+        (["--max-prefill-tokens", "16384"], "chunked_prefill_size", None),
+        (
+            ["--max-prefill-tokens", "8192", "--chunked-prefill-size", "8192"],
+            "chunked_prefill_size",
+            8192,
+        ),
+        (
+            ["--chunked-prefill-size", "-1", "--max-prefill-tokens", "20000"],
+            "chunked_prefill_size",
+            20000,
+        ),
+        (
+            ["--chunked-prefill-size", "-1", "--max-prefill-tokens", "100"],
+            "chunked_prefill_size",
+            16384,
+        ),
+        (["--schedule-policy", "lpm"], "scheduling_policy", "lpm"),
+        (["--schedule-policy", "fcfs"], "scheduling_policy", None),
+        (["--schedule-policy", "fcfs", "--enable-priority-scheduling"], "priority_sign", -1),
     ],
 )
 def test_vllm_and_sglang_spellings_mean_dsakvs_own(tiny_dir, flags, field, value, capsys):
@@ -661,6 +692,25 @@ _EAGLE = ["--speculative-algorithm", "EAGLE"]
             ["--enable-expert-parallel splits the experts over all 2 rank(s); --ep 1"],
         ),
         (["-tp", "2", "-dp", "2"], ["-dp 2 with --tp 2 is (as vLLM's) 4 ranks"]),
+        (["--revision", "main"], ["--revision: dsakv loads local folders only", "download"]),
+        (["--tokenizer-revision", "v1"], ["--tokenizer-revision: dsakv loads local folders"]),
+        (["--tokenizer", "org/name"], ["--tokenizer org/name is not a directory", "no Hub"]),
+        (["--max-seq-len-to-capture", "8192"], ["vLLM's (gone since", "--cuda-graph-max-bs"]),
+        (["--cuda-graph-max-bs", "0"], ["--cuda-graph-max-bs: must be an integer >= 1"]),
+        (["--enforce-eager", "--enable-torch-compile"], ["--enforce-eager", "contradict"]),
+        (
+            ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"],
+            ["budget of 2048", "the context length, 16384", "as vLLM requires"],
+        ),
+        (["--enable-chunked-prefill", "--chunked-prefill-size", "-1"], ["contradict"]),
+        (["--max-prefill-tokens", "100"], ["--max-prefill-tokens 100 is below the 512-token"]),
+        (["--schedule-policy", "lof"], ["dsakv takes fcfs or lpm", "got 'lof'"]),
+        (["--schedule-policy", "priority"], ["--enable-priority-scheduling", "'priority'"]),
+        (
+            ["--schedule-policy", "lpm", "--scheduling-policy", "priority"],
+            ["--schedule-policy lpm and --scheduling-policy priority: give one"],
+        ),
+        (["--schedule-policy", "lpm", "--enable-priority-scheduling"], ["by cached prefix"]),
         (["-d", "2"], ["unrecognized arguments: -d 2"]),  # (not -dp: no flag is abbreviated)
         (["-t", "2"], ["unrecognized arguments: -t 2"]),
     ],
@@ -764,7 +814,8 @@ def test_vllm_switches_for_what_dsakv_does_anyway_change_nothing(tiny_dir, capsy
 
     taken = ["--load-format", "auto", "--load-format", "safetensors", "--tokenizer-mode", "hf"]
     serve, generate = ["serve", str(tiny_dir)], ["generate", str(tiny_dir), "--prompt", "x"]
-    server_only = ["--disable-log-requests", "--uvicorn-log-level", "info"]
+    server_only = ["--disable-log-requests", "--uvicorn-log-level", "info", "--enable-metrics"]
+    server_only += ["--max-log-len", "100"]  # (SGLang's /metrics is always on; no prompt logged)
     assert config(*serve, *taken, *server_only) == config(*serve)
     assert config(*generate, *taken, "--tokenizer-mode", "auto") == config(*generate)
     assert config("serve-pd", str(tiny_dir), *taken) == config(*serve)
@@ -784,26 +835,35 @@ def test_vllm_switches_for_what_dsakv_does_anyway_change_nothing(tiny_dir, capsy
         assert f"[{hidden}" not in out and f"  {hidden}" not in out, hidden
 
 
-def test_uvicorn_log_level_reaches_the_server(tiny_dir, tmp_path):
-    """vLLM's --uvicorn-log-level warning: the server answers, and uvicorn's info lines
-    (startup, each request) are not logged; dsakv's own "serving" line is."""
+def _until_healthy(server) -> None:
+    """Until the `ServerProcess` answers /health (its log tail if it exits or times out)."""
     import time
 
     import httpx
 
-    from .serving import TIMEOUT, ServerProcess
+    from .serving import TIMEOUT
+
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert server.proc.poll() is None and time.monotonic() < deadline, server.tail()
+        time.sleep(0.2)
+
+
+def test_uvicorn_log_level_reaches_the_server(tiny_dir, tmp_path):
+    """vLLM's --uvicorn-log-level warning: the server answers, and uvicorn's info lines
+    (startup, each request) are not logged; dsakv's own "serving" line is."""
+    import httpx
+
+    from .serving import ServerProcess
 
     server = ServerProcess(tmp_path, "quiet", str(tiny_dir), "--uvicorn-log-level", "warning")
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            try:
-                if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.proc.poll() is None and time.monotonic() < deadline, server.tail()
-            time.sleep(0.2)
+        _until_healthy(server)
         httpx.get(f"{server.url}/v1/models", timeout=5)
     finally:
         server.stop()
@@ -830,3 +890,152 @@ def test_the_model_as_sglangs_and_vllms_flag(tiny_dir, capsys):
     code = main(["generate", "glm-tiny", "--model-path", str(tiny_dir), "--prompt", "x"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "the model is given twice" in err[0], err
+
+
+def test_a_tokenizer_from_another_folder_encodes_and_templates(tiny_dir, tmp_path):
+    """vLLM's --tokenizer DIR (SGLang's --tokenizer-path) was "unrecognized arguments": the
+    server encodes with DIR's tokenizer (here one that adds a BOS, which the model's does
+    not) and renders chats with DIR's chat template. With vLLM's --disable-uvicorn-access-log
+    uvicorn still logs its startup, but no line per request."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from dsakv.config.presets import BOS_ID
+    from dsakv.models.tiny import write_tokenizer
+
+    from .serving import ServerProcess
+
+    other = tmp_path / "tokenizer"
+    write_tokenizer(other, "deepseek_v32")
+    tok = AutoTokenizer.from_pretrained(str(other))
+    tok.chat_template = (
+        "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+        "{% if add_generation_prompt %}=>{% endif %}"
+    )
+    tok.save_pretrained(str(other))
+    templated = tok.encode("<<hi>>=>", add_special_tokens=False)
+    flags = ["--tokenizer-path", str(other), "--disable-uvicorn-access-log", "--num-pages", "8"]
+    server = ServerProcess(tmp_path, "tok", str(tiny_dir), *flags)
+    try:
+        _until_healthy(server)
+
+        def post(path: str, **body) -> dict:
+            return httpx.post(f"{server.url}{path}", json=body, timeout=60).json()
+
+        assert post("/tokenize", prompt="hi")["tokens"] == [BOS_ID, ord("h"), ord("i")]
+        chat = [{"role": "user", "content": "hi"}]
+        assert post("/tokenize", messages=chat)["tokens"] == templated
+        out = post("/v1/chat/completions", model="m", messages=chat, max_tokens=1)
+        assert out["usage"]["prompt_tokens"] == len(templated)
+        info = httpx.get(f"{server.url}/model_info", timeout=5).json()
+        assert info["tokenizer_path"] == str(other)
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "Application startup complete" in log, log
+    assert '"POST /tokenize' not in log and '"GET /health' not in log, log
+
+
+def test_sglangs_log_level_sets_the_loggers_and_uvicorns(tiny_dir, monkeypatch, capsys):
+    """SGLang's --log-level was "unrecognized arguments": it sets every logger's level (-v's
+    is info; another with -v is one error line) and uvicorn's unless vLLM's
+    --uvicorn-log-level says otherwise; serve-pd hands them, and vLLM's
+    --disable-uvicorn-access-log, to its two servers."""
+    import logging
+
+    from dsakv.cli import _log_level, _uvicorn_log_level, build_parser
+    from dsakv.disagg import launch
+
+    def levels(*flags: str) -> tuple[int, str]:
+        args = build_parser().parse_args(["serve", str(tiny_dir), *flags])
+        return _log_level(args), _uvicorn_log_level(args)
+
+    assert levels() == (logging.WARNING, "info")
+    assert levels("--log-level", "info") == (logging.INFO, "info")
+    assert levels("--log-level", "trace") == (logging.DEBUG, "trace")
+    both = ["--log-level", "error", "--uvicorn-log-level", "debug"]
+    assert levels(*both) == (logging.ERROR, "debug")
+    assert main(["-v", "serve", str(tiny_dir), "--log-level", "error"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: -v (info) and --log-level error disagree: give one"]
+    started = []
+    monkeypatch.setattr(launch, "serve_pd", lambda *a, **kw: started.append(a))
+    flags = ["--log-level", "warning", "--disable-uvicorn-access-log"]
+    assert main(["serve-pd", str(tiny_dir), "--port", str(free_port()), *flags]) == 0
+    passed = " ".join(started[0][1])
+    want = "--uvicorn-log-level warning --log-level warning --disable-uvicorn-access-log"
+    assert passed.endswith(want), passed
+
+
+def test_cuda_graph_max_bs_caps_the_padded_decode_batches(tiny_dir):
+    """SGLang's --cuda-graph-max-bs N: decode batches of up to N run padded (captured as
+    CUDA graphs on a GPU), larger ones eagerly; the cap was fixed at 128. (The triton
+    backend pads its decode steps on a CPU too, where nothing is captured.)"""
+    from dsakv.cli import build_parser, engine_config_from_args
+    from dsakv.engine import Engine
+
+    base = ["generate", str(tiny_dir), "--prompt", "x", "--device", "cpu", "--num-pages", "8"]
+    base += ["--attention-backend", "triton", "--max-num-seqs", "8"]
+    for flags, buckets in (([], [1, 2, 4, 8]), (["--cuda-graph-max-bs", "4"], [1, 2, 4])):
+        engine = Engine(engine_config_from_args(build_parser().parse_args([*base, *flags])))
+        try:
+            assert engine.runner.decode_graphs.buckets == buckets
+        finally:
+            engine.close()
+
+
+def test_lpm_admits_the_request_with_a_cached_prefix_first(tiny_dir):
+    """SGLang's --schedule-policy lpm: of the waiting requests, the one whose prompt the
+    prefix cache holds most of is admitted first, ahead of one that came earlier (fcfs
+    admits in arrival order)."""
+    from dsakv.cli import build_parser, engine_config_from_args
+    from dsakv.engine import Engine, SamplingParams
+
+    shared = [(5 * i) % 200 + 3 for i in range(48)]  # three 16-token pages
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    base = ["generate", str(tiny_dir), "--prompt", "x", "--page-size", "16", "--num-pages", "32"]
+    base += ["--chunked-prefill-size", "64"]
+    for policy, first in (("fcfs", "fresh"), ("lpm", "cached")):
+        args = build_parser().parse_args([*base, "--schedule-policy", policy])
+        engine = Engine(engine_config_from_args(args))
+        try:
+            warm = engine.add_request([*shared, 7], params)
+            while not warm.finished:
+                engine.step()
+            longer = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+            fresh = engine.add_request([(3 * i) % 200 + 9 for i in range(60)], longer)
+            cached = engine.add_request([*shared, 11, 12, 13], longer)
+            engine.step()
+            admitted = {fresh.rid: "fresh", cached.rid: "cached"}
+            order = [admitted[r.rid] for r in engine.scheduler.running]
+            assert order[0] == first, (policy, order)
+            assert cached.metrics.prefix_hit_tokens == 48
+        finally:
+            engine.close()
+
+
+@pytest.mark.parametrize(
+    "engine_args, flags",
+    [
+        ({"enable_hisparse": True}, ["--enable-hisparse"]),
+        (
+            {"enable_priority_scheduling": True, "schedule_low_priority_values_first": True},
+            ["--enable-priority-scheduling", "--schedule-low-priority-values-first"],
+        ),
+        (  # (dsakv's own "off" switches, and a value no switch gives: the default)
+            dict(
+                enable_deterministic_inference=False, elide_index_k=True, enable_prefix_cache=False
+            ),
+            ["--disable-deterministic-inference", "--no-prefix-cache"],
+        ),
+    ],
+)
+def test_bench_serving_takes_every_switch_as_an_engine_arg(tiny_dir, engine_args, flags):
+    """`bench --serving --engine-arg enable_hisparse=true` (or SGLang's priority switches)
+    failed as "unrecognized arguments: True": `serve_flags` knew the switches from a list
+    of its own, which missed those added since; it reads them from the CLI now."""
+    from dsakv.bench.serving_rate import serve_flags
+    from dsakv.engine import EngineConfig
+
+    config = EngineConfig.from_kwargs(str(tiny_dir), **engine_args)
+    assert serve_flags(config, engine_args) == flags

@@ -90,6 +90,23 @@ def test_waiting_requests_run_by_priority_then_arrival(tiny, policy, order):
         llm.engine.check_integrity()
 
 
+SGLANG = dict(enable_priority_scheduling=True)  # higher first; preemption threshold 10
+
+
+@pytest.mark.parametrize(
+    "policy, order",
+    [
+        (dict(scheduling_policy="priority"), [1, 0, 3, 2]),  # vLLM's: none given is 0
+        (SGLANG, [2, 1, 0, 3]),  # SGLang's: none given goes last
+        (dict(SGLANG, schedule_low_priority_values_first=True), [1, 2, 0, 3]),
+    ],
+    ids=["vllm", "sglang", "sglang-low-first"],
+)
+def test_a_request_without_priority(tiny, policy, order):
+    with LLM(tiny, **ARGS, num_pages=32, max_running_requests=1, **policy) as llm:
+        assert _finish_order(llm, [None, -5, 3, None]) == order
+
+
 @pytest.mark.parametrize(
     "variant",
     [
@@ -101,15 +118,15 @@ def test_waiting_requests_run_by_priority_then_arrival(tiny, policy, order):
     ],
     ids=["recompute", "host", "chunked", "mtp", "no-prefix-cache"],
 )
-def test_a_higher_priority_request_retracts_a_running_lower_one(tiny, alone, variant):
+def test_sglangs_priority_retracts_a_running_lower_one(tiny, alone, variant):
     """Two low-priority requests fill the pool; a high-priority one arriving then cannot be
-    admitted, so the low ones are retracted for it (the newest first), resume after it and
-    still end with the tokens they have alone. An arrival of equal priority only waits."""
+    admitted, so a low one is retracted for it (the newest), resumes after it and still ends
+    with the tokens it has alone. An arrival within SGLang's threshold (10) only waits."""
     prompts, expected = alone
-    for high, preempts in ((0, True), (5, False)):
-        llm = LLM(tiny, **ARGS, num_pages=12, scheduling_policy="priority", **variant)
+    for high, preempts in ((20, True), (10, False)):
+        llm = LLM(tiny, **ARGS, num_pages=12, **SGLANG, **variant)
         e = llm.engine
-        low = [e.add_requests(p, dataclasses.replace(GREEDY, priority=5))[0] for p in prompts[:2]]
+        low = [e.add_requests(p, dataclasses.replace(GREEDY, priority=0))[0] for p in prompts[:2]]
         while not all(r.output_ids for r in low):  # (both decoding)
             e.step()
         assert len(e.scheduler.running) == 2 and not e.scheduler.waiting
@@ -117,20 +134,110 @@ def test_a_higher_priority_request_retracts_a_running_lower_one(tiny, alone, var
         e.step()
         assert (h in e.scheduler.running) is preempts
         assert (low[1] in e.scheduler.waiting) is preempts  # the newest went first
+        assert low[0].metrics.retractions == 0
         ended = []
         while e.has_unfinished():
             ended += [r for r in e.step() if r.finished]
         assert [r.output_ids for r in (*low, h)] == expected
         assert h.metrics.retractions == 0
         c = e.counters()
-        if preempts:
+        if preempts:  # (else a low one may still be retracted as they grow)
             assert ended[0] is h and c["retractions"] > 0
             if "host_pool_gib" in variant:
                 assert c["retractions_to_host"] > 0
-        else:  # (a low one may still be retracted as they grow: it resumes before h)
-            assert ended[-1] is h
         e.check_integrity()
         llm.close()
+
+
+def test_sglangs_priority_retracts_only_what_lets_the_request_in(tiny, alone):
+    """A request that would not fit even with every lower one retracted retracts none
+    (SGLang's preempt_to_schedule); it waits for the higher one running."""
+    prompts, expected = alone
+    big = _prompts(1, 100, seed=7)[0]
+    with LLM(tiny, **ARGS, num_pages=12, **SGLANG) as llm:
+        e = llm.engine
+        top = e.add_requests(big, dataclasses.replace(GREEDY, priority=100))[0]
+        low = e.add_requests(prompts[0][:20], dataclasses.replace(GREEDY, priority=0))[0]
+        while not (top.output_ids and low.output_ids):
+            e.step()
+        mid = e.add_requests(prompts[2], dataclasses.replace(GREEDY, priority=50))[0]
+        e.step()
+        assert low in e.scheduler.running and mid in e.scheduler.waiting
+        assert e.counters()["retractions"] == 0
+        while e.has_unfinished():
+            e.step()
+        assert mid.output_ids == expected[2]
+        e.check_integrity()
+
+
+def test_vllms_priority_retracts_lower_ones_only_when_they_cannot_grow(tiny, alone):
+    """vLLM's: a waiting request retracts nothing to be admitted, but running ones of lower
+    priority keep no room for their growth from it, so it is admitted once its own pages
+    are free; they are retracted (the lowest, newest first) when they run out."""
+    prompts, expected = alone
+    long = dataclasses.replace(GREEDY, max_tokens=100, priority=5)
+    with LLM(tiny, **ARGS, num_pages=16, scheduling_policy="priority") as llm:
+        e = llm.engine
+        low = [e.add_requests(p, long)[0] for p in prompts[:2]]
+        while not all(r.output_ids for r in low):
+            e.step()
+        h = e.add_requests(prompts[2], dataclasses.replace(GREEDY, priority=0))[0]
+        e.step()
+        assert h in e.scheduler.running and e.counters()["retractions"] == 0
+        while e.has_unfinished():
+            e.step()
+        assert [r.output_ids[:40] for r in low] == expected[:2] and h.output_ids == expected[2]
+        assert e.counters()["retractions"] > 0 and h.metrics.retractions == 0
+        e.check_integrity()
+
+
+def test_vllms_priority_waits_for_a_running_slot(tiny, alone):
+    """At max_running_requests a higher-priority request waits for a slot, as in vLLM; it
+    is admitted before the lower ones queued earlier."""
+    prompts, _ = alone
+    with LLM(
+        tiny, **ARGS, num_pages=64, max_running_requests=1, scheduling_policy="priority"
+    ) as llm:
+        e = llm.engine
+        first = e.add_requests(prompts[0], dataclasses.replace(GREEDY, priority=5))[0]
+        e.step()
+        e.add_requests(prompts[1], dataclasses.replace(GREEDY, priority=5))
+        h = e.add_requests(prompts[2], dataclasses.replace(GREEDY, priority=0))[0]
+        e.step()
+        assert e.scheduler.running == [first] and e.counters()["retractions"] == 0
+        while not first.finished:
+            e.step()
+        e.step()
+        assert e.scheduler.running == [h]
+
+
+def test_a_budget_short_step_retracts_nothing_under_hisparse(tmp_path):
+    """Under HiSparse a prompt cannot start on a one-token budget (`_step_tokens`): that is
+    no reason to retract a lower-priority request, which left the step idle and ended the
+    high one as if it could never fit."""
+    model = str(write_tiny_model(tmp_path / "tiny", preset="glm-tiny", seed=0))
+    rng = random.Random(0)
+    low_prompt, high_prompt = ([rng.randrange(1, 250) for _ in range(k)] for k in (50, 40))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    budget = 60 * 8 * (8 * 2304 + 4 * 512) / 2**30  # (test_hisparse_engine's 60 pages)
+    for policy in (
+        dict(scheduling_policy="priority"),
+        dict(SGLANG, schedule_low_priority_values_first=True),
+    ):
+        config = dict(ARGS, page_size=8, kv_budget_gib=budget, chunked_prefill_size=17)
+        hisparse = dict(enable_hisparse=True, hisparse_config={"host_to_device_ratio": 2})
+        with LLM(model, **config, **hisparse, **policy) as llm:
+            e = llm.engine
+            low = e.add_requests(low_prompt, dataclasses.replace(params, priority=30))[0]
+            e.step()
+            e.step()  # (34 of its 50 tokens: the next chunk leaves one token of budget)
+            high = e.add_requests(high_prompt, dataclasses.replace(params, priority=0))[0]
+            e.step()
+            assert high.finish_reason is None and e.counters()["retractions"] == 0
+            while e.has_unfinished():
+                e.step()
+            assert len(high.output_ids) == len(low.output_ids) == 8
+            e.check_integrity()
 
 
 def test_generate_takes_vllms_priority_list(tiny, alone):
@@ -151,18 +258,23 @@ def test_generate_takes_vllms_priority_list(tiny, alone):
 
 
 @pytest.mark.parametrize(
-    "flags, sign",
+    "flags, sign, threshold",
     [
-        ([], 0),
-        (["--scheduling-policy", "fcfs"], 0),
-        (["--scheduling-policy", "priority"], 1),
-        (["--enable-priority-scheduling"], -1),
-        (["--enable-priority-scheduling", "--schedule-low-priority-values-first"], 1),
+        ([], 0, None),
+        (["--scheduling-policy", "fcfs"], 0, None),
+        (["--scheduling-policy", "priority"], 1, None),
+        (["--enable-priority-scheduling"], -1, 10),
+        (["--enable-priority-scheduling", "--schedule-low-priority-values-first"], 1, 10),
+        (
+            ["--enable-priority-scheduling", "--priority-scheduling-preemption-threshold", "0"],
+            -1,
+            0,
+        ),
     ],
 )
-def test_vllm_and_sglang_flags(tiny, flags, sign):
-    args = build_parser().parse_args(["serve", tiny, *flags])
-    assert engine_config_from_args(args).priority_sign == sign
+def test_vllm_and_sglang_flags(tiny, flags, sign, threshold):
+    config = engine_config_from_args(build_parser().parse_args(["serve", tiny, *flags]))
+    assert (config.priority_sign, config.preemption_threshold) == (sign, threshold)
 
 
 @pytest.mark.parametrize(
@@ -175,6 +287,10 @@ def test_vllm_and_sglang_flags(tiny, flags, sign):
             ["--scheduling-policy", "priority", "--schedule-low-priority-values-first"],
             "needs --enable-priority-scheduling",
         ),
+        (
+            ["--scheduling-policy", "priority", "--priority-scheduling-preemption-threshold", "3"],
+            "needs --enable-priority-scheduling",
+        ),
     ],
 )
 def test_flags_that_disagree_exit_2(tiny, flags, message, capsys):
@@ -183,6 +299,10 @@ def test_flags_that_disagree_exit_2(tiny, flags, message, capsys):
     assert message in err and "\n" not in err
     with pytest.raises(DsakvError, match="fcfs or priority"):
         EngineConfig(model=tiny, scheduling_policy="lifo")
+    with pytest.raises(DsakvError, match="must be an integer >= 0"):  # (or equals preempt)
+        EngineConfig(
+            model=tiny, enable_priority_scheduling=True, priority_scheduling_preemption_threshold=-1
+        )
 
 
 # --- over HTTP ---------------------------------------------------------------------------------
@@ -190,9 +310,7 @@ def test_flags_that_disagree_exit_2(tiny, flags, message, capsys):
 
 @pytest.fixture(scope="module")
 def served(tiny):
-    config = EngineConfig(
-        model=tiny, **ARGS, num_pages=96, max_running_requests=2, scheduling_policy="priority"
-    )
+    config = EngineConfig(model=tiny, **ARGS, num_pages=96, max_running_requests=2, **SGLANG)
     with serving(config) as served:
         yield served
 
@@ -207,7 +325,7 @@ def _in_engine(async_engine) -> int:
 
 def test_a_high_priority_request_overtakes_a_flood(served):
     """Sent after eight requests already queued (two run at a time), it ends before most of
-    them: it takes a running one's place at once."""
+    them: it takes a running one's place at once (SGLang's priority preemption)."""
     base, async_engine = served
     flood, ended = 8, []
     lock = threading.Lock()
@@ -225,7 +343,7 @@ def test_a_high_priority_request_overtakes_a_flood(served):
         done = [pool.submit(complete, f"flood{i}", 0, i) for i in range(flood)]
         while _in_engine(async_engine) + len(ended) < flood:
             assert not any(f.done() and f.exception() for f in done)
-        done.append(pool.submit(complete, "high", -1, flood))
+        done.append(pool.submit(complete, "high", 20, flood))
         for f in done:
             f.result()
     assert ended.index("high") < flood // 2, ended

@@ -93,6 +93,10 @@ def _draft_layers(text: str) -> int:
     return _checked(text, int, lambda v: 0 <= v <= 64, "an integer in 0..64")
 
 
+def _nonnegative_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
 def _positive_int(text: str) -> int:
     return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
 
@@ -150,6 +154,16 @@ def _only(supported: Sequence[str], why: str) -> Callable[[str], str]:
     return check
 
 
+def _refused(why: str) -> Callable[[str], str]:
+    """argparse type for a vLLM / SGLang flag that asks, whatever its value, for what dsakv
+    does not do: one line saying why."""
+
+    def check(text: str) -> str:
+        raise argparse.ArgumentTypeError(why)
+
+    return check
+
+
 def _kv_cache_dtype(text: str) -> str:
     """argparse type: "auto" (vLLM's and SGLang's default) is dsakv's default, "fp8" e4m3
     (as SGLang maps it), "bfloat16" bf16."""
@@ -171,6 +185,10 @@ _DP = ("--dp-size", "--dp", "--data-parallel-size", "-dp")
 # flags, then they are dropped (never passed on: serve-pd passes what they checked).
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # (vLLM's)
 _FOLDED = (
+    "enforce_eager",
+    "enable_chunked_prefill",
+    "max_prefill_tokens",
+    "schedule_policy",
     "dp_size",
     "enable_expert_parallel",
     "speculative_eagle_topk",
@@ -602,6 +620,14 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     where the command's --seed is the requests' own (generate's)."""
     add_layout_args(p)
     g = p.add_argument_group("engine")
+    _add_aliased(
+        g,
+        ("--tokenizer", "--tokenizer-path"),
+        "the tokenizer's folder, where not the model's: its chat template and special tokens "
+        "too (vLLM's)",
+        dest="tokenizer",
+        metavar="DIR",
+    )
     g.add_argument("--kv-budget-gib", type=_positive_float, help="device KV pool size (default 1)")
     g.add_argument("--num-pages", type=_positive_int, help="device KV pool size in pages")
     g.add_argument(
@@ -616,8 +642,13 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         help="vLLM's: taken and refused (dsakv cannot hold the whole instance to a share of "
         "the GPU); give --mem-fraction-static",
     )
-    g.add_argument(
-        "--host-pool-gib", type=_nonnegative_float, help="host (CPU) KV tier size; 0 = off"
+    _add_aliased(  # (vLLM's --swap-space: the host memory a preempted request's KV goes to)
+        g,
+        ("--host-pool-gib", "--swap-space"),
+        "host (CPU) KV tier size per rank, for retracted requests and evicted prefix pages; "
+        "0 = off",
+        dest="host_pool_gib",
+        type=_nonnegative_float,
     )
     g.add_argument(
         "--chunked-prefill-size",
@@ -632,6 +663,12 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         type=_positive_int,
         help=argparse.SUPPRESS,
     )
+    # vLLM's switch for the above (on by default; off: every prompt whole) and SGLang's cap on
+    # a step's prefill tokens, which bounds dsakv's only without chunking (`_fold_foreign`)
+    g.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS
+    )
+    g.add_argument("--max-prefill-tokens", type=_positive_int, help=argparse.SUPPRESS)
     _add_aliased(
         g,
         ("--max-running-requests", "--max-num-seqs"),
@@ -639,22 +676,40 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         dest="max_running_requests",
         type=_positive_int,
     )
+    g.add_argument(  # SGLang's values dsakv runs: its fcfs, with or without priority, and lpm
+        "--schedule-policy",
+        type=_only(
+            ("fcfs", "lpm"),
+            "SGLang's priority order is --enable-priority-scheduling; dfs-weight, lof, random "
+            "and routing-key it does not run",
+        ),
+        help=argparse.SUPPRESS,
+    )
     g.add_argument(
         "--scheduling-policy",
-        choices=("fcfs", "priority"),
+        choices=("fcfs", "priority", "lpm"),
         help="which waiting request runs first: fcfs (default), or priority: the requests' "
-        "priority field, lower values first, then arrival; a request that cannot be admitted "
-        "retracts running ones of lower priority (vLLM's)",
+        "priority field, lower values first, then arrival; running ones of lower priority "
+        "keep no room from it and are retracted first (vLLM's); lpm: the most cached prompt "
+        "pages first (SGLang's --schedule-policy lpm, which takes fcfs too)",
     )
     g.add_argument(
         "--enable-priority-scheduling",
         action="store_true",
-        help="SGLang's spelling: priority scheduling, higher values first",
+        help="SGLang's priority scheduling: higher values first, and a waiting request "
+        "retracts running ones of lower priority to be admitted",
     )
     g.add_argument(
         "--schedule-low-priority-values-first",
         action="store_true",
         help="with --enable-priority-scheduling: lower values first (SGLang's)",
+    )
+    g.add_argument(
+        "--priority-scheduling-preemption-threshold",
+        type=_nonnegative_int,
+        metavar="N",
+        help="with --enable-priority-scheduling: a waiting request retracts running ones "
+        "whose priority is worse than its own by more than N (default 10; SGLang's)",
     )
     _add_aliased(
         g,
@@ -696,7 +751,17 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         "reference), cpu, triton, flashmla",
     )
     g.add_argument(
-        "--disable-cuda-graph", action="store_true", help="run CUDA decode steps eagerly"
+        "--disable-cuda-graph",
+        action="store_true",
+        help="run CUDA decode steps eagerly (vLLM's --enforce-eager too)",
+    )
+    g.add_argument("--enforce-eager", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        type=_positive_int,
+        metavar="N",
+        help="decode batches of up to N requests run as CUDA graphs, larger ones eagerly "
+        "(default 128; SGLang's)",
     )
     g.add_argument(
         "--enable-torch-compile",
@@ -780,6 +845,24 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         metavar="{auto,string}",
         help="vLLM's: a message's text parts reach the template joined (its string format)",
     )
+    for flag in ("--revision", "--tokenizer-revision"):  # (vLLM's; SGLang's --revision)
+        g.add_argument(
+            flag,
+            type=_refused(
+                "dsakv loads local folders only, not a version from the Hugging Face Hub: "
+                "download that revision (huggingface-cli download --revision) and give its folder"
+            ),
+            help=argparse.SUPPRESS,
+        )
+    g.add_argument(
+        "--max-seq-len-to-capture",
+        type=_refused(
+            "vLLM's (gone since vLLM 0.11): dsakv captures decode graphs for every context up "
+            "to --max-model-len; --cuda-graph-max-bs caps their batch, --disable-cuda-graph "
+            "turns them off"
+        ),
+        help=argparse.SUPPRESS,
+    )
     if serve:
         g.add_argument(
             "--disable-log-requests",
@@ -789,8 +872,22 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         g.add_argument(
             "--uvicorn-log-level",
             choices=UVICORN_LOG_LEVELS,
-            default="info",
-            help="vLLM's: the server's (uvicorn's) log level (default info)",
+            help="vLLM's: the server's (uvicorn's) log level (default --log-level's, else info)",
+        )
+        g.add_argument(
+            "--log-level",
+            choices=UVICORN_LOG_LEVELS,
+            help="SGLang's: every logger's level (dsakv's own default warning, -v info; "
+            "trace is debug), and uvicorn's unless --uvicorn-log-level",
+        )
+        g.add_argument(
+            "--disable-uvicorn-access-log",
+            action="store_true",
+            help="vLLM's: no log line per HTTP request",
+        )
+        g.add_argument("--max-log-len", type=int, metavar="N", help="vLLM's: dsakv logs no prompts")
+        g.add_argument(
+            "--enable-metrics", action="store_true", help="SGLang's: /metrics is always served"
         )
         g.add_argument(
             "--enable-auto-tool-choice",
@@ -868,9 +965,21 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
                 f"--tokenizer-mode deepseek_v32 is DeepSeek-V3.2's chat encoding; this model "
                 f"is {model_type}"
             )
-    if args.chunked_prefill_size == -1:  # a budget no prompt exceeds: every prompt whole
-        context = args.max_model_len or ModelConfig.from_hf(model_dir).max_position_embeddings
-        args.chunked_prefill_size = context
+    if args.enforce_eager:  # vLLM's: no CUDA graphs, nothing compiled
+        if args.enable_torch_compile:
+            raise DsakvError(
+                "--enforce-eager (vLLM's: no CUDA graphs, nothing compiled) and "
+                "--enable-torch-compile contradict: give one"
+            )
+        args.disable_cuda_graph, args.enforce_eager = True, False
+    if args.schedule_policy == "lpm":
+        if args.scheduling_policy not in (None, "lpm"):
+            raise DsakvError(
+                f"--schedule-policy lpm and --scheduling-policy {args.scheduling_policy}: give one"
+            )
+        args.scheduling_policy = "lpm"
+    args.schedule_policy = None
+    _fold_prefill_budget(args, model_dir)
     dotted = {
         "method": args.spec_method,
         "num_speculative_tokens": args.spec_num_speculative_tokens,
@@ -912,6 +1021,41 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
             f"(--speculative-num-steps) verifies {steps + 1} tokens: give {steps + 1} or "
             "leave it out"
         )
+
+
+def _fold_prefill_budget(args: argparse.Namespace, model_dir: str) -> None:
+    """SGLang's `--chunked-prefill-size -1`, vLLM's `--no-enable-chunked-prefill` and
+    SGLang's `--max-prefill-tokens` as dsakv's one per-step budget, which is the chunk size
+    too: without chunking it is the context length (every prompt whole), or SGLang's cap on
+    a step's prompt tokens where that is more; with chunking that cap cannot bind if it is
+    at least the chunk, and is refused below it (SGLang still chunks at the chunk size)."""
+    from dsakv.config import ModelConfig
+    from dsakv.engine import EngineConfig
+
+    size, cap = args.chunked_prefill_size, args.max_prefill_tokens
+    if args.enable_chunked_prefill is not None or size == -1 or cap is not None:
+        context = args.max_model_len or ModelConfig.from_hf(model_dir).max_position_embeddings
+    if args.enable_chunked_prefill is False:  # vLLM's: a prompt runs whole
+        if size not in (None, -1) and size < context:
+            raise DsakvError(
+                f"--no-enable-chunked-prefill with a budget of {size} prefill tokens a step "
+                f"(--max-num-batched-tokens / --chunked-prefill-size): a prompt of up to the "
+                f"context length, {context}, must fit one step (as vLLM requires): give at "
+                "least that, or leave it out"
+            )
+        size = -1 if size is None else size
+    elif args.enable_chunked_prefill and size == -1:
+        raise DsakvError("--enable-chunked-prefill and --chunked-prefill-size -1 contradict")
+    if size == -1:  # every prompt whole: a budget no prompt exceeds
+        size = max(context, cap or 0)
+    elif cap is not None and cap < (size or EngineConfig.chunked_prefill_size):
+        chunk = size or EngineConfig.chunked_prefill_size
+        raise DsakvError(
+            f"--max-prefill-tokens {cap} is below the {chunk}-token chunk: dsakv's one "
+            f"per-step prefill budget is the chunk size, so give --chunked-prefill-size {cap}"
+        )
+    args.chunked_prefill_size = size
+    args.enable_chunked_prefill = args.max_prefill_tokens = None
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -1023,9 +1167,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             bridge=bridge,
             listener=listener,
             chat_template=args.chat_template,
-            log_level=args.uvicorn_log_level,
+            log_level=_uvicorn_log_level(args),
+            access_log=not args.disable_uvicorn_access_log,
         )
     return 0
+
+
+def _uvicorn_log_level(args: argparse.Namespace) -> str:
+    """vLLM's --uvicorn-log-level, else SGLang's --log-level (its HTTP server's default)."""
+    return args.uvicorn_log_level or args.log_level or "info"
 
 
 def _chat_template(value: str) -> str:
@@ -1200,7 +1350,11 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
             flags += ["--served-model-name", *args.served_model_name]
         if args.api_key:
             flags += ["--api-key", args.api_key]
-        flags += ["--uvicorn-log-level", args.uvicorn_log_level]
+        flags += ["--uvicorn-log-level", _uvicorn_log_level(args)]
+        if args.log_level:
+            flags += ["--log-level", args.log_level]
+        if args.disable_uvicorn_access_log:
+            flags += ["--disable-uvicorn-access-log"]
         serve_pd(
             resolve_model_dir(args.model),
             flags,
@@ -1779,10 +1933,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             import torch  # noqa: F401
         args = build_parser().parse_args(argv)
         _fold_model_option(args)
-        logging.basicConfig(
-            level=logging.INFO if args.verbose else logging.WARNING,
-            format="%(levelname)s %(name)s: %(message)s",
-        )
+        logging.basicConfig(level=_log_level(args), format="%(levelname)s %(name)s: %(message)s")
         code = args.func(args) or 0
         sys.stdout.flush()  # (a reader gone shows here, not at exit)
         return code
@@ -1814,6 +1965,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: a rank failed: {e}".splitlines()[0], file=sys.stderr)
         return 1
+
+
+def _log_level(args: argparse.Namespace) -> int:
+    """-v's INFO, or SGLang's --log-level (`serve`; uvicorn's trace is debug here)."""
+    level = getattr(args, "log_level", None)
+    if level is None:
+        return logging.INFO if args.verbose else logging.WARNING
+    if args.verbose and level != "info":
+        raise DsakvError(f"-v (info) and --log-level {level} disagree: give one")
+    return logging.DEBUG if level == "trace" else getattr(logging, level.upper())
 
 
 def _stdout_gone() -> bool:

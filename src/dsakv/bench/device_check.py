@@ -1351,8 +1351,10 @@ def _feature_serve(ctx: Ctx, row, dense, sparse, new) -> None:
         row["figures"] = server.measure(dense + sparse, new)
         schema = {"type": "object", "required": ["ok"], "additionalProperties": False,
                   "properties": {"ok": {"type": "boolean"}}}  # fmt: skip
+        # (thinking off: the schema holds the answer, which a template's open <think> defers)
         body = {"model": SERVED_NAME, "max_tokens": 32, "temperature": 0.0,
                 "messages": [{"role": "user", "content": "Say ok."}],
+                "chat_template_kwargs": {"enable_thinking": False},
                 "response_format": {"type": "json_schema",
                                     "json_schema": {"name": "ok", "schema": schema}}}  # fmt: skip
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)

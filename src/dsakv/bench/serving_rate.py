@@ -22,6 +22,7 @@ how quiet the machine was.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import io
@@ -151,10 +152,11 @@ def serve_flags(config: Any, engine_args: dict[str, Any]) -> list[str]:
     from dsakv.cli import build_parser, engine_config_from_args
 
     flags: list[str] = []
+    switches = _switches()
     for name, value in engine_args.items():
-        if name in _SWITCHES:
-            wanted, flag = _SWITCHES[name]
-            flags += [flag] if bool(value) == wanted else []
+        if name in switches:  # (a value no switch gives is caught below, as not the same)
+            flag = switches[name].get(value) if isinstance(value, bool) else None
+            flags += [flag] if flag else []
         elif value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     err = io.StringIO()
@@ -171,16 +173,17 @@ def serve_flags(config: Any, engine_args: dict[str, Any]) -> list[str]:
     return flags
 
 
-# EngineConfig booleans whose CLI flag is a switch: (the value the switch sets, the switch).
-_SWITCHES = {
-    "elide_index_k": (False, "--no-elide-index-k"),
-    "enable_prefix_cache": (False, "--no-prefix-cache"),
-    "disable_cuda_graph": (True, "--disable-cuda-graph"),
-    "enable_torch_compile": (True, "--enable-torch-compile"),
-    "dp_attention": (True, "--dp-attention"),
-    "no_index_share": (True, "--no-index-share"),
-    "hicache_mooncake_start_master": (True, "--hicache-mooncake-start-master"),
-}
+def _switches() -> dict[str, dict[bool, str]]:
+    """`EngineConfig` fields set by a switch: field -> {the value it sets: the switch}, read
+    from the CLI's own definitions (a list kept here missed the switches added since)."""
+    from dsakv.cli import _OFF_FLAGS, _actions, add_engine_args, add_storage_args
+
+    out: dict[str, dict[bool, str]] = {}
+    for action in _actions(add_engine_args) + _actions(add_storage_args):
+        if action.nargs == 0 and action.help != argparse.SUPPRESS:
+            field, value = _OFF_FLAGS.get(action.dest, (action.dest, action.const))
+            out.setdefault(field, {})[value] = action.option_strings[0]
+    return out
 
 
 # --- workload ----------------------------------------------------------------------------------

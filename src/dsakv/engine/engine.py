@@ -97,6 +97,9 @@ class EngineConfig:
     """Engine arguments; the same names as `LLM(...)` keywords and `dsakv` CLI flags."""
 
     model: str
+    # The tokenizer's folder where it is not the model's (vLLM's --tokenizer): its chat
+    # template and special tokens come with it.
+    tokenizer: str | None = None
     kv_cache_dtype: str = DEFAULT_LATENT_DTYPE
     index_k_dtype: str = "fp8"
     elide_index_k: bool = True
@@ -112,10 +115,14 @@ class EngineConfig:
     max_running_requests: int = 256
     # Which waiting request runs first (`priority_sign`): vLLM's "fcfs", or "priority", by
     # the requests' `priority`, lower values first; or SGLang's switch, higher values first
-    # unless `schedule_low_priority_values_first`
+    # unless `schedule_low_priority_values_first`; or SGLang's "lpm", the longest cached
+    # prefix first (`SchedulerConfig.longest_prefix_first`)
     scheduling_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
+    # SGLang's: a waiting request retracts running ones whose priority is worse by more than
+    # this (`SchedulerConfig.preemption_threshold`); None: its default, 10
+    priority_scheduling_preemption_threshold: int | None = None
     max_model_len: int | None = None
     device: str = "auto"
     dtype: str = "auto"
@@ -123,6 +130,8 @@ class EngineConfig:
     # Which code runs the hot ops (`dsakv.kernels`), and CUDA-graph decode on CUDA.
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False
+    # Larger decode batches run eagerly (SGLang's --cuda-graph-max-bs; None: MAX_GRAPH_BATCH)
+    cuda_graph_max_bs: int | None = None
     # The cpu backend runs decode steps of up to 4 requests through torch.compile
     # (inductor's C++): off by default, for its warm-up of 10-45 s per process (cpu_ops).
     enable_torch_compile: bool = False
@@ -177,7 +186,7 @@ class EngineConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise DsakvError(f"{name} must be an integer >= 1, got {v!r}")
-        for name in ("num_pages", "max_model_len"):
+        for name in ("num_pages", "max_model_len", "cuda_graph_max_bs"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):
                 raise DsakvError(f"{name} must be an integer >= 1 or None, got {v!r}")
@@ -192,9 +201,15 @@ class EngineConfig:
             raise DsakvError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
             raise DsakvError(
-                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
+                "scheduling_policy must be fcfs or priority (vLLM's), or lpm (SGLang's), "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.enable_priority_scheduling and self.scheduling_policy == "lpm":
+            raise DsakvError(
+                "--schedule-policy lpm orders the waiting requests by cached prefix, "
+                "--enable-priority-scheduling by priority: give one"
             )
         if self.schedule_low_priority_values_first and not self.enable_priority_scheduling:
             raise DsakvError(
@@ -206,6 +221,19 @@ class EngineConfig:
                 "--enable-priority-scheduling (SGLang's: higher values first unless "
                 "--schedule-low-priority-values-first) both ask for priority scheduling: give one"
             )
+        threshold = self.priority_scheduling_preemption_threshold
+        if threshold is not None:
+            if not self.enable_priority_scheduling:
+                raise DsakvError(
+                    "--priority-scheduling-preemption-threshold needs --enable-priority-scheduling"
+                )
+            if not is_int(threshold) or threshold < 0:  # (below 0 equals preempt each other)
+                raise DsakvError(
+                    "priority_scheduling_preemption_threshold must be an integer >= 0, got "
+                    f"{threshold!r}"
+                )
+        if self.tokenizer is not None:
+            check_tokenizer_dir(self.tokenizer)
         if self.generation_config not in ("auto", "vllm"):
             raise DsakvError(
                 f"generation_config must be auto or vllm, got {self.generation_config!r}"
@@ -354,6 +382,15 @@ class EngineConfig:
         return -1 if self.enable_priority_scheduling else 0
 
     @property
+    def preemption_threshold(self) -> int | None:
+        """`SchedulerConfig.preemption_threshold`: SGLang's (10 unless given) under its
+        priority scheduling, else None."""
+        if not self.enable_priority_scheduling:
+            return None
+        threshold = self.priority_scheduling_preemption_threshold
+        return 10 if threshold is None else threshold
+
+    @property
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(
             self.tp, self.ep, self.dp_attention, self.nnodes, self.node_rank, self.dist_init_addr
@@ -488,7 +525,7 @@ class Engine:
             config.elide_index_k,
         )
         # Before the weights: a broken tokenizer fails in a second, not after the load.
-        self.tokenizer = _load_tokenizer(config.model)
+        self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
         # Found here, not on the first text prompt: it decodes every vocab entry (0.35-0.8 s
         # for a 150k vocabulary), which on the step loop would stall every running request.
         self.chars_per_token = chars_per_token(self.tokenizer)
@@ -577,6 +614,8 @@ class Engine:
                 self._rank_max_running(),
                 config.enable_prefix_cache,
                 priority_sign=config.priority_sign,
+                preemption_threshold=config.preemption_threshold,
+                longest_prefix_first=config.scheduling_policy == "lpm",
             ),
             self.allocator,
             self.cache,
@@ -779,7 +818,9 @@ class Engine:
             self.model,
             self.pool,
             self.device,
-            max_batch=min(self.config.max_running_requests, MAX_GRAPH_BATCH),
+            max_batch=min(
+                self.config.max_running_requests, self.config.cuda_graph_max_bs or MAX_GRAPH_BATCH
+            ),
             max_len=self.max_model_len,
             use_graphs=not self.config.disable_cuda_graph,
         )
@@ -2184,9 +2225,27 @@ def _find_stop(
     return min(hits) if hits else None
 
 
+def _has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
+
+
+def check_tokenizer_dir(where: str) -> None:
+    """A `tokenizer` folder holds one: vLLM would take a Hub name here and download it."""
+    path = Path(where)
+    if not path.is_dir():
+        raise DsakvError(
+            f"--tokenizer {where} is not a directory (dsakv loads local tokenizers only, "
+            "no Hub names: download it and give its folder)"
+        )
+    if not _has_tokenizer(path):
+        raise DsakvError(
+            f"--tokenizer {where} holds no tokenizer (tokenizer.json or tokenizer_config.json)"
+        )
+
+
 def _load_tokenizer(model: str):
     path = Path(model)
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+    if not _has_tokenizer(path):
         return None
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoTokenizer

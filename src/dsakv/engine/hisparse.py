@@ -180,14 +180,20 @@ class HotBuffers:
         return -(-max(prompt_len + 1, self.size + 1) // self.page_size) <= self.allocator.num_pages
 
     def can_admit(
-        self, req: Request, detached: bool = False, behind: Iterable[Request] = ()
+        self, req: Request, detached: bool = False, behind: Iterable[Request] = (), freed: int = 0
     ) -> bool:
         """Whether the device latent pool holds this request's prompt (and, later, buffer);
         `detached`: its prompt's latent arrives in host memory (PD), only the buffer. The
-        pages `behind` (retracted requests that come back first) need stay theirs."""
+        pages `behind` (retracted requests that come back first) need stay theirs; `freed`
+        more would be free (requests that would be retracted: `held_pages`)."""
         need = self.buffer_pages if detached else self._pages_for(req)
         owed = sum(self._pages_for(r) for r in behind if self.fits(len(r.prompt_ids)))
-        return need + owed <= self.allocator.num_free_pages
+        return need + owed <= self.allocator.num_free_pages + freed
+
+    def held_pages(self, req: Request) -> int:
+        """The device latent pages `req` holds."""
+        hot = self._reqs.get(req.rid)
+        return 0 if hot is None else len(hot.pages)
 
     def admit(self, req: Request, hit_slots: torch.Tensor) -> None:
         """Take the request's latent pages; bring the latent of its prefix hit (the logical

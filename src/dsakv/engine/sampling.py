@@ -92,8 +92,9 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     # vLLM's and SGLang's request priority, run by the scheduler's priority policy only
     # (`SchedulerConfig.priority_sign`); here so that it travels with the request (through
-    # DP attention's ranks and to a PD decode server), as `cache_salt` does
-    priority: int = 0
+    # DP attention's ranks and to a PD decode server), as `cache_salt` does. None: not
+    # given (vLLM's 0; SGLang's after every other, `Scheduler._priority`)
+    priority: int | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -227,7 +228,10 @@ class SamplingParams:
                 or (is_int(self.thinking_token_budget) and self.thinking_token_budget >= 0),
                 "thinking_token_budget must be an integer >= 0, or -1 (unlimited)",
             ),
-            (is_int(self.priority), f"priority must be an integer, got {self.priority!r}"),
+            (
+                self.priority is None or is_int(self.priority),
+                f"priority must be an integer, got {self.priority!r}",
+            ),
             (
                 self.prompt_logprobs is None
                 or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),

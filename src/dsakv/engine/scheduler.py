@@ -5,13 +5,17 @@ waiting requests under the prefill token budget. Pages are reserved before a req
 runs; when they run out mid-decode the newest requests are retracted, to the host tier
 when it has room (their KV comes back bit-exact), else to be recomputed later. Under
 priority scheduling the waiting queue is ordered by priority and the lowest-priority
-requests are retracted first, also to let in a waiting request of higher priority.
+requests are retracted first, under SGLang's also to let in a waiting request of higher
+priority; under SGLang's lpm it is ordered by how much of each prompt the prefix cache
+holds.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
+import sys
+from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +39,24 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.002
     # Which waiting request goes first: 0, the first to come (FCFS); 1, the lowest
     # `params.priority` (vLLM's --scheduling-policy priority); -1, the highest (SGLang's
-    # --enable-priority-scheduling); ties by arrival. Under 1 or -1 a waiting request that
-    # cannot be admitted retracts running ones of lower priority (`_preempt_for`).
+    # --enable-priority-scheduling); ties by arrival. A running request short of pages
+    # retracts the lowest-priority one (`_victim`).
     priority_sign: int = 0
+    # How a waiting request gets past running ones of lower priority. None, vLLM's: they
+    # keep no headroom from it (vLLM admits a request once its own pages are free), and are
+    # retracted when they cannot grow; a request without a priority has 0. An int, SGLang's
+    # --priority-scheduling-preemption-threshold: it retracts those whose priority is worse
+    # than its own by more than this, if that lets it in (`_preempt_for`); a request without
+    # a priority goes after every other.
+    preemption_threshold: int | None = None
+    # SGLang's lpm: the waiting requests with the most prompt pages cached go first
+    # (`_longest_prefix_first`).
+    longest_prefix_first: bool = False
+
+
+# Past this many waiting requests lpm is first come first served (as SGLang's): it matches
+# every waiting prompt against the cache each step.
+LPM_MAX_WAITING = 128
 
 
 @dataclass
@@ -83,7 +102,15 @@ class Scheduler:
     def _rank(self, req: Request) -> tuple[int, int]:
         """Its place under priority scheduling, the lowest first: priority, then arrival
         (rids are numbered as requests come)."""
-        return self.config.priority_sign * req.params.priority, req.rid
+        return self._priority(req), req.rid
+
+    def _priority(self, req: Request) -> int:
+        """Its priority, the lowest value first (`priority_sign` applied); one not given is
+        vLLM's 0, or under SGLang's priority scheduling after every other (SGLang's)."""
+        p = req.params.priority
+        if p is None:
+            return 0 if self.config.preemption_threshold is None else sys.maxsize
+        return self.config.priority_sign * p
 
     def _enqueue(self, req: Request, retracted: bool = False) -> None:
         """Queue `req` by its rank under priority scheduling; else last, or first when
@@ -160,32 +187,78 @@ class Scheduler:
         return True
 
     def _victim(self) -> Request:
-        """The running request to retract first: the newest, or under priority scheduling
-        the lowest priority (the newest of those, vLLM's), that can come back: under
-        HiSparse one whose prompt the device latent pool cannot hold (a PD decode
-        server's) is cut short if retracted, so it goes only when no other can."""
+        """The running request to retract first (`_retract_order`)."""
+        return self._retract_order()[0]
+
+    def _retract_order(self) -> list[Request]:
+        """Running requests, the first to retract first: the newest, or under priority
+        scheduling the lowest priority (the newest of those, vLLM's). Under HiSparse one
+        whose prompt the device latent pool cannot hold (a PD decode server's) is cut short
+        if retracted, so it goes only when no other can."""
         if self.config.priority_sign:
             order = sorted(self.running, key=self._rank, reverse=True)
         else:
             order = self.running[::-1]
         if self.hot is not None:
-            for req in order:
-                if self.hot.fits(len(req.prompt_ids)):
-                    return req
-        return order[0]
+            order.sort(key=lambda r: not self.hot.fits(len(r.prompt_ids)))  # (stable)
+        return order
 
-    def _preempt_for(self, req: Request, batch: list[tuple[Request, int]]) -> bool:
-        """Make room for waiting `req`, which cannot be admitted: under priority scheduling
-        retract the running request `_victim` picks if its priority is lower (vLLM's and
-        SGLang's preemption), and drop it from this step's `batch`; False if none is."""
-        if not self.config.priority_sign or not self.running:
+    def _preemptible(self, req: Request) -> list[Request]:
+        """The running requests waiting `req` may retract to be admitted, the first to go
+        first: under SGLang's priority scheduling those whose priority is worse than its own
+        by more than `preemption_threshold` and that can come back (none under vLLM's)."""
+        if self.config.preemption_threshold is None or not self.config.priority_sign:
+            return []
+        mine = self._priority(req)
+        return [
+            r
+            for r in self._retract_order()
+            if self._priority(r) - mine > self.config.preemption_threshold
+            and (self.hot is None or self.hot.fits(len(r.prompt_ids)))
+        ]
+
+    def _preempt_for(self, req: Request, pages: int) -> list[Request]:
+        """Retract the fewest of the running requests `req` may preempt (`_preemptible`) that
+        let it in with `pages` pages (`_fits`), or none when all of them would not (SGLang's
+        preempt_to_schedule: a retraction that does not let it in only costs a recompute).
+        Returns the retracted."""
+        victims = self._preemptible(req)
+        if not victims or not self._fits(req, pages, victims):
+            return []
+        k = next(k for k in range(1, len(victims) + 1) if self._fits(req, pages, victims[:k]))
+        for victim in victims[:k]:
+            self.retract(victim)
+        return victims[:k]
+
+    def _fits(self, req: Request, pages: int, without: Sequence[Request] = ()) -> bool:
+        """Whether waiting `req` can be admitted with `pages` pages: a running slot, the pages
+        beyond the headroom running requests keep (`_future_pages`), and under HiSparse its
+        device latent; as if the running requests `without` were retracted. Under vLLM's
+        priority scheduling those of lower priority than `req` keep none from it."""
+        gone = {r.rid for r in without}
+        kept = [r for r in self.running if r.rid not in gone]
+        if len(kept) >= self.config.max_running_requests:
             return False
-        victim = self._victim()
-        if self._rank(victim)[0] <= self._rank(req)[0]:
+        vllm = self.config.priority_sign and self.config.preemption_threshold is None
+        mine = self._priority(req)
+        headroom = sum(
+            self._future_pages(r, len(r.pages))
+            for r in kept
+            if not (vllm and self._priority(r) > mine)
+        )
+        if pages + headroom > self.available_pages() + self._freed(without):
             return False
-        self.retract(victim)
-        batch[:] = [(r, n) for r, n in batch if r is not victim]
-        return True
+        if self.hot is None:
+            return True
+        return self.hot.can_admit(req, freed=sum(self.hot.held_pages(r) for r in without))
+
+    def _freed(self, reqs: Sequence[Request]) -> int:
+        """Pages retracting running `reqs` gives back (`available_pages` counts them): their
+        own, and the cached ones no other request locks."""
+        locks = Counter(id(n) for r in reqs for n in r.prefix_nodes)
+        nodes = {id(n): n for r in reqs for n in r.prefix_nodes}
+        cached = sum(1 for k, n in nodes.items() if n.page is not None and n.lock_ref == locks[k])
+        return cached + sum(len(r.pages) - r.num_cached_pages for r in reqs)
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request's pages; its full pages join the cache."""
@@ -356,11 +429,12 @@ class Scheduler:
         return -(-tokens // self.config.page_size)
 
     def _admit(self, batch: list[tuple[Request, int]], budget: int) -> None:
+        if self.config.longest_prefix_first:
+            self._longest_prefix_first()
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if len(self.running) >= self.config.max_running_requests:
-                if self._preempt_for(req, batch):
-                    continue
+            full = len(self.running) >= self.config.max_running_requests
+            if full and not self._preemptible(req):
                 return
             if self.l3 is not None:
                 start = self.l3.starts_at(req.rid)
@@ -373,15 +447,37 @@ class Scheduler:
                 n = self._admit_from_host(req, budget)
             else:
                 n = self._admit_fresh(req, budget)
-            if n == 0:
-                if self._preempt_for(req, batch):
-                    continue
+            if n < 0 and self._preempt_for(req, -n):
+                # (a retracted prefill chunk gives its budget back)
+                budget += sum(k for r, k in batch if r.status is not Status.RUNNING and k > 1)
+                batch[:] = [(r, k) for r, k in batch if r.status is Status.RUNNING]
+                continue
+            if n <= 0:
                 return
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
             batch.append((req, n))
             budget -= n
+
+    def _longest_prefix_first(self) -> None:
+        """Order the waiting queue by cached prompt pages, most first, ties in queue order:
+        a request whose prefix the cache holds runs before its pages are evicted, and costs
+        the step least (SGLang's lpm). A request retracted to the host tier holds all of its
+        KV there."""
+        if not self.config.enable_prefix_cache or not 1 < len(self.waiting) <= LPM_MAX_WAITING:
+            return
+        ps = self.config.page_size
+
+        def cached(req: Request) -> int:
+            if req.host_slots is not None:
+                return req.host_slots.numel() // ps
+            hit = self._hit_pages(req, req.seq_len)
+            return len(self.cache.match(req.all_ids, hit, req.cache_root))
+
+        order = sorted(self.waiting, key=lambda r: -cached(r))
+        self.waiting.clear()
+        self.waiting.extend(order)
 
     def _future_pages(self, req: Request, held: int) -> int:
         """Pages `req` is expected to need beyond the `held` it has: the rest of its known
@@ -404,6 +500,8 @@ class Scheduler:
         return (end - 1) // self.config.page_size
 
     def _admit_fresh(self, req: Request, budget: int) -> int:
+        """Admit `req` with its prefix-cache and L3 hits: the tokens it runs this step, 0 when
+        it cannot start now, or -k when the k pages it needs are not there (`_fits`)."""
         nodes: list = []
         # at most what the step computes in one go (HiSparse: a hit's latent goes on the device)
         end = req.seq_len if self.hot is None else self.hot.prefill_end(req)
@@ -418,10 +516,8 @@ class Scheduler:
             return 0
         own = max(self._pages_for(hit + n), self._future_pages(req, 0)) - len(nodes)
         host_nodes = sum(1 for x in nodes if x.page is None)
-        if own + host_nodes + self._headroom() > self.available_pages():
-            return 0
-        if self.hot is not None and not self.hot.can_admit(req):
-            return 0  # the device latent slots (HiSparse) are the other limit
+        if not self._fits(req, own + host_nodes):
+            return -(own + host_nodes)
         self.cache.lock(nodes)
         try:
             self.cache.promote(nodes)
@@ -451,14 +547,14 @@ class Scheduler:
         return n
 
     def _admit_from_host(self, req: Request, budget: int) -> int:
-        """Resume a request retracted to the host tier: load its KV back, then continue.
-        (Never under HiSparse, whose host memory holds the latent, not retracted requests:
+        """Resume a request retracted to the host tier: load its KV back, then continue (the
+        tokens it runs, as `_admit_fresh`'s). (Never under HiSparse, whose host memory holds the latent, not retracted requests:
         `_step_tokens` is the plain chunking here, never 0.)"""
         hit = req.host_slots.numel()
         n = self._step_tokens(req, hit, budget)
         own = max(self._pages_for(hit + n), self._future_pages(req, 0))
-        if own + self._headroom() > self.available_pages():
-            return 0
+        if not self._fits(req, own):
+            return -own
         if not self.reserve(req, hit + n):
             return 0
         self.host.load(req.host_slots, self.slots(req, hit))

@@ -923,7 +923,7 @@ class Handlers:
         e = self.engine.engine
         return {
             "model_path": e.weights_path,  # (as SGLang's, the last update's)
-            "tokenizer_path": e.config.model if e.tokenizer is not None else None,
+            "tokenizer_path": None if e.tokenizer is None else e.config.tokenizer or e.config.model,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
@@ -942,7 +942,7 @@ class Handlers:
         pages = counters["pages_total"] if counters else None
         return {
             "model_path": c.model,
-            "tokenizer_path": c.model if e.tokenizer is not None else None,
+            "tokenizer_path": None if e.tokenizer is None else c.tokenizer or c.model,
             "served_model_name": self.model_name,
             "version": __version__,
             "context_length": e.max_model_len,
@@ -1085,7 +1085,7 @@ class Handlers:
                 bad_words=tuple(body.bad_words or ()),
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 cache_salt=request_salt(body.cache_salt, body.extra_key),
-                priority=body.priority or 0,
+                priority=body.priority,
                 thinking_token_budget=body.thinking_token_budget,
                 prompt_logprobs=(
                     body.prompt_logprobs

@@ -512,7 +512,7 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
                 params = [await _params(api, samplings[0], asks[0])] * len(prompts)
             params = [
                 dataclasses.replace(
-                    p, cache_salt=p.cache_salt if s is None else s, priority=body.priority or 0
+                    p, cache_salt=p.cache_salt if s is None else s, priority=body.priority
                 )
                 for p, s in zip(params, salts)
             ]

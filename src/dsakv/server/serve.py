@@ -47,6 +47,7 @@ def make_server(
     api_key: str | None = None,
     served_model_name: str | Sequence[str] | None = None,
     log_level: str = "info",
+    access_log: bool = True,
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = "auto",
     bridge: Bridge | None = None,
@@ -58,7 +59,8 @@ def make_server(
     `parsers.REASONING_PARSERS`. `bridge`: what the app talks to (default: a plain
     `AsyncEngine`). `listener`: the sockets to serve, taken earlier (else uvicorn binds
     `host:port` when it starts). `chat_template`: replaces the tokenizer's
-    (`load_chat_template`). `served_model_name`: one name or several (`model_names`)."""
+    (`load_chat_template`). `served_model_name`: one name or several (`model_names`).
+    `log_level` and `access_log` (a line per request) are uvicorn's."""
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
     names, aliases = model_names(config.model, served_model_name)
     # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
@@ -79,7 +81,14 @@ def make_server(
     )
     app = build_app(async_engine, names, api_key=api_key, chat_parsers=parsers, aliases=aliases)
     async_engine.attach(app)
-    uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uv = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=5,
+    )
     sockets = listener.sockets if listener is not None else None
     return AppServer(uv, async_engine, sockets), async_engine
 
@@ -96,10 +105,11 @@ def run_server(
     listener: Listener | None = None,
     chat_template: str | None = None,
     log_level: str = "info",
+    access_log: bool = True,
 ) -> None:
     """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`). The
     port is taken before the engine loads (`listener`, else `Listener(host, port)` now);
-    `log_level` is uvicorn's."""
+    `log_level` and `access_log` are uvicorn's."""
     listener = listener or Listener(host, port)
     try:
         server, async_engine = make_server(
@@ -114,6 +124,7 @@ def run_server(
             listener=listener,
             chat_template=chat_template,
             log_level=log_level,
+            access_log=access_log,
         )
     except BaseException:
         listener.close()
