@@ -936,6 +936,37 @@ def test_a_tokenizer_from_another_folder_encodes_and_templates(tiny_dir, tmp_pat
     assert '"POST /tokenize' not in log and '"GET /health' not in log, log
 
 
+def test_a_tokenizer_past_the_models_vocabulary(tiny_dir, tmp_path, capsys):
+    """A tokenizer with an EOS added past the model's vocabulary: as --tokenizer it is
+    refused at the start, on one line; as the model's own, that EOS is no stop token the
+    model could sample and a bad word of it is the request's error (banned, each failed
+    the step mid-request with an IndexError)."""
+    import shutil
+
+    from dsakv import LLM, SamplingParams
+    from dsakv.errors import DsakvError
+    from dsakv.models.tiny import write_tokenizer
+
+    big = tmp_path / "tokenizer"
+    write_tokenizer(big)
+    tok = AutoTokenizer.from_pretrained(str(big))
+    tok.add_special_tokens({"eos_token": "<|end_of_text|>"})  # (id 264: the vocabulary's end)
+    tok.save_pretrained(str(big))
+    argv = ["generate", str(tiny_dir), "--prompt", "x", "--device", "cpu", "--tokenizer", str(big)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has 265 tokens, more than the model's vocabulary of 264" in err[0]
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    tok.save_pretrained(str(model))
+    with LLM(str(model), device="cpu", num_pages=8) as llm:
+        params = SamplingParams(max_tokens=4, min_tokens=3, temperature=0)
+        assert len(llm.generate("abc", params, use_tqdm=False)[0].token_ids) >= 3
+        with pytest.raises(DsakvError, match="bad_words has tokens outside the vocabulary"):
+            llm.generate("abc", SamplingParams(bad_words=["<|end_of_text|>"]), use_tqdm=False)
+        assert not llm.engine.has_unfinished()
+
+
 def test_sglangs_log_level_sets_the_loggers_and_uvicorns(tiny_dir, monkeypatch, capsys):
     """SGLang's --log-level was "unrecognized arguments": it sets every logger's level (-v's
     is info; another with -v is one error line) and uvicorn's unless vLLM's
@@ -965,6 +996,9 @@ def test_sglangs_log_level_sets_the_loggers_and_uvicorns(tiny_dir, monkeypatch, 
     passed = " ".join(started[0][1])
     want = "--uvicorn-log-level warning --log-level warning --disable-uvicorn-access-log"
     assert passed.endswith(want), passed
+    assert main(["-v", "serve-pd", str(tiny_dir), "--port", str(free_port())]) == 0
+    passed = " ".join(started[1][1])  # (-v reached neither server)
+    assert passed.endswith("--uvicorn-log-level info --log-level info"), passed
 
 
 def test_cuda_graph_max_bs_caps_the_padded_decode_batches(tiny_dir):
@@ -1018,6 +1052,10 @@ def test_lpm_admits_the_request_with_a_cached_prefix_first(tiny_dir):
     "engine_args, flags",
     [
         ({"enable_hisparse": True}, ["--enable-hisparse"]),
+        (  # (a dict, as --engine-arg parses JSON: Python's repr was no flag value)
+            {"enable_hisparse": True, "hisparse_config": {"host_to_device_ratio": 2}},
+            ["--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 2}'],
+        ),
         (
             {"enable_priority_scheduling": True, "schedule_low_priority_values_first": True},
             ["--enable-priority-scheduling", "--schedule-low-priority-values-first"],
@@ -1039,3 +1077,22 @@ def test_bench_serving_takes_every_switch_as_an_engine_arg(tiny_dir, engine_args
 
     config = EngineConfig.from_kwargs(str(tiny_dir), **engine_args)
     assert serve_flags(config, engine_args) == flags
+
+
+def test_bench_serving_hands_a_json_engine_arg_to_serve_as_json(tiny_dir):
+    """`bench --serving --engine-arg hisparse_config={...}` failed: the object went to
+    `dsakv serve` as Python's repr, and serve's config (that text) was then compared with
+    the object. Its JSON goes now, and serve's config is the one asked for."""
+    from dataclasses import replace
+
+    from dsakv.bench.serving_rate import serve_flags
+    from dsakv.cli import _engine_arg, build_parser, engine_config_from_args
+    from dsakv.engine import EngineConfig
+
+    given = ["enable_hisparse=true", 'hisparse_config={"top_k": 4, "host_to_device_ratio": 3}']
+    engine_args = dict(_engine_arg(text) for text in given)  # (as `bench` parses them)
+    config = EngineConfig.from_kwargs(str(tiny_dir), **engine_args)
+    flags = serve_flags(config, engine_args)
+    served = engine_config_from_args(build_parser().parse_args(["serve", str(tiny_dir), *flags]))
+    assert json.loads(served.hisparse_config) == engine_args["hisparse_config"]
+    assert replace(served, hisparse_config=config.hisparse_config) == config

@@ -684,6 +684,7 @@ def small_llm(tiny):
         dict(enable_hisparse="yes"),
         dict(enable_deterministic_inference="x"),
         dict(enable_prefix_cache=0),
+        dict(tokenizer=7),  # (a TypeError from Path)
     ],
 )
 def test_engine_args_of_the_wrong_type_or_range(tiny, kw):

@@ -170,6 +170,29 @@ def test_sglangs_priority_retracts_only_what_lets_the_request_in(tiny, alone):
         e.check_integrity()
 
 
+def test_sglangs_priority_counts_no_room_in_the_pages_a_shared_prefix_pins(tiny):
+    """The high one's prompt starts with the low one's three cached pages. Retracting the
+    low one frees those for the high one to lock, no room for its own two: counted as room,
+    the low one was retracted and the high one still did not fit (a recompute for nothing).
+    It waits for the top one instead."""
+    shared, other = _prompts(1, 48, seed=3)[0], _prompts(1, 100, seed=4)[0]
+    with LLM(tiny, **ARGS, num_pages=11, **SGLANG) as llm:
+        e = llm.engine
+        top = e.add_requests(other, dataclasses.replace(GREEDY, max_tokens=8, priority=100))[0]
+        low = e.add_requests([*shared, 1], dataclasses.replace(GREEDY, max_tokens=8, priority=0))[0]
+        while not (top.output_ids and low.output_ids):
+            e.step()
+        assert low.num_cached_pages == 3 and e.allocator.num_free_pages == 0
+        high = dataclasses.replace(GREEDY, max_tokens=8, priority=20)
+        h = e.add_requests([*shared, *[2] * 20], high)[0]
+        e.step()
+        assert low in e.scheduler.running and h in e.scheduler.waiting
+        while e.has_unfinished():
+            e.step()
+        assert e.counters()["retractions"] == 0 and len(h.output_ids) == 8
+        e.check_integrity()
+
+
 def test_vllms_priority_retracts_lower_ones_only_when_they_cannot_grow(tiny, alone):
     """vLLM's: a waiting request retracts nothing to be admitted, but running ones of lower
     priority keep no room for their growth from it, so it is admitted once its own pages
@@ -303,6 +326,65 @@ def test_flags_that_disagree_exit_2(tiny, flags, message, capsys):
         EngineConfig(
             model=tiny, enable_priority_scheduling=True, priority_scheduling_preemption_threshold=-1
         )
+
+
+def _pages_owned_once(e) -> None:
+    """Every device page is free, a prefix-cache node's (a stale one's while a request locks
+    it) or one running request's own: exactly one of them; a waiting request holds none."""
+    sch = e.scheduler
+    owners = list(e.allocator._free) + [n.page for n in e.cache._nodes() if n.page is not None]
+    held = [*sch.running, *sch.parked.values()]
+    owners += [p for r in held for p in r.pages[r.num_cached_pages :]]
+    stale = {id(n): n.page for r in held for n in r.prefix_nodes if n.stale and n.page is not None}
+    owners += stale.values()
+    assert sorted(owners) == list(range(e.allocator.num_pages))
+    assert not any(r.pages for r in sch.waiting)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        dict(SGLANG, priority_scheduling_preemption_threshold=0, host_pool_gib=0.02),
+        dict(scheduling_policy="priority", speculative_algorithm="mtp", max_running_requests=3),
+        dict(scheduling_policy="lpm", host_pool_gib=0.02),
+    ],
+    ids=["sglang-host", "vllm-mtp", "lpm-host"],
+)
+def test_random_workloads_leave_every_page_owned_once(tiny, policy):
+    """Arrivals with shared prefixes, random priorities (none given too), n > 1, chunked
+    prompts, aborts and steps in a pool that retracts often: after each, every page has one
+    owner; at the end every request ran to its max_tokens or was aborted, and the pool is
+    as it started (free or evictable)."""
+    prio = "lpm" not in policy.values()
+    for seed in range(3):
+        rng = random.Random(seed)
+        prefixes = [_prompts(1, 16 * k, seed=10 + k)[0] for k in (1, 2, 3)] + [[]]
+        with LLM(tiny, **ARGS, num_pages=14, chunked_prefill_size=24, **policy) as llm:
+            e, reqs = llm.engine, []
+            for _ in range(40):
+                action = rng.choice(["add", "add", "step", "step", "step", "abort"])
+                if action == "add":
+                    prompt = rng.choice(prefixes) + _prompts(1, rng.randint(1, 40), seed)[0]
+                    params = SamplingParams(
+                        max_tokens=rng.randint(1, 30),
+                        temperature=rng.choice([0, 1.0]),
+                        ignore_eos=True,
+                        n=rng.choice([1, 1, 2, 3]),
+                        priority=rng.choice([None, -20, 0, 3, 15, 40]) if prio else None,
+                    )
+                    reqs += e.add_requests(prompt, params)
+                elif action == "step":
+                    e.step()
+                elif reqs:
+                    e.abort(rng.choice(reqs).rid)
+                _pages_owned_once(e)
+            while e.has_unfinished():
+                e.step()
+                _pages_owned_once(e)
+            e.check_integrity()
+            assert e.allocator.num_free_pages + e.cache.num_evictable_pages == 14
+            for r in reqs:
+                assert r.finish_reason == "abort" or len(r.output_ids) == r.params.max_tokens
 
 
 # --- over HTTP ---------------------------------------------------------------------------------

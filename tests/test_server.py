@@ -834,6 +834,10 @@ def test_several_served_model_names(served, tmp_path, monkeypatch):
     assert names == ["first", "org/second"] and aliases == []
     with pytest.raises(DsakvError, match="must not be empty"):
         model_names(str(rel), ["first", ""])
+    # a tiny preset's cache answers to the preset's name too (`dsakv serve glm-tiny`)
+    (tmp_path / "m" / ".complete").write_text('{"preset": "glm-tiny", "seed": 0}')
+    assert model_names(str(rel)) == (["m"], [*paths, "glm-tiny"])
+    assert model_names(str(rel), "first") == (["first"], [])
 
     app = build_app(served[1], names, aliases=aliases)
     server = uvicorn.Server(
@@ -1096,16 +1100,61 @@ def test_scrapes_do_not_wait_out_a_long_step(base, served):
         assert info["max_total_num_tokens"] == 64 * 16
 
 
-def test_server_info_reports_the_data_parallel_size(base, model_dir):
+@pytest.fixture(scope="module")
+def dp_served(model_dir):
+    """(base_url, AsyncEngine) of a `--tp 2 --dp-attention` server (its peer rank on gloo)."""
+    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS, tp=2, dp_attention=True)
+    with serving(config) as served:
+        yield served
+
+
+def test_server_info_reports_the_data_parallel_size(base, dp_served):
     """/server_info said dp_size 1 under DP attention, where each of the --tp ranks schedules
     its own requests: now SGLang's dp_size (what sglang-router's dp-aware mode reads), 1
     without it."""
     info = httpx.get(f"{base}/server_info", timeout=TIMEOUT).json()
     assert (info["tp_size"], info["dp_size"], info["enable_dp_attention"]) == (1, 1, False)
-    config = EngineConfig(model=str(model_dir), **ENGINE_ARGS, tp=2, dp_attention=True)
-    with serving(config) as (dp_base, _):
-        info = httpx.get(f"{dp_base}/server_info", timeout=TIMEOUT).json()
+    info = httpx.get(f"{dp_served[0]}/server_info", timeout=TIMEOUT).json()
     assert (info["tp_size"], info["dp_size"], info["enable_dp_attention"]) == (2, 2, True)
+
+
+def test_get_load_answers_each_dp_rank(dp_served):
+    """/get_load answered one entry under DP attention, every rank's sum, where SGLang answers
+    one per DP rank: now each rank's. A request routed to a peer waits for the next step to
+    be sent there; it counts as waiting on that rank meanwhile (it counted nowhere)."""
+    base, async_engine = dp_served
+    two = {"prompt": "busy", "max_tokens": 600, "ignore_eos": True, "stream": True, "n": 2}
+    with (
+        engine_stops_stepping_at(async_engine, tokens=4),
+        httpx.stream("POST", f"{base}/v1/completions", json=two, timeout=TIMEOUT) as r,
+    ):
+        lines, seen = r.iter_lines(), set()
+        while seen != {0, 1}:  # (the choices go to a rank each, in the same step)
+            line = next(lines)
+            if line.startswith("data: {"):
+                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+        load = httpx.get(f"{base}/get_load", timeout=TIMEOUT).json()
+    assert [x["dp_rank"] for x in load] == [0, 1], load
+    assert all((x["num_reqs"], x["num_waiting_reqs"]) == (1, 0) for x in load), load
+    assert load[0]["num_tokens"] == load[1]["num_tokens"] > 0
+    _wait_idle(base)
+
+    def routed(e) -> tuple[float, list[float]]:
+        """Two requests added with no step after: one on rank 0, one queued for rank 1."""
+        params = SamplingParams(max_tokens=1)
+        reqs = [e.add_request([t] * 20, params) for t in (1, 2)]
+        try:
+            return e.counters()["waiting_requests"], [
+                c["waiting_requests"] for c in e.rank_snapshot
+            ]
+        finally:
+            for req in reqs:
+                e.abort(req.rid)
+
+    total, ranks = asyncio.run(asyncio.wait_for(async_engine.call(routed), TIMEOUT))
+    assert (total, ranks) == (2, [1, 1])
+    _wait_idle(base)
+    _check_integrity(async_engine)
 
 
 def test_an_internal_error_without_a_message_names_its_type(served):

@@ -1351,8 +1351,9 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
         if args.api_key:
             flags += ["--api-key", args.api_key]
         flags += ["--uvicorn-log-level", _uvicorn_log_level(args)]
-        if args.log_level:
-            flags += ["--log-level", args.log_level]
+        level = args.log_level or ("info" if args.verbose else None)  # (-v's too: theirs)
+        if level:
+            flags += ["--log-level", level]
         if args.disable_uvicorn_access_log:
             flags += ["--disable-uvicorn-access-log"]
         serve_pd(

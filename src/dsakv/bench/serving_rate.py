@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +153,16 @@ def serve_flags(config: Any, engine_args: dict[str, Any]) -> list[str]:
 
     flags: list[str] = []
     switches = _switches()
+    # A JSON object or list (--engine-arg parses JSON) goes as its JSON, not Python's repr;
+    # `dsakv serve` keeps that text, so the config it gets is compared with the text too
+    texts = {k: json.dumps(v) for k, v in engine_args.items() if isinstance(v, (dict, list))}
+    config = replace(config, **texts)
     for name, value in engine_args.items():
         if name in switches:  # (a value no switch gives is caught below, as not the same)
             flag = switches[name].get(value) if isinstance(value, bool) else None
             flags += [flag] if flag else []
         elif value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
+            flags += [f"--{name.replace('_', '-')}", texts.get(name, str(value))]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

@@ -134,9 +134,11 @@ class _Reporter:
                 self.sent.pop(req.rid, None)
             updates.append(up)
         e = self.engine
-        waiting = sum(r.seq_len for r in e.scheduler.waiting)
-        waiting += sum(len(ids) for _, ids, _, _ in self.pending.values())
-        return RankReport(e.scheduler.available_pages(), waiting, e.counters(), updates)
+        counters = e.counters()  # (a request whose grammar compiles waits here, not queued)
+        counters["waiting_requests"] += len(self.pending)
+        counters["waiting_tokens"] += sum(len(ids) for _, ids, _, _ in self.pending.values())
+        waiting = int(counters["waiting_tokens"])
+        return RankReport(e.scheduler.available_pages(), waiting, counters, updates)
 
 
 def serve_dp_peer(engine: Engine) -> None:
@@ -175,6 +177,9 @@ class DPEngine:
         self._reports: list[RankReport] = [first] * world
         self._assigned_tokens = [0] * world  # sent since the ranks last reported
         self.peak_running = 0
+        # Each rank's counters as `counters` last read them (on the engine thread), replaced
+        # whole: /get_load reads them after a read, as /metrics reads the sum
+        self.rank_snapshot: list[dict[str, float]] = [r.counters for r in self._reports]
 
     def __getattr__(self, name: str) -> Any:
         # tokenizer, model_config, config, max_model_len, eos_token_ids, encode, ...
@@ -325,20 +330,32 @@ class DPEngine:
     # --- introspection -------------------------------------------------------------------------
 
     def counters(self) -> dict[str, float]:
-        """Every rank's counters summed (rank 0's as they stand, the others' as of the last
-        step: an abort here frees its request with no step after it); per-token sizes as
-        they are, and the steps and their time rank 0's: the ranks step together, so the
-        server's steps are each rank's (summed, they read the rank count times too many)."""
-        mine = self.local.counters()
+        """Every rank's counters (`rank_counters`) summed; per-token sizes as they are, and
+        the steps and their time rank 0's: the ranks step together, so the server's steps
+        are each rank's (summed, they read the rank count times too many)."""
+        ranks = self.rank_counters()
+        self.rank_snapshot = ranks
+        mine = ranks[0]
         total: dict[str, float] = dict(mine)
-        for r in self._reports[1:]:
-            for k, v in r.counters.items():
+        for c in ranks[1:]:
+            for k, v in c.items():
                 total[k] = total.get(k, 0) + v
         for k in ("bytes_per_token", "index_k_bytes_per_token_saved", "steps", "step_time_s"):
             total[k] = mine[k]
         total["peak_running_requests"] = self.peak_running
         total["dp_ranks"] = self.parallel.world_size
         return total
+
+    def rank_counters(self) -> list[dict[str, float]]:
+        """Each rank's counters: rank 0's as they stand, the others' as of the last step (an
+        abort here frees its request with no step after it), with the requests routed to
+        them since and not yet sent counted as waiting there."""
+        ranks = [self.local.counters()] + [dict(r.counters) for r in self._reports[1:]]
+        for rank, rid, ids, _ in self._adds:
+            if rid in self._remote:  # (not aborted meanwhile)
+                ranks[rank]["waiting_requests"] += 1
+                ranks[rank]["waiting_tokens"] += len(ids)
+        return ranks
 
     def check_integrity(self) -> None:
         self.local.check_integrity()

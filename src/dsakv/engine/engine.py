@@ -526,6 +526,12 @@ class Engine:
         )
         # Before the weights: a broken tokenizer fails in a second, not after the load.
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
+        if config.tokenizer is not None and len(self.tokenizer) > model_config.vocab_size:
+            raise DsakvError(
+                f"--tokenizer {config.tokenizer} has {len(self.tokenizer)} tokens, more than "
+                f"the model's vocabulary of {model_config.vocab_size}: its ids past "
+                f"{model_config.vocab_size - 1} could not run (another model's tokenizer?)"
+            )
         # Found here, not on the first text prompt: it decodes every vocab entry (0.35-0.8 s
         # for a 150k vocabulary), which on the step loop would stall every running request.
         self.chars_per_token = chars_per_token(self.tokenizer)
@@ -831,10 +837,12 @@ class Engine:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's and its tokenizer's, where the model can sample it (a tokenizer's
+        added EOS past the vocabulary failed each `min_tokens` step that banned it)."""
         ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
+        return tuple(sorted(t for t in ids if t < self.model_config.vocab_size))
 
     def encode(self, prompt: str, special: bool = True) -> list[int]:
         """`prompt`'s tokens, with the special tokens its tokenizer adds to a text (a BOS,
@@ -971,6 +979,11 @@ class Engine:
             raise DsakvError(
                 f"bad_words cannot be tokenized: {_one_line(e)}", "bad_words"
             ) from None
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for ids in bad for t in ids):  # (vLLM's refusal; the ban failed a step)
+            raise DsakvError(
+                f"bad_words has tokens outside the vocabulary (0..{vocab - 1})", "bad_words"
+            )
         if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= {
             ids[0] for ids in bad if len(ids) == 1
         }:
@@ -2231,6 +2244,8 @@ def _has_tokenizer(path: Path) -> bool:
 
 def check_tokenizer_dir(where: str) -> None:
     """A `tokenizer` folder holds one: vLLM would take a Hub name here and download it."""
+    if not isinstance(where, (str, os.PathLike)) or not str(where):  # ("" is the cwd)
+        raise DsakvError(f"--tokenizer must be a directory path, got {where!r}")
     path = Path(where)
     if not path.is_dir():
         raise DsakvError(

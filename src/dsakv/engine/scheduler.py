@@ -22,7 +22,7 @@ from typing import Any
 from dsakv.memory.allocator import OutOfPages, PageAllocator, ReqToTokenTable, page_slots
 from dsakv.memory.host import HostPool
 
-from .prefix_cache import PrefixCache
+from .prefix_cache import Node, PrefixCache
 from .request import Request, Status
 
 
@@ -57,6 +57,9 @@ class SchedulerConfig:
 # Past this many waiting requests lpm is first come first served (as SGLang's): it matches
 # every waiting prompt against the cache each step.
 LPM_MAX_WAITING = 128
+# What an admission returns when it retracted running requests to let the request in: it is
+# tried again (`Scheduler._admit`).
+_RETRY = -1
 
 
 @dataclass
@@ -217,24 +220,26 @@ class Scheduler:
             and (self.hot is None or self.hot.fits(len(r.prompt_ids)))
         ]
 
-    def _preempt_for(self, req: Request, pages: int) -> list[Request]:
+    def _preempt_for(self, req: Request, pages: int, hit: Sequence[Node] = ()) -> bool:
         """Retract the fewest of the running requests `req` may preempt (`_preemptible`) that
-        let it in with `pages` pages (`_fits`), or none when all of them would not (SGLang's
-        preempt_to_schedule: a retraction that does not let it in only costs a recompute).
-        Returns the retracted."""
+        let it in (`_fits`), or none when all of them would not (SGLang's preempt_to_schedule:
+        a retraction that does not let it in only costs a recompute); whether any went."""
         victims = self._preemptible(req)
-        if not victims or not self._fits(req, pages, victims):
-            return []
-        k = next(k for k in range(1, len(victims) + 1) if self._fits(req, pages, victims[:k]))
+        if not victims or not self._fits(req, pages, victims, hit):
+            return False
+        k = next(k for k in range(1, len(victims) + 1) if self._fits(req, pages, victims[:k], hit))
         for victim in victims[:k]:
             self.retract(victim)
-        return victims[:k]
+        return True
 
-    def _fits(self, req: Request, pages: int, without: Sequence[Request] = ()) -> bool:
-        """Whether waiting `req` can be admitted with `pages` pages: a running slot, the pages
-        beyond the headroom running requests keep (`_future_pages`), and under HiSparse its
-        device latent; as if the running requests `without` were retracted. Under vLLM's
-        priority scheduling those of lower priority than `req` keep none from it."""
+    def _fits(
+        self, req: Request, pages: int, without: Sequence[Request] = (), hit: Sequence[Node] = ()
+    ) -> bool:
+        """Whether waiting `req` can be admitted with `pages` pages beside the cached `hit` it
+        locks: a running slot, the pages beyond the headroom running requests keep
+        (`_future_pages`), and under HiSparse its device latent; as if the running requests
+        `without` were retracted. Under vLLM's priority scheduling those of lower priority
+        than `req` keep none from it."""
         gone = {r.rid for r in without}
         kept = [r for r in self.running if r.rid not in gone]
         if len(kept) >= self.config.max_running_requests:
@@ -246,19 +251,26 @@ class Scheduler:
             for r in kept
             if not (vllm and self._priority(r) > mine)
         )
-        if pages + headroom > self.available_pages() + self._freed(without):
+        if pages + headroom > self._room(without, hit):
             return False
         if self.hot is None:
             return True
         return self.hot.can_admit(req, freed=sum(self.hot.held_pages(r) for r in without))
 
-    def _freed(self, reqs: Sequence[Request]) -> int:
-        """Pages retracting running `reqs` gives back (`available_pages` counts them): their
-        own, and the cached ones no other request locks."""
-        locks = Counter(id(n) for r in reqs for n in r.prefix_nodes)
-        nodes = {id(n): n for r in reqs for n in r.prefix_nodes}
-        cached = sum(1 for k, n in nodes.items() if n.page is not None and n.lock_ref == locks[k])
-        return cached + sum(len(r.pages) - r.num_cached_pages for r in reqs)
+    def _room(self, without: Sequence[Request], hit: Sequence[Node]) -> int:
+        """`available_pages` once the running requests `without` are retracted (their own
+        pages, and the cached ones no other request locks), less those of `hit`: the request
+        admitted locks them, no room for its own pages (counted as room, a retraction for it
+        could let nothing in)."""
+        locks = Counter(id(n) for r in without for n in r.prefix_nodes)
+        nodes = {id(n): n for r in without for n in r.prefix_nodes}
+
+        def unlocked(n: Node) -> bool:  # (on the device, evictable or freed once they go)
+            return n.page is not None and n.lock_ref == locks[id(n)]
+
+        own = sum(len(r.pages) - r.num_cached_pages for r in without)
+        freed = sum(map(unlocked, nodes.values())) - sum(map(unlocked, hit))
+        return self.available_pages() + own + freed
 
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request's pages; its full pages join the cache."""
@@ -447,12 +459,11 @@ class Scheduler:
                 n = self._admit_from_host(req, budget)
             else:
                 n = self._admit_fresh(req, budget)
-            if n < 0 and self._preempt_for(req, -n):
-                # (a retracted prefill chunk gives its budget back)
+            if n == _RETRY:  # (a retracted prefill chunk gives its budget back)
                 budget += sum(k for r, k in batch if r.status is not Status.RUNNING and k > 1)
                 batch[:] = [(r, k) for r, k in batch if r.status is Status.RUNNING]
                 continue
-            if n <= 0:
+            if n == 0:
                 return
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -501,7 +512,8 @@ class Scheduler:
 
     def _admit_fresh(self, req: Request, budget: int) -> int:
         """Admit `req` with its prefix-cache and L3 hits: the tokens it runs this step, 0 when
-        it cannot start now, or -k when the k pages it needs are not there (`_fits`)."""
+        it cannot start now, or `_RETRY` when running requests were retracted to let it in
+        (`_preempt_for`; a retraction to the host tier may drop host pages it matched)."""
         nodes: list = []
         # at most what the step computes in one go (HiSparse: a hit's latent goes on the device)
         end = req.seq_len if self.hot is None else self.hot.prefill_end(req)
@@ -515,9 +527,9 @@ class Scheduler:
         if n == 0:
             return 0
         own = max(self._pages_for(hit + n), self._future_pages(req, 0)) - len(nodes)
-        host_nodes = sum(1 for x in nodes if x.page is None)
-        if not self._fits(req, own + host_nodes):
-            return -(own + host_nodes)
+        pages = own + sum(1 for x in nodes if x.page is None)
+        if not self._fits(req, pages, hit=nodes):
+            return _RETRY if self._preempt_for(req, pages, nodes) else 0
         self.cache.lock(nodes)
         try:
             self.cache.promote(nodes)
@@ -547,14 +559,14 @@ class Scheduler:
         return n
 
     def _admit_from_host(self, req: Request, budget: int) -> int:
-        """Resume a request retracted to the host tier: load its KV back, then continue (the
-        tokens it runs, as `_admit_fresh`'s). (Never under HiSparse, whose host memory holds the latent, not retracted requests:
-        `_step_tokens` is the plain chunking here, never 0.)"""
+        """Resume a request retracted to the host tier: load its KV back, then continue (what
+        `_admit_fresh` returns). (Never under HiSparse, whose host memory holds the latent,
+        not retracted requests: `_step_tokens` is the plain chunking here, never 0.)"""
         hit = req.host_slots.numel()
         n = self._step_tokens(req, hit, budget)
         own = max(self._pages_for(hit + n), self._future_pages(req, 0))
         if not self._fits(req, own):
-            return -own
+            return _RETRY if self._preempt_for(req, own) else 0
         if not self.reserve(req, hit + n):
             return 0
         self.host.load(req.host_slots, self.slots(req, hit))

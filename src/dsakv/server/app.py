@@ -173,21 +173,13 @@ def build_app(
 
     @app.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:
-        """SGLang's: the load on each DP rank (this engine's, as one)."""
-        c = await async_engine.counters() or {}
-        running, waiting = int(c.get("running_requests", 0)), int(c.get("waiting_requests", 0))
-        # SGLang's: the tokens requests hold (not the prefix cache's evictable pages), and
-        # those the waiting ones will
-        held = int(c.get("pages_used", 0)) - int(c.get("pages_evictable", 0))
-        tokens = held * async_engine.engine.config.page_size + int(c.get("waiting_tokens", 0))
-        return [
-            {
-                "dp_rank": 0,
-                "num_reqs": running + waiting,
-                "num_waiting_reqs": waiting,
-                "num_tokens": tokens,
-            }
-        ]
+        """SGLang's: the load on each DP rank (`--dp-attention`'s, as the read that
+        `counters` asked for left them: `DPEngine.rank_snapshot`; else this engine's, as
+        rank 0's)."""
+        total = await async_engine.counters() or {}
+        ranks = getattr(async_engine.engine, "rank_snapshot", None) or [total]
+        page_size = async_engine.engine.config.page_size
+        return [_rank_load(rank, c, page_size) for rank, c in enumerate(ranks)]
 
     @app.get("/load")
     async def load() -> dict[str, int]:  # (vLLM's: the generation requests in flight)
@@ -1499,6 +1491,19 @@ def _cancelling() -> bool:
     me = asyncio.current_task()
     cancelling = getattr(me, "cancelling", None)
     return bool(cancelling and cancelling())
+
+
+def _rank_load(rank: int, c: dict[str, float], page_size: int) -> dict[str, int]:
+    """SGLang's /get_load entry for one rank's counters: `num_tokens` the tokens requests
+    hold (not the prefix cache's evictable pages) and those the waiting ones will."""
+    running, waiting = int(c.get("running_requests", 0)), int(c.get("waiting_requests", 0))
+    held = int(c.get("pages_used", 0)) - int(c.get("pages_evictable", 0))
+    return {
+        "dp_rank": rank,
+        "num_reqs": running + waiting,
+        "num_waiting_reqs": waiting,
+        "num_tokens": held * page_size + int(c.get("waiting_tokens", 0)),
+    }
 
 
 def _validated(model: type[BaseModel], body: dict[str, Any]) -> Any:

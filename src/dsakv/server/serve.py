@@ -6,6 +6,7 @@ once "serving" had been printed. "serving" is printed once uvicorn serves the so
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from collections.abc import Sequence
@@ -31,13 +32,24 @@ def model_names(
     a model served from the directory `model`: the served names (vLLM's
     `--served-model-name` takes several) and no other, as vLLM's; without them the
     directory's name, and the path as given and resolved (vLLM's and SGLang's default
-    name, which scripts written for them send)."""
+    name, which scripts written for them send), and a tiny preset's cache its preset's name
+    too (`dsakv serve glm-tiny` is asked for model "glm-tiny")."""
     names = ([served] if served else []) if isinstance(served, str) else list(served or ())
     if not all(names):
         raise DsakvError("a served model name must not be empty")
     if names:
         return names, []
-    return [Path(model).name or str(model)], [str(model), str(Path(model).resolve())]
+    aliases = [str(model), str(Path(model).resolve())]
+    return [Path(model).name or str(model)], aliases + _preset_of(Path(model))
+
+
+def _preset_of(model: Path) -> list[str]:
+    """The tiny preset whose cache `model` is (`tiny.default_model_dir`'s note), if any."""
+    try:
+        preset = json.loads((model / ".complete").read_text()).get("preset")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [preset] if isinstance(preset, str) and preset else []
 
 
 def make_server(
