@@ -1048,8 +1048,7 @@ def _fold_prefill_budget(args: argparse.Namespace, model_dir: str) -> None:
         raise DsakvError("--enable-chunked-prefill and --chunked-prefill-size -1 contradict")
     if size == -1:  # every prompt whole: a budget no prompt exceeds
         size = max(context, cap or 0)
-    elif cap is not None and cap < (size or EngineConfig.chunked_prefill_size):
-        chunk = size or EngineConfig.chunked_prefill_size
+    elif cap is not None and cap < (chunk := size or EngineConfig.chunked_prefill_size):
         raise DsakvError(
             f"--max-prefill-tokens {cap} is below the {chunk}-token chunk: dsakv's one "
             f"per-step prefill budget is the chunk size, so give --chunked-prefill-size {cap}"

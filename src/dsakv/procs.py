@@ -1,7 +1,7 @@
 """Child processes and local ports: the few helpers every layer that starts a process or
 listens needs (the Mooncake master, engine ranks, `dsakv serve-pd`'s servers, bench's
-server, uvicorn serving a `Listener`'s sockets). They sit at the bottom, beside `errors`, so each of those layers uses this one
-copy instead of its own."""
+server, uvicorn serving a `Listener`'s sockets). They sit at the bottom, beside `errors`,
+so each of those layers uses this one copy instead of its own."""
 
 from __future__ import annotations
 
@@ -203,13 +203,13 @@ class AppServer(uvicorn.Server):
             log.info("%s", self.banner)
             print(self.banner, flush=True)
 
-    async def shutdown(self, sockets=None) -> None:
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.async_engine is not None:
             self.async_engine.abort_all()
         await super().shutdown(sockets)
 
 
-def serve_app(app, listener: Listener, banner: str, log_level: str = "warning") -> None:
+def serve_app(app: Any, listener: Listener, banner: str, log_level: str = "warning") -> None:
     """Serve an ASGI `app` on `listener`'s sockets until interrupted, printing `banner`
     once it serves (the router: here, below the engine, so that it loads no torch)."""
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)

@@ -278,14 +278,10 @@ class Router:
         known = self._responses.get(rid)
         if known is not None:
             self._responses.move_to_end(rid)
-        try:
-            raw = await request.body()
-        except ClientDisconnect:
-            return Response(status_code=499)
-        headers = _auth(request)
-        if raw:
-            headers["content-type"] = request.headers.get("content-type", "application/json")
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        got = await _as_sent(request)
+        if isinstance(got, Response):
+            return got
+        raw, headers, path = got
         answers: list[tuple[httpx.Response, bytes]] = []
         errors = []
         for url in [known] if known is not None else self.decode:
@@ -483,14 +479,10 @@ class Router:
         """`request` as it is (method, path, query, body, key) to the first decode server
         that answers it without a 5xx (one loading or restarting: the next): a call every
         server answers alike, as they serve one model (/v1/models, /tokenize, ...: `_ONE`)."""
-        try:
-            raw = await request.body()
-        except ClientDisconnect:
-            return Response(status_code=499)
-        headers = _auth(request)
-        if raw:
-            headers["content-type"] = request.headers.get("content-type", "application/json")
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        got = await _as_sent(request)
+        if isinstance(got, Response):
+            return got
+        raw, headers, path = got
         errors = []
         for url in self.decode:
             try:
@@ -726,6 +718,19 @@ async def _json_body(request: Request) -> tuple[bytes, dict[str, Any]] | Respons
     if not isinstance(body, dict):
         return _error(400, "request body must be a JSON object", "invalid_request_error")
     return raw, body
+
+
+async def _as_sent(request: Request) -> tuple[bytes, dict[str, str], str] | Response:
+    """`request` as a server is to get it: its body, its key (and the body's type), its path
+    with its query; the 499 when the client left before its body was whole."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        return Response(status_code=499)
+    headers = _auth(request)
+    if raw:
+        headers["content-type"] = request.headers.get("content-type", "application/json")
+    return raw, headers, request.url.path + (f"?{request.url.query}" if request.url.query else "")
 
 
 def _auth(request: Request) -> dict[str, str]:

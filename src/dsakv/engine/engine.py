@@ -1560,8 +1560,9 @@ class Engine:
     def release_memory_here(self, tags: tuple[str, ...], discard: bool) -> str | None:
         """This rank's part of `release_memory_occupation`, between steps, in two rounds
         whose outcomes every rank hears: (1) each checks it holds no request's KV; (2) each
-        drops its prefix cache and copies the weights to the host; only if every rank could
-        does each free its memory. None, or what refused it (alike on every rank)."""
+        readies what `tags` name (the prefix cache dropped; the buffers, and the parameters
+        unless `discard`, copied to the host); only if every rank could does each free its
+        memory. None, or what refused it (alike on every rank)."""
         gather = self.parallel.all_gather_objects
         s = self.scheduler
         whys = gather(_HOLDING if s.running or s.held or s.parked else None)

@@ -173,9 +173,9 @@ def build_app(
 
     @app.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:
-        """SGLang's: the load on each DP rank (`--dp-attention`'s, as the read that
-        `counters` asked for left them: `DPEngine.rank_snapshot`; else this engine's, as
-        rank 0's)."""
+        """SGLang's: the load on each DP rank: under `--dp-attention` each rank's counters
+        as the `counters` call just read them (`DPEngine.rank_snapshot`), else this
+        engine's, as rank 0's."""
         total = await async_engine.counters() or {}
         ranks = getattr(async_engine.engine, "rank_snapshot", None) or [total]
         page_size = async_engine.engine.config.page_size

@@ -789,7 +789,7 @@ def _finish_reason(r: _Result) -> dict[str, Any] | None:
 def _logprobs(r: _Result, ask: _LogprobAsk) -> dict[str, Any]:
     """SGLang's `[logprob, token id, text or null]` triples: the output's, and the prompt's
     from `logprob_start_len` (its first one null, as SGLang's; none from a prefill server),
-    with the top ones if asked."""
+    with the top ones and those of `token_ids_logprob` if asked."""
     first = r.first
     prompt = (first.prompt_token_ids if first else None) or []
     scores = (first.prompt_logprobs if first else None) or []
@@ -810,8 +810,8 @@ def _logprobs(r: _Result, ask: _LogprobAsk) -> dict[str, Any]:
     if ask.token_ids is not None:  # (as the top ones: [logprob, id, text] per asked id)
         ids = list(ask.token_ids)
         by_id = (first.prompt_token_ids_logprobs if first else None) or []
-        top_inputs = [*first_top, *(_triples(_lps(by_id[p]), ids, text) for p in span)]
-        out["input_token_ids_logprobs"] = top_inputs if ask.prompt else []
+        id_inputs = [*first_top, *(_triples(_lps(by_id[p]), ids, text) for p in span)]
+        out["input_token_ids_logprobs"] = id_inputs if ask.prompt else []
         out["output_token_ids_logprobs"] = [
             _triples(_lps(x), ids, text) for x in r.token_ids_logprobs
         ]
