@@ -1576,7 +1576,7 @@ class Engine:
                 self.cache.reset()  # (first: L3 gets each page's last copy, `leaving`)
                 if self.l3 is not None and not self.l3.drain():
                     raise DsakvError("L3 storage did not take the cached pages in time")
-                stashes["kv_cache"] = [Stash(self._pool_tensors(), keep=False)]
+                stashes["kv_cache"] = [Stash(self.pool.buffers(), keep=False)]
             if "weights" in new:
                 params = Stash(self.model.parameters(), keep=not discard)
                 stashes["weights"] = [params, Stash(self.model.buffers(), keep=True)]
@@ -1628,12 +1628,6 @@ class Engine:
         if self.parallel.is_driver and back:
             log.info("resumed %s", ", ".join(back))
         return None
-
-    def _pool_tensors(self) -> list[torch.Tensor]:
-        """The KV pool's buffers as stored: every layer's latent, index-K where it has one."""
-        pool, layout = self.pool, self.pool.layout
-        latent = [pool.latent_data(i) for i in range(layout.num_layers)]
-        return latent + [pool.index_k_data(i) for i in layout.index_k_layers]
 
     def _forget_addresses(self) -> None:
         """Drop what holds the weights' or the pool's addresses, which release moves: the

@@ -416,6 +416,11 @@ class DSAKVPool:
 
     # --- internals ---------------------------------------------------------------------------
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every real buffer (latent per layer, index-K only where the layout has it), as
+        stored: what sleep mode frees (`Engine.release_memory_occupation`)."""
+        return [b.data for _, _, b in self._buffers()]
+
     def _buffers(self):
         """(layer, component, buffer) for every real buffer, in a fixed order."""
         for layer, buf in enumerate(self._latent):
