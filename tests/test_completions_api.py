@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from dsakv.engine import LLM, EngineConfig, SamplingParams
+from dsakv.engine import LLM, EngineConfig, RepetitionDetectionParams, SamplingParams
 from dsakv.errors import ConfigError, DsakvError
 from dsakv.models import ForwardBatch
 from dsakv.models.loader import load_model
@@ -602,7 +602,11 @@ _BAD = [
     ("/v1/completions", {"prompt": "x", "logprob_token_ids": [1]}, "logprob_token_ids"),
     ("/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt"),
     ("/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
-    ("/v1/completions", {"prompt": "x", "repetition_detection": {}}, "repetition_detection"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "repetition_detection": {"max_pattern_size": 2, "min_count": 1}},
+        "repetition_detection",
+    ),
     ("/v1/completions", {"prompt": "x", "thinking_token_budget": -2}, "thinking_token_budget"),
     ("/v1/completions", {"prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
     # SGLang's fields that change what is run, refused as /generate refuses them
@@ -622,7 +626,7 @@ _BAD = [
         "reasoning_effort",
     ),
     ("/v1/completions", {"prompt": "x", "truncation_side": "middle"}, "truncation_side"),
-    ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 11}, "n"),  # (its width)
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "bad_words": [""]}, "bad_words"),
@@ -973,6 +977,80 @@ def test_stop_reason_is_the_stop_string_streamed_or_not(base, reference):
             chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
         last = [c["choices"][0] for c in chunks if c["choices"]][-1]
         assert (last["finish_reason"], last["stop_reason"]) == ("stop", "aaa")
+
+
+def _repeats_naively(ids: list[int], longest: int, shortest: int, count: int) -> bool:
+    """vLLM's repetition test, as it reads: the last n * count tokens are the last n, count
+    times over, for an n in shortest..longest."""
+    return any(
+        n * count <= len(ids) and ids[len(ids) - n * count :] == ids[len(ids) - n :] * count
+        for n in range(max(shortest, 1), longest + 1)
+    )
+
+
+def test_repetition_detection_is_vllms_test_of_the_tail():
+    """`RepetitionDetectionParams.repeats` (its tail scan) agrees with the test as vLLM
+    states it, on every prefix of random short-alphabet outputs; bad sizes are refused."""
+    gen = torch.Generator().manual_seed(0)
+    for case in range(300):
+        ids = torch.randint(0, 1 + case % 3, (40,), generator=gen).tolist()
+        longest, shortest, count = 1 + case % 7, case % 4 % (1 + case % 7), 2 + case % 3
+        rep = RepetitionDetectionParams(longest, shortest, count)
+        for end in range(len(ids) + 1):
+            got = rep.repeats(ids[:end])
+            assert got == _repeats_naively(ids[:end], longest, shortest, count), (ids[:end], rep)
+    for bad in (dict(max_pattern_size=2, min_count=1), dict(max_pattern_size=-1),
+                dict(max_pattern_size=2, min_pattern_size=3, min_count=2)):  # fmt: skip
+        with pytest.raises(DsakvError) as e:
+            SamplingParams(repetition_detection=bad)
+        assert e.value.param == "repetition_detection"
+    assert SamplingParams(repetition_detection={}).repetition_detection is None  # (off)
+
+
+def test_repetition_detection_ends_a_looping_output_as_vllms(base, reference):
+    """vLLM's `repetition_detection`: an output whose tail is one pattern `min_count` times
+    over ends there with finish_reason "repetition" and stop_reason "repetition_detected"
+    (streamed too), not before min_tokens; max_pattern_size 0 is off; offline, where a
+    free greedy run first repeats so."""
+    (a,) = reference.tokenizer.encode("a", add_special_tokens=False)
+    user = [{"role": "user", "content": TEXTS[1]}]
+    rep = {"max_pattern_size": 2, "min_count": 3}
+    for key, value in [("prompt", TEXTS[1]), ("messages", user)]:
+        route = "completions" if key == "prompt" else "chat/completions"
+        body = {key: value, "max_tokens": 8, "temperature": 0, "logit_bias": {str(a): 100},
+                "return_token_ids": True}  # fmt: skip
+        for extra, n, why in [
+            ({"repetition_detection": rep}, 3, ("repetition", "repetition_detected")),
+            ({"repetition_detection": rep, "min_tokens": 5}, 5, ("repetition", "repetition_detected")),
+            ({"repetition_detection": {"max_pattern_size": 0}}, 8, ("length", None)),
+        ]:  # fmt: skip
+            r = httpx.post(f"{base}/v1/{route}", json={**body, **extra}, timeout=TIMEOUT)
+            choice = r.json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == why, (route, extra)
+            assert choice["token_ids"] == [a] * n, (route, extra)
+        with httpx.stream("POST", f"{base}/v1/{route}", timeout=TIMEOUT,
+                          json={**body, "repetition_detection": rep, "stream": True}) as s:  # fmt: skip
+            chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        last = [c["choices"][0] for c in chunks if c["choices"]][-1]
+        assert (last["finish_reason"], last["stop_reason"]) == ("repetition", "repetition_detected")
+    for bad in ({"max_pattern_size": 2, "min_count": 1}, {"max_pattern_size": "2"}):
+        r = httpx.post(f"{base}/v1/completions", timeout=TIMEOUT,
+                       json={"prompt": "x", "repetition_detection": bad})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_detection"
+
+    prompts = [reference.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+    free = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    sizes = RepetitionDetectionParams(max_pattern_size=6, min_pattern_size=2, min_count=2)
+    watched = replace(free, repetition_detection=sizes)
+    cuts = []
+    for plain, cut in zip(reference.generate(prompts, free), reference.generate(prompts, watched)):
+        ids = plain.token_ids
+        ends = [n for n in range(1, 49) if _repeats_naively(ids[:n], 6, 2, 2)]
+        cuts.append(ends[0] if ends else None)
+        assert cut.token_ids == (ids[: ends[0]] if ends else ids)
+        assert cut.finish_reason == ("repetition" if ends else "length")
+        assert cut.outputs[0].stop_reason == ("repetition_detected" if ends else None)
+    assert any(cuts), cuts  # (the model does loop: one output at least was cut)
 
 
 def test_penalties_and_logit_bias_through_the_openai_client(client, reference):

@@ -403,7 +403,7 @@ def test_a_client_gone_before_its_body_is_whole_is_quiet_at_the_router(caplog):
         time.sleep(0.5)
         assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
         logging.getLogger("uvicorn.error").removeHandler(caplog.handler)
-        r = httpx.get(f"{base}/server_info", timeout=10)  # (a server's, not the router's)
+        r = httpx.get(f"{base}/no_such_route", timeout=10)
         assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found", r.text
     assert "Exception in ASGI application" not in caplog.text
 

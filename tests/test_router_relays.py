@@ -3,8 +3,9 @@ this process, on loopback, glm-tiny on the CPU): vLLM's pausing (/pause, its que
 /resume, /is_paused: paused only while every server is), /reset_prefix_cache and SGLang's
 profiling reach every server, a pause that fails somewhere being undone; tokenizing, a
 model's card, /version and /get_weights_by_name are one server's answer; /load is the
-decode servers' requests in flight; SageMaker's /ping and /invocations (a chat or a
-completions request, told apart by its shape)."""
+decode servers' requests in flight; SGLang's /server_info and /get_load gather every
+server's; SageMaker's /ping and /invocations (a chat or a completions request, told apart
+by its shape)."""
 
 from __future__ import annotations
 
@@ -159,6 +160,8 @@ def test_tokenizing_cards_version_and_weights_are_one_servers_answer(pd):
         ("POST", "/detokenize", {"tokens": [72, 101, 108]}),
         ("POST", "/v1/detokenize", {"tokens": [72]}),
         ("GET", "/version", None),
+        ("GET", "/model_info", None),
+        ("GET", "/get_model_info", None),
         ("GET", f"/v1/models/{name}", None),
         ("GET", "/v1/models/not-served", None),  # (its 404, as it is)
         ("GET", "/get_weights_by_name", {"name": "model.embed_tokens.weight", "truncate_size": 2}),
@@ -172,7 +175,7 @@ def test_tokenizing_cards_version_and_weights_are_one_servers_answer(pd):
         assert (got.status_code, got.json()) == (want.status_code, want.json()), path
     assert _get(pd.router, "/v1/models/not-served").status_code == 404
     rows = httpx.request(
-        "GET", f"{pd.router}/get_weights_by_name", json=calls[7][2], timeout=TIMEOUT
+        "GET", f"{pd.router}/get_weights_by_name", json=calls[9][2], timeout=TIMEOUT
     )
     assert rows.status_code == 200 and len(rows.json()) == 2, rows.text
 
@@ -190,6 +193,35 @@ def test_load_counts_the_requests_in_flight_on_the_decode_servers(pd):
         assert _post(pd.router, "/abort_request", json={"abort_all": True}).status_code == 200
         assert held.result().json()["choices"][0]["finish_reason"] == "abort"
     assert _get(pd.router, "/load").json() == {"server_load": 0}
+
+
+def test_server_info_and_get_load_gather_every_server(pd):
+    """SGLang's /server_info (and /get_server_info), as its PD load balancer answers it:
+    each server's own under its role, the decode servers' internal_states on top (where
+    bench_serving reads them); /get_load each server's entries, naming the server and its
+    role, the decode servers' first."""
+    wait_idle(pd.prefill_url)
+    wait_idle(pd.decode_url)
+    stable = ("model_path", "page_size", "max_total_num_tokens", "disaggregation_mode")
+    for path in ("/server_info", "/get_server_info"):
+        r = _get(pd.router, path)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        for role, url in (("prefill", pd.prefill_url), ("decode", pd.decode_url)):
+            (info,) = got[role]
+            own = _get(url, path).json()
+            assert {k: info[k] for k in stable} == {k: own[k] for k in stable}, role
+            assert info["disaggregation_mode"] == role
+        assert got["internal_states"] == got["decode"][0]["internal_states"]
+        assert "last_gen_throughput" in got["internal_states"][0]
+    r = _get(pd.router, "/get_load")
+    assert r.status_code == 200, r.text
+    rows = r.json()
+    servers = [(pd.decode_url, "decode"), (pd.prefill_url, "prefill")]
+    assert [(e["worker"], e["worker_type"]) for e in rows] == servers
+    for entry, (url, _) in zip(rows, servers):
+        (own,) = _get(url, "/get_load").json()  # (one rank each)
+        assert {k: entry[k] for k in own} == own and own["num_reqs"] == 0
 
 
 def test_sagemakers_ping_and_invocations(pd):

@@ -234,6 +234,20 @@ def test_a_call_cut_inside_its_trigger_shows_no_markup(served, family):
     assert s["finish"] == "length" and not s["content"] and not s["calls"]
 
 
+def test_a_call_cut_by_repetition_detection_is_cut_as_by_max_tokens(served, family):
+    """vLLM's repetition stop cuts the output short as max_tokens does: a call's trigger
+    cut there is no content either (it was shown as text). Both families' triggers hold a
+    doubled byte ("too", "calls"): a one-token pattern seen twice ends them inside it."""
+    client = served[0]
+    twice = {"max_pattern_size": 1, "min_pattern_size": 1, "min_count": 2}
+    body = {"regex": _literal(TWO_CALLS[family]), "repetition_detection": twice}
+    r = _chat(client, family, extra_body=body)
+    assert r.choices[0].finish_reason == "repetition", r
+    assert not r.choices[0].message.content and not r.choices[0].message.tool_calls
+    s = _reassemble(list(_chat(client, family, stream=True, extra_body=body)))
+    assert s["finish"] == "repetition" and not s["content"] and not s["calls"]
+
+
 def test_named_tool_call_picks_that_tool(served, family):
     """The named call, and OpenAI's and vLLM's finish_reason for it: "stop", not the
     "tool_calls" of "auto" and "required", streamed or not."""

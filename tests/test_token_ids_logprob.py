@@ -1,7 +1,8 @@
 """SGLang's token_ids_logprob (`SamplingParams.token_ids_logprob`): with return_logprob, each
 output position's logprobs of exactly the asked ids, and each scored prompt position's, in
 SGLang's [logprob, id, text] triples; equal to the same ids' entries of a full-vocabulary
-log_softmax, the same through MTP verification, DP attention and a prefill/decode handoff."""
+log_softmax, the same through MTP verification, DP attention and a prefill/decode handoff.
+vLLM's logprob_token_ids, the same gather, in the place of the top logprobs."""
 
 # ruff: noqa: F811 - the tests take the imported fixtures by their names
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 
 import httpx
@@ -21,7 +23,7 @@ from dsakv.models.tiny import default_model_dir
 from dsakv.procs import free_port
 from dsakv.server.protocol import APIError
 
-from .serving import TIMEOUT, sglang_generate, sglang_stream
+from .serving import NO_THINKING, TIMEOUT, sglang_generate, sglang_stream
 
 # The completions tests' model, engine and server, their fixtures imported (as /generate's)
 from .test_completions_api import (  # noqa: F401
@@ -147,6 +149,107 @@ def test_sampling_params_check_token_ids_logprob():
         assert e.value.param == "token_ids_logprob"
 
 
+def test_vllms_logprob_token_ids_replace_the_top_ones(base, model_dir, reference):
+    """vLLM's `logprob_token_ids` on /v1/completions and /v1/chat/completions: each output
+    position's alternatives are the sampled token and exactly the asked ids, whatever
+    `logprobs` or `top_logprobs` say (completions' {token: logprob}, chat's list with the
+    sampled token first), their values those of a full log_softmax; streamed the same. An
+    empty list asks for the top ones."""
+    ids = _ids(reference)
+    named = {"logprob_token_ids": ASKED, "return_tokens_as_token_ids": True,
+             "return_token_ids": True, "max_tokens": 4, **GREEDY}  # fmt: skip
+    body = {"prompt": ids, "logprobs": 5, **named}
+    choice = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+    out, tops = choice["token_ids"], choice["logprobs"]["top_logprobs"]
+    rows = _full_forward_logprobs(model_dir, ids + out[:-1])
+    assert len(tops) == len(out) == 4
+    for j, (t, top) in enumerate(zip(out, tops)):
+        want = {f"token_id:{i}": rows[len(ids) - 1 + j, i].item() for i in [t, *ASKED]}
+        assert top == pytest.approx(want, abs=1e-4)
+    with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True},
+                      timeout=TIMEOUT) as s:  # fmt: skip
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    streamed = [x for c in chunks for ch in c["choices"] for x in ch["logprobs"]["top_logprobs"]]
+    assert len(streamed) == len(tops)
+    assert all(a == pytest.approx(b, abs=1e-5) for a, b in zip(streamed, tops))
+    natural = {"prompt": ids, "logprobs": 2, "max_tokens": 2, **GREEDY}
+    got = [httpx.post(f"{base}/v1/completions", json=b, timeout=TIMEOUT).json()["choices"][0]
+           for b in ({**natural, "logprob_token_ids": []}, natural)]  # fmt: skip
+    assert got[0]["logprobs"] == got[1]["logprobs"]
+
+    chat = {"messages": [{"role": "user", "content": TEXT}], "logprobs": True,
+            "top_logprobs": 2, **NO_THINKING, **named}  # fmt: skip
+    r = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=TIMEOUT).json()
+    prompt, (choice,) = r["prompt_token_ids"], r["choices"]
+    out, content = choice["token_ids"], choice["logprobs"]["content"]
+    rows = _full_forward_logprobs(model_dir, prompt + out[:-1])
+    assert len(content) == len(out)
+    for j, (t, entry) in enumerate(zip(out, content)):
+        listed = list(dict.fromkeys([t, *ASKED]))  # (the sampled token once)
+        assert [x["token"] for x in entry["top_logprobs"]] == [f"token_id:{i}" for i in listed]
+        want = [rows[len(prompt) - 1 + j, i].item() for i in listed]
+        assert [x["logprob"] for x in entry["top_logprobs"]] == pytest.approx(want, abs=1e-4)
+
+
+def test_logprob_token_ids_named_twice_are_listed_once(base):
+    """An id asked for twice is one alternative, as vLLM's logprobs dict keeps it: chat's
+    `top_logprobs` list it once (the sampled token first), streamed too."""
+    chat = {"messages": [{"role": "user", "content": TEXT}], "logprobs": True, "max_tokens": 3,
+            "logprob_token_ids": [17, 3, 17], "return_tokens_as_token_ids": True,
+            "return_token_ids": True, **NO_THINKING, **GREEDY}  # fmt: skip
+    (choice,) = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=TIMEOUT).json()[
+        "choices"
+    ]
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**chat, "stream": True},
+                      timeout=TIMEOUT) as s:  # fmt: skip
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    streamed = [x for c in chunks for ch in c["choices"] for x in (ch["logprobs"] or {}).get(
+        "content", [])]  # fmt: skip
+    for content in (choice["logprobs"]["content"], streamed):
+        assert len(content) == 3
+        for t, entry in zip(choice["token_ids"], content):
+            listed = [f"token_id:{i}" for i in dict.fromkeys([t, 17, 3])]
+            assert [x["token"] for x in entry["top_logprobs"]] == listed
+
+
+def test_logprob_token_ids_refused_as_vllm_refuses_them(base):
+    """A 400 naming logprob_token_ids: without logprobs (chat's `logprobs: true`), with echo's
+    `max_tokens: 0` (no output token to score), ids outside the vocabulary, over 128 ids."""
+    cmpl = {"prompt": "x", "max_tokens": 2, "logprob_token_ids": [1]}
+    chat = {"messages": [{"role": "user", "content": "x"}], **NO_THINKING, "max_tokens": 2,
+            "logprob_token_ids": [1]}  # fmt: skip
+    for route, body in (("completions", {**cmpl, "logprobs": 0}),
+                        ("chat/completions", {**chat, "logprobs": True})):  # fmt: skip
+        assert httpx.post(f"{base}/v1/{route}", json=body, timeout=TIMEOUT).status_code == 200
+    bad = [
+        ("completions", cmpl),
+        ("chat/completions", chat),
+        ("chat/completions", {**chat, "logprobs": False}),
+        ("completions", {**cmpl, "logprobs": 1, "echo": True, "max_tokens": 0}),
+        ("completions", {**cmpl, "logprobs": 1, "logprob_token_ids": [10**6]}),
+        ("completions", {**cmpl, "logprobs": 1, "logprob_token_ids": [-1]}),
+        ("completions", {**cmpl, "logprobs": 1, "logprob_token_ids": list(range(129))}),
+    ]
+    for route, body in bad:
+        r = httpx.post(f"{base}/v1/{route}", json=body, timeout=TIMEOUT)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == "logprob_token_ids", (body, r.text)
+
+
+def test_sampling_params_take_vllms_logprob_token_ids():
+    """Offline, vLLM's field: `logprobs` unset is their count; given, it must be."""
+    p = SamplingParams(logprob_token_ids=[4, 2])
+    assert (p.logprobs, p.token_ids_logprob, p.num_top_logprobs) == (2, (4, 2), 0)
+    assert SamplingParams(logprob_token_ids=[4, 2], logprobs=2).logprob_token_ids == (4, 2)
+    assert SamplingParams(logprob_token_ids=[]).logprobs is None  # (the top ones)
+    for bad in (dict(logprob_token_ids=[4, 2], logprobs=1), dict(logprob_token_ids=[-1]),
+                dict(logprob_token_ids=range(129)), dict(logprob_token_ids="12"),
+                dict(logprob_token_ids=[1], token_ids_logprob=[2])):  # fmt: skip
+        with pytest.raises(DsakvError) as e:
+            SamplingParams(**bad)
+        assert e.value.param == "logprob_token_ids", bad
+
+
 @pytest.fixture(scope="module")
 def mtp_model() -> str:
     return str(default_model_dir("glm-tiny"))  # (cached, its MTP layer fitted)
@@ -186,6 +289,27 @@ def test_offline_whole_vocabulary_is_the_logprobs_and_mtp_changes_nothing(mtp_mo
                             a.prompt_logprobs[1:]):  # fmt: skip
             assert d[t] == pytest.approx(lp[t].logprob, abs=1e-6)
             assert math.fsum(math.exp(x) for x in d.values()) == pytest.approx(1, abs=1e-4)
+
+
+def test_offline_logprob_token_ids_are_each_positions_logprobs_through_mtp(mtp_model):
+    """`LLM.generate` with vLLM's `logprob_token_ids`: each position's `logprobs` dict is the
+    sampled token's entry, then the asked ids' (the gather's values); through MTP
+    verification the same."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                            logprob_token_ids=ASKED)  # fmt: skip
+    runs = []
+    for kw in ({}, {"speculative_algorithm": "mtp", "speculative_num_steps": 3}):
+        llm = LLM(mtp_model, **EXACT, num_pages=64, **kw)
+        runs.append(llm.generate(_prompts(), params, use_tqdm=False))
+    assert llm.engine.counters()["spec_accepted_tokens"] > 0
+    for a, b in zip(*runs):
+        (ca,), (cb,) = a.outputs, b.outputs
+        assert ca.token_ids == cb.token_ids and len(ca.logprobs) == 24
+        for t, da, db, by_id in zip(ca.token_ids, ca.logprobs, cb.logprobs, ca.token_ids_logprobs):
+            assert list(da) == list(db) == list(dict.fromkeys([t, *ASKED]))
+            values = [x.logprob for x in db.values()]
+            assert [x.logprob for x in da.values()] == pytest.approx(values, abs=1e-4)
+            assert [da[i].logprob for i in ASKED] == pytest.approx([by_id[i] for i in ASKED])
 
 
 def _flat(positions: list[dict[int, float]]) -> list[float]:

@@ -770,6 +770,18 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         "kernels do not cover (no C++ compiler, a bf16 model) through torch.compile "
         "(a warm-up of 10-45 s per process)",
     )
+    g.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="SGLang's: /generate's return_routed_experts (SamplingParams offline) may ask for "
+        "the experts each token was routed to (its steps run eager, off the CUDA graphs)",
+    )
+    g.add_argument(
+        "--enable-return-hidden-states",
+        action="store_true",
+        help="SGLang's: /generate's return_hidden_states may ask for each token's last "
+        "hidden state",
+    )
     det = g.add_mutually_exclusive_group()
     det.add_argument(
         "--enable-deterministic-inference",

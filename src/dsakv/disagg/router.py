@@ -8,7 +8,8 @@ router remembers which (else asks each), for GET, DELETE, cancel, its input item
 any failure reaches the client through the decode server, which hears it in the handshake.
 SGLang's and vLLM's admin calls (/abort_request, /flush_cache, the weight updates, pausing,
 profiling) go to every server; calls every server answers alike (/v1/models, /tokenize)
-to one. Light on purpose: no torch, no engine.
+to one; SGLang's probes of them all (/server_info, /get_load) gather their answers. Light
+on purpose: no torch, no engine.
 """
 
 from __future__ import annotations
@@ -425,6 +426,36 @@ class Router:
             return answers
         return JSONResponse({"server_load": sum(int(r.json()["server_load"]) for r in answers)})
 
+    async def server_info(self, path: str, request: Request) -> Response:
+        """SGLang's /server_info (/get_server_info), as its PD load balancer answers it:
+        each server's own, under `prefill` and `decode`, and at the top the decode servers'
+        `internal_states` together (they generate: `bench_serving` reads its throughput and
+        MTP's accept length there, as of one server)."""
+        answers = await self._everyone(path, request)
+        if isinstance(answers, Response):
+            return answers
+        infos = [r.json() for r in answers]
+        decode, prefill = infos[: len(self.decode)], infos[len(self.decode) :]
+        states = [s for info in decode for s in info.get("internal_states") or []]
+        return JSONResponse({"internal_states": states, "prefill": prefill, "decode": decode})
+
+    async def get_load(self, request: Request) -> Response:
+        """SGLang's GET /get_load: each server's entries (one per DP rank, in its shape),
+        each naming its server and role (`worker`, `worker_type`: sglang-router's names for
+        them), the decode servers' first; what a router sums of one server's, it sums of
+        the deployment here."""
+        answers = await self._everyone("/get_load", request)
+        if isinstance(answers, Response):
+            return answers
+        roles = [("decode", u) for u in self.decode] + [("prefill", u) for u in self.prefill]
+        return JSONResponse(
+            [
+                {"worker": url, "worker_type": role, **entry}
+                for (role, url), r in zip(roles, answers)
+                for entry in r.json()
+            ]
+        )
+
     async def _everyone(
         self, path: str, request: Request, groups: tuple[list[str], ...] | None = None
     ) -> list[httpx.Response] | Response:
@@ -680,6 +711,8 @@ _ONE = {
     "/v1/tokenize": ["POST"],
     "/v1/detokenize": ["POST"],
     "/version": ["GET"],
+    "/model_info": ["GET"],
+    "/get_model_info": ["GET"],
     "/get_weights_by_name": ["GET", "POST"],
 }
 
@@ -826,6 +859,17 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
     @app.get("/load")
     async def load(request: Request) -> Response:
         return await router.load(request)
+
+    for path in ("/server_info", "/get_server_info"):
+
+        async def server_info(request: Request, path: str = path) -> Response:
+            return await router.server_info(path, request)
+
+        app.add_api_route(path, server_info, methods=["GET"])
+
+    @app.get("/get_load")
+    async def get_load(request: Request) -> Response:
+        return await router.get_load(request)
 
     async def one(request: Request) -> Response:
         return await router.one(request)

@@ -62,6 +62,14 @@ def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget
             "scoring the prompt (echo with logprobs, or max_tokens 0) is not supported with "
             "disaggregation",
         )
+    for name in ("return_routed_experts", "return_hidden_states"):
+        if getattr(params, name):
+            raise APIError(
+                400,
+                f"{name} is not supported with prefill/decode disaggregation: the prompt's "
+                "rows are the prefill server's, which hands the decode server its KV alone",
+                param=name,
+            )
     return target
 
 

@@ -205,8 +205,15 @@ class ParallelState:
         if self.world_size == 1 or not self.config.dp_attention:
             return self.all_reduce(y)
         self.all_reduce(y)
+        return y[self.own_rows(counts)]
+
+    def own_rows(self, counts: list[int]) -> slice:
+        """This rank's rows of `gather_tokens`' stacked rows (all of them but under DP
+        attention)."""
+        if self.world_size == 1 or not self.config.dp_attention:
+            return slice(None)
         start = sum(counts[: self.rank])
-        return y[start : start + counts[self.rank]]
+        return slice(start, start + counts[self.rank])
 
     # --- control plane (rank 0 → everyone, pickled, over gloo) ----------------------------
 

@@ -39,6 +39,8 @@ _REPLACED = (
     "prompt_top_logprobs",
     "prompt_ranks",
     "prompt_token_ids_logprobs",
+    "routed_experts",  # (None until the request ends)
+    "hidden_states",
 )
 # Per-request counts (`RequestMetrics`) a rank reports as they stand
 _COUNTS = ("prefix_hit_tokens", "retractions", "draft_tokens", "accepted_tokens")
@@ -195,6 +197,7 @@ class DPEngine:
             req = self.local.add_request(ids, params)
         else:
             self.local.check_request(params)  # the client's 400 here and now, not on a peer
+            self.local.check_routed_start(params, len(ids))
             req = Request(ids, params)
             req.status = Status.RUNNING
             self._remote[req.rid] = (rank, req)

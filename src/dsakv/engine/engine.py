@@ -49,7 +49,7 @@ from .hisparse import HotBuffers
 from .l3 import L3Cache, zero_counters
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
-from .request import Request
+from .request import Capture, Request
 from .sampling import (
     THINK_MARKERS,
     Sampler,
@@ -169,6 +169,11 @@ class EngineConfig:
     # HiSparse (SGLang's names): latent on the host, per-request hot buffers on the device.
     enable_hisparse: bool = False
     hisparse_config: str | dict | None = None  # JSON object: see `HiSparseConfig`
+    # SGLang's: requests may ask for the experts each of their tokens was routed to
+    # (`SamplingParams.return_routed_experts`: an MoE model only) and for their last
+    # hidden states (`return_hidden_states`); a request asking without them is refused
+    enable_return_routed_experts: bool = False
+    enable_return_hidden_states: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):  # every bool field, by its annotation (a string here)
@@ -554,6 +559,10 @@ class Engine:
             self.model_config = self._served(self.model_config)
         except DsakvError as e:
             raise ConfigError(f"{config.model}/generation_config.json: {e}") from None
+        if config.enable_return_routed_experts and not self.model_config.has_moe:
+            raise DsakvError(
+                "--enable-return-routed-experts needs an MoE model: this one routes no token"
+            )
         if self.model_config.sampling_defaults:
             log.info(
                 "requests that leave them out get generation_config.json's %s "
@@ -949,6 +958,19 @@ class Engine:
             if p.token_ids_logprob:
                 req.prompt_token_ids_logprobs = [None] * len(req.prompt_ids)
             req.score_prompt = p.prompt_logprobs_start < len(req.prompt_ids) - 1
+        if p.return_routed_experts or p.return_hidden_states:
+            self.check_routed_start(p, len(req.prompt_ids))
+            req.capture = Capture(0 if p.return_hidden_states else p.routed_experts_start_len)
+
+    def check_routed_start(self, p: SamplingParams, prompt_len: int) -> None:
+        """`routed_experts_start_len` within the prompt (SGLang's check; DP attention's rank
+        0 runs it for a request another rank serves)."""
+        if p.routed_experts_start_len > prompt_len:
+            raise DsakvError(
+                f"routed_experts_start_len ({p.routed_experts_start_len}) is higher than the "
+                f"number of input tokens ({prompt_len})",
+                "routed_experts_start_len",
+            )
 
     def check_request(self, p: SamplingParams) -> tuple[Any, list[list[int]]]:
         """Every check that can refuse a request for `p` (a `DsakvError`), and what the
@@ -997,11 +1019,23 @@ class Engine:
         if p.n != 1:  # (add_request made one, silently)
             raise DsakvError(f"add_request makes one choice; n={p.n} is add_requests'", "n")
         self.check_priority(p.priority)
+        for name, flag in (
+            ("return_routed_experts", "enable_return_routed_experts"),
+            ("return_hidden_states", "enable_return_hidden_states"),
+        ):
+            if getattr(p, name) and not getattr(self.config, flag):  # (SGLang's words)
+                what = name.removeprefix("return_").replace("_", " ")
+                raise DsakvError(
+                    f"The server is not configured to return the {what}. Please set "
+                    f"`--{flag.replace('_', '-')}` to enable this feature.",
+                    name,
+                )
         vocab = self.model_config.vocab_size
         for name, ids in (
             ("logit_bias", [t for t, _ in p.logit_bias]),
             ("stop_token_ids", p.stop_token_ids),
             ("allowed_token_ids", p.allowed_token_ids or ()),
+            ("logprob_token_ids", p.logprob_token_ids or ()),  # (vLLM's name for the next)
             ("token_ids_logprob", p.token_ids_logprob or ()),
         ):
             if any(t >= vocab for t in ids):
@@ -1029,6 +1063,8 @@ class Engine:
                 if req.prompt_token_ids_logprobs is not None:
                     fork.prompt_token_ids_logprobs = list(req.prompt_token_ids_logprobs)
                 fork.score_prompt = req.score_prompt
+            if req.capture is not None and fork.capture is not None:
+                fork.capture.take(req.capture, len(req.prompt_ids))
             self.scheduler.add(fork)
         req.forks = []
 
@@ -1069,6 +1105,7 @@ class Engine:
         if req is None or req.finished:
             return
         req.finish_reason = "abort"
+        _hand_over_rows(req)
         self.scheduler.finish(req)
         self._release_forks(req)
         self.stats.aborted_requests += 1
@@ -1747,9 +1784,16 @@ class Engine:
         # A sampled request's rows: its last token, and each draft after it.
         rows = [r for i in sampled for r in range(ends[i] - len(drafts[i]), ends[i] + 1)]
         hot = self.hot.begin_step(batch, slots) if self.hot is not None else None
-        hidden, logits = self.runner.forward(new_tokens, slots, hot, rows)
+        kept = self._capturing(batch)
+        record = any(batch[i][0].params.return_routed_experts for i in kept)
+        hidden, logits, routed = self.runner.forward(new_tokens, slots, hot, rows, record)
         if hot is not None:
             self.hot.end_step(hot)
+        if kept:
+            spans = [
+                (batch[i][0], ends[i] - len(new_tokens[i]) + 1, len(new_tokens[i])) for i in kept
+            ]
+            self._keep_rows(spans, hidden, routed)
         # (request, first position, first hidden row) of what this step ran, for the drafter
         ran = [
             (req, req.num_computed, e - len(t) + 1)
@@ -1778,6 +1822,35 @@ class Engine:
         if now - self._gen_marks[1][0] >= GEN_WINDOW_S:
             self._gen_marks = [self._gen_marks[1], (now, self.stats.output_tokens)]
         return out
+
+    def _capturing(self, batch: list[tuple[Request, int]]) -> list[int]:
+        """The requests of `batch` that keep rows of this step (`Request.capture`), by index;
+        none, and no work, on an engine that allows no such request."""
+        c = self.config
+        if not (c.enable_return_routed_experts or c.enable_return_hidden_states):
+            return []
+        return [i for i, (req, _) in enumerate(batch) if req.capture is not None]
+
+    def _keep_rows(
+        self,
+        spans: list[tuple[Request, int, int]],
+        hidden: torch.Tensor,
+        routed: torch.Tensor | None,
+    ) -> None:
+        """Each (request, its first row, its rows) of the step: the rows it asked for, kept
+        by position (`Capture.write`), in one device-to-host copy of each kind."""
+        kept: list[dict[str, torch.Tensor]] = [{} for _ in spans]
+        for flag, source in (("return_routed_experts", routed), ("return_hidden_states", hidden)):
+            asking = [i for i, (req, _, _) in enumerate(spans) if getattr(req.params, flag)]
+            if not asking:
+                continue
+            idx = [r for i in asking for r in range(spans[i][1], spans[i][1] + spans[i][2])]
+            rows = source[torch.tensor(idx, device=source.device)].cpu()
+            for i, part in zip(asking, rows.split([spans[i][2] for i in asking])):
+                kept[i][flag] = part
+        for (req, _, _), rows in zip(spans, kept):
+            routed_rows = rows.get("return_routed_experts")
+            req.capture.write(req.num_computed, routed_rows, rows.get("return_hidden_states"))
 
     def _drafts(self, req: Request, n: int, end: int) -> list[int]:
         """The MTP drafts `req` verifies this step (decode only), as many as pages allow."""
@@ -1841,7 +1914,8 @@ class Engine:
         self.stats.draft_tokens += len(drafts)
         self.stats.accepted_tokens += accepted
         self.stats.verify_steps += 1
-        logps = None if logp is None else gather_logprobs(logp, tokens, [k] * len(tokens))
+        top_n = [req.params.num_top_logprobs] * len(tokens)
+        logps = None if logp is None else gather_logprobs(logp, tokens, top_n)
         asked = req.params.token_ids_logprob if logp is not None else None
         by_id = gather_ids(logp, [asked] * len(tokens)) if asked else None
         base = req.num_computed  # the last token's KV is counted; the drafts' are not yet
@@ -1854,7 +1928,7 @@ class Engine:
                 req.top_logprobs.append(top)
                 req.ranks.append(rank)
             if by_id is not None:
-                req.token_ids_logprobs.append(by_id[j])
+                _record_ids(req, by_id[j])
             if req.finished:
                 return
 
@@ -1906,7 +1980,7 @@ class Engine:
             for req, token in zip(reqs, tokens):
                 self._emit(req, token, now)
             for rows, logp in logps:
-                ks = [reqs[i].params.logprobs for i in rows]
+                ks = [reqs[i].params.num_top_logprobs for i in rows]
                 picked = [tokens[i] for i in rows]
                 for i, (lp, top, rank) in zip(rows, gather_logprobs(logp, picked, ks)):
                     reqs[i].logprobs.append(lp)
@@ -1915,7 +1989,7 @@ class Engine:
                 asked = [reqs[i].params.token_ids_logprob for i in rows]
                 for i, by_id in zip(rows, gather_ids(logp, asked)):
                     if by_id is not None:
-                        reqs[i].token_ids_logprobs.append(by_id)
+                        _record_ids(reqs[i], by_id)
         return done + reqs
 
     def _score_prompts(self, batch: list[tuple[Request, int]], ends: list[int]) -> None:
@@ -2054,6 +2128,14 @@ class Engine:
             len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_model_len
         ):
             reason = "length"
+        rep = p.repetition_detection  # (vLLM's: not before min_tokens, as a stop token)
+        if (
+            reason is None
+            and rep is not None
+            and len(req.output_ids) >= p.min_tokens
+            and rep.repeats(req.output_ids)
+        ):
+            reason, req.stop_reason = "repetition", "repetition_detected"
         if reason is not None:
             if decode and not cut_text:
                 # A stop token's own text is not output (vLLM), unless asked for.
@@ -2091,6 +2173,7 @@ class Engine:
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
         req.finish_reason = reason
         req.metrics.finish_time = now or time.perf_counter()
+        _hand_over_rows(req)
         if self.drafter is not None:
             self.drafter.finish(req)
         self.scheduler.finish(req)
@@ -2231,6 +2314,25 @@ def _find_stop(
     ]
     hits = [h for h in hits if h[0] >= 0]
     return min(hits) if hits else None
+
+
+def _record_ids(req: Request, values: list[float]) -> None:
+    """`req`'s last token's logprobs of its `token_ids_logprob`; under vLLM's
+    `logprob_token_ids` they are its alternatives too, in the place of the top ones (an id
+    named twice once, as vLLM's logprobs dict keeps it)."""
+    req.token_ids_logprobs.append(values)
+    if req.params.logprob_token_ids:
+        req.top_logprobs[-1] = list(dict(zip(req.params.logprob_token_ids, values)).items())
+
+
+def _hand_over_rows(req: Request) -> None:
+    """An ended request's kept rows (`Request.capture`) as it reports them: those of every
+    position but its last, which no step ran (SGLang's seqlen - 1 rows)."""
+    if req.capture is not None:
+        end = req.seq_len - 1
+        start = req.params.routed_experts_start_len
+        req.routed_experts, req.hidden_states = req.capture.rows(end, start)
+        req.capture = None
 
 
 def _has_tokenizer(path: Path) -> bool:

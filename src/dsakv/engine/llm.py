@@ -19,6 +19,7 @@ from dsakv.errors import DsakvError, is_int, is_list
 from dsakv.models.tiny import resolve_model_dir
 from dsakv.procs import interrupts_deferred
 
+from .beam_search import BeamSearch, BeamSearchParams, Step
 from .chat_format import has_chat_format, render_chat, template_message
 from .detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
 from .engine import EngineConfig
@@ -62,6 +63,13 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     # with `SamplingParams.token_ids_logprob`: per output token, {id: logprob} of those ids
     token_ids_logprobs: list[dict[int, float]] | None = None
+    # with `SamplingParams.return_routed_experts` (SGLang's): the experts each position's
+    # token was routed to, prompt and output but the last token, from
+    # `routed_experts_start_len` on: int32 `[n, num_hidden_layers, top_k]` (a dense layer's
+    # 0); with `return_hidden_states`, those positions' last hidden states (final-normed)
+    # from position 0: float32 `[n, hidden_size]`
+    routed_experts: np.ndarray | None = None
+    hidden_states: np.ndarray | None = None
 
     def finished(self) -> bool:
         """vLLM's (a method here, unlike `RequestOutput.finished`, as there)."""
@@ -79,6 +87,8 @@ class CompletionOutput:
             sum(req.logprobs) if asked else None,
             req.stop_reason,
             _by_id(req.params.token_ids_logprob, req.token_ids_logprobs) if asked else None,
+            req.routed_experts,
+            req.hidden_states,
         )
 
 
@@ -144,6 +154,44 @@ class RequestOutput:
                 else _by_id(first.params.token_ids_logprob, first.prompt_token_ids_logprobs)
             ),
         )
+
+
+@dataclass(frozen=True)
+class BeamSearchSequence:
+    """vLLM's: one sequence a beam search found. As vLLM's offline beam search gives it,
+    `tokens` and `text` hold the prompt's and the output's, and `logprobs` has each output
+    token's position: its logprob and the 2 * beam_width likeliest tokens' of its step.
+    `cum_logprob` sums the output's logprobs, of an EOS or stop token that ended it too
+    (in `tokens` only with `include_stop_str_in_output`)."""
+
+    tokens: list[int]
+    logprobs: SampleLogprobs
+    cum_logprob: float = 0.0
+    text: str | None = None  # (None: the model has no tokenizer)
+    finish_reason: str | None = None  # "stop" (EOS, a stop token or string) or "length"
+    stop_reason: int | str | None = None  # the stop token or string (None: EOS, length)
+
+    @classmethod
+    def of(cls, req: Request, cum_logprob: float, tokenizer: Any = None) -> BeamSearchSequence:
+        """A searched sequence (`BeamSearch.results`) in vLLM's shape."""
+        text = None
+        if tokenizer is not None:
+            text = tokenizer.decode(req.prompt_ids) + req.output_text
+        return cls(
+            req.all_ids,
+            _output_logprobs(req, tokenizer),
+            cum_logprob,
+            text,
+            req.finish_reason,
+            req.stop_reason,
+        )
+
+
+@dataclass(frozen=True)
+class BeamSearchOutput:
+    """vLLM's: a prompt's beam search sequences, best first (`beam_width` of them)."""
+
+    sequences: list[BeamSearchSequence]
 
 
 def _by_id(
@@ -395,6 +443,21 @@ class LLM:
                     "priority",
                 )
             plist = [dataclasses.replace(sp, priority=p) for sp, p in zip(plist, priority)]
+        groups = self._run(prompts, plist, use_tqdm)
+        tokenizer = self.tokenizer
+        return [
+            RequestOutput.from_requests(g, p if isinstance(p, str) else None, tokenizer)
+            for g, p in zip(groups, prompts)
+        ]
+
+    def _run(
+        self,
+        prompts: Sequence[str | list[int]],
+        plist: Sequence[SamplingParams],
+        use_tqdm: bool = True,
+    ) -> list[list[Request]]:
+        """Each prompt's requests (`params.n` choices), run to their end: the engine loop of
+        `generate`, and of each `beam_search` step."""
         groups: list[list[Request]] = []
         reqs: list[Request] = []
         try:
@@ -413,10 +476,52 @@ class LLM:
             for r in reqs:
                 self.engine.abort(r.rid)
             raise
-        tokenizer = self.tokenizer
+        return groups
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's best `params.beam_width` sequences, best
+        first (`dsakv.engine.beam_search`: each step runs one request per live beam,
+        which the prefix cache serves all but its last tokens). Prompts as `generate` takes
+        them; `concurrency_limit`: search that many prompts at a time (vLLM's; None: all);
+        `use_tqdm`: a bar over each batch's steps."""
+        if not self._close.alive:
+            raise DsakvError("this LLM was closed; make a new one")
+        if not isinstance(params, BeamSearchParams):
+            raise DsakvError(
+                f"params must be a BeamSearchParams, got {reprlib.repr(params)}", "params"
+            )
+        limit = concurrency_limit
+        if limit is not None and not (is_int(limit) and limit >= 1):
+            raise DsakvError(
+                f"concurrency_limit must be None or an integer >= 1, got {limit!r}",
+                "concurrency_limit",
+            )
+        listed = _listed_prompts(prompts)
+        salts = [_prompt_salt(p) for p in listed]
+        ids = [self.engine.prompt_ids(_one_prompt(p)) for p in listed]
+        searches = [BeamSearch(self.engine, x, params) for x in ids]
+        steps = [params.step_params(cache_salt=s) for s in salts]
+        limit = limit or max(len(searches), 1)
+        for start in range(0, len(searches), limit):
+            batch = list(zip(searches[start : start + limit], steps[start : start + limit]))
+            most = max(s.steps_left for s, _ in batch)
+            with tqdm(total=most, desc="beam search", unit="token", disable=not use_tqdm) as bar:
+                while live := [(s, sp) for s, sp in batch if not s.done]:
+                    beams = [(p, sp) for s, sp in live for p in s.prompts()]
+                    groups = iter(self._run([p for p, _ in beams], [sp for _, sp in beams], False))
+                    for s, _ in live:
+                        s.advance([Step.of(next(groups)[0]) for _ in s.live])
+                    bar.update()
+        width, tokenizer = 2 * params.beam_width, self.tokenizer
         return [
-            RequestOutput.from_requests(g, p if isinstance(p, str) else None, tokenizer)
-            for g, p in zip(groups, prompts)
+            BeamSearchOutput([BeamSearchSequence.of(r, c, tokenizer) for r, c in s.results(width)])
+            for s in searches
         ]
 
     def chat(

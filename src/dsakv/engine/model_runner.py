@@ -57,16 +57,19 @@ class ModelRunner:
         slots: Sequence[torch.Tensor],
         hot=None,
         rows: Sequence[int] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        record: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Run the target over one step's tokens (their KV goes to `slots`' tails);
-        returns hidden `[T, H]` (final-normed) and the fp32 logits of its `rows` (as
-        `logits`; None without rows), in the same native call where the step has one.
-        `hot`: the step's HiSparse latent slots (`dsakv.engine.hisparse.HotStep`; one rank
-        only)."""
+        returns hidden `[T, H]` (final-normed), the fp32 logits of its `rows` (as
+        `logits`; None without rows), in the same native call where the step has one, and
+        with `record` the experts each token was routed to (`record_routing`'s
+        `[T, layers, top_k]`; else None: this rank's alone, the other ranks route alike).
+        A step that records runs eager: not a CUDA graph (SGLang's captures it). `hot`:
+        the step's HiSparse latent slots (`dsakv.engine.hisparse.HotStep`; one rank only)."""
         with self._leading() as send:
             if send:
                 send("forward", _pack(new_tokens), _pack_slots(slots), list(rows))
-            return self._forward(new_tokens, slots, hot, rows)
+            return self._forward(new_tokens, slots, hot, rows, record)
 
     def forward_draft(
         self,
@@ -181,21 +184,22 @@ class ModelRunner:
         with self.leader.lock:
             yield send
 
-    def _forward(self, new_tokens, slots, hot=None, rows: Sequence[int] = ()):
-        graphs, logits = self.decode_graphs, None
+    def _forward(self, new_tokens, slots, hot=None, rows: Sequence[int] = (), record=False):
+        graphs, logits, routed = self.decode_graphs, None, None
         picked = torch.tensor(rows, dtype=torch.long) if rows else None
-        if graphs is not None and graphs.fits(new_tokens, slots):
+        if graphs is not None and not record and graphs.fits(new_tokens, slots):
             self.last[TARGET] = graphs.run(new_tokens, slots)
             if rows:
                 logits = self._logits(picked, TARGET)
         else:
             fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device, hot=hot)
-            with torch.inference_mode():
+            ctx = self.model.record_routing(fb.num_tokens) if record else contextlib.nullcontext()
+            with torch.inference_mode(), ctx as routed:
                 if rows:
                     self.last[TARGET], logits = self.model.forward_logits(fb, self.pool, picked)
                 else:
                     self.last[TARGET] = self.model(fb, self.pool)
-        return self.last[TARGET], logits
+        return self.last[TARGET], logits, routed
 
     def _forward_draft(self, new_tokens, slots, source: str, rows: torch.Tensor) -> torch.Tensor:
         fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .prefix_cache import root_hash
@@ -58,6 +59,71 @@ class DraftLength:
     proposed: int = 0
     owed_from: int = 0
     owed: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Capture:
+    """The rows a request asked to get back, one per position it ran (SGLang's
+    return_routed_experts and return_hidden_states): `routed[p - start]` the experts
+    position p's token was routed to in each layer, `hidden[p - start]` its final-normed
+    hidden state, on the host, by position from `start` (the first one asked for: a
+    multi-turn rollout's last turn may start deep in its context, whose rows no one reads).
+    A position run again (recomputed after a retraction; an MTP draft's, rejected, then run
+    as the next step's token) is written over, so each position below the request's last
+    holds what its own token gave. Positions `start` to `filled` - 1 are known: the prefix
+    cache may serve a request the positions before the later of the two
+    (`Scheduler._hit_pages`)."""
+
+    start: int
+    routed: torch.Tensor | None = None  # [positions from start, layers, top_k] int32
+    hidden: torch.Tensor | None = None  # [positions from start, hidden]
+    filled: int = 0
+
+    def write(self, pos: int, routed: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
+        """Rows for positions `pos`.. (host tensors, one row each); those before `start`
+        are dropped."""
+        n = (routed if routed is not None else hidden).shape[0]
+        skip, at = min(n, max(0, self.start - pos)), max(0, pos - self.start)
+        for name, rows in (("routed", routed), ("hidden", hidden)):
+            if rows is not None:
+                kept = _room(getattr(self, name), at + n - skip, rows)
+                kept[at : at + n - skip] = rows[skip:]
+                setattr(self, name, kept)
+        self.filled = max(self.filled, pos + n)  # (`pos` is never past what is known)
+
+    def take(self, other: Capture, end: int) -> None:
+        """`other`'s rows of positions before `end` (a fork's prompt, from the request that
+        ran it, whose `start` is this one's)."""
+        end = min(end, other.filled)
+        for name in ("routed", "hidden"):
+            rows = getattr(other, name)
+            if rows is not None:
+                setattr(self, name, rows[: max(0, end - self.start)].clone())
+        self.filled = max(end, 0)
+
+    def rows(self, end: int, routed_start: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The routed experts of positions `routed_start`..`end` - 1 (int32
+        `[n, layers, top_k]`) and the hidden states of positions 0..`end` - 1 (float32
+        `[n, hidden]`; kept only with `start` 0), of those it kept (else None), known
+        positions only."""
+        end = min(end, self.filled)
+        routed = hidden = None
+        first, last = routed_start - self.start, max(end, routed_start) - self.start
+        if self.routed is not None:
+            routed = self.routed[first:last].numpy().copy()
+        if self.hidden is not None:
+            hidden = self.hidden[: max(0, end - self.start)].float().numpy().copy()
+        return routed, hidden
+
+
+def _room(rows: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
+    """`rows` with room for `n` positions (doubling), new ones zero."""
+    if rows is not None and rows.shape[0] >= n:
+        return rows
+    grown = like.new_zeros(max(n, 2 * (0 if rows is None else rows.shape[0]), 64), *like.shape[1:])
+    if rows is not None:
+        grown[: rows.shape[0]] = rows
+    return grown
 
 
 @dataclass(eq=False)
@@ -111,6 +177,13 @@ class Request:
     thinking: ThinkingBudget | None = field(default=None, repr=False)  # (`_restrict`)
     stop_floor: int = 0  # a stop string counts only where it ends past this text offset
     error: str | None = None  # why it failed, where it alone did (finish_reason "error")
+    # SGLang's return_routed_experts / return_hidden_states: the rows kept as it runs, then
+    # once it ends those of its positions but the last (`Capture.rows`: routed experts
+    # `[n, layers, top_k]` int32 from `routed_experts_start_len`, hidden states
+    # `[n, hidden]` float32 from position 0), None where not asked
+    capture: Capture | None = None
+    routed_experts: np.ndarray | None = None
+    hidden_states: np.ndarray | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -8,7 +8,7 @@ import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NoReturn, get_args
 
 import torch
 
@@ -23,6 +23,56 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag"
 # overflow them to inf, and softmax of inf is NaN.
 GREEDY_BELOW = 1e-5
 LogprobsMode = Literal["raw", "processed"]
+# vLLM's cap on `logprob_token_ids` (its MAX_LOGPROB_TOKEN_IDS)
+MAX_LOGPROB_TOKEN_IDS = 128
+
+
+@dataclass(frozen=True)
+class RepetitionDetectionParams:
+    """vLLM's: an output ends ("repetition", stop reason "repetition_detected") once its last
+    `min_count * n` tokens are one n-token pattern `min_count` times over, for an n in
+    `min_pattern_size..max_pattern_size` (0: 1); `max_pattern_size` 0 is off. Only the
+    output's tail is read: a step costs at most a scan of the last `max_pattern_size`
+    tokens, whatever the output's length."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        sizes = (self.max_pattern_size, self.min_pattern_size, self.min_count)
+        if not all(is_int(x) for x in sizes):
+            _bad_repetition("its sizes and min_count must be integers")
+        if not 0 <= self.min_pattern_size <= self.max_pattern_size:
+            _bad_repetition("it needs 0 <= min_pattern_size <= max_pattern_size (both 0: off)")
+        if self.max_pattern_size and self.min_count < 2:
+            _bad_repetition("min_count must be at least 2 (max_pattern_size 0 turns it off)")
+
+    def repeats(self, ids: list[int]) -> bool:
+        """Whether `ids` end in a pattern repeated `min_count` times (vLLM's
+        check_sequence_repetition): the pattern lengths n whose first check holds (the last
+        token also n tokens back) are found by one C-speed scan, then checked in full."""
+        count, end = self.min_count, len(ids) - 1
+        shortest = max(self.min_pattern_size, 1)
+        longest = min(self.max_pattern_size, len(ids) // count)
+        if longest < shortest:
+            return False
+        last, i = ids[end], end - longest
+        while True:
+            try:
+                i = ids.index(last, i, end - shortest + 1)
+            except ValueError:
+                return False
+            n = end - i
+            if all(ids[end - k] == ids[end - k - n * m] for k in range(n) for m in range(1, count)):
+                return True
+            i += 1
+
+
+def _bad_repetition(why: str) -> NoReturn:
+    raise DsakvError(
+        f"invalid sampling params: repetition_detection: {why}", "repetition_detection"
+    )
 
 
 @dataclass(frozen=True)
@@ -95,6 +145,23 @@ class SamplingParams:
     # DP attention's ranks and to a PD decode server), as `cache_salt` does. None: not
     # given (vLLM's 0; SGLang's after every other, `Scheduler._priority`)
     priority: int | None = None
+    # vLLM's logprob_token_ids: each output position's logprobs of exactly these ids, in the
+    # place of its top `logprobs` (the sampled token's own still leads); the gather is
+    # `token_ids_logprob`'s, set to them, and `logprobs` unset is their count (vLLM's
+    # num_logprobs). None (or empty): the top ones
+    logprob_token_ids: tuple[int, ...] | None = None
+    # vLLM's: end the output once it repeats itself (`RepetitionDetectionParams`, or a dict
+    # of its fields); None or max_pattern_size 0: off
+    repetition_detection: RepetitionDetectionParams | None = None
+    # SGLang's return_routed_experts and return_hidden_states (refused unless the engine's
+    # enable_return_* allows them: `Engine.check_params`): per position the request ran,
+    # prompt and output but the last token, the experts its token was routed to in each
+    # layer (from position routed_experts_start_len on: the prefix cache may serve those
+    # before it) and its last hidden state, final-normed (`Request.routed_experts`,
+    # `Request.hidden_states`)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    return_hidden_states: bool = False
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -119,6 +186,14 @@ class SamplingParams:
             object.__setattr__(self, "thinking_token_budget", None)
         if self.logprobs is True:  # vLLM's: the sampled token and the likeliest
             object.__setattr__(self, "logprobs", 1)
+        if self.logprob_token_ids is not None:
+            ids = _as_tuple(self.logprob_token_ids, "logprob_token_ids", "a list of token ids")
+            object.__setattr__(self, "logprob_token_ids", ids or None)
+            if ids and self.token_ids_logprob is None:
+                object.__setattr__(self, "token_ids_logprob", ids)
+            if ids and self.logprobs is None:
+                object.__setattr__(self, "logprobs", len(ids))
+        object.__setattr__(self, "repetition_detection", _repetition(self.repetition_detection))
         bias = self.logit_bias
         if isinstance(bias, dict):
             bias = bias.items()
@@ -191,7 +266,26 @@ class SamplingParams:
                 "logit_bias names a token id twice",
             ),
             (
-                self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+                all(is_int(t) and t >= 0 for t in self.logprob_token_ids or ()),
+                "logprob_token_ids must be token ids",
+            ),
+            (
+                len(self.logprob_token_ids or ()) <= MAX_LOGPROB_TOKEN_IDS,
+                f"logprob_token_ids takes at most {MAX_LOGPROB_TOKEN_IDS} token ids",
+            ),
+            (
+                not self.logprob_token_ids or self.logprobs == len(self.logprob_token_ids),
+                "logprob_token_ids and logprobs disagree: with both given, logprobs must be "
+                "their count (vLLM's)",
+            ),
+            (
+                not self.logprob_token_ids or self.token_ids_logprob == self.logprob_token_ids,
+                "logprob_token_ids and token_ids_logprob differ: they name one gather",
+            ),
+            (
+                self.logprobs is None
+                or (is_int(self.logprobs) and 0 <= self.logprobs <= 20)
+                or self.logprob_token_ids is not None,  # (their count, checked above)
                 "logprobs must be in 0..20",
             ),
             (
@@ -250,6 +344,14 @@ class SamplingParams:
                 "token_ids_logprob needs logprobs (0: the sampled token's alone)",
             ),
             (
+                is_int(self.routed_experts_start_len) and self.routed_experts_start_len >= 0,
+                "routed_experts_start_len must be an integer >= 0",
+            ),
+            (
+                not self.routed_experts_start_len or self.return_routed_experts is True,
+                "routed_experts_start_len needs return_routed_experts",
+            ),
+            (
                 self.grammar is None
                 or (
                     isinstance(self.grammar, tuple)
@@ -281,6 +383,12 @@ class SamplingParams:
         mod 2**64, so the wrap changes no sample."""
         seed = None if self.seed is None else (self.seed + i - SEED_MIN) % 2**64 + SEED_MIN
         return replace(self, n=1, seed=seed)
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """How many likeliest tokens each output position's logprobs list besides the
+        chosen one: `logprobs`, none where `logprob_token_ids` names the tokens instead."""
+        return 0 if self.logprob_token_ids else self.logprobs or 0
 
     @property
     def greedy(self) -> bool:
@@ -337,7 +445,22 @@ BOOL_FIELDS = (
     "detokenize",
     "spaces_between_special_tokens",
     "repetition_penalty_prompt",
+    "return_routed_experts",
+    "return_hidden_states",
 )
+
+
+def _repetition(value: object) -> RepetitionDetectionParams | None:
+    """`SamplingParams.repetition_detection` as given (a dict of its fields too), None
+    where it is off."""
+    if isinstance(value, Mapping):
+        try:
+            value = RepetitionDetectionParams(**value)
+        except TypeError:
+            _bad_repetition("it takes max_pattern_size, min_pattern_size and min_count")
+    elif value is not None and not isinstance(value, RepetitionDetectionParams):
+        _bad_repetition(f"it must be RepetitionDetectionParams or a dict, got {value!r}")
+    return value if value is not None and value.max_pattern_size else None
 
 
 def _as_tuple(value: object, name: str, what: str) -> tuple:

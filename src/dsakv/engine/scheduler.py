@@ -505,9 +505,13 @@ class Scheduler:
         """How many pages of `req`'s first `end` positions the prefix cache and L3 may serve:
         never the last one's (the step computes it), and while its prompt is scored none
         from `prompt_logprobs_start` on, whose rows give the scores (SGLang's cap at
-        logprob_start_len)."""
+        logprob_start_len); while it keeps rows by position (`Request.capture`), none of the
+        positions it still lacks from its `routed_experts_start_len` on (SGLang serves them
+        and reads their routing from a table it keeps per KV slot: no cap there)."""
         if req.score_prompt:
             end = min(end, req.params.prompt_logprobs_start + 1)
+        if req.capture is not None:
+            end = min(end, max(req.capture.start, req.capture.filled) + 1)
         return (end - 1) // self.config.page_size
 
     def _admit_fresh(self, req: Request, budget: int) -> int:

@@ -171,7 +171,7 @@ def _build() -> ctypes.CDLL:
     dll.dsakv_mla_inputs.restype = None
     dll.dsakv_mla_inputs.argtypes = [ptr, i64, *(ptr,) * 8]
     dll.dsakv_ffn.restype = None
-    dll.dsakv_ffn.argtypes = [ptr, i64, ptr, ptr, ptr]
+    dll.dsakv_ffn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64]
     dll.dsakv_forward_step.restype = dll.dsakv_draft_chain.restype = i64
     dll.dsakv_forward_step.argtypes = [ptr, i64, *(ptr,) * 7, i64, ptr]
     dll.dsakv_draft_chain.argtypes = [ptr, i64, *(ptr,) * 5, i64, ptr, ptr, i64, ptr, i64, ptr]
@@ -694,16 +694,33 @@ class Ffn:
             inter,
         )
 
-    def __call__(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, attn: torch.Tensor, routed: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`x[B, hidden]` (the layer's input), `attn[B, attn_dim]` (the heads' outputs) ->
-        the layer's output `[B, hidden]`."""
+        the layer's output `[B, hidden]`. `routed`: an int32 `[B, top_k]` view (rows may be
+        strided, columns contiguous) that gets each token's chosen experts (an MoE layer)."""
         x = _activations(x, self.hidden)
         attn = _activations(attn, self.attn_dim)
         if attn.shape[0] != x.shape[0]:
             raise ValueError("native blocks: one attention output per token")
+        ld = 0
+        if routed is not None:
+            _on_cpu(routed)
+            k = self._w.top_k
+            ok = routed.dtype == torch.int32 and routed.shape == (x.shape[0], k)
+            if not self._w.router or not ok or (k > 1 and routed.stride(1) != 1):
+                raise ValueError("native blocks: routed must be int32 [B, top_k] of an MoE layer")
+            ld = routed.stride(0)
         out = torch.empty_like(x)
         _library().dsakv_ffn(
-            ctypes.byref(self._w), x.shape[0], x.data_ptr(), attn.data_ptr(), out.data_ptr()
+            ctypes.byref(self._w),
+            x.shape[0],
+            x.data_ptr(),
+            attn.data_ptr(),
+            out.data_ptr(),
+            None if routed is None else routed.data_ptr(),
+            ld,
         )
         return out
 

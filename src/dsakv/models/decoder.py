@@ -40,6 +40,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._native: tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None | bool = False
+        # Where a step that records its routing keeps this MoE layer's (an int32
+        # `[T, top_k]` view: `DSAForCausalLM.record_routing`); None: not recorded
+        self.routed: torch.Tensor | None = None
 
     def forward(self, x, cos, sin, batch, pool, selections, topk_source=None) -> torch.Tensor:
         """`topk_source`: another plan's source for this layer (pattern calibration runs
@@ -113,7 +116,11 @@ def residual_ffn(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> tor
     """o_proj and the residual, then the pre-norm FFN and its residual."""
     x = x + layer.self_attn.output(out)
     h, counts = layer.parallel.gather_tokens(layer.post_attention_layernorm(x))
-    return x + layer.parallel.scatter_tokens(layer.mlp(h), counts)
+    if layer.routed is None:
+        y = layer.mlp(h)
+    else:  # (recording its routing: this rank's tokens')
+        y = layer.mlp(h, layer.routed, layer.parallel.own_rows(counts))
+    return x + layer.parallel.scatter_tokens(y, counts)
 
 
 def _native_blocks(layer: DecoderLayer) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
@@ -170,7 +177,7 @@ def _native_ffn(layer: DecoderLayer, x, out):
     blocks = layer.native_blocks()
     if blocks is None:
         return NotImplemented
-    return blocks[1](x, out.reshape(out.shape[0], -1))
+    return blocks[1](x, out.reshape(out.shape[0], -1), layer.routed)
 
 
 def norm_rows(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

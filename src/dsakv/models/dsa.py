@@ -8,6 +8,8 @@ from the `LayerPlan` and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from itertools import islice
 
 import torch
@@ -22,7 +24,7 @@ from dsakv.kernels.backend import Block
 from .decoder import NORM, DecoderLayer, in_turn, layer_loop
 from .forward_batch import ForwardBatch
 from .layers import RMSNorm
-from .moe import Experts
+from .moe import Experts, MoE
 from .mtp import MTPLayer
 from .parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from .rope import Rotary
@@ -94,6 +96,7 @@ class DSAForCausalLM(nn.Module):
         self.rotary = Rotary(config)
         self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
         self.target_layers = tuple(islice(self.model.layers, config.num_hidden_layers))
+        self.recording = False  # inside `record_routing`
         if dtype is not None or device is not None:
             self.to(device=device, dtype=dtype)
             keep_fp32(self)
@@ -123,6 +126,29 @@ class DSAForCausalLM(nn.Module):
                 layer.self_attn.indexer.ops = backend
             if hasattr(layer.mlp, "experts"):
                 layer.mlp.experts.ops = backend
+
+    @contextlib.contextmanager
+    def record_routing(self, tokens: int) -> Iterator[torch.Tensor]:
+        """Within it, each `forward` of `tokens` tokens records the experts every target
+        MoE layer routed each token to (SGLang's return_routed_experts), into the int32
+        `[tokens, num_hidden_layers, top_k]` it yields (a dense layer's rows stay 0, as
+        SGLang's). Steps outside it record nothing and pay nothing. The MTP layer's
+        routing is not the target's: never recorded. The native layer loop is not taken
+        while recording (its per-layer blocks give the same bits)."""
+        c = self.config
+        device = self.model.norm.weight.device
+        shape = (tokens, c.num_hidden_layers, c.num_experts_per_tok)
+        ids = torch.zeros(shape, dtype=torch.int32, device=device)
+        moe = [(i, x) for i, x in enumerate(self.target_layers) if isinstance(x.mlp, MoE)]
+        for i, layer in moe:
+            layer.routed = ids[:, i]
+        self.recording = True
+        try:
+            yield ids
+        finally:
+            self.recording = False
+            for _, layer in moe:
+                layer.routed = None
 
     def forget_addresses(self) -> None:
         """Drop the native forms (`cpu_native`: the layers' blocks, the indexers' inputs, the
@@ -219,6 +245,8 @@ class DSAForCausalLM(nn.Module):
         where some part has no native form."""
         short = 0 < max(batch.extend_lens, default=0) <= LOOP_EXTEND  # (DP: an idle rank's 0)
         if not short or batch.hot is not None or not getattr(self.ops, "deterministic", False):
+            return None
+        if self.recording and not draft:  # (`record_routing`)
             return None
         owner = self.mtp if draft else self
         made_for, loop = getattr(owner, "_layer_loop", (None, None))

@@ -96,6 +96,13 @@ class MoE(nn.Module):
             parallel.rank,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, routed: torch.Tensor | None = None, own: slice = slice(None)
+    ) -> torch.Tensor:
+        """`routed`: where a step that records its routing (`DSAForCausalLM.record_routing`)
+        keeps the experts its tokens chose, `[T, top_k]`: the `own` rows of `x`'s (this
+        rank's, under DP attention)."""
         ids, weights = self.gate(x)
+        if routed is not None:
+            routed.copy_(ids[own])
         return self.experts(x, ids, weights) + self.shared_experts(x)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import re
 import secrets
@@ -29,6 +30,7 @@ from dsakv import __version__
 from dsakv.config.model import SAMPLING_FIELDS
 from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.engine import SamplingParams
+from dsakv.engine.beam_search import BeamSearch, BeamSearchParams, Step
 from dsakv.engine.chat_format import has_chat_format
 from dsakv.engine.engine import EngineAsleep
 from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
@@ -56,7 +58,7 @@ from .protocol import (
     error_body,
     invocation_path,
 )
-from .runner import AsyncEngine, RequestStream, Update, aborted_waiting
+from .runner import AsyncEngine, RequestStream, Update, aborted_waiting, finished_stream
 
 # Grammar compiles at once, and how long a request waits for its grammar.
 GRAMMAR_WORKERS = 2
@@ -280,6 +282,8 @@ class _Result:
     cached_tokens: int = 0
     abort_asked: str | None = None  # (`Update.abort_asked`)
     first: Update | None = None  # carries the prompt (and its logprobs when scored)
+    routed_experts: Any = None  # (`Update.routed_experts`: the last update's)
+    hidden_states: Any = None
 
     def add(self, u: Update) -> None:
         self.first = self.first or u
@@ -294,6 +298,10 @@ class _Result:
         self.prompt_tokens, self.completion_tokens = u.prompt_tokens, u.completion_tokens
         self.cached_tokens = u.cached_tokens
         self.abort_asked = u.abort_asked
+        if u.routed_experts is not None:
+            self.routed_experts = u.routed_experts
+        if u.hidden_states is not None:
+            self.hidden_states = u.hidden_states
 
     def as_update(self) -> Update:
         f = self.first
@@ -501,6 +509,7 @@ class Handlers:
         scored = body.prompt_logprobs is not None or (echo and body.logprobs is not None)
         if body.prompt_logprobs is None and echo and body.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+        beam = self._beam(body, params)
         if body.truncation_side == "right":
             cut = [await self._first_tokens(p, params, body.add_special_tokens) for p in prompts]
             prompts, params = cut, dataclasses.replace(params, truncate_prompt_tokens=None)
@@ -512,15 +521,20 @@ class Handlers:
         call = self.in_flight.open([_names(named)] * (count * n), "request_id")
         try:
             params = await self._ready_grammar(params, _grammar_field(body))
-            streams = await self._submit_all(
-                prompts,
-                [params] * count,
-                n,
-                raw,
-                [given] * count,
-                special=body.add_special_tokens,
-                call=call,
-            )
+            if beam is not None:
+                streams = await self._submit_beams(
+                    prompts, params, beam, raw, given, special=body.add_special_tokens, call=call
+                )
+            else:
+                streams = await self._submit_all(
+                    prompts,
+                    [params] * count,
+                    n,
+                    raw,
+                    [given] * count,
+                    special=body.add_special_tokens,
+                    call=call,
+                )
         except BaseException:  # (from here `_collect_all` or `_stream_response` closes it)
             self.in_flight.close(call)
             raise
@@ -603,7 +617,7 @@ class Handlers:
         prep, streams, call, n = run.prep, run.streams, run.call, len(run.streams)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         ids, thinking = bool(body.return_token_ids), body.include_reasoning is not False
-        as_ids = run.as_ids
+        as_ids, tracked = run.as_ids, run.params.logprob_token_ids is not None
         echo, role = echo_content(body), reply_role(body)
         base = named or uuid.uuid4().hex
         rid, created = f"chatcmpl-{base}", int(time.time())
@@ -639,7 +653,7 @@ class Handlers:
                 totals = _Result()
                 async for i, u in self._merged(streams):
                     parser = parsers[i]
-                    cut = _reason(u) == "length"
+                    cut = _reason(u) in CUT_SHORT
                     d = parser.feed(u.text, final=u.finished, cut=cut)
                     if body.stream_reasoning is False:
                         held[i] += d.reasoning
@@ -651,7 +665,7 @@ class Handlers:
                     delta = chat_delta(d, thinking)
                     if not (delta or u.finished or ((top_n is not None or ids) and u.token_ids)):
                         continue  # held-back text and nobody wants the tokens yet
-                    lp = _chat_logprobs(u, as_ids) if top_n is not None else None
+                    lp = _chat_logprobs(u, as_ids, tracked) if top_n is not None else None
                     if not (delta or u.finished):
                         delta = {"content": ""}
                     reason = prep.finish_reason(parser, _reason(u))
@@ -678,7 +692,7 @@ class Handlers:
         choices = []
         for i, r in enumerate(results):  # n choices of one prompt
             parser = prep.output_parser()
-            parser.feed(r.text, final=True, cut=r.finish_reason == "length")
+            parser.feed(r.text, final=True, cut=r.finish_reason in CUT_SHORT)
             message = {**chat_message(parser, thinking), "role": role}
             if echo:
                 message["content"] = echo + (message["content"] or "")
@@ -687,7 +701,9 @@ class Handlers:
                     "index": i,
                     "message": message,
                     "logprobs": (
-                        _chat_logprobs(r.as_update(), as_ids) if top_n is not None else None
+                        _chat_logprobs(r.as_update(), as_ids, tracked)
+                        if top_n is not None
+                        else None
                     ),
                     "finish_reason": prep.finish_reason(parser, r.finish_reason),
                     "stop_reason": r.stop_reason,
@@ -750,6 +766,7 @@ class Handlers:
         # output. A forcing tool_choice's tag holds the reasoning itself (`prepare_chat`
         # gives it reasoning "disabled").
         n = self._n(body)
+        beam = self._beam(body, params)
         given = param if max_tokens is not None else None
         special = body.add_special_tokens  # (vLLM's: none, the template holds its own)
         if body.truncation_side == "right":  # (the rendered prompt's first tokens, as vLLM's)
@@ -761,9 +778,14 @@ class Handlers:
         prompt_ids = None
         try:
             params = await self._ready_grammar(params, grammar_param, prep.reasoning)
-            streams = await self._submit_all(
-                [prompt], [params], n, raw, [given], "messages", special, call=call
-            )
+            if beam is not None:
+                streams = await self._submit_beams(
+                    [prompt], params, beam, raw, given, "messages", special, call=call
+                )
+            else:
+                streams = await self._submit_all(
+                    [prompt], [params], n, raw, [given], "messages", special, call=call
+                )
             if body.stream and body.return_token_ids:  # (vLLM's first chunk carries them)
                 keep = params.truncate_prompt_tokens
                 prompt_ids = await asyncio.to_thread(
@@ -997,15 +1019,15 @@ class Handlers:
             self.engine.engine.check_priority(body.priority)
         except DsakvError as e:
             raise APIError(400, str(e), param=e.param) from None
-        if body.use_beam_search:
-            raise APIError(400, "beam search is not supported", param="use_beam_search")
         for name in _NOT_RUN:  # (each was accepted and ignored)
             if getattr(body, name, None) not in (None, False):
                 raise APIError(400, f"{name} is not supported", param=name)
+        tracked = self._tracked(body, logprobs, logprobs_param, max_tokens)
         # SGLang's (stop_regex: a sampling param on /generate, `generate._SAMPLING_NOT_RUN`)
         for name in (*SGLANG_NOT_RUN, "stop_regex"):
             if getattr(body, name, None):
-                raise APIError(400, f"{name} is not supported by this server", param=name)
+                where = "on /generate only" if name in GENERATE_ONLY else "by this server"
+                raise APIError(400, f"{name} is supported {where}", param=name)
         budget = body.thinking_token_budget
         if budget is not None and budget >= 0 and self.chat_parsers.reasoning is None:
             raise APIError(  # (vLLM's rule: the budget counts inside the parser's markers)
@@ -1071,7 +1093,11 @@ class Handlers:
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 logit_bias=self._logit_bias(body.logit_bias),
-                logprobs=logprobs,
+                logprobs=None if tracked else logprobs,  # (vLLM's: then their count)
+                logprob_token_ids=tracked,
+                repetition_detection=(
+                    body.repetition_detection and body.repetition_detection.model_dump()
+                ),
                 grammar=_grammar(body),
                 allowed_token_ids=body.allowed_token_ids,
                 bad_words=tuple(body.bad_words or ()),
@@ -1087,6 +1113,31 @@ class Handlers:
             )
         except DsakvError as e:
             raise APIError(400, str(e), param=e.param) from None
+
+    def _tracked(
+        self,
+        body: GenerationRequest,
+        logprobs: int | None,
+        logprobs_param: str,
+        max_tokens: int | None,
+    ) -> list[int] | None:
+        """vLLM's `logprob_token_ids` (None where not asked, or empty: the top ones), refused
+        where vLLM refuses it: without logprobs (chat's `logprobs: true`), with beam search,
+        or with no output token to score (echo's `max_tokens: 0`). `SamplingParams` and the
+        engine check the ids."""
+        ids, name = body.logprob_token_ids, "logprob_token_ids"
+        if not ids:
+            return None
+        if body.use_beam_search:
+            raise APIError(400, "logprob_token_ids is not supported with beam search", param=name)
+        if logprobs is None:
+            needs = "logprobs: true" if logprobs_param == "top_logprobs" else "logprobs"
+            raise APIError(400, f"logprob_token_ids needs {needs}", param=name)
+        if max_tokens == 0:
+            raise APIError(
+                400, "logprob_token_ids scores output tokens; max_tokens is 0", param=name
+            )
+        return ids
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
         """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to biases."""
@@ -1191,14 +1242,8 @@ class Handlers:
             if not watcher.done():
                 raise  # this handler was cancelled, not the client gone
             raise APIError(499, "the client closed the request") from None
-        except GrammarError as e:  # (compiled by `_ready_grammar`: only if evicted since)
-            raise APIError(400, str(e)) from None
-        except EngineAsleep as e:  # (sleep mode: the engine takes requests again later)
-            raise APIError(503, str(e), type="server_error") from None
-        except DsakvError as e:
-            raise APIError(400, str(e), param=e.param or prompt_param) from None
-        except RuntimeError as e:
-            raise APIError(503, str(e), type="server_error") from None
+        except (DsakvError, RuntimeError) as e:
+            raise refusal(e, prompt_param) from None
         finally:
             watcher.cancel()
 
@@ -1287,6 +1332,130 @@ class Handlers:
             self.in_flight.close(call)
             raise
         return streams
+
+    def _beam(self, body: GenerationRequest, params: SamplingParams) -> BeamSearchParams | None:
+        """vLLM's `use_beam_search` (None: not asked for): `n` is the beam width, with the
+        request's max_tokens, temperature, stops, ignore_eos, include_stop_str_in_output and
+        length_penalty. What it does not run is a 400 naming it (vLLM's ignores it): a
+        sampling field the request sets (a model's generation_config defaults are not the
+        request's), structured output, tools, prompt scoring; and prefill/decode
+        disaggregation, whose router pairs each request with a prefill server's."""
+        if not body.use_beam_search:
+            return None
+        if self.engine.server_info()["disaggregation_mode"] != "null":
+            raise APIError(
+                400,
+                "use_beam_search is not supported with prefill/decode disaggregation (each "
+                "step of the search is a request of its own, which no router paired)",
+                param="use_beam_search",
+            )
+        if getattr(body, "tools", None):
+            raise APIError(400, "tools are not supported with use_beam_search", param="tools")
+        if params.grammar is not None:
+            raise APIError(
+                400,
+                "structured output is not supported with use_beam_search",
+                param=_grammar_field(body),
+            )
+        if params.prompt_logprobs is not None:
+            name = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
+            raise APIError(
+                400,
+                f"{name} (scoring the prompt) is not supported with use_beam_search",
+                param=name,
+            )
+        sent = {k: v for k in SAMPLING_FIELDS if (v := getattr(body, k)) is not None}
+        asked, off = SamplingParams(**sent), SamplingParams()
+        for name in _NOT_IN_BEAM_SEARCH:
+            value = getattr(asked if name in SAMPLING_FIELDS else params, name, None)
+            if value != getattr(off, name, None):
+                raise APIError(400, f"{name} is not supported with use_beam_search", param=name)
+        try:
+            return BeamSearchParams(
+                beam_width=self._n(body),
+                max_tokens=params.max_tokens,
+                ignore_eos=params.ignore_eos,
+                temperature=params.temperature,
+                length_penalty=1.0 if body.length_penalty is None else body.length_penalty,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                stop=params.stop,
+                stop_token_ids=params.stop_token_ids,
+            )
+        except DsakvError as e:
+            raise APIError(400, str(e), param="n" if e.param == "beam_width" else e.param) from None
+
+    async def _submit_beams(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        beam: BeamSearchParams,
+        raw: Request,
+        given: str | None,
+        prompt_param: str = "prompt",
+        special: bool = True,
+        call: _Call | None = None,
+    ) -> list[RequestStream]:
+        """`use_beam_search`'s outputs: each prompt's best `beam_width` sequences, best
+        first, as finished streams, read back as any request's (`finished_stream`). The
+        search runs (`_beam_steps`) as `_submit_n`'s engine call waits: a client that leaves
+        cancels it, and so does an abort of all its outputs, which then end as aborted while
+        waiting. Prompts are checked (and tokenized) as `_submit_n`'s."""
+        e = self.engine.engine
+        ids = [await self._fitting(p, params, given, prompt_param, special) for p in prompts]
+        try:
+            searches = [BeamSearch(e, x, beam, params.skip_special_tokens) for x in ids]
+        except DsakvError as err:
+            raise APIError(400, str(err), param=err.param) from None
+        extra = dict(cache_salt=params.cache_salt, priority=params.priority, seed=params.seed)
+        step = beam.step_params(params.logprobs, **extra)
+        n = len(ids) * beam.beam_width
+        search = asyncio.ensure_future(self._beam_steps(searches, step, raw))
+        if call is not None:
+            self.in_flight.waiting(call, search, n)
+        watcher = asyncio.create_task(_when_left(raw, search.cancel))
+        try:
+            await search
+        except asyncio.CancelledError:
+            if self.in_flight.aborted(call, n) and not _cancelling():
+                return [aborted_waiting(len(x)) for x in ids for _ in range(beam.beam_width)]
+            if not watcher.done():
+                raise  # this handler was cancelled, not the client gone
+            raise APIError(499, "the client closed the request") from None
+        finally:
+            watcher.cancel()
+        streams = [
+            finished_stream(e, req) for s in searches for req, _ in s.results(params.logprobs)
+        ]
+        if call is not None:
+            self.in_flight.took(call, streams)
+        return streams
+
+    async def _beam_steps(
+        self, searches: list[BeamSearch], step: SamplingParams, raw: Request
+    ) -> None:
+        """Run `searches` to their end, a step at a time: one request per live beam of each,
+        all handed to the engine at once (so that one engine step runs them) and read back
+        whole (`BeamSearch.advance`)."""
+        while live := [s for s in searches if not s.done]:
+            prompts = [p for s in live for p in s.prompts()]
+            submits = (self.engine.generate_n(p, step, 1) for p in prompts)
+            taken = await asyncio.gather(*submits, return_exceptions=True)
+            streams = [x[0] for x in taken if isinstance(x, list)]
+            failed = next((x for x in taken if isinstance(x, BaseException)), None)
+            if failed is not None:
+                for stream in streams:
+                    self.engine.abort(stream)
+                if isinstance(failed, (DsakvError, RuntimeError)):
+                    raise refusal(failed, None) from None
+                raise failed
+            results = iter(await self._collect_all(streams, raw))
+            for s in live:
+                s.advance(
+                    [
+                        Step(r.token_ids[0], r.logprobs[0], None, r.top_logprobs[0])
+                        for r in itertools.islice(results, len(s.live))
+                    ]
+                )
 
     async def _merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, Update]]:
         """(choice index, update) from all streams as they arrive, until all finished."""
@@ -1566,6 +1735,22 @@ def _update_error(u: Update) -> APIError:
     return APIError(u.error_status, u.error, type="server_error")
 
 
+# Finish reasons that cut the output short: a tool call still open there is reported
+# unclosed, not closed with the arguments written so far.
+CUT_SHORT = ("length", "repetition")
+
+
+def refusal(e: DsakvError | RuntimeError, param: str | None) -> APIError:
+    """The HTTP error for the engine's refusal of a request: its grammar (compiled by
+    `_ready_grammar`: only if evicted since) or its fields a 400 (`param` where the error
+    names none); asleep (sleep mode: it takes requests again later) or stopped a 503."""
+    if isinstance(e, GrammarError):
+        return APIError(400, str(e))
+    if isinstance(e, EngineAsleep) or not isinstance(e, DsakvError):
+        return APIError(503, str(e), type="server_error")
+    return APIError(400, str(e), param=e.param or param)
+
+
 def _reason(u: Update) -> str | None:
     return u.finish_reason if u.finished else None
 
@@ -1669,9 +1854,11 @@ def _prompt_logprobs(u: Update) -> list[dict[str, dict[str, Any]] | None]:
     return out
 
 
-def _chat_logprobs(u: Update, as_ids: bool = False) -> dict[str, Any]:
+def _chat_logprobs(u: Update, as_ids: bool = False, tracked: bool = False) -> dict[str, Any]:
     """`as_ids`: tokens named "token_id:N" (`_id_texts`); a chosen token's `bytes` stay its
-    text's, its top ones' are the name's, as vLLM gives them."""
+    text's, its top ones' are the name's, as vLLM gives them. `tracked`: vLLM's
+    `logprob_token_ids`, whose `top_logprobs` are the chosen token, then the asked ones
+    (without it)."""
 
     def entry(s: str, x: float) -> dict[str, Any]:
         return {"token": s, "logprob": _lp(x), "bytes": list(s.encode("utf-8"))}
@@ -1683,12 +1870,13 @@ def _chat_logprobs(u: Update, as_ids: bool = False) -> dict[str, Any]:
     if as_ids:
         alts = [_id_texts(t for t, _ in top) for top in tops]
     content = []
-    for s, name, x, top, a in zip(texts, names, u.logprobs or [], tops, alts):
+    for t, s, name, x, top, a in zip(u.token_ids, texts, names, u.logprobs or [], tops, alts):
+        listed = [entry(b, y) for (i, y), b in zip(top, a) if not (tracked and i == t)]
         content.append(
             {
                 **entry(s, x),
                 "token": name,
-                "top_logprobs": [entry(b, y) for (_, y), b in zip(top, a)],
+                "top_logprobs": [entry(name, x)] + listed if tracked else listed,
             }
         )
     return {"content": content}
@@ -1762,11 +1950,25 @@ class _CompletionChoice:
         return out
 
 
+# What beam search does not run (`Handlers._beam`): a 400 where a request sets it.
+_NOT_IN_BEAM_SEARCH = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_tokens",
+    "bad_words",
+    "allowed_token_ids",
+    "thinking_token_budget",
+    "repetition_detection",
+)
+
 # vLLM's request fields whose feature dsakv does not run: a 400 unless off.
 _NOT_RUN = (
-    "logprob_token_ids",
     "prompt_embeds",
-    "repetition_detection",
     "kv_transfer_params",  # (P/D through a KV connector: dsakv's is `dsakv.disagg`)
 )
 
@@ -1793,6 +1995,8 @@ SGLANG_NOT_RUN = (
     "return_hidden_states",
     "return_routed_experts",
 )
+# Those of them SGLang's /generate runs here (`generate._with_rows`), not the /v1 routes.
+GENERATE_ONLY = ("return_hidden_states", "return_routed_experts")
 
 
 # Request fields that ask for structured output, and the grammar kind each gives.

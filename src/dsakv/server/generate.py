@@ -11,6 +11,7 @@ which they load the trained weights between rollouts, and `/pause_generation` /
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import re
@@ -20,16 +21,26 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.engine import SamplingParams
-from dsakv.engine.engine import EngineAsleep
 from dsakv.errors import DsakvError
 
-from .app import SGLANG_NOT_RUN, Handlers, _lp, _prompt_list, _Result, _sse, request_salt
+from .app import (
+    GENERATE_ONLY,
+    SGLANG_NOT_RUN,
+    Handlers,
+    _lp,
+    _prompt_list,
+    _Result,
+    _sse,
+    refusal,
+    request_salt,
+)
 from .protocol import APIError, GenerationRequest
 
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
@@ -58,6 +69,13 @@ class GenerateRequest(BaseModel):
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
     priority: int | None = None  # (every prompt's; under priority scheduling only)
+    # SGLang's, where the server's --enable-return-routed-experts / --enable-return-hidden-
+    # states allow them (`_with_rows`): the experts each token was routed to (from
+    # routed_experts_start_len) and each token's last hidden state (one for all prompts, or
+    # a list of one each), in meta_info once the output ends
+    return_routed_experts: bool | None = False
+    routed_experts_start_len: int | None = 0
+    return_hidden_states: bool | list[bool] | None = False
 
 
 # GenerateReqInput's fields that change what is generated or returned, not run here.
@@ -67,7 +85,7 @@ _NOT_RUN = (
     "video_data",
     "audio_data",
     "positional_embed_overrides",
-    *SGLANG_NOT_RUN,  # (those the OpenAI routes refuse too)
+    *(f for f in SGLANG_NOT_RUN if f not in GENERATE_ONLY),  # (the /v1 routes refuse them too)
     "max_thinking_tokens",
     "require_reasoning",
     "return_sampling_mask",
@@ -433,12 +451,8 @@ async def _engine_call(api: Handlers, fn: Any) -> Any:
     """`fn(engine)` between steps; its `DsakvError` a 400, a stopped engine a 503."""
     try:
         return await api.engine.call(fn)
-    except EngineAsleep as e:
-        raise APIError(503, str(e), type="server_error") from None
-    except DsakvError as e:
-        raise APIError(400, str(e), param=e.param) from None
-    except RuntimeError as e:
-        raise APIError(503, str(e), type="server_error") from None
+    except (DsakvError, RuntimeError) as e:
+        raise refusal(e, None) from None
 
 
 async def _memory_call(api: Handlers, tags: list[str] | None, fn: Any) -> None:
@@ -516,6 +530,7 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
                 )
                 for p, s in zip(params, salts)
             ]
+            params = _with_rows(body, params, n)
             # (the context check only where the client gave max_new_tokens, as SGLang's)
             given = ["max_new_tokens" if s.max_new_tokens is not None else None for s in samplings]
             streams = await api._submit_all(prompts, params, n, raw, given, prompt_field, call=call)
@@ -667,6 +682,25 @@ def _token_ids_logprob(
     return [tuple(ids) or None for ids in each]
 
 
+def _with_rows(body: GenerateRequest, params: list[SamplingParams], n: int) -> list[SamplingParams]:
+    """Each prompt's params asking for SGLang's rows: `return_routed_experts` (from
+    `routed_experts_start_len`) and `return_hidden_states` (one for all prompts, or a list of
+    one each). The engine refuses them where its flags do not allow them (SGLang's words)."""
+    hidden = _per_prompt(body.return_hidden_states, "return_hidden_states", len(params), n)
+    try:
+        return [
+            dataclasses.replace(
+                p,
+                return_routed_experts=bool(body.return_routed_experts),
+                routed_experts_start_len=body.routed_experts_start_len or 0,
+                return_hidden_states=bool(h),
+            )
+            for p, h in zip(params, hidden)
+        ]
+    except DsakvError as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
 def _per_prompt(value: Any, name: str, prompts: int, n: int) -> list[Any]:
     """One value per prompt, as SGLang's `GenerateReqInput` normalises them: one for all,
     or a list of one each (not with n > 1)."""
@@ -766,6 +800,12 @@ def _output(
         meta["e2e_latency"] = time.perf_counter() - began
     if ask is not None:
         meta.update(_logprobs(r, ask))
+    if r.routed_experts is not None:  # (SGLang's: base64 of int32 [tokens, layers, top_k])
+        routed = np.ascontiguousarray(r.routed_experts, dtype=np.int32)
+        meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode("ascii")
+    if r.hidden_states is not None:  # (SGLang's: the prompt's rows, then one per output)
+        rows = r.hidden_states.tolist()
+        meta["hidden_states"] = [rows[: r.prompt_tokens], *rows[r.prompt_tokens :]]
     return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}
 
 

@@ -76,6 +76,14 @@ class StructuredOutputs(BaseModel):
     disable_fallback: bool | None = None  # (one grammar engine here: nothing to fall back on)
 
 
+class RepetitionDetection(_Strict):
+    """vLLM's `repetition_detection` (`RepetitionDetectionParams`, which checks it)."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+
 class ResponseFormat(_Strict):
     """OpenAI's `response_format`: `text`, `json_object` or `json_schema` (checked later), or
     vLLM's and SGLang's `structural_tag` (xgrammar's `format`, or the legacy `structures` and
@@ -157,11 +165,13 @@ class GenerationRequest(ServingExtras):
     no_stop_trim: bool | None = None  # SGLang's include_stop_str_in_output
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's ids too
     truncation_side: str | None = None  # vLLM's: "left" keeps the last tokens, "right" the first
-    # refused unless off (`Handlers._params`): what they ask for is not run here
+    # vLLM's beam search (`Handlers._beam`): `n` is its width
     use_beam_search: bool | None = None
-    logprob_token_ids: list[int] | None = None
+    length_penalty: float | None = None  # (its score's; None: vLLM's 1.0)
+    # refused unless off (`Handlers._params`): what they ask for is not run here
+    logprob_token_ids: list[int] | None = None  # (run: vLLM's, `Handlers._tracked`)
     prompt_embeds: Any = None
-    repetition_detection: dict[str, Any] | None = None
+    repetition_detection: RepetitionDetection | None = None  # (run: vLLM's)
     request_id: str | None = None  # vLLM's: the response's id (after "cmpl-" / "chatcmpl-")
 
 

@@ -120,6 +120,11 @@ class Update:
     prompt_texts: list[str] | None = None
     prompt_top_texts: list[list[str]] | None = None
     prompt_token_ids_logprobs: list[list[float] | None] | None = None
+    # In a request's last update only, where it asked for them (SGLang's
+    # return_routed_experts / return_hidden_states): `Request.routed_experts`,
+    # `Request.hidden_states` (numpy arrays)
+    routed_experts: Any = None
+    hidden_states: Any = None
 
 
 @dataclass(eq=False)
@@ -521,6 +526,15 @@ def aborted_waiting(prompt_tokens: int) -> RequestStream:
     return stream
 
 
+def finished_stream(engine: Engine, req: Request) -> RequestStream:
+    """The stream of a request that is over and ran as no request of the engine's (a beam
+    search's sequence, whose steps were requests of their own): its whole output in one
+    update, read back as any request's."""
+    stream = RequestStream(asyncio.get_running_loop(), prompt_tokens=len(req.prompt_ids))
+    stream._push(_update(engine, stream, req))
+    return stream
+
+
 def _ended(
     stream: RequestStream, reason: str, error: str | None = None, status: Status | None = None
 ) -> Update:
@@ -608,6 +622,8 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
             if scored and req.prompt_token_ids_logprobs is not None
             else None
         ),
+        routed_experts=req.routed_experts,  # (None until it ends)
+        hidden_states=req.hidden_states,
     )
 
 

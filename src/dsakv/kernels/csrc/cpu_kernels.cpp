@@ -995,7 +995,10 @@ void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, con
 // Each expert runs over the tokens that chose it at once, so a prefill chunk's tokens share
 // its rows' loads as a dense layer's do; every output is summed in `gemv`'s one order for
 // its row and token, so a token's bits do not depend on who else chose its experts.
-void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* attn, float* out) {
+// routed (null: not asked): token b's chosen experts at routed[b · routed_ld ..], in the
+// order chosen (a step recording its routing: SGLang's return_routed_experts).
+void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* attn, float* out,
+               int32_t* routed, int64_t routed_ld) {
   const FfnWeights& w = *wp;
   const int64_t D = w.hidden, I = w.inter, Is = w.mlp_inter;
   const int64_t k = w.router ? w.top_k : 0, E = w.router ? w.n_experts : 0;
@@ -1019,6 +1022,8 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
       if (!w.router) continue;
       gemv(w.router, D, hn + b * D, D, 1, logits + b * E, E, 0, E);
       route(w, logits + b * E, &ids[b * k], gates + b * k);
+      if (routed)
+        for (int64_t j = 0; j < k; ++j) routed[b * routed_ld + j] = int32_t(ids[b * k + j]);
     }
     // Each expert's tokens side by side (a prefill chunk's hundred tokens share each row's
     // loads), in token order; pair_of[b · k + j]: where token b's j-th choice went.
@@ -1399,7 +1404,7 @@ int64_t dsakv_forward_layers(const LayerDesc* layers, int64_t n_layers, const St
                             L.latent_row_bytes, int(L.latent_kind), sel.data(), K,
                             reinterpret_cast<const bool*>(valid.data()), T, K, H, KL, R,
                             s.mla_scale, L.w_uv, L.w_uv_sh, v, attn.data(), int(L.w_uv_kind));
-    dsakv_ffn(L.ffn, T, x, attn.data(), out.data());
+    dsakv_ffn(L.ffn, T, x, attn.data(), out.data(), nullptr, 0);
     std::memcpy(x, out.data(), T * D * sizeof(float));
   }
   return bad;

@@ -1,0 +1,355 @@
+"""SGLang's return_routed_experts and return_hidden_states (`--enable-return-routed-experts`,
+`--enable-return-hidden-states`), which RL frameworks read (routing replay, draft-model
+training): each position's experts equal the top-k transformers' reference gates compute
+over prompt + output, each position's hidden state its final-normed last hidden state; the
+same through chunked prefill, the prefix cache, n > 1, a retraction, MTP verification (a
+rejected draft leaves nothing) and DP attention; /generate's base64 int32 rows decode as
+SGLang's clients decode them; requests that do not ask pay nothing; refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from dsakv import LLM, SamplingParams
+from dsakv.cli import build_parser, engine_config_from_args
+from dsakv.config.presets import TINY_PRESETS
+from dsakv.engine import CompletionOutput, Engine, EngineConfig
+from dsakv.errors import DsakvError
+from dsakv.models.tiny import default_model_dir, write_tiny_model
+from dsakv.procs import free_port
+from dsakv.server.protocol import APIError
+
+from .serving import TIMEOUT, serving, sglang_generate, sglang_stream
+
+EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
+FLAGS = dict(enable_return_routed_experts=True, enable_return_hidden_states=True)
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+ASKED = dataclasses.replace(GREEDY, return_routed_experts=True, return_hidden_states=True)
+LAYERS, TOP_K = 8, 2  # glm-tiny's (its layer 0 dense: first_k_dense_replace 1)
+HIDDEN_ATOL = 1e-4  # fp32 both sides; measured max |Δ| about 3e-6
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(default_model_dir("glm-tiny"))  # (cached; its MTP layer fitted)
+
+
+@pytest.fixture(scope="module")
+def hf(model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def _reference(hf, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' forward over `ids`: each position's experts (its MoE gates' top-k,
+    sorted; a dense layer's 0) `[n, layers, top_k]` and final-normed hidden `[n, hidden]`."""
+    routed = np.zeros((len(ids), LAYERS, TOP_K), dtype=np.int64)
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        if hasattr(layer.mlp, "gate"):  # (an MoE layer: its router returns the top-k third)
+
+            def keep(module, args, out, i=i):
+                routed[:, i] = out[2].reshape(len(ids), TOP_K).numpy()
+
+            hooks.append(layer.mlp.gate.register_forward_hook(keep))
+    try:
+        with torch.no_grad():
+            hidden = hf.model(torch.tensor([ids])).last_hidden_state[0].numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert routed[:, 0].max() == 0 and routed[:, 1:].any()
+    return np.sort(routed, -1), hidden
+
+
+def _check(hf, prompt: list[int], out, start: int = 0) -> None:
+    """`out`'s (a `CompletionOutput`) rows are the reference's for prompt + output but the
+    last token, the routed experts from position `start`."""
+    ids = prompt + out.token_ids[:-1]
+    routed, hidden = _reference(hf, ids)
+    assert out.routed_experts.dtype == np.int32
+    assert out.routed_experts.shape == (len(ids) - start, LAYERS, TOP_K)
+    np.testing.assert_array_equal(np.sort(out.routed_experts, -1), routed[start:])
+    assert out.hidden_states.shape == hidden.shape
+    np.testing.assert_allclose(out.hidden_states, hidden, rtol=0, atol=HIDDEN_ATOL)
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 250 + 1 for j in range(9 + 13 * i)] for i in range(4)]
+
+
+class _Counted:
+    """Counts the steps that record their routing (`DSAForCausalLM.record_routing`)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.calls, self.real = model, 0, model.record_routing
+        model.record_routing = self
+
+    def __call__(self, tokens: int):
+        self.calls += 1
+        return self.real(tokens)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_rows_are_the_reference_models_and_change_nothing(model, hf, backend):
+    """Prompts of 9 to 48 tokens, chunked by 24, prefilled beside others' decode steps: each
+    asked-for position's experts and hidden state are transformers'; routing from
+    `routed_experts_start_len` on; the tokens and logprobs are those of a run that asks for
+    nothing, which records no step (the native kernels and the torch path alike)."""
+    llm = LLM(model, **EXACT, num_pages=64, chunked_prefill_size=24, attention_backend=backend,
+              **FLAGS)  # fmt: skip
+    prompts = _prompts()
+    counted = _Counted(llm.engine.model)
+    plain = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert counted.calls == 0
+    assert all(o.outputs[0].routed_experts is None for o in plain)
+    started = dataclasses.replace(ASKED, routed_experts_start_len=5)
+    hidden_only = dataclasses.replace(GREEDY, return_hidden_states=True)
+    params = [ASKED, GREEDY, started, hidden_only]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert counted.calls > 0
+    for a, b in zip(outs, plain):
+        (ca,), (cb,) = a.outputs, b.outputs
+        assert ca.token_ids == cb.token_ids
+        assert [d[t].logprob for t, d in zip(ca.token_ids, ca.logprobs)] == pytest.approx(
+            [d[t].logprob for t, d in zip(cb.token_ids, cb.logprobs)], abs=1e-5
+        )
+    _check(hf, prompts[0], outs[0].outputs[0])
+    assert outs[1].outputs[0].routed_experts is None and outs[1].outputs[0].hidden_states is None
+    _check(hf, prompts[2], outs[2].outputs[0], start=5)
+    only = outs[3].outputs[0]
+    assert only.routed_experts is None
+    want = _reference(hf, prompts[3] + only.token_ids[:-1])[1]
+    np.testing.assert_allclose(only.hidden_states, want, rtol=0, atol=HIDDEN_ATOL)
+
+
+def test_prefix_cache_forks_and_a_retraction_keep_every_row(model, hf):
+    """The prefix cache serves an asking request only what it does not ask for (the
+    positions before `routed_experts_start_len`); n > 1 choices take the prompt's rows
+    from the first and their pages from the cache; a request retracted mid-decode and
+    computed again reports the rows of its own tokens."""
+    llm = LLM(model, **EXACT, num_pages=64, **FLAGS)
+    prompt = _prompts()[3]  # 48 tokens: 3 pages of 16
+    llm.generate([prompt], GREEDY, use_tqdm=False)  # its pages cached
+    (whole,) = llm.generate([prompt], ASKED, use_tqdm=False)
+    assert whole.num_cached_tokens == 0
+    _check(hf, prompt, whole.outputs[0])
+    tail = dataclasses.replace(ASKED, routed_experts_start_len=33, return_hidden_states=False)
+    (part,) = llm.generate([prompt], tail, use_tqdm=False)
+    assert part.num_cached_tokens == 32  # (whole pages up to position 33)
+    np.testing.assert_array_equal(
+        part.outputs[0].routed_experts, whole.outputs[0].routed_experts[33:]
+    )
+
+    sampled = dataclasses.replace(ASKED, temperature=1.0, seed=7, n=3, max_tokens=5)
+    (forks,) = llm.generate([prompt[:40]], sampled, use_tqdm=False)
+    assert forks.metrics["prefix_hit_tokens"] > 0  # (the later choices')
+    assert len({tuple(c.token_ids) for c in forks.outputs}) > 1
+    for c in forks.outputs:
+        _check(hf, prompt[:40], c)
+
+    engine = llm.engine
+    req = engine.add_request(prompt[:30], dataclasses.replace(ASKED, max_tokens=8))
+    while len(req.output_ids) < 4:
+        engine.step()
+    engine.retract_all()
+    while not req.finished:
+        engine.step()
+    assert req.metrics.retractions == 1
+    out = CompletionOutput.from_request(0, req)
+    _check(hf, prompt[:30], out)
+
+
+def test_a_late_start_keeps_no_rows_before_it(model):
+    """A multi-turn rollout asks for its last turn's routing alone (`routed_experts_start_len`
+    deep in its context): the host keeps no row before the start, and the rows it reports,
+    through a retraction too, are the tail of a request that asks from position 0."""
+    llm = LLM(model, **EXACT, num_pages=128, **FLAGS)
+    prompt = [(5 * j) % 250 + 1 for j in range(600)]
+    routed = dataclasses.replace(GREEDY, return_routed_experts=True)
+    (whole,) = llm.generate([prompt], routed, use_tqdm=False)
+    start = 590
+    engine = llm.engine
+    req = engine.add_request(prompt, dataclasses.replace(routed, routed_experts_start_len=start))
+    while len(req.output_ids) < 3:
+        engine.step()
+    assert req.capture.routed.shape[0] < start  # (not a row per position before it)
+    engine.retract_all()
+    while not req.finished:
+        engine.step()
+    assert req.metrics.retractions == 1
+    np.testing.assert_array_equal(req.routed_experts, whole.outputs[0].routed_experts[start:])
+
+
+def test_mtp_verification_leaves_no_rejected_draft(model, hf):
+    """With MTP the target checks several drafts a step: the positions of drafts it
+    rejects are run again as the next step's tokens; the rows are the single-step run's,
+    transformers' own."""
+    llm = LLM(model, **EXACT, num_pages=64, speculative_algorithm="mtp",
+              speculative_num_steps=3, **FLAGS)  # fmt: skip
+    prompts = _prompts()
+    params = dataclasses.replace(ASKED, max_tokens=16)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    c = llm.engine.counters()
+    assert 0 < c["spec_accepted_tokens"] < c["spec_draft_tokens"]
+    for prompt, out in zip(prompts, outs):
+        _check(hf, prompt, out.outputs[0])
+
+
+def test_refused_where_not_allowed_or_not_run(model, tmp_path):
+    """Without the engine's flag, asking is SGLang's error (offline too); a start past the
+    prompt, or one alone, is refused; a model without MoE layers routes nothing; a
+    prefill/decode server refuses both (the decode server never sees the prompt's rows)."""
+    llm = LLM(model, **EXACT, num_pages=32)
+    for name in ("return_routed_experts", "return_hidden_states"):
+        with pytest.raises(DsakvError) as e:
+            llm.generate([[1, 2, 3]], dataclasses.replace(GREEDY, **{name: True}), use_tqdm=False)
+        flag = "--enable-" + name.replace("_", "-")
+        assert e.value.param == name and f"Please set `{flag}`" in str(e.value)
+    flagged = LLM(model, **EXACT, num_pages=32, **FLAGS)
+    with pytest.raises(DsakvError, match="higher than the number of input tokens"):
+        flagged.generate([[1, 2, 3]], dataclasses.replace(ASKED, routed_experts_start_len=4))
+    with pytest.raises(DsakvError, match="needs return_routed_experts"):
+        SamplingParams(routed_experts_start_len=2)
+    with pytest.raises(DsakvError, match="routed_experts_start_len must be an integer >= 0"):
+        SamplingParams(return_routed_experts=True, routed_experts_start_len=-1)
+    with pytest.raises(DsakvError, match="return_hidden_states must be True or False"):
+        SamplingParams(return_hidden_states="yes")
+
+    args = build_parser().parse_args(
+        ["serve", model, "--enable-return-routed-experts", "--enable-return-hidden-states"]
+    )
+    config = engine_config_from_args(args)
+    assert config.enable_return_routed_experts and config.enable_return_hidden_states
+
+    all_dense = {**TINY_PRESETS["glm-tiny"], "first_k_dense_replace": LAYERS}
+    dense = write_tiny_model(tmp_path / "dense", preset=all_dense, mtp="none")
+    with pytest.raises(DsakvError, match="needs an MoE model"):
+        Engine(EngineConfig(str(dense), **EXACT, num_pages=8, enable_return_routed_experts=True))
+
+    from dsakv.disagg import handoff
+    from dsakv.disagg.config import DisaggConfig
+    from dsakv.disagg.handoff import BootstrapTarget
+    from dsakv.disagg.serving import PrefillAsyncEngine
+
+    port = free_port()
+    prefill = PrefillAsyncEngine(
+        Engine(EngineConfig(model, **EXACT, num_pages=32, **FLAGS)),
+        DisaggConfig("prefill", bootstrap_port=port),
+        "127.0.0.1",
+    )
+
+    async def ask(params: SamplingParams):
+        handoff._current.set(handoff._Targets([BootstrapTarget(1, None, port)]))
+        await prefill.generate_n([1, 2, 3], params, 1)
+
+    try:
+        for name in ("return_routed_experts", "return_hidden_states"):
+            with pytest.raises(APIError) as e:
+                asyncio.run(ask(dataclasses.replace(GREEDY, **{name: True})))
+            assert e.value.status == 400 and e.value.param == name
+            assert "prefill/decode disaggregation" in e.value.message
+    finally:
+        prefill.shutdown()
+
+
+def test_dp_attention_brings_each_ranks_rows_back(model, hf):
+    """Under DP attention each rank routes every rank's tokens together; each request's
+    rows are its own rank's share, as one engine reports them."""
+    prompts = _prompts()
+    with LLM(model, **EXACT, num_pages=64, tp=2, dp_attention=True, **FLAGS) as llm:
+        outs = llm.generate(prompts, ASKED, use_tqdm=False)
+        assert all(c["finished_requests"] > 0 for c in llm.engine.rank_counters())
+    for prompt, out in zip(prompts, outs):
+        _check(hf, prompt, out.outputs[0])
+
+
+# --- SGLang's /generate --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    with serving(EngineConfig(model=model, **EXACT, num_pages=64, **FLAGS)) as served:
+        yield served
+
+
+def _decoded(meta: dict) -> np.ndarray:
+    """SGLang's client-side decode (`extract_routed_experts_from_meta_info`)."""
+    flat = np.frombuffer(base64.b64decode(meta["routed_experts"].encode("utf-8")), np.int32)
+    return flat.reshape(-1, LAYERS, TOP_K)
+
+
+def test_generate_returns_sglangs_rows(served, hf):
+    """A batch asking for routed experts (from `routed_experts_start_len`) and, per
+    prompt, hidden states: meta_info's `routed_experts` is base64 of int32
+    `[tokens, layers, top_k]` (SGLang's), `hidden_states` the prompt's rows then one per
+    output token but the last; the prompt that does not ask for hidden states gets none,
+    a request that asks for nothing neither; streamed, the last chunk brings them."""
+    base, _ = served
+    prompts = _prompts()[1:3]
+    sampling = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    outs = sglang_generate(base, input_ids=prompts, sampling_params=sampling,
+                           return_routed_experts=True, routed_experts_start_len=3,
+                           return_hidden_states=[True, False])  # fmt: skip
+    for prompt, out, hidden in zip(prompts, outs, (True, False)):
+        meta = out["meta_info"]
+        ids = prompt + out["output_ids"][:-1]
+        routed, states = _reference(hf, ids)
+        got = _decoded(meta)
+        assert got.shape == (len(ids) - 3, LAYERS, TOP_K)
+        np.testing.assert_array_equal(np.sort(got, -1), routed[3:])
+        if not hidden:
+            assert "hidden_states" not in meta
+            continue
+        rows = meta["hidden_states"]
+        assert len(rows) == 1 + len(out["output_ids"]) - 1 == 5
+        assert np.array(rows[0]).shape == (len(prompt), states.shape[1])
+        assert all(np.array(r).shape == (states.shape[1],) for r in rows[1:])
+        flat = np.array([*rows[0], *rows[1:]])
+        np.testing.assert_allclose(flat, states, rtol=0, atol=HIDDEN_ATOL)
+
+    plain = sglang_generate(base, input_ids=prompts[0], sampling_params=sampling)
+    assert not {"routed_experts", "hidden_states"} & set(plain["meta_info"])
+    chunks = sglang_stream(base, input_ids=prompts[0], sampling_params=sampling,
+                           return_routed_experts=True)  # fmt: skip
+    assert all("routed_experts" not in c["meta_info"] for c in chunks[:-1])
+    whole = sglang_generate(base, input_ids=prompts[0], sampling_params=sampling,
+                            return_routed_experts=True)  # fmt: skip
+    np.testing.assert_array_equal(_decoded(chunks[-1]["meta_info"]), _decoded(whole["meta_info"]))
+
+
+_BAD = [
+    ({"routed_experts_start_len": 99, "return_routed_experts": True}, "routed_experts_start_len"),
+    ({"routed_experts_start_len": -1, "return_routed_experts": True}, "routed_experts_start_len"),
+    ({"routed_experts_start_len": 2}, "routed_experts_start_len"),
+    ({"return_hidden_states": [True, False]}, "return_hidden_states"),
+]
+
+
+def test_bad_requests_are_400s_naming_the_field(served, model):
+    base, _ = served
+    for extra, param in _BAD:
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}, **extra}
+        r = httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    chat = {"messages": [{"role": "user", "content": "x"}], "return_routed_experts": True}
+    r = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=TIMEOUT)
+    assert r.status_code == 400 and "on /generate only" in r.json()["error"]["message"]
+
+    with serving(EngineConfig(model=model, **EXACT, num_pages=32)) as (plain, _):
+        for name in ("return_routed_experts", "return_hidden_states"):
+            body = {"input_ids": [5, 6, 7], name: True}
+            r = httpx.post(f"{plain}/generate", json=body, timeout=TIMEOUT)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == name and err["message"].startswith(
+                "The server is not configured to return the "
+            )
