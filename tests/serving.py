@@ -257,11 +257,10 @@ def sglang_generate(base: str, headers: dict | None = None, **body: Any) -> Any:
     return r.json()
 
 
-def sglang_stream(base: str, **body: Any) -> list[dict]:
-    """SGLang's /generate streamed: each event's JSON, the stream ended by [DONE]."""
-    with httpx.stream(
-        "POST", f"{base}/generate", json={**body, "stream": True}, timeout=TIMEOUT
-    ) as r:
+def sglang_stream(base: str, path: str = "/generate", **body: Any) -> list[dict]:
+    """SGLang's /generate (or `path`) streamed: each event's JSON, the stream ended by
+    [DONE]."""
+    with httpx.stream("POST", base + path, json={**body, "stream": True}, timeout=TIMEOUT) as r:
         assert r.status_code == 200
         events = [x for x in r.iter_lines() if x.startswith("data: ")]
     assert events[-1] == "data: [DONE]"

@@ -114,6 +114,33 @@ def test_flush_cache_drops_device_and_host_pages_without_copying(tiny):
     e.check_integrity()
 
 
+def test_llm_reset_prefix_cache_as_vllm_and_flush_cache_as_sglang(tiny):
+    """`LLM.reset_prefix_cache` (vLLM's) and `LLM.flush_cache` (SGLang's) drop what the
+    server's /reset_prefix_cache and /flush_cache drop: a repeated prompt is computed again.
+    While a request waits or runs, False and nothing dropped (SGLang's; vLLM's refuses only
+    while a request holds pages)."""
+    llm = LLM(tiny, **EXACT, num_pages=32)
+    prompt = _prompt(400, 40)
+
+    def cached() -> int:
+        return llm.generate(prompt, SHORT, use_tqdm=False)[0].num_cached_tokens
+
+    cached()
+    assert cached() == 32
+    assert llm.reset_prefix_cache() is True
+    assert llm.engine.counters()["pages_cached"] == 0
+    assert cached() == 0 and cached() == 32
+    e = llm.engine
+    e.add_request(_prompt(401, 20), SHORT)  # (added directly: generate returns with none)
+    assert llm.reset_prefix_cache() is False and llm.flush_cache() is False  # waiting
+    e.step()
+    assert e.scheduler.running and llm.reset_prefix_cache() is False  # running
+    assert cached() == 32  # (generate ran it too)
+    assert llm.flush_cache() is True
+    assert cached() == 0
+    e.check_integrity()
+
+
 def test_cache_reset_keeps_what_a_running_request_locked(tiny):
     """`PrefixCache.reset` under a running request (the engine's flush refuses then, the
     cache itself does not): the request's locked prefix stays, everything else goes."""

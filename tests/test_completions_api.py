@@ -813,6 +813,21 @@ def test_small_endpoints_of_vllm_and_sglang(base, served):
     assert second == pytest.approx(first, rel=0.5)
 
 
+def test_llm_get_server_info_is_the_servers_less_its_own(base, reference, model_dir):
+    """`LLM.get_server_info` (SGLang's `Engine.get_server_info`): /server_info's fields of an
+    engine of the same settings, in its order, less the PD role only a server has; served
+    under the model's path (SGLang's default `served_model_name`)."""
+    info = reference.get_server_info()
+    served = httpx.get(f"{base}/server_info", timeout=TIMEOUT).json()
+    assert list(served) == [*info, "disaggregation_mode"]
+    assert list(info)[:3] == ["model_path", "tokenizer_path", "served_model_name"]
+    assert info["served_model_name"] == str(model_dir) and served["served_model_name"] == MODEL
+    for key in set(info) - {"internal_states", "served_model_name"}:  # (the throughput:
+        assert info[key] == served[key], key  # each engine's own)
+    assert info["max_total_num_tokens"] == ENGINE_ARGS["num_pages"] * ENGINE_ARGS["page_size"]
+    assert [sorted(s) for s in info["internal_states"]] == [["last_gen_throughput"]]
+
+
 def test_token_texts_join_to_the_text_across_multibyte_characters(base, client):
     """Each byte of é or 日 is a token here: those that leave a character unfinished add ""
     and the one finishing it adds the character, so tokens join to the text, text_offset

@@ -5,6 +5,7 @@ official `openai` client in front, and an offline `LLM` on the same model as ref
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -38,7 +40,7 @@ from dsakv.disagg.transfer import (
     import_transfer_engine,
     plan_writes,
 )
-from dsakv.engine import LLM, SamplingParams
+from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.memory import CacheLayout, DSAKVPool
 from dsakv.models.tiny import TINY_PRESETS, default_model_dir, write_tiny_model
 
@@ -52,6 +54,9 @@ from .serving import (
     free_port,
     running,
     scrape_metrics,
+    serving,
+    sglang_generate,
+    sglang_stream,
     start_decode,
     start_prefill,
     wait_idle,
@@ -59,6 +64,7 @@ from .serving import (
 
 EXACT = ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32", "--page-size", "16"]
 TINY = [*EXACT, "--num-pages", "256", "--device", "cpu", "--max-running-requests", "64"]
+ROUTED = ["--enable-return-routed-experts"]  # (the router's pair: SGLang's R3 under PD)
 
 
 # --- the transfer layer, in one process --------------------------------------------------------
@@ -631,7 +637,8 @@ def test_a_hisparse_decode_server_takes_prompts_past_its_device_pool(tmp_path, m
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[dict]:
     """glm-tiny with index_topk covering every context (exact against one engine): a
-    prefill server, two decode servers and the router process; a dense-layout decode
+    prefill server, two decode servers and the router process (its pair returning routed
+    experts); a dense-layout decode
     server (short timeout); GLM-5.2-shaped (glm-bench, fp8) prefill and decode servers.
     All start at once, so their model loads overlap."""
     root = tmp_path_factory.mktemp("disagg")
@@ -639,10 +646,9 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
     bench = str(default_model_dir("glm-bench"))
     procs: dict[str, ServerProcess] = {}
     try:
-        procs["prefill"], bport = start_prefill(
-            root, "prefill", tiny, *TINY, "--disaggregation-timeout", "20"
-        )
-        procs["decode"] = start_decode(root, "decode", tiny, *TINY)
+        procs["prefill"], bport = start_prefill(root, "prefill", tiny, *TINY, *ROUTED,
+                                                "--disaggregation-timeout", "20")  # fmt: skip
+        procs["decode"] = start_decode(root, "decode", tiny, *TINY, *ROUTED)
         procs["decode2"] = start_decode(root, "decode2", tiny, *TINY)
         procs["dense"] = start_decode(root, "dense", tiny, *TINY, "--no-elide-index-k",
                                  "--disaggregation-timeout", "3")  # fmt: skip
@@ -783,6 +789,106 @@ def test_sglangs_generate_through_the_router_equals_one_engine(cluster, referenc
     r = httpx.post(f"{cluster['router']}/v1/completions", json=body, timeout=60).json()
     assert r["choices"][0]["text"] == cut.text and r["usage"]["prompt_tokens"] == 9
     wait_idle(cluster["prefill"].url)
+
+
+def test_routed_experts_cross_with_the_first_token(cluster):
+    """SGLang's return_routed_experts through `dsakv router`: the prompt's rows come from the
+    prefill server with its first token, the output's from the decode server; /generate
+    (streamed too), completions and chat give the rows a plain server gives for the same
+    prompt and greedy output (transformers' too), from `routed_experts_start_len`; hidden
+    states stay a 400 (the prompt's are the prefill server's)."""
+    from transformers import AutoModelForCausalLM
+
+    from .test_routed_experts import EXACT as ONE_ENGINE
+    from .test_routed_experts import _decoded, _reference
+
+    model, router = cluster["model"], cluster["router"]
+    ids = httpx.post(f"{cluster['decode'].url}/tokenize", json={"prompt": "Routing " * 20})
+    prompt = ids.json()["tokens"]
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    asks = {"input_ids": prompt, "sampling_params": sp, "return_routed_experts": True}
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = {"messages": messages, **NO_THINKING, **body, "return_routed_experts": True}
+    config = EngineConfig(model, **ONE_ENGINE, num_pages=64, enable_return_routed_experts=True)
+    with serving(config) as (plain, _):
+        want = sglang_generate(plain, **asks)
+        want_chat = httpx.post(f"{plain}/v1/chat/completions", json=chat, timeout=60).json()
+    routed = _decoded(want["meta_info"])
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ref = _reference(hf, prompt + want["output_ids"][:-1])[0]
+    np.testing.assert_array_equal(np.sort(routed, -1), ref)
+
+    got = sglang_generate(router, **asks)
+    assert got["output_ids"] == want["output_ids"]
+    np.testing.assert_array_equal(_decoded(got["meta_info"]), routed)
+    streamed = sglang_stream(router, **asks)
+    np.testing.assert_array_equal(_decoded(streamed[-1]["meta_info"]), routed)
+    late = sglang_generate(router, **asks, routed_experts_start_len=len(prompt) - 3)
+    np.testing.assert_array_equal(_decoded(late["meta_info"]), routed[len(prompt) - 3 :])
+    body = {"prompt": prompt, **body}
+    asked = {**body, "return_routed_experts": True}
+    r = httpx.post(f"{router}/v1/completions", json=asked, timeout=60)
+    np.testing.assert_array_equal(_decoded(r.json()["sglext"]), routed)
+    r = httpx.post(f"{router}/v1/chat/completions", json=chat, timeout=60).json()
+    assert r["choices"][0]["message"] == want_chat["choices"][0]["message"]
+    np.testing.assert_array_equal(_decoded(r["sglext"]), _decoded(want_chat["sglext"]))
+
+    hidden = {**body, "return_hidden_states": True}
+    r = httpx.post(f"{router}/v1/completions", json=hidden, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states"
+    wait_idle(cluster["prefill"].url)
+
+
+@contextmanager
+def _tap(port: int) -> Iterator[tuple[int, bytearray]]:
+    """A TCP relay to 127.0.0.1:`port`: (its own port, what the far side has sent back)."""
+    heard, listener = bytearray(), socket.create_server(("127.0.0.1", free_port()))
+
+    def pipe(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if record is not None:
+                    record += data
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                near, _ = listener.accept()
+                far = socket.create_connection(("127.0.0.1", port))
+                threading.Thread(target=pipe, args=(near, far, None), daemon=True).start()
+                threading.Thread(target=pipe, args=(far, near, heard), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield listener.getsockname()[1], heard
+    finally:
+        listener.close()
+
+
+def test_the_hand_off_carries_routed_experts_only_when_asked(cluster):
+    """The prefill server's `done` line, as the decode server reads it: the prompt's rows
+    where the request asked for them, and not a byte more where it did not (it sent
+    `"routed_experts": null` to every request)."""
+    prefill, decode = cluster["prefill"].url, cluster["decode"].url
+    bport = cluster["bootstrap_port"]
+    body = {"prompt": "Routing " * 8, "max_tokens": 2, "temperature": 0}
+    for room, asked in ((8181, False), (8282, True)):
+        ask = {**body, "return_routed_experts": True} if asked else body
+        with _tap(bport) as (port, heard), ThreadPoolExecutor(2) as pool:
+            headers = {"x-dsakv-bootstrap-room": str(room), "x-dsakv-bootstrap-host": "127.0.0.1"}
+            answers = [
+                pool.submit(httpx.post, f"{url}/v1/completions", json=ask, timeout=60,
+                            headers={**headers, "x-dsakv-bootstrap-port": str(p)})
+                for url, p in ((decode, port), (prefill, bport))
+            ]  # fmt: skip
+            assert [a.result().status_code for a in answers] == [200, 200]
+        (done,) = [m for m in map(json.loads, heard.splitlines()) if m["type"] == "done"]
+        assert ("routed_experts" in done) == asked == ("sglext" in answers[0].result().json())
+    wait_idle(prefill)
+    wait_idle(decode)
 
 
 def test_cached_tokens_are_the_prefill_servers_prefix_hit(cluster):

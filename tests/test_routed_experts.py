@@ -4,13 +4,15 @@ training): each position's experts equal the top-k transformers' reference gates
 over prompt + output, each position's hidden state its final-normed last hidden state; the
 same through chunked prefill, the prefix cache, n > 1, a retraction, MTP verification (a
 rejected draft leaves nothing) and DP attention; /generate's base64 int32 rows decode as
-SGLang's clients decode them; requests that do not ask pay nothing; refusals."""
+SGLang's clients decode them, and the OpenAI routes' `sglext` and `hidden_states` are the
+same rows; requests that do not ask pay nothing; refusals."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import dataclasses
+import json
 
 import httpx
 import numpy as np
@@ -26,7 +28,14 @@ from dsakv.models.tiny import default_model_dir, write_tiny_model
 from dsakv.procs import free_port
 from dsakv.server.protocol import APIError
 
-from .serving import TIMEOUT, serving, sglang_generate, sglang_stream
+from .serving import (
+    NO_THINKING,
+    TIMEOUT,
+    engine_stops_stepping_at,
+    serving,
+    sglang_generate,
+    sglang_stream,
+)
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
 FLAGS = dict(enable_return_routed_experts=True, enable_return_hidden_states=True)
@@ -207,7 +216,8 @@ def test_mtp_verification_leaves_no_rejected_draft(model, hf):
 def test_refused_where_not_allowed_or_not_run(model, tmp_path):
     """Without the engine's flag, asking is SGLang's error (offline too); a start past the
     prompt, or one alone, is refused; a model without MoE layers routes nothing; a
-    prefill/decode server refuses both (the decode server never sees the prompt's rows)."""
+    prefill/decode server refuses hidden states (the decode server never sees the prompt's
+    rows; its routed experts come with the first token: `test_disagg`)."""
     llm = LLM(model, **EXACT, num_pages=32)
     for name in ("return_routed_experts", "return_hidden_states"):
         with pytest.raises(DsakvError) as e:
@@ -252,11 +262,10 @@ def test_refused_where_not_allowed_or_not_run(model, tmp_path):
         await prefill.generate_n([1, 2, 3], params, 1)
 
     try:
-        for name in ("return_routed_experts", "return_hidden_states"):
-            with pytest.raises(APIError) as e:
-                asyncio.run(ask(dataclasses.replace(GREEDY, **{name: True})))
-            assert e.value.status == 400 and e.value.param == name
-            assert "prefill/decode disaggregation" in e.value.message
+        with pytest.raises(APIError) as e:
+            asyncio.run(ask(dataclasses.replace(GREEDY, return_hidden_states=True)))
+        assert e.value.status == 400 and e.value.param == "return_hidden_states"
+        assert "prefill/decode disaggregation" in e.value.message
     finally:
         prefill.shutdown()
 
@@ -326,6 +335,89 @@ def test_generate_returns_sglangs_rows(served, hf):
     np.testing.assert_array_equal(_decoded(chunks[-1]["meta_info"]), _decoded(whole["meta_info"]))
 
 
+def test_openai_routes_return_sglangs_rows(served, hf):
+    """SGLang's OpenAI routes: the response's `sglext.routed_experts` is its first
+    choice's (n > 1 too), the rows /generate gives for the same prompt and greedy output
+    (transformers' too), from `routed_experts_start_len`; each choice's `hidden_states` is
+    the last of /generate's rows; streamed, after the choices' chunks, one chunk a choice
+    with its hidden state, then one with `sglext` and no choices; unasked, none of it."""
+    base, _ = served
+    asks = {"return_routed_experts": True, "return_hidden_states": True}
+    greedy = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], **NO_THINKING}
+    chat_ids = httpx.post(f"{base}/tokenize", json=chat, timeout=TIMEOUT).json()["tokens"]
+    prompt = _prompts()[1]
+    for path, ids, body in (
+        ("/v1/completions", prompt, {"prompt": prompt}),
+        ("/v1/chat/completions", chat_ids, chat),
+    ):
+        want = sglang_generate(base, input_ids=ids, sampling_params=sp, **asks)
+        routed, rows = _decoded(want["meta_info"]), want["meta_info"]["hidden_states"]
+        ref_routed, ref_hidden = _reference(hf, ids + want["output_ids"][:-1])
+        np.testing.assert_array_equal(np.sort(routed, -1), ref_routed)
+        np.testing.assert_allclose(rows[-1], ref_hidden[-1], rtol=0, atol=HIDDEN_ATOL)
+
+        ask = {**body, **greedy, **asks, "n": 2}
+        r = httpx.post(base + path, json=ask, timeout=TIMEOUT).json()
+        np.testing.assert_array_equal(_decoded(r["sglext"]), routed)
+        assert [c["index"] for c in r["choices"]] == [0, 1]
+        for c in r["choices"]:
+            np.testing.assert_allclose(c["hidden_states"], rows[-1], rtol=0, atol=HIDDEN_ATOL)
+
+        chunks = sglang_stream(base, path, **ask)
+        *text, h0, h1, ext = chunks
+        assert ext["choices"] == [] and set(ext["sglext"]) == {"routed_experts"}
+        np.testing.assert_array_equal(_decoded(ext["sglext"]), routed)
+        for i, h in enumerate((h0, h1)):
+            (c,) = h["choices"]
+            hidden = c["delta"]["hidden_states"] if "delta" in c else c["hidden_states"]
+            assert c["index"] == i and c["finish_reason"] is None
+            np.testing.assert_allclose(hidden, rows[-1], rtol=0, atol=HIDDEN_ATOL)
+        assert not any("sglext" in t or "hidden_states" in json.dumps(t) for t in text)
+
+        late = {**body, **greedy, "return_routed_experts": True, "routed_experts_start_len": 3}
+        r = httpx.post(base + path, json=late, timeout=TIMEOUT).json()
+        np.testing.assert_array_equal(_decoded(r["sglext"]), routed[3:])
+        assert "hidden_states" not in r["choices"][0]
+        plain = httpx.post(base + path, json={**body, **greedy}, timeout=TIMEOUT).json()
+        assert "sglext" not in plain and "hidden_states" not in plain["choices"][0]
+
+
+def test_streamed_extras_keep_usage_and_skip_aborted_choices(served):
+    """Under stream_options.include_usage the hidden-state and `sglext` chunks carry `usage`
+    as every other chunk does (null; with continuous_usage_stats a choice's chunk its
+    choice's tokens): they had none. A choice aborted mid-stream has no rows: no chunk for
+    it (SGLang's: only the choices that have them), where it got `hidden_states: null`."""
+    base, async_engine = served
+    asks = {"return_routed_experts": True, "return_hidden_states": True, "n": 2}
+    greedy = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], **NO_THINKING}
+    for path, body in (("/v1/completions", {"prompt": _prompts()[1]}),
+                       ("/v1/chat/completions", chat)):  # fmt: skip
+        for running in (False, True):
+            opts = {"include_usage": True, "continuous_usage_stats": running}
+            *chunks, last = sglang_stream(base, path, **body, **greedy, **asks, stream_options=opts)
+            assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+            *_, h0, h1, ext = chunks
+            assert "sglext" in ext and all("usage" in c for c in chunks), (path, running)
+            assert ext["usage"] is None
+            for h in (h0, h1):  # (its choice's: 3 tokens)
+                assert (h["usage"] or {}).get("completion_tokens") == (3 if running else None)
+
+    long = {"prompt": _prompts()[1], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with (
+        engine_stops_stepping_at(async_engine, tokens=2),  # (it cannot finish by itself)
+        httpx.stream("POST", f"{base}/v1/completions", json={**long, **asks}, timeout=TIMEOUT) as r,
+    ):
+        lines = r.iter_lines()  # (kept: a dropped iterator closes the stream)
+        next(x for x in lines if x.startswith("data: "))
+        httpx.post(f"{base}/abort_request", json={"abort_all": True}, timeout=TIMEOUT)
+        rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert {c["choices"][0]["finish_reason"] for c in rest} >= {"abort"}
+    assert not any("hidden_states" in c["choices"][0] or "sglext" in c for c in rest), rest
+
+
 _BAD = [
     ({"routed_experts_start_len": 99, "return_routed_experts": True}, "routed_experts_start_len"),
     ({"routed_experts_start_len": -1, "return_routed_experts": True}, "routed_experts_start_len"),
@@ -340,16 +432,31 @@ def test_bad_requests_are_400s_naming_the_field(served, model):
         body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}, **extra}
         r = httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
-    chat = {"messages": [{"role": "user", "content": "x"}], "return_routed_experts": True}
-    r = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=TIMEOUT)
-    assert r.status_code == 400 and "on /generate only" in r.json()["error"]["message"]
+    v1 = [  # (/v1/responses does not take them; beam search's beams are no choice's)
+        ("/v1/responses", {"input": "x", "return_routed_experts": True}, "return_routed_experts"),
+        ("/v1/responses", {"input": "x", "return_hidden_states": True}, "return_hidden_states"),
+        ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 2,
+                             "return_routed_experts": True}, "return_routed_experts"),
+        ("/v1/completions", {"prompt": "x", "routed_experts_start_len": 1},
+         "routed_experts_start_len"),
+        ("/v1/completions", {"prompt": "x", "return_hidden_states": "last"},
+         "return_hidden_states"),
+    ]  # fmt: skip
+    for path, body, param in v1:
+        r = httpx.post(base + path, json=body, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
     with serving(EngineConfig(model=model, **EXACT, num_pages=32)) as (plain, _):
         for name in ("return_routed_experts", "return_hidden_states"):
-            body = {"input_ids": [5, 6, 7], name: True}
-            r = httpx.post(f"{plain}/generate", json=body, timeout=TIMEOUT)
-            assert r.status_code == 400, r.text
-            err = r.json()["error"]
-            assert err["param"] == name and err["message"].startswith(
-                "The server is not configured to return the "
-            )
+            for path, body in (
+                ("/generate", {"input_ids": [5, 6, 7], name: True}),
+                ("/v1/completions", {"prompt": [5, 6, 7], name: True}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                          name: True}),
+            ):  # fmt: skip
+                r = httpx.post(plain + path, json=body, timeout=TIMEOUT)
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["param"] == name and err["message"].startswith(
+                    "The server is not configured to return the "
+                ), (path, err)

@@ -17,6 +17,7 @@ import pytest
 
 from dsakv.disagg.config import ROOM_HEADER
 from dsakv.disagg.router import build_router_app
+from dsakv.errors import DsakvError
 
 from .serving import TIMEOUT, sglang_generate
 
@@ -127,10 +128,55 @@ def test_bad_input_is_a_400_naming_the_field(base, body, param):
     assert err["param"] == param, err
 
 
+def test_more_than_256_items_is_that_400_whatever_they_hold(base):
+    """The item count is read before the items' kinds: 257 items are that 400, of the
+    query's kind or not."""
+    for query, item in (("q", "a"), ([1], "a"), ("q", [1])):
+        body = {"query": query, "items": [item] * 257, "label_token_ids": [1]}
+        r = httpx.post(f"{base}/v1/score", json=body, timeout=TIMEOUT)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == "at most 256 items per request", r.text
+
+
 def test_an_unknown_model_is_a_404(base):
     body = {"query": "q", "items": ["a"], "label_token_ids": [1], "model": "nope"}
     r = httpx.post(f"{base}/v1/score", json=body, timeout=TIMEOUT)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+
+
+def _flat(scores: list[list[float]]) -> list[float]:
+    return [x for row in scores for x in row]
+
+
+def test_llm_score_is_the_servers_and_the_models(base, reference, model_dir):
+    """`LLM.score` (SGLang's `Engine.score`) answers what /v1/score answers for the same
+    input, token ids or text, with apply_softmax and item_first; its scores are exp of a
+    full forward's log_softmax at the labels."""
+    tok = reference.tokenizer
+    query = tok.encode(QUERY, add_special_tokens=False)
+    items = [tok.encode(t, add_special_tokens=False) for t in ITEMS]
+    for q, its in ((query, items), (QUERY, ITEMS), (QUERY, ITEMS[1])):
+        for kw in ({}, {"apply_softmax": True}, {"item_first": True}):
+            offline = reference.score(q, its, LABELS, **kw)
+            served = _score(base, query=q, items=its, label_token_ids=LABELS, **kw)["scores"]
+            assert len(offline) == len(served) == (1 if isinstance(its, str) else 2)
+            assert _flat(offline) == pytest.approx(_flat(served), rel=1e-5)
+    scores = reference.score(query, items, LABELS)
+    for item, row in zip(items, scores):
+        want = _full_forward_logprobs(model_dir, query + item)[-1, LABELS].tolist()
+        assert [math.log(p) for p in row] == pytest.approx(want, abs=1e-4)
+    assert reference.score(query, [], LABELS) == []
+
+
+@pytest.mark.parametrize(("body", "param"), _BAD, ids=range(len(_BAD)))
+def test_llm_score_refuses_what_the_server_refuses(reference, body, param):
+    """Each input /v1/score answers with a 400 is a `DsakvError` offline, naming the same
+    field where the check is the scoring's own (not the engine's, of a prompt)."""
+    with pytest.raises(DsakvError) as e:
+        reference.score(body.get("query"), body.get("items"), body.get("label_token_ids"))
+    assert e.value.param in (param, None)
+    if param in ("query", "label_token_ids"):
+        assert e.value.param == param
 
 
 def test_the_router_relays_it_with_a_room_per_item():

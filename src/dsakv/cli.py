@@ -773,14 +773,15 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument(
         "--enable-return-routed-experts",
         action="store_true",
-        help="SGLang's: /generate's return_routed_experts (SamplingParams offline) may ask for "
-        "the experts each token was routed to (its steps run eager, off the CUDA graphs)",
+        help="SGLang's: return_routed_experts (/generate, completions, chat; SamplingParams "
+        "offline) may ask for the experts each token was routed to (its steps run eager, off "
+        "the CUDA graphs)",
     )
     g.add_argument(
         "--enable-return-hidden-states",
         action="store_true",
-        help="SGLang's: /generate's return_hidden_states may ask for each token's last "
-        "hidden state",
+        help="SGLang's: return_hidden_states (/generate, completions, chat) may ask for each "
+        "token's last hidden state",
     )
     det = g.add_mutually_exclusive_group()
     det.add_argument(

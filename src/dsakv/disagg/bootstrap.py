@@ -8,7 +8,8 @@ request handler `claim`s the room, runs the prompt, writes the KV and sets the r
 meanwhile this side sends `{"type": "wait"}` every few seconds, so the decode server can
 tell a slow prefill from a dead one (no line for `timeout` seconds: it gives up and frees
 its pages). The last line is `{"type": "done", "first_token", ...}` (with `cached_tokens`:
-the prompt tokens the prefill server's prefix cache served, the client's usage) or an error.
+the prompt tokens the prefill server's prefix cache served, the client's usage; and the
+prompt's `routed_experts` where the request asked for them) or an error.
 """
 
 from __future__ import annotations
@@ -328,14 +329,15 @@ async def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
 
 
 async def request_kv(
-    host: str, port: int, registration: dict[str, Any], timeout: float
+    host: str, port: int, registration: dict[str, Any], timeout: float, room: int = 0
 ) -> dict[str, Any]:
     """Register with a prefill server and wait until it has written the KV; returns its
-    `done` reply (`first_token`, `bytes`, `seconds`, `cached_tokens`). Raises
-    `BootstrapError` on a refusal, a hang-up, or `timeout` seconds without a word."""
+    `done` reply (`first_token`, `bytes`, `seconds`, `cached_tokens`, and `routed_experts`
+    where asked for: `room` more bytes for them). Raises `BootstrapError` on a refusal, a
+    hang-up, or `timeout` seconds without a word."""
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=_MAX_LINE), timeout
+            asyncio.open_connection(host, port, limit=_MAX_LINE + room), timeout
         )
     except (OSError, asyncio.TimeoutError) as e:
         raise BootstrapError(

@@ -426,12 +426,12 @@ class Router:
             return answers
         return JSONResponse({"server_load": sum(int(r.json()["server_load"]) for r in answers)})
 
-    async def server_info(self, path: str, request: Request) -> Response:
+    async def server_info(self, request: Request) -> Response:
         """SGLang's /server_info (/get_server_info), as its PD load balancer answers it:
         each server's own, under `prefill` and `decode`, and at the top the decode servers'
         `internal_states` together (they generate: `bench_serving` reads its throughput and
         MTP's accept length there, as of one server)."""
-        answers = await self._everyone(path, request)
+        answers = await self._everyone("/server_info", request)
         if isinstance(answers, Response):
             return answers
         infos = [r.json() for r in answers]
@@ -860,11 +860,10 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
     async def load(request: Request) -> Response:
         return await router.load(request)
 
+    async def server_info(request: Request) -> Response:
+        return await router.server_info(request)
+
     for path in ("/server_info", "/get_server_info"):
-
-        async def server_info(request: Request, path: str = path) -> Response:
-            return await router.server_info(path, request)
-
         app.add_api_route(path, server_info, methods=["GET"])
 
     @app.get("/get_load")

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 from fastapi import FastAPI
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -26,6 +27,7 @@ from dsakv.engine import Engine, EngineConfig, Request, SamplingParams
 from dsakv.engine import disagg as ops
 from dsakv.errors import DsakvError
 from dsakv.procs import Listener
+from dsakv.server.app import routed_base64, routed_base64_chars, routed_from_base64
 from dsakv.server.metrics import PREFIX
 from dsakv.server.protocol import APIError
 from dsakv.server.runner import (
@@ -62,15 +64,38 @@ def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget
             "scoring the prompt (echo with logprobs, or max_tokens 0) is not supported with "
             "disaggregation",
         )
-    for name in ("return_routed_experts", "return_hidden_states"):
-        if getattr(params, name):
-            raise APIError(
-                400,
-                f"{name} is not supported with prefill/decode disaggregation: the prompt's "
-                "rows are the prefill server's, which hands the decode server its KV alone",
-                param=name,
-            )
+    if params.return_hidden_states:  # (routed experts cross: `_prompt_routed`)
+        raise APIError(
+            400,
+            "return_hidden_states is not supported with prefill/decode disaggregation: the "
+            "prompt's rows are the prefill server's, which hands the decode server its KV and "
+            "routed experts alone",
+            param="return_hidden_states",
+        )
     return target
+
+
+def _prompt_routed(engine: Engine, reply: dict[str, Any], prompt_len: int, params: SamplingParams):
+    """The prompt's routed experts the prefill server sent with its first token (SGLang's
+    R3 under PD: its router splices them in; here they cross with the hand-off), as the
+    decode request keeps rows (`Capture.write`): int32 `[prompt_len - start, layers,
+    top_k]`; None where not asked for. Missing or misshapen: a 502 (the decode server
+    would report zeros for the prompt)."""
+    if not params.return_routed_experts:
+        return None
+    c, sent = engine.model_config, reply.get("routed_experts")
+    n = prompt_len - params.routed_experts_start_len
+    want = (n, c.num_hidden_layers, c.num_experts_per_tok)
+    try:
+        rows = routed_from_base64(sent, want)
+    except (TypeError, ValueError) as e:  # (None: a prefill server that sends none)
+        raise APIError(
+            502,
+            f"the prefill server sent no usable routed experts for the prompt's {n} "
+            f"positions ({e}); is it an older dsakv?",
+            type="server_error",
+        ) from None
+    return torch.from_numpy(rows.copy())
 
 
 class _DisaggEngine(AsyncEngine):
@@ -298,11 +323,14 @@ class PrefillAsyncEngine(_DisaggEngine):
                 self.transfer.write, reg.session, reg.buffers, pages, reg.pages, n
             )
             nbytes, seconds = await loop.run_in_executor(self._writer, write)
+            routed = u.routed_experts  # (the prompt's rows from routed_experts_start_len)
+            prompt_rows = {} if routed is None else {"routed_experts": routed_base64(routed)}
             reg.done(
                 first_token=u.token_ids[0],
                 logprob=u.logprobs[0] if u.logprobs else None,
                 top_logprobs=u.top_logprobs[0] if u.top_logprobs else None,
                 token_ids_logprobs=u.token_ids_logprobs[0] if u.token_ids_logprobs else None,
+                **prompt_rows,  # (not a byte where not asked for)
                 bytes=nbytes,
                 tokens=n,
                 seconds=seconds,
@@ -388,8 +416,11 @@ class DecodeAsyncEngine(_DisaggEngine):
                 "prompt_ids": ids,
                 "timeout": self.config.timeout_s,  # the prefill side keeps well inside it
             }
+            c, room = self.engine.model_config, 0
+            if params.return_routed_experts:  # (the prompt's rows come with the answer)
+                room = routed_base64_chars((len(ids), c.num_hidden_layers, c.num_experts_per_tok))
             handshake = asyncio.ensure_future(
-                request_kv(target.host, port, registration, self.config.timeout_s)
+                request_kv(target.host, port, registration, self.config.timeout_s, room)
             )
             try:
                 reply = await asyncio.shield(handshake)
@@ -404,7 +435,13 @@ class DecodeAsyncEngine(_DisaggEngine):
                 self.stats.fail()  # (a status the prefill server answered, e.g. its 503)
                 raise APIError(e.status, str(e), type="server_error") from None
             self.stats.add(int(reply["bytes"]), int(reply["tokens"]), float(reply["seconds"]))
-            start = functools.partial(self._start, req, reply, stream)
+            try:
+                rows = _prompt_routed(self.engine, reply, len(ids), params)
+            except APIError:
+                self.stats.fail()
+                await self.call(lambda eng: ops.drop(eng, req))
+                raise
+            start = functools.partial(self._start, req, reply, rows, stream)
             await self.call(start, undo=lambda e, _: self._abort(stream, "abort"))
         finally:
             self.pending -= 1  # (after the start: a reservation is not a leak until then)
@@ -439,8 +476,18 @@ class DecodeAsyncEngine(_DisaggEngine):
             handshake.exception()
         self._spawn(self.call(lambda e: ops.drop(e, req)))
 
-    def _start(self, req: Request, reply: dict[str, Any], stream: RequestStream, engine: Engine):
-        """Engine thread: decode from the prefill server's first token; the stream gets it."""
+    def _start(
+        self,
+        req: Request,
+        reply: dict[str, Any],
+        routed: torch.Tensor | None,
+        stream: RequestStream,
+        engine: Engine,
+    ):
+        """Engine thread: decode from the prefill server's first token (and the prompt's
+        `routed` experts, kept as its own steps keep theirs); the stream gets it."""
+        if routed is not None:
+            req.capture.write(req.params.routed_experts_start_len, routed, None)
         logprob, top = reply.get("logprob"), reply.get("top_logprobs")
         if req.params.logprobs is not None and logprob is not None:
             req.logprobs.append(float(logprob))

@@ -23,9 +23,11 @@ from .beam_search import BeamSearch, BeamSearchParams, Step
 from .chat_format import has_chat_format, render_chat, template_message
 from .detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
 from .engine import EngineConfig
+from .info import engine_info
 from .launch import create_engine
 from .request import Request
 from .sampling import SamplingParams
+from .score import label_probs, score_labels, score_params, score_prompts
 
 # What `LLM.generate` takes as one prompt: text, token ids (ints or numpy's), or vLLM's
 # prompt dicts.
@@ -402,6 +404,53 @@ class LLM:
         """Stop the profile; the traces written (one per rank, `.trace.json.gz`)."""
         return self.engine.stop_profile()
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: drop the prefix cache's pages (device and host tier), as the server's
+        /reset_prefix_cache and /flush_cache do (`Engine.flush_cache`); False, dropping
+        nothing, while requests run or wait (only ones added to `engine` directly can:
+        `generate` returns with none)."""
+        self._check_open()
+        return self.engine.flush_cache()
+
+    def flush_cache(self) -> bool:
+        """SGLang's `Engine.flush_cache`: `reset_prefix_cache` (its success as a bool)."""
+        return self.reset_prefix_cache()
+
+    def score(
+        self,
+        query: str | Sequence[int],
+        items: str | Sequence[str] | Sequence[Sequence[int]],
+        label_token_ids: Sequence[int],
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """SGLang's `Engine.score`: per item, the probability of each of `label_token_ids`
+        being the next token after query + item (item + query with `item_first`; texts
+        joined as strings, token ids as lists), or with `apply_softmax` their softmax over
+        the labels; what the server's /v1/score answers (`dsakv.engine.score`)."""
+        self._check_open()
+        labels = score_labels(label_token_ids, self.engine.model_config.vocab_size)
+        prompts = score_prompts(query, items, item_first)
+        groups = self._run(prompts, [score_params(labels)] * len(prompts), use_tqdm=False)
+        scores = []
+        for i, (req,) in enumerate(groups):
+            if not req.token_ids_logprobs:  # (a prompt the pool cannot hold ends at once)
+                raise DsakvError(f"item {i} ended ({req.finish_reason}) before it was scored")
+            scores.append(label_probs(req.token_ids_logprobs[0], apply_softmax))
+        return scores
+
+    def get_server_info(self) -> dict[str, Any]:
+        """SGLang's `Engine.get_server_info`: the engine's settings under SGLang's names,
+        its pool's size and `internal_states`, as the server's /server_info gives them
+        (`dsakv.engine.info`) less its PD role; served under the model's path (SGLang's
+        default `served_model_name`)."""
+        self._check_open()
+        return engine_info(self.engine, self.engine.counters(), self.engine.config.model)
+
+    def _check_open(self) -> None:
+        if not self._close.alive:
+            raise DsakvError("this LLM was closed; make a new one")
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses without params (vLLM's): SamplingParams' defaults, with the
         sampling fields the model's generation_config.json sets."""
@@ -422,8 +471,7 @@ class LLM:
         all, or one per prompt (by keyword `params` or vLLM's `sampling_params`). Outputs come
         back in input order; `use_tqdm` (vLLM's default, on) shows a progress bar on stderr.
         `priority`: vLLM's, one per prompt, under priority scheduling (`scheduling_policy`)."""
-        if not self._close.alive:
-            raise DsakvError("this LLM was closed; make a new one")
+        self._check_open()
         params = _params_or_vllms(params, sampling_params)
         listed = _listed_prompts(prompts)
         salts = [_prompt_salt(p) for p in listed]
@@ -490,8 +538,7 @@ class LLM:
         which the prefix cache serves all but its last tokens). Prompts as `generate` takes
         them; `concurrency_limit`: search that many prompts at a time (vLLM's; None: all);
         `use_tqdm`: a bar over each batch's steps."""
-        if not self._close.alive:
-            raise DsakvError("this LLM was closed; make a new one")
+        self._check_open()
         if not isinstance(params, BeamSearchParams):
             raise DsakvError(
                 f"params must be a BeamSearchParams, got {reprlib.repr(params)}", "params"

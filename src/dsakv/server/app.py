@@ -5,20 +5,23 @@ shared `AsyncEngine`."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import re
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,6 +37,7 @@ from dsakv.engine.beam_search import BeamSearch, BeamSearchParams, Step
 from dsakv.engine.chat_format import has_chat_format
 from dsakv.engine.engine import EngineAsleep
 from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
+from dsakv.engine.info import engine_info
 from dsakv.engine.sampling import SEED_MAX, SEED_MIN
 from dsakv.errors import DsakvError
 
@@ -561,7 +565,7 @@ class Handlers:
             usage, running = _stream_usage(body)
 
             async def events() -> AsyncIterator[str]:
-                totals = _Result()
+                totals, ended = _Result(), {}
                 async for i, u in self._merged(streams):
                     c = choices[i]
                     text = c.echo_text(u, tokenizer) + u.text
@@ -579,10 +583,13 @@ class Handlers:
                     }
                     yield _sse({**head, "choices": [choice], **_chunk_usage(usage, running, u)})
                     if u.finished:
+                        ended[i] = u
                         totals.completion_tokens += u.completion_tokens
                         if i % n == 0:  # (each prompt once: its first choice ran it)
                             totals.prompt_tokens += u.prompt_tokens
                             totals.cached_tokens += u.cached_tokens
+                for chunk in _sglang_extras(body, ended, usage, running, chat=False):
+                    yield _sse({**head, **chunk})
                 if usage:
                     yield _sse({**head, "choices": [], "usage": _usage(totals)})
 
@@ -601,6 +608,7 @@ class Handlers:
                     "stop_reason": r.stop_reason,
                     **({"prompt_logprobs": _prompt_logprobs(u)} if scored else {}),
                     **(_token_ids(u) if ids else {}),
+                    **({"hidden_states": _last_hidden(r)} if body.return_hidden_states else {}),
                 }
             )
         total = _Result(
@@ -608,7 +616,7 @@ class Handlers:
             completion_tokens=sum(r.completion_tokens for r in results),
             cached_tokens=sum(r.cached_tokens for r in results[::n]),
         )
-        answer = {**head, "choices": out, "usage": _usage(total)}
+        answer = {**head, "choices": out, "usage": _usage(total), **_sglext(body, results)}
         return JSONResponse(answer, headers=_id_header(base))
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -650,7 +658,7 @@ class Handlers:
                     yield _sse({**chunk, **_chunk_usage(usage, running, start)})
                 parsers = [prep.output_parser() for _ in range(n)]  # one per choice
                 held = [""] * n  # SGLang's stream_reasoning false: each one's, until over
-                totals = _Result()
+                totals, ended = _Result(), {}
                 async for i, u in self._merged(streams):
                     parser = parsers[i]
                     cut = _reason(u) in CUT_SHORT
@@ -679,10 +687,13 @@ class Handlers:
                     }
                     yield _sse({**head, "choices": [choice], **_chunk_usage(usage, running, u)})
                     if u.finished:
+                        ended[i] = u
                         totals.prompt_tokens = u.prompt_tokens
                         totals.completion_tokens += u.completion_tokens
                         if i == 0:  # (the prompt's: the forks found it cached)
                             totals.cached_tokens = u.cached_tokens
+                for chunk in _sglang_extras(body, ended, usage, running, chat=True):
+                    yield _sse({**head, **chunk})
                 if usage:
                     yield _sse({**head, "choices": [], "usage": _usage(totals)})
 
@@ -708,6 +719,7 @@ class Handlers:
                     "finish_reason": prep.finish_reason(parser, r.finish_reason),
                     "stop_reason": r.stop_reason,
                     **({"token_ids": r.token_ids} if ids else {}),
+                    **({"hidden_states": _last_hidden(r)} if body.return_hidden_states else {}),
                 }
             )
         total = _Result(
@@ -716,6 +728,7 @@ class Handlers:
             cached_tokens=results[0].cached_tokens,
         )
         out = {**head, "object": "chat.completion", "choices": choices, "usage": _usage(total)}
+        out.update(_sglext(body, results))
         if body.prompt_logprobs is not None:  # vLLM's: the response's, not a choice's
             out["prompt_logprobs"] = _prompt_logprobs(results[0].as_update())
         if ids:
@@ -947,43 +960,12 @@ class Handlers:
         }
 
     async def server_info(self) -> dict[str, Any]:
-        """SGLang's `/server_info` shape: the server's settings under SGLang's names.
-        sglang-router registers its workers under `served_model_name` (what its /v1/models
-        lists; else "unknown") and loads the tokenizer at `model_path`."""
-        e = self.engine.engine
-        c = e.config
+        """SGLang's `/server_info` shape: the engine's settings (`dsakv.engine.info`, what
+        `LLM.get_server_info` returns) with the server's own: its served name (what its
+        /v1/models lists) and PD role."""
         counters = await self.engine.counters()  # (the last ones during a long step)
-        pages = counters["pages_total"] if counters else None
-        return {
-            "model_path": c.model,
-            "tokenizer_path": None if e.tokenizer is None else c.tokenizer or c.model,
-            "served_model_name": self.model_name,
-            "version": __version__,
-            "context_length": e.max_model_len,
-            "page_size": c.page_size,
-            "max_total_num_tokens": None if pages is None else int(pages) * c.page_size,
-            "max_running_requests": c.max_running_requests,
-            "chunked_prefill_size": c.chunked_prefill_size,
-            "kv_cache_dtype": c.kv_cache_dtype,
-            "tp_size": c.tp,
-            # SGLang's data-parallel size: under DP attention each rank schedules its own
-            # requests (still behind this one entry point), as sglang-router's dp-aware mode
-            # reads it
-            "dp_size": c.parallel.dp,
-            "enable_dp_attention": c.dp_attention,
-            "internal_states": [self._internal_state(counters)] if counters else [],
-            **self.engine.server_info(),
-        }
-
-    def _internal_state(self, counters: dict[str, float]) -> dict[str, float]:
-        """SGLang's `internal_states` entry: output tokens per second over the engine's
-        recent window (`last_gen_throughput`, `Engine.counters`' gen_throughput, whoever
-        reads it how often) and, with MTP, `avg_spec_accept_length` (accepted drafts + 1
-        per verification, which sglang.bench_serving reports)."""
-        state = {"last_gen_throughput": float(counters.get("gen_throughput", 0.0))}
-        if steps := counters.get("spec_verify_steps", 0):
-            state["avg_spec_accept_length"] = 1 + counters["spec_accepted_tokens"] / steps
-        return state
+        info = engine_info(self.engine.engine, counters, self.model_name)
+        return {**info, **self.engine.server_info()}
 
     # --- plumbing -----------------------------------------------------------------------------
 
@@ -1026,8 +1008,7 @@ class Handlers:
         # SGLang's (stop_regex: a sampling param on /generate, `generate._SAMPLING_NOT_RUN`)
         for name in (*SGLANG_NOT_RUN, "stop_regex"):
             if getattr(body, name, None):
-                where = "on /generate only" if name in GENERATE_ONLY else "by this server"
-                raise APIError(400, f"{name} is supported {where}", param=name)
+                raise APIError(400, f"{name} is not supported by this server", param=name)
         budget = body.thinking_token_budget
         if budget is not None and budget >= 0 and self.chat_parsers.reasoning is None:
             raise APIError(  # (vLLM's rule: the budget counts inside the parser's markers)
@@ -1105,6 +1086,11 @@ class Handlers:
                 cache_salt=request_salt(body.cache_salt, body.extra_key),
                 priority=body.priority,
                 thinking_token_budget=body.thinking_token_budget,
+                # SGLang's rows (the engine refuses them without its flags): `_sglext`,
+                # `_last_hidden`
+                return_routed_experts=bool(body.return_routed_experts),
+                routed_experts_start_len=body.routed_experts_start_len or 0,
+                return_hidden_states=bool(body.return_hidden_states),
                 prompt_logprobs=(
                     body.prompt_logprobs
                     if body.prompt_logprobs is not None
@@ -1833,6 +1819,62 @@ def _token_ids(u: Update) -> dict[str, list[int] | None]:
     return {"prompt_token_ids": u.prompt_token_ids, "token_ids": u.token_ids}
 
 
+def routed_base64(routed: np.ndarray) -> str:
+    """SGLang's wire form of routed experts (`meta_info.routed_experts`, `sglext`, and the
+    prefill server's hand-off): base64 of int32 `[tokens, layers, top_k]`."""
+    return base64.b64encode(np.ascontiguousarray(routed, dtype=np.int32).tobytes()).decode()
+
+
+def routed_from_base64(text: Any, shape: tuple[int, int, int]) -> np.ndarray:
+    """`routed_base64`'s inverse, refused (ValueError, TypeError) unless of `shape`."""
+    return np.frombuffer(base64.b64decode(text, validate=True), np.int32).reshape(shape)
+
+
+def routed_base64_chars(shape: tuple[int, int, int]) -> int:
+    """How long `routed_base64` of `shape` is (a reader's bound)."""
+    return 4 * -(-4 * math.prod(shape) // 3)
+
+
+def _sglext(body: GenerationRequest, ended: Iterable[Update | _Result]) -> dict[str, Any]:
+    """SGLang's `sglext` of a /v1 response (or its stream's last chunk before usage): the
+    routed experts of the first choice that has them (SGLang's are per request, taken from
+    its first output, n > 1 too), where asked for; empty (no field) otherwise."""
+    if not body.return_routed_experts:
+        return {}
+    rows = next((r.routed_experts for r in ended if r.routed_experts is not None), None)
+    encoded = routed_base64(rows) if rows is not None else ""
+    return {"sglext": {"routed_experts": encoded}} if encoded else {}
+
+
+def _sglang_extras(
+    body: GenerationRequest, ended: dict[int, Update], usage: bool, running: bool, chat: bool
+) -> Iterator[dict[str, Any]]:
+    """SGLang's stream chunks after the choices' own (before the usage chunk): each ended
+    choice's hidden state (only those that have rows: an aborted one has none), then the
+    response's `sglext`; under include_usage each has `usage` as every chunk does (null,
+    or with continuous_usage_stats a choice's its tokens)."""
+    for i, u in sorted(ended.items()) if body.return_hidden_states else ():
+        if u.hidden_states is None:
+            continue
+        state = _last_hidden(u)
+        said: dict[str, Any] = {"index": i, "text": "", "hidden_states": state}
+        if chat:
+            said = {"index": i, "delta": {"hidden_states": state}}
+        said.update(logprobs=None, finish_reason=None)
+        yield {"choices": [said], **_chunk_usage(usage, running, u)}
+    if ext := _sglext(body, [u for _, u in sorted(ended.items())]):
+        yield {"choices": [], **ext, **({"usage": None} if usage else {})}
+
+
+def _last_hidden(r: Update | _Result) -> list[float] | None:
+    """SGLang's /v1 `hidden_states` of a choice (`process_hidden_states_from_ret`): of its
+    meta_info rows (the prompt's as one, then one per output token but the last) the last
+    one, the state that gave its last token; [] where only the prompt's are there."""
+    if r.hidden_states is None:
+        return None
+    return r.hidden_states[-1].tolist() if len(r.hidden_states) > r.prompt_tokens else []
+
+
 def _prompt_logprobs(u: Update) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: per prompt token (null for the first), {token id: its
     logprob, rank and text} for the token itself and its top alternatives."""
@@ -1964,6 +2006,8 @@ _NOT_IN_BEAM_SEARCH = (
     "allowed_token_ids",
     "thinking_token_budget",
     "repetition_detection",
+    "return_routed_experts",  # (SGLang's: each beam's rows are no choice's)
+    "return_hidden_states",
 )
 
 # vLLM's request fields whose feature dsakv does not run: a 400 unless off.
@@ -1992,11 +2036,7 @@ SGLANG_NOT_RUN = (
     "lora_path",
     "custom_logit_processor",
     "session_params",
-    "return_hidden_states",
-    "return_routed_experts",
 )
-# Those of them SGLang's /generate runs here (`generate._with_rows`), not the /v1 routes.
-GENERATE_ONLY = ("return_hidden_states", "return_routed_experts")
 
 
 # Request fields that ask for structured output, and the grammar kind each gives.

@@ -11,7 +11,6 @@ which they load the trained weights between rollouts, and `/pause_generation` /
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import re
@@ -21,7 +20,6 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import numpy as np
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -31,7 +29,6 @@ from dsakv.engine import SamplingParams
 from dsakv.errors import DsakvError
 
 from .app import (
-    GENERATE_ONLY,
     SGLANG_NOT_RUN,
     Handlers,
     _lp,
@@ -40,6 +37,7 @@ from .app import (
     _sse,
     refusal,
     request_salt,
+    routed_base64,
 )
 from .protocol import APIError, GenerationRequest
 
@@ -85,7 +83,7 @@ _NOT_RUN = (
     "video_data",
     "audio_data",
     "positional_embed_overrides",
-    *(f for f in SGLANG_NOT_RUN if f not in GENERATE_ONLY),  # (the /v1 routes refuse them too)
+    *SGLANG_NOT_RUN,  # (the /v1 routes refuse them too)
     "max_thinking_tokens",
     "require_reasoning",
     "return_sampling_mask",
@@ -800,9 +798,8 @@ def _output(
         meta["e2e_latency"] = time.perf_counter() - began
     if ask is not None:
         meta.update(_logprobs(r, ask))
-    if r.routed_experts is not None:  # (SGLang's: base64 of int32 [tokens, layers, top_k])
-        routed = np.ascontiguousarray(r.routed_experts, dtype=np.int32)
-        meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode("ascii")
+    if r.routed_experts is not None:
+        meta["routed_experts"] = routed_base64(r.routed_experts)
     if r.hidden_states is not None:  # (SGLang's: the prompt's rows, then one per output)
         rows = r.hidden_states.tolist()
         meta["hidden_states"] = [rows[: r.prompt_tokens], *rows[r.prompt_tokens :]]

@@ -116,8 +116,6 @@ class ServingExtras(_Strict):
     custom_logit_processor: Any = None
     lora_path: Any = None
     session_params: Any = None
-    return_hidden_states: Any = None
-    return_routed_experts: Any = None
 
 
 class GenerationRequest(ServingExtras):
@@ -173,6 +171,12 @@ class GenerationRequest(ServingExtras):
     prompt_embeds: Any = None
     repetition_detection: RepetitionDetection | None = None  # (run: vLLM's)
     request_id: str | None = None  # vLLM's: the response's id (after "cmpl-" / "chatcmpl-")
+    # SGLang's (its server flags allow them, as /generate's): the routed experts of each
+    # token (from routed_experts_start_len) in the response's `sglext`, and each choice's
+    # last hidden state (`Handlers._params`)
+    return_routed_experts: bool | None = False
+    routed_experts_start_len: int | None = 0
+    return_hidden_states: bool | None = False
 
 
 class CompletionRequest(GenerationRequest):
@@ -327,9 +331,12 @@ class ResponsesRequest(ServingExtras):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # refused unless left off: what they ask for is not run here
+    # refused unless left off: what they ask for is not run here (SGLang's last two: on
+    # completions and chat only)
     prompt: Any = None
     conversation: Any = None
+    return_hidden_states: Any = None
+    return_routed_experts: Any = None
     # vLLM's extras (and `ServingExtras`, to chat)
     request_id: str | None = None
     top_k: int | None = None

@@ -290,6 +290,9 @@ async def _create(
     for name in ("prompt", "conversation"):
         if getattr(body, name) is not None:
             raise APIError(400, f"{name} is not supported", param=name)
+    for name in ("return_hidden_states", "return_routed_experts"):  # (SGLang's unset: false)
+        if getattr(body, name):
+            raise APIError(400, f"{name} is not supported on /v1/responses", param=name)
     if body.background and body.store is False:
         raise APIError(400, "background needs store: true", param="background")
     rid = body.request_id or f"resp_{uuid.uuid4().hex}"
