@@ -9,6 +9,8 @@ import copy
 import json
 import math
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -21,7 +23,7 @@ from dsakv.errors import DsakvError
 from dsakv.models.tiny import TINY_PRESETS, hf_config, random_hf_model, write_tiny_model
 
 from .conftest import flat_logprobs
-from .serving import TIMEOUT, serving
+from .serving import TIMEOUT, engine_stops_stepping_at, serving
 
 EXACT = dict(
     kv_cache_dtype="fp32",
@@ -318,6 +320,25 @@ def test_chat_answers_n_beams_as_the_offline_call(served, llm):
     (want,) = llm.beam_search([prompt], BeamSearchParams(2, 6, length_penalty=0.0))
     got = [c["token_ids"] for c in out["choices"]]
     assert got == [_output(s, prompt) for s in want.sequences]
+
+
+def test_a_step_aborted_as_a_client_asks_ends_the_search_as_an_abort(served):
+    """A step's request aborted as /abort_request aborts (`asked`: the output so far) comes
+    back without a token: the search ends as an abort of all its outputs does, each choice
+    aborted, not a 500."""
+    base, async_engine = served
+    body = dict(prompt=_prompts(1, seed=37)[0], use_beam_search=True, n=2, max_tokens=4)
+    with ThreadPoolExecutor(1) as pool, engine_stops_stepping_at(async_engine, 0):
+        answer = pool.submit(_post, base, "/v1/completions", **body, temperature=0)
+        deadline = time.monotonic() + TIMEOUT
+        while not async_engine._streams:  # (the first step's request, held before its token)
+            assert time.monotonic() < deadline, "no step reached the engine"
+            time.sleep(0.01)
+        for stream in list(async_engine._streams.values()):
+            async_engine.abort(stream, asked=True)
+        r = answer.result(TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["abort", "abort"]
 
 
 @pytest.mark.parametrize(

@@ -149,6 +149,11 @@ class ModelConfig:
         """Whether any layer is an MoE layer (layers from `first_k_dense_replace` on)."""
         return self.first_k_dense_replace < self.num_hidden_layers
 
+    def routed_shape(self, tokens: int) -> tuple[int, int, int]:
+        """`tokens` tokens' routed experts (SGLang's return_routed_experts): `[tokens,
+        layers, top_k]`, a dense layer's rows 0."""
+        return (tokens, self.num_hidden_layers, self.num_experts_per_tok)
+
     @classmethod
     def from_hf(cls, source: str | Path | dict[str, Any]) -> ModelConfig:
         """Normalise a model directory, a `config.json` path, or a config dict."""

@@ -329,15 +329,15 @@ async def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
 
 
 async def request_kv(
-    host: str, port: int, registration: dict[str, Any], timeout: float, room: int = 0
+    host: str, port: int, registration: dict[str, Any], timeout: float, extra_bytes: int = 0
 ) -> dict[str, Any]:
     """Register with a prefill server and wait until it has written the KV; returns its
     `done` reply (`first_token`, `bytes`, `seconds`, `cached_tokens`, and `routed_experts`
-    where asked for: `room` more bytes for them). Raises `BootstrapError` on a refusal, a
+    where asked for: `extra_bytes` more bytes for them). Raises `BootstrapError` on a refusal, a
     hang-up, or `timeout` seconds without a word."""
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=_MAX_LINE + room), timeout
+            asyncio.open_connection(host, port, limit=_MAX_LINE + extra_bytes), timeout
         )
     except (OSError, asyncio.TimeoutError) as e:
         raise BootstrapError(

@@ -442,8 +442,8 @@ class Router:
     async def get_load(self, request: Request) -> Response:
         """SGLang's GET /get_load: each server's entries (one per DP rank, in its shape),
         each naming its server and role (`worker`, `worker_type`: sglang-router's names for
-        them), the decode servers' first; what a router sums of one server's, it sums of
-        the deployment here."""
+        them), the decode servers' first, as one flat list over every server: a client
+        that sums one server's entries sums the deployment's."""
         answers = await self._everyone("/get_load", request)
         if isinstance(answers, Response):
             return answers

@@ -27,9 +27,9 @@ from dsakv.engine import Engine, EngineConfig, Request, SamplingParams
 from dsakv.engine import disagg as ops
 from dsakv.errors import DsakvError
 from dsakv.procs import Listener
-from dsakv.server.app import routed_base64, routed_base64_chars, routed_from_base64
 from dsakv.server.metrics import PREFIX
 from dsakv.server.protocol import APIError
+from dsakv.server.rows import routed_base64, routed_base64_chars, routed_from_base64
 from dsakv.server.runner import (
     AsyncEngine,
     Bridge,
@@ -75,7 +75,9 @@ def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget
     return target
 
 
-def _prompt_routed(engine: Engine, reply: dict[str, Any], prompt_len: int, params: SamplingParams):
+def _prompt_routed(
+    engine: Engine, reply: dict[str, Any], prompt_len: int, params: SamplingParams
+) -> torch.Tensor | None:
     """The prompt's routed experts the prefill server sent with its first token (SGLang's
     R3 under PD: its router splices them in; here they cross with the hand-off), as the
     decode request keeps rows (`Capture.write`): int32 `[prompt_len - start, layers,
@@ -83,11 +85,9 @@ def _prompt_routed(engine: Engine, reply: dict[str, Any], prompt_len: int, param
     would report zeros for the prompt)."""
     if not params.return_routed_experts:
         return None
-    c, sent = engine.model_config, reply.get("routed_experts")
     n = prompt_len - params.routed_experts_start_len
-    want = (n, c.num_hidden_layers, c.num_experts_per_tok)
     try:
-        rows = routed_from_base64(sent, want)
+        rows = routed_from_base64(reply.get("routed_experts"), engine.model_config.routed_shape(n))
     except (TypeError, ValueError) as e:  # (None: a prefill server that sends none)
         raise APIError(
             502,
@@ -416,11 +416,11 @@ class DecodeAsyncEngine(_DisaggEngine):
                 "prompt_ids": ids,
                 "timeout": self.config.timeout_s,  # the prefill side keeps well inside it
             }
-            c, room = self.engine.model_config, 0
+            extra_bytes = 0
             if params.return_routed_experts:  # (the prompt's rows come with the answer)
-                room = routed_base64_chars((len(ids), c.num_hidden_layers, c.num_experts_per_tok))
+                extra_bytes = routed_base64_chars(self.engine.model_config.routed_shape(len(ids)))
             handshake = asyncio.ensure_future(
-                request_kv(target.host, port, registration, self.config.timeout_s, room)
+                request_kv(target.host, port, registration, self.config.timeout_s, extra_bytes)
             )
             try:
                 reply = await asyncio.shield(handshake)

@@ -1,5 +1,6 @@
-"""Engine: requests, scheduler, prefix cache, sampler, the step loop, the `LLM` API, and
-what runs engines on several ranks (`launch`, DP attention in `dp`)."""
+"""Engine: requests, scheduler, prefix cache, sampler, the step loop, the `LLM` API (with
+beam search in `beam_search`, scoring in `score`, server info in `info`), and what runs
+engines on several ranks (`launch`, DP attention in `dp`)."""
 
 from .beam_search import BeamSearchParams
 from .engine import Engine, EngineConfig

@@ -15,8 +15,9 @@ what the search makes of them is this module's."""
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,10 +26,10 @@ from dsakv.errors import DsakvError, is_int, is_number
 from .detokenizer import TokenTexts
 from .engine import Engine, _find_stop
 from .request import Request, Status
-from .sampling import SamplingParams
+from .sampling import MAX_LOGPROBS, SamplingParams
 
-# Each step asks for 2 * beam_width logprobs, and a request gets at most 20 (vLLM's cap too)
-MAX_BEAM_WIDTH = 10
+# Each step asks for 2 * beam_width logprobs, and a request gets at most MAX_LOGPROBS
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class BeamSearchParams:
             raise DsakvError(
                 f"invalid beam search params: beam_width must be an integer in "
                 f"1..{MAX_BEAM_WIDTH} (each step scores 2 * beam_width tokens, and logprobs "
-                f"are 20 at most), got {self.beam_width!r}",
+                f"are {MAX_LOGPROBS} at most), got {self.beam_width!r}",
                 "beam_width",
             )
         if not (is_int(self.max_tokens) and self.max_tokens >= 1):
@@ -96,6 +97,11 @@ def beam_score(length: int, cum_logprob: float, length_penalty: float) -> float:
     return cum_logprob / length**length_penalty
 
 
+def step_failed(why: str) -> DsakvError:
+    """A step's request came back without its token (`why`): the search cannot go on."""
+    return DsakvError(f"a beam search step failed: {why}")
+
+
 @dataclass(frozen=True)
 class Step:
     """A beam's request in a step, as it came back: the token it sampled, that token's
@@ -109,8 +115,7 @@ class Step:
     @classmethod
     def of(cls, req: Request) -> Step:
         if req.error is not None or not req.output_ids or not req.top_logprobs:
-            why = req.error or f"it ended without a token ({req.finish_reason})"
-            raise DsakvError(f"a beam search step failed: {why}")
+            raise step_failed(req.error or f"it ended without a token ({req.finish_reason})")
         return cls(req.output_ids[0], req.logprobs[0], req.ranks[0], req.top_logprobs[0])
 
     def candidates(self, width: int) -> list[tuple[int, float]]:
@@ -151,14 +156,15 @@ class BeamSearch:
         skip_special_tokens: bool = True,
     ) -> None:
         # a stop string needs a tokenizer, a stop token the vocabulary (the engine's checks)
-        engine.check_request(SamplingParams(stop=params.stop, stop_token_ids=params.stop_token_ids))
+        stops = SamplingParams(stop=params.stop, stop_token_ids=params.stop_token_ids)
+        engine.check_request(stops)
         self.prompt, self.params = list(prompt_ids), params
         self.eos = frozenset(() if params.ignore_eos else engine.eos_token_ids)
         self.stop_ids = frozenset(params.stop_token_ids)
         # (an output's text is what it adds to the prompt's, as a request's)
         tok, self.skip = engine.tokenizer, skip_special_tokens
         self.texts = None if tok is None else TokenTexts(tok, self.skip, False, self.prompt)
-        self._stops = SamplingParams(stop=params.stop).stops_by_last
+        self._stops = stops.stops_by_last
         # Each step's prompt is shorter than the context (a request's, `Engine.prompt_ids`)
         self.steps_left = min(params.max_tokens, engine.max_model_len - len(self.prompt))
         # A score divides by its length to the length_penalty: a float at every length up
@@ -253,3 +259,17 @@ class BeamSearch:
             cut = beam.finish_reason == "stop" and isinstance(beam.stop_reason, str)
             req.output_text = beam.text if cut else self.texts.text(req.output_ids, end=True)
         return req
+
+
+def live_prompts(searches: Iterable[BeamSearch]) -> list[list[int]]:
+    """One step of several searches: every live beam's prompt, search by search (the
+    order `advance_all` reads the step's requests back in)."""
+    return [p for s in searches if not s.done for p in s.prompts()]
+
+
+def advance_all(searches: Iterable[BeamSearch], steps: Iterable[Step]) -> None:
+    """`BeamSearch.advance` of each live search with its beams' share of `steps`, the
+    step's requests as they came back in `live_prompts`' order."""
+    steps = iter(steps)
+    for s in [s for s in searches if not s.done]:
+        s.advance(list(itertools.islice(steps, len(s.live))))

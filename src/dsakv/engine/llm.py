@@ -19,7 +19,7 @@ from dsakv.errors import DsakvError, is_int, is_list
 from dsakv.models.tiny import resolve_model_dir
 from dsakv.procs import interrupts_deferred
 
-from .beam_search import BeamSearch, BeamSearchParams, Step
+from .beam_search import BeamSearch, BeamSearchParams, Step, advance_all, live_prompts
 from .chat_format import has_chat_format, render_chat, template_message
 from .detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
 from .engine import EngineConfig
@@ -504,8 +504,8 @@ class LLM:
         plist: Sequence[SamplingParams],
         use_tqdm: bool = True,
     ) -> list[list[Request]]:
-        """Each prompt's requests (`params.n` choices), run to their end: the engine loop of
-        `generate`, and of each `beam_search` step."""
+        """Each prompt's requests (its `plist` entry's `n` choices), run to their end: the
+        engine loop of `generate`, `score` and each `beam_search` step."""
         groups: list[list[Request]] = []
         reqs: list[Request] = []
         try:
@@ -559,15 +559,14 @@ class LLM:
             batch = list(zip(searches[start : start + limit], steps[start : start + limit]))
             most = max(s.steps_left for s, _ in batch)
             with tqdm(total=most, desc="beam search", unit="token", disable=not use_tqdm) as bar:
-                while live := [(s, sp) for s, sp in batch if not s.done]:
-                    beams = [(p, sp) for s, sp in live for p in s.prompts()]
-                    groups = iter(self._run([p for p, _ in beams], [sp for _, sp in beams], False))
-                    for s, _ in live:
-                        s.advance([Step.of(next(groups)[0]) for _ in s.live])
+                group = [s for s, _ in batch]
+                while prompts := live_prompts(group):
+                    each = [sp for s, sp in batch if not s.done for _ in s.live]
+                    advance_all(group, (Step.of(g[0]) for g in self._run(prompts, each, False)))
                     bar.update()
-        width, tokenizer = 2 * params.beam_width, self.tokenizer
+        top_n, tokenizer = 2 * params.beam_width, self.tokenizer
         return [
-            BeamSearchOutput([BeamSearchSequence.of(r, c, tokenizer) for r, c in s.results(width)])
+            BeamSearchOutput([BeamSearchSequence.of(r, c, tokenizer) for r, c in s.results(top_n)])
             for s in searches
         ]
 

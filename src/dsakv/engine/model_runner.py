@@ -62,8 +62,8 @@ class ModelRunner:
         """Run the target over one step's tokens (their KV goes to `slots`' tails);
         returns hidden `[T, H]` (final-normed), the fp32 logits of its `rows` (as
         `logits`; None without rows), in the same native call where the step has one, and
-        with `record` the experts each token was routed to (`record_routing`'s
-        `[T, layers, top_k]`; else None: this rank's alone, the other ranks route alike).
+        with `record`, the experts this rank's tokens were routed to (`record_routing`'s
+        `[T, layers, top_k]`; other ranks route alike); else None.
         A step that records runs eager: not a CUDA graph (SGLang's captures it). `hot`:
         the step's HiSparse latent slots (`dsakv.engine.hisparse.HotStep`; one rank only)."""
         with self._leading() as send:

@@ -25,6 +25,9 @@ GREEDY_BELOW = 1e-5
 LogprobsMode = Literal["raw", "processed"]
 # vLLM's cap on `logprob_token_ids` (its MAX_LOGPROB_TOKEN_IDS)
 MAX_LOGPROB_TOKEN_IDS = 128
+# The cap on `logprobs` and `prompt_logprobs`, the likeliest tokens given a position
+# (vLLM's and OpenAI's)
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -284,9 +287,9 @@ class SamplingParams:
             ),
             (
                 self.logprobs is None
-                or (is_int(self.logprobs) and 0 <= self.logprobs <= 20)
+                or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS)
                 or self.logprob_token_ids is not None,  # (their count, checked above)
-                "logprobs must be in 0..20",
+                f"logprobs must be in 0..{MAX_LOGPROBS}",
             ),
             (
                 self.logprobs_mode in get_args(LogprobsMode),
@@ -328,8 +331,8 @@ class SamplingParams:
             ),
             (
                 self.prompt_logprobs is None
-                or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
-                "prompt_logprobs must be in 0..20",
+                or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                f"prompt_logprobs must be in 0..{MAX_LOGPROBS}",
             ),
             (
                 is_int(self.prompt_logprobs_start) and self.prompt_logprobs_start >= 0,

@@ -704,14 +704,14 @@ class Ffn:
         attn = _activations(attn, self.attn_dim)
         if attn.shape[0] != x.shape[0]:
             raise ValueError("native blocks: one attention output per token")
-        ld = 0
+        routed_ld = 0
         if routed is not None:
             _on_cpu(routed)
             k = self._w.top_k
             ok = routed.dtype == torch.int32 and routed.shape == (x.shape[0], k)
             if not self._w.router or not ok or (k > 1 and routed.stride(1) != 1):
                 raise ValueError("native blocks: routed must be int32 [B, top_k] of an MoE layer")
-            ld = routed.stride(0)
+            routed_ld = routed.stride(0)
         out = torch.empty_like(x)
         _library().dsakv_ffn(
             ctypes.byref(self._w),
@@ -720,7 +720,7 @@ class Ffn:
             attn.data_ptr(),
             out.data_ptr(),
             None if routed is None else routed.data_ptr(),
-            ld,
+            routed_ld,
         )
         return out
 

@@ -135,10 +135,8 @@ class DSAForCausalLM(nn.Module):
         SGLang's). Steps outside it record nothing and pay nothing. The MTP layer's
         routing is not the target's: never recorded. The native layer loop is not taken
         while recording (its per-layer blocks give the same bits)."""
-        c = self.config
         device = self.model.norm.weight.device
-        shape = (tokens, c.num_hidden_layers, c.num_experts_per_tok)
-        ids = torch.zeros(shape, dtype=torch.int32, device=device)
+        ids = torch.zeros(self.config.routed_shape(tokens), dtype=torch.int32, device=device)
         moe = [(i, x) for i, x in enumerate(self.target_layers) if isinstance(x.mlp, MoE)]
         for i, layer in moe:
             layer.routed = ids[:, i]

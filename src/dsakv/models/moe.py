@@ -97,12 +97,12 @@ class MoE(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, routed: torch.Tensor | None = None, own: slice = slice(None)
+        self, x: torch.Tensor, routed: torch.Tensor | None = None, own_rows: slice = slice(None)
     ) -> torch.Tensor:
         """`routed`: where a step that records its routing (`DSAForCausalLM.record_routing`)
-        keeps the experts its tokens chose, `[T, top_k]`: the `own` rows of `x`'s (this
+        keeps the experts its tokens chose, `[T, top_k]`: the `own_rows` of `x`'s (this
         rank's, under DP attention)."""
         ids, weights = self.gate(x)
         if routed is not None:
-            routed.copy_(ids[own])
+            routed.copy_(ids[own_rows])
         return self.experts(x, ids, weights) + self.shared_experts(x)

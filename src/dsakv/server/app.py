@@ -5,12 +5,9 @@ shared `AsyncEngine`."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
-import itertools
 import json
-import math
 import re
 import secrets
 import threading
@@ -33,12 +30,19 @@ from dsakv import __version__
 from dsakv.config.model import SAMPLING_FIELDS
 from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.engine import SamplingParams
-from dsakv.engine.beam_search import BeamSearch, BeamSearchParams, Step
+from dsakv.engine.beam_search import (
+    BeamSearch,
+    BeamSearchParams,
+    Step,
+    advance_all,
+    live_prompts,
+    step_failed,
+)
 from dsakv.engine.chat_format import has_chat_format
 from dsakv.engine.engine import EngineAsleep
 from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
 from dsakv.engine.info import engine_info
-from dsakv.engine.sampling import SEED_MAX, SEED_MIN
+from dsakv.engine.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from dsakv.errors import DsakvError
 
 from .chat import (
@@ -62,6 +66,7 @@ from .protocol import (
     error_body,
     invocation_path,
 )
+from .rows import routed_base64, row_params
 from .runner import AsyncEngine, RequestStream, Update, aborted_waiting, finished_stream
 
 # Grammar compiles at once, and how long a request waits for its grammar.
@@ -286,8 +291,8 @@ class _Result:
     cached_tokens: int = 0
     abort_asked: str | None = None  # (`Update.abort_asked`)
     first: Update | None = None  # carries the prompt (and its logprobs when scored)
-    routed_experts: Any = None  # (`Update.routed_experts`: the last update's)
-    hidden_states: Any = None
+    routed_experts: np.ndarray | None = None  # (`Update.routed_experts`: the last update's)
+    hidden_states: np.ndarray | None = None
 
     def add(self, u: Update) -> None:
         self.first = self.first or u
@@ -865,6 +870,12 @@ class Handlers:
     def generation_paused(self) -> bool:
         return not self._unpaused.is_set()
 
+    @property
+    def disaggregated(self) -> bool:
+        """Whether this is a prefill or decode server (its bridge's SGLang
+        `disaggregation_mode`)."""
+        return self.engine.server_info()["disaggregation_mode"] != "null"
+
     async def paused_requests(self) -> int:
         """The requests a pause holds in the engine (in place or retracted: a weight update
         runs under them, SGLang's num_paused_requests); none while generation goes on."""
@@ -914,7 +925,7 @@ class Handlers:
         """SGLang's /init_weights_update_group: every engine rank joins the trainer's group
         (the engine thread waits for the trainer meanwhile: `Engine.join_weight_group`).
         Not on a prefill or decode server: their handshake compares checkpoints on disk."""
-        if self.engine.server_info()["disaggregation_mode"] != "null":
+        if self.disaggregated:
             return False, (
                 "Failed to init weights update group: a prefill or decode server is updated "
                 "from a checkpoint (/update_weights_from_disk): their handshake compares "
@@ -1004,7 +1015,7 @@ class Handlers:
         for name in _NOT_RUN:  # (each was accepted and ignored)
             if getattr(body, name, None) not in (None, False):
                 raise APIError(400, f"{name} is not supported", param=name)
-        tracked = self._tracked(body, logprobs, logprobs_param, max_tokens)
+        named_ids = self._logprob_token_ids(body, logprobs, logprobs_param, max_tokens)
         # SGLang's (stop_regex: a sampling param on /generate, `generate._SAMPLING_NOT_RUN`)
         for name in (*SGLANG_NOT_RUN, "stop_regex"):
             if getattr(body, name, None):
@@ -1030,9 +1041,11 @@ class Handlers:
                 f"{max_tokens_param} must be at least {min_max_tokens}, got {max_tokens}",
                 param=max_tokens_param,
             )
-        if logprobs is not None and not 0 <= logprobs <= 20:
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise APIError(
-                400, f"{logprobs_param} must be in 0..20, got {logprobs}", param=logprobs_param
+                400,
+                f"{logprobs_param} must be in 0..{MAX_LOGPROBS}, got {logprobs}",
+                param=logprobs_param,
             )
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         seed = body.sampling_seed if body.seed is None else body.seed
@@ -1074,8 +1087,8 @@ class Handlers:
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 logit_bias=self._logit_bias(body.logit_bias),
-                logprobs=None if tracked else logprobs,  # (vLLM's: then their count)
-                logprob_token_ids=tracked,
+                logprobs=None if named_ids else logprobs,  # (vLLM's: then their count)
+                logprob_token_ids=named_ids,
                 repetition_detection=(
                     body.repetition_detection and body.repetition_detection.model_dump()
                 ),
@@ -1086,11 +1099,7 @@ class Handlers:
                 cache_salt=request_salt(body.cache_salt, body.extra_key),
                 priority=body.priority,
                 thinking_token_budget=body.thinking_token_budget,
-                # SGLang's rows (the engine refuses them without its flags): `_sglext`,
-                # `_last_hidden`
-                return_routed_experts=bool(body.return_routed_experts),
-                routed_experts_start_len=body.routed_experts_start_len or 0,
-                return_hidden_states=bool(body.return_hidden_states),
+                **row_params(body, body.return_hidden_states),  # (`_sglext`, `_last_hidden`)
                 prompt_logprobs=(
                     body.prompt_logprobs
                     if body.prompt_logprobs is not None
@@ -1100,7 +1109,7 @@ class Handlers:
         except DsakvError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def _tracked(
+    def _logprob_token_ids(
         self,
         body: GenerationRequest,
         logprobs: int | None,
@@ -1273,7 +1282,7 @@ class Handlers:
         e, keep = self.engine.engine, params.truncate_prompt_tokens
         if keep is None:
             return prompt
-        if keep == -1 and self.engine.server_info()["disaggregation_mode"] != "null":
+        if keep == -1 and self.disaggregated:
             raise APIError(
                 400,
                 "truncate_prompt_tokens -1 with truncation_side right is not supported with "
@@ -1328,7 +1337,7 @@ class Handlers:
         disaggregation, whose router pairs each request with a prefill server's."""
         if not body.use_beam_search:
             return None
-        if self.engine.server_info()["disaggregation_mode"] != "null":
+        if self.disaggregated:
             raise APIError(
                 400,
                 "use_beam_search is not supported with prefill/decode disaggregation (each "
@@ -1400,7 +1409,7 @@ class Handlers:
             self.in_flight.waiting(call, search, n)
         watcher = asyncio.create_task(_when_left(raw, search.cancel))
         try:
-            await search
+            ended = await search
         except asyncio.CancelledError:
             if self.in_flight.aborted(call, n) and not _cancelling():
                 return [aborted_waiting(len(x)) for x in ids for _ in range(beam.beam_width)]
@@ -1409,6 +1418,8 @@ class Handlers:
             raise APIError(499, "the client closed the request") from None
         finally:
             watcher.cancel()
+        if not ended:  # (a step aborted: the search ends as an abort of all its outputs)
+            return [aborted_waiting(len(x)) for x in ids for _ in range(beam.beam_width)]
         streams = [
             finished_stream(e, req) for s in searches for req, _ in s.results(params.logprobs)
         ]
@@ -1418,12 +1429,13 @@ class Handlers:
 
     async def _beam_steps(
         self, searches: list[BeamSearch], step: SamplingParams, raw: Request
-    ) -> None:
+    ) -> bool:
         """Run `searches` to their end, a step at a time: one request per live beam of each,
         all handed to the engine at once (so that one engine step runs them) and read back
-        whole (`BeamSearch.advance`)."""
-        while live := [s for s in searches if not s.done]:
-            prompts = [p for s in live for p in s.prompts()]
+        whole (`advance_all`). False: a step's request was aborted (as /abort_request
+        aborts: its output so far, here none), which ends the search; one that ended
+        otherwise without its token fails it, as the offline call's (`Step.of`)."""
+        while prompts := live_prompts(searches):
             submits = (self.engine.generate_n(p, step, 1) for p in prompts)
             taken = await asyncio.gather(*submits, return_exceptions=True)
             streams = [x[0] for x in taken if isinstance(x, list)]
@@ -1434,14 +1446,17 @@ class Handlers:
                 if isinstance(failed, (DsakvError, RuntimeError)):
                     raise refusal(failed, None) from None
                 raise failed
-            results = iter(await self._collect_all(streams, raw))
-            for s in live:
-                s.advance(
-                    [
-                        Step(r.token_ids[0], r.logprobs[0], None, r.top_logprobs[0])
-                        for r in itertools.islice(results, len(s.live))
-                    ]
-                )
+            results = await self._collect_all(streams, raw)
+            if cut := next((r for r in results if not r.token_ids), None):
+                if cut.finish_reason == "abort":
+                    return False
+                why = f"it ended without a token ({cut.finish_reason})"
+                raise refusal(step_failed(why), None)
+            advance_all(
+                searches,
+                (Step(r.token_ids[0], r.logprobs[0], None, r.top_logprobs[0]) for r in results),
+            )
+        return True
 
     async def _merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, Update]]:
         """(choice index, update) from all streams as they arrive, until all finished."""
@@ -1817,22 +1832,6 @@ def _token_ids(u: Update) -> dict[str, list[int] | None]:
     """vLLM's `return_token_ids` on a completions choice: the prompt's ids (in its first
     update) and the ids this update adds."""
     return {"prompt_token_ids": u.prompt_token_ids, "token_ids": u.token_ids}
-
-
-def routed_base64(routed: np.ndarray) -> str:
-    """SGLang's wire form of routed experts (`meta_info.routed_experts`, `sglext`, and the
-    prefill server's hand-off): base64 of int32 `[tokens, layers, top_k]`."""
-    return base64.b64encode(np.ascontiguousarray(routed, dtype=np.int32).tobytes()).decode()
-
-
-def routed_from_base64(text: Any, shape: tuple[int, int, int]) -> np.ndarray:
-    """`routed_base64`'s inverse, refused (ValueError, TypeError) unless of `shape`."""
-    return np.frombuffer(base64.b64decode(text, validate=True), np.int32).reshape(shape)
-
-
-def routed_base64_chars(shape: tuple[int, int, int]) -> int:
-    """How long `routed_base64` of `shape` is (a reader's bound)."""
-    return 4 * -(-4 * math.prod(shape) // 3)
 
 
 def _sglext(body: GenerationRequest, ended: Iterable[Update | _Result]) -> dict[str, Any]:

@@ -37,9 +37,9 @@ from .app import (
     _sse,
     refusal,
     request_salt,
-    routed_base64,
 )
 from .protocol import APIError, GenerationRequest
+from .rows import routed_base64, row_params
 
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 
@@ -456,9 +456,7 @@ async def _engine_call(api: Handlers, fn: Any) -> Any:
 async def _memory_call(api: Handlers, tags: list[str] | None, fn: Any) -> None:
     """A release (`fn(engine)`) as `_engine_call` runs it; the KV cache is not released on
     a prefill or decode server, whose peer registered the pool's addresses."""
-    if api.engine.server_info()["disaggregation_mode"] != "null" and (
-        not tags or "kv_cache" in tags
-    ):
+    if api.disaggregated and (not tags or "kv_cache" in tags):
         raise APIError(
             400,
             "a prefill or decode server does not release its KV cache: its peers hold the "
@@ -686,15 +684,7 @@ def _with_rows(body: GenerateRequest, params: list[SamplingParams], n: int) -> l
     one each). The engine refuses them where its flags do not allow them (SGLang's words)."""
     hidden = _per_prompt(body.return_hidden_states, "return_hidden_states", len(params), n)
     try:
-        return [
-            dataclasses.replace(
-                p,
-                return_routed_experts=bool(body.return_routed_experts),
-                routed_experts_start_len=body.routed_experts_start_len or 0,
-                return_hidden_states=bool(h),
-            )
-            for p, h in zip(params, hidden)
-        ]
+        return [dataclasses.replace(p, **row_params(body, h)) for p, h in zip(params, hidden)]
     except DsakvError as e:
         raise APIError(400, str(e), param=e.param) from None
 

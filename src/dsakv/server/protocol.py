@@ -166,11 +166,11 @@ class GenerationRequest(ServingExtras):
     # vLLM's beam search (`Handlers._beam`): `n` is its width
     use_beam_search: bool | None = None
     length_penalty: float | None = None  # (its score's; None: vLLM's 1.0)
-    # refused unless off (`Handlers._params`): what they ask for is not run here
-    logprob_token_ids: list[int] | None = None  # (run: vLLM's, `Handlers._tracked`)
-    prompt_embeds: Any = None
-    repetition_detection: RepetitionDetection | None = None  # (run: vLLM's)
+    logprob_token_ids: list[int] | None = None  # vLLM's (`Handlers._logprob_token_ids`)
+    repetition_detection: RepetitionDetection | None = None  # vLLM's
     request_id: str | None = None  # vLLM's: the response's id (after "cmpl-" / "chatcmpl-")
+    # refused unless off (`Handlers._params`): what it asks for is not run here
+    prompt_embeds: Any = None
     # SGLang's (its server flags allow them, as /generate's): the routed experts of each
     # token (from routed_experts_start_len) in the response's `sglext`, and each choice's
     # last hidden state (`Handlers._params`)

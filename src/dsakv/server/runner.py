@@ -27,6 +27,8 @@ from concurrent.futures import Future
 from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any, TypeVar
 
+import numpy as np
+
 from dsakv.engine import Engine, Request, SamplingParams, Status
 from dsakv.engine.detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
 from dsakv.errors import DsakvError
@@ -122,9 +124,9 @@ class Update:
     prompt_token_ids_logprobs: list[list[float] | None] | None = None
     # In a request's last update only, where it asked for them (SGLang's
     # return_routed_experts / return_hidden_states): `Request.routed_experts`,
-    # `Request.hidden_states` (numpy arrays)
-    routed_experts: Any = None
-    hidden_states: Any = None
+    # `Request.hidden_states`
+    routed_experts: np.ndarray | None = None
+    hidden_states: np.ndarray | None = None
 
 
 @dataclass(eq=False)
