@@ -36,13 +36,10 @@ from .serving import (
     serving,
     wait_idle,
 )
+from .test_invocations import NO_HANDLER
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 4}
 CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], **NO_THINKING, **GREEDY}
-NO_HANDLER = (
-    "Cannot find suitable handler for request. Expected one of: "
-    "['ChatCompletionRequest', 'CompletionRequest']"
-)
 
 
 @pytest.fixture(scope="module")

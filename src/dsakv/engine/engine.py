@@ -1784,14 +1784,15 @@ class Engine:
         # A sampled request's rows: its last token, and each draft after it.
         rows = [r for i in sampled for r in range(ends[i] - len(drafts[i]), ends[i] + 1)]
         hot = self.hot.begin_step(batch, slots) if self.hot is not None else None
-        kept = self._capturing(batch)
-        record = any(batch[i][0].params.return_routed_experts for i in kept)
+        capturing = self._capturing(batch)
+        record = any(batch[i][0].params.return_routed_experts for i in capturing)
         hidden, logits, routed = self.runner.forward(new_tokens, slots, hot, rows, record)
         if hot is not None:
             self.hot.end_step(hot)
-        if kept:
+        if capturing:
             spans = [
-                (batch[i][0], ends[i] - len(new_tokens[i]) + 1, len(new_tokens[i])) for i in kept
+                (batch[i][0], ends[i] - len(new_tokens[i]) + 1, len(new_tokens[i]))
+                for i in capturing
             ]
             self._keep_rows(spans, hidden, routed)
         # (request, first position, first hidden row) of what this step ran, for the drafter
@@ -1849,8 +1850,8 @@ class Engine:
             for i, part in zip(asking, rows.split([spans[i][2] for i in asking])):
                 kept[i][flag] = part
         for (req, _, _), rows in zip(spans, kept):
-            routed_rows = rows.get("return_routed_experts")
-            req.capture.write(req.num_computed, routed_rows, rows.get("return_hidden_states"))
+            experts = rows.get("return_routed_experts")
+            req.capture.write(req.num_computed, experts, rows.get("return_hidden_states"))
 
     def _drafts(self, req: Request, n: int, end: int) -> list[int]:
         """The MTP drafts `req` verifies this step (decode only), as many as pages allow."""
