@@ -93,3 +93,19 @@ def assert_integrity_catches(engine, corrupt, message: str) -> None:
     finally:
         undo()
     engine.check_integrity()
+
+
+def synchronous_l3(l3) -> None:
+    """Make `l3`'s lookups see every page written before them and end before the step that
+    started them goes on. A busy engine steps on while a lookup runs (only an idle one
+    waits), so on a slower machine a request was admitted steps later: a test counting
+    retractions or L3 hits under page pressure then counted another schedule."""
+    prefetch = l3.prefetch
+
+    def waited(rid, *args):
+        assert l3.drain()
+        prefetch(rid, *args)
+        if (lookup := l3._lookups.get(rid)) is not None:
+            lookup.done.wait()
+
+    l3.prefetch = waited

@@ -19,7 +19,7 @@ from dsakv.engine.speculative import MAX_WAIT, MTPDrafter, verify
 from dsakv.memory import copy_tokens
 from dsakv.models.tiny import TINY_PRESETS, default_model_dir, write_tiny_model
 
-from .conftest import flat_logprobs
+from .conftest import flat_logprobs, synchronous_l3
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -657,21 +657,6 @@ def _run_pressed(engine: Engine, jobs, before_step=lambda: None) -> list[Request
     return reqs
 
 
-def _synchronous(l3) -> None:
-    """Make `l3`'s lookups see every page written before them and end before the step that
-    started them goes on: a lookup still running when the scheduler asks is waited for
-    only by an idle engine, so a slower machine admitted later and retracted nobody."""
-    prefetch = l3.prefetch
-
-    def waited(rid, *args):
-        assert l3.drain()
-        prefetch(rid, *args)
-        if (lookup := l3._lookups.get(rid)) is not None:
-            lookup.done.wait()
-
-    l3.prefetch = waited
-
-
 @pytest.mark.parametrize(
     ("lengths", "tier"),
     [((6, 30, 20), "l3"), ((4, 20, 16), "host"), ((4, 20, 16), "l3")],
@@ -701,7 +686,7 @@ def test_every_copy_of_a_cached_page_holds_its_draft_kv(dense, tmp_path, lengths
         tiers = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
     engine = Engine(EngineConfig(dense, **PRESSED, **tiers, num_pages=10, max_running_requests=8))
     if engine.l3 is not None:
-        _synchronous(engine.l3)
+        synchronous_l3(engine.l3)
     reqs = _run_pressed(engine, jobs)
     # (a request may end sooner: the small pool bounds the context)
     assert all(r.output_ids == t[: len(r.output_ids)] for r, t in zip(reqs, ref))

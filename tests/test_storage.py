@@ -45,6 +45,7 @@ from dsakv.memory.storage import (
 from dsakv.models.tiny import write_tiny_model
 from dsakv.procs import stop_process
 
+from .conftest import synchronous_l3
 from .serving import TIMEOUT, free_port
 
 PS = 16
@@ -62,9 +63,14 @@ def _objects(store: Path) -> list[Path]:
     return sorted(store.glob("*/*.kv"))
 
 
-def _run(model: str, prompts, params=GREEDY, **kw) -> tuple[list[list[int]], dict]:
-    """Greedy tokens and the counters of a fresh engine (closed after: stores flushed)."""
+def _run(
+    model: str, prompts, params=GREEDY, synchronous: bool = False, **kw
+) -> tuple[list[list[int]], dict]:
+    """Greedy tokens and the counters of a fresh engine (closed after: stores flushed);
+    `synchronous`: its L3 lookups end before the step goes on (`synchronous_l3`)."""
     llm = LLM(model, **kw)
+    if synchronous:
+        synchronous_l3(llm.engine.l3)
     try:
         outs = llm.generate(prompts, params)
         llm.engine.check_integrity()
@@ -530,7 +536,7 @@ def test_retraction_and_prefix_sharing_keep_integrity(tiny, stored, tmp_path):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     ref, _ = _run(tiny, prompts, params, device="cpu", page_size=PS, num_pages=64)
     store = _copy(stored, tmp_path)
-    tokens, c = _run(tiny, prompts, params, **_file(store, num_pages=12))
+    tokens, c = _run(tiny, prompts, params, synchronous=True, **_file(store, num_pages=12))
     assert tokens == ref
     assert c["retractions"] > 0 and c["l3_hits"] > 0
 
