@@ -375,7 +375,8 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path, ca
     """Permission bits said yes to root (and to any user on a read-only mount): the bench
     ran for minutes, then lost its figures to a traceback. The folder is now tried."""
     import dsakv.bench
-    from dsakv.cli import _check_output_file, main
+    from dsakv.cli import main
+    from dsakv.cli.bench import _check_output_file
 
     def ran(*args, **kwargs):
         raise AssertionError("the bench ran before its output was refused")

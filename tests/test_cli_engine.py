@@ -271,15 +271,8 @@ def test_engine_flags_are_read_from_their_definitions(tiny_dir, tmp_path):
     import argparse
     from dataclasses import fields
 
-    from dsakv.cli import (
-        _FOLDED,
-        _OFF_FLAGS,
-        _actions,
-        add_engine_args,
-        add_storage_args,
-        build_parser,
-        engine_config_from_args,
-    )
+    from dsakv.cli import build_parser, engine_config_from_args
+    from dsakv.cli.args import _FOLDED, _OFF_FLAGS, _actions, add_engine_args, add_storage_args
     from dsakv.engine import EngineConfig
 
     names = {f.name for f in fields(EngineConfig)}
@@ -586,7 +579,8 @@ def test_the_engine_seed_is_a_flag_passed_on(tiny_dir, capsys):
     flag: serve takes vLLM's --seed, serve-pd hands it (and the aliased flags, under
     dsakv's names) to its servers, and bench --serving can ask for it."""
     from dsakv.bench.serving_rate import serve_flags
-    from dsakv.cli import _flags, add_engine_args, build_parser
+    from dsakv.cli import build_parser
+    from dsakv.cli.args import _flags, add_engine_args
     from dsakv.engine import EngineConfig
 
     args = build_parser().parse_args(
@@ -773,7 +767,8 @@ def test_serve_pd_passes_sglangs_flags_on_as_dsakvs(tiny_dir):
     """serve-pd's servers get dsakv's flags for what SGLang's / vLLM's meant (the hidden
     spellings are not passed on: a server would get no MTP from a dropped
     --speculative-config)."""
-    from dsakv.cli import _flags, add_engine_args, build_parser, engine_config_from_args
+    from dsakv.cli import build_parser, engine_config_from_args
+    from dsakv.cli.args import _flags, add_engine_args
 
     def passed(*flags: str) -> str:
         args = build_parser().parse_args(["serve-pd", str(tiny_dir), *flags])
@@ -875,7 +870,8 @@ def test_uvicorn_log_level_reaches_the_server(tiny_dir, tmp_path):
 def test_the_model_as_sglangs_and_vllms_flag(tiny_dir, capsys):
     """SGLang's --model-path and vLLM's --model name the model as the positional does (on
     generate, serve and serve-pd); the model given twice, differently, is one error line."""
-    from dsakv.cli import _fold_model_option, build_parser, engine_config_from_args
+    from dsakv.cli import build_parser, engine_config_from_args
+    from dsakv.cli.args import _fold_model_option
 
     def config(*argv: str):
         args = build_parser().parse_args(list(argv))
@@ -974,7 +970,8 @@ def test_sglangs_log_level_sets_the_loggers_and_uvicorns(tiny_dir, monkeypatch, 
     --disable-uvicorn-access-log, to its two servers."""
     import logging
 
-    from dsakv.cli import _log_level, _uvicorn_log_level, build_parser
+    from dsakv.cli import _log_level, build_parser
+    from dsakv.cli.args import _uvicorn_log_level
     from dsakv.disagg import launch
 
     def levels(*flags: str) -> tuple[int, str]:
@@ -1086,7 +1083,8 @@ def test_bench_serving_hands_a_json_engine_arg_to_serve_as_json(tiny_dir):
     from dataclasses import replace
 
     from dsakv.bench.serving_rate import serve_flags
-    from dsakv.cli import _engine_arg, build_parser, engine_config_from_args
+    from dsakv.cli import build_parser, engine_config_from_args
+    from dsakv.cli.bench import _engine_arg
     from dsakv.engine import EngineConfig
 
     given = ["enable_hisparse=true", 'hisparse_config={"top_k": 4, "host_to_device_ratio": 3}']

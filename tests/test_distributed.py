@@ -452,7 +452,7 @@ def test_dp_attention_delivers_an_abort_while_nothing_else_runs(models):
     the engine must still say it has work (a server steps only then), or rank 1 kept the
     request and its pages until another request came. `max_running_requests` caps the
     server, not each rank (SGLang divides it by dp_size): 2 ran 4 on two ranks."""
-    from dsakv.engine.engine import EngineConfig
+    from dsakv.engine.config import EngineConfig
     from dsakv.errors import DsakvError
 
     with pytest.raises(DsakvError, match="less than one request per rank"):

@@ -858,7 +858,7 @@ def test_a_gpu_device_always_carries_its_index(monkeypatch):
     was taken, to fail later in a kernel."""
     import torch
 
-    from dsakv.engine.engine import resolve_device
+    from dsakv.engine.config import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

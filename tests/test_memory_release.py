@@ -23,7 +23,7 @@ from dsakv.disagg.config import DisaggConfig
 from dsakv.disagg.router import build_router_app
 from dsakv.disagg.serving import bridge_for
 from dsakv.engine import LLM, EngineConfig, SamplingParams
-from dsakv.engine.engine import EngineAsleep
+from dsakv.engine.sleep import EngineAsleep
 from dsakv.errors import DsakvError
 from dsakv.memory.release import held_bytes
 from dsakv.procs import free_port

@@ -180,7 +180,7 @@ def serve_flags(config: Any, engine_args: dict[str, Any]) -> list[str]:
 def _switches() -> dict[str, dict[bool, str]]:
     """`EngineConfig` fields set by a switch: field -> {the value it sets: the switch}, read
     from the CLI's own definitions (a list kept here missed the switches added since)."""
-    from dsakv.cli import _OFF_FLAGS, _actions, add_engine_args, add_storage_args
+    from dsakv.cli.args import _OFF_FLAGS, _actions, add_engine_args, add_storage_args
 
     out: dict[str, dict[bool, str]] = {}
     for action in _actions(add_engine_args) + _actions(add_storage_args):

@@ -349,7 +349,7 @@ def calibrate_pattern(
     on_step: Callable[[Step], None] | None = None,
 ) -> CalibrationResult:
     """Load the model with every available indexer, then search greedily to the budget."""
-    from dsakv.engine.engine import resolve_device
+    from dsakv.engine.config import resolve_device
     from dsakv.models import load_model
 
     from .data import calibration_sequences

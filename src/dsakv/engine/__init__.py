@@ -1,9 +1,12 @@
-"""Engine: requests, scheduler, prefix cache, sampler, the step loop, the `LLM` API (with
-beam search in `beam_search`, scoring in `score`, server info in `info`), and what runs
-engines on several ranks (`launch`, DP attention in `dp`)."""
+"""Engine: requests, scheduler, prefix cache, sampler, the step loop (`engine`, its
+arguments in `config`; sleep mode, weight updates and profiles, its mixins, in `sleep`,
+`weight_update`, `profiler`), the `LLM` API (with beam search in `beam_search`, scoring in
+`score`, server info in `info`), and what runs engines on several ranks (`launch`, DP
+attention in `dp`)."""
 
 from .beam_search import BeamSearchParams
-from .engine import Engine, EngineConfig
+from .config import EngineConfig
+from .engine import Engine
 from .llm import (
     LLM,
     BeamSearchOutput,

@@ -21,9 +21,10 @@ from dsakv.distributed.leader import Leader
 from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate
 from dsakv.errors import DsakvError
 
-from .engine import Engine, updated
+from .engine import Engine
 from .request import Request, Status
 from .sampling import SamplingParams
+from .weight_update import updated
 
 log = logging.getLogger(__name__)
 

@@ -56,8 +56,9 @@ from dsakv.procs import (
     stop_signals_blocked,
 )
 
+from .config import resolve_device
 from .dp import DPEngine, serve_dp_peer
-from .engine import Engine, RankDied, resolve_device
+from .engine import Engine, RankDied
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from dsakv.procs import interrupts_deferred
 
 from .beam_search import BeamSearch, BeamSearchParams, Step, advance_all, live_prompts
 from .chat_format import has_chat_format, render_chat, template_message
+from .config import EngineConfig
 from .detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
-from .engine import EngineConfig
 from .info import engine_info
 from .launch import create_engine
 from .request import Request

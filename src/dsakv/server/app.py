@@ -39,10 +39,10 @@ from dsakv.engine.beam_search import (
     step_failed,
 )
 from dsakv.engine.chat_format import has_chat_format
-from dsakv.engine.engine import EngineAsleep
 from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
 from dsakv.engine.info import engine_info
 from dsakv.engine.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+from dsakv.engine.sleep import EngineAsleep
 from dsakv.errors import DsakvError
 
 from .chat import (

@@ -1,0 +1,131 @@
+"""dsakv, an inference engine for DeepSeek Sparse Attention models (GLM-5.x, DeepSeek-V3.2),
+whose shared-indexer layers keep no index-K cache."""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import errno
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from dsakv.errors import DsakvError
+from dsakv.procs import interrupts_deferred
+
+from .args import _fold_model_option, _Parser, engine_config_from_args
+from .bench import _add_bench
+from .calibrate import _add_calibrate
+from .device_check import _add_device_check
+from .disagg import _add_disagg_commands
+from .plan import _add_plan
+from .serve import _add_engine_commands
+
+__all__ = ["build_parser", "engine_config_from_args", "main", "run"]
+
+_COMMANDS: list[Callable[[Any], None]] = [
+    _add_plan,
+    _add_engine_commands,
+    _add_disagg_commands,
+    _add_bench,
+    _add_calibrate,
+    _add_device_check,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dsakv", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        with interrupts_deferred():
+            # torch's own imports swallow a Ctrl-C or leave numpy half-loaded ("cannot load
+            # module more than once"); the parser's choices import it anyway.
+            import torch  # noqa: F401
+        args = build_parser().parse_args(argv)
+        _fold_model_option(args)
+        logging.basicConfig(level=_log_level(args), format="%(levelname)s %(name)s: %(message)s")
+        code = args.func(args) or 0
+        sys.stdout.flush()  # (a reader gone shows here, not at exit)
+        return code
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        # The reader went away (`dsakv plan … | head -1`): stop quietly, as other CLIs do, and
+        # leave the exit status a process that SIGPIPE ended has (128 + 13).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit flush)
+        return 141
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # A full disk (`dsakv plan … > /dev/full`, a model written there): one line and
+        # status 1, as other CLIs say it (not 2: nothing the user gave was wrong).
+        print(f"error: cannot write the output: {e.strerror}", file=sys.stderr)
+        with contextlib.suppress(OSError):  # (a stdout without a file descriptor)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit flush)
+        return 1
+    except DsakvError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)  # 2: bad input; a rank that died says 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from dsakv.distributed.parallel import is_dist_error
+
+        if not is_dist_error(e):
+            raise
+        print(f"error: a rank failed: {e}".splitlines()[0], file=sys.stderr)
+        return 1
+
+
+def _log_level(args: argparse.Namespace) -> int:
+    """-v's INFO, or SGLang's --log-level (`serve`; uvicorn's trace is debug here)."""
+    level = getattr(args, "log_level", None)
+    if level is None:
+        return logging.INFO if args.verbose else logging.WARNING
+    if args.verbose and level != "info":
+        raise DsakvError(f"-v (info) and --log-level {level} disagree: give one")
+    return logging.DEBUG if level == "trace" else getattr(logging, level.upper())
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (any other broken pipe is a
+    failure to report)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll(), or no real stdout
+        return False
+
+
+def run() -> NoReturn:
+    """The `dsakv` command: `main`, then exit. Where a thread of ours is still running at
+    the end (an engine load that a Ctrl-C cut short goes on inside torch), the interpreter's
+    own exit would abort the process ("terminate called without an active exception",
+    SIGABRT) as it stops that thread in C++ code: end it here instead, once the atexit
+    hooks have run."""
+    try:
+        code = main()
+    except SystemExit as e:  # (argparse's: --help, a bad flag)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if any(t.daemon and t.name.startswith("dsakv-") for t in threading.enumerate()):
+        atexit._run_exitfuncs()
+        os._exit(code)
+    sys.exit(code)

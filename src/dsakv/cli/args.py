@@ -1,0 +1,819 @@
+"""The flags the commands share, their argparse types, and the `EngineConfig` they give:
+vLLM's and SGLang's spellings taken, folded into dsakv's own, or refused in one line."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from dsakv.errors import DsakvError
+from dsakv.procs import Listener
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad arguments as one `error:` line and exit code 2, and takes
+    no abbreviated flags: SGLang's `--dp 2` would otherwise be `--dp-attention`, then
+    "unrecognized arguments: 2"."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    def _get_option_tuples(self, option_string: str) -> list[Any]:
+        """Single-dash flags unabbreviated too (argparse before 3.12 abbreviates them even
+        without `allow_abbrev`: `-d 2` was vLLM's `-dp 2`); a short flag with its value
+        attached (`-v`'s kind) still parses."""
+        tuples = super()._get_option_tuples(option_string)
+        return [t for t in tuples if t[1] == option_string[:2]]
+
+
+# Sizes (GiB) and seconds past this are typos; beyond ~1e300 they overflowed into tracebacks.
+_MAX_FLOAT = 1e12
+
+
+def _checked(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool], want: str) -> Any:
+    """`convert(text)` where `ok` holds for it. Unparsable text gets the same "must be ..."
+    message: argparse's own would name the type function ("invalid _positive_int value")."""
+    try:
+        value = convert(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    return _checked(text, float, lambda v: 0 < v <= _MAX_FLOAT, f"a number in (0, {_MAX_FLOAT:g}]")
+
+
+def _fraction(text: str) -> float:
+    return _checked(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
+def _nonnegative_float(text: str) -> float:
+    return _checked(text, float, lambda v: 0 <= v <= _MAX_FLOAT, f"a number in [0, {_MAX_FLOAT:g}]")
+
+
+def port(text: str) -> int:
+    return _checked(text, int, lambda v: 0 < v < 65536, "an integer in 1..65535")
+
+
+def listen(host: str, port: int):
+    """A `Listener` on `host:port`: a port in use or a bad address fails now, in one line,
+    not after the engine has loaded, in uvicorn's words; and nothing can take the port
+    while it loads (the server serves these sockets)."""
+    return Listener(host, port)
+
+
+def check_listen(host: str, port: int) -> None:
+    """Fail now, in one line, where `host:port` cannot be listened on (a port another
+    process of ours will bind)."""
+    listen(host, port).close()
+
+
+def _draft_layers(text: str) -> int:
+    return _checked(text, int, lambda v: 0 <= v <= 64, "an integer in 0..64")
+
+
+def _nonnegative_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def _positive_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
+
+
+def _chunk_size(text: str) -> int:
+    """argparse type: a size, or SGLang's -1 (no chunking: `_fold_foreign` makes it the
+    context length)."""
+    return _checked(text, int, lambda v: v >= 1 or v == -1, "an integer >= 1, or -1 (no chunking)")
+
+
+def _speculative_config(text: str) -> int:
+    """argparse type for vLLM's --speculative-config JSON: its MTP methods, as drafts per
+    step (dsakv's --speculative-num-steps)."""
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError):
+        spec = None
+    want = '{"method": "deepseek_mtp" or "mtp", "num_speculative_tokens": N in 1..16}'
+    keys = {"method", "num_speculative_tokens"}
+    if not isinstance(spec, dict) or not spec or not set(spec) <= keys:
+        raise argparse.ArgumentTypeError(f"dsakv takes {want}, got {text!r}")
+    # vLLM's defaults for these models: their own MTP layer, as many drafts as it has (one)
+    n = spec.get("num_speculative_tokens", 1)
+    method = spec.get("method", "mtp")
+    if method not in ("deepseek_mtp", "mtp") or type(n) is not int or not 1 <= n <= 16:
+        raise argparse.ArgumentTypeError(f"dsakv takes {want}, got {text!r}")
+    return n
+
+
+def _seed(text: str) -> int:
+    return _checked(text, int, lambda v: 0 <= v < 2**64, "an integer in 0..2**64-1")
+
+
+def _spelled(aliases: dict[str, str], fold_case: bool = False) -> Callable[[str], str]:
+    """argparse type: vLLM's / SGLang's spellings of a value as dsakv's own, before `choices`
+    checks it (so --help lists dsakv's names; anything else is still one "invalid choice")."""
+
+    def convert(text: str) -> str:
+        return aliases.get(text.lower() if fold_case else text, text)
+
+    return convert
+
+
+def _only(supported: Sequence[str], why: str) -> Callable[[str], str]:
+    """argparse type for a vLLM / SGLang flag taken for the values that are what dsakv does
+    anyway; another asks for what it does not: one line naming what it takes."""
+
+    def check(text: str) -> str:
+        if text not in supported:
+            raise argparse.ArgumentTypeError(
+                f"dsakv takes {' or '.join(supported)} ({why}), got {text!r}"
+            )
+        return text
+
+    return check
+
+
+def _refused(why: str) -> Callable[[str], str]:
+    """argparse type for a vLLM / SGLang flag that asks, whatever its value, for what dsakv
+    does not do: one line saying why."""
+
+    def check(text: str) -> str:
+        raise argparse.ArgumentTypeError(why)
+
+    return check
+
+
+def _kv_cache_dtype(text: str) -> str:
+    """argparse type: "auto" (vLLM's and SGLang's default) is dsakv's default, "fp8" e4m3
+    (as SGLang maps it), "bfloat16" bf16."""
+    from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
+
+    return _spelled({"auto": DEFAULT_LATENT_DTYPE, "fp8": "fp8_e4m3", "bfloat16": "bf16"})(text)
+
+
+_DTYPE = _spelled({"half": "float16", "float": "float32"})  # (vLLM's and SGLang's)
+# SGLang runs DeepSeek / GLM MTP as NEXTN or EAGLE (with no draft model: the nextn layer)
+_SPECULATIVE = _spelled({"nextn": "mtp", "eagle": "mtp", "mtp": "mtp"}, fold_case=True)
+
+# SGLang's names for --tp and --ep (vLLM's the long ones) besides dsakv's own.
+_TP = ("--tp", "--tp-size", "--tensor-parallel-size", "-tp")
+_EP = ("--ep", "--ep-size", "--expert-parallel-size")
+# SGLang's (and vLLM's) data-parallel size: dsakv's is --tp's under --dp-attention, else 1.
+_DP = ("--dp-size", "--dp", "--data-parallel-size", "-dp")
+# Hidden flags with no field of their own: `_fold_foreign` checks them against dsakv's
+# flags, then they are dropped (never passed on: serve-pd passes what they checked).
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # (vLLM's)
+_FOLDED = (
+    "enforce_eager",
+    "enable_chunked_prefill",
+    "max_prefill_tokens",
+    "schedule_policy",
+    "dp_size",
+    "enable_expert_parallel",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "speculative_config",
+    "spec_method",
+    "spec_num_speculative_tokens",
+)
+
+
+def _add_model_option(p: argparse.ArgumentParser) -> None:
+    """SGLang's --model-path and vLLM's --model, hidden: the model as a flag
+    (`_fold_model_option` makes it the positional's)."""
+    for flag in ("--model-path", "--model"):
+        p.add_argument(flag, dest="model_option", help=argparse.SUPPRESS)
+
+
+def _fold_model_option(args: argparse.Namespace) -> None:
+    option = getattr(args, "model_option", None)
+    if option is None:
+        return
+    if args.model is not None and args.model != option:
+        raise DsakvError(
+            f"the model is given twice ({args.model!r} and --model-path/--model {option!r})"
+        )
+    args.model = option
+
+
+def _add_aliased(g: Any, flags: Sequence[str], help: str, **kw: Any) -> None:
+    """`flags[0]` and, hidden, its other spellings: --help shows dsakv's name and an error
+    the spelling given (not "--tp/--tp-size/--tensor-parallel-size")."""
+    g.add_argument(flags[0], help=f"{help} (also {', '.join(flags[1:])})", **kw)
+    for alias in flags[1:]:
+        g.add_argument(alias, help=argparse.SUPPRESS, **kw)
+
+
+def _add_dp_args(g: Any, help: str) -> None:
+    """--dp-attention (SGLang's --enable-dp-attention too) and, hidden, the DP size's
+    spellings, each kept with the flag given: `_check_dp_size` names it."""
+    help += " (also --enable-dp-attention; --dp-size, --dp or --data-parallel-size: --tp's N)"
+    g.add_argument("--dp-attention", action="store_true", help=help)
+    g.add_argument(
+        "--enable-dp-attention", dest="dp_attention", action="store_true", help=argparse.SUPPRESS
+    )
+    for flag in _DP:
+        g.add_argument(
+            flag,
+            dest="dp_size",
+            type=lambda text, flag=flag: (flag, _positive_int(text)),
+            help=argparse.SUPPRESS,
+        )
+
+
+def _fold_expert_parallel(args: argparse.Namespace) -> None:
+    """vLLM's --enable-expert-parallel: the experts split over every rank (after
+    `_check_dp_size`: vLLM's -dp N is N ranks here), dsakv's --ep set to the ranks."""
+    if not args.enable_expert_parallel:
+        return
+    ranks = args.tp or 1
+    if args.ep not in (None, ranks):
+        raise DsakvError(
+            f"--enable-expert-parallel splits the experts over all {ranks} rank(s); "
+            f"--ep {args.ep} says otherwise: give one"
+        )
+    args.ep = ranks if ranks > 1 else args.ep
+    args.enable_expert_parallel = False
+
+
+def _check_dp_size(args: argparse.Namespace) -> None:
+    """SGLang's / vLLM's DP size as dsakv's layout: under DP attention one DP rank per TP
+    rank, without it one replica (1 is the no-op default); anything else is refused. vLLM's
+    --data-parallel-size N alone is N ranks of data-parallel attention (vLLM's for MLA
+    models: GPUs = DP × TP), dsakv's --tp N --dp-attention."""
+    if args.dp_size is None:
+        return
+    (flag, n), tp = args.dp_size, args.tp or 1
+    if flag in ("--data-parallel-size", "-dp") and n > 1 and not args.dp_attention:
+        if tp > 1:
+            raise DsakvError(
+                f"{flag} {n} with --tp {tp} is (as vLLM's) {tp * n} ranks with "
+                f"attention split {tp} ways in each DP group, which dsakv does not run: its DP "
+                f"attention is one DP rank per rank (--tp {tp * n} --dp-attention)"
+            )
+        args.tp = tp = n
+        args.dp_attention = True
+    if args.dp_attention and n != tp:
+        raise DsakvError(
+            f"{flag} {n} with --tp {tp}: dsakv's DP attention runs one DP rank per TP rank "
+            f"(attention split over ranks within a DP group is not supported): give {flag} "
+            f"{tp} or leave it out"
+        )
+    if not args.dp_attention and n > 1:
+        raise DsakvError(
+            f"{flag} {n} without DP attention asks for {n} replicas, and a dsakv server is "
+            f"one: run {n} `dsakv serve` behind sglang-router (README), or DP attention over "
+            f"the ranks with --tp {n} --dp-attention"
+        )
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """Cache-layout and layer-plan flags, shared by every command that builds a pool."""
+    from dsakv.memory.layout import DEFAULT_LATENT_DTYPE, INDEX_K_DTYPES, LATENT_DTYPES
+
+    g = p.add_argument_group("cache layout and layer plan")
+    g.add_argument(
+        "--kv-cache-dtype",
+        type=_kv_cache_dtype,
+        choices=LATENT_DTYPES,
+        default=None,
+        help=f"latent (default {DEFAULT_LATENT_DTYPE}, also spelled auto or fp8; bfloat16: bf16)",
+    )
+    g.add_argument("--index-k-dtype", choices=INDEX_K_DTYPES, default=None)
+    _add_aliased(
+        g,
+        ("--page-size", "--block-size"),
+        "tokens per page",
+        dest="page_size",
+        type=_positive_int,
+        default=None,
+    )
+    g.add_argument("--no-elide-index-k", action="store_true", help="dense index-K on every layer")
+    g.add_argument("--index-topk-pattern", help="per-layer F/S string overriding the checkpoint")
+    g.add_argument("--index-topk-freq", type=int, help="run the indexer every N layers")
+    g.add_argument("--index-skip-topk-offset", type=int, help="first layer the freq applies from")
+    g.add_argument("--no-index-share", action="store_true", help="every layer runs its indexer")
+
+
+def add_hisparse_args(p: argparse.ArgumentParser, what: str) -> None:
+    """SGLang's HiSparse flags (DESIGN.md §13)."""
+    g = p.add_argument_group("HiSparse (latent on the host, hot buffers on the device)")
+    g.add_argument("--enable-hisparse", action="store_true", help=what)
+    g.add_argument(
+        "--hisparse-config",
+        metavar="JSON",
+        help='{"top_k": index_topk, "device_buffer_size": 2×top_k, "host_to_device_ratio": 2}',
+    )
+
+
+def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
+    """Every `EngineConfig` field as a flag (defaults live in `EngineConfig`); `seed=False`
+    where the command's --seed is the requests' own (generate's)."""
+    add_layout_args(p)
+    g = p.add_argument_group("engine")
+    _add_aliased(
+        g,
+        ("--tokenizer", "--tokenizer-path"),
+        "the tokenizer's folder, where not the model's: its chat template and special tokens "
+        "too (vLLM's)",
+        dest="tokenizer",
+        metavar="DIR",
+    )
+    g.add_argument("--kv-budget-gib", type=_positive_float, help="device KV pool size (default 1)")
+    g.add_argument("--num-pages", type=_positive_int, help="device KV pool size in pages")
+    g.add_argument(
+        "--mem-fraction-static",
+        type=_fraction,
+        help="CUDA: size the KV pool as SGLang does: the memory free after the load less "
+        "(1 - F) of the memory free before it, the least over ranks",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        help="vLLM's: taken and refused (dsakv cannot hold the whole instance to a share of "
+        "the GPU); give --mem-fraction-static",
+    )
+    _add_aliased(  # (vLLM's --swap-space: the host memory a preempted request's KV goes to)
+        g,
+        ("--host-pool-gib", "--swap-space"),
+        "host (CPU) KV tier size per rank, for retracted requests and evicted prefix pages; "
+        "0 = off",
+        dest="host_pool_gib",
+        type=_nonnegative_float,
+    )
+    g.add_argument(
+        "--chunked-prefill-size",
+        type=_chunk_size,
+        help="prefill tokens per step (-1: no chunking, whole prompts up to the context "
+        "length; vLLM's --max-num-batched-tokens N is taken as N here, though vLLM counts a "
+        "step's decode tokens in it too)",
+    )
+    g.add_argument(  # (no -1: vLLM's takes none)
+        "--max-num-batched-tokens",
+        dest="chunked_prefill_size",
+        type=_positive_int,
+        help=argparse.SUPPRESS,
+    )
+    # vLLM's switch for the above (on by default; off: every prompt whole) and SGLang's cap on
+    # a step's prefill tokens, which bounds dsakv's only without chunking (`_fold_foreign`)
+    g.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS
+    )
+    g.add_argument("--max-prefill-tokens", type=_positive_int, help=argparse.SUPPRESS)
+    _add_aliased(
+        g,
+        ("--max-running-requests", "--max-num-seqs"),
+        "concurrency cap",
+        dest="max_running_requests",
+        type=_positive_int,
+    )
+    g.add_argument(  # SGLang's values dsakv runs: its fcfs, with or without priority, and lpm
+        "--schedule-policy",
+        type=_only(
+            ("fcfs", "lpm"),
+            "SGLang's priority order is --enable-priority-scheduling; dfs-weight, lof, random "
+            "and routing-key it does not run",
+        ),
+        help=argparse.SUPPRESS,
+    )
+    g.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority", "lpm"),
+        help="which waiting request runs first: fcfs (default), or priority: the requests' "
+        "priority field, lower values first, then arrival; running ones of lower priority "
+        "keep no room from it and are retracted first (vLLM's); lpm: the most cached prompt "
+        "pages first (SGLang's --schedule-policy lpm, which takes fcfs too)",
+    )
+    g.add_argument(
+        "--enable-priority-scheduling",
+        action="store_true",
+        help="SGLang's priority scheduling: higher values first, and a waiting request "
+        "retracts running ones of lower priority to be admitted",
+    )
+    g.add_argument(
+        "--schedule-low-priority-values-first",
+        action="store_true",
+        help="with --enable-priority-scheduling: lower values first (SGLang's)",
+    )
+    g.add_argument(
+        "--priority-scheduling-preemption-threshold",
+        type=_nonnegative_int,
+        metavar="N",
+        help="with --enable-priority-scheduling: a waiting request retracts running ones "
+        "whose priority is worse than its own by more than N (default 10; SGLang's)",
+    )
+    _add_aliased(
+        g,
+        ("--max-model-len", "--context-length"),
+        "context length in tokens",
+        dest="max_model_len",
+        type=_positive_int,
+    )
+    g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    g.add_argument(
+        "--dtype",
+        type=_DTYPE,
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="compute dtype (vLLM's half and float: float16, float32)",
+    )
+    _add_aliased(
+        g,
+        ("--no-prefix-cache", "--disable-radix-cache", "--no-enable-prefix-caching"),
+        "disable the radix cache",
+        dest="no_prefix_cache",
+        action="store_true",
+    )
+    g.add_argument(  # vLLM's, the default: it undoes an earlier --no-enable-prefix-caching
+        "--enable-prefix-caching",
+        dest="no_prefix_cache",
+        action="store_false",
+        default=False,
+        help=argparse.SUPPRESS,
+    )
+    g.add_argument(
+        "--generation-config",
+        choices=("auto", "vllm"),
+        help="what requests leave out: auto (default), generation_config.json's sampling "
+        "fields and max_new_tokens; vllm, SamplingParams' own (vLLM's flag)",
+    )
+    g.add_argument(
+        "--attention-backend",
+        help="auto (default: flashmla, else triton on CUDA, else cpu on a CPU), torch (the "
+        "reference), cpu, triton, flashmla",
+    )
+    g.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="run CUDA decode steps eagerly (vLLM's --enforce-eager too)",
+    )
+    g.add_argument("--enforce-eager", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        type=_positive_int,
+        metavar="N",
+        help="decode batches of up to N requests run as CUDA graphs, larger ones eagerly "
+        "(default 128; SGLang's)",
+    )
+    g.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="cpu backend: decode steps of up to 4 requests run the layers' blocks the native "
+        "kernels do not cover (no C++ compiler, a bf16 model) through torch.compile "
+        "(a warm-up of 10-45 s per process)",
+    )
+    g.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="SGLang's: return_routed_experts (/generate, completions, chat; SamplingParams "
+        "offline) may ask for the experts each token was routed to (its steps run eager, off "
+        "the CUDA graphs)",
+    )
+    g.add_argument(
+        "--enable-return-hidden-states",
+        action="store_true",
+        help="SGLang's: return_hidden_states (/generate, completions, chat) may ask for each "
+        "token's last hidden state",
+    )
+    det = g.add_mutually_exclusive_group()
+    det.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="require one per-token reduction order for every step: a request's tokens and "
+        "logprobs do not depend on its batch, chunking, cache path or thread count (the "
+        "default wherever it runs: the cpu backend, fp32 compute, one rank)",
+    )
+    det.add_argument(
+        "--disable-deterministic-inference",
+        action="store_true",
+        help="the batched path of before (torch GEMMs for steps over 64 tokens)",
+    )
+    g.add_argument(
+        "--speculative-algorithm",
+        type=_SPECULATIVE,
+        choices=("mtp",),
+        help="draft with the MTP layer, verify (SGLang's NEXTN and EAGLE are it)",
+    )
+    g.add_argument(
+        "--speculative-num-steps",
+        type=_positive_int,
+        help="MTP drafts per step, one chain (default 3; SGLang's --speculative-eagle-topk 1 "
+        "and --speculative-num-draft-tokens N+1, vLLM's --speculative-config, taken)",
+    )
+    for flag in ("--speculative-eagle-topk", "--speculative-num-draft-tokens"):
+        g.add_argument(flag, type=_positive_int, help=argparse.SUPPRESS)
+    g.add_argument("--speculative-config", type=_speculative_config, help=argparse.SUPPRESS)
+    for key in ("method", "num_speculative_tokens"):  # vLLM's dotted spelling (its recipes')
+        g.add_argument(f"--speculative-config.{key}", dest=f"spec_{key}", help=argparse.SUPPRESS)
+    if seed:
+        g.add_argument(
+            "--seed",
+            type=_seed,
+            help="the engine's: starts the generator requests without their own seed share "
+            "(default 0)",
+        )
+    add_hisparse_args(p, "every token's latent on the host, a hot buffer per request here")
+    add_parallel_args(p)
+
+
+def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """vLLM's / SGLang's switches that dsakv has no use for: taken, so their launch commands
+    run, and ignored."""
+    g = p.add_argument_group("accepted and ignored (vLLM / SGLang switches)")
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="dsakv runs no code from the model's folder: its own model code, the tokenizer "
+        "without remote code",
+    )
+    g.add_argument(
+        "--load-format",
+        type=_only(("auto", "safetensors"), "it reads safetensors checkpoints"),
+        metavar="{auto,safetensors}",
+        help="vLLM's: the checkpoint is read as safetensors either way",
+    )
+    g.add_argument(
+        "--tokenizer-mode",
+        type=_only(
+            ("auto", "hf", "deepseek_v32"),
+            "the tokenizer is transformers' fast one and chats go through its Jinja chat "
+            "template or --chat-template (DeepSeek-V3.2's, without one, through its "
+            "encoding in code)",
+        ),
+        metavar="{auto,hf,deepseek_v32}",
+        help="vLLM's: the tokenizer is transformers' fast one either way; deepseek_v32 (a "
+        "DeepSeek-V3.2 model only) is its chat encoding, which dsakv runs in code",
+    )
+    g.add_argument(
+        "--chat-template-content-format",
+        type=_only(("auto", "string"), "it joins a message's text parts into one string"),
+        metavar="{auto,string}",
+        help="vLLM's: a message's text parts reach the template joined (its string format)",
+    )
+    for flag in ("--revision", "--tokenizer-revision"):  # (vLLM's; SGLang's --revision)
+        g.add_argument(
+            flag,
+            type=_refused(
+                "dsakv loads local folders only, not a version from the Hugging Face Hub: "
+                "download that revision (huggingface-cli download --revision) and give its folder"
+            ),
+            help=argparse.SUPPRESS,
+        )
+    g.add_argument(
+        "--max-seq-len-to-capture",
+        type=_refused(
+            "vLLM's (gone since vLLM 0.11): dsakv captures decode graphs for every context up "
+            "to --max-model-len; --cuda-graph-max-bs caps their batch, --disable-cuda-graph "
+            "turns them off"
+        ),
+        help=argparse.SUPPRESS,
+    )
+    if serve:
+        g.add_argument(
+            "--disable-log-requests",
+            action="store_true",
+            help="vLLM's: dsakv logs no requests",
+        )
+        g.add_argument(
+            "--uvicorn-log-level",
+            choices=UVICORN_LOG_LEVELS,
+            help="vLLM's: the server's (uvicorn's) log level (default --log-level's, else info)",
+        )
+        g.add_argument(
+            "--log-level",
+            choices=UVICORN_LOG_LEVELS,
+            help="SGLang's: every logger's level (dsakv's own default warning, -v info; "
+            "trace is debug), and uvicorn's unless --uvicorn-log-level",
+        )
+        g.add_argument(
+            "--disable-uvicorn-access-log",
+            action="store_true",
+            help="vLLM's: no log line per HTTP request",
+        )
+        g.add_argument("--max-log-len", type=int, metavar="N", help="vLLM's: dsakv logs no prompts")
+        g.add_argument(
+            "--enable-metrics", action="store_true", help="SGLang's: /metrics is always served"
+        )
+        g.add_argument(
+            "--enable-auto-tool-choice",
+            action="store_true",
+            help='tool_choice "auto" needs no switch here (calls are parsed by --tool-call-parser)',
+        )
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Ranks and how the model is split over them (SGLang's flag names)."""
+    g = p.add_argument_group("parallelism")
+    _add_aliased(g, _TP, "tensor-parallel ranks, one process each", dest="tp", type=_positive_int)
+    _add_aliased(g, _EP, "expert-parallel groups of whole experts", dest="ep", type=_positive_int)
+    _add_dp_args(g, "each rank schedules its own requests")
+    g.add_argument("--enable-expert-parallel", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--nnodes", type=_positive_int, help="machines the ranks span")
+    g.add_argument("--node-rank", type=int, help="this machine's index (0 runs the server)")
+    g.add_argument("--dist-init-addr", help="HOST:PORT of node 0's rendezvous")
+
+
+def add_storage_args(p: argparse.ArgumentParser) -> None:
+    """The L3 storage tier for prefix KV (SGLang's HiCache flag names where it has them)."""
+    from dsakv.memory.storage import BACKENDS, WRITE_POLICIES
+
+    g = p.add_argument_group("L3 prefix storage (KV that outlives the process)")
+    g.add_argument("--hicache-storage-backend", choices=BACKENDS, help="off by default")
+    g.add_argument("--hicache-storage-dir", metavar="DIR", help="file: where objects go")
+    g.add_argument(
+        "--hicache-storage-max-gib",
+        type=_positive_float,
+        help="file: size cap, LRU objects evicted (default none); mooncake: memory this "
+        "engine lends the store (default 1)",
+    )
+    g.add_argument("--hicache-mooncake-master", metavar="HOST:PORT", help="mooncake_master")
+    g.add_argument(
+        "--hicache-mooncake-start-master",
+        action="store_true",
+        help="start a mooncake_master at --hicache-mooncake-master (127.0.0.1) for this machine",
+    )
+    g.add_argument(
+        "--hicache-write-policy",
+        choices=WRITE_POLICIES,
+        help="write_through (default): every newly cached page; write_back: evicted pages",
+    )
+    g.add_argument(
+        "--hicache-storage-prefetch-timeout",
+        type=_nonnegative_float,
+        metavar="S",
+        help="longest a new request waits for its L3 lookup (default 2 s)",
+    )
+
+
+# Engine flags that set an `EngineConfig` field of another name: flag -> (field, value).
+_OFF_FLAGS = {
+    "no_elide_index_k": ("elide_index_k", False),
+    "no_prefix_cache": ("enable_prefix_cache", False),
+    "disable_deterministic_inference": ("enable_deterministic_inference", False),
+}
+
+
+def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
+    """SGLang's / vLLM's values and flags (`_FOLDED`) as dsakv's own flags, set in `args`
+    (what serve-pd passes on), or refused where dsakv has no such meaning."""
+    from dsakv.config import ModelConfig
+    from dsakv.engine.config import DRAFT_STEPS
+
+    _check_dp_size(args)
+    _fold_expert_parallel(args)
+    if args.scheduling_policy == "fcfs" and args.enable_priority_scheduling:
+        raise DsakvError("--scheduling-policy fcfs and --enable-priority-scheduling contradict")
+    if getattr(args, "tokenizer_mode", None) == "deepseek_v32":
+        model_type = ModelConfig.from_hf(model_dir).model_type
+        if model_type != "deepseek_v32":
+            raise DsakvError(
+                f"--tokenizer-mode deepseek_v32 is DeepSeek-V3.2's chat encoding; this model "
+                f"is {model_type}"
+            )
+    if args.enforce_eager:  # vLLM's: no CUDA graphs, nothing compiled
+        if args.enable_torch_compile:
+            raise DsakvError(
+                "--enforce-eager (vLLM's: no CUDA graphs, nothing compiled) and "
+                "--enable-torch-compile contradict: give one"
+            )
+        args.disable_cuda_graph, args.enforce_eager = True, False
+    if args.schedule_policy == "lpm":
+        if args.scheduling_policy not in (None, "lpm"):
+            raise DsakvError(
+                f"--schedule-policy lpm and --scheduling-policy {args.scheduling_policy}: give one"
+            )
+        args.scheduling_policy = "lpm"
+    args.schedule_policy = None
+    _fold_prefill_budget(args, model_dir)
+    dotted = {
+        "method": args.spec_method,
+        "num_speculative_tokens": args.spec_num_speculative_tokens,
+    }
+    if dotted != dict.fromkeys(dotted):  # vLLM's --speculative-config.KEY VALUE flags
+        if args.speculative_config is not None:
+            raise DsakvError("--speculative-config and --speculative-config.KEY: give one")
+        given = {k: v for k, v in dotted.items() if v is not None}
+        with contextlib.suppress(KeyError, ValueError):
+            given["num_speculative_tokens"] = int(given["num_speculative_tokens"])
+        try:
+            args.speculative_config = _speculative_config(json.dumps(given))
+        except argparse.ArgumentTypeError as e:
+            raise DsakvError(
+                f"--speculative-config.method / .num_speculative_tokens: {e}"
+            ) from None
+        args.spec_method = args.spec_num_speculative_tokens = None
+    if args.speculative_config is not None:
+        if args.speculative_algorithm or args.speculative_num_steps:
+            raise DsakvError(
+                "--speculative-config and --speculative-algorithm / --speculative-num-steps "
+                "both ask for speculative decoding: give one"
+            )
+        args.speculative_algorithm, args.speculative_num_steps = "mtp", args.speculative_config
+        args.speculative_config = None  # (folded: a second call finds dsakv's flags alone)
+    topk, tokens = args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    for flag, value in (("eagle-topk", topk), ("num-draft-tokens", tokens)):
+        if value is not None and args.speculative_algorithm is None:
+            raise DsakvError(f"--speculative-{flag} needs --speculative-algorithm")
+    if topk not in (None, 1):
+        raise DsakvError(
+            f"--speculative-eagle-topk {topk}: dsakv drafts one chain (the top token at each "
+            "step), not a tree: give 1 or leave it out"
+        )
+    steps = args.speculative_num_steps or DRAFT_STEPS
+    if tokens is not None and tokens != steps + 1:
+        raise DsakvError(
+            f"--speculative-num-draft-tokens {tokens}: a chain of {steps} drafts "
+            f"(--speculative-num-steps) verifies {steps + 1} tokens: give {steps + 1} or "
+            "leave it out"
+        )
+
+
+def _fold_prefill_budget(args: argparse.Namespace, model_dir: str) -> None:
+    """SGLang's `--chunked-prefill-size -1`, vLLM's `--no-enable-chunked-prefill` and
+    SGLang's `--max-prefill-tokens` as dsakv's one per-step budget, which is the chunk size
+    too: without chunking it is the context length (every prompt whole), or SGLang's cap on
+    a step's prompt tokens where that is more; with chunking that cap cannot bind if it is
+    at least the chunk, and is refused below it (SGLang still chunks at the chunk size)."""
+    from dsakv.config import ModelConfig
+    from dsakv.engine import EngineConfig
+
+    size, cap = args.chunked_prefill_size, args.max_prefill_tokens
+    if args.enable_chunked_prefill is not None or size == -1 or cap is not None:
+        context = args.max_model_len or ModelConfig.from_hf(model_dir).max_position_embeddings
+    if args.enable_chunked_prefill is False:  # vLLM's: a prompt runs whole
+        if size not in (None, -1) and size < context:
+            raise DsakvError(
+                f"--no-enable-chunked-prefill with a budget of {size} prefill tokens a step "
+                f"(--max-num-batched-tokens / --chunked-prefill-size): a prompt of up to the "
+                f"context length, {context}, must fit one step (as vLLM requires): give at "
+                "least that, or leave it out"
+            )
+        size = -1 if size is None else size
+    elif args.enable_chunked_prefill and size == -1:
+        raise DsakvError("--enable-chunked-prefill and --chunked-prefill-size -1 contradict")
+    if size == -1:  # every prompt whole: a budget no prompt exceeds
+        size = max(context, cap or 0)
+    elif cap is not None and cap < (chunk := size or EngineConfig.chunked_prefill_size):
+        raise DsakvError(
+            f"--max-prefill-tokens {cap} is below the {chunk}-token chunk: dsakv's one "
+            f"per-step prefill budget is the chunk size, so give --chunked-prefill-size {cap}"
+        )
+    args.chunked_prefill_size = size
+    args.enable_chunked_prefill = args.max_prefill_tokens = None
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """The `EngineConfig` the engine flags (`add_engine_args`, `add_storage_args`) give:
+    each flag given sets the field of its name (`_OFF_FLAGS`: another's), so a new flag
+    cannot be forgotten here; a flag left out leaves the field's default."""
+    from dsakv.engine import EngineConfig
+    from dsakv.models.tiny import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    _fold_foreign(args, model_dir)
+    kw: dict[str, Any] = {}
+    for action in _actions(add_engine_args) + _actions(add_storage_args):
+        if action.dest in _FOLDED:
+            continue
+        value = getattr(args, action.dest, None)
+        if value is not None and value is not False:  # (given)
+            name, value = _OFF_FLAGS.get(action.dest, (action.dest, value))
+            kw[name] = value
+    return EngineConfig.from_kwargs(model_dir, **kw)
+
+
+def _uvicorn_log_level(args: argparse.Namespace) -> str:
+    """vLLM's --uvicorn-log-level, else SGLang's --log-level (its HTTP server's default)."""
+    return args.uvicorn_log_level or args.log_level or "info"
+
+
+def _actions(add_args: Callable[[argparse.ArgumentParser], None]) -> list[argparse.Action]:
+    """The arguments `add_args` defines (to read them back from parsed args)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_args(parser)
+    return parser._actions
+
+
+def _flags(args: argparse.Namespace, add_args: Any) -> list[str]:
+    """The flags `add_args` defines, as given on this command line (to pass them on)."""
+    out: list[str] = []
+    for action in _actions(add_args):
+        if action.help == argparse.SUPPRESS:
+            continue  # (a hidden alias: dsakv's own flag passes the value)
+        value = getattr(args, action.dest, None)
+        if value is None or value is False or value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        out += [flag] if value is True else [flag, str(value)]
+    return out

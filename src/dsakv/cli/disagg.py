@@ -1,0 +1,140 @@
+"""`dsakv router` and `dsakv serve-pd`, and the flags that make `dsakv serve` a prefill or
+decode server."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dsakv.disagg.config import DEFAULT_BOOTSTRAP_PORT, MODES, DisaggConfig
+from dsakv.errors import DsakvError
+
+from .args import (
+    _add_model_option,
+    _flags,
+    _positive_float,
+    _uvicorn_log_level,
+    add_engine_args,
+    add_ignored_args,
+    check_listen,
+    engine_config_from_args,
+    listen,
+    port,
+)
+
+
+def add_disagg_args(p: argparse.ArgumentParser) -> None:
+    """`dsakv serve` flags (SGLang's names) that make it a prefill or decode server."""
+    g = p.add_argument_group("prefill/decode disaggregation")
+    g.add_argument(
+        "--disaggregation-mode", choices=MODES, help="serve as a prefill or decode server"
+    )
+    g.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=DEFAULT_BOOTSTRAP_PORT,
+        help=f"prefill: handshake port for decode servers (default {DEFAULT_BOOTSTRAP_PORT})",
+    )
+    g.add_argument(
+        "--disaggregation-timeout",
+        type=_positive_float,
+        default=60.0,
+        help="seconds either side waits for the other (default 60)",
+    )
+    g.add_argument(
+        "--disaggregation-transfer-host",
+        help="address Mooncake listens on (default: --host, or this machine's if a wildcard)",
+    )
+
+
+def disagg_config_from_args(args: argparse.Namespace) -> DisaggConfig | None:
+    if not getattr(args, "disaggregation_mode", None):
+        return None
+    return DisaggConfig(
+        args.disaggregation_mode,
+        args.disaggregation_bootstrap_port,
+        args.disaggregation_timeout,
+        args.disaggregation_transfer_host,
+    )
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from dsakv.disagg.launch import run_router_on
+    from dsakv.disagg.router import build_router_app
+
+    build_router_app(args.prefill, args.decode)  # bad URLs fail before anything listens
+    with listen(args.host, args.port) as listener:
+        run_router_on(listener, args.prefill, args.decode)
+    return 0
+
+
+def _cmd_serve_pd(args: argparse.Namespace) -> int:
+    from dsakv.disagg.launch import serve_pd
+    from dsakv.models.tiny import resolve_model_dir
+
+    ports = [args.port, args.prefill_port, args.decode_port, args.bootstrap_port]
+    given = [p for p in ports if p is not None]
+    if len(set(given)) < len(given):
+        raise DsakvError("--port, --prefill-port, --decode-port and --bootstrap-port must differ")
+    config = engine_config_from_args(args)  # what either server would refuse, refused once
+    for mode in MODES:  # (first: a bad flag is its own error, whoever holds the port)
+        DisaggConfig(mode, timeout_s=args.disaggregation_timeout).check_engine(config)
+    with listen(args.host, args.port) as listener:  # the router's, held from now
+        for p in ports[1:]:
+            if p is not None:  # (each server takes its own at its start)
+                check_listen("127.0.0.1", p)
+        flags = _flags(args, add_engine_args)
+        flags += ["--disaggregation-timeout", str(args.disaggregation_timeout)]
+        if args.served_model_name:
+            flags += ["--served-model-name", *args.served_model_name]
+        if args.api_key:
+            flags += ["--api-key", args.api_key]
+        flags += ["--uvicorn-log-level", _uvicorn_log_level(args)]
+        level = args.log_level or ("info" if args.verbose else None)  # (-v's too: theirs)
+        if level:
+            flags += ["--log-level", level]
+        if args.disable_uvicorn_access_log:
+            flags += ["--disable-uvicorn-access-log"]
+        serve_pd(
+            resolve_model_dir(args.model),
+            flags,
+            args.host,
+            args.port,
+            args.prefill_port,
+            args.decode_port,
+            args.bootstrap_port,
+            listener=listener,
+        )
+    return 0
+
+
+def _add_disagg_commands(sub: Any) -> None:
+    """`dsakv router` and `dsakv serve-pd`."""
+    p = sub.add_parser("router", help="OpenAI front door over prefill and decode servers")
+    p.add_argument("--prefill", action="append", required=True, metavar="URL", help="repeatable")
+    p.add_argument("--decode", action="append", required=True, metavar="URL", help="repeatable")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port, default=8000)
+    p.set_defaults(func=_cmd_router)
+
+    p = sub.add_parser(
+        "serve-pd", help="a prefill server, a decode server and the router, on this machine"
+    )
+    p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
+    _add_model_option(p)
+    p.add_argument("--host", default="127.0.0.1", help="the router's address")
+    p.add_argument("--port", type=port, default=8000, help="the router's port")
+    p.add_argument("--prefill-port", type=port, help="(default: a free port)")
+    p.add_argument("--decode-port", type=port, help="(default: a free port)")
+    p.add_argument("--bootstrap-port", type=port, help="(default: a free port)")
+    p.add_argument(
+        "--disaggregation-timeout",
+        type=_positive_float,
+        default=60.0,
+        help="seconds either side waits for the other (default 60)",
+    )
+    p.add_argument("--served-model-name", nargs="+")
+    p.add_argument("--api-key")
+    add_engine_args(p)
+    add_ignored_args(p, serve=True)
+    p.set_defaults(func=_cmd_serve_pd)

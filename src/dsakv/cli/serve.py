@@ -1,0 +1,224 @@
+"""`dsakv init-tiny`, `dsakv generate` and `dsakv serve`: a tiny model written, prompts
+completed offline, the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dsakv.errors import DsakvError
+
+from .args import (
+    _add_model_option,
+    _positive_int,
+    _uvicorn_log_level,
+    add_engine_args,
+    add_ignored_args,
+    add_storage_args,
+    engine_config_from_args,
+    listen,
+    port,
+)
+from .disagg import add_disagg_args, disagg_config_from_args
+
+
+def _cmd_init_tiny(args: argparse.Namespace) -> int:
+    from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+
+    if args.preset not in TINY_PRESETS:
+        raise DsakvError(f"unknown preset {args.preset!r} (choose from {', '.join(TINY_PRESETS)})")
+    if not 0 <= args.seed < 2**63 - 1:  # (torch.manual_seed takes seed and seed + 1)
+        raise DsakvError(f"--seed must be in 0..{2**63 - 2}, got {args.seed}")
+    if not args.dir:  # (Path("") is the current directory)
+        raise DsakvError("init-tiny needs a directory to write into, got an empty path")
+    out = Path(args.dir)
+    if out.exists() and not out.is_dir():
+        raise DsakvError(f"{args.dir} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):  # never write over someone's files or model
+        raise DsakvError(f"{args.dir} is not empty; init-tiny writes into a new or empty directory")
+    path = write_tiny_model(
+        args.dir, preset=args.preset, seed=args.seed, mtp=args.mtp, weights=args.weights
+    )
+    print(
+        f"wrote {args.preset} (seed {args.seed}, {args.weights} weights, MTP layer: {args.mtp}) "
+        f"to {path}"
+    )
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from dsakv.engine import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+    config = engine_config_from_args(args)
+    with LLM(config) as llm:
+        if llm.tokenizer is None:  # the engine's own message offers token ids: not a flag here
+            raise DsakvError(
+                f"{config.model} has no tokenizer, so generate cannot encode text "
+                "(the Python API, LLM.generate, takes token ids)"
+            )
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    if args.json:
+        rows = [
+            {
+                "prompt": p,
+                "text": o.text,
+                "token_ids": o.token_ids,
+                "finish_reason": o.finish_reason,
+                "metrics": o.metrics,
+            }
+            for p, o in zip(args.prompt, outputs)
+        ]
+        print(json.dumps(rows, indent=2))
+    else:
+        for p, o in zip(args.prompt, outputs):
+            print(f"{p!r} -> {o.text!r} ({o.finish_reason}, {len(o.token_ids)} tokens)")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from dsakv.server import run_server
+
+    with contextlib.ExitStack() as held:  # the ports, taken before the engine loads
+        listener = held.enter_context(listen(args.host, args.port))
+        config, bridge = engine_config_from_args(args), None
+        disaggregation = disagg_config_from_args(args)
+        if disaggregation is not None:  # a prefill or decode server
+            from dsakv.disagg.serving import bridge_for
+
+            bootstrap = None
+            if disaggregation.mode == "prefill":  # it listens twice
+                if disaggregation.bootstrap_port == args.port:
+                    raise DsakvError("--disaggregation-bootstrap-port must differ from --port")
+                bootstrap = held.enter_context(listen(args.host, disaggregation.bootstrap_port))
+            bridge = bridge_for(disaggregation, config, args.host, reserved=bootstrap)
+        run_server(
+            config,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+            bridge=bridge,
+            listener=listener,
+            chat_template=args.chat_template,
+            log_level=_uvicorn_log_level(args),
+            access_log=not args.disable_uvicorn_access_log,
+        )
+    return 0
+
+
+def _chat_template(value: str) -> str:
+    """argparse type for --chat-template: the template, read and parsed now."""
+    from dsakv.server.chat import load_chat_template
+
+    try:
+        return load_chat_template(value)
+    except DsakvError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _chat_parser(kind: str) -> Callable[[str], str]:
+    """argparse type for --tool-call-parser / --reasoning-parser (names live in the server)."""
+
+    def check(name: str) -> str:
+        from dsakv.server.parsers import resolve_parsers
+
+        try:
+            resolve_parsers("", *((name, None) if kind == "tool" else (None, name)))
+        except DsakvError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return name
+
+    return check
+
+
+def _add_engine_commands(sub: Any) -> None:
+    p = sub.add_parser("init-tiny", help="write a deterministic random tiny model")
+    p.add_argument("dir")
+    p.add_argument("--preset", default="glm-tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mtp",
+        choices=("fit", "random", "none"),
+        default="fit",
+        help="MTP draft layer: fitted to the target (default), unfitted, or none",
+    )
+    p.add_argument(
+        "--weights",
+        choices=("fp32", "bf16", "fp8"),
+        default="fp32",
+        help="how the checkpoint stores the weights: fp32 (default), bf16, or fp8: the "
+        "layers' projections as e4m3 128x128 blocks with fp32 scales, the rest bf16",
+    )
+    p.set_defaults(func=_cmd_init_tiny)
+
+    p = sub.add_parser("generate", help="complete prompts offline")
+    p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
+    _add_model_option(p)
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--max-tokens", type=_positive_int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument(
+        "--seed",
+        type=int,
+        dest="sampling_seed",
+        metavar="SEED",
+        help="every prompt's sampling seed (the engine's seed stays its default)",
+    )
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true")
+    add_engine_args(p, seed=False)
+    add_storage_args(p)
+    add_ignored_args(p)
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
+    _add_model_option(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port, default=8000)
+    p.add_argument("--api-key", help="require this Bearer token")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="name(s) clients use; the first is reported (default: the model dir's name)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        type=_chat_parser("tool"),
+        default="auto",
+        help="glm47, glm45, deepseekv32, none (default auto: the model type's)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        type=_chat_parser("reasoning"),
+        default="auto",
+        help="glm45, deepseek-v3, none (default auto: the model type's)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=_chat_template,
+        help="a Jinja chat template, or a file holding one (default: the tokenizer's)",
+    )
+    add_engine_args(p)
+    add_storage_args(p)
+    add_disagg_args(p)
+    add_ignored_args(p, serve=True)
+    p.set_defaults(func=_cmd_serve)

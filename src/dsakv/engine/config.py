@@ -1,0 +1,375 @@
+"""`EngineConfig`: the engine's arguments (`LLM(...)` keywords, `dsakv` CLI flags), each
+checked as it is given, and the device they name (`resolve_device`). The model's own config
+and its layer plan are `dsakv.config`'s."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsakv.config import plan_overrides
+from dsakv.config.hisparse import check_runs_with
+from dsakv.distributed.parallel import ParallelConfig
+from dsakv.errors import DsakvError, is_int, is_number
+from dsakv.kernels import BACKENDS
+from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
+from dsakv.memory.storage import StorageConfig
+
+MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
+DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLang's default)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine arguments; the same names as `LLM(...)` keywords and `dsakv` CLI flags."""
+
+    model: str
+    # The tokenizer's folder where it is not the model's (vLLM's --tokenizer): its chat
+    # template and special tokens come with it.
+    tokenizer: str | None = None
+    kv_cache_dtype: str = DEFAULT_LATENT_DTYPE
+    index_k_dtype: str = "fp8"
+    elide_index_k: bool = True
+    kv_budget_gib: float | None = None
+    num_pages: int | None = None
+    # The pool from what the GPU has free after the load (SGLang's flag; CUDA only), and
+    # vLLM's, refused: see `_check_pool_size`.
+    mem_fraction_static: float | None = None
+    gpu_memory_utilization: float | None = None
+    host_pool_gib: float = 0.0
+    page_size: int = 64
+    chunked_prefill_size: int = 512
+    max_running_requests: int = 256
+    # Which waiting request runs first (`priority_sign`): vLLM's "fcfs", or "priority", by
+    # the requests' `priority`, lower values first; or SGLang's switch, higher values first
+    # unless `schedule_low_priority_values_first`; or SGLang's "lpm", the longest cached
+    # prefix first (`SchedulerConfig.longest_prefix_first`)
+    scheduling_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    # SGLang's: a waiting request retracts running ones whose priority is worse by more than
+    # this (`SchedulerConfig.preemption_threshold`); None: its default, 10
+    priority_scheduling_preemption_threshold: int | None = None
+    max_model_len: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    enable_prefix_cache: bool = True
+    # Which code runs the hot ops (`dsakv.kernels`), and CUDA-graph decode on CUDA.
+    attention_backend: str = "auto"
+    disable_cuda_graph: bool = False
+    # Larger decode batches run eagerly (SGLang's --cuda-graph-max-bs; None: MAX_GRAPH_BATCH)
+    cuda_graph_max_bs: int | None = None
+    # The cpu backend runs decode steps of up to 4 requests through torch.compile
+    # (inductor's C++): off by default, for its warm-up of 10-45 s per process (cpu_ops).
+    enable_torch_compile: bool = False
+    # One per-token reduction order for every step (SGLang's flag): a request's tokens and
+    # logprobs do not depend on its batch, chunking, cache path or thread count. None: on
+    # wherever that path runs (the cpu backend, fp32 compute, one rank); True: required;
+    # False: the batched path of before (`--disable-deterministic-inference`).
+    enable_deterministic_inference: bool | None = None
+    index_topk_pattern: str | None = None
+    index_topk_freq: int | None = None
+    index_skip_topk_offset: int | None = None
+    no_index_share: bool = False
+    seed: int = 0
+    # What requests leave out (vLLM's flag): "auto", generation_config.json's sampling
+    # fields and max_new_tokens; "vllm", SamplingParams' own
+    generation_config: str = "auto"
+    # MTP speculative decoding (SGLang's names): "mtp" or None, and drafts per step.
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None  # (None: DRAFT_STEPS)
+    # Parallelism (SGLang's flag names): see `dsakv.distributed.ParallelConfig`.
+    tp: int = 1
+    ep: int = 1
+    dp_attention: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    # L3 storage tier for prefix KV (SGLang's HiCache names): see `StorageConfig`.
+    hicache_storage_backend: str | None = None  # "file" | "mooncake"
+    hicache_storage_dir: str | None = None
+    hicache_storage_max_gib: float | None = None
+    hicache_mooncake_master: str | None = None  # HOST:PORT of mooncake_master
+    hicache_mooncake_start_master: bool = False
+    hicache_write_policy: str | None = None  # (None: StorageConfig's defaults)
+    hicache_storage_prefetch_timeout: float | None = None
+    # HiSparse (SGLang's names): latent on the host, per-request hot buffers on the device.
+    enable_hisparse: bool = False
+    hisparse_config: str | dict | None = None  # JSON object: see `HiSparseConfig`
+    # SGLang's: requests may ask for the experts each of their tokens was routed to
+    # (`SamplingParams.return_routed_experts`: an MoE model only) and for their last
+    # hidden states (`return_hidden_states`); a request asking without them is refused
+    enable_return_routed_experts: bool = False
+    enable_return_hidden_states: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # every bool field, by its annotation (a string here)
+            v = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(v, bool):
+                raise DsakvError(f"{f.name} must be True or False, got {v!r}")
+            if f.type == "bool | None" and not (v is None or isinstance(v, bool)):
+                raise DsakvError(f"{f.name} must be True, False or None, got {v!r}")
+        if not isinstance(self.device, (str, torch.device)):
+            raise DsakvError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+        ints = ("page_size", "chunked_prefill_size", "max_running_requests")
+        for name in ints:
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise DsakvError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("num_pages", "max_model_len", "cuda_graph_max_bs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 1):
+                raise DsakvError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        budget, host = self.kv_budget_gib, self.host_pool_gib
+        if budget is not None and not (is_number(budget) and 0 < budget < math.inf):
+            raise DsakvError(f"kv_budget_gib must be a finite number > 0, got {budget!r}")
+        if not (is_number(host) and 0 <= host < math.inf):
+            raise DsakvError(f"host_pool_gib must be a finite number >= 0, got {host!r}")
+        if not is_int(self.seed):
+            raise DsakvError(f"seed must be an integer, got {self.seed!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise DsakvError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
+            raise DsakvError(
+                "scheduling_policy must be fcfs or priority (vLLM's), or lpm (SGLang's), "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.enable_priority_scheduling and self.scheduling_policy == "lpm":
+            raise DsakvError(
+                "--schedule-policy lpm orders the waiting requests by cached prefix, "
+                "--enable-priority-scheduling by priority: give one"
+            )
+        if self.schedule_low_priority_values_first and not self.enable_priority_scheduling:
+            raise DsakvError(
+                "--schedule-low-priority-values-first needs --enable-priority-scheduling"
+            )
+        if self.enable_priority_scheduling and self.scheduling_policy == "priority":
+            raise DsakvError(
+                "--scheduling-policy priority (vLLM's: lower values first) and "
+                "--enable-priority-scheduling (SGLang's: higher values first unless "
+                "--schedule-low-priority-values-first) both ask for priority scheduling: give one"
+            )
+        threshold = self.priority_scheduling_preemption_threshold
+        if threshold is not None:
+            if not self.enable_priority_scheduling:
+                raise DsakvError(
+                    "--priority-scheduling-preemption-threshold needs --enable-priority-scheduling"
+                )
+            if not is_int(threshold) or threshold < 0:  # (below 0 equals preempt each other)
+                raise DsakvError(
+                    "priority_scheduling_preemption_threshold must be an integer >= 0, got "
+                    f"{threshold!r}"
+                )
+        if self.tokenizer is not None:
+            check_tokenizer_dir(self.tokenizer)
+        if self.generation_config not in ("auto", "vllm"):
+            raise DsakvError(
+                f"generation_config must be auto or vllm, got {self.generation_config!r}"
+            )
+        if self.attention_backend not in BACKENDS:
+            raise DsakvError(
+                f"attention_backend must be one of {', '.join(BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.speculative_algorithm not in (None, "mtp"):
+            raise DsakvError(
+                f"speculative_algorithm must be 'mtp' or None, got {self.speculative_algorithm!r}"
+            )
+        n = self.speculative_num_steps
+        if n is not None and not (is_int(n) and 1 <= n <= 16):
+            raise DsakvError(f"speculative_num_steps must be in 1..16, got {n!r}")
+        # Settings that act only beside another are refused alone, not silently ignored.
+        if n is not None and self.speculative_algorithm is None:
+            raise DsakvError("--speculative-num-steps needs --speculative-algorithm")
+        self._check_pool_size()
+        pc = self.parallel  # (validates the parallel flags)
+        if pc.dp_attention and self.max_running_requests < pc.world_size:
+            raise DsakvError(
+                f"--max-running-requests {self.max_running_requests} is less than one request "
+                f"per rank: under --dp-attention the {pc.world_size} ranks share it"
+            )
+        self._check_hisparse()
+        if self.enable_deterministic_inference:
+            refused = (
+                (self.parallel.world_size > 1, "more than one rank"),
+                (self.dtype not in ("auto", "float32"), f"--dtype {self.dtype} (fp32 only)"),
+            )
+            for bad, what in refused:
+                if bad:
+                    raise DsakvError(
+                        f"--enable-deterministic-inference does not run with {what} yet"
+                    )
+        if self.storage is not None:
+            if not self.enable_prefix_cache:
+                raise DsakvError(
+                    "--hicache-storage-backend needs the prefix cache (drop --no-prefix-cache)"
+                )
+            if self.parallel.world_size > 1:
+                raise DsakvError(
+                    "--hicache-storage-backend runs with one rank only (--tp 1): pages read "
+                    "from storage would reach rank 0's pool, not the other ranks' replicas"
+                )
+
+    def _check_pool_size(self) -> None:
+        """One way to size the pool; a fraction of the GPU on a GPU, with SGLang's meaning."""
+        given = [
+            flag
+            for flag, v in (
+                ("--kv-budget-gib", self.kv_budget_gib),
+                ("--num-pages", self.num_pages),
+                ("--mem-fraction-static", self.mem_fraction_static),
+                ("--gpu-memory-utilization", self.gpu_memory_utilization),
+            )
+            if v is not None
+        ]
+        if len(given) > 1:
+            both = "both" if len(given) == 2 else "all"
+            raise DsakvError(f"{' and '.join(given)} {both} size the KV pool: give one")
+        for name in ("mem_fraction_static", "gpu_memory_utilization"):
+            v = getattr(self, name)
+            if v is not None and not (is_number(v) and 0 < v <= 1):
+                raise DsakvError(f"{name} must be a number in (0, 1], got {v!r}")
+        if self.mem_fraction_static is None and self.gpu_memory_utilization is None:
+            return
+        flag = given[0]
+        device = str(self.device)
+        if device.startswith("cpu") or device == "auto" and not torch.cuda.is_available():
+            raise DsakvError(
+                f"{flag} sizes the KV pool from GPU memory, and this engine runs on the CPU, "
+                "where the pool is host RAM: give --kv-budget-gib"
+            )
+        if self.gpu_memory_utilization is not None:
+            raise DsakvError(
+                "--gpu-memory-utilization (vLLM's: the share of the GPU the whole instance may "
+                "use, activations and CUDA graphs included, which vLLM measures with a "
+                "profiling run dsakv does not make) cannot be honoured: give "
+                "--mem-fraction-static F (SGLang's: F of the GPU for weights and KV, the rest "
+                "for activations) or --kv-budget-gib"
+            )
+
+    def _check_hisparse(self) -> None:
+        """What HiSparse runs with; the model-dependent checks come with the model."""
+        if not self.enable_hisparse:
+            if self.hisparse_config is not None:
+                raise DsakvError("--hisparse-config needs --enable-hisparse")
+            return
+        check_runs_with(
+            mtp="--speculative-algorithm" if self.speculative_algorithm is not None else None,
+            ranks=self.parallel.world_size,
+            host_pool=self.host_pool_gib > 0,
+            storage=self.hicache_storage_backend is not None,
+            chunked_prefill_size=self.chunked_prefill_size,
+        )
+
+    @property
+    def storage(self) -> StorageConfig | None:
+        """The L3 storage tier's settings, or None when it is off."""
+        if self.hicache_storage_backend is None:
+            for flag, value in (
+                ("storage-dir", self.hicache_storage_dir),
+                ("storage-max-gib", self.hicache_storage_max_gib),
+                ("mooncake-master", self.hicache_mooncake_master),
+                ("mooncake-start-master", self.hicache_mooncake_start_master),
+                ("write-policy", self.hicache_write_policy),
+                ("storage-prefetch-timeout", self.hicache_storage_prefetch_timeout),
+            ):
+                if value is not None and value is not False:
+                    raise DsakvError(f"--hicache-{flag} needs --hicache-storage-backend")
+            return None
+        given = {
+            "write_policy": self.hicache_write_policy,
+            "prefetch_timeout_s": self.hicache_storage_prefetch_timeout,
+        }
+        return StorageConfig(
+            self.hicache_storage_backend,
+            self.hicache_storage_dir,
+            self.hicache_storage_max_gib,
+            self.hicache_mooncake_master,
+            self.hicache_mooncake_start_master,
+            **{k: v for k, v in given.items() if v is not None},
+        )
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise DsakvError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=str(model), **kwargs)
+
+    @property
+    def plan_overrides(self) -> dict[str, Any]:
+        return plan_overrides(self)
+
+    @property
+    def priority_sign(self) -> int:
+        """The scheduler's order (`SchedulerConfig.priority_sign`): 0 first come first
+        served, 1 lower `priority` values first, -1 higher ones first."""
+        if self.scheduling_policy == "priority" or self.schedule_low_priority_values_first:
+            return 1
+        return -1 if self.enable_priority_scheduling else 0
+
+    @property
+    def preemption_threshold(self) -> int | None:
+        """`SchedulerConfig.preemption_threshold`: SGLang's (10 unless given) under its
+        priority scheduling, else None."""
+        if not self.enable_priority_scheduling:
+            return None
+        threshold = self.priority_scheduling_preemption_threshold
+        return 10 if threshold is None else threshold
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.tp, self.ep, self.dp_attention, self.nnodes, self.node_rank, self.dist_init_addr
+        )
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device `name` picks, a GPU always with its index: tensors report `cuda:0`, so an
+    index-less key (`cuda`) missed every table kept per device and built it twice."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise DsakvError(f"unknown device {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise DsakvError(f"device {name!r}: dsakv runs on cpu or cuda")
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise DsakvError("device cuda requested but CUDA is not available")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise DsakvError(f"device {name!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return torch.device("cuda", index)
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
+
+
+def check_tokenizer_dir(where: str) -> None:
+    """A `tokenizer` folder holds one: vLLM would take a Hub name here and download it."""
+    if not isinstance(where, (str, os.PathLike)) or not str(where):  # ("" is the cwd)
+        raise DsakvError(f"--tokenizer must be a directory path, got {where!r}")
+    path = Path(where)
+    if not path.is_dir():
+        raise DsakvError(
+            f"--tokenizer {where} is not a directory (dsakv loads local tokenizers only, "
+            "no Hub names: download it and give its folder)"
+        )
+    if not _has_tokenizer(path):
+        raise DsakvError(
+            f"--tokenizer {where} holds no tokenizer (tokenizer.json or tokenizer_config.json)"
+        )

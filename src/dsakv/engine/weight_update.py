@@ -1,0 +1,354 @@
+"""Weight updates: new weights copied into a serving engine in place, from a checkpoint or
+a trainer's tensors (SGLang's /update_weights_from_disk and _from_distributed, its weight
+update groups), as `Engine`'s mixin. With them `weights_call`, which runs this and the other
+mixins' calls on every rank between steps, and how their outcomes read (`_by_rank`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from dsakv.config import ModelConfig
+from dsakv.distributed import weight_sync
+from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate, WeightGroup
+from dsakv.errors import DsakvError, is_int
+from dsakv.memory.storage import storage_namespace
+
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class WeightUpdateMixin:
+    """`Engine`'s weight updates. Its host holds the weights (`model`, `model_config`,
+    `weights_path`, `_stored`: how they load), `weight_groups`, what an update drops or
+    moves (`cache`, `l3`) and the sleep state (`released`, `_unloaded`: `SleepMixin`), says
+    whether requests keep an update off (`_busy`, `has_unfinished`) and runs calls on every
+    rank (`_on_every_rank`, `parallel`)."""
+
+    def update_weights(self, source: str | Path | GroupUpdate | TensorUpdate) -> bool:
+        """SGLang's /update_weights_from_disk (`source` a checkpoint path: the served
+        architecture, its weights stored as the served ones) and
+        /update_weights_from_distributed (a `GroupUpdate`: named tensors a trainer
+        broadcasts over a group `join_weight_group` joined; a `TensorUpdate`: named tensors
+        this process holds), copied into the model in place
+        (`update_weights_here`: a refused update changes nothing, the prefix cache included;
+        a checkpoint that fails to load part way leaves the weights served), and L3 moved to
+        the new weights' namespace. The prefix cache, whose KV the old weights computed, is
+        dropped once the update passed its checks (a `GroupUpdate` may keep it). Only with
+        nothing running or waiting (False, nothing loaded), unless `paused`: then what the
+        requests hold stays (SGLang's), they go on with the new weights, and only the
+        cache's unlocked pages are dropped. Under `--tp` every rank loads its own slices;
+        under DP attention `DPEngine.update_weights` runs it."""
+        self.refuse_if_released(source)
+        if self._busy():
+            return False
+        if self.l3 is not None and self.has_unfinished():  # (paused)
+            self.refuse_update(
+                source,
+                "with the L3 tier a weight update does not run under paused requests: their "
+                "pages would be stored under the new weights' namespace (pause with mode "
+                "abort, or continue generation first)",
+            )
+        if not isinstance(source, (GroupUpdate, TensorUpdate)):
+            source = str(source)
+        return updated(self._on_every_rank("update_weights_here", source))
+
+    def refuse_update(self, source: str | Path | GroupUpdate | TensorUpdate, why: str) -> NoReturn:
+        """Refuse an update with `why`; a trainer's is received first on every rank, and
+        dropped: it broadcasts once whatever the answer, and an update left unreceived
+        would be the next one's tensors."""
+        if isinstance(source, GroupUpdate):
+            self._on_every_rank("drop_update_here", source)
+        raise DsakvError(why)
+
+    def refuse_if_released(self, source: str | Path | GroupUpdate | TensorUpdate) -> None:
+        """Refuse an update while the weights are released (sleep mode): they have no memory
+        to be copied into."""
+        if "weights" in self.released:
+            self.refuse_update(source, _RELEASED_WEIGHTS)
+
+    def drop_update_here(self, update: GroupUpdate) -> None:
+        """Receive a trainer's update and drop it (where it can be received at all)."""
+        joined = self.weight_groups.get(update.group_name)
+        if joined is None:
+            return
+        with contextlib.suppress(DsakvError):  # (metadata that cannot be: nothing was sent)
+            weight_sync.receive(joined[1], update, joined[0].backend, self.device)
+
+    def join_weight_group(self, spec: WeightGroup) -> None:
+        """SGLang's /init_weights_update_group: every rank joins the trainer's group (rank
+        `spec.rank_offset` + its own), waiting for the trainer and each other (up to
+        `weight_sync.JOIN_TIMEOUT`); a group no rank could join is left by all."""
+        spec.check(self.parallel.world_size, self.device)
+        outcome = self._on_every_rank("join_weight_group_here", spec)
+        if outcome is not None:
+            raise DsakvError(outcome)
+
+    def leave_weight_group(self, name: str) -> None:
+        """SGLang's /destroy_weights_update_group, on every rank."""
+        if name not in self.weight_groups:
+            raise DsakvError(f"no weight update group {name!r}")
+        self._on_every_rank("leave_weight_group_here", name)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang's /get_weights_by_name: the first `truncate_size` rows of checkpoint tensor
+        `name` (the name updates take) as the engine holds it, as fp32 nested lists: every
+        rank's slices and experts put together (under DP attention too: one tensor),
+        FP8 blocks dequantized. For a trainer to compare what it sent with what is served."""
+        if not is_int(truncate_size) or truncate_size < 0:
+            raise DsakvError(f"truncate_size must be an integer >= 0, got {truncate_size!r}")
+        if "weights" in self.released:
+            raise DsakvError(_RELEASED_WEIGHTS)
+        outcome = self._on_every_rank("weights_by_name_here", name, truncate_size)
+        if isinstance(outcome, str):
+            raise DsakvError(outcome)
+        return outcome.tolist()
+
+    def weights_by_name_here(self, name: str, rows: int) -> torch.Tensor | str | None:
+        """This rank's slices of `name`, gathered on rank 0: the tensor there (each rank's
+        error, if any failed), None elsewhere."""
+        from dsakv.models import loader
+
+        held, why = None, None
+        try:
+            held = loader.held_rows(self.model, name, rows)
+        except Exception as e:  # noqa: BLE001 - rank 0 tells it
+            why = _said(e)
+        shares = self.parallel.gather_objects((why, held))
+        if shares is None:
+            return None
+        if any(w for w, _ in shares):
+            return _by_rank([w for w, _ in shares])
+        return loader.first_rows([h for _, h in shares], rows)
+
+    def weights_call(self, method: str, *args: Any) -> Any:
+        """This rank's part of a weight call every rank makes (rank 0's runner or
+        `DPEngine` sends it: `ModelRunner.serve`, `serve_dp_peer`)."""
+        if method not in _WEIGHT_CALLS:
+            raise DsakvError(f"{method} is not a weight call")
+        return getattr(self, method)(*args)
+
+    def join_weight_group_here(self, spec: WeightGroup) -> str | None:
+        """This rank joins `spec`'s group; every rank then hears whether all did (None), or
+        each one's error, and those that joined leave."""
+        why = None
+        try:
+            if spec.group_name in self.weight_groups:
+                raise DsakvError(f"weight update group {spec.group_name!r} exists already")
+            group = weight_sync.join(spec, spec.rank_offset + self.parallel.rank)
+            self.weight_groups[spec.group_name] = (spec, group)
+        except Exception as e:  # noqa: BLE001 - every rank hears it
+            why = _said(e)
+        whys = self.parallel.all_gather_objects(why)
+        if not any(whys):
+            return None
+        if why is None:
+            self.leave_weight_group_here(spec.group_name)
+        return _by_rank(whys)
+
+    def leave_weight_group_here(self, name: str) -> None:
+        _, group = self.weight_groups.pop(name)
+        weight_sync.leave(group)
+
+    def update_weights_here(self, source: str | GroupUpdate | TensorUpdate) -> bool | str:
+        """This rank's part of a weight update on every rank, run by each between steps
+        (`weights_call`). Each phase's outcome is all-gathered, so every rank takes the same
+        decision: (1) each rank, idle, checks the update against the slices it reads (a
+        checkpoint: `loader.check_update`, its own experts' files; a group's tensors:
+        received first, then `loader.check_tensors`; tensors given: that check); (2) only
+        if every rank passed does each drop its prefix cache and copy its slices in; (3) if
+        any rank's checkpoint read
+        failed part way, every rank that touched its weights reloads the previous
+        checkpoint, so that all ranks serve the same weights. Returns, alike on every rank,
+        True (updated), False (a rank was busy: nothing loaded, nothing received) or what
+        failed (nothing loaded, or rolled back, or the weights are mixed)."""
+        from dsakv.models import loader
+
+        gather, previous = self.parallel.all_gather_objects, self.weights_path
+        grouped = isinstance(source, GroupUpdate)
+        named = isinstance(source, (GroupUpdate, TensorUpdate))  # (not a checkpoint)
+        checked: Any = None
+        why = None
+        if self._busy():  # (under --tp rank 0 holds the requests, and `paused`)
+            why = _BUSY
+        else:
+            try:
+                if grouped:
+                    if source.group_name not in self.weight_groups:
+                        raise DsakvError(f"no weight update group {source.group_name!r}")
+                    source.check()
+                elif isinstance(source, TensorUpdate):
+                    checked = loader.check_tensors(self.model, list(source.tensors))
+                else:
+                    checked = loader.check_update(self.model, source, **self._stored)
+                    self._served(checked.config)
+            except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
+                why = _said(e)
+        whys = gather(why)
+        if _BUSY in whys:
+            return False
+        if grouped and not any(whys):  # every rank receives: the trainer sends once
+            try:
+                spec, group = self.weight_groups[source.group_name]
+                tensors = weight_sync.receive(group, source, spec.backend, self.device)
+                checked = loader.check_tensors(self.model, tensors)
+            except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
+                why = _said(e)
+            whys = gather(why)
+        if any(whys):
+            return _by_rank(whys)
+        failed, touched = None, False
+        try:
+            # First, so that L3 writes every old page under the old weights' namespace.
+            # Paused requests keep their pages, out of the cache's reach (`retire`).
+            if not named or source.flush_cache:
+                self.cache.retire()
+            if self.l3 is not None and not self.l3.drain():
+                raise DsakvError("L3 storage did not take the old pages in time")
+            touched = True
+            if named:
+                loader.load_tensors(checked)
+            else:
+                loader.load_update(self.model, checked)
+        except Exception as e:  # noqa: BLE001 - every rank hears it: all roll back
+            failed = _said(e)
+        fails = gather(failed)
+        if not any(fails):
+            self._weights_updated(source, checked)
+            return True
+        what = f"loading {_named(source)} failed part way ({_by_rank(fails)})"
+        if named:  # (nothing on disk to go back to)
+            return f"{what}: the weights are mixed, update them again"
+        again = None
+        if touched:
+            try:
+                loader.reload_weights(self.model, previous)
+            except Exception as e:  # noqa: BLE001 - told below: the weights are mixed
+                again = _said(e)
+        agains = gather(again)
+        if any(agains):
+            return (
+                f"{what}, and reloading {previous} failed too ({_by_rank(agains)}): the "
+                "weights are mixed, restart the server"
+            )
+        self._note_loaded(None if touched else [])  # (discarded weights: all back, reloaded)
+        return f"{what}; every rank serves {previous} again"
+
+    def _served(self, model_config: ModelConfig) -> ModelConfig:
+        """`model_config` as served: generation_config.json's sampling defaults (what
+        requests leave out; one that is bad would fail each of them) checked, or dropped
+        under --generation-config vllm."""
+        if self.config.generation_config == "vllm":
+            return replace(model_config, sampling_defaults={})
+        if model_config.sampling_defaults:
+            SamplingParams(**model_config.sampling_defaults)
+        return model_config
+
+    def _weights_updated(
+        self, source: str | GroupUpdate | TensorUpdate, checked: Any = None
+    ) -> None:
+        if isinstance(source, str):
+            self.weights_path = source  # (what a failed update later goes back to)
+            # The checkpoint's token ids and sampling defaults, as a fresh engine's (the
+            # grammars' stop tokens with them).
+            from dsakv.models.loader import TOKEN_FIELDS
+
+            served = self._served(checked.config)
+            self.model_config = replace(
+                self.model_config, **{k: getattr(served, k) for k in TOKEN_FIELDS}
+            )
+            self._grammars = None
+        self.__dict__.pop("model_identity", None)  # (the PD handshake's and L3's)
+        if self.l3 is not None:
+            # A namespace of this update's own: the identity samples a large shard, and an
+            # update (a fine-tune step) may change only tensors the samples miss.
+            identity = f"{self.model_identity}+update-{uuid.uuid4().hex}"
+            self.l3.rename(storage_namespace(self.layout, identity, self.compute))
+        if self.parallel.is_driver:
+            log.info("weights updated from %s", _named(source))
+        self._note_loaded(checked)
+
+    def _note_loaded(self, checked: Any) -> None:
+        """After weights were discarded: cross off what an update loaded (a checkpoint: all
+        of it; named tensors: their parts), and once every rank has it all, generate again."""
+        if self._unloaded is None:
+            return
+        if isinstance(checked, list):  # (`loader.check_tensors`' pieces)
+            for _, piece, _ in checked:
+                left = self._unloaded.get(piece.target)
+                if left is not None:
+                    left.difference_update(piece.parts)
+                    if not left:
+                        del self._unloaded[piece.target]
+        else:
+            self._unloaded.clear()
+        if not any(self.parallel.all_gather_objects(bool(self._unloaded))):
+            self._unloaded = None
+            self._capture_again()
+
+
+_BUSY = "busy"  # a rank that has requests: an update on every rank waits for idle ranks
+
+
+_RELEASED_WEIGHTS = (
+    "the weights are released (sleep mode): bring them back first (/resume_memory_occupation "
+    "with tag weights, /wake_up; LLM.wake_up)"
+)
+
+
+# What `weights_call` runs on every rank
+_WEIGHT_CALLS = (
+    "update_weights_here",
+    "drop_update_here",
+    "join_weight_group_here",
+    "leave_weight_group_here",
+    "weights_by_name_here",
+    "start_profile_here",
+    "stop_profile_here",
+    "release_memory_here",
+    "resume_memory_here",
+)
+
+
+def _named(source: str | GroupUpdate | TensorUpdate) -> str:
+    """An update's source in a message: its checkpoint, the group it came over, or none."""
+    if isinstance(source, GroupUpdate):
+        return f"{len(source.names)} tensor(s) over {source.group_name!r}"
+    if isinstance(source, TensorUpdate):
+        return f"{len(source.tensors)} tensor(s)"
+    return source
+
+
+def updated(outcome: bool | str) -> bool:
+    """`Engine.update_weights_here`'s outcome on rank 0: True/False, or its error raised."""
+    if isinstance(outcome, str):
+        raise DsakvError(outcome)
+    return outcome
+
+
+def _said(e: BaseException) -> str:
+    return str(e) if isinstance(e, DsakvError) else _one_line(e)
+
+
+def _by_rank(whys: list[str | None]) -> str:
+    """Each rank's error, once per text: as is where every rank says the same."""
+    ranks: dict[str, list[int]] = {}
+    for rank, why in enumerate(whys):
+        if why is not None:
+            ranks.setdefault(why, []).append(rank)
+    if len(ranks) == 1 and len(next(iter(ranks.values()))) == len(whys):
+        return next(iter(ranks))
+    return "; ".join(
+        f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {why}" for why, r in ranks.items()
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())
