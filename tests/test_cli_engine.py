@@ -580,13 +580,13 @@ def test_the_engine_seed_is_a_flag_passed_on(tiny_dir, capsys):
     dsakv's names) to its servers, and bench --serving can ask for it."""
     from dsakv.bench.serving_rate import serve_flags
     from dsakv.cli import build_parser
-    from dsakv.cli.args import _flags, add_engine_args
+    from dsakv.cli.args import add_engine_args, given_flags
     from dsakv.engine import EngineConfig
 
     args = build_parser().parse_args(
         ["serve-pd", str(tiny_dir), "--seed", "7", "--tp-size", "2", "--dtype", "half"]
     )
-    flags = _flags(args, add_engine_args)
+    flags = given_flags(args, add_engine_args)
     assert " ".join(flags) == "--dtype float16 --seed 7 --tp 2", flags
     config = EngineConfig.from_kwargs(str(tiny_dir), seed=3)
     assert serve_flags(config, {"seed": 3}) == ["--seed", "3"]
@@ -768,12 +768,12 @@ def test_serve_pd_passes_sglangs_flags_on_as_dsakvs(tiny_dir):
     spellings are not passed on: a server would get no MTP from a dropped
     --speculative-config)."""
     from dsakv.cli import build_parser, engine_config_from_args
-    from dsakv.cli.args import _flags, add_engine_args
+    from dsakv.cli.args import add_engine_args, given_flags
 
     def passed(*flags: str) -> str:
         args = build_parser().parse_args(["serve-pd", str(tiny_dir), *flags])
         engine_config_from_args(args)
-        return " ".join(_flags(args, add_engine_args))
+        return " ".join(given_flags(args, add_engine_args))
 
     sglang = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", *_EAGLE]
     sglang += ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1"]
@@ -871,11 +871,11 @@ def test_the_model_as_sglangs_and_vllms_flag(tiny_dir, capsys):
     """SGLang's --model-path and vLLM's --model name the model as the positional does (on
     generate, serve and serve-pd); the model given twice, differently, is one error line."""
     from dsakv.cli import build_parser, engine_config_from_args
-    from dsakv.cli.args import _fold_model_option
+    from dsakv.cli.args import fold_model_option
 
     def config(*argv: str):
         args = build_parser().parse_args(list(argv))
-        _fold_model_option(args)
+        fold_model_option(args)
         return engine_config_from_args(args)
 
     for command in (["serve"], ["serve-pd"], ["generate", "--prompt", "x"]):
@@ -970,13 +970,13 @@ def test_sglangs_log_level_sets_the_loggers_and_uvicorns(tiny_dir, monkeypatch, 
     --disable-uvicorn-access-log, to its two servers."""
     import logging
 
-    from dsakv.cli import _log_level, build_parser
-    from dsakv.cli.args import _uvicorn_log_level
+    from dsakv.cli import build_parser
+    from dsakv.cli.args import log_level, uvicorn_log_level
     from dsakv.disagg import launch
 
     def levels(*flags: str) -> tuple[int, str]:
         args = build_parser().parse_args(["serve", str(tiny_dir), *flags])
-        return _log_level(args), _uvicorn_log_level(args)
+        return log_level(args), uvicorn_log_level(args)
 
     assert levels() == (logging.WARNING, "info")
     assert levels("--log-level", "info") == (logging.INFO, "info")

@@ -1161,18 +1161,27 @@ def test_servers_refuse_requests_without_a_room(cluster):
 def test_serve_pd_serves_and_stops_when_a_server_dies(cluster, reference):
     """`dsakv serve-pd`: its two servers and router answer what one engine does; when a
     server dies, serve-pd stops (its router would answer every request with an error while
-    /health said ok) and takes the other server down with it."""
+    /health said ok) and takes the other server down with it. Its `--api-key` is its
+    router's too: a keyless client cannot add a worker (a decode server of its own, sent
+    the prompts)."""
     port, dport = free_port(), free_port()
     cmd = [sys.executable, "-m", "dsakv.cli", "serve-pd", cluster["model"], *TINY]
-    cmd += ["--port", str(port), "--decode-port", str(dport)]
+    cmd += ["--port", str(port), "--decode-port", str(dport), "--api-key", "sekret"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy([f"http://127.0.0.1:{port}"], [proc], 180)
+        spy = {"url": cluster["decode2"].url, "worker_type": "decode"}
+        r = httpx.post(f"http://127.0.0.1:{port}/workers", json=spy, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
         prompt = "serve-pd says hello"
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        got = _client(f"http://127.0.0.1:{port}").completions.create(
-            model="tiny", prompt=prompt, max_tokens=8, **GREEDY
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="sekret", timeout=60, max_retries=0
         )
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, **GREEDY)
+        key = {"Authorization": "Bearer sekret"}
+        r = httpx.get(f"http://127.0.0.1:{port}/workers", headers=key, timeout=30)
+        assert r.json()["total"] == 2, r.text  # (the spy was not added)
         assert got.choices[0].text == reference.generate(prompt, params)[0].text
         pgrep = ["pgrep", "-P", str(proc.pid)]
         children = subprocess.run(pgrep, capture_output=True, text=True).stdout.split()

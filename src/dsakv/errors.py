@@ -19,6 +19,12 @@ class ConfigError(DsakvError):
     """A model config or layer-plan override is invalid."""
 
 
+def one_line(e: BaseException, named: bool = True) -> str:
+    """`e` on one line, to quote in a message of ours: "Type: what it says" (just what it
+    says unless `named`), a multi-line error's line breaks and indents collapsed."""
+    return " ".join((f"{type(e).__name__}: {e}" if named else str(e)).split())
+
+
 def is_int(x: object) -> bool:
     """An int, not a bool (a count, a token id, a page: True is not 1 here)."""
     return isinstance(x, int) and not isinstance(x, bool)

@@ -1,3 +1,4 @@
+# This docstring is `dsakv --help`'s description: README.md describes the package.
 """dsakv, an inference engine for DeepSeek Sparse Attention models (GLM-5.x, DeepSeek-V3.2),
 whose shared-indexer layers keep no index-K cache."""
 
@@ -17,30 +18,25 @@ from typing import Any, NoReturn
 from dsakv.errors import DsakvError
 from dsakv.procs import interrupts_deferred
 
-from .args import _fold_model_option, _Parser, engine_config_from_args
-from .bench import _add_bench
-from .calibrate import _add_calibrate
-from .device_check import _add_device_check
-from .disagg import _add_disagg_commands
-from .plan import _add_plan
-from .serve import _add_engine_commands
+from . import bench, calibrate, device_check, disagg, plan, serve
+from .args import Parser, engine_config_from_args, fold_model_option, log_level
 
 __all__ = ["build_parser", "engine_config_from_args", "main", "run"]
 
 _COMMANDS: list[Callable[[Any], None]] = [
-    _add_plan,
-    _add_engine_commands,
-    _add_disagg_commands,
-    _add_bench,
-    _add_calibrate,
-    _add_device_check,
+    plan.add_commands,
+    serve.add_commands,
+    disagg.add_commands,
+    bench.add_commands,
+    calibrate.add_commands,
+    device_check.add_commands,
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dsakv", description=__doc__)
+    parser = Parser(prog="dsakv", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in _COMMANDS:
         add(sub)
     return parser
@@ -53,8 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # module more than once"); the parser's choices import it anyway.
             import torch  # noqa: F401
         args = build_parser().parse_args(argv)
-        _fold_model_option(args)
-        logging.basicConfig(level=_log_level(args), format="%(levelname)s %(name)s: %(message)s")
+        fold_model_option(args)
+        logging.basicConfig(level=log_level(args), format="%(levelname)s %(name)s: %(message)s")
         code = args.func(args) or 0
         sys.stdout.flush()  # (a reader gone shows here, not at exit)
         return code
@@ -86,16 +82,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: a rank failed: {e}".splitlines()[0], file=sys.stderr)
         return 1
-
-
-def _log_level(args: argparse.Namespace) -> int:
-    """-v's INFO, or SGLang's --log-level (`serve`; uvicorn's trace is debug here)."""
-    level = getattr(args, "log_level", None)
-    if level is None:
-        return logging.INFO if args.verbose else logging.WARNING
-    if args.verbose and level != "info":
-        raise DsakvError(f"-v (info) and --log-level {level} disagree: give one")
-    return logging.DEBUG if level == "trace" else getattr(logging, level.upper())
 
 
 def _stdout_gone() -> bool:

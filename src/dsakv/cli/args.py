@@ -1,11 +1,14 @@
 """The flags the commands share, their argparse types, and the `EngineConfig` they give:
-vLLM's and SGLang's spellings taken, folded into dsakv's own, or refused in one line."""
+vLLM's and SGLang's spellings taken, folded into dsakv's own, or refused in one line. With
+them the log levels they set, and which flags a command line gave (to pass them on:
+`given_flags`; to refuse those a mode does not take: `stray_flags`)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -14,7 +17,7 @@ from dsakv.errors import DsakvError
 from dsakv.procs import Listener
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse that reports bad arguments as one `error:` line and exit code 2, and takes
     no abbreviated flags: SGLang's `--dp 2` would otherwise be `--dp-attention`, then
     "unrecognized arguments: 2"."""
@@ -41,7 +44,7 @@ _MAX_FLOAT = 1e12
 
 def _checked(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool], want: str) -> Any:
     """`convert(text)` where `ok` holds for it. Unparsable text gets the same "must be ..."
-    message: argparse's own would name the type function ("invalid _positive_int value")."""
+    message: argparse's own would name the type function ("invalid positive_int value")."""
     try:
         value = convert(text)
     except ValueError:
@@ -51,15 +54,15 @@ def _checked(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool]
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     return _checked(text, float, lambda v: 0 < v <= _MAX_FLOAT, f"a number in (0, {_MAX_FLOAT:g}]")
 
 
-def _fraction(text: str) -> float:
+def fraction(text: str) -> float:
     return _checked(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
-def _nonnegative_float(text: str) -> float:
+def nonnegative_float(text: str) -> float:
     return _checked(text, float, lambda v: 0 <= v <= _MAX_FLOAT, f"a number in [0, {_MAX_FLOAT:g}]")
 
 
@@ -80,7 +83,7 @@ def check_listen(host: str, port: int) -> None:
     listen(host, port).close()
 
 
-def _draft_layers(text: str) -> int:
+def draft_layers(text: str) -> int:
     return _checked(text, int, lambda v: 0 <= v <= 64, "an integer in 0..64")
 
 
@@ -88,7 +91,7 @@ def _nonnegative_int(text: str) -> int:
     return _checked(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
 
 
@@ -155,7 +158,7 @@ def _refused(why: str) -> Callable[[str], str]:
     return check
 
 
-def _kv_cache_dtype(text: str) -> str:
+def kv_cache_dtype(text: str) -> str:
     """argparse type: "auto" (vLLM's and SGLang's default) is dsakv's default, "fp8" e4m3
     (as SGLang maps it), "bfloat16" bf16."""
     from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
@@ -163,13 +166,13 @@ def _kv_cache_dtype(text: str) -> str:
     return _spelled({"auto": DEFAULT_LATENT_DTYPE, "fp8": "fp8_e4m3", "bfloat16": "bf16"})(text)
 
 
-_DTYPE = _spelled({"half": "float16", "float": "float32"})  # (vLLM's and SGLang's)
+DTYPE = _spelled({"half": "float16", "float": "float32"})  # (vLLM's and SGLang's)
 # SGLang runs DeepSeek / GLM MTP as NEXTN or EAGLE (with no draft model: the nextn layer)
 _SPECULATIVE = _spelled({"nextn": "mtp", "eagle": "mtp", "mtp": "mtp"}, fold_case=True)
 
 # SGLang's names for --tp and --ep (vLLM's the long ones) besides dsakv's own.
-_TP = ("--tp", "--tp-size", "--tensor-parallel-size", "-tp")
-_EP = ("--ep", "--ep-size", "--expert-parallel-size")
+TP = ("--tp", "--tp-size", "--tensor-parallel-size", "-tp")
+EP = ("--ep", "--ep-size", "--expert-parallel-size")
 # SGLang's (and vLLM's) data-parallel size: dsakv's is --tp's under --dp-attention, else 1.
 _DP = ("--dp-size", "--dp", "--data-parallel-size", "-dp")
 # Hidden flags with no field of their own: `_fold_foreign` checks them against dsakv's
@@ -190,14 +193,14 @@ _FOLDED = (
 )
 
 
-def _add_model_option(p: argparse.ArgumentParser) -> None:
+def add_model_option(p: argparse.ArgumentParser) -> None:
     """SGLang's --model-path and vLLM's --model, hidden: the model as a flag
-    (`_fold_model_option` makes it the positional's)."""
+    (`fold_model_option` makes it the positional's)."""
     for flag in ("--model-path", "--model"):
         p.add_argument(flag, dest="model_option", help=argparse.SUPPRESS)
 
 
-def _fold_model_option(args: argparse.Namespace) -> None:
+def fold_model_option(args: argparse.Namespace) -> None:
     option = getattr(args, "model_option", None)
     if option is None:
         return
@@ -208,7 +211,7 @@ def _fold_model_option(args: argparse.Namespace) -> None:
     args.model = option
 
 
-def _add_aliased(g: Any, flags: Sequence[str], help: str, **kw: Any) -> None:
+def add_aliased(g: Any, flags: Sequence[str], help: str, **kw: Any) -> None:
     """`flags[0]` and, hidden, its other spellings: --help shows dsakv's name and an error
     the spelling given (not "--tp/--tp-size/--tensor-parallel-size")."""
     g.add_argument(flags[0], help=f"{help} (also {', '.join(flags[1:])})", **kw)
@@ -216,9 +219,9 @@ def _add_aliased(g: Any, flags: Sequence[str], help: str, **kw: Any) -> None:
         g.add_argument(alias, help=argparse.SUPPRESS, **kw)
 
 
-def _add_dp_args(g: Any, help: str) -> None:
+def add_dp_args(g: Any, help: str) -> None:
     """--dp-attention (SGLang's --enable-dp-attention too) and, hidden, the DP size's
-    spellings, each kept with the flag given: `_check_dp_size` names it."""
+    spellings, each kept with the flag given: `check_dp_size` names it."""
     help += " (also --enable-dp-attention; --dp-size, --dp or --data-parallel-size: --tp's N)"
     g.add_argument("--dp-attention", action="store_true", help=help)
     g.add_argument(
@@ -228,14 +231,14 @@ def _add_dp_args(g: Any, help: str) -> None:
         g.add_argument(
             flag,
             dest="dp_size",
-            type=lambda text, flag=flag: (flag, _positive_int(text)),
+            type=lambda text, flag=flag: (flag, positive_int(text)),
             help=argparse.SUPPRESS,
         )
 
 
-def _fold_expert_parallel(args: argparse.Namespace) -> None:
+def fold_expert_parallel(args: argparse.Namespace) -> None:
     """vLLM's --enable-expert-parallel: the experts split over every rank (after
-    `_check_dp_size`: vLLM's -dp N is N ranks here), dsakv's --ep set to the ranks."""
+    `check_dp_size`: vLLM's -dp N is N ranks here), dsakv's --ep set to the ranks."""
     if not args.enable_expert_parallel:
         return
     ranks = args.tp or 1
@@ -248,7 +251,7 @@ def _fold_expert_parallel(args: argparse.Namespace) -> None:
     args.enable_expert_parallel = False
 
 
-def _check_dp_size(args: argparse.Namespace) -> None:
+def check_dp_size(args: argparse.Namespace) -> None:
     """SGLang's / vLLM's DP size as dsakv's layout: under DP attention one DP rank per TP
     rank, without it one replica (1 is the no-op default); anything else is refused. vLLM's
     --data-parallel-size N alone is N ranks of data-parallel attention (vLLM's for MLA
@@ -286,18 +289,18 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache layout and layer plan")
     g.add_argument(
         "--kv-cache-dtype",
-        type=_kv_cache_dtype,
+        type=kv_cache_dtype,
         choices=LATENT_DTYPES,
         default=None,
         help=f"latent (default {DEFAULT_LATENT_DTYPE}, also spelled auto or fp8; bfloat16: bf16)",
     )
     g.add_argument("--index-k-dtype", choices=INDEX_K_DTYPES, default=None)
-    _add_aliased(
+    add_aliased(
         g,
         ("--page-size", "--block-size"),
         "tokens per page",
         dest="page_size",
-        type=_positive_int,
+        type=positive_int,
         default=None,
     )
     g.add_argument("--no-elide-index-k", action="store_true", help="dense index-K on every layer")
@@ -323,7 +326,7 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     where the command's --seed is the requests' own (generate's)."""
     add_layout_args(p)
     g = p.add_argument_group("engine")
-    _add_aliased(
+    add_aliased(
         g,
         ("--tokenizer", "--tokenizer-path"),
         "the tokenizer's folder, where not the model's: its chat template and special tokens "
@@ -331,27 +334,27 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         dest="tokenizer",
         metavar="DIR",
     )
-    g.add_argument("--kv-budget-gib", type=_positive_float, help="device KV pool size (default 1)")
-    g.add_argument("--num-pages", type=_positive_int, help="device KV pool size in pages")
+    g.add_argument("--kv-budget-gib", type=positive_float, help="device KV pool size (default 1)")
+    g.add_argument("--num-pages", type=positive_int, help="device KV pool size in pages")
     g.add_argument(
         "--mem-fraction-static",
-        type=_fraction,
+        type=fraction,
         help="CUDA: size the KV pool as SGLang does: the memory free after the load less "
         "(1 - F) of the memory free before it, the least over ranks",
     )
     g.add_argument(
         "--gpu-memory-utilization",
-        type=_fraction,
+        type=fraction,
         help="vLLM's: taken and refused (dsakv cannot hold the whole instance to a share of "
         "the GPU); give --mem-fraction-static",
     )
-    _add_aliased(  # (vLLM's --swap-space: the host memory a preempted request's KV goes to)
+    add_aliased(  # (vLLM's --swap-space: the host memory a preempted request's KV goes to)
         g,
         ("--host-pool-gib", "--swap-space"),
         "host (CPU) KV tier size per rank, for retracted requests and evicted prefix pages; "
         "0 = off",
         dest="host_pool_gib",
-        type=_nonnegative_float,
+        type=nonnegative_float,
     )
     g.add_argument(
         "--chunked-prefill-size",
@@ -363,7 +366,7 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument(  # (no -1: vLLM's takes none)
         "--max-num-batched-tokens",
         dest="chunked_prefill_size",
-        type=_positive_int,
+        type=positive_int,
         help=argparse.SUPPRESS,
     )
     # vLLM's switch for the above (on by default; off: every prompt whole) and SGLang's cap on
@@ -371,13 +374,13 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS
     )
-    g.add_argument("--max-prefill-tokens", type=_positive_int, help=argparse.SUPPRESS)
-    _add_aliased(
+    g.add_argument("--max-prefill-tokens", type=positive_int, help=argparse.SUPPRESS)
+    add_aliased(
         g,
         ("--max-running-requests", "--max-num-seqs"),
         "concurrency cap",
         dest="max_running_requests",
-        type=_positive_int,
+        type=positive_int,
     )
     g.add_argument(  # SGLang's values dsakv runs: its fcfs, with or without priority, and lpm
         "--schedule-policy",
@@ -414,21 +417,21 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         help="with --enable-priority-scheduling: a waiting request retracts running ones "
         "whose priority is worse than its own by more than N (default 10; SGLang's)",
     )
-    _add_aliased(
+    add_aliased(
         g,
         ("--max-model-len", "--context-length"),
         "context length in tokens",
         dest="max_model_len",
-        type=_positive_int,
+        type=positive_int,
     )
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     g.add_argument(
         "--dtype",
-        type=_DTYPE,
+        type=DTYPE,
         choices=("auto", "float32", "bfloat16", "float16"),
         help="compute dtype (vLLM's half and float: float16, float32)",
     )
-    _add_aliased(
+    add_aliased(
         g,
         ("--no-prefix-cache", "--disable-radix-cache", "--no-enable-prefix-caching"),
         "disable the radix cache",
@@ -461,7 +464,7 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument("--enforce-eager", action="store_true", help=argparse.SUPPRESS)
     g.add_argument(
         "--cuda-graph-max-bs",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="decode batches of up to N requests run as CUDA graphs, larger ones eagerly "
         "(default 128; SGLang's)",
@@ -507,12 +510,12 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     )
     g.add_argument(
         "--speculative-num-steps",
-        type=_positive_int,
+        type=positive_int,
         help="MTP drafts per step, one chain (default 3; SGLang's --speculative-eagle-topk 1 "
         "and --speculative-num-draft-tokens N+1, vLLM's --speculative-config, taken)",
     )
     for flag in ("--speculative-eagle-topk", "--speculative-num-draft-tokens"):
-        g.add_argument(flag, type=_positive_int, help=argparse.SUPPRESS)
+        g.add_argument(flag, type=positive_int, help=argparse.SUPPRESS)
     g.add_argument("--speculative-config", type=_speculative_config, help=argparse.SUPPRESS)
     for key in ("method", "num_speculative_tokens"):  # vLLM's dotted spelling (its recipes')
         g.add_argument(f"--speculative-config.{key}", dest=f"spec_{key}", help=argparse.SUPPRESS)
@@ -615,11 +618,11 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """Ranks and how the model is split over them (SGLang's flag names)."""
     g = p.add_argument_group("parallelism")
-    _add_aliased(g, _TP, "tensor-parallel ranks, one process each", dest="tp", type=_positive_int)
-    _add_aliased(g, _EP, "expert-parallel groups of whole experts", dest="ep", type=_positive_int)
-    _add_dp_args(g, "each rank schedules its own requests")
+    add_aliased(g, TP, "tensor-parallel ranks, one process each", dest="tp", type=positive_int)
+    add_aliased(g, EP, "expert-parallel groups of whole experts", dest="ep", type=positive_int)
+    add_dp_args(g, "each rank schedules its own requests")
     g.add_argument("--enable-expert-parallel", action="store_true", help=argparse.SUPPRESS)
-    g.add_argument("--nnodes", type=_positive_int, help="machines the ranks span")
+    g.add_argument("--nnodes", type=positive_int, help="machines the ranks span")
     g.add_argument("--node-rank", type=int, help="this machine's index (0 runs the server)")
     g.add_argument("--dist-init-addr", help="HOST:PORT of node 0's rendezvous")
 
@@ -633,7 +636,7 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hicache-storage-dir", metavar="DIR", help="file: where objects go")
     g.add_argument(
         "--hicache-storage-max-gib",
-        type=_positive_float,
+        type=positive_float,
         help="file: size cap, LRU objects evicted (default none); mooncake: memory this "
         "engine lends the store (default 1)",
     )
@@ -650,7 +653,7 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--hicache-storage-prefetch-timeout",
-        type=_nonnegative_float,
+        type=nonnegative_float,
         metavar="S",
         help="longest a new request waits for its L3 lookup (default 2 s)",
     )
@@ -670,8 +673,8 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
     from dsakv.config import ModelConfig
     from dsakv.engine.config import DRAFT_STEPS
 
-    _check_dp_size(args)
-    _fold_expert_parallel(args)
+    check_dp_size(args)
+    fold_expert_parallel(args)
     if args.scheduling_policy == "fcfs" and args.enable_priority_scheduling:
         raise DsakvError("--scheduling-policy fcfs and --enable-priority-scheduling contradict")
     if getattr(args, "tokenizer_mode", None) == "deepseek_v32":
@@ -793,7 +796,17 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig.from_kwargs(model_dir, **kw)
 
 
-def _uvicorn_log_level(args: argparse.Namespace) -> str:
+def log_level(args: argparse.Namespace) -> int:
+    """-v's INFO, or SGLang's --log-level (`serve`; uvicorn's trace is debug here)."""
+    level = getattr(args, "log_level", None)
+    if level is None:
+        return logging.INFO if args.verbose else logging.WARNING
+    if args.verbose and level != "info":
+        raise DsakvError(f"-v (info) and --log-level {level} disagree: give one")
+    return logging.DEBUG if level == "trace" else getattr(logging, level.upper())
+
+
+def uvicorn_log_level(args: argparse.Namespace) -> str:
     """vLLM's --uvicorn-log-level, else SGLang's --log-level (its HTTP server's default)."""
     return args.uvicorn_log_level or args.log_level or "info"
 
@@ -805,7 +818,7 @@ def _actions(add_args: Callable[[argparse.ArgumentParser], None]) -> list[argpar
     return parser._actions
 
 
-def _flags(args: argparse.Namespace, add_args: Any) -> list[str]:
+def given_flags(args: argparse.Namespace, add_args: Any) -> list[str]:
     """The flags `add_args` defines, as given on this command line (to pass them on)."""
     out: list[str] = []
     for action in _actions(add_args):
@@ -817,3 +830,14 @@ def _flags(args: argparse.Namespace, add_args: Any) -> list[str]:
         flag = action.option_strings[-1]
         out += [flag] if value is True else [flag, str(value)]
     return out
+
+
+def stray_flags(
+    args: argparse.Namespace, defaults: dict[str, Any], takes: Sequence[str]
+) -> list[str]:
+    """The flags given (not at their `defaults`) that a mode does not take."""
+    return [
+        "--" + key.replace("_", "-")
+        for key, default in defaults.items()
+        if key not in takes and getattr(args, key) not in (default, [])
+    ]

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dsakv.errors import DsakvError
 from dsakv.writable import can_append, write_blocker
 
-from .args import _positive_int, add_hisparse_args
+from .args import add_hisparse_args, positive_int, stray_flags
 
 # bench's one-section modes: (flag, the other flags it takes besides --model, --quick, --json)
 _BENCH_MODES = {
@@ -49,7 +48,7 @@ def _check_bench_flags(args: argparse.Namespace) -> str | None:
         raise DsakvError(f"{names} each run one section alone: pick one")
     mode = modes[0] if modes else None
     takes = _BENCH_MODES[mode][1] if mode else _MAIN_JOB
-    stray = _stray_flags(args, _BENCH_FLAGS, takes)
+    stray = stray_flags(args, _BENCH_FLAGS, takes)
     if stray:
         what = f"{_BENCH_MODES[mode][0]} runs only its section: it" if mode else "the main job"
         hint = " (engine settings go in --engine-arg KEY=VALUE)" if mode == "serving" else ""
@@ -65,17 +64,6 @@ def _check_bench_flags(args: argparse.Namespace) -> str | None:
         if (blocker := write_blocker(Path(where))) is not None:
             raise DsakvError(f"{flag} {where}: cannot create files under {blocker}")
     return mode
-
-
-def _stray_flags(
-    args: argparse.Namespace, defaults: dict[str, Any], takes: Sequence[str]
-) -> list[str]:
-    """The flags given (not at their `defaults`) that a mode does not take."""
-    return [
-        "--" + key.replace("_", "-")
-        for key, default in defaults.items()
-        if key not in takes and getattr(args, key) not in (default, [])
-    ]
 
 
 def _check_output_file(flag: str, path: str | None) -> None:
@@ -261,7 +249,7 @@ def _bench_storage(args: argparse.Namespace) -> dict[str, Any] | None:
     return {"backend": backend, "storage_dir": where, "mooncake_master": master}
 
 
-def _add_bench(sub: Any) -> None:
+def add_commands(sub: Any) -> None:
     p = sub.add_parser("bench", help="capacity, throughput and parity of index-K elision")
     p.add_argument("--model", help="model directory or tiny preset (default: embedded glm-bench)")
     p.add_argument(
@@ -276,7 +264,7 @@ def _add_bench(sub: Any) -> None:
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="DIR", help="write PNG charts")
     p.add_argument(
-        "--tp", type=_positive_int, default=1, help="add the tensor / DP-attention section"
+        "--tp", type=positive_int, default=1, help="add the tensor / DP-attention section"
     )
     p.add_argument("--pd", action="store_true", help="add prefill -> decode KV transfer")
     p.add_argument(
@@ -323,7 +311,7 @@ def _add_bench(sub: Any) -> None:
         metavar="KEY=VALUE",
         help="an engine argument for both sides, e.g. attention_backend=torch (repeatable)",
     )
-    g.add_argument("--repeats", type=_positive_int, help="rounds per concurrency, medians reported")
+    g.add_argument("--repeats", type=positive_int, help="rounds per concurrency, medians reported")
     from dsakv.memory.storage import BACKENDS
 
     g = p.add_argument_group("L3 section (default: files in a temporary directory)")

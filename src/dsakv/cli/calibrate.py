@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from .args import _DTYPE, _draft_layers, _kv_cache_dtype, _positive_float, _positive_int
+from .args import DTYPE, draft_layers, kv_cache_dtype, positive_float, positive_int
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -62,7 +62,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_calibrate(sub: Any) -> None:
+def add_commands(sub: Any) -> None:
     from dsakv.memory.layout import DEFAULT_LATENT_DTYPE, INDEX_K_DTYPES, LATENT_DTYPES
 
     p = sub.add_parser(
@@ -72,28 +72,28 @@ def _add_calibrate(sub: Any) -> None:
     p.add_argument("--data", metavar="FILE.jsonl", help='{"text"} or {"token_ids"} per line')
     budget = p.add_mutually_exclusive_group()
     budget.add_argument(
-        "--num-full-layers", type=_positive_int, metavar="N", help="default: layers // 4"
+        "--num-full-layers", type=positive_int, metavar="N", help="default: layers // 4"
     )
     budget.add_argument(
-        "--target-bytes-per-token", type=_positive_int, metavar="B", help="stop at <= B"
+        "--target-bytes-per-token", type=positive_int, metavar="B", help="stop at <= B"
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--write-config", metavar="DIR", help="config.json with the pattern + links")
     p.add_argument("--plot", metavar="FILE.png", help="KL and bytes/token per full-layer count")
     p.add_argument("--seed", type=int, default=0, help="tie order and built-in data")
-    p.add_argument("--max-seq-len", type=_positive_int, help="default: 2 x index_topk")
-    p.add_argument("--batch-size", type=_positive_int, default=4, help="sequences per forward")
+    p.add_argument("--max-seq-len", type=positive_int, help="default: 2 x index_topk")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per forward")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", type=_DTYPE, choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", type=DTYPE, choices=("float32", "bfloat16"), default="float32")
     g = p.add_argument_group("pricing (as dsakv plan)")
     g.add_argument(
         "--kv-cache-dtype",
-        type=_kv_cache_dtype,
+        type=kv_cache_dtype,
         choices=LATENT_DTYPES,
         default=DEFAULT_LATENT_DTYPE,
     )
     g.add_argument("--index-k-dtype", choices=INDEX_K_DTYPES, default="fp8")
-    g.add_argument("--page-size", type=_positive_int, default=64)
-    g.add_argument("--draft-layers", type=_draft_layers, default=0, help="MTP/EAGLE draft layers")
-    g.add_argument("--kv-budget-gib", type=_positive_float, default=100.0)
+    g.add_argument("--page-size", type=positive_int, default=64)
+    g.add_argument("--draft-layers", type=draft_layers, default=0, help="MTP/EAGLE draft layers")
+    g.add_argument("--kv-budget-gib", type=positive_float, default=100.0)
     p.set_defaults(func=_cmd_calibrate)

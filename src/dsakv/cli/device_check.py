@@ -8,8 +8,7 @@ from typing import Any
 
 from dsakv.errors import DsakvError
 
-from .args import _positive_float
-from .bench import _stray_flags
+from .args import positive_float, stray_flags
 
 
 def _cmd_device_check(args: argparse.Namespace) -> int:
@@ -18,7 +17,7 @@ def _cmd_device_check(args: argparse.Namespace) -> int:
         takes = ("triton_path",) if args.compile_only else ("dry_run", "prepare")
         defaults = dict(dry_run=False, out=None, models=None, stages=None, deadline=[],
                         budget=None, bench=False, prepare=None)  # fmt: skip
-        stray = _stray_flags(args, defaults, takes)
+        stray = stray_flags(args, defaults, takes)
         if stray:
             raise DsakvError(f"{mode} does not take {', '.join(stray)}")
     if args.compile_only:  # no GPU: a clean subprocess compiles every kernel for sm_90
@@ -57,7 +56,7 @@ def _cmd_device_check(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-def _add_device_check(sub: Any) -> None:
+def add_commands(sub: Any) -> None:
     p = sub.add_parser("device-check", help="the one prepared GPU run (kernels, graphs, decode)")
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     p.add_argument("--out", default=None, help="results folder ($OUT, else device-check-out)")
@@ -66,7 +65,7 @@ def _add_device_check(sub: Any) -> None:
     p.add_argument("--stages", help="a subset, e.g. decode,kernel_bandwidth")
     p.add_argument("--deadline", action="append", default=[], metavar="STAGE=SECONDS",
                    help="override one stage's deadline (repeatable)")  # fmt: skip
-    p.add_argument("--budget", type=_positive_float, help="seconds for all stages (GPU: 525)")
+    p.add_argument("--budget", type=positive_float, help="seconds for all stages (GPU: 525)")
     p.add_argument("--bench", action="store_true", help="then `dsakv bench --quick`, in time left")
     p.add_argument("--compile-only", action="store_true",
                    help="no GPU: compile every Triton kernel for sm_90, ptxas resource use")  # fmt: skip

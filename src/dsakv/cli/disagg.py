@@ -10,16 +10,16 @@ from dsakv.disagg.config import DEFAULT_BOOTSTRAP_PORT, MODES, DisaggConfig
 from dsakv.errors import DsakvError
 
 from .args import (
-    _add_model_option,
-    _flags,
-    _positive_float,
-    _uvicorn_log_level,
     add_engine_args,
     add_ignored_args,
+    add_model_option,
     check_listen,
     engine_config_from_args,
+    given_flags,
     listen,
     port,
+    positive_float,
+    uvicorn_log_level,
 )
 
 
@@ -37,7 +37,7 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--disaggregation-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=60.0,
         help="seconds either side waits for the other (default 60)",
     )
@@ -64,7 +64,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
     build_router_app(args.prefill, args.decode)  # bad URLs fail before anything listens
     with listen(args.host, args.port) as listener:
-        run_router_on(listener, args.prefill, args.decode)
+        run_router_on(listener, args.prefill, args.decode, args.api_key)
     return 0
 
 
@@ -83,13 +83,13 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
         for p in ports[1:]:
             if p is not None:  # (each server takes its own at its start)
                 check_listen("127.0.0.1", p)
-        flags = _flags(args, add_engine_args)
+        flags = given_flags(args, add_engine_args)
         flags += ["--disaggregation-timeout", str(args.disaggregation_timeout)]
         if args.served_model_name:
             flags += ["--served-model-name", *args.served_model_name]
         if args.api_key:
             flags += ["--api-key", args.api_key]
-        flags += ["--uvicorn-log-level", _uvicorn_log_level(args)]
+        flags += ["--uvicorn-log-level", uvicorn_log_level(args)]
         level = args.log_level or ("info" if args.verbose else None)  # (-v's too: theirs)
         if level:
             flags += ["--log-level", level]
@@ -104,24 +104,28 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
             args.decode_port,
             args.bootstrap_port,
             listener=listener,
+            api_key=args.api_key,
         )
     return 0
 
 
-def _add_disagg_commands(sub: Any) -> None:
+def add_commands(sub: Any) -> None:
     """`dsakv router` and `dsakv serve-pd`."""
     p = sub.add_parser("router", help="OpenAI front door over prefill and decode servers")
     p.add_argument("--prefill", action="append", required=True, metavar="URL", help="repeatable")
     p.add_argument("--decode", action="append", required=True, metavar="URL", help="repeatable")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
+    p.add_argument(
+        "--api-key", help="require this Bearer token (and relay it: the servers check theirs)"
+    )
     p.set_defaults(func=_cmd_router)
 
     p = sub.add_parser(
         "serve-pd", help="a prefill server, a decode server and the router, on this machine"
     )
     p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
-    _add_model_option(p)
+    add_model_option(p)
     p.add_argument("--host", default="127.0.0.1", help="the router's address")
     p.add_argument("--port", type=port, default=8000, help="the router's port")
     p.add_argument("--prefill-port", type=port, help="(default: a free port)")
@@ -129,12 +133,12 @@ def _add_disagg_commands(sub: Any) -> None:
     p.add_argument("--bootstrap-port", type=port, help="(default: a free port)")
     p.add_argument(
         "--disaggregation-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=60.0,
         help="seconds either side waits for the other (default 60)",
     )
     p.add_argument("--served-model-name", nargs="+")
-    p.add_argument("--api-key")
+    p.add_argument("--api-key", help="require this Bearer token (the router and both servers)")
     add_engine_args(p)
     add_ignored_args(p, serve=True)
     p.set_defaults(func=_cmd_serve_pd)

@@ -11,19 +11,19 @@ from dsakv.config.layer_plan import plan_overrides
 from dsakv.errors import DsakvError
 
 from .args import (
-    _EP,
-    _TP,
-    _add_aliased,
-    _add_dp_args,
-    _check_dp_size,
-    _draft_layers,
-    _fold_expert_parallel,
-    _fraction,
-    _nonnegative_float,
-    _positive_float,
-    _positive_int,
+    EP,
+    TP,
+    add_aliased,
+    add_dp_args,
     add_hisparse_args,
     add_layout_args,
+    check_dp_size,
+    draft_layers,
+    fold_expert_parallel,
+    fraction,
+    nonnegative_float,
+    positive_float,
+    positive_int,
 )
 
 
@@ -76,8 +76,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise DsakvError(f"{flags} need{'s' if len(given) == 1 else ''} --gpu-memory-gib")
         if args.kv_budget_gib is None:
             args.kv_budget_gib = 100.0
-    _check_dp_size(args)
-    _fold_expert_parallel(args)
+    check_dp_size(args)
+    fold_expert_parallel(args)
     args.ep = args.ep or 1
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, dp_attention=args.dp_attention)
     parallel.check_model(config)
@@ -286,23 +286,21 @@ def _plan_table(
     return "\n".join(lines)
 
 
-def _add_plan(sub: Any) -> None:
+def add_commands(sub: Any) -> None:
     p = sub.add_parser("plan", help="KV capacity plan: bytes per token and pool tokens")
     p.add_argument("model", help="preset (glm-5, glm-5.2, deepseek-v3.2) or model path")
-    _add_aliased(p, _TP, "tensor-parallel degree", dest="tp", type=_positive_int, default=1)
-    _add_aliased(p, _EP, "expert-parallel groups (default 1)", dest="ep", type=_positive_int)
+    add_aliased(p, TP, "tensor-parallel degree", dest="tp", type=positive_int, default=1)
+    add_aliased(p, EP, "expert-parallel groups (default 1)", dest="ep", type=positive_int)
     p.add_argument("--enable-expert-parallel", action="store_true", help=argparse.SUPPRESS)
-    _add_dp_args(p, "one scheduler and pool per rank")
-    p.add_argument("--kv-budget-gib", type=_positive_float, help="explicit KV budget")
-    p.add_argument("--gpu-memory-gib", type=_positive_float, help="GPU memory per rank")
+    add_dp_args(p, "one scheduler and pool per rank")
+    p.add_argument("--kv-budget-gib", type=positive_float, help="explicit KV budget")
+    p.add_argument("--gpu-memory-gib", type=positive_float, help="GPU memory per rank")
+    p.add_argument("--mem-fraction-static", type=fraction, help="of --gpu-memory-gib (default 0.9)")
     p.add_argument(
-        "--mem-fraction-static", type=_fraction, help="of --gpu-memory-gib (default 0.9)"
+        "--weights-gib", type=nonnegative_float, help="override the estimated weights per rank"
     )
-    p.add_argument(
-        "--weights-gib", type=_nonnegative_float, help="override the estimated weights per rank"
-    )
-    p.add_argument("--reserve-gib", type=_nonnegative_float, help="activations etc. (default 0)")
-    p.add_argument("--draft-layers", type=_draft_layers, default=0, help="MTP/EAGLE draft layers")
+    p.add_argument("--reserve-gib", type=nonnegative_float, help="activations etc. (default 0)")
+    p.add_argument("--draft-layers", type=draft_layers, default=0, help="MTP/EAGLE draft layers")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_layout_args(p)
     add_hisparse_args(p, "plan the HiSparse split")

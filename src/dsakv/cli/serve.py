@@ -13,15 +13,15 @@ from typing import Any
 from dsakv.errors import DsakvError
 
 from .args import (
-    _add_model_option,
-    _positive_int,
-    _uvicorn_log_level,
     add_engine_args,
     add_ignored_args,
+    add_model_option,
     add_storage_args,
     engine_config_from_args,
     listen,
     port,
+    positive_int,
+    uvicorn_log_level,
 )
 from .disagg import add_disagg_args, disagg_config_from_args
 
@@ -115,7 +115,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             bridge=bridge,
             listener=listener,
             chat_template=args.chat_template,
-            log_level=_uvicorn_log_level(args),
+            log_level=uvicorn_log_level(args),
             access_log=not args.disable_uvicorn_access_log,
         )
     return 0
@@ -146,7 +146,7 @@ def _chat_parser(kind: str) -> Callable[[str], str]:
     return check
 
 
-def _add_engine_commands(sub: Any) -> None:
+def add_commands(sub: Any) -> None:
     p = sub.add_parser("init-tiny", help="write a deterministic random tiny model")
     p.add_argument("dir")
     p.add_argument("--preset", default="glm-tiny")
@@ -168,9 +168,9 @@ def _add_engine_commands(sub: Any) -> None:
 
     p = sub.add_parser("generate", help="complete prompts offline")
     p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
-    _add_model_option(p)
+    add_model_option(p)
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    p.add_argument("--max-tokens", type=_positive_int, default=32)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
@@ -191,7 +191,7 @@ def _add_engine_commands(sub: Any) -> None:
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("model", nargs="?", help="model directory or tiny preset (default: embedded)")
-    _add_model_option(p)
+    add_model_option(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument("--api-key", help="require this Bearer token")

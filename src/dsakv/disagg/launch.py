@@ -59,9 +59,11 @@ def _watch(procs: Sequence[subprocess.Popen], done: threading.Event) -> None:
                 return
 
 
-def run_router_on(listener: Listener, prefill: list[str], decode: list[str]) -> None:
+def run_router_on(
+    listener: Listener, prefill: list[str], decode: list[str], api_key: str | None = None
+) -> None:
     """`run_router` on sockets taken earlier; says where it routes once it serves."""
-    app = build_router_app(prefill, decode)
+    app = build_router_app(prefill, decode, api_key)
     host, port = listener.host, listener.port
     shown = f"[{host}]" if ":" in host else host
     banner = f"dsakv: router at http://{shown}:{port}/v1 -> prefill {prefill}, decode {decode}"
@@ -78,11 +80,12 @@ def serve_pd(
     bootstrap_port: int | None = None,
     startup_timeout: float = 600.0,
     listener: Listener | None = None,
+    api_key: str | None = None,
 ) -> None:
     """Start both servers as child processes (engine `flags` go to both), wait until they
     are up, then serve the router on `host:port` until interrupted; the children go too.
     The router's port is held from the start (`listener`, else taken here), not bound
-    once the servers are up."""
+    once the servers are up. `api_key`: the router's (the servers' is in `flags`)."""
     listener = listener or Listener(host, port)
     pp, dp = prefill_port or free_port(), decode_port or free_port()
     bp = bootstrap_port or free_port()
@@ -100,7 +103,7 @@ def serve_pd(
     try:
         wait_healthy(urls, procs, startup_timeout)
         threading.Thread(target=_watch, args=(procs, done), daemon=True).start()
-        run_router_on(listener, [urls[0]], [urls[1]])
+        run_router_on(listener, [urls[0]], [urls[1]], api_key)
     finally:
         listener.close()
         done.set()

@@ -10,12 +10,18 @@ SGLang's and vLLM's admin calls (/abort_request, /flush_cache, the weight update
 profiling) go to every server; calls every server answers alike (/v1/models, /tokenize)
 to one; SGLang's probes of them all (/server_info, /get_load) gather their answers. Light
 on purpose: no torch, no engine.
+
+Workers join and leave while the router runs, through SGLang Model Gateway's worker API:
+`POST /workers` (`{"url", "worker_type": "prefill"|"decode", "bootstrap_port"}`; the
+server's `/disagg/info` must agree), `GET /workers`, `GET` and `DELETE /workers/{url}`, and
+its older router's `/add_worker?url=`, `/remove_worker?url=` and `/list_workers`. A removed
+server finishes what it was sent; new requests go to the others. With `--api-key`, these and
+every other route but the probes need the key, as `dsakv serve --api-key`'s do.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import math
@@ -25,16 +31,17 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsakv.errors import DsakvError
+from dsakv.server.auth import BearerAuth
 from dsakv.server.protocol import (
     RESPONSES_KEPT,
     APIError,
@@ -49,8 +56,21 @@ from .handoff import GENERATE_PATHS
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str, type: str = "server_error") -> JSONResponse:
-    return JSONResponse(error_body(message, type), status_code=status)
+def _error(
+    status: int,
+    message: str,
+    type: str = "server_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+def _refused(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """A worker API call refused: the client's error, with SGLang's code for it."""
+    return _error(status, message, "invalid_request_error", param, code)
 
 
 def _not_found(rid: str, param: str) -> JSONResponse:
@@ -76,18 +96,11 @@ class Router:
     def __init__(self, prefill: list[str], decode: list[str]) -> None:
         if not prefill or not decode:
             raise ValueError("the router needs at least one --prefill and one --decode URL")
-        for url in (*prefill, *decode):
-            parts = urlsplit(url)
-            try:
-                parts.port  # noqa: B018 - a port past 65535 raises only here (else: every request)
-            except ValueError:
-                parts = None
-            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-                raise DsakvError(f"a server URL must be http(s)://HOST[:PORT], got {url!r}")
-        self.prefill = [u.rstrip("/") for u in prefill]
-        self.decode = [u.rstrip("/") for u in decode]
-        self._next_prefill = itertools.cycle(range(len(self.prefill)))
-        self._next_decode = itertools.cycle(range(len(self.decode)))
+        # Replaced, never changed in place, as workers come and go: a loop over a list
+        # (across awaits) sees the servers of when it began.
+        self.prefill = [_server_url(u) for u in prefill]
+        self.decode = [_server_url(u) for u in decode]
+        self._turns = {"prefill": 0, "decode": 0}  # requests sent to each kind (round robin)
         self._bootstrap: dict[str, tuple[str, int]] = {}
         self._down: dict[str, float] = {}  # server -> when it last failed to connect
         self._client: httpx.AsyncClient | None = None
@@ -96,10 +109,27 @@ class Router:
         # forgotten first; as many as the decode servers keep (each its own RESPONSES_KEPT).
         # One forgotten (or from before a restart) is asked of each decode server.
         self._responses: OrderedDict[str, str] = OrderedDict()
-        self.responses_kept = RESPONSES_KEPT * len(self.decode)
         self._pending: set[str] = set()  # the clients' request_ids sent, not yet answered
         self.requests = 0
         self.failures = 0
+
+    @property
+    def responses_kept(self) -> int:
+        return RESPONSES_KEPT * len(self.decode)
+
+    def _turn(self, kind: str) -> int:
+        """Where the next request's round over the `kind` servers starts: a count, taken
+        modulo the servers there are now, so joining or leaving skips nobody's turn."""
+        urls = getattr(self, kind)
+        turn = self._turns[kind]
+        self._turns[kind] = turn + 1
+        return turn % len(urls) if urls else 0
+
+    def _missing(self, *kinds: str) -> Response | None:
+        """The 503 for a request needing a kind of server the router has none of (all
+        removed), as SGLang's gateway answers it."""
+        gone = [kind for kind in kinds if not getattr(self, kind)]
+        return _none_of(gone) if gone else None
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -117,14 +147,17 @@ class Router:
     async def bootstrap_of(self, prefill_url: str) -> tuple[str, int]:
         """(host, port) of a prefill server's bootstrap, asked once from `/disagg/info`."""
         if prefill_url not in self._bootstrap:
-            r = await self.client.get(f"{prefill_url}/disagg/info", timeout=10.0)
-            r.raise_for_status()
-            info = r.json()
+            info = await self._disagg_info(prefill_url)
             if info.get("mode") != "prefill":
                 raise ValueError(f"{prefill_url} is not a prefill server (mode {info.get('mode')})")
-            host = urlsplit(prefill_url).hostname or "127.0.0.1"
-            self._bootstrap[prefill_url] = (host, int(info["bootstrap_port"]))
+            self._bootstrap[prefill_url] = _bootstrap_address(prefill_url, info)
         return self._bootstrap[prefill_url]
+
+    async def _disagg_info(self, url: str) -> dict[str, Any]:
+        """A server's `/disagg/info` (its mode, a prefill server's bootstrap port)."""
+        r = await self.client.get(f"{url}/disagg/info", timeout=10.0)
+        r.raise_for_status()
+        return r.json()
 
     async def generate(self, path: str, request: Request) -> Response:
         self.requests += 1
@@ -148,6 +181,8 @@ class Router:
         from its store, and the prefill server checks the prompts are the same tokens (a
         502 if not)."""
         self.requests += 1
+        if (missing := self._missing("prefill", "decode")) is not None:
+            return missing  # (else a continuation's previous response is "not found")
         got = await _json_body(request)
         if isinstance(got, Response):
             return got
@@ -275,7 +310,10 @@ class Router:
         decode server holding the response. One the router does not know (it restarted, or
         forgot it) is asked of each decode server until one answers it (2xx); none does: the
         first error other than a 404 (e.g. a bad limit), else their 404. A stream (a
-        background response's events) is passed on as it comes."""
+        background response's events) is passed on as it comes; with no decode server, the
+        503 naming it (as for a new response)."""
+        if (missing := self._missing("decode")) is not None:
+            return missing
         known = self._responses.get(rid)
         if known is not None:
             self._responses.move_to_end(rid)
@@ -324,6 +362,8 @@ class Router:
         return Response(content, answer.status_code, media_type=kind)
 
     def _keep(self, rid: str, decode: str) -> None:
+        if decode not in self.decode:
+            return  # (removed while it answered: forgotten with the others it holds)
         self._responses[rid] = decode
         self._responses.move_to_end(rid)
         while len(self._responses) > self.responses_kept:
@@ -341,6 +381,8 @@ class Router:
     ) -> Response:
         """`raw` to a decode server (`decode`, else the next), `p_body` to the next prefill
         server; `rid`: the response the decode server stores if it takes it."""
+        if (missing := self._missing("prefill", "decode")) is not None:
+            return missing  # (removed while the request came in)
         try:
             p_url, host, port = await self._pick_prefill()
         except _Unusable as e:
@@ -357,6 +399,9 @@ class Router:
         except _Unreachable as e:
             self._failed(p_url, prefill)
             return _error(502, f"decode server {e.url} is unreachable: {e.error!r}")
+        except _NoWorker:
+            prefill.cancel()
+            return _none_of(["decode"])
         except httpx.HTTPError as e:
             self._failed(p_url, prefill)
             return _error(502, f"the decode server failed: {e!r}")
@@ -431,11 +476,12 @@ class Router:
         each server's own, under `prefill` and `decode`, and at the top the decode servers'
         `internal_states` together (they generate: `bench_serving` reads its throughput and
         MTP's accept length there, as of one server)."""
-        answers = await self._everyone("/server_info", request)
+        asked = (self.decode, self.prefill)  # (as they are now: workers may come meanwhile)
+        answers = await self._everyone("/server_info", request, asked)
         if isinstance(answers, Response):
             return answers
         infos = [r.json() for r in answers]
-        decode, prefill = infos[: len(self.decode)], infos[len(self.decode) :]
+        decode, prefill = infos[: len(asked[0])], infos[len(asked[0]) :]
         states = [s for info in decode for s in info.get("internal_states") or []]
         return JSONResponse({"internal_states": states, "prefill": prefill, "decode": decode})
 
@@ -444,10 +490,10 @@ class Router:
         each naming its server and role (`worker`, `worker_type`: sglang-router's names for
         them), the decode servers' first, as one flat list over every server: a client
         that sums one server's entries sums the deployment's."""
-        answers = await self._everyone("/get_load", request)
+        roles = [("decode", u) for u in self.decode] + [("prefill", u) for u in self.prefill]
+        answers = await self._everyone("/get_load", request, (self.decode, self.prefill))
         if isinstance(answers, Response):
             return answers
-        roles = [("decode", u) for u in self.decode] + [("prefill", u) for u in self.prefill]
         return JSONResponse(
             [
                 {"worker": url, "worker_type": role, **entry}
@@ -462,7 +508,10 @@ class Router:
         """`request` (its method, query, body and key) to each server at `path`, the decode
         servers, then the prefill servers (`groups`: those groups in turn): their answers,
         when each is a 2xx; else a server's 4xx, or a 502 naming those that failed. A pause
-        that failed somewhere pauses nothing (`_UNDO`)."""
+        that failed somewhere pauses nothing (`_UNDO`); with no server to ask, the 503."""
+        groups = groups or (self.decode, self.prefill)
+        if not any(groups):
+            return _error(503, "no workers available: add one (POST /workers)")
         try:
             raw = await request.body()
         except ClientDisconnect:
@@ -472,7 +521,7 @@ class Router:
             headers["authorization"] = request.headers["authorization"]
         query = request.url.query
         answers = []
-        for urls in groups or (self.decode, self.prefill):
+        for urls in groups:
             calls = (self._call(u, path, request.method, raw, headers, query) for u in urls)
             answers += await asyncio.gather(*calls)
         failed = [(u, r) for u, r in answers if not isinstance(r, httpx.Response) or r.is_error]
@@ -510,6 +559,8 @@ class Router:
         """`request` as it is (method, path, query, body, key) to the first decode server
         that answers it without a 5xx (one loading or restarting: the next): a call every
         server answers alike, as they serve one model (/v1/models, /tokenize, ...: `_ONE`)."""
+        if (missing := self._missing("decode")) is not None:
+            return missing
         got = await _as_sent(request)
         if isinstance(got, Response):
             return got
@@ -546,7 +597,7 @@ class Router:
         cannot (down, restarting) is passed over, not handed every Nth request, and asked
         last for a while (a host that drops packets costs a connect timeout each time)."""
         errors = []
-        for url in _in_turn(self.prefill, next(self._next_prefill), self._down):
+        for url in _in_turn(self.prefill, self._turn("prefill"), self._down):
             try:
                 found = (url, *await self.bootstrap_of(url))
             except (httpx.HTTPError, ValueError, KeyError) as e:
@@ -566,8 +617,10 @@ class Router:
         its room."""
         if only is not None:
             others, last = [], only
+        elif not self.decode:
+            raise _NoWorker  # (the last removed while the prefill server was picked)
         else:
-            *others, last = _in_turn(self.decode, next(self._next_decode), self._down)
+            *others, last = _in_turn(self.decode, self._turn("decode"), self._down)
         for url in others:
             try:
                 return url, await self._post(url, path, raw, headers)
@@ -631,8 +684,134 @@ class Router:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    # --- workers joining and leaving: SGLang Model Gateway's worker API -------------------
+
+    def _find(self, url: str) -> tuple[str, str] | None:
+        """The kind of worker the server `url` leads to is, and the URL it was registered
+        under: any spelling of it finds it (`_address`)."""
+        try:
+            at = _address(url)
+        except DsakvError:
+            return None  # (no server's URL)
+        for kind in ("prefill", "decode"):
+            for known in getattr(self, kind):
+                if _address(known) == at:
+                    return kind, known
+        return None
+
+    def _taken(self, url: str) -> Response | None:
+        """The 409 for a server registered already (as either kind, under any spelling)."""
+        found = self._find(url)
+        if found is None:
+            return None
+        kind, known = found
+        message = f"{url} is a {kind} worker already" + (f" (as {known})" if known != url else "")
+        return _refused(409, message, "url", "WORKER_ALREADY_EXISTS")
+
+    def worker(self, url: str) -> dict[str, Any] | None:
+        """What the router knows of a worker (`url` in any spelling), else None."""
+        found = self._find(url)
+        return None if found is None else self._info(*found)
+
+    def _info(self, kind: str, url: str) -> dict[str, Any]:
+        """A worker in the fields of SGLang's WorkerInfo: healthy unless a connection to it
+        failed in the last `_DOWN_S` seconds; a prefill server's bootstrap port once asked
+        (else null)."""
+        down = self._down.get(url, -math.inf)
+        info = {
+            "id": url,
+            "url": url,
+            "worker_type": kind,
+            "connection_mode": "http",
+            "is_healthy": time.monotonic() - down >= _DOWN_S,
+        }
+        if kind == "prefill":
+            info["bootstrap_port"] = self._bootstrap[url][1] if url in self._bootstrap else None
+        return info
+
+    def workers(self) -> dict[str, Any]:
+        """SGLang's `GET /workers`: every worker, prefill servers first, and the counts."""
+        listed = [
+            self._info(kind, url) for kind in ("prefill", "decode") for url in getattr(self, kind)
+        ]
+        counts = {"prefill_count": len(self.prefill), "decode_count": len(self.decode)}
+        return {"workers": listed, "total": len(listed), "stats": {**counts, "regular_count": 0}}
+
+    async def add_worker(self, spec: Any) -> dict[str, Any] | Response:
+        """A server joining, `spec` in SGLang's fields (`url`, `worker_type`, a prefill
+        server's `bootstrap_port`): its `/disagg/info` must answer, in the mode the type
+        names (no type: its mode is taken), with the bootstrap port given if one is. It takes
+        requests from the next one on. SGLang's answer, else the 4xx naming the field."""
+        if not isinstance(spec, dict):
+            return _refused(400, "a worker must be a JSON object")
+        url = spec.get("url")
+        if not isinstance(url, str):
+            return _refused(400, "url must be the server's URL, a string", "url")
+        try:
+            url = _server_url(url)
+        except DsakvError as e:
+            return _refused(400, str(e), "url")
+        kind = spec.get("worker_type")
+        if kind not in (None, "prefill", "decode"):
+            message = f"worker_type must be 'prefill' or 'decode' (what it pairs), got {kind!r}"
+            return _refused(400, message, "worker_type")
+        port = spec.get("bootstrap_port")
+        if port is not None and (type(port) is not int or not 0 < port < 65536):
+            message = f"bootstrap_port must be a port number, got {port!r}"
+            return _refused(400, message, "bootstrap_port")
+        if (taken := self._taken(url)) is not None:
+            return taken
+        try:
+            info = await self._disagg_info(url)
+            mode = info.get("mode")
+            address = _bootstrap_address(url, info) if mode == "prefill" else None
+        except httpx.HTTPStatusError as e:
+            status = e.response.status_code
+            message = f"{url} is not a prefill or decode server: GET /disagg/info answered {status}"
+            return _refused(400, message, "url")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
+            message = f"{url} did not answer GET /disagg/info as a prefill or decode server: {e!r}"
+            return _refused(400, message, "url")
+        if mode not in ("prefill", "decode"):
+            return _refused(400, f"{url} is not a prefill or decode server (mode {mode!r})", "url")
+        if kind is not None and mode != kind:
+            message = f"{url} is a {mode} server, not a {kind} server"
+            return _refused(400, message, "worker_type")
+        if port is not None and (address is None or port != address[1]):
+            told = f"is {address[1]}" if address else "is none (a decode server)"
+            message = f"{url}'s bootstrap port {told}, not {port}"
+            return _refused(400, message, "bootstrap_port")
+        if (taken := self._taken(url)) is not None:  # (added while it was asked)
+            return taken
+        if address is not None:
+            self._bootstrap[url] = address
+        self._down.pop(url, None)
+        setattr(self, mode, [*getattr(self, mode), url])
+        log.info("router: %s server %s added", mode, url)
+        message = f"Successfully added {mode} server: {url}"
+        return {"success": True, "message": message, "worker": self._info(mode, url)}
+
+    def remove_worker(self, url: str) -> dict[str, Any] | Response:
+        """A server leaving: new requests go to the others, those it has finish (a decode
+        server still streams its answers through the router), and the stored responses the
+        router knew it held are forgotten. The last of a kind may go too, as in SGLang's
+        gateway: requests then get the 503 naming what is missing until one is added."""
+        found = self._find(url)
+        if found is None:
+            return _refused(404, f"worker {url} not found", "url", "WORKER_NOT_FOUND")
+        kind, url = found
+        setattr(self, kind, [u for u in getattr(self, kind) if u != url])
+        self._bootstrap.pop(url, None)
+        self._down.pop(url, None)
+        for rid in [rid for rid, held in self._responses.items() if held == url]:
+            del self._responses[rid]
+        while len(self._responses) > self.responses_kept:
+            self._responses.popitem(last=False)
+        log.info("router: %s server %s removed", kind, url)
+        return {"success": True, "message": f"Successfully removed {kind} server: {url}"}
+
     async def health(self) -> Response:
-        bad = []
+        bad = [f"no {kind} worker" for kind in ("prefill", "decode") if not getattr(self, kind)]
         for url in self.prefill + self.decode:
             try:
                 r = await self.client.get(f"{url}/health", timeout=5.0)
@@ -653,6 +832,10 @@ class _Unusable(Exception):
     """No prefill server told its bootstrap port."""
 
 
+class _NoWorker(Exception):
+    """No decode server left to send a request to."""
+
+
 class _Unreachable(Exception):
     """No decode server took the connection; the last one tried, and its error."""
 
@@ -661,6 +844,8 @@ class _Unreachable(Exception):
         self.url, self.error = url, error
 
 
+# A server URL's schemes, and their default ports.
+_PORTS = {"http": 80, "https": 443}
 # The most pages (of 100) of a previous response's input items the router reads: more than
 # any context holds.
 _ITEM_PAGES = 10_000
@@ -715,6 +900,42 @@ _ONE = {
     "/get_model_info": ["GET"],
     "/get_weights_by_name": ["GET", "POST"],
 }
+
+
+def _server_url(url: str) -> str:
+    """`url` checked (http(s)://HOST[:PORT]) and spelt one way: scheme and host in lower
+    case, no default port, no trailing slash (so one server is one worker, `_address`)."""
+    parts = urlsplit(url.strip())
+    try:
+        port = parts.port  # (a port past 65535 raises only here, else: every request)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme.lower() not in _PORTS or not parts.hostname:
+        raise DsakvError(f"a server URL must be http(s)://HOST[:PORT], got {url!r}")
+    scheme, host = parts.scheme.lower(), parts.hostname  # (hostname: lower case)
+    user, at, _ = parts.netloc.rpartition("@")
+    netloc = user + at + (f"[{host}]" if ":" in host else host)
+    if port is not None and port != _PORTS[scheme]:
+        netloc += f":{port}"
+    return urlunsplit((scheme, netloc, parts.path.rstrip("/"), parts.query, parts.fragment))
+
+
+def _address(url: str) -> tuple[str, int, str]:
+    """Where a server URL leads: its host, port and path, whatever the scheme (one port
+    serves http or https, not both)."""
+    parts = urlsplit(_server_url(url))
+    return parts.hostname or "", parts.port or _PORTS[parts.scheme], parts.path
+
+
+def _bootstrap_address(prefill_url: str, info: dict[str, Any]) -> tuple[str, int]:
+    """A prefill server's bootstrap (host, port): its URL's host, the port its
+    `/disagg/info` tells."""
+    return urlsplit(prefill_url).hostname or "127.0.0.1", int(info["bootstrap_port"])
+
+
+def _none_of(kinds: list[str]) -> JSONResponse:
+    message = f"no {' and no '.join(kinds)} workers available: add one (POST /workers)"
+    return _error(503, message, code="server_selection_failed")
 
 
 def _in_turn(urls: list[str], start: int, down: dict[str, float]) -> list[str]:
@@ -812,10 +1033,16 @@ async def _unless_left(call: Any, request: Request) -> Any:
     return task.result() if answered else None
 
 
-def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
+def build_router_app(prefill: list[str], decode: list[str], api_key: str | None = None) -> FastAPI:
+    """The router's app. With `api_key`, its routes need `Authorization: Bearer` as `dsakv
+    serve --api-key`'s do (`BearerAuth`, the same probes open): the worker API above all,
+    else anyone reaching the port could add a decode server of their own and be sent the
+    prompts. The client's header still goes on to the servers, which check their own key."""
     router = Router(prefill, decode)
     app = FastAPI(title="dsakv router", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key, router=app.router)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> Response:
@@ -883,6 +1110,54 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
     async def health() -> Response:
         return await router.health()
 
+    # SGLang Model Gateway's worker API (a worker's URL in the path, escaped or not) and
+    # its older router's query-string calls, which answered in plain text.
+    @app.post("/workers")
+    async def add_worker(request: Request) -> Response:
+        got = await _json_body(request)
+        if isinstance(got, Response):
+            return got
+        added = await router.add_worker(got[1])
+        return added if isinstance(added, Response) else JSONResponse(added)
+
+    @app.get("/workers")
+    async def list_workers() -> Response:
+        return JSONResponse(router.workers())
+
+    @app.get("/workers/{url:path}")
+    async def get_worker(url: str) -> Response:
+        info = router.worker(url)
+        if info is None:
+            return _refused(404, f"worker {url} not found", "url", "WORKER_NOT_FOUND")
+        return JSONResponse(info)
+
+    @app.delete("/workers/{url:path}")
+    async def delete_worker(url: str) -> Response:
+        removed = router.remove_worker(url)
+        return removed if isinstance(removed, Response) else JSONResponse(removed)
+
+    @app.post("/add_worker")
+    async def add_worker_legacy(request: Request) -> Response:
+        spec: dict[str, Any] = dict(request.query_params)
+        if "url" not in spec:
+            return _refused(400, "the worker's URL is the query's url", "url")
+        if "bootstrap_port" in spec:
+            port = spec["bootstrap_port"]
+            spec["bootstrap_port"] = int(port) if port.isdecimal() else port
+        added = await router.add_worker(spec)
+        return added if isinstance(added, Response) else PlainTextResponse(added["message"])
+
+    @app.post("/remove_worker")
+    async def remove_worker_legacy(url: str | None = None) -> Response:
+        if url is None:
+            return _refused(400, "the worker's URL is the query's url", "url")
+        removed = router.remove_worker(url)
+        return removed if isinstance(removed, Response) else PlainTextResponse(removed["message"])
+
+    @app.get("/list_workers")
+    async def list_workers_legacy() -> Response:
+        return JSONResponse({"urls": router.prefill + router.decode})
+
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ping", health, methods=["GET", "POST"])  # (vLLM's, SageMaker's)
 
@@ -900,10 +1175,14 @@ def build_router_app(prefill: list[str], decode: list[str]) -> FastAPI:
 
 
 def run_router(
-    prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 8000
+    prefill: list[str],
+    decode: list[str],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
 ) -> None:
     """Serve the router until interrupted (`dsakv router`)."""
-    app = build_router_app(prefill, decode)
+    app = build_router_app(prefill, decode, api_key)
     shown = f"[{host}]" if ":" in host else host
     print(
         f"dsakv: router at http://{shown}:{port}/v1 -> prefill {prefill}, decode {decode}",

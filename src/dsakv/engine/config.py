@@ -355,7 +355,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _has_tokenizer(path: Path) -> bool:
+def has_tokenizer(path: Path) -> bool:
+    """Whether the folder `path` holds a tokenizer (its files; no Hub names here)."""
     return (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
 
 
@@ -369,7 +370,7 @@ def check_tokenizer_dir(where: str) -> None:
             f"--tokenizer {where} is not a directory (dsakv loads local tokenizers only, "
             "no Hub names: download it and give its folder)"
         )
-    if not _has_tokenizer(path):
+    if not has_tokenizer(path):
         raise DsakvError(
             f"--tokenizer {where} holds no tokenizer (tokenizer.json or tokenizer_config.json)"
         )

@@ -2,7 +2,7 @@
 
 Its arguments are `EngineConfig` (`config`); what runs between steps on every rank comes
 with its mixins: sleep mode (`sleep`), weight updates (`weight_update`), profiles
-(`profiler`)."""
+(`profiler`), their outcomes read alike (`ranks`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from dsakv.config.checkpoint import model_identity
 from dsakv.distributed import weight_sync
 from dsakv.distributed.parallel import ParallelState, destroy_parallel, is_dist_error
 from dsakv.distributed.weight_sync import WeightGroup
-from dsakv.errors import ConfigError, DsakvError, is_int, load_json
+from dsakv.errors import ConfigError, DsakvError, is_int, load_json, one_line
 from dsakv.kernels import cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
@@ -35,7 +35,7 @@ from dsakv.memory.pool import DSAKVPool
 from dsakv.memory.release import Stash
 from dsakv.memory.storage import storage_namespace
 
-from .config import DRAFT_STEPS, MAX_GRAPH_BATCH, EngineConfig, _has_tokenizer, resolve_device
+from .config import DRAFT_STEPS, MAX_GRAPH_BATCH, EngineConfig, has_tokenizer, resolve_device
 from .cuda_graph import DecodeGraphs
 from .detokenizer import TokenTexts, chars_per_token
 from .grammar import GrammarCache
@@ -43,7 +43,7 @@ from .hisparse import HotBuffers
 from .l3 import L3Cache, zero_counters
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
-from .profiler import ProfilerMixin, _Profiling
+from .profiler import PROFILE_CALLS, ProfilerMixin
 from .request import Capture, Request
 from .sampling import (
     THINK_MARKERS,
@@ -62,9 +62,9 @@ from .sampling import (
     token_mask,
 )
 from .scheduler import Scheduler, SchedulerConfig
-from .sleep import SleepMixin
+from .sleep import SLEEP_CALLS, SleepMixin
 from .speculative import MTPDrafter, verify
-from .weight_update import WeightUpdateMixin, _one_line
+from .weight_update import WEIGHT_CALLS, WeightUpdateMixin
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,9 @@ def keep_freed_memory() -> None:
     except (OSError, AttributeError):
         pass
 
+
+# What `Engine.weights_call` runs on every rank: each mixin's calls
+_EVERY_RANK = frozenset(SLEEP_CALLS + WEIGHT_CALLS + PROFILE_CALLS)
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
 
@@ -239,7 +242,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin):
         self.on_close: list[Callable[[], None]] = []  # e.g. joining the other ranks
         # Which rank died and how, once known (the launcher's watchdog says; None: unknown).
         self.rank_failure: Callable[[], str | None] = lambda: None
-        self.profiler: _Profiling | None = None  # /start_profile's, on every rank
+        self.profiler = None  # /start_profile's, on every rank (`ProfilerMixin`)
         self._grammars: GrammarCache | None = None
         self.host, self.hot, self.l3 = self._tiers()
         try:
@@ -494,7 +497,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin):
         try:
             return self.tokenizer.encode(prompt, add_special_tokens=special)
         except (TypeError, ValueError) as e:  # a lone surrogate, say
-            raise DsakvError(f"the prompt cannot be tokenized: {_one_line(e)}") from None
+            raise DsakvError(f"the prompt cannot be tokenized: {one_line(e)}") from None
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, rid: int | None = None
@@ -630,9 +633,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin):
         try:
             bad = bad_word_ids(self.tokenizer, p.bad_words)
         except (TypeError, ValueError) as e:  # a lone surrogate, say
-            raise DsakvError(
-                f"bad_words cannot be tokenized: {_one_line(e)}", "bad_words"
-            ) from None
+            raise DsakvError(f"bad_words cannot be tokenized: {one_line(e)}", "bad_words") from None
         vocab = self.model_config.vocab_size
         if any(t >= vocab for ids in bad for t in ids):  # (vLLM's refusal; the ban failed a step)
             raise DsakvError(
@@ -781,6 +782,13 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin):
         with self.rank_failures():
             return self.runner.weights(method, *args)
 
+    def weights_call(self, method: str, *args: Any) -> Any:
+        """This rank's part of a call every rank makes, one of the mixins' (rank 0's runner
+        or `DPEngine` sends it: `ModelRunner.serve`, `serve_dp_peer`)."""
+        if method not in _EVERY_RANK:
+            raise DsakvError(f"{method} is not a weight call")
+        return getattr(self, method)(*args)
+
     def close(self) -> None:
         """Release the other ranks (if any) and wait for them to leave; idempotent. Every
         part runs even if one fails (a rank that died broke the group): the process group
@@ -812,7 +820,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin):
         except Exception as e:
             if self.parallel.world_size == 1 or self.parallel.rank != 0 or not is_dist_error(e):
                 raise
-            why = self.rank_failure() or f"a collective with another rank failed: {_one_line(e)}"
+            why = self.rank_failure() or f"a collective with another rank failed: {one_line(e)}"
             raise RankDied(f"{why}; this engine cannot run (close it and make a new one)") from e
 
     # --- prefill/decode disaggregation (`dsakv.engine.disagg`) ----------------------------
@@ -1419,7 +1427,7 @@ def _hand_over_rows(req: Request) -> None:
 
 def _load_tokenizer(model: str):
     path = Path(model)
-    if not _has_tokenizer(path):
+    if not has_tokenizer(path):
         return None
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoTokenizer
@@ -1427,7 +1435,7 @@ def _load_tokenizer(model: str):
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except StrictDataclassError as e:  # transformers' config class refuses a config.json field
-        why = " ".join(str(e.__cause__ or e).split())
+        why = one_line(e.__cause__ or e, named=False)
         raise ConfigError(f"{path / 'config.json'}: {why}") from None
     except Exception as e:  # tokenizers and transformers raise all kinds for a broken file
         raise DsakvError(
@@ -1443,4 +1451,4 @@ def _tokenizer_fault(path: Path, e: Exception) -> str:
                 load_json((path / name).read_text(), f"{name} is not valid JSON")
         except ValueError as bad:  # (DsakvError, UnicodeDecodeError)
             return str(bad) if isinstance(bad, DsakvError) else f"{name} is not valid JSON: {bad}"
-    return _one_line(e)
+    return one_line(e)

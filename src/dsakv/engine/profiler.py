@@ -14,7 +14,7 @@ from typing import Any
 
 from dsakv.errors import DsakvError, is_int
 
-from .weight_update import _by_rank, _said
+from .ranks import by_rank, said
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,16 @@ class _Profiling:
     steps: int = 0
 
 
+# This mixin's calls that every rank runs (`Engine.weights_call`)
+PROFILE_CALLS = ("start_profile_here", "stop_profile_here")
+
+
 class ProfilerMixin:
-    """`Engine`'s profiles. Its host holds `profiler` (None: none runs), calls
-    `_profiled_step` after each step and `_drop_profile` as it closes, and runs calls on
-    every rank (`_on_every_rank`, `parallel`, `device`)."""
+    """`Engine`'s profiles. Its host holds `profiler` (set to None by `Engine.__init__`),
+    calls `_profiled_step` after each step and `_drop_profile` as it closes, and runs calls
+    on every rank (`_on_every_rank`, `parallel`, `device`)."""
+
+    profiler: _Profiling | None  # the running profile, on every rank (None: none runs)
 
     def start_profile(
         self,
@@ -112,12 +118,12 @@ class ProfilerMixin:
             prof.start()
             self.profiler = _Profiling(spec, prof)
         except Exception as e:  # noqa: BLE001 - every rank hears it
-            why = _said(e)
+            why = said(e)
         whys = self.parallel.all_gather_objects(why)
         if not any(whys):
             return None
         self._drop_profile()
-        return _by_rank(whys)
+        return by_rank(whys)
 
     def stop_profile_here(self) -> list[str] | str:
         """This rank stops its profiler and writes its trace: every rank's path (or each
@@ -133,10 +139,10 @@ class ProfilerMixin:
             path = os.path.join(spec.output_dir, f"{spec.profile_id}-TP-{rank}{dp}.trace.json.gz")
             running.torch.export_chrome_trace(path)
         except Exception as e:  # noqa: BLE001 - every rank hears it
-            why = _said(e)
+            why = said(e)
         outcomes = self.parallel.all_gather_objects((path, why))
         if any(w for _, w in outcomes):
-            return _by_rank([w for _, w in outcomes])
+            return by_rank([w for _, w in outcomes])
         if self.parallel.is_driver:
             log.info("profile saved: %s", ", ".join(p for p, _ in outcomes))
         return [p for p, _ in outcomes]

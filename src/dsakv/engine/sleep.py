@@ -9,6 +9,7 @@ import ctypes
 import logging
 import reprlib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -16,7 +17,7 @@ from dsakv.errors import DsakvError, is_int, is_list
 from dsakv.memory.capacity import GIB
 from dsakv.memory.release import Stash
 
-from .weight_update import _by_rank, _said
+from .ranks import by_rank, said
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,15 @@ class EngineAsleep(DsakvError, RuntimeError):
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
+# This mixin's calls that every rank runs (`Engine.weights_call`)
+SLEEP_CALLS = ("release_memory_here", "resume_memory_here")
+
+
 class SleepMixin:
     """`Engine`'s sleep mode. Its host holds the state (`released`, `_stashes`, `_unloaded`,
-    made by `Engine.__init__`) and what is released (`model`, `pool`, `cache`, `l3`,
-    `runner`), says whether requests hold memory (`has_unfinished`, `paused`, `scheduler`)
+    made by `Engine.__init__` and written here only: a weight update tells `_note_loaded`
+    what it loaded) and what is released (`model`, `pool`, `cache`, `l3`, `runner`) on
+    `device`, says whether requests hold memory (`has_unfinished`, `paused`, `scheduler`)
     and runs calls on every rank (`_on_every_rank`, `parallel`)."""
 
     def release_memory_occupation(
@@ -133,7 +139,7 @@ class SleepMixin:
         s = self.scheduler
         whys = gather(_HOLDING if s.running or s.held or s.parked else None)
         if any(whys):
-            return _by_rank(whys)
+            return by_rank(whys)
         new = [t for t in tags if t not in self.released]
         stashes: dict[str, list[Stash]] = {}
         why = None
@@ -147,10 +153,10 @@ class SleepMixin:
                 params = Stash(self.model.parameters(), keep=not discard)
                 stashes["weights"] = [params, Stash(self.model.buffers(), keep=True)]
         except Exception as e:  # noqa: BLE001 - every rank hears it: none frees anything
-            why = _said(e)
+            why = said(e)
         whys = gather(why)
         if any(whys):
-            return f"nothing was released: {_by_rank(whys)}"
+            return f"nothing was released: {by_rank(whys)}"
         self._forget_addresses()
         for tag, stash in stashes.items():
             for part in stash:
@@ -180,13 +186,13 @@ class SleepMixin:
                     part.restore()
                     done.append(part)
         except Exception as e:  # noqa: BLE001 - every rank hears it: all free it again
-            why = _said(e)
+            why = said(e)
         whys = self.parallel.all_gather_objects(why)
         if any(whys):
             for part in done:
                 part.free()
             _give_back_memory(self.device)
-            return f"the memory was not brought back (is the trainer holding it?): {_by_rank(whys)}"
+            return f"the memory was not brought back (is the trainer holding it?): {by_rank(whys)}"
         for tag in back:
             del self._stashes[tag]
         self.released.difference_update(tags)
@@ -210,6 +216,24 @@ class SleepMixin:
         graphs = self.runner.decode_graphs
         if graphs is not None and not self.released and self._unloaded is None:
             graphs.capture_all()
+
+    def _note_loaded(self, checked: Any) -> None:
+        """After weights were discarded: cross off what an update loaded (a checkpoint: all
+        of it; named tensors: their parts), and once every rank has it all, generate again."""
+        if self._unloaded is None:
+            return
+        if isinstance(checked, list):  # (`loader.check_tensors`' pieces)
+            for _, piece, _ in checked:
+                left = self._unloaded.get(piece.target)
+                if left is not None:
+                    left.difference_update(piece.parts)
+                    if not left:
+                        del self._unloaded[piece.target]
+        else:
+            self._unloaded.clear()
+        if not any(self.parallel.all_gather_objects(bool(self._unloaded))):
+            self._unloaded = None
+            self._capture_again()
 
 
 _HOLDING = (

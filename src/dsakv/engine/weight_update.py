@@ -1,7 +1,6 @@
 """Weight updates: new weights copied into a serving engine in place, from a checkpoint or
 a trainer's tensors (SGLang's /update_weights_from_disk and _from_distributed, its weight
-update groups), as `Engine`'s mixin. With them `weights_call`, which runs this and the other
-mixins' calls on every rank between steps, and how their outcomes read (`_by_rank`)."""
+update groups), as `Engine`'s mixin."""
 
 from __future__ import annotations
 
@@ -20,17 +19,31 @@ from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate, WeightGroup
 from dsakv.errors import DsakvError, is_int
 from dsakv.memory.storage import storage_namespace
 
+from .ranks import by_rank, said
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
+# This mixin's calls that every rank runs (`Engine.weights_call`)
+WEIGHT_CALLS = (
+    "update_weights_here",
+    "drop_update_here",
+    "join_weight_group_here",
+    "leave_weight_group_here",
+    "weights_by_name_here",
+)
+
+
 class WeightUpdateMixin:
     """`Engine`'s weight updates. Its host holds the weights (`model`, `model_config`,
-    `weights_path`, `_stored`: how they load), `weight_groups`, what an update drops or
-    moves (`cache`, `l3`) and the sleep state (`released`, `_unloaded`: `SleepMixin`), says
-    whether requests keep an update off (`_busy`, `has_unfinished`) and runs calls on every
-    rank (`_on_every_rank`, `parallel`)."""
+    `weights_path`, `_stored`: how they load; `config`: the generation config they are
+    served with) on `device`, `weight_groups`, what names them (`model_identity`, a cached
+    property dropped here; with `layout` and `compute`, L3's namespace) and what holds their
+    stop tokens (`_grammars`, set to None here); what an update drops or moves (`cache`,
+    `l3`) and the sleep state (`released`; `_note_loaded`: `SleepMixin`); says whether
+    requests keep an update off (`_busy`, `has_unfinished`) and runs calls on every rank
+    (`_on_every_rank`, `parallel`)."""
 
     def update_weights(self, source: str | Path | GroupUpdate | TensorUpdate) -> bool:
         """SGLang's /update_weights_from_disk (`source` a checkpoint path: the served
@@ -120,20 +133,13 @@ class WeightUpdateMixin:
         try:
             held = loader.held_rows(self.model, name, rows)
         except Exception as e:  # noqa: BLE001 - rank 0 tells it
-            why = _said(e)
+            why = said(e)
         shares = self.parallel.gather_objects((why, held))
         if shares is None:
             return None
         if any(w for w, _ in shares):
-            return _by_rank([w for w, _ in shares])
+            return by_rank([w for w, _ in shares])
         return loader.first_rows([h for _, h in shares], rows)
-
-    def weights_call(self, method: str, *args: Any) -> Any:
-        """This rank's part of a weight call every rank makes (rank 0's runner or
-        `DPEngine` sends it: `ModelRunner.serve`, `serve_dp_peer`)."""
-        if method not in _WEIGHT_CALLS:
-            raise DsakvError(f"{method} is not a weight call")
-        return getattr(self, method)(*args)
 
     def join_weight_group_here(self, spec: WeightGroup) -> str | None:
         """This rank joins `spec`'s group; every rank then hears whether all did (None), or
@@ -145,13 +151,13 @@ class WeightUpdateMixin:
             group = weight_sync.join(spec, spec.rank_offset + self.parallel.rank)
             self.weight_groups[spec.group_name] = (spec, group)
         except Exception as e:  # noqa: BLE001 - every rank hears it
-            why = _said(e)
+            why = said(e)
         whys = self.parallel.all_gather_objects(why)
         if not any(whys):
             return None
         if why is None:
             self.leave_weight_group_here(spec.group_name)
-        return _by_rank(whys)
+        return by_rank(whys)
 
     def leave_weight_group_here(self, name: str) -> None:
         _, group = self.weight_groups.pop(name)
@@ -190,7 +196,7 @@ class WeightUpdateMixin:
                     checked = loader.check_update(self.model, source, **self._stored)
                     self._served(checked.config)
             except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
-                why = _said(e)
+                why = said(e)
         whys = gather(why)
         if _BUSY in whys:
             return False
@@ -200,10 +206,10 @@ class WeightUpdateMixin:
                 tensors = weight_sync.receive(group, source, spec.backend, self.device)
                 checked = loader.check_tensors(self.model, tensors)
             except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
-                why = _said(e)
+                why = said(e)
             whys = gather(why)
         if any(whys):
-            return _by_rank(whys)
+            return by_rank(whys)
         failed, touched = None, False
         try:
             # First, so that L3 writes every old page under the old weights' namespace.
@@ -218,12 +224,12 @@ class WeightUpdateMixin:
             else:
                 loader.load_update(self.model, checked)
         except Exception as e:  # noqa: BLE001 - every rank hears it: all roll back
-            failed = _said(e)
+            failed = said(e)
         fails = gather(failed)
         if not any(fails):
             self._weights_updated(source, checked)
             return True
-        what = f"loading {_named(source)} failed part way ({_by_rank(fails)})"
+        what = f"loading {_named(source)} failed part way ({by_rank(fails)})"
         if named:  # (nothing on disk to go back to)
             return f"{what}: the weights are mixed, update them again"
         again = None
@@ -231,11 +237,11 @@ class WeightUpdateMixin:
             try:
                 loader.reload_weights(self.model, previous)
             except Exception as e:  # noqa: BLE001 - told below: the weights are mixed
-                again = _said(e)
+                again = said(e)
         agains = gather(again)
         if any(agains):
             return (
-                f"{what}, and reloading {previous} failed too ({_by_rank(agains)}): the "
+                f"{what}, and reloading {previous} failed too ({by_rank(agains)}): the "
                 "weights are mixed, restart the server"
             )
         self._note_loaded(None if touched else [])  # (discarded weights: all back, reloaded)
@@ -275,24 +281,6 @@ class WeightUpdateMixin:
             log.info("weights updated from %s", _named(source))
         self._note_loaded(checked)
 
-    def _note_loaded(self, checked: Any) -> None:
-        """After weights were discarded: cross off what an update loaded (a checkpoint: all
-        of it; named tensors: their parts), and once every rank has it all, generate again."""
-        if self._unloaded is None:
-            return
-        if isinstance(checked, list):  # (`loader.check_tensors`' pieces)
-            for _, piece, _ in checked:
-                left = self._unloaded.get(piece.target)
-                if left is not None:
-                    left.difference_update(piece.parts)
-                    if not left:
-                        del self._unloaded[piece.target]
-        else:
-            self._unloaded.clear()
-        if not any(self.parallel.all_gather_objects(bool(self._unloaded))):
-            self._unloaded = None
-            self._capture_again()
-
 
 _BUSY = "busy"  # a rank that has requests: an update on every rank waits for idle ranks
 
@@ -300,20 +288,6 @@ _BUSY = "busy"  # a rank that has requests: an update on every rank waits for id
 _RELEASED_WEIGHTS = (
     "the weights are released (sleep mode): bring them back first (/resume_memory_occupation "
     "with tag weights, /wake_up; LLM.wake_up)"
-)
-
-
-# What `weights_call` runs on every rank
-_WEIGHT_CALLS = (
-    "update_weights_here",
-    "drop_update_here",
-    "join_weight_group_here",
-    "leave_weight_group_here",
-    "weights_by_name_here",
-    "start_profile_here",
-    "stop_profile_here",
-    "release_memory_here",
-    "resume_memory_here",
 )
 
 
@@ -331,24 +305,3 @@ def updated(outcome: bool | str) -> bool:
     if isinstance(outcome, str):
         raise DsakvError(outcome)
     return outcome
-
-
-def _said(e: BaseException) -> str:
-    return str(e) if isinstance(e, DsakvError) else _one_line(e)
-
-
-def _by_rank(whys: list[str | None]) -> str:
-    """Each rank's error, once per text: as is where every rank says the same."""
-    ranks: dict[str, list[int]] = {}
-    for rank, why in enumerate(whys):
-        if why is not None:
-            ranks.setdefault(why, []).append(rank)
-    if len(ranks) == 1 and len(next(iter(ranks.values()))) == len(whys):
-        return next(iter(ranks))
-    return "; ".join(
-        f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {why}" for why, r in ranks.items()
-    )
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(f"{type(e).__name__}: {e}".split())

@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import json
 import re
-import secrets
 import threading
 import time
 import uuid
@@ -24,7 +23,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match, Router
 
 from dsakv import __version__
 from dsakv.config.model import SAMPLING_FIELDS
@@ -45,6 +43,7 @@ from dsakv.engine.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from dsakv.engine.sleep import EngineAsleep
 from dsakv.errors import DsakvError
 
+from .auth import BearerAuth
 from .chat import (
     ChatParsers,
     PreparedChat,
@@ -120,21 +119,6 @@ _ENDPOINTS = (
     "/server_info",
     "/get_server_info",
 )
-# Routes open without the API key: probes and scrapers (`build_app`).
-_OPEN = (
-    "/health",
-    "/ping",
-    "/get_load",
-    "/load",
-    "/health_generate",
-    "/version",
-    "/metrics",
-    "/model_info",
-    "/get_model_info",
-    "/server_info",
-    "/get_server_info",
-    "/disagg/info",  # (a prefill or decode server's: `dsakv.disagg.serving`)
-)
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 _HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's: a probe stuck behind a long queue is unhealthy
 
@@ -150,7 +134,7 @@ def build_app(
     `--served-model-name`): /v1/models lists each, responses report the first, a request
     may name any, or one of `aliases` (accepted, not listed: `make_server` gives the model's
     path). With `api_key`, every route needs `Authorization: Bearer` (checked before the
-    body is read: `_BearerAuth`) but those left open for probes and scrapers (`_OPEN`):
+    body is read: `BearerAuth`) but those left open for probes and scrapers (`OPEN_PATHS`):
     /health, /version, /metrics and SGLang's probes (/health_generate, /model_info,
     /server_info, and their older /get_* names, which routers such as sglang-router read at
     registration); a path no route serves is a 404 with or without it. `chat_parsers`
@@ -167,7 +151,7 @@ def build_app(
         metrics,
     )
     if api_key:  # (inside the counting: a 401 is counted)
-        app.add_middleware(_BearerAuth, api_key=api_key, router=app.router)
+        app.add_middleware(BearerAuth, api_key=api_key, router=app.router)
     app.add_middleware(_CountRequests, metrics=metrics)
     _install_error_handlers(app)
     if chat_parsers is None:
@@ -2167,43 +2151,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def internal_error(_: Request, e: Exception) -> JSONResponse:
         message = f"internal error: {str(e) or type(e).__name__}"  # (TimeoutError(): "")
         return JSONResponse(error_body(message, "server_error"), status_code=500)
-
-
-class _BearerAuth:
-    """Pure ASGI middleware: a request to any route but `_OPEN` needs `Authorization:
-    Bearer <api_key>`, checked before routing and body parsing (vLLM's order): a keyless
-    request to a served path is a 401 whatever its body or method (a method the path does
-    not take too: its 405 would tell who has no key which methods it takes), and so is one
-    to any path under /v1 (vLLM guards that whole prefix). A keyless request to a path no
-    route serves goes on to the router's 404, as vLLM's only guards its API."""
-
-    def __init__(self, app: Any, api_key: str, router: Router) -> None:
-        self.app, self.expected, self.router = app, f"Bearer {api_key}".encode(), router
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or path in _OPEN:
-            await self.app(scope, receive, send)
-            return
-        got = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        if secrets.compare_digest(got, self.expected) or not self._guarded(scope):
-            await self.app(scope, receive, send)
-            return
-        error = APIError(401, "invalid or missing API key", code="invalid_api_key")
-        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-
-    def _guarded(self, scope: dict) -> bool:
-        """Whether the path is under /v1 or a route serves it, in any method, or would
-        redirect to one across a trailing slash (the router's `redirect_slashes`): the
-        router's own matching, on the scope alone (no body read)."""
-        path = scope["path"]
-        if path == "/v1" or path.startswith("/v1/"):
-            return True
-        scopes = [scope]
-        if self.router.redirect_slashes and path != "/":
-            other = path.rstrip("/") if path.endswith("/") else path + "/"
-            scopes.append({**scope, "path": other})
-        return any(r.matches(s)[0] is not Match.NONE for s in scopes for r in self.router.routes)
 
 
 class _CountRequests:

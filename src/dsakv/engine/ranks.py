@@ -1,0 +1,26 @@
+"""How a call every rank makes (`Engine.weights_call`: sleep mode, weight updates,
+profiles) tells its outcome: each rank's error as one text, all-gathered, then read as one
+message on rank 0."""
+
+from __future__ import annotations
+
+from dsakv.errors import DsakvError, one_line
+
+
+def said(e: BaseException) -> str:
+    """What a rank tells the others of its error: ours as is, any other on one line with
+    its type."""
+    return str(e) if isinstance(e, DsakvError) else one_line(e)
+
+
+def by_rank(whys: list[str | None]) -> str:
+    """Each rank's error, once per text: as is where every rank says the same."""
+    ranks: dict[str, list[int]] = {}
+    for rank, why in enumerate(whys):
+        if why is not None:
+            ranks.setdefault(why, []).append(rank)
+    if len(ranks) == 1 and len(next(iter(ranks.values()))) == len(whys):
+        return next(iter(ranks))
+    return "; ".join(
+        f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {why}" for why, r in ranks.items()
+    )

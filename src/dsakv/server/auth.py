@@ -1,0 +1,66 @@
+"""The API key check `dsakv serve --api-key` and `dsakv router --api-key` share: light (no
+torch), so that the router, which imports it, stays light."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.routing import Match, Router
+
+from .protocol import APIError
+
+# Routes open without the API key: probes and scrapers.
+OPEN_PATHS = (
+    "/health",
+    "/ping",
+    "/get_load",
+    "/load",
+    "/health_generate",
+    "/version",
+    "/metrics",
+    "/model_info",
+    "/get_model_info",
+    "/server_info",
+    "/get_server_info",
+    "/disagg/info",  # (a prefill or decode server's: `dsakv.disagg.serving`)
+)
+
+
+class BearerAuth:
+    """Pure ASGI middleware: a request to any route but `OPEN_PATHS` needs `Authorization:
+    Bearer <api_key>`, checked before routing and body parsing (vLLM's order): a keyless
+    request to a served path is a 401 whatever its body or method (a method the path does
+    not take too: its 405 would tell who has no key which methods it takes), and so is one
+    to any path under /v1 (vLLM guards that whole prefix). A keyless request to a path no
+    route serves goes on to the router's 404, as vLLM's only guards its API."""
+
+    def __init__(self, app: Any, api_key: str, router: Router) -> None:
+        self.app, self.expected, self.router = app, f"Bearer {api_key}".encode(), router
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        got = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if secrets.compare_digest(got, self.expected) or not self._guarded(scope):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+
+    def _guarded(self, scope: dict) -> bool:
+        """Whether the path is under /v1 or a route serves it, in any method, or would
+        redirect to one across a trailing slash (the router's `redirect_slashes`): the
+        router's own matching, on the scope alone (no body read)."""
+        path = scope["path"]
+        if path == "/v1" or path.startswith("/v1/"):
+            return True
+        scopes = [scope]
+        if self.router.redirect_slashes and path != "/":
+            other = path.rstrip("/") if path.endswith("/") else path + "/"
+            scopes.append({**scope, "path": other})
+        return any(r.matches(s)[0] is not Match.NONE for s in scopes for r in self.router.routes)

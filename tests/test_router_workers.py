@@ -1,0 +1,380 @@
+"""Workers joining and leaving `dsakv router` while it runs, through SGLang Model Gateway's
+worker API (`POST /workers`, `GET /workers`, `GET` / `DELETE /workers/{url}`) and its older
+router's `/add_worker`, `/remove_worker`, `/list_workers`: a prefill server and two decode
+servers on loopback (all in this process, glm-tiny on the CPU), the router started with one
+pair. A decode server added takes its turn with the same greedy answers; one removed gets no
+new request, finishes the stream it was sending, and the responses it stores are forgotten;
+every refusal is a 4xx in the servers' error shape; with no decode server left a request is
+a 503 naming it; one server is one worker whatever the spelling of its URL; with
+`--api-key`, the worker API needs the key as the rest of the router does."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from types import SimpleNamespace
+from urllib.parse import quote, urlsplit
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from dsakv.disagg.config import DisaggConfig
+from dsakv.disagg.router import build_router_app
+from dsakv.disagg.serving import bridge_for
+from dsakv.engine import EngineConfig
+from dsakv.models.tiny import write_tiny_model
+
+from .serving import TIMEOUT, engine_stops_stepping_at, free_port, running, serving
+
+PROMPT = "The quick brown fox jumps over the lazy dog."
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
+    """A prefill server, two decode servers (the second not yet the router's), the router
+    over the first pair; `want`: the pair's greedy completion of PROMPT."""
+    model = str(write_tiny_model(tmp_path_factory.mktemp("workers") / "m", "glm-tiny"))
+    conf = EngineConfig(model, device="cpu", num_pages=64, page_size=16,
+                        kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
+    bport = free_port()
+    p_disagg = DisaggConfig("prefill", bootstrap_port=bport, timeout_s=30)
+    d_disagg = DisaggConfig("decode", timeout_s=30)
+    with ExitStack() as stack:
+        prefill, _ = stack.enter_context(
+            serving(conf, bridge=bridge_for(p_disagg, conf, "127.0.0.1"))
+        )
+        decode, _ = stack.enter_context(
+            serving(conf, bridge=bridge_for(d_disagg, conf, "127.0.0.1"))
+        )
+        decode2, engine2 = stack.enter_context(
+            serving(conf, bridge=bridge_for(d_disagg, conf, "127.0.0.1"))
+        )
+        app = build_router_app([prefill], [decode])
+        server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+        router = stack.enter_context(running(server))
+        yield SimpleNamespace(
+            router=router, prefill=prefill, decode=decode, decode2=decode2, engine2=engine2,
+            bootstrap_port=bport, want=_complete(router),
+        )  # fmt: skip
+
+
+@pytest.fixture
+def restored(pd) -> Iterator[None]:
+    """The router over its first pair again after the test, whatever it changed."""
+    yield
+    for url in (pd.decode2, pd.prefill, pd.decode):
+        httpx.delete(f"{pd.router}/workers/{quote(url, safe='')}", timeout=TIMEOUT)
+    for url in (pd.prefill, pd.decode):
+        r = httpx.post(f"{pd.router}/workers", json={"url": url}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+
+
+def _complete(base: str, prompt: str = PROMPT, **kw) -> str:
+    body = {"prompt": prompt, **GREEDY}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _served(url: str) -> int:
+    """The completions a server answered 200 (its own HTTP counter)."""
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    return sum(
+        int(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "dsakv_http_requests_total"
+        and s.labels == {"endpoint": "/v1/completions", "status": "200"}
+    )
+
+
+def _add(base: str, headers: dict[str, str] | None = None, **spec) -> httpx.Response:
+    return httpx.post(f"{base}/workers", json=spec, headers=headers, timeout=TIMEOUT)
+
+
+def _delete(base: str, url: str, **kw) -> httpx.Response:
+    return httpx.delete(f"{base}/workers/{quote(url, safe='')}", timeout=TIMEOUT, **kw)  # (escaped)
+
+
+def _listed(base: str, **kw) -> list[tuple[str, str]]:
+    got = httpx.get(f"{base}/workers", timeout=TIMEOUT, **kw).json()
+    assert got["total"] == len(got["workers"])
+    return [(w["worker_type"], w["url"]) for w in got["workers"]]
+
+
+def _refusal(r: httpx.Response, status: int, param: str | None, code: str | None = None) -> str:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+    return error["message"]
+
+
+def test_a_decode_server_added_takes_its_turn_and_one_removed_gets_no_more(pd, restored):
+    """POST /workers: the next requests alternate over both decode servers, the answers the
+    single pair's; DELETE: the removed one gets none of the next, and is no longer listed."""
+    r = _add(pd.router, url=pd.decode2 + "/", worker_type="decode")  # (its trailing slash goes)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert (
+        got["success"] is True
+        and got["message"] == f"Successfully added decode server: {pd.decode2}"
+    )
+    assert {k: got["worker"][k] for k in ("url", "worker_type", "is_healthy")} == {
+        "url": pd.decode2, "worker_type": "decode", "is_healthy": True,
+    }  # fmt: skip
+    assert _listed(pd.router) == [
+        ("prefill", pd.prefill),
+        ("decode", pd.decode),
+        ("decode", pd.decode2),
+    ]
+    stats = httpx.get(f"{pd.router}/workers", timeout=TIMEOUT).json()["stats"]
+    assert (stats["prefill_count"], stats["decode_count"]) == (1, 2)
+    before = _served(pd.decode), _served(pd.decode2)
+    assert [_complete(pd.router) for _ in range(4)] == [pd.want] * 4
+    assert (_served(pd.decode) - before[0], _served(pd.decode2) - before[1]) == (2, 2)
+    # SGLang's /get_load names the new server too
+    loads = httpx.get(f"{pd.router}/get_load", timeout=TIMEOUT).json()
+    assert {e["worker"] for e in loads if e["worker_type"] == "decode"} == {pd.decode, pd.decode2}
+
+    r = httpx.get(f"{pd.router}/workers/{pd.decode2}", timeout=TIMEOUT)  # (not escaped)
+    assert r.status_code == 200 and r.json()["worker_type"] == "decode", r.text
+    r = _delete(pd.router, pd.decode2)
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "success": True,
+        "message": f"Successfully removed decode server: {pd.decode2}",
+    }
+    before = _served(pd.decode), _served(pd.decode2)
+    assert [_complete(pd.router) for _ in range(3)] == [pd.want] * 3
+    assert (_served(pd.decode) - before[0], _served(pd.decode2) - before[1]) == (3, 0)
+    assert _listed(pd.router) == [("prefill", pd.prefill), ("decode", pd.decode)]
+    r = httpx.get(f"{pd.router}/workers/{quote(pd.decode2, safe='')}", timeout=TIMEOUT)
+    _refusal(r, 404, "url", "WORKER_NOT_FOUND")
+
+
+def test_a_removed_decode_server_finishes_the_stream_it_is_sending(pd, restored):
+    """A stream in flight on a decode server is not cut when the server leaves: it ends
+    with the whole answer; the next request goes to the server that stays."""
+    assert _add(pd.router, url=pd.decode2, worker_type="decode").status_code == 200
+    assert _delete(pd.router, pd.decode).status_code == 200  # (so decode2 takes the stream)
+    body = {"prompt": PROMPT, **GREEDY, "stream": True}
+
+    def stream() -> str:
+        with httpx.stream("POST", f"{pd.router}/v1/completions", json=body, timeout=TIMEOUT) as r:
+            assert r.status_code == 200
+            lines = [x for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        return "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines)
+
+    with ThreadPoolExecutor(1) as pool:
+        with engine_stops_stepping_at(pd.engine2, 2):
+            held = pool.submit(stream)
+            deadline = time.monotonic() + TIMEOUT
+            while httpx.get(f"{pd.decode2}/load", timeout=TIMEOUT).json()["server_load"] != 1:
+                assert not held.done(), held.result()
+                assert time.monotonic() < deadline, "the stream never reached decode2"
+                time.sleep(0.05)
+            assert _add(pd.router, url=pd.decode, worker_type="decode").status_code == 200
+            assert _delete(pd.router, pd.decode2).status_code == 200
+            assert not held.done()
+        assert held.result() == pd.want
+    before = _served(pd.decode2)
+    assert _complete(pd.router) == pd.want
+    assert _served(pd.decode2) == before
+
+
+def test_responses_stored_on_a_removed_server_are_forgotten(pd, restored):
+    """The router finds a response on the decode server that stored it; once that server
+    leaves, the router asks only those it has: the id is their 404."""
+    assert _add(pd.router, url=pd.decode2, worker_type="decode").status_code == 200
+    body = {"input": "Say something.", "max_output_tokens": 2, "temperature": 0}
+    on_decode2 = None
+    for _ in range(2):  # (round robin: one of two lands on decode2)
+        r = httpx.post(f"{pd.router}/v1/responses", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+        if httpx.get(f"{pd.decode2}/v1/responses/{rid}", timeout=TIMEOUT).status_code == 200:
+            on_decode2 = rid
+    assert on_decode2 is not None
+    assert httpx.get(f"{pd.router}/v1/responses/{on_decode2}", timeout=TIMEOUT).status_code == 200
+    assert _delete(pd.router, pd.decode2).status_code == 200
+    r = httpx.get(f"{pd.router}/v1/responses/{on_decode2}", timeout=TIMEOUT)
+    assert r.status_code == 404, r.text
+    assert httpx.get(f"{pd.decode2}/v1/responses/{on_decode2}", timeout=TIMEOUT).status_code == 200
+
+
+def test_sglangs_older_query_string_calls(pd, restored):
+    """/add_worker?url= (the server's mode decides its kind) and /remove_worker?url= answer
+    in plain text, as SGLang's router did; /list_workers is {"urls": [...]}."""
+    r = httpx.post(f"{pd.router}/add_worker", params={"url": pd.decode2}, timeout=TIMEOUT)
+    assert (r.status_code, r.text) == (200, f"Successfully added decode server: {pd.decode2}")
+    assert r.headers["content-type"].startswith("text/plain")
+    r = httpx.get(f"{pd.router}/list_workers", timeout=TIMEOUT)
+    assert r.json() == {"urls": [pd.prefill, pd.decode, pd.decode2]}
+    r = httpx.post(f"{pd.router}/add_worker", params={"url": pd.decode2}, timeout=TIMEOUT)
+    _refusal(r, 409, "url", "WORKER_ALREADY_EXISTS")
+    r = httpx.post(f"{pd.router}/remove_worker", params={"url": pd.decode2}, timeout=TIMEOUT)
+    assert (r.status_code, r.text) == (200, f"Successfully removed decode server: {pd.decode2}")
+    assert httpx.get(f"{pd.router}/list_workers", timeout=TIMEOUT).json() == {
+        "urls": [pd.prefill, pd.decode]
+    }
+    r = httpx.post(f"{pd.router}/remove_worker", params={"url": pd.decode2}, timeout=TIMEOUT)
+    _refusal(r, 404, "url", "WORKER_NOT_FOUND")
+    _refusal(httpx.post(f"{pd.router}/add_worker", timeout=TIMEOUT), 400, "url")
+
+
+def test_every_refusal_names_what_is_wrong_and_changes_nothing(pd):
+    down = f"http://127.0.0.1:{free_port()}"
+    cases = [
+        ({"url": pd.decode2, "worker_type": "regular"}, 400, "worker_type", None, "'regular'"),
+        (
+            {"url": pd.decode2, "worker_type": "prefill"},
+            400,
+            "worker_type",
+            None,
+            "a decode server",
+        ),
+        (
+            {"url": pd.decode, "worker_type": "decode"},
+            409,
+            "url",
+            "WORKER_ALREADY_EXISTS",
+            "already",
+        ),
+        ({"url": pd.prefill}, 409, "url", "WORKER_ALREADY_EXISTS", "a prefill worker already"),
+        ({"url": down, "worker_type": "decode"}, 400, "url", None, down),
+        ({"url": "ftp://127.0.0.1:1"}, 400, "url", None, "http(s)://HOST[:PORT]"),
+        ({"url": 8000}, 400, "url", None, "string"),
+        (
+            {"url": pd.router},
+            400,
+            "url",
+            None,
+            "not a prefill or decode server",
+        ),  # (no /disagg/info)
+        ({"url": pd.decode2, "bootstrap_port": 8998}, 400, "bootstrap_port", None, "not 8998"),
+        ({"url": pd.decode2, "bootstrap_port": "x"}, 400, "bootstrap_port", None, "port number"),
+    ]
+    for spec, status, param, code, said in cases:
+        message = _refusal(_add(pd.router, **spec), status, param, code)
+        assert said in message, (spec, message)
+    r = httpx.post(f"{pd.router}/workers", content=b"[1]", timeout=TIMEOUT)
+    assert (
+        r.status_code == 400
+        and r.json()["error"]["message"] == "request body must be a JSON object"
+    )
+    _refusal(_delete(pd.router, down), 404, "url", "WORKER_NOT_FOUND")
+    assert _listed(pd.router) == [("prefill", pd.prefill), ("decode", pd.decode)]
+
+
+def test_with_no_decode_or_prefill_server_left_a_request_is_a_503_naming_it(pd, restored):
+    """Removing the last of a kind is allowed (as in SGLang's gateway); requests then get a
+    503 naming what is missing, until one is added again. A prefill server comes back with
+    its bootstrap port (a wrong one given is refused)."""
+    assert _delete(pd.router, pd.decode).status_code == 200
+    for path, body in [
+        ("/v1/completions", {"prompt": PROMPT, **GREEDY}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], **GREEDY}),
+        ("/v1/responses", {"input": "Hi", "previous_response_id": "resp_x"}),
+    ]:
+        r = httpx.post(f"{pd.router}{path}", json=body, timeout=TIMEOUT)
+        assert r.status_code == 503, (path, r.text)
+        assert r.json()["error"]["message"].startswith("no decode workers available"), r.text
+    assert httpx.get(f"{pd.router}/v1/models", timeout=TIMEOUT).status_code == 503
+    health = httpx.get(f"{pd.router}/health", timeout=TIMEOUT)
+    assert health.status_code == 503 and "no decode worker" in health.json()["unhealthy"]
+
+    assert _delete(pd.router, pd.prefill).status_code == 200
+    r = httpx.post(
+        f"{pd.router}/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=TIMEOUT
+    )
+    assert r.status_code == 503
+    assert r.json()["error"]["message"].startswith("no prefill and no decode workers available")
+    assert _listed(pd.router) == []
+
+    wrong = pd.bootstrap_port + 1
+    r = _add(pd.router, url=pd.prefill, worker_type="prefill", bootstrap_port=wrong)
+    assert f"bootstrap port is {pd.bootstrap_port}" in _refusal(r, 400, "bootstrap_port")
+    r = _add(pd.router, url=pd.prefill, worker_type="prefill", bootstrap_port=pd.bootstrap_port)
+    assert r.status_code == 200 and r.json()["worker"]["bootstrap_port"] == pd.bootstrap_port
+    assert _add(pd.router, url=pd.decode, worker_type="decode").status_code == 200
+    assert _complete(pd.router) == pd.want
+
+
+def test_a_stored_response_asked_with_no_decode_server_is_the_503(pd, restored):
+    """GET, DELETE, cancel and input_items of a stored response with no decode server left
+    are the 503 naming it, as a new response is (they were a 502 "no decode server holding
+    resp_x answered: ", naming none, and counted as a failure)."""
+    assert _delete(pd.router, pd.decode).status_code == 200
+    for method, path in [
+        ("GET", "/v1/responses/resp_x"),
+        ("DELETE", "/v1/responses/resp_x"),
+        ("POST", "/v1/responses/resp_x/cancel"),
+        ("GET", "/v1/responses/resp_x/input_items"),
+    ]:
+        r = httpx.request(method, f"{pd.router}{path}", timeout=TIMEOUT)
+        assert r.status_code == 503, (method, path, r.text)
+        assert r.json()["error"]["message"].startswith("no decode workers available"), r.text
+
+
+def test_one_server_is_one_worker_whatever_the_spelling_of_its_url(pd, restored):
+    """A server registered already is the 409 under another spelling of its URL (scheme or
+    host in capitals, a trailing slash, https for the port that serves http: one port is
+    one server), and GET and DELETE /workers/{url} find it under any; it is listed, and
+    added, under one spelling, its scheme's default port left out. (Each spelling was a
+    worker of its own: the same server twice in the round robin, and never wholly removed
+    but by the spelling it was added under.)"""
+    port = urlsplit(pd.decode).port
+    for spelling in (f"HTTP://127.0.0.1:{port}/", f"https://127.0.0.1:{port}"):
+        message = _refusal(_add(pd.router, url=spelling), 409, "url", "WORKER_ALREADY_EXISTS")
+        assert "a decode worker already" in message and pd.decode in message, message
+    r = httpx.get(f"{pd.router}/workers/HTTP://127.0.0.1:{port}/", timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json()["url"] == pd.decode, r.text
+    r = _delete(pd.router, f"http://127.0.0.1:{port}//")
+    assert r.json()["message"] == f"Successfully removed decode server: {pd.decode}", r.text
+    assert _listed(pd.router) == [("prefill", pd.prefill)]
+    r = _add(pd.router, url=f"HTTP://127.0.0.1:{port}/", worker_type="decode")
+    assert r.status_code == 200 and r.json()["worker"]["url"] == pd.decode, r.text
+    assert _listed(pd.router) == [("prefill", pd.prefill), ("decode", pd.decode)]
+    assert _complete(pd.router) == pd.want
+    app = build_router_app(["HTTP://Prefill:80/"], ["https://[::1]:443", "https://d:80"])
+    assert app.state.router.prefill == ["http://prefill"]
+    assert app.state.router.decode == ["https://[::1]", "https://d:80"]
+
+
+def test_the_routers_api_key_guards_its_routes_and_the_worker_api(pd):
+    """`dsakv router --api-key`: without the key, or with another, a completion and every
+    worker call is the 401 `dsakv serve --api-key` answers, and no worker is added or
+    removed; with it they work (the key relayed to the servers too); the probes stay open.
+    (The router checked no key: anyone reaching its port could add a decode server of
+    their own and be sent other clients' prompts.)"""
+    app = build_router_app([pd.prefill], [pd.decode], api_key="sekret")
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    key = {"Authorization": "Bearer sekret"}
+    with running(server) as base:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            for method, path, kw in [
+                ("POST", "/v1/completions", {"json": {"prompt": PROMPT, **GREEDY}}),
+                ("POST", "/workers", {"json": {"url": pd.decode2, "worker_type": "decode"}}),
+                ("GET", "/workers", {}),
+                ("DELETE", f"/workers/{quote(pd.decode, safe='')}", {}),
+                ("POST", "/add_worker", {"params": {"url": pd.decode2}}),
+                ("POST", "/remove_worker", {"params": {"url": pd.decode}}),
+                ("GET", "/list_workers", {}),
+            ]:
+                r = httpx.request(method, f"{base}{path}", headers=headers, timeout=TIMEOUT, **kw)
+                assert r.status_code == 401, (headers, method, path, r.text)
+                assert r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200
+        assert _listed(base, headers=key) == [("prefill", pd.prefill), ("decode", pd.decode)]
+        assert _complete(base, headers=key) == pd.want
+        r = _add(base, url=pd.decode2, worker_type="decode", headers=key)
+        assert r.status_code == 200, r.text
+        assert _delete(base, pd.decode2, headers=key).status_code == 200
+        assert _listed(base, headers=key) == [("prefill", pd.prefill), ("decode", pd.decode)]
