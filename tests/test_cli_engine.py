@@ -594,6 +594,45 @@ def test_the_engine_seed_is_a_flag_passed_on(tiny_dir, capsys):
     assert "--seed: must be an integer in 0..2**64-1" in err
 
 
+def test_an_api_key_no_client_can_send_is_refused(capsys):
+    """`--api-key` of serve, router and serve-pd: empty (an unset `--api-key "$KEY"` left
+    every route open) or with a character outside visible ASCII (a space can never match;
+    the router failed every request it relayed) is one error line, exit 2."""
+    commands = [
+        ["serve", "m"],
+        ["router", "--prefill", "http://a:1", "--decode", "http://b:1"],
+        ["serve-pd", "m"],
+    ]
+    for command in commands:
+        for key, said in [("", "must not be empty"), ("sk ", "' ' at position 2"),
+                          ("cl\u00e9", "'\u00e9' at position 2")]:  # fmt: skip
+            err = _parse_error([*command, "--api-key", key], capsys)
+            assert err.startswith("error: argument --api-key: an API key ") and said in err, err
+
+
+def test_router_urls_are_one_server_each_and_carry_no_credentials(capsys):
+    """`dsakv router`: a server given twice under any spelling (it was twice in the round
+    robin, or a prefill server a decode server too), a URL with a user and password, a query,
+    a fragment or port 0: one error line (no password in it), exit 2, before it listens."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = str(busy.getsockname()[1])  # (before the fix: "cannot listen", not a hang)
+        for decode, said in [
+            (["http://b:1", "HTTPS://b:1"], "--decode http://b:1 and --decode HTTPS://b:1"),
+            (["http://A:1/"], "--prefill http://a:1 and --decode http://A:1/ are one server"),
+            (["http://u:secret@b:1"], "no user or password"),
+            (["http://b:1#x"], "no query or fragment"),
+            (["http://b:0"], "1..65535"),
+        ]:
+            flags = [f for url in decode for f in ("--decode", url)]
+            assert main(["router", "--prefill", "http://a:1", *flags, "--port", taken]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and said in err[0] and "secret" not in err[0], err
+
+
 def test_flags_are_never_abbreviated(capsys):
     """argparse took `--dp 2` (SGLang's) for `--dp-attention`, then failed on "2", and any
     prefix for a flag: each is now the unknown flag it is, on every command (and `--dp`

@@ -399,7 +399,7 @@ def _cancel_while_queued(bridge, target, late: bool = False) -> tuple[int, int]:
 def test_a_client_gone_before_its_body_is_whole_is_quiet_at_the_router(caplog):
     """The router read the body unguarded: an ASGI traceback per such client. (And its 404s
     are in OpenAI's error shape, as its servers' are.)"""
-    app = build_router_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    app = build_router_app(["http://127.0.0.1:9"], ["http://127.0.0.1:10"])
     server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
     with running(server) as base:
         logging.getLogger("uvicorn.error").addHandler(caplog.handler)  # (it does not propagate)
@@ -692,9 +692,10 @@ def _client(base: str) -> openai.OpenAI:
 
 @contextmanager
 def _router(prefill: ServerProcess | str, decode: ServerProcess | str, *more: str) -> Iterator[str]:
-    """A router in this process; `more` URLs join both lists (a server that is down)."""
+    """A router in this process; `more`: a prefill and a decode URL first in the lists
+    (servers that are down)."""
     urls = [p if isinstance(p, str) else p.url for p in (prefill, decode)]
-    app = build_router_app([*more, urls[0]], [*more, urls[1]])
+    app = build_router_app([*more[:1], urls[0]], [*more[1:], urls[1]])
     server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
     with running(server) as base:
         yield base
@@ -728,8 +729,8 @@ def test_the_router_passes_over_servers_that_are_down(cluster, reference):
     prompts = [f"Failover {i}: " + "abc " * i for i in range(4)]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     want = [o.text for o in reference.generate(prompts, params)]
-    down = f"http://127.0.0.1:{free_port()}"
-    with _router(cluster["prefill"], cluster["decode"], down) as base:
+    down = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    with _router(cluster["prefill"], cluster["decode"], *down) as base:
         client = _client(base)
         got = [
             client.completions.create(model="m", prompt=p, max_tokens=4, **GREEDY).choices[0].text

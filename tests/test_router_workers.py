@@ -4,12 +4,14 @@ router's `/add_worker`, `/remove_worker`, `/list_workers`: a prefill server and 
 servers on loopback (all in this process, glm-tiny on the CPU), the router started with one
 pair. A decode server added takes its turn with the same greedy answers; one removed gets no
 new request, finishes the stream it was sending, and the responses it stores are forgotten;
-every refusal is a 4xx in the servers' error shape; with no decode server left a request is
-a 503 naming it; one server is one worker whatever the spelling of its URL; with
-`--api-key`, the worker API needs the key as the rest of the router does."""
+every refusal is a 4xx in the servers' error shape (a server with another KV layout too); an
+abort still reaches a removed server's stream; with no decode server left a request is a
+503 naming it; one server is one worker whatever the spelling of its URL; with `--api-key`,
+the worker API needs the key as the rest of the router does."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -27,7 +29,9 @@ from dsakv.disagg.config import DisaggConfig
 from dsakv.disagg.router import build_router_app
 from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
+from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
+from dsakv.server.app import build_app
 
 from .serving import TIMEOUT, engine_stops_stepping_at, free_port, running, serving
 
@@ -60,7 +64,7 @@ def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
         router = stack.enter_context(running(server))
         yield SimpleNamespace(
             router=router, prefill=prefill, decode=decode, decode2=decode2, engine2=engine2,
-            bootstrap_port=bport, want=_complete(router),
+            bootstrap_port=bport, want=_complete(router), conf=conf,
         )  # fmt: skip
 
 
@@ -82,16 +86,25 @@ def _complete(base: str, prompt: str = PROMPT, **kw) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def _served(url: str) -> int:
-    """The completions a server answered 200 (its own HTTP counter)."""
+def _served(url: str, endpoint: str = "/v1/completions") -> int:
+    """The requests to `endpoint` a server answered 200 (its own HTTP counter)."""
     text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
     return sum(
         int(s.value)
         for family in text_string_to_metric_families(text)
         for s in family.samples
         if s.name == "dsakv_http_requests_total"
-        and s.labels == {"endpoint": "/v1/completions", "status": "200"}
+        and s.labels == {"endpoint": endpoint, "status": "200"}
     )
+
+
+def _until_streaming(url: str, held) -> None:
+    """Wait until the server `url` has one request in flight (`held`, its client, running)."""
+    deadline = time.monotonic() + TIMEOUT
+    while httpx.get(f"{url}/load", timeout=TIMEOUT).json()["server_load"] != 1:
+        assert not held.done(), held.result()
+        assert time.monotonic() < deadline, f"the stream never reached {url}"
+        time.sleep(0.05)
 
 
 def _add(base: str, headers: dict[str, str] | None = None, **spec) -> httpx.Response:
@@ -175,11 +188,7 @@ def test_a_removed_decode_server_finishes_the_stream_it_is_sending(pd, restored)
     with ThreadPoolExecutor(1) as pool:
         with engine_stops_stepping_at(pd.engine2, 2):
             held = pool.submit(stream)
-            deadline = time.monotonic() + TIMEOUT
-            while httpx.get(f"{pd.decode2}/load", timeout=TIMEOUT).json()["server_load"] != 1:
-                assert not held.done(), held.result()
-                assert time.monotonic() < deadline, "the stream never reached decode2"
-                time.sleep(0.05)
+            _until_streaming(pd.decode2, held)
             assert _add(pd.router, url=pd.decode, worker_type="decode").status_code == 200
             assert _delete(pd.router, pd.decode2).status_code == 200
             assert not held.done()
@@ -187,6 +196,54 @@ def test_a_removed_decode_server_finishes_the_stream_it_is_sending(pd, restored)
     before = _served(pd.decode2)
     assert _complete(pd.router) == pd.want
     assert _served(pd.decode2) == before
+
+
+def test_an_abort_reaches_a_removed_server_until_its_stream_ends(pd, restored):
+    """/abort_request (as every admin call the router fans out) still reaches a removed
+    decode server while a request through the router streams from it: the stream ends
+    with finish_reason "abort"; once it has ended, the server is no longer asked. (The
+    abort answered 200 having reached only the servers the router still had, and the
+    stream ran to `length`.)"""
+    assert _add(pd.router, url=pd.decode2, worker_type="decode").status_code == 200
+    assert _delete(pd.router, pd.decode).status_code == 200  # (so decode2 takes the stream)
+    body = {"prompt": PROMPT, **GREEDY, "max_tokens": 16, "stream": True}
+    named = {"X-Request-Id": "removed-abort"}
+
+    def stream() -> str:
+        with httpx.stream("POST", f"{pd.router}/v1/completions", json=body, headers=named,
+                          timeout=TIMEOUT) as r:  # fmt: skip
+            assert r.status_code == 200
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        return chunks[-1]["choices"][0]["finish_reason"]
+
+    with ThreadPoolExecutor(1) as pool:
+        with engine_stops_stepping_at(pd.engine2, 2):
+            held = pool.submit(stream)
+            _until_streaming(pd.decode2, held)
+            assert _add(pd.router, url=pd.decode, worker_type="decode").status_code == 200
+            assert _delete(pd.router, pd.decode2).status_code == 200
+            abort = {"rid": "removed-abort"}
+            r = httpx.post(f"{pd.router}/abort_request", json=abort, timeout=TIMEOUT)
+            assert r.status_code == 200, r.text
+        assert held.result() == "abort"
+    asked = _served(pd.decode2, "/abort_request")
+    r = httpx.post(f"{pd.router}/abort_request", json=abort, timeout=TIMEOUT)
+    assert r.status_code == 200 and _served(pd.decode2, "/abort_request") == asked, r.text
+
+
+def test_a_server_with_another_kv_layout_is_refused(pd):
+    """A server whose /disagg/info tells another KV layout than the deployment's servers
+    (here: another page size) is the 400 naming what differs, as the handoff's 502 would
+    have for every request it shared with another server; nothing is added."""
+    conf = dataclasses.replace(pd.conf, page_size=32)
+    bridge = bridge_for(DisaggConfig("decode", timeout_s=30), conf, "127.0.0.1")
+    with serving(conf, bridge=bridge) as (odd, _):
+        try:
+            message = _refusal(_add(pd.router, url=odd, worker_type="decode"), 400, "url")
+        finally:
+            _delete(pd.router, odd)  # (were it added)
+    assert "different KV layouts: fingerprint: " in message and odd in message, message
+    assert _listed(pd.router) == [("prefill", pd.prefill), ("decode", pd.decode)]
 
 
 def test_responses_stored_on_a_removed_server_are_forgotten(pd, restored):
@@ -231,6 +288,7 @@ def test_sglangs_older_query_string_calls(pd, restored):
 
 def test_every_refusal_names_what_is_wrong_and_changes_nothing(pd):
     down = f"http://127.0.0.1:{free_port()}"
+    netloc = urlsplit(pd.decode2).netloc
     cases = [
         ({"url": pd.decode2, "worker_type": "regular"}, 400, "worker_type", None, "'regular'"),
         (
@@ -260,10 +318,18 @@ def test_every_refusal_names_what_is_wrong_and_changes_nothing(pd):
         ),  # (no /disagg/info)
         ({"url": pd.decode2, "bootstrap_port": 8998}, 400, "bootstrap_port", None, "not 8998"),
         ({"url": pd.decode2, "bootstrap_port": "x"}, 400, "bootstrap_port", None, "port number"),
+        # SGLang's per-worker key: the router relays the client's instead
+        ({"url": pd.decode2, "api_key": "k"}, 400, "api_key", None, "Authorization header"),
+        # credentials (httpx's Basic auth in place of the client's key; listed for anyone),
+        # a query or a fragment (every request a 404), port 0
+        ({"url": f"http://u:secret@{netloc}"}, 400, "url", None, "no user or password"),
+        ({"url": f"{pd.decode2}#x"}, 400, "url", None, "no query or fragment"),
+        ({"url": f"{pd.decode2}?a=1"}, 400, "url", None, "no query or fragment"),
+        ({"url": "http://127.0.0.1:0"}, 400, "url", None, "1..65535"),
     ]
     for spec, status, param, code, said in cases:
         message = _refusal(_add(pd.router, **spec), status, param, code)
-        assert said in message, (spec, message)
+        assert said in message and "secret" not in message, (spec, message)
     r = httpx.post(f"{pd.router}/workers", content=b"[1]", timeout=TIMEOUT)
     assert (
         r.status_code == 400
@@ -346,6 +412,14 @@ def test_one_server_is_one_worker_whatever_the_spelling_of_its_url(pd, restored)
     app = build_router_app(["HTTP://Prefill:80/"], ["https://[::1]:443", "https://d:80"])
     assert app.state.router.prefill == ["http://prefill"]
     assert app.state.router.decode == ["https://[::1]", "https://d:80"]
+    # so too at the start: one given twice is refused, naming both spellings (it was twice in
+    # the round robin, a prefill server a decode server too, and removed by one spelling only)
+    for decode, named in [
+        (["http://b:1", "https://B:1/"], "--decode http://b:1 and --decode https://B:1/"),
+        (["http://b:1", "http://a:1"], "--prefill http://a:1 and --decode http://a:1"),
+    ]:
+        with pytest.raises(DsakvError, match=f"^{named} are one server"):
+            build_router_app(["http://a:1"], decode)
 
 
 def test_the_routers_api_key_guards_its_routes_and_the_worker_api(pd):
@@ -378,3 +452,14 @@ def test_the_routers_api_key_guards_its_routes_and_the_worker_api(pd):
         assert r.status_code == 200, r.text
         assert _delete(base, pd.decode2, headers=key).status_code == 200
         assert _listed(base, headers=key) == [("prefill", pd.prefill), ("decode", pd.decode)]
+
+
+def test_a_key_no_client_can_send_is_refused_when_the_app_is_built(pd):
+    """The router's and `dsakv serve`'s app builders refuse an empty key (it left every
+    route open), one with a space or a character past visible ASCII (none could ever
+    match; the router failed each request it relayed with a plain-text 500)."""
+    for key in ("", " sekret", "sekret\n", "sekr\u00e9t"):
+        with pytest.raises(DsakvError, match="an API key must"):
+            build_router_app([pd.prefill], [pd.decode], api_key=key)
+        with pytest.raises(DsakvError, match="an API key must"):
+            build_app(pd.engine2, "m", api_key=key)

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from dsakv.errors import DsakvError
 from dsakv.procs import Listener
+from dsakv.server.auth import checked_api_key
 
 
 class Parser(argparse.ArgumentParser):
@@ -68,6 +69,14 @@ def nonnegative_float(text: str) -> float:
 
 def port(text: str) -> int:
     return _checked(text, int, lambda v: 0 < v < 65536, "an integer in 1..65535")
+
+
+def api_key(text: str) -> str:
+    """`--api-key` (serve, router, serve-pd): a key a client can send (`checked_api_key`)."""
+    try:
+        return checked_api_key(text)
+    except DsakvError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def listen(host: str, port: int):

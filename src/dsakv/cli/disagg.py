@@ -13,6 +13,7 @@ from .args import (
     add_engine_args,
     add_ignored_args,
     add_model_option,
+    api_key,
     check_listen,
     engine_config_from_args,
     given_flags,
@@ -117,7 +118,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument(
-        "--api-key", help="require this Bearer token (and relay it: the servers check theirs)"
+        "--api-key",
+        type=api_key,
+        help="require this Bearer token (and relay it: the servers check theirs)",
     )
     p.set_defaults(func=_cmd_router)
 
@@ -138,7 +141,9 @@ def add_commands(sub: Any) -> None:
         help="seconds either side waits for the other (default 60)",
     )
     p.add_argument("--served-model-name", nargs="+")
-    p.add_argument("--api-key", help="require this Bearer token (the router and both servers)")
+    p.add_argument(
+        "--api-key", type=api_key, help="require this Bearer token (the router and both servers)"
+    )
     add_engine_args(p)
     add_ignored_args(p, serve=True)
     p.set_defaults(func=_cmd_serve_pd)

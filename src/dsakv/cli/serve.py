@@ -17,6 +17,7 @@ from .args import (
     add_ignored_args,
     add_model_option,
     add_storage_args,
+    api_key,
     engine_config_from_args,
     listen,
     port,
@@ -194,7 +195,7 @@ def add_commands(sub: Any) -> None:
     add_model_option(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
-    p.add_argument("--api-key", help="require this Bearer token")
+    p.add_argument("--api-key", type=api_key, help="require this Bearer token")
     p.add_argument(
         "--served-model-name",
         nargs="+",

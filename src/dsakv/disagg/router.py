@@ -13,10 +13,11 @@ on purpose: no torch, no engine.
 
 Workers join and leave while the router runs, through SGLang Model Gateway's worker API:
 `POST /workers` (`{"url", "worker_type": "prefill"|"decode", "bootstrap_port"}`; the
-server's `/disagg/info` must agree), `GET /workers`, `GET` and `DELETE /workers/{url}`, and
-its older router's `/add_worker?url=`, `/remove_worker?url=` and `/list_workers`. A removed
-server finishes what it was sent; new requests go to the others. With `--api-key`, these and
-every other route but the probes need the key, as `dsakv serve --api-key`'s do.
+server's `/disagg/info` must agree, and tell the deployment's KV layout), `GET /workers`,
+`GET` and `DELETE /workers/{url}`, and its older router's `/add_worker?url=`,
+`/remove_worker?url=` and `/list_workers`. A removed server finishes what it was sent (the
+admin calls still reach it meanwhile); new requests go to the others. With `--api-key`,
+these and every other route but the probes need the key, as `dsakv serve --api-key`'s do.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import math
 import secrets
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -41,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsakv.errors import DsakvError
-from dsakv.server.auth import BearerAuth
+from dsakv.server.auth import require_api_key
 from dsakv.server.protocol import (
     RESPONSES_KEPT,
     APIError,
@@ -100,6 +101,7 @@ class Router:
         # (across awaits) sees the servers of when it began.
         self.prefill = [_server_url(u) for u in prefill]
         self.decode = [_server_url(u) for u in decode]
+        _once([("--prefill", u) for u in prefill] + [("--decode", u) for u in decode])
         self._turns = {"prefill": 0, "decode": 0}  # requests sent to each kind (round robin)
         self._bootstrap: dict[str, tuple[str, int]] = {}
         self._down: dict[str, float] = {}  # server -> when it last failed to connect
@@ -110,6 +112,10 @@ class Router:
         # One forgotten (or from before a restart) is asked of each decode server.
         self._responses: OrderedDict[str, str] = OrderedDict()
         self._pending: set[str] = set()  # the clients' request_ids sent, not yet answered
+        self._busy: Counter[str] = Counter()  # requests in flight through the router, by server
+        # Servers removed (-> their kind) that still have requests in flight through the
+        # router: the admin calls (an abort, a pause) reach them until those end.
+        self._leaving: dict[str, str] = {}
         self.requests = 0
         self.failures = 0
 
@@ -124,6 +130,29 @@ class Router:
         turn = self._turns[kind]
         self._turns[kind] = turn + 1
         return turn % len(urls) if urls else 0
+
+    def _reached(self, kind: str) -> list[str]:
+        """The `kind` servers an admin call goes to: the router's, and those removed that
+        still have requests in flight through it (an abort must find those requests)."""
+        leaving = [url for url, was in self._leaving.items() if was == kind]
+        return getattr(self, kind) + leaving
+
+    async def _open(self, url: str, send: httpx.Request) -> httpx.Response:
+        """`send` to the server `url`, its answer streamed: a request in flight there
+        (`_busy`) from now until the caller's `_done(url)`, once the answer is read."""
+        self._busy[url] += 1
+        try:
+            return await self.client.send(send, stream=True)
+        except BaseException:  # (cancelled too: the client left)
+            self._done(url)
+            raise
+
+    def _done(self, url: str) -> None:
+        """A request to `url` ended: a removed server's last leaves the admin calls' reach."""
+        self._busy[url] -= 1
+        if self._busy[url] <= 0:
+            del self._busy[url]
+            self._leaving.pop(url, None)
 
     def _missing(self, *kinds: str) -> Response | None:
         """The 503 for a request needing a kind of server the router has none of (all
@@ -328,7 +357,7 @@ class Router:
                 request.method, f"{url}{path}", content=raw, headers=headers
             )
             try:
-                r = await _unless_left(self.client.send(send, stream=True), request)
+                r = await _unless_left(self._open(url, send), request)
                 if r is None:
                     return Response(status_code=499)
                 if r.is_success and "text/event-stream" in r.headers.get("content-type", ""):
@@ -341,6 +370,7 @@ class Router:
                 try:
                     content = await _unless_left(r.aread(), request)
                 finally:
+                    self._done(url)
                     await r.aclose()
             except httpx.HTTPError as e:
                 errors.append(f"{url}: {e!r}")
@@ -419,6 +449,7 @@ class Router:
                 self._failed(p_url, prefill)
                 return _error(502, f"lost the decode server {d_url}: {e!r}")
             finally:
+                self._done(d_url)
                 await resp.aclose()
             if content is None:
                 prefill.cancel()
@@ -506,10 +537,11 @@ class Router:
         self, path: str, request: Request, groups: tuple[list[str], ...] | None = None
     ) -> list[httpx.Response] | Response:
         """`request` (its method, query, body and key) to each server at `path`, the decode
-        servers, then the prefill servers (`groups`: those groups in turn): their answers,
+        servers, then the prefill servers, those removed with requests still in flight too
+        (`_reached`; `groups`: those groups in turn): their answers,
         when each is a 2xx; else a server's 4xx, or a 502 naming those that failed. A pause
         that failed somewhere pauses nothing (`_UNDO`); with no server to ask, the 503."""
-        groups = groups or (self.decode, self.prefill)
+        groups = groups or (self._reached("decode"), self._reached("prefill"))
         if not any(groups):
             return _error(503, "no workers available: add one (POST /workers)")
         try:
@@ -634,11 +666,11 @@ class Router:
     async def _post(
         self, url: str, path: str, raw: bytes, headers: dict[str, str]
     ) -> httpx.Response:
-        """`raw` sent to `url`, its answer streamed; a server refusing the connection is
-        marked down for a while (`_in_turn`)."""
+        """`raw` sent to `url`, its answer streamed (`_open`: the caller's `_done` once
+        read); a server refusing the connection is marked down for a while (`_in_turn`)."""
         send = self.client.build_request("POST", f"{url}{path}", content=raw, headers=headers)
         try:
-            resp = await self.client.send(send, stream=True)
+            resp = await self._open(url, send)
         except (httpx.ConnectError, httpx.ConnectTimeout):
             self._down[url] = time.monotonic()
             raise
@@ -646,7 +678,8 @@ class Router:
         return resp
 
     async def _relay(self, resp: httpx.Response, d_url: str) -> AsyncIterator[bytes]:
-        """The decode server's SSE bytes as they come; if it dies, an error event."""
+        """The decode server's SSE bytes as they come; if it dies, an error event. The
+        stream's end is the request's there (`_done`)."""
         try:
             async for chunk in resp.aiter_raw():
                 yield chunk
@@ -654,13 +687,15 @@ class Router:
             self.failures += 1
             yield _sse_error(f"lost the decode server {d_url} mid-stream: {e!r}")
         finally:
+            self._done(d_url)
             await resp.aclose()
 
     async def _prefill(
         self, p_url: str, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> None:
-        """The prefill server's copy; cancelled, its connection closes and the server drops
-        the request."""
+        """The prefill server's copy (in flight there: `_busy`); cancelled, its connection
+        closes and the server drops the request."""
+        self._busy[p_url] += 1
         try:
             r = await self.client.post(f"{p_url}{path}", json=body, headers=headers)
             if r.status_code != 200:
@@ -670,6 +705,8 @@ class Router:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             log.warning("prefill %s failed: %r", p_url, e)
             self._bootstrap.pop(p_url, None)
+        finally:
+            self._done(p_url)
 
     def _failed(self, p_url: str, prefill: asyncio.Task) -> None:
         """A request the servers failed: its prefill half goes, and the prefill server's
@@ -740,8 +777,10 @@ class Router:
     async def add_worker(self, spec: Any) -> dict[str, Any] | Response:
         """A server joining, `spec` in SGLang's fields (`url`, `worker_type`, a prefill
         server's `bootstrap_port`): its `/disagg/info` must answer, in the mode the type
-        names (no type: its mode is taken), with the bootstrap port given if one is. It takes
-        requests from the next one on. SGLang's answer, else the 4xx naming the field."""
+        names (no type: its mode is taken), with the bootstrap port given if one is, and the
+        KV layout the deployment's servers have (`_unlike`). It takes requests from the next
+        one on. SGLang's answer, else the 4xx naming the field (SGLang's `api_key` too: the
+        router passes on the client's key instead)."""
         if not isinstance(spec, dict):
             return _refused(400, "a worker must be a JSON object")
         url = spec.get("url")
@@ -755,6 +794,12 @@ class Router:
         if kind not in (None, "prefill", "decode"):
             message = f"worker_type must be 'prefill' or 'decode' (what it pairs), got {kind!r}"
             return _refused(400, message, "worker_type")
+        if spec.get("api_key") is not None:
+            message = (
+                "api_key is not taken: the router relays each client's Authorization header "
+                "to the servers, which check their own --api-key"
+            )
+            return _refused(400, message, "api_key")
         port = spec.get("bootstrap_port")
         if port is not None and (type(port) is not int or not 0 < port < 65536):
             message = f"bootstrap_port must be a port number, got {port!r}"
@@ -781,29 +826,63 @@ class Router:
             told = f"is {address[1]}" if address else "is none (a decode server)"
             message = f"{url}'s bootstrap port {told}, not {port}"
             return _refused(400, message, "bootstrap_port")
+        if (differs := await self._unlike(url, info)) is not None:
+            return _refused(400, differs, "url")
         if (taken := self._taken(url)) is not None:  # (added while it was asked)
             return taken
         if address is not None:
             self._bootstrap[url] = address
         self._down.pop(url, None)
+        at = _address(url)
+        for u in [u for u in self._leaving if _address(u) == at]:  # (back: reached as itself)
+            del self._leaving[u]
         setattr(self, mode, [*getattr(self, mode), url])
         log.info("router: %s server %s added", mode, url)
         message = f"Successfully added {mode} server: {url}"
         return {"success": True, "message": message, "worker": self._info(mode, url)}
 
+    async def _unlike(self, url: str, info: dict[str, Any]) -> str | None:
+        """How the server `url` (its `/disagg/info`: `info`) differs from the deployment in
+        what a handoff needs equal (the KV layout, how the KV is computed), against the
+        first of the router's servers whose `/disagg/info` answers; else None (also when
+        none answers: the handshake still checks). Added, it would fail every request it
+        shared with another (the handoff's 502)."""
+        for known in _in_turn(self.prefill + self.decode, 0, self._down):
+            try:
+                theirs = await self._disagg_info(known)
+            except (httpx.HTTPError, ValueError):
+                continue
+            if not isinstance(theirs, dict):
+                continue
+            diffs = [
+                f"{key}: {known} {theirs.get(key)!r}, {url} {info.get(key)!r}"
+                for key in _LAYOUT_KEYS
+                if theirs.get(key) != info.get(key)
+            ]
+            if diffs:
+                return f"{url} and the deployment have different KV layouts: {'; '.join(diffs)}"
+            return None
+        return None
+
     def remove_worker(self, url: str) -> dict[str, Any] | Response:
         """A server leaving: new requests go to the others, those it has finish (a decode
-        server still streams its answers through the router), and the stored responses the
-        router knew it held are forgotten. The last of a kind may go too, as in SGLang's
+        server still streams its answers through the router; admin calls such as an abort
+        reach it until they end: `_reached`), and the stored responses the router knew it
+        held are forgotten. The last of a kind may go too, as in SGLang's
         gateway: requests then get the 503 naming what is missing until one is added."""
         found = self._find(url)
         if found is None:
             return _refused(404, f"worker {url} not found", "url", "WORKER_NOT_FOUND")
         kind, url = found
-        setattr(self, kind, [u for u in getattr(self, kind) if u != url])
-        self._bootstrap.pop(url, None)
-        self._down.pop(url, None)
-        for rid in [rid for rid, held in self._responses.items() if held == url]:
+        at = _address(url)
+        gone = [u for u in getattr(self, kind) if _address(u) == at]
+        setattr(self, kind, [u for u in getattr(self, kind) if u not in gone])
+        for u in gone:
+            self._bootstrap.pop(u, None)
+            self._down.pop(u, None)
+            if self._busy[u] > 0:
+                self._leaving[u] = kind
+        for rid in [rid for rid, held in self._responses.items() if held in gone]:
             del self._responses[rid]
         while len(self._responses) > self.responses_kept:
             self._responses.popitem(last=False)
@@ -846,6 +925,8 @@ class _Unreachable(Exception):
 
 # A server URL's schemes, and their default ports.
 _PORTS = {"http": 80, "https": 443}
+# What a server's /disagg/info tells of its KV that a handoff needs equal on both sides.
+_LAYOUT_KEYS = ("fingerprint", "compute")
 # The most pages (of 100) of a previous response's input items the router reads: more than
 # any context holds.
 _ITEM_PAGES = 10_000
@@ -903,21 +984,47 @@ _ONE = {
 
 
 def _server_url(url: str) -> str:
-    """`url` checked (http(s)://HOST[:PORT]) and spelt one way: scheme and host in lower
-    case, no default port, no trailing slash (so one server is one worker, `_address`)."""
+    """`url` checked (http(s)://HOST[:PORT], a path allowed) and spelt one way: scheme and
+    host in lower case, no default port, no trailing slash (so one server is one worker,
+    `_address`). Refused too: a user and password (httpx would send them as Basic auth in
+    place of the client's key, and the worker listings show them), a query or a fragment
+    (every request's path would be wrong: 404s) and port 0."""
     parts = urlsplit(url.strip())
+    user, at, _ = parts.netloc.rpartition("@")
+    shown = url.replace(user + at, "…@", 1) if at else url  # (no password in a message)
+    if at:
+        raise DsakvError(
+            f"a server URL takes no user or password, got {shown!r}: the router passes on "
+            "each client's Authorization header (the servers' --api-key checks it)"
+        )
+    if "?" in url or "#" in url:
+        raise DsakvError(
+            f"a server URL takes no query or fragment, got {url!r}: the router appends each "
+            "request's path to it"
+        )
     try:
         port = parts.port  # (a port past 65535 raises only here, else: every request)
     except ValueError:
-        parts = None
-    if parts is None or parts.scheme.lower() not in _PORTS or not parts.hostname:
-        raise DsakvError(f"a server URL must be http(s)://HOST[:PORT], got {url!r}")
+        port = 0
+    if parts.scheme.lower() not in _PORTS or not parts.hostname or port == 0:
+        raise DsakvError(f"a server URL must be http(s)://HOST[:PORT], PORT 1..65535, got {url!r}")
     scheme, host = parts.scheme.lower(), parts.hostname  # (hostname: lower case)
-    user, at, _ = parts.netloc.rpartition("@")
-    netloc = user + at + (f"[{host}]" if ":" in host else host)
+    netloc = f"[{host}]" if ":" in host else host
     if port is not None and port != _PORTS[scheme]:
         netloc += f":{port}"
-    return urlunsplit((scheme, netloc, parts.path.rstrip("/"), parts.query, parts.fragment))
+    return urlunsplit((scheme, netloc, parts.path.rstrip("/"), "", ""))
+
+
+def _once(given: list[tuple[str, str]]) -> None:
+    """Each server given once (`_address`: however its URL is spelt), else the DsakvError
+    naming both spellings (a server given twice was twice in the round robin, or a prefill
+    server a decode server too, and removing it left the other spelling's entry)."""
+    seen: dict[tuple[str, int, str], str] = {}
+    for flag, url in given:
+        at = _address(url)
+        if at in seen:
+            raise DsakvError(f"{seen[at]} and {flag} {url} are one server: give it once")
+        seen[at] = f"{flag} {url}"
 
 
 def _address(url: str) -> tuple[str, int, str]:
@@ -1035,14 +1142,13 @@ async def _unless_left(call: Any, request: Request) -> Any:
 
 def build_router_app(prefill: list[str], decode: list[str], api_key: str | None = None) -> FastAPI:
     """The router's app. With `api_key`, its routes need `Authorization: Bearer` as `dsakv
-    serve --api-key`'s do (`BearerAuth`, the same probes open): the worker API above all,
+    serve --api-key`'s do (`require_api_key`, the same probes open): the worker API above all,
     else anyone reaching the port could add a decode server of their own and be sent the
     prompts. The client's header still goes on to the servers, which check their own key."""
     router = Router(prefill, decode)
     app = FastAPI(title="dsakv router", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key, router=app.router)
+    require_api_key(app, api_key)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> Response:

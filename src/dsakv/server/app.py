@@ -43,7 +43,7 @@ from dsakv.engine.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from dsakv.engine.sleep import EngineAsleep
 from dsakv.errors import DsakvError
 
-from .auth import BearerAuth
+from .auth import require_api_key
 from .chat import (
     ChatParsers,
     PreparedChat,
@@ -150,8 +150,7 @@ def build_app(
         model_name,
         metrics,
     )
-    if api_key:  # (inside the counting: a 401 is counted)
-        app.add_middleware(BearerAuth, api_key=api_key, router=app.router)
+    require_api_key(app, api_key)  # (inside the counting: a 401 is counted)
     app.add_middleware(_CountRequests, metrics=metrics)
     _install_error_handlers(app)
     if chat_parsers is None:

@@ -7,8 +7,11 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.routing import Match, Router
+
+from dsakv.errors import DsakvError
 
 from .protocol import APIError
 
@@ -27,6 +30,28 @@ OPEN_PATHS = (
     "/get_server_info",
     "/disagg/info",  # (a prefill or decode server's: `dsakv.disagg.serving`)
 )
+
+
+def checked_api_key(key: str) -> str:
+    """`key` if it can be a bearer token, else the DsakvError saying why: an empty key (an
+    unset `--api-key "$KEY"`) would leave every route open, a space or a character outside
+    visible ASCII can never be sent (the header's value is trimmed; httpx cannot encode it,
+    and the router failed every request it relayed)."""
+    if not key:
+        raise DsakvError("an API key must not be empty (that would leave every route open)")
+    for at, c in enumerate(key):
+        if not "!" <= c <= "~":
+            raise DsakvError(
+                "an API key must be visible ASCII characters (0x21-0x7e), "
+                f"got {c!r} at position {at}"
+            )
+    return key
+
+
+def require_api_key(app: FastAPI, api_key: str | None) -> None:
+    """With `api_key` (checked: `checked_api_key`), `app`'s routes need it (`BearerAuth`)."""
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=checked_api_key(api_key), router=app.router)
 
 
 class BearerAuth:
