@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from dsakv.disagg.config import DisaggConfig
@@ -47,7 +48,8 @@ def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
     """A prefill server and a decode server, the router in front."""
     model = str(write_tiny_model(tmp_path_factory.mktemp("relays") / "m", "glm-tiny"))
     conf = EngineConfig(model, device="cpu", num_pages=64, page_size=16,
-                        kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
+                        kv_cache_dtype="fp32", index_k_dtype="fp32",
+                        expert_distribution_recorder_mode="stat")  # fmt: skip
     p_disagg = DisaggConfig("prefill", bootstrap_port=free_port(), timeout_s=30)
     d_disagg = DisaggConfig("decode", timeout_s=30)
     with ExitStack() as stack:
@@ -147,6 +149,24 @@ def test_reset_prefix_cache_and_profiling_reach_every_server(pd):
     for method in ("GET", "POST"):
         r = httpx.request(method, f"{pd.router}/stop_profile", timeout=TIMEOUT)
         assert r.status_code == 400 and "no profile is running" in r.text, r.text
+
+
+def test_the_expert_distribution_record_reaches_every_server(pd, tmp_path, monkeypatch):
+    """SGLang's /start_, /stop_ and /dump_expert_distribution_record (GET or POST) reach
+    both servers: each writes its own dump, and each counted the tokens it routed (the
+    prefill server the prompt, the decode server the tokens it generated)."""
+    monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path))
+    r = httpx.get(f"{pd.router}/start_expert_distribution_record", timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    _complete(pd.router, "/v1/completions", {"prompt": "Count my experts.", **GREEDY})
+    wait_idle(pd.prefill_url)
+    wait_idle(pd.decode_url)
+    for path in ("/stop_expert_distribution_record", "/dump_expert_distribution_record"):
+        assert _post(pd.router, path).status_code == 200
+    dumps = sorted(tmp_path.glob("expert_distribution_recorder_*.pt"))
+    assert len(dumps) == 2, dumps
+    counts = [int(torch.load(f)["logical_count"].sum()) for f in dumps]
+    assert all(c > 0 for c in counts), counts
 
 
 def test_tokenizing_cards_version_and_weights_are_one_servers_answer(pd):

@@ -15,7 +15,6 @@ from typing import Any, NoReturn
 
 from dsakv.errors import DsakvError
 from dsakv.procs import Listener
-from dsakv.server.auth import checked_api_key
 
 
 class Parser(argparse.ArgumentParser):
@@ -73,6 +72,8 @@ def port(text: str) -> int:
 
 def api_key(text: str) -> str:
     """`--api-key` (serve, router, serve-pd): a key a client can send (`checked_api_key`)."""
+    from dsakv.server.auth import checked_api_key  # (fastapi: not for every command)
+
     try:
         return checked_api_key(text)
     except DsakvError as e:
@@ -491,6 +492,19 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         help="SGLang's: return_routed_experts (/generate, completions, chat; SamplingParams "
         "offline) may ask for the experts each token was routed to (its steps run eager, off "
         "the CUDA graphs)",
+    )
+    g.add_argument(
+        "--expert-distribution-recorder-mode",
+        choices=["stat", "per_token"],
+        help="SGLang's: /start_expert_distribution_record, /stop_... and /dump_... count the "
+        "experts each MoE layer routes tokens to (stat: EPLB's per-layer counts; per_token: "
+        "each token's experts), written under $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR "
+        "(default /tmp); steps run eager while recording",
+    )
+    g.add_argument(
+        "--expert-distribution-recorder-buffer-size",
+        type=int,
+        help="SGLang's: a stat dump keeps the last N steps' counts (default 1000; -1: all)",
     )
     g.add_argument(
         "--enable-return-hidden-states",

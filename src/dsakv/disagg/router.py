@@ -947,6 +947,10 @@ BROADCAST = {
     "/reset_prefix_cache": 30.0,
     "/start_profile": 30.0,
     "/stop_profile": None,  # (every rank writes its trace first)
+    # SGLang's expert distribution recorder: each server writes its own dump
+    "/start_expert_distribution_record": 30.0,
+    "/stop_expert_distribution_record": 30.0,
+    "/dump_expert_distribution_record": None,
     # sleep mode for a colocated trainer (SGLang's, vLLM's): weights copied to or from the host
     "/release_memory_occupation": None,
     "/resume_memory_occupation": None,
@@ -958,6 +962,9 @@ _GET_TOO = (
     "/flush_cache",
     "/start_profile",
     "/stop_profile",
+    "/start_expert_distribution_record",
+    "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record",
     "/release_memory_occupation",
     "/resume_memory_occupation",
 )

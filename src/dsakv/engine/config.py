@@ -106,6 +106,11 @@ class EngineConfig:
     # hidden states (`return_hidden_states`); a request asking without them is refused
     enable_return_routed_experts: bool = False
     enable_return_hidden_states: bool = False
+    # SGLang's expert distribution recorder (`ExpertDistributionMixin`): "stat" (each
+    # layer's count of tokens per expert, EPLB's input) or "per_token"; None: off. A "stat"
+    # dump keeps the last `buffer_size` steps' counts (< 0: every step's)
+    expert_distribution_recorder_mode: str | None = None
+    expert_distribution_recorder_buffer_size: int = 1000
 
     def __post_init__(self) -> None:
         for f in fields(self):  # every bool field, by its annotation (a string here)
@@ -134,6 +139,16 @@ class EngineConfig:
             raise DsakvError(f"host_pool_gib must be a finite number >= 0, got {host!r}")
         if not is_int(self.seed):
             raise DsakvError(f"seed must be an integer, got {self.seed!r}")
+        if self.expert_distribution_recorder_mode not in (None, "stat", "per_token"):
+            raise DsakvError(
+                "expert_distribution_recorder_mode must be stat or per_token, got "
+                f"{self.expert_distribution_recorder_mode!r}"
+            )
+        size = self.expert_distribution_recorder_buffer_size
+        if not is_int(size) or size == 0:
+            raise DsakvError(
+                f"expert_distribution_recorder_buffer_size must be a nonzero integer, got {size!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise DsakvError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

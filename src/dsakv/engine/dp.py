@@ -273,6 +273,9 @@ class DPEngine:
     get_weights_by_name = Engine.get_weights_by_name
     start_profile = Engine.start_profile
     stop_profile = Engine.stop_profile
+    start_expert_distribution_record = Engine.start_expert_distribution_record
+    stop_expert_distribution_record = Engine.stop_expert_distribution_record
+    dump_expert_distribution_record = Engine.dump_expert_distribution_record
     refuse_if_released = Engine.refuse_if_released
     release_memory_occupation = Engine.release_memory_occupation
     resume_memory_occupation = Engine.resume_memory_occupation

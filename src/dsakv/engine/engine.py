@@ -38,6 +38,7 @@ from dsakv.memory.storage import storage_namespace
 from .config import DRAFT_STEPS, MAX_GRAPH_BATCH, EngineConfig, has_tokenizer, resolve_device
 from .cuda_graph import DecodeGraphs
 from .detokenizer import TokenTexts, chars_per_token
+from .expert_distribution import EXPERT_DISTRIBUTION_CALLS, ExpertDistributionMixin
 from .grammar import GrammarCache
 from .hisparse import HotBuffers
 from .l3 import L3Cache, zero_counters
@@ -95,7 +96,7 @@ def keep_freed_memory() -> None:
 
 
 # What `Engine.weights_call` runs on every rank: each mixin's calls
-_EVERY_RANK = frozenset(SLEEP_CALLS + WEIGHT_CALLS + PROFILE_CALLS)
+_EVERY_RANK = frozenset(SLEEP_CALLS + WEIGHT_CALLS + PROFILE_CALLS + EXPERT_DISTRIBUTION_CALLS)
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
 
@@ -123,7 +124,7 @@ class EngineStats:
     decode_steps: int = 0  # request-steps past the prompt (each one target pass for it)
 
 
-class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin):
+class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMixin):
     """Owns the model, the KV pool, the allocator, the prefix cache and the scheduler.
 
     Under tensor parallelism one `Engine` runs on every rank over that rank's shards and
@@ -198,6 +199,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin):
             raise DsakvError(
                 "--enable-return-routed-experts needs an MoE model: this one routes no token"
             )
+        if config.expert_distribution_recorder_mode and not self.model_config.has_moe:
+            raise DsakvError(
+                "--expert-distribution-recorder-mode needs an MoE model: this one routes no token"
+            )
         if self.model_config.sampling_defaults:
             log.info(
                 "requests that leave them out get generation_config.json's %s "
@@ -243,6 +248,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin):
         # Which rank died and how, once known (the launcher's watchdog says; None: unknown).
         self.rank_failure: Callable[[], str | None] = lambda: None
         self.profiler = None  # /start_profile's, on every rank (`ProfilerMixin`)
+        # /start_expert_distribution_record's window, on every rank (`ExpertDistributionMixin`)
+        self.expert_record, self._expert_stopped = None, None
         self._grammars: GrammarCache | None = None
         self.host, self.hot, self.l3 = self._tiers()
         try:
@@ -875,7 +882,11 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin):
         hot = self.hot.begin_step(batch, slots) if self.hot is not None else None
         capturing = self._capturing(batch)
         record = any(batch[i][0].params.return_routed_experts for i in capturing)
+        counting = self.expert_record  # (None: no expert distribution window is open)
+        record = record or counting is not None
         hidden, logits, routed = self.runner.forward(new_tokens, slots, hot, rows, record)
+        if counting is not None:
+            counting.add(routed, [(r.num_computed, t) for (r, _), t in zip(batch, new_tokens)])
         if hot is not None:
             self.hot.end_step(hot)
         if capturing:

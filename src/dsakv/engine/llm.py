@@ -404,6 +404,19 @@ class LLM:
         """Stop the profile; the traces written (one per rank, `.trace.json.gz`)."""
         return self.engine.stop_profile()
 
+    def start_expert_distribution_record(self) -> None:
+        """SGLang's: count the experts each MoE layer routes tokens to from now on (an
+        engine made with `expert_distribution_recorder_mode`)."""
+        self.engine.start_expert_distribution_record()
+
+    def stop_expert_distribution_record(self) -> None:
+        self.engine.stop_expert_distribution_record()
+
+    def dump_expert_distribution_record(self) -> list[str]:
+        """Write the counts as SGLang's files (`Engine.dump_expert_distribution_record`);
+        their paths."""
+        return self.engine.dump_expert_distribution_record()
+
     def reset_prefix_cache(self) -> bool:
         """vLLM's: drop the prefix cache's pages (device and host tier), as the server's
         /reset_prefix_cache and /flush_cache do (`Engine.flush_cache`); False, dropping

@@ -415,6 +415,21 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
         await _engine_call(api, lambda e: e.stop_profile())
         return Response("Stop profiling. This will take some time.\n", media_type="text/plain")
 
+    async def start_expert_distribution_record() -> Response:
+        """SGLang's: count the experts each MoE layer routes tokens to (a 400 on a server
+        started without --expert-distribution-recorder-mode)."""
+        await _engine_call(api, lambda e: e.start_expert_distribution_record())
+        return Response("Start recording the expert distribution.\n", media_type="text/plain")
+
+    async def stop_expert_distribution_record() -> Response:
+        await _engine_call(api, lambda e: e.stop_expert_distribution_record())
+        return Response("Stop recording the expert distribution.\n", media_type="text/plain")
+
+    async def dump_expert_distribution_record() -> Response:
+        """Write the counts under $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (SGLang's files)."""
+        await _engine_call(api, lambda e: e.dump_expert_distribution_record())
+        return Response("Dump expert distribution record.\n", media_type="text/plain")
+
     app.add_api_route("/generate", generate, methods=["POST", "PUT"])
     app.add_api_route("/abort_request", abort_request, methods=["POST"])
     app.add_api_route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"])
@@ -443,6 +458,12 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
     app.add_api_route("/is_sleeping", is_sleeping, methods=["GET"])
     app.add_api_route("/start_profile", start_profile, methods=["GET", "POST"])
     app.add_api_route("/stop_profile", stop_profile, methods=["GET", "POST"])
+    for path, route in (
+        ("/start_expert_distribution_record", start_expert_distribution_record),
+        ("/stop_expert_distribution_record", stop_expert_distribution_record),
+        ("/dump_expert_distribution_record", dump_expert_distribution_record),
+    ):
+        app.add_api_route(path, route, methods=["GET", "POST"])  # (SGLang's)
 
 
 async def _engine_call(api: Handlers, fn: Any) -> Any:
