@@ -118,12 +118,24 @@ def test_stat_counts_the_window_as_transformers_routes_and_changes_nothing(model
 def test_per_token_records_each_tokens_experts(model, hf, out_dir):
     """ "per_token": one file per rank, `..._{rank}.pt`, whose records (one per step) hold
     each computed token's id, position and experts (a dense layer's -1) as transformers
-    routes them, and SGLang's `last_physical_to_logical_map` (no redundant experts here)."""
+    routes them, and SGLang's `last_physical_to_logical_map` (no redundant experts here);
+    `forward_pass_id` is the engine's count of steps before the record's, rising across
+    windows (SGLang's EPLB reader refuses an id seen twice in a directory; it restarted
+    at 0 in each window)."""
     llm = LLM(model, **EXACT, num_pages=64, expert_distribution_recorder_mode="per_token")
     prompt = _prompts(3)[1]
     llm.start_expert_distribution_record()
     (out,) = llm.generate([prompt], GREEDY, use_tqdm=False)
-    (path,) = llm.dump_expert_distribution_record()
+    (first,) = llm.dump_expert_distribution_record()
+    llm.stop_expert_distribution_record()
+    llm.generate(_prompts(5)[:1], GREEDY, use_tqdm=False)  # (steps between the windows)
+    llm.start_expert_distribution_record()
+    before = llm.engine.stats.steps
+    llm.generate(_prompts(6)[:1], GREEDY, use_tqdm=False)
+    (second,) = llm.dump_expert_distribution_record()
+    ids = [r["forward_pass_id"] for r in torch.load(second)["records"]]
+    assert ids == list(range(before, llm.engine.stats.steps))
+    path = first
     assert path.endswith("_0.pt") and os.path.dirname(path) == out_dir
     dump = torch.load(path)
     assert set(dump) == {"records", "last_physical_to_logical_map"}
@@ -131,6 +143,7 @@ def test_per_token_records_each_tokens_experts(model, hf, out_dir):
     records = dump["records"]
     ids = prompt + out.outputs[0].token_ids[:-1]
     assert [r["forward_pass_id"] for r in records] == list(range(len(records)))
+    assert max(r["forward_pass_id"] for r in records) < before
     assert [t for r in records for t in r["input_ids"]] == ids
     assert [p for r in records for p in r["positions"]] == list(range(len(ids)))
     topk = torch.cat([r["topk_ids_of_layer"] for r in records], 1)  # [layers, tokens, k]
@@ -139,6 +152,49 @@ def test_per_token_records_each_tokens_experts(model, hf, out_dir):
     np.testing.assert_array_equal(np.sort(topk[1:].numpy(), -1), routed[:, 1:].transpose(1, 0, 2))
     per_step = sum(r["global_physical_count"] for r in records)
     np.testing.assert_array_equal(per_step.numpy(), _counts(hf, [prompt], [out]))
+
+
+def _blocked(tmp_path, monkeypatch) -> None:
+    """Dumps go where a file stands in the way of the directory: none can be written."""
+    (tmp_path / "a_file").touch()
+    monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path / "a_file" / "d"))
+
+
+def _tokens(dump: dict) -> int:
+    """The tokens a stat dump counted (each routed to TOP_K experts in every MoE layer)."""
+    return int(dump["logical_count"].sum()) // (TOP_K * (LAYERS - 1))
+
+
+def test_a_dump_that_fails_keeps_the_counts_and_a_restart_warns(
+    model, tmp_path, monkeypatch, caplog
+):
+    """A dump no rank could write is an OSError (the server's fault, not the request's) and
+    throws no count away, of an open window or a stopped one: the next dump that lands holds
+    them (they were started over). A start while recording starts over, saying so (SGLang's
+    "forget to dump?" warning)."""
+    llm = LLM(model, **EXACT, num_pages=32, **STAT)
+    prompt = _prompts(7)[0]
+    per_run = len(prompt) + GREEDY.max_tokens - 1
+    for stop in (False, True):
+        llm.start_expert_distribution_record()
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+        llm.reset_prefix_cache()
+        if stop:
+            llm.stop_expert_distribution_record()
+        with monkeypatch.context() as env:
+            _blocked(tmp_path, env)
+            with pytest.raises(OSError, match="not saved .*its counts are kept"):
+                llm.dump_expert_distribution_record()
+        llm.generate([prompt], GREEDY, use_tqdm=False)  # (counted while the window is open)
+        llm.reset_prefix_cache()
+        monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path / f"{stop}"))
+        assert _tokens(_stat(llm.dump_expert_distribution_record())) == per_run * (2 - stop)
+        llm.stop_expert_distribution_record()
+    llm.start_expert_distribution_record()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dsakv.engine.expert_distribution"):
+        llm.start_expert_distribution_record()
+    assert "already recording, starting over (forget to dump?" in caplog.text
 
 
 def test_dp_attention_counts_as_one_engine(model, hf, out_dir):
@@ -153,10 +209,11 @@ def test_dp_attention_counts_as_one_engine(model, hf, out_dir):
     np.testing.assert_array_equal(dump["logical_count"].sum(0).numpy(), _counts(hf, prompts, outs))
 
 
-def test_refused_without_the_mode_or_moe(model, tmp_path):
+def test_refused_without_the_mode_or_moe(model, tmp_path, capsys):
     """Without the mode, each call is refused naming the flag; a model without MoE layers
     refuses the mode; a mode SGLang has that this engine does not is refused; the flags
-    reach the engine's config."""
+    reach the engine's config, on serve; `generate`, which has no route to open a window
+    with, does not take them (it took them and recorded nothing)."""
     llm = LLM(model, **EXACT, num_pages=16)
     for name in ROUTES:
         with pytest.raises(DsakvError, match="--expert-distribution-recorder-mode"):
@@ -176,6 +233,13 @@ def test_refused_without_the_mode_or_moe(model, tmp_path):
     config = engine_config_from_args(build_parser().parse_args(["serve", model, *flags]))
     assert config.expert_distribution_recorder_mode == "per_token"
     assert config.expert_distribution_recorder_buffer_size == -1
+    capsys.readouterr()  # (what the engines above logged)
+    for flag, value in zip(flags[::2], flags[1::2]):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(["generate", model, "--prompt", "x", flag, value])
+        assert exc.value.code == 2
+        (err,) = capsys.readouterr().err.strip().splitlines()
+        assert err.startswith("error: unrecognized arguments: " + flag), err
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +264,26 @@ def test_routes_record_on_get_and_post(served, out_dir):
     count = torch.load(path)["logical_count"].sum(0)
     assert not count[0].any()
     assert (count[1:].sum(1) == (11 + 3) * TOP_K).all()
+
+
+def test_a_dump_that_fails_is_a_server_error_and_keeps_the_counts(served, tmp_path, monkeypatch):
+    """A dump the server cannot write is its 500 `server_error` (it was the client's 400),
+    and the counts wait for the next dump (they were thrown away)."""
+    base, _ = served
+    assert httpx.post(f"{base}/start_expert_distribution_record", timeout=TIMEOUT).is_success
+    body = {"input_ids": list(range(3, 13)), "sampling_params": {"max_new_tokens": 3,
+            "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    assert httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT).status_code == 200
+    assert httpx.post(f"{base}/stop_expert_distribution_record", timeout=TIMEOUT).is_success
+    _blocked(tmp_path, monkeypatch)
+    r = httpx.post(f"{base}/dump_expert_distribution_record", timeout=TIMEOUT)
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and "not saved" in error["message"], error
+    monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path / "eplb"))
+    assert httpx.post(f"{base}/dump_expert_distribution_record", timeout=TIMEOUT).is_success
+    (path,) = glob.glob(str(tmp_path / "eplb" / "*.pt"))
+    assert _tokens(torch.load(path)) == 10 + 2
 
 
 def test_routes_refused_on_a_server_without_the_mode(model):

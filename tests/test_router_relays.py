@@ -169,6 +169,26 @@ def test_the_expert_distribution_record_reaches_every_server(pd, tmp_path, monke
     assert all(c > 0 for c in counts), counts
 
 
+def test_an_expert_record_start_that_fails_on_one_server_is_undone(pd, tmp_path, monkeypatch):
+    """(As a pause is.) The servers that started recording stop again (their steps would
+    run eager, off the CUDA graphs, for a window nobody dumps): a request after it is
+    counted nowhere."""
+    monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path))
+    dead = f"http://127.0.0.1:{free_port()}"
+    app = build_router_app([pd.prefill_url], [dead, pd.decode_url])
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    with running(server) as router:
+        r = _post(router, "/start_expert_distribution_record")
+        assert r.status_code == 502 and dead in r.json()["error"]["message"], r.text
+    _complete(pd.router, "/v1/completions", {"prompt": "Count nothing.", **GREEDY})
+    wait_idle(pd.prefill_url)
+    wait_idle(pd.decode_url)
+    assert _post(pd.router, "/dump_expert_distribution_record").status_code == 200
+    dumps = sorted(tmp_path.glob("expert_distribution_recorder_*.pt"))
+    assert len(dumps) == 2, dumps
+    assert [int(torch.load(f)["logical_count"].sum()) for f in dumps] == [0, 0]
+
+
 def test_tokenizing_cards_version_and_weights_are_one_servers_answer(pd):
     name = _get(pd.router, "/v1/models").json()["data"][0]["id"]
     calls = [

@@ -331,9 +331,10 @@ def add_hisparse_args(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
+def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool = True) -> None:
     """Every `EngineConfig` field as a flag (defaults live in `EngineConfig`); `seed=False`
-    where the command's --seed is the requests' own (generate's)."""
+    where the command's --seed is the requests' own (generate's); `serve=False` leaves off
+    the flags only a server's routes use (generate's)."""
     add_layout_args(p)
     g = p.add_argument_group("engine")
     add_aliased(
@@ -493,19 +494,21 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
         "offline) may ask for the experts each token was routed to (its steps run eager, off "
         "the CUDA graphs)",
     )
-    g.add_argument(
-        "--expert-distribution-recorder-mode",
-        choices=["stat", "per_token"],
-        help="SGLang's: /start_expert_distribution_record, /stop_... and /dump_... count the "
-        "experts each MoE layer routes tokens to (stat: EPLB's per-layer counts; per_token: "
-        "each token's experts), written under $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR "
-        "(default /tmp); steps run eager while recording",
-    )
-    g.add_argument(
-        "--expert-distribution-recorder-buffer-size",
-        type=int,
-        help="SGLang's: a stat dump keeps the last N steps' counts (default 1000; -1: all)",
-    )
+    if serve:
+        g.add_argument(
+            "--expert-distribution-recorder-mode",
+            choices=["stat", "per_token"],
+            help="SGLang's: /start_expert_distribution_record, /stop_... and /dump_... count "
+            "the experts each MoE layer routes tokens to (stat: EPLB's per-layer counts; "
+            "per_token: each token's experts), written under "
+            "$SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (default /tmp); steps run eager while "
+            "recording",
+        )
+        g.add_argument(
+            "--expert-distribution-recorder-buffer-size",
+            type=int,
+            help="SGLang's: a stat dump keeps the last N steps' counts (default 1000; -1: all)",
+        )
     g.add_argument(
         "--enable-return-hidden-states",
         action="store_true",

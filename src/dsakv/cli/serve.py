@@ -185,7 +185,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true")
-    add_engine_args(p, seed=False)
+    add_engine_args(p, seed=False, serve=False)
     add_storage_args(p)
     add_ignored_args(p)
     p.set_defaults(func=_cmd_generate)

@@ -974,6 +974,7 @@ _UNDO = {
     "/pause": "/resume",
     "/release_memory_occupation": "/resume_memory_occupation",
     "/sleep": "/wake_up",
+    "/start_expert_distribution_record": "/stop_expert_distribution_record",  # (eager steps)
 }
 # Calls every server answers alike, asked of one decode server (`Router.one`), and methods.
 _ONE = {

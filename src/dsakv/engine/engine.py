@@ -886,7 +886,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         record = record or counting is not None
         hidden, logits, routed = self.runner.forward(new_tokens, slots, hot, rows, record)
         if counting is not None:
-            counting.add(routed, [(r.num_computed, t) for (r, _), t in zip(batch, new_tokens)])
+            counted = [(r.num_computed, t) for (r, _), t in zip(batch, new_tokens)]
+            counting.add(routed, counted, self.stats.steps)  # (steps: the passes before)
         if hot is not None:
             self.hot.end_step(hot)
         if capturing:

@@ -2,11 +2,13 @@
 /start_, /stop_ and /dump_expert_distribution_record): how many tokens each MoE layer routed
 to each expert over a window, the counts EPLB reads, as `Engine`'s mixin. It reuses the
 routing `return_routed_experts` records (`DSAForCausalLM.record_routing`): while a window
-is open every step records it (eager, off the CUDA graphs); the MTP layer's routing is not
-the target's and is not counted (SGLang's drafts run outside its recorder too)."""
+is open every step records it (eager, off the CUDA graphs). Under MTP the target's verify
+pass counts every drafted token, rejected ones too, as SGLang's does; only the MTP layer's
+own pass is not counted (SGLang's NextN pass runs outside its recorder too)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -38,17 +40,17 @@ class ExpertRecord:
         self.buffer_size = buffer_size
         self.steps: deque[torch.Tensor] = deque(maxlen=buffer_size if buffer_size > 0 else None)
         self.records: list[dict[str, Any]] = []  # (per_token)
-        self.passes = 0
 
-    def add(self, routed: torch.Tensor, ran: list[tuple[int, list[int]]]) -> None:
+    def add(self, routed: torch.Tensor, ran: list[tuple[int, list[int]]], pass_id: int) -> None:
         """A step's routing `[tokens, layers, top_k]` (its real tokens only), over `ran`:
-        each request's (first position, tokens) in row order."""
+        each request's (first position, tokens) in row order. `pass_id`: the engine's
+        forward passes before this one (SGLang's `forward_pass_id`, rising across windows:
+        its EPLB reader refuses one seen twice in a directory)."""
         n, _, k = routed.shape
         moe = self.layers - self.first_moe
         ids = routed[:, self.first_moe :].transpose(0, 1).reshape(moe, n * k).long()
         counts = torch.zeros(self.layers, self.experts, dtype=torch.int32, device=routed.device)
         counts[self.first_moe :].scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
-        self.passes += 1
         if self.mode == "stat":
             self.steps.append(counts)
             return
@@ -56,7 +58,7 @@ class ExpertRecord:
         topk[: self.first_moe] = -1  # (a dense layer routes nothing: SGLang's -1)
         self.records.append(
             dict(
-                forward_pass_id=self.passes - 1,
+                forward_pass_id=pass_id,
                 input_ids=[t for _, tokens in ran for t in tokens],
                 positions=[p + i for p, tokens in ran for i in range(len(tokens))],
                 extend_seq_lens=[len(tokens) for _, tokens in ran],
@@ -125,14 +127,20 @@ class ExpertDistributionMixin:
         counts over) under $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (default /tmp), as
         SGLang's files: "stat" one `expert_distribution_recorder_{time}.pt`, every rank's
         counts summed; "per_token" one `..._{time}_{rank}.pt` per rank that routes its own
-        tokens. The paths written."""
+        tokens. The paths written. A rank that cannot write is the server's fault, not the
+        request's: an OSError (the server's 500), every rank's counts kept for another dump."""
         self._check_expert_recorder()
         outcome = self._on_every_rank("dump_expert_record_here", _dump_dir(), str(time.time()))
         if isinstance(outcome, str):
-            raise DsakvError(f"the expert distribution was not saved: {outcome}")
+            raise OSError(f"the expert distribution was not saved (its counts are kept): {outcome}")
         return outcome
 
     def start_expert_record_here(self) -> None:
+        if self.expert_record is not None:  # (SGLang's warning, and its fresh start)
+            log.warning(
+                "expert distribution: already recording, starting over (forget to dump? "
+                "/stop_ and /dump_expert_distribution_record first)"
+            )
         self._expert_stopped, self.expert_record = None, self._new_expert_record()
 
     def _new_expert_record(self) -> ExpertRecord:
@@ -178,12 +186,15 @@ class ExpertDistributionMixin:
                 path = _save_new(data, out_dir, f"expert_distribution_recorder_{stamp}_{p.rank}")
         except Exception as e:  # noqa: BLE001 - every rank hears it
             why = said(e)
-        if self.expert_record is not None:  # (dumped: a window still open starts over)
-            self.start_expert_record_here()
-        self._expert_stopped = None
         outcomes = p.all_gather_objects((path, why))
-        if any(w for _, w in outcomes):
+        if any(w for _, w in outcomes):  # (all or nothing: the counts wait for a dump that lands)
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
             return by_rank([w for _, w in outcomes])
+        if self.expert_record is not None:  # (dumped: a window still open starts over)
+            self.expert_record = self._new_expert_record()
+        self._expert_stopped = None
         paths = [q for q, _ in outcomes if q is not None]
         if p.is_driver:
             log.info("expert distribution saved: %s", ", ".join(paths))

@@ -426,7 +426,8 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
         return Response("Stop recording the expert distribution.\n", media_type="text/plain")
 
     async def dump_expert_distribution_record() -> Response:
-        """Write the counts under $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (SGLang's files)."""
+        """Write the counts under $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (SGLang's files);
+        a rank that cannot is the server's 500 (its OSError), the counts kept."""
         await _engine_call(api, lambda e: e.dump_expert_distribution_record())
         return Response("Dump expert distribution record.\n", media_type="text/plain")
 
