@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
 import pytest
 
 from dsakv.config import preset
@@ -47,6 +48,49 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def glm_tiny() -> str:
+    """glm-tiny's checkpoint (cached; its MTP layer fitted): the tiny MoE model the routing
+    tests run."""
+    from dsakv.models.tiny import default_model_dir
+
+    return str(default_model_dir("glm-tiny"))
+
+
+@pytest.fixture(scope="module")
+def glm_tiny_hf(glm_tiny):
+    """transformers' glm-tiny in fp32: the routing tests' reference (`hf_reference`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(glm_tiny, dtype=torch.float32).eval()
+
+
+def hf_reference(hf, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' forward over `ids`: each position's experts (its MoE gates' top-k,
+    sorted; a dense layer's 0) `[n, layers, top_k]` and final-normed hidden `[n, hidden]`."""
+    import torch
+
+    top_k = hf.config.num_experts_per_tok
+    routed = np.zeros((len(ids), len(hf.model.layers), top_k), dtype=np.int64)
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        if hasattr(layer.mlp, "gate"):  # (an MoE layer: its router returns the top-k third)
+
+            def keep(module, args, out, i=i):
+                routed[:, i] = out[2].reshape(len(ids), top_k).numpy()
+
+            hooks.append(layer.mlp.gate.register_forward_hook(keep))
+    try:
+        with torch.no_grad():
+            hidden = hf.model(torch.tensor([ids])).last_hidden_state[0].numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert routed[:, 0].max() == 0 and routed[:, 1:].any()
+    return np.sort(routed, -1), hidden
 
 
 @pytest.fixture(scope="module")

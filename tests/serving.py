@@ -20,6 +20,9 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsakv.disagg.config import DisaggConfig
+from dsakv.disagg.router import build_router_app
+from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
 from dsakv.procs import free_port
 from dsakv.server import make_server
@@ -69,6 +72,40 @@ def serving(config: EngineConfig, **server_args) -> Iterator[tuple[str, AsyncEng
     finally:
         async_engine.shutdown()
         async_engine.close_engine()  # on the engine thread, which then ends
+
+
+@contextlib.contextmanager
+def serving_disagg(
+    config: EngineConfig, mode: str, **disagg: Any
+) -> Iterator[tuple[str, AsyncEngine]]:
+    """`serving` a prefill or decode server (`DisaggConfig(mode, **disagg)`; waits on its
+    peer 30 s unless `timeout_s` says, a prefill server's bootstrap on a free port unless
+    `bootstrap_port` says): yields (base URL, its AsyncEngine)."""
+    disagg = {"timeout_s": 30, **disagg}
+    if mode == "prefill":
+        disagg.setdefault("bootstrap_port", free_port())
+    bridge = bridge_for(DisaggConfig(mode, **disagg), config, "127.0.0.1")
+    with serving(config, bridge=bridge) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def routing(prefill: list[str], decode: list[str], api_key: str | None = None) -> Iterator[str]:
+    """`dsakv router` over the servers `prefill` and `decode` (on a thread): yields its URL."""
+    app = build_router_app(prefill, decode, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    with running(server) as base:
+        yield base
+
+
+def until_in_flight(url: str, held) -> None:
+    """Wait until the server `url` has one request in flight (`held`, its client's future,
+    still running)."""
+    deadline = time.monotonic() + TIMEOUT
+    while httpx.get(f"{url}/load", timeout=TIMEOUT).json()["server_load"] != 1:
+        assert not held.done(), held.result()
+        assert time.monotonic() < deadline, f"the request never reached {url}"
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -15,11 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from dsakv.disagg.config import DisaggConfig
-from dsakv.disagg.router import build_router_app
-from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
 from dsakv.models.tiny import write_tiny_model
 
@@ -29,9 +25,9 @@ from .serving import (
     engine_stops_stepping_at,
     engine_thread_held,
     free_port,
-    running,
+    routing,
     scrape_metrics,
-    serving,
+    serving_disagg,
     sglang_generate,
     sglang_stream,
     wait_idle,
@@ -55,16 +51,10 @@ def pair(tmp_path_factory) -> Iterator[SimpleNamespace]:
                   index_k_dtype="fp32")  # fmt: skip
     p_conf = EngineConfig(model, **common)
     d_conf = EngineConfig(model, max_running_requests=1, **common)
-    p_disagg = DisaggConfig("prefill", bootstrap_port=free_port(), timeout_s=30)
-    d_disagg = DisaggConfig("decode", timeout_s=30)
     with ExitStack() as stack:
-        p_bridge = bridge_for(p_disagg, p_conf, "127.0.0.1")
-        p_url, prefill = stack.enter_context(serving(p_conf, bridge=p_bridge))
-        d_bridge = bridge_for(d_disagg, d_conf, "127.0.0.1")
-        d_url, decode = stack.enter_context(serving(d_conf, bridge=d_bridge))
-        app = build_router_app([p_url], [d_url])
-        server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
-        router = stack.enter_context(running(server))
+        p_url, prefill = stack.enter_context(serving_disagg(p_conf, "prefill"))
+        d_url, decode = stack.enter_context(serving_disagg(d_conf, "decode"))
+        router = stack.enter_context(routing([p_url], [d_url]))
         # (the router asks the prefill server for its bootstrap port on the first request)
         sglang_generate(router, text="hi", sampling_params={"max_new_tokens": 2, **GREEDY})
         yield SimpleNamespace(
@@ -209,9 +199,7 @@ def test_the_router_relays_abort_request_to_every_server(pair):
     r = httpx.post(f"{pair.router}/abort_request", json={"rid": 5}, timeout=TIMEOUT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
     dead = f"http://127.0.0.1:{free_port()}"
-    app = build_router_app([pair.prefill_url, dead], [pair.decode_url])
-    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
-    with running(server) as router:
+    with routing([pair.prefill_url, dead], [pair.decode_url]) as router:
         r = httpx.post(f"{router}/abort_request", json={"abort_all": True}, timeout=TIMEOUT)
         assert r.status_code == 502 and dead in r.json()["error"]["message"], r.text
         assert "1 of 3" in r.json()["error"]["message"]

@@ -272,15 +272,15 @@ def test_engine_flags_are_read_from_their_definitions(tiny_dir, tmp_path):
     from dataclasses import fields
 
     from dsakv.cli import build_parser, engine_config_from_args
-    from dsakv.cli.args import _FOLDED, _OFF_FLAGS, _actions, add_engine_args, add_storage_args
+    from dsakv.cli.args import FOLDED, OFF_FLAGS, actions, add_engine_args, add_storage_args
     from dsakv.engine import EngineConfig
 
     names = {f.name for f in fields(EngineConfig)}
-    for action in _actions(add_engine_args) + _actions(add_storage_args):
-        if action.dest in _FOLDED:  # (SGLang's / vLLM's, checked and set as dsakv's own)
+    for action in actions(add_engine_args) + actions(add_storage_args):
+        if action.dest in FOLDED:  # (SGLang's / vLLM's, checked and set as dsakv's own)
             assert action.help == argparse.SUPPRESS, action.dest
             continue
-        assert _OFF_FLAGS.get(action.dest, (action.dest,))[0] in names, action.dest
+        assert OFF_FLAGS.get(action.dest, (action.dest,))[0] in names, action.dest
     generate = ["generate", str(tiny_dir), "--prompt", "x", "--seed", "5"]
     args = build_parser().parse_args(
         [*generate, "--no-elide-index-k", "--no-prefix-cache", "--host-pool-gib", "0"]

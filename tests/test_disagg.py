@@ -800,8 +800,9 @@ def test_routed_experts_cross_with_the_first_token(cluster):
     states stay a 400 (the prompt's are the prefill server's)."""
     from transformers import AutoModelForCausalLM
 
+    from .conftest import hf_reference
     from .test_routed_experts import EXACT as ONE_ENGINE
-    from .test_routed_experts import _decoded, _reference
+    from .test_routed_experts import _decoded
 
     model, router = cluster["model"], cluster["router"]
     ids = httpx.post(f"{cluster['decode'].url}/tokenize", json={"prompt": "Routing " * 20})
@@ -817,7 +818,7 @@ def test_routed_experts_cross_with_the_first_token(cluster):
         want_chat = httpx.post(f"{plain}/v1/chat/completions", json=chat, timeout=60).json()
     routed = _decoded(want["meta_info"])
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    ref = _reference(hf, prompt + want["output_ids"][:-1])[0]
+    ref = hf_reference(hf, prompt + want["output_ids"][:-1])[0]
     np.testing.assert_array_equal(np.sort(routed, -1), ref)
 
     got = sglang_generate(router, **asks)

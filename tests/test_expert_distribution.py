@@ -24,26 +24,13 @@ from dsakv.engine import Engine, EngineConfig
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 
+from .conftest import hf_reference
 from .serving import TIMEOUT, serving
-from .test_routed_experts import EXACT, GREEDY, LAYERS, TOP_K, _reference
+from .test_routed_experts import EXACT, GREEDY, LAYERS, TOP_K
 
 EXPERTS = TINY_PRESETS["glm-tiny"]["n_routed_experts"]
 STAT = dict(expert_distribution_recorder_mode="stat")
 ROUTES = ("start", "stop", "dump")
-
-
-@pytest.fixture(scope="module")
-def model() -> str:
-    from dsakv.models.tiny import default_model_dir
-
-    return str(default_model_dir("glm-tiny"))
-
-
-@pytest.fixture(scope="module")
-def hf(model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
 
 @pytest.fixture
@@ -62,7 +49,7 @@ def _counts(hf, prompts: list[list[int]], outs) -> np.ndarray:
     position an engine computes (prompt and output but the last token)."""
     total = np.zeros((LAYERS, EXPERTS), dtype=np.int64)
     for prompt, out in zip(prompts, outs):
-        routed, _ = _reference(hf, prompt + out.outputs[0].token_ids[:-1])
+        routed, _ = hf_reference(hf, prompt + out.outputs[0].token_ids[:-1])
         for layer in range(1, LAYERS):
             total[layer] += np.bincount(routed[:, layer].ravel(), minlength=EXPERTS)
     return total
@@ -75,12 +62,14 @@ def _stat(paths: list[str]) -> dict:
     return torch.load(path)
 
 
-def test_stat_counts_the_window_as_transformers_routes_and_changes_nothing(model, hf, out_dir):
+def test_stat_counts_the_window_as_transformers_routes_and_changes_nothing(
+    glm_tiny, glm_tiny_hf, out_dir
+):
     """Steps before the start and after the stop are not counted; within the window every
     computed token is (chunked prefill beside decode steps), as return_routed_experts
     reports them too; SGLang's dump keys, its 1000-step buffer, a dump starting
     the counts over; the tokens and logprobs are a run's without recording, bit for bit."""
-    llm = LLM(model, **EXACT, num_pages=64, chunked_prefill_size=24, **STAT,
+    llm = LLM(glm_tiny, **EXACT, num_pages=64, chunked_prefill_size=24, **STAT,
               enable_return_routed_experts=True)  # fmt: skip
     window = _prompts(1)
     llm.generate(_prompts(0), GREEDY, use_tqdm=False)  # (before the start)
@@ -96,7 +85,7 @@ def test_stat_counts_the_window_as_transformers_routes_and_changes_nothing(model
     assert dump["rank"] == 0
     count = dump["logical_count"]
     assert count.dtype == torch.int32 and count.shape == (1000, LAYERS, EXPERTS)
-    want = _counts(hf, window, outs)
+    want = _counts(glm_tiny_hf, window, outs)
     np.testing.assert_array_equal(count.sum(0).numpy(), want)
     assert want[1:].sum() == sum(len(p) + 5 for p in window) * TOP_K * (LAYERS - 1)
     reported = np.zeros_like(want)  # (return_routed_experts' rows, another consumer's)
@@ -115,14 +104,14 @@ def test_stat_counts_the_window_as_transformers_routes_and_changes_nothing(model
     assert not again["logical_count"].any()
 
 
-def test_per_token_records_each_tokens_experts(model, hf, out_dir):
+def test_per_token_records_each_tokens_experts(glm_tiny, glm_tiny_hf, out_dir):
     """ "per_token": one file per rank, `..._{rank}.pt`, whose records (one per step) hold
     each computed token's id, position and experts (a dense layer's -1) as transformers
     routes them, and SGLang's `last_physical_to_logical_map` (no redundant experts here);
     `forward_pass_id` is the engine's count of steps before the record's, rising across
     windows (SGLang's EPLB reader refuses an id seen twice in a directory; it restarted
     at 0 in each window)."""
-    llm = LLM(model, **EXACT, num_pages=64, expert_distribution_recorder_mode="per_token")
+    llm = LLM(glm_tiny, **EXACT, num_pages=64, expert_distribution_recorder_mode="per_token")
     prompt = _prompts(3)[1]
     llm.start_expert_distribution_record()
     (out,) = llm.generate([prompt], GREEDY, use_tqdm=False)
@@ -148,10 +137,10 @@ def test_per_token_records_each_tokens_experts(model, hf, out_dir):
     assert [p for r in records for p in r["positions"]] == list(range(len(ids)))
     topk = torch.cat([r["topk_ids_of_layer"] for r in records], 1)  # [layers, tokens, k]
     assert topk.shape == (LAYERS, len(ids), TOP_K) and (topk[0] == -1).all()
-    routed, _ = _reference(hf, ids)
+    routed, _ = hf_reference(glm_tiny_hf, ids)
     np.testing.assert_array_equal(np.sort(topk[1:].numpy(), -1), routed[:, 1:].transpose(1, 0, 2))
     per_step = sum(r["global_physical_count"] for r in records)
-    np.testing.assert_array_equal(per_step.numpy(), _counts(hf, [prompt], [out]))
+    np.testing.assert_array_equal(per_step.numpy(), _counts(glm_tiny_hf, [prompt], [out]))
 
 
 def _blocked(tmp_path, monkeypatch) -> None:
@@ -166,13 +155,13 @@ def _tokens(dump: dict) -> int:
 
 
 def test_a_dump_that_fails_keeps_the_counts_and_a_restart_warns(
-    model, tmp_path, monkeypatch, caplog
+    glm_tiny, tmp_path, monkeypatch, caplog
 ):
     """A dump no rank could write is an OSError (the server's fault, not the request's) and
     throws no count away, of an open window or a stopped one: the next dump that lands holds
     them (they were started over). A start while recording starts over, saying so (SGLang's
     "forget to dump?" warning)."""
-    llm = LLM(model, **EXACT, num_pages=32, **STAT)
+    llm = LLM(glm_tiny, **EXACT, num_pages=32, **STAT)
     prompt = _prompts(7)[0]
     per_run = len(prompt) + GREEDY.max_tokens - 1
     for stop in (False, True):
@@ -197,24 +186,26 @@ def test_a_dump_that_fails_keeps_the_counts_and_a_restart_warns(
     assert "already recording, starting over (forget to dump?" in caplog.text
 
 
-def test_dp_attention_counts_as_one_engine(model, hf, out_dir):
+def test_dp_attention_counts_as_one_engine(glm_tiny, glm_tiny_hf, out_dir):
     """Under DP attention each rank routes its own requests' tokens: the dump sums every
     rank's, the counts one engine makes of the same requests."""
     prompts = _prompts(4)
-    with LLM(model, **EXACT, num_pages=64, tp=2, dp_attention=True, **STAT) as llm:
+    with LLM(glm_tiny, **EXACT, num_pages=64, tp=2, dp_attention=True, **STAT) as llm:
         llm.start_expert_distribution_record()
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert all(c["finished_requests"] > 0 for c in llm.engine.rank_counters())
         dump = _stat(llm.dump_expert_distribution_record())
-    np.testing.assert_array_equal(dump["logical_count"].sum(0).numpy(), _counts(hf, prompts, outs))
+    np.testing.assert_array_equal(
+        dump["logical_count"].sum(0).numpy(), _counts(glm_tiny_hf, prompts, outs)
+    )
 
 
-def test_refused_without_the_mode_or_moe(model, tmp_path, capsys):
+def test_refused_without_the_mode_or_moe(glm_tiny, tmp_path, capsys):
     """Without the mode, each call is refused naming the flag; a model without MoE layers
     refuses the mode; a mode SGLang has that this engine does not is refused; the flags
     reach the engine's config, on serve; `generate`, which has no route to open a window
     with, does not take them (it took them and recorded nothing)."""
-    llm = LLM(model, **EXACT, num_pages=16)
+    llm = LLM(glm_tiny, **EXACT, num_pages=16)
     for name in ROUTES:
         with pytest.raises(DsakvError, match="--expert-distribution-recorder-mode"):
             getattr(llm, f"{name}_expert_distribution_record")()
@@ -225,26 +216,26 @@ def test_refused_without_the_mode_or_moe(model, tmp_path, capsys):
     with pytest.raises(DsakvError, match="needs an MoE model"):
         LLM(str(dense), **EXACT, num_pages=8).start_expert_distribution_record()
     with pytest.raises(DsakvError, match="must be stat or per_token"):
-        EngineConfig(model, expert_distribution_recorder_mode="stat_approx")
+        EngineConfig(glm_tiny, expert_distribution_recorder_mode="stat_approx")
     with pytest.raises(DsakvError, match="nonzero integer"):
-        EngineConfig(model, **STAT, expert_distribution_recorder_buffer_size=0)
+        EngineConfig(glm_tiny, **STAT, expert_distribution_recorder_buffer_size=0)
     flags = ["--expert-distribution-recorder-mode", "per_token",
              "--expert-distribution-recorder-buffer-size", "-1"]  # fmt: skip
-    config = engine_config_from_args(build_parser().parse_args(["serve", model, *flags]))
+    config = engine_config_from_args(build_parser().parse_args(["serve", glm_tiny, *flags]))
     assert config.expert_distribution_recorder_mode == "per_token"
     assert config.expert_distribution_recorder_buffer_size == -1
     capsys.readouterr()  # (what the engines above logged)
     for flag, value in zip(flags[::2], flags[1::2]):
         with pytest.raises(SystemExit) as exc:
-            build_parser().parse_args(["generate", model, "--prompt", "x", flag, value])
+            build_parser().parse_args(["generate", glm_tiny, "--prompt", "x", flag, value])
         assert exc.value.code == 2
         (err,) = capsys.readouterr().err.strip().splitlines()
         assert err.startswith("error: unrecognized arguments: " + flag), err
 
 
 @pytest.fixture(scope="module")
-def served(model):
-    with serving(EngineConfig(model=model, **EXACT, num_pages=64, **STAT)) as served:
+def served(glm_tiny):
+    with serving(EngineConfig(model=glm_tiny, **EXACT, num_pages=64, **STAT)) as served:
         yield served
 
 
@@ -286,9 +277,9 @@ def test_a_dump_that_fails_is_a_server_error_and_keeps_the_counts(served, tmp_pa
     assert _tokens(torch.load(path)) == 10 + 2
 
 
-def test_routes_refused_on_a_server_without_the_mode(model):
+def test_routes_refused_on_a_server_without_the_mode(glm_tiny):
     """A 400 in the routes' JSON error shape, naming the flag, on GET and POST."""
-    with serving(EngineConfig(model=model, **EXACT, num_pages=16)) as (base, _):
+    with serving(EngineConfig(model=glm_tiny, **EXACT, num_pages=16)) as (base, _):
         for route in ROUTES:
             for call in (httpx.get, httpx.post):
                 r = call(f"{base}/{route}_expert_distribution_record", timeout=TIMEOUT)

@@ -16,19 +16,14 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import uvicorn
 from safetensors.torch import load_file
 
-from dsakv.disagg.config import DisaggConfig
-from dsakv.disagg.router import build_router_app
-from dsakv.disagg.serving import bridge_for
 from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.engine.sleep import EngineAsleep
 from dsakv.errors import DsakvError
 from dsakv.memory.release import held_bytes
-from dsakv.procs import free_port
 
-from .serving import TIMEOUT, running, serving
+from .serving import TIMEOUT, routing, serving, serving_disagg
 from .test_pause_generation import _frozen_at, _on_engine, _Stream
 from .test_update_weights import ENGINE_ARGS, _model
 
@@ -366,16 +361,10 @@ def test_router_relays_sleep_mode(models):
     400 there, and the router undoes it on the servers that took it."""
     conf = EngineConfig(model=str(models["glm-tiny"]), **ENGINE_ARGS)
     with ExitStack() as stack:
-        urls = []
-        for disagg in (
-            DisaggConfig("prefill", bootstrap_port=free_port(), timeout_s=30),
-            DisaggConfig("decode", timeout_s=30),
-        ):
-            bridge = bridge_for(disagg, conf, "127.0.0.1")
-            urls.append(stack.enter_context(serving(conf, bridge=bridge))[0])
-        app = build_router_app(urls[:1], urls[1:])
-        server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
-        router = stack.enter_context(running(server))
+        urls = [
+            stack.enter_context(serving_disagg(conf, mode))[0] for mode in ("prefill", "decode")
+        ]
+        router = stack.enter_context(routing(urls[:1], urls[1:]))
         r = _post(router, "/release_memory_occupation", json={"tags": ["weights"]})
         assert r.status_code == 200, r.text
         assert all(_sleeping(url) for url in urls) and _sleeping(router)

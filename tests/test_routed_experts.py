@@ -17,17 +17,17 @@ import json
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from dsakv import LLM, SamplingParams
 from dsakv.cli import build_parser, engine_config_from_args
 from dsakv.config.presets import TINY_PRESETS
 from dsakv.engine import CompletionOutput, Engine, EngineConfig
 from dsakv.errors import DsakvError
-from dsakv.models.tiny import default_model_dir, write_tiny_model
+from dsakv.models.tiny import write_tiny_model
 from dsakv.procs import free_port
 from dsakv.server.protocol import APIError
 
+from .conftest import hf_reference
 from .serving import (
     NO_THINKING,
     TIMEOUT,
@@ -45,45 +45,11 @@ LAYERS, TOP_K = 8, 2  # glm-tiny's (its layer 0 dense: first_k_dense_replace 1)
 HIDDEN_ATOL = 1e-4  # fp32 both sides; measured max |Δ| about 3e-6
 
 
-@pytest.fixture(scope="module")
-def model() -> str:
-    return str(default_model_dir("glm-tiny"))  # (cached; its MTP layer fitted)
-
-
-@pytest.fixture(scope="module")
-def hf(model):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-
-
-def _reference(hf, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """transformers' forward over `ids`: each position's experts (its MoE gates' top-k,
-    sorted; a dense layer's 0) `[n, layers, top_k]` and final-normed hidden `[n, hidden]`."""
-    routed = np.zeros((len(ids), LAYERS, TOP_K), dtype=np.int64)
-    hooks = []
-    for i, layer in enumerate(hf.model.layers):
-        if hasattr(layer.mlp, "gate"):  # (an MoE layer: its router returns the top-k third)
-
-            def keep(module, args, out, i=i):
-                routed[:, i] = out[2].reshape(len(ids), TOP_K).numpy()
-
-            hooks.append(layer.mlp.gate.register_forward_hook(keep))
-    try:
-        with torch.no_grad():
-            hidden = hf.model(torch.tensor([ids])).last_hidden_state[0].numpy()
-    finally:
-        for h in hooks:
-            h.remove()
-    assert routed[:, 0].max() == 0 and routed[:, 1:].any()
-    return np.sort(routed, -1), hidden
-
-
 def _check(hf, prompt: list[int], out, start: int = 0) -> None:
     """`out`'s (a `CompletionOutput`) rows are the reference's for prompt + output but the
     last token, the routed experts from position `start`."""
     ids = prompt + out.token_ids[:-1]
-    routed, hidden = _reference(hf, ids)
+    routed, hidden = hf_reference(hf, ids)
     assert out.routed_experts.dtype == np.int32
     assert out.routed_experts.shape == (len(ids) - start, LAYERS, TOP_K)
     np.testing.assert_array_equal(np.sort(out.routed_experts, -1), routed[start:])
@@ -108,12 +74,12 @@ class _Counted:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_rows_are_the_reference_models_and_change_nothing(model, hf, backend):
+def test_rows_are_the_reference_models_and_change_nothing(glm_tiny, glm_tiny_hf, backend):
     """Prompts of 9 to 48 tokens, chunked by 24, prefilled beside others' decode steps: each
     asked-for position's experts and hidden state are transformers'; routing from
     `routed_experts_start_len` on; the tokens and logprobs are those of a run that asks for
     nothing, which records no step (the native kernels and the torch path alike)."""
-    llm = LLM(model, **EXACT, num_pages=64, chunked_prefill_size=24, attention_backend=backend,
+    llm = LLM(glm_tiny, **EXACT, num_pages=64, chunked_prefill_size=24, attention_backend=backend,
               **FLAGS)  # fmt: skip
     prompts = _prompts()
     counted = _Counted(llm.engine.model)
@@ -131,26 +97,26 @@ def test_rows_are_the_reference_models_and_change_nothing(model, hf, backend):
         assert [d[t].logprob for t, d in zip(ca.token_ids, ca.logprobs)] == pytest.approx(
             [d[t].logprob for t, d in zip(cb.token_ids, cb.logprobs)], abs=1e-5
         )
-    _check(hf, prompts[0], outs[0].outputs[0])
+    _check(glm_tiny_hf, prompts[0], outs[0].outputs[0])
     assert outs[1].outputs[0].routed_experts is None and outs[1].outputs[0].hidden_states is None
-    _check(hf, prompts[2], outs[2].outputs[0], start=5)
+    _check(glm_tiny_hf, prompts[2], outs[2].outputs[0], start=5)
     only = outs[3].outputs[0]
     assert only.routed_experts is None
-    want = _reference(hf, prompts[3] + only.token_ids[:-1])[1]
+    want = hf_reference(glm_tiny_hf, prompts[3] + only.token_ids[:-1])[1]
     np.testing.assert_allclose(only.hidden_states, want, rtol=0, atol=HIDDEN_ATOL)
 
 
-def test_prefix_cache_forks_and_a_retraction_keep_every_row(model, hf):
+def test_prefix_cache_forks_and_a_retraction_keep_every_row(glm_tiny, glm_tiny_hf):
     """The prefix cache serves an asking request only what it does not ask for (the
     positions before `routed_experts_start_len`); n > 1 choices take the prompt's rows
     from the first and their pages from the cache; a request retracted mid-decode and
     computed again reports the rows of its own tokens."""
-    llm = LLM(model, **EXACT, num_pages=64, **FLAGS)
+    llm = LLM(glm_tiny, **EXACT, num_pages=64, **FLAGS)
     prompt = _prompts()[3]  # 48 tokens: 3 pages of 16
     llm.generate([prompt], GREEDY, use_tqdm=False)  # its pages cached
     (whole,) = llm.generate([prompt], ASKED, use_tqdm=False)
     assert whole.num_cached_tokens == 0
-    _check(hf, prompt, whole.outputs[0])
+    _check(glm_tiny_hf, prompt, whole.outputs[0])
     tail = dataclasses.replace(ASKED, routed_experts_start_len=33, return_hidden_states=False)
     (part,) = llm.generate([prompt], tail, use_tqdm=False)
     assert part.num_cached_tokens == 32  # (whole pages up to position 33)
@@ -163,7 +129,7 @@ def test_prefix_cache_forks_and_a_retraction_keep_every_row(model, hf):
     assert forks.metrics["prefix_hit_tokens"] > 0  # (the later choices')
     assert len({tuple(c.token_ids) for c in forks.outputs}) > 1
     for c in forks.outputs:
-        _check(hf, prompt[:40], c)
+        _check(glm_tiny_hf, prompt[:40], c)
 
     engine = llm.engine
     req = engine.add_request(prompt[:30], dataclasses.replace(ASKED, max_tokens=8))
@@ -174,14 +140,14 @@ def test_prefix_cache_forks_and_a_retraction_keep_every_row(model, hf):
         engine.step()
     assert req.metrics.retractions == 1
     out = CompletionOutput.from_request(0, req)
-    _check(hf, prompt[:30], out)
+    _check(glm_tiny_hf, prompt[:30], out)
 
 
-def test_a_late_start_keeps_no_rows_before_it(model):
+def test_a_late_start_keeps_no_rows_before_it(glm_tiny):
     """A multi-turn rollout asks for its last turn's routing alone (`routed_experts_start_len`
     deep in its context): the host keeps no row before the start, and the rows it reports,
     through a retraction too, are the tail of a request that asks from position 0."""
-    llm = LLM(model, **EXACT, num_pages=128, **FLAGS)
+    llm = LLM(glm_tiny, **EXACT, num_pages=128, **FLAGS)
     prompt = [(5 * j) % 250 + 1 for j in range(600)]
     routed = dataclasses.replace(GREEDY, return_routed_experts=True)
     (whole,) = llm.generate([prompt], routed, use_tqdm=False)
@@ -198,11 +164,11 @@ def test_a_late_start_keeps_no_rows_before_it(model):
     np.testing.assert_array_equal(req.routed_experts, whole.outputs[0].routed_experts[start:])
 
 
-def test_mtp_verification_leaves_no_rejected_draft(model, hf):
+def test_mtp_verification_leaves_no_rejected_draft(glm_tiny, glm_tiny_hf):
     """With MTP the target checks several drafts a step: the positions of drafts it
     rejects are run again as the next step's tokens; the rows are the single-step run's,
     transformers' own."""
-    llm = LLM(model, **EXACT, num_pages=64, speculative_algorithm="mtp",
+    llm = LLM(glm_tiny, **EXACT, num_pages=64, speculative_algorithm="mtp",
               speculative_num_steps=3, **FLAGS)  # fmt: skip
     prompts = _prompts()
     params = dataclasses.replace(ASKED, max_tokens=16)
@@ -210,21 +176,21 @@ def test_mtp_verification_leaves_no_rejected_draft(model, hf):
     c = llm.engine.counters()
     assert 0 < c["spec_accepted_tokens"] < c["spec_draft_tokens"]
     for prompt, out in zip(prompts, outs):
-        _check(hf, prompt, out.outputs[0])
+        _check(glm_tiny_hf, prompt, out.outputs[0])
 
 
-def test_refused_where_not_allowed_or_not_run(model, tmp_path):
+def test_refused_where_not_allowed_or_not_run(glm_tiny, tmp_path):
     """Without the engine's flag, asking is SGLang's error (offline too); a start past the
     prompt, or one alone, is refused; a model without MoE layers routes nothing; a
     prefill/decode server refuses hidden states (the decode server never sees the prompt's
     rows; its routed experts come with the first token: `test_disagg`)."""
-    llm = LLM(model, **EXACT, num_pages=32)
+    llm = LLM(glm_tiny, **EXACT, num_pages=32)
     for name in ("return_routed_experts", "return_hidden_states"):
         with pytest.raises(DsakvError) as e:
             llm.generate([[1, 2, 3]], dataclasses.replace(GREEDY, **{name: True}), use_tqdm=False)
         flag = "--enable-" + name.replace("_", "-")
         assert e.value.param == name and f"Please set `{flag}`" in str(e.value)
-    flagged = LLM(model, **EXACT, num_pages=32, **FLAGS)
+    flagged = LLM(glm_tiny, **EXACT, num_pages=32, **FLAGS)
     with pytest.raises(DsakvError, match="higher than the number of input tokens"):
         flagged.generate([[1, 2, 3]], dataclasses.replace(ASKED, routed_experts_start_len=4))
     with pytest.raises(DsakvError, match="needs return_routed_experts"):
@@ -235,7 +201,7 @@ def test_refused_where_not_allowed_or_not_run(model, tmp_path):
         SamplingParams(return_hidden_states="yes")
 
     args = build_parser().parse_args(
-        ["serve", model, "--enable-return-routed-experts", "--enable-return-hidden-states"]
+        ["serve", glm_tiny, "--enable-return-routed-experts", "--enable-return-hidden-states"]
     )
     config = engine_config_from_args(args)
     assert config.enable_return_routed_experts and config.enable_return_hidden_states
@@ -252,7 +218,7 @@ def test_refused_where_not_allowed_or_not_run(model, tmp_path):
 
     port = free_port()
     prefill = PrefillAsyncEngine(
-        Engine(EngineConfig(model, **EXACT, num_pages=32, **FLAGS)),
+        Engine(EngineConfig(glm_tiny, **EXACT, num_pages=32, **FLAGS)),
         DisaggConfig("prefill", bootstrap_port=port),
         "127.0.0.1",
     )
@@ -270,23 +236,23 @@ def test_refused_where_not_allowed_or_not_run(model, tmp_path):
         prefill.shutdown()
 
 
-def test_dp_attention_brings_each_ranks_rows_back(model, hf):
+def test_dp_attention_brings_each_ranks_rows_back(glm_tiny, glm_tiny_hf):
     """Under DP attention each rank routes every rank's tokens together; each request's
     rows are its own rank's share, as one engine reports them."""
     prompts = _prompts()
-    with LLM(model, **EXACT, num_pages=64, tp=2, dp_attention=True, **FLAGS) as llm:
+    with LLM(glm_tiny, **EXACT, num_pages=64, tp=2, dp_attention=True, **FLAGS) as llm:
         outs = llm.generate(prompts, ASKED, use_tqdm=False)
         assert all(c["finished_requests"] > 0 for c in llm.engine.rank_counters())
     for prompt, out in zip(prompts, outs):
-        _check(hf, prompt, out.outputs[0])
+        _check(glm_tiny_hf, prompt, out.outputs[0])
 
 
 # --- SGLang's /generate --------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def served(model):
-    with serving(EngineConfig(model=model, **EXACT, num_pages=64, **FLAGS)) as served:
+def served(glm_tiny):
+    with serving(EngineConfig(model=glm_tiny, **EXACT, num_pages=64, **FLAGS)) as served:
         yield served
 
 
@@ -296,7 +262,7 @@ def _decoded(meta: dict) -> np.ndarray:
     return flat.reshape(-1, LAYERS, TOP_K)
 
 
-def test_generate_returns_sglangs_rows(served, hf):
+def test_generate_returns_sglangs_rows(served, glm_tiny_hf):
     """A batch asking for routed experts (from `routed_experts_start_len`) and, per
     prompt, hidden states: meta_info's `routed_experts` is base64 of int32
     `[tokens, layers, top_k]` (SGLang's), `hidden_states` the prompt's rows then one per
@@ -311,7 +277,7 @@ def test_generate_returns_sglangs_rows(served, hf):
     for prompt, out, hidden in zip(prompts, outs, (True, False)):
         meta = out["meta_info"]
         ids = prompt + out["output_ids"][:-1]
-        routed, states = _reference(hf, ids)
+        routed, states = hf_reference(glm_tiny_hf, ids)
         got = _decoded(meta)
         assert got.shape == (len(ids) - 3, LAYERS, TOP_K)
         np.testing.assert_array_equal(np.sort(got, -1), routed[3:])
@@ -335,7 +301,7 @@ def test_generate_returns_sglangs_rows(served, hf):
     np.testing.assert_array_equal(_decoded(chunks[-1]["meta_info"]), _decoded(whole["meta_info"]))
 
 
-def test_openai_routes_return_sglangs_rows(served, hf):
+def test_openai_routes_return_sglangs_rows(served, glm_tiny_hf):
     """SGLang's OpenAI routes: the response's `sglext.routed_experts` is its first
     choice's (n > 1 too), the rows /generate gives for the same prompt and greedy output
     (transformers' too), from `routed_experts_start_len`; each choice's `hidden_states` is
@@ -354,7 +320,7 @@ def test_openai_routes_return_sglangs_rows(served, hf):
     ):
         want = sglang_generate(base, input_ids=ids, sampling_params=sp, **asks)
         routed, rows = _decoded(want["meta_info"]), want["meta_info"]["hidden_states"]
-        ref_routed, ref_hidden = _reference(hf, ids + want["output_ids"][:-1])
+        ref_routed, ref_hidden = hf_reference(glm_tiny_hf, ids + want["output_ids"][:-1])
         np.testing.assert_array_equal(np.sort(routed, -1), ref_routed)
         np.testing.assert_allclose(rows[-1], ref_hidden[-1], rtol=0, atol=HIDDEN_ATOL)
 
@@ -426,7 +392,7 @@ _BAD = [
 ]
 
 
-def test_bad_requests_are_400s_naming_the_field(served, model):
+def test_bad_requests_are_400s_naming_the_field(served, glm_tiny):
     base, _ = served
     for extra, param in _BAD:
         body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}, **extra}
@@ -446,7 +412,7 @@ def test_bad_requests_are_400s_naming_the_field(served, model):
         r = httpx.post(base + path, json=body, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
-    with serving(EngineConfig(model=model, **EXACT, num_pages=32)) as (plain, _):
+    with serving(EngineConfig(model=glm_tiny, **EXACT, num_pages=32)) as (plain, _):
         for name in ("return_routed_experts", "return_hidden_states"):
             for path, body in (
                 ("/generate", {"input_ids": [5, 6, 7], name: True}),

@@ -10,7 +10,6 @@ by its shape)."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -19,11 +18,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-import uvicorn
 
-from dsakv.disagg.config import DisaggConfig
-from dsakv.disagg.router import build_router_app
-from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
 from dsakv.models.tiny import write_tiny_model
 
@@ -32,9 +27,10 @@ from .serving import (
     TIMEOUT,
     engine_stops_stepping_at,
     free_port,
-    running,
+    routing,
     scrape_metrics,
-    serving,
+    serving_disagg,
+    until_in_flight,
     wait_idle,
 )
 from .test_invocations import NO_HANDLER
@@ -50,18 +46,10 @@ def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
     conf = EngineConfig(model, device="cpu", num_pages=64, page_size=16,
                         kv_cache_dtype="fp32", index_k_dtype="fp32",
                         expert_distribution_recorder_mode="stat")  # fmt: skip
-    p_disagg = DisaggConfig("prefill", bootstrap_port=free_port(), timeout_s=30)
-    d_disagg = DisaggConfig("decode", timeout_s=30)
     with ExitStack() as stack:
-        p_url, _ = stack.enter_context(
-            serving(conf, bridge=bridge_for(p_disagg, conf, "127.0.0.1"))
-        )
-        d_url, decode = stack.enter_context(
-            serving(conf, bridge=bridge_for(d_disagg, conf, "127.0.0.1"))
-        )
-        app = build_router_app([p_url], [d_url])
-        server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
-        router = stack.enter_context(running(server))
+        p_url, _ = stack.enter_context(serving_disagg(conf, "prefill"))
+        d_url, decode = stack.enter_context(serving_disagg(conf, "decode"))
+        router = stack.enter_context(routing([p_url], [d_url]))
         yield SimpleNamespace(router=router, prefill_url=p_url, decode_url=d_url, decode=decode)
 
 
@@ -121,9 +109,7 @@ def test_a_pause_that_fails_on_one_server_is_undone_on_the_others(pd):
     """(As SGLang's /pause_generation is.) A call for one server passes over one that is
     down."""
     dead = f"http://127.0.0.1:{free_port()}"
-    app = build_router_app([pd.prefill_url], [dead, pd.decode_url])
-    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
-    with running(server) as router:
+    with routing([pd.prefill_url], [dead, pd.decode_url]) as router:
         r = _post(router, "/pause", params={"mode": "keep"})
         assert r.status_code == 502 and dead in r.json()["error"]["message"], r.text
         assert "1 of 3" in r.json()["error"]["message"]
@@ -175,9 +161,7 @@ def test_an_expert_record_start_that_fails_on_one_server_is_undone(pd, tmp_path,
     counted nowhere."""
     monkeypatch.setenv("SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR", str(tmp_path))
     dead = f"http://127.0.0.1:{free_port()}"
-    app = build_router_app([pd.prefill_url], [dead, pd.decode_url])
-    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
-    with running(server) as router:
+    with routing([pd.prefill_url], [dead, pd.decode_url]) as router:
         r = _post(router, "/start_expert_distribution_record")
         assert r.status_code == 502 and dead in r.json()["error"]["message"], r.text
     _complete(pd.router, "/v1/completions", {"prompt": "Count nothing.", **GREEDY})
@@ -222,10 +206,7 @@ def test_load_counts_the_requests_in_flight_on_the_decode_servers(pd):
     body = {"prompt": "Hold on.", "temperature": 0, "ignore_eos": True, "max_tokens": 100}
     with ThreadPoolExecutor(1) as pool, engine_stops_stepping_at(pd.decode, 2):
         held = pool.submit(_post, pd.router, "/v1/completions", json=body)
-        deadline = time.monotonic() + TIMEOUT
-        while _get(pd.decode_url, "/load").json()["server_load"] != 1:
-            assert not held.done(), held.result().text
-            assert time.monotonic() < deadline, "the request never reached the decode server"
+        until_in_flight(pd.decode_url, held)
         assert _get(pd.router, "/load").json() == {"server_load": 1}
         assert _post(pd.router, "/abort_request", json={"abort_all": True}).status_code == 200
         assert held.result().json()["choices"][0]["finish_reason"] == "abort"

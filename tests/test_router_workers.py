@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -22,18 +21,22 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsakv.disagg.config import DisaggConfig
 from dsakv.disagg.router import build_router_app
-from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server.app import build_app
 
-from .serving import TIMEOUT, engine_stops_stepping_at, free_port, running, serving
+from .serving import (
+    TIMEOUT,
+    engine_stops_stepping_at,
+    free_port,
+    routing,
+    serving_disagg,
+    until_in_flight,
+)
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 4}
@@ -47,21 +50,11 @@ def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
     conf = EngineConfig(model, device="cpu", num_pages=64, page_size=16,
                         kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
     bport = free_port()
-    p_disagg = DisaggConfig("prefill", bootstrap_port=bport, timeout_s=30)
-    d_disagg = DisaggConfig("decode", timeout_s=30)
     with ExitStack() as stack:
-        prefill, _ = stack.enter_context(
-            serving(conf, bridge=bridge_for(p_disagg, conf, "127.0.0.1"))
-        )
-        decode, _ = stack.enter_context(
-            serving(conf, bridge=bridge_for(d_disagg, conf, "127.0.0.1"))
-        )
-        decode2, engine2 = stack.enter_context(
-            serving(conf, bridge=bridge_for(d_disagg, conf, "127.0.0.1"))
-        )
-        app = build_router_app([prefill], [decode])
-        server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
-        router = stack.enter_context(running(server))
+        prefill, _ = stack.enter_context(serving_disagg(conf, "prefill", bootstrap_port=bport))
+        decode, _ = stack.enter_context(serving_disagg(conf, "decode"))
+        decode2, engine2 = stack.enter_context(serving_disagg(conf, "decode"))
+        router = stack.enter_context(routing([prefill], [decode]))
         yield SimpleNamespace(
             router=router, prefill=prefill, decode=decode, decode2=decode2, engine2=engine2,
             bootstrap_port=bport, want=_complete(router), conf=conf,
@@ -73,9 +66,9 @@ def restored(pd) -> Iterator[None]:
     """The router over its first pair again after the test, whatever it changed."""
     yield
     for url in (pd.decode2, pd.prefill, pd.decode):
-        httpx.delete(f"{pd.router}/workers/{quote(url, safe='')}", timeout=TIMEOUT)
+        _delete(pd.router, url)
     for url in (pd.prefill, pd.decode):
-        r = httpx.post(f"{pd.router}/workers", json={"url": url}, timeout=TIMEOUT)
+        r = _add(pd.router, url=url)
         assert r.status_code == 200, r.text
 
 
@@ -96,15 +89,6 @@ def _served(url: str, endpoint: str = "/v1/completions") -> int:
         if s.name == "dsakv_http_requests_total"
         and s.labels == {"endpoint": endpoint, "status": "200"}
     )
-
-
-def _until_streaming(url: str, held) -> None:
-    """Wait until the server `url` has one request in flight (`held`, its client, running)."""
-    deadline = time.monotonic() + TIMEOUT
-    while httpx.get(f"{url}/load", timeout=TIMEOUT).json()["server_load"] != 1:
-        assert not held.done(), held.result()
-        assert time.monotonic() < deadline, f"the stream never reached {url}"
-        time.sleep(0.05)
 
 
 def _add(base: str, headers: dict[str, str] | None = None, **spec) -> httpx.Response:
@@ -188,7 +172,7 @@ def test_a_removed_decode_server_finishes_the_stream_it_is_sending(pd, restored)
     with ThreadPoolExecutor(1) as pool:
         with engine_stops_stepping_at(pd.engine2, 2):
             held = pool.submit(stream)
-            _until_streaming(pd.decode2, held)
+            until_in_flight(pd.decode2, held)
             assert _add(pd.router, url=pd.decode, worker_type="decode").status_code == 200
             assert _delete(pd.router, pd.decode2).status_code == 200
             assert not held.done()
@@ -219,7 +203,7 @@ def test_an_abort_reaches_a_removed_server_until_its_stream_ends(pd, restored):
     with ThreadPoolExecutor(1) as pool:
         with engine_stops_stepping_at(pd.engine2, 2):
             held = pool.submit(stream)
-            _until_streaming(pd.decode2, held)
+            until_in_flight(pd.decode2, held)
             assert _add(pd.router, url=pd.decode, worker_type="decode").status_code == 200
             assert _delete(pd.router, pd.decode2).status_code == 200
             abort = {"rid": "removed-abort"}
@@ -236,8 +220,7 @@ def test_a_server_with_another_kv_layout_is_refused(pd):
     (here: another page size) is the 400 naming what differs, as the handoff's 502 would
     have for every request it shared with another server; nothing is added."""
     conf = dataclasses.replace(pd.conf, page_size=32)
-    bridge = bridge_for(DisaggConfig("decode", timeout_s=30), conf, "127.0.0.1")
-    with serving(conf, bridge=bridge) as (odd, _):
+    with serving_disagg(conf, "decode") as (odd, _):
         try:
             message = _refusal(_add(pd.router, url=odd, worker_type="decode"), 400, "url")
         finally:
@@ -363,6 +346,11 @@ def test_with_no_decode_or_prefill_server_left_a_request_is_a_503_naming_it(pd, 
     assert r.status_code == 503
     assert r.json()["error"]["message"].startswith("no prefill and no decode workers available")
     assert _listed(pd.router) == []
+    r = httpx.post(f"{pd.router}/flush_cache", timeout=TIMEOUT)  # (an admin call: to nobody)
+    assert r.status_code == 503 and r.json()["error"] == {
+        "message": "no workers available: add one (POST /workers)",
+        "type": "server_error", "param": None, "code": "server_selection_failed",
+    }, r.text  # fmt: skip
 
     wrong = pd.bootstrap_port + 1
     r = _add(pd.router, url=pd.prefill, worker_type="prefill", bootstrap_port=wrong)
@@ -428,10 +416,8 @@ def test_the_routers_api_key_guards_its_routes_and_the_worker_api(pd):
     removed; with it they work (the key relayed to the servers too); the probes stay open.
     (The router checked no key: anyone reaching its port could add a decode server of
     their own and be sent other clients' prompts.)"""
-    app = build_router_app([pd.prefill], [pd.decode], api_key="sekret")
-    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
     key = {"Authorization": "Bearer sekret"}
-    with running(server) as base:
+    with routing([pd.prefill], [pd.decode], api_key="sekret") as base:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             for method, path, kw in [
                 ("POST", "/v1/completions", {"json": {"prompt": PROMPT, **GREEDY}}),

@@ -180,12 +180,12 @@ def serve_flags(config: Any, engine_args: dict[str, Any]) -> list[str]:
 def _switches() -> dict[str, dict[bool, str]]:
     """`EngineConfig` fields set by a switch: field -> {the value it sets: the switch}, read
     from the CLI's own definitions (a list kept here missed the switches added since)."""
-    from dsakv.cli.args import _OFF_FLAGS, _actions, add_engine_args, add_storage_args
+    from dsakv.cli.args import OFF_FLAGS, actions, add_engine_args, add_storage_args
 
     out: dict[str, dict[bool, str]] = {}
-    for action in _actions(add_engine_args) + _actions(add_storage_args):
+    for action in actions(add_engine_args) + actions(add_storage_args):
         if action.nargs == 0 and action.help != argparse.SUPPRESS:
-            field, value = _OFF_FLAGS.get(action.dest, (action.dest, action.const))
+            field, value = OFF_FLAGS.get(action.dest, (action.dest, action.const))
             out.setdefault(field, {})[value] = action.option_strings[0]
     return out
 

@@ -1,7 +1,8 @@
 """The flags the commands share, their argparse types, and the `EngineConfig` they give:
 vLLM's and SGLang's spellings taken, folded into dsakv's own, or refused in one line. With
 them the log levels they set, and which flags a command line gave (to pass them on:
-`given_flags`; to refuse those a mode does not take: `stray_flags`)."""
+`given_flags`; to refuse those a mode does not take: `stray_flags`). What a flag sets is
+read off its definition (`actions`, `OFF_FLAGS`, `FOLDED`), by `dsakv bench` too."""
 
 from __future__ import annotations
 
@@ -185,10 +186,10 @@ TP = ("--tp", "--tp-size", "--tensor-parallel-size", "-tp")
 EP = ("--ep", "--ep-size", "--expert-parallel-size")
 # SGLang's (and vLLM's) data-parallel size: dsakv's is --tp's under --dp-attention, else 1.
 _DP = ("--dp-size", "--dp", "--data-parallel-size", "-dp")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # (vLLM's)
 # Hidden flags with no field of their own: `_fold_foreign` checks them against dsakv's
 # flags, then they are dropped (never passed on: serve-pd passes what they checked).
-UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # (vLLM's)
-_FOLDED = (
+FOLDED = (
     "enforce_eager",
     "enable_chunked_prefill",
     "max_prefill_tokens",
@@ -686,7 +687,7 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
 
 
 # Engine flags that set an `EngineConfig` field of another name: flag -> (field, value).
-_OFF_FLAGS = {
+OFF_FLAGS = {
     "no_elide_index_k": ("elide_index_k", False),
     "no_prefix_cache": ("enable_prefix_cache", False),
     "disable_deterministic_inference": ("enable_deterministic_inference", False),
@@ -694,7 +695,7 @@ _OFF_FLAGS = {
 
 
 def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
-    """SGLang's / vLLM's values and flags (`_FOLDED`) as dsakv's own flags, set in `args`
+    """SGLang's / vLLM's values and flags (`FOLDED`) as dsakv's own flags, set in `args`
     (what serve-pd passes on), or refused where dsakv has no such meaning."""
     from dsakv.config import ModelConfig
     from dsakv.engine.config import DRAFT_STEPS
@@ -804,7 +805,7 @@ def _fold_prefill_budget(args: argparse.Namespace, model_dir: str) -> None:
 
 def engine_config_from_args(args: argparse.Namespace):
     """The `EngineConfig` the engine flags (`add_engine_args`, `add_storage_args`) give:
-    each flag given sets the field of its name (`_OFF_FLAGS`: another's), so a new flag
+    each flag given sets the field of its name (`OFF_FLAGS`: another's), so a new flag
     cannot be forgotten here; a flag left out leaves the field's default."""
     from dsakv.engine import EngineConfig
     from dsakv.models.tiny import resolve_model_dir
@@ -812,12 +813,12 @@ def engine_config_from_args(args: argparse.Namespace):
     model_dir = resolve_model_dir(args.model)
     _fold_foreign(args, model_dir)
     kw: dict[str, Any] = {}
-    for action in _actions(add_engine_args) + _actions(add_storage_args):
-        if action.dest in _FOLDED:
+    for action in actions(add_engine_args) + actions(add_storage_args):
+        if action.dest in FOLDED:
             continue
         value = getattr(args, action.dest, None)
         if value is not None and value is not False:  # (given)
-            name, value = _OFF_FLAGS.get(action.dest, (action.dest, value))
+            name, value = OFF_FLAGS.get(action.dest, (action.dest, value))
             kw[name] = value
     return EngineConfig.from_kwargs(model_dir, **kw)
 
@@ -837,7 +838,7 @@ def uvicorn_log_level(args: argparse.Namespace) -> str:
     return args.uvicorn_log_level or args.log_level or "info"
 
 
-def _actions(add_args: Callable[[argparse.ArgumentParser], None]) -> list[argparse.Action]:
+def actions(add_args: Callable[[argparse.ArgumentParser], None]) -> list[argparse.Action]:
     """The arguments `add_args` defines (to read them back from parsed args)."""
     parser = argparse.ArgumentParser(add_help=False)
     add_args(parser)
@@ -847,7 +848,7 @@ def _actions(add_args: Callable[[argparse.ArgumentParser], None]) -> list[argpar
 def given_flags(args: argparse.Namespace, add_args: Any) -> list[str]:
     """The flags `add_args` defines, as given on this command line (to pass them on)."""
     out: list[str] = []
-    for action in _actions(add_args):
+    for action in actions(add_args):
         if action.help == argparse.SUPPRESS:
             continue  # (a hidden alias: dsakv's own flag passes the value)
         value = getattr(args, action.dest, None)

@@ -67,23 +67,26 @@ def _error(
     return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
-def _refused(
+def _client_error(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    """A worker API call refused: the client's error, with SGLang's code for it."""
+    """The client's error (a 4xx), in the servers' shape; `code`: SGLang's, where it has one."""
     return _error(status, message, "invalid_request_error", param, code)
 
 
 def _not_found(rid: str, param: str) -> JSONResponse:
     """The servers' answer for a response id they do not hold."""
-    message = f"Response with id '{rid}' not found."
-    return JSONResponse(error_body(message, "invalid_request_error", param), status_code=404)
+    return _client_error(404, f"Response with id '{rid}' not found.", param)
+
+
+def _no_such_worker(url: str) -> JSONResponse:
+    """SGLang's answer for a worker the router does not have."""
+    return _client_error(404, f"worker {url} not found", "url", "WORKER_NOT_FOUND")
 
 
 def _taken(rid: str) -> JSONResponse:
     """The servers' answer for a request_id a response has (or a request runs under)."""
-    message = f"a response with id '{rid}' exists already"
-    return JSONResponse(error_body(message, "invalid_request_error", "request_id"), 400)
+    return _client_error(400, f"a response with id '{rid}' exists already", "request_id")
 
 
 def _sse_error(message: str) -> bytes:
@@ -101,7 +104,7 @@ class Router:
         # (across awaits) sees the servers of when it began.
         self.prefill = [_server_url(u) for u in prefill]
         self.decode = [_server_url(u) for u in decode]
-        _once([("--prefill", u) for u in prefill] + [("--decode", u) for u in decode])
+        _check_distinct([("--prefill", u) for u in prefill] + [("--decode", u) for u in decode])
         self._turns = {"prefill": 0, "decode": 0}  # requests sent to each kind (round robin)
         self._bootstrap: dict[str, tuple[str, int]] = {}
         self._down: dict[str, float] = {}  # server -> when it last failed to connect
@@ -131,7 +134,7 @@ class Router:
         self._turns[kind] = turn + 1
         return turn % len(urls) if urls else 0
 
-    def _reached(self, kind: str) -> list[str]:
+    def _admin_targets(self, kind: str) -> list[str]:
         """The `kind` servers an admin call goes to: the router's, and those removed that
         still have requests in flight through it (an abort must find those requests)."""
         leaving = [url for url, was in self._leaving.items() if was == kind]
@@ -139,15 +142,15 @@ class Router:
 
     async def _open(self, url: str, send: httpx.Request) -> httpx.Response:
         """`send` to the server `url`, its answer streamed: a request in flight there
-        (`_busy`) from now until the caller's `_done(url)`, once the answer is read."""
+        (`_busy`) from now until the caller's `_finished(url)`, once the answer is read."""
         self._busy[url] += 1
         try:
             return await self.client.send(send, stream=True)
         except BaseException:  # (cancelled too: the client left)
-            self._done(url)
+            self._finished(url)
             raise
 
-    def _done(self, url: str) -> None:
+    def _finished(self, url: str) -> None:
         """A request to `url` ended: a removed server's last leaves the admin calls' reach."""
         self._busy[url] -= 1
         if self._busy[url] <= 0:
@@ -370,7 +373,7 @@ class Router:
                 try:
                     content = await _unless_left(r.aread(), request)
                 finally:
-                    self._done(url)
+                    self._finished(url)
                     await r.aclose()
             except httpx.HTTPError as e:
                 errors.append(f"{url}: {e!r}")
@@ -396,6 +399,10 @@ class Router:
             return  # (removed while it answered: forgotten with the others it holds)
         self._responses[rid] = decode
         self._responses.move_to_end(rid)
+        self._trim_responses()
+
+    def _trim_responses(self) -> None:
+        """The least recently used stored responses forgotten, past `responses_kept`."""
         while len(self._responses) > self.responses_kept:
             self._responses.popitem(last=False)
 
@@ -449,7 +456,7 @@ class Router:
                 self._failed(p_url, prefill)
                 return _error(502, f"lost the decode server {d_url}: {e!r}")
             finally:
-                self._done(d_url)
+                self._finished(d_url)
                 await resp.aclose()
             if content is None:
                 prefill.cancel()
@@ -521,8 +528,9 @@ class Router:
         each naming its server and role (`worker`, `worker_type`: sglang-router's names for
         them), the decode servers' first, as one flat list over every server: a client
         that sums one server's entries sums the deployment's."""
-        roles = [("decode", u) for u in self.decode] + [("prefill", u) for u in self.prefill]
-        answers = await self._everyone("/get_load", request, (self.decode, self.prefill))
+        asked = (self.decode, self.prefill)  # (as they are now: workers may come meanwhile)
+        roles = [("decode", u) for u in asked[0]] + [("prefill", u) for u in asked[1]]
+        answers = await self._everyone("/get_load", request, asked)
         if isinstance(answers, Response):
             return answers
         return JSONResponse(
@@ -536,14 +544,14 @@ class Router:
     async def _everyone(
         self, path: str, request: Request, groups: tuple[list[str], ...] | None = None
     ) -> list[httpx.Response] | Response:
-        """`request` (its method, query, body and key) to each server at `path`, the decode
-        servers, then the prefill servers, those removed with requests still in flight too
-        (`_reached`; `groups`: those groups in turn): their answers,
-        when each is a 2xx; else a server's 4xx, or a 502 naming those that failed. A pause
-        that failed somewhere pauses nothing (`_UNDO`); with no server to ask, the 503."""
-        groups = groups or (self._reached("decode"), self._reached("prefill"))
+        """`request` (its method, query, body and key) at `path` to every server (decode
+        first, then prefill, those still leaving included: `_admin_targets`), or to `groups`
+        in turn: their answers, when each is a 2xx; else a server's 4xx, or a 502 naming
+        those that failed. A pause that failed somewhere pauses nothing (`_UNDO`); with no
+        server to ask, the 503."""
+        groups = groups or (self._admin_targets("decode"), self._admin_targets("prefill"))
         if not any(groups):
-            return _error(503, "no workers available: add one (POST /workers)")
+            return _none_of([])
         try:
             raw = await request.body()
         except ClientDisconnect:
@@ -666,7 +674,7 @@ class Router:
     async def _post(
         self, url: str, path: str, raw: bytes, headers: dict[str, str]
     ) -> httpx.Response:
-        """`raw` sent to `url`, its answer streamed (`_open`: the caller's `_done` once
+        """`raw` sent to `url`, its answer streamed (`_open`: the caller's `_finished` once
         read); a server refusing the connection is marked down for a while (`_in_turn`)."""
         send = self.client.build_request("POST", f"{url}{path}", content=raw, headers=headers)
         try:
@@ -679,7 +687,7 @@ class Router:
 
     async def _relay(self, resp: httpx.Response, d_url: str) -> AsyncIterator[bytes]:
         """The decode server's SSE bytes as they come; if it dies, an error event. The
-        stream's end is the request's there (`_done`)."""
+        stream's end is the request's there (`_finished`)."""
         try:
             async for chunk in resp.aiter_raw():
                 yield chunk
@@ -687,7 +695,7 @@ class Router:
             self.failures += 1
             yield _sse_error(f"lost the decode server {d_url} mid-stream: {e!r}")
         finally:
-            self._done(d_url)
+            self._finished(d_url)
             await resp.aclose()
 
     async def _prefill(
@@ -706,7 +714,7 @@ class Router:
             log.warning("prefill %s failed: %r", p_url, e)
             self._bootstrap.pop(p_url, None)
         finally:
-            self._done(p_url)
+            self._finished(p_url)
 
     def _failed(self, p_url: str, prefill: asyncio.Task) -> None:
         """A request the servers failed: its prefill half goes, and the prefill server's
@@ -724,8 +732,7 @@ class Router:
     # --- workers joining and leaving: SGLang Model Gateway's worker API -------------------
 
     def _find(self, url: str) -> tuple[str, str] | None:
-        """The kind of worker the server `url` leads to is, and the URL it was registered
-        under: any spelling of it finds it (`_address`)."""
+        """(kind, registered URL) of the worker `url` names, in any spelling (`_address`)."""
         try:
             at = _address(url)
         except DsakvError:
@@ -736,14 +743,14 @@ class Router:
                     return kind, known
         return None
 
-    def _taken(self, url: str) -> Response | None:
+    def _already_registered(self, url: str) -> Response | None:
         """The 409 for a server registered already (as either kind, under any spelling)."""
         found = self._find(url)
         if found is None:
             return None
         kind, known = found
         message = f"{url} is a {kind} worker already" + (f" (as {known})" if known != url else "")
-        return _refused(409, message, "url", "WORKER_ALREADY_EXISTS")
+        return _client_error(409, message, "url", "WORKER_ALREADY_EXISTS")
 
     def worker(self, url: str) -> dict[str, Any] | None:
         """What the router knows of a worker (`url` in any spelling), else None."""
@@ -774,61 +781,22 @@ class Router:
         counts = {"prefill_count": len(self.prefill), "decode_count": len(self.decode)}
         return {"workers": listed, "total": len(listed), "stats": {**counts, "regular_count": 0}}
 
-    async def add_worker(self, spec: Any) -> dict[str, Any] | Response:
+    async def add_worker(self, spec: dict[str, Any]) -> dict[str, Any] | Response:
         """A server joining, `spec` in SGLang's fields (`url`, `worker_type`, a prefill
-        server's `bootstrap_port`): its `/disagg/info` must answer, in the mode the type
-        names (no type: its mode is taken), with the bootstrap port given if one is, and the
-        KV layout the deployment's servers have (`_unlike`). It takes requests from the next
-        one on. SGLang's answer, else the 4xx naming the field (SGLang's `api_key` too: the
-        router passes on the client's key instead)."""
-        if not isinstance(spec, dict):
-            return _refused(400, "a worker must be a JSON object")
-        url = spec.get("url")
-        if not isinstance(url, str):
-            return _refused(400, "url must be the server's URL, a string", "url")
-        try:
-            url = _server_url(url)
-        except DsakvError as e:
-            return _refused(400, str(e), "url")
-        kind = spec.get("worker_type")
-        if kind not in (None, "prefill", "decode"):
-            message = f"worker_type must be 'prefill' or 'decode' (what it pairs), got {kind!r}"
-            return _refused(400, message, "worker_type")
-        if spec.get("api_key") is not None:
-            message = (
-                "api_key is not taken: the router relays each client's Authorization header "
-                "to the servers, which check their own --api-key"
-            )
-            return _refused(400, message, "api_key")
-        port = spec.get("bootstrap_port")
-        if port is not None and (type(port) is not int or not 0 < port < 65536):
-            message = f"bootstrap_port must be a port number, got {port!r}"
-            return _refused(400, message, "bootstrap_port")
-        if (taken := self._taken(url)) is not None:
+        server's `bootstrap_port`; `_checked_spec`), its `/disagg/info` agreeing (`_probe`).
+        It takes requests from the next one on. SGLang's answer, else the 4xx naming the
+        field."""
+        checked = _checked_spec(spec)
+        if isinstance(checked, Response):
+            return checked
+        url, kind, port = checked
+        if (taken := self._already_registered(url)) is not None:
             return taken
-        try:
-            info = await self._disagg_info(url)
-            mode = info.get("mode")
-            address = _bootstrap_address(url, info) if mode == "prefill" else None
-        except httpx.HTTPStatusError as e:
-            status = e.response.status_code
-            message = f"{url} is not a prefill or decode server: GET /disagg/info answered {status}"
-            return _refused(400, message, "url")
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
-            message = f"{url} did not answer GET /disagg/info as a prefill or decode server: {e!r}"
-            return _refused(400, message, "url")
-        if mode not in ("prefill", "decode"):
-            return _refused(400, f"{url} is not a prefill or decode server (mode {mode!r})", "url")
-        if kind is not None and mode != kind:
-            message = f"{url} is a {mode} server, not a {kind} server"
-            return _refused(400, message, "worker_type")
-        if port is not None and (address is None or port != address[1]):
-            told = f"is {address[1]}" if address else "is none (a decode server)"
-            message = f"{url}'s bootstrap port {told}, not {port}"
-            return _refused(400, message, "bootstrap_port")
-        if (differs := await self._unlike(url, info)) is not None:
-            return _refused(400, differs, "url")
-        if (taken := self._taken(url)) is not None:  # (added while it was asked)
+        probed = await self._probe(url, kind, port)
+        if isinstance(probed, Response):
+            return probed
+        mode, address = probed
+        if (taken := self._already_registered(url)) is not None:  # (added while it was asked)
             return taken
         if address is not None:
             self._bootstrap[url] = address
@@ -841,7 +809,39 @@ class Router:
         message = f"Successfully added {mode} server: {url}"
         return {"success": True, "message": message, "worker": self._info(mode, url)}
 
-    async def _unlike(self, url: str, info: dict[str, Any]) -> str | None:
+    async def _probe(
+        self, url: str, kind: str | None, port: int | None
+    ) -> tuple[str, tuple[str, int] | None] | Response:
+        """The mode of the server `url` and, a prefill server's, its bootstrap (host, port),
+        from its `/disagg/info`: it must answer, in the mode `kind` names (None: its mode is
+        taken), with the bootstrap `port` if one is given, and the KV layout the
+        deployment's servers have (`_layout_differs`); else the 400 naming the field."""
+        try:
+            info = await self._disagg_info(url)
+            mode = info.get("mode")
+            address = _bootstrap_address(url, info) if mode == "prefill" else None
+        except httpx.HTTPStatusError as e:
+            status = e.response.status_code
+            message = f"{url} is not a prefill or decode server: GET /disagg/info answered {status}"
+            return _client_error(400, message, "url")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
+            message = f"{url} did not answer GET /disagg/info as a prefill or decode server: {e!r}"
+            return _client_error(400, message, "url")
+        if mode not in ("prefill", "decode"):
+            message = f"{url} is not a prefill or decode server (mode {mode!r})"
+            return _client_error(400, message, "url")
+        if kind is not None and mode != kind:
+            message = f"{url} is a {mode} server, not a {kind} server"
+            return _client_error(400, message, "worker_type")
+        if port is not None and (address is None or port != address[1]):
+            told = f"is {address[1]}" if address else "is none (a decode server)"
+            message = f"{url}'s bootstrap port {told}, not {port}"
+            return _client_error(400, message, "bootstrap_port")
+        if (differs := await self._layout_differs(url, info)) is not None:
+            return _client_error(400, differs, "url")
+        return mode, address
+
+    async def _layout_differs(self, url: str, info: dict[str, Any]) -> str | None:
         """How the server `url` (its `/disagg/info`: `info`) differs from the deployment in
         what a handoff needs equal (the KV layout, how the KV is computed), against the
         first of the router's servers whose `/disagg/info` answers; else None (also when
@@ -867,25 +867,21 @@ class Router:
     def remove_worker(self, url: str) -> dict[str, Any] | Response:
         """A server leaving: new requests go to the others, those it has finish (a decode
         server still streams its answers through the router; admin calls such as an abort
-        reach it until they end: `_reached`), and the stored responses the router knew it
-        held are forgotten. The last of a kind may go too, as in SGLang's
-        gateway: requests then get the 503 naming what is missing until one is added."""
+        reach it until they end: `_admin_targets`), and the stored responses the router knew
+        it held are forgotten. The last of a kind may go too, as in SGLang's gateway:
+        requests then get the 503 naming what is missing until one is added."""
         found = self._find(url)
         if found is None:
-            return _refused(404, f"worker {url} not found", "url", "WORKER_NOT_FOUND")
-        kind, url = found
-        at = _address(url)
-        gone = [u for u in getattr(self, kind) if _address(u) == at]
-        setattr(self, kind, [u for u in getattr(self, kind) if u not in gone])
-        for u in gone:
-            self._bootstrap.pop(u, None)
-            self._down.pop(u, None)
-            if self._busy[u] > 0:
-                self._leaving[u] = kind
-        for rid in [rid for rid, held in self._responses.items() if held in gone]:
+            return _no_such_worker(url)
+        kind, url = found  # (its one entry: `_check_distinct`, `_already_registered`)
+        setattr(self, kind, [u for u in getattr(self, kind) if u != url])
+        self._bootstrap.pop(url, None)
+        self._down.pop(url, None)
+        if self._busy[url] > 0:
+            self._leaving[url] = kind
+        for rid in [rid for rid, held in self._responses.items() if held == url]:
             del self._responses[rid]
-        while len(self._responses) > self.responses_kept:
-            self._responses.popitem(last=False)
+        self._trim_responses()
         log.info("router: %s server %s removed", kind, url)
         return {"success": True, "message": f"Successfully removed {kind} server: {url}"}
 
@@ -930,6 +926,8 @@ _LAYOUT_KEYS = ("fingerprint", "compute")
 # The most pages (of 100) of a previous response's input items the router reads: more than
 # any context holds.
 _ITEM_PAGES = 10_000
+# The older worker calls' (/add_worker, /remove_worker) answer to one without ?url=.
+_URL_IN_QUERY = "give the worker's URL as ?url="
 # How long a server that failed to connect is asked after the others.
 _DOWN_S = 10.0
 # SGLang's admin calls the router relays to every server, and how long it waits for each
@@ -1023,16 +1021,44 @@ def _server_url(url: str) -> str:
     return urlunsplit((scheme, netloc, parts.path.rstrip("/"), "", ""))
 
 
-def _once(given: list[tuple[str, str]]) -> None:
+def _check_distinct(given: list[tuple[str, str]]) -> None:
     """Each server given once (`_address`: however its URL is spelt), else the DsakvError
-    naming both spellings (a server given twice was twice in the round robin, or a prefill
-    server a decode server too, and removing it left the other spelling's entry)."""
+    naming both spellings: a server given twice (or as a prefill and a decode server) would
+    take two turns, and removing one would leave the other."""
     seen: dict[tuple[str, int, str], str] = {}
     for flag, url in given:
         at = _address(url)
         if at in seen:
             raise DsakvError(f"{seen[at]} and {flag} {url} are one server: give it once")
         seen[at] = f"{flag} {url}"
+
+
+def _checked_spec(spec: dict[str, Any]) -> tuple[str, str | None, int | None] | Response:
+    """A worker's `url` (spelt one way: `_server_url`), `worker_type` and `bootstrap_port`
+    (None where not given), else the 400 naming the field; SGLang's `api_key` too: the
+    router passes on each client's key instead."""
+    url = spec.get("url")
+    if not isinstance(url, str):
+        return _client_error(400, "url must be the server's URL, a string", "url")
+    try:
+        url = _server_url(url)
+    except DsakvError as e:
+        return _client_error(400, str(e), "url")
+    kind = spec.get("worker_type")
+    if kind not in (None, "prefill", "decode"):
+        message = f"worker_type must be 'prefill' or 'decode' (what it pairs), got {kind!r}"
+        return _client_error(400, message, "worker_type")
+    if spec.get("api_key") is not None:
+        message = (
+            "api_key is not taken: the router relays each client's Authorization header "
+            "to the servers, which check their own --api-key"
+        )
+        return _client_error(400, message, "api_key")
+    port = spec.get("bootstrap_port")
+    if port is not None and (type(port) is not int or not 0 < port < 65536):
+        message = f"bootstrap_port must be a port number, got {port!r}"
+        return _client_error(400, message, "bootstrap_port")
+    return url, kind, port
 
 
 def _address(url: str) -> tuple[str, int, str]:
@@ -1049,7 +1075,10 @@ def _bootstrap_address(prefill_url: str, info: dict[str, Any]) -> tuple[str, int
 
 
 def _none_of(kinds: list[str]) -> JSONResponse:
-    message = f"no {' and no '.join(kinds)} workers available: add one (POST /workers)"
+    """SGLang's gateway's 503 for a request needing servers the router has none of: of
+    `kinds`, or (none named) of any kind."""
+    named = " and no ".join(kinds) + " " if kinds else ""
+    message = f"no {named}workers available: add one (POST /workers)"
     return _error(503, message, code="server_selection_failed")
 
 
@@ -1083,9 +1112,9 @@ async def _json_body(request: Request) -> tuple[bytes, dict[str, Any]] | Respons
     try:
         body = json.loads(raw)
     except ValueError as e:
-        return _error(400, f"request body is not valid JSON: {e}", "invalid_request_error")
+        return _client_error(400, f"request body is not valid JSON: {e}")
     if not isinstance(body, dict):
-        return _error(400, "request body must be a JSON object", "invalid_request_error")
+        return _client_error(400, "request body must be a JSON object")
     return raw, body
 
 
@@ -1242,7 +1271,7 @@ def build_router_app(prefill: list[str], decode: list[str], api_key: str | None 
     async def get_worker(url: str) -> Response:
         info = router.worker(url)
         if info is None:
-            return _refused(404, f"worker {url} not found", "url", "WORKER_NOT_FOUND")
+            return _no_such_worker(url)
         return JSONResponse(info)
 
     @app.delete("/workers/{url:path}")
@@ -1254,7 +1283,7 @@ def build_router_app(prefill: list[str], decode: list[str], api_key: str | None 
     async def add_worker_legacy(request: Request) -> Response:
         spec: dict[str, Any] = dict(request.query_params)
         if "url" not in spec:
-            return _refused(400, "the worker's URL is the query's url", "url")
+            return _client_error(400, _URL_IN_QUERY, "url")
         if "bootstrap_port" in spec:
             port = spec["bootstrap_port"]
             spec["bootstrap_port"] = int(port) if port.isdecimal() else port
@@ -1264,7 +1293,7 @@ def build_router_app(prefill: list[str], decode: list[str], api_key: str | None 
     @app.post("/remove_worker")
     async def remove_worker_legacy(url: str | None = None) -> Response:
         if url is None:
-            return _refused(400, "the worker's URL is the query's url", "url")
+            return _client_error(400, _URL_IN_QUERY, "url")
         removed = router.remove_worker(url)
         return removed if isinstance(removed, Response) else PlainTextResponse(removed["message"])
 

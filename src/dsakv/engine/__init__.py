@@ -1,6 +1,7 @@
 """Engine: requests, scheduler, prefix cache, sampler, the step loop (`engine`, its
-arguments in `config`; sleep mode, weight updates and profiles, its mixins, in `sleep`,
-`weight_update`, `profiler`), the `LLM` API (with beam search in `beam_search`, scoring in
+arguments in `config`; sleep mode, weight updates, profiles and the expert distribution,
+its mixins, in `sleep`, `weight_update`, `profiler`, `expert_distribution`, their outcomes
+read alike in `ranks`), the `LLM` API (with beam search in `beam_search`, scoring in
 `score`, server info in `info`), and what runs engines on several ranks (`launch`, DP
 attention in `dp`)."""
 

@@ -152,8 +152,8 @@ def serve_dp_peer(engine: Engine) -> None:
             msg = engine.parallel.broadcast_object()
             if msg[0] == "stop":
                 return
-            if msg[0] == "weights":
-                engine.weights_call(*msg[1:])
+            if msg[0] == "every_rank":
+                engine.every_rank_call(*msg[1:])
                 continue
             if msg[0] != "step":
                 continue  # heartbeat
@@ -284,8 +284,8 @@ class DPEngine:
 
     def _on_every_rank(self, method: str, *args: Any) -> Any:
         with self.leader.lock, self.local.rank_failures():
-            self.leader.send(("weights", method, *args))
-            return self.local.weights_call(method, *args)
+            self.leader.send(("every_rank", method, *args))
+            return self.local.every_rank_call(method, *args)
 
     # --- the step ------------------------------------------------------------------------------
 

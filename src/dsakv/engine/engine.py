@@ -2,7 +2,8 @@
 
 Its arguments are `EngineConfig` (`config`); what runs between steps on every rank comes
 with its mixins: sleep mode (`sleep`), weight updates (`weight_update`), profiles
-(`profiler`), their outcomes read alike (`ranks`)."""
+(`profiler`), the expert distribution (`expert_distribution`), their outcomes read alike
+(`ranks`)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def keep_freed_memory() -> None:
         pass
 
 
-# What `Engine.weights_call` runs on every rank: each mixin's calls
+# What `Engine.every_rank_call` runs on every rank: each mixin's calls
 _EVERY_RANK = frozenset(SLEEP_CALLS + WEIGHT_CALLS + PROFILE_CALLS + EXPERT_DISTRIBUTION_CALLS)
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
@@ -291,7 +292,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             self.parallel,
             self.device,
             self._decode_graphs(),
-            on_weights=self.weights_call,
+            on_every_rank=self.every_rank_call,
         )
         self.drafter = None
         if config.speculative_algorithm == "mtp":
@@ -781,19 +782,19 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
     # --- the ranks: what runs on every rank (the mixins' calls), closing, a dead rank -----
 
     def _on_every_rank(self, method: str, *args: Any) -> Any:
-        """`weights_call(method, *args)` on every rank, between steps; rank 0's outcome."""
+        """`every_rank_call(method, *args)` on every rank, between steps; rank 0's outcome."""
         if self.parallel.world_size == 1:
-            return self.weights_call(method, *args)
+            return self.every_rank_call(method, *args)
         if self.parallel.config.dp_attention:
             raise DsakvError(f"under --dp-attention DPEngine runs {method} on every rank")
         with self.rank_failures():
-            return self.runner.weights(method, *args)
+            return self.runner.every_rank(method, *args)
 
-    def weights_call(self, method: str, *args: Any) -> Any:
+    def every_rank_call(self, method: str, *args: Any) -> Any:
         """This rank's part of a call every rank makes, one of the mixins' (rank 0's runner
         or `DPEngine` sends it: `ModelRunner.serve`, `serve_dp_peer`)."""
         if method not in _EVERY_RANK:
-            raise DsakvError(f"{method} is not a weight call")
+            raise DsakvError(f"{method} is not an every-rank call")
         return getattr(self, method)(*args)
 
     def close(self) -> None:

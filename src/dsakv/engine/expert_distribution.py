@@ -23,7 +23,7 @@ from .ranks import by_rank, said
 
 log = logging.getLogger(__name__)
 
-# This mixin's calls that every rank runs (`Engine.weights_call`)
+# This mixin's calls that every rank runs (`Engine.every_rank_call`)
 EXPERT_DISTRIBUTION_CALLS = (
     "start_expert_record_here",
     "stop_expert_record_here",
@@ -94,7 +94,8 @@ def _dump_dir() -> str:
 class ExpertDistributionMixin:
     """`Engine`'s recorder. Its host holds `expert_record` (the open window, None when
     none: what `_step` checks) and `_expert_stopped` (a stopped window not dumped yet), both
-    None from `Engine.__init__`, and runs calls on every rank (`_on_every_rank`)."""
+    None from `Engine.__init__`, the recorder's settings and the model's shape (`config`,
+    `model_config`), and runs calls on every rank (`_on_every_rank`, `parallel`)."""
 
     expert_record: ExpertRecord | None
     _expert_stopped: ExpertRecord | None

@@ -6,9 +6,9 @@ copies made since its last message, so every rank's pool replica stays identical
 other ranks sit in `serve()` and make the same calls, which meet in the model's
 collectives. Hidden states never travel: every rank keeps the last target and
 draft outputs ("target", "draft") and messages name rows of them. Between steps rank 0
-may have every rank load new weights (`Engine.update_weights_here`: each rank its own slices). Under
-DP attention every rank schedules for itself, so nothing is broadcast here (see
-`dsakv.engine.dp`).
+may have every rank make one of the engine's every-rank calls (`Engine.every_rank_call`:
+sleep mode, weight updates, profiles, the expert distribution). Under DP attention every
+rank schedules for itself, so nothing is broadcast here (see `dsakv.engine.dp`).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ class ModelRunner:
         parallel: ParallelState,
         device: torch.device,
         decode_graphs: DecodeGraphs | None = None,
-        on_weights: Callable[..., Any] | None = None,
+        on_every_rank: Callable[..., Any] | None = None,
     ) -> None:
         self.model, self.pool, self.host = model, pool, host
         self.parallel, self.device = parallel, device
         self.decode_graphs = decode_graphs  # padded (CUDA-graph) decode steps
-        self.on_weights = on_weights  # this rank's part of a weight call (`Engine.weights_call`)
+        self.on_every_rank = on_every_rank  # this rank's part (`Engine.every_rank_call`)
         follows_rank0 = parallel.world_size > 1 and not parallel.config.dp_attention
         if follows_rank0 and host is not None:
             host.journal = []
@@ -129,15 +129,15 @@ class ModelRunner:
                 send("logits", rows.cpu(), source)
             return self._logits(rows, source)
 
-    def weights(self, method: str, *args: Any) -> Any:
-        """Have every rank run `on_weights(method, *args)` now, between steps (the other
+    def every_rank(self, method: str, *args: Any) -> Any:
+        """Have every rank run `on_every_rank(method, *args)` now, between steps (the other
         ranks from `serve`), whose collectives meet across them (a weight update, a trainer's
         group joined or left); returns rank 0's outcome."""
         with self._leading() as send:
             if send:
-                send("weights", method, *args)
-            assert self.on_weights is not None
-            return self.on_weights(method, *args)
+                send("every_rank", method, *args)
+            assert self.on_every_rank is not None
+            return self.on_every_rank(method, *args)
 
     def stop(self) -> None:
         """Release the other ranks from `serve()`."""
@@ -163,9 +163,9 @@ class ModelRunner:
                 self._forward_draft(tokens, [s.long() for s in slots], source, rows)
             elif kind == "logits":
                 self._logits(*args)
-            elif kind == "weights":
-                assert self.on_weights is not None
-                self.on_weights(*args)
+            elif kind == "every_rank":
+                assert self.on_every_rank is not None
+                self.on_every_rank(*args)
 
     @contextlib.contextmanager
     def _leading(self):

@@ -39,7 +39,7 @@ class _Profiling:
     steps: int = 0
 
 
-# This mixin's calls that every rank runs (`Engine.weights_call`)
+# This mixin's calls that every rank runs (`Engine.every_rank_call`)
 PROFILE_CALLS = ("start_profile_here", "stop_profile_here")
 
 

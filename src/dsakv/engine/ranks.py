@@ -1,6 +1,6 @@
-"""How a call every rank makes (`Engine.weights_call`: sleep mode, weight updates,
-profiles) tells its outcome: each rank's error as one text, all-gathered, then read as one
-message on rank 0."""
+"""How a call every rank makes (`Engine.every_rank_call`: sleep mode, weight updates,
+profiles, the expert distribution) tells its outcome: each rank's error as one text,
+all-gathered, then read as one message on rank 0."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ class EngineAsleep(DsakvError, RuntimeError):
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
-# This mixin's calls that every rank runs (`Engine.weights_call`)
+# This mixin's calls that every rank runs (`Engine.every_rank_call`)
 SLEEP_CALLS = ("release_memory_here", "resume_memory_here")
 
 

@@ -25,7 +25,7 @@ from .sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
-# This mixin's calls that every rank runs (`Engine.weights_call`)
+# This mixin's calls that every rank runs (`Engine.every_rank_call`)
 WEIGHT_CALLS = (
     "update_weights_here",
     "drop_update_here",
@@ -165,7 +165,7 @@ class WeightUpdateMixin:
 
     def update_weights_here(self, source: str | GroupUpdate | TensorUpdate) -> bool | str:
         """This rank's part of a weight update on every rank, run by each between steps
-        (`weights_call`). Each phase's outcome is all-gathered, so every rank takes the same
+        (`every_rank_call`). Each phase's outcome is all-gathered, so every rank takes the same
         decision: (1) each rank, idle, checks the update against the slices it reads (a
         checkpoint: `loader.check_update`, its own experts' files; a group's tensors:
         received first, then `loader.check_tensors`; tensors given: that check); (2) only

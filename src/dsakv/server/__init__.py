@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP server over the engine (`dsakv serve`). Its names are imported on
-first use, so that `dsakv router`, which shares the wire format (`protocol`), loads no torch."""
+first use, so that `dsakv router`, which shares the wire format (`protocol`) and the API key
+check (`auth`), loads no torch."""
 
 from __future__ import annotations
 

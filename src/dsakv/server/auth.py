@@ -36,7 +36,7 @@ def checked_api_key(key: str) -> str:
     """`key` if it can be a bearer token, else the DsakvError saying why: an empty key (an
     unset `--api-key "$KEY"`) would leave every route open, a space or a character outside
     visible ASCII can never be sent (the header's value is trimmed; httpx cannot encode it,
-    and the router failed every request it relayed)."""
+    so no relayed request could carry it)."""
     if not key:
         raise DsakvError("an API key must not be empty (that would leave every route open)")
     for at, c in enumerate(key):
@@ -75,7 +75,7 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         error = APIError(401, "invalid or missing API key", code="invalid_api_key")
-        await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+        await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
 
     def _guarded(self, scope: dict) -> bool:
         """Whether the path is under /v1 or a route serves it, in any method, or would
