@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from dsakv import LLM, Logprob, SamplingParams
 from dsakv.engine import Engine, EngineConfig
-from dsakv.engine.engine import _find_stop
+from dsakv.engine.engine import find_stop
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server.metrics import EngineCollector
@@ -849,7 +849,7 @@ def test_find_stop_is_the_first_stop_ending_past_the_floor(text, stops, floor):
         if text[i : i + len(s)] == s and i + len(s) > floor
     ]
     want = min(((min(i for i, t in hits if t == s), s) for s in {s for _, s in hits}), default=None)
-    assert _find_stop(text, SamplingParams(stop=stops).stops_by_last, floor) == want
+    assert find_stop(text, SamplingParams(stop=stops).stops_by_last, floor) == want
 
 
 def test_a_gpu_device_always_carries_its_index(monkeypatch):

@@ -144,10 +144,21 @@ class ModelConfig:
     def rope_theta(self) -> float:
         return float(self.rope_parameters.get("rope_theta", 10000.0))
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s FFN is MoE (else one dense MLP): DeepSeek-V3's rule, every
+        layer from `first_k_dense_replace` on, an MTP layer (numbered after the target's)
+        alike."""
+        return layer >= self.first_k_dense_replace
+
+    @property
+    def moe_layers(self) -> range:
+        """The target's MoE layers (`is_moe`'s among them): those whose routing is recorded."""
+        return range(self.first_k_dense_replace, self.num_hidden_layers)
+
     @property
     def has_moe(self) -> bool:
-        """Whether any layer is an MoE layer (layers from `first_k_dense_replace` on)."""
-        return self.first_k_dense_replace < self.num_hidden_layers
+        """Whether any target layer is an MoE layer."""
+        return bool(self.moe_layers)
 
     def routed_shape(self, tokens: int) -> tuple[int, int, int]:
         """`tokens` tokens' routed experts (SGLang's return_routed_experts): `[tokens,

@@ -115,10 +115,9 @@ class Router:
         # One forgotten (or from before a restart) is asked of each decode server.
         self._responses: OrderedDict[str, str] = OrderedDict()
         self._pending: set[str] = set()  # the clients' request_ids sent, not yet answered
-        self._busy: Counter[str] = Counter()  # requests in flight through the router, by server
-        # Servers removed (-> their kind) that still have requests in flight through the
-        # router: the admin calls (an abort, a pause) reach them until those end.
-        self._leaving: dict[str, str] = {}
+        # Requests in flight through the router, by (kind, server): a server removed while
+        # it has some stays in the admin calls' reach (an abort, a pause) until they end.
+        self._busy: Counter[tuple[str, str]] = Counter()
         self.requests = 0
         self.failures = 0
 
@@ -137,25 +136,24 @@ class Router:
     def _admin_targets(self, kind: str) -> list[str]:
         """The `kind` servers an admin call goes to: the router's, and those removed that
         still have requests in flight through it (an abort must find those requests)."""
-        leaving = [url for url, was in self._leaving.items() if was == kind]
-        return getattr(self, kind) + leaving
+        now = getattr(self, kind)
+        return now + [url for was, url in self._busy if was == kind and url not in now]
 
-    async def _open(self, url: str, send: httpx.Request) -> httpx.Response:
-        """`send` to the server `url`, its answer streamed: a request in flight there
-        (`_busy`) from now until the caller's `_finished(url)`, once the answer is read."""
-        self._busy[url] += 1
+    async def _open(self, kind: str, url: str, send: httpx.Request) -> httpx.Response:
+        """`send` to the `kind` server `url`, its answer streamed: a request in flight there
+        (`_busy`) from now until the caller's `_finished(kind, url)`, once the answer is read."""
+        self._busy[kind, url] += 1
         try:
             return await self.client.send(send, stream=True)
         except BaseException:  # (cancelled too: the client left)
-            self._finished(url)
+            self._finished(kind, url)
             raise
 
-    def _finished(self, url: str) -> None:
+    def _finished(self, kind: str, url: str) -> None:
         """A request to `url` ended: a removed server's last leaves the admin calls' reach."""
-        self._busy[url] -= 1
-        if self._busy[url] <= 0:
-            del self._busy[url]
-            self._leaving.pop(url, None)
+        self._busy[kind, url] -= 1
+        if self._busy[kind, url] <= 0:
+            del self._busy[kind, url]
 
     def _missing(self, *kinds: str) -> Response | None:
         """The 503 for a request needing a kind of server the router has none of (all
@@ -360,7 +358,7 @@ class Router:
                 request.method, f"{url}{path}", content=raw, headers=headers
             )
             try:
-                r = await _unless_left(self._open(url, send), request)
+                r = await _unless_left(self._open("decode", url, send), request)
                 if r is None:
                     return Response(status_code=499)
                 if r.is_success and "text/event-stream" in r.headers.get("content-type", ""):
@@ -373,7 +371,7 @@ class Router:
                 try:
                     content = await _unless_left(r.aread(), request)
                 finally:
-                    self._finished(url)
+                    self._finished("decode", url)
                     await r.aclose()
             except httpx.HTTPError as e:
                 errors.append(f"{url}: {e!r}")
@@ -456,7 +454,7 @@ class Router:
                 self._failed(p_url, prefill)
                 return _error(502, f"lost the decode server {d_url}: {e!r}")
             finally:
-                self._finished(d_url)
+                self._finished("decode", d_url)
                 await resp.aclose()
             if content is None:
                 prefill.cancel()
@@ -678,7 +676,7 @@ class Router:
         read); a server refusing the connection is marked down for a while (`_in_turn`)."""
         send = self.client.build_request("POST", f"{url}{path}", content=raw, headers=headers)
         try:
-            resp = await self._open(url, send)
+            resp = await self._open("decode", url, send)
         except (httpx.ConnectError, httpx.ConnectTimeout):
             self._down[url] = time.monotonic()
             raise
@@ -695,7 +693,7 @@ class Router:
             self.failures += 1
             yield _sse_error(f"lost the decode server {d_url} mid-stream: {e!r}")
         finally:
-            self._finished(d_url)
+            self._finished("decode", d_url)
             await resp.aclose()
 
     async def _prefill(
@@ -703,9 +701,14 @@ class Router:
     ) -> None:
         """The prefill server's copy (in flight there: `_busy`); cancelled, its connection
         closes and the server drops the request."""
-        self._busy[p_url] += 1
         try:
-            r = await self.client.post(f"{p_url}{path}", json=body, headers=headers)
+            send = self.client.build_request("POST", f"{p_url}{path}", json=body, headers=headers)
+            r = await self._open("prefill", p_url, send)
+            try:
+                await r.aread()
+            finally:
+                self._finished("prefill", p_url)
+                await r.aclose()
             if r.status_code != 200:
                 log.warning("prefill %s answered %d: %s", p_url, r.status_code, r.text[:500])
                 if r.status_code >= 500 or r.json()["error"]["param"] == "bootstrap_port":
@@ -713,8 +716,6 @@ class Router:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             log.warning("prefill %s failed: %r", p_url, e)
             self._bootstrap.pop(p_url, None)
-        finally:
-            self._finished(p_url)
 
     def _failed(self, p_url: str, prefill: asyncio.Task) -> None:
         """A request the servers failed: its prefill half goes, and the prefill server's
@@ -801,9 +802,6 @@ class Router:
         if address is not None:
             self._bootstrap[url] = address
         self._down.pop(url, None)
-        at = _address(url)
-        for u in [u for u in self._leaving if _address(u) == at]:  # (back: reached as itself)
-            del self._leaving[u]
         setattr(self, mode, [*getattr(self, mode), url])
         log.info("router: %s server %s added", mode, url)
         message = f"Successfully added {mode} server: {url}"
@@ -877,8 +875,6 @@ class Router:
         setattr(self, kind, [u for u in getattr(self, kind) if u != url])
         self._bootstrap.pop(url, None)
         self._down.pop(url, None)
-        if self._busy[url] > 0:
-            self._leaving[url] = kind
         for rid in [rid for rid, held in self._responses.items() if held == url]:
             del self._responses[rid]
         self._trim_responses()

@@ -24,7 +24,7 @@ from typing import Any
 from dsakv.errors import DsakvError, is_int, is_number
 
 from .detokenizer import TokenTexts
-from .engine import Engine, _find_stop
+from .engine import Engine, find_stop
 from .request import Request, Status
 from .sampling import MAX_LOGPROBS, SamplingParams
 
@@ -218,7 +218,7 @@ class BeamSearch:
         if not self._stops:
             return grown
         text = self.texts.text(grown.output)
-        hit = _find_stop(text, self._stops, len(beam.text.rstrip("\ufffd")))
+        hit = find_stop(text, self._stops, len(beam.text.rstrip("\ufffd")))
         if hit is None:
             return replace(grown, text=text)
         cut, stop = hit

@@ -250,7 +250,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.rank_failure: Callable[[], str | None] = lambda: None
         self.profiler = None  # /start_profile's, on every rank (`ProfilerMixin`)
         # /start_expert_distribution_record's window, on every rank (`ExpertDistributionMixin`)
-        self.expert_record, self._expert_stopped = None, None
+        self.expert_record, self.recording = None, False
         self._grammars: GrammarCache | None = None
         self.host, self.hot, self.l3 = self._tiers()
         try:
@@ -883,7 +883,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         hot = self.hot.begin_step(batch, slots) if self.hot is not None else None
         capturing = self._capturing(batch)
         record = any(batch[i][0].params.return_routed_experts for i in capturing)
-        counting = self.expert_record  # (None: no expert distribution window is open)
+        # (None: no expert distribution window is open)
+        counting = self.expert_record if self.recording else None
         record = record or counting is not None
         hidden, logits, routed = self.runner.forward(new_tokens, slots, hot, rows, record)
         if counting is not None:
@@ -891,17 +892,12 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             counting.add(routed, counted, self.stats.steps)  # (steps: the passes before)
         if hot is not None:
             self.hot.end_step(hot)
+        firsts = [e - len(t) + 1 for e, t in zip(ends, new_tokens)]  # (each one's first row)
         if capturing:
-            spans = [
-                (batch[i][0], ends[i] - len(new_tokens[i]) + 1, len(new_tokens[i]))
-                for i in capturing
-            ]
+            spans = [(batch[i][0], firsts[i], len(new_tokens[i])) for i in capturing]
             self._keep_rows(spans, hidden, routed)
         # (request, first position, first hidden row) of what this step ran, for the drafter
-        ran = [
-            (req, req.num_computed, e - len(t) + 1)
-            for (req, _), e, t in zip(batch, ends, new_tokens)
-        ]
+        ran = [(req, req.num_computed, f) for (req, _), f in zip(batch, firsts)]
         self.stats.decode_steps += sum(1 for req, n in batch if n == 1 and not req.in_prefill)
         self._score_prompts(batch, ends)
         for req, n in batch:
@@ -1213,7 +1209,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             streamed = len(req.output_text)  # (the text before this token's)
             self._decode_output(req, token)
             if p.stop and reason is None and len(req.output_ids) > p.min_tokens:
-                hit = _find_stop(req.output_text, p.stops_by_last, req.stop_floor)
+                hit = find_stop(req.output_text, p.stops_by_last, req.stop_floor)
                 if hit is not None:
                     cut, stop = hit
                     req.output_text = req.output_text[
@@ -1405,7 +1401,7 @@ def _token_ids(prompt: object) -> list[int]:
     return ids
 
 
-def _find_stop(
+def find_stop(
     text: str, stops_by_last: dict[str, tuple[str, ...]], floor: int = 0
 ) -> tuple[int, str] | None:
     """The first stop string in `text` that ends past offset `floor`, and where it starts:

@@ -19,7 +19,7 @@ import torch
 
 from dsakv.errors import DsakvError
 
-from .ranks import by_rank, said
+from .ranks import gather_outcome, said
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,9 @@ class ExpertRecord:
     """One rank's window: in "stat" mode each step's `[layers, experts]` counts (the last
     `buffer_size` steps; < 0: all, SGLang's), in "per_token" mode each step's routed ids."""
 
-    def __init__(self, mode: str, buffer_size: int, layers: int, experts: int, first_moe: int):
-        self.mode, self.layers, self.experts, self.first_moe = mode, layers, experts, first_moe
+    def __init__(self, mode: str, buffer_size: int, layers: int, experts: int, moe: range):
+        self.mode, self.layers, self.experts = mode, layers, experts
+        self.moe = moe  # (`ModelConfig.moe_layers`: the layers that route, the last ones)
         self.buffer_size = buffer_size
         self.steps: deque[torch.Tensor] = deque(maxlen=buffer_size if buffer_size > 0 else None)
         self.records: list[dict[str, Any]] = []  # (per_token)
@@ -46,16 +47,15 @@ class ExpertRecord:
         each request's (first position, tokens) in row order. `pass_id`: the engine's
         forward passes before this one (SGLang's `forward_pass_id`, rising across windows:
         its EPLB reader refuses one seen twice in a directory)."""
-        n, _, k = routed.shape
-        moe = self.layers - self.first_moe
-        ids = routed[:, self.first_moe :].transpose(0, 1).reshape(moe, n * k).long()
+        (n, _, k), first = routed.shape, self.moe.start
+        ids = routed[:, first:].transpose(0, 1).reshape(len(self.moe), n * k).long()
         counts = torch.zeros(self.layers, self.experts, dtype=torch.int32, device=routed.device)
-        counts[self.first_moe :].scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+        counts[first:].scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
         if self.mode == "stat":
             self.steps.append(counts)
             return
         topk = routed.transpose(0, 1).cpu().clone()
-        topk[: self.first_moe] = -1  # (a dense layer routes nothing: SGLang's -1)
+        topk[:first] = -1  # (a dense layer routes nothing: SGLang's -1)
         self.records.append(
             dict(
                 forward_pass_id=pass_id,
@@ -92,13 +92,14 @@ def _dump_dir() -> str:
 
 
 class ExpertDistributionMixin:
-    """`Engine`'s recorder. Its host holds `expert_record` (the open window, None when
-    none: what `_step` checks) and `_expert_stopped` (a stopped window not dumped yet), both
-    None from `Engine.__init__`, the recorder's settings and the model's shape (`config`,
-    `model_config`), and runs calls on every rank (`_on_every_rank`, `parallel`)."""
+    """`Engine`'s recorder. Its host holds `expert_record` (the window, open or stopped and
+    not dumped yet; None: none kept) and `recording` (whether steps add to it: what `_step`
+    checks), None and False from `Engine.__init__`, the recorder's settings and the model's
+    shape (`config`, `model_config`), and runs calls on every rank (`_on_every_rank`,
+    `parallel`)."""
 
     expert_record: ExpertRecord | None
-    _expert_stopped: ExpertRecord | None
+    recording: bool
 
     def _check_expert_recorder(self) -> None:
         if not self.model_config.has_moe:
@@ -137,12 +138,12 @@ class ExpertDistributionMixin:
         return outcome
 
     def start_expert_record_here(self) -> None:
-        if self.expert_record is not None:  # (SGLang's warning, and its fresh start)
+        if self.recording:  # (SGLang's warning, and its fresh start)
             log.warning(
                 "expert distribution: already recording, starting over (forget to dump? "
                 "/stop_ and /dump_expert_distribution_record first)"
             )
-        self._expert_stopped, self.expert_record = None, self._new_expert_record()
+        self.expert_record, self.recording = self._new_expert_record(), True
 
     def _new_expert_record(self) -> ExpertRecord:
         c, m = self.config, self.model_config
@@ -151,21 +152,20 @@ class ExpertDistributionMixin:
             c.expert_distribution_recorder_buffer_size,
             m.num_hidden_layers,
             m.n_routed_experts,
-            m.first_k_dense_replace,
+            m.moe_layers,
         )
 
     def stop_expert_record_here(self) -> None:
-        if self.expert_record is None:
+        if not self.recording:
             log.warning("expert distribution: not recording (start with /start_expert_...)")
-        else:
-            self._expert_stopped, self.expert_record = self.expert_record, None
+        self.recording = False
 
     def dump_expert_record_here(self, out_dir: str, stamp: str) -> list[str] | str:
         """This rank's part of a dump: "stat" gathers every rank's counts (each rank's own
         tokens under DP attention; under plain TP only rank 0 steps, the others count 0)."""
         m, p = self.model_config, self.parallel
         # (never started: SGLang's dump of an empty window)
-        rec = self.expert_record or self._expert_stopped or self._new_expert_record()
+        rec = self.expert_record or self._new_expert_record()
         own = p.is_driver or p.config.dp_attention  # (it steps tokens of its own)
         mine = rec.step_counts() if rec.mode == "stat" and own else None
         counts = p.all_gather_objects(mine)
@@ -187,16 +187,15 @@ class ExpertDistributionMixin:
                 path = _save_new(data, out_dir, f"expert_distribution_recorder_{stamp}_{p.rank}")
         except Exception as e:  # noqa: BLE001 - every rank hears it
             why = said(e)
-        outcomes = p.all_gather_objects((path, why))
-        if any(w for _, w in outcomes):  # (all or nothing: the counts wait for a dump that lands)
+        outcome = gather_outcome(p, path, why)
+        if isinstance(outcome, str):  # (all or nothing: the counts wait for a dump that lands)
             if path is not None:
                 with contextlib.suppress(OSError):
                     os.remove(path)
-            return by_rank([w for _, w in outcomes])
-        if self.expert_record is not None:  # (dumped: a window still open starts over)
-            self.expert_record = self._new_expert_record()
-        self._expert_stopped = None
-        paths = [q for q, _ in outcomes if q is not None]
+            return outcome
+        # (dumped: a window still open starts over)
+        self.expert_record = self._new_expert_record() if self.recording else None
+        paths = [q for q in outcome if q is not None]
         if p.is_driver:
             log.info("expert distribution saved: %s", ", ".join(paths))
         return paths

@@ -14,7 +14,7 @@ from typing import Any
 
 from dsakv.errors import DsakvError, is_int
 
-from .ranks import by_rank, said
+from .ranks import gather_outcome, said
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +119,11 @@ class ProfilerMixin:
             self.profiler = _Profiling(spec, prof)
         except Exception as e:  # noqa: BLE001 - every rank hears it
             why = said(e)
-        whys = self.parallel.all_gather_objects(why)
-        if not any(whys):
+        outcome = gather_outcome(self.parallel, None, why)
+        if not isinstance(outcome, str):
             return None
         self._drop_profile()
-        return by_rank(whys)
+        return outcome
 
     def stop_profile_here(self) -> list[str] | str:
         """This rank stops its profiler and writes its trace: every rank's path (or each
@@ -140,12 +140,12 @@ class ProfilerMixin:
             running.torch.export_chrome_trace(path)
         except Exception as e:  # noqa: BLE001 - every rank hears it
             why = said(e)
-        outcomes = self.parallel.all_gather_objects((path, why))
-        if any(w for _, w in outcomes):
-            return by_rank([w for _, w in outcomes])
+        paths = gather_outcome(self.parallel, path, why)
+        if isinstance(paths, str):
+            return paths
         if self.parallel.is_driver:
-            log.info("profile saved: %s", ", ".join(p for p, _ in outcomes))
-        return [p for p, _ in outcomes]
+            log.info("profile saved: %s", ", ".join(paths))
+        return paths
 
     def _profiled_step(self) -> None:
         """A step under the profiler: the profile's last (`num_steps`) stops it, on every

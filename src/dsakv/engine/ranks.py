@@ -1,10 +1,15 @@
 """How a call every rank makes (`Engine.every_rank_call`: sleep mode, weight updates,
 profiles, the expert distribution) tells its outcome: each rank's error as one text,
-all-gathered, then read as one message on rank 0."""
+all-gathered (`gather_outcome`), then read as one message on rank 0."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from dsakv.errors import DsakvError, one_line
+
+if TYPE_CHECKING:
+    from dsakv.distributed.parallel import ParallelState
 
 
 def said(e: BaseException) -> str:
@@ -24,3 +29,13 @@ def by_rank(whys: list[str | None]) -> str:
     return "; ".join(
         f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {why}" for why, r in ranks.items()
     )
+
+
+def gather_outcome(parallel: ParallelState, value: Any, why: str | None) -> list[Any] | str:
+    """Every rank's `value` with its `why` (its error, None: none), all-gathered, so that
+    every rank decides alike: the values in rank order where no rank failed, else each
+    rank's error (`by_rank`)."""
+    outcomes = parallel.all_gather_objects((value, why))
+    if any(w for _, w in outcomes):
+        return by_rank([w for _, w in outcomes])
+    return [v for v, _ in outcomes]

@@ -17,7 +17,7 @@ from dsakv.errors import DsakvError, is_int, is_list
 from dsakv.memory.capacity import GIB
 from dsakv.memory.release import Stash
 
-from .ranks import by_rank, said
+from .ranks import gather_outcome, said
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +135,11 @@ class SleepMixin:
         readies what `tags` name (the prefix cache dropped; the buffers, and the parameters
         unless `discard`, copied to the host); only if every rank could does each free its
         memory. None, or what refused it (alike on every rank)."""
-        gather = self.parallel.all_gather_objects
         s = self.scheduler
-        whys = gather(_HOLDING if s.running or s.held or s.parked else None)
-        if any(whys):
-            return by_rank(whys)
+        busy = _HOLDING if s.running or s.held or s.parked else None
+        holding = gather_outcome(self.parallel, None, busy)
+        if isinstance(holding, str):
+            return holding
         new = [t for t in tags if t not in self.released]
         stashes: dict[str, list[Stash]] = {}
         why = None
@@ -154,9 +154,9 @@ class SleepMixin:
                 stashes["weights"] = [params, Stash(self.model.buffers(), keep=True)]
         except Exception as e:  # noqa: BLE001 - every rank hears it: none frees anything
             why = said(e)
-        whys = gather(why)
-        if any(whys):
-            return f"nothing was released: {by_rank(whys)}"
+        outcome = gather_outcome(self.parallel, None, why)
+        if isinstance(outcome, str):
+            return f"nothing was released: {outcome}"
         self._forget_addresses()
         for tag, stash in stashes.items():
             for part in stash:
@@ -187,12 +187,12 @@ class SleepMixin:
                     done.append(part)
         except Exception as e:  # noqa: BLE001 - every rank hears it: all free it again
             why = said(e)
-        whys = self.parallel.all_gather_objects(why)
-        if any(whys):
+        outcome = gather_outcome(self.parallel, None, why)
+        if isinstance(outcome, str):
             for part in done:
                 part.free()
             _give_back_memory(self.device)
-            return f"the memory was not brought back (is the trainer holding it?): {by_rank(whys)}"
+            return f"the memory was not brought back (is the trainer holding it?): {outcome}"
         for tag in back:
             del self._stashes[tag]
         self.released.difference_update(tags)

@@ -19,7 +19,7 @@ from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate, WeightGroup
 from dsakv.errors import DsakvError, is_int
 from dsakv.memory.storage import storage_namespace
 
-from .ranks import by_rank, said
+from .ranks import by_rank, gather_outcome, said
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -152,12 +152,12 @@ class WeightUpdateMixin:
             self.weight_groups[spec.group_name] = (spec, group)
         except Exception as e:  # noqa: BLE001 - every rank hears it
             why = said(e)
-        whys = self.parallel.all_gather_objects(why)
-        if not any(whys):
+        outcome = gather_outcome(self.parallel, None, why)
+        if not isinstance(outcome, str):
             return None
         if why is None:
             self.leave_weight_group_here(spec.group_name)
-        return by_rank(whys)
+        return outcome
 
     def leave_weight_group_here(self, name: str) -> None:
         _, group = self.weight_groups.pop(name)
@@ -177,7 +177,7 @@ class WeightUpdateMixin:
         failed (nothing loaded, or rolled back, or the weights are mixed)."""
         from dsakv.models import loader
 
-        gather, previous = self.parallel.all_gather_objects, self.weights_path
+        previous = self.weights_path
         grouped = isinstance(source, GroupUpdate)
         named = isinstance(source, (GroupUpdate, TensorUpdate))  # (not a checkpoint)
         checked: Any = None
@@ -197,19 +197,21 @@ class WeightUpdateMixin:
                     self._served(checked.config)
             except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
                 why = said(e)
-        whys = gather(why)
+        whys = self.parallel.all_gather_objects(why)
         if _BUSY in whys:
             return False
-        if grouped and not any(whys):  # every rank receives: the trainer sends once
+        if any(whys):
+            return by_rank(whys)
+        if grouped:  # every rank receives: the trainer sends once
             try:
                 spec, group = self.weight_groups[source.group_name]
                 tensors = weight_sync.receive(group, source, spec.backend, self.device)
                 checked = loader.check_tensors(self.model, tensors)
             except Exception as e:  # noqa: BLE001 - every rank hears it: none loads
                 why = said(e)
-            whys = gather(why)
-        if any(whys):
-            return by_rank(whys)
+            received = gather_outcome(self.parallel, None, why)
+            if isinstance(received, str):
+                return received
         failed, touched = None, False
         try:
             # First, so that L3 writes every old page under the old weights' namespace.
@@ -225,11 +227,11 @@ class WeightUpdateMixin:
                 loader.load_update(self.model, checked)
         except Exception as e:  # noqa: BLE001 - every rank hears it: all roll back
             failed = said(e)
-        fails = gather(failed)
-        if not any(fails):
+        loaded = gather_outcome(self.parallel, None, failed)
+        if not isinstance(loaded, str):
             self._weights_updated(source, checked)
             return True
-        what = f"loading {_named(source)} failed part way ({by_rank(fails)})"
+        what = f"loading {_named(source)} failed part way ({loaded})"
         if named:  # (nothing on disk to go back to)
             return f"{what}: the weights are mixed, update them again"
         again = None
@@ -238,10 +240,10 @@ class WeightUpdateMixin:
                 loader.reload_weights(self.model, previous)
             except Exception as e:  # noqa: BLE001 - told below: the weights are mixed
                 again = said(e)
-        agains = gather(again)
-        if any(agains):
+        reloaded = gather_outcome(self.parallel, None, again)
+        if isinstance(reloaded, str):
             return (
-                f"{what}, and reloading {previous} failed too ({by_rank(agains)}): the "
+                f"{what}, and reloading {previous} failed too ({reloaded}): the "
                 "weights are mixed, restart the server"
             )
         self._note_loaded(None if touched else [])  # (discarded weights: all back, reloaded)

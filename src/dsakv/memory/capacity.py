@@ -176,12 +176,12 @@ def estimate_weight_bytes(
             + m("self_attn.o_proj", h, heads * c.v_head_dim)
         )
         norms = (c.q_lora_rank + c.kv_lora_rank + 2 * h) * wide
-        if i < c.first_k_dense_replace:
-            ffn = mlp("mlp", c.intermediate_size) / tp
-        else:  # (every expert priced as expert 0: no checkpoint sets single experts apart)
+        if c.is_moe(i):  # (every expert priced as expert 0: no checkpoint sets one apart)
             experts = c.n_routed_experts * mlp("mlp.experts.0", c.moe_intermediate_size)
             shared = mlp("mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts)
             ffn = (experts + shared) / tp + (h * c.n_routed_experts + c.n_routed_experts) * wide
+        else:
+            ffn = mlp("mlp", c.intermediate_size) / tp
         # An MTP layer's own head: eh_proj [H, 2H] (replicated), enorm, hnorm, final norm.
         head = m("eh_proj", h, 2 * h) + 3 * h * wide if draft else 0
         indexer = (

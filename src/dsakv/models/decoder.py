@@ -33,9 +33,11 @@ class DecoderLayer(nn.Module):
         self.topk_source = plan.topk_source(layer)
         self.self_attn = MLAttention(config, layer, plan.runs_indexer(layer), parallel)
         self.mlp: nn.Module = (
-            MLP(config.hidden_size, config.intermediate_size, parallel.world_size, parallel.rank)
-            if layer < config.first_k_dense_replace
-            else MoE(config, parallel)
+            MoE(config, parallel)
+            if config.is_moe(layer)
+            else MLP(
+                config.hidden_size, config.intermediate_size, parallel.world_size, parallel.rank
+            )
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

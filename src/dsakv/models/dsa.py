@@ -24,7 +24,7 @@ from dsakv.kernels.backend import Block
 from .decoder import NORM, DecoderLayer, in_turn, layer_loop
 from .forward_batch import ForwardBatch
 from .layers import RMSNorm
-from .moe import Experts, MoE
+from .moe import Experts
 from .mtp import MTPLayer
 from .parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from .rope import Rotary
@@ -96,7 +96,8 @@ class DSAForCausalLM(nn.Module):
         self.rotary = Rotary(config)
         self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
         self.target_layers = tuple(islice(self.model.layers, config.num_hidden_layers))
-        self.recording = False  # inside `record_routing`
+        # Inside `record_routing`, the `[tokens, layers, top_k]` it fills; None outside
+        self.routed: torch.Tensor | None = None
         if dtype is not None or device is not None:
             self.to(device=device, dtype=dtype)
             keep_fp32(self)
@@ -137,14 +138,14 @@ class DSAForCausalLM(nn.Module):
         while recording (its per-layer blocks give the same bits)."""
         device = self.model.norm.weight.device
         ids = torch.zeros(self.config.routed_shape(tokens), dtype=torch.int32, device=device)
-        moe = [(i, x) for i, x in enumerate(self.target_layers) if isinstance(x.mlp, MoE)]
+        moe = [(i, self.target_layers[i]) for i in self.config.moe_layers]
         for i, layer in moe:
             layer.routed = ids[:, i]
-        self.recording = True
+        self.routed = ids
         try:
             yield ids
         finally:
-            self.recording = False
+            self.routed = None
             for _, layer in moe:
                 layer.routed = None
 
@@ -244,7 +245,7 @@ class DSAForCausalLM(nn.Module):
         short = 0 < max(batch.extend_lens, default=0) <= LOOP_EXTEND  # (DP: an idle rank's 0)
         if not short or batch.hot is not None or not getattr(self.ops, "deterministic", False):
             return None
-        if self.recording and not draft:  # (`record_routing`)
+        if self.routed is not None and not draft:  # (`record_routing`)
             return None
         owner = self.mtp if draft else self
         made_for, loop = getattr(owner, "_layer_loop", (None, None))
