@@ -78,6 +78,10 @@ def test_generate_json_is_deterministic(tiny_dir, capsys):
         ["--kv-budget-gib", "100000"],  # more than this machine can allocate
         ["--host-pool-gib", "0.0000001"],
         ["--max-model-len", "1"],
+        # (a server's: nothing in generate's output carries them)
+        ["--enable-return-routed-experts"],
+        ["--enable-return-hidden-states"],
+        ["--expert-distribution-recorder-mode", "stat"],
     ],
 )
 def test_generate_bad_input_is_one_error_line(tiny_dir, extra, capsys):

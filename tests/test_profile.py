@@ -106,3 +106,13 @@ def test_http_routes(model, tmp_path, monkeypatch):
         assert post("/start_profile").status_code == 200  # (vLLM's)
         assert post("/stop_profile").status_code == 200
         assert len(list((tmp_path / "env").glob("*-TP-0.trace.json.gz"))) == 1
+        # A trace that cannot be written at the stop (its directory gone since the start) is
+        # the server's 500, not the client's 400; the next profile starts and saves.
+        gone = tmp_path / "gone"
+        assert post("/start_profile", {**body, "output_dir": str(gone)}).status_code == 200
+        gone.rmdir()
+        r = post("/stop_profile")
+        assert r.status_code == 500, r.text
+        assert "the profile was not saved" in r.json()["error"]["message"]
+        assert post("/start_profile", body).status_code == 200
+        assert post("/stop_profile").status_code == 200

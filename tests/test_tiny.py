@@ -20,14 +20,16 @@ def _config(name: str) -> ModelConfig:
 
 
 @pytest.fixture(scope="module")
-def glm_tiny(tmp_path_factory):
+def seed0_tiny(tmp_path_factory):
+    """glm-tiny written afresh with seed 0 (conftest's `glm_tiny` is the cached, MTP-fitted
+    one: these tests check what `write_tiny_model` itself writes)."""
     return write_tiny_model(tmp_path_factory.mktemp("a"), "glm-tiny", seed=0)
 
 
-def test_same_seed_same_weights_other_seed_differs(glm_tiny, tmp_path):
+def test_same_seed_same_weights_other_seed_differs(seed0_tiny, tmp_path):
     again = write_tiny_model(tmp_path / "b", "glm-tiny", seed=0)
     other = write_tiny_model(tmp_path / "c", "glm-tiny", seed=1)
-    a, b, c = (load_file(p / "model.safetensors") for p in (glm_tiny, again, other))
+    a, b, c = (load_file(p / "model.safetensors") for p in (seed0_tiny, again, other))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
     # Real checkpoint format: per-expert tensors, indexer tensors on full layers only.
@@ -36,10 +38,10 @@ def test_same_seed_same_weights_other_seed_differs(glm_tiny, tmp_path):
     assert not any(k.startswith("model.layers.2.self_attn.indexer") for k in a)
 
 
-def test_tokenizer_is_byte_level_with_chat_template(glm_tiny):
+def test_tokenizer_is_byte_level_with_chat_template(seed0_tiny):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(glm_tiny)
+    tok = AutoTokenizer.from_pretrained(seed0_tiny)
     text = "héllo, wörld ✓"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert ids == list(text.encode())
@@ -51,8 +53,8 @@ def test_tokenizer_is_byte_level_with_chat_template(glm_tiny):
     assert max(ids) < _config("glm-tiny").vocab_size
 
 
-def test_tiny_models_run(glm_tiny):
-    model, config, plan = load_model(glm_tiny)
+def test_tiny_models_run(seed0_tiny):
+    model, config, plan = load_model(seed0_tiny)
     assert plan.num_full_layers >= 2 and plan.num_shared_layers >= 2
     tokens, logits = greedy(model, make_pool(config, plan), list(b"the quick brown fox"), 8)
     assert len(tokens) == 8 and torch.isfinite(logits).all()

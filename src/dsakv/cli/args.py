@@ -488,14 +488,19 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
         "kernels do not cover (no C++ compiler, a bf16 model) through torch.compile "
         "(a warm-up of 10-45 s per process)",
     )
-    g.add_argument(
-        "--enable-return-routed-experts",
-        action="store_true",
-        help="SGLang's: return_routed_experts (/generate, completions, chat; SamplingParams "
-        "offline) may ask for the experts each token was routed to (its steps run eager, off "
-        "the CUDA graphs)",
-    )
     if serve:
+        g.add_argument(
+            "--enable-return-routed-experts",
+            action="store_true",
+            help="SGLang's: return_routed_experts (/generate, completions, chat) may ask for "
+            "the experts each token was routed to (its steps run eager, off the CUDA graphs)",
+        )
+        g.add_argument(
+            "--enable-return-hidden-states",
+            action="store_true",
+            help="SGLang's: return_hidden_states (/generate, completions, chat) may ask for "
+            "each token's last hidden state",
+        )
         g.add_argument(
             "--expert-distribution-recorder-mode",
             choices=["stat", "per_token"],
@@ -510,12 +515,6 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
             type=int,
             help="SGLang's: a stat dump keeps the last N steps' counts (default 1000; -1: all)",
         )
-    g.add_argument(
-        "--enable-return-hidden-states",
-        action="store_true",
-        help="SGLang's: return_hidden_states (/generate, completions, chat) may ask for each "
-        "token's last hidden state",
-    )
     det = g.add_mutually_exclusive_group()
     det.add_argument(
         "--enable-deterministic-inference",

@@ -90,12 +90,14 @@ class ProfilerMixin:
         log.info("profiling: traces go to %s (profile %s)", output_dir, spec.profile_id)
 
     def stop_profile(self) -> list[str]:
-        """SGLang's /stop_profile: every rank stops and writes its trace; their paths."""
+        """SGLang's /stop_profile: every rank stops and writes its trace; their paths. A rank
+        that cannot write (its directory gone since the start, a full disk) is the server's
+        fault, not the request's: an OSError (the server's 500)."""
         if self.profiler is None:
             raise DsakvError("no profile is running (start one: /start_profile)")
         outcome = self._on_every_rank("stop_profile_here")
         if isinstance(outcome, str):
-            raise DsakvError(f"the profile was not saved: {outcome}")
+            raise OSError(f"the profile was not saved: {outcome}")
         return outcome
 
     def start_profile_here(self, spec: ProfileSpec) -> str | None:

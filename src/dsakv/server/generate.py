@@ -411,7 +411,8 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
         return Response("Start profiling.\n", media_type="text/plain")
 
     async def stop_profile() -> Response:
-        """Every rank writes its trace (`.trace.json.gz`); a 400 with no profile running."""
+        """Every rank writes its trace (`.trace.json.gz`); a 400 with no profile running, a
+        trace that cannot be written the server's 500 (its OSError)."""
         await _engine_call(api, lambda e: e.stop_profile())
         return Response("Stop profiling. This will take some time.\n", media_type="text/plain")
 
