@@ -308,9 +308,9 @@ def test_layer_loop_gives_the_per_layer_bits(sparse, monkeypatch, caches):
     calls, chains = [], []
     loop_call, drafts = cpu_native.LayerLoop.__call__, cpu_native.LayerLoop.drafts
 
-    def counted(self, ids, *args):
+    def counted(self, ids, *args, **kw):
         calls.append(ids.shape[0])
-        return loop_call(self, ids, *args)
+        return loop_call(self, ids, *args, **kw)
 
     def chained(self, *args):
         out = drafts(self, *args)

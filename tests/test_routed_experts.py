@@ -106,6 +106,40 @@ def test_rows_are_the_reference_models_and_change_nothing(glm_tiny, glm_tiny_hf,
     np.testing.assert_allclose(only.hidden_states, want, rtol=0, atol=HIDDEN_ATOL)
 
 
+def test_decode_steps_record_in_the_layer_loop(glm_tiny, glm_tiny_hf, monkeypatch):
+    """Under deterministic inference a decode step that records its routing still runs in
+    one native call (`LayerLoop`): each MoE layer's experts are the per-layer path's and
+    transformers', and the tokens and logprobs the bits of the run that asks for nothing."""
+    from dsakv.kernels import cpu_native
+    from dsakv.models import dsa
+
+    llm = LLM(glm_tiny, **EXACT, num_pages=64, enable_deterministic_inference=True, **FLAGS)
+    model, real = llm.engine.model, cpu_native.LayerLoop.__call__
+    recording: list[bool] = []  # per loop call: whether its step records
+
+    def counted(self, *args, **kw):
+        recording.append(model.routed is not None)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(cpu_native.LayerLoop, "__call__", counted)
+    prompts = _prompts()
+    routed = dataclasses.replace(GREEDY, return_routed_experts=True)
+    plain = llm.generate(prompts, GREEDY, use_tqdm=False)
+    looped = llm.generate(prompts, routed, use_tqdm=False)
+    assert recording.count(True) >= GREEDY.max_tokens - 1  # (the decode steps)
+    monkeypatch.setattr(dsa, "LOOP_EXTEND", 0)  # every step on the per-layer path
+    calls = len(recording)
+    per_layer = llm.generate(prompts, routed, use_tqdm=False)
+    assert len(recording) == calls
+    for prompt, *outs in zip(prompts, looped, per_layer, plain):
+        (a,), (b,), (c,) = (o.outputs for o in outs)
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert a.logprobs == b.logprobs == c.logprobs
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+        want, _ = hf_reference(glm_tiny_hf, prompt + a.token_ids[:-1])
+        np.testing.assert_array_equal(np.sort(a.routed_experts, -1), want)
+
+
 def test_prefix_cache_forks_and_a_retraction_keep_every_row(glm_tiny, glm_tiny_hf):
     """The prefix cache serves an asking request only what it does not ask for (the
     positions before `routed_experts_start_len`); n > 1 choices take the prompt's rows

@@ -835,6 +835,8 @@ class _StepDesc(ctypes.Structure):
         *((n, _ptr) for n in ("cos", "sin", "out_slots", "table", "lens")),
         *((n, _f32) for n in ("index_scale", "mla_scale")),
         ("low", _i64),
+        ("routed", _ptr),
+        *((n, _i64) for n in ("routed_ld", "routed_layer_ld")),
     ]
 
 
@@ -917,6 +919,8 @@ class LayerLoop:
             d.index_pages = keys.shape[0]
             d.index_page_size = pool.page_size if fp8 else 1
         self._step = (topk, index_scale, mla_scale, int(low))
+        moe = [ffn._w.top_k for _, _, ffn, _, _ in layers if ffn._w.router]
+        self._top_k = max(moe, default=0)  # (what `routed` holds a row of, per layer)
         self.hidden = hidden = layers[0][1].dims[0]
         self._io = io = _StepIO()
         vocab = matrix_shape(parts.embed)[0]
@@ -939,7 +943,7 @@ class LayerLoop:
         """Whether the loop computes logits (`rows`, `drafts`)."""
         return bool(self._io.head_rows)
 
-    def _desc(self, ids, positions, out_slots, table, lens, hidden):
+    def _desc(self, ids, positions, out_slots, table, lens, hidden, routed=None):
         """The step's tensors as the call reads them (kept alive by the caller over the
         call: they hold the addresses) and the call's step arguments."""
         ids, positions, out_slots, table, lens = (
@@ -956,6 +960,14 @@ class LayerLoop:
             hidden = _activations(hidden, self.hidden)
             if hidden.shape[0] != t:
                 raise ValueError("layer loop: one h row per token")
+        strides = (0, 0)
+        if routed is not None:
+            _on_cpu(routed)
+            k, shape = self._top_k, (t, len(self._layers), self._top_k)
+            ok = k and routed.dtype == torch.int32 and routed.shape == shape
+            if not ok or (k > 1 and routed.stride(2) != 1):
+                raise ValueError(f"layer loop: routed must be int32 {list(shape)}, an MoE loop's")
+            strides = (routed.stride(0), routed.stride(1))
         topk, index_scale, mla_scale, low = self._step
         step = _StepDesc(
             t,
@@ -969,17 +981,23 @@ class LayerLoop:
             index_scale,
             mla_scale,
             low,
+            None if routed is None else routed.data_ptr(),
+            *strides,
         )
-        keep = (ids, positions, out_slots, table, lens, hidden)
+        keep = (ids, positions, out_slots, table, lens, hidden, routed)
         args = (ctypes.byref(step), ids.data_ptr(), positions.data_ptr())
         return keep, (*args, None if hidden is None else hidden.data_ptr())
 
-    def __call__(self, ids, positions, out_slots, table, lens, hidden=None, rows=None):
+    def __call__(self, ids, positions, out_slots, table, lens, hidden=None, rows=None, routed=None):
         """Token t (`ids[t]` at `positions[t]`; with the NextN input, h row `hidden[t]`)
         attends over its context's slots `table[t, :lens[t]]` (`[T, W]`), its KV goes to
         `out_slots[t]` -> the normed output `[T, hidden]`; with `rows` (the loop has a
-        head), also the fp32 logits of those rows of it `[len(rows), vocab]`."""
-        keep, args = self._desc(ids, positions, out_slots, table, lens, hidden)
+        head), also the fp32 logits of those rows of it `[len(rows), vocab]`. `routed`: an
+        int32 `[T, layers, top_k]` (`record_routing`'s: the loop's layers in order, top-k
+        columns contiguous) that gets each MoE layer's choices, as the per-layer `Ffn`
+        writes them (a step recording its routing); a dense layer's rows are left as they
+        are."""
+        keep, args = self._desc(ids, positions, out_slots, table, lens, hidden, routed)
         out = torch.empty(len(ids), self.hidden)
         logits = None
         if rows is not None:

@@ -134,8 +134,8 @@ class DSAForCausalLM(nn.Module):
         MoE layer routed each token to (SGLang's return_routed_experts), into the int32
         `[tokens, num_hidden_layers, top_k]` it yields (a dense layer's rows stay 0, as
         SGLang's). Steps outside it record nothing and pay nothing. The MTP layer's
-        routing is not the target's: never recorded. The native layer loop is not taken
-        while recording (its per-layer blocks give the same bits)."""
+        routing is not the target's: never recorded. The native layer loop records it as
+        the per-layer blocks do (the same bits)."""
         device = self.model.norm.weight.device
         ids = torch.zeros(self.config.routed_shape(tokens), dtype=torch.int32, device=device)
         moe = [(i, self.target_layers[i]) for i in self.config.moe_layers]
@@ -163,7 +163,8 @@ class DSAForCausalLM(nn.Module):
         """Runs every layer, writing this step's KV into `pool`; returns normed hidden `[T, H]`."""
         loop = self._loop(batch, pool)
         if loop is not None:
-            return loop(batch.input_ids, batch.positions, batch.out_slots, *batch.token_ctx)
+            ids, positions, slots = batch.input_ids, batch.positions, batch.out_slots
+            return loop(ids, positions, slots, *batch.token_ctx, routed=self.routed)
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
         x = in_turn(self.target_layers, x, cos, sin, batch, pool)
@@ -178,7 +179,8 @@ class DSAForCausalLM(nn.Module):
         loop = self._loop(batch, pool)
         if loop is not None and loop.has_head:
             table, lens = batch.token_ctx
-            return loop(batch.input_ids, batch.positions, batch.out_slots, table, lens, None, rows)
+            args = (batch.input_ids, batch.positions, batch.out_slots, table, lens, None, rows)
+            return loop(*args, routed=self.routed)
         hidden = self.forward(batch, pool)
         return hidden, self.compute_logits(hidden[rows.to(hidden.device)])
 
@@ -244,8 +246,6 @@ class DSAForCausalLM(nn.Module):
         where some part has no native form."""
         short = 0 < max(batch.extend_lens, default=0) <= LOOP_EXTEND  # (DP: an idle rank's 0)
         if not short or batch.hot is not None or not getattr(self.ops, "deterministic", False):
-            return None
-        if self.routed is not None and not draft:  # (`record_routing`)
             return None
         owner = self.mtp if draft else self
         made_for, loop = getattr(owner, "_layer_loop", (None, None))

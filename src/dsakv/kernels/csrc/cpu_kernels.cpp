@@ -1285,13 +1285,17 @@ struct LayerDesc {
 
 // The step: T tokens, token t at position lens[t] - 1 of its request, its context's slots
 // table[t · W ...] (positions past lens[t] padding), its KV written to out_slots[t]. The
-// first layer is a full one.
+// first layer is a full one. routed (null: not asked): where MoE layer l writes token t's
+// chosen experts, routed[t · routed_ld + l · routed_layer_ld ..] (`dsakv_ffn`'s rows; a
+// dense layer's are left as they are).
 struct StepDesc {
   int64_t T, W, topk;
   const float *cos, *sin;  // [T, rope / 2]
   const int64_t *out_slots, *table, *lens;
   float index_scale, mla_scale;
   int64_t low;  // bf16 indexer arithmetic (`dsakv_index_decode`'s `low`)
+  int32_t* routed;
+  int64_t routed_ld, routed_layer_ld;
 };
 
 // What a step reads around its layers: the embedding, RoPE's cos / sin tables (a row per
@@ -1338,10 +1342,11 @@ extern "C" {
 // over their own selection (decode tokens, MTP verify and draft rows), in one call: per layer the input blocks, the latent store, on a
 // full layer the index key and its store, then (when some context is longer than top-k)
 // the indexer's scores over the stored keys, top-k in position order; then attention over
-// the selected stored rows and the FFN. Each is the extern call the per-layer Python path
-// makes for the same tokens, in the same order, so both give the same bits; the loop only
-// drops the Python between them. x[T, hidden] is the embedded input, replaced by the last
-// layer's output. Returns the number of out-of-range slots met (the caller raises).
+// the selected stored rows and the FFN (an MoE layer's routing written where `s` asks for
+// it). Each is the extern call the per-layer Python path makes for the same tokens, in the
+// same order, so both give the same bits; the loop only drops the Python between them.
+// x[T, hidden] is the embedded input, replaced by the last layer's output. Returns the
+// number of out-of-range slots met (the caller raises).
 int64_t dsakv_forward_layers(const LayerDesc* layers, int64_t n_layers, const StepDesc* sp,
                              float* x) {
   const StepDesc& s = *sp;
@@ -1404,7 +1409,8 @@ int64_t dsakv_forward_layers(const LayerDesc* layers, int64_t n_layers, const St
                             L.latent_row_bytes, int(L.latent_kind), sel.data(), K,
                             reinterpret_cast<const bool*>(valid.data()), T, K, H, KL, R,
                             s.mla_scale, L.w_uv, L.w_uv_sh, v, attn.data(), int(L.w_uv_kind));
-    dsakv_ffn(L.ffn, T, x, attn.data(), out.data(), nullptr, 0);
+    int32_t* routed = s.routed && L.ffn->router ? s.routed + l * s.routed_layer_ld : nullptr;
+    dsakv_ffn(L.ffn, T, x, attn.data(), out.data(), routed, s.routed_ld);
     std::memcpy(x, out.data(), T * D * sizeof(float));
   }
   return bad;
@@ -1498,6 +1504,7 @@ int64_t dsakv_draft_chain(const LayerDesc* layers, int64_t n_layers, const StepI
       }
       StepDesc s = *sp;
       s.T = m, s.W = W, s.out_slots = outs.data(), s.table = table.data(), s.lens = lens.data();
+      s.routed = nullptr;  // (a chain round records no routing)
       std::vector<float> y(m * D);
       bad = dsakv_forward_step(layers, n_layers, io, &s, tok.data(), pos.data(), x.data(),
                                y.data(), nullptr, 0, nullptr);
