@@ -20,8 +20,8 @@ from dsakv.errors import ConfigError, DsakvError
 from dsakv.models import ForwardBatch
 from dsakv.models.loader import load_model
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
-from dsakv.server.app import _AbortingStream
 from dsakv.server.runner import RequestStream, _update
+from dsakv.server.submit import AbortingStream
 
 from .conftest import flat_logprobs
 from .model_driver import make_pool
@@ -721,7 +721,7 @@ def test_a_stream_response_that_cannot_be_built_closes_its_call():
 
     closed = []
     with pytest.raises(UnicodeEncodeError):
-        _AbortingStream(nothing(), lambda: closed.append(True), {"X-Request-Id": "日本"})
+        AbortingStream(nothing(), lambda: closed.append(True), {"X-Request-Id": "日本"})
     assert closed == [True]
 
 

@@ -24,8 +24,8 @@ from dsakv.engine import EngineConfig
 from dsakv.engine.sampling import SamplingParams
 from dsakv.models.tiny import write_tiny_model
 from dsakv.server import responses
-from dsakv.server.app import ChatRun
 from dsakv.server.chat import ChatParsers, PreparedChat
+from dsakv.server.handlers import ChatRun
 from dsakv.server.parsers import ChatDelta
 from dsakv.server.protocol import APIError
 from dsakv.server.responses import (

@@ -19,7 +19,7 @@ from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.engine.grammar import GrammarCache, GrammarError, after_reasoning
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
-from dsakv.server import app as app_module
+from dsakv.server import params as params_module
 
 from .serving import TIMEOUT, serving
 
@@ -316,7 +316,7 @@ def test_slow_grammars_time_out_and_leave_other_requests_room(served, base, monk
             return real.compile_regex(spec)
 
     monkeypatch.setattr(cache, "_compiler", SlowCompiler())
-    monkeypatch.setattr(app_module, "GRAMMAR_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(params_module, "GRAMMAR_TIMEOUT_S", 2.0)
     with ThreadPoolExecutor(6) as pool:
         try:
             stuck = [

@@ -1,6 +1,6 @@
 """Prefill and decode servers: `AsyncEngine`s whose `generate_n` takes part in the handshake.
 
-The OpenAI handlers (`dsakv.server.app`) are unchanged: they call `generate_n` and read the
+The OpenAI handlers (`dsakv.server.handlers`) are unchanged: they call `generate_n` and read the
 stream it returns. On a prefill server that stream ends after the first token, once the
 KV is in the decode server's pages; on a decode server it starts with the prefill side's
 first token and goes on decoding. Each prompt's handoff (its bootstrap room: `dsakv

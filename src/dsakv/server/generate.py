@@ -28,18 +28,12 @@ from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.engine import SamplingParams
 from dsakv.errors import DsakvError
 
-from .app import (
-    SGLANG_NOT_RUN,
-    Handlers,
-    _lp,
-    _prompt_list,
-    _Result,
-    _sse,
-    refusal,
-    request_salt,
-)
+from .handlers import Handlers
+from .openai_format import json_logprob
+from .params import SGLANG_NOT_RUN, prompt_list, request_salt
 from .protocol import APIError, GenerationRequest
 from .rows import routed_base64, row_params
+from .submit import Result, refusal, sse_event
 
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 
@@ -62,7 +56,7 @@ class GenerateRequest(BaseModel):
     # the ids whose logprobs each position reports: one list for all prompts, or one each
     token_ids_logprob: list[int] | list[list[int]] | None = None
     return_text_in_logprobs: bool | None = False
-    # the prefix-cache salt (`app.request_salt`): SGLang's extra_key, and vLLM's cache_salt
+    # the prefix-cache salt (`params.request_salt`): SGLang's extra_key, and vLLM's cache_salt
     # (one for all prompts, or a list of one per prompt)
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
@@ -559,13 +553,13 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
     batch = not single or n > 1  # (outputs prompt-major: prompt i's sample j is i * n + j)
 
     if body.stream:
-        so_far = [_Result() for _ in streams]
+        so_far = [Result() for _ in streams]
 
         async def events() -> AsyncIterator[str]:
             async for i, u in api._merged(streams):
                 so_far[i].add(u)  # SGLang streams the output so far (cumulative)
                 out = _output(rids[i], so_far[i], asks[i // n], began, api.weight_version)
-                yield _sse({**out, "index": i} if batch else out)
+                yield sse_event({**out, "index": i} if batch else out)
 
         return api._stream_response(events(), streams, call)
 
@@ -597,7 +591,7 @@ def _prompts(body: GenerateRequest) -> tuple[list[str | list[int]], bool, str]:
     if not value and not isinstance(value, str):  # ("" is a text its tokenizer may add to)
         raise APIError(400, f"{name} is empty", param=name)
     try:
-        prompts = _prompt_list(value)
+        prompts = prompt_list(value)
     except APIError as e:
         raise APIError(e.status, e.message, param=name) from None
     return prompts, isinstance(value, str) or isinstance(value[0], int), name
@@ -796,7 +790,7 @@ def _in_sglang_terms() -> Iterator[None]:
 
 
 def _output(
-    rid: str, r: _Result, ask: _LogprobAsk | None, began: float, version: str
+    rid: str, r: Result, ask: _LogprobAsk | None, began: float, version: str
 ) -> dict[str, Any]:
     """One output in SGLang's shape, from what it has so far, by weights `version`."""
     meta: dict[str, Any] = {
@@ -819,7 +813,7 @@ def _output(
     return {"text": r.text, "output_ids": list(r.token_ids), "meta_info": meta}
 
 
-def _finish_reason(r: _Result) -> dict[str, Any] | None:
+def _finish_reason(r: Result) -> dict[str, Any] | None:
     """SGLang's finish reason (`BaseFinishReason.to_json`): a stop names what matched, the
     stop string or token, or else the EOS token that ended it (the last output token)."""
     if r.finish_reason is None:
@@ -836,7 +830,7 @@ def _finish_reason(r: _Result) -> dict[str, Any] | None:
     return {"type": "abort", "message": "the request was aborted"}
 
 
-def _logprobs(r: _Result, ask: _LogprobAsk) -> dict[str, Any]:
+def _logprobs(r: Result, ask: _LogprobAsk) -> dict[str, Any]:
     """SGLang's `[logprob, token id, text or null]` triples: the output's, and the prompt's
     from `logprob_start_len` (its first one null, as SGLang's; none from a prefill server),
     with the top ones and those of `token_ids_logprob` if asked."""
@@ -847,11 +841,11 @@ def _logprobs(r: _Result, ask: _LogprobAsk) -> dict[str, Any]:
     start = ask.start if ask.start >= 0 else max(len(prompt) - 1, 0)
     span = range(start + 1, len(scores))  # (empty where the prompt was not scored)
     text = ask.texts
-    inputs = _triples([None, *(_lp(scores[p]) for p in span)], prompt[start:], text)
+    inputs = _triples([None, *(json_logprob(scores[p]) for p in span)], prompt[start:], text)
     first_top = [None] if start < len(prompt) else []  # (start at the prompt's end: none)
     out: dict[str, Any] = {
         "input_token_logprobs": inputs if ask.prompt else [],
-        "output_token_logprobs": _triples([_lp(x) for x in r.logprobs], r.token_ids, text),
+        "output_token_logprobs": _triples([json_logprob(x) for x in r.logprobs], r.token_ids, text),
     }
     if ask.top_n > 0:
         top_inputs = [*first_top, *(_top(tops[p], text) for p in span)]
@@ -869,7 +863,7 @@ def _logprobs(r: _Result, ask: _LogprobAsk) -> dict[str, Any]:
 
 
 def _lps(values: list[float] | None) -> list[float]:
-    return [_lp(x) for x in values or ()]
+    return [json_logprob(x) for x in values or ()]
 
 
 def _triples(logprobs: list[float | None], ids: list[int], text: _TokenTexts) -> list[list]:
@@ -878,7 +872,7 @@ def _triples(logprobs: list[float | None], ids: list[int], text: _TokenTexts) ->
 
 def _top(top: list[tuple[int, float]] | None, text: _TokenTexts) -> list[list]:
     top = top or []
-    return _triples([_lp(x) for _, x in top], [t for t, _ in top], text)
+    return _triples([json_logprob(x) for _, x in top], [t for t, _ in top], text)
 
 
 class _TokenTexts:

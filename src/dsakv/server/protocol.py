@@ -102,7 +102,7 @@ class ServingExtras(_Strict):
     them; a response takes the same ones (`responses._chat_request` hands them to chat)."""
 
     # vLLM's prefix-cache isolation (a non-empty string), and SGLang's, which appends its
-    # extra_key to it (`app.request_salt`)
+    # extra_key to it (`params.request_salt`)
     cache_salt: str | None = None
     extra_key: str | None = None
     thinking_token_budget: int | None = None  # vLLM's (`SamplingParams`)

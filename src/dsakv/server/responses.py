@@ -23,8 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from .app import ChatRun, Handlers, _AbortingStream, _chat_logprobs, _Result
 from .chat import PreparedChat
+from .handlers import ChatRun, Handlers
+from .openai_format import chat_logprobs
 from .parsers import THINK_START, ChatDelta, reasoning_parser
 from .protocol import (
     RESPONSES_KEPT,
@@ -33,6 +34,7 @@ from .protocol import (
     ResponsesRequest,
     ServingExtras,
 )
+from .submit import AbortingStream, Result
 
 # A background response's stream events kept for GET ?stream=true (a client attaching, or
 # coming back): its newest EVENTS_KEPT, and once it ended, only for the STREAMS_KEPT
@@ -374,7 +376,7 @@ def _cancel(api: Handlers, stored: _Stored) -> None:
         api.engine.abort(s, asked=True)
 
 
-def _finish(api: Handlers, stored: _Stored, output: _Output, r: _Result) -> None:
+def _finish(api: Handlers, stored: _Stored, output: _Output, r: Result) -> None:
     """The response's final state: its output, status, usage."""
     run = stored.run
     assert run is not None
@@ -403,7 +405,7 @@ def _finish(api: Handlers, stored: _Stored, output: _Output, r: _Result) -> None
     stored.run = None
 
 
-def _full_output(run: ChatRun, r: _Result) -> _Output:
+def _full_output(run: ChatRun, r: Result) -> _Output:
     reader, output = _Reader(run), _Output()
     for d, logprobs in reader.feed(r.as_update(), r.text, True, r.finish_reason == "length"):
         output.feed(d, logprobs)
@@ -427,7 +429,7 @@ def _stream(api: Handlers, stored: _Stored) -> Response:
             stored.response["status"] = "cancelled"
             stored.run = None
 
-    return _AbortingStream(_events(api, stored), close)
+    return AbortingStream(_events(api, stored), close)
 
 
 def _event_stream(events: AsyncIterator[str]) -> Response:
@@ -457,7 +459,7 @@ async def _events(api: Handlers, stored: _Stored) -> AsyncIterator[str]:
     yield event("response.created", response=copy.deepcopy(response))
     response["status"] = "in_progress"
     yield event("response.in_progress", response=copy.deepcopy(response))
-    reader, output, totals = _Reader(run), _Output(), _Result()
+    reader, output, totals = _Reader(run), _Output(), Result()
     try:
         async for _, u in api._merged(run.streams):
             totals.add(u)
@@ -485,7 +487,7 @@ def _sse(kind: str, seq: int, **fields: Any) -> str:
 
 class _Reader:
     """A run's output through its chat parser. With `include: ["message.output_text.logprobs"]`
-    it is fed token by token, and each token's logprob entry (chat's: `_chat_logprobs`, the
+    it is fed token by token, and each token's logprob entry (chat's: `chat_logprobs`, the
     same values /v1/chat/completions gives) goes to the message text it wrote: the text the
     parser settles is found last in the output it has given out (all but what it holds back:
     whitespace, a tag begun; or dropped: a tag begun when max_output_tokens cut it), after
@@ -517,7 +519,7 @@ class _Reader:
         """Update `u` (its new `text`): the parser's deltas, each with its text's logprobs."""
         if not self.logprobs:
             return [(self.parser.feed(text, final=final, cut=cut), None)]
-        for share, entry in zip(u.texts or [], _chat_logprobs(u, self.as_ids)["content"]):
+        for share, entry in zip(u.texts or [], chat_logprobs(u, self.as_ids)["content"]):
             self.tokens.append((self.end, self.end + len(share), entry))
             self.end += len(share)
         cuts = sorted({e - len(self.text) for _, e, _ in self.tokens if e > len(self.text)})

@@ -12,8 +12,10 @@ from pydantic import BaseModel, ConfigDict
 from dsakv.engine.score import label_probs, score_labels, score_params, score_prompts
 from dsakv.errors import DsakvError
 
-from .app import _MAX_PROMPTS, Handlers, _Result
+from .handlers import Handlers
+from .params import MAX_PROMPTS
 from .protocol import APIError
+from .submit import Result
 
 
 class ScoringRequest(BaseModel):
@@ -41,7 +43,7 @@ async def _score(api: Handlers, body: ScoringRequest, raw: Request) -> Response:
     api._check_model(body.model)
     try:  # (`dsakv.engine.score`, which `LLM.score` runs too)
         labels = score_labels(body.label_token_ids, api.engine.engine.model_config.vocab_size)
-        prompts = score_prompts(body.query, body.items, body.item_first, _MAX_PROMPTS)
+        prompts = score_prompts(body.query, body.items, body.item_first, MAX_PROMPTS)
     except DsakvError as e:
         raise APIError(400, str(e), param=e.param) from None
     results = await _run(api, prompts, labels, raw) if prompts else []  # (none: SGLang's [])
@@ -58,7 +60,7 @@ async def _score(api: Handlers, body: ScoringRequest, raw: Request) -> Response:
 
 async def _run(
     api: Handlers, prompts: list[str | list[int]], labels: tuple[int, ...], raw: Request
-) -> list[_Result]:
+) -> list[Result]:
     """Each prompt run for its one token, whose logprobs of `labels` it carries."""
     params = score_params(labels)
     await api.weights_ready()
