@@ -7,12 +7,20 @@ new request, finishes the stream it was sending, and the responses it stores are
 every refusal is a 4xx in the servers' error shape (a server with another KV layout too); an
 abort still reaches a removed server's stream; with no decode server left a request is a
 503 naming it; one server is one worker whatever the spelling of its URL; with `--api-key`,
-the worker API needs the key as the rest of the router does."""
+the worker API needs the key as the rest of the router does; the router starts with no
+server (or none of a kind) and serves once a pair is added; of two adds racing with no
+server registered, the second is checked against the first."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import socket
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -27,6 +35,7 @@ from dsakv.disagg.router import build_router_app
 from dsakv.engine import EngineConfig
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
+from dsakv.procs import stop_process
 from dsakv.server.app import build_app
 
 from .serving import (
@@ -449,3 +458,113 @@ def test_a_key_no_client_can_send_is_refused_when_the_app_is_built(pd):
             build_router_app([pd.prefill], [pd.decode], api_key=key)
         with pytest.raises(DsakvError, match="an API key must"):
             build_app(pd.engine2, "m", api_key=key)
+
+
+def _no_worker(r: httpx.Response, missing: str) -> None:
+    """SGLang's gateway's 503 for a request needing servers the router has none of."""
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert error["message"].startswith(f"no {missing} workers available"), r.text
+    assert error["code"] == "server_selection_failed", r.text
+
+
+def test_the_cli_router_starts_with_no_server_and_serves_once_a_pair_is_added(pd):
+    """`dsakv router` with neither --prefill nor --decode starts (an orchestrator adds the
+    servers, as to SGLang's gateway): a completion is the 503 naming both kinds, /health
+    the 503 naming them, the worker list empty; a prefill and a decode server added through
+    POST /workers (their mode taken from /disagg/info) then serve the pair's answer. (Both
+    flags were required: the CLI refused to start.)"""
+    port = free_port()
+    cmd = [sys.executable, "-m", "dsakv.cli", "router", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # (its port is taken before it serves: a request then waits)
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                assert _listed(base) == []
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline, "the router did not start"
+                time.sleep(0.05)
+        body = {"prompt": PROMPT, **GREEDY}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+        _no_worker(r, "prefill and no decode")
+        health = httpx.get(f"{base}/health", timeout=TIMEOUT)
+        assert health.status_code == 503, health.text
+        assert health.json()["unhealthy"] == ["no prefill worker", "no decode worker"]
+        for url in (pd.prefill, pd.decode):
+            assert _add(base, url=url).status_code == 200
+        assert _listed(base) == [("prefill", pd.prefill), ("decode", pd.decode)]
+        assert _complete(base) == pd.want
+        assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200
+    finally:
+        stop_process(proc)
+        proc.stderr.close()
+
+
+def test_a_router_started_with_one_kind_serves_once_the_other_is_added(pd):
+    """A router given prefill servers only answers the 503 naming the decode servers it
+    lacks; one added, the pair's answer. (It refused to be built.)"""
+    with routing([pd.prefill], []) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, **GREEDY},
+                       timeout=TIMEOUT)  # fmt: skip
+        _no_worker(r, "decode")
+        assert _add(base, url=pd.decode, worker_type="decode").status_code == 200
+        assert _complete(base) == pd.want
+
+
+@contextlib.contextmanager
+def _mute_server() -> Iterator[str]:
+    """A server that takes connections and answers none (one restarting, say): those open
+    are closed once two are, or a second after the first; yields its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", free_port()))
+    sock.listen()
+    sock.settimeout(0.05)
+    stop = threading.Event()
+
+    def serve() -> None:
+        held: list[socket.socket] = []
+        since = 0.0
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(sock.accept()[0])
+                since = time.monotonic() if len(held) == 1 else since
+            if held and (len(held) == 2 or time.monotonic() - since > 1.0):
+                for conn in held:
+                    conn.close()
+                held = []
+        for conn in held:
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(TIMEOUT)
+        sock.close()
+
+
+def test_of_two_adds_racing_with_no_layout_known_the_second_is_checked_against_the_first(pd):
+    """Two decode servers of different KV layouts added at once to a router with no server,
+    or whose one server (a prefill server) cannot tell its layout: exactly one is registered,
+    the other is the 400 naming the difference. (Each was checked against the servers
+    registered when its check began, and passed when none told a layout: both were added,
+    and every request they shared failed in the handoff.)"""
+    conf = dataclasses.replace(pd.conf, page_size=32)
+    with serving_disagg(conf, "decode") as (odd, _), _mute_server() as mute:
+        for prefill in ([], [mute]):
+            with routing(prefill, []) as base, ThreadPoolExecutor(2) as pool:
+                adds = {u: pool.submit(_add, base, url=u) for u in (pd.decode2, odd)}
+                answers = {u: a.result() for u, a in adds.items()}
+                added = [u for u, r in answers.items() if r.status_code == 200]
+                assert len(added) == 1, (prefill, {u: r.text for u, r in answers.items()})
+                (refused,) = set(answers) - set(added)
+                message = _refusal(answers[refused], 400, "url")
+                assert "different KV layouts: fingerprint: " in message, message
+                assert added[0] in message and refused in message, message
+                assert _listed(base) == [("prefill", u) for u in prefill] + [("decode", added[0])]

@@ -113,8 +113,11 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
 def add_commands(sub: Any) -> None:
     """`dsakv router` and `dsakv serve-pd`."""
     p = sub.add_parser("router", help="OpenAI front door over prefill and decode servers")
-    p.add_argument("--prefill", action="append", required=True, metavar="URL", help="repeatable")
-    p.add_argument("--decode", action="append", required=True, metavar="URL", help="repeatable")
+    for kind in ("prefill", "decode"):  # (none: added later, POST /workers)
+        p.add_argument(
+            f"--{kind}", action="append", default=[], metavar="URL",
+            help="repeatable; none given: add servers with POST /workers",
+        )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument(

@@ -18,6 +18,9 @@ server's `/disagg/info` must agree, and tell the deployment's KV layout), `GET /
 `/remove_worker?url=` and `/list_workers`. A removed server finishes what it was sent (the
 admin calls still reach it meanwhile); new requests go to the others. With `--api-key`,
 these and every other route but the probes need the key, as `dsakv serve --api-key`'s do.
+The router may start with no server, or none of a kind (an orchestrator adds them): until
+it has both kinds, requests get SGLang's 503, and the first server added sets the KV layout
+the others must have.
 """
 
 from __future__ import annotations
@@ -98,8 +101,6 @@ class Router:
     """Round-robin pairs of prefill and decode servers; one shared HTTP client."""
 
     def __init__(self, prefill: list[str], decode: list[str]) -> None:
-        if not prefill or not decode:
-            raise ValueError("the router needs at least one --prefill and one --decode URL")
         # Replaced, never changed in place, as workers come and go: a loop over a list
         # (across awaits) sees the servers of when it began.
         self.prefill = [_server_url(u) for u in prefill]
@@ -118,6 +119,10 @@ class Router:
         # Requests in flight through the router, by (kind, server): a server removed while
         # it has some stays in the admin calls' reach (an abort, a pause) until they end.
         self._busy: Counter[tuple[str, str]] = Counter()
+        # Held from an added server's layout check to its registration: a second add is
+        # checked against the first (else two racing while no registered server tells its
+        # layout, none or one restarting, both pass: each checked against nothing).
+        self._adding = asyncio.Lock()
         self.requests = 0
         self.failures = 0
 
@@ -784,21 +789,32 @@ class Router:
 
     async def add_worker(self, spec: dict[str, Any]) -> dict[str, Any] | Response:
         """A server joining, `spec` in SGLang's fields (`url`, `worker_type`, a prefill
-        server's `bootstrap_port`; `_checked_spec`), its `/disagg/info` agreeing (`_probe`).
-        It takes requests from the next one on. SGLang's answer, else the 4xx naming the
-        field."""
+        server's `bootstrap_port`; `_checked_spec`), its `/disagg/info` agreeing (`_probe`)
+        and its KV layout the deployment's (`_layout_differs`: checked and registered one add
+        at a time, so that of two racing, the second is checked against the first). It takes
+        requests from the next one on. SGLang's answer, else the 4xx naming the field."""
         checked = _checked_spec(spec)
         if isinstance(checked, Response):
             return checked
         url, kind, port = checked
         if (taken := self._already_registered(url)) is not None:
             return taken
-        probed = await self._probe(url, kind, port)
+        probed = await self._probe(url, kind, port)  # (outside the lock: it may be slow)
         if isinstance(probed, Response):
             return probed
-        mode, address = probed
+        async with self._adding:
+            return await self._register(url, *probed)
+
+    async def _register(
+        self, url: str, mode: str, address: tuple[str, int] | None, info: dict[str, Any]
+    ) -> dict[str, Any] | Response:
+        """`add_worker`'s last step, under its lock: the server `url` (its `/disagg/info`:
+        `info`) registered, unless registered meanwhile or its KV layout differs from the
+        deployment's servers' (none yet: it sets the layout)."""
         if (taken := self._already_registered(url)) is not None:  # (added while it was asked)
             return taken
+        if (differs := await self._layout_differs(url, info)) is not None:
+            return _client_error(400, differs, "url")
         if address is not None:
             self._bootstrap[url] = address
         self._down.pop(url, None)
@@ -809,11 +825,10 @@ class Router:
 
     async def _probe(
         self, url: str, kind: str | None, port: int | None
-    ) -> tuple[str, tuple[str, int] | None] | Response:
-        """The mode of the server `url` and, a prefill server's, its bootstrap (host, port),
-        from its `/disagg/info`: it must answer, in the mode `kind` names (None: its mode is
-        taken), with the bootstrap `port` if one is given, and the KV layout the
-        deployment's servers have (`_layout_differs`); else the 400 naming the field."""
+    ) -> tuple[str, tuple[str, int] | None, dict[str, Any]] | Response:
+        """The mode of the server `url`, a prefill server's bootstrap (host, port), and its
+        `/disagg/info`: it must answer, in the mode `kind` names (None: its mode is taken),
+        with the bootstrap `port` if one is given; else the 400 naming the field."""
         try:
             info = await self._disagg_info(url)
             mode = info.get("mode")
@@ -835,16 +850,14 @@ class Router:
             told = f"is {address[1]}" if address else "is none (a decode server)"
             message = f"{url}'s bootstrap port {told}, not {port}"
             return _client_error(400, message, "bootstrap_port")
-        if (differs := await self._layout_differs(url, info)) is not None:
-            return _client_error(400, differs, "url")
-        return mode, address
+        return mode, address, info
 
     async def _layout_differs(self, url: str, info: dict[str, Any]) -> str | None:
         """How the server `url` (its `/disagg/info`: `info`) differs from the deployment in
         what a handoff needs equal (the KV layout, how the KV is computed), against the
         first of the router's servers whose `/disagg/info` answers; else None (also when
-        none answers: the handshake still checks). Added, it would fail every request it
-        shared with another (the handoff's 502)."""
+        there is none, or none answers: the handshake still checks). Added, it would fail
+        every request it shared with another (the handoff's 502)."""
         for known in _in_turn(self.prefill + self.decode, 0, self._down):
             try:
                 theirs = await self._disagg_info(known)
