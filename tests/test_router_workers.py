@@ -440,7 +440,8 @@ def test_the_routers_api_key_guards_its_routes_and_the_worker_api(pd):
                 r = httpx.request(method, f"{base}{path}", headers=headers, timeout=TIMEOUT, **kw)
                 assert r.status_code == 401, (headers, method, path, r.text)
                 assert r.json()["error"]["code"] == "invalid_api_key", r.text
-        assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200
+        for probe in ("/health", "/liveness", "/readiness"):  # (Kubernetes sends no key)
+            assert httpx.get(f"{base}{probe}", timeout=TIMEOUT).status_code == 200, probe
         assert _listed(base, headers=key) == [("prefill", pd.prefill), ("decode", pd.decode)]
         assert _complete(base, headers=key) == pd.want
         r = _add(base, url=pd.decode2, worker_type="decode", headers=key)
@@ -494,11 +495,15 @@ def test_the_cli_router_starts_with_no_server_and_serves_once_a_pair_is_added(pd
         health = httpx.get(f"{base}/health", timeout=TIMEOUT)
         assert health.status_code == 503, health.text
         assert health.json()["unhealthy"] == ["no prefill worker", "no decode worker"]
+        # SGLang Model Gateway's probes: alive, not ready
+        assert httpx.get(f"{base}/liveness", timeout=TIMEOUT).status_code == 200
+        assert httpx.get(f"{base}/readiness", timeout=TIMEOUT).status_code == 503
         for url in (pd.prefill, pd.decode):
             assert _add(base, url=url).status_code == 200
         assert _listed(base) == [("prefill", pd.prefill), ("decode", pd.decode)]
         assert _complete(base) == pd.want
-        assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200
+        for probe in ("/health", "/readiness", "/liveness"):
+            assert httpx.get(f"{base}{probe}", timeout=TIMEOUT).status_code == 200, probe
     finally:
         stop_process(proc)
         proc.stderr.close()

@@ -1312,6 +1312,13 @@ def build_router_app(prefill: list[str], decode: list[str], api_key: str | None 
 
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ping", health, methods=["GET", "POST"])  # (vLLM's, SageMaker's)
+    # SGLang Model Gateway's Kubernetes probes: ready (/health's answer) once it has a
+    # healthy prefill and decode server; alive while it answers at all
+    app.add_api_route("/readiness", health, methods=["GET"])
+
+    @app.get("/liveness")
+    async def liveness() -> Response:
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -29,6 +29,8 @@ OPEN_PATHS = (
     "/server_info",
     "/get_server_info",
     "/disagg/info",  # (a prefill or decode server's: `dsakv.disagg.serving`)
+    "/liveness",  # (the router's: SGLang Model Gateway's probes)
+    "/readiness",
 )
 
 
