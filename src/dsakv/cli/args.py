@@ -515,6 +515,14 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
             type=int,
             help="SGLang's: a stat dump keeps the last N steps' counts (default 1000; -1: all)",
         )
+        g.add_argument(
+            "--watchdog-timeout",
+            type=positive_float,
+            metavar="S",
+            help="SGLang's: an engine step running longer than S seconds means the engine is "
+            "stuck: the server logs every thread's stack and exits (code 70) for its "
+            "supervisor to restart it (default 300)",
+        )
     det = g.add_mutually_exclusive_group()
     det.add_argument(
         "--enable-deterministic-inference",

@@ -111,6 +111,9 @@ class EngineConfig:
     # dump keeps the last `buffer_size` steps' counts (< 0: every step's)
     expert_distribution_recorder_mode: str | None = None
     expert_distribution_recorder_buffer_size: int = 1000
+    # SGLang's --watchdog-timeout (a server's: `server.watchdog`): a step running longer
+    # than this many seconds ends the process, a stuck engine being worse than none; None: off
+    watchdog_timeout: float | None = 300.0
 
     def __post_init__(self) -> None:
         for f in fields(self):  # every bool field, by its annotation (a string here)
@@ -149,6 +152,10 @@ class EngineConfig:
             raise DsakvError(
                 f"expert_distribution_recorder_buffer_size must be a nonzero integer, got {size!r}"
             )
+        timeout = self.watchdog_timeout
+        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+        if timeout is not None and not (number and timeout > 0):
+            raise DsakvError(f"watchdog_timeout must be a positive number, got {timeout!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise DsakvError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

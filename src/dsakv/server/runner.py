@@ -33,6 +33,8 @@ from dsakv.engine import Engine, Request, SamplingParams, Status
 from dsakv.engine.detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
 from dsakv.errors import DsakvError
 
+from .watchdog import StepWatchdog
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -198,6 +200,7 @@ class AsyncEngine:
         self._counting_lock = threading.Lock()
         self._owner = thread or EngineThread()
         self._owns_thread = thread is None
+        self._watchdog = StepWatchdog(engine.config.watchdog_timeout)
         self._owner.submit(self._run)
         if self._owns_thread:
             self._owner.close()
@@ -379,6 +382,7 @@ class AsyncEngine:
             self._fail_all(f"engine thread died: {e}")
             self._stop.set()
         finally:
+            self._watchdog.close()
             self._finished.set()
 
     def _held(self) -> bool:
@@ -472,7 +476,8 @@ class AsyncEngine:
     def _step(self) -> bool:
         """One engine step and its tokens to their streams; False when no request got one."""
         try:
-            reqs = self.engine.step()
+            with self._watchdog.step():
+                reqs = self.engine.step()
         except Exception as e:
             # Keep serving: fail the requests in flight, free their pages, go on.
             log.exception("engine step failed; aborting %d requests", len(self._streams))
