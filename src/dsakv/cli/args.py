@@ -187,6 +187,13 @@ EP = ("--ep", "--ep-size", "--expert-parallel-size")
 # SGLang's (and vLLM's) data-parallel size: dsakv's is --tp's under --dp-attention, else 1.
 _DP = ("--dp-size", "--dp", "--data-parallel-size", "-dp")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # (vLLM's)
+# SGLang's kernel choices within its DSA attention backend and for its MoE layers: taken
+# and ignored, dsakv's kernels being --attention-backend's.
+_SGLANG_DSA_KERNELS = ("flashmla_sparse", "flashmla_sparse_q8", "flashmla_kv", "flashmla_auto")
+_SGLANG_DSA_KERNELS += ("flashinfer_sparse_mla", "fa3", "tilelang", "aiter", "trtllm")
+_SGLANG_MOE_KERNELS = ("auto", "deep_gemm", "triton", "triton_kernel", "flashinfer_trtllm")
+_SGLANG_MOE_KERNELS += ("flashinfer_trtllm_routed", "flashinfer_cutlass", "flashinfer_mxfp4")
+_SGLANG_MOE_KERNELS += ("flashinfer_cutedsl", "cutlass", "aiter", "marlin")
 # Hidden flags with no field of their own: `_fold_foreign` checks them against dsakv's
 # flags, then they are dropped (never passed on: serve-pd passes what they checked).
 FOLDED = (
@@ -201,6 +208,11 @@ FOLDED = (
     "speculative_config",
     "spec_method",
     "spec_num_speculative_tokens",
+    "max_total_tokens",
+    "enable_hierarchical_cache",
+    "hicache_ratio",
+    "hicache_size",
+    "moe_a2a_backend",
 )
 
 
@@ -248,15 +260,21 @@ def add_dp_args(g: Any, help: str) -> None:
 
 
 def fold_expert_parallel(args: argparse.Namespace) -> None:
-    """vLLM's --enable-expert-parallel: the experts split over every rank (after
-    `check_dp_size`: vLLM's -dp N is N ranks here), dsakv's --ep set to the ranks."""
-    if not args.enable_expert_parallel:
+    """vLLM's --enable-expert-parallel and SGLang's --moe-a2a-backend deepep (which sets its
+    ep size to its tp size): the experts split over every rank (after `check_dp_size`:
+    vLLM's -dp N is N ranks here), dsakv's --ep set to the ranks."""
+    a2a, args.moe_a2a_backend = getattr(args, "moe_a2a_backend", None), None
+    if a2a == "deepep":
+        flag = "--moe-a2a-backend deepep"
+    elif args.enable_expert_parallel:
+        flag = "--enable-expert-parallel"
+    else:
         return
     ranks = args.tp or 1
     if args.ep not in (None, ranks):
         raise DsakvError(
-            f"--enable-expert-parallel splits the experts over all {ranks} rank(s); "
-            f"--ep {args.ep} says otherwise: give one"
+            f"{flag} splits the experts over all {ranks} rank(s); --ep {args.ep} says "
+            "otherwise: give one"
         )
     args.ep = ranks if ranks > 1 else args.ep
     args.enable_expert_parallel = False
@@ -347,7 +365,12 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
         metavar="DIR",
     )
     g.add_argument("--kv-budget-gib", type=positive_float, help="device KV pool size (default 1)")
-    g.add_argument("--num-pages", type=positive_int, help="device KV pool size in pages")
+    g.add_argument(
+        "--num-pages",
+        type=positive_int,
+        help="device KV pool size in pages (SGLang's --max-total-tokens T: T // --page-size)",
+    )
+    g.add_argument("--max-total-tokens", type=positive_int, help=argparse.SUPPRESS)
     g.add_argument(
         "--mem-fraction-static",
         type=fraction,
@@ -368,6 +391,18 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
         dest="host_pool_gib",
         type=nonnegative_float,
     )
+    g.add_argument(
+        "--host-pool-ratio",
+        type=positive_float,
+        metavar="R",
+        help="the host KV tier as R times the device pool's pages, sized with the pool "
+        "(SGLang's --enable-hierarchical-cache [--hicache-ratio R, default 2]; its "
+        "--hicache-size G, G GB per rank, is --host-pool-gib)",
+    )
+    # SGLang's host tier: its switch and sizes, folded into the two above (`_fold_foreign`)
+    g.add_argument("--enable-hierarchical-cache", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--hicache-ratio", type=positive_float, help=argparse.SUPPRESS)
+    g.add_argument("--hicache-size", type=nonnegative_float, help=argparse.SUPPRESS)
     g.add_argument(
         "--chunked-prefill-size",
         type=_chunk_size,
@@ -465,8 +500,9 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
     )
     g.add_argument(
         "--attention-backend",
+        type=_spelled({"nsa": "auto", "dsa": "auto"}),
         help="auto (default: flashmla, else triton on CUDA, else cpu on a CPU), torch (the "
-        "reference), cpu, triton, flashmla",
+        "reference), cpu, triton, flashmla (SGLang's nsa and dsa, its DSA backend: auto)",
     )
     g.add_argument(
         "--disable-cuda-graph",
@@ -554,11 +590,12 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
     for key in ("method", "num_speculative_tokens"):  # vLLM's dotted spelling (its recipes')
         g.add_argument(f"--speculative-config.{key}", dest=f"spec_{key}", help=argparse.SUPPRESS)
     if seed:
-        g.add_argument(
-            "--seed",
+        add_aliased(
+            g,
+            ("--seed", "--random-seed"),
+            "the engine's: starts the generator requests without their own seed share (default 0)",
+            dest="seed",
             type=_seed,
-            help="the engine's: starts the generator requests without their own seed share "
-            "(default 0)",
         )
     add_hisparse_args(p, "every token's latent on the host, a hot buffer per request here")
     add_parallel_args(p)
@@ -616,11 +653,66 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         ),
         help=argparse.SUPPRESS,
     )
+    g.add_argument(
+        "--quantization",
+        type=_only(
+            ("fp8",),
+            "it reads an FP8 checkpoint's blocks (config.json's quantization_config) as they "
+            "are, and quantizes nothing itself",
+        ),
+        metavar="{fp8}",
+        help="SGLang's and vLLM's: fp8 on an FP8 block-quantized checkpoint, read as such "
+        "anyway (on another checkpoint an error: dsakv quantizes nothing at load)",
+    )
+    for stage in ("prefill", "decode"):  # (SGLang's DSA_CHOICES; nsa: its older name)
+        add_aliased(
+            g,
+            (f"--dsa-{stage}-backend", f"--nsa-{stage}-backend"),
+            f"SGLang's kernel for its DSA {stage}: dsakv's kernels are --attention-backend's",
+            choices=_SGLANG_DSA_KERNELS,
+            metavar="KERNEL",
+        )
+    g.add_argument(
+        "--moe-runner-backend",
+        choices=_SGLANG_MOE_KERNELS,
+        metavar="KERNEL",
+        help="SGLang's MoE kernel: dsakv runs its own",
+    )
+    for flag, why in (
+        ("--disable-overlap-schedule", "dsakv schedules a step after the last ends (no overlap)"),
+        ("--enable-mixed-chunk", "dsakv's steps always run decode tokens beside prefill chunks"),
+        ("--disable-shared-experts-fusion", "dsakv's shared experts are never fused"),
+        ("--enable-flashinfer-allreduce-fusion", "dsakv's all-reduce is torch's, unfused"),
+    ):
+        g.add_argument(flag, action="store_true", help=f"SGLang's: {why}")
+    g.add_argument(
+        "--hicache-io-backend",
+        choices=("direct", "kernel", "kernel_ascend"),
+        help="SGLang's host-tier copy kernel: dsakv copies pages its own way",
+    )
+    g.add_argument(
+        "--hicache-mem-layout",
+        choices=("layer_first", "page_first", "page_first_direct", "page_first_kv_split")
+        + ("page_head",),
+        metavar="LAYOUT",
+        help="SGLang's host-tier layout: dsakv's host pages are laid out as its device pages",
+    )
     if serve:
         g.add_argument(
-            "--disable-log-requests",
+            "--grammar-backend",
+            type=_only(("xgrammar",), "its structured output runs on xgrammar"),
+            metavar="{xgrammar}",
+            help="SGLang's: dsakv's structured output runs on xgrammar",
+        )
+        g.add_argument(
+            "--enable-cache-report",
             action="store_true",
-            help="vLLM's: dsakv logs no requests",
+            help="SGLang's: usage.prompt_tokens_details.cached_tokens is always reported",
+        )
+        g.add_argument(
+            "--skip-server-warmup",
+            action="store_true",
+            help="SGLang's: dsakv's server sends itself no warm-up request",
         )
         g.add_argument(
             "--uvicorn-log-level",
@@ -638,7 +730,6 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
             action="store_true",
             help="vLLM's: no log line per HTTP request",
         )
-        g.add_argument("--max-log-len", type=int, metavar="N", help="vLLM's: dsakv logs no prompts")
         g.add_argument(
             "--enable-metrics", action="store_true", help="SGLang's: /metrics is always served"
         )
@@ -649,6 +740,62 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         )
 
 
+def add_request_log_args(p: argparse.ArgumentParser) -> None:
+    """The request log's flags, SGLang's and vLLM's (`RequestLogConfig.from_flags`;
+    `request_log_config` reads them back)."""
+    g = p.add_argument_group("logging")
+    g.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="SGLang's: log each generation request as it arrives and as it ends (how much: "
+        "--log-requests-level)",
+    )
+    g.add_argument(
+        "--log-requests-level",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=2,
+        help="SGLang's: 0 ids, routes, finish reasons, token counts and latency; 1 and "
+        "sampling params; 2 and prompts and outputs cut to 2048 characters or ids; 3 whole "
+        "(default 2)",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="vLLM's: log each generation request with its sampling params, and its end",
+    )
+    g.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="vLLM's: and its output text (with --enable-log-requests or --log-requests)",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=_nonnegative_int,
+        metavar="N",
+        help="vLLM's: each prompt and output logged cut to its first N characters or ids",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="vLLM's: log no requests (the default)",
+    )
+
+
+def request_log_config(args: argparse.Namespace):
+    """The `RequestLogConfig` of `add_request_log_args`' flags."""
+    from dsakv.server.request_log import RequestLogConfig
+
+    return RequestLogConfig.from_flags(
+        args.log_requests,
+        args.log_requests_level,
+        args.enable_log_requests,
+        args.enable_log_outputs,
+        args.max_log_len,
+        args.disable_log_requests,
+    )
+
+
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """Ranks and how the model is split over them (SGLang's flag names)."""
     g = p.add_argument_group("parallelism")
@@ -656,6 +803,14 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     add_aliased(g, EP, "expert-parallel groups of whole experts", dest="ep", type=positive_int)
     add_dp_args(g, "each rank schedules its own requests")
     g.add_argument("--enable-expert-parallel", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument(  # SGLang's DeepEP all-to-all, which splits the experts over every rank
+        "--moe-a2a-backend",
+        type=_only(
+            ("none", "deepep"),
+            "deepep: its experts split over every rank (SGLang's ep = tp), exchanged dsakv's way",
+        ),
+        help=argparse.SUPPRESS,
+    )
     g.add_argument("--nnodes", type=positive_int, help="machines the ranks span")
     g.add_argument("--node-rank", type=int, help="this machine's index (0 runs the server)")
     g.add_argument("--dist-init-addr", help="HOST:PORT of node 0's rendezvous")
@@ -718,6 +873,15 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
                 f"--tokenizer-mode deepseek_v32 is DeepSeek-V3.2's chat encoding; this model "
                 f"is {model_type}"
             )
+    if getattr(args, "quantization", None) == "fp8":  # (SGLang's online FP8 elsewhere)
+        quantized = ModelConfig.from_hf(model_dir).quantization_config or {}
+        if quantized.get("quant_method") != "fp8":
+            raise DsakvError(
+                "--quantization fp8: this checkpoint holds no FP8 blocks (config.json's "
+                "quantization_config), and dsakv quantizes nothing at load: give an FP8 "
+                "checkpoint or leave --quantization out"
+            )
+    _fold_pool_sizes(args)
     if args.enforce_eager:  # vLLM's: no CUDA graphs, nothing compiled
         if args.enable_torch_compile:
             raise DsakvError(
@@ -774,6 +938,47 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
             f"(--speculative-num-steps) verifies {steps + 1} tokens: give {steps + 1} or "
             "leave it out"
         )
+
+
+def _fold_pool_sizes(args: argparse.Namespace) -> None:
+    """SGLang's pool sizes as dsakv's: `--max-total-tokens T` (the device pool's tokens)
+    is `--num-pages`, T // page size (SGLang rounds down too); its host tier,
+    `--enable-hierarchical-cache`, is `--host-pool-gib` for `--hicache-size G` (G GB per
+    rank: 1e9 bytes, as SGLang's; 0 is its unset), else `--host-pool-ratio`, its
+    `--hicache-ratio` (default 2). Another size beside either is one error."""
+    from dsakv.engine import EngineConfig
+
+    tokens = args.max_total_tokens
+    if tokens is not None:
+        sizes = ("--num-pages", "--kv-budget-gib", "--mem-fraction-static")
+        sizes += ("--gpu-memory-utilization",)
+        for flag in sizes:
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                raise DsakvError(f"--max-total-tokens and {flag} both size the KV pool: give one")
+        page = args.page_size or EngineConfig.page_size
+        if tokens < page:
+            raise DsakvError(
+                f"--max-total-tokens {tokens} holds no {page}-token page (--page-size)"
+            )
+        args.num_pages, args.max_total_tokens = tokens // page, None
+    ratio, size = args.hicache_ratio, args.hicache_size
+    if not args.enable_hierarchical_cache:
+        for flag, value in (("--hicache-ratio", ratio), ("--hicache-size", size)):
+            if value is not None:
+                raise DsakvError(
+                    f"{flag} sizes SGLang's host KV tier: it needs --enable-hierarchical-cache"
+                )
+        return
+    for flag in ("--host-pool-gib", "--host-pool-ratio"):
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise DsakvError(
+                f"--enable-hierarchical-cache and {flag} both size the host KV tier: give one"
+            )
+    if size:  # (SGLang's --hicache-size overrides its ratio)
+        args.host_pool_gib = size * 1e9 / 2**30
+    else:
+        args.host_pool_ratio = 2.0 if ratio is None else ratio
+    args.enable_hierarchical_cache, args.hicache_ratio, args.hicache_size = False, None, None
 
 
 def _fold_prefill_budget(args: argparse.Namespace, model_dir: str) -> None:

@@ -13,6 +13,7 @@ from .args import (
     add_engine_args,
     add_ignored_args,
     add_model_option,
+    add_request_log_args,
     api_key,
     check_listen,
     engine_config_from_args,
@@ -20,6 +21,7 @@ from .args import (
     listen,
     port,
     positive_float,
+    request_log_config,
     uvicorn_log_level,
 )
 
@@ -78,6 +80,7 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
     if len(set(given)) < len(given):
         raise DsakvError("--port, --prefill-port, --decode-port and --bootstrap-port must differ")
     config = engine_config_from_args(args)  # what either server would refuse, refused once
+    request_log_config(args)  # (a bad combination too, before the servers start)
     for mode in MODES:  # (first: a bad flag is its own error, whoever holds the port)
         DisaggConfig(mode, timeout_s=args.disaggregation_timeout).check_engine(config)
     with listen(args.host, args.port) as listener:  # the router's, held from now
@@ -96,6 +99,7 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
             flags += ["--log-level", level]
         if args.disable_uvicorn_access_log:
             flags += ["--disable-uvicorn-access-log"]
+        flags += given_flags(args, add_request_log_args)  # (both servers log their requests)
         serve_pd(
             resolve_model_dir(args.model),
             flags,
@@ -148,5 +152,6 @@ def add_commands(sub: Any) -> None:
         "--api-key", type=api_key, help="require this Bearer token (the router and both servers)"
     )
     add_engine_args(p)
+    add_request_log_args(p)
     add_ignored_args(p, serve=True)
     p.set_defaults(func=_cmd_serve_pd)

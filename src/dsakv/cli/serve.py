@@ -16,12 +16,14 @@ from .args import (
     add_engine_args,
     add_ignored_args,
     add_model_option,
+    add_request_log_args,
     add_storage_args,
     api_key,
     engine_config_from_args,
     listen,
     port,
     positive_int,
+    request_log_config,
     uvicorn_log_level,
 )
 from .disagg import add_disagg_args, disagg_config_from_args
@@ -92,6 +94,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from dsakv.server import run_server
 
+    request_log = request_log_config(args)
     with contextlib.ExitStack() as held:  # the ports, taken before the engine loads
         listener = held.enter_context(listen(args.host, args.port))
         config, bridge = engine_config_from_args(args), None
@@ -118,6 +121,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             chat_template=args.chat_template,
             log_level=uvicorn_log_level(args),
             access_log=not args.disable_uvicorn_access_log,
+            request_log=request_log,
         )
     return 0
 
@@ -221,5 +225,6 @@ def add_commands(sub: Any) -> None:
     add_engine_args(p)
     add_storage_args(p)
     add_disagg_args(p)
+    add_request_log_args(p)
     add_ignored_args(p, serve=True)
     p.set_defaults(func=_cmd_serve)

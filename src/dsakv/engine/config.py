@@ -42,6 +42,9 @@ class EngineConfig:
     mem_fraction_static: float | None = None
     gpu_memory_utilization: float | None = None
     host_pool_gib: float = 0.0
+    # The host tier as this many times the device pool's pages, sized once the pool is
+    # (SGLang's --hicache-ratio under --enable-hierarchical-cache); not with host_pool_gib.
+    host_pool_ratio: float | None = None
     page_size: int = 64
     chunked_prefill_size: int = 512
     max_running_requests: int = 256
@@ -140,6 +143,13 @@ class EngineConfig:
             raise DsakvError(f"kv_budget_gib must be a finite number > 0, got {budget!r}")
         if not (is_number(host) and 0 <= host < math.inf):
             raise DsakvError(f"host_pool_gib must be a finite number >= 0, got {host!r}")
+        ratio = self.host_pool_ratio
+        if ratio is not None and not (is_number(ratio) and 0 < ratio < math.inf):
+            raise DsakvError(f"host_pool_ratio must be a finite number > 0, got {ratio!r}")
+        if ratio is not None and host > 0:
+            raise DsakvError(
+                "--host-pool-gib and --host-pool-ratio both size the host tier: give one"
+            )
         if not is_int(self.seed):
             raise DsakvError(f"seed must be an integer, got {self.seed!r}")
         if self.expert_distribution_recorder_mode not in (None, "stat", "per_token"):
@@ -287,7 +297,7 @@ class EngineConfig:
         check_runs_with(
             mtp="--speculative-algorithm" if self.speculative_algorithm is not None else None,
             ranks=self.parallel.world_size,
-            host_pool=self.host_pool_gib > 0,
+            host_pool=self.host_pool_gib > 0 or self.host_pool_ratio is not None,
             storage=self.hicache_storage_backend is not None,
             chunked_prefill_size=self.chunked_prefill_size,
         )

@@ -388,10 +388,11 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
 
     def _tiers(self) -> tuple[HostPool | None, HotBuffers | None, L3Cache | None]:
         """The optional tiers around the device pool, each None when off: the host pool
-        (`host_pool_gib`), HiSparse's hot buffers and the L3 storage tier. L3's namespace
-        names how pages were computed (`compute`: dtype, backend, deterministic), not only
-        the model and layout: engines that compute different bytes do not share stored
-        pages (nor pair as prefill and decode servers: `dsakv.disagg.bootstrap.describe`)."""
+        (`host_pool_gib`, or `host_pool_ratio` times this pool's pages), HiSparse's hot
+        buffers and the L3 storage tier. L3's namespace names how pages were computed
+        (`compute`: dtype, backend, deterministic), not only the model and layout: engines
+        that compute different bytes do not share stored pages (nor pair as prefill and
+        decode servers: `dsakv.disagg.bootstrap.describe`)."""
         config = self.config
         host = None
         if config.host_pool_gib > 0:
@@ -399,6 +400,14 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 host = HostPool.from_gib(self.pool, config.host_pool_gib)
             except ValueError as e:
                 raise DsakvError(f"host_pool_gib: {e}") from None
+        elif config.host_pool_ratio is not None:  # (SGLang's --hicache-ratio: the pool's now)
+            pages = int(self.pool.num_pages * config.host_pool_ratio)
+            if pages < 1:
+                raise DsakvError(
+                    f"host_pool_ratio {config.host_pool_ratio} of the {self.pool.num_pages}-page "
+                    "pool holds no page"
+                )
+            host = HostPool(self.pool, pages)
         hot = None
         if self.hisparse is not None:
             hot = HotBuffers(self.hisparse, self.pool, self.plan, self.backend, self.device)

@@ -32,6 +32,7 @@ from .protocol import (
     error_body,
     invocation_path,
 )
+from .request_log import RequestLogConfig
 from .responses import add_responses_routes
 from .runner import AsyncEngine
 from .score import add_score_route
@@ -88,6 +89,7 @@ def build_app(
     api_key: str | None = None,
     chat_parsers: ChatParsers | None = None,
     aliases: Sequence[str] = (),
+    request_log: RequestLogConfig | None = None,
 ) -> FastAPI:
     """The app for one engine. `model_name`: the served name, or several (vLLM's
     `--served-model-name`): /v1/models lists each, responses report the first, a request
@@ -97,7 +99,8 @@ def build_app(
     /health, /version, /metrics and SGLang's probes (/health_generate, /model_info,
     /server_info, and their older /get_* names, which routers such as sglang-router read at
     registration); a path no route serves is a 404 with or without it. `chat_parsers`
-    defaults to the model type's tool-call and reasoning parsers."""
+    defaults to the model type's tool-call and reasoning parsers. `request_log`: what the
+    generation routes log of each request (default: nothing; `request_log`)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     if not names or not all(names):
         raise DsakvError("a served model name must be a non-empty string")
@@ -114,7 +117,7 @@ def build_app(
     _install_error_handlers(app)
     if chat_parsers is None:
         chat_parsers = ChatParsers.for_model(async_engine.engine.model_config.model_type)
-    api = Handlers(async_engine, names, metrics, chat_parsers, aliases)
+    api = Handlers(async_engine, names, metrics, chat_parsers, aliases, request_log)
 
     async def health() -> Response:
         if not async_engine.alive:

@@ -526,8 +526,9 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
     # Opened before its prompts are tokenized and its grammar compiled, so that an abort
     # meanwhile is not lost (SGLang registers the rid first too); a rid in flight is a 400
     names = [{rid, given_rids[i // n]} - {None} for i, rid in enumerate(rids)]
+    shown = body.rid if isinstance(body.rid, str) else ",".join(rids)  # (the request log's)
     await api.weights_ready()
-    call = api.in_flight.open(names)
+    call = api.in_flight.open(names, shown=shown, raw=raw)
     try:
         for i, ask in enumerate(asks):
             if ask is not None and ask.start >= 0:  # check it against the prompt's length

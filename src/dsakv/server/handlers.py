@@ -58,6 +58,7 @@ from .protocol import (
     GenerationRequest,
     TokenizeRequest,
 )
+from .request_log import RequestLog, RequestLogConfig
 from .runner import AsyncEngine, RequestStream
 from .submit import Call, InFlight, Result, SubmitMixin, sse_event
 
@@ -88,6 +89,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         metrics: ServerMetrics,
         chat_parsers: ChatParsers,
         aliases: Sequence[str] = (),
+        request_log: RequestLogConfig | None = None,
     ) -> None:
         self.engine = async_engine
         self.model_names = list(model_names)
@@ -95,7 +97,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         self._accepted = frozenset((*self.model_names, *aliases))
         self.metrics = metrics
         self.chat_parsers = chat_parsers
-        self.in_flight = InFlight(async_engine)
+        self.in_flight = InFlight(async_engine, RequestLog(request_log))
         # SGLang's model_update_lock: generation calls start while `_serving` is set (an
         # update clears it, then waits for the calls in flight), one update at a time.
         self.weight_version = WEIGHT_VERSION
@@ -144,9 +146,11 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         given = "max_tokens" if body.max_tokens is not None else None
         count = len(prompts)
         named = _request_id(body, raw)
+        base = named or uuid.uuid4().hex
         await self.weights_ready()
         # Opened before the grammar compiles: an abort meanwhile ends it once compiled
-        call = self.in_flight.open([_names(named)] * (count * n), "request_id")
+        names = [_names(named)] * (count * n)
+        call = self.in_flight.open(names, "request_id", f"cmpl-{base}", raw)
         try:
             params = await self._ready_grammar(params, grammar_field(body))
             if beam is not None:
@@ -174,7 +178,6 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
             CompletionChoice(i, s, prompts[i // n], echo, keep, as_ids)
             for i, s in enumerate(streams)
         ]
-        base = named or uuid.uuid4().hex
         rid, created = f"cmpl-{base}", int(time.time())
         head = {
             "id": rid,
@@ -245,13 +248,13 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         named = _request_id(body, raw)
-        run = await self.start_chat(body, raw, named)
+        base = named or uuid.uuid4().hex
+        run = await self.start_chat(body, raw, named, f"chatcmpl-{base}")
         prep, streams, call, n = run.prep, run.streams, run.call, len(run.streams)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         ids, thinking = bool(body.return_token_ids), body.include_reasoning is not False
         as_ids, tracked = run.as_ids, run.params.logprob_token_ids is not None
         echo, role = echo_content(body), reply_role(body)
-        base = named or uuid.uuid4().hex
         rid, created = f"chatcmpl-{base}", int(time.time())
         head = {
             "id": rid,
@@ -358,12 +361,17 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         return JSONResponse(out, headers=_id_header(base))
 
     async def start_chat(
-        self, body: ChatCompletionRequest, raw: Request, name: str | None = None
+        self,
+        body: ChatCompletionRequest,
+        raw: Request,
+        name: str | None = None,
+        shown: str | None = None,
     ) -> ChatRun:
         """A chat request's prompt rendered (tools, reasoning: `prepare_chat`) and its `n`
         choices handed to the engine: what /v1/chat/completions and /v1/responses share.
         The caller owns the run's streams and call from here (`_collect_all`,
-        `_stream_response`). `name`: the client's request id (`_request_id`)."""
+        `_stream_response`). `name`: the client's request id (`_request_id`); `shown`: the
+        response's id (default `name`: a Responses API response's), for the request log."""
         self._check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -408,7 +416,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
             prompt = await self._first_tokens(prompt, params, special)
             params = dataclasses.replace(params, truncate_prompt_tokens=None)
         await self.weights_ready()
-        call = self.in_flight.open([_names(name)] * n, "request_id")  # (as completion's)
+        call = self.in_flight.open([_names(name)] * n, "request_id", shown or name, raw)
         streams: list[RequestStream] = []
         prompt_ids = None
         try:

@@ -1025,7 +1025,9 @@ def _response(
 
 class _Detached:
     """A background response's `raw` request: a client that never leaves (the response
-    runs on whether its POST's connection stays or not)."""
+    runs on whether its POST's connection stays or not), on its route (the request log's)."""
+
+    scope = {"type": "http", "path": "/v1/responses"}
 
     async def receive(self) -> dict[str, Any]:
         await asyncio.Event().wait()

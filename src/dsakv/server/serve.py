@@ -22,6 +22,7 @@ from dsakv.procs import AppServer, Listener, exit_on_sigterm
 from .app import build_app
 from .chat import ChatParsers
 from .parsers import resolve_parsers
+from .request_log import RequestLogConfig
 from .runner import AsyncEngine, Bridge, EngineThread
 
 
@@ -65,6 +66,7 @@ def make_server(
     bridge: Bridge | None = None,
     listener: Listener | None = None,
     chat_template: str | None = None,
+    request_log: RequestLogConfig | None = None,
 ) -> tuple[uvicorn.Server, AsyncEngine]:
     """The server `run_server` runs, not yet started (tests drive it on a thread). Parser
     names: "auto" (the model type's own), "none", or one of `parsers.TOOL_PARSERS` /
@@ -72,7 +74,8 @@ def make_server(
     `AsyncEngine`). `listener`: the sockets to serve, taken earlier (else uvicorn binds
     `host:port` when it starts). `chat_template`: replaces the tokenizer's
     (`load_chat_template`). `served_model_name`: one name or several (`model_names`).
-    `log_level` and `access_log` (a line per request) are uvicorn's."""
+    `log_level` and `access_log` (a line per request) are uvicorn's; `request_log` the
+    generation requests' own log (default: none)."""
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
     names, aliases = model_names(config.model, served_model_name)
     # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
@@ -91,7 +94,14 @@ def make_server(
     parsers = ChatParsers.for_model(
         engine.model_config.model_type, tool_call_parser, reasoning_parser
     )
-    app = build_app(async_engine, names, api_key=api_key, chat_parsers=parsers, aliases=aliases)
+    app = build_app(
+        async_engine,
+        names,
+        api_key=api_key,
+        chat_parsers=parsers,
+        aliases=aliases,
+        request_log=request_log,
+    )
     async_engine.attach(app)
     uv = uvicorn.Config(
         app,
@@ -118,10 +128,11 @@ def run_server(
     chat_template: str | None = None,
     log_level: str = "info",
     access_log: bool = True,
+    request_log: RequestLogConfig | None = None,
 ) -> None:
     """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`). The
     port is taken before the engine loads (`listener`, else `Listener(host, port)` now);
-    `log_level` and `access_log` are uvicorn's."""
+    `log_level` and `access_log` are uvicorn's, `request_log` the requests' own log."""
     listener = listener or Listener(host, port)
     try:
         server, async_engine = make_server(
@@ -137,6 +148,7 @@ def run_server(
             chat_template=chat_template,
             log_level=log_level,
             access_log=access_log,
+            request_log=request_log,
         )
     except BaseException:
         listener.close()

@@ -30,6 +30,7 @@ from dsakv.engine.sleep import EngineAsleep
 from dsakv.errors import DsakvError
 
 from .protocol import APIError, client_left
+from .request_log import Entry, Output, RequestLog, route_of
 from .runner import AsyncEngine, RequestStream, Update, aborted_waiting, finished_stream
 
 
@@ -97,14 +98,15 @@ class Call:
     """One generation call's outputs as /abort_request finds them: each output's names (a
     /generate output's `meta_info.id` and the rid its prompt was given; none on /v1), the
     streams the engine took for them so far (in output order), the outputs an abort
-    reached before the engine took them, and the engine's `generate_n` taking the next
-    `waiting_n` outputs while it runs."""
+    reached before the engine took them, the engine's `generate_n` taking the next
+    `waiting_n` outputs while it runs, and its request log entry (None: not logged)."""
 
     names: list[frozenset[str]]
     streams: list[RequestStream] = field(default_factory=list)
     early: set[int] = field(default_factory=set)
     waiting: asyncio.Future | None = None
     waiting_n: int = 0
+    log: Entry | None = None
 
 
 class InFlight:
@@ -117,18 +119,32 @@ class InFlight:
     its grammar compiling ends so before its `generate_n` starts. (One of a prompt's
     several samples, which the engine takes together, is aborted as the engine takes it.)
     A name is one call's at a time (SGLang refuses a duplicate rid in flight), so an abort
-    never reaches another client's request."""
+    never reaches another client's request.
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    Every generation call opens here and closes here however it ends, so the request log
+    (`log`) hooks in here too: a call opened with the id its client sees (`shown`) is
+    logged, and each output the engine takes for it is read through a record (`tap`)."""
+
+    def __init__(self, engine: AsyncEngine, log: RequestLog | None = None) -> None:
         self.engine = engine
         self._calls: set[Call] = set()
         self._named: dict[str, Call] = {}
         self._idle = asyncio.Event()  # set while no call is in flight
         self._idle.set()
+        self._log = log if log is not None and log.config.on else None
+        self._taps: dict[RequestStream, Output] = {}  # (logged calls' outputs only)
 
-    def open(self, names: Iterable[Iterable[str]], param: str = "rid") -> Call:
+    def open(
+        self,
+        names: Iterable[Iterable[str]],
+        param: str = "rid",
+        shown: str | None = None,
+        raw: Request | None = None,
+    ) -> Call:
         """A call for outputs named `names` (outputs of one prompt share its rid); a name
-        already in flight is a 400, as SGLang's (`param`: the field that named it)."""
+        already in flight is a 400, as SGLang's (`param`: the field that named it).
+        `shown`: the id its client sees (a response's, a /generate output's), and `raw`
+        the request it came in, for the request log (none: not logged)."""
         call = Call([frozenset(x) for x in names])
         taken = set().union(*call.names)
         for name in sorted(taken):
@@ -137,6 +153,8 @@ class InFlight:
         self._calls.add(call)
         self._named.update(dict.fromkeys(taken, call))
         self._idle.clear()
+        if self._log is not None and shown is not None:
+            call.log = self._log.open(shown, route_of(raw))
         return call
 
     def close(self, call: Call | None) -> None:
@@ -147,6 +165,15 @@ class InFlight:
             del self._named[name]
         if not self._calls:
             self._idle.set()
+        if call.log is not None:
+            for s in call.streams:
+                self._taps.pop(s, None)
+            call.log.ended()
+
+    def tap(self, stream: RequestStream) -> Output | None:
+        """The request log's record of `stream`, fed each update its handler reads (None:
+        not logged)."""
+        return self._taps.get(stream) if self._taps else None
 
     @property
     def count(self) -> int:
@@ -176,6 +203,9 @@ class InFlight:
         call.waiting = None
         start = len(call.streams)
         call.streams += streams
+        if call.log is not None:
+            for s in streams:
+                self._taps[s] = call.log.tap(s)
         for i in range(start, len(call.streams)):
             if i in call.early:
                 self.engine.abort(call.streams[i], asked=True)
@@ -331,15 +361,20 @@ class SubmitMixin:
         are aborted (and `call` closed: `InFlight`, which learns of each prompt's choices
         as the engine takes them)."""
         streams: list[RequestStream] = []
+        log = call.log if call is not None else None
+        if log is not None:
+            log.received(prompts, params, n)
         try:
             for prompt, p, given in zip(prompts, params, max_tokens_params, strict=True):
                 taken = await self._submit_n(prompt, p, n, raw, prompt_param, given, special, call)
                 streams += taken
                 if call is not None:
                     self.in_flight.took(call, taken)
-        except BaseException:
+        except BaseException as e:
             for s in streams:
                 self.engine.abort(s)
+            if log is not None:
+                log.failed(e)
             self.in_flight.close(call)
             raise
         return streams
@@ -360,6 +395,28 @@ class SubmitMixin:
         search runs (`_beam_steps`) as `_submit_n`'s engine call waits: a client that leaves
         cancels it, and so does an abort of all its outputs, which then end as aborted while
         waiting. Prompts are checked (and tokenized) as `_submit_n`'s."""
+        log = call.log if call is not None else None
+        if log is not None:
+            log.received(prompts, [params], beam.beam_width, beam=True)
+        try:
+            return await self._beams(prompts, params, beam, raw, given, prompt_param, special, call)
+        except BaseException as e:
+            if log is not None:
+                log.failed(e)
+            raise
+
+    async def _beams(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        beam: BeamSearchParams,
+        raw: Request,
+        given: str | None,
+        prompt_param: str,
+        special: bool,
+        call: Call | None,
+    ) -> list[RequestStream]:
+        """`_submit_beams`' search (its failures are the request log's)."""
         e = self.engine.engine
         ids = [await self._fitting(p, params, given, prompt_param, special) for p in prompts]
         try:
@@ -479,10 +536,13 @@ class SubmitMixin:
     async def _updates(self, stream: RequestStream) -> AsyncIterator[Update]:
         """A request's updates up to and including the finishing one; errors raise."""
         finished, times = False, self.metrics.request()
+        seen = self.in_flight.tap(stream)
         try:
             while True:
                 u = await stream.get()
                 times.observe(u)
+                if seen is not None:
+                    seen.add(u)
                 finished = u.finished
                 if u.error is not None:
                     raise _update_error(u)
@@ -499,10 +559,13 @@ class SubmitMixin:
         # (an abort ends the stream with finish_reason "abort")
         watcher = asyncio.create_task(_when_left(raw, lambda: self.engine.abort(stream)))
         result, finished, times = Result(), False, self.metrics.request()
+        seen = self.in_flight.tap(stream)
         try:
             while not finished:
                 u = await stream.get()
                 times.observe(u)
+                if seen is not None:
+                    seen.add(u)
                 finished = u.finished
                 if u.error is not None:
                     raise _update_error(u)

@@ -1,0 +1,290 @@
+"""The request log (`dsakv.server.request_log`): SGLang's --log-requests at each
+--log-requests-level and vLLM's --enable-log-requests / --enable-log-outputs / --max-log-len,
+as lines on "dsakv.requests" from real servers over one tiny engine: a line when a request
+reaches the engine and one when it ends, on every generation route, streamed or aborted;
+none by default."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+
+from dsakv.cli import build_parser
+from dsakv.cli.args import add_request_log_args, given_flags, request_log_config
+from dsakv.engine import EngineConfig
+from dsakv.errors import DsakvError
+from dsakv.procs import free_port
+from dsakv.server import build_app
+from dsakv.server.request_log import RequestLogConfig
+
+from .serving import TIMEOUT, engine_stops_stepping_at, running, serving
+
+MODEL = "tiny"
+# A context past SGLang's level-2 cut (2048) for one byte-token prompt and output each
+ENGINE_ARGS = dict(
+    kv_cache_dtype="fp32",
+    index_k_dtype="fp32",
+    num_pages=320,
+    page_size=16,
+    chunked_prefill_size=512,
+    device="cpu",
+)
+LONG_PROMPT = "ab" * 1100  # 2200 characters (and tokens: the tiny tokenizer's are bytes)
+LONG_OUT = 2100
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _flags(*argv: str) -> RequestLogConfig:
+    return request_log_config(build_parser().parse_args(["serve", *argv]))
+
+
+CONFIGS = {
+    "level0": _flags("--log-requests", "--log-requests-level", "0"),
+    "level1": _flags("--log-requests", "--log-requests-level", "1"),
+    "level2": _flags("--log-requests"),
+    "level3": _flags("--log-requests", "--log-requests-level", "3"),
+    "vllm": _flags("--enable-log-requests", "--enable-log-outputs", "--max-log-len", "5"),
+}
+
+
+@pytest.fixture(scope="module")
+def served(glm_tiny):
+    """The engine, behind a server without the log (dsakv's default) and one per config
+    of `CONFIGS`: {name: base URL}, and the engine."""
+    with (
+        serving(EngineConfig(model=glm_tiny, **ENGINE_ARGS), served_model_name=MODEL) as (
+            base,
+            engine,
+        ),
+        contextlib.ExitStack() as stack,
+    ):
+        bases = {"off": base}
+        for name, config in CONFIGS.items():
+            app = build_app(engine, MODEL, request_log=config)
+            uv = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+            bases[name] = stack.enter_context(running(uvicorn.Server(uv)))
+        yield bases, engine
+
+
+@pytest.fixture
+def lines(caplog) -> Callable[..., list[str]]:
+    """`lines(rid)`: the request log's (received, finished) lines of request `rid`, once
+    both are there (a streamed response ends before its call closes); `lines(rid, 1)`:
+    its received line, once there."""
+    caplog.set_level(logging.DEBUG, logger="dsakv.requests")  # (whatever it would say)
+
+    def of(rid: str, count: int = 2) -> list[str]:
+        deadline = time.monotonic() + TIMEOUT
+        line = re.compile(rf"(Received|Finished) request {re.escape(rid)}:")
+        while True:
+            said = [r.getMessage() for r in caplog.records if r.name == "dsakv.requests"]
+            got = [x for x in said if line.match(x)]
+            if len(got) >= count:
+                assert len(got) == count and got[0].startswith("Received"), got
+                return got
+            assert time.monotonic() < deadline, f"no lines for {rid}: {said}"
+            time.sleep(0.02)
+
+    return of
+
+
+def _post(base: str, path: str, **body) -> httpx.Response:
+    r = httpx.post(f"{base}{path}", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_level_0_logs_ids_routes_and_counts_not_params_or_text(served, lines):
+    """Every generation route, under the id its client sees: a completion's generated
+    cmpl- id, a chat's X-Request-Id (as chatcmpl-), a /generate rid, a response's resp_
+    id; finish reason, token counts and latency, no sampling params, prompt or output."""
+    base = served[0]["level0"]
+    prompt = "Hello there, tiny model"
+    r = _post(base, "/v1/completions", prompt=prompt, max_tokens=4, **GREEDY).json()
+    received, finished = lines(r["id"])
+    assert r["id"].startswith("cmpl-")
+    assert received == f"Received request {r['id']}: route=/v1/completions, n=1"
+    usage = r["usage"]
+    assert re.fullmatch(
+        rf"Finished request {r['id']}: route=/v1/completions, finish_reason=length, "
+        rf"prompt_tokens={usage['prompt_tokens']}, completion_tokens=4, "
+        r"cached_tokens=\d+, e2e_latency=\d+\.\d{3}s",
+        finished,
+    )
+    messages = [{"role": "user", "content": prompt}]
+    chat = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 3, **GREEDY},
+        headers={"X-Request-Id": "mine-1"},
+        timeout=TIMEOUT,
+    )
+    assert chat.json()["id"] == "chatcmpl-mine-1"
+    received, finished = lines("chatcmpl-mine-1")
+    assert "route=/v1/chat/completions" in received and "completion_tokens=3" in finished
+    _post(base, "/generate", text=prompt, rid="g-0", sampling_params={"max_new_tokens": 2})
+    received, finished = lines("g-0")
+    assert "route=/generate" in received and "completion_tokens=2" in finished
+    resp = _post(base, "/v1/responses", input=prompt, max_output_tokens=2, **GREEDY).json()
+    received, finished = lines(resp["id"])
+    assert resp["id"].startswith("resp_") and "route=/v1/responses" in received
+    for line in (received, finished):
+        assert prompt not in line and "params" not in line and "output=" not in line
+    too_long = {"prompt": prompt, "max_tokens": served[1].engine.max_model_len - 5}
+    headers = {"X-Request-Id": "too-long"}
+    r = httpx.post(f"{base}/v1/completions", json=too_long, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 400
+    _, finished = lines("cmpl-too-long")  # (refused once it reached the engine: an error)
+    assert "finish_reason=error," in finished and "maximum context length" in finished
+
+
+def test_level_1_adds_the_sampling_params(served, lines):
+    """Level 1: the params a request set (not the defaults), still no prompt or output;
+    n choices, or a beam search's beams, are one request with several outputs."""
+    base = served[0]["level1"]
+    prompt = "Count the ways"
+    r = _post(base, "/v1/completions", prompt=prompt, max_tokens=3, n=2, seed=7, top_k=5).json()
+    received, finished = lines(r["id"])
+    assert received.endswith(", n=2, params=SamplingParams(max_tokens=3, top_k=5, seed=7)")
+    assert "finish_reason=[length, length]" in finished and "completion_tokens=6" in finished
+    assert f"prompt_tokens={r['usage']['prompt_tokens']}," in finished  # (once: one prompt)
+    beams = {"use_beam_search": True, "n": 2, "max_tokens": 2, "temperature": 0}
+    r = _post(base, "/v1/completions", prompt=prompt, **beams).json()
+    received, finished = lines(r["id"])
+    assert ", beam_width=2, params=SamplingParams(max_tokens=2, temperature=0.0" in received
+    assert "finish_reason=[length, length]" in finished and "completion_tokens=4" in finished
+    for line in (received, finished):
+        assert prompt not in line and "output=" not in line
+
+
+def _long(base: str, word: int) -> dict:
+    """The long request (`LONG_PROMPT`, `LONG_OUT` tokens of "x") through /generate."""
+    sp = {"max_new_tokens": LONG_OUT, "logit_bias": {str(word): 100.0}, **GREEDY}
+    return _post(base, "/generate", text=LONG_PROMPT, rid=f"long-{base[-5:]}", sampling_params=sp)
+
+
+def test_level_2_cuts_prompts_and_outputs_at_2048_level_3_logs_them_whole(served, lines):
+    """SGLang's level 2: a prompt and an output past 2048 characters logged cut there
+    (saying how much more there was); level 3 logs them whole."""
+    bases = served[0]
+    x = served[1].engine.encode("x", special=False)[0]
+    out = _long(bases["level2"], x).json()
+    assert out["text"] == "x" * LONG_OUT
+    received, finished = lines(out["meta_info"]["id"])
+    assert received.endswith(f", prompt={LONG_PROMPT[:2048]!r}...(+152 chars)")
+    assert "params=SamplingParams(max_tokens=2100" in received
+    assert finished.endswith(f", output={'x' * 2048!r}...(+52 chars)")
+    assert "finish_reason=length" in finished and f"completion_tokens={LONG_OUT}" in finished
+    out = _long(bases["level3"], x).json()
+    received, finished = lines(out["meta_info"]["id"])
+    assert received.endswith(f", prompt={LONG_PROMPT!r}")
+    assert finished.endswith(f", output={'x' * LONG_OUT!r}")
+
+
+def test_max_log_len_cuts_what_vllms_flags_log(served, lines):
+    """vLLM's --enable-log-requests: the params (its INFO line has no prompt);
+    --enable-log-outputs the output, --max-log-len N its first N characters."""
+    base = served[0]["vllm"]
+    prompt = "A prompt vLLM logs at DEBUG only"
+    r = _post(base, "/v1/completions", prompt=prompt, max_tokens=12, **GREEDY).json()
+    received, finished = lines(r["id"])
+    assert "params=SamplingParams(max_tokens=12, temperature=0.0" in received
+    assert prompt not in received
+    text = r["choices"][0]["text"]
+    assert len(text) > 5
+    assert finished.endswith(f", output={text[:5]!r}...(+{len(text) - 5} chars)")
+
+
+def test_streamed_and_aborted_requests_log_their_end(served, lines):
+    """A streamed request's end is logged once its stream is over; an /abort_request and a
+    client that hangs up mid-stream end as abort."""
+    bases, engine = served
+    base = bases["level2"]
+    body = {"prompt": "Stream me", "max_tokens": 5, "stream": True, **GREEDY}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT) as r:
+        events = [x for x in r.iter_lines() if x.startswith("data: {")]
+        rid = r.headers["x-request-id"]
+    received, finished = lines(f"cmpl-{rid}")
+    assert "finish_reason=length" in finished and "completion_tokens=5" in finished
+    streamed = "".join(c["text"] for e in events for c in json.loads(e[6:])["choices"])
+    assert finished.endswith(f", output={streamed!r}")
+
+    long = {"text": "Abort me", "sampling_params": {"max_new_tokens": 400, **GREEDY}}
+    with ThreadPoolExecutor(1) as pool, engine_stops_stepping_at(engine, 3):
+        done = pool.submit(_post, base, "/generate", rid="to-abort", **long)
+        lines("to-abort", 1)  # (in flight: the abort finds it)
+        r = httpx.post(f"{base}/abort_request", json={"rid": "to-abort"}, timeout=TIMEOUT)
+        assert r.status_code == 200
+        assert done.result(TIMEOUT).json()["meta_info"]["finish_reason"]["type"] == "abort"
+    _, finished = lines("to-abort")
+    assert "finish_reason=abort" in finished
+
+    body = {"prompt": "Leave me", "max_tokens": 500, "stream": True, **GREEDY}
+    headers = {"X-Request-Id": "leaving"}
+    with (
+        engine_stops_stepping_at(engine, 3),
+        httpx.Client(timeout=TIMEOUT) as http,
+        http.stream("POST", f"{base}/v1/completions", json=body, headers=headers) as r,
+    ):
+        got = r.iter_lines()  # (referenced: dropping it closes the connection)
+        assert next(got).startswith("data: {")
+    _, finished = lines("cmpl-leaving")
+    assert "finish_reason=abort" in finished
+
+
+def test_off_by_default(served, caplog):
+    """No flag, or vLLM's --disable-log-requests (with --max-log-len, which refines a log
+    that is not there): the server logs nothing on "dsakv.requests"."""
+    assert _flags() == RequestLogConfig() == _flags("--disable-log-requests", "--max-log-len", "9")
+    assert not RequestLogConfig().on
+    caplog.set_level(logging.DEBUG, logger="dsakv.requests")
+    base = served[0]["off"]
+    _post(base, "/v1/completions", prompt="Quiet", max_tokens=2)
+    stream = {"prompt": "Q", "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=stream, timeout=TIMEOUT) as r:
+        assert r.status_code == 200 and list(r.iter_lines())
+    _post(base, "/generate", text="Quiet", sampling_params={"max_new_tokens": 2})
+    time.sleep(0.2)  # (a stream's call closes after its last byte)
+    assert [r for r in caplog.records if r.name == "dsakv.requests"] == []
+
+
+def _parse_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    return err
+
+
+def test_flags(capsys):
+    """SGLang's and vLLM's flags on `serve` and `serve-pd` (which hands them to its
+    servers), not on `generate`; a bad level or length is one `error:` line, exit 2, and so
+    is --disable-log-requests with a flag that turns the log on."""
+    assert _flags("--log-requests") == RequestLogConfig(True, True, True, True, 2048)
+    assert _flags("--log-requests", "--log-requests-level", "3", "--max-log-len", "100") == (
+        RequestLogConfig(True, True, True, True, 100)
+    )
+    assert _flags("--log-requests-level", "3") == RequestLogConfig()  # (SGLang's: no switch)
+    assert _flags("--enable-log-requests") == RequestLogConfig(True, True, False, False, None)
+    assert _flags("--enable-log-outputs") == RequestLogConfig()  # (vLLM's: needs the log)
+    pd = ["serve-pd", "--log-requests", "--log-requests-level", "1", "--max-log-len", "64"]
+    args = build_parser().parse_args(pd)
+    assert given_flags(args, add_request_log_args) == pd[1:]
+    assert "invalid choice: 4" in _parse_error(["serve", "--log-requests-level", "4"], capsys)
+    assert "--max-log-len: must be an integer >= 0" in _parse_error(
+        ["serve", "--max-log-len", "-1"], capsys
+    )
+    assert "unrecognized arguments: --log-requests" in _parse_error(
+        ["generate", "--prompt", "x", "--log-requests"], capsys
+    )
+    with pytest.raises(DsakvError, match="--disable-log-requests and --enable-log-requests"):
+        _flags("--disable-log-requests", "--enable-log-requests")
