@@ -239,7 +239,8 @@ _BAD = [
     ({"text": "x", "sampling_params": {"max_tokens": 3}}, "sampling_params.max_tokens"),
     ({"text": "x", "sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
     ({"text": "x", "sampling_params": {"stop_regex": ["a+"]}}, "sampling_params.stop_regex"),
-    ({"text": "x", "sampling_params": {"stream_interval": 2}}, "sampling_params.stream_interval"),
+    ({"text": "x", "sampling_params": {"stream_interval": -1}}, "sampling_params.stream_interval"),
+    ({"text": "x", "sampling_params": {"stream_interval": 1.5}}, "sampling_params.stream_interval"),
     (
         {"text": "x", "sampling_params": {"custom_params": {"a": 1}}},
         "sampling_params.custom_params",

@@ -552,6 +552,13 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
             help="SGLang's: a stat dump keeps the last N steps' counts (default 1000; -1: all)",
         )
         g.add_argument(
+            "--stream-interval",
+            type=positive_int,
+            metavar="N",
+            help="SGLang's and vLLM's: a request's tokens reach its stream N at a time (its "
+            "first and last at once): fewer, larger chunks (default 1)",
+        )
+        g.add_argument(
             "--watchdog-timeout",
             type=positive_float,
             metavar="S",

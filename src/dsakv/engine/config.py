@@ -117,6 +117,10 @@ class EngineConfig:
     # SGLang's --watchdog-timeout (a server's: `server.watchdog`): a step running longer
     # than this many seconds ends the process, a stuck engine being worse than none; None: off
     watchdog_timeout: float | None = 300.0
+    # SGLang's and vLLM's --stream-interval (a server's: `AsyncEngine`): a running request's
+    # tokens reach its stream N at a time (its first and last at once): fewer, larger
+    # chunks for fewer handler wake-ups a token
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):  # every bool field, by its annotation (a string here)
@@ -166,6 +170,10 @@ class EngineConfig:
         number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
         if timeout is not None and not (number and timeout > 0):
             raise DsakvError(f"watchdog_timeout must be a positive number, got {timeout!r}")
+        if not is_int(self.stream_interval) or self.stream_interval < 1:
+            raise DsakvError(
+                f"stream_interval must be a positive integer, got {self.stream_interval!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise DsakvError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

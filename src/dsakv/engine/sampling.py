@@ -165,6 +165,9 @@ class SamplingParams:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     return_hidden_states: bool = False
+    # SGLang's: this request's tokens reach a server's stream N at a time (None: the
+    # server's --stream-interval); offline generation has no stream
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -219,6 +222,12 @@ class SamplingParams:
                 "max_tokens must be None or an integer >= 1 (0 only with prompt_logprobs)",
             ),
             (is_int(self.n) and self.n >= 1, "n must be an integer >= 1"),
+            (
+                self.stream_interval is None
+                or is_int(self.stream_interval)
+                and self.stream_interval >= 1,
+                "stream_interval must be None or an integer >= 1",
+            ),
             (
                 is_number(self.temperature) and 0 <= self.temperature < math.inf,
                 "temperature must be a finite number >= 0",

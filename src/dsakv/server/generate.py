@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsakv.distributed.weight_sync import GroupUpdate, WeightGroup
 from dsakv.engine import SamplingParams
@@ -219,10 +219,12 @@ class SGLangSamplingParams(BaseModel):
     # clients send them: sgl.gen sends stop_regex: [])
     stop_regex: Any = None
     custom_params: Any = None
-    stream_interval: Any = None
+    # this request's tokens N at a time to its stream (0 or null: the server's
+    # --stream-interval)
+    stream_interval: int | None = Field(default=None, ge=0, strict=True)
 
 
-_SAMPLING_NOT_RUN = ("stop_regex", "custom_params", "stream_interval")
+_SAMPLING_NOT_RUN = ("stop_regex", "custom_params")
 _GRAMMAR_KEYS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 # The OpenAI names `Handlers._params` checks under, and SGLang's for them.
@@ -744,6 +746,7 @@ async def _params(
     /generate: no generation_config defaults, max_new_tokens null runs to the context's
     end (left out: 128), and output logprobs of the processed logits."""
     skip = {"max_new_tokens", "min_new_tokens", "structural_tag", "spaces_between_special_tokens"}
+    skip |= {"stream_interval"}
     fields = sp.model_dump(exclude_none=True, exclude=skip | set(_SAMPLING_NOT_RUN))
     if sp.min_new_tokens is not None:
         fields["min_tokens"] = sp.min_new_tokens
@@ -766,6 +769,8 @@ async def _params(
     )
     # SGLang's: processed logprobs, and the repetition penalty on the output's tokens only
     params = dataclasses.replace(params, logprobs_mode="processed", repetition_penalty_prompt=False)
+    if sp.stream_interval:
+        params = dataclasses.replace(params, stream_interval=sp.stream_interval)
     if ask is not None and ask.start >= 0:  # (the cache may serve the prefix before it)
         params = dataclasses.replace(params, prompt_logprobs_start=ask.start)
     if ask is not None and ask.token_ids is not None:  # (checked against the vocabulary later)

@@ -201,6 +201,7 @@ class AsyncEngine:
         self._owner = thread or EngineThread()
         self._owns_thread = thread is None
         self._watchdog = StepWatchdog(engine.config.watchdog_timeout)
+        self._stream_interval = engine.config.stream_interval
         self._owner.submit(self._run)
         if self._owns_thread:
             self._owner.close()
@@ -485,7 +486,7 @@ class AsyncEngine:
             return True
         for req in reqs:
             stream = self._streams.get(req.rid)
-            if stream is None:
+            if stream is None or self._held_back(stream, req):
                 continue
             try:
                 update = _update(self.engine, stream, req)
@@ -503,6 +504,13 @@ class AsyncEngine:
                 self._streams.pop(req.rid, None)
                 stream.request = None
         return bool(reqs)
+
+    def _held_back(self, stream: RequestStream, req: Request) -> bool:
+        """Whether `req`'s new tokens wait for more (its `stream_interval`, else the
+        server's): not its first, which sets the time to first token, nor its last."""
+        interval = req.params.stream_interval or self._stream_interval
+        new = len(req.output_ids) - stream.sent_tokens
+        return not req.finished and stream.sent_prompt and new < interval
 
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):
