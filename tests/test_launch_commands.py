@@ -26,10 +26,16 @@ RECIPES = "https://github.com/vllm-project/recipes/blob/main"
 
 # (source, model family, the command's flags, fields it sets). The cookbook pages generate
 # their commands (`sglang serve ...`) from per-hardware tables; each row is one of them.
-# Left out: V3.2-Exp's --tool-call-parser deepseekv31 (a parser dsakv lacks), the NVFP4 /
-# W4AFP8 cells (`--quantization modelopt_fp4` / `w4afp8`: refused below), and the AMD cells'
-# --watchdog-timeout 1200 (another change's flag).
+# Left out: the NVFP4 / W4AFP8 cells (`--quantization modelopt_fp4` / `w4afp8`: refused
+# below).
 COMMANDS = [
+    (  # DeepSeek-V3.2-Exp with tool calls ("the same as DeepSeek-V3.2 except for the parser")
+        DOCS_V32,
+        "deepseek",
+        ["--model", M, "--tp", "8", *DP_8, "--tool-call-parser", "deepseekv31"]
+        + ["--reasoning-parser", "deepseek-v3"],
+        {"tp": 8, "dp_attention": True},
+    ),
     (DOCS_V32, "deepseek", ["--model", M, "--tp", "8", *DP_8], {"dp_attention": True}),
     (DOCS_V32, "deepseek", ["--model", M, "--tp", "8", "--ep", "8", *DP_8], {"ep": 8}),
     (DOCS_V32, "deepseek", ["--model", M, "--tp", "8"], {"tp": 8, "dp_attention": False}),
@@ -107,8 +113,9 @@ COMMANDS = [
         ["--model-path", M, "--tp", "8", "--trust-remote-code"]
         + ["--nsa-prefill-backend", "tilelang", "--nsa-decode-backend", "tilelang"]
         + ["--chunked-prefill-size", "131072", "--reasoning-parser", "glm45"]
-        + ["--tool-call-parser", "glm47", "--mem-fraction-static", "0.80", *GPU],
-        {"chunked_prefill_size": 131072},
+        + ["--tool-call-parser", "glm47", "--mem-fraction-static", "0.80"]
+        + ["--watchdog-timeout", "1200", *GPU],
+        {"chunked_prefill_size": 131072, "watchdog_timeout": 1200},
     ),
     (  # H200 FP8, low-latency
         f"{COOKBOOK}/GLM/GLM-5.2",

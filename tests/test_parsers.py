@@ -75,6 +75,18 @@ DSML_JSON = (
     f'<{D}function_calls>\n<{D}invoke name="get_weather">\n'
     f'{{"city": "Rome", "days": 1}}\n</{D}invoke>\n</{D}function_calls> done'
 )
+# DeepSeek-V3.1's markup (DeepSeek-V3.2-Exp's chat template's): JSON arguments per call
+CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+V31_ARGS = (
+    '{"city": "東京 \\u00e9", "days": 3, "opts": {"u": [1, null, {"k": "\\"v\\""}]}, '
+    '"zip": "75001", "metric": false}'
+)
+V31 = (
+    f"Let me look.\n\n{CALLS}{CALL}get_weather{SEP}{V31_ARGS}{CALL_END}"
+    f"{CALL}ping{SEP}{{}}{CALL_END}{CALLS_END}"
+)
+V31_ONE = f'{CALLS}{CALL}get_weather{SEP}{{"city":"Paris","days":2}}{CALL_END}{CALLS_END}'
 
 
 def test_glm47_typed_arguments():
@@ -113,6 +125,25 @@ def test_dsml_parameters_and_json_body():
     ]
     content, calls = _parse("deepseekv32", DSML_JSON)
     assert calls == [("get_weather", {"city": "Rome", "days": 1})] and content == " done"
+
+
+def test_deepseekv31_json_arguments():
+    """DeepSeek-V3.1's calls: the text before them is content, each call's JSON object is
+    its arguments (nested values, escapes and unicode read as JSON), written out as JSON."""
+    content, calls = _parse("deepseekv31", V31)
+    assert content == "Let me look."
+    assert calls == [("get_weather", json.loads(V31_ARGS)), ("ping", {})]
+    assert calls[0][1]["city"] == "東京 é" and calls[0][1]["opts"]["u"][2] == {"k": '"v"'}
+    p = ToolCallParser(TOOL_FORMATS["deepseekv31"], SCHEMAS)
+    p.feed(V31_ONE + " done", final=True)
+    assert p.content == " done"
+    assert [c["function"] for c in p.calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}
+    ]
+    # a string parameter written as a JSON number is read as written (JSON, not text)
+    assert _parse("deepseekv31", f'{CALLS}{CALL}ping{SEP}{{"zip": 75001}}{CALL_END}')[1] == [
+        ("ping", {"zip": 75001})
+    ]
 
 
 def test_glm_string_arguments_keep_their_whitespace():
@@ -165,13 +196,19 @@ UNCLOSED = [
         f'<{D}parameter name="city" string="true">Oslo</{D}invoke>\n'
         f'<{D}invoke name="ping">\n</{D}invoke>\n</{D}function_calls>Done.',
     ),
+    (
+        "deepseekv31",
+        f'{CALLS}{CALL}get_weather{SEP}{{"city": "Oslo"}}{CALL}ping{SEP}{{}}{CALL_END}'
+        f"{CALLS_END}Done.",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("parser", "text"), UNCLOSED)
 def test_a_value_without_its_close_tag_ends_at_the_call(parser, text):
     """A missing </arg_value> (or DSML </parameter>) ends the value at its call's close tag,
-    as vLLM reads it: later calls and text are not swallowed into it."""
+    as vLLM reads it (a DeepSeek-V3.1 call missing its end tag ends at the next call): later
+    calls and text are not swallowed into it."""
     assert _parse(parser, text) == ("Done.", [("get_weather", {"city": "Oslo"}), ("ping", {})])
 
 
@@ -192,6 +229,21 @@ def test_a_value_without_its_close_tag_ends_at_the_call(parser, text):
         ),
         ("deepseekv32", f"<{D}function_calls>hello", f"<{D}function_calls>hello", []),
         ("deepseekv32", f"<{D}function_ca", f"<{D}function_ca", []),
+        ("deepseekv31", f"{CALLS}hello", f"{CALLS}hello", []),
+        ("deepseekv31", "a <｜tool▁calls▁be", "a <｜tool▁calls▁be", []),
+        # arguments that are not a JSON object end the call at its end tag: not content
+        (
+            "deepseekv31",
+            f"{CALLS}{CALL}ping{SEP}not json{CALL_END}{CALLS_END}after",
+            "after",
+            [("ping", {})],
+        ),
+        (
+            "deepseekv31",
+            f'{CALLS}{CALL}ping{SEP}{{"a": 1, "b": True}}{CALL_END}{CALLS_END}',
+            "",
+            [("ping", {"a": 1})],
+        ),
     ],
 )
 def test_malformed_text_never_raises_and_stays_content(parser, text, content, calls):
@@ -207,6 +259,8 @@ def test_malformed_text_never_raises_and_stays_content(parser, text, content, ca
         ("glm47", "x<tool_call>", "x"),
         ("deepseekv32", f"ok\n\n<{D}function_ca", "ok"),
         ("deepseekv32", f"ok\n\n<{D}function_calls>\n", "ok"),
+        ("deepseekv31", "ok\n\n<｜tool▁calls▁beg", "ok"),
+        ("deepseekv31", f"ok\n\n{CALLS}\n", "ok"),
         ("glm47", "a < b", "a < b"),  # not at the end: text
     ],
 )
@@ -242,6 +296,14 @@ def test_a_trigger_cut_off_or_under_a_forcing_grammar_is_dropped(parser, text, c
         ("glm47", "Sure.<tool_call>get_weather\n<", "Sure.", []),
         ("glm47", "<tool_call>get_wea", "", []),
         ("deepseekv32", f'<{D}function_calls><{D}invoke name="pi', "", []),
+        (
+            "deepseekv31",
+            f'Sure.\n{CALLS}{CALL}ping{SEP}{{"a": 1, "b": {{"c": [2',
+            "Sure.",
+            [("ping", {"a": 1})],
+        ),
+        ("deepseekv31", f"{CALLS}{CALL}ping{SEP}{{", "", [("ping", {})]),
+        ("deepseekv31", f"Sure.{CALLS}{CALL}get_wea", "Sure.", []),
     ],
 )
 def test_a_call_cut_off_keeps_its_complete_arguments_and_drops_its_markup(
@@ -263,6 +325,7 @@ def _cut(parser: str, text: str, forced: bool = False) -> tuple[str, list[tuple[
 _GLM_ARG = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
 _DSML_CALL = f'<{D}function_calls>\n<{D}invoke name="get_weather">\n'
 _DSML_ARG = _DSML_CALL + f'<{D}parameter name="city" string="true">Paris</{D}parameter>\n'
+_V31_CALL = f"{CALLS}{CALL}get_weather{SEP}"
 
 
 @pytest.mark.parametrize("forced", [False, True])
@@ -290,6 +353,22 @@ _DSML_ARG = _DSML_CALL + f'<{D}parameter name="city" string="true">Paris</{D}par
         ("deepseekv32", _DSML_ARG + f"</{D}inv", '{"city": "Paris"'),
         ("deepseekv32", _DSML_CALL + '{"city": "Ro', '{"city": "Ro'),
         ("deepseekv32", _DSML_CALL + f'{{"city":"Rome"}}\n</{D}inv', '{"city": "Rome"}'),
+        ("glm47", "<tool_call>ping<arg_key>opts</arg_key><arg_value>\"a\\u00e9\\", '{"opts": "a\u00e9'),
+        ("deepseekv31", _V31_CALL, ""),
+        ("deepseekv31", _V31_CALL + "{", ""),
+        ("deepseekv31", _V31_CALL + '{"ci', '{"ci'),
+        ("deepseekv31", _V31_CALL + '{"ci\\u00e', '{"ci'),
+        ("deepseekv31", _V31_CALL + '{ "city" ', '{"city"'),
+        ("deepseekv31", _V31_CALL + '{"city":', '{"city": '),
+        ("deepseekv31", _V31_CALL + '{"city": "Pa', '{"city": "Pa'),
+        ("deepseekv31", _V31_CALL + '{"city": "\\u6771\\u4eac \\"P\\u00', '{"city": "東京 \\"P'),
+        ("deepseekv31", _V31_CALL + '{"city": "\\ud83d\\ude', '{"city": "'),  # (half an emoji)
+        ("deepseekv31", _V31_CALL + '{"city":"Paris","days":1', '{"city": "Paris", "days": 1'),
+        ("deepseekv31", _V31_CALL + '{"city": "Paris", "opts": {"u": [1', '{"city": "Paris", "opts": {"u": [1'),
+        ("deepseekv31", _V31_CALL + '{"city": "Paris", "metric": tr', '{"city": "Paris", "metric": tr'),
+        ("deepseekv31", _V31_CALL + '{"city": "Paris"}<｜tool▁call▁e', '{"city": "Paris"}'),
+        ("deepseekv31", _V31_CALL + "{ }", "{}"),
+        ("deepseekv31", _V31_CALL + '{"city": "Paris"}' + CALL_END, '{"city": "Paris"}'),
     ],
 )  # fmt: skip
 def test_a_call_cut_by_max_tokens_keeps_the_arguments_written(parser, text, arguments, forced):
@@ -342,6 +421,10 @@ _STREAM_CASES = [
     ("glm47", "<|assistant|></think>", GLM47[:-70]),  # (cut: inside a value)
     ("deepseekv32", "<|assistant|></think>", DSML[:-120]),
     ("deepseekv32", "<|assistant|></think>", DSML_JSON[:-40]),
+    ("deepseekv31", "<|assistant|><think>", "why</thi</think>" + V31),
+    ("deepseekv31", "<|assistant|></think>", V31_ONE + f"\n\n{CALLS}{CALL}pi"),
+    ("deepseekv31", "<|assistant|></think>", UNCLOSED[2][1] + "\n<｜tool▁ca"),
+    ("deepseekv31", "<|assistant|></think>", V31[: V31.index('"zip"') + 9]),  # (cut: a value)
 ]
 
 
@@ -414,11 +497,13 @@ def test_parser_names():
     assert resolve_parsers("deepseek_v32", None, "auto") == ("deepseekv32", "deepseek-v3")
     assert resolve_parsers("deepseek_v32", "none", "glm45") == (None, "glm45")
     assert resolve_parsers("llama", "auto", "auto") == (None, None)
+    assert resolve_parsers("deepseek_v32", "deepseekv31", None)[0] == "deepseekv31"
     # vLLM's names (its DeepSeek-V3.2 launch command's), each for its own kind of parser
     assert resolve_parsers("glm_moe_dsa", "deepseek_v32", "deepseek_v3") == (
         "deepseekv32",
         "deepseek-v3",
     )
+    assert resolve_parsers("glm_moe_dsa", "deepseek_v31", None)[0] == "deepseekv31"
     for bad in (("x", None), (None, "y"), ("deepseek_v3", None), (None, "deepseek_v32")):
         with pytest.raises(DsakvError, match="unknown"):
             resolve_parsers("glm_moe_dsa", *bad)
@@ -507,7 +592,7 @@ def _forced_parser(parser: str) -> ChatOutputParser:
     )
 
 
-@pytest.mark.parametrize("parser", ["glm47", "deepseekv32"])
+@pytest.mark.parametrize("parser", ["glm47", "deepseekv32", "deepseekv31"])
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_forcing_grammar_yields_schema_valid_calls(tokenizer, parser, choice):
     """Random logits under the structural tag's mask always spell a call our parser reads,
@@ -521,7 +606,7 @@ def test_forcing_grammar_yields_schema_valid_calls(tokenizer, parser, choice):
         jsonschema.validate(json.loads(fn["arguments"]), _GRAMMAR_SCHEMAS[fn["name"]])
 
 
-@pytest.mark.parametrize("parser", ["glm47", "deepseekv32"])
+@pytest.mark.parametrize("parser", ["glm47", "deepseekv32", "deepseekv31"])
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_a_forced_call_cut_anywhere_keeps_what_was_written(tokenizer, parser, choice):
     """A forced call cut by max_tokens at any point: its arguments so far are where the
@@ -578,6 +663,95 @@ def test_forcing_grammar_reasoning_modes(tokenizer):
     with pytest.raises(DsakvError):
         named = {"type": "function", "function": {"name": "nope"}}
         tool_call_structural_tag("glm47", _GRAMMAR_TOOLS, named, "", False)
+
+
+def test_deepseekv31_forcing_grammar_is_the_markup_the_parser_reads(tokenizer):
+    """xgrammar's deepseek_v3_1 tag writes the calls our parser reads: "required" a block of
+    calls back to back and nothing after it (so no `_calls_only` rewrite is needed), a named
+    tool_choice one call of that tool."""
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB_SIZE), max_threads=1
+    )
+    book = f'{CALL}book{SEP}{{"city": "Rome", "nights": 2}}{CALL_END}'
+    ping = f"{CALL}ping{SEP}{{}}{CALL_END}"
+    named = {"type": "function", "function": {"name": "book"}}
+
+    def accepts(choice, text: str, parallel: bool = True) -> bool:
+        spec = tool_call_structural_tag(
+            "deepseekv31", _GRAMMAR_TOOLS, choice, "x</think>", True, parallel
+        )
+        return xgr.GrammarMatcher(compiler.compile_structural_tag(spec)).accept_string(text)
+
+    whole = CALLS + book + ping + CALLS_END
+    assert accepts("required", whole) and accepts(named, CALLS + book + CALLS_END)
+    assert _parse("deepseekv31", whole) == (
+        "",
+        [("book", {"city": "Rome", "nights": 2}), ("ping", {})],
+    )
+    assert not accepts("required", whole + " and then") and not accepts("required", "Sure")
+    assert not accepts("required", book)  # (the block's begin first)
+    assert not accepts(named, CALLS + ping) and not accepts(named, CALLS + book + ping)
+    assert not accepts("required", CALLS + book + ping, parallel=False)
+    assert not accepts("required", CALLS + f'{CALL}book{SEP}{{"city": "Oslo"')  # (the schema)
+
+
+_V31_TEMPLATE = (  # (DeepSeek-V3.2-Exp's template's tool-call turns, shortened)
+    "{% for m in messages %}{% if m.role == 'user' %}<|user|>{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<|assistant|></think>{% if m.tool_calls %}"
+    "<｜tool▁calls▁begin｜>{% for t in m.tool_calls %}<｜tool▁call▁begin｜>"
+    "{{ t.function.name }}<｜tool▁sep｜>{{ t.function.arguments | tojson }}"
+    "<｜tool▁call▁end｜>{% endfor %}<｜tool▁calls▁end｜>{% endif %}<|eos|>"
+    "{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>"
+    "{% endif %}{% endfor %}"
+)
+
+
+def test_deepseek_v32_with_a_v31_style_template_reads_v31_calls(tmp_path):
+    """DeepSeek-V3.2-Exp ships a chat template writing DeepSeek-V3.1's tool-call markup
+    (SGLang serves it with its deepseekv31 parser): under "auto" that template picks the
+    deepseekv31 parser; DeepSeek-V3.2 (no template: DSML in code) keeps deepseekv32, and a
+    parser named explicitly wins."""
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path, "deepseek_v32")
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert ChatParsers.for_model("deepseek_v32", chat_template=_V31_TEMPLATE) == ChatParsers(
+        "deepseekv31", "deepseek-v3"
+    )
+    assert ChatParsers.for_model("deepseek_v32", chat_template=tok.chat_template).tool == (
+        "deepseekv32"
+    )
+    assert resolve_parsers("deepseek_v32", "deepseekv32", None, _V31_TEMPLATE)[0] == "deepseekv32"
+    assert resolve_parsers("glm_moe_dsa", "auto", None, _V31_TEMPLATE)[0] == "glm47"
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call, call]},
+        {"role": "tool", "content": "sunny"},
+    ]
+    text = render_chat(tok, messages, "deepseek_v32", chat_template=_V31_TEMPLATE)
+    turn = text.split("<|assistant|></think>")[1]
+    assert _parse("deepseekv31", turn)[1] == [("get_weather", {"city": "Oslo", "days": 2})] * 2
+
+
+def test_a_server_picks_the_parser_its_chat_template_writes():
+    """`dsakv serve` resolves "auto" with the template it serves (the tokenizer's, or
+    --chat-template's): deepseekv31 for a V3.1-style one, deepseekv32 for DSML in code."""
+    from dsakv.engine import EngineConfig
+    from dsakv.models.tiny import default_model_dir
+    from dsakv.procs import free_port
+    from dsakv.server import make_server
+
+    config = EngineConfig(model=str(default_model_dir("deepseek-tiny")), num_pages=8)
+    for template, tool in ((_V31_TEMPLATE, "deepseekv31"), (None, "deepseekv32")):
+        server, async_engine = make_server(config, port=free_port(), chat_template=template)
+        try:
+            assert server.config.app.state.chat_parsers.tool == tool
+        finally:
+            async_engine.shutdown()
+            async_engine.close_engine()
 
 
 # --- tiny chat templates ----------------------------------------------------------------------

@@ -209,7 +209,7 @@ def add_commands(sub: Any) -> None:
         "--tool-call-parser",
         type=_chat_parser("tool"),
         default="auto",
-        help="glm47, glm45, deepseekv32, none (default auto: the model type's)",
+        help="glm47, glm45, deepseekv32, deepseekv31, none (default auto: the model type's)",
     )
     p.add_argument(
         "--reasoning-parser",

@@ -116,7 +116,10 @@ def build_app(
     app.add_middleware(_CountRequests, metrics=metrics)
     _install_error_handlers(app)
     if chat_parsers is None:
-        chat_parsers = ChatParsers.for_model(async_engine.engine.model_config.model_type)
+        engine = async_engine.engine
+        template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
+        chat_parsers = ChatParsers.for_model(engine.model_config.model_type, chat_template=template)
+    app.state.chat_parsers = chat_parsers
     api = Handlers(async_engine, names, metrics, chat_parsers, aliases, request_log)
 
     async def health() -> Response:

@@ -72,11 +72,15 @@ class ChatParsers:
 
     @classmethod
     def for_model(
-        cls, model_type: str, tool: str | None = "auto", reasoning: str | None = "auto"
+        cls,
+        model_type: str,
+        tool: str | None = "auto",
+        reasoning: str | None = "auto",
+        chat_template: str | None = None,
     ) -> ChatParsers:
-        """Parsers by name ("auto": the model type's own, "none": off); unknown names raise
-        `DsakvError`."""
-        return cls(*resolve_parsers(model_type, tool, reasoning))
+        """Parsers by name ("auto": the model type's own, or the markup its `chat_template`
+        writes: `resolve_parsers`; "none": off); unknown names raise `DsakvError`."""
+        return cls(*resolve_parsers(model_type, tool, reasoning, chat_template))
 
 
 @dataclass(frozen=True)

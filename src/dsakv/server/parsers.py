@@ -1,4 +1,5 @@
-"""Tool-call and reasoning parsers for chat completions: GLM-4.5/4.7/5 and DeepSeek-V3.2.
+"""Tool-call and reasoning parsers for chat completions: GLM-4.5/4.7/5, DeepSeek-V3.2 and
+DeepSeek-V3.1 (whose markup DeepSeek-V3.2-Exp's chat template writes).
 
 Both are incremental: `feed` takes each new piece of generated text and returns what is
 settled (text that could still turn out to start a tag is held back); a non-streamed
@@ -22,7 +23,7 @@ import regex
 from dsakv.engine.chat_format import DSML
 from dsakv.errors import DsakvError
 
-TOOL_PARSERS = ("glm47", "glm45", "deepseekv32")
+TOOL_PARSERS = ("glm47", "glm45", "deepseekv32", "deepseekv31")
 REASONING_PARSERS = ("glm45", "deepseek-v3")
 # model_type -> (tool-call parser, reasoning parser) used when the server is not told.
 DEFAULT_PARSERS = {
@@ -30,19 +31,25 @@ DEFAULT_PARSERS = {
     "deepseek_v32": ("deepseekv32", "deepseek-v3"),
 }
 # vLLM's names for the same parsers (in its DeepSeek-V3.2 launch commands)
-_VLLM_TOOL_PARSERS = {"deepseek_v32": "deepseekv32"}
+_VLLM_TOOL_PARSERS = {"deepseek_v32": "deepseekv32", "deepseek_v31": "deepseekv31"}
 _VLLM_REASONING_PARSERS = {"deepseek_v3": "deepseek-v3"}
 THINK_START, THINK_END = "<think>", "</think>"
 _TEXT = "text"  # the parser state outside any tool-call markup
 
 
 def resolve_parsers(
-    model_type: str, tool_parser: str | None, reasoning_parser: str | None
+    model_type: str,
+    tool_parser: str | None,
+    reasoning_parser: str | None,
+    chat_template: str | None = None,
 ) -> tuple[str | None, str | None]:
     """The parser names to use: "auto" (or None) picks the model type's default, "none"
     turns a parser off, vLLM's names are dsakv's (SGLang's); anything unknown is a
-    `DsakvError`."""
+    `DsakvError`. A DeepSeek-V3.2 model whose `chat_template` writes DeepSeek-V3.1's
+    tool-call markup (V3.2-Exp's does; V3.2 ships none) defaults to that markup's parser."""
     defaults = DEFAULT_PARSERS.get(model_type, (None, None))
+    if model_type == "deepseek_v32" and chat_template and _V31_CALLS in chat_template:
+        defaults = ("deepseekv31", defaults[1])
     out = []
     for name, known, vllm, default, what in (
         (tool_parser, TOOL_PARSERS, _VLLM_TOOL_PARSERS, defaults[0], "tool-call"),
@@ -78,11 +85,13 @@ class _Rule:
 @dataclass(frozen=True)
 class ToolFormat:
     """A model's tool-call markup: the trigger that opens it, and per state the rules that may
-    follow (mutually exclusive from their first character, so the first full match is the
-    only one). `structural_tag` names xgrammar's builtin grammar for the same format.
-    `partial` matches (whole) what is left of an open call's arguments when max_tokens cut
-    them, after any proper prefix of one of `tags` at the end is taken off: the argument
-    being written, its `key` (closed when `key_end` matched), and the `value` once begun."""
+    follow (tried in order: the first full match is taken). `structural_tag` names
+    xgrammar's builtin grammar for the same format. `partial` matches (whole) what is left
+    of an open call's arguments when max_tokens cut them, after any proper prefix of one of
+    `tags` at the end is taken off: the argument being written, its `key` (closed when
+    `key_end` matched), and the `value` once begun; or `close`, the arguments complete.
+    `json_values`: keys and values are written as JSON (JSON-escaped keys, JSON values),
+    not as raw text."""
 
     trigger: str
     first: str
@@ -90,6 +99,7 @@ class ToolFormat:
     structural_tag: str
     partial: regex.Pattern[str]
     tags: tuple[str, ...]
+    json_values: bool = False
 
 
 def _rule(pattern: str, kind: str, next: str) -> _Rule:
@@ -157,7 +167,54 @@ _DEEPSEEK = ToolFormat(
     tags=(f"<{_D}parameter", f"</{_D}parameter>", f"</{_D}invoke>"),
 )
 
-TOOL_FORMATS = {"glm47": _GLM, "glm45": _GLM, "deepseekv32": _DEEPSEEK}
+# DeepSeek-V3.1 (and V3.2-Exp's chat template): one JSON arguments object per call,
+# <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
+# <｜tool▁calls▁end｜>. The object is read member by member (each given out when complete,
+# as the other formats' arguments); anything else up to the call's end tag (or, that tag
+# missing, up to the next call or the block's end) ends the call with the members read.
+_V31_CALLS, _V31_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_V31_CALL, _V31_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+_V31_SEP = "<｜tool▁sep｜>"
+_JSON_CHARS = r'(?:[^"\\]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+'  # a JSON string's inside
+_JSON = (  # (regex's recursion: `jval` is one JSON value, whitespace around it included)
+    rf'(?(DEFINE)(?P<jstr>"{_JSON_CHARS}")(?P<jval>\s*(?:(?&jstr)|true|false|null'
+    r"|-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?"
+    r"|\{\s*(?:(?&jstr)\s*:(?&jval)(?:,\s*(?&jstr)\s*:(?&jval))*)?\}"
+    r"|\[\s*(?:(?&jval)(?:,(?&jval))*)?\])\s*))"
+)
+_V31 = ToolFormat(
+    trigger=_V31_CALLS,
+    first="block",
+    states={
+        "block": (
+            _rule(rf"\s*{_V31_CALL}\s*(?P<name>[^\s<>]+)\s*{_V31_SEP}", "start", "args"),
+            _rule(rf"\s*{_V31_CALLS_END}", "skip", _TEXT),
+        ),
+        "args": (
+            _rule(
+                rf'{_JSON}\s*[{{,]?\s*"(?P<key>{_JSON_CHARS})"\s*:(?P<value>(?&jval))(?=[,}}])',
+                "arg",
+                "args",
+            ),
+            _rule(  # (possessive, no tag crossed: a rescan per piece fed stays cheap)
+                rf"(?:[^<]++|<(?!{_V31_CALL[1:]}|{_V31_CALL_END[1:]}|{_V31_CALLS_END[1:]}))*+"
+                rf"(?:{_V31_CALL_END}|(?={_V31_CALL}|{_V31_CALLS_END}))",
+                "end",
+                "block",
+            ),
+        ),
+    },
+    structural_tag="deepseek_v3_1",
+    partial=regex.compile(
+        r'\s*[{,]?\s*(?:"(?P<key>(?:[^"\\]|\\.)*\\?)'
+        r'(?:"(?P<key_end>)\s*(?::(?P<value>.*))?)?|(?P<close>\}).*)',
+        regex.DOTALL,
+    ),
+    tags=(_V31_CALL_END, _V31_CALL, _V31_CALLS_END),
+    json_values=True,
+)
+
+TOOL_FORMATS = {"glm47": _GLM, "glm45": _GLM, "deepseekv32": _DEEPSEEK, "deepseekv31": _V31}
 
 
 def _partial_suffix(text: str, tags: Sequence[str]) -> int:
@@ -211,15 +268,31 @@ _LITERALS = ("true", "false", "null")
 
 def _partial_value(raw: str, is_string: bool) -> str:
     """JSON text for the start of a value cut off at `raw`: a string left unterminated;
-    else JSON as written (a number, a container or literal begun), or a string begun."""
+    else JSON as written (a number, a container or literal begun), a JSON string begun
+    (read as the whole value will be: `_json_string`), or a string begun."""
     if not is_string:
         value = _typed(raw, False)
         if not isinstance(value, str):
             return json.dumps(value, ensure_ascii=False)
         raw = raw.lstrip()
+        if raw.startswith('"'):
+            return json.dumps(_json_string(raw[1:]), ensure_ascii=False)[:-1]
         if raw[:1] in tuple('{["-0123456789') or any(w.startswith(raw) for w in _LITERALS):
             return raw
     return json.dumps(raw, ensure_ascii=False)[:-1]
+
+
+def _json_string(inside: str) -> str:
+    """The text of a JSON string from the `inside` of its quotes, as far as it reads (an
+    escape cut off at the end, a surrogate pair's first half, or the close quote, left
+    out); as written if it never does."""
+    for end in range(len(inside), max(len(inside) - 7, -1), -1):
+        try:
+            text = json.loads(f'"{inside[:end]}"')
+        except ValueError:
+            continue
+        return text[:-1] if text and "\ud800" <= text[-1] <= "\udbff" else text
+    return inside
 
 
 @dataclass
@@ -343,7 +416,7 @@ class ToolCallParser:
             sep = ", " if self._args else "{"
             self._emit(
                 out,
-                f"{sep}{json.dumps(m['key'], ensure_ascii=False)}: "
+                f"{sep}{json.dumps(self._key(m['key']), ensure_ascii=False)}: "
                 f"{json.dumps(value, ensure_ascii=False)}",
             )
             self._args += 1
@@ -353,8 +426,13 @@ class ToolCallParser:
         elif rule.kind == "end":
             self._close(out)
 
+    def _key(self, raw: str) -> str:
+        return _json_string(raw) if self.fmt.json_values else raw
+
     def _raw_value(self, m: regex.Match[str]) -> tuple[bool, str]:
         """Whether the value of the argument `m` is a string, and its text to read."""
+        if self.fmt.json_values:  # (JSON whatever the schema says, as written)
+            return False, m["value"]
         name = self.calls[-1]["function"]["name"]
         schema = self.tools.get(name) or {}
         prop = (schema.get("properties") or {}).get(m["key"])
@@ -379,14 +457,18 @@ class ToolCallParser:
         begun, key and value, as JSON text cut at the same point."""
         self._open = False
         rest = rest[: len(rest) - _partial_suffix(rest, self.fmt.tags)]
-        if not self._args and rest.lstrip().startswith("{"):
+        json_body = not self.fmt.json_values and not self._args
+        if json_body and rest.lstrip().startswith("{"):
             body = self._json_args(rest)  # (only its close markup cut off)
             self._emit(out, rest.lstrip() if body is None else json.dumps(body, ensure_ascii=False))
             return
         m = self.fmt.partial.fullmatch(rest)
         if m is None:
             return
-        key = json.dumps(m["key"], ensure_ascii=False)
+        if m.groupdict().get("close") is not None:  # (a JSON object closed: only its markup cut)
+            self._close(out)
+            return
+        key = json.dumps(self._key(m["key"]), ensure_ascii=False)
         fragment = (", " if self._args else "{") + (key if m["key_end"] is not None else key[:-1])
         if m["value"] is not None:
             is_string, raw = self._raw_value(m)

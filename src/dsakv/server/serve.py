@@ -91,8 +91,9 @@ def make_server(
     except BaseException:
         thread.close()  # a no-op once the step loop started
         raise
+    template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
     parsers = ChatParsers.for_model(
-        engine.model_config.model_type, tool_call_parser, reasoning_parser
+        engine.model_config.model_type, tool_call_parser, reasoning_parser, template
     )
     app = build_app(
         async_engine,
