@@ -9,7 +9,8 @@ abort still reaches a removed server's stream; with no decode server left a requ
 503 naming it; one server is one worker whatever the spelling of its URL; with `--api-key`,
 the worker API needs the key as the rest of the router does; the router starts with no
 server (or none of a kind) and serves once a pair is added; of two adds racing with no
-server registered, the second is checked against the first."""
+server registered, the second is checked against the first; adds at once past a server
+that never answers wait for it together, not in turn."""
 
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsakv.disagg import router as router_module
 from dsakv.disagg.router import build_router_app
 from dsakv.engine import EngineConfig
 from dsakv.errors import DsakvError
@@ -43,6 +47,7 @@ from .serving import (
     engine_stops_stepping_at,
     free_port,
     routing,
+    running,
     serving_disagg,
     until_in_flight,
 )
@@ -521,9 +526,9 @@ def test_a_router_started_with_one_kind_serves_once_the_other_is_added(pd):
 
 
 @contextlib.contextmanager
-def _mute_server() -> Iterator[str]:
+def _mute_server(hold_s: float = 1.0) -> Iterator[str]:
     """A server that takes connections and answers none (one restarting, say): those open
-    are closed once two are, or a second after the first; yields its URL."""
+    are closed once two are, or `hold_s` seconds after the first; yields its URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", free_port()))
     sock.listen()
@@ -537,7 +542,7 @@ def _mute_server() -> Iterator[str]:
             with contextlib.suppress(TimeoutError):
                 held.append(sock.accept()[0])
                 since = time.monotonic() if len(held) == 1 else since
-            if held and (len(held) == 2 or time.monotonic() - since > 1.0):
+            if held and (len(held) == 2 or time.monotonic() - since > hold_s):
                 for conn in held:
                     conn.close()
                 held = []
@@ -573,3 +578,30 @@ def test_of_two_adds_racing_with_no_layout_known_the_second_is_checked_against_t
                 assert "different KV layouts: fingerprint: " in message, message
                 assert added[0] in message and refused in message, message
                 assert _listed(base) == [("prefill", u) for u in prefill] + [("decode", added[0])]
+
+
+def test_adds_at_once_past_a_server_that_never_answers_wait_for_it_together(monkeypatch):
+    """Three decode servers added at once to a router whose one server (a prefill server)
+    takes connections and never answers: all three are added within about one wait for its
+    /disagg/info, not three. (Its layout was asked under the adds' lock, so each add waited
+    its timeout in turn: N adds, N timeouts.)"""
+    timeout = 2.0
+    monkeypatch.setattr(router_module, "_INFO_TIMEOUT_S", timeout)
+    app = FastAPI()
+    app.get("/disagg/info")(lambda: {"mode": "decode", "fingerprint": "f", "compute": "c"})
+
+    def fake() -> uvicorn.Server:
+        return uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+
+    with ExitStack() as stack:
+        mute = stack.enter_context(_mute_server(hold_s=TIMEOUT))
+        fakes = [stack.enter_context(running(fake())) for _ in range(3)]
+        base = stack.enter_context(routing([mute], []))
+        start = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda u: _add(base, url=u), fakes))
+        took = time.monotonic() - start
+        assert [r.status_code for r in answers] == [200] * 3, [r.text for r in answers]
+        assert took < 1.5 * timeout, f"the adds took {took:.1f} s: one after another"
+        want = [("prefill", mute)] + [("decode", u) for u in fakes]
+        assert sorted(_listed(base)) == sorted(want)

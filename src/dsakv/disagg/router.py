@@ -26,6 +26,7 @@ the others must have.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -123,6 +124,10 @@ class Router:
         # checked against the first (else two racing while no registered server tells its
         # layout, none or one restarting, both pass: each checked against nothing).
         self._adding = asyncio.Lock()
+        # The KV layout (`_layout`) of each server, as its /disagg/info last told it: the
+        # check under the lock asks no server (one that never answers would hold every add
+        # queued behind it for its timeout, one after another).
+        self._layouts: dict[str, dict[str, Any]] = {}
         self.requests = 0
         self.failures = 0
 
@@ -189,10 +194,15 @@ class Router:
         return self._bootstrap[prefill_url]
 
     async def _disagg_info(self, url: str) -> dict[str, Any]:
-        """A server's `/disagg/info` (its mode, a prefill server's bootstrap port)."""
-        r = await self.client.get(f"{url}/disagg/info", timeout=10.0)
+        """A server's `/disagg/info` (its mode, a prefill server's bootstrap port); a
+        registered server's KV layout is remembered (a prefill server restarted is asked
+        again once it fails a request: its new layout replaces the old)."""
+        r = await self.client.get(f"{url}/disagg/info", timeout=_INFO_TIMEOUT_S)
         r.raise_for_status()
-        return r.json()
+        info = r.json()
+        if isinstance(info, dict) and url in self.prefill + self.decode:
+            self._layouts[url] = _layout(info)
+        return info
 
     async def generate(self, path: str, request: Request) -> Response:
         self.requests += 1
@@ -791,8 +801,9 @@ class Router:
         """A server joining, `spec` in SGLang's fields (`url`, `worker_type`, a prefill
         server's `bootstrap_port`; `_checked_spec`), its `/disagg/info` agreeing (`_probe`)
         and its KV layout the deployment's (`_layout_differs`: checked and registered one add
-        at a time, so that of two racing, the second is checked against the first). It takes
-        requests from the next one on. SGLang's answer, else the 4xx naming the field."""
+        at a time, so that of two racing, the second is checked against the first; the
+        layouts not yet known asked before, all at once: `_learn_layouts`). It takes requests
+        from the next one on. SGLang's answer, else the 4xx naming the field."""
         checked = _checked_spec(spec)
         if isinstance(checked, Response):
             return checked
@@ -802,10 +813,11 @@ class Router:
         probed = await self._probe(url, kind, port)  # (outside the lock: it may be slow)
         if isinstance(probed, Response):
             return probed
+        await self._learn_layouts()  # (before the lock: the check under it asks no server)
         async with self._adding:
-            return await self._register(url, *probed)
+            return self._register(url, *probed)
 
-    async def _register(
+    def _register(
         self, url: str, mode: str, address: tuple[str, int] | None, info: dict[str, Any]
     ) -> dict[str, Any] | Response:
         """`add_worker`'s last step, under its lock: the server `url` (its `/disagg/info`:
@@ -813,10 +825,11 @@ class Router:
         deployment's servers' (none yet: it sets the layout)."""
         if (taken := self._already_registered(url)) is not None:  # (added while it was asked)
             return taken
-        if (differs := await self._layout_differs(url, info)) is not None:
+        if (differs := self._layout_differs(url, info)) is not None:
             return _client_error(400, differs, "url")
         if address is not None:
             self._bootstrap[url] = address
+        self._layouts[url] = _layout(info)
         self._down.pop(url, None)
         setattr(self, mode, [*getattr(self, mode), url])
         log.info("router: %s server %s added", mode, url)
@@ -852,18 +865,29 @@ class Router:
             return _client_error(400, message, "bootstrap_port")
         return mode, address, info
 
-    async def _layout_differs(self, url: str, info: dict[str, Any]) -> str | None:
+    async def _learn_layouts(self) -> None:
+        """The registered servers' KV layouts the router is unsure of (a server given at the
+        start and not yet asked, or one marked down: restarting, maybe with another layout)
+        asked all at once: a server that never answers costs adds at once one timeout, not
+        one each in turn. One that does not answer stays as known (or unknown)."""
+
+        async def ask(url: str) -> None:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                await self._disagg_info(url)
+
+        unsure = [
+            u for u in self.prefill + self.decode if u not in self._layouts or u in self._down
+        ]
+        await asyncio.gather(*(ask(u) for u in unsure))
+
+    def _layout_differs(self, url: str, info: dict[str, Any]) -> str | None:
         """How the server `url` (its `/disagg/info`: `info`) differs from the deployment in
         what a handoff needs equal (the KV layout, how the KV is computed), against the
-        first of the router's servers whose `/disagg/info` answers; else None (also when
-        there is none, or none answers: the handshake still checks). Added, it would fail
-        every request it shared with another (the handoff's 502)."""
+        first of the router's servers whose layout it knows (`_layouts`); else None (also
+        when there is none: the handshake still checks). Added, it would fail every request
+        it shared with another (the handoff's 502)."""
         for known in _in_turn(self.prefill + self.decode, 0, self._down):
-            try:
-                theirs = await self._disagg_info(known)
-            except (httpx.HTTPError, ValueError):
-                continue
-            if not isinstance(theirs, dict):
+            if (theirs := self._layouts.get(known)) is None:
                 continue
             diffs = [
                 f"{key}: {known} {theirs.get(key)!r}, {url} {info.get(key)!r}"
@@ -887,6 +911,7 @@ class Router:
         kind, url = found  # (its one entry: `_check_distinct`, `_already_registered`)
         setattr(self, kind, [u for u in getattr(self, kind) if u != url])
         self._bootstrap.pop(url, None)
+        self._layouts.pop(url, None)  # (re-added, it is asked again: another layout maybe)
         self._down.pop(url, None)
         for rid in [rid for rid, held in self._responses.items() if held == url]:
             del self._responses[rid]
@@ -932,6 +957,8 @@ class _Unreachable(Exception):
 _PORTS = {"http": 80, "https": 443}
 # What a server's /disagg/info tells of its KV that a handoff needs equal on both sides.
 _LAYOUT_KEYS = ("fingerprint", "compute")
+# How long the router waits for a server's /disagg/info.
+_INFO_TIMEOUT_S = 10.0
 # The most pages (of 100) of a previous response's input items the router reads: more than
 # any context holds.
 _ITEM_PAGES = 10_000
@@ -943,6 +970,7 @@ _DOWN_S = 10.0
 # server's answer (a weight update loads a checkpoint after the requests in flight end).
 BROADCAST = {
     "/abort_request": 30.0,
+    "/configure_logging": 30.0,  # (the request log: each server logs its own calls)
     "/flush_cache": 30.0,
     "/update_weights_from_disk": None,
     "/update_weight_version": 30.0,
@@ -966,6 +994,7 @@ BROADCAST = {
 }
 # Broadcast calls SGLang takes as GET too.
 _GET_TOO = (
+    "/configure_logging",
     "/flush_cache",
     "/start_profile",
     "/stop_profile",
@@ -1075,6 +1104,11 @@ def _address(url: str) -> tuple[str, int, str]:
     serves http or https, not both)."""
     parts = urlsplit(_server_url(url))
     return parts.hostname or "", parts.port or _PORTS[parts.scheme], parts.path
+
+
+def _layout(info: dict[str, Any]) -> dict[str, Any]:
+    """What a server's `/disagg/info` tells of its KV that a handoff needs equal."""
+    return {key: info.get(key) for key in _LAYOUT_KEYS}
 
 
 def _bootstrap_address(prefill_url: str, info: dict[str, Any]) -> tuple[str, int]:
