@@ -24,7 +24,8 @@ from dsakv.engine import EngineConfig
 from dsakv.errors import DsakvError
 from dsakv.procs import free_port
 from dsakv.server import build_app
-from dsakv.server.request_log import RequestLogConfig
+from dsakv.server.request_log import Output, RequestLogConfig
+from dsakv.server.runner import Update
 
 from .serving import TIMEOUT, engine_stops_stepping_at, running, serving
 
@@ -41,6 +42,7 @@ ENGINE_ARGS = dict(
 LONG_PROMPT = "ab" * 1100  # 2200 characters (and tokens: the tiny tokenizer's are bytes)
 LONG_OUT = 2100
 GREEDY = {"temperature": 0, "ignore_eos": True}
+KEY = "log-key"
 
 
 def _flags(*argv: str) -> RequestLogConfig:
@@ -58,8 +60,9 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def served(glm_tiny):
-    """The engine, behind a server without the log (dsakv's default) and one per config
-    of `CONFIGS`: {name: base URL}, and the engine."""
+    """The engine, behind a server without the log (dsakv's default), one per config of
+    `CONFIGS`, and one without it that needs the API key `KEY` ("keyed", for
+    /configure_logging): {name: base URL}, and the engine."""
     with (
         serving(EngineConfig(model=glm_tiny, **ENGINE_ARGS), served_model_name=MODEL) as (
             base,
@@ -72,6 +75,9 @@ def served(glm_tiny):
             app = build_app(engine, MODEL, request_log=config)
             uv = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
             bases[name] = stack.enter_context(running(uvicorn.Server(uv)))
+        app = build_app(engine, MODEL, api_key=KEY)
+        uv = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+        bases["keyed"] = stack.enter_context(running(uvicorn.Server(uv)))
         yield bases, engine
 
 
@@ -240,11 +246,126 @@ def test_streamed_and_aborted_requests_log_their_end(served, lines):
     assert "finish_reason=abort" in finished
 
 
+def test_beam_search_aborted_while_waiting_logs_each_beam_aborted(served, lines):
+    """A beam search /abort_request ends while its steps wait: its client gets each beam
+    as an abort, and so does the log, with the prompt's tokens."""
+    base, engine = served[0]["level1"], served[1]
+    prompt = "Beam me"
+    body = {"prompt": prompt, "use_beam_search": True, "n": 2, "max_tokens": 3, "temperature": 0}
+    headers = {"X-Request-Id": "beam-ab"}
+    with (
+        ThreadPoolExecutor(1) as pool,
+        engine_stops_stepping_at(engine, 0),
+        httpx.Client(timeout=TIMEOUT) as http,
+    ):
+        done = pool.submit(http.post, f"{base}/v1/completions", json=body, headers=headers)
+        lines("cmpl-beam-ab", 1)  # (in flight: the abort finds it)
+        assert http.post(f"{base}/abort_request", json={"rid": "beam-ab"}).status_code == 200
+        r = done.result(TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["abort", "abort"]
+    _, finished = lines("cmpl-beam-ab")
+    tokens = len(engine.engine.prompt_ids(prompt, None, True))
+    assert "finish_reason=[abort, abort]," in finished
+    assert f"prompt_tokens={tokens}," in finished
+
+
+def test_a_batch_refused_at_a_later_prompt_logs_its_error(served, lines):
+    """A batch whose second prompt is refused (the client's 400): the first prompt's
+    output, taken and never read, is an abort, the rest the error with its message."""
+    base, engine = served[0]["level0"], served[1]
+    body = {"prompt": ["short", "x" * 400], "max_tokens": engine.engine.max_model_len - 200}
+    headers = {"X-Request-Id": "batch-refused"}
+    r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 400 and "maximum context length" in r.text
+    received, finished = lines("cmpl-batch-refused")
+    assert "prompts=2, n=1" in received
+    assert "finish_reason=[abort, error]," in finished
+    assert re.search(r", error=\['', \"This model's maximum context length is", finished)
+
+
+def test_generate_logs_a_batch_under_the_rids_its_client_gave(served, lines):
+    """/generate with a rid per prompt and n > 1 (each sample then has an id of its own):
+    logged under the client's rids, as a string rid is."""
+    base = served[0]["level0"]
+    sp = {"max_new_tokens": 2, "n": 2, **GREEDY}
+    outs = _post(base, "/generate", text=["a", "b"], rid=["gr-1", "gr-2"], sampling_params=sp)
+    assert len(outs.json()) == 4
+    received, finished = lines("gr-1,gr-2")
+    assert received == "Received request gr-1,gr-2: route=/generate, prompts=2, n=2"
+    assert "finish_reason=[length, length, length, length]" in finished
+
+
+def test_an_output_keeps_only_what_its_line_shows():
+    """A logged output's text is kept only up to the cut (--max-log-len, level 2's 2048):
+    the rest is counted, so a long output costs the log no more than its line."""
+    cut = Output(True, 5)
+    for _ in range(1000):
+        cut.add(Update([1, 2], "xy", None, None))
+    assert cut.parts == ["xy", "xy", "x"] and cut.dropped == 1995
+    assert cut.text() == "'xyxyx'...(+1995 chars)"
+    whole, none = Output(True, None), Output(False, 5)
+    for out in (whole, none):
+        out.add(Update([1], "abc", None, None))
+        out.add(Update([2], "def", None, None, finished=True, finish_reason="stop"))
+    assert whole.text() == "'abcdef'" and none.parts == [] and none.finish_reason == "stop"
+
+
+def test_configure_logging_at_run_time(served, lines, caplog):
+    """SGLang's /configure_logging on a server started without the log: on at level 0,
+    then level 3 (GET too, as SGLang's), then off; a field for what dsakv does not run
+    (a request dump) is a 400 unless null, and the route needs the API key."""
+    base = served[0]["keyed"]
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def configure(method: str = "POST", **body) -> httpx.Response:
+        url = f"{base}/configure_logging"
+        return httpx.request(method, url, json=body, headers=auth, timeout=TIMEOUT)
+
+    def complete(rid: str, prompt: str = "Configure me") -> dict:
+        headers = {**auth, "X-Request-Id": rid}
+        body = {"prompt": prompt, "max_tokens": 3, **GREEDY}
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def said(rid: str) -> list[str]:  # (a whole response's call has closed: its lines out)
+        return [r.getMessage() for r in caplog.records if rid in r.getMessage()]
+
+    keyless = httpx.post(f"{base}/configure_logging", json={"log_requests": True})
+    assert keyless.status_code == 401
+    complete("cfg-before")
+    assert said("cfg-before") == []
+    try:
+        assert configure(log_requests=True, log_requests_level=0).status_code == 200
+        complete("cfg-0")
+        received, finished = lines("cmpl-cfg-0")
+        assert received == "Received request cmpl-cfg-0: route=/v1/completions, n=1"
+        assert "finish_reason=length" in finished and "output=" not in finished
+        assert configure("GET", log_requests_level=3).status_code == 200
+        prompt = "Configure me " * 200  # (past level 2's cut: whole at level 3)
+        out = complete("cfg-3", prompt)
+        received, finished = lines("cmpl-cfg-3")
+        assert received.endswith(f", prompt={prompt!r}") and "params=SamplingParams(" in received
+        assert finished.endswith(f", output={out['choices'][0]['text']!r}")
+        dump = configure(dump_requests_folder="/tmp/dsakv-dump", log_requests_level=0)
+        assert dump.status_code == 400
+        assert dump.json()["error"]["param"] == "dump_requests_folder"
+        assert configure(log_requests_level=4).status_code == 400
+        assert configure(dump_requests_folder=None, crash_dump_folder=None).status_code == 200
+        complete("cfg-still-3", prompt)  # (the refused calls changed nothing)
+        assert lines("cmpl-cfg-still-3")[0].endswith(f", prompt={prompt!r}")
+    finally:
+        assert configure(log_requests=False).status_code == 200
+    complete("cfg-off")
+    assert said("cfg-off") == []
+
+
 def test_off_by_default(served, caplog):
     """No flag, or vLLM's --disable-log-requests (with --max-log-len, which refines a log
     that is not there): the server logs nothing on "dsakv.requests"."""
-    assert _flags() == RequestLogConfig() == _flags("--disable-log-requests", "--max-log-len", "9")
-    assert not RequestLogConfig().on
+    assert _flags() == RequestLogConfig() and not RequestLogConfig().on
+    assert not _flags("--disable-log-requests", "--max-log-len", "9").on
     caplog.set_level(logging.DEBUG, logger="dsakv.requests")
     base = served[0]["off"]
     _post(base, "/v1/completions", prompt="Quiet", max_tokens=2)
@@ -271,10 +392,11 @@ def test_flags(capsys):
     is --disable-log-requests with a flag that turns the log on."""
     assert _flags("--log-requests") == RequestLogConfig(True, True, True, True, 2048)
     assert _flags("--log-requests", "--log-requests-level", "3", "--max-log-len", "100") == (
-        RequestLogConfig(True, True, True, True, 100)
+        RequestLogConfig(True, True, True, True, 100, level=3, max_log_len=100)
     )
-    assert _flags("--log-requests-level", "3") == RequestLogConfig()  # (SGLang's: no switch)
-    assert _flags("--enable-log-requests") == RequestLogConfig(True, True, False, False, None)
+    level_3 = _flags("--log-requests-level", "3")  # (SGLang's: no switch)
+    assert level_3 == RequestLogConfig(level=3) and not level_3.on
+    assert _flags("--enable-log-requests") == RequestLogConfig(True, True, False, False, level=1)
     assert _flags("--enable-log-outputs") == RequestLogConfig()  # (vLLM's: needs the log)
     pd = ["serve-pd", "--log-requests", "--log-requests-level", "1", "--max-log-len", "64"]
     args = build_parser().parse_args(pd)
@@ -288,3 +410,20 @@ def test_flags(capsys):
     )
     with pytest.raises(DsakvError, match="--disable-log-requests and --enable-log-requests"):
         _flags("--disable-log-requests", "--enable-log-requests")
+
+
+def test_configured():
+    """/configure_logging's changes (`RequestLogConfig.configured`): turned on at the level
+    the server was given, at another level as `--log-requests-level` (keeping a
+    --max-log-len given), off and on again as it was (vLLM's output texts too)."""
+    given_3 = _flags("--log-requests-level", "3")
+    assert given_3.configured(True) == _flags("--log-requests", "--log-requests-level", "3")
+    assert RequestLogConfig().configured(True) == _flags("--log-requests")
+    assert RequestLogConfig().configured(level=3) == RequestLogConfig(level=3)  # (still off)
+    vllm = CONFIGS["vllm"]
+    assert vllm.configured(False).configured(True) == vllm and not vllm.configured(False).on
+    assert vllm.configured(level=3) == _flags(
+        "--log-requests", "--log-requests-level", "3", "--max-log-len", "5"
+    )
+    assert CONFIGS["level2"].configured(level=0) == CONFIGS["level0"]
+    assert CONFIGS["level0"].configured() == CONFIGS["level0"]

@@ -47,6 +47,7 @@ _ENDPOINTS = (
     "/generate",
     "/v1/score",
     "/abort_request",
+    "/configure_logging",
     "/update_weights_from_disk",
     "/init_weights_update_group",
     "/update_weights_from_distributed",

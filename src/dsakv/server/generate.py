@@ -95,6 +95,26 @@ class AbortRequest(BaseModel):
     abort_all: bool | None = False
 
 
+class ConfigureLoggingRequest(BaseModel):
+    """SGLang's `ConfigureLoggingReq`, the request log's switch and level (null: as it is);
+    its fields for what dsakv does not run (request and crash dumps, another log format,
+    the server's log level) are refused unless null (`_LOGGING_NOT_RUN`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    log_requests: bool | None = None
+    log_requests_level: Literal[0, 1, 2, 3] | None = None
+    log_requests_format: Literal["text"] | None = None  # (SGLang's default; "json" not run)
+
+
+_LOGGING_NOT_RUN = (
+    "log_level",
+    "dump_requests_folder",
+    "dump_requests_threshold",
+    "dump_requests_exclude_meta_keys",
+    "crash_dump_folder",
+)
+
+
 class UpdateWeightsRequest(BaseModel):
     """SGLang's `UpdateWeightFromDiskReqInput`, the fields dsakv runs (its others, such as
     is_async or keep_pause, are ignored: the update waits unless generation is paused, and
@@ -243,7 +263,7 @@ _OPENAI_WORDS = re.compile(r"\b(" + "|".join(_SGLANG_NAMES) + r")\b")
 
 def add_generate_route(app: FastAPI, api: Handlers) -> None:
     """`POST`/`PUT /generate` (SGLang takes both), `POST /abort_request`, the weight
-    routes and pausing, behind the API key as the /v1 routes."""
+    routes, pausing and `/configure_logging`, behind the API key as the /v1 routes."""
 
     async def generate(body: GenerateRequest, raw: Request) -> Response:
         return await _generate(api, body, raw)
@@ -257,6 +277,17 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
             api.in_flight.abort_all()
         elif body.rid:
             api.in_flight.abort(body.rid)
+        return Response(status_code=200)
+
+    async def configure_logging(body: ConfigureLoggingRequest | None = None) -> Response:
+        """SGLang's: the request log turned on or off, or set to another level, at run time
+        (`RequestLogConfig.configured`), for the calls that open from then on."""
+        b = body or ConfigureLoggingRequest()
+        for name in _LOGGING_NOT_RUN:
+            if (b.model_extra or {}).get(name) is not None:
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        log = api.in_flight.log
+        log.configure(log.config.configured(b.log_requests, b.log_requests_level))
         return Response(status_code=200)
 
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> Response:
@@ -430,6 +461,7 @@ def add_generate_route(app: FastAPI, api: Handlers) -> None:
 
     app.add_api_route("/generate", generate, methods=["POST", "PUT"])
     app.add_api_route("/abort_request", abort_request, methods=["POST"])
+    app.add_api_route("/configure_logging", configure_logging, methods=["GET", "POST"])
     app.add_api_route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"])
     app.add_api_route("/init_weights_update_group", init_weights_update_group, methods=["POST"])
     app.add_api_route(
@@ -528,7 +560,8 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
     # Opened before its prompts are tokenized and its grammar compiled, so that an abort
     # meanwhile is not lost (SGLang registers the rid first too); a rid in flight is a 400
     names = [{rid, given_rids[i // n]} - {None} for i, rid in enumerate(rids)]
-    shown = body.rid if isinstance(body.rid, str) else ",".join(rids)  # (the request log's)
+    # (the request log's: the client's rids, else the outputs' own)
+    shown = body.rid if isinstance(body.rid, str) else ",".join(body.rid or rids)
     await api.weights_ready()
     call = api.in_flight.open(names, shown=shown, raw=raw)
     try:

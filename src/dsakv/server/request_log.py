@@ -42,6 +42,10 @@ class RequestLogConfig:
     prompts: bool = False  # the prompts as given, text or token ids (SGLang's level 2)
     outputs: bool = False  # the output texts (SGLang's level 2; vLLM's --enable-log-outputs)
     max_len: int | None = None
+    # What /configure_logging starts from (`configured`), kept while the log is off: SGLang's
+    # level (vLLM's flags: 1) and the --max-log-len given
+    level: int = 2
+    max_log_len: int | None = None
 
     @classmethod
     def from_flags(
@@ -67,17 +71,33 @@ class RequestLogConfig:
             given = "--log-requests" if log_requests else "--enable-log-requests"
             raise DsakvError(f"--disable-log-requests and {given} disagree: give one")
         if not on:
-            return cls()
+            return cls(level=log_requests_level, max_log_len=max_log_len)
         level = log_requests_level if log_requests else 1  # (vLLM's INFO line: its params)
-        if max_log_len is None and log_requests and level == 2:
-            max_log_len = SGLANG_LEVEL_2_LEN
+        cut = max_log_len
+        if cut is None and log_requests and level == 2:
+            cut = SGLANG_LEVEL_2_LEN
         return cls(
             on=True,
             params=level >= 1,
             prompts=level >= 2,
             outputs=level >= 2 or enable_log_outputs,
-            max_len=max_log_len,
+            max_len=cut,
+            level=level,
+            max_log_len=max_log_len,
         )
+
+    def configured(
+        self, log_requests: bool | None = None, level: int | None = None
+    ) -> RequestLogConfig:
+        """This config as SGLang's /configure_logging changes it: the log turned on or off
+        (`log_requests`), or set to SGLang's `level` (as `--log-requests --log-requests-level`
+        would, the --max-log-len given kept); None: as it was. A log turned off and on again
+        logs as it did (vLLM's flags' output texts too)."""
+        on = self.on if log_requests is None else log_requests
+        if level is None and (self.on or not on or self.params or self.outputs):
+            return dataclasses.replace(self, on=on)
+        level = self.level if level is None else level
+        return self.from_flags(on, level, max_log_len=self.max_log_len)
 
 
 class RequestLog:
@@ -86,8 +106,13 @@ class RequestLog:
     the command line installs (no handler of its own: no line twice)."""
 
     def __init__(self, config: RequestLogConfig | None = None) -> None:
-        self.config = config or RequestLogConfig()
-        if self.config.on:
+        self.config = RequestLogConfig()
+        self.configure(config or self.config)
+
+    def configure(self, config: RequestLogConfig) -> None:
+        """Log as `config` says from now on (a call already open keeps its entry's)."""
+        self.config = config
+        if config.on:
             log.setLevel(logging.INFO)
 
     def open(self, rid: str, route: str) -> Entry | None:
@@ -97,10 +122,15 @@ class RequestLog:
 
 @dataclass
 class Output:
-    """One output's updates as the log needs them (its text only where it is logged)."""
+    """One output's updates as the log needs them: its text only where it is logged, and
+    then only what its line shows (the first `cut` characters; None: all), the rest
+    counted (a long output costs the log no more than its line)."""
 
     keep_text: bool
+    cut: int | None = None
     parts: list[str] = dataclasses.field(default_factory=list)
+    kept: int = 0  # (characters in `parts`)
+    dropped: int = 0  # (characters past `cut`)
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
@@ -109,13 +139,21 @@ class Output:
 
     def add(self, u: Update) -> None:
         if self.keep_text and u.text:
-            self.parts.append(u.text)
+            room = len(u.text) if self.cut is None else min(len(u.text), self.cut - self.kept)
+            if room:
+                self.parts.append(u.text[:room])
+                self.kept += room
+            self.dropped += len(u.text) - room
         self.prompt_tokens = max(self.prompt_tokens, u.prompt_tokens)
         self.completion_tokens, self.cached_tokens = u.completion_tokens, u.cached_tokens
         if u.error is not None:
             self.finish_reason, self.error = "error", u.error
         elif u.finished:
             self.finish_reason = u.finish_reason
+
+    def text(self) -> str:
+        """Its text as logged (`_clip`'s)."""
+        return _shown("".join(self.parts), self.dropped)
 
 
 class Entry:
@@ -126,7 +164,7 @@ class Entry:
     def __init__(self, config: RequestLogConfig, rid: str, route: str) -> None:
         self.config, self.rid, self.route = config, rid, route
         self.began = time.perf_counter()
-        self.n, self.said = 1, False
+        self.n, self.said, self.due = 1, False, 0  # (`due`: the outputs it asked for)
         self.outputs: dict[RequestStream, Output] = {}
         self.failure: tuple[str, str | None] | None = None  # (finish reason, error)
 
@@ -139,7 +177,7 @@ class Entry:
     ) -> None:
         if self.said:
             return
-        self.said, self.n = True, n
+        self.said, self.n, self.due = True, n, len(prompts) * n
         c = self.config
         fields = [f"route={self.route}"]
         if len(prompts) > 1:
@@ -155,7 +193,7 @@ class Entry:
 
     def tap(self, stream: RequestStream) -> Output:
         """The record of one output the engine took (in output order)."""
-        out = self.outputs[stream] = Output(self.config.outputs)
+        out = self.outputs[stream] = Output(self.config.outputs, self.config.max_len)
         out.prompt_tokens = stream.prompt_tokens
         return out
 
@@ -171,11 +209,11 @@ class Entry:
         if not self.said:
             return
         c, outs = self.config, list(self.outputs.values())
-        if not outs and self.failure is not None:
-            reasons, errors = [self.failure[0]], [self.failure[1]]
-        else:
-            reasons = [o.finish_reason or "abort" for o in outs]
-            errors = [o.error for o in outs]
+        reasons = [o.finish_reason or "abort" for o in outs]
+        errors = [o.error for o in outs]
+        if self.failure is not None and len(outs) < self.due:  # (the rest: how it failed)
+            reasons.append(self.failure[0])
+            errors.append(self.failure[1])
         firsts = outs[:: self.n]  # (each prompt once: its choices share it)
         fields = [
             f"route={self.route}",
@@ -189,7 +227,7 @@ class Entry:
             shown = [_clip(e or "", c.max_len) for e in errors]
             fields.append(f"error={shown[0] if len(shown) == 1 else _list(shown)}")
         if c.outputs and outs:
-            texts = [_clip("".join(o.parts), c.max_len) for o in outs]
+            texts = [o.text() for o in outs]
             fields.append(f"output={texts[0] if len(texts) == 1 else _list(texts)}")
         log.info("Finished request %s: %s", self.rid, ", ".join(fields))
 
@@ -205,14 +243,17 @@ def _clip(value: Any, n: int | None) -> str:
     """`value` as logged: a text's first `n` characters, a list's first `n` items (a
     prompt's token ids; vLLM's --max-log-len), and how many more there were."""
     if isinstance(value, str):
-        if n is None or len(value) <= n:
-            return repr(value)
-        return f"{value[:n]!r}...(+{len(value) - n} chars)"
+        return _shown(value, 0) if n is None else _shown(value[:n], max(len(value) - n, 0))
     if isinstance(value, (list, tuple)):
         kept = value if n is None else value[:n]
         more = f"...(+{len(value) - len(kept)} more)" if len(kept) < len(value) else ""
         return f"[{', '.join(_clip(x, n) for x in kept)}]{more}"
     return repr(value)
+
+
+def _shown(text: str, more: int) -> str:
+    """A text's kept part as logged, and how many characters more it had."""
+    return f"{text!r}...(+{more} chars)" if more else repr(text)
 
 
 def _params(p: SamplingParams, n: int | None) -> str:

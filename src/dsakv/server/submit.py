@@ -123,7 +123,9 @@ class InFlight:
 
     Every generation call opens here and closes here however it ends, so the request log
     (`log`) hooks in here too: a call opened with the id its client sees (`shown`) is
-    logged, and each output the engine takes for it is read through a record (`tap`)."""
+    logged, and each output the engine takes for it is read through a record (`tap`); what
+    it logs is the log's config as the call opens (SGLang's /configure_logging swaps it:
+    `RequestLog.configure`)."""
 
     def __init__(self, engine: AsyncEngine, log: RequestLog | None = None) -> None:
         self.engine = engine
@@ -131,7 +133,7 @@ class InFlight:
         self._named: dict[str, Call] = {}
         self._idle = asyncio.Event()  # set while no call is in flight
         self._idle.set()
-        self._log = log if log is not None and log.config.on else None
+        self.log = log or RequestLog()
         self._taps: dict[RequestStream, Output] = {}  # (logged calls' outputs only)
 
     def open(
@@ -153,8 +155,8 @@ class InFlight:
         self._calls.add(call)
         self._named.update(dict.fromkeys(taken, call))
         self._idle.clear()
-        if self._log is not None and shown is not None:
-            call.log = self._log.open(shown, route_of(raw))
+        if shown is not None:
+            call.log = self.log.open(shown, route_of(raw))
         return call
 
     def close(self, call: Call | None) -> None:
@@ -433,18 +435,18 @@ class SubmitMixin:
         try:
             ended = await search
         except asyncio.CancelledError:
-            if self.in_flight.aborted(call, n) and not _cancelling():
-                return [aborted_waiting(len(x)) for x in ids for _ in range(beam.beam_width)]
-            if not watcher.done():
-                raise  # this handler was cancelled, not the client gone
-            raise APIError(499, "the client closed the request") from None
+            if not self.in_flight.aborted(call, n) or _cancelling():
+                if not watcher.done():
+                    raise  # this handler was cancelled, not the client gone
+                raise APIError(499, "the client closed the request") from None
+            ended = False  # (aborted while waiting)
         finally:
             watcher.cancel()
-        if not ended:  # (a step aborted: the search ends as an abort of all its outputs)
-            return [aborted_waiting(len(x)) for x in ids for _ in range(beam.beam_width)]
-        streams = [
-            finished_stream(e, req) for s in searches for req, _ in s.results(params.logprobs)
-        ]
+        if ended:
+            got = (req for s in searches for req, _ in s.results(params.logprobs))
+            streams = [finished_stream(e, req) for req in got]
+        else:  # (or a step aborted: the search ends as an abort of all its outputs)
+            streams = [aborted_waiting(len(x)) for x in ids for _ in range(beam.beam_width)]
         if call is not None:
             self.in_flight.took(call, streams)
         return streams
