@@ -17,6 +17,7 @@ from dsakv.disagg.launch import wait_healthy
 from dsakv.engine import EngineConfig
 from dsakv.errors import DsakvError
 from dsakv.procs import free_port
+from dsakv.server.runner import _watchdog_timeout
 from dsakv.server.watchdog import WATCHDOG_EXIT_CODE
 
 TIMEOUT_S = 5  # the server's watchdog (a tiny model's step takes milliseconds)
@@ -81,3 +82,14 @@ def test_a_hung_step_ends_the_server_with_every_thread_s_stack(glm_tiny, tmp_pat
 def test_a_timeout_no_clock_can_keep_is_refused(bad):
     with pytest.raises(DsakvError, match="watchdog_timeout must be a positive number"):
         EngineConfig(model="glm-tiny", watchdog_timeout=bad)
+
+
+def test_a_step_s_wait_for_stored_pages_is_not_a_hang(tmp_path):
+    """An idle engine's step waits for a request's L3 pages up to the prefetch timeout by
+    design (a slow store): the watchdog allows that wait on top of its own timeout."""
+    store = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    slow = EngineConfig(model="glm-tiny", watchdog_timeout=5, **store,
+                        hicache_storage_prefetch_timeout=30)  # fmt: skip
+    assert _watchdog_timeout(slow) == 35
+    assert _watchdog_timeout(EngineConfig(model="glm-tiny", watchdog_timeout=5)) == 5
+    assert _watchdog_timeout(EngineConfig(model="glm-tiny", watchdog_timeout=None)) is None

@@ -200,7 +200,7 @@ class AsyncEngine:
         self._counting_lock = threading.Lock()
         self._owner = thread or EngineThread()
         self._owns_thread = thread is None
-        self._watchdog = StepWatchdog(engine.config.watchdog_timeout)
+        self._watchdog = StepWatchdog(_watchdog_timeout(engine.config))
         self._stream_interval = engine.config.stream_interval
         self._owner.submit(self._run)
         if self._owns_thread:
@@ -640,6 +640,16 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         routed_experts=req.routed_experts,  # (None until it ends)
         hidden_states=req.hidden_states,
     )
+
+
+def _watchdog_timeout(config: Any) -> float | None:
+    """--watchdog-timeout, plus the L3 prefetch timeout where a storage tier is on: an idle
+    engine's step waits up to that long for a request's stored pages by design
+    (`L3Cache.ready`), and a slow store is not a stuck engine."""
+    storage = config.storage
+    if config.watchdog_timeout is None or storage is None:
+        return config.watchdog_timeout
+    return config.watchdog_timeout + storage.prefetch_timeout_s
 
 
 def _stable_len(text: str, longest_stop: int) -> int:

@@ -50,7 +50,7 @@ class StepWatchdog:
 
     def _watch(self) -> None:
         assert self.timeout_s is not None
-        poll = min(1.0, self.timeout_s / 10)
+        poll = min(1.0, max(self.timeout_s / 10, 0.01))  # (a tiny timeout: no busy loop)
         while not self._closed.wait(poll):
             started = self._started
             if started is not None and time.monotonic() - started > self.timeout_s:
