@@ -209,8 +209,11 @@ class AppServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve_app(app: Any, listener: Listener, banner: str, log_level: str = "warning") -> None:
+def serve_app(
+    app: Any, listener: Listener, banner: str, log_level: str = "warning", **uvicorn_kw: Any
+) -> None:
     """Serve an ASGI `app` on `listener`'s sockets until interrupted, printing `banner`
-    once it serves (the router: here, below the engine, so that it loads no torch)."""
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    once it serves (the router: here, below the engine, so that it loads no torch);
+    `uvicorn_kw`: more of uvicorn's settings (TLS)."""
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, **uvicorn_kw)
     AppServer(config, sockets=listener.sockets, banner=banner).run()

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -131,6 +132,56 @@ def _speculative_config(text: str) -> int:
     return n
 
 
+def _byte_count(text: str) -> int:
+    """argparse type for vLLM's --kv-cache-memory-bytes: bytes, with vLLM's suffixes too
+    (`human_readable_int`): k, m, g, t decimal (25.6k: 25,600), K, M, G, T binary and whole
+    (2G: 2 × 2³⁰)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    value = None
+    if match:
+        number, suffix = match.groups()
+        if "." in number and not suffix.islower():
+            value = None  # (vLLM's: no fractions of a byte or of a binary unit)
+        elif suffix:
+            unit = 1000 if suffix.islower() else 1024
+            value = int(float(number) * unit ** ("kmgt".index(suffix.lower()) + 1))
+        else:
+            value = int(number)
+    if value is None or not 1 <= value <= _MAX_FLOAT * 2**30:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of bytes >= 1 (vLLM's suffixes: 25.6k, 512M, 2G), got {text!r}"
+        )
+    return value
+
+
+def _generation_overrides(text: str) -> str:
+    """argparse type for vLLM's --override-generation-config: the JSON, checked, kept as
+    text (what serve-pd passes on)."""
+    from dsakv.engine.config import check_generation_overrides
+
+    try:
+        check_generation_overrides(text)
+    except DsakvError as e:
+        message = str(e).removeprefix("override_generation_config: ")
+        raise argparse.ArgumentTypeError(message) from None
+    return text
+
+
+def _json_strings(text: str) -> tuple[str, ...]:
+    """argparse type for vLLM's --allowed-origins / --allowed-methods / --allowed-headers:
+    a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON list of strings (vLLM's), e.g. '[\"https://app.example\"]', "
+            f"got {text!r}"
+        )
+    return tuple(value)
+
+
 def _seed(text: str) -> int:
     return _checked(text, int, lambda v: 0 <= v < 2**64, "an integer in 0..2**64-1")
 
@@ -213,6 +264,7 @@ FOLDED = (
     "hicache_ratio",
     "hicache_size",
     "moe_a2a_backend",
+    "kv_cache_memory_bytes",
 )
 
 
@@ -364,7 +416,12 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
         dest="tokenizer",
         metavar="DIR",
     )
-    g.add_argument("--kv-budget-gib", type=positive_float, help="device KV pool size (default 1)")
+    g.add_argument(
+        "--kv-budget-gib",
+        type=positive_float,
+        help="device KV pool size (default 1; vLLM's --kv-cache-memory-bytes N: N / 2^30)",
+    )
+    g.add_argument("--kv-cache-memory-bytes", type=_byte_count, help=argparse.SUPPRESS)
     g.add_argument(
         "--num-pages",
         type=positive_int,
@@ -497,6 +554,14 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
         choices=("auto", "vllm"),
         help="what requests leave out: auto (default), generation_config.json's sampling "
         "fields and max_new_tokens; vllm, SamplingParams' own (vLLM's flag)",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        type=_generation_overrides,
+        metavar="JSON",
+        help="vLLM's: sampling defaults over --generation-config's, e.g. "
+        "'{\"temperature\": 0.6}' (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens; null drops the model's); a request's own values still win",
     )
     g.add_argument(
         "--attention-backend",
@@ -704,12 +769,74 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         metavar="LAYOUT",
         help="SGLang's host-tier layout: dsakv's host pages are laid out as its device pages",
     )
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        help="vLLM's: dsakv schedules a step once the last has ended, either way",
+    )
+    g.add_argument(
+        "--distributed-executor-backend",
+        type=_only(
+            ("mp", "uni"),
+            "its ranks are processes of its own, the first in this one; it runs no Ray",
+        ),
+        metavar="{mp,uni}",
+        help="vLLM's: dsakv's ranks are its own processes (no Ray)",
+    )
+    g.add_argument(
+        "--cpu-offload-gb",
+        type=_only(("0",), "it keeps every weight on the device"),
+        metavar="0",
+        help="vLLM's: dsakv offloads no weights to the CPU",
+    )
+    g.add_argument(
+        "--compilation-config",
+        metavar="JSON",
+        help="vLLM's torch.compile and CUDA-graph config: taken and ignored, dsakv compiles "
+        "nothing by it (its CUDA graphs: --cuda-graph-max-bs, --disable-cuda-graph; "
+        "torch.compile: --enable-torch-compile)",
+    )
+    g.add_argument(
+        "--hf-overrides",
+        type=_refused(
+            "dsakv does not rewrite the model's config: edit config.json in a copy of the "
+            "model's folder and give that folder"
+        ),
+        help=argparse.SUPPRESS,
+    )
     if serve:
-        g.add_argument(
-            "--grammar-backend",
+        add_aliased(
+            g,
+            ("--grammar-backend", "--guided-decoding-backend")
+            + ("--structured-outputs-config.backend",),
+            "SGLang's (vLLM's the others): dsakv's structured output runs on xgrammar",
+            dest="grammar_backend",
             type=_only(("xgrammar",), "its structured output runs on xgrammar"),
             metavar="{xgrammar}",
-            help="SGLang's: dsakv's structured output runs on xgrammar",
+        )
+        for flag, why in (
+            ("--enable-prompt-tokens-details", "usage's cached_tokens is always reported"),
+            ("--enable-server-load-tracking", "/load is always served"),
+            ("--enable-sleep-mode", "/sleep, /wake_up and /is_sleeping always work"),
+            ("--disable-frontend-multiprocessing", "the server and engine share one process"),
+            ("--disable-fastapi-docs", "dsakv serves no docs"),
+            ("--enable-reasoning", "reasoning is parsed by --reasoning-parser"),
+        ):
+            g.add_argument(flag, action="store_true", help=f"vLLM's: {why}")
+        one_server = "it runs one API server: several `dsakv serve` behind a router scale out"
+        g.add_argument(
+            "--api-server-count",
+            "-asc",
+            type=_only(("1",), one_server),
+            metavar="1",
+            help="vLLM's: dsakv runs one API server process",
+        )
+        g.add_argument(
+            "--tool-parser-plugin",
+            type=_refused(
+                "dsakv runs no plugin code: its tool-call parsers are --tool-call-parser's"
+            ),
+            help=argparse.SUPPRESS,
         )
         g.add_argument(
             "--enable-cache-report",
@@ -800,6 +927,92 @@ def request_log_config(args: argparse.Namespace):
         args.enable_log_outputs,
         args.max_log_len,
         args.disable_log_requests,
+    )
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for the HTTP front door (`serve`'s server; the router of `serve-pd` and
+    `dsakv router`): CORS, TLS, a proxy's path prefix (`http_config` reads them back)."""
+    g = p.add_argument_group("HTTP: CORS, TLS, root path (vLLM's)")
+    for what in ("origins", "methods", "headers"):
+        g.add_argument(
+            f"--allowed-{what}",
+            type=_json_strings,
+            metavar="JSON",
+            help=f'CORS: the {what} browsers may call from, a JSON list (default ["*"])',
+        )
+    g.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)"
+    )
+    g.add_argument("--ssl-keyfile", metavar="FILE", help="TLS: the server's private key")
+    g.add_argument(
+        "--ssl-certfile", metavar="FILE", help="TLS: the server's certificate (serves https)"
+    )
+    g.add_argument(
+        "--ssl-ca-certs", metavar="FILE", help="TLS: the CAs client certificates are checked by"
+    )
+    g.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=(0, 1, 2),
+        help="TLS: client certificates none (0, default), optional (1) or required (2), as "
+        "Python's ssl.CERT_*",
+    )
+    g.add_argument(
+        "--root-path",
+        metavar="PATH",
+        help="the path prefix a proxy serves the API under: a request reaches its route "
+        "with it or without it (FastAPI's root_path)",
+    )
+
+
+def http_config(args: argparse.Namespace):
+    """The `HTTPConfig` of `add_http_args`' flags, its TLS files loaded (a bad one is one
+    error now)."""
+    from dsakv.server.http_config import HTTPConfig
+
+    given = {
+        key: getattr(args, key)
+        for key in ("allowed_origins", "allowed_methods", "allowed_headers", "ssl_keyfile")
+        + ("ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "root_path")
+        if getattr(args, key) is not None
+    }
+    config = HTTPConfig(**given, allow_credentials=args.allow_credentials)
+    config.check_files()
+    return config
+
+
+def add_response_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's server-wide defaults for what completions and chat requests leave out
+    (`response_defaults` reads them back; serve-pd hands them to its servers)."""
+    g = p.add_argument_group("response defaults (vLLM's)")
+    g.add_argument(
+        "--response-role",
+        default="assistant",
+        metavar="ROLE",
+        help="chat: the reply's role (under add_generation_prompt; default assistant)",
+    )
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprobs name each token "token_id:N" unless the request says '
+        "return_tokens_as_token_ids false",
+    )
+    g.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with a usage chunk, as if it asked stream_options.include_usage",
+    )
+
+
+def response_defaults(args: argparse.Namespace):
+    """The `ResponseDefaults` of `add_response_args`' flags."""
+    from dsakv.server.openai_format import ResponseDefaults
+
+    if not args.response_role:
+        raise DsakvError("--response-role must not be empty")
+    return ResponseDefaults(
+        args.response_role, args.return_tokens_as_token_ids, args.enable_force_include_usage
     )
 
 
@@ -952,9 +1165,21 @@ def _fold_pool_sizes(args: argparse.Namespace) -> None:
     is `--num-pages`, T // page size (SGLang rounds down too); its host tier,
     `--enable-hierarchical-cache`, is `--host-pool-gib` for `--hicache-size G` (G GB per
     rank: 1e9 bytes, as SGLang's; 0 is its unset), else `--host-pool-ratio`, its
-    `--hicache-ratio` (default 2). Another size beside either is one error."""
+    `--hicache-ratio` (default 2). vLLM's `--kv-cache-memory-bytes N` is `--kv-budget-gib`
+    N / 2^30 (per rank, as vLLM's per GPU), `--gpu-memory-utilization` beside it dropped
+    (vLLM ignores it then). Another size beside any of these is one error."""
     from dsakv.engine import EngineConfig
 
+    kv_bytes = getattr(args, "kv_cache_memory_bytes", None)
+    if kv_bytes is not None:
+        sizes = ("--num-pages", "--kv-budget-gib", "--mem-fraction-static", "--max-total-tokens")
+        for flag in sizes:
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                raise DsakvError(
+                    f"--kv-cache-memory-bytes and {flag} both size the KV pool: give one"
+                )
+        args.kv_budget_gib, args.kv_cache_memory_bytes = kv_bytes / 2**30, None
+        args.gpu_memory_utilization = None
     tokens = args.max_total_tokens
     if tokens is not None:
         sizes = ("--num-pages", "--kv-budget-gib", "--mem-fraction-static")

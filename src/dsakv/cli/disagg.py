@@ -11,17 +11,21 @@ from dsakv.errors import DsakvError
 
 from .args import (
     add_engine_args,
+    add_http_args,
     add_ignored_args,
     add_model_option,
     add_request_log_args,
+    add_response_args,
     api_key,
     check_listen,
     engine_config_from_args,
     given_flags,
+    http_config,
     listen,
     port,
     positive_float,
     request_log_config,
+    response_defaults,
     uvicorn_log_level,
 )
 
@@ -66,8 +70,9 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from dsakv.disagg.router import build_router_app
 
     build_router_app(args.prefill, args.decode)  # bad URLs fail before anything listens
+    http = http_config(args)
     with listen(args.host, args.port) as listener:
-        run_router_on(listener, args.prefill, args.decode, args.api_key)
+        run_router_on(listener, args.prefill, args.decode, args.api_key, http)
     return 0
 
 
@@ -81,6 +86,8 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
         raise DsakvError("--port, --prefill-port, --decode-port and --bootstrap-port must differ")
     config = engine_config_from_args(args)  # what either server would refuse, refused once
     request_log_config(args)  # (a bad combination too, before the servers start)
+    response_defaults(args)
+    http = http_config(args)  # the router's: the front door (its servers listen on loopback)
     for mode in MODES:  # (first: a bad flag is its own error, whoever holds the port)
         DisaggConfig(mode, timeout_s=args.disaggregation_timeout).check_engine(config)
     with listen(args.host, args.port) as listener:  # the router's, held from now
@@ -100,6 +107,7 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
         if args.disable_uvicorn_access_log:
             flags += ["--disable-uvicorn-access-log"]
         flags += given_flags(args, add_request_log_args)  # (both servers log their requests)
+        flags += given_flags(args, add_response_args)  # (the decode server's answers relayed)
         serve_pd(
             resolve_model_dir(args.model),
             flags,
@@ -110,6 +118,7 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
             args.bootstrap_port,
             listener=listener,
             api_key=args.api_key,
+            http=http,
         )
     return 0
 
@@ -129,6 +138,7 @@ def add_commands(sub: Any) -> None:
         type=api_key,
         help="require this Bearer token (and relay it: the servers check theirs)",
     )
+    add_http_args(p)
     p.set_defaults(func=_cmd_router)
 
     p = sub.add_parser(
@@ -153,5 +163,7 @@ def add_commands(sub: Any) -> None:
     )
     add_engine_args(p)
     add_request_log_args(p)
+    add_http_args(p)  # (the router's)
+    add_response_args(p)
     add_ignored_args(p, serve=True)
     p.set_defaults(func=_cmd_serve_pd)

@@ -14,16 +14,20 @@ from dsakv.errors import DsakvError
 
 from .args import (
     add_engine_args,
+    add_http_args,
     add_ignored_args,
     add_model_option,
     add_request_log_args,
+    add_response_args,
     add_storage_args,
     api_key,
     engine_config_from_args,
+    http_config,
     listen,
     port,
     positive_int,
     request_log_config,
+    response_defaults,
     uvicorn_log_level,
 )
 from .disagg import add_disagg_args, disagg_config_from_args
@@ -95,6 +99,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from dsakv.server import run_server
 
     request_log = request_log_config(args)
+    http, defaults = http_config(args), response_defaults(args)
     with contextlib.ExitStack() as held:  # the ports, taken before the engine loads
         listener = held.enter_context(listen(args.host, args.port))
         config, bridge = engine_config_from_args(args), None
@@ -122,6 +127,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             log_level=uvicorn_log_level(args),
             access_log=not args.disable_uvicorn_access_log,
             request_log=request_log,
+            http=http,
+            defaults=defaults,
         )
     return 0
 
@@ -226,5 +233,7 @@ def add_commands(sub: Any) -> None:
     add_storage_args(p)
     add_disagg_args(p)
     add_request_log_args(p)
+    add_http_args(p)
+    add_response_args(p)
     add_ignored_args(p, serve=True)
     p.set_defaults(func=_cmd_serve)

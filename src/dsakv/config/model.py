@@ -255,6 +255,45 @@ class ModelConfig:
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def generation_overrides(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's --override-generation-config (JSON text or a dict) checked: `SAMPLING_FIELDS`
+    and max_new_tokens, each a number (max_new_tokens an integer >= 1) or null (which drops
+    the model's); vLLM reads no other key, so another is an error, not a silent no-op.
+    Errors say what is wrong, for the caller to name the flag or field."""
+    if value is None:
+        return {}
+    gen = load_json(value, "not JSON", ConfigError) if isinstance(value, str) else value
+    if not isinstance(gen, dict):
+        raise ConfigError(f"must be a JSON object, got {gen!r:.80}")
+    known = (*SAMPLING_FIELDS, "max_new_tokens")
+    if stray := [k for k in gen if k not in known]:
+        raise ConfigError(
+            f"{', '.join(map(repr, stray))}: not a sampling default vLLM reads (it takes "
+            f"{', '.join(known)})"
+        )
+    for k, v in gen.items():
+        whole = type(v) is int and v >= 1
+        if v is not None and not (whole if k == "max_new_tokens" else is_number(v)):
+            want = "an integer >= 1" if k == "max_new_tokens" else "a number"
+            raise ConfigError(f"{k} must be {want} or null, got {v!r}")
+    return gen
+
+
+def served_sampling_defaults(
+    defaults: dict[str, Any], source: str = "auto", overrides: str | dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What requests leave out, as vLLM's `get_diff_sampling_param`: generation_config.json's
+    `defaults` (none under `source` "vllm", its --generation-config), `overrides` over them
+    (`generation_overrides`; a null drops the model's), max_new_tokens as `max_tokens`."""
+    out = dict(defaults) if source != "vllm" else {}
+    for k, v in generation_overrides(overrides).items():
+        k = "max_tokens" if k == "max_new_tokens" else k
+        out.pop(k, None)
+        if v is not None:
+            out[k] = v
+    return out
+
+
 def _with_generation_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     """`raw` with generation_config.json's end-of-sequence ids added to its own (GLM and
     DeepSeek releases list their end-of-turn ids there) and its sampling defaults, both as

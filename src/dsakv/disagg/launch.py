@@ -15,6 +15,7 @@ import httpx
 
 from dsakv.errors import DsakvError
 from dsakv.procs import Listener, exit_on_sigterm, free_port, serve_app, stop_processes
+from dsakv.server.http_config import HTTPConfig
 
 from .router import build_router_app
 
@@ -60,14 +61,22 @@ def _watch(procs: Sequence[subprocess.Popen], done: threading.Event) -> None:
 
 
 def run_router_on(
-    listener: Listener, prefill: list[str], decode: list[str], api_key: str | None = None
+    listener: Listener,
+    prefill: list[str],
+    decode: list[str],
+    api_key: str | None = None,
+    http: HTTPConfig | None = None,
 ) -> None:
-    """`run_router` on sockets taken earlier; says where it routes once it serves."""
+    """`run_router` on sockets taken earlier; says where it routes once it serves. `http`:
+    its CORS, TLS and root path (the front door's, as `dsakv serve`'s)."""
+    http = http or HTTPConfig()
     app = build_router_app(prefill, decode, api_key)
+    http.install(app)
     host, port = listener.host, listener.port
     shown = f"[{host}]" if ":" in host else host
-    banner = f"dsakv: router at http://{shown}:{port}/v1 -> prefill {prefill}, decode {decode}"
-    serve_app(app, listener, banner)
+    where = f"{http.scheme}://{shown}:{port}/v1"
+    banner = f"dsakv: router at {where} -> prefill {prefill}, decode {decode}"
+    serve_app(app, listener, banner, **http.uvicorn_kwargs())
 
 
 def serve_pd(
@@ -81,11 +90,13 @@ def serve_pd(
     startup_timeout: float = 600.0,
     listener: Listener | None = None,
     api_key: str | None = None,
+    http: HTTPConfig | None = None,
 ) -> None:
     """Start both servers as child processes (engine `flags` go to both), wait until they
     are up, then serve the router on `host:port` until interrupted; the children go too.
     The router's port is held from the start (`listener`, else taken here), not bound
-    once the servers are up. `api_key`: the router's (the servers' is in `flags`)."""
+    once the servers are up. `api_key` and `http` (CORS, TLS, root path): the router's
+    (the servers' key is in `flags`; they listen on loopback behind it)."""
     listener = listener or Listener(host, port)
     pp, dp = prefill_port or free_port(), decode_port or free_port()
     bp = bootstrap_port or free_port()
@@ -103,7 +114,7 @@ def serve_pd(
     try:
         wait_healthy(urls, procs, startup_timeout)
         threading.Thread(target=_watch, args=(procs, done), daemon=True).start()
-        run_router_on(listener, [urls[0]], [urls[1]], api_key)
+        run_router_on(listener, [urls[0]], [urls[1]], api_key, http)
     finally:
         listener.close()
         done.set()

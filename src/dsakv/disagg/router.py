@@ -47,6 +47,7 @@ from starlette.requests import ClientDisconnect
 
 from dsakv.errors import DsakvError
 from dsakv.server.auth import require_api_key
+from dsakv.server.http_config import route_path
 from dsakv.server.protocol import (
     RESPONSES_KEPT,
     APIError,
@@ -1171,7 +1172,8 @@ async def _as_sent(request: Request) -> tuple[bytes, dict[str, str], str] | Resp
     headers = _auth(request)
     if raw:
         headers["content-type"] = request.headers.get("content-type", "application/json")
-    return raw, headers, request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    path = route_path({**request.scope, "path": request.url.path})  # (under --root-path)
+    return raw, headers, path + (f"?{request.url.query}" if request.url.query else "")
 
 
 def _auth(request: Request) -> dict[str, str]:

@@ -83,6 +83,9 @@ class EngineConfig:
     # What requests leave out (vLLM's flag): "auto", generation_config.json's sampling
     # fields and max_new_tokens; "vllm", SamplingParams' own
     generation_config: str = "auto"
+    # vLLM's --override-generation-config (JSON or a dict): sampling defaults over those
+    # (`served_sampling_defaults`), under either source
+    override_generation_config: str | dict | None = None
     # MTP speculative decoding (SGLang's names): "mtp" or None, and drafts per step.
     speculative_algorithm: str | None = None
     speculative_num_steps: int | None = None  # (None: DRAFT_STEPS)
@@ -215,6 +218,7 @@ class EngineConfig:
             raise DsakvError(
                 f"generation_config must be auto or vllm, got {self.generation_config!r}"
             )
+        check_generation_overrides(self.override_generation_config)
         if self.attention_backend not in BACKENDS:
             raise DsakvError(
                 f"attention_backend must be one of {', '.join(BACKENDS)}, "
@@ -414,3 +418,16 @@ def check_tokenizer_dir(where: str) -> None:
         raise DsakvError(
             f"--tokenizer {where} holds no tokenizer (tokenizer.json or tokenizer_config.json)"
         )
+
+
+def check_generation_overrides(value: str | dict | None) -> None:
+    """`override_generation_config` as sampling params could take it (a request leaving
+    them out gets them: a bad one would fail each), in one error naming the field."""
+    from dsakv.config.model import served_sampling_defaults
+
+    from .sampling import SamplingParams
+
+    try:
+        SamplingParams(**served_sampling_defaults({}, "vllm", value))
+    except (DsakvError, TypeError) as e:
+        raise DsakvError(f"override_generation_config: {e}") from None

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 import torch
 
 from dsakv.config import ModelConfig
+from dsakv.config.model import served_sampling_defaults
 from dsakv.distributed import weight_sync
 from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate, WeightGroup
 from dsakv.errors import DsakvError, is_int
@@ -252,12 +253,16 @@ class WeightUpdateMixin:
     def _served(self, model_config: ModelConfig) -> ModelConfig:
         """`model_config` as served: generation_config.json's sampling defaults (what
         requests leave out; one that is bad would fail each of them) checked, or dropped
-        under --generation-config vllm."""
-        if self.config.generation_config == "vllm":
-            return replace(model_config, sampling_defaults={})
-        if model_config.sampling_defaults:
-            SamplingParams(**model_config.sampling_defaults)
-        return model_config
+        under --generation-config vllm, with --override-generation-config's over them."""
+        c = self.config
+        defaults = served_sampling_defaults(
+            model_config.sampling_defaults, c.generation_config, c.override_generation_config
+        )
+        if defaults:
+            SamplingParams(**defaults)
+        if defaults == model_config.sampling_defaults:
+            return model_config
+        return replace(model_config, sampling_defaults=defaults)
 
     def _weights_updated(
         self, source: str | GroupUpdate | TensorUpdate, checked: Any = None

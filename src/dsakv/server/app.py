@@ -22,7 +22,9 @@ from .auth import require_api_key
 from .chat import ChatParsers
 from .generate import add_generate_route
 from .handlers import Handlers
+from .http_config import HTTPConfig, route_path
 from .metrics import ServerMetrics
+from .openai_format import ResponseDefaults
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -91,6 +93,8 @@ def build_app(
     chat_parsers: ChatParsers | None = None,
     aliases: Sequence[str] = (),
     request_log: RequestLogConfig | None = None,
+    http: HTTPConfig | None = None,
+    defaults: ResponseDefaults | None = None,
 ) -> FastAPI:
     """The app for one engine. `model_name`: the served name, or several (vLLM's
     `--served-model-name`): /v1/models lists each, responses report the first, a request
@@ -101,7 +105,9 @@ def build_app(
     /server_info, and their older /get_* names, which routers such as sglang-router read at
     registration); a path no route serves is a 404 with or without it. `chat_parsers`
     defaults to the model type's tool-call and reasoning parsers. `request_log`: what the
-    generation routes log of each request (default: nothing; `request_log`)."""
+    generation routes log of each request (default: nothing; `request_log`). `http`: CORS
+    (every origin by default, as vLLM's) and the root path (`HTTPConfig`); `defaults`: vLLM's
+    server-wide defaults for what a request leaves out (`ResponseDefaults`)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     if not names or not all(names):
         raise DsakvError("a served model name must be a non-empty string")
@@ -114,6 +120,7 @@ def build_app(
         metrics,
     )
     require_api_key(app, api_key)  # (inside the counting: a 401 is counted)
+    (http or HTTPConfig()).install(app)  # (outside the key check: preflights need none)
     app.add_middleware(_CountRequests, metrics=metrics)
     _install_error_handlers(app)
     if chat_parsers is None:
@@ -121,7 +128,7 @@ def build_app(
         template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
         chat_parsers = ChatParsers.for_model(engine.model_config.model_type, chat_template=template)
     app.state.chat_parsers = chat_parsers
-    api = Handlers(async_engine, names, metrics, chat_parsers, aliases, request_log)
+    api = Handlers(async_engine, names, metrics, chat_parsers, aliases, request_log, defaults)
 
     async def health() -> Response:
         if not async_engine.alive:
@@ -312,7 +319,7 @@ class _CountRequests:
         finally:
             if left and not ended:
                 status = 499  # (nginx's "client closed request", as for the others)
-            self.metrics.requests.labels(_endpoint(scope.get("path", "")), str(status)).inc()
+            self.metrics.requests.labels(_endpoint(route_path(scope)), str(status)).inc()
 
 
 def _endpoint(path: str) -> str:

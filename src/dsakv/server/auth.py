@@ -13,6 +13,7 @@ from starlette.routing import Match, Router
 
 from dsakv.errors import DsakvError
 
+from .http_config import route_path
 from .protocol import APIError
 
 # Routes open without the API key: probes and scrapers.
@@ -68,7 +69,7 @@ class BearerAuth:
         self.app, self.expected, self.router = app, f"Bearer {api_key}".encode(), router
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        path = scope.get("path", "")
+        path = route_path(scope)  # (under --root-path, without it)
         if scope["type"] != "http" or path in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
@@ -83,7 +84,7 @@ class BearerAuth:
         """Whether the path is under /v1 or a route serves it, in any method, or would
         redirect to one across a trailing slash (the router's `redirect_slashes`): the
         router's own matching, on the scope alone (no body read)."""
-        path = scope["path"]
+        path = route_path(scope)
         if path == "/v1" or path.startswith("/v1/"):
             return True
         scopes = [scope]

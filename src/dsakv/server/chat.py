@@ -275,19 +275,20 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
 # --- output -----------------------------------------------------------------------------------
 
 
-def reply_role(body: ChatCompletionRequest) -> str:
-    """vLLM's `get_chat_request_role`: the assistant's, or under add_generation_prompt false
-    the last message's role (the reply goes on with that message)."""
+def reply_role(body: ChatCompletionRequest, response_role: str = "assistant") -> str:
+    """vLLM's `get_chat_request_role`: `response_role` (its --response-role), or under
+    add_generation_prompt false the last message's role (the reply goes on with that
+    message)."""
     if body.add_generation_prompt is not False or not body.messages:
-        return "assistant"
+        return response_role
     return body.messages[-1].role
 
 
-def echo_content(body: ChatCompletionRequest) -> str:
+def echo_content(body: ChatCompletionRequest, role: str | None = None) -> str:
     """vLLM's chat `echo`: the last message's text, which each reply starts with, when it is
-    in the reply's role (`reply_role`); else nothing."""
+    in the reply's role (`role`, default `reply_role`'s); else nothing."""
     last = body.messages[-1] if body.echo and body.messages else None
-    if last is None or last.role != reply_role(body):
+    if last is None or last.role != (role or reply_role(body)):
         return ""
     content = _template_message(len(body.messages) - 1, last).get("content")
     return content if isinstance(content, str) else ""

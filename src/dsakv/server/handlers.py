@@ -38,6 +38,7 @@ from .metrics import ServerMetrics
 from .openai_format import (
     CUT_SHORT,
     CompletionChoice,
+    ResponseDefaults,
     chat_logprobs,
     chunk_usage,
     finish_reason,
@@ -90,8 +91,10 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         chat_parsers: ChatParsers,
         aliases: Sequence[str] = (),
         request_log: RequestLogConfig | None = None,
+        defaults: ResponseDefaults | None = None,
     ) -> None:
         self.engine = async_engine
+        self.defaults = defaults or ResponseDefaults()
         self.model_names = list(model_names)
         self.model_name = self.model_names[0]  # what responses report
         self._accepted = frozenset((*self.model_names, *aliases))
@@ -173,7 +176,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         keep = params.truncate_prompt_tokens
         if keep is not None and keep <= 0:  # (-1: as many as the context leaves room for)
             keep = self.engine.engine.max_model_len - 1
-        as_ids = bool(body.return_tokens_as_token_ids)
+        as_ids = self.defaults.as_ids(body)
         choices = [
             CompletionChoice(i, s, prompts[i // n], echo, keep, as_ids)
             for i, s in enumerate(streams)
@@ -189,7 +192,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         tokenizer = self.engine.engine.tokenizer
 
         if body.stream:
-            usage, running = stream_usage(body)
+            usage, running = stream_usage(body, self.defaults.force_include_usage)
 
             async def events() -> AsyncIterator[str]:
                 totals, ended = Result(), {}
@@ -254,7 +257,8 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         ids, thinking = bool(body.return_token_ids), body.include_reasoning is not False
         as_ids, tracked = run.as_ids, run.params.logprob_token_ids is not None
-        echo, role = echo_content(body), reply_role(body)
+        role = reply_role(body, self.defaults.response_role)
+        echo = echo_content(body, role)
         rid, created = f"chatcmpl-{base}", int(time.time())
         head = {
             "id": rid,
@@ -264,7 +268,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         }
 
         if body.stream:
-            usage, running = stream_usage(body)
+            usage, running = stream_usage(body, self.defaults.force_include_usage)
 
             async def events() -> AsyncIterator[str]:
                 for i in range(n):
@@ -439,7 +443,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
                 self.engine.abort(s)
             self.in_flight.close(call)
             raise
-        as_ids = bool(body.return_tokens_as_token_ids)
+        as_ids = self.defaults.as_ids(body)
         return ChatRun(prep, streams, call, params, prompt_ids, as_ids)
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:

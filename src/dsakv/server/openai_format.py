@@ -25,11 +25,29 @@ def finish_reason(u: Update) -> str | None:
     return u.finish_reason if u.finished else None
 
 
-def stream_usage(body: GenerationRequest) -> tuple[bool, bool]:
-    """(a usage chunk at the end, usage on every chunk): `stream_options.include_usage`, and
-    with it vLLM's `continuous_usage_stats` (each chunk: its choice's tokens so far)."""
+@dataclass(frozen=True)
+class ResponseDefaults:
+    """vLLM's server-wide defaults for what a completions or chat request leaves out: the
+    reply's role under add_generation_prompt (`--response-role`), logprobs' tokens as
+    "token_id:N" (`--return-tokens-as-token-ids`; a request's own field wins), and a usage
+    chunk ending every stream, as if it asked `stream_options.include_usage`
+    (`--enable-force-include-usage`)."""
+
+    response_role: str = "assistant"
+    tokens_as_ids: bool = False
+    force_include_usage: bool = False
+
+    def as_ids(self, body: GenerationRequest) -> bool:
+        own = body.return_tokens_as_token_ids
+        return self.tokens_as_ids if own is None else own
+
+
+def stream_usage(body: GenerationRequest, force: bool = False) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage on every chunk): `stream_options.include_usage` (or
+    `force`: vLLM's --enable-force-include-usage), and with it vLLM's
+    `continuous_usage_stats` (each chunk: its choice's tokens so far)."""
     opts = body.stream_options
-    usage = bool(opts and opts.include_usage)
+    usage = force or bool(opts and opts.include_usage)
     return usage, usage and bool(opts and opts.continuous_usage_stats)
 
 

@@ -21,6 +21,8 @@ from dsakv.procs import AppServer, Listener, exit_on_sigterm
 
 from .app import build_app
 from .chat import ChatParsers
+from .http_config import HTTPConfig
+from .openai_format import ResponseDefaults
 from .parsers import resolve_parsers
 from .request_log import RequestLogConfig
 from .runner import AsyncEngine, Bridge, EngineThread
@@ -67,6 +69,8 @@ def make_server(
     listener: Listener | None = None,
     chat_template: str | None = None,
     request_log: RequestLogConfig | None = None,
+    http: HTTPConfig | None = None,
+    defaults: ResponseDefaults | None = None,
 ) -> tuple[uvicorn.Server, AsyncEngine]:
     """The server `run_server` runs, not yet started (tests drive it on a thread). Parser
     names: "auto" (the model type's own), "none", or one of `parsers.TOOL_PARSERS` /
@@ -75,8 +79,11 @@ def make_server(
     `host:port` when it starts). `chat_template`: replaces the tokenizer's
     (`load_chat_template`). `served_model_name`: one name or several (`model_names`).
     `log_level` and `access_log` (a line per request) are uvicorn's; `request_log` the
-    generation requests' own log (default: none)."""
+    generation requests' own log (default: none). `http`: CORS, TLS and the root path
+    (`HTTPConfig`); `defaults`: what requests leave out (`ResponseDefaults`)."""
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
+    http = http or HTTPConfig()
+    http.check_files()
     names, aliases = model_names(config.model, served_model_name)
     # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
     thread = EngineThread()
@@ -102,6 +109,8 @@ def make_server(
         chat_parsers=parsers,
         aliases=aliases,
         request_log=request_log,
+        http=http,
+        defaults=defaults,
     )
     async_engine.attach(app)
     uv = uvicorn.Config(
@@ -111,6 +120,7 @@ def make_server(
         log_level=log_level,
         access_log=access_log,
         timeout_graceful_shutdown=5,
+        **http.uvicorn_kwargs(),
     )
     sockets = listener.sockets if listener is not None else None
     return AppServer(uv, async_engine, sockets), async_engine
@@ -130,10 +140,13 @@ def run_server(
     log_level: str = "info",
     access_log: bool = True,
     request_log: RequestLogConfig | None = None,
+    http: HTTPConfig | None = None,
+    defaults: ResponseDefaults | None = None,
 ) -> None:
     """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`). The
     port is taken before the engine loads (`listener`, else `Listener(host, port)` now);
-    `log_level` and `access_log` are uvicorn's, `request_log` the requests' own log."""
+    `log_level` and `access_log` are uvicorn's, `request_log` the requests' own log, `http`
+    CORS, TLS and the root path, `defaults` what requests leave out."""
     listener = listener or Listener(host, port)
     try:
         server, async_engine = make_server(
@@ -150,13 +163,16 @@ def run_server(
             log_level=log_level,
             access_log=access_log,
             request_log=request_log,
+            http=http,
+            defaults=defaults,
         )
     except BaseException:
         listener.close()
         raise
     shown = f"[{host}]" if ":" in host else host
     name = server.config.app.state.model_name
-    server.banner = f"dsakv: serving {name!r} at http://{shown}:{port}/v1"
+    scheme = (http or HTTPConfig()).scheme
+    server.banner = f"dsakv: serving {name!r} at {scheme}://{shown}:{port}/v1"
     # uvicorn re-raises the SIGTERM it caught once it has stopped: make that an exception,
     # so the engine still closes (the L3 storage tier writes what it holds) on `kill`.
     main = threading.current_thread() is threading.main_thread()
