@@ -184,7 +184,7 @@ def build_app(
     # OpenAI's retrieve-model (`client.models.retrieve`); `path`: a served name may hold "/"
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
-        api._check_model(model)
+        api.check_model(model)
         return api.model_card(model if model in api.model_names else api.model_name)
 
     @app.post("/v1/completions")

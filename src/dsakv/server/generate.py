@@ -247,7 +247,7 @@ class SGLangSamplingParams(BaseModel):
 _SAMPLING_NOT_RUN = ("stop_regex", "custom_params")
 _GRAMMAR_KEYS = ("regex", "json_schema", "ebnf", "structural_tag")
 
-# The OpenAI names `Handlers._params` checks under, and SGLang's for them.
+# The OpenAI names `Handlers.sampling_params` checks under, and SGLang's for them.
 _SGLANG_NAMES = {
     "max_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
@@ -582,8 +582,8 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
             params = _with_rows(body, params, n)
             # (the context check only where the client gave max_new_tokens, as SGLang's)
             given = ["max_new_tokens" if s.max_new_tokens is not None else None for s in samplings]
-            streams = await api._submit_all(prompts, params, n, raw, given, prompt_field, call=call)
-    except BaseException:  # (from here `_collect_all` or `_stream_response` closes it)
+            streams = await api.submit_all(prompts, params, n, raw, given, prompt_field, call=call)
+    except BaseException:  # (from here `collect_all` or `stream_response` closes it)
         api.in_flight.close(call)
         raise
     batch = not single or n > 1  # (outputs prompt-major: prompt i's sample j is i * n + j)
@@ -592,14 +592,14 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
         so_far = [Result() for _ in streams]
 
         async def events() -> AsyncIterator[str]:
-            async for i, u in api._merged(streams):
+            async for i, u in api.merged_updates(streams):
                 so_far[i].add(u)  # SGLang streams the output so far (cumulative)
                 out = _output(rids[i], so_far[i], asks[i // n], began, api.weight_version)
                 yield sse_event({**out, "index": i} if batch else out)
 
-        return api._stream_response(events(), streams, call)
+        return api.stream_response(events(), streams, call)
 
-    results = await api._collect_all(streams, raw, call)
+    results = await api.collect_all(streams, raw, call)
     version = api.weight_version
     outs = [
         _output(rid, r, asks[i // n], began, version)
@@ -774,7 +774,7 @@ async def _prompt_ids(api: Handlers, prompt: str | list[int], start: int, name: 
 async def _params(
     api: Handlers, sp: SGLangSamplingParams, ask: _LogprobAsk | None
 ) -> SamplingParams:
-    """`sp` as the engine's `SamplingParams`, built and checked by `Handlers._params` (and
+    """`sp` as the engine's `SamplingParams`, built and checked by `Handlers.sampling_params` (and
     its grammar compiled) as for /v1/completions, under OpenAI's names, but as SGLang's
     /generate: no generation_config defaults, max_new_tokens null runs to the context's
     end (left out: 128), and output logprobs of the processed logits."""
@@ -790,7 +790,7 @@ async def _params(
     body = GenerationRequest.model_validate(fields)
     logprobs = None if ask is None else ask.top_n
     null = sp.max_new_tokens is None and "max_new_tokens" in sp.model_fields_set
-    params = api._params(
+    params = api.sampling_params(
         body,
         sp.max_new_tokens,
         api.engine.engine.max_model_len if null else _DEFAULT_MAX_NEW_TOKENS,
@@ -809,7 +809,7 @@ async def _params(
     if ask is not None and ask.token_ids is not None:  # (checked against the vocabulary later)
         params = dataclasses.replace(params, token_ids_logprob=ask.token_ids)
     grammar = next((k for k in _GRAMMAR_KEYS if getattr(sp, k) is not None), None)
-    return await api._ready_grammar(params, grammar and f"sampling_params.{grammar}")
+    return await api.ready_grammar(params, grammar and f"sampling_params.{grammar}")
 
 
 @contextlib.contextmanager

@@ -120,7 +120,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         `prompt * n + j`). With `echo`, each choice starts with its prompt, and with
         `logprobs` too, the prompt tokens' teacher-forced logprobs (the first is null) come
         before the generated ones; `max_tokens: 0` then only scores the prompt."""
-        self._check_model(body.model)
+        self.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         n = self._n(body)
@@ -134,7 +134,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         # context's end (what chat gets either way)
         null = "max_tokens" in body.model_fields_set and body.max_tokens is None
         most = self.engine.engine.max_model_len if null else 16
-        params = self._params(
+        params = self.sampling_params(
             body, body.max_tokens, most, body.logprobs, "logprobs", min_max_tokens=0 if echo else 1
         )
         # vLLM's: echo with logprobs scores the prompt too (unless prompt_logprobs says how),
@@ -155,13 +155,13 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         names = [_names(named)] * (count * n)
         call = self.in_flight.open(names, "request_id", f"cmpl-{base}", raw)
         try:
-            params = await self._ready_grammar(params, grammar_field(body))
+            params = await self.ready_grammar(params, grammar_field(body))
             if beam is not None:
                 streams = await self._submit_beams(
                     prompts, params, beam, raw, given, special=body.add_special_tokens, call=call
                 )
             else:
-                streams = await self._submit_all(
+                streams = await self.submit_all(
                     prompts,
                     [params] * count,
                     n,
@@ -170,7 +170,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
                     special=body.add_special_tokens,
                     call=call,
                 )
-        except BaseException:  # (from here `_collect_all` or `_stream_response` closes it)
+        except BaseException:  # (from here `collect_all` or `stream_response` closes it)
             self.in_flight.close(call)
             raise
         keep = params.truncate_prompt_tokens
@@ -196,7 +196,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
 
             async def events() -> AsyncIterator[str]:
                 totals, ended = Result(), {}
-                async for i, u in self._merged(streams):
+                async for i, u in self.merged_updates(streams):
                     c = choices[i]
                     text = c.echo_text(u, tokenizer) + u.text
                     lp = c.logprobs(u) if want_logprobs else None
@@ -223,9 +223,9 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
                 if usage:
                     yield sse_event({**head, "choices": [], "usage": usage_of(totals)})
 
-            return self._stream_response(events(), streams, call, _id_header(base))
+            return self.stream_response(events(), streams, call, _id_header(base))
 
-        results = await self._collect_all(streams, raw, call)
+        results = await self.collect_all(streams, raw, call)
         out = []
         for c, r in zip(choices, results):
             u = r.as_update()
@@ -290,7 +290,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
                 parsers = [prep.output_parser() for _ in range(n)]  # one per choice
                 held = [""] * n  # SGLang's stream_reasoning false: each one's, until over
                 totals, ended = Result(), {}
-                async for i, u in self._merged(streams):
+                async for i, u in self.merged_updates(streams):
                     parser = parsers[i]
                     cut = finish_reason(u) in CUT_SHORT
                     d = parser.feed(u.text, final=u.finished, cut=cut)
@@ -328,9 +328,9 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
                 if usage:
                     yield sse_event({**head, "choices": [], "usage": usage_of(totals)})
 
-            return self._stream_response(events(), streams, call, _id_header(base))
+            return self.stream_response(events(), streams, call, _id_header(base))
 
-        results = await self._collect_all(streams, raw, call)
+        results = await self.collect_all(streams, raw, call)
         choices = []
         for i, r in enumerate(results):  # n choices of one prompt
             parser = prep.output_parser()
@@ -373,10 +373,10 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
     ) -> ChatRun:
         """A chat request's prompt rendered (tools, reasoning: `prepare_chat`) and its `n`
         choices handed to the engine: what /v1/chat/completions and /v1/responses share.
-        The caller owns the run's streams and call from here (`_collect_all`,
-        `_stream_response`). `name`: the client's request id (`_request_id`); `shown`: the
+        The caller owns the run's streams and call from here (`collect_all`,
+        `stream_response`). `name`: the client's request id (`_request_id`); `shown`: the
         response's id (default `name`: a Responses API response's), for the request log."""
-        self._check_model(body.model)
+        self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tokenizer = self.engine.engine.tokenizer
@@ -393,7 +393,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         # No max_tokens: generate until the context is full (the engine stops at its limit).
-        params = self._params(
+        params = self.sampling_params(
             body, max_tokens, self.engine.engine.max_model_len, top_n, "top_logprobs", param
         )
         grammar_param = grammar_field(body)
@@ -424,13 +424,13 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         streams: list[RequestStream] = []
         prompt_ids = None
         try:
-            params = await self._ready_grammar(params, grammar_param, prep.reasoning)
+            params = await self.ready_grammar(params, grammar_param, prep.reasoning)
             if beam is not None:
                 streams = await self._submit_beams(
                     [prompt], params, beam, raw, given, "messages", special, call=call
                 )
             else:
-                streams = await self._submit_all(
+                streams = await self.submit_all(
                     [prompt], [params], n, raw, [given], "messages", special, call=call
                 )
             if body.stream and body.return_token_ids:  # (vLLM's first chunk carries them)
@@ -449,7 +449,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's /tokenize: the ids /v1/completions (`prompt`) or /v1/chat/completions
         (`messages`, through the chat template) would run."""
-        self._check_model(body.model)
+        self.check_model(body.model)
         e = self.engine.engine
         if e.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
@@ -481,7 +481,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         return {"tokens": tokens, "count": len(tokens), "max_model_len": e.max_model_len}
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        self._check_model(body.model)
+        self.check_model(body.model)
         e = self.engine.engine
         if e.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
@@ -525,7 +525,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         info = engine_info(self.engine.engine, counters, self.model_name)
         return {**info, **self.engine.server_info()}
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model not in self._accepted:
             raise APIError(
                 404,

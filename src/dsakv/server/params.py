@@ -31,7 +31,7 @@ class RequestParamsMixin:
     parser a thinking budget needs (`chat_parsers`), the grammar compiles' threads and
     lock (`_compiles`, `_grammars_lock`) and whether it is a PD server (`disaggregated`)."""
 
-    def _params(
+    def sampling_params(
         self,
         body: GenerationRequest,
         max_tokens: int | None,
@@ -252,7 +252,7 @@ class RequestParamsMixin:
         except DsakvError as e:
             raise APIError(400, str(e), param="n" if e.param == "beam_width" else e.param) from None
 
-    async def _ready_grammar(
+    async def ready_grammar(
         self, params: SamplingParams, param: str | None, reasoning: str | None = None
     ) -> SamplingParams:
         """`params` with its grammar compiled, on a worker thread, into the engine's cache,

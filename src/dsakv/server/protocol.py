@@ -108,7 +108,7 @@ class ServingExtras(_Strict):
     thinking_token_budget: int | None = None  # vLLM's (`SamplingParams`)
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens as "token_id:N"
     priority: int | None = None  # under priority scheduling only (`Engine.check_priority`)
-    # refused unless off (`Handlers._params`): what they ask for is not run here
+    # refused unless off (`Handlers.sampling_params`): what they ask for is not run here
     kv_transfer_params: dict[str, Any] | None = None
     # SGLang's, not run here: a 400 unless unset (null, false or empty: sgl.gen sends
     # stop_regex: []); any shape, so the refusal names the field
@@ -137,7 +137,7 @@ class GenerationRequest(ServingExtras):
     # extras (vLLM / SGLang names)
     top_k: int | None = None
     min_p: float | None = None
-    sampling_seed: int | None = None  # SGLang's name for `seed` (see `Handlers._params`)
+    sampling_seed: int | None = None  # SGLang's name for `seed` (see `Handlers.sampling_params`)
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = 0
@@ -169,11 +169,11 @@ class GenerationRequest(ServingExtras):
     logprob_token_ids: list[int] | None = None  # vLLM's (`Handlers._logprob_token_ids`)
     repetition_detection: RepetitionDetection | None = None  # vLLM's
     request_id: str | None = None  # vLLM's: the response's id (after "cmpl-" / "chatcmpl-")
-    # refused unless off (`Handlers._params`): what it asks for is not run here
+    # refused unless off (`Handlers.sampling_params`): what it asks for is not run here
     prompt_embeds: Any = None
     # SGLang's (its server flags allow them, as /generate's): the routed experts of each
     # token (from routed_experts_start_len) in the response's `sglext`, and each choice's
-    # last hidden state (`Handlers._params`)
+    # last hidden state (`Handlers.sampling_params`)
     return_routed_experts: bool | None = False
     routed_experts_start_len: int | None = 0
     return_hidden_states: bool | None = False

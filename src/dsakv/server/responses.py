@@ -288,7 +288,7 @@ class ResponseStore:
 async def _create(
     api: Handlers, store: ResponseStore, body: ResponsesRequest, raw: Request
 ) -> Response:
-    api._check_model(body.model)
+    api.check_model(body.model)
     for name in ("prompt", "conversation"):
         if getattr(body, name) is not None:
             raise APIError(400, f"{name} is not supported", param=name)
@@ -325,7 +325,7 @@ async def _create(
             if body.store is not False:
                 store.put(rid, stored)
             return _stream(api, stored)
-        results = await api._collect_all(run.streams, raw, run.call)
+        results = await api.collect_all(run.streams, raw, run.call)
         _finish(api, stored, _full_output(run, results[0]), results[0])
         if body.store is not False:
             store.put(rid, stored)
@@ -461,7 +461,7 @@ async def _events(api: Handlers, stored: _Stored) -> AsyncIterator[str]:
     yield event("response.in_progress", response=copy.deepcopy(response))
     reader, output, totals = _Reader(run), _Output(), Result()
     try:
-        async for _, u in api._merged(run.streams):
+        async for _, u in api.merged_updates(run.streams):
             totals.add(u)
             cut = u.finished and u.finish_reason == "length"
             for d, logprobs in reader.feed(u, u.text, u.finished, cut):

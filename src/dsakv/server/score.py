@@ -40,7 +40,7 @@ def add_score_route(app: FastAPI, api: Handlers) -> None:
 
 
 async def _score(api: Handlers, body: ScoringRequest, raw: Request) -> Response:
-    api._check_model(body.model)
+    api.check_model(body.model)
     try:  # (`dsakv.engine.score`, which `LLM.score` runs too)
         labels = score_labels(body.label_token_ids, api.engine.engine.model_config.vocab_size)
         prompts = score_prompts(body.query, body.items, body.item_first, MAX_PROMPTS)
@@ -65,10 +65,10 @@ async def _run(
     params = score_params(labels)
     await api.weights_ready()
     call = api.in_flight.open([()] * len(prompts))  # (/abort_request's abort_all reaches it)
-    streams = await api._submit_all(
+    streams = await api.submit_all(
         prompts, [params] * len(prompts), 1, raw, [None] * len(prompts), "items", call=call
     )
-    results = await api._collect_all(streams, raw, call)
+    results = await api.collect_all(streams, raw, call)
     if any(not r.token_ids_logprobs for r in results):  # (aborted before its token)
         raise APIError(503, "the request was aborted before it was scored", type="server_error")
     return results

@@ -347,7 +347,7 @@ class SubmitMixin:
             raise APIError(400, str(err), param=err.param or "prompt") from None
         return ids[:keep] if len(ids) > keep else prompt
 
-    async def _submit_all(
+    async def submit_all(
         self,
         prompts: list[str | list[int]],
         params: Sequence[SamplingParams],
@@ -470,7 +470,7 @@ class SubmitMixin:
                 if isinstance(failed, (DsakvError, RuntimeError)):
                     raise refusal(failed, None) from None
                 raise failed
-            results = await self._collect_all(streams, raw)
+            results = await self.collect_all(streams, raw)
             if cut := next((r for r in results if not r.token_ids), None):
                 if cut.finish_reason == "abort":
                     return False
@@ -482,7 +482,9 @@ class SubmitMixin:
             )
         return True
 
-    async def _merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, Update]]:
+    async def merged_updates(
+        self, streams: list[RequestStream]
+    ) -> AsyncIterator[tuple[int, Update]]:
         """(choice index, update) from all streams as they arrive, until all finished."""
         if len(streams) == 1:
             async for u in self._updates(streams[0]):
@@ -510,7 +512,7 @@ class SubmitMixin:
             for t in tasks:
                 t.cancel()
 
-    async def _collect_all(
+    async def collect_all(
         self, streams: list[RequestStream], raw: Request, call: Call | None = None
     ) -> list[Result]:
         """`_collect` for every stream at once; the first failure aborts the rest. `call`
@@ -585,7 +587,7 @@ class SubmitMixin:
                 raise APIError(503, "request aborted (server shutting down)", type="server_error")
         return result
 
-    def _stream_response(
+    def stream_response(
         self,
         events: AsyncIterator[str],
         stream: RequestStream | list[RequestStream],
@@ -666,7 +668,7 @@ def _update_error(u: Update) -> APIError:
 
 def refusal(e: DsakvError | RuntimeError, param: str | None) -> APIError:
     """The HTTP error for the engine's refusal of a request: its grammar (compiled by
-    `_ready_grammar`: only if evicted since) or its fields a 400 (`param` where the error
+    `ready_grammar`: only if evicted since) or its fields a 400 (`param` where the error
     names none); asleep (sleep mode: it takes requests again later) or stopped a 503."""
     if isinstance(e, GrammarError):
         return APIError(400, str(e))
