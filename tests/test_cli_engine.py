@@ -82,6 +82,8 @@ def test_generate_json_is_deterministic(tiny_dir, capsys):
         ["--enable-return-routed-experts"],
         ["--enable-return-hidden-states"],
         ["--expert-distribution-recorder-mode", "stat"],
+        ["--generation-config", "vllm"],  # (its sampling is its own flags')
+        ["--override-generation-config", '{"temperature": 1}'],
     ],
 )
 def test_generate_bad_input_is_one_error_line(tiny_dir, extra, capsys):

@@ -5,6 +5,7 @@ does that anyway; a value dsakv cannot honour is one `error:` line, exit 2."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 
 from dsakv.cli import build_parser, engine_config_from_args, main
 from dsakv.cli.args import add_engine_args, fold_model_option, given_flags
+from dsakv.engine import Engine
 from dsakv.procs import free_port
 
 # Placeholders: the model, and the GPUs the recipes run on (they size the pool with
@@ -235,14 +237,17 @@ def test_the_published_commands_run(models):
 @pytest.mark.parametrize(
     "flags, field, value",
     [
-        (["--max-total-tokens", "4096", "--page-size", "64"], "num_pages", 64),
-        (["--max-total-tokens", "4100"], "num_pages", 64),  # (rounded down, as SGLang's)
-        (["--max-total-tokens", "100", "--page-size", "32"], "num_pages", 3),
+        (["--max-total-tokens", "4096", "--page-size", "64"], "max_total_tokens", 4096),
+        (["--max-total-tokens", "4096", "--num-pages", "8"], "max_total_tokens", 4096),
+        (["--max-total-tokens", "4096", "--kv-budget-gib", "2"], "kv_budget_gib", 2.0),
         (["--random-seed", "7"], "seed", 7),
         (["--enable-hierarchical-cache"], "host_pool_ratio", 2.0),  # (SGLang's default)
         (["--enable-hierarchical-cache", "--hicache-ratio", "3.5"], "host_pool_ratio", 3.5),
         (["--enable-hierarchical-cache", "--hicache-size", "8"], "host_pool_gib", 8e9 / 2**30),
         (["--enable-hierarchical-cache", "--hicache-size", "0"], "host_pool_ratio", 2.0),
+        # Without the switch SGLang ignores its sizes (0 is --hicache-size's default): no tier
+        (["--hicache-size", "0"], "host_pool_gib", 0.0),
+        (["--hicache-ratio", "3", "--hicache-size", "8"], "host_pool_ratio", None),
         (["--attention-backend", "dsa"], "attention_backend", "auto"),
         (["--tp", "2", "--moe-a2a-backend", "deepep"], "ep", 2),
         (["--tp", "2", "--moe-a2a-backend", "none"], "ep", 1),
@@ -267,7 +272,7 @@ def test_sglangs_flags_mean_dsakvs_own(models, flags, field, value):
 def test_a_pool_ratio_is_resolved_against_the_pool_the_engine_sized(models):
     """SGLang's --hicache-ratio R: the host tier holds R times the device pool's pages,
     counted once the engine has sized the pool (too few for a page is one error)."""
-    from dsakv.engine import Engine, EngineConfig
+    from dsakv.engine import EngineConfig
     from dsakv.errors import DsakvError
 
     flags = ["--num-pages", "8", "--enable-hierarchical-cache", "--hicache-ratio", "2.5"]
@@ -275,8 +280,35 @@ def test_a_pool_ratio_is_resolved_against_the_pool_the_engine_sized(models):
     assert (engine.allocator.num_pages, engine.host.num_pages) == (8, 20)
     engine.close()
     few = EngineConfig.from_kwargs(models["glm"], num_pages=8, host_pool_ratio=0.1)
-    with pytest.raises(DsakvError, match="host_pool_ratio 0.1 of the 8-page pool holds no page"):
+    with pytest.raises(DsakvError, match="0.1 times the 8-page pool holds no page"):
         Engine(few)
+
+
+def test_max_total_tokens_caps_what_sizes_the_pool_as_sglangs(models):
+    """SGLang's --max-total-tokens T is a cap (its model runner: the least of the pool its
+    memory sizes and T, in whole pages, a warning where T is more), so it goes with the
+    flags that size the pool: SGLang's own commands pair it with --mem-fraction-static. It
+    was an exact --num-pages of its own, refused beside them ("both size the KV pool") and
+    past the machine's memory ("cannot allocate 47832727 GiB")."""
+    glm = models["glm"]
+    sglang = ["--max-total-tokens", "65536", "--mem-fraction-static", "0.85", *GPU]
+    config = _config("serve", glm, *sglang)
+    assert (config.max_total_tokens, config.mem_fraction_static) == (65536, 0.85)
+    bytes_ = _config("serve", glm, "--max-total-tokens", "4096", "--kv-cache-memory-bytes", "2G")
+    assert (bytes_.max_total_tokens, bytes_.kv_budget_gib) == (4096, 2.0)
+    pool = ["--num-pages", "16", "--page-size", "64"]
+    capped = Engine(_config("generate", glm, "--prompt", "x", *pool, "--max-total-tokens", "512"))
+    assert capped.allocator.num_pages == 8
+    capped.close()
+
+
+def test_a_cap_past_the_pool_leaves_it_with_a_warning(models, caplog):
+    pool = ["--num-pages", "16", "--page-size", "64", "--max-total-tokens", str(10**13)]
+    with caplog.at_level(logging.WARNING, logger="dsakv.engine.engine"):
+        engine = Engine(_config("serve", models["glm"], *pool))
+    assert engine.allocator.num_pages == 16
+    engine.close()
+    assert "--max-total-tokens 10000000000000 is more than the 1024 tokens" in caplog.text
 
 
 def test_switches_for_what_dsakv_does_anyway_change_nothing(models, capsys):
@@ -319,22 +351,8 @@ def test_switches_for_what_dsakv_does_anyway_change_nothing(models, capsys):
             ["--tp", "2", "--ep", "1", "--moe-a2a-backend", "deepep"],
             ["--moe-a2a-backend deepep splits the experts over all 2 rank(s); --ep 1"],
         ),
-        (
-            ["--max-total-tokens", "4096", "--num-pages", "8"],
-            ["--max-total-tokens and --num-pages both size the KV pool: give one"],
-        ),
-        (
-            ["--max-total-tokens", "4096", "--kv-budget-gib", "1"],
-            ["--max-total-tokens and --kv-budget-gib both size the KV pool"],
-        ),
-        (
-            ["--max-total-tokens", "4096", "--mem-fraction-static", "0.8"],
-            ["--max-total-tokens and --mem-fraction-static both size the KV pool"],
-        ),
         (["--max-total-tokens", "63"], ["--max-total-tokens 63 holds no 64-token page"]),
         (["--max-total-tokens", "0"], ["--max-total-tokens: must be an integer >= 1"]),
-        (["--hicache-ratio", "2"], ["--hicache-ratio sizes SGLang's host KV tier", "needs --e"]),
-        (["--hicache-size", "100"], ["--hicache-size", "needs --enable-hierarchical-cache"]),
         (
             ["--enable-hierarchical-cache", "--host-pool-gib", "4"],
             ["--enable-hierarchical-cache and --host-pool-gib both size the host KV tier"],
@@ -353,6 +371,78 @@ def test_values_dsakv_cannot_honour_are_one_error_line(models, flags, words, cap
     port = str(free_port())
     err = _error_line(["serve", models["glm"], "--port", port, *flags], capsys)
     assert all(w in err for w in words), err
+
+
+HOST_GIB = "--host-pool-gib, --swap-space or SGLang's --hicache-size"
+HOST_RATIO = "--host-pool-ratio or SGLang's --enable-hierarchical-cache / --hicache-ratio"
+POOL = "ask for a smaller pool (--kv-budget-gib, --num-pages, --max-total-tokens"
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--host-pool-ratio", "1e12"], [f"ask for a smaller host tier ({HOST_RATIO})"]),
+        (["--enable-hierarchical-cache", "--hicache-ratio", "1e12"], [HOST_RATIO]),
+        (["--host-pool-gib", "1e12"], [f"ask for a smaller host tier ({HOST_GIB})"]),
+        (["--swap-space", "1e12"], [HOST_GIB]),
+        (["--enable-hierarchical-cache", "--hicache-size", "1e12"], [HOST_GIB]),
+        (["--num-pages", str(10**17)], [POOL]),
+        (["--num-pages", str(10**25)], [POOL]),  # (past int64)
+        (["--kv-budget-gib", "1e12"], [POOL]),
+        (["--kv-cache-memory-bytes", "999T"], [POOL]),
+    ],
+)
+def test_a_pool_past_the_machines_memory_is_one_error_line(models, flags, words, capsys):
+    """Sizes past int64 bytes were torch's "Storage size calculation overflowed" traceback
+    (exit 1), or C++ frames; each pool past what the machine has is now refused before
+    torch is asked, naming its size, the memory there is, and the flags that size it."""
+    err = _error_line(["generate", models["glm"], "--prompt", "x", *flags], capsys)
+    assert "GiB of KV cache on the host, which has" in err, err
+    assert all(w in err for w in words), err
+
+
+@pytest.mark.parametrize(
+    "flags, given, not_given",
+    [
+        (
+            ["--enable-hisparse", "--enable-hierarchical-cache"],
+            "a host KV tier (--enable-hierarchical-cache",
+            "--host-pool-gib",
+        ),
+        (["--enable-hisparse", "--host-pool-ratio", "2"], HOST_RATIO, "--host-pool-gib"),
+        (["--enable-hisparse", "--swap-space", "1"], HOST_GIB, "--host-pool-ratio"),
+        (
+            ["--enable-hierarchical-cache", "--hicache-size", "1e-12"],
+            f"the host tier ({HOST_GIB}): 9.31e-13 GiB holds no",
+            "host_pool_gib",
+        ),
+        (
+            ["--host-pool-ratio", "1e-9"],
+            f"the host tier ({HOST_RATIO}): 1e-09 times the",
+            "host_pool_ratio",
+        ),
+    ],
+)
+def test_host_tier_errors_name_the_flags_given(models, flags, given, not_given, capsys):
+    """HiSparse beside SGLang's host tier said "does not run with --host-pool-gib", a flag
+    not given; a host tier of no page named the field (host_pool_gib: 9.3e-13 GiB ...)."""
+    err = _error_line(["generate", models["glm"], "--prompt", "x", *flags], capsys)
+    assert given in err and not_given not in err, err
+
+
+def test_bench_hands_the_cap_to_its_server(models):
+    """`dsakv bench --serving --engine-arg max_total_tokens=T`: the engine field is a
+    `dsakv serve` flag the bench's server gets (it was no field: an unknown argument)."""
+    from dsakv.bench.serving_rate import serve_flags
+    from dsakv.engine import EngineConfig
+
+    config = EngineConfig.from_kwargs(models["glm"], max_total_tokens=4096, num_pages=8)
+    assert serve_flags(config, {"max_total_tokens": 4096, "num_pages": 8}) == [
+        "--max-total-tokens",
+        "4096",
+        "--num-pages",
+        "8",
+    ]
 
 
 def test_fp8_on_a_checkpoint_without_fp8_blocks_is_refused(glm_tiny, capsys):

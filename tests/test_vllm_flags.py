@@ -190,16 +190,20 @@ def test_tokens_are_token_ids_by_default_unless_the_request_says(served):
 
 
 def test_every_stream_ends_with_usage(served):
-    """--enable-force-include-usage: a stream that did not ask stream_options.include_usage
-    ends with the usage chunk all the same (completions and chat)."""
+    """--enable-force-include-usage: a stream gets the usage whatever its stream_options say
+    (even include_usage false): on each chunk, its choice's tokens so far, and a usage
+    chunk at the end (completions and chat; vLLM's since its PR #37923)."""
     base, _ = served
+    off = {"stream_options": {"include_usage": False}}
     for path, body in (
         ("/v1/completions", {"prompt": "Hi"}),
-        ("/v1/chat/completions", {"messages": MESSAGES}),
+        ("/v1/chat/completions", {"messages": MESSAGES, **off}),
     ):
         chunks = _stream(base, path, **body, max_tokens=3, ignore_eos=True)
         assert chunks[-1]["choices"] == [], path
         assert chunks[-1]["usage"]["completion_tokens"] == 3, path
+        running = [c["usage"] for c in chunks[:-1] if c["choices"]]
+        assert running and all(u is not None for u in running), path
 
 
 def test_generation_config_overrides_are_the_defaults_not_a_requests_own(served):
@@ -277,17 +281,31 @@ def test_kv_cache_memory_bytes_sizes_the_pool(glm_tiny, size, gib):
     assert _config("serve", glm_tiny, *passed).kv_budget_gib == pytest.approx(gib)
 
 
+def test_sglangs_token_cap_goes_over_the_bytes_vllm_sizes_the_pool_with(glm_tiny):
+    """SGLang's --max-total-tokens caps whatever sizes the pool, vLLM's byte count too (it
+    was refused as a second size): both reach the config, and serve-pd's servers."""
+    from dsakv.cli.args import add_engine_args, given_flags
+
+    flags = ["--kv-cache-memory-bytes", "1G", "--max-total-tokens", "4096"]
+    config = _config("serve", glm_tiny, *flags)
+    assert (config.kv_budget_gib, config.max_total_tokens) == (1.0, 4096)
+    args = build_parser().parse_args(["serve-pd", glm_tiny, *flags])
+    engine_config_from_args(args)
+    passed = _config("serve", glm_tiny, *given_flags(args, add_engine_args))
+    assert (passed.kv_budget_gib, passed.max_total_tokens) == (1.0, 4096)
+
+
 def test_vllm_switches_for_what_dsakv_does_anyway_change_nothing(glm_tiny, capsys):
     """vLLM's switches for what dsakv does without them, and the values that ask for it
     (one API server, no CPU weight offload, xgrammar, its own processes): taken, the engine
     unchanged; the server's by serve and serve-pd, not generate."""
-    engine = ["--async-scheduling", "--no-async-scheduling", "--cpu-offload-gb", "0"]
+    engine = ["--async-scheduling", "--no-async-scheduling", "--cpu-offload-gb", "0.0"]
     engine += ["--distributed-executor-backend", "mp", "--compilation-config", '{"level": 3}']
     server = [["--enable-prompt-tokens-details"], ["--enable-server-load-tracking"]]
     server += [["--enable-sleep-mode"], ["--disable-frontend-multiprocessing"]]
     server += [["--disable-fastapi-docs"], ["--api-server-count", "1"], ["-asc", "1"]]
     server += [["--structured-outputs-config.backend", "xgrammar"], ["--enable-reasoning"]]
-    server += [["--guided-decoding-backend", "xgrammar"]]
+    server += [["--guided-decoding-backend", "xgrammar"], ["-asc", "01"]]
     plain = _config("serve", glm_tiny)
     assert _config("serve", glm_tiny, *engine, *sum(server, [])) == plain
     assert _config("serve-pd", glm_tiny, *engine, *sum(server, [])) == plain
@@ -312,10 +330,6 @@ def test_vllm_switches_for_what_dsakv_does_anyway_change_nothing(glm_tiny, capsy
         (["--hf-overrides", '{"num_hidden_layers": 2}'], ["does not rewrite the model's config"]),
         (["--kv-cache-memory-bytes", "1G", "--kv-budget-gib", "1"], ["both size the KV pool"]),
         (["--kv-cache-memory-bytes", "1G", "--num-pages", "8"], ["and --num-pages both size"]),
-        (
-            ["--kv-cache-memory-bytes", "1G", "--max-total-tokens", "4096"],
-            ["--kv-cache-memory-bytes and --max-total-tokens both size the KV pool"],
-        ),
         (["--kv-cache-memory-bytes", "1.5G"], ["must be a number of bytes", "'1.5G'"]),
         (["--kv-cache-memory-bytes", "0"], ["must be a number of bytes >= 1"]),
         (["--override-generation-config", "{"], ["--override-generation-config: not JSON"]),
@@ -394,6 +408,36 @@ def test_serve_pd_gives_the_router_the_front_doors_flags_and_the_servers_theirs(
     assert not any(f in flags for f in ("--allowed-origins", "--root-path"))
 
 
+def test_serve_pd_servers_answer_no_browser(glm_tiny):
+    """serve-pd's servers listen on loopback behind the router: their command turns CORS
+    off (no origin), so a page in a browser on the host cannot call them directly; an app
+    with no allowed origin sends no CORS header at all."""
+    from fastapi import FastAPI
+
+    from dsakv.cli.args import http_config
+    from dsakv.disagg.launch import serve_command
+
+    argv = serve_command(glm_tiny, "decode", free_port(), free_port(), [])
+    args = build_parser().parse_args(argv[argv.index("serve") :])
+    config = http_config(args)
+    assert config.allowed_origins == ()
+    app = FastAPI()
+    app.add_api_route("/v1/models", lambda: {"data": []}, methods=["GET"])
+    config.install(app)
+
+    async def preflight() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            headers = {"Origin": ORIGIN, "Access-Control-Request-Method": "GET"}
+            await client.options("/v1/models", headers=headers)
+            return await client.get("/v1/models", headers={"Origin": ORIGIN})
+
+    import asyncio
+
+    r = asyncio.run(preflight())
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_the_router_serves_tls_and_cors(cert, tmp_path):
     """`dsakv router` (serve-pd's front door) with --ssl-certfile / --ssl-keyfile and
     --allowed-origins: its probes over https, a preflight from that origin allowed, from
@@ -425,3 +469,8 @@ def test_the_router_serves_tls_and_cors(cert, tmp_path):
         proc.terminate()
         proc.wait(TIMEOUT)
     assert f"dsakv: router at https://127.0.0.1:{port}/v1" in log.read_text()
+
+
+def test_a_root_path_of_slash_is_no_prefix():
+    """`--root-path /` (FastAPI takes it: no prefix) is no prefix, not a refusal."""
+    assert HTTPConfig(root_path="/").root_path == ""

@@ -210,6 +210,21 @@ def _only(supported: Sequence[str], why: str) -> Callable[[str], str]:
     return check
 
 
+def _only_number(supported: float, why: str) -> Callable[[str], float]:
+    """`_only` for a numeric flag: any spelling of the one value dsakv takes (0, 0.0, 00)."""
+
+    def check(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value != supported:
+            raise argparse.ArgumentTypeError(f"dsakv takes {supported:g} ({why}), got {text!r}")
+        return value
+
+    return check
+
+
 def _refused(why: str) -> Callable[[str], str]:
     """argparse type for a vLLM / SGLang flag that asks, whatever its value, for what dsakv
     does not do: one line saying why."""
@@ -259,7 +274,6 @@ FOLDED = (
     "speculative_config",
     "spec_method",
     "spec_num_speculative_tokens",
-    "max_total_tokens",
     "enable_hierarchical_cache",
     "hicache_ratio",
     "hicache_size",
@@ -425,9 +439,15 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
     g.add_argument(
         "--num-pages",
         type=positive_int,
-        help="device KV pool size in pages (SGLang's --max-total-tokens T: T // --page-size)",
+        help="device KV pool size in pages",
     )
-    g.add_argument("--max-total-tokens", type=positive_int, help=argparse.SUPPRESS)
+    g.add_argument(
+        "--max-total-tokens",
+        type=positive_int,
+        metavar="T",
+        help="cap on the device KV pool, in tokens (SGLang's): the least of what its size "
+        "gives and T, in whole pages (a warning where T is more)",
+    )
     g.add_argument(
         "--mem-fraction-static",
         type=fraction,
@@ -549,20 +569,22 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
         default=False,
         help=argparse.SUPPRESS,
     )
-    g.add_argument(
-        "--generation-config",
-        choices=("auto", "vllm"),
-        help="what requests leave out: auto (default), generation_config.json's sampling "
-        "fields and max_new_tokens; vllm, SamplingParams' own (vLLM's flag)",
-    )
-    g.add_argument(
-        "--override-generation-config",
-        type=_generation_overrides,
-        metavar="JSON",
-        help="vLLM's: sampling defaults over --generation-config's, e.g. "
-        "'{\"temperature\": 0.6}' (temperature, top_p, top_k, min_p, repetition_penalty, "
-        "max_new_tokens; null drops the model's); a request's own values still win",
-    )
+    if serve:  # (generate's sampling is its own flags': their defaults, greedy)
+        g.add_argument(
+            "--generation-config",
+            choices=("auto", "vllm"),
+            help="what requests leave out: auto (default), generation_config.json's sampling "
+            "fields and max_new_tokens; vllm, SamplingParams' own (vLLM's flag)",
+        )
+        g.add_argument(
+            "--override-generation-config",
+            type=_generation_overrides,
+            metavar="JSON",
+            help="vLLM's: sampling defaults over --generation-config's, e.g. "
+            "'{\"temperature\": 0.6}' (temperature, top_p, top_k, min_p, "
+            "repetition_penalty, max_new_tokens; null drops the model's); a request's own "
+            "values still win",
+        )
     g.add_argument(
         "--attention-backend",
         type=_spelled({"nsa": "auto", "dsa": "auto"}),
@@ -785,7 +807,7 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     )
     g.add_argument(
         "--cpu-offload-gb",
-        type=_only(("0",), "it keeps every weight on the device"),
+        type=_only_number(0, "it keeps every weight on the device"),
         metavar="0",
         help="vLLM's: dsakv offloads no weights to the CPU",
     )
@@ -827,7 +849,7 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         g.add_argument(
             "--api-server-count",
             "-asc",
-            type=_only(("1",), one_server),
+            type=_only_number(1, one_server),
             metavar="1",
             help="vLLM's: dsakv runs one API server process",
         )
@@ -1161,18 +1183,18 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
 
 
 def _fold_pool_sizes(args: argparse.Namespace) -> None:
-    """SGLang's pool sizes as dsakv's: `--max-total-tokens T` (the device pool's tokens)
-    is `--num-pages`, T // page size (SGLang rounds down too); its host tier,
-    `--enable-hierarchical-cache`, is `--host-pool-gib` for `--hicache-size G` (G GB per
-    rank: 1e9 bytes, as SGLang's; 0 is its unset), else `--host-pool-ratio`, its
-    `--hicache-ratio` (default 2). vLLM's `--kv-cache-memory-bytes N` is `--kv-budget-gib`
+    """SGLang's host tier, `--enable-hierarchical-cache`, as `--host-pool-gib` for
+    `--hicache-size G` (G GB per rank: 1e9 bytes, as SGLang's; 0 is its unset), else
+    `--host-pool-ratio`, its `--hicache-ratio` (default 2); without the switch both are
+    ignored, as SGLang ignores them. vLLM's `--kv-cache-memory-bytes N` is `--kv-budget-gib`
     N / 2^30 (per rank, as vLLM's per GPU), `--gpu-memory-utilization` beside it dropped
-    (vLLM ignores it then). Another size beside any of these is one error."""
-    from dsakv.engine import EngineConfig
+    (vLLM ignores it then). Another size beside any of these is one error. (SGLang's
+    `--max-total-tokens` caps whichever sizes the pool: `EngineConfig.max_total_tokens`.)"""
+    from dsakv.config.hisparse import check_runs_with
 
     kv_bytes = getattr(args, "kv_cache_memory_bytes", None)
     if kv_bytes is not None:
-        sizes = ("--num-pages", "--kv-budget-gib", "--mem-fraction-static", "--max-total-tokens")
+        sizes = ("--num-pages", "--kv-budget-gib", "--mem-fraction-static")
         for flag in sizes:
             if getattr(args, flag[2:].replace("-", "_")) is not None:
                 raise DsakvError(
@@ -1180,27 +1202,12 @@ def _fold_pool_sizes(args: argparse.Namespace) -> None:
                 )
         args.kv_budget_gib, args.kv_cache_memory_bytes = kv_bytes / 2**30, None
         args.gpu_memory_utilization = None
-    tokens = args.max_total_tokens
-    if tokens is not None:
-        sizes = ("--num-pages", "--kv-budget-gib", "--mem-fraction-static")
-        sizes += ("--gpu-memory-utilization",)
-        for flag in sizes:
-            if getattr(args, flag[2:].replace("-", "_")) is not None:
-                raise DsakvError(f"--max-total-tokens and {flag} both size the KV pool: give one")
-        page = args.page_size or EngineConfig.page_size
-        if tokens < page:
-            raise DsakvError(
-                f"--max-total-tokens {tokens} holds no {page}-token page (--page-size)"
-            )
-        args.num_pages, args.max_total_tokens = tokens // page, None
     ratio, size = args.hicache_ratio, args.hicache_size
+    args.hicache_ratio = args.hicache_size = None
     if not args.enable_hierarchical_cache:
-        for flag, value in (("--hicache-ratio", ratio), ("--hicache-size", size)):
-            if value is not None:
-                raise DsakvError(
-                    f"{flag} sizes SGLang's host KV tier: it needs --enable-hierarchical-cache"
-                )
         return
+    if getattr(args, "enable_hisparse", False):
+        check_runs_with(host_pool="--enable-hierarchical-cache")
     for flag in ("--host-pool-gib", "--host-pool-ratio"):
         if getattr(args, flag[2:].replace("-", "_")) is not None:
             raise DsakvError(
@@ -1210,7 +1217,7 @@ def _fold_pool_sizes(args: argparse.Namespace) -> None:
         args.host_pool_gib = size * 1e9 / 2**30
     else:
         args.host_pool_ratio = 2.0 if ratio is None else ratio
-    args.enable_hierarchical_cache, args.hicache_ratio, args.hicache_size = False, None, None
+    args.enable_hierarchical_cache = False
 
 
 def _fold_prefill_budget(args: argparse.Namespace, model_dir: str) -> None:

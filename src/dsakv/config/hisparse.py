@@ -37,16 +37,17 @@ def check_runs_with(
     *,
     mtp: str | None = None,
     ranks: int = 1,
-    host_pool: bool = False,
+    host_pool: str | None = None,
     storage: bool = False,
     chunked_prefill_size: int = 2,
 ) -> None:
     """Refuse what HiSparse does not run with yet, one ConfigError: the engine refuses it,
-    so `dsakv plan` must not plan it either. `mtp` is the flag that turned MTP on, if any."""
+    so `dsakv plan` must not plan it either. `mtp` and `host_pool` are the flags that turned
+    MTP and a host KV tier on, if any."""
     refused = (
         (mtp is not None, f"{mtp} (MTP)"),
         (ranks > 1, "more than one rank"),
-        (host_pool, "--host-pool-gib (HiSparse's host pool holds the latent)"),
+        (host_pool is not None, f"a host KV tier ({host_pool}: HiSparse's holds the latent)"),
         (storage, "--hicache-storage-backend"),
         (chunked_prefill_size < 2, "--chunked-prefill-size 1 (a 1-token step decodes)"),
     )

@@ -25,7 +25,8 @@ def serve_command(model: str, mode: str, port: int, bootstrap_port: int, flags: 
     cmd = [sys.executable, "-m", "dsakv.cli", "serve", model, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--disaggregation-mode", mode]
     cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port), *flags]
-    return cmd
+    # (behind the router, on loopback: no browser page should reach a server directly)
+    return [*cmd, "--allowed-origins", "[]"]
 
 
 def wait_healthy(urls: Sequence[str], procs: Sequence[subprocess.Popen], timeout: float) -> None:

@@ -37,6 +37,9 @@ class EngineConfig:
     elide_index_k: bool = True
     kv_budget_gib: float | None = None
     num_pages: int | None = None
+    # SGLang's cap on the device pool, in tokens: the pool is the least of what its size
+    # gives and this, in whole pages (`Engine._num_pages`)
+    max_total_tokens: int | None = None
     # The pool from what the GPU has free after the load (SGLang's flag; CUDA only), and
     # vLLM's, refused: see `_check_pool_size`.
     mem_fraction_static: float | None = None
@@ -141,10 +144,15 @@ class EngineConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise DsakvError(f"{name} must be an integer >= 1, got {v!r}")
-        for name in ("num_pages", "max_model_len", "cuda_graph_max_bs"):
+        for name in ("num_pages", "max_total_tokens", "max_model_len", "cuda_graph_max_bs"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < 1):
                 raise DsakvError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise DsakvError(
+                f"--max-total-tokens {self.max_total_tokens} holds no {self.page_size}-token "
+                "page (--page-size)"
+            )
         budget, host = self.kv_budget_gib, self.host_pool_gib
         if budget is not None and not (is_number(budget) and 0 < budget < math.inf):
             raise DsakvError(f"kv_budget_gib must be a finite number > 0, got {budget!r}")
@@ -309,10 +317,20 @@ class EngineConfig:
         check_runs_with(
             mtp="--speculative-algorithm" if self.speculative_algorithm is not None else None,
             ranks=self.parallel.world_size,
-            host_pool=self.host_pool_gib > 0 or self.host_pool_ratio is not None,
+            host_pool=self.host_tier_flag,
             storage=self.hicache_storage_backend is not None,
             chunked_prefill_size=self.chunked_prefill_size,
         )
+
+    @property
+    def host_tier_flag(self) -> str | None:
+        """The flag that sized the host tier, with the spellings that set it (for errors:
+        SGLang's fold into these), or None when there is no host tier."""
+        if self.host_pool_gib > 0:
+            return "--host-pool-gib, --swap-space or SGLang's --hicache-size"
+        if self.host_pool_ratio is not None:
+            return "--host-pool-ratio or SGLang's --enable-hierarchical-cache / --hicache-ratio"
+        return None
 
     @property
     def storage(self) -> StorageConfig | None:

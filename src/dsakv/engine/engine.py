@@ -69,6 +69,8 @@ from .speculative import MTPDrafter, verify
 from .weight_update import WEIGHT_CALLS, WeightUpdateMixin
 
 log = logging.getLogger(__name__)
+# What sizes the device pool, for its errors
+POOL_FLAGS = "--kv-budget-gib, --num-pages, --max-total-tokens, --mem-fraction-static"
 
 
 class RankDied(DsakvError):
@@ -213,7 +215,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.hisparse = self._hisparse_config()
         num_pages, latent_pages = self._num_pages()
         self.max_model_len = self._max_model_len(num_pages * config.page_size)
-        self.pool = DSAKVPool(self.layout, num_pages, self.device, latent_pages=latent_pages)
+        try:
+            self.pool = DSAKVPool(self.layout, num_pages, self.device, latent_pages=latent_pages)
+        except ConfigError as e:  # (too little memory for it: which flags size it)
+            raise ConfigError(f"{e}: ask for a smaller pool ({POOL_FLAGS})") from None
         c = self.model_config
         self.deterministic = self._deterministic(dtype)
         self.backend = select_backend(
@@ -315,26 +320,33 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         return cap // pc.world_size + (self.parallel.rank < cap % pc.world_size)
 
     def _num_pages(self) -> tuple[int, int | None]:
-        """The pool's pages (`num_pages`, else as many as `kv_budget_gib` holds) and, under
-        HiSparse, its device latent pages: then the budget buys latent pages, and each backs
-        `host_to_device_ratio` logical pages (index-K on the device, every layer's latent
-        on the host)."""
+        """The pool's pages (`num_pages`, else as many as `kv_budget_gib` holds), at most
+        `max_total_tokens`' whole pages, and, under HiSparse, its device latent pages: then
+        the budget (and the cap) buys latent pages, and each backs `host_to_device_ratio`
+        logical pages (index-K on the device, every layer's latent on the host)."""
         config = self.config
         budget = self._kv_budget_gib()
-        latent_pages = None
-        if self.hisparse is not None:
-            latent_pages = config.num_pages or (
-                plan_hisparse(self.layout, self.hisparse, kv_budget_gib=budget).device_tokens
-                // config.page_size
-            )
-            num_pages = latent_pages * self.hisparse.host_to_device_ratio
-        elif config.num_pages is not None:
-            num_pages = config.num_pages
+        if config.num_pages is not None:
+            pages = config.num_pages
+        elif self.hisparse is not None:
+            tokens = plan_hisparse(self.layout, self.hisparse, kv_budget_gib=budget).device_tokens
+            pages = tokens // config.page_size
         else:
-            num_pages = plan_capacity(self.layout, kv_budget_gib=budget).num_pages
-        if num_pages < 1 or latent_pages == 0:
+            pages = plan_capacity(self.layout, kv_budget_gib=budget).num_pages
+        cap = config.max_total_tokens
+        if cap is not None:  # (SGLang's: the least of the two, a warning where the cap is more)
+            if cap > pages * config.page_size:
+                log.warning(
+                    "--max-total-tokens %d is more than the %d tokens the KV pool's size "
+                    "gives: the pool keeps that size",
+                    cap, pages * config.page_size,
+                )  # fmt: skip
+            pages = min(pages, cap // config.page_size)
+        if pages < 1:
             raise DsakvError("the KV budget holds less than one page")
-        return num_pages, latent_pages
+        if self.hisparse is None:
+            return pages, None
+        return pages * self.hisparse.host_to_device_ratio, pages
 
     def _kv_budget_gib(self) -> float:
         """`kv_budget_gib` (default 1), or under `mem_fraction_static` what the GPU keeps for
@@ -382,7 +394,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         if asked > pool_tokens:
             raise DsakvError(
                 f"max_model_len {asked} is more tokens than the KV pool holds ({pool_tokens}): "
-                "give a larger pool (--kv-budget-gib, --num-pages) or a smaller max_model_len"
+                f"give a larger pool ({POOL_FLAGS}) or a smaller max_model_len"
             )
         return asked
 
@@ -394,20 +406,22 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         that compute different bytes do not share stored pages (nor pair as prefill and
         decode servers: `dsakv.disagg.bootstrap.describe`)."""
         config = self.config
-        host = None
-        if config.host_pool_gib > 0:
-            try:
+        host, flag = None, config.host_tier_flag
+        try:
+            if config.host_pool_gib > 0:
                 host = HostPool.from_gib(self.pool, config.host_pool_gib)
-            except ValueError as e:
-                raise DsakvError(f"host_pool_gib: {e}") from None
-        elif config.host_pool_ratio is not None:  # (SGLang's --hicache-ratio: the pool's now)
-            pages = int(self.pool.num_pages * config.host_pool_ratio)
-            if pages < 1:
-                raise DsakvError(
-                    f"host_pool_ratio {config.host_pool_ratio} of the {self.pool.num_pages}-page "
-                    "pool holds no page"
-                )
-            host = HostPool(self.pool, pages)
+            elif config.host_pool_ratio is not None:  # (SGLang's --hicache-ratio: the pool's now)
+                pages = int(self.pool.num_pages * config.host_pool_ratio)
+                if pages < 1:
+                    raise DsakvError(
+                        f"{config.host_pool_ratio} times the {self.pool.num_pages}-page pool "
+                        "holds no page"
+                    )
+                host = HostPool(self.pool, pages)
+        except ConfigError as e:  # (too little memory for it)
+            raise ConfigError(f"{e}: ask for a smaller host tier ({flag})") from None
+        except ValueError as e:  # (DsakvError too: a tier of no page)
+            raise DsakvError(f"the host tier ({flag}): {e}") from None
         hot = None
         if self.hisparse is not None:
             hot = HotBuffers(self.hisparse, self.pool, self.plan, self.backend, self.device)

@@ -36,7 +36,9 @@ class HostPool:
         """As many whole pages as fit in `gib` GiB (2**30 bytes) of host memory."""
         pages = int(gib * 2**30 // device_pool.layout.bytes_per_page)
         if pages < 1:
-            raise ValueError(f"{gib} GiB holds no {device_pool.layout.bytes_per_page}-byte page")
+            raise ValueError(
+                f"{gib:.3g} GiB holds no {device_pool.layout.bytes_per_page}-byte page"
+            )
         return cls(device_pool, pages, **kw)
 
     # --- sizes -------------------------------------------------------------------------------

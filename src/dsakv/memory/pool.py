@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,6 +87,16 @@ def allocation_failed(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and (
         "can't allocate memory" in text or "out of memory" in text
     )
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """All the memory `device` has (the host's RAM for the CPU; None: unknown): a pool past
+    it can never be allocated, and one past 2^63 bytes overflows torch's size arithmetic."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    if device.type == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
 
 
 _OS_PAGE = mmap.PAGESIZE
@@ -252,18 +263,19 @@ class DSAKVPool:
         self.pin_memory = pin_memory
         lat = (layout, self.latent_pages, self.device, pin_memory)
         idx = (layout, num_pages, self.device, pin_memory)
+        ps, where = self.page_size, "host" if self.device.type == "cpu" else str(self.device)
+        need = self.latent_pages * ps * layout.latent_bytes_per_token
+        need += num_pages * ps * layout.index_k_bytes_per_token
+        cannot = f"cannot allocate {need / 2**30:.2f} GiB of KV cache on the {where}"
+        have = memory_bytes(self.device)
+        if have is not None and need > have:  # (past int64 too: torch would overflow)
+            raise ConfigError(f"{cannot}, which has {have / 2**30:.2f} GiB in all")
         try:
             self._latent = [_latent_buffer(*lat) for _ in range(layout.num_layers)]
             # The layout (hence the LayerPlan) alone decides which layers get index-K.
             self._index_k = {layer: _index_k_buffer(*idx) for layer in layout.index_k_layers}
         except _NoMemory as e:
-            ps, where = self.page_size, "host" if self.device.type == "cpu" else str(self.device)
-            need = self.latent_pages * ps * layout.latent_bytes_per_token
-            need += num_pages * ps * layout.index_k_bytes_per_token
-            raise ConfigError(
-                f"cannot allocate {need / 2**30:.2f} GiB of KV cache on the {where}: ask for a "
-                f"smaller pool (--kv-budget-gib, --num-pages, --host-pool-gib) ({e})"
-            ) from None
+            raise ConfigError(f"{cannot} ({e})") from None
 
     # --- sizes -------------------------------------------------------------------------------
 

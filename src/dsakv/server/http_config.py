@@ -53,6 +53,8 @@ class HTTPConfig:
                 f"--ssl-cert-reqs {self.ssl_cert_reqs} checks clients' certificates against "
                 "--ssl-ca-certs: give it"
             )
+        if self.root_path == "/":  # (no prefix, as FastAPI reads it)
+            object.__setattr__(self, "root_path", "")
         if self.root_path and not (self.root_path.startswith("/") and self.root_path[-1] != "/"):
             raise DsakvError(
                 f"--root-path must start with / and not end with one, got {self.root_path!r}"
@@ -88,6 +90,8 @@ class HTTPConfig:
         (a preflight needs no API key; a 401 carries the CORS headers a browser needs to
         read it)."""
         app.root_path = self.root_path
+        if not self.allowed_origins:  # (no origin: no CORS headers at all)
+            return
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(self.allowed_origins),

@@ -43,11 +43,14 @@ class ResponseDefaults:
 
 
 def stream_usage(body: GenerationRequest, force: bool = False) -> tuple[bool, bool]:
-    """(a usage chunk at the end, usage on every chunk): `stream_options.include_usage` (or
-    `force`: vLLM's --enable-force-include-usage), and with it vLLM's
-    `continuous_usage_stats` (each chunk: its choice's tokens so far)."""
+    """(a usage chunk at the end, usage on every chunk): `stream_options.include_usage`, and
+    with it vLLM's `continuous_usage_stats` (each chunk: its choice's tokens so far); `force`
+    (vLLM's --enable-force-include-usage) both, whatever the request asks, as vLLM's
+    `should_include_usage` since its PR #37923."""
+    if force:
+        return True, True
     opts = body.stream_options
-    usage = force or bool(opts and opts.include_usage)
+    usage = bool(opts and opts.include_usage)
     return usage, usage and bool(opts and opts.continuous_usage_stats)
 
 
