@@ -153,3 +153,27 @@ def synchronous_l3(l3) -> None:
             lookup.done.wait()
 
     l3.prefetch = waited
+
+
+def cli_config(*argv: str):
+    """The `EngineConfig` a `dsakv` command line gives, nothing started."""
+    from dsakv.cli import build_parser, engine_config_from_args
+    from dsakv.cli.args import fold_model_option
+
+    args = build_parser().parse_args(list(argv))
+    fold_model_option(args)
+    return engine_config_from_args(args)
+
+
+def cli_error_line(argv: list[str], capsys) -> str:
+    """The one `error:` line `dsakv argv` exits 2 with."""
+    import sys
+
+    from dsakv.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]

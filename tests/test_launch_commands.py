@@ -6,15 +6,17 @@ does that anyway; a value dsakv cannot honour is one `error:` line, exit 2."""
 from __future__ import annotations
 
 import logging
-import sys
 
 import httpx
 import pytest
 
-from dsakv.cli import build_parser, engine_config_from_args, main
-from dsakv.cli.args import add_engine_args, fold_model_option, given_flags
+from dsakv.cli import build_parser, engine_config_from_args
+from dsakv.cli.args import add_engine_args, given_flags
 from dsakv.engine import Engine
 from dsakv.procs import free_port
+
+from .conftest import cli_config as _config
+from .conftest import cli_error_line as _error_line
 
 # Placeholders: the model, and the GPUs the recipes run on (they size the pool with
 # --mem-fraction-static, which a CPU refuses; nothing here starts an engine).
@@ -205,22 +207,6 @@ def models() -> dict[str, str]:
         "glm": str(default_model_dir("glm-tiny", weights="fp8")),
         "deepseek": str(default_model_dir("deepseek-tiny", weights="fp8")),
     }
-
-
-def _config(*argv: str):
-    args = build_parser().parse_args(list(argv))
-    fold_model_option(args)
-    return engine_config_from_args(args)
-
-
-def _error_line(argv: list[str], capsys) -> str:
-    """The one `error:` line `dsakv argv` exits 2 with."""
-    with pytest.raises(SystemExit) as exc:
-        sys.exit(main(argv))
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 def test_the_published_commands_run(models):

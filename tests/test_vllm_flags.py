@@ -18,13 +18,14 @@ import httpx
 import pytest
 
 from dsakv.cli import build_parser, engine_config_from_args, main
-from dsakv.cli.args import fold_model_option
 from dsakv.config.model import served_sampling_defaults
 from dsakv.engine import EngineConfig
 from dsakv.procs import free_port
 from dsakv.server.http_config import HTTPConfig
 from dsakv.server.openai_format import ResponseDefaults
 
+from .conftest import cli_config as _config
+from .conftest import cli_error_line as _error_line
 from .serving import TIMEOUT, serving
 
 ENGINE_ARGS = dict(
@@ -237,21 +238,6 @@ def test_overrides_go_over_the_models_generation_config():
 
 
 # --- the command line -----------------------------------------------------------------------------
-
-
-def _config(*argv: str):
-    args = build_parser().parse_args(list(argv))
-    fold_model_option(args)
-    return engine_config_from_args(args)
-
-
-def _error_line(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        sys.exit(main(argv))
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 @pytest.mark.parametrize(

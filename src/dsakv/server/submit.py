@@ -562,21 +562,12 @@ class SubmitMixin:
 
         # (an abort ends the stream with finish_reason "abort")
         watcher = asyncio.create_task(_when_left(raw, lambda: self.engine.abort(stream)))
-        result, finished, times = Result(), False, self.metrics.request()
-        seen = self.in_flight.tap(stream)
+        result = Result()
         try:
-            while not finished:
-                u = await stream.get()
-                times.observe(u)
-                if seen is not None:
-                    seen.add(u)
-                finished = u.finished
-                if u.error is not None:
-                    raise _update_error(u)
-                result.add(u)
+            async with contextlib.aclosing(self._updates(stream)) as updates:
+                async for u in updates:  # (closed here, not when collected: its count now)
+                    result.add(u)
         finally:
-            if not finished:  # (cancelled: another choice failed)
-                self.metrics.success.labels("abort").inc()
             left = watcher.done() and not watcher.cancelled()
             watcher.cancel()
             self.engine.abort(stream)  # a no-op when it already finished
