@@ -5,6 +5,8 @@ what a client reads in total is the same."""
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -13,16 +15,28 @@ from dsakv.cli import main
 from dsakv.engine import EngineConfig
 from dsakv.errors import DsakvError
 
-from .serving import TIMEOUT, serving, sglang_stream
+from .serving import (
+    TIMEOUT,
+    engine_stops_stepping_at,
+    scrape_metrics,
+    serving,
+    sglang_stream,
+    until_in_flight,
+)
 
 INTERVAL = 4
 
 
 @pytest.fixture(scope="module")
-def base(glm_tiny):
+def served(glm_tiny):
     config = EngineConfig(model=glm_tiny, num_pages=32, stream_interval=INTERVAL)
-    with serving(config) as (url, _):
-        yield url
+    with serving(config) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def base(served):
+    return served[0]
 
 
 def test_tokens_reach_the_stream_n_at_a_time(base):
@@ -54,6 +68,38 @@ def test_a_request_s_own_interval_overrides_the_server_s(base):
             base, input_ids=[5, 6], sampling_params={**sp, "stream_interval": own}
         )
         assert [e["meta_info"]["completion_tokens"] for e in events] == counts, own
+
+
+def test_an_abort_hands_out_the_tokens_held_back(served):
+    """An /abort_request while tokens wait for the interval: the answer holds them (ids,
+    logprobs and text alike), not only the text."""
+    base, engine = served
+    sp = {"max_new_tokens": 50, "temperature": 0, "ignore_eos": True, "stream_interval": 1000}
+    ask = {"input_ids": [5, 6, 7], "rid": "held", "sampling_params": sp, "return_logprob": True}
+    with engine_stops_stepping_at(engine, 6), ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, f"{base}/generate", json=ask, timeout=TIMEOUT)
+        until_in_flight(base, held)
+        deadline = time.monotonic() + TIMEOUT
+        while not any(len(r.output_ids) >= 6 for r in list(engine.engine.requests.values())):
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.02)
+        httpx.post(f"{base}/abort_request", json={"rid": "held"}, timeout=TIMEOUT)
+        out = held.result().json()
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) == meta["completion_tokens"] == 6
+    assert len(meta["output_token_logprobs"]) == 6
+
+
+def test_inter_token_latency_is_one_gap_a_step_whatever_the_interval(base):
+    """vLLM's inter-token latency: one sample per step that brought tokens (9 for 10
+    tokens), the steps held back for the interval included, not one per chunk sent."""
+    name = "dsakv_inter_token_latency_seconds_count"
+    before = scrape_metrics(base).get(name, 0)
+    ask = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 10, "temperature": 0,
+           "ignore_eos": True}}  # fmt: skip
+    assert len(sglang_stream(base, **ask)) == 4  # (1, 4, 4, 1 tokens)
+    assert scrape_metrics(base)[name] - before == 9
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True])

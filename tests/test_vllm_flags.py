@@ -23,6 +23,7 @@ from dsakv.engine import EngineConfig
 from dsakv.procs import free_port
 from dsakv.server.http_config import HTTPConfig
 from dsakv.server.openai_format import ResponseDefaults
+from dsakv.server.request_log import RequestLogConfig
 
 from .conftest import cli_config as _config
 from .conftest import cli_error_line as _error_line
@@ -47,7 +48,8 @@ def served(glm_tiny):
     config = EngineConfig(model=glm_tiny, override_generation_config=OVERRIDES, **ENGINE_ARGS)
     defaults = ResponseDefaults("bot", tokens_as_ids=True, force_include_usage=True)
     http = HTTPConfig(root_path="/proxy")
-    with serving(config, api_key=KEY, http=http, defaults=defaults) as served:
+    log = RequestLogConfig.from_flags(log_requests=True, log_requests_level=0)
+    with serving(config, api_key=KEY, http=http, defaults=defaults, request_log=log) as served:
         yield served
 
 
@@ -107,8 +109,12 @@ def test_a_browsers_preflight_is_answered_for_any_origin_by_default(served):
     base, _ = served
     headers = {"Origin": "http://localhost:3000", **PREFLIGHT}
     headers["Access-Control-Request-Headers"] = "authorization,content-type"
+    counted = 'dsakv_http_requests_total{endpoint="/v1/chat/completions"'
+    before = httpx.get(f"{base}/metrics", timeout=TIMEOUT).text.count(counted)
     r = httpx.options(f"{base}/v1/chat/completions", headers=headers, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
+    # (a browser's question before its call, not a call: /metrics counts none)
+    assert httpx.get(f"{base}/metrics", timeout=TIMEOUT).text.count(counted) == before
     assert r.headers["access-control-allow-origin"] == "*"
     assert "POST" in r.headers["access-control-allow-methods"]
     assert r.headers["access-control-allow-headers"] == "authorization,content-type"
@@ -143,11 +149,12 @@ def test_tls_serves_https(tls):
         httpx.get(f"{base}/health", timeout=TIMEOUT)
 
 
-def test_root_path_routes_requests_with_the_prefix_or_without(served):
+def test_root_path_routes_requests_with_the_prefix_or_without(served, caplog):
     """--root-path /proxy (FastAPI's root_path, as vLLM sets it): behind a proxy that keeps
     the prefix or strips it, a request reaches its route; the key is checked, the probes
-    stay open and /metrics counts the route's name, as without it."""
+    stay open and /metrics and the request log name the route, as without it."""
     base, _ = served
+    caplog.set_level("INFO", logger="dsakv.requests")
     for path in ("/proxy/v1/models", "/v1/models"):
         r = httpx.get(base + path, headers=AUTH, timeout=TIMEOUT)
         assert r.status_code == 200 and r.json()["data"][0]["id"], path
@@ -158,6 +165,8 @@ def test_root_path_routes_requests_with_the_prefix_or_without(served):
     text = httpx.get(f"{base}/proxy/metrics", timeout=TIMEOUT).text
     assert 'endpoint="/v1/models",status="200"} 2.0' in text, text
     assert 'endpoint="/v1/completions",status="200"} ' in text
+    routes = {m.split("route=")[1].split(",")[0] for m in caplog.messages if "route=" in m}
+    assert routes == {"/v1/completions"}, caplog.messages
 
 
 # --- what requests leave out --------------------------------------------------------------------

@@ -1023,7 +1023,8 @@ def add_response_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enable-force-include-usage",
         action="store_true",
-        help="every stream ends with a usage chunk, as if it asked stream_options.include_usage",
+        help="every stream carries the usage, whatever its stream_options say: on each chunk "
+        "and in a usage chunk at the end (vLLM's since its PR #37923)",
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from dsakv.errors import is_int
+from dsakv.server.http_config import route_path
 from dsakv.server.protocol import APIError
 
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
@@ -171,7 +172,8 @@ class BootstrapMiddleware:
         h = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
         try:
             targets = from_headers(h)
-            if targets is None and scope["method"] == "POST" and scope["path"] in GENERATE_PATHS:
+            post = scope["method"] == "POST"
+            if targets is None and post and route_path(scope) in GENERATE_PATHS:
                 raw, receive = await _buffer_body(receive)
                 targets = from_body(_json_or_none(raw))
         except APIError as e:

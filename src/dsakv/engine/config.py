@@ -178,8 +178,7 @@ class EngineConfig:
                 f"expert_distribution_recorder_buffer_size must be a nonzero integer, got {size!r}"
             )
         timeout = self.watchdog_timeout
-        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-        if timeout is not None and not (number and timeout > 0):
+        if timeout is not None and not (is_number(timeout) and timeout > 0):
             raise DsakvError(f"watchdog_timeout must be a positive number, got {timeout!r}")
         if not is_int(self.stream_interval) or self.stream_interval < 1:
             raise DsakvError(

@@ -281,6 +281,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(message, "server_error"), status_code=500)
 
 
+def _preflight(scope: dict) -> bool:
+    """A CORS preflight: what a browser asks before its call (`HTTPConfig.install`)."""
+    if scope["method"] != "OPTIONS":
+        return False
+    return any(k == b"access-control-request-method" for k, _ in scope.get("headers", ()))
+
+
 class _CountRequests:
     """Pure ASGI middleware counting responses by endpoint and status (keeps streaming and
     disconnect detection untouched, unlike `BaseHTTPMiddleware`). A response the client
@@ -290,7 +297,7 @@ class _CountRequests:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or _preflight(scope):  # (a browser's, not a call)
             await self.app(scope, receive, send)
             return
         status, ended, left = 500, False, False

@@ -778,8 +778,13 @@ async def _params(
     its grammar compiled) as for /v1/completions, under OpenAI's names, but as SGLang's
     /generate: no generation_config defaults, max_new_tokens null runs to the context's
     end (left out: 128), and output logprobs of the processed logits."""
-    skip = {"max_new_tokens", "min_new_tokens", "structural_tag", "spaces_between_special_tokens"}
-    skip |= {"stream_interval"}
+    skip = {
+        "max_new_tokens",
+        "min_new_tokens",
+        "structural_tag",
+        "spaces_between_special_tokens",
+        "stream_interval",  # (set below: not a GenerationRequest field)
+    }
     fields = sp.model_dump(exclude_none=True, exclude=skip | set(_SAMPLING_NOT_RUN))
     if sp.min_new_tokens is not None:
         fields["min_tokens"] = sp.min_new_tokens

@@ -288,8 +288,8 @@ class RequestTimes:
         if u.ttft_s is not None and not self.timed:
             self.timed = True
             m.ttft.observe(u.ttft_s)
-        if u.token_gap_s is not None:
-            m.inter_token.observe(u.token_gap_s)
+        for gap in u.token_gaps_s:
+            m.inter_token.observe(gap)
         if u.finished:
             m.success.labels(u.finish_reason or "abort").inc()
             if u.error is None and u.latency_s is not None:

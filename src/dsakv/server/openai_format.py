@@ -29,9 +29,9 @@ def finish_reason(u: Update) -> str | None:
 class ResponseDefaults:
     """vLLM's server-wide defaults for what a completions or chat request leaves out: the
     reply's role under add_generation_prompt (`--response-role`), logprobs' tokens as
-    "token_id:N" (`--return-tokens-as-token-ids`; a request's own field wins), and a usage
-    chunk ending every stream, as if it asked `stream_options.include_usage`
-    (`--enable-force-include-usage`)."""
+    "token_id:N" (`--return-tokens-as-token-ids`; a request's own field wins), and the
+    usage on every stream's chunks and at its end, whatever its `stream_options` say
+    (`--enable-force-include-usage`: `stream_usage`)."""
 
     response_role: str = "assistant"
     tokens_as_ids: bool = False

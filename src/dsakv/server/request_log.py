@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from dsakv.errors import DsakvError
 
+from .http_config import route_path
+
 if TYPE_CHECKING:
     from dsakv.engine import SamplingParams
 
@@ -236,7 +238,7 @@ def route_of(raw: Any) -> str:
     """The path a request came in on (a background response's detached one names its
     route too: `responses._Detached`)."""
     scope = getattr(raw, "scope", None)
-    return scope.get("path", "?") if scope else "?"
+    return route_path(scope) if scope else "?"  # (under --root-path, the route's own)
 
 
 def _clip(value: Any, n: int | None) -> str:

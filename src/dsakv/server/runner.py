@@ -104,7 +104,9 @@ class Update:
     completion_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float | None = None
-    token_gap_s: float | None = None  # since the request's previous token (None: none yet)
+    # each step's gap since the request's previous tokens (vLLM's inter-token latency, one
+    # per step however many tokens it brings), those held back by stream_interval included
+    token_gaps_s: tuple[float, ...] = ()
     error: str | None = None  # the engine failed on this request
     error_status: int = 500  # 400 where the request itself was at fault (`Request.error`)
     # An abort a client asked for (SGLang's /abort_request): the request's `Status` then,
@@ -147,7 +149,8 @@ class RequestStream:
     sent_tokens: int = 0
     sent_chars: int = 0
     sent_prompt: bool = False
-    last_token_at: float | None = None  # when its latest tokens were handed out
+    last_token_at: float | None = None  # when its latest tokens came (a step's end)
+    held_gaps: list[float | None] = field(default_factory=list)  # steps held back (`_held_back`)
     request: Request | None = None
     texts: TokenTexts | None = None  # with logprobs, where the engine kept none (`_update`)
     abort_asked: bool = False  # `abort(asked=True)`: its last update says so
@@ -446,6 +449,8 @@ class AsyncEngine:
             return  # never accepted, or already finished
         req = stream.request
         status = req.status if req is not None else Status.WAITING  # (before the abort)
+        if req is not None and len(req.output_ids) > stream.sent_tokens and stream.sent_prompt:
+            stream._push(_update(self.engine, stream, req))  # (held back: `stream_interval`)
         self.engine.abort(stream.rid)
         stream._push(_ended(stream, reason, status=status))
         stream.request = None
@@ -486,7 +491,10 @@ class AsyncEngine:
             return True
         for req in reqs:
             stream = self._streams.get(req.rid)
-            if stream is None or self._held_back(stream, req):
+            if stream is None:
+                continue
+            if self._held_back(stream, req):
+                stream.held_gaps.append(_token_gap(stream))
                 continue
             try:
                 update = _update(self.engine, stream, req)
@@ -602,11 +610,9 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
     if scored and tok is not None:
         prompt_texts, prompt_top_texts = prompt_logprob_texts(tok, req)
     m = req.metrics
-    gap = None
-    if ids:  # (one gap per update, however many tokens it brings: vLLM's inter-token latency)
-        now = time.perf_counter()
-        gap = None if stream.last_token_at is None else now - stream.last_token_at
-        stream.last_token_at = now
+    gaps, stream.held_gaps = stream.held_gaps, []
+    if ids:
+        gaps.append(_token_gap(stream))
     return Update(
         error=req.error,
         error_status=400,
@@ -622,7 +628,7 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         completion_tokens=end,
         ttft_s=m.ttft,
         latency_s=m.latency,
-        token_gap_s=gap,
+        token_gaps_s=tuple(g for g in gaps if g is not None),
         texts=texts,
         top_texts=top_texts,
         prompt_token_ids=list(req.prompt_ids) if first else None,
@@ -650,6 +656,15 @@ def _watchdog_timeout(config: Any) -> float | None:
     if config.watchdog_timeout is None or storage is None:
         return config.watchdog_timeout
     return config.watchdog_timeout + storage.prefetch_timeout_s
+
+
+def _token_gap(stream: RequestStream) -> float | None:
+    """The time since the request's previous tokens came (None before its first), now that
+    a step brought more: vLLM's inter-token latency, one per step."""
+    now = time.perf_counter()
+    gap = None if stream.last_token_at is None else now - stream.last_token_at
+    stream.last_token_at = now
+    return gap
 
 
 def _stable_len(text: str, longest_stop: int) -> int:

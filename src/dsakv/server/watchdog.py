@@ -4,7 +4,7 @@ dead peer will never join, a kernel that spins, a deadlock) exits instead of han
 Hung, it would keep answering /health while every request waits forever; exited, whatever
 supervises it (systemd, Kubernetes, a router's health checks) sees it gone and restarts or
 routes around it. Only steps are timed: an idle, paused or sleeping engine, and the calls
-run between steps (weight updates, profile writes), never trip it.
+run between steps (weight updates, /stop_profile's trace write), never trip it.
 """
 
 from __future__ import annotations
