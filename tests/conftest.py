@@ -177,3 +177,17 @@ def cli_error_line(argv: list[str], capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
     return err[0]
+
+
+def assert_taken_and_ignored(model: str, engine: list[str], server: list[list[str]], capsys):
+    """Flags dsakv takes and ignores change no `EngineConfig`: `engine`'s on serve, serve-pd
+    and generate; `server`'s (each a flag and its value) on serve and serve-pd, which
+    generate does not take (one error line each)."""
+    plain = cli_config("serve", model)
+    assert cli_config("serve", model, *engine, *sum(server, [])) == plain
+    assert cli_config("serve-pd", model, *engine, *sum(server, [])) == plain
+    generate = ["generate", model, "--prompt", "x"]
+    assert cli_config(*generate, *engine) == cli_config(*generate)
+    for flag in server:
+        error = cli_error_line([*generate, *flag], capsys)
+        assert "unrecognized arguments: " + " ".join(flag) in error

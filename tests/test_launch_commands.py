@@ -15,6 +15,7 @@ from dsakv.cli.args import add_engine_args, given_flags
 from dsakv.engine import Engine
 from dsakv.procs import free_port
 
+from .conftest import assert_taken_and_ignored
 from .conftest import cli_config as _config
 from .conftest import cli_error_line as _error_line
 
@@ -312,14 +313,7 @@ def test_switches_for_what_dsakv_does_anyway_change_nothing(models, capsys):
     engine += ["--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first"]
     server = [["--grammar-backend", "xgrammar"], ["--enable-cache-report"]]
     server += [["--skip-server-warmup"]]
-    assert _config("serve", glm, *engine, *sum(server, [])) == _config("serve", glm)
-    assert _config("serve-pd", glm, *engine, *sum(server, [])) == _config("serve", glm)
-    generate = ["generate", glm, "--prompt", "x"]
-    assert _config(*generate, *engine) == _config(*generate)
-    for flag in server:
-        assert "unrecognized arguments: " + " ".join(flag) in _error_line(
-            [*generate, *flag], capsys
-        )
+    assert_taken_and_ignored(glm, engine, server, capsys)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from dsakv.server.http_config import HTTPConfig
 from dsakv.server.openai_format import ResponseDefaults
 from dsakv.server.request_log import RequestLogConfig
 
+from .conftest import assert_taken_and_ignored
 from .conftest import cli_config as _config
 from .conftest import cli_error_line as _error_line
 from .serving import TIMEOUT, serving
@@ -301,15 +302,7 @@ def test_vllm_switches_for_what_dsakv_does_anyway_change_nothing(glm_tiny, capsy
     server += [["--disable-fastapi-docs"], ["--api-server-count", "1"], ["-asc", "1"]]
     server += [["--structured-outputs-config.backend", "xgrammar"], ["--enable-reasoning"]]
     server += [["--guided-decoding-backend", "xgrammar"], ["-asc", "01"]]
-    plain = _config("serve", glm_tiny)
-    assert _config("serve", glm_tiny, *engine, *sum(server, [])) == plain
-    assert _config("serve-pd", glm_tiny, *engine, *sum(server, [])) == plain
-    generate = ["generate", glm_tiny, "--prompt", "x"]
-    assert _config(*generate, *engine) == _config(*generate)
-    for flag in server:
-        assert "unrecognized arguments: " + " ".join(flag) in _error_line(
-            [*generate, *flag], capsys
-        )
+    assert_taken_and_ignored(glm_tiny, engine, server, capsys)
 
 
 @pytest.mark.parametrize(
