@@ -124,9 +124,7 @@ def build_app(
     app.add_middleware(_CountRequests, metrics=metrics)
     _install_error_handlers(app)
     if chat_parsers is None:
-        engine = async_engine.engine
-        template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
-        chat_parsers = ChatParsers.for_model(engine.model_config.model_type, chat_template=template)
+        chat_parsers = ChatParsers.for_engine(async_engine.engine)
     app.state.chat_parsers = chat_parsers
     api = Handlers(async_engine, names, metrics, chat_parsers, aliases, request_log, defaults)
 

@@ -82,6 +82,15 @@ class ChatParsers:
         writes: `resolve_parsers`; "none": off); unknown names raise `DsakvError`."""
         return cls(*resolve_parsers(model_type, tool, reasoning, chat_template))
 
+    @classmethod
+    def for_engine(
+        cls, engine: Any, tool: str | None = "auto", reasoning: str | None = "auto"
+    ) -> ChatParsers:
+        """`for_model` for what `engine` serves: its model type and its tokenizer's chat
+        template (`--chat-template`'s where given)."""
+        template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
+        return cls.for_model(engine.model_config.model_type, tool, reasoning, template)
+
 
 @dataclass(frozen=True)
 class PreparedChat:
@@ -275,7 +284,7 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
 # --- output -----------------------------------------------------------------------------------
 
 
-def reply_role(body: ChatCompletionRequest, response_role: str = "assistant") -> str:
+def reply_role(body: ChatCompletionRequest, response_role: str) -> str:
     """vLLM's `get_chat_request_role`: `response_role` (its --response-role), or under
     add_generation_prompt false the last message's role (the reply goes on with that
     message)."""
@@ -284,11 +293,11 @@ def reply_role(body: ChatCompletionRequest, response_role: str = "assistant") ->
     return body.messages[-1].role
 
 
-def echo_content(body: ChatCompletionRequest, role: str | None = None) -> str:
+def echo_content(body: ChatCompletionRequest, role: str) -> str:
     """vLLM's chat `echo`: the last message's text, which each reply starts with, when it is
-    in the reply's role (`role`, default `reply_role`'s); else nothing."""
+    in the reply's role (`role`: `reply_role`'s); else nothing."""
     last = body.messages[-1] if body.echo and body.messages else None
-    if last is None or last.role != (role or reply_role(body)):
+    if last is None or last.role != role:
         return ""
     content = _template_message(len(body.messages) - 1, last).get("content")
     return content if isinstance(content, str) else ""

@@ -98,10 +98,7 @@ def make_server(
     except BaseException:
         thread.close()  # a no-op once the step loop started
         raise
-    template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
-    parsers = ChatParsers.for_model(
-        engine.model_config.model_type, tool_call_parser, reasoning_parser, template
-    )
+    parsers = ChatParsers.for_engine(engine, tool_call_parser, reasoning_parser)
     app = build_app(
         async_engine,
         names,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -363,20 +363,18 @@ class SubmitMixin:
         are aborted (and `call` closed: `InFlight`, which learns of each prompt's choices
         as the engine takes them)."""
         streams: list[RequestStream] = []
-        log = call.log if call is not None else None
-        if log is not None:
-            log.received(prompts, params, n)
         try:
-            for prompt, p, given in zip(prompts, params, max_tokens_params, strict=True):
-                taken = await self._submit_n(prompt, p, n, raw, prompt_param, given, special, call)
-                streams += taken
-                if call is not None:
-                    self.in_flight.took(call, taken)
-        except BaseException as e:
+            with _logged(call, prompts, params, n):
+                for prompt, p, given in zip(prompts, params, max_tokens_params, strict=True):
+                    taken = await self._submit_n(
+                        prompt, p, n, raw, prompt_param, given, special, call
+                    )
+                    streams += taken
+                    if call is not None:
+                        self.in_flight.took(call, taken)
+        except BaseException:
             for s in streams:
                 self.engine.abort(s)
-            if log is not None:
-                log.failed(e)
             self.in_flight.close(call)
             raise
         return streams
@@ -397,15 +395,8 @@ class SubmitMixin:
         search runs (`_beam_steps`) as `_submit_n`'s engine call waits: a client that leaves
         cancels it, and so does an abort of all its outputs, which then end as aborted while
         waiting. Prompts are checked (and tokenized) as `_submit_n`'s."""
-        log = call.log if call is not None else None
-        if log is not None:
-            log.received(prompts, [params], beam.beam_width, beam=True)
-        try:
+        with _logged(call, prompts, [params], beam.beam_width, beam=True):
             return await self._beams(prompts, params, beam, raw, given, prompt_param, special, call)
-        except BaseException as e:
-            if log is not None:
-                log.failed(e)
-            raise
 
     async def _beams(
         self,
@@ -639,6 +630,27 @@ def _cancelling() -> bool:
     me = asyncio.current_task()
     cancelling = getattr(me, "cancelling", None)
     return bool(cancelling and cancelling())
+
+
+@contextlib.contextmanager
+def _logged(
+    call: Call | None,
+    prompts: Sequence[str | list[int]],
+    params: Sequence[SamplingParams],
+    n: int,
+    beam: bool = False,
+) -> Iterator[None]:
+    """The request log's Received line for `call`'s submission, and its failure when it
+    fails (noted before `InFlight.close` writes the call's end)."""
+    log = call.log if call is not None else None
+    if log is not None:
+        log.received(prompts, params, n, beam)
+    try:
+        yield
+    except BaseException as e:
+        if log is not None:
+            log.failed(e)
+        raise
 
 
 async def _when_left(raw: Request, then: Callable[[], Any]) -> None:
