@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from dsakv.engine.hisparse import _Hot
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 
-from .conftest import assert_integrity_catches
+from .conftest import assert_integrity_catches, cli_error_line
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=8)
 HS = {"host_to_device_ratio": 8}  # top_k 16 (index_topk), buffer 32
@@ -504,6 +505,25 @@ def test_cli_flags(tiny):
     ok = cli("--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 4}')
     assert ok.returncode == 0, ok.stderr
     assert "3 tokens" in ok.stdout
+
+
+def test_a_host_latent_past_the_machine_is_one_line_before_the_weights(tiny, tmp_path, capsys):
+    """HiSparse's host latent (every layer's latent of every logical token) past the
+    machine's memory was torch's traceback once the weights had loaded; it is one line
+    naming what sizes it, before they load: a checkpoint without weights gets that line."""
+    from dsakv.memory.pool import memory_bytes
+
+    bare = tmp_path / "no-weights"
+    shutil.copytree(tiny, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    # One 64-token device latent page backing twice the machine's memory in host latent
+    # (fp32: 8 layers × 2304 B a token); the device pool (fp8 index-K of those tokens) fits.
+    ratio = 2 * memory_bytes(torch.device("cpu")) // (64 * 8 * 2304) + 1
+    flags = ["--kv-cache-dtype", "fp32", "--num-pages", "1", "--enable-hisparse"]
+    flags += ["--hisparse-config", json.dumps({"host_to_device_ratio": ratio})]
+    for model in (tiny, str(bare)):
+        err = cli_error_line(["generate", model, "--prompt", "x", *flags], capsys)
+        assert "GiB of HiSparse host latent on the host, which has" in err, err
+        assert "--num-pages" in err and "host_to_device_ratio in --hisparse-config" in err
 
 
 def test_bench_section_off_dense_elided_side_by_side(tiny):

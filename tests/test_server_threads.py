@@ -117,6 +117,23 @@ def test_close_engine_runs_on_the_engine_thread_then_ends_it(model_dir, monkeypa
     assert not async_engine._owner.thread.is_alive()
 
 
+def test_a_stopped_server_leaves_no_grammar_compile_thread(model_dir):
+    """The grammar compile threads (`Handlers._compiles`) outlived their server: each app
+    built in a process (several over one engine in tests) left its own. The app's lifespan
+    now ends them when its server stops."""
+
+    def compiling() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("dsakv-grammar")}
+
+    before = compiling()  # (another module's app, if one still runs)
+    body = {"prompt": "x", "max_tokens": 2, "response_format": {"type": "json_object"}}
+    with serving(EngineConfig(model=str(model_dir), **ENGINE_ARGS)) as (base, _):
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert compiling() - before  # (its grammar compiled on one)
+    assert not compiling() - before
+
+
 def test_a_failed_build_raises_in_the_caller_and_ends_the_thread(tmp_path):
     before = set(threading.enumerate())
     (tmp_path / "config.json").write_text("{}")

@@ -302,7 +302,48 @@ def test_vllm_switches_for_what_dsakv_does_anyway_change_nothing(glm_tiny, capsy
     server += [["--disable-fastapi-docs"], ["--api-server-count", "1"], ["-asc", "1"]]
     server += [["--structured-outputs-config.backend", "xgrammar"], ["--enable-reasoning"]]
     server += [["--guided-decoding-backend", "xgrammar"], ["-asc", "01"]]
+    server += [["--structured-outputs-config.backend", "auto"]]
     assert_taken_and_ignored(glm_tiny, engine, server, capsys)
+
+
+# vLLM's StructuredOutputsConfig with every key dsakv takes and ignores (its defaults, and
+# the switches for what dsakv does anyway: compact JSON, one backend with no fallback)
+STRUCTURED = {
+    "backend": "auto",
+    "disable_fallback": True,
+    "disable_any_whitespace": True,
+    "disable_additional_properties": False,
+    "reasoning_parser": "",
+    "reasoning_parser_plugin": "",
+    "enable_in_reasoning": False,
+}
+
+
+@pytest.mark.parametrize(
+    "spec", [STRUCTURED, {"backend": "xgrammar", "disable_any_whitespace": False}, {}]
+)
+def test_vllms_structured_outputs_config_json_is_taken(glm_tiny, spec, capsys):
+    """vLLM's --structured-outputs-config JSON: only its dotted .backend was taken (the JSON
+    was read as that flag's abbreviation: "dsakv takes xgrammar, got '{...}'"). xgrammar or
+    auto and the keys for what dsakv does anyway are taken, the engine unchanged."""
+    flag = ["--structured-outputs-config", json.dumps(spec)]
+    assert_taken_and_ignored(glm_tiny, [], [flag], capsys)
+
+
+def test_structured_outputs_configs_reasoning_parser_is_the_servers(glm_tiny, monkeypatch):
+    """Its reasoning_parser is vLLM's --reasoning-parser: the server gets it (the same one
+    given twice is one); serve-pd, whose servers parse the model type's way, refuses it."""
+    from dsakv.server import serve
+
+    got = {}
+    monkeypatch.setattr(serve, "run_server", lambda config, **kw: got.update(kw))
+    flag = ["--structured-outputs-config", '{"reasoning_parser": "deepseek_v3"}']
+    for more in ([], ["--reasoning-parser", "deepseek_v3"]):
+        assert main(["serve", glm_tiny, "--port", str(free_port()), *flag, *more]) == 0
+        assert got.pop("reasoning_parser") == "deepseek_v3"
+    with pytest.raises(SystemExit) as exc:
+        sys.exit(main(["serve-pd", glm_tiny, "--port", str(free_port()), *flag]))
+    assert exc.value.code == 2
 
 
 @pytest.mark.parametrize(
@@ -314,6 +355,45 @@ def test_vllm_switches_for_what_dsakv_does_anyway_change_nothing(glm_tiny, capsy
         (["--cpu-offload-gb", "8"], ["dsakv takes 0", "every weight on the device"]),
         (["--guided-decoding-backend", "outlines"], ["dsakv takes xgrammar", "'outlines'"]),
         (["--structured-outputs-config.backend", "guidance"], ["dsakv takes xgrammar"]),
+        (
+            ["--structured-outputs-config", '{"backend": "guidance"}'],
+            ["--structured-outputs-config: backend: dsakv takes xgrammar or auto", "'guidance'"],
+        ),
+        (
+            ["--structured-outputs-config", '{"backend": "xgrammar"}']
+            + ["--structured-outputs-config.backend", "xgrammar"],
+            ["--structured-outputs-config and --structured-outputs-config.backend: give one"],
+        ),
+        (
+            ["--structured-outputs-config", '{"disable_additional_properties": true}'],
+            ["disable_additional_properties is the guidance backend's"],
+        ),
+        (
+            ["--structured-outputs-config", '{"enable_in_reasoning": true}'],
+            ["enable_in_reasoning: dsakv enforces a grammar once the reasoning is over"],
+        ),
+        (
+            ["--structured-outputs-config", '{"reasoning_parser_plugin": "p.py"}'],
+            ["runs no plugin code", "--reasoning-parser"],
+        ),
+        (
+            ["--structured-outputs-config", '{"reasoning_parser": "qwen3"}'],
+            ["unknown reasoning parser 'qwen3'"],
+        ),
+        (
+            ["--structured-outputs-config", '{"reasoning_parser": "glm45"}']
+            + ["--reasoning-parser", "none"],
+            ["reasoning_parser 'glm45' and --reasoning-parser 'none': give one"],
+        ),
+        (
+            ["--structured-outputs-config", '{"whitespace_pattern": " "}'],
+            ["unknown key(s) whitespace_pattern"],
+        ),
+        (
+            ["--structured-outputs-config", '{"disable_fallback": 1}'],
+            ["disable_fallback must be true or false, got 1"],
+        ),
+        (["--structured-outputs-config", "xgrammar"], ["must be a JSON object"]),
         (["--tool-parser-plugin", "my_parser.py"], ["runs no plugin code", "--tool-call-parser"]),
         (["--hf-overrides", '{"num_hidden_layers": 2}'], ["does not rewrite the model's config"]),
         (["--kv-cache-memory-bytes", "1G", "--kv-budget-gib", "1"], ["both size the KV pool"]),

@@ -132,6 +132,75 @@ def _speculative_config(text: str) -> int:
     return n
 
 
+def _structured_outputs_config(text: str) -> dict[str, str]:
+    """argparse type for vLLM's --structured-outputs-config JSON (its StructuredOutputsConfig),
+    as what dsakv takes of it: `backend` (`_grammar_backend`) and `reasoning_parser` (vLLM's
+    --reasoning-parser: `_fold_structured_outputs` sets it; empty, vLLM's default, sets
+    nothing). Keys for what dsakv does anyway are taken: `disable_any_whitespace` (its JSON
+    grammars admit no free whitespace, asked or not), `disable_fallback` (one backend, none
+    to fall back to), and the defaults of the rest; what those ask for otherwise (the
+    guidance backend's switch, a grammar inside the reasoning, plugin code) is one line."""
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError):
+        spec = None
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    unknown = sorted(set(spec) - set(_STRUCTURED_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown key(s) {', '.join(unknown)} (vLLM's StructuredOutputsConfig has "
+            f"{', '.join(_STRUCTURED_KEYS)})"
+        )
+    for key, value in spec.items():
+        if type(value) is not _STRUCTURED_KEYS[key]:
+            want = "a string" if _STRUCTURED_KEYS[key] is str else "true or false"
+            raise argparse.ArgumentTypeError(f"{key} must be {want}, got {value!r}")
+    refused = (
+        (
+            "disable_additional_properties",
+            "disable_additional_properties is the guidance backend's (vLLM refuses it beside "
+            "xgrammar too): dsakv's structured output runs on xgrammar",
+        ),
+        (
+            "enable_in_reasoning",
+            "enable_in_reasoning: dsakv enforces a grammar once the reasoning is over (vLLM's "
+            "default): give false or leave it out",
+        ),
+        (
+            "reasoning_parser_plugin",
+            "reasoning_parser_plugin: dsakv runs no plugin code, its reasoning parsers are "
+            "--reasoning-parser's",
+        ),
+    )
+    for key, why in refused:
+        if spec.get(key):
+            raise argparse.ArgumentTypeError(why)
+    out = {}
+    if "backend" in spec:
+        try:
+            out["backend"] = _grammar_backend(spec["backend"])
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"backend: {e}") from None
+    if spec.get("reasoning_parser"):
+        from .serve import _chat_parser  # (the names live in the server)
+
+        out["reasoning_parser"] = _chat_parser("reasoning")(spec["reasoning_parser"])
+    return out
+
+
+# vLLM's StructuredOutputsConfig: each key and the JSON type of its value
+_STRUCTURED_KEYS = {
+    "backend": str,
+    "disable_fallback": bool,
+    "disable_any_whitespace": bool,
+    "disable_additional_properties": bool,
+    "reasoning_parser": str,
+    "reasoning_parser_plugin": str,
+    "enable_in_reasoning": bool,
+}
+
+
 def _byte_count(text: str) -> int:
     """argparse type for vLLM's --kv-cache-memory-bytes: bytes, with vLLM's suffixes too
     (`human_readable_int`): k, m, g, t decimal (25.6k: 25,600), K, M, G, T binary and whole
@@ -223,6 +292,11 @@ def _only_number(supported: float, why: str) -> Callable[[str], float]:
         return value
 
     return check
+
+
+# vLLM's structured-output backends dsakv takes: xgrammar, and auto (vLLM's pick; dsakv's
+# is xgrammar always)
+_grammar_backend = _only(("xgrammar", "auto"), "its structured output runs on xgrammar")
 
 
 def _refused(why: str) -> Callable[[str], str]:
@@ -829,12 +903,26 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     if serve:
         add_aliased(
             g,
-            ("--grammar-backend", "--guided-decoding-backend")
-            + ("--structured-outputs-config.backend",),
-            "SGLang's (vLLM's the others): dsakv's structured output runs on xgrammar",
+            ("--grammar-backend", "--guided-decoding-backend"),
+            "SGLang's (vLLM's the other): dsakv's structured output runs on xgrammar",
             dest="grammar_backend",
             type=_only(("xgrammar",), "its structured output runs on xgrammar"),
             metavar="{xgrammar}",
+        )
+        g.add_argument(
+            "--structured-outputs-config",
+            type=_structured_outputs_config,
+            metavar="JSON",
+            help="vLLM's: backend xgrammar or auto (dsakv's structured output runs on "
+            "xgrammar), reasoning_parser as --reasoning-parser; disable_any_whitespace taken "
+            "(dsakv's JSON grammars admit no free whitespace), disable_fallback taken",
+        )
+        # vLLM's dotted spelling of its backend (`_fold_structured_outputs`)
+        g.add_argument(
+            "--structured-outputs-config.backend",
+            dest="structured_outputs_backend",
+            type=_grammar_backend,
+            help=argparse.SUPPRESS,
         )
         for flag, why in (
             ("--enable-prompt-tokens-details", "usage's cached_tokens is always reported"),
@@ -1107,6 +1195,7 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
 
     check_dp_size(args)
     fold_expert_parallel(args)
+    _fold_structured_outputs(args)
     if args.scheduling_policy == "fcfs" and args.enable_priority_scheduling:
         raise DsakvError("--scheduling-policy fcfs and --enable-priority-scheduling contradict")
     if getattr(args, "tokenizer_mode", None) == "deepseek_v32":
@@ -1181,6 +1270,32 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
             f"(--speculative-num-steps) verifies {steps + 1} tokens: give {steps + 1} or "
             "leave it out"
         )
+
+
+def _fold_structured_outputs(args: argparse.Namespace) -> None:
+    """vLLM's --structured-outputs-config, JSON or its dotted .backend (one of the two), as
+    dsakv's flags: its reasoning_parser is --reasoning-parser's (the same parser, or that
+    flag left out), which serve-pd has none of (its servers parse the model type's way)."""
+    spec = getattr(args, "structured_outputs_config", None)
+    if spec is not None and getattr(args, "structured_outputs_backend", None) is not None:
+        raise DsakvError(
+            "--structured-outputs-config and --structured-outputs-config.backend: give one"
+        )
+    name = (spec or {}).get("reasoning_parser")
+    if name is None:
+        return
+    given = getattr(args, "reasoning_parser", None)
+    if given is None:
+        raise DsakvError(
+            "--structured-outputs-config reasoning_parser: serve-pd's servers parse reasoning "
+            "with the model type's parser (dsakv serve takes one)"
+        )
+    if given not in ("auto", name):
+        raise DsakvError(
+            f"--structured-outputs-config reasoning_parser {name!r} and --reasoning-parser "
+            f"{given!r}: give one"
+        )
+    args.reasoning_parser = name
 
 
 def _fold_pool_sizes(args: argparse.Namespace) -> None:

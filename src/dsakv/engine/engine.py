@@ -41,7 +41,7 @@ from .cuda_graph import DecodeGraphs
 from .detokenizer import TokenTexts, chars_per_token
 from .expert_distribution import EXPERT_DISTRIBUTION_CALLS, ExpertDistributionMixin
 from .grammar import GrammarCache
-from .hisparse import HotBuffers
+from .hisparse import HotBuffers, check_host_latent
 from .l3 import L3Cache, zero_counters
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
@@ -189,6 +189,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.weights_path = config.model  # the checkpoint the weights came from
         # trainers' groups for weight updates (`join_weight_group`): name -> (spec, group)
         self.weight_groups: dict[str, tuple[WeightGroup, Any]] = {}
+        # The pool's size where no weights set it (all but --mem-fraction-static): a HiSparse
+        # host latent past the machine is refused before they load.
+        self.hisparse = self._hisparse_config(model_config)
+        sizes = None if config.mem_fraction_static else self._num_pages()
         # (SGLang's total for --mem-fraction-static: what the GPU has free before the load)
         self._free_before_load = self._free_gpu() if config.mem_fraction_static else None
         self.model, self.model_config, self.plan = load_model(
@@ -212,8 +216,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 "(--generation-config vllm: SamplingParams' own)",
                 self.model_config.sampling_defaults,
             )
-        self.hisparse = self._hisparse_config()
-        num_pages, latent_pages = self._num_pages()
+        num_pages, latent_pages = sizes or self._num_pages()
         self.max_model_len = self._max_model_len(num_pages * config.page_size)
         try:
             self.pool = DSAKVPool(self.layout, num_pages, self.device, latent_pages=latent_pages)
@@ -346,7 +349,15 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             raise DsakvError("the KV budget holds less than one page")
         if self.hisparse is None:
             return pages, None
-        return pages * self.hisparse.host_to_device_ratio, pages
+        logical = pages * self.hisparse.host_to_device_ratio
+        try:
+            check_host_latent(self.layout, logical)
+        except ConfigError as e:
+            raise ConfigError(
+                f"{e}: ask for fewer logical tokens (a smaller pool: {POOL_FLAGS}; or a "
+                "smaller host_to_device_ratio in --hisparse-config)"
+            ) from None
+        return logical, pages
 
     def _kv_budget_gib(self) -> float:
         """`kv_budget_gib` (default 1), or under `mem_fraction_static` what the GPU keeps for
@@ -475,12 +486,12 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             and cpu_native.available()
         )
 
-    def _hisparse_config(self) -> HiSparseConfig | None:
+    def _hisparse_config(self, model_config: ModelConfig) -> HiSparseConfig | None:
         """`--hisparse-config` checked against the model (it needs an indexer, and top_k is
         the indexer's: `HiSparseConfig.parse`, which `dsakv plan` shares)."""
         if not self.config.enable_hisparse:
             return None
-        return HiSparseConfig.parse(self.config.hisparse_config, self.model_config)
+        return HiSparseConfig.parse(self.config.hisparse_config, model_config)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Padded, graph-capturable decode steps: for the graph-safe backends on one rank

@@ -32,11 +32,22 @@ from dataclasses import dataclass, field
 import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan
+from dsakv.errors import ConfigError
 from dsakv.kernels.hisparse_ops import bind_newest, init_buffers
 from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
-from dsakv.memory.pool import DSAKVPool, pinned_empty
+from dsakv.memory.layout import CacheLayout
+from dsakv.memory.pool import DSAKVPool, allocation_failed, check_fits, pinned_empty
 
 from .request import Request
+
+
+def check_host_latent(layout: CacheLayout, num_pages: int) -> str:
+    """Refuse a host latent of `num_pages` logical pages (every layer's latent row of each
+    of their tokens) past the machine's memory, as the pool and host tier are refused
+    (`check_fits`): the engine asks as soon as the pool's size is known, before the weights
+    load where it can. Returns how a failed allocation's error begins."""
+    need = num_pages * layout.page_size * layout.latent_bytes_per_token
+    return check_fits(need, torch.device("cpu"), "HiSparse host latent")
 
 
 @dataclass
@@ -101,12 +112,18 @@ class HotBuffers:
         pin = device.type == "cuda"
         self.device_rows = [pool.latent_data(i).view(torch.uint8) for i in layers]
         width = self.device_rows[0].shape[1]
+        cannot = check_host_latent(pool.layout, pool.num_pages)
         # Not zero-filled (hundreds of GB at real sizes): a row is written before it is read.
         shape = (pool.num_tokens, width)
-        self.host = [
-            pinned_empty(shape, torch.uint8) if pin else torch.empty(shape, dtype=torch.uint8)
-            for _ in layers
-        ]
+        try:
+            self.host = [
+                pinned_empty(shape, torch.uint8) if pin else torch.empty(shape, dtype=torch.uint8)
+                for _ in layers
+            ]
+        except (RuntimeError, MemoryError) as e:  # (less free than the machine has, say)
+            if not allocation_failed(e):
+                raise
+            raise ConfigError(f"{cannot} ({str(e).splitlines()[0]})") from None
         rows = max(1, pool.latent_pages // self.buffer_pages)
         g = len(self.groups)
         self.buf_pos = torch.full((g, rows, s), -1, dtype=torch.int32, device=device)

@@ -99,6 +99,18 @@ def memory_bytes(device: torch.device) -> int | None:
     return None
 
 
+def check_fits(need: int, device: torch.device, what: str) -> str:
+    """Refuse `need` bytes of `what` past all the memory `device` has (`memory_bytes`), one
+    ConfigError before torch is asked (past int64 too: torch would overflow). Returns how
+    an allocation that fails anyway begins its error ("cannot allocate ...")."""
+    where = "host" if device.type == "cpu" else str(device)
+    cannot = f"cannot allocate {need / 2**30:.2f} GiB of {what} on the {where}"
+    have = memory_bytes(device)
+    if have is not None and need > have:
+        raise ConfigError(f"{cannot}, which has {have / 2**30:.2f} GiB in all")
+    return cannot
+
+
 _OS_PAGE = mmap.PAGESIZE
 _CUDA_OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation
 
@@ -263,13 +275,10 @@ class DSAKVPool:
         self.pin_memory = pin_memory
         lat = (layout, self.latent_pages, self.device, pin_memory)
         idx = (layout, num_pages, self.device, pin_memory)
-        ps, where = self.page_size, "host" if self.device.type == "cpu" else str(self.device)
+        ps = self.page_size
         need = self.latent_pages * ps * layout.latent_bytes_per_token
         need += num_pages * ps * layout.index_k_bytes_per_token
-        cannot = f"cannot allocate {need / 2**30:.2f} GiB of KV cache on the {where}"
-        have = memory_bytes(self.device)
-        if have is not None and need > have:  # (past int64 too: torch would overflow)
-            raise ConfigError(f"{cannot}, which has {have / 2**30:.2f} GiB in all")
+        cannot = check_fits(need, self.device, "KV cache")
         try:
             self._latent = [_latent_buffer(*lat) for _ in range(layout.num_layers)]
             # The layout (hence the LayerPlan) alone decides which layers get index-K.

@@ -6,7 +6,8 @@ shape, and every response counted by endpoint."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -112,7 +113,9 @@ def build_app(
     if not names or not all(names):
         raise DsakvError("a served model name must be a non-empty string")
     model_name = names[0]
-    app = FastAPI(title="dsakv", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="dsakv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan
+    )
     metrics = ServerMetrics(model_name)
     app.state.async_engine, app.state.model_name, app.state.metrics = (
         async_engine,
@@ -127,6 +130,7 @@ def build_app(
         chat_parsers = ChatParsers.for_engine(async_engine.engine)
     app.state.chat_parsers = chat_parsers
     api = Handlers(async_engine, names, metrics, chat_parsers, aliases, request_log, defaults)
+    app.state.handlers = api  # (closed with the app: `_lifespan`)
 
     async def health() -> Response:
         if not async_engine.alive:
@@ -218,6 +222,16 @@ def build_app(
     add_responses_routes(app, api)  # OpenAI's Responses API
     add_score_route(app, api)  # SGLang's /v1/score
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """What the app holds of its own, released when its server stops (the engine is the
+    server's to close: `run_server`): the handlers' grammar compile threads."""
+    try:
+        yield
+    finally:
+        await app.state.handlers.close()
 
 
 def _rank_load(rank: int, c: dict[str, float], page_size: int) -> dict[str, int]:

@@ -115,6 +115,12 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         # and xgrammar cannot stop one) queue behind each other, not other requests' prompts
         self._compiles = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="dsakv-grammar")
 
+    async def close(self) -> None:
+        """End the grammar compile threads with the app (its lifespan: `build_app`), or each
+        app built in a process leaves its own behind: compiles queued are dropped, one
+        running is waited for (xgrammar cannot stop it), off the event loop."""
+        await asyncio.to_thread(self._compiles.shutdown, cancel_futures=True)
+
     async def completion(self, body: CompletionRequest, raw: Request) -> Response:
         """Completions for every prompt of the request, `n` choices each (choice index
         `prompt * n + j`). With `echo`, each choice starts with its prompt, and with

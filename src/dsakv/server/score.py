@@ -5,6 +5,8 @@ server's generation path, whose /abort_request reaches it."""
 
 from __future__ import annotations
 
+import uuid
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
@@ -64,7 +66,9 @@ async def _run(
     """Each prompt run for its one token, whose logprobs of `labels` it carries."""
     params = score_params(labels)
     await api.weights_ready()
-    call = api.in_flight.open([()] * len(prompts))  # (/abort_request's abort_all reaches it)
+    # (/abort_request's abort_all reaches it; the request log names it as vLLM's /score does)
+    shown = f"score-{raw.headers.get('x-request-id') or uuid.uuid4().hex}"
+    call = api.in_flight.open([()] * len(prompts), shown=shown, raw=raw)
     streams = await api.submit_all(
         prompts, [params] * len(prompts), 1, raw, [None] * len(prompts), "items", call=call
     )
