@@ -541,7 +541,7 @@ def test_dsakvs_own_spellings_stay_what_help_and_errors_name(capsys, monkeypatch
     out = " ".join(capsys.readouterr().out.split())
     assert "--kv-cache-dtype {fp8_e4m3,fp8_ds_mla,bf16,fp32}" in out
     assert "--dtype {auto,float32,bfloat16,float16}" in out
-    assert "--speculative-algorithm {mtp}" in out
+    assert "--speculative-algorithm {mtp,ngram}" in out
     assert "--tp TP tensor-parallel ranks, one process each (also --tp-size," in out
     assert "--tp-size TP" not in out
     for hidden in ("--enable-dp-attention", "--dp-size", "--speculative-config"):
@@ -552,7 +552,7 @@ def test_dsakvs_own_spellings_stay_what_help_and_errors_name(capsys, monkeypatch
     err = _parse_error(["serve", "m", "--tp-size", "0"], capsys)
     assert "argument --tp-size: must be an integer >= 1, got '0'" in err
     err = _parse_error(["serve", "m", "--speculative-algorithm", "EAGLE3"], capsys)
-    assert "invalid choice: 'EAGLE3' (choose from 'mtp')" in err
+    assert "invalid choice: 'EAGLE3' (choose from 'mtp', 'ngram')" in err
     calibrate = ["calibrate-pattern", "m", "--dtype"]
     assert _parse_error([*calibrate, "half"], capsys) == _parse_error(
         [*calibrate, "float16"], capsys

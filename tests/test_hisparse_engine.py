@@ -422,7 +422,8 @@ def test_bad_settings_are_one_clear_error(tiny):
     with pytest.raises(DsakvError, match="needs --enable-hisparse"):
         EngineConfig(model=tiny, hisparse_config={"top_k": 16})
     for kw, msg in (
-        (dict(speculative_algorithm="mtp"), "MTP"),
+        (dict(speculative_algorithm="mtp"), "--speculative-algorithm mtp"),
+        (dict(speculative_algorithm="ngram"), "--speculative-algorithm ngram"),
         (dict(tp=2), "more than one rank"),
         (dict(host_pool_gib=1.0), "host-pool-gib"),
         (dict(chunked_prefill_size=1), "chunked-prefill-size 1"),  # (every prompt dropped)

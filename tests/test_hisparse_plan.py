@@ -285,7 +285,7 @@ def test_plan_refuses_what_the_engine_refuses(capsys):
     [
         (["--tp", "8"], "more than one rank"),
         (["--tp", "2", "--dp-attention"], "more than one rank"),
-        (["--draft-layers", "1"], "--draft-layers (MTP)"),
+        (["--draft-layers", "1"], "--draft-layers (speculative decoding)"),
     ],
 )
 def test_plan_refuses_what_hisparse_does_not_run_with(flags, what, capsys):

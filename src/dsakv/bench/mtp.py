@@ -1,5 +1,6 @@
-"""MTP speculative decoding: the same greedy workload with and without drafts, stepped
-alternately in one process (as the throughput section does), so noise hits both alike.
+"""Speculative decoding: the same greedy workload with and without drafts (MTP's, and
+n-gram lookup's beside them), stepped alternately in one process (as the throughput
+section does), so noise hits all alike.
 
 Reports the mean acceptance length (tokens emitted per verification), target forward
 passes per output token, output tokens/s, and how far the greedy outputs agree. Each
@@ -44,54 +45,67 @@ def run_mtp_bench(
     seed: int = 0,
     device: str = "cpu",
 ) -> dict[str, Any]:
+    """MTP against plain decode; n-gram lookup drafting (`ngram`) beside them on the same
+    workload and steps, its own figures under `ngram`."""
     common = dict(model=model, num_pages=num_pages, page_size=page_size, seed=seed, device=device)
-    engines = {
-        "base": tp.make_engine(elide=True, **common),
-        "mtp": tp.make_engine(
-            elide=True, speculative_algorithm="mtp", speculative_num_steps=steps, **common
-        ),
-    }
-    before = engines["mtp"].counters()
-    warm = {name: e.counters()["decode_steps"] for name, e in engines.items()}
+    engines = {"base": tp.make_engine(elide=True, **common)}
+    for algorithm in ("mtp", "ngram"):
+        engines[algorithm] = tp.make_engine(
+            elide=True, speculative_algorithm=algorithm, speculative_num_steps=steps, **common
+        )
+    before = {name: e.counters() for name, e in engines.items()}
     runs = tp.run_interleaved(engines, work, desc="mtp")
-    c = engines["mtp"].counters()
-    verified = c["spec_verify_steps"] - before["spec_verify_steps"]
-    accepted = c["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-    drafted = c["spec_draft_tokens"] - before["spec_draft_tokens"]
-    base, mtp = runs["base"], runs["mtp"]
-    decode = {name: e.counters()["decode_steps"] for name, e in engines.items()}
+    after = {name: e.counters() for name, e in engines.items()}
+    alone = _one_at_a_time(engines, work)
 
-    def passes_per_token(name: str, run: dict[str, Any]) -> float:
+    def passes_per_token(name: str) -> float:
         """Target forwards a request takes per token it emits: one for the prompt (which
         gives the first token), then one per decode or verify step."""
-        return (work.num_requests + decode[name] - warm[name]) / run["output_tokens"]
+        steps = after[name]["decode_steps"] - before[name]["decode_steps"]
+        return (work.num_requests + steps) / runs[name]["output_tokens"]
 
-    passes = decode["mtp"] - warm["mtp"]  # a request's decode passes, verifying or not
-    alone = _one_at_a_time(engines, work)
+    def drafting(name: str) -> dict[str, Any]:
+        """How `name`'s drafts did against plain decode."""
+        c = {k: after[name][k] - before[name][k] for k in after[name] if k.startswith("spec_")}
+        verified, accepted = c["spec_verify_steps"], c["spec_accepted_tokens"]
+        drafted = c["spec_draft_tokens"]
+        passes = after[name]["decode_steps"] - before[name]["decode_steps"]
+        return {
+            "mean_acceptance_length": 1 + accepted / verified if verified else None,
+            "draft_acceptance_rate": accepted / drafted if drafted else None,
+            "drafts_per_verify": drafted / verified if verified else None,
+            "verifying_pass_share": verified / passes if passes else None,
+            "drafts_per_output_token": drafted / runs[name]["output_tokens"],
+            "output_tokens_per_s_ratio": tp.ratio(
+                runs[name]["output_tokens_per_s"], runs["base"]["output_tokens_per_s"]
+            ),
+            # bf16 weights: the verify extend and a decode step round differently.
+            "greedy_token_agreement": tp.token_agreement(
+                runs["base"]["_outputs"], runs[name]["_outputs"]
+            ),
+            "one_at_a_time_ratio": tp.ratio(alone[name], alone["base"]),
+        }
+
+    mtp = drafting("mtp")
     return {
         "speculative_num_steps": steps,
         "requests": work.num_requests,
-        "mean_acceptance_length": 1 + accepted / verified if verified else None,
-        "draft_acceptance_rate": accepted / drafted if drafted else None,
-        "drafts_per_verify": drafted / verified if verified else None,
-        "verifying_pass_share": verified / passes if passes else None,
-        "drafts_per_output_token": drafted / mtp["output_tokens"],
+        **{k: v for k, v in mtp.items() if k != "one_at_a_time_ratio"},
         "target_passes_per_output_token": {
-            "base": passes_per_token("base", base),
-            "mtp": passes_per_token("mtp", mtp),
+            name: passes_per_token(name) for name in ("base", "mtp")
         },
         "output_tokens_per_s": {
-            "base": base["output_tokens_per_s"],
-            "mtp": mtp["output_tokens_per_s"],
+            name: runs[name]["output_tokens_per_s"] for name in ("base", "mtp")
         },
-        "output_tokens_per_s_ratio": tp.ratio(
-            mtp["output_tokens_per_s"], base["output_tokens_per_s"]
-        ),
-        # bf16 weights: the verify extend and a decode step round differently.
-        "greedy_token_agreement": tp.token_agreement(base["_outputs"], mtp["_outputs"]),
         "one_at_a_time": {
-            "output_tokens_per_s": alone,
-            "output_tokens_per_s_ratio": tp.ratio(alone["mtp"], alone["base"]),
+            "output_tokens_per_s": {name: alone[name] for name in ("base", "mtp")},
+            "output_tokens_per_s_ratio": mtp["one_at_a_time_ratio"],
+        },
+        "ngram": {
+            **drafting("ngram"),
+            "output_tokens_per_s": runs["ngram"]["output_tokens_per_s"],
+            "one_at_a_time_output_tokens_per_s": alone["ngram"],
+            "target_passes_per_output_token": passes_per_token("ngram"),
         },
     }
 

@@ -224,7 +224,7 @@ def summary(r: dict[str, Any]) -> str:
         tps, alone = sp["output_tokens_per_s"], sp["one_at_a_time"]
         lines += [
             "",
-            f"6. MTP speculative decoding ({sp['requests']} requests, "
+            f"6. speculative decoding, MTP then n-gram lookup ({sp['requests']} requests, "
             f"up to {sp['speculative_num_steps']} drafts per step, "
             f"{_f(sp.get('drafts_per_verify'), '.2f')} per verification)",
             _row("", "no MTP", "MTP", "ratio"),
@@ -240,6 +240,27 @@ def summary(r: dict[str, Any]) -> str:
             f"acceptance {_f(sp['draft_acceptance_rate'], '.3f')}; greedy token agreement "
             f"{sp['greedy_token_agreement']:.4f}",
         ]
+        ng = sp.get("ngram")
+        if ng:
+            lines += [
+                _row("", "no drafts", "n-gram", "ratio"),
+                _row(
+                    "output tokens/s",
+                    tps["base"],
+                    ng["output_tokens_per_s"],
+                    ng["output_tokens_per_s_ratio"],
+                ),
+                _row(
+                    "  one request at a time",
+                    alone["output_tokens_per_s"]["base"],
+                    ng["one_at_a_time_output_tokens_per_s"],
+                    ng["one_at_a_time_ratio"],
+                ),
+                f"  n-gram lookup: mean acceptance length "
+                f"{_f(ng['mean_acceptance_length'], '.3f')}; draft acceptance "
+                f"{_f(ng['draft_acceptance_rate'], '.3f')}; greedy token agreement "
+                f"{ng['greedy_token_agreement']:.4f}",
+            ]
     par = r.get("parallel")
     if par:
         n = par["tp"]

@@ -4,9 +4,9 @@ By default (what `make run` runs, a few minutes on 2 cores): (1) capacity, (2) t
 at a fixed KV budget, elided vs dense, and (4) parity (elided vs dense greedy tokens must
 be identical, at equal pages). `full` adds the rest: the transformers baseline in (2),
 (3) IndexCache compute (sharing pattern vs every layer full), FP8 vs fp32 top-1 in (4),
-(5) KV memory movement (`run_memory_bench`), (6) MTP speculative decoding, (9) the L3
-storage tier (TTFT cold vs a prefix read back by a fresh engine, bytes stored per token)
-and (10) the CPU paths. `--tp N` adds (7) the engine across ranks, `--pd` (8) prefill ->
+(5) KV memory movement (`run_memory_bench`), (6) speculative decoding (MTP, n-gram
+lookup), (9) the L3 storage tier (TTFT cold vs a prefix read back by a fresh engine,
+bytes stored per token) and (10) the CPU paths. `--tp N` adds (7) the engine across ranks, `--pd` (8) prefill ->
 decode KV transfer, with or without `full`.
 """
 

@@ -113,23 +113,45 @@ def _chunk_size(text: str) -> int:
     return _checked(text, int, lambda v: v >= 1 or v == -1, "an integer >= 1, or -1 (no chunking)")
 
 
-def _speculative_config(text: str) -> int:
-    """argparse type for vLLM's --speculative-config JSON: its MTP methods, as drafts per
-    step (dsakv's --speculative-num-steps)."""
+def _speculative_config(text: str) -> tuple[str, int, int | None, int | None]:
+    """argparse type for vLLM's --speculative-config JSON: its MTP methods and its n-gram
+    prompt lookup, as (algorithm, drafts per step, shortest and longest n-gram matched)."""
     try:
         spec = json.loads(text)
     except (ValueError, RecursionError):
         spec = None
-    want = '{"method": "deepseek_mtp" or "mtp", "num_speculative_tokens": N in 1..16}'
-    keys = {"method", "num_speculative_tokens"}
+    want = (
+        '{"method": "deepseek_mtp" or "mtp", "num_speculative_tokens": N in 1..16} or '
+        '{"method": "ngram", "num_speculative_tokens": N, "prompt_lookup_min": A, '
+        '"prompt_lookup_max": B}'
+    )
+    keys = {"method", "num_speculative_tokens", *_LOOKUP}
     if not isinstance(spec, dict) or not spec or not set(spec) <= keys:
         raise argparse.ArgumentTypeError(f"dsakv takes {want}, got {text!r}")
-    # vLLM's defaults for these models: their own MTP layer, as many drafts as it has (one)
-    n = spec.get("num_speculative_tokens", 1)
-    method = spec.get("method", "mtp")
-    if method not in ("deepseek_mtp", "mtp") or type(n) is not int or not 1 <= n <= 16:
+    method = {"deepseek_mtp": "mtp", "mtp": "mtp", "ngram": "ngram", "ngram_gpu": "ngram"}.get(
+        spec.get("method", "mtp")
+    )
+    # vLLM's defaults: for these models their own MTP layer, as many drafts as it has (one);
+    # n-gram lookup needs the count, and matches 5 tokens unless told (one bound: both)
+    n = spec.get("num_speculative_tokens", 1 if method == "mtp" else None)
+    if method == "ngram" and n is None:
+        raise argparse.ArgumentTypeError(f"ngram needs num_speculative_tokens, got {text!r}")
+    lo, hi = (spec.get(k) for k in _LOOKUP)
+    lookup = (lo, hi) != (None, None)
+    if method is None or (method == "mtp" and lookup) or not (type(n) is int and 1 <= n <= 16):
         raise argparse.ArgumentTypeError(f"dsakv takes {want}, got {text!r}")
-    return n
+    if method == "mtp":
+        return method, n, None, None
+    lo, hi = (lo, hi) if lookup else (5, 5)
+    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+    if not all(type(v) is int and 1 <= v <= 1024 for v in (lo, hi)) or lo > hi:
+        raise argparse.ArgumentTypeError(
+            f"prompt_lookup_min <= prompt_lookup_max, each in 1..1024, got {text!r}"
+        )
+    return method, n, lo, hi
+
+
+_LOOKUP = ("prompt_lookup_min", "prompt_lookup_max")  # (vLLM's n-gram keys)
 
 
 def _structured_outputs_config(text: str) -> dict[str, str]:
@@ -319,7 +341,10 @@ def kv_cache_dtype(text: str) -> str:
 
 DTYPE = _spelled({"half": "float16", "float": "float32"})  # (vLLM's and SGLang's)
 # SGLang runs DeepSeek / GLM MTP as NEXTN or EAGLE (with no draft model: the nextn layer)
-_SPECULATIVE = _spelled({"nextn": "mtp", "eagle": "mtp", "mtp": "mtp"}, fold_case=True)
+# (and SGLang's NGRAM is vLLM's ngram: prompt lookup)
+_SPECULATIVE = _spelled(
+    {"nextn": "mtp", "eagle": "mtp", "mtp": "mtp", "ngram": "ngram"}, fold_case=True
+)
 
 # SGLang's names for --tp and --ep (vLLM's the long ones) besides dsakv's own.
 TP = ("--tp", "--tp-size", "--tensor-parallel-size", "-tp")
@@ -348,6 +373,8 @@ FOLDED = (
     "speculative_config",
     "spec_method",
     "spec_num_speculative_tokens",
+    "spec_prompt_lookup_min",
+    "spec_prompt_lookup_max",
     "enable_hierarchical_cache",
     "hicache_ratio",
     "hicache_size",
@@ -743,19 +770,28 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
     g.add_argument(
         "--speculative-algorithm",
         type=_SPECULATIVE,
-        choices=("mtp",),
-        help="draft with the MTP layer, verify (SGLang's NEXTN and EAGLE are it)",
+        choices=("mtp", "ngram"),
+        help="draft with the MTP layer (SGLang's NEXTN and EAGLE are it) or by n-gram lookup "
+        "in the request's own tokens (SGLang's NGRAM, vLLM's ngram), verify",
     )
     g.add_argument(
         "--speculative-num-steps",
         type=positive_int,
-        help="MTP drafts per step, one chain (default 3; SGLang's --speculative-eagle-topk 1 "
+        help="drafts per step, one chain (default 3; SGLang's --speculative-eagle-topk 1 "
         "and --speculative-num-draft-tokens N+1, vLLM's --speculative-config, taken)",
     )
+    for end in ("min", "max"):
+        g.add_argument(
+            f"--speculative-ngram-{end}-match-window-size",
+            type=positive_int,
+            help=f"n-gram drafts: the {'shortest' if end == 'min' else 'longest'} suffix "
+            f"looked up (SGLang's; default {1 if end == 'min' else 12})",
+        )
     for flag in ("--speculative-eagle-topk", "--speculative-num-draft-tokens"):
         g.add_argument(flag, type=positive_int, help=argparse.SUPPRESS)
     g.add_argument("--speculative-config", type=_speculative_config, help=argparse.SUPPRESS)
-    for key in ("method", "num_speculative_tokens"):  # vLLM's dotted spelling (its recipes')
+    # vLLM's dotted spelling (its recipes')
+    for key in ("method", "num_speculative_tokens", *_LOOKUP):
         g.add_argument(f"--speculative-config.{key}", dest=f"spec_{key}", help=argparse.SUPPRESS)
     if seed:
         add_aliased(
@@ -845,6 +881,19 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         choices=_SGLANG_MOE_KERNELS,
         metavar="KERNEL",
         help="SGLang's MoE kernel: dsakv runs its own",
+    )
+    for flag in ("min-bfs-breadth", "max-bfs-breadth", "branch-length", "capacity"):
+        g.add_argument(
+            f"--speculative-ngram-{flag}",
+            type=positive_int,
+            metavar="N",
+            help="SGLang's n-gram draft tree and its cache across requests: dsakv's n-gram "
+            "drafts are one chain from the request's own tokens",
+        )
+    g.add_argument(
+        "--speculative-ngram-match-type",
+        choices=("BFS", "PROB"),
+        help="SGLang's n-gram tree expansion: dsakv drafts what followed the latest match",
     )
     for flag, why in (
         ("--disable-overlap-schedule", "dsakv schedules a step after the last ends (no overlap)"),
@@ -1229,30 +1278,37 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
         args.scheduling_policy = "lpm"
     args.schedule_policy = None
     _fold_prefill_budget(args, model_dir)
-    dotted = {
-        "method": args.spec_method,
-        "num_speculative_tokens": args.spec_num_speculative_tokens,
-    }
+    dotted = {key: getattr(args, f"spec_{key}") for key in ("method", "num_speculative_tokens")}
+    dotted.update({key: getattr(args, f"spec_{key}") for key in _LOOKUP})
     if dotted != dict.fromkeys(dotted):  # vLLM's --speculative-config.KEY VALUE flags
         if args.speculative_config is not None:
             raise DsakvError("--speculative-config and --speculative-config.KEY: give one")
         given = {k: v for k, v in dotted.items() if v is not None}
-        with contextlib.suppress(KeyError, ValueError):
-            given["num_speculative_tokens"] = int(given["num_speculative_tokens"])
+        for key in ("num_speculative_tokens", *_LOOKUP):
+            with contextlib.suppress(KeyError, ValueError):
+                given[key] = int(given[key])
         try:
             args.speculative_config = _speculative_config(json.dumps(given))
         except argparse.ArgumentTypeError as e:
-            raise DsakvError(
-                f"--speculative-config.method / .num_speculative_tokens: {e}"
-            ) from None
-        args.spec_method = args.spec_num_speculative_tokens = None
+            raise DsakvError(f"--speculative-config.KEY: {e}") from None
+        for key in dotted:
+            setattr(args, f"spec_{key}", None)
+    window = ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size")
     if args.speculative_config is not None:
         if args.speculative_algorithm or args.speculative_num_steps:
             raise DsakvError(
                 "--speculative-config and --speculative-algorithm / --speculative-num-steps "
                 "both ask for speculative decoding: give one"
             )
-        args.speculative_algorithm, args.speculative_num_steps = "mtp", args.speculative_config
+        if any(getattr(args, w) is not None for w in window):
+            raise DsakvError(
+                "--speculative-config and --speculative-ngram-min/max-match-window-size both "
+                "set the n-gram match window: give one"
+            )
+        args.speculative_algorithm, args.speculative_num_steps, lo, hi = args.speculative_config
+        if args.speculative_algorithm == "ngram":
+            args.speculative_ngram_min_match_window_size = lo
+            args.speculative_ngram_max_match_window_size = hi
         args.speculative_config = None  # (folded: a second call finds dsakv's flags alone)
     topk, tokens = args.speculative_eagle_topk, args.speculative_num_draft_tokens
     for flag, value in (("eagle-topk", topk), ("num-draft-tokens", tokens)):
@@ -1263,6 +1319,9 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
             f"--speculative-eagle-topk {topk}: dsakv drafts one chain (the top token at each "
             "step), not a tree: give 1 or leave it out"
         )
+    if tokens is not None and args.speculative_algorithm == "ngram" and tokens > 1:
+        # (SGLang's NGRAM counts the last token among them, as its EAGLE does)
+        args.speculative_num_steps = args.speculative_num_steps or tokens - 1
     steps = args.speculative_num_steps or DRAFT_STEPS
     if tokens is not None and tokens != steps + 1:
         raise DsakvError(

@@ -43,9 +43,9 @@ def check_runs_with(
 ) -> None:
     """Refuse what HiSparse does not run with yet, one ConfigError: the engine refuses it,
     so `dsakv plan` must not plan it either. `mtp` and `host_pool` are the flags that turned
-    MTP and a host KV tier on, if any."""
+    speculative decoding (MTP, n-gram) and a host KV tier on, if any."""
     refused = (
-        (mtp is not None, f"{mtp} (MTP)"),
+        (mtp is not None, f"{mtp} (speculative decoding)"),
         (ranks > 1, "more than one rank"),
         (host_pool is not None, f"a host KV tier ({host_pool}: HiSparse's holds the latent)"),
         (storage, "--hicache-storage-backend"),

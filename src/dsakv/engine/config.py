@@ -89,9 +89,13 @@ class EngineConfig:
     # vLLM's --override-generation-config (JSON or a dict): sampling defaults over those
     # (`served_sampling_defaults`), under either source
     override_generation_config: str | dict | None = None
-    # MTP speculative decoding (SGLang's names): "mtp" or None, and drafts per step.
+    # Speculative decoding (SGLang's names): "mtp" (the checkpoint's draft layer), "ngram"
+    # (prompt lookup) or None, and drafts per step.
     speculative_algorithm: str | None = None
     speculative_num_steps: int | None = None  # (None: DRAFT_STEPS)
+    # n-gram lookup: the shortest and longest suffix matched (None: SGLang's 1 and 12)
+    speculative_ngram_min_match_window_size: int | None = None
+    speculative_ngram_max_match_window_size: int | None = None
     # Parallelism (SGLang's flag names): see `dsakv.distributed.ParallelConfig`.
     tp: int = 1
     ep: int = 1
@@ -231,9 +235,24 @@ class EngineConfig:
                 f"attention_backend must be one of {', '.join(BACKENDS)}, "
                 f"got {self.attention_backend!r}"
             )
-        if self.speculative_algorithm not in (None, "mtp"):
+        if self.speculative_algorithm not in (None, "mtp", "ngram"):
             raise DsakvError(
-                f"speculative_algorithm must be 'mtp' or None, got {self.speculative_algorithm!r}"
+                "speculative_algorithm must be 'mtp', 'ngram' or None, "
+                f"got {self.speculative_algorithm!r}"
+            )
+        window = (
+            self.speculative_ngram_min_match_window_size,
+            self.speculative_ngram_max_match_window_size,
+        )
+        if window != (None, None) and self.speculative_algorithm != "ngram":
+            raise DsakvError(
+                "--speculative-ngram-min/max-match-window-size need --speculative-algorithm ngram"
+            )
+        lo, hi = self.ngram_window
+        if not (is_int(lo) and is_int(hi) and 1 <= lo <= hi <= 1024):
+            raise DsakvError(
+                "the n-gram match window (--speculative-ngram-min/max-match-window-size) must "
+                f"be 1 <= min <= max <= 1024, got {lo!r} and {hi!r}"
             )
         n = self.speculative_num_steps
         if n is not None and not (is_int(n) and 1 <= n <= 16):
@@ -314,7 +333,7 @@ class EngineConfig:
                 raise DsakvError("--hisparse-config needs --enable-hisparse")
             return
         check_runs_with(
-            mtp="--speculative-algorithm" if self.speculative_algorithm is not None else None,
+            mtp=f"--speculative-algorithm {a}" if (a := self.speculative_algorithm) else None,
             ranks=self.parallel.world_size,
             host_pool=self.host_tier_flag,
             storage=self.hicache_storage_backend is not None,
@@ -370,6 +389,18 @@ class EngineConfig:
     @property
     def plan_overrides(self) -> dict[str, Any]:
         return plan_overrides(self)
+
+    @property
+    def ngram_window(self) -> tuple[int, int]:
+        """The n-gram drafter's shortest and longest suffix matched (SGLang's defaults: 1
+        and 12, the longest raised to a shortest given past it)."""
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        if lo is None:
+            lo = 1
+        if hi is None:
+            hi = max(12, lo) if is_int(lo) else 12
+        return lo, hi
 
     @property
     def priority_sign(self) -> int:

@@ -65,7 +65,7 @@ from .sampling import (
 )
 from .scheduler import Scheduler, SchedulerConfig
 from .sleep import SLEEP_CALLS, SleepMixin
-from .speculative import MTPDrafter, verify
+from .speculative import Drafter, MTPDrafter, NGramDrafter, verify
 from .weight_update import WEIGHT_CALLS, WeightUpdateMixin
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class EngineStats:
     aborted_requests: int = 0
     steps: int = 0
     step_time_s: float = 0.0
-    draft_tokens: int = 0  # MTP drafts verified
+    draft_tokens: int = 0  # drafts verified (MTP or n-gram)
     accepted_tokens: int = 0  # ... and kept
     verify_steps: int = 0  # request-steps that verified drafts
     decode_steps: int = 0  # request-steps past the prompt (each one target pass for it)
@@ -156,7 +156,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         torch.manual_seed(config.seed)
         # The layout first: a cache this model cannot have is refused before any weight loads.
         model_config = ModelConfig.from_hf(config.model)
-        draft_layers = 1 if config.speculative_algorithm else 0
+        draft_layers = 1 if config.speculative_algorithm == "mtp" else 0
         plan = LayerPlan.from_config(
             model_config, draft_layers=draft_layers, **config.plan_overrides
         )
@@ -302,12 +302,15 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             self._decode_graphs(),
             on_every_rank=self.every_rank_call,
         )
-        self.drafter = None
-        if config.speculative_algorithm == "mtp":
+        self.drafter: Drafter | None = None
+        steps = config.speculative_num_steps or DRAFT_STEPS
+        if config.speculative_algorithm == "ngram":
+            self.drafter = NGramDrafter(steps, self.max_model_len, *config.ngram_window)
+        elif config.speculative_algorithm == "mtp":
             self.drafter = MTPDrafter(
                 self.runner,
                 self.scheduler,
-                config.speculative_num_steps or DRAFT_STEPS,
+                steps,
                 self.max_model_len,
                 lockstep=self.parallel.config.dp_attention,
                 grammars=lambda: self.grammars,
@@ -986,7 +989,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             req.capture.write(req.num_computed, experts, rows.get("return_hidden_states"))
 
     def _drafts(self, req: Request, n: int, end: int) -> list[int]:
-        """The MTP drafts `req` verifies this step (decode only), as many as pages allow."""
+        """The drafts `req` verifies this step (decode only), as many as pages allow."""
         if n != 1 or not req.draft_ids or req.in_prefill:
             return []
         d, req.draft_ids = req.draft_ids, []
@@ -998,7 +1001,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self, reqs: list[Request], logits: torch.Tensor, drafts: list[list[int]]
     ) -> list[Request]:
         """Record each request's next token(s). `logits` holds one row per request, or
-        1 + len(drafts) rows for one verifying MTP drafts."""
+        1 + len(drafts) rows for one verifying drafts."""
         now = time.perf_counter()
         first = [0, *accumulate(1 + len(d) for d in drafts)]
         plain = [i for i, d in enumerate(drafts) if not d]

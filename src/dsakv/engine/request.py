@@ -31,7 +31,7 @@ class RequestMetrics:
     finish_time: float | None = None
     prefix_hit_tokens: int = 0
     retractions: int = 0
-    draft_tokens: int = 0  # MTP drafts the target checked
+    draft_tokens: int = 0  # drafts the target checked (MTP or n-gram)
     accepted_tokens: int = 0  # ... and kept
 
     @property
@@ -45,8 +45,8 @@ class RequestMetrics:
 
 @dataclass
 class DraftLength:
-    """How many MTP drafts a request proposes next, adapted to how many the target keeps
-    (`MTPDrafter.adapt`). `k` 0: none, for `wait` more decode steps, then one draft as a
+    """How many drafts a request proposes next, adapted to how many the target keeps
+    (`Drafter.adapt`). `k` 0: none, for `wait` more decode steps, then one draft as a
     probe; `backoff` is the wait after the next probe that fails. `seen` is its metrics'
     `(draft_tokens, accepted_tokens)` when `k` was last set, `proposed` how many drafts it
     was handed then. `owed`: the target's h rows of positions `owed_from`.. whose draft KV
@@ -169,8 +169,8 @@ class Request:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_ranks: list[int | None] | None = None
     prompt_token_ids_logprobs: list[list[float] | None] | None = None  # (as prompt_ranks)
-    draft_ids: list[int] = field(default_factory=list)  # MTP proposals for the next step
-    draft_len: DraftLength | None = None  # MTP: its adaptive draft length (set on first use)
+    draft_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    draft_len: DraftLength | None = None  # its adaptive draft length (set on first use)
     bad_words_ids: list[list[int]] = field(default_factory=list)  # (`bad_word_ids`)
     prompt_mask: torch.Tensor | None = field(default=None, repr=False)  # (`_prompt_mask`)
     bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (`_bias`)

@@ -1,5 +1,7 @@
-"""MTP speculative decoding (DESIGN.md §9): the draft layer proposes K tokens in a chain,
-the target checks [last token, d1..dK] in one forward.
+"""Speculative decoding (DESIGN.md §9): a drafter proposes up to K tokens in a chain, the
+target checks [last token, d1..dK] in one forward. Two drafters: MTP (the checkpoint's draft
+layer, below) and n-gram prompt lookup (`NGramDrafter`: the tokens that followed the latest
+earlier occurrence of the request's last few tokens, no weights and no KV of its own).
 
 One invariant makes the rest simple: after every step the draft layer's KV covers exactly
 the positions the target's KV covers (`num_computed`). The draft KV lives behind the same
@@ -39,6 +41,7 @@ from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import torch
 
 from .model_runner import DRAFT, TARGET, ModelRunner
@@ -90,30 +93,11 @@ def verify(
     return [*out, int(torch.multinomial(p, 1, generator=generator))]
 
 
-class MTPDrafter:
-    """Keeps the draft layer level with the target and proposes each request's drafts."""
+class Drafter:
+    """What every drafter shares: how many drafts a request proposes next (`adapt`)."""
 
-    def __init__(
-        self,
-        runner: ModelRunner,
-        scheduler: Scheduler,
-        num_steps: int,
-        max_model_len: int,
-        lockstep: bool,
-        grammars: Callable[[], Any] | None = None,
-    ) -> None:
-        self.runner, self.scheduler = runner, scheduler
-        # The engine's GrammarCache (built on first use), for requests with a matcher.
-        self.grammars = grammars
+    def __init__(self, num_steps: int, max_model_len: int) -> None:
         self.num_steps, self.max_model_len = num_steps, max_model_len
-        # Under DP attention every rank must make the same number of draft forwards.
-        self.lockstep = lockstep
-        # Catch-ups may wait where no other rank repeats this one's calls (they would need
-        # the kept h rows) and no rank waits for this one's draft forwards.
-        self.defers = runner.leader is None and not lockstep
-        # The slots of requests that finished in this step with pages that outlive them (the
-        # prefix cache): `step` still catches the draft layer up over the step's positions.
-        self._finished_slots: dict[int, torch.Tensor] = {}
 
     def wanted(self, req: Request) -> int:
         """How many drafts are worth proposing for `req`'s next step: its adaptive draft
@@ -132,8 +116,8 @@ class MTPDrafter:
         one: no drafts for a while (a wait that doubles with each failed probe, up to
         `MAX_WAIT` decode steps), then one again. Drafts the engine took but did not check
         (a grammar refused them, no pages) count as rejected. A request whose drafts keep
-        failing so costs a probe row now and then instead of `num_steps` verify rows and a
-        chain of draft forwards every step. Only the speed depends on this: greedy tokens
+        failing so costs a probe row now and then instead of `num_steps` verify rows (and
+        MTP's chain of draft forwards) every step. Only the speed depends on this: greedy tokens
         are the target's whatever is drafted, and every verification keeps the target's
         distribution however many drafts it checks (k depends on past steps only)."""
         m = req.metrics
@@ -156,6 +140,35 @@ class MTPDrafter:
             s.wait -= 1
             if s.wait <= 0:
                 s.k = 1
+
+    def finish(self, req: Request) -> None:
+        """Before a finished request's pages go (nothing to do where drafts keep no state)."""
+
+
+class MTPDrafter(Drafter):
+    """Keeps the draft layer level with the target and proposes each request's drafts."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        num_steps: int,
+        max_model_len: int,
+        lockstep: bool,
+        grammars: Callable[[], Any] | None = None,
+    ) -> None:
+        super().__init__(num_steps, max_model_len)
+        self.runner, self.scheduler = runner, scheduler
+        # The engine's GrammarCache (built on first use), for requests with a matcher.
+        self.grammars = grammars
+        # Under DP attention every rank must make the same number of draft forwards.
+        self.lockstep = lockstep
+        # Catch-ups may wait where no other rank repeats this one's calls (they would need
+        # the kept h rows) and no rank waits for this one's draft forwards.
+        self.defers = runner.leader is None and not lockstep
+        # The slots of requests that finished in this step with pages that outlive them (the
+        # prefix cache): `step` still catches the draft layer up over the step's positions.
+        self._finished_slots: dict[int, torch.Tensor] = {}
 
     def step(self, work: list[tuple[Request, int, int]]) -> None:
         """After a target step: `work` holds (request, first position the step computed,
@@ -339,6 +352,97 @@ class MTPDrafter:
             return k
         fits = len(req.pages) * self.scheduler.config.page_size - req.num_computed + 1
         return max(1, min(k, fits))
+
+
+class NGramDrafter(Drafter):
+    """Prompt lookup (vLLM's `ngram` method, SGLang's NGRAM): a request's drafts are the
+    tokens that followed the latest earlier occurrence of its last n tokens, n the longest
+    in [min_n, max_n] that occurred. It reads only the request's own tokens (prompt and
+    output), so it needs no weights, no forward and no KV: the prefix cache, the tiers, a
+    prefill server's hand-off and every rank layout work as without drafts. It pays where
+    outputs copy their context (code edits, extraction, retrieval answers); drafts keep
+    what `verify` guarantees (greedy tokens unchanged, sampled ones the target's)."""
+
+    def __init__(self, num_steps: int, max_model_len: int, min_n: int, max_n: int) -> None:
+        super().__init__(num_steps, max_model_len)
+        self.min_n, self.max_n = min_n, max_n
+        # Each running request's tokens as an array, appended to as it grows (the lookup
+        # is vectorised; a list copied every step would cost more than the lookup).
+        self._tokens: dict[int, tuple[np.ndarray, int]] = {}
+
+    def step(self, work: list[tuple[Request, int, int]]) -> None:
+        """After a target step (`MTPDrafter.step`'s `work`): the next drafts of each request
+        that ran, checked against its grammar where it has one."""
+        for req, start, _ in work:
+            if req.finished or req.num_computed <= start:
+                continue
+            self.adapt(req)
+            k = self.wanted(req)
+            drafts = ngram_drafts(self._array(req), k, self.min_n, self.max_n) if k else []
+            if req.matcher is not None and drafts:
+                drafts = _allowed(req.matcher, drafts)
+            req.draft_ids = drafts
+            req.draft_len.proposed = len(drafts)
+
+    def finish(self, req: Request) -> None:
+        self._tokens.pop(req.rid, None)
+
+    def _array(self, req: Request) -> np.ndarray:
+        """`req`'s tokens so far, from the array kept for it (grown, never rebuilt)."""
+        buf, n = self._tokens.get(req.rid, (None, 0))
+        total = req.seq_len
+        if buf is None or n > total or len(buf) < total:
+            grown = np.empty(max(2 * total, 64), dtype=np.int64)
+            if buf is not None and n <= total:
+                grown[:n] = buf[:n]
+            else:
+                n = 0
+            buf = grown
+        buf[n:total] = req.ids(n, total)
+        self._tokens[req.rid] = (buf, total)
+        return buf[:total]
+
+
+def ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """The `k` tokens that followed the latest earlier occurrence of the longest suffix of
+    `tokens` of length n in [min_n, max_n] that occurred before (none if none did). Where
+    fewer than k follow it, the copy goes on over its own drafts, as the sequence would if
+    it kept repeating (a loop of period p drafts k tokens, not p: vLLM's lookup stops).
+    Candidates are narrowed one token further back at a time, so a step costs one pass
+    over the context plus passes over the few candidates left."""
+    last = len(tokens) - 1
+    if k <= 0 or last < min_n:
+        return []
+    ends = np.flatnonzero(tokens[:last] == tokens[last])  # earlier ends matching 1 token
+    best, n = None, 1
+    while ends.size:
+        if n >= min_n:
+            best = int(ends[-1])  # the latest occurrence of the longest match so far
+        if n == max_n:
+            break
+        ends = ends[ends >= n]
+        ends = ends[tokens[ends - n] == tokens[last - n]]
+        n += 1
+    if best is None:
+        return []
+    out = tokens[best + 1 : best + 1 + k].tolist()
+    period = last - best
+    while len(out) < k:  # the copy runs into the end: it goes on with what it drafted
+        out.append(out[len(out) - period])
+    return out
+
+
+def _allowed(matcher: Any, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` that `matcher`'s grammar accepts (not past the end of
+    what it allows); the matcher is left as it was."""
+    kept: list[int] = []
+    for d in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(d):
+            break
+        kept.append(d)
+    if kept:
+        matcher.rollback(len(kept))
+    return kept
 
 
 def _longs(rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
