@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from dsakv.errors import DsakvError
 from dsakv.procs import interrupts_deferred
 
-from . import bench, calibrate, device_check, disagg, plan, serve
+from . import bench, calibrate, device_check, disagg, plan, run_batch, serve
 from .args import Parser, engine_config_from_args, fold_model_option, log_level
 
 __all__ = ["build_parser", "engine_config_from_args", "main", "run"]
@@ -26,6 +26,7 @@ __all__ = ["build_parser", "engine_config_from_args", "main", "run"]
 _COMMANDS: list[Callable[[Any], None]] = [
     plan.add_commands,
     serve.add_commands,
+    run_batch.add_commands,
     disagg.add_commands,
     bench.add_commands,
     calibrate.add_commands,

@@ -8,8 +8,9 @@ router remembers which (else asks each), for GET, DELETE, cancel, its input item
 any failure reaches the client through the decode server, which hears it in the handshake.
 SGLang's and vLLM's admin calls (/abort_request, /flush_cache, the weight updates, pausing,
 profiling) go to every server; calls every server answers alike (/v1/models, /tokenize)
-to one; SGLang's probes of them all (/server_info, /get_load) gather their answers. Light
-on purpose: no torch, no engine.
+to one; SGLang's probes of them all (/server_info, /get_load) gather their answers.
+OpenAI's Batch API (/v1/files, /v1/batches) is a 501 saying where batches run. Light on
+purpose: no torch, no engine.
 
 Workers join and leave while the router runs, through SGLang Model Gateway's worker API:
 `POST /workers` (`{"url", "worker_type": "prefill"|"decode", "bootstrap_port"}`; the
@@ -965,6 +966,13 @@ _INFO_TIMEOUT_S = 10.0
 _ITEM_PAGES = 10_000
 # The older worker calls' (/add_worker, /remove_worker) answer to one without ?url=.
 _URL_IN_QUERY = "give the worker's URL as ?url="
+# OpenAI's Batch API is a server's own (`dsakv.server.batch`): each of a batch's requests
+# needs a prefill and a decode server, which only the router pairs, and it keeps no files.
+_NO_BATCHES = (
+    "the router runs no batches (/v1/files, /v1/batches): run the batch file with `dsakv "
+    "run-batch`, or on a `dsakv serve` without prefill/decode disaggregation, or send its "
+    "requests to the router one by one"
+)
 # How long a server that failed to connect is asked after the others.
 _DOWN_S = 10.0
 # SGLang's admin calls the router relays to every server, and how long it waits for each
@@ -1294,6 +1302,12 @@ def build_router_app(prefill: list[str], decode: list[str], api_key: str | None 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
         return await router.invocations(request)
+
+    async def no_batches() -> Response:
+        return _error(501, _NO_BATCHES, code="not_implemented")
+
+    for path in ("/v1/files", "/v1/files/{rest:path}", "/v1/batches", "/v1/batches/{rest:path}"):
+        app.add_api_route(path, no_batches, methods=["GET", "POST", "DELETE"])
 
     async def health() -> Response:
         return await router.health()

@@ -1,7 +1,8 @@
 """The OpenAI-compatible FastAPI app over one shared `AsyncEngine`: its routes (their
 handlers: `handlers`; /v1/responses: `responses`; SGLang's /generate and admin routes:
-`generate`; /v1/score: `score`), /health, /metrics and SGLang's probes, errors in OpenAI's
-shape, and every response counted by endpoint."""
+`generate`; /v1/score: `score`; OpenAI's /v1/files and /v1/batches: `batch`), /health,
+/metrics and SGLang's probes, errors in OpenAI's shape, and every response counted by
+endpoint."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dsakv import __version__
 from dsakv.errors import DsakvError
 
 from .auth import require_api_key
+from .batch import add_batch_routes
 from .chat import ChatParsers
 from .generate import add_generate_route
 from .handlers import Handlers
@@ -49,6 +51,12 @@ _ENDPOINTS = (
     "/v1/responses/{response_id}/cancel",
     "/generate",
     "/v1/score",
+    "/v1/files",
+    "/v1/files/{file_id}",  # (any id, and its /content: `_endpoint`)
+    "/v1/files/{file_id}/content",
+    "/v1/batches",
+    "/v1/batches/{batch_id}",  # (any id, and its /cancel: `_endpoint`)
+    "/v1/batches/{batch_id}/cancel",
     "/abort_request",
     "/configure_logging",
     "/update_weights_from_disk",
@@ -221,6 +229,7 @@ def build_app(
     add_generate_route(app, api)  # SGLang's native /generate
     add_responses_routes(app, api)  # OpenAI's Responses API
     add_score_route(app, api)  # SGLang's /v1/score
+    add_batch_routes(app)  # OpenAI's Batch API, over the routes above
     return app
 
 
@@ -348,4 +357,8 @@ def _endpoint(path: str) -> str:
     if path.startswith("/v1/responses/"):
         cancel = path.endswith("/cancel") and path.count("/") == 4
         return "/v1/responses/{response_id}" + ("/cancel" if cancel else "")
+    for collection, name in (("/v1/files/", "{file_id}"), ("/v1/batches/", "{batch_id}")):
+        if path.startswith(collection):  # (its id as a name; anything after it kept)
+            tail = path[len(collection) :].partition("/")[2]
+            path = collection + name + (f"/{tail}" if tail else "")
     return path if path in _ENDPOINTS else "other"

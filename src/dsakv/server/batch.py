@@ -1,0 +1,548 @@
+"""OpenAI's Batch workflow over the server's own routes: a JSONL file of requests (`{"custom_id",
+"method", "url", "body"}` a line) run all at once, so that the engine batches them, each line
+through the route its `url` names (`BatchRunner`: the app's endpoint, its validation and its
+error answers, as a client's request), answered in vLLM's `run-batch` output lines (`{"id",
+"custom_id", "response": {"status_code", "request_id", "body"}, "error"}`, in input order).
+`dsakv run-batch` runs a file offline; the server keeps uploaded files and runs batches of them
+in its event loop (`add_batch_routes`: `/v1/files` and `/v1/batches`, as OpenAI's client
+drives them).
+
+Files are kept in memory, the server's for its lifetime as its stored responses are: a batch's
+input is read whole to be validated and its output written whole at its end, so a temp dir
+would hold the same bytes twice and leave them behind a killed server; an upload past
+`MAX_FILE_BYTES` (OpenAI's batch input limit) is refused as it arrives (413)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import time
+import typing
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.datastructures import UploadFile
+
+from dsakv.errors import DsakvError, load_json
+
+from .protocol import APIError, error_body
+
+log = logging.getLogger(__name__)
+
+# The routes a batch line may name (vLLM's run-batch takes chat and /score, OpenAI's Batch
+# API chat and completions); every one answers whole JSON, with a (body, raw) endpoint.
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/score")
+MAX_FILE_BYTES = 200 * 2**20  # one upload (OpenAI's limit on a batch's input file)
+_FORM_SLACK = 64 * 2**10  # the multipart framing and the form's other fields
+COMPLETION_WINDOW = "24h"  # (the only one OpenAI takes)
+_WINDOW_S = 24 * 3600
+
+
+class BatchFileError(DsakvError):
+    """A batch file that cannot be run at all (not UTF-8, a line not a JSON object, one
+    without its custom_id): `dsakv run-batch` exits 2, a server's batch fails with it
+    (OpenAI's `errors`: `code`, and the 1-based `line` where it names one)."""
+
+    def __init__(self, message: str, code: str, line: int | None = None) -> None:
+        super().__init__(message)
+        self.code, self.line = code, line
+
+    def as_error(self) -> dict[str, Any]:
+        return {"code": self.code, "message": str(self), "param": None, "line": self.line}
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """One request of a batch file, as given: only `custom_id` is checked here (the rest is
+    the request's own error line: `BatchRunner.run_line`)."""
+
+    custom_id: str
+    method: Any
+    url: Any
+    body: Any
+
+
+def parse_batch(data: bytes | str) -> list[BatchLine]:
+    """A batch file's requests (blank lines skipped, as vLLM's); `BatchFileError` where the
+    file itself is bad. Lines end at "\\n" only: a JSON string may hold U+2028."""
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BatchFileError(f"the file is not UTF-8 text ({e})", "invalid_file") from None
+    lines = []
+    for number, text in enumerate(data.split("\n"), 1):
+        if not text.strip():
+            continue
+        try:
+            obj = load_json(text, f"line {number} is not JSON")
+        except DsakvError as e:
+            raise BatchFileError(str(e), "invalid_json_line", number) from None
+        if not isinstance(obj, dict):
+            raise BatchFileError(f"line {number} is not a JSON object", "invalid_json_line", number)
+        custom_id = obj.get("custom_id")
+        if not isinstance(custom_id, str):
+            got = "none" if custom_id is None else f"{custom_id!r}"
+            message = f"line {number}: custom_id must be a string, got {got}"
+            raise BatchFileError(message, "missing_custom_id", number)
+        lines.append(BatchLine(custom_id, obj.get("method"), obj.get("url"), obj.get("body")))
+    return lines
+
+
+def read_batch_file(path: str) -> list[BatchLine]:
+    """`parse_batch` of the file at `path` (`dsakv run-batch -i`), a DsakvError naming it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DsakvError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        return parse_batch(data)
+    except BatchFileError as e:
+        raise DsakvError(f"{path}: {e}") from None
+
+
+def succeeded(record: dict[str, Any]) -> bool:
+    """Whether an output line is a request's answer (OpenAI's output file) rather than an
+    error (its error file)."""
+    return record["error"] is None
+
+
+class BatchRunner:
+    """Runs batch lines through `app`'s routes (`BATCH_URLS`): each line's body validated as
+    the route's body model and handed to its endpoint with a request that never hangs up,
+    its error (a 400, a 404 for a model not served, a 503) answered by the app's own error
+    handlers; it is the client's request in all but the HTTP around it."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self._routes: dict[str, tuple[type[BaseModel], Callable[..., Any]]] | None = None
+
+    async def run(
+        self,
+        lines: Sequence[BatchLine],
+        endpoint: str | None = None,
+        done: Callable[[int, dict[str, Any]], None] | None = None,
+        stop: asyncio.Event | None = None,
+    ) -> list[dict[str, Any] | None]:
+        """Every line's output line, in input order, all submitted at once; `done(i, line)`
+        as each ends. `endpoint`: the one url the lines may name (a server batch's); `stop`
+        set: the lines still running are aborted and their entries left None."""
+        results: list[dict[str, Any] | None] = [None] * len(lines)
+
+        async def one(i: int, line: BatchLine) -> None:
+            results[i] = await self.run_line(line, endpoint)
+            if done is not None:
+                done(i, results[i])
+
+        tasks = [asyncio.create_task(one(i, line)) for i, line in enumerate(lines)]
+        waits: list[asyncio.Future] = [asyncio.gather(*tasks)] if tasks else []
+        if stop is not None:
+            waits.append(asyncio.ensure_future(stop.wait()))
+        try:
+            if waits:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in [*tasks, *waits]:
+                w.cancel()  # (a stop, or this run cancelled: the handlers abort their requests)
+            await asyncio.gather(*tasks, *waits, return_exceptions=True)
+        return results
+
+    async def run_line(self, line: BatchLine, endpoint: str | None = None) -> dict[str, Any]:
+        """One line's output line: the route's answer, or its error."""
+        url = line.url if isinstance(line.url, str) else ""
+        raw = Request(
+            {
+                "type": "http",
+                "method": "POST",
+                "path": url,
+                "root_path": "",
+                "query_string": b"",
+                "headers": [],
+                "app": self.app,
+            },
+            _never_left,
+        )
+        try:
+            response = await self._answer(line, endpoint, raw)
+        except Exception as e:  # (the app answers each as it would a client's request)
+            response = await self._error(raw, e)
+        return _output_line(line.custom_id, response)
+
+    async def _answer(self, line: BatchLine, endpoint: str | None, raw: Request) -> Response:
+        if line.method != "POST":
+            raise APIError(400, f"method must be POST, got {line.method!r}", param="method")
+        routes = self.routes()
+        if endpoint is not None and line.url != endpoint:
+            message = f"url {line.url!r} is not the batch's endpoint {endpoint!r}"
+            raise APIError(400, message, param="url")
+        if not isinstance(line.url, str) or line.url not in routes:
+            supported = ", ".join(routes)
+            raise APIError(400, f"url {line.url!r} is not one of {supported}", param="url")
+        model, handler = routes[line.url]
+        try:
+            body = model.model_validate(line.body)
+        except ValidationError as e:  # (as FastAPI reports a route's body)
+            raise RequestValidationError(
+                [{**x, "loc": ("body", *x["loc"])} for x in e.errors()]
+            ) from None
+        if getattr(body, "stream", None):  # (vLLM's: a batch line answers whole)
+            raise APIError(400, "stream is not supported in a batch", param="stream")
+        return await handler(body, raw)
+
+    def routes(self) -> dict[str, tuple[type[BaseModel], Callable[..., Any]]]:
+        """The app's endpoint of each batch url it serves, and that endpoint's body model."""
+        if self._routes is None:
+            found = {
+                r.path: r.endpoint
+                for r in self.app.routes
+                if isinstance(r, APIRoute) and r.path in BATCH_URLS and "POST" in r.methods
+            }
+            self._routes = {
+                url: (typing.get_type_hints(found[url])["body"], found[url])
+                for url in BATCH_URLS
+                if url in found
+            }
+        return self._routes
+
+    async def _error(self, raw: Request, e: Exception) -> Response:
+        """The app's answer to `e` (its exception handlers: `app._install_error_handlers`)."""
+        if not isinstance(e, (APIError, RequestValidationError)):
+            log.error("a batch request failed", exc_info=e)
+        for kind in type(e).__mro__:
+            handler = self.app.exception_handlers.get(kind)
+            if handler is not None:
+                answer = handler(raw, e)
+                return await answer if inspect.isawaitable(answer) else answer
+        return JSONResponse(error_body(f"internal error: {e}", "server_error"), status_code=500)
+
+
+async def _never_left() -> dict[str, Any]:
+    """A batch line's `receive`: its client never hangs up (a stop cancels it instead)."""
+    await asyncio.get_running_loop().create_future()
+    raise AssertionError("unreachable")
+
+
+def _output_line(custom_id: str, response: Response) -> dict[str, Any]:
+    """vLLM's run-batch output line for a route's answer: the body on a 200, else the
+    error (OpenAI's error object) with the status."""
+    body = json.loads(response.body)
+    ok = response.status_code == 200
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": {
+            "status_code": response.status_code,
+            "request_id": response.headers.get("x-request-id") or uuid.uuid4().hex,
+            "body": body if ok else None,
+        },
+        "error": None if ok else body.get("error", body),
+    }
+
+
+def _cancelled_line(custom_id: str) -> dict[str, Any]:
+    """The error line of a request its batch's cancel cut short (OpenAI's error file lists
+    every request without an answer)."""
+    message = "the batch was cancelled before this request finished"
+    error = error_body(message, "server_error", code="batch_cancelled")["error"]
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": error,
+    }
+
+
+# --- the server's /v1/files and /v1/batches ----------------------------------------------------
+
+
+@dataclass
+class _File:
+    info: dict[str, Any]  # OpenAI's File object
+    data: bytes
+
+
+@dataclass(eq=False)
+class _Batch:
+    info: dict[str, Any]  # OpenAI's Batch object, as it goes
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+
+class BatchCreateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+class Batches:
+    """The files uploaded and the batches run of them (`add_batch_routes`), in memory."""
+
+    def __init__(self, runner: BatchRunner, model_name: str) -> None:
+        self.runner, self.model_name = runner, model_name
+        self.files: dict[str, _File] = {}
+        self.batches: dict[str, _Batch] = {}
+
+    def add_file(self, data: bytes, filename: str, purpose: str) -> dict[str, Any]:
+        file_id = f"file-{uuid.uuid4().hex}"
+        info = {
+            "id": file_id,
+            "object": "file",
+            "bytes": len(data),
+            "created_at": int(time.time()),
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+            "expires_at": None,
+            "status_details": None,
+        }
+        self.files[file_id] = _File(info, data)
+        return info
+
+    def file(self, file_id: str) -> _File:
+        if file_id not in self.files:
+            raise APIError(404, f"No such File object: {file_id}", param="file_id")
+        return self.files[file_id]
+
+    def batch(self, batch_id: str) -> _Batch:
+        if batch_id not in self.batches:
+            raise APIError(404, f"No batch found with id {batch_id!r}", param="batch_id")
+        return self.batches[batch_id]
+
+    def create(self, body: BatchCreateRequest) -> dict[str, Any]:
+        """A batch of `body.input_file_id`'s requests, validated and run from here on (its
+        `status`: validating, in_progress, finalizing, then completed, failed or
+        cancelled)."""
+        if body.endpoint not in self.runner.routes():
+            supported = ", ".join(self.runner.routes())
+            message = f"endpoint {body.endpoint!r} is not supported; this server runs {supported}"
+            raise APIError(400, message, param="endpoint")
+        if body.completion_window != COMPLETION_WINDOW:
+            message = f"completion_window must be {COMPLETION_WINDOW!r}"
+            raise APIError(400, message, param="completion_window")
+        if body.input_file_id not in self.files:
+            message = f"No such File object: {body.input_file_id}"
+            raise APIError(404, message, param="input_file_id")
+        source = self.files[body.input_file_id]
+        if source.info["purpose"] != "batch":
+            message = (
+                f"file {body.input_file_id} has purpose {source.info['purpose']!r}, not 'batch'"
+            )
+            raise APIError(400, message, param="input_file_id")
+        now = int(time.time())
+        info = {
+            "id": f"batch_{uuid.uuid4().hex}",
+            "object": "batch",
+            "endpoint": body.endpoint,
+            "errors": None,
+            "input_file_id": body.input_file_id,
+            "completion_window": body.completion_window,
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + _WINDOW_S,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": body.metadata,
+            "model": self.model_name,
+        }
+        batch = _Batch(info)
+        self.batches[info["id"]] = batch
+        batch.task = asyncio.create_task(self._run(batch, source.data))
+        return info
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        """OpenAI's cancel: `cancelling` while the requests in flight are aborted, then
+        `cancelled`, with the answers that came first (and an error line for each other)."""
+        batch = self.batch(batch_id)
+        status = batch.info["status"]
+        if status in ("validating", "in_progress"):
+            batch.info.update(status="cancelling", cancelling_at=int(time.time()))
+            batch.stop.set()
+        elif status not in ("cancelling", "cancelled"):
+            message = f"batch {batch_id} is {status}: only a validating or in_progress one can be cancelled"
+            raise APIError(409, message)
+        return batch.info
+
+    async def _run(self, batch: _Batch, data: bytes) -> None:
+        info = batch.info
+        try:
+            lines = await asyncio.to_thread(parse_batch, data)
+            if not lines:
+                raise BatchFileError("the input file holds no requests", "empty_file")
+        except BatchFileError as e:
+            errors = {"object": "list", "data": [e.as_error()]}
+            info.update(status="failed", failed_at=int(time.time()), errors=errors)
+            return
+        try:
+            await self._run_lines(batch, lines)
+        except Exception as e:  # (a bug: the batch fails, the server goes on)
+            log.exception("batch %s failed", info["id"])
+            error = {"code": "server_error", "message": str(e), "param": None, "line": None}
+            errors = {"object": "list", "data": [error]}
+            info.update(status="failed", failed_at=int(time.time()), errors=errors)
+
+    async def _run_lines(self, batch: _Batch, lines: list[BatchLine]) -> None:
+        info, counts = batch.info, batch.info["request_counts"]
+        counts["total"] = len(lines)
+        if not batch.stop.is_set():
+            info.update(status="in_progress", in_progress_at=int(time.time()))
+
+        def done(_: int, record: dict[str, Any]) -> None:
+            counts["completed" if succeeded(record) else "failed"] += 1
+
+        results = await self.runner.run(lines, info["endpoint"], done, batch.stop)
+        cancelled = batch.stop.is_set()
+        if not cancelled:
+            info.update(status="finalizing", finalizing_at=int(time.time()))
+        records = [r or _cancelled_line(x.custom_id) for r, x in zip(results, lines)]
+        for kind, key in (("output", "output_file_id"), ("error", "error_file_id")):
+            chosen = [r for r in records if succeeded(r) == (kind == "output")]
+            if chosen:
+                data = await asyncio.to_thread(_jsonl, chosen)
+                name = f"{info['id']}_{kind}.jsonl"
+                info[key] = self.add_file(data, name, "batch_output")["id"]
+        if cancelled:
+            info.update(status="cancelled", cancelled_at=int(time.time()))
+        else:
+            info.update(status="completed", completed_at=int(time.time()))
+
+
+def _jsonl(records: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+
+
+def _page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
+    """OpenAI's cursor page of `items` (the openai client follows `after` = the last id)."""
+    start = 0
+    if after is not None:
+        ids = [x["id"] for x in items]
+        if after not in ids:
+            raise APIError(400, f"after: no such object {after!r}", param="after")
+        start = ids.index(after) + 1
+    data = items[start : start + limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": start + limit < len(items),
+    }
+
+
+async def _upload(raw: Request) -> tuple[bytes, str, Any]:
+    """The multipart form's file (its bytes and name) and purpose; past `MAX_FILE_BYTES` a
+    413 as soon as the body says so (its Content-Length) or has sent that much."""
+    too_large = APIError(
+        413, f"the file is larger than {MAX_FILE_BYTES} bytes", param="file", code="file_too_large"
+    )
+    length = raw.headers.get("content-length", "")
+    if length.isdecimal() and int(length) > MAX_FILE_BYTES + _FORM_SLACK:
+        raise too_large
+    seen = 0
+
+    async def bounded() -> dict[str, Any]:
+        nonlocal seen
+        message = await raw.receive()
+        seen += len(message.get("body", b""))
+        if seen > MAX_FILE_BYTES + _FORM_SLACK:
+            raise too_large
+        return message
+
+    async with Request(raw.scope, bounded).form(max_files=1) as form:
+        file, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(file, UploadFile):
+            raise APIError(400, "file: a multipart file part is required", param="file")
+        data = await file.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise too_large
+        return data, file.filename or "upload.jsonl", purpose
+
+
+def add_batch_routes(app: FastAPI) -> None:
+    """OpenAI's `/v1/files` (upload with purpose "batch", list, retrieve, `/content`,
+    delete) and `/v1/batches` (create, retrieve, cancel, list), behind the API key as every
+    /v1 route. Call it once the batch urls' routes are on `app`."""
+    store = Batches(BatchRunner(app), app.state.model_name)
+    app.state.batches = store
+
+    async def upload(raw: Request) -> Response:
+        data, filename, purpose = await _upload(raw)
+        if purpose != "batch":
+            message = f"purpose must be 'batch' (the files this server runs), got {purpose!r}"
+            raise APIError(400, message, param="purpose")
+        return JSONResponse(store.add_file(data, filename, purpose))
+
+    async def list_files(
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int = Query(10_000, ge=1, le=10_000),
+        order: Literal["asc", "desc"] = "desc",
+    ) -> Response:
+        files = [
+            f.info for f in store.files.values() if purpose is None or f.info["purpose"] == purpose
+        ]
+        return JSONResponse(_page(files[::-1] if order == "desc" else files, after, limit))
+
+    async def get_file(file_id: str) -> Response:
+        return JSONResponse(store.file(file_id).info)
+
+    async def delete_file(file_id: str) -> Response:
+        store.file(file_id)
+        del store.files[file_id]
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    async def content(file_id: str) -> Response:
+        return Response(store.file(file_id).data, media_type="application/octet-stream")
+
+    async def create(body: BatchCreateRequest) -> Response:
+        if app.state.async_engine.server_info()["disaggregation_mode"] != "null":
+            message = (
+                "a prefill or decode server runs no batches: run them on a server without "
+                "--disaggregation-mode, or offline with `dsakv run-batch`"
+            )
+            raise APIError(501, message, type="server_error", code="not_implemented")
+        return JSONResponse(store.create(body))
+
+    async def list_batches(
+        after: str | None = None, limit: int = Query(20, ge=1, le=100)
+    ) -> Response:
+        batches = [b.info for b in store.batches.values()][::-1]  # (newest first, as OpenAI's)
+        return JSONResponse(_page(batches, after, limit))
+
+    async def get_batch(batch_id: str) -> Response:
+        return JSONResponse(store.batch(batch_id).info)
+
+    async def cancel(batch_id: str) -> Response:
+        return JSONResponse(store.cancel(batch_id))
+
+    for path, endpoint, method in (
+        ("/v1/files", upload, "POST"),
+        ("/v1/files", list_files, "GET"),
+        ("/v1/files/{file_id}", get_file, "GET"),
+        ("/v1/files/{file_id}", delete_file, "DELETE"),
+        ("/v1/files/{file_id}/content", content, "GET"),
+        ("/v1/batches", create, "POST"),
+        ("/v1/batches", list_batches, "GET"),
+        ("/v1/batches/{batch_id}", get_batch, "GET"),
+        ("/v1/batches/{batch_id}/cancel", cancel, "POST"),
+    ):
+        app.add_api_route(path, endpoint, methods=[method])

@@ -1,0 +1,254 @@
+"""OpenAI's Batch API on `dsakv serve` (`dsakv.server.batch`), driven by the `openai` client:
+files uploaded, listed, read and deleted; a batch validated, run through the server's routes
+(each answer the route's own for that body), its output and error files; cancel; a bad file
+failing the batch; the upload bound; the API key; and `dsakv router`'s refusal."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from dsakv.server import batch as batch_module
+from dsakv.server.app import _endpoint
+
+from .conftest import cli_config
+from .serving import TIMEOUT, engine_stops_stepping_at, routing, serving
+
+KEY = "batch-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+FLAGS = ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32", "--num-pages", "64"]
+FLAGS += ["--page-size", "16", "--device", "cpu"]
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _chat(text: str, max_tokens: int = 5) -> dict:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **GREEDY}
+
+
+def _jsonl(lines: list[tuple[str, str, dict]]) -> bytes:
+    rows = [{"custom_id": c, "method": "POST", "url": u, "body": b} for c, u, b in lines]
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+@pytest.fixture(scope="module")
+def served(glm_tiny):
+    with serving(cli_config("serve", glm_tiny, *FLAGS), api_key=KEY) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    base, _ = served
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+
+
+def _upload(client: openai.OpenAI, data: bytes, name: str = "batch.jsonl"):
+    return client.files.create(file=(name, data), purpose="batch")
+
+
+def _until(client: openai.OpenAI, batch_id: str, *statuses: str):
+    deadline = time.monotonic() + TIMEOUT
+    while (got := client.batches.retrieve(batch_id)).status not in statuses:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    return got
+
+
+def _lines(client: openai.OpenAI, file_id: str) -> list[dict]:
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def _answer_of(body: dict) -> dict:
+    usage = {k: v for k, v in body["usage"].items() if k != "prompt_tokens_details"}
+    return {k: v for k, v in body.items() if k not in ("id", "created")} | {"usage": usage}
+
+
+def test_files_then_a_batch_then_its_output(client, served):
+    base, _ = served
+    lines = [
+        ("a", "/v1/chat/completions", _chat("Hi there")),
+        ("b", "/v1/chat/completions", _chat("Bye", 3)),
+    ]
+    data = _jsonl(lines)
+    up = _upload(client, data)
+    assert (up.object, up.purpose, up.bytes, up.filename) == (
+        "file",
+        "batch",
+        len(data),
+        "batch.jsonl",
+    )
+    assert client.files.retrieve(up.id) == up
+    assert up.id in [f.id for f in client.files.list(purpose="batch")]
+    assert client.files.content(up.id).content == data
+
+    created = client.batches.create(
+        input_file_id=up.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "test"},
+    )
+    assert created.status == "validating" and created.metadata == {"job": "test"}
+    done = _until(client, created.id, "completed", "failed")
+    assert done.status == "completed", done.errors
+    assert done.request_counts.model_dump() == {"total": 2, "completed": 2, "failed": 0}
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    assert done.error_file_id is None and done.output_file_id
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    out = _lines(client, done.output_file_id)
+    assert [x["custom_id"] for x in out] == ["a", "b"]
+    for line, (_, url, body) in zip(out, lines):
+        direct = httpx.post(f"{base}{url}", json=body, headers=AUTH, timeout=TIMEOUT)
+        assert line["response"]["status_code"] == 200 and line["error"] is None
+        assert _answer_of(line["response"]["body"]) == _answer_of(direct.json())
+
+    assert created.id in [b.id for b in client.batches.list()]
+    with pytest.raises(openai.ConflictError):  # (only a batch still running can be)
+        client.batches.cancel(created.id)
+    deleted = client.files.delete(up.id)
+    assert deleted.deleted and deleted.id == up.id
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(up.id)
+    assert client.batches.retrieve(created.id).status == "completed"  # (it read the file)
+
+
+def test_a_bad_line_goes_to_the_error_file(client):
+    lines = [
+        ("good", "/v1/chat/completions", _chat("Hello")),
+        ("other-url", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
+        ("no-messages", "/v1/chat/completions", {"max_tokens": 2}),
+    ]
+    created = client.batches.create(
+        input_file_id=_upload(client, _jsonl(lines)).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    done = _until(client, created.id, "completed", "failed")
+    assert done.status == "completed"
+    assert done.request_counts.model_dump() == {"total": 3, "completed": 1, "failed": 2}
+    assert [x["custom_id"] for x in _lines(client, done.output_file_id)] == ["good"]
+    errors = _lines(client, done.error_file_id)
+    assert [x["custom_id"] for x in errors] == ["other-url", "no-messages"]
+    assert [x["response"]["status_code"] for x in errors] == [400, 400]
+    assert [x["error"]["param"] for x in errors] == ["url", "messages"]
+
+
+@pytest.mark.parametrize(
+    "data, code, line",
+    [(b"", "empty_file", None), (b'{"custom_id": "a"}\n{oops\n', "invalid_json_line", 2)],
+)
+def test_a_bad_file_fails_its_batch(client, data, code, line):
+    created = client.batches.create(
+        input_file_id=_upload(client, data).id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+    )
+    done = _until(client, created.id, "failed", "completed")
+    assert done.status == "failed" and done.failed_at and done.output_file_id is None
+    (error,) = done.errors.data
+    assert (error.code, error.line) == (code, line) and error.message
+
+
+def test_cancel_aborts_the_requests_in_flight(client, served):
+    base, async_engine = served
+    lines = [(c, "/v1/completions", {"prompt": c, "max_tokens": 200, **GREEDY}) for c in "xy"]
+    file_id = _upload(client, _jsonl(lines)).id
+    with engine_stops_stepping_at(async_engine, 2):  # (they can only end by an abort)
+        created = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + TIMEOUT
+        while httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"] < 2:
+            assert time.monotonic() < deadline, client.batches.retrieve(created.id)
+            time.sleep(0.05)
+        cancelling = client.batches.cancel(created.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at
+        done = _until(client, created.id, "cancelled")
+    assert done.cancelled_at and done.output_file_id is None
+    errors = _lines(client, done.error_file_id)
+    assert [x["custom_id"] for x in errors] == ["x", "y"]
+    assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
+    assert client.batches.cancel(created.id).status == "cancelled"
+    assert httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"] == 0
+
+
+def test_what_a_batch_is_refused(client):
+    file_id = _upload(client, _jsonl([("a", "/v1/completions", {"prompt": "x"})])).id
+    for endpoint, window, param in [
+        ("/v1/embeddings", "24h", "endpoint"),
+        ("/v1/completions", "1h", "completion_window"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.batches.create(
+                input_file_id=file_id, endpoint=endpoint, completion_window=window
+            )
+        assert e.value.param == param
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(
+            input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h"
+        )
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    assert e.value.param == "purpose"
+
+
+def test_an_upload_past_the_bound_is_a_413(client, served, monkeypatch):
+    base, _ = served
+    monkeypatch.setattr(batch_module, "MAX_FILE_BYTES", 1000)
+    assert _upload(client, b"x" * 1000).bytes == 1000
+    for size in (1001, 200_000):  # (the second refused by its Content-Length)
+        with pytest.raises(openai.APIStatusError) as e:
+            _upload(client, b"x" * size)
+        assert e.value.status_code == 413
+        assert e.value.response.json()["error"]["code"] == "file_too_large"
+
+    def chunked():  # (no Content-Length: refused once that much came)
+        yield b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\n'
+        yield b'Content-Disposition: form-data; name="file"; filename="x"\r\n\r\n'
+        yield from (b"x" * 10_000 for _ in range(10))
+        yield b"\r\n--B--\r\n"
+
+    headers = {**AUTH, "Content-Type": "multipart/form-data; boundary=B"}
+    r = httpx.post(f"{base}/v1/files", content=chunked(), headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large"
+
+
+def test_the_routes_need_the_api_key(client, served):
+    base, _ = served
+    keyless = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", timeout=TIMEOUT, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        _upload(keyless, b"{}\n")
+    with pytest.raises(openai.AuthenticationError):
+        keyless.batches.list()
+    file_id = _upload(client, b"{}\n").id  # (with it: served)
+    for path in (f"/v1/files/{file_id}", f"/v1/files/{file_id}/content", "/v1/batches"):
+        assert httpx.get(f"{base}{path}", timeout=TIMEOUT).status_code == 401
+        assert httpx.get(f"{base}{path}", headers=AUTH, timeout=TIMEOUT).status_code == 200
+
+
+def test_metrics_name_each_route_once():
+    assert _endpoint("/v1/files/file-1/content") == "/v1/files/{file_id}/content"
+    assert _endpoint("/v1/batches/batch_1") == "/v1/batches/{batch_id}"
+    assert _endpoint("/v1/batches/batch_1/cancel") == "/v1/batches/{batch_id}/cancel"
+    assert _endpoint("/v1/batches/batch_1/other") == "other"
+
+
+def test_the_router_says_where_batches_run():
+    with routing([], []) as router:
+        for method, path in [
+            ("POST", "/v1/files"),
+            ("GET", "/v1/batches/b"),
+            ("POST", "/v1/batches"),
+        ]:
+            r = httpx.request(method, f"{router}{path}", timeout=TIMEOUT)
+            assert r.status_code == 501, r.text
+            assert "dsakv run-batch" in r.json()["error"]["message"]
+    with routing([], [], api_key=KEY) as router:
+        assert httpx.get(f"{router}/v1/batches", timeout=TIMEOUT).status_code == 401
+        r = httpx.get(f"{router}/v1/batches", headers=AUTH, timeout=TIMEOUT)
+        assert r.status_code == 501
