@@ -9,7 +9,8 @@ any failure reaches the client through the decode server, which hears it in the 
 SGLang's and vLLM's admin calls (/abort_request, /flush_cache, the weight updates, pausing,
 profiling) go to every server; calls every server answers alike (/v1/models, /tokenize)
 to one; SGLang's probes of them all (/server_info, /get_load) gather their answers.
-OpenAI's Batch API (/v1/files, /v1/batches) is a 501 saying where batches run. Light on
+OpenAI's Batch API (/v1/files, /v1/batches) is a 501 saying where batches run, and so are
+SGLang's sessions (/open_session, /close_session, /generate's session_params). Light on
 purpose: no torch, no engine.
 
 Workers join and leave while the router runs, through SGLang Model Gateway's worker API:
@@ -212,6 +213,8 @@ class Router:
         if isinstance(got, Response):
             return got
         raw, body = got
+        if _in_session(body):
+            return _error(501, _NO_SESSIONS, param="session_params", code="not_implemented")
         # The prefill server answers with its one token; only the decode server streams.
         p_body = {**body, "stream": False}
         p_body.pop("stream_options", None)
@@ -973,6 +976,12 @@ _NO_BATCHES = (
     "run-batch`, or on a `dsakv serve` without prefill/decode disaggregation, or send its "
     "requests to the router one by one"
 )
+_NO_SESSIONS = (
+    "the router runs no SGLang sessions (/open_session, /close_session, session_params): a "
+    "session's requests build on its earlier ones, held by the server that ran them, and the "
+    "router splits each request over a prefill and a decode server; open sessions on a "
+    "`dsakv serve` without prefill/decode disaggregation"
+)
 # How long a server that failed to connect is asked after the others.
 _DOWN_S = 10.0
 # SGLang's admin calls the router relays to every server, and how long it waits for each
@@ -1199,6 +1208,13 @@ def _request_id(message: Request | httpx.Response) -> dict[str, str]:
     return {}
 
 
+def _in_session(body: dict[str, Any]) -> bool:
+    """Whether a /generate body names a session (SGLang's `session_params` with an id)."""
+    given = body.get("session_params")
+    each = given if isinstance(given, list) else [given]
+    return any(isinstance(p, dict) and p.get("id") is not None for p in each)
+
+
 def _items(input: Any) -> list[Any]:
     """A Responses API input as items (text is one user message)."""
     return [{"role": "user", "content": input}] if isinstance(input, str) else list(input or [])
@@ -1308,6 +1324,12 @@ def build_router_app(prefill: list[str], decode: list[str], api_key: str | None 
 
     for path in ("/v1/files", "/v1/files/{rest:path}", "/v1/batches", "/v1/batches/{rest:path}"):
         app.add_api_route(path, no_batches, methods=["GET", "POST", "DELETE"])
+
+    async def no_sessions() -> Response:
+        return _error(501, _NO_SESSIONS, code="not_implemented")
+
+    for path in ("/open_session", "/close_session"):
+        app.add_api_route(path, no_sessions, methods=["GET", "POST"])
 
     async def health() -> Response:
         return await router.health()

@@ -41,6 +41,7 @@ from .request_log import RequestLogConfig
 from .responses import add_responses_routes
 from .runner import AsyncEngine
 from .score import add_score_route
+from .sessions import add_session_routes
 
 _ENDPOINTS = (
     "/v1/completions",
@@ -58,6 +59,8 @@ _ENDPOINTS = (
     "/v1/batches/{batch_id}",  # (any id, and its /cancel: `_endpoint`)
     "/v1/batches/{batch_id}/cancel",
     "/abort_request",
+    "/open_session",
+    "/close_session",
     "/configure_logging",
     "/update_weights_from_disk",
     "/init_weights_update_group",
@@ -229,6 +232,7 @@ def build_app(
     add_generate_route(app, api)  # SGLang's native /generate
     add_responses_routes(app, api)  # OpenAI's Responses API
     add_score_route(app, api)  # SGLang's /v1/score
+    add_session_routes(app, api.sessions)  # SGLang's /open_session, /close_session
     add_batch_routes(app)  # OpenAI's Batch API, over the routes above
     return app
 

@@ -33,6 +33,7 @@ from .openai_format import json_logprob
 from .params import SGLANG_NOT_RUN, prompt_list, request_salt
 from .protocol import APIError, GenerationRequest
 from .rows import routed_base64, row_params
+from .sessions import SessionParams, SessionRefused, Turn
 from .submit import Result, refusal, sse_event
 
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
@@ -68,6 +69,8 @@ class GenerateRequest(BaseModel):
     return_routed_experts: bool | None = False
     routed_experts_start_len: int | None = 0
     return_hidden_states: bool | list[bool] | None = False
+    # SGLang's: the input follows an earlier request of an open session (`sessions`)
+    session_params: SessionParams | None = None
 
 
 # GenerateReqInput's fields that change what is generated or returned, not run here.
@@ -549,6 +552,7 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
         )
     rids = _rids(body.rid, len(prompts), n, single)
     given_rids = _given_rids(body.rid, len(prompts), single)
+    turn = api.sessions.turn(body.session_params, len(prompts), n, api.disaggregated)
     asks = _logprob_asks(api, body, len(prompts), n)
     salts = [
         request_salt(c, k)
@@ -565,6 +569,8 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
     await api.weights_ready()
     call = api.in_flight.open(names, shown=shown, raw=raw)
     try:
+        if turn is not None:  # (its whole input: the logprob_start_len check is on it)
+            prompts[0] = await _session_prompt(api, turn, prompts[0], prompt_field)
         for i, ask in enumerate(asks):
             if ask is not None and ask.start >= 0:  # check it against the prompt's length
                 prompts[i] = await _prompt_ids(api, prompts[i], ask.start, prompt_field)
@@ -582,14 +588,24 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
             params = _with_rows(body, params, n)
             # (the context check only where the client gave max_new_tokens, as SGLang's)
             given = ["max_new_tokens" if s.max_new_tokens is not None else None for s in samplings]
+        if turn is not None:  # (now a node of its session: its output is `turn.result`)
+            prompts[0] = api.sessions.start(turn, rids[0], params[0].max_tokens, call)
+        with _in_sglang_terms():
             streams = await api.submit_all(prompts, params, n, raw, given, prompt_field, call=call)
+    except SessionRefused as e:  # (SGLang's abort: streamed, an output that says so)
+        api.in_flight.close(call)
+        if not body.stream:
+            raise
+        out = _output(rids[0], Result(finish_reason="abort"), None, began, api.weight_version)
+        out["meta_info"]["finish_reason"] = e.finish_reason()
+        return api.stream_response(_one(sse_event(out)), [])
     except BaseException:  # (from here `collect_all` or `stream_response` closes it)
         api.in_flight.close(call)
         raise
     batch = not single or n > 1  # (outputs prompt-major: prompt i's sample j is i * n + j)
 
     if body.stream:
-        so_far = [Result() for _ in streams]
+        so_far = [Result() for _ in streams] if turn is None else [turn.result]
 
         async def events() -> AsyncIterator[str]:
             async for i, u in api.merged_updates(streams):
@@ -599,7 +615,7 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
 
         return api.stream_response(events(), streams, call)
 
-    results = await api.collect_all(streams, raw, call)
+    results = await api.collect_all(streams, raw, call, None if turn is None else [turn.result])
     version = api.weight_version
     outs = [
         _output(rid, r, asks[i // n], began, version)
@@ -754,6 +770,19 @@ def _per_prompt(value: Any, name: str, prompts: int, n: int) -> list[Any]:
     if n > 1:
         raise APIError(400, f"{name} cannot be a list with n > 1", param=name)
     return value
+
+
+async def _session_prompt(
+    api: Handlers, turn: Turn, prompt: str | list[int], name: str
+) -> list[int]:
+    """The request's whole input in its session (`Sessions.prompt`), from its own tokens."""
+    ids = await _prompt_ids(api, prompt, 0, name)
+    tokenizer = api.engine.engine.tokenizer
+    return api.sessions.prompt(turn, ids, None if tokenizer is None else tokenizer.bos_token_id)
+
+
+async def _one(event: str) -> AsyncIterator[str]:
+    yield event
 
 
 async def _prompt_ids(api: Handlers, prompt: str | list[int], start: int, name: str) -> list[int]:

@@ -61,6 +61,7 @@ from .protocol import (
 )
 from .request_log import RequestLog, RequestLogConfig
 from .runner import AsyncEngine, RequestStream
+from .sessions import Sessions
 from .submit import Call, InFlight, Result, SubmitMixin, sse_event
 
 
@@ -101,6 +102,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         self.metrics = metrics
         self.chat_parsers = chat_parsers
         self.in_flight = InFlight(async_engine, RequestLog(request_log))
+        self.sessions = Sessions(self.in_flight)  # SGLang's (/generate's session_params)
         # SGLang's model_update_lock: generation calls start while `_serving` is set (an
         # update clears it, then waits for the calls in flight), one update at a time.
         self.weight_version = WEIGHT_VERSION

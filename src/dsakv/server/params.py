@@ -62,6 +62,10 @@ class RequestParamsMixin:
         for name in (*SGLANG_NOT_RUN, "stop_regex"):
             if getattr(body, name, None):
                 raise APIError(400, f"{name} is not supported by this server", param=name)
+        if getattr(body, "session_params", None):  # (SGLang's OpenAI routes drop it)
+            raise APIError(
+                400, "session_params is taken by /generate only (SGLang's)", param="session_params"
+            )
         budget = body.thinking_token_budget
         if budget is not None and budget >= 0 and self.chat_parsers.reasoning is None:
             raise APIError(  # (vLLM's rule: the budget counts inside the parser's markers)
@@ -348,7 +352,6 @@ def request_salt(cache_salt: str | None, extra_key: str | None) -> str | None:
 SGLANG_NOT_RUN = (
     "lora_path",
     "custom_logit_processor",
-    "session_params",
 )
 
 

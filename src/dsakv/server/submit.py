@@ -99,7 +99,8 @@ class Call:
     /generate output's `meta_info.id` and the rid its prompt was given; none on /v1), the
     streams the engine took for them so far (in output order), the outputs an abort
     reached before the engine took them, the engine's `generate_n` taking the next
-    `waiting_n` outputs while it runs, and its request log entry (None: not logged)."""
+    `waiting_n` outputs while it runs, its request log entry (None: not logged), and what
+    runs once it closes (a session's node ending: `sessions`)."""
 
     names: list[frozenset[str]]
     streams: list[RequestStream] = field(default_factory=list)
@@ -107,6 +108,7 @@ class Call:
     waiting: asyncio.Future | None = None
     waiting_n: int = 0
     log: Entry | None = None
+    on_close: list[Callable[[], None]] = field(default_factory=list)
 
 
 class InFlight:
@@ -171,6 +173,8 @@ class InFlight:
             for s in call.streams:
                 self._taps.pop(s, None)
             call.log.ended()
+        for then in call.on_close:
+            then()
 
     def tap(self, stream: RequestStream) -> Output | None:
         """The request log's record of `stream`, fed each update its handler reads (None:
@@ -504,16 +508,22 @@ class SubmitMixin:
                 t.cancel()
 
     async def collect_all(
-        self, streams: list[RequestStream], raw: Request, call: Call | None = None
+        self,
+        streams: list[RequestStream],
+        raw: Request,
+        call: Call | None = None,
+        into: list[Result] | None = None,
     ) -> list[Result]:
-        """`_collect` for every stream at once; the first failure aborts the rest. `call`
-        is closed at the end."""
+        """`_collect` for every stream at once (into `into`'s results, which others read as
+        they fill: a session's); the first failure aborts the rest. `call` is closed at the
+        end."""
+        into = into or [Result() for _ in streams]
         if len(streams) == 1:
             try:
-                return [await self._collect(streams[0], raw)]
+                return [await self._collect(streams[0], raw, into[0])]
             finally:
                 self.in_flight.close(call)
-        tasks = [asyncio.ensure_future(self._collect(s, raw)) for s in streams]
+        tasks = [asyncio.ensure_future(self._collect(s, raw, r)) for s, r in zip(streams, into)]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
@@ -548,12 +558,12 @@ class SubmitMixin:
             if not finished:  # the client left, or another choice failed: it is aborted
                 self.metrics.success.labels("abort").inc()
 
-    async def _collect(self, stream: RequestStream, raw: Request) -> Result:
-        """Wait for the whole output, aborting if the client goes away meanwhile."""
+    async def _collect(self, stream: RequestStream, raw: Request, result: Result) -> Result:
+        """Wait for the whole output (into `result`), aborting if the client goes away
+        meanwhile."""
 
         # (an abort ends the stream with finish_reason "abort")
         watcher = asyncio.create_task(_when_left(raw, lambda: self.engine.abort(stream)))
-        result = Result()
         try:
             async with contextlib.aclosing(self._updates(stream)) as updates:
                 async for u in updates:  # (closed here, not when collected: its count now)
