@@ -43,7 +43,11 @@ def _brute_force(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
 
 @settings(max_examples=300, deadline=None)
 @given(
-    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    # (2 to 4 distinct tokens, up to 200: the last often ends more earlier matches than the
+    # latest ones `ngram_drafts` narrows first)
+    tokens=st.integers(1, 3).flatmap(
+        lambda v: st.lists(st.integers(0, v), min_size=1, max_size=200)
+    ),
     k=st.integers(0, 6),
     lo=st.integers(1, 5),
     extra=st.integers(0, 6),
@@ -62,6 +66,9 @@ def test_lookup_prefers_the_longest_then_the_latest_match():
     # A loop: the copy goes on past the end (period 2 here, 5 drafts).
     assert ngram_drafts(np.array([5, 1, 2, 1, 2, 1, 2]), 5, 1, 3) == [1, 2, 1, 2, 1]
     assert ngram_drafts(np.array([4, 4, 4]), 3, 1, 5) == [4, 4, 4]
+    # The longest match long before the latest candidates: found all the same.
+    t = [7, 1, 2, 3, 9] + [3, 5] * 100 + [1, 2, 3]
+    assert ngram_drafts(np.array(t), 3, 1, 4) == [9, 3, 5]
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +143,27 @@ def test_greedy_equal_with_prefix_hits(model):
     tokens, engine = _run(model, prompts, max_running_requests=1, **NGRAM)
     assert tokens == ref
     assert engine.counters()["prefix_hit_tokens"] >= 4 * 48
+
+
+def test_the_drafter_keeps_no_tokens_of_a_request_gone(model):
+    """The drafter's copy of each request's tokens goes with the request, aborted ones too
+    (a server aborts each request whose client hangs up: they were kept for good), and it
+    never holds more than the context."""
+    engine = Engine(EngineConfig(model, **EXACT, num_pages=64, max_model_len=128, **NGRAM))
+    prompts = [[i, *range(10, 20)] * 7 for i in range(4)]  # 77 tokens, then up to 40 more
+    reqs = [engine.add_request(p, GREEDY) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    kept = engine.drafter._tokens
+    assert set(kept) == {r.rid for r in reqs}
+    assert all(len(tokens) <= 128 for tokens, _ in kept.values())
+    for req in reqs[:2]:
+        engine.abort(req.rid)
+    assert set(kept) == {r.rid for r in reqs[2:]}
+    while engine.has_unfinished():
+        engine.step()
+    assert not kept
+    engine.check_integrity()
 
 
 def test_seeded_sampling_emits_the_tokens_it_would_without_drafts(model, reference):
@@ -263,6 +291,16 @@ def test_sglang_and_vllm_flags():
             ["--speculative-algorithm", "ngram", "--speculative-num-steps", "3",
              "--speculative-num-draft-tokens", "6"],
             "give 4 or leave it out",
+        ),
+        # (alone, the count sets the drafts: out of range, the error names it, not
+        # --speculative-num-steps, which was not given)
+        (
+            ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "24"],
+            "--speculative-num-draft-tokens 24: n-gram drafting verifies 2..17 tokens",
+        ),
+        (
+            ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "1"],
+            "--speculative-num-draft-tokens 1: n-gram drafting verifies 2..17 tokens",
         ),
     ],
 )  # fmt: skip

@@ -5,7 +5,7 @@ section does), so noise hits all alike.
 Reports the mean acceptance length (tokens emitted per verification), target forward
 passes per output token, output tokens/s, and how far the greedy outputs agree. Each
 request proposes up to `steps` drafts, fewer while its drafts are being rejected
-(`MTPDrafter.adapt`), so the section also reports the drafts checked per verification,
+(`Drafter.adapt`), so the section also reports the drafts checked per verification,
 the share of a request's decode passes that verified drafts, and the drafts checked per
 output token (each one a verify row of the target's).
 On a CPU the verify forward's extra rows cost nearly their full compute (a GPU hides

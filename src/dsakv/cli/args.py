@@ -1311,6 +1311,7 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
             args.speculative_ngram_max_match_window_size = hi
         args.speculative_config = None  # (folded: a second call finds dsakv's flags alone)
     topk, tokens = args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    steps_given = args.speculative_num_steps is not None
     for flag, value in (("eagle-topk", topk), ("num-draft-tokens", tokens)):
         if value is not None and args.speculative_algorithm is None:
             raise DsakvError(f"--speculative-{flag} needs --speculative-algorithm")
@@ -1319,9 +1320,14 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
             f"--speculative-eagle-topk {topk}: dsakv drafts one chain (the top token at each "
             "step), not a tree: give 1 or leave it out"
         )
-    if tokens is not None and args.speculative_algorithm == "ngram" and tokens > 1:
+    if tokens is not None and args.speculative_algorithm == "ngram" and not steps_given:
         # (SGLang's NGRAM counts the last token among them, as its EAGLE does)
-        args.speculative_num_steps = args.speculative_num_steps or tokens - 1
+        if not 2 <= tokens <= 17:
+            raise DsakvError(
+                f"--speculative-num-draft-tokens {tokens}: n-gram drafting verifies 2..17 "
+                "tokens a step (1..16 drafts, then the last token)"
+            )
+        args.speculative_num_steps = tokens - 1
     steps = args.speculative_num_steps or DRAFT_STEPS
     if tokens is not None and tokens != steps + 1:
         raise DsakvError(

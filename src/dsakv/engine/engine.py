@@ -784,6 +784,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             return
         req.finish_reason = "abort"
         _hand_over_rows(req)
+        if self.drafter is not None:  # (the n-gram drafter's copy of its tokens goes too)
+            self.drafter.finish(req)
         self.scheduler.finish(req)
         self._release_forks(req)
         self.stats.aborted_requests += 1

@@ -142,7 +142,8 @@ class Drafter:
                 s.k = 1
 
     def finish(self, req: Request) -> None:
-        """Before a finished request's pages go (nothing to do where drafts keep no state)."""
+        """Before a finished or aborted request's pages go (nothing to do where drafts keep
+        no state)."""
 
 
 class MTPDrafter(Drafter):
@@ -388,11 +389,12 @@ class NGramDrafter(Drafter):
         self._tokens.pop(req.rid, None)
 
     def _array(self, req: Request) -> np.ndarray:
-        """`req`'s tokens so far, from the array kept for it (grown, never rebuilt)."""
+        """`req`'s tokens so far, from the array kept for it (grown, never rebuilt; int32,
+        room for twice its tokens but not past the context)."""
         buf, n = self._tokens.get(req.rid, (None, 0))
         total = req.seq_len
         if buf is None or n > total or len(buf) < total:
-            grown = np.empty(max(2 * total, 64), dtype=np.int64)
+            grown = np.empty(max(min(2 * total, self.max_model_len), total, 64), dtype=np.int32)
             if buf is not None and n <= total:
                 grown[:n] = buf[:n]
             else:
@@ -408,21 +410,18 @@ def ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int
     `tokens` of length n in [min_n, max_n] that occurred before (none if none did). Where
     fewer than k follow it, the copy goes on over its own drafts, as the sequence would if
     it kept repeating (a loop of period p drafts k tokens, not p: vLLM's lookup stops).
-    Candidates are narrowed one token further back at a time, so a step costs one pass
-    over the context plus passes over the few candidates left."""
+    A step costs one pass over the context, then passes over the candidates, narrowed one
+    token further back at a time. In a loop (a run of one token, a repeated line) nearly
+    every position is one, so the latest few are narrowed first: a match of max_n among
+    them is the answer (narrowing all took 0.6 ms a request at 32K tokens, 39 ms a step
+    at 64 such requests)."""
     last = len(tokens) - 1
     if k <= 0 or last < min_n:
         return []
     ends = np.flatnonzero(tokens[:last] == tokens[last])  # earlier ends matching 1 token
-    best, n = None, 1
-    while ends.size:
-        if n >= min_n:
-            best = int(ends[-1])  # the latest occurrence of the longest match so far
-        if n == max_n:
-            break
-        ends = ends[ends >= n]
-        ends = ends[tokens[ends - n] == tokens[last - n]]
-        n += 1
+    best, n = _latest_longest(tokens, ends[-_LATEST:], min_n, max_n)
+    if n < max_n and ends.size > _LATEST:
+        best, n = _latest_longest(tokens, ends, min_n, max_n)
     if best is None:
         return []
     out = tokens[best + 1 : best + 1 + k].tolist()
@@ -430,6 +429,28 @@ def ngram_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int
     while len(out) < k:  # the copy runs into the end: it goes on with what it drafted
         out.append(out[len(out) - period])
     return out
+
+
+_LATEST = 64  # (candidates `ngram_drafts` narrows first)
+
+
+def _latest_longest(
+    tokens: np.ndarray, ends: np.ndarray, min_n: int, max_n: int
+) -> tuple[int | None, int]:
+    """Of the candidate `ends` (ascending; each matches the last token), the latest that
+    ends the longest match of the suffix (at most max_n), and its length (None and 0 where
+    none reaches min_n), narrowed one token further back at a time."""
+    last = len(tokens) - 1
+    best, found, n = None, 0, 1
+    while ends.size:
+        if n >= min_n:
+            best, found = int(ends[-1]), n  # the latest occurrence of the longest so far
+        if n == max_n:
+            break
+        ends = ends[ends >= n]
+        ends = ends[tokens[ends - n] == tokens[last - n]]
+        n += 1
+    return best, found
 
 
 def _allowed(matcher: Any, drafts: list[int]) -> list[int]:

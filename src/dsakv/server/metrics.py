@@ -77,12 +77,16 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "counter",
         "Prefix-cache pages loaded back from the host tier on a hit",
     ),
-    "spec_draft_tokens": ("spec_draft_tokens", "counter", "MTP draft tokens verified"),
-    "spec_accepted_tokens": ("spec_accepted_tokens", "counter", "MTP draft tokens accepted"),
+    "spec_draft_tokens": ("spec_draft_tokens", "counter", "Draft tokens verified (MTP or n-gram)"),
+    "spec_accepted_tokens": (
+        "spec_accepted_tokens",
+        "counter",
+        "Draft tokens accepted (MTP or n-gram)",
+    ),
     "spec_verify_steps": (
         "spec_verify_steps",
         "counter",
-        "Request-steps in which the target verified MTP drafts",
+        "Request-steps in which the target verified drafts",
     ),
     "finished_requests": ("finished_requests", "counter", "Requests finished"),
     "steps": ("engine_steps", "counter", "Engine steps run"),
@@ -91,7 +95,7 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "decode_request_steps",
         "counter",
         "Request-steps that ran one token past the prompt (one per decoding request per "
-        "step, with any MTP drafts it verified)",
+        "step, with any drafts it verified)",
     ),
     "aborted_requests": (
         "aborted_requests",
@@ -214,7 +218,7 @@ class EngineCollector(Collector):
             steps = snap.get("spec_verify_steps", 0)
             m = GaugeMetricFamily(
                 PREFIX + "spec_accept_length",
-                "Mean tokens emitted per MTP verification (accepted drafts + 1)",
+                "Mean tokens emitted per verification of drafts (accepted drafts + 1)",
                 labels=labels,
             )
             m.add_metric(
