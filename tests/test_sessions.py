@@ -9,6 +9,7 @@ aborted in its words. `dsakv router` answers sessions with a 501."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -20,6 +21,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from dsakv.disagg.router import build_router_app
+from dsakv.server.runner import aborted_waiting
+from dsakv.server.sessions import OpenSessionRequest, SessionParams, Sessions, Turn
+from dsakv.server.submit import Call, InFlight
 
 from .serving import TIMEOUT, engine_stops_stepping_at, sglang_generate, sglang_stream
 
@@ -343,3 +347,92 @@ def test_router_answers_sessions_501():
         assert r.status_code == 501 and r.json()["error"]["param"] == "session_params"
         r = client.post("/generate", json={"input_ids": [1], "session_params": {}})
         assert r.status_code == 503  # (no session: relayed, here to no server)
+
+
+def test_capacity_counts_every_request_the_session_holds(base):
+    """A request that takes the rid of one its session holds still holds that one's tokens
+    (the earlier request is what it follows); one that adds no token counts one (so a
+    session's requests are bounded too)."""
+    sid = _open(base, capacity_of_str_len=12)
+    _turn(base, sid, [1, 2, 3, 4], rid="x")  # (8 held)
+    _turn(base, sid, [5], on="x", n=2, rid="x")  # (11: the first "x" is its earlier turn)
+    body = {"input_ids": [6, 7], "rid": "x", "session_params": {"id": sid, "rid": "x"}}
+    r = httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400 and "capacity_of_str_len (12)" in r.json()["error"]["message"]
+    _close(base, sid)
+    sid = _open(base, capacity_of_str_len=3)
+    _turn(base, sid, [1, 2], rid="a", n=0)
+    _turn(base, sid, [BOS], on="a", n=0)  # (no token of its own: one counted, 3 held)
+    r = httpx.post(
+        f"{base}/generate",
+        json={
+            "input_ids": [BOS],
+            "sampling_params": {"max_new_tokens": 0},
+            "session_params": {"id": sid, "rid": "a"},
+        },
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 400 and "capacity_of_str_len (3)" in r.json()["error"]["message"]
+    _close(base, sid)
+
+
+def _joined(
+    sessions: Sessions, sid: str, name: str, ids: list[int], **params: Any
+) -> tuple[Turn, Call]:
+    """`name` a request of session `sid` (its own `ids`; `params`: the rest of its
+    session_params), and its call, open."""
+    turn = sessions.turn(SessionParams(id=sid, **params), 1, 1, False)
+    sessions.prompt(turn, ids, None)
+    call = sessions.in_flight.open([{name}])
+    sessions.start(turn, name, 16, call)
+    return turn, call
+
+
+def _ran(sessions: Sessions, joined: tuple[Turn, Call], out: list[int]) -> None:
+    """The engine took the request and it ended with output `out` (run in a loop)."""
+    turn, call = joined
+    sessions.in_flight.took(call, [aborted_waiting(1)])
+    turn.result.token_ids, turn.result.finish_reason = list(out), "length"
+    sessions.in_flight.close(call)
+
+
+def test_a_request_refused_after_joining_leaves_nothing():
+    """A request the engine never took (refused once its input was built: past the
+    context, say) is no request of its session, nor a child of the one it followed."""
+
+    async def run() -> None:
+        sessions = Sessions(InFlight(None))  # (no engine: nothing here runs or aborts)
+        sid = sessions.open(OpenSessionRequest(capacity_of_str_len=100))
+        a = _joined(sessions, sid, "a", [1, 2, 3])
+        _ran(sessions, a, [4, 5])
+        _, refused = _joined(sessions, sid, "b", [6] * 50, rid="a")
+        sessions.in_flight.close(refused)  # (no stream taken)
+        session = sessions._sessions[sid]
+        assert list(session.nodes) == ["a"] and session.nodes["a"].children == []
+        _, dropped = _joined(sessions, sid, "b", [6], rid="a")
+        _joined(sessions, sid, "c", [7], rid="a", replace=True)  # (drops b, aborting it)
+        sessions.in_flight.close(dropped)
+        assert list(session.nodes) == ["a", "c"] and session.nodes["a"].children == [
+            session.nodes["c"]
+        ]
+
+    asyncio.run(run())
+
+
+def test_a_session_running_a_request_is_not_idle():
+    """`timeout` counts idle seconds: not while a request of the session runs, and from
+    when its last one ended."""
+
+    async def run() -> None:
+        sessions = Sessions(InFlight(None))
+        sid = sessions.open(OpenSessionRequest(capacity_of_str_len=100, timeout=60))
+        a = _joined(sessions, sid, "a", [1, 2, 3])
+        sessions._sessions[sid].active -= 120  # (two minutes since it began)
+        sessions.open(OpenSessionRequest(capacity_of_str_len=1))  # (which reaps idle ones)
+        assert sid in sessions._sessions
+        _ran(sessions, a, [4, 5])
+        sessions.open(OpenSessionRequest(capacity_of_str_len=1))
+        b = sessions.turn(SessionParams(id=sid, rid="a"), 1, 1, False)
+        assert sessions.prompt(b, [6], None) == [1, 2, 3, 4, 5, 6]
+
+    asyncio.run(run())

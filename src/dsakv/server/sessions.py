@@ -99,7 +99,8 @@ class _Node:
         return self.result.token_ids[: self.max_tokens]
 
     def tokens(self) -> int:
-        return len(self.tail) + len(self.out())
+        """What it holds: its own tokens and output, one at least (a request is held)."""
+        return max(1, len(self.tail) + len(self.out()))
 
     def prompt(self) -> list[int]:
         path = []
@@ -109,8 +110,10 @@ class _Node:
             node = node.parent
         ids: list[int] = []
         for parent, node in zip([None, *reversed(path)], reversed(path)):
-            if parent is not None:
-                ids = (ids + parent.out() if node.with_output else ids)[: node.base]
+            if parent is not None:  # (in place: a chain of many turns stays linear)
+                if node.with_output:
+                    ids += parent.out()
+                del ids[node.base :]
             ids += node.tail
         return ids
 
@@ -130,7 +133,20 @@ class _Session:
     active: float = field(default_factory=time.monotonic)
 
     def held(self, without: set[_Node]) -> int:
-        return sum(n.tokens() for n in self.nodes.values() if n not in without)
+        """The tokens of its requests but `without`'s: those it names, and the earlier ones
+        they follow (one whose rid a later request took is held still)."""
+        seen, total = set(without), 0
+        for node in self.nodes.values():
+            while node is not None and node not in seen:
+                seen.add(node)
+                total += node.tokens()
+                node = node.parent
+        return total
+
+    @property
+    def running(self) -> bool:
+        """Whether a request of it runs (the latest first: the likeliest to)."""
+        return not all(n.finished for n in reversed(self.nodes.values()))
 
 
 @dataclass
@@ -222,10 +238,11 @@ class Sessions:
         """`prompt` again (the session may have changed meanwhile), and the request (`rid`)
         is now a node of its session: what a `replace` drops is dropped (aborted where
         running), and the node's output is `turn.result` until `call` closes. A request the
-        engine never took leaves no node. Its output counts up to its `max_tokens`."""
+        engine never took leaves no node (unless one follows it already). Its output counts
+        up to its `max_tokens`."""
         plan = self._plan(turn)
         s = plan.session
-        held = s.held(set(plan.cleared)) + len(plan.tail)
+        held = s.held(set(plan.cleared)) + max(1, len(plan.tail))
         if held > s.capacity:
             raise APIError(
                 400,
@@ -282,10 +299,11 @@ class Sessions:
             self.in_flight.abort(node.rid)
 
     def _reap(self) -> None:
-        """Sessions idle past their `timeout` close (SGLang's)."""
+        """Sessions idle past their `timeout` close (SGLang's): none of their requests
+        running since (`_ending`)."""
         now = time.monotonic()
         for s in [s for s in self._sessions.values() if s.timeout is not None]:
-            if now - s.active > s.timeout:
+            if now - s.active > s.timeout and not s.running:
                 del self._sessions[s.id]
 
 
@@ -309,8 +327,13 @@ def _subtree(node: _Node) -> list[_Node]:
 def _ending(s: _Session, node: _Node, call: Call) -> Callable[[], None]:
     def ended() -> None:
         node.ended()
-        if not call.streams and s.nodes.get(node.rid) is node:  # (never ran)
+        s.active = time.monotonic()
+        if call.streams or node.children:
+            return
+        if s.nodes.get(node.rid) is node:  # (never ran, and nothing follows it)
             del s.nodes[node.rid]
+        if node.parent is not None and node in node.parent.children:  # (not replaced)
+            node.parent.children.remove(node)
 
     return ended
 
