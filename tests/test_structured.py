@@ -464,6 +464,49 @@ def test_offline_grammar_mixed_batch_and_cache(model_dir):
     llm.engine.check_integrity()
 
 
+def test_vllms_structured_outputs_params_offline(model_dir):
+    """vLLM's offline spelling, `SamplingParams(structured_outputs=StructuredOutputsParams(
+    ...))` (or a dict of its fields): the same grammar as dsakv's `grammar=`, so the same
+    tokens; choices (n > 1, which `replace`s the params) each follow it; one constraint."""
+    from dsakv import StructuredOutputsParams
+
+    llm = LLM(str(model_dir), **ENGINE_ARGS)
+    schema = SCHEMAS["enum"]
+
+    def follows(text: str, kind: str) -> bool:
+        if kind == "json_schema":
+            jsonschema.validate(json.loads(text), schema)
+            return True
+        return bool(re.fullmatch("[a-c]{2,5}x", text)) if kind == "regex" else text in choices
+
+    choices = ["yes", 'no "way"']
+    for so, grammar in (
+        (StructuredOutputsParams(json=schema), ("json_schema", json.dumps(schema))),
+        ({"regex": "[a-c]{2,5}x"}, ("regex", "[a-c]{2,5}x")),
+        (StructuredOutputsParams(choice=choices), ("ebnf", 'root ::= "yes" | "no \\"way\\""')),
+    ):
+        p = SamplingParams(max_tokens=40, temperature=0, structured_outputs=so)
+        assert p.grammar == grammar
+        ref = SamplingParams(max_tokens=40, temperature=0, grammar=grammar)
+        got, want = llm.generate(["json:", "json:"], [p, ref], use_tqdm=False)
+        assert got.token_ids == want.token_ids and follows(got.text, grammar[0])
+        sampled = SamplingParams(n=3, max_tokens=40, temperature=1.0, seed=1, structured_outputs=so)
+        for choice in llm.generate("json:", sampled, use_tqdm=False)[0].outputs:
+            assert follows(choice.text, grammar[0]), choice.text
+    for bad, said in (
+        (StructuredOutputsParams(regex="a", choice=["b"]), "takes one constraint"),
+        (StructuredOutputsParams(), "takes one constraint"),
+        (StructuredOutputsParams(choice=[]), "choice must be a list of non-empty strings"),
+        ({"regexp": "a"}, "structured_outputs takes json, regex"),
+        ("regex", "must be StructuredOutputsParams or a dict"),
+    ):
+        with pytest.raises(DsakvError, match=said):
+            SamplingParams(structured_outputs=bad)
+    with pytest.raises(DsakvError, match="give one"):
+        SamplingParams(grammar=("regex", "b"), structured_outputs={"regex": "a"})
+    llm.engine.check_integrity()
+
+
 def test_after_reasoning_grammars(model_dir):
     """`after_reasoning`: "enabled" (the prompt opened `<think>`) takes free text up to
     `</think>`, then the grammar (a structural tag's format too); "auto" an optional

@@ -17,7 +17,7 @@ from .llm import (
     RequestOutput,
 )
 from .request import Request, Status
-from .sampling import RepetitionDetectionParams, SamplingParams
+from .sampling import RepetitionDetectionParams, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -33,4 +33,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "Status",
+    "StructuredOutputsParams",
 ]

@@ -5,6 +5,7 @@ the batch, on how earlier tokens were drawn (MTP verification) or on which serve
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -79,6 +80,60 @@ def _bad_repetition(why: str) -> NoReturn:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's offline structured output (`SamplingParams(structured_outputs=...)`): one
+    constraint, which becomes the request's `grammar` (`grammar_spec`). `disable_fallback`
+    and `disable_any_whitespace` are taken: one grammar engine here, and its JSON grammars
+    admit no free whitespace either way."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+
+    def grammar_spec(self) -> tuple[str, str]:
+        """The (kind, spec) grammar of its one constraint."""
+        asked = [
+            *([("json_schema", json_spec(self.json))] if self.json is not None else []),
+            *([("regex", self.regex)] if self.regex is not None else []),
+            *([choice_grammar(self.choice)] if self.choice is not None else []),
+            *([("ebnf", self.grammar)] if self.grammar is not None else []),
+            *([("json_object", "")] if self.json_object else []),
+            *([("structural_tag", self.structural_tag)] if self.structural_tag is not None else []),
+        ]
+        if len(asked) != 1:
+            raise DsakvError(
+                f"invalid sampling params: structured_outputs takes one constraint (json, "
+                f"regex, choice, grammar, json_object or structural_tag), got {len(asked)}",
+                "structured_outputs",
+            )
+        return asked[0]
+
+
+def choice_grammar(choices: Sequence[str]) -> tuple[str, str]:
+    """vLLM's `choice` constraint as a grammar: the output is exactly one of `choices`."""
+    if (
+        isinstance(choices, str)
+        or not choices
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
+        raise DsakvError(
+            "invalid sampling params: choice must be a list of non-empty strings", "choice"
+        )
+    # EBNF string literals take JSON's escapes: one alternative per choice, exactly.
+    return ("ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+
+
+def json_spec(value: str | dict) -> str:
+    """A JSON schema given as text or as a dict, as the text a grammar compiles."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each request's next token and when to stop; validated on creation."""
 
@@ -120,6 +175,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # (kind, spec): kind in GRAMMAR_KINDS; compiled and checked by `Engine.add_request`
     grammar: tuple[str, str] | None = None
+    # vLLM's spelling of it (`StructuredOutputsParams`, or a dict of its fields), which
+    # sets `grammar`
+    structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None  # teacher-forced top-n over the prompt (None = off)
     # Score prompt tokens after this position only (SGLang's logprob_start_len): the prefix
     # cache may then serve the positions before it, whose logits nothing needs. 0: all of
@@ -176,6 +234,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(stop_ids)))  # (distinct)
         if isinstance(self.grammar, list):
             object.__setattr__(self, "grammar", tuple(self.grammar))
+        if self.structured_outputs is not None:
+            self._fold_structured_outputs()
         words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
         object.__setattr__(self, "bad_words", _as_tuple(words, "bad_words", "a list of strings"))
         if self.allowed_token_ids is not None:
@@ -388,6 +448,36 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """vLLM's deep copy; these params are frozen, so a copy is all it takes."""
         return replace(self)
+
+    def _fold_structured_outputs(self) -> None:
+        """`structured_outputs` as `grammar` (a `replace` of params that folded it finds the
+        same grammar there)."""
+        so = self.structured_outputs
+        if isinstance(so, Mapping):
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError:
+                raise DsakvError(
+                    "invalid sampling params: structured_outputs takes json, regex, choice, "
+                    "grammar, json_object, structural_tag, disable_fallback and "
+                    "disable_any_whitespace",
+                    "structured_outputs",
+                ) from None
+            object.__setattr__(self, "structured_outputs", so)
+        if not isinstance(so, StructuredOutputsParams):
+            raise DsakvError(
+                "invalid sampling params: structured_outputs must be StructuredOutputsParams "
+                f"or a dict of its fields, got {so!r}",
+                "structured_outputs",
+            )
+        spec = so.grammar_spec()
+        if self.grammar is not None and self.grammar != spec:
+            raise DsakvError(
+                "invalid sampling params: grammar and structured_outputs both ask for "
+                "structured output: give one",
+                "structured_outputs",
+            )
+        object.__setattr__(self, "grammar", spec)
 
     def choice(self, i: int) -> SamplingParams:
         """Choice `i` of `n`: one completion, seeded `seed + i` (reproducible, yet not n

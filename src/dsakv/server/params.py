@@ -13,7 +13,14 @@ from dsakv.config.model import SAMPLING_FIELDS
 from dsakv.engine import SamplingParams
 from dsakv.engine.beam_search import BeamSearchParams
 from dsakv.engine.grammar import GrammarCache, after_reasoning
-from dsakv.engine.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+from dsakv.engine.sampling import (
+    MAX_LOGPROBS,
+    SEED_MAX,
+    SEED_MIN,
+    StructuredOutputsParams,
+    choice_grammar,
+    json_spec,
+)
 from dsakv.errors import DsakvError
 
 from .protocol import APIError, GenerationRequest
@@ -409,22 +416,15 @@ def _grammar_request(body: GenerationRequest) -> tuple[str, tuple[str, str]] | N
     for name, kind in _GRAMMAR_FIELDS:
         value = getattr(body, name)
         if value is not None:
-            found.append((name, (kind, _spec(value))))
+            found.append((name, (kind, json_spec(value))))
     if body.guided_choice is not None:
         found.append(("guided_choice", _choice_grammar(body.guided_choice, "guided_choice")))
     if (so := body.structured_outputs) is not None:
-        name = "structured_outputs"
-        asked = [
-            *([("json_schema", _spec(so.json_))] if so.json_ is not None else []),
-            *([("regex", so.regex)] if so.regex is not None else []),
-            *([_choice_grammar(so.choice, name)] if so.choice is not None else []),
-            *([("ebnf", so.grammar)] if so.grammar is not None else []),
-            *([("json_object", "")] if so.json_object else []),
-            *([("structural_tag", so.structural_tag)] if so.structural_tag is not None else []),
-        ]
-        if len(asked) != 1:
-            raise APIError(400, f"{name} takes one constraint, got {len(asked)}", param=name)
-        found.append((name, asked[0]))
+        fields = so.model_dump(by_alias=True, exclude_none=True)
+        try:
+            found.append(("structured_outputs", StructuredOutputsParams(**fields).grammar_spec()))
+        except DsakvError as e:
+            raise APIError(400, str(e), param="structured_outputs") from None
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise APIError(
@@ -433,14 +433,9 @@ def _grammar_request(body: GenerationRequest) -> tuple[str, tuple[str, str]] | N
     return found[0] if found else None
 
 
-def _spec(value: str | dict[str, Any]) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
-
-
 def _choice_grammar(choices: list[str], param: str) -> tuple[str, str]:
-    """vLLM's `choice`: the output is exactly one of `choices`."""
-    if not choices or not all(choices):
-        raise APIError(400, f"{param} must be a list of non-empty strings", param=param)
-    # EBNF string literals take JSON's escapes: one alternative per choice, exactly.
-    alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-    return ("ebnf", f"root ::= {alternatives}")
+    """vLLM's `choice`: the output is exactly one of `choices` (`choice_grammar`)."""
+    try:
+        return choice_grammar(choices)
+    except DsakvError:
+        raise APIError(400, f"{param} must be a list of non-empty strings", param=param) from None
