@@ -5,6 +5,7 @@ failing the batch; the upload bound; the API key; and `dsakv router`'s refusal."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -21,7 +22,7 @@ from .serving import TIMEOUT, engine_stops_stepping_at, routing, serving
 KEY = "batch-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FLAGS = ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32", "--num-pages", "64"]
-FLAGS += ["--page-size", "16", "--device", "cpu"]
+FLAGS += ["--page-size", "16", "--device", "cpu", "--max-running-requests", "2"]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
@@ -175,6 +176,39 @@ def test_cancel_aborts_the_requests_in_flight(client, served):
     assert httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"] == 0
 
 
+def test_a_batch_keeps_only_what_the_engine_runs_in_flight(client, served):
+    """A batch's requests were all submitted at once: a request sent meanwhile queued behind
+    the whole file (a 1,500-line batch held one back until 1,479 had ended). Now as many are
+    in flight as the engine runs at once (--max-running-requests 2 here): once those two
+    hold (the engine stepping them no further), the third is not sent."""
+    base, async_engine = served
+    lines = [(c, "/v1/completions", {"prompt": c, "max_tokens": 200, **GREEDY}) for c in "xyz"]
+    file_id = _upload(client, _jsonl(lines)).id
+
+    def held() -> bool:  # (two in the engine, each stepped as far as it will be)
+        def look(engine) -> bool:
+            reqs = list(engine.requests.values())
+            return len(reqs) == 2 and all(len(r.output_ids) >= 2 for r in reqs)
+
+        load = httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"]
+        return load == 2 and asyncio.run(async_engine.call(look))
+
+    with engine_stops_stepping_at(async_engine, 2):
+        created = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + TIMEOUT
+        while not held():
+            assert time.monotonic() < deadline, client.batches.retrieve(created.id)
+            time.sleep(0.05)
+        assert client.batches.retrieve(created.id).request_counts.completed == 0
+        client.batches.cancel(created.id)
+        done = _until(client, created.id, "cancelled")
+    errors = _lines(client, done.error_file_id)
+    assert [x["custom_id"] for x in errors] == ["x", "y", "z"]  # (z never sent: cancelled too)
+    assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
+
+
 def test_what_a_batch_is_refused(client):
     file_id = _upload(client, _jsonl([("a", "/v1/completions", {"prompt": "x"})])).id
     for endpoint, window, param in [
@@ -216,6 +250,21 @@ def test_an_upload_past_the_bound_is_a_413(client, served, monkeypatch):
     headers = {**AUTH, "Content-Type": "multipart/form-data; boundary=B"}
     r = httpx.post(f"{base}/v1/files", content=chunked(), headers=headers, timeout=TIMEOUT)
     assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large"
+
+
+def test_uploads_past_the_servers_file_bound_are_a_413(client, monkeypatch):
+    """Files are kept in memory until deleted: uploads were bounded one by one only, so a
+    server taking uploads (and keeping each batch's output) grew without end."""
+    held = sum(f.bytes for f in client.files.list())
+    monkeypatch.setattr(batch_module, "MAX_STORED_BYTES", held + 1500)
+    first = _upload(client, b"x" * 1000)
+    with pytest.raises(openai.APIStatusError) as e:
+        _upload(client, b"x" * 1000)
+    assert e.value.status_code == 413
+    error = e.value.response.json()["error"]
+    assert error["code"] == "storage_limit_exceeded" and "DELETE /v1/files" in error["message"]
+    client.files.delete(first.id)  # (room again)
+    assert _upload(client, b"x" * 1000).bytes == 1000
 
 
 def test_the_routes_need_the_api_key(client, served):

@@ -6,6 +6,7 @@ line and exit 2 before the model loads."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import httpx
@@ -29,6 +30,10 @@ GOOD = {  # custom_id: (url, body)
         {"prompt": ["The cat", "A dog ran"], "max_tokens": 5, "logprobs": 2, **GREEDY},
     ),
     "score": ("/v1/score", {"query": "Q: ", "items": ["yes", "no"], "label_token_ids": [5, 9]}),
+    "json": (
+        "/v1/completions",
+        {"prompt": "{", "max_tokens": 6, "response_format": {"type": "json_object"}, **GREEDY},
+    ),
 }
 BAD = {  # custom_id: (line, status, the error's param)
     "embeddings": ({"method": "POST", "url": "/v1/embeddings", "body": {}}, 400, "url"),
@@ -51,7 +56,7 @@ BAD = {  # custom_id: (line, status, the error's param)
     ),
 }
 ORDER = ["chat", "embeddings", "two-prompts", "get", "no-messages", "score", "too-long"]
-ORDER += ["other-model", "streamed"]
+ORDER += ["other-model", "streamed", "json"]
 
 
 def _line(custom_id: str) -> dict:
@@ -68,14 +73,26 @@ def _answer_of(body: dict) -> dict:
     return {k: v for k, v in body.items() if k not in ("id", "created")} | {"usage": usage}
 
 
+def _compiling() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("dsakv-grammar")}
+
+
 @pytest.fixture(scope="module")
-def ran(glm_tiny, tmp_path_factory) -> list[dict]:
-    """The output lines of `ORDER`'s lines run by `dsakv run-batch` (blank lines between)."""
+def run(glm_tiny, tmp_path_factory) -> tuple[list[dict], set[threading.Thread]]:
+    """The output lines of `ORDER`'s lines run by `dsakv run-batch` (blank lines between),
+    over an output file an earlier run left, and the grammar compile threads it left."""
     folder = tmp_path_factory.mktemp("run_batch")
     source, out = folder / "in.jsonl", folder / "out.jsonl"
     source.write_text("\n\n".join(json.dumps(_line(x)) for x in ORDER) + "\n")
+    out.write_text("".join(json.dumps(_line("chat")) + "\n" for _ in range(20)))
+    before = _compiling()
     assert main(["run-batch", glm_tiny, "-i", str(source), "-o", str(out), *FLAGS]) == 0
-    return [json.loads(x) for x in out.read_text().splitlines()]
+    return [json.loads(x) for x in out.read_text().splitlines()], _compiling() - before
+
+
+@pytest.fixture(scope="module")
+def ran(run) -> list[dict]:
+    return run[0]
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +153,24 @@ def test_a_bad_file_is_one_error_line_and_exit_2(tmp_path: Path, capsys, text, s
     error = cli_error_line(["run-batch", "-i", str(source), "-o", str(out), *FLAGS], capsys)
     assert said in error and str(source) in error
     assert not out.exists()  # (refused before anything was written)
+
+
+def test_the_run_leaves_no_grammar_compile_thread(run):
+    """The app's lifespan never ran (the server is never started), so the grammar compile
+    threads its json line used outlived the run, as a stopped server's did."""
+    assert not run[1]
+
+
+def test_a_run_that_fails_keeps_the_output_it_would_replace(glm_tiny, tmp_path, capsys):
+    """The output file was emptied as the run began: a run failing after (an engine that
+    cannot load, a Ctrl-C) lost the answers an earlier run had written there."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps(_line("chat")) + "\n")
+    out.write_text('{"earlier": "answers"}\n')
+    argv = ["run-batch", glm_tiny, "-i", str(source), "-o", str(out), *FLAGS]
+    error = cli_error_line([*argv, "--num-pages", str(2**40)], capsys)  # (a pool past the host)
+    assert "cannot allocate" in error
+    assert out.read_text() == '{"earlier": "answers"}\n'
 
 
 def test_bad_flags_and_an_unwritable_output_exit_2(tmp_path: Path, capsys):

@@ -32,8 +32,8 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
     lines = read_batch_file(args.input_file)  # (a bad file: one error line, before loading)
     config = engine_config_from_args(args)
     request_log, defaults = request_log_config(args), response_defaults(args)
-    try:
-        out = open(args.output_file, "w", encoding="utf-8")  # noqa: SIM115 - held below
+    try:  # (writable, checked now; what it holds is kept until the answers replace it)
+        out = open(args.output_file, "a", encoding="utf-8")  # noqa: SIM115 - held below
     except OSError as e:
         raise DsakvError(f"cannot write {args.output_file}: {e.strerror or e}") from None
     with out:
@@ -53,6 +53,8 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
         finally:
             async_engine.shutdown()
             async_engine.close_engine()
+        if out.seekable():  # (not a pipe)
+            out.truncate(0)  # (appended: written from its start on)
         for record in records:
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
     failed = sum(record["error"] is not None for record in records)
@@ -68,8 +70,10 @@ async def _run(app: Any, lines: list) -> list[dict[str, Any]]:
 
     from dsakv.server.batch import BatchRunner
 
-    with tqdm(total=len(lines), unit="req", desc="Running batch") as bar:
-        results = await BatchRunner(app).run(lines, done=lambda *_: bar.update())
+    # (the app's lifespan, as `dsakv serve` runs it: what the app holds ends with the run)
+    async with app.router.lifespan_context(app):
+        with tqdm(total=len(lines), unit="req", desc="Running batch") as bar:
+            results = await BatchRunner(app).run(lines, done=lambda *_: bar.update())
     return [r for r in results if r is not None]  # (all of them: only a stop leaves one None)
 
 

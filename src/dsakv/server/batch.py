@@ -5,12 +5,14 @@ error answers, as a client's request), answered in vLLM's `run-batch` output lin
 "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`, in input order).
 `dsakv run-batch` runs a file offline; the server keeps uploaded files and runs batches of them
 in its event loop (`add_batch_routes`: `/v1/files` and `/v1/batches`, as OpenAI's client
-drives them).
+drives them), as many of a batch's requests at once as the engine runs (so that the requests
+of its other clients do not wait for the whole batch).
 
 Files are kept in memory, the server's for its lifetime as its stored responses are: a batch's
 input is read whole to be validated and its output written whole at its end, so a temp dir
 would hold the same bytes twice and leave them behind a killed server; an upload past
-`MAX_FILE_BYTES` (OpenAI's batch input limit) is refused as it arrives (413)."""
+`MAX_FILE_BYTES` (OpenAI's batch input limit) is refused as it arrives (413), and one past
+`MAX_STORED_BYTES` in all (413: files are deleted, or kept for the server's lifetime)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ log = logging.getLogger(__name__)
 # API chat and completions); every one answers whole JSON, with a (body, raw) endpoint.
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/score")
 MAX_FILE_BYTES = 200 * 2**20  # one upload (OpenAI's limit on a batch's input file)
+# All the files a server keeps (in memory, until deleted): an upload past it is refused, a
+# batch's output and error files are always kept (and count).
+MAX_STORED_BYTES = 10 * MAX_FILE_BYTES
 _FORM_SLACK = 64 * 2**10  # the multipart framing and the form's other fields
 COMPLETION_WINDOW = "24h"  # (the only one OpenAI takes)
 _WINDOW_S = 24 * 3600
@@ -133,18 +138,24 @@ class BatchRunner:
         endpoint: str | None = None,
         done: Callable[[int, dict[str, Any]], None] | None = None,
         stop: asyncio.Event | None = None,
+        window: int | None = None,
     ) -> list[dict[str, Any] | None]:
-        """Every line's output line, in input order, all submitted at once; `done(i, line)`
-        as each ends. `endpoint`: the one url the lines may name (a server batch's); `stop`
-        set: the lines still running are aborted and their entries left None."""
+        """Every line's output line, in input order, all submitted at once, or `window` at a
+        time in input order (a server's batch: requests sent meanwhile then queue behind
+        those, not the whole file); `done(i, line)` as each ends. `endpoint`: the one url
+        the lines may name (a server batch's); `stop` set: the lines still running are
+        aborted, and theirs and the entries of those not begun left None."""
         results: list[dict[str, Any] | None] = [None] * len(lines)
+        queued = iter(enumerate(lines))
 
-        async def one(i: int, line: BatchLine) -> None:
-            results[i] = await self.run_line(line, endpoint)
-            if done is not None:
-                done(i, results[i])
+        async def next_lines() -> None:
+            for i, line in queued:  # (shared: each line taken by one)
+                results[i] = await self.run_line(line, endpoint)
+                if done is not None:
+                    done(i, results[i])
 
-        tasks = [asyncio.create_task(one(i, line)) for i, line in enumerate(lines)]
+        n = len(lines) if window is None else min(window, len(lines))
+        tasks = [asyncio.create_task(next_lines()) for _ in range(n)]
         waits: list[asyncio.Future] = [asyncio.gather(*tasks)] if tasks else []
         if stop is not None:
             waits.append(asyncio.ensure_future(stop.wait()))
@@ -289,8 +300,9 @@ class BatchCreateRequest(BaseModel):
 class Batches:
     """The files uploaded and the batches run of them (`add_batch_routes`), in memory."""
 
-    def __init__(self, runner: BatchRunner, model_name: str) -> None:
+    def __init__(self, runner: BatchRunner, model_name: str, window: int) -> None:
         self.runner, self.model_name = runner, model_name
+        self.window = window  # a batch's requests in flight at most (`BatchRunner.run`)
         self.files: dict[str, _File] = {}
         self.batches: dict[str, _Batch] = {}
 
@@ -409,7 +421,7 @@ class Batches:
         def done(_: int, record: dict[str, Any]) -> None:
             counts["completed" if succeeded(record) else "failed"] += 1
 
-        results = await self.runner.run(lines, info["endpoint"], done, batch.stop)
+        results = await self.runner.run(lines, info["endpoint"], done, batch.stop, self.window)
         cancelled = batch.stop.is_set()
         if not cancelled:
             info.update(status="finalizing", finalizing_at=int(time.time()))
@@ -481,7 +493,10 @@ def add_batch_routes(app: FastAPI) -> None:
     """OpenAI's `/v1/files` (upload with purpose "batch", list, retrieve, `/content`,
     delete) and `/v1/batches` (create, retrieve, cancel, list), behind the API key as every
     /v1 route. Call it once the batch urls' routes are on `app`."""
-    store = Batches(BatchRunner(app), app.state.model_name)
+    # (as many as the engine runs at once: it stays full, and other requests wait behind
+    # that many of a batch's at most)
+    window = app.state.async_engine.engine.config.max_running_requests
+    store = Batches(BatchRunner(app), app.state.model_name, window)
     app.state.batches = store
 
     async def upload(raw: Request) -> Response:
@@ -489,6 +504,13 @@ def add_batch_routes(app: FastAPI) -> None:
         if purpose != "batch":
             message = f"purpose must be 'batch' (the files this server runs), got {purpose!r}"
             raise APIError(400, message, param="purpose")
+        held = sum(f.info["bytes"] for f in store.files.values())
+        if held + len(data) > MAX_STORED_BYTES:
+            message = (
+                f"the server holds {held} bytes of files, {MAX_STORED_BYTES} at most: delete "
+                "some (DELETE /v1/files/{file_id}) to upload this one"
+            )
+            raise APIError(413, message, param="file", code="storage_limit_exceeded")
         return JSONResponse(store.add_file(data, filename, purpose))
 
     async def list_files(
