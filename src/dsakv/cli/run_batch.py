@@ -20,7 +20,7 @@ from .args import (
     request_log_config,
     response_defaults,
 )
-from .serve import _chat_parser, _chat_template
+from .serve import add_chat_args
 
 
 def _cmd_run_batch(args: argparse.Namespace) -> int:
@@ -90,18 +90,7 @@ def add_commands(sub: Any) -> None:
     add_model_option(p)
     p.add_argument("-i", "--input-file", required=True, help="the batch file (JSONL)")
     p.add_argument("-o", "--output-file", required=True, help="where the answers go (JSONL)")
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        help="name(s) the requests may use; the first is reported (default: the model dir's)",
-    )
-    p.add_argument("--tool-call-parser", type=_chat_parser("tool"), default="auto")
-    p.add_argument("--reasoning-parser", type=_chat_parser("reasoning"), default="auto")
-    p.add_argument(
-        "--chat-template",
-        type=_chat_template,
-        help="a Jinja chat template, or a file holding one (default: the tokenizer's)",
-    )
+    add_chat_args(p)
     add_engine_args(p)
     add_storage_args(p)
     add_request_log_args(p)

@@ -158,6 +158,33 @@ def _chat_parser(kind: str) -> Callable[[str], str]:
     return check
 
 
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """What a server's OpenAI routes answer as: the model's names, its chat template and
+    the parsers of its output (`serve`'s, and `run-batch`'s, which runs those routes)."""
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="name(s) clients use; the first is reported (default: the model dir's name)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        type=_chat_parser("tool"),
+        default="auto",
+        help="glm47, glm45, deepseekv32, deepseekv31, none (default auto: the model type's)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        type=_chat_parser("reasoning"),
+        default="auto",
+        help="glm45, deepseek-v3, none (default auto: the model type's)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=_chat_template,
+        help="a Jinja chat template, or a file holding one (default: the tokenizer's)",
+    )
+
+
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("init-tiny", help="write a deterministic random tiny model")
     p.add_argument("dir")
@@ -207,28 +234,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument("--api-key", type=api_key, help="require this Bearer token")
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        help="name(s) clients use; the first is reported (default: the model dir's name)",
-    )
-    p.add_argument(
-        "--tool-call-parser",
-        type=_chat_parser("tool"),
-        default="auto",
-        help="glm47, glm45, deepseekv32, deepseekv31, none (default auto: the model type's)",
-    )
-    p.add_argument(
-        "--reasoning-parser",
-        type=_chat_parser("reasoning"),
-        default="auto",
-        help="glm45, deepseek-v3, none (default auto: the model type's)",
-    )
-    p.add_argument(
-        "--chat-template",
-        type=_chat_template,
-        help="a Jinja chat template, or a file holding one (default: the tokenizer's)",
-    )
+    add_chat_args(p)
     add_engine_args(p)
     add_storage_args(p)
     add_disagg_args(p)
