@@ -1,10 +1,10 @@
 """`dsakv router`: the OpenAI-compatible front door of a prefill/decode deployment.
 
-Each completions, chat or Responses API request goes to one prefill server and one decode
-server (round robin) with the same bootstrap room; the decode server's answer (streamed or
-not) is the client's. A stored response lives on the decode server that wrote it: the
-router remembers which (else asks each), for GET, DELETE, cancel, its input items and
-`previous_response_id`. The prefill server's own answer (its one token) is only logged when it fails:
+Each completions, chat, Responses API or Anthropic Messages API request goes to one
+prefill server and one decode server (round robin) with the same bootstrap room; the decode
+server's answer (streamed or not) is the client's. A stored response lives on the decode
+server that wrote it: the router remembers which (else asks each), for GET, DELETE, cancel,
+its input items and `previous_response_id`. The prefill server's own answer (its one token) is only logged when it fails:
 any failure reaches the client through the decode server, which hears it in the handshake.
 SGLang's and vLLM's admin calls (/abort_request, /flush_cache, the weight updates, pausing,
 profiling) go to every server; calls every server answers alike (/v1/models, /tokenize)
@@ -53,6 +53,7 @@ from dsakv.server.http_config import route_path
 from dsakv.server.protocol import (
     RESPONSES_KEPT,
     APIError,
+    anthropic_error_body,
     client_left,
     error_body,
     invocation_path,
@@ -731,7 +732,7 @@ class Router:
                 await r.aclose()
             if r.status_code != 200:
                 log.warning("prefill %s answered %d: %s", p_url, r.status_code, r.text[:500])
-                if r.status_code >= 500 or r.json()["error"]["param"] == "bootstrap_port":
+                if r.status_code >= 500 or r.json()["error"].get("param") == "bootstrap_port":
                     self._bootstrap.pop(p_url, None)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             log.warning("prefill %s failed: %r", p_url, e)
@@ -1194,10 +1195,17 @@ async def _as_sent(request: Request) -> tuple[bytes, dict[str, str], str] | Resp
 
 
 def _auth(request: Request) -> dict[str, str]:
-    """The client's API key, for the servers."""
-    if "authorization" in request.headers:
-        return {"authorization": request.headers["authorization"]}
-    return {}
+    """The client's API key (Anthropic's clients' `x-api-key` too), for the servers."""
+    return {k: request.headers[k] for k in ("authorization", "x-api-key") if k in request.headers}
+
+
+def _anthropic_shaped(answer: Response) -> Response:
+    """An answer to Anthropic's Messages API: an error the router gave itself (OpenAI's
+    shape, as its others) in Anthropic's, as the servers give theirs (relayed as they are)."""
+    if answer.status_code < 400 or not isinstance(answer, JSONResponse):
+        return answer
+    message = json.loads(answer.body)["error"]["message"]
+    return JSONResponse(anthropic_error_body(answer.status_code, message), answer.status_code)
 
 
 def _request_id(message: Request | httpx.Response) -> dict[str, str]:
@@ -1272,6 +1280,14 @@ def build_router_app(prefill: list[str], decode: list[str], api_key: str | None 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await router.responses(request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:  # (Anthropic's: relayed as chat is)
+        return _anthropic_shaped(await router.generate("/v1/messages", request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return _anthropic_shaped(await router.one(request))
 
     async def stored(request: Request, response_id: str) -> Response:
         return await router.stored(request, response_id)

@@ -1,8 +1,8 @@
 """The OpenAI-compatible FastAPI app over one shared `AsyncEngine`: its routes (their
-handlers: `handlers`; /v1/responses: `responses`; SGLang's /generate and admin routes:
-`generate`; /v1/score: `score`; OpenAI's /v1/files and /v1/batches: `batch`), /health,
-/metrics and SGLang's probes, errors in OpenAI's shape, and every response counted by
-endpoint."""
+handlers: `handlers`; /v1/responses: `responses`; Anthropic's /v1/messages: `anthropic`;
+SGLang's /generate and admin routes: `generate`; /v1/score: `score`; OpenAI's /v1/files and
+/v1/batches: `batch`), /health, /metrics and SGLang's probes, errors in OpenAI's shape (in
+Anthropic's on its routes), and every response counted by endpoint."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dsakv import __version__
 from dsakv.errors import DsakvError
 
+from .anthropic import add_anthropic_routes
 from .auth import require_api_key
 from .batch import add_batch_routes
 from .chat import ChatParsers
@@ -29,11 +30,13 @@ from .http_config import HTTPConfig, route_path
 from .metrics import ServerMetrics
 from .openai_format import ResponseDefaults
 from .protocol import (
+    ANTHROPIC_PATHS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    anthropic_error_body,
     error_body,
     invocation_path,
 )
@@ -50,6 +53,8 @@ _ENDPOINTS = (
     "/v1/responses",
     "/v1/responses/{response_id}",  # (any id: `_endpoint`)
     "/v1/responses/{response_id}/cancel",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/generate",
     "/v1/score",
     "/v1/files",
@@ -231,6 +236,7 @@ def build_app(
 
     add_generate_route(app, api)  # SGLang's native /generate
     add_responses_routes(app, api)  # OpenAI's Responses API
+    add_anthropic_routes(app, api)  # Anthropic's Messages API
     add_score_route(app, api)  # SGLang's /v1/score
     add_session_routes(app, api.sessions)  # SGLang's /open_session, /close_session
     add_batch_routes(app)  # OpenAI's Batch API, over the routes above
@@ -271,11 +277,11 @@ def _validated(model: type[BaseModel], body: dict[str, Any]) -> Any:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error(request, e.body(), e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
         if first.get("type") == "json_invalid":
@@ -291,19 +297,27 @@ def _install_error_handlers(app: FastAPI) -> None:
                 message += " (nor any other accepted type)"
             if len(errors) > len(same):
                 message += f"; and {len(errors) - len(same)} more error(s)"
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return _error(request, error_body(message, "invalid_request_error", param), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return JSONResponse(
-            error_body(str(e.detail), kind), status_code=e.status_code, headers=e.headers
-        )
+        return _error(request, error_body(str(e.detail), kind), e.status_code, e.headers)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
         message = f"internal error: {str(e) or type(e).__name__}"  # (TimeoutError(): "")
-        return JSONResponse(error_body(message, "server_error"), status_code=500)
+        return _error(request, error_body(message, "server_error"), 500)
+
+
+def _error(
+    request: Request, body: dict[str, Any], status: int, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """An error (`body`: OpenAI's shape) as the route's clients read errors: Anthropic's
+    shape on its routes."""
+    if route_path(request.scope) in ANTHROPIC_PATHS:
+        body = anthropic_error_body(status, body["error"]["message"])
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _preflight(scope: dict) -> bool:

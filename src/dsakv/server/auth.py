@@ -14,7 +14,7 @@ from starlette.routing import Match, Router
 from dsakv.errors import DsakvError
 
 from .http_config import route_path
-from .protocol import APIError
+from .protocol import ANTHROPIC_PATHS, APIError, anthropic_error_body
 
 # Routes open without the API key: probes and scrapers.
 OPEN_PATHS = (
@@ -59,26 +59,35 @@ def require_api_key(app: FastAPI, api_key: str | None) -> None:
 
 class BearerAuth:
     """Pure ASGI middleware: a request to any route but `OPEN_PATHS` needs `Authorization:
-    Bearer <api_key>`, checked before routing and body parsing (vLLM's order): a keyless
-    request to a served path is a 401 whatever its body or method (a method the path does
-    not take too: its 405 would tell who has no key which methods it takes), and so is one
-    to any path under /v1 (vLLM guards that whole prefix). A keyless request to a path no
-    route serves goes on to the router's 404, as vLLM's only guards its API."""
+    Bearer <api_key>` (or Anthropic's `x-api-key: <api_key>`, what its clients send; their
+    routes' 401 is in Anthropic's shape), checked before routing and body parsing (vLLM's
+    order): a keyless request to a served path is a 401 whatever its body or method (a
+    method the path does not take too: its 405 would tell who has no key which methods it
+    takes), and so is one to any path under /v1 (vLLM guards that whole prefix). A keyless
+    request to a path no route serves goes on to the router's 404, as vLLM's only guards
+    its API."""
 
     def __init__(self, app: Any, api_key: str, router: Router) -> None:
         self.app, self.expected, self.router = app, f"Bearer {api_key}".encode(), router
+        self.key = api_key.encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         path = route_path(scope)  # (under --root-path, without it)
         if scope["type"] != "http" or path in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        got = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        if secrets.compare_digest(got, self.expected) or not self._guarded(scope):
+        headers = dict(scope.get("headers") or ())
+        got, key = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+        if (
+            secrets.compare_digest(got, self.expected)
+            or secrets.compare_digest(key, self.key)
+            or not self._guarded(scope)
+        ):
             await self.app(scope, receive, send)
             return
         error = APIError(401, "invalid or missing API key", code="invalid_api_key")
-        await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+        body = anthropic_error_body(401, error.message) if path in ANTHROPIC_PATHS else None
+        await JSONResponse(body or error.body(), status_code=error.status)(scope, receive, send)
 
     def _guarded(self, scope: dict) -> bool:
         """Whether the path is under /v1 or a route serves it, in any method, or would

@@ -46,6 +46,26 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Anthropic's Messages API routes (`dsakv.server.anthropic`): their errors are in its shape
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+_ANTHROPIC_ERRORS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """An error in Anthropic's shape, its type told by the HTTP `status` as Anthropic's are
+    (what its clients read: an overloaded server is worth retrying, a 400 is not)."""
+    kind = _ANTHROPIC_ERRORS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 

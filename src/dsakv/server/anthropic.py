@@ -1,0 +1,523 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`), what coding
+agents such as Claude Code speak, as vLLM serves it: over the chat path. A request becomes
+the chat completion request of the same conversation (its system text a system turn,
+`tool_use` blocks the assistant turn's tool calls, `tool_result` blocks tool turns,
+`thinking` the chat template's thinking switch), run by `Handlers.start_chat` exactly as
+/v1/chat/completions runs it; the chat parser's reasoning, text and tool calls come back as
+`thinking`, `text` and `tool_use` blocks, whole or as Anthropic's stream events. Its errors
+are in Anthropic's shape (`app._error`, `protocol.anthropic_error_body`)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, ValidationError
+
+from .handlers import ChatRun, Handlers
+from .openai_format import CUT_SHORT, finish_reason
+from .parsers import ChatDelta
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    TokenizeRequest,
+    _Strict,
+    anthropic_error_body,
+)
+from .submit import AbortingStream, Result
+
+# A request's roles as chat's: Claude Code sends `system` turns among the messages (folded
+# into the system text, as vLLM does) and, lately, `ctx` and `msg` ones (vLLM's: user turns)
+_ROLES = {
+    "user": "user",
+    "assistant": "assistant",
+    "system": "system",
+    "ctx": "user",
+    "msg": "user",
+}
+# The system block Claude Code starts with: a header holding a hash of the request, which
+# would make every prompt's first tokens new to the prefix cache (dropped, as vLLM does)
+_BILLING_HEADER = "x-anthropic-billing-header"
+# chat's names for a request's fields, in the Messages API's words (errors name those)
+_FIELDS = {
+    "stop": "stop_sequences",
+    "thinking_token_budget": "thinking.budget_tokens",
+    "parameters": "input_schema",
+    "response_format": "output_config.format",
+}
+
+
+class AnthropicTool(_Strict):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None  # (required: `_tool`; server tools have none)
+    type: str | None = None  # "custom"; Anthropic's server tools (web search, ...) are refused
+
+
+class AnthropicToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class AnthropicThinking(_Strict):
+    # (every kind but "disabled" turns the template's thinking on; `display` is not run)
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: int | None = None
+
+
+class AnthropicOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class AnthropicOutputConfig(_Strict):
+    # (to the template, as chat's reasoning_effort gives it)
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: AnthropicOutputFormat | None = None
+
+
+class AnthropicMessage(_Strict):
+    role: str  # (checked where read: `_ROLES`)
+    content: str | list[dict[str, Any]]  # blocks are checked where read (their shapes are many)
+
+
+class CountTokensRequest(_Strict):
+    """`/v1/messages/count_tokens`' body: what renders the prompt."""
+
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
+    output_config: AnthropicOutputConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra (wins over `thinking`)
+
+
+class MessagesRequest(CountTokensRequest):
+    """`/v1/messages`' body (`metadata` and fields not run, such as `service_tier`, are
+    accepted and ignored, as vLLM's)."""
+
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: dict[str, Any] | None = None
+    stream: bool | None = False
+
+
+def add_anthropic_routes(app: FastAPI, api: Handlers) -> None:
+    """POST /v1/messages and /v1/messages/count_tokens."""
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, raw: Request) -> Response:
+        return await _create(api, body, raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        """The prompt's tokens: the rendered conversation's, as /tokenize counts them."""
+        chat = chat_request(body, api.chat_parsers.reasoning is not None)
+        fields = ("model", "messages", "tools", "chat_template_kwargs")
+        fields += ("add_generation_prompt", "continue_final_message")
+        counted = TokenizeRequest(**{k: getattr(chat, k) for k in fields})
+        return {"input_tokens": (await asyncio.to_thread(api.tokenize, counted))["count"]}
+
+
+async def _create(api: Handlers, body: MessagesRequest, raw: Request) -> Response:
+    api.check_model(body.model)
+    chat = chat_request(body, api.chat_parsers.reasoning is not None)
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    named = raw.headers.get("x-request-id") or None  # (/abort_request's name, as chat's)
+    try:
+        run = await api.start_chat(chat, raw, named, mid)
+    except APIError as e:
+        raise _in_our_words(e) from None
+    headers = {"request-id": mid}  # (Anthropic's; its clients show it)
+    if body.stream:
+        return AbortingStream(_events(api, run, mid), lambda: _close(api, run), headers)
+    (r,) = await api.collect_all(run.streams, raw, run.call)
+    parser, blocks = run.prep.output_parser(), _Blocks()
+    blocks.feed(parser.feed(r.text, final=True, cut=r.finish_reason in CUT_SHORT))
+    blocks.finish()
+    message = _message(api, mid, blocks.blocks, r.prompt_tokens)
+    message.update(_stop(r.finish_reason, r.stop_reason, blocks.calls))
+    message["usage"] = _usage(r.prompt_tokens, r.cached_tokens, r.completion_tokens)
+    return JSONResponse(message, headers=headers)
+
+
+def _close(api: Handlers, run: ChatRun) -> None:
+    api.in_flight.close(run.call)
+    for s in run.streams:
+        api.engine.abort(s)
+
+
+async def _events(api: Handlers, run: ChatRun, mid: str) -> AsyncIterator[str]:
+    """The message as Anthropic's stream events: `message_start` (no content yet; its usage
+    the prompt's tokens, the prefix cache's share unknown yet), `ping`, each content block's
+    `content_block_start`, deltas and `content_block_stop`, then `message_delta` (the
+    stop reason, and the usage in full: the SDK takes its counts over message_start's) and
+    `message_stop`; a failure ends it with an `error` event."""
+    prompt = run.streams[0].prompt_tokens
+    yield _sse("message_start", message=_message(api, mid, [], prompt))
+    yield _sse("ping")
+    parser, blocks, totals = run.prep.output_parser(), _Blocks(), Result()
+    try:
+        async for _, u in api.merged_updates(run.streams):
+            totals.add(u)
+            d = parser.feed(u.text, final=u.finished, cut=finish_reason(u) in CUT_SHORT)
+            for kind, fields in blocks.feed(d):
+                yield _sse(kind, **fields)
+    except APIError as e:
+        yield _sse("error", error=anthropic_error_body(e.status, e.message)["error"])
+        return
+    if totals.finish_reason == "abort" and totals.abort_asked is None:  # (not /abort_request)
+        gone = anthropic_error_body(503, "request aborted (server shutting down)")
+        yield _sse("error", error=gone["error"])
+        return
+    for kind, fields in blocks.finish():
+        yield _sse(kind, **fields)
+    usage = _usage(totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens)
+    stop = _stop(totals.finish_reason, totals.stop_reason, blocks.calls)
+    yield _sse("message_delta", delta=stop, usage=usage)
+    yield _sse("message_stop")
+
+
+def _sse(kind: str, **fields: Any) -> str:
+    data = {"type": kind, **fields}
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _message(api: Handlers, mid: str, content: list, prompt_tokens: int) -> dict[str, Any]:
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": api.model_name,
+        "content": content,
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": _usage(prompt_tokens, 0, 0),
+    }
+
+
+def _usage(prompt: int, cached: int, output: int) -> dict[str, int]:
+    """Anthropic's usage: `input_tokens` are the prompt's tokens the prefix cache did not
+    hold, `cache_read_input_tokens` those it did (their sum the prompt's, as Anthropic
+    counts them); nothing is written to a cache on request."""
+    return {
+        "input_tokens": prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output,
+    }
+
+
+def _stop(reason: str | None, matched: str | int | None, calls: bool) -> dict[str, Any]:
+    """Anthropic's stop_reason (and stop_sequence) for how the output ended: `max_tokens`
+    when cut (a tool call too), `tool_use` when it called tools (forced or not),
+    `stop_sequence` at one of the request's stop strings, else `end_turn`."""
+    if reason in CUT_SHORT:
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if calls:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    if reason == "stop" and isinstance(matched, str):  # (an int: a stop token, EOS's)
+        return {"stop_reason": "stop_sequence", "stop_sequence": matched}
+    return {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+class _Blocks:
+    """A message's content blocks, built from a chat parser's deltas (reasoning: `thinking`,
+    text: `text`, tool calls: `tool_use`), and the stream events each delta makes: a block
+    starts, takes its deltas (a tool call's arguments as `input_json_delta`s), and stops
+    when the next one starts or the message ends, which parses each call's `input`."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self._open: int | None = None
+        self._calls: dict[int, int] = {}  # tool call index -> its block's
+        self._args: dict[int, str] = {}  # a tool_use block's arguments (JSON text) so far
+
+    @property
+    def calls(self) -> bool:
+        return bool(self._calls)
+
+    def feed(self, d: ChatDelta) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        if d.reasoning:
+            self._text("thinking", d.reasoning, out)
+        # The calls written before this delta end before its text (one update may hold a
+        # call's close and the text after it); the calls it starts come after the text.
+        opened = set(self._calls)
+        for call in (c for c in d.tool_calls if c["index"] in opened):
+            self._call(call, out)
+        if d.content:
+            self._text("text", d.content, out)
+        for call in (c for c in d.tool_calls if c["index"] not in opened):
+            self._call(call, out)
+        return out
+
+    def finish(self) -> list[tuple[str, dict[str, Any]]]:
+        for at, args in self._args.items():
+            self.blocks[at]["input"] = _input(args)
+        return self._stop()
+
+    def _start(self, block: dict[str, Any], out: list) -> int:
+        out += self._stop()
+        self.blocks.append(block)
+        self._open = len(self.blocks) - 1
+        out.append(("content_block_start", {"index": self._open, "content_block": dict(block)}))
+        return self._open
+
+    def _stop(self) -> list[tuple[str, dict[str, Any]]]:
+        at, self._open = self._open, None
+        return [] if at is None else [("content_block_stop", {"index": at})]
+
+    def _text(self, kind: str, text: str, out: list) -> None:
+        at = self._open
+        if at is None or self.blocks[at]["type"] != kind:
+            # (a thinking block's signature: none to give, nor checked when sent back)
+            extra = {"signature": ""} if kind == "thinking" else {}
+            at = self._start({"type": kind, kind: "", **extra}, out)
+        self.blocks[at][kind] += text
+        out.append(
+            ("content_block_delta", {"index": at, "delta": {"type": f"{kind}_delta", kind: text}})
+        )
+
+    def _call(self, call: dict[str, Any], out: list) -> None:
+        if "id" in call:  # a call starts
+            block = {
+                "type": "tool_use",
+                "id": "toolu_" + call["id"].removeprefix("call_"),
+                "name": call["function"]["name"],
+                "input": {},
+            }
+            self._calls[call["index"]] = at = self._start(copy.deepcopy(block), out)
+            self._args[at] = ""
+        at = self._calls[call["index"]]
+        fragment = call["function"].get("arguments") or ""
+        if fragment:
+            self._args[at] += fragment
+            delta = {"type": "input_json_delta", "partial_json": fragment}
+            out.append(("content_block_delta", {"index": at, "delta": delta}))
+
+
+def _input(args: str) -> dict[str, Any]:
+    """A call's arguments as its `input` object: {} where there are none, or where
+    max_tokens cut them off (unclosed JSON; streamed, the SDK reads what was written)."""
+    try:
+        value = json.loads(args) if args else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+# --- the request as a chat request ------------------------------------------------------------
+
+
+def chat_request(body: CountTokensRequest, reasoning: bool) -> ChatCompletionRequest:
+    """The chat request that runs `body` (`reasoning`: the server has a reasoning parser,
+    which `thinking.budget_tokens` needs). The conversation's system text comes first (but
+    Claude Code's billing header); a last assistant turn is continued (Anthropic's prefill:
+    the reply goes on from it)."""
+    system: list[dict[str, str]] = _texts(body.system, "system") if body.system else []
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(body.messages):
+        at = f"messages[{i}]"
+        role = _ROLES.get(m.role)
+        if role is None:
+            raise APIError(
+                400, f"{at}.role must be user or assistant, got {m.role!r}", param="messages"
+            )
+        if role == "system":
+            system += _texts(m.content, f"{at}.content")
+        elif role == "assistant":
+            messages.append(_assistant_turn(m.content, at))
+        else:
+            messages += _user_turns(m.content, at)
+    system = [p for p in system if not p["text"].startswith(_BILLING_HEADER)]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    kwargs = dict(body.chat_template_kwargs or {})
+    thinking = body.thinking
+    if thinking is not None and not {"enable_thinking", "thinking"} & kwargs.keys():
+        on = thinking.type != "disabled"  # (GLM's templates read one, DeepSeek-V3.2's the other)
+        kwargs.update(enable_thinking=on, thinking=on)
+    if body.output_config is not None and body.output_config.effort is not None:
+        kwargs.setdefault("reasoning_effort", body.output_config.effort)
+    choice, config = body.tool_choice, body.output_config
+    chat: dict[str, Any] = {
+        "model": body.model,
+        "messages": messages,
+        "tools": [_tool(t, k) for k, t in enumerate(body.tools or [])] or None,
+        "tool_choice": _tool_choice(choice),
+        "parallel_tool_calls": not (choice and choice.disable_parallel_tool_use),
+        "chat_template_kwargs": kwargs or None,
+    }
+    if messages and messages[-1]["role"] == "assistant":
+        chat.update(add_generation_prompt=False, continue_final_message=True)
+    if isinstance(body, MessagesRequest):
+        chat.update(
+            max_tokens=body.max_tokens,
+            stop=body.stop_sequences,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            stream=bool(body.stream),
+        )
+        if config is not None and config.format is not None:
+            schema = {"name": "output", "schema": config.format.schema_}
+            chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+        on = thinking is not None and thinking.type == "enabled"
+        if on and reasoning:  # (else the template thinks unbounded, as it would anyway)
+            chat["thinking_token_budget"] = thinking.budget_tokens
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in chat.items() if v is not None}
+        )
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(_FIELDS.get(str(x), str(x)) for x in first["loc"])
+        raise APIError(400, f"{loc}: {first['msg']}", param=str(first["loc"][0])) from None
+
+
+def _user_turns(content: str | list[dict[str, Any]], at: str) -> list[dict[str, Any]]:
+    """A user message as chat turns: its `tool_result` blocks tool turns, its text a user
+    turn, in their order."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    turns: list[dict[str, Any]] = []
+    parts: list[dict[str, str]] = []
+    for j, block in enumerate(content):
+        where = f"{at}.content[{j}]"
+        if block.get("type") != "tool_result":
+            parts += _texts([block], f"{at}.content", j)
+            continue
+        if parts:
+            turns.append({"role": "user", "content": parts})
+            parts = []
+        result = block.get("content")
+        # (`is_error` is taken as vLLM takes it: the content says what failed)
+        text = result if isinstance(result, str) else _texts(result or [], f"{where}.content")
+        call_id = _string(block, "tool_use_id", where)
+        turns.append({"role": "tool", "tool_call_id": call_id, "content": text})
+    if parts or not turns:
+        turns.append({"role": "user", "content": parts})
+    return turns
+
+
+def _assistant_turn(content: str | list[dict[str, Any]], at: str) -> dict[str, Any]:
+    """An assistant message as a chat turn: its text, its `thinking` as the turn's
+    reasoning and its `tool_use` blocks as tool calls (`redacted_thinking`: nothing to
+    read)."""
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    parts: list[dict[str, str]] = []
+    thoughts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        where, kind = f"{at}.content[{j}]", block.get("type")
+        if kind == "thinking":
+            thoughts.append(_string(block, "thinking", where))
+        elif kind == "tool_use":
+            given = block.get("input", {})
+            if not isinstance(given, dict):
+                raise APIError(400, f"{where}.input must be an object", param="messages")
+            function = {"name": _string(block, "name", where), "arguments": json.dumps(given)}
+            calls.append({"id": _string(block, "id", where), "function": function})
+        elif kind != "redacted_thinking":
+            parts += _texts([block], f"{at}.content", j)
+    turn: dict[str, Any] = {"role": "assistant", "content": parts or None}
+    if thoughts:
+        turn["reasoning_content"] = "".join(thoughts)
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def _texts(content: Any, at: str, first: int = 0) -> list[dict[str, str]]:
+    """Text blocks (a string: one) as chat's text parts, which the template joins; any
+    other block is a 400 (an image: this server's models read text only)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise APIError(400, f"{at} must be a string or a list of blocks", param="messages")
+    parts = []
+    for j, block in enumerate(content, first):
+        where = f"{at}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "image":
+            raise APIError(
+                400,
+                f"{where}: image blocks are not supported (this server's model reads text only)",
+                param="messages",
+            )
+        if kind != "text":
+            raise APIError(
+                400, f"{where}: content block type {kind!r} is not supported", param="messages"
+            )
+        parts.append({"type": "text", "text": _string(block, "text", where)})
+    return parts
+
+
+def _string(block: dict[str, Any], key: str, where: str) -> str:
+    value = block.get(key)
+    if not isinstance(value, str):
+        raise APIError(400, f"{where}.{key} must be a string", param="messages")
+    return value
+
+
+def _tool(tool: AnthropicTool, k: int) -> dict[str, Any]:
+    if tool.type not in (None, "custom"):
+        raise APIError(
+            400,
+            f"tools[{k}]: type {tool.type!r} is not supported (Anthropic's server tools run "
+            "on its own servers; custom tools only)",
+            param="tools",
+        )
+    if tool.input_schema is None:
+        raise APIError(400, f"tools[{k}].input_schema: Field required", param="tools")
+    function = {"name": tool.name, "parameters": tool.input_schema}
+    if tool.description is not None:
+        function["description"] = tool.description
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: AnthropicToolChoice | None) -> Any:
+    if choice is None:
+        return None
+    if choice.type != "tool":
+        return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if not choice.name:
+        raise APIError(400, "tool_choice.name is required when type is 'tool'", param="tool_choice")
+    return {"type": "function", "function": {"name": choice.name}}
+
+
+# The server's words for a prompt too long, and Anthropic's (what clients such as Claude Code
+# read to compact the conversation, or to ask for fewer tokens)
+_TOO_LONG = re.compile(r"prompt has (?:at least )?(\d+) tokens.*?the context is (\d+) tokens")
+_NO_ROOM = re.compile(r"maximum context length is (\d+) tokens.*?\((\d+) in the messages, (\d+)")
+
+
+def _in_our_words(e: APIError) -> APIError:
+    """Chat's error for the request, in the Messages API's words: its fields' names, and a
+    prompt that does not fit as Anthropic says it."""
+    message = e.message
+    if m := _TOO_LONG.search(message):
+        message = f"prompt is too long: {m[1]} tokens > {int(m[2]) - 1} maximum"
+    elif m := _NO_ROOM.search(message):
+        message = (
+            f"input length and `max_tokens` exceed context limit: {m[2]} + {m[3]} > {m[1]}, "
+            "decrease input length or `max_tokens` and try again"
+        )
+    elif e.param in _FIELDS:
+        message = re.sub(rf"\b{e.param}\b", _FIELDS[e.param], message)
+    return APIError(e.status, message, e.type, _FIELDS.get(e.param or "", e.param), e.code)

@@ -1,0 +1,457 @@
+"""Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) through a real server
+under --api-key and the `anthropic` client (which sends the key as x-api-key), on the GLM
+tiny model: each message is the chat completion of the same conversation (greedy, token for
+token), its reasoning a thinking block and its tool calls tool_use blocks with parsed input;
+tool results continue the conversation as chat's tool turns; streamed events come in
+Anthropic's order and add up (through the SDK's own accumulator) to the message; the
+prompt's tokens are counted as chat renders it; bad requests are Anthropic's errors; and
+`dsakv router` relays it over a prefill/decode pair."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from dsakv.engine import EngineConfig
+from dsakv.models.tiny import write_tiny_model
+
+from .serving import TIMEOUT, routing, serving, serving_disagg
+from .test_server import ENGINE_ARGS
+from .test_server_tools import SCHEMAS, TOOLS
+
+KEY = "sekrit"
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+QUIET = {"type": "disabled"}  # GLM thinks unless told not to
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+# The tools as Anthropic's: name, description, input_schema
+CLAUDE_TOOLS = [
+    {
+        "name": t["function"]["name"],
+        **({"description": t["function"]["description"]} if "description" in t["function"] else {}),
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> str:
+    """The base URL of a server on the GLM tiny model, under --api-key."""
+    path = write_tiny_model(tmp_path_factory.mktemp("glm") / "glm", "glm-tiny", seed=0)
+    config = EngineConfig(model=str(path), **{**ENGINE_ARGS, "num_pages": 256})
+    with serving(config, api_key=KEY) as (base, _):
+        yield base
+
+
+def _claude(base: str, key: str = KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base, api_key=key, timeout=TIMEOUT, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(served) -> anthropic.Anthropic:
+    return _claude(served)
+
+
+@pytest.fixture(scope="module")
+def gpt(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(gpt) -> str:
+    return gpt.models.list().data[0].id
+
+
+def _message(claude, model, **kw):
+    """Greedy (the SDK no longer takes `temperature`: the server still does)."""
+    kw.setdefault("messages", USER)
+    kw.setdefault("max_tokens", 12)
+    kw["extra_body"] = {"temperature": 0, **kw.get("extra_body", {})}
+    return claude.messages.create(model=model, **kw)
+
+
+def _chat(gpt, model, **kw):
+    kw.setdefault("messages", USER)
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    return gpt.chat.completions.create(model=model, **kw)
+
+
+def _blocks(m) -> list[dict]:
+    return [b.model_dump(exclude_none=True) for b in m.content]
+
+
+def _prompt_tokens(m) -> int:
+    return m.usage.input_tokens + m.usage.cache_read_input_tokens
+
+
+_STOPS = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use"}
+
+
+def _same(m, c) -> None:
+    """Message `m` says what chat completion `c` says: its reasoning, text and tool calls,
+    how it stopped and its tokens."""
+    choice = c.choices[0]
+    want = []
+    reasoning = getattr(choice.message, "reasoning_content", None)
+    if reasoning:
+        want.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if choice.message.content:
+        want.append({"type": "text", "text": choice.message.content})
+    for call in choice.message.tool_calls or []:
+        want.append(
+            {
+                "type": "tool_use",
+                "id": "toolu_" + call.id.removeprefix("call_"),
+                "name": call.function.name,
+                "input": json.loads(call.function.arguments),
+            }
+        )
+    got = _blocks(m)
+    for block in got:  # (ids are each answer's own)
+        if block["type"] == "tool_use":
+            assert block.pop("id").startswith("toolu_")
+    for block in want:
+        block.pop("id", None)
+    assert got == want
+    matched = getattr(choice, "stop_reason", None)  # (vLLM's: the stop string it met)
+    if choice.finish_reason == "stop" and isinstance(matched, str):
+        assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", matched)
+    else:
+        assert (m.stop_reason, m.stop_sequence) == (_STOPS[choice.finish_reason], None)
+    assert m.usage.output_tokens == c.usage.completion_tokens
+    assert _prompt_tokens(m) == c.usage.prompt_tokens
+
+
+# --- messages as chat completions -------------------------------------------------------------
+
+
+def test_a_message_is_the_chat_completion_of_the_same_conversation(claude, gpt, model):
+    m = _message(claude, model, system="You are terse.", thinking=QUIET)
+    system = [{"role": "system", "content": "You are terse."}]
+    c = _chat(gpt, model, messages=system + USER, extra_body=NO_THINKING)
+    assert c.choices[0].message.content and c.choices[0].finish_reason == "length"
+    _same(m, c)
+    assert (m.type, m.role, m.model) == ("message", "assistant", model)
+    assert m.id.startswith("msg_") and m.stop_reason == "max_tokens" and m.stop_sequence is None
+    assert m.usage.cache_creation_input_tokens == 0
+    # The same prompt again: the prefix cache holds it, which usage tells apart
+    again = _message(claude, model, system="You are terse.", thinking=QUIET)
+    assert again.content == m.content and again.usage.cache_read_input_tokens > 0
+    assert _prompt_tokens(again) == _prompt_tokens(m)
+
+
+def test_system_blocks_and_system_turns_are_the_system_turn(claude, gpt, model):
+    """A system given as text blocks, and Claude Code's `system` turns among the messages,
+    are one system turn first (its parts joined by newlines, as chat joins text parts);
+    Claude Code's billing header block, a hash of each request, is left out (else no
+    prompt would find its prefix cached)."""
+    billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=1f2e;"}
+    blocks = [billing, {"type": "text", "text": "You are terse."}]
+    blocks.append({"type": "text", "text": "Be kind."})
+    turns = [{"role": "system", "content": "Be kind."}, *USER]
+    c = _chat(
+        gpt,
+        model,
+        messages=[{"role": "system", "content": "You are terse.\nBe kind."}, *USER],
+        extra_body=NO_THINKING,
+    )
+    _same(_message(claude, model, system=blocks, thinking=QUIET), c)
+    _same(_message(claude, model, system="You are terse.", messages=turns, thinking=QUIET), c)
+
+
+def test_max_tokens_and_stop_sequences_say_how_the_message_stopped(claude, gpt, model):
+    whole = _chat(gpt, model, max_tokens=16, extra_body=NO_THINKING).choices[0].message.content
+    stop = whole[len(whole) // 2 :][:2]
+    c = _chat(gpt, model, max_tokens=16, stop=[stop], extra_body=NO_THINKING)
+    assert c.choices[0].finish_reason == "stop" and c.choices[0].message.content != whole
+    m = _message(claude, model, max_tokens=16, stop_sequences=["\x00never", stop], thinking=QUIET)
+    _same(m, c)
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    cut = _message(claude, model, max_tokens=3, thinking=QUIET)
+    assert (cut.stop_reason, cut.usage.output_tokens) == ("max_tokens", 3)
+
+
+def test_thinking_on_and_off_switch_the_templates_reasoning(claude, gpt, model):
+    """GLM's template thinks unless told not to: `thinking` enabled (its budget_tokens as
+    vLLM's thinking_token_budget: the reasoning is closed after them), left out (the
+    template's default) and disabled each equal chat's same switch."""
+    on = {"enable_thinking": True, "thinking": True}
+    kw = dict(max_tokens=20)
+    m = _message(claude, model, thinking={"type": "enabled", "budget_tokens": 5}, **kw)
+    c = _chat(gpt, model, extra_body={"chat_template_kwargs": on, "thinking_token_budget": 5}, **kw)
+    _same(m, c)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    default = _message(claude, model, **kw)
+    _same(default, _chat(gpt, model, **kw))
+    assert [b.type for b in default.content] == ["thinking"]  # (the random model never stops)
+    off = _message(claude, model, thinking=QUIET, **kw)
+    _same(off, _chat(gpt, model, extra_body=NO_THINKING, **kw))
+    assert [b.type for b in off.content] == ["text"]
+
+
+# --- tools ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("choice", ["any", "tool"])
+def test_a_forced_tool_choice_is_a_tool_use_block_with_valid_input(claude, gpt, model, choice):
+    """tool_choice `any` (one call: disable_parallel_tool_use) and `tool` by name force a
+    call, as chat's `required` and named tool_choice do: its arguments, as `input`."""
+    tool_choice = {"type": "tool", "name": "set_flags"}
+    if choice == "any":
+        tool_choice = {"type": "any", "disable_parallel_tool_use": True}
+    m = _message(
+        claude, model, tools=CLAUDE_TOOLS, tool_choice=tool_choice, max_tokens=200, thinking=QUIET
+    )
+    (block,) = m.content
+    assert block.type == "tool_use" and block.id.startswith("toolu_")
+    jsonschema.validate(block.input, SCHEMAS[block.name])
+    assert m.stop_reason == "tool_use"
+    if choice == "tool":
+        assert block.name == "set_flags"
+    forced = (
+        "required" if choice == "any" else {"type": "function", "function": {"name": "set_flags"}}
+    )
+    c = _chat(
+        gpt,
+        model,
+        tools=TOOLS,
+        tool_choice=forced,
+        parallel_tool_calls=False,
+        max_tokens=200,
+        extra_body=NO_THINKING,
+    )
+    assert _blocks(m)[0]["input"] == json.loads(
+        c.choices[0].message.tool_calls[0].function.arguments
+    )
+
+
+def test_output_config_format_constrains_the_text_to_its_schema(claude, model):
+    schema = SCHEMAS["set_flags"]
+    config = {"format": {"type": "json_schema", "schema": schema}, "effort": "high"}
+    m = _message(claude, model, output_config=config, max_tokens=200, thinking=QUIET)
+    (block,) = m.content
+    jsonschema.validate(json.loads(block.text), schema)
+    assert m.stop_reason == "end_turn"
+
+
+def test_tool_choice_none_leaves_the_tools_uncalled(claude, gpt, model):
+    kw = dict(max_tokens=16)
+    m = _message(
+        claude, model, tools=CLAUDE_TOOLS, tool_choice={"type": "none"}, thinking=QUIET, **kw
+    )
+    _same(m, _chat(gpt, model, tools=TOOLS, tool_choice="none", extra_body=NO_THINKING, **kw))
+
+
+def test_a_tool_result_continues_the_conversation_as_a_tool_turn(claude, gpt, model):
+    """The round trip: the message's tool_use block sent back as the assistant turn, the
+    tool_result (text blocks, is_error too) as the tool turn, equals chat's conversation of
+    the same tool call and tool message; count_tokens counts the same prompt."""
+    forced = {"type": "tool", "name": "get_weather"}
+    first = _message(
+        claude, model, tools=CLAUDE_TOOLS, tool_choice=forced, max_tokens=200, thinking=QUIET
+    )
+    (call,) = first.content
+    result = {
+        "type": "tool_result",
+        "tool_use_id": call.id,
+        "content": [{"type": "text", "text": "Sunny, 21 C"}],
+        "is_error": False,
+    }
+    conversation = [
+        *USER,
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [result, {"type": "text", "text": "And tomorrow?"}]},
+    ]
+    m = _message(claude, model, messages=conversation, tools=CLAUDE_TOOLS, thinking=QUIET)
+    chat_call = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": json.dumps(call.input)},
+    }
+    turns = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    c = _chat(gpt, model, messages=turns, tools=TOOLS, extra_body=NO_THINKING)
+    _same(m, c)
+    counted = claude.messages.count_tokens(
+        model=model, messages=conversation, tools=CLAUDE_TOOLS, thinking=QUIET
+    )
+    assert counted.input_tokens == c.usage.prompt_tokens
+
+
+# --- streaming --------------------------------------------------------------------------------
+
+
+def _in_order(events) -> None:
+    """Anthropic's event grammar: message_start, then blocks (each started, given deltas of
+    its own kind, stopped; indices 0, 1, ...), message_delta, message_stop; pings anywhere."""
+    kinds = [e.type for e in events if e.type != "ping"]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    open_block, next_index = None, 0
+    deltas = {"text": "text_delta", "thinking": "thinking_delta", "tool_use": "input_json_delta"}
+    for e in events[1:-2]:
+        if e.type == "content_block_start":
+            assert open_block is None and e.index == next_index
+            open_block, next_index = e.content_block.type, next_index + 1
+        elif e.type == "content_block_delta":
+            assert open_block is not None and e.index == next_index - 1
+            assert e.delta.type == deltas[open_block]
+        elif e.type == "content_block_stop":
+            assert open_block is not None and e.index == next_index - 1
+            open_block = None
+        else:
+            assert e.type == "ping", e.type
+    assert open_block is None
+
+
+@pytest.mark.parametrize("case", ["thinking", "tool", "stop"])
+def test_streamed_events_add_up_to_the_message(claude, model, case):
+    kw = {
+        "thinking": dict(thinking={"type": "enabled", "budget_tokens": 5}, max_tokens=20),
+        "tool": dict(
+            tools=CLAUDE_TOOLS, tool_choice={"type": "any"}, max_tokens=200, thinking=QUIET
+        ),
+        "stop": dict(max_tokens=16, thinking=QUIET),
+    }[case]
+    whole = _message(claude, model, **kw)
+    if case == "stop":  # (a stop sequence in the middle of the text)
+        text = whole.content[0].text
+        kw["stop_sequences"] = [text[len(text) // 2 :][:2]]
+        whole = _message(claude, model, **kw)
+        assert whole.stop_reason == "stop_sequence"
+    events = list(_message(claude, model, stream=True, **kw))
+    _in_order(events)
+    assert events[0].message.id.startswith("msg_") and events[0].message.content == []
+    greedy = {"extra_body": {"temperature": 0}}
+    with claude.messages.stream(model=model, messages=USER, **greedy, **kw) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.id.startswith("msg_") and streamed.id != whole.id
+    assert _blocks(streamed) == _blocks(whole) or case == "tool"
+    if case == "tool":  # (each call's id is its own)
+        assert [(b.type, b.name, b.input) for b in streamed.content] == [
+            (b.type, b.name, b.input) for b in whole.content
+        ]
+    assert (streamed.stop_reason, streamed.stop_sequence) == (
+        whole.stop_reason,
+        whole.stop_sequence,
+    )
+    assert streamed.usage.output_tokens == whole.usage.output_tokens
+    assert _prompt_tokens(streamed) == _prompt_tokens(whole)
+    assert events[-2].usage.output_tokens == whole.usage.output_tokens
+
+
+# --- counting, errors, the key ----------------------------------------------------------------
+
+
+def test_count_tokens_is_the_prompts_token_count(claude, gpt, model):
+    system = "You are terse."
+    counted = claude.messages.count_tokens(
+        model=model, system=system, messages=USER, tools=CLAUDE_TOOLS, thinking=QUIET
+    )
+    c = _chat(
+        gpt,
+        model,
+        messages=[{"role": "system", "content": system}, *USER],
+        tools=TOOLS,
+        max_tokens=1,
+        extra_body=NO_THINKING,
+    )
+    assert counted.input_tokens == c.usage.prompt_tokens
+    thinking = claude.messages.count_tokens(model=model, system=system, messages=USER)
+    assert thinking.input_tokens != counted.input_tokens  # (no tools: fewer)
+
+
+def _error(e: anthropic.APIStatusError, status: int, kind: str) -> str:
+    assert e.status_code == status
+    assert e.body["type"] == "error" and e.body["error"]["type"] == kind
+    assert set(e.body["error"]) == {"type", "message"}
+    return e.body["error"]["message"]
+
+
+def test_bad_requests_are_anthropics_errors(claude, served, model):
+    r = httpx.post(
+        f"{served}/v1/messages",
+        json={"model": model, "messages": USER},
+        headers={"x-api-key": KEY},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        _message(claude, model, messages=[{"role": "tool", "content": "hi"}])
+    assert "role" in _error(e.value, 400, "invalid_request_error")
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+    }
+    with pytest.raises(anthropic.BadRequestError) as e:
+        _message(claude, model, messages=[{"role": "user", "content": [image]}])
+    assert "image" in _error(e.value, 400, "invalid_request_error")
+    with pytest.raises(anthropic.NotFoundError) as e:
+        _message(claude, "claude-nonesuch")
+    assert "claude-nonesuch" in _error(e.value, 404, "not_found_error")
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.messages.count_tokens(model="claude-nonesuch", messages=USER)
+    _error(e.value, 404, "not_found_error")
+    with pytest.raises(anthropic.BadRequestError) as e:  # (Claude Code reads these words)
+        _message(claude, model, max_tokens=10**7)
+    assert "exceed context limit" in _error(e.value, 400, "invalid_request_error")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        _message(claude, model, messages=[{"role": "user", "content": "hi " * 100_000}])
+    assert _error(e.value, 400, "invalid_request_error").startswith("prompt is too long: ")
+    assert httpx.get(f"{served}/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_the_api_key_is_taken_as_x_api_key(served, model):
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        _message(_claude(served, "wrong"), model)
+    _error(e.value, 401, "authentication_error")
+    bearer = httpx.post(
+        f"{served}/v1/messages/count_tokens",
+        json={"model": model, "messages": USER},
+        headers={"authorization": f"Bearer {KEY}"},
+        timeout=TIMEOUT,
+    )
+    assert bearer.status_code == 200 and bearer.json()["input_tokens"] > 0
+
+
+# --- through the router -----------------------------------------------------------------------
+
+
+def test_the_router_relays_messages_over_a_prefill_decode_pair(tmp_path_factory):
+    """/v1/messages through `dsakv router` (its key as x-api-key) is the chat completion the
+    router gives for the same conversation, streamed or not; count_tokens is a decode
+    server's answer."""
+    path = str(write_tiny_model(tmp_path_factory.mktemp("pd") / "m", "glm-tiny"))
+    conf = EngineConfig(path, **{**ENGINE_ARGS, "num_pages": 128})
+    with ExitStack() as stack:
+        p_url, _ = stack.enter_context(serving_disagg(conf, "prefill"))
+        d_url, _ = stack.enter_context(serving_disagg(conf, "decode"))
+        router = stack.enter_context(routing([p_url], [d_url], api_key=KEY))
+        claude = _claude(router)
+        gpt = openai.OpenAI(base_url=f"{router}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+        model = gpt.models.list().data[0].id
+        m = _message(claude, model, thinking=QUIET)
+        _same(m, _chat(gpt, model, extra_body=NO_THINKING))
+        greedy = {"extra_body": {"temperature": 0}}
+        with claude.messages.stream(
+            model=model, messages=USER, max_tokens=12, thinking=QUIET, **greedy
+        ) as stream:
+            assert _blocks(stream.get_final_message()) == _blocks(m)
+        counted = claude.messages.count_tokens(model=model, messages=USER, thinking=QUIET)
+        assert counted.input_tokens == _prompt_tokens(m)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            _message(_claude(router, "wrong"), model)
+        _error(e.value, 401, "authentication_error")
