@@ -672,6 +672,16 @@ def test_unset_sglang_fields_are_taken(base):
     assert r.status_code == 200, r.text
 
 
+def test_structured_outputs_takes_what_the_offline_params_take(base):
+    """`structured_outputs` over HTTP takes the fields `StructuredOutputsParams` takes
+    offline (`disable_any_whitespace` was a 400 here, taken there)."""
+    so = {"choice": ["yes", "no"], "disable_any_whitespace": True, "disable_fallback": True}
+    body = {"prompt": "x", "max_tokens": 5, "temperature": 0, "structured_outputs": so}
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in so["choice"]
+
+
 def test_request_id_names_the_response_as_vllm(base):
     """vLLM's: the X-Request-Id header, else the body's request_id, is the response's id
     (after "cmpl-" / "chatcmpl-"), and comes back in the X-Request-Id header."""

@@ -203,6 +203,25 @@ def test_structured_output_drafts_only_what_the_grammar_allows(model):
     assert engine.counters()["spec_accepted_tokens"] > 0
 
 
+def test_lookup_drafts_are_cut_where_the_grammar_refuses(model):
+    """`_allowed`: the longest prefix of the drafts the grammar accepts, nothing past the
+    end of what it allows, and the matcher left as it was (the engine's verify masks
+    refused drafts too, so tokens alone cannot show the cut)."""
+    from transformers import AutoTokenizer
+
+    from dsakv.engine.grammar import GrammarCache
+    from dsakv.engine.speculative import _allowed
+
+    tok = AutoTokenizer.from_pretrained(model)
+    a, b, x = (tok.convert_tokens_to_ids(c) for c in "abx")
+    cache = GrammarCache(tok, 264, (257,))  # (glm-tiny: its vocabulary and EOS)
+    m = cache.matcher(("regex", "ab(ab)?"))
+    assert _allowed(m, [a, b, x, a]) == [a, b]
+    assert _allowed(m, [a, b, a, b, a]) == [a, b, a, b]  # (not past the grammar's end)
+    assert _allowed(m, [x, a]) == []
+    assert m.accept_token(a) and not m.accept_token(a)  # (where it started: "a" then "b")
+
+
 def test_prefill_decode_handoff(model):
     """A decode engine drafting by lookup takes a plain prefill engine's pages (the layouts
     agree: neither has a draft layer) and decodes as one engine does."""

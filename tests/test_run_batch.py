@@ -171,6 +171,11 @@ def test_a_run_that_fails_keeps_the_output_it_would_replace(glm_tiny, tmp_path, 
     error = cli_error_line([*argv, "--num-pages", str(2**40)], capsys)  # (a pool past the host)
     assert "cannot allocate" in error
     assert out.read_text() == '{"earlier": "answers"}\n'
+    # Nor does it leave a file where none was (it created an empty one), or a temporary.
+    fresh = tmp_path / "fresh.jsonl"
+    argv[argv.index(str(out))] = str(fresh)
+    cli_error_line([*argv, "--num-pages", str(2**40)], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
 
 
 def test_bad_flags_and_an_unwritable_output_exit_2(tmp_path: Path, capsys):

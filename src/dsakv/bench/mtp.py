@@ -36,7 +36,7 @@ def fitted_workload(
     return tp.Workload(prompts, [rng.randint(*output_lens) for _ in range(n)])
 
 
-def run_mtp_bench(
+def run_speculative_bench(
     model: str,
     work: tp.Workload,
     num_pages: int,
@@ -54,7 +54,7 @@ def run_mtp_bench(
             elide=True, speculative_algorithm=algorithm, speculative_num_steps=steps, **common
         )
     before = {name: e.counters() for name, e in engines.items()}
-    runs = tp.run_interleaved(engines, work, desc="mtp")
+    runs = tp.run_interleaved(engines, work, desc="speculative")
     after = {name: e.counters() for name, e in engines.items()}
     alone = _one_at_a_time(engines, work)
 
@@ -117,7 +117,7 @@ def _one_at_a_time(engines: dict[str, Any], work: tp.Workload) -> dict[str, floa
     busy = dict.fromkeys(engines, 0.0)
     for i, prompt in enumerate(work.prompts):
         one = tp.Workload([prompt], [work.max_tokens[i]])
-        for name, run in tp.run_interleaved(engines, one, desc="mtp, one at a time").items():
+        for name, run in tp.run_interleaved(engines, one, desc="one at a time").items():
             tokens[name] += run["output_tokens"]
             busy[name] += run["busy_s"]
     return {name: tokens[name] / busy[name] for name in engines}

@@ -28,7 +28,7 @@ from . import capacity as cap
 from . import throughput as tp
 from .indexcache import run_indexcache
 from .memory import run_memory_bench
-from .mtp import fitted_workload, run_mtp_bench
+from .mtp import fitted_workload, run_speculative_bench
 from .parallel import run_parallel_bench
 from .parity import ParityError, compare_outputs, fp8_vs_fp32
 
@@ -208,7 +208,7 @@ def run_bench(
                     sizes.seed + 3,
                     _bos_id(path),
                 )
-                result["mtp"] = run_mtp_bench(
+                result["mtp"] = run_speculative_bench(
                     path, mtp_work, 64, sizes.page_size, sizes.mtp_steps, sizes.seed, device
                 )
                 bar.update()

@@ -205,9 +205,7 @@ def _structured_outputs_config(text: str) -> dict[str, str]:
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentTypeError(f"backend: {e}") from None
     if spec.get("reasoning_parser"):
-        from .serve import _chat_parser  # (the names live in the server)
-
-        out["reasoning_parser"] = _chat_parser("reasoning")(spec["reasoning_parser"])
+        out["reasoning_parser"] = chat_parser("reasoning")(spec["reasoning_parser"])
     return out
 
 
@@ -515,6 +513,58 @@ def add_hisparse_args(p: argparse.ArgumentParser, what: str) -> None:
         metavar="JSON",
         help='{"top_k": index_topk, "device_buffer_size": 2×top_k, "host_to_device_ratio": 2}',
     )
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """What a server's OpenAI routes answer as: the model's names, its chat template and
+    the parsers of its output (`serve`'s, and `run-batch`'s, which runs those routes)."""
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="name(s) clients use; the first is reported (default: the model dir's name)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        type=chat_parser("tool"),
+        default="auto",
+        help="glm47, glm45, deepseekv32, deepseekv31, none (default auto: the model type's)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        type=chat_parser("reasoning"),
+        default="auto",
+        help="glm45, deepseek-v3, none (default auto: the model type's)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=chat_template,
+        help="a Jinja chat template, or a file holding one (default: the tokenizer's)",
+    )
+
+
+def chat_template(value: str) -> str:
+    """argparse type for --chat-template: the template, read and parsed now."""
+    from dsakv.server.chat import load_chat_template
+
+    try:
+        return load_chat_template(value)
+    except DsakvError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def chat_parser(kind: str) -> Callable[[str], str]:
+    """argparse type for --tool-call-parser / --reasoning-parser (names live in the server)."""
+
+    def check(name: str) -> str:
+        from dsakv.server.parsers import resolve_parsers
+
+        try:
+            resolve_parsers("", *((name, None) if kind == "tool" else (None, name)))
+        except DsakvError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return name
+
+    return check
 
 
 def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool = True) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from dsakv.errors import DsakvError
 
 from .args import (
+    add_chat_args,
     add_engine_args,
     add_ignored_args,
     add_model_option,
@@ -20,23 +22,19 @@ from .args import (
     request_log_config,
     response_defaults,
 )
-from .serve import add_chat_args
 
 
 def _cmd_run_batch(args: argparse.Namespace) -> int:
     import asyncio
 
     from dsakv.server import make_server
-    from dsakv.server.batch import read_batch_file
+    from dsakv.server.batch import read_batch_file, succeeded
 
     lines = read_batch_file(args.input_file)  # (a bad file: one error line, before loading)
     config = engine_config_from_args(args)
     request_log, defaults = request_log_config(args), response_defaults(args)
-    try:  # (writable, checked now; what it holds is kept until the answers replace it)
-        out = open(args.output_file, "a", encoding="utf-8")  # noqa: SIM115 - held below
-    except OSError as e:
-        raise DsakvError(f"cannot write {args.output_file}: {e.strerror or e}") from None
-    with out:
+    tmp = _temp_beside(args.output_file)  # (writable, checked now, before the model loads)
+    try:
         # `dsakv serve`'s server, never started: the lines run through its app's routes
         server, async_engine = make_server(
             config,
@@ -53,16 +51,36 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
         finally:
             async_engine.shutdown()
             async_engine.close_engine()
-        if out.seekable():  # (not a pipe)
-            out.truncate(0)  # (appended: written from its start on)
-        for record in records:
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    failed = sum(record["error"] is not None for record in records)
+        with open(tmp or args.output_file, "w", encoding="utf-8") as out:
+            out.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+        if tmp is not None:
+            os.replace(tmp, args.output_file)  # (whole, or as it was: never half written)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+    failed = sum(not succeeded(record) for record in records)
     print(
         f"ran {len(records)} requests ({len(records) - failed} answered, {failed} failed): "
         f"{args.output_file}"
     )
     return 0
+
+
+def _temp_beside(path: str) -> str | None:
+    """A new file beside `path` the answers are written to, then moved over it; None where
+    `path` is no regular file (a pipe, /dev/stdout: written to at the end). A path that
+    cannot be written is one error, before the model loads."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        if not os.access(path, os.W_OK):
+            raise DsakvError(f"cannot write {path}")
+        return None
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    try:
+        open(tmp, "x").close()  # (as any new file: the umask's mode)
+    except OSError as e:
+        raise DsakvError(f"cannot write {path}: {e.strerror or e}") from None
+    return tmp
 
 
 async def _run(app: Any, lines: list) -> list[dict[str, Any]]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dsakv.errors import DsakvError
 
 from .args import (
+    add_chat_args,
     add_engine_args,
     add_http_args,
     add_ignored_args,
@@ -131,58 +131,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             defaults=defaults,
         )
     return 0
-
-
-def _chat_template(value: str) -> str:
-    """argparse type for --chat-template: the template, read and parsed now."""
-    from dsakv.server.chat import load_chat_template
-
-    try:
-        return load_chat_template(value)
-    except DsakvError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _chat_parser(kind: str) -> Callable[[str], str]:
-    """argparse type for --tool-call-parser / --reasoning-parser (names live in the server)."""
-
-    def check(name: str) -> str:
-        from dsakv.server.parsers import resolve_parsers
-
-        try:
-            resolve_parsers("", *((name, None) if kind == "tool" else (None, name)))
-        except DsakvError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        return name
-
-    return check
-
-
-def add_chat_args(p: argparse.ArgumentParser) -> None:
-    """What a server's OpenAI routes answer as: the model's names, its chat template and
-    the parsers of its output (`serve`'s, and `run-batch`'s, which runs those routes)."""
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        help="name(s) clients use; the first is reported (default: the model dir's name)",
-    )
-    p.add_argument(
-        "--tool-call-parser",
-        type=_chat_parser("tool"),
-        default="auto",
-        help="glm47, glm45, deepseekv32, deepseekv31, none (default auto: the model type's)",
-    )
-    p.add_argument(
-        "--reasoning-parser",
-        type=_chat_parser("reasoning"),
-        default="auto",
-        help="glm45, deepseek-v3, none (default auto: the model type's)",
-    )
-    p.add_argument(
-        "--chat-template",
-        type=_chat_template,
-        help="a Jinja chat template, or a file holding one (default: the tokenizer's)",
-    )
 
 
 def add_commands(sub: Any) -> None:

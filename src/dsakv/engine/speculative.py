@@ -141,6 +141,12 @@ class Drafter:
             if s.wait <= 0:
                 s.k = 1
 
+    def step(self, work: list[tuple[Request, int, int]]) -> None:
+        """After a target step: `work` holds (request, first position the step computed,
+        its first hidden row) for every request in it; `num_computed` already counts what
+        was accepted. Sets each request's `draft_ids` for its next step."""
+        raise NotImplementedError
+
     def finish(self, req: Request) -> None:
         """Before a finished or aborted request's pages go (nothing to do where drafts keep
         no state)."""
@@ -172,10 +178,9 @@ class MTPDrafter(Drafter):
         self._finished_slots: dict[int, torch.Tensor] = {}
 
     def step(self, work: list[tuple[Request, int, int]]) -> None:
-        """After a target step: `work` holds (request, first position the step computed,
-        its first hidden row) for every request in it; `num_computed` already counts what
-        was accepted. Fills the draft KV for those positions, then chains drafts: in one
-        native call where the runner has one and no request has a grammar, else here."""
+        """`Drafter.step`: fills the draft KV for the positions the step computed, then
+        chains drafts: in one native call where the runner has one and no request has a
+        grammar, else here."""
         toks, slots, rows, reqs = [], [], [], []
         finished_slots, self._finished_slots = self._finished_slots, {}
         pinned: list[Node] = []  # cached pages this catch-up writes, locked until it has
@@ -372,8 +377,8 @@ class NGramDrafter(Drafter):
         self._tokens: dict[int, tuple[np.ndarray, int]] = {}
 
     def step(self, work: list[tuple[Request, int, int]]) -> None:
-        """After a target step (`MTPDrafter.step`'s `work`): the next drafts of each request
-        that ran, checked against its grammar where it has one."""
+        """`Drafter.step`: the next drafts of each request that ran, by lookup, checked
+        against its grammar where it has one."""
         for req, start, _ in work:
             if req.finished or req.num_computed <= start:
                 continue

@@ -424,7 +424,8 @@ def _grammar_request(body: GenerationRequest) -> tuple[str, tuple[str, str]] | N
         try:
             found.append(("structured_outputs", StructuredOutputsParams(**fields).grammar_spec()))
         except DsakvError as e:
-            raise APIError(400, str(e), param="structured_outputs") from None
+            why = str(e).removeprefix("invalid sampling params: ")
+            raise APIError(400, why, param="structured_outputs") from None
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise APIError(

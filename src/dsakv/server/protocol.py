@@ -94,6 +94,7 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_fallback: bool | None = None  # (one grammar engine here: nothing to fall back on)
+    disable_any_whitespace: bool | None = None  # (its JSON grammars admit none either way)
 
 
 class RepetitionDetection(_Strict):
