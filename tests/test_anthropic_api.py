@@ -9,6 +9,7 @@ prompt's tokens are counted as chat renders it; bad requests are Anthropic's err
 
 from __future__ import annotations
 
+import contextlib
 import json
 from contextlib import ExitStack
 
@@ -17,11 +18,17 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from dsakv.disagg.config import DisaggConfig
+from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
 from dsakv.models.tiny import write_tiny_model
+from dsakv.procs import free_port
 
-from .serving import TIMEOUT, routing, serving, serving_disagg
+from .serving import TIMEOUT, routing, running, serving
 from .test_server import ENGINE_ARGS
 from .test_server_tools import SCHEMAS, TOOLS
 
@@ -289,6 +296,60 @@ def test_a_tool_result_continues_the_conversation_as_a_tool_turn(claude, gpt, mo
     assert counted.input_tokens == c.usage.prompt_tokens
 
 
+def test_long_mcp_tool_names_are_taken(claude, model):
+    """Claude Code names an MCP server's tools `mcp__<server>__<tool>`, past chat's 64
+    characters: Anthropic takes up to 128 (vLLM any), so a request holding one is run, and
+    the model can call it; only a name past 128 is a 400. (Every Claude Code request with
+    such a tool was a 400.)"""
+    name = "mcp__claude-in-chrome__" + "read_page_accessibility_tree_" * 3
+    assert 64 < len(name) <= 128
+    tools = [*CLAUDE_TOOLS, {"name": name, "input_schema": SCHEMAS["set_flags"]}]
+    forced = {"type": "tool", "name": name}
+    m = _message(claude, model, tools=tools, tool_choice=forced, max_tokens=300, thinking=QUIET)
+    (block,) = m.content
+    assert (block.type, block.name, m.stop_reason) == ("tool_use", name, "tool_use")
+    jsonschema.validate(block.input, SCHEMAS["set_flags"])
+    assert claude.messages.count_tokens(model=model, messages=USER, tools=tools).input_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        _message(claude, model, tools=[{"name": "t" * 129, "input_schema": {"type": "object"}}])
+    assert "tools" in _error(e.value, 400, "invalid_request_error")
+
+
+def test_an_image_in_a_tool_result_is_a_note_not_an_error(claude, model):
+    """An image or a PDF a tool returned (Claude Code's Read of a screenshot) is a note in
+    the tool turn saying the model cannot see it, where a 400 ended the agent's loop (and
+    every later turn's: the block stays in the conversation); an image the user sends is
+    still the 400 (`test_bad_requests_are_anthropics_errors`)."""
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+    }
+    pdf = {
+        "type": "document",
+        "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="},
+    }
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    text = {"type": "text", "text": "the forecast:"}
+
+    def conversation(*shown) -> list[dict]:
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [text, *shown]}
+        return [
+            *USER,
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result]},
+        ]
+
+    kw = dict(tools=CLAUDE_TOOLS, thinking=QUIET)
+    m = _message(claude, model, messages=conversation(image, pdf), max_tokens=2, **kw)
+    assert m.stop_reason == "max_tokens"
+    counts = [
+        claude.messages.count_tokens(model=model, messages=conversation(*shown), **kw).input_tokens
+        for shown in ((), (image,), (image, pdf))
+    ]
+    assert counts[0] < counts[1] < counts[2]  # (each block's note)
+    assert _prompt_tokens(m) == counts[2]
+
+
 # --- streaming --------------------------------------------------------------------------------
 
 
@@ -348,6 +409,28 @@ def test_streamed_events_add_up_to_the_message(claude, model, case):
     assert streamed.usage.output_tokens == whole.usage.output_tokens
     assert _prompt_tokens(streamed) == _prompt_tokens(whole)
     assert events[-2].usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_tool_call_cut_by_max_tokens_has_the_same_input_streamed_or_not(claude, model):
+    """max_tokens cutting a call's arguments short: the message's `input` is what the SDK
+    makes of the streamed `input_json_delta`s (the JSON written so far, as Claude Code sees
+    it), not {} where the streamed message held the arguments so far."""
+    forced = {"type": "tool", "name": "get_weather"}
+    kw = dict(tools=CLAUDE_TOOLS, tool_choice=forced, thinking=QUIET)
+    whole = _message(claude, model, max_tokens=300, **kw)
+    cut = whole.usage.output_tokens - 10  # (in the arguments, their object not yet closed)
+    m = _message(claude, model, max_tokens=cut, **kw)
+    events = list(_message(claude, model, max_tokens=cut, stream=True, **kw))
+    written = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
+    with pytest.raises(ValueError):
+        json.loads(written)  # (cut short indeed)
+    greedy = {"extra_body": {"temperature": 0}}
+    with claude.messages.stream(model=model, messages=USER, max_tokens=cut, **greedy, **kw) as s:
+        streamed = s.get_final_message()
+    assert m.stop_reason == streamed.stop_reason == "max_tokens"
+    (block,) = m.content
+    assert block.input == streamed.content[0].input != {}
+    assert block.input.items() <= whole.content[0].input.items()
 
 
 # --- counting, errors, the key ----------------------------------------------------------------
@@ -430,15 +513,25 @@ def test_the_api_key_is_taken_as_x_api_key(served, model):
 # --- through the router -----------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _keyed_disagg(config: EngineConfig, mode: str):
+    """A prefill or decode server (as `serving.serving_disagg`'s) under --api-key."""
+    disagg = {"timeout_s": 30, **({"bootstrap_port": free_port()} if mode == "prefill" else {})}
+    bridge = bridge_for(DisaggConfig(mode, **disagg), config, "127.0.0.1")
+    with serving(config, bridge=bridge, api_key=KEY) as (base, _):
+        yield base
+
+
 def test_the_router_relays_messages_over_a_prefill_decode_pair(tmp_path_factory):
-    """/v1/messages through `dsakv router` (its key as x-api-key) is the chat completion the
-    router gives for the same conversation, streamed or not; count_tokens is a decode
-    server's answer."""
+    """/v1/messages through `dsakv router` (its key, and the servers', as x-api-key) is the
+    chat completion the router gives for the same conversation, streamed or not;
+    count_tokens is a decode server's answer; an admin call every server hears takes the
+    key as x-api-key too (it was not relayed: the servers' 401)."""
     path = str(write_tiny_model(tmp_path_factory.mktemp("pd") / "m", "glm-tiny"))
     conf = EngineConfig(path, **{**ENGINE_ARGS, "num_pages": 128})
     with ExitStack() as stack:
-        p_url, _ = stack.enter_context(serving_disagg(conf, "prefill"))
-        d_url, _ = stack.enter_context(serving_disagg(conf, "decode"))
+        p_url = stack.enter_context(_keyed_disagg(conf, "prefill"))
+        d_url = stack.enter_context(_keyed_disagg(conf, "decode"))
         router = stack.enter_context(routing([p_url], [d_url], api_key=KEY))
         claude = _claude(router)
         gpt = openai.OpenAI(base_url=f"{router}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
@@ -455,3 +548,64 @@ def test_the_router_relays_messages_over_a_prefill_decode_pair(tmp_path_factory)
         with pytest.raises(anthropic.AuthenticationError) as e:
             _message(_claude(router, "wrong"), model)
         _error(e.value, 401, "authentication_error")
+        flushed = httpx.post(f"{router}/flush_cache", headers={"x-api-key": KEY}, timeout=TIMEOUT)
+        assert flushed.status_code == 200, flushed.text
+
+
+def _dying_server() -> FastAPI:
+    """A stand-in prefill or decode server whose streamed message ends mid-body after its
+    first event, as a decode server killed mid-stream does."""
+    app = FastAPI()
+
+    @app.get("/disagg/info")
+    async def info() -> dict:
+        return {"mode": "prefill", "bootstrap_port": free_port()}
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        if not (await request.json()).get("stream"):
+            return JSONResponse({})  # (the prefill server's copy)
+        message = {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "m",
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 1, "output_tokens": 0},
+        }
+        start = {"type": "message_start", "message": message}
+
+        async def events():
+            yield f"event: message_start\ndata: {json.dumps(start)}\n\n"
+            raise RuntimeError("killed")  # (uvicorn drops the connection mid-body)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_decode_server_lost_mid_stream_is_an_anthropic_error_event():
+    """The router's error for a decode server lost mid-stream is Anthropic's `error` event
+    on /v1/messages, which the SDK raises; OpenAI's chunk (no event name) was skipped by the
+    SDK, and the cut message taken as whole (no stop_reason, no error)."""
+    with ExitStack() as stack:
+        urls = [
+            stack.enter_context(
+                running(
+                    uvicorn.Server(
+                        uvicorn.Config(_dying_server(), port=free_port(), log_level="critical")
+                    )
+                )
+            )
+            for _ in range(2)
+        ]
+        router = stack.enter_context(routing(urls[:1], urls[1:]))
+        claude = _claude(router)
+        with (
+            pytest.raises(anthropic.APIStatusError, match="lost the decode server") as e,
+            claude.messages.stream(model="m", messages=USER, max_tokens=8) as stream,
+        ):
+            stream.get_final_message()
+        assert e.value.body["error"]["type"] == "api_error"

@@ -51,6 +51,7 @@ from dsakv.errors import DsakvError
 from dsakv.server.auth import require_api_key
 from dsakv.server.http_config import route_path
 from dsakv.server.protocol import (
+    ANTHROPIC_PATHS,
     RESPONSES_KEPT,
     APIError,
     anthropic_error_body,
@@ -97,7 +98,12 @@ def _taken(rid: str) -> JSONResponse:
     return _client_error(400, f"a response with id '{rid}' exists already", "request_id")
 
 
-def _sse_error(message: str) -> bytes:
+def _sse_error(message: str, path: str) -> bytes:
+    """A stream's failure as the route's clients read one: Anthropic's `error` event on its
+    routes (its SDK skips an event with no name: the stream ended as if whole), else
+    OpenAI's error chunk and [DONE]."""
+    if path in ANTHROPIC_PATHS:
+        return f"event: error\ndata: {json.dumps(anthropic_error_body(502, message))}\n\n".encode()
     body = error_body(message, "server_error")
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
@@ -385,7 +391,7 @@ class Router:
                 if r.is_success and "text/event-stream" in r.headers.get("content-type", ""):
                     self._keep(rid, url)
                     return StreamingResponse(
-                        self._relay(r, url),
+                        self._relay(r, url, path),
                         media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache"},
                     )
@@ -488,7 +494,7 @@ class Router:
                 content, resp.status_code, media_type=kind or None, headers=_request_id(resp)
             )
         return StreamingResponse(
-            self._relay(resp, d_url),
+            self._relay(resp, d_url, path),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **_request_id(resp)},
         )
@@ -576,8 +582,7 @@ class Router:
         except ClientDisconnect:
             return Response(status_code=499)
         headers = {"content-type": request.headers.get("content-type", "application/json")}
-        if "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
+        headers.update(_auth(request))
         query = request.url.query
         answers = []
         for urls in groups:
@@ -704,7 +709,7 @@ class Router:
         self._down.pop(url, None)
         return resp
 
-    async def _relay(self, resp: httpx.Response, d_url: str) -> AsyncIterator[bytes]:
+    async def _relay(self, resp: httpx.Response, d_url: str, path: str) -> AsyncIterator[bytes]:
         """The decode server's SSE bytes as they come; if it dies, an error event. The
         stream's end is the request's there (`_finished`)."""
         try:
@@ -712,7 +717,7 @@ class Router:
                 yield chunk
         except httpx.HTTPError as e:
             self.failures += 1
-            yield _sse_error(f"lost the decode server {d_url} mid-stream: {e!r}")
+            yield _sse_error(f"lost the decode server {d_url} mid-stream: {e!r}", path)
         finally:
             self._finished("decode", d_url)
             await resp.aclose()

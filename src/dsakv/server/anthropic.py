@@ -20,6 +20,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
+from pydantic_core import from_json
 
 from .handlers import ChatRun, Handlers
 from .openai_format import CUT_SHORT, finish_reason
@@ -27,7 +28,9 @@ from .parsers import ChatDelta
 from .protocol import (
     APIError,
     ChatCompletionRequest,
+    FunctionDefinition,
     TokenizeRequest,
+    Tool,
     _Strict,
     anthropic_error_body,
 )
@@ -49,13 +52,21 @@ _BILLING_HEADER = "x-anthropic-billing-header"
 _FIELDS = {
     "stop": "stop_sequences",
     "thinking_token_budget": "thinking.budget_tokens",
-    "parameters": "input_schema",
     "response_format": "output_config.format",
+}
+# Blocks a tool_result may hold that this server's models cannot read (Claude Code's Read of
+# a screenshot or a PDF), and the note each is in the tool turn: a 400 would end the agent's
+# loop, and every later turn's too, as the block stays in the conversation
+_UNREAD = {
+    kind: {"type": "text", "text": f"[{kind} not shown: this model reads text only]"}
+    for kind in ("image", "document")
 }
 
 
 class AnthropicTool(_Strict):
-    name: str
+    # (chat's characters; Anthropic's length: Claude Code's MCP tools, `mcp__<server>__<tool>`,
+    # run past chat's 64)
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
     description: str | None = None
     input_schema: dict[str, Any] | None = None  # (required: `_tool`; server tools have none)
     type: str | None = None  # "custom"; Anthropic's server tools (web search, ...) are refused
@@ -311,10 +322,11 @@ class _Blocks:
 
 
 def _input(args: str) -> dict[str, Any]:
-    """A call's arguments as its `input` object: {} where there are none, or where
-    max_tokens cut them off (unclosed JSON; streamed, the SDK reads what was written)."""
+    """A call's arguments as its `input` object ({} where there are none), read as the SDK
+    reads the streamed `input_json_delta`s, so both say the same where max_tokens cut them
+    off: the JSON written so far, but a string or a literal left unfinished."""
     try:
-        value = json.loads(args) if args else {}
+        value = from_json(args, allow_partial=True) if args else {}
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
@@ -354,10 +366,10 @@ def chat_request(body: CountTokensRequest, reasoning: bool) -> ChatCompletionReq
     if body.output_config is not None and body.output_config.effort is not None:
         kwargs.setdefault("reasoning_effort", body.output_config.effort)
     choice, config = body.tool_choice, body.output_config
+    tools = [_tool(t, k) for k, t in enumerate(body.tools or [])]
     chat: dict[str, Any] = {
         "model": body.model,
         "messages": messages,
-        "tools": [_tool(t, k) for k, t in enumerate(body.tools or [])] or None,
         "tool_choice": _tool_choice(choice),
         "parallel_tool_calls": not (choice and choice.disable_parallel_tool_use),
         "chat_template_kwargs": kwargs or None,
@@ -380,13 +392,15 @@ def chat_request(body: CountTokensRequest, reasoning: bool) -> ChatCompletionReq
         if on and reasoning:  # (else the template thinks unbounded, as it would anyway)
             chat["thinking_token_budget"] = thinking.budget_tokens
     try:
-        return ChatCompletionRequest.model_validate(
+        request = ChatCompletionRequest.model_validate(
             {k: v for k, v in chat.items() if v is not None}
         )
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(_FIELDS.get(str(x), str(x)) for x in first["loc"])
         raise APIError(400, f"{loc}: {first['msg']}", param=str(first["loc"][0])) from None
+    request.tools = tools or None  # (checked as Anthropic's: `AnthropicTool`)
+    return request
 
 
 def _user_turns(content: str | list[dict[str, Any]], at: str) -> list[dict[str, Any]]:
@@ -406,7 +420,7 @@ def _user_turns(content: str | list[dict[str, Any]], at: str) -> list[dict[str, 
             parts = []
         result = block.get("content")
         # (`is_error` is taken as vLLM takes it: the content says what failed)
-        text = result if isinstance(result, str) else _texts(result or [], f"{where}.content")
+        text = result if isinstance(result, str) else _result_texts(result, f"{where}.content")
         call_id = _string(block, "tool_use_id", where)
         turns.append({"role": "tool", "tool_call_id": call_id, "content": text})
     if parts or not turns:
@@ -468,6 +482,16 @@ def _texts(content: Any, at: str, first: int = 0) -> list[dict[str, str]]:
     return parts
 
 
+def _result_texts(content: Any, at: str) -> list[dict[str, str]]:
+    """A tool_result's blocks as text parts, one the model cannot read as its note
+    (`_UNREAD`)."""
+    if isinstance(content, list):
+        content = [
+            _UNREAD.get(str(b.get("type")), b) if isinstance(b, dict) else b for b in content
+        ]
+    return _texts(content or [], at)
+
+
 def _string(block: dict[str, Any], key: str, where: str) -> str:
     value = block.get(key)
     if not isinstance(value, str):
@@ -475,7 +499,9 @@ def _string(block: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _tool(tool: AnthropicTool, k: int) -> dict[str, Any]:
+def _tool(tool: AnthropicTool, k: int) -> Tool:
+    """The chat tool of `tool`, built as it is (chat's checks would refuse a name past 64
+    characters)."""
     if tool.type not in (None, "custom"):
         raise APIError(
             400,
@@ -485,10 +511,10 @@ def _tool(tool: AnthropicTool, k: int) -> dict[str, Any]:
         )
     if tool.input_schema is None:
         raise APIError(400, f"tools[{k}].input_schema: Field required", param="tools")
-    function = {"name": tool.name, "parameters": tool.input_schema}
-    if tool.description is not None:
-        function["description"] = tool.description
-    return {"type": "function", "function": function}
+    function = FunctionDefinition.model_construct(
+        name=tool.name, description=tool.description, parameters=tool.input_schema
+    )
+    return Tool.model_construct(type="function", function=function)
 
 
 def _tool_choice(choice: AnthropicToolChoice | None) -> Any:
