@@ -25,8 +25,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from dsakv.disagg.config import DisaggConfig
 from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
+from dsakv.errors import PromptTooLong
 from dsakv.models.tiny import write_tiny_model
 from dsakv.procs import free_port
+from dsakv.server.anthropic import _in_our_words
+from dsakv.server.submit import refusal
 
 from .serving import TIMEOUT, routing, running, serving
 from .test_server import ENGINE_ARGS
@@ -474,7 +477,10 @@ def test_bad_requests_are_anthropics_errors(claude, served, model):
     assert "max_tokens" in body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
         _message(claude, model, messages=[{"role": "tool", "content": "hi"}])
-    assert "role" in _error(e.value, 400, "invalid_request_error")
+    # (it says what it takes: Claude Code's system, ctx and msg turns too)
+    assert "role must be one of user, assistant, system, ctx, msg" in _error(
+        e.value, 400, "invalid_request_error"
+    )
     image = {
         "type": "image",
         "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
@@ -495,6 +501,19 @@ def test_bad_requests_are_anthropics_errors(claude, served, model):
         _message(claude, model, messages=[{"role": "user", "content": "hi " * 100_000}])
     assert _error(e.value, 400, "invalid_request_error").startswith("prompt is too long: ")
     assert httpx.get(f"{served}/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_a_prompt_past_hisparses_latent_pool_is_too_long_in_anthropics_words():
+    """The engine's refusals of a prompt too long carry their counts (`PromptTooLong`),
+    which the Messages API words as Anthropic does; HiSparse's (the device's latent pool
+    holds fewer tokens than the context) was left in the server's words, which Claude Code
+    does not read as a prompt to compact."""
+    message = (
+        "prompt has 50 tokens; under HiSparse a prompt is prefilled on the device, whose "
+        "latent pool holds 40 tokens: at most 39 fit (one kept for the output)"
+    )
+    error = _in_our_words(refusal(PromptTooLong(message, 50, 39), "messages"))
+    assert (error.status, error.message) == (400, "prompt is too long: 50 tokens > 39 maximum")
 
 
 def test_the_api_key_is_taken_as_x_api_key(served, model):

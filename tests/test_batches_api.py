@@ -13,11 +13,14 @@ import httpx
 import openai
 import pytest
 
+from dsakv.procs import free_port
 from dsakv.server import batch as batch_module
+from dsakv.server import make_server
 from dsakv.server.app import _endpoint
+from dsakv.server.handlers import Handlers
 
 from .conftest import cli_config
-from .serving import TIMEOUT, engine_stops_stepping_at, routing, serving
+from .serving import TIMEOUT, engine_stops_stepping_at, routing, running, serving
 
 KEY = "batch-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -278,6 +281,41 @@ def test_the_routes_need_the_api_key(client, served):
     for path in (f"/v1/files/{file_id}", f"/v1/files/{file_id}/content", "/v1/batches"):
         assert httpx.get(f"{base}{path}", timeout=TIMEOUT).status_code == 401
         assert httpx.get(f"{base}{path}", headers=AUTH, timeout=TIMEOUT).status_code == 200
+
+
+def test_a_stopping_server_ends_its_batches_before_the_grammar_threads(glm_tiny, monkeypatch):
+    """A batch still running when its server stopped ran on past the app's end (the stop's
+    abort reaches the requests in flight, then the batch sent its next lines), and its
+    lifespan closed the grammar compile threads under them. Now it cancels the batch
+    first (its requests aborted), then closes them."""
+    config = cli_config("serve", glm_tiny, *FLAGS)
+    server, async_engine = make_server(config, port=free_port(), log_level="warning")
+    batches = server.config.app.state.batches
+    seen: list[list[bool]] = []  # each batch's run ended, as the threads are closed
+    close = Handlers.close
+
+    async def closing(self: Handlers) -> None:
+        seen.append([b.task.cancelled() for b in batches.batches.values()])
+        await close(self)
+
+    monkeypatch.setattr(Handlers, "close", closing)
+    lines = [(c, "/v1/completions", {"prompt": c, "max_tokens": 200, **GREEDY}) for c in "xyz"]
+    try:
+        with engine_stops_stepping_at(async_engine, 2), running(server) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="-", timeout=TIMEOUT)
+            file_id = _upload(client, _jsonl(lines)).id
+            client.batches.create(
+                input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+            )
+            deadline = time.monotonic() + TIMEOUT
+            while httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"] < 2:
+                assert time.monotonic() < deadline  # (z waits: --max-running-requests 2)
+                time.sleep(0.05)
+            client.close()
+    finally:
+        async_engine.shutdown()
+        async_engine.close_engine()
+    assert seen == [[True]]
 
 
 def test_metrics_name_each_route_once():

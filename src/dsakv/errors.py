@@ -15,6 +15,25 @@ class DsakvError(ValueError):
         self.param = param
 
 
+class PromptTooLong(DsakvError):
+    """A prompt of `tokens` tokens (at least) where `limit` fit: the context less the one
+    kept for the output, or under HiSparse the device's latent pool. With `max_tokens`
+    (the output the client asked for) it fits alone but not with them: `limit` is then the
+    context, for both. Its counts are data for the APIs that word it their own way
+    (Anthropic's: what Claude Code reads to compact a conversation)."""
+
+    def __init__(
+        self,
+        message: str,
+        tokens: int,
+        limit: int,
+        max_tokens: int = 0,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message, param)
+        self.tokens, self.limit, self.max_tokens = tokens, limit, max_tokens
+
+
 class ConfigError(DsakvError):
     """A model config or layer-plan override is invalid."""
 

@@ -34,7 +34,6 @@ import logging
 import math
 import secrets
 import time
-import uuid
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
@@ -57,7 +56,9 @@ from dsakv.server.protocol import (
     anthropic_error_body,
     client_left,
     error_body,
+    error_for,
     invocation_path,
+    new_id,
 )
 
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
@@ -246,7 +247,7 @@ class Router:
         raw, body = got
         rid = body.get("request_id")
         if rid is None:
-            rid = body["request_id"] = f"resp_{uuid.uuid4().hex}"
+            rid = body["request_id"] = new_id("resp_")
             raw = json.dumps(body).encode()
         elif isinstance(rid, str):
             # (another decode server than the one it goes to may hold it, or run it)
@@ -1204,13 +1205,14 @@ def _auth(request: Request) -> dict[str, str]:
     return {k: request.headers[k] for k in ("authorization", "x-api-key") if k in request.headers}
 
 
-def _anthropic_shaped(answer: Response) -> Response:
-    """An answer to Anthropic's Messages API: an error the router gave itself (OpenAI's
-    shape, as its others) in Anthropic's, as the servers give theirs (relayed as they are)."""
+def _shaped(path: str, answer: Response) -> Response:
+    """An answer to route `path`: an error the router gave itself (OpenAI's shape, as its
+    others) as the route's clients read errors (`error_for`: Anthropic's on its routes), as
+    the servers give theirs (relayed as they are)."""
     if answer.status_code < 400 or not isinstance(answer, JSONResponse):
         return answer
-    message = json.loads(answer.body)["error"]["message"]
-    return JSONResponse(anthropic_error_body(answer.status_code, message), answer.status_code)
+    body = error_for(path, answer.status_code, json.loads(answer.body))
+    return JSONResponse(body, answer.status_code)
 
 
 def _request_id(message: Request | httpx.Response) -> dict[str, str]:
@@ -1288,11 +1290,11 @@ def build_router_app(prefill: list[str], decode: list[str], api_key: str | None 
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:  # (Anthropic's: relayed as chat is)
-        return _anthropic_shaped(await router.generate("/v1/messages", request))
+        return _shaped("/v1/messages", await router.generate("/v1/messages", request))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        return _anthropic_shaped(await router.one(request))
+        return _shaped("/v1/messages/count_tokens", await router.one(request))
 
     async def stored(request: Request, response_id: str) -> Response:
         return await router.stored(request, response_id)

@@ -26,7 +26,7 @@ from dsakv.config.checkpoint import model_identity
 from dsakv.distributed import weight_sync
 from dsakv.distributed.parallel import ParallelState, destroy_parallel, is_dist_error
 from dsakv.distributed.weight_sync import WeightGroup
-from dsakv.errors import ConfigError, DsakvError, is_int, load_json, one_line
+from dsakv.errors import ConfigError, DsakvError, PromptTooLong, is_int, load_json, one_line
 from dsakv.kernels import cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
@@ -559,10 +559,12 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         if self.hot is not None and not self.hot.fits(len(ids)):
             held = self.pool.num_latent_tokens
             if params.truncate_prompt_tokens != -1:
-                raise DsakvError(
+                raise PromptTooLong(
                     f"prompt has {len(ids)} tokens; under HiSparse a prompt is prefilled on the "
                     f"device, whose latent pool holds {held} tokens: at most {held - 1} fit (one "
-                    "kept for the output)"
+                    "kept for the output)",
+                    len(ids),
+                    held - 1,
                 )
             ids = ids[-(held - 1) :]  # -1, "as many as fit": here, as the device holds
         req = Request(ids, params) if rid is None else Request(ids, params, rid=rid)
@@ -757,10 +759,13 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         limit = self.max_model_len - 1
         m = self.chars_per_token if isinstance(prompt, str) and keep is None else None
         if m is not None and len(prompt) > limit * m:
-            raise DsakvError(
-                f"prompt has at least {-(-len(prompt) // m)} tokens ({len(prompt)} characters, "
+            least = -(-len(prompt) // m)
+            raise PromptTooLong(
+                f"prompt has at least {least} tokens ({len(prompt)} characters, "
                 f"at most {m} a token); at most {limit} fit (the context is "
-                f"{self.max_model_len} tokens, one kept for the output)"
+                f"{self.max_model_len} tokens, one kept for the output)",
+                least,
+                limit,
             )
         ids = self.encode(prompt, special) if isinstance(prompt, str) else _token_ids(prompt)
         if not ids:
@@ -771,9 +776,11 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         if any(not 0 <= t < vocab for t in ids):
             raise DsakvError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
         if len(ids) >= self.max_model_len:
-            raise DsakvError(
-                f"prompt has {len(ids)} tokens; at most {self.max_model_len - 1} fit (the "
-                f"context is {self.max_model_len} tokens, one kept for the output)"
+            raise PromptTooLong(
+                f"prompt has {len(ids)} tokens; at most {limit} fit (the "
+                f"context is {self.max_model_len} tokens, one kept for the output)",
+                len(ids),
+                limit,
             )
         return ids
 

@@ -5,7 +5,7 @@ the chat completion request of the same conversation (its system text a system t
 `thinking` the chat template's thinking switch), run by `Handlers.start_chat` exactly as
 /v1/chat/completions runs it; the chat parser's reasoning, text and tool calls come back as
 `thinking`, `text` and `tool_use` blocks, whole or as Anthropic's stream events. Its errors
-are in Anthropic's shape (`app._error`, `protocol.anthropic_error_body`)."""
+are in Anthropic's shape (`protocol.error_for`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import asyncio
 import copy
 import json
 import re
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -29,12 +28,13 @@ from .protocol import (
     APIError,
     ChatCompletionRequest,
     FunctionDefinition,
+    StrictModel,
     TokenizeRequest,
     Tool,
-    _Strict,
     anthropic_error_body,
+    new_id,
 )
-from .submit import AbortingStream, Result
+from .submit import AbortingStream, Result, sse_event
 
 # A request's roles as chat's: Claude Code sends `system` turns among the messages (folded
 # into the system text, as vLLM does) and, lately, `ctx` and `msg` ones (vLLM's: user turns)
@@ -63,7 +63,7 @@ _UNREAD = {
 }
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(StrictModel):
     # (chat's characters; Anthropic's length: Claude Code's MCP tools, `mcp__<server>__<tool>`,
     # run past chat's 64)
     name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
@@ -72,35 +72,35 @@ class AnthropicTool(_Strict):
     type: str | None = None  # "custom"; Anthropic's server tools (web search, ...) are refused
 
 
-class AnthropicToolChoice(_Strict):
+class AnthropicToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class AnthropicThinking(_Strict):
+class AnthropicThinking(StrictModel):
     # (every kind but "disabled" turns the template's thinking on; `display` is not run)
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = None
 
 
-class AnthropicOutputFormat(_Strict):
+class AnthropicOutputFormat(StrictModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class AnthropicOutputConfig(_Strict):
+class AnthropicOutputConfig(StrictModel):
     # (to the template, as chat's reasoning_effort gives it)
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: AnthropicOutputFormat | None = None
 
 
-class AnthropicMessage(_Strict):
+class AnthropicMessage(StrictModel):
     role: str  # (checked where read: `_ROLES`)
     content: str | list[dict[str, Any]]  # blocks are checked where read (their shapes are many)
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(StrictModel):
     """`/v1/messages/count_tokens`' body: what renders the prompt."""
 
     model: str
@@ -146,7 +146,7 @@ def add_anthropic_routes(app: FastAPI, api: Handlers) -> None:
 async def _create(api: Handlers, body: MessagesRequest, raw: Request) -> Response:
     api.check_model(body.model)
     chat = chat_request(body, api.chat_parsers.reasoning is not None)
-    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    mid = new_id("msg_", 24)
     named = raw.headers.get("x-request-id") or None  # (/abort_request's name, as chat's)
     try:
         run = await api.start_chat(chat, raw, named, mid)
@@ -154,7 +154,8 @@ async def _create(api: Handlers, body: MessagesRequest, raw: Request) -> Respons
         raise _in_our_words(e) from None
     headers = {"request-id": mid}  # (Anthropic's; its clients show it)
     if body.stream:
-        return AbortingStream(_events(api, run, mid), lambda: _close(api, run), headers)
+        close = api.closer(run.call, run.streams)
+        return AbortingStream(_events(api, run, mid), close, headers)
     (r,) = await api.collect_all(run.streams, raw, run.call)
     parser, blocks = run.prep.output_parser(), _Blocks()
     blocks.feed(parser.feed(r.text, final=True, cut=r.finish_reason in CUT_SHORT))
@@ -163,12 +164,6 @@ async def _create(api: Handlers, body: MessagesRequest, raw: Request) -> Respons
     message.update(_stop(r.finish_reason, r.stop_reason, blocks.calls))
     message["usage"] = _usage(r.prompt_tokens, r.cached_tokens, r.completion_tokens)
     return JSONResponse(message, headers=headers)
-
-
-def _close(api: Handlers, run: ChatRun) -> None:
-    api.in_flight.close(run.call)
-    for s in run.streams:
-        api.engine.abort(s)
 
 
 async def _events(api: Handlers, run: ChatRun, mid: str) -> AsyncIterator[str]:
@@ -203,8 +198,7 @@ async def _events(api: Handlers, run: ChatRun, mid: str) -> AsyncIterator[str]:
 
 
 def _sse(kind: str, **fields: Any) -> str:
-    data = {"type": kind, **fields}
-    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return sse_event({"type": kind, **fields}, kind)
 
 
 def _message(api: Handlers, mid: str, content: list, prompt_tokens: int) -> dict[str, Any]:
@@ -346,8 +340,9 @@ def chat_request(body: CountTokensRequest, reasoning: bool) -> ChatCompletionReq
         at = f"messages[{i}]"
         role = _ROLES.get(m.role)
         if role is None:
+            accepted = ", ".join(_ROLES)
             raise APIError(
-                400, f"{at}.role must be user or assistant, got {m.role!r}", param="messages"
+                400, f"{at}.role must be one of {accepted}; got {m.role!r}", param="messages"
             )
         if role == "system":
             system += _texts(m.content, f"{at}.content")
@@ -527,21 +522,17 @@ def _tool_choice(choice: AnthropicToolChoice | None) -> Any:
     return {"type": "function", "function": {"name": choice.name}}
 
 
-# The server's words for a prompt too long, and Anthropic's (what clients such as Claude Code
-# read to compact the conversation, or to ask for fewer tokens)
-_TOO_LONG = re.compile(r"prompt has (?:at least )?(\d+) tokens.*?the context is (\d+) tokens")
-_NO_ROOM = re.compile(r"maximum context length is (\d+) tokens.*?\((\d+) in the messages, (\d+)")
-
-
 def _in_our_words(e: APIError) -> APIError:
     """Chat's error for the request, in the Messages API's words: its fields' names, and a
-    prompt that does not fit as Anthropic says it."""
-    message = e.message
-    if m := _TOO_LONG.search(message):
-        message = f"prompt is too long: {m[1]} tokens > {int(m[2]) - 1} maximum"
-    elif m := _NO_ROOM.search(message):
+    prompt that does not fit as Anthropic says it (what clients such as Claude Code read to
+    compact the conversation, or to ask for fewer tokens)."""
+    message, too_long = e.message, e.too_long
+    if too_long is not None and not too_long.max_tokens:
+        message = f"prompt is too long: {too_long.tokens} tokens > {too_long.limit} maximum"
+    elif too_long is not None:
+        asked = f"{too_long.tokens} + {too_long.max_tokens} > {too_long.limit}"
         message = (
-            f"input length and `max_tokens` exceed context limit: {m[2]} + {m[3]} > {m[1]}, "
+            f"input length and `max_tokens` exceed context limit: {asked}, "
             "decrease input length or `max_tokens` and try again"
         )
     elif e.param in _FIELDS:

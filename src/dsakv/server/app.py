@@ -30,14 +30,13 @@ from .http_config import HTTPConfig, route_path
 from .metrics import ServerMetrics
 from .openai_format import ResponseDefaults
 from .protocol import (
-    ANTHROPIC_PATHS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    anthropic_error_body,
     error_body,
+    error_for,
     invocation_path,
 )
 from .request_log import RequestLogConfig
@@ -246,10 +245,12 @@ def build_app(
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """What the app holds of its own, released when its server stops (the engine is the
-    server's to close: `run_server`): the handlers' grammar compile threads."""
+    server's to close: `run_server`): the batches still running, then the handlers'
+    grammar compile threads (which a batch's requests would compile on)."""
     try:
         yield
     finally:
+        await app.state.batches.stop()
         await app.state.handlers.close()
 
 
@@ -313,10 +314,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _error(
     request: Request, body: dict[str, Any], status: int, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    """An error (`body`: OpenAI's shape) as the route's clients read errors: Anthropic's
-    shape on its routes."""
-    if route_path(request.scope) in ANTHROPIC_PATHS:
-        body = anthropic_error_body(status, body["error"]["message"])
+    """An error (`body`: OpenAI's shape) as the route's clients read errors (`error_for`)."""
+    body = error_for(route_path(request.scope), status, body)
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -14,7 +14,7 @@ from starlette.routing import Match, Router
 from dsakv.errors import DsakvError
 
 from .http_config import route_path
-from .protocol import ANTHROPIC_PATHS, APIError, anthropic_error_body
+from .protocol import APIError, error_for
 
 # Routes open without the API key: probes and scrapers.
 OPEN_PATHS = (
@@ -86,8 +86,8 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         error = APIError(401, "invalid or missing API key", code="invalid_api_key")
-        body = anthropic_error_body(401, error.message) if path in ANTHROPIC_PATHS else None
-        await JSONResponse(body or error.body(), status_code=error.status)(scope, receive, send)
+        body = error_for(path, error.status, error.body())
+        await JSONResponse(body, status_code=error.status)(scope, receive, send)
 
     def _guarded(self, scope: dict) -> bool:
         """Whether the path is under /v1 or a route serves it, in any method, or would

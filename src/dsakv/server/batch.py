@@ -22,7 +22,6 @@ import json
 import logging
 import time
 import typing
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,7 +35,7 @@ from starlette.datastructures import UploadFile
 
 from dsakv.errors import DsakvError, load_json
 
-from .protocol import APIError, error_body
+from .protocol import APIError, error_body, new_id
 
 log = logging.getLogger(__name__)
 
@@ -249,11 +248,11 @@ def _output_line(custom_id: str, response: Response) -> dict[str, Any]:
     body = json.loads(response.body)
     ok = response.status_code == 200
     return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
+        "id": new_id("batch_req_"),
         "custom_id": custom_id,
         "response": {
             "status_code": response.status_code,
-            "request_id": response.headers.get("x-request-id") or uuid.uuid4().hex,
+            "request_id": response.headers.get("x-request-id") or new_id(),
             "body": body if ok else None,
         },
         "error": None if ok else body.get("error", body),
@@ -266,7 +265,7 @@ def _cancelled_line(custom_id: str) -> dict[str, Any]:
     message = "the batch was cancelled before this request finished"
     error = error_body(message, "server_error", code="batch_cancelled")["error"]
     return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
+        "id": new_id("batch_req_"),
         "custom_id": custom_id,
         "response": None,
         "error": error,
@@ -286,6 +285,8 @@ class _File:
 class _Batch:
     info: dict[str, Any]  # OpenAI's Batch object, as it goes
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    # Its run, held here: the event loop keeps only a weak reference to a task, so one held
+    # by nobody may be collected mid-run; and what a server's stop cancels (`Batches.stop`)
     task: asyncio.Task | None = None
 
 
@@ -307,7 +308,7 @@ class Batches:
         self.batches: dict[str, _Batch] = {}
 
     def add_file(self, data: bytes, filename: str, purpose: str) -> dict[str, Any]:
-        file_id = f"file-{uuid.uuid4().hex}"
+        file_id = new_id("file-")
         info = {
             "id": file_id,
             "object": "file",
@@ -354,7 +355,7 @@ class Batches:
             raise APIError(400, message, param="input_file_id")
         now = int(time.time())
         info = {
-            "id": f"batch_{uuid.uuid4().hex}",
+            "id": new_id("batch_"),
             "object": "batch",
             "endpoint": body.endpoint,
             "errors": None,
@@ -380,6 +381,14 @@ class Batches:
         self.batches[info["id"]] = batch
         batch.task = asyncio.create_task(self._run(batch, source.data))
         return info
+
+    async def stop(self) -> None:
+        """End the batches still running, their server stopping (its lifespan: `build_app`):
+        their requests are cancelled, and aborted, before the app closes what they use."""
+        running = [t for b in self.batches.values() if (t := b.task) is not None and not t.done()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         """OpenAI's cancel: `cancelling` while the requests in flight are aborted, then

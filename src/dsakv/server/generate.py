@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -31,7 +30,7 @@ from dsakv.errors import DsakvError
 from .handlers import Handlers
 from .openai_format import json_logprob
 from .params import SGLANG_NOT_RUN, prompt_list, request_salt
-from .protocol import APIError, GenerationRequest
+from .protocol import APIError, GenerationRequest, new_id
 from .rows import routed_base64, row_params
 from .sessions import SessionParams, SessionRefused, Turn
 from .submit import Result, refusal, sse_event
@@ -693,7 +692,7 @@ def _rids(rid: str | list[str] | None, prompts: int, n: int, single: bool) -> li
         if twice is not None:  # (SGLang's words, as for a rid in flight)
             raise APIError(400, f"Duplicate request ID detected: {twice}", param="rid")
     if n > 1 or rid is None:
-        return [uuid.uuid4().hex for _ in range(prompts * n)]
+        return [new_id() for _ in range(prompts * n)]
     return _given_rids(rid, prompts, single)
 
 

@@ -10,7 +10,6 @@ import dataclasses
 import re
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from .protocol import (
     DetokenizeRequest,
     GenerationRequest,
     TokenizeRequest,
+    new_id,
 )
 from .request_log import RequestLog, RequestLogConfig
 from .runner import AsyncEngine, RequestStream
@@ -157,7 +157,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         given = "max_tokens" if body.max_tokens is not None else None
         count = len(prompts)
         named = _request_id(body, raw)
-        base = named or uuid.uuid4().hex
+        base = named or new_id()
         await self.weights_ready()
         # Opened before the grammar compiles: an abort meanwhile ends it once compiled
         names = [_names(named)] * (count * n)
@@ -259,7 +259,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         named = _request_id(body, raw)
-        base = named or uuid.uuid4().hex
+        base = named or new_id()
         run = await self.start_chat(body, raw, named, f"chatcmpl-{base}")
         prep, streams, call, n = run.prep, run.streams, run.call, len(run.streams)
         top_n = (body.top_logprobs or 0) if body.logprobs else None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import json
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,8 @@ import regex
 
 from dsakv.engine.chat_format import DSML
 from dsakv.errors import DsakvError
+
+from .protocol import new_id
 
 TOOL_PARSERS = ("glm47", "glm45", "deepseekv32", "deepseekv31")
 REASONING_PARSERS = ("glm45", "deepseek-v3")
@@ -400,7 +401,7 @@ class ToolCallParser:
     def _apply(self, m: regex.Match[str], rule: _Rule, out: ToolCallDelta) -> None:
         if rule.kind in ("start", "start_end"):
             call = {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "id": new_id("call_", 24),
                 "type": "function",
                 "function": {"name": m["name"], "arguments": ""},
             }

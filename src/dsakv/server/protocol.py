@@ -4,10 +4,13 @@ never a silent coercion; unknown fields are ignored (clients send many we do not
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
+
+from dsakv.errors import PromptTooLong
 
 # Responses kept for previous_response_id and GET, the least recently used dropped first (a
 # background response still running is never dropped; a router keeps as many per decode
@@ -17,7 +20,9 @@ _RECEIVE_AGAIN_S = 0.5  # how long `client_left` waits before asking the server 
 
 
 class APIError(Exception):
-    """An error the client caused (or a server error), rendered in OpenAI's shape."""
+    """An error the client caused (or a server error), rendered in OpenAI's shape.
+    `too_long`: the engine's refusal of a prompt too long, whose counts other APIs word
+    their own way (Anthropic's: `anthropic`)."""
 
     def __init__(
         self,
@@ -26,6 +31,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        too_long: PromptTooLong | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -35,6 +41,7 @@ class APIError(Exception):
             param,
             code,
         )
+        self.too_long = too_long
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -66,17 +73,33 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-class _Strict(BaseModel):
+def error_for(path: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """An error (`body`: OpenAI's shape) as the clients of route `path` read errors:
+    Anthropic's shape on its routes (`ANTHROPIC_PATHS`), else as it is."""
+    if path in ANTHROPIC_PATHS:
+        return anthropic_error_body(status, body["error"]["message"])
+    return body
+
+
+def new_id(prefix: str = "", length: int = 32) -> str:
+    """A fresh random id: `prefix` (its separator included: ids are client-visible, each
+    API's own shape, "resp_...", "file-...") then `length` hex digits."""
+    return prefix + uuid.uuid4().hex[:length]
+
+
+class StrictModel(BaseModel):
+    """A request body's schema: a wrongly typed field is a 400, an unknown one ignored."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool | None = False
     # vLLM's: with include_usage, every chunk also carries its choice's usage so far
     continuous_usage_stats: bool | None = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
@@ -97,7 +120,7 @@ class StructuredOutputs(BaseModel):
     disable_any_whitespace: bool | None = None  # (its JSON grammars admit none either way)
 
 
-class RepetitionDetection(_Strict):
+class RepetitionDetection(StrictModel):
     """vLLM's `repetition_detection` (`RepetitionDetectionParams`, which checks it)."""
 
     max_pattern_size: int = 0
@@ -105,7 +128,7 @@ class RepetitionDetection(_Strict):
     min_count: int = 0
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """OpenAI's `response_format`: `text`, `json_object` or `json_schema` (checked later), or
     vLLM's and SGLang's `structural_tag` (xgrammar's `format`, or the legacy `structures` and
     `triggers`)."""
@@ -118,7 +141,7 @@ class ResponseFormat(_Strict):
     at_least_one: bool | None = None
 
 
-class ServingExtras(_Strict):
+class ServingExtras(StrictModel):
     """vLLM's and SGLang's request fields beyond sampling, as completions and chat read
     them; a response takes the same ones (`responses._chat_request` hands them to chat)."""
 
@@ -209,23 +232,23 @@ class CompletionRequest(GenerationRequest):
     add_special_tokens: bool = True  # vLLM's: a text prompt gets its tokenizer's (a BOS)
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     type: str
     text: str | None = None
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -236,23 +259,23 @@ class ChatMessage(_Strict):
     reasoning_content: str | None = None
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of type object
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
@@ -282,7 +305,7 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool | None = False
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """vLLM's /tokenize: a `prompt` (as /v1/completions sees it) or chat `messages`."""
 
     model: str | None = None
@@ -297,12 +320,12 @@ class TokenizeRequest(_Strict):
     continue_final_message: bool | None = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int]
 
 
-class ResponsesTextFormat(_Strict):
+class ResponsesTextFormat(StrictModel):
     """`text.format`: `text`, `json_object` or `json_schema` (its schema inline)."""
 
     type: str
@@ -312,12 +335,12 @@ class ResponsesTextFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponsesText(_Strict):
+class ResponsesText(StrictModel):
     format: ResponsesTextFormat | None = None
     verbosity: str | None = None
 
 
-class ResponsesReasoning(_Strict):
+class ResponsesReasoning(StrictModel):
     effort: str | None = None  # (to the chat template, as chat's reasoning_effort)
     summary: str | None = None
     generate_summary: str | None = None

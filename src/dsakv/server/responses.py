@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -33,8 +31,9 @@ from .protocol import (
     ChatCompletionRequest,
     ResponsesRequest,
     ServingExtras,
+    new_id,
 )
-from .submit import AbortingStream, Result
+from .submit import AbortingStream, Result, sse_event
 
 # A background response's stream events kept for GET ?stream=true (a client attaching, or
 # coming back): its newest EVENTS_KEPT, and once it ended, only for the STREAMS_KEPT
@@ -297,7 +296,7 @@ async def _create(
             raise APIError(400, f"{name} is not supported on /v1/responses", param=name)
     if body.background and body.store is False:
         raise APIError(400, "background needs store: true", param="background")
-    rid = body.request_id or f"resp_{uuid.uuid4().hex}"
+    rid = body.request_id or new_id("resp_")
     with store.reserve(rid):
         turns = input_messages(body.input)
         items = _with_ids(body.input)
@@ -360,9 +359,7 @@ async def _run_in_background(api: Handlers, store: ResponseStore, stored: _Store
         stored.run = None
         log.add(_sse("response.failed", log.first + len(log.events), response=stored.response))
     finally:
-        api.in_flight.close(run.call)
-        for s in run.streams:
-            api.engine.abort(s)
+        api.closer(run.call, run.streams)()
         log.add(None)
         store.ended(stored)
 
@@ -421,10 +418,10 @@ def _stream(api: Handlers, stored: _Stored) -> Response:
     run = stored.run
     assert run is not None
 
+    end = api.closer(run.call, run.streams)
+
     def close() -> None:
-        api.in_flight.close(run.call)
-        for s in run.streams:
-            api.engine.abort(s)
+        end()
         if stored.run is not None:  # (the client left before the end)
             stored.response["status"] = "cancelled"
             stored.run = None
@@ -481,8 +478,7 @@ async def _events(api: Handlers, stored: _Stored) -> AsyncIterator[str]:
 
 
 def _sse(kind: str, seq: int, **fields: Any) -> str:
-    data = {"type": kind, "sequence_number": seq, **fields}
-    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return sse_event({"type": kind, "sequence_number": seq, **fields}, kind)
 
 
 class _Reader:
@@ -611,10 +607,10 @@ class _Output:
         item = self._open
         if item is None or item["type"] != kind:
             if kind == "reasoning":
-                item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": []}
+                item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": []}
                 part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
             else:
-                item = {"id": _id("msg"), "type": "message", "role": "assistant", "content": []}
+                item = {"id": new_id("msg_"), "type": "message", "role": "assistant", "content": []}
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             item["status"] = "in_progress"
             self._add(item, out)
@@ -640,7 +636,7 @@ class _Output:
     def _call(self, call: dict[str, Any], out: list) -> None:
         if "id" in call:  # a call starts
             item = {
-                "id": _id("fc"),
+                "id": new_id("fc_"),
                 "type": "function_call",
                 "call_id": call["id"],
                 "name": call["function"]["name"],
@@ -684,10 +680,6 @@ class _Output:
         if "item" in fields:
             return {"output_index": index, **fields}
         return {"item_id": of["id"], "output_index": index, **fields}
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _reasoning_tokens(prep: PreparedChat, tokenizer: Any, ids: list[int]) -> int:
@@ -791,7 +783,7 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
     return messages
 
 
-_ITEM_IDS = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
+_ITEM_IDS = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_"}
 
 
 def _as_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -807,7 +799,7 @@ def _with_ids(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "id" in item and not isinstance(item["id"], str):
             raise APIError(400, f"input[{i}].id must be a string", param="input")
         kind = item.get("type", "message" if "role" in item else None)
-        item = {"id": _id(_ITEM_IDS.get(kind, "item")), "type": kind, **item}
+        item = {"id": new_id(_ITEM_IDS.get(kind, "item_")), "type": kind, **item}
         if kind == "message" and isinstance(item.get("content"), str):
             own = item.get("role") == "assistant"
             part = {"type": "output_text", "annotations": []} if own else {"type": "input_text"}

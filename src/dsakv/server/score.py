@@ -5,8 +5,6 @@ server's generation path, whose /abort_request reaches it."""
 
 from __future__ import annotations
 
-import uuid
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
@@ -16,7 +14,7 @@ from dsakv.errors import DsakvError
 
 from .handlers import Handlers
 from .params import MAX_PROMPTS
-from .protocol import APIError
+from .protocol import APIError, new_id
 from .submit import Result
 
 
@@ -67,7 +65,7 @@ async def _run(
     params = score_params(labels)
     await api.weights_ready()
     # (/abort_request's abort_all reaches it; the request log names it as vLLM's /score does)
-    shown = f"score-{raw.headers.get('x-request-id') or uuid.uuid4().hex}"
+    shown = f"score-{raw.headers.get('x-request-id') or new_id()}"
     call = api.in_flight.open([()] * len(prompts), shown=shown, raw=raw)
     streams = await api.submit_all(
         prompts, [params] * len(prompts), 1, raw, [None] * len(prompts), "items", call=call

@@ -9,7 +9,6 @@ a session holds, is about its conversation's length, however many turns it took)
 from __future__ import annotations
 
 import time
-import uuid
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from .protocol import APIError
+from .protocol import APIError, new_id
 from .submit import Call, InFlight, Result
 
 # A server's open sessions, and the most tokens one holds whatever its capacity_of_str_len
@@ -189,7 +188,7 @@ class Sessions:
             )
         if body.timeout is not None and body.timeout <= 0:
             raise APIError(400, "timeout must be positive (seconds)", param="timeout")
-        sid = uuid.uuid4().hex if body.session_id is None else body.session_id
+        sid = new_id() if body.session_id is None else body.session_id
         if sid in self._sessions:  # (SGLang's words)
             raise APIError(
                 400,

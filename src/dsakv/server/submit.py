@@ -27,7 +27,7 @@ from dsakv.engine.beam_search import (
 )
 from dsakv.engine.grammar import GrammarError
 from dsakv.engine.sleep import EngineAsleep
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, PromptTooLong
 
 from .protocol import APIError, client_left
 from .request_log import Entry, Output, RequestLog, route_of
@@ -310,16 +310,19 @@ class SubmitMixin:
             keep = params.truncate_prompt_tokens
             ids = await asyncio.to_thread(e.prompt_ids, prompt, keep, special)
         except DsakvError as err:
-            raise APIError(400, str(err), param=err.param or prompt_param) from None
+            raise refusal(err, prompt_param) from None
         if param is not None and len(ids) + max_tokens > e.max_model_len:
-            raise APIError(
-                400,
+            no_room = PromptTooLong(
                 f"This model's maximum context length is {e.max_model_len} tokens. However, "
                 f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
                 f"{max_tokens} in the completion). Please reduce the length of the messages "
                 "or completion.",
-                param=param,
+                len(ids),
+                e.max_model_len,
+                max_tokens,
+                param,
             )
+            raise refusal(no_room, param)
         return ids
 
     async def _first_tokens(
@@ -598,12 +601,18 @@ class SubmitMixin:
                 yield sse_event(e.body())
             yield "data: [DONE]\n\n"
 
+        return AbortingStream(sse(), self.closer(call, streams), headers)
+
+    def closer(self, call: Call | None, streams: list[RequestStream]) -> Callable[[], None]:
+        """What ends a streamed answer however it ends: `call` closed, its engine requests
+        aborted (a finished one: nothing to do)."""
+
         def close() -> None:
             self.in_flight.close(call)
             for s in streams:
                 self.engine.abort(s)
 
-        return AbortingStream(sse(), close, headers)
+        return close
 
 
 class AbortingStream(StreamingResponse):
@@ -669,8 +678,11 @@ async def _when_left(raw: Request, then: Callable[[], Any]) -> None:
     then()
 
 
-def sse_event(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def sse_event(obj: dict[str, Any], kind: str | None = None) -> str:
+    """One server-sent event of `obj` (JSON), named `kind` where its API names its events
+    (the Responses and Messages APIs': their SDKs read the name)."""
+    named = f"event: {kind}\n" if kind is not None else ""
+    return f"{named}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def _update_error(u: Update) -> APIError:
@@ -682,9 +694,11 @@ def _update_error(u: Update) -> APIError:
 def refusal(e: DsakvError | RuntimeError, param: str | None) -> APIError:
     """The HTTP error for the engine's refusal of a request: its grammar (compiled by
     `ready_grammar`: only if evicted since) or its fields a 400 (`param` where the error
-    names none); asleep (sleep mode: it takes requests again later) or stopped a 503."""
+    names none; a prompt too long carries its counts: `PromptTooLong`); asleep (sleep mode:
+    it takes requests again later) or stopped a 503."""
     if isinstance(e, GrammarError):
         return APIError(400, str(e))
     if isinstance(e, EngineAsleep) or not isinstance(e, DsakvError):
         return APIError(503, str(e), type="server_error")
-    return APIError(400, str(e), param=e.param or param)
+    too_long = e if isinstance(e, PromptTooLong) else None
+    return APIError(400, str(e), param=e.param or param, too_long=too_long)
