@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 from contextlib import ExitStack
 
 import anthropic
@@ -514,6 +515,15 @@ def test_a_prompt_past_hisparses_latent_pool_is_too_long_in_anthropics_words():
     )
     error = _in_our_words(refusal(PromptTooLong(message, 50, 39), "messages"))
     assert (error.status, error.message) == (400, "prompt is too long: 50 tokens > 39 maximum")
+    # Copied or pickled (as an error crossing threads or processes may be), counts and all.
+    again = pickle.loads(pickle.dumps(PromptTooLong(message, 50, 39, 7, "prompt")))
+    assert (str(again), again.tokens, again.limit, again.max_tokens, again.param) == (
+        message,
+        50,
+        39,
+        7,
+        "prompt",
+    )
 
 
 def test_the_api_key_is_taken_as_x_api_key(served, model):

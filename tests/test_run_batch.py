@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -34,6 +35,7 @@ GOOD = {  # custom_id: (url, body)
         "/v1/completions",
         {"prompt": "{", "max_tokens": 6, "response_format": {"type": "json_object"}, **GREEDY},
     ),
+    "responses": ("/v1/responses", {"input": "Hi", "max_output_tokens": 6, "temperature": 0}),
 }
 BAD = {  # custom_id: (line, status, the error's param)
     "embeddings": ({"method": "POST", "url": "/v1/embeddings", "body": {}}, 400, "url"),
@@ -54,9 +56,14 @@ BAD = {  # custom_id: (line, status, the error's param)
         400,
         "stream",
     ),
+    "background": (
+        {"method": "POST", "url": "/v1/responses", "body": {"input": "x", "background": True}},
+        400,
+        "background",
+    ),
 }
 ORDER = ["chat", "embeddings", "two-prompts", "get", "no-messages", "score", "too-long"]
-ORDER += ["other-model", "streamed", "json"]
+ORDER += ["other-model", "streamed", "json", "responses", "background"]
 
 
 def _line(custom_id: str) -> dict:
@@ -66,11 +73,16 @@ def _line(custom_id: str) -> dict:
     return {"custom_id": custom_id, **BAD[custom_id][0]}
 
 
-def _answer_of(body: dict) -> dict:
-    """A response body without what differs from one call to the next (its id and time) or
-    with the prefix cache (cached tokens)."""
-    usage = {k: v for k, v in body.get("usage", {}).items() if k != "prompt_tokens_details"}
-    return {k: v for k, v in body.items() if k not in ("id", "created")} | {"usage": usage}
+def _answer_of(body: Any) -> Any:
+    """A response body without what differs from one call to the next (its ids and times)
+    or with the prefix cache (cached tokens)."""
+    if isinstance(body, list):
+        return [_answer_of(x) for x in body]
+    if not isinstance(body, dict):
+        return body
+    varies = ("id", "created", "created_at", "completed_at")
+    varies += ("prompt_tokens_details", "input_tokens_details")
+    return {k: _answer_of(v) for k, v in body.items() if k not in varies}
 
 
 def _compiling() -> set[threading.Thread]:

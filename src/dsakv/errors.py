@@ -33,6 +33,10 @@ class PromptTooLong(DsakvError):
         super().__init__(message, param)
         self.tokens, self.limit, self.max_tokens = tokens, limit, max_tokens
 
+    def __reduce__(self) -> tuple:
+        # (copied and pickled whole, counts included: the default passes the message alone)
+        return type(self), (str(self), self.tokens, self.limit, self.max_tokens, self.param)
+
 
 class ConfigError(DsakvError):
     """A model config or layer-plan override is invalid."""

@@ -40,8 +40,9 @@ from .protocol import APIError, error_body, new_id
 log = logging.getLogger(__name__)
 
 # The routes a batch line may name (vLLM's run-batch takes chat and /score, OpenAI's Batch
-# API chat and completions); every one answers whole JSON, with a (body, raw) endpoint.
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/score")
+# API chat, completions and responses); every one answers whole JSON, with a (body, raw)
+# endpoint.
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/score")
 MAX_FILE_BYTES = 200 * 2**20  # one upload (OpenAI's limit on a batch's input file)
 # All the files a server keeps (in memory, until deleted): an upload past it is refused, a
 # batch's output and error files are always kept (and count).
@@ -205,8 +206,9 @@ class BatchRunner:
             raise RequestValidationError(
                 [{**x, "loc": ("body", *x["loc"])} for x in e.errors()]
             ) from None
-        if getattr(body, "stream", None):  # (vLLM's: a batch line answers whole)
-            raise APIError(400, "stream is not supported in a batch", param="stream")
+        for name in ("stream", "background"):  # (vLLM's: a batch line answers whole)
+            if getattr(body, name, None):
+                raise APIError(400, f"{name} is not supported in a batch", param=name)
         return await handler(body, raw)
 
     def routes(self) -> dict[str, tuple[type[BaseModel], Callable[..., Any]]]:
