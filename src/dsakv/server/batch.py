@@ -35,7 +35,7 @@ from starlette.datastructures import UploadFile
 
 from dsakv.errors import DsakvError, load_json
 
-from .protocol import APIError, error_body, new_id
+from .protocol import APIError, error_body, list_page, new_id
 
 log = logging.getLogger(__name__)
 
@@ -461,14 +461,7 @@ def _page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[st
         if after not in ids:
             raise APIError(400, f"after: no such object {after!r}", param="after")
         start = ids.index(after) + 1
-    data = items[start : start + limit]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": start + limit < len(items),
-    }
+    return list_page(items[start : start + limit], start + limit < len(items))
 
 
 async def _upload(raw: Request) -> tuple[bytes, str, Any]:

@@ -87,6 +87,17 @@ def new_id(prefix: str = "", length: int = 32) -> str:
     return prefix + uuid.uuid4().hex[:length]
 
 
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's cursor page of objects (the openai client asks on `after` its last id)."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
 class StrictModel(BaseModel):
     """A request body's schema: a wrongly typed field is a 400, an unknown one ignored."""
 

@@ -31,6 +31,7 @@ from .protocol import (
     ChatCompletionRequest,
     ResponsesRequest,
     ServingExtras,
+    list_page,
     new_id,
 )
 from .submit import AbortingStream, Result, sse_event
@@ -119,14 +120,7 @@ def add_responses_routes(app: FastAPI, api: Handlers) -> None:
                 raise APIError(400, message, param=param)
             lo, hi = (max(lo, at + 1), hi) if param == "after" else (lo, min(hi, at))
         page = items[lo:hi][:limit] if before is None else items[lo:hi][-limit:]
-        more = len(page) < max(hi - lo, 0)
-        return {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": more,
-        }
+        return list_page(page, len(page) < max(hi - lo, 0))
 
     async def delete(response_id: str) -> dict[str, Any]:
         stored = store.get(response_id)

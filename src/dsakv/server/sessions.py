@@ -168,6 +168,12 @@ class _Plan:
     with_output: bool
     tail: list[int]
     cleared: list[_Node]  # (replace: the nodes it drops, aborted where running)
+    head: list[int]  # (the parent's prompt, and its output unless dropped: built once)
+
+    @property
+    def input(self) -> list[int]:
+        """The request's input: its first `base` tokens of `head`, then its own."""
+        return self.head[: self.base] + self.tail
 
 
 class Sessions:
@@ -231,7 +237,7 @@ class Sessions:
         `create_req` builds it (a leading `bos` dropped where it follows another request);
         nothing changes yet (`start`)."""
         turn.ids, turn.bos = ids, bos
-        return _input(self._plan(turn))
+        return self._plan(turn).input
 
     def start(self, turn: Turn, rid: str, max_tokens: int, call: Call) -> list[int]:
         """`prompt` again (the session may have changed meanwhile), and the request (`rid`)
@@ -262,7 +268,7 @@ class Sessions:
             plan.parent.children.append(node)
         s.nodes[rid] = node
         call.on_close.append(_ending(s, node, call))
-        return _input(plan)
+        return plan.input
 
     def _plan(self, turn: Turn) -> _Plan:
         """SGLang's `Session.create_req`, without its changes to the session."""
@@ -286,12 +292,12 @@ class Sessions:
         elif params.replace:
             cleared = list(s.nodes.values())
         if parent is None:
-            return _Plan(s, None, 0, False, list(ids), cleared)
+            return _Plan(s, None, 0, False, list(ids), cleared, [])
         tail = ids[1:] if bos is not None and ids and ids[0] == bos else list(ids)
         with_output = not params.drop_previous_output
-        length = len(parent.prompt()) + (len(parent.out()) if with_output else 0)
-        base = len(range(length)[: params.offset]) if params.offset else length
-        return _Plan(s, parent, base, with_output, tail, cleared)
+        head = parent.prompt() + parent.out() if with_output else parent.prompt()
+        base = len(range(len(head))[: params.offset]) if params.offset else len(head)
+        return _Plan(s, parent, base, with_output, tail, cleared, head)
 
     def _abort(self, node: _Node) -> None:
         if not node.finished:
@@ -304,14 +310,6 @@ class Sessions:
         for s in [s for s in self._sessions.values() if s.timeout is not None]:
             if now - s.active > s.timeout and not s.running:
                 del self._sessions[s.id]
-
-
-def _input(plan: _Plan) -> list[int]:
-    if plan.parent is None:
-        return list(plan.tail)
-    p = plan.parent
-    head = p.prompt() + p.out() if plan.with_output else p.prompt()
-    return head[: plan.base] + plan.tail
 
 
 def _subtree(node: _Node) -> list[_Node]:
