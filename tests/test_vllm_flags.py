@@ -302,7 +302,10 @@ def test_vllm_switches_for_what_dsakv_does_anyway_change_nothing(glm_tiny, capsy
     server += [["--disable-fastapi-docs"], ["--api-server-count", "1"], ["-asc", "1"]]
     server += [["--structured-outputs-config.backend", "xgrammar"], ["--enable-reasoning"]]
     server += [["--guided-decoding-backend", "xgrammar"], ["-asc", "01"]]
-    server += [["--structured-outputs-config.backend", "auto"]]
+    server += [
+        ["--structured-outputs-config.backend", "auto"],
+        ["--guided-decoding-backend", "auto"],
+    ]
     assert_taken_and_ignored(glm_tiny, engine, server, capsys)
 
 

@@ -1003,10 +1003,11 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         add_aliased(
             g,
             ("--grammar-backend", "--guided-decoding-backend"),
-            "SGLang's (vLLM's the other): dsakv's structured output runs on xgrammar",
+            "SGLang's (vLLM's the other, whose default auto is taken too): dsakv's "
+            "structured output runs on xgrammar",
             dest="grammar_backend",
-            type=_only(("xgrammar",), "its structured output runs on xgrammar"),
-            metavar="{xgrammar}",
+            type=_grammar_backend,
+            metavar="{xgrammar,auto}",
         )
         g.add_argument(
             "--structured-outputs-config",
