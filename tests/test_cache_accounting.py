@@ -10,8 +10,8 @@ import pytest
 
 from dsakv import LLM, SamplingParams
 from dsakv.engine import Engine, EngineConfig
+from dsakv.metrics import EngineCollector
 from dsakv.models.tiny import write_tiny_model
-from dsakv.server.metrics import EngineCollector
 
 PS = 16
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=PS)

@@ -856,6 +856,7 @@ def test_vllm_switches_for_what_dsakv_does_anyway_change_nothing(tiny_dir, capsy
     serve, generate = ["serve", str(tiny_dir)], ["generate", str(tiny_dir), "--prompt", "x"]
     server_only = ["--disable-log-requests", "--uvicorn-log-level", "info", "--enable-metrics"]
     server_only += ["--max-log-len", "100"]  # (SGLang's /metrics is always on; no prompt logged)
+    server_only += ["--disable-log-stats"]  # (vLLM's: dsakv logs no stats line)
     assert config(*serve, *taken, *server_only) == config(*serve)
     assert config(*generate, *taken, "--tokenizer-mode", "auto") == config(*generate)
     assert config("serve-pd", str(tiny_dir), *taken) == config(*serve)

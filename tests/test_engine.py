@@ -18,8 +18,8 @@ from dsakv import LLM, Logprob, SamplingParams
 from dsakv.engine import Engine, EngineConfig
 from dsakv.engine.engine import find_stop
 from dsakv.errors import DsakvError
+from dsakv.metrics import EngineCollector
 from dsakv.models.tiny import write_tiny_model
-from dsakv.server.metrics import EngineCollector
 
 from .conftest import assert_integrity_catches, flat_logprobs
 

@@ -21,6 +21,7 @@ ORDER = [
     "errors",
     "writable",
     "procs",
+    "metrics",
     "config",
     "memory",
     "kernels",

@@ -1078,6 +1078,11 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
             "--enable-metrics", action="store_true", help="SGLang's: /metrics is always served"
         )
         g.add_argument(
+            "--disable-log-stats",
+            action="store_true",
+            help="vLLM's: dsakv logs no periodic stats line, and /metrics is always served",
+        )
+        g.add_argument(
             "--enable-auto-tool-choice",
             action="store_true",
             help='tool_choice "auto" needs no switch here (calls are parsed by --tool-call-parser)',

@@ -26,8 +26,8 @@ from prometheus_client.registry import Collector
 from dsakv.engine import Engine, EngineConfig, Request, SamplingParams
 from dsakv.engine import disagg as ops
 from dsakv.errors import DsakvError
+from dsakv.metrics import PREFIX
 from dsakv.procs import Listener
-from dsakv.server.metrics import PREFIX
 from dsakv.server.protocol import APIError
 from dsakv.server.rows import routed_base64, routed_base64_chars, routed_from_base64
 from dsakv.server.runner import (

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate, WeightGroup
 from dsakv.errors import DsakvError, is_int, is_list
+from dsakv.metrics import LoopTimes, Metric, ServerMetrics
 from dsakv.models.tiny import resolve_model_dir
 from dsakv.procs import interrupts_deferred
 
@@ -258,9 +259,13 @@ def _position(
 
 class LLM:
     """`LLM(model, **engine_args).generate(prompts, params)`: `model` a model directory or a
-    tiny preset's name (as the `dsakv` commands take it), or an `EngineConfig`."""
+    tiny preset's name (as the `dsakv` commands take it), or an `EngineConfig`.
+    `disable_log_stats=False` (vLLM's; off by default, as there) keeps the metrics
+    `get_metrics` returns."""
 
-    def __init__(self, model: str | EngineConfig, **engine_args: Any) -> None:
+    def __init__(
+        self, model: str | EngineConfig, *, disable_log_stats: bool = True, **engine_args: Any
+    ) -> None:
         if isinstance(model, EngineConfig):
             # (through from_kwargs: an unknown keyword is its one error, not replace's TypeError)
             given = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
@@ -273,6 +278,8 @@ class LLM:
                 f"got {reprlib.repr(model)}"
             )
         self.engine = create_engine(config)
+        # (the server's registry; model_name the model's path, vLLM's default served name)
+        self._stats = None if disable_log_stats else ServerMetrics(config.model, config.page_size)
         # Dropped or left open at exit, an LLM still stops its ranks (multiprocessing's exit
         # hook joins them, and they wait for rank 0 forever); registered after that hook,
         # this one runs first.
@@ -460,6 +467,16 @@ class LLM:
         self._check_open()
         return engine_info(self.engine, self.engine.counters(), self.engine.config.model)
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the `vllm:` metrics a server's /metrics has (`dsakv.metrics`), as
+        vLLM's `Counter`, `Gauge` and `Histogram` (from `dsakv.engine`): the engine's counters
+        now, and the latencies of the requests `generate`, `chat`, `score` and `beam_search`
+        ran. Kept with `LLM(..., disable_log_stats=False)`, as vLLM's."""
+        self._check_open()
+        if self._stats is None:
+            raise DsakvError("get_metrics needs LLM(..., disable_log_stats=False), as vLLM's")
+        return self._stats.vllm_metrics(self.engine.counters())
+
     def _check_open(self) -> None:
         if not self._close.alive:
             raise DsakvError("this LLM was closed; make a new one")
@@ -521,6 +538,7 @@ class LLM:
         engine loop of `generate`, `score` and each `beam_search` step."""
         groups: list[list[Request]] = []
         reqs: list[Request] = []
+        times = None if self._stats is None else LoopTimes(self._stats)
         try:
             for p, sp in zip(prompts, plist):
                 groups.append(self.engine.add_requests(p, sp))
@@ -531,7 +549,10 @@ class LLM:
                 interrupts_deferred() as check,
             ):
                 while self.engine.has_unfinished():
-                    bar.update(sum(1 for r in self.engine.step() if r.finished))
+                    stepped = self.engine.step()
+                    if times is not None:
+                        times.stepped(stepped)
+                    bar.update(sum(1 for r in stepped if r.finished))
                     check()
         except BaseException:  # a bad prompt further on, Ctrl-C: none of this call's stay
             for r in reqs:

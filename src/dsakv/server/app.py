@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsakv import __version__
 from dsakv.errors import DsakvError
+from dsakv.metrics import ServerMetrics, held_pages
 
 from .anthropic import add_anthropic_routes
 from .auth import require_api_key
@@ -27,7 +28,6 @@ from .chat import ChatParsers
 from .generate import add_generate_route
 from .handlers import Handlers
 from .http_config import HTTPConfig, route_path
-from .metrics import ServerMetrics
 from .openai_format import ResponseDefaults
 from .protocol import (
     APIError,
@@ -131,7 +131,8 @@ def build_app(
     app = FastAPI(
         title="dsakv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan
     )
-    metrics = ServerMetrics(model_name)
+    role = async_engine.server_info()["disaggregation_mode"]  # (SGLang's engine_type)
+    metrics = ServerMetrics(model_name, async_engine.engine.config.page_size, role)
     app.state.async_engine, app.state.model_name, app.state.metrics = (
         async_engine,
         model_name,
@@ -258,7 +259,7 @@ def _rank_load(rank: int, c: dict[str, float], page_size: int) -> dict[str, int]
     """SGLang's /get_load entry for one rank's counters: `num_tokens` the tokens requests
     hold (not the prefix cache's evictable pages) and those the waiting ones will."""
     running, waiting = int(c.get("running_requests", 0)), int(c.get("waiting_requests", 0))
-    held = int(c.get("pages_used", 0)) - int(c.get("pages_evictable", 0))
+    held = int(held_pages(c))
     return {
         "dp_rank": rank,
         "num_reqs": running + waiting,

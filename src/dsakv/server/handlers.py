@@ -22,6 +22,7 @@ from dsakv.engine import SamplingParams
 from dsakv.engine.chat_format import has_chat_format
 from dsakv.engine.info import engine_info
 from dsakv.errors import DsakvError
+from dsakv.metrics import ServerMetrics
 
 from .admin import WEIGHT_VERSION, AdminMixin
 from .chat import (
@@ -33,7 +34,6 @@ from .chat import (
     prepare_chat,
     reply_role,
 )
-from .metrics import ServerMetrics
 from .openai_format import (
     CUT_SHORT,
     CompletionChoice,

@@ -1,0 +1,606 @@
+"""Prometheus metrics: engine counters read at scrape time, plus per-request latencies.
+
+A leaf beside errors.py (it needs only prometheus_client): the server's /metrics and
+`LLM.get_metrics` (the engine package) both build on it.
+
+Each app gets its own `CollectorRegistry`, so several servers (or tests) in one process
+never clash. The engine snapshot comes from the engine thread (`AsyncEngine.counters`)
+right before rendering, or, while one long step holds that thread, the last one it took:
+either way gauges are consistent with one another.
+
+Every value is rendered under up to three names: dsakv's (`dsakv_*`), vLLM's (`vllm:*`)
+and SGLang's (`sglang:*`), so the tools built around those servers' names (the Gateway API
+Inference Extension's endpoint picker, routers, autoscaling rules, dashboards) read a dsakv
+server as they read theirs. Engine values and request counts are kept once and read under
+each name at scrape time; a latency is observed into each name's own histogram (its
+server's buckets). `LLM.get_metrics` reads the vLLM ones as vLLM's does (`vllm_metrics`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Histogram as PromHistogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import Metric as PromMetric
+from prometheus_client.registry import Collector
+
+PREFIX = "dsakv_"
+
+# engine.counters() key -> (metric name, kind, help). Keys not listed become gauges.
+_ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
+    "pages_used": ("kv_pages_used", "gauge", "Device KV pages in use (requests + prefix cache)"),
+    "pages_total": ("kv_pages_total", "gauge", "Device KV pages in the pool"),
+    "pages_cached": ("kv_pages_cached", "gauge", "Device KV pages held by the prefix cache"),
+    "pages_evictable": (
+        "kv_pages_evictable",
+        "gauge",
+        "Prefix-cache device pages no request holds (freed on demand)",
+    ),
+    "waiting_tokens": ("waiting_tokens", "gauge", "Tokens of the waiting requests (outputs too)"),
+    "gen_throughput": (
+        "gen_throughput",
+        "gauge",
+        "Output tokens per second over the engine's last 5-10 s",
+    ),
+    "host_pages_used": ("host_pages_used", "gauge", "Host-tier KV pages in use"),
+    "host_pages_total": ("host_pages_total", "gauge", "Host-tier KV pages"),
+    "running_requests": ("running_requests", "gauge", "Requests holding KV pages"),
+    "waiting_requests": ("waiting_requests", "gauge", "Requests queued or retracted"),
+    "peak_running_requests": ("peak_running_requests", "gauge", "Most requests running at once"),
+    "bytes_per_token": ("kv_bytes_per_token", "gauge", "KV cache bytes per token (all layers)"),
+    "index_k_bytes_per_token_saved": (
+        "index_k_bytes_per_token_saved",
+        "gauge",
+        "KV bytes per token saved by eliding shared layers' index-K",
+    ),
+    "prompt_tokens": (  # per choice, as vLLM's prompt_tokens_total counts its n child requests
+        "prompt_tokens",
+        "counter",
+        "Prompt tokens received (an n > 1 request's prompt counts n times)",
+    ),
+    "output_tokens": ("generation_tokens", "counter", "Tokens generated"),
+    "computed_tokens": ("computed_tokens", "counter", "Tokens run through the model"),
+    "prefix_hit_tokens": (
+        "prefix_hit_tokens",
+        "counter",
+        "Prompt tokens served from the prefix cache",
+    ),
+    "retractions": ("retractions", "counter", "Requests retracted for lack of KV pages"),
+    "retractions_to_host": (
+        "retractions_to_host",
+        "counter",
+        "Retractions backed up to the host tier",
+    ),
+    "host_bytes_to_host": ("host_bytes_to_host", "counter", "KV bytes copied device -> host"),
+    "host_bytes_to_device": ("host_bytes_to_device", "counter", "KV bytes copied host -> device"),
+    "prefix_pages_demoted": (
+        "prefix_cache_pages_demoted",
+        "counter",
+        "Prefix-cache pages evicted to the host tier (kept for a later hit)",
+    ),
+    "prefix_pages_promoted": (
+        "prefix_cache_pages_promoted",
+        "counter",
+        "Prefix-cache pages loaded back from the host tier on a hit",
+    ),
+    "spec_draft_tokens": ("spec_draft_tokens", "counter", "Draft tokens verified (MTP or n-gram)"),
+    "spec_accepted_tokens": (
+        "spec_accepted_tokens",
+        "counter",
+        "Draft tokens accepted (MTP or n-gram)",
+    ),
+    "spec_verify_steps": (
+        "spec_verify_steps",
+        "counter",
+        "Request-steps in which the target verified drafts",
+    ),
+    "finished_requests": ("finished_requests", "counter", "Requests finished"),
+    "steps": ("engine_steps", "counter", "Engine steps run"),
+    "step_time_s": ("engine_step_time_seconds", "counter", "Time spent in engine steps"),
+    "decode_steps": (
+        "decode_request_steps",
+        "counter",
+        "Request-steps that ran one token past the prompt (one per decoding request per "
+        "step, with any drafts it verified)",
+    ),
+    "aborted_requests": (
+        "aborted_requests",
+        "counter",
+        "Requests the engine aborted (one aborted before the engine took it counts only in "
+        "request_success_total, finished_reason abort)",
+    ),
+    # L3 storage tier (dsakv.engine.l3)
+    "l3_hits": ("l3_hits", "counter", "KV pages loaded from L3 storage"),
+    "l3_hit_tokens": ("l3_hit_tokens", "counter", "Prompt tokens served from L3 storage"),
+    "l3_misses": ("l3_misses", "counter", "L3 lookups that stopped at a missing or bad page"),
+    "l3_lookups": ("l3_lookups", "counter", "L3 lookups started for new requests"),
+    "l3_bytes_read": ("l3_bytes_read", "counter", "KV bytes read from L3 and verified"),
+    "l3_bytes_written": ("l3_bytes_written", "counter", "KV bytes written to L3"),
+    "l3_pages_written": ("l3_pages_written", "counter", "KV pages written to L3"),
+    "l3_objects_evicted": ("l3_objects_evicted", "counter", "L3 objects evicted by the size cap"),
+    "l3_corrupt_objects": (
+        "l3_corrupt_objects",
+        "counter",
+        "L3 objects found truncated or failing their checksum (deleted)",
+    ),
+    "l3_write_failures": ("l3_write_failures", "counter", "L3 writes refused or failed"),
+    "l3_writes_dropped": ("l3_writes_dropped", "counter", "L3 writes dropped: queue full"),
+    "l3_prefetch_timeouts": (
+        "l3_prefetch_timeouts",
+        "counter",
+        "L3 lookups cut short by the prefetch timeout",
+    ),
+    "l3_errors": (
+        "l3_errors",
+        "counter",
+        "L3 operations that found the store unreachable or failed a write",
+    ),
+    # HiSparse (dsakv.engine.hisparse)
+    "hisparse_device_tokens_total": (
+        "hisparse_device_tokens_total",
+        "gauge",
+        "HiSparse device latent slots (hot buffers and prompts being prefilled)",
+    ),
+    "hisparse_device_tokens_used": (
+        "hisparse_device_tokens_used",
+        "gauge",
+        "HiSparse device latent slots in use",
+    ),
+    "hisparse_host_tokens_total": (
+        "hisparse_host_tokens_total",
+        "gauge",
+        "HiSparse logical tokens: latent in host memory, index-K on the device",
+    ),
+    "hisparse_host_tokens_used": (
+        "hisparse_host_tokens_used",
+        "gauge",
+        "HiSparse logical tokens in use (requests + prefix cache)",
+    ),
+    "hisparse_hot_buffers": (
+        "hisparse_hot_buffers",
+        "gauge",
+        "Requests decoding from a hot buffer",
+    ),
+    "hisparse_hits": ("hisparse_hits", "counter", "Top-k entries found in a hot buffer"),
+    "hisparse_misses": ("hisparse_misses", "counter", "Top-k entries copied in from the host"),
+    "hisparse_resolves": (
+        "hisparse_resolves",
+        "counter",
+        "Hot-buffer resolutions (one per full layer per step)",
+    ),
+    "hisparse_rows_to_device": (
+        "hisparse_rows_to_device",
+        "counter",
+        "Latent rows (one token, one layer) copied host -> device",
+    ),
+    "hisparse_bytes_to_device": (
+        "hisparse_bytes_to_device",
+        "counter",
+        "Latent bytes copied host -> device",
+    ),
+    "hisparse_rows_to_host": (
+        "hisparse_rows_to_host",
+        "counter",
+        "Latent rows written to the host (every computed token, every layer)",
+    ),
+    "hisparse_bytes_to_host": (
+        "hisparse_bytes_to_host",
+        "counter",
+        "Latent bytes written to the host",
+    ),
+    "l3_write_queue": ("l3_write_queue", "gauge", "KV pages waiting to be written to L3"),
+}
+
+
+VLLM, SGLANG = "vllm:", "sglang:"
+
+# Values computed from a snapshot (`_derived`): key -> (dsakv name or None, kind, help)
+_DERIVED: dict[str, tuple[str | None, str, str]] = {
+    "prefix_cache_hit_rate": (
+        "prefix_cache_hit_rate",
+        "gauge",
+        "Prefix-cache hit tokens / prompt tokens (since the start)",
+    ),
+    "spec_accept_length": (
+        "spec_accept_length",
+        "gauge",
+        "Mean tokens emitted per verification of drafts (accepted drafts + 1)",
+    ),
+    # vLLM's and SGLang's usage: the pages requests hold, the prefix cache's evictable ones
+    # (no request holds them: freed on demand) counted free, as both count theirs
+    "kv_cache_usage": (None, "gauge", "KV cache usage: pages requests hold / pages (0 to 1)"),
+    "kv_tokens_used": (None, "gauge", "Tokens of the KV pages requests hold"),
+    "kv_tokens_total": (None, "gauge", "Tokens the device KV pool holds"),
+    "page_size": (None, "gauge", "Tokens per KV page"),
+}
+
+# The same values under vLLM's and SGLang's names (their servers' /metrics), by counter or
+# `_DERIVED` key; their kind is the key's. A counter is named without `_total`, which the
+# exposition appends, as prometheus_client's own counters do.
+_TWINS: dict[str, tuple[str, ...]] = {
+    "running_requests": (VLLM + "num_requests_running", SGLANG + "num_running_reqs"),
+    "waiting_requests": (VLLM + "num_requests_waiting", SGLANG + "num_queue_reqs"),
+    "kv_cache_usage": (VLLM + "kv_cache_usage_perc", SGLANG + "token_usage"),
+    "kv_tokens_used": (SGLANG + "num_used_tokens",),
+    "kv_tokens_total": (SGLANG + "max_total_num_tokens",),
+    "pages_total": (SGLANG + "num_pages",),
+    "page_size": (SGLANG + "page_size",),
+    "gen_throughput": (SGLANG + "gen_throughput",),
+    # vLLM's prefix-cache queries are the prompt tokens looked up (here counted on arrival:
+    # each request is looked up once, a retracted one's re-admission finds its own pages)
+    "prompt_tokens": (
+        VLLM + "prompt_tokens",
+        VLLM + "prefix_cache_queries",
+        SGLANG + "prompt_tokens",
+    ),
+    "output_tokens": (VLLM + "generation_tokens", SGLANG + "generation_tokens"),
+    "prefix_hit_tokens": (VLLM + "prefix_cache_hits", SGLANG + "cached_tokens"),
+    "prefix_cache_hit_rate": (SGLANG + "cache_hit_rate",),
+    "retractions": (VLLM + "num_preemptions", SGLANG + "num_retracted_requests"),
+    "spec_verify_steps": (VLLM + "spec_decode_num_drafts",),
+    "spec_draft_tokens": (VLLM + "spec_decode_num_draft_tokens",),
+    "spec_accepted_tokens": (VLLM + "spec_decode_num_accepted_tokens",),
+    "spec_accept_length": (SGLANG + "spec_accept_length",),
+}
+
+
+def family_labels(model_name: str, role: str = "null") -> dict[str, dict[str, str]]:
+    """Each family's labels, by prefix: vLLM's `engine` is "0", one series as dsakv's is
+    under DP attention too (the ranks' sum: an endpoint picker reads a server's first
+    series); SGLang's `engine_type` is its PD role (`role`: SGLang's disaggregation_mode)."""
+    engine_type = "unified" if role == "null" else role
+    return {
+        PREFIX: {"model_name": model_name},
+        VLLM: {"model_name": model_name, "engine": "0"},
+        SGLANG: {"model_name": model_name, "engine_type": engine_type},
+    }
+
+
+def _family_of(name: str) -> str:
+    return next(p for p in (VLLM, SGLANG, PREFIX) if name.startswith(p))
+
+
+def held_pages(c: Mapping[str, float]) -> float:
+    """Device KV pages requests hold: the used ones less the prefix cache's evictable ones
+    (what vLLM's and SGLang's usage count, and SGLang's /get_load)."""
+    return c.get("pages_used", 0) - c.get("pages_evictable", 0)
+
+
+def _derived(snap: Mapping[str, float], page_size: int | None) -> dict[str, float]:
+    """`_DERIVED`'s values (the token ones only with `page_size`)."""
+    prompt, steps, total = (
+        snap.get(k, 0) for k in ("prompt_tokens", "spec_verify_steps", "pages_total")
+    )
+    out = {
+        "prefix_cache_hit_rate": snap.get("prefix_hit_tokens", 0) / prompt if prompt else 0.0,
+        "spec_accept_length": 1 + snap.get("spec_accepted_tokens", 0) / steps if steps else 0,
+        "kv_cache_usage": held_pages(snap) / total if total else 0.0,
+    }
+    if page_size is not None:
+        out.update(
+            kv_tokens_used=held_pages(snap) * page_size,
+            kv_tokens_total=total * page_size,
+            page_size=page_size,
+        )
+    return out
+
+
+class EngineCollector(Collector):
+    """Renders the latest engine counters snapshot (set by `update`) as metric families,
+    each under its dsakv name and its vLLM and SGLang twins (`_TWINS`). `page_size`: the
+    pool's, for SGLang's token counts and both servers' cache info (None: left out)."""
+
+    def __init__(self, model_name: str, page_size: int | None = None, role: str = "null") -> None:
+        self.model_name, self.page_size = model_name, page_size
+        self.labels = family_labels(model_name, role)
+        self.snapshot: Mapping[str, float] = {}
+
+    def update(self, snapshot: Mapping[str, float]) -> None:
+        self.snapshot = dict(snapshot)
+
+    def collect(self) -> Iterator[PromMetric]:
+        snap = self.snapshot
+        if not snap:
+            return
+        values = {**snap, **_derived(snap, self.page_size)}
+        for key, value in sorted(values.items()):
+            name, kind, doc = _ENGINE_METRICS.get(key) or _DERIVED.get(key) or (key, "gauge", "")
+            names = ([PREFIX + name] if name else []) + list(_TWINS.get(key, ()))
+            for full in names:
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                labels = self.labels[_family_of(full)]
+                m = family(full, doc or f"engine counter {key}", labels=list(labels))
+                m.add_metric(list(labels.values()), float(value))
+                yield m
+        if self.page_size is not None:  # (the endpoint picker's prefix-cache sizing)
+            pages, size = str(int(snap.get("pages_total", 0))), str(self.page_size)
+            info = {"engine": "0", "block_size": size, "num_gpu_blocks": pages}
+            yield _info(VLLM + "cache_config_info", info)
+            yield _info(SGLANG + "cache_config_info", {"page_size": size, "num_pages": pages})
+
+
+def _info(name: str, labels: Mapping[str, str]) -> GaugeMetricFamily:
+    """An info metric as vLLM and SGLang write theirs: a gauge at 1, the facts its labels."""
+    m = GaugeMetricFamily(name, "KV cache settings (labels)", labels=list(labels))
+    m.add_metric(list(labels.values()), 1.0)
+    return m
+
+
+# Latency buckets: dsakv's, and vLLM's (PrometheusStatLogger's) and SGLang's defaults
+# (TokenizerMetricsCollector's), which their dashboards' quantiles are read from
+_DSAKV_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_LATENCIES: dict[str, tuple[str, dict[str, tuple[float, ...]]]] = {
+    "time_to_first_token_seconds": (
+        "Time to first token",
+        {
+            PREFIX: _DSAKV_BUCKETS,
+            VLLM: (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
+            + (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+            SGLANG: (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100) + (200, 400),
+        },
+    ),
+    "e2e_request_latency_seconds": (
+        "Request latency",
+        {
+            PREFIX: _DSAKV_BUCKETS,
+            VLLM: (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0)
+            + (50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+            SGLANG: (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100)
+            + (200, 400, 600, 1200, 1800, 2400),
+        },
+    ),
+    "inter_token_latency_seconds": (
+        "Time between a request's consecutive output tokens (one per engine step)",
+        {
+            PREFIX: (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2)
+            + (0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60),
+            VLLM: (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
+            + (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+            SGLANG: (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035)
+            + (0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0),
+        },
+    ),
+}
+
+
+class Latency:
+    """One latency under each family's name, each its own prometheus_client histogram with
+    that family's buckets and labels (dsakv's unlabelled): observing three costs
+    microseconds and keeps the library's rendering (`_created` included)."""
+
+    def __init__(
+        self, registry: CollectorRegistry, suffix: str, labels: Mapping[str, Mapping[str, str]]
+    ) -> None:
+        doc, buckets = _LATENCIES[suffix]
+        self.histograms: list[Any] = []
+        for family, bounds in buckets.items():
+            shown = {} if family == PREFIX else labels[family]
+            h = PromHistogram(family + suffix, doc, list(shown), registry=registry, buckets=bounds)
+            self.histograms.append(h.labels(*shown.values()) if shown else h)
+
+    def observe(self, value: float) -> None:
+        for h in self.histograms:
+            h.observe(value)
+
+
+class _RequestCounts(Collector):
+    """vLLM's and SGLang's request counts, read from `ServerMetrics.success` at scrape time
+    (one count kept, whatever name it is read under)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[PromMetric]:
+        m, labels = self.metrics, self.metrics.engine.labels
+        (success,) = m.success.collect()
+        done = {
+            s.labels["finished_reason"]: s.value
+            for s in success.samples
+            if s.name.endswith("_total")
+        }
+        vllm = CounterMetricFamily(
+            VLLM + "request_success",
+            "Requests (each choice) finished, by finish reason",
+            labels=[*labels[VLLM], "finished_reason"],
+        )
+        for reason, n in sorted(done.items()):
+            vllm.add_metric([*labels[VLLM].values(), reason], n)
+        yield vllm
+        sglang = labels[SGLANG]
+        for name, n in (
+            ("num_requests", sum(done.values())),
+            ("num_aborted_requests", done.get("abort", 0.0)),
+        ):
+            c = CounterMetricFamily(
+                SGLANG + name, "Requests (each choice) finished", labels=list(sglang)
+            )
+            c.add_metric(list(sglang.values()), n)
+            yield c
+
+
+class ServerMetrics:
+    """The app's registry: engine gauges/counters plus HTTP request and latency metrics.
+    `page_size` and `role` (SGLang's disaggregation_mode) as `EngineCollector` takes them."""
+
+    def __init__(self, model_name: str, page_size: int | None = None, role: str = "null") -> None:
+        self.registry = CollectorRegistry()
+        self.engine = EngineCollector(model_name, page_size, role)
+        self.registry.register(self.engine)
+        self.requests = PromCounter(
+            PREFIX + "http_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.success = PromCounter(  # (vLLM's request_success_total)
+            PREFIX + "request_success",
+            "Requests (each choice) finished, by finish reason",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+        labels = self.engine.labels
+        self.ttft = Latency(self.registry, "time_to_first_token_seconds", labels)
+        self.latency = Latency(self.registry, "e2e_request_latency_seconds", labels)
+        self.inter_token = Latency(self.registry, "inter_token_latency_seconds", labels)
+        self.registry.register(_RequestCounts(self))
+
+    def request(self) -> RequestTimes:
+        """A tracker for one engine request (one choice) whose updates a handler reads."""
+        return RequestTimes(self)
+
+    def render(self, snapshot: Mapping[str, float] | None) -> bytes:
+        if snapshot is not None:
+            self.engine.update(snapshot)
+        return generate_latest(self.registry)
+
+    def vllm_metrics(self, snapshot: Mapping[str, float]) -> list[Metric]:
+        """vLLM's `get_metrics_snapshot` over this registry: its `vllm:` families as `Metric`s
+        (`LLM.get_metrics`)."""
+        self.engine.update(snapshot)
+        return read_vllm_metrics(self.registry)
+
+
+class Progress(Protocol):
+    """What `RequestTimes` reads of an update: the server's (`dsakv.server.runner.Update`),
+    or `LoopTimes`'."""
+
+    ttft_s: float | None
+    latency_s: float | None
+    token_gaps_s: Sequence[float]
+    finished: bool
+    finish_reason: str | None
+    error: Any
+
+
+class RequestTimes:
+    """One engine request's (one choice's: vLLM counts its n child requests each) metrics,
+    fed each update its handler reads. TTFT is taken at the first update that has it, the
+    first token's, so a request aborted after it (a client gone mid-stream) still counts,
+    as vLLM records TTFT when the token is produced; e2e latency needs an end, so only a
+    request that finished (and did not fail) has one, as vLLM's."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics, self.timed = metrics, False
+
+    def observe(self, u: Progress) -> None:
+        m = self.metrics
+        if u.ttft_s is not None and not self.timed:
+            self.timed = True
+            m.ttft.observe(u.ttft_s)
+        for gap in u.token_gaps_s:
+            m.inter_token.observe(gap)
+        if u.finished:
+            m.success.labels(u.finish_reason or "abort").inc()
+            if u.error is None and u.latency_s is not None:
+                m.latency.observe(u.latency_s)
+
+
+class _Stepped(NamedTuple):
+    ttft_s: float | None
+    latency_s: float | None
+    token_gaps_s: tuple[float, ...]
+    finished: bool
+    finish_reason: str | None
+    error: Any
+
+
+class LoopTimes:
+    """`RequestTimes` for requests an engine loop steps itself (`LLM`'s): a request's gap
+    since its previous tokens is taken when a step returns it with more, as the server
+    takes it when such a step's update arrives."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.open: dict[Any, tuple[RequestTimes, int, float | None]] = {}
+
+    def stepped(self, reqs: Iterable[Any]) -> None:
+        """Observe the requests (`Request`s) a step returned."""
+        now = time.perf_counter()
+        for r in reqs:
+            times, had, last = self.open.get(r.rid) or (self.metrics.request(), 0, None)
+            gaps: tuple[float, ...] = ()
+            if len(r.output_ids) > had:
+                gaps, last = (() if last is None else (now - last,)), now
+            m = r.metrics
+            times.observe(_Stepped(m.ttft, m.latency, gaps, r.finished, r.finish_reason, r.error))
+            if r.finished:
+                self.open.pop(r.rid, None)
+            else:
+                self.open[r.rid] = (times, len(r.output_ids), last)
+
+
+# vLLM's reader types (vllm/v1/metrics/reader.py): what `LLM.get_metrics` returns
+
+
+@dataclass
+class Metric:
+    """One series of a `vllm:` metric: its family name (a counter's without `_total`) and
+    labels."""
+
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    value: int
+
+
+@dataclass
+class Vector(Metric):
+    """vLLM's per-position counters (its spec_decode_num_accepted_tokens_per_pos, which
+    dsakv does not count: never returned here)."""
+
+    values: list[int]
+
+
+@dataclass
+class Gauge(Metric):
+    value: float
+
+
+@dataclass
+class Histogram(Metric):
+    """`buckets`: cumulative counts by upper bound as the exposition writes it ("0.5",
+    "+Inf"); `count` is the "+Inf" one."""
+
+    count: int
+    sum: float
+    buckets: dict[str, int]
+
+
+def read_vllm_metrics(registry: CollectorRegistry) -> list[Metric]:
+    """`registry`'s `vllm:` series as vLLM's reader returns them (counters and bucket
+    counts as ints)."""
+    out: list[Metric] = []
+    for family in registry.collect():
+        if not family.name.startswith(VLLM):
+            continue
+        if family.type == "gauge":
+            out += [Gauge(family.name, s.labels, s.value) for s in family.samples]
+        elif family.type == "counter":
+            out += [
+                Counter(family.name, s.labels, int(s.value))
+                for s in family.samples
+                if s.name.endswith("_total")
+            ]
+        elif family.type == "histogram":
+            by: dict[str, dict[str, Any]] = {}
+            for s in family.samples:
+                labels = {k: v for k, v in s.labels.items() if k != "le"}
+                h = by.setdefault(repr(sorted(labels.items())), {"labels": labels, "buckets": {}})
+                if s.name.endswith("_bucket"):
+                    h["buckets"][s.labels["le"]] = int(s.value)
+                elif s.name.endswith("_sum"):
+                    h["sum"] = s.value
+            out += [
+                Histogram(family.name, h["labels"], h["buckets"]["+Inf"], h["sum"], h["buckets"])
+                for h in by.values()
+            ]
+    return out
