@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from dsakv.errors import DsakvError
 from dsakv.procs import Listener
+from dsakv.server.tracing import SGLANG_ENDPOINT as SGLANG_TRACES_ENDPOINT
 
 
 class Parser(argparse.ArgumentParser):
@@ -221,6 +222,18 @@ _STRUCTURED_KEYS = {
 }
 
 
+def _kv_events_config(text: str) -> str:
+    """argparse type for vLLM's and SGLang's --kv-events-config: the JSON, checked, kept as
+    text (what serve-pd passes on)."""
+    from dsakv.config.kv_events import KVEventsConfig
+
+    try:
+        KVEventsConfig.parse(text)
+    except DsakvError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _byte_count(text: str) -> int:
     """argparse type for vLLM's --kv-cache-memory-bytes: bytes, with vLLM's suffixes too
     (`human_readable_int`): k, m, g, t decimal (25.6k: 25,600), K, M, G, T binary and whole
@@ -317,6 +330,18 @@ def _only_number(supported: float, why: str) -> Callable[[str], float]:
 # vLLM's structured-output backends dsakv takes: xgrammar, and auto (vLLM's pick; dsakv's
 # is xgrammar always)
 _grammar_backend = _only(("xgrammar", "auto"), "its structured output runs on xgrammar")
+
+
+def _detailed_traces(text: str) -> str:
+    """argparse type for vLLM's --collect-detailed-traces (`detailed_trace_modules`): a bad
+    value is one error line before anything starts."""
+    from dsakv.engine.config import detailed_trace_modules
+
+    try:
+        detailed_trace_modules(text)
+    except DsakvError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _refused(why: str) -> Callable[[str], str]:
@@ -764,6 +789,16 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
     )
     if serve:
         g.add_argument(
+            "--collect-detailed-traces",
+            type=_detailed_traces,
+            metavar="MODULES",
+            help="vLLM's (with --otlp-traces-endpoint): each request's span also carries the "
+            "time its steps spent in the scheduler, and with worker their run "
+            "(time_in_model_execute), with model the model's forward pass alone "
+            "(time_in_model_forward: the GPU synced around it, a cost each step); model, "
+            "worker, all, or several comma-separated",
+        )
+        g.add_argument(
             "--enable-return-routed-experts",
             action="store_true",
             help="SGLang's: return_routed_experts (/generate, completions, chat) may ask for "
@@ -803,6 +838,16 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
             help="SGLang's: an engine step running longer than S seconds means the engine is "
             "stuck: the server logs every thread's stack and exits (code 70) for its "
             "supervisor to restart it (default 300)",
+        )
+        g.add_argument(
+            "--kv-events-config",
+            type=_kv_events_config,
+            metavar="JSON",
+            help="vLLM's and SGLang's: publish the prefix cache's pages stored and removed "
+            "over ZMQ for KV-aware routers (Dynamo, llm-d), e.g. "
+            '{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5558"} '
+            "(vLLM's keys and defaults: endpoint tcp://*:5557, topic empty; SGLang's "
+            '{"publisher": "zmq"} too; DP rank r publishes on the ports plus r)',
         )
     det = g.add_mutually_exclusive_group()
     det.add_argument(
@@ -1143,6 +1188,43 @@ def request_log_config(args: argparse.Namespace):
         args.max_log_len,
         args.disable_log_requests,
     )
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    """OpenTelemetry request tracing, vLLM's flag and SGLang's (`trace_config` reads them
+    back; --collect-detailed-traces is an engine flag: the engine times the steps)."""
+    g = p.add_argument_group("tracing (OpenTelemetry)")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="send a span per request (each choice of n) to this OTLP collector, over gRPC "
+        "(host:port) or, with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf, HTTP (its "
+        "URL, /v1/traces included); a request's traceparent header is its parent",
+    )
+    g.add_argument(
+        "--enable-trace",
+        action="store_true",
+        help=f"SGLang's switch: trace, to {SGLANG_TRACES_ENDPOINT} unless "
+        "--otlp-traces-endpoint says",
+    )
+
+
+def trace_config(args: argparse.Namespace):
+    """The `TraceConfig` of `add_trace_args`' flags (the protocol from the environment, as
+    vLLM reads it), or None: not traced."""
+    from dsakv.server.tracing import TraceConfig
+
+    endpoint = args.otlp_traces_endpoint
+    if endpoint is None and args.enable_trace:
+        endpoint = SGLANG_TRACES_ENDPOINT
+    if endpoint is None:
+        if getattr(args, "collect_detailed_traces", None) is not None:
+            raise DsakvError(
+                "--collect-detailed-traces needs --otlp-traces-endpoint (or SGLang's "
+                "--enable-trace): the times go in the requests' spans"
+            )
+        return None
+    return TraceConfig.from_env(endpoint)
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from .args import (
     add_model_option,
     add_request_log_args,
     add_response_args,
+    add_trace_args,
     api_key,
     check_listen,
     engine_config_from_args,
@@ -26,6 +27,7 @@ from .args import (
     positive_float,
     request_log_config,
     response_defaults,
+    trace_config,
     uvicorn_log_level,
 )
 
@@ -87,9 +89,11 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)  # what either server would refuse, refused once
     request_log_config(args)  # (a bad combination too, before the servers start)
     response_defaults(args)
+    trace_config(args)
     http = http_config(args)  # the router's: the front door (its servers listen on loopback)
     for mode in MODES:  # (first: a bad flag is its own error, whoever holds the port)
         DisaggConfig(mode, timeout_s=args.disaggregation_timeout).check_engine(config)
+    decode_flags = _decode_kv_events(config)
     with listen(args.host, args.port) as listener:  # the router's, held from now
         for p in ports[1:]:
             if p is not None:  # (each server takes its own at its start)
@@ -108,6 +112,7 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
             flags += ["--disable-uvicorn-access-log"]
         flags += given_flags(args, add_request_log_args)  # (both servers log their requests)
         flags += given_flags(args, add_response_args)  # (the decode server's answers relayed)
+        flags += given_flags(args, add_trace_args)  # (both servers trace)
         serve_pd(
             resolve_model_dir(args.model),
             flags,
@@ -119,8 +124,27 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
             listener=listener,
             api_key=args.api_key,
             http=http,
+            decode_flags=decode_flags,
         )
     return 0
+
+
+def _decode_kv_events(config: Any) -> list[str]:
+    """Each server publishes its own KV cache events: the decode server on the ports after
+    the prefill server's (one per DP rank), so the two do not bind one port."""
+    events = config.kv_events
+    if events is None:
+        return []
+    pc = config.parallel
+    ranks = pc.world_size if pc.dp_attention else 1
+    try:
+        events.check_ranks(2 * ranks)  # (both servers' ports, none bound twice)
+    except DsakvError as e:
+        raise DsakvError(
+            f"--kv-events-config: the decode server publishes on the prefill server's ports "
+            f"plus {ranks}, and {e}"
+        ) from None
+    return ["--kv-events-config", events.shifted(ranks).to_json()]
 
 
 def add_commands(sub: Any) -> None:
@@ -165,5 +189,6 @@ def add_commands(sub: Any) -> None:
     add_request_log_args(p)
     add_http_args(p)  # (the router's)
     add_response_args(p)
+    add_trace_args(p)
     add_ignored_args(p, serve=True)
     p.set_defaults(func=_cmd_serve_pd)

@@ -18,9 +18,11 @@ from .args import (
     add_request_log_args,
     add_response_args,
     add_storage_args,
+    add_trace_args,
     engine_config_from_args,
     request_log_config,
     response_defaults,
+    trace_config,
 )
 
 
@@ -33,6 +35,7 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
     lines = read_batch_file(args.input_file)  # (a bad file: one error line, before loading)
     config = engine_config_from_args(args)
     request_log, defaults = request_log_config(args), response_defaults(args)
+    tracing = trace_config(args)
     tmp = _temp_beside(args.output_file)  # (writable, checked now, before the model loads)
     try:
         # `dsakv serve`'s server, never started: the lines run through its app's routes
@@ -45,6 +48,7 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
             log_level="warning",
             request_log=request_log,
             defaults=defaults,
+            tracing=tracing,
         )
         try:
             records = asyncio.run(_run(server.config.app, lines))
@@ -113,5 +117,6 @@ def add_commands(sub: Any) -> None:
     add_storage_args(p)
     add_request_log_args(p)
     add_response_args(p)
+    add_trace_args(p)
     add_ignored_args(p, serve=True)
     p.set_defaults(func=_cmd_run_batch)

@@ -20,6 +20,7 @@ from .args import (
     add_request_log_args,
     add_response_args,
     add_storage_args,
+    add_trace_args,
     api_key,
     engine_config_from_args,
     http_config,
@@ -28,6 +29,7 @@ from .args import (
     positive_int,
     request_log_config,
     response_defaults,
+    trace_config,
     uvicorn_log_level,
 )
 from .disagg import add_disagg_args, disagg_config_from_args
@@ -98,7 +100,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from dsakv.server import run_server
 
-    request_log = request_log_config(args)
+    request_log, tracing = request_log_config(args), trace_config(args)
     http, defaults = http_config(args), response_defaults(args)
     with contextlib.ExitStack() as held:  # the ports, taken before the engine loads
         listener = held.enter_context(listen(args.host, args.port))
@@ -129,6 +131,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             request_log=request_log,
             http=http,
             defaults=defaults,
+            tracing=tracing,
         )
     return 0
 
@@ -189,5 +192,6 @@ def add_commands(sub: Any) -> None:
     add_request_log_args(p)
     add_http_args(p)
     add_response_args(p)
+    add_trace_args(p)
     add_ignored_args(p, serve=True)
     p.set_defaults(func=_cmd_serve)

@@ -1,6 +1,7 @@
 """Model configuration and the layer plan."""
 
 from .hisparse import HiSparseConfig
+from .kv_events import KVEventsConfig
 from .layer_plan import FULL, SHARED, LayerPlan, plan_overrides
 from .model import ModelConfig
 from .presets import PRESETS, preset
@@ -10,6 +11,7 @@ __all__ = [
     "SHARED",
     "PRESETS",
     "HiSparseConfig",
+    "KVEventsConfig",
     "LayerPlan",
     "ModelConfig",
     "plan_overrides",

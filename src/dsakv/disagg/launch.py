@@ -92,9 +92,11 @@ def serve_pd(
     listener: Listener | None = None,
     api_key: str | None = None,
     http: HTTPConfig | None = None,
+    decode_flags: Sequence[str] = (),
 ) -> None:
-    """Start both servers as child processes (engine `flags` go to both), wait until they
-    are up, then serve the router on `host:port` until interrupted; the children go too.
+    """Start both servers as child processes (engine `flags` go to both, `decode_flags`
+    after them to the decode server), wait until they are up, then serve the router on
+    `host:port` until interrupted; the children go too.
     The router's port is held from the start (`listener`, else taken here), not bound
     once the servers are up. `api_key` and `http` (CORS, TLS, root path): the router's
     (the servers' key is in `flags`; they listen on loopback behind it)."""
@@ -103,8 +105,11 @@ def serve_pd(
     bp = bootstrap_port or free_port()
     # Their own sessions: a terminal's Ctrl-C reaches this process alone, which stops them
     # below (so a server exiting always means it failed, see `_watch`).
+    own = {"prefill": (), "decode": tuple(decode_flags)}
     procs = [
-        subprocess.Popen(serve_command(model, mode, at, bp, flags), start_new_session=True)
+        subprocess.Popen(
+            serve_command(model, mode, at, bp, [*flags, *own[mode]]), start_new_session=True
+        )
         for mode, at in (("prefill", pp), ("decode", dp))
     ]
     urls = [f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"]

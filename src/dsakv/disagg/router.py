@@ -455,6 +455,7 @@ class Router:
         headers = {ROOM_HEADER: rooms, HOST_HEADER: host, PORT_HEADER: str(port)}
         headers.update(_auth(request))
         headers.update(_request_id(request))  # (both servers' name for /abort_request)
+        headers.update(_trace_context(request))  # (both servers' spans join the client's trace)
         prefill = self._spawn(self._prefill(p_url, path, p_body, headers))
         d_headers = {**headers, "content-type": "application/json"}
         try:  # (a non-streamed answer's headers come when it is complete)
@@ -1221,6 +1222,12 @@ def _request_id(message: Request | httpx.Response) -> dict[str, str]:
     if "x-request-id" in message.headers:
         return {"x-request-id": message.headers["x-request-id"]}
     return {}
+
+
+def _trace_context(request: Request) -> dict[str, str]:
+    """The client's W3C trace context (`traceparent`, `tracestate`), for the servers: the
+    spans they make of the request (`--otlp-traces-endpoint`) join the client's trace."""
+    return {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
 
 
 def _in_session(body: dict[str, Any]) -> bool:

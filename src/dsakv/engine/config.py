@@ -14,6 +14,7 @@ import torch
 
 from dsakv.config import plan_overrides
 from dsakv.config.hisparse import check_runs_with
+from dsakv.config.kv_events import KVEventsConfig
 from dsakv.distributed.parallel import ParallelConfig
 from dsakv.errors import DsakvError, is_int, is_number
 from dsakv.kernels import BACKENDS
@@ -131,6 +132,15 @@ class EngineConfig:
     # tokens reach its stream N at a time (its first and last at once): fewer, larger
     # chunks for fewer handler wake-ups a token
     stream_interval: int = 1
+    # vLLM's --collect-detailed-traces (a server's, with its --otlp-traces-endpoint): "model",
+    # "worker", "all", or several, comma-separated. Each request's steps are timed for its
+    # span (`dsakv.server.tracing`): the scheduler's and the step's run ("worker"), the
+    # model's forward pass, the device synced around it ("model"); None: none are
+    collect_detailed_traces: str | None = None
+    # vLLM's and SGLang's --kv-events-config (JSON, a dict or a `KVEventsConfig`): the
+    # prefix cache's pages stored and removed, published over ZMQ for KV-aware routers
+    # (`dsakv.engine.kv_events`); None or not enabled: none
+    kv_events_config: str | dict | KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):  # every bool field, by its annotation (a string here)
@@ -188,6 +198,7 @@ class EngineConfig:
             raise DsakvError(
                 f"stream_interval must be a positive integer, got {self.stream_interval!r}"
             )
+        detailed_trace_modules(self.collect_detailed_traces)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise DsakvError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
@@ -278,6 +289,16 @@ class EngineConfig:
                     raise DsakvError(
                         f"--enable-deterministic-inference does not run with {what} yet"
                     )
+        if (events := self.kv_events) is not None:
+            if not self.enable_prefix_cache:
+                raise DsakvError(
+                    "--kv-events-config publishes the prefix cache's pages: it needs the "
+                    "prefix cache (drop --no-prefix-cache)"
+                )
+            try:
+                events.check_ranks(pc.world_size if pc.dp_attention else 1)
+            except DsakvError as e:
+                raise DsakvError(f"kv_events_config: {e}") from None
         if self.storage is not None:
             if not self.enable_prefix_cache:
                 raise DsakvError(
@@ -349,6 +370,22 @@ class EngineConfig:
         if self.host_pool_ratio is not None:
             return "--host-pool-ratio or SGLang's --enable-hierarchical-cache / --hicache-ratio"
         return None
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """The KV cache events publisher's settings, or None when events are off."""
+        if self.kv_events_config is None:
+            return None
+        try:
+            events = KVEventsConfig.parse(self.kv_events_config)
+        except DsakvError as e:
+            raise DsakvError(f"kv_events_config: {e}") from None
+        return events if events.enabled else None
+
+    @property
+    def detailed_traces(self) -> frozenset[str]:
+        """What `collect_detailed_traces` times: "model", "worker", both or neither."""
+        return detailed_trace_modules(self.collect_detailed_traces)
 
     @property
     def storage(self) -> StorageConfig | None:
@@ -424,6 +461,19 @@ class EngineConfig:
         return ParallelConfig(
             self.tp, self.ep, self.dp_attention, self.nnodes, self.node_rank, self.dist_init_addr
         )
+
+
+def detailed_trace_modules(value: str | None) -> frozenset[str]:
+    """vLLM's --collect-detailed-traces value as the modules it names ("all": both)."""
+    if value is None:
+        return frozenset()
+    names = set(value.split(",")) if isinstance(value, str) else {None}
+    if not names <= {"model", "worker", "all"}:
+        raise DsakvError(
+            "collect_detailed_traces must be model, worker or all, or several of them "
+            f"comma-separated, got {value!r}"
+        )
+    return frozenset({"model", "worker"} if "all" in names else names)
 
 
 def resolve_device(name: str) -> torch.device:

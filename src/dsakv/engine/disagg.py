@@ -7,6 +7,9 @@ decode server, then `release_held` lets the pages go (full ones into the prefix 
 Decode server: `reserve` builds a request and gives it pages for the prompt plus the first
 decode token without queueing it; the prefill server writes the prompt's KV there; then
 `start_decoding` runs it from its first token, or `drop` gives the pages back.
+
+These run between steps, and a server may not step again soon: what they change in the
+prefix cache goes out as KV cache events at once (`Engine.publish_kv_events`).
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ def hold(engine: Engine, req: Request) -> None:
 
 def release_held(engine: Engine, req: Request) -> None:
     engine.scheduler.release_held(req)
+    engine.publish_kv_events()  # (its pages joined the cache between steps)
 
 
 def reserve(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> Request | None:
     """`Engine.reserve_detached`: None while the pool has no room (the caller retries)."""
-    return engine.reserve_detached(prompt_ids, params)
+    req = engine.reserve_detached(prompt_ids, params)
+    engine.publish_kv_events()  # (cached pages it evicted)
+    return req
 
 
 def drop(engine: Engine, req: Request) -> None:
@@ -39,3 +45,4 @@ def drop(engine: Engine, req: Request) -> None:
 def start_decoding(engine: Engine, req: Request, first_token: int) -> None:
     """`Engine.start_decoding`: run a reserved request whose prompt KV has arrived."""
     engine.start_decoding(req, first_token)
+    engine.publish_kv_events()  # (a first token that ends it: its pages joined the cache)

@@ -43,8 +43,9 @@ _REPLACED = (
     "routed_experts",  # (None until the request ends)
     "hidden_states",
 )
-# Per-request counts (`RequestMetrics`) a rank reports as they stand
+# Per-request counts and summed step times (`RequestMetrics`) a rank reports as they stand
 _COUNTS = ("prefix_hit_tokens", "retractions", "draft_tokens", "accepted_tokens")
+_COUNTS += ("scheduler_time", "execute_time", "forward_time")
 
 
 @dataclass
@@ -132,6 +133,7 @@ class _Reporter:
                 up[name] = getattr(req, name)
             m = req.metrics
             up["ttft_s"], up["latency_s"] = m.ttft, m.latency
+            up["queued_s"] = None if m.scheduled_time is None else m.scheduled_time - m.arrival_time
             up.update((name, getattr(m, name)) for name in _COUNTS)
             if req.finished:
                 self.sent.pop(req.rid, None)
@@ -326,6 +328,8 @@ class DPEngine:
             m.first_token_time = sent + up["ttft_s"]
         if up["latency_s"] is not None:
             m.finish_time = sent + up["latency_s"]
+        if up["queued_s"] is not None:
+            m.scheduled_time = sent + up["queued_s"]
         for name in _COUNTS:
             setattr(m, name, up[name])
         if mirror.finish_reason is not None:

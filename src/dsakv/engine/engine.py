@@ -42,6 +42,7 @@ from .detokenizer import TokenTexts, chars_per_token
 from .expert_distribution import EXPERT_DISTRIBUTION_CALLS, ExpertDistributionMixin
 from .grammar import GrammarCache
 from .hisparse import HotBuffers, check_host_latent
+from .kv_events import KVEventPublisher
 from .l3 import L3Cache, zero_counters
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
@@ -104,6 +105,27 @@ _EVERY_RANK = frozenset(SLEEP_CALLS + WEIGHT_CALLS + PROFILE_CALLS + EXPERT_DIST
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
 
 
+def _synced_clock(device: torch.device) -> float:
+    """`perf_counter` once the device has run what was queued on it: a forward pass timed as
+    it ran, not as it was launched (--collect-detailed-traces model: two syncs a step)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _time_step(
+    batch: list[tuple[Request, int]], scheduling: float, scheduled: float, forward: float
+) -> None:
+    """Add a step's times to each request it ran (`collect_detailed_traces`): `scheduling`
+    the scheduler's, the run from `scheduled` to now, `forward` the model's forward pass."""
+    run = time.perf_counter() - scheduled
+    for req, _ in batch:
+        m = req.metrics
+        m.scheduler_time += scheduling
+        m.execute_time += run
+        m.forward_time += forward
+
+
 def _current_gpu(device: torch.device) -> contextlib.AbstractContextManager:
     """`device` as the thread's current GPU for a step: `set_device` at build time holds
     for the building thread only, and an engine stepped on another launched on GPU 0."""
@@ -147,6 +169,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.config = config
         self.parallel = parallel or ParallelState.single()
         self.device = device or resolve_device(config.device)
+        self._timed = config.detailed_traces  # what each step times per request (`_step`)
         if self.device.type == "cpu":
             keep_freed_memory()
         else:  # Triton launches, graph captures and events use the thread's current GPU
@@ -263,6 +286,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.host, self.hot, self.l3 = self._tiers()
         try:
             self._build_loop(config)
+            self.kv_events = self._kv_event_publisher()
         except BaseException:  # (graph capture, the MTP drafter): no L3 threads left behind
             if self.l3 is not None:
                 self.l3.abandon()
@@ -315,6 +339,25 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 lockstep=self.parallel.config.dp_attention,
                 grammars=lambda: self.grammars,
             )
+
+    def _kv_event_publisher(self) -> KVEventPublisher | None:
+        """vLLM's and SGLang's KV cache events (`--kv-events-config`), published by each
+        scheduler: rank 0 under tensor parallelism (the other ranks' caches mirror its), each
+        rank under DP attention, on the endpoint's port plus its rank (vLLM's DP ranks')."""
+        events = self.config.kv_events
+        dp = self.parallel.config.dp_attention
+        if events is None or (self.parallel.rank != 0 and not dp):
+            return None
+        publisher = KVEventPublisher(events, self.parallel.rank if dp else 0, self.config.page_size)
+        self.cache.events = []
+        return publisher
+
+    def publish_kv_events(self) -> None:
+        """Hand what the prefix cache recorded since the last call to the publisher's thread
+        (once a step, and after calls that run between steps: a flush, a weight update)."""
+        if self.kv_events is not None and self.cache.events:
+            self.kv_events.publish(self.cache.events)
+            self.cache.events = []
 
     def _rank_max_running(self) -> int:
         """This rank's share of `max_running_requests`: all of it, but under DP attention,
@@ -823,6 +866,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         if self._busy() or (self.paused and self.scheduler.running):
             return False
         self.cache.reset()
+        self.publish_kv_events()
         return True
 
     # --- the ranks: what runs on every rank (the mixins' calls), closing, a dead rank -----
@@ -841,7 +885,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         or `DPEngine` sends it: `ModelRunner.serve`, `serve_dp_peer`)."""
         if method not in _EVERY_RANK:
             raise DsakvError(f"{method} is not an every-rank call")
-        return getattr(self, method)(*args)
+        try:
+            return getattr(self, method)(*args)
+        finally:
+            self.publish_kv_events()  # (a weight update's or a release's clear)
 
     def close(self) -> None:
         """Release the other ranks (if any) and wait for them to leave; idempotent. Every
@@ -851,6 +898,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         parts = [self._drop_profile, self.runner.stop]
         if self.l3 is not None:
             parts.append(functools.partial(self.l3.close, self.cache))
+        if self.kv_events is not None:
+            parts += [self.publish_kv_events, self.kv_events.close]
         parts += [functools.partial(weight_sync.leave, g) for _, g in self.weight_groups.values()]
         self.weight_groups.clear()
         while parts or self.on_close:
@@ -905,6 +954,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         """Run one batch; returns the requests that got a token (finished ones included)."""
         with self.rank_failures(), _current_gpu(self.device):
             out = self._step()
+            self.publish_kv_events()
             if self.profiler is not None:
                 self._profiled_step()
             return out
@@ -912,6 +962,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
     def _step(self) -> list[Request]:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        scheduled = time.perf_counter() if self._timed else start
         failed = self._fail_unschedulable(idle=not batch)
         if not batch and not self.parallel.config.dp_attention:
             return failed  # (under DP attention an idle rank still joins the collectives)
@@ -932,7 +983,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         # (None: no expert distribution window is open)
         counting = self.expert_record if self.recording else None
         record = record or counting is not None
+        forward = _synced_clock(self.device) if "model" in self._timed else 0.0
         hidden, logits, routed = self.runner.forward(new_tokens, slots, hot, rows, record)
+        if "model" in self._timed:
+            forward = _synced_clock(self.device) - forward
         if counting is not None:
             counted = [(r.num_computed, t) for (r, _), t in zip(batch, new_tokens)]
             counting.add(routed, counted, self.stats.steps)  # (steps: the passes before)
@@ -963,6 +1017,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             self.l3.flush()  # write-through: this step's new cached pages, draft KV included
         self.stats.steps += 1
         self.stats.step_time_s += time.perf_counter() - start
+        if self._timed:
+            _time_step(batch, scheduled - start, scheduled, forward)
         now = time.monotonic()
         if now - self._gen_marks[1][0] >= GEN_WINDOW_S:
             self._gen_marks = [self._gen_marks[1], (now, self.stats.output_tokens)]

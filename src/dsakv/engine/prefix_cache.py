@@ -14,6 +14,10 @@ A request's `cache_salt` (vLLM's; SGLang's `extra_key`) picks the tree it shares
 has its own root, whose hash starts the chain (`root_hash`), so requests with different
 salts (or one salted, one not) never share a page: not on the device, not in the host
 tier, not in L3, whose keys are the chain's hashes.
+
+With KV cache events on (`dsakv.engine.kv_events`), `events` collects what a router is
+told: pages stored and removed, on the device ("GPU") or the host tier ("CPU"), and a
+clear.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch
 
 from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
 from dsakv.memory.host import HostPool
+
+from .kv_events import CLEARED, MEDIUM_CPU, MEDIUM_GPU, REMOVED, STORED
 
 if TYPE_CHECKING:  # (l3 imports this module)
     from .l3 import L3Cache
@@ -73,6 +79,14 @@ class Node:
     stale: bool = False  # out of the tree since `retire`: freed when its last lock goes
 
 
+@dataclass(eq=False)
+class Root(Node):
+    """A tree's root (no page): `hash` is `root_hash(salt)`; the salt itself goes out with
+    its first pages' KV cache events, for routers that hash tokens themselves."""
+
+    salt: str | None = None
+
+
 class PrefixCache:
     """Matches, locks, inserts and evicts cached pages; owns the pages it holds."""
 
@@ -82,8 +96,8 @@ class PrefixCache:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.host = host
-        self.root = Node((), None)  # the unsalted tree's; a salted one's is in `roots`
-        self.roots: dict[bytes, Node] = {ROOT_HASH: self.root}  # by `root_hash`
+        self.root = Root((), None)  # the unsalted tree's; a salted one's is in `roots`
+        self.roots: dict[bytes, Root] = {ROOT_HASH: self.root}  # by `root_hash`
         self.num_device_pages = 0  # pages the tree holds on the device
         self.num_host_pages = 0
         self.demoted_pages = 0  # to the host tier on eviction; promoted: back on a hit
@@ -92,6 +106,8 @@ class PrefixCache:
         # Weights the KV is computed with: `retire` counts each update; a request's KV from
         # an earlier epoch (`Request.kv_epoch`) never joins the tree.
         self.epoch = 0
+        # KV cache events since the engine last published them (None: events off)
+        self.events: list[tuple] | None = None
 
     # --- lookups ---------------------------------------------------------------------------
 
@@ -138,13 +154,20 @@ class PrefixCache:
             self.num_device_pages += 1
             self.num_host_pages -= 1
             self.promoted_pages += 1
+            self._removed(n, MEDIUM_CPU)
+            self._stored(n, MEDIUM_GPU)
 
     # --- insertion -------------------------------------------------------------------------
 
     def insert(
-        self, tokens: list[int], pages: list[int], start: int = 0, root: bytes = ROOT_HASH
+        self,
+        tokens: list[int],
+        pages: list[int],
+        start: int = 0,
+        root: bytes = ROOT_HASH,
+        salt: str | None = None,
     ) -> list[Node]:
-        """Adopt the full pages of `tokens` into the tree of `root` (a salt's `root_hash`);
+        """Adopt the full pages of `tokens` into the tree of `root` (`root_hash(salt)`);
         pages already cached are freed as duplicates.
 
         `pages[i]` holds tokens of page i; pages before `start` are already tree nodes (the
@@ -152,7 +175,7 @@ class PrefixCache:
         """
         ps = self.page_size
         if root not in self.roots and len(tokens) >= ps:
-            self.roots[root] = Node((), None, hash=root)
+            self.roots[root] = Root((), None, hash=root, salt=salt)
         node, path, tick = self.roots.get(root), [], next(_clock)
         duplicates: list[int] = []
         for i in range(len(tokens) // ps):
@@ -162,6 +185,7 @@ class PrefixCache:
                 child = Node(key, node, page=pages[i], hash=page_hash(node.hash, key))
                 node.children[key] = child
                 self.num_device_pages += 1
+                self._stored(child, MEDIUM_GPU)
                 if self.l3 is not None:
                     self.l3.adopted(child)
             elif i >= start:
@@ -170,6 +194,8 @@ class PrefixCache:
                     child.page, child.host_slots = pages[i], None
                     self.num_host_pages -= 1
                     self.num_device_pages += 1
+                    self._removed(child, MEDIUM_CPU)
+                    self._stored(child, MEDIUM_GPU)
                 elif child.page != pages[i]:
                     duplicates.append(pages[i])
             child.last_access = tick
@@ -232,6 +258,8 @@ class PrefixCache:
         n.host_slots = host_slots
         self.num_host_pages += 1
         self.demoted_pages += 1
+        self._removed(n, MEDIUM_GPU)
+        self._stored(n, MEDIUM_CPU)
 
     def free_host_pages(self, pages: int) -> None:
         """Drop the least recently used host-only pages until `pages` host pages are free,
@@ -254,7 +282,9 @@ class PrefixCache:
         """Drop everything not locked by a running request, device pages and host copies
         alike. Nothing is demoted to the host on the way out (SGLang's /flush_cache and
         vLLM's /reset_prefix_cache drop, they do not offload); L3 still gets each page's
-        last copy (`leaving`), as on eviction."""
+        last copy (`leaving`), as on eviction. Emptied, the cache tells one clear, not
+        each page."""
+        mark = len(self.events) if self.events is not None else 0
         stack = [n for r in list(self.roots.values()) for n in r.children.values()]
         while stack:
             n = stack.pop()
@@ -262,12 +292,15 @@ class PrefixCache:
                 stack.extend(n.children.values())
             else:
                 self._drop_subtree(n)  # nothing below is locked: a lock covers a root path
+        if next(self._nodes(), None) is None:
+            self._cleared(mark)
 
     def retire(self) -> None:
         """`reset` for a weight update: the pages requests still lock (paused ones', their KV
         the old weights') stay theirs but leave the tree too, so that no request admitted
         from now on matches them; each is freed when its last lock goes. Nothing reaches
         L3, which takes no update under paused requests."""
+        mark = len(self.events) if self.events is not None else 0
         self.reset()
         stack = list(self._nodes())  # (all locked: `reset` left no other)
         for n in stack:
@@ -275,6 +308,7 @@ class PrefixCache:
         self.root.children = {}
         self.roots = {ROOT_HASH: self.root}
         self.epoch += 1
+        self._cleared(mark)
 
     def _drop_subtree(self, top: Node) -> None:
         """Detach `top` with every node below it (none locked), freeing their device and host
@@ -288,10 +322,12 @@ class PrefixCache:
                 self.allocator.free([n.page])
                 n.page = None
                 self.num_device_pages -= 1
+                self._removed(n, MEDIUM_GPU)
             if n.host_slots is not None:
                 self.host.free(n.host_slots)
                 n.host_slots = None
                 self.num_host_pages -= 1
+                self._removed(n, MEDIUM_CPU)
             stack.extend(n.children.values())
             n.children = {}
         parent = top.parent
@@ -299,6 +335,27 @@ class PrefixCache:
             parent.children.pop(top.key, None)
             if not parent.children and parent is not self.root and parent.parent is None:
                 self.roots.pop(parent.hash, None)  # a salt's last page: its root goes too
+
+    # --- KV cache events (`dsakv.engine.kv_events`) ----------------------------------------
+
+    def _stored(self, n: Node, medium: str) -> None:
+        if self.events is not None:
+            p = n.parent
+            if isinstance(p, Root):  # a tree's first page: no parent, the tree's salt
+                self.events.append((STORED, medium, n.hash, None, n.key, p.salt))
+            else:
+                self.events.append((STORED, medium, n.hash, p.hash, n.key, None))
+
+    def _removed(self, n: Node, medium: str) -> None:
+        if self.events is not None:
+            self.events.append((REMOVED, medium, n.hash))
+
+    def _cleared(self, mark: int) -> None:
+        """Everything left the tree: the events since `mark` (its pages' removals) become
+        one clear."""
+        if self.events is not None:
+            del self.events[mark:]
+            self.events.append((CLEARED,))
 
     def _nodes(self):
         stack = [n for r in self.roots.values() for n in r.children.values()]

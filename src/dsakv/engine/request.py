@@ -27,12 +27,23 @@ class Status(enum.Enum):
 @dataclass
 class RequestMetrics:
     arrival_time: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None  # its first admission (vLLM's scheduled_ts)
     first_token_time: float | None = None
     finish_time: float | None = None
     prefix_hit_tokens: int = 0
     retractions: int = 0
     draft_tokens: int = 0  # drafts the target checked (MTP or n-gram)
     accepted_tokens: int = 0  # ... and kept
+    # Summed over the steps it ran in, with `collect_detailed_traces` only (its span's
+    # time_in_scheduler, time_in_model_execute and time_in_model_forward: `Engine._step`)
+    scheduler_time: float = 0.0
+    execute_time: float = 0.0
+    forward_time: float = 0.0
+
+    def scheduled(self) -> None:
+        """Stamp its first admission; a retracted request's later ones keep it."""
+        if self.scheduled_time is None:
+            self.scheduled_time = time.perf_counter()
 
     @property
     def ttft(self) -> float | None:

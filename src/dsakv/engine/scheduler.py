@@ -291,7 +291,8 @@ class Scheduler:
         keep = 0
         if self._caches(req) and req.pages and req.finish_reason != "abort":
             tokens = req.all_ids[: req.num_computed]
-            path = self.cache.insert(tokens, req.pages, req.num_cached_pages, req.cache_root)
+            salt = req.params.cache_salt
+            path = self.cache.insert(tokens, req.pages, req.num_cached_pages, req.cache_root, salt)
             keep = len(path)
         private = req.pages[max(keep, req.num_cached_pages) :]
         self.cache.unlock(req.prefix_nodes)
@@ -336,6 +337,7 @@ class Scheduler:
         """Run a request whose first `num_computed` positions' KV is already in its pages."""
         self.parked.pop(req.rid, None)
         req.status = Status.RUNNING
+        req.metrics.scheduled()
         self.running.append(req)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
 
@@ -353,9 +355,8 @@ class Scheduler:
         duplicate page is freed and it switches to the cached one."""
         if not self._caches(req):
             return
-        path = self.cache.insert(
-            req.all_ids[: req.num_computed], req.pages, req.num_cached_pages, req.cache_root
-        )
+        ids, salt = req.all_ids[: req.num_computed], req.params.cache_salt
+        path = self.cache.insert(ids, req.pages, req.num_cached_pages, req.cache_root, salt)
         if len(path) <= req.num_cached_pages:
             return
         self.cache.lock(path[req.num_cached_pages :])
@@ -467,6 +468,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             req.status = Status.RUNNING
+            req.metrics.scheduled()
             self.running.append(req)
             batch.append((req, n))
             budget -= n

@@ -44,6 +44,7 @@ from .responses import add_responses_routes
 from .runner import AsyncEngine
 from .score import add_score_route
 from .sessions import add_session_routes
+from .tracing import RequestTracer, TraceConfig
 
 _ENDPOINTS = (
     "/v1/completions",
@@ -111,6 +112,7 @@ def build_app(
     request_log: RequestLogConfig | None = None,
     http: HTTPConfig | None = None,
     defaults: ResponseDefaults | None = None,
+    tracing: TraceConfig | None = None,
 ) -> FastAPI:
     """The app for one engine. `model_name`: the served name, or several (vLLM's
     `--served-model-name`): /v1/models lists each, responses report the first, a request
@@ -123,7 +125,8 @@ def build_app(
     defaults to the model type's tool-call and reasoning parsers. `request_log`: what the
     generation routes log of each request (default: nothing; `request_log`). `http`: CORS
     (every origin by default, as vLLM's) and the root path (`HTTPConfig`); `defaults`: vLLM's
-    server-wide defaults for what a request leaves out (`ResponseDefaults`)."""
+    server-wide defaults for what a request leaves out (`ResponseDefaults`). `tracing`: where
+    each request's OpenTelemetry span goes (`tracing`; None: no spans, no SDK loaded)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     if not names or not all(names):
         raise DsakvError("a served model name must be a non-empty string")
@@ -145,7 +148,12 @@ def build_app(
     if chat_parsers is None:
         chat_parsers = ChatParsers.for_engine(async_engine.engine)
     app.state.chat_parsers = chat_parsers
-    api = Handlers(async_engine, names, metrics, chat_parsers, aliases, request_log, defaults)
+    tracer = None
+    if tracing is not None:
+        tracer = RequestTracer(tracing, model_name, async_engine.engine.config.detailed_traces)
+    api = Handlers(
+        async_engine, names, metrics, chat_parsers, aliases, request_log, defaults, tracer
+    )
     app.state.handlers = api  # (closed with the app: `_lifespan`)
 
     async def health() -> Response:

@@ -63,6 +63,7 @@ from .request_log import RequestLog, RequestLogConfig
 from .runner import AsyncEngine, RequestStream
 from .sessions import Sessions
 from .submit import Call, InFlight, Result, SubmitMixin, sse_event
+from .tracing import RequestTracer
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,10 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         aliases: Sequence[str] = (),
         request_log: RequestLogConfig | None = None,
         defaults: ResponseDefaults | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.engine = async_engine
+        self.tracer = tracer  # (`SubmitMixin`; closed with the app)
         self.defaults = defaults or ResponseDefaults()
         self.model_names = list(model_names)
         self.model_name = self.model_names[0]  # what responses report
@@ -120,8 +123,11 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
     async def close(self) -> None:
         """End the grammar compile threads with the app (its lifespan: `build_app`), or each
         app built in a process leaves its own behind: compiles queued are dropped, one
-        running is waited for (xgrammar cannot stop it), off the event loop."""
+        running is waited for (xgrammar cannot stop it), off the event loop; the last
+        spans are sent."""
         await asyncio.to_thread(self._compiles.shutdown, cancel_futures=True)
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
 
     async def completion(self, body: CompletionRequest, raw: Request) -> Response:
         """Completions for every prompt of the request, `n` choices each (choice index

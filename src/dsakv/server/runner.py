@@ -31,6 +31,7 @@ import numpy as np
 
 from dsakv.engine import Engine, Request, SamplingParams, Status
 from dsakv.engine.detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
+from dsakv.engine.request import RequestMetrics
 from dsakv.errors import DsakvError
 
 from .watchdog import StepWatchdog
@@ -131,6 +132,9 @@ class Update:
     # `Request.hidden_states`
     routed_experts: np.ndarray | None = None
     hidden_states: np.ndarray | None = None
+    # In a request's last update only: its times as the engine took them (final once it
+    # ended; its span's: `dsakv.server.tracing`), where the engine ran it
+    times: RequestMetrics | None = None
 
 
 @dataclass(eq=False)
@@ -581,6 +585,7 @@ def _ended(
         completion_tokens=len(req.output_ids) if req is not None else 0,
         error=error,
         abort_asked=(status or Status.RUNNING).value if asked else None,
+        times=req.metrics if req is not None else None,
     )
 
 
@@ -645,6 +650,7 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         ),
         routed_experts=req.routed_experts,  # (None until it ends)
         hidden_states=req.hidden_states,
+        times=m if req.finished else None,
     )
 
 

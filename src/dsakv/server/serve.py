@@ -26,6 +26,7 @@ from .openai_format import ResponseDefaults
 from .parsers import resolve_parsers
 from .request_log import RequestLogConfig
 from .runner import AsyncEngine, Bridge, EngineThread
+from .tracing import TraceConfig
 
 
 def model_names(
@@ -71,6 +72,7 @@ def make_server(
     request_log: RequestLogConfig | None = None,
     http: HTTPConfig | None = None,
     defaults: ResponseDefaults | None = None,
+    tracing: TraceConfig | None = None,
 ) -> tuple[uvicorn.Server, AsyncEngine]:
     """The server `run_server` runs, not yet started (tests drive it on a thread). Parser
     names: "auto" (the model type's own), "none", or one of `parsers.TOOL_PARSERS` /
@@ -80,7 +82,8 @@ def make_server(
     (`load_chat_template`). `served_model_name`: one name or several (`model_names`).
     `log_level` and `access_log` (a line per request) are uvicorn's; `request_log` the
     generation requests' own log (default: none). `http`: CORS, TLS and the root path
-    (`HTTPConfig`); `defaults`: what requests leave out (`ResponseDefaults`)."""
+    (`HTTPConfig`); `defaults`: what requests leave out (`ResponseDefaults`); `tracing`:
+    where the requests' spans go (`TraceConfig`; default: none)."""
     resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
     http = http or HTTPConfig()
     http.check_files()
@@ -108,6 +111,7 @@ def make_server(
         request_log=request_log,
         http=http,
         defaults=defaults,
+        tracing=tracing,
     )
     async_engine.attach(app)
     uv = uvicorn.Config(
@@ -139,11 +143,13 @@ def run_server(
     request_log: RequestLogConfig | None = None,
     http: HTTPConfig | None = None,
     defaults: ResponseDefaults | None = None,
+    tracing: TraceConfig | None = None,
 ) -> None:
     """Serve `config`'s model over the OpenAI API until interrupted (`dsakv serve`). The
     port is taken before the engine loads (`listener`, else `Listener(host, port)` now);
     `log_level` and `access_log` are uvicorn's, `request_log` the requests' own log, `http`
-    CORS, TLS and the root path, `defaults` what requests leave out."""
+    CORS, TLS and the root path, `defaults` what requests leave out, `tracing` where the
+    requests' spans go."""
     listener = listener or Listener(host, port)
     try:
         server, async_engine = make_server(
@@ -162,6 +168,7 @@ def run_server(
             request_log=request_log,
             http=http,
             defaults=defaults,
+            tracing=tracing,
         )
     except BaseException:
         listener.close()

@@ -100,9 +100,11 @@ class Call:
     streams the engine took for them so far (in output order), the outputs an abort
     reached before the engine took them, the engine's `generate_n` taking the next
     `waiting_n` outputs while it runs, its request log entry (None: not logged), and what
-    runs once it closes (a session's node ending: `sessions`)."""
+    runs once it closes (a session's node ending: `sessions`). `shown`: the id its client
+    sees (its spans': `tracing`)."""
 
     names: list[frozenset[str]]
+    shown: str | None = None
     streams: list[RequestStream] = field(default_factory=list)
     early: set[int] = field(default_factory=set)
     waiting: asyncio.Future | None = None
@@ -149,7 +151,7 @@ class InFlight:
         already in flight is a 400, as SGLang's (`param`: the field that named it).
         `shown`: the id its client sees (a response's, a /generate output's), and `raw`
         the request it came in, for the request log (none: not logged)."""
-        call = Call([frozenset(x) for x in names])
+        call = Call([frozenset(x) for x in names], shown=shown)
         taken = set().union(*call.names)
         for name in sorted(taken):
             if name in self._named:
@@ -243,8 +245,8 @@ class InFlight:
 
 class SubmitMixin:
     """`Handlers`' submission. Its host holds the engine (`engine`), the calls in flight
-    (`in_flight`), the latency histograms (`metrics`) and whether it is a PD server
-    (`disaggregated`)."""
+    (`in_flight`), the latency histograms (`metrics`), the spans (`tracer`; None: not
+    traced) and whether it is a PD server (`disaggregated`)."""
 
     async def _submit_n(
         self,
@@ -368,20 +370,31 @@ class SubmitMixin:
         """Every prompt's `n` choices, in order, each prompt with its own params (and the
         field its client's max_tokens came in: `_submit_n`); if one is rejected, the others
         are aborted (and `call` closed: `InFlight`, which learns of each prompt's choices
-        as the engine takes them)."""
+        as the engine takes them). Each choice the engine took is traced (`tracer`), and
+        so is a prompt it did not take."""
         streams: list[RequestStream] = []
+        traced = self.tracer.call(raw.headers, call) if self.tracer is not None else None
         try:
             with _logged(call, prompts, params, n):
                 for prompt, p, given in zip(prompts, params, max_tokens_params, strict=True):
-                    taken = await self._submit_n(
-                        prompt, p, n, raw, prompt_param, given, special, call
-                    )
+                    try:
+                        taken = await self._submit_n(
+                            prompt, p, n, raw, prompt_param, given, special, call
+                        )
+                    except APIError as e:
+                        if traced is not None:
+                            traced.refused(p, n, e)
+                        raise
+                    if traced is not None:
+                        traced.took(taken, p, n)
                     streams += taken
                     if call is not None:
                         self.in_flight.took(call, taken)
         except BaseException:
             for s in streams:
                 self.engine.abort(s)
+            if traced is not None:
+                traced.dropped(streams)
             self.in_flight.close(call)
             raise
         return streams
@@ -545,12 +558,15 @@ class SubmitMixin:
         """A request's updates up to and including the finishing one; errors raise."""
         finished, times = False, self.metrics.request()
         seen = self.in_flight.tap(stream)
+        span = self.tracer.span(stream) if self.tracer is not None else None
         try:
             while True:
                 u = await stream.get()
                 times.observe(u)
                 if seen is not None:
                     seen.add(u)
+                if span is not None:
+                    span.observe(u)
                 finished = u.finished
                 if u.error is not None:
                     raise _update_error(u)
@@ -560,6 +576,8 @@ class SubmitMixin:
         finally:
             if not finished:  # the client left, or another choice failed: it is aborted
                 self.metrics.success.labels("abort").inc()
+            if span is not None:
+                span.end()
 
     async def _collect(self, stream: RequestStream, raw: Request, result: Result) -> Result:
         """Wait for the whole output (into `result`), aborting if the client goes away

@@ -1,0 +1,294 @@
+"""KV cache events for KV-aware routers (NVIDIA Dynamo, llm-d): vLLM's and SGLang's
+`--kv-events-config` publisher, on their wire.
+
+What. The prefix cache (`PrefixCache.events`) records, as it goes, each page it adopts on
+the device (`BlockStored`, medium "GPU"), each page that leaves the device for good
+(`BlockRemoved`, "GPU"), the host tier's moves (a demotion: removed from "GPU", stored on
+"CPU"; a promotion the reverse; a host copy dropped: removed from "CPU") and a flush or a
+weight update (`AllBlocksCleared`). Pages that never join the tree (the prefix cache off,
+a partial last page, a request whose KV predates a weight update) are never announced, nor
+is a page already cached (its duplicate is freed). "GPU" names the engine's KV pool on a
+CPU run too: consumers read the medium as the tier (vLLM's main pool is "GPU", its offload
+tier "CPU"), and two tiers both called "CPU" could not be told apart.
+
+A page's hash is its chain hash (`prefix_cache.page_hash`, over every token from the start
+of its sequence and the request's `cache_salt`) as a signed 64-bit int, its first 8 bytes
+big-endian: SGLang's conversion of its own SHA-256 chain, and an int64 every msgpack
+decoder takes. It is the same on every rank, server and restart for the same tokens and
+salt, so a router sees one prefix as one block wherever it is cached. A batch's parent
+hash is that of the page before its first (None for a tree's first page). Routers hash
+the tokens themselves (Dynamo, llm-d): a salted tree's first page carries its salt in
+`extra_keys` as vLLM's does (`[(salt,), None, ...]`, one entry a page), and the pages
+after it inherit it through their parents; without it a router would take a salted prefix
+for the unsalted one.
+
+Wire (vLLM's and SGLang's): msgspec msgpack, `KVEventBatch` = [ts, events, dp_rank] with
+each event a tagged array (`["BlockStored", hashes, parent, token_ids, block_size,
+lora_id, medium]`, then `lora_name, extra_keys` where a salt is told; `["BlockRemoved",
+hashes, medium]`, `["AllBlocksCleared"]`): the layout of SGLang and of vLLM before its
+#42892 (2026-06), which made each event a tagged map (Dynamo and llm-d read both; older
+decoders, SGLang's clients among them, arrays only). A run of chained pages
+stored together is one `BlockStored`. The PUB socket sends [topic, 8-byte big-endian
+sequence number, payload] once per engine step that changed the cache; the ROUTER replay
+socket answers a start sequence number (8 bytes) with each buffered [topic, seq, payload]
+from there, then [b"", -1 as 8 bytes, b""]: vLLM's since its #45177 (v0.26), which
+llm-d's replay client needs (the topic names the pod).
+
+How. The step loop only appends tuples and `publish` queues a step's list; one thread
+builds the structs, encodes, sends and serves replays. A full queue (`max_queue_size`
+batches behind) makes the step wait for room, as vLLM's publisher does: a batch dropped
+there would leave no sequence gap for a subscriber to replay, its view of the cache wrong
+for good. zmq and msgspec are imported only here, only when events are on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from types import SimpleNamespace
+from typing import Any
+
+from dsakv.config.kv_events import KVEventsConfig
+from dsakv.errors import ConfigError, DsakvError, one_line
+
+log = logging.getLogger(__name__)
+
+MEDIUM_GPU = "GPU"  # the engine's KV pool (a tier's name: on a CPU run too)
+MEDIUM_CPU = "CPU"  # the host tier
+# What the prefix cache records (cheap on the step loop): (STORED, medium, hash, parent
+# hash or None, the page's tokens, its tree's salt where it is the tree's first page else
+# None), (REMOVED, medium, hash), (CLEARED,)
+STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # a replay's last frame
+_WARN_EVERY_S = 10.0
+
+
+def block_hash(chain_hash: bytes) -> int:
+    """A page's chain hash as the event's 64-bit block hash (module docstring)."""
+    return int.from_bytes(chain_hash[:8], "big", signed=True)
+
+
+@functools.cache
+def wire() -> SimpleNamespace:
+    """vLLM's msgspec structs, built on first use (msgspec is imported only then; built
+    with `defstruct`, as this module's annotations are strings no local class resolves)."""
+    import msgspec
+
+    opts = dict(array_like=True, omit_defaults=True, gc=False)
+    event = msgspec.defstruct("KVCacheEvent", [], tag=True, **opts)
+    stored = msgspec.defstruct(
+        "BlockStored",
+        [
+            ("block_hashes", list[int]),
+            ("parent_block_hash", int | None),
+            ("token_ids", list[int]),
+            ("block_size", int),
+            ("lora_id", int | None),
+            ("medium", str | None),
+            ("lora_name", str | None, None),
+            ("extra_keys", list[tuple[str, ...] | None] | None, None),
+        ],
+        bases=(event,),
+    )
+    removed = msgspec.defstruct(
+        "BlockRemoved", [("block_hashes", list[int]), ("medium", str | None)], bases=(event,)
+    )
+    cleared = msgspec.defstruct("AllBlocksCleared", [], bases=(event,))
+    batch = msgspec.defstruct(
+        "KVEventBatch",
+        [
+            ("ts", float),
+            ("events", list[stored | removed | cleared]),
+            ("data_parallel_rank", int | None, None),
+        ],
+        **opts,
+    )
+    return SimpleNamespace(
+        BlockStored=stored, BlockRemoved=removed, AllBlocksCleared=cleared, KVEventBatch=batch
+    )
+
+
+def to_events(records: list[tuple], block_size: int) -> list[Any]:
+    """The prefix cache's records as vLLM's events: runs of chained pages stored on one
+    medium as one `BlockStored` (a salted tree's first page starts one, its salt in
+    `extra_keys`), runs of removals from one medium as one `BlockRemoved`."""
+    w, out = wire(), []
+    last: Any = None
+    prev = None  # the last stored page's hash
+    for rec in records:
+        kind = rec[0]
+        if kind == STORED:
+            _, medium, h, parent, key, salt = rec
+            if isinstance(last, w.BlockStored) and last.medium == medium and parent == prev:
+                last.block_hashes.append(block_hash(h))
+                last.token_ids.extend(key)
+                if last.extra_keys is not None:
+                    last.extra_keys.append(None)
+            else:
+                first = None if parent is None else block_hash(parent)
+                extra = None if salt is None else [(salt,)]
+                last = w.BlockStored(
+                    [block_hash(h)], first, list(key), block_size, None, medium, None, extra
+                )
+                out.append(last)
+            prev = h
+        elif kind == REMOVED:
+            _, medium, h = rec
+            if isinstance(last, w.BlockRemoved) and last.medium == medium:
+                last.block_hashes.append(block_hash(h))
+            else:
+                last = w.BlockRemoved([block_hash(h)], medium)
+                out.append(last)
+        else:
+            last = w.AllBlocksCleared()
+            out.append(last)
+    return out
+
+
+class KVEventPublisher:
+    """One scheduler's publisher: a PUB socket, an optional ROUTER replay socket, and the
+    thread that owns both (sockets are not thread-safe: created, used and closed there)."""
+
+    def __init__(self, config: KVEventsConfig, dp_rank: int, block_size: int) -> None:
+        try:
+            import msgspec  # noqa: F401 - here, so a missing package is one line now
+            import zmq  # noqa: F401
+        except ImportError as e:
+            raise DsakvError(f"--kv-events-config needs pyzmq and msgspec: {e}") from None
+        self.config = config
+        self.dp_rank, self.block_size = dp_rank, block_size
+        self.endpoint, self.replay_endpoint = config.endpoints(dp_rank)
+        self.waited = 0  # times a full queue made the engine wait
+        self._queue: queue.Queue[tuple[float, list[tuple]] | None] = queue.Queue(
+            config.max_queue_size
+        )
+        self._warned = 0.0
+        self._closed = False
+        bound: Future[None] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(bound,), name=f"dsakv-kv-events-{dp_rank}", daemon=True
+        )
+        self._thread.start()
+        bound.result()  # (a port in use: the engine fails now, in one line)
+        log.info("KV cache events on %s (replay: %s)", self.endpoint, self.replay_endpoint)
+
+    def publish(self, records: list[tuple]) -> None:
+        """Queue one step's records for the thread; waits while the queue is full."""
+        item = (time.time(), records)
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.waited += 1
+            now = time.monotonic()
+            if now - self._warned >= _WARN_EVERY_S:
+                self._warned = now
+                log.warning(
+                    "KV events queue full (max_queue_size %d, %d time(s) so far): the engine "
+                    "waits for the publisher",
+                    self.config.max_queue_size,
+                    self.waited,
+                )
+            while self._thread.is_alive():  # (closed, nothing would drain it)
+                try:
+                    self._queue.put(item, timeout=0.5)
+                    return
+                except queue.Full:
+                    pass
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued, then stop the thread and close the sockets; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:  # (the thread is stuck: it is a daemon)
+            log.warning("KV events publisher did not drain in %.0f s", timeout_s)
+            return
+        self._thread.join(timeout_s)
+
+    def _run(self, bound: Future[None]) -> None:
+        import msgspec
+        import zmq
+
+        ctx = zmq.Context.instance()
+        sockets: list[Any] = []
+        try:
+            pub = ctx.socket(zmq.PUB)
+            sockets.append(pub)
+            pub.set_hwm(self.config.hwm)
+            if _binds(self.endpoint):
+                pub.bind(self.endpoint)
+            else:
+                pub.connect(self.endpoint)
+            replay = None
+            if self.replay_endpoint is not None:
+                replay = ctx.socket(zmq.ROUTER)
+                sockets.append(replay)
+                replay.bind(self.replay_endpoint)
+        except zmq.ZMQError as e:
+            for s in sockets:
+                s.close(linger=0)
+            where = self.endpoint if len(sockets) < 2 else self.replay_endpoint
+            bound.set_exception(ConfigError(f"--kv-events-config: {where}: {one_line(e, False)}"))
+            return
+        bound.set_result(None)
+        encode = msgspec.msgpack.Encoder().encode
+        topic = self.config.topic.encode()
+        buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_steps)
+        seq = 0
+        try:
+            while True:
+                if replay is not None and replay.poll(0):
+                    try:
+                        self._replay(replay, buffer, topic)
+                    except Exception:  # noqa: BLE001 - one client's replay, not the publisher
+                        log.exception("serving a KV events replay failed")
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    return
+                try:
+                    ts, records = item
+                    batch = wire().KVEventBatch(
+                        ts, to_events(records, self.block_size), self.dp_rank
+                    )
+                    payload = encode(batch)
+                    pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+                except Exception:  # noqa: BLE001 - one batch lost, not the publisher
+                    log.exception("publishing KV events failed")
+                    continue
+                buffer.append((seq, payload))
+                seq += 1
+        finally:
+            for s in sockets:
+                s.close(linger=0)
+
+    @staticmethod
+    def _replay(replay: Any, buffer: deque[tuple[int, bytes]], topic: bytes) -> None:
+        """One replay request (vLLM's: [identity, b"", start seq]): every buffered batch
+        from that sequence number on as it was published (topic, seq, payload), then the
+        end marker (an empty topic)."""
+        frames = replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("ignored a malformed KV events replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in buffer:
+            if seq >= first:
+                replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's rule: bind a wildcard, ipc or inproc address; connect to any other (a
+    subscriber that binds)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
