@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from dsakv.disagg.config import DEFAULT_BOOTSTRAP_PORT, MODES, DisaggConfig
+from dsakv.disagg.policy import DEFAULT_POLICIES, POLICIES, PolicyConfig
 from dsakv.errors import DsakvError
 
 from .args import (
@@ -71,11 +72,64 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from dsakv.disagg.launch import run_router_on
     from dsakv.disagg.router import build_router_app
 
+    policy = policy_config(args)
     build_router_app(args.prefill, args.decode)  # bad URLs fail before anything listens
     http = http_config(args)
     with listen(args.host, args.port) as listener:
-        run_router_on(listener, args.prefill, args.decode, args.api_key, http)
+        run_router_on(listener, args.prefill, args.decode, args.api_key, http, policy)
     return 0
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """`dsakv router`'s load balancing: SGLang router's flags and defaults."""
+    g = p.add_argument_group("load balancing (SGLang router's policies)")
+    default = ", ".join(f"{v} for {k} servers" for k, v in DEFAULT_POLICIES.items())
+    g.add_argument(
+        "--policy", choices=POLICIES,
+        help=f"how each request's servers are picked (default: {default})",
+    )  # fmt: skip
+    for kind in MODES:
+        g.add_argument(
+            f"--{kind}-policy", choices=POLICIES, help=f"{kind} servers' (over --policy)"
+        )
+    d = PolicyConfig()
+    g.add_argument(
+        "--cache-threshold", type=float, metavar="X", default=d.cache_threshold,
+        help="cache_aware: the share of a prompt a server's tree must match for it to go there, "
+        f"else to the server with the smallest tree (0..1, default {d.cache_threshold})",
+    )  # fmt: skip
+    g.add_argument(
+        "--balance-abs-threshold", type=int, metavar="N", default=d.balance_abs_threshold,
+        help="cache_aware: to the least loaded server (requests in flight) while the most "
+        f"loaded has more than this many more (default {d.balance_abs_threshold}) ...",
+    )  # fmt: skip
+    g.add_argument(
+        "--balance-rel-threshold", type=float, metavar="X", default=d.balance_rel_threshold,
+        help=f"... and more than this many times as many (default {d.balance_rel_threshold})",
+    )  # fmt: skip
+    g.add_argument(
+        "--eviction-interval-secs", "--eviction-interval", type=int, metavar="S",
+        default=d.eviction_interval_secs, dest="eviction_interval_secs",
+        help="cache_aware: SGLang's seconds between its cuts of the trees (default "
+        f"{d.eviction_interval_secs}), accepted: a tree is cut as it passes --max-tree-size",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-tree-size", type=int, metavar="N", default=d.max_tree_size,
+        help=f"cache_aware: characters of prompts kept per server (default {d.max_tree_size})",
+    )  # fmt: skip
+
+
+def policy_config(args: argparse.Namespace) -> PolicyConfig:
+    return PolicyConfig(
+        args.policy,
+        args.prefill_policy,
+        args.decode_policy,
+        args.cache_threshold,
+        args.balance_abs_threshold,
+        args.balance_rel_threshold,
+        args.eviction_interval_secs,
+        args.max_tree_size,
+    )
 
 
 def _cmd_serve_pd(args: argparse.Namespace) -> int:
@@ -162,6 +216,7 @@ def add_commands(sub: Any) -> None:
         type=api_key,
         help="require this Bearer token (and relay it: the servers check theirs)",
     )
+    add_policy_args(p)
     add_http_args(p)
     p.set_defaults(func=_cmd_router)
 

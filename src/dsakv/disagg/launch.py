@@ -17,6 +17,7 @@ from dsakv.errors import DsakvError
 from dsakv.procs import Listener, exit_on_sigterm, free_port, serve_app, stop_processes
 from dsakv.server.http_config import HTTPConfig
 
+from .policy import PolicyConfig
 from .router import build_router_app
 
 
@@ -67,11 +68,13 @@ def run_router_on(
     decode: list[str],
     api_key: str | None = None,
     http: HTTPConfig | None = None,
+    policy: PolicyConfig | None = None,
 ) -> None:
     """`run_router` on sockets taken earlier; says where it routes once it serves. `http`:
-    its CORS, TLS and root path (the front door's, as `dsakv serve`'s)."""
+    its CORS, TLS and root path (the front door's, as `dsakv serve`'s); `policy`: how it
+    picks servers."""
     http = http or HTTPConfig()
-    app = build_router_app(prefill, decode, api_key)
+    app = build_router_app(prefill, decode, api_key, policy)
     http.install(app)
     host, port = listener.host, listener.port
     shown = f"[{host}]" if ":" in host else host

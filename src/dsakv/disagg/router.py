@@ -1,7 +1,9 @@
 """`dsakv router`: the OpenAI-compatible front door of a prefill/decode deployment.
 
 Each completions, chat, Responses API or Anthropic Messages API request goes to one
-prefill server and one decode server (round robin) with the same bootstrap room; the decode
+prefill server and one decode server (each kind's policy picks them: `policy.py`; by
+default the prefill server whose cache likely holds the longest prefix of the prompt, the
+decode servers in turn) with the same bootstrap room; the decode
 server's answer (streamed or not) is the client's. A stored response lives on the decode
 server that wrote it: the router remembers which (else asks each), for GET, DELETE, cancel,
 its input items and `previous_response_id`. The prefill server's own answer (its one token) is only logged when it fails:
@@ -63,6 +65,7 @@ from dsakv.server.protocol import (
 
 from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
 from .handoff import GENERATE_PATHS
+from .policy import Policy, PolicyConfig, make_policy, routing_text
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +113,21 @@ def _sse_error(message: str, path: str) -> bytes:
 
 
 class Router:
-    """Round-robin pairs of prefill and decode servers; one shared HTTP client."""
+    """Pairs of prefill and decode servers, as each kind's policy picks them (`policy`,
+    SGLang's: by default `DEFAULT_POLICIES`); one shared HTTP client."""
 
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+    def __init__(
+        self, prefill: list[str], decode: list[str], policy: PolicyConfig | None = None
+    ) -> None:
         # Replaced, never changed in place, as workers come and go: a loop over a list
         # (across awaits) sees the servers of when it began.
         self.prefill = [_server_url(u) for u in prefill]
         self.decode = [_server_url(u) for u in decode]
         _check_distinct([("--prefill", u) for u in prefill] + [("--decode", u) for u in decode])
-        self._turns = {"prefill": 0, "decode": 0}  # requests sent to each kind (round robin)
+        policy = policy or PolicyConfig()
+        self._policies: dict[str, Policy] = {
+            kind: make_policy(policy.policy_of(kind), policy) for kind in ("prefill", "decode")
+        }
         self._bootstrap: dict[str, tuple[str, int]] = {}
         self._down: dict[str, float] = {}  # server -> when it last failed to connect
         self._client: httpx.AsyncClient | None = None
@@ -146,13 +155,18 @@ class Router:
     def responses_kept(self) -> int:
         return RESPONSES_KEPT * len(self.decode)
 
-    def _turn(self, kind: str) -> int:
-        """Where the next request's round over the `kind` servers starts: a count, taken
-        modulo the servers there are now, so joining or leaving skips nobody's turn."""
+    def _ranked(self, kind: str, text: str) -> list[str]:
+        """The `kind` servers in the order a request tries them: its policy's pick (of
+        those up, if any are) first, the others after it in turn, those that failed in the
+        last `_DOWN_S` seconds last (`_in_turn`). `text`: the request's (`routing_text`),
+        for a policy that reads it. A server's load: its requests in flight (`_busy`)."""
         urls = getattr(self, kind)
-        turn = self._turns[kind]
-        self._turns[kind] = turn + 1
-        return turn % len(urls) if urls else 0
+        if not urls:
+            return []
+        now = time.monotonic()
+        up = [u for u in urls if now - self._down.get(u, -math.inf) >= _DOWN_S]
+        pick = self._policies[kind].pick(up or urls, lambda u: self._busy[kind, u], text)
+        return _in_turn(urls, urls.index(pick), self._down)
 
     def _admin_targets(self, kind: str) -> list[str]:
         """The `kind` servers an admin call goes to: the router's, and those removed that
@@ -442,12 +456,15 @@ class Router:
         decode: str | None = None,
         rid: str | None = None,
     ) -> Response:
-        """`raw` to a decode server (`decode`, else the next), `p_body` to the next prefill
-        server; `rid`: the response the decode server stores if it takes it."""
+        """`raw` to a decode server (`decode`, else the policy's), `p_body` to the prefill
+        server the policy picks; `rid`: the response the decode server stores if it takes it."""
         if (missing := self._missing("prefill", "decode")) is not None:
             return missing  # (removed while the request came in)
+        # (the prefill server's body: a continuation's whole conversation)
+        needed = any(p.needs_text for p in self._policies.values())
+        text = routing_text(p_body) if needed else ""
         try:
-            p_url, host, port = await self._pick_prefill()
+            p_url, host, port = await self._pick_prefill(text)
         except _Unusable as e:
             self.failures += 1
             return _error(502, f"no prefill server is usable: {e}")
@@ -457,9 +474,11 @@ class Router:
         headers.update(_request_id(request))  # (both servers' name for /abort_request)
         headers.update(_trace_context(request))  # (both servers' spans join the client's trace)
         prefill = self._spawn(self._prefill(p_url, path, p_body, headers))
+        prefill.add_done_callback(lambda _: self._finished("prefill", p_url))  # (its pick's)
         d_headers = {**headers, "content-type": "application/json"}
         try:  # (a non-streamed answer's headers come when it is complete)
-            sent = await _unless_left(self._send_decode(path, raw, d_headers, decode), request)
+            sending = self._send_decode(path, raw, d_headers, decode, text)
+            sent = await _unless_left(sending, request)
         except _Unreachable as e:
             self._failed(p_url, prefill)
             return _error(502, f"decode server {e.url} is unreachable: {e.error!r}")
@@ -658,35 +677,48 @@ class Router:
             return JSONResponse(e.body(), status_code=e.status)
         return await self.generate(path, request)
 
-    async def _pick_prefill(self) -> tuple[str, str, int]:
-        """The next prefill server that tells its bootstrap port, with that port: one that
-        cannot (down, restarting) is passed over, not handed every Nth request, and asked
-        last for a while (a host that drops packets costs a connect timeout each time)."""
+    async def _pick_prefill(self, text: str = "") -> tuple[str, str, int]:
+        """The first prefill server (`_ranked`) that tells its bootstrap port, with that
+        port: one that cannot (down, restarting) is passed over, not handed every Nth
+        request, and asked last for a while (a host that drops packets costs a connect
+        timeout each time). The request is in flight there (`_busy`) from its pick, as
+        SGLang counts a worker's load, until the caller's `_finished`: the requests of a
+        burst, picked before any is sent, each see those picked before it."""
         errors = []
-        for url in _in_turn(self.prefill, self._turn("prefill"), self._down):
+        for url in self._ranked("prefill", text):
+            self._busy["prefill", url] += 1
+            found = None
             try:
                 found = (url, *await self.bootstrap_of(url))
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 errors.append(f"{url}: {e!r}")
                 self._down[url] = time.monotonic()
-                continue
-            self._down.pop(url, None)
-            return found
+            finally:
+                if found is None:  # (not going there: cancelled too)
+                    self._finished("prefill", url)
+            if found is not None:
+                self._down.pop(url, None)
+                return found
         raise _Unusable("; ".join(errors))
 
     async def _send_decode(
-        self, path: str, raw: bytes, headers: dict[str, str], only: str | None = None
+        self,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        only: str | None = None,
+        text: str = "",
     ) -> tuple[str, httpx.Response]:
-        """The request sent to the next decode server that takes the connection (`only`:
-        to that one). A refused connection carried none of the request, so the next server
-        may have it: the prefill server's copy waits for whichever decode server asks for
-        its room."""
+        """The request sent to the first decode server (`_ranked`) that takes the
+        connection (`only`: to that one). A refused connection carried none of the
+        request, so the next server may have it: the prefill server's copy waits for
+        whichever decode server asks for its room."""
         if only is not None:
             others, last = [], only
         elif not self.decode:
             raise _NoWorker  # (the last removed while the prefill server was picked)
         else:
-            *others, last = _in_turn(self.decode, self._turn("decode"), self._down)
+            *others, last = self._ranked("decode", text)
         for url in others:
             try:
                 return url, await self._post(url, path, raw, headers)
@@ -727,15 +759,14 @@ class Router:
     async def _prefill(
         self, p_url: str, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> None:
-        """The prefill server's copy (in flight there: `_busy`); cancelled, its connection
-        closes and the server drops the request."""
+        """The prefill server's copy (in flight there since its pick: `_pick_prefill`);
+        cancelled, its connection closes and the server drops the request."""
         try:
             send = self.client.build_request("POST", f"{p_url}{path}", json=body, headers=headers)
-            r = await self._open("prefill", p_url, send)
+            r = await self.client.send(send, stream=True)
             try:
                 await r.aread()
             finally:
-                self._finished("prefill", p_url)
                 await r.aclose()
             if r.status_code != 200:
                 log.warning("prefill %s answered %d: %s", p_url, r.status_code, r.text[:500])
@@ -926,6 +957,7 @@ class Router:
         self._bootstrap.pop(url, None)
         self._layouts.pop(url, None)  # (re-added, it is asked again: another layout maybe)
         self._down.pop(url, None)
+        self._policies[kind].forget(url)  # (what it was sent leaves the prefix trees)
         for rid in [rid for rid, held in self._responses.items() if held == url]:
             del self._responses[rid]
         self._trim_responses()
@@ -1268,12 +1300,18 @@ async def _unless_left(call: Any, request: Request) -> Any:
     return task.result() if answered else None
 
 
-def build_router_app(prefill: list[str], decode: list[str], api_key: str | None = None) -> FastAPI:
-    """The router's app. With `api_key`, its routes need `Authorization: Bearer` as `dsakv
-    serve --api-key`'s do (`require_api_key`, the same probes open): the worker API above all,
-    else anyone reaching the port could add a decode server of their own and be sent the
-    prompts. The client's header still goes on to the servers, which check their own key."""
-    router = Router(prefill, decode)
+def build_router_app(
+    prefill: list[str],
+    decode: list[str],
+    api_key: str | None = None,
+    policy: PolicyConfig | None = None,
+) -> FastAPI:
+    """The router's app, picking servers as `policy` says (`Router`). With `api_key`, its
+    routes need `Authorization: Bearer` as `dsakv serve --api-key`'s do (`require_api_key`,
+    the same probes open): the worker API above all, else anyone reaching the port could add
+    a decode server of their own and be sent the prompts. The client's header still goes on
+    to the servers, which check their own key."""
+    router = Router(prefill, decode, policy)
     app = FastAPI(title="dsakv router", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     require_api_key(app, api_key)
@@ -1441,9 +1479,10 @@ def run_router(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
+    policy: PolicyConfig | None = None,
 ) -> None:
     """Serve the router until interrupted (`dsakv router`)."""
-    app = build_router_app(prefill, decode, api_key)
+    app = build_router_app(prefill, decode, api_key, policy)
     shown = f"[{host}]" if ":" in host else host
     print(
         f"dsakv: router at http://{shown}:{port}/v1 -> prefill {prefill}, decode {decode}",
