@@ -76,16 +76,16 @@ def serving(config: EngineConfig, **server_args) -> Iterator[tuple[str, AsyncEng
 
 @contextlib.contextmanager
 def serving_disagg(
-    config: EngineConfig, mode: str, **disagg: Any
+    config: EngineConfig, mode: str, api_key: str | None = None, **disagg: Any
 ) -> Iterator[tuple[str, AsyncEngine]]:
     """`serving` a prefill or decode server (`DisaggConfig(mode, **disagg)`; waits on its
     peer 30 s unless `timeout_s` says, a prefill server's bootstrap on a free port unless
-    `bootstrap_port` says): yields (base URL, its AsyncEngine)."""
+    `bootstrap_port` says), behind `api_key` if given: yields (base URL, its AsyncEngine)."""
     disagg = {"timeout_s": 30, **disagg}
     if mode == "prefill":
         disagg.setdefault("bootstrap_port", free_port())
     bridge = bridge_for(DisaggConfig(mode, **disagg), config, "127.0.0.1")
-    with serving(config, bridge=bridge) as served:
+    with serving(config, bridge=bridge, api_key=api_key) as served:
         yield served
 
 

@@ -1,7 +1,8 @@
 """OpenAI's Batch API on `dsakv serve` (`dsakv.server.batch`), driven by the `openai` client:
 files uploaded, listed, read and deleted; a batch validated, run through the server's routes
 (each answer the route's own for that body), its output and error files; cancel; a bad file
-failing the batch; the upload bound; the API key; and `dsakv router`'s refusal."""
+failing the batch; the upload bound; the API key. (Through `dsakv router`:
+`test_router_batches`.)"""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dsakv.server.app import _endpoint
 from dsakv.server.handlers import Handlers
 
 from .conftest import cli_config
-from .serving import TIMEOUT, engine_stops_stepping_at, routing, running, serving
+from .serving import TIMEOUT, engine_stops_stepping_at, running, serving
 
 KEY = "batch-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -323,19 +324,3 @@ def test_metrics_name_each_route_once():
     assert _endpoint("/v1/batches/batch_1") == "/v1/batches/{batch_id}"
     assert _endpoint("/v1/batches/batch_1/cancel") == "/v1/batches/{batch_id}/cancel"
     assert _endpoint("/v1/batches/batch_1/other") == "other"
-
-
-def test_the_router_says_where_batches_run():
-    with routing([], []) as router:
-        for method, path in [
-            ("POST", "/v1/files"),
-            ("GET", "/v1/batches/b"),
-            ("POST", "/v1/batches"),
-        ]:
-            r = httpx.request(method, f"{router}{path}", timeout=TIMEOUT)
-            assert r.status_code == 501, r.text
-            assert "dsakv run-batch" in r.json()["error"]["message"]
-    with routing([], [], api_key=KEY) as router:
-        assert httpx.get(f"{router}/v1/batches", timeout=TIMEOUT).status_code == 401
-        r = httpx.get(f"{router}/v1/batches", headers=AUTH, timeout=TIMEOUT)
-        assert r.status_code == 501

@@ -11,9 +11,11 @@ any failure reaches the client through the decode server, which hears it in the 
 SGLang's and vLLM's admin calls (/abort_request, /flush_cache, the weight updates, pausing,
 profiling) go to every server; calls every server answers alike (/v1/models, /tokenize)
 to one; SGLang's probes of them all (/server_info, /get_load) gather their answers.
-OpenAI's Batch API (/v1/files, /v1/batches) is a 501 saying where batches run, and so are
-SGLang's sessions (/open_session, /close_session, /generate's session_params). Light on
-purpose: no torch, no engine.
+OpenAI's Batch API (/v1/files, /v1/batches) is the servers' own (`dsakv.server.batch`, which
+SGLang's gateway lacks): the router keeps the files, and sends each of a batch's requests
+through its own routes as a client's, as many at once as its decode servers run together.
+SGLang's sessions (/open_session, /close_session, /generate's session_params) are a 501
+saying where they run. Light on purpose: no torch, no engine.
 
 Workers join and leave while the router runs, through SGLang Model Gateway's worker API:
 `POST /workers` (`{"url", "worker_type": "prefill"|"decode", "bootstrap_port"}`; the
@@ -49,7 +51,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsakv.errors import DsakvError
-from dsakv.server.auth import require_api_key
+from dsakv.server.auth import key_headers, require_api_key
+from dsakv.server.batch import add_batch_routes
+from dsakv.server.error_handlers import add_error_handlers
 from dsakv.server.http_config import route_path
 from dsakv.server.protocol import (
     ANTHROPIC_PATHS,
@@ -488,6 +492,9 @@ class Router:
         except httpx.HTTPError as e:
             self._failed(p_url, prefill)
             return _error(502, f"the decode server failed: {e!r}")
+        except asyncio.CancelledError:  # (a batch's line cancelled: a client gone, as below)
+            prefill.cancel()
+            raise
         if sent is None:
             prefill.cancel()
             return Response(status_code=499)  # the client left: nobody to answer
@@ -554,6 +561,21 @@ class Router:
         if isinstance(answers, Response):
             return answers
         return JSONResponse({"server_load": sum(int(r.json()["server_load"]) for r in answers)})
+
+    async def capacity(self) -> int:
+        """How many requests the decode servers run at once together (their /server_info's
+        `max_running_requests`; one that does not answer counts none), at least 1: as many
+        of a batch's requests as the router keeps in flight (each is on one decode server
+        from start to end), as a server keeps its own engine's (`dsakv.server.batch`)."""
+
+        async def of(url: str) -> int:
+            try:
+                r = await self.client.get(f"{url}/server_info", timeout=_INFO_TIMEOUT_S)
+                return int(r.raise_for_status().json()["max_running_requests"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return 0
+
+        return max(1, sum(await asyncio.gather(*(of(u) for u in self.decode))))
 
     async def server_info(self, request: Request) -> Response:
         """SGLang's /server_info (/get_server_info), as its PD load balancer answers it:
@@ -1009,13 +1031,6 @@ _INFO_TIMEOUT_S = 10.0
 _ITEM_PAGES = 10_000
 # The older worker calls' (/add_worker, /remove_worker) answer to one without ?url=.
 _URL_IN_QUERY = "give the worker's URL as ?url="
-# OpenAI's Batch API is a server's own (`dsakv.server.batch`): each of a batch's requests
-# needs a prefill and a decode server, which only the router pairs, and it keeps no files.
-_NO_BATCHES = (
-    "the router runs no batches (/v1/files, /v1/batches): run the batch file with `dsakv "
-    "run-batch`, or on a `dsakv serve` without prefill/decode disaggregation, or send its "
-    "requests to the router one by one"
-)
 _NO_SESSIONS = (
     "the router runs no SGLang sessions (/open_session, /close_session, session_params): a "
     "session's requests build on its earlier ones, held by the server that ran them, and the "
@@ -1235,7 +1250,7 @@ async def _as_sent(request: Request) -> tuple[bytes, dict[str, str], str] | Resp
 
 def _auth(request: Request) -> dict[str, str]:
     """The client's API key (Anthropic's clients' `x-api-key` too), for the servers."""
-    return {k: request.headers[k] for k in ("authorization", "x-api-key") if k in request.headers}
+    return key_headers(request.headers)
 
 
 def _shaped(path: str, answer: Response) -> Response:
@@ -1315,6 +1330,7 @@ def build_router_app(
     app = FastAPI(title="dsakv router", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
     require_api_key(app, api_key)
+    add_error_handlers(app)  # (what the Batch API's routes raise, answered as a server does)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> Response:
@@ -1387,11 +1403,7 @@ def build_router_app(
     async def invocations(request: Request) -> Response:
         return await router.invocations(request)
 
-    async def no_batches() -> Response:
-        return _error(501, _NO_BATCHES, code="not_implemented")
-
-    for path in ("/v1/files", "/v1/files/{rest:path}", "/v1/batches", "/v1/batches/{rest:path}"):
-        app.add_api_route(path, no_batches, methods=["GET", "POST", "DELETE"])
+    add_batch_routes(app, router.capacity)  # OpenAI's Batch API, over the routes above
 
     async def no_sessions() -> Response:
         return _error(501, _NO_SESSIONS, code="not_implemented")

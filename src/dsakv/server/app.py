@@ -25,18 +25,17 @@ from .anthropic import add_anthropic_routes
 from .auth import require_api_key
 from .batch import add_batch_routes
 from .chat import ChatParsers
+from .error_handlers import add_error_handlers, error_response
 from .generate import add_generate_route
 from .handlers import Handlers
 from .http_config import HTTPConfig, route_path
 from .openai_format import ResponseDefaults
 from .protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     error_body,
-    error_for,
     invocation_path,
 )
 from .request_log import RequestLogConfig
@@ -247,7 +246,10 @@ def build_app(
     add_anthropic_routes(app, api)  # Anthropic's Messages API
     add_score_route(app, api)  # SGLang's /v1/score
     add_session_routes(app, api.sessions)  # SGLang's /open_session, /close_session
-    add_batch_routes(app)  # OpenAI's Batch API, over the routes above
+    # OpenAI's Batch API, over the routes above: as many of a batch's requests in flight as
+    # the engine runs at once (it stays full; other requests wait behind that many at most)
+    window = async_engine.engine.config.max_running_requests
+    add_batch_routes(app, window, model_name, disaggregated=role != "null")
     return app
 
 
@@ -286,46 +288,17 @@ def _validated(model: type[BaseModel], body: dict[str, Any]) -> Any:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return _error(request, e.body(), e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        errors = e.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-        if first.get("type") == "json_invalid":
-            error = first.get("ctx", {}).get("error", first["msg"])
-            message, param = f"request body is not valid JSON: {error}", None
-        else:
-            # loc is ("body", field, ...); a union field adds one error per alternative type.
-            loc = [x for x in first.get("loc", ()) if x != "body"]
-            param = str(loc[0]) if loc else None
-            same = [x for x in errors if x.get("loc", ())[1:2] == first.get("loc", ())[1:2]]
-            message = f"{param}: {first['msg']}" if param else str(first["msg"])
-            if len(same) > 1:
-                message += " (nor any other accepted type)"
-            if len(errors) > len(same):
-                message += f"; and {len(errors) - len(same)} more error(s)"
-        return _error(request, error_body(message, "invalid_request_error", param), 400)
+    add_error_handlers(app)  # (APIError, RequestValidationError: the router's too)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return _error(request, error_body(str(e.detail), kind), e.status_code, e.headers)
+        return error_response(request, error_body(str(e.detail), kind), e.status_code, e.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
         message = f"internal error: {str(e) or type(e).__name__}"  # (TimeoutError(): "")
-        return _error(request, error_body(message, "server_error"), 500)
-
-
-def _error(
-    request: Request, body: dict[str, Any], status: int, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    """An error (`body`: OpenAI's shape) as the route's clients read errors (`error_for`)."""
-    body = error_for(route_path(request.scope), status, body)
-    return JSONResponse(body, status_code=status, headers=headers)
+        return error_response(request, error_body(message, "server_error"), 500)
 
 
 def _preflight(scope: dict) -> bool:

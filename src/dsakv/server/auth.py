@@ -4,7 +4,7 @@ torch), so that the router, which imports it, stays light."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -49,6 +49,12 @@ def checked_api_key(key: str) -> str:
                 f"got {c!r} at position {at}"
             )
     return key
+
+
+def key_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's API key as it sent it (`Authorization`, Anthropic's `x-api-key`), for the
+    requests made on its behalf: the router's to its servers, a batch's lines."""
+    return {k: headers[k] for k in ("authorization", "x-api-key") if k in headers}
 
 
 def require_api_key(app: FastAPI, api_key: str | None) -> None:

@@ -1,12 +1,14 @@
-"""OpenAI's Batch workflow over the server's own routes: a JSONL file of requests (`{"custom_id",
+"""OpenAI's Batch workflow over an app's own routes: a JSONL file of requests (`{"custom_id",
 "method", "url", "body"}` a line) run all at once, so that the engine batches them, each line
-through the route its `url` names (`BatchRunner`: the app's endpoint, its validation and its
-error answers, as a client's request), answered in vLLM's `run-batch` output lines (`{"id",
-"custom_id", "response": {"status_code", "request_id", "body"}, "error"}`, in input order).
-`dsakv run-batch` runs a file offline; the server keeps uploaded files and runs batches of them
-in its event loop (`add_batch_routes`: `/v1/files` and `/v1/batches`, as OpenAI's client
-drives them), as many of a batch's requests at once as the engine runs (so that the requests
-of its other clients do not wait for the whole batch).
+sent to the route its `url` names as a client's request (`BatchRunner`: in-process, over
+ASGI), answered in vLLM's `run-batch` output lines (`{"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error"}`, in input order). `dsakv run-batch` runs a
+file offline through a server's app; a server, and `dsakv router` (whose routes relay each
+line to a prefill and a decode server), keep uploaded files and run batches of them in their
+event loop (`add_batch_routes`: `/v1/files` and `/v1/batches`, as OpenAI's client drives
+them), as many of a batch's requests at once as the engine runs (the router: as its decode
+servers run together), so that the requests of other clients do not wait for the whole
+batch.
 
 Files are kept in memory, the server's for its lifetime as its stored responses are: a batch's
 input is read whole to be validated and its output written whole at its end, so a temp dir
@@ -17,31 +19,28 @@ would hold the same bytes twice and leave them behind a killed server; an upload
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import time
-import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 from starlette.datastructures import UploadFile
 
 from dsakv.errors import DsakvError, load_json
 
+from .auth import key_headers
 from .protocol import APIError, error_body, list_page, new_id
 
 log = logging.getLogger(__name__)
 
 # The routes a batch line may name (vLLM's run-batch takes chat and /score, OpenAI's Batch
-# API chat, completions and responses); every one answers whole JSON, with a (body, raw)
-# endpoint.
+# API chat, completions and responses); every one answers whole JSON.
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/score")
 MAX_FILE_BYTES = 200 * 2**20  # one upload (OpenAI's limit on a batch's input file)
 # All the files a server keeps (in memory, until deleted): an upload past it is refused, a
@@ -50,6 +49,9 @@ MAX_STORED_BYTES = 10 * MAX_FILE_BYTES
 _FORM_SLACK = 64 * 2**10  # the multipart framing and the form's other fields
 COMPLETION_WINDOW = "24h"  # (the only one OpenAI takes)
 _WINDOW_S = 24 * 3600
+# A batch's requests in flight at most (`BatchRunner.run`), or how to learn it as it starts
+# (the router asks its decode servers then: they may come and go).
+Window = int | Callable[[], Awaitable[int]]
 
 
 class BatchFileError(DsakvError):
@@ -123,14 +125,16 @@ def succeeded(record: dict[str, Any]) -> bool:
 
 
 class BatchRunner:
-    """Runs batch lines through `app`'s routes (`BATCH_URLS`): each line's body validated as
-    the route's body model and handed to its endpoint with a request that never hangs up,
-    its error (a 400, a 404 for a model not served, a 503) answered by the app's own error
-    handlers; it is the client's request in all but the HTTP around it."""
+    """Runs batch lines as requests to `app`'s routes (`BATCH_URLS`): each handed to the app
+    as its server hands it a client's request (ASGI, in-process), through its middleware,
+    routing and validation, so that its answer is the one that route gives a client (its
+    400s, a 404 for a model not served, a 401 without the batch's creator's key, `headers`),
+    whatever the route does with it: a server's runs it, the router's relays it to a prefill
+    and a decode server."""
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
-        self._routes: dict[str, tuple[type[BaseModel], Callable[..., Any]]] | None = None
+        self._urls: tuple[str, ...] | None = None
 
     async def run(
         self,
@@ -139,18 +143,20 @@ class BatchRunner:
         done: Callable[[int, dict[str, Any]], None] | None = None,
         stop: asyncio.Event | None = None,
         window: int | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> list[dict[str, Any] | None]:
         """Every line's output line, in input order, all submitted at once, or `window` at a
         time in input order (a server's batch: requests sent meanwhile then queue behind
         those, not the whole file); `done(i, line)` as each ends. `endpoint`: the one url
         the lines may name (a server batch's); `stop` set: the lines still running are
-        aborted, and theirs and the entries of those not begun left None."""
+        aborted, and theirs and the entries of those not begun left None. `headers`: the
+        API key each line is sent with (`key_headers`)."""
         results: list[dict[str, Any] | None] = [None] * len(lines)
         queued = iter(enumerate(lines))
 
         async def next_lines() -> None:
             for i, line in queued:  # (shared: each line taken by one)
-                results[i] = await self.run_line(line, endpoint)
+                results[i] = await self.run_line(line, endpoint, headers)
                 if done is not None:
                     done(i, results[i])
 
@@ -168,96 +174,116 @@ class BatchRunner:
             await asyncio.gather(*tasks, *waits, return_exceptions=True)
         return results
 
-    async def run_line(self, line: BatchLine, endpoint: str | None = None) -> dict[str, Any]:
-        """One line's output line: the route's answer, or its error."""
-        url = line.url if isinstance(line.url, str) else ""
-        raw = Request(
-            {
-                "type": "http",
-                "method": "POST",
-                "path": url,
-                "root_path": "",
-                "query_string": b"",
-                "headers": [],
-                "app": self.app,
-            },
-            _never_left,
-        )
+    async def run_line(
+        self,
+        line: BatchLine,
+        endpoint: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """One line's output line: the route's answer, or why the line is not sent."""
         try:
-            response = await self._answer(line, endpoint, raw)
-        except Exception as e:  # (the app answers each as it would a client's request)
-            response = await self._error(raw, e)
-        return _output_line(line.custom_id, response)
+            self._check(line, endpoint)
+        except APIError as e:
+            return _output_line(line.custom_id, e.status, e.body())
+        return await self._post(line.custom_id, line.url, json.dumps(line.body), headers or {})
 
-    async def _answer(self, line: BatchLine, endpoint: str | None, raw: Request) -> Response:
+    def _check(self, line: BatchLine, endpoint: str | None) -> None:
+        """The APIError for a line that is no batch request: a POST to a route this app
+        serves (the batch's endpoint, on a server's batch), answered whole (as vLLM's: a
+        true `stream` or Responses API `background` is refused; any other value is the
+        route's to validate)."""
         if line.method != "POST":
             raise APIError(400, f"method must be POST, got {line.method!r}", param="method")
-        routes = self.routes()
         if endpoint is not None and line.url != endpoint:
             message = f"url {line.url!r} is not the batch's endpoint {endpoint!r}"
             raise APIError(400, message, param="url")
-        if not isinstance(line.url, str) or line.url not in routes:
-            supported = ", ".join(routes)
+        if not isinstance(line.url, str) or line.url not in self.urls():
+            supported = ", ".join(self.urls())
             raise APIError(400, f"url {line.url!r} is not one of {supported}", param="url")
-        model, handler = routes[line.url]
-        try:
-            body = model.model_validate(line.body)
-        except ValidationError as e:  # (as FastAPI reports a route's body)
-            raise RequestValidationError(
-                [{**x, "loc": ("body", *x["loc"])} for x in e.errors()]
-            ) from None
-        for name in ("stream", "background"):  # (vLLM's: a batch line answers whole)
-            if getattr(body, name, None):
+        for name in ("stream", "background"):
+            if isinstance(line.body, dict) and line.body.get(name) is True:
                 raise APIError(400, f"{name} is not supported in a batch", param=name)
-        return await handler(body, raw)
 
-    def routes(self) -> dict[str, tuple[type[BaseModel], Callable[..., Any]]]:
-        """The app's endpoint of each batch url it serves, and that endpoint's body model."""
-        if self._routes is None:
-            found = {
-                r.path: r.endpoint
-                for r in self.app.routes
-                if isinstance(r, APIRoute) and r.path in BATCH_URLS and "POST" in r.methods
+    def urls(self) -> tuple[str, ...]:
+        """The batch urls (`BATCH_URLS`) the app has a POST route for."""
+        if self._urls is None:
+            served = {
+                r.path for r in self.app.routes if isinstance(r, APIRoute) and "POST" in r.methods
             }
-            self._routes = {
-                url: (typing.get_type_hints(found[url])["body"], found[url])
-                for url in BATCH_URLS
-                if url in found
-            }
-        return self._routes
+            self._urls = tuple(url for url in BATCH_URLS if url in served)
+        return self._urls
 
-    async def _error(self, raw: Request, e: Exception) -> Response:
-        """The app's answer to `e` (its exception handlers: `app._install_error_handlers`)."""
-        if not isinstance(e, (APIError, RequestValidationError)):
-            log.error("a batch request failed", exc_info=e)
-        for kind in type(e).__mro__:
-            handler = self.app.exception_handlers.get(kind)
-            if handler is not None:
-                answer = handler(raw, e)
-                return await answer if inspect.isawaitable(answer) else answer
-        return JSONResponse(error_body(f"internal error: {e}", "server_error"), status_code=500)
+    async def _post(
+        self, custom_id: str, url: str, body: str, headers: Mapping[str, str]
+    ) -> dict[str, Any]:
+        """The output line of `body` POSTed to `url` through the app, as an ASGI server hands
+        it a request (httpx's ASGITransport does the same at twice the cost a line: its
+        client's own machinery). Its client never hangs up: `receive` tells a disconnect only
+        once the answer is whole (a stop cancels the request instead, which aborts it)."""
+        data = body.encode()
+        sent = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+        sent += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": url,
+            "raw_path": url.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": sent,
+            "client": None,
+            "server": None,
+        }
+        request = [{"type": "http.request", "body": data, "more_body": False}]
+        answered = asyncio.Event()
+        start: dict[str, Any] = {}
+        parts: list[bytes] = []
+
+        async def receive() -> dict[str, Any]:
+            if request:
+                return request.pop()
+            await answered.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                parts.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    answered.set()
+
+        try:
+            await self.app(scope, receive, send)
+        except Exception:  # (answered first by the app's last handler, as a 500)
+            log.exception("a batch request failed")
+        status = start.get("status", 500)
+        try:
+            answer = json.loads(b"".join(parts))
+        except ValueError:  # (a bare 500)
+            answer = error_body(f"the route answered {status} without a JSON body", "server_error")
+        request_id = dict(start.get("headers", ())).get(b"x-request-id", b"").decode("latin-1")
+        return _output_line(custom_id, status, answer, request_id)
 
 
-async def _never_left() -> dict[str, Any]:
-    """A batch line's `receive`: its client never hangs up (a stop cancels it instead)."""
-    await asyncio.get_running_loop().create_future()
-    raise AssertionError("unreachable")
-
-
-def _output_line(custom_id: str, response: Response) -> dict[str, Any]:
+def _output_line(
+    custom_id: str, status: int, body: Any, request_id: str | None = None
+) -> dict[str, Any]:
     """vLLM's run-batch output line for a route's answer: the body on a 200, else the
     error (OpenAI's error object) with the status."""
-    body = json.loads(response.body)
-    ok = response.status_code == 200
+    ok = status == 200
     return {
         "id": new_id("batch_req_"),
         "custom_id": custom_id,
         "response": {
-            "status_code": response.status_code,
-            "request_id": response.headers.get("x-request-id") or new_id(),
+            "status_code": status,
+            "request_id": request_id or new_id(),
             "body": body if ok else None,
         },
-        "error": None if ok else body.get("error", body),
+        "error": None if ok else (body.get("error", body) if isinstance(body, dict) else body),
     }
 
 
@@ -303,7 +329,7 @@ class BatchCreateRequest(BaseModel):
 class Batches:
     """The files uploaded and the batches run of them (`add_batch_routes`), in memory."""
 
-    def __init__(self, runner: BatchRunner, model_name: str, window: int) -> None:
+    def __init__(self, runner: BatchRunner, model_name: str | None, window: Window) -> None:
         self.runner, self.model_name = runner, model_name
         self.window = window  # a batch's requests in flight at most (`BatchRunner.run`)
         self.files: dict[str, _File] = {}
@@ -335,12 +361,13 @@ class Batches:
             raise APIError(404, f"No batch found with id {batch_id!r}", param="batch_id")
         return self.batches[batch_id]
 
-    def create(self, body: BatchCreateRequest) -> dict[str, Any]:
+    def create(self, body: BatchCreateRequest, headers: Mapping[str, str]) -> dict[str, Any]:
         """A batch of `body.input_file_id`'s requests, validated and run from here on (its
         `status`: validating, in_progress, finalizing, then completed, failed or
-        cancelled)."""
-        if body.endpoint not in self.runner.routes():
-            supported = ", ".join(self.runner.routes())
+        cancelled), each sent with its creator's API key (`headers`: `key_headers`; held
+        by its run only)."""
+        if body.endpoint not in self.runner.urls():
+            supported = ", ".join(self.runner.urls())
             message = f"endpoint {body.endpoint!r} is not supported; this server runs {supported}"
             raise APIError(400, message, param="endpoint")
         if body.completion_window != COMPLETION_WINDOW:
@@ -381,7 +408,7 @@ class Batches:
         }
         batch = _Batch(info)
         self.batches[info["id"]] = batch
-        batch.task = asyncio.create_task(self._run(batch, source.data))
+        batch.task = asyncio.create_task(self._run(batch, source.data, headers))
         return info
 
     async def stop(self) -> None:
@@ -405,7 +432,7 @@ class Batches:
             raise APIError(409, message)
         return batch.info
 
-    async def _run(self, batch: _Batch, data: bytes) -> None:
+    async def _run(self, batch: _Batch, data: bytes, headers: Mapping[str, str]) -> None:
         info = batch.info
         try:
             lines = await asyncio.to_thread(parse_batch, data)
@@ -416,14 +443,16 @@ class Batches:
             info.update(status="failed", failed_at=int(time.time()), errors=errors)
             return
         try:
-            await self._run_lines(batch, lines)
+            await self._run_lines(batch, lines, headers)
         except Exception as e:  # (a bug: the batch fails, the server goes on)
             log.exception("batch %s failed", info["id"])
             error = {"code": "server_error", "message": str(e), "param": None, "line": None}
             errors = {"object": "list", "data": [error]}
             info.update(status="failed", failed_at=int(time.time()), errors=errors)
 
-    async def _run_lines(self, batch: _Batch, lines: list[BatchLine]) -> None:
+    async def _run_lines(
+        self, batch: _Batch, lines: list[BatchLine], headers: Mapping[str, str]
+    ) -> None:
         info, counts = batch.info, batch.info["request_counts"]
         counts["total"] = len(lines)
         if not batch.stop.is_set():
@@ -432,7 +461,8 @@ class Batches:
         def done(_: int, record: dict[str, Any]) -> None:
             counts["completed" if succeeded(record) else "failed"] += 1
 
-        results = await self.runner.run(lines, info["endpoint"], done, batch.stop, self.window)
+        window = self.window if isinstance(self.window, int) else await self.window()
+        results = await self.runner.run(lines, info["endpoint"], done, batch.stop, window, headers)
         cancelled = batch.stop.is_set()
         if not cancelled:
             info.update(status="finalizing", finalizing_at=int(time.time()))
@@ -493,14 +523,17 @@ async def _upload(raw: Request) -> tuple[bytes, str, Any]:
         return data, file.filename or "upload.jsonl", purpose
 
 
-def add_batch_routes(app: FastAPI) -> None:
+def add_batch_routes(
+    app: FastAPI, window: Window, model_name: str | None = None, disaggregated: bool = False
+) -> None:
     """OpenAI's `/v1/files` (upload with purpose "batch", list, retrieve, `/content`,
     delete) and `/v1/batches` (create, retrieve, cancel, list), behind the API key as every
-    /v1 route. Call it once the batch urls' routes are on `app`."""
-    # (as many as the engine runs at once: it stays full, and other requests wait behind
-    # that many of a batch's at most)
-    window = app.state.async_engine.engine.config.max_running_requests
-    store = Batches(BatchRunner(app), app.state.model_name, window)
+    /v1 route, on a server's app or the router's (their errors answered as a server's:
+    `add_error_handlers`). `window`: how many of a batch's requests are in flight at most,
+    or how to learn it as the batch starts (`Batches`); `model_name`: the batches' `model`;
+    `disaggregated`: a prefill or decode server's app, which runs none (a 501). Call it once
+    the batch urls' routes are on `app`."""
+    store = Batches(BatchRunner(app), model_name, window)
     app.state.batches = store
 
     async def upload(raw: Request) -> Response:
@@ -539,14 +572,15 @@ def add_batch_routes(app: FastAPI) -> None:
     async def content(file_id: str) -> Response:
         return Response(store.file(file_id).data, media_type="application/octet-stream")
 
-    async def create(body: BatchCreateRequest) -> Response:
-        if app.state.async_engine.server_info()["disaggregation_mode"] != "null":
+    async def create(body: BatchCreateRequest, raw: Request) -> Response:
+        if disaggregated:  # (each request needs a peer: the router pairs them)
             message = (
-                "a prefill or decode server runs no batches: run them on a server without "
-                "--disaggregation-mode, or offline with `dsakv run-batch`"
+                "a prefill or decode server runs no batches: run them through `dsakv router` "
+                "in front of it, on a server without --disaggregation-mode, or offline with "
+                "`dsakv run-batch`"
             )
             raise APIError(501, message, type="server_error", code="not_implemented")
-        return JSONResponse(store.create(body))
+        return JSONResponse(store.create(body, key_headers(raw.headers)))
 
     async def list_batches(
         after: str | None = None, limit: int = Query(20, ge=1, le=100)

@@ -1,0 +1,50 @@
+"""The answers to the errors routes raise (`APIError`, a body FastAPI could not validate), in
+OpenAI's shape (Anthropic's on its routes): light (no torch), so that `dsakv router`, whose
+Batch API routes (`batch`) raise them as a server's do, answers them alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from .http_config import route_path
+from .protocol import APIError, error_body, error_for
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """`app` answers an `APIError` with its status and body, and a request FastAPI could not
+    validate with a 400 naming the first field that failed (vLLM's, not FastAPI's 422)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(request, e.body(), e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        if first.get("type") == "json_invalid":
+            error = first.get("ctx", {}).get("error", first["msg"])
+            message, param = f"request body is not valid JSON: {error}", None
+        else:
+            # loc is ("body", field, ...); a union field adds one error per alternative type.
+            loc = [x for x in first.get("loc", ()) if x != "body"]
+            param = str(loc[0]) if loc else None
+            same = [x for x in errors if x.get("loc", ())[1:2] == first.get("loc", ())[1:2]]
+            message = f"{param}: {first['msg']}" if param else str(first["msg"])
+            if len(same) > 1:
+                message += " (nor any other accepted type)"
+            if len(errors) > len(same):
+                message += f"; and {len(errors) - len(same)} more error(s)"
+        return error_response(request, error_body(message, "invalid_request_error", param), 400)
+
+
+def error_response(
+    request: Request, body: dict[str, Any], status: int, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """An error (`body`: OpenAI's shape) as the route's clients read errors (`error_for`)."""
+    body = error_for(route_path(request.scope), status, body)
+    return JSONResponse(body, status_code=status, headers=headers)

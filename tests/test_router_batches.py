@@ -1,0 +1,214 @@
+"""OpenAI's Batch API through `dsakv router` (`dsakv.server.batch` on the router's app), over
+a prefill/decode pair behind it (in this process, on loopback, glm-tiny on the CPU), every
+one behind the same API key: the openai client's files/batches flow, each output or error
+line what the same request gets from the router directly (its lines go through the
+router's routes with the batch creator's key, relayed to both servers); a streamed line
+refused; as many lines in flight as the decode servers run at once; cancel, which ends
+a line on both servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from dsakv.engine import EngineConfig
+
+from .serving import (
+    NO_THINKING,
+    TIMEOUT,
+    engine_stops_stepping_at,
+    engine_thread_held,
+    routing,
+    serving_disagg,
+)
+
+KEY = "router-batch-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _chat(text: str, max_tokens: int = 4, **extra: Any) -> dict:
+    messages = [{"role": "user", "content": text}]
+    return {"messages": messages, "max_tokens": max_tokens, **NO_THINKING, **GREEDY, **extra}
+
+
+@pytest.fixture(scope="module")
+def pd(glm_tiny) -> Iterator[SimpleNamespace]:
+    """A prefill server and a decode server (each running 2 requests at most), the router in
+    front, all behind `KEY`."""
+    conf = EngineConfig(glm_tiny, device="cpu", num_pages=64, page_size=16,
+                        kv_cache_dtype="fp32", index_k_dtype="fp32",
+                        max_running_requests=2)  # fmt: skip
+    with ExitStack() as stack:
+        p_url, prefill = stack.enter_context(serving_disagg(conf, "prefill", api_key=KEY))
+        d_url, decode = stack.enter_context(serving_disagg(conf, "decode", api_key=KEY))
+        router = stack.enter_context(routing([p_url], [d_url], api_key=KEY))
+        yield SimpleNamespace(
+            router=router, prefill_url=p_url, prefill=prefill, decode_url=d_url, decode=decode
+        )
+
+
+@pytest.fixture(scope="module")
+def client(pd) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{pd.router}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+
+
+def _batch(client: openai.OpenAI, url: str, lines: dict[str, dict]):
+    """A batch of `lines` (custom_id: body) to `url`, created from an uploaded file."""
+    rows = [{"custom_id": c, "method": "POST", "url": url, "body": b} for c, b in lines.items()]
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    up = client.files.create(file=("batch.jsonl", data), purpose="batch")
+    assert client.files.content(up.id).content == data
+    return client.batches.create(input_file_id=up.id, endpoint=url, completion_window="24h")
+
+
+def _until(client: openai.OpenAI, batch_id: str, *statuses: str):
+    deadline = time.monotonic() + TIMEOUT
+    while (got := client.batches.retrieve(batch_id)).status not in statuses:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    return got
+
+
+def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def _answer_of(body: Any) -> Any:
+    """A response body without what differs from one call to the next (its ids and times)
+    or with the prefix cache (cached tokens)."""
+    if isinstance(body, list):
+        return [_answer_of(x) for x in body]
+    if not isinstance(body, dict):
+        return body
+    varies = ("id", "created", "prompt_tokens_details")
+    return {k: _answer_of(v) for k, v in body.items() if k not in varies}
+
+
+def _load(base: str) -> int:
+    return httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"]
+
+
+@pytest.mark.parametrize(
+    "url, lines",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "hi": _chat("Hi there", 5),
+                "bye": _chat("Bye", 3),
+                "no-messages": {"max_tokens": 2},
+                "other-model": _chat("Hi", model="nope"),
+            },
+        ),
+        (
+            "/v1/completions",
+            {
+                "two-prompts": {"prompt": ["The cat", "A dog ran"], "max_tokens": 4, **GREEDY},
+                "logprobs": {"prompt": "Hello", "max_tokens": 3, "logprobs": 2, **GREEDY},
+                "too-long": {"prompt": "x", "max_tokens": 5000},
+            },
+        ),
+    ],
+)
+def test_each_line_is_answered_as_the_router_answers_it(client, pd, url, lines):
+    created = _batch(client, url, {**lines, "streamed": {**_chat("Hi"), "stream": True}})
+    done = _until(client, created.id, "completed", "failed")
+    assert done.status == "completed", done.errors
+    total = len(lines) + 1
+    ran = _lines(client, done.output_file_id) + _lines(client, done.error_file_id)
+    assert sorted(x["custom_id"] for x in ran) == sorted([*lines, "streamed"])
+    assert done.request_counts.completed + done.request_counts.failed == total
+    by_id = {x["custom_id"]: x for x in ran}
+    streamed = by_id.pop("streamed")
+    assert streamed["response"]["status_code"] == 400
+    assert streamed["error"]["param"] == "stream"
+    answered = 0
+    for custom_id, line in by_id.items():
+        direct = httpx.post(f"{pd.router}{url}", json=lines[custom_id], headers=AUTH,
+                            timeout=TIMEOUT)  # fmt: skip
+        assert line["response"]["status_code"] == direct.status_code, (custom_id, line)
+        if direct.status_code == 200:
+            answered += 1
+            assert line["error"] is None
+            assert _answer_of(line["response"]["body"]) == _answer_of(direct.json()), custom_id
+        else:
+            assert line["error"] == direct.json()["error"], custom_id
+    assert done.request_counts.completed == answered >= 2
+
+
+def test_the_batch_routes_need_the_routers_key(pd):
+    keyless = openai.OpenAI(base_url=f"{pd.router}/v1", api_key="wrong", timeout=TIMEOUT)
+    with pytest.raises(openai.AuthenticationError):
+        keyless.files.create(file=("x.jsonl", b"{}\n"), purpose="batch")
+    with pytest.raises(openai.AuthenticationError):
+        keyless.batches.list()
+
+
+def test_a_batch_keeps_only_what_the_decode_servers_run_in_flight(client, pd):
+    """The decode server runs 2 requests at once (its /server_info's max_running_requests):
+    once the batch's first two hold there (its engine stepping them no further), the third
+    is not sent; a cancel aborts the two, and every line is the cancel's error line."""
+    body = {"prompt": "x", "max_tokens": 200, **GREEDY}
+
+    def held() -> bool:  # (two in the engine, each stepped as far as it will be)
+        def look(engine) -> bool:
+            reqs = list(engine.requests.values())
+            return len(reqs) == 2 and all(len(r.output_ids) >= 2 for r in reqs)
+
+        return _load(pd.decode_url) == 2 and asyncio.run(pd.decode.call(look))
+
+    with engine_stops_stepping_at(pd.decode, 2):
+        created = _batch(client, "/v1/completions", {c: body for c in "xyz"})
+        deadline = time.monotonic() + TIMEOUT
+        while not held():
+            assert time.monotonic() < deadline, client.batches.retrieve(created.id)
+            time.sleep(0.05)
+        assert _load(pd.decode_url) == 2  # (z is not sent)
+        assert client.batches.retrieve(created.id).request_counts.completed == 0
+        cancelling = client.batches.cancel(created.id)
+        assert cancelling.status == "cancelling"
+        done = _until(client, created.id, "cancelled")
+    errors = _lines(client, done.error_file_id)
+    assert [x["custom_id"] for x in errors] == ["x", "y", "z"]
+    assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
+    deadline = time.monotonic() + TIMEOUT
+    while _load(pd.decode_url) != 0:  # (the decode server saw the router hang up: aborted)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_cancel_hangs_up_on_the_prefill_server_too(client, pd):
+    """A line cancelled while its prefill server has not run it yet (its engine held): the
+    router hangs up on both servers, as for a client that left, so the prefill server
+    drops its copy at once (not once it has run it, for a decode server that has gone)."""
+    body = {"prompt": "x", "max_tokens": 4, **GREEDY}
+    # (the router learns the prefill server's bootstrap port first: asked with its engine
+    # held, the server would not answer)
+    direct = httpx.post(f"{pd.router}/v1/completions", json=body, headers=AUTH, timeout=TIMEOUT)
+    assert direct.status_code == 200, direct.text
+    with engine_thread_held(pd.prefill):  # (for TIMEOUT at most: all this within half)
+        deadline = time.monotonic() + TIMEOUT / 2
+        created = _batch(client, "/v1/completions", {"x": body})
+        while _load(pd.prefill_url) != 1 or _load(pd.decode_url) != 1:
+            got = client.batches.retrieve(created.id)
+            assert got.request_counts.failed == 0, _lines(client, got.error_file_id)
+            assert time.monotonic() < deadline, got
+            time.sleep(0.05)
+        client.batches.cancel(created.id)
+        done = _until(client, created.id, "cancelled")
+        while _load(pd.prefill_url) or _load(pd.decode_url):
+            assert time.monotonic() < deadline, "a server kept the cancelled line's request"
+            time.sleep(0.05)
+    assert [x["error"]["code"] for x in _lines(client, done.error_file_id)] == ["batch_cancelled"]
