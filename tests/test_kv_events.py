@@ -7,10 +7,13 @@ page's cache_salt as Dynamo's router recovers it: from `extra_keys`, else the pa
 the events alone; after each scenario it must equal the prefix cache's own state."""
 
 import json
+import logging
 import random
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import replace
 
 import httpx
 import msgspec
@@ -21,8 +24,9 @@ from dsakv import LLM, SamplingParams
 from dsakv.cli.disagg import _decode_kv_events
 from dsakv.config.kv_events import KVEventsConfig
 from dsakv.disagg.launch import wait_healthy
+from dsakv.engine.kv_events import STORED, KVEventPublisher
 from dsakv.engine.prefix_cache import root_hash
-from dsakv.errors import DsakvError
+from dsakv.errors import ConfigError, DsakvError
 from dsakv.procs import free_port
 
 from .conftest import cli_config, cli_error_line
@@ -450,6 +454,119 @@ def test_full_queue_waits_and_loses_nothing(glm_tiny):
         sub.close()
 
 
+# --- the publisher alone: its thread's edges --------------------------------------------------
+
+
+def _stored_pages(first: int, n: int, tokens: int = PS) -> list[tuple]:
+    """`n` pages' records as the prefix cache writes them, each `tokens` long, page i's
+    hash i (`block_hash`: its first 8 bytes)."""
+    key = tuple(range(1000, 1000 + tokens))  # (2-3 bytes a token on the wire)
+    return [
+        (STORED, "GPU", i.to_bytes(8, "big") * 2, None, key, None) for i in range(first, first + n)
+    ]
+
+
+def _start(config: KVEventsConfig) -> KVEventPublisher:
+    """A publisher, started on a thread of the test's: a start that hangs fails the test."""
+    started: Future[KVEventPublisher] = Future()
+
+    def start() -> None:
+        try:
+            started.set_result(KVEventPublisher(config, 0, PS))
+        except BaseException as e:  # noqa: BLE001 - the test's to raise
+            started.set_exception(e)
+
+    threading.Thread(target=start, daemon=True).start()
+    return started.result(TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("topic", "\udc80", "topic: UnicodeEncodeError"),
+        ("endpoint", "tcp://\udc80:5557", "tcp://\udc80:5557: UnicodeEncodeError"),
+    ],
+)
+def test_a_publisher_that_cannot_start_fails_at_once(key, value, says):
+    """Whatever fails in the publisher thread's setup is one error from its start: not a
+    start that waits forever (a value pyzmq refuses with other than a ZMQError), nor a
+    publisher that said it was up with its thread dead (nothing published, ever)."""
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{free_port()}")
+    with pytest.raises(ConfigError) as e:
+        _start(replace(config, **{key: value}))
+    assert str(e.value).startswith("--kv-events-config: ") and says in str(e.value)
+
+
+class _Fatal(BaseException):
+    """What no `except Exception` catches."""
+
+
+class _Kills(tuple):
+    """A record that kills the publisher's thread as it reads its kind."""
+
+    def __getitem__(self, i):
+        raise _Fatal("a bug")
+
+
+def test_a_dead_publisher_drops_loudly_and_the_engine_goes_on(caplog):
+    """A publisher thread that died (it never should) costs the engine no step: each batch
+    after is counted as dropped and said in an error, never queued for nobody, nor waited
+    on with the queue full (max_queue_size 1)."""
+    port = free_port()
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",
+                            max_queue_size=1)  # fmt: skip
+    publisher = _start(config)
+    try:
+        with caplog.at_level(logging.ERROR, logger="dsakv.engine.kv_events"):
+            publisher.publish([_Kills()])
+            publisher._thread.join(TIMEOUT)
+            assert not publisher._thread.is_alive()
+            for first in (0, 1, 2):
+                publisher.publish(_stored_pages(first, 1))
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert any("no longer published (1 batch(es) dropped)" in m and "_Fatal: a bug" in m
+                   for m in errors), errors  # fmt: skip
+        assert publisher.dropped == 3 and publisher.died == "_Fatal: a bug"
+    finally:
+        publisher.close()
+
+
+def test_close_lets_a_slow_subscriber_take_the_last_batches():
+    """Every batch published before `close` reaches a subscriber still reading though it
+    had not taken them when the engine closed (ZMQ's linger: a socket closed without one
+    drops what is still queued for a subscriber, most of these batches)."""
+    port = free_port()
+    publisher = _start(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}"))
+    sub = CTX.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 1)  # (a router slow to read: the batches wait on the publisher)
+    sub.setsockopt(zmq.RCVBUF, 4096)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    closer = threading.Thread(target=publisher.close, kwargs={"timeout_s": TIMEOUT})
+    try:
+        published = 0
+        deadline = time.monotonic() + TIMEOUT
+        while not sub.poll(100):  # (a probe a time until the subscription has arrived)
+            assert time.monotonic() < deadline, "the subscription never arrived"
+            publisher.publish(_stored_pages(published, 1))
+            published += 1
+        first = int.from_bytes(sub.recv_multipart()[1], "big")
+        for _ in range(100):  # ~6 MB, past what the sockets' buffers hold
+            publisher.publish(_stored_pages(published, 64, 512))
+            published += 1
+        closer.start()
+        time.sleep(0.5)  # (reading from here on: a close without linger has dropped the rest)
+        seqs = [first]
+        while seqs[-1] < published - 1 and sub.poll(5000):
+            seqs.append(int.from_bytes(sub.recv_multipart()[1], "big"))
+        assert seqs == list(range(first, published)), f"{len(seqs)} of {published - first}"
+    finally:
+        if not closer.is_alive():
+            publisher.close()
+        closer.join()
+        sub.close(linger=0)
+
+
 # --- the configuration ------------------------------------------------------------------------
 
 
@@ -498,6 +615,27 @@ def test_bad_config_exits_2(glm_tiny, capsys, text, says):
     assert "--kv-events-config" in error and says in error
     with pytest.raises(DsakvError, match="kv_events_config: "):
         LLM(glm_tiny, device="cpu", kv_events_config=text)
+
+
+@pytest.mark.parametrize(
+    "key, value", [("hwm", 2**31), ("buffer_steps", 2**63), ("max_queue_size", 2**63)]
+)
+def test_integers_past_what_the_publisher_takes(key, value):
+    """ZMQ takes the high-water mark as a C int, a deque its length as a C ssize_t: past
+    them the publisher's thread failed (a start that never ended, or a publisher that
+    never published). Refused, in one line; the largest taken publish."""
+    with pytest.raises(ConfigError, match=rf"{key} must be an integer >= \d+ and <= \d+, got"):
+        KVEventsConfig.parse({"enable_kv_cache_events": True, key: value})
+    port, rep = free_port(), free_port()
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",
+                            replay_endpoint=f"tcp://*:{rep}", **{key: value - 1})  # fmt: skip
+    publisher, sub = _start(config), Subscriber(port, rep)
+    try:
+        publisher.publish(_stored_pages(0, 2))
+        assert pages_of(stored(sub.take(lambda ev: stored(ev), "the pages"))) == 2
+    finally:
+        publisher.close()
+        sub.close()
 
 
 def test_refused_combinations(glm_tiny, capsys):

@@ -9,6 +9,7 @@ vLLM's keys and defaults. vLLM publishes only with `enable_kv_cache_events` true
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -16,6 +17,13 @@ from typing import Any
 from dsakv.errors import ConfigError, is_int, load_json
 
 PUBLISHERS = ("null", "zmq")
+# The integers' ranges (name, least, most): ZMQ takes its high-water mark as a C int, a
+# deque or queue its length as a C ssize_t; past them the publisher could not start
+_BOUNDS = (
+    ("buffer_steps", 0, sys.maxsize),
+    ("hwm", 0, 2**31 - 1),
+    ("max_queue_size", 1, sys.maxsize),
+)
 
 
 @dataclass(frozen=True)
@@ -40,10 +48,12 @@ class KVEventsConfig:
             object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
         if self.publisher not in PUBLISHERS:
             raise ConfigError(f"publisher must be null or zmq, got {self.publisher!r}")
-        for name, least in (("buffer_steps", 0), ("hwm", 0), ("max_queue_size", 1)):
+        for name, least, most in _BOUNDS:
             value = getattr(self, name)
-            if not is_int(value) or value < least:
-                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+            if not is_int(value) or not least <= value <= most:
+                raise ConfigError(
+                    f"{name} must be an integer >= {least} and <= {most}, got {value!r}"
+                )
         if not isinstance(self.topic, str):
             raise ConfigError(f"topic must be a string, got {self.topic!r}")
         _check_endpoint("endpoint", self.endpoint)

@@ -38,7 +38,10 @@ How. The step loop only appends tuples and `publish` queues a step's list; one t
 builds the structs, encodes, sends and serves replays. A full queue (`max_queue_size`
 batches behind) makes the step wait for room, as vLLM's publisher does: a batch dropped
 there would leave no sequence gap for a subscriber to replay, its view of the cache wrong
-for good. zmq and msgspec are imported only here, only when events are on.
+for good. A thread that died (it never should) drops what comes after, with an error
+logged: the engine serves on. `close` sends what is queued and lets the PUB socket linger
+(up to its timeout) until subscribers still reading have taken it. zmq and msgspec are
+imported only here, only when events are on.
 """
 
 from __future__ import annotations
@@ -169,6 +172,9 @@ class KVEventPublisher:
         )
         self._warned = 0.0
         self._closed = False
+        self._deadline = 0.0  # (`close`'s: until when the last batches may still leave)
+        self.died: str | None = None  # what ended the thread, if not `close` (never should)
+        self.dropped = 0  # batches lost to that
         bound: Future[None] = Future()
         self._thread = threading.Thread(
             target=self._run, args=(bound,), name=f"dsakv-kv-events-{dp_rank}", daemon=True
@@ -178,7 +184,12 @@ class KVEventPublisher:
         log.info("KV cache events on %s (replay: %s)", self.endpoint, self.replay_endpoint)
 
     def publish(self, records: list[tuple]) -> None:
-        """Queue one step's records for the thread; waits while the queue is full."""
+        """Queue one step's records for the thread; waits while the queue is full. With the
+        thread dead the batch is dropped, an error logged: a router's view is stale from
+        here on, but the engine serves on (failing its steps would not mend the view)."""
+        if not self._thread.is_alive():
+            self._lost()
+            return
         item = (time.time(), records)
         try:
             self._queue.put_nowait(item)
@@ -199,12 +210,33 @@ class KVEventPublisher:
                     return
                 except queue.Full:
                     pass
+            self._lost()
+
+    def _lost(self) -> None:
+        if self._closed:
+            return  # (a step after `close`: nobody listens for this engine any more)
+        self.dropped += 1
+        now = time.monotonic()
+        if self.dropped == 1 or now - self._warned >= _WARN_EVERY_S:
+            self._warned = now
+            log.error(
+                "KV cache events are no longer published (%d batch(es) dropped): the "
+                "publisher's thread died (%s); KV-aware routers' view of this cache is stale",
+                self.dropped,
+                self.died,
+            )
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued, then stop the thread and close the sockets; idempotent."""
+        """Send what is queued, then stop the thread and close the sockets; idempotent.
+        Subscribers still reading get every batch published (ZMQ's linger: a socket closed
+        at once drops what its subscribers have not taken yet), within `timeout_s` in all:
+        a subscriber that stopped reading holds a closing engine no longer."""
         if self._closed:
             return
         self._closed = True
+        self._deadline = time.monotonic() + timeout_s
+        if not self._thread.is_alive():
+            return
         try:
             self._queue.put(None, timeout=timeout_s)
         except queue.Full:  # (the thread is stuck: it is a daemon)
@@ -216,33 +248,36 @@ class KVEventPublisher:
         import msgspec
         import zmq
 
-        ctx = zmq.Context.instance()
+        ctx = zmq.Context()  # (its own, for `close` to wait on: `term` below)
         sockets: list[Any] = []
+        linger_ms = 0
         try:
-            pub = ctx.socket(zmq.PUB)
-            sockets.append(pub)
-            pub.set_hwm(self.config.hwm)
-            if _binds(self.endpoint):
-                pub.bind(self.endpoint)
-            else:
-                pub.connect(self.endpoint)
-            replay = None
-            if self.replay_endpoint is not None:
-                replay = ctx.socket(zmq.ROUTER)
-                sockets.append(replay)
-                replay.bind(self.replay_endpoint)
-        except zmq.ZMQError as e:
-            for s in sockets:
-                s.close(linger=0)
-            where = self.endpoint if len(sockets) < 2 else self.replay_endpoint
-            bound.set_exception(ConfigError(f"--kv-events-config: {where}: {one_line(e, False)}"))
-            return
-        bound.set_result(None)
-        encode = msgspec.msgpack.Encoder().encode
-        topic = self.config.topic.encode()
-        buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_steps)
-        seq = 0
-        try:
+            where = "buffer_steps"  # (what a failure names)
+            try:  # whatever fails resolves `bound`, which `__init__` waits on
+                buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_steps)
+                where = "topic"
+                topic = self.config.topic.encode()
+                where = self.endpoint
+                pub = ctx.socket(zmq.PUB)
+                sockets.append(pub)
+                pub.set_hwm(self.config.hwm)
+                if _binds(self.endpoint):
+                    pub.bind(self.endpoint)
+                else:
+                    pub.connect(self.endpoint)
+                replay = None
+                if self.replay_endpoint is not None:
+                    where = self.replay_endpoint
+                    replay = ctx.socket(zmq.ROUTER)
+                    sockets.append(replay)
+                    replay.bind(self.replay_endpoint)
+            except BaseException as e:  # noqa: BLE001 - one line for `__init__` to raise
+                why = one_line(e, not isinstance(e, zmq.ZMQError))
+                bound.set_exception(ConfigError(f"--kv-events-config: {where}: {why}"))
+                return
+            bound.set_result(None)
+            encode = msgspec.msgpack.Encoder().encode
+            seq = 0
             while True:
                 if replay is not None and replay.poll(0):
                     try:
@@ -253,7 +288,8 @@ class KVEventPublisher:
                     item = self._queue.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                if item is None:
+                if item is None:  # (`close`: what is sent may linger until its deadline)
+                    linger_ms = max(0, int((self._deadline - time.monotonic()) * 1000))
                     return
                 try:
                     ts, records = item
@@ -267,9 +303,13 @@ class KVEventPublisher:
                     continue
                 buffer.append((seq, payload))
                 seq += 1
+        except BaseException as e:  # noqa: BLE001 - `publish` says so; the engine goes on
+            self.died = one_line(e)
+            log.exception("the KV events publisher's thread died")
         finally:
             for s in sockets:
-                s.close(linger=0)
+                s.close(linger=linger_ms)
+            ctx.term()  # (waits until the subscribers have taken the rest, or the linger ends)
 
     @staticmethod
     def _replay(replay: Any, buffer: deque[tuple[int, bytes]], topic: bytes) -> None:
