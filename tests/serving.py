@@ -221,12 +221,13 @@ def start_decode(log_dir: Path, name: str, model: str, *flags: str) -> ServerPro
     return ServerProcess(log_dir, name, model, "--disaggregation-mode", "decode", *flags)
 
 
-def scrape_metrics(base: str) -> dict[str, float]:
-    """A server's /metrics samples by name (the last sample of each name)."""
-    out = {}
+def scrape_metrics(base: str, labels: bool = False) -> dict[Any, float]:
+    """A server's /metrics samples by name (the last sample of each name), or with `labels`
+    by (name, its labels sorted)."""
+    out: dict[Any, float] = {}
     for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text):
         for s in family.samples:
-            out[s.name] = s.value
+            out[(s.name, tuple(sorted(s.labels.items()))) if labels else s.name] = s.value
     return out
 
 

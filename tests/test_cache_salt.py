@@ -68,7 +68,7 @@ def test_each_salt_has_its_own_tree_and_hash_chain():
     a = root_hash("a")
     assert root_hash(None) == ROOT_HASH and len({ROOT_HASH, a, root_hash("b")}) == 3
     assert cache.match(tokens, 3, a) == [] and cache.match(tokens, 3, root_hash("b")) == []
-    salted = cache.insert(tokens, cache.alloc(3), root=a)
+    salted = cache.insert(tokens, cache.alloc(3), salt="a")
     assert not {id(n) for n in salted} & {id(n) for n in plain}  # no page shared
     assert [n.hash for n in salted] == chain_hashes(tokens, 4, 0, 3, a)  # L3's keys
     assert not {n.hash for n in salted} & {n.hash for n in plain}

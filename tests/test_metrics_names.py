@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from dsakv.engine import LLM, Counter, EngineConfig, Gauge, Histogram, SamplingParams
+from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.errors import DsakvError
-from dsakv.models.tiny import write_tiny_model
+from dsakv.metrics import Counter, Gauge, Histogram
 
-from .serving import TIMEOUT, engine_stops_stepping_at, serving
+from .serving import TIMEOUT, engine_stops_stepping_at, scrape_metrics, serving
 
 ENGINE_ARGS = dict(
     kv_cache_dtype="fp32", index_k_dtype="fp32", num_pages=64, page_size=16, device="cpu"
@@ -29,26 +27,10 @@ VLLM_TTFT += [5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("metrics") / MODEL
-    write_tiny_model(path, preset="glm-tiny", seed=0)
-    return path
-
-
-@pytest.fixture(scope="module")
-def served(model_dir):
-    with serving(EngineConfig(model=str(model_dir), **ENGINE_ARGS)) as served:
+def served(glm_tiny):
+    config = EngineConfig(model=glm_tiny, **ENGINE_ARGS)
+    with serving(config, served_model_name=MODEL) as served:
         yield served
-
-
-def _scrape(base: str) -> dict[tuple[str, tuple], float]:
-    """/metrics' samples: {(sample name, sorted labels): value}."""
-    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-    }
 
 
 def _get(m: dict, name: str, **labels: str) -> float:
@@ -58,7 +40,7 @@ def _get(m: dict, name: str, **labels: str) -> float:
 def _wait_idle(base: str) -> dict:
     deadline = time.monotonic() + TIMEOUT
     while True:
-        m = _scrape(base)
+        m = scrape_metrics(base, labels=True)
         running, waiting, used, cached = (
             _get(m, "dsakv_" + k, model_name=MODEL)
             for k in ("running_requests", "waiting_requests", "kv_pages_used", "kv_pages_cached")
@@ -172,7 +154,7 @@ def test_kv_cache_usage_counts_the_pages_requests_hold(served):
         while not (line := next(lines)).startswith("data: {"):
             pass
         assert json.loads(line[6:])["choices"][0]["text"] is not None
-        m = _scrape(base)
+        m = scrape_metrics(base, labels=True)
     _wait_idle(base)
     pages = {k: _get(m, f"dsakv_kv_pages_{k}", model_name=MODEL) for k in ("used", "evictable")}
     held = pages["used"] - pages["evictable"]
@@ -184,22 +166,22 @@ def test_kv_cache_usage_counts_the_pages_requests_hold(served):
     assert _get(m, "sglang:num_running_reqs", **SGLANG) == 1
 
 
-def test_llm_get_metrics_is_vllms_offline_snapshot(model_dir):
+def test_llm_get_metrics_is_vllms_offline_snapshot(glm_tiny):
     """vLLM's LLM.get_metrics(): its vllm: metrics as Counter, Gauge and Histogram, with
     the offline requests' latencies; only with disable_log_stats=False, as vLLM's."""
     with (
-        LLM(str(model_dir), **ENGINE_ARGS) as plain,
+        LLM(glm_tiny, **ENGINE_ARGS) as plain,
         pytest.raises(DsakvError, match="disable_log_stats=False"),
     ):
         plain.get_metrics()
-    with LLM(str(model_dir), disable_log_stats=False, **ENGINE_ARGS) as llm:
+    with LLM(glm_tiny, disable_log_stats=False, **ENGINE_ARGS) as llm:
         params = SamplingParams(max_tokens=4, ignore_eos=True, n=2)
         outs = llm.generate([[5] * 20, [7] * 33], params, use_tqdm=False)
         metrics = llm.get_metrics()
         counters = llm.engine.counters()
     assert all(m.name.startswith("vllm:") for m in metrics)
     by = {m.name: m for m in metrics if "finished_reason" not in m.labels}
-    assert all(m.labels == {"model_name": str(model_dir), "engine": "0"} for m in by.values()
+    assert all(m.labels == {"model_name": glm_tiny, "engine": "0"} for m in by.values()
                if m.name != "vllm:cache_config_info")  # fmt: skip
     prompt = by["vllm:prompt_tokens"]
     assert isinstance(prompt, Counter) and prompt.value == counters["prompt_tokens"]

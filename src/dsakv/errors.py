@@ -2,7 +2,7 @@
 checks every layer runs on what users hand it."""
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -74,3 +74,20 @@ def load_json(text: str, message: str, error: type[DsakvError] = DsakvError) -> 
     except ValueError as e:  # JSONDecodeError, or the digit limit ("...; use sys.set_...")
         reason = str(e).split(";")[0]
     raise error(f"{message}: {reason}")
+
+
+def load_object(
+    source: str | Mapping[str, Any], known: Sequence[str], name: str = ""
+) -> Mapping[str, Any]:
+    """A JSON-object flag's value (JSON text or a mapping) with only `known` keys; one
+    ConfigError otherwise: not JSON, not an object, an unknown key. `name` (the flag) starts
+    its message; without it the caller's wrapping names it."""
+    subject, has = (f"{name} is ", f"{name} has ") if name else ("", "")
+    text = isinstance(source, str)
+    raw = load_json(source, f"{subject}not valid JSON", ConfigError) if text else source
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{name} must be a JSON object, got {raw!r}".lstrip())
+    unknown = sorted(str(k) for k in raw if k not in known)
+    if unknown:
+        raise ConfigError(f"{has}unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
+    return raw

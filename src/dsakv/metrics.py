@@ -297,7 +297,7 @@ class EngineCollector(Collector):
     pool's, for SGLang's token counts and both servers' cache info (None: left out)."""
 
     def __init__(self, model_name: str, page_size: int | None = None, role: str = "null") -> None:
-        self.model_name, self.page_size = model_name, page_size
+        self.page_size = page_size
         self.labels = family_labels(model_name, role)
         self.snapshot: Mapping[str, float] = {}
 
@@ -550,14 +550,6 @@ class Metric:
 @dataclass
 class Counter(Metric):
     value: int
-
-
-@dataclass
-class Vector(Metric):
-    """vLLM's per-position counters (its spec_decode_num_accepted_tokens_per_pos, which
-    dsakv does not count: never returned here)."""
-
-    values: list[int]
 
 
 @dataclass

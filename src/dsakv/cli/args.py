@@ -1218,7 +1218,7 @@ def trace_config(args: argparse.Namespace):
     if endpoint is None and args.enable_trace:
         endpoint = SGLANG_TRACES_ENDPOINT
     if endpoint is None:
-        if getattr(args, "collect_detailed_traces", None) is not None:
+        if args.collect_detailed_traces is not None:
             raise DsakvError(
                 "--collect-detailed-traces needs --otlp-traces-endpoint (or SGLang's "
                 "--enable-trace): the times go in the requests' spans"

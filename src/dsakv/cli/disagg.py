@@ -189,8 +189,7 @@ def _decode_kv_events(config: Any) -> list[str]:
     events = config.kv_events
     if events is None:
         return []
-    pc = config.parallel
-    ranks = pc.world_size if pc.dp_attention else 1
+    ranks = config.parallel.dp
     try:
         events.check_ranks(2 * ranks)  # (both servers' ports, none bound twice)
     except DsakvError as e:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dsakv.errors import ConfigError, is_int, load_json
+from dsakv.errors import ConfigError, is_int, load_object
 
 HISPARSE_KEYS = ("top_k", "device_buffer_size", "host_to_device_ratio")
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
@@ -125,22 +125,9 @@ class HiSparseConfig:
     def read(source: str | Mapping[str, Any] | None) -> Mapping[str, Any]:
         """The keys `--hisparse-config` gives: what can be checked without the model (a
         bench checks it before it writes one)."""
-        if source is None:
-            raw: Any = {}
-        elif isinstance(source, str):
-            text = source.strip() or "{}"
-            raw = load_json(text, "--hisparse-config is not valid JSON", ConfigError)
-        else:
-            raw = source
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"--hisparse-config must be a JSON object, got {raw!r}")
-        unknown = sorted(str(k) for k in raw if k not in HISPARSE_KEYS)
-        if unknown:
-            raise ConfigError(
-                f"--hisparse-config has unknown key(s) {', '.join(unknown)} "
-                f"(known: {', '.join(HISPARSE_KEYS)})"
-            )
-        return raw
+        if isinstance(source, str):
+            source = source.strip() or "{}"
+        return load_object({} if source is None else source, HISPARSE_KEYS, "--hisparse-config")
 
     def buffer_pages(self, page_size: int) -> int:
         """Pages one hot buffer takes: its entries, then the newest token's reserved slot."""

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from dsakv.errors import ConfigError, is_int, load_json
+from dsakv.errors import ConfigError, is_int, load_object
 
 PUBLISHERS = ("null", "zmq")
 # The integers' ranges (name, least, most): ZMQ takes its high-water mark as a C int, a
@@ -32,7 +32,7 @@ class KVEventsConfig:
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # None: "zmq" when enabled, else "null" (vLLM's)
-    endpoint: str = "tcp://*:5557"  # PUB: bound when it has a wildcard, else connected
+    endpoint: str = "tcp://*:5557"  # PUB: bound or connected to (`kv_events._binds`)
     replay_endpoint: str | None = None  # ROUTER, always bound: missed batches on request
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # the PUB socket's high-water mark (0: none)
@@ -70,16 +70,7 @@ class KVEventsConfig:
         unknown key or a bad value."""
         if isinstance(source, KVEventsConfig):
             return source
-        raw = (
-            load_json(source, "not valid JSON", ConfigError) if isinstance(source, str) else source
-        )
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"must be a JSON object, got {source!r}")
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(str(k) for k in raw if k not in known)
-        if unknown:
-            raise ConfigError(f"unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
-        raw = dict(raw)
+        raw = dict(load_object(source, [f.name for f in fields(cls)]))
         if "enable_kv_cache_events" not in raw and raw.get("publisher") == "zmq":
             raw["enable_kv_cache_events"] = True  # (SGLang's spelling)
         return cls(**raw)
@@ -95,11 +86,8 @@ class KVEventsConfig:
     def shifted(self, n: int) -> KVEventsConfig:
         """These endpoints `n` ports on: the second server of a pair (serve-pd's decode
         server, after the prefill server's `n` ranks)."""
-        return replace(
-            self,
-            endpoint=_offset(self.endpoint, n),
-            replay_endpoint=_offset(self.replay_endpoint, n),
-        )
+        endpoint, replay_endpoint = self.endpoints(n)
+        return replace(self, endpoint=endpoint, replay_endpoint=replay_endpoint)
 
     def check_ranks(self, ranks: int) -> None:
         """Every endpoint ranks 0..`ranks`-1 bind, refused where two are one (a replay port

@@ -5,8 +5,6 @@ read alike in `ranks`), the `LLM` API (with beam search in `beam_search`, scorin
 `score`, server info in `info`), and what runs engines on several ranks (`launch`, DP
 attention in `dp`)."""
 
-from dsakv.metrics import Counter, Gauge, Histogram, Metric, Vector
-
 from .beam_search import BeamSearchParams
 from .config import EngineConfig
 from .engine import Engine
@@ -27,18 +25,13 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
-    "Counter",
     "Engine",
     "EngineConfig",
-    "Gauge",
-    "Histogram",
     "Logprob",
-    "Metric",
     "RepetitionDetectionParams",
     "Request",
     "RequestOutput",
     "SamplingParams",
     "Status",
     "StructuredOutputsParams",
-    "Vector",
 ]

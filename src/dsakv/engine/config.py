@@ -134,8 +134,9 @@ class EngineConfig:
     stream_interval: int = 1
     # vLLM's --collect-detailed-traces (a server's, with its --otlp-traces-endpoint): "model",
     # "worker", "all", or several, comma-separated. Each request's steps are timed for its
-    # span (`dsakv.server.tracing`): the scheduler's and the step's run ("worker"), the
-    # model's forward pass, the device synced around it ("model"); None: none are
+    # span (`dsakv.server.tracing`): the scheduler's (whichever is named), the step's run
+    # ("worker"), the model's forward pass, the device synced around it ("model"); None:
+    # none are
     collect_detailed_traces: str | None = None
     # vLLM's and SGLang's --kv-events-config (JSON, a dict or a `KVEventsConfig`): the
     # prefix cache's pages stored and removed, published over ZMQ for KV-aware routers
@@ -296,7 +297,7 @@ class EngineConfig:
                     "prefix cache (drop --no-prefix-cache)"
                 )
             try:
-                events.check_ranks(pc.world_size if pc.dp_attention else 1)
+                events.check_ranks(pc.dp)
             except DsakvError as e:
                 raise DsakvError(f"kv_events_config: {e}") from None
         if self.storage is not None:

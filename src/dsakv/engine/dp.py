@@ -132,8 +132,7 @@ class _Reporter:
             for name in _REPLACED:
                 up[name] = getattr(req, name)
             m = req.metrics
-            up["ttft_s"], up["latency_s"] = m.ttft, m.latency
-            up["queued_s"] = None if m.scheduled_time is None else m.scheduled_time - m.arrival_time
+            up["ttft_s"], up["latency_s"], up["queued_s"] = m.ttft, m.latency, m.queued
             up.update((name, getattr(m, name)) for name in _COUNTS)
             if req.finished:
                 self.sent.pop(req.rid, None)

@@ -57,7 +57,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from dsakv.config.kv_events import KVEventsConfig
-from dsakv.errors import ConfigError, DsakvError, one_line
+from dsakv.errors import ConfigError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -158,11 +158,6 @@ class KVEventPublisher:
     thread that owns both (sockets are not thread-safe: created, used and closed there)."""
 
     def __init__(self, config: KVEventsConfig, dp_rank: int, block_size: int) -> None:
-        try:
-            import msgspec  # noqa: F401 - here, so a missing package is one line now
-            import zmq  # noqa: F401
-        except ImportError as e:
-            raise DsakvError(f"--kv-events-config needs pyzmq and msgspec: {e}") from None
         self.config = config
         self.dp_rank, self.block_size = dp_rank, block_size
         self.endpoint, self.replay_endpoint = config.endpoints(dp_rank)
@@ -329,6 +324,7 @@ class KVEventPublisher:
 
 
 def _binds(endpoint: str) -> bool:
-    """vLLM's rule: bind a wildcard, ipc or inproc address; connect to any other (a
+    """vLLM's rule: bind a wildcard (`*`), an address with `::` (IPv6's wildcard, or any
+    IPv6 address so written), an ipc:// or inproc:// one; connect to any other (a
     subscriber that binds)."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))

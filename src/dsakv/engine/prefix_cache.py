@@ -164,16 +164,15 @@ class PrefixCache:
         tokens: list[int],
         pages: list[int],
         start: int = 0,
-        root: bytes = ROOT_HASH,
         salt: str | None = None,
     ) -> list[Node]:
-        """Adopt the full pages of `tokens` into the tree of `root` (`root_hash(salt)`);
-        pages already cached are freed as duplicates.
+        """Adopt the full pages of `tokens` into the tree of `salt` (a request's
+        `cache_salt`); pages already cached are freed as duplicates.
 
         `pages[i]` holds tokens of page i; pages before `start` are already tree nodes (the
         caller's locked prefix). Returns the path of nodes covering every full page.
         """
-        ps = self.page_size
+        ps, root = self.page_size, root_hash(salt)
         if root not in self.roots and len(tokens) >= ps:
             self.roots[root] = Root((), None, hash=root, salt=salt)
         node, path, tick = self.roots.get(root), [], next(_clock)

@@ -46,6 +46,10 @@ class RequestMetrics:
             self.scheduled_time = time.perf_counter()
 
     @property
+    def queued(self) -> float | None:
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 

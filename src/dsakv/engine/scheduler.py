@@ -290,9 +290,8 @@ class Scheduler:
             req.host_slots = None
         keep = 0
         if self._caches(req) and req.pages and req.finish_reason != "abort":
-            tokens = req.all_ids[: req.num_computed]
-            salt = req.params.cache_salt
-            path = self.cache.insert(tokens, req.pages, req.num_cached_pages, req.cache_root, salt)
+            tokens, salt = req.all_ids[: req.num_computed], req.params.cache_salt
+            path = self.cache.insert(tokens, req.pages, req.num_cached_pages, salt)
             keep = len(path)
         private = req.pages[max(keep, req.num_cached_pages) :]
         self.cache.unlock(req.prefix_nodes)
@@ -356,7 +355,7 @@ class Scheduler:
         if not self._caches(req):
             return
         ids, salt = req.all_ids[: req.num_computed], req.params.cache_salt
-        path = self.cache.insert(ids, req.pages, req.num_cached_pages, req.cache_root, salt)
+        path = self.cache.insert(ids, req.pages, req.num_cached_pages, salt)
         if len(path) <= req.num_cached_pages:
             return
         self.cache.lock(path[req.num_cached_pages :])

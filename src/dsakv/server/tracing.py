@@ -1,8 +1,9 @@
 """OpenTelemetry request tracing: vLLM's --otlp-traces-endpoint and --collect-detailed-traces,
 SGLang's --enable-trace.
 
-Each engine request gets a span named "llm_request" (SpanKind SERVER), so each choice of an
-n > 1 request gets its own, as vLLM's child requests do; its parent is the trace the
+Each engine request a generation route makes gets a span named "llm_request" (SpanKind
+SERVER), so each choice of an n > 1 request gets its own, as vLLM's child requests do (a
+beam search's requests, one per beam and step, get none); its parent is the trace the
 client's W3C `traceparent` / `tracestate` headers name (none: a trace of its own). Its
 attributes carry vLLM's names (`ATTR`; OpenTelemetry's GenAI ones for the finish reasons and
 the cached prompt tokens, which vLLM does not record), its times are the engine's own stamps
@@ -247,17 +248,15 @@ class RequestSpan:
 def _latencies(m: Any, detailed: frozenset[str]) -> dict[str, float]:
     """vLLM's latency attributes `m`'s stamps give (`RequestMetrics`; those it lacks left
     out), and with `detailed` the step times the engine summed for it."""
-    got: dict[str, float] = {}
+    took = {"e2e": m.latency, "queue": m.queued}
     stamps = {
-        "e2e": (m.arrival_time, m.finish_time),
-        "queue": (m.arrival_time, m.scheduled_time),
         "prefill": (m.scheduled_time, m.first_token_time),
         "decode": (m.first_token_time, m.finish_time),
         "inference": (m.scheduled_time, m.finish_time),
     }
     for name, (start, end) in stamps.items():
-        if start is not None and end is not None:
-            got[ATTR[name]] = end - start
+        took[name] = None if start is None or end is None else end - start
+    got = {ATTR[name]: t for name, t in took.items() if t is not None}
     if detailed:
         got[ATTR["scheduler"]] = m.scheduler_time
     if "model" in detailed:
