@@ -19,8 +19,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import uvicorn
+from fastapi.testclient import TestClient
 
+from dsakv.disagg.router import Router, build_router_app
 from dsakv.engine import EngineConfig
+from dsakv.procs import free_port
+from dsakv.server.batch import BatchLine, BatchRunner
+from dsakv.server.protocol import error_body
 
 from .serving import (
     NO_THINKING,
@@ -28,6 +34,8 @@ from .serving import (
     engine_stops_stepping_at,
     engine_thread_held,
     routing,
+    running,
+    scrape_metrics,
     serving_disagg,
 )
 
@@ -212,3 +220,79 @@ def test_a_cancel_hangs_up_on_the_prefill_server_too(client, pd):
             assert time.monotonic() < deadline, "a server kept the cancelled line's request"
             time.sleep(0.05)
     assert [x["error"]["code"] for x in _lines(client, done.error_file_id)] == ["batch_cancelled"]
+
+
+def test_a_stopping_router_ends_its_batches_and_hangs_up_their_lines(pd):
+    """A router stopping mid-batch (it had no lifespan) left its batches to the event loop's
+    end and its HTTP client open. Now it stops them as a server does (`Batches.stop`: each
+    run cancelled, its lines hung up on both servers), then closes its client."""
+    app = build_router_app([pd.prefill_url], [pd.decode_url], api_key=KEY)
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    body = {"prompt": "x", "max_tokens": 200, **GREEDY}
+    with engine_stops_stepping_at(pd.decode, 2):  # (the lines can only end by an abort)
+        with running(server) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, timeout=TIMEOUT)
+            created = _batch(client, "/v1/completions", {c: body for c in "xy"})
+            deadline = time.monotonic() + TIMEOUT
+            while _load(pd.decode_url) != 2:
+                assert time.monotonic() < deadline, client.batches.retrieve(created.id)
+                time.sleep(0.05)
+            client.close()
+        batch = app.state.batches.batches[created.id]
+        assert batch.task.cancelled() and batch.info["status"] == "in_progress"
+        deadline = time.monotonic() + TIMEOUT
+        while _load(pd.decode_url) or _load(pd.prefill_url):
+            assert time.monotonic() < deadline, "a server kept a stopped batch's line"
+            time.sleep(0.05)
+    assert app.state.router._client is None  # (closed)
+
+
+def test_an_unexpected_error_in_a_router_route_is_a_json_500(monkeypatch):
+    """A bug inside a router route was Starlette's plain-text 500: a client got no error
+    object, a batch line "the route answered 500 without a JSON body". Now it is a
+    server's JSON 500 (Anthropic's shape on its routes)."""
+
+    async def broken(*_: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Router, "generate", broken)
+    monkeypatch.setattr(Router, "one", broken)
+    app = build_router_app(["http://127.0.0.1:9"], ["http://127.0.0.1:10"])  # (never asked)
+    client = TestClient(app, raise_server_exceptions=False)
+    r = client.post("/v1/chat/completions", json=_chat("Hi"))
+    assert r.status_code == 500
+    assert r.json() == error_body("internal error: boom", "server_error")
+    r = client.post("/v1/messages/count_tokens", json={})
+    assert r.status_code == 500
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "internal error: boom"},
+    }
+    line = BatchLine("a", "POST", "/v1/chat/completions", _chat("Hi"))
+    output = asyncio.run(BatchRunner(app).run_line(line))
+    assert output["response"]["status_code"] == 500
+    assert output["error"]["message"] == "internal error: boom"
+
+
+def test_a_pd_server_runs_no_batches_but_names_the_router(pd):
+    for base in (pd.prefill_url, pd.decode_url):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            client.batches.create(
+                input_file_id="file-x", endpoint="/v1/completions", completion_window="24h"
+            )
+        assert e.value.status_code == 501, base
+        assert e.value.body["code"] == "not_implemented", e.value.body
+        assert "dsakv router" in e.value.body["message"], e.value.body
+
+
+def test_sglangs_engine_type_is_each_servers_role(pd):
+    for role, base in (("prefill", pd.prefill_url), ("decode", pd.decode_url)):
+        samples = scrape_metrics(base, labels=True)
+        types = {
+            dict(labels).get("engine_type")
+            for name, labels in samples
+            if name.startswith("sglang:")
+        }
+        types.discard(None)  # (its cache_config_info: the KV layout only)
+        assert types == {role}, (base, types)

@@ -47,7 +47,6 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsakv.errors import DsakvError
@@ -1000,8 +999,16 @@ class Router:
         return JSONResponse({"status": "ok"})
 
     async def close(self) -> None:
+        """Hang up on the servers, the router stopping (its lifespan: `build_router_app`):
+        the prefill halves still running are cancelled, then the client closed (a new one
+        is made if the app serves again)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._client is not None:
-            await self._client.aclose()
+            client, self._client = self._client, None
+            await client.aclose()
 
 
 class _Unusable(Exception):
@@ -1315,6 +1322,17 @@ async def _unless_left(call: Any, request: Request) -> Any:
     return task.result() if answered else None
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """What the router holds, released when it stops (as a server's app does): the batches
+    still running (`Batches.stop`: their lines hung up on both servers), then its client."""
+    try:
+        yield
+    finally:
+        await app.state.batches.stop()
+        await app.state.router.close()
+
+
 def build_router_app(
     prefill: list[str],
     decode: list[str],
@@ -1327,16 +1345,12 @@ def build_router_app(
     a decode server of their own and be sent the prompts. The client's header still goes on
     to the servers, which check their own key."""
     router = Router(prefill, decode, policy)
-    app = FastAPI(title="dsakv router", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="dsakv router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan
+    )
     app.state.router = router
     require_api_key(app, api_key)
-    add_error_handlers(app)  # (what the Batch API's routes raise, answered as a server does)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> Response:
-        """404 and 405 in OpenAI's error shape, as the servers behind it answer them."""
-        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return _error(e.status_code, str(e.detail), kind)
+    add_error_handlers(app)  # (its errors, a bug's 500 too, answered as a server's are)
 
     for path in GENERATE_PATHS:
 

@@ -15,7 +15,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsakv import __version__
 from dsakv.errors import DsakvError
@@ -25,7 +24,7 @@ from .anthropic import add_anthropic_routes
 from .auth import require_api_key
 from .batch import add_batch_routes
 from .chat import ChatParsers
-from .error_handlers import add_error_handlers, error_response
+from .error_handlers import add_error_handlers
 from .generate import add_generate_route
 from .handlers import Handlers
 from .http_config import HTTPConfig, route_path
@@ -143,7 +142,7 @@ def build_app(
     require_api_key(app, api_key)  # (inside the counting: a 401 is counted)
     (http or HTTPConfig()).install(app)  # (outside the key check: preflights need none)
     app.add_middleware(_CountRequests, metrics=metrics)
-    _install_error_handlers(app)
+    add_error_handlers(app)  # (the router's too)
     if chat_parsers is None:
         chat_parsers = ChatParsers.for_engine(async_engine.engine)
     app.state.chat_parsers = chat_parsers
@@ -285,20 +284,6 @@ def _validated(model: type[BaseModel], body: dict[str, Any]) -> Any:
     except ValidationError as e:
         errors = [{**error, "loc": ("body", *error["loc"])} for error in e.errors()]
         raise RequestValidationError(errors) from None
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    add_error_handlers(app)  # (APIError, RequestValidationError: the router's too)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return error_response(request, error_body(str(e.detail), kind), e.status_code, e.headers)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        message = f"internal error: {str(e) or type(e).__name__}"  # (TimeoutError(): "")
-        return error_response(request, error_body(message, "server_error"), 500)
 
 
 def _preflight(scope: dict) -> bool:

@@ -412,7 +412,7 @@ class Batches:
         return info
 
     async def stop(self) -> None:
-        """End the batches still running, their server stopping (its lifespan: `build_app`):
+        """End the batches still running, their server or router stopping (its lifespan):
         their requests are cancelled, and aborted, before the app closes what they use."""
         running = [t for b in self.batches.values() if (t := b.task) is not None and not t.done()]
         for task in running:

@@ -1,6 +1,7 @@
-"""The answers to the errors routes raise (`APIError`, a body FastAPI could not validate), in
-OpenAI's shape (Anthropic's on its routes): light (no torch), so that `dsakv router`, whose
-Batch API routes (`batch`) raise them as a server's do, answers them alike."""
+"""The answers to the errors routes raise (`APIError`, a body FastAPI could not validate, an
+HTTP error, a bug), in OpenAI's shape (Anthropic's on its routes): light (no torch), so that
+`dsakv router`, whose Batch API routes (`batch`) raise them as a server's do, answers them
+alike (and a batch line it runs reads a JSON error, not Starlette's plain-text 500)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .http_config import route_path
 from .protocol import APIError, error_body, error_for
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """`app` answers an `APIError` with its status and body, and a request FastAPI could not
-    validate with a 400 naming the first field that failed (vLLM's, not FastAPI's 422)."""
+    """`app` answers an `APIError` with its status and body, a request FastAPI could not
+    validate with a 400 naming the first field that failed (vLLM's, not FastAPI's 422), an
+    HTTP error (a 404, a 405) in the same shape, and any other exception with a JSON 500."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -40,6 +43,16 @@ def add_error_handlers(app: FastAPI) -> None:
             if len(errors) > len(same):
                 message += f"; and {len(errors) - len(same)} more error(s)"
         return error_response(request, error_body(message, "invalid_request_error", param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return error_response(request, error_body(str(e.detail), kind), e.status_code, e.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        message = f"internal error: {str(e) or type(e).__name__}"  # (TimeoutError(): "")
+        return error_response(request, error_body(message, "server_error"), 500)
 
 
 def error_response(
