@@ -303,3 +303,34 @@ def sglang_stream(base: str, path: str = "/generate", **body: Any) -> list[dict]
         events = [x for x in r.iter_lines() if x.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     return [json.loads(x[6:]) for x in events[:-1]]
+
+
+# --- OpenAI's Batch API (`dsakv serve`'s, the router's, `dsakv run-batch`'s) --------------------
+
+
+def batch_until(client: Any, batch_id: str, *statuses: str) -> Any:
+    """The batch (through the openai `client`) once its status is one of `statuses`."""
+    deadline = time.monotonic() + TIMEOUT
+    while (got := client.batches.retrieve(batch_id)).status not in statuses:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    return got
+
+
+def batch_lines(client: Any, file_id: str | None) -> list[dict]:
+    """The lines of a batch's output or error file (none: no such file)."""
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def answer_of(body: Any) -> Any:
+    """A response body without what differs from one call to the next (its ids and times)
+    or with the prefix cache (cached tokens)."""
+    if isinstance(body, list):
+        return [answer_of(x) for x in body]
+    if not isinstance(body, dict):
+        return body
+    varies = ("id", "created", "created_at", "completed_at")
+    varies += ("prompt_tokens_details", "input_tokens_details")
+    return {k: answer_of(v) for k, v in body.items() if k not in varies}

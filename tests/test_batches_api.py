@@ -13,15 +13,25 @@ import time
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
 
 from dsakv.procs import free_port
 from dsakv.server import batch as batch_module
 from dsakv.server import make_server
 from dsakv.server.app import _endpoint
+from dsakv.server.batch import BatchLine, BatchRunner
 from dsakv.server.handlers import Handlers
 
 from .conftest import cli_config
-from .serving import TIMEOUT, engine_stops_stepping_at, running, serving
+from .serving import (
+    TIMEOUT,
+    answer_of,
+    batch_lines,
+    batch_until,
+    engine_stops_stepping_at,
+    running,
+    serving,
+)
 
 KEY = "batch-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -55,23 +65,6 @@ def _upload(client: openai.OpenAI, data: bytes, name: str = "batch.jsonl"):
     return client.files.create(file=(name, data), purpose="batch")
 
 
-def _until(client: openai.OpenAI, batch_id: str, *statuses: str):
-    deadline = time.monotonic() + TIMEOUT
-    while (got := client.batches.retrieve(batch_id)).status not in statuses:
-        assert time.monotonic() < deadline, got
-        time.sleep(0.05)
-    return got
-
-
-def _lines(client: openai.OpenAI, file_id: str) -> list[dict]:
-    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
-
-
-def _answer_of(body: dict) -> dict:
-    usage = {k: v for k, v in body["usage"].items() if k != "prompt_tokens_details"}
-    return {k: v for k, v in body.items() if k not in ("id", "created")} | {"usage": usage}
-
-
 def test_files_then_a_batch_then_its_output(client, served):
     base, _ = served
     lines = [
@@ -97,18 +90,18 @@ def test_files_then_a_batch_then_its_output(client, served):
         metadata={"job": "test"},
     )
     assert created.status == "validating" and created.metadata == {"job": "test"}
-    done = _until(client, created.id, "completed", "failed")
+    done = batch_until(client, created.id, "completed", "failed")
     assert done.status == "completed", done.errors
     assert done.request_counts.model_dump() == {"total": 2, "completed": 2, "failed": 0}
     assert done.in_progress_at and done.finalizing_at and done.completed_at
     assert done.error_file_id is None and done.output_file_id
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
-    out = _lines(client, done.output_file_id)
+    out = batch_lines(client, done.output_file_id)
     assert [x["custom_id"] for x in out] == ["a", "b"]
     for line, (_, url, body) in zip(out, lines):
         direct = httpx.post(f"{base}{url}", json=body, headers=AUTH, timeout=TIMEOUT)
         assert line["response"]["status_code"] == 200 and line["error"] is None
-        assert _answer_of(line["response"]["body"]) == _answer_of(direct.json())
+        assert answer_of(line["response"]["body"]) == answer_of(direct.json())
 
     assert created.id in [b.id for b in client.batches.list()]
     with pytest.raises(openai.ConflictError):  # (only a batch still running can be)
@@ -131,11 +124,11 @@ def test_a_bad_line_goes_to_the_error_file(client):
         endpoint="/v1/chat/completions",
         completion_window="24h",
     )
-    done = _until(client, created.id, "completed", "failed")
+    done = batch_until(client, created.id, "completed", "failed")
     assert done.status == "completed"
     assert done.request_counts.model_dump() == {"total": 3, "completed": 1, "failed": 2}
-    assert [x["custom_id"] for x in _lines(client, done.output_file_id)] == ["good"]
-    errors = _lines(client, done.error_file_id)
+    assert [x["custom_id"] for x in batch_lines(client, done.output_file_id)] == ["good"]
+    errors = batch_lines(client, done.error_file_id)
     assert [x["custom_id"] for x in errors] == ["other-url", "no-messages"]
     assert [x["response"]["status_code"] for x in errors] == [400, 400]
     assert [x["error"]["param"] for x in errors] == ["url", "messages"]
@@ -151,7 +144,7 @@ def test_a_bad_file_fails_its_batch(client, data, code, line):
         endpoint="/v1/completions",
         completion_window="24h",
     )
-    done = _until(client, created.id, "failed", "completed")
+    done = batch_until(client, created.id, "failed", "completed")
     assert done.status == "failed" and done.failed_at and done.output_file_id is None
     (error,) = done.errors.data
     assert (error.code, error.line) == (code, line) and error.message
@@ -171,9 +164,9 @@ def test_cancel_aborts_the_requests_in_flight(client, served):
             time.sleep(0.05)
         cancelling = client.batches.cancel(created.id)
         assert cancelling.status == "cancelling" and cancelling.cancelling_at
-        done = _until(client, created.id, "cancelled")
+        done = batch_until(client, created.id, "cancelled")
     assert done.cancelled_at and done.output_file_id is None
-    errors = _lines(client, done.error_file_id)
+    errors = batch_lines(client, done.error_file_id)
     assert [x["custom_id"] for x in errors] == ["x", "y"]
     assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
     assert client.batches.cancel(created.id).status == "cancelled"
@@ -207,8 +200,8 @@ def test_a_batch_keeps_only_what_the_engine_runs_in_flight(client, served):
             time.sleep(0.05)
         assert client.batches.retrieve(created.id).request_counts.completed == 0
         client.batches.cancel(created.id)
-        done = _until(client, created.id, "cancelled")
-    errors = _lines(client, done.error_file_id)
+        done = batch_until(client, created.id, "cancelled")
+    errors = batch_lines(client, done.error_file_id)
     assert [x["custom_id"] for x in errors] == ["x", "y", "z"]  # (z never sent: cancelled too)
     assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
 
@@ -324,3 +317,24 @@ def test_metrics_name_each_route_once():
     assert _endpoint("/v1/batches/batch_1") == "/v1/batches/{batch_id}"
     assert _endpoint("/v1/batches/batch_1/cancel") == "/v1/batches/{batch_id}/cancel"
     assert _endpoint("/v1/batches/batch_1/other") == "other"
+
+
+def test_a_bug_in_a_batchs_run_is_raised_not_a_completed_batch():
+    """A line's run failing (a bug; here `done`, which counts each line's outcome) stops
+    the others and is raised, so that the batch fails as a bug's (`Batches._run`): it was
+    swallowed, and the batch completed, the lines it never ran said to be cancelled."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict) -> dict:
+        if body.get("held"):
+            await asyncio.Event().wait()  # (until the run stops it)
+        return {"object": "text_completion"}
+
+    def done(i: int, record: dict) -> None:
+        raise KeyError(f"a bug, at line {i}")
+
+    bodies = [{}, {"held": True}, {}]
+    lines = [BatchLine(str(i), "POST", "/v1/completions", b) for i, b in enumerate(bodies)]
+    with pytest.raises(KeyError, match="a bug, at line 0"):
+        asyncio.run(BatchRunner(app).run(lines, done=done, window=2))

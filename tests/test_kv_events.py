@@ -9,6 +9,7 @@ the events alone; after each scenario it must equal the prefix cache's own state
 import json
 import logging
 import random
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -495,6 +496,17 @@ def test_a_publisher_that_cannot_start_fails_at_once(key, value, says):
     with pytest.raises(ConfigError) as e:
         _start(replace(config, **{key: value}))
     assert str(e.value).startswith("--kv-events-config: ") and says in str(e.value)
+
+
+@pytest.mark.parametrize("module", ["zmq", "msgspec"])
+def test_a_publisher_whose_libraries_fail_to_import_fails_at_once(module, monkeypatch):
+    """pyzmq or msgspec failing to import (a broken install) is one error from the start,
+    as any other failure of the thread's setup (it came before the setup's `try`: the
+    thread died, and the engine's start waited for it forever)."""
+    monkeypatch.setitem(sys.modules, module, None)  # (`import` fails: ModuleNotFoundError)
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{free_port()}")
+    with pytest.raises(ConfigError, match=f"^--kv-events-config: pyzmq and msgspec: .*{module}"):
+        _start(config)
 
 
 class _Fatal(BaseException):

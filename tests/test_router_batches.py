@@ -31,6 +31,9 @@ from dsakv.server.protocol import error_body
 from .serving import (
     NO_THINKING,
     TIMEOUT,
+    answer_of,
+    batch_lines,
+    batch_until,
     engine_stops_stepping_at,
     engine_thread_held,
     routing,
@@ -79,31 +82,6 @@ def _batch(client: openai.OpenAI, url: str, lines: dict[str, dict]):
     return client.batches.create(input_file_id=up.id, endpoint=url, completion_window="24h")
 
 
-def _until(client: openai.OpenAI, batch_id: str, *statuses: str):
-    deadline = time.monotonic() + TIMEOUT
-    while (got := client.batches.retrieve(batch_id)).status not in statuses:
-        assert time.monotonic() < deadline, got
-        time.sleep(0.05)
-    return got
-
-
-def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
-    if file_id is None:
-        return []
-    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
-
-
-def _answer_of(body: Any) -> Any:
-    """A response body without what differs from one call to the next (its ids and times)
-    or with the prefix cache (cached tokens)."""
-    if isinstance(body, list):
-        return [_answer_of(x) for x in body]
-    if not isinstance(body, dict):
-        return body
-    varies = ("id", "created", "prompt_tokens_details")
-    return {k: _answer_of(v) for k, v in body.items() if k not in varies}
-
-
 def _load(base: str) -> int:
     return httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"]
 
@@ -132,10 +110,10 @@ def _load(base: str) -> int:
 )
 def test_each_line_is_answered_as_the_router_answers_it(client, pd, url, lines):
     created = _batch(client, url, {**lines, "streamed": {**_chat("Hi"), "stream": True}})
-    done = _until(client, created.id, "completed", "failed")
+    done = batch_until(client, created.id, "completed", "failed")
     assert done.status == "completed", done.errors
     total = len(lines) + 1
-    ran = _lines(client, done.output_file_id) + _lines(client, done.error_file_id)
+    ran = batch_lines(client, done.output_file_id) + batch_lines(client, done.error_file_id)
     assert sorted(x["custom_id"] for x in ran) == sorted([*lines, "streamed"])
     assert done.request_counts.completed + done.request_counts.failed == total
     by_id = {x["custom_id"]: x for x in ran}
@@ -150,7 +128,7 @@ def test_each_line_is_answered_as_the_router_answers_it(client, pd, url, lines):
         if direct.status_code == 200:
             answered += 1
             assert line["error"] is None
-            assert _answer_of(line["response"]["body"]) == _answer_of(direct.json()), custom_id
+            assert answer_of(line["response"]["body"]) == answer_of(direct.json()), custom_id
         else:
             assert line["error"] == direct.json()["error"], custom_id
     assert done.request_counts.completed == answered >= 2
@@ -187,8 +165,8 @@ def test_a_batch_keeps_only_what_the_decode_servers_run_in_flight(client, pd):
         assert client.batches.retrieve(created.id).request_counts.completed == 0
         cancelling = client.batches.cancel(created.id)
         assert cancelling.status == "cancelling"
-        done = _until(client, created.id, "cancelled")
-    errors = _lines(client, done.error_file_id)
+        done = batch_until(client, created.id, "cancelled")
+    errors = batch_lines(client, done.error_file_id)
     assert [x["custom_id"] for x in errors] == ["x", "y", "z"]
     assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
     deadline = time.monotonic() + TIMEOUT
@@ -211,15 +189,16 @@ def test_a_cancel_hangs_up_on_the_prefill_server_too(client, pd):
         created = _batch(client, "/v1/completions", {"x": body})
         while _load(pd.prefill_url) != 1 or _load(pd.decode_url) != 1:
             got = client.batches.retrieve(created.id)
-            assert got.request_counts.failed == 0, _lines(client, got.error_file_id)
+            assert got.request_counts.failed == 0, batch_lines(client, got.error_file_id)
             assert time.monotonic() < deadline, got
             time.sleep(0.05)
         client.batches.cancel(created.id)
-        done = _until(client, created.id, "cancelled")
+        done = batch_until(client, created.id, "cancelled")
         while _load(pd.prefill_url) or _load(pd.decode_url):
             assert time.monotonic() < deadline, "a server kept the cancelled line's request"
             time.sleep(0.05)
-    assert [x["error"]["code"] for x in _lines(client, done.error_file_id)] == ["batch_cancelled"]
+    errors = batch_lines(client, done.error_file_id)
+    assert [x["error"]["code"] for x in errors] == ["batch_cancelled"]
 
 
 def test_a_stopping_router_ends_its_batches_and_hangs_up_their_lines(pd):
@@ -296,3 +275,51 @@ def test_sglangs_engine_type_is_each_servers_role(pd):
         }
         types.discard(None)  # (its cache_config_info: the KV layout only)
         assert types == {role}, (base, types)
+
+
+def test_a_batch_cancelled_while_the_router_asks_its_servers_sends_no_line():
+    """Before a batch's lines go, the router asks its decode servers how many requests
+    they run (/server_info, up to its timeout): a cancel meanwhile ends the batch with no
+    line sent (it waited for their answer, then sent every line, each then cancelled)."""
+    asked, release = asyncio.Event(), asyncio.Event()
+    sent: list[str] = []
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/server_info":
+            asked.set()
+            await release.wait()
+            return httpx.Response(200, json={"max_running_requests": 8})
+        if request.url.path == "/disagg/info":
+            return httpx.Response(200, json={"mode": "prefill", "bootstrap_port": 9})
+        sent.append(f"{request.url.host}{request.url.path}")
+        return httpx.Response(200, json={"id": "x", "choices": []})
+
+    async def cancelled() -> list[dict]:
+        app = build_router_app(["http://p:1"], ["http://d:1"])
+        app.state.router._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app))
+        client = openai.AsyncOpenAI(base_url="http://r/v1", api_key="x", http_client=http)
+        body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+        rows = [{"custom_id": str(i), "method": "POST", "url": "/v1/completions", "body": body}
+                for i in range(4)]  # fmt: skip
+        data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        up = await client.files.create(file=("batch.jsonl", data), purpose="batch")
+        created = await client.batches.create(
+            input_file_id=up.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        await asyncio.wait_for(asked.wait(), TIMEOUT)
+        assert (await client.batches.cancel(created.id)).status == "cancelling"
+        release.set()  # (the servers answer: the batch is cancelled all the same)
+        deadline = time.monotonic() + TIMEOUT
+        while (got := await client.batches.retrieve(created.id)).status == "cancelling":
+            assert time.monotonic() < deadline, got
+            await asyncio.sleep(0.01)
+        assert got.status == "cancelled" and got.output_file_id is None, got
+        errors = (await client.files.content(got.error_file_id)).text
+        await http.aclose()
+        await app.state.router.close()
+        return [json.loads(x) for x in errors.splitlines()]
+
+    errors = asyncio.run(cancelled())
+    assert [x["error"]["code"] for x in errors] == ["batch_cancelled"] * 4
+    assert sent == []

@@ -12,9 +12,10 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +25,7 @@ from starlette.requests import Request
 from dsakv.cli import main
 from dsakv.disagg.policy import (
     CacheAware,
+    Policy,
     PolicyConfig,
     PowerOfTwo,
     PrefixTree,
@@ -43,6 +45,13 @@ A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
 def _idle(url: str) -> int:
     return 0
+
+
+def _sent(policy: Policy, urls: list[str], load: Callable[[str], int], text: str) -> str:
+    """The policy's pick, the request sent there (`Policy.sent`), as the router sends it."""
+    url = policy.pick(urls, load, text)
+    policy.sent(url, text)
+    return url
 
 
 # --- the prefix tree ------------------------------------------------------------------------------
@@ -97,57 +106,91 @@ def test_a_removed_server_leaves_the_tree_and_only_it():
     assert tree.match("A alone") == {} and "A" not in tree.root.children
 
 
+class _Unwalkable(dict):
+    """A node's children that can be looked up, added and removed, but not walked."""
+
+    def values(self):
+        raise AssertionError("walked a node's children")
+
+    items = keys = __iter__ = values
+
+
+def test_a_servers_eviction_looks_at_no_other_servers_branches():
+    """Whether a node is still a server's leaf, its own leaf under it evicted, is a count
+    the node keeps (its children holding each server), not a walk over its children: under
+    a system prompt another server sent on with 2000 questions, each request past the
+    bound of the server sharing it cost that walk."""
+    tree = PrefixTree()
+    system = "You are terse. " * 4
+    for i in range(2000):
+        tree.insert(system + chr(0x4E00 + i) * 4, B)
+    for i in range(3):
+        tree.insert(system + chr(0x3400 + i) * 4, A)
+    shared = tree.root.children[system[0]]
+    assert shared.text == system and len(shared.children) == 2003
+    shared.children = _Unwalkable(shared.children)
+    for i in range(3, 40):  # (each past A's bound: its least recently sent question goes)
+        tree.insert(system + chr(0x3400 + i) * 4, A)
+        tree.evict(len(system) + 3 * 4, A)
+    assert tree.size(A) == len(system) + 3 * 4 and tree.size(B) == len(system) + 2000 * 4
+    assert tree.match(system + chr(0x3400 + 39) * 4)[A] == len(system) + 4
+    assert tree.match(system + chr(0x3400 + 36) * 4)[A] == len(system)
+    tree.evict(len(system), A)  # (then its leaves all go: the shared run is its leaf again)
+    tree.evict(0, A)
+    assert tree.size(A) == 0 and tree.match(system) == {B: len(system)}
+
+
 # --- each policy's pick ---------------------------------------------------------------------------
 
 
 def test_cache_aware_follows_the_longest_prefix_over_the_threshold_else_the_smallest_tree():
     policy = CacheAware(PolicyConfig())
     system = "You are a helpful assistant. Answer in one word. " * 2  # (100 characters)
-    first = policy.pick([A, B], _idle, system + "Q1")
+    first = _sent(policy, [A, B], _idle, system + "Q1")
     assert first == A  # (two empty trees: the first of the least loaded)
-    assert policy.pick([A, B], _idle, system + "Q2") == A  # (98% matched)
+    assert _sent(policy, [A, B], _idle, system + "Q2") == A  # (98% matched)
     # a text matching no more than 30% goes to the smaller tree (B: empty), then stays
-    assert policy.pick([A, B], _idle, system[:20] + "x" * 80) == B
-    assert policy.pick([A, B], _idle, system[:20] + "x" * 79 + "y") == B
+    assert _sent(policy, [A, B], _idle, system[:20] + "x" * 80) == B
+    assert _sent(policy, [A, B], _idle, system[:20] + "x" * 79 + "y") == B
     # the threshold is the flag's: 0.9 sends a 50% match to the smaller tree
     strict = CacheAware(PolicyConfig(cache_threshold=0.9))
-    strict.pick([A, B], _idle, system)
-    assert strict.pick([A, B], _idle, system[:50] + "z" * 50) == B
+    _sent(strict, [A, B], _idle, system)
+    assert _sent(strict, [A, B], _idle, system[:50] + "z" * 50) == B
     # a match is taken only among the servers given (those up): A's prefix, A down
-    assert policy.pick([B], _idle, system + "Q3") == B
+    assert _sent(policy, [B], _idle, system + "Q3") == B
 
 
 def test_cache_aware_takes_the_least_loaded_while_loads_are_imbalanced():
     """SGLang's rule: imbalanced when the most loaded has more than 64 requests over the
     least loaded and more than 1.5 times as many: then the shortest queue, whatever matches
-    (the text still joins the pick's tree)."""
+    (the text still joins the tree of the server it went to)."""
     policy = CacheAware(PolicyConfig())
     text = "a long shared system prompt " * 4
-    assert policy.pick([A, B], _idle, text) == A
+    assert _sent(policy, [A, B], _idle, text) == A
     loads = {A: 70, B: 5}  # (65 more, and 14 times as many)
-    assert policy.pick([A, B], loads.__getitem__, text + "?") == B
+    assert _sent(policy, [A, B], loads.__getitem__, text + "?") == B
     assert policy.tree.match(text + "?") == {A: len(text), B: len(text) + 1}
     other = "no match " * 10
-    policy.pick([A, B], {A: 0, B: 9}.__getitem__, other)  # (A's, the smaller tree)
+    _sent(policy, [A, B], {A: 0, B: 9}.__getitem__, other)  # (A's, the smaller tree)
     loads = {A: 70, B: 6}  # (64 more: not over the absolute threshold)
-    assert policy.pick([A, B], loads.__getitem__, other + "!") == A  # (its match)
+    assert _sent(policy, [A, B], loads.__getitem__, other + "!") == A  # (its match)
     loads = {A: 200, B: 140}  # (60 more, 1.43 times as many: balanced)
-    assert policy.pick([A, B], loads.__getitem__, other + "!") == A
-    assert policy.pick([A, B], {A: 200, B: 100}.__getitem__, other) == B  # (100, twice)
+    assert _sent(policy, [A, B], loads.__getitem__, other + "!") == A
+    assert _sent(policy, [A, B], {A: 200, B: 100}.__getitem__, other) == B  # (100, twice)
     relaxed = CacheAware(PolicyConfig(balance_abs_threshold=10, balance_rel_threshold=1.2))
-    relaxed.pick([A, B], _idle, other)
-    assert relaxed.pick([A, B], loads.__getitem__, other) == B
+    _sent(relaxed, [A, B], _idle, other)
+    assert _sent(relaxed, [A, B], loads.__getitem__, other) == B
 
 
 def test_cache_aware_trees_are_cut_as_a_request_takes_them_past_their_bound():
     """At once, by what the request added past it (no clock, no walk over the tree later):
-    the bound holds after every pick."""
+    the bound holds after every request sent."""
     policy = CacheAware(PolicyConfig(max_tree_size=10))
-    policy.pick([A], _idle, "x" * 8)
-    policy.pick([A], _idle, "y" * 8)  # (16: the older text goes)
+    _sent(policy, [A], _idle, "x" * 8)
+    _sent(policy, [A], _idle, "y" * 8)  # (16: the older text goes)
     assert policy.tree.size(A) == 8 and policy.tree.match("x" * 8) == {}
     assert policy.tree.match("y" * 8) == {A: 8}
-    policy.pick([A], _idle, "y" * 4 + "z" * 2)  # (8 + 2: within the bound)
+    _sent(policy, [A], _idle, "y" * 4 + "z" * 2)  # (8 + 2: within the bound)
     assert policy.tree.size(A) == 10 and policy.tree.match("y" * 8) == {A: 8}
 
 
@@ -181,6 +224,7 @@ def _check(tree: PrefixTree) -> None:
         assert node.tenants and node.tenants.keys() <= node.parent.tenants.keys()
         assert node.parent.children[node.text[0]] is node
         nodes.update(node.tenants.keys())
+        assert node.below == Counter(t for c in node.children.values() for t in c.tenants)
         for t in node.tenants:
             sizes[t] += len(node.text)
             if not any(t in c.tenants for c in node.children.values()):  # (its leaf)
@@ -217,7 +261,9 @@ def test_the_router_passes_over_servers_down_and_forgets_those_removed():
         router._down = {u: time.monotonic() for u in (A, B, C)}  # (all down: each still tried)
         assert sorted(router._ranked("prefill", "some prompt")) == [A, B, C]
     router = Router([A, B], ["http://d:1"])
-    assert router._ranked("prefill", "the prompt")[0] == A
+    router._bootstrap = {A: ("a", 1), B: ("b", 1)}
+    assert asyncio.run(router._pick_prefill("the prompt"))[0] == A
+    router._finished("prefill", A)
     tree = router._policies["prefill"].tree
     assert tree.match("the prompt") == {A: 10}
     router.remove_worker(A)
@@ -260,6 +306,84 @@ def test_a_burst_sees_each_pick_as_load_before_its_request_is_sent():
     assert asked[:6] == ["a"] * 5 + ["b"], asked  # (5 over 0: more than 4 more, and 1.5 times)
     assert Counter(asked) == {"a": 6, "b": 6}, asked  # (then the less loaded of two matches)
     assert not router._busy
+
+
+def test_each_tree_names_the_server_a_request_went_to_not_the_one_passed_over():
+    """A pick passed over (a prefill server that cannot tell its bootstrap port, a decode
+    server refusing the connection) never got the prompt: the trees name the servers that
+    did. (The pick recorded itself: the tree named a server whose cache never saw the
+    prompt, and drew the requests sharing it there.)"""
+    D1, D2 = "http://d1:1", "http://d2:1"
+    router = Router([A, B], [D1, D2], PolicyConfig(policy="cache_aware"))
+    got: list[str] = []
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/disagg/info":
+            if host == "a":
+                raise httpx.ConnectError("down")
+            return httpx.Response(200, json={"mode": "prefill", "bootstrap_port": 9})
+        if host == "d1":
+            raise httpx.ConnectError("refused")
+        got.append(host)
+        return httpx.Response(200, json={})
+
+    async def send() -> None:
+        router._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        body = {"model": "m", "prompt": SYSTEM, "max_tokens": 1}
+        assert (await router.generate("/v1/completions", _request(body))).status_code == 200
+        await asyncio.gather(*router._tasks)
+        await router._client.aclose()
+
+    asyncio.run(send())
+    assert sorted(got) == ["b", "d2"]  # (A and D1 picked first: each tree was empty)
+    assert router._policies["prefill"].tree.match(SYSTEM) == {B: len(SYSTEM)}
+    assert router._policies["decode"].tree.match(SYSTEM) == {D2: len(SYSTEM)}
+    assert not router._busy
+
+
+def test_a_request_cancelled_as_its_answer_comes_leaves_no_load_behind():
+    """A routed request cancelled (a batch's stop) in the loop turn its decode server's
+    answer came: that answer, nobody's, is closed and no longer counted (it stayed open,
+    and the decode server's count of requests in flight, what the policies weigh, one too
+    many for good)."""
+    router = Router([A], [C])
+    router._bootstrap = {A: ("a", 1)}
+    closed: list[str] = []
+
+    class Body(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            yield b"{}"
+
+        async def aclose(self) -> None:
+            closed.append("decode")
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "c":
+            return httpx.Response(200, stream=Body())
+        return httpx.Response(200, json={})
+
+    sending = router._send_decode
+
+    async def answered(*args: Any) -> tuple[str, httpx.Response]:
+        got = await sending(*args)  # (only the timing: the cancel lands as the answer does)
+        asyncio.get_running_loop().call_soon(routed.cancel)
+        return got
+
+    async def route() -> None:
+        nonlocal routed
+        router._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        body = {"model": "m", "prompt": "x", "max_tokens": 1}
+        routed = asyncio.ensure_future(router.generate("/v1/completions", _request(body)))
+        with pytest.raises(asyncio.CancelledError):
+            await routed
+        await asyncio.gather(*router._tasks, return_exceptions=True)
+        await router._client.aclose()
+
+    routed: asyncio.Future
+    router._send_decode = answered
+    asyncio.run(route())
+    assert closed == ["decode"] and not router._busy
 
 
 def _request(body: dict) -> Request:

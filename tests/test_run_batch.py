@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from dsakv.cli import main
 
 from .conftest import cli_config, cli_error_line
-from .serving import TIMEOUT, serving
+from .serving import TIMEOUT, answer_of, serving
 
 FLAGS = ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32", "--num-pages", "64"]
 FLAGS += ["--page-size", "16", "--device", "cpu"]
@@ -73,18 +72,6 @@ def _line(custom_id: str) -> dict:
     return {"custom_id": custom_id, **BAD[custom_id][0]}
 
 
-def _answer_of(body: Any) -> Any:
-    """A response body without what differs from one call to the next (its ids and times)
-    or with the prefix cache (cached tokens)."""
-    if isinstance(body, list):
-        return [_answer_of(x) for x in body]
-    if not isinstance(body, dict):
-        return body
-    varies = ("id", "created", "created_at", "completed_at")
-    varies += ("prompt_tokens_details", "input_tokens_details")
-    return {k: _answer_of(v) for k, v in body.items() if k not in varies}
-
-
 def _compiling() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("dsakv-grammar")}
 
@@ -124,7 +111,7 @@ def test_each_answer_is_the_servers_for_the_same_body(ran, served):
         assert line["id"].startswith("batch_req_") and line["response"]["request_id"]
         direct = httpx.post(f"{base}{url}", json=body, timeout=TIMEOUT)
         assert direct.status_code == 200, direct.text
-        assert _answer_of(line["response"]["body"]) == _answer_of(direct.json())
+        assert answer_of(line["response"]["body"]) == answer_of(direct.json())
     chat = ran[0]["response"]["body"]
     assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] == 6
     assert chat["id"] == f"chatcmpl-{ran[0]['response']['request_id']}"

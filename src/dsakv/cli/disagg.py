@@ -4,6 +4,7 @@ decode server."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from typing import Any
 
 from dsakv.disagg.config import DEFAULT_BOOTSTRAP_PORT, MODES, DisaggConfig
@@ -108,10 +109,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
         help=f"... and more than this many times as many (default {d.balance_rel_threshold})",
     )  # fmt: skip
     g.add_argument(
-        "--eviction-interval-secs", "--eviction-interval", type=int, metavar="S",
-        default=d.eviction_interval_secs, dest="eviction_interval_secs",
-        help="cache_aware: SGLang's seconds between its cuts of the trees (default "
-        f"{d.eviction_interval_secs}), accepted: a tree is cut as it passes --max-tree-size",
+        "--eviction-interval-secs", "--eviction-interval", type=int, metavar="S", default=120,
+        dest="eviction_interval_secs",
+        help="SGLang's seconds between its background cuts of the trees: accepted (its command "
+        "lines run), no effect here: a tree is cut as a request takes it past --max-tree-size",
     )  # fmt: skip
     g.add_argument(
         "--max-tree-size", type=int, metavar="N", default=d.max_tree_size,
@@ -120,16 +121,11 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def policy_config(args: argparse.Namespace) -> PolicyConfig:
-    return PolicyConfig(
-        args.policy,
-        args.prefill_policy,
-        args.decode_policy,
-        args.cache_threshold,
-        args.balance_abs_threshold,
-        args.balance_rel_threshold,
-        args.eviction_interval_secs,
-        args.max_tree_size,
-    )
+    if args.eviction_interval_secs < 0:  # (unused, but SGLang's range all the same)
+        raise DsakvError(
+            f"--eviction-interval-secs must be an integer >= 0, got {args.eviction_interval_secs}"
+        )
+    return PolicyConfig(**{f.name: getattr(args, f.name) for f in fields(PolicyConfig)})
 
 
 def _cmd_serve_pd(args: argparse.Namespace) -> int:

@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 
 from dsakv.errors import DsakvError
 
-POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 # Without --policy: prefix affinity where the prompt is computed, turns where it is decoded
 # (a decode server's prompt arrives whole from the prefill server: its cache saves nothing).
 DEFAULT_POLICIES = {"prefill": "cache_aware", "decode": "round_robin"}
@@ -40,8 +39,8 @@ class PolicyConfig:
     by more than `balance_abs_threshold` and is more than `balance_rel_threshold` times it),
     to the least loaded. Each server's tree is cut to `max_tree_size` characters (least
     recently sent first) as a request takes it past them: what it added past the bound, not a
-    walk over the tree that would hold up every request meanwhile. `eviction_interval_secs`:
-    SGLang's seconds between its background thread's cuts, checked, not needed here."""
+    walk over the tree that would hold up every request meanwhile (SGLang's background cut
+    every --eviction-interval-secs: that flag is accepted, and does nothing here)."""
 
     policy: str | None = None
     prefill_policy: str | None = None
@@ -49,7 +48,6 @@ class PolicyConfig:
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
-    eviction_interval_secs: int = 120
     max_tree_size: int = 2**26
 
     def __post_init__(self) -> None:
@@ -67,8 +65,6 @@ class PolicyConfig:
              self.balance_abs_threshold),
             ("--balance-rel-threshold", 1 <= self.balance_rel_threshold < math.inf,
              "a number >= 1", self.balance_rel_threshold),
-            ("--eviction-interval-secs", self.eviction_interval_secs >= 0,
-             "an integer >= 0", self.eviction_interval_secs),
             ("--max-tree-size", self.max_tree_size >= 1, "an integer >= 1", self.max_tree_size),
         ]:  # fmt: skip
             if not ok:
@@ -86,8 +82,18 @@ class Policy:
     name: ClassVar[str]
     needs_text: ClassVar[bool] = False  # (whether `pick` reads the request's text)
 
+    @classmethod
+    def of(cls, config: PolicyConfig) -> Policy:
+        """The policy as `config` sets it (`make_policy`)."""
+        return cls()
+
     def pick(self, urls: list[str], load: Callable[[str], int], text: str) -> str:
         raise NotImplementedError
+
+    def sent(self, url: str, text: str) -> None:
+        """A request with `text` went to `url`: told once it is there (its pick may have
+        been passed over, the server down), so that a policy keeping track records where
+        requests went, not where it meant them to go."""
 
     def forget(self, url: str) -> None:
         """A server removed: what it was sent is forgotten (re-added, it starts with none)."""
@@ -131,7 +137,8 @@ class PowerOfTwo(Policy):
 
 
 class CacheAware(Policy):
-    """SGLang's cache-aware policy (`PolicyConfig`): the pick's tree gets the request's text."""
+    """SGLang's cache-aware policy (`PolicyConfig`): the tree of the server a request went
+    to (`sent`) gets its text."""
 
     name = "cache_aware"
     needs_text = True
@@ -139,6 +146,10 @@ class CacheAware(Policy):
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
         self.tree = PrefixTree()
+
+    @classmethod
+    def of(cls, config: PolicyConfig) -> Policy:
+        return cls(config)
 
     def pick(self, urls: list[str], load: Callable[[str], int], text: str) -> str:
         c = self.config
@@ -151,27 +162,35 @@ class CacheAware(Policy):
             url = max(urls, key=lambda u: (matched.get(u, 0), -loads[u]))
             if not text or matched.get(url, 0) / len(text) <= c.cache_threshold:
                 url = min(urls, key=lambda u: (self.tree.size(u), loads[u]))  # most room
-        self.tree.insert(text, url)
-        self.tree.evict(c.max_tree_size, url)
         return url
+
+    def sent(self, url: str, text: str) -> None:
+        self.tree.insert(text, url)
+        self.tree.evict(self.config.max_tree_size, url)
 
     def forget(self, url: str) -> None:
         self.tree.remove(url)
 
 
+# Each policy by its name (SGLang's), in --policy's order.
+_CLASSES: dict[str, type[Policy]] = {
+    p.name: p for p in (Random, RoundRobin, CacheAware, PowerOfTwo)
+}
+POLICIES = tuple(_CLASSES)
+
+
 def make_policy(name: str, config: PolicyConfig) -> Policy:
-    if name == "cache_aware":
-        return CacheAware(config)
-    return {"random": Random, "round_robin": RoundRobin, "power_of_two": PowerOfTwo}[name]()
+    return _CLASSES[name].of(config)
 
 
 class _Node:
-    __slots__ = ("text", "children", "tenants", "parent")
+    __slots__ = ("text", "children", "tenants", "below", "parent")
 
     def __init__(self, text: str, parent: _Node | None) -> None:
         self.text = text
         self.children: dict[str, _Node] = {}  # by their text's first character
         self.tenants: dict[str, int] = {}  # server -> when last sent this text (a tick)
+        self.below: dict[str, int] = {}  # server -> how many children it holds (none: absent)
         self.parent = parent
 
 
@@ -180,7 +199,9 @@ class PrefixTree:
     each node holding a run of characters and which servers were sent it, when last. A
     node's servers hold its parent too (a text is marked from the root down; eviction takes
     leaves first), so one walk tells each server's longest match. Each server's leaves wait
-    in a heap, the least recently sent first, so an eviction costs what it removes."""
+    in a heap, the least recently sent first, and each node counts its children holding
+    each server (whether it is that server's leaf: one look-up, however many children other
+    servers gave it), so an eviction costs what it removes."""
 
     def __init__(self) -> None:
         self.root = _Node("", None)
@@ -212,6 +233,7 @@ class PrefixTree:
             if tenant not in child.tenants:
                 self._sizes[tenant] += len(child.text)
                 self._nodes[tenant] += 1
+                node.below[tenant] = node.below.get(tenant, 0) + 1
             child.tenants[tenant] = now
             node = child
         if node is not self.root:
@@ -245,6 +267,9 @@ class PrefixTree:
                 self._nodes[t] -= 1
                 parent = node.parent
                 assert parent is not None
+                parent.below[t] -= 1
+                if not parent.below[t]:
+                    del parent.below[t]
                 if not node.tenants:  # (nor its children: theirs are its)
                     del parent.children[node.text[0]]
                 if parent is not self.root and _leaf_of(parent, t):
@@ -256,6 +281,7 @@ class PrefixTree:
         while stack:
             node = stack.pop()
             node.tenants.pop(tenant, None)
+            node.below.pop(tenant, None)  # (none of its children holds it now)
             for key, child in list(node.children.items()):
                 if tenant in child.tenants:
                     if len(child.tenants) == 1:
@@ -283,6 +309,7 @@ class PrefixTree:
         assert parent is not None
         head = _Node(child.text[:n], parent)
         head.tenants = dict(child.tenants)
+        head.below = dict.fromkeys(child.tenants, 1)  # (its one child holds them all)
         self._nodes.update(head.tenants.keys())
         child.text, child.parent = child.text[n:], head
         head.children[child.text[0]] = child
@@ -298,7 +325,7 @@ def _stands(entry: tuple[int, int, _Node], tenant: str) -> bool:
 
 def _leaf_of(node: _Node, tenant: str) -> bool:
     """Whether `node` is one of `tenant`'s leaves: it holds it, and none of its children."""
-    return tenant in node.tenants and not any(tenant in c.tenants for c in node.children.values())
+    return tenant in node.tenants and tenant not in node.below
 
 
 def _shared(run: str, text: str, at: int) -> int:

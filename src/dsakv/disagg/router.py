@@ -39,7 +39,7 @@ import math
 import secrets
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -66,7 +66,7 @@ from dsakv.server.protocol import (
     new_id,
 )
 
-from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
+from .config import HOST_HEADER, MODES, PORT_HEADER, ROOM_HEADER
 from .handoff import GENERATE_PATHS
 from .policy import Policy, PolicyConfig, make_policy, routing_text
 
@@ -129,8 +129,10 @@ class Router:
         _check_distinct([("--prefill", u) for u in prefill] + [("--decode", u) for u in decode])
         policy = policy or PolicyConfig()
         self._policies: dict[str, Policy] = {
-            kind: make_policy(policy.policy_of(kind), policy) for kind in ("prefill", "decode")
+            kind: make_policy(policy.policy_of(kind), policy) for kind in MODES
         }
+        # whether a request's text is read (`routing_text`): by cache_aware, of either kind
+        self._needs_text = any(p.needs_text for p in self._policies.values())
         self._bootstrap: dict[str, tuple[str, int]] = {}
         self._down: dict[str, float] = {}  # server -> when it last failed to connect
         self._client: httpx.AsyncClient | None = None
@@ -177,15 +179,23 @@ class Router:
         now = getattr(self, kind)
         return now + [url for was, url in self._busy if was == kind and url not in now]
 
-    async def _open(self, kind: str, url: str, send: httpx.Request) -> httpx.Response:
-        """`send` to the `kind` server `url`, its answer streamed: a request in flight there
-        (`_busy`) from now until the caller's `_finished(kind, url)`, once the answer is read."""
-        self._busy[kind, url] += 1
+    async def _open(self, url: str, send: httpx.Request) -> httpx.Response:
+        """`send` to the decode server `url`, its answer streamed: a request in flight there
+        (`_busy`) from now until the caller's `_finished("decode", url)`, once the answer is
+        read (or `_drop`)."""
+        self._busy["decode", url] += 1
         try:
             return await self.client.send(send, stream=True)
         except BaseException:  # (cancelled too: the client left)
-            self._finished(kind, url)
+            self._finished("decode", url)
             raise
+
+    async def _drop(self, sent: tuple[str, httpx.Response]) -> None:
+        """A decode server's answer (`_open`) nobody will read, its request cancelled as it
+        came (`_unless_left`): closed, and no longer in flight there."""
+        url, resp = sent
+        self._finished("decode", url)
+        await resp.aclose()
 
     def _finished(self, kind: str, url: str) -> None:
         """A request to `url` ended: a removed server's last leaves the admin calls' reach."""
@@ -272,7 +282,7 @@ class Router:
                 return _taken(rid)
             self._pending.add(rid)
             try:
-                if await self._held(rid, _auth(request)):
+                if await self._held(rid, key_headers(request.headers)):
                     return _taken(rid)
                 return await self._respond(request, raw, body, rid)
             finally:
@@ -309,7 +319,7 @@ class Router:
         seen none of them (it may have restarted since)."""
         if not isinstance(previous, str) or not isinstance(own, (str, list)):
             return None, own  # (the decode server refuses it, naming the field)
-        headers = _auth(request)
+        headers = key_headers(request.headers)
         found = await self._holder(previous, headers)
         if isinstance(found, Response):
             return found
@@ -403,7 +413,9 @@ class Router:
                 request.method, f"{url}{path}", content=raw, headers=headers
             )
             try:
-                r = await _unless_left(self._open("decode", url, send), request)
+                r = await _unless_left(
+                    self._open(url, send), request, lambda r, url=url: self._drop((url, r))
+                )
                 if r is None:
                     return Response(status_code=499)
                 if r.is_success and "text/event-stream" in r.headers.get("content-type", ""):
@@ -464,8 +476,7 @@ class Router:
         if (missing := self._missing("prefill", "decode")) is not None:
             return missing  # (removed while the request came in)
         # (the prefill server's body: a continuation's whole conversation)
-        needed = any(p.needs_text for p in self._policies.values())
-        text = routing_text(p_body) if needed else ""
+        text = routing_text(p_body) if self._needs_text else ""
         try:
             p_url, host, port = await self._pick_prefill(text)
         except _Unusable as e:
@@ -473,7 +484,7 @@ class Router:
             return _error(502, f"no prefill server is usable: {e}")
         rooms = ",".join(str(secrets.randbits(62)) for _ in range(prompts))
         headers = {ROOM_HEADER: rooms, HOST_HEADER: host, PORT_HEADER: str(port)}
-        headers.update(_auth(request))
+        headers.update(key_headers(request.headers))
         headers.update(_request_id(request))  # (both servers' name for /abort_request)
         headers.update(_trace_context(request))  # (both servers' spans join the client's trace)
         prefill = self._spawn(self._prefill(p_url, path, p_body, headers))
@@ -481,7 +492,7 @@ class Router:
         d_headers = {**headers, "content-type": "application/json"}
         try:  # (a non-streamed answer's headers come when it is complete)
             sending = self._send_decode(path, raw, d_headers, decode, text)
-            sent = await _unless_left(sending, request)
+            sent = await _unless_left(sending, request, self._drop)
         except _Unreachable as e:
             self._failed(p_url, prefill)
             return _error(502, f"decode server {e.url} is unreachable: {e.error!r}")
@@ -624,7 +635,7 @@ class Router:
         except ClientDisconnect:
             return Response(status_code=499)
         headers = {"content-type": request.headers.get("content-type", "application/json")}
-        headers.update(_auth(request))
+        headers.update(key_headers(request.headers))
         query = request.url.query
         answers = []
         for urls in groups:
@@ -704,22 +715,24 @@ class Router:
         request, and asked last for a while (a host that drops packets costs a connect
         timeout each time). The request is in flight there (`_busy`) from its pick, as
         SGLang counts a worker's load, until the caller's `_finished`: the requests of a
-        burst, picked before any is sent, each see those picked before it."""
+        burst, picked before any is sent, each see those picked before it. The policy hears
+        which server it goes to (`Policy.sent`): its pick's may have been passed over."""
         errors = []
         for url in self._ranked("prefill", text):
             self._busy["prefill", url] += 1
-            found = None
             try:
-                found = (url, *await self.bootstrap_of(url))
+                host, port = await self.bootstrap_of(url)
             except (httpx.HTTPError, ValueError, KeyError) as e:
+                self._finished("prefill", url)
                 errors.append(f"{url}: {e!r}")
                 self._down[url] = time.monotonic()
-            finally:
-                if found is None:  # (not going there: cancelled too)
-                    self._finished("prefill", url)
-            if found is not None:
-                self._down.pop(url, None)
-                return found
+                continue
+            except BaseException:  # (not going there: cancelled too)
+                self._finished("prefill", url)
+                raise
+            self._down.pop(url, None)
+            self._policies["prefill"].sent(url, text)
+            return url, host, port
         raise _Unusable("; ".join(errors))
 
     async def _send_decode(
@@ -733,22 +746,24 @@ class Router:
         """The request sent to the first decode server (`_ranked`) that takes the
         connection (`only`: to that one). A refused connection carried none of the
         request, so the next server may have it: the prefill server's copy waits for
-        whichever decode server asks for its room."""
+        whichever decode server asks for its room. The policy hears which server took it
+        (`Policy.sent`)."""
         if only is not None:
-            others, last = [], only
+            urls = [only]
         elif not self.decode:
             raise _NoWorker  # (the last removed while the prefill server was picked)
         else:
-            *others, last = self._ranked("decode", text)
-        for url in others:
+            urls = self._ranked("decode", text)
+        for i, url in enumerate(urls, 1):
             try:
-                return url, await self._post(url, path, raw, headers)
+                resp = await self._post(url, path, raw, headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                if i == len(urls):
+                    raise _Unreachable(url, e) from e
                 log.warning("decode %s refused the connection (%r): trying the next", url, e)
-        try:
-            return last, await self._post(last, path, raw, headers)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            raise _Unreachable(last, e) from e
+                continue
+            self._policies["decode"].sent(url, text)
+            return url, resp
 
     async def _post(
         self, url: str, path: str, raw: bytes, headers: dict[str, str]
@@ -757,7 +772,7 @@ class Router:
         read); a server refusing the connection is marked down for a while (`_in_turn`)."""
         send = self.client.build_request("POST", f"{url}{path}", content=raw, headers=headers)
         try:
-            resp = await self._open("decode", url, send)
+            resp = await self._open(url, send)
         except (httpx.ConnectError, httpx.ConnectTimeout):
             self._down[url] = time.monotonic()
             raise
@@ -1248,16 +1263,11 @@ async def _as_sent(request: Request) -> tuple[bytes, dict[str, str], str] | Resp
         raw = await request.body()
     except ClientDisconnect:
         return Response(status_code=499)
-    headers = _auth(request)
+    headers = key_headers(request.headers)
     if raw:
         headers["content-type"] = request.headers.get("content-type", "application/json")
     path = route_path({**request.scope, "path": request.url.path})  # (under --root-path)
     return raw, headers, path + (f"?{request.url.query}" if request.url.query else "")
-
-
-def _auth(request: Request) -> dict[str, str]:
-    """The client's API key (Anthropic's clients' `x-api-key` too), for the servers."""
-    return key_headers(request.headers)
 
 
 def _shaped(path: str, answer: Response) -> Response:
@@ -1306,20 +1316,30 @@ def _num_prompts(body: dict[str, Any]) -> int:
     return 1
 
 
-async def _unless_left(call: Any, request: Request) -> Any:
+async def _unless_left(
+    call: Any, request: Request, drop: Callable[[Any], Awaitable[None]] | None = None
+) -> Any:
     """`call`'s result, or None once the client has gone: the call (to the decode server)
     is cancelled, which closes its connection, and the decode server aborts the request as
-    it does for a client of its own (through the router it generated on to max_tokens)."""
+    it does for a client of its own (through the router it generated on to max_tokens).
+    This handler cancelled (a batch's line stopped) in the loop turn the result came, the
+    result is nobody's: `drop` releases it (an answer still open: `Router._drop`)."""
     task = asyncio.ensure_future(call)
     left = asyncio.ensure_future(client_left(request))
     try:
         await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except BaseException:  # (this handler cancelled)
         left.cancel()
-        answered = task.done()
-        if not answered:
-            task.cancel()  # (the client left, or this handler was cancelled)
-    return task.result() if answered else None
+        if not task.done():
+            task.cancel()
+        elif drop is not None and not task.cancelled() and task.exception() is None:
+            await drop(task.result())
+        raise
+    left.cancel()
+    if not task.done():
+        task.cancel()  # (the client left)
+        return None
+    return task.result()
 
 
 @contextlib.asynccontextmanager

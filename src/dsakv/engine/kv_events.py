@@ -53,6 +53,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from types import SimpleNamespace
 from typing import Any
 
@@ -69,6 +70,9 @@ MEDIUM_CPU = "CPU"  # the host tier
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # a replay's last frame
 _WARN_EVERY_S = 10.0
+# How long a publisher may take to start (it binds at once): a backstop, should its thread
+# hang before it tells `__init__` how it went.
+_START_TIMEOUT_S = 60.0
 
 
 def block_hash(chain_hash: bytes) -> int:
@@ -175,7 +179,12 @@ class KVEventPublisher:
             target=self._run, args=(bound,), name=f"dsakv-kv-events-{dp_rank}", daemon=True
         )
         self._thread.start()
-        bound.result()  # (a port in use: the engine fails now, in one line)
+        try:  # (a port in use: the engine fails now, in one line)
+            bound.result(timeout=_START_TIMEOUT_S)
+        except FutureTimeout:  # (a backstop, not a hang)
+            self.close(0)  # (should it bind after all: it stops at once)
+            message = f"the publisher on {self.endpoint} did not start in {_START_TIMEOUT_S:.0f} s"
+            raise ConfigError(f"--kv-events-config: {message}") from None
         log.info("KV cache events on %s (replay: %s)", self.endpoint, self.replay_endpoint)
 
     def publish(self, records: list[tuple]) -> None:
@@ -237,18 +246,22 @@ class KVEventPublisher:
         except queue.Full:  # (the thread is stuck: it is a daemon)
             log.warning("KV events publisher did not drain in %.0f s", timeout_s)
             return
-        self._thread.join(timeout_s)
+        self._thread.join(max(0.0, self._deadline - time.monotonic()))
 
     def _run(self, bound: Future[None]) -> None:
-        import msgspec
-        import zmq
-
-        ctx = zmq.Context()  # (its own, for `close` to wait on: `term` below)
+        zmq: Any = None
+        ctx = None
         sockets: list[Any] = []
         linger_ms = 0
         try:
-            where = "buffer_steps"  # (what a failure names)
+            where = "pyzmq and msgspec"  # (what a failure names)
             try:  # whatever fails resolves `bound`, which `__init__` waits on
+                import msgspec
+                import zmq
+
+                where = "a ZMQ context"
+                ctx = zmq.Context()  # (its own, for `close` to wait on: `term` below)
+                where = "buffer_steps"
                 buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_steps)
                 where = "topic"
                 topic = self.config.topic.encode()
@@ -267,7 +280,7 @@ class KVEventPublisher:
                     sockets.append(replay)
                     replay.bind(self.replay_endpoint)
             except BaseException as e:  # noqa: BLE001 - one line for `__init__` to raise
-                why = one_line(e, not isinstance(e, zmq.ZMQError))
+                why = one_line(e, zmq is None or not isinstance(e, zmq.ZMQError))
                 bound.set_exception(ConfigError(f"--kv-events-config: {where}: {why}"))
                 return
             bound.set_result(None)
@@ -304,7 +317,8 @@ class KVEventPublisher:
         finally:
             for s in sockets:
                 s.close(linger=linger_ms)
-            ctx.term()  # (waits until the subscribers have taken the rest, or the linger ends)
+            if ctx is not None:
+                ctx.term()  # (waits until the subscribers have taken the rest, or the linger ends)
 
     @staticmethod
     def _replay(replay: Any, buffer: deque[tuple[int, bytes]], topic: bytes) -> None:

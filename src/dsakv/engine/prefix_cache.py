@@ -97,7 +97,7 @@ class PrefixCache:
         self.page_size = allocator.page_size
         self.host = host
         self.root = Root((), None)  # the unsalted tree's; a salted one's is in `roots`
-        self.roots: dict[bytes, Root] = {ROOT_HASH: self.root}  # by `root_hash`
+        self.roots: dict[str | None, Root] = {None: self.root}  # by salt
         self.num_device_pages = 0  # pages the tree holds on the device
         self.num_host_pages = 0
         self.demoted_pages = 0  # to the host tier on eviction; promoted: back on a hit
@@ -111,10 +111,10 @@ class PrefixCache:
 
     # --- lookups ---------------------------------------------------------------------------
 
-    def match(self, tokens: list[int], max_pages: int, root: bytes = ROOT_HASH) -> list[Node]:
+    def match(self, tokens: list[int], max_pages: int, salt: str | None = None) -> list[Node]:
         """Nodes for the longest cached page-aligned prefix of `tokens` (≤ `max_pages`) in
-        the tree of `root` (a salt's `root_hash`)."""
-        node, out, tick = self.roots.get(root), [], next(_clock)
+        the tree of `salt` (a request's `cache_salt`)."""
+        node, out, tick = self.roots.get(salt), [], next(_clock)
         if node is None:
             return out
         ps = self.page_size
@@ -172,10 +172,10 @@ class PrefixCache:
         `pages[i]` holds tokens of page i; pages before `start` are already tree nodes (the
         caller's locked prefix). Returns the path of nodes covering every full page.
         """
-        ps, root = self.page_size, root_hash(salt)
-        if root not in self.roots and len(tokens) >= ps:
-            self.roots[root] = Root((), None, hash=root, salt=salt)
-        node, path, tick = self.roots.get(root), [], next(_clock)
+        ps = self.page_size
+        if salt not in self.roots and len(tokens) >= ps:  # (its hash: once, for its tree)
+            self.roots[salt] = Root((), None, hash=root_hash(salt), salt=salt)
+        node, path, tick = self.roots.get(salt), [], next(_clock)
         duplicates: list[int] = []
         for i in range(len(tokens) // ps):
             key = tuple(tokens[i * ps : (i + 1) * ps])
@@ -305,7 +305,7 @@ class PrefixCache:
         for n in stack:
             n.stale = True
         self.root.children = {}
-        self.roots = {ROOT_HASH: self.root}
+        self.roots = {None: self.root}
         self.epoch += 1
         self._cleared(mark)
 
@@ -332,8 +332,8 @@ class PrefixCache:
         parent = top.parent
         if parent is not None:
             parent.children.pop(top.key, None)
-            if not parent.children and parent is not self.root and parent.parent is None:
-                self.roots.pop(parent.hash, None)  # a salt's last page: its root goes too
+            if not parent.children and isinstance(parent, Root) and parent is not self.root:
+                self.roots.pop(parent.salt, None)  # a salt's last page: its root goes too
 
     # --- KV cache events (`dsakv.engine.kv_events`) ----------------------------------------
 

@@ -214,7 +214,8 @@ class Request:
 
     @functools.cached_property
     def cache_root(self) -> bytes:
-        """The prefix-cache tree it shares, by its `cache_salt` (`root_hash`)."""
+        """The hash its pages' chain starts from (`root_hash` of its `cache_salt`): the
+        parent of its first page, for L3's keys."""
         return root_hash(self.params.cache_salt)
 
     @property

@@ -130,7 +130,7 @@ class Scheduler:
         if self.l3 is None or not self.config.enable_prefix_cache:
             return
         max_pages = self._hit_pages(req, req.seq_len)
-        nodes = self.cache.match(req.all_ids, max_pages, req.cache_root)
+        nodes = self.cache.match(req.all_ids, max_pages, req.params.cache_salt)
         parent = nodes[-1].hash if nodes else req.cache_root
         self.l3.prefetch(req.rid, req.all_ids, len(nodes), parent, max_pages)
 
@@ -450,7 +450,10 @@ class Scheduler:
                 return
             if self.l3 is not None:
                 start = self.l3.starts_at(req.rid)
-                lost = start and len(self.cache.match(req.all_ids, start, req.cache_root)) < start
+                lost = (
+                    start
+                    and len(self.cache.match(req.all_ids, start, req.params.cache_salt)) < start
+                )
                 if lost and req.host_slots is None:
                     self._prefetch(req)  # the cache lost pages since: L3 may still hold them
                 if not self.l3.ready(req.rid, idle=not self.running):
@@ -485,7 +488,7 @@ class Scheduler:
             if req.host_slots is not None:
                 return req.host_slots.numel() // ps
             hit = self._hit_pages(req, req.seq_len)
-            return len(self.cache.match(req.all_ids, hit, req.cache_root))
+            return len(self.cache.match(req.all_ids, hit, req.params.cache_salt))
 
         order = sorted(self.waiting, key=lambda r: -cached(r))
         self.waiting.clear()
@@ -524,7 +527,7 @@ class Scheduler:
         end = req.seq_len if self.hot is None else self.hot.prefill_end(req)
         max_pages = self._hit_pages(req, end)
         if self.config.enable_prefix_cache:
-            nodes = self.cache.match(req.all_ids, max_pages, req.cache_root)
+            nodes = self.cache.match(req.all_ids, max_pages, req.params.cache_salt)
         stored = self.l3.pages_for(req.rid, len(nodes)) if self.l3 is not None else []
         stored = stored[: max(0, max_pages - len(nodes))]
         hit = (len(nodes) + len(stored)) * self.config.page_size

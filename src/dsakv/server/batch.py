@@ -149,9 +149,12 @@ class BatchRunner:
         time in input order (a server's batch: requests sent meanwhile then queue behind
         those, not the whole file); `done(i, line)` as each ends. `endpoint`: the one url
         the lines may name (a server batch's); `stop` set: the lines still running are
-        aborted, and theirs and the entries of those not begun left None. `headers`: the
-        API key each line is sent with (`key_headers`)."""
+        aborted, and theirs and the entries of those not begun left None (set already: none
+        begins). `headers`: the API key each line is sent with (`key_headers`). A line's run
+        failing (a bug: `done` raising) stops the others and is raised."""
         results: list[dict[str, Any] | None] = [None] * len(lines)
+        if stop is not None and stop.is_set():
+            return results
         queued = iter(enumerate(lines))
 
         async def next_lines() -> None:
@@ -171,7 +174,10 @@ class BatchRunner:
         finally:
             for w in [*tasks, *waits]:
                 w.cancel()  # (a stop, or this run cancelled: the handlers abort their requests)
-            await asyncio.gather(*tasks, *waits, return_exceptions=True)
+            ended = await asyncio.gather(*tasks, *waits, return_exceptions=True)
+        for e in ended:
+            if isinstance(e, Exception):  # (not a CancelledError: the stop's)
+                raise e
         return results
 
     async def run_line(
@@ -450,6 +456,22 @@ class Batches:
             errors = {"object": "list", "data": [error]}
             info.update(status="failed", failed_at=int(time.time()), errors=errors)
 
+    async def _window(self, stop: asyncio.Event) -> int:
+        """How many of a batch's lines are in flight at once: a router asks its decode
+        servers (up to their timeout), which a cancel (`stop`) does not wait for (0: none
+        is sent)."""
+        if isinstance(self.window, int):
+            return self.window
+        asked = asyncio.ensure_future(self.window())
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({asked, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not asked.done():
+                asked.cancel()
+        return asked.result() if asked.done() else 0
+
     async def _run_lines(
         self, batch: _Batch, lines: list[BatchLine], headers: Mapping[str, str]
     ) -> None:
@@ -461,7 +483,7 @@ class Batches:
         def done(_: int, record: dict[str, Any]) -> None:
             counts["completed" if succeeded(record) else "failed"] += 1
 
-        window = self.window if isinstance(self.window, int) else await self.window()
+        window = await self._window(batch.stop)
         results = await self.runner.run(lines, info["endpoint"], done, batch.stop, window, headers)
         cancelled = batch.stop.is_set()
         if not cancelled:
