@@ -20,9 +20,8 @@ from dsakv.memory import copy_tokens
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
 from .conftest import cli_config, cli_error_line
+from .test_speculative import EXACT, GREEDY, _run
 
-EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
-GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 NGRAM = dict(speculative_algorithm="ngram")
 
 
@@ -88,13 +87,6 @@ def _repetitive(n: int, seed: int = 0) -> list[list[int]]:
         tail = [rng.randrange(256) for _ in range(rng.randint(0, 30))]
         out.append(phrase * rng.randint(2, 4) + tail if i % 3 else tail + phrase)
     return out
-
-
-def _run(model: str, prompts, params=GREEDY, **kw) -> tuple[list[list[int]], Engine]:
-    llm = LLM(model, **{**EXACT, "num_pages": 64, **kw})
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    llm.engine.check_integrity()
-    return [o.token_ids for o in outs], llm.engine
 
 
 @pytest.fixture(scope="module")

@@ -833,13 +833,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         if req is None or req.finished:
             return
         req.finish_reason = "abort"
-        _hand_over_rows(req)
-        if self.drafter is not None:  # (the n-gram drafter's copy of its tokens goes too)
-            self.drafter.finish(req)
-        self.scheduler.finish(req)
-        self._release_forks(req)
+        self._end(req)
         self.stats.aborted_requests += 1
-        self.requests.pop(rid, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -1374,12 +1369,17 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
     def _finish(self, req: Request, reason: str, now: float | None = None) -> None:
         req.finish_reason = reason
         req.metrics.finish_time = now or time.perf_counter()
+        self._end(req)
+        self.stats.finished_requests += 1
+
+    def _end(self, req: Request) -> None:
+        """Give back what a request that ended (finished or aborted) holds: its rows, the
+        drafter's state for it (the n-gram drafter's copy of its tokens too), its pages."""
         _hand_over_rows(req)
         if self.drafter is not None:
             self.drafter.finish(req)
         self.scheduler.finish(req)
         self._release_forks(req)
-        self.stats.finished_requests += 1
         self.requests.pop(req.rid, None)
 
     def _fail_unschedulable(self, idle: bool) -> list[Request]:

@@ -257,17 +257,11 @@ class _Blocks:
 
     def feed(self, d: ChatDelta) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
-        if d.reasoning:
-            self._text("thinking", d.reasoning, out)
-        # The calls written before this delta end before its text (one update may hold a
-        # call's close and the text after it); the calls it starts come after the text.
-        opened = set(self._calls)
-        for call in (c for c in d.tool_calls if c["index"] in opened):
-            self._call(call, out)
-        if d.content:
-            self._text("text", d.content, out)
-        for call in (c for c in d.tool_calls if c["index"] not in opened):
-            self._call(call, out)
+        for kind, part in d.parts(set(self._calls)):
+            if kind == "call":
+                self._call(part, out)
+            else:
+                self._text("thinking" if kind == "reasoning" else "text", part, out)
         return out
 
     def finish(self) -> list[tuple[str, dict[str, Any]]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -578,6 +578,18 @@ class ChatDelta:
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
+
+    def parts(self, opened: Container[int]) -> Iterator[tuple[str, Any]]:
+        """Its parts in the order the model wrote them, for APIs that stream each as its own
+        item: ("reasoning", text), the ("call", delta)s of the calls in `opened` (indices
+        already started: one update may hold a call's close and the text after it), then
+        ("content", text), then the calls it starts."""
+        if self.reasoning:
+            yield "reasoning", self.reasoning
+        yield from (("call", c) for c in self.tool_calls if c["index"] in opened)
+        if self.content:
+            yield "content", self.content
+        yield from (("call", c) for c in self.tool_calls if c["index"] not in opened)
 
 
 class ChatOutputParser:

@@ -572,17 +572,13 @@ class _Output:
     ) -> list[tuple[str, dict[str, Any]]]:
         """`d`'s events (`logprobs`: its text's tokens', `_Reader`)."""
         out: list[tuple[str, dict[str, Any]]] = []
-        if d.reasoning:
-            self._text("reasoning", d.reasoning, out)
-        # The calls written before this delta end before its text (one update may hold a
-        # call's close and the text after it); the calls it starts come after the text.
-        opened = set(self._calls)
-        for call in (c for c in d.tool_calls if c["index"] in opened):
-            self._call(call, out)
-        if d.content:
-            self._text("message", d.content, out, logprobs or [])
-        for call in (c for c in d.tool_calls if c["index"] not in opened):
-            self._call(call, out)
+        for kind, part in d.parts(set(self._calls)):
+            if kind == "call":
+                self._call(part, out)
+            elif kind == "reasoning":
+                self._text("reasoning", part, out)
+            else:
+                self._text("message", part, out, logprobs or [])
         return out
 
     def finish(self, status: str) -> None:
