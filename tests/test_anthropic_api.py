@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import anthropic
@@ -30,9 +31,11 @@ from dsakv.errors import PromptTooLong
 from dsakv.models.tiny import write_tiny_model
 from dsakv.procs import free_port
 from dsakv.server.anthropic import _in_our_words
+from dsakv.server.runner import AsyncEngine
 from dsakv.server.submit import refusal
 
-from .serving import TIMEOUT, routing, running, serving
+from .serving import TIMEOUT, engine_stops_stepping_at, routing, running, serving
+from .test_generate_api import _check_clean, _wait_live
 from .test_server import ENGINE_ARGS
 from .test_server_tools import SCHEMAS, TOOLS
 
@@ -52,12 +55,17 @@ CLAUDE_TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> str:
-    """The base URL of a server on the GLM tiny model, under --api-key."""
+def server(tmp_path_factory) -> tuple[str, AsyncEngine]:
+    """A server on the GLM tiny model, under --api-key: its base URL and engine."""
     path = write_tiny_model(tmp_path_factory.mktemp("glm") / "glm", "glm-tiny", seed=0)
     config = EngineConfig(model=str(path), **{**ENGINE_ARGS, "num_pages": 256})
-    with serving(config, api_key=KEY) as (base, _):
-        yield base
+    with serving(config, api_key=KEY) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def served(server) -> str:
+    return server[0]
 
 
 def _claude(base: str, key: str = KEY) -> anthropic.Anthropic:
@@ -138,6 +146,57 @@ def _same(m, c) -> None:
         assert (m.stop_reason, m.stop_sequence) == (_STOPS[choice.finish_reason], None)
     assert m.usage.output_tokens == c.usage.completion_tokens
     assert _prompt_tokens(m) == c.usage.prompt_tokens
+
+
+def _aborted_while_running(server, model, stream: bool) -> anthropic.APIStatusError:
+    """A message aborted by SGLang's /abort_request (its x-request-id) as it runs: the
+    error the SDK raised for it."""
+    base, async_engine = server
+    claude = _claude(base)
+    kw = dict(
+        model=model,
+        messages=USER,
+        max_tokens=300,
+        thinking=QUIET,
+        extra_headers={"x-request-id": "cut"},
+        extra_body={"temperature": 0},
+    )
+
+    def ask():
+        if not stream:
+            return claude.messages.create(**kw)
+        with claude.messages.stream(**kw) as s:
+            return s.get_final_message()
+
+    with ThreadPoolExecutor(1) as pool, engine_stops_stepping_at(async_engine, 2):
+        asked = pool.submit(ask)
+        _wait_live(async_engine, 1, 2)
+        r = httpx.post(
+            f"{base}/abort_request", json={"rid": "cut"}, headers=_bearer(), timeout=TIMEOUT
+        )
+        assert r.status_code == 200, r.text
+        with pytest.raises(anthropic.APIStatusError) as e:
+            asked.result(TIMEOUT)
+    _check_clean(async_engine)
+    return e.value
+
+
+def _bearer() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_aborted_message_is_an_error_not_an_end_turn(server, model, stream):
+    """A message /abort_request cut short did not end its turn: no stop_reason says so
+    (chat's finish_reason "abort" has no Anthropic twin), so it is Anthropic's overloaded
+    error: a 503 unstreamed, an `error` event streamed. Asked for, it is not the SDK's to
+    retry (its default retries a 503: the message would run again, to its end)."""
+    e = _aborted_while_running(server, model, stream)
+    error = {"type": "overloaded_error", "message": "request aborted (abort_request)"}
+    assert e.body == {"type": "error", "error": error}
+    assert e.status_code == (200 if stream else 503)  # (streamed: the event's)
+    if not stream:
+        assert e.response.headers["x-should-retry"] == "false"
 
 
 # --- messages as chat completions -------------------------------------------------------------

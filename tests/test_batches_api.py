@@ -169,6 +169,8 @@ def test_cancel_aborts_the_requests_in_flight(client, served):
     errors = batch_lines(client, done.error_file_id)
     assert [x["custom_id"] for x in errors] == ["x", "y"]
     assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
+    # (the counts add up to the files: a cancelled line failed, as its error line says)
+    assert done.request_counts.model_dump() == {"total": 2, "completed": 0, "failed": 2}
     assert client.batches.cancel(created.id).status == "cancelled"
     assert httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"] == 0
 
@@ -204,6 +206,7 @@ def test_a_batch_keeps_only_what_the_engine_runs_in_flight(client, served):
     errors = batch_lines(client, done.error_file_id)
     assert [x["custom_id"] for x in errors] == ["x", "y", "z"]  # (z never sent: cancelled too)
     assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
+    assert done.request_counts.model_dump() == {"total": 3, "completed": 0, "failed": 3}
 
 
 def test_what_a_batch_is_refused(client):

@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 from dsakv.disagg.router import Router, build_router_app
 from dsakv.engine import EngineConfig
 from dsakv.procs import free_port
+from dsakv.server import batch as batch_module
 from dsakv.server.batch import BatchLine, BatchRunner
 from dsakv.server.protocol import error_body
 
@@ -132,6 +133,20 @@ def test_each_line_is_answered_as_the_router_answers_it(client, pd, url, lines):
         else:
             assert line["error"] == direct.json()["error"], custom_id
     assert done.request_counts.completed == answered >= 2
+    assert done.model == client.models.list().data[0].id  # (the servers': asked as it began)
+
+
+def test_a_routers_batch_errors_do_not_say_server(client):
+    """The Batch API's errors are the router's own: their words fit it as a server's."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError) as f:
+        up = client.files.create(file=("x.jsonl", b"{}\n"), purpose="batch")
+        client.batches.create(
+            input_file_id=up.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+    for err in (e.value, f.value):
+        assert "server" not in err.message, err.message
 
 
 def test_the_batch_routes_need_the_routers_key(pd):
@@ -277,6 +292,49 @@ def test_sglangs_engine_type_is_each_servers_role(pd):
         assert types == {role}, (base, types)
 
 
+def test_a_batch_runs_when_no_server_answers_its_model(monkeypatch):
+    """A router's batch asks its servers' /v1/models as it starts, for its `model`: a server
+    that takes the connection and never answers leaves it without one (after a while),
+    its lines run all the same."""
+    monkeypatch.setattr(batch_module, "_MODEL_ASK_S", 0.05)
+    sent: list[str] = []
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            await asyncio.Event().wait()  # (a server stopped: connected, never answering)
+        if request.url.path == "/server_info":
+            return httpx.Response(200, json={"max_running_requests": 8})
+        if request.url.path == "/disagg/info":
+            return httpx.Response(200, json={"mode": "prefill", "bootstrap_port": 9})
+        sent.append(f"{request.url.host}{request.url.path}")
+        return httpx.Response(200, json={"id": "x", "choices": []})
+
+    async def ran() -> Any:
+        app = build_router_app(["http://p:1"], ["http://d:1"])
+        app.state.router._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app))
+        client = openai.AsyncOpenAI(base_url="http://r/v1", api_key="x", http_client=http)
+        row = {"custom_id": "0", "method": "POST", "url": "/v1/completions",
+               "body": {"model": "m", "prompt": "hi", "max_tokens": 1}}  # fmt: skip
+        up = await client.files.create(file=("b.jsonl", json.dumps(row).encode()), purpose="batch")
+        created = await client.batches.create(
+            input_file_id=up.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + TIMEOUT
+        ended = ("completed", "failed", "cancelled")
+        while (got := await client.batches.retrieve(created.id)).status not in ended:
+            assert time.monotonic() < deadline, got
+            await asyncio.sleep(0.01)
+        await http.aclose()
+        await app.state.router.close()
+        return got
+
+    got = asyncio.run(ran())
+    assert got.status == "completed" and got.model is None, got
+    assert got.request_counts.model_dump() == {"total": 1, "completed": 1, "failed": 0}
+    assert sorted(sent) == ["d/v1/completions", "p/v1/completions"]  # (its line, relayed)
+
+
 def test_a_batch_cancelled_while_the_router_asks_its_servers_sends_no_line():
     """Before a batch's lines go, the router asks its decode servers how many requests
     they run (/server_info, up to its timeout): a cancel meanwhile ends the batch with no
@@ -291,6 +349,8 @@ def test_a_batch_cancelled_while_the_router_asks_its_servers_sends_no_line():
             return httpx.Response(200, json={"max_running_requests": 8})
         if request.url.path == "/disagg/info":
             return httpx.Response(200, json={"mode": "prefill", "bootstrap_port": 9})
+        if request.url.path == "/v1/models":  # (the batch's model, asked as it starts)
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]})
         sent.append(f"{request.url.host}{request.url.path}")
         return httpx.Response(200, json={"id": "x", "choices": []})
 

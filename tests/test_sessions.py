@@ -392,6 +392,7 @@ def _ran(sessions: Sessions, joined: tuple[Turn, Call], out: list[int]) -> None:
     """The engine took the request and it ended with output `out` (run in a loop)."""
     turn, call = joined
     sessions.in_flight.took(call, [aborted_waiting(1)])
+    sessions.took(turn)
     turn.result.token_ids, turn.result.finish_reason = list(out), "length"
     sessions.in_flight.close(call)
 
@@ -410,11 +411,40 @@ def test_a_request_refused_after_joining_leaves_nothing():
         session = sessions._sessions[sid]
         assert list(session.nodes) == ["a"] and session.nodes["a"].children == []
         _, dropped = _joined(sessions, sid, "b", [6], rid="a")
-        _joined(sessions, sid, "c", [7], rid="a", replace=True)  # (drops b, aborting it)
+        replacing = _joined(sessions, sid, "c", [7], rid="a", replace=True)
+        assert list(session.nodes) == ["a", "b", "c"]  # (nothing dropped until it runs)
+        sessions.took(replacing[0])  # (drops b, aborting it)
         sessions.in_flight.close(dropped)
         assert list(session.nodes) == ["a", "c"] and session.nodes["a"].children == [
             session.nodes["c"]
         ]
+        _ran(sessions, replacing, [8])
+        c = session.nodes["c"]
+        _, refused = _joined(sessions, sid, "c", [9], rid="c")  # (its rid: c's, held still)
+        assert session.nodes["c"] is not c
+        sessions.in_flight.close(refused)
+        assert session.nodes["c"] is c and c.children == []
+
+    asyncio.run(run())
+
+
+def test_a_replace_is_not_undone_by_a_refused_request_on_a_rid_it_dropped():
+    """A request that takes a finished request's rid and is then refused names that one
+    again, unless a `replace` that ran meanwhile dropped it (for good)."""
+
+    async def run() -> None:
+        sessions = Sessions(InFlight(None))
+        for replace in ({"replace": True}, {"rid": "a", "replace": True}):  # (all; a's)
+            sid = sessions.open(OpenSessionRequest(capacity_of_str_len=100))
+            session = sessions._sessions[sid]
+            _ran(sessions, _joined(sessions, sid, "a", [1, 2, 3]), [4])
+            _ran(sessions, _joined(sessions, sid, "b", [5], rid="a"), [6])
+            replacing = _joined(sessions, sid, "r", [7], **replace)
+            _, reusing = _joined(sessions, sid, "b", [8])  # (b's rid, by a request to come)
+            _ran(sessions, replacing, [9])  # (drops b)
+            sessions.in_flight.close(reusing)  # (refused)
+            assert "b" not in session.nodes, replace
+            assert list(session.nodes) == (["r"] if "rid" not in replace else ["a", "r"])
 
     asyncio.run(run())
 
@@ -436,3 +466,42 @@ def test_a_session_running_a_request_is_not_idle():
         assert sessions.prompt(b, [6], None) == [1, 2, 3, 4, 5, 6]
 
     asyncio.run(run())
+
+
+def test_a_refused_replace_leaves_the_session_as_it_was(base, served, reference):
+    """A `replace` the server then refuses (past the context here) never ran: what it would
+    have dropped is still there, a running request it would have aborted runs on, and the
+    next turn follows the whole history."""
+    async_engine = served[1]
+    ids = _ids(reference, "Keep what you had.")
+    sid = _open(base)
+    a = _turn(base, sid, ids, rid="a")
+    b = _turn(base, sid, [7, 8], on="a", rid="b")
+    too_long = {"max_new_tokens": reference.engine.max_model_len, **GREEDY}
+    for on in ("a", None):  # (a replace of a's children, then of everything)
+        body = {"input_ids": [9], "sampling_params": too_long}
+        r = httpx.post(
+            f"{base}/generate",
+            json={**body, "session_params": {"id": sid, "rid": on, "replace": True}},
+            timeout=TIMEOUT,
+        )
+        assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text
+    c = _turn(base, sid, [9], on="b", rid="c")
+    history = ids + a["output_ids"] + [7, 8] + b["output_ids"]
+    assert c["meta_info"]["prompt_tokens"] == len(history) + 1
+    assert c["output_ids"] == _plain(base, history + [9])["output_ids"]
+
+    long = {"input_ids": [5], "sampling_params": {"max_new_tokens": 6, **GREEDY}, "rid": "r"}
+    with ThreadPoolExecutor(1) as pool, engine_stops_stepping_at(async_engine, 3):
+        running = pool.submit(sglang_generate, base, **long, session_params={"id": sid, "rid": "c"})
+        _wait_live(async_engine, 1, 3)
+        body = {"input_ids": [9], "sampling_params": too_long}
+        r = httpx.post(
+            f"{base}/generate",
+            json={**body, "session_params": {"id": sid, "rid": "r", "replace": True}},
+            timeout=TIMEOUT,
+        )
+        assert r.status_code == 400, r.text
+    assert running.result(TIMEOUT)["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    _close(base, sid)
+    _check_clean(async_engine)

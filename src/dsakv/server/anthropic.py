@@ -157,6 +157,9 @@ async def _create(api: Handlers, body: MessagesRequest, raw: Request) -> Respons
         close = api.closer(run.call, run.streams)
         return AbortingStream(_events(api, run, mid), close, headers)
     (r,) = await api.collect_all(run.streams, raw, run.call)
+    if r.finish_reason == "abort":  # (asked for: stopped on purpose, not for the SDK to rerun)
+        e, no_retry = _aborted(r), {**headers, "x-should-retry": "false"}
+        return JSONResponse(anthropic_error_body(e.status, e.message), e.status, no_retry)
     parser, blocks = run.prep.output_parser(), _Blocks()
     blocks.feed(parser.feed(r.text, final=True, cut=r.finish_reason in CUT_SHORT))
     blocks.finish()
@@ -171,7 +174,7 @@ async def _events(api: Handlers, run: ChatRun, mid: str) -> AsyncIterator[str]:
     the prompt's tokens, the prefix cache's share unknown yet), `ping`, each content block's
     `content_block_start`, deltas and `content_block_stop`, then `message_delta` (the
     stop reason, and the usage in full: the SDK takes its counts over message_start's) and
-    `message_stop`; a failure ends it with an `error` event."""
+    `message_stop`; a failure ends it with an `error` event, and so does an abort."""
     prompt = run.streams[0].prompt_tokens
     yield _sse("message_start", message=_message(api, mid, [], prompt))
     yield _sse("ping")
@@ -185,9 +188,9 @@ async def _events(api: Handlers, run: ChatRun, mid: str) -> AsyncIterator[str]:
     except APIError as e:
         yield _sse("error", error=anthropic_error_body(e.status, e.message)["error"])
         return
-    if totals.finish_reason == "abort" and totals.abort_asked is None:  # (not /abort_request)
-        gone = anthropic_error_body(503, "request aborted (server shutting down)")
-        yield _sse("error", error=gone["error"])
+    if totals.finish_reason == "abort":
+        e = _aborted(totals)
+        yield _sse("error", error=anthropic_error_body(e.status, e.message)["error"])
         return
     for kind, fields in blocks.finish():
         yield _sse(kind, **fields)
@@ -195,6 +198,16 @@ async def _events(api: Handlers, run: ChatRun, mid: str) -> AsyncIterator[str]:
     stop = _stop(totals.finish_reason, totals.stop_reason, blocks.calls)
     yield _sse("message_delta", delta=stop, usage=usage)
     yield _sse("message_stop")
+
+
+def _aborted(r: Result) -> APIError:
+    """A turn aborted before it ended (SGLang's /abort_request, a pause or weight update that
+    aborts, the server stopping): Anthropic has no stop_reason for it (`end_turn` would
+    tell an agent the model was done, where chat says "abort"), and its API fails a turn
+    it cannot finish: an overloaded error. Unstreamed, one asked for says not to retry
+    it (Anthropic's `x-should-retry: false`: the SDK retries a 5xx, running it again)."""
+    why = "server shutting down" if r.abort_asked is None else "abort_request"
+    return APIError(503, f"request aborted ({why})", type="server_error")
 
 
 def _sse(kind: str, **fields: Any) -> str:

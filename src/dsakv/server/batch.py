@@ -49,6 +49,7 @@ MAX_STORED_BYTES = 10 * MAX_FILE_BYTES
 _FORM_SLACK = 64 * 2**10  # the multipart framing and the form's other fields
 COMPLETION_WINDOW = "24h"  # (the only one OpenAI takes)
 _WINDOW_S = 24 * 3600
+_MODEL_ASK_S = 10.0  # a batch's wait for its model (`BatchRunner.model`), as the router's asks
 # A batch's requests in flight at most (`BatchRunner.run`), or how to learn it as it starts
 # (the router asks its decode servers then: they may come and go).
 Window = int | Callable[[], Awaitable[int]]
@@ -191,7 +192,24 @@ class BatchRunner:
             self._check(line, endpoint)
         except APIError as e:
             return _output_line(line.custom_id, e.status, e.body())
-        return await self._post(line.custom_id, line.url, json.dumps(line.body), headers or {})
+        status, answer, request_id = await self._call(
+            "POST", line.url, json.dumps(line.body).encode(), headers or {}
+        )
+        return _output_line(line.custom_id, status, answer, request_id)
+
+    async def model(self, headers: Mapping[str, str]) -> str | None:
+        """The model the app's /v1/models names (a router's: its servers'), asked as a
+        client asks it; None where it answers none within `_MODEL_ASK_S` (a server that
+        took the connection and hangs would hold the batch)."""
+        asked = self._call("GET", "/v1/models", b"", headers)
+        try:
+            status, answer, _ = await asyncio.wait_for(asked, _MODEL_ASK_S)
+        except asyncio.TimeoutError:
+            return None
+        try:
+            return str(answer["data"][0]["id"]) if status == 200 else None
+        except (KeyError, IndexError, TypeError):
+            return None
 
     def _check(self, line: BatchLine, endpoint: str | None) -> None:
         """The APIError for a line that is no batch request: a POST to a route this app
@@ -219,21 +237,21 @@ class BatchRunner:
             self._urls = tuple(url for url in BATCH_URLS if url in served)
         return self._urls
 
-    async def _post(
-        self, custom_id: str, url: str, body: str, headers: Mapping[str, str]
-    ) -> dict[str, Any]:
-        """The output line of `body` POSTed to `url` through the app, as an ASGI server hands
-        it a request (httpx's ASGITransport does the same at twice the cost a line: its
-        client's own machinery). Its client never hangs up: `receive` tells a disconnect only
-        once the answer is whole (a stop cancels the request instead, which aborts it)."""
-        data = body.encode()
+    async def _call(
+        self, method: str, url: str, data: bytes, headers: Mapping[str, str]
+    ) -> tuple[int, Any, str]:
+        """The app's answer to `data` sent to `url` (status, JSON body, x-request-id), as an
+        ASGI server hands it a request (httpx's ASGITransport does the same at twice the
+        cost a line: its client's own machinery). Its client never hangs up: `receive` tells
+        a disconnect only once the answer is whole (a stop cancels the request instead,
+        which aborts it)."""
         sent = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
         sent += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         scope = {
             "type": "http",
             "asgi": {"version": "3.0"},
             "http_version": "1.1",
-            "method": "POST",
+            "method": method,
             "scheme": "http",
             "path": url,
             "raw_path": url.encode(),
@@ -272,7 +290,7 @@ class BatchRunner:
         except ValueError:  # (a bare 500)
             answer = error_body(f"the route answered {status} without a JSON body", "server_error")
         request_id = dict(start.get("headers", ())).get(b"x-request-id", b"").decode("latin-1")
-        return _output_line(custom_id, status, answer, request_id)
+        return status, answer, request_id
 
 
 def _output_line(
@@ -336,7 +354,8 @@ class Batches:
     """The files uploaded and the batches run of them (`add_batch_routes`), in memory."""
 
     def __init__(self, runner: BatchRunner, model_name: str | None, window: Window) -> None:
-        self.runner, self.model_name = runner, model_name
+        self.runner = runner
+        self.model_name = model_name  # (None: each batch asks the app as it starts: `_learn`)
         self.window = window  # a batch's requests in flight at most (`BatchRunner.run`)
         self.files: dict[str, _File] = {}
         self.batches: dict[str, _Batch] = {}
@@ -374,7 +393,7 @@ class Batches:
         by its run only)."""
         if body.endpoint not in self.runner.urls():
             supported = ", ".join(self.runner.urls())
-            message = f"endpoint {body.endpoint!r} is not supported; this server runs {supported}"
+            message = f"endpoint {body.endpoint!r} is not supported; batches run {supported}"
             raise APIError(400, message, param="endpoint")
         if body.completion_window != COMPLETION_WINDOW:
             message = f"completion_window must be {COMPLETION_WINDOW!r}"
@@ -456,21 +475,32 @@ class Batches:
             errors = {"object": "list", "data": [error]}
             info.update(status="failed", failed_at=int(time.time()), errors=errors)
 
-    async def _window(self, stop: asyncio.Event) -> int:
-        """How many of a batch's lines are in flight at once: a router asks its decode
-        servers (up to their timeout), which a cancel (`stop`) does not wait for (0: none
-        is sent)."""
-        if isinstance(self.window, int):
-            return self.window
-        asked = asyncio.ensure_future(self.window())
-        stopped = asyncio.ensure_future(stop.wait())
+    async def _learn(self, batch: _Batch, headers: Mapping[str, str]) -> int:
+        """What a batch learns as it starts, which a cancel does not wait for: how many of
+        its lines are in flight at once (0 on a cancel: none is sent), which a router asks
+        its decode servers, and its `model` where the app does not know it (a router's own
+        /v1/models, which a server answers)."""
+        info = batch.info
+
+        async def window() -> int:
+            return self.window if isinstance(self.window, int) else await self.window()
+
+        async def model() -> str | None:
+            return info["model"] or await self.runner.model(headers)
+
+        async def both() -> int:
+            n, info["model"] = await asyncio.gather(window(), model())
+            return n
+
+        asked = asyncio.ensure_future(both())
+        stopped = asyncio.ensure_future(batch.stop.wait())
         try:
             await asyncio.wait({asked, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopped.cancel()
             if not asked.done():
                 asked.cancel()
-        return asked.result() if asked.done() else 0
+        return asked.result() if asked.done() and not asked.cancelled() else 0
 
     async def _run_lines(
         self, batch: _Batch, lines: list[BatchLine], headers: Mapping[str, str]
@@ -483,12 +513,14 @@ class Batches:
         def done(_: int, record: dict[str, Any]) -> None:
             counts["completed" if succeeded(record) else "failed"] += 1
 
-        window = await self._window(batch.stop)
+        window = await self._learn(batch, headers)
         results = await self.runner.run(lines, info["endpoint"], done, batch.stop, window, headers)
         cancelled = batch.stop.is_set()
         if not cancelled:
             info.update(status="finalizing", finalizing_at=int(time.time()))
         records = [r or _cancelled_line(x.custom_id) for r, x in zip(results, lines)]
+        # (a line the cancel cut short failed: the counts add up to the output and error files)
+        counts["failed"] += results.count(None)
         for kind, key in (("output", "output_file_id"), ("error", "error_file_id")):
             chosen = [r for r in records if succeeded(r) == (kind == "output")]
             if chosen:
@@ -552,7 +584,8 @@ def add_batch_routes(
     delete) and `/v1/batches` (create, retrieve, cancel, list), behind the API key as every
     /v1 route, on a server's app or the router's (their errors answered as a server's:
     `add_error_handlers`). `window`: how many of a batch's requests are in flight at most,
-    or how to learn it as the batch starts (`Batches`); `model_name`: the batches' `model`;
+    or how to learn it as the batch starts (`Batches`); `model_name`: the batches' `model`
+    (None: learned from the app's /v1/models as each starts, as a router's is);
     `disaggregated`: a prefill or decode server's app, which runs none (a 501). Call it once
     the batch urls' routes are on `app`."""
     store = Batches(BatchRunner(app), model_name, window)
@@ -561,12 +594,12 @@ def add_batch_routes(
     async def upload(raw: Request) -> Response:
         data, filename, purpose = await _upload(raw)
         if purpose != "batch":
-            message = f"purpose must be 'batch' (the files this server runs), got {purpose!r}"
+            message = f"purpose must be 'batch' (the only files run here), got {purpose!r}"
             raise APIError(400, message, param="purpose")
         held = sum(f.info["bytes"] for f in store.files.values())
         if held + len(data) > MAX_STORED_BYTES:
             message = (
-                f"the server holds {held} bytes of files, {MAX_STORED_BYTES} at most: delete "
+                f"{held} bytes of files are held here, {MAX_STORED_BYTES} at most: delete "
                 "some (DELETE /v1/files/{file_id}) to upload this one"
             )
             raise APIError(413, message, param="file", code="storage_limit_exceeded")

@@ -591,6 +591,8 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
             prompts[0] = api.sessions.start(turn, rids[0], params[0].max_tokens, call)
         with _in_sglang_terms():
             streams = await api.submit_all(prompts, params, n, raw, given, prompt_field, call=call)
+        if turn is not None:  # (taken: what it replaces is dropped only now)
+            api.sessions.took(turn)
     except SessionRefused as e:  # (SGLang's abort: streamed, an output that says so)
         api.in_flight.close(call)
         if not body.stream:

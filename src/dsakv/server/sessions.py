@@ -76,7 +76,8 @@ class _Node:
     """A request the session ran (SGLang's `SessionReqNode`): its input is its parent's
     first `base` tokens (prompt, then output unless `with_output` is False) and its own
     `tail`; its output is what its handler read so far (`result`), kept as `output` once it
-    ended, up to its `max_tokens`."""
+    ended, up to its `max_tokens`. `shadows`: the node its rid named as it started, named so
+    again if it never runs (`_ending`), until its call closes."""
 
     rid: str
     parent: _Node | None
@@ -87,6 +88,7 @@ class _Node:
     result: Result | None = field(default_factory=Result)
     output: array | None = None
     children: list[_Node] = field(default_factory=list)
+    shadows: _Node | None = None
 
     @property
     def finished(self) -> bool:
@@ -148,16 +150,28 @@ class _Session:
         return not all(n.finished for n in reversed(self.nodes.values()))
 
 
+@dataclass(frozen=True)
+class _Replace:
+    """What a `replace` drops once its request runs (`Sessions.took`): the requests that
+    followed `parent` (without one: all the session's) as it started, and what followed
+    them since; `parent` itself is aborted where running (SGLang's)."""
+
+    session: _Session
+    parent: _Node | None
+    roots: list[_Node]
+
+
 @dataclass
 class Turn:
     """A /generate request's place in its session: its own token ids and its tokenizer's
-    BOS (`Sessions.prompt`), and its output as its handler reads it (`result`: the
-    stream's so-far, or what `collect_all` fills)."""
+    BOS (`Sessions.prompt`), its output as its handler reads it (`result`: the stream's
+    so-far, or what `collect_all` fills), and what its `replace` drops once it runs."""
 
     params: SessionParams
     ids: list[int] = field(default_factory=list)
     bos: int | None = None
     result: Result = field(default_factory=Result)
+    replace: _Replace | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +181,7 @@ class _Plan:
     base: int
     with_output: bool
     tail: list[int]
-    cleared: list[_Node]  # (replace: the nodes it drops, aborted where running)
+    replaced: list[_Node]  # (replace: the requests that followed, each with its subtree)
     head: list[int]  # (the parent's prompt, and its output unless dropped: built once)
 
     @property
@@ -241,13 +255,15 @@ class Sessions:
 
     def start(self, turn: Turn, rid: str, max_tokens: int, call: Call) -> list[int]:
         """`prompt` again (the session may have changed meanwhile), and the request (`rid`)
-        is now a node of its session: what a `replace` drops is dropped (aborted where
-        running), and the node's output is `turn.result` until `call` closes. A request the
-        engine never took leaves no node (unless one follows it already). Its output counts
-        up to its `max_tokens`."""
+        is now a node of its session, its output `turn.result` until `call` closes. What a
+        `replace` drops is dropped once the engine takes the request (`took`): a request
+        refused leaves its session as it was, no node of its own (unless one follows it
+        already), the one whose rid it took named so again. Its output counts up to its
+        `max_tokens`."""
         plan = self._plan(turn)
         s = plan.session
-        held = s.held(set(plan.cleared)) + max(1, len(plan.tail))
+        cleared = {d for r in plan.replaced for d in _subtree(r)}
+        held = s.held(cleared) + max(1, len(plan.tail))
         if held > s.capacity:
             raise APIError(
                 400,
@@ -255,20 +271,34 @@ class Sessions:
                 f"({s.capacity}); open another session, or replace what it holds",
                 param="session_params",
             )
-        for node in plan.cleared:
-            if s.nodes.get(node.rid) is node:
-                del s.nodes[node.rid]
-            self._abort(node)
-        if turn.params.replace and plan.parent is not None:
-            self._abort(plan.parent)
-            plan.parent.children.clear()
+        if turn.params.replace:
+            turn.replace = _Replace(s, plan.parent, plan.replaced)
         tail = array("i", plan.tail)
         node = _Node(rid, plan.parent, plan.base, plan.with_output, tail, max_tokens, turn.result)
+        node.shadows = s.nodes.get(rid)
         if plan.parent is not None:
             plan.parent.children.append(node)
-        s.nodes[rid] = node
         call.on_close.append(_ending(s, node, call))
+        s.nodes[rid] = node
         return plan.input
+
+    def took(self, turn: Turn) -> None:
+        """The engine took the request: its `replace` drops what it replaces (aborted
+        where running), as SGLang's does as its scheduler takes it."""
+        r = turn.replace
+        if r is None:
+            return
+        turn.replace = None
+        for node in dict.fromkeys(d for root in r.roots for d in _subtree(root)):
+            named = r.session.nodes.get(node.rid)
+            if named is node:
+                del r.session.nodes[node.rid]
+            elif named is not None and named.shadows is node:  # (not to come back: `_ending`)
+                named.shadows = None
+            self._abort(node)
+        if r.parent is not None:
+            self._abort(r.parent)
+            r.parent.children = [c for c in r.parent.children if c not in r.roots]
 
     def _plan(self, turn: Turn) -> _Plan:
         """SGLang's `Session.create_req`, without its changes to the session."""
@@ -278,26 +308,26 @@ class Sessions:
         if s is None:
             raise SessionRefused(f"Invalid request: session id {params.id} does not exist")
         s.active = time.monotonic()
-        parent, cleared = None, []
+        parent, replaced = None, []
         if params.rid is not None:
             parent = s.nodes.get(params.rid)
             if parent is None:
                 raise SessionRefused("Invalid request session id")
             if params.replace:
-                cleared = [d for c in parent.children for d in _subtree(c)]
+                replaced = list(parent.children)
             elif not parent.finished:
                 raise SessionRefused(
                     "Session request is appending to a request that hasn't finished."
                 )
         elif params.replace:
-            cleared = list(s.nodes.values())
+            replaced = list(s.nodes.values())
         if parent is None:
-            return _Plan(s, None, 0, False, list(ids), cleared, [])
+            return _Plan(s, None, 0, False, list(ids), replaced, [])
         tail = ids[1:] if bos is not None and ids and ids[0] == bos else list(ids)
         with_output = not params.drop_previous_output
         head = parent.prompt() + parent.out() if with_output else parent.prompt()
         base = len(range(len(head))[: params.offset]) if params.offset else len(head)
-        return _Plan(s, parent, base, with_output, tail, cleared, head)
+        return _Plan(s, parent, base, with_output, tail, replaced, head)
 
     def _abort(self, node: _Node) -> None:
         if not node.finished:
@@ -322,13 +352,20 @@ def _subtree(node: _Node) -> list[_Node]:
 
 
 def _ending(s: _Session, node: _Node, call: Call) -> Callable[[], None]:
+    """What runs as `node`'s call closes; one that never ran, nothing following it, leaves
+    the session as it found it (its rid naming the node it `shadows`, unless dropped since)."""
+
     def ended() -> None:
         node.ended()
         s.active = time.monotonic()
+        named, node.shadows = node.shadows, None
         if call.streams or node.children:
             return
-        if s.nodes.get(node.rid) is node:  # (never ran, and nothing follows it)
-            del s.nodes[node.rid]
+        if s.nodes.get(node.rid) is node:
+            if named is None:
+                del s.nodes[node.rid]
+            else:
+                s.nodes[node.rid] = named
         if node.parent is not None and node in node.parent.children:  # (not replaced)
             node.parent.children.remove(node)
 
