@@ -146,6 +146,9 @@ class CacheAware(Policy):
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
         self.tree = PrefixTree()
+        # Its picks, as SGLang's router counts them (/metrics): by a match over the threshold
+        # (a cache hit), else by the smallest tree (a miss); while imbalanced, neither.
+        self.hits = self.misses = self.rebalanced = 0
 
     @classmethod
     def of(cls, config: PolicyConfig) -> Policy:
@@ -156,13 +159,15 @@ class CacheAware(Policy):
         loads = {u: load(u) for u in urls}
         most, least = max(loads.values()), min(loads.values())
         if most - least > c.balance_abs_threshold and most > least * c.balance_rel_threshold:
-            url = min(urls, key=loads.__getitem__)  # (shortest queue)
-        else:
-            matched = self.tree.match(text)
-            url = max(urls, key=lambda u: (matched.get(u, 0), -loads[u]))
-            if not text or matched.get(url, 0) / len(text) <= c.cache_threshold:
-                url = min(urls, key=lambda u: (self.tree.size(u), loads[u]))  # most room
-        return url
+            self.rebalanced += 1
+            return min(urls, key=loads.__getitem__)  # (shortest queue)
+        matched = self.tree.match(text)
+        url = max(urls, key=lambda u: (matched.get(u, 0), -loads[u]))
+        if text and matched.get(url, 0) / len(text) > c.cache_threshold:
+            self.hits += 1
+            return url
+        self.misses += 1
+        return min(urls, key=lambda u: (self.tree.size(u), loads[u]))  # (most room)
 
     def sent(self, url: str, text: str) -> None:
         self.tree.insert(text, url)

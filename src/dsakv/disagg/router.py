@@ -15,7 +15,8 @@ OpenAI's Batch API (/v1/files, /v1/batches) is the servers' own (`dsakv.server.b
 SGLang's gateway lacks): the router keeps the files, and sends each of a batch's requests
 through its own routes as a client's, as many at once as its decode servers run together.
 SGLang's sessions (/open_session, /close_session, /generate's session_params) are a 501
-saying where they run. Light on purpose: no torch, no engine.
+saying where they run. /metrics counts what the router did under SGLang router's names
+(`router_metrics`). Light on purpose: no torch, no engine.
 
 Workers join and leave while the router runs, through SGLang Model Gateway's worker API:
 `POST /workers` (`{"url", "worker_type": "prefill"|"decode", "bootstrap_port"}`; the
@@ -68,7 +69,8 @@ from dsakv.server.protocol import (
 
 from .config import HOST_HEADER, MODES, PORT_HEADER, ROOM_HEADER
 from .handoff import GENERATE_PATHS
-from .policy import Policy, PolicyConfig, make_policy, routing_text
+from .policy import CacheAware, Policy, PolicyConfig, make_policy, routing_text
+from .router_metrics import RouterMetrics, State, Worker
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +155,8 @@ class Router:
         # check under the lock asks no server (one that never answers would hold every add
         # queued behind it for its timeout, one after another).
         self._layouts: dict[str, dict[str, Any]] = {}
-        self.requests = 0
-        self.failures = 0
+        self.failures = 0  # requests the servers failed (5xx, unreachable)
+        self.metrics = RouterMetrics(self.state)
 
     @property
     def responses_kept(self) -> int:
@@ -168,10 +170,35 @@ class Router:
         urls = getattr(self, kind)
         if not urls:
             return []
-        now = time.monotonic()
-        up = [u for u in urls if now - self._down.get(u, -math.inf) >= _DOWN_S]
+        up = [u for u in urls if self._healthy(u)]
         pick = self._policies[kind].pick(up or urls, lambda u: self._busy[kind, u], text)
+        self.metrics.decisions[kind, pick] += 1
         return _in_turn(urls, urls.index(pick), self._down)
+
+    def _healthy(self, url: str) -> bool:
+        """Whether no connection to `url` failed in the last `_DOWN_S` seconds."""
+        return time.monotonic() - self._down.get(url, -math.inf) >= _DOWN_S
+
+    def _sent(self, kind: str, url: str, text: str) -> None:
+        """A request went to the `kind` server `url` (its pick's, or one after it): its
+        policy hears it (`Policy.sent`), the metrics count it."""
+        self._policies[kind].sent(url, text)
+        self.metrics.sent[kind, url] += 1
+
+    def state(self) -> State:
+        """What a /metrics scrape reads of the router's bookkeeping (`RouterMetrics`)."""
+        workers = [Worker(k, u, self._healthy(u)) for k in MODES for u in getattr(self, k)]
+        trees = {k: p for k, p in self._policies.items() if isinstance(p, CacheAware)}
+        return State(
+            workers=workers,
+            policies={k: p.name for k, p in self._policies.items()},
+            running=dict(self._busy),
+            trees={w.url: trees[w.kind].tree.size(w.url) for w in workers if w.kind in trees},
+            hits=sum(p.hits for p in trees.values()),
+            misses=sum(p.misses for p in trees.values()),
+            rebalanced=sum(p.rebalanced for p in trees.values()),
+            failures=self.failures,
+        )
 
     def _admin_targets(self, kind: str) -> list[str]:
         """The `kind` servers an admin call goes to: the router's, and those removed that
@@ -237,17 +264,24 @@ class Router:
         again once it fails a request: its new layout replaces the old)."""
         r = await self.client.get(f"{url}/disagg/info", timeout=_INFO_TIMEOUT_S)
         r.raise_for_status()
-        info = r.json()
-        if isinstance(info, dict) and url in self.prefill + self.decode:
+        info = r.json()  # (not JSON: a ValueError)
+        if not isinstance(info, dict):  # (no prefill or decode server's: as if not JSON)
+            raise ValueError(f"GET /disagg/info answered {r.text[:200]!r}, not a JSON object")
+        if url in self.prefill + self.decode:
             self._layouts[url] = _layout(info)
         return info
 
     async def generate(self, path: str, request: Request) -> Response:
-        self.requests += 1
+        """A request to a prefill and a decode server (`_pair`), counted and timed by its
+        route (`path`: `RouterMetrics.timed`)."""
+        return await self.metrics.timed(path, self._generate(path, request))
+
+    async def _generate(self, path: str, request: Request) -> Response:
         got = await _json_body(request)
         if isinstance(got, Response):
             return got
         raw, body = got
+        self.metrics.streamed[path] += body.get("stream") is True
         if _in_session(body):
             return _error(501, _NO_SESSIONS, param="session_params", code="not_implemented")
         # The prefill server answers with its one token; only the decode server streams.
@@ -256,6 +290,9 @@ class Router:
         return await self._pair(path, request, raw, p_body, _num_prompts(body))
 
     async def responses(self, request: Request) -> Response:
+        return await self.metrics.timed("/v1/responses", self._new_response(request))
+
+    async def _new_response(self, request: Request) -> Response:
         """POST /v1/responses, relayed as chat is, with an id the router gives it (unless
         the client did: `request_id`, a 400 while a response has it, or a request under it
         is not yet answered, as the servers') so it knows where the response is stored. A
@@ -265,13 +302,14 @@ class Router:
         decode server tells it (`_conversation`). The decode server renders the same turns
         from its store, and the prefill server checks the prompts are the same tokens (a
         502 if not)."""
-        self.requests += 1
         if (missing := self._missing("prefill", "decode")) is not None:
+            self.metrics.errors["/v1/responses", "no_available_workers"] += 1
             return missing  # (else a continuation's previous response is "not found")
         got = await _json_body(request)
         if isinstance(got, Response):
             return got
         raw, body = got
+        self.metrics.streamed["/v1/responses"] += body.get("stream") is True
         rid = body.get("request_id")
         if rid is None:
             rid = body["request_id"] = new_id("resp_")
@@ -334,6 +372,8 @@ class Router:
                 answer = await _unless_left(call, request)
             except httpx.HTTPError as e:
                 self.failures += 1
+                self.metrics.errors["/v1/responses", "decode_unreachable"] += 1
+                self.metrics.failed["decode", decode] += 1
                 return _error(502, f"decode server {decode} is unreachable: {e!r}")
             if answer is None:
                 return Response(status_code=499)
@@ -348,6 +388,8 @@ class Router:
             cursors.add(page["last_id"])
             params["after"] = page["last_id"]
         self.failures += 1
+        self.metrics.errors["/v1/responses", "decode_failed"] += 1
+        self.metrics.failed["decode", decode] += 1
         return _error(502, f"decode server {decode} lists the input items of {previous} endlessly")
 
     async def _holder(
@@ -363,6 +405,7 @@ class Router:
                 answer = await self.client.get(f"{url}/v1/responses/{rid}", headers=headers)
             except httpx.HTTPError as e:
                 errors.append(f"{url}: {e!r}")
+                self.metrics.failed["decode", url] += 1
                 continue
             if answer.status_code == 200:
                 self._keep(rid, url)
@@ -374,6 +417,7 @@ class Router:
         self._responses.pop(rid, None)
         if errors:
             self.failures += 1
+            self.metrics.errors["/v1/responses", "decode_unreachable"] += 1
             return _error(502, f"no decode server holding {rid} answered: {'; '.join(errors)}")
         return _not_found(rid, "previous_response_id")
 
@@ -474,13 +518,15 @@ class Router:
         """`raw` to a decode server (`decode`, else the policy's), `p_body` to the prefill
         server the policy picks; `rid`: the response the decode server stores if it takes it."""
         if (missing := self._missing("prefill", "decode")) is not None:
+            self.metrics.errors[path, "no_available_workers"] += 1
             return missing  # (removed while the request came in)
         # (the prefill server's body: a continuation's whole conversation)
         text = routing_text(p_body) if self._needs_text else ""
         try:
-            p_url, host, port = await self._pick_prefill(text)
+            p_url, host, port = await self._pick_prefill(text, path)
         except _Unusable as e:
             self.failures += 1
+            self.metrics.errors[path, "prefill_unreachable"] += 1
             return _error(502, f"no prefill server is usable: {e}")
         rooms = ",".join(str(secrets.randbits(62)) for _ in range(prompts))
         headers = {ROOM_HEADER: rooms, HOST_HEADER: host, PORT_HEADER: str(port)}
@@ -494,13 +540,14 @@ class Router:
             sending = self._send_decode(path, raw, d_headers, decode, text)
             sent = await _unless_left(sending, request, self._drop)
         except _Unreachable as e:
-            self._failed(p_url, prefill)
+            self._failed(p_url, prefill, path, "decode_unreachable")
             return _error(502, f"decode server {e.url} is unreachable: {e.error!r}")
         except _NoWorker:
             prefill.cancel()
+            self.metrics.errors[path, "no_available_workers"] += 1
             return _none_of(["decode"])
         except httpx.HTTPError as e:
-            self._failed(p_url, prefill)
+            self._failed(p_url, prefill, path, "decode_failed")
             return _error(502, f"the decode server failed: {e!r}")
         except asyncio.CancelledError:  # (a batch's line cancelled: a client gone, as below)
             prefill.cancel()
@@ -516,7 +563,7 @@ class Router:
             try:
                 content = await _unless_left(resp.aread(), request)
             except httpx.HTTPError as e:
-                self._failed(p_url, prefill)
+                self._failed(p_url, prefill, path, "decode_failed", d_url)
                 return _error(502, f"lost the decode server {d_url}: {e!r}")
             finally:
                 self._finished("decode", d_url)
@@ -525,7 +572,7 @@ class Router:
                 prefill.cancel()
                 return Response(status_code=499)
             if resp.status_code >= 500:
-                self._failed(p_url, prefill)
+                self._failed(p_url, prefill, path, "server_error", d_url)
             elif resp.status_code != 200:  # the client's error: the prefill server's copy
                 prefill.cancel()  # would wait for a decode server that refused it
             return Response(
@@ -709,29 +756,33 @@ class Router:
             return JSONResponse(e.body(), status_code=e.status)
         return await self.generate(path, request)
 
-    async def _pick_prefill(self, text: str = "") -> tuple[str, str, int]:
+    async def _pick_prefill(self, text: str = "", path: str = "") -> tuple[str, str, int]:
         """The first prefill server (`_ranked`) that tells its bootstrap port, with that
         port: one that cannot (down, restarting) is passed over, not handed every Nth
         request, and asked last for a while (a host that drops packets costs a connect
         timeout each time). The request is in flight there (`_busy`) from its pick, as
         SGLang counts a worker's load, until the caller's `_finished`: the requests of a
         burst, picked before any is sent, each see those picked before it. The policy hears
-        which server it goes to (`Policy.sent`): its pick's may have been passed over."""
+        which server it goes to (`_sent`): its pick's may have been passed over (a retry
+        of request `path`)."""
         errors = []
         for url in self._ranked("prefill", text):
+            if errors:
+                self.metrics.retries["prefill", path] += 1
             self._busy["prefill", url] += 1
             try:
                 host, port = await self.bootstrap_of(url)
-            except (httpx.HTTPError, ValueError, KeyError) as e:
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                 self._finished("prefill", url)
                 errors.append(f"{url}: {e!r}")
                 self._down[url] = time.monotonic()
+                self.metrics.failed["prefill", url] += 1
                 continue
             except BaseException:  # (not going there: cancelled too)
                 self._finished("prefill", url)
                 raise
             self._down.pop(url, None)
-            self._policies["prefill"].sent(url, text)
+            self._sent("prefill", url, text)
             return url, host, port
         raise _Unusable("; ".join(errors))
 
@@ -746,8 +797,8 @@ class Router:
         """The request sent to the first decode server (`_ranked`) that takes the
         connection (`only`: to that one). A refused connection carried none of the
         request, so the next server may have it: the prefill server's copy waits for
-        whichever decode server asks for its room. The policy hears which server took it
-        (`Policy.sent`)."""
+        whichever decode server asks for its room (a retry). The policy hears which server
+        took it (`_sent`)."""
         if only is not None:
             urls = [only]
         elif not self.decode:
@@ -755,14 +806,22 @@ class Router:
         else:
             urls = self._ranked("decode", text)
         for i, url in enumerate(urls, 1):
+            if i > 1:
+                self.metrics.retries["decode", path] += 1
             try:
                 resp = await self._post(url, path, raw, headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                self.metrics.failed["decode", url] += 1
                 if i == len(urls):
                     raise _Unreachable(url, e) from e
                 log.warning("decode %s refused the connection (%r): trying the next", url, e)
                 continue
-            self._policies["decode"].sent(url, text)
+            except BaseException as e:  # (it went, and failed on its way or its client left)
+                self.metrics.sent["decode", url] += 1
+                if isinstance(e, httpx.HTTPError):
+                    self.metrics.failed["decode", url] += 1
+                raise
+            self._sent("decode", url, text)
             return url, resp
 
     async def _post(
@@ -787,6 +846,9 @@ class Router:
                 yield chunk
         except httpx.HTTPError as e:
             self.failures += 1
+            self.metrics.errors[path, "decode_failed"] += 1
+            self.metrics.failed["decode", d_url] += 1
+            self.metrics.streams_lost[d_url] += 1
             yield _sse_error(f"lost the decode server {d_url} mid-stream: {e!r}", path)
         finally:
             self._finished("decode", d_url)
@@ -808,14 +870,23 @@ class Router:
                 log.warning("prefill %s answered %d: %s", p_url, r.status_code, r.text[:500])
                 if r.status_code >= 500 or r.json()["error"].get("param") == "bootstrap_port":
                     self._bootstrap.pop(p_url, None)
+                    self.metrics.failed["prefill", p_url] += 1
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             log.warning("prefill %s failed: %r", p_url, e)
             self._bootstrap.pop(p_url, None)
+            self.metrics.failed["prefill", p_url] += 1
 
-    def _failed(self, p_url: str, prefill: asyncio.Task) -> None:
-        """A request the servers failed: its prefill half goes, and the prefill server's
-        bootstrap port is asked again next time (a restarted server may have a new one)."""
+    def _failed(
+        self, p_url: str, prefill: asyncio.Task, path: str, error: str, decode: str | None = None
+    ) -> None:
+        """A request to `path` the servers failed (`error`: how, for the metrics; `decode`:
+        the decode server that failed it, once known): its prefill half goes, and the
+        prefill server's bootstrap port is asked again next time (a restarted server may
+        have a new one)."""
         self.failures += 1
+        self.metrics.errors[path, error] += 1
+        if decode is not None:
+            self.metrics.failed["decode", decode] += 1
         prefill.cancel()
         self._bootstrap.pop(p_url, None)
 
@@ -857,13 +928,12 @@ class Router:
         """A worker in the fields of SGLang's WorkerInfo: healthy unless a connection to it
         failed in the last `_DOWN_S` seconds; a prefill server's bootstrap port once asked
         (else null)."""
-        down = self._down.get(url, -math.inf)
         info = {
             "id": url,
             "url": url,
             "worker_type": kind,
             "connection_mode": "http",
-            "is_healthy": time.monotonic() - down >= _DOWN_S,
+            "is_healthy": self._healthy(url),
         }
         if kind == "prefill":
             info["bootstrap_port"] = self._bootstrap[url][1] if url in self._bootstrap else None
@@ -930,7 +1000,7 @@ class Router:
             status = e.response.status_code
             message = f"{url} is not a prefill or decode server: GET /disagg/info answered {status}"
             return _client_error(400, message, "url")
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             message = f"{url} did not answer GET /disagg/info as a prefill or decode server: {e!r}"
             return _client_error(400, message, "url")
         if mode not in ("prefill", "decode"):
@@ -1507,13 +1577,8 @@ def build_router_app(
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        text = (
-            "# TYPE dsakv_router_requests_total counter\n"
-            f"dsakv_router_requests_total {router.requests}\n"
-            "# TYPE dsakv_router_failures_total counter\n"
-            f"dsakv_router_failures_total {router.failures}\n"
-        )
+    async def metrics() -> Response:  # (SGLang router's, and dsakv's two: `router_metrics`)
+        text = router.metrics.render()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -1,0 +1,364 @@
+"""`dsakv router`'s /metrics, under SGLang router's names (sgl-router's `sgl_router_*`) and
+dsakv's two: on a real deployment (two prefill servers and a decode server, glm-tiny on the
+CPU, in this process) each count is what the router did (the requests each server was
+sent, each policy's picks, cache_aware's hits over a shared prefix and its trees), and
+servers that are down or fail show up in the errors, retries and health; servers of our
+own (FastAPI apps) hold a request in flight or fail one as a real one would. And a server
+whose /disagg/info answers JSON that is no object is no prefill or decode server (it was
+a 500)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from dsakv.disagg.policy import PolicyConfig
+from dsakv.disagg.router import build_router_app
+from dsakv.engine import EngineConfig
+from dsakv.models.tiny import write_tiny_model
+
+from .serving import TIMEOUT, free_port, running, scrape_metrics, serving_disagg
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# SGLang Model Gateway's labels of a request through its HTTP PD router
+SMG = {"router_type": "http", "backend_type": "pd", "connection_mode": "http", "model": "default"}
+SYSTEM = "You are a careful assistant. Answer every question in a single short word. " * 3
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
+    """Two prefill servers and a decode server."""
+    model = str(write_tiny_model(tmp_path_factory.mktemp("metrics") / "m", "glm-tiny"))
+    conf = EngineConfig(model, device="cpu", num_pages=64, page_size=16,
+                        kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
+    with ExitStack() as stack:
+        prefill = [stack.enter_context(serving_disagg(conf, "prefill"))[0] for _ in range(2)]
+        decode, _ = stack.enter_context(serving_disagg(conf, "decode"))
+        yield SimpleNamespace(prefill=prefill, decode=decode)
+
+
+@contextmanager
+def _routing(
+    prefill: list[str], decode: list[str], policy: PolicyConfig | None = None
+) -> Iterator[str]:
+    app = build_router_app(prefill, decode, policy=policy)
+    with running(
+        uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    ) as base:
+        yield base
+
+
+@contextmanager
+def _serving(app: FastAPI) -> Iterator[str]:
+    with running(
+        uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    ) as base:
+        yield base
+
+
+def _post(base: str, path: str = COMPLETIONS, **body) -> httpx.Response:
+    if path == CHAT:
+        body = {"messages": [{"role": "user", "content": "Hi"}], **body}
+    elif path == COMPLETIONS:
+        body.setdefault("prompt", "The quick brown fox")
+    return httpx.post(f"{base}{path}", json={"model": "m", "max_tokens": 2, **body},
+                      timeout=TIMEOUT)  # fmt: skip
+
+
+class _Metrics:
+    """A router's /metrics samples, read as `m("name", label=value, ...)` (absent: 0)."""
+
+    def __init__(self, base: str) -> None:
+        self.samples = scrape_metrics(base, labels=True)
+
+    def __call__(self, name: str, **labels: str) -> float:
+        return self.samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def named(self, name: str) -> dict[tuple, float]:
+        """Every sample of `name`, by its labels."""
+        return {labels: v for (n, labels), v in self.samples.items() if n == name}
+
+
+def _settled(base: str) -> _Metrics:
+    """The metrics once no request is in flight through the router (a prefill server's
+    copy may end after the client's answer)."""
+    for _ in range(int(TIMEOUT / 0.05)):
+        m = _Metrics(base)
+        if not any(m.named("sgl_router_running_requests").values()):
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"requests stayed in flight: {m.named('sgl_router_running_requests')}")
+
+
+def test_each_workers_counts_are_the_requests_it_was_sent(pd):
+    """Round robin over both kinds: each server's processed and PD counts, the policy's
+    decisions, the requests and durations by route (a stream's too), health and roles."""
+    (p0, p1), d = pd.prefill, pd.decode
+    with _routing(pd.prefill, [d], PolicyConfig(policy="round_robin")) as base:
+        for _ in range(3):
+            assert _post(base).status_code == 200
+        with httpx.stream("POST", f"{base}{COMPLETIONS}", timeout=TIMEOUT,
+                          json={"prompt": "Hi", "max_tokens": 2, "stream": True}) as r:  # fmt: skip
+            assert r.status_code == 200 and "[DONE]" in r.read().decode()
+        for _ in range(2):
+            assert _post(base, CHAT).status_code == 200
+        m = _settled(base)
+    for name in ("sgl_router_processed_requests_total", "sgl_router_pd_prefill_requests_total"):
+        assert m(name, worker=p0) == m(name, worker=p1) == 3, m.named(name)
+    assert m("sgl_router_processed_requests_total", worker=d) == 6
+    assert m("sgl_router_pd_decode_requests_total", worker=d) == 6
+    assert m.named("sgl_router_policy_decisions_total") == {
+        (("policy", "round_robin"), ("worker", u)): n for u, n in ((p0, 3), (p1, 3), (d, 6))
+    }
+    for name in ("sgl_router_requests_total", "sgl_router_pd_requests_total",
+                 "sgl_router_request_duration_seconds_count",
+                 "sgl_router_pd_request_duration_seconds_count"):  # fmt: skip
+        assert m(name, route=COMPLETIONS) == 4 and m(name, route=CHAT) == 2, m.named(name)
+    assert m("dsakv_router_requests_total") == 6 and m("dsakv_router_failures_total") == 0
+    for u in (p0, p1, d):
+        assert m("sgl_router_worker_health", worker=u) == 1
+        assert m("sgl_router_running_requests", worker=u) == 0  # (idle: there, at 0)
+        assert ("sgl_router_worker_load", (("worker", u),)) in m.samples
+    assert m("sgl_router_active_workers") == 3
+    for name in ("dsakv_router_workers", "dsakv_router_healthy_workers"):
+        assert m(name, worker_type="prefill") == 2 and m(name, worker_type="decode") == 1
+    assert not m.named("sgl_router_request_errors_total")
+    assert not m.named("sgl_router_retries_total")
+    assert m("sgl_router_cache_hits_total") == m("sgl_router_cache_misses_total") == 0
+    assert not m.named("sgl_router_tree_size")  # (no cache_aware policy: no tree)
+    # the gateway's names (sglang-router 0.3 on), read from the same counts
+    assert m.named("smg_router_requests_total") == {
+        tuple(sorted({**SMG, "endpoint": e, "streaming": s}.items())): n
+        for e, s, n in (
+            ("completions", "false", 3),
+            ("completions", "true", 1),
+            ("chat", "false", 2),
+        )
+    }
+    for e, n in (("completions", 4), ("chat", 2)):
+        assert m("smg_router_request_duration_seconds_count", endpoint=e, **SMG) == n
+        buckets = {
+            labels: v
+            for labels, v in m.named("smg_router_request_duration_seconds_bucket").items()
+            if ("endpoint", e) in labels
+        }
+        assert len(buckets) == 21 and max(buckets.values()) == n  # (cumulative, to +Inf)
+    for kind, n in (("prefill", 6), ("decode", 6)):
+        labels = {"worker_type": kind, "connection_mode": "http", "model": "default"}
+        assert m("smg_worker_selection_total", policy="round_robin", **labels) == n
+        assert m("smg_worker_pool_size", **labels) == {"prefill": 2, "decode": 1}[kind]
+    for u in (p0, p1, d):
+        assert m("smg_worker_health", worker=u) == 1
+        assert ("smg_worker_requests_active", (("worker", u),)) in m.samples
+    assert not m.named("smg_router_request_errors_total")
+    assert not m.named("smg_worker_retries_total")
+
+
+def test_cache_aware_hits_a_shared_prefix_and_its_trees_hold_what_was_sent(pd):
+    """By default (cache_aware prefill picks): the first of four prompts sharing a long
+    system prompt is a miss (no tree matches it), the next three hits on that server; a
+    prompt sharing nothing is a miss, sent to the server with the smaller tree. Each tree's
+    size is the characters its server was sent, shared runs once."""
+    (p0, p1), d = pd.prefill, pd.decode
+    questions = [f"Question {i}: a colour?" for i in range(4)]
+    other = "Tell me something else entirely, please."
+    with _routing(pd.prefill, [d]) as base:
+        for q in questions:
+            assert _post(base, prompt=SYSTEM + q).status_code == 200
+        m = _Metrics(base)
+        assert (m("sgl_router_cache_misses_total"), m("sgl_router_cache_hits_total")) == (1, 3)
+        assert _post(base, prompt=other).status_code == 200
+        m = _settled(base)
+    assert (m("sgl_router_cache_misses_total"), m("sgl_router_cache_hits_total")) == (2, 3)
+    assert m("sgl_router_load_balancing_events_total") == 0
+    shared = len(SYSTEM + "Question ")  # (then each its own "i: a colour?")
+    assert m.named("sgl_router_tree_size") == {
+        (("worker", p0),): shared + sum(len(q) - len("Question ") for q in questions),
+        (("worker", p1),): len(other),
+    }  # (none for the decode server: its policy, round robin, keeps no tree)
+    assert m("sgl_router_policy_decisions_total", policy="cache_aware", worker=p0) == 4
+    assert m("sgl_router_policy_decisions_total", policy="cache_aware", worker=p1) == 1
+    assert m("sgl_router_policy_decisions_total", policy="round_robin", worker=d) == 5
+    assert m("sgl_router_processed_requests_total", worker=p0) == 4
+
+
+def test_servers_down_show_up_in_retries_errors_and_health(pd):
+    """A prefill server down: the request its pick sent there is retried on the other (a
+    retry, that server's error, unhealthy), the next goes to the other at once. The only
+    decode server down: the request fails (its error by type, the decode server's error, a
+    failure). No server at all: SGLang's 503, counted as no_available_workers."""
+    (p0, _), d = pd.prefill, pd.decode
+    down = f"http://127.0.0.1:{free_port()}"
+    with _routing([down, p0], [d], PolicyConfig(policy="round_robin")) as base:
+        assert _post(base).status_code == 200 and _post(base).status_code == 200
+        m = _settled(base)
+    assert m.named("sgl_router_retries_total") == {(("route", COMPLETIONS),): 1}
+    assert m.named("sgl_router_pd_prefill_errors_total") == {(("worker", down),): 1}
+    assert m("sgl_router_policy_decisions_total", policy="round_robin", worker=down) == 1
+    assert m("sgl_router_policy_decisions_total", policy="round_robin", worker=p0) == 1
+    assert m("sgl_router_processed_requests_total", worker=p0) == 2
+    assert m("sgl_router_processed_requests_total", worker=down) == 0
+    assert m("sgl_router_worker_health", worker=down) == 0
+    assert m("sgl_router_worker_health", worker=p0) == 1
+    assert m("sgl_router_active_workers") == 2
+    assert m("dsakv_router_workers", worker_type="prefill") == 2
+    assert m("dsakv_router_healthy_workers", worker_type="prefill") == 1
+    assert not m.named("sgl_router_request_errors_total")  # (both were answered)
+    assert m.named("smg_worker_retries_total") == {
+        (("endpoint", "completions"), ("worker_type", "prefill")): 1
+    }
+    assert m("smg_worker_health", worker=down) == 0
+
+    with _routing([p0], [down]) as base:
+        assert _post(base, CHAT).status_code == 502
+        m = _settled(base)
+    assert m.named("sgl_router_request_errors_total") == {
+        (("error_type", "decode_unreachable"), ("route", CHAT)): 1
+    }
+    assert m.named("sgl_router_pd_errors_total") == {(("error_type", "decode_unreachable"),): 1}
+    assert m.named("sgl_router_pd_decode_errors_total") == {(("worker", down),): 1}
+    assert m("dsakv_router_failures_total") == 1 and m("sgl_router_requests_total", route=CHAT) == 1
+    assert m.named("smg_router_request_errors_total") == {
+        tuple(sorted({**SMG, "endpoint": "chat", "error_type": "backend_error"}.items())): 1
+    }
+
+    with _routing([], []) as base:
+        assert _post(base).status_code == 503
+        assert _post(base, "/v1/responses", input="Hi").status_code == 503
+        m = _Metrics(base)
+    assert m.named("sgl_router_request_errors_total") == {
+        (("error_type", "no_available_workers"), ("route", r)): 1
+        for r in (COMPLETIONS, "/v1/responses")
+    }
+    assert m.named("smg_router_request_errors_total") == {
+        tuple(sorted({**SMG, "endpoint": e, "error_type": "no_workers"}.items())): 1
+        for e in ("completions", "responses")
+    }
+    assert m("dsakv_router_failures_total") == 0  # (no server failed)
+    assert (
+        m("sgl_router_active_workers") == 0 and m("dsakv_router_workers", worker_type="decode") == 0
+    )
+
+
+def _fake_prefill() -> FastAPI:
+    """A prefill server that tells a bootstrap port and answers its copy at once."""
+    app = FastAPI()
+    app.get("/disagg/info")(lambda: {"mode": "prefill", "bootstrap_port": 1})
+    app.post(COMPLETIONS)(lambda: {})
+    return app
+
+
+def test_a_request_in_flight_is_its_decode_servers_load_and_failures_are_its_errors():
+    """A decode server holding a request: it is that server's running request (its load)
+    until answered. A decode server answering a 5xx, and one dropping a stream midway:
+    each the route's error by type, the server's error (a stream's too), a failure."""
+    arrived, release = threading.Event(), threading.Event()
+    decode = FastAPI()
+
+    @decode.post(COMPLETIONS)
+    async def complete(body: dict) -> Response:
+        if body["prompt"] == "hold":
+            arrived.set()
+            await asyncio.to_thread(release.wait, TIMEOUT)
+            return JSONResponse({"choices": []})
+        if body["prompt"] == "fail":
+            return JSONResponse({"error": {"message": "broken"}}, status_code=500)
+
+        async def dropped() -> AsyncIterator[bytes]:
+            yield b'data: {"choices": []}\n\n'
+            raise RuntimeError("the decode server died mid-stream")
+
+        return StreamingResponse(dropped(), media_type="text/event-stream")
+
+    with ExitStack() as stack:
+        p = stack.enter_context(_serving(_fake_prefill()))
+        d = stack.enter_context(_serving(decode))
+        base = stack.enter_context(_routing([p], [d]))
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(_post, base, prompt="hold")
+            assert arrived.wait(TIMEOUT)
+            m = _Metrics(base)
+            assert m("sgl_router_running_requests", worker=d) == 1
+            assert m("sgl_router_worker_load", worker=d) == 1
+            release.set()
+            assert held.result().status_code == 200
+        assert _settled(base)("sgl_router_running_requests", worker=d) == 0
+        assert _post(base, prompt="fail").status_code == 500
+        with httpx.stream("POST", f"{base}{COMPLETIONS}", timeout=TIMEOUT,
+                          json={"prompt": "drop", "stream": True}) as r:  # fmt: skip
+            assert "mid-stream" in r.read().decode()
+        m = _settled(base)
+    assert m.named("sgl_router_request_errors_total") == {
+        (("error_type", e), ("route", COMPLETIONS)): 1 for e in ("server_error", "decode_failed")
+    }
+    assert m.named("sgl_router_pd_decode_errors_total") == {(("worker", d),): 2}
+    assert m.named("sgl_router_pd_stream_errors_total") == {(("worker", d),): 1}
+    assert m("dsakv_router_failures_total") == 2
+    assert m("sgl_router_processed_requests_total", worker=d) == 3
+
+
+@pytest.mark.parametrize("answer", [[1], "a string", None, "not JSON"])
+def test_a_server_whose_disagg_info_is_no_json_object_is_no_prefill_or_decode_server(answer):
+    """/disagg/info answering JSON that is no object (a list, a string, null) is taken as
+    an answer that is not JSON: a request's prefill server passed over (the 502 naming it,
+    it was a 500), and the server refused as a worker (the 400 naming the url)."""
+    app = FastAPI()
+    if answer == "not JSON":
+        app.get("/disagg/info")(lambda: PlainTextResponse("mode=prefill"))
+    else:
+        app.get("/disagg/info")(lambda: JSONResponse(answer))
+    down = f"http://127.0.0.1:{free_port()}"  # (never asked: the prefill server fails first)
+    with _serving(app) as odd, _routing([odd], [down]) as base:
+        r = _post(base)
+        assert r.status_code == 502, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith(f"no prefill server is usable: {odd}: "), message
+        m = _Metrics(base)
+        assert m.named("sgl_router_request_errors_total") == {
+            (("error_type", "prefill_unreachable"), ("route", COMPLETIONS)): 1
+        }
+        assert m.named("sgl_router_pd_prefill_errors_total") == {(("worker", odd),): 1}
+        with _routing([], []) as empty:
+            r = httpx.post(f"{empty}/workers", json={"url": odd}, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "url", r.text
+        said = f"{odd} did not answer GET /disagg/info as a prefill or decode server: "
+        assert r.json()["error"]["message"].startswith(said), r.text
+
+
+def test_a_request_the_decode_server_was_sent_counts_there_though_never_answered():
+    """A decode server sent a request whose client left before its answer (as a batch
+    line cancelled): it ran it, so it is that server's request all the same (processed,
+    decode), timed once, and no longer running there."""
+    arrived, release = threading.Event(), threading.Event()
+    decode = FastAPI()
+
+    @decode.post(COMPLETIONS)
+    async def complete() -> Response:
+        arrived.set()
+        await asyncio.to_thread(release.wait, TIMEOUT)
+        return JSONResponse({"choices": []})
+
+    with ExitStack() as stack:
+        p = stack.enter_context(_serving(_fake_prefill()))
+        d = stack.enter_context(_serving(decode))
+        base = stack.enter_context(_routing([p], [d]))
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}{COMPLETIONS}", json={"prompt": "x"}, timeout=1.0)
+        assert arrived.wait(TIMEOUT)
+        m = _settled(base)
+        release.set()
+    for name in ("sgl_router_processed_requests_total", "sgl_router_pd_decode_requests_total"):
+        assert m(name, worker=d) == 1, m.named(name)
+    assert m("sgl_router_request_duration_seconds_count", route=COMPLETIONS) == 1
+    assert not m.named("sgl_router_request_errors_total")  # (the client's leaving: no error)
