@@ -12,8 +12,12 @@ Every value is rendered under up to three names: dsakv's (`dsakv_*`), vLLM's (`v
 and SGLang's (`sglang:*`), so the tools built around those servers' names (the Gateway API
 Inference Extension's endpoint picker, routers, autoscaling rules, dashboards) read a dsakv
 server as they read theirs. Engine values and request counts are kept once and read under
-each name at scrape time; a latency is observed into each name's own histogram (its
-server's buckets). `LLM.get_metrics` reads the vLLM ones as vLLM's does (`vllm_metrics`).
+each name at scrape time; a per-request measure (`_HISTOGRAMS`: latencies, vLLM's phases,
+token counts and parameters) is observed into each name's own histogram (its server's
+buckets) as a request ends, and the tokens of each engine step (vLLM's
+iteration_tokens_total) where the engine is stepped (`ServerMetrics.stepped`). The server
+(`RequestTimes`, fed its handlers' updates) and `LLM` (`LoopTimes`, fed its loop's steps)
+observe them alike; `LLM.get_metrics` reads the vLLM ones as vLLM's does (`vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -332,56 +336,155 @@ def _info(name: str, labels: Mapping[str, str]) -> GaugeMetricFamily:
     return m
 
 
-# Latency buckets: dsakv's, and vLLM's (PrometheusStatLogger's) and SGLang's defaults
-# (TokenizerMetricsCollector's), which their dashboards' quantiles are read from
+# Histogram buckets: dsakv's, and vLLM's (PrometheusStatLogger's) and SGLang's defaults
+# (its TokenizerMetricsCollector's and SchedulerMetricsCollector's), which their dashboards'
+# quantiles are read from. `_BY_CONTEXT`: vLLM's 1-2-5 series up to the max_model_len.
 _DSAKV_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-_LATENCIES: dict[str, tuple[str, dict[str, tuple[float, ...]]]] = {
-    "time_to_first_token_seconds": (
+_VLLM_REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0)
+_VLLM_REQUEST += (50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_SGLANG_TOKENS = (100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000)
+_SGLANG_TOKENS += (9000, 10000, 12000, 15000, 20000, 22000, 25000, 30000, 35000, 40000)
+_SGLANG_TOKENS += (66000, 99000, 132000, 300000, 600000, 900000, 1100000)
+_BY_CONTEXT: tuple[float, ...] = ()
+
+# What a request (or a step) is measured by -> (help, {name: its buckets}): one value
+# observed under each name. dsakv's own only for the latencies (its buckets resolve the
+# milliseconds vLLM's request buckets, from 0.3 s, do not); counts under vLLM's and SGLang's.
+_HISTOGRAMS: dict[str, tuple[str, dict[str, tuple[float, ...]]]] = {
+    "ttft": (
         "Time to first token",
         {
-            PREFIX: _DSAKV_BUCKETS,
-            VLLM: (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
-            + (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
-            SGLANG: (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100) + (200, 400),
+            PREFIX + "time_to_first_token_seconds": _DSAKV_BUCKETS,
+            VLLM + "time_to_first_token_seconds": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06)
+            + (0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+            + (160.0, 640.0, 2560.0),
+            SGLANG + "time_to_first_token_seconds": (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
+            + (10, 20, 40, 60, 80, 100, 200, 400),
         },
     ),
-    "e2e_request_latency_seconds": (
+    "e2e": (
         "Request latency",
         {
-            PREFIX: _DSAKV_BUCKETS,
-            VLLM: (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0)
-            + (50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
-            SGLANG: (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100)
-            + (200, 400, 600, 1200, 1800, 2400),
+            PREFIX + "e2e_request_latency_seconds": _DSAKV_BUCKETS,
+            VLLM + "e2e_request_latency_seconds": _VLLM_REQUEST,
+            SGLANG + "e2e_request_latency_seconds": (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
+            + (10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400),
         },
     ),
-    "inter_token_latency_seconds": (
+    "inter_token": (
         "Time between a request's consecutive output tokens (one per engine step)",
         {
-            PREFIX: (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2)
-            + (0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60),
-            VLLM: (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
-            + (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
-            SGLANG: (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035)
-            + (0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0),
+            PREFIX + "inter_token_latency_seconds": (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04)
+            + (0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60),
+            VLLM + "inter_token_latency_seconds": (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2)
+            + (0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+            SGLANG + "inter_token_latency_seconds": (0.002, 0.004, 0.006, 0.008, 0.01)
+            + (0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.6, 0.8)
+            + (1.0, 2.0, 4.0, 6.0, 8.0),
+        },
+    ),
+    "queued": (
+        "Time a request waited from its arrival to its first scheduling",
+        {
+            PREFIX + "request_queue_time_seconds": _DSAKV_BUCKETS,
+            VLLM + "request_queue_time_seconds": _VLLM_REQUEST,
+            SGLANG + "queue_time_seconds": (0.0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30)
+            + (40, 50, 60, 70, 80, 90, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000)
+            + (1200, 1400, 1600, 1800, 2000, 2500, 3000),
+        },
+    ),
+    "prefill": (
+        "Time from a request's first scheduling to its first token",
+        {
+            PREFIX + "request_prefill_time_seconds": _DSAKV_BUCKETS,
+            VLLM + "request_prefill_time_seconds": _VLLM_REQUEST,
+        },
+    ),
+    "decode": (
+        "Time from a request's first token to its last",
+        {
+            PREFIX + "request_decode_time_seconds": _DSAKV_BUCKETS,
+            VLLM + "request_decode_time_seconds": _VLLM_REQUEST,
+        },
+    ),
+    "inference": (
+        "Time from a request's first scheduling to its last token (prefill and decode)",
+        {
+            PREFIX + "request_inference_time_seconds": _DSAKV_BUCKETS,
+            VLLM + "request_inference_time_seconds": _VLLM_REQUEST,
+        },
+    ),
+    "prompt_tokens": (
+        "Prompt tokens of a finished request (each choice)",
+        {
+            VLLM + "request_prompt_tokens": _BY_CONTEXT,
+            SGLANG + "prompt_tokens_histogram": _SGLANG_TOKENS,
+        },
+    ),
+    "generation_tokens": (
+        "Tokens a finished request (each choice) generated",
+        {
+            VLLM + "request_generation_tokens": _BY_CONTEXT,
+            SGLANG + "generation_tokens_histogram": _SGLANG_TOKENS,
+        },
+    ),
+    "max_tokens": (
+        "The max_tokens of a finished request (each choice; as the context cut it)",
+        {VLLM + "request_params_max_tokens": _BY_CONTEXT},
+    ),
+    "n": (
+        "The n of a request, once its choices all ended",
+        {VLLM + "request_params_n": (1, 2, 5, 10, 20)},
+    ),
+    "most_tokens": (
+        "The most tokens one of a request's choices generated, once they all ended",
+        {VLLM + "request_max_num_generation_tokens": _BY_CONTEXT},
+    ),
+    "retractions": (
+        "Times a finished request was retracted for lack of KV pages",
+        {SGLANG + "num_retractions": (*range(11), 15, 20, 25, 30, 40, 50, 75, 100)},
+    ),
+    "step_tokens": (
+        "Tokens one engine step ran through the model",
+        {
+            VLLM + "iteration_tokens_total": (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+            + (8192, 16384)
         },
     ),
 }
 
 
-class Latency:
-    """One latency under each family's name, each its own prometheus_client histogram with
-    that family's buckets and labels (dsakv's unlabelled): observing three costs
-    microseconds and keeps the library's rendering (`_created` included)."""
+def _by_context(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's `build_1_2_5_buckets`: 1, 2, 5, 10, 20, ... up to `max_model_len`."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+class Distribution:
+    """One measure (`_HISTOGRAMS`) under each of its names, each its own prometheus_client
+    histogram with that name's buckets and its family's labels (dsakv's unlabelled):
+    observing three costs microseconds and keeps the library's rendering (`_created`
+    included)."""
 
     def __init__(
-        self, registry: CollectorRegistry, suffix: str, labels: Mapping[str, Mapping[str, str]]
+        self,
+        registry: CollectorRegistry,
+        key: str,
+        labels: Mapping[str, Mapping[str, str]],
+        max_model_len: int,
     ) -> None:
-        doc, buckets = _LATENCIES[suffix]
+        doc, names = _HISTOGRAMS[key]
         self.histograms: list[Any] = []
-        for family, bounds in buckets.items():
+        for name, bounds in names.items():
+            family = _family_of(name)
             shown = {} if family == PREFIX else labels[family]
-            h = PromHistogram(family + suffix, doc, list(shown), registry=registry, buckets=bounds)
+            buckets = bounds or _by_context(max_model_len)
+            h = PromHistogram(name, doc, list(shown), registry=registry, buckets=buckets)
             self.histograms.append(h.labels(*shown.values()) if shown else h)
 
     def observe(self, value: float) -> None:
@@ -424,11 +527,24 @@ class _RequestCounts(Collector):
             yield c
 
 
-class ServerMetrics:
-    """The app's registry: engine gauges/counters plus HTTP request and latency metrics.
-    `page_size` and `role` (SGLang's disaggregation_mode) as `EngineCollector` takes them."""
+# vLLM's finish reasons (FINISH_REASON_STRINGS), dsakv's too: each one's series of
+# request_success_total is there from the first scrape, at 0, as vLLM makes them
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
-    def __init__(self, model_name: str, page_size: int | None = None, role: str = "null") -> None:
+
+class ServerMetrics:
+    """The app's registry: engine gauges/counters plus HTTP request and per-request
+    metrics. `page_size` and `role` (SGLang's disaggregation_mode) as `EngineCollector`
+    takes them; `max_model_len` bounds vLLM's token-count buckets, as its own."""
+
+    def __init__(
+        self,
+        model_name: str,
+        page_size: int | None = None,
+        role: str = "null",
+        *,
+        max_model_len: int,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.engine = EngineCollector(model_name, page_size, role)
         self.registry.register(self.engine)
@@ -444,11 +560,27 @@ class ServerMetrics:
             ["finished_reason"],
             registry=self.registry,
         )
-        labels = self.engine.labels
-        self.ttft = Latency(self.registry, "time_to_first_token_seconds", labels)
-        self.latency = Latency(self.registry, "e2e_request_latency_seconds", labels)
-        self.inter_token = Latency(self.registry, "inter_token_latency_seconds", labels)
+        for reason in FINISH_REASONS:
+            self.success.labels(reason)
+        self.measures = {
+            key: Distribution(self.registry, key, self.engine.labels, max_model_len)
+            for key in _HISTOGRAMS
+        }
         self.registry.register(_RequestCounts(self))
+        self._steps = (0, 0)  # the engine's steps and computed tokens at the last `stepped`
+
+    def observe(self, key: str, value: float) -> None:
+        self.measures[key].observe(value)
+
+    def stepped(self, stats: StepCounts) -> None:
+        """After an engine step, on the thread that stepped it: the tokens it ran (vLLM's
+        iteration_tokens_total), from the engine's counts (rank 0's under DP attention,
+        vLLM's engine 0). A step taken out of sight (counts more than one step on) is left
+        out, as is an idle DP rank's step (it ran no token)."""
+        steps, tokens = stats.steps, stats.computed_tokens
+        if steps == self._steps[0] + 1 and tokens > self._steps[1]:
+            self.observe("step_tokens", tokens - self._steps[1])
+        self._steps = (steps, tokens)
 
     def request(self) -> RequestTimes:
         """A tracker for one engine request (one choice) whose updates a handler reads."""
@@ -466,9 +598,27 @@ class ServerMetrics:
         return read_vllm_metrics(self.registry)
 
 
+class StepCounts(Protocol):
+    """What `ServerMetrics.stepped` reads of the engine (its `EngineStats`)."""
+
+    steps: int
+    computed_tokens: int
+
+
+class Times(Protocol):
+    """A request's stamps as `RequestTimes` reads them (`dsakv.engine.RequestMetrics`)."""
+
+    queued: float | None
+    prefill: float | None
+    decode: float | None
+    inference: float | None
+    retractions: int
+    choices: Any  # its request's other choices (`dsakv.engine.request.Choices`), or None
+
+
 class Progress(Protocol):
     """What `RequestTimes` reads of an update: the server's (`dsakv.server.runner.Update`),
-    or `LoopTimes`'."""
+    or `LoopTimes`'. `times` and `max_tokens` are read once it finished."""
 
     ttft_s: float | None
     latency_s: float | None
@@ -476,14 +626,22 @@ class Progress(Protocol):
     finished: bool
     finish_reason: str | None
     error: Any
+    prompt_tokens: int
+    completion_tokens: int
+    times: Times | None
+    max_tokens: int | None
 
 
 class RequestTimes:
     """One engine request's (one choice's: vLLM counts its n child requests each) metrics,
     fed each update its handler reads. TTFT is taken at the first update that has it, the
     first token's, so a request aborted after it (a client gone mid-stream) still counts,
-    as vLLM records TTFT when the token is produced; e2e latency needs an end, so only a
-    request that finished (and did not fail) has one, as vLLM's."""
+    as vLLM records TTFT when the token is produced; the rest needs an end, so only a
+    request that finished (and did not fail) counts, as vLLM's: its e2e latency, its
+    phases (queued, prefill, decode, inference: `RequestMetrics`), token counts and
+    max_tokens; and a request's n, and the most tokens one of its choices generated, once
+    its choices all finished so (vLLM's, at its last child; one aborted leaves it out, as
+    it leaves its own latency out)."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics, self.timed = metrics, False
@@ -492,13 +650,33 @@ class RequestTimes:
         m = self.metrics
         if u.ttft_s is not None and not self.timed:
             self.timed = True
-            m.ttft.observe(u.ttft_s)
+            m.observe("ttft", u.ttft_s)
         for gap in u.token_gaps_s:
-            m.inter_token.observe(gap)
-        if u.finished:
-            m.success.labels(u.finish_reason or "abort").inc()
-            if u.error is None and u.latency_s is not None:
-                m.latency.observe(u.latency_s)
+            m.observe("inter_token", gap)
+        if not u.finished:
+            return
+        m.success.labels(u.finish_reason or "abort").inc()
+        if u.error is not None or u.latency_s is None:
+            return
+        m.observe("e2e", u.latency_s)
+        m.observe("prompt_tokens", u.prompt_tokens)
+        m.observe("generation_tokens", u.completion_tokens)
+        if u.max_tokens:
+            m.observe("max_tokens", u.max_tokens)
+        t = u.times
+        if t is None:
+            return
+        for key in ("queued", "prefill", "decode", "inference"):
+            took = getattr(t, key)
+            if took is not None:
+                m.observe(key, took)
+        m.observe("retractions", t.retractions)
+        if t.choices is None:
+            m.observe("n", 1)
+            m.observe("most_tokens", u.completion_tokens)
+        elif t.choices.ended(u.completion_tokens):
+            m.observe("n", t.choices.n)
+            m.observe("most_tokens", t.choices.most_tokens)
 
 
 class _Stepped(NamedTuple):
@@ -508,31 +686,51 @@ class _Stepped(NamedTuple):
     finished: bool
     finish_reason: str | None
     error: Any
+    prompt_tokens: int
+    completion_tokens: int
+    times: Times
+    max_tokens: int | None
 
 
 class LoopTimes:
     """`RequestTimes` for requests an engine loop steps itself (`LLM`'s): a request's gap
     since its previous tokens is taken when a step returns it with more, as the server
-    takes it when such a step's update arrives."""
+    takes it when such a step's update arrives; each step's tokens from `stats`, the
+    engine's (`ServerMetrics.stepped`)."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self.metrics = metrics
+    def __init__(self, metrics: ServerMetrics, stats: StepCounts) -> None:
+        self.metrics, self.stats = metrics, stats
         self.open: dict[Any, tuple[RequestTimes, int, float | None]] = {}
 
     def stepped(self, reqs: Iterable[Any]) -> None:
-        """Observe the requests (`Request`s) a step returned."""
+        """Observe the step and the requests (`Request`s) it returned."""
+        self.metrics.stepped(self.stats)
         now = time.perf_counter()
         for r in reqs:
             times, had, last = self.open.get(r.rid) or (self.metrics.request(), 0, None)
             gaps: tuple[float, ...] = ()
-            if len(r.output_ids) > had:
+            n = len(r.output_ids)
+            if n > had:
                 gaps, last = (() if last is None else (now - last,)), now
             m = r.metrics
-            times.observe(_Stepped(m.ttft, m.latency, gaps, r.finished, r.finish_reason, r.error))
+            times.observe(
+                _Stepped(
+                    m.ttft,
+                    m.latency,
+                    gaps,
+                    r.finished,
+                    r.finish_reason,
+                    r.error,
+                    len(r.prompt_ids),
+                    n,
+                    m,
+                    r.params.max_tokens,
+                )
+            )
             if r.finished:
                 self.open.pop(r.rid, None)
             else:
-                self.open[r.rid] = (times, len(r.output_ids), last)
+                self.open[r.rid] = (times, n, last)
 
 
 # vLLM's reader types (vllm/v1/metrics/reader.py): what `LLM.get_metrics` returns

@@ -22,7 +22,7 @@ from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate
 from dsakv.errors import DsakvError
 
 from .engine import Engine
-from .request import Request, Status
+from .request import Request, Status, link_choices
 from .sampling import SamplingParams
 from .weight_update import updated
 
@@ -213,7 +213,7 @@ class DPEngine:
         n = params.n
         if n > self.max_choices:
             raise DsakvError(f"n must be in 1..{self.max_choices}, got {n!r}")
-        return [self.add_request(prompt, params.choice(i)) for i in range(n)]
+        return link_choices([self.add_request(prompt, params.choice(i)) for i in range(n)])
 
     def _pick_rank(self) -> int:
         """The rank with the most free KV pages once its queued prompts are counted."""

@@ -47,7 +47,7 @@ from .l3 import L3Cache, zero_counters
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .profiler import PROFILE_CALLS, ProfilerMixin
-from .request import Capture, Request
+from .request import Capture, Request, link_choices
 from .sampling import (
     THINK_MARKERS,
     Sampler,
@@ -636,7 +636,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             self.requests[fork.rid] = fork
             self.stats.prompt_tokens += len(fork.prompt_ids)
             first.forks.append(fork)
-        return [first, *first.forks]
+        return link_choices([first, *first.forks])
 
     @property
     def max_choices(self) -> int:

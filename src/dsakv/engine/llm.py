@@ -279,7 +279,10 @@ class LLM:
             )
         self.engine = create_engine(config)
         # (the server's registry; model_name the model's path, vLLM's default served name)
-        self._stats = None if disable_log_stats else ServerMetrics(config.model, config.page_size)
+        self._stats = None
+        if not disable_log_stats:
+            max_model_len = self.engine.max_model_len
+            self._stats = ServerMetrics(config.model, config.page_size, max_model_len=max_model_len)
         # Dropped or left open at exit, an LLM still stops its ranks (multiprocessing's exit
         # hook joins them, and they wait for rank 0 forever); registered after that hook,
         # this one runs first.
@@ -538,7 +541,7 @@ class LLM:
         engine loop of `generate`, `score` and each `beam_search` step."""
         groups: list[list[Request]] = []
         reqs: list[Request] = []
-        times = None if self._stats is None else LoopTimes(self._stats)
+        times = None if self._stats is None else LoopTimes(self._stats, self.engine.stats)
         try:
             for p, sp in zip(prompts, plist):
                 groups.append(self.engine.add_requests(p, sp))

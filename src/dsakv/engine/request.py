@@ -24,6 +24,31 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(eq=False)
+class Choices:
+    """The `n` choices of one request, as the metrics count them (vLLM's `ParentRequest`:
+    its n and the most tokens a choice generated, observed once all have ended)."""
+
+    n: int
+    ended_choices: int = 0
+    most_tokens: int = 0
+
+    def ended(self, tokens: int) -> bool:
+        """One choice ended with `tokens` generated; True for the last of them."""
+        self.ended_choices += 1
+        self.most_tokens = max(self.most_tokens, tokens)
+        return self.ended_choices == self.n
+
+
+def link_choices(reqs: list[Request]) -> list[Request]:
+    """`reqs`, one request's choices, sharing one `Choices` (a lone one needs none)."""
+    if len(reqs) > 1:
+        choices = Choices(len(reqs))
+        for r in reqs:
+            r.metrics.choices = choices
+    return reqs
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -39,6 +64,7 @@ class RequestMetrics:
     scheduler_time: float = 0.0
     execute_time: float = 0.0
     forward_time: float = 0.0
+    choices: Choices | None = None  # its request's n choices, where n > 1 (`link_choices`)
 
     def scheduled(self) -> None:
         """Stamp its first admission; a retracted request's later ones keep it."""
@@ -47,15 +73,33 @@ class RequestMetrics:
 
     @property
     def queued(self) -> float | None:
-        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+        return _took(self.arrival_time, self.scheduled_time)
 
     @property
     def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return _took(self.arrival_time, self.first_token_time)
 
     @property
     def latency(self) -> float | None:
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
+        return _took(self.arrival_time, self.finish_time)
+
+    # vLLM's phases of a finished request (its finish stamp is its last token's): queued,
+    # then prefill to the first token, decode to the last; inference is both
+    @property
+    def prefill(self) -> float | None:
+        return _took(self.scheduled_time, self.first_token_time)
+
+    @property
+    def decode(self) -> float | None:
+        return _took(self.first_token_time, self.finish_time)
+
+    @property
+    def inference(self) -> float | None:
+        return _took(self.scheduled_time, self.finish_time)
+
+
+def _took(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 @dataclass

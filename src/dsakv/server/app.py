@@ -133,7 +133,8 @@ def build_app(
         title="dsakv", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan
     )
     role = async_engine.server_info()["disaggregation_mode"]  # (SGLang's engine_type)
-    metrics = ServerMetrics(model_name, async_engine.engine.config.page_size, role)
+    config, max_model_len = async_engine.engine.config, async_engine.engine.max_model_len
+    metrics = ServerMetrics(model_name, config.page_size, role, max_model_len=max_model_len)
     app.state.async_engine, app.state.model_name, app.state.metrics = (
         async_engine,
         model_name,
@@ -255,11 +256,15 @@ def build_app(
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """What the app holds of its own, released when its server stops (the engine is the
-    server's to close: `run_server`): the batches still running, then the handlers'
-    grammar compile threads (which a batch's requests would compile on)."""
+    server's to close: `run_server`): its metrics' place among the engine's step observers
+    (several apps may serve one engine in turn), the batches still running, then the
+    handlers' grammar compile threads (which a batch's requests would compile on)."""
+    observers, stepped = app.state.async_engine.step_observers, app.state.metrics.stepped
+    observers.append(stepped)  # (called on the engine thread)
     try:
         yield
     finally:
+        observers.remove(stepped)
         await app.state.batches.stop()
         await app.state.handlers.close()
 

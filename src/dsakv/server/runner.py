@@ -133,8 +133,10 @@ class Update:
     routed_experts: np.ndarray | None = None
     hidden_states: np.ndarray | None = None
     # In a request's last update only: its times as the engine took them (final once it
-    # ended; its span's: `dsakv.server.tracing`), where the engine ran it
+    # ended; its span's: `dsakv.server.tracing`, its metrics': `dsakv.metrics`), where the
+    # engine ran it, and its max_tokens (as the context cut it: vLLM's max_tokens_param)
     times: RequestMetrics | None = None
+    max_tokens: int | None = None
 
 
 @dataclass(eq=False)
@@ -158,6 +160,9 @@ class RequestStream:
     request: Request | None = None
     texts: TokenTexts | None = None  # with logprobs, where the engine kept none (`_update`)
     abort_asked: bool = False  # `abort(asked=True)`: its last update says so
+    # False for a `finished_stream`'s: no request of the engine's, so none of the metrics'
+    # (vLLM's count a beam search's step requests, not the sequences it answers with)
+    metered: bool = True
 
     def __post_init__(self) -> None:
         self.accepted = self.loop.create_future()
@@ -209,6 +214,10 @@ class AsyncEngine:
         self._owns_thread = thread is None
         self._watchdog = StepWatchdog(_watchdog_timeout(engine.config))
         self._stream_interval = engine.config.stream_interval
+        # Called on the engine thread with the engine's `EngineStats` after each step: each
+        # app's metrics (`ServerMetrics.stepped`, its per-step histogram) while it serves
+        # (`dsakv.server.app`'s lifespan)
+        self.step_observers: list[Callable[[Any], None]] = []
         self._owner.submit(self._run)
         if self._owns_thread:
             self._owner.close()
@@ -493,6 +502,8 @@ class AsyncEngine:
             log.exception("engine step failed; aborting %d requests", len(self._streams))
             self._fail_all(f"engine error: {e}")
             return True
+        for observe in tuple(self.step_observers):  # (an app's lifespan may end meanwhile)
+            observe(self.engine.stats)
         for req in reqs:
             stream = self._streams.get(req.rid)
             if stream is None:
@@ -557,7 +568,8 @@ def finished_stream(engine: Engine, req: Request) -> RequestStream:
     """The stream of a request that is over and ran as no request of the engine's (a beam
     search's sequence, whose steps were requests of their own): its whole output in one
     update, read back as any request's."""
-    stream = RequestStream(asyncio.get_running_loop(), prompt_tokens=len(req.prompt_ids))
+    loop = asyncio.get_running_loop()
+    stream = RequestStream(loop, prompt_tokens=len(req.prompt_ids), metered=False)
     stream._push(_update(engine, stream, req))
     return stream
 
@@ -586,6 +598,7 @@ def _ended(
         error=error,
         abort_asked=(status or Status.RUNNING).value if asked else None,
         times=req.metrics if req is not None else None,
+        max_tokens=req.params.max_tokens if req is not None else None,
     )
 
 
@@ -651,6 +664,7 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         routed_experts=req.routed_experts,  # (None until it ends)
         hidden_states=req.hidden_states,
         times=m if req.finished else None,
+        max_tokens=req.params.max_tokens if req.finished else None,
     )
 
 

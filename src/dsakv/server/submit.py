@@ -556,13 +556,15 @@ class SubmitMixin:
 
     async def _updates(self, stream: RequestStream) -> AsyncIterator[Update]:
         """A request's updates up to and including the finishing one; errors raise."""
+        metered = stream.metered  # (a beam search's sequence is none of the metrics')
         finished, times = False, self.metrics.request()
         seen = self.in_flight.tap(stream)
         span = self.tracer.span(stream) if self.tracer is not None else None
         try:
             while True:
                 u = await stream.get()
-                times.observe(u)
+                if metered:
+                    times.observe(u)
                 if seen is not None:
                     seen.add(u)
                 if span is not None:
@@ -574,7 +576,7 @@ class SubmitMixin:
                 if u.finished:
                     return
         finally:
-            if not finished:  # the client left, or another choice failed: it is aborted
+            if not finished and metered:  # the client left, or another choice failed: aborted
                 self.metrics.success.labels("abort").inc()
             if span is not None:
                 span.end()

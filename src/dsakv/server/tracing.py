@@ -248,14 +248,13 @@ class RequestSpan:
 def _latencies(m: Any, detailed: frozenset[str]) -> dict[str, float]:
     """vLLM's latency attributes `m`'s stamps give (`RequestMetrics`; those it lacks left
     out), and with `detailed` the step times the engine summed for it."""
-    took = {"e2e": m.latency, "queue": m.queued}
-    stamps = {
-        "prefill": (m.scheduled_time, m.first_token_time),
-        "decode": (m.first_token_time, m.finish_time),
-        "inference": (m.scheduled_time, m.finish_time),
+    took = {
+        "e2e": m.latency,
+        "queue": m.queued,
+        "prefill": m.prefill,
+        "decode": m.decode,
+        "inference": m.inference,
     }
-    for name, (start, end) in stamps.items():
-        took[name] = None if start is None or end is None else end - start
     got = {ATTR[name]: t for name, t in took.items() if t is not None}
     if detailed:
         got[ATTR["scheduler"]] = m.scheduler_time
