@@ -1,8 +1,7 @@
 """vLLM's and SGLang's per-request histograms (phases, token counts, parameters) and vLLM's
 tokens per engine step, alike on a server's /metrics and through `LLM.get_metrics()`, and
 vLLM's request_success series there at 0 from the first scrape; a beam search counted as its
-step requests, an aborted request in none of a finished one's histograms, and an app's step
-histogram fed only while it serves."""
+step requests, and an aborted request in none of a finished one's histograms."""
 
 from __future__ import annotations
 
@@ -221,31 +220,6 @@ def test_beam_search_counts_its_step_requests_only(served):
     ):
         assert grew(name + "_count", **VLLM) == ended, name
     assert grew("vllm:request_params_n_sum", **VLLM) == ended  # (each step's request: n 1)
-
-
-def test_an_app_stops_observing_steps_when_it_stops_serving(served):
-    """Several apps may serve one engine in turn (the tests' do): each observes the engine's
-    steps (vllm:iteration_tokens_total) while it serves, and no longer once its lifespan
-    ended; another's requests then leave its registry as it was."""
-    from fastapi.testclient import TestClient
-
-    from dsakv.server import build_app
-
-    base, async_engine, _ = served
-    app = build_app(async_engine, MODEL)
-    registry = app.state.metrics.registry
-
-    def steps_seen() -> float:
-        return registry.get_sample_value("vllm:iteration_tokens_total_count", VLLM) or 0
-
-    body = {"prompt": [5] * 10, "max_tokens": 3, "ignore_eos": True}
-    with TestClient(app) as client:
-        assert client.post("/v1/completions", json=body).status_code == 200
-    seen = steps_seen()
-    assert seen >= 2  # (its steps but the first, which it has no count before to tell from)
-    r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
-    assert r.status_code == 200, r.text
-    assert steps_seen() == seen
 
 
 def test_an_aborted_request_is_in_none_of_the_finished_histograms(served):

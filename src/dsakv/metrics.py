@@ -14,8 +14,9 @@ Inference Extension's endpoint picker, routers, autoscaling rules, dashboards) r
 server as they read theirs. Engine values and request counts are kept once and read under
 each name at scrape time; a per-request measure (`_HISTOGRAMS`: latencies, vLLM's phases,
 token counts and parameters) is observed into each name's own histogram (its server's
-buckets) as a request ends, and the tokens of each engine step (vLLM's
-iteration_tokens_total) where the engine is stepped (`ServerMetrics.stepped`). The server
+buckets) as a request ends; the tokens of each engine step (vLLM's iteration_tokens_total)
+are counted by the engine into fixed buckets (`STEP_TOKEN_BOUNDS`) and read as the rest of its
+counters. The server
 (`RequestTimes`, fed its handlers' updates) and `LLM` (`LoopTimes`, fed its loop's steps)
 observe them alike; `LLM.get_metrics` reads the vLLM ones as vLLM's does (`vllm_metrics`).
 """
@@ -25,14 +26,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Histogram as PromHistogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.core import Metric as PromMetric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 PREFIX = "dsakv_"
 
@@ -204,6 +207,12 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
 
 VLLM, SGLANG = "vllm:", "sglang:"
 
+# vLLM's iteration_tokens_total buckets. The engine counts each step's tokens into them
+# (`EngineStats.ran`) and reports the counts among its counters, one key a bucket (`+Inf`
+# last, not cumulative): read at scrape time, summed over DP ranks as every count is.
+STEP_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_TOKEN_KEYS = (*(f"step_tokens_le_{b}" for b in STEP_TOKEN_BOUNDS), "step_tokens_le_inf")
+
 # Values computed from a snapshot (`_derived`): key -> (dsakv name or None, kind, help)
 _DERIVED: dict[str, tuple[str | None, str, str]] = {
     "prefix_cache_hit_rate": (
@@ -313,6 +322,8 @@ class EngineCollector(Collector):
         if not snap:
             return
         values = {**snap, **_derived(snap, self.page_size)}
+        steps = [values.pop(k, 0) for k in STEP_TOKEN_KEYS]
+        yield self._step_tokens(steps, snap.get("computed_tokens", 0))
         for key, value in sorted(values.items()):
             name, kind, doc = _ENGINE_METRICS.get(key) or _DERIVED.get(key) or (key, "gauge", "")
             names = ([PREFIX + name] if name else []) + list(_TWINS.get(key, ()))
@@ -327,6 +338,17 @@ class EngineCollector(Collector):
             info = {"engine": "0", "block_size": size, "num_gpu_blocks": pages}
             yield _info(VLLM + "cache_config_info", info)
             yield _info(SGLANG + "cache_config_info", {"page_size": size, "num_pages": pages})
+
+    def _step_tokens(self, counts: Sequence[float], total: float) -> HistogramMetricFamily:
+        """vLLM's iteration_tokens_total from the engine's bucket counts; its sum is every
+        token the engine ran (a step that ran none is left out, adding nothing)."""
+        labels = self.labels[VLLM]
+        h = HistogramMetricFamily(
+            VLLM + "iteration_tokens_total", "Tokens one engine step ran", labels=list(labels)
+        )
+        les = [floatToGoString(b) for b in STEP_TOKEN_BOUNDS] + ["+Inf"]
+        h.add_metric(list(labels.values()), list(zip(les, accumulate(counts))), total)
+        return h
 
 
 def _info(name: str, labels: Mapping[str, str]) -> GaugeMetricFamily:
@@ -444,13 +466,6 @@ _HISTOGRAMS: dict[str, tuple[str, dict[str, tuple[float, ...]]]] = {
         "Times a finished request was retracted for lack of KV pages",
         {SGLANG + "num_retractions": (*range(11), 15, 20, 25, 30, 40, 50, 75, 100)},
     ),
-    "step_tokens": (
-        "Tokens one engine step ran through the model",
-        {
-            VLLM + "iteration_tokens_total": (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-            + (8192, 16384)
-        },
-    ),
 }
 
 
@@ -567,20 +582,9 @@ class ServerMetrics:
             for key in _HISTOGRAMS
         }
         self.registry.register(_RequestCounts(self))
-        self._steps = (0, 0)  # the engine's steps and computed tokens at the last `stepped`
 
     def observe(self, key: str, value: float) -> None:
         self.measures[key].observe(value)
-
-    def stepped(self, stats: StepCounts) -> None:
-        """After an engine step, on the thread that stepped it: the tokens it ran (vLLM's
-        iteration_tokens_total), from the engine's counts (rank 0's under DP attention,
-        vLLM's engine 0). A step taken out of sight (counts more than one step on) is left
-        out, as is an idle DP rank's step (it ran no token)."""
-        steps, tokens = stats.steps, stats.computed_tokens
-        if steps == self._steps[0] + 1 and tokens > self._steps[1]:
-            self.observe("step_tokens", tokens - self._steps[1])
-        self._steps = (steps, tokens)
 
     def request(self) -> RequestTimes:
         """A tracker for one engine request (one choice) whose updates a handler reads."""
@@ -596,13 +600,6 @@ class ServerMetrics:
         (`LLM.get_metrics`)."""
         self.engine.update(snapshot)
         return read_vllm_metrics(self.registry)
-
-
-class StepCounts(Protocol):
-    """What `ServerMetrics.stepped` reads of the engine (its `EngineStats`)."""
-
-    steps: int
-    computed_tokens: int
 
 
 class Times(Protocol):
@@ -695,16 +692,14 @@ class _Stepped(NamedTuple):
 class LoopTimes:
     """`RequestTimes` for requests an engine loop steps itself (`LLM`'s): a request's gap
     since its previous tokens is taken when a step returns it with more, as the server
-    takes it when such a step's update arrives; each step's tokens from `stats`, the
-    engine's (`ServerMetrics.stepped`)."""
+    takes it when such a step's update arrives."""
 
-    def __init__(self, metrics: ServerMetrics, stats: StepCounts) -> None:
-        self.metrics, self.stats = metrics, stats
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
         self.open: dict[Any, tuple[RequestTimes, int, float | None]] = {}
 
     def stepped(self, reqs: Iterable[Any]) -> None:
-        """Observe the step and the requests (`Request`s) it returned."""
-        self.metrics.stepped(self.stats)
+        """Observe the requests (`Request`s) a step returned."""
         now = time.perf_counter()
         for r in reqs:
             times, had, last = self.open.get(r.rid) or (self.metrics.request(), 0, None)

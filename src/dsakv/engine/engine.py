@@ -13,8 +13,9 @@ import functools
 import logging
 import reprlib
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
 from dsakv.memory.release import Stash
 from dsakv.memory.storage import storage_namespace
+from dsakv.metrics import STEP_TOKEN_BOUNDS, STEP_TOKEN_KEYS
 
 from .config import DRAFT_STEPS, MAX_GRAPH_BATCH, EngineConfig, has_tokenizer, resolve_device
 from .cuda_graph import DecodeGraphs
@@ -147,6 +149,14 @@ class EngineStats:
     accepted_tokens: int = 0  # ... and kept
     verify_steps: int = 0  # request-steps that verified drafts
     decode_steps: int = 0  # request-steps past the prompt (each one target pass for it)
+    # steps by the tokens they ran, one count a bucket of `STEP_TOKEN_BOUNDS` (+Inf last)
+    step_tokens: list[int] = field(default_factory=lambda: [0] * len(STEP_TOKEN_KEYS))
+
+    def ran(self, tokens: int) -> None:
+        """A step ran `tokens` through the model."""
+        self.computed_tokens += tokens
+        if tokens:  # (an idle DP rank's step)
+            self.step_tokens[bisect_left(STEP_TOKEN_BOUNDS, tokens)] += 1
 
 
 class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMixin):
@@ -1001,7 +1011,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 self.scheduler.cache_prefix(req)
             if req.forks and not req.in_prefill:
                 self._release_forks(req)
-        self.stats.computed_tokens += hidden.shape[0]
+        self.stats.ran(hidden.shape[0])
         out: list[Request] = failed
         if logits is not None:
             reqs = [batch[i][0] for i in sampled]
@@ -1477,6 +1487,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             "spec_accepted_tokens": s.accepted_tokens,
             "spec_verify_steps": s.verify_steps,
             "decode_steps": s.decode_steps,
+            **dict(zip(STEP_TOKEN_KEYS, s.step_tokens)),
             "bytes_per_token": self.layout.bytes_per_token,
             "index_k_bytes_per_token_saved": dense - self.layout.bytes_per_token,
             **(self.l3.counters() if self.l3 is not None else zero_counters()),

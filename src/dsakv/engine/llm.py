@@ -541,7 +541,7 @@ class LLM:
         engine loop of `generate`, `score` and each `beam_search` step."""
         groups: list[list[Request]] = []
         reqs: list[Request] = []
-        times = None if self._stats is None else LoopTimes(self._stats, self.engine.stats)
+        times = None if self._stats is None else LoopTimes(self._stats)
         try:
             for p, sp in zip(prompts, plist):
                 groups.append(self.engine.add_requests(p, sp))

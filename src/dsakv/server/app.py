@@ -256,15 +256,11 @@ def build_app(
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """What the app holds of its own, released when its server stops (the engine is the
-    server's to close: `run_server`): its metrics' place among the engine's step observers
-    (several apps may serve one engine in turn), the batches still running, then the
-    handlers' grammar compile threads (which a batch's requests would compile on)."""
-    observers, stepped = app.state.async_engine.step_observers, app.state.metrics.stepped
-    observers.append(stepped)  # (called on the engine thread)
+    server's to close: `run_server`): the batches still running, then the handlers'
+    grammar compile threads (which a batch's requests would compile on)."""
     try:
         yield
     finally:
-        observers.remove(stepped)
         await app.state.batches.stop()
         await app.state.handlers.close()
 

@@ -214,10 +214,6 @@ class AsyncEngine:
         self._owns_thread = thread is None
         self._watchdog = StepWatchdog(_watchdog_timeout(engine.config))
         self._stream_interval = engine.config.stream_interval
-        # Called on the engine thread with the engine's `EngineStats` after each step: each
-        # app's metrics (`ServerMetrics.stepped`, its per-step histogram) while it serves
-        # (`dsakv.server.app`'s lifespan)
-        self.step_observers: list[Callable[[Any], None]] = []
         self._owner.submit(self._run)
         if self._owns_thread:
             self._owner.close()
@@ -502,8 +498,6 @@ class AsyncEngine:
             log.exception("engine step failed; aborting %d requests", len(self._streams))
             self._fail_all(f"engine error: {e}")
             return True
-        for observe in tuple(self.step_observers):  # (an app's lifespan may end meanwhile)
-            observe(self.engine.stats)
         for req in reqs:
             stream = self._streams.get(req.rid)
             if stream is None:
