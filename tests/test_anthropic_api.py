@@ -9,8 +9,10 @@ prompt's tokens are counted as chat renders it; bad requests are Anthropic's err
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
+import logging
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -31,6 +33,7 @@ from dsakv.errors import PromptTooLong
 from dsakv.models.tiny import write_tiny_model
 from dsakv.procs import free_port
 from dsakv.server.anthropic import _in_our_words
+from dsakv.server.request_log import RequestLogConfig
 from dsakv.server.runner import AsyncEngine
 from dsakv.server.submit import refusal
 
@@ -56,10 +59,12 @@ CLAUDE_TOOLS = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> tuple[str, AsyncEngine]:
-    """A server on the GLM tiny model, under --api-key: its base URL and engine."""
+    """A server on the GLM tiny model, under --api-key, logging each prompt as rendered
+    (`_rendered`): its base URL and engine."""
     path = write_tiny_model(tmp_path_factory.mktemp("glm") / "glm", "glm-tiny", seed=0)
     config = EngineConfig(model=str(path), **{**ENGINE_ARGS, "num_pages": 256})
-    with serving(config, api_key=KEY) as server:
+    shown = RequestLogConfig(on=True, prompts=True)
+    with serving(config, api_key=KEY, request_log=shown) as server:
         yield server
 
 
@@ -120,7 +125,7 @@ def _same(m, c) -> None:
     want = []
     reasoning = getattr(choice.message, "reasoning_content", None)
     if reasoning:
-        want.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        want.append({"type": "thinking", "thinking": reasoning})
     if choice.message.content:
         want.append({"type": "text", "text": choice.message.content})
     for call in choice.message.tool_calls or []:
@@ -133,9 +138,11 @@ def _same(m, c) -> None:
             }
         )
     got = _blocks(m)
-    for block in got:  # (ids are each answer's own)
+    for block in got:  # (ids are each answer's own; a signature is opaque)
         if block["type"] == "tool_use":
             assert block.pop("id").startswith("toolu_")
+        if block["type"] == "thinking":
+            assert block.pop("signature")
     for block in want:
         block.pop("id", None)
     assert got == want
@@ -302,6 +309,42 @@ def test_a_forced_tool_choice_is_a_tool_use_block_with_valid_input(claude, gpt, 
     )
 
 
+def test_a_deferred_tool_that_tool_choice_forces_is_loaded(claude, model):
+    """tool_choice naming a deferred tool (tool search's, no tool_reference loaded it yet)
+    loads it, as the model must write a call to it: the message and the count are those of
+    the same tools undeferred (it was a 400 saying the tool was not in `tools`)."""
+    deferred = [CLAUDE_TOOLS[0], {**CLAUDE_TOOLS[1], "defer_loading": True}]
+    kw = dict(tool_choice={"type": "tool", "name": "set_flags"}, thinking=QUIET)
+    counted = [
+        claude.messages.count_tokens(model=model, messages=USER, tools=tools, **kw).input_tokens
+        for tools in (deferred, CLAUDE_TOOLS)
+    ]
+    assert counted[0] == counted[1]
+    got, want = (
+        _blocks(_message(claude, model, tools=tools, max_tokens=200, **kw))
+        for tools in (deferred, CLAUDE_TOOLS)
+    )
+    for block in got + want:  # (ids are each answer's own)
+        assert block.pop("id").startswith("toolu_")
+    assert got == want and got[0]["name"] == "set_flags"
+
+
+def test_a_deferred_tool_an_earlier_turn_called_stays_loaded(claude, model):
+    """A deferred tool an earlier turn called stays in the prompt though no tool_reference
+    names it any more (a client trimming old tool results drops the one that loaded it):
+    the count is that of the same tools undeferred."""
+    deferred = [CLAUDE_TOOLS[0], {**CLAUDE_TOOLS[1], "defer_loading": True}]
+    call = {"type": "tool_use", "id": "toolu_1", "name": "set_flags", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}
+    messages = [*USER, {"role": "assistant", "content": [call]}]
+    messages.append({"role": "user", "content": [result]})
+    counted = [
+        claude.messages.count_tokens(model=model, messages=messages, tools=tools).input_tokens
+        for tools in (deferred, CLAUDE_TOOLS)
+    ]
+    assert counted[0] == counted[1]
+
+
 def test_output_config_format_constrains_the_text_to_its_schema(claude, model):
     schema = SCHEMAS["set_flags"]
     config = {"format": {"type": "json_schema", "schema": schema}, "effort": "high"}
@@ -418,10 +461,11 @@ def test_an_image_in_a_tool_result_is_a_note_not_an_error(claude, model):
 
 def _in_order(events) -> None:
     """Anthropic's event grammar: message_start, then blocks (each started, given deltas of
-    its own kind, stopped; indices 0, 1, ...), message_delta, message_stop; pings anywhere."""
+    its own kind, a thinking block's last its signature, stopped; indices 0, 1, ...),
+    message_delta, message_stop; pings anywhere."""
     kinds = [e.type for e in events if e.type != "ping"]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
-    open_block, next_index = None, 0
+    open_block, next_index, last = None, 0, None
     deltas = {"text": "text_delta", "thinking": "thinking_delta", "tool_use": "input_json_delta"}
     for e in events[1:-2]:
         if e.type == "content_block_start":
@@ -429,10 +473,16 @@ def _in_order(events) -> None:
             open_block, next_index = e.content_block.type, next_index + 1
         elif e.type == "content_block_delta":
             assert open_block is not None and e.index == next_index - 1
-            assert e.delta.type == deltas[open_block]
+            assert last != "signature_delta"
+            last = e.delta.type
+            assert last == deltas[open_block] or (open_block, last) == (
+                "thinking",
+                "signature_delta",
+            )
         elif e.type == "content_block_stop":
             assert open_block is not None and e.index == next_index - 1
-            open_block = None
+            assert (open_block == "thinking") == (last == "signature_delta")
+            open_block, last = None, None
         else:
             assert e.type == "ping", e.type
     assert open_block is None
@@ -494,6 +544,134 @@ def test_a_tool_call_cut_by_max_tokens_has_the_same_input_streamed_or_not(claude
     (block,) = m.content
     assert block.input == streamed.content[0].input != {}
     assert block.input.items() <= whole.content[0].input.items()
+
+
+# --- a Claude Code conversation ---------------------------------------------------------------
+
+CACHED = {"type": "ephemeral"}
+# What Claude Code sends on every turn (the SDK's `betas`: the anthropic-beta header, and
+# /v1/messages?beta=true): its billing header, identity and prompt as cached system blocks,
+# its tools (the last marked for caching, one deferred for tool search), its user id,
+# context management, and thinking on
+CLAUDE_CODE = dict(
+    betas=[
+        "claude-code-20250219",
+        "interleaved-thinking-2025-05-14",
+        "context-management-2025-06-27",
+    ],
+    system=[
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.37; cch=fa690;"},
+        {"type": "text", "text": "You are Claude Code.", "cache_control": CACHED},
+        {"type": "text", "text": "Use the tools.", "cache_control": CACHED},
+    ],
+    tools=[
+        {**CLAUDE_TOOLS[0], "input_schema": {**SCHEMAS["get_weather"], "$schema": "draft-07"}},
+        {**CLAUDE_TOOLS[1], "defer_loading": True, "cache_control": CACHED},
+    ],
+    metadata={"user_id": "user_1_account__session_2"},
+    context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    thinking={"type": "enabled", "budget_tokens": 5},
+)
+REMINDER = "<system-reminder>today is Monday</system-reminder>"
+
+
+def _rendered(caplog, mid: str) -> str:
+    """The prompt message `mid` ran, as the server rendered it (its request log's line)."""
+    (line,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "dsakv.requests" and r.getMessage().startswith(f"Received request {mid}:")
+    ]
+    return ast.literal_eval(line.split(", prompt=", 1)[1])
+
+
+def _claude_code_turn(claude, model, stream: bool, messages: list, **kw):
+    """One turn as Claude Code asks for it (greedy): the message, and streamed, its
+    events in Anthropic's order, their usage the message's, its thinking signed."""
+    kw = dict(model=model, messages=messages, **CLAUDE_CODE, **kw)
+    counted = claude.beta.messages.count_tokens(
+        **{k: v for k, v in kw.items() if k not in ("max_tokens", "metadata")}
+    ).input_tokens
+    greedy = {"extra_body": {"temperature": 0}}
+    if not stream:
+        m = claude.beta.messages.create(**kw, **greedy)
+    else:
+        with claude.beta.messages.stream(**kw, **greedy) as s:
+            raw = {"message_start", "ping", "message_delta", "message_stop"}
+            raw |= {"content_block_start", "content_block_delta", "content_block_stop"}
+            events = [e for e in s if e.type in raw]
+            m = s.get_final_message()
+        _in_order(events)
+        start, delta = events[0].message.usage, events[-2].usage
+        # message_start's usage is the prompt's as the message's is (the prefix cache's
+        # share known), message_delta's the totals
+        assert (start.input_tokens, start.cache_read_input_tokens) == (
+            m.usage.input_tokens,
+            m.usage.cache_read_input_tokens,
+        )
+        assert (delta.output_tokens, delta.input_tokens) == (
+            m.usage.output_tokens,
+            m.usage.input_tokens,
+        )
+        signed = [
+            getattr(e.delta, "signature", None) for e in events if e.type == "content_block_delta"
+        ]
+        signed = [x for x in signed if x is not None]
+        assert signed == [b.signature for b in m.content if b.type == "thinking"]
+    assert m.id.startswith("msg_") and (m.type, m.role, m.model) == ("message", "assistant", model)
+    assert _prompt_tokens(m) == counted and m.usage.cache_creation_input_tokens == 0
+    for block in m.content:
+        if block.type == "thinking":
+            assert block.signature and isinstance(block.signature, str)
+    return m
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_claude_code_conversation_round_trips(claude, model, caplog, stream):
+    """A Claude Code session's turns, as it sends them: a call made while thinking, its
+    blocks sent back whole (the thinking's signature too) with the tool's result (a
+    tool_reference among it, which loads the deferred tool), each turn's prompt holding
+    what was sent (an empty text block adding nothing), its usage adding up to the
+    count_tokens of the same request."""
+    caplog.set_level(logging.INFO, logger="dsakv.requests")
+    question = {"type": "text", "text": "What is the weather in Paris?", "cache_control": CACHED}
+    user = {
+        "role": "user",
+        "content": [{"type": "text", "text": REMINDER}, {"type": "text", "text": ""}, question],
+    }
+    forced = {"type": "tool", "name": "get_weather"}  # (the random model calls nothing else)
+    first = _claude_code_turn(claude, model, stream, [user], tool_choice=forced, max_tokens=300)
+    thought, call = first.content
+    assert (thought.type, call.type, first.stop_reason) == ("thinking", "tool_use", "tool_use")
+    jsonschema.validate(call.input, SCHEMAS["get_weather"])
+    prompt = _rendered(caplog, first.id)
+    assert "You are Claude Code.\nUse the tools." in prompt and "billing" not in prompt
+    assert f"<|user|>{REMINDER}\nWhat is the weather in Paris?<|assistant|><think>" in prompt
+    assert '"get_weather"' in prompt and "set_flags" not in prompt  # (deferred: not loaded)
+
+    result = [
+        {"type": "text", "text": "Sunny, 21 C", "cache_control": CACHED},
+        {"type": "tool_reference", "tool_name": "set_flags"},
+    ]
+    turns = [
+        user,
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}],
+        },
+    ]
+    second = _claude_code_turn(claude, model, stream, turns, max_tokens=8)
+    assert second.stop_reason == "max_tokens" and second.usage.cache_read_input_tokens > 0
+    prompt = _rendered(caplog, second.id)
+    assert '"set_flags"' in prompt  # (loaded by the tool_reference)
+    args = "".join(
+        f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in call.input.items()
+    )
+    said = f"<think>{thought.thinking.strip()}</think><tool_call>get_weather{args}</tool_call>"
+    assert said in prompt  # (the thinking sent back, after the last user turn: kept)
+    tool_turn = "<|observation|><tool_response>Sunny, 21 C\n[tool reference: set_flags]"
+    assert f"{tool_turn}</tool_response><|assistant|><think>" in prompt
 
 
 # --- counting, errors, the key ----------------------------------------------------------------

@@ -10,7 +10,9 @@ are in Anthropic's shape (`protocol.error_for`)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
+import hashlib
 import json
 import re
 from collections.abc import AsyncIterator
@@ -70,6 +72,8 @@ class AnthropicTool(StrictModel):
     description: str | None = None
     input_schema: dict[str, Any] | None = None  # (required: `_tool`; server tools have none)
     type: str | None = None  # "custom"; Anthropic's server tools (web search, ...) are refused
+    # Tool search's: left out of the prompt until a `tool_reference` loads it (`_loaded`)
+    defer_loading: bool | None = None
 
 
 class AnthropicToolChoice(StrictModel):
@@ -163,24 +167,26 @@ async def _create(api: Handlers, body: MessagesRequest, raw: Request) -> Respons
     parser, blocks = run.prep.output_parser(), _Blocks()
     blocks.feed(parser.feed(r.text, final=True, cut=r.finish_reason in CUT_SHORT))
     blocks.finish()
-    message = _message(api, mid, blocks.blocks, r.prompt_tokens)
+    usage = _usage(r.prompt_tokens, r.cached_tokens, r.completion_tokens)
+    message = _message(api, mid, blocks.blocks, usage)
     message.update(_stop(r.finish_reason, r.stop_reason, blocks.calls))
-    message["usage"] = _usage(r.prompt_tokens, r.cached_tokens, r.completion_tokens)
     return JSONResponse(message, headers=headers)
 
 
 async def _events(api: Handlers, run: ChatRun, mid: str) -> AsyncIterator[str]:
     """The message as Anthropic's stream events: `message_start` (no content yet; its usage
-    the prompt's tokens, the prefix cache's share unknown yet), `ping`, each content block's
+    the prompt's, as Anthropic's, so sent once the prompt is in: the engine's first update,
+    which says what the prefix cache held), `ping`, each content block's
     `content_block_start`, deltas and `content_block_stop`, then `message_delta` (the
     stop reason, and the usage in full: the SDK takes its counts over message_start's) and
     `message_stop`; a failure ends it with an `error` event, and so does an abort."""
-    prompt = run.streams[0].prompt_tokens
-    yield _sse("message_start", message=_message(api, mid, [], prompt))
-    yield _sse("ping")
     parser, blocks, totals = run.prep.output_parser(), _Blocks(), Result()
     try:
         async for _, u in api.merged_updates(run.streams):
+            if totals.first is None:
+                usage = _usage(u.prompt_tokens, u.cached_tokens, 0)
+                yield _sse("message_start", message=_message(api, mid, [], usage))
+                yield _sse("ping")
             totals.add(u)
             d = parser.feed(u.text, final=u.finished, cut=finish_reason(u) in CUT_SHORT)
             for kind, fields in blocks.feed(d):
@@ -214,7 +220,7 @@ def _sse(kind: str, **fields: Any) -> str:
     return sse_event({"type": kind, **fields}, kind)
 
 
-def _message(api: Handlers, mid: str, content: list, prompt_tokens: int) -> dict[str, Any]:
+def _message(api: Handlers, mid: str, content: list, usage: dict[str, int]) -> dict[str, Any]:
     return {
         "id": mid,
         "type": "message",
@@ -223,7 +229,7 @@ def _message(api: Handlers, mid: str, content: list, prompt_tokens: int) -> dict
         "content": content,
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": _usage(prompt_tokens, 0, 0),
+        "usage": usage,
     }
 
 
@@ -290,14 +296,23 @@ class _Blocks:
         return self._open
 
     def _stop(self) -> list[tuple[str, dict[str, Any]]]:
+        """The open block's end: a thinking block is signed first (Anthropic's
+        `signature_delta`, the last before its stop)."""
         at, self._open = self._open, None
-        return [] if at is None else [("content_block_stop", {"index": at})]
+        if at is None:
+            return []
+        out: list[tuple[str, dict[str, Any]]] = []
+        block = self.blocks[at]
+        if block["type"] == "thinking":
+            block["signature"] = _signature(block["thinking"])
+            delta = {"type": "signature_delta", "signature": block["signature"]}
+            out.append(("content_block_delta", {"index": at, "delta": delta}))
+        return [*out, ("content_block_stop", {"index": at})]
 
     def _text(self, kind: str, text: str, out: list) -> None:
         at = self._open
         if at is None or self.blocks[at]["type"] != kind:
-            # (a thinking block's signature: none to give, nor checked when sent back)
-            extra = {"signature": ""} if kind == "thinking" else {}
+            extra = {"signature": ""} if kind == "thinking" else {}  # (signed when it stops)
             at = self._start({"type": kind, kind: "", **extra}, out)
         self.blocks[at][kind] += text
         out.append(
@@ -320,6 +335,15 @@ class _Blocks:
             self._args[at] += fragment
             delta = {"type": "input_json_delta", "partial_json": fragment}
             out.append(("content_block_delta", {"index": at, "delta": delta}))
+
+
+def _signature(thinking: str) -> str:
+    """A thinking block's signature, which its clients keep and send back with the block
+    (Anthropic's proves the text its model's, and it refuses a block sent back without
+    one): opaque, and the same for the same text, so a turn streamed is the turn
+    unstreamed. A block sent back is taken whatever it carries (this one, Anthropic's,
+    none): nothing here rests on the text being ours."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
 
 
 def _input(args: str) -> dict[str, Any]:
@@ -368,7 +392,9 @@ def chat_request(body: CountTokensRequest, reasoning: bool) -> ChatCompletionReq
     if body.output_config is not None and body.output_config.effort is not None:
         kwargs.setdefault("reasoning_effort", body.output_config.effort)
     choice, config = body.tool_choice, body.output_config
-    tools = [_tool(t, k) for k, t in enumerate(body.tools or [])]
+    given, loaded = body.tools or [], _loaded(body)
+    tools = [_tool(t, k) for k, t in enumerate(given)]
+    tools = [c for c, t in zip(tools, given) if not t.defer_loading or t.name in loaded]
     chat: dict[str, Any] = {
         "model": body.model,
         "messages": messages,
@@ -460,8 +486,9 @@ def _assistant_turn(content: str | list[dict[str, Any]], at: str) -> dict[str, A
 
 
 def _texts(content: Any, at: str, first: int = 0) -> list[dict[str, str]]:
-    """Text blocks (a string: one) as chat's text parts, which the template joins; any
-    other block is a 400 (an image: this server's models read text only)."""
+    """Text blocks (a string: one) as chat's text parts, which the template joins by
+    newlines: an empty one left out, as vLLM leaves it (a newline more is not what was
+    sent); any other block is a 400 (an image: this server's models read text only)."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
@@ -480,18 +507,50 @@ def _texts(content: Any, at: str, first: int = 0) -> list[dict[str, str]]:
             raise APIError(
                 400, f"{where}: content block type {kind!r} is not supported", param="messages"
             )
-        parts.append({"type": "text", "text": _string(block, "text", where)})
+        text = _string(block, "text", where)
+        if text:
+            parts.append({"type": "text", "text": text})
     return parts
 
 
 def _result_texts(content: Any, at: str) -> list[dict[str, str]]:
-    """A tool_result's blocks as text parts, one the model cannot read as its note
-    (`_UNREAD`)."""
+    """A tool_result's blocks as text parts: one the model cannot read as its note
+    (`_UNREAD`), a `tool_reference` (tool search's: the tool it names is loaded,
+    `_loaded`) as a note naming it, as SGLang writes one for a template that has no
+    tool references of its own."""
     if isinstance(content, list):
-        content = [
-            _UNREAD.get(str(b.get("type")), b) if isinstance(b, dict) else b for b in content
-        ]
+        content = [_result_block(b, f"{at}[{j}]") for j, b in enumerate(content)]
     return _texts(content or [], at)
+
+
+def _result_block(block: Any, where: str) -> Any:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind == "tool_reference":
+        name = _string(block, "tool_name", where)
+        return {"type": "text", "text": f"[tool reference: {name}]"}
+    return _UNREAD.get(str(kind), block)
+
+
+def _loaded(body: CountTokensRequest) -> set[str]:
+    """The deferred tools in the prompt: those the conversation's tool search loaded (its
+    tool results' `tool_reference` blocks name them), as Anthropic's own loads them, those
+    an earlier turn called (a client that trims old tool results may have dropped the
+    reference that loaded them), and the one `tool_choice` forces (the model must write a
+    call to it, so must see it: the request names a tool it gave, not one missing). A
+    loaded one joins the tools
+    the template lists (as SGLang does for a template that has no deferred tools of its
+    own; a template listing them first: the prefix cache misses from there once)."""
+    choice = body.tool_choice
+    names = {choice.name} if choice is not None and choice.type == "tool" else set()
+    for m in body.messages:
+        for block in m.content if isinstance(m.content, list) else []:
+            if block.get("type") == "tool_use":
+                names.add(block.get("name"))
+            result = block.get("content") if block.get("type") == "tool_result" else None
+            for b in result if isinstance(result, list) else []:
+                if isinstance(b, dict) and b.get("type") == "tool_reference":
+                    names.add(b.get("tool_name"))
+    return names
 
 
 def _string(block: dict[str, Any], key: str, where: str) -> str:
