@@ -1140,6 +1140,15 @@ def test_max_tokens_past_the_context_is_a_400(base, reference):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["message"] == _too_long(n, prompt, body[param]) and err["param"] == param
+        assert err["code"] == "context_length_exceeded"  # (OpenAI's, what clients read)
+    # A prompt too long alone: the same code
+    for path, body in [
+        ("/v1/completions", {"prompt": [5] * (n + 1)}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": " a" * (2 * n)}]}),
+    ]:
+        r = httpx.post(base + path, json=body, timeout=TIMEOUT)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded", r.text
     # What fits runs: up to the context exactly, or without max_tokens (16 by default) cut
     # at the context.
     for max_tokens in (3, None):

@@ -714,11 +714,13 @@ def _update_error(u: Update) -> APIError:
 def refusal(e: DsakvError | RuntimeError, param: str | None) -> APIError:
     """The HTTP error for the engine's refusal of a request: its grammar (compiled by
     `ready_grammar`: only if evicted since) or its fields a 400 (`param` where the error
-    names none; a prompt too long carries its counts: `PromptTooLong`); asleep (sleep mode:
-    it takes requests again later) or stopped a 503."""
+    names none; a prompt too long carries its counts, `PromptTooLong`, and OpenAI's code,
+    which clients read to trim or compact a conversation); asleep (sleep mode: it takes
+    requests again later) or stopped a 503."""
     if isinstance(e, GrammarError):
         return APIError(400, str(e))
     if isinstance(e, EngineAsleep) or not isinstance(e, DsakvError):
         return APIError(503, str(e), type="server_error")
     too_long = e if isinstance(e, PromptTooLong) else None
-    return APIError(400, str(e), param=e.param or param, too_long=too_long)
+    code = "context_length_exceeded" if too_long is not None else None
+    return APIError(400, str(e), param=e.param or param, code=code, too_long=too_long)
