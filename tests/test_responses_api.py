@@ -18,6 +18,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from pydantic_core import from_json
 from transformers import AutoTokenizer
 
 from dsakv.engine import EngineConfig
@@ -365,7 +366,7 @@ def test_cancel_a_background_response(served, model):
         ({"input": [{"role": "robot", "content": "x"}]}, 400, "input[0].role"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input_image"),
         ({"input": [{"type": "function_call", "name": "f"}]}, 400, "call_id"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "function tools only"),
+        ({"input": "x", "tools": [{"type": "custom"}]}, 400, "name"),
         ({"input": "x", "background": True, "store": False}, 400, "store"),
         ({"input": "x", "prompt": {"id": "p"}}, 400, "prompt"),
         (
@@ -904,3 +905,331 @@ def test_an_item_id_given_twice_is_refused(client, model, served):
         body = {"input": [{**user, "id": bad}], "max_output_tokens": 2}
         r = httpx.post(f"{base}/v1/responses", json=body, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text[:200]
+
+
+# --- Codex CLI and the Agents SDK: stateless conversations (store: false) -------------------
+
+SHELL = {  # Codex's shell tool (codex-rs: a function tool, strict false)
+    "type": "function",
+    "name": "shell",
+    "description": "Runs a shell command and returns its output.",
+    "strict": False,
+    "parameters": {
+        "type": "object",
+        "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+        "required": ["command"],
+        "additionalProperties": False,
+    },
+}
+APPLY_PATCH = {  # Codex's freeform apply_patch: a custom tool with a Lark grammar
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edits files.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'},
+}
+# what Codex sends besides `input` (codex-rs `ResponsesApiRequest`): web_search and
+# local_shell are tools OpenAI runs, shown to no model here
+CODEX = dict(
+    instructions="You are Codex, a coding agent.",
+    tools=[SHELL, APPLY_PATCH, {"type": "web_search"}, {"type": "local_shell"}],
+    tool_choice="auto",
+    parallel_tool_calls=False,
+    reasoning={"effort": "medium", "summary": "auto"},
+    store=False,
+    include=["reasoning.encrypted_content"],
+    prompt_cache_key="conversation-1",
+    text={"verbosity": "low"},
+    max_output_tokens=12,
+    temperature=0,
+)
+# the same tools as chat's (what `_chat_tools` shows the model)
+CHAT_TOOLS = [
+    {"type": "function", "function": {k: v for k, v in SHELL.items() if k != "type"}},
+    {
+        "type": "function",
+        "function": {
+            "name": "apply_patch",
+            "description": "Edits files.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "input": {
+                        "type": "string",
+                        "description": 'lark grammar:\nstart: "*** Begin Patch"',
+                    }
+                },
+                "required": ["input"],
+            },
+        },
+    },
+]
+
+
+def _codex_item(item) -> dict:
+    """An output item as Codex sends it back (codex-rs `ResponseItem`: no id or status)."""
+    if item.type == "reasoning":
+        content = [{"type": "reasoning_text", "text": c.text} for c in item.content or []]
+        return {"type": "reasoning", "summary": [], "content": content, "encrypted_content": None}
+    assert item.type == "message"
+    content = [{"type": "output_text", "text": c.text} for c in item.content]
+    return {"type": "message", "role": "assistant", "content": content}
+
+
+def _streamed_and_whole(client, model, items):
+    """One Codex turn, streamed (its events checked: numbering, order, ids, indexes; they
+    add up to the response) and not; both the same response."""
+    events = list(client.responses.create(model=model, input=items, stream=True, **CODEX))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1].response
+    ids: list[str] = []  # the items' ids, by output_index, as they were added
+    texts: dict[str, str] = {}
+    for e in events[2:-1]:
+        if e.type == "response.output_item.added":
+            assert e.output_index == len(ids)
+            ids.append(e.item.id)
+        elif e.type == "response.output_item.done":
+            assert e.item.id == ids[e.output_index] == final.output[e.output_index].id
+            assert e.item.model_dump() == final.output[e.output_index].model_dump()
+        else:
+            assert e.item_id == ids[e.output_index] and e.output_index == len(ids) - 1
+            if hasattr(e, "content_index"):
+                assert e.content_index == 0
+            if e.type.endswith(".delta"):
+                texts[e.item_id] = texts.get(e.item_id, "") + e.delta
+    assert ids == [o.id for o in final.output]
+    for o in final.output:
+        assert texts.get(o.id, "") == "".join(c.text for c in o.content or [])
+    whole = client.responses.create(model=model, input=items, **CODEX)
+    assert [_codex_item(o) for o in whole.output] == [_codex_item(o) for o in final.output]
+    for r in (final, whole):
+        u = r.usage
+        assert u.total_tokens == u.input_tokens + u.output_tokens
+        assert 0 <= u.input_tokens_details.cached_tokens <= u.input_tokens
+        assert 0 < u.output_tokens_details.reasoning_tokens <= u.output_tokens
+        assert r.store is False and r.parallel_tool_calls is False
+        assert r.text.verbosity == "low" and r.prompt_cache_key == "conversation-1"
+        assert [t.type for t in r.tools] == ["function", "custom", "web_search", "local_shell"]
+        with pytest.raises(openai.NotFoundError):  # (store: false)
+            client.responses.retrieve(r.id)
+    # the same prompt again: in the prefix cache (but for its last page's tokens)
+    assert whole.usage.input_tokens_details.cached_tokens > 0
+    final.usage.input_tokens_details.cached_tokens = whole.usage.input_tokens_details.cached_tokens
+    assert whole.usage.model_dump() == final.usage.model_dump()
+    return whole
+
+
+def _as_chat(client, model, base, messages, response) -> str:
+    """The prompt of chat `messages` (with Codex's tools as chat's): that of `response`
+    (its token count, and greedy, its reasoning), as text."""
+    c = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=CHAT_TOOLS,
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        reasoning_effort="medium",
+        max_tokens=12,
+        temperature=0,
+    )
+    assert c.usage.prompt_tokens == response.usage.input_tokens
+    assert response.output[0].content[0].text == c.choices[0].message.reasoning_content
+    body = {"messages": messages, "tools": CHAT_TOOLS}
+    tokens = httpx.post(f"{base}/tokenize", json=body, timeout=TIMEOUT).json()["tokens"]
+    assert len(tokens) == response.usage.input_tokens
+    body = {"tokens": tokens}
+    return httpx.post(f"{base}/detokenize", json=body, timeout=TIMEOUT).json()["prompt"]
+
+
+def test_a_codex_conversation_replays_statelessly(served, model):
+    """Codex's turns (store: false, the whole history each time: its reasoning items sent
+    back, function and custom tool calls and their outputs, web_search and local_shell
+    tools, include, prompt_cache_key, verbosity), streamed and not: each response is the
+    chat completion of the conversation so far, its events consistent."""
+    client, base = served[0], served[1]
+
+    def text(role, words):
+        kind = "output_text" if role == "assistant" else "input_text"
+        return {"type": "message", "role": role, "content": [{"type": kind, "text": words}]}
+
+    start = [
+        text("developer", "Sandbox: workspace-write."),
+        text("user", "<environment_context>cwd=/repo</environment_context>"),
+        text("user", "List the files, then fix setup.py."),
+    ]
+    messages = [
+        {"role": "system", "content": CODEX["instructions"]},
+        {"role": "system", "content": "Sandbox: workspace-write."},
+        {"role": "user", "content": "<environment_context>cwd=/repo</environment_context>"},
+        {"role": "user", "content": "List the files, then fix setup.py."},
+    ]
+    first = _streamed_and_whole(client, model, start)
+    assert first.output[0].type == "reasoning"  # (GLM thinks, here past 12 tokens)
+    _as_chat(client, model, base, messages, first)
+
+    # the model called shell, then apply_patch (another server's reasoning first, its
+    # encrypted_content unreadable here): Codex sends it all back with the outputs
+    patch = "*** Begin Patch\n*** Update File: setup.py\n*** End Patch"
+    history = [
+        *start,
+        *(_codex_item(o) for o in first.output),
+        {
+            "type": "function_call",
+            "name": "shell",
+            "arguments": '{"command":["ls"]}',
+            "call_id": "c1",
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "README.md\nsetup.py"},
+        {
+            "type": "reasoning",
+            "summary": [{"type": "summary_text", "text": "Patch setup.py."}],
+            "encrypted_content": "gAAAAB-opaque",
+        },
+        {"type": "custom_tool_call", "name": "apply_patch", "input": patch, "call_id": "c2"},
+        {"type": "custom_tool_call_output", "call_id": "c2", "output": "Done!"},
+    ]
+    second = _streamed_and_whole(client, model, history)
+    thought = first.output[0].content[0].text
+    messages += [
+        {
+            "role": "assistant",
+            "content": first.output[1].content[0].text if len(first.output) > 1 else None,
+            "reasoning_content": thought,
+            "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "shell", "arguments": '{"command":["ls"]}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "README.md\nsetup.py"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "Patch setup.py.",
+            "tool_calls": [
+                {"id": "c2", "type": "function",
+                 "function": {"name": "apply_patch", "arguments": json.dumps({"input": patch})}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c2", "content": "Done!"},
+    ]  # fmt: skip
+    prompt = _as_chat(client, model, base, messages, second)
+    for sent in ("README.md\nsetup.py", "*** Update File: setup.py", "Done!", "Patch setup.py."):
+        assert sent in prompt
+    assert thought.strip() in prompt and "gAAAAB" not in prompt  # (this turn's reasoning)
+
+
+def test_a_custom_tool_call_is_its_own_item():
+    """A call of a custom tool is a custom_tool_call, its input the call's one argument,
+    given whole when the call ends (no arguments deltas); as input it is that call again."""
+    out = _Output(responses._call_items([APPLY_PATCH]))
+    start = {"index": 0, "id": "c1", "type": "function", "function": {"name": "apply_patch"}}
+    events = out.feed(
+        ChatDelta(tool_calls=[{**start, "function": {"name": "apply_patch", "arguments": '{"in'}}])
+    )
+    more = ChatDelta(tool_calls=[{"index": 0, "function": {"arguments": 'put": "a\\nb"}'}}])
+    events += out.feed(more)
+    out.finish("completed")
+    events += out.events
+    assert [kind for kind, _ in events] == [
+        "response.output_item.added",
+        "response.custom_tool_call_input.delta",
+        "response.custom_tool_call_input.done",
+        "response.output_item.done",
+    ]
+    added, delta, done, item_done = (fields for _, fields in events)
+    assert added["item"]["type"] == "custom_tool_call" and added["item"]["input"] == ""
+    assert added["item"]["id"].startswith("ctc_") and added["item"]["call_id"] == "c1"
+    assert delta["delta"] == done["input"] == "a\nb" == out.items[0]["input"]
+    assert delta["item_id"] == done["item_id"] == out.items[0]["id"]
+    assert item_done["item"] == out.items[0] and "arguments" not in out.items[0]
+    assert responses._custom_input('{"x": 1}') == '{"x": 1}'  # (not its one string: as is)
+    assert responses._custom_input('{"input": "a\\u00') == "a"  # (cut off: as far as it reads)
+    assert responses._custom_input('{"inp') == ""
+    call = {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "a\nb"}
+    result = {"type": "custom_tool_call_output", "call_id": "c1", "output": "ok"}
+    assert input_messages([{"role": "user", "content": "Go"}, call, result])[1:] == [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "apply_patch", "arguments": '{"input": "a\\nb"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+
+
+def test_a_forced_custom_tool_call(client, model):
+    """tool_choice naming a custom tool forces its call: a custom_tool_call, streamed as
+    the SDK's stream helper reads it, the same as not streamed. (Random weights never end
+    its string: it is cut off, its input the string written so far, not the JSON of the
+    function it was shown as.)"""
+    kw = dict(
+        input="Fix setup.py.",
+        tools=[APPLY_PATCH],
+        tool_choice={"type": "custom", "name": "apply_patch"},
+        max_output_tokens=80,
+        extra_body=QUIET,
+    )
+    whole = _respond(client, model, **kw)
+    chat = _chat(
+        client,
+        model,
+        [{"role": "user", "content": "Fix setup.py."}],
+        max_tokens=80,
+        tools=CHAT_TOOLS[1:],
+        tool_choice={"type": "function", "function": {"name": "apply_patch"}},
+        extra_body=QUIET,
+    )
+    arguments = chat.choices[0].message.tool_calls[0].function.arguments
+    assert arguments.startswith('{"input": "') and not arguments.endswith("}")  # (cut off)
+    assert whole.output[0].input == from_json(arguments, allow_partial="trailing-strings")["input"]
+    with client.responses.stream(model=model, temperature=0, **kw) as stream:
+        events = list(stream)
+    final = events[-1].response
+    assert _items(whole) == _items(final) == ["custom_tool_call"]
+    call = final.output[0]
+    assert call.name == "apply_patch" and call.status == "incomplete" == final.status
+    assert call.input == whole.output[0].input and call.id.startswith("ctc_")
+    done = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert [(e.input, e.item_id) for e in done] == [(call.input, call.id)]
+    assert not [e for e in events if e.type.startswith("response.function_call")]
+
+
+def test_a_namespace_tool_is_its_functions(client, model):
+    """A namespace tool (Codex's MCP servers and collaboration tools) is its function and
+    custom tools, shown to the model as `<namespace>__<name>` (vLLM's names); a call is
+    the tool's name and its namespace, and sent back it reads as it was written."""
+    lookup = {"type": "function", "name": "lookup", "parameters": WEATHER["parameters"]}
+    crm = {"type": "namespace", "name": "crm", "description": "The CRM.", "tools": [lookup]}
+    flat = {"type": "function", "function": {**lookup, "name": "crm__lookup"}}
+    del flat["function"]["type"]
+    ask = [{"role": "user", "content": "Who?"}]
+    forced = {"type": "function", "name": "crm__lookup"}
+    kw = dict(tool_choice=forced, max_output_tokens=60, extra_body=QUIET)
+    r = _respond(client, model, input=ask, tools=[crm], **kw)
+    forced = {"type": "function", "function": {"name": "crm__lookup"}}
+    c = _chat(client, model, ask, 60, tools=[flat], tool_choice=forced, extra_body=QUIET)
+    assert r.usage.input_tokens == c.usage.prompt_tokens
+    call, chat_call = r.output[0], c.choices[0].message.tool_calls[0]
+    assert (call.type, call.name, call.namespace) == ("function_call", "lookup", "crm")
+    assert call.arguments == chat_call.function.arguments
+
+    arguments = '{"city": "Oslo", "days": 2}'
+    sent = {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": arguments}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "Ada"}
+    back = [*ask, {**sent, "namespace": "crm"}, result]
+    r = _respond(client, model, input=back, tools=[crm], max_output_tokens=1, extra_body=QUIET)
+    fn = {"name": "crm__lookup", "arguments": arguments}
+    messages = [
+        *ask,
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": fn}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Ada"},
+    ]
+    c = _chat(client, model, messages, max_tokens=1, tools=[flat], extra_body=QUIET)
+    assert r.usage.input_tokens == c.usage.prompt_tokens

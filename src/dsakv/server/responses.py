@@ -1,16 +1,17 @@
 """OpenAI's Responses API (`/v1/responses`), as vLLM serves it, over the chat path: input
 items become chat messages (rendered with tools and reasoning by `Handlers.start_chat`,
 exactly as /v1/chat/completions renders them), and the chat parser's reasoning, content and
-tool calls become output items (`reasoning`, `message`, `function_call`), whole or as the
-API's stream events. Responses are kept in memory (`store`, on by default as OpenAI's) for
-`previous_response_id`, GET, the input items' listing, and `background`'s polling,
-streaming and cancel."""
+tool calls become output items (`reasoning`, `message`, `function_call`; a custom tool's
+call a `custom_tool_call`), whole or as the API's stream events. Responses are kept in
+memory (`store`, on by default as OpenAI's) for `previous_response_id`, GET, the input
+items' listing, and `background`'s polling, streaming and cancel."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import copy
+import json
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
@@ -20,6 +21,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from pydantic_core import from_json
 
 from .chat import PreparedChat
 from .handlers import ChatRun, Handlers
@@ -319,7 +321,7 @@ async def _create(
                 store.put(rid, stored)
             return _stream(api, stored)
         results = await api.collect_all(run.streams, raw, run.call)
-        _finish(api, stored, _full_output(run, results[0]), results[0])
+        _finish(api, stored, _full_output(stored, results[0]), results[0])
         if body.store is not False:
             store.put(rid, stored)
         return JSONResponse(stored.response)
@@ -396,8 +398,9 @@ def _finish(api: Handlers, stored: _Stored, output: _Output, r: Result) -> None:
     stored.run = None
 
 
-def _full_output(run: ChatRun, r: Result) -> _Output:
-    reader, output = _Reader(run), _Output()
+def _full_output(stored: _Stored, r: Result) -> _Output:
+    assert stored.run is not None
+    reader, output = _Reader(stored.run), _Output(_call_items(stored.response["tools"]))
     for d, logprobs in reader.feed(r.as_update(), r.text, True, r.finish_reason == "length"):
         output.feed(d, logprobs)
     return output
@@ -450,7 +453,7 @@ async def _events(api: Handlers, stored: _Stored) -> AsyncIterator[str]:
     yield event("response.created", response=copy.deepcopy(response))
     response["status"] = "in_progress"
     yield event("response.in_progress", response=copy.deepcopy(response))
-    reader, output, totals = _Reader(run), _Output(), Result()
+    reader, output, totals = _Reader(run), _Output(_call_items(response["tools"])), Result()
     try:
         async for _, u in api.merged_updates(run.streams):
             totals.add(u)
@@ -560,12 +563,17 @@ class _Output:
     """A response's output items, built from a chat parser's deltas, and the stream events
     each delta makes: an item is added (a text item with its one content part), written in
     deltas, and done when the next item starts or the response ends; ids are the same in
-    the events and the final output (the SDK's stream helper checks them)."""
+    the events and the final output (the SDK's stream helper checks them). A call is the
+    item `tools` (`_call_items`) says for the name the model called: a `function_call`, or a
+    custom tool's `custom_tool_call`, its `input` the call's one string argument, given
+    whole when the call ends (the arguments are JSON until then)."""
 
+    tools: dict[str, dict[str, str]] = field(default_factory=dict)
     items: list[dict[str, Any]] = field(default_factory=list)
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # `finish`'s
     _open: dict[str, Any] | None = None
     _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool-call index -> item
+    _arguments: dict[str, str] = field(default_factory=dict)  # a custom call's, by item id
 
     def feed(
         self, d: ChatDelta, logprobs: list[dict[str, Any]] | None = None
@@ -625,18 +633,25 @@ class _Output:
 
     def _call(self, call: dict[str, Any], out: list) -> None:
         if "id" in call:  # a call starts
+            name = call["function"]["name"]
+            what = self.tools.get(name) or {"type": "function_call", "name": name}
+            custom = what["type"] == "custom_tool_call"
             item = {
-                "id": new_id("fc_"),
-                "type": "function_call",
+                "id": new_id(_ITEM_IDS[what["type"]]),
+                "type": what["type"],
                 "call_id": call["id"],
-                "name": call["function"]["name"],
-                "arguments": "",
+                **what,
+                "input" if custom else "arguments": "",
                 "status": "in_progress",
             }
+            if custom:
+                self._arguments[item["id"]] = ""
             self._calls[call["index"]] = self._add(item, out)
         item = self._calls[call["index"]]
         fragment = call["function"].get("arguments") or ""
-        if fragment:
+        if fragment and item["type"] == "custom_tool_call":
+            self._arguments[item["id"]] += fragment
+        elif fragment:
             item["arguments"] += fragment
             out.append(("response.function_call_arguments.delta", self._at(item, delta=fragment)))
 
@@ -648,6 +663,13 @@ class _Output:
         if item["type"] == "function_call":
             done = self._at(item, arguments=item["arguments"], name=item["name"])
             out.append(("response.function_call_arguments.done", done))
+        elif item["type"] == "custom_tool_call":
+            item["input"] = _custom_input(self._arguments[item["id"]])
+            if item["input"]:
+                delta = self._at(item, delta=item["input"])
+                out.append(("response.custom_tool_call_input.delta", delta))
+            done = self._at(item, input=item["input"])
+            out.append(("response.custom_tool_call_input.done", done))
         else:
             part = item["content"][0]
             kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
@@ -708,8 +730,12 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
     """Responses API items as chat messages (OpenAI's turns, as vLLM reads them): a message
     item is a turn (`developer` is the system's), a `function_call` an assistant turn's
     tool call (consecutive calls one turn; one cut off, `incomplete`, is left out: its
-    arguments are not JSON), a `function_call_output` a tool turn, and a `reasoning` item
-    the reasoning of the assistant turn it opens. An assistant turn left unfinished
+    arguments are not JSON), a `custom_tool_call` one too (its `input` the call's one
+    argument, as `_chat_tools` renders a custom tool; either one's `namespace` part of the
+    name the model was shown), a `function_call_output` or
+    `custom_tool_call_output` a tool turn, and a `reasoning` item the reasoning of the
+    assistant turn it opens (its `content`, else its `summary`: an `encrypted_content` is
+    another server's, which nothing here can read). An assistant turn left unfinished
     (`in_progress`, `incomplete`) is continued by the assistant turn that follows it, or,
     last, by the response (`_chat_request`)."""
     if isinstance(items, str):
@@ -741,14 +767,18 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
                 raise APIError(400, f"{at}.content must be a list of parts", param=where)
             text = "".join(_field(p, "text", f"{at}.content", where) for p in parts)
             _append(messages, _turn(reasoning_content=text, _opened=True, _unfinished=unfinished))
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            call_id, name = _field(item, "call_id", at, where), _field(item, "name", at, where)
+            if item.get("namespace"):
+                name = _flat_name(_field(item, "namespace", at, where), name)
+            if kind == "function_call":
+                arguments = _field(item, "arguments", at, where)
+            else:
+                arguments = json.dumps({"input": _field(item, "input", at, where)})
             call = {
-                "id": _field(item, "call_id", at, where),
+                "id": call_id,
                 "type": "function",
-                "function": {
-                    "name": _field(item, "name", at, where),
-                    "arguments": _field(item, "arguments", at, where),
-                },
+                "function": {"name": name, "arguments": arguments},
             }
             if item.get("status") != "incomplete":
                 _append(messages, _turn(tool_calls=[call]), calls=True)
@@ -756,7 +786,7 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
                 # (cut off: the turn it was in goes on, unless it made calls: a template
                 # continuing a turn cuts it at its text, before its calls)
                 _append(messages, _turn(content="", _unfinished=True), calls=True)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             content = output if isinstance(output, str) else _text(output, f"{at}.output", where)
             call_id = _field(item, "call_id", at, where)
@@ -764,8 +794,9 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
         else:
             raise APIError(
                 400,
-                f"{at}.type {kind!r} is not supported (message, function_call, "
-                "function_call_output and reasoning items are)",
+                f"{at}.type {kind!r} is not supported (message, reasoning, function_call, "
+                "function_call_output, custom_tool_call and custom_tool_call_output items "
+                "are)",
                 param=where,
             )
     for m in messages:
@@ -773,7 +804,12 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
     return messages
 
 
-_ITEM_IDS = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_"}
+_ITEM_IDS = {
+    "message": "msg_",
+    "reasoning": "rs_",
+    "function_call": "fc_",
+    "custom_tool_call": "ctc_",
+}
 
 
 def _as_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -882,20 +918,10 @@ def _chat_request(
     unfinished = bool(messages) and messages[-1].pop("_unfinished", False)
     for m in messages:
         m.pop("_unfinished", None)
-    tools = []
-    for i, tool in enumerate(body.tools or []):
-        if tool.get("type") != "function":
-            raise APIError(
-                400,
-                f"tools[{i}]: type {tool.get('type')!r} is not supported (function tools only)",
-                param="tools",
-            )
-        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-        tools.append({"type": "function", "function": fn})
     chat: dict[str, Any] = {
         "model": body.model,
         "messages": messages,
-        "tools": tools or None,
+        "tools": _chat_tools(body.tools) or None,
         "tool_choice": _tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "max_completion_tokens": body.max_output_tokens,
@@ -933,6 +959,82 @@ def _chat_request(
         raise APIError(400, f"{loc}: {first['msg']}", param=param) from None
 
 
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The tools the model is shown, as chat's function tools (`_client_tools`): a function
+    tool as it is; a custom (freeform) tool as a function of one string, `input` (its
+    grammar, if it has one, told in that string's description: not enforced)."""
+    out = []
+    for name, tool, _ in _client_tools(tools):
+        if tool["type"] == "function":
+            fn = {k: tool[k] for k in ("description", "parameters", "strict") if k in tool}
+        else:
+            fn = {k: tool[k] for k in ("description",) if k in tool}
+            fmt = tool.get("format")
+            text: dict[str, Any] = {"type": "string"}
+            if isinstance(fmt, dict) and fmt.get("type") == "grammar":
+                text["description"] = f"{fmt.get('syntax')} grammar:\n{fmt.get('definition')}"
+            fn["parameters"] = {
+                "type": "object",
+                "properties": {"input": text},
+                "required": ["input"],
+            }
+        out.append({"type": "function", "function": {"name": name, **fn}})
+    return out
+
+
+def _call_items(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]]:
+    """What a call of each tool is, by the name the model was shown: its item's type
+    (`custom_tool_call` for a custom tool), name and namespace (`_client_tools`)."""
+    out = {}
+    for name, tool, namespace in _client_tools(tools):
+        kind = "custom_tool_call" if tool["type"] == "custom" else "function_call"
+        out[name] = {"type": kind, "name": tool["name"]}
+        if namespace is not None:
+            out[name]["namespace"] = namespace
+    return out
+
+
+def _client_tools(
+    tools: list[dict[str, Any]] | None,
+) -> Iterator[tuple[str, dict[str, Any], str | None]]:
+    """The tools the client runs, each with the name the model is shown and its namespace:
+    function and custom tools, and those a namespace tool groups (Codex's MCP servers'),
+    named `<namespace>__<name>` as vLLM names them. Any other type is left out, as vLLM
+    leaves them: those are tools OpenAI's servers run (web_search, local_shell,
+    file_search, mcp, ...), which nothing here runs; Codex sends some with every request,
+    so refusing them would refuse it all."""
+    for i, tool in enumerate(tools or []):
+        group: list[tuple[dict[str, Any], str | None]] = [(tool, None)]
+        if tool.get("type") == "namespace":
+            space = _field(tool, "name", f"tools[{i}]", "tools")
+            group = [(t, space) for t in tool.get("tools") or [] if isinstance(t, dict)]
+        for t, namespace in group:
+            if t.get("type") not in ("function", "custom"):
+                continue
+            name = _field(t, "name", f"tools[{i}]", "tools")
+            yield (name if namespace is None else _flat_name(namespace, name)), t, namespace
+
+
+def _flat_name(namespace: str, name: str) -> str:
+    """The name a namespace's tool is shown to the model by (vLLM's)."""
+    return f"{namespace}__{name}"
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool call's `input`: its arguments' one string (`_chat_tools`), as far as
+    it was written where max_output_tokens cut it off (the JSON around it is the function
+    the tool was shown as, not the model's input); arguments that hold something else
+    (the model wrote something else) are given as they are."""
+    try:
+        value = from_json(arguments, allow_partial="trailing-strings")
+    except ValueError:
+        return arguments
+    text = value.get("input") if isinstance(value, dict) else None
+    if isinstance(text, str):
+        return text
+    return arguments if value else ""  # (cut off before its string: none written)
+
+
 def _truncation(body: ResponsesRequest, max_model_len: int) -> int | None:
     """vLLM's `truncation: "auto"`: the prompt's first tokens dropped to leave room for
     `max_output_tokens` (or one token), as chat's `truncate_prompt_tokens` drops them."""
@@ -945,11 +1047,12 @@ def _truncation(body: ResponsesRequest, max_model_len: int) -> int | None:
 def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
     if choice is None or isinstance(choice, str):
         return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise APIError(
         400,
-        'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+        'tool_choice must be "none", "auto", "required" or {"type": "function" or "custom", '
+        '"name": ...}',
         param="tool_choice",
     )
 
@@ -972,6 +1075,9 @@ def _response(
     """The response object, as it stands before its output (`_finish` completes it)."""
     p = run.params
     fmt = body.text.format if body.text and body.text.format else None
+    text = {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}}
+    if body.text and body.text.verbosity is not None:  # (echoed: the model is not told)
+        text["verbosity"] = body.text.verbosity
     return {
         "id": rid,
         "object": "response",
@@ -992,9 +1098,7 @@ def _response(
         "service_tier": body.service_tier or "auto",
         "store": body.store is not False,
         "temperature": p.temperature,
-        "text": {
-            "format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
-        },
+        "text": text,
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
         "tools": body.tools or [],
         "top_logprobs": body.top_logprobs,
@@ -1002,6 +1106,10 @@ def _response(
         "truncation": body.truncation or "disabled",
         "usage": None,
         "user": body.user,
+        # hints, echoed (a prompt_cache_key is OpenAI's routing hint: the prefix cache here
+        # needs none, and it is not a cache_salt, which would wall the cache off)
+        "prompt_cache_key": body.prompt_cache_key,
+        "safety_identifier": body.safety_identifier,
     }
 
 
