@@ -1192,14 +1192,15 @@ def request_log_config(args: argparse.Namespace):
 
 def add_trace_args(p: argparse.ArgumentParser) -> None:
     """OpenTelemetry request tracing, vLLM's flag and SGLang's (`trace_config` reads them
-    back; --collect-detailed-traces is an engine flag: the engine times the steps)."""
+    back; --collect-detailed-traces is an engine flag: the engine times the steps). A
+    server's span is per engine request, the router's per request it routes."""
     g = p.add_argument_group("tracing (OpenTelemetry)")
     g.add_argument(
         "--otlp-traces-endpoint",
         metavar="URL",
-        help="send a span per request (each choice of n) to this OTLP collector, over gRPC "
-        "(host:port) or, with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf, HTTP (its "
-        "URL, /v1/traces included); a request's traceparent header is its parent",
+        help="send a span per request (a server's: each choice of n) to this OTLP collector, "
+        "over gRPC (host:port) or, with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf, "
+        "HTTP (its URL, /v1/traces included); a request's traceparent header is its parent",
     )
     g.add_argument(
         "--enable-trace",
@@ -1218,7 +1219,7 @@ def trace_config(args: argparse.Namespace):
     if endpoint is None and args.enable_trace:
         endpoint = SGLANG_TRACES_ENDPOINT
     if endpoint is None:
-        if args.collect_detailed_traces is not None:
+        if getattr(args, "collect_detailed_traces", None) is not None:  # (none: the router)
             raise DsakvError(
                 "--collect-detailed-traces needs --otlp-traces-endpoint (or SGLang's "
                 "--enable-trace): the times go in the requests' spans"

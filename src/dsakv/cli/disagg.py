@@ -73,11 +73,11 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from dsakv.disagg.launch import run_router_on
     from dsakv.disagg.router import build_router_app
 
-    policy = policy_config(args)
+    policy, tracing = policy_config(args), trace_config(args)
     build_router_app(args.prefill, args.decode)  # bad URLs fail before anything listens
     http = http_config(args)
     with listen(args.host, args.port) as listener:
-        run_router_on(listener, args.prefill, args.decode, args.api_key, http, policy)
+        run_router_on(listener, args.prefill, args.decode, args.api_key, http, policy, tracing)
     return 0
 
 
@@ -139,7 +139,7 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)  # what either server would refuse, refused once
     request_log_config(args)  # (a bad combination too, before the servers start)
     response_defaults(args)
-    trace_config(args)
+    tracing = trace_config(args)  # (the router's, and both servers' by their flags)
     http = http_config(args)  # the router's: the front door (its servers listen on loopback)
     for mode in MODES:  # (first: a bad flag is its own error, whoever holds the port)
         DisaggConfig(mode, timeout_s=args.disaggregation_timeout).check_engine(config)
@@ -175,6 +175,7 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             http=http,
             decode_flags=decode_flags,
+            tracing=tracing,
         )
     return 0
 
@@ -213,6 +214,7 @@ def add_commands(sub: Any) -> None:
     )
     add_policy_args(p)
     add_http_args(p)
+    add_trace_args(p)
     p.set_defaults(func=_cmd_router)
 
     p = sub.add_parser(

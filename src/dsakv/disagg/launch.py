@@ -16,6 +16,7 @@ import httpx
 from dsakv.errors import DsakvError
 from dsakv.procs import Listener, exit_on_sigterm, free_port, serve_app, stop_processes
 from dsakv.server.http_config import HTTPConfig
+from dsakv.server.tracing import TraceConfig
 
 from .policy import PolicyConfig
 from .router import build_router_app
@@ -69,12 +70,13 @@ def run_router_on(
     api_key: str | None = None,
     http: HTTPConfig | None = None,
     policy: PolicyConfig | None = None,
+    tracing: TraceConfig | None = None,
 ) -> None:
-    """`run_router` on sockets taken earlier; says where it routes once it serves. `http`:
-    its CORS, TLS and root path (the front door's, as `dsakv serve`'s); `policy`: how it
-    picks servers."""
+    """The router (`build_router_app`) on sockets taken earlier; says where it routes once
+    it serves. `http`: its CORS, TLS and root path (the front door's, as `dsakv serve`'s);
+    `policy`: how it picks servers; `tracing`: where its spans go."""
     http = http or HTTPConfig()
-    app = build_router_app(prefill, decode, api_key, policy)
+    app = build_router_app(prefill, decode, api_key, policy, tracing)
     http.install(app)
     host, port = listener.host, listener.port
     shown = f"[{host}]" if ":" in host else host
@@ -96,13 +98,15 @@ def serve_pd(
     api_key: str | None = None,
     http: HTTPConfig | None = None,
     decode_flags: Sequence[str] = (),
+    tracing: TraceConfig | None = None,
 ) -> None:
     """Start both servers as child processes (engine `flags` go to both, `decode_flags`
     after them to the decode server), wait until they are up, then serve the router on
     `host:port` until interrupted; the children go too.
     The router's port is held from the start (`listener`, else taken here), not bound
-    once the servers are up. `api_key` and `http` (CORS, TLS, root path): the router's
-    (the servers' key is in `flags`; they listen on loopback behind it)."""
+    once the servers are up. `api_key`, `http` (CORS, TLS, root path) and `tracing`: the
+    router's (the servers' key and tracing flags are in `flags`; they listen on loopback
+    behind it)."""
     listener = listener or Listener(host, port)
     pp, dp = prefill_port or free_port(), decode_port or free_port()
     bp = bootstrap_port or free_port()
@@ -123,7 +127,7 @@ def serve_pd(
     try:
         wait_healthy(urls, procs, startup_timeout)
         threading.Thread(target=_watch, args=(procs, done), daemon=True).start()
-        run_router_on(listener, [urls[0]], [urls[1]], api_key, http)
+        run_router_on(listener, [urls[0]], [urls[1]], api_key, http, tracing=tracing)
     finally:
         listener.close()
         done.set()

@@ -45,7 +45,6 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -66,11 +65,13 @@ from dsakv.server.protocol import (
     invocation_path,
     new_id,
 )
+from dsakv.server.tracing import TraceConfig
 
 from .config import HOST_HEADER, MODES, PORT_HEADER, ROOM_HEADER
 from .handoff import GENERATE_PATHS
 from .policy import CacheAware, Policy, PolicyConfig, make_policy, routing_text
 from .router_metrics import RouterMetrics, State, Worker
+from .router_tracing import RouteSpan, RouteTracer, current
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +120,15 @@ def _sse_error(message: str, path: str) -> bytes:
 
 class Router:
     """Pairs of prefill and decode servers, as each kind's policy picks them (`policy`,
-    SGLang's: by default `DEFAULT_POLICIES`); one shared HTTP client."""
+    SGLang's: by default `DEFAULT_POLICIES`); one shared HTTP client. `tracing`: where each
+    routed request's span goes (`router_tracing`; None: no spans)."""
 
     def __init__(
-        self, prefill: list[str], decode: list[str], policy: PolicyConfig | None = None
+        self,
+        prefill: list[str],
+        decode: list[str],
+        policy: PolicyConfig | None = None,
+        tracing: TraceConfig | None = None,
     ) -> None:
         # Replaced, never changed in place, as workers come and go: a loop over a list
         # (across awaits) sees the servers of when it began.
@@ -157,6 +163,10 @@ class Router:
         self._layouts: dict[str, dict[str, Any]] = {}
         self.failures = 0  # requests the servers failed (5xx, unreachable)
         self.metrics = RouterMetrics(self.state)
+        self.tracer = None
+        if tracing is not None:
+            names = {kind: p.name for kind, p in self._policies.items()}
+            self.tracer = RouteTracer(tracing, names)
 
     @property
     def responses_kept(self) -> int:
@@ -272,9 +282,16 @@ class Router:
         return info
 
     async def generate(self, path: str, request: Request) -> Response:
-        """A request to a prefill and a decode server (`_pair`), counted and timed by its
-        route (`path`: `RouterMetrics.timed`)."""
-        return await self.metrics.timed(path, self._generate(path, request))
+        """A request to a prefill and a decode server (`_pair`)."""
+        return await self._traced(path, request, self._generate(path, request))
+
+    async def _traced(self, path: str, request: Request, answer: Awaitable[Response]) -> Response:
+        """`answer`, counted and timed by its route (`path`: `RouterMetrics.timed`), in a
+        span of its own if the router traces (`RouteTracer.traced`)."""
+        timed = self.metrics.timed(path, answer)
+        if self.tracer is None:
+            return await timed
+        return await self.tracer.traced(path, request, timed)
 
     async def _generate(self, path: str, request: Request) -> Response:
         got = await _json_body(request)
@@ -282,6 +299,8 @@ class Router:
             return got
         raw, body = got
         self.metrics.streamed[path] += body.get("stream") is True
+        if (span := current.get()) is not None:
+            span.set("stream", body.get("stream") is True)
         if _in_session(body):
             return _error(501, _NO_SESSIONS, param="session_params", code="not_implemented")
         # The prefill server answers with its one token; only the decode server streams.
@@ -290,7 +309,7 @@ class Router:
         return await self._pair(path, request, raw, p_body, _num_prompts(body))
 
     async def responses(self, request: Request) -> Response:
-        return await self.metrics.timed("/v1/responses", self._new_response(request))
+        return await self._traced("/v1/responses", request, self._new_response(request))
 
     async def _new_response(self, request: Request) -> Response:
         """POST /v1/responses, relayed as chat is, with an id the router gives it (unless
@@ -310,6 +329,8 @@ class Router:
             return got
         raw, body = got
         self.metrics.streamed["/v1/responses"] += body.get("stream") is True
+        if (span := current.get()) is not None:
+            span.set("stream", body.get("stream") is True)
         rid = body.get("request_id")
         if rid is None:
             rid = body["request_id"] = new_id("resp_")
@@ -516,7 +537,8 @@ class Router:
         rid: str | None = None,
     ) -> Response:
         """`raw` to a decode server (`decode`, else the policy's), `p_body` to the prefill
-        server the policy picks; `rid`: the response the decode server stores if it takes it."""
+        server the policy picks; `rid`: the response the decode server stores if it takes it.
+        The request's span (`router_tracing.current`, if traced) hears what happens."""
         if (missing := self._missing("prefill", "decode")) is not None:
             self.metrics.errors[path, "no_available_workers"] += 1
             return missing  # (removed while the request came in)
@@ -528,11 +550,16 @@ class Router:
             self.failures += 1
             self.metrics.errors[path, "prefill_unreachable"] += 1
             return _error(502, f"no prefill server is usable: {e}")
-        rooms = ",".join(str(secrets.randbits(62)) for _ in range(prompts))
-        headers = {ROOM_HEADER: rooms, HOST_HEADER: host, PORT_HEADER: str(port)}
+        rooms = [secrets.randbits(62) for _ in range(prompts)]
+        headers = {ROOM_HEADER: ",".join(map(str, rooms)), HOST_HEADER: host}
+        headers[PORT_HEADER] = str(port)
         headers.update(key_headers(request.headers))
         headers.update(_request_id(request))  # (both servers' name for /abort_request)
-        headers.update(_trace_context(request))  # (both servers' spans join the client's trace)
+        if (span := current.get()) is None:
+            headers.update(_trace_context(request))  # (both servers' spans join the client's trace)
+        else:
+            span.set("bootstrap_room", rooms)
+            headers.update(span.context())  # (both servers' spans are the router's span's children)
         prefill = self._spawn(self._prefill(p_url, path, p_body, headers))
         prefill.add_done_callback(lambda _: self._finished("prefill", p_url))  # (its pick's)
         d_headers = {**headers, "content-type": "application/json"}
@@ -579,7 +606,7 @@ class Router:
                 content, resp.status_code, media_type=kind or None, headers=_request_id(resp)
             )
         return StreamingResponse(
-            self._relay(resp, d_url, path),
+            self._relay(resp, d_url, path, span),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **_request_id(resp)},
         )
@@ -765,15 +792,19 @@ class Router:
         burst, picked before any is sent, each see those picked before it. The policy hears
         which server it goes to (`_sent`): its pick's may have been passed over (a retry
         of request `path`)."""
-        errors = []
+        errors, span = [], current.get()
         for url in self._ranked("prefill", text):
             if errors:
                 self.metrics.retries["prefill", path] += 1
+            if span is not None:
+                span.tried("prefill", url)
             self._busy["prefill", url] += 1
             try:
                 host, port = await self.bootstrap_of(url)
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                 self._finished("prefill", url)
+                if span is not None:
+                    span.failed("prefill", url, e)
                 errors.append(f"{url}: {e!r}")
                 self._down[url] = time.monotonic()
                 self.metrics.failed["prefill", url] += 1
@@ -805,13 +836,18 @@ class Router:
             raise _NoWorker  # (the last removed while the prefill server was picked)
         else:
             urls = self._ranked("decode", text)
+        span = current.get()
         for i, url in enumerate(urls, 1):
             if i > 1:
                 self.metrics.retries["decode", path] += 1
+            if span is not None:
+                span.tried("decode", url)
             try:
                 resp = await self._post(url, path, raw, headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 self.metrics.failed["decode", url] += 1
+                if span is not None:
+                    span.failed("decode", url, e)
                 if i == len(urls):
                     raise _Unreachable(url, e) from e
                 log.warning("decode %s refused the connection (%r): trying the next", url, e)
@@ -838,9 +874,11 @@ class Router:
         self._down.pop(url, None)
         return resp
 
-    async def _relay(self, resp: httpx.Response, d_url: str, path: str) -> AsyncIterator[bytes]:
-        """The decode server's SSE bytes as they come; if it dies, an error event. The
-        stream's end is the request's there (`_finished`)."""
+    async def _relay(
+        self, resp: httpx.Response, d_url: str, path: str, span: RouteSpan | None = None
+    ) -> AsyncIterator[bytes]:
+        """The decode server's SSE bytes as they come; if it dies, an error event (and the
+        request's `span` its error). The stream's end is the request's there (`_finished`)."""
         try:
             async for chunk in resp.aiter_raw():
                 yield chunk
@@ -849,7 +887,10 @@ class Router:
             self.metrics.errors[path, "decode_failed"] += 1
             self.metrics.failed["decode", d_url] += 1
             self.metrics.streams_lost[d_url] += 1
-            yield _sse_error(f"lost the decode server {d_url} mid-stream: {e!r}", path)
+            lost = f"lost the decode server {d_url} mid-stream: {e!r}"
+            if span is not None:
+                span.lost = lost
+            yield _sse_error(lost, path)
         finally:
             self._finished("decode", d_url)
             await resp.aclose()
@@ -1415,12 +1456,15 @@ async def _unless_left(
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """What the router holds, released when it stops (as a server's app does): the batches
-    still running (`Batches.stop`: their lines hung up on both servers), then its client."""
+    still running (`Batches.stop`: their lines hung up on both servers), then its client,
+    then its last spans sent (`Tracing.shutdown`)."""
     try:
         yield
     finally:
         await app.state.batches.stop()
         await app.state.router.close()
+        if (tracer := app.state.router.tracer) is not None:
+            await asyncio.to_thread(tracer.shutdown)
 
 
 def build_router_app(
@@ -1428,13 +1472,15 @@ def build_router_app(
     decode: list[str],
     api_key: str | None = None,
     policy: PolicyConfig | None = None,
+    tracing: TraceConfig | None = None,
 ) -> FastAPI:
-    """The router's app, picking servers as `policy` says (`Router`). With `api_key`, its
+    """The router's app, picking servers as `policy` says (`Router`), a span per request
+    to `tracing`'s collector if given (`router_tracing`). With `api_key`, its
     routes need `Authorization: Bearer` as `dsakv serve --api-key`'s do (`require_api_key`,
     the same probes open): the worker API above all, else anyone reaching the port could add
     a decode server of their own and be sent the prompts. The client's header still goes on
     to the servers, which check their own key."""
-    router = Router(prefill, decode, policy)
+    router = Router(prefill, decode, policy, tracing)
     app = FastAPI(
         title="dsakv router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan
     )
@@ -1582,21 +1628,3 @@ def build_router_app(
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
-
-
-def run_router(
-    prefill: list[str],
-    decode: list[str],
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    policy: PolicyConfig | None = None,
-) -> None:
-    """Serve the router until interrupted (`dsakv router`)."""
-    app = build_router_app(prefill, decode, api_key, policy)
-    shown = f"[{host}]" if ":" in host else host
-    print(
-        f"dsakv: router at http://{shown}:{port}/v1 -> prefill {prefill}, decode {decode}",
-        flush=True,
-    )
-    uvicorn.run(app, host=host, port=port, log_level="warning")

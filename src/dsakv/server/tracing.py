@@ -11,10 +11,10 @@ the cached prompt tokens, which vLLM does not record), its times are the engine'
 aborted, failed or refused ends it with an error status. Spans leave in batches (the SDK's
 `BatchSpanProcessor`, set by its OTEL_BSP_* variables) over OTLP, gRPC or HTTP/protobuf as
 OTEL_EXPORTER_OTLP_TRACES_PROTOCOL says (vLLM's choice, gRPC by default), the last ones as
-the app stops (`RequestTracer.shutdown`, which gives a collector that does not take them
-`FLUSH_S`).
+the app stops (`Tracing.shutdown`, which gives a collector that does not take them
+`FLUSH_S`). `dsakv router`'s spans leave the same way (`Tracing`).
 
-Light until a server traces: the OpenTelemetry SDK is imported by `RequestTracer` only."""
+Light until a server traces: the OpenTelemetry SDK is imported by `Tracing` only."""
 
 from __future__ import annotations
 
@@ -97,13 +97,13 @@ class TraceConfig:
         return cls(endpoint, os.environ.get(PROTOCOL_ENV, "grpc"))
 
 
-class RequestTracer:
-    """An app's spans (`Handlers.tracer`), on a provider of its own: not the process' global
-    one, which can be set once (several apps in one process, as the tests run, each export
-    to their own collector). `model`: the name responses report (the first served name);
-    `detailed`: what the engine times per request (`EngineConfig.detailed_traces`)."""
+class Tracing:
+    """An app's tracer (`scope`: its name), on a provider of its own: not the process'
+    global one, which can be set once (several apps in one process, as the tests run, each
+    export to their own collector); its spans batched to `config`'s collector. A server's
+    (`RequestTracer`) and the router's (`dsakv.disagg.router_tracing`)."""
 
-    def __init__(self, config: TraceConfig, model: str, detailed: frozenset[str]) -> None:
+    def __init__(self, config: TraceConfig, scope: str) -> None:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -111,10 +111,31 @@ class RequestTracer:
 
         self.provider, self.exporter = TracerProvider(), _exporter(config)
         self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
-        self.tracer = self.provider.get_tracer("dsakv.server")
+        self.tracer = self.provider.get_tracer(scope)
         self.propagator = TraceContextTextMapPropagator()
         self.kind = SpanKind.SERVER
         self.failed = lambda why: Status(StatusCode.ERROR, why)
+
+    def shutdown(self) -> None:
+        """Export what is left and stop (blocks). A collector that has not taken it in
+        `FLUSH_S` (down, unreachable, hung) loses it: the exporter, shut down, drops its
+        retries and gRPC its call in flight (an HTTP request sent runs to its timeout), so
+        the SDK's worker ends too."""
+        flush = threading.Thread(target=self.provider.shutdown, name="dsakv-trace-flush")
+        flush.start()
+        flush.join(FLUSH_S)
+        if flush.is_alive():
+            self.exporter.shutdown()
+            flush.join()
+
+
+class RequestTracer(Tracing):
+    """A server's spans (`Handlers.tracer`). `model`: the name responses report (the first
+    served name); `detailed`: what the engine times per request
+    (`EngineConfig.detailed_traces`)."""
+
+    def __init__(self, config: TraceConfig, model: str, detailed: frozenset[str]) -> None:
+        super().__init__(config, "dsakv.server")
         self.model, self.detailed = model, detailed
         self.spans: weakref.WeakKeyDictionary[RequestStream, RequestSpan] = (
             weakref.WeakKeyDictionary()
@@ -129,18 +150,6 @@ class RequestTracer:
     def span(self, stream: RequestStream) -> RequestSpan | None:
         """`stream`'s span, to feed its updates and end (None: not traced), once."""
         return self.spans.pop(stream, None)
-
-    def shutdown(self) -> None:
-        """Export what is left and stop (blocks). A collector that has not taken it in
-        `FLUSH_S` (down, unreachable, hung) loses it: the exporter, shut down, drops its
-        retries and gRPC its call in flight (an HTTP request sent runs to its timeout), so
-        the SDK's worker ends too."""
-        flush = threading.Thread(target=self.provider.shutdown, name="dsakv-trace-flush")
-        flush.start()
-        flush.join(FLUSH_S)
-        if flush.is_alive():
-            self.exporter.shutdown()
-            flush.join()
 
     def emit(
         self,
