@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -24,6 +25,7 @@ from dsakv.disagg.config import DisaggConfig
 from dsakv.disagg.router import build_router_app
 from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
+from dsakv.models.tiny import write_tiny_model
 from dsakv.procs import free_port
 from dsakv.server import make_server
 from dsakv.server.runner import AsyncEngine
@@ -76,17 +78,35 @@ def serving(config: EngineConfig, **server_args) -> Iterator[tuple[str, AsyncEng
 
 @contextlib.contextmanager
 def serving_disagg(
-    config: EngineConfig, mode: str, api_key: str | None = None, **disagg: Any
+    config: EngineConfig,
+    mode: str,
+    api_key: str | None = None,
+    server_args: dict[str, Any] | None = None,
+    **disagg: Any,
 ) -> Iterator[tuple[str, AsyncEngine]]:
     """`serving` a prefill or decode server (`DisaggConfig(mode, **disagg)`; waits on its
     peer 30 s unless `timeout_s` says, a prefill server's bootstrap on a free port unless
-    `bootstrap_port` says), behind `api_key` if given: yields (base URL, its AsyncEngine)."""
+    `bootstrap_port` says), behind `api_key` if given, `make_server` given `server_args`
+    too: yields (base URL, its AsyncEngine)."""
     disagg = {"timeout_s": 30, **disagg}
     if mode == "prefill":
         disagg.setdefault("bootstrap_port", free_port())
     bridge = bridge_for(DisaggConfig(mode, **disagg), config, "127.0.0.1")
-    with serving(config, bridge=bridge, api_key=api_key) as served:
+    with serving(config, bridge=bridge, api_key=api_key, **(server_args or {})) as served:
         yield served
+
+
+@contextlib.contextmanager
+def serving_two_prefills(model_dir: Path) -> Iterator[SimpleNamespace]:
+    """Two prefill servers (`prefill`, their URLs) and a decode server (`decode`) on a
+    glm-tiny model written to `model_dir`: a deployment whose router has a pick to make."""
+    model = str(write_tiny_model(model_dir, "glm-tiny"))
+    conf = EngineConfig(model, device="cpu", num_pages=64, page_size=16,
+                        kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        prefill = [stack.enter_context(serving_disagg(conf, "prefill"))[0] for _ in range(2)]
+        decode, _ = stack.enter_context(serving_disagg(conf, "decode"))
+        yield SimpleNamespace(prefill=prefill, decode=decode)
 
 
 @contextlib.contextmanager

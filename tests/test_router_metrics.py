@@ -25,10 +25,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from dsakv.disagg.policy import PolicyConfig
 from dsakv.disagg.router import build_router_app
-from dsakv.engine import EngineConfig
-from dsakv.models.tiny import write_tiny_model
 
-from .serving import TIMEOUT, free_port, running, scrape_metrics, serving_disagg
+from .serving import (
+    TIMEOUT,
+    free_port,
+    running,
+    scrape_metrics,
+    serving_two_prefills,
+)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # SGLang Model Gateway's labels of a request through its HTTP PD router
@@ -38,14 +42,8 @@ SYSTEM = "You are a careful assistant. Answer every question in a single short w
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
-    """Two prefill servers and a decode server."""
-    model = str(write_tiny_model(tmp_path_factory.mktemp("metrics") / "m", "glm-tiny"))
-    conf = EngineConfig(model, device="cpu", num_pages=64, page_size=16,
-                        kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
-    with ExitStack() as stack:
-        prefill = [stack.enter_context(serving_disagg(conf, "prefill"))[0] for _ in range(2)]
-        decode, _ = stack.enter_context(serving_disagg(conf, "decode"))
-        yield SimpleNamespace(prefill=prefill, decode=decode)
+    with serving_two_prefills(tmp_path_factory.mktemp("metrics") / "m") as pd:
+        yield pd
 
 
 @contextmanager

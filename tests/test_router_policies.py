@@ -13,7 +13,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,11 +34,15 @@ from dsakv.disagg.policy import (
     routing_text,
 )
 from dsakv.disagg.router import Router, build_router_app
-from dsakv.engine import EngineConfig
 from dsakv.errors import DsakvError
-from dsakv.models.tiny import write_tiny_model
 
-from .serving import TIMEOUT, free_port, running, scrape_metrics, serving_disagg
+from .serving import (
+    TIMEOUT,
+    free_port,
+    running,
+    scrape_metrics,
+    serving_two_prefills,
+)
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
@@ -483,14 +487,8 @@ SYSTEM = "You are a careful assistant. Answer every question in a single short w
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
-    """Two prefill servers and a decode server."""
-    model = str(write_tiny_model(tmp_path_factory.mktemp("policies") / "m", "glm-tiny"))
-    conf = EngineConfig(model, device="cpu", num_pages=64, page_size=16,
-                        kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
-    with ExitStack() as stack:
-        prefill = [stack.enter_context(serving_disagg(conf, "prefill"))[0] for _ in range(2)]
-        decode, _ = stack.enter_context(serving_disagg(conf, "decode"))
-        yield SimpleNamespace(prefill=prefill, decode=decode)
+    with serving_two_prefills(tmp_path_factory.mktemp("policies") / "m") as pd:
+        yield pd
 
 
 @contextmanager

@@ -19,16 +19,14 @@ from starlette.requests import Request
 
 from dsakv.cli import build_parser, main
 from dsakv.cli.args import trace_config
-from dsakv.disagg.config import DisaggConfig
 from dsakv.disagg.policy import PolicyConfig
 from dsakv.disagg.router import Router, build_router_app
-from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
 from dsakv.procs import free_port
 from dsakv.server.tracing import TraceConfig
 
 from .conftest import cli_error_line
-from .serving import NO_THINKING, TIMEOUT, running, serving
+from .serving import NO_THINKING, TIMEOUT, running, serving_disagg
 from .test_tracing import (
     ENGINE_ARGS,
     GREEDY,
@@ -57,15 +55,11 @@ def pd(glm_tiny) -> Iterator[SimpleNamespace]:
         env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
         serve = build_parser().parse_args(["serve", "--otlp-traces-endpoint", url])
-        urls = {}
-        for mode in ("prefill", "decode"):
-            disagg = {"timeout_s": 30}
-            if mode == "prefill":
-                disagg["bootstrap_port"] = free_port()
-            bridge = bridge_for(DisaggConfig(mode, **disagg), config, "127.0.0.1")
-            urls[mode], _ = stack.enter_context(
-                serving(config, served_model_name=MODEL, bridge=bridge, tracing=trace_config(serve))
-            )
+        served = {"served_model_name": MODEL, "tracing": trace_config(serve)}
+        urls = {
+            mode: stack.enter_context(serving_disagg(config, mode, server_args=served))[0]
+            for mode in ("prefill", "decode")
+        }
         router = trace_config(build_parser().parse_args(["router", "--otlp-traces-endpoint", url]))
         yield SimpleNamespace(spans=spans, tracing=router, **urls)
 

@@ -31,8 +31,6 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from dsakv.cli import build_parser
 from dsakv.cli.args import trace_config
-from dsakv.disagg.config import DisaggConfig
-from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
 from dsakv.procs import free_port
 from dsakv.server import build_app
@@ -45,6 +43,7 @@ from .serving import (
     routing,
     running,
     serving,
+    serving_disagg,
     until_in_flight,
 )
 
@@ -383,15 +382,11 @@ def test_the_router_passes_the_trace_context_to_prefill_and_decode(glm_tiny, mon
     routes |= ROUTES
     with http_collector() as (url, spans), contextlib.ExitStack() as stack:
         tracing = _tracing(monkeypatch, "--otlp-traces-endpoint", url)
-        urls = {}
-        for mode in ("prefill", "decode"):
-            disagg = {"timeout_s": 30}
-            if mode == "prefill":
-                disagg["bootstrap_port"] = free_port()
-            bridge = bridge_for(DisaggConfig(mode, **disagg), config, "127.0.0.1")
-            urls[mode], _ = stack.enter_context(
-                serving(config, served_model_name=MODEL, bridge=bridge, tracing=tracing)
-            )
+        served = {"served_model_name": MODEL, "tracing": tracing}
+        urls = {
+            mode: stack.enter_context(serving_disagg(config, mode, server_args=served))[0]
+            for mode in ("prefill", "decode")
+        }
         router = stack.enter_context(routing([urls["prefill"]], [urls["decode"]]))
         for path, body in routes.values():
             trace_id, span_id, headers = _context()
