@@ -79,10 +79,8 @@ def test_vllm_and_sglang_names_report_dsakvs_values(served):
             ("vllm:generation_tokens_total", VLLM),
             ("sglang:generation_tokens_total", SGLANG),
         ],
-        "dsakv_prefix_hit_tokens_total": [
-            ("vllm:prefix_cache_hits_total", VLLM),
-            ("sglang:cached_tokens_total", SGLANG),
-        ],
+        "dsakv_prefix_hit_tokens_total": [("sglang:cached_tokens_total", SGLANG)],
+        "dsakv_prefix_device_hit_tokens_total": [("vllm:prefix_cache_hits_total", VLLM)],
         "dsakv_retractions_total": [
             ("vllm:num_preemptions_total", VLLM),
             ("sglang:num_retracted_requests_total", SGLANG),
@@ -164,6 +162,27 @@ def test_kv_cache_usage_counts_the_pages_requests_hold(served):
     assert _get(m, "sglang:num_used_tokens", **SGLANG) == held * 16
     assert _get(m, "vllm:num_requests_running", **VLLM) == 1
     assert _get(m, "sglang:num_running_reqs", **SGLANG) == 1
+
+
+def test_tier_metrics_only_for_the_tiers_a_server_has(served):
+    """Without a host tier or a storage backend, SGLang's HiCache and storage metrics and
+    vLLM's offloading ones are left out, as those servers make them only with the tier on
+    (test_metrics_tiers: with them); SGLang's radix-cache counts are there, its plain
+    RadixCache's."""
+    m = _wait_idle(served[0])
+    names = {name for name, _ in m}
+    absent = ["sglang:hicache_host_used_tokens", "sglang:hicache_host_total_tokens"]
+    absent += ["sglang:prefetched_tokens_total", "sglang:backuped_tokens_total"]
+    assert names.isdisjoint([*absent, "vllm:kv_offload_total_bytes_total"])
+    evicted = _get(m, "dsakv_prefix_cache_pages_evicted_total", model_name=MODEL)
+    assert _get(m, "sglang:evicted_tokens_total", cache_type="RadixCache") == 16 * evicted
+    assert _get(m, "sglang:load_back_tokens_total", cache_type="RadixCache") == 0
+    assert _get(m, "sglang:spec_accept_rate", **SGLANG) == 0  # (no drafts)
+    # every hit is the device's: vLLM's external (KV connector) ones are there, at 0
+    hits = _get(m, "dsakv_prefix_hit_tokens_total", model_name=MODEL)
+    assert _get(m, "vllm:prefix_cache_hits_total", **VLLM) == hits
+    for name in ("external_prefix_cache_queries_total", "external_prefix_cache_hits_total"):
+        assert _get(m, f"vllm:{name}", **VLLM) == 0, name
 
 
 def test_llm_get_metrics_is_vllms_offline_snapshot(glm_tiny):

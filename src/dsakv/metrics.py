@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client import Counter as PromCounter
@@ -76,7 +76,17 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "prefix_hit_tokens": (
         "prefix_hit_tokens",
         "counter",
-        "Prompt tokens served from the prefix cache",
+        "Prompt tokens served from the prefix cache (device pages, host tier, L3)",
+    ),
+    "prefix_device_hit_tokens": (
+        "prefix_device_hit_tokens",
+        "counter",
+        "Prompt tokens served from the prefix cache's device pages",
+    ),
+    "prefix_external_query_tokens": (
+        "prefix_external_query_tokens",
+        "counter",
+        "Prompt tokens past the device hit, looked up in the host tier and L3 (with one on)",
     ),
     "retractions": ("retractions", "counter", "Requests retracted for lack of KV pages"),
     "retractions_to_host": (
@@ -95,6 +105,11 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
         "prefix_cache_pages_promoted",
         "counter",
         "Prefix-cache pages loaded back from the host tier on a hit",
+    ),
+    "prefix_pages_evicted": (
+        "prefix_cache_pages_evicted",
+        "counter",
+        "Prefix-cache device pages evicted (to the host tier, or dropped)",
     ),
     "spec_draft_tokens": ("spec_draft_tokens", "counter", "Draft tokens verified (MTP or n-gram)"),
     "spec_accepted_tokens": (
@@ -225,18 +240,71 @@ _DERIVED: dict[str, tuple[str | None, str, str]] = {
         "gauge",
         "Mean tokens emitted per verification of drafts (accepted drafts + 1)",
     ),
+    "spec_accept_rate": (
+        "spec_accept_rate",
+        "gauge",
+        "Draft tokens accepted / draft tokens verified (since the start)",
+    ),
+    "prefix_external_hit_tokens": (
+        None,
+        "counter",
+        "Prompt tokens served from the host tier and L3 (vLLM's KV connector's hits)",
+    ),
     # vLLM's and SGLang's usage: the pages requests hold, the prefix cache's evictable ones
     # (no request holds them: freed on demand) counted free, as both count theirs
     "kv_cache_usage": (None, "gauge", "KV cache usage: pages requests hold / pages (0 to 1)"),
     "kv_tokens_used": (None, "gauge", "Tokens of the KV pages requests hold"),
     "kv_tokens_total": (None, "gauge", "Tokens the device KV pool holds"),
     "page_size": (None, "gauge", "Tokens per KV page"),
+    # the tiers' page counts in tokens, as SGLang counts them (`_IN_TOKENS`)
+    "host_tokens_used": (None, "gauge", "Tokens of the host-tier KV pages in use"),
+    "host_tokens_total": (None, "gauge", "Tokens the host-tier KV pool holds"),
+    "prefix_tokens_evicted": (
+        None,
+        "counter",
+        "Tokens of the prefix-cache device pages evicted (to the host tier, or dropped)",
+    ),
+    "prefix_tokens_promoted": (
+        None,
+        "counter",
+        "Tokens of the prefix-cache pages loaded back from the host tier",
+    ),
+    "l3_tokens_written": (None, "counter", "Tokens of the KV pages written to L3 storage"),
 }
+_IN_TOKENS = {
+    "host_tokens_used": "host_pages_used",
+    "host_tokens_total": "host_pages_total",
+    "prefix_tokens_evicted": "prefix_pages_evicted",
+    "prefix_tokens_promoted": "prefix_pages_promoted",
+    "l3_tokens_written": "l3_pages_written",
+}
+
+
+class Tiered(NamedTuple):
+    """A twin labelled as its KV tier's collector labels it (`EngineCollector.labels_of`),
+    plus `extra` labels: SGLang's and vLLM's servers make the host tier's and storage's
+    metrics only with that tier on, their radix cache's always (labelled by its class);
+    `doc` for a family several keys fill."""
+
+    name: str
+    tier: Literal["host", "storage", "radix"]
+    extra: tuple[tuple[str, str], ...] = ()
+    doc: str = ""
+
+
+def _offload_bytes(direction: str) -> Tiered:
+    """vLLM's offloading connector's bytes copied one way (its transfer_type: media)."""
+    doc = "KV bytes copied between the device and the host tier, by direction"
+    return Tiered(VLLM + "kv_offload_total_bytes", "host", (("transfer_type", direction),), doc)
+
 
 # The same values under vLLM's and SGLang's names (their servers' /metrics), by counter or
 # `_DERIVED` key; their kind is the key's. A counter is named without `_total`, which the
-# exposition appends, as prometheus_client's own counters do.
-_TWINS: dict[str, tuple[str, ...]] = {
+# exposition appends, as prometheus_client's own counters do. The KV tiers' (`Tiered`):
+# SGLang's HiCache host pool gauges and vLLM's offloading connector bytes with a host tier,
+# SGLang's radix-cache eviction and load-back tokens, its storage (L3) prefetched and
+# backed-up tokens with a storage backend.
+_TWINS: dict[str, tuple[str | Tiered, ...]] = {
     "running_requests": (VLLM + "num_requests_running", SGLANG + "num_running_reqs"),
     "waiting_requests": (VLLM + "num_requests_waiting", SGLANG + "num_queue_reqs"),
     "kv_cache_usage": (VLLM + "kv_cache_usage_perc", SGLANG + "token_usage"),
@@ -253,13 +321,29 @@ _TWINS: dict[str, tuple[str, ...]] = {
         SGLANG + "prompt_tokens",
     ),
     "output_tokens": (VLLM + "generation_tokens", SGLANG + "generation_tokens"),
-    "prefix_hit_tokens": (VLLM + "prefix_cache_hits", SGLANG + "cached_tokens"),
+    # SGLang's cached tokens are every tier's; vLLM's prefix-cache hits the device's, its
+    # KV connector's (an offloading or storage one: the host tier, L3) external ones
+    "prefix_hit_tokens": (SGLANG + "cached_tokens",),
+    "prefix_device_hit_tokens": (VLLM + "prefix_cache_hits",),
+    "prefix_external_query_tokens": (VLLM + "external_prefix_cache_queries",),
+    "prefix_external_hit_tokens": (VLLM + "external_prefix_cache_hits",),
     "prefix_cache_hit_rate": (SGLANG + "cache_hit_rate",),
     "retractions": (VLLM + "num_preemptions", SGLANG + "num_retracted_requests"),
     "spec_verify_steps": (VLLM + "spec_decode_num_drafts",),
     "spec_draft_tokens": (VLLM + "spec_decode_num_draft_tokens",),
     "spec_accepted_tokens": (VLLM + "spec_decode_num_accepted_tokens",),
     "spec_accept_length": (SGLANG + "spec_accept_length",),
+    "spec_accept_rate": (SGLANG + "spec_accept_rate",),
+    "host_tokens_used": (Tiered(SGLANG + "hicache_host_used_tokens", "host"),),
+    "host_tokens_total": (Tiered(SGLANG + "hicache_host_total_tokens", "host"),),
+    "host_bytes_to_host": (_offload_bytes("GPU_to_CPU"),),
+    "host_bytes_to_device": (_offload_bytes("CPU_to_GPU"),),
+    "prefix_tokens_evicted": (Tiered(SGLANG + "evicted_tokens", "radix"),),
+    "prefix_tokens_promoted": (Tiered(SGLANG + "load_back_tokens", "radix"),),
+    # tokens read from storage into use (SGLang's: into the host tier, per prefetch), and
+    # written to it (a page already stored is not written again, nor counted)
+    "l3_hit_tokens": (Tiered(SGLANG + "prefetched_tokens", "storage"),),
+    "l3_tokens_written": (Tiered(SGLANG + "backuped_tokens", "storage"),),
 }
 
 
@@ -287,12 +371,17 @@ def held_pages(c: Mapping[str, float]) -> float:
 
 def _derived(snap: Mapping[str, float], page_size: int | None) -> dict[str, float]:
     """`_DERIVED`'s values (the token ones only with `page_size`)."""
-    prompt, steps, total = (
-        snap.get(k, 0) for k in ("prompt_tokens", "spec_verify_steps", "pages_total")
+    prompt, steps, drafts, total = (
+        snap.get(k, 0)
+        for k in ("prompt_tokens", "spec_verify_steps", "spec_draft_tokens", "pages_total")
     )
+    accepted = snap.get("spec_accepted_tokens", 0)
+    hits = snap.get("prefix_hit_tokens", 0)
     out = {
-        "prefix_cache_hit_rate": snap.get("prefix_hit_tokens", 0) / prompt if prompt else 0.0,
-        "spec_accept_length": 1 + snap.get("spec_accepted_tokens", 0) / steps if steps else 0,
+        "prefix_cache_hit_rate": hits / prompt if prompt else 0.0,
+        "prefix_external_hit_tokens": hits - snap.get("prefix_device_hit_tokens", 0),
+        "spec_accept_length": 1 + accepted / steps if steps else 0,
+        "spec_accept_rate": accepted / drafts if drafts else 0.0,
         "kv_cache_usage": held_pages(snap) / total if total else 0.0,
     }
     if page_size is not None:
@@ -301,17 +390,26 @@ def _derived(snap: Mapping[str, float], page_size: int | None) -> dict[str, floa
             kv_tokens_total=total * page_size,
             page_size=page_size,
         )
+        out.update({k: snap.get(pages, 0) * page_size for k, pages in _IN_TOKENS.items()})
     return out
 
 
 class EngineCollector(Collector):
     """Renders the latest engine counters snapshot (set by `update`) as metric families,
     each under its dsakv name and its vLLM and SGLang twins (`_TWINS`). `page_size`: the
-    pool's, for SGLang's token counts and both servers' cache info (None: left out)."""
+    pool's, for SGLang's token counts and both servers' cache info (None: left out);
+    `storage_backend`: the L3 tier's (`--hicache-storage-backend`), None without one."""
 
-    def __init__(self, model_name: str, page_size: int | None = None, role: str = "null") -> None:
+    def __init__(
+        self,
+        model_name: str,
+        page_size: int | None = None,
+        role: str = "null",
+        storage_backend: str | None = None,
+    ) -> None:
         self.page_size = page_size
         self.labels = family_labels(model_name, role)
+        self.storage_backend = storage_backend
         self.snapshot: Mapping[str, float] = {}
 
     def update(self, snapshot: Mapping[str, float]) -> None:
@@ -324,20 +422,45 @@ class EngineCollector(Collector):
         values = {**snap, **_derived(snap, self.page_size)}
         steps = [values.pop(k, 0) for k in STEP_TOKEN_KEYS]
         yield self._step_tokens(steps, snap.get("computed_tokens", 0))
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}  # (by name: one each)
         for key, value in sorted(values.items()):
             name, kind, doc = _ENGINE_METRICS.get(key) or _DERIVED.get(key) or (key, "gauge", "")
-            names = ([PREFIX + name] if name else []) + list(_TWINS.get(key, ()))
-            for full in names:
-                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-                labels = self.labels[_family_of(full)]
-                m = family(full, doc or f"engine counter {key}", labels=list(labels))
+            for twin in ([PREFIX + name] if name else []) + list(_TWINS.get(key, ())):
+                full, labels = self.labels_of(twin, snap)
+                if labels is None:
+                    continue
+                if (m := families.get(full)) is None:
+                    family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                    help_ = getattr(twin, "doc", "") or doc or f"engine counter {key}"
+                    m = families[full] = family(full, help_, labels=list(labels))
                 m.add_metric(list(labels.values()), float(value))
-                yield m
+        yield from families.values()
         if self.page_size is not None:  # (the endpoint picker's prefix-cache sizing)
             pages, size = str(int(snap.get("pages_total", 0))), str(self.page_size)
             info = {"engine": "0", "block_size": size, "num_gpu_blocks": pages}
             yield _info(VLLM + "cache_config_info", info)
             yield _info(SGLANG + "cache_config_info", {"page_size": size, "num_pages": pages})
+
+    def labels_of(
+        self, twin: str | Tiered, snap: Mapping[str, float]
+    ) -> tuple[str, dict[str, str] | None]:
+        """A twin's name and labels: its family's, or its tier's (None: that tier is off).
+        SGLang's storage metrics carry its StorageMetricsCollector's labels (the backend,
+        rank 0), its radix cache's the cache class (HiRadixCache with a host tier)."""
+        if isinstance(twin, str):
+            return twin, self.labels[_family_of(twin)]
+        host = snap.get("host_pages_total", 0) > 0
+        base: dict[str, str] | None
+        if twin.tier == "host":
+            base = self.labels[_family_of(twin.name)] if host else None
+        elif twin.tier == "storage":
+            backend = self.storage_backend
+            base = (
+                None if backend is None else dict(storage_backend=backend, tp_rank="0", dp_rank="0")
+            )
+        else:
+            base = {"cache_type": "HiRadixCache" if host else "RadixCache"}
+        return twin.name, None if base is None else {**base, **dict(twin.extra)}
 
     def _step_tokens(self, counts: Sequence[float], total: float) -> HistogramMetricFamily:
         """vLLM's iteration_tokens_total from the engine's bucket counts; its sum is every
@@ -549,8 +672,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 class ServerMetrics:
     """The app's registry: engine gauges/counters plus HTTP request and per-request
-    metrics. `page_size` and `role` (SGLang's disaggregation_mode) as `EngineCollector`
-    takes them; `max_model_len` bounds vLLM's token-count buckets, as its own."""
+    metrics. `page_size`, `role` (SGLang's disaggregation_mode) and `storage_backend` as
+    `EngineCollector` takes them; `max_model_len` bounds vLLM's token-count buckets, as its
+    own."""
 
     def __init__(
         self,
@@ -559,9 +683,10 @@ class ServerMetrics:
         role: str = "null",
         *,
         max_model_len: int,
+        storage_backend: str | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
-        self.engine = EngineCollector(model_name, page_size, role)
+        self.engine = EngineCollector(model_name, page_size, role, storage_backend)
         self.registry.register(self.engine)
         self.requests = PromCounter(
             PREFIX + "http_requests",

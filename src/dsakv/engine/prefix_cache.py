@@ -102,6 +102,7 @@ class PrefixCache:
         self.num_host_pages = 0
         self.demoted_pages = 0  # to the host tier on eviction; promoted: back on a hit
         self.promoted_pages = 0
+        self.evicted_pages = 0  # device pages evicted: demoted, or dropped (SGLang's evicted)
         self.l3 = l3  # the storage tier, told about pages coming and going
         # Weights the KV is computed with: `retire` counts each update; a request's KV from
         # an earlier epoch (`Request.kv_epoch`) never joins the tree.
@@ -236,6 +237,7 @@ class PrefixCache:
                     break
                 self._evict_one(n)
                 freed += 1
+                self.evicted_pages += 1
         return freed
 
     def _evict_one(self, n: Node) -> None:

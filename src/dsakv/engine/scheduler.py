@@ -64,7 +64,11 @@ _RETRY = -1
 
 @dataclass
 class SchedulerStats:
-    prefix_hit_tokens: int = 0
+    prefix_hit_tokens: int = 0  # every tier's: device, host, L3
+    # vLLM's split of them: its prefix cache is the device's; the host tier and L3 are its
+    # KV connector's, asked about what the device lacks (`Scheduler._admit_fresh`)
+    device_hit_tokens: int = 0
+    external_query_tokens: int = 0
     retractions: int = 0
     retractions_to_host: int = 0
     peak_running: int = 0
@@ -535,7 +539,8 @@ class Scheduler:
         if n == 0:
             return 0
         own = max(self._pages_for(hit + n), self._future_pages(req, 0)) - len(nodes)
-        pages = own + sum(1 for x in nodes if x.page is None)
+        on_host = sum(1 for x in nodes if x.page is None)  # (a path's tail: leaves go first)
+        pages = own + on_host
         if not self._fits(req, pages, hit=nodes):
             return _RETRY if self._preempt_for(req, pages, nodes) else 0
         self.cache.lock(nodes)
@@ -564,6 +569,11 @@ class Scheduler:
             hit = min(hit, len(req.prompt_ids))
             req.metrics.prefix_hit_tokens = hit
             self.stats.prefix_hit_tokens += hit
+            # vLLM's: the device's hit, and with a tier (its connector) the prompt past it
+            device = min(hit, (len(nodes) - on_host) * self.config.page_size)
+            self.stats.device_hit_tokens += device
+            if self.host is not None or self.l3 is not None:
+                self.stats.external_query_tokens += len(req.prompt_ids) - device
         return n
 
     def _admit_from_host(self, req: Request, budget: int) -> int:

@@ -134,7 +134,13 @@ def build_app(
     )
     role = async_engine.server_info()["disaggregation_mode"]  # (SGLang's engine_type)
     config, max_model_len = async_engine.engine.config, async_engine.engine.max_model_len
-    metrics = ServerMetrics(model_name, config.page_size, role, max_model_len=max_model_len)
+    metrics = ServerMetrics(
+        model_name,
+        config.page_size,
+        role,
+        max_model_len=max_model_len,
+        storage_backend=config.hicache_storage_backend,
+    )
     app.state.async_engine, app.state.model_name, app.state.metrics = (
         async_engine,
         model_name,
