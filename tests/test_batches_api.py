@@ -65,6 +65,27 @@ def _upload(client: openai.OpenAI, data: bytes, name: str = "batch.jsonl"):
     return client.files.create(file=(name, data), purpose="batch")
 
 
+def _usage_of(out: list[dict]) -> dict:
+    """OpenAI's BatchUsage summed over output lines, each answer's usage in its route's
+    names (the Responses API's input/output_tokens, chat's and completions'
+    prompt/completion_tokens, either's details null or absent where none)."""
+    total = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": 0}  # fmt: skip
+    for line in out:
+        u = line["response"]["body"]["usage"]
+        responses = "input_tokens" in u
+        ins, outs = ("input", "output") if responses else ("prompt", "completion")
+        total["input_tokens"] += u[f"{ins}_tokens"]
+        total["output_tokens"] += u[f"{outs}_tokens"]
+        total["total_tokens"] += u["total_tokens"]
+        details = u.get(f"{ins}_tokens_details") or {}
+        total["input_tokens_details"]["cached_tokens"] += details.get("cached_tokens", 0)
+        details = u.get(f"{outs}_tokens_details") or {}
+        total["output_tokens_details"]["reasoning_tokens"] += details.get("reasoning_tokens", 0)
+    return total
+
+
 def test_files_then_a_batch_then_its_output(client, served):
     base, _ = served
     lines = [
@@ -98,6 +119,7 @@ def test_files_then_a_batch_then_its_output(client, served):
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
     out = batch_lines(client, done.output_file_id)
     assert [x["custom_id"] for x in out] == ["a", "b"]
+    assert done.usage.model_dump() == _usage_of(out)
     for line, (_, url, body) in zip(out, lines):
         direct = httpx.post(f"{base}{url}", json=body, headers=AUTH, timeout=TIMEOUT)
         assert line["response"]["status_code"] == 200 and line["error"] is None
@@ -113,32 +135,92 @@ def test_files_then_a_batch_then_its_output(client, served):
     assert client.batches.retrieve(created.id).status == "completed"  # (it read the file)
 
 
+@pytest.mark.parametrize(
+    "url, bodies",
+    [
+        (
+            "/v1/completions",
+            [
+                {"prompt": ["The cat", "A dog"], "max_tokens": 3, **GREEDY},
+                {"prompt": "The cat", "max_tokens": 4, **GREEDY},
+            ],
+        ),
+        (
+            "/v1/responses",
+            [
+                {"input": "Hi there", "max_output_tokens": 16, "temperature": 0},
+                {"input": "Hi there", "max_output_tokens": 16, "temperature": 0},
+            ],
+        ),
+    ],
+)
+def test_a_batchs_usage_sums_its_answers(client, url, bodies):
+    """The Batch object's `usage` (OpenAI's BatchUsage) is its answers' summed, whatever
+    each route names them (it was absent: None)."""
+    lines = [(str(i), url, b) for i, b in enumerate(bodies)]
+    created = client.batches.create(
+        input_file_id=_upload(client, _jsonl(lines)).id, endpoint=url, completion_window="24h"
+    )
+    assert created.usage.total_tokens == 0
+    done = batch_until(client, created.id, "completed", "failed")
+    assert done.status == "completed" and done.request_counts.completed == 2, done
+    out = batch_lines(client, done.output_file_id)
+    usage = done.usage.model_dump()
+    assert usage == _usage_of(out)
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
 def test_a_bad_line_goes_to_the_error_file(client):
     lines = [
         ("good", "/v1/chat/completions", _chat("Hello")),
-        ("other-url", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
         ("no-messages", "/v1/chat/completions", {"max_tokens": 2}),
     ]
+    data = _jsonl(lines) + json.dumps({"custom_id": "get", "method": "GET",
+                                       "url": "/v1/chat/completions"}).encode()  # fmt: skip
     created = client.batches.create(
-        input_file_id=_upload(client, _jsonl(lines)).id,
+        input_file_id=_upload(client, data).id,
         endpoint="/v1/chat/completions",
         completion_window="24h",
     )
     done = batch_until(client, created.id, "completed", "failed")
     assert done.status == "completed"
     assert done.request_counts.model_dump() == {"total": 3, "completed": 1, "failed": 2}
-    assert [x["custom_id"] for x in batch_lines(client, done.output_file_id)] == ["good"]
+    out = batch_lines(client, done.output_file_id)
+    assert [x["custom_id"] for x in out] == ["good"]
+    assert done.usage.model_dump() == _usage_of(out)  # (the answers' only)
     errors = batch_lines(client, done.error_file_id)
-    assert [x["custom_id"] for x in errors] == ["other-url", "no-messages"]
+    assert [x["custom_id"] for x in errors] == ["no-messages", "get"]
     assert [x["response"]["status_code"] for x in errors] == [400, 400]
-    assert [x["error"]["param"] for x in errors] == ["url", "messages"]
+    assert [x["error"]["param"] for x in errors] == ["messages", "method"]
+
+
+_COMPLETION = ("/v1/completions", {"prompt": "x", "max_tokens": 1})
 
 
 @pytest.mark.parametrize(
-    "data, code, line",
-    [(b"", "empty_file", None), (b'{"custom_id": "a"}\n{oops\n', "invalid_json_line", 2)],
+    "data, code, line, param",
+    [
+        (b"", "empty_file", None, None),
+        (b'{"custom_id": "a"}\n{oops\n', "invalid_json_line", 2, None),
+        # OpenAI's checks of the file as a whole: each was run, its line answered alone
+        (
+            _jsonl([("a", *_COMPLETION), ("b", "/v1/chat/completions", _chat("x"))]),
+            "url_mismatch",
+            2,
+            "url",
+        ),
+        (
+            b"\n" + _jsonl([("a", *_COMPLETION), ("a", *_COMPLETION)]),
+            "duplicate_custom_id",
+            3,
+            "custom_id",
+        ),
+        (_jsonl([(c, *_COMPLETION) for c in "abcd"]), "too_many_tasks", None, None),
+    ],
 )
-def test_a_bad_file_fails_its_batch(client, data, code, line):
+def test_a_bad_file_fails_its_batch(client, monkeypatch, data, code, line, param):
+    monkeypatch.setattr(batch_module, "MAX_REQUESTS", 3)  # (not 50,000 lines)
     created = client.batches.create(
         input_file_id=_upload(client, data).id,
         endpoint="/v1/completions",
@@ -146,8 +228,9 @@ def test_a_bad_file_fails_its_batch(client, data, code, line):
     )
     done = batch_until(client, created.id, "failed", "completed")
     assert done.status == "failed" and done.failed_at and done.output_file_id is None
+    assert done.request_counts.total == 0
     (error,) = done.errors.data
-    assert (error.code, error.line) == (code, line) and error.message
+    assert (error.code, error.line, error.param) == (code, line, param) and error.message
 
 
 def test_cancel_aborts_the_requests_in_flight(client, served):
@@ -229,6 +312,121 @@ def test_what_a_batch_is_refused(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
     assert e.value.param == "purpose"
+
+
+def test_openais_bounds_on_what_a_batch_and_a_file_are_given(client):
+    """`metadata` (16 pairs at most, keys of 64 characters, values of 512, strings), a
+    batch's `output_expires_after` and a file's `expires_after` (anchored at `created_at`,
+    an hour to 30 days) are 400s as OpenAI's, naming the field (metadata was taken
+    whatever its size, the expiries ignored)."""
+    file_id = _upload(client, _jsonl([("a", *_COMPLETION)])).id
+    bad = [
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"metadata": {"k": 1}}, "metadata"),
+        (
+            {"output_expires_after": {"anchor": "now", "seconds": 3600}},
+            "output_expires_after.anchor",
+        ),
+        (
+            {"output_expires_after": {"anchor": "created_at", "seconds": 60}},
+            "output_expires_after.seconds",
+        ),
+        (
+            {"output_expires_after": {"anchor": "created_at", "seconds": 2_592_001}},
+            "output_expires_after.seconds",
+        ),
+    ]
+    for kw, param in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.batches.create(
+                input_file_id=file_id, endpoint="/v1/completions", completion_window="24h", **kw
+            )
+        assert e.value.param == param, kw
+    most = {f"k{i:062}": "v" * 512 for i in range(16)}  # (the bounds themselves are taken)
+    created = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/completions", completion_window="24h",
+        metadata=most, output_expires_after={"anchor": "created_at", "seconds": 2_592_000},
+    )  # fmt: skip
+    assert created.metadata == most
+    done = batch_until(client, created.id, "completed", "failed")
+    output = client.files.retrieve(done.output_file_id)
+    assert output.expires_at == output.created_at + 2_592_000
+    for expires, param in [
+        ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor"),
+        ({"anchor": "created_at", "seconds": 3599}, "expires_after.seconds"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.files.create(file=("x.jsonl", b"{}\n"), purpose="batch", expires_after=expires)
+        assert e.value.param == param
+
+
+def test_files_expire_as_their_expires_after_says(client, monkeypatch):
+    """A file's `expires_after`, and a batch's `output_expires_after` for its output and
+    error files, set their `expires_at` (the client's were ignored: None); then the file is
+    gone (listed, read, run), whether or not anyone looked at it meanwhile."""
+    monkeypatch.setattr(batch_module, "EXPIRES_S", (1, 30 * 24 * 3600))  # (not an hour's wait)
+    second = {"anchor": "created_at", "seconds": 1}
+    up = client.files.create(file=("x.jsonl", _jsonl([("a", *_COMPLETION)])), purpose="batch",
+                             expires_after=second)  # fmt: skip
+    assert up.expires_at == up.created_at + 1
+    created = client.batches.create(
+        input_file_id=_upload(client, _jsonl([("a", *_COMPLETION)])).id,
+        endpoint="/v1/completions", completion_window="24h", output_expires_after=second,
+    )  # fmt: skip
+    done = batch_until(client, created.id, "completed", "failed")
+    kept = _upload(client, b"{}\n")  # (no expires_after: kept until deleted)
+    assert kept.expires_at is None and done.output_file_id
+    deadline = time.monotonic() + TIMEOUT
+    while {up.id, done.output_file_id} & {f.id for f in client.files.list()}:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(up.id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(done.output_file_id)
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(
+            input_file_id=up.id, endpoint="/v1/completions", completion_window="24h"
+        )
+    assert client.files.retrieve(kept.id) == kept
+    assert client.batches.retrieve(created.id).status == "completed"  # (the batch stays)
+
+
+def test_a_batch_unfinished_past_its_window_expires(client, served, monkeypatch):
+    """OpenAI's `expired`: a batch still running as its window ends is stopped then, read or
+    not (its requests in flight aborted, the rest never sent), its answers so far in its
+    output file, their usage its own, and an error line `batch_expired` for each other (it
+    ran on until next read: unread, for good)."""
+    base, async_engine = served
+    monkeypatch.setattr(batch_module, "_WINDOW_S", 2)  # (not a day's wait)
+    lines = [("a", "/v1/completions", {"prompt": "a", "max_tokens": 1, **GREEDY})]
+    lines += [(c, "/v1/completions", {"prompt": c, "max_tokens": 200, **GREEDY}) for c in "xy"]
+    with engine_stops_stepping_at(async_engine, 2):  # (x and y can only end by an abort)
+        created = client.batches.create(
+            input_file_id=_upload(client, _jsonl(lines)).id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+        )
+        assert created.expires_at == created.created_at + 2
+        deadline = time.monotonic() + TIMEOUT
+        while f"{created.id}_error.jsonl" not in {f.filename for f in client.files.list()}:
+            assert time.monotonic() < deadline  # (the batch not read meanwhile)
+            time.sleep(0.05)
+        done = client.batches.retrieve(created.id)
+        assert client.batches.cancel(created.id).status == "expired"  # (too late to cancel)
+    assert done.status == "expired" and done.expired_at >= done.expires_at
+    assert done.cancelled_at is None
+    out, errors = batch_lines(client, done.output_file_id), batch_lines(client, done.error_file_id)
+    # ("a" answered unless the window ended before it ran: each line in one file)
+    assert sorted(x["custom_id"] for x in out + errors) == ["a", "x", "y"]
+    assert [x["custom_id"] for x in errors][-2:] == ["x", "y"]
+    assert {x["error"]["code"] for x in errors} == {"batch_expired"}
+    counts = {"total": 3, "completed": len(out), "failed": len(errors)}
+    assert done.request_counts.model_dump() == counts
+    assert done.usage.model_dump() == _usage_of(out)
+    assert httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"] == 0
 
 
 def test_an_upload_past_the_bound_is_a_413(client, served, monkeypatch):

@@ -10,9 +10,10 @@ them), as many of a batch's requests at once as the engine runs (the router: as 
 servers run together), so that the requests of other clients do not wait for the whole
 batch.
 
-Files are kept in memory, the server's for its lifetime as its stored responses are: a batch's
-input is read whole to be validated and its output written whole at its end, so a temp dir
-would hold the same bytes twice and leave them behind a killed server; an upload past
+Files are kept in memory, the server's for its lifetime as its stored responses are (or until
+their `expires_after`): a batch's input is read whole to be validated and its output written
+whole at its end, so a temp dir would hold the same bytes twice and leave them behind a
+killed server; an upload past
 `MAX_FILE_BYTES` (OpenAI's batch input limit) is refused as it arrives (413), and one past
 `MAX_STORED_BYTES` in all (413: files are deleted, or kept for the server's lifetime)."""
 
@@ -49,6 +50,11 @@ MAX_STORED_BYTES = 10 * MAX_FILE_BYTES
 _FORM_SLACK = 64 * 2**10  # the multipart framing and the form's other fields
 COMPLETION_WINDOW = "24h"  # (the only one OpenAI takes)
 _WINDOW_S = 24 * 3600
+MAX_REQUESTS = 50_000  # a batch file's requests at most (OpenAI's)
+# OpenAI's bounds on a Batch object's `metadata`: pairs, and each key's and value's length
+MAX_METADATA = (16, 64, 512)
+# A file's `expires_after` (and a batch's `output_expires_after`): seconds, as OpenAI takes them
+EXPIRES_S = (3600, 30 * 24 * 3600)
 _MODEL_ASK_S = 10.0  # a batch's wait for its model (`BatchRunner.model`), as the router's asks
 # A batch's requests in flight at most (`BatchRunner.run`), or how to learn it as it starts
 # (the router asks its decode servers then: they may come and go).
@@ -57,15 +63,18 @@ Window = int | Callable[[], Awaitable[int]]
 
 class BatchFileError(DsakvError):
     """A batch file that cannot be run at all (not UTF-8, a line not a JSON object, one
-    without its custom_id): `dsakv run-batch` exits 2, a server's batch fails with it
-    (OpenAI's `errors`: `code`, and the 1-based `line` where it names one)."""
+    without its custom_id; on a server, `check_batch`'s): `dsakv run-batch` exits 2, a
+    server's batch fails with it (OpenAI's `errors`: `code`, the 1-based `line` and the
+    `param` where it names one)."""
 
-    def __init__(self, message: str, code: str, line: int | None = None) -> None:
+    def __init__(
+        self, message: str, code: str, line: int | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.code, self.line = code, line
+        self.code, self.line, self.param = code, line, param
 
     def as_error(self) -> dict[str, Any]:
-        return {"code": self.code, "message": str(self), "param": None, "line": self.line}
+        return {"code": self.code, "message": str(self), "param": self.param, "line": self.line}
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,7 @@ class BatchLine:
     method: Any
     url: Any
     body: Any
+    number: int = 0  # its line in the file (1-based), which a server batch's `errors` name
 
 
 def parse_batch(data: bytes | str) -> list[BatchLine]:
@@ -102,8 +112,35 @@ def parse_batch(data: bytes | str) -> list[BatchLine]:
             got = "none" if custom_id is None else f"{custom_id!r}"
             message = f"line {number}: custom_id must be a string, got {got}"
             raise BatchFileError(message, "missing_custom_id", number)
-        lines.append(BatchLine(custom_id, obj.get("method"), obj.get("url"), obj.get("body")))
+        lines.append(
+            BatchLine(custom_id, obj.get("method"), obj.get("url"), obj.get("body"), number)
+        )
     return lines
+
+
+def check_batch(lines: Sequence[BatchLine], endpoint: str) -> None:
+    """OpenAI's checks of a server batch's file as a whole, which fail the batch
+    (`BatchFileError`) rather than a line: some requests, `MAX_REQUESTS` at most, each to
+    the batch's `endpoint`, each `custom_id` once (its output lines are found by it)."""
+    if not lines:
+        raise BatchFileError("the input file holds no requests", "empty_file")
+    if len(lines) > MAX_REQUESTS:
+        message = f"the input file holds {len(lines)} requests, {MAX_REQUESTS} at most"
+        raise BatchFileError(message, "too_many_tasks")
+    seen: set[str] = set()
+    for line in lines:
+        if line.url != endpoint:
+            message = (
+                f"line {line.number}: url {line.url!r} is not the batch's endpoint {endpoint!r}"
+            )
+            raise BatchFileError(message, "url_mismatch", line.number, "url")
+        if line.custom_id in seen:
+            message = (
+                f"line {line.number}: custom_id {line.custom_id!r} is a duplicate (each must "
+                "be unique in a batch)"
+            )
+            raise BatchFileError(message, "duplicate_custom_id", line.number, "custom_id")
+        seen.add(line.custom_id)
 
 
 def read_batch_file(path: str) -> list[BatchLine]:
@@ -140,7 +177,6 @@ class BatchRunner:
     async def run(
         self,
         lines: Sequence[BatchLine],
-        endpoint: str | None = None,
         done: Callable[[int, dict[str, Any]], None] | None = None,
         stop: asyncio.Event | None = None,
         window: int | None = None,
@@ -148,11 +184,11 @@ class BatchRunner:
     ) -> list[dict[str, Any] | None]:
         """Every line's output line, in input order, all submitted at once, or `window` at a
         time in input order (a server's batch: requests sent meanwhile then queue behind
-        those, not the whole file); `done(i, line)` as each ends. `endpoint`: the one url
-        the lines may name (a server batch's); `stop` set: the lines still running are
-        aborted, and theirs and the entries of those not begun left None (set already: none
-        begins). `headers`: the API key each line is sent with (`key_headers`). A line's run
-        failing (a bug: `done` raising) stops the others and is raised."""
+        those, not the whole file); `done(i, line)` as each ends. `stop` set: the lines
+        still running are aborted, and theirs and the entries of those not begun left None
+        (set already: none begins). `headers`: the API key each line is sent with
+        (`key_headers`). A line's run failing (a bug: `done` raising) stops the others and
+        is raised."""
         results: list[dict[str, Any] | None] = [None] * len(lines)
         if stop is not None and stop.is_set():
             return results
@@ -160,7 +196,7 @@ class BatchRunner:
 
         async def next_lines() -> None:
             for i, line in queued:  # (shared: each line taken by one)
-                results[i] = await self.run_line(line, endpoint, headers)
+                results[i] = await self.run_line(line, headers)
                 if done is not None:
                     done(i, results[i])
 
@@ -182,14 +218,11 @@ class BatchRunner:
         return results
 
     async def run_line(
-        self,
-        line: BatchLine,
-        endpoint: str | None = None,
-        headers: Mapping[str, str] | None = None,
+        self, line: BatchLine, headers: Mapping[str, str] | None = None
     ) -> dict[str, Any]:
         """One line's output line: the route's answer, or why the line is not sent."""
         try:
-            self._check(line, endpoint)
+            self._check(line)
         except APIError as e:
             return _output_line(line.custom_id, e.status, e.body())
         status, answer, request_id = await self._call(
@@ -211,16 +244,13 @@ class BatchRunner:
         except (KeyError, IndexError, TypeError):
             return None
 
-    def _check(self, line: BatchLine, endpoint: str | None) -> None:
+    def _check(self, line: BatchLine) -> None:
         """The APIError for a line that is no batch request: a POST to a route this app
-        serves (the batch's endpoint, on a server's batch), answered whole (as vLLM's: a
-        true `stream` or Responses API `background` is refused; any other value is the
-        route's to validate)."""
+        serves (on a server's batch, its endpoint: `check_batch`), answered whole (as
+        vLLM's: a true `stream` or Responses API `background` is refused; any other value
+        is the route's to validate)."""
         if line.method != "POST":
             raise APIError(400, f"method must be POST, got {line.method!r}", param="method")
-        if endpoint is not None and line.url != endpoint:
-            message = f"url {line.url!r} is not the batch's endpoint {endpoint!r}"
-            raise APIError(400, message, param="url")
         if not isinstance(line.url, str) or line.url not in self.urls():
             supported = ", ".join(self.urls())
             raise APIError(400, f"url {line.url!r} is not one of {supported}", param="url")
@@ -311,17 +341,87 @@ def _output_line(
     }
 
 
-def _cancelled_line(custom_id: str) -> dict[str, Any]:
-    """The error line of a request its batch's cancel cut short (OpenAI's error file lists
-    every request without an answer)."""
-    message = "the batch was cancelled before this request finished"
-    error = error_body(message, "server_error", code="batch_cancelled")["error"]
+def _unfinished_line(custom_id: str, expired: bool) -> dict[str, Any]:
+    """The error line of a request its batch's cancel, or its window's end, cut short
+    (OpenAI's error file lists every request without an answer)."""
+    if expired:
+        message = "the batch's completion window ended before this request finished"
+        code = "batch_expired"
+    else:
+        message, code = "the batch was cancelled before this request finished", "batch_cancelled"
+    error = error_body(message, "server_error", code=code)["error"]
     return {
         "id": new_id("batch_req_"),
         "custom_id": custom_id,
         "response": None,
         "error": error,
     }
+
+
+def _add_usage(total: dict[str, Any], usage: Any) -> None:
+    """A line's answer's `usage` added to its batch's (OpenAI's BatchUsage): the Responses
+    API's names its counts as the batch's do, chat's and completions' `prompt_tokens`,
+    `completion_tokens` and their `*_details` (either details may be null or absent)."""
+    if not isinstance(usage, dict):
+        return
+
+    def count(*path: str) -> int:
+        x: Any = usage
+        for key in path:
+            x = x.get(key) if isinstance(x, dict) else None
+        return x if isinstance(x, int) else 0
+
+    inputs = count("input_tokens") + count("prompt_tokens")
+    outputs = count("output_tokens") + count("completion_tokens")
+    total["input_tokens"] += inputs
+    total["output_tokens"] += outputs
+    total["total_tokens"] += count("total_tokens") or inputs + outputs
+    cached = count("input_tokens_details", "cached_tokens")
+    cached += count("prompt_tokens_details", "cached_tokens")
+    total["input_tokens_details"]["cached_tokens"] += cached
+    reasoning = count("output_tokens_details", "reasoning_tokens")
+    reasoning += count("completion_tokens_details", "reasoning_tokens")
+    total["output_tokens_details"]["reasoning_tokens"] += reasoning
+
+
+def _at(when: int, callback: Callable[..., Any], *args: Any) -> asyncio.TimerHandle:
+    """`callback(*args)` on the running loop at the Unix time `when`: what expires (a file,
+    a batch's window) goes then, whether or not anyone looks at it."""
+    return asyncio.get_running_loop().call_later(max(0.0, when - time.time()), callback, *args)
+
+
+def _expires_in(value: Any, param: str) -> int:
+    """The seconds of an `expires_after` (`{"anchor": "created_at", "seconds": N}`, as
+    OpenAI takes it; a form's fields are strings), or its 400."""
+    anchor = value.get("anchor") if isinstance(value, dict) else None
+    if anchor != "created_at":
+        message = f"{param}.anchor must be 'created_at', got {anchor!r}"
+        raise APIError(400, message, param=f"{param}.anchor")
+    seconds = value.get("seconds")
+    if isinstance(seconds, str) and seconds.isdecimal():
+        seconds = int(seconds)
+    low, high = EXPIRES_S
+    if type(seconds) is not int or not low <= seconds <= high:
+        message = f"{param}.seconds must be an integer from {low} to {high}, got {seconds!r}"
+        raise APIError(400, message, param=f"{param}.seconds")
+    return seconds
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's bounds on `metadata` (its pairs' types are the body model's)."""
+    pairs, key_chars, value_chars = MAX_METADATA
+    if metadata is None:
+        return
+    if len(metadata) > pairs:
+        message = f"metadata has {len(metadata)} pairs, {pairs} at most"
+        raise APIError(400, message, param="metadata")
+    for key, value in metadata.items():
+        if len(key) > key_chars:
+            message = f"metadata key {key[:16]!r}... is {len(key)} characters, {key_chars} at most"
+            raise APIError(400, message, param="metadata")
+        if len(value) > value_chars:
+            message = f"metadata[{key!r}] is {len(value)} characters, {value_chars} at most"
+            raise APIError(400, message, param="metadata")
 
 
 # --- the server's /v1/files and /v1/batches ----------------------------------------------------
@@ -340,6 +440,8 @@ class _Batch:
     # Its run, held here: the event loop keeps only a weak reference to a task, so one held
     # by nobody may be collected mid-run; and what a server's stop cancels (`Batches.stop`)
     task: asyncio.Task | None = None
+    expired: bool = False  # (stopped by its window's end, not a cancel)
+    output_expires_in: int | None = None  # its output and error files' `expires_at`, after them
 
 
 class BatchCreateRequest(BaseModel):
@@ -348,10 +450,13 @@ class BatchCreateRequest(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    output_expires_after: dict[str, Any] | None = None
 
 
 class Batches:
-    """The files uploaded and the batches run of them (`add_batch_routes`), in memory."""
+    """The files uploaded and the batches run of them (`add_batch_routes`), in memory. What
+    expires goes at its time (`_at`): a file at its `expires_at` is deleted, a batch
+    unfinished at the end of its window is stopped, then `expired` (`_expire`)."""
 
     def __init__(self, runner: BatchRunner, model_name: str | None, window: Window) -> None:
         self.runner = runner
@@ -360,20 +465,25 @@ class Batches:
         self.files: dict[str, _File] = {}
         self.batches: dict[str, _Batch] = {}
 
-    def add_file(self, data: bytes, filename: str, purpose: str) -> dict[str, Any]:
+    def add_file(
+        self, data: bytes, filename: str, purpose: str, expires_in: int | None = None
+    ) -> dict[str, Any]:
         file_id = new_id("file-")
+        created = int(time.time())
         info = {
             "id": file_id,
             "object": "file",
             "bytes": len(data),
-            "created_at": int(time.time()),
+            "created_at": created,
             "filename": filename,
             "purpose": purpose,
             "status": "processed",
-            "expires_at": None,
+            "expires_at": None if expires_in is None else created + expires_in,
             "status_details": None,
         }
         self.files[file_id] = _File(info, data)
+        if expires_in is not None:
+            _at(info["expires_at"], self.files.pop, file_id, None)
         return info
 
     def file(self, file_id: str) -> _File:
@@ -388,9 +498,9 @@ class Batches:
 
     def create(self, body: BatchCreateRequest, headers: Mapping[str, str]) -> dict[str, Any]:
         """A batch of `body.input_file_id`'s requests, validated and run from here on (its
-        `status`: validating, in_progress, finalizing, then completed, failed or
-        cancelled), each sent with its creator's API key (`headers`: `key_headers`; held
-        by its run only)."""
+        `status`: validating, in_progress, finalizing, then completed, failed, cancelled or
+        expired), each sent with its creator's API key (`headers`: `key_headers`; held by
+        its run only)."""
         if body.endpoint not in self.runner.urls():
             supported = ", ".join(self.runner.urls())
             message = f"endpoint {body.endpoint!r} is not supported; batches run {supported}"
@@ -398,6 +508,10 @@ class Batches:
         if body.completion_window != COMPLETION_WINDOW:
             message = f"completion_window must be {COMPLETION_WINDOW!r}"
             raise APIError(400, message, param="completion_window")
+        _check_metadata(body.metadata)
+        expires_in = None
+        if body.output_expires_after is not None:
+            expires_in = _expires_in(body.output_expires_after, "output_expires_after")
         if body.input_file_id not in self.files:
             message = f"No such File object: {body.input_file_id}"
             raise APIError(404, message, param="input_file_id")
@@ -428,10 +542,17 @@ class Batches:
             "cancelling_at": None,
             "cancelled_at": None,
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "usage": {
+                "input_tokens": 0,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": 0,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": 0,
+            },
             "metadata": body.metadata,
             "model": self.model_name,
         }
-        batch = _Batch(info)
+        batch = _Batch(info, output_expires_in=expires_in)
         self.batches[info["id"]] = batch
         batch.task = asyncio.create_task(self._run(batch, source.data, headers))
         return info
@@ -446,9 +567,12 @@ class Batches:
 
     def cancel(self, batch_id: str) -> dict[str, Any]:
         """OpenAI's cancel: `cancelling` while the requests in flight are aborted, then
-        `cancelled`, with the answers that came first (and an error line for each other)."""
+        `cancelled`, with the answers that came first (and an error line for each other).
+        A batch its window's end stopped ends `expired` all the same."""
         batch = self.batch(batch_id)
         status = batch.info["status"]
+        if batch.expired:  # (stopped already: it ends `expired`)
+            return batch.info
         if status in ("validating", "in_progress"):
             batch.info.update(status="cancelling", cancelling_at=int(time.time()))
             batch.stop.set()
@@ -459,10 +583,15 @@ class Batches:
 
     async def _run(self, batch: _Batch, data: bytes, headers: Mapping[str, str]) -> None:
         info = batch.info
+
+        def validated() -> list[BatchLine]:
+            lines = parse_batch(data)
+            check_batch(lines, info["endpoint"])
+            return lines
+
+        expiry = _at(info["expires_at"], self._expire, batch)
         try:
-            lines = await asyncio.to_thread(parse_batch, data)
-            if not lines:
-                raise BatchFileError("the input file holds no requests", "empty_file")
+            lines = await asyncio.to_thread(validated)
         except BatchFileError as e:
             errors = {"object": "list", "data": [e.as_error()]}
             info.update(status="failed", failed_at=int(time.time()), errors=errors)
@@ -474,6 +603,16 @@ class Batches:
             error = {"code": "server_error", "message": str(e), "param": None, "line": None}
             errors = {"object": "list", "data": [error]}
             info.update(status="failed", failed_at=int(time.time()), errors=errors)
+        finally:
+            expiry.cancel()
+
+    def _expire(self, batch: _Batch) -> None:
+        """A batch's window ended: one still running (not finalizing, not cancelled) is
+        stopped, and `_run_lines` ends it `expired` (OpenAI's: the answers so far in its
+        output file, an error line `batch_expired` for each other)."""
+        if batch.info["status"] in ("validating", "in_progress") and not batch.stop.is_set():
+            batch.expired = True
+            batch.stop.set()
 
     async def _learn(self, batch: _Batch, headers: Mapping[str, str]) -> int:
         """What a batch learns as it starts, which a cancel does not wait for: how many of
@@ -511,23 +650,32 @@ class Batches:
             info.update(status="in_progress", in_progress_at=int(time.time()))
 
         def done(_: int, record: dict[str, Any]) -> None:
-            counts["completed" if succeeded(record) else "failed"] += 1
+            if succeeded(record):
+                counts["completed"] += 1
+                body = record["response"]["body"]
+                _add_usage(info["usage"], body.get("usage") if isinstance(body, dict) else None)
+            else:
+                counts["failed"] += 1
 
         window = await self._learn(batch, headers)
-        results = await self.runner.run(lines, info["endpoint"], done, batch.stop, window, headers)
-        cancelled = batch.stop.is_set()
-        if not cancelled:
+        results = await self.runner.run(lines, done, batch.stop, window, headers)
+        stopped = batch.stop.is_set()
+        if not stopped:
             info.update(status="finalizing", finalizing_at=int(time.time()))
-        records = [r or _cancelled_line(x.custom_id) for r, x in zip(results, lines)]
-        # (a line the cancel cut short failed: the counts add up to the output and error files)
+        records = [
+            r or _unfinished_line(x.custom_id, batch.expired) for r, x in zip(results, lines)
+        ]
+        # (a line the stop cut short failed: the counts add up to the output and error files)
         counts["failed"] += results.count(None)
         for kind, key in (("output", "output_file_id"), ("error", "error_file_id")):
             chosen = [r for r in records if succeeded(r) == (kind == "output")]
             if chosen:
                 data = await asyncio.to_thread(_jsonl, chosen)
                 name = f"{info['id']}_{kind}.jsonl"
-                info[key] = self.add_file(data, name, "batch_output")["id"]
-        if cancelled:
+                info[key] = self.add_file(data, name, "batch_output", batch.output_expires_in)["id"]
+        if batch.expired:
+            info.update(status="expired", expired_at=int(time.time()))
+        elif stopped:
             info.update(status="cancelled", cancelled_at=int(time.time()))
         else:
             info.update(status="completed", completed_at=int(time.time()))
@@ -548,9 +696,11 @@ def _page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[st
     return list_page(items[start : start + limit], start + limit < len(items))
 
 
-async def _upload(raw: Request) -> tuple[bytes, str, Any]:
-    """The multipart form's file (its bytes and name) and purpose; past `MAX_FILE_BYTES` a
-    413 as soon as the body says so (its Content-Length) or has sent that much."""
+async def _upload(raw: Request) -> tuple[bytes, str, Any, dict[str, Any] | None]:
+    """The multipart form's file (its bytes and name), purpose and `expires_after` (the
+    openai client's `expires_after[anchor]` and `expires_after[seconds]` fields; None
+    without them); past `MAX_FILE_BYTES` a 413 as soon as the body says so (its
+    Content-Length) or has sent that much."""
     too_large = APIError(
         413, f"the file is larger than {MAX_FILE_BYTES} bytes", param="file", code="file_too_large"
     )
@@ -574,7 +724,10 @@ async def _upload(raw: Request) -> tuple[bytes, str, Any]:
         data = await file.read(MAX_FILE_BYTES + 1)
         if len(data) > MAX_FILE_BYTES:
             raise too_large
-        return data, file.filename or "upload.jsonl", purpose
+        expires = {k: form.get(f"expires_after[{k}]") for k in ("anchor", "seconds")}
+        if all(v is None for v in expires.values()):
+            return data, file.filename or "upload.jsonl", purpose, None
+        return data, file.filename or "upload.jsonl", purpose, expires
 
 
 def add_batch_routes(
@@ -592,10 +745,11 @@ def add_batch_routes(
     app.state.batches = store
 
     async def upload(raw: Request) -> Response:
-        data, filename, purpose = await _upload(raw)
+        data, filename, purpose, expires = await _upload(raw)
         if purpose != "batch":
             message = f"purpose must be 'batch' (the only files run here), got {purpose!r}"
             raise APIError(400, message, param="purpose")
+        expires_in = None if expires is None else _expires_in(expires, "expires_after")
         held = sum(f.info["bytes"] for f in store.files.values())
         if held + len(data) > MAX_STORED_BYTES:
             message = (
@@ -603,7 +757,7 @@ def add_batch_routes(
                 "some (DELETE /v1/files/{file_id}) to upload this one"
             )
             raise APIError(413, message, param="file", code="storage_limit_exceeded")
-        return JSONResponse(store.add_file(data, filename, purpose))
+        return JSONResponse(store.add_file(data, filename, purpose, expires_in))
 
     async def list_files(
         purpose: str | None = None,
