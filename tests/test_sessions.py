@@ -178,7 +178,8 @@ def test_turns_run_as_plain_requests_of_their_whole_input(base, reference):
 
 def test_unknown_session_or_rid_is_sglangs_abort(base, reference):
     """SGLang's abort of a session request that cannot run: unstreamed a 400 in its words,
-    streamed one output whose finish_reason says so (a 200); nothing runs."""
+    streamed one output whose finish_reason says so (a 200), of 1 prompt token as SGLang's;
+    nothing runs."""
     ids = _ids(reference, "hello")
     sid = _open(base)
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, **GREEDY}}
@@ -196,6 +197,8 @@ def test_unknown_session_or_rid_is_sglangs_abort(base, reference):
     assert events[-1] == "data: [DONE]" and len(events) == 2
     out = json.loads(events[0][6:])
     assert out["output_ids"] == [] and out["meta_info"]["id"] == "r"
+    # (SGLang's runs on a one-token placeholder prompt: `Req.set_finish_with_abort`)
+    assert (out["meta_info"]["prompt_tokens"], out["meta_info"]["completion_tokens"]) == (1, 0)
     assert out["meta_info"]["finish_reason"] == {
         "type": "abort",
         "message": "Invalid request session id",
@@ -203,6 +206,124 @@ def test_unknown_session_or_rid_is_sglangs_abort(base, reference):
         "err_type": "BadRequestError",
     }
     _close(base, sid)
+
+
+def _streamed_turn(
+    base: str, sid: str, ids: list[int], on: str | None = None, n: int = 4, **extra
+) -> list[dict]:
+    """`_turn` streamed: its chunks (each the output so far, SGLang's)."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, **GREEDY}}
+    if "rid" in extra:
+        body["rid"] = extra.pop("rid")
+    return sglang_stream(base, **body, session_params={"id": sid, "rid": on, **extra})
+
+
+def _until_no_call(base: str) -> None:
+    """Until the server has no generation call in flight (a streamed one's hang-up seen)."""
+    deadline = time.monotonic() + TIMEOUT
+    while httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"]:
+        assert time.monotonic() < deadline, "the server never saw its client hang up"
+        time.sleep(0.02)
+
+
+def test_a_streamed_turn_runs_and_joins_as_an_unstreamed_one(base, reference):
+    """SGLang streams a session request as a plain /generate: the same chunks, its output
+    that of the same turn unstreamed, and the turn joins its session, the next turn
+    following its output."""
+    ids, more = _ids(reference, "Streams take turns too."), _ids(reference, " Then")
+    sid = _open(base)
+    a = _turn(base, sid, ids, rid="a")
+    seq = ids + a["output_ids"]
+    chunks = _streamed_turn(base, sid, [BOS, 7, 8], on="a", n=6, rid="s")
+    assert len(chunks) > 1 and all(c["meta_info"]["id"] == "s" for c in chunks)
+    last = chunks[-1]
+    unstreamed = _turn(base, sid, [7, 8], on="a", n=6, rid="u")  # (the same history)
+    assert (last["output_ids"], last["text"]) == (unstreamed["output_ids"], unstreamed["text"])
+    assert last["meta_info"]["prompt_tokens"] == unstreamed["meta_info"]["prompt_tokens"]
+    assert last["meta_info"]["prompt_tokens"] == len(seq) + 2
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    history = seq + [7, 8] + last["output_ids"]
+    after = _streamed_turn(base, sid, more, on="s", rid="t")[-1]  # (streamed on streamed)
+    assert after["meta_info"]["prompt_tokens"] == len(history) + len(more)
+    assert after["output_ids"] == _plain(base, history + more)["output_ids"]
+    _close(base, sid)
+
+
+def test_a_streamed_turn_whose_client_left_keeps_the_output_it_had(base, served, reference):
+    """SGLang's: a turn aborted as its client hung up mid-stream stays in its session with
+    the output it had; the next turn follows it."""
+    async_engine = served[1]
+    ids, more = _ids(reference, "Hang up halfway."), _ids(reference, " Again")
+    sid = _open(base)
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 300, **GREEDY},
+        "rid": "h",
+        "session_params": {"id": sid},
+        "stream": True,
+    }
+    with engine_stops_stepping_at(async_engine, 3):
+        with (
+            httpx.Client(timeout=TIMEOUT) as http,
+            http.stream("POST", f"{base}/generate", json=body) as r,
+        ):
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if (
+                    line.startswith("data: {")
+                    and len(had := json.loads(line[6:])["output_ids"]) >= 3
+                ):
+                    break
+        _until_no_call(base)  # (before the engine steps again: it has 3 tokens)
+    assert len(had) == 3
+    after = _turn(base, sid, more, on="h")
+    assert after["meta_info"]["prompt_tokens"] == len(ids) + 3 + len(more)
+    assert after["output_ids"] == _plain(base, ids + had + more)["output_ids"]
+    _close(base, sid)
+    _check_clean(async_engine)
+
+
+def test_a_streamed_replace_drops_what_followed_as_it_starts(base, served, reference):
+    """A streamed `replace` drops (aborting) what followed its rid once the engine takes it,
+    as an unstreamed one: not what joined while it streamed; refused (past the context),
+    it drops nothing."""
+    async_engine = served[1]
+    ids = _ids(reference, "Rewind, streaming.")
+    sid = _open(base)
+    a = _turn(base, sid, ids, rid="a")
+    seq = ids + a["output_ids"]
+    long = {"max_new_tokens": 300, **GREEDY}
+    too_long = {"max_new_tokens": reference.engine.max_model_len, **GREEDY}
+    with engine_stops_stepping_at(async_engine, 3):
+        b = _Streamed(base, {"input_ids": [7], "sampling_params": long, "rid": "b",
+                             "session_params": {"id": sid, "rid": "a"}}, 3)  # fmt: skip
+        assert b.seen.wait(TIMEOUT)
+        refused = {"input_ids": [9], "sampling_params": too_long, "stream": True}
+        r = httpx.post(
+            f"{base}/generate",
+            json={**refused, "session_params": {"id": sid, "rid": "a", "replace": True}},
+            timeout=TIMEOUT,
+        )
+        assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text
+        append = {"input_ids": [4], "session_params": {"id": sid, "rid": "b"}}
+        _refused(base, append, "Session request is appending to a request that hasn't finished.")
+        replace = {"max_new_tokens": 6, **GREEDY}
+        c = _Streamed(base, {"input_ids": [9], "sampling_params": replace, "rid": "c",
+                             "session_params": {"id": sid, "rid": "a", "replace": True}}, 3)  # fmt: skip
+        assert c.seen.wait(TIMEOUT)
+        b_chunks = b.result()
+        d = _turn(base, sid, [5], on="a", n=2, rid="d")  # (joins while c streams)
+    c_chunks = c.result()
+    assert b_chunks[-1]["meta_info"]["finish_reason"] == _ABORTED
+    assert c_chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert c_chunks[-1]["output_ids"] == _plain(base, seq + [9], 6)["output_ids"]
+    body = {"input_ids": [4], "session_params": {"id": sid, "rid": "b"}}
+    _refused(base, body, "Invalid request session id")  # (b was dropped)
+    for on, added in (("c", [9] + c_chunks[-1]["output_ids"]), ("d", [5] + d["output_ids"])):
+        after = _turn(base, sid, [4], on=on, n=1)  # (c and d stay)
+        assert after["meta_info"]["prompt_tokens"] == len(seq) + len(added) + 1
+    _close(base, sid)
+    _check_clean(async_engine)
 
 
 def test_replace_drops_and_aborts_what_followed(base, served, reference):

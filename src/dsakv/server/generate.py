@@ -597,7 +597,7 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
         api.in_flight.close(call)
         if not body.stream:
             raise
-        out = _output(rids[0], Result(finish_reason="abort"), None, began, api.weight_version)
+        out = _output(rids[0], e.result(), None, began, api.weight_version)
         out["meta_info"]["finish_reason"] = e.finish_reason()
         return api.stream_response(_one(sse_event(out)), [])
     except BaseException:  # (from here `collect_all` or `stream_response` closes it)

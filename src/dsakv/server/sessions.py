@@ -70,6 +70,11 @@ class SessionRefused(APIError):
             "err_type": "BadRequestError",
         }
 
+    def result(self) -> Result:
+        """Its streamed output's: SGLang's aborted request runs on a one-token placeholder
+        prompt (`Req.set_finish_with_abort`), so it reports 1 prompt token."""
+        return Result(finish_reason="abort", prompt_tokens=1)
+
 
 @dataclass(eq=False)
 class _Node:
@@ -231,7 +236,9 @@ class Sessions:
 
     def turn(self, params: SessionParams | None, prompts: int, n: int, pd: bool) -> Turn | None:
         """The request's `Turn` (None: in no session); what a session request cannot be is
-        a 400: a batch, n > 1, or on a prefill or decode server (each runs half a request)."""
+        a 400: a batch or n > 1 (SGLang runs each prompt and sample as a session request of
+        its own, n > 1 adding a prefix-caching one, a `replace` among them aborting the
+        others), or on a prefill or decode server (each runs half a request)."""
         if params is None or params.id is None:
             return None
         if prompts != 1 or n != 1:
