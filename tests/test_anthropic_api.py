@@ -16,6 +16,7 @@ import logging
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from datetime import datetime
 
 import anthropic
 import httpx
@@ -343,6 +344,19 @@ def test_a_deferred_tool_an_earlier_turn_called_stays_loaded(claude, model):
         for tools in (deferred, CLAUDE_TOOLS)
     ]
     assert counted[0] == counted[1]
+
+
+def test_the_anthropic_sdk_lists_and_retrieves_the_models(claude, gpt, model):
+    """/v1/models carries Anthropic's fields beside OpenAI's: the Anthropic SDK's
+    models.list and retrieve read the served names (their type and display name were
+    None), and OpenAI's SDK reads the same cards."""
+    page = claude.models.list()
+    assert [m.id for m in page.data] == [m.id for m in gpt.models.list().data]
+    assert (page.first_id, page.last_id, page.has_more) == (model, page.data[-1].id, False)
+    got = claude.models.retrieve(model)
+    assert (got.id, got.type, got.display_name) == (model, "model", model)
+    card = gpt.models.retrieve(model).model_dump()  # (one card: both clocks the same)
+    assert datetime.fromisoformat(card["created_at"]).timestamp() == card["created"]
 
 
 def test_output_config_format_constrains_the_text_to_its_schema(claude, model):

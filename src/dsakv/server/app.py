@@ -210,7 +210,15 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:  # (vLLM's: a card per served name)
-        return {"object": "list", "data": [api.model_card(name) for name in api.model_names]}
+        names = api.model_names
+        return {
+            "object": "list",
+            "data": [api.model_card(name) for name in names],
+            # (Anthropic's page fields too, for its SDK's models.list: one page holds all)
+            "has_more": False,
+            "first_id": names[0],
+            "last_id": names[-1],
+        }
 
     # OpenAI's retrieve-model (`client.models.retrieve`); `path`: a served name may hold "/"
     @app.get("/v1/models/{model:path}")

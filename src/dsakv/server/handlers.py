@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import Request
@@ -506,15 +507,20 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         return {"prompt": text, "text": text}  # (vLLM's key, SGLang's)
 
     def model_card(self, name: str) -> dict[str, Any]:
-        """A served name's card, as /v1/models lists it and /v1/models/{model} returns it."""
-        e = self.engine.engine
+        """A served name's card, as /v1/models lists it and /v1/models/{model} returns it:
+        OpenAI's fields, and Anthropic's (`type`, `display_name`, `created_at`), so the
+        Anthropic SDK's `models.list` and `retrieve` read the same routes."""
+        e, now = self.engine.engine, int(time.time())
         return {
             "id": name,
             "object": "model",
-            "created": int(time.time()),
+            "created": now,
             "owned_by": "dsakv",
             "root": e.config.model,
             "max_model_len": e.max_model_len,
+            "type": "model",
+            "display_name": name,
+            "created_at": datetime.fromtimestamp(now, timezone.utc).isoformat(),
         }
 
     def model_info(self) -> dict[str, Any]:
