@@ -832,6 +832,34 @@ def test_the_router_relays_messages_over_a_prefill_decode_pair(tmp_path_factory)
         assert flushed.status_code == 200, flushed.text
 
 
+def test_a_prompt_too_long_for_the_prefill_server_alone_is_refused_as_one_server_words_it(
+    tmp_path_factory,
+):
+    """Under PD a prompt past the prefill server's context (not the decode server's) is the
+    client's 400 as a single server words it: Anthropic's "prompt is too long" for the
+    Messages API (Claude Code compacts on it), OpenAI's context_length_exceeded code for
+    chat (the decode server's answer had dropped the prefill server's code)."""
+    path = str(write_tiny_model(tmp_path_factory.mktemp("pd_short") / "m", "glm-tiny"))
+    conf = EngineConfig(path, **{**ENGINE_ARGS, "num_pages": 128})
+    short = EngineConfig(path, **{**ENGINE_ARGS, "num_pages": 128, "max_model_len": 64})
+    long = [{"role": "user", "content": "word " * 30}]
+    with ExitStack() as stack:
+        p_url = stack.enter_context(_keyed_disagg(short, "prefill"))
+        d_url = stack.enter_context(_keyed_disagg(conf, "decode"))
+        router = stack.enter_context(routing([p_url], [d_url], api_key=KEY))
+        claude = _claude(router)
+        gpt = openai.OpenAI(base_url=f"{router}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+        model = gpt.models.list().data[0].id
+        for stream in (False, True):
+            with pytest.raises(anthropic.BadRequestError) as e:
+                _message(claude, model, messages=long, max_tokens=4, stream=stream)
+            said = _error(e.value, 400, "invalid_request_error")
+            assert said.startswith("prompt is too long: ") and said.endswith(" > 63 maximum")
+            with pytest.raises(openai.BadRequestError) as e:
+                _chat(gpt, model, messages=long, max_tokens=4, stream=stream)
+            assert e.value.code == "context_length_exceeded", e.value.body
+
+
 def _dying_server() -> FastAPI:
     """A stand-in prefill or decode server whose streamed message ends mid-body after its
     first event, as a decode server killed mid-stream does."""

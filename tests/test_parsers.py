@@ -146,6 +146,17 @@ def test_deepseekv31_json_arguments():
     ]
 
 
+def test_deepseekv31_python_literals_do_not_end_the_call():
+    """`True`, `False` and `None` in DeepSeek-V3.1 arguments (outside strings) are values, as
+    vLLM passes them on, written as JSON's: streamed or not, the members after them stay."""
+    args = '{"metric": True, "opts": {"u": [False, null, None]}, "city": "None True", "days": 2}'
+    text = f"{CALLS}{CALL}get_weather{SEP}{args}{CALL_END}{CALLS_END}"
+    want = {"metric": True, "opts": {"u": [False, None, None]}, "city": "None True", "days": 2}
+    assert _parse("deepseekv31", text) == ("", [("get_weather", want)])
+    _, _, _, calls = _stream(_chat_parser("deepseekv31", "x</think>"), text, list(range(len(text))))
+    assert [json.loads(c["arguments"]) for c in calls] == [want]
+
+
 def test_glm_string_arguments_keep_their_whitespace():
     """A string is taken as written (code keeps its indent and last newline), as vLLM and
     SGLang read it; a typed value's layout is not data. Under a forcing grammar, whose GLM
@@ -240,7 +251,7 @@ def test_a_value_without_its_close_tag_ends_at_the_call(parser, text):
         ),
         (
             "deepseekv31",
-            f'{CALLS}{CALL}ping{SEP}{{"a": 1, "b": True}}{CALL_END}{CALLS_END}',
+            f'{CALLS}{CALL}ping{SEP}{{"a": 1, "b": undefined}}{CALL_END}{CALLS_END}',
             "",
             [("ping", {"a": 1})],
         ),

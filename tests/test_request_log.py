@@ -299,7 +299,7 @@ def test_generate_logs_a_batch_under_the_rids_its_client_gave(served, lines):
 def test_score_logs_its_items_as_one_call(served, lines, caplog):
     """/v1/score's items, one prompt each through the generation path, logged as one call
     under vLLM's score- id (its X-Request-Id's, else a new one), as the other routes are;
-    they were not logged at all."""
+    they were not logged at all. Its completion tokens are its usage's: none."""
     base = served[0]["level1"]
     body = {"query": "Is it ", "items": ["yes", "no"], "label_token_ids": [3, 17]}
     r = httpx.post(f"{base}/v1/score", json=body, headers={"X-Request-Id": "sc-1"}, timeout=TIMEOUT)
@@ -309,6 +309,8 @@ def test_score_logs_its_items_as_one_call(served, lines, caplog):
     assert "token_ids_logprob=[3, 17]" in received  # (level 1: its params)
     tokens = r.json()["usage"]["prompt_tokens"]
     assert f"finish_reason=[length, length], prompt_tokens={tokens}," in finished
+    assert r.json()["usage"]["completion_tokens"] == 0  # (the line agrees: it said 2)
+    assert f"prompt_tokens={tokens}, completion_tokens=0," in finished
     _post(base, "/v1/score", **body)  # (no X-Request-Id: an id of its own)
     said = [x.getMessage() for x in caplog.records if x.name == "dsakv.requests"]
     assert any(re.match(r"Received request score-[0-9a-f]{32}: route=/v1/score,", x) for x in said)

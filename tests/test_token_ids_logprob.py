@@ -121,6 +121,27 @@ def test_one_list_for_all_prompts_or_one_each_streamed_or_not(base, reference):
         assert last[name] == whole[name]
 
 
+def test_a_prompts_empty_list_asks_for_no_ids(base, reference):
+    """One prompt's empty list is asked with no ids, as SGLang's (only a top-level empty list
+    is not asked): an empty list per output and scored prompt position, streamed or not."""
+    prompts = [_ids(reference), _ids(reference, "Hello there, reward model.")]
+    sp = {"max_new_tokens": 3, **GREEDY}
+    body = dict(input_ids=prompts, return_logprob=True, logprob_start_len=2)
+    outs = sglang_generate(base, sampling_params=sp, token_ids_logprob=[[], [5]], **body)
+    meta = outs[0]["meta_info"]
+    assert meta["output_token_ids_logprobs"] == [[], [], []]
+    assert meta["input_token_ids_logprobs"] == [None] + [[]] * (len(prompts[0]) - 3)
+    assert [[t for _, t, _ in x] for x in outs[1]["meta_info"]["output_token_ids_logprobs"]] == [
+        [5]
+    ] * 3
+    last = sglang_stream(base, sampling_params=sp, **{**body, "input_ids": prompts[0]},
+                         token_ids_logprob=[[]])[-1]["meta_info"]  # fmt: skip
+    assert last["output_token_ids_logprobs"] == meta["output_token_ids_logprobs"]
+    assert last["input_token_ids_logprobs"] == meta["input_token_ids_logprobs"]
+    plain = sglang_generate(base, sampling_params=sp, token_ids_logprob=[], **body)
+    assert all("output_token_ids_logprobs" not in o["meta_info"] for o in plain)
+
+
 _BAD = [
     {"token_ids_logprob": [10**6]},  # past the vocabulary
     {"token_ids_logprob": [-1]},

@@ -38,11 +38,14 @@ _MAX_LINE = 64 << 20  # a registration carries the prompt's ids and the page lis
 class BootstrapError(RuntimeError):
     """The handshake failed: layouts differ, the peer is gone, or nobody answered in time.
     `status` 400: the request itself failed on the prefill server (its client's fault);
-    `param`: the request field its answer named."""
+    `param`: the request field its answer named, `code` its OpenAI code (a prompt past the
+    prefill server's context: context_length_exceeded, which clients read to compact)."""
 
-    def __init__(self, message: str, status: int = 502, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 502, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.code = status, param, code
 
 
 # --- what must match ---------------------------------------------------------------------------
@@ -106,8 +109,11 @@ class Registration:
     def done(self, **info: Any) -> None:
         self._set({"type": "done", **info})
 
-    def fail(self, message: str, status: int = 502, param: str | None = None) -> None:
-        self._set({"type": "error", "message": message, "status": status, "param": param})
+    def fail(
+        self, message: str, status: int = 502, param: str | None = None, code: str | None = None
+    ) -> None:
+        error = {"message": message, "status": status, "param": param, "code": code}
+        self._set({"type": "error", **error})
 
     def _set(self, reply: dict[str, Any]) -> None:
         with contextlib.suppress(concurrent.futures.InvalidStateError):
@@ -118,8 +124,8 @@ class Registration:
 class _Room:
     registered: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     claimed: bool = False
-    # (message, status, param): the prefill server's refusal
-    refused: tuple[str, int, str | None] | None = None
+    # (message, status, param, code): the prefill server's refusal
+    refused: tuple[str, int, str | None, str | None] | None = None
 
 
 class BootstrapServer:
@@ -178,7 +184,14 @@ class BootstrapServer:
             raise BootstrapError(error)
         return reg
 
-    def refuse(self, room: int, message: str, status: int, param: str | None = None) -> None:
+    def refuse(
+        self,
+        room: int,
+        message: str,
+        status: int,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         """The prefill server refused `room`'s request (the client's error, e.g. a prompt
         longer than its context): the decode server waiting for the room hears why now, or
         when it registers, instead of waiting out the timeout. A room already claimed (its
@@ -187,9 +200,9 @@ class BootstrapServer:
         with self._lock:
             if slot.claimed or slot.refused is not None:
                 return
-            slot.refused = (message, status, param)
+            slot.refused = (message, status, param, code)
         if slot.registered.done() and slot.registered.exception() is None:
-            slot.registered.result().fail(message, status, param)
+            slot.registered.result().fail(message, status, param, code)
         self._loop.call_soon_threadsafe(
             self._loop.call_later, self.timeout, self._forget, room, slot
         )
@@ -237,9 +250,9 @@ class BootstrapServer:
             room = int(msg["room"])
             slot = self._room(room)
             if slot.refused is not None:
-                message, status, param = slot.refused
-                error = {"type": "error", "message": message, "status": status, "param": param}
-                await _send(writer, error)
+                message, status, param, code = slot.refused
+                error = {"message": message, "status": status, "param": param, "code": code}
+                await _send(writer, {"type": "error", **error})
                 return
             diffs = differences(self.layout, msg["layout"], "prefill", "decode")
             if diffs:
@@ -366,11 +379,12 @@ async def request_kv(
                 hit = int(msg.get("cached_tokens") or 0)
                 msg["cached_tokens"] = max(0, min(hit, int(msg["tokens"])))
                 return msg
-            param = msg.get("param")
+            param, code = msg.get("param"), msg.get("code")
             raise BootstrapError(
                 str(msg.get("message", msg)),
                 int(msg.get("status", 502)),
                 param if isinstance(param, str) else None,
+                code if isinstance(code, str) else None,
             )
     except OSError as e:
         raise BootstrapError(f"lost the prefill server {host}:{port}: {e}") from None

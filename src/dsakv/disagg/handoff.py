@@ -208,32 +208,37 @@ class _Refusing:
         elif message["type"] == "http.response.body" and not self._ok():
             self.body.append(message.get("body", b""))
             if not message.get("more_body", False):
-                self.failed(*_error(b"".join(self.body), self.status), self.status)
+                said, param, code = _error(b"".join(self.body), self.status)
+                self.failed(said, param, self.status, code)
         await self.send(message)
 
-    def failed(self, message: str, param: str | None, status: int | None) -> None:
+    def failed(
+        self, message: str, param: str | None, status: int | None, code: str | None = None
+    ) -> None:
         if self.done:
             return
         self.done = True
         for room in self.rooms:
-            self.refuse(room, message, status or 500, param)
+            self.refuse(room, message, status or 500, param, code)
 
     def _ok(self) -> bool:
         return self.status is not None and 200 <= self.status < 300
 
 
-def _error(raw: bytes, status: int | None) -> tuple[str, str | None]:
+def _error(raw: bytes, status: int | None) -> tuple[str, str | None, str | None]:
     """An error response's message (OpenAI's `error.message`, FastAPI's `detail`, else
-    the status) and the request field it names (OpenAI's `error.param`)."""
+    the status), the request field it names and its code (OpenAI's `error.param` and
+    `error.code`: the decode server answers with them as the prefill server did)."""
     body = _json_or_none(raw)
     if isinstance(body, dict):
         error = body.get("error")
         message = error.get("message") if isinstance(error, dict) else error
         message = message or body.get("message") or body.get("detail")
-        param = error.get("param") if isinstance(error, dict) else None
+        named = error if isinstance(error, dict) else {}
+        param, code = named.get("param"), named.get("code")
         if isinstance(message, str) and message:
-            return message, param if isinstance(param, str) else None
-    return f"the prefill server answered HTTP {status}", None
+            return message, *(x if isinstance(x, str) else None for x in (param, code))
+    return f"the prefill server answered HTTP {status}", None, None
 
 
 async def _buffer_body(receive: Callable) -> tuple[bytes, Callable]:

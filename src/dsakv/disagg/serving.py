@@ -431,7 +431,7 @@ class DecodeAsyncEngine(_DisaggEngine):
             except BootstrapError as e:
                 await self.call(lambda eng: ops.drop(eng, req))
                 if e.status < 500:  # the request failed on the prefill server by itself
-                    raise APIError(e.status, str(e), param=e.param) from None
+                    raise APIError(e.status, str(e), param=e.param, code=e.code) from None
                 self.stats.fail()  # (a status the prefill server answered, e.g. its 503)
                 raise APIError(e.status, str(e), type="server_error") from None
             self.stats.add(int(reply["bytes"]), int(reply["tokens"]), float(reply["seconds"]))

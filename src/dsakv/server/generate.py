@@ -737,7 +737,8 @@ def _token_ids_logprob(
     value: list[int] | list[list[int]] | None, prompts: int, n: int
 ) -> list[tuple[int, ...] | None]:
     """Each prompt's `token_ids_logprob`, as SGLang normalises it: one list of ids for all
-    prompts, or a list of one list each (not with n > 1); empty is none."""
+    prompts, or a list of one list each (not with n > 1); an empty list is none, but one
+    prompt's empty list asks for no ids (SGLang's: an empty list per position)."""
     name = "token_ids_logprob"
     if not value:
         return [None] * prompts
@@ -745,7 +746,7 @@ def _token_ids_logprob(
     each = [value] * prompts if one else _per_prompt(value, name, prompts, n)
     if any(t < 0 for ids in each for t in ids):
         raise APIError(400, f"{name} must be token ids (>= 0)", param=name)
-    return [tuple(ids) or None for ids in each]
+    return [tuple(ids) for ids in each]
 
 
 def _with_rows(body: GenerateRequest, params: list[SamplingParams], n: int) -> list[SamplingParams]:
@@ -928,11 +929,11 @@ def _logprobs(r: Result, ask: _LogprobAsk) -> dict[str, Any]:
     if ask.token_ids is not None:  # (as the top ones: [logprob, id, text] per asked id)
         ids = list(ask.token_ids)
         by_id = (first.prompt_token_ids_logprobs if first else None) or []
+        by_id = by_id if ids else [None] * len(scores)  # (no ids asked: none gathered)
         id_inputs = [*first_top, *(_triples(_lps(by_id[p]), ids, text) for p in span)]
         out["input_token_ids_logprobs"] = id_inputs if ask.prompt else []
-        out["output_token_ids_logprobs"] = [
-            _triples(_lps(x), ids, text) for x in r.token_ids_logprobs
-        ]
+        outputs = r.token_ids_logprobs if ids else [None] * len(r.token_ids)
+        out["output_token_ids_logprobs"] = [_triples(_lps(x), ids, text) for x in outputs]
     return out
 
 

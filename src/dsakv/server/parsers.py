@@ -177,8 +177,9 @@ _V31_CALLS, _V31_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls�
 _V31_CALL, _V31_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
 _V31_SEP = "<｜tool▁sep｜>"
 _JSON_CHARS = r'(?:[^"\\]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+'  # a JSON string's inside
-_JSON = (  # (regex's recursion: `jval` is one JSON value, whitespace around it included)
-    rf'(?(DEFINE)(?P<jstr>"{_JSON_CHARS}")(?P<jval>\s*(?:(?&jstr)|true|false|null'
+_JSON = (  # (regex's recursion: `jval` is one JSON value, whitespace around it included;
+    # Python's True, False and None too, which the model writes at times and vLLM passes on)
+    rf'(?(DEFINE)(?P<jstr>"{_JSON_CHARS}")(?P<jval>\s*(?:(?&jstr)|true|false|null|True|False|None'
     r"|-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?"
     r"|\{\s*(?:(?&jstr)\s*:(?&jval)(?:,\s*(?&jstr)\s*:(?&jval))*)?\}"
     r"|\[\s*(?:(?&jval)(?:,(?&jval))*)?\])\s*))"
@@ -265,6 +266,12 @@ def _typed(raw: str, is_string: bool) -> Any:
 
 
 _LITERALS = ("true", "false", "null")
+_PY_LITERAL = regex.compile(r'"(?:[^"\\]|\\.)*+"?|\b(?:True|False|None)\b')  # (strings kept)
+
+
+def _as_json_literal(m: regex.Match[str]) -> str:
+    """Python's True/False/None (outside strings) as JSON's, so a value mixing both parses."""
+    return {"True": "true", "False": "false", "None": "null"}.get(m[0], m[0])
 
 
 def _partial_value(raw: str, is_string: bool) -> str:
@@ -433,7 +440,7 @@ class ToolCallParser:
     def _raw_value(self, m: regex.Match[str]) -> tuple[bool, str]:
         """Whether the value of the argument `m` is a string, and its text to read."""
         if self.fmt.json_values:  # (JSON whatever the schema says, as written)
-            return False, m["value"]
+            return False, _PY_LITERAL.sub(_as_json_literal, m["value"])
         name = self.calls[-1]["function"]["name"]
         schema = self.tools.get(name) or {}
         prop = (schema.get("properties") or {}).get(m["key"])

@@ -169,6 +169,9 @@ class Entry:
         self.n, self.said, self.due = 1, False, 0  # (`due`: the outputs it asked for)
         self.outputs: dict[RequestStream, Output] = {}
         self.failure: tuple[str, str | None] | None = None  # (finish reason, error)
+        # Whether the outputs' tokens are completion tokens: a /v1/score item's one token is
+        # not (its usage counts none, as SGLang's), so the line says what the usage says.
+        self.completion = True
 
     def received(
         self,
@@ -221,7 +224,7 @@ class Entry:
             f"route={self.route}",
             f"finish_reason={reasons[0] if len(reasons) == 1 else _list(reasons)}",
             f"prompt_tokens={sum(o.prompt_tokens for o in firsts)}",
-            f"completion_tokens={sum(o.completion_tokens for o in outs)}",
+            f"completion_tokens={sum(o.completion_tokens for o in outs) if self.completion else 0}",
             f"cached_tokens={sum(o.cached_tokens for o in firsts)}",
             f"e2e_latency={time.perf_counter() - self.began:.3f}s",
         ]
