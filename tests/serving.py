@@ -251,6 +251,17 @@ def scrape_metrics(base: str, labels: bool = False) -> dict[Any, float]:
     return out
 
 
+def metric(m: dict, name: str, **labels: str) -> float:
+    """The sample of `name` with exactly `labels` in a `scrape_metrics(..., labels=True)`."""
+    return m[(name, tuple(sorted(labels.items())))]
+
+
+def grown(before: dict, after: dict, name: str, **labels: str) -> float:
+    """How much `metric` grew from one labelled scrape to a later one (absent before: 0)."""
+    key = (name, tuple(sorted(labels.items())))
+    return after[key] - before.get(key, 0)
+
+
 def disagg_info(base: str) -> dict:
     return httpx.get(f"{base}/disagg/info", timeout=30).json()
 

@@ -4,7 +4,9 @@ dashboards read) beside dsakv's, one value each, and vLLM's offline `LLM.get_met
 from __future__ import annotations
 
 import json
+import random
 import time
+from functools import partial
 
 import httpx
 import pytest
@@ -13,7 +15,7 @@ from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.errors import DsakvError
 from dsakv.metrics import Counter, Gauge, Histogram
 
-from .serving import TIMEOUT, engine_stops_stepping_at, scrape_metrics, serving
+from .serving import TIMEOUT, engine_stops_stepping_at, grown, metric, scrape_metrics, serving
 
 ENGINE_ARGS = dict(
     kv_cache_dtype="fp32", index_k_dtype="fp32", num_pages=64, page_size=16, device="cpu"
@@ -33,16 +35,12 @@ def served(glm_tiny):
         yield served
 
 
-def _get(m: dict, name: str, **labels: str) -> float:
-    return m[(name, tuple(sorted(labels.items())))]
-
-
 def _wait_idle(base: str) -> dict:
     deadline = time.monotonic() + TIMEOUT
     while True:
         m = scrape_metrics(base, labels=True)
         running, waiting, used, cached = (
-            _get(m, "dsakv_" + k, model_name=MODEL)
+            metric(m, "dsakv_" + k, model_name=MODEL)
             for k in ("running_requests", "waiting_requests", "kv_pages_used", "kv_pages_cached")
         )
         if running == waiting == 0 and used == cached:
@@ -64,10 +62,7 @@ def test_vllm_and_sglang_names_report_dsakvs_values(served):
         usage[0] += r["usage"]["prompt_tokens"] * n  # (each choice counts its prompt, as vLLM's)
         usage[1] += r["usage"]["completion_tokens"]
     m = _wait_idle(base)
-
-    def grew(name: str, **labels: str) -> float:
-        return _get(m, name, **labels) - before.get((name, tuple(sorted(labels.items()))), 0)
-
+    grew = partial(grown, before, m)
     dsakv = {"model_name": MODEL}
     twins = {  # dsakv's sample -> its vLLM and SGLang ones
         "dsakv_prompt_tokens_total": [
@@ -100,19 +95,19 @@ def test_vllm_and_sglang_names_report_dsakvs_values(served):
     }
     for own, others in twins.items():
         for name, labels in others:
-            assert _get(m, name, **labels) == _get(m, own, **dsakv), (own, name)
+            assert metric(m, name, **labels) == metric(m, own, **dsakv), (own, name)
     assert grew("vllm:prompt_tokens_total", **VLLM) == usage[0] == 20 + 2 * 35
     assert grew("vllm:generation_tokens_total", **VLLM) == usage[1] == 3 * 4
-    assert _get(m, "vllm:prefix_cache_hits_total", **VLLM) > 0  # (the second choice's prompt)
+    assert metric(m, "vllm:prefix_cache_hits_total", **VLLM) > 0  # (the second choice's prompt)
     for name, labels in (("vllm:num_requests_running", VLLM), ("sglang:num_queue_reqs", SGLANG)):
-        assert _get(m, name, **labels) == 0
-    assert _get(m, "vllm:kv_cache_usage_perc", **VLLM) == 0  # (cached pages no request holds)
-    assert _get(m, "sglang:token_usage", **SGLANG) == 0
-    assert _get(m, "sglang:page_size", **SGLANG) == 16
-    assert _get(m, "sglang:max_total_num_tokens", **SGLANG) == 64 * 16
+        assert metric(m, name, **labels) == 0
+    assert metric(m, "vllm:kv_cache_usage_perc", **VLLM) == 0  # (cached pages no request holds)
+    assert metric(m, "sglang:token_usage", **SGLANG) == 0
+    assert metric(m, "sglang:page_size", **SGLANG) == 16
+    assert metric(m, "sglang:max_total_num_tokens", **SGLANG) == 64 * 16
     info = {"engine": "0", "block_size": "16", "num_gpu_blocks": "64"}
-    assert _get(m, "vllm:cache_config_info", **info) == 1
-    assert _get(m, "sglang:cache_config_info", page_size="16", num_pages="64") == 1
+    assert metric(m, "vllm:cache_config_info", **info) == 1
+    assert metric(m, "sglang:cache_config_info", page_size="16", num_pages="64") == 1
 
     # Request latencies: one observation each, under each name with its server's buckets
     for suffix in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
@@ -122,8 +117,8 @@ def test_vllm_and_sglang_names_report_dsakvs_values(served):
             grew(f"sglang:{suffix}_count", **SGLANG),
         ]
         assert counts == [3, 3, 3], suffix
-        sums = [_get(m, f"dsakv_{suffix}_sum"), _get(m, f"vllm:{suffix}_sum", **VLLM)]
-        assert sums[0] == sums[1] == _get(m, f"sglang:{suffix}_sum", **SGLANG)
+        sums = [metric(m, f"dsakv_{suffix}_sum"), metric(m, f"vllm:{suffix}_sum", **VLLM)]
+        assert sums[0] == sums[1] == metric(m, f"sglang:{suffix}_sum", **SGLANG)
     itl = "inter_token_latency_seconds"
     assert grew(f"vllm:{itl}_count", **VLLM) == grew(f"dsakv_{itl}_count") == 3 * 3
     les = [
@@ -154,35 +149,42 @@ def test_kv_cache_usage_counts_the_pages_requests_hold(served):
         assert json.loads(line[6:])["choices"][0]["text"] is not None
         m = scrape_metrics(base, labels=True)
     _wait_idle(base)
-    pages = {k: _get(m, f"dsakv_kv_pages_{k}", model_name=MODEL) for k in ("used", "evictable")}
+    pages = {k: metric(m, f"dsakv_kv_pages_{k}", model_name=MODEL) for k in ("used", "evictable")}
     held = pages["used"] - pages["evictable"]
     assert held >= 3  # 40 prompt tokens and the first outputs, in 16-token pages
-    usage = _get(m, "vllm:kv_cache_usage_perc", **VLLM)
-    assert 0 < usage <= 1 and usage == held / 64 == _get(m, "sglang:token_usage", **SGLANG)
-    assert _get(m, "sglang:num_used_tokens", **SGLANG) == held * 16
-    assert _get(m, "vllm:num_requests_running", **VLLM) == 1
-    assert _get(m, "sglang:num_running_reqs", **SGLANG) == 1
+    usage = metric(m, "vllm:kv_cache_usage_perc", **VLLM)
+    assert 0 < usage <= 1 and usage == held / 64 == metric(m, "sglang:token_usage", **SGLANG)
+    assert metric(m, "sglang:num_used_tokens", **SGLANG) == held * 16
+    assert metric(m, "vllm:num_requests_running", **VLLM) == 1
+    assert metric(m, "sglang:num_running_reqs", **SGLANG) == 1
 
 
 def test_tier_metrics_only_for_the_tiers_a_server_has(served):
     """Without a host tier or a storage backend, SGLang's HiCache and storage metrics and
     vLLM's offloading ones are left out, as those servers make them only with the tier on
     (test_metrics_tiers: with them); SGLang's radix-cache counts are there, its plain
-    RadixCache's."""
-    m = _wait_idle(served[0])
+    RadixCache's (its eviction count too, read from dsakv's: 72 full pages of prompts
+    through the 64-page pool evict some)."""
+    base = served[0]
+    for seed in range(6):
+        prompt = [random.Random(seed).randrange(256) for _ in range(12 * 16)]
+        body = {"prompt": prompt, "max_tokens": 1}
+        httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).raise_for_status()
+    m = _wait_idle(base)
     names = {name for name, _ in m}
     absent = ["sglang:hicache_host_used_tokens", "sglang:hicache_host_total_tokens"]
     absent += ["sglang:prefetched_tokens_total", "sglang:backuped_tokens_total"]
     assert names.isdisjoint([*absent, "vllm:kv_offload_total_bytes_total"])
-    evicted = _get(m, "dsakv_prefix_cache_pages_evicted_total", model_name=MODEL)
-    assert _get(m, "sglang:evicted_tokens_total", cache_type="RadixCache") == 16 * evicted
-    assert _get(m, "sglang:load_back_tokens_total", cache_type="RadixCache") == 0
-    assert _get(m, "sglang:spec_accept_rate", **SGLANG) == 0  # (no drafts)
+    evicted = metric(m, "dsakv_prefix_cache_pages_evicted_total", model_name=MODEL)
+    assert evicted > 0
+    assert metric(m, "sglang:evicted_tokens_total", cache_type="RadixCache") == 16 * evicted
+    assert metric(m, "sglang:load_back_tokens_total", cache_type="RadixCache") == 0
+    assert metric(m, "sglang:spec_accept_rate", **SGLANG) == 0  # (no drafts)
     # every hit is the device's: vLLM's external (KV connector) ones are there, at 0
-    hits = _get(m, "dsakv_prefix_hit_tokens_total", model_name=MODEL)
-    assert _get(m, "vllm:prefix_cache_hits_total", **VLLM) == hits
+    hits = metric(m, "dsakv_prefix_hit_tokens_total", model_name=MODEL)
+    assert metric(m, "vllm:prefix_cache_hits_total", **VLLM) == hits
     for name in ("external_prefix_cache_queries_total", "external_prefix_cache_hits_total"):
-        assert _get(m, f"vllm:{name}", **VLLM) == 0, name
+        assert metric(m, f"vllm:{name}", **VLLM) == 0, name
 
 
 def test_llm_get_metrics_is_vllms_offline_snapshot(glm_tiny):

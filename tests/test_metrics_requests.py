@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.metrics import FINISH_REASONS, Counter, Histogram
 
-from .serving import TIMEOUT, scrape_metrics, serving
+from .serving import TIMEOUT, grown, metric, scrape_metrics, serving
 
 ENGINE_ARGS = dict(
     kv_cache_dtype="fp32", index_k_dtype="fp32", num_pages=64, page_size=16, device="cpu"
@@ -39,10 +40,6 @@ def served(glm_tiny):
         yield base, async_engine, scrape_metrics(base, labels=True)
 
 
-def _get(m: dict, name: str, **labels: str) -> float:
-    return m[(name, tuple(sorted(labels.items())))]
-
-
 def _les(m: dict, name: str) -> list[float]:
     return [float(dict(labels)["le"]) for (n, labels) in m if n == name + "_bucket"]
 
@@ -58,11 +55,13 @@ def test_request_success_is_there_at_zero_from_the_first_scrape(served):
     a dashboard's sum by finished_reason finds them from the start); the new histograms
     are there empty, with vLLM's and SGLang's buckets."""
     base, async_engine, first = served
-    assert FINISH_REASONS == ("stop", "length", "abort", "error", "repetition")
-    for reason in FINISH_REASONS:
-        assert _get(first, "vllm:request_success_total", **VLLM, finished_reason=reason) == 0
-        assert _get(first, "dsakv_request_success_total", finished_reason=reason) == 0
-    assert _get(first, "sglang:num_requests_total", **SGLANG) == 0
+    vllms = ("stop", "length", "abort", "error", "repetition")  # its FINISH_REASON_STRINGS
+    success = "vllm:request_success_total"
+    assert {dict(labels)["finished_reason"] for n, labels in first if n == success} == {*vllms}
+    for reason in vllms:
+        assert metric(first, success, **VLLM, finished_reason=reason) == 0
+        assert metric(first, "dsakv_request_success_total", finished_reason=reason) == 0
+    assert metric(first, "sglang:num_requests_total", **SGLANG) == 0
     for name in (
         *(f"vllm:request_{p}_time_seconds" for p in PHASES),
         "vllm:request_prompt_tokens",
@@ -72,9 +71,9 @@ def test_request_success_is_there_at_zero_from_the_first_scrape(served):
         "vllm:request_max_num_generation_tokens",
         "vllm:iteration_tokens_total",
     ):
-        assert _get(first, name + "_count", **VLLM) == 0, name
+        assert metric(first, name + "_count", **VLLM) == 0, name
     for name in ("queue_time_seconds", "prompt_tokens_histogram", "num_retractions"):
-        assert _get(first, f"sglang:{name}_count", **SGLANG) == 0, name
+        assert metric(first, f"sglang:{name}_count", **SGLANG) == 0, name
     inf = [float("inf")]
     most = async_engine.engine.max_model_len
     assert _les(first, "vllm:request_prompt_tokens") == _vllm_1_2_5(most) + inf
@@ -101,11 +100,7 @@ def test_server_histograms_count_the_requests(served):
         body = {"prompt": prompt, "max_tokens": most, "n": n, "ignore_eos": True}
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
         assert r.status_code == 200, r.text
-    after = scrape_metrics(base, labels=True)
-
-    def grew(name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
-        return after[key] - before.get(key, 0)
+    grew = partial(grown, before, scrape_metrics(base, labels=True))
 
     def vllm(name: str) -> tuple[float, float]:
         return grew(name + "_count", **VLLM), grew(name + "_sum", **VLLM)
@@ -130,6 +125,7 @@ def test_server_histograms_count_the_requests(served):
     assert grew("sglang:num_retractions_sum", **SGLANG) == grew(
         "vllm:num_preemptions_total", **VLLM
     )
+    # (one rank: under DP the count is every rank's steps that ran tokens, the steps rank 0's)
     assert vllm("vllm:iteration_tokens_total") == (
         grew("dsakv_engine_steps_total", model_name=MODEL),
         grew("dsakv_computed_tokens_total", model_name=MODEL),
@@ -202,12 +198,7 @@ def test_beam_search_counts_its_step_requests_only(served):
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
-    after = scrape_metrics(base, labels=True)
-
-    def grew(name: str, **labels: str) -> float:
-        key = (name, tuple(sorted(labels.items())))
-        return after[key] - before.get(key, 0)
-
+    grew = partial(grown, before, scrape_metrics(base, labels=True))
     ended = sum(
         grew("vllm:request_success_total", **VLLM, finished_reason=r) for r in FINISH_REASONS
     )
@@ -230,9 +221,8 @@ def test_an_aborted_request_is_in_none_of_the_finished_histograms(served):
     base = served[0]
     before = scrape_metrics(base, labels=True)
 
-    def grew(name: str, **labels: str) -> float:
-        key = (name, tuple(sorted({**VLLM, **labels}.items())))
-        return scrape_metrics(base, labels=True)[key] - before.get(key, 0)
+    def grew(name: str, **labels: str) -> float:  # (vLLM's, scraped now)
+        return grown(before, scrape_metrics(base, labels=True), name, **VLLM, **labels)
 
     body = {
         "input_ids": [5] * 10,

@@ -17,7 +17,7 @@ import pytest
 from dsakv.engine import EngineConfig
 
 from .conftest import synchronous_l3
-from .serving import TIMEOUT, scrape_metrics, serving
+from .serving import TIMEOUT, metric, scrape_metrics, serving
 
 PS = 16
 MODEL = "tiny"
@@ -50,10 +50,6 @@ def served(glm_tiny, tmp_path_factory):
         yield base
 
 
-def _get(m: dict, name: str, **labels: str) -> float:
-    return m[(name, tuple(sorted(labels.items())))]
-
-
 def _complete(base: str, prompt: list[int]) -> None:
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT).raise_for_status()
@@ -65,7 +61,7 @@ def _idle(base: str) -> dict:
     while True:
         m = scrape_metrics(base, labels=True)
         busy = ("running_requests", "waiting_requests", "l3_write_queue")
-        if not any(_get(m, f"dsakv_{k}", **DSAKV) for k in busy):
+        if not any(metric(m, f"dsakv_{k}", **DSAKV) for k in busy):
             return m
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
@@ -73,37 +69,37 @@ def _idle(base: str) -> dict:
 
 def _twins_read_dsakvs_counts(m: dict) -> None:
     def own(name: str) -> float:
-        return _get(m, f"dsakv_{name}", **DSAKV)
+        return metric(m, f"dsakv_{name}", **DSAKV)
 
     host = {
         "sglang:hicache_host_used_tokens": PS * own("host_pages_used"),
         "sglang:hicache_host_total_tokens": PS * own("host_pages_total"),
     }
     for name, value in host.items():
-        assert _get(m, name, **SGLANG) == value, name
+        assert metric(m, name, **SGLANG) == value, name
     for direction, name in (("GPU_to_CPU", "to_host"), ("CPU_to_GPU", "to_device")):
-        offloaded = _get(m, "vllm:kv_offload_total_bytes_total", **VLLM, transfer_type=direction)
+        offloaded = metric(m, "vllm:kv_offload_total_bytes_total", **VLLM, transfer_type=direction)
         assert offloaded == own(f"host_bytes_{name}_total"), direction
     radix = {
         "sglang:evicted_tokens_total": "prefix_cache_pages_evicted_total",
         "sglang:load_back_tokens_total": "prefix_cache_pages_promoted_total",
     }
     for name, pages in radix.items():
-        assert _get(m, name, **HICACHE) == PS * own(pages), name
-    assert _get(m, "sglang:prefetched_tokens_total", **STORAGE) == own("l3_hit_tokens_total")
+        assert metric(m, name, **HICACHE) == PS * own(pages), name
+    assert metric(m, "sglang:prefetched_tokens_total", **STORAGE) == own("l3_hit_tokens_total")
     written = PS * own("l3_pages_written_total")
-    assert _get(m, "sglang:backuped_tokens_total", **STORAGE) == written
+    assert metric(m, "sglang:backuped_tokens_total", **STORAGE) == written
     # vLLM's prefix-cache hits are the device's; the host tier's and L3's its connector's,
     # asked about the prompt past the device hit (every request here admitted once)
     device = own("prefix_device_hit_tokens_total")
-    assert _get(m, "vllm:prefix_cache_hits_total", **VLLM) == device
-    external = _get(m, "vllm:external_prefix_cache_hits_total", **VLLM)
+    assert metric(m, "vllm:prefix_cache_hits_total", **VLLM) == device
+    external = metric(m, "vllm:external_prefix_cache_hits_total", **VLLM)
     assert external == own("prefix_hit_tokens_total") - device
-    queried = _get(m, "vllm:external_prefix_cache_queries_total", **VLLM)
+    queried = metric(m, "vllm:external_prefix_cache_queries_total", **VLLM)
     assert queried == own("prefix_external_query_tokens_total")
     assert queried == own("prompt_tokens_total") - device
     drafts, accepted = own("spec_draft_tokens_total"), own("spec_accepted_tokens_total")
-    rate = _get(m, "sglang:spec_accept_rate", **SGLANG)
+    rate = metric(m, "sglang:spec_accept_rate", **SGLANG)
     assert rate == own("spec_accept_rate") == (accepted / drafts if drafts else 0)
 
 
@@ -118,26 +114,26 @@ def test_tier_metrics_read_the_tiers_counts(served):
         _complete(base, prompt)
     m = _idle(base)
     _twins_read_dsakvs_counts(m)
-    assert _get(m, "sglang:hicache_host_used_tokens", **SGLANG) > 0  # (demoted, still there)
+    assert metric(m, "sglang:hicache_host_used_tokens", **SGLANG) > 0  # (demoted, still there)
     for name in ("sglang:evicted_tokens_total", "sglang:load_back_tokens_total"):
-        assert _get(m, name, **HICACHE) > 0, name
+        assert metric(m, name, **HICACHE) > 0, name
     for direction in ("GPU_to_CPU", "CPU_to_GPU"):
-        assert _get(m, "vllm:kv_offload_total_bytes_total", **VLLM, transfer_type=direction) > 0
+        assert metric(m, "vllm:kv_offload_total_bytes_total", **VLLM, transfer_type=direction) > 0
     # every full page of the three prompts, once (a page already stored is not written again)
-    assert _get(m, "sglang:backuped_tokens_total", **STORAGE) == 3 * 9 * PS
-    assert _get(m, "sglang:prefetched_tokens_total", **STORAGE) == 0
-    assert _get(m, "dsakv_spec_draft_tokens_total", **DSAKV) > 0
+    assert metric(m, "sglang:backuped_tokens_total", **STORAGE) == 3 * 9 * PS
+    assert metric(m, "sglang:prefetched_tokens_total", **STORAGE) == 0
+    assert metric(m, "dsakv_spec_draft_tokens_total", **DSAKV) > 0
     # the fourth request's 9 pages: those loaded back from the host tier are external hits
-    hits = {k: _get(m, f"vllm:{k}_total", **VLLM) for k in PREFIX_HITS}
+    hits = {k: metric(m, f"vllm:{k}_total", **VLLM) for k in PREFIX_HITS}
     assert hits["external_prefix_cache_hits"] > 0
-    assert sum(hits.values()) == 9 * PS == _get(m, "dsakv_prefix_hit_tokens_total", **DSAKV)
+    assert sum(hits.values()) == 9 * PS == metric(m, "dsakv_prefix_hit_tokens_total", **DSAKV)
 
     httpx.post(f"{base}/flush_cache", timeout=TIMEOUT).raise_for_status()
     _complete(base, PROMPTS[0])
     m = _idle(base)
     _twins_read_dsakvs_counts(m)
-    assert _get(m, "sglang:prefetched_tokens_total", **STORAGE) == 9 * PS
-    assert _get(m, "sglang:backuped_tokens_total", **STORAGE) == 3 * 9 * PS
-    after = {k: _get(m, f"vllm:{k}_total", **VLLM) for k in PREFIX_HITS}
+    assert metric(m, "sglang:prefetched_tokens_total", **STORAGE) == 9 * PS
+    assert metric(m, "sglang:backuped_tokens_total", **STORAGE) == 3 * 9 * PS
+    after = {k: metric(m, f"vllm:{k}_total", **VLLM) for k in PREFIX_HITS}
     assert after["prefix_cache_hits"] == hits["prefix_cache_hits"]  # (L3's: none the device's)
     assert after["external_prefix_cache_hits"] == hits["external_prefix_cache_hits"] + 9 * PS

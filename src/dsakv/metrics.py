@@ -24,6 +24,7 @@ observe them alike; `LLM.get_metrics` reads the vLLM ones as vLLM's does (`vllm_
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -223,8 +224,10 @@ _ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
 VLLM, SGLANG = "vllm:", "sglang:"
 
 # vLLM's iteration_tokens_total buckets. The engine counts each step's tokens into them
-# (`EngineStats.ran`) and reports the counts among its counters, one key a bucket (`+Inf`
-# last, not cumulative): read at scrape time, summed over DP ranks as every count is.
+# (`EngineStats.ran`, `bucket_index`) and reports the counts among its counters, one key a
+# bucket (`+Inf` last, not cumulative): read at scrape time, summed over DP ranks as every
+# count is. So under DP the histogram's count is every rank's steps that ran tokens, while
+# dsakv_engine_steps_total is rank 0's (`DPEngine.counters`): they agree only at dp = 1.
 STEP_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STEP_TOKEN_KEYS = (*(f"step_tokens_le_{b}" for b in STEP_TOKEN_BOUNDS), "step_tokens_le_inf")
 
@@ -347,6 +350,29 @@ _TWINS: dict[str, tuple[str | Tiered, ...]] = {
 }
 
 
+def bucket_index(bounds: Sequence[float], value: float) -> int:
+    """The bucket of fixed `bounds` that `value` counts in, as a histogram kept as one count
+    a bucket (not cumulative, `+Inf` last: index `len(bounds)`) counts it: the first whose
+    bound is >= it, Prometheus' `le`."""
+    return bisect_left(bounds, value)
+
+
+def histogram_family(
+    name: str,
+    doc: str,
+    labels: Sequence[str],
+    bounds: Sequence[float],
+    rows: Iterable[tuple[Sequence[str], Sequence[float], float]],
+) -> HistogramMetricFamily:
+    """A histogram family from counts kept by `bucket_index` over `bounds`: one series a
+    row of (label values, bucket counts, sum); the exposition's buckets are cumulative."""
+    m = HistogramMetricFamily(name, doc, labels=list(labels))
+    les = [floatToGoString(b) for b in bounds] + ["+Inf"]
+    for values, counts, total in rows:
+        m.add_metric(list(values), list(zip(les, accumulate(counts))), total)
+    return m
+
+
 def family_labels(model_name: str, role: str = "null") -> dict[str, dict[str, str]]:
     """Each family's labels, by prefix: vLLM's `engine` is "0", one series as dsakv's is
     under DP attention too (the ranks' sum: an endpoint picker reads a server's first
@@ -466,12 +492,13 @@ class EngineCollector(Collector):
         """vLLM's iteration_tokens_total from the engine's bucket counts; its sum is every
         token the engine ran (a step that ran none is left out, adding nothing)."""
         labels = self.labels[VLLM]
-        h = HistogramMetricFamily(
-            VLLM + "iteration_tokens_total", "Tokens one engine step ran", labels=list(labels)
+        return histogram_family(
+            VLLM + "iteration_tokens_total",
+            "Tokens one engine step ran",
+            list(labels),
+            STEP_TOKEN_BOUNDS,
+            [(list(labels.values()), counts, total)],
         )
-        les = [floatToGoString(b) for b in STEP_TOKEN_BOUNDS] + ["+Inf"]
-        h.add_metric(list(labels.values()), list(zip(les, accumulate(counts))), total)
-        return h
 
 
 def _info(name: str, labels: Mapping[str, str]) -> GaugeMetricFamily:
@@ -483,19 +510,20 @@ def _info(name: str, labels: Mapping[str, str]) -> GaugeMetricFamily:
 
 # Histogram buckets: dsakv's, and vLLM's (PrometheusStatLogger's) and SGLang's defaults
 # (its TokenizerMetricsCollector's and SchedulerMetricsCollector's), which their dashboards'
-# quantiles are read from. `_BY_CONTEXT`: vLLM's 1-2-5 series up to the max_model_len.
+# quantiles are read from. `_BY_CONTEXT`, in place of a name's buckets: vLLM's 1-2-5 series
+# up to the max_model_len (`_by_context`), known once a server is built (`Distribution`).
 _DSAKV_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _VLLM_REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0)
 _VLLM_REQUEST += (50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _SGLANG_TOKENS = (100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000)
 _SGLANG_TOKENS += (9000, 10000, 12000, 15000, 20000, 22000, 25000, 30000, 35000, 40000)
 _SGLANG_TOKENS += (66000, 99000, 132000, 300000, 600000, 900000, 1100000)
-_BY_CONTEXT: tuple[float, ...] = ()
+_BY_CONTEXT: Literal["by_context"] = "by_context"
 
-# What a request (or a step) is measured by -> (help, {name: its buckets}): one value
-# observed under each name. dsakv's own only for the latencies (its buckets resolve the
-# milliseconds vLLM's request buckets, from 0.3 s, do not); counts under vLLM's and SGLang's.
-_HISTOGRAMS: dict[str, tuple[str, dict[str, tuple[float, ...]]]] = {
+# What a request is measured by -> (help, {name: its buckets}): one value observed under
+# each name. dsakv's own only for the latencies (its buckets resolve the milliseconds vLLM's
+# request buckets, from 0.3 s, do not); counts under vLLM's and SGLang's.
+_HISTOGRAMS: dict[str, tuple[str, dict[str, tuple[float, ...] | Literal["by_context"]]]] = {
     "ttft": (
         "Time to first token",
         {
@@ -621,7 +649,7 @@ class Distribution:
         for name, bounds in names.items():
             family = _family_of(name)
             shown = {} if family == PREFIX else labels[family]
-            buckets = bounds or _by_context(max_model_len)
+            buckets = _by_context(max_model_len) if bounds == _BY_CONTEXT else bounds
             h = PromHistogram(name, doc, list(shown), registry=registry, buckets=buckets)
             self.histograms.append(h.labels(*shown.values()) if shown else h)
 
@@ -728,7 +756,8 @@ class ServerMetrics:
 
 
 class Times(Protocol):
-    """A request's stamps as `RequestTimes` reads them (`dsakv.engine.RequestMetrics`)."""
+    """A request's stamps as `RequestTimes` reads them (`dsakv.engine.RequestMetrics`: a
+    protocol, as this leaf imports nothing of the engine's)."""
 
     queued: float | None
     prefill: float | None
@@ -835,16 +864,16 @@ class LoopTimes:
             m = r.metrics
             times.observe(
                 _Stepped(
-                    m.ttft,
-                    m.latency,
-                    gaps,
-                    r.finished,
-                    r.finish_reason,
-                    r.error,
-                    len(r.prompt_ids),
-                    n,
-                    m,
-                    r.params.max_tokens,
+                    ttft_s=m.ttft,
+                    latency_s=m.latency,
+                    token_gaps_s=gaps,
+                    finished=r.finished,
+                    finish_reason=r.finish_reason,
+                    error=r.error,
+                    prompt_tokens=len(r.prompt_ids),
+                    completion_tokens=n,
+                    times=m,
+                    max_tokens=r.params.max_tokens,
                 )
             )
             if r.finished:

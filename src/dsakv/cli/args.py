@@ -1210,16 +1210,17 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def trace_config(args: argparse.Namespace):
+def trace_config(args: argparse.Namespace, collect_detailed_traces: str | None = None):
     """The `TraceConfig` of `add_trace_args`' flags (the protocol from the environment, as
-    vLLM reads it), or None: not traced."""
+    vLLM reads it), or None: not traced. `collect_detailed_traces`: a server's engine flag
+    (the router has none), which needs an endpoint to send its times to."""
     from dsakv.server.tracing import TraceConfig
 
     endpoint = args.otlp_traces_endpoint
     if endpoint is None and args.enable_trace:
         endpoint = SGLANG_TRACES_ENDPOINT
     if endpoint is None:
-        if getattr(args, "collect_detailed_traces", None) is not None:  # (none: the router)
+        if collect_detailed_traces is not None:
             raise DsakvError(
                 "--collect-detailed-traces needs --otlp-traces-endpoint (or SGLang's "
                 "--enable-trace): the times go in the requests' spans"

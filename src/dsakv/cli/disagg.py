@@ -139,7 +139,8 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)  # what either server would refuse, refused once
     request_log_config(args)  # (a bad combination too, before the servers start)
     response_defaults(args)
-    tracing = trace_config(args)  # (the router's, and both servers' by their flags)
+    # (the router's, and both servers' by their flags)
+    tracing = trace_config(args, args.collect_detailed_traces)
     http = http_config(args)  # the router's: the front door (its servers listen on loopback)
     for mode in MODES:  # (first: a bad flag is its own error, whoever holds the port)
         DisaggConfig(mode, timeout_s=args.disaggregation_timeout).check_engine(config)

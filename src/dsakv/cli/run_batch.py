@@ -35,7 +35,7 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
     lines = read_batch_file(args.input_file)  # (a bad file: one error line, before loading)
     config = engine_config_from_args(args)
     request_log, defaults = request_log_config(args), response_defaults(args)
-    tracing = trace_config(args)
+    tracing = trace_config(args, args.collect_detailed_traces)
     tmp = _temp_beside(args.output_file)  # (writable, checked now, before the model loads)
     try:
         # `dsakv serve`'s server, never started: the lines run through its app's routes

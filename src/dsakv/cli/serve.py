@@ -100,7 +100,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from dsakv.server import run_server
 
-    request_log, tracing = request_log_config(args), trace_config(args)
+    request_log = request_log_config(args)
+    tracing = trace_config(args, args.collect_detailed_traces)
     http, defaults = http_config(args), response_defaults(args)
     with contextlib.ExitStack() as held:  # the ports, taken before the engine loads
         listener = held.enter_context(listen(args.host, args.port))

@@ -48,6 +48,21 @@ class BootstrapError(RuntimeError):
         self.status, self.param, self.code = status, param, code
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a room's request failed, as the decode side hears it (an error line, which
+    `request_kv` raises as the `BootstrapError` of the same fields)."""
+
+    message: str
+    status: int = 502
+    param: str | None = None
+    code: str | None = None
+
+    def reply(self) -> dict[str, Any]:
+        """Its line to the decode side."""
+        return {"type": "error", **dataclasses.asdict(self)}
+
+
 # --- what must match ---------------------------------------------------------------------------
 
 
@@ -112,8 +127,10 @@ class Registration:
     def fail(
         self, message: str, status: int = 502, param: str | None = None, code: str | None = None
     ) -> None:
-        error = {"message": message, "status": status, "param": param, "code": code}
-        self._set({"type": "error", **error})
+        self.refused(Refusal(message, status, param, code))
+
+    def refused(self, refusal: Refusal) -> None:
+        self._set(refusal.reply())
 
     def _set(self, reply: dict[str, Any]) -> None:
         with contextlib.suppress(concurrent.futures.InvalidStateError):
@@ -124,8 +141,7 @@ class Registration:
 class _Room:
     registered: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     claimed: bool = False
-    # (message, status, param, code): the prefill server's refusal
-    refused: tuple[str, int, str | None, str | None] | None = None
+    refused: Refusal | None = None  # the prefill server's
 
 
 class BootstrapServer:
@@ -200,9 +216,9 @@ class BootstrapServer:
         with self._lock:
             if slot.claimed or slot.refused is not None:
                 return
-            slot.refused = (message, status, param, code)
+            slot.refused = refusal = Refusal(message, status, param, code)
         if slot.registered.done() and slot.registered.exception() is None:
-            slot.registered.result().fail(message, status, param, code)
+            slot.registered.result().refused(refusal)
         self._loop.call_soon_threadsafe(
             self._loop.call_later, self.timeout, self._forget, room, slot
         )
@@ -250,9 +266,7 @@ class BootstrapServer:
             room = int(msg["room"])
             slot = self._room(room)
             if slot.refused is not None:
-                message, status, param, code = slot.refused
-                error = {"message": message, "status": status, "param": param, "code": code}
-                await _send(writer, {"type": "error", **error})
+                await _send(writer, slot.refused.reply())
                 return
             diffs = differences(self.layout, msg["layout"], "prefill", "decode")
             if diffs:
@@ -261,7 +275,7 @@ class BootstrapServer:
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     slot.registered.set_exception(BootstrapError(error))
                 keep = True  # until the prefill request for this room comes to hear it
-                await _send(writer, {"type": "error", "message": error})
+                await _send(writer, Refusal(error).reply())
                 return
             reg = Registration(
                 room,
@@ -275,17 +289,17 @@ class BootstrapServer:
                 slot.registered.set_result(reg)
             except concurrent.futures.InvalidStateError:
                 slot = None  # it belongs to the first registration
-                await _send(writer, {"type": "error", "message": f"room {room} is taken"})
+                await _send(writer, Refusal(f"room {room} is taken").reply())
                 return
             if slot.refused is not None:  # refused while this registration was being read
-                reg.fail(*slot.refused)
+                reg.refused(slot.refused)
             # Well inside the decode side's patience, which it tells us.
             keepalive = max(0.05, min(float(msg.get("timeout", self.timeout)) / 4, 5.0))
             await self._wait(reg, slot, reader, writer, keepalive)
         except (OSError, ValueError, KeyError, TypeError, asyncio.TimeoutError) as e:
             log.warning("bootstrap connection failed: %s", e)
             with contextlib.suppress(OSError):
-                await _send(writer, {"type": "error", "message": f"bad registration: {e}"})
+                await _send(writer, Refusal(f"bad registration: {e}").reply())
         finally:
             if slot is not None and keep:
                 self._loop.call_later(self.timeout, self._forget, room, slot)

@@ -186,7 +186,7 @@ class BootstrapMiddleware:
             await self.app(scope, receive, send)
         except Exception as e:
             if isinstance(send, _Refusing):
-                send.failed(f"the prefill server failed: {e!r}", None, 500)
+                send.failed(f"the prefill server failed: {e!r}", 500)
             raise
         finally:
             _current.reset(token)
@@ -208,27 +208,30 @@ class _Refusing:
         elif message["type"] == "http.response.body" and not self._ok():
             self.body.append(message.get("body", b""))
             if not message.get("more_body", False):
-                said, param, code = _error(b"".join(self.body), self.status)
-                self.failed(said, param, self.status, code)
+                self.failed(*_error(b"".join(self.body), self.status))
         await self.send(message)
 
     def failed(
-        self, message: str, param: str | None, status: int | None, code: str | None = None
+        self, message: str, status: int, param: str | None = None, code: str | None = None
     ) -> None:
+        """Refuse the rooms (`BootstrapServer.refuse`'s arguments, a `Refusal`'s fields),
+        once."""
         if self.done:
             return
         self.done = True
         for room in self.rooms:
-            self.refuse(room, message, status or 500, param, code)
+            self.refuse(room, message, status, param, code)
 
     def _ok(self) -> bool:
         return self.status is not None and 200 <= self.status < 300
 
 
-def _error(raw: bytes, status: int | None) -> tuple[str, str | None, str | None]:
-    """An error response's message (OpenAI's `error.message`, FastAPI's `detail`, else
-    the status), the request field it names and its code (OpenAI's `error.param` and
-    `error.code`: the decode server answers with them as the prefill server did)."""
+def _error(raw: bytes, status: int | None) -> tuple[str, int, str | None, str | None]:
+    """An error response as `_Refusing.failed` takes it: its message (OpenAI's
+    `error.message`, FastAPI's `detail`, else the status), status, the request field it
+    names and its code (OpenAI's `error.param` and `error.code`: the decode server answers
+    with them as the prefill server did). (A `Refusal`'s fields: that class stays in
+    `bootstrap`, whose imports the router, which imports this module, does without.)"""
     body = _json_or_none(raw)
     if isinstance(body, dict):
         error = body.get("error")
@@ -237,8 +240,9 @@ def _error(raw: bytes, status: int | None) -> tuple[str, str | None, str | None]
         named = error if isinstance(error, dict) else {}
         param, code = named.get("param"), named.get("code")
         if isinstance(message, str) and message:
-            return message, *(x if isinstance(x, str) else None for x in (param, code))
-    return f"the prefill server answered HTTP {status}", None, None
+            param, code = (x if isinstance(x, str) else None for x in (param, code))
+            return message, status or 500, param, code
+    return f"the prefill server answered HTTP {status}", status or 500, None, None
 
 
 async def _buffer_body(receive: Callable) -> tuple[bytes, Callable]:

@@ -13,7 +13,6 @@ import functools
 import logging
 import reprlib
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
@@ -36,7 +35,7 @@ from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
 from dsakv.memory.release import Stash
 from dsakv.memory.storage import storage_namespace
-from dsakv.metrics import STEP_TOKEN_BOUNDS, STEP_TOKEN_KEYS
+from dsakv.metrics import STEP_TOKEN_BOUNDS, STEP_TOKEN_KEYS, bucket_index
 
 from .config import DRAFT_STEPS, MAX_GRAPH_BATCH, EngineConfig, has_tokenizer, resolve_device
 from .cuda_graph import DecodeGraphs
@@ -149,14 +148,15 @@ class EngineStats:
     accepted_tokens: int = 0  # ... and kept
     verify_steps: int = 0  # request-steps that verified drafts
     decode_steps: int = 0  # request-steps past the prompt (each one target pass for it)
-    # steps by the tokens they ran, one count a bucket of `STEP_TOKEN_BOUNDS` (+Inf last)
+    # steps that ran tokens, by how many: one count a bucket of `STEP_TOKEN_BOUNDS` (+Inf
+    # last); under DP summed over the ranks, where `steps` is rank 0's (`DPEngine.counters`)
     step_tokens: list[int] = field(default_factory=lambda: [0] * len(STEP_TOKEN_KEYS))
 
     def ran(self, tokens: int) -> None:
         """A step ran `tokens` through the model."""
         self.computed_tokens += tokens
         if tokens:  # (an idle DP rank's step)
-            self.step_tokens[bisect_left(STEP_TOKEN_BOUNDS, tokens)] += 1
+            self.step_tokens[bucket_index(STEP_TOKEN_BOUNDS, tokens)] += 1
 
 
 class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMixin):

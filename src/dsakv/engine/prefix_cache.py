@@ -237,10 +237,12 @@ class PrefixCache:
                     break
                 self._evict_one(n)
                 freed += 1
-                self.evicted_pages += 1
         return freed
 
     def _evict_one(self, n: Node) -> None:
+        """Demote `n`'s device page to the host tier, or drop it with its subtree (no host
+        tier, or no room there); either way one device page evicted."""
+        self.evicted_pages += 1
         slots = page_slots([n.page], self.page_size)
         host_slots = None
         if self.host is not None:
