@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -63,6 +64,25 @@ def client(served) -> openai.OpenAI:
 
 def _upload(client: openai.OpenAI, data: bytes, name: str = "batch.jsonl"):
     return client.files.create(file=(name, data), purpose="batch")
+
+
+def _window_timers(monkeypatch) -> dict[str, SimpleNamespace]:
+    """Each batch's window timer (`_at`'s, a day away), by batch id: its `handle`, and
+    `fire()`, which ends the window now (on the server's loop, as the timer would), so a
+    test waits for no clock."""
+    timers: dict[str, SimpleNamespace] = {}
+    at = batch_module._at
+
+    def scheduled(when, callback, *args):
+        handle = at(when, callback, *args)
+        if getattr(callback, "__func__", None) is batch_module.Batches._expire:
+            loop = asyncio.get_running_loop()
+            fire = lambda: loop.call_soon_threadsafe(callback, *args)  # noqa: E731
+            timers[args[0].info["id"]] = SimpleNamespace(handle=handle, fire=fire)
+        return handle
+
+    monkeypatch.setattr(batch_module, "_at", scheduled)
+    return timers
 
 
 def _usage_of(out: list[dict]) -> dict:
@@ -154,7 +174,7 @@ def test_files_then_a_batch_then_its_output(client, served):
         ),
     ],
 )
-def test_a_batchs_usage_sums_its_answers(client, url, bodies):
+def test_a_batchs_usage_sums_its_answers(client, served, url, bodies):
     """The Batch object's `usage` (OpenAI's BatchUsage) is its answers' summed, whatever
     each route names them (it was absent: None)."""
     lines = [(str(i), url, b) for i, b in enumerate(bodies)]
@@ -169,6 +189,15 @@ def test_a_batchs_usage_sums_its_answers(client, url, bodies):
     assert usage == _usage_of(out)
     assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    if url == "/v1/completions":  # (against figures of its own: /tokenize's, max_tokens')
+        base, _ = served
+        prompts = ["The cat", "A dog", "The cat"]
+        counts = [
+            httpx.post(f"{base}/tokenize", json={"prompt": p}, headers=AUTH, timeout=TIMEOUT)
+            for p in prompts
+        ]
+        assert usage["input_tokens"] == sum(r.json()["count"] for r in counts)
+        assert usage["output_tokens"] == 3 + 3 + 4  # (ignore_eos: each its max_tokens)
 
 
 def test_a_bad_line_goes_to_the_error_file(client):
@@ -203,7 +232,7 @@ _COMPLETION = ("/v1/completions", {"prompt": "x", "max_tokens": 1})
     [
         (b"", "empty_file", None, None),
         (b'{"custom_id": "a"}\n{oops\n', "invalid_json_line", 2, None),
-        # OpenAI's checks of the file as a whole: each was run, its line answered alone
+        # checks of the file as a whole, as OpenAI's: each was run, its line answered alone
         (
             _jsonl([("a", *_COMPLETION), ("b", "/v1/chat/completions", _chat("x"))]),
             "url_mismatch",
@@ -337,6 +366,10 @@ def test_openais_bounds_on_what_a_batch_and_a_file_are_given(client):
             {"output_expires_after": {"anchor": "created_at", "seconds": 2_592_001}},
             "output_expires_after.seconds",
         ),
+        (  # (an integer, as OpenAI types it: only an upload's form fields are strings)
+            {"output_expires_after": {"anchor": "created_at", "seconds": "3600"}},
+            "output_expires_after.seconds",
+        ),
     ]
     for kw, param in bad:
         with pytest.raises(openai.BadRequestError) as e:
@@ -344,7 +377,8 @@ def test_openais_bounds_on_what_a_batch_and_a_file_are_given(client):
                 input_file_id=file_id, endpoint="/v1/completions", completion_window="24h", **kw
             )
         assert e.value.param == param, kw
-    most = {f"k{i:062}": "v" * 512 for i in range(16)}  # (the bounds themselves are taken)
+    most = {f"k{i:063}": "v" * 512 for i in range(16)}  # (the bounds themselves are taken)
+    assert {len(k) for k in most} == {64}
     created = client.batches.create(
         input_file_id=file_id, endpoint="/v1/completions", completion_window="24h",
         metadata=most, output_expires_after={"anchor": "created_at", "seconds": 2_592_000},
@@ -366,7 +400,7 @@ def test_files_expire_as_their_expires_after_says(client, monkeypatch):
     """A file's `expires_after`, and a batch's `output_expires_after` for its output and
     error files, set their `expires_at` (the client's were ignored: None); then the file is
     gone (listed, read, run), whether or not anyone looked at it meanwhile."""
-    monkeypatch.setattr(batch_module, "EXPIRES_S", (1, 30 * 24 * 3600))  # (not an hour's wait)
+    monkeypatch.setattr(batch_module, "EXPIRES_MIN_S", 1)  # (not an hour's wait)
     second = {"anchor": "created_at", "seconds": 1}
     up = client.files.create(file=("x.jsonl", _jsonl([("a", *_COMPLETION)])), purpose="batch",
                              expires_after=second)  # fmt: skip
@@ -398,9 +432,10 @@ def test_a_batch_unfinished_past_its_window_expires(client, served, monkeypatch)
     """OpenAI's `expired`: a batch still running as its window ends is stopped then, read or
     not (its requests in flight aborted, the rest never sent), its answers so far in its
     output file, their usage its own, and an error line `batch_expired` for each other (it
-    ran on until next read: unread, for good)."""
+    ran on until next read: unread, for good). The window's end is its timer's callback,
+    fired here at once (the batch's `expires_at` is a day away)."""
     base, async_engine = served
-    monkeypatch.setattr(batch_module, "_WINDOW_S", 2)  # (not a day's wait)
+    timers = _window_timers(monkeypatch)
     lines = [("a", "/v1/completions", {"prompt": "a", "max_tokens": 1, **GREEDY})]
     lines += [(c, "/v1/completions", {"prompt": c, "max_tokens": 200, **GREEDY}) for c in "xy"]
     with engine_stops_stepping_at(async_engine, 2):  # (x and y can only end by an abort)
@@ -409,24 +444,89 @@ def test_a_batch_unfinished_past_its_window_expires(client, served, monkeypatch)
             endpoint="/v1/completions",
             completion_window="24h",
         )
-        assert created.expires_at == created.created_at + 2
-        deadline = time.monotonic() + TIMEOUT
-        while f"{created.id}_error.jsonl" not in {f.filename for f in client.files.list()}:
-            assert time.monotonic() < deadline  # (the batch not read meanwhile)
+        assert created.expires_at == created.created_at + 24 * 3600
+        deadline = time.monotonic() + TIMEOUT  # (a answered, x and y held in the engine)
+        while (
+            client.batches.retrieve(created.id).request_counts.completed < 1
+            or httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"] < 2
+        ):
+            assert time.monotonic() < deadline, client.batches.retrieve(created.id)
             time.sleep(0.05)
-        done = client.batches.retrieve(created.id)
+        timers[created.id].fire()
+        done = batch_until(client, created.id, "expired", "completed", "cancelled", "failed")
         assert client.batches.cancel(created.id).status == "expired"  # (too late to cancel)
-    assert done.status == "expired" and done.expired_at >= done.expires_at
-    assert done.cancelled_at is None
+    assert done.status == "expired" and done.expired_at and done.cancelled_at is None
     out, errors = batch_lines(client, done.output_file_id), batch_lines(client, done.error_file_id)
-    # ("a" answered unless the window ended before it ran: each line in one file)
-    assert sorted(x["custom_id"] for x in out + errors) == ["a", "x", "y"]
-    assert [x["custom_id"] for x in errors][-2:] == ["x", "y"]
+    assert [x["custom_id"] for x in out] == ["a"]
+    assert [x["custom_id"] for x in errors] == ["x", "y"]
     assert {x["error"]["code"] for x in errors} == {"batch_expired"}
-    counts = {"total": 3, "completed": len(out), "failed": len(errors)}
-    assert done.request_counts.model_dump() == counts
+    assert done.request_counts.model_dump() == {"total": 3, "completed": 1, "failed": 2}
     assert done.usage.model_dump() == _usage_of(out)
     assert httpx.get(f"{base}/load", timeout=TIMEOUT).json()["server_load"] == 0
+    assert timers[created.id].handle.cancelled()  # (its run ended: the timer with it)
+
+
+@pytest.mark.parametrize("bug", [False, True])
+def test_a_batch_failing_validation_fails_and_drops_its_timer(client, monkeypatch, bug):
+    """A batch whose validation fails is `failed`, and its window's timer is cancelled:
+    that of a bad file's batch (`BatchFileError`) was left to run out (a day, holding the
+    batch), and a bug in the checks (any other error) left the batch `validating`. A bug
+    fails it as a bug in its run does: `server_error`."""
+    timers = _window_timers(monkeypatch)
+    data = _jsonl([("a", *_COMPLETION)]) if bug else b""
+    if bug:
+
+        def check_batch(lines, endpoint):
+            raise RuntimeError("a bug in the checks")
+
+        monkeypatch.setattr(batch_module, "check_batch", check_batch)
+    created = client.batches.create(
+        input_file_id=_upload(client, data).id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+    )
+    done = batch_until(client, created.id, "failed", "completed")
+    assert done.status == "failed" and done.failed_at and done.output_file_id is None
+    (error,) = done.errors.data
+    expected = ("server_error", "a bug in the checks") if bug else ("empty_file", error.message)
+    assert (error.code, error.message) == expected
+    assert timers[created.id].handle.cancelled()
+
+
+def test_a_batch_whose_window_ends_as_its_last_line_does_completes():
+    """A window that ends as a batch's last line is answered (its timer firing as the run
+    ends) leaves no line unanswered: the batch is `completed`, not `expired` (it was
+    `expired`, every line in its output file)."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict) -> dict:
+        return {"object": "text_completion", "usage": {"prompt_tokens": 1, "total_tokens": 1}}
+
+    class EndsAtTheWindow(BatchRunner):
+        async def run(self, *args, **kwargs):
+            results = await super().run(*args, **kwargs)
+            for batch in store.batches.values():  # (the window ends now)
+                store._expire(batch)
+            return results
+
+    store = batch_module.Batches(EndsAtTheWindow(app), "m", 2)
+
+    async def ran() -> dict:
+        data = _jsonl([("a", *_COMPLETION), ("b", *_COMPLETION)])
+        file_id = store.add_file(data, "in.jsonl", "batch")["id"]
+        body = batch_module.BatchCreateRequest(
+            input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+        )
+        info = store.create(body, {})
+        await store.batches[info["id"]].task
+        return info
+
+    info = asyncio.run(ran())
+    assert store.batches[info["id"]].expired  # (its window did end)
+    assert info["status"] == "completed" and info["expired_at"] is None
+    assert info["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert info["output_file_id"] and info["error_file_id"] is None
 
 
 def test_an_upload_past_the_bound_is_a_413(client, served, monkeypatch):

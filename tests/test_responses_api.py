@@ -384,6 +384,10 @@ def test_cancel_a_background_response(served, model):
         ({"input": "x", "priority": 5}, 400, "priority"),
         ({"input": "x", "thinking_token_budget": -5}, 400, "thinking_token_budget"),
         ({"input": "x", "return_tokens_as_token_ids": "yes"}, 400, "return_tokens_as_token_ids"),
+        # OpenAI's bounds on metadata, as a batch's (they were taken whatever their size)
+        ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, 400, "17 pairs"),
+        ({"input": "x", "metadata": {"k" * 65: "v"}}, 400, "65 characters"),
+        ({"input": "x", "metadata": {"k": "v" * 513}}, 400, "513 characters"),
     ],
 )
 def test_bad_requests(served, body, status, words):
@@ -1120,9 +1124,9 @@ def test_a_codex_conversation_replays_statelessly(served, model):
 
 
 def test_a_custom_tool_call_is_its_own_item():
-    """A call of a custom tool is a custom_tool_call, its input the call's one argument,
-    given whole when the call ends (no arguments deltas); as input it is that call again."""
-    out = _Output(responses._call_items([APPLY_PATCH]))
+    """A call of a custom tool is a custom_tool_call, its input the call's one argument
+    (no arguments deltas); as input it is that call again."""
+    out = _Output(responses._tools([APPLY_PATCH]).calls)
     start = {"index": 0, "id": "c1", "type": "function", "function": {"name": "apply_patch"}}
     events = out.feed(
         ChatDelta(tool_calls=[{**start, "function": {"name": "apply_patch", "arguments": '{"in'}}])
@@ -1146,6 +1150,7 @@ def test_a_custom_tool_call_is_its_own_item():
     assert responses._custom_input('{"x": 1}') == '{"x": 1}'  # (not its one string: as is)
     assert responses._custom_input('{"input": "a\\u00') == "a"  # (cut off: as far as it reads)
     assert responses._custom_input('{"inp') == ""
+    assert responses._custom_input('{"x": 1', final=False) == ""  # (it may yet be the string)
     call = {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "a\nb"}
     result = {"type": "custom_tool_call_output", "call_id": "c1", "output": "ok"}
     assert input_messages([{"role": "user", "content": "Go"}, call, result])[1:] == [
@@ -1162,6 +1167,30 @@ def test_a_custom_tool_call_is_its_own_item():
         },
         {"role": "tool", "tool_call_id": "c1", "content": "ok"},
     ]
+
+
+def test_a_custom_tool_calls_input_streams_as_it_is_written():
+    """A custom call's input streams as its string is written, OpenAI's
+    `response.custom_tool_call_input.delta`s, which make the final input (it came whole in
+    one delta as the call ended: the arguments are JSON, read as far as written)."""
+    out = _Output(responses._tools([APPLY_PATCH]).calls)
+    start = {"index": 0, "id": "c1", "type": "function", "function": {"name": "apply_patch"}}
+    fragments = ['{"input": "*** Begin', " Patch\\n*** Up", "date File: a.py\\u00", "e9", '"}']
+    first = {**start, "function": {"name": "apply_patch", "arguments": fragments[0]}}
+    fed = [out.feed(ChatDelta(tool_calls=[first]))]
+    for fragment in fragments[1:]:
+        more = {"index": 0, "function": {"arguments": fragment}}
+        fed.append(out.feed(ChatDelta(tool_calls=[more])))
+    out.finish("completed")
+    deltas = [[f["delta"] for k, f in events if k.endswith("input.delta")] for events in fed]
+    assert deltas == [["*** Begin"], [" Patch\n*** Up"], ["date File: a.py"], ["\u00e9"], []]
+    final = out.items[0]["input"]
+    assert final == "*** Begin Patch\n*** Update File: a.py\u00e9" == "".join(sum(deltas, []))
+    assert [k for k, _ in out.events] == [
+        "response.custom_tool_call_input.done",
+        "response.output_item.done",
+    ]
+    assert out.events[0][1]["input"] == final
 
 
 def test_a_forced_custom_tool_call(client, model):

@@ -295,7 +295,9 @@ def test_sglangs_engine_type_is_each_servers_role(pd):
 def test_a_batch_runs_when_no_server_answers_its_model(monkeypatch):
     """A router's batch asks its servers' /v1/models as it starts, for its `model`: a server
     that takes the connection and never answers leaves it without one (after a while),
-    its lines run all the same."""
+    its lines run all the same. (It guards that bound, `_MODEL_ASK_S`: a batch learning
+    its `model` from its servers at all is tested elsewhere, and a tree without that
+    passes here too.)"""
     monkeypatch.setattr(batch_module, "_MODEL_ASK_S", 0.05)
     sent: list[str] = []
 

@@ -27,6 +27,7 @@ from .handlers import ChatRun, Handlers
 from .openai_format import CUT_SHORT, finish_reason
 from .parsers import ChatDelta
 from .protocol import (
+    SHUTTING_DOWN,
     APIError,
     ChatCompletionRequest,
     FunctionDefinition,
@@ -72,7 +73,7 @@ class AnthropicTool(StrictModel):
     description: str | None = None
     input_schema: dict[str, Any] | None = None  # (required: `_tool`; server tools have none)
     type: str | None = None  # "custom"; Anthropic's server tools (web search, ...) are refused
-    # Tool search's: left out of the prompt until a `tool_reference` loads it (`_loaded`)
+    # Tool search's: left out of the prompt until a `tool_reference` loads it (`chat_request`)
     defer_loading: bool | None = None
 
 
@@ -161,9 +162,10 @@ async def _create(api: Handlers, body: MessagesRequest, raw: Request) -> Respons
         close = api.closer(run.call, run.streams)
         return AbortingStream(_events(api, run, mid), close, headers)
     (r,) = await api.collect_all(run.streams, raw, run.call)
-    if r.finish_reason == "abort":  # (asked for: stopped on purpose, not for the SDK to rerun)
-        e, no_retry = _aborted(r), {**headers, "x-should-retry": "false"}
-        return JSONResponse(anthropic_error_body(e.status, e.message), e.status, no_retry)
+    if r.finish_reason == "abort":
+        if r.abort_asked is not None:  # (stopped on purpose: not for the SDK to run again)
+            headers["x-should-retry"] = "false"
+        return JSONResponse(_aborted(r), 503, headers)
     parser, blocks = run.prep.output_parser(), _Blocks()
     blocks.feed(parser.feed(r.text, final=True, cut=r.finish_reason in CUT_SHORT))
     blocks.finish()
@@ -195,8 +197,7 @@ async def _events(api: Handlers, run: ChatRun, mid: str) -> AsyncIterator[str]:
         yield _sse("error", error=anthropic_error_body(e.status, e.message)["error"])
         return
     if totals.finish_reason == "abort":
-        e = _aborted(totals)
-        yield _sse("error", error=anthropic_error_body(e.status, e.message)["error"])
+        yield _sse("error", error=_aborted(totals)["error"])
         return
     for kind, fields in blocks.finish():
         yield _sse(kind, **fields)
@@ -206,14 +207,15 @@ async def _events(api: Handlers, run: ChatRun, mid: str) -> AsyncIterator[str]:
     yield _sse("message_stop")
 
 
-def _aborted(r: Result) -> APIError:
-    """A turn aborted before it ended (SGLang's /abort_request, a pause or weight update that
-    aborts, the server stopping): Anthropic has no stop_reason for it (`end_turn` would
-    tell an agent the model was done, where chat says "abort"), and its API fails a turn
-    it cannot finish: an overloaded error. Unstreamed, one asked for says not to retry
-    it (Anthropic's `x-should-retry: false`: the SDK retries a 5xx, running it again)."""
-    why = "server shutting down" if r.abort_asked is None else "abort_request"
-    return APIError(503, f"request aborted ({why})", type="server_error")
+def _aborted(r: Result) -> dict[str, Any]:
+    """The error body (a 503's) of a turn aborted before it ended (SGLang's /abort_request,
+    a pause or weight update that aborts, the server stopping): Anthropic has no
+    stop_reason for it (`end_turn` would tell an agent the model was done, where chat says
+    "abort"), and its API fails a turn it cannot finish: an overloaded error. Unstreamed,
+    one asked for says not to retry it (Anthropic's `x-should-retry: false`: the SDK
+    retries a 5xx, running it again)."""
+    message = SHUTTING_DOWN if r.abort_asked is None else "request aborted (abort_request)"
+    return anthropic_error_body(503, message)
 
 
 def _sse(kind: str, **fields: Any) -> str:
@@ -364,9 +366,18 @@ def chat_request(body: CountTokensRequest, reasoning: bool) -> ChatCompletionReq
     """The chat request that runs `body` (`reasoning`: the server has a reasoning parser,
     which `thinking.budget_tokens` needs). The conversation's system text comes first (but
     Claude Code's billing header); a last assistant turn is continued (Anthropic's prefill:
-    the reply goes on from it)."""
+    the reply goes on from it).
+
+    A deferred tool joins the tools the template lists once loaded (as SGLang does for a
+    template that has no deferred tools of its own; a template listing them first: the
+    prefix cache misses from there once): one the conversation's tool search loaded (its
+    tool results' `tool_reference` blocks name it), as Anthropic's own loads them, one an
+    earlier turn called (a client that trims old tool results may have dropped the
+    reference that loaded it), and the one `tool_choice` forces (the model must write a
+    call to it, so must see it: the request names a tool it gave, not one missing)."""
     system: list[dict[str, str]] = _texts(body.system, "system") if body.system else []
     messages: list[dict[str, Any]] = []
+    loaded: set[str] = set()  # (the deferred tools in the prompt, as the messages are read)
     for i, m in enumerate(body.messages):
         at = f"messages[{i}]"
         role = _ROLES.get(m.role)
@@ -378,9 +389,10 @@ def chat_request(body: CountTokensRequest, reasoning: bool) -> ChatCompletionReq
         if role == "system":
             system += _texts(m.content, f"{at}.content")
         elif role == "assistant":
-            messages.append(_assistant_turn(m.content, at))
+            messages.append(turn := _assistant_turn(m.content, at))
+            loaded.update(c["function"]["name"] for c in turn.get("tool_calls", ()))
         else:
-            messages += _user_turns(m.content, at)
+            messages += _user_turns(m.content, at, loaded)
     system = [p for p in system if not p["text"].startswith(_BILLING_HEADER)]
     if system:
         messages.insert(0, {"role": "system", "content": system})
@@ -392,7 +404,9 @@ def chat_request(body: CountTokensRequest, reasoning: bool) -> ChatCompletionReq
     if body.output_config is not None and body.output_config.effort is not None:
         kwargs.setdefault("reasoning_effort", body.output_config.effort)
     choice, config = body.tool_choice, body.output_config
-    given, loaded = body.tools or [], _loaded(body)
+    if choice is not None and choice.type == "tool" and choice.name:
+        loaded.add(choice.name)
+    given = body.tools or []
     tools = [_tool(t, k) for k, t in enumerate(given)]
     tools = [c for c, t in zip(tools, given) if not t.defer_loading or t.name in loaded]
     chat: dict[str, Any] = {
@@ -431,9 +445,11 @@ def chat_request(body: CountTokensRequest, reasoning: bool) -> ChatCompletionReq
     return request
 
 
-def _user_turns(content: str | list[dict[str, Any]], at: str) -> list[dict[str, Any]]:
+def _user_turns(
+    content: str | list[dict[str, Any]], at: str, loaded: set[str]
+) -> list[dict[str, Any]]:
     """A user message as chat turns: its `tool_result` blocks tool turns, its text a user
-    turn, in their order."""
+    turn, in their order (the tools their `tool_reference`s load added to `loaded`)."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     turns: list[dict[str, Any]] = []
@@ -448,7 +464,10 @@ def _user_turns(content: str | list[dict[str, Any]], at: str) -> list[dict[str, 
             parts = []
         result = block.get("content")
         # (`is_error` is taken as vLLM takes it: the content says what failed)
-        text = result if isinstance(result, str) else _result_texts(result, f"{where}.content")
+        if isinstance(result, str):
+            text: str | list[dict[str, str]] = result
+        else:
+            text = _result_texts(result, f"{where}.content", loaded)
         call_id = _string(block, "tool_use_id", where)
         turns.append({"role": "tool", "tool_call_id": call_id, "content": text})
     if parts or not turns:
@@ -513,44 +532,23 @@ def _texts(content: Any, at: str, first: int = 0) -> list[dict[str, str]]:
     return parts
 
 
-def _result_texts(content: Any, at: str) -> list[dict[str, str]]:
+def _result_texts(content: Any, at: str, loaded: set[str]) -> list[dict[str, str]]:
     """A tool_result's blocks as text parts: one the model cannot read as its note
-    (`_UNREAD`), a `tool_reference` (tool search's: the tool it names is loaded,
-    `_loaded`) as a note naming it, as SGLang writes one for a template that has no
-    tool references of its own."""
+    (`_UNREAD`), a `tool_reference` (tool search's: the tool it names is loaded, added to
+    `loaded`) as a note naming it, as SGLang writes one for a template that has no tool
+    references of its own."""
     if isinstance(content, list):
-        content = [_result_block(b, f"{at}[{j}]") for j, b in enumerate(content)]
+        content = [_result_block(b, f"{at}[{j}]", loaded) for j, b in enumerate(content)]
     return _texts(content or [], at)
 
 
-def _result_block(block: Any, where: str) -> Any:
+def _result_block(block: Any, where: str, loaded: set[str]) -> Any:
     kind = block.get("type") if isinstance(block, dict) else None
     if kind == "tool_reference":
         name = _string(block, "tool_name", where)
+        loaded.add(name)
         return {"type": "text", "text": f"[tool reference: {name}]"}
     return _UNREAD.get(str(kind), block)
-
-
-def _loaded(body: CountTokensRequest) -> set[str]:
-    """The deferred tools in the prompt: those the conversation's tool search loaded (its
-    tool results' `tool_reference` blocks name them), as Anthropic's own loads them, those
-    an earlier turn called (a client that trims old tool results may have dropped the
-    reference that loaded them), and the one `tool_choice` forces (the model must write a
-    call to it, so must see it: the request names a tool it gave, not one missing). A
-    loaded one joins the tools
-    the template lists (as SGLang does for a template that has no deferred tools of its
-    own; a template listing them first: the prefix cache misses from there once)."""
-    choice = body.tool_choice
-    names = {choice.name} if choice is not None and choice.type == "tool" else set()
-    for m in body.messages:
-        for block in m.content if isinstance(m.content, list) else []:
-            if block.get("type") == "tool_use":
-                names.add(block.get("name"))
-            result = block.get("content") if block.get("type") == "tool_result" else None
-            for b in result if isinstance(result, list) else []:
-                if isinstance(b, dict) and b.get("type") == "tool_reference":
-                    names.add(b.get("tool_name"))
-    return names
 
 
 def _string(block: dict[str, Any], key: str, where: str) -> str:

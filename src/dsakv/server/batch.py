@@ -10,12 +10,12 @@ them), as many of a batch's requests at once as the engine runs (the router: as 
 servers run together), so that the requests of other clients do not wait for the whole
 batch.
 
-Files are kept in memory, the server's for its lifetime as its stored responses are (or until
-their `expires_after`): a batch's input is read whole to be validated and its output written
-whole at its end, so a temp dir would hold the same bytes twice and leave them behind a
-killed server; an upload past
+Files are kept in memory until deleted, their `expires_at` or the server stops: a batch's
+input is read whole to be validated and its output written whole at its end, so a temp dir
+would hold the same bytes twice and leave them behind a killed server; an upload past
 `MAX_FILE_BYTES` (OpenAI's batch input limit) is refused as it arrives (413), and one past
-`MAX_STORED_BYTES` in all (413: files are deleted, or kept for the server's lifetime)."""
+`MAX_STORED_BYTES` in all (413: delete files, or give them an `expires_after`, to make
+room)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from starlette.datastructures import UploadFile
 from dsakv.errors import DsakvError, load_json
 
 from .auth import key_headers
-from .protocol import APIError, error_body, list_page, new_id
+from .protocol import APIError, check_metadata, error_body, list_page, new_id
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +44,16 @@ log = logging.getLogger(__name__)
 # API chat, completions and responses); every one answers whole JSON.
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/score")
 MAX_FILE_BYTES = 200 * 2**20  # one upload (OpenAI's limit on a batch's input file)
-# All the files a server keeps (in memory, until deleted): an upload past it is refused, a
-# batch's output and error files are always kept (and count).
+# All the files a server keeps (in memory, until deleted or expired): an upload past it is
+# refused; a batch's output and error files are written whatever it holds (and count).
 MAX_STORED_BYTES = 10 * MAX_FILE_BYTES
 _FORM_SLACK = 64 * 2**10  # the multipart framing and the form's other fields
 COMPLETION_WINDOW = "24h"  # (the only one OpenAI takes)
 _WINDOW_S = 24 * 3600
 MAX_REQUESTS = 50_000  # a batch file's requests at most (OpenAI's)
-# OpenAI's bounds on a Batch object's `metadata`: pairs, and each key's and value's length
-MAX_METADATA = (16, 64, 512)
 # A file's `expires_after` (and a batch's `output_expires_after`): seconds, as OpenAI takes them
-EXPIRES_S = (3600, 30 * 24 * 3600)
+EXPIRES_MIN_S = 3600
+EXPIRES_MAX_S = 30 * 24 * 3600
 _MODEL_ASK_S = 10.0  # a batch's wait for its model (`BatchRunner.model`), as the router's asks
 # A batch's requests in flight at most (`BatchRunner.run`), or how to learn it as it starts
 # (the router asks its decode servers then: they may come and go).
@@ -119,9 +118,10 @@ def parse_batch(data: bytes | str) -> list[BatchLine]:
 
 
 def check_batch(lines: Sequence[BatchLine], endpoint: str) -> None:
-    """OpenAI's checks of a server batch's file as a whole, which fail the batch
+    """The checks of a server batch's file as a whole, as OpenAI's, which fail the batch
     (`BatchFileError`) rather than a line: some requests, `MAX_REQUESTS` at most, each to
-    the batch's `endpoint`, each `custom_id` once (its output lines are found by it)."""
+    the batch's `endpoint`, each `custom_id` once (its output lines are found by it). (The
+    codes `too_many_tasks` and `url_mismatch` are this server's: OpenAI's are not known here.)"""
     if not lines:
         raise BatchFileError("the input file holds no requests", "empty_file")
     if len(lines) > MAX_REQUESTS:
@@ -391,37 +391,17 @@ def _at(when: int, callback: Callable[..., Any], *args: Any) -> asyncio.TimerHan
 
 
 def _expires_in(value: Any, param: str) -> int:
-    """The seconds of an `expires_after` (`{"anchor": "created_at", "seconds": N}`, as
-    OpenAI takes it; a form's fields are strings), or its 400."""
+    """The seconds of an `expires_after` (`{"anchor": "created_at", "seconds": N}`, N an
+    integer, as OpenAI takes it), or its 400."""
     anchor = value.get("anchor") if isinstance(value, dict) else None
     if anchor != "created_at":
         message = f"{param}.anchor must be 'created_at', got {anchor!r}"
         raise APIError(400, message, param=f"{param}.anchor")
-    seconds = value.get("seconds")
-    if isinstance(seconds, str) and seconds.isdecimal():
-        seconds = int(seconds)
-    low, high = EXPIRES_S
+    seconds, low, high = value.get("seconds"), EXPIRES_MIN_S, EXPIRES_MAX_S
     if type(seconds) is not int or not low <= seconds <= high:
         message = f"{param}.seconds must be an integer from {low} to {high}, got {seconds!r}"
         raise APIError(400, message, param=f"{param}.seconds")
     return seconds
-
-
-def _check_metadata(metadata: dict[str, str] | None) -> None:
-    """OpenAI's bounds on `metadata` (its pairs' types are the body model's)."""
-    pairs, key_chars, value_chars = MAX_METADATA
-    if metadata is None:
-        return
-    if len(metadata) > pairs:
-        message = f"metadata has {len(metadata)} pairs, {pairs} at most"
-        raise APIError(400, message, param="metadata")
-    for key, value in metadata.items():
-        if len(key) > key_chars:
-            message = f"metadata key {key[:16]!r}... is {len(key)} characters, {key_chars} at most"
-            raise APIError(400, message, param="metadata")
-        if len(value) > value_chars:
-            message = f"metadata[{key!r}] is {len(value)} characters, {value_chars} at most"
-            raise APIError(400, message, param="metadata")
 
 
 # --- the server's /v1/files and /v1/batches ----------------------------------------------------
@@ -508,7 +488,7 @@ class Batches:
         if body.completion_window != COMPLETION_WINDOW:
             message = f"completion_window must be {COMPLETION_WINDOW!r}"
             raise APIError(400, message, param="completion_window")
-        _check_metadata(body.metadata)
+        check_metadata(body.metadata)
         expires_in = None
         if body.output_expires_after is not None:
             expires_in = _expires_in(body.output_expires_after, "output_expires_after")
@@ -592,17 +572,12 @@ class Batches:
         expiry = _at(info["expires_at"], self._expire, batch)
         try:
             lines = await asyncio.to_thread(validated)
-        except BatchFileError as e:
-            errors = {"object": "list", "data": [e.as_error()]}
-            info.update(status="failed", failed_at=int(time.time()), errors=errors)
-            return
-        try:
             await self._run_lines(batch, lines, headers)
-        except Exception as e:  # (a bug: the batch fails, the server goes on)
+        except BatchFileError as e:
+            _failed(info, e.as_error())
+        except Exception as e:  # (a bug, validating or running: it fails, the server goes on)
             log.exception("batch %s failed", info["id"])
-            error = {"code": "server_error", "message": str(e), "param": None, "line": None}
-            errors = {"object": "list", "data": [error]}
-            info.update(status="failed", failed_at=int(time.time()), errors=errors)
+            _failed(info, {"code": "server_error", "message": str(e), "param": None, "line": None})
         finally:
             expiry.cancel()
 
@@ -659,12 +634,12 @@ class Batches:
 
         window = await self._learn(batch, headers)
         results = await self.runner.run(lines, done, batch.stop, window, headers)
-        stopped = batch.stop.is_set()
-        if not stopped:
+        # (a window that ended as the last line did leaves nothing unanswered: completed)
+        expired = batch.expired and None in results
+        cancelled = batch.stop.is_set() and not batch.expired
+        if not (expired or cancelled):
             info.update(status="finalizing", finalizing_at=int(time.time()))
-        records = [
-            r or _unfinished_line(x.custom_id, batch.expired) for r, x in zip(results, lines)
-        ]
+        records = [r or _unfinished_line(x.custom_id, expired) for r, x in zip(results, lines)]
         # (a line the stop cut short failed: the counts add up to the output and error files)
         counts["failed"] += results.count(None)
         for kind, key in (("output", "output_file_id"), ("error", "error_file_id")):
@@ -673,12 +648,19 @@ class Batches:
                 data = await asyncio.to_thread(_jsonl, chosen)
                 name = f"{info['id']}_{kind}.jsonl"
                 info[key] = self.add_file(data, name, "batch_output", batch.output_expires_in)["id"]
-        if batch.expired:
+        if expired:
             info.update(status="expired", expired_at=int(time.time()))
-        elif stopped:
+        elif cancelled:
             info.update(status="cancelled", cancelled_at=int(time.time()))
         else:
             info.update(status="completed", completed_at=int(time.time()))
+
+
+def _failed(info: dict[str, Any], error: dict[str, Any]) -> None:
+    """A batch failed by `error` (OpenAI's BatchError: code, message, param, line)."""
+    info.update(
+        status="failed", failed_at=int(time.time()), errors={"object": "list", "data": [error]}
+    )
 
 
 def _jsonl(records: list[dict[str, Any]]) -> bytes:
@@ -725,9 +707,11 @@ async def _upload(raw: Request) -> tuple[bytes, str, Any, dict[str, Any] | None]
         if len(data) > MAX_FILE_BYTES:
             raise too_large
         expires = {k: form.get(f"expires_after[{k}]") for k in ("anchor", "seconds")}
-        if all(v is None for v in expires.values()):
-            return data, file.filename or "upload.jsonl", purpose, None
-        return data, file.filename or "upload.jsonl", purpose, expires
+        seconds = expires["seconds"]  # (a form's fields are strings)
+        if isinstance(seconds, str) and seconds.isdecimal():
+            expires["seconds"] = int(seconds)
+        given = any(v is not None for v in expires.values())
+        return data, file.filename or "upload.jsonl", purpose, expires if given else None
 
 
 def add_batch_routes(

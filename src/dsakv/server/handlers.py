@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -52,6 +51,7 @@ from .openai_format import (
 )
 from .params import GRAMMAR_WORKERS, RequestParamsMixin, grammar_field, prompt_list
 from .protocol import (
+    HEADER_SAFE,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -563,7 +563,7 @@ def _request_id(body: GenerationRequest, raw: Request) -> str | None:
     named = raw.headers.get("x-request-id")
     if named:
         return named
-    if body.request_id and not _HEADER_SAFE.fullmatch(body.request_id):
+    if body.request_id and not HEADER_SAFE.fullmatch(body.request_id):
         raise APIError(
             400,
             "request_id must be printable ASCII without leading or trailing spaces "
@@ -571,10 +571,6 @@ def _request_id(body: GenerationRequest, raw: Request) -> str | None:
             param="request_id",
         )
     return body.request_id or None
-
-
-# What an HTTP header value may be (RFC 9110's field-value), in ASCII
-_HEADER_SAFE = re.compile(r"[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*")
 
 
 def _names(name: str | None) -> tuple[str, ...]:

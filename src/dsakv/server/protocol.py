@@ -4,6 +4,7 @@ never a silent coercion; unknown fields are ignored (clients send many we do not
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from typing import Any, Literal
 
@@ -81,6 +82,16 @@ def error_for(path: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+# What an HTTP header value may be (RFC 9110's field-value), in ASCII: a client's request id
+# must be one, as it comes back in the X-Request-Id header
+HEADER_SAFE = re.compile(r"[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*")
+
+
+# What an aborted request says where nobody asked for the abort (the server stopping): one
+# wording for every API's error
+SHUTTING_DOWN = "request aborted (server shutting down)"
+
+
 def new_id(prefix: str = "", length: int = 32) -> str:
     """A fresh random id: `prefix` (its separator included: ids are client-visible, each
     API's own shape, "resp_...", "file-...") then `length` hex digits."""
@@ -96,6 +107,32 @@ def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         "last_id": data[-1]["id"] if data else None,
         "has_more": has_more,
     }
+
+
+# OpenAI's bounds on an object's `metadata` (a batch's, a response's): pairs, and each key's
+# and value's characters
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """The 400 for `metadata` past OpenAI's bounds (its pairs' types are the body model's)."""
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        message = f"metadata has {len(metadata)} pairs, {MAX_METADATA_PAIRS} at most"
+        raise APIError(400, message, param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            message = (
+                f"metadata key {key[:16]!r}... is {len(key)} characters, "
+                f"{MAX_METADATA_KEY_CHARS} at most"
+            )
+            raise APIError(400, message, param="metadata")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            message = (
+                f"metadata[{key!r}] is {len(value)} characters, {MAX_METADATA_VALUE_CHARS} at most"
+            )
+            raise APIError(400, message, param="metadata")
 
 
 class StrictModel(BaseModel):

@@ -117,9 +117,10 @@ class RequestLog:
         if config.on:
             log.setLevel(logging.INFO)
 
-    def open(self, rid: str, route: str) -> Entry | None:
-        """The entry of a call `rid` on `route` (None when the log is off)."""
-        return Entry(self.config, rid, route) if self.config.on else None
+    def open(self, rid: str, route: str, completion: bool = True) -> Entry | None:
+        """The entry of a call `rid` on `route` (None when the log is off; `completion`:
+        `Entry`'s)."""
+        return Entry(self.config, rid, route, completion) if self.config.on else None
 
 
 @dataclass
@@ -163,7 +164,9 @@ class Entry:
     when it closes (nothing if it never reached it: refused while it was checked). An
     output never read to its end (its client left, another one failed) ended aborted."""
 
-    def __init__(self, config: RequestLogConfig, rid: str, route: str) -> None:
+    def __init__(
+        self, config: RequestLogConfig, rid: str, route: str, completion: bool = True
+    ) -> None:
         self.config, self.rid, self.route = config, rid, route
         self.began = time.perf_counter()
         self.n, self.said, self.due = 1, False, 0  # (`due`: the outputs it asked for)
@@ -171,7 +174,7 @@ class Entry:
         self.failure: tuple[str, str | None] | None = None  # (finish reason, error)
         # Whether the outputs' tokens are completion tokens: a /v1/score item's one token is
         # not (its usage counts none, as SGLang's), so the line says what the usage says.
-        self.completion = True
+        self.completion = completion
 
     def received(
         self,

@@ -33,6 +33,7 @@ from .protocol import (
     ChatCompletionRequest,
     ResponsesRequest,
     ServingExtras,
+    check_metadata,
     list_page,
     new_id,
 )
@@ -292,6 +293,7 @@ async def _create(
             raise APIError(400, f"{name} is not supported on /v1/responses", param=name)
     if body.background and body.store is False:
         raise APIError(400, "background needs store: true", param="background")
+    check_metadata(body.metadata)
     rid = body.request_id or new_id("resp_")
     with store.reserve(rid):
         turns = input_messages(body.input)
@@ -400,7 +402,7 @@ def _finish(api: Handlers, stored: _Stored, output: _Output, r: Result) -> None:
 
 def _full_output(stored: _Stored, r: Result) -> _Output:
     assert stored.run is not None
-    reader, output = _Reader(stored.run), _Output(_call_items(stored.response["tools"]))
+    reader, output = _Reader(stored.run), _Output(_tools(stored.response["tools"]).calls)
     for d, logprobs in reader.feed(r.as_update(), r.text, True, r.finish_reason == "length"):
         output.feed(d, logprobs)
     return output
@@ -453,7 +455,7 @@ async def _events(api: Handlers, stored: _Stored) -> AsyncIterator[str]:
     yield event("response.created", response=copy.deepcopy(response))
     response["status"] = "in_progress"
     yield event("response.in_progress", response=copy.deepcopy(response))
-    reader, output, totals = _Reader(run), _Output(_call_items(response["tools"])), Result()
+    reader, output, totals = _Reader(run), _Output(_tools(response["tools"]).calls), Result()
     try:
         async for _, u in api.merged_updates(run.streams):
             totals.add(u)
@@ -564,16 +566,18 @@ class _Output:
     each delta makes: an item is added (a text item with its one content part), written in
     deltas, and done when the next item starts or the response ends; ids are the same in
     the events and the final output (the SDK's stream helper checks them). A call is the
-    item `tools` (`_call_items`) says for the name the model called: a `function_call`, or a
-    custom tool's `custom_tool_call`, its `input` the call's one string argument, given
-    whole when the call ends (the arguments are JSON until then)."""
+    item `tools` (`_tools`) says for the name the model called: a `function_call`, or a
+    custom tool's `custom_tool_call`, its `input` the call's one string argument, streamed
+    as that string is written (`_input`)."""
 
     tools: dict[str, dict[str, str]] = field(default_factory=dict)
     items: list[dict[str, Any]] = field(default_factory=list)
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # `finish`'s
     _open: dict[str, Any] | None = None
     _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # tool-call index -> item
-    _arguments: dict[str, str] = field(default_factory=dict)  # a custom call's, by item id
+    # A custom call's arguments as written (JSON: its item holds the input read from them),
+    # by item id
+    _arguments: dict[str, str] = field(default_factory=dict)
 
     def feed(
         self, d: ChatDelta, logprobs: list[dict[str, Any]] | None = None
@@ -651,6 +655,7 @@ class _Output:
         fragment = call["function"].get("arguments") or ""
         if fragment and item["type"] == "custom_tool_call":
             self._arguments[item["id"]] += fragment
+            self._input(item, out)
         elif fragment:
             item["arguments"] += fragment
             out.append(("response.function_call_arguments.delta", self._at(item, delta=fragment)))
@@ -664,10 +669,8 @@ class _Output:
             done = self._at(item, arguments=item["arguments"], name=item["name"])
             out.append(("response.function_call_arguments.done", done))
         elif item["type"] == "custom_tool_call":
+            self._input(item, out, final=True)
             item["input"] = _custom_input(self._arguments[item["id"]])
-            if item["input"]:
-                delta = self._at(item, delta=item["input"])
-                out.append(("response.custom_tool_call_input.delta", delta))
             done = self._at(item, input=item["input"])
             out.append(("response.custom_tool_call_input.done", done))
         else:
@@ -684,6 +687,16 @@ class _Output:
                 ("response.content_part.done", self._at(item, content_index=0, part=dict(part)))
             )
         out.append(("response.output_item.done", self._at(item, item=copy.deepcopy(item))))
+
+    def _input(self, item: dict[str, Any], out: list, final: bool = False) -> None:
+        """A custom call's input as far as its arguments read (`final`: all of them), what
+        it grew by since a `response.custom_tool_call_input.delta`, as OpenAI's stream it.
+        (Arguments that turn out not to be the one string, text after it say, end as
+        `_custom_input` reads them whole: `.done`'s input, which the deltas may not make.)"""
+        text = _custom_input(self._arguments[item["id"]], final)
+        if len(text) > len(item["input"]) and text.startswith(item["input"]):
+            delta, item["input"] = text[len(item["input"]) :], text
+            out.append(("response.custom_tool_call_input.delta", self._at(item, delta=delta)))
 
     def _at(self, of: dict[str, Any], **fields: Any) -> dict[str, Any]:
         """An event's fields about item `of`: its id (unless the event carries the item)
@@ -731,7 +744,7 @@ def input_messages(items: str | list[dict[str, Any]], where: str = "input") -> l
     item is a turn (`developer` is the system's), a `function_call` an assistant turn's
     tool call (consecutive calls one turn; one cut off, `incomplete`, is left out: its
     arguments are not JSON), a `custom_tool_call` one too (its `input` the call's one
-    argument, as `_chat_tools` renders a custom tool; either one's `namespace` part of the
+    argument, as `_tools` shows a custom tool; either one's `namespace` part of the
     name the model was shown), a `function_call_output` or
     `custom_tool_call_output` a tool turn, and a `reasoning` item the reasoning of the
     assistant turn it opens (its `content`, else its `summary`: an `encrypted_content` is
@@ -921,7 +934,7 @@ def _chat_request(
     chat: dict[str, Any] = {
         "model": body.model,
         "messages": messages,
-        "tools": _chat_tools(body.tools) or None,
+        "tools": _tools(body.tools).chat or None,
         "tool_choice": _tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "max_completion_tokens": body.max_output_tokens,
@@ -959,13 +972,27 @@ def _chat_request(
         raise APIError(400, f"{loc}: {first['msg']}", param=param) from None
 
 
-def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The tools the model is shown, as chat's function tools (`_client_tools`): a function
-    tool as it is; a custom (freeform) tool as a function of one string, `input` (its
-    grammar, if it has one, told in that string's description: not enforced)."""
-    out = []
-    for name, tool, _ in _client_tools(tools):
-        if tool["type"] == "function":
+@dataclass(frozen=True)
+class _Tools:
+    chat: list[dict[str, Any]]  # the tools the model is shown, as chat's function tools
+    # what a call of each is, by the name the model was shown: its item's type, name and
+    # namespace (`_Output`)
+    calls: dict[str, dict[str, str]]
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> _Tools:
+    """The client's tools (`_client_tools`) as the model is shown them and as its calls of
+    them are items: a function tool as it is, its call a `function_call`; a custom
+    (freeform) tool as a function of one string, `input` (its grammar, if it has one, told
+    in that string's description: not enforced), its call a `custom_tool_call`."""
+    chat, calls = [], {}
+    for name, tool, namespace in _client_tools(tools):
+        custom = tool["type"] == "custom"
+        kind = "custom_tool_call" if custom else "function_call"
+        calls[name] = {"type": kind, "name": tool["name"]}
+        if namespace is not None:
+            calls[name]["namespace"] = namespace
+        if not custom:
             fn = {k: tool[k] for k in ("description", "parameters", "strict") if k in tool}
         else:
             fn = {k: tool[k] for k in ("description",) if k in tool}
@@ -978,20 +1005,8 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
                 "properties": {"input": text},
                 "required": ["input"],
             }
-        out.append({"type": "function", "function": {"name": name, **fn}})
-    return out
-
-
-def _call_items(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, str]]:
-    """What a call of each tool is, by the name the model was shown: its item's type
-    (`custom_tool_call` for a custom tool), name and namespace (`_client_tools`)."""
-    out = {}
-    for name, tool, namespace in _client_tools(tools):
-        kind = "custom_tool_call" if tool["type"] == "custom" else "function_call"
-        out[name] = {"type": kind, "name": tool["name"]}
-        if namespace is not None:
-            out[name]["namespace"] = namespace
-    return out
+        chat.append({"type": "function", "function": {"name": name, **fn}})
+    return _Tools(chat, calls)
 
 
 def _client_tools(
@@ -1020,19 +1035,20 @@ def _flat_name(namespace: str, name: str) -> str:
     return f"{namespace}__{name}"
 
 
-def _custom_input(arguments: str) -> str:
-    """A custom tool call's `input`: its arguments' one string (`_chat_tools`), as far as
+def _custom_input(arguments: str, final: bool = True) -> str:
+    """A custom tool call's `input`: its arguments' one string (`_tools`), as far as
     it was written where max_output_tokens cut it off (the JSON around it is the function
     the tool was shown as, not the model's input); arguments that hold something else
-    (the model wrote something else) are given as they are."""
+    (the model wrote something else) are given as they are, once `final` (until then they
+    may yet become the string: nothing)."""
     try:
         value = from_json(arguments, allow_partial="trailing-strings")
     except ValueError:
-        return arguments
+        return arguments if final else ""
     text = value.get("input") if isinstance(value, dict) else None
     if isinstance(text, str):
         return text
-    return arguments if value else ""  # (cut off before its string: none written)
+    return arguments if final and value else ""  # (cut off before its string: none written)
 
 
 def _truncation(body: ResponsesRequest, max_model_len: int) -> int | None:

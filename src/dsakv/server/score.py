@@ -66,9 +66,7 @@ async def _run(
     await api.weights_ready()
     # (/abort_request's abort_all reaches it; the request log names it as vLLM's /score does)
     shown = f"score-{raw.headers.get('x-request-id') or new_id()}"
-    call = api.in_flight.open([()] * len(prompts), shown=shown, raw=raw)
-    if call.log is not None:
-        call.log.completion = False
+    call = api.in_flight.open([()] * len(prompts), shown=shown, raw=raw, completion=False)
     streams = await api.submit_all(
         prompts, [params] * len(prompts), 1, raw, [None] * len(prompts), "items", call=call
     )

@@ -29,7 +29,7 @@ from dsakv.engine.grammar import GrammarError
 from dsakv.engine.sleep import EngineAsleep
 from dsakv.errors import DsakvError, PromptTooLong
 
-from .protocol import APIError, client_left
+from .protocol import SHUTTING_DOWN, APIError, client_left
 from .request_log import Entry, Output, RequestLog, route_of
 from .runner import AsyncEngine, RequestStream, Update, aborted_waiting, finished_stream
 
@@ -146,11 +146,13 @@ class InFlight:
         param: str = "rid",
         shown: str | None = None,
         raw: Request | None = None,
+        completion: bool = True,
     ) -> Call:
         """A call for outputs named `names` (outputs of one prompt share its rid); a name
         already in flight is a 400, as SGLang's (`param`: the field that named it).
         `shown`: the id its client sees (a response's, a /generate output's), and `raw`
-        the request it came in, for the request log (none: not logged)."""
+        the request it came in, for the request log (none: not logged), which counts its
+        outputs' tokens as completion tokens unless `completion` is false (`Entry`)."""
         call = Call([frozenset(x) for x in names], shown=shown)
         taken = set().union(*call.names)
         for name in sorted(taken):
@@ -160,7 +162,7 @@ class InFlight:
         self._named.update(dict.fromkeys(taken, call))
         self._idle.clear()
         if shown is not None:
-            call.log = self.log.open(shown, route_of(raw))
+            call.log = self.log.open(shown, route_of(raw), completion)
         return call
 
     def close(self, call: Call | None) -> None:
@@ -599,7 +601,7 @@ class SubmitMixin:
             if left:  # nobody hears this answer; it is counted as the client's doing
                 raise APIError(499, "the client closed the request")
             if result.abort_asked is None:  # (asked: the output so far, as SGLang answers)
-                raise APIError(503, "request aborted (server shutting down)", type="server_error")
+                raise APIError(503, SHUTTING_DOWN, type="server_error")
         return result
 
     def stream_response(
