@@ -110,9 +110,12 @@ def serving_two_prefills(model_dir: Path) -> Iterator[SimpleNamespace]:
 
 
 @contextlib.contextmanager
-def routing(prefill: list[str], decode: list[str], api_key: str | None = None) -> Iterator[str]:
-    """`dsakv router` over the servers `prefill` and `decode` (on a thread): yields its URL."""
-    app = build_router_app(prefill, decode, api_key)
+def routing(
+    prefill: list[str], decode: list[str], api_key: str | None = None, **router_args: Any
+) -> Iterator[str]:
+    """`dsakv router` over the servers `prefill` and `decode` (on a thread), given
+    `build_router_app`'s `router_args` (`policy`, `tracing`): yields its URL."""
+    app = build_router_app(prefill, decode, api_key, **router_args)
     server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
     with running(server) as base:
         yield base

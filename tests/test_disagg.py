@@ -761,11 +761,13 @@ def test_concurrent_requests_through_the_router_all_find_the_server_that_is_up()
 
     async def run():
         router._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
-        picks = [router._pick_prefill() for _ in range(4)]
+        picks = [router._pick_prefill("", "/v1/completions") for _ in range(4)]
         sends = [router._send_decode("/v1/completions", b"{}", {}) for _ in range(4)]
         found = await asyncio.gather(*picks, *sends)
         asked.clear()
-        await asyncio.gather(router._pick_prefill(), router._send_decode("/generate", b"{}", {}))
+        await asyncio.gather(
+            router._pick_prefill("", "/generate"), router._send_decode("/generate", b"{}", {})
+        )
         return found
 
     found = asyncio.run(run())

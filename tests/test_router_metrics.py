@@ -23,12 +23,13 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from dsakv.disagg import router as router_module
 from dsakv.disagg.policy import PolicyConfig
-from dsakv.disagg.router import build_router_app
 
 from .serving import (
     TIMEOUT,
     free_port,
+    routing,
     running,
     scrape_metrics,
     serving_two_prefills,
@@ -47,18 +48,8 @@ def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
 
 
 @contextmanager
-def _routing(
-    prefill: list[str], decode: list[str], policy: PolicyConfig | None = None
-) -> Iterator[str]:
-    app = build_router_app(prefill, decode, policy=policy)
-    with running(
-        uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
-    ) as base:
-        yield base
-
-
-@contextmanager
 def _serving(app: FastAPI) -> Iterator[str]:
+    """A server of our own (`app`) on a thread: yields its URL."""
     with running(
         uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
     ) as base:
@@ -103,7 +94,7 @@ def test_each_workers_counts_are_the_requests_it_was_sent(pd):
     """Round robin over both kinds: each server's processed and PD counts, the policy's
     decisions, the requests and durations by route (a stream's too), health and roles."""
     (p0, p1), d = pd.prefill, pd.decode
-    with _routing(pd.prefill, [d], PolicyConfig(policy="round_robin")) as base:
+    with routing(pd.prefill, [d], policy=PolicyConfig(policy="round_robin")) as base:
         for _ in range(3):
             assert _post(base).status_code == 200
         with httpx.stream("POST", f"{base}{COMPLETIONS}", timeout=TIMEOUT,
@@ -171,7 +162,7 @@ def test_cache_aware_hits_a_shared_prefix_and_its_trees_hold_what_was_sent(pd):
     (p0, p1), d = pd.prefill, pd.decode
     questions = [f"Question {i}: a colour?" for i in range(4)]
     other = "Tell me something else entirely, please."
-    with _routing(pd.prefill, [d]) as base:
+    with routing(pd.prefill, [d]) as base:
         for q in questions:
             assert _post(base, prompt=SYSTEM + q).status_code == 200
         m = _Metrics(base)
@@ -191,14 +182,15 @@ def test_cache_aware_hits_a_shared_prefix_and_its_trees_hold_what_was_sent(pd):
     assert m("sgl_router_processed_requests_total", worker=p0) == 4
 
 
-def test_servers_down_show_up_in_retries_errors_and_health(pd):
+def test_servers_down_show_up_in_retries_errors_and_health(pd, monkeypatch):
     """A prefill server down: the request its pick sent there is retried on the other (a
     retry, that server's error, unhealthy), the next goes to the other at once. The only
     decode server down: the request fails (its error by type, the decode server's error, a
     failure). No server at all: SGLang's 503, counted as no_available_workers."""
+    monkeypatch.setattr(router_module, "_DOWN_S", 3600.0)  # (however slow the first request)
     (p0, _), d = pd.prefill, pd.decode
     down = f"http://127.0.0.1:{free_port()}"
-    with _routing([down, p0], [d], PolicyConfig(policy="round_robin")) as base:
+    with routing([down, p0], [d], policy=PolicyConfig(policy="round_robin")) as base:
         assert _post(base).status_code == 200 and _post(base).status_code == 200
         m = _settled(base)
     assert m.named("sgl_router_retries_total") == {(("route", COMPLETIONS),): 1}
@@ -218,7 +210,7 @@ def test_servers_down_show_up_in_retries_errors_and_health(pd):
     }
     assert m("smg_worker_health", worker=down) == 0
 
-    with _routing([p0], [down]) as base:
+    with routing([p0], [down]) as base:
         assert _post(base, CHAT).status_code == 502
         m = _settled(base)
     assert m.named("sgl_router_request_errors_total") == {
@@ -231,7 +223,7 @@ def test_servers_down_show_up_in_retries_errors_and_health(pd):
         tuple(sorted({**SMG, "endpoint": "chat", "error_type": "backend_error"}.items())): 1
     }
 
-    with _routing([], []) as base:
+    with routing([], []) as base:
         assert _post(base).status_code == 503
         assert _post(base, "/v1/responses", input="Hi").status_code == 503
         m = _Metrics(base)
@@ -257,6 +249,12 @@ def _fake_prefill() -> FastAPI:
     return app
 
 
+async def _dropped() -> AsyncIterator[bytes]:
+    """A decode server's stream, dropped after its first event."""
+    yield b'data: {"choices": []}\n\n'
+    raise RuntimeError("the decode server died mid-stream")
+
+
 def test_a_request_in_flight_is_its_decode_servers_load_and_failures_are_its_errors():
     """A decode server holding a request: it is that server's running request (its load)
     until answered. A decode server answering a 5xx, and one dropping a stream midway:
@@ -272,17 +270,12 @@ def test_a_request_in_flight_is_its_decode_servers_load_and_failures_are_its_err
             return JSONResponse({"choices": []})
         if body["prompt"] == "fail":
             return JSONResponse({"error": {"message": "broken"}}, status_code=500)
-
-        async def dropped() -> AsyncIterator[bytes]:
-            yield b'data: {"choices": []}\n\n'
-            raise RuntimeError("the decode server died mid-stream")
-
-        return StreamingResponse(dropped(), media_type="text/event-stream")
+        return StreamingResponse(_dropped(), media_type="text/event-stream")
 
     with ExitStack() as stack:
         p = stack.enter_context(_serving(_fake_prefill()))
         d = stack.enter_context(_serving(decode))
-        base = stack.enter_context(_routing([p], [d]))
+        base = stack.enter_context(routing([p], [d]))
         with ThreadPoolExecutor(1) as pool:
             held = pool.submit(_post, base, prompt="hold")
             assert arrived.wait(TIMEOUT)
@@ -306,6 +299,98 @@ def test_a_request_in_flight_is_its_decode_servers_load_and_failures_are_its_err
     assert m("sgl_router_processed_requests_total", worker=d) == 3
 
 
+def test_a_stored_responses_stream_lost_counts_under_its_route():
+    """A stored response's events (GET /v1/responses/{id}?stream=true) the decode server
+    drops midway: a request and its error under the route's template (not its path: a
+    label value per response id and query), the server's error, a failure."""
+    decode = FastAPI()
+    decode.get("/v1/responses/{rid}")(
+        lambda rid: StreamingResponse(_dropped(), media_type="text/event-stream")
+    )
+    route = "/v1/responses/{response_id}"
+    with ExitStack() as stack:
+        p = stack.enter_context(_serving(_fake_prefill()))
+        d = stack.enter_context(_serving(decode))
+        base = stack.enter_context(routing([p], [d]))
+        url = f"{base}/v1/responses/resp_0?stream=true&starting_after=0"
+        with httpx.stream("GET", url, timeout=TIMEOUT) as r:
+            assert r.status_code == 200 and "mid-stream" in r.read().decode()
+        m = _settled(base)
+    assert m.named("sgl_router_requests_total") == {(("route", route),): 1}
+    assert m.named("sgl_router_request_errors_total") == {
+        (("error_type", "decode_failed"), ("route", route)): 1
+    }
+    assert m("sgl_router_request_duration_seconds_count", route=route) == 1
+    assert m.named("sgl_router_pd_stream_errors_total") == {(("worker", d),): 1}
+    assert m("dsakv_router_failures_total") == 1
+
+
+def _fake(mode: str) -> FastAPI:
+    """A prefill or decode server that answers its /health and a completion at once."""
+    app = _fake_prefill() if mode == "prefill" else FastAPI()
+    app.get("/health")(lambda: {"status": "ok"})
+    if mode == "decode":
+        app.post(COMPLETIONS)(lambda: {"choices": []})
+    return app
+
+
+def _health_told(base: str, url: str) -> tuple:
+    """What the router tells of prefill server `url`'s health, and of its workers': its
+    health in /metrics (SGLang router's and the gateway's name), the healthy workers (all,
+    and prefill), and /workers' is_healthy."""
+    m = _Metrics(base)
+    listed = httpx.get(f"{base}/workers", timeout=TIMEOUT).json()["workers"]
+    return (
+        m("sgl_router_worker_health", worker=url), m("smg_worker_health", worker=url),
+        m("sgl_router_active_workers"), m("dsakv_router_healthy_workers", worker_type="prefill"),
+        {w["url"]: w["is_healthy"] for w in listed}[url],
+    )  # fmt: skip
+
+
+def test_a_dead_server_stays_unhealthy_until_a_contact_with_it_succeeds(monkeypatch):
+    """A prefill server down (of two, and a decode server): the request it failed makes it
+    unhealthy in /metrics and /workers, and it stays so though routing tries it again (its
+    window here 0 s: at once), as /health says; up again, it is healthy once a request it
+    takes succeeds. /health's probe is a contact too: a dead server it finds is unhealthy,
+    and back, healthy, without a request."""
+    monkeypatch.setattr(router_module, "_DOWN_S", 0.0)
+    port = free_port()
+    down = f"http://127.0.0.1:{port}"
+    unhealthy, healthy = (0, 0, 2, 1, False), (1, 1, 3, 2, True)
+    revived = lambda: uvicorn.Server(  # noqa: E731  (the dead server back, on its port)
+        uvicorn.Config(_fake("prefill"), port=port, log_level="warning")
+    )
+    with ExitStack() as stack:
+        p = stack.enter_context(_serving(_fake("prefill")))
+        d = stack.enter_context(_serving(_fake("decode")))
+        base = stack.enter_context(
+            routing([down, p], [d], policy=PolicyConfig(policy="round_robin"))
+        )
+        assert _post(base).status_code == 200  # (round robin: `down` first, then `p`)
+        assert _settled(base)("sgl_router_pd_prefill_errors_total", worker=down) == 1
+        assert _health_told(base, down) == unhealthy
+        health = httpx.get(f"{base}/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and health.json()["status"] == "degraded"
+        assert [u for u in health.json()["unhealthy"] if u.startswith(down)], health.text
+        assert _health_told(base, down) == unhealthy
+        with running(revived()):
+            for _ in range(3):  # (until its turn comes: every other request)
+                assert _post(base).status_code == 200
+            assert _settled(base)("sgl_router_pd_prefill_requests_total", worker=down) >= 1
+            assert _health_told(base, down) == healthy
+            assert httpx.get(f"{base}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+
+    with ExitStack() as stack:  # (no request: /health's probe alone)
+        d = stack.enter_context(_serving(_fake("decode")))
+        base = stack.enter_context(routing([down], [d]))
+        assert _health_told(base, down)[-1] is True  # (none asked it yet)
+        assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 503
+        assert _health_told(base, down) == (0, 0, 1, 0, False)
+        with running(revived()):
+            assert httpx.get(f"{base}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+            assert _health_told(base, down) == (1, 1, 2, 1, True)
+
+
 @pytest.mark.parametrize("answer", [[1], "a string", None, "not JSON"])
 def test_a_server_whose_disagg_info_is_no_json_object_is_no_prefill_or_decode_server(answer):
     """/disagg/info answering JSON that is no object (a list, a string, null) is taken as
@@ -317,7 +402,7 @@ def test_a_server_whose_disagg_info_is_no_json_object_is_no_prefill_or_decode_se
     else:
         app.get("/disagg/info")(lambda: JSONResponse(answer))
     down = f"http://127.0.0.1:{free_port()}"  # (never asked: the prefill server fails first)
-    with _serving(app) as odd, _routing([odd], [down]) as base:
+    with _serving(app) as odd, routing([odd], [down]) as base:
         r = _post(base)
         assert r.status_code == 502, r.text
         message = r.json()["error"]["message"]
@@ -327,7 +412,7 @@ def test_a_server_whose_disagg_info_is_no_json_object_is_no_prefill_or_decode_se
             (("error_type", "prefill_unreachable"), ("route", COMPLETIONS)): 1
         }
         assert m.named("sgl_router_pd_prefill_errors_total") == {(("worker", odd),): 1}
-        with _routing([], []) as empty:
+        with routing([], []) as empty:
             r = httpx.post(f"{empty}/workers", json={"url": odd}, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == "url", r.text
         said = f"{odd} did not answer GET /disagg/info as a prefill or decode server: "
@@ -337,7 +422,8 @@ def test_a_server_whose_disagg_info_is_no_json_object_is_no_prefill_or_decode_se
 def test_a_request_the_decode_server_was_sent_counts_there_though_never_answered():
     """A decode server sent a request whose client left before its answer (as a batch
     line cancelled): it ran it, so it is that server's request all the same (processed,
-    decode), timed once, and no longer running there."""
+    decode, and its cache_aware policy's tree holds its text), timed once, and no longer
+    running there."""
     arrived, release = threading.Event(), threading.Event()
     decode = FastAPI()
 
@@ -347,16 +433,27 @@ def test_a_request_the_decode_server_was_sent_counts_there_though_never_answered
         await asyncio.to_thread(release.wait, TIMEOUT)
         return JSONResponse({"choices": []})
 
+    async def leave_once_arrived(base: str) -> None:
+        """The request sent, its client gone (its connection closed) once the decode
+        server has it."""
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            body = {"prompt": "held prompt"}
+            post = asyncio.ensure_future(client.post(f"{base}{COMPLETIONS}", json=body))
+            assert await asyncio.to_thread(arrived.wait, TIMEOUT)
+            post.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await post
+
     with ExitStack() as stack:
         p = stack.enter_context(_serving(_fake_prefill()))
         d = stack.enter_context(_serving(decode))
-        base = stack.enter_context(_routing([p], [d]))
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{base}{COMPLETIONS}", json={"prompt": "x"}, timeout=1.0)
-        assert arrived.wait(TIMEOUT)
+        policy = PolicyConfig(decode_policy="cache_aware")
+        base = stack.enter_context(routing([p], [d], policy=policy))
+        stack.callback(release.set)  # (first, on the way out: the servers stop after it)
+        asyncio.run(leave_once_arrived(base))
         m = _settled(base)
-        release.set()
     for name in ("sgl_router_processed_requests_total", "sgl_router_pd_decode_requests_total"):
         assert m(name, worker=d) == 1, m.named(name)
+    assert m("sgl_router_tree_size", worker=d) == len("held prompt")
     assert m("sgl_router_request_duration_seconds_count", route=COMPLETIONS) == 1
     assert not m.named("sgl_router_request_errors_total")  # (the client's leaving: no error)

@@ -13,13 +13,11 @@ import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.requests import Request
 
 from dsakv.cli import main
@@ -33,13 +31,13 @@ from dsakv.disagg.policy import (
     RoundRobin,
     routing_text,
 )
-from dsakv.disagg.router import Router, build_router_app
+from dsakv.disagg.router import Router
 from dsakv.errors import DsakvError
 
 from .serving import (
     TIMEOUT,
     free_port,
-    running,
+    routing,
     scrape_metrics,
     serving_two_prefills,
 )
@@ -266,7 +264,7 @@ def test_the_router_passes_over_servers_down_and_forgets_those_removed():
         assert sorted(router._ranked("prefill", "some prompt")) == [A, B, C]
     router = Router([A, B], ["http://d:1"])
     router._bootstrap = {A: ("a", 1), B: ("b", 1)}
-    assert asyncio.run(router._pick_prefill("the prompt"))[0] == A
+    assert asyncio.run(router._pick_prefill("the prompt", "/v1/completions"))[0] == A
     router._finished("prefill", A)
     tree = router._policies["prefill"].tree
     assert tree.match("the prompt") == {A: 10}
@@ -491,14 +489,6 @@ def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
         yield pd
 
 
-@contextmanager
-def _routing(pd: SimpleNamespace, policy: PolicyConfig | None = None) -> Iterator[str]:
-    app = build_router_app(pd.prefill, [pd.decode], policy=policy)
-    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
-    with running(server) as base:
-        yield base
-
-
 def _counts(pd: SimpleNamespace) -> list[tuple[float, float]]:
     """Each prefill server's prompt tokens and prefix-cache hits so far."""
     names = ("dsakv_prompt_tokens_total", "dsakv_prefix_hit_tokens_total")
@@ -518,14 +508,14 @@ def test_a_shared_prefix_meets_one_prefill_servers_cache_where_round_robin_split
     under round robin (SGLang's `--prefill-policy round_robin`: dsakv's only one before)
     they alternate, each server computing the prefix itself once."""
     before = _counts(pd)
-    with _routing(pd) as base:
+    with routing(pd.prefill, [pd.decode]) as base:
         _ask(base, range(4))
     after = _counts(pd)
     (p0, h0), (p1, h1) = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
     assert p1 == h1 == 0 and p0 > 0, (p0, h0, p1, h1)  # (the first of the two: A above)
     assert h0 > p0 / 2, (p0, h0)  # (three of the four prompts, most of each)
     before = after
-    with _routing(pd, PolicyConfig(policy="round_robin")) as base:
+    with routing(pd.prefill, [pd.decode], policy=PolicyConfig(policy="round_robin")) as base:
         _ask(base, range(4, 8))
     after = _counts(pd)
     (p0, h0), (p1, h1) = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]

@@ -14,28 +14,29 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
 from starlette.requests import Request
 
 from dsakv.cli import build_parser, main
 from dsakv.cli.args import trace_config
 from dsakv.disagg.policy import PolicyConfig
-from dsakv.disagg.router import Router, build_router_app
+from dsakv.disagg.router import Router
 from dsakv.engine import EngineConfig
 from dsakv.procs import free_port
 from dsakv.server.tracing import TraceConfig
 
 from .conftest import cli_error_line
-from .serving import NO_THINKING, TIMEOUT, running, serving_disagg
+from .serving import NO_THINKING, TIMEOUT, routing, serving_disagg
 from .test_tracing import (
     ENGINE_ARGS,
     GREEDY,
     MODEL,
+    ROUTES,
     SPAN_KIND_SERVER,
     STATUS_ERROR,
     _attrs,
     _check_span,
     _context,
+    _ids_and_usage,
     http_collector,
 )
 
@@ -44,8 +45,9 @@ ROUTER_SPAN = "http_request"
 
 @pytest.fixture(scope="module")
 def pd(glm_tiny) -> Iterator[SimpleNamespace]:
-    """A prefill and a decode server sending their spans to a collector, and the router's
-    tracing config (`dsakv router`'s flags) for that collector."""
+    """A prefill and a decode server sending their spans to a collector, and the args of a
+    router (`routing`) tracing to that collector (`dsakv router`'s flags), each kind picked
+    in turn (the first first)."""
     config = EngineConfig(model=glm_tiny, **ENGINE_ARGS)
     with (
         http_collector() as (url, spans),
@@ -60,18 +62,9 @@ def pd(glm_tiny) -> Iterator[SimpleNamespace]:
             mode: stack.enter_context(serving_disagg(config, mode, server_args=served))[0]
             for mode in ("prefill", "decode")
         }
-        router = trace_config(build_parser().parse_args(["router", "--otlp-traces-endpoint", url]))
-        yield SimpleNamespace(spans=spans, tracing=router, **urls)
-
-
-@contextlib.contextmanager
-def _routing(pd: SimpleNamespace, prefill: list[str], decode: list[str]) -> Iterator[str]:
-    """A tracing router over these servers, each kind picked in turn (the first first)."""
-    policy = PolicyConfig(policy="round_robin")
-    app = build_router_app(prefill, decode, policy=policy, tracing=pd.tracing)
-    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
-    with running(server) as base:
-        yield base
+        tracing = trace_config(build_parser().parse_args(["router", "--otlp-traces-endpoint", url]))
+        router = {"policy": PolicyConfig(policy="round_robin"), "tracing": tracing}
+        yield SimpleNamespace(spans=spans, router=router, **urls)
 
 
 def _trace(pd: SimpleNamespace, trace_id: str, span_id: str, count: int = 3):
@@ -100,7 +93,7 @@ def test_the_router_span_is_the_clients_child_and_the_servers_parent(pd):
             **NO_THINKING,
         },
     }  # fmt: skip
-    with _routing(pd, [pd.prefill], [pd.decode]) as router:
+    with routing([pd.prefill], [pd.decode], **pd.router) as router:
         for path, body in requests.items():
             trace_id, span_id, headers = _context()
             body = {"model": MODEL, **body, **GREEDY}
@@ -125,6 +118,65 @@ def test_the_router_span_is_the_clients_child_and_the_servers_parent(pd):
             ]
 
 
+def test_the_router_and_each_kind_of_server_are_a_service_of_their_own(pd):
+    """One request's spans, by service.name: the router's dsakv-router, the prefill
+    server's (its one token) dsakv-prefill, the decode server's dsakv-decode."""
+    trace_id, span_id, headers = _context()
+    body = {"model": MODEL, "prompt": "Who is who?", "max_tokens": 2, **GREEDY}
+    with routing([pd.prefill], [pd.decode], **pd.router) as router:
+        r = httpx.post(f"{router}/v1/completions", json=body, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    span, _, servers = _trace(pd, trace_id, span_id)
+    assert pd.spans.service(span) == "dsakv-router"
+    by_tokens = {_attrs(s)["gen_ai.usage.completion_tokens"]: s for s in servers}
+    assert [pd.spans.service(by_tokens[n]) for n in (1, 2)] == ["dsakv-prefill", "dsakv-decode"]
+
+
+def _shown(path: str, rid: str) -> str | None:
+    """The id a route's client sees for a request named `rid` (None: not of it)."""
+    prefix = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-"}
+    return None if path == "/v1/messages" else prefix.get(path, "") + rid
+
+
+def test_both_halves_of_a_request_go_by_one_id_told_to_the_client_and_the_routers_span(pd):
+    """A request without X-Request-Id, on each generating route: the router gives it an id
+    of its own (a new one each request), which both servers go by (their spans' request id,
+    the id the client sees: cmpl-/chatcmpl- and it, a /generate rid, a response's id) and
+    which comes back in X-Request-Id and is the router span's request_id. A client's own
+    X-Request-Id passes through as it is; a request of two prompts is still one, by one
+    id (n > 1 is a 400 in PD)."""
+    routes = {"completions": ("/v1/completions", {"prompt": "Name me", "max_tokens": 3})}
+    routes |= ROUTES
+    seen = set()
+    with routing([pd.prefill], [pd.decode], **pd.router) as router:
+        for path, body in routes.values():
+            trace_id, span_id, headers = _context()
+            body = {"model": MODEL, **body, **({} if path == "/generate" else GREEDY)}
+            r = httpx.post(f"{router}{path}", json=body, headers=headers, timeout=TIMEOUT)
+            assert r.status_code == 200, (path, r.text)
+            rid = r.headers["x-request-id"]
+            assert rid not in seen, path
+            seen.add(rid)
+            span, a, servers = _trace(pd, trace_id, span_id)
+            assert a["request_id"] == rid, path
+            if (shown := _shown(path, rid)) is not None:
+                assert _ids_and_usage(path, r)[0] == shown, path
+                assert [_attrs(s)["gen_ai.request.id"] for s in servers] == [shown] * 2, path
+
+        trace_id, span_id, headers = _context()
+        headers["X-Request-Id"] = "the-clients-own"
+        body = {"model": MODEL, "prompt": ["Mine", "Also mine"], "max_tokens": 2, **GREEDY}
+        r = httpx.post(f"{router}/v1/completions", json=body, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == "the-clients-own"
+    assert r.json()["id"] == "cmpl-the-clients-own" and len(r.json()["choices"]) == 2
+    spans = pd.spans.of_trace(trace_id, 5)  # (the router's, and each prompt's on each server)
+    (span,) = [s for s in spans if s.name == ROUTER_SPAN]
+    assert _attrs(span)["request_id"] == "the-clients-own"
+    ids = {_attrs(s)["gen_ai.request.id"] for s in spans if s is not span}
+    assert ids == {"cmpl-the-clients-own"}
+
+
 def test_the_router_span_records_the_servers_passed_over(pd):
     """A dead prefill server and a dead decode server picked first: the request goes to
     the live ones, and the router's span counts a retry of each kind, an event naming each
@@ -132,7 +184,7 @@ def test_the_router_span_records_the_servers_passed_over(pd):
     dead_p, dead_d = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
     trace_id, span_id, headers = _context()
     body = {"model": MODEL, "prompt": "Fail over", "max_tokens": 2, **GREEDY}
-    with _routing(pd, [dead_p, pd.prefill], [dead_d, pd.decode]) as router:
+    with routing([dead_p, pd.prefill], [dead_d, pd.decode], **pd.router) as router:
         r = httpx.post(f"{router}/v1/completions", json=body, headers=headers, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
     span, a, servers = _trace(pd, trace_id, span_id)
@@ -152,7 +204,7 @@ def test_a_request_no_server_could_take_is_an_error_span(pd):
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     trace_id, span_id, headers = _context()
     body = {"model": MODEL, "prompt": "Nowhere", "max_tokens": 2}
-    with _routing(pd, dead, [pd.decode]) as router:
+    with routing(dead, [pd.decode], **pd.router) as router:
         r = httpx.post(f"{router}/v1/completions", json=body, headers=headers, timeout=TIMEOUT)
     assert r.status_code == 502, r.text
     span, a, servers = _trace(pd, trace_id, span_id, count=1)

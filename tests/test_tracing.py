@@ -66,14 +66,23 @@ class Collector:
     def __init__(self) -> None:
         self.spans: list[trace_pb2.Span] = []
         self.paths: set[str] = set()
+        self.resources: dict[bytes, dict] = {}  # span id -> its resource's attributes
         self._lock = threading.Condition()
 
     def add(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
         with self._lock:
             for resource in request.resource_spans:
+                attributes = {kv.key: _value(kv.value) for kv in resource.resource.attributes}
                 for scope in resource.scope_spans:
                     self.spans.extend(scope.spans)
+                    self.resources.update(
+                        dict.fromkeys((s.span_id for s in scope.spans), attributes)
+                    )
             self._lock.notify_all()
+
+    def service(self, span: trace_pb2.Span) -> str:
+        """The service.name of the app that sent `span`."""
+        return self.resources[span.span_id]["service.name"]
 
     def of_trace(self, trace_id: str, count: int = 1) -> list[trace_pb2.Span]:
         """The `count` spans of trace `trace_id` (hex), once they came (bounded wait)."""
@@ -371,6 +380,33 @@ def test_the_last_spans_are_sent_as_the_server_stops(served, monkeypatch):
         stack.close()  # (the server stops)
         (span,) = spans.of_trace(trace_id)
     _check_span(span, span_id)
+
+
+def test_a_servers_spans_are_the_dsakv_service_unless_the_environment_names_one(
+    served, monkeypatch
+):
+    """A server's spans carry service.name dsakv (the SDK's unknown_service:python told a
+    trace backend nothing); OTEL_RESOURCE_ATTRIBUTES' service.name wins over it (its other
+    attributes kept), and OTEL_SERVICE_NAME over both, as the SDK's precedence goes."""
+    body = {"model": MODEL, "prompt": "Who sent me?", "max_tokens": 1, **GREEDY}
+
+    def service_of(base: str, spans: Collector) -> dict:
+        trace_id, _, headers = _context()
+        r = httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        (span,) = spans.of_trace(trace_id)
+        return spans.resources[span.span_id]
+
+    assert service_of(served.base, served.spans)["service.name"] == "dsakv"
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=llm-a,deployment.environment=prod")
+    with http_collector() as (url, spans), contextlib.ExitStack() as stack:
+        base = _app(stack, served.engine, _tracing(monkeypatch, "--otlp-traces-endpoint", url))
+        got = service_of(base, spans)
+        assert (got["service.name"], got["deployment.environment"]) == ("llm-a", "prod")
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "llm-b")
+        base = _app(stack, served.engine, _tracing(monkeypatch, "--otlp-traces-endpoint", url))
+        got = service_of(base, spans)
+        assert (got["service.name"], got["deployment.environment"]) == ("llm-b", "prod")
 
 
 def test_the_router_passes_the_trace_context_to_prefill_and_decode(glm_tiny, monkeypatch):

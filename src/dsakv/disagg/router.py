@@ -3,7 +3,8 @@
 Each completions, chat, Responses API or Anthropic Messages API request goes to one
 prefill server and one decode server (each kind's policy picks them: `policy.py`; by
 default the prefill server whose cache likely holds the longest prefix of the prompt, the
-decode servers in turn) with the same bootstrap room; the decode
+decode servers in turn) with the same bootstrap room and one request id (`_name`: the
+client's X-Request-Id, else one the router gives it, told back in X-Request-Id); the decode
 server's answer (streamed or not) is the client's. A stored response lives on the decode
 server that wrote it: the router remembers which (else asks each), for GET, DELETE, cancel,
 its input items and `previous_response_id`. The prefill server's own answer (its one token) is only logged when it fails:
@@ -56,6 +57,7 @@ from dsakv.server.error_handlers import add_error_handlers
 from dsakv.server.http_config import route_path
 from dsakv.server.protocol import (
     ANTHROPIC_PATHS,
+    HEADER_SAFE,
     RESPONSES_KEPT,
     APIError,
     anthropic_error_body,
@@ -142,7 +144,9 @@ class Router:
         # whether a request's text is read (`routing_text`): by cache_aware, of either kind
         self._needs_text = any(p.needs_text for p in self._policies.values())
         self._bootstrap: dict[str, tuple[str, int]] = {}
-        self._down: dict[str, float] = {}  # server -> when it last failed to connect
+        # server -> when its last contact failed (none since succeeded): unhealthy
+        # (`_healthy`), and tried after the others for `_DOWN_S` seconds (`_in_turn`)
+        self._down: dict[str, float] = {}
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task] = set()
         # The decode server holding each stored response, by id, the least recently used
@@ -180,14 +184,24 @@ class Router:
         urls = getattr(self, kind)
         if not urls:
             return []
-        up = [u for u in urls if self._healthy(u)]
+        now = time.monotonic()
+        up = [u for u in urls if not _resting(self._down, u, now)]
         pick = self._policies[kind].pick(up or urls, lambda u: self._busy[kind, u], text)
         self.metrics.decisions[kind, pick] += 1
         return _in_turn(urls, urls.index(pick), self._down)
 
     def _healthy(self, url: str) -> bool:
-        """Whether no connection to `url` failed in the last `_DOWN_S` seconds."""
-        return time.monotonic() - self._down.get(url, -math.inf) >= _DOWN_S
+        """Whether `url` is healthy, as /metrics, /workers and /health tell it: its last
+        contact did not fail (a connection, its bootstrap port asked, a /health probe; none
+        yet: healthy). Not the routing's `_DOWN_S` window, after which it is tried again: a
+        dead server stays unhealthy until a contact succeeds."""
+        return url not in self._down
+
+    def _unreachable(self, url: str) -> None:
+        """A contact with `url` failed (`_healthy`); a prefill server's bootstrap port is
+        asked again, so that its next pick contacts it (a port remembered is no contact)."""
+        self._down[url] = time.monotonic()
+        self._bootstrap.pop(url, None)
 
     def _sent(self, kind: str, url: str, text: str) -> None:
         """A request went to the `kind` server `url` (its pick's, or one after it): its
@@ -286,18 +300,29 @@ class Router:
         return await self._traced(path, request, self._generate(path, request))
 
     async def _traced(self, path: str, request: Request, answer: Awaitable[Response]) -> Response:
-        """`answer`, counted and timed by its route (`path`: `RouterMetrics.timed`), in a
-        span of its own if the router traces (`RouteTracer.traced`)."""
-        timed = self.metrics.timed(path, answer)
+        """`answer`, counted and timed by its route (`path`: `RouterMetrics.started`), in a
+        span of its own if the router traces (`RouteTracer.start`; `current` while `answer`
+        runs), each ended once the answer is whole (`_whole`); its id (`_name`) the
+        X-Request-Id header of the answer."""
+        ends = [self.metrics.started(path)]
         if self.tracer is None:
-            return await timed
-        return await self.tracer.traced(path, request, timed)
+            return await _whole(_told_id(request, answer), ends)
+        span = self.tracer.start(path, request)
+        token = current.set(span)
+        try:
+            return await _whole(_told_id(request, answer), [*ends, span.end])
+        finally:
+            current.reset(token)
 
     async def _generate(self, path: str, request: Request) -> Response:
         got = await _json_body(request)
         if isinstance(got, Response):
             return got
         raw, body = got
+        rid = _name(request, body.get("rid" if path == "/generate" else "request_id"))
+        if path == "/generate" and body.get("rid") is None and rid is not None:
+            body["rid"] = rid  # (SGLang's servers name a /generate request by its rid alone)
+            raw = json.dumps(body).encode()
         self.metrics.streamed[path] += body.get("stream") is True
         if (span := current.get()) is not None:
             span.set("stream", body.get("stream") is True)
@@ -332,10 +357,12 @@ class Router:
         if (span := current.get()) is not None:
             span.set("stream", body.get("stream") is True)
         rid = body.get("request_id")
-        if rid is None:
+        given = rid is not None
+        if not given:
             rid = body["request_id"] = new_id("resp_")
             raw = json.dumps(body).encode()
-        elif isinstance(rid, str):
+        _name(request, rid)  # (the response's id, unless the client's X-Request-Id names it)
+        if given and isinstance(rid, str):
             # (another decode server than the one it goes to may hold it, or run it)
             if rid in self._responses or rid in self._pending:
                 return _taken(rid)
@@ -461,7 +488,13 @@ class Router:
         forgot it) is asked of each decode server until one answers it (2xx); none does: the
         first error other than a 404 (e.g. a bad limit), else their 404. A stream (a
         background response's events) is passed on as it comes; with no decode server, the
-        503 naming it (as for a new response)."""
+        503 naming it (as for a new response). Counted and timed by its route's template
+        (`/v1/responses/{response_id}`...: an id or a query is no label value), as its
+        stream's loss is."""
+        route = request.scope["route"].path
+        return await _whole(self._stored(request, rid, route), [self.metrics.started(route)])
+
+    async def _stored(self, request: Request, rid: str, route: str) -> Response:
         if (missing := self._missing("decode")) is not None:
             return missing
         known = self._responses.get(rid)
@@ -486,7 +519,7 @@ class Router:
                 if r.is_success and "text/event-stream" in r.headers.get("content-type", ""):
                     self._keep(rid, url)
                     return StreamingResponse(
-                        self._relay(r, url, path),
+                        self._relay(r, url, route),
                         media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache"},
                     )
@@ -554,7 +587,7 @@ class Router:
         headers = {ROOM_HEADER: ",".join(map(str, rooms)), HOST_HEADER: host}
         headers[PORT_HEADER] = str(port)
         headers.update(key_headers(request.headers))
-        headers.update(_request_id(request))  # (both servers' name for /abort_request)
+        headers.update(_id_header(request))  # (both servers' name for it: /abort_request's)
         if (span := current.get()) is None:
             headers.update(_trace_context(request))  # (both servers' spans join the client's trace)
         else:
@@ -602,13 +635,11 @@ class Router:
                 self._failed(p_url, prefill, path, "server_error", d_url)
             elif resp.status_code != 200:  # the client's error: the prefill server's copy
                 prefill.cancel()  # would wait for a decode server that refused it
-            return Response(
-                content, resp.status_code, media_type=kind or None, headers=_request_id(resp)
-            )
+            return Response(content, resp.status_code, media_type=kind or None)
         return StreamingResponse(
             self._relay(resp, d_url, path, span),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", **_request_id(resp)},
+            headers={"Cache-Control": "no-cache"},
         )
 
     async def broadcast(self, path: str, request: Request) -> Response:
@@ -783,7 +814,7 @@ class Router:
             return JSONResponse(e.body(), status_code=e.status)
         return await self.generate(path, request)
 
-    async def _pick_prefill(self, text: str = "", path: str = "") -> tuple[str, str, int]:
+    async def _pick_prefill(self, text: str, path: str) -> tuple[str, str, int]:
         """The first prefill server (`_ranked`) that tells its bootstrap port, with that
         port: one that cannot (down, restarting) is passed over, not handed every Nth
         request, and asked last for a while (a host that drops packets costs a connect
@@ -806,7 +837,7 @@ class Router:
                 if span is not None:
                     span.failed("prefill", url, e)
                 errors.append(f"{url}: {e!r}")
-                self._down[url] = time.monotonic()
+                self._unreachable(url)
                 self.metrics.failed["prefill", url] += 1
                 continue
             except BaseException:  # (not going there: cancelled too)
@@ -853,7 +884,7 @@ class Router:
                 log.warning("decode %s refused the connection (%r): trying the next", url, e)
                 continue
             except BaseException as e:  # (it went, and failed on its way or its client left)
-                self.metrics.sent["decode", url] += 1
+                self._sent("decode", url, text)  # (the server may have run it all the same)
                 if isinstance(e, httpx.HTTPError):
                     self.metrics.failed["decode", url] += 1
                 raise
@@ -869,7 +900,7 @@ class Router:
         try:
             resp = await self._open(url, send)
         except (httpx.ConnectError, httpx.ConnectTimeout):
-            self._down[url] = time.monotonic()
+            self._unreachable(url)
             raise
         self._down.pop(url, None)
         return resp
@@ -916,6 +947,8 @@ class Router:
             log.warning("prefill %s failed: %r", p_url, e)
             self._bootstrap.pop(p_url, None)
             self.metrics.failed["prefill", p_url] += 1
+            if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                self._unreachable(p_url)  # (it died after telling its port)
 
     def _failed(
         self, p_url: str, prefill: asyncio.Task, path: str, error: str, decode: str | None = None
@@ -966,9 +999,8 @@ class Router:
         return None if found is None else self._info(*found)
 
     def _info(self, kind: str, url: str) -> dict[str, Any]:
-        """A worker in the fields of SGLang's WorkerInfo: healthy unless a connection to it
-        failed in the last `_DOWN_S` seconds; a prefill server's bootstrap port once asked
-        (else null)."""
+        """A worker in the fields of SGLang's WorkerInfo: healthy unless its last contact
+        failed (`_healthy`); a prefill server's bootstrap port once asked (else null)."""
         info = {
             "id": url,
             "url": url,
@@ -1112,14 +1144,24 @@ class Router:
         return {"success": True, "message": f"Successfully removed {kind} server: {url}"}
 
     async def health(self) -> Response:
+        """/health (/readiness, /ping): each server's /health asked, a contact like any
+        other (`_healthy`: a failed one marks it, a 200 clears it, so /metrics and /workers
+        tell what this answer tells); degraded (503) while a server fails it or a kind has
+        no server."""
         bad = [f"no {kind} worker" for kind in ("prefill", "decode") if not getattr(self, kind)]
         for url in self.prefill + self.decode:
             try:
                 r = await self.client.get(f"{url}/health", timeout=5.0)
-                if r.status_code != 200:
-                    bad.append(f"{url}: {r.status_code}")
             except httpx.HTTPError as e:
-                bad.append(f"{url}: {e!r}")
+                r, said = None, f"{url}: {e!r}"
+            else:
+                said = f"{url}: {r.status_code}"
+            if r is not None and r.status_code == 200:
+                self._down.pop(url, None)
+                continue
+            bad.append(said)
+            if url in self.prefill + self.decode:  # (not removed meanwhile)
+                self._unreachable(url)
         if bad:
             return JSONResponse({"status": "degraded", "unhealthy": bad}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -1337,7 +1379,13 @@ def _in_turn(urls: list[str], start: int, down: dict[str, float]) -> list[str]:
     the one server that is up."""
     turn = urls[start:] + urls[:start]
     now = time.monotonic()
-    return sorted(turn, key=lambda u: now - down.get(u, -math.inf) < _DOWN_S)
+    return sorted(turn, key=lambda u: _resting(down, u, now))
+
+
+def _resting(down: dict[str, float], url: str, now: float) -> bool:
+    """Whether `url` failed in the `_DOWN_S` seconds before `now`: routing tries it after
+    the others (then again in turn, though still unhealthy until a contact succeeds)."""
+    return now - down.get(url, -math.inf) < _DOWN_S
 
 
 def _answer(answer: httpx.Response) -> Response:
@@ -1388,15 +1436,98 @@ def _shaped(path: str, answer: Response) -> Response:
     if answer.status_code < 400 or not isinstance(answer, JSONResponse):
         return answer
     body = error_for(path, answer.status_code, json.loads(answer.body))
-    return JSONResponse(body, answer.status_code)
+    kept = {k: v for k, v in answer.headers.items() if k == "x-request-id"}  # (`_told_id`'s)
+    return JSONResponse(body, answer.status_code, kept)
 
 
-def _request_id(message: Request | httpx.Response) -> dict[str, str]:
-    """vLLM's X-Request-Id header, if `message` has one: the client's, for the servers (the
-    response's id and what /abort_request names it), and the decode server's, for the client."""
-    if "x-request-id" in message.headers:
-        return {"x-request-id": message.headers["x-request-id"]}
-    return {}
+def _name(request: Request, given: Any = None) -> str | None:
+    """The id of a request the router splits, given once to both servers as vLLM's
+    X-Request-Id (`_id_header`: the response's id, /abort_request's name, their spans'
+    `gen_ai.request.id` and request log lines alike, but for a Messages API `msg_` id,
+    each server's own), and to the client and the router's span (`_told_id`): the
+    client's X-Request-Id; else the id the body gives (`given`: vLLM's `request_id`,
+    SGLang's `rid`, a response's id), which both servers get too; else a new one (as a
+    server makes its own: vLLM's PD proxies give each request one, SGLang's gateway tells
+    it the client). None: the body's id is no header's value (a list of rids, or one the
+    servers refuse). Kept in `request.state`."""
+    rid = request.headers.get("x-request-id") or None
+    if rid is None:
+        if given is None:
+            rid = new_id()
+        elif isinstance(given, str) and HEADER_SAFE.fullmatch(given):
+            rid = given
+    request.state.request_id = rid
+    return rid
+
+
+def _id_header(request: Request) -> dict[str, str]:
+    """The request's id (`_name`; not named yet: the client's) as an X-Request-Id header."""
+    rid = getattr(request.state, "request_id", None) or request.headers.get("x-request-id")
+    return {"x-request-id": rid} if rid else {}
+
+
+async def _told_id(request: Request, answer: Awaitable[Response]) -> Response:
+    """`answer`, whoever made it (a server, the router's own error), with the request's id
+    as its X-Request-Id header (and its span's `request_id`): the client's back, else the
+    one the router gave it."""
+    response = await answer
+    if told := _id_header(request):
+        response.headers.update(told)
+        if (span := current.get()) is not None:
+            span.set("request_id", told["x-request-id"])
+    return response
+
+
+# How an answer ended (`_whole`): its status code, and what went wrong (None: nothing)
+_Ended = Callable[[int, str | None], None]
+
+
+async def _whole(answer: Awaitable[Response], ends: list[_Ended]) -> Response:
+    """`answer`, each of `ends` called once it is whole: at once, or at a stream's end
+    (`_until_end`); the router failing first, a 500 (cancelled: the client gone, 499)."""
+    try:
+        response = await answer
+    except BaseException as e:  # (a bug's 500, or this handler cancelled)
+        gone = isinstance(e, asyncio.CancelledError)
+        for end in ends:
+            end(499 if gone else 500, "cancelled" if gone else f"the router failed: {e!r}")
+        raise
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _until_end(response.body_iterator, ends)
+    else:
+        for end in ends:
+            end(response.status_code, _error_of(response))
+    return response
+
+
+async def _until_end(body: AsyncIterator[Any], ends: list[_Ended]) -> AsyncIterator[Any]:
+    """A stream's chunks, then `ends` called (its 200 sent): whole, left by the client
+    (closed or cancelled first), or failed by the router."""
+    error: str | None = "the client left mid-stream"
+    try:
+        async for chunk in body:
+            yield chunk
+        error = None
+    except Exception as e:  # (a bug: the connection goes, its 200 sent)
+        error = f"the router failed mid-stream: {e!r}"
+        raise
+    finally:
+        for end in ends:
+            end(200, error)
+        await body.aclose()  # type: ignore[attr-defined]  (its own cleanup at once)
+
+
+def _error_of(response: Response) -> str | None:
+    """What went wrong, by a whole answer: a 5xx's message, a client gone (499); None for
+    the others (a 4xx is the client's error, not the router's)."""
+    if response.status_code == 499:
+        return "the client left"
+    if response.status_code < 500:
+        return None
+    try:
+        return str(json.loads(response.body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"status {response.status_code}"
 
 
 def _trace_context(request: Request) -> dict[str, str]:

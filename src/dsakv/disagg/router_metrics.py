@@ -16,25 +16,16 @@ torch).
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections import Counter
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Hashable,
-    Iterator,
-    Mapping,
-)
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.core import Metric as PromMetric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
-from starlette.responses import Response, StreamingResponse
+
+from dsakv.metrics import bucket_index, histogram_family
 
 from .config import MODES
 
@@ -42,7 +33,6 @@ SGL, SMG = "sgl_router_", "smg_"
 # sgl-router's buckets (the gateway's too), for each of its *_duration_seconds histograms
 _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0,
             30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 240.0)  # fmt: skip
-_LE = [floatToGoString(b) for b in _BUCKETS] + ["+Inf"]
 # The gateway's labels of a request (`router_type`, `backend_type`, `connection_mode`,
 # `model`), and of a worker (`connection_mode`, `model`), the same for each of dsakv's
 _ROUTER = ("http", "pd", "http", "default")
@@ -61,7 +51,7 @@ class Worker:
 
     kind: str  # "prefill" or "decode"
     url: str
-    healthy: bool  # (no connection to it failed in the last few seconds)
+    healthy: bool  # (its last contact did not fail: `Router._healthy`)
 
 
 @dataclass(frozen=True)
@@ -97,38 +87,20 @@ class RouterMetrics:
         self.durations: dict[str, list[float]] = {}
         self.registry.register(_Families(self, state))
 
-    async def timed(self, route: str, answer: Awaitable[Response]) -> Response:
-        """`answer`, a request to `route` (the path it is relayed as), counted and timed
-        until it is whole: a stream's last chunk, or the client gone."""
+    def started(self, route: str) -> Callable[[int, str | None], None]:
+        """A request to `route` (the path it is relayed as) counted; what to call once its
+        answer is whole (the router's `_whole`: a stream's last chunk, or the client gone),
+        which times it."""
         self.requests[route] += 1
         start = time.monotonic()
-        try:
-            response = await answer
-        except BaseException:
-            self._observe(route, start)
-            raise
-        if isinstance(response, StreamingResponse):
-            response.body_iterator = self._until_end(response.body_iterator, route, start)
-        else:
-            self._observe(route, start)
-        return response
-
-    async def _until_end(
-        self, body: AsyncGenerator[bytes, None], route: str, start: float
-    ) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in body:
-                yield chunk
-        finally:
-            self._observe(route, start)
-            await body.aclose()  # (closed with this one: its own cleanup at once)
+        return lambda status, error: self._observe(route, start)
 
     def _observe(self, route: str, start: float) -> None:
         took = time.monotonic() - start
         counts = self.durations.get(route)
         if counts is None:
-            counts = self.durations[route] = [0.0] * (len(_LE) + 1)
-        counts[bisect_left(_BUCKETS, took)] += 1  # (the first bucket whose bound is >= it)
+            counts = self.durations[route] = [0.0] * (len(_BUCKETS) + 2)  # (+Inf, sum)
+        counts[bucket_index(_BUCKETS, took)] += 1
         counts[-1] += took
 
     def render(self) -> bytes:
@@ -151,7 +123,7 @@ class _Families(Collector):
                     smg_requests[(*_ROUTER, _endpoint(route), streaming)] += count
         route_labels = ["router_type", "backend_type", "connection_mode", "model", "endpoint"]
         counters = [
-            ("dsakv_router_requests", "Requests routed to a prefill and a decode server", [],
+            ("dsakv_router_requests", "Requests routed to the servers", [],
              {(): sum(m.requests.values())}),
             ("dsakv_router_failures",
              "Requests the servers failed (5xx, unreachable), not the clients' errors", [],
@@ -286,11 +258,8 @@ def _histogram(
 ) -> HistogramMetricFamily:
     """A histogram family of one series per key of `values` (as `_labelled`'s), each
     `RouterMetrics.durations`' bucket counts and sum."""
-    m = HistogramMetricFamily(name, doc, labels=labels)
-    for key, counts in sorted(values.items()):
-        cumulative, buckets = 0.0, []
-        for le, n in zip(_LE, counts):
-            cumulative += n
-            buckets.append((le, cumulative))
-        m.add_metric(list(key) if isinstance(key, tuple) else [key], buckets, counts[-1])
-    return m
+    rows = (
+        (list(key) if isinstance(key, tuple) else [key], counts[:-1], counts[-1])
+        for key, counts in sorted(values.items())
+    )
+    return histogram_family(name, doc, labels, _BUCKETS, rows)

@@ -2,19 +2,21 @@
 per routed request (completions, chat, /generate, the Responses and Messages APIs).
 
 Its name is the gateway's for the span of a request it serves, "http_request" (SpanKind
-SERVER); its parent is the client's W3C trace context, and the prefill and decode requests
-carry its own, so the servers' `llm_request` spans (`dsakv.server.tracing`) are its
-children. Its attributes say what the router did with the request: `route` (the path it was
-relayed as), `stream` (the client asked to), `prefill_policy` and `decode_policy`, the
-servers it went to (`prefill_url`, `decode_url`: the names the gateway's events use), those
-passed over first (`prefill_retries`, `decode_retries`), `bootstrap_room` (one per prompt),
-`status_code` and `request_id` (X-Request-Id, where the answer has one); and OpenTelemetry's
-HTTP server names (`HTTP`), which a trace backend reads without knowing the gateway's. Each
-server tried is a `worker_tried` event (the first's time less the span's start: how long
-picking took), each one that failed a `worker_failed` event saying why. It ends when the
-answer is whole (a stream's last chunk); a 5xx, a stream cut short or a client gone first
-is its error status. The router's code finds the span of the request it serves in `current`
-(as OpenTelemetry's current span is found), not in an argument of each call on the way.
+SERVER), its service dsakv-router (`service_name`); its parent is the client's W3C trace
+context, and the prefill and decode requests carry its own, so the servers' `llm_request`
+spans (`dsakv.server.tracing`) are its children. Its attributes say what the router did
+with the request: `route` (the path it was relayed as), `stream` (the client asked to),
+`prefill_policy` and `decode_policy`, the servers it went to (`prefill_url`, `decode_url`:
+the names the gateway's events use), those passed over first (`prefill_retries`,
+`decode_retries`), `bootstrap_room` (one per prompt), `status_code` and `request_id` (the
+id both servers got, the client's X-Request-Id back: `Router` names each request); and
+OpenTelemetry's HTTP server names (`HTTP`), which a trace backend reads without knowing the
+gateway's. Each server tried is a `worker_tried` event (the first's time less the span's
+start: how long picking took), each one that failed a `worker_failed` event saying why. It
+ends when the answer is whole (a stream's last chunk); a 5xx, a stream cut short or a
+client gone first is its error status. The router's code finds the span of the request it
+serves in `current` (as OpenTelemetry's current span is found), not in an argument of each
+call on the way.
 
 Off, the router makes no span and imports no SDK; on, a request costs one span: under
 0.1 ms of the router's CPU (about 80 us on a loaded 2-core machine), and its share of a
@@ -22,16 +24,13 @@ batch's export on the SDK's thread."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
 
-from dsakv.server.tracing import TraceConfig, Tracing
+from dsakv.server.tracing import TraceConfig, Tracing, service_name
 
 SPAN_NAME = "http_request"  # (SGLang Model Gateway's)
 # OpenTelemetry's HTTP server span attributes (its semantic conventions), beside the gateway's
@@ -42,8 +41,8 @@ HTTP = {
     "status": "http.response.status_code",
 }
 # The span of the request the router serves (None: not traced), for the code answering it:
-# set by `RouteTracer.traced` while the answer is made (the tasks it starts copy it); a
-# stream relayed after that is handed it.
+# set by the router (`Router._traced`) while the answer is made (the tasks it starts copy
+# it); a stream relayed after that is handed it.
 current: ContextVar[RouteSpan | None] = ContextVar("dsakv_route_span", default=None)
 
 
@@ -51,12 +50,12 @@ class RouteTracer(Tracing):
     """The router's spans (`Router.tracer`); `policies`: each kind's policy, by name."""
 
     def __init__(self, config: TraceConfig, policies: Mapping[str, str]) -> None:
-        super().__init__(config, "dsakv.router")
+        super().__init__(config, "dsakv.router", service_name("router"))
         self.policies = {f"{kind}_policy": name for kind, name in policies.items()}
 
-    async def traced(self, route: str, request: Request, answer: Awaitable[Response]) -> Response:
-        """`answer`, the router's answer to `request` (relayed as `route`), in a span from
-        now until the answer is whole; the span is `current` while `answer` runs."""
+    def start(self, route: str, request: Request) -> RouteSpan:
+        """The span of `request` (relayed as `route`), from now until its `end` (the
+        router's `_whole`: once the answer is whole)."""
         parent = self.propagator.extract(request.headers)
         matched = request.scope.get("route")  # (the app's route: /invocations is its own)
         attributes = {
@@ -69,27 +68,11 @@ class RouteTracer(Tracing):
         opened = self.tracer.start_span(
             SPAN_NAME, context=parent, kind=self.kind, attributes=attributes
         )
-        span = RouteSpan(self, opened)
-        token = current.set(span)
-        try:
-            response = await answer
-        except BaseException as e:  # (a bug's 500, or this handler cancelled)
-            gone = isinstance(e, asyncio.CancelledError)
-            span.end(499 if gone else 500, "cancelled" if gone else f"the router failed: {e!r}")
-            raise
-        finally:
-            current.reset(token)
-        if rid := response.headers.get("x-request-id"):
-            span.set("request_id", rid)
-        if isinstance(response, StreamingResponse):
-            response.body_iterator = span.until_end(response.body_iterator)
-        else:
-            span.end(response.status_code, _error_of(response))
-        return response
+        return RouteSpan(self, opened)
 
 
 class RouteSpan:
-    """One routed request's span (`RouteTracer.traced`), told what the router does."""
+    """One routed request's span (`RouteTracer.start`), told what the router does."""
 
     def __init__(self, tracer: RouteTracer, span: Any) -> None:
         self.tracer, self.span = tracer, span
@@ -121,22 +104,10 @@ class RouteSpan:
         event = {"worker_type": kind, "url": url, "error": repr(error)}
         self.span.add_event("worker_failed", event)
 
-    async def until_end(self, body: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """A stream's chunks; the span ends with it: whole, cut short by the decode server
-        (`lost`), left by the client (closed or cancelled first), or failed by the router."""
-        error: str | None = "the client left mid-stream"
-        try:
-            async for chunk in body:
-                yield chunk
-            error = self.lost
-        except Exception as e:  # (a bug: the connection goes, its 200 sent)
-            error = f"the router failed mid-stream: {e!r}"
-            raise
-        finally:
-            self.end(200, error)
-            await body.aclose()  # type: ignore[attr-defined]
-
     def end(self, status: int, error: str | None) -> None:
+        """The answer is whole (`status`); `error`: what went wrong, else (None) the stream
+        cut short (`lost`), if it was."""
+        error = self.lost if error is None else error
         for kind, tries in self.tries.items():
             if tries:
                 self.span.set_attribute(f"{kind}_retries", tries - 1)
@@ -146,16 +117,3 @@ class RouteSpan:
         if error is not None:
             self.span.set_status(self.tracer.failed(error))
         self.span.end()
-
-
-def _error_of(response: Response) -> str | None:
-    """What went wrong, by a whole answer: a 5xx's message, a client gone (499); None for
-    the others (a 4xx is the client's error, not the router's)."""
-    if response.status_code == 499:
-        return "the client left"
-    if response.status_code < 500:
-        return None
-    try:
-        return str(json.loads(response.body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return f"status {response.status_code}"

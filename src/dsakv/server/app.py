@@ -155,7 +155,7 @@ def build_app(
     app.state.chat_parsers = chat_parsers
     tracer = None
     if tracing is not None:
-        tracer = RequestTracer(tracing, model_name, async_engine.engine.config.detailed_traces)
+        tracer = RequestTracer(tracing, model_name, config.detailed_traces, role)
     api = Handlers(
         async_engine, names, metrics, chat_parsers, aliases, request_log, defaults, tracer
     )

@@ -102,6 +102,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         self.defaults = defaults or ResponseDefaults()
         self.model_names = list(model_names)
         self.model_name = self.model_names[0]  # what responses report
+        self.created = int(time.time())  # (the cards' creation time: one answer, asked twice)
         self._accepted = frozenset((*self.model_names, *aliases))
         self.metrics = metrics
         self.chat_parsers = chat_parsers
@@ -510,7 +511,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         """A served name's card, as /v1/models lists it and /v1/models/{model} returns it:
         OpenAI's fields, and Anthropic's (`type`, `display_name`, `created_at`), so the
         Anthropic SDK's `models.list` and `retrieve` read the same routes."""
-        e, now = self.engine.engine, int(time.time())
+        e, now = self.engine.engine, self.created
         return {
             "id": name,
             "object": "model",

@@ -12,7 +12,9 @@ aborted, failed or refused ends it with an error status. Spans leave in batches 
 `BatchSpanProcessor`, set by its OTEL_BSP_* variables) over OTLP, gRPC or HTTP/protobuf as
 OTEL_EXPORTER_OTLP_TRACES_PROTOCOL says (vLLM's choice, gRPC by default), the last ones as
 the app stops (`Tracing.shutdown`, which gives a collector that does not take them
-`FLUSH_S`). `dsakv router`'s spans leave the same way (`Tracing`).
+`FLUSH_S`). `dsakv router`'s spans leave the same way (`Tracing`). Each app's spans are its
+service's (`service_name`: dsakv, dsakv-prefill, dsakv-decode, dsakv-router), unless
+OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES names it.
 
 Light until a server traces: the OpenTelemetry SDK is imported by `Tracing` only."""
 
@@ -68,6 +70,18 @@ ATTR = {
 }
 
 
+def service_name(role: str) -> str:
+    """The OpenTelemetry service.name of a server in disaggregation mode `role` ("null",
+    "prefill", "decode") or of the router ("router"): dsakv, dsakv-prefill, dsakv-decode,
+    dsakv-router. vLLM names none (OTEL_SERVICE_NAME, else the SDK's
+    unknown_service:python); SGLang names its servers "sglang" whatever their role and its
+    gateway "sgl-router". A role of its own: the tiers are scaled and fail apart, and a
+    trace backend lists, colours and filters spans by service first (Jaeger's search, its
+    dependency graph: router -> prefill, router -> decode). OTEL_SERVICE_NAME or
+    OTEL_RESOURCE_ATTRIBUTES' service.name, set, is the name instead."""
+    return "dsakv" if role == "null" else f"dsakv-{role}"
+
+
 @dataclass(frozen=True)
 class TraceConfig:
     """Where spans go: `endpoint`, a collector's gRPC address (host:port, or a URL) or its
@@ -100,16 +114,21 @@ class TraceConfig:
 class Tracing:
     """An app's tracer (`scope`: its name), on a provider of its own: not the process'
     global one, which can be set once (several apps in one process, as the tests run, each
-    export to their own collector); its spans batched to `config`'s collector. A server's
-    (`RequestTracer`) and the router's (`dsakv.disagg.router_tracing`)."""
+    export to their own collector); its spans batched to `config`'s collector, as those of
+    `service` (`service_name`). A server's (`RequestTracer`) and the router's
+    (`dsakv.disagg.router_tracing`)."""
 
-    def __init__(self, config: TraceConfig, scope: str) -> None:
+    def __init__(self, config: TraceConfig, scope: str, service: str) -> None:
+        from opentelemetry.sdk.resources import OTELResourceDetector, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.trace import SpanKind, Status, StatusCode
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        self.provider, self.exporter = TracerProvider(), _exporter(config)
+        # (`Resource.create`'s attributes win over OTEL_SERVICE_NAME and
+        # OTEL_RESOURCE_ATTRIBUTES: the variables' are merged over them again)
+        named = Resource.create({"service.name": service}).merge(OTELResourceDetector().detect())
+        self.provider, self.exporter = TracerProvider(resource=named), _exporter(config)
         self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
         self.tracer = self.provider.get_tracer(scope)
         self.propagator = TraceContextTextMapPropagator()
@@ -132,10 +151,13 @@ class Tracing:
 class RequestTracer(Tracing):
     """A server's spans (`Handlers.tracer`). `model`: the name responses report (the first
     served name); `detailed`: what the engine times per request
-    (`EngineConfig.detailed_traces`)."""
+    (`EngineConfig.detailed_traces`); `role`: its disaggregation mode, its service's name's
+    (`service_name`)."""
 
-    def __init__(self, config: TraceConfig, model: str, detailed: frozenset[str]) -> None:
-        super().__init__(config, "dsakv.server")
+    def __init__(
+        self, config: TraceConfig, model: str, detailed: frozenset[str], role: str
+    ) -> None:
+        super().__init__(config, "dsakv.server", service_name(role))
         self.model, self.detailed = model, detailed
         self.spans: weakref.WeakKeyDictionary[RequestStream, RequestSpan] = (
             weakref.WeakKeyDictionary()
