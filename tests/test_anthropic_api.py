@@ -27,8 +27,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from dsakv.disagg.config import DisaggConfig
-from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
 from dsakv.errors import PromptTooLong
 from dsakv.models.tiny import write_tiny_model
@@ -38,7 +36,7 @@ from dsakv.server.request_log import RequestLogConfig
 from dsakv.server.runner import AsyncEngine
 from dsakv.server.submit import refusal
 
-from .serving import TIMEOUT, engine_stops_stepping_at, routing, running, serving
+from .serving import TIMEOUT, engine_stops_stepping_at, routing, running, serving, serving_disagg
 from .test_generate_api import _check_clean, _wait_live
 from .test_server import ENGINE_ARGS
 from .test_server_tools import SCHEMAS, TOOLS
@@ -794,12 +792,15 @@ def test_the_api_key_is_taken_as_x_api_key(served, model):
 
 
 @contextlib.contextmanager
-def _keyed_disagg(config: EngineConfig, mode: str):
-    """A prefill or decode server (as `serving.serving_disagg`'s) under --api-key."""
-    disagg = {"timeout_s": 30, **({"bootstrap_port": free_port()} if mode == "prefill" else {})}
-    bridge = bridge_for(DisaggConfig(mode, **disagg), config, "127.0.0.1")
-    with serving(config, bridge=bridge, api_key=KEY) as (base, _):
-        yield base
+def _keyed_pd(prefill: EngineConfig, decode: EngineConfig):
+    """A prefill and a decode server and the router, all under --api-key: yields the
+    router's URL, an Anthropic and an OpenAI client of it, and the served model."""
+    with ExitStack() as stack:
+        p_url, _ = stack.enter_context(serving_disagg(prefill, "prefill", api_key=KEY))
+        d_url, _ = stack.enter_context(serving_disagg(decode, "decode", api_key=KEY))
+        router = stack.enter_context(routing([p_url], [d_url], api_key=KEY))
+        gpt = openai.OpenAI(base_url=f"{router}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+        yield router, _claude(router), gpt, gpt.models.list().data[0].id
 
 
 def test_the_router_relays_messages_over_a_prefill_decode_pair(tmp_path_factory):
@@ -809,13 +810,7 @@ def test_the_router_relays_messages_over_a_prefill_decode_pair(tmp_path_factory)
     key as x-api-key too (it was not relayed: the servers' 401)."""
     path = str(write_tiny_model(tmp_path_factory.mktemp("pd") / "m", "glm-tiny"))
     conf = EngineConfig(path, **{**ENGINE_ARGS, "num_pages": 128})
-    with ExitStack() as stack:
-        p_url = stack.enter_context(_keyed_disagg(conf, "prefill"))
-        d_url = stack.enter_context(_keyed_disagg(conf, "decode"))
-        router = stack.enter_context(routing([p_url], [d_url], api_key=KEY))
-        claude = _claude(router)
-        gpt = openai.OpenAI(base_url=f"{router}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
-        model = gpt.models.list().data[0].id
+    with _keyed_pd(conf, conf) as (router, claude, gpt, model):
         m = _message(claude, model, thinking=QUIET)
         _same(m, _chat(gpt, model, extra_body=NO_THINKING))
         greedy = {"extra_body": {"temperature": 0}}
@@ -843,13 +838,7 @@ def test_a_prompt_too_long_for_the_prefill_server_alone_is_refused_as_one_server
     conf = EngineConfig(path, **{**ENGINE_ARGS, "num_pages": 128})
     short = EngineConfig(path, **{**ENGINE_ARGS, "num_pages": 128, "max_model_len": 64})
     long = [{"role": "user", "content": "word " * 30}]
-    with ExitStack() as stack:
-        p_url = stack.enter_context(_keyed_disagg(short, "prefill"))
-        d_url = stack.enter_context(_keyed_disagg(conf, "decode"))
-        router = stack.enter_context(routing([p_url], [d_url], api_key=KEY))
-        claude = _claude(router)
-        gpt = openai.OpenAI(base_url=f"{router}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
-        model = gpt.models.list().data[0].id
+    with _keyed_pd(short, conf) as (_, claude, gpt, model):
         for stream in (False, True):
             with pytest.raises(anthropic.BadRequestError) as e:
                 _message(claude, model, messages=long, max_tokens=4, stream=stream)

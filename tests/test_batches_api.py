@@ -250,13 +250,7 @@ _COMPLETION = ("/v1/completions", {"prompt": "x", "max_tokens": 1})
 )
 def test_a_bad_file_fails_its_batch(client, monkeypatch, data, code, line, param):
     monkeypatch.setattr(batch_module, "MAX_REQUESTS", 3)  # (not 50,000 lines)
-    created = client.batches.create(
-        input_file_id=_upload(client, data).id,
-        endpoint="/v1/completions",
-        completion_window="24h",
-    )
-    done = batch_until(client, created.id, "failed", "completed")
-    assert done.status == "failed" and done.failed_at and done.output_file_id is None
+    done = _failed_batch(client, data)
     assert done.request_counts.total == 0
     (error,) = done.errors.data
     assert (error.code, error.line, error.param) == (code, line, param) and error.message
@@ -480,6 +474,15 @@ def test_a_batch_failing_validation_fails_and_drops_its_timer(client, monkeypatc
             raise RuntimeError("a bug in the checks")
 
         monkeypatch.setattr(batch_module, "check_batch", check_batch)
+    done = _failed_batch(client, data)
+    (error,) = done.errors.data
+    expected = ("server_error", "a bug in the checks") if bug else ("empty_file", error.message)
+    assert (error.code, error.message) == expected
+    assert timers[done.id].handle.cancelled()
+
+
+def _failed_batch(client, data: bytes):
+    """The batch of a completions file `data`, once it ended: failed, with no output."""
     created = client.batches.create(
         input_file_id=_upload(client, data).id,
         endpoint="/v1/completions",
@@ -487,10 +490,7 @@ def test_a_batch_failing_validation_fails_and_drops_its_timer(client, monkeypatc
     )
     done = batch_until(client, created.id, "failed", "completed")
     assert done.status == "failed" and done.failed_at and done.output_file_id is None
-    (error,) = done.errors.data
-    expected = ("server_error", "a bug in the checks") if bug else ("empty_file", error.message)
-    assert (error.code, error.message) == expected
-    assert timers[created.id].handle.cancelled()
+    return done
 
 
 def test_a_batch_whose_window_ends_as_its_last_line_does_completes():

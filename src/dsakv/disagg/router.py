@@ -188,7 +188,7 @@ class Router:
         up = [u for u in urls if not _resting(self._down, u, now)]
         pick = self._policies[kind].pick(up or urls, lambda u: self._busy[kind, u], text)
         self.metrics.decisions[kind, pick] += 1
-        return _in_turn(urls, urls.index(pick), self._down)
+        return _in_turn(urls, urls.index(pick), self._down, now)
 
     def _healthy(self, url: str) -> bool:
         """Whether `url` is healthy, as /metrics, /workers and /health tell it: its last
@@ -419,8 +419,7 @@ class Router:
                 call = self.client.get(url, params=params, headers=headers)
                 answer = await _unless_left(call, request)
             except httpx.HTTPError as e:
-                self.failures += 1
-                self.metrics.errors["/v1/responses", "decode_unreachable"] += 1
+                self._count_failure("/v1/responses", "decode_unreachable")
                 self.metrics.failed["decode", decode] += 1
                 return _error(502, f"decode server {decode} is unreachable: {e!r}")
             if answer is None:
@@ -435,8 +434,7 @@ class Router:
                 break  # (a page that goes nowhere: the next would be the same)
             cursors.add(page["last_id"])
             params["after"] = page["last_id"]
-        self.failures += 1
-        self.metrics.errors["/v1/responses", "decode_failed"] += 1
+        self._count_failure("/v1/responses", "decode_failed")
         self.metrics.failed["decode", decode] += 1
         return _error(502, f"decode server {decode} lists the input items of {previous} endlessly")
 
@@ -464,8 +462,7 @@ class Router:
             return _answer(refused)
         self._responses.pop(rid, None)
         if errors:
-            self.failures += 1
-            self.metrics.errors["/v1/responses", "decode_unreachable"] += 1
+            self._count_failure("/v1/responses", "decode_unreachable")
             return _error(502, f"no decode server holding {rid} answered: {'; '.join(errors)}")
         return _not_found(rid, "previous_response_id")
 
@@ -580,8 +577,7 @@ class Router:
         try:
             p_url, host, port = await self._pick_prefill(text, path)
         except _Unusable as e:
-            self.failures += 1
-            self.metrics.errors[path, "prefill_unreachable"] += 1
+            self._count_failure(path, "prefill_unreachable")
             return _error(502, f"no prefill server is usable: {e}")
         rooms = [secrets.randbits(62) for _ in range(prompts)]
         headers = {ROOM_HEADER: ",".join(map(str, rooms)), HOST_HEADER: host}
@@ -914,8 +910,7 @@ class Router:
             async for chunk in resp.aiter_raw():
                 yield chunk
         except httpx.HTTPError as e:
-            self.failures += 1
-            self.metrics.errors[path, "decode_failed"] += 1
+            self._count_failure(path, "decode_failed")
             self.metrics.failed["decode", d_url] += 1
             self.metrics.streams_lost[d_url] += 1
             lost = f"lost the decode server {d_url} mid-stream: {e!r}"
@@ -950,6 +945,12 @@ class Router:
             if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
                 self._unreachable(p_url)  # (it died after telling its port)
 
+    def _count_failure(self, path: str, kind: str) -> None:
+        """A request to `path` the servers failed (`kind`: how): the router's count and its
+        route's, kept together."""
+        self.failures += 1
+        self.metrics.errors[path, kind] += 1
+
     def _failed(
         self, p_url: str, prefill: asyncio.Task, path: str, error: str, decode: str | None = None
     ) -> None:
@@ -957,8 +958,7 @@ class Router:
         the decode server that failed it, once known): its prefill half goes, and the
         prefill server's bootstrap port is asked again next time (a restarted server may
         have a new one)."""
-        self.failures += 1
-        self.metrics.errors[path, error] += 1
+        self._count_failure(path, error)
         if decode is not None:
             self.metrics.failed["decode", decode] += 1
         prefill.cancel()
@@ -1109,7 +1109,7 @@ class Router:
         first of the router's servers whose layout it knows (`_layouts`); else None (also
         when there is none: the handshake still checks). Added, it would fail every request
         it shared with another (the handoff's 502)."""
-        for known in _in_turn(self.prefill + self.decode, 0, self._down):
+        for known in _in_turn(self.prefill + self.decode, 0, self._down, time.monotonic()):
             if (theirs := self._layouts.get(known)) is None:
                 continue
             diffs = [
@@ -1373,12 +1373,11 @@ def _none_of(kinds: list[str]) -> JSONResponse:
     return _error(503, message, code="server_selection_failed")
 
 
-def _in_turn(urls: list[str], start: int, down: dict[str, float]) -> list[str]:
-    """`urls` from `start` round, those that failed in the last `_DOWN_S` seconds last. One
-    start per request: concurrent requests advancing a shared cycle per try could each skip
-    the one server that is up."""
+def _in_turn(urls: list[str], start: int, down: dict[str, float], now: float) -> list[str]:
+    """`urls` from `start` round, those that failed in the `_DOWN_S` seconds before `now`
+    last. One start per request: concurrent requests advancing a shared cycle per try could
+    each skip the one server that is up."""
     turn = urls[start:] + urls[:start]
-    now = time.monotonic()
     return sorted(turn, key=lambda u: _resting(down, u, now))
 
 

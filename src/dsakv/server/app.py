@@ -36,6 +36,7 @@ from .protocol import (
     TokenizeRequest,
     error_body,
     invocation_path,
+    list_page,
 )
 from .request_log import RequestLogConfig
 from .responses import add_responses_routes
@@ -210,15 +211,8 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:  # (vLLM's: a card per served name)
-        names = api.model_names
-        return {
-            "object": "list",
-            "data": [api.model_card(name) for name in names],
-            # (Anthropic's page fields too, for its SDK's models.list: one page holds all)
-            "has_more": False,
-            "first_id": names[0],
-            "last_id": names[-1],
-        }
+        # (a page: Anthropic's SDK's models.list reads its fields too; one holds them all)
+        return list_page([api.model_card(name) for name in api.model_names], has_more=False)
 
     # OpenAI's retrieve-model (`client.models.retrieve`); `path`: a served name may hold "/"
     @app.get("/v1/models/{model:path}")
