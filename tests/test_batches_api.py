@@ -246,6 +246,23 @@ _COMPLETION = ("/v1/completions", {"prompt": "x", "max_tokens": 1})
             "custom_id",
         ),
         (_jsonl([(c, *_COMPLETION) for c in "abcd"]), "too_many_tasks", None, None),
+        # no JSON text (a lone surrogate, NaN), as a request's body is not: the custom_id
+        # "\ud800" was run, and its output file could not be written (a 500 on every read
+        # of the batches after); the NaN sent as the request's, JSON it is not either
+        (
+            b'{"custom_id": "\\ud800", "method": "POST", "url": "/v1/completions", '
+            b'"body": {"prompt": "x", "max_tokens": 1}}\n',
+            "invalid_json_line",
+            1,
+            None,
+        ),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
+            b'"body": {"prompt": "x", "max_tokens": 1, "temperature": NaN}}\n',
+            "invalid_json_line",
+            1,
+            None,
+        ),
     ],
 )
 def test_a_bad_file_fails_its_batch(client, monkeypatch, data, code, line, param):
@@ -388,6 +405,22 @@ def test_openais_bounds_on_what_a_batch_and_a_file_are_given(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.files.create(file=("x.jsonl", b"{}\n"), purpose="batch", expires_after=expires)
         assert e.value.param == param
+
+
+def test_metadata_no_answer_could_quote_is_refused_not_stored(client, served):
+    """A lone surrogate is no JSON text: a batch whose metadata holds one is refused as the
+    body arrives (it was created, then every GET /v1/batches a 500)."""
+    base = served[0]
+    file_id = _upload(client, _jsonl([("a", *_COMPLETION)])).id
+    raw = (
+        b'{"input_file_id": "%s", "endpoint": "/v1/completions", "completion_window": "24h", '
+        b'"metadata": {"k": "\\ud800"}}' % file_id.encode()
+    )
+    headers = {**AUTH, "content-type": "application/json"}
+    r = httpx.post(f"{base}/v1/batches", content=raw, headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
+    listed = httpx.get(f"{base}/v1/batches", headers=AUTH, timeout=TIMEOUT)
+    assert listed.status_code == 200, listed.text
 
 
 def test_files_expire_as_their_expires_after_says(client, monkeypatch):

@@ -265,6 +265,11 @@ _BAD = [
     ({"text": ["x", "y"], "rid": ["a"]}, "rid"),
     ({"text": ["x", "y"], "rid": ["a", "a"]}, "rid"),
     ({"text": "x", "rid": ["a"]}, "rid"),
+    # (ids are 512 characters at most: they come back in headers and URLs)
+    ({"text": "x", "rid": "r" * 513}, "rid"),
+    ({"text": ["x", "y"], "rid": ["a", "r" * 513]}, "rid"),
+    # (n is checked first: a huge one made prompts * n ids, out of memory, before its 400)
+    ({"text": ["x", "y"], "rid": ["a"], "sampling_params": {"n": 2**63}}, "sampling_params.n"),
     ({"text": "x", "image_data": "cat.png"}, "image_data"),
     ({"text": "x", "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
     ({"text": "x", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
@@ -629,6 +634,19 @@ def test_meta_info_has_the_weight_version(base):
     assert out["meta_info"]["weight_version"] == version == "default"
     chunks = sglang_stream(base, text=TEXTS[0], sampling_params={"max_new_tokens": 2})
     assert all(c["meta_info"]["weight_version"] == "default" for c in chunks)
+
+
+def test_a_weight_version_no_answer_could_quote_is_refused_not_set(base):
+    """A lone surrogate is no JSON text: refused as the body arrives (taken, it was set, and
+    every /generate and /get_weight_version after it a 500)."""
+    raw = b'{"new_version": "v\\ud800", "abort_all_requests": false}'
+    r = httpx.post(f"{base}/update_weight_version", content=raw, timeout=TIMEOUT,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text
+    got = httpx.get(f"{base}/get_weight_version", timeout=TIMEOUT)
+    assert got.json() == {"weight_version": "default"}
+    out = sglang_generate(base, text="x", sampling_params={"max_new_tokens": 1})
+    assert out["meta_info"]["weight_version"] == "default"
 
 
 def test_max_new_tokens_null_runs_to_the_context_limit(base, reference):

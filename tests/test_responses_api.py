@@ -388,6 +388,9 @@ def test_cancel_a_background_response(served, model):
         ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, 400, "17 pairs"),
         ({"input": "x", "metadata": {"k" * 65: "v"}}, 400, "65 characters"),
         ({"input": "x", "metadata": {"k": "v" * 513}}, 400, "513 characters"),
+        # ids of 512 characters at most (they come back in headers and URLs)
+        ({"input": "x", "request_id": "r" * 513}, 400, "request_id"),
+        ({"input": "x", "previous_response_id": "r" * 513}, 400, "previous_response_id"),
     ],
 )
 def test_bad_requests(served, body, status, words):
@@ -405,6 +408,24 @@ def test_unknown_ids(served):
     for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/cancel")):
         r = httpx.request(method, f"{base}/v1/responses/resp_missing{path}", timeout=TIMEOUT)
         assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"input": "x", "max_output_tokens": 1, "request_id": "resp_lone", "user": "\\ud800"}',
+        b'{"input": "x", "max_output_tokens": 1, "request_id": "resp_lone", '
+        b'"tools": [{"type": "function", "name": "f", "parameters": {"x": NaN}}]}',
+    ],
+)
+def test_what_no_answer_could_quote_is_refused_not_stored(served, raw):
+    """A lone surrogate or NaN is no JSON text: refused as the body arrives. Taken, the
+    response ran to its end before its 500, and was stored: every GET of it a 500 too."""
+    base = served[1]
+    r = httpx.post(f"{base}/v1/responses", content=raw, timeout=TIMEOUT,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{base}/v1/responses/resp_lone", timeout=TIMEOUT).status_code == 404
 
 
 # --- the review's cases: ids, event order, continuations, truncation, the store -------------

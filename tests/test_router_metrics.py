@@ -241,6 +241,34 @@ def test_servers_down_show_up_in_retries_errors_and_health(pd, monkeypatch):
     )
 
 
+def test_a_body_no_server_could_be_sent_is_the_servers_400_and_no_failure(pd):
+    """A lone surrogate or NaN in a body, or JSON nested past the interpreter's limit: the
+    router answers the 400 a server does, at once, no server blamed. (The prefill half,
+    encoded anew, could not be sent: the decode server waited 60 s for its room, then a
+    502, the healthy prefill server counted failed and asked its port again; the nesting
+    was a 500.)"""
+    p0, d = pd.prefill[0], pd.decode
+    bodies = [
+        b'{"prompt": "x", "max_tokens": 2, "user": "\\ud800"}',
+        b'{"prompt": "x", "max_tokens": 2, "length_penalty": NaN}',
+        b'{"prompt": "x", "max_tokens": 2, "user": ' + b'{"a": ' * 3000 + b"1" + b"}" * 3001,
+    ]
+    json_type = {"content-type": "application/json"}
+    with routing([p0], [d]) as base:
+        for raw in bodies:
+            got, want = (
+                httpx.post(f"{url}{COMPLETIONS}", content=raw, headers=json_type, timeout=TIMEOUT)
+                for url in (base, d)
+            )
+            assert (got.status_code, got.json()) == (400, want.json()), got.text
+            assert got.json()["error"]["message"].startswith("request body is not valid JSON")
+        assert _post(base).status_code == 200  # (the prefill server serves on)
+        m = _settled(base)
+    assert m("dsakv_router_failures_total") == 0
+    assert not m.named("sgl_router_pd_prefill_errors_total")
+    assert m("sgl_router_worker_health", worker=p0) == 1
+
+
 def _fake_prefill() -> FastAPI:
     """A prefill server that tells a bootstrap port and answers its copy at once."""
     app = FastAPI()

@@ -323,6 +323,9 @@ def test_every_refusal_names_what_is_wrong_and_changes_nothing(pd):
         ({"url": f"{pd.decode2}#x"}, 400, "url", None, "no query or fragment"),
         ({"url": f"{pd.decode2}?a=1"}, 400, "url", None, "no query or fragment"),
         ({"url": "http://127.0.0.1:0"}, 400, "url", None, "1..65535"),
+        # a bracketed host that is no IPv6 address (urlsplit's ValueError was a 500)
+        ({"url": "http://[::1"}, 400, "url", None, "http(s)://HOST[:PORT]"),
+        ({"url": "http://[zz]:80"}, 400, "url", None, "http(s)://HOST[:PORT]"),
     ]
     for spec, status, param, code, said in cases:
         message = _refusal(_add(pd.router, **spec), status, param, code)
@@ -333,6 +336,17 @@ def test_every_refusal_names_what_is_wrong_and_changes_nothing(pd):
         and r.json()["error"]["message"] == "request body must be a JSON object"
     )
     _refusal(_delete(pd.router, down), 404, "url", "WORKER_NOT_FOUND")
+    for bad in ("http://[::1", "http://[zz]:80"):  # (no worker's, as `down` is none)
+        r = httpx.post(f"{pd.router}/add_worker", params={"url": bad}, timeout=TIMEOUT)
+        _refusal(r, 400, "url")
+        r = httpx.post(f"{pd.router}/remove_worker", params={"url": bad}, timeout=TIMEOUT)
+        _refusal(r, 404, "url", "WORKER_NOT_FOUND")
+        _refusal(_delete(pd.router, bad), 404, "url", "WORKER_NOT_FOUND")
+        r = httpx.get(f"{pd.router}/workers/{quote(bad, safe='')}", timeout=TIMEOUT)
+        _refusal(r, 404, "url", "WORKER_NOT_FOUND")
+    deep = b'{"url": ' + b"[" * 3000 + b"]" * 3000 + b"}"  # (a RecursionError: a 500)
+    r = httpx.post(f"{pd.router}/workers", content=deep, timeout=TIMEOUT)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
     assert _listed(pd.router) == [("prefill", pd.prefill), ("decode", pd.decode)]
 
 

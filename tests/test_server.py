@@ -598,6 +598,25 @@ _BAD = [
         404,
         "model",
     ),
+    # a temperature past float32's, the sampler's, is inf there: a masked logit over it NaN,
+    # which failed the engine's step, every request in flight a 500
+    ("/v1/completions", {"prompt": "x", "temperature": 1e40, "regex": "a+"}, 400, "temperature"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "temperature": 1e40, "allowed_token_ids": [5, 6]},
+        400,
+        "temperature",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "temperature": 1e39,
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "temperature",
+    ),
 ]
 
 
@@ -633,6 +652,35 @@ def test_server_still_serves_after_bad_input(base, client, reference):
     )
     assert r.choices[0].text == ref.text
     _wait_idle(base)
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"messages": [{"role": "\\ud800", "content": "x"}], "max_tokens": 1}',
+        b'{"messages": [{"role": "user", "content": "x\\udc00"}], "max_tokens": 1}',
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "top_p": NaN}',
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "seed": Infinity}',
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "top_p": 1e999}',
+    ],
+)
+def test_json_no_answer_could_quote_back_is_a_400(base, raw):
+    """NaN, Infinity, a number past a double and a lone surrogate are no RFC 8259 JSON, yet
+    Python's parser takes them: refused as the body arrives, on every route, in its error
+    shape (a role "\\ud800", quoted back in chat's 400, was a 500)."""
+    for path in ("/v1/chat/completions", "/v1/messages", "/tokenize"):
+        r = httpx.post(base + path, content=raw, headers=_JSON, timeout=TIMEOUT)
+        assert r.status_code == 400, (path, r.text)
+        message = r.json()["error"]["message"]
+        assert message.startswith("request body is not valid JSON: "), message
+    # a surrogate pair is a character, an escaped backslash no escape: both are taken
+    for text in ("\\ud83d\\ude00", "\\\\ud800"):
+        raw = b'{"messages": [{"role": "user", "content": "%s"}], "max_tokens": 1}' % text.encode()
+        r = httpx.post(base + "/v1/chat/completions", content=raw, headers=_JSON, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
 
 
 # --- disconnects, auth, metrics, shutdown -----------------------------------------------------

@@ -2,6 +2,8 @@
 checks every layer runs on what users hand it."""
 
 import json
+import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,17 +65,78 @@ def is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def load_json(text: str, message: str, error: type[DsakvError] = DsakvError) -> Any:
+# What may decode to a lone surrogate: its escape, or one a str holds already
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:32]} is past a double's range")
+    return value
+
+
+def load_json(
+    text: str | bytes, message: str, error: type[DsakvError] = DsakvError, strict: bool = False
+) -> Any:
     """`json.loads(text)`, every way it refuses text as one `error`, "`message`: why": not
     JSON, and past its limits (an integer of over 4,300 digits, nesting deeper than the
-    recursion limit), where it raises a ValueError or RecursionError that were tracebacks."""
+    recursion limit), where it raises a ValueError or RecursionError that were tracebacks.
+    `strict` (a client's request): also what Python takes but RFC 8259 JSON cannot hold,
+    which no answer could quote back (Starlette's JSON, a batch's output file): NaN and
+    Infinity, a number past a double's range (1e999), a lone surrogate ("\\ud800"), text
+    not UTF-8. Taken, it was a 500, or stored and then every read of it one. The error's
+    `param`: the object's field that holds it, where one does."""
     try:
-        return json.loads(text)
+        if not strict:
+            return json.loads(text)
+        if isinstance(text, bytes):
+            text = text.decode("utf-8-sig")  # (as json.loads decodes it, less UTF-16 and -32)
+        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+        if _SURROGATE.search(text):  # (a pair is one character: only a lone one is refused)
+            json.dumps(obj, ensure_ascii=False).encode()
+        return obj
     except RecursionError:
         reason = "nested too deeply"
+    except UnicodeEncodeError as e:
+        reason = f"a lone surrogate {ascii(e.object[e.start])} is not text"
     except ValueError as e:  # JSONDecodeError, or the digit limit ("...; use sys.set_...")
         reason = str(e).split(";")[0]
-    raise error(f"{message}: {reason}")
+    raise error(f"{message}: {reason}", _field_refused(text) if strict else None)
+
+
+def _field_refused(text: str | bytes) -> str | None:
+    """The field of a JSON object (`text`, as Python reads it) whose value holds what strict
+    JSON refuses (`load_json`), named as a request's error names it; None: none does."""
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    for key, value in obj.items() if isinstance(obj, dict) else ():
+        if _unwritable(key):
+            return None  # (a name no answer can quote back is no param)
+        todo = [value]
+        while todo:
+            x = todo.pop()
+            if isinstance(x, (dict, list)):
+                todo += [*x, *x.values()] if isinstance(x, dict) else x
+            elif _unwritable(x) or isinstance(x, float) and not math.isfinite(x):
+                return key
+    return None
+
+
+def _unwritable(x: Any) -> bool:
+    """A str holding a lone surrogate, which no UTF-8 text can."""
+    if isinstance(x, str):
+        try:
+            x.encode()
+        except UnicodeEncodeError:
+            return True
+    return False
 
 
 def load_object(

@@ -264,8 +264,9 @@ async def _buffer_body(receive: Callable) -> tuple[bytes, Callable]:
 
 
 def _json_or_none(raw: bytes) -> Any:
-    """The parsed body; None when it is not JSON (the app answers that with its own 400)."""
+    """The parsed body; None when it is not JSON, or nested past the interpreter's limit
+    (the app answers either with its own 400: `StrictJSONRoute`)."""
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None

@@ -43,21 +43,22 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, load_json
 from dsakv.server.auth import key_headers, require_api_key
 from dsakv.server.batch import add_batch_routes
-from dsakv.server.error_handlers import add_error_handlers
+from dsakv.server.error_handlers import NOT_JSON, add_error_handlers
 from dsakv.server.http_config import route_path
 from dsakv.server.protocol import (
     ANTHROPIC_PATHS,
     HEADER_SAFE,
+    MAX_ID_CHARS,
     RESPONSES_KEPT,
     APIError,
     anthropic_error_body,
@@ -362,7 +363,7 @@ class Router:
             rid = body["request_id"] = new_id("resp_")
             raw = json.dumps(body).encode()
         _name(request, rid)  # (the response's id, unless the client's X-Request-Id names it)
-        if given and isinstance(rid, str):
+        if given and isinstance(rid, str) and _askable(rid):
             # (another decode server than the one it goes to may hold it, or run it)
             if rid in self._responses or rid in self._pending:
                 return _taken(rid)
@@ -403,14 +404,15 @@ class Router:
         input_items: the earlier responses' input and output, then its own input; their
         instructions left out, as there) and its output, so the router needs to have
         seen none of them (it may have restarted since)."""
-        if not isinstance(previous, str) or not isinstance(own, (str, list)):
+        askable = isinstance(previous, str) and _askable(previous)
+        if not askable or not isinstance(own, (str, list)):
             return None, own  # (the decode server refuses it, naming the field)
         headers = key_headers(request.headers)
         found = await self._holder(previous, headers)
         if isinstance(found, Response):
             return found
         decode, response = found
-        url = f"{decode}/v1/responses/{previous}/input_items"
+        url = _stored_url(decode, previous, "/input_items")
         items: list[Any] = []
         params: dict[str, Any] = {"order": "asc", "limit": 100}
         cursors: set[Any] = set()
@@ -448,7 +450,7 @@ class Router:
         errors, refused = [], None
         for url in [known] if known is not None else self.decode:
             try:
-                answer = await self.client.get(f"{url}/v1/responses/{rid}", headers=headers)
+                answer = await self.client.get(_stored_url(url, rid), headers=headers)
             except httpx.HTTPError as e:
                 errors.append(f"{url}: {e!r}")
                 self.metrics.failed["decode", url] += 1
@@ -471,7 +473,7 @@ class Router:
         router does not know (it restarted, or another router took it)."""
         for url in self.decode:
             try:
-                answer = await self.client.get(f"{url}/v1/responses/{rid}", headers=headers)
+                answer = await self.client.get(_stored_url(url, rid), headers=headers)
             except httpx.HTTPError:
                 continue  # (down: the request goes to another)
             if answer.status_code == 200:
@@ -1281,7 +1283,10 @@ def _server_url(url: str) -> str:
     `_address`). Refused too: a user and password (httpx would send them as Basic auth in
     place of the client's key, and the worker listings show them), a query or a fragment
     (every request's path would be wrong: 404s) and port 0."""
-    parts = urlsplit(url.strip())
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:  # (a bracketed host that is no IPv6 address, "http://[::1")
+        raise DsakvError(f"a server URL must be http(s)://HOST[:PORT], got {url!r}") from None
     user, at, _ = parts.netloc.rpartition("@")
     shown = url.replace(user + at, "…@", 1) if at else url  # (no password in a message)
     if at:
@@ -1354,6 +1359,19 @@ def _address(url: str) -> tuple[str, int, str]:
     return parts.hostname or "", parts.port or _PORTS[parts.scheme], parts.path
 
 
+def _askable(rid: str) -> bool:
+    """Whether a decode server can be asked of its stored response `rid` (`_stored_url`):
+    not an id longer than the servers take (`ClientId`: theirs to refuse, naming it), nor
+    one holding a "/" (its "%2F" decoded there, the URL is another route's)."""
+    return len(rid) <= MAX_ID_CHARS and "/" not in rid
+
+
+def _stored_url(server: str, rid: str, tail: str = "") -> str:
+    """Where server `server` answers of its stored response `rid` (a client's id: quoted,
+    so that "../v1/models" or a NUL in it is an id it has not, not another path)."""
+    return f"{server}/v1/responses/{quote(rid, safe='')}{tail}"
+
+
 def _layout(info: dict[str, Any]) -> dict[str, Any]:
     """What a server's `/disagg/info` tells of its KV that a handoff needs equal."""
     return {key: info.get(key) for key in _LAYOUT_KEYS}
@@ -1405,10 +1423,10 @@ async def _json_body(request: Request) -> tuple[bytes, dict[str, Any]] | Respons
         raw = await request.body()
     except ClientDisconnect:
         return Response(status_code=499)  # gone before its request was whole
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        return _client_error(400, f"request body is not valid JSON: {e}")
+    try:  # (as a server reads it, `StrictJSONRoute`: else its halves could not be sent)
+        body = load_json(raw, NOT_JSON, strict=True)
+    except DsakvError as e:
+        return _client_error(400, str(e), e.param)
     if not isinstance(body, dict):
         return _client_error(400, "request body must be a JSON object")
     return raw, body
@@ -1453,7 +1471,7 @@ def _name(request: Request, given: Any = None) -> str | None:
     if rid is None:
         if given is None:
             rid = new_id()
-        elif isinstance(given, str) and HEADER_SAFE.fullmatch(given):
+        elif isinstance(given, str) and len(given) <= MAX_ID_CHARS and HEADER_SAFE.fullmatch(given):
             rid = given
     request.state.request_id = rid
     return rid

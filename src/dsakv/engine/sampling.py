@@ -23,6 +23,9 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag"
 # Temperatures below this sample greedily (vLLM's bound): dividing logits by less would
 # overflow them to inf, and softmax of inf is NaN.
 GREEDY_BELOW = 1e-5
+# The largest float32: the sampler's float parameters are float32's on the device. The
+# others' bounds are well within it (logit_bias 100, penalties 2, repetition_penalty 100).
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 LogprobsMode = Literal["raw", "processed"]
 # vLLM's cap on `logprob_token_ids` (its MAX_LOGPROB_TOKEN_IDS)
 MAX_LOGPROB_TOKEN_IDS = 128
@@ -288,9 +291,9 @@ class SamplingParams:
                 and self.stream_interval >= 1,
                 "stream_interval must be None or an integer >= 1",
             ),
-            (
-                is_number(self.temperature) and 0 <= self.temperature < math.inf,
-                "temperature must be a finite number >= 0",
+            (  # (past float32's, the sampler's, it is inf: a masked logit over it NaN)
+                is_number(self.temperature) and 0 <= self.temperature <= _FLOAT32_MAX,
+                f"temperature must be a finite number in [0, {_FLOAT32_MAX:.6g}] (float32's)",
             ),
             (is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (

@@ -101,7 +101,7 @@ def parse_batch(data: bytes | str) -> list[BatchLine]:
         if not text.strip():
             continue
         try:
-            obj = load_json(text, f"line {number} is not JSON")
+            obj = load_json(text, f"line {number} is not JSON", strict=True)  # (a request)
         except DsakvError as e:
             raise BatchFileError(str(e), "invalid_json_line", number) from None
         if not isinstance(obj, dict):

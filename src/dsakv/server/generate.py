@@ -30,7 +30,7 @@ from dsakv.errors import DsakvError
 from .handlers import Handlers
 from .openai_format import json_logprob
 from .params import SGLANG_NOT_RUN, prompt_list, request_salt
-from .protocol import APIError, GenerationRequest, new_id
+from .protocol import APIError, ClientId, GenerationRequest, new_id
 from .rows import routed_base64, row_params
 from .sessions import SessionParams, SessionRefused, Turn
 from .submit import Result, refusal, sse_event
@@ -47,7 +47,7 @@ class GenerateRequest(BaseModel):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
+    rid: ClientId | list[ClientId] | None = None
     stream: bool | None = False
     # (these three: one for all prompts, or a list of one per prompt)
     return_logprob: bool | list[bool] | None = None
@@ -549,6 +549,8 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
         raise APIError(
             400, "n must be the same in every sampling_params", param="sampling_params.n"
         )
+    with _in_sglang_terms():  # (before prompts * n of anything is made)
+        api.check_n(n)
     rids = _rids(body.rid, len(prompts), n, single)
     given_rids = _given_rids(body.rid, len(prompts), single)
     turn = api.sessions.turn(body.session_params, len(prompts), n, api.disaggregated)

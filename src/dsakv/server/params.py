@@ -206,7 +206,11 @@ class RequestParamsMixin:
         return out
 
     def _n(self, body: GenerationRequest) -> int:
-        n = 1 if body.n is None else body.n
+        return self.check_n(1 if body.n is None else body.n)
+
+    def check_n(self, n: int) -> int:
+        """`n`, a request's choices, else the 400: checked before anything is made per
+        choice (a /generate n of 2**63 made that many request ids first)."""
         limit = self.engine.engine.max_choices
         if not 1 <= n <= limit:
             raise APIError(400, f"n must be in 1..{limit}, got {n}", param="n")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from starlette.requests import Request
 
 from dsakv.errors import PromptTooLong
@@ -85,6 +85,14 @@ def error_for(path: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
 # What an HTTP header value may be (RFC 9110's field-value), in ASCII: a client's request id
 # must be one, as it comes back in the X-Request-Id header
 HEADER_SAFE = re.compile(r"[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*")
+
+# The longest id a client may give a request (vLLM's request_id, SGLang's rid) or name a
+# response by (previous_response_id); vLLM and SGLang take any. Ample for a UUID (36) or
+# OpenAI's ids (under 64), and far below what an id goes into: the X-Request-Id header of
+# its answer (h11, httpx's and uvicorn's, reads 16 KiB of headers at most: a longer id
+# made an answer no client could read) and a URL (/v1/responses/{id}: 64 KiB in httpx).
+MAX_ID_CHARS = 512
+ClientId = Annotated[str, StringConstraints(max_length=MAX_ID_CHARS)]
 
 
 # What an aborted request says where nobody asked for the abort (the server stopping): one
@@ -260,7 +268,7 @@ class GenerationRequest(ServingExtras):
     length_penalty: float | None = None  # (its score's; None: vLLM's 1.0)
     logprob_token_ids: list[int] | None = None  # vLLM's (`Handlers._logprob_token_ids`)
     repetition_detection: RepetitionDetection | None = None  # vLLM's
-    request_id: str | None = None  # vLLM's: the response's id (after "cmpl-" / "chatcmpl-")
+    request_id: ClientId | None = None  # vLLM's: the response's id (after "cmpl-" / "chatcmpl-")
     # refused unless off (`Handlers.sampling_params`): what it asks for is not run here
     prompt_embeds: Any = None
     # SGLang's (its server flags allow them, as /generate's): the routed experts of each
@@ -401,7 +409,7 @@ class ResponsesRequest(ServingExtras):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    previous_response_id: str | None = None
+    previous_response_id: ClientId | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -430,7 +438,7 @@ class ResponsesRequest(ServingExtras):
     return_hidden_states: Any = None
     return_routed_experts: Any = None
     # vLLM's extras (and `ServingExtras`, to chat)
-    request_id: str | None = None
+    request_id: ClientId | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
