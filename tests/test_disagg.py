@@ -441,7 +441,7 @@ def test_a_cancelled_handoff_gives_its_pages_back(tmp_path, monkeypatch):
     failed = []
 
     class Registration:  # what `claim` returns once a decode server registered the room
-        room, prompt_ids = 7, list(range(1, 40))
+        room, prompt_ids, lora = 7, list(range(1, 40)), None
 
         def fail(self, message, status=502):
             failed.append(message)

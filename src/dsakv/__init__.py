@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "BeamSearchParams",
+    "LoRARequest",
     "Logprob",
     "SamplingParams",
     "StructuredOutputsParams",

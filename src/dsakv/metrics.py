@@ -231,6 +231,30 @@ VLLM, SGLANG = "vllm:", "sglang:"
 STEP_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STEP_TOKEN_KEYS = (*(f"step_tokens_le_{b}" for b in STEP_TOKEN_BOUNDS), "step_tokens_le_inf")
 
+
+@dataclass(frozen=True)
+class LoraRequests:
+    """The requests on each LoRA adapter, by its name: running, and waiting (a PD decode
+    server's adopted ones too, waiting for a slot); `Engine.lora_requests`, beside the
+    counters (names are not counters), for vLLM's lora_requests_info (`_lora_info`)."""
+
+    running: Mapping[str, int]
+    waiting: Mapping[str, int]
+
+    @classmethod
+    def of(cls, running: Iterable[Any], waiting: Iterable[Any]) -> LoraRequests:
+        """From requests (`params.lora_name`; the base model's left out)."""
+
+        def count(reqs: Iterable[Any]) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for name in (r.params.lora_name for r in reqs):
+                if name is not None:
+                    out[name] = out.get(name, 0) + 1
+            return out
+
+        return cls(count(running), count(waiting))
+
+
 # Values computed from a snapshot (`_derived`): key -> (dsakv name or None, kind, help)
 _DERIVED: dict[str, tuple[str | None, str, str]] = {
     "prefix_cache_hit_rate": (
@@ -424,7 +448,9 @@ class EngineCollector(Collector):
     """Renders the latest engine counters snapshot (set by `update`) as metric families,
     each under its dsakv name and its vLLM and SGLang twins (`_TWINS`). `page_size`: the
     pool's, for SGLang's token counts and both servers' cache info (None: left out);
-    `storage_backend`: the L3 tier's (`--hicache-storage-backend`), None without one."""
+    `storage_backend`: the L3 tier's (`--hicache-storage-backend`), None without one;
+    `max_loras`: the adapters resident at once under --enable-lora (None: LoRA off, no
+    `vllm:lora_requests_info`)."""
 
     def __init__(
         self,
@@ -432,20 +458,28 @@ class EngineCollector(Collector):
         page_size: int | None = None,
         role: str = "null",
         storage_backend: str | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.page_size = page_size
         self.labels = family_labels(model_name, role)
         self.storage_backend = storage_backend
+        self.max_loras = max_loras
         self.snapshot: Mapping[str, float] = {}
+        self.lora: LoraRequests | None = None
 
-    def update(self, snapshot: Mapping[str, float]) -> None:
+    def update(self, snapshot: Mapping[str, float], lora: LoraRequests | None = None) -> None:
+        """The counters to render, and the requests on each adapter read with them."""
         self.snapshot = dict(snapshot)
+        self.lora = lora
 
     def collect(self) -> Iterator[PromMetric]:
         snap = self.snapshot
         if not snap:
             return
-        values = {**snap, **_derived(snap, self.page_size)}
+        if self.max_loras is not None:
+            yield _lora_info(self.lora or LoraRequests({}, {}), self.max_loras)
+        values = dict(snap)
+        values.update(_derived(snap, self.page_size))
         steps = [values.pop(k, 0) for k in STEP_TOKEN_KEYS]
         yield self._step_tokens(steps, snap.get("computed_tokens", 0))
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}  # (by name: one each)
@@ -499,6 +533,22 @@ class EngineCollector(Collector):
             STEP_TOKEN_BOUNDS,
             [(list(labels.values()), counts, total)],
         )
+
+
+def _lora_info(lora: LoraRequests, max_loras: int) -> GaugeMetricFamily:
+    """vLLM's `lora_requests_info`: the adapters with requests running and waiting, each
+    label their names comma-separated (vLLM's format), its value the time they were read,
+    as vLLM sets it."""
+
+    def names(counts: Mapping[str, int]) -> str:
+        return ",".join(sorted(name for name, n in counts.items() if n > 0))
+
+    labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+    m = GaugeMetricFamily(
+        VLLM + "lora_requests_info", "Running stats on LoRA requests.", labels=labels
+    )
+    m.add_metric([str(max_loras), names(lora.waiting), names(lora.running)], time.time())
+    return m
 
 
 def _info(name: str, labels: Mapping[str, str]) -> GaugeMetricFamily:
@@ -700,8 +750,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 class ServerMetrics:
     """The app's registry: engine gauges/counters plus HTTP request and per-request
-    metrics. `page_size`, `role` (SGLang's disaggregation_mode) and `storage_backend` as
-    `EngineCollector` takes them; `max_model_len` bounds vLLM's token-count buckets, as its
+    metrics. `page_size`, `role` (SGLang's disaggregation_mode), `storage_backend` and
+    `max_loras` as `EngineCollector` takes them; `max_model_len` bounds vLLM's token-count buckets, as its
     own."""
 
     def __init__(
@@ -712,9 +762,10 @@ class ServerMetrics:
         *,
         max_model_len: int,
         storage_backend: str | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
-        self.engine = EngineCollector(model_name, page_size, role, storage_backend)
+        self.engine = EngineCollector(model_name, page_size, role, storage_backend, max_loras)
         self.registry.register(self.engine)
         self.requests = PromCounter(
             PREFIX + "http_requests",
@@ -743,15 +794,21 @@ class ServerMetrics:
         """A tracker for one engine request (one choice) whose updates a handler reads."""
         return RequestTimes(self)
 
-    def render(self, snapshot: Mapping[str, float] | None) -> bytes:
+    def render(
+        self, snapshot: Mapping[str, float] | None, lora: LoraRequests | None = None
+    ) -> bytes:
+        """/metrics: the engine's `snapshot` of counters and its `lora` requests read with
+        it (`EngineCollector.update`; None: the last ones stay), and the server's own."""
         if snapshot is not None:
-            self.engine.update(snapshot)
+            self.engine.update(snapshot, lora)
         return generate_latest(self.registry)
 
-    def vllm_metrics(self, snapshot: Mapping[str, float]) -> list[Metric]:
+    def vllm_metrics(
+        self, snapshot: Mapping[str, float], lora: LoraRequests | None = None
+    ) -> list[Metric]:
         """vLLM's `get_metrics_snapshot` over this registry: its `vllm:` families as `Metric`s
         (`LLM.get_metrics`)."""
-        self.engine.update(snapshot)
+        self.engine.update(snapshot, lora)
         return read_vllm_metrics(self.registry)
 
 

@@ -13,6 +13,7 @@ import logging
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from dsakv.errors import DsakvError
@@ -284,6 +285,54 @@ def _json_strings(text: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _adapter(name: str, path: str, text: str) -> tuple[str, str]:
+    """(name, path) of one adapter given at start, both non-empty."""
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"an adapter needs a name and a path, got {text!r}")
+    return name, path
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """argparse type for vLLM's --lora-modules: NAME=PATH, or its JSON
+    {"name", "path", "base_model_name"} (the base model is the one served: its name is
+    taken, and the adapter's card names the served one)."""
+    if not text.lstrip().startswith("{"):
+        name, _, path = text.partition("=")
+        return _adapter(name, path, text)
+    spec = _json_object(text, {"name": str, "path": str, "base_model_name": str})
+    return _adapter(spec.get("name", ""), spec.get("path", ""), text)
+
+
+def _lora_path(text: str) -> tuple[str, str]:
+    """argparse type for SGLang's --lora-paths: NAME=PATH, a bare PATH (named by it), or its
+    JSON {"lora_name", "lora_path", "pinned"} (pinned false: dsakv pins no adapter)."""
+    if not text.lstrip().startswith("{"):
+        name, eq, path = text.partition("=")
+        return _adapter(name, path, text) if eq else _adapter(text, text, text)
+    spec = _json_object(text, {"lora_name": str, "lora_path": str, "pinned": bool})
+    if spec.get("pinned"):
+        raise argparse.ArgumentTypeError(
+            "pinned: dsakv keeps no adapter in a slot of its own (slots go to the adapters "
+            "running requests use, least recently used first): give false or leave it out"
+        )
+    return _adapter(spec.get("lora_name", ""), spec.get("lora_path", ""), text)
+
+
+def _json_object(text: str, keys: dict[str, type]) -> dict[str, Any]:
+    """`text` as a JSON object whose keys are among `keys`, each value of its type."""
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError):
+        spec = None
+    want = ", ".join(keys)
+    if not isinstance(spec, dict) or not set(spec) <= set(keys):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of {want}, got {text!r}")
+    for key, value in spec.items():
+        if type(value) is not keys[key]:
+            raise argparse.ArgumentTypeError(f"{key} must be a {keys[key].__name__}, got {text!r}")
+    return spec
+
+
 def _seed(text: str) -> int:
     return _checked(text, int, lambda v: 0 <= v < 2**64, "an integer in 0..2**64-1")
 
@@ -403,6 +452,7 @@ FOLDED = (
     "hicache_size",
     "moe_a2a_backend",
     "kv_cache_memory_bytes",
+    "lora_paths",
 )
 
 
@@ -897,7 +947,84 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
             type=_seed,
         )
     add_hisparse_args(p, "every token's latent on the host, a hot buffer per request here")
+    if serve:  # (a server's requests pick their adapter: `model`, /generate's lora_path)
+        add_lora_args(p)
     add_parallel_args(p)
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters, vLLM's flags and SGLang's (`_fold_lora` folds SGLang's --lora-paths
+    into --lora-modules)."""
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve PEFT LoRA adapters beside the base model: a request names one by its "
+        "`model` (/generate: lora_path); steps run the torch path",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help="adapters loaded at start (vLLM's; its JSON form too: "
+        '{"name": N, "path": P, "base_model_name": B})',
+    )
+    g.add_argument(  # SGLang's: NAME=PATH, a bare PATH (its name), or its JSON
+        "--lora-paths", nargs="+", action="extend", type=_lora_path, help=argparse.SUPPRESS
+    )
+    add_aliased(
+        g,
+        ("--max-loras", "--max-loras-per-batch"),
+        "adapters resident at once: distinct adapters in one running batch (default 1)",
+        dest="max_loras",
+        type=positive_int,
+    )
+    g.add_argument(
+        "--max-lora-rank",
+        type=positive_int,
+        help="the largest adapter rank r taken (default 16; a larger one is refused)",
+    )
+    add_aliased(
+        g,
+        ("--max-cpu-loras", "--max-loaded-loras"),
+        "adapters kept loaded in host memory (default: no limit)",
+        dest="max_cpu_loras",
+        type=positive_int,
+    )
+
+
+def add_ignored_lora_args(g: argparse._ArgumentGroup) -> None:
+    """vLLM's and SGLang's LoRA settings for what dsakv does its own way: taken, no effect."""
+    g.add_argument(
+        "--fully-sharded-loras",
+        action="store_true",
+        help="vLLM's: under --tp each rank holds its slices of A and B already",
+    )
+    g.add_argument(
+        "--lora-dtype",
+        choices=("auto", "float16", "bfloat16", "float32"),
+        help="vLLM's: an adapter's A and B are held in its base layer's dtype",
+    )
+    g.add_argument(
+        "--lora-backend",
+        metavar="KERNEL",
+        help="SGLang's LoRA kernel: dsakv adds each token's delta its own way",
+    )
+    g.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        metavar="MODULE",
+        help="SGLang's modules adapters may target: each adapter's own targets are served, "
+        "every module dsakv adapts (README) being taken",
+    )
+    g.add_argument(
+        "--lora-eviction-policy",
+        type=_only(("lru",), "it evicts the least recently used adapter no request holds"),
+        metavar="{lru}",
+        help="SGLang's: adapters leave their slot and host memory least recently used first",
+    )
 
 
 def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
@@ -1098,6 +1225,7 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
             action="store_true",
             help="SGLang's: usage.prompt_tokens_details.cached_tokens is always reported",
         )
+        add_ignored_lora_args(g)
         g.add_argument(
             "--skip-server-warmup",
             action="store_true",
@@ -1385,6 +1513,7 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
     check_dp_size(args)
     fold_expert_parallel(args)
     _fold_structured_outputs(args)
+    _fold_lora(args)
     if args.scheduling_policy == "fcfs" and args.enable_priority_scheduling:
         raise DsakvError("--scheduling-policy fcfs and --enable-priority-scheduling contradict")
     if getattr(args, "tokenizer_mode", None) == "deepseek_v32":
@@ -1503,6 +1632,33 @@ def _fold_structured_outputs(args: argparse.Namespace) -> None:
     args.reasoning_parser = name
 
 
+def _fold_lora(args: argparse.Namespace) -> None:
+    """SGLang's --lora-paths as --lora-modules (and, as in SGLang, --enable-lora: its
+    adapters given are its switch). Without --max-lora-rank the adapters given at start
+    set it, SGLang's inference: their largest rank (vLLM's default 16 without any)."""
+    if paths := getattr(args, "lora_paths", None):
+        args.lora_modules = [*(args.lora_modules or ()), *paths]
+        args.enable_lora, args.lora_paths = True, None
+    if getattr(args, "enable_lora", False) and getattr(args, "max_lora_rank", 0) is None:
+        ranks = [r for _, path in args.lora_modules or () if (r := _adapter_rank(path))]
+        if ranks:
+            args.max_lora_rank = max(ranks)
+
+
+def _adapter_rank(path: str) -> int | None:
+    """The largest rank of the PEFT adapter at `path` (its r, its rank_pattern's); None
+    where its config says none (loading it then says why)."""
+    from dsakv.models.lora import CONFIG_FILE
+
+    try:
+        config = json.loads((Path(path) / CONFIG_FILE).read_text())
+        ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+    except (OSError, ValueError, AttributeError):
+        return None
+    ranks = [r for r in ranks if type(r) is int and r > 0]
+    return max(ranks, default=None)
+
+
 def _fold_pool_sizes(args: argparse.Namespace) -> None:
     """SGLang's host tier, `--enable-hierarchical-cache`, as `--host-pool-gib` for
     `--hicache-size G` (G GB per rank: 1e9 bytes, as SGLang's; 0 is its unset), else
@@ -1591,7 +1747,7 @@ def engine_config_from_args(args: argparse.Namespace):
         value = getattr(args, action.dest, None)
         if value is not None and value is not False:  # (given)
             name, value = OFF_FLAGS.get(action.dest, (action.dest, value))
-            kw[name] = value
+            kw[name] = tuple(value) if isinstance(value, list) else value  # (nargs: frozen)
     return EngineConfig.from_kwargs(model_dir, **kw)
 
 
@@ -1627,7 +1783,10 @@ def given_flags(args: argparse.Namespace, add_args: Any) -> list[str]:
         if value is None or value is False or value == action.default:
             continue
         flag = action.option_strings[-1]
-        out += [flag] if value is True else [flag, str(value)]
+        if isinstance(value, list):  # (nargs; --lora-modules' (name, path) as NAME=PATH)
+            out += [flag, *("=".join(v) if isinstance(v, tuple) else str(v) for v in value)]
+        else:
+            out += [flag] if value is True else [flag, str(value)]
     return out
 
 

@@ -118,6 +118,7 @@ class Registration:
     pages: list[int]
     prompt_ids: list[int]
     layout: dict[str, Any] = field(default_factory=dict)  # the decode side's (`describe`)
+    lora: str | None = None  # the digest of the decode side's LoRA adapter for it, if any
     result: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     gone: threading.Event = field(default_factory=threading.Event)  # decode side hung up
 
@@ -284,6 +285,7 @@ class BootstrapServer:
                 [int(p) for p in msg["pages"]],
                 [int(t) for t in msg["prompt_ids"]],
                 msg["layout"],
+                msg.get("lora"),
             )
             try:
                 slot.registered.set_result(reg)

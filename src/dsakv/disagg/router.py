@@ -10,7 +10,7 @@ server that wrote it: the router remembers which (else asks each), for GET, DELE
 its input items and `previous_response_id`. The prefill server's own answer (its one token) is only logged when it fails:
 any failure reaches the client through the decode server, which hears it in the handshake.
 SGLang's and vLLM's admin calls (/abort_request, /flush_cache, the weight updates, pausing,
-profiling) go to every server; calls every server answers alike (/v1/models, /tokenize)
+profiling, LoRA adapters loaded and unloaded) go to every server; calls every server answers alike (/v1/models, /tokenize)
 to one; SGLang's probes of them all (/server_info, /get_load) gather their answers.
 OpenAI's Batch API (/v1/files, /v1/batches) is the servers' own (`dsakv.server.batch`, which
 SGLang's gateway lacks): the router keeps the files, and sends each of a batch's requests
@@ -749,8 +749,8 @@ class Router:
             return [r for _, r in answers]
         if path in _UNDO:
             paused = [u for u, r in answers if (u, r) not in failed]
-            undo = _UNDO[path]
-            await asyncio.gather(*(self._call(u, undo, "POST", b"{}", headers) for u in paused))
+            undo, body = _UNDO[path], raw if "lora" in path else b"{}"
+            await asyncio.gather(*(self._call(u, undo, "POST", body, headers) for u in paused))
         for _, r in failed:
             if isinstance(r, httpx.Response) and r.status_code < 500:  # the client's
                 return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
@@ -1241,6 +1241,11 @@ BROADCAST = {
     "/resume_memory_occupation": None,
     "/sleep": None,
     "/wake_up": None,
+    # LoRA adapters (vLLM's names, SGLang's): both servers of a request run its adapter
+    "/v1/load_lora_adapter": None,
+    "/v1/unload_lora_adapter": 30.0,
+    "/load_lora_adapter": None,
+    "/unload_lora_adapter": 30.0,
 }
 # Broadcast calls SGLang takes as GET too.
 _GET_TOO = (
@@ -1261,6 +1266,8 @@ _UNDO = {
     "/release_memory_occupation": "/resume_memory_occupation",
     "/sleep": "/wake_up",
     "/start_expert_distribution_record": "/stop_expert_distribution_record",  # (eager steps)
+    "/v1/load_lora_adapter": "/v1/unload_lora_adapter",  # (sent the load's body: its name)
+    "/load_lora_adapter": "/unload_lora_adapter",
 }
 # Calls every server answers alike, asked of one decode server (`Router.one`), and methods.
 _ONE = {

@@ -249,7 +249,7 @@ class PrefillAsyncEngine(_DisaggEngine):
                     type="server_error",
                 )
             one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-            add = functools.partial(self._add_held, ids, one, shadow, public)
+            add = functools.partial(self._add_held, ids, one, reg.lora, shadow, public)
             req = await self.call(add, undo=functools.partial(self._drop_held, shadow))
         except asyncio.CancelledError:  # the client (the router) left: not a failure here
             reg.fail("the prefill server's client hung up")
@@ -266,13 +266,26 @@ class PrefillAsyncEngine(_DisaggEngine):
         self,
         ids: list[int],
         params: SamplingParams,
+        lora: str | None,
         shadow: RequestStream,
         public: RequestStream,
         engine: Engine,
     ) -> Request:
         """Engine thread: queue the prompt with its pages held past its finish. The engine
-        feeds `shadow`; `_ship` passes the final update on to `public` after the write."""
+        feeds `shadow`; `_ship` passes the final update on to `public` after the write.
+        `lora`: the digest of the decode server's adapter for it, which must be that of the
+        weights the request holds here (the decode server caches the KV under it:
+        `Request.cache_key`), compared once it holds them: an evicted adapter is read
+        again by `add_request`, and its files may have changed."""
         req = engine.add_request(ids, params)
+        if req.lora is not None and req.lora.digest != lora:
+            engine.abort(req.rid)  # (before any step: nothing ran, nothing is streamed)
+            raise APIError(
+                502,
+                f"the prefill and decode servers serve LoRA adapter {req.lora.name!r} from "
+                "different weights: load the same adapter on both",
+                type="server_error",
+            )
         req.metrics.arrival_time = public.arrival  # (`RequestStream.arrival`)
         ops.hold(engine, req)
         for s in (shadow, public):
@@ -414,6 +427,7 @@ class DecodeAsyncEngine(_DisaggEngine):
                 "buffers": self.transfer.describe(),
                 "pages": req.pages,
                 "prompt_ids": ids,
+                "lora": None if req.lora is None else req.lora.digest,  # (checked there)
                 "timeout": self.config.timeout_s,  # the prefill side keeps well inside it
             }
             extra_bytes = 0

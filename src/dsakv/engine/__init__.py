@@ -16,6 +16,7 @@ from .llm import (
     Logprob,
     RequestOutput,
 )
+from .lora import LoRARequest
 from .request import Request, Status
 from .sampling import RepetitionDetectionParams, SamplingParams, StructuredOutputsParams
 
@@ -27,6 +28,7 @@ __all__ = [
     "CompletionOutput",
     "Engine",
     "EngineConfig",
+    "LoRARequest",
     "Logprob",
     "RepetitionDetectionParams",
     "Request",

@@ -83,7 +83,7 @@ class BeamSearchParams:
         """One beam's request in a step: one token at `temperature`, with the logprobs of
         the 2 * beam_width likeliest (of `logprobs` likeliest, where a client asked for
         more); `extra`: other `SamplingParams` fields it carries (cache_salt, priority,
-        seed). Stops are the search's business, not the request's."""
+        seed, lora_name). Stops are the search's business, not the request's."""
         most = max(2 * self.beam_width, logprobs or 0)
         return SamplingParams(
             max_tokens=1, temperature=self.temperature, logprobs=most, detokenize=False, **extra

@@ -142,6 +142,17 @@ class EngineConfig:
     # prefix cache's pages stored and removed, published over ZMQ for KV-aware routers
     # (`dsakv.engine.kv_events`); None or not enabled: none
     kv_events_config: str | dict | KVEventsConfig | None = None
+    # LoRA adapters (vLLM's names; `dsakv.models.lora`): served per request
+    # (`SamplingParams.lora_name`); steps then run the torch path. `max_loras` adapters are
+    # resident at once, each up to rank `max_lora_rank`; `max_cpu_loras` caps those held in
+    # host memory (None: no cap; past it the least recently used no request holds is
+    # evicted, read again when named: `dsakv.engine.lora`); `lora_modules`: (name, path)
+    # pairs loaded at start
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):  # every bool field, by its annotation (a string here)
@@ -280,6 +291,7 @@ class EngineConfig:
                 f"per rank: under --dp-attention the {pc.world_size} ranks share it"
             )
         self._check_hisparse()
+        self._check_lora()
         if self.enable_deterministic_inference:
             refused = (
                 (self.parallel.world_size > 1, "more than one rank"),
@@ -347,6 +359,56 @@ class EngineConfig:
                 "--mem-fraction-static F (SGLang's: F of the GPU for weights and KV, the rest "
                 "for activations) or --kv-budget-gib"
             )
+
+    def _check_lora(self) -> None:
+        """The LoRA settings, each refused without --enable-lora."""
+        modules = self.lora_modules
+        if isinstance(modules, list):  # (LLM(...) keywords may give lists)
+            modules = tuple(tuple(m) if isinstance(m, list) else m for m in modules)
+            object.__setattr__(self, "lora_modules", modules)
+        if not self.enable_lora:
+            for flag, given in (
+                ("--max-loras", self.max_loras != 1),
+                ("--max-lora-rank", self.max_lora_rank != 16),
+                ("--max-cpu-loras", self.max_cpu_loras is not None),
+                ("--lora-modules", bool(modules)),
+            ):
+                if given:
+                    raise DsakvError(f"{flag} needs --enable-lora")
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise DsakvError(f"{name} must be an integer >= 1, got {v!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not is_int(cpu) or cpu < 1):
+            raise DsakvError(f"max_cpu_loras must be an integer >= 1 or None, got {cpu!r}")
+        if cpu is not None and cpu < self.max_loras:  # (vLLM's refusal)
+            raise DsakvError(
+                f"--max-cpu-loras {cpu} is less than --max-loras {self.max_loras}: the "
+                "adapters in a batch are held in host memory too"
+            )
+        ok = isinstance(modules, tuple) and all(
+            isinstance(m, tuple) and len(m) == 2 and all(isinstance(x, str) and x for x in m)
+            for m in modules
+        )
+        if not ok:
+            raise DsakvError(
+                f"lora_modules must be (name, path) pairs of non-empty strings, got {modules!r}"
+            )
+        names = [name for name, _ in modules]
+        if len(set(names)) < len(names):
+            raise DsakvError(f"--lora-modules names an adapter twice: {names}")
+        if not self.enable_lora:
+            return
+        # LoRA steps run the torch path, eager: each token's adapter slot is per step
+        refused = (
+            (self.dp_attention, "--dp-attention"),
+            (self.enable_torch_compile, "--enable-torch-compile"),
+            (self.enable_deterministic_inference, "--enable-deterministic-inference"),
+        )
+        for bad, flag in refused:
+            if bad:
+                raise DsakvError(f"--enable-lora does not run with {flag} yet")
 
     def _check_hisparse(self) -> None:
         """What HiSparse runs with; the model-dependent checks come with the model."""

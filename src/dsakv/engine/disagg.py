@@ -37,9 +37,9 @@ def reserve(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> Re
 
 
 def drop(engine: Engine, req: Request) -> None:
-    """Give back a reserved request's pages (the prefill side failed or went away)."""
-    req.finish_reason = "abort"
-    engine.scheduler.finish(req)
+    """`Engine.drop_detached`: give back a reserved request's pages and LoRA adapter (the
+    prefill side failed or went away)."""
+    engine.drop_detached(req)
 
 
 def start_decoding(engine: Engine, req: Request, first_token: int) -> None:

@@ -356,6 +356,11 @@ class DPEngine:
         total["dp_ranks"] = self.parallel.world_size
         return total
 
+    def lora_requests(self) -> None:
+        """None: LoRA adapters do not run under DP attention (`EngineConfig` refuses them;
+        the other ranks report counters only)."""
+        return None
+
     def rank_counters(self) -> list[dict[str, float]]:
         """Each rank's counters: rank 0's as they stand, the others' as of the last step (an
         abort here frees its request with no step after it), with the requests routed to

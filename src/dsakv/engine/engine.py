@@ -35,7 +35,7 @@ from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
 from dsakv.memory.release import Stash
 from dsakv.memory.storage import storage_namespace
-from dsakv.metrics import STEP_TOKEN_BOUNDS, STEP_TOKEN_KEYS, bucket_index
+from dsakv.metrics import STEP_TOKEN_BOUNDS, STEP_TOKEN_KEYS, LoraRequests, bucket_index
 
 from .config import DRAFT_STEPS, MAX_GRAPH_BATCH, EngineConfig, has_tokenizer, resolve_device
 from .cuda_graph import DecodeGraphs
@@ -45,9 +45,11 @@ from .grammar import GrammarCache
 from .hisparse import HotBuffers, check_host_latent
 from .kv_events import KVEventPublisher
 from .l3 import L3Cache, zero_counters
+from .lora import LoraRef, LoraRegistry
 from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .profiler import PROFILE_CALLS, ProfilerMixin
+from .ranks import gather_outcome, said
 from .request import Capture, Request, link_choices
 from .sampling import (
     THINK_MARKERS,
@@ -101,7 +103,13 @@ def keep_freed_memory() -> None:
 
 
 # What `Engine.every_rank_call` runs on every rank: each mixin's calls
-_EVERY_RANK = frozenset(SLEEP_CALLS + WEIGHT_CALLS + PROFILE_CALLS + EXPERT_DISTRIBUTION_CALLS)
+_EVERY_RANK = frozenset(
+    SLEEP_CALLS
+    + WEIGHT_CALLS
+    + PROFILE_CALLS
+    + EXPERT_DISTRIBUTION_CALLS
+    + ("read_lora_on_rank", "drop_lora_on_rank")
+)
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
 
@@ -231,6 +239,17 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.model, self.model_config, self.plan = load_model(
             config.model, plan, device=self.device, parallel=self.parallel, **self._stored
         )
+        # LoRA adapters' slots on every adaptable layer, before any native form is made
+        # (`has_lora`: with them, steps run the torch path); which adapter is where: rank 0's
+        self.lora: LoraRegistry | None = None
+        if config.enable_lora:
+            from dsakv.models.lora import LoraSlots
+
+            self.model.lora = LoraSlots(self.model, config.max_loras, config.max_lora_rank)
+            self.lora = LoraRegistry(config.max_loras, config.max_cpu_loras)
+            for name, path in config.lora_modules:  # (every rank loads them as it starts)
+                self.lora.check_new(name)
+                self._read_lora(name, path, at_start=True)
         try:
             self.model_config = self._served(self.model_config)
         except DsakvError as e:
@@ -322,6 +341,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             self.host,
             self.l3,
             self.hot,
+            self.lora,
         )
         # Under DP attention each rank samples its own requests: unseeded ones would draw
         # the same tokens on every rank from one seed. (TP ranks sample nothing but rank 0's.)
@@ -535,7 +555,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         if want is not None:
             return want  # (True where it cannot run: select_backend says what is missing)
         return (
-            self.device.type == "cpu"
+            not self.config.enable_lora  # (LoRA slots: the torch path, `has_lora`)
+            and self.device.type == "cpu"
             and self.config.attention_backend in ("auto", "cpu")
             and self.parallel.world_size == 1
             and dtype == torch.float32
@@ -557,6 +578,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             why = "more than one rank"
         if why is None and self.hot is not None:
             why = "HiSparse decode copies host rows (not captured yet)"
+        if why is None and self.config.enable_lora:
+            why = "LoRA adapters (each step's token slots)"
         self.decode_graph_blocker = why  # why decode steps are not padded / captured
         if why is not None:
             if self.device.type == "cuda":
@@ -696,6 +719,9 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         if p.return_routed_experts or p.return_hidden_states:
             self.check_routed_start(p, len(req.prompt_ids))
             req.capture = Capture(0 if p.return_hidden_states else p.routed_experts_start_len)
+        if p.lora_name is not None:  # (last: nothing refuses it after its adapter is held)
+            req.lora = self._served_lora(p.lora_name)
+            self.lora.hold(req.rid, req.lora)
 
     def check_routed_start(self, p: SamplingParams, prompt_len: int) -> None:
         """`routed_experts_start_len` within the prompt (SGLang's check; DP attention's rank
@@ -752,6 +778,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         if p.n != 1:  # (add_request made one, silently)
             raise DsakvError(f"add_request makes one choice; n={p.n} is add_requests'", "n")
         self.check_priority(p.priority)
+        if p.lora_name is not None:
+            self._registry().resolve(p.lora_name)
         for name, flag in (
             ("return_routed_experts", "enable_return_routed_experts"),
             ("return_hidden_states", "enable_return_hidden_states"),
@@ -782,6 +810,103 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             raise DsakvError(
                 f"Got priority {priority} but priority scheduling is not enabled", "priority"
             )
+
+    # --- LoRA adapters (`dsakv.engine.lora`, `dsakv.models.lora`) --------------------------
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Read and check the PEFT adapter at `path` and serve it as `name` (on every rank);
+        a bad adapter or a name in use is a `DsakvError` naming the problem. Past
+        --max-cpu-loras the least recently used adapter no request holds is evicted (read
+        again from its path when a request names it)."""
+        self._registry().check_new(name)
+        self._read_lora(name, path)
+
+    def replace_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name` in place of the one loaded under that name
+        (vLLM's load_inplace), in one call: read and checked first, so a bad adapter changes
+        nothing. Requests already on the old one finish on its weights (it is dropped with
+        the last of them, as an unload's); new ones run the new."""
+        self._registry().resolve(name)
+        self._read_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`: requests already on it finish, new ones are
+        refused; an unknown name is a `DsakvError`."""
+        gone = self._registry().unload(name)
+        if gone is not None:
+            self._on_every_rank("drop_lora_on_rank", gone.id)
+
+    def loras(self) -> dict[str, str]:
+        """The adapters served, name -> path (for /v1/models), evicted ones too (read again
+        when a request names one); none without --enable-lora."""
+        return {} if self.lora is None else {n: r.path for n, r in self.lora.loaded.items()}
+
+    def _registry(self) -> LoraRegistry:
+        if self.lora is None:
+            raise DsakvError("LoRA adapters need an engine started with --enable-lora", "lora_name")
+        return self.lora
+
+    def _served_lora(self, name: str) -> LoraRef:
+        """The adapter a new request on `name` holds: its weights read again from its path
+        first if --max-cpu-loras evicted them."""
+        registry = self._registry()
+        ref = registry.resolve(name)
+        if not registry.evicted(ref):
+            return ref
+        try:
+            return self._read_lora(name, ref.path)
+        except DsakvError as e:
+            raise DsakvError(
+                f"LoRA adapter {name!r} left host memory (--max-cpu-loras) and cannot be "
+                f"read again: {e}",
+                "lora_name",
+            ) from None
+
+    def _read_lora(self, name: str, path: str, at_start: bool = False) -> LoraRef:
+        """Read the adapter at `path` on every rank and serve it as `name` (in place of the
+        one loaded under it, if any), then evict what --max-cpu-loras needs (after: one that
+        cannot be read evicts none); `at_start`: every rank runs this itself as it starts
+        (`--lora-modules`), none is told to."""
+        registry = self._registry()
+        if not isinstance(path, (str, Path)) or not str(path):
+            raise DsakvError(
+                f"a LoRA adapter's path must be a non-empty string, got {path!r}", "lora_path"
+            )
+        path = str(path)
+
+        def on_every_rank(fn: str, *args: Any) -> Any:
+            return getattr(self, fn)(*args) if at_start else self._on_every_rank(fn, *args)
+
+        lora_id = registry.new_id()
+        why = on_every_rank("read_lora_on_rank", lora_id, path)
+        if why is not None:
+            raise DsakvError(why, "lora_path")
+        ref = LoraRef(lora_id, name, path, self.model.lora.adapters[lora_id].digest)
+        gone = registry.serve(ref)
+        for evicted in ([] if gone is None else [gone]) + registry.make_room(ref):
+            on_every_rank("drop_lora_on_rank", evicted.id)
+        return ref
+
+    def read_lora_on_rank(self, lora_id: int, path: str) -> str | None:
+        """This rank reads its slices of the adapter at `path` as `lora_id`; every rank then
+        hears whether all did (None), or each one's error, and none keeps it."""
+        from dsakv.models.lora import read_adapter
+
+        slots, why = self.model.lora, None
+        try:
+            slots.adapters[lora_id] = read_adapter(path, self.model, self.config.max_lora_rank)
+        except Exception as e:  # noqa: BLE001 - every rank hears it
+            why = said(e)
+        outcome = gather_outcome(self.parallel, None, why)
+        if not isinstance(outcome, str):
+            return None
+        slots.drop(lora_id)
+        return outcome
+
+    def drop_lora_on_rank(self, lora_id: int) -> None:
+        """This rank forgets adapter `lora_id`'s weights (unloaded, replaced or evicted, and
+        no request left on it)."""
+        self.model.lora.drop(lora_id)
 
     def _release_forks(self, req: Request) -> None:
         """Queue `req`'s forks (its prefill is done, or it ended): they inherit its prompt
@@ -936,17 +1061,28 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
     def reserve_detached(self, prompt_ids: list[int], params: SamplingParams) -> Request | None:
         """A decode server's request, with pages for its prompt and first decode token but
         not queued: the prefill server writes the prompt's KV there, then `start_decoding`
-        runs it. None while the pool has no room for it (the caller retries)."""
+        runs it, or `drop_detached` gives it back. None while the pool has no room for it
+        (the caller retries). Its LoRA adapter is held from here, as `add_request` holds it
+        (an unload meanwhile waits for it); its slot comes when it starts decoding."""
         self.check_awake()
         req = Request(list(prompt_ids), params)
-        self._init_request(req)  # its grammar matcher: the first token comes from prefill
+        self._init_request(req)  # its grammar matcher (the first token comes from prefill)
         if not self.scheduler.reserve_detached(req, len(req.prompt_ids) + 1):
+            self._release_lora(req)
             return None
         return req
 
+    def drop_detached(self, req: Request) -> None:
+        """Give back a `reserve_detached` request that will not run (its prefill side failed
+        or went away): its pages and its adapter."""
+        req.finish_reason = "abort"
+        self.scheduler.finish(req)
+        self._release_lora(req)
+
     def start_decoding(self, req: Request, first_token: int) -> None:
         """Decode a `reserve_detached` request whose prompt KV has arrived, from the prefill
-        side's first token (it may finish right here: EOS, a stop, max_tokens 1)."""
+        side's first token (it may finish right here: EOS, a stop, max_tokens 1); one whose
+        adapter finds no slot waits for one (`Scheduler.adopt`), its pages kept."""
         req.num_computed = len(req.prompt_ids)  # (with MTP, the draft layer's KV came too)
         self.requests[req.rid] = req
         self.stats.prompt_tokens += len(req.prompt_ids)
@@ -989,7 +1125,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         counting = self.expert_record if self.recording else None
         record = record or counting is not None
         forward = _synced_clock(self.device) if "model" in self._timed else 0.0
-        hidden, logits, routed = self.runner.forward(new_tokens, slots, hot, rows, record)
+        lora = self.lora.step([req.lora for req, _ in batch]) if self.lora is not None else None
+        hidden, logits, routed = self.runner.forward(new_tokens, slots, hot, rows, record, lora)
         if "model" in self._timed:
             forward = _synced_clock(self.device) - forward
         if counting is not None:
@@ -1391,6 +1528,13 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.scheduler.finish(req)
         self._release_forks(req)
         self.requests.pop(req.rid, None)
+        self._release_lora(req)
+
+    def _release_lora(self, req: Request) -> None:
+        """`req` ended: its adapter's hold goes (an unloaded one is dropped with its last,
+        and --max-cpu-loras evicts what requests held past it)."""
+        for gone in self.lora.release(req.rid) if self.lora is not None else ():
+            self._on_every_rank("drop_lora_on_rank", gone.id)
 
     def _fail_unschedulable(self, idle: bool) -> list[Request]:
         """Finish the first waiting request if it can never be admitted: cut short ("length",
@@ -1500,6 +1644,15 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 else HotBuffers.zero_counters()
             ),
         }
+
+    def lora_requests(self) -> LoraRequests | None:
+        """The requests on each LoRA adapter, running and waiting (a decode server's
+        adopted ones wait for a slot), for vLLM's lora_requests_info; None without
+        --enable-lora."""
+        if self.lora is None:
+            return None
+        s = self.scheduler
+        return LoraRequests.of(s.running, [*s.waiting, *s.adopted])
 
 
 GEN_WINDOW_S = 5.0  # SGLang's last_gen_throughput: output tokens/s over 1-2 such windows

@@ -20,7 +20,8 @@ hash is that of the page before its first (None for a tree's first page). Router
 the tokens themselves (Dynamo, llm-d): a salted tree's first page carries its salt in
 `extra_keys` as vLLM's does (`[(salt,), None, ...]`, one entry a page), and the pages
 after it inherit it through their parents; without it a router would take a salted prefix
-for the unsalted one.
+for the unsalted one. A LoRA adapter's pages carry its `lora_id` and `lora_name`, and as
+vLLM's the name in every page's `extra_keys` (`(name, salt)` on a salted tree's first).
 
 Wire (vLLM's and SGLang's): msgspec msgpack, `KVEventBatch` = [ts, events, dp_rank] with
 each event a tagged array (`["BlockStored", hashes, parent, token_ids, block_size,
@@ -66,7 +67,8 @@ MEDIUM_GPU = "GPU"  # the engine's KV pool (a tier's name: on a CPU run too)
 MEDIUM_CPU = "CPU"  # the host tier
 # What the prefix cache records (cheap on the step loop): (STORED, medium, hash, parent
 # hash or None, the page's tokens, its tree's salt where it is the tree's first page else
-# None), (REMOVED, medium, hash), (CLEARED,)
+# None[, its LoRA adapter's (id, name) in an adapter's tree]), (REMOVED, medium, hash),
+# (CLEARED,)
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # a replay's last frame
 _WARN_EVERY_S = 10.0
@@ -130,17 +132,21 @@ def to_events(records: list[tuple], block_size: int) -> list[Any]:
     for rec in records:
         kind = rec[0]
         if kind == STORED:
-            _, medium, h, parent, key, salt = rec
+            _, medium, h, parent, key, salt, *lora = rec
+            lora_id, name = lora[0] if lora else (None, None)
+            keys = None if name is None else (name,)  # (a page's own, vLLM's lora key)
             if isinstance(last, w.BlockStored) and last.medium == medium and parent == prev:
                 last.block_hashes.append(block_hash(h))
                 last.token_ids.extend(key)
                 if last.extra_keys is not None:
-                    last.extra_keys.append(None)
+                    last.extra_keys.append(keys)
             else:
                 first = None if parent is None else block_hash(parent)
-                extra = None if salt is None else [(salt,)]
+                if salt is not None:
+                    keys = (*(keys or ()), salt)
+                extra = None if keys is None else [keys]
                 last = w.BlockStored(
-                    [block_hash(h)], first, list(key), block_size, None, medium, None, extra
+                    [block_hash(h)], first, list(key), block_size, lora_id, medium, name, extra
                 )
                 out.append(last)
             prev = h

@@ -26,6 +26,7 @@ from .config import EngineConfig
 from .detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
 from .info import engine_info
 from .launch import create_engine
+from .lora import LoRARequest
 from .request import Request
 from .sampling import SamplingParams
 from .score import label_probs, score_labels, score_params, score_prompts
@@ -497,13 +498,16 @@ class LLM:
         *,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt: text, token ids (ints, or a 1-D numpy integer array), or
         vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (with vLLM's `"cache_salt"`:
         it shares prefix-cache pages only with prompts of the same salt); one `params` for
         all, or one per prompt (by keyword `params` or vLLM's `sampling_params`). Outputs come
         back in input order; `use_tqdm` (vLLM's default, on) shows a progress bar on stderr.
-        `priority`: vLLM's, one per prompt, under priority scheduling (`scheduling_policy`)."""
+        `priority`: vLLM's, one per prompt, under priority scheduling (`scheduling_policy`).
+        `lora_request`: vLLM's, one for all or one per prompt (None: the base model), each
+        adapter loaded by its name on first use (the engine needs `enable_lora`)."""
         self._check_open()
         params = _params_or_vllms(params, sampling_params)
         listed = _listed_prompts(prompts)
@@ -524,11 +528,47 @@ class LLM:
                     "priority",
                 )
             plist = [dataclasses.replace(sp, priority=p) for sp, p in zip(plist, priority)]
+        if lora_request is not None:
+            plist = self._on_loras(plist, lora_request)
         groups = self._run(prompts, plist, use_tqdm)
         tokenizer = self.tokenizer
         return [
             RequestOutput.from_requests(g, p if isinstance(p, str) else None, tokenizer)
             for g, p in zip(groups, prompts)
+        ]
+
+    def _on_loras(
+        self,
+        plist: list[SamplingParams],
+        lora_request: LoRARequest | Sequence[LoRARequest | None],
+    ) -> list[SamplingParams]:
+        """`plist` on the adapters `lora_request` names (one for all, or one per prompt),
+        each loaded first where it is not yet (by name; a name loaded from another path
+        is refused)."""
+        if isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(plist)
+        if not is_list(lora_request) or len(lora_request) != len(plist):
+            raise DsakvError(
+                f"lora_request must be a LoRARequest or a list of one per prompt ({len(plist)}, "
+                f"None for the base model), got {reprlib.repr(lora_request)}",
+                "lora_request",
+            )
+        for lr in lora_request:
+            if lr is not None and not isinstance(lr, LoRARequest):
+                raise DsakvError(f"not a LoRARequest: {reprlib.repr(lr)}", "lora_request")
+            if lr is None:
+                continue
+            loaded = self.engine.loras().get(lr.lora_name)
+            if loaded is None:
+                self.engine.load_lora(lr.lora_name, lr.lora_path)
+            elif loaded != lr.lora_path:
+                raise DsakvError(
+                    f"LoRA adapter {lr.lora_name!r} is loaded from {loaded}, not {lr.lora_path}",
+                    "lora_request",
+                )
+        return [
+            sp if lr is None else dataclasses.replace(sp, lora_name=lr.lora_name)
+            for sp, lr in zip(plist, lora_request)
         ]
 
     def _run(
@@ -567,13 +607,15 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: each prompt's best `params.beam_width` sequences, best
         first (`dsakv.engine.beam_search`: each step runs one request per live beam,
         which the prefix cache serves all but its last tokens). Prompts as `generate` takes
-        them; `concurrency_limit`: search that many prompts at a time (vLLM's; None: all);
+        them; `lora_request`: `generate`'s (every step's requests run on it);
+        `concurrency_limit`: search that many prompts at a time (vLLM's; None: all);
         `use_tqdm`: a bar over each batch's steps."""
         self._check_open()
         if not isinstance(params, BeamSearchParams):
@@ -591,6 +633,8 @@ class LLM:
         ids = [self.engine.prompt_ids(_one_prompt(p)) for p in listed]
         searches = [BeamSearch(self.engine, x, params) for x in ids]
         steps = [params.step_params(cache_salt=s) for s in salts]
+        if lora_request is not None:
+            steps = self._on_loras(steps, lora_request)
         limit = limit or max(len(searches), 1)
         for start in range(0, len(searches), limit):
             batch = list(zip(searches[start : start + limit], steps[start : start + limit]))
@@ -619,6 +663,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of `{"role", "content"}` messages)
         or a list of them, each rendered by the model's chat template (DeepSeek-V3.2, which
@@ -626,7 +671,7 @@ class LLM:
         `generate` completes text (`chat_template`: a Jinja template instead of the
         tokenizer's; `sampling_params`: vLLM's name for `params`). The output is the raw
         text: tool calls and reasoning are parsed by `dsakv serve`'s chat endpoint, not
-        here."""
+        here. `lora_request`: `generate`'s."""
         params = _params_or_vllms(params, sampling_params)
         # vLLM's: chat_template_kwargs may set the named arguments too, and win
         kwargs = {
@@ -660,7 +705,7 @@ class LLM:
                 raise DsakvError(f"chat template failed: {e}", "messages") from None
         # Each rendered template holds its special tokens (a BOS): none added, as vLLM's chat
         ids = [self.engine.encode(p, special=False) for p in prompts]
-        outs = self.generate(ids, params, use_tqdm)
+        outs = self.generate(ids, params, use_tqdm, lora_request=lora_request)
         return [dataclasses.replace(o, prompt=p) for o, p in zip(outs, prompts)]
 
 

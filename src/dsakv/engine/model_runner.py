@@ -58,6 +58,7 @@ class ModelRunner:
         hot=None,
         rows: Sequence[int] = (),
         record: bool = False,
+        lora: tuple[tuple[int, ...], list[int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Run the target over one step's tokens (their KV goes to `slots`' tails);
         returns hidden `[T, H]` (final-normed), the fp32 logits of its `rows` (as
@@ -65,11 +66,12 @@ class ModelRunner:
         with `record`, the experts this rank's tokens were routed to (`record_routing`'s
         `[T, layers, top_k]`; other ranks route alike); else None.
         A step that records runs eager: not a CUDA graph (SGLang's captures it). `hot`:
-        the step's HiSparse latent slots (`dsakv.engine.hisparse.HotStep`; one rank only)."""
+        the step's HiSparse latent slots (`dsakv.engine.hisparse.HotStep`; one rank only).
+        `lora`: the step's LoRA table (`LoraRegistry.step`), None without LoRA requests."""
         with self._leading() as send:
             if send:
-                send("forward", _pack(new_tokens), _pack_slots(slots), list(rows))
-            return self._forward(new_tokens, slots, hot, rows, record)
+                send("forward", _pack(new_tokens), _pack_slots(slots), list(rows), lora)
+            return self._forward(new_tokens, slots, hot, rows, record, lora)
 
     def forward_draft(
         self,
@@ -156,8 +158,8 @@ class ModelRunner:
             if host_ops:  # rank 0's host copies since its last message, made before it
                 self.host.replay(host_ops)
             if kind == "forward":
-                tokens, slots, rows = args
-                self._forward(tokens, [s.long() for s in slots], rows=rows)
+                tokens, slots, rows, lora = args
+                self._forward(tokens, [s.long() for s in slots], rows=rows, lora=lora)
             elif kind == "draft":
                 tokens, slots, source, rows = args
                 self._forward_draft(tokens, [s.long() for s in slots], source, rows)
@@ -184,8 +186,12 @@ class ModelRunner:
         with self.leader.lock:
             yield send
 
-    def _forward(self, new_tokens, slots, hot=None, rows: Sequence[int] = (), record=False):
+    def _forward(
+        self, new_tokens, slots, hot=None, rows: Sequence[int] = (), record=False, lora=None
+    ):
         graphs, logits, routed = self.decode_graphs, None, None
+        if self.model.lora is not None:  # (under --enable-lora: no decode graphs)
+            self.model.lora.prepare(lora, [len(t) for t in new_tokens])
         picked = torch.tensor(rows, dtype=torch.long) if rows else None
         if graphs is not None and not record and graphs.fits(new_tokens, slots):
             self.last[TARGET] = graphs.run(new_tokens, slots)

@@ -13,7 +13,8 @@ pages it adopts (`adopted`) and pages about to leave it for good (`leaving`).
 A request's `cache_salt` (vLLM's; SGLang's `extra_key`) picks the tree it shares: each salt
 has its own root, whose hash starts the chain (`root_hash`), so requests with different
 salts (or one salted, one not) never share a page: not on the device, not in the host
-tier, not in L3, whose keys are the chain's hashes.
+tier, not in L3, whose keys are the chain's hashes. A LoRA request's tree is its salt's
+and its adapter's (`LoraNamespace`; `Request.cache_key` makes the key).
 
 With KV cache events on (`dsakv.engine.kv_events`), `events` collects what a router is
 told: pages stored and removed, on the device ("GPU") or the host tier ("CPU"), and a
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,12 +45,31 @@ _clock = itertools.count()
 ROOT_HASH = b"\0" * 16
 
 
-def root_hash(salt: str | None) -> bytes:
+@dataclass(frozen=True)
+class LoraNamespace:
+    """A LoRA request's tree: its salt and its adapter's name and digest (of its files),
+    not the adapter's engine id (told in KV events): the same adapter loaded again, or
+    after a restart, finds its L3 pages; other weights under its name do not."""
+
+    salt: str | None
+    name: str
+    digest: str
+    id: int = field(default=0, compare=False)
+
+
+# A tree's key: a request's `cache_salt`, or its `LoraNamespace` (`Request.cache_key`)
+CacheKey = str | LoraNamespace | None
+
+
+def root_hash(salt: CacheKey) -> bytes:
     """The hash a chain starts from: `ROOT_HASH` unsalted (L3 keys stored before salts
-    existed still match), else a digest of the salt."""
+    existed still match), else a digest of the salt (and the adapter)."""
     if salt is None:
         return ROOT_HASH
-    data = b"dsakv-cache-salt\0" + salt.encode("utf-8", "surrogatepass")
+    if isinstance(salt, LoraNamespace):
+        data = b"dsakv-lora\0" + json.dumps([salt.salt, salt.name, salt.digest]).encode()
+    else:
+        data = b"dsakv-cache-salt\0" + salt.encode("utf-8", "surrogatepass")
     return hashlib.sha256(data).digest()[:16]
 
 
@@ -77,14 +98,17 @@ class Node:
     lock_ref: int = 0
     last_access: int = field(default_factory=lambda: next(_clock))
     stale: bool = False  # out of the tree since `retire`: freed when its last lock goes
+    lora: tuple[int, str] | None = None  # its adapter (id, name) as stored, for KV events
 
 
 @dataclass(eq=False)
 class Root(Node):
-    """A tree's root (no page): `hash` is `root_hash(salt)`; the salt itself goes out with
-    its first pages' KV cache events, for routers that hash tokens themselves."""
+    """A tree's root (no page): `hash` is `root_hash(ns)`, `ns` its key in `roots`; the
+    salt itself goes out with its first pages' KV cache events, for routers that hash
+    tokens themselves."""
 
     salt: str | None = None
+    ns: CacheKey = None
 
 
 class PrefixCache:
@@ -97,7 +121,7 @@ class PrefixCache:
         self.page_size = allocator.page_size
         self.host = host
         self.root = Root((), None)  # the unsalted tree's; a salted one's is in `roots`
-        self.roots: dict[str | None, Root] = {None: self.root}  # by salt
+        self.roots: dict[CacheKey, Root] = {None: self.root}  # by salt (`CacheKey`)
         self.num_device_pages = 0  # pages the tree holds on the device
         self.num_host_pages = 0
         self.demoted_pages = 0  # to the host tier on eviction; promoted: back on a hit
@@ -112,9 +136,9 @@ class PrefixCache:
 
     # --- lookups ---------------------------------------------------------------------------
 
-    def match(self, tokens: list[int], max_pages: int, salt: str | None = None) -> list[Node]:
+    def match(self, tokens: list[int], max_pages: int, salt: CacheKey = None) -> list[Node]:
         """Nodes for the longest cached page-aligned prefix of `tokens` (≤ `max_pages`) in
-        the tree of `salt` (a request's `cache_salt`)."""
+        the tree of `salt` (a request's `cache_key`)."""
         node, out, tick = self.roots.get(salt), [], next(_clock)
         if node is None:
             return out
@@ -165,24 +189,28 @@ class PrefixCache:
         tokens: list[int],
         pages: list[int],
         start: int = 0,
-        salt: str | None = None,
+        salt: CacheKey = None,
     ) -> list[Node]:
         """Adopt the full pages of `tokens` into the tree of `salt` (a request's
-        `cache_salt`); pages already cached are freed as duplicates.
+        `cache_key`); pages already cached are freed as duplicates.
 
         `pages[i]` holds tokens of page i; pages before `start` are already tree nodes (the
         caller's locked prefix). Returns the path of nodes covering every full page.
         """
         ps = self.page_size
+        # The adapter KV events tell for the pages stored now: the inserting request's
+        # load of it (the tree outlives a load: an unload and load again keep its pages)
+        lora = (salt.id, salt.name) if isinstance(salt, LoraNamespace) else None
         if salt not in self.roots and len(tokens) >= ps:  # (its hash: once, for its tree)
-            self.roots[salt] = Root((), None, hash=root_hash(salt), salt=salt)
+            named = salt.salt if isinstance(salt, LoraNamespace) else salt
+            self.roots[salt] = Root((), None, hash=root_hash(salt), salt=named, ns=salt)
         node, path, tick = self.roots.get(salt), [], next(_clock)
         duplicates: list[int] = []
         for i in range(len(tokens) // ps):
             key = tuple(tokens[i * ps : (i + 1) * ps])
             child = node.children.get(key)
             if child is None:
-                child = Node(key, node, page=pages[i], hash=page_hash(node.hash, key))
+                child = Node(key, node, pages[i], hash=page_hash(node.hash, key), lora=lora)
                 node.children[key] = child
                 self.num_device_pages += 1
                 self._stored(child, MEDIUM_GPU)
@@ -191,7 +219,7 @@ class PrefixCache:
             elif i >= start:
                 if child.page is None:  # our copy replaces the host-resident one
                     self.host.free(child.host_slots)
-                    child.page, child.host_slots = pages[i], None
+                    child.page, child.host_slots, child.lora = pages[i], None, lora
                     self.num_host_pages -= 1
                     self.num_device_pages += 1
                     self._removed(child, MEDIUM_CPU)
@@ -337,17 +365,18 @@ class PrefixCache:
         if parent is not None:
             parent.children.pop(top.key, None)
             if not parent.children and isinstance(parent, Root) and parent is not self.root:
-                self.roots.pop(parent.salt, None)  # a salt's last page: its root goes too
+                self.roots.pop(parent.ns, None)  # a salt's last page: its root goes too
 
     # --- KV cache events (`dsakv.engine.kv_events`) ----------------------------------------
 
     def _stored(self, n: Node, medium: str) -> None:
         if self.events is not None:
             p = n.parent
+            lora = () if n.lora is None else (n.lora,)  # (its adapter's, in a LoRA tree)
             if isinstance(p, Root):  # a tree's first page: no parent, the tree's salt
-                self.events.append((STORED, medium, n.hash, None, n.key, p.salt))
+                self.events.append((STORED, medium, n.hash, None, n.key, p.salt, *lora))
             else:
-                self.events.append((STORED, medium, n.hash, p.hash, n.key, None))
+                self.events.append((STORED, medium, n.hash, p.hash, n.key, None, *lora))
 
     def _removed(self, n: Node, medium: str) -> None:
         if self.events is not None:

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .prefix_cache import root_hash
+from .lora import LoraRef
+from .prefix_cache import CacheKey, LoraNamespace, root_hash
 from .sampling import SamplingParams, ThinkingBudget
 
 _ids = itertools.count()
@@ -243,6 +244,8 @@ class Request:
     capture: Capture | None = None
     routed_experts: np.ndarray | None = None
     hidden_states: np.ndarray | None = None
+    # Its LoRA adapter (`params.lora_name` as loaded when it came in: `Engine._init_request`)
+    lora: LoraRef | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -256,11 +259,20 @@ class Request:
             return self.output_ids[start - p : stop - p]
         return self.all_ids[start:stop]
 
+    @property
+    def cache_key(self) -> CacheKey:
+        """The prefix-cache tree its pages join, on the device, the host tier and L3 (the one
+        place it is made): its `cache_salt`, and on a LoRA adapter that adapter's identity
+        too (its name and the digest of its files: KV computed with other weights never
+        matches)."""
+        salt, lora = self.params.cache_salt, self.lora
+        return salt if lora is None else LoraNamespace(salt, lora.name, lora.digest, lora.id)
+
     @functools.cached_property
     def cache_root(self) -> bytes:
-        """The hash its pages' chain starts from (`root_hash` of its `cache_salt`): the
+        """The hash its pages' chain starts from (`root_hash` of its `cache_key`): the
         parent of its first page, for L3's keys."""
-        return root_hash(self.params.cache_salt)
+        return root_hash(self.cache_key)
 
     @property
     def seq_len(self) -> int:

@@ -201,6 +201,9 @@ class SamplingParams:
     # vLLM's (a prompt's, there; SGLang's extra_key): requests share prefix-cache pages only
     # with requests of the same salt, or none; the host tier's and L3's too
     cache_salt: str | None = None
+    # The LoRA adapter this request runs on, by its loaded name (`Engine.load_lora`; vLLM's
+    # LoRARequest.lora_name, SGLang's lora_path); None: the base model
+    lora_name: str | None = None
     # vLLM's: at most this many tokens inside the reasoning block (`ThinkingBudget`); -1 is
     # None, unlimited
     thinking_token_budget: int | None = None
@@ -391,6 +394,10 @@ class SamplingParams:
             (
                 self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
                 "cache_salt must be a non-empty string",
+            ),
+            (
+                self.lora_name is None or (isinstance(self.lora_name, str) and self.lora_name),
+                "lora_name must be a non-empty string",
             ),
             (
                 self.thinking_token_budget is None

@@ -22,6 +22,7 @@ from typing import Any
 from dsakv.memory.allocator import OutOfPages, PageAllocator, ReqToTokenTable, page_slots
 from dsakv.memory.host import HostPool
 
+from .lora import LoraRegistry
 from .prefix_cache import Node, PrefixCache
 from .request import Request, Status
 
@@ -83,6 +84,7 @@ class Scheduler:
         host: HostPool | None,
         l3: Any = None,
         hot: Any = None,
+        lora: LoraRegistry | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
@@ -90,6 +92,8 @@ class Scheduler:
         self.host = host
         self.l3 = l3  # the storage tier (`dsakv.engine.l3.L3Cache`), or None
         self.hot = hot  # HiSparse device latent slots (`dsakv.engine.hisparse`), or None
+        # LoRA adapters' slots (`dsakv.engine.lora`): a request runs once its adapter has one
+        self.lora = lora
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the newest is retracted first
         self.req_to_token = ReqToTokenTable()  # rid -> token slot of each position
@@ -99,6 +103,9 @@ class Scheduler:
         # Requests holding pages outside the queues, which come back without a step: a
         # prefill server's finished ones until shipped, a decode server's reservations.
         self.parked: dict[int, Request] = {}
+        # A decode server's requests whose KV came (parked still) and whose LoRA adapter
+        # waits for a slot (`adopt`): they run before any waiting request is admitted.
+        self.adopted: deque[Request] = deque()
 
     # --- public ---------------------------------------------------------------------------
 
@@ -134,18 +141,22 @@ class Scheduler:
         if self.l3 is None or not self.config.enable_prefix_cache:
             return
         max_pages = self._hit_pages(req, req.seq_len)
-        nodes = self.cache.match(req.all_ids, max_pages, req.params.cache_salt)
+        nodes = self.cache.match(req.all_ids, max_pages, req.cache_key)
         parent = nodes[-1].hash if nodes else req.cache_root
         self.l3.prefetch(req.rid, req.all_ids, len(nodes), parent, max_pages)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.adopted)
 
     def schedule(self) -> list[tuple[Request, int]]:
         """This step's batch: (request, number of new tokens) pairs."""
         batch: list[tuple[Request, int]] = []
         budget = self.config.chunked_prefill_size
         retractions = self.stats.retractions
+        for req in list(self.adopted):  # (each takes a slot: asked one at a time)
+            if self.lora.can_run(req.lora):
+                self.adopted.remove(req)
+                self._run_adopted(req)
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # retracted earlier in this loop
@@ -294,7 +305,7 @@ class Scheduler:
             req.host_slots = None
         keep = 0
         if self._caches(req) and req.pages and req.finish_reason != "abort":
-            tokens, salt = req.all_ids[: req.num_computed], req.params.cache_salt
+            tokens, salt = req.all_ids[: req.num_computed], req.cache_key
             path = self.cache.insert(tokens, req.pages, req.num_cached_pages, salt)
             keep = len(path)
         private = req.pages[max(keep, req.num_cached_pages) :]
@@ -337,18 +348,32 @@ class Scheduler:
         return True
 
     def adopt(self, req: Request) -> None:
-        """Run a request whose first `num_computed` positions' KV is already in its pages."""
+        """Run a request whose first `num_computed` positions' KV is already in its pages;
+        one whose LoRA adapter finds no slot keeps its pages parked and waits in `adopted`
+        (as a waiting request on it would, in `_admit`) until `schedule` finds it one."""
+        if self.lora is not None and not self.lora.can_run(req.lora):
+            self.adopted.append(req)
+        else:
+            self._run_adopted(req)
+
+    def _run_adopted(self, req: Request) -> None:
         self.parked.pop(req.rid, None)
         req.status = Status.RUNNING
         req.metrics.scheduled()
         self.running.append(req)
+        if self.lora is not None:
+            self.lora.start(req.lora)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
 
     def _unqueue(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
+            if self.lora is not None:
+                self.lora.stop(req.lora)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.adopted:
+            self.adopted.remove(req)
         req.status = Status.FINISHED
 
     def cache_prefix(self, req: Request) -> None:
@@ -358,7 +383,7 @@ class Scheduler:
         duplicate page is freed and it switches to the cached one."""
         if not self._caches(req):
             return
-        ids, salt = req.all_ids[: req.num_computed], req.params.cache_salt
+        ids, salt = req.all_ids[: req.num_computed], req.cache_key
         path = self.cache.insert(ids, req.pages, req.num_cached_pages, salt)
         if len(path) <= req.num_cached_pages:
             return
@@ -378,6 +403,8 @@ class Scheduler:
     def retract(self, req: Request) -> None:
         """Give up a running request's pages; it resumes later from the host or by recompute."""
         self.running.remove(req)
+        if self.lora is not None:
+            self.lora.stop(req.lora)
         self.stats.retractions += 1
         req.metrics.retractions += 1
         n = req.num_computed
@@ -445,19 +472,24 @@ class Scheduler:
         return -(-tokens // self.config.page_size)
 
     def _admit(self, batch: list[tuple[Request, int]], budget: int) -> None:
+        """Admit waiting requests in queue order while the budget lasts. One whose LoRA
+        adapter finds no slot (every slot held by running requests' adapters) keeps its
+        place and is skipped, as vLLM's scheduler skips it: the base model's requests and
+        those on resident adapters behind it go on."""
         if self.config.longest_prefix_first:
             self._longest_prefix_first()
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            req = self.waiting[i]
             full = len(self.running) >= self.config.max_running_requests
             if full and not self._preemptible(req):
                 return
+            if self.lora is not None and not self.lora.can_run(req.lora):
+                i += 1
+                continue
             if self.l3 is not None:
                 start = self.l3.starts_at(req.rid)
-                lost = (
-                    start
-                    and len(self.cache.match(req.all_ids, start, req.params.cache_salt)) < start
-                )
+                lost = start and len(self.cache.match(req.all_ids, start, req.cache_key)) < start
                 if lost and req.host_slots is None:
                     self._prefetch(req)  # the cache lost pages since: L3 may still hold them
                 if not self.l3.ready(req.rid, idle=not self.running):
@@ -469,13 +501,16 @@ class Scheduler:
             if n == _RETRY:  # (a retracted prefill chunk gives its budget back)
                 budget += sum(k for r, k in batch if r.status is not Status.RUNNING and k > 1)
                 batch[:] = [(r, k) for r, k in batch if r.status is Status.RUNNING]
+                i = 0  # (the retracted were queued ahead; a slot may have freed)
                 continue
             if n == 0:
                 return
-            self.waiting.popleft()
+            del self.waiting[i]
             req.status = Status.RUNNING
             req.metrics.scheduled()
             self.running.append(req)
+            if self.lora is not None:
+                self.lora.start(req.lora)
             batch.append((req, n))
             budget -= n
 
@@ -492,7 +527,7 @@ class Scheduler:
             if req.host_slots is not None:
                 return req.host_slots.numel() // ps
             hit = self._hit_pages(req, req.seq_len)
-            return len(self.cache.match(req.all_ids, hit, req.params.cache_salt))
+            return len(self.cache.match(req.all_ids, hit, req.cache_key))
 
         order = sorted(self.waiting, key=lambda r: -cached(r))
         self.waiting.clear()
@@ -531,7 +566,7 @@ class Scheduler:
         end = req.seq_len if self.hot is None else self.hot.prefill_end(req)
         max_pages = self._hit_pages(req, end)
         if self.config.enable_prefix_cache:
-            nodes = self.cache.match(req.all_ids, max_pages, req.params.cache_salt)
+            nodes = self.cache.match(req.all_ids, max_pages, req.cache_key)
         stored = self.l3.pages_for(req.rid, len(nodes)) if self.l3 is not None else []
         stored = stored[: max(0, max_pages - len(nodes))]
         hit = (len(nodes) + len(stored)) * self.config.page_size

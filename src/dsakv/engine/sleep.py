@@ -151,7 +151,9 @@ class SleepMixin:
                 stashes["kv_cache"] = [Stash(self.pool.buffers(), keep=False)]
             if "weights" in new:
                 params = Stash(self.model.parameters(), keep=not discard)
-                stashes["weights"] = [params, Stash(self.model.buffers(), keep=True)]
+                slots = () if self.model.lora is None else self.model.lora.tensors()
+                buffers = Stash([*self.model.buffers(), *slots], keep=True)  # (slots: adapters')
+                stashes["weights"] = [params, buffers]
         except Exception as e:  # noqa: BLE001 - every rank hears it: none frees anything
             why = said(e)
         outcome = gather_outcome(self.parallel, None, why)

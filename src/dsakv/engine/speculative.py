@@ -267,7 +267,7 @@ class MTPDrafter(Drafter):
         if start // ps >= full:
             return []
         ids = req.ids(0, full * ps)
-        nodes = self.scheduler.cache.match(ids, full, req.params.cache_salt)[start // ps :]
+        nodes = self.scheduler.cache.match(ids, full, req.cache_key)[start // ps :]
         self.scheduler.cache.lock(nodes)
         return nodes
 

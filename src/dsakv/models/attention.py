@@ -82,10 +82,15 @@ class MLAttention(nn.Module):
         both = torch.cat([q_rope, k_rope[:, None]], dim=1)
         rot = rope_interleaved(both, cos[:, None], sin[:, None])
         row = torch.cat([self.kv_a_layernorm(latent), rot[:, h]], dim=-1)
-        return self.math.absorb_q(q_nope, self._w_kvb()[0]), rot[:, :h], q_lora, row
+        q_lat = self.math.absorb_q(q_nope, self._w_kvb()[0])
+        if self.kv_b_proj.lora is not None:  # (kv_b's LoRA slots: `LatentSlots`)
+            q_lat = self.kv_b_proj.lora.query(q_nope, q_lat)
+        return q_lat, rot[:, :h], q_lora, row
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """Per-head outputs `[T, H, v]` through o_proj: a partial sum over heads, reduced."""
+        if self.kv_b_proj.lora is not None:  # (`attend`'s extra columns: kv_b's LoRA delta)
+            out = self.kv_b_proj.lora.output(out, self.v_dim)
         t = out.shape[0]
         return self.parallel.all_reduce_attn(self.o_proj(out.reshape(t, self.n_heads * self.v_dim)))
 
@@ -114,25 +119,28 @@ class MLAttention(nn.Module):
         selections: dict[int, StepSelection],
         topk_source: int,
     ) -> torch.Tensor:
-        """Stores the step's latent rows, selects (full layers) and attends: `[T, H, v]`."""
+        """Stores the step's latent rows, selects (full layers) and attends: `[T, H, v]`
+        (`[T, H, v + S·R]` in a step running kv_b adapters: `LatentSlots.w_uv`)."""
         t, ops, h = x.shape[0], self.ops, self.n_heads
         ops.store_latent(pool, self.layer, batch.latent_out_slots, row)
         if topk_source == self.layer:  # a full layer (built with an indexer)
             selections[self.layer] = self.indexer(self.layer, x, q_lora, cos, sin, batch, pool)
         sels = selections[topk_source]
         w_uk, w_uv = self._w_kvb()
+        if self.kv_b_proj.lora is not None:  # (W_uv with every slot's A rows, in a step
+            w_uv = self.kv_b_proj.lora.w_uv(w_uv, x.dtype)  # running kv_b adapters)
         if batch.is_decode_only and batch.decode_reqs:  # no scatter into a step-wide output
             sel = sels.decode
             return ops.mla_decode(
                 self.math, pool, self.layer, q_nope, q_rope, sel.slots, sel.valid, w_uk, w_uv
             )
         if not batch.extend_reqs:  # an empty step (a DP-attention rank with no request)
-            return torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
+            return torch.empty(t, h, w_uv.shape[1], dtype=x.dtype, device=x.device)
         ext = ops.mla_extends(self.math, pool, self.layer, q_nope, q_rope, batch, sels, w_uk, w_uv)
         if not batch.decode_reqs:
             return ext
         rows, sel = batch.decode_tokens, sels.decode
-        out = torch.empty(t, h, self.v_dim, dtype=x.dtype, device=x.device)
+        out = torch.empty(t, h, w_uv.shape[1], dtype=x.dtype, device=x.device)
         out[rows] = ops.mla_decode(
             self.math,
             pool,

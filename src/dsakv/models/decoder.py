@@ -14,6 +14,7 @@ from dsakv.kernels.backend import Block
 
 from .attention import MLAttention
 from .layers import MLP, RMSNorm
+from .lora import has_lora
 from .moe import MoE
 
 
@@ -127,8 +128,8 @@ def residual_ffn(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> tor
 
 def _native_blocks(layer: DecoderLayer) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
     attn, mlp = layer.self_attn, layer.mlp
-    if layer.parallel.world_size > 1 or not cpu_native.fits(layer):
-        return None
+    if layer.parallel.world_size > 1 or not cpu_native.fits(layer) or has_lora(layer):
+        return None  # (LoRA: the blocks' native forms have no adapter slots)
     inputs = cpu_native.MlaInputs(
         layer.input_layernorm.weight,
         attn.q_a_proj.weight,

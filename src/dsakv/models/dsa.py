@@ -24,6 +24,7 @@ from dsakv.kernels.backend import Block
 from .decoder import NORM, DecoderLayer, in_turn, layer_loop
 from .forward_batch import ForwardBatch
 from .layers import RMSNorm
+from .lora import LoraSlots
 from .moe import Experts
 from .mtp import MTPLayer
 from .parallel_layers import ParallelLMHead, VocabParallelEmbedding
@@ -98,6 +99,8 @@ class DSAForCausalLM(nn.Module):
         self.target_layers = tuple(islice(self.model.layers, config.num_hidden_layers))
         # Inside `record_routing`, the `[tokens, layers, top_k]` it fills; None outside
         self.routed: torch.Tensor | None = None
+        # LoRA adapter slots (`dsakv.models.lora.LoraSlots`; --enable-lora), else None
+        self.lora: LoraSlots | None = None
         if dtype is not None or device is not None:
             self.to(device=device, dtype=dtype)
             keep_fp32(self)

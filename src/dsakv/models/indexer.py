@@ -18,6 +18,7 @@ from dsakv.kernels import TorchBackend, cpu_native
 from dsakv.kernels.backend import Block
 
 from .forward_batch import ForwardBatch
+from .lora import has_lora
 from .parallel_layers import ShardedLinear
 from .rope import rope_half, rope_interleaved
 
@@ -88,10 +89,8 @@ class Indexer(nn.Module):
         self.wq_b = ShardedLinear(config.q_lora_rank, self.n_heads * self.head_dim)
         self.wk = ShardedLinear(config.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        # Kept in fp32 whatever the model dtype (as the reference does).
-        self.weights_proj = nn.Linear(
-            config.hidden_size, self.n_heads, bias=False, dtype=torch.float32
-        )
+        # Kept in fp32 whatever the model dtype (as the reference does: `keep_fp32`).
+        self.weights_proj = ShardedLinear(config.hidden_size, self.n_heads).float()
         self.scale = self.head_dim**-0.5
         self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
         self._native: cpu_native.IndexerInputs | None | bool = False
@@ -105,7 +104,7 @@ class Indexer(nn.Module):
         on first use (after loading); None unless it computes in fp32 on the CPU."""
         if self._native is False:
             self._native = None
-            if cpu_native.fits(self):
+            if cpu_native.fits(self) and not has_lora(self):  # (its native form has no LoRA)
                 self._native = cpu_native.IndexerInputs(
                     self.wq_b.weight,
                     self.wk.weight,

@@ -10,6 +10,7 @@ after routed + shared experts), not one per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,11 @@ class Shard:
 
 class ShardedLinear(nn.Linear):
     """`nn.Linear` (no bias) holding `shard` of the full `[out, in]` weight: `dim=0` is
-    column-parallel (a slice of the outputs), `dim=1` row-parallel (a partial sum)."""
+    column-parallel (a slice of the outputs), `dim=1` row-parallel (a partial sum).
+    `lora`: its LoRA adapter slots, each token's delta added to its output
+    (`dsakv.models.lora.SlotWeights`); None without --enable-lora."""
+
+    lora: Any = None
 
     def __init__(self, in_features: int, out_features: int, shard: Shard | None = None) -> None:
         if shard is not None:
@@ -65,7 +70,8 @@ class ShardedLinear(nn.Linear):
         self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        y = linear(x, self.weight)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -170,7 +170,7 @@ async def _create(api: Handlers, body: MessagesRequest, raw: Request) -> Respons
     blocks.feed(parser.feed(r.text, final=True, cut=r.finish_reason in CUT_SHORT))
     blocks.finish()
     usage = _usage(r.prompt_tokens, r.cached_tokens, r.completion_tokens)
-    message = _message(api, mid, blocks.blocks, usage)
+    message = _message(api.served_name(run.params), mid, blocks.blocks, usage)
     message.update(_stop(r.finish_reason, r.stop_reason, blocks.calls))
     return JSONResponse(message, headers=headers)
 
@@ -187,7 +187,8 @@ async def _events(api: Handlers, run: ChatRun, mid: str) -> AsyncIterator[str]:
         async for _, u in api.merged_updates(run.streams):
             if totals.first is None:
                 usage = _usage(u.prompt_tokens, u.cached_tokens, 0)
-                yield _sse("message_start", message=_message(api, mid, [], usage))
+                model = api.served_name(run.params)
+                yield _sse("message_start", message=_message(model, mid, [], usage))
                 yield _sse("ping")
             totals.add(u)
             d = parser.feed(u.text, final=u.finished, cut=finish_reason(u) in CUT_SHORT)
@@ -222,12 +223,12 @@ def _sse(kind: str, **fields: Any) -> str:
     return sse_event({"type": kind, **fields}, kind)
 
 
-def _message(api: Handlers, mid: str, content: list, usage: dict[str, int]) -> dict[str, Any]:
+def _message(model: str, mid: str, content: list, usage: dict[str, int]) -> dict[str, Any]:
     return {
         "id": mid,
         "type": "message",
         "role": "assistant",
-        "model": api.model_name,
+        "model": model,
         "content": content,
         "stop_reason": None,
         "stop_sequence": None,

@@ -1,7 +1,7 @@
 """The OpenAI-compatible FastAPI app over one shared `AsyncEngine`: its routes (their
 handlers: `handlers`; /v1/responses: `responses`; Anthropic's /v1/messages: `anthropic`;
 SGLang's /generate and admin routes: `generate`; /v1/score: `score`; OpenAI's /v1/files and
-/v1/batches: `batch`), /health, /metrics and SGLang's probes, errors in OpenAI's shape (in
+/v1/batches: `batch`; LoRA adapters loaded at run time: `lora`), /health, /metrics and SGLang's probes, errors in OpenAI's shape (in
 Anthropic's on its routes), and every response counted by endpoint."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .error_handlers import add_error_handlers
 from .generate import add_generate_route
 from .handlers import Handlers
 from .http_config import HTTPConfig, route_path
+from .lora import add_lora_routes
 from .openai_format import ResponseDefaults
 from .protocol import (
     ChatCompletionRequest,
@@ -79,6 +80,10 @@ _ENDPOINTS = (
     "/is_paused",
     "/flush_cache",
     "/reset_prefix_cache",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
     "/v1/models",
     "/v1/models/{model}",  # (any model: `_endpoint`)
     "/version",
@@ -141,6 +146,7 @@ def build_app(
         role,
         max_model_len=max_model_len,
         storage_backend=config.hicache_storage_backend,
+        max_loras=config.max_loras if config.enable_lora else None,
     )
     app.state.async_engine, app.state.model_name, app.state.metrics = (
         async_engine,
@@ -205,20 +211,19 @@ def build_app(
     @app.get("/metrics")
     async def prometheus() -> Response:
         snapshot = await async_engine.counters()  # (never waits out a long step)
-        return Response(
-            metrics.render(snapshot), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+        text = metrics.render(snapshot, async_engine.lora_snapshot)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:  # (vLLM's: a card per served name)
+    async def models() -> dict[str, Any]:  # (vLLM's: a card per served name, per adapter)
         # (a page: Anthropic's SDK's models.list reads its fields too; one holds them all)
-        return list_page([api.model_card(name) for name in api.model_names], has_more=False)
+        return list_page(api.model_cards(), has_more=False)
 
     # OpenAI's retrieve-model (`client.models.retrieve`); `path`: a served name may hold "/"
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
         api.check_model(model)
-        return api.model_card(model if model in api.model_names else api.model_name)
+        return api.model_card(model)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -253,6 +258,7 @@ def build_app(
     add_responses_routes(app, api)  # OpenAI's Responses API
     add_anthropic_routes(app, api)  # Anthropic's Messages API
     add_score_route(app, api)  # SGLang's /v1/score
+    add_lora_routes(app, api)  # vLLM's and SGLang's LoRA adapter loading
     add_session_routes(app, api.sessions)  # SGLang's /open_session, /close_session
     # OpenAI's Batch API, over the routes above: as many of a batch's requests in flight as
     # the engine runs at once (it stays full; other requests wait behind that many at most)

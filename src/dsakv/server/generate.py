@@ -70,6 +70,9 @@ class GenerateRequest(BaseModel):
     return_hidden_states: bool | list[bool] | None = False
     # SGLang's: the input follows an earlier request of an open session (`sessions`)
     session_params: SessionParams | None = None
+    # SGLang's: the LoRA adapter each prompt runs on, by its name (null: the base model;
+    # one for all prompts, or a list of one each)
+    lora_path: str | list[str | None] | None = None
 
 
 # GenerateReqInput's fields that change what is generated or returned, not run here.
@@ -562,6 +565,10 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
             _per_prompt(body.extra_key, "extra_key", len(prompts), n),
         )
     ]
+    loras = [
+        api.adapter(name, "lora_path") if name else None
+        for name in _per_prompt(body.lora_path, "lora_path", len(prompts), n)
+    ]
     # Opened before its prompts are tokenized and its grammar compiled, so that an abort
     # meanwhile is not lost (SGLang registers the rid first too); a rid in flight is a 400
     names = [{rid, given_rids[i // n]} - {None} for i, rid in enumerate(rids)]
@@ -582,9 +589,12 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
                 params = [await _params(api, samplings[0], asks[0])] * len(prompts)
             params = [
                 dataclasses.replace(
-                    p, cache_salt=p.cache_salt if s is None else s, priority=body.priority
+                    p,
+                    cache_salt=p.cache_salt if s is None else s,
+                    priority=body.priority,
+                    lora_name=lora,
                 )
-                for p, s in zip(params, salts)
+                for p, s, lora in zip(params, salts, loras)
             ]
             params = _with_rows(body, params, n)
             # (the context check only where the client gave max_new_tokens, as SGLang's)

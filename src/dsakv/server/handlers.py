@@ -104,6 +104,10 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         self.model_name = self.model_names[0]  # what responses report
         self.created = int(time.time())  # (the cards' creation time: one answer, asked twice)
         self._accepted = frozenset((*self.model_names, *aliases))
+        # The LoRA adapters served, name -> path, as the engine last told (at start, then
+        # after each load or unload: `lora`): what a request's `model` may name too
+        config = async_engine.engine.config
+        self.loras: dict[str, str] = dict(async_engine.engine.loras()) if config.enable_lora else {}
         self.metrics = metrics
         self.chat_parsers = chat_parsers
         self.in_flight = InFlight(async_engine, RequestLog(request_log))
@@ -202,7 +206,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
             "id": rid,
             "object": "text_completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.served_name(params),
         }
         want_logprobs, ids = body.logprobs is not None, bool(body.return_token_ids)
         tokenizer = self.engine.engine.tokenizer
@@ -280,7 +284,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
             "id": rid,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": self.model_name,
+            "model": self.served_name(run.params),
         }
 
         if body.stream:
@@ -507,10 +511,20 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         text = e.tokenizer.decode(body.tokens)
         return {"prompt": text, "text": text}  # (vLLM's key, SGLang's)
 
+    def model_cards(self) -> list[dict[str, Any]]:
+        """/v1/models' cards: the base model's names', then each LoRA adapter's."""
+        return [self.model_card(name) for name in [*self.model_names, *self.loras]]
+
     def model_card(self, name: str) -> dict[str, Any]:
         """A served name's card, as /v1/models lists it and /v1/models/{model} returns it:
         OpenAI's fields, and Anthropic's (`type`, `display_name`, `created_at`), so the
-        Anthropic SDK's `models.list` and `retrieve` read the same routes."""
+        Anthropic SDK's `models.list` and `retrieve` read the same routes. An adapter's, as
+        vLLM's: its path the `root`, the base model's served name its `parent`."""
+        if (adapter := self.adapter_of(name)) is not None:
+            card = self.model_card(self.model_name)
+            shown = {"id": adapter, "display_name": adapter, "root": self.loras[adapter]}
+            return {**card, **shown, "parent": self.model_name}
+        name = name if name in self.model_names else self.model_name  # (an alias: the first)
         e, now = self.engine.engine, self.created
         return {
             "id": name,
@@ -547,13 +561,63 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         return {**info, **self.engine.server_info()}
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self._accepted:
+        """A 404 for a `model` this server does not serve: neither a name of the base
+        model's nor a LoRA adapter's (`adapter_of`)."""
+        if model is not None and model not in self._accepted and self.adapter_of(model) is None:
+            served = repr(self.model_name)
+            if self.loras:
+                served += f" and the LoRA adapters {', '.join(map(repr, self.loras))}"
             raise APIError(
                 404,
-                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                f"model {model!r} does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )
+
+    def is_base_name(self, name: str) -> bool:
+        """Whether `name` names the base model (a served name, or an alias of them)."""
+        return name in self._accepted
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (vLLM's: its name; SGLang's `base:adapter` too),
+        None for the base model or a name not served."""
+        if model in self.loras:
+            return model
+        base, colon, name = (model or "").rpartition(":")
+        return name if colon and base in self._accepted and name in self.loras else None
+
+    def lora_name(self, body: GenerationRequest) -> str | None:
+        """The adapter a request runs on (`SamplingParams.lora_name`; None: the base model):
+        the one its `model` names, else SGLang's `lora_path` (an adapter's name; a list,
+        one per prompt, is /generate's: `adapter`)."""
+        named, path = self.adapter_of(body.model), body.lora_path
+        if not path:  # (null or empty: SGLang's unset)
+            return named
+        if not isinstance(path, str):
+            raise APIError(400, "lora_path must be an adapter's name here", param="lora_path")
+        if named not in (None, path):
+            raise APIError(
+                400,
+                f"model names the adapter {named!r} and lora_path {path!r}: give one",
+                param="lora_path",
+            )
+        return self.adapter(path, "lora_path")
+
+    def adapter(self, name: str, param: str) -> str:
+        """`name` as a loaded adapter's (SGLang's `lora_path`), else the 400 naming `param`."""
+        if not self.engine.engine.config.enable_lora:
+            raise APIError(
+                400,
+                f"{param}: this server serves no LoRA adapters (start it with --enable-lora)",
+                param=param,
+            )
+        if name not in self.loras:
+            raise APIError(400, f"LoRA adapter {name!r} is not loaded", param=param)
+        return name
+
+    def served_name(self, params: SamplingParams) -> str:
+        """The model a response reports: its adapter's name (vLLM's), else the base's."""
+        return params.lora_name or self.model_name
 
 
 def _request_id(body: GenerationRequest, raw: Request) -> str | None:

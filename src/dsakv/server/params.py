@@ -36,7 +36,8 @@ GRAMMAR_TIMEOUT_S = 60.0
 class RequestParamsMixin:
     """`Handlers`' request parsing. Its host holds the engine (`engine`), the reasoning
     parser a thinking budget needs (`chat_parsers`), the grammar compiles' threads and
-    lock (`_compiles`, `_grammars_lock`) and whether it is a PD server (`disaggregated`)."""
+    lock (`_compiles`, `_grammars_lock`), whether it is a PD server (`disaggregated`) and
+    the LoRA adapter a request names (`lora_name`)."""
 
     def sampling_params(
         self,
@@ -65,6 +66,7 @@ class RequestParamsMixin:
             if getattr(body, name, None) not in (None, False):
                 raise APIError(400, f"{name} is not supported", param=name)
         named_ids = self._logprob_token_ids(body, logprobs, logprobs_param, max_tokens)
+        lora_name = self.lora_name(body)
         # SGLang's (stop_regex: a sampling param on /generate, `generate._SAMPLING_NOT_RUN`)
         for name in (*SGLANG_NOT_RUN, "stop_regex"):
             if getattr(body, name, None):
@@ -150,6 +152,7 @@ class RequestParamsMixin:
                 bad_words=tuple(body.bad_words or ()),
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 cache_salt=request_salt(body.cache_salt, body.extra_key),
+                lora_name=lora_name,
                 priority=body.priority,
                 thinking_token_budget=body.thinking_token_budget,
                 **row_params(body, body.return_hidden_states),  # (`sglext`, `last_hidden`)
@@ -360,10 +363,7 @@ def request_salt(cache_salt: str | None, extra_key: str | None) -> str | None:
 
 # SGLang's request fields, on /generate and the OpenAI routes alike, whose feature dsakv
 # does not run: a 400 unless unset (null, false, or empty as its clients send them).
-SGLANG_NOT_RUN = (
-    "lora_path",
-    "custom_logit_processor",
-)
+SGLANG_NOT_RUN = ("custom_logit_processor",)
 
 
 # Request fields that ask for structured output, and the grammar kind each gives.

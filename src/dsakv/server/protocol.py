@@ -214,8 +214,10 @@ class ServingExtras(StrictModel):
     # stop_regex: []); any shape, so the refusal names the field
     stop_regex: Any = None
     custom_logit_processor: Any = None
-    lora_path: Any = None
     session_params: Any = None
+    # SGLang's: the LoRA adapter, by its name (`Handlers.lora_name`; any shape, so that a
+    # list, /generate's, is a 400 naming it)
+    lora_path: Any = None
 
 
 class GenerationRequest(ServingExtras):

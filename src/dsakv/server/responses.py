@@ -1106,7 +1106,7 @@ def _response(
         "max_output_tokens": p.max_tokens,
         "max_tool_calls": body.max_tool_calls,
         "metadata": body.metadata or {},
-        "model": api.model_name,
+        "model": api.served_name(p),
         "output": [],
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,

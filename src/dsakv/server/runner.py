@@ -33,6 +33,7 @@ from dsakv.engine import Engine, Request, SamplingParams, Status
 from dsakv.engine.detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
 from dsakv.engine.request import RequestMetrics
 from dsakv.errors import DsakvError
+from dsakv.metrics import LoraRequests
 
 from .watchdog import StepWatchdog
 
@@ -208,6 +209,7 @@ class AsyncEngine:
         # The engine's counters as the engine thread last read them (`counters`), and the
         # read asked of it that scrapes wait on (one at a time, whichever loop asks).
         self.snapshot: dict[str, float] | None = None
+        self.lora_snapshot: LoraRequests | None = None  # (the requests on each adapter)
         self._counting: Future[None] | None = None
         self._counting_lock = threading.Lock()
         self._owner = thread or EngineThread()
@@ -428,6 +430,7 @@ class AsyncEngine:
     def _read_counters(self, done: Future[None] | None) -> None:
         try:
             self.snapshot = self.engine.counters()
+            self.lora_snapshot = self.engine.lora_requests()
         except Exception:  # pragma: no cover - the last snapshot stays
             log.exception("reading the engine counters failed")
         if done is not None and not done.done():

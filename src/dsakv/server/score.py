@@ -5,6 +5,9 @@ server's generation path, whose /abort_request reaches it."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
@@ -28,6 +31,7 @@ class ScoringRequest(BaseModel):
     apply_softmax: bool = False
     item_first: bool = False
     model: str | None = None
+    lora_path: Any = None  # (SGLang's adapter name, as on the other /v1 routes)
 
 
 def add_score_route(app: FastAPI, api: Handlers) -> None:
@@ -46,12 +50,13 @@ async def _score(api: Handlers, body: ScoringRequest, raw: Request) -> Response:
         prompts = score_prompts(body.query, body.items, body.item_first, MAX_PROMPTS)
     except DsakvError as e:
         raise APIError(400, str(e), param=e.param) from None
-    results = await _run(api, prompts, labels, raw) if prompts else []  # (none: SGLang's [])
+    lora = api.lora_name(body)  # (its adapter's scores: `model`'s, or lora_path's)
+    results = await _run(api, prompts, labels, lora, raw) if prompts else []  # (none: [])
     used = sum(r.prompt_tokens for r in results)
     return JSONResponse(
         {
             "scores": [label_probs(r.token_ids_logprobs[0], body.apply_softmax) for r in results],
-            "model": api.model_name,
+            "model": lora or api.model_name,
             "usage": {"prompt_tokens": used, "completion_tokens": 0, "total_tokens": used},
             "object": "scoring",
         }
@@ -59,10 +64,15 @@ async def _score(api: Handlers, body: ScoringRequest, raw: Request) -> Response:
 
 
 async def _run(
-    api: Handlers, prompts: list[str | list[int]], labels: tuple[int, ...], raw: Request
+    api: Handlers,
+    prompts: list[str | list[int]],
+    labels: tuple[int, ...],
+    lora: str | None,
+    raw: Request,
 ) -> list[Result]:
-    """Each prompt run for its one token, whose logprobs of `labels` it carries."""
-    params = score_params(labels)
+    """Each prompt run for its one token (on adapter `lora`, None: the base model), whose
+    logprobs of `labels` it carries."""
+    params = dataclasses.replace(score_params(labels), lora_name=lora)
     await api.weights_ready()
     # (/abort_request's abort_all reaches it; the request log names it as vLLM's /score does)
     shown = f"score-{raw.headers.get('x-request-id') or new_id()}"

@@ -88,6 +88,9 @@ def make_server(
     http = http or HTTPConfig()
     http.check_files()
     names, aliases = model_names(config.model, served_model_name)
+    for name, _ in config.lora_modules:  # (before loading: a request naming it is the base's)
+        if name in (*names, *aliases):
+            raise DsakvError(f"--lora-modules: the adapter name {name!r} is the base model's")
     # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
     thread = EngineThread()
     try:

@@ -438,7 +438,12 @@ class SubmitMixin:
             searches = [BeamSearch(e, x, beam, params.skip_special_tokens) for x in ids]
         except DsakvError as err:
             raise APIError(400, str(err), param=err.param) from None
-        extra = dict(cache_salt=params.cache_salt, priority=params.priority, seed=params.seed)
+        extra = dict(
+            cache_salt=params.cache_salt,
+            priority=params.priority,
+            seed=params.seed,
+            lora_name=params.lora_name,
+        )
         step = beam.step_params(params.logprobs, **extra)
         n = len(ids) * beam.beam_width
         search = asyncio.ensure_future(self._beam_steps(searches, step, raw))

@@ -1,0 +1,389 @@
+"""LoRA adapters (PEFT's `save_pretrained` format) served per request over one base model.
+
+Why this shape. Every adaptable `ShardedLinear` of a target decoder layer holds `max_loras`
+slots (`SlotWeights`): A `[S·R, in]` and B·scaling `[out, S·R]`, slot s in rows (columns)
+s·R .. s·R + r, zero where an adapter has no weights or a smaller rank. A step computes
+`x · A_allᵀ` for every slot at once, keeps each token's own slot's columns (a mask built
+once per step: a base token keeps none, so its delta is exactly 0 and its output that of
+the base layer), and expands through `B_all`: two small GEMMs per layer whatever the mix
+of adapters in the batch, each token's delta its own, the same code on CPU and CUDA
+(vLLM's punica kernels gather each token's slot; the mask stands in for that gather).
+The weights stay untouched, so base requests run beside LoRA ones and an adapter is
+loaded or dropped without a weight update.
+
+Adapters are read and checked here (`read_adapter`: one `DsakvError` naming the problem),
+each rank reading its own slices of A (row-parallel layers: its input columns) or B
+(column-parallel: its output rows), so a partial delta is reduced with the base output.
+kv_b_proj is never run as a linear: MLA absorbs W_uk into the latent query (`absorb_q`)
+and applies W_uv to the latent output, so its slots (`LatentSlots`) add the delta on both
+sides: `q_nope·B_k·A` to the latent query, `(o_lat·Aᵀ)·B_vᵀ` to the output. A shared
+layer's indexer keys are skipped (dsakv builds no indexer there: elision holds for
+adapters too), and so are the MTP layer's (the draft runs base weights; verification
+keeps outputs exact). Which adapter sits in which slot is the engine's decision
+(`dsakv.engine.lora`); `LoraSlots` fills the slots a step's table names from the host
+copies this rank holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsakv.errors import DsakvError, is_int
+from dsakv.kernels.torch_ops import per_head, widened
+
+from .parallel_layers import ShardedLinear
+
+# What a decoder layer's adapter may target, by the module's name inside the layer.
+TARGETS = frozenset(
+    [f"self_attn.{m}" for m in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")]
+    + ["self_attn.o_proj"]
+    + [f"self_attn.indexer.{m}" for m in ("wq_b", "wk", "weights_proj")]
+    + [f"mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+    + [f"mlp.shared_experts.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+)
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_KEY = re.compile(r"^(.+)\.lora_([AB])\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True, eq=False)
+class LoraAdapter:
+    """One adapter as this rank holds it: per adapted module (its name in the model), this
+    rank's slices of A `[r, in]` and B·scaling `[out, r]`, on the host in the slot dtype.
+    `digest`: of its files, what the prefix cache tells its KV apart by."""
+
+    path: str
+    digest: str
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(path: str, model: nn.Module, max_rank: int) -> LoraAdapter:
+    """The PEFT adapter at `path` checked against `model` (this rank's `DSAForCausalLM`):
+    its config (LORA, no DoRA, bias, modules_to_save or fan_in_fan_out; ranks up to
+    `max_rank`), every tensor's module and shape; a `DsakvError` naming the problem."""
+    folder = Path(path)
+
+    def refuse(why: str) -> DsakvError:
+        return DsakvError(f"LoRA adapter {path}: {why}")
+
+    if not folder.is_dir():
+        raise refuse("not a directory (a PEFT adapter folder is needed)")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise refuse(f"no {name} (dsakv reads PEFT's save_pretrained safetensors format)")
+    # Read once: the digest (what the prefix cache tells its KV apart by: alpha scales as
+    # the weights do) is of the very bytes that are parsed.
+    try:
+        raw = {name: (folder / name).read_bytes() for name in (CONFIG_FILE, WEIGHTS_FILE)}
+    except OSError as e:
+        raise refuse(f"cannot be read ({e})") from None
+    digest = hashlib.sha256(raw[CONFIG_FILE] + raw[WEIGHTS_FILE]).hexdigest()[:32]
+    try:
+        config = json.loads(raw[CONFIG_FILE].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise refuse(f"{CONFIG_FILE} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise refuse(f"{CONFIG_FILE} is not a JSON object")
+    scaling = _check_config(config, max_rank, refuse)
+    try:
+        from safetensors.torch import load
+
+        tensors = load(raw[WEIGHTS_FILE])
+    except Exception as e:  # noqa: BLE001 - a garbled file, in any of its ways
+        raise refuse(f"{WEIGHTS_FILE} cannot be read ({type(e).__name__}: {e})") from None
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name = key.removeprefix(_PREFIX)
+        m = _KEY.match(name)
+        if m is None:
+            raise refuse(f"tensor {key}: {_unsupported_tensor(key)}")
+        pairs.setdefault(m.group(1), {})[m.group(2)] = t
+    weights = {}
+    for name, ab in sorted(pairs.items()):
+        linear = _target(model, name, refuse)
+        if linear is None:
+            continue  # a shared layer's indexer, the MTP layer's
+        if set(ab) != {"A", "B"}:
+            raise refuse(f"{name} has lora_{'A' if 'A' in ab else 'B'} without its pair")
+        a, b = ab["A"], ab["B"]
+        out, inp = full_shape(linear)
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inp or b.shape != (out, r):
+            raise refuse(
+                f"{name}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit its base "
+                f"weight [{out}, {inp}] (need [r, {inp}] and [{out}, r]: another base model?)"
+            )
+        if r > max_rank:
+            raise refuse(f"{name} has rank {r}, more than --max-lora-rank {max_rank}")
+        weights[name] = own_slices(linear, a, b * scaling(name, r), slot_dtype(model, name))
+    return LoraAdapter(str(path), digest, weights)
+
+
+def _check_config(config: dict, max_rank: int, refuse) -> Any:
+    """What dsakv serves of PEFT's LoraConfig; returns `scaling(module, r)`."""
+    if config.get("peft_type") != "LORA":
+        raise refuse(f"peft_type is {config.get('peft_type')!r}, not LORA")
+    refused = (
+        (config.get("use_dora"), "use_dora (DoRA) is not supported"),
+        (config.get("bias", "none") != "none", f"bias {config.get('bias')!r} is not supported"),
+        (config.get("lora_bias"), "lora_bias is not supported"),
+        (config.get("modules_to_save"), "modules_to_save is not supported (full module copies)"),
+        (config.get("fan_in_fan_out"), "fan_in_fan_out is not supported"),
+        (
+            config.get("target_parameters"),
+            "target_parameters (PEFT's LoRA on the routed experts' fused weights) is not "
+            "supported: the dense MLP's and shared experts' gate/up/down_proj are, by name",
+        ),
+        (config.get("alora_invocation_tokens"), "activated LoRA (aLoRA) is not supported"),
+    )
+    for bad, why in refused:
+        if bad:
+            raise refuse(why)
+    r, alpha = config.get("r"), config.get("lora_alpha", 8)
+    ranks = config.get("rank_pattern") or {}
+    alphas = config.get("alpha_pattern") or {}
+    if not isinstance(ranks, dict) or not isinstance(alphas, dict):
+        raise refuse("rank_pattern and alpha_pattern must be objects")
+    for v in (r, *ranks.values()):
+        if not is_int(v) or v < 1:
+            raise refuse(f"rank {v!r} is not an integer >= 1")
+        if v > max_rank:
+            raise refuse(f"rank {v} is more than --max-lora-rank {max_rank}")
+    for v in (alpha, *alphas.values()):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise refuse(f"lora_alpha {v!r} is not a number")
+    rslora = bool(config.get("use_rslora"))
+
+    def scaling(module: str, rank: int) -> float:
+        key = _pattern(alphas, module)
+        a = alpha if key is None else alphas[key]
+        return a / math.sqrt(rank) if rslora else a / rank
+
+    return scaling
+
+
+def _pattern(patterns: dict, module: str) -> str | None:
+    """PEFT's `get_pattern_key`: the first pattern the module's name ends with."""
+    return next((p for p in patterns if re.match(rf"(.*\.)?({p})$", module)), None)
+
+
+def _unsupported_tensor(key: str) -> str:
+    if "lora_magnitude_vector" in key:
+        return "DoRA (use_dora) is not supported"
+    if ".bias" in key:
+        return "a LoRA bias is not supported"
+    if "modules_to_save" in key:
+        return "modules_to_save is not supported"
+    if "lora_embedding" in key:
+        return "embed_tokens is not supported"
+    return "not a LoRA A/B weight"
+
+
+def _target(model: nn.Module, name: str, refuse) -> ShardedLinear | None:
+    """The module an adapter's `name` adapts in `model`; None where dsakv skips it (a shared
+    layer's indexer, the MTP layer)."""
+    m = _LAYER.match(name)
+    if m is None:
+        what = "embed_tokens / lm_head" if re.search(r"embed|lm_head", name) else "this module"
+        raise refuse(f"{name}: {what} cannot be adapted (decoder layers' projections only)")
+    layer, sub = int(m.group(1)), m.group(2)
+    if sub.startswith("mlp.experts."):
+        raise refuse(f"{name}: routed experts cannot be adapted (shared experts can)")
+    if sub not in TARGETS:
+        raise refuse(f"{name}: not a module dsakv can adapt ({', '.join(sorted(TARGETS))})")
+    if layer >= model.config.num_hidden_layers:
+        return None  # the MTP layer: the draft runs base weights
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError:
+        if sub.startswith("self_attn.indexer."):
+            return None  # a shared layer: no indexer here, for adapters either
+        raise refuse(f"{name}: the base model has no such module") from None
+    return linear
+
+
+def full_shape(linear: ShardedLinear) -> tuple[int, int]:
+    """The checkpoint's `[out, in]` of a layer that may hold a slice of it."""
+    out, inp, s = linear.out_features, linear.in_features, linear.shard
+    if s is not None:
+        out, inp = (s.full, inp) if s.dim == 0 else (out, s.full)
+    return out, inp
+
+
+def own_slices(
+    linear: ShardedLinear, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's A and B as its base weight is sliced: B's rows (column-parallel), A's
+    columns (row-parallel: its partial delta is reduced with the base output)."""
+    s = linear.shard
+    if s is not None and s.dim == 0:
+        b = b[s.start : s.end]
+    elif s is not None:
+        a = a[:, s.start : s.end]
+    return a.to(dtype).contiguous(), b.to(dtype).contiguous()
+
+
+def slot_dtype(model: nn.Module, name: str) -> torch.dtype:
+    """The dtype layer `name`'s input comes in: the model's compute dtype, fp32 for the
+    indexer's weights_proj (kept fp32, as the reference keeps it)."""
+    return torch.float32 if name.endswith("weights_proj") else model.dtype
+
+
+class SlotWeights:
+    """One layer's `max_loras` slots of A `[S·R, in]` and B·scaling `[out, S·R]`; the step's
+    token mask (`LoraSlots.mask`) picks each token's slot (module docstring)."""
+
+    def __init__(self, linear: ShardedLinear, slots: LoraSlots, dtype: torch.dtype) -> None:
+        width, device = slots.max_loras * slots.max_rank, linear.weight.device
+        self.a = torch.zeros(width, linear.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(linear.out_features, width, dtype=dtype, device=device)
+        self.slots = slots
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mask = self.slots.mask
+        if mask is None:  # (no LoRA token in the step)
+            return y
+        if mask.shape[0] != x.shape[0]:
+            raise ValueError(f"LoRA mask has {mask.shape[0]} rows for {x.shape[0]} tokens")
+        z = torch.where(mask, F.linear(x, self.a.to(x.dtype)), 0)
+        return y + F.linear(z, self.b.to(x.dtype))
+
+    def fill(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Slot `slot` holds `weights` (None: zeros)."""
+        r0 = slot * self.slots.max_rank
+        rows = slice(r0, r0 + self.slots.max_rank)
+        self.a[rows].zero_()
+        self.b[:, rows].zero_()
+        if weights is not None:
+            a, b = weights
+            self.a[r0 : r0 + a.shape[0]].copy_(a)
+            self.b[:, r0 : r0 + b.shape[1]].copy_(b)
+
+
+class LatentSlots(SlotWeights):
+    """kv_b_proj's slots. MLA never runs kv_b as a linear (W_uk is absorbed into the query,
+    W_uv applied to the latent output `o_lat`), so its delta `B·A` (B's rows per head:
+    B_k `[nope, S·R]`, then B_v `[v, S·R]`) is added on both sides: `query` adds
+    `(q_nope·B_k)·A` to the latent query; `w_uv` hands the backend W_uv with every slot's
+    A as extra rows of each head, so its own W_uv product also returns `z = o_lat·Aᵀ` (no
+    kernel changes), and `output` adds `z·B_vᵀ`. Each token keeps its own slot's columns
+    (the step mask): a base token's delta is exactly 0 and its W_uv rows are W_uv's."""
+
+    def __init__(
+        self, linear: ShardedLinear, slots: LoraSlots, dtype: torch.dtype, heads: int, nope: int
+    ) -> None:
+        super().__init__(linear, slots, dtype)
+        self.heads, self.nope = heads, nope
+        self.filled = [False] * slots.max_loras
+
+    def fill(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        super().fill(slot, weights)
+        self.filled[slot] = weights is not None
+
+    def _mask(self) -> torch.Tensor | None:
+        """The step's token mask `[T, 1, S·R]`; None when no token of it runs an adapter
+        or no slot holds kv_b weights (nothing to add)."""
+        mask = self.slots.mask
+        return None if mask is None or not any(self.filled) else mask[:, None]
+
+    def _b(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b.to(x.dtype).view(self.heads, -1, self.b.shape[1])
+
+    def query(self, q_nope: torch.Tensor, q_lat: torch.Tensor) -> torch.Tensor:
+        """The latent query `[T, H, kv_lora]` of W_uk + B_k·A."""
+        mask = self._mask()
+        if mask is None:
+            return q_lat
+        b_k = self._b(q_nope)[:, : self.nope]  # [H, nope, S·R]
+        z = torch.bmm(q_nope.transpose(0, 1), b_k).transpose(0, 1)  # [T, H, S·R]
+        return q_lat + torch.where(mask, z, 0) @ self.a.to(q_lat.dtype)
+
+    def w_uv(self, w_uv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """W_uv `[H, v, kv_lora]` (as stored), or with every slot's A below each head's
+        rows `[H, v + S·R, kv_lora]` in `dtype` while `output` has a delta to add."""
+        if self._mask() is None:
+            return w_uv
+        a = self.a.to(dtype).expand(w_uv.shape[0], *self.a.shape)
+        return torch.cat([widened(w_uv, a), a], dim=1)
+
+    def output(self, out: torch.Tensor, v: int) -> torch.Tensor:
+        """The per-head output `[T, H, v]` from the backend's `[T, H, v (+ S·R)]`."""
+        mask = self._mask()
+        if mask is None or out.shape[-1] == v:
+            return out
+        b_v = self._b(out)[:, self.nope :]  # [H, v, S·R]
+        return out[..., :v] + per_head(torch.where(mask, out[..., v:], 0), b_v)
+
+
+class LoraSlots:
+    """A model's adapter slots (`SlotWeights` on every adaptable layer of its target layers)
+    and the adapters this rank holds, by the engine's id: `prepare` fills the slots a step
+    names and builds its token mask."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.adapters: dict[int, LoraAdapter] = {}
+        self.resident = [0] * max_loras  # adapter id per slot (0: empty)
+        self.mask: torch.Tensor | None = None
+        self.layers: dict[str, SlotWeights] = {}
+        self.device = model.model.norm.weight.device
+        for name, linear in adaptable(model):
+            dtype = slot_dtype(model, name)
+            if name.endswith("kv_b_proj"):
+                attn = model.get_submodule(name.removesuffix(".kv_b_proj"))
+                holder = LatentSlots(linear, self, dtype, attn.n_heads, attn.nope)
+            else:
+                holder = SlotWeights(linear, self, dtype)
+            linear.lora = self.layers[name] = holder
+
+    def prepare(self, step: tuple[Sequence[int], Sequence[int]] | None, lens: Sequence[int]):
+        """Before a forward: `step` = (the adapter id in each slot, each request's slot,
+        -1 for the base model), `lens` each request's tokens; None: no LoRA request."""
+        if step is None or all(s < 0 for s in step[1]):
+            self.mask = None
+            return
+        table, slots = step
+        for s, lora_id in enumerate(table):
+            if self.resident[s] != lora_id:
+                adapter = self.adapters.get(lora_id)
+                for name, layer in self.layers.items():
+                    layer.fill(s, adapter.weights.get(name) if adapter is not None else None)
+                self.resident[s] = lora_id if adapter is not None else 0
+        per_token = torch.tensor(slots).repeat_interleave(torch.tensor(lens))
+        cols = torch.arange(self.max_loras * self.max_rank) // self.max_rank
+        self.mask = (cols[None] == per_token[:, None]).to(self.device)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every slot's A and B (what sleep mode stashes beside the model's buffers)."""
+        for layer in self.layers.values():
+            yield from (layer.a, layer.b)
+
+    def drop(self, lora_id: int) -> None:
+        """Forget an adapter (unloaded, no request left on it); its slot is refilled when
+        another adapter takes it."""
+        self.adapters.pop(lora_id, None)
+
+
+def adaptable(model: nn.Module) -> Iterator[tuple[str, ShardedLinear]]:
+    """Every layer an adapter may target in `model`'s target layers, by checkpoint name."""
+    for i, layer in enumerate(model.target_layers):
+        for sub, mod in layer.named_modules():
+            if sub in TARGETS and isinstance(mod, ShardedLinear):
+                yield f"model.layers.{i}.{sub}", mod
+
+
+def has_lora(module: nn.Module) -> bool:
+    """Whether `module` holds adapter slots (its native CPU forms would skip them)."""
+    return any(getattr(m, "lora", None) is not None for m in module.modules())
