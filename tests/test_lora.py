@@ -550,6 +550,17 @@ def _bad(models, root: Path, case: str) -> str:
         key = next(k for k in tensors if "o_proj.lora_A" in k)
         tensors[key] = tensors[key][:, :-1].contiguous()
         save_file(tensors, str(weights))
+    elif case == "0-dim":
+        tensors = load_file(str(weights))
+        key = next(k for k in tensors if "o_proj.lora_A" in k)
+        tensors[key] = torch.tensor(1.0)
+        save_file(tensors, str(weights))
+    elif case == "pattern":
+        _edit_config(path, alpha_pattern={"o_proj(": 4})
+    elif case == "alpha":
+        _edit_config(path, lora_alpha=float("nan"))
+    elif case == "nested":
+        (Path(path) / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
     elif case == "missing":
         weights.unlink()
     elif case == "garbled":
@@ -565,6 +576,10 @@ REFUSED = {
     "modules_to_save": "modules_to_save is not supported",
     "peft_type": "peft_type is 'IA3'",
     "shape": r"o_proj: lora_A \[8, 127\] and lora_B \[64, 8\] do not fit its base weight",
+    "0-dim": r"o_proj: lora_A \[\] and lora_B \[64, 8\] do not fit its base weight",
+    "pattern": "alpha_pattern key 'o_proj\\(': not a regex",
+    "alpha": "lora_alpha nan is not a finite number",
+    "nested": "adapter_config.json is not valid JSON: nested too deeply",
     "missing": "no adapter_model.safetensors",
     "garbled": "adapter_model.safetensors cannot be read",
 }

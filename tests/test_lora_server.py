@@ -50,15 +50,15 @@ GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 8}
 NAMES = ("sql", "chat")  # the adapters, each its own LoRARequest id: 1, 2
 
 
-def write_adapter(model: str, out: Path, seed: int) -> str:
-    """A PEFT LoRA adapter (rank 4, random A and B: it changes the output) for `model`."""
+def write_adapter(model: str, out: Path, seed: int, r: int = 4) -> str:
+    """A PEFT LoRA adapter (rank `r`, random A and B: it changes the output) for `model`."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    config = LoraConfig(r=r, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
     get_peft_model(hf, config).save_pretrained(out)
     return str(out)
 
@@ -125,7 +125,8 @@ def test_model_picks_the_adapter_as_offline(served, reference, adapters):
 
 def test_generate_takes_lora_path_per_prompt(served, reference, adapters):
     """SGLang's /generate: `lora_path` one adapter name for all prompts, or a list of one
-    each (null: the base model); a name not loaded is a 400 naming it."""
+    each (null: the base model; with n > 1 too, each prompt's samples on its adapter, as
+    SGLang repeats the list per sample); a name not loaded is a 400 naming it."""
     base = served[0]
     sql, plain = offline(reference, adapters, "sql"), offline(reference, adapters, None)
     sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -133,6 +134,10 @@ def test_generate_takes_lora_path_per_prompt(served, reference, adapters):
     r = httpx.post(f"{base}/generate", json=body, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
     assert [o["output_ids"] for o in r.json()] == [sql, plain]
+    two = {**body, "sampling_params": {**sampling, "n": 2}}
+    r = httpx.post(f"{base}/generate", json=two, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert [o["output_ids"] for o in r.json()] == [sql, sql, plain, plain]
     one = {**body, "text": PROMPT, "lora_path": "sql"}
     assert httpx.post(f"{base}/generate", json=one, timeout=TIMEOUT).json()["output_ids"] == sql
     r = httpx.post(f"{base}/generate", json={**body, "lora_path": "nope"}, timeout=TIMEOUT)
@@ -228,6 +233,10 @@ def test_a_path_with_no_adapter_is_vllms_404(served, adapters):
     r = httpx.post(f"{base}/load_lora_adapter", json=body, timeout=TIMEOUT)
     assert r.status_code == 400 and "/no/such/adapter" in r.json()["error_message"], r.text
     assert r.json()["loaded_adapters"] == {"sql": adapters["sql"]}
+    # a path no file system takes (too long a name: ENAMETOOLONG) holds none either: not a 500
+    body = {"lora_name": "x", "lora_path": "a" * 5000}
+    r = httpx.post(f"{base}/v1/load_lora_adapter", json=body, timeout=TIMEOUT)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError", r.text[:300]
 
 
 def test_beam_search_runs_on_the_adapter(served, reference, adapters):
@@ -303,12 +312,18 @@ def test_a_server_without_lora_refuses_the_adapter_calls(glm_tiny):
 def test_the_flags_are_vllms_and_sglangs(glm_tiny):
     """vLLM's --lora-modules (NAME=PATH, its JSON), SGLang's --lora-paths (NAME=PATH, a bare
     path, its JSON: its adapters enable LoRA, as there), --max-loras-per-batch and
-    --max-loaded-loras set the engine's fields; serve-pd hands them to its servers."""
+    --max-loaded-loras set the engine's fields; serve-pd hands them to its servers (a name
+    holding "=" or starting with "{" too)."""
     vllm = ["--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}',
+            '{"name": "c=d", "path": "/z"}', '{"name": "{e", "path": "/w"}',
             "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3"]  # fmt: skip
     config = cli_config("serve", glm_tiny, *vllm)
-    assert config.enable_lora and config.lora_modules == (("a", "/x"), ("b", "/y"))
+    adapters = (("a", "/x"), ("b", "/y"), ("c=d", "/z"), ("{e", "/w"))
+    assert config.enable_lora and config.lora_modules == adapters
     assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (2, 8, 3)
+    args = build_parser().parse_args(["serve-pd", glm_tiny, *vllm])
+    engine_config_from_args(args)
+    assert cli_config("serve", glm_tiny, *given_flags(args, add_engine_args)) == config
     sglang = ["--lora-paths", "a=/x", "/y", '{"lora_name": "c", "lora_path": "/z"}',
               "--max-loras-per-batch", "2", "--max-loaded-loras", "4"]  # fmt: skip
     config = cli_config("serve", glm_tiny, *sglang)
@@ -335,6 +350,18 @@ def test_max_lora_rank_is_the_start_adapters_largest(glm_tiny, adapters, tmp_pat
     given = cli_config("serve", glm_tiny, "--lora-paths", sql, "--max-lora-rank", "8")
     assert given.max_lora_rank == 8
     assert cli_config("serve", glm_tiny, "--enable-lora").max_lora_rank == 16
+
+
+def test_a_deeply_nested_config_at_start_is_one_error_line(glm_tiny, adapters, tmp_path, capsys):
+    """An adapter_config.json nested past the recursion limit, given at start: the rank read
+    from it (no --max-lora-rank) and the load each say so in one line, not a traceback."""
+    deep = tmp_path / "deep"
+    shutil.copytree(adapters["chat"], deep)
+    (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    err = cli_error_line(
+        ["serve", glm_tiny, "--port", str(free_port()), "--lora-paths", f"d={deep}"], capsys
+    )
+    assert "adapter_config.json is not valid JSON: nested too deeply" in err, err
 
 
 def test_vllm_and_sglang_lora_switches_are_taken_and_ignored(glm_tiny, capsys):
@@ -375,11 +402,12 @@ def test_bad_lora_flags_are_one_error_line(glm_tiny, flags, words, capsys):
 @pytest.fixture(scope="module")
 def pd_pair(glm_tiny, adapters) -> Iterator[tuple[str, tuple, tuple]]:
     """A prefill and a decode server that both loaded "sql" at start, behind the router
-    (the prefill server holds 2 adapters in host memory: --max-cpu-loras 2): yields
-    (router URL, (prefill URL, its AsyncEngine), (decode URL, its AsyncEngine))."""
+    (the prefill server holds 2 adapters in host memory: --max-cpu-loras 2, of rank 4 at
+    most: --max-lora-rank 4): yields (router URL, (prefill URL, its AsyncEngine), (decode
+    URL, its AsyncEngine))."""
     config = EngineConfig(glm_tiny, enable_lora=True, max_loras=2,
                           lora_modules=(("sql", adapters["sql"]),), **ENGINE_ARGS)  # fmt: skip
-    capped = dataclasses.replace(config, max_cpu_loras=2)
+    capped = dataclasses.replace(config, max_cpu_loras=2, max_lora_rank=4)
     named = {"served_model_name": "m"}
     with ExitStack() as stack:
         prefill = stack.enter_context(serving_disagg(capped, "prefill", server_args=named))
@@ -470,4 +498,28 @@ def test_an_adapter_read_again_from_changed_files_is_a_502(pd_pair, adapters, tm
     for name in ("x", "y"):
         r = httpx.post(f"{prefill[0]}/v1/unload_lora_adapter", json={"lora_name": name})
         assert r.status_code == 200, r.text
+    _nothing_held(prefill, decode)
+
+
+def test_a_load_in_place_one_server_refuses_is_not_undone(pd_pair, glm_tiny, adapters, tmp_path):
+    """vLLM's load_inplace through the router that one server refuses (the prefill server's
+    --max-lora-rank 4, a rank-8 adapter) is that server's 400, and not undone where it was
+    taken: an unload there would serve no "sql" at all; the decode server serves the new
+    one until the load is sent again, which both then take."""
+    router, prefill, decode = pd_pair
+    wide = write_adapter(glm_tiny, tmp_path / "wide", seed=3, r=8)
+
+    def roots() -> list[str | None]:
+        cards = [httpx.get(f"{url}/v1/models", timeout=TIMEOUT).json()["data"]
+                 for url, _ in (prefill, decode)]  # fmt: skip
+        return [next((c["root"] for c in data if c["id"] == "sql"), None) for data in cards]
+
+    body = {"lora_name": "sql", "lora_path": wide, "load_inplace": True}
+    r = httpx.post(f"{router}/v1/load_lora_adapter", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400 and "--max-lora-rank 4" in r.json()["error"]["message"], r.text
+    assert roots() == [adapters["sql"], wide]
+    body = {**body, "lora_path": adapters["sql"]}
+    r = httpx.post(f"{router}/v1/load_lora_adapter", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert roots() == [adapters["sql"], adapters["sql"]]
     _nothing_held(prefill, decode)

@@ -336,13 +336,14 @@ def test_a_clients_id_is_an_id_not_a_path_and_one_too_long_the_servers_400(serve
     """previous_response_id and request_id go into the URLs the router asks the decode
     servers, quoted: "../../v1/models" fetched a decode server's /v1/models (its 404 named
     the model), a NUL was a 500; one with a "/" is not asked for (its "%2F" is decoded
-    there: "{id}/input_items" was a held response's items). An id longer than the servers
+    there: "{id}/input_items" was a held response's items), nor "." or ".." (path steps
+    however quoted: "/v1/responses/.." is /v1). An id longer than the servers
     take (512 characters) is theirs to refuse, not looked up (70,000 characters: too long
     a URL, a 500)."""
     base = servers["router"]
     held = _respond(_client(base), input="Hi.", extra_body=QUIET).id
     body = {"model": "m", "input": "Hi.", "max_output_tokens": 2}
-    for previous in ("../../v1/models", "a\x00b", f"{held}/input_items"):
+    for previous in ("../../v1/models", "a\x00b", f"{held}/input_items", ".", ".."):
         r = httpx.post(f"{base}/v1/responses", json={**body, "previous_response_id": previous},
                        timeout=60)  # fmt: skip
         assert r.status_code == 404, r.text

@@ -683,6 +683,23 @@ def test_json_no_answer_could_quote_back_is_a_400(base, raw):
         assert r.status_code == 200, r.text
 
 
+def test_valid_json_is_taken_by_the_strict_read(base):
+    """What RFC 8259 JSON holds is taken by the strict read (`load_json`): an escaped
+    surrogate pair, 1e308 and a 30-digit integer where a field takes any JSON (Anthropic's
+    metadata: /generate has none), and a UTF-8 BOM before the body (dropped, as json.loads
+    drops it)."""
+    pair, big, model = b"x\\ud83d\\ude00", b"1" * 30, MODEL.encode()
+    bodies = {
+        "/v1/messages": b'{"model": "%s", "messages": [{"role": "user", "content": "%s"}], '
+        b'"max_tokens": 1, "metadata": {"n": %s, "x": 1e308}}' % (model, pair, big),
+        "/generate": b'{"text": "%s", "sampling_params": {"max_new_tokens": 1}}' % pair,
+    }
+    for path, raw in bodies.items():
+        for content in (raw, b"\xef\xbb\xbf" + raw):
+            r = httpx.post(base + path, content=content, headers=_JSON, timeout=TIMEOUT)
+            assert r.status_code == 200, (path, content[:3], r.text)
+
+
 # --- disconnects, auth, metrics, shutdown -----------------------------------------------------
 
 

@@ -65,8 +65,9 @@ def is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-# What may decode to a lone surrogate: its escape, or one a str holds already
-_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+# What may decode to a lone surrogate: its escape (a str may hold one raw too: `_unwritable`;
+# text decoded from UTF-8 cannot). A literal first: the search skips ahead by it.
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _no_constant(name: str) -> Any:
@@ -94,10 +95,11 @@ def load_json(
     try:
         if not strict:
             return json.loads(text)
+        raw = isinstance(text, str) and _unwritable(text)
         if isinstance(text, bytes):
             text = text.decode("utf-8-sig")  # (as json.loads decodes it, less UTF-16 and -32)
         obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
-        if _SURROGATE.search(text):  # (a pair is one character: only a lone one is refused)
+        if raw or _ESCAPED_SURROGATE.search(text):  # (a pair decodes to one character)
             json.dumps(obj, ensure_ascii=False).encode()
         return obj
     except RecursionError:

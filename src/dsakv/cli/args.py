@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, load_json
 from dsakv.procs import Listener
 from dsakv.server.tracing import SGLANG_ENDPOINT as SGLANG_TRACES_ENDPOINT
 
@@ -273,11 +273,8 @@ def _generation_overrides(text: str) -> str:
 def _json_strings(text: str) -> tuple[str, ...]:
     """argparse type for vLLM's --allowed-origins / --allowed-methods / --allowed-headers:
     a JSON list of strings."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        value = None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    value = _json_as(text, list)
+    if value is None or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(
             f"must be a JSON list of strings (vLLM's), e.g. '[\"https://app.example\"]', "
             f"got {text!r}"
@@ -320,17 +317,24 @@ def _lora_path(text: str) -> tuple[str, str]:
 
 def _json_object(text: str, keys: dict[str, type]) -> dict[str, Any]:
     """`text` as a JSON object whose keys are among `keys`, each value of its type."""
-    try:
-        spec = json.loads(text)
-    except (ValueError, RecursionError):
-        spec = None
+    spec = _json_as(text, dict)
     want = ", ".join(keys)
-    if not isinstance(spec, dict) or not set(spec) <= set(keys):
+    if spec is None or not set(spec) <= set(keys):
         raise argparse.ArgumentTypeError(f"must be a JSON object of {want}, got {text!r}")
     for key, value in spec.items():
         if type(value) is not keys[key]:
             raise argparse.ArgumentTypeError(f"{key} must be a {keys[key].__name__}, got {text!r}")
     return spec
+
+
+def _json_as(text: str, kind: type) -> Any:
+    """`text` as JSON of type `kind`; None where it is not (not JSON, past `load_json`'s
+    limits, another type): the caller's argparse error says what it must be."""
+    try:
+        value = load_json(text, "not JSON")
+    except DsakvError:
+        return None
+    return value if isinstance(value, kind) else None
 
 
 def _seed(text: str) -> int:
@@ -1650,10 +1654,10 @@ def _adapter_rank(path: str) -> int | None:
     where its config says none (loading it then says why)."""
     from dsakv.models.lora import CONFIG_FILE
 
-    try:
-        config = json.loads((Path(path) / CONFIG_FILE).read_text())
+    try:  # (`load_json`: a config nested too deeply is its error, loading it says so)
+        config = load_json((Path(path) / CONFIG_FILE).read_bytes(), CONFIG_FILE)
         ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
-    except (OSError, ValueError, AttributeError):
+    except (OSError, DsakvError, AttributeError):
         return None
     ranks = [r for r in ranks if type(r) is int and r > 0]
     return max(ranks, default=None)
@@ -1783,11 +1787,17 @@ def given_flags(args: argparse.Namespace, add_args: Any) -> list[str]:
         if value is None or value is False or value == action.default:
             continue
         flag = action.option_strings[-1]
-        if isinstance(value, list):  # (nargs; --lora-modules' (name, path) as NAME=PATH)
-            out += [flag, *("=".join(v) if isinstance(v, tuple) else str(v) for v in value)]
+        if isinstance(value, list):  # (nargs; --lora-modules' (name, path) as its JSON form:
+            # NAME=PATH would read a name holding "=", or starting with "{", another way)
+            out += [flag, *(_as_lora_module(v) if isinstance(v, tuple) else str(v) for v in value)]
         else:
             out += [flag] if value is True else [flag, str(value)]
     return out
+
+
+def _as_lora_module(adapter: tuple[str, str]) -> str:
+    name, path = adapter
+    return json.dumps({"name": name, "path": path})
 
 
 def stray_flags(

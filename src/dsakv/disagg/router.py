@@ -7,11 +7,12 @@ decode servers in turn) with the same bootstrap room and one request id (`_name`
 client's X-Request-Id, else one the router gives it, told back in X-Request-Id); the decode
 server's answer (streamed or not) is the client's. A stored response lives on the decode
 server that wrote it: the router remembers which (else asks each), for GET, DELETE, cancel,
-its input items and `previous_response_id`. The prefill server's own answer (its one token) is only logged when it fails:
-any failure reaches the client through the decode server, which hears it in the handshake.
-SGLang's and vLLM's admin calls (/abort_request, /flush_cache, the weight updates, pausing,
-profiling, LoRA adapters loaded and unloaded) go to every server; calls every server answers alike (/v1/models, /tokenize)
-to one; SGLang's probes of them all (/server_info, /get_load) gather their answers.
+its input items and `previous_response_id`. The prefill server's own answer (its one
+token) is only logged when it fails: any failure reaches the client through the decode
+server, which hears it in the handshake. SGLang's and vLLM's admin calls (/abort_request,
+/flush_cache, the weight updates, pausing, profiling, LoRA adapters loaded and unloaded) go
+to every server; calls every server answers alike (/v1/models, /tokenize) to one; SGLang's
+probes of them all (/server_info, /get_load) gather their answers.
 OpenAI's Batch API (/v1/files, /v1/batches) is the servers' own (`dsakv.server.batch`, which
 SGLang's gateway lacks): the router keeps the files, and sends each of a batch's requests
 through its own routes as a client's, as many at once as its decode servers run together.
@@ -747,9 +748,10 @@ class Router:
         failed = [(u, r) for u, r in answers if not isinstance(r, httpx.Response) or r.is_error]
         if not failed:
             return [r for _, r in answers]
-        if path in _UNDO:
+        undo, same_body = _UNDO.get(path, (None, False))
+        if undo is not None and not (same_body and _in_place(raw)):
             paused = [u for u, r in answers if (u, r) not in failed]
-            undo, body = _UNDO[path], raw if "lora" in path else b"{}"
+            body = raw if same_body else b"{}"
             await asyncio.gather(*(self._call(u, undo, "POST", body, headers) for u in paused))
         for _, r in failed:
             if isinstance(r, httpx.Response) and r.status_code < 500:  # the client's
@@ -1259,15 +1261,17 @@ _GET_TOO = (
     "/release_memory_occupation",
     "/resume_memory_occupation",
 )
-# The call that undoes a broadcast one (on the servers it reached) when another server failed it.
+# The call that undoes a broadcast one (on the servers it reached) when another server failed
+# it, and whether it is sent the call's body (else {}). A LoRA load in place is not undone
+# (`_in_place`).
 _UNDO = {
-    "/pause_generation": "/continue_generation",
-    "/pause": "/resume",
-    "/release_memory_occupation": "/resume_memory_occupation",
-    "/sleep": "/wake_up",
-    "/start_expert_distribution_record": "/stop_expert_distribution_record",  # (eager steps)
-    "/v1/load_lora_adapter": "/v1/unload_lora_adapter",  # (sent the load's body: its name)
-    "/load_lora_adapter": "/unload_lora_adapter",
+    "/pause_generation": ("/continue_generation", False),
+    "/pause": ("/resume", False),
+    "/release_memory_occupation": ("/resume_memory_occupation", False),
+    "/sleep": ("/wake_up", False),
+    "/start_expert_distribution_record": ("/stop_expert_distribution_record", False),  # (eager)
+    "/v1/load_lora_adapter": ("/v1/unload_lora_adapter", True),  # (the load's body: its name)
+    "/load_lora_adapter": ("/unload_lora_adapter", True),
 }
 # Calls every server answers alike, asked of one decode server (`Router.one`), and methods.
 _ONE = {
@@ -1366,11 +1370,22 @@ def _address(url: str) -> tuple[str, int, str]:
     return parts.hostname or "", parts.port or _PORTS[parts.scheme], parts.path
 
 
+def _in_place(raw: bytes) -> bool:
+    """Whether a LoRA load's body replaces the adapter of its name (vLLM's load_inplace):
+    an unload would leave the servers it reached serving none of that name, not the old one,
+    so it is not undone (they serve the new one until the load is sent again)."""
+    try:
+        return json.loads(raw).get("load_inplace") is True
+    except (ValueError, RecursionError, AttributeError):
+        return False
+
+
 def _askable(rid: str) -> bool:
     """Whether a decode server can be asked of its stored response `rid` (`_stored_url`):
     not an id longer than the servers take (`ClientId`: theirs to refuse, naming it), nor
-    one holding a "/" (its "%2F" decoded there, the URL is another route's)."""
-    return len(rid) <= MAX_ID_CHARS and "/" not in rid
+    one holding a "/" (its "%2F" decoded there, the URL is another route's), nor "." or
+    ".." (path steps however quoted: the URL would be resolved to another route)."""
+    return len(rid) <= MAX_ID_CHARS and "/" not in rid and rid not in (".", "..")
 
 
 def _stored_url(server: str, rid: str, tail: str = "") -> str:

@@ -27,7 +27,6 @@ copies this rank holds.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -39,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsakv.errors import DsakvError, is_int
+from dsakv.errors import DsakvError, is_int, is_number, load_json
 from dsakv.kernels.torch_ops import per_head, widened
 
 from .parallel_layers import ShardedLinear
@@ -90,10 +89,10 @@ def read_adapter(path: str, model: nn.Module, max_rank: int) -> LoraAdapter:
     except OSError as e:
         raise refuse(f"cannot be read ({e})") from None
     digest = hashlib.sha256(raw[CONFIG_FILE] + raw[WEIGHTS_FILE]).hexdigest()[:32]
-    try:
-        config = json.loads(raw[CONFIG_FILE].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise refuse(f"{CONFIG_FILE} is not valid JSON ({e})") from None
+    try:  # (`load_json`: too deep a nesting, too long a number are its one error too)
+        config = load_json(raw[CONFIG_FILE], f"{CONFIG_FILE} is not valid JSON")
+    except DsakvError as e:
+        raise refuse(str(e)) from None
     if not isinstance(config, dict):
         raise refuse(f"{CONFIG_FILE} is not a JSON object")
     scaling = _check_config(config, max_rank, refuse)
@@ -119,12 +118,12 @@ def read_adapter(path: str, model: nn.Module, max_rank: int) -> LoraAdapter:
             raise refuse(f"{name} has lora_{'A' if 'A' in ab else 'B'} without its pair")
         a, b = ab["A"], ab["B"]
         out, inp = full_shape(linear)
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inp or b.shape != (out, r):
-            raise refuse(
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inp or b.shape != (out, a.shape[0]):
+            raise refuse(  # (the dimensions first: a 0-dim tensor has no shape[0])
                 f"{name}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit its base "
                 f"weight [{out}, {inp}] (need [r, {inp}] and [{out}, r]: another base model?)"
             )
+        r = a.shape[0]
         if r > max_rank:
             raise refuse(f"{name} has rank {r}, more than --max-lora-rank {max_rank}")
         weights[name] = own_slices(linear, a, b * scaling(name, r), slot_dtype(model, name))
@@ -162,8 +161,13 @@ def _check_config(config: dict, max_rank: int, refuse) -> Any:
         if v > max_rank:
             raise refuse(f"rank {v} is more than --max-lora-rank {max_rank}")
     for v in (alpha, *alphas.values()):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise refuse(f"lora_alpha {v!r} is not a number")
+        if not (is_number(v) and abs(v) < 1e300):  # (the config read as Python's: NaN too)
+            raise refuse(f"lora_alpha {v!r} is not a finite number")
+    for key in (*ranks, *alphas):
+        try:
+            _regex(key)
+        except re.error as e:
+            raise refuse(f"rank_pattern / alpha_pattern key {key!r}: not a regex ({e})") from None
     rslora = bool(config.get("use_rslora"))
 
     def scaling(module: str, rank: int) -> float:
@@ -176,7 +180,12 @@ def _check_config(config: dict, max_rank: int, refuse) -> Any:
 
 def _pattern(patterns: dict, module: str) -> str | None:
     """PEFT's `get_pattern_key`: the first pattern the module's name ends with."""
-    return next((p for p in patterns if re.match(rf"(.*\.)?({p})$", module)), None)
+    return next((p for p in patterns if _regex(p).match(module)), None)
+
+
+def _regex(pattern: str) -> re.Pattern:
+    """A rank_pattern / alpha_pattern key as PEFT matches it (a module's name ending in it)."""
+    return re.compile(rf"(.*\.)?({pattern})$")
 
 
 def _unsupported_tensor(key: str) -> str:

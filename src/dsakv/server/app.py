@@ -1,8 +1,9 @@
 """The OpenAI-compatible FastAPI app over one shared `AsyncEngine`: its routes (their
 handlers: `handlers`; /v1/responses: `responses`; Anthropic's /v1/messages: `anthropic`;
 SGLang's /generate and admin routes: `generate`; /v1/score: `score`; OpenAI's /v1/files and
-/v1/batches: `batch`; LoRA adapters loaded at run time: `lora`), /health, /metrics and SGLang's probes, errors in OpenAI's shape (in
-Anthropic's on its routes), and every response counted by endpoint."""
+/v1/batches: `batch`; LoRA adapters loaded at run time: `lora`), /health, /metrics and
+SGLang's probes, errors in OpenAI's shape (in Anthropic's on its routes), and every
+response counted by endpoint."""
 
 from __future__ import annotations
 

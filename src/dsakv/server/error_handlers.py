@@ -24,7 +24,9 @@ def add_error_handlers(app: FastAPI) -> None:
     """`app` answers an `APIError` with its status and body, a request FastAPI could not
     validate with a 400 naming the first field that failed (vLLM's, not FastAPI's 422), an
     HTTP error (a 404, a 405) in the same shape, and any other exception with a JSON 500.
-    The routes added after it read their JSON bodies strictly (`StrictJSONRoute`)."""
+    It also sets `app.router.route_class` to `StrictJSONRoute`: the routes added after it
+    read their JSON bodies strictly, a body not JSON being its 400 (`_NotJSON`); call it
+    before adding any route (the server and the router do)."""
     app.router.route_class = StrictJSONRoute
 
     @app.exception_handler(APIError)
@@ -34,20 +36,17 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-        if first.get("type") == "json_invalid":
-            error = first.get("ctx", {}).get("error", first["msg"])
-            message, param = f"{NOT_JSON}: {error}", None
-        else:
-            # loc is ("body", field, ...); a union field adds one error per alternative type.
-            loc = [x for x in first.get("loc", ()) if x != "body"]
-            param = str(loc[0]) if loc else None
-            same = [x for x in errors if x.get("loc", ())[1:2] == first.get("loc", ())[1:2]]
-            message = f"{param}: {first['msg']}" if param else str(first["msg"])
-            if len(same) > 1:
-                message += " (nor any other accepted type)"
-            if len(errors) > len(same):
-                message += f"; and {len(errors) - len(same)} more error(s)"
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        # (no "json_invalid": a body not JSON is `_NotJSON`'s, every route being strict)
+        # loc is ("body", field, ...); a union field adds one error per alternative type.
+        loc = [x for x in first.get("loc", ()) if x != "body"]
+        param = str(loc[0]) if loc else None
+        same = [x for x in errors if x.get("loc", ())[1:2] == first.get("loc", ())[1:2]]
+        message = f"{param}: {first['msg']}" if param else str(first["msg"])
+        if len(same) > 1:
+            message += " (nor any other accepted type)"
+        if len(errors) > len(same):
+            message += f"; and {len(errors) - len(same)} more error(s)"
         return error_response(request, error_body(message, "invalid_request_error", param), 400)
 
     @app.exception_handler(_NotJSON)
@@ -83,7 +82,7 @@ class StrictJSONRoute(APIRoute):
         handle = super().get_route_handler()
 
         async def strict(request: Request) -> Response:
-            return await handle(_StrictJSONRequest(request.scope, request.receive))
+            return await handle(_StrictJSONRequest(request.scope, request.receive, request._send))
 
         return strict
 

@@ -565,9 +565,9 @@ async def _generate(api: Handlers, body: GenerateRequest, raw: Request) -> Respo
             _per_prompt(body.extra_key, "extra_key", len(prompts), n),
         )
     ]
-    loras = [
+    loras = [  # (a list with n > 1 too: SGLang repeats it per sample, `_normalize_lora_paths`)
         api.adapter(name, "lora_path") if name else None
-        for name in _per_prompt(body.lora_path, "lora_path", len(prompts), n)
+        for name in _per_prompt(body.lora_path, "lora_path", len(prompts), 1)
     ]
     # Opened before its prompts are tokenized and its grammar compiled, so that an abort
     # meanwhile is not lost (SGLang registers the rid first too); a rid in flight is a 400

@@ -8,7 +8,7 @@ are a 400 saying so. Under --api-key they need the key, as the other admin route
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
+import os
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -77,9 +77,9 @@ def add_lora_routes(app: FastAPI, api: Handlers) -> None:
 
 def _no_adapter(path: str) -> bool:
     """Whether `path` holds no PEFT adapter's files at all (vLLM's 404 "No adapter found";
-    what is there and cannot be served is the engine's 400)."""
-    folder = Path(path)
-    return not all((folder / name).is_file() for name in (CONFIG_FILE, WEIGHTS_FILE))
+    what is there and cannot be served is the engine's 400). `os.path.isfile`: a path no
+    file system takes (too long, a NUL) holds none, not a 500."""
+    return not all(os.path.isfile(os.path.join(path, n)) for n in (CONFIG_FILE, WEIGHTS_FILE))
 
 
 async def _load(api: Handlers, body: LoadLoRARequest) -> None:
