@@ -883,7 +883,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             raise DsakvError(why, "lora_path")
         ref = LoraRef(lora_id, name, path, self.model.lora.adapters[lora_id].digest)
         gone = registry.serve(ref)
-        for evicted in ([] if gone is None else [gone]) + registry.make_room(ref):
+        for evicted in ([] if gone is None else [gone]) + registry.trim(keep=ref):
             on_every_rank("drop_lora_on_rank", evicted.id)
         return ref
 

@@ -74,21 +74,16 @@ class LoraRegistry:
         """Whether `ref`'s weights left host memory (read again before a request runs it)."""
         return ref.id not in self.in_memory
 
-    def make_room(self, keep: LoraRef) -> list[LoraRef]:
-        """Evict what `max_cpu_loras` needs now that `keep` was read and served (`serve`):
-        read first, so a load that fails evicts nothing (memory holds one adapter over the
-        cap meanwhile); the evicted, for the engine to drop on every rank (`_trim`)."""
-        return self._trim(keep=keep)
-
-    def _trim(self, extra: int = 0, keep: LoraRef | None = None) -> list[LoraRef]:
-        """Evict adapters no request holds (but `keep`), the least recently used first,
-        until `extra` more fit under `max_cpu_loras`. Held ones are never evicted: while
-        requests in flight hold more adapters than that, memory holds them all, and the
-        cap is met again as they end (`release`)."""
+    def trim(self, keep: LoraRef | None = None) -> list[LoraRef]:
+        """Evict adapters no request holds (but `keep`, just read and served: read first, so
+        a load that fails evicts nothing), the least recently used first, until memory
+        holds `max_cpu_loras`; the evicted, for the engine to drop on every rank. Held
+        ones are never evicted: while requests in flight hold more adapters than that,
+        memory holds them all, and the cap is met again as they end (`release`)."""
         cap = self.max_cpu_loras
         if cap is None:
             return []
-        over = len(self.in_memory) + extra - cap
+        over = len(self.in_memory) - cap
         free = [r for r in self.in_memory.values() if not self.refs[r.id] and r != keep]
         gone = free[: max(over, 0)]
         for ref in gone:
@@ -144,7 +139,7 @@ class LoraRegistry:
         gone = self.unloaded.pop(ref.id, None)
         if gone is not None:
             self._forget(gone)
-        return ([] if gone is None else [gone]) + self._trim()
+        return ([] if gone is None else [gone]) + self.trim()
 
     def _touch(self, ref: LoraRef) -> None:
         """`ref` was used: the most recently used in host memory."""

@@ -107,8 +107,11 @@ class Root(Node):
     salt itself goes out with its first pages' KV cache events, for routers that hash
     tokens themselves."""
 
-    salt: str | None = None
     ns: CacheKey = None
+
+    @property
+    def salt(self) -> str | None:
+        return self.ns.salt if isinstance(self.ns, LoraNamespace) else self.ns
 
 
 class PrefixCache:
@@ -202,8 +205,7 @@ class PrefixCache:
         # load of it (the tree outlives a load: an unload and load again keep its pages)
         lora = (salt.id, salt.name) if isinstance(salt, LoraNamespace) else None
         if salt not in self.roots and len(tokens) >= ps:  # (its hash: once, for its tree)
-            named = salt.salt if isinstance(salt, LoraNamespace) else salt
-            self.roots[salt] = Root((), None, hash=root_hash(salt), salt=named, ns=salt)
+            self.roots[salt] = Root((), None, hash=root_hash(salt), ns=salt)
         node, path, tick = self.roots.get(salt), [], next(_clock)
         duplicates: list[int] = []
         for i in range(len(tokens) // ps):

@@ -212,15 +212,15 @@ def _target(model: nn.Module, name: str, refuse) -> ShardedLinear | None:
         raise refuse(f"{name}: routed experts cannot be adapted (shared experts can)")
     if sub not in TARGETS:
         raise refuse(f"{name}: not a module dsakv can adapt ({', '.join(sorted(TARGETS))})")
-    if layer >= model.config.num_hidden_layers:
+    plan = model.plan  # (the one place that decides which layers run an indexer)
+    if layer >= plan.num_layers:
         return None  # the MTP layer: the draft runs base weights
+    if sub.startswith("self_attn.indexer.") and not plan.runs_indexer(layer):
+        return None  # a shared layer: no indexer here, for adapters either
     try:
-        linear = model.get_submodule(name)
+        return model.get_submodule(name)
     except AttributeError:
-        if sub.startswith("self_attn.indexer."):
-            return None  # a shared layer: no indexer here, for adapters either
         raise refuse(f"{name}: the base model has no such module") from None
-    return linear
 
 
 def full_shape(linear: ShardedLinear) -> tuple[int, int]:
@@ -348,6 +348,7 @@ class LoraSlots:
         self.mask: torch.Tensor | None = None
         self.layers: dict[str, SlotWeights] = {}
         self.device = model.model.norm.weight.device
+        self._cols = torch.arange(max_loras * max_rank, device=self.device) // max_rank  # slot
         for name, linear in adaptable(model):
             dtype = slot_dtype(model, name)
             if name.endswith("kv_b_proj"):
@@ -370,9 +371,8 @@ class LoraSlots:
                 for name, layer in self.layers.items():
                     layer.fill(s, adapter.weights.get(name) if adapter is not None else None)
                 self.resident[s] = lora_id if adapter is not None else 0
-        per_token = torch.tensor(slots).repeat_interleave(torch.tensor(lens))
-        cols = torch.arange(self.max_loras * self.max_rank) // self.max_rank
-        self.mask = (cols[None] == per_token[:, None]).to(self.device)
+        per_token = torch.tensor(slots).repeat_interleave(torch.tensor(lens)).to(self.device)
+        self.mask = self._cols[None] == per_token[:, None]
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every slot's A and B (what sleep mode stashes beside the model's buffers)."""
