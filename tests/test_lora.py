@@ -5,8 +5,8 @@ are one clear error, and TP=2 gives TP=1's tokens.
 
 Adapters are PEFT's own (`get_peft_model(...).save_pretrained`, random A and B). PEFT (with
 transformers 5) renames this architecture's gate/up/down_proj targets to the routed experts'
-fused parameters (`target_parameters`, which dsakv refuses); the dense MLP and the shared
-experts are plain Linears, targeted by name here with that rename off."""
+fused parameters (`target_parameters`: tests/test_lora_experts.py); the dense MLP and the
+shared experts are plain Linears, targeted by name here with that rename off."""
 
 from __future__ import annotations
 
@@ -533,10 +533,6 @@ def _bad(models, root: Path, case: str) -> str:
         return _adapter(models["dense"], out, 0, r=16, **good)
     if case == "dora":
         return _adapter(models["dense"], out, 0, use_dora=True, **good)
-    if case == "routed":  # PEFT's own rename of gate_proj to the experts' fused weights
-        return _adapter(
-            models["dense"], out, 0, target_modules=["gate_proj", "up_proj"], rename=True
-        )
     path = _adapter(models["dense"], out, 0, **good)
     weights = Path(path) / "adapter_model.safetensors"
     if case == "bias":
@@ -571,7 +567,6 @@ def _bad(models, root: Path, case: str) -> str:
 REFUSED = {
     "rank": "rank 16 is more than --max-lora-rank 8",
     "dora": "use_dora",
-    "routed": "target_parameters",
     "bias": "bias 'all' is not supported",
     "modules_to_save": "modules_to_save is not supported",
     "peft_type": "peft_type is 'IA3'",

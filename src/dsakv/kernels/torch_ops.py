@@ -13,6 +13,8 @@ work per query scales with index_topk, not with context length.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -284,6 +286,19 @@ def experts_loop(x, ids, weights, gate_up, down, first: int, last: int) -> torch
     chose, outputs added in expert order. `gate_up[E_r, 2I, H]` (gate rows first),
     `down[E_r, H, I]`. Reads the expert counts on the host (a sync)."""
     out = torch.zeros_like(x)
+    for e, tok, we in expert_groups(ids, weights, first, last):
+        gate, up = F.linear(x[tok], widened(gate_up[e - first], x)).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, widened(down[e - first], x)) * we[:, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+def expert_groups(
+    ids: torch.Tensor, weights: torch.Tensor, first: int, last: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, the tokens that chose it, their weights) for each of experts `first..last-1`
+    some token chose, in expert order (`experts_loop`'s, and the LoRA-aware loop's of
+    `dsakv.models.lora`). Reads the expert counts on the host (a sync)."""
     k = ids.shape[1]
     flat = ids.flatten()
     order = flat.argsort(stable=True)
@@ -292,14 +307,9 @@ def experts_loop(x, ids, weights, gate_up, down, first: int, last: int) -> torch
     start = sum(counts[:first])
     for e in range(first, last):
         n = counts[e]
-        if n == 0:
-            continue
-        tok, we = tokens[start : start + n], w[start : start + n]
-        start += n
-        gate, up = F.linear(x[tok], widened(gate_up[e - first], x)).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, widened(down[e - first], x)) * we[:, None]
-        out.index_add_(0, tok, y.to(out.dtype))
-    return out
+        if n:
+            yield e, tokens[start : start + n], w[start : start + n]
+            start += n
 
 
 def experts_one_token(x, ids, weights, gate_up, down, first: int, last: int) -> torch.Tensor:

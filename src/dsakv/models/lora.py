@@ -11,6 +11,17 @@ of adapters in the batch, each token's delta its own, the same code on CPU and C
 The weights stay untouched, so base requests run beside LoRA ones and an adapter is
 loaded or dropped without a weight update.
 
+The routed experts have slots too (`RoutedSlots`): per expert of this rank, gate, up and
+down each A `[E_r, S·R, in]` and B·scaling `[E_r, out, S·R]` (gate and up apart, so an
+adapter whose experts' gate and up have distinct A's needs no rank 2r). A step with LoRA
+tokens, and a slot holding expert weights, runs the experts one GEMM pair per chosen expert
+plus the masked low-rank terms (`RoutedSlots.experts`); any other step the backend's op,
+its numerics and speed unchanged. Two adapter formats are read: vLLM's / transformers 4's
+per-expert modules (`mlp.experts.{e}.gate_proj` ...: any subset, the rest zero), and PEFT's
+`target_parameters` on the fused `mlp.experts.gate_up_proj` `[E, 2I, H]` and `down_proj`
+`[E, H, I]` (`ParamWrapper`: lora_A `[r·E, in]` rows expert-major, lora_B `[out, r·E]`
+columns rank-major; the gate and up slots take the same A_e and B_e's gate / up rows).
+
 Adapters are read and checked here (`read_adapter`: one `DsakvError` naming the problem),
 each rank reading its own slices of A (row-parallel layers: its input columns) or B
 (column-parallel: its output rows), so a partial delta is reduced with the base output.
@@ -39,8 +50,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsakv.errors import DsakvError, is_int, is_number, load_json
-from dsakv.kernels.torch_ops import per_head, widened
+from dsakv.kernels.torch_ops import expert_groups, per_head, widened
 
+from .moe import Experts, MoE
 from .parallel_layers import ShardedLinear
 
 # What a decoder layer's adapter may target, by the module's name inside the layer.
@@ -51,10 +63,26 @@ TARGETS = frozenset(
     + [f"mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
     + [f"mlp.shared_experts.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
 )
+# The routed experts' projections (their slots' names: `model.layers.{i}.mlp.experts.{p}`),
+# and PEFT's fused params in the order it nests their `ParamWrapper`s: a module's parameters
+# in registration order (transformers' experts register gate_up_proj first), each wrapping
+# the last, so with both targeted gate_up_proj's keys are the inner `experts.base_layer.*`.
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+FUSED = ("gate_up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(.+)\.lora_([AB])\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# A routed experts' key: per expert (`experts.3.up_proj`) or fused (`experts`, nested under
+# `base_layer`s)
+_EXPERTS = re.compile(
+    r"^mlp\.experts(?:\.(\d+)\.(gate_proj|up_proj|down_proj)|((?:\.base_layer)*))$"
+)
+# A target_parameters entry PEFT matches to an experts' fused param: a dotted suffix of
+# `model.layers.{i}.mlp.experts.{gate_up_proj|down_proj}`
+_FUSED_TARGET = re.compile(
+    r"^(?:(?:(?:(?:(?:model\.)?layers\.)?\d+\.)?mlp\.)?experts\.)?(?:gate_up_proj|down_proj)$"
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,7 +99,8 @@ class LoraAdapter:
 def read_adapter(path: str, model: nn.Module, max_rank: int) -> LoraAdapter:
     """The PEFT adapter at `path` checked against `model` (this rank's `DSAForCausalLM`):
     its config (LORA, no DoRA, bias, modules_to_save or fan_in_fan_out; ranks up to
-    `max_rank`), every tensor's module and shape; a `DsakvError` naming the problem."""
+    `max_rank`), every tensor's module, shape and values (finite); a `DsakvError` naming
+    the problem."""
     folder = Path(path)
 
     def refuse(why: str) -> DsakvError:
@@ -96,6 +125,7 @@ def read_adapter(path: str, model: nn.Module, max_rank: int) -> LoraAdapter:
     if not isinstance(config, dict):
         raise refuse(f"{CONFIG_FILE} is not a JSON object")
     scaling = _check_config(config, max_rank, refuse)
+    targets = _fused_targets(config, refuse)
     try:
         from safetensors.torch import load
 
@@ -108,26 +138,169 @@ def read_adapter(path: str, model: nn.Module, max_rank: int) -> LoraAdapter:
         m = _KEY.match(name)
         if m is None:
             raise refuse(f"tensor {key}: {_unsupported_tensor(key)}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise refuse(f"tensor {key} holds NaN or inf")
         pairs.setdefault(m.group(1), {})[m.group(2)] = t
     weights = {}
+    routed: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     for name, ab in sorted(pairs.items()):
+        m = _LAYER.match(name)
+        if m is not None and _EXPERTS.match(m.group(2)):
+            routed.setdefault(int(m.group(1)), {})[m.group(2)] = _pair(name, ab, refuse)
+            continue
         linear = _target(model, name, refuse)
         if linear is None:
             continue  # a shared layer's indexer, the MTP layer's
-        if set(ab) != {"A", "B"}:
-            raise refuse(f"{name} has lora_{'A' if 'A' in ab else 'B'} without its pair")
-        a, b = ab["A"], ab["B"]
-        out, inp = full_shape(linear)
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inp or b.shape != (out, a.shape[0]):
-            raise refuse(  # (the dimensions first: a 0-dim tensor has no shape[0])
-                f"{name}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit its base "
-                f"weight [{out}, {inp}] (need [r, {inp}] and [{out}, r]: another base model?)"
-            )
-        r = a.shape[0]
-        if r > max_rank:
-            raise refuse(f"{name} has rank {r}, more than --max-lora-rank {max_rank}")
+        a, b = _pair(name, ab, refuse)
+        r = _rank(name, a, b, full_shape(linear), max_rank, refuse)
         weights[name] = own_slices(linear, a, b * scaling(name, r), slot_dtype(model, name))
+    for layer, keys in sorted(routed.items()):
+        weights.update(_routed_weights(model, layer, keys, targets, scaling, max_rank, refuse))
     return LoraAdapter(str(path), digest, weights)
+
+
+def _pair(name: str, ab: dict[str, torch.Tensor], refuse) -> tuple[torch.Tensor, torch.Tensor]:
+    if set(ab) != {"A", "B"}:
+        raise refuse(f"{name} has lora_{'A' if 'A' in ab else 'B'} without its pair")
+    return ab["A"], ab["B"]
+
+
+def _rank(
+    name: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    shape: tuple[int, int],
+    max_rank: int,
+    refuse,
+    experts: int = 1,
+) -> int:
+    """The rank of `name`'s lora_A and lora_B, checked against its base weight `shape`
+    `[out, in]`; `experts` > 1: PEFT's fused form, A `[r·E, in]` and B `[out, r·E]`."""
+    out, inp = shape
+    rows = a.shape[0] if a.dim() == 2 else 0  # (a 0-dim tensor has no shape[0])
+    if rows == 0 or rows % experts or b.dim() != 2 or a.shape[1] != inp or b.shape != (out, rows):
+        r, base = "r", f"[{out}, {inp}]"
+        if experts > 1:
+            r, base = f"r·{experts}", f"[{experts}, {out}, {inp}] ({experts} experts)"
+        raise refuse(
+            f"{name}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not fit its base "
+            f"weight {base} (need [{r}, {inp}] and [{out}, {r}]: another base model?)"
+        )
+    r = rows // experts
+    if r > max_rank:
+        raise refuse(f"{name} has rank {r}, more than --max-lora-rank {max_rank}")
+    return r
+
+
+def _routed_weights(
+    model: nn.Module,
+    layer: int,
+    keys: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    targets: Sequence[str],
+    scaling,
+    max_rank: int,
+    refuse,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Layer `layer`'s routed-expert adapter keys (`keys`: by their name after
+    `model.layers.{layer}.`, either format) as its gate, up and down slots' weights: this
+    rank's experts' A `[E_r, r, in]` and B·scaling `[E_r, out, r]` (zero where the adapter
+    has none), sliced as its base weights are; `{}` on the MTP layer."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if layer >= model.plan.num_layers:
+        return {}  # the MTP layer: the draft runs base weights
+    mlp = model.target_layers[layer].mlp
+    if not isinstance(mlp, MoE):
+        raise refuse(f"{prefix}: layer {layer} has no routed experts (a dense MLP)")
+    experts, per_expert, nested = mlp.experts, {}, {}
+    for sub, ab in keys.items():
+        m = _EXPERTS.match(sub)
+        if m.group(2) is None:
+            nested[m.group(3).count(".")] = ab  # (how many base_layers deep)
+        elif int(m.group(1)) >= experts.num_experts:
+            raise refuse(f"{prefix}.{m.group(1)}: layer {layer} has {experts.num_experts} experts")
+        else:
+            per_expert.setdefault(m.group(2), {})[int(m.group(1))] = ab
+    if per_expert and nested:
+        raise refuse(f"{prefix}: both per-expert keys and target_parameters' fused keys")
+    args = (prefix, experts, scaling, max_rank, refuse)
+    stacked = _per_expert(per_expert, *args) if per_expert else _fused(nested, targets, *args)
+    (i0, i1), weights = experts.inter_range, {}
+    for proj, (a, b) in stacked.items():
+        if proj == "down_proj":  # (row-parallel: this rank's intermediate columns of A)
+            a = a[..., i0:i1]
+        else:
+            b = b[:, i0:i1]
+        weights[f"{prefix}.{proj}"] = a.to(model.dtype).contiguous(), b.to(model.dtype).contiguous()
+    return weights
+
+
+def _per_expert(by_proj: dict, prefix: str, experts: Experts, scaling, max_rank: int, refuse):
+    """vLLM's per-expert keys (`by_proj[proj][e]`: A `[r, in]`, B `[out, r]`) stacked over
+    this rank's experts at their largest rank, zero where an expert has none."""
+    (first, last), stacked = experts.expert_range, {}
+    inter, h = experts.intermediate, experts.gate_up_proj.shape[2]
+    for proj, by_expert in by_proj.items():
+        out, inp = (h, inter) if proj == "down_proj" else (inter, h)
+        ranks = {
+            x: _rank(f"{prefix}.{x}.{proj}", a, b, (out, inp), max_rank, refuse)
+            for x, (a, b) in by_expert.items()
+        }
+        r = max(ranks.values())
+        a_all, b_all = torch.zeros(last - first, r, inp), torch.zeros(last - first, out, r)
+        for x, (a, b) in by_expert.items():
+            if first <= x < last:
+                a_all[x - first, : ranks[x]] = a
+                b_all[x - first, :, : ranks[x]] = b * scaling(f"{prefix}.{x}.{proj}", ranks[x])
+        stacked[proj] = a_all, b_all
+    return stacked
+
+
+def _fused(
+    nested: dict, targets: Sequence[str], prefix: str, experts: Experts, scaling, max_rank, refuse
+):
+    """PEFT's fused keys (`nested[depth]`: `base_layer`s deep) as gate, up and down stacks
+    over this rank's experts. Which key is which param: the order PEFT nests their wrappers
+    in (`FUSED`), over the params target_parameters names on this layer, as PEFT matches."""
+    params = [p for p in FUSED if any(_suffix(f"{prefix}.{p}", t) for t in targets)]
+    if sorted(nested) != list(range(len(params))):
+        names = [f"{prefix}{'.base_layer' * d}" for d in sorted(nested)]
+        raise refuse(
+            f"{prefix}: lora weights under {names} do not match target_parameters' "
+            f"{params or 'no fused param'} of this layer (one level per param, as PEFT nests them)"
+        )
+    e, (first, last), stacked = experts.num_experts, experts.expert_range, {}
+    inter, h = experts.intermediate, experts.gate_up_proj.shape[2]
+    for depth, (a, b) in nested.items():
+        param = params[len(params) - 1 - depth]
+        out, inp = (h, inter) if param == "down_proj" else (2 * inter, h)
+        name = f"{prefix}.{param}"
+        r = _rank(name, a, b, (out, inp), max_rank, refuse, experts=e)
+        a_e = a.reshape(e, r, inp)[first:last]  # (rows expert-major)
+        b_e = b.reshape(out, r, e).permute(2, 0, 1)[first:last] * scaling(name, r)  # (rank-major)
+        if param == "down_proj":
+            stacked["down_proj"] = a_e, b_e
+        else:  # (gate rows first, as in the base weight)
+            stacked["gate_proj"], stacked["up_proj"] = (a_e, b_e[:, :inter]), (a_e, b_e[:, inter:])
+    return stacked
+
+
+def _suffix(key: str, target: str) -> bool:
+    """Whether PEFT's target_parameters entry `target` names parameter `key`."""
+    return key == target or key.endswith(f".{target}")
+
+
+def _fused_targets(config: dict, refuse) -> list[str]:
+    """The config's target_parameters: the routed experts' fused params only."""
+    targets = config.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise refuse("target_parameters must be a list of parameter names")
+    for t in targets:
+        if not _FUSED_TARGET.match(t):
+            raise refuse(
+                f"target_parameters {t!r}: only the routed experts' fused "
+                "mlp.experts.gate_up_proj and mlp.experts.down_proj can be adapted"
+            )
+    return targets
 
 
 def _check_config(config: dict, max_rank: int, refuse) -> Any:
@@ -140,11 +313,6 @@ def _check_config(config: dict, max_rank: int, refuse) -> Any:
         (config.get("lora_bias"), "lora_bias is not supported"),
         (config.get("modules_to_save"), "modules_to_save is not supported (full module copies)"),
         (config.get("fan_in_fan_out"), "fan_in_fan_out is not supported"),
-        (
-            config.get("target_parameters"),
-            "target_parameters (PEFT's LoRA on the routed experts' fused weights) is not "
-            "supported: the dense MLP's and shared experts' gate/up/down_proj are, by name",
-        ),
         (config.get("alora_invocation_tokens"), "activated LoRA (aLoRA) is not supported"),
     )
     for bad, why in refused:
@@ -208,10 +376,9 @@ def _target(model: nn.Module, name: str, refuse) -> ShardedLinear | None:
         what = "embed_tokens / lm_head" if re.search(r"embed|lm_head", name) else "this module"
         raise refuse(f"{name}: {what} cannot be adapted (decoder layers' projections only)")
     layer, sub = int(m.group(1)), m.group(2)
-    if sub.startswith("mlp.experts."):
-        raise refuse(f"{name}: routed experts cannot be adapted (shared experts can)")
     if sub not in TARGETS:
-        raise refuse(f"{name}: not a module dsakv can adapt ({', '.join(sorted(TARGETS))})")
+        known = ", ".join([*sorted(TARGETS), "mlp.experts.{e}.{gate,up,down}_proj"])
+        raise refuse(f"{name}: not a module dsakv can adapt ({known})")
     plan = model.plan  # (the one place that decides which layers run an indexer)
     if layer >= plan.num_layers:
         return None  # the MTP layer: the draft runs base weights
@@ -252,13 +419,19 @@ def slot_dtype(model: nn.Module, name: str) -> torch.dtype:
 
 class SlotWeights:
     """One layer's `max_loras` slots of A `[S·R, in]` and B·scaling `[out, S·R]`; the step's
-    token mask (`LoraSlots.mask`) picks each token's slot (module docstring)."""
+    token mask (`LoraSlots.mask`) picks each token's slot (module docstring). `shape`: the
+    base weight's `(out, in)`, or `(E_r, out, in)` for routed experts (`RoutedSlots`: A
+    `[E_r, S·R, in]`, B `[E_r, out, S·R]`)."""
 
-    def __init__(self, linear: ShardedLinear, slots: LoraSlots, dtype: torch.dtype) -> None:
-        width, device = slots.max_loras * slots.max_rank, linear.weight.device
-        self.a = torch.zeros(width, linear.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(linear.out_features, width, dtype=dtype, device=device)
+    def __init__(
+        self, slots: LoraSlots, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        *lead, out, inp = shape
+        width = slots.max_loras * slots.max_rank
+        self.a = torch.zeros(*lead, width, inp, dtype=dtype, device=device)
+        self.b = torch.zeros(*lead, out, width, dtype=dtype, device=device)
         self.slots = slots
+        self.filled = [False] * slots.max_loras  # whether each slot holds weights here
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mask = self.slots.mask
@@ -273,12 +446,13 @@ class SlotWeights:
         """Slot `slot` holds `weights` (None: zeros)."""
         r0 = slot * self.slots.max_rank
         rows = slice(r0, r0 + self.slots.max_rank)
-        self.a[rows].zero_()
-        self.b[:, rows].zero_()
+        self.a[..., rows, :].zero_()
+        self.b[..., rows].zero_()
+        self.filled[slot] = weights is not None
         if weights is not None:
             a, b = weights
-            self.a[r0 : r0 + a.shape[0]].copy_(a)
-            self.b[:, r0 : r0 + b.shape[1]].copy_(b)
+            self.a[..., r0 : r0 + a.shape[-2], :].copy_(a)
+            self.b[..., r0 : r0 + b.shape[-1]].copy_(b)
 
 
 class LatentSlots(SlotWeights):
@@ -293,13 +467,9 @@ class LatentSlots(SlotWeights):
     def __init__(
         self, linear: ShardedLinear, slots: LoraSlots, dtype: torch.dtype, heads: int, nope: int
     ) -> None:
-        super().__init__(linear, slots, dtype)
+        shape = (linear.out_features, linear.in_features)
+        super().__init__(slots, shape, dtype, linear.weight.device)
         self.heads, self.nope = heads, nope
-        self.filled = [False] * slots.max_loras
-
-    def fill(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        super().fill(slot, weights)
-        self.filled[slot] = weights is not None
 
     def _mask(self) -> torch.Tensor | None:
         """The step's token mask `[T, 1, S·R]`; None when no token of it runs an adapter
@@ -336,6 +506,60 @@ class LatentSlots(SlotWeights):
         return out[..., :v] + per_head(torch.where(mask, out[..., v:], 0), b_v)
 
 
+class RoutedSlots:
+    """A MoE layer's routed experts' slots: gate, up and down (`SlotWeights` with this
+    rank's experts leading), and the expert loop that adds their masked deltas."""
+
+    def __init__(self, experts: Experts, slots: LoraSlots, dtype: torch.dtype) -> None:
+        e, h, n = experts.down_proj.shape  # (this rank's experts and intermediate slice)
+        device = experts.down_proj.device
+        self.gate, self.up = (SlotWeights(slots, (e, n, h), dtype, device) for _ in range(2))
+        self.down = SlotWeights(slots, (e, h, n), dtype, device)
+        self.slots = slots
+
+    def projections(self) -> dict[str, SlotWeights]:
+        return dict(zip(PROJECTIONS, (self.gate, self.up, self.down), strict=True))
+
+    def mask(self) -> torch.Tensor | None:
+        """The step's token mask; None when no token of it runs an adapter or no slot holds
+        expert weights (the backend's op runs, its numerics unchanged)."""
+        mask = self.slots.mask
+        holds = any(any(p.filled) for p in (self.gate, self.up, self.down))
+        return mask if holds else None
+
+    def experts(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        first: int,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """`torch_ops.experts_loop`'s sum with each token's own slot's low-rank terms on gate
+        and up (before the activation) and on down; a base token keeps none (its delta
+        exactly 0). Under moe_tp, down's A holds this rank's intermediate columns: a partial
+        delta, reduced with the base output."""
+        last = first + gate_up.shape[0]
+        n = down.shape[2]
+        out = torch.zeros_like(x)
+
+        def delta(s: SlotWeights, i: int, z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            zr = torch.where(m, F.linear(z, s.a[i].to(z.dtype)), 0)
+            return F.linear(zr, s.b[i].to(z.dtype))
+
+        for e, tok, we in expert_groups(ids, weights, first, last):
+            i, xs, m = e - first, x[tok], mask[tok]
+            h = F.linear(xs, widened(gate_up[i], x))
+            gate = h[:, :n] + delta(self.gate, i, xs, m)
+            up = h[:, n:] + delta(self.up, i, xs, m)
+            act = F.silu(gate) * up
+            y = F.linear(act, widened(down[i], x)) + delta(self.down, i, act, m)
+            out.index_add_(0, tok, (y * we[:, None]).to(out.dtype))
+        return out
+
+
 class LoraSlots:
     """A model's adapter slots (`SlotWeights` on every adaptable layer of its target layers)
     and the adapters this rank holds, by the engine's id: `prepare` fills the slots a step
@@ -355,8 +579,14 @@ class LoraSlots:
                 attn = model.get_submodule(name.removesuffix(".kv_b_proj"))
                 holder = LatentSlots(linear, self, dtype, attn.n_heads, attn.nope)
             else:
-                holder = SlotWeights(linear, self, dtype)
+                shape = (linear.out_features, linear.in_features)
+                holder = SlotWeights(self, shape, dtype, linear.weight.device)
             linear.lora = self.layers[name] = holder
+        for i, layer in enumerate(model.target_layers):  # (not the MTP layer's)
+            if isinstance(layer.mlp, MoE):
+                routed = layer.mlp.experts.lora = RoutedSlots(layer.mlp.experts, self, model.dtype)
+                for proj, holder in routed.projections().items():
+                    self.layers[f"model.layers.{i}.mlp.experts.{proj}"] = holder
 
     def prepare(self, step: tuple[Sequence[int], Sequence[int]] | None, lens: Sequence[int]):
         """Before a forward: `step` = (the adapter id in each slot, each request's slot,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -12,6 +14,9 @@ from dsakv.kernels.torch_ops import linear
 
 from .layers import MLP
 from .parallel_layers import Shard
+
+if TYPE_CHECKING:
+    from .lora import RoutedSlots
 
 
 class Router(nn.Module):
@@ -60,6 +65,9 @@ class Experts(nn.Module):
     Expert parallel: the `ep` groups each hold `n_experts / ep` whole experts
     (`expert_range`); within a group each expert's intermediate size is split over the
     group's `moe_tp` ranks (`inter_range`). The output is a partial sum to all-reduce.
+
+    With LoRA adapters (`lora`: `dsakv.models.lora.RoutedSlots`), a step whose tokens run
+    adapters holding expert weights runs the LoRA-aware loop instead of the backend's op.
     """
 
     def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
@@ -74,10 +82,16 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts.size, 2 * inter.size, h))
         self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
         self.down_proj = nn.Parameter(torch.empty(experts.size, h, inter.size))
+        self.lora: RoutedSlots | None = None  # adapter slots (--enable-lora), else None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """This rank's experts that some token chose (a partial sum; the backend's op)."""
         first, last = self.expert_range
+        mask = None if self.lora is None else self.lora.mask()
+        if mask is not None:
+            return self.lora.experts(
+                x, ids, weights, self.gate_up_proj, self.down_proj, first, mask
+            )
         return self.ops.experts(x, ids, weights, self.gate_up_proj, self.down_proj, first, last)
 
 
