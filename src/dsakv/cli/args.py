@@ -1126,6 +1126,11 @@ def add_ignored_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         ("--enable-mixed-chunk", "dsakv's steps always run decode tokens beside prefill chunks"),
         ("--disable-shared-experts-fusion", "dsakv's shared experts are never fused"),
         ("--enable-flashinfer-allreduce-fusion", "dsakv's all-reduce is torch's, unfused"),
+        (
+            "--enable-nan-detection",
+            "dsakv always checks the model's logits: a request whose are not finite ends "
+            "alone, with an error",
+        ),
     ):
         g.add_argument(flag, action="store_true", help=f"SGLang's: {why}")
     g.add_argument(

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import functools
 import logging
+import math
 import reprlib
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -61,6 +62,7 @@ from .sampling import (
     ban,
     banned_words_next,
     bias_tensors,
+    finite_rows,
     gather_ids,
     gather_logprobs,
     penalize,
@@ -1141,8 +1143,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         # (request, first position, first hidden row) of what this step ran, for the drafter
         ran = [(req, req.num_computed, f) for (req, _), f in zip(batch, firsts)]
         self.stats.decode_steps += sum(1 for req, n in batch if n == 1 and not req.in_prefill)
-        self._score_prompts(batch, ends)
+        failed += self._score_prompts(batch, ends)
         for req, n in batch:
+            if req.finished:
+                continue  # (its prompt's logits were not finite: ended)
             req.num_computed += n
             if n > 1:  # a prefill chunk: its full pages can serve other requests now
                 self.scheduler.cache_prefix(req)
@@ -1208,20 +1212,38 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self, reqs: list[Request], logits: torch.Tensor, drafts: list[list[int]]
     ) -> list[Request]:
         """Record each request's next token(s). `logits` holds one row per request, or
-        1 + len(drafts) rows for one verifying drafts."""
+        1 + len(drafts) rows for one verifying drafts. A request whose raw rows are not all
+        finite (a NaN or an inf from the model: an adapter's overflow, a kernel's fault)
+        ends alone (`_fail_alone`); the check is one reduction, its flags copied with the
+        sampler's tokens (a step verifying drafts copies them once more: its verifications
+        copy per request anyway). Requests that failed earlier in the step are skipped."""
         now = time.perf_counter()
         first = [0, *accumulate(1 + len(d) for d in drafts)]
-        plain = [i for i, d in enumerate(drafts) if not d]
-        out = self._sample_one([reqs[i] for i in plain], logits[[first[i] for i in plain]], now)
+        finite = finite_rows(logits)
+        plain = [i for i, d in enumerate(drafts) if not d and not reqs[i].finished]
+        rows = [first[i] for i in plain]
+        out = self._sample_one([reqs[i] for i in plain], logits[rows], now, finite[rows])
+        ok = finite.tolist() if any(drafts) else []
         for i, d in enumerate(drafts):
             if d:
-                self._accept(reqs[i], logits[first[i] : first[i + 1]], d, now)
+                span = slice(first[i], first[i + 1])
+                self._accept(reqs[i], logits[span], d, now, ok[span])
                 out.append(reqs[i])
         return out
 
-    def _accept(self, req: Request, logits: torch.Tensor, drafts: list[int], now: float) -> None:
+    def _accept(
+        self, req: Request, logits: torch.Tensor, drafts: list[int], now: float, ok: list[bool]
+    ) -> None:
         """Verify `req`'s drafts and emit what is kept plus one target token; the KV of the
-        kept drafts was written by this step's forward."""
+        kept drafts was written by this step's forward. `ok`: which of its raw rows are
+        finite; verification stops short of the first that is not (as at a grammar's dead
+        end), and a first row that is not ends the request."""
+        if not all(ok):
+            bad = ok.index(False)
+            if bad == 0:
+                self._fail_alone(req, _not_finite(len(req.output_ids)), now, True)
+                return
+            drafts, logits = drafts[: bad - 1], logits[:bad]
         if req.params.penalized or req.params.masked or req.matcher is not None:
             logits = logits.float().clone()
         if req.matcher is not None:  # drafts the grammar refuses are not even checked
@@ -1275,26 +1297,32 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             if req.finished:
                 return
 
-    def _sample_one(self, reqs: list[Request], logits: torch.Tensor, now: float) -> list[Request]:
-        """Pick each request's next token (grammar-masked where constrained) and record it.
+    def _sample_one(
+        self, reqs: list[Request], logits: torch.Tensor, now: float, finite: torch.Tensor
+    ) -> list[Request]:
+        """Pick each request's next token (grammar-masked where constrained) and record it;
+        one whose raw row is not all finite (`finite`, `finite_rows`) ends with an error.
         A request with `max_tokens == 0` only wanted its prompt scored: it ends here."""
         done = [r for r in reqs if r.params.max_tokens == 0]
         for req in done:
             self._finish(req, "length", now)
         if done:
             keep = [i for i, r in enumerate(reqs) if r.params.max_tokens > 0]
-            reqs, logits = [reqs[i] for i in keep], logits[keep]
+            reqs, logits, finite = [reqs[i] for i in keep], logits[keep], finite[keep]
         if reqs:
             logits = logits.float()  # (rows of its own: indexed out of the step's logits)
             if any(r.matcher is not None for r in reqs):
                 self.grammars.apply(logits, [r.matcher for r in reqs])
-                alive = torch.isfinite(logits).any(-1).tolist()
+                # (a row the model left non-finite is not the grammar's dead end: the
+                # sampler's flags end it)
+                alive = (torch.isfinite(logits).any(-1) | ~finite).tolist()
                 dead = [r for r, ok in zip(reqs, alive) if not ok]
                 for req in dead:
                     self._grammar_dead_end(req, now)
                 if dead:
                     keep = [i for i, ok in enumerate(alive) if ok]
-                    done, reqs, logits = done + dead, [reqs[i] for i in keep], logits[keep]
+                    done, reqs = done + dead, [reqs[i] for i in keep]
+                    logits, finite = logits[keep], finite[keep]
                     if not reqs:
                         return done
             # vLLM's raw logprobs: of the model's logits as the grammar left them (vLLM masks
@@ -1318,25 +1346,30 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 ps = [reqs[i].params for i in processed]
                 logps.append((processed, processed_logprobs(logits[processed], ps)))
             tokens = self.sampler.sample(
-                logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs]
+                logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs], finite
             )
             for req, token in zip(reqs, tokens):
-                self._emit(req, token, now)
+                if token is None:
+                    self._fail_alone(req, _not_finite(len(req.output_ids)), now, True)
+                else:
+                    self._emit(req, token, now)
             for rows, logp in logps:
                 ks = [reqs[i].params.num_top_logprobs for i in rows]
-                picked = [tokens[i] for i in rows]
+                picked = [tokens[i] or 0 for i in rows]  # (a failed row's are not kept)
                 for i, (lp, top, rank) in zip(rows, gather_logprobs(logp, picked, ks)):
-                    reqs[i].logprobs.append(lp)
-                    reqs[i].top_logprobs.append(top)
-                    reqs[i].ranks.append(rank)
+                    if tokens[i] is not None:
+                        reqs[i].logprobs.append(lp)
+                        reqs[i].top_logprobs.append(top)
+                        reqs[i].ranks.append(rank)
                 asked = [reqs[i].params.token_ids_logprob for i in rows]
                 for i, by_id in zip(rows, gather_ids(logp, asked)):
-                    if by_id is not None:
+                    if by_id is not None and tokens[i] is not None:
                         _record_ids(reqs[i], by_id)
         return done + reqs
 
-    def _score_prompts(self, batch: list[tuple[Request, int]], ends: list[int]) -> None:
-        """Teacher-forced logprobs of prompt tokens, from this step's prefill rows.
+    def _score_prompts(self, batch: list[tuple[Request, int]], ends: list[int]) -> list[Request]:
+        """Teacher-forced logprobs of prompt tokens, from this step's prefill rows; returns
+        the requests it ended, a row of their raw logits not all finite (`_fail_alone`).
 
         Row p of a request predicts token p + 1, so a chunk covering positions
         `start..start+n-1` scores prompt tokens `start+1..start+n` (capped at the prompt's
@@ -1345,7 +1378,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         scheduler checks `score_prompt`): cached pages have KV but no logits, and recomputing
         a prefix costs less than special-casing it. Its pages still join the cache for
         others. Scores are stored by position, so a prefill redone after a retraction just
-        rewrites them.
+        rewrites them. A non-finite row's logprobs are made all NaN on the device, so the
+        copy the scores come in tells it (a finite row's logprob is never NaN).
         """
         rows: list[int] = []
         targets: list[tuple[Request, int]] = []
@@ -1361,28 +1395,43 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 targets.append((req, pos + 1))
             if start + n - 1 >= last:
                 req.score_prompt = False
+        bad: dict[Request, int] = {}  # each failed request's first prompt token so scored
         for lo in range(0, len(rows), _SCORE_ROWS):
             idx = torch.tensor(rows[lo : lo + _SCORE_ROWS], dtype=torch.long)
-            logp = torch.log_softmax(self.runner.logits(idx), -1)
+            raw = self.runner.logits(idx)
+            logp = torch.log_softmax(raw, -1).masked_fill(~finite_rows(raw)[:, None], math.nan)
             chunk = targets[lo : lo + _SCORE_ROWS]
             tokens = [req.prompt_ids[pos] for req, pos in chunk]
             ks = [req.params.prompt_logprobs for req, _ in chunk]
             for (req, pos), (lp, top, rank) in zip(chunk, gather_logprobs(logp, tokens, ks)):
+                if math.isnan(lp):
+                    bad.setdefault(req, pos)
                 req.prompt_logprobs[pos], req.prompt_top_logprobs[pos] = lp, top
                 req.prompt_ranks[pos] = rank
             asked = [req.params.token_ids_logprob for req, _ in chunk]
             for (req, pos), by_id in zip(chunk, gather_ids(logp, asked)):
                 if by_id is not None:
                     req.prompt_token_ids_logprobs[pos] = by_id
+        now = time.perf_counter()
+        for req, pos in bad.items():
+            self._fail_alone(req, _not_finite(pos, "prompt"), now, True)
+        return list(bad)
 
     def _grammar_dead_end(self, req: Request, now: float) -> None:
         """`req`'s grammar allows no next token (nor the end): it cannot be completed, and
-        sampling from nothing would fail the whole batch. It ends alone, with an error."""
-        req.error = (
+        sampling from nothing would fail the whole batch."""
+        why = (
             f"the request's grammar allows no token after the {len(req.output_ids)} "
             "generated so far: it cannot be completed"
         )
-        log.warning("request %d: %s", req.rid, req.error)
+        self._fail_alone(req, why, now)
+
+    def _fail_alone(self, req: Request, why: str, now: float, model_fault: bool = False) -> None:
+        """End `req` alone with finish_reason "error" and `why` (the server's answer for
+        it), the other requests of the step going on. `model_fault`: the model's output
+        failed it, not its parameters (`Request.model_fault`: its pages join no cache)."""
+        req.error, req.model_fault = why, model_fault
+        log.warning("request %d: %s", req.rid, why)
         self._finish(req, "error", now)
 
     def _restrict(self, req: Request, row: torch.Tensor, output: list[int]) -> None:
@@ -1682,6 +1731,11 @@ def find_stop(
     ]
     hits = [h for h in hits if h[0] >= 0]
     return min(hits) if hits else None
+
+
+def _not_finite(index: int, of: str = "output") -> str:
+    """Why a request whose raw logits held a NaN or an inf ended (`_fail_alone`)."""
+    return f"the model's logits for this request are not finite (NaN or inf) at {of} token {index}"
 
 
 def _record_ids(req: Request, values: list[float]) -> None:

@@ -343,13 +343,24 @@ class PrefixCache:
         self.epoch += 1
         self._cleared(mark)
 
-    def _drop_subtree(self, top: Node) -> None:
+    def discard(self, nodes: list[Node]) -> None:
+        """Take a failed request's own nodes (`nodes`, a path's tail) out of the tree, their
+        KV not to be served (it may hold the NaN that failed it), deepest first, stopping
+        at one another request holds or extends; no copy reaches L3 (a page adopted this
+        step is not written through: its `page` is gone by the step's flush)."""
+        for n in reversed(nodes):
+            if n.lock_ref or n.children or n.stale or n.page is None:
+                return
+            self._drop_subtree(n, last_copy=False)
+
+    def _drop_subtree(self, top: Node, last_copy: bool = True) -> None:
         """Detach `top` with every node below it (none locked), freeing their device and host
-        pages; each reaches L3 first (`leaving`: its last copy), parents before children."""
+        pages; each reaches L3 first (`leaving`: its last copy, unless not `last_copy`),
+        parents before children."""
         stack = [top]
         while stack:
             n = stack.pop()
-            if self.l3 is not None:
+            if self.l3 is not None and last_copy:
                 self.l3.leaving(n)
             if n.page is not None:
                 self.allocator.free([n.page])

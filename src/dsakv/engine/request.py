@@ -237,6 +237,9 @@ class Request:
     thinking: ThinkingBudget | None = field(default=None, repr=False)  # (`_restrict`)
     stop_floor: int = 0  # a stop string counts only where it ends past this text offset
     error: str | None = None  # why it failed, where it alone did (finish_reason "error")
+    # The model's output failed it, not its parameters (a NaN: the server's fault, a 500;
+    # its KV may hold the NaN, `kv_kept`)
+    model_fault: bool = False
     # SGLang's return_routed_experts / return_hidden_states: the rows kept as it runs, then
     # once it ends those of its positions but the last (`Capture.rows`: routed experts
     # `[n, layers, top_k]` int32 from `routed_experts_start_len`, hidden states
@@ -291,3 +294,9 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def kv_kept(self) -> bool:
+        """Whether its KV may outlive it (the prefix cache) as it ends: not an aborted
+        request's, nor one the model failed (its KV may hold the NaN: `model_fault`)."""
+        return self.finish_reason != "abort" and not self.model_fault

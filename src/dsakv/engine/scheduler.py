@@ -304,12 +304,16 @@ class Scheduler:
             self.host.free(req.host_slots)
             req.host_slots = None
         keep = 0
-        if self._caches(req) and req.pages and req.finish_reason != "abort":
+        if self._caches(req) and req.pages and req.kv_kept:
             tokens, salt = req.all_ids[: req.num_computed], req.cache_key
             path = self.cache.insert(tokens, req.pages, req.num_cached_pages, salt)
             keep = len(path)
         private = req.pages[max(keep, req.num_cached_pages) :]
         self.cache.unlock(req.prefix_nodes)
+        if req.model_fault:  # the pages it put in the tree (past its first hit)
+            self.cache.discard(
+                req.prefix_nodes[req.metrics.prefix_hit_tokens // self.config.page_size :]
+            )
         if private:
             self.allocator.free(private)
         self._drop_pages(req)

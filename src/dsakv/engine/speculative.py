@@ -303,7 +303,7 @@ class MTPDrafter(Drafter):
         held = req.rid in self.scheduler.held
         kept = self.scheduler.config.enable_prefix_cache or held
         computed = not owed or req.num_computed >= s.owed_from + sum(map(len, owed))
-        if kept and computed and req.finish_reason != "abort":  # (computed: not retracted)
+        if kept and computed and req.kv_kept:  # (computed: not retracted)
             # (what it owes starting in the cache's pages went with a retraction: the pages
             # its recompute hit hold it, and `step` catches up over the rest)
             if not owed or s.owed_from >= req.num_cached_pages * self.scheduler.config.page_size:

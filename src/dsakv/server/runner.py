@@ -630,7 +630,7 @@ def _update(engine: Engine, stream: RequestStream, req: Request) -> Update:
         gaps.append(_token_gap(stream))
     return Update(
         error=req.error,
-        error_status=400,
+        error_status=500 if req.model_fault else 400,
         token_ids=ids,
         text=delta,
         logprobs=req.logprobs[start:end] if want else None,
