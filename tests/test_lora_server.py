@@ -2,7 +2,7 @@
 adapter by `model` (vLLM's; SGLang's `base:adapter`) or /generate's `lora_path`, and runs
 as the offline engine runs it with the same `LoRARequest`; /v1/models lists the adapters;
 vLLM's and SGLang's routes load and unload them at run time; /metrics carries vLLM's
-lora_requests_info; the flags are vLLM's and SGLang's, refused without --enable-lora; a
+lora_requests_info, as `LLM.get_metrics()` does; the flags are vLLM's and SGLang's, refused without --enable-lora; a
 prefill/decode pair behind the router serves an adapter both loaded, and refuses one only
 one of them loaded."""
 
@@ -24,6 +24,7 @@ import pytest
 from dsakv.cli import build_parser, engine_config_from_args
 from dsakv.cli.args import add_engine_args, given_flags
 from dsakv.engine import LLM, EngineConfig, SamplingParams
+from dsakv.metrics import Gauge
 from dsakv.procs import free_port
 
 from .conftest import assert_taken_and_ignored, cli_config, cli_error_line
@@ -81,7 +82,8 @@ def served(glm_tiny, adapters) -> Iterator[tuple[str, object]]:
 
 @pytest.fixture(scope="module")
 def reference(glm_tiny) -> Iterator[LLM]:
-    with LLM(EngineConfig(glm_tiny, enable_lora=True, max_loras=2, **ENGINE_ARGS)) as llm:
+    config = EngineConfig(glm_tiny, enable_lora=True, max_loras=2, **ENGINE_ARGS)
+    with LLM(config, disable_log_stats=False) as llm:  # (`get_metrics`)
         yield llm
 
 
@@ -290,6 +292,29 @@ def test_the_metrics_name_the_adapters_running(served):
         held.result(TIMEOUT)
     assert labels == {"max_lora": "2", "running_lora_adapters": "sql", "waiting_lora_adapters": ""}
     assert abs(value - now) < 60
+
+
+def test_llm_get_metrics_names_the_adapters_as_the_server(reference, adapters):
+    """Offline, `LLM.get_metrics()` has vLLM's lora_requests_info too, as vLLM's LLM:
+    max_lora, and the adapters with requests waiting (one queued on "sql") and running;
+    its value the time it was read."""
+    offline(reference, adapters, "sql")  # (loads "sql")
+
+    def info() -> tuple[dict[str, str], float]:
+        (gauge,) = [m for m in reference.get_metrics() if m.name == "vllm:lora_requests_info"]
+        assert isinstance(gauge, Gauge)
+        return gauge.labels, gauge.value
+
+    labels, value = info()
+    assert labels == {"max_lora": "2", "waiting_lora_adapters": "", "running_lora_adapters": ""}
+    assert abs(value - time.time()) < 60
+    params = SamplingParams(max_tokens=2, lora_name="sql")
+    req = reference.engine.add_request(PROMPT, params)
+    try:
+        assert info()[0]["waiting_lora_adapters"] == "sql"
+    finally:
+        reference.engine.abort(req.rid)
+    assert info()[0]["waiting_lora_adapters"] == ""
 
 
 def test_a_server_without_lora_refuses_the_adapter_calls(glm_tiny):
@@ -501,25 +526,39 @@ def test_an_adapter_read_again_from_changed_files_is_a_502(pd_pair, adapters, tm
     _nothing_held(prefill, decode)
 
 
-def test_a_load_in_place_one_server_refuses_is_not_undone(pd_pair, glm_tiny, adapters, tmp_path):
+def test_a_load_in_place_one_server_refuses_is_undone_to_the_old_adapter(
+    pd_pair, glm_tiny, reference, adapters, tmp_path
+):
     """vLLM's load_inplace through the router that one server refuses (the prefill server's
-    --max-lora-rank 4, a rank-8 adapter) is that server's 400, and not undone where it was
-    taken: an unload there would serve no "sql" at all; the decode server serves the new
-    one until the load is sent again, which both then take."""
+    --max-lora-rank 4, a rank-8 adapter) is that server's 400, and undone where it was
+    taken by loading the adapter's old path back in place (an unload would serve no "sql"
+    at all): both serve the old "sql" again, and run it as offline. An adapter new to the
+    servers, loaded so, is unloaded where it was taken (SGLang's route alike); a load in
+    place both take is kept."""
     router, prefill, decode = pd_pair
     wide = write_adapter(glm_tiny, tmp_path / "wide", seed=3, r=8)
 
-    def roots() -> list[str | None]:
+    def roots(name: str) -> list[str | None]:
         cards = [httpx.get(f"{url}/v1/models", timeout=TIMEOUT).json()["data"]
                  for url, _ in (prefill, decode)]  # fmt: skip
-        return [next((c["root"] for c in data if c["id"] == "sql"), None) for data in cards]
+        return [next((c["root"] for c in data if c["id"] == name), None) for data in cards]
 
     body = {"lora_name": "sql", "lora_path": wide, "load_inplace": True}
     r = httpx.post(f"{router}/v1/load_lora_adapter", json=body, timeout=TIMEOUT)
     assert r.status_code == 400 and "--max-lora-rank 4" in r.json()["error"]["message"], r.text
-    assert roots() == [adapters["sql"], wide]
-    body = {**body, "lora_path": adapters["sql"]}
-    r = httpx.post(f"{router}/v1/load_lora_adapter", json=body, timeout=TIMEOUT)
+    assert roots("sql") == [adapters["sql"], adapters["sql"]]
+    assert complete(router, "sql") == offline(reference, adapters, "sql")
+    body = {"lora_name": "fresh", "lora_path": wide, "load_inplace": True}
+    for path in ("/v1/load_lora_adapter", "/load_lora_adapter"):
+        r = httpx.post(f"{router}{path}", json=body, timeout=TIMEOUT)
+        assert r.status_code == 400, r.text
+        assert roots("fresh") == [None, None], path
+    swap = {"lora_name": "sql", "lora_path": adapters["chat"], "load_inplace": True}
+    r = httpx.post(f"{router}/v1/load_lora_adapter", json=swap, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
-    assert roots() == [adapters["sql"], adapters["sql"]]
+    assert roots("sql") == [adapters["chat"], adapters["chat"]]
+    back = {**swap, "lora_path": adapters["sql"]}
+    r = httpx.post(f"{router}/v1/load_lora_adapter", json=back, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert roots("sql") == [adapters["sql"], adapters["sql"]]
     _nothing_held(prefill, decode)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsakv.disagg.config import DEFAULT_BOOTSTRAP_PORT, MODES, DisaggConfig
 from dsakv.disagg.policy import DEFAULT_POLICIES, POLICIES, PolicyConfig
@@ -27,11 +27,15 @@ from .args import (
     listen,
     port,
     positive_float,
+    positive_int,
     request_log_config,
     response_defaults,
     trace_config,
     uvicorn_log_level,
 )
+
+if TYPE_CHECKING:
+    from dsakv.disagg.router import HealthConfig
 
 
 def add_disagg_args(p: argparse.ArgumentParser) -> None:
@@ -73,12 +77,58 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from dsakv.disagg.launch import run_router_on
     from dsakv.disagg.router import build_router_app
 
-    policy, tracing = policy_config(args), trace_config(args)
+    policy, tracing, health = policy_config(args), trace_config(args), health_config(args)
     build_router_app(args.prefill, args.decode)  # bad URLs fail before anything listens
     http = http_config(args)
     with listen(args.host, args.port) as listener:
-        run_router_on(listener, args.prefill, args.decode, args.api_key, http, policy, tracing)
+        run_router_on(
+            listener, args.prefill, args.decode, args.api_key, http, policy, health, tracing
+        )
     return 0
+
+
+def add_health_args(p: argparse.ArgumentParser) -> None:
+    """`dsakv router`'s active health checks: SGLang router's flags and defaults (its
+    seconds as whole numbers; fractions taken here too)."""
+    g = p.add_argument_group("health checks (SGLang router's)")
+    g.add_argument(
+        "--health-check-interval-secs", type=positive_float, metavar="S", default=60.0,
+        help="seconds between probes of each server (default 60)",
+    )  # fmt: skip
+    g.add_argument(
+        "--health-check-timeout-secs", type=positive_float, metavar="S", default=5.0,
+        help="seconds a probe waits for its answer (default 5)",
+    )  # fmt: skip
+    g.add_argument(
+        "--health-failure-threshold", type=positive_int, metavar="N", default=3,
+        help="failed probes in a row that mark a server unhealthy: passed over (default 3)",
+    )  # fmt: skip
+    g.add_argument(
+        "--health-success-threshold", type=positive_int, metavar="N", default=2,
+        help="passed probes in a row that mark it healthy again (default 2)",
+    )  # fmt: skip
+    g.add_argument(
+        "--health-check-endpoint", metavar="PATH", default="/health",
+        help="the path probed; a 2xx passes (default /health)",
+    )  # fmt: skip
+    g.add_argument(
+        "--disable-health-check", action="store_true",
+        help="no probes: a server's health is learnt from requests and /health calls only",
+    )  # fmt: skip
+
+
+def health_config(args: argparse.Namespace) -> HealthConfig:
+    """The router's `HealthConfig` from its flags (a bad endpoint: the DsakvError)."""
+    from dsakv.disagg.router import HealthConfig  # (fastapi: not for every command)
+
+    return HealthConfig(
+        args.health_check_interval_secs,
+        args.health_check_timeout_secs,
+        args.health_failure_threshold,
+        args.health_success_threshold,
+        args.health_check_endpoint,
+        not args.disable_health_check,
+    )
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
@@ -214,6 +264,7 @@ def add_commands(sub: Any) -> None:
         help="require this Bearer token (and relay it: the servers check theirs)",
     )
     add_policy_args(p)
+    add_health_args(p)
     add_http_args(p)
     add_trace_args(p)
     p.set_defaults(func=_cmd_router)

@@ -19,7 +19,7 @@ from dsakv.server.http_config import HTTPConfig
 from dsakv.server.tracing import TraceConfig
 
 from .policy import PolicyConfig
-from .router import build_router_app
+from .router import HealthConfig, build_router_app
 
 
 def serve_command(model: str, mode: str, port: int, bootstrap_port: int, flags: Sequence[str]):
@@ -70,13 +70,15 @@ def run_router_on(
     api_key: str | None = None,
     http: HTTPConfig | None = None,
     policy: PolicyConfig | None = None,
+    health: HealthConfig | None = None,
     tracing: TraceConfig | None = None,
 ) -> None:
     """The router (`build_router_app`) on sockets taken earlier; says where it routes once
     it serves. `http`: its CORS, TLS and root path (the front door's, as `dsakv serve`'s);
-    `policy`: how it picks servers; `tracing`: where its spans go."""
+    `policy`: how it picks servers; `health`: how it probes them; `tracing`: where its
+    spans go."""
     http = http or HTTPConfig()
-    app = build_router_app(prefill, decode, api_key, policy, tracing)
+    app = build_router_app(prefill, decode, api_key, policy, tracing, health)
     http.install(app)
     host, port = listener.host, listener.port
     shown = f"[{host}]" if ":" in host else host

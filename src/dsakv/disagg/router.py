@@ -29,7 +29,8 @@ admin calls still reach it meanwhile); new requests go to the others. With `--ap
 these and every other route but the probes need the key, as `dsakv serve --api-key`'s do.
 The router may start with no server, or none of a kind (an orchestrator adds them): until
 it has both kinds, requests get SGLang's 503, and the first server added sets the KV layout
-the others must have.
+the others must have. The router probes each server's /health as SGLang's router does
+(`HealthConfig`): one failing is passed over until it passes again, no request needed.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -78,6 +80,33 @@ from .router_metrics import RouterMetrics, State, Worker
 from .router_tracing import RouteSpan, RouteTracer, current
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """SGLang router's active health checks, under its flags' defaults: each server's
+    `endpoint` asked every `interval_s` seconds (`timeout_s` to answer with a 2xx), so that
+    a dead server is found, and a recovered one taken back, with no request sent to it
+    (else only contacts tell: `Router._healthy`). Unhealthy after `failure_threshold` failed
+    probes in a row, healthy again after `success_threshold` passed; `enabled` False:
+    SGLang's --disable-health-check, no probes."""
+
+    interval_s: float = 60.0
+    timeout_s: float = 5.0
+    failure_threshold: int = 3
+    success_threshold: int = 2
+    endpoint: str = "/health"
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise DsakvError(f"health check {name} must be > 0, got {getattr(self, name)}")
+        for name in ("failure_threshold", "success_threshold"):
+            if getattr(self, name) < 1:
+                raise DsakvError(f"health {name} must be >= 1, got {getattr(self, name)}")
+        if not self.endpoint.startswith("/"):
+            raise DsakvError(f"the health check endpoint must be a path, got {self.endpoint!r}")
 
 
 def _error(
@@ -125,7 +154,8 @@ def _sse_error(message: str, path: str) -> bytes:
 class Router:
     """Pairs of prefill and decode servers, as each kind's policy picks them (`policy`,
     SGLang's: by default `DEFAULT_POLICIES`); one shared HTTP client. `tracing`: where each
-    routed request's span goes (`router_tracing`; None: no spans)."""
+    routed request's span goes (`router_tracing`; None: no spans). `health`: how the
+    servers are probed while the router serves (`start`; None: SGLang's defaults)."""
 
     def __init__(
         self,
@@ -133,6 +163,7 @@ class Router:
         decode: list[str],
         policy: PolicyConfig | None = None,
         tracing: TraceConfig | None = None,
+        health: HealthConfig | None = None,
     ) -> None:
         # Replaced, never changed in place, as workers come and go: a loop over a list
         # (across awaits) sees the servers of when it began.
@@ -147,8 +178,12 @@ class Router:
         self._needs_text = any(p.needs_text for p in self._policies.values())
         self._bootstrap: dict[str, tuple[str, int]] = {}
         # server -> when its last contact failed (none since succeeded): unhealthy
-        # (`_healthy`), and tried after the others for `_DOWN_S` seconds (`_in_turn`)
+        # (`_healthy`), and tried after the others for `_DOWN_S` seconds (`_in_turn`); inf:
+        # the health checks found it down, tried after the others until they find it up
         self._down: dict[str, float] = {}
+        self.health_config = health or HealthConfig()
+        # server -> its health probes' last result and how many in a row had it (`_probed`)
+        self._streaks: dict[str, tuple[bool, int]] = {}
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task] = set()
         # The decode server holding each stored response, by id, the least recently used
@@ -195,15 +230,22 @@ class Router:
     def _healthy(self, url: str) -> bool:
         """Whether `url` is healthy, as /metrics, /workers and /health tell it: its last
         contact did not fail (a connection, its bootstrap port asked, a /health probe; none
-        yet: healthy). Not the routing's `_DOWN_S` window, after which it is tried again: a
-        dead server stays unhealthy until a contact succeeds."""
+        yet: healthy) and the health checks did not find it down (`_probed`). Not the
+        routing's `_DOWN_S` window, after which it is tried again: a dead server stays
+        unhealthy until a contact succeeds, or enough health checks in a row."""
         return url not in self._down
 
-    def _unreachable(self, url: str) -> None:
-        """A contact with `url` failed (`_healthy`); a prefill server's bootstrap port is
-        asked again, so that its next pick contacts it (a port remembered is no contact)."""
-        self._down[url] = time.monotonic()
+    def _unreachable(self, url: str, probed: bool = False) -> None:
+        """A contact with `url` failed (`_healthy`), or the health checks found it down
+        (`probed`: tried after the others until they find it up, not only for `_DOWN_S`
+        seconds). A prefill server's bootstrap port is asked again, so that its next pick
+        contacts it (a port remembered is no contact); passed health checks count again
+        from here, towards its recovery."""
+        now = math.inf if probed else time.monotonic()
+        self._down[url] = max(now, self._down.get(url, -math.inf))
         self._bootstrap.pop(url, None)
+        if self._streaks.get(url, (False, 0))[0]:
+            del self._streaks[url]
 
     def _sent(self, kind: str, url: str, text: str) -> None:
         """A request went to the `kind` server `url` (its pick's, or one after it): its
@@ -729,8 +771,8 @@ class Router:
         """`request` (its method, query, body and key) at `path` to every server (decode
         first, then prefill, those still leaving included: `_admin_targets`), or to `groups`
         in turn: their answers, when each is a 2xx; else a server's 4xx, or a 502 naming
-        those that failed. A pause that failed somewhere pauses nothing (`_UNDO`); with no
-        server to ask, the 503."""
+        those that failed. A pause that failed somewhere pauses nothing, nor a LoRA load
+        loads anything (`_undo`); with no server to ask, the 503."""
         groups = groups or (self._admin_targets("decode"), self._admin_targets("prefill"))
         if not any(groups):
             return _none_of([])
@@ -741,6 +783,10 @@ class Router:
         headers = {"content-type": request.headers.get("content-type", "application/json")}
         headers.update(key_headers(request.headers))
         query = request.url.query
+        replaced = _replaced(raw) if _UNDO.get(path, (None, False))[1] else None  # (a load's)
+        before = None  # (a LoRA load in place: the adapter each server had, for `_undo`)
+        if replaced is not None:
+            before = await self._adapter_paths(replaced, [u for g in groups for u in g], headers)
         answers = []
         for urls in groups:
             calls = (self._call(u, path, request.method, raw, headers, query) for u in urls)
@@ -748,17 +794,64 @@ class Router:
         failed = [(u, r) for u, r in answers if not isinstance(r, httpx.Response) or r.is_error]
         if not failed:
             return [r for _, r in answers]
-        undo, same_body = _UNDO.get(path, (None, False))
-        if undo is not None and not (same_body and _in_place(raw)):
-            paused = [u for u, r in answers if (u, r) not in failed]
-            body = raw if same_body else b"{}"
-            await asyncio.gather(*(self._call(u, undo, "POST", body, headers) for u in paused))
+        took = [u for u, r in answers if (u, r) not in failed]
+        await self._undo(path, raw, headers, took, before)
         for _, r in failed:
             if isinstance(r, httpx.Response) and r.status_code < 500:  # the client's
                 return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         self.failures += 1
         named = "; ".join(f"{u}: {_said(r)}" for u, r in failed)
         return _error(502, f"{path} failed on {len(failed)} of {len(answers)}: {named}")
+
+    async def _undo(
+        self,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        took: list[str],
+        before: dict[str, str | None] | None,
+    ) -> None:
+        """Broadcast call `path` (its body `raw`) undone on the servers that `took` it,
+        another having failed it (`_UNDO`). A LoRA load in place (`before`: each server's
+        path of the adapter it replaced, `_adapter_paths`) is undone by loading that path
+        back in place, an unload only where the adapter was new (else the server would serve
+        no adapter of that name where it served the old one); a server whose adapters were
+        not told is left as it is."""
+        undo, same_body = _UNDO.get(path, (None, False))
+        if undo is None:
+            return
+        calls = []
+        for url in took:
+            if before is None:  # (a pause's undo; a load's: its name's unload)
+                calls.append(self._call(url, undo, "POST", raw if same_body else b"{}", headers))
+            elif url in before and (old := before[url]) is None:
+                calls.append(self._call(url, undo, "POST", raw, headers))
+            elif url in before:
+                back = json.dumps({**json.loads(raw), "lora_path": old}).encode()
+                calls.append(self._call(url, path, "POST", back, headers))
+        for url, r in await asyncio.gather(*calls):
+            if not isinstance(r, httpx.Response) or r.is_error:
+                log.warning("router: undoing %s on %s failed: %s", path, url, _said(r))
+
+    async def _adapter_paths(
+        self, name: str, urls: list[str], headers: dict[str, str]
+    ) -> dict[str, str | None]:
+        """Each server's path of LoRA adapter `name` (its `/v1/models` card's `root`, as
+        vLLM's), None where it serves none of that name; one that does not tell is left
+        out."""
+
+        async def path_of(url: str) -> tuple[str, str | None] | None:
+            _, r = await self._call(url, "/v1/models", "GET", b"", headers)
+            if not isinstance(r, httpx.Response) or not r.is_success:
+                return None
+            try:
+                cards = [c for c in r.json()["data"] if c["id"] == name and "parent" in c]
+                return url, str(cards[0]["root"]) if cards else None
+            except (ValueError, KeyError, TypeError, IndexError):
+                return None
+
+        told = await asyncio.gather(*(path_of(u) for u in urls))
+        return dict(t for t in told if t is not None)
 
     async def _call(
         self,
@@ -1058,6 +1151,7 @@ class Router:
             self._bootstrap[url] = address
         self._layouts[url] = _layout(info)
         self._down.pop(url, None)
+        self._streaks.pop(url, None)
         setattr(self, mode, [*getattr(self, mode), url])
         log.info("router: %s server %s added", mode, url)
         message = f"Successfully added {mode} server: {url}"
@@ -1140,6 +1234,7 @@ class Router:
         self._bootstrap.pop(url, None)
         self._layouts.pop(url, None)  # (re-added, it is asked again: another layout maybe)
         self._down.pop(url, None)
+        self._streaks.pop(url, None)
         self._policies[kind].forget(url)  # (what it was sent leaves the prefix trees)
         for rid in [rid for rid, held in self._responses.items() if held == url]:
             del self._responses[rid]
@@ -1170,10 +1265,56 @@ class Router:
             return JSONResponse({"status": "degraded", "unhealthy": bad}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    def start(self) -> None:
+        """The router begins serving (its lifespan: `build_router_app`): the health checks
+        start, unless disabled (`HealthConfig`); `close` stops them."""
+        if self.health_config.enabled:
+            self._spawn(self._check_health())
+
+    async def _check_health(self) -> None:
+        """SGLang router's active health checks: every `interval_s` seconds, each server
+        registered then probed at once (`_probe_health`), each result told `_probed`."""
+        while True:
+            await asyncio.sleep(self.health_config.interval_s)
+            probed = [(kind, url) for kind in MODES for url in getattr(self, kind)]
+            results = await asyncio.gather(*(self._probe_health(url) for _, url in probed))
+            for (kind, url), ok in zip(probed, results):
+                self._probed(kind, url, ok)
+
+    async def _probe_health(self, url: str) -> bool:
+        """Whether `url` answers the health check endpoint with a 2xx in time."""
+        h = self.health_config
+        try:
+            r = await self.client.get(f"{url}{h.endpoint}", timeout=h.timeout_s)
+        except httpx.HTTPError as e:
+            log.debug("health check of %s failed: %r", url, e)
+            return False
+        return r.is_success
+
+    def _probed(self, kind: str, url: str, ok: bool) -> None:
+        """A health check of the `kind` server `url` passed (`ok`) or failed: counted
+        (`smg_worker_health_checks_total`), and `failure_threshold` failed in a row mark it
+        down (`_unreachable`), `success_threshold` passed in a row up again (a contact
+        succeeding meanwhile marks it up at once, as always). A server removed while it was
+        probed is left alone."""
+        if url not in getattr(self, kind):
+            return
+        self.metrics.health_checks[kind, "success" if ok else "failure"] += 1
+        last, n = self._streaks.get(url, (ok, 0))
+        n = n + 1 if last == ok else 1
+        self._streaks[url] = (ok, n)
+        h = self.health_config
+        if not ok and n >= h.failure_threshold and self._down.get(url) != math.inf:
+            log.warning("router: %s server %s failed %d health checks: unhealthy", kind, url, n)
+            self._unreachable(url, probed=True)
+        elif ok and n >= h.success_threshold and url in self._down:
+            log.info("router: %s server %s passed %d health checks: healthy", kind, url, n)
+            del self._down[url]
+
     async def close(self) -> None:
         """Hang up on the servers, the router stopping (its lifespan: `build_router_app`):
-        the prefill halves still running are cancelled, then the client closed (a new one
-        is made if the app serves again)."""
+        the prefill halves still running and the health checks are cancelled, then the
+        client closed (a new one is made if the app serves again)."""
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -1262,8 +1403,8 @@ _GET_TOO = (
     "/resume_memory_occupation",
 )
 # The call that undoes a broadcast one (on the servers it reached) when another server failed
-# it, and whether it is sent the call's body (else {}). A LoRA load in place is not undone
-# (`_in_place`).
+# it, and whether it is sent the call's body (else {}): a LoRA load's (its name), but for one
+# in place (`_replaced`: the old path loaded back, `Router._undo`).
 _UNDO = {
     "/pause_generation": ("/continue_generation", False),
     "/pause": ("/resume", False),
@@ -1370,14 +1511,17 @@ def _address(url: str) -> tuple[str, int, str]:
     return parts.hostname or "", parts.port or _PORTS[parts.scheme], parts.path
 
 
-def _in_place(raw: bytes) -> bool:
-    """Whether a LoRA load's body replaces the adapter of its name (vLLM's load_inplace):
-    an unload would leave the servers it reached serving none of that name, not the old one,
-    so it is not undone (they serve the new one until the load is sent again)."""
+def _replaced(raw: bytes) -> str | None:
+    """The adapter a LoRA load's body replaces (vLLM's load_inplace: its `lora_name`), else
+    None: a failed one is undone by loading each server's old path back (`Router._undo`)."""
     try:
-        return json.loads(raw).get("load_inplace") is True
-    except (ValueError, RecursionError, AttributeError):
-        return False
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict) or body.get("load_inplace") is not True:
+        return None
+    name = body.get("lora_name")
+    return name if isinstance(name, str) and name else None
 
 
 def _askable(rid: str) -> bool:
@@ -1625,9 +1769,11 @@ async def _unless_left(
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """What the router holds, released when it stops (as a server's app does): the batches
-    still running (`Batches.stop`: their lines hung up on both servers), then its client,
-    then its last spans sent (`Tracing.shutdown`)."""
+    """The router's health checks started (`Router.start`), and what it holds released
+    when it stops (as a server's app does): the batches still running (`Batches.stop`:
+    their lines hung up on both servers), then its client, then its last spans sent
+    (`Tracing.shutdown`)."""
+    app.state.router.start()
     try:
         yield
     finally:
@@ -1643,14 +1789,16 @@ def build_router_app(
     api_key: str | None = None,
     policy: PolicyConfig | None = None,
     tracing: TraceConfig | None = None,
+    health: HealthConfig | None = None,
 ) -> FastAPI:
     """The router's app, picking servers as `policy` says (`Router`), a span per request
-    to `tracing`'s collector if given (`router_tracing`). With `api_key`, its
-    routes need `Authorization: Bearer` as `dsakv serve --api-key`'s do (`require_api_key`,
-    the same probes open): the worker API above all, else anyone reaching the port could add
-    a decode server of their own and be sent the prompts. The client's header still goes on
-    to the servers, which check their own key."""
-    router = Router(prefill, decode, policy, tracing)
+    to `tracing`'s collector if given (`router_tracing`), its servers probed as `health`
+    says (`HealthConfig`). With `api_key`, its routes need `Authorization: Bearer` as
+    `dsakv serve --api-key`'s do (`require_api_key`, the same probes open): the worker API
+    above all, else anyone reaching the port could add a decode server of their own and be
+    sent the prompts. The client's header still goes on to the servers, which check their
+    own key."""
+    router = Router(prefill, decode, policy, tracing, health)
     app = FastAPI(
         title="dsakv router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan
     )

@@ -83,6 +83,7 @@ class RouterMetrics:
         self.decisions: Counter[tuple[str, str]] = Counter()  # by (kind, server): its picks
         self.failed: Counter[tuple[str, str]] = Counter()  # by (kind, server)
         self.streams_lost: Counter[str] = Counter()  # by decode server
+        self.health_checks: Counter[tuple[str, str]] = Counter()  # by (kind, result)
         # by route: each bucket's count (not cumulative, +Inf's last), then their sum
         self.durations: dict[str, list[float]] = {}
         self.registry.register(_Families(self, state))
@@ -168,6 +169,8 @@ class _Families(Collector):
              _grouped(m.decisions, lambda k: (k[0], *_WORKER, policy(k[0])))),
             (SMG + "worker_retries", "Total retry attempts by worker_type and endpoint",
              ["worker_type", "endpoint"], _grouped(m.retries, lambda k: (k[0], _endpoint(k[1])))),
+            (SMG + "worker_health_checks", "Health check results by worker_type and result",
+             ["worker_type", "result"], m.health_checks),
         ]  # fmt: skip
         for name, doc, labels, values in counters:
             yield _labelled(CounterMetricFamily, name, doc, labels, values)

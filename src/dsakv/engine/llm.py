@@ -282,8 +282,12 @@ class LLM:
         # (the server's registry; model_name the model's path, vLLM's default served name)
         self._stats = None
         if not disable_log_stats:
-            max_model_len = self.engine.max_model_len
-            self._stats = ServerMetrics(config.model, config.page_size, max_model_len=max_model_len)
+            self._stats = ServerMetrics(
+                config.model,
+                config.page_size,
+                max_model_len=self.engine.max_model_len,
+                max_loras=config.max_loras if config.enable_lora else None,
+            )
         # Dropped or left open at exit, an LLM still stops its ranks (multiprocessing's exit
         # hook joins them, and they wait for rank 0 forever); registered after that hook,
         # this one runs first.
@@ -475,11 +479,12 @@ class LLM:
         """vLLM's: the `vllm:` metrics a server's /metrics has (`dsakv.metrics`), as
         vLLM's `Counter`, `Gauge` and `Histogram` (from `dsakv.engine`): the engine's counters
         now, and the latencies of the requests `generate`, `chat`, `score` and `beam_search`
-        ran. Kept with `LLM(..., disable_log_stats=False)`, as vLLM's."""
+        ran; with `enable_lora`, vLLM's lora_requests_info gauge (the adapters with requests
+        running and waiting). Kept with `LLM(..., disable_log_stats=False)`, as vLLM's."""
         self._check_open()
         if self._stats is None:
             raise DsakvError("get_metrics needs LLM(..., disable_log_stats=False), as vLLM's")
-        return self._stats.vllm_metrics(self.engine.counters())
+        return self._stats.vllm_metrics(self.engine.counters(), self.engine.lora_requests())
 
     def _check_open(self) -> None:
         if not self._close.alive:

@@ -1,0 +1,191 @@
+"""`dsakv router`'s active health checks (SGLang router's `--health-check-*` flags): each
+server probed while no client sends anything, unhealthy after the failure threshold's
+failed probes in a row (passed over by routing meanwhile, as /workers and /metrics tell),
+healthy again after the success threshold's passed ones; off with --disable-health-check.
+The servers are our own (FastAPI apps): a prefill server whose /health flips between 200
+and 503, and before each answer notes what the router tells of its health then (so the
+probe the router's state changed after is known without timing anything)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import fields
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Response
+
+from dsakv.cli import build_parser, main
+from dsakv.cli.disagg import health_config
+from dsakv.disagg.policy import PolicyConfig
+from dsakv.disagg.router import HealthConfig
+
+from .serving import TIMEOUT, free_port, routing, running, scrape_metrics
+
+COMPLETIONS = "/v1/completions"
+FAST = HealthConfig(interval_s=0.05, timeout_s=5.0, failure_threshold=3, success_threshold=2)
+
+
+class _Flaky:
+    """A prefill server whose /health answers `answer`'s status; with `answer`'s router
+    URL, each probe first notes whether that router tells it healthy (`/workers`): the
+    router has then heard every earlier probe's answer. (One attribute: a probe reads both
+    at once.)"""
+
+    def __init__(self) -> None:
+        self.answer: tuple[int, str | None] = (200, None)
+        self.url = ""  # (its URL, once serving)
+        self.seen: list[tuple[int, bool]] = []  # (the status answered, healthy before it)
+        self.app = FastAPI()
+        self.app.get("/disagg/info")(lambda: {"mode": "prefill", "bootstrap_port": 1})
+        self.app.get("/health")(self.health)
+        self.app.post(COMPLETIONS)(lambda: {})
+
+    def health(self) -> Response:  # (sync: on a thread, so it may ask the router)
+        status, router = self.answer
+        if router is not None:
+            self.seen.append((status, _healthy(router, self.url)))
+        return Response(status_code=status)
+
+
+def _fake_decode() -> FastAPI:
+    app = FastAPI()
+    app.get("/health")(lambda: {"status": "ok"})
+    app.post(COMPLETIONS)(lambda: {"choices": []})
+    return app
+
+
+@contextmanager
+def _serving(app: FastAPI) -> Iterator[str]:
+    server = uvicorn.Server(uvicorn.Config(app, port=free_port(), log_level="warning"))
+    with running(server) as base:
+        yield base
+
+
+def _healthy(router: str, url: str) -> bool:
+    listed = httpx.get(f"{router}/workers", timeout=TIMEOUT).json()["workers"]
+    return {w["url"]: w["is_healthy"] for w in listed}[url]
+
+
+def _until(done) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not done():
+        assert time.monotonic() < deadline, "the health checks never got there"
+        time.sleep(0.02)
+
+
+def _post(base: str) -> None:
+    r = httpx.post(f"{base}{COMPLETIONS}", json={"prompt": "hi"}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+
+
+def _metric(base: str, name: str, **labels: str) -> float:
+    """The router's sample of `name` with `labels` (0 if absent)."""
+    return scrape_metrics(base, labels=True).get((name, tuple(sorted(labels.items()))), 0)
+
+
+def _checks(base: str, kind: str, result: str) -> float:
+    return _metric(base, "smg_worker_health_checks_total", result=result, worker_type=kind)
+
+
+def test_a_server_failing_its_health_checks_is_passed_over_until_it_passes_again():
+    """A prefill server (of two) whose /health turns 503: unhealthy from its third failed
+    probe on (not before), with no request sent; /workers and /metrics say so, and round
+    robin sends it nothing meanwhile. Its /health back to 200: healthy from its second
+    passed probe on, and it takes requests again. Each probe counted by result."""
+    flaky = _Flaky()
+    with ExitStack() as stack:
+        p0 = flaky.url = stack.enter_context(_serving(flaky.app))
+        p1 = stack.enter_context(_serving(_Flaky().app))
+        d = stack.enter_context(_serving(_fake_decode()))
+        policy = PolicyConfig(policy="round_robin")
+        base = stack.enter_context(routing([p0, p1], [d], policy=policy, health=FAST))
+        flaky.answer = (503, base)
+        _until(lambda: len(flaky.seen) >= 4)
+        flaky.answer = (503, None)
+        assert flaky.seen[:4] == [(503, True)] * 3 + [(503, False)]
+        for name in ("smg_worker_health", "sgl_router_worker_health"):
+            assert _metric(base, name, worker=p0) == 0, name
+            assert _metric(base, name, worker=p1) == 1, name
+        assert _checks(base, "prefill", "failure") >= 4
+        health = httpx.get(f"{base}/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and p0 in health.text, health.text
+        for _ in range(4):
+            _post(base)
+        sent = "sgl_router_pd_prefill_requests_total"
+        assert (_metric(base, sent, worker=p0), _metric(base, sent, worker=p1)) == (0, 4)
+
+        flaky.seen.clear()
+        flaky.answer = (200, base)
+        _until(lambda: len(flaky.seen) >= 3)
+        flaky.answer = (200, None)
+        assert flaky.seen[:3] == [(200, False)] * 2 + [(200, True)]
+        assert _metric(base, "smg_worker_health", worker=p0) == 1
+        for _ in range(2):
+            _post(base)
+        assert (_metric(base, sent, worker=p0), _metric(base, sent, worker=p1)) == (1, 5)
+        assert _checks(base, "prefill", "success") >= 3
+
+
+def test_a_dead_server_is_found_without_a_request_and_the_checks_can_be_off():
+    """A decode server that is not there: unhealthy after the failure threshold's probes,
+    no request sent. With the checks disabled (SGLang's --disable-health-check) a server
+    failing its /health is never probed: healthy until a contact says otherwise."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    flaky = _Flaky()
+    with _serving(flaky.app) as p, routing([p], [dead], health=FAST) as base:
+        _until(lambda: not _healthy(base, dead))
+        assert _checks(base, "decode", "failure") >= 3
+        assert _healthy(base, p)
+    off = HealthConfig(interval_s=0.01, enabled=False)
+    with _serving(flaky.app) as p, routing([p], [dead], health=off) as base:
+        flaky.url, flaky.answer = p, (503, base)
+        time.sleep(0.3)  # (30 intervals: none probes)
+        assert flaky.seen == [] and _healthy(base, p) and _healthy(base, dead)
+        assert _checks(base, "prefill", "failure") == _checks(base, "decode", "failure") == 0
+
+
+def test_the_flags_are_sglang_routers():
+    """SGLang router's health flags, names and defaults (sglang-router's own parser, the
+    dev extra's), make the router's `HealthConfig`; bad values are one error line."""
+    router_args = pytest.importorskip("sglang_router.router_args")
+    defaults = router_args.RouterArgs()
+    ours = health_config(build_parser().parse_args(["router"]))
+    assert ours == HealthConfig()
+    sglang = {
+        "interval_s": defaults.health_check_interval_secs,
+        "timeout_s": defaults.health_check_timeout_secs,
+        "failure_threshold": defaults.health_failure_threshold,
+        "success_threshold": defaults.health_success_threshold,
+        "endpoint": defaults.health_check_endpoint,
+        "enabled": not defaults.disable_health_check,
+    }
+    assert {f.name: getattr(ours, f.name) for f in fields(HealthConfig)} == sglang
+    argv = ["router", "--health-check-interval-secs", "0.5", "--health-check-timeout-secs", "2",
+            "--health-failure-threshold", "5", "--health-success-threshold", "1",
+            "--health-check-endpoint", "/ping", "--disable-health-check"]  # fmt: skip
+    given = HealthConfig(0.5, 2, 5, 1, "/ping", enabled=False)
+    assert health_config(build_parser().parse_args(argv)) == given
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--health-check-interval-secs", "0"], "argument --health-check-interval-secs: must be"),
+        (["--health-check-timeout-secs", "x"], "argument --health-check-timeout-secs: must be"),
+        (["--health-failure-threshold", "0"], "argument --health-failure-threshold: must be"),
+        (["--health-success-threshold", "1.5"], "argument --health-success-threshold: must be"),
+        (["--health-check-endpoint", "health"], "the health check endpoint must be a path"),
+    ],
+)
+def test_bad_health_flags_are_one_error_line(args, message, capsys):
+    try:
+        code = main(["router", "--port", str(free_port()), *args])
+    except SystemExit as e:  # (argparse's own refusals)
+        code = e.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, lines)
+    assert lines[0].startswith(f"error: {message}"), lines
