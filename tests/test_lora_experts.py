@@ -1,8 +1,10 @@
 """LoRA on the routed experts (`--enable-lora`): PEFT's `target_parameters` adapters on the
 fused `mlp.experts.gate_up_proj` / `down_proj` match transformers + PEFT, vLLM's per-expert
 format (`experts.{e}.gate_proj` ...) of the same deltas gives the same output, batches
-mixing base, expert and other adapters give each request its alone tokens, TP=2 and
-TP=2 + EP=2 give TP=1's, and malformed expert adapters are one clear error each.
+mixing base, expert and other adapters give each request its alone tokens (only the
+tokens whose adapter holds expert weights run the LoRA loop, the others the backend's op),
+an FP8 checkpoint's packed experts take an adapter as dequantized ones, TP=2 and TP=2 +
+EP=2 give TP=1's, and malformed expert adapters are one clear error each.
 
 The tiny GLM-5 model is dense (index_topk covering every context), fp32: exact comparisons
 are fair."""
@@ -20,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from dsakv import LLM, LoRARequest, SamplingParams
 from dsakv.errors import DsakvError
+from dsakv.kernels import TorchBackend, torch_ops
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
 from .test_lora import EXACT, GREEDY, _engine, _peft_model, _prompt, _run
@@ -240,6 +243,87 @@ def test_tp2_and_ep2_give_tp1_tokens(model, adapters, alone, layout):
         assert down_a.shape == (experts, 4, inter)
 
 
+# --- FP8 checkpoints; which tokens run the loop ---------------------------------------------
+
+
+def test_an_fp8_checkpoints_packed_experts_take_the_adapter_as_dequantized_ones(
+    model, adapters, tmp_path
+):
+    """On the CPU (`--dtype auto`) FP8 experts stay packed (each row's e4m3 bytes, then its
+    block scales: the last dim is the packed width): the slots take the experts' sizes, and
+    the loop unpacks each expert as it runs, so the adapter gives the logprobs the same
+    checkpoint dequantized at load (`--dtype float32`) gives under it (measured: equal
+    bit for bit), its experts' delta included."""
+    dense = copy.deepcopy(TINY_PRESETS["glm-tiny"])
+    dense["index_topk"] = 4096
+    fp8 = str(write_tiny_model(tmp_path / "fp8", preset=dense, seed=1, weights="fp8"))
+    ids = list(range(0, 256, 8))
+    got = {}
+    for dtype in ("auto", "float32"):
+        with LLM(fp8, **KW, dtype=dtype) as llm:
+            packed = llm.engine.model.target_layers[1].mlp.experts.down_proj
+            assert (packed.dtype == torch.uint8) == (dtype == "auto")
+            got[dtype] = [_logprobs(llm, adapters[x], ids) for x in ("fused", "no_experts")]
+    (fused, tokens), (no_experts, _) = got["auto"]
+    assert (fused - got["float32"][0][0]).abs().max().item() <= 1e-5
+    assert tokens == got["float32"][0][1]
+    assert (fused - no_experts).abs().max().item() > 0.05  # (the experts' delta is there)
+
+
+def test_a_request_whose_adapter_holds_no_expert_weights_runs_the_backends_op(model, adapters):
+    """An attention-only adapter's request while an expert adapter holds the other slot
+    runs the experts as without LoRA (the backend's op, here the CPU one-token GEMV at
+    decode): its logprobs are bit for bit those it has before any expert adapter was
+    loaded (the loop's differed: 9.5e-7)."""
+    ids = list(range(0, 256, 8))
+    with LLM(model, **KW, max_loras=2) as llm:
+        before, _ = _logprobs(llm, adapters["attention"], ids)
+        _logprobs(llm, adapters["fused"], ids)
+        assert llm.engine.lora.loaded["fused"].id in llm.engine.model.lora.resident
+        llm.engine.flush_cache()
+        after, _ = _logprobs(llm, adapters["attention"], ids)
+    assert torch.equal(after, before)
+
+
+class _Grouped(TorchBackend):
+    """The CUDA backend's experts op (`experts_grouped`, batch invariant), which runs on the
+    CPU too; its bf16 sums differ from the loop's (by up to 7.8e-3 on this layer)."""
+
+    def experts(self, x, ids, weights, gate_up, down, first, last):
+        return torch_ops.experts_grouped(x, ids, weights, gate_up, down, first, last)
+
+
+@pytest.mark.parametrize("slots", [(-1, 0, 1), (1, -1)], ids=["mixed", "no-expert-weights"])
+def test_only_tokens_whose_adapter_holds_expert_weights_run_the_loop(model, adapters, slots):
+    """In a step with an expert adapter (slot 0) beside base tokens and an attention-only
+    adapter's (slot 1), these run the backend's op: their rows are what the step gives
+    without LoRA, bit for bit (bf16, the batch-invariant grouped op); the adapter's rows
+    are the loop's, with its delta. A step whose tokens' adapters hold no expert weights
+    runs the op alone."""
+    engine = _engine(model, max_loras=2, max_lora_rank=8)
+    for name in ("fused", "attention"):
+        engine.load_lora(name, adapters[name])
+    table = [engine.lora.loaded[name].id for name in ("fused", "attention")]
+    moe = engine.model.target_layers[1].mlp
+    moe.experts.ops = _Grouped()
+    lens = [3, 4, 5][: len(slots)]
+    engine.model.lora.prepare((table, slots), lens)
+    x = torch.randn(sum(lens), 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.inference_mode():
+        ids, weights = moe.gate(x)
+        got = moe.experts(x, ids, weights)
+        gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+        without = moe.experts.ops.experts(x, ids, weights, gate_up, down, 0, 8)
+    adapted = torch.tensor([s == 0 for s, n in zip(slots, lens) for _ in range(n)])
+    assert torch.equal(got[~adapted], without[~adapted])
+    if adapted.any():
+        args = (gate_up, down, 0, engine.model.lora.mask[adapted])
+        with torch.inference_mode():
+            loop = moe.experts.lora.experts(x[adapted], ids[adapted], weights[adapted], *args)
+        assert torch.equal(got[adapted], loop)
+        assert (got[adapted] - without[adapted]).abs().amax(-1).min().item() > 0.01
+
+
 # --- refusals -------------------------------------------------------------------------------
 
 
@@ -307,7 +391,7 @@ def _bad(adapters: dict, root: Path, case: str) -> str:
 REFUSED = {
     "experts": r"layers\.1\.mlp\.experts\.gate_up_proj: lora_A \[28, 64\] and lora_B \[64, 28\] "
     r"do not fit its base weight \[8, 64, 64\] \(8 experts\)",
-    "index": r"layers\.1\.mlp\.experts\.8: layer 1 has 8 experts",
+    "index": r"layers\.1\.mlp\.experts\.8: no expert 8 \(layer 1 has experts 0\.\.7",
     "shape": r"experts\.0\.gate_proj: lora_A \[4, 63\] and lora_B \[32, 4\] do not fit",
     "dense": "layer 0 has no routed experts",
     "mixed": "both per-expert keys and target_parameters' fused keys",

@@ -214,3 +214,116 @@ def test_the_server_answers_a_bad_request_and_serves_the_rest(glm_tiny, bad_adap
 
 def test_sglangs_nan_detection_flag_is_taken(glm_tiny, capsys):
     assert_taken_and_ignored(glm_tiny, ["--enable-nan-detection"], [], capsys)
+
+
+def test_a_failed_requests_pages_written_through_to_l3_are_taken_back(
+    glm_tiny, bad_adapter, tmp_path
+):
+    """Write-through L3 stores each prefill chunk's full pages at the end of its step, before
+    the last chunk's logits tell the request failed: those objects are deleted as it ends,
+    so a later request finds no NaN KV in L3 (before: two objects stayed, and were hit)."""
+    store = tmp_path / "store"
+    config = EngineConfig(
+        glm_tiny,
+        **EXACT,
+        num_pages=64,
+        enable_lora=True,
+        chunked_prefill_size=16,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(store),
+    )
+    engine = Engine(config)
+    try:
+        engine.load_lora("bad", bad_adapter)
+        prompt = [5 + i % 90 for i in range(46)]
+        bad = _run(engine, prompt, lora_name="bad")
+        assert (bad.finish_reason, bad.error) == ("error", NOT_FINITE + "output token 0")
+        assert engine.l3.drain(TIMEOUT)
+        assert engine.counters()["l3_pages_written"] == 2  # (chunks 1 and 2, before it failed)
+        assert sorted(store.glob("*/*.kv")) == []
+        again = _run(engine, prompt, lora_name="bad")
+        assert again.finish_reason == "error" and engine.counters()["l3_hits"] == 0
+        engine.check_integrity()
+    finally:
+        engine.close()
+
+
+def test_a_dp_peers_model_fault_reaches_rank_0(glm_tiny, bad_adapter):
+    """Under DP attention rank 0 mirrors a peer's requests from its reports: a model fault
+    there must stay one (the server's 500), not read as the request's own fault (a 400).
+    (One rank's engine stands in for the peer, as in test_distributed.)"""
+    from dsakv.engine.dp import _Reporter
+
+    engine = Engine(EngineConfig(glm_tiny, **EXACT, num_pages=16, enable_lora=True))
+    engine.load_lora("bad", bad_adapter)
+    peer = _Reporter(engine)
+    peer.apply(("step", [(0, 7, [3, 4, 5], _params(lora_name="bad"))], []))
+    ups = []
+    while engine.has_unfinished():
+        ups += peer.report(engine.step()).updates
+    assert ups[-1]["finish_reason"] == "error" and ups[-1]["model_fault"] is True
+
+
+def test_a_pd_prefill_servers_model_fault_is_its_500_not_a_transfer_failure(poisoned):
+    """On a PD prefill server a request the model failed is answered to the decode server
+    (and the client) with its own error and a 500; nothing was sent, so no KV transfer
+    failed (before: "KV transfer for room 7 failed: ...", a 502, one more failure)."""
+    import asyncio
+
+    from dsakv.disagg import handoff
+    from dsakv.disagg.bootstrap import Registration
+    from dsakv.disagg.config import DisaggConfig
+    from dsakv.disagg.serving import PrefillAsyncEngine
+    from dsakv.procs import free_port
+
+    model, token, _ = poisoned
+    port = free_port()
+    prefill = PrefillAsyncEngine(
+        Engine(EngineConfig(model, **EXACT, num_pages=16)),
+        DisaggConfig("prefill", bootstrap_port=port),
+        "127.0.0.1",
+    )
+    prompt = [token] * 20
+    reg = Registration(7, "", [], [0, 1], prompt)
+
+    async def claim(room, timeout=None):
+        return reg
+
+    prefill.bootstrap.claim = claim
+
+    async def run():
+        handoff._current.set(handoff._Targets([handoff.BootstrapTarget(7, None, port)]))
+        (stream,) = await prefill.generate_n(prompt, _params(), 1)
+        while not (u := await stream.get()).finished:
+            pass
+        return u
+
+    try:
+        u = asyncio.run(run())
+    finally:
+        prefill.shutdown()
+    why = NOT_FINITE + "output token 0"
+    assert (u.finish_reason, u.error, u.error_status) == ("error", why, 500)
+    assert reg.result.result(0) == {
+        "type": "error", "message": why, "status": 500, "param": None, "code": None
+    }  # fmt: skip
+    assert prefill.stats.snapshot()["failures"] == 0
+
+
+def test_n_choices_whose_prompt_fails_all_end_with_its_error(glm_tiny, bad_adapter):
+    """n=2 scoring the prompt: the first choice fails at a prompt token; the other, which
+    waited for its prefill, ends in that same step with the same error and none of its
+    NaN prompt logprobs (before: it took them, ran, and failed at "output token 0")."""
+    engine = Engine(EngineConfig(glm_tiny, **EXACT, num_pages=64, enable_lora=True))
+    engine.load_lora("bad", bad_adapter)
+    prompt = [7 + i % 50 for i in range(40)]
+    reqs = engine.add_requests(prompt, _params(n=2, prompt_logprobs=1, lora_name="bad"))
+    ended = []
+    while engine.has_unfinished():
+        ended += [r for r in engine.step() if r.finished]
+    assert ended == reqs  # (each reported: the server's streams hear it)
+    for req in reqs:
+        assert (req.finish_reason, req.error) == ("error", NOT_FINITE + "prompt token 1")
+        assert req.model_fault and req.output_ids == []
+    assert all(lp is None or lp == lp for lp in reqs[1].prompt_logprobs)  # (no NaN)
+    engine.check_integrity()

@@ -189,3 +189,18 @@ def test_bad_health_flags_are_one_error_line(args, message, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, (code, lines)
     assert lines[0].startswith(f"error: {message}"), lines
+
+
+def test_a_probe_failing_outside_http_counts_as_failed_and_the_checks_go_on():
+    """An endpoint httpx cannot even make a URL of (InvalidURL is no HTTPError): each probe
+    fails, counted, and the server turns unhealthy; before, the first such probe ended the
+    checks for good, silently (nothing counted, every server healthy for ever)."""
+    odd = HealthConfig(interval_s=0.05, failure_threshold=3, endpoint="/health\x00")
+    with (
+        _serving(_Flaky().app) as p,
+        _serving(_fake_decode()) as d,
+        routing([p], [d], health=odd) as base,
+    ):
+        _until(lambda: _checks(base, "prefill", "failure") >= 4)
+        assert not _healthy(base, p) and not _healthy(base, d)
+        assert _checks(base, "prefill", "success") == 0

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-from dsakv.cli import main
+from dsakv.cli import build_parser, main
 from dsakv.disagg.policy import (
     CacheAware,
     Policy,
@@ -521,3 +521,19 @@ def test_a_shared_prefix_meets_one_prefill_servers_cache_where_round_robin_split
     (p0, h0), (p1, h1) = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
     assert p0 == p1 > 0, (p0, p1)  # (two prompts of one length each)
     assert h1 < p1 / 2, (p1, h1)  # (the second server computed the shared prefix once)
+
+
+def test_sglangs_prefill_url_bootstrap_port_form_is_taken(capsys):
+    """sglang-router's `--prefill URL [BOOTSTRAP_PORT|none]`: the URLs kept, in order (the
+    router asks each server its port); a third value or a non-port is one error line."""
+    argv = ["router", "--prefill", "http://p1:30001", "8998", "--prefill", "http://p2:30001",
+            "--prefill", "http://p3:30001", "none", "--decode", "http://d:30002"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert args.prefill == ["http://p1:30001", "http://p2:30001", "http://p3:30001"]
+    assert build_parser().parse_args(["router"]).prefill == []
+    for bad in (["http://p:1", "x"], ["http://p:1", "8998", "9"], ["http://p:1", "70000"]):
+        with pytest.raises(SystemExit) as e:  # (argparse's own refusals)
+            main(["router", "--port", str(free_port()), "--prefill", *bad])
+        assert e.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines == [f"error: argument --prefill: expected URL [BOOTSTRAP_PORT], got {bad}"]

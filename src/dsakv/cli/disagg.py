@@ -87,6 +87,25 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+class _PrefillAction(argparse.Action):
+    """SGLang router's `--prefill URL [BOOTSTRAP_PORT]`: the URL kept, the port checked and
+    not needed (`Router.bootstrap_of` asks the server, which knows its own)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        url, *rest = values
+        if len(rest) > 1 or (rest and rest[0].lower() != "none" and not _is_port(rest[0])):
+            parser.error(f"argument --prefill: expected URL [BOOTSTRAP_PORT], got {values}")
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest), url])  # (not the default's)
+
+
+def _is_port(text: str) -> bool:
+    try:
+        port(text)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
+
 def add_health_args(p: argparse.ArgumentParser) -> None:
     """`dsakv router`'s active health checks: SGLang router's flags and defaults (its
     seconds as whole numbers; fractions taken here too)."""
@@ -251,11 +270,16 @@ def _decode_kv_events(config: Any) -> list[str]:
 def add_commands(sub: Any) -> None:
     """`dsakv router` and `dsakv serve-pd`."""
     p = sub.add_parser("router", help="OpenAI front door over prefill and decode servers")
-    for kind in ("prefill", "decode"):  # (none: added later, POST /workers)
-        p.add_argument(
-            f"--{kind}", action="append", default=[], metavar="URL",
-            help="repeatable; none given: add servers with POST /workers",
-        )  # fmt: skip
+    p.add_argument(  # (none given: servers added later, POST /workers)
+        "--prefill", action=_PrefillAction, nargs="+", default=[],
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="repeatable; SGLang router's bootstrap port after the URL is taken (the router "
+        "asks each prefill server its own); none given: add servers with POST /workers",
+    )  # fmt: skip
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="URL",
+        help="repeatable; none given: add servers with POST /workers",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument(

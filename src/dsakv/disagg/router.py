@@ -1282,12 +1282,16 @@ class Router:
                 self._probed(kind, url, ok)
 
     async def _probe_health(self, url: str) -> bool:
-        """Whether `url` answers the health check endpoint with a 2xx in time."""
+        """Whether `url` answers the health check endpoint with a 2xx in time. Any error
+        fails this probe alone: one escaping would end `_check_health` for good."""
         h = self.health_config
         try:
             r = await self.client.get(f"{url}{h.endpoint}", timeout=h.timeout_s)
         except httpx.HTTPError as e:
             log.debug("health check of %s failed: %r", url, e)
+            return False
+        except Exception as e:  # noqa: BLE001 - httpx.InvalidURL (an odd endpoint or URL)...
+            log.warning("health check of %s failed: %r", url, e)
             return False
         return r.is_success
 

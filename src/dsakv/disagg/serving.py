@@ -315,16 +315,16 @@ class PrefillAsyncEngine(_DisaggEngine):
         while not u.finished:
             u = await shadow.get()
         try:
-            if u.error is not None and u.error_status < 500:  # the request's own fault
+            # The request failed here (its own fault, a 400, or the model's, a 500):
+            # nothing was sent, so no transfer failed
+            if u.error is not None:
                 reg.fail(u.error, u.error_status)
                 public._push(u)
                 return
-            if u.error is None and u.finish_reason == "abort":  # its client (the router) left
+            if u.finish_reason == "abort":  # its client (the router) left
                 reg.fail("the prefill request was aborted: its client left", 499)
                 public._push(u)
                 return
-            if u.error is not None:
-                raise RuntimeError(u.error)
             n = len(req.prompt_ids)
             if req.num_computed < n:
                 raise RuntimeError("the prompt does not fit in the prefill server's KV pool")

@@ -35,6 +35,7 @@ _REPLACED = (
     "finish_reason",
     "stop_reason",
     "error",
+    "model_fault",  # (the server's 500, not the request's 400)
     "num_computed",
     "prompt_logprobs",
     "prompt_top_logprobs",

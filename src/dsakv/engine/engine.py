@@ -912,10 +912,15 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
 
     def _release_forks(self, req: Request) -> None:
         """Queue `req`'s forks (its prefill is done, or it ended): they inherit its prompt
-        logprobs, and score the prompt themselves only if it had not finished."""
+        logprobs, and score the prompt themselves only if it had not finished. The model
+        failed it in its prompt (`model_fault`): they end with its error, their prompt's KV
+        and logprobs its own (`_score_prompts` returns them)."""
         for fork in req.forks:
             if fork.finished:
                 continue  # aborted while it waited
+            if req.model_fault:
+                self._fail_alone(fork, req.error, req.metrics.finish_time, True)
+                continue
             if req.prompt_logprobs is not None and fork.prompt_logprobs is not None:
                 fork.prompt_logprobs = list(req.prompt_logprobs)
                 fork.prompt_top_logprobs = list(req.prompt_top_logprobs)
@@ -1369,7 +1374,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
 
     def _score_prompts(self, batch: list[tuple[Request, int]], ends: list[int]) -> list[Request]:
         """Teacher-forced logprobs of prompt tokens, from this step's prefill rows; returns
-        the requests it ended, a row of their raw logits not all finite (`_fail_alone`).
+        the requests it ended, a row of their raw logits not all finite (`_fail_alone`),
+        and their forks waiting on them (`_release_forks`).
 
         Row p of a request predicts token p + 1, so a chunk covering positions
         `start..start+n-1` scores prompt tokens `start+1..start+n` (capped at the prompt's
@@ -1412,10 +1418,11 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             for (req, pos), by_id in zip(chunk, gather_ids(logp, asked)):
                 if by_id is not None:
                     req.prompt_token_ids_logprobs[pos] = by_id
-        now = time.perf_counter()
+        now, ended = time.perf_counter(), []
         for req, pos in bad.items():
+            ended += [req, *(f for f in req.forks if not f.finished)]  # (`_release_forks`)
             self._fail_alone(req, _not_finite(pos, "prompt"), now, True)
-        return list(bad)
+        return ended
 
     def _grammar_dead_end(self, req: Request, now: float) -> None:
         """`req`'s grammar allows no next token (nor the end): it cannot be completed, and

@@ -11,6 +11,10 @@ bytes, elided) and queues them; a writer thread checksums and stores them. Which
   from the device when there is no host tier (or it is full);
 - both: pages the cache still holds when the engine closes (bounded by a timeout).
 
+A request the model failed (a NaN: `Request.model_fault`) may have had earlier prefill
+chunks' pages written through: they are deleted as it ends (`withdraw`), after their write
+(a delete is never dropped: with the queue full, the step waits for the writer's next).
+
 A page already stored or queued (known by its hash) is not copied again; a full write
 queue drops the page (counted), it never blocks the step. A page's key is its chain hash
 (`prefix_cache`), which starts from its request's `cache_salt` (`root_hash`): a salted
@@ -171,6 +175,16 @@ class L3Cache:
             page = int(node.host_slots[0]) // self.page_size
             self._enqueue(node.hash, self.host.pool.read_pages([page])[0])
 
+    def withdraw(self, node: Node) -> None:
+        """A failed request's page leaves the cache, its KV not to be served (it may hold
+        the NaN that failed it): its write-through copy, stored or queued, is deleted (the
+        one writer takes the delete after the write). One adopted this step is not copied:
+        its `page` is gone by `flush`."""
+        if self._closed or not self._is_known(node.hash):
+            return
+        self._forget(node.hash)
+        self._writes.put((node.hash, None))  # (a full queue: waits for the writer's next)
+
     def flush(self) -> None:
         """End of a step: snapshot the pages adopted during it (their KV, the draft layer's
         included, is complete now)."""
@@ -324,6 +338,10 @@ class L3Cache:
                 return
             page_hash, row = item
             key = object_key(self.namespace, page_hash)
+            if row is None:  # (`withdraw`)
+                self._delete(key)
+                self._writes.task_done()
+                continue
             ok = stored = failed = False
             try:
                 stored = self.backend.exists(key)  # another engine (or an earlier run) wrote it
@@ -386,14 +404,20 @@ class L3Cache:
                 log.warning("L3 object %s is corrupt (%s): deleted", key, e)
                 self.stats.add(corrupt_objects=1, misses=1)
                 self._forget(page_hash)
-                try:
-                    self.backend.delete(key)
-                except StorageError as err:
-                    self._store_down(err)
+                self._delete(key)
                 return
             lookup.payloads.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             self.stats.add(bytes_read=len(payload))
             self._remember(page_hash)
+
+    def _delete(self, key: str) -> None:
+        """Delete one object (from a worker thread)."""
+        try:
+            self.backend.delete(key)
+        except StorageError as e:
+            self._store_down(e)
+        except Exception:  # noqa: BLE001 - a store bug must not end the worker
+            log.exception("L3 delete of %s failed", key)
 
     # --- shutdown ---------------------------------------------------------------------------
 

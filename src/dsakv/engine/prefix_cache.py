@@ -346,11 +346,13 @@ class PrefixCache:
     def discard(self, nodes: list[Node]) -> None:
         """Take a failed request's own nodes (`nodes`, a path's tail) out of the tree, their
         KV not to be served (it may hold the NaN that failed it), deepest first, stopping
-        at one another request holds or extends; no copy reaches L3 (a page adopted this
-        step is not written through: its `page` is gone by the step's flush)."""
+        at one another request holds or extends; L3 takes back what write-through stored
+        of them (an earlier prefill chunk's pages: `L3Cache.withdraw`)."""
         for n in reversed(nodes):
             if n.lock_ref or n.children or n.stale or n.page is None:
                 return
+            if self.l3 is not None:
+                self.l3.withdraw(n)
             self._drop_subtree(n, last_copy=False)
 
     def _drop_subtree(self, top: Node, last_copy: bool = True) -> None:

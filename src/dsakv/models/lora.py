@@ -13,10 +13,11 @@ loaded or dropped without a weight update.
 
 The routed experts have slots too (`RoutedSlots`): per expert of this rank, gate, up and
 down each A `[E_r, S·R, in]` and B·scaling `[E_r, out, S·R]` (gate and up apart, so an
-adapter whose experts' gate and up have distinct A's needs no rank 2r). A step with LoRA
-tokens, and a slot holding expert weights, runs the experts one GEMM pair per chosen expert
-plus the masked low-rank terms (`RoutedSlots.experts`); any other step the backend's op,
-its numerics and speed unchanged. Two adapter formats are read: vLLM's / transformers 4's
+adapter whose experts' gate and up have distinct A's needs no rank 2r). The tokens whose
+slot holds expert weights run the experts one GEMM pair per chosen expert plus the masked
+low-rank terms (`RoutedSlots.experts`); the others (base tokens, adapters without expert
+weights) the backend's op, their numerics (batch invariant on CUDA) and a step of them
+alone its speed unchanged. Two adapter formats are read: vLLM's / transformers 4's
 per-expert modules (`mlp.experts.{e}.gate_proj` ...: any subset, the rest zero), and PEFT's
 `target_parameters` on the fused `mlp.experts.gate_up_proj` `[E, 2I, H]` and `down_proj`
 `[E, H, I]` (`ParamWrapper`: lora_A `[r·E, in]` rows expert-major, lora_B `[out, r·E]`
@@ -217,7 +218,10 @@ def _routed_weights(
         if m.group(2) is None:
             nested[m.group(3).count(".")] = ab  # (how many base_layers deep)
         elif int(m.group(1)) >= experts.num_experts:
-            raise refuse(f"{prefix}.{m.group(1)}: layer {layer} has {experts.num_experts} experts")
+            raise refuse(
+                f"{prefix}.{m.group(1)}: no expert {m.group(1)} (layer {layer} has experts "
+                f"0..{experts.num_experts - 1}: another base model?)"
+            )
         else:
             per_expert.setdefault(m.group(2), {})[int(m.group(1))] = ab
     if per_expert and nested:
@@ -238,7 +242,7 @@ def _per_expert(by_proj: dict, prefix: str, experts: Experts, scaling, max_rank:
     """vLLM's per-expert keys (`by_proj[proj][e]`: A `[r, in]`, B `[out, r]`) stacked over
     this rank's experts at their largest rank, zero where an expert has none."""
     (first, last), stacked = experts.expert_range, {}
-    inter, h = experts.intermediate, experts.gate_up_proj.shape[2]
+    inter, h = experts.intermediate, experts.hidden_size
     for proj, by_expert in by_proj.items():
         out, inp = (h, inter) if proj == "down_proj" else (inter, h)
         ranks = {
@@ -269,7 +273,7 @@ def _fused(
             f"{params or 'no fused param'} of this layer (one level per param, as PEFT nests them)"
         )
     e, (first, last), stacked = experts.num_experts, experts.expert_range, {}
-    inter, h = experts.intermediate, experts.gate_up_proj.shape[2]
+    inter, h = experts.intermediate, experts.hidden_size
     for depth, (a, b) in nested.items():
         param = params[len(params) - 1 - depth]
         out, inp = (h, inter) if param == "down_proj" else (2 * inter, h)
@@ -433,9 +437,13 @@ class SlotWeights:
         self.slots = slots
         self.filled = [False] * slots.max_loras  # whether each slot holds weights here
 
+    def active(self) -> bool:
+        """Whether a slot this step's tokens use holds weights here (else their delta is 0)."""
+        return any(self.filled[s] for s in self.slots.used)
+
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mask = self.slots.mask
-        if mask is None:  # (no LoRA token in the step)
+        if mask is None or not self.active():  # (no delta to add in this step)
             return y
         if mask.shape[0] != x.shape[0]:
             raise ValueError(f"LoRA mask has {mask.shape[0]} rows for {x.shape[0]} tokens")
@@ -472,10 +480,10 @@ class LatentSlots(SlotWeights):
         self.heads, self.nope = heads, nope
 
     def _mask(self) -> torch.Tensor | None:
-        """The step's token mask `[T, 1, S·R]`; None when no token of it runs an adapter
-        or no slot holds kv_b weights (nothing to add)."""
+        """The step's token mask `[T, 1, S·R]`; None when no adapter of the step's tokens
+        holds kv_b weights (nothing to add)."""
         mask = self.slots.mask
-        return None if mask is None or not any(self.filled) else mask[:, None]
+        return None if mask is None or not self.active() else mask[:, None]
 
     def _b(self, x: torch.Tensor) -> torch.Tensor:
         return self.b.to(x.dtype).view(self.heads, -1, self.b.shape[1])
@@ -511,7 +519,10 @@ class RoutedSlots:
     rank's experts leading), and the expert loop that adds their masked deltas."""
 
     def __init__(self, experts: Experts, slots: LoraSlots, dtype: torch.dtype) -> None:
-        e, h, n = experts.down_proj.shape  # (this rank's experts and intermediate slice)
+        # (sizes from the experts' own, not their weights' shapes: FP8 weights kept packed
+        # have rows of their packed width)
+        (first, last), (i0, i1) = experts.expert_range, experts.inter_range
+        e, h, n = last - first, experts.hidden_size, i1 - i0
         device = experts.down_proj.device
         self.gate, self.up = (SlotWeights(slots, (e, n, h), dtype, device) for _ in range(2))
         self.down = SlotWeights(slots, (e, h, n), dtype, device)
@@ -520,12 +531,29 @@ class RoutedSlots:
     def projections(self) -> dict[str, SlotWeights]:
         return dict(zip(PROJECTIONS, (self.gate, self.up, self.down), strict=True))
 
-    def mask(self) -> torch.Tensor | None:
-        """The step's token mask; None when no token of it runs an adapter or no slot holds
-        expert weights (the backend's op runs, its numerics unchanged)."""
-        mask = self.slots.mask
-        holds = any(any(p.filled) for p in (self.gate, self.up, self.down))
-        return mask if holds else None
+    def __call__(
+        self, experts: Experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """`experts`' output for the step: the tokens whose adapter holds expert weights here
+        through the LoRA-aware loop, the others (base tokens, adapters without expert
+        weights) through the backend's op, so their output is the base layer's (and a step
+        with none of the former runs the op alone, its numerics and speed unchanged)."""
+        filled = zip(self.gate.filled, self.up.filled, self.down.filled, strict=True)
+        split = self.slots.split([any(f) for f in filled])
+        if split is None:
+            return experts.base(x, ids, weights)
+        if self.slots.mask.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"LoRA mask has {self.slots.mask.shape[0]} rows for {x.shape[0]} tokens"
+            )
+        adapted, base, mask = split
+        args = (experts.gate_up_proj, experts.down_proj, experts.expert_range[0])
+        if base.shape[0] == 0:
+            return self.experts(x, ids, weights, *args, mask)
+        out = torch.empty_like(x)
+        out[adapted] = self.experts(x[adapted], ids[adapted], weights[adapted], *args, mask)
+        out[base] = experts.base(x[base], ids[base], weights[base])
+        return out
 
     def experts(
         self,
@@ -538,11 +566,10 @@ class RoutedSlots:
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """`torch_ops.experts_loop`'s sum with each token's own slot's low-rank terms on gate
-        and up (before the activation) and on down; a base token keeps none (its delta
-        exactly 0). Under moe_tp, down's A holds this rank's intermediate columns: a partial
-        delta, reduced with the base output."""
+        and up (before the activation) and on down (`mask`: the tokens' rows of the step
+        mask). Under moe_tp, down's A holds this rank's intermediate columns: a partial
+        delta, reduced with the base output. (`widened` unpacks FP8 weights kept packed.)"""
         last = first + gate_up.shape[0]
-        n = down.shape[2]
         out = torch.zeros_like(x)
 
         def delta(s: SlotWeights, i: int, z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -551,9 +578,9 @@ class RoutedSlots:
 
         for e, tok, we in expert_groups(ids, weights, first, last):
             i, xs, m = e - first, x[tok], mask[tok]
-            h = F.linear(xs, widened(gate_up[i], x))
-            gate = h[:, :n] + delta(self.gate, i, xs, m)
-            up = h[:, n:] + delta(self.up, i, xs, m)
+            gate, up = F.linear(xs, widened(gate_up[i], x)).chunk(2, dim=-1)
+            gate = gate + delta(self.gate, i, xs, m)
+            up = up + delta(self.up, i, xs, m)
             act = F.silu(gate) * up
             y = F.linear(act, widened(down[i], x)) + delta(self.down, i, act, m)
             out.index_add_(0, tok, (y * we[:, None]).to(out.dtype))
@@ -570,6 +597,9 @@ class LoraSlots:
         self.adapters: dict[int, LoraAdapter] = {}
         self.resident = [0] * max_loras  # adapter id per slot (0: empty)
         self.mask: torch.Tensor | None = None
+        self.used: frozenset[int] = frozenset()  # the slots the step's tokens use
+        self._token_slots: torch.Tensor | None = None  # each token's slot (-1: base), host
+        self._splits: dict[tuple[bool, ...], tuple[torch.Tensor, ...]] = {}  # this step's `split`s
         self.layers: dict[str, SlotWeights] = {}
         self.device = model.model.norm.weight.device
         self._cols = torch.arange(max_loras * max_rank, device=self.device) // max_rank  # slot
@@ -591,8 +621,9 @@ class LoraSlots:
     def prepare(self, step: tuple[Sequence[int], Sequence[int]] | None, lens: Sequence[int]):
         """Before a forward: `step` = (the adapter id in each slot, each request's slot,
         -1 for the base model), `lens` each request's tokens; None: no LoRA request."""
+        self._splits = {}
         if step is None or all(s < 0 for s in step[1]):
-            self.mask = None
+            self.mask, self.used, self._token_slots = None, frozenset(), None
             return
         table, slots = step
         for s, lora_id in enumerate(table):
@@ -601,8 +632,29 @@ class LoraSlots:
                 for name, layer in self.layers.items():
                     layer.fill(s, adapter.weights.get(name) if adapter is not None else None)
                 self.resident[s] = lora_id if adapter is not None else 0
-        per_token = torch.tensor(slots).repeat_interleave(torch.tensor(lens)).to(self.device)
+        self.used = frozenset(s for s in slots if s >= 0)
+        self._token_slots = torch.tensor(slots).repeat_interleave(torch.tensor(lens))
+        per_token = self._token_slots.to(self.device)
         self.mask = self._cols[None] == per_token[:, None]
+
+    def split(
+        self, holds: Sequence[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The step's tokens whose slot `holds` weights (a layer's, per slot) apart from the
+        others: (their rows, the other rows, their rows of the mask), on the device; None
+        when no token's slot holds any. Found on the host, where the slots are known, and
+        copied without waiting on the device (no sync); once per step for each `holds`."""
+        if not any(holds[s] for s in self.used):
+            return None
+        key = tuple(holds)
+        if key not in self._splits:
+            adapted = torch.tensor([*key, False])[self._token_slots]  # (slot -1: the False)
+            rows, other = (
+                r.nonzero().flatten().to(self.device, non_blocking=True)
+                for r in (adapted, ~adapted)
+            )
+            self._splits[key] = rows, other, self.mask[rows]
+        return self._splits[key]
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every slot's A and B (what sleep mode stashes beside the model's buffers)."""

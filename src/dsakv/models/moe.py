@@ -66,8 +66,8 @@ class Experts(nn.Module):
     (`expert_range`); within a group each expert's intermediate size is split over the
     group's `moe_tp` ranks (`inter_range`). The output is a partial sum to all-reduce.
 
-    With LoRA adapters (`lora`: `dsakv.models.lora.RoutedSlots`), a step whose tokens run
-    adapters holding expert weights runs the LoRA-aware loop instead of the backend's op.
+    With LoRA adapters (`lora`: `dsakv.models.lora.RoutedSlots`), the tokens whose adapter
+    holds expert weights here run the LoRA-aware loop, the others the backend's op.
     """
 
     def __init__(self, config: ModelConfig, parallel: ParallelState) -> None:
@@ -76,7 +76,7 @@ class Experts(nn.Module):
         pc = parallel.config
         experts = Shard.even(0, e, pc.ep, parallel.ep_rank)
         inter = Shard.even(0, i, pc.moe_tp, parallel.moe_tp_rank)
-        self.num_experts, self.intermediate = e, i
+        self.num_experts, self.intermediate, self.hidden_size = e, i, h
         self.expert_range = (experts.start, experts.end)
         self.inter_range = (inter.start, inter.end)
         self.gate_up_proj = nn.Parameter(torch.empty(experts.size, 2 * inter.size, h))
@@ -85,13 +85,14 @@ class Experts(nn.Module):
         self.lora: RoutedSlots | None = None  # adapter slots (--enable-lora), else None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """This rank's experts that some token chose (a partial sum; the backend's op)."""
+        """This rank's experts that some token chose (a partial sum)."""
+        if self.lora is not None:
+            return self.lora(self, x, ids, weights)
+        return self.base(x, ids, weights)
+
+    def base(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The backend's op: the experts without any adapter."""
         first, last = self.expert_range
-        mask = None if self.lora is None else self.lora.mask()
-        if mask is not None:
-            return self.lora.experts(
-                x, ids, weights, self.gate_up_proj, self.down_proj, first, mask
-            )
         return self.ops.experts(x, ids, weights, self.gate_up_proj, self.down_proj, first, last)
 
 
