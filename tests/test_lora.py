@@ -539,6 +539,8 @@ def _bad(models, root: Path, case: str) -> str:
         _edit_config(path, bias="all")
     elif case == "modules_to_save":
         _edit_config(path, modules_to_save=["lm_head"])
+    elif case == "bdlora":
+        _edit_config(path, use_bdlora={"target_modules_bd_a": ["o_proj"], "nblocks": 2})
     elif case == "peft_type":
         _edit_config(path, peft_type="IA3")
     elif case == "shape":
@@ -565,7 +567,8 @@ def _bad(models, root: Path, case: str) -> str:
 
 
 REFUSED = {
-    "rank": "rank 16 is more than --max-lora-rank 8",
+    "rank": r"\.\w+ has rank 16, more than --max-lora-rank 8",
+    "bdlora": r"block-diagonal LoRA \(use_bdlora\) is not supported",
     "dora": "use_dora",
     "bias": "bias 'all' is not supported",
     "modules_to_save": "modules_to_save is not supported",
@@ -592,6 +595,16 @@ def test_a_bad_adapter_is_one_clear_error(models, refusing, tmp_path, case):
         refusing.load_lora("x", path)
     assert "\n" not in str(e.value) and path in str(e.value)
     assert refusing.loras() == {} and not refusing.model.lora.adapters
+
+
+def test_a_rank_pattern_matching_no_module_sizes_nothing(models, refusing, tmp_path):
+    """PEFT ignores a rank_pattern key that matches no module (it warns); the tensors' own
+    ranks are what --max-lora-rank bounds."""
+    path = _adapter(models["dense"], tmp_path / "a", seed=3, r=4, target_modules=["o_proj"])
+    _edit_config(path, rank_pattern={"lm_head": 64})
+    refusing.load_lora("unmatched", path)
+    assert refusing.loras() == {"unmatched": path}
+    refusing.unload_lora("unmatched")
 
 
 def test_requests_and_settings_refused(models, refusing, adapters):

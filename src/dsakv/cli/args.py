@@ -997,6 +997,14 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
         dest="max_cpu_loras",
         type=positive_int,
     )
+    g.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        action="extend",
+        metavar="MODULE",
+        help="SGLang's: the modules given adapter slots (q_a_proj, o_proj, gate_proj, ..., "
+        "gate_up_proj, or all: the default); an adapter adapting another is refused",
+    )
 
 
 def add_ignored_lora_args(g: argparse._ArgumentGroup) -> None:
@@ -1015,13 +1023,6 @@ def add_ignored_lora_args(g: argparse._ArgumentGroup) -> None:
         "--lora-backend",
         metavar="KERNEL",
         help="SGLang's LoRA kernel: dsakv adds each token's delta its own way",
-    )
-    g.add_argument(
-        "--lora-target-modules",
-        nargs="+",
-        metavar="MODULE",
-        help="SGLang's modules adapters may target: each adapter's own targets are served, "
-        "every module dsakv adapts (README) being taken",
     )
     g.add_argument(
         "--lora-eviction-policy",

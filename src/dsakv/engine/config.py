@@ -20,6 +20,7 @@ from dsakv.errors import DsakvError, is_int, is_number
 from dsakv.kernels import BACKENDS
 from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 from dsakv.memory.storage import StorageConfig
+from dsakv.models.lora import target_suffixes
 
 MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
 DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLang's default)
@@ -147,12 +148,14 @@ class EngineConfig:
     # resident at once, each up to rank `max_lora_rank`; `max_cpu_loras` caps those held in
     # host memory (None: no cap; past it the least recently used no request holds is
     # evicted, read again when named: `dsakv.engine.lora`); `lora_modules`: (name, path)
-    # pairs loaded at start
+    # pairs loaded at start; `lora_target_modules` (SGLang's): the modules that hold slots
+    # (`dsakv.models.lora.TARGET_MODULES`, `all`), an adapter adapting another refused
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_target_modules: tuple[str, ...] = ("all",)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # every bool field, by its annotation (a string here)
@@ -366,15 +369,23 @@ class EngineConfig:
         if isinstance(modules, list):  # (LLM(...) keywords may give lists)
             modules = tuple(tuple(m) if isinstance(m, list) else m for m in modules)
             object.__setattr__(self, "lora_modules", modules)
+        targets = self.lora_target_modules
+        if isinstance(targets, (str, list)):  # (a name alone, or LLM(...)'s list)
+            targets = (targets,) if isinstance(targets, str) else tuple(targets)
+            object.__setattr__(self, "lora_target_modules", targets)
         if not self.enable_lora:
             for flag, given in (
                 ("--max-loras", self.max_loras != 1),
                 ("--max-lora-rank", self.max_lora_rank != 16),
                 ("--max-cpu-loras", self.max_cpu_loras is not None),
                 ("--lora-modules", bool(modules)),
+                ("--lora-target-modules", targets != ("all",)),
             ):
                 if given:
                     raise DsakvError(f"{flag} needs --enable-lora")
+        if not isinstance(targets, tuple) or not all(isinstance(m, str) for m in targets):
+            raise DsakvError(f"lora_target_modules must be module names, got {targets!r}")
+        target_suffixes(targets)
         for name in ("max_loras", "max_lora_rank"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:

@@ -241,13 +241,15 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.model, self.model_config, self.plan = load_model(
             config.model, plan, device=self.device, parallel=self.parallel, **self._stored
         )
-        # LoRA adapters' slots on every adaptable layer, before any native form is made
+        # LoRA adapters' slots on every targeted layer, before any native form is made
         # (`has_lora`: with them, steps run the torch path); which adapter is where: rank 0's
         self.lora: LoraRegistry | None = None
         if config.enable_lora:
             from dsakv.models.lora import LoraSlots
 
-            self.model.lora = LoraSlots(self.model, config.max_loras, config.max_lora_rank)
+            self.model.lora = LoraSlots(
+                self.model, config.max_loras, config.max_lora_rank, config.lora_target_modules
+            )
             self.lora = LoraRegistry(config.max_loras, config.max_cpu_loras)
             for name, path in config.lora_modules:  # (every rank loads them as it starts)
                 self.lora.check_new(name)

@@ -9,7 +9,9 @@ the base layer), and expands through `B_all`: two small GEMMs per layer whatever
 of adapters in the batch, each token's delta its own, the same code on CPU and CUDA
 (vLLM's punica kernels gather each token's slot; the mask stands in for that gather).
 The weights stay untouched, so base requests run beside LoRA ones and an adapter is
-loaded or dropped without a weight update.
+loaded or dropped without a weight update. Only the modules --lora-target-modules names
+(default all: `target_suffixes`) hold slots, the others no memory and no per-step work; an
+adapter adapting another is refused.
 
 The routed experts have slots too (`RoutedSlots`): per expert of this rank, gate, up and
 down each A `[E_r, S·R, in]` and B·scaling `[E_r, out, S·R]` (gate and up apart, so an
@@ -41,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,20 +58,26 @@ from dsakv.kernels.torch_ops import expert_groups, per_head, widened
 from .moe import Experts, MoE
 from .parallel_layers import ShardedLinear
 
-# What a decoder layer's adapter may target, by the module's name inside the layer.
-TARGETS = frozenset(
-    [f"self_attn.{m}" for m in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")]
-    + ["self_attn.o_proj"]
-    + [f"self_attn.indexer.{m}" for m in ("wq_b", "wk", "weights_proj")]
-    + [f"mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
-    + [f"mlp.shared_experts.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
-)
-# The routed experts' projections (their slots' names: `model.layers.{i}.mlp.experts.{p}`),
-# and PEFT's fused params in the order it nests their `ParamWrapper`s: a module's parameters
-# in registration order (transformers' experts register gate_up_proj first), each wrapping
-# the last, so with both targeted gate_up_proj's keys are the inner `experts.base_layer.*`.
+# The MLPs' projections: the dense MLP's, the shared experts' and the routed experts' (their
+# slots' names: `model.layers.{i}.mlp.experts.{p}`); and PEFT's fused params in the order it
+# nests their `ParamWrapper`s: a module's parameters in registration order (transformers'
+# experts register gate_up_proj first), each wrapping the last, so with both targeted
+# gate_up_proj's keys are the inner `experts.base_layer.*`.
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 FUSED = ("gate_up_proj", "down_proj")
+ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+INDEXER = ("wq_b", "wk", "weights_proj")
+# What a decoder layer's adapter may target, by the module's name inside the layer.
+TARGETS = frozenset(
+    [f"self_attn.{m}" for m in ATTENTION]
+    + [f"self_attn.indexer.{m}" for m in INDEXER]
+    + [f"mlp.{m}" for m in PROJECTIONS]
+    + [f"mlp.shared_experts.{m}" for m in PROJECTIONS]
+)
+# --lora-target-modules' names (SGLang's): the module-name suffixes PEFT's target_modules
+# (and its per-expert keys) use, a name covering every module so named; gate_up_proj (the
+# fused experts' param) gate and up, `all` every one
+TARGET_MODULES = (*ATTENTION, *INDEXER, *PROJECTIONS)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(.+)\.lora_([AB])\.weight$")
@@ -100,8 +108,8 @@ class LoraAdapter:
 def read_adapter(path: str, model: nn.Module, max_rank: int) -> LoraAdapter:
     """The PEFT adapter at `path` checked against `model` (this rank's `DSAForCausalLM`):
     its config (LORA, no DoRA, bias, modules_to_save or fan_in_fan_out; ranks up to
-    `max_rank`), every tensor's module, shape and values (finite); a `DsakvError` naming
-    the problem."""
+    `max_rank`), every tensor's module (one its slots' --lora-target-modules names), shape
+    and values (finite); a `DsakvError` naming the problem."""
     folder = Path(path)
 
     def refuse(why: str) -> DsakvError:
@@ -157,7 +165,21 @@ def read_adapter(path: str, model: nn.Module, max_rank: int) -> LoraAdapter:
         weights[name] = own_slices(linear, a, b * scaling(name, r), slot_dtype(model, name))
     for layer, keys in sorted(routed.items()):
         weights.update(_routed_weights(model, layer, keys, targets, scaling, max_rank, refuse))
+    _check_targeted(weights, model, refuse)
     return LoraAdapter(str(path), digest, weights)
+
+
+def _check_targeted(weights: dict, model: nn.Module, refuse) -> None:
+    """Every module the adapter adapts holds slots: --lora-target-modules names it."""
+    slots = getattr(model, "lora", None)
+    targets = frozenset(TARGET_MODULES) if slots is None else slots.targets
+    outside = [name for name in sorted(weights) if name.rsplit(".", 1)[1] not in targets]
+    if outside:
+        needs = sorted({name.rsplit(".", 1)[1] for name in outside})
+        raise refuse(
+            f"{outside[0]}: not among --lora-target-modules ({', '.join(sorted(targets))}): "
+            f"this adapter needs {', '.join(needs)} there too (or all)"
+        )
 
 
 def _pair(name: str, ab: dict[str, torch.Tensor], refuse) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,6 +340,9 @@ def _check_config(config: dict, max_rank: int, refuse) -> Any:
         (config.get("modules_to_save"), "modules_to_save is not supported (full module copies)"),
         (config.get("fan_in_fan_out"), "fan_in_fan_out is not supported"),
         (config.get("alora_invocation_tokens"), "activated LoRA (aLoRA) is not supported"),
+        (config.get("use_bdlora"), "block-diagonal LoRA (use_bdlora) is not supported"),
+        (config.get("arrow_config"), "Arrow routing (arrow_config) is not supported"),
+        (config.get("layer_replication"), "layer_replication is not supported"),
     )
     for bad, why in refused:
         if bad:
@@ -327,11 +352,9 @@ def _check_config(config: dict, max_rank: int, refuse) -> Any:
     alphas = config.get("alpha_pattern") or {}
     if not isinstance(ranks, dict) or not isinstance(alphas, dict):
         raise refuse("rank_pattern and alpha_pattern must be objects")
-    for v in (r, *ranks.values()):
-        if not is_int(v) or v < 1:
+    for v in (r, *ranks.values()):  # (each tensor's rank is checked against max_rank:
+        if not is_int(v) or v < 1:  # a pattern that matches no module sizes nothing)
             raise refuse(f"rank {v!r} is not an integer >= 1")
-        if v > max_rank:
-            raise refuse(f"rank {v} is more than --max-lora-rank {max_rank}")
     for v in (alpha, *alphas.values()):
         if not (is_number(v) and abs(v) < 1e300):  # (the config read as Python's: NaN too)
             raise refuse(f"lora_alpha {v!r} is not a finite number")
@@ -515,21 +538,34 @@ class LatentSlots(SlotWeights):
 
 
 class RoutedSlots:
-    """A MoE layer's routed experts' slots: gate, up and down (`SlotWeights` with this
-    rank's experts leading), and the expert loop that adds their masked deltas."""
+    """A MoE layer's routed experts' slots: gate, up and down, those of `projections`
+    (`SlotWeights` with this rank's experts leading; None: not targeted, no delta), and the
+    expert loop that adds their masked deltas."""
 
-    def __init__(self, experts: Experts, slots: LoraSlots, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        experts: Experts,
+        slots: LoraSlots,
+        dtype: torch.dtype,
+        projections: Collection[str] = PROJECTIONS,
+    ) -> None:
         # (sizes from the experts' own, not their weights' shapes: FP8 weights kept packed
         # have rows of their packed width)
         (first, last), (i0, i1) = experts.expert_range, experts.inter_range
         e, h, n = last - first, experts.hidden_size, i1 - i0
         device = experts.down_proj.device
-        self.gate, self.up = (SlotWeights(slots, (e, n, h), dtype, device) for _ in range(2))
-        self.down = SlotWeights(slots, (e, h, n), dtype, device)
+
+        def held(proj: str, shape: tuple[int, ...]) -> SlotWeights | None:
+            return SlotWeights(slots, shape, dtype, device) if proj in projections else None
+
+        self.gate, self.up = held("gate_proj", (e, n, h)), held("up_proj", (e, n, h))
+        self.down = held("down_proj", (e, h, n))
         self.slots = slots
 
     def projections(self) -> dict[str, SlotWeights]:
-        return dict(zip(PROJECTIONS, (self.gate, self.up, self.down), strict=True))
+        """The targeted projections' slots, by name."""
+        held = zip(PROJECTIONS, (self.gate, self.up, self.down), strict=True)
+        return {proj: s for proj, s in held if s is not None}
 
     def __call__(
         self, experts: Experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -538,7 +574,7 @@ class RoutedSlots:
         through the LoRA-aware loop, the others (base tokens, adapters without expert
         weights) through the backend's op, so their output is the base layer's (and a step
         with none of the former runs the op alone, its numerics and speed unchanged)."""
-        filled = zip(self.gate.filled, self.up.filled, self.down.filled, strict=True)
+        filled = zip(*(s.filled for s in self.projections().values()), strict=True)
         split = self.slots.split([any(f) for f in filled])
         if split is None:
             return experts.base(x, ids, weights)
@@ -572,7 +608,11 @@ class RoutedSlots:
         last = first + gate_up.shape[0]
         out = torch.zeros_like(x)
 
-        def delta(s: SlotWeights, i: int, z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        def delta(
+            s: SlotWeights | None, i: int, z: torch.Tensor, m: torch.Tensor
+        ) -> torch.Tensor | int:
+            if s is None:  # (not targeted)
+                return 0
             zr = torch.where(m, F.linear(z, s.a[i].to(z.dtype)), 0)
             return F.linear(zr, s.b[i].to(z.dtype))
 
@@ -588,12 +628,16 @@ class RoutedSlots:
 
 
 class LoraSlots:
-    """A model's adapter slots (`SlotWeights` on every adaptable layer of its target layers)
-    and the adapters this rank holds, by the engine's id: `prepare` fills the slots a step
-    names and builds its token mask."""
+    """A model's adapter slots (`SlotWeights` on every adaptable layer of its target layers
+    that `targets`, --lora-target-modules, names: the others hold none, and an adapter
+    adapting them is refused) and the adapters this rank holds, by the engine's id:
+    `prepare` fills the slots a step names and builds its token mask."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_rank: int, targets: Sequence[str] = ("all",)
+    ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
+        self.targets = target_suffixes(targets)
         self.adapters: dict[int, LoraAdapter] = {}
         self.resident = [0] * max_loras  # adapter id per slot (0: empty)
         self.mask: torch.Tensor | None = None
@@ -604,6 +648,8 @@ class LoraSlots:
         self.device = model.model.norm.weight.device
         self._cols = torch.arange(max_loras * max_rank, device=self.device) // max_rank  # slot
         for name, linear in adaptable(model):
+            if name.rsplit(".", 1)[1] not in self.targets:
+                continue
             dtype = slot_dtype(model, name)
             if name.endswith("kv_b_proj"):
                 attn = model.get_submodule(name.removesuffix(".kv_b_proj"))
@@ -612,9 +658,11 @@ class LoraSlots:
                 shape = (linear.out_features, linear.in_features)
                 holder = SlotWeights(self, shape, dtype, linear.weight.device)
             linear.lora = self.layers[name] = holder
+        routed_targets = self.targets.intersection(PROJECTIONS)
         for i, layer in enumerate(model.target_layers):  # (not the MTP layer's)
-            if isinstance(layer.mlp, MoE):
-                routed = layer.mlp.experts.lora = RoutedSlots(layer.mlp.experts, self, model.dtype)
+            if isinstance(layer.mlp, MoE) and routed_targets:
+                experts = layer.mlp.experts
+                routed = experts.lora = RoutedSlots(experts, self, model.dtype, routed_targets)
                 for proj, holder in routed.projections().items():
                     self.layers[f"model.layers.{i}.mlp.experts.{proj}"] = holder
 
@@ -665,6 +713,24 @@ class LoraSlots:
         """Forget an adapter (unloaded, no request left on it); its slot is refilled when
         another adapter takes it."""
         self.adapters.pop(lora_id, None)
+
+
+def target_suffixes(modules: Sequence[str]) -> frozenset[str]:
+    """The module-name suffixes (`TARGET_MODULES`) --lora-target-modules `modules` covers; a
+    `DsakvError` naming one dsakv cannot adapt, with the valid names."""
+    covers = {m: (m,) for m in TARGET_MODULES}
+    covers |= {"gate_up_proj": PROJECTIONS[:2], "all": TARGET_MODULES}
+    out: set[str] = set()
+    for m in modules:
+        if m not in covers:
+            raise DsakvError(
+                f"--lora-target-modules {m!r} is not a module dsakv can adapt (valid: "
+                f"{', '.join(covers)})"
+            )
+        out.update(covers[m])
+    if not out:
+        raise DsakvError("--lora-target-modules needs at least one module (or all)")
+    return frozenset(out)
 
 
 def adaptable(model: nn.Module) -> Iterator[tuple[str, ShardedLinear]]:
