@@ -70,14 +70,34 @@ def _adapter(model_dir: str, out: Path, seed: int, **lora) -> str:
     return str(out)
 
 
+def dense_tiny(root: Path) -> str:
+    """glm-tiny with every context selected whole (index_topk 4096): exact equality is fair."""
+    dense = copy.deepcopy(TINY_PRESETS["glm-tiny"])
+    dense["index_topk"] = 4096
+    return str(write_tiny_model(root / "dense", preset=dense, seed=1))
+
+
+def reference(pm, prompt: list[int], steps: int) -> dict:
+    """transformers + PEFT's greedy tokens and each step's logprobs."""
+    gen = pm.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=258,
+        eos_token_id=None,
+    )
+    logprobs = torch.log_softmax(torch.stack(gen.logits)[:, 0].float(), -1)
+    return dict(tokens=gen.sequences[0, len(prompt) :].tolist(), logprobs=logprobs)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("lora")
-    dense = copy.deepcopy(TINY_PRESETS["glm-tiny"])
-    dense["index_topk"] = 4096  # every context selected whole: exact equality is fair
     return {
         "sparse": str(write_tiny_model(root / "sparse", "glm-tiny", seed=1)),
-        "dense": str(write_tiny_model(root / "dense", preset=dense, seed=1)),
+        "dense": dense_tiny(root),
     }
 
 
@@ -126,17 +146,8 @@ def test_adapter_logits_and_greedy_match_transformers_peft(models, tmp_path, tar
     pm = _peft_model(models["sparse"], seed=3, target_modules=targets)
     pm.save_pretrained(str(tmp_path / "a"))
     prompt, steps = _prompt(0), 10
-    gen = pm.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=258,
-        eos_token_id=None,
-    )
-    hf_tokens = gen.sequences[0, len(prompt) :].tolist()
-    hf_logprobs = torch.log_softmax(torch.stack(gen.logits)[:, 0].float(), -1)
+    ref = reference(pm, prompt, steps)
+    hf_tokens, hf_logprobs = ref["tokens"], ref["logprobs"]
     ids = sorted(set(hf_logprobs.topk(12).indices.flatten().tolist()))  # (at most 128 ids)
     params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, logprob_token_ids=ids)
     with LLM(models["sparse"], **EXACT, num_pages=64, enable_lora=True, max_lora_rank=8) as llm:

@@ -25,7 +25,7 @@ from dsakv.errors import DsakvError
 from dsakv.kernels import TorchBackend, torch_ops
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
-from .test_lora import EXACT, GREEDY, _engine, _peft_model, _prompt, _run
+from .test_lora import EXACT, GREEDY, _engine, _peft_model, _prompt, _run, dense_tiny, reference
 
 peft = pytest.importorskip("peft")
 
@@ -38,25 +38,11 @@ WEIGHTS = "adapter_model.safetensors"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    dense = copy.deepcopy(TINY_PRESETS["glm-tiny"])
-    dense["index_topk"] = 4096  # every context selected whole: exact equality is fair
-    root = tmp_path_factory.mktemp("experts")
-    return str(write_tiny_model(root / "dense", preset=dense, seed=1))
+    return dense_tiny(tmp_path_factory.mktemp("experts"))
 
 
 def _reference(pm, prompt: list[int]) -> dict:
-    """transformers + PEFT's greedy tokens and each step's logprobs."""
-    gen = pm.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=STEPS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=258,
-        eos_token_id=None,
-    )
-    logprobs = torch.log_softmax(torch.stack(gen.logits)[:, 0].float(), -1)
-    return dict(tokens=gen.sequences[0, len(prompt) :].tolist(), logprobs=logprobs)
+    return reference(pm, prompt, STEPS)
 
 
 def _per_expert(pm, fused: Path, out: Path) -> str:

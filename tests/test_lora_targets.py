@@ -9,7 +9,6 @@ are fair. Adapters are PEFT's own (tests/test_lora.py, tests/test_lora_experts.p
 
 from __future__ import annotations
 
-import copy
 import shutil
 
 import pytest
@@ -21,11 +20,10 @@ from dsakv.cli.args import add_engine_args, given_flags
 from dsakv.engine import Engine, EngineConfig
 from dsakv.errors import DsakvError
 from dsakv.models.moe import MoE
-from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 from dsakv.procs import free_port
 
 from .conftest import cli_config, cli_error_line
-from .test_lora import GREEDY, _peft_model, _prompt
+from .test_lora import GREEDY, _peft_model, _prompt, dense_tiny
 from .test_lora_experts import ATTENTION, FUSED, KW, WEIGHTS, _logprobs, _per_expert
 
 peft = pytest.importorskip("peft")
@@ -36,10 +34,7 @@ SMALL = ["q_a_proj", "o_proj"]  # the attention adapter's modules
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    dense = copy.deepcopy(TINY_PRESETS["glm-tiny"])
-    dense["index_topk"] = 4096  # every context selected whole: exact equality is fair
-    root = tmp_path_factory.mktemp("targets")
-    return str(write_tiny_model(root / "dense", preset=dense, seed=1))
+    return dense_tiny(tmp_path_factory.mktemp("targets"))
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,12 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Response
 
-from dsakv.cli import build_parser, main
+from dsakv.cli import build_parser
 from dsakv.cli.disagg import health_config
 from dsakv.disagg.policy import PolicyConfig
 from dsakv.disagg.router import HealthConfig
 
+from .conftest import cli_error_line
 from .serving import TIMEOUT, free_port, routing, running, scrape_metrics
 
 COMPLETIONS = "/v1/completions"
@@ -182,13 +183,8 @@ def test_the_flags_are_sglang_routers():
     ],
 )
 def test_bad_health_flags_are_one_error_line(args, message, capsys):
-    try:
-        code = main(["router", "--port", str(free_port()), *args])
-    except SystemExit as e:  # (argparse's own refusals)
-        code = e.code
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, (code, lines)
-    assert lines[0].startswith(f"error: {message}"), lines
+    line = cli_error_line(["router", "--port", str(free_port()), *args], capsys)
+    assert line.startswith(f"error: {message}"), line
 
 
 def test_a_probe_failing_outside_http_counts_as_failed_and_the_checks_go_on():

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-from dsakv.cli import build_parser, main
+from dsakv.cli import build_parser
 from dsakv.disagg.policy import (
     CacheAware,
     Policy,
@@ -34,6 +34,7 @@ from dsakv.disagg.policy import (
 from dsakv.disagg.router import Router
 from dsakv.errors import DsakvError
 
+from .conftest import cli_error_line
 from .serving import (
     TIMEOUT,
     free_port,
@@ -434,13 +435,8 @@ def test_policies_per_kind_and_their_defaults():
 )
 def test_bad_policy_flags_are_one_error_line(args, message, capsys):
     """Exit 2 before the router listens, as for its other flags."""
-    try:
-        code = main(["router", "--port", str(free_port()), *args])
-    except SystemExit as e:  # (argparse's own refusals)
-        code = e.code
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(lines) == 1, (code, lines)
-    assert lines[0].startswith(f"error: {message}"), lines
+    line = cli_error_line(["router", "--port", str(free_port()), *args], capsys)
+    assert line.startswith(f"error: {message}"), line
 
 
 def test_routing_text_of_each_api():
@@ -532,8 +528,5 @@ def test_sglangs_prefill_url_bootstrap_port_form_is_taken(capsys):
     assert args.prefill == ["http://p1:30001", "http://p2:30001", "http://p3:30001"]
     assert build_parser().parse_args(["router"]).prefill == []
     for bad in (["http://p:1", "x"], ["http://p:1", "8998", "9"], ["http://p:1", "70000"]):
-        with pytest.raises(SystemExit) as e:  # (argparse's own refusals)
-            main(["router", "--port", str(free_port()), "--prefill", *bad])
-        assert e.value.code == 2
-        lines = capsys.readouterr().err.strip().splitlines()
-        assert lines == [f"error: argument --prefill: expected URL [BOOTSTRAP_PORT], got {bad}"]
+        line = cli_error_line(["router", "--port", str(free_port()), "--prefill", *bad], capsys)
+        assert line == f"error: argument --prefill: expected URL [BOOTSTRAP_PORT], got {bad}"

@@ -12,7 +12,7 @@ import torch
 
 from dsakv import LLM, SamplingParams
 from dsakv.engine import EngineConfig
-from dsakv.engine.sampling import Sampler, draw, filtered_probs, token_seed
+from dsakv.engine.sampling import Sampler, draw, filtered_probs, finite_rows, token_seed
 from dsakv.engine.speculative import verify
 from dsakv.memory import copy_tokens
 from dsakv.models.tiny import default_model_dir
@@ -100,9 +100,10 @@ def test_sampler_row_is_the_same_alone_or_in_any_batch():
     logits = _flat_logits(5, seed=3)
     alone, mixed = [], []
     for i in range(30):
-        alone.append(sampler.sample(logits[:1], [probe], [i])[0])
+        alone.append(sampler.sample(logits[:1], [probe], [i], finite_rows(logits[:1]))[0])
         rows = torch.cat([logits[1:3], logits[:1], logits[3:]])
-        out = sampler.sample(rows, [*others[:2], probe, *others[2:]], [3, 0, i, 7, i + 1])
+        params = [*others[:2], probe, *others[2:]]
+        out = sampler.sample(rows, params, [3, 0, i, 7, i + 1], finite_rows(rows))
         mixed.append(out[2])
         assert out[3] == int(rows[3].argmax())
     assert mixed == alone == [_keyed(logits[0], probe, i) for i in range(30)]

@@ -273,8 +273,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument(  # (none given: servers added later, POST /workers)
         "--prefill", action=_PrefillAction, nargs="+", default=[],
         metavar=("URL", "BOOTSTRAP_PORT"),
-        help="repeatable; SGLang router's bootstrap port after the URL is taken (the router "
-        "asks each prefill server its own); none given: add servers with POST /workers",
+        help="repeatable; SGLang router's one bootstrap port (or none) after the URL is taken "
+        "(the router asks each prefill server its own); none given: add servers with POST "
+        "/workers",
     )  # fmt: skip
     p.add_argument(
         "--decode", action="append", default=[], metavar="URL",

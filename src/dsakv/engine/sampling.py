@@ -626,7 +626,7 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         output_index: Sequence[int],
-        finite: torch.Tensor | None = None,
+        finite: torch.Tensor,
     ) -> list[int | None]:
         """Each row's token; `output_index[i]`: which output token row i draws
         (len(output_ids) so far). `finite` (`finite_rows` of the model's raw logits): a row
@@ -640,12 +640,9 @@ class Sampler:
         probs = None
         if sampled:
             probs = torch.stack([filtered_probs(logits[i], params[i]) for i in sampled]).cpu()
-        best = torch.argmax(logits, dim=-1)
-        if finite is None:
-            chosen: list[int | None] = best.tolist()
-        else:  # (one copy: the flags ride with the greedy choices)
-            chosen, ok = torch.stack([best, finite.long()]).tolist()
-            chosen = [c if f else None for c, f in zip(chosen, ok)]
+        best = torch.argmax(logits, dim=-1)  # (one copy: the flags ride with it)
+        greedy, ok = torch.stack([best, finite.long()]).tolist()
+        chosen: list[int | None] = [c if f else None for c, f in zip(greedy, ok)]
         for j, i in enumerate(sampled):
             if chosen[i] is not None:
                 chosen[i] = draw(probs[j], params[i].seed, output_index[i], self.generator)

@@ -297,8 +297,8 @@ def expert_groups(
     ids: torch.Tensor, weights: torch.Tensor, first: int, last: int
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(expert, the tokens that chose it, their weights) for each of experts `first..last-1`
-    some token chose, in expert order (`experts_loop`'s, and the LoRA-aware loop's of
-    `dsakv.models.lora`). Reads the expert counts on the host (a sync)."""
+    some token chose, in expert order (`experts_loop`'s, and any loop that adds to an
+    expert's GEMMs). Reads the expert counts on the host (a sync)."""
     k = ids.shape[1]
     flat = ids.flatten()
     order = flat.argsort(stable=True)

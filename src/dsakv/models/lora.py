@@ -547,7 +547,7 @@ class RoutedSlots:
         experts: Experts,
         slots: LoraSlots,
         dtype: torch.dtype,
-        projections: Collection[str] = PROJECTIONS,
+        projections: Collection[str],
     ) -> None:
         # (sizes from the experts' own, not their weights' shapes: FP8 weights kept packed
         # have rows of their packed width)
