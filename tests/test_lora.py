@@ -599,13 +599,18 @@ def refusing(models) -> Engine:
     return _engine(models["dense"], max_lora_rank=8)
 
 
+def assert_refused(engine: Engine, path: str, pattern: str) -> None:
+    """Loading the adapter at `path` is one error line naming it and matching `pattern`,
+    and leaves nothing loaded."""
+    with pytest.raises(DsakvError, match=pattern) as e:
+        engine.load_lora("x", path)
+    assert "\n" not in str(e.value) and path in str(e.value)
+    assert engine.loras() == {} and not engine.model.lora.adapters
+
+
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_a_bad_adapter_is_one_clear_error(models, refusing, tmp_path, case):
-    path = _bad(models, tmp_path, case)
-    with pytest.raises(DsakvError, match=REFUSED[case]) as e:
-        refusing.load_lora("x", path)
-    assert "\n" not in str(e.value) and path in str(e.value)
-    assert refusing.loras() == {} and not refusing.model.lora.adapters
+    assert_refused(refusing, _bad(models, tmp_path, case), REFUSED[case])
 
 
 def test_a_rank_pattern_matching_no_module_sizes_nothing(models, refusing, tmp_path):
