@@ -327,3 +327,31 @@ def test_n_choices_whose_prompt_fails_all_end_with_its_error(glm_tiny, bad_adapt
         assert req.model_fault and req.output_ids == []
     assert all(lp is None or lp == lp for lp in reqs[1].prompt_logprobs)  # (no NaN)
     engine.check_integrity()
+
+
+def test_the_server_counts_n_choices_cut_short_by_a_failed_one_as_errors(glm_tiny, bad_adapter):
+    """n=2 on the overflowing adapter, streamed and not: the first choice to fail ends the
+    call, and the other, cut short for it, counts as an error in /metrics too, as both do
+    offline (before: as an abort, the count of requests clients gave up on)."""
+    from .serving import grown, scrape_metrics
+
+    config = EngineConfig(
+        glm_tiny, **EXACT, num_pages=64, enable_lora=True, lora_modules=(("bad", bad_adapter),)
+    )
+    body = {"prompt": "hello", "max_tokens": 8, "n": 2, "temperature": 1.0, "model": "bad"}
+    with serving(config, served_model_name="m") as (base, _):
+        for stream in (False, True):
+            before = scrape_metrics(base, labels=True)
+            r = httpx.post(
+                f"{base}/v1/completions", json={**body, "stream": stream}, timeout=TIMEOUT
+            )
+            assert NOT_FINITE in r.text, r.text
+            after = scrape_metrics(base, labels=True)
+            done = {
+                reason: grown(
+                    before, after, "vllm:request_success_total",
+                    engine="0", finished_reason=reason, model_name="m",
+                )
+                for reason in ("error", "abort")
+            }  # fmt: skip
+            assert done == {"error": 2, "abort": 0}, (stream, done)

@@ -8,6 +8,7 @@ probe the router's state changed after is known without timing anything)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -18,10 +19,12 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Response
 
-from dsakv.cli import build_parser
+from dsakv.cli import build_parser, main
 from dsakv.cli.disagg import health_config
+from dsakv.disagg import launch
 from dsakv.disagg.policy import PolicyConfig
 from dsakv.disagg.router import HealthConfig
+from dsakv.server.auth import require_api_key
 
 from .conftest import cli_error_line
 from .serving import TIMEOUT, free_port, routing, running, scrape_metrics
@@ -66,8 +69,9 @@ def _serving(app: FastAPI) -> Iterator[str]:
         yield base
 
 
-def _healthy(router: str, url: str) -> bool:
-    listed = httpx.get(f"{router}/workers", timeout=TIMEOUT).json()["workers"]
+def _healthy(router: str, url: str, key: str | None = None) -> bool:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    listed = httpx.get(f"{router}/workers", headers=headers, timeout=TIMEOUT).json()["workers"]
     return {w["url"]: w["is_healthy"] for w in listed}[url]
 
 
@@ -200,3 +204,88 @@ def test_a_probe_failing_outside_http_counts_as_failed_and_the_checks_go_on():
         _until(lambda: _checks(base, "prefill", "failure") >= 4)
         assert not _healthy(base, p) and not _healthy(base, d)
         assert _checks(base, "prefill", "success") == 0
+
+
+def test_serve_pd_gives_its_router_the_health_flags(glm_tiny, monkeypatch, capsys):
+    """`dsakv serve-pd` takes `dsakv router`'s health flags for its router's checks of its
+    two servers, a bad one an error line before they start (before: no such flags, and its
+    router always ran SGLang's defaults). (Its servers here: processes that only sleep.)"""
+    started = []
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(launch, "serve_command", lambda *args: sleeper)
+    monkeypatch.setattr(launch, "wait_healthy", lambda *args: None)
+    monkeypatch.setattr(launch, "run_router_on", lambda *a, **kw: started.append(kw["health"]))
+    argv = ["serve-pd", glm_tiny, "--port", str(free_port()), "--health-check-interval-secs",
+            "0.5", "--health-check-timeout-secs", "2", "--health-failure-threshold", "5",
+            "--health-success-threshold", "1", "--health-check-endpoint", "/ping",
+            "--disable-health-check"]  # fmt: skip
+    assert main(argv) == 0
+    assert started == [HealthConfig(0.5, 2, 5, 1, "/ping", enabled=False)]
+    argv = ["serve-pd", glm_tiny, "--port", str(free_port()), "--health-check-endpoint", "x"]
+    line = cli_error_line(argv, capsys)
+    assert line.startswith("error: the health check endpoint must be a path"), line
+    assert len(started) == 1
+
+
+def _keyed_prefill(key: str) -> FastAPI:
+    """A prefill server started with `--api-key key`: its /v1/models needs the key (the
+    servers' own check, `require_api_key`), its /health does not."""
+    app = _Flaky().app
+    app.get("/v1/models")(lambda: {"object": "list", "data": []})
+    require_api_key(app, key)
+    return app
+
+
+def test_the_health_checks_carry_the_routers_api_key():
+    """A server started with --api-key, probed at --health-check-endpoint /v1/models (which
+    needs the key): the router's probes send its own --api-key as a Bearer token, as
+    SGLang's router gives its key to the workers it starts with, and the server passes
+    them (before: no key, a 401 every time, and the server unhealthy for good)."""
+    key = "sk-probes"
+    decode = _fake_decode()
+    decode.get("/v1/models")(lambda: {"object": "list", "data": []})
+    require_api_key(decode, key)
+    checks = HealthConfig(interval_s=0.05, failure_threshold=1, endpoint="/v1/models")
+    with (
+        _serving(_keyed_prefill(key)) as p,
+        _serving(decode) as d,
+        routing([p], [d], api_key=key, health=checks) as base,
+    ):
+        assert httpx.get(f"{p}/v1/models", timeout=TIMEOUT).status_code == 401  # (keyless)
+        checked = lambda kind: sum(_checks(base, kind, r) for r in ("success", "failure"))  # noqa: E731
+        _until(lambda: min(checked("prefill"), checked("decode")) >= 2)
+        assert _checks(base, "prefill", "failure") == _checks(base, "decode", "failure") == 0
+        assert _healthy(base, p, key) and _healthy(base, d, key)
+
+
+def test_health_answers_what_the_checks_found_as_workers_and_metrics_do():
+    """With the checks on, the router's /health is SGLang router's: the health its checks
+    keep, which /workers and /metrics tell too, with no probe of its own. A server failing
+    its /health that no check has probed yet (the failure threshold not reached): healthy
+    in all three (before: /health asked it itself, answered 503 and marked it unhealthy
+    at once, ahead of the threshold). Unhealthy once the checks find it so: in all three."""
+    flaky = _Flaky()
+    unprobed = HealthConfig(interval_s=3600)  # (no check while this test runs)
+    with (
+        _serving(flaky.app) as p,
+        _serving(_fake_decode()) as d,
+        routing([p], [d], health=unprobed) as base,
+    ):
+        flaky.url, flaky.answer = p, (503, base)
+        for _ in range(2):
+            health = httpx.get(f"{base}/health", timeout=TIMEOUT)
+            assert health.json() == {"status": "ok"}, health.text
+        assert flaky.seen == []  # (never asked)
+        assert _healthy(base, p) and _metric(base, "smg_worker_health", worker=p) == 1
+    flaky = _Flaky()
+    with (
+        _serving(flaky.app) as p,
+        _serving(_fake_decode()) as d,
+        routing([p], [d], health=FAST) as base,
+    ):
+        flaky.url, flaky.answer = p, (503, base)
+        _until(lambda: not _healthy(base, p))
+        health = httpx.get(f"{base}/health", timeout=TIMEOUT)
+        assert health.status_code == 503, health.text
+        assert health.json()["unhealthy"] == [f"{p}: failed its health checks"]
+        assert _metric(base, "smg_worker_health", worker=p) == 0

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from dsakv.disagg import router as router_module
 from dsakv.disagg.policy import PolicyConfig
+from dsakv.disagg.router import HealthConfig
 
 from .serving import (
     TIMEOUT,
@@ -379,8 +380,8 @@ def test_a_dead_server_stays_unhealthy_until_a_contact_with_it_succeeds(monkeypa
     """A prefill server down (of two, and a decode server): the request it failed makes it
     unhealthy in /metrics and /workers, and it stays so though routing tries it again (its
     window here 0 s: at once), as /health says; up again, it is healthy once a request it
-    takes succeeds. /health's probe is a contact too: a dead server it finds is unhealthy,
-    and back, healthy, without a request."""
+    takes succeeds. With the health checks off, /health's probe is a contact too: a dead
+    server it finds is unhealthy, and back, healthy, without a request."""
     monkeypatch.setattr(router_module, "_DOWN_S", 0.0)
     port = free_port()
     down = f"http://127.0.0.1:{port}"
@@ -410,7 +411,7 @@ def test_a_dead_server_stays_unhealthy_until_a_contact_with_it_succeeds(monkeypa
 
     with ExitStack() as stack:  # (no request: /health's probe alone)
         d = stack.enter_context(_serving(_fake("decode")))
-        base = stack.enter_context(routing([down], [d]))
+        base = stack.enter_context(routing([down], [d], health=HealthConfig(enabled=False)))
         assert _health_told(base, down)[-1] is True  # (none asked it yet)
         assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 503
         assert _health_told(base, down) == (0, 0, 1, 0, False)

@@ -211,6 +211,7 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
     # (the router's, and both servers' by their flags)
     tracing = trace_config(args, args.collect_detailed_traces)
     http = http_config(args)  # the router's: the front door (its servers listen on loopback)
+    health = health_config(args)  # (the router's checks of its two servers)
     for mode in MODES:  # (first: a bad flag is its own error, whoever holds the port)
         DisaggConfig(mode, timeout_s=args.disaggregation_timeout).check_engine(config)
     decode_flags = _decode_kv_events(config)
@@ -246,6 +247,7 @@ def _cmd_serve_pd(args: argparse.Namespace) -> int:
             http=http,
             decode_flags=decode_flags,
             tracing=tracing,
+            health=health,
         )
     return 0
 
@@ -317,6 +319,7 @@ def add_commands(sub: Any) -> None:
     add_engine_args(p)
     add_request_log_args(p)
     add_http_args(p)  # (the router's)
+    add_health_args(p)  # (the router's)
     add_response_args(p)
     add_trace_args(p)
     add_ignored_args(p, serve=True)

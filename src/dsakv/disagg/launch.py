@@ -78,7 +78,7 @@ def run_router_on(
     `policy`: how it picks servers; `health`: how it probes them; `tracing`: where its
     spans go."""
     http = http or HTTPConfig()
-    app = build_router_app(prefill, decode, api_key, policy, tracing, health)
+    app = build_router_app(prefill, decode, api_key, policy, health, tracing)
     http.install(app)
     host, port = listener.host, listener.port
     shown = f"[{host}]" if ":" in host else host
@@ -101,14 +101,15 @@ def serve_pd(
     http: HTTPConfig | None = None,
     decode_flags: Sequence[str] = (),
     tracing: TraceConfig | None = None,
+    health: HealthConfig | None = None,
 ) -> None:
     """Start both servers as child processes (engine `flags` go to both, `decode_flags`
     after them to the decode server), wait until they are up, then serve the router on
     `host:port` until interrupted; the children go too.
     The router's port is held from the start (`listener`, else taken here), not bound
-    once the servers are up. `api_key`, `http` (CORS, TLS, root path) and `tracing`: the
-    router's (the servers' key and tracing flags are in `flags`; they listen on loopback
-    behind it)."""
+    once the servers are up. `api_key`, `http` (CORS, TLS, root path), `tracing` and
+    `health` (its checks of the two): the router's (the servers' key and tracing flags are
+    in `flags`; they listen on loopback behind it)."""
     listener = listener or Listener(host, port)
     pp, dp = prefill_port or free_port(), decode_port or free_port()
     bp = bootstrap_port or free_port()
@@ -129,7 +130,7 @@ def serve_pd(
     try:
         wait_healthy(urls, procs, startup_timeout)
         threading.Thread(target=_watch, args=(procs, done), daemon=True).start()
-        run_router_on(listener, [urls[0]], [urls[1]], api_key, http, tracing=tracing)
+        run_router_on(listener, [urls[0]], [urls[1]], api_key, http, health=health, tracing=tracing)
     finally:
         listener.close()
         done.set()

@@ -153,17 +153,19 @@ def _sse_error(message: str, path: str) -> bytes:
 
 class Router:
     """Pairs of prefill and decode servers, as each kind's policy picks them (`policy`,
-    SGLang's: by default `DEFAULT_POLICIES`); one shared HTTP client. `tracing`: where each
-    routed request's span goes (`router_tracing`; None: no spans). `health`: how the
-    servers are probed while the router serves (`start`; None: SGLang's defaults)."""
+    SGLang's: by default `DEFAULT_POLICIES`); one shared HTTP client. `health`: how the
+    servers are probed while the router serves (`start`; None: SGLang's defaults), with
+    `api_key` if given. `tracing`: where each routed request's span goes (`router_tracing`;
+    None: no spans)."""
 
     def __init__(
         self,
         prefill: list[str],
         decode: list[str],
         policy: PolicyConfig | None = None,
-        tracing: TraceConfig | None = None,
         health: HealthConfig | None = None,
+        tracing: TraceConfig | None = None,
+        api_key: str | None = None,
     ) -> None:
         # Replaced, never changed in place, as workers come and go: a loop over a list
         # (across awaits) sees the servers of when it began.
@@ -182,6 +184,10 @@ class Router:
         # the health checks found it down, tried after the others until they find it up
         self._down: dict[str, float] = {}
         self.health_config = health or HealthConfig()
+        # The router's key on each probe (`_probe_health`): no client's request to relay
+        # one from, and a --health-check-endpoint such as /v1/models needs it. SGLang's
+        # router gives its key to the workers it starts with; every server here has it.
+        self._probe_headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # server -> its health probes' last result and how many in a row had it (`_probed`)
         self._streaks: dict[str, tuple[bool, int]] = {}
         self._client: httpx.AsyncClient | None = None
@@ -1243,24 +1249,27 @@ class Router:
         return {"success": True, "message": f"Successfully removed {kind} server: {url}"}
 
     async def health(self) -> Response:
-        """/health (/readiness, /ping): each server's /health asked, a contact like any
-        other (`_healthy`: a failed one marks it, a 200 clears it, so /metrics and /workers
-        tell what this answer tells); degraded (503) while a server fails it or a kind has
-        no server."""
+        """/health (/readiness, /ping): degraded (503) while a kind has no server or a
+        server is unhealthy, as /workers and /metrics tell it (`_healthy`): SGLang router's
+        answer, from the state its health checks keep, so a server failing fewer than the
+        failure threshold's probes is not called unhealthy here alone. With the checks off,
+        each server is probed first (`_probe_health`), a contact like any other (a failure
+        marks it, a pass clears it): else only requests would ever find one down."""
+        if not self.health_config.enabled:
+            servers = self.prefill + self.decode
+            passed = await asyncio.gather(*(self._probe_health(url) for url in servers))
+            for url, ok in zip(servers, passed):
+                if url not in self.prefill + self.decode:  # (removed meanwhile)
+                    continue
+                if ok:
+                    self._down.pop(url, None)
+                else:
+                    self._unreachable(url)
         bad = [f"no {kind} worker" for kind in ("prefill", "decode") if not getattr(self, kind)]
         for url in self.prefill + self.decode:
-            try:
-                r = await self.client.get(f"{url}/health", timeout=5.0)
-            except httpx.HTTPError as e:
-                r, said = None, f"{url}: {e!r}"
-            else:
-                said = f"{url}: {r.status_code}"
-            if r is not None and r.status_code == 200:
-                self._down.pop(url, None)
-                continue
-            bad.append(said)
-            if url in self.prefill + self.decode:  # (not removed meanwhile)
-                self._unreachable(url)
+            if not self._healthy(url):
+                probed = self._down[url] == math.inf
+                bad.append(f"{url}: " + ("failed its health checks" if probed else "unreachable"))
         if bad:
             return JSONResponse({"status": "degraded", "unhealthy": bad}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -1286,7 +1295,9 @@ class Router:
         fails this probe alone: one escaping would end `_check_health` for good."""
         h = self.health_config
         try:
-            r = await self.client.get(f"{url}{h.endpoint}", timeout=h.timeout_s)
+            r = await self.client.get(
+                f"{url}{h.endpoint}", headers=self._probe_headers, timeout=h.timeout_s
+            )
         except httpx.HTTPError as e:
             log.debug("health check of %s failed: %r", url, e)
             return False
@@ -1792,17 +1803,17 @@ def build_router_app(
     decode: list[str],
     api_key: str | None = None,
     policy: PolicyConfig | None = None,
-    tracing: TraceConfig | None = None,
     health: HealthConfig | None = None,
+    tracing: TraceConfig | None = None,
 ) -> FastAPI:
-    """The router's app, picking servers as `policy` says (`Router`), a span per request
-    to `tracing`'s collector if given (`router_tracing`), its servers probed as `health`
-    says (`HealthConfig`). With `api_key`, its routes need `Authorization: Bearer` as
+    """The router's app, picking servers as `policy` says (`Router`), its servers probed
+    as `health` says (`HealthConfig`), a span per request to `tracing`'s collector if given
+    (`router_tracing`). With `api_key`, its routes need `Authorization: Bearer` as
     `dsakv serve --api-key`'s do (`require_api_key`, the same probes open): the worker API
     above all, else anyone reaching the port could add a decode server of their own and be
     sent the prompts. The client's header still goes on to the servers, which check their
-    own key."""
-    router = Router(prefill, decode, policy, tracing, health)
+    own key; the health checks, which have no client, send `api_key` itself."""
+    router = Router(prefill, decode, policy, health, tracing, api_key)
     app = FastAPI(
         title="dsakv router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan
     )

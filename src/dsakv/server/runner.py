@@ -161,6 +161,9 @@ class RequestStream:
     request: Request | None = None
     texts: TokenTexts | None = None  # with logprobs, where the engine kept none (`_update`)
     abort_asked: bool = False  # `abort(asked=True)`: its last update says so
+    # A choice of its call failed (an error update): this one, if cut short for it, ended
+    # in that error (the metrics' finished_reason "error", as offline), not an abort
+    call_failed: bool = False
     # False for a `finished_stream`'s: no request of the engine's, so none of the metrics'
     # (vLLM's count a beam search's step requests, not the sequences it answers with)
     metered: bool = True

@@ -527,6 +527,7 @@ class SubmitMixin:
                 yield i, u
                 left -= u.finished
         finally:
+            _spread_failure(streams)
             for t in tasks:
                 t.cancel()
 
@@ -551,6 +552,7 @@ class SubmitMixin:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
             self.in_flight.close(call)
+            _spread_failure(streams)
             for s in streams:
                 self.engine.abort(s)  # (a finished one: nothing to do)
             for t in tasks:
@@ -578,13 +580,14 @@ class SubmitMixin:
                     span.observe(u)
                 finished = u.finished
                 if u.error is not None:
+                    stream.call_failed = True
                     raise _update_error(u)
                 yield u
                 if u.finished:
                     return
         finally:
-            if not finished and metered:  # the client left, or another choice failed: aborted
-                self.metrics.success.labels("abort").inc()
+            if not finished and metered:  # the client left (aborted), or another choice failed
+                self.metrics.success.labels("error" if stream.call_failed else "abort").inc()
             if span is not None:
                 span.end()
 
@@ -710,6 +713,13 @@ def sse_event(obj: dict[str, Any], kind: str | None = None) -> str:
     (the Responses and Messages APIs': their SDKs read the name)."""
     named = f"event: {kind}\n" if kind is not None else ""
     return f"{named}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _spread_failure(streams: list[RequestStream]) -> None:
+    """One choice of a call failed: each other one cut short ends in its error (`_updates`)."""
+    if any(s.call_failed for s in streams):
+        for s in streams:
+            s.call_failed = True
 
 
 def _update_error(u: Update) -> APIError:
