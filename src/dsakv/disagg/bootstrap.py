@@ -10,6 +10,12 @@ tell a slow prefill from a dead one (no line for `timeout` seconds: it gives up 
 its pages). The last line is `{"type": "done", "first_token", ...}` (with `cached_tokens`:
 the prompt tokens the prefill server's prefix cache served, the client's usage; and the
 prompt's `routed_experts` where the request asked for them) or an error.
+
+vLLM's protocol (`handoff.KVTransferParams`) turns it around: the prefill request comes
+first, and its room is drawn here and `hold`: the prompt's KV stays in the prefill
+server's pages until a decode server's registration marked `pickup` comes for it (the
+prefill server's answer named the room), or the timeout. A pickup finds its room held or
+hears at once why not: gone (taken, or expired: 410) or unknown here (404).
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import secrets
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +151,7 @@ class _Room:
     registered: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     claimed: bool = False
     refused: Refusal | None = None  # the prefill server's
+    held: bool = False  # (`BootstrapServer.hold`: pickups only)
 
 
 class BootstrapServer:
@@ -150,6 +159,9 @@ class BootstrapServer:
 
     def __init__(self, host: str, port: int, layout: dict[str, Any], timeout: float) -> None:
         self.host, self.port, self.layout, self.timeout = host, port, layout, timeout
+        # vLLM's remote_engine_id: a pickup names whose hold it comes for (a room of a
+        # server since restarted on this port is no room of this one)
+        self.engine_id = str(uuid.uuid4())
         self._rooms: dict[int, _Room] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -163,18 +175,32 @@ class BootstrapServer:
 
     @property
     def open_rooms(self) -> int:
-        """Rooms claimed or registered and not yet done with (a claim left waiting shows);
-        not refused ones, kept a while only to answer a late registration."""
+        """Rooms claimed, registered or held and not yet done with (a claim left waiting
+        shows); not refused ones, kept a while only to answer a late registration."""
         with self._lock:
             return sum(slot.refused is None for slot in self._rooms.values())
 
     # --- used by the prefill server's request handlers (any event loop) -------------------
 
-    async def claim(self, room: int, timeout: float | None = None) -> Registration:
+    def hold(self) -> int:
+        """A new room for a request whose KV waits here for a decode server's pickup (vLLM's
+        protocol): registrations not marked `pickup` are refused it. `claim` it once the KV
+        is there; `refuse` it if none will be."""
+        with self._lock:
+            room = secrets.randbits(63)
+            while room in self._rooms:
+                room = secrets.randbits(63)
+            self._rooms[room] = _Room(held=True)
+        return room
+
+    async def claim(
+        self, room: int, timeout: float | None = None, expired: Refusal | None = None
+    ) -> Registration:
         """The decode server's registration for `room`, once it arrives; raises
         `BootstrapError` after `timeout` or when its layout was refused. Cancelled (an abort,
         its client gone) or timed out, it refuses the room: the decode server, registered or
-        still to come, hears so and gives its reserved pages back."""
+        still to come, hears so (timed out: `expired`, where given) and gives its reserved
+        pages back."""
         slot = self._room(room)
         try:
             reg = await asyncio.wait_for(
@@ -184,7 +210,8 @@ class BootstrapServer:
             message = (
                 f"no decode server registered room {room} within {timeout or self.timeout:g} s"
             )
-            self.refuse(room, f"the prefill server gave up: {message}", 502)  # (a late one hears)
+            late = expired or Refusal(f"the prefill server gave up: {message}", 502)
+            self.refuse(room, late.message, late.status, late.param)  # (a late one hears)
             raise BootstrapError(message) from None
         except BootstrapError:
             self._forget(room, slot)
@@ -265,9 +292,19 @@ class BootstrapServer:
             line = await asyncio.wait_for(reader.readline(), self.timeout)
             msg = json.loads(line)
             room = int(msg["room"])
-            slot = self._room(room)
+            pickup = bool(msg.get("pickup"))
+            slot, unknown = self._held(room, msg.get("engine_id")) if pickup else (None, None)
+            if unknown is not None:
+                await _send(writer, unknown.reply())
+                return
+            slot = slot or self._room(room)
             if slot.refused is not None:
+                keep = pickup  # (a pickup's gone hold: the next one hears it too)
                 await _send(writer, slot.refused.reply())
+                return
+            if slot.held and not pickup:
+                slot = None  # (not this registration's to forget)
+                await _send(writer, Refusal(f"room {room} is held for a pickup").reply())
                 return
             diffs = differences(self.layout, msg["layout"], "prefill", "decode")
             if diffs:
@@ -291,7 +328,8 @@ class BootstrapServer:
                 slot.registered.set_result(reg)
             except concurrent.futures.InvalidStateError:
                 slot = None  # it belongs to the first registration
-                await _send(writer, Refusal(f"room {room} is taken").reply())
+                taken = _taken(room) if pickup else Refusal(f"room {room} is taken")
+                await _send(writer, taken.reply())
                 return
             if slot.refused is not None:  # refused while this registration was being read
                 reg.refused(slot.refused)
@@ -305,9 +343,39 @@ class BootstrapServer:
         finally:
             if slot is not None and keep:
                 self._loop.call_later(self.timeout, self._forget, room, slot)
+            elif slot is not None and slot.held and slot.claimed:
+                self._gone(room, slot, _taken(room))  # (a second pickup hears it was)
             elif slot is not None:
                 self._forget(room, slot)
             writer.close()
+
+    def _held(self, room: int, engine_id: Any) -> tuple[_Room | None, Refusal | None]:
+        """A pickup's room, or why it has none: another server's (404), or no hold here."""
+        if engine_id is not None and engine_id != self.engine_id:
+            message = (
+                f"kv_transfer_params.remote_engine_id {engine_id!r} is not this prefill "
+                f"server's ({self.engine_id}): was it restarted, or is this another one?"
+            )
+            return None, Refusal(message, 404, "kv_transfer_params")
+        with self._lock:
+            slot = self._rooms.get(room)
+        if slot is None or not (slot.held or slot.refused is not None):
+            message = (
+                f"no KV is held for room {room} (kv_transfer_params.remote_request_id) on "
+                f"this prefill server: never prefilled here, or gone more than "
+                f"{self.timeout:g} s ago"
+            )
+            return None, Refusal(message, 404, "kv_transfer_params")
+        return slot, None
+
+    def _gone(self, room: int, slot: _Room, why: Refusal) -> None:
+        """`slot`'s hold is over: later pickups hear `why` for `timeout` seconds."""
+        gone = _Room(claimed=True, refused=why, held=True)
+        with self._lock:
+            if self._rooms.get(room) is not slot:
+                return
+            self._rooms[room] = gone
+        self._loop.call_later(self.timeout, self._forget, room, gone)
 
     async def _wait(
         self,
@@ -347,6 +415,14 @@ class BootstrapServer:
             reg.fail("the decode server hung up")
         finally:
             hangup.cancel()
+
+
+def _taken(room: int) -> Refusal:
+    return Refusal(
+        f"the KV held for room {room} is gone: a decode request already took it",
+        410,
+        "kv_transfer_params",
+    )
 
 
 async def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:

@@ -7,6 +7,12 @@ and forwards the client's body untouched; SGLang's router (`sglang-router`) puts
 entry per prompt) when the request has several prompts. A small ASGI middleware turns
 either into `BootstrapTarget`s for the request; the prefill and decode engines take one per
 prompt with `next_target()`. Headers win when both are present (only a router sets them).
+
+vLLM's P/D protocol is sequential instead: its proxy sends the request to a prefill server
+with `kv_transfer_params.do_remote_decode`, then to a decode server with the prefill
+server's answer's `kv_transfer_params` (`do_remote_prefill` and where the KV waits). The
+same middleware reads that field (`KVTransferParams`; the engines take it with
+`kv_transfer()`), and the prefill server's answer carries its own (`kv_transfer_reply()`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,12 @@ from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
 
 # The generation endpoints whose JSON body may carry SGLang's bootstrap fields.
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/score")
+# Those taking vLLM's `kv_transfer_params` (as vLLM's); the others' bodies are read to
+# refuse it, rather than run the request without its hand-off.
+KV_TRANSFER_PATHS = ("/v1/completions", "/v1/chat/completions")
+_BODY_PATHS = (*GENERATE_PATHS, "/v1/responses")
 _MAX_ROOM = 2**64 - 1  # SGLang's routers draw rooms below 2**63; any u64 is accepted
+_KV = "kv_transfer_params"
 
 
 @dataclass(frozen=True)
@@ -41,11 +52,26 @@ class BootstrapTarget:
 
 
 @dataclass
+class KVTransferParams:
+    """A request's vLLM `kv_transfer_params`. `remote_decode` (a prefill server's request):
+    prefill, keep the KV for a decode server and answer with `reply`, where it waits (set by
+    the prefill engine). Else (a decode server's): take the KV held at `target` (its room:
+    the answer's `remote_request_id`) by the prefill server `engine_id` names."""
+
+    remote_decode: bool
+    target: BootstrapTarget | None = None
+    engine_id: str | None = None
+    reply: dict[str, Any] | None = None
+    taken: bool = False  # (one prompt's: `kv_transfer`)
+
+
+@dataclass
 class _Targets:
-    """A request's targets, handed out in prompt order."""
+    """A request's targets, handed out in prompt order (vLLM's hand-off: `kv`)."""
 
     targets: list[BootstrapTarget]
     used: int = 0
+    kv: KVTransferParams | None = None
 
     def next(self) -> BootstrapTarget | None:
         if self.used >= len(self.targets):
@@ -77,6 +103,36 @@ def next_target(role: str) -> BootstrapTarget:
         "one bootstrap_room per prompt",
         param="bootstrap_room",
     )
+
+
+def kv_transfer(role: str) -> KVTransferParams | None:
+    """The current request's vLLM `kv_transfer_params` (None: SGLang's protocol), for its
+    one prompt; a 400 when it asks the other role's side, or for a second prompt."""
+    targets = _current.get()
+    kv = targets.kv if targets is not None else None
+    if kv is None:
+        return None
+    side = "prefill" if kv.remote_decode else "decode"
+    if role != side:
+        flag = "do_remote_decode" if kv.remote_decode else "do_remote_prefill"
+        raise APIError(
+            400,
+            f"kv_transfer_params.{flag} is for a {side} server; this is a {role} server "
+            f"(--disaggregation-mode {role})",
+            param=_KV,
+        )
+    if kv.taken:
+        raise APIError(400, "kv_transfer_params hands off one prompt; send one", param=_KV)
+    kv.taken = True
+    return kv
+
+
+def kv_transfer_reply() -> dict[str, Any]:
+    """The answer's top-level `kv_transfer_params` (vLLM's) where the request's prefill
+    left its KV held for a decode server; else nothing (`{}`, to splice in)."""
+    targets = _current.get()
+    kv = targets.kv if targets is not None else None
+    return {_KV: kv.reply} if kv is not None and kv.reply is not None else {}
 
 
 # --- parsing -----------------------------------------------------------------------------------
@@ -124,23 +180,85 @@ def from_body(body: Any) -> list[BootstrapTarget] | None:
     return [_target(r, h, p) for r, h, p in zip(room, hosts, ports)]
 
 
-def _target(room: Any, host: Any, port: Any, prefix: str = "bootstrap_") -> BootstrapTarget:
-    """One checked target; a wrong type or range is a 400 naming the field."""
+def from_kv_transfer_params(body: Any, path: str) -> KVTransferParams | None:
+    """vLLM's `kv_transfer_params`, checked; None without it, or with neither side asked
+    for (vLLM's no-op). The decode side needs the prefill server's answer's remote_host,
+    remote_port, remote_engine_id and remote_request_id (its room)."""
+    if not isinstance(body, dict) or body.get(_KV) is None:
+        return None
+    if path not in KV_TRANSFER_PATHS:
+        raise APIError(
+            400, f"kv_transfer_params is taken by {' and '.join(KV_TRANSFER_PATHS)}", param=_KV
+        )
+    kv = body[_KV]
+    if not isinstance(kv, dict):
+        raise APIError(400, f"kv_transfer_params must be an object, got {kv!r}", param=_KV)
+    decode, prefill = kv.get("do_remote_decode"), kv.get("do_remote_prefill")
+    if any(flag not in (None, True, False) for flag in (decode, prefill)):
+        raise APIError(400, "kv_transfer_params.do_remote_* must be booleans", param=_KV)
+    if decode and prefill:
+        raise APIError(
+            400,
+            "kv_transfer_params asks for both do_remote_decode and do_remote_prefill",
+            param=_KV,
+        )
+    if decode:
+        if body.get("stream"):
+            raise APIError(
+                400,
+                "kv_transfer_params.do_remote_decode answers with where the KV waits, in "
+                "one JSON response: send stream: false",
+                param="stream",
+            )
+        return KVTransferParams(remote_decode=True)
+    if not prefill:
+        return None
+    fields = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+    missing = [f for f in fields if kv.get(f) is None]
+    if missing:
+        raise APIError(
+            400,
+            f"kv_transfer_params.do_remote_prefill needs {', '.join(missing)} (the prefill "
+            "server's answer's kv_transfer_params)",
+            param=_KV,
+        )
+    engine_id, room = kv["remote_engine_id"], kv["remote_request_id"]
+    if not isinstance(engine_id, str):
+        raise APIError(400, "kv_transfer_params.remote_engine_id must be a string", param=_KV)
+    if isinstance(room, str) and room.isascii() and room.isdigit():  # (vLLM's ids: strings)
+        room = int(room)
+    host, port = kv["remote_host"], kv["remote_port"]
+    target = _target(room, host, port, f"{_KV}.remote_", "request_id", param=_KV)
+    return KVTransferParams(remote_decode=False, target=target, engine_id=engine_id)
+
+
+def _target(
+    room: Any,
+    host: Any,
+    port: Any,
+    prefix: str = "bootstrap_",
+    room_name: str = "room",
+    param: str | None = None,
+) -> BootstrapTarget:
+    """One checked target; a wrong type or range is a 400 naming the field (`param`: the
+    field it names for all three, else each its own)."""
     if not is_int(room) or not 0 <= room <= _MAX_ROOM:
         raise APIError(
             400,
-            f"{prefix}room must be an integer in 0..2**64-1, got {room!r}",
-            param=f"{prefix}room",
+            f"{prefix}{room_name} must be an integer in 0..2**64-1, got {room!r}",
+            param=param or f"{prefix}{room_name}",
         )
     if host is not None and (not isinstance(host, str) or not host):
         raise APIError(
-            400, f"{prefix}host must be a host name or address, got {host!r}", param=f"{prefix}host"
+            400,
+            f"{prefix}host must be a host name or address, got {host!r}",
+            param=param or f"{prefix}host",
         )
     if port is not None and (not is_int(port) or not 0 < port < 65536):
         raise APIError(
             400,
             f"{prefix}port must be an integer in 1..65535 or null, got {port!r}",
-            param=f"{prefix}port",
+            param=param or f"{prefix}port",
         )
     if host and host.startswith("[") and host.endswith("]"):
         host = host[1:-1]  # SGLang's routers bracket IPv6 addresses
@@ -151,10 +269,11 @@ def _target(room: Any, host: Any, port: Any, prefix: str = "bootstrap_") -> Boot
 
 
 class BootstrapMiddleware:
-    """ASGI middleware: the request's bootstrap targets (headers, else body fields) into
-    the context `next_target()` reads; bad ones are a 400 before the handler runs. The body
-    is read only for POSTs to the generation endpoints without the headers, and replayed
-    to the app unchanged.
+    """ASGI middleware: the request's bootstrap targets (headers, else body fields), or its
+    vLLM `kv_transfer_params`, into the context `next_target()` and `kv_transfer()` read;
+    bad ones are a 400 before the handler runs. The body is read only for POSTs to the
+    generation endpoints (and /v1/responses, to refuse kv_transfer_params there), and
+    replayed to the app unchanged.
 
     `refuse` (a prefill server's `BootstrapServer.refuse`): called for each of the request's
     rooms when the server answers it with an error, whoever answered (the API key check, an
@@ -170,16 +289,27 @@ class BootstrapMiddleware:
             await self.app(scope, receive, send)
             return
         h = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        kv = None
         try:
             targets = from_headers(h)
-            post = scope["method"] == "POST"
-            if targets is None and post and route_path(scope) in GENERATE_PATHS:
+            path = route_path(scope)
+            if scope["method"] == "POST" and path in _BODY_PATHS:
                 raw, receive = await _buffer_body(receive)
-                targets = from_body(_json_or_none(raw))
+                body = _json_or_none(raw)
+                if targets is None and path in GENERATE_PATHS:
+                    targets = from_body(body)
+                kv = from_kv_transfer_params(body, path)
+                if kv is not None and targets:
+                    raise APIError(
+                        400,
+                        "the request names both bootstrap rooms (SGLang's P/D protocol) and "
+                        "kv_transfer_params (vLLM's): one protocol per request",
+                        param=_KV,
+                    )
         except APIError as e:
             await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
             return
-        token = _current.set(_Targets(targets) if targets else None)
+        token = _current.set(_Targets(targets or [], kv=kv) if targets or kv else None)
         if targets and self.refuse is not None:
             send = _Refusing(send, [t.room for t in targets], self.refuse)
         try:

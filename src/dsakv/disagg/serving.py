@@ -5,6 +5,11 @@ stream it returns. On a prefill server that stream ends after the first token, o
 KV is in the decode server's pages; on a decode server it starts with the prefill side's
 first token and goes on decoding. Each prompt's handoff (its bootstrap room: `dsakv
 router`'s headers or SGLang's body fields) reaches `generate_n` through `handoff`.
+
+vLLM's protocol (`kv_transfer_params`) runs the same two halves one after the other: the
+prefill server answers once the prompt ran, its KV held for a pickup (`_hold_for_pickup`),
+and writes it when the decode server's registration comes; the decode server registers as
+for SGLang's, marked `pickup`.
 """
 
 from __future__ import annotations
@@ -40,9 +45,15 @@ from dsakv.server.runner import (
     _update,
 )
 
-from .bootstrap import BootstrapError, BootstrapServer, describe, request_kv
+from .bootstrap import BootstrapError, BootstrapServer, Refusal, describe, request_kv
 from .config import DisaggConfig
-from .handoff import BootstrapMiddleware, BootstrapTarget, next_target
+from .handoff import (
+    BootstrapMiddleware,
+    BootstrapTarget,
+    KVTransferParams,
+    kv_transfer,
+    next_target,
+)
 from .transfer import KVTransfer, TransferError, TransferStats
 
 log = logging.getLogger(__name__)
@@ -56,6 +67,12 @@ def _describe(engine: Engine) -> dict[str, Any]:
 
 def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget:
     target = next_target(role)
+    _checks(n, params)
+    return target
+
+
+def _checks(n: int, params: SamplingParams) -> None:
+    """What neither protocol hands off."""
     if n != 1:
         raise APIError(400, "n > 1 is not supported with prefill/decode disaggregation", param="n")
     if params.prompt_logprobs is not None:
@@ -72,7 +89,6 @@ def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget
             "routed experts alone",
             param="return_hidden_states",
         )
-    return target
 
 
 def _prompt_routed(
@@ -202,14 +218,24 @@ class PrefillAsyncEngine(_DisaggEngine):
             self.bootstrap.close()
             raise
         self._writer = ThreadPoolExecutor(4, thread_name_prefix="dsakv-kv-write")
+        # Where a decode server reaches the bootstrap (vLLM's remote_host): the server's
+        # address, or this machine's where it listens on all of them
+        wildcard = server_host in ("", "0.0.0.0", "::")
+        self.bootstrap_host = config.host_for(server_host) if wildcard else server_host
 
     def forgo(self, n: int) -> None:
-        """(The decode server waiting for the room hears so now, as `claim` tells it.)"""
-        self.bootstrap.refuse(next_target(self.role).room, "the prefill request was cancelled", 499)
+        """(The decode server waiting for the room hears so now, as `claim` tells it; a
+        vLLM request has drawn no room yet.)"""
+        if kv_transfer(self.role) is None:
+            room = next_target(self.role).room
+            self.bootstrap.refuse(room, "the prefill request was cancelled", 499)
 
     async def generate_n(
         self, prompt: str | list[int], params: SamplingParams, n: int
     ) -> list[RequestStream]:
+        kv = kv_transfer(self.role)
+        if kv is not None:
+            return await self._hold_for_pickup(prompt, params, n, kv)
         target = _common_checks(self.role, n, params)
         if target.port not in (None, self.config.bootstrap_port):
             # Fail now: the decode server is knocking elsewhere, nobody would register.
@@ -262,6 +288,28 @@ class PrefillAsyncEngine(_DisaggEngine):
         self._spawn(self._ship(req, reg, shadow, public))
         return [public]
 
+    async def _hold_for_pickup(
+        self, prompt: str | list[int], params: SamplingParams, n: int, kv: KVTransferParams
+    ) -> list[RequestStream]:
+        """vLLM's prefill: run the prompt with max_tokens 1 in a room drawn here, answer
+        (`kv.reply`: where its KV waits), and keep its pages for the decode server's pickup
+        (`_keep_for_pickup`)."""
+        _checks(n, params)
+        room = self.bootstrap.hold()
+        loop = asyncio.get_running_loop()
+        shadow, public = RequestStream(loop), RequestStream(loop)
+        try:
+            ids = await self.call(lambda e: e.prompt_ids(prompt, params.truncate_prompt_tokens))
+            one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            add = functools.partial(self._add_held, ids, one, None, shadow, public, same_lora=False)
+            req = await self.call(add, undo=functools.partial(self._drop_held, shadow))
+        except BaseException:
+            self.bootstrap.refuse(room, "the prefill request failed", 410, "kv_transfer_params")
+            raise
+        self.pending += 1
+        self._spawn(self._keep_for_pickup(req, room, kv, shadow, public))
+        return [public]
+
     def _add_held(
         self,
         ids: list[int],
@@ -270,15 +318,17 @@ class PrefillAsyncEngine(_DisaggEngine):
         shadow: RequestStream,
         public: RequestStream,
         engine: Engine,
+        same_lora: bool = True,
     ) -> Request:
         """Engine thread: queue the prompt with its pages held past its finish. The engine
         feeds `shadow`; `_ship` passes the final update on to `public` after the write.
         `lora`: the digest of the decode server's adapter for it, which must be that of the
         weights the request holds here (the decode server caches the KV under it:
         `Request.cache_key`), compared once it holds them: an evicted adapter is read
-        again by `add_request`, and its files may have changed."""
+        again by `add_request`, and its files may have changed (`same_lora` False: at the
+        pickup, `_keep_for_pickup`)."""
         req = engine.add_request(ids, params)
-        if req.lora is not None and req.lora.digest != lora:
+        if same_lora and req.lora is not None and req.lora.digest != lora:
             engine.abort(req.rid)  # (before any step: nothing ran, nothing is streamed)
             raise APIError(
                 502,
@@ -325,30 +375,7 @@ class PrefillAsyncEngine(_DisaggEngine):
                 reg.fail("the prefill request was aborted: its client left", 499)
                 public._push(u)
                 return
-            n = len(req.prompt_ids)
-            if req.num_computed < n:
-                raise RuntimeError("the prompt does not fit in the prefill server's KV pool")
-            if reg.gone.is_set():
-                raise RuntimeError("the decode server hung up before the KV was sent")
-            pages = req.pages[: -(-n // self.engine.pool.page_size)]
-            loop = asyncio.get_running_loop()
-            write = functools.partial(
-                self.transfer.write, reg.session, reg.buffers, pages, reg.pages, n
-            )
-            nbytes, seconds = await loop.run_in_executor(self._writer, write)
-            routed = u.routed_experts  # (the prompt's rows from routed_experts_start_len)
-            prompt_rows = {} if routed is None else {"routed_experts": routed_base64(routed)}
-            reg.done(
-                first_token=u.token_ids[0],
-                logprob=u.logprobs[0] if u.logprobs else None,
-                top_logprobs=u.top_logprobs[0] if u.top_logprobs else None,
-                token_ids_logprobs=u.token_ids_logprobs[0] if u.token_ids_logprobs else None,
-                **prompt_rows,  # (not a byte where not asked for)
-                bytes=nbytes,
-                tokens=n,
-                seconds=seconds,
-                cached_tokens=req.metrics.prefix_hit_tokens,  # the client's cached_tokens
-            )
+            await self._write(req, reg, u)
             public._push(u)
         except Exception as e:
             self.stats.fail()
@@ -376,6 +403,113 @@ class PrefillAsyncEngine(_DisaggEngine):
             finally:
                 self.pending -= 1  # (after: pages held until then are not a leak)
 
+    async def _write(self, req: Request, reg: Any, u: Update) -> None:
+        """Write the prompt's KV into the pages `reg` reserved, then answer it with the
+        first token (`u`, the request's last update); raises where it could not."""
+        n = len(req.prompt_ids)
+        if req.num_computed < n:
+            raise RuntimeError("the prompt does not fit in the prefill server's KV pool")
+        if reg.gone.is_set():
+            raise RuntimeError("the decode server hung up before the KV was sent")
+        pages = req.pages[: -(-n // self.engine.pool.page_size)]
+        loop = asyncio.get_running_loop()
+        write = functools.partial(
+            self.transfer.write, reg.session, reg.buffers, pages, reg.pages, n
+        )
+        nbytes, seconds = await loop.run_in_executor(self._writer, write)
+        routed = u.routed_experts  # (the prompt's rows from routed_experts_start_len)
+        prompt_rows = {} if routed is None else {"routed_experts": routed_base64(routed)}
+        reg.done(
+            first_token=u.token_ids[0],
+            logprob=u.logprobs[0] if u.logprobs else None,
+            top_logprobs=u.top_logprobs[0] if u.top_logprobs else None,
+            token_ids_logprobs=u.token_ids_logprobs[0] if u.token_ids_logprobs else None,
+            **prompt_rows,  # (not a byte where not asked for)
+            bytes=nbytes,
+            tokens=n,
+            seconds=seconds,
+            cached_tokens=req.metrics.prefix_hit_tokens,  # the client's cached_tokens
+        )
+
+    def _kept_at(self, req: Request, room: int) -> dict[str, Any]:
+        """The prefill answer's `kv_transfer_params`: vLLM's NixlConnector's fields (its
+        remote_request_id: the room), where a decode server finds `req`'s KV."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.bootstrap.engine_id,
+            "remote_request_id": str(room),
+            "remote_block_ids": req.pages[: -(-len(req.prompt_ids) // self.engine.pool.page_size)],
+            "remote_host": self.bootstrap_host,
+            "remote_port": self.config.bootstrap_port,
+            "tp_size": 1,
+        }
+
+    async def _keep_for_pickup(
+        self,
+        req: Request,
+        room: int,
+        kv: KVTransferParams,
+        shadow: RequestStream,
+        public: RequestStream,
+    ) -> None:
+        """Answer the client once the prompt ran (with `kv.reply`), then keep its pages
+        until a decode server's pickup of `room` (the KV written as for SGLang's protocol)
+        or `--disaggregation-timeout`; then let them go."""
+        u = await shadow.get()
+        while not u.finished:
+            u = await shadow.get()
+        reg = None
+        try:
+            if u.error is None and u.finish_reason != "abort":
+                kv.reply = self._kept_at(req, room)
+            public._push(u)
+            if kv.reply is None:  # it failed, or its client left: nobody will come for it
+                why = u.error or "the prefill request was aborted"
+                self.bootstrap.refuse(room, why, 410, "kv_transfer_params")
+                return
+            timeout = self.config.timeout_s
+            expired = Refusal(
+                f"the KV held for room {room} expired: no decode request took it within "
+                f"{timeout:g} s (the prefill server's --disaggregation-timeout)",
+                410,
+                "kv_transfer_params",
+            )
+            try:
+                reg = await self.bootstrap.claim(room, timeout, expired)
+            except BootstrapError as e:
+                log.info("KV held for room %d let go: %s", room, e)
+                return
+            if reg.prompt_ids != req.prompt_ids:
+                reg.fail(
+                    f"the decode request's prompt is not the one prefilled for room {room}",
+                    400,
+                    "kv_transfer_params",
+                )
+                return
+            digest = req.lora.digest if req.lora is not None else None
+            if reg.lora != digest:
+                reg.fail(
+                    f"the decode request's LoRA adapter is not the one room {room} was "
+                    "prefilled with (or the servers load it from different weights)",
+                    400,
+                    "model",
+                )
+                return
+            await self._write(req, reg, u)
+        except Exception as e:
+            self.stats.fail()
+            message = f"KV transfer for room {room} failed: {e}"
+            log.warning("%s", message)
+            if reg is not None:
+                reg.fail(message)
+        finally:
+            try:
+                with contextlib.suppress(RuntimeError):  # a stopped engine has nothing to free
+                    await self.call(lambda e: ops.release_held(e, req))
+            finally:
+                self.pending -= 1
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self.bootstrap.close()
         super().shutdown(timeout)
@@ -402,12 +536,16 @@ class DecodeAsyncEngine(_DisaggEngine):
         self.stats = TransferStats()
 
     def forgo(self, n: int) -> None:
-        next_target(self.role)  # (the prefill server's copy is aborted by the router)
+        if kv_transfer(self.role) is None:  # (a vLLM prefill's hold expires by itself)
+            next_target(self.role)  # (the prefill server's copy is aborted by the router)
 
     async def generate_n(
         self, prompt: str | list[int], params: SamplingParams, n: int
     ) -> list[RequestStream]:
-        target = _common_checks(self.role, n, params)
+        kv = kv_transfer(self.role)  # vLLM's: the KV a prefill server holds (`pickup`)
+        if kv is not None:
+            _checks(n, params)
+        target = kv.target if kv is not None else _common_checks(self.role, n, params)
         if not target.host:
             raise APIError(
                 400,
@@ -430,6 +568,8 @@ class DecodeAsyncEngine(_DisaggEngine):
                 "lora": None if req.lora is None else req.lora.digest,  # (checked there)
                 "timeout": self.config.timeout_s,  # the prefill side keeps well inside it
             }
+            if kv is not None:
+                registration.update(pickup=True, engine_id=kv.engine_id)
             extra_bytes = 0
             if params.return_routed_experts:  # (the prompt's rows come with the answer)
                 extra_bytes = routed_base64_chars(self.engine.model_config.routed_shape(len(ids)))
@@ -578,7 +718,7 @@ class _TransferCollector(Collector):
             yield m
         m = GaugeMetricFamily(
             PREFIX + "kv_transfer_pending",
-            "Requests between handshake and KV (prefill: pages held for the write)",
+            "Requests between handshake and KV (prefill: pages held for the write or a pickup)",
             labels=labels,
         )
         m.add_metric(values, float(self.owner.pending))

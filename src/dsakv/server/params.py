@@ -65,6 +65,14 @@ class RequestParamsMixin:
         for name in _NOT_RUN:  # (each was accepted and ignored)
             if getattr(body, name, None) not in (None, False):
                 raise APIError(400, f"{name} is not supported", param=name)
+        if getattr(body, "kv_transfer_params", None) is not None and not self.disaggregated:
+            raise APIError(  # (a PD server's middleware reads it: `dsakv.disagg.handoff`)
+                400,
+                "kv_transfer_params (vLLM's prefill/decode hand-off) needs a prefill or decode "
+                "server (--disaggregation-mode prefill / decode); this server has no KV "
+                "connector",
+                param="kv_transfer_params",
+            )
         named_ids = self._logprob_token_ids(body, logprobs, logprobs_param, max_tokens)
         lora_name = self.lora_name(body)
         # SGLang's (stop_regex: a sampling param on /generate, `generate._SAMPLING_NOT_RUN`)
@@ -342,10 +350,7 @@ _NOT_IN_BEAM_SEARCH = (
 
 
 # vLLM's request fields whose feature dsakv does not run: a 400 unless off.
-_NOT_RUN = (
-    "prompt_embeds",
-    "kv_transfer_params",  # (P/D through a KV connector: dsakv's is `dsakv.disagg`)
-)
+_NOT_RUN = ("prompt_embeds",)
 
 
 def request_salt(cache_salt: str | None, extra_key: str | None) -> str | None:

@@ -208,7 +208,8 @@ class ServingExtras(StrictModel):
     thinking_token_budget: int | None = None  # vLLM's (`SamplingParams`)
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs' tokens as "token_id:N"
     priority: int | None = None  # under priority scheduling only (`Engine.check_priority`)
-    # refused unless off (`Handlers.sampling_params`): what they ask for is not run here
+    # vLLM's P/D hand-off: a prefill or decode server's (`dsakv.disagg.handoff`), refused
+    # elsewhere (`Handlers.sampling_params`)
     kv_transfer_params: dict[str, Any] | None = None
     # SGLang's, not run here: a 400 unless unset (null, false or empty: sgl.gen sends
     # stop_regex: []); any shape, so the refusal names the field

@@ -1,0 +1,279 @@
+"""vLLM's P/D protocol (`kv_transfer_params`) on dsakv's prefill and decode servers: a proxy
+written here as vLLM's toy_proxy_server.py runs it (the prefill server first, max_tokens 1,
+then the original request to the decode server with the prefill answer's
+kv_transfer_params), against a plain server's greedy output."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from dsakv.engine import EngineConfig
+from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+
+from .serving import (
+    NO_THINKING,
+    TIMEOUT,
+    disagg_info,
+    routing,
+    scrape_metrics,
+    serving,
+    serving_disagg,
+    wait_idle,
+)
+
+HOLD_S = 4  # the prefill server's --disaggregation-timeout: how long it holds KV for a pickup
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3  # several pages, one partial
+GREEDY = {"temperature": 0, "ignore_eos": True}
+CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], **NO_THINKING, **GREEDY}
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
+    """A prefill server (holding KV `HOLD_S` seconds), a decode server and a plain server,
+    one glm-tiny model (index_topk covering every context: exact) in this process."""
+    root = tmp_path_factory.mktemp("vllm_pd")
+    model = write_tiny_model(root / "tiny", {**TINY_PRESETS["glm-tiny"], "index_topk": 1024})
+    conf = EngineConfig(str(model), device="cpu", num_pages=64, page_size=16,
+                        kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        prefill, _ = stack.enter_context(serving_disagg(conf, "prefill", timeout_s=HOLD_S))
+        decode, _ = stack.enter_context(serving_disagg(conf, "decode"))
+        plain, _ = stack.enter_context(serving(conf))
+        yield SimpleNamespace(prefill=prefill, decode=decode, plain=plain)
+
+
+def _post(url: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url, json=body, timeout=TIMEOUT)
+
+
+def prefill_first(prefill: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's proxy's first leg: the client's request as max_tokens 1, not streamed, with
+    do_remote_decode; returns the prefill server's answer."""
+    req = {**body, "stream": False, "max_tokens": 1}
+    req["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    if "max_completion_tokens" in req:
+        req["max_completion_tokens"] = 1
+    req.pop("stream_options", None)
+    r = _post(prefill + path, req)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def then_decode(decode: str, path: str, body: dict[str, Any], params: dict) -> httpx.Response:
+    """The second leg: the original request, with the prefill answer's kv_transfer_params."""
+    return _post(decode + path, {**body, "kv_transfer_params": params})
+
+
+def proxied(pd: SimpleNamespace, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The whole flow, answered 200: the decode server's answer."""
+    first = prefill_first(pd.prefill, path, body)
+    r = then_decode(pd.decode, path, body, first["kv_transfer_params"])
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def text_of(answer: dict[str, Any]) -> str:
+    choice = answer["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+# --- the flow ----------------------------------------------------------------------------------
+
+
+def test_completions_and_chat_equal_the_plain_server(pd):
+    """Greedy completions and chat through the proxy flow equal the plain server's; the
+    prefill answer is one token plus where the KV waits (vLLM's NixlConnector's fields),
+    the decode server took it over the transfer, and both give their pages back."""
+    body = {"prompt": PROMPT, "max_tokens": 12, **GREEDY}
+    want = _post(pd.plain + "/v1/completions", body).json()
+    before = scrape_metrics(pd.decode)
+    first = prefill_first(pd.prefill, "/v1/completions", body)
+    assert first["usage"]["completion_tokens"] == 1
+    assert text_of(first) == text_of(want)[: len(text_of(first))]
+    kv = first["kv_transfer_params"]
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
+    assert (kv["remote_host"], kv["remote_port"]) == (
+        "127.0.0.1",
+        disagg_info(pd.prefill)["bootstrap_port"],
+    )
+    assert len(kv["remote_block_ids"]) == -(-prompt_tokens // 16) and kv["tp_size"] == 1
+    assert isinstance(kv["remote_engine_id"], str) and kv["remote_request_id"].isdigit()
+    got = then_decode(pd.decode, "/v1/completions", body, kv).json()
+    assert text_of(got) == text_of(want) and got["usage"] == want["usage"]
+    grew = scrape_metrics(pd.decode)["dsakv_kv_transfer_tokens_total"]
+    assert grew - before["dsakv_kv_transfer_tokens_total"] == prompt_tokens
+
+    chat = {**CHAT, "max_completion_tokens": 10}
+    want = _post(pd.plain + "/v1/chat/completions", chat).json()
+    got = proxied(pd, "/v1/chat/completions", chat)
+    assert text_of(got) == text_of(want) and got["usage"] == want["usage"]
+    wait_idle(pd.prefill)
+    wait_idle(pd.decode)
+
+
+def test_the_decode_server_streams(pd):
+    """The original request streamed (with usage) from the decode server, as the client
+    asked; the prefill leg is never streamed."""
+    body = {"prompt": PROMPT, "max_tokens": 9, **GREEDY}
+    want = text_of(_post(pd.plain + "/v1/completions", body).json())
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    first = prefill_first(pd.prefill, "/v1/completions", streamed)
+    params = {**streamed, "kv_transfer_params": first["kv_transfer_params"]}
+    with httpx.stream("POST", pd.decode + "/v1/completions", json=params, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        lines = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want
+    assert chunks[-1]["usage"]["completion_tokens"] == 9
+    wait_idle(pd.decode)
+
+
+def test_concurrent_requests_and_both_protocols_at_once(pd):
+    """Two vLLM-protocol requests and one through `dsakv router` (SGLang's protocol) on the
+    same pair at once: each equals the plain server's."""
+    prompts = [PROMPT, "Once upon a time, in a land far away, " * 2, "Two plus two is"]
+    bodies = [{"prompt": p, "max_tokens": 8, **GREEDY} for p in prompts]
+    want = [text_of(_post(pd.plain + "/v1/completions", b).json()) for b in bodies]
+    with routing([pd.prefill], [pd.decode]) as router, ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(proxied, pd, "/v1/completions", b) for b in bodies[:2]]
+        runs.append(pool.submit(lambda: _post(router + "/v1/completions", bodies[2]).json()))
+        assert [text_of(f.result()) for f in runs] == want
+    wait_idle(pd.prefill)
+    wait_idle(pd.decode)
+
+
+# --- the hold ----------------------------------------------------------------------------------
+
+
+def test_the_hold_is_let_go_at_pickup_and_a_second_pickup_is_refused(pd):
+    """Between the prefill answer and the pickup the prefill server holds the prompt's
+    pages; the pickup gives them back; the same kv_transfer_params again is a 410 (gone),
+    another room or another prefill engine's a 404, each leaving no page reserved."""
+    body = {"prompt": PROMPT, "max_tokens": 4, **GREEDY}
+    first = prefill_first(pd.prefill, "/v1/completions", body)
+    kv = first["kv_transfer_params"]
+    info = disagg_info(pd.prefill)
+    assert (info["pending"], info["open_rooms"], info["integrity"]) == (1, 1, "busy")
+    r = then_decode(pd.decode, "/v1/completions", body, kv)
+    assert r.status_code == 200, r.text
+    again = error_of(then_decode(pd.decode, "/v1/completions", body, kv), 410)
+    assert "already took it" in again["message"] and again["param"] == "kv_transfer_params"
+    wait_idle(pd.prefill)
+    assert disagg_info(pd.prefill)["open_rooms"] == 0
+    other_room = {**kv, "remote_request_id": str(int(kv["remote_request_id"]) ^ 1)}
+    unknown = error_of(then_decode(pd.decode, "/v1/completions", body, other_room), 404)
+    assert "no KV is held for room" in unknown["message"]
+    other_engine = {**kv, "remote_engine_id": "another-engine"}
+    assert (
+        "remote_engine_id"
+        in error_of(then_decode(pd.decode, "/v1/completions", body, other_engine), 404)["message"]
+    )
+    wait_idle(pd.decode)
+
+
+def test_a_hold_nobody_takes_expires_and_its_pickup_hears_so(pd):
+    """No decode request within --disaggregation-timeout: the prefill server lets the pages
+    go by itself; a pickup after that is a 410 saying the hold expired."""
+    body = {"prompt": PROMPT, "max_tokens": 4, **GREEDY}
+    kv = prefill_first(pd.prefill, "/v1/completions", body)["kv_transfer_params"]
+    assert disagg_info(pd.prefill)["pending"] == 1
+    deadline = time.monotonic() + HOLD_S + TIMEOUT
+    while disagg_info(pd.prefill)["pending"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    late = error_of(then_decode(pd.decode, "/v1/completions", body, kv), 410)
+    assert "expired" in late["message"] and "--disaggregation-timeout" in late["message"]
+    wait_idle(pd.prefill)
+    wait_idle(pd.decode)
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+_ASK_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
+_TAKE = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "e",
+    "remote_request_id": "7",
+    "remote_host": "127.0.0.1",
+    "remote_port": 1,
+}
+
+
+@pytest.mark.parametrize(
+    "server, path, body, param, words",
+    [
+        ("prefill", "/v1/completions", {"kv_transfer_params": "x"}, None, "must be an object"),
+        ("prefill", "/v1/completions", {"kv_transfer_params": _TAKE}, None, "for a decode"),
+        ("decode", "/v1/completions", {"kv_transfer_params": _ASK_DECODE}, None, "for a prefill"),
+        ("plain", "/v1/completions", {"kv_transfer_params": _TAKE}, None, "--disaggregation-mode"),
+        (
+            "decode",
+            "/v1/completions",
+            {"kv_transfer_params": {**_TAKE, "remote_host": None, "remote_port": None}},
+            None,
+            "needs remote_host, remote_port",
+        ),
+        (
+            "decode",
+            "/v1/completions",
+            {"kv_transfer_params": {**_TAKE, "remote_port": "x"}},
+            None,
+            "remote_port must be an integer",
+        ),
+        (
+            "prefill",
+            "/v1/completions",
+            {"kv_transfer_params": {**_TAKE, "do_remote_decode": True}},
+            None,
+            "both",
+        ),
+        ("prefill", "/v1/completions", {"kv_transfer_params": _ASK_DECODE, "n": 2}, "n", "n > 1"),
+        (
+            "prefill",
+            "/v1/completions",
+            {"kv_transfer_params": _ASK_DECODE, "stream": True},
+            "stream",
+            "stream: false",
+        ),
+        (
+            "prefill",
+            "/v1/completions",
+            {"kv_transfer_params": _ASK_DECODE, "bootstrap_room": 5},
+            None,
+            "one protocol",
+        ),
+        ("prefill", "/v1/responses", {"kv_transfer_params": _ASK_DECODE}, None, "is taken by"),
+    ],
+)
+def test_bad_kv_transfer_params_are_one_clear_4xx(pd, server, path, body, param, words):
+    """Each a 400 naming kv_transfer_params (or the field at fault), before anything runs:
+    no room is left open, no page held."""
+    prompt = {"input": "x"} if path == "/v1/responses" else {"prompt": PROMPT}
+    error = error_of(_post(getattr(pd, server) + path, {**prompt, **body, "max_tokens": 4}), 400)
+    assert error["param"] == (param or "kv_transfer_params") and words in error["message"]
+    assert disagg_info(pd.prefill)["open_rooms"] == 0
+    wait_idle(pd.prefill if server == "prefill" else pd.decode)
