@@ -390,10 +390,10 @@ def test_a_deeply_nested_config_at_start_is_one_error_line(glm_tiny, adapters, t
 
 
 def test_vllm_and_sglang_lora_switches_are_taken_and_ignored(glm_tiny, capsys):
-    """vLLM's --fully-sharded-loras and --lora-dtype, SGLang's --lora-backend and
-    --lora-eviction-policy lru: taken, the engine unchanged (serve, serve-pd; generate
-    takes none). (--lora-target-modules: tests/test_lora_targets.py.)"""
-    server = [["--fully-sharded-loras"], ["--lora-dtype", "bfloat16"]]
+    """vLLM's --lora-dtype, SGLang's --lora-backend and --lora-eviction-policy lru: taken,
+    the engine unchanged (serve, serve-pd; generate takes none). (--lora-target-modules:
+    tests/test_lora_targets.py; --fully-sharded-loras: tests/test_lora_sharded.py.)"""
+    server = [["--lora-dtype", "bfloat16"]]
     server += [["--lora-backend", "csgmv"], ["--lora-eviction-policy", "lru"]]
     assert_taken_and_ignored(glm_tiny, [], server, capsys)
 

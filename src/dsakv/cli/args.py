@@ -1005,15 +1005,17 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
         help="SGLang's: the modules given adapter slots (q_a_proj, o_proj, gate_proj, ..., "
         "gate_up_proj, or all: the default); an adapter adapting another is refused",
     )
+    g.add_argument(
+        "--fully-sharded-loras",
+        action="store_true",
+        help="vLLM's: under --tp split the slots' other half too (column-parallel layers' A by "
+        "rank, row-parallel ones' B by rows, the routed experts' over their MoE TP ranks), "
+        "for one small collective per adapted layer; --max-lora-rank must divide by --tp",
+    )
 
 
 def add_ignored_lora_args(g: argparse._ArgumentGroup) -> None:
     """vLLM's and SGLang's LoRA settings for what dsakv does its own way: taken, no effect."""
-    g.add_argument(
-        "--fully-sharded-loras",
-        action="store_true",
-        help="vLLM's: under --tp each rank holds its slices of A and B already",
-    )
     g.add_argument(
         "--lora-dtype",
         choices=("auto", "float16", "bfloat16", "float32"),

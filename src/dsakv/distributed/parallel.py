@@ -178,6 +178,18 @@ class ParallelState:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def all_gather_run(self, x: torch.Tensor, parts: int) -> torch.Tensor:
+        """Each `x` of the `parts` ranks from `rank // parts * parts` on (the ranks that split
+        one weight: every rank, or an expert group's moe_tp ranks), stacked `[parts, ...]`.
+        A run shorter than every rank gathers over all of them and keeps its own: the one
+        group the model has, no subgroup to create (--fully-sharded-loras' small shrinks)."""
+        if parts == 1:
+            return x[None]
+        out = x.new_empty(self.world_size, *x.shape)
+        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=self.group)
+        start = self.rank // parts * parts
+        return out[start : start + parts]
+
     def gather_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """DP attention: every rank's rows `[T_r, H]`, stacked `[Σ T_r, H]`, and the counts.
 

@@ -20,7 +20,7 @@ from dsakv.errors import DsakvError, is_int, is_number
 from dsakv.kernels import BACKENDS
 from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 from dsakv.memory.storage import StorageConfig
-from dsakv.models.lora import target_suffixes
+from dsakv.models.lora import check_fully_sharded, target_suffixes
 
 MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
 DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLang's default)
@@ -149,13 +149,16 @@ class EngineConfig:
     # host memory (None: no cap; past it the least recently used no request holds is
     # evicted, read again when named: `dsakv.engine.lora`); `lora_modules`: (name, path)
     # pairs loaded at start; `lora_target_modules` (SGLang's): the modules that hold slots
-    # (`dsakv.models.lora.TARGET_MODULES`, `all`), an adapter adapting another refused
+    # (`dsakv.models.lora.TARGET_MODULES`, `all`), an adapter adapting another refused;
+    # `fully_sharded_loras` (vLLM's, off as there): under --tp the slots' other half split
+    # too (A of column-parallel layers by rank, B of row-parallel ones by rows: `RankSplit`)
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
     lora_target_modules: tuple[str, ...] = ("all",)
+    fully_sharded_loras: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):  # every bool field, by its annotation (a string here)
@@ -380,6 +383,7 @@ class EngineConfig:
                 ("--max-cpu-loras", self.max_cpu_loras is not None),
                 ("--lora-modules", bool(modules)),
                 ("--lora-target-modules", targets != ("all",)),
+                ("--fully-sharded-loras", self.fully_sharded_loras),
             ):
                 if given:
                     raise DsakvError(f"{flag} needs --enable-lora")
@@ -411,7 +415,8 @@ class EngineConfig:
             raise DsakvError(f"--lora-modules names an adapter twice: {names}")
         if not self.enable_lora:
             return
-        # LoRA steps run the torch path, eager: each token's adapter slot is per step
+        # Steps with adapter rows run the torch path, eager (each token's adapter slot is per
+        # step): not batch invariant; the others run as without --enable-lora
         refused = (
             (self.dp_attention, "--dp-attention"),
             (self.enable_torch_compile, "--enable-torch-compile"),
@@ -420,6 +425,8 @@ class EngineConfig:
         for bad, flag in refused:
             if bad:
                 raise DsakvError(f"--enable-lora does not run with {flag} yet")
+        if self.fully_sharded_loras:
+            check_fully_sharded(self.max_lora_rank, self.tp)
 
     def _check_hisparse(self) -> None:
         """What HiSparse runs with; the model-dependent checks come with the model."""

@@ -19,6 +19,10 @@ the memory pool's blocks); none is captured inside a timed step.
 Eager runs of the same padded batch (`--disable-cuda-graph`, or a batch too large or too
 long for the buffers) go through `ForwardBatch.padded_decode` too, so a graph replay and
 an eager step compute the same numbers.
+
+Under --enable-lora a graph holds no adapter: it is captured with the LoRA slots inert (no
+step table: every hook returns the base output, on the host, no sync) and replayed only
+for steps whose rows hold no adapter (`ModelRunner._forward`); the others run eager.
 """
 
 from __future__ import annotations
@@ -168,6 +172,9 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int, width: int) -> None:
         start = time.perf_counter()
+        lora = getattr(self.model, "lora", None)
+        if lora is not None:  # (inert: not the last step's table, after sleep mode's drop)
+            lora.prepare(None, ())
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

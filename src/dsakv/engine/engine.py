@@ -241,14 +241,19 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.model, self.model_config, self.plan = load_model(
             config.model, plan, device=self.device, parallel=self.parallel, **self._stored
         )
-        # LoRA adapters' slots on every targeted layer, before any native form is made
-        # (`has_lora`: with them, steps run the torch path); which adapter is where: rank 0's
+        # LoRA adapters' slots on every targeted layer, before any native form is made (a
+        # step with adapter rows runs those layers eager: `DecoderLayer.adapting`); which
+        # adapter is where: rank 0's
         self.lora: LoraRegistry | None = None
         if config.enable_lora:
             from dsakv.models.lora import LoraSlots
 
             self.model.lora = LoraSlots(
-                self.model, config.max_loras, config.max_lora_rank, config.lora_target_modules
+                self.model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.lora_target_modules,
+                config.fully_sharded_loras,
             )
             self.lora = LoraRegistry(config.max_loras, config.max_cpu_loras)
             for name, path in config.lora_modules:  # (every rank loads them as it starts)
@@ -293,8 +298,11 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         )
         self.model.use_backend(self.backend)
         # How the KV is computed: engines that differ here compute other bytes, so they
-        # share no L3 pages and do not pair as prefill and decode servers.
-        self.compute = f"{dtype}|{self.backend.name}|deterministic={self.deterministic}"
+        # share no L3 pages and do not pair as prefill and decode servers. Under --enable-lora
+        # a step with adapter rows runs the torch blocks, so its base rows' KV is not the
+        # per-token path's bits: such an engine promises no batch invariance.
+        invariant = self.deterministic and not config.enable_lora
+        self.compute = f"{dtype}|{self.backend.name}|deterministic={invariant}"
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.stats = EngineStats()
         # (when, output tokens) where the last two windows began: `counters`' gen_throughput
@@ -554,13 +562,14 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
 
     def _deterministic(self, dtype: torch.dtype) -> bool:
         """Whether every step runs the cpu backend's per-token path: as asked, or by default
-        wherever it runs (measured no slower there than the batched path it replaces)."""
+        wherever it runs (measured no slower there than the batched path it replaces).
+        Under --enable-lora a step with adapter rows runs its layers' blocks eager (not batch
+        invariant: asking for it is refused), a step of base rows the per-token path."""
         want = self.config.enable_deterministic_inference
         if want is not None:
             return want  # (True where it cannot run: select_backend says what is missing)
         return (
-            not self.config.enable_lora  # (LoRA slots: the torch path, `has_lora`)
-            and self.device.type == "cpu"
+            self.device.type == "cpu"
             and self.config.attention_backend in ("auto", "cpu")
             and self.parallel.world_size == 1
             and dtype == torch.float32
@@ -576,14 +585,13 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Padded, graph-capturable decode steps: for the graph-safe backends on one rank
-        (captured on CUDA unless `disable_cuda_graph`; eager padded steps elsewhere)."""
+        (captured on CUDA unless `disable_cuda_graph`; eager padded steps elsewhere). Under
+        --enable-lora only steps without adapter rows run them (`ModelRunner._forward`)."""
         why = self.backend.graph_blocker(self.model.dtype, self.device, self.model_config.has_moe)
         if why is None and self.parallel.world_size > 1:
             why = "more than one rank"
         if why is None and self.hot is not None:
             why = "HiSparse decode copies host rows (not captured yet)"
-        if why is None and self.config.enable_lora:
-            why = "LoRA adapters (each step's token slots)"
         self.decode_graph_blocker = why  # why decode steps are not padded / captured
         if why is not None:
             if self.device.type == "cuda":

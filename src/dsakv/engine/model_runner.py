@@ -67,7 +67,8 @@ class ModelRunner:
         `[T, layers, top_k]`; other ranks route alike); else None.
         A step that records runs eager: not a CUDA graph (SGLang's captures it). `hot`:
         the step's HiSparse latent slots (`dsakv.engine.hisparse.HotStep`; one rank only).
-        `lora`: the step's LoRA table (`LoraRegistry.step`), None without LoRA requests."""
+        `lora`: the step's LoRA table (`LoraRegistry.step`), None without LoRA requests; a
+        step with adapter rows runs eager too, one without runs as without --enable-lora."""
         with self._leading() as send:
             if send:
                 send("forward", _pack(new_tokens), _pack_slots(slots), list(rows), lora)
@@ -190,8 +191,10 @@ class ModelRunner:
         self, new_tokens, slots, hot=None, rows: Sequence[int] = (), record=False, lora=None
     ):
         graphs, logits, routed = self.decode_graphs, None, None
-        if self.model.lora is not None:  # (under --enable-lora: no decode graphs)
+        if self.model.lora is not None:
             self.model.lora.prepare(lora, [len(t) for t in new_tokens])
+            if self.model.lora.used:  # (adapter rows: eager; the graphs hold no LoRA)
+                graphs = None
         picked = torch.tensor(rows, dtype=torch.long) if rows else None
         if graphs is not None and not record and graphs.fits(new_tokens, slots):
             self.last[TARGET] = graphs.run(new_tokens, slots)

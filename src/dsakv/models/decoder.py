@@ -14,7 +14,7 @@ from dsakv.kernels.backend import Block
 
 from .attention import MLAttention
 from .layers import MLP, RMSNorm
-from .lora import has_lora
+from .lora import LoraSlots, adapter_slots
 from .moe import MoE
 
 
@@ -43,6 +43,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._native: tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None | bool = False
+        self._lora: LoraSlots | None = None  # the adapter slots it holds (`adapting`)
         # Where a step that records its routing keeps this MoE layer's (an int32
         # `[T, top_k]` view: `DSAForCausalLM.record_routing`); None: not recorded
         self.routed: torch.Tensor | None = None
@@ -63,10 +64,17 @@ class DecoderLayer(nn.Module):
     def native_blocks(self) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
         """This layer's two blocks as `cpu_native` calls over its own weights, made on first
         use (after loading); None where they do not apply: a model computing in bf16 (its
-        blocks round where the reference does), a layer split over ranks."""
+        blocks round where the reference does), a layer split over ranks. Made beside LoRA
+        slots too: only a step running adapter deltas here runs the blocks eager."""
         if self._native is False:
-            self._native = _native_blocks(self)
+            self._native, self._lora = _native_blocks(self), adapter_slots(self)
         return self._native
+
+    def adapting(self) -> bool:
+        """Whether this step's tokens run adapter deltas through this layer (known once its
+        native blocks are made): its blocks then run eager, their native forms having no
+        slots; a step of base rows alone runs them native, as without --enable-lora."""
+        return self._lora is not None and bool(self._lora.used)
 
 
 def in_turn(layers: Sequence[DecoderLayer], x, cos, sin, batch, pool):
@@ -128,8 +136,8 @@ def residual_ffn(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> tor
 
 def _native_blocks(layer: DecoderLayer) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
     attn, mlp = layer.self_attn, layer.mlp
-    if layer.parallel.world_size > 1 or not cpu_native.fits(layer) or has_lora(layer):
-        return None  # (LoRA: the blocks' native forms have no adapter slots)
+    if layer.parallel.world_size > 1 or not cpu_native.fits(layer):
+        return None
     inputs = cpu_native.MlaInputs(
         layer.input_layernorm.weight,
         attn.q_a_proj.weight,
@@ -169,10 +177,17 @@ def _native_blocks(layer: DecoderLayer) -> tuple[cpu_native.MlaInputs, cpu_nativ
     return inputs, ffn
 
 
+# A step with adapter rows runs a layer's blocks eager from their native forms, whatever
+# the backend's mode (its per-token mode has no eager fallback): the base rows beside them
+# batched as the adapter rows are.
+
+
 def _native_inputs(layer: DecoderLayer, x, cos, sin):
     blocks = layer.native_blocks()
     if blocks is None:
         return NotImplemented
+    if layer.adapting():
+        return attention_inputs(layer, x, cos, sin)
     return blocks[0](x, cos, sin)
 
 
@@ -180,6 +195,8 @@ def _native_ffn(layer: DecoderLayer, x, out):
     blocks = layer.native_blocks()
     if blocks is None:
         return NotImplemented
+    if layer.adapting():
+        return residual_ffn(layer, x, out)
     return blocks[1](x, out.reshape(out.shape[0], -1), layer.routed)
 
 

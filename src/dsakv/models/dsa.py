@@ -246,9 +246,12 @@ class DSAForCausalLM(nn.Module):
         over their own selection (decode, MTP verify and draft rows); prefill chunks keep
         the per-layer path, whose attention widens a shared context once for several
         queries. Made once per pool and kept on the target model or the MTP layer; None
-        where some part has no native form."""
+        where some part has no native form, and for a target step with adapter rows (the
+        loop has no LoRA slots: its layers' blocks run eager, `DecoderLayer.adapting`)."""
         short = 0 < max(batch.extend_lens, default=0) <= LOOP_EXTEND  # (DP: an idle rank's 0)
         if not short or batch.hot is not None or not getattr(self.ops, "deterministic", False):
+            return None
+        if not draft and self.lora is not None and self.lora.used:
             return None
         owner = self.mtp if draft else self
         made_for, loop = getattr(owner, "_layer_loop", (None, None))

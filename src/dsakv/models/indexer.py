@@ -18,7 +18,7 @@ from dsakv.kernels import TorchBackend, cpu_native
 from dsakv.kernels.backend import Block
 
 from .forward_batch import ForwardBatch
-from .lora import has_lora
+from .lora import LoraSlots, adapter_slots
 from .parallel_layers import ShardedLinear
 from .rope import rope_half, rope_interleaved
 
@@ -94,6 +94,7 @@ class Indexer(nn.Module):
         self.scale = self.head_dim**-0.5
         self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
         self._native: cpu_native.IndexerInputs | None | bool = False
+        self._lora: LoraSlots | None = None  # the adapter slots it holds (`adapting`)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rope_dim
@@ -101,10 +102,11 @@ class Indexer(nn.Module):
 
     def native_inputs(self) -> cpu_native.IndexerInputs | None:
         """`index_key` / `index_query` as `cpu_native` calls over this module's weights, made
-        on first use (after loading); None unless it computes in fp32 on the CPU."""
+        on first use (after loading); None unless it computes in fp32 on the CPU. Made
+        beside LoRA slots too: only a step running adapter deltas here runs them eager."""
         if self._native is False:
-            self._native = None
-            if cpu_native.fits(self) and not has_lora(self):  # (its native form has no LoRA)
+            self._native, self._lora = None, adapter_slots(self)
+            if cpu_native.fits(self):
                 self._native = cpu_native.IndexerInputs(
                     self.wq_b.weight,
                     self.wk.weight,
@@ -117,6 +119,12 @@ class Indexer(nn.Module):
                     eps=self.k_norm.eps,
                 )
         return self._native
+
+    def adapting(self) -> bool:
+        """Whether this step's tokens run adapter deltas through the indexer's projections
+        (known once `native_inputs` ran): they run eager then (the native forms have no
+        slots); a step of base rows alone runs them native."""
+        return self._lora is not None and bool(self._lora.used)
 
     def forward(
         self,
@@ -209,15 +217,25 @@ def index_query(indexer: Indexer, x, q_lora, cos, sin, pool):
     return q, wp(x.to(wp.weight.dtype)).float() * indexer.n_heads**-0.5
 
 
+# A step with adapter rows runs the projections eager from their native forms, whatever the
+# backend's mode (`decoder._native_inputs`).
+
+
 def _native_key(indexer: Indexer, x, cos, sin):
     native = indexer.native_inputs()
-    return NotImplemented if native is None else native.key(x, cos, sin)
+    if native is None:
+        return NotImplemented
+    if indexer.adapting():
+        return index_key(indexer, x, cos, sin)
+    return native.key(x, cos, sin)
 
 
 def _native_query(indexer: Indexer, x, q_lora, cos, sin, pool):
     native = indexer.native_inputs()
     if native is None:
         return NotImplemented
+    if indexer.adapting():
+        return index_query(indexer, x, q_lora, cos, sin, pool)
     return native.query(x, q_lora, cos, sin, pool.rotates_index_q)
 
 

@@ -36,11 +36,24 @@ adapters too), and so are the MTP layer's (the draft runs base weights; verifica
 keeps outputs exact). Which adapter sits in which slot is the engine's decision
 (`dsakv.engine.lora`); `LoraSlots` fills the slots a step's table names from the host
 copies this rank holds.
+
+Under --tp that split leaves the other half whole on every rank: a column-parallel layer's
+A, a row-parallel one's B, the routed experts' gate / up A `[E_r, S·R, H]` and down B
+`[E_r, H, S·R]` above all. --fully-sharded-loras (vLLM's, after S-LoRA: `RankSplit`) splits
+those too, over the ranks that split the base weight (every rank for attention and the
+MLPs, an expert group's moe_tp ranks for its experts): a column-parallel layer holds R / n
+of each slot's A rows and all-gathers its shrink `[T, S·R / n]` before B; a row-parallel
+one holds out / n of B's rows, reduces its partial shrink `[T, S·R]` and adds only its
+rows to the output its caller reduces anyway. One small collective per adapted layer (per
+MoE layer: one for gate and up together, one for down). The replicated layers (q_a_proj,
+kv_a_proj_with_mqa, the indexer's) stay whole, as vLLM's replicated LoRA layers, and so
+does kv_b_proj's A (MLA multiplies it by this rank's heads' latents only).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 from collections.abc import Collection, Iterator, Sequence
@@ -52,11 +65,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import DsakvError, is_int, is_number, load_json
 from dsakv.kernels.torch_ops import expert_groups, per_head, widened
 
 from .moe import Experts, MoE
 from .parallel_layers import ShardedLinear
+
+log = logging.getLogger(__name__)
 
 # The MLPs' projections: the dense MLP's, the shared experts' and the routed experts' (their
 # slots' names: `model.layers.{i}.mlp.experts.{p}`); and PEFT's fused params in the order it
@@ -166,6 +182,8 @@ def read_adapter(path: str, model: nn.Module, max_rank: int) -> LoraAdapter:
     for layer, keys in sorted(routed.items()):
         weights.update(_routed_weights(model, layer, keys, targets, scaling, max_rank, refuse))
     _check_targeted(weights, model, refuse)
+    if (slots := getattr(model, "lora", None)) is not None:  # (--fully-sharded-loras' parts)
+        weights = {name: slots.own(name, a, b) for name, (a, b) in weights.items()}
     return LoraAdapter(str(path), digest, weights)
 
 
@@ -444,19 +462,59 @@ def slot_dtype(model: nn.Module, name: str) -> torch.dtype:
     return torch.float32 if name.endswith("weights_proj") else model.dtype
 
 
+@dataclass(frozen=True)
+class RankSplit:
+    """--fully-sharded-loras: a layer's slots split over the `parts` ranks that split its base
+    weight (this rank the `index`-th, `parallel.all_gather_run`'s run). `rank_rows`
+    (column-parallel): each holds R / parts of every slot's A rows, the shrinks gathered;
+    else (row-parallel) out / parts of B's rows, the partial shrinks summed first."""
+
+    parallel: ParallelState
+    parts: int
+    index: int
+    rank_rows: bool
+
+    def gather(self, z: torch.Tensor, slots: int) -> torch.Tensor:
+        """Every rank's shrink `[..., S·R / parts]` as every slot's R columns `[..., S·R]`
+        (slot s: rank 0's R / parts columns of it, then rank 1's, ...)."""
+        *lead, width = z.shape
+        parts = self.parallel.all_gather_run(z, self.parts)  # [parts, ..., S·R / parts]
+        parts = parts.view(self.parts, *lead, slots, width // slots).movedim(0, -2)
+        return parts.reshape(*lead, width * self.parts)
+
+    def reduce(self, z: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's partial shrink `z` (an all-reduce where the run is every
+        rank)."""
+        if self.parts == self.parallel.world_size:
+            return self.parallel.all_reduce(z)
+        return self.parallel.all_gather_run(z, self.parts).sum(0)
+
+
 class SlotWeights:
     """One layer's `max_loras` slots of A `[S·R, in]` and B·scaling `[out, S·R]`; the step's
     token mask (`LoraSlots.mask`) picks each token's slot (module docstring). `shape`: the
     base weight's `(out, in)`, or `(E_r, out, in)` for routed experts (`RoutedSlots`: A
-    `[E_r, S·R, in]`, B `[E_r, out, S·R]`)."""
+    `[E_r, S·R, in]`, B `[E_r, out, S·R]`). `split` (--fully-sharded-loras): A
+    `[S·R / n, in]` (`rank`: R / n rows per slot) or B `[out / n, S·R]`."""
 
     def __init__(
-        self, slots: LoraSlots, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+        self,
+        slots: LoraSlots,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        split: RankSplit | None = None,
     ) -> None:
         *lead, out, inp = shape
-        width = slots.max_loras * slots.max_rank
-        self.a = torch.zeros(*lead, width, inp, dtype=dtype, device=device)
-        self.b = torch.zeros(*lead, out, width, dtype=dtype, device=device)
+        self.split, self.rank = split, slots.max_rank  # (`rank`: A's rows per slot here)
+        if split is not None and split.rank_rows:
+            self.rank //= split.parts
+        elif split is not None:
+            out //= split.parts
+        self.a = torch.zeros(*lead, slots.max_loras * self.rank, inp, dtype=dtype, device=device)
+        self.b = torch.zeros(
+            *lead, out, slots.max_loras * slots.max_rank, dtype=dtype, device=device
+        )
         self.slots = slots
         self.filled = [False] * slots.max_loras  # whether each slot holds weights here
 
@@ -470,20 +528,43 @@ class SlotWeights:
             return y
         if mask.shape[0] != x.shape[0]:
             raise ValueError(f"LoRA mask has {mask.shape[0]} rows for {x.shape[0]} tokens")
-        z = torch.where(mask, F.linear(x, self.a.to(x.dtype)), 0)
-        return y + F.linear(z, self.b.to(x.dtype))
+        z, split = F.linear(x, self.a.to(x.dtype)), self.split
+        if split is not None and split.rank_rows:
+            z = split.gather(z, self.slots.max_loras)
+        z = torch.where(mask, z, 0)
+        if split is None or split.rank_rows:
+            return y + F.linear(z, self.b.to(x.dtype))
+        # (y: this step's own output, a partial sum the layer's caller reduces: this rank's
+        # rows of the delta are added to it, the others' by their ranks)
+        n = self.b.shape[-2]
+        y.narrow(-1, split.index * n, n).add_(F.linear(split.reduce(z), self.b.to(x.dtype)))
+        return y
+
+    def own(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An adapter's A `[..., r, in]` and B `[..., out, r]` (as the base weight's split
+        leaves them) as this rank's slots hold them: under `split` its R / n rows of A
+        (the rank padded to R with zeros) or its out / n rows of B."""
+        split = self.split
+        if split is None:
+            return a, b
+        if split.rank_rows:
+            whole = a.new_zeros(*a.shape[:-2], self.slots.max_rank, a.shape[-1])
+            whole[..., : a.shape[-2], :] = a
+            r0 = split.index * self.rank
+            return whole[..., r0 : r0 + self.rank, :].contiguous(), b
+        n = self.b.shape[-2]
+        return a, b[..., split.index * n : (split.index + 1) * n, :].contiguous()
 
     def fill(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Slot `slot` holds `weights` (None: zeros)."""
-        r0 = slot * self.slots.max_rank
-        rows = slice(r0, r0 + self.slots.max_rank)
-        self.a[..., rows, :].zero_()
-        self.b[..., rows].zero_()
+        r0, c0 = slot * self.rank, slot * self.slots.max_rank  # (A's rows, B's columns)
+        self.a[..., r0 : r0 + self.rank, :].zero_()
+        self.b[..., c0 : c0 + self.slots.max_rank].zero_()
         self.filled[slot] = weights is not None
         if weights is not None:
             a, b = weights
             self.a[..., r0 : r0 + a.shape[-2], :].copy_(a)
-            self.b[..., r0 : r0 + b.shape[-1]].copy_(b)
+            self.b[..., c0 : c0 + b.shape[-1]].copy_(b)
 
 
 class LatentSlots(SlotWeights):
@@ -554,12 +635,16 @@ class RoutedSlots:
         (first, last), (i0, i1) = experts.expert_range, experts.inter_range
         e, h, n = last - first, experts.hidden_size, i1 - i0
         device = experts.down_proj.device
+        parts, index = experts.intermediate // n, i0 // n  # (the expert group's moe_tp ranks)
 
-        def held(proj: str, shape: tuple[int, ...]) -> SlotWeights | None:
-            return SlotWeights(slots, shape, dtype, device) if proj in projections else None
+        def held(proj: str, shape: tuple[int, ...], column: bool) -> SlotWeights | None:
+            if proj not in projections:
+                return None
+            split = slots.rank_split(parts, index, column)
+            return SlotWeights(slots, shape, dtype, device, split)
 
-        self.gate, self.up = held("gate_proj", (e, n, h)), held("up_proj", (e, n, h))
-        self.down = held("down_proj", (e, h, n))
+        self.gate, self.up = held("gate_proj", (e, n, h), True), held("up_proj", (e, n, h), True)
+        self.down = held("down_proj", (e, h, n), False)
         self.slots = slots
 
     def projections(self) -> dict[str, SlotWeights]:
@@ -604,40 +689,97 @@ class RoutedSlots:
         """`torch_ops.experts_loop`'s sum with each token's own slot's low-rank terms on gate
         and up (before the activation) and on down (`mask`: the tokens' rows of the step
         mask). Under moe_tp, down's A holds this rank's intermediate columns: a partial
-        delta, reduced with the base output. (`widened` unpacks FP8 weights kept packed.)"""
+        delta, reduced with the base output. (`widened` unpacks FP8 weights kept packed.)
+        Split (--fully-sharded-loras): gate's and up's shrinks of every (token, expert) pair
+        are gathered first, in one collective; down's partial ones are summed after the
+        loop, in one, and each rank adds its rows of down's delta."""
         last = first + gate_up.shape[0]
         out = torch.zeros_like(x)
+        groups = list(expert_groups(ids, weights, first, last))
+        pairs = ids.numel()  # (rows of the pair buffers: the same on every rank)
+        shrunk = self._gathered(x, groups, first, pairs)
+        down_split = self.down is not None and self.down.split is not None
+        down_z = x.new_zeros(pairs, self.down.b.shape[-1]) if down_split else None
 
         def delta(
-            s: SlotWeights | None, i: int, z: torch.Tensor, m: torch.Tensor
+            s: SlotWeights | None,
+            i: int,
+            z: torch.Tensor,
+            m: torch.Tensor,
+            rows: slice,
+            gathered: torch.Tensor | None = None,  # (its shrink, gathered: `_gathered`)
         ) -> torch.Tensor | int:
             if s is None:  # (not targeted)
                 return 0
-            zr = torch.where(m, F.linear(z, s.a[i].to(z.dtype)), 0)
-            return F.linear(zr, s.b[i].to(z.dtype))
+            zr = F.linear(z, s.a[i].to(z.dtype)) if gathered is None else gathered[rows]
+            return F.linear(torch.where(m, zr, 0), s.b[i].to(z.dtype))
 
-        for e, tok, we in expert_groups(ids, weights, first, last):
-            i, xs, m = e - first, x[tok], mask[tok]
+        at = 0  # (this expert's rows of the pair buffers)
+        for e, tok, we in groups:
+            i, xs, m, rows = e - first, x[tok], mask[tok], slice(at, at + tok.shape[0])
             gate, up = F.linear(xs, widened(gate_up[i], x)).chunk(2, dim=-1)
-            gate = gate + delta(self.gate, i, xs, m)
-            up = up + delta(self.up, i, xs, m)
+            gate = gate + delta(self.gate, i, xs, m, rows, shrunk.get(self.gate))
+            up = up + delta(self.up, i, xs, m, rows, shrunk.get(self.up))
             act = F.silu(gate) * up
-            y = F.linear(act, widened(down[i], x)) + delta(self.down, i, act, m)
+            y = F.linear(act, widened(down[i], x))
+            if down_z is None:
+                y = y + delta(self.down, i, act, m, rows)
+            else:
+                down_z[rows] = torch.where(m, F.linear(act, self.down.a[i].to(x.dtype)), 0)
             out.index_add_(0, tok, (y * we[:, None]).to(out.dtype))
+            at = rows.stop
+        if down_z is not None:
+            down_z, n = self.down.split.reduce(down_z), self.down.b.shape[-2]
+            own = out.narrow(-1, self.down.split.index * n, n)  # (this rank's rows of H)
+            at = 0
+            for e, tok, we in groups:
+                rows = slice(at, at + tok.shape[0])
+                y = F.linear(down_z[rows], self.down.b[e - first].to(x.dtype))
+                own.index_add_(0, tok, (y * we[:, None]).to(out.dtype))
+                at = rows.stop
         return out
+
+    def _gathered(
+        self, x: torch.Tensor, groups: list, first: int, pairs: int
+    ) -> dict[SlotWeights, torch.Tensor]:
+        """Split gate and up (--fully-sharded-loras): their shrinks `[pairs, S·R]` of every
+        (token, expert) pair, in `groups`' order, all-gathered in one collective, by their
+        slots; `{}` unsplit."""
+        held = [s for s in (self.gate, self.up) if s is not None and s.split is not None]
+        if not held:
+            return {}
+        z = x.new_zeros(len(held), pairs, held[0].a.shape[-2])
+        at = 0
+        for e, tok, _ in groups:
+            xs = x[tok]
+            for j, s in enumerate(held):
+                z[j, at : at + tok.shape[0]] = F.linear(xs, s.a[e - first].to(x.dtype))
+            at += tok.shape[0]
+        z = held[0].split.gather(z, self.slots.max_loras)
+        return {s: z[j] for j, s in enumerate(held)}
 
 
 class LoraSlots:
     """A model's adapter slots (`SlotWeights` on every adaptable layer of its target layers
     that `targets`, --lora-target-modules, names: the others hold none, and an adapter
     adapting them is refused) and the adapters this rank holds, by the engine's id:
-    `prepare` fills the slots a step names and builds its token mask."""
+    `prepare` fills the slots a step names and builds its token mask. `fully_sharded`
+    (--fully-sharded-loras): the slots split over the ranks as `RankSplit` says."""
 
     def __init__(
-        self, model: nn.Module, max_loras: int, max_rank: int, targets: Sequence[str] = ("all",)
+        self,
+        model: nn.Module,
+        max_loras: int,
+        max_rank: int,
+        targets: Sequence[str] = ("all",),
+        fully_sharded: bool = False,
     ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.targets = target_suffixes(targets)
+        self.parallel: ParallelState = model.parallel
+        self.fully_sharded = fully_sharded and self.parallel.world_size > 1
+        if self.fully_sharded:
+            check_fully_sharded(max_rank, self.parallel.world_size, model.config.hidden_size)
         self.adapters: dict[int, LoraAdapter] = {}
         self.resident = [0] * max_loras  # adapter id per slot (0: empty)
         self.mask: torch.Tensor | None = None
@@ -655,8 +797,11 @@ class LoraSlots:
                 attn = model.get_submodule(name.removesuffix(".kv_b_proj"))
                 holder = LatentSlots(linear, self, dtype, attn.n_heads, attn.nope)
             else:
-                shape = (linear.out_features, linear.in_features)
-                holder = SlotWeights(self, shape, dtype, linear.weight.device)
+                shape, split = (linear.out_features, linear.in_features), None
+                if (shard := linear.shard) is not None:  # (replicated layers stay whole)
+                    parts, index = shard.full // shard.size, shard.start // shard.size
+                    split = self.rank_split(parts, index, column=shard.dim == 0)
+                holder = SlotWeights(self, shape, dtype, linear.weight.device, split)
             linear.lora = self.layers[name] = holder
         routed_targets = self.targets.intersection(PROJECTIONS)
         for i, layer in enumerate(model.target_layers):  # (not the MTP layer's)
@@ -665,6 +810,29 @@ class LoraSlots:
                 routed = experts.lora = RoutedSlots(experts, self, model.dtype, routed_targets)
                 for proj, holder in routed.projections().items():
                     self.layers[f"model.layers.{i}.mlp.experts.{proj}"] = holder
+        log.info(
+            "LoRA slots: %.2f MiB on this rank (%d × rank %d%s)",
+            self.nbytes / 2**20, max_loras, max_rank,
+            f", fully sharded over {self.parallel.world_size} ranks" if self.fully_sharded else "",
+        )  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every slot this rank holds."""
+        return sum(t.nbytes for t in self.tensors())
+
+    def rank_split(self, parts: int, index: int, column: bool) -> RankSplit | None:
+        """A layer's `RankSplit` over `parts` ranks under --fully-sharded-loras (None: its
+        slots stay whole)."""
+        if not self.fully_sharded or parts == 1:
+            return None
+        return RankSplit(self.parallel, parts, index, column)
+
+    def own(self, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `name`'s A and B of an adapter as this rank's slots hold them
+        (`SlotWeights.own`); a layer without slots: as they are (`read_adapter` refuses it)."""
+        holder = self.layers.get(name)
+        return (a, b) if holder is None else holder.own(a, b)
 
     def prepare(self, step: tuple[Sequence[int], Sequence[int]] | None, lens: Sequence[int]):
         """Before a forward: `step` = (the adapter id in each slot, each request's slot,
@@ -715,6 +883,22 @@ class LoraSlots:
         self.adapters.pop(lora_id, None)
 
 
+def check_fully_sharded(max_rank: int, tp: int, hidden_size: int | None = None) -> None:
+    """--fully-sharded-loras' refusal: each slot's R (vLLM asserts the same) and, with the
+    model, the hidden size (row-parallel B's output rows) must divide over --tp's ranks
+    (their moe_tp runs then too)."""
+    if max_rank % tp:
+        raise DsakvError(
+            f"--fully-sharded-loras splits each adapter slot's rank over the ranks: "
+            f"--max-lora-rank {max_rank} is not divisible by --tp {tp}"
+        )
+    if hidden_size is not None and hidden_size % tp:
+        raise DsakvError(
+            f"--fully-sharded-loras splits o_proj's and down_proj's B rows over the ranks: "
+            f"the hidden size {hidden_size} is not divisible by --tp {tp}"
+        )
+
+
 def target_suffixes(modules: Sequence[str]) -> frozenset[str]:
     """The module-name suffixes (`TARGET_MODULES`) --lora-target-modules `modules` covers; a
     `DsakvError` naming one dsakv cannot adapt, with the valid names."""
@@ -741,6 +925,8 @@ def adaptable(model: nn.Module) -> Iterator[tuple[str, ShardedLinear]]:
                 yield f"model.layers.{i}.{sub}", mod
 
 
-def has_lora(module: nn.Module) -> bool:
-    """Whether `module` holds adapter slots (its native CPU forms would skip them)."""
-    return any(getattr(m, "lora", None) is not None for m in module.modules())
+def adapter_slots(module: nn.Module) -> LoraSlots | None:
+    """The `LoraSlots` whose slots `module` holds some of (None: it holds none); its `used`
+    says whether a step's tokens run adapter deltas through them."""
+    held = (m.lora for m in module.modules() if getattr(m, "lora", None) is not None)
+    return next((h.slots for h in held), None)
