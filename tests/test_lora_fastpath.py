@@ -94,6 +94,9 @@ def test_base_only_steps_are_the_engine_without_enable_lora_bit_for_bit(plain, s
     assert served.deterministic and served.backend.deterministic
     made_for, loop = served.model._layer_loop
     assert made_for is served.pool and loop is not None
+    # (its adapter steps' base rows are not these bits: no L3 page or PD pairing with the
+    # deterministic engine's)
+    assert served.compute != plain.compute and served.compute.endswith("deterministic=False")
 
 
 def test_adapter_steps_between_base_only_steps(plain, served, adapter):
