@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU run: `dsakv device-check`, ten stages in one command under 9
+# The one prepared GPU run: `dsakv device-check`, eleven stages in one command under 9
 # minutes, each in its own process under its own deadline; OUT/device_check.json is
 # rewritten and one line printed after every stage (README: "the device check").
 # Runs on the device image's own python3 (no pip, no network): dsakv comes from src/, the

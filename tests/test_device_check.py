@@ -65,6 +65,16 @@ def test_device_check_dry_run(tmp_path):
     assert checks["hisparse"]["counters"]["hisparse_misses"] > 0
     assert checks["host_tier"]["counters"]["host_bytes_to_device"] > 0
     assert checks["mtp"]["counters"]["spec_verify_steps"] > 0
+    lora = st["lora"]  # its adapter read by the engine, every record ok
+    assert lora["adapter"]["modules"] > 0 and lora["adapter"]["routed_experts"]
+    base = lora["base_equal"]
+    assert base["bit_equal"] and base["max_logprob_diff"] == 0.0 and "CUDA" in base["skip_reason"]
+    runs = lora["adapter_runs"]
+    assert runs["differ_from_base"] > 0 and runs["base_after_adapter_equal"]
+    assert runs["adapter_step_syncs"]["calls"] > 0 and 0 <= runs["batched"]["agreement"] <= 1
+    lora_rates = lora["decode_tps"]["tokens_per_s"]
+    assert set(lora_rates) == {"no_lora", "lora_base", "lora_adapter"}
+    assert all(r > 0 for r in lora_rates.values())
     dense, sparse, _ = dc._parity_prompts(True)  # every prompt token's KV, all its layers
     assert checks["pd"]["bytes_moved"] == checks["pd"]["bytes_per_token"] * sum(
         map(len, dense + sparse)

@@ -1,6 +1,6 @@
 """`dsakv device-check`: the one prepared GPU run (scripts/device_check.sh calls it).
 
-One command that fits a single 10-minute device call: eight stages in order, each in its
+One command that fits a single 10-minute device call: eleven stages in order, each in its
 own child process with its own deadline (`STAGES`), under one overall budget. After every
 stage `OUT/device_check.json` is rewritten and one line is printed (flushed), so a run cut
 short still hands back every figure measured so far. A stage past its deadline is killed
@@ -54,7 +54,7 @@ class Stage:
     what: str
 
 
-# Deadlines sum to 680 s, capped by the 525 s budget (a stage gets what is left of it): one
+# Deadlines sum to 720 s, capped by the 525 s budget (a stage gets what is left of it): one
 # device call of 10 minutes, with the machine's start and the children's imports (~5 s
 # each) inside the margin. The first H200 run took 166 s for the first eight.
 STAGES: tuple[Stage, ...] = (
@@ -67,6 +67,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("decode", 75, "decode tokens/s graph / eager / torch at batch 1 and 32"),
     Stage("kernel_bandwidth", 55, "each kernel's bytes/s against the measured copy bandwidth"),
     Stage("features", 120, "HiSparse, host tier, MTP, PD, seeded sampling, a grammar on the GPU"),
+    Stage("lora", 40, "--enable-lora: base-only bit-equal in graphs, an adapter's runs, tok/s"),
     Stage("prefill_profile", 40, "one step prefilling 16 requests under torch.profiler"),
 )
 BENCH = Stage("bench", 0, "`dsakv bench --quick` (only with --bench, in the time left)")
@@ -447,8 +448,10 @@ def _greedy(tokens: int, logprobs: int | None = None):
 
 def _generate(engine, prompts: list[list[int]], tokens: int, logprobs: int | None = None,
               params=None):  # fmt: skip
+    """Every prompt run to its end; `params`: one for all, or a list (one each)."""
     params = params or _greedy(tokens, logprobs)
-    reqs = [engine.add_request(p, params) for p in prompts]
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, each)]
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()  # pages, slots and the prefix cache add up
@@ -1077,27 +1080,34 @@ def _decode_variant(ctx, rec, name, kw, batches, new, warm) -> None:
             _generate(engine, _prompts([plen] * b, seed=100 + b), warm)  # untimed: bucket b
             held = _captured(engine)
             before = None if held is None else len(held)
-            params = _greedy(new)
-            reqs = [engine.add_request(p, params) for p in _prompts([plen] * b, seed=200 + b)]
-            _sync(device)
-            start = time.perf_counter()
-            engine.step()  # the prefill (and first token) is not decode
-            _sync(device)
+            prefill, rate = _decode_rate(engine, device, _prompts([plen] * b, seed=200 + b),
+                                         _greedy(new))  # fmt: skip
             # one step prefilling b prompts: the extend path runs per request (a lead)
-            rec["prefill_step_s"].setdefault(name, {})[f"batch_{b}"] = time.perf_counter() - start
-            start = time.perf_counter()
-            while engine.has_unfinished():
-                engine.step()
-            _sync(device)
-            seconds = time.perf_counter() - start
-            decoded = sum(len(r.output_ids) - 1 for r in reqs)
-            rec["tokens_per_s"].setdefault(name, {})[f"batch_{b}"] = decoded / seconds
+            rec["prefill_step_s"].setdefault(name, {})[f"batch_{b}"] = prefill
+            rec["tokens_per_s"].setdefault(name, {})[f"batch_{b}"] = rate
             after = _captured(engine)
             if before is not None and after is not None:
                 rec["captured_while_timing"][f"{name}_batch_{b}"] = len(after) - before
             rec.save()
     finally:
         _close(engine)
+
+
+def _decode_rate(engine, device, prompts: list[list[int]], params) -> tuple[float, float]:
+    """(seconds of the step prefilling `prompts`, then decode tokens/s to their end): the
+    first step's prefill and first token are not decode."""
+    reqs = [engine.add_request(p, params) for p in prompts]
+    _sync(device)
+    start = time.perf_counter()
+    engine.step()
+    _sync(device)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    _sync(device)
+    decoded = sum(len(r.output_ids) - 1 for r in reqs)
+    return prefill, decoded / (time.perf_counter() - start)
 
 
 def _stage_kernel_bandwidth(ctx: Ctx, rec: Record) -> None:
@@ -1372,6 +1382,235 @@ def _feature_serve(ctx: Ctx, row, dense, sparse, new) -> None:
     _finish(row, problems)
 
 
+LORA_RANK, LORA_NAME = 8, "check"
+
+
+def _stage_lora(ctx: Ctx, rec: Record) -> None:
+    """--enable-lora on the device, against the engine without it (the same model, bf16 on
+    CUDA; prefix caches off, so no run reuses another's KV), with a PEFT adapter written
+    here (`_write_adapter`): `base_equal`, base-only requests bit-equal to the engine
+    without LoRA, their decode steps replaying graphs captured with the slots inert;
+    `adapter_runs`, the adapter changes the tokens and gives the same ones alone and
+    batched beside base requests, base-only decode steps make no host sync (adapter steps
+    run eager and may: counted); `decode_tps`, decode tokens/s without LoRA, under it
+    base-only and with every row on the adapter. Each record in its own try."""
+    import tempfile
+
+    kw = {"enable_prefix_cache": False} | ({} if ctx.dry_run else {"dtype": "bfloat16"})
+    records = (("base_equal", _lora_base_equal), ("adapter_runs", _lora_adapter_runs),
+               ("decode_tps", _lora_decode_tps))  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="dsakv-lora-") as tmp:
+        rec["adapter"] = _write_adapter(_model(ctx), Path(tmp) / "adapter")
+        rec.save()
+        plain, lora = _engine(ctx, **kw), None
+        try:
+            lora = _engine(ctx, enable_lora=True, max_lora_rank=LORA_RANK, **kw)
+            lora.load_lora(LORA_NAME, rec["adapter"]["path"])
+            for key, fn in records:
+                row: dict[str, Any] = {}
+                rec[key] = row
+                if ctx.left() < 5:
+                    row.update(ok=False, error="stage deadline reached before this record")
+                    rec["deadline_reached"] = True
+                    continue
+                start = time.perf_counter()
+                _try(rec, key, lambda f=fn, r=row: f(ctx, r, plain, lora))
+                row["seconds"] = round(time.perf_counter() - start, 2)
+                rec.save()
+        finally:
+            _close(plain)
+            if lora is not None:
+                _close(lora)
+    errors = rec.get("errors", {})
+    bad = [k for k, _ in records if not rec[k].get("ok")]
+    rec["ok"] = not bad
+    if bad:
+        rec["error"] = "; ".join(f"{k}: {rec[k].get('error') or errors.get(k)}" for k in bad)
+
+
+def _write_adapter(model: str, path: Path, seed: int = 0) -> dict[str, Any]:
+    """A PEFT adapter for `model` in its save_pretrained form (adapter_config.json and the
+    safetensors under PEFT's key names), so the device needs neither transformers nor peft:
+    rank LORA_RANK, A and B random and small (seeded), on every layer's attention
+    projections, its dense or shared MLP, and a few routed experts' per-expert keys (vLLM's
+    format: the other experts zero); shapes read from the checkpoint's own weights."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from dsakv.models.lora import ATTENTION, CONFIG_FILE, PROJECTIONS, WEIGHTS_FILE
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    layers = config["num_hidden_layers"]  # (not the MTP layer: the draft runs base weights)
+    experts = list(range(0, config.get("n_routed_experts") or 0, 2))[:3]
+    names = re.compile(
+        rf"^(model\.layers\.(\d+)\.(?:self_attn\.(?:{'|'.join(ATTENTION)})|mlp\.(?:shared_experts\."
+        rf"|experts\.(\d+)\.)?(?:{'|'.join(PROJECTIONS)})))\.weight$"
+    )
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(model).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in sorted(f.keys()):
+                m = names.match(key)
+                if m is None or int(m[2]) >= layers or m[3] and int(m[3]) not in experts:
+                    continue
+                out, inp = f.get_slice(key).get_shape()
+                a = torch.randn(LORA_RANK, inp, generator=g) / inp**0.5
+                b = 0.1 * torch.randn(out, LORA_RANK, generator=g)
+                tensors |= {f"base_model.model.{m[1]}.lora_A.weight": a,
+                            f"base_model.model.{m[1]}.lora_B.weight": b}  # fmt: skip
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    targets = sorted({k.split(".")[-3] for k in tensors})
+    (path / CONFIG_FILE).write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK,
+        "target_modules": targets, "bias": "none", "base_model_name_or_path": model}))  # fmt: skip
+    return {"path": str(path), "rank": LORA_RANK, "modules": len(tensors) // 2,
+            "routed_experts": experts, "targets": targets}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _host_syncs(obj, attr: str, cuda: bool):
+    """While the block runs, `obj.attr` counts its calls, and on CUDA the host syncs they
+    make (sync-debug mode 'warn' inside each call: the step runs on, where `_syncs_raise`
+    would end it): yields {"calls", "syncs"} (syncs None off CUDA)."""
+    import warnings
+
+    import torch
+
+    found: dict[str, int | None] = {"calls": 0, "syncs": 0 if cuda else None}
+    if obj is None:
+        yield found
+        return
+    inner, own = getattr(obj, attr), attr in vars(obj)
+
+    def counted(*args, **kwargs):
+        found["calls"] += 1
+        if not cuda:
+            return inner(*args, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                found["syncs"] += sum("synchroniz" in str(w.message) for w in caught)
+
+    setattr(obj, attr, counted)
+    try:
+        yield found
+    finally:
+        if own:
+            setattr(obj, attr, inner)
+        else:
+            delattr(obj, attr)
+
+
+def _lora_params(new: int, adapter: bool, logprobs: int | None = None):
+    import dataclasses
+
+    params = _greedy(new, logprobs)
+    return dataclasses.replace(params, lora_name=LORA_NAME) if adapter else params
+
+
+def _lora_new(ctx: Ctx) -> int:
+    return max(_parity_prompts(ctx.dry_run)[2], 4)  # (the dry run's 2 leave one decode step)
+
+
+def _lora_base_equal(ctx: Ctx, row, plain, lora) -> None:
+    """The parity prompts, base only, on both engines: tokens and top-5 logprobs equal bit
+    for bit; on CUDA the --enable-lora engine's decode steps replay its graphs."""
+    dense, sparse, _ = _parity_prompts(ctx.dry_run)
+    prompts, new, cuda = dense + sparse, _lora_new(ctx), ctx.device.type == "cuda"
+    row.update(requests=len(prompts), new_tokens=new)
+    want = _generate(plain, prompts, new, logprobs=5)
+    with _host_syncs(_decode_graphs(lora), "run", cuda) as padded:
+        got = _generate(lora, prompts, new, logprobs=5)
+    a = _agreement([(list(r.output_ids), r.top_logprobs) for r in want],
+                   [(list(r.output_ids), r.top_logprobs) for r in got])  # fmt: skip
+    row["equal"] = all(list(x.output_ids) == list(y.output_ids) for x, y in zip(want, got))
+    row["bit_equal"] = row["equal"] and all(
+        x.top_logprobs == y.top_logprobs for x, y in zip(want, got)
+    )
+    row.update(max_logprob_diff=a["max_logprob_diff"], first_difference=a["first_difference"],
+               graph_blocker=_graph_blocker(lora), padded_steps=padded["calls"],
+               padded_step_syncs=padded["syncs"])  # fmt: skip
+    held = _captured(lora)
+    row["graphs_captured"] = None if held is None else len(held)
+    problems = [] if row["bit_equal"] else [
+        f"not the engine without --enable-lora: tokens equal {row['equal']}, max logprob "
+        f"diff {a['max_logprob_diff']:.3g}"]  # fmt: skip
+    if not cuda:
+        row["skip_reason"] = "no CUDA graphs on a CPU: the graph checks need a CUDA device"
+    elif row["graph_blocker"] is not None:
+        problems.append(f"decode runs unpadded: {row['graph_blocker']}")
+    elif not row["graphs_captured"] or not padded["calls"]:
+        problems.append(f"{row['graphs_captured']} graphs captured, {padded['calls']} padded steps")
+    _finish(row, problems)
+
+
+def _lora_adapter_runs(ctx: Ctx, row, plain, lora) -> None:
+    """The dense parity prompts on the adapter (alone: an adapter-only batch), then the
+    sparse ones base-only (the slot still resident), then both interleaved in one batch:
+    the adapter's tokens differ from the base model's, are the same batched as alone, the
+    base ones the plain engine's; host syncs counted in the base-only decode steps (none
+    allowed) and in the adapter steps (recorded)."""
+    dense, sparse, _ = _parity_prompts(ctx.dry_run)
+    new, cuda = _lora_new(ctx), ctx.device.type == "cuda"
+    topk = lora.model_config.index_topk
+    row.update(adapter_requests=len(dense), base_requests=len(sparse), new_tokens=new,
+               index_topk=topk,
+               note=f"the model's own index_topk {topk}: the adapter's prompts and their new "
+                    "tokens stay within it (every position selected), the base ones run past "
+                    "it, where a near-tie in the indexer may select another row in an eager "
+                    "step than in a graph, so agreement (steps with the same history) is "
+                    f"bounded at {MIN_AGREEMENT} over >= {MIN_STEPS} steps, not equality")  # fmt: skip
+    on, off = _lora_params(new, True), _lora_params(new, False)
+    base = _generate(plain, dense, new)
+    with _host_syncs(lora.model, "forward", cuda) as eager:
+        alone = _generate(lora, dense, new, params=on)
+    with _host_syncs(_decode_graphs(lora), "run", cuda) as padded:
+        after = _generate(lora, sparse, new, params=off)
+    want = _generate(plain, sparse, new)
+    mixed = _generate(lora, [p for ab in zip(dense, sparse) for p in ab], new,
+                      params=[on, off] * len(dense))  # fmt: skip
+    differ = sum(list(a.output_ids) != list(b.output_ids) for a, b in zip(alone, base))
+    row.update(differ_from_base=differ / len(dense), adapter_step_syncs=eager,
+               base_step_syncs=padded,
+               base_after_adapter_equal=all(list(x.output_ids) == list(y.output_ids)
+                                            for x, y in zip(want, after)))  # fmt: skip
+    problems: list[str] = []
+    if not differ:
+        problems.append("the adapter changed no request's tokens")
+    if not row["base_after_adapter_equal"]:
+        problems.append("base-only requests after the adapter's are not the plain engine's")
+    if cuda and (padded["syncs"] or not padded["calls"]):
+        problems.append(f"{padded['calls']} padded base-only decode steps, {padded['syncs']} "
+                        "host syncs in them")  # fmt: skip
+    for key, ref, got in (("batched", alone, mixed[0::2]), ("base_beside", want, mixed[1::2])):
+        row[key] = {}
+        _compare(row[key], ref, got, problems)
+    _finish(row, problems)
+
+
+def _lora_decode_tps(ctx: Ctx, row, plain, lora) -> None:
+    """Decode tokens/s of one batch without LoRA, under --enable-lora base-only and with
+    every row on the adapter (eager steps), each after untimed steps at that batch size."""
+    batch, new, warm, plen = (2, 4, 2, 4) if ctx.dry_run else (16, 32, 4, 16)
+    row.update(batch=batch, new_tokens=new, prompt_len=plen)
+    rates, prompts = {}, _prompts([plen] * batch, seed=300)
+    row["tokens_per_s"] = rates
+    for name, engine, adapter in (("no_lora", plain, False), ("lora_base", lora, False),
+                                  ("lora_adapter", lora, True)):  # fmt: skip
+        _generate(engine, _prompts([plen] * batch, seed=301), warm,
+                  params=_lora_params(warm, adapter))  # fmt: skip
+        rates[name] = _decode_rate(engine, ctx.device, prompts, _lora_params(new, adapter))[1]
+    row["over_no_lora"] = {k: rates[k] / rates["no_lora"] for k in ("lora_base", "lora_adapter")}
+    _finish(row, [f"{k}: no rate" for k, r in rates.items() if not r > 0])
+
+
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
@@ -1438,6 +1677,7 @@ _STAGE_FNS: dict[str, Callable[[Ctx, Record], None]] = {
     "decode": _stage_decode,
     "kernel_bandwidth": _stage_kernel_bandwidth,
     "features": _stage_features,
+    "lora": _stage_lora,
     "prefill_profile": _stage_prefill_profile,
     "bench": _stage_bench,
 }
@@ -1501,9 +1741,28 @@ def _detail(name: str, c: dict[str, Any]) -> str:
                 f"{c['ops']} aten ops, {c['launches']} kernel launches")  # fmt: skip
     if name == "features" and c.get("checks"):
         return ", ".join(_feature_line(k, r) for k, r in c["checks"].items())
+    if name == "lora" and "adapter" in c:
+        return _lora_line(c)
     if name == "kernel_bandwidth" and c.get("copy_bytes_per_s"):
         return f"copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s, {len(c['kernels']) - 1} kernel cases"
     return ""
+
+
+def _lora_line(c: dict[str, Any]) -> str:
+    bits = []
+    if "bit_equal" in (b := c.get("base_equal", {})):
+        bits.append(f"base bit-equal {b['bit_equal']} ({b['graphs_captured']} graphs, "
+                    f"{b['padded_steps']} padded steps)")  # fmt: skip
+    if "batched" in (a := c.get("adapter_runs", {})):
+        bits.append(f"adapter differs {a['differ_from_base']:.2f}, batched agreement "
+                    f"{a['batched']['agreement']:.3f}, syncs base {a['base_step_syncs']['syncs']}"
+                    f" / adapter {a['adapter_step_syncs']['syncs']}")  # fmt: skip
+    if "over_no_lora" in (d := c.get("decode_tps", {})):
+        r = d["tokens_per_s"]
+        bits.append(f"tok/s at {d['batch']}: no LoRA {r['no_lora']:.1f}, base "
+                    f"{d['over_no_lora']['lora_base']:.3g}x, adapter "
+                    f"{d['over_no_lora']['lora_adapter']:.3g}x")  # fmt: skip
+    return "; ".join(bits)
 
 
 def _feature_line(name: str, r: dict[str, Any]) -> str:
