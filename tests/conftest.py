@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from dsakv.config import preset
+
+# On a CPU the Triton kernels run under the interpreter: set before any test module imports
+# triton (peft and transformers import it too, so a module's own setting came too late
+# whenever another module was collected first)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def small_glm_config(num_layers: int = 6, **extra: Any) -> dict[str, Any]:

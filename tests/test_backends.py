@@ -9,7 +9,6 @@ graph-capturable batch (`ForwardBatch.padded_decode`) with padding rows that wri
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +24,6 @@ from dsakv.memory import CacheLayout
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
 from .conftest import flat_logprobs
-
-if not torch.cuda.is_available():  # before triton is imported: its kernels run on the CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

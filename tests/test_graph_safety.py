@@ -9,8 +9,6 @@ selection is exercised.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,9 +18,6 @@ from dsakv.kernels import torch_ops
 from dsakv.models.tiny import write_tiny_model
 
 from .host_sync import HostSync, no_host_sync
-
-if not torch.cuda.is_available():  # before triton is imported: its kernels run on the CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 x = torch.arange(12.0).view(3, 4)
 flags = torch.tensor([True, False, True])

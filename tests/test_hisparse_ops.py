@@ -11,9 +11,6 @@ import random
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
-
 from dsakv.kernels import hisparse_ops as ref  # noqa: E402
 from tests.host_sync import no_host_sync  # noqa: E402
 

@@ -9,19 +9,14 @@ tokens under an adapter step's eager blocks equal the native path's (no near-tie
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from dsakv import SamplingParams
 from dsakv.engine import Engine, EngineConfig
 
-if not torch.cuda.is_available():  # before triton is imported (peft imports it): its
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run on the CPU
-
-from .host_sync import no_host_sync  # noqa: E402
-from .test_lora import EXACT, _peft_model, _prompt, dense_tiny, reference  # noqa: E402
+from .host_sync import no_host_sync
+from .test_lora import EXACT, _peft_model, _prompt, dense_tiny, reference
 
 STEPS = 8
 

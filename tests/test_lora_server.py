@@ -375,6 +375,9 @@ def test_max_lora_rank_is_the_start_adapters_largest(glm_tiny, adapters, tmp_pat
     given = cli_config("serve", glm_tiny, "--lora-paths", sql, "--max-lora-rank", "8")
     assert given.max_lora_rank == 8
     assert cli_config("serve", glm_tiny, "--enable-lora").max_lora_rank == 16
+    # --fully-sharded-loras: rounded up to a multiple of --tp (each rank's share of a slot)
+    split = cli_config("serve", glm_tiny, "--lora-paths", sql, "--tp", "8", "--fully-sharded-loras")
+    assert split.max_lora_rank == 8
 
 
 def test_a_deeply_nested_config_at_start_is_one_error_line(glm_tiny, adapters, tmp_path, capsys):

@@ -156,6 +156,8 @@ def test_per_rank_slot_bytes_are_the_shapes_and_less_with_the_flag(model, adapte
         for name, layer in slots.layers.items():
             a, b = held[name]
             assert a.shape[-2] == layer.a.shape[-2] // S and b.shape == layer.b[..., :R].shape
+            for t in (a, b):  # (its own bytes, not a view keeping the whole tensor)
+                assert t.untyped_storage().nbytes() == t.nbytes, name
     assert sizes[True] < sizes[False]
     gate = slots.layers["model.layers.1.mlp.experts.gate_proj"]
     assert gate.a.shape == (8 // ep, S * R // (tp // ep), 64)  # (split over moe_tp ranks)

@@ -964,7 +964,7 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
         "--enable-lora",
         action="store_true",
         help="serve PEFT LoRA adapters beside the base model: a request names one by its "
-        "`model` (/generate: lora_path); steps run the torch path",
+        "`model` (/generate: lora_path); steps with adapter rows run the torch path",
     )
     g.add_argument(
         "--lora-modules",
@@ -1647,14 +1647,17 @@ def _fold_structured_outputs(args: argparse.Namespace) -> None:
 def _fold_lora(args: argparse.Namespace) -> None:
     """SGLang's --lora-paths as --lora-modules (and, as in SGLang, --enable-lora: its
     adapters given are its switch). Without --max-lora-rank the adapters given at start
-    set it, SGLang's inference: their largest rank (vLLM's default 16 without any)."""
+    set it, SGLang's inference: their largest rank (vLLM's default 16 without any), under
+    --fully-sharded-loras rounded up to a multiple of --tp (each rank's share of a slot)."""
     if paths := getattr(args, "lora_paths", None):
         args.lora_modules = [*(args.lora_modules or ()), *paths]
         args.enable_lora, args.lora_paths = True, None
     if getattr(args, "enable_lora", False) and getattr(args, "max_lora_rank", 0) is None:
         ranks = [r for _, path in args.lora_modules or () if (r := _adapter_rank(path))]
         if ranks:
-            args.max_lora_rank = max(ranks)
+            split = getattr(args, "fully_sharded_loras", False)
+            tp = (getattr(args, "tp", None) or 1) if split else 1
+            args.max_lora_rank = -(-max(ranks) // tp) * tp
 
 
 def _adapter_rank(path: str) -> int | None:

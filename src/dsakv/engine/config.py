@@ -144,10 +144,10 @@ class EngineConfig:
     # (`dsakv.engine.kv_events`); None or not enabled: none
     kv_events_config: str | dict | KVEventsConfig | None = None
     # LoRA adapters (vLLM's names; `dsakv.models.lora`): served per request
-    # (`SamplingParams.lora_name`); steps then run the torch path. `max_loras` adapters are
-    # resident at once, each up to rank `max_lora_rank`; `max_cpu_loras` caps those held in
-    # host memory (None: no cap; past it the least recently used no request holds is
-    # evicted, read again when named: `dsakv.engine.lora`); `lora_modules`: (name, path)
+    # (`SamplingParams.lora_name`); steps with adapter rows run the torch path. `max_loras`
+    # adapters are resident at once, each up to rank `max_lora_rank`; `max_cpu_loras` caps
+    # those held in host memory (None: no cap; past it the least recently used no request
+    # holds is evicted, read again when named: `dsakv.engine.lora`); `lora_modules`: (name, path)
     # pairs loaded at start; `lora_target_modules` (SGLang's): the modules that hold slots
     # (`dsakv.models.lora.TARGET_MODULES`, `all`), an adapter adapting another refused;
     # `fully_sharded_loras` (vLLM's, off as there): under --tp the slots' other half split

@@ -274,7 +274,7 @@ def _routed_weights(
             a = a[..., i0:i1]
         else:
             b = b[:, i0:i1]
-        weights[f"{prefix}.{proj}"] = a.to(model.dtype).contiguous(), b.to(model.dtype).contiguous()
+        weights[f"{prefix}.{proj}"] = _own_copy(a, model.dtype), _own_copy(b, model.dtype)
     return weights
 
 
@@ -453,7 +453,14 @@ def own_slices(
         b = b[s.start : s.end]
     elif s is not None:
         a = a[:, s.start : s.end]
-    return a.to(dtype).contiguous(), b.to(dtype).contiguous()
+    return _own_copy(a, dtype), _own_copy(b, dtype)
+
+
+def _own_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as a rank holds it: in `dtype`, contiguous, in storage of its own (a view of a
+    slice would keep the whole tensor in host memory)."""
+    t = t.to(dtype).contiguous()
+    return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
 
 
 def slot_dtype(model: nn.Module, name: str) -> torch.dtype:
@@ -551,9 +558,9 @@ class SlotWeights:
             whole = a.new_zeros(*a.shape[:-2], self.slots.max_rank, a.shape[-1])
             whole[..., : a.shape[-2], :] = a
             r0 = split.index * self.rank
-            return whole[..., r0 : r0 + self.rank, :].contiguous(), b
+            return _own_copy(whole[..., r0 : r0 + self.rank, :], a.dtype), b
         n = self.b.shape[-2]
-        return a, b[..., split.index * n : (split.index + 1) * n, :].contiguous()
+        return a, _own_copy(b[..., split.index * n : (split.index + 1) * n, :], b.dtype)
 
     def fill(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Slot `slot` holds `weights` (None: zeros)."""
