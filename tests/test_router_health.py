@@ -289,3 +289,31 @@ def test_health_answers_what_the_checks_found_as_workers_and_metrics_do():
         assert health.status_code == 503, health.text
         assert health.json()["unhealthy"] == [f"{p}: failed its health checks"]
         assert _metric(base, "smg_worker_health", worker=p) == 0
+
+
+def test_health_probes_a_server_only_a_contact_found_down():
+    """With the checks on, a server a request found down (a failed contact, not the checks'
+    threshold) is probed by /health: still down, it stays unhealthy (503, "unreachable");
+    back on its port, it is healthy in /health, /workers and /metrics at once, with no
+    request to it and no check run (before: /health kept answering 503 until a request to
+    it succeeded or the checks' success threshold passed, 1-2 minutes at the defaults)."""
+    port = free_port()
+    dead = f"http://127.0.0.1:{port}"
+    flaky = _Flaky()
+    unprobed = HealthConfig(interval_s=3600)  # (no check while this test runs)
+    with _serving(_fake_decode()) as d, routing([dead], [d], health=unprobed) as base:
+        r = httpx.post(f"{base}{COMPLETIONS}", json={"prompt": "hi"}, timeout=TIMEOUT)
+        assert r.status_code == 502 and dead in r.text, r.text
+        for _ in range(2):  # (its probe failing keeps the mark)
+            health = httpx.get(f"{base}/health", timeout=TIMEOUT)
+            assert health.status_code == 503, health.text
+            assert health.json()["unhealthy"] == [f"{dead}: unreachable"]
+            assert not _healthy(base, dead)
+        server = uvicorn.Server(uvicorn.Config(flaky.app, port=port, log_level="warning"))
+        with running(server):
+            flaky.url, flaky.answer = dead, (200, base)
+            health = httpx.get(f"{base}/health", timeout=TIMEOUT)
+            assert health.json() == {"status": "ok"}, health.text
+            assert flaky.seen == [(200, False)]  # (one probe, /health's, while unhealthy)
+            assert _healthy(base, dead) and _metric(base, "smg_worker_health", worker=dead) == 1
+            assert _checks(base, "prefill", "success") == 0  # (no check counted it)

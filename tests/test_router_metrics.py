@@ -380,8 +380,9 @@ def test_a_dead_server_stays_unhealthy_until_a_contact_with_it_succeeds(monkeypa
     """A prefill server down (of two, and a decode server): the request it failed makes it
     unhealthy in /metrics and /workers, and it stays so though routing tries it again (its
     window here 0 s: at once), as /health says; up again, it is healthy once a request it
-    takes succeeds. With the health checks off, /health's probe is a contact too: a dead
-    server it finds is unhealthy, and back, healthy, without a request."""
+    takes succeeds. /health's probe is a contact too: a dead server it finds (with the
+    health checks on, one a request found) stays unhealthy, and back, is healthy without
+    a request."""
     monkeypatch.setattr(router_module, "_DOWN_S", 0.0)
     port = free_port()
     down = f"http://127.0.0.1:{port}"
@@ -409,15 +410,18 @@ def test_a_dead_server_stays_unhealthy_until_a_contact_with_it_succeeds(monkeypa
             assert _health_told(base, down) == healthy
             assert httpx.get(f"{base}/health", timeout=TIMEOUT).json() == {"status": "ok"}
 
-    with ExitStack() as stack:  # (no request: /health's probe alone)
-        d = stack.enter_context(_serving(_fake("decode")))
-        base = stack.enter_context(routing([down], [d], health=HealthConfig(enabled=False)))
-        assert _health_told(base, down)[-1] is True  # (none asked it yet)
-        assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 503
-        assert _health_told(base, down) == (0, 0, 1, 0, False)
-        with running(revived()):
-            assert httpx.get(f"{base}/health", timeout=TIMEOUT).json() == {"status": "ok"}
-            assert _health_told(base, down) == (1, 1, 2, 1, True)
+    for checks in (HealthConfig(), HealthConfig(enabled=False)):
+        with ExitStack() as stack:  # (no request once it is back: /health's probe alone)
+            d = stack.enter_context(_serving(_fake("decode")))
+            base = stack.enter_context(routing([down], [d], health=checks))
+            assert _health_told(base, down)[-1] is True  # (none asked it yet)
+            if checks.enabled:  # (/health asks only a server a contact found down)
+                assert _post(base).status_code == 502
+            assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 503
+            assert _health_told(base, down) == (0, 0, 1, 0, False)
+            with running(revived()):
+                assert httpx.get(f"{base}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+                assert _health_told(base, down) == (1, 1, 2, 1, True)
 
 
 @pytest.mark.parametrize("answer", [[1], "a string", None, "not JSON"])

@@ -1250,21 +1250,26 @@ class Router:
 
     async def health(self) -> Response:
         """/health (/readiness, /ping): degraded (503) while a kind has no server or a
-        server is unhealthy, as /workers and /metrics tell it (`_healthy`): SGLang router's
-        answer, from the state its health checks keep, so a server failing fewer than the
-        failure threshold's probes is not called unhealthy here alone. With the checks off,
-        each server is probed first (`_probe_health`), a contact like any other (a failure
-        marks it, a pass clears it): else only requests would ever find one down."""
-        if not self.health_config.enabled:
-            servers = self.prefill + self.decode
-            passed = await asyncio.gather(*(self._probe_health(url) for url in servers))
-            for url, ok in zip(servers, passed):
-                if url not in self.prefill + self.decode:  # (removed meanwhile)
-                    continue
-                if ok:
-                    self._down.pop(url, None)
-                else:
-                    self._unreachable(url)
+        server is unhealthy, as /workers and /metrics tell it (`_healthy`). One the health
+        checks found down stays so until they find it up (SGLang router's answer: no probe
+        of its own ahead of their thresholds). One only a contact found down (a request, a
+        bootstrap ask) is probed first (`_probe_health`), a contact like any other: a pass
+        clears it, a failure keeps it. Else a server briefly down would be reported until a
+        request to it succeeds or the checks' success threshold passes (SGLang's router
+        marks no worker unhealthy for a failed request: its circuit breaker, which its
+        /health does not read, takes those). With the checks off, every server is probed:
+        else only requests would ever find one down."""
+        servers = self.prefill + self.decode
+        if self.health_config.enabled:
+            servers = [u for u in servers if self._down.get(u, math.inf) != math.inf]
+        passed = await asyncio.gather(*(self._probe_health(url) for url in servers))
+        for url, ok in zip(servers, passed):
+            if url not in self.prefill + self.decode:  # (removed meanwhile)
+                continue
+            if not ok:
+                self._unreachable(url)
+            elif self._down.get(url) != math.inf:  # (not if the checks found it down since)
+                self._down.pop(url, None)
         bad = [f"no {kind} worker" for kind in ("prefill", "decode") if not getattr(self, kind)]
         for url in self.prefill + self.decode:
             if not self._healthy(url):
