@@ -15,9 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from fastapi.testclient import TestClient
 
+from dsakv.disagg import handoff
 from dsakv.engine import EngineConfig
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+from dsakv.server.protocol import APIError
 
 from .serving import (
     NO_THINKING,
@@ -31,6 +36,7 @@ from .serving import (
 )
 
 HOLD_S = 4  # the prefill server's --disaggregation-timeout: how long it holds KV for a pickup
+KEY = "sekret"  # the prefill server's --api-key (every request here sends it)
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3  # several pages, one partial
 GREEDY = {"temperature": 0, "ignore_eos": True}
 CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], **NO_THINKING, **GREEDY}
@@ -38,27 +44,34 @@ CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], **NO_THINKI
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory) -> Iterator[SimpleNamespace]:
-    """A prefill server (holding KV `HOLD_S` seconds), a decode server and a plain server,
-    one glm-tiny model (index_topk covering every context: exact) in this process."""
+    """A prefill server (holding KV `HOLD_S` seconds, behind `KEY`), a decode server and a
+    plain server, one glm-tiny model (index_topk covering every context: exact) in this
+    process."""
     root = tmp_path_factory.mktemp("vllm_pd")
     model = write_tiny_model(root / "tiny", {**TINY_PRESETS["glm-tiny"], "index_topk": 1024})
     conf = EngineConfig(str(model), device="cpu", num_pages=64, page_size=16,
                         kv_cache_dtype="fp32", index_k_dtype="fp32")  # fmt: skip
     with contextlib.ExitStack() as stack:
-        prefill, _ = stack.enter_context(serving_disagg(conf, "prefill", timeout_s=HOLD_S))
+        prefill, _ = stack.enter_context(
+            serving_disagg(conf, "prefill", api_key=KEY, timeout_s=HOLD_S)
+        )
         decode, _ = stack.enter_context(serving_disagg(conf, "decode"))
         plain, _ = stack.enter_context(serving(conf))
-        yield SimpleNamespace(prefill=prefill, decode=decode, plain=plain)
+        yield SimpleNamespace(prefill=prefill, decode=decode, plain=plain, model=str(model))
 
 
-def _post(url: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(url, json=body, timeout=TIMEOUT)
+def _post(url: str, body: dict[str, Any], key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url, json=body, timeout=TIMEOUT, headers=headers)
 
 
 def prefill_first(prefill: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's proxy's first leg: the client's request as max_tokens 1, not streamed, with
-    do_remote_decode; returns the prefill server's answer."""
+    do_remote_decode, without min_tokens (toy_proxy_server.py drops it); returns the
+    prefill server's answer."""
     req = {**body, "stream": False, "max_tokens": 1}
+    for key in ("min_tokens", "min_completion_tokens"):
+        req.pop(key, None)
     req["kv_transfer_params"] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -151,6 +164,23 @@ def test_the_decode_server_streams(pd):
     wait_idle(pd.decode)
 
 
+def test_the_first_token_follows_the_decode_request_sampling_params(pd):
+    """vLLM's proxy drops min_tokens from the prefill leg; the decode server runs the last
+    prompt token itself, so its first token obeys min_tokens: with the plain server's first
+    greedy token as a stop token, the output (tokens, logprobs, finish) equals the plain
+    server's."""
+    base = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    base["return_tokens_as_token_ids"] = True
+    plain = _post(pd.plain + "/v1/completions", base).json()
+    first = int(plain["choices"][0]["logprobs"]["tokens"][0].split(":")[1])
+    body = {**base, "min_tokens": 3, "stop_token_ids": [first]}
+    want = _post(pd.plain + "/v1/completions", body).json()
+    assert want["choices"][0]["logprobs"]["tokens"][0] != f"token_id:{first}"
+    got = proxied(pd, "/v1/completions", body)
+    assert got["choices"][0] == want["choices"][0] and got["usage"] == want["usage"]
+    wait_idle(pd.decode)
+
+
 def test_concurrent_requests_and_both_protocols_at_once(pd):
     """Two vLLM-protocol requests and one through `dsakv router` (SGLang's protocol) on the
     same pair at once: each equals the plain server's."""
@@ -194,6 +224,58 @@ def test_the_hold_is_let_go_at_pickup_and_a_second_pickup_is_refused(pd):
     wait_idle(pd.decode)
 
 
+def test_a_wrong_pickup_is_refused_and_the_hold_stays_for_the_right_one(pd):
+    """A decode request for another prompt is a 400 that leaves the hold as it was: the
+    right pickup after it decodes."""
+    body = {"prompt": PROMPT, "max_tokens": 4, **GREEDY}
+    kv = prefill_first(pd.prefill, "/v1/completions", body)["kv_transfer_params"]
+    wrong = then_decode(pd.decode, "/v1/completions", {**body, "prompt": PROMPT + " x"}, kv)
+    assert "not the one prefilled" in error_of(wrong, 400)["message"]
+    assert disagg_info(pd.prefill)["open_rooms"] == 1
+    want = _post(pd.plain + "/v1/completions", body).json()
+    r = then_decode(pd.decode, "/v1/completions", body, kv)
+    assert r.status_code == 200, r.text
+    assert text_of(r.json()) == text_of(want)
+    wait_idle(pd.prefill)
+    wait_idle(pd.decode)
+
+
+def _let_go(pd: SimpleNamespace, body: dict[str, Any], kv: dict[str, Any]) -> dict[str, Any]:
+    """Once the prefill server holds nothing, the 410 a pickup of `kv` gets."""
+    deadline = time.monotonic() + HOLD_S + TIMEOUT
+    while disagg_info(pd.prefill)["pending"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return error_of(then_decode(pd.decode, "/v1/completions", body, kv), 410)
+
+
+def test_a_decode_request_failing_before_its_pickup_drops_the_hold(pd):
+    """The decode server refuses the request (max_tokens past its context) before it picks
+    the KV up: it tells the prefill server, which lets the KV go then, not once its
+    --disaggregation-timeout passes; a later pickup hears why."""
+    body = {"prompt": PROMPT, "max_tokens": 4, **GREEDY}
+    kv = prefill_first(pd.prefill, "/v1/completions", body)["kv_transfer_params"]
+    refused = then_decode(pd.decode, "/v1/completions", {**body, "max_tokens": 10**6}, kv)
+    assert "maximum context length" in error_of(refused, 400)["message"]
+    late = _let_go(pd, body, kv)
+    assert "the decode request for it failed (HTTP 400" in late["message"], late
+    wait_idle(pd.prefill)
+    wait_idle(pd.decode)
+
+
+def test_a_weight_update_lets_the_held_kv_go(pd):
+    """/update_weights_from_disk on the prefill server does not wait out the holds (its
+    engine is busy while it holds pages): they go, and their pickup hears why."""
+    body = {"prompt": PROMPT, "max_tokens": 4, **GREEDY}
+    kv = prefill_first(pd.prefill, "/v1/completions", body)["kv_transfer_params"]
+    r = _post(pd.prefill + "/update_weights_from_disk", {"model_path": pd.model})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    late = _let_go(pd, body, kv)
+    assert "weights were updated" in late["message"], late
+    wait_idle(pd.prefill)
+    wait_idle(pd.decode)
+
+
 def test_a_hold_nobody_takes_expires_and_its_pickup_hears_so(pd):
     """No decode request within --disaggregation-timeout: the prefill server lets the pages
     go by itself; a pickup after that is a 410 saying the hold expired."""
@@ -212,6 +294,7 @@ def test_a_hold_nobody_takes_expires_and_its_pickup_hears_so(pd):
 
 # --- refusals ----------------------------------------------------------------------------------
 
+_KV = "kv_transfer_params"
 _ASK_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
 _TAKE = {
     "do_remote_prefill": True,
@@ -267,6 +350,13 @@ _TAKE = {
             "one protocol",
         ),
         ("prefill", "/v1/responses", {"kv_transfer_params": _ASK_DECODE}, None, "is taken by"),
+        (
+            "prefill",
+            "/v1/completions",
+            {"kv_transfer_params": _ASK_DECODE, "prompt": [PROMPT, "Hello"]},
+            None,
+            "one prompt",
+        ),
     ],
 )
 def test_bad_kv_transfer_params_are_one_clear_4xx(pd, server, path, body, param, words):
@@ -277,3 +367,49 @@ def test_bad_kv_transfer_params_are_one_clear_4xx(pd, server, path, body, param,
     assert error["param"] == (param or "kv_transfer_params") and words in error["message"]
     assert disagg_info(pd.prefill)["open_rooms"] == 0
     wait_idle(pd.prefill if server == "prefill" else pd.decode)
+
+
+def test_a_keyless_request_is_a_401_whatever_its_kv_transfer_params(pd):
+    """The API key is checked first (vLLM's order): malformed kv_transfer_params without
+    the key is the 401, not the 400 that would tell what the server takes."""
+    for kv in ("x", {**_ASK_DECODE, "do_remote_prefill": True}):
+        body = {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": kv}
+        error = error_of(_post(pd.prefill + "/v1/completions", body, key=None), 401)
+        assert error["code"] == "invalid_api_key"
+        assert error_of(_post(pd.prefill + "/v1/completions", body), 400)["param"] == _KV
+    assert disagg_info(pd.prefill)["open_rooms"] == 0
+
+
+def test_the_middleware_parses_only_bodies_that_can_hold_the_fields(monkeypatch):
+    """A body that cannot name kv_transfer_params (or, without a router's headers,
+    bootstrap_room) goes to the app unparsed (a 2 MB image is not read twice); one that
+    may, its key written with escapes too, is read and checked."""
+    parsed = []
+
+    def spy(raw: bytes) -> Any:
+        parsed.append(len(raw))
+        return json_or_none(raw)
+
+    json_or_none = handoff._json_or_none
+    monkeypatch.setattr(handoff, "_json_or_none", spy)
+    app = FastAPI()
+    app.add_middleware(handoff.BootstrapMiddleware)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        body = await request.json()
+        try:
+            kv = handoff.kv_transfer("prefill")
+        except APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse({"messages": len(body["messages"]), "kv": kv is not None})
+
+    client = TestClient(app)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 2**21}}
+    body = {"messages": [{"role": "user", "content": [image]}]}
+    headers = {"x-dsakv-bootstrap-room": "5", "x-dsakv-bootstrap-host": "h"}
+    r = client.post("/v1/chat/completions", json=body, headers=headers)
+    assert r.json() == {"messages": 1, "kv": False} and parsed == []
+    escaped = json.dumps(body)[:-1] + ', "kv\\u005ftransfer_params": "x"}'
+    r = client.post("/v1/chat/completions", content=escaped, headers=headers)
+    assert r.status_code == 400 and "must be an object" in r.text and len(parsed) == 1

@@ -15,7 +15,10 @@ vLLM's protocol (`handoff.KVTransferParams`) turns it around: the prefill reques
 first, and its room is drawn here and `hold`: the prompt's KV stays in the prefill
 server's pages until a decode server's registration marked `pickup` comes for it (the
 prefill server's answer named the room), or the timeout. A pickup finds its room held or
-hears at once why not: gone (taken, or expired: 410) or unknown here (404).
+hears at once why not: gone (taken, expired, let go: 410) or unknown here (404). One for
+another prompt or adapter, or from another layout, is refused and the hold stays for the
+right one. A decode server whose request failed before its pickup sends `drop_kv` (vLLM's
+decode side frees the remote blocks), and a weight update lets every hold go (`let_go`).
 """
 
 from __future__ import annotations
@@ -152,6 +155,9 @@ class _Room:
     claimed: bool = False
     refused: Refusal | None = None  # the prefill server's
     held: bool = False  # (`BootstrapServer.hold`: pickups only)
+    # A hold's prompt and adapter digest (`expect`): a pickup for others is refused
+    prompt_ids: list[int] | None = None
+    lora: str | None = None
 
 
 class BootstrapServer:
@@ -193,6 +199,38 @@ class BootstrapServer:
             self._rooms[room] = _Room(held=True)
         return room
 
+    def expect(self, room: int, prompt_ids: list[int], lora: str | None) -> None:
+        """The held `room`'s prompt and LoRA adapter digest, which a pickup must name: one
+        that does not is refused, the hold kept for the right one."""
+        with self._lock:
+            slot = self._rooms.get(room)
+            if slot is not None and slot.held:
+                slot.prompt_ids, slot.lora = list(prompt_ids), lora
+
+    def let_go(self, room: int, why: Refusal) -> bool:
+        """End `room`'s hold that no pickup has registered for: its `claim` raises at once
+        (the KV goes), and later pickups hear `why` for `timeout` seconds. False where no
+        such hold is (taken, refused, never held)."""
+        with self._lock:
+            slot = self._rooms.get(room)
+            if slot is None or not slot.held or slot.refused is not None:
+                return False
+            if slot.registered.done():  # a pickup came first: it hears the outcome
+                return False
+            slot.refused, slot.claimed = why, True
+            slot.registered.set_exception(BootstrapError(why.message, why.status, why.param))
+        self._loop.call_soon_threadsafe(
+            self._loop.call_later, self.timeout, self._forget, room, slot
+        )
+        return True
+
+    def let_go_holds(self, why: Refusal) -> int:
+        """`let_go` every hold no pickup has registered for (a weight update: their KV is
+        the old weights'); how many."""
+        with self._lock:
+            rooms = [r for r, slot in self._rooms.items() if slot.held]
+        return sum(self.let_go(room, why) for room in rooms)
+
     async def claim(
         self, room: int, timeout: float | None = None, expired: Refusal | None = None
     ) -> Registration:
@@ -214,7 +252,8 @@ class BootstrapServer:
             self.refuse(room, late.message, late.status, late.param)  # (a late one hears)
             raise BootstrapError(message) from None
         except BootstrapError:
-            self._forget(room, slot)
+            if slot.refused is None:  # (a hold let go: later pickups hear why)
+                self._forget(room, slot)
             raise
         except asyncio.CancelledError:
             self.refuse(room, "the prefill request was cancelled", 499)
@@ -287,11 +326,14 @@ class BootstrapServer:
                 del self._rooms[room]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        room, slot, keep = None, None, False
+        room, slot, keep, reg = None, None, False, None
         try:
             line = await asyncio.wait_for(reader.readline(), self.timeout)
             msg = json.loads(line)
             room = int(msg["room"])
+            if msg.get("type") == "drop":
+                await _send(writer, self._drop(room, msg.get("engine_id"), str(msg["message"])))
+                return
             pickup = bool(msg.get("pickup"))
             slot, unknown = self._held(room, msg.get("engine_id")) if pickup else (None, None)
             if unknown is not None:
@@ -310,6 +352,10 @@ class BootstrapServer:
             if diffs:
                 error = mismatch_message(diffs)
                 log.warning("room %d refused: %s", room, error)
+                if pickup:  # (the hold stays for a decode server that can take it)
+                    slot = None
+                    await _send(writer, Refusal(error).reply())
+                    return
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     slot.registered.set_exception(BootstrapError(error))
                 keep = True  # until the prefill request for this room comes to hear it
@@ -324,12 +370,17 @@ class BootstrapServer:
                 msg["layout"],
                 msg.get("lora"),
             )
+            wrong = _wrong_pickup(room, slot, reg) if pickup else None
+            if wrong is not None:
+                slot, reg = None, None  # (refused alone: the hold stays)
+                await _send(writer, wrong.reply())
+                return
             try:
                 slot.registered.set_result(reg)
             except concurrent.futures.InvalidStateError:
-                slot = None  # it belongs to the first registration
-                taken = _taken(room) if pickup else Refusal(f"room {room} is taken")
-                await _send(writer, taken.reply())
+                taken = (slot.refused or _taken(room)) if pickup else None
+                slot, reg = None, None  # it belongs to the first registration (or was let go)
+                await _send(writer, (taken or Refusal(f"room {room} is taken")).reply())
                 return
             if slot.refused is not None:  # refused while this registration was being read
                 reg.refused(slot.refused)
@@ -344,7 +395,7 @@ class BootstrapServer:
             if slot is not None and keep:
                 self._loop.call_later(self.timeout, self._forget, room, slot)
             elif slot is not None and slot.held and slot.claimed:
-                self._gone(room, slot, _taken(room))  # (a second pickup hears it was)
+                self._gone(room, slot, _after(room, reg))  # (a second pickup hears it was)
             elif slot is not None:
                 self._forget(room, slot)
             writer.close()
@@ -367,6 +418,19 @@ class BootstrapServer:
             )
             return None, Refusal(message, 404, "kv_transfer_params")
         return slot, None
+
+    def _drop(self, room: int, engine_id: Any, message: str) -> dict[str, Any]:
+        """A decode server's `drop_kv`: its request for the hold failed before its pickup
+        (vLLM's decode side frees the remote blocks), so the KV goes now."""
+        slot, unknown = self._held(room, engine_id)
+        if unknown is not None:
+            return unknown.reply()
+        why = Refusal(
+            f"the KV held for room {room} was let go: the decode request for it failed ({message})",
+            410,
+            "kv_transfer_params",
+        )
+        return {"type": "dropped" if self.let_go(room, why) else "gone"}
 
     def _gone(self, room: int, slot: _Room, why: Refusal) -> None:
         """`slot`'s hold is over: later pickups hear `why` for `timeout` seconds."""
@@ -425,12 +489,60 @@ def _taken(room: int) -> Refusal:
     )
 
 
+def _after(room: int, reg: Registration | None) -> Refusal:
+    """What later pickups of a hold `reg` took hear: taken, or why that pickup failed
+    (its transfer, its decode server hung up) and the KV went with it."""
+    reply = reg.result.result() if reg is not None and reg.result.done() else None
+    if reply is None or reply.get("type") == "done":
+        return _taken(room)
+    return Refusal(
+        f"the KV held for room {room} is gone: the decode request that took it failed "
+        f"({reply.get('message')})",
+        410,
+        "kv_transfer_params",
+    )
+
+
+def _wrong_pickup(room: int, slot: _Room, reg: Registration) -> Refusal | None:
+    """Why a pickup is not for `slot`'s hold (`BootstrapServer.expect`), if it is not."""
+    if slot.prompt_ids is not None and reg.prompt_ids != slot.prompt_ids:
+        message = f"the decode request's prompt is not the one prefilled for room {room}"
+        return Refusal(message, 400, "kv_transfer_params")
+    if slot.prompt_ids is not None and reg.lora != slot.lora:
+        return Refusal(
+            f"the decode request's LoRA adapter is not the one room {room} was prefilled "
+            "with (or the servers load it from different weights)",
+            400,
+            "model",
+        )
+    return None
+
+
 async def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
     writer.write(json.dumps(msg).encode() + b"\n")
     await writer.drain()
 
 
 # --- decode side -------------------------------------------------------------------------------
+
+
+async def drop_kv(host: str, port: int, room: int, engine_id: str | None, message: str) -> str:
+    """Tell a prefill server that the decode request for its hold of `room` failed before
+    its pickup (`message`: why), so it lets the KV go now, not after its timeout; its answer
+    (`dropped`, or `gone`: nothing was held). Raises `BootstrapError`."""
+    line = {"type": "drop", "room": room, "engine_id": engine_id, "message": message}
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
+        try:
+            await _send(writer, line)
+            reply = json.loads(await asyncio.wait_for(reader.readline(), 10))
+        finally:
+            writer.close()
+    except (OSError, ValueError, asyncio.TimeoutError) as e:
+        raise BootstrapError(f"cannot tell {host}:{port} to drop room {room}: {e!r}") from None
+    if reply.get("type") == "error":
+        raise BootstrapError(str(reply.get("message")), int(reply.get("status", 502)))
+    return str(reply.get("type"))
 
 
 async def request_kv(

@@ -23,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from starlette.middleware import Middleware
 
 from dsakv.errors import is_int
 from dsakv.server.http_config import route_path
@@ -63,15 +65,20 @@ class KVTransferParams:
     engine_id: str | None = None
     reply: dict[str, Any] | None = None
     taken: bool = False  # (one prompt's: `kv_transfer`)
+    # (a decode server's: its pickup went out; a failure before then drops the hold)
+    registered: bool = False
 
 
 @dataclass
 class _Targets:
-    """A request's targets, handed out in prompt order (vLLM's hand-off: `kv`)."""
+    """A request's targets, handed out in prompt order (vLLM's hand-off: `kv`). `error`:
+    why its hand-off fields are wrong, answered after the API key check (a keyless request
+    is a 401 whatever its body: `install`), or raised where the engine reads them."""
 
     targets: list[BootstrapTarget]
     used: int = 0
     kv: KVTransferParams | None = None
+    error: APIError | None = None
 
     def next(self) -> BootstrapTarget | None:
         if self.used >= len(self.targets):
@@ -87,7 +94,7 @@ _current: contextvars.ContextVar[_Targets | None] = contextvars.ContextVar(
 
 def next_target(role: str) -> BootstrapTarget:
     """The current request's next prompt's target; a 400 when it names no (more) rooms."""
-    targets = _current.get()
+    targets = _checked()
     target = targets.next() if targets is not None else None
     if target is not None:
         return target
@@ -108,7 +115,7 @@ def next_target(role: str) -> BootstrapTarget:
 def kv_transfer(role: str) -> KVTransferParams | None:
     """The current request's vLLM `kv_transfer_params` (None: SGLang's protocol), for its
     one prompt; a 400 when it asks the other role's side, or for a second prompt."""
-    targets = _current.get()
+    targets = _checked()
     kv = targets.kv if targets is not None else None
     if kv is None:
         return None
@@ -125,6 +132,14 @@ def kv_transfer(role: str) -> KVTransferParams | None:
         raise APIError(400, "kv_transfer_params hands off one prompt; send one", param=_KV)
     kv.taken = True
     return kv
+
+
+def _checked() -> _Targets | None:
+    """The current request's targets; its hand-off fields' 400 where they were wrong."""
+    targets = _current.get()
+    if targets is not None and targets.error is not None:
+        raise targets.error
+    return targets
 
 
 def kv_transfer_reply() -> dict[str, Any]:
@@ -202,6 +217,10 @@ def from_kv_transfer_params(body: Any, path: str) -> KVTransferParams | None:
             "kv_transfer_params asks for both do_remote_decode and do_remote_prefill",
             param=_KV,
         )
+    prompts = body.get("prompt")  # (several: texts or token id lists, not one's ids)
+    several = isinstance(prompts, list) and any(isinstance(p, (str, list)) for p in prompts)
+    if (decode or prefill) and several and len(prompts) > 1:
+        raise APIError(400, "kv_transfer_params hands off one prompt; send one", param=_KV)
     if decode:
         if body.get("stream"):
             raise APIError(
@@ -268,37 +287,61 @@ def _target(
 # --- the middleware ----------------------------------------------------------------------------
 
 
+def install(
+    app: FastAPI,
+    refuse: Callable[..., None] | None = None,
+    drop: Callable[[KVTransferParams, str], None] | None = None,
+) -> None:
+    """`BootstrapMiddleware` outside the app's other middleware (it hears every answer, the
+    API key's 401 too), and its 400 for bad hand-off fields answered inside them (after
+    the key check: a keyless request is a 401 whatever its body; before the route reads
+    the body)."""
+    app.add_middleware(BootstrapMiddleware, refuse=refuse, drop=drop)
+    app.user_middleware.append(Middleware(_KeptError))  # (the innermost)
+
+
 class BootstrapMiddleware:
     """ASGI middleware: the request's bootstrap targets (headers, else body fields), or its
     vLLM `kv_transfer_params`, into the context `next_target()` and `kv_transfer()` read;
-    bad ones are a 400 before the handler runs. The body is read only for POSTs to the
-    generation endpoints (and /v1/responses, to refuse kv_transfer_params there), and
-    replayed to the app unchanged.
+    bad ones are a 400 before anything runs (`install`: after the API key check; else where
+    those read them). The body is read only for POSTs to the generation endpoints (and
+    /v1/responses, to refuse kv_transfer_params there), parsed only where it can name those
+    fields, and replayed to the app unchanged.
 
     `refuse` (a prefill server's `BootstrapServer.refuse`): called for each of the request's
     rooms when the server answers it with an error, whoever answered (the API key check, an
     unknown model, a validation error, the engine): the decode server waiting for a room
     hears that status and message at once, instead of waiting out its timeout for a claim
-    that never comes. A room the request claimed has heard its outcome: `refuse` skips it."""
+    that never comes. A room the request claimed has heard its outcome: `refuse` skips it.
+    `drop` (a decode server's): called with a vLLM pickup's `KVTransferParams` and why, when
+    the server answers it with an error before its pickup went out, so that the prefill
+    server lets the KV go now."""
 
-    def __init__(self, app: Any, refuse: Callable[..., None] | None = None) -> None:
-        self.app, self.refuse = app, refuse
+    def __init__(
+        self,
+        app: Any,
+        refuse: Callable[..., None] | None = None,
+        drop: Callable[[KVTransferParams, str], None] | None = None,
+    ) -> None:
+        self.app, self.refuse, self.drop = app, refuse, drop
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         h = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
-        kv = None
+        targets, kv, error = None, None, None
         try:
             targets = from_headers(h)
             path = route_path(scope)
             if scope["method"] == "POST" and path in _BODY_PATHS:
                 raw, receive = await _buffer_body(receive)
-                body = _json_or_none(raw)
-                if targets is None and path in GENERATE_PATHS:
-                    targets = from_body(body)
-                kv = from_kv_transfer_params(body, path)
+                sglang = targets is None and path in GENERATE_PATHS
+                if _may_name(raw, sglang):
+                    body = _json_or_none(raw)
+                    if sglang:
+                        targets = from_body(body)
+                    kv = from_kv_transfer_params(body, path)
                 if kv is not None and targets:
                     raise APIError(
                         400,
@@ -307,27 +350,67 @@ class BootstrapMiddleware:
                         param=_KV,
                     )
         except APIError as e:
-            await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
-            return
-        token = _current.set(_Targets(targets or [], kv=kv) if targets or kv else None)
-        if targets and self.refuse is not None:
-            send = _Refusing(send, [t.room for t in targets], self.refuse)
+            targets, kv, error = None, None, e
+        state = _Targets(targets or [], kv=kv, error=error) if targets or kv or error else None
+        token = _current.set(state)
+        on_error = self._on_error(targets, kv)
+        if on_error is not None:
+            send = _Refusing(send, on_error)
         try:
             await self.app(scope, receive, send)
-        except Exception as e:
+        except BaseException as e:
             if isinstance(send, _Refusing):
-                send.failed(f"the prefill server failed: {e!r}", 500)
+                send.failed(f"the server failed: {e!r}", 500)
             raise
         finally:
             _current.reset(token)
 
+    def _on_error(
+        self, targets: list[BootstrapTarget] | None, kv: KVTransferParams | None
+    ) -> Callable[..., None] | None:
+        """What an error answer to the request tells its peer: the prefill server refuses
+        its rooms; the decode server drops a vLLM hold it has not picked up."""
+        refuse, drop = self.refuse, self.drop
+        if targets and refuse is not None:
+            rooms = [t.room for t in targets]
+
+            def refuse_rooms(*why: Any) -> None:
+                for room in rooms:
+                    refuse(room, *why)
+
+            return refuse_rooms
+        if kv is not None and not kv.remote_decode and drop is not None:
+
+            def drop_hold(message: str, status: int, *_: Any) -> None:
+                if not kv.registered:
+                    drop(kv, f"HTTP {status}: {message}")
+
+            return drop_hold
+        return None
+
+
+class _KeptError:
+    """The innermost layer: the 400 `BootstrapMiddleware` kept for the request's hand-off
+    fields, instead of the route."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        targets = _current.get() if scope["type"] == "http" else None
+        if targets is not None and targets.error is not None:
+            e = targets.error
+            await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
 
 class _Refusing:
-    """`send`, refusing the request's rooms when its response is an error: once the error
-    body is whole (its message), before the body's end goes out."""
+    """`send`, telling the request's peer (`tell`: a `Refusal`'s fields) when its response is
+    an error: once the error body is whole (its message), before the body's end goes out."""
 
-    def __init__(self, send: Callable, rooms: list[int], refuse: Callable[..., None]) -> None:
-        self.send, self.rooms, self.refuse = send, rooms, refuse
+    def __init__(self, send: Callable, tell: Callable[..., None]) -> None:
+        self.send, self.tell = send, tell
         self.status: int | None = None
         self.body: list[bytes] = []
         self.done = False
@@ -344,13 +427,11 @@ class _Refusing:
     def failed(
         self, message: str, status: int, param: str | None = None, code: str | None = None
     ) -> None:
-        """Refuse the rooms (`BootstrapServer.refuse`'s arguments, a `Refusal`'s fields),
-        once."""
+        """Tell the peer (`BootstrapServer.refuse`'s arguments, a `Refusal`'s fields), once."""
         if self.done:
             return
         self.done = True
-        for room in self.rooms:
-            self.refuse(room, message, status, param, code)
+        self.tell(message, status, param, code)
 
     def _ok(self) -> bool:
         return self.status is not None and 200 <= self.status < 300
@@ -391,6 +472,13 @@ async def _buffer_body(receive: Callable) -> tuple[bytes, Callable]:
         return messages.pop(0) if messages else await receive()
 
     return b"".join(chunks), replay
+
+
+def _may_name(raw: bytes, sglang: bool) -> bool:
+    """Whether a body can hold `kv_transfer_params` (or, `sglang`, `bootstrap_room`): parsed
+    only then (a 50 MB image's isn't). A key may be written with escapes (`\\u006b...`)."""
+    keys = (b"kv_transfer_params", b"bootstrap_room") if sglang else (b"kv_transfer_params",)
+    return b"\\u" in raw or any(k in raw for k in keys)
 
 
 def _json_or_none(raw: bytes) -> Any:

@@ -9,7 +9,9 @@ router`'s headers or SGLang's body fields) reaches `generate_n` through `handoff
 vLLM's protocol (`kv_transfer_params`) runs the same two halves one after the other: the
 prefill server answers once the prompt ran, its KV held for a pickup (`_hold_for_pickup`),
 and writes it when the decode server's registration comes; the decode server registers as
-for SGLang's, marked `pickup`.
+for SGLang's, marked `pickup`, and runs the last prompt token itself, so that the first
+token is chosen under its request's sampling params (vLLM's proxy drops min_tokens from the
+prefill leg), as vLLM's decode server does.
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ from dsakv.server.runner import (
     _update,
 )
 
-from .bootstrap import BootstrapError, BootstrapServer, Refusal, describe, request_kv
+from .bootstrap import BootstrapError, BootstrapServer, Refusal, describe, drop_kv, request_kv
 from .config import DisaggConfig
 from .handoff import (
-    BootstrapMiddleware,
     BootstrapTarget,
     KVTransferParams,
+    install,
     kv_transfer,
     next_target,
 )
@@ -145,9 +147,11 @@ class _DisaggEngine(AsyncEngine):
 
     def attach(self, app: FastAPI) -> None:
         """Handoff middleware (on a prefill server: an error answer refuses the request's
-        rooms), transfer metrics and `GET /disagg/info` on the server's app."""
+        rooms; on a decode server: drops a vLLM hold not yet picked up), transfer metrics
+        and `GET /disagg/info` on the server's app."""
         refuse = self.bootstrap.refuse if self.role == "prefill" else None
-        app.add_middleware(BootstrapMiddleware, refuse=refuse)
+        drop = self._drop_hold if self.role == "decode" else None
+        install(app, refuse, drop)
         app.state.metrics.registry.register(_TransferCollector(app.state.model_name, self))
 
         @app.get("/disagg/info")
@@ -222,6 +226,19 @@ class PrefillAsyncEngine(_DisaggEngine):
         # address, or this machine's where it listens on all of them
         wildcard = server_host in ("", "0.0.0.0", "::")
         self.bootstrap_host = config.host_for(server_host) if wildcard else server_host
+
+    def before_weight_update(self) -> None:
+        """The KV held for vLLM's pickups is the old weights' (and its pages keep the update
+        off): let it go; a later pickup hears why (410). SGLang's holds last only through
+        their write, to a decode server already registered: the update waits for them."""
+        why = Refusal(
+            "the KV held for this room was let go: the prefill server's weights were updated "
+            "(/update_weights_from_disk) before a decode request took it",
+            410,
+            "kv_transfer_params",
+        )
+        if n := self.bootstrap.let_go_holds(why):
+            log.info("weight update: let %d held KV go", n)
 
     def forgo(self, n: int) -> None:
         """(The decode server waiting for the room hears so now, as `claim` tells it; a
@@ -463,6 +480,8 @@ class PrefillAsyncEngine(_DisaggEngine):
         try:
             if u.error is None and u.finish_reason != "abort":
                 kv.reply = self._kept_at(req, room)
+                lora = req.lora.digest if req.lora is not None else None
+                self.bootstrap.expect(room, req.prompt_ids, lora)  # (before anyone knows it)
             public._push(u)
             if kv.reply is None:  # it failed, or its client left: nobody will come for it
                 why = u.error or "the prefill request was aborted"
@@ -480,23 +499,7 @@ class PrefillAsyncEngine(_DisaggEngine):
             except BootstrapError as e:
                 log.info("KV held for room %d let go: %s", room, e)
                 return
-            if reg.prompt_ids != req.prompt_ids:
-                reg.fail(
-                    f"the decode request's prompt is not the one prefilled for room {room}",
-                    400,
-                    "kv_transfer_params",
-                )
-                return
-            digest = req.lora.digest if req.lora is not None else None
-            if reg.lora != digest:
-                reg.fail(
-                    f"the decode request's LoRA adapter is not the one room {room} was "
-                    "prefilled with (or the servers load it from different weights)",
-                    400,
-                    "model",
-                )
-                return
-            await self._write(req, reg, u)
+            await self._write(req, reg, u)  # (its prompt and adapter checked: `expect`)
         except Exception as e:
             self.stats.fail()
             message = f"KV transfer for room {room} failed: {e}"
@@ -536,7 +539,7 @@ class DecodeAsyncEngine(_DisaggEngine):
         self.stats = TransferStats()
 
     def forgo(self, n: int) -> None:
-        if kv_transfer(self.role) is None:  # (a vLLM prefill's hold expires by itself)
+        if kv_transfer(self.role) is None:  # (a vLLM hold: dropped with the 499, `attach`)
             next_target(self.role)  # (the prefill server's copy is aborted by the router)
 
     async def generate_n(
@@ -570,6 +573,7 @@ class DecodeAsyncEngine(_DisaggEngine):
             }
             if kv is not None:
                 registration.update(pickup=True, engine_id=kv.engine_id)
+                kv.registered = True  # (from here the prefill server hears how it ends)
             extra_bytes = 0
             if params.return_routed_experts:  # (the prompt's rows come with the answer)
                 extra_bytes = routed_base64_chars(self.engine.model_config.routed_shape(len(ids)))
@@ -595,7 +599,7 @@ class DecodeAsyncEngine(_DisaggEngine):
                 self.stats.fail()
                 await self.call(lambda eng: ops.drop(eng, req))
                 raise
-            start = functools.partial(self._start, req, reply, rows, stream)
+            start = functools.partial(self._start, req, reply, rows, stream, kv is not None)
             await self.call(start, undo=lambda e, _: self._abort(stream, "abort"))
         finally:
             self.pending -= 1  # (after the start: a reservation is not a leak until then)
@@ -623,6 +627,23 @@ class DecodeAsyncEngine(_DisaggEngine):
                 )
             await asyncio.sleep(_RESERVE_POLL_S)
 
+    def _drop_hold(self, kv: KVTransferParams, message: str) -> None:
+        """The decode request for `kv`'s hold failed before its pickup (refused, no room
+        within the timeout, its client gone): the prefill server lets the KV go now, as
+        vLLM's decode side frees the remote blocks, not after its timeout."""
+        target = kv.target
+        if target is None or not target.host:
+            return
+
+        async def drop() -> None:
+            port = target.port or self.config.bootstrap_port
+            try:
+                await drop_kv(target.host, port, target.room, kv.engine_id, message)
+            except BootstrapError as e:
+                log.info("could not drop the KV held for room %d: %s", target.room, e)
+
+        self._spawn(drop())
+
     def _drop_soon(self, req: Request, handshake: asyncio.Future) -> None:
         """Give a reserved request's pages back once the handshake of a handler that was
         cancelled ends; its outcome is read (the client left: nobody else will)."""
@@ -636,14 +657,17 @@ class DecodeAsyncEngine(_DisaggEngine):
         reply: dict[str, Any],
         routed: torch.Tensor | None,
         stream: RequestStream,
+        pickup: bool,
         engine: Engine,
     ):
         """Engine thread: decode from the prefill server's first token (and the prompt's
-        `routed` experts, kept as its own steps keep theirs); the stream gets it."""
+        `routed` experts, kept as its own steps keep theirs); the stream gets it. A
+        `pickup` (vLLM's) runs the last prompt token here: its first token comes from this
+        server's next step, under this request's sampling params."""
         if routed is not None:
             req.capture.write(req.params.routed_experts_start_len, routed, None)
         logprob, top = reply.get("logprob"), reply.get("top_logprobs")
-        if req.params.logprobs is not None and logprob is not None:
+        if not pickup and req.params.logprobs is not None and logprob is not None:
             req.logprobs.append(float(logprob))
             req.top_logprobs.append([(int(t), float(x)) for t, x in top or []])
             req.ranks.append(None)  # (the prefill server's; no route reports it)
@@ -655,8 +679,11 @@ class DecodeAsyncEngine(_DisaggEngine):
         # cache served (SGLang's decode side takes it from the prefill side's metadata); this
         # server's `dsakv_prefix_hit_tokens_total` stays its own cache's.
         req.metrics.prefix_hit_tokens = int(reply.get("cached_tokens") or 0)
-        ops.start_decoding(engine, req, int(reply["first_token"]))
+        ops.start_decoding(engine, req, None if pickup else int(reply["first_token"]))
         stream.rid, stream.request, stream.prompt_tokens = req.rid, req, len(req.prompt_ids)
+        if pickup:  # (its first update comes with the step that picks its first token)
+            self._streams[req.rid] = stream
+            return
         stream._push(_update(engine, stream, req))
         if req.finished:
             stream.request = None

@@ -42,7 +42,8 @@ def drop(engine: Engine, req: Request) -> None:
     engine.drop_detached(req)
 
 
-def start_decoding(engine: Engine, req: Request, first_token: int) -> None:
-    """`Engine.start_decoding`: run a reserved request whose prompt KV has arrived."""
+def start_decoding(engine: Engine, req: Request, first_token: int | None) -> None:
+    """`Engine.start_decoding`: run a reserved request whose prompt KV has arrived (None: its
+    last prompt token runs here, and picks the first token)."""
     engine.start_decoding(req, first_token)
     engine.publish_kv_events()  # (a first token that ends it: its pages joined the cache)

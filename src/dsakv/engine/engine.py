@@ -1096,15 +1096,21 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.scheduler.finish(req)
         self._release_lora(req)
 
-    def start_decoding(self, req: Request, first_token: int) -> None:
+    def start_decoding(self, req: Request, first_token: int | None) -> None:
         """Decode a `reserve_detached` request whose prompt KV has arrived, from the prefill
         side's first token (it may finish right here: EOS, a stop, max_tokens 1); one whose
-        adapter finds no slot waits for one (`Scheduler.adopt`), its pages kept."""
-        req.num_computed = len(req.prompt_ids)  # (with MTP, the draft layer's KV came too)
+        adapter finds no slot waits for one (`Scheduler.adopt`), its pages kept. `first_token`
+        None (vLLM's P/D, whose decode side picks it): the last prompt token runs here, its
+        KV counted as not yet computed, so the first token follows this request's own
+        sampling params (min_tokens, logit_bias, a grammar, a seed...)."""
+        n = len(req.prompt_ids)
+        # (with MTP, the draft layer's KV came too; the last position's is caught up here)
+        req.num_computed = n if first_token is not None else n - 1
         self.requests[req.rid] = req
-        self.stats.prompt_tokens += len(req.prompt_ids)
+        self.stats.prompt_tokens += n
         self.scheduler.adopt(req)
-        self._emit(req, first_token, time.perf_counter())
+        if first_token is not None:
+            self._emit(req, first_token, time.perf_counter())
 
     # --- the step -------------------------------------------------------------------------
 

@@ -116,6 +116,7 @@ class AdminMixin:
             try:
                 if not paused:
                     await self.in_flight.drained()
+                self.engine.before_weight_update()  # (a PD prefill server's held KV goes)
                 deadline = time.monotonic() + _UPDATE_IDLE_TIMEOUT_S
                 while not await self.engine.call(lambda e: e.update_weights(source)):
                     if time.monotonic() > deadline:  # (a trainer's tensors received first)

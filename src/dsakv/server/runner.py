@@ -264,6 +264,10 @@ class AsyncEngine:
         """The engine serves new weights (/update_weights_from_disk): what was derived from
         the old ones outside it is derived again (a PD server's handshake description)."""
 
+    def before_weight_update(self) -> None:
+        """A weight update waits for the engine to be idle: what this bridge keeps outside
+        requests goes now (a PD prefill server's KV held for vLLM's pickups)."""
+
     async def probe(self) -> None:
         """One greedy token of a one-token prompt, run by the engine thread (SGLang's
         `/health_generate`): proves the engine still steps, not only that its thread lives.
