@@ -9,8 +9,9 @@ probe the router's state changed after is known without timing anything)."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import fields
 
@@ -39,14 +40,14 @@ class _Flaky:
     router has then heard every earlier probe's answer. (One attribute: a probe reads both
     at once.)"""
 
-    def __init__(self) -> None:
+    def __init__(self, generate: Callable[[], dict] | None = None) -> None:
         self.answer: tuple[int, str | None] = (200, None)
         self.url = ""  # (its URL, once serving)
         self.seen: list[tuple[int, bool]] = []  # (the status answered, healthy before it)
         self.app = FastAPI()
         self.app.get("/disagg/info")(lambda: {"mode": "prefill", "bootstrap_port": 1})
         self.app.get("/health")(self.health)
-        self.app.post(COMPLETIONS)(lambda: {})
+        self.app.post(COMPLETIONS)(generate or (lambda: {}))
 
     def health(self) -> Response:  # (sync: on a thread, so it may ask the router)
         status, router = self.answer
@@ -55,10 +56,10 @@ class _Flaky:
         return Response(status_code=status)
 
 
-def _fake_decode() -> FastAPI:
+def _fake_decode(generate: Callable[[], dict] | None = None) -> FastAPI:
     app = FastAPI()
     app.get("/health")(lambda: {"status": "ok"})
-    app.post(COMPLETIONS)(lambda: {"choices": []})
+    app.post(COMPLETIONS)(generate or (lambda: {"choices": []}))
     return app
 
 
@@ -317,3 +318,39 @@ def test_health_probes_a_server_only_a_contact_found_down():
             assert flaky.seen == [(200, False)]  # (one probe, /health's, while unhealthy)
             assert _healthy(base, dead) and _metric(base, "smg_worker_health", worker=dead) == 1
             assert _checks(base, "prefill", "success") == 0  # (no check counted it)
+
+
+def test_a_request_a_prefill_server_takes_clears_its_mark_as_a_decode_servers_does():
+    """A prefill server the checks found down, taking a request: its answer clears its mark
+    at once, as a decode server's does (README: "or a request it takes"), in /workers,
+    /health and /metrics alike. Its pick (its bootstrap asked) cleared it, but a failed
+    probe marked it again while it ran the prompt; it answers once it has, its /health
+    passing by then (too few times for the checks to clear it). Before, only the decode server was
+    healthy after the request's 200."""
+    prefilled = threading.Event()
+
+    def prefill() -> dict:  # (sync: on a thread, so it may ask the router)
+        _until(lambda: not _healthy(base, p))  # (a probe failed since its pick)
+        flaky.url, flaky.answer = p, (200, base)
+        _until(lambda: flaky.seen)  # (the router heard every failed probe: none comes after)
+        prefilled.set()
+        return {}
+
+    def decode() -> dict:  # (a decode server answers once it has the prompt's KV)
+        assert prefilled.wait(TIMEOUT)
+        return {"choices": []}
+
+    flaky = _Flaky(prefill)
+    checks = HealthConfig(interval_s=0.05, failure_threshold=2, success_threshold=10**6)
+    with (
+        _serving(flaky.app) as p,
+        _serving(_fake_decode(decode)) as d,
+        routing([p], [d], health=checks) as base,
+    ):
+        flaky.answer = (503, None)
+        _until(lambda: not _healthy(base, p))
+        _post(base)
+        _until(lambda: _healthy(base, p))
+        assert _healthy(base, d)
+        assert httpx.get(f"{base}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+        assert _metric(base, "smg_worker_health", worker=p) == 1

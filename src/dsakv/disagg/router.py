@@ -1028,10 +1028,13 @@ class Router:
         self, p_url: str, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> None:
         """The prefill server's copy (in flight there since its pick: `_pick_prefill`);
-        cancelled, its connection closes and the server drops the request."""
+        cancelled, its connection closes and the server drops the request. Its answer is a
+        contact that succeeded, as a decode server's is (`_post`): a mark the health checks
+        set again since its pick (its bootstrap ask) is cleared."""
         try:
             send = self.client.build_request("POST", f"{p_url}{path}", json=body, headers=headers)
             r = await self.client.send(send, stream=True)
+            self._down.pop(p_url, None)
             try:
                 await r.aread()
             finally:
