@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
-from dsakv.disagg import handoff
+from dsakv.disagg import bootstrap, handoff
 from dsakv.engine import EngineConfig
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 from dsakv.server.protocol import APIError
@@ -240,6 +240,54 @@ def test_a_wrong_pickup_is_refused_and_the_hold_stays_for_the_right_one(pd):
     wait_idle(pd.decode)
 
 
+def test_bad_block_ids_or_tp_size_leave_the_hold_and_other_block_ids_are_ignored(pd):
+    """Malformed remote_block_ids or tp_size are a 400 that leaves the hold for the right
+    pickup (it took the KV and decoded). Well-formed block ids that are not the hold's
+    pages (or none) are ignored: the prefill server writes the pages it holds for the room
+    (dsakv pushes the KV; vLLM's decode server reads the blocks named), the room and engine
+    id find the hold and its prompt is checked."""
+    body = {"prompt": PROMPT, "max_tokens": 4, **GREEDY}
+    want = _post(pd.plain + "/v1/completions", body).json()
+    kv = prefill_first(pd.prefill, "/v1/completions", body)["kv_transfer_params"]
+    for bad in ({"remote_block_ids": "x"}, {"tp_size": "one"}, {"tp_size": 2}):
+        r = then_decode(pd.decode, "/v1/completions", body, {**kv, **bad})
+        assert error_of(r, 400)["param"] == _KV
+        assert next(iter(bad)) in r.json()["error"]["message"]
+    assert disagg_info(pd.prefill)["open_rooms"] == 1
+    other = {**kv, "remote_block_ids": [999, 1000]}
+    del other["tp_size"]  # (vLLM's older answers carry none)
+    r = then_decode(pd.decode, "/v1/completions", body, other)
+    assert r.status_code == 200, r.text
+    assert text_of(r.json()) == text_of(want)
+    kv = prefill_first(pd.prefill, "/v1/completions", body)["kv_transfer_params"]
+    r = then_decode(pd.decode, "/v1/completions", body, {**kv, "remote_block_ids": None})
+    assert r.status_code == 200 and text_of(r.json()) == text_of(want), r.text
+    wait_idle(pd.prefill)
+    wait_idle(pd.decode)
+
+
+def test_a_remote_port_that_is_no_bootstrap_port_fails_fast_and_the_hold_stays(pd, monkeypatch):
+    """remote_port naming a live port that does not speak the bootstrap protocol (the
+    prefill server's HTTP port) is a 502 naming it once the peer leaves the registration
+    unanswered a few seconds (a bootstrap server answers at once), not after the decode
+    server's --disaggregation-timeout (30 s here: the hold long gone by then); the right
+    pickup after it decodes."""
+    monkeypatch.setattr(bootstrap, "_ANSWER_S", 1.0)  # (5 s: past this module's hold)
+    body = {"prompt": PROMPT, "max_tokens": 4, **GREEDY}
+    kv = prefill_first(pd.prefill, "/v1/completions", body)["kv_transfer_params"]
+    http_port = httpx.URL(pd.prefill).port
+    wrong = then_decode(pd.decode, "/v1/completions", body, {**kv, "remote_port": http_port})
+    message = error_of(wrong, 502)["message"]
+    assert f"127.0.0.1:{http_port} for 1 s" in message and "bootstrap port" in message
+    monkeypatch.undo()
+    assert disagg_info(pd.prefill)["open_rooms"] == 1
+    want = _post(pd.plain + "/v1/completions", body).json()
+    r = then_decode(pd.decode, "/v1/completions", body, kv)
+    assert r.status_code == 200 and text_of(r.json()) == text_of(want), r.text
+    wait_idle(pd.prefill)
+    wait_idle(pd.decode)
+
+
 def _let_go(pd: SimpleNamespace, body: dict[str, Any], kv: dict[str, Any]) -> dict[str, Any]:
     """Once the prefill server holds nothing, the 410 a pickup of `kv` gets."""
     deadline = time.monotonic() + HOLD_S + TIMEOUT
@@ -326,6 +374,41 @@ _TAKE = {
             {"kv_transfer_params": {**_TAKE, "remote_port": "x"}},
             None,
             "remote_port must be an integer",
+        ),
+        (
+            "decode",
+            "/v1/completions",
+            {"kv_transfer_params": {**_TAKE, "remote_block_ids": "x"}},
+            None,
+            "remote_block_ids must be a list",
+        ),
+        (
+            "decode",
+            "/v1/completions",
+            {"kv_transfer_params": {**_TAKE, "remote_block_ids": [3, "4"]}},
+            None,
+            "remote_block_ids must be a list",
+        ),
+        (
+            "decode",
+            "/v1/completions",
+            {"kv_transfer_params": {**_TAKE, "tp_size": "one"}},
+            None,
+            "tp_size must be an integer >= 1",
+        ),
+        (
+            "decode",
+            "/v1/completions",
+            {"kv_transfer_params": {**_TAKE, "tp_size": 0}},
+            None,
+            "tp_size must be an integer >= 1",
+        ),
+        (
+            "decode",
+            "/v1/completions",
+            {"kv_transfer_params": {**_TAKE, "tp_size": 2}},
+            None,
+            "tp_size 2 is not the prefill server's (1)",
         ),
         (
             "prefill",

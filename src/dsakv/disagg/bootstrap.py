@@ -5,9 +5,10 @@ prefill server's bootstrap address. The decode server reserves pages, connects a
 one line: its layout description (checked here before any byte moves), its Mooncake
 session, its pool buffers, the pages and the prompt's token ids. The prefill server's
 request handler `claim`s the room, runs the prompt, writes the KV and sets the result;
-meanwhile this side sends `{"type": "wait"}` every few seconds, so the decode server can
-tell a slow prefill from a dead one (no line for `timeout` seconds: it gives up and frees
-its pages). The last line is `{"type": "done", "first_token", ...}` (with `cached_tokens`:
+meanwhile this side sends `{"type": "wait"}` at once and every few seconds, so the decode
+server can tell a slow prefill from a dead one (no line for `timeout` seconds: it gives up
+and frees its pages) or from a port that is no bootstrap's (no first line within
+`_ANSWER_S`). The last line is `{"type": "done", "first_token", ...}` (with `cached_tokens`:
 the prompt tokens the prefill server's prefix cache served, the client's usage; and the
 prompt's `routed_experts` where the request asked for them) or an error.
 
@@ -44,6 +45,10 @@ from .transfer import PeerBuffer
 log = logging.getLogger(__name__)
 
 _MAX_LINE = 64 << 20  # a registration carries the prompt's ids and the page list
+# A bootstrap server answers a registration at once (`_wait`'s first line): a peer silent
+# this long after one is no bootstrap server (a wrong port: an HTTP one), and the decode
+# side says so now, not after its timeout. (vLLM's NIXL handshake waits 5 s on its peer.)
+_ANSWER_S = 5.0
 
 
 class BootstrapError(RuntimeError):
@@ -455,6 +460,7 @@ class BootstrapServer:
         hangup = asyncio.ensure_future(reader.read(1))  # b"" at EOF
         deadline = time.monotonic() + self.timeout
         try:
+            await _send(writer, {"type": "wait"})  # at once: heard by a bootstrap (`_ANSWER_S`)
             while True:
                 await asyncio.wait(
                     {result, hangup}, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED
@@ -551,7 +557,8 @@ async def request_kv(
     """Register with a prefill server and wait until it has written the KV; returns its
     `done` reply (`first_token`, `bytes`, `seconds`, `cached_tokens`, and `routed_experts`
     where asked for: `extra_bytes` more bytes for them). Raises `BootstrapError` on a refusal, a
-    hang-up, or `timeout` seconds without a word."""
+    hang-up, or `timeout` seconds without a word (`_ANSWER_S` before the first: the
+    registration went to no bootstrap server; the KV itself may take the whole `timeout`)."""
     try:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host, port, limit=_MAX_LINE + extra_bytes), timeout
@@ -562,13 +569,15 @@ async def request_kv(
         ) from None
     try:
         await _send(writer, registration)
+        wait, hint = min(timeout, _ANSWER_S), ": is that its bootstrap port? (one answers at once)"
         while True:
             try:
-                line = await asyncio.wait_for(reader.readline(), timeout)
+                line = await asyncio.wait_for(reader.readline(), wait)
             except (asyncio.TimeoutError, TimeoutError):
                 raise BootstrapError(
-                    f"no word from the prefill server {host}:{port} for {timeout:g} s"
+                    f"no word from the prefill server {host}:{port} for {wait:g} s{hint}"
                 ) from None
+            wait, hint = timeout, ""
             if not line:
                 raise BootstrapError(
                     f"the prefill server {host}:{port} closed the connection before the KV "

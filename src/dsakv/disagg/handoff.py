@@ -41,6 +41,8 @@ KV_TRANSFER_PATHS = ("/v1/completions", "/v1/chat/completions")
 _BODY_PATHS = (*GENERATE_PATHS, "/v1/responses")
 _MAX_ROOM = 2**64 - 1  # SGLang's routers draw rooms below 2**63; any u64 is accepted
 _KV = "kv_transfer_params"
+# vLLM's `tp_size` of a dsakv prefill server: it runs on one rank (`DisaggConfig.check_engine`)
+PREFILL_TP_SIZE = 1
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,8 @@ def from_body(body: Any) -> list[BootstrapTarget] | None:
 def from_kv_transfer_params(body: Any, path: str) -> KVTransferParams | None:
     """vLLM's `kv_transfer_params`, checked; None without it, or with neither side asked
     for (vLLM's no-op). The decode side needs the prefill server's answer's remote_host,
-    remote_port, remote_engine_id and remote_request_id (its room)."""
+    remote_port, remote_engine_id and remote_request_id (its room); its remote_block_ids
+    and tp_size are checked where given (`_check_blocks_and_tp`)."""
     if not isinstance(body, dict) or body.get(_KV) is None:
         return None
     if path not in KV_TRANSFER_PATHS:
@@ -248,7 +251,37 @@ def from_kv_transfer_params(body: Any, path: str) -> KVTransferParams | None:
         room = int(room)
     host, port = kv["remote_host"], kv["remote_port"]
     target = _target(room, host, port, f"{_KV}.remote_", "request_id", param=_KV)
+    _check_blocks_and_tp(kv.get("remote_block_ids"), kv.get("tp_size"))
     return KVTransferParams(remote_decode=False, target=target, engine_id=engine_id)
+
+
+def _check_blocks_and_tp(block_ids: Any, tp_size: Any) -> None:
+    """The prefill answer's `remote_block_ids` and `tp_size` as vLLM's decode side takes
+    them (either may be absent: vLLM reads no blocks without ids, and its older answers
+    carry no tp_size); a wrong type, or a tp_size not the prefill server's, is a 400.
+    The ids' values are not checked: the room finds the hold and its prompt is checked
+    (`bootstrap._wrong_pickup`), and the prefill server writes the pages it holds (vLLM's
+    decode server reads the blocks named)."""
+    if block_ids is not None and (
+        not isinstance(block_ids, list) or not all(is_int(b) and b >= 0 for b in block_ids)
+    ):
+        raise APIError(
+            400,
+            f"{_KV}.remote_block_ids must be a list of block ids (integers >= 0) or null, "
+            f"got {block_ids!r}",
+            param=_KV,
+        )
+    if tp_size is None:
+        return
+    if not is_int(tp_size) or tp_size < 1:
+        raise APIError(400, f"{_KV}.tp_size must be an integer >= 1, got {tp_size!r}", param=_KV)
+    if tp_size != PREFILL_TP_SIZE:
+        raise APIError(
+            400,
+            f"{_KV}.tp_size {tp_size} is not the prefill server's ({PREFILL_TP_SIZE}): a dsakv "
+            "prefill server runs on one rank, so these are another server's (or altered) params",
+            param=_KV,
+        )
 
 
 def _target(

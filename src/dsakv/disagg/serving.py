@@ -50,6 +50,7 @@ from dsakv.server.runner import (
 from .bootstrap import BootstrapError, BootstrapServer, Refusal, describe, drop_kv, request_kv
 from .config import DisaggConfig
 from .handoff import (
+    PREFILL_TP_SIZE,
     BootstrapTarget,
     KVTransferParams,
     install,
@@ -459,7 +460,7 @@ class PrefillAsyncEngine(_DisaggEngine):
             "remote_block_ids": req.pages[: -(-len(req.prompt_ids) // self.engine.pool.page_size)],
             "remote_host": self.bootstrap_host,
             "remote_port": self.config.bootstrap_port,
-            "tp_size": 1,
+            "tp_size": PREFILL_TP_SIZE,
         }
 
     async def _keep_for_pickup(
