@@ -132,3 +132,22 @@ def no_host_sync() -> Iterator[_Guard]:
     guard = _Guard()
     with _opaque_triton_launches(guard), guard, _AtenGuard(guard):
         yield guard
+
+
+@contextlib.contextmanager
+def guarding(graphs) -> Iterator[list[_Guard]]:
+    """Every run of `graphs.model` (a `DecodeGraphs`' padded step: what a CUDA graph would
+    hold, its buffers filled on the host before it) inside `no_host_sync` while the block
+    runs; yields the guards, one per run, so a test can count the runs it checked."""
+    inner, guards = graphs.model, []
+
+    def guarded(*args, **kwargs):
+        with no_host_sync() as guard:
+            guards.append(guard)
+            return inner(*args, **kwargs)
+
+    graphs.model = guarded
+    try:
+        yield guards
+    finally:
+        graphs.model = inner

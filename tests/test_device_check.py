@@ -71,7 +71,10 @@ def test_device_check_dry_run(tmp_path):
     assert base["bit_equal"] and base["max_logprob_diff"] == 0.0 and "CUDA" in base["skip_reason"]
     runs = lora["adapter_runs"]
     assert runs["differ_from_base"] > 0 and runs["base_after_adapter_equal"]
-    assert runs["adapter_step_syncs"]["calls"] > 0 and 0 <= runs["batched"]["agreement"] <= 1
+    assert runs["adapter_step_syncs"]["calls"] > 0
+    # (the stage bounds agreement over >= MIN_STEPS steps only: the dry run compares fewer)
+    batched = runs["batched"]
+    assert batched["steps_compared"] > 0 and batched["agreement"] >= dc.MIN_AGREEMENT
     lora_rates = lora["decode_tps"]["tokens_per_s"]
     assert set(lora_rates) == {"no_lora", "lora_base", "lora_adapter"}
     assert all(r > 0 for r in lora_rates.values())

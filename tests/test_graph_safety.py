@@ -17,7 +17,7 @@ from dsakv.engine.cuda_graph import width_buckets
 from dsakv.kernels import torch_ops
 from dsakv.models.tiny import write_tiny_model
 
-from .host_sync import HostSync, no_host_sync
+from .host_sync import HostSync, guarding, no_host_sync
 
 x = torch.arange(12.0).view(3, 4)
 flags = torch.tensor([True, False, True])
@@ -114,17 +114,10 @@ def test_a_padded_decode_step_has_no_host_sync(tmp_path, preset, caches):
     )
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None, "the triton backend runs decode padded"
-    inner, guards = graphs.model, []
-
-    def guarded(*args, **kwargs):
-        with no_host_sync() as guard:
-            guards.append(guard)
-            return inner(*args, **kwargs)
-
-    graphs.model = guarded
     # Prompts past index_topk (16): the indexer selects, the padded table is wider still.
     prompts = [list(range(3, 3 + n)) for n in (20, 33)]
-    out = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    with guarding(graphs) as guards:
+        out = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert all(len(o.token_ids) == 3 for o in out)
     assert len(guards) >= 2 and all(g.calls > 100 for g in guards)
 

@@ -116,17 +116,23 @@ def _engine(model: str, **kw) -> Engine:
 
 def _run(engine: Engine, jobs: list[tuple[list[int], str | None, int]]) -> list[list[int]]:
     """Greedy tokens of each (prompt, adapter, the step it arrives at)."""
+    return [r.output_ids for r in _requests(engine, jobs)]
+
+
+def _requests(engine: Engine, jobs: list[tuple[list[int], str | None, int]], **params) -> list:
+    """Each (prompt, adapter, the step it arrives at) job's request, greedy (with `params`
+    on top), run until every one ended."""
     reqs: dict[int, object] = {}
     step = 0
     while len(reqs) < len(jobs) or engine.has_unfinished():
         for i, (prompt, lora, at) in enumerate(jobs):
             if at == step:
-                params = SamplingParams(**{**_greedy(), "lora_name": lora})
-                reqs[i] = engine.add_request(prompt, params)
+                sampling = SamplingParams(**{**_greedy(), **params, "lora_name": lora})
+                reqs[i] = engine.add_request(prompt, sampling)
         engine.step()
         step += 1
     engine.check_integrity()
-    return [reqs[i].output_ids for i in range(len(jobs))]
+    return [reqs[i] for i in range(len(jobs))]
 
 
 def _greedy() -> dict:

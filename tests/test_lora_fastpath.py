@@ -12,11 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsakv import SamplingParams
 from dsakv.engine import Engine, EngineConfig
 
-from .host_sync import no_host_sync
-from .test_lora import EXACT, _peft_model, _prompt, dense_tiny, reference
+from .host_sync import guarding
+from .test_lora import EXACT, _peft_model, _prompt, _requests, dense_tiny, reference
 
 STEPS = 8
 
@@ -55,20 +54,9 @@ def served(model, adapter) -> Engine:
 
 
 def _run(engine: Engine, jobs: list[tuple[list[int], str | None, int]], ids=None) -> list:
-    """Each job's (prompt, adapter, the step it arrives at) request, greedy with its top-2
-    logprobs (and those of the token `ids`), run until every one ended."""
-    reqs: dict[int, object] = {}
-    step = 0
-    while len(reqs) < len(jobs) or engine.has_unfinished():
-        for i, (prompt, lora, at) in enumerate(jobs):
-            if at == step:
-                params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True,
-                                        logprobs=2, token_ids_logprob=ids, lora_name=lora)  # fmt: skip
-                reqs[i] = engine.add_request(prompt, params)
-        engine.step()
-        step += 1
-    engine.check_integrity()
-    return [reqs[i] for i in range(len(jobs))]
+    """Each job's request (`test_lora._requests`), with its top-2 logprobs (and those of
+    the token `ids`)."""
+    return _requests(engine, jobs, max_tokens=STEPS, logprobs=2, token_ids_logprob=ids)
 
 
 def _out(req) -> tuple:
@@ -131,23 +119,12 @@ def test_base_only_decode_steps_run_padded_under_enable_lora(padded, adapter):
     still resident), giving the engine without --enable-lora's tokens and logprobs."""
     base, lora = padded
     assert lora.decode_graph_blocker is None and lora.runner.decode_graphs is not None
-    graphs = lora.runner.decode_graphs
-    inner, guards = graphs.model, []
-
-    def guarded(*args, **kwargs):
-        with no_host_sync() as guard:
-            guards.append(guard)
-            return inner(*args, **kwargs)
-
-    graphs.model = guarded
-    try:
+    with guarding(lora.runner.decode_graphs) as guards:
         a, prompt = _prompt(32, 18), _prompt(31, 24)
         (req,) = _run(lora, [(a, "a", 0)])
         assert req.output_ids == reference(adapter[1], a, STEPS)["tokens"]
         assert guards == []  # (no padded step)
         got = _alone(lora, prompt)
-    finally:
-        graphs.model = inner
     assert len(guards) == STEPS - 1  # (every decode step of the base request)
     assert got == _alone(base, prompt)
 

@@ -33,11 +33,13 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -1132,31 +1134,48 @@ def _stage_features(ctx: Ctx, rec: Record) -> None:
     seeded sampling with every logit processor twice (equal tokens, finite logprobs); then
     a JSON schema through xgrammar, and `dsakv serve` (streams and a chat completion). PD:
     a prefill engine's KV copied into a decode engine's pool, which decodes from there."""
-    dry = ctx.dry_run
-    dense, sparse, new = _parity_prompts(dry)
     checks: dict[str, dict[str, Any]] = {}
     rec["checks"] = checks
-    for name, fn in (("hisparse", _feature_hisparse), ("host_tier", _feature_host_tier),
-                     ("mtp", _feature_mtp), ("pd", _feature_pd), ("sampling", _feature_sampling),
-                     ("grammar", _feature_grammar), ("serve", _feature_serve)):  # fmt: skip
+    fns = (("hisparse", _feature_hisparse), ("host_tier", _feature_host_tier),
+           ("mtp", _feature_mtp), ("pd", _feature_pd), ("sampling", _feature_sampling),
+           ("grammar", _feature_grammar), ("serve", _feature_serve))  # fmt: skip
+    _run_rows(ctx, rec, checks, fns, _parity_prompts(ctx.dry_run), margin=10, what="check")
+
+
+def _run_rows(
+    ctx: Ctx,
+    rec: Record,
+    rows: dict[str, Any],
+    fns: Iterable[tuple[str, Callable[..., None]]],
+    args: tuple,
+    margin: float,
+    what: str,
+) -> None:
+    """Each of `fns` (a name, and `fn(ctx, row, *args)` filling its row) into `rows[name]`
+    in its own try, so one failing leaves the others their figures (its row then ok False
+    with the error); none started within `margin` s of the stage's deadline. Then the
+    stage's roll-up: `rec` ok when every row is, else its error naming the bad ones."""
+    names = []
+    for name, fn in fns:
+        names.append(name)
         row: dict[str, Any] = {}
-        checks[name] = row
-        if ctx.left() < 10:
-            row.update(ok=False, error="stage deadline reached before this check")
+        rows[name] = row
+        if ctx.left() < margin:
+            row.update(ok=False, error=f"stage deadline reached before this {what}")
             rec["deadline_reached"] = True
             continue
         start = time.perf_counter()
         try:
-            fn(ctx, row, dense, sparse, new)
+            fn(ctx, row, *args)
         except Exception as e:
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:1500])
             traceback.print_exc()
         row["seconds"] = round(time.perf_counter() - start, 2)
         rec.save()
-    bad = [k for k, r in checks.items() if not r.get("ok")]
+    bad = [k for k in names if not rows[k].get("ok")]
     rec["ok"] = not bad
     if bad:
-        rec["error"] = "; ".join(f"{k}: {checks[k].get('error')}" for k in bad)
+        rec["error"] = "; ".join(f"{k}: {rows[k].get('error')}" for k in bad)
 
 
 def _compare(row: dict[str, Any], want, got, problems: list[str]) -> None:
@@ -1393,12 +1412,10 @@ def _stage_lora(ctx: Ctx, rec: Record) -> None:
     `adapter_runs`, the adapter changes the tokens and gives the same ones alone and
     batched beside base requests, base-only decode steps make no host sync (adapter steps
     run eager and may: counted); `decode_tps`, decode tokens/s without LoRA, under it
-    base-only and with every row on the adapter. Each record in its own try."""
-    import tempfile
-
+    base-only and with every row on the adapter. Each record in its own try (`_run_rows`)."""
     kw = {"enable_prefix_cache": False} | ({} if ctx.dry_run else {"dtype": "bfloat16"})
-    records = (("base_equal", _lora_base_equal), ("adapter_runs", _lora_adapter_runs),
-               ("decode_tps", _lora_decode_tps))  # fmt: skip
+    fns = (("base_equal", _lora_base_equal), ("adapter_runs", _lora_adapter_runs),
+           ("decode_tps", _lora_decode_tps))  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="dsakv-lora-") as tmp:
         rec["adapter"] = _write_adapter(_model(ctx), Path(tmp) / "adapter")
         rec.save()
@@ -1406,26 +1423,11 @@ def _stage_lora(ctx: Ctx, rec: Record) -> None:
         try:
             lora = _engine(ctx, enable_lora=True, max_lora_rank=LORA_RANK, **kw)
             lora.load_lora(LORA_NAME, rec["adapter"]["path"])
-            for key, fn in records:
-                row: dict[str, Any] = {}
-                rec[key] = row
-                if ctx.left() < 5:
-                    row.update(ok=False, error="stage deadline reached before this record")
-                    rec["deadline_reached"] = True
-                    continue
-                start = time.perf_counter()
-                _try(rec, key, lambda f=fn, r=row: f(ctx, r, plain, lora))
-                row["seconds"] = round(time.perf_counter() - start, 2)
-                rec.save()
+            _run_rows(ctx, rec, rec, fns, (plain, lora), margin=5, what="record")
         finally:
             _close(plain)
             if lora is not None:
                 _close(lora)
-    errors = rec.get("errors", {})
-    bad = [k for k, _ in records if not rec[k].get("ok")]
-    rec["ok"] = not bad
-    if bad:
-        rec["error"] = "; ".join(f"{k}: {rec[k].get('error') or errors.get(k)}" for k in bad)
 
 
 def _write_adapter(model: str, path: Path, seed: int = 0) -> dict[str, Any]:
@@ -1475,8 +1477,6 @@ def _host_syncs(obj, attr: str, cuda: bool):
     """While the block runs, `obj.attr` counts its calls, and on CUDA the host syncs they
     make (sync-debug mode 'warn' inside each call: the step runs on, where `_syncs_raise`
     would end it): yields {"calls", "syncs"} (syncs None off CUDA)."""
-    import warnings
-
     import torch
 
     found: dict[str, int | None] = {"calls": 0, "syncs": 0 if cuda else None}
@@ -1509,10 +1509,8 @@ def _host_syncs(obj, attr: str, cuda: bool):
 
 
 def _lora_params(new: int, adapter: bool, logprobs: int | None = None):
-    import dataclasses
-
     params = _greedy(new, logprobs)
-    return dataclasses.replace(params, lora_name=LORA_NAME) if adapter else params
+    return replace(params, lora_name=LORA_NAME) if adapter else params
 
 
 def _lora_new(ctx: Ctx) -> int:

@@ -242,8 +242,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             config.model, plan, device=self.device, parallel=self.parallel, **self._stored
         )
         # LoRA adapters' slots on every targeted layer, before any native form is made (a
-        # step with adapter rows runs those layers eager: `DecoderLayer.adapting`); which
-        # adapter is where: rank 0's
+        # step with adapter rows runs those layers eager: `lora.adapting`); which adapter is
+        # where: rank 0's `LoraRegistry`
         self.lora: LoraRegistry | None = None
         if config.enable_lora:
             from dsakv.models.lora import LoraSlots

@@ -14,7 +14,7 @@ from dsakv.kernels.backend import Block
 
 from .attention import MLAttention
 from .layers import MLP, RMSNorm
-from .lora import LoraSlots, adapter_slots
+from .lora import LoraSlots, adapter_slots, adapting
 from .moe import MoE
 
 
@@ -69,12 +69,6 @@ class DecoderLayer(nn.Module):
         if self._native is False:
             self._native, self._lora = _native_blocks(self), adapter_slots(self)
         return self._native
-
-    def adapting(self) -> bool:
-        """Whether this step's tokens run adapter deltas through this layer (known once its
-        native blocks are made): its blocks then run eager, their native forms having no
-        slots; a step of base rows alone runs them native, as without --enable-lora."""
-        return self._lora is not None and bool(self._lora.used)
 
 
 def in_turn(layers: Sequence[DecoderLayer], x, cos, sin, batch, pool):
@@ -177,25 +171,25 @@ def _native_blocks(layer: DecoderLayer) -> tuple[cpu_native.MlaInputs, cpu_nativ
     return inputs, ffn
 
 
-# A step with adapter rows runs a layer's blocks eager from their native forms, whatever
-# the backend's mode (its per-token mode has no eager fallback): the base rows beside them
-# batched as the adapter rows are.
-
-
 def _native_inputs(layer: DecoderLayer, x, cos, sin):
+    """`attention_inputs` as the layer's native call. A step with adapter rows here runs
+    the eager block instead, whatever the backend's mode (its per-token mode has no eager
+    fallback of its own): the base rows beside them run batched, as the adapter rows do."""
     blocks = layer.native_blocks()
     if blocks is None:
         return NotImplemented
-    if layer.adapting():
+    if adapting(layer._lora):
         return attention_inputs(layer, x, cos, sin)
     return blocks[0](x, cos, sin)
 
 
 def _native_ffn(layer: DecoderLayer, x, out):
+    """`residual_ffn` as the layer's native call; eager in a step with adapter rows here
+    (`_native_inputs`)."""
     blocks = layer.native_blocks()
     if blocks is None:
         return NotImplemented
-    if layer.adapting():
+    if adapting(layer._lora):
         return residual_ffn(layer, x, out)
     return blocks[1](x, out.reshape(out.shape[0], -1), layer.routed)
 

@@ -247,7 +247,7 @@ class DSAForCausalLM(nn.Module):
         the per-layer path, whose attention widens a shared context once for several
         queries. Made once per pool and kept on the target model or the MTP layer; None
         where some part has no native form, and for a target step with adapter rows (the
-        loop has no LoRA slots: its layers' blocks run eager, `DecoderLayer.adapting`)."""
+        loop has no LoRA slots: its layers' blocks run eager, `lora.adapting`)."""
         short = 0 < max(batch.extend_lens, default=0) <= LOOP_EXTEND  # (DP: an idle rank's 0)
         if not short or batch.hot is not None or not getattr(self.ops, "deterministic", False):
             return None

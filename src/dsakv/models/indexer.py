@@ -18,7 +18,7 @@ from dsakv.kernels import TorchBackend, cpu_native
 from dsakv.kernels.backend import Block
 
 from .forward_batch import ForwardBatch
-from .lora import LoraSlots, adapter_slots
+from .lora import LoraSlots, adapter_slots, adapting
 from .parallel_layers import ShardedLinear
 from .rope import rope_half, rope_interleaved
 
@@ -120,12 +120,6 @@ class Indexer(nn.Module):
                 )
         return self._native
 
-    def adapting(self) -> bool:
-        """Whether this step's tokens run adapter deltas through the indexer's projections
-        (known once `native_inputs` ran): they run eager then (the native forms have no
-        slots); a step of base rows alone runs them native."""
-        return self._lora is not None and bool(self._lora.used)
-
     def forward(
         self,
         layer: int,
@@ -217,24 +211,24 @@ def index_query(indexer: Indexer, x, q_lora, cos, sin, pool):
     return q, wp(x.to(wp.weight.dtype)).float() * indexer.n_heads**-0.5
 
 
-# A step with adapter rows runs the projections eager from their native forms, whatever the
-# backend's mode (`decoder._native_inputs`).
-
-
 def _native_key(indexer: Indexer, x, cos, sin):
+    """`index_key` as the indexer's native call; eager in a step with adapter rows here,
+    whatever the backend's mode (`decoder._native_inputs`)."""
     native = indexer.native_inputs()
     if native is None:
         return NotImplemented
-    if indexer.adapting():
+    if adapting(indexer._lora):
         return index_key(indexer, x, cos, sin)
     return native.key(x, cos, sin)
 
 
 def _native_query(indexer: Indexer, x, q_lora, cos, sin, pool):
+    """`index_query` as the indexer's native call; eager in a step with adapter rows here
+    (`_native_key`)."""
     native = indexer.native_inputs()
     if native is None:
         return NotImplemented
-    if indexer.adapting():
+    if adapting(indexer._lora):
         return index_query(indexer, x, q_lora, cos, sin, pool)
     return native.query(x, q_lora, cos, sin, pool.rotates_index_q)
 

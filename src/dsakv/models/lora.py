@@ -485,9 +485,9 @@ class RankSplit:
         """Every rank's shrink `[..., S·R / parts]` as every slot's R columns `[..., S·R]`
         (slot s: rank 0's R / parts columns of it, then rank 1's, ...)."""
         *lead, width = z.shape
-        parts = self.parallel.all_gather_run(z, self.parts)  # [parts, ..., S·R / parts]
-        parts = parts.view(self.parts, *lead, slots, width // slots).movedim(0, -2)
-        return parts.reshape(*lead, width * self.parts)
+        every = self.parallel.all_gather_run(z, self.parts)  # [parts, ..., S·R / parts]
+        every = every.view(self.parts, *lead, slots, width // slots).movedim(0, -2)
+        return every.reshape(*lead, width * self.parts)
 
     def reduce(self, z: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's partial shrink `z` (an all-reduce where the run is every
@@ -501,7 +501,7 @@ class SlotWeights:
     """One layer's `max_loras` slots of A `[S·R, in]` and B·scaling `[out, S·R]`; the step's
     token mask (`LoraSlots.mask`) picks each token's slot (module docstring). `shape`: the
     base weight's `(out, in)`, or `(E_r, out, in)` for routed experts (`RoutedSlots`: A
-    `[E_r, S·R, in]`, B `[E_r, out, S·R]`). `split` (--fully-sharded-loras): A
+    `[E_r, S·R, in]`, B `[E_r, out, S·R]`). `shard` (--fully-sharded-loras): A
     `[S·R / n, in]` (`rank`: R / n rows per slot) or B `[out / n, S·R]`."""
 
     def __init__(
@@ -510,14 +510,14 @@ class SlotWeights:
         shape: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device,
-        split: RankSplit | None = None,
+        shard: RankSplit | None = None,
     ) -> None:
         *lead, out, inp = shape
-        self.split, self.rank = split, slots.max_rank  # (`rank`: A's rows per slot here)
-        if split is not None and split.rank_rows:
-            self.rank //= split.parts
-        elif split is not None:
-            out //= split.parts
+        self.shard, self.rank = shard, slots.max_rank  # (`rank`: A's rows per slot here)
+        if shard is not None and shard.rank_rows:
+            self.rank //= shard.parts
+        elif shard is not None:
+            out //= shard.parts
         self.a = torch.zeros(*lead, slots.max_loras * self.rank, inp, dtype=dtype, device=device)
         self.b = torch.zeros(
             *lead, out, slots.max_loras * slots.max_rank, dtype=dtype, device=device
@@ -535,32 +535,32 @@ class SlotWeights:
             return y
         if mask.shape[0] != x.shape[0]:
             raise ValueError(f"LoRA mask has {mask.shape[0]} rows for {x.shape[0]} tokens")
-        z, split = F.linear(x, self.a.to(x.dtype)), self.split
-        if split is not None and split.rank_rows:
-            z = split.gather(z, self.slots.max_loras)
+        z, shard = F.linear(x, self.a.to(x.dtype)), self.shard
+        if shard is not None and shard.rank_rows:
+            z = shard.gather(z, self.slots.max_loras)
         z = torch.where(mask, z, 0)
-        if split is None or split.rank_rows:
+        if shard is None or shard.rank_rows:
             return y + F.linear(z, self.b.to(x.dtype))
         # (y: this step's own output, a partial sum the layer's caller reduces: this rank's
         # rows of the delta are added to it, the others' by their ranks)
         n = self.b.shape[-2]
-        y.narrow(-1, split.index * n, n).add_(F.linear(split.reduce(z), self.b.to(x.dtype)))
+        y.narrow(-1, shard.index * n, n).add_(F.linear(shard.reduce(z), self.b.to(x.dtype)))
         return y
 
     def own(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """An adapter's A `[..., r, in]` and B `[..., out, r]` (as the base weight's split
-        leaves them) as this rank's slots hold them: under `split` its R / n rows of A
+        leaves them) as this rank's slots hold them: under `shard` its R / n rows of A
         (the rank padded to R with zeros) or its out / n rows of B."""
-        split = self.split
-        if split is None:
+        shard = self.shard
+        if shard is None:
             return a, b
-        if split.rank_rows:
+        if shard.rank_rows:
             whole = a.new_zeros(*a.shape[:-2], self.slots.max_rank, a.shape[-1])
             whole[..., : a.shape[-2], :] = a
-            r0 = split.index * self.rank
+            r0 = shard.index * self.rank
             return _own_copy(whole[..., r0 : r0 + self.rank, :], a.dtype), b
         n = self.b.shape[-2]
-        return a, _own_copy(b[..., split.index * n : (split.index + 1) * n, :], b.dtype)
+        return a, _own_copy(b[..., shard.index * n : (shard.index + 1) * n, :], b.dtype)
 
     def fill(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Slot `slot` holds `weights` (None: zeros)."""
@@ -647,8 +647,8 @@ class RoutedSlots:
         def held(proj: str, shape: tuple[int, ...], column: bool) -> SlotWeights | None:
             if proj not in projections:
                 return None
-            split = slots.rank_split(parts, index, column)
-            return SlotWeights(slots, shape, dtype, device, split)
+            shard = slots.rank_split(parts, index, column)
+            return SlotWeights(slots, shape, dtype, device, shard)
 
         self.gate, self.up = held("gate_proj", (e, n, h), True), held("up_proj", (e, n, h), True)
         self.down = held("down_proj", (e, h, n), False)
@@ -697,7 +697,7 @@ class RoutedSlots:
         and up (before the activation) and on down (`mask`: the tokens' rows of the step
         mask). Under moe_tp, down's A holds this rank's intermediate columns: a partial
         delta, reduced with the base output. (`widened` unpacks FP8 weights kept packed.)
-        Split (--fully-sharded-loras): gate's and up's shrinks of every (token, expert) pair
+        Sharded (--fully-sharded-loras): gate's and up's shrinks of every (token, expert) pair
         are gathered first, in one collective; down's partial ones are summed after the
         loop, in one, and each rank adds its rows of down's delta."""
         last = first + gate_up.shape[0]
@@ -705,8 +705,8 @@ class RoutedSlots:
         groups = list(expert_groups(ids, weights, first, last))
         pairs = ids.numel()  # (rows of the pair buffers: the same on every rank)
         shrunk = self._gathered(x, groups, first, pairs)
-        down_split = self.down is not None and self.down.split is not None
-        down_z = x.new_zeros(pairs, self.down.b.shape[-1]) if down_split else None
+        down_shard = self.down is not None and self.down.shard is not None
+        down_z = x.new_zeros(pairs, self.down.b.shape[-1]) if down_shard else None
 
         def delta(
             s: SlotWeights | None,
@@ -736,8 +736,8 @@ class RoutedSlots:
             out.index_add_(0, tok, (y * we[:, None]).to(out.dtype))
             at = rows.stop
         if down_z is not None:
-            down_z, n = self.down.split.reduce(down_z), self.down.b.shape[-2]
-            own = out.narrow(-1, self.down.split.index * n, n)  # (this rank's rows of H)
+            down_z, n = self.down.shard.reduce(down_z), self.down.b.shape[-2]
+            own = out.narrow(-1, self.down.shard.index * n, n)  # (this rank's rows of H)
             at = 0
             for e, tok, we in groups:
                 rows = slice(at, at + tok.shape[0])
@@ -749,10 +749,10 @@ class RoutedSlots:
     def _gathered(
         self, x: torch.Tensor, groups: list, first: int, pairs: int
     ) -> dict[SlotWeights, torch.Tensor]:
-        """Split gate and up (--fully-sharded-loras): their shrinks `[pairs, S·R]` of every
+        """Sharded gate and up (--fully-sharded-loras): their shrinks `[pairs, S·R]` of every
         (token, expert) pair, in `groups`' order, all-gathered in one collective, by their
-        slots; `{}` unsplit."""
-        held = [s for s in (self.gate, self.up) if s is not None and s.split is not None]
+        slots; `{}` unsharded."""
+        held = [s for s in (self.gate, self.up) if s is not None and s.shard is not None]
         if not held:
             return {}
         z = x.new_zeros(len(held), pairs, held[0].a.shape[-2])
@@ -762,7 +762,7 @@ class RoutedSlots:
             for j, s in enumerate(held):
                 z[j, at : at + tok.shape[0]] = F.linear(xs, s.a[e - first].to(x.dtype))
             at += tok.shape[0]
-        z = held[0].split.gather(z, self.slots.max_loras)
+        z = held[0].shard.gather(z, self.slots.max_loras)
         return {s: z[j] for j, s in enumerate(held)}
 
 
@@ -804,11 +804,11 @@ class LoraSlots:
                 attn = model.get_submodule(name.removesuffix(".kv_b_proj"))
                 holder = LatentSlots(linear, self, dtype, attn.n_heads, attn.nope)
             else:
-                shape, split = (linear.out_features, linear.in_features), None
-                if (shard := linear.shard) is not None:  # (replicated layers stay whole)
-                    parts, index = shard.full // shard.size, shard.start // shard.size
-                    split = self.rank_split(parts, index, column=shard.dim == 0)
-                holder = SlotWeights(self, shape, dtype, linear.weight.device, split)
+                shape, shard = (linear.out_features, linear.in_features), None
+                if (base := linear.shard) is not None:  # (replicated layers stay whole)
+                    parts, index = base.full // base.size, base.start // base.size
+                    shard = self.rank_split(parts, index, column=base.dim == 0)
+                holder = SlotWeights(self, shape, dtype, linear.weight.device, shard)
             linear.lora = self.layers[name] = holder
         routed_targets = self.targets.intersection(PROJECTIONS)
         for i, layer in enumerate(model.target_layers):  # (not the MTP layer's)
@@ -937,3 +937,10 @@ def adapter_slots(module: nn.Module) -> LoraSlots | None:
     says whether a step's tokens run adapter deltas through them."""
     held = (m.lora for m in module.modules() if getattr(m, "lora", None) is not None)
     return next((h.slots for h in held), None)
+
+
+def adapting(slots: LoraSlots | None) -> bool:
+    """Whether this step's tokens run adapter deltas through a module's `slots`
+    (`adapter_slots`; None: it holds none): its native forms, which have no slots, then give
+    way to its eager ones; a step of base rows alone runs native, as without --enable-lora."""
+    return slots is not None and bool(slots.used)
