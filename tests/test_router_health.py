@@ -228,10 +228,9 @@ def test_serve_pd_gives_its_router_the_health_flags(glm_tiny, monkeypatch, capsy
     assert len(started) == 1
 
 
-def _keyed_prefill(key: str) -> FastAPI:
-    """A prefill server started with `--api-key key`: its /v1/models needs the key (the
+def _keyed(app: FastAPI, key: str) -> FastAPI:
+    """`app` as a server started with `--api-key key`: its /v1/models needs the key (the
     servers' own check, `require_api_key`), its /health does not."""
-    app = _Flaky().app
     app.get("/v1/models")(lambda: {"object": "list", "data": []})
     require_api_key(app, key)
     return app
@@ -243,13 +242,10 @@ def test_the_health_checks_carry_the_routers_api_key():
     SGLang's router gives its key to the workers it starts with, and the server passes
     them (before: no key, a 401 every time, and the server unhealthy for good)."""
     key = "sk-probes"
-    decode = _fake_decode()
-    decode.get("/v1/models")(lambda: {"object": "list", "data": []})
-    require_api_key(decode, key)
     checks = HealthConfig(interval_s=0.05, failure_threshold=1, endpoint="/v1/models")
     with (
-        _serving(_keyed_prefill(key)) as p,
-        _serving(decode) as d,
+        _serving(_keyed(_Flaky().app, key)) as p,
+        _serving(_keyed(_fake_decode(), key)) as d,
         routing([p], [d], api_key=key, health=checks) as base,
     ):
         assert httpx.get(f"{p}/v1/models", timeout=TIMEOUT).status_code == 401  # (keyless)

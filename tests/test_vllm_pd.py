@@ -22,7 +22,6 @@ from fastapi.testclient import TestClient
 from dsakv.disagg import bootstrap, handoff
 from dsakv.engine import EngineConfig
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
-from dsakv.server.protocol import APIError
 
 from .serving import (
     NO_THINKING,
@@ -330,11 +329,7 @@ def test_a_hold_nobody_takes_expires_and_its_pickup_hears_so(pd):
     body = {"prompt": PROMPT, "max_tokens": 4, **GREEDY}
     kv = prefill_first(pd.prefill, "/v1/completions", body)["kv_transfer_params"]
     assert disagg_info(pd.prefill)["pending"] == 1
-    deadline = time.monotonic() + HOLD_S + TIMEOUT
-    while disagg_info(pd.prefill)["pending"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    late = error_of(then_decode(pd.decode, "/v1/completions", body, kv), 410)
+    late = _let_go(pd, body, kv)
     assert "expired" in late["message"] and "--disaggregation-timeout" in late["message"]
     wait_idle(pd.prefill)
     wait_idle(pd.decode)
@@ -476,15 +471,12 @@ def test_the_middleware_parses_only_bodies_that_can_hold_the_fields(monkeypatch)
     json_or_none = handoff._json_or_none
     monkeypatch.setattr(handoff, "_json_or_none", spy)
     app = FastAPI()
-    app.add_middleware(handoff.BootstrapMiddleware)
+    handoff.install(app)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> JSONResponse:
         body = await request.json()
-        try:
-            kv = handoff.kv_transfer("prefill")
-        except APIError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+        kv = handoff.kv_transfer("prefill")
         return JSONResponse({"messages": len(body["messages"]), "kv": kv is not None})
 
     client = TestClient(app)

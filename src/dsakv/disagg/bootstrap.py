@@ -40,6 +40,7 @@ from typing import Any
 from dsakv.config import ModelConfig
 from dsakv.memory import CacheLayout
 
+from .config import KV_PARAM
 from .transfer import PeerBuffer
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,16 @@ class Refusal:
     status: int = 502
     param: str | None = None
     code: str | None = None
+
+    @classmethod
+    def gone(cls, message: str) -> Refusal:
+        """A pickup's hold that was here and is no more (taken, expired, let go)."""
+        return cls(message, 410, KV_PARAM)
+
+    @classmethod
+    def unknown(cls, message: str) -> Refusal:
+        """A pickup for a hold this server never had (or forgot)."""
+        return cls(message, 404, KV_PARAM)
 
     def reply(self) -> dict[str, Any]:
         """Its line to the decode side."""
@@ -165,6 +176,12 @@ class _Room:
     lora: str | None = None
 
 
+# A registration line's reception (`BootstrapServer._register`, `_pickup`): its room's slot
+# (None: not this line's to forget), the registration taken, or why it is refused, and
+# whether the slot stays `timeout` seconds for later lines to hear why.
+_Admitted = tuple[_Room | None, Registration | None, Refusal | None, bool]
+
+
 class BootstrapServer:
     """The prefill server's end: accepts registrations on its own thread and event loop."""
 
@@ -224,9 +241,7 @@ class BootstrapServer:
                 return False
             slot.refused, slot.claimed = why, True
             slot.registered.set_exception(BootstrapError(why.message, why.status, why.param))
-        self._loop.call_soon_threadsafe(
-            self._loop.call_later, self.timeout, self._forget, room, slot
-        )
+        self._forget_later(room, slot)
         return True
 
     def let_go_holds(self, why: Refusal) -> int:
@@ -291,9 +306,7 @@ class BootstrapServer:
             slot.refused = refusal = Refusal(message, status, param, code)
         if slot.registered.done() and slot.registered.exception() is None:
             slot.registered.result().refused(refusal)
-        self._loop.call_soon_threadsafe(
-            self._loop.call_later, self.timeout, self._forget, room, slot
-        )
+        self._forget_later(room, slot)
 
     def close(self) -> None:
         if self._loop.is_closed():
@@ -330,6 +343,13 @@ class BootstrapServer:
             if self._rooms.get(room) is slot:
                 del self._rooms[room]
 
+    def _forget_later(self, room: int, slot: _Room) -> None:
+        """`_forget` after `timeout` seconds (any thread): a late registration hears why
+        meanwhile."""
+        self._loop.call_soon_threadsafe(
+            self._loop.call_later, self.timeout, self._forget, room, slot
+        )
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         room, slot, keep, reg = None, None, False, None
         try:
@@ -339,53 +359,13 @@ class BootstrapServer:
             if msg.get("type") == "drop":
                 await _send(writer, self._drop(room, msg.get("engine_id"), str(msg["message"])))
                 return
-            pickup = bool(msg.get("pickup"))
-            slot, unknown = self._held(room, msg.get("engine_id")) if pickup else (None, None)
-            if unknown is not None:
-                await _send(writer, unknown.reply())
-                return
-            slot = slot or self._room(room)
-            if slot.refused is not None:
-                keep = pickup  # (a pickup's gone hold: the next one hears it too)
-                await _send(writer, slot.refused.reply())
-                return
-            if slot.held and not pickup:
-                slot = None  # (not this registration's to forget)
-                await _send(writer, Refusal(f"room {room} is held for a pickup").reply())
-                return
-            diffs = differences(self.layout, msg["layout"], "prefill", "decode")
-            if diffs:
-                error = mismatch_message(diffs)
-                log.warning("room %d refused: %s", room, error)
-                if pickup:  # (the hold stays for a decode server that can take it)
-                    slot = None
-                    await _send(writer, Refusal(error).reply())
-                    return
-                with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    slot.registered.set_exception(BootstrapError(error))
-                keep = True  # until the prefill request for this room comes to hear it
-                await _send(writer, Refusal(error).reply())
-                return
-            reg = Registration(
-                room,
-                str(msg["session"]),
-                [PeerBuffer.from_json(b) for b in msg["buffers"]],
-                [int(p) for p in msg["pages"]],
-                [int(t) for t in msg["prompt_ids"]],
-                msg["layout"],
-                msg.get("lora"),
-            )
-            wrong = _wrong_pickup(room, slot, reg) if pickup else None
-            if wrong is not None:
-                slot, reg = None, None  # (refused alone: the hold stays)
-                await _send(writer, wrong.reply())
-                return
-            try:
-                slot.registered.set_result(reg)
-            except concurrent.futures.InvalidStateError:
-                taken = (slot.refused or _taken(room)) if pickup else None
-                slot, reg = None, None  # it belongs to the first registration (or was let go)
-                await _send(writer, (taken or Refusal(f"room {room} is taken")).reply())
+            if msg.get("pickup"):
+                slot, reg, refused, keep = self._pickup(room, msg)
+            else:
+                slot = self._room(room)  # (forgotten below, a garbled line's too)
+                slot, reg, refused, keep = self._register(room, msg, slot)
+            if refused is not None:
+                await _send(writer, refused.reply())
                 return
             if slot.refused is not None:  # refused while this registration was being read
                 reg.refused(slot.refused)
@@ -398,30 +378,75 @@ class BootstrapServer:
                 await _send(writer, Refusal(f"bad registration: {e}").reply())
         finally:
             if slot is not None and keep:
-                self._loop.call_later(self.timeout, self._forget, room, slot)
+                self._forget_later(room, slot)
             elif slot is not None and slot.held and slot.claimed:
                 self._gone(room, slot, _after(room, reg))  # (a second pickup hears it was)
             elif slot is not None:
                 self._forget(room, slot)
             writer.close()
 
+    def _register(self, room: int, msg: dict[str, Any], slot: _Room) -> _Admitted:
+        """SGLang's registration for `room` (`slot`), unless refused (a room held for a
+        pickup is not its to forget; one whose layout is refused stays until the prefill
+        request for it hears why)."""
+        if slot.refused is not None:
+            return slot, None, slot.refused, False
+        if slot.held:
+            return None, None, Refusal(f"room {room} is held for a pickup"), False
+        error = self._mismatch(room, msg)
+        if error is not None:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                slot.registered.set_exception(BootstrapError(error))
+            return slot, None, Refusal(error), True
+        reg = _registration(room, msg)
+        if not _registered(slot, reg):  # it belongs to the first registration
+            return None, None, Refusal(f"room {room} is taken"), False
+        return slot, reg, None, False
+
+    def _pickup(self, room: int, msg: dict[str, Any]) -> _Admitted:
+        """vLLM's pickup of `room`'s hold, unless refused. Refused alone (another layout,
+        prompt or adapter, or a second pickup), the hold stays for the right one; a gone
+        hold's slot is kept, so the next pickup hears why too."""
+        slot, unknown = self._held(room, msg.get("engine_id"))
+        if unknown is not None:
+            return None, None, unknown, False
+        if slot.refused is not None:
+            return slot, None, slot.refused, True
+        error = self._mismatch(room, msg)
+        if error is not None:
+            return None, None, Refusal(error), False
+        reg = _registration(room, msg)
+        wrong = _wrong_pickup(room, slot, reg)
+        if wrong is not None:
+            return None, None, wrong, False
+        if not _registered(slot, reg):  # taken first, or let go meanwhile
+            return None, None, slot.refused or _taken(room), False
+        return slot, reg, None, False
+
+    def _mismatch(self, room: int, msg: dict[str, Any]) -> str | None:
+        """Why a registration's layout (`describe`) cannot take this server's KV, if so."""
+        diffs = differences(self.layout, msg["layout"], "prefill", "decode")
+        if not diffs:
+            return None
+        error = mismatch_message(diffs)
+        log.warning("room %d refused: %s", room, error)
+        return error
+
     def _held(self, room: int, engine_id: Any) -> tuple[_Room | None, Refusal | None]:
         """A pickup's room, or why it has none: another server's (404), or no hold here."""
         if engine_id is not None and engine_id != self.engine_id:
-            message = (
+            return None, Refusal.unknown(
                 f"kv_transfer_params.remote_engine_id {engine_id!r} is not this prefill "
                 f"server's ({self.engine_id}): was it restarted, or is this another one?"
             )
-            return None, Refusal(message, 404, "kv_transfer_params")
         with self._lock:
             slot = self._rooms.get(room)
         if slot is None or not (slot.held or slot.refused is not None):
-            message = (
+            return None, Refusal.unknown(
                 f"no KV is held for room {room} (kv_transfer_params.remote_request_id) on "
                 f"this prefill server: never prefilled here, or gone more than "
                 f"{self.timeout:g} s ago"
             )
-            return None, Refusal(message, 404, "kv_transfer_params")
         return slot, None
 
     def _drop(self, room: int, engine_id: Any, message: str) -> dict[str, Any]:
@@ -430,10 +455,8 @@ class BootstrapServer:
         slot, unknown = self._held(room, engine_id)
         if unknown is not None:
             return unknown.reply()
-        why = Refusal(
-            f"the KV held for room {room} was let go: the decode request for it failed ({message})",
-            410,
-            "kv_transfer_params",
+        why = Refusal.gone(
+            f"the KV held for room {room} was let go: the decode request for it failed ({message})"
         )
         return {"type": "dropped" if self.let_go(room, why) else "gone"}
 
@@ -444,7 +467,7 @@ class BootstrapServer:
             if self._rooms.get(room) is not slot:
                 return
             self._rooms[room] = gone
-        self._loop.call_later(self.timeout, self._forget, room, gone)
+        self._forget_later(room, gone)
 
     async def _wait(
         self,
@@ -488,11 +511,7 @@ class BootstrapServer:
 
 
 def _taken(room: int) -> Refusal:
-    return Refusal(
-        f"the KV held for room {room} is gone: a decode request already took it",
-        410,
-        "kv_transfer_params",
-    )
+    return Refusal.gone(f"the KV held for room {room} is gone: a decode request already took it")
 
 
 def _after(room: int, reg: Registration | None) -> Refusal:
@@ -501,20 +520,42 @@ def _after(room: int, reg: Registration | None) -> Refusal:
     reply = reg.result.result() if reg is not None and reg.result.done() else None
     if reply is None or reply.get("type") == "done":
         return _taken(room)
-    return Refusal(
+    return Refusal.gone(
         f"the KV held for room {room} is gone: the decode request that took it failed "
-        f"({reply.get('message')})",
-        410,
-        "kv_transfer_params",
+        f"({reply.get('message')})"
     )
+
+
+def _registration(room: int, msg: dict[str, Any]) -> Registration:
+    """A registration line's fields; raises where one is missing or malformed."""
+    return Registration(
+        room,
+        str(msg["session"]),
+        [PeerBuffer.from_json(b) for b in msg["buffers"]],
+        [int(p) for p in msg["pages"]],
+        [int(t) for t in msg["prompt_ids"]],
+        msg["layout"],
+        msg.get("lora"),
+    )
+
+
+def _registered(slot: _Room, reg: Registration) -> bool:
+    """`reg` is `slot`'s registration, unless one came first (or the hold was let go)."""
+    try:
+        slot.registered.set_result(reg)
+    except concurrent.futures.InvalidStateError:
+        return False
+    return True
 
 
 def _wrong_pickup(room: int, slot: _Room, reg: Registration) -> Refusal | None:
     """Why a pickup is not for `slot`'s hold (`BootstrapServer.expect`), if it is not."""
-    if slot.prompt_ids is not None and reg.prompt_ids != slot.prompt_ids:
+    if slot.prompt_ids is None:
+        return None
+    if reg.prompt_ids != slot.prompt_ids:
         message = f"the decode request's prompt is not the one prefilled for room {room}"
-        return Refusal(message, 400, "kv_transfer_params")
-    if slot.prompt_ids is not None and reg.lora != slot.lora:
+        return Refusal(message, 400, KV_PARAM)
+    if reg.lora != slot.lora:
         return Refusal(
             f"the decode request's LoRA adapter is not the one room {room} was prefilled "
             "with (or the servers load it from different weights)",
@@ -532,6 +573,17 @@ async def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
 # --- decode side -------------------------------------------------------------------------------
 
 
+def _raised(line: dict[str, Any]) -> BootstrapError:
+    """An error line (`Refusal.reply`) as the `BootstrapError` of the same fields."""
+    param, code = line.get("param"), line.get("code")
+    return BootstrapError(
+        str(line.get("message", line)),
+        int(line.get("status", 502)),
+        param if isinstance(param, str) else None,
+        code if isinstance(code, str) else None,
+    )
+
+
 async def drop_kv(host: str, port: int, room: int, engine_id: str | None, message: str) -> str:
     """Tell a prefill server that the decode request for its hold of `room` failed before
     its pickup (`message`: why), so it lets the KV go now, not after its timeout; its answer
@@ -547,7 +599,7 @@ async def drop_kv(host: str, port: int, room: int, engine_id: str | None, messag
     except (OSError, ValueError, asyncio.TimeoutError) as e:
         raise BootstrapError(f"cannot tell {host}:{port} to drop room {room}: {e!r}") from None
     if reply.get("type") == "error":
-        raise BootstrapError(str(reply.get("message")), int(reply.get("status", 502)))
+        raise _raised(reply)
     return str(reply.get("type"))
 
 
@@ -592,13 +644,7 @@ async def request_kv(
                 hit = int(msg.get("cached_tokens") or 0)
                 msg["cached_tokens"] = max(0, min(hit, int(msg["tokens"])))
                 return msg
-            param, code = msg.get("param"), msg.get("code")
-            raise BootstrapError(
-                str(msg.get("message", msg)),
-                int(msg.get("status", 502)),
-                param if isinstance(param, str) else None,
-                code if isinstance(code, str) else None,
-            )
+            raise _raised(msg)
     except OSError as e:
         raise BootstrapError(f"lost the prefill server {host}:{port}: {e}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # (garbled: the caller frees)

@@ -18,6 +18,8 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 ROOM_HEADER = "x-dsakv-bootstrap-room"
 HOST_HEADER = "x-dsakv-bootstrap-host"
 PORT_HEADER = "x-dsakv-bootstrap-port"
+# vLLM's P/D hand-off: the request field (and the `param` its errors name)
+KV_PARAM = "kv_transfer_params"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ same middleware reads that field (`KVTransferParams`; the engines take it with
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from dsakv.errors import is_int
 from dsakv.server.http_config import route_path
 from dsakv.server.protocol import APIError
 
-from .config import HOST_HEADER, PORT_HEADER, ROOM_HEADER
+from .config import HOST_HEADER, KV_PARAM, PORT_HEADER, ROOM_HEADER
 
 # The generation endpoints whose JSON body may carry SGLang's bootstrap fields.
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/score")
@@ -40,7 +41,6 @@ GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/s
 KV_TRANSFER_PATHS = ("/v1/completions", "/v1/chat/completions")
 _BODY_PATHS = (*GENERATE_PATHS, "/v1/responses")
 _MAX_ROOM = 2**64 - 1  # SGLang's routers draw rooms below 2**63; any u64 is accepted
-_KV = "kv_transfer_params"
 # vLLM's `tp_size` of a dsakv prefill server: it runs on one rank (`DisaggConfig.check_engine`)
 PREFILL_TP_SIZE = 1
 
@@ -128,10 +128,10 @@ def kv_transfer(role: str) -> KVTransferParams | None:
             400,
             f"kv_transfer_params.{flag} is for a {side} server; this is a {role} server "
             f"(--disaggregation-mode {role})",
-            param=_KV,
+            param=KV_PARAM,
         )
     if kv.taken:
-        raise APIError(400, "kv_transfer_params hands off one prompt; send one", param=_KV)
+        raise APIError(400, "kv_transfer_params hands off one prompt; send one", param=KV_PARAM)
     kv.taken = True
     return kv
 
@@ -149,7 +149,7 @@ def kv_transfer_reply() -> dict[str, Any]:
     left its KV held for a decode server; else nothing (`{}`, to splice in)."""
     targets = _current.get()
     kv = targets.kv if targets is not None else None
-    return {_KV: kv.reply} if kv is not None and kv.reply is not None else {}
+    return {KV_PARAM: kv.reply} if kv is not None and kv.reply is not None else {}
 
 
 # --- parsing -----------------------------------------------------------------------------------
@@ -202,28 +202,28 @@ def from_kv_transfer_params(body: Any, path: str) -> KVTransferParams | None:
     for (vLLM's no-op). The decode side needs the prefill server's answer's remote_host,
     remote_port, remote_engine_id and remote_request_id (its room); its remote_block_ids
     and tp_size are checked where given (`_check_blocks_and_tp`)."""
-    if not isinstance(body, dict) or body.get(_KV) is None:
+    if not isinstance(body, dict) or body.get(KV_PARAM) is None:
         return None
     if path not in KV_TRANSFER_PATHS:
         raise APIError(
-            400, f"kv_transfer_params is taken by {' and '.join(KV_TRANSFER_PATHS)}", param=_KV
+            400, f"kv_transfer_params is taken by {' and '.join(KV_TRANSFER_PATHS)}", param=KV_PARAM
         )
-    kv = body[_KV]
+    kv = body[KV_PARAM]
     if not isinstance(kv, dict):
-        raise APIError(400, f"kv_transfer_params must be an object, got {kv!r}", param=_KV)
+        raise APIError(400, f"kv_transfer_params must be an object, got {kv!r}", param=KV_PARAM)
     decode, prefill = kv.get("do_remote_decode"), kv.get("do_remote_prefill")
     if any(flag not in (None, True, False) for flag in (decode, prefill)):
-        raise APIError(400, "kv_transfer_params.do_remote_* must be booleans", param=_KV)
+        raise APIError(400, "kv_transfer_params.do_remote_* must be booleans", param=KV_PARAM)
     if decode and prefill:
         raise APIError(
             400,
             "kv_transfer_params asks for both do_remote_decode and do_remote_prefill",
-            param=_KV,
+            param=KV_PARAM,
         )
     prompts = body.get("prompt")  # (several: texts or token id lists, not one's ids)
     several = isinstance(prompts, list) and any(isinstance(p, (str, list)) for p in prompts)
     if (decode or prefill) and several and len(prompts) > 1:
-        raise APIError(400, "kv_transfer_params hands off one prompt; send one", param=_KV)
+        raise APIError(400, "kv_transfer_params hands off one prompt; send one", param=KV_PARAM)
     if decode:
         if body.get("stream"):
             raise APIError(
@@ -242,15 +242,15 @@ def from_kv_transfer_params(body: Any, path: str) -> KVTransferParams | None:
             400,
             f"kv_transfer_params.do_remote_prefill needs {', '.join(missing)} (the prefill "
             "server's answer's kv_transfer_params)",
-            param=_KV,
+            param=KV_PARAM,
         )
     engine_id, room = kv["remote_engine_id"], kv["remote_request_id"]
     if not isinstance(engine_id, str):
-        raise APIError(400, "kv_transfer_params.remote_engine_id must be a string", param=_KV)
+        raise APIError(400, "kv_transfer_params.remote_engine_id must be a string", param=KV_PARAM)
     if isinstance(room, str) and room.isascii() and room.isdigit():  # (vLLM's ids: strings)
         room = int(room)
     host, port = kv["remote_host"], kv["remote_port"]
-    target = _target(room, host, port, f"{_KV}.remote_", "request_id", param=_KV)
+    target = _target(room, host, port, f"{KV_PARAM}.remote_", "request_id", param=KV_PARAM)
     _check_blocks_and_tp(kv.get("remote_block_ids"), kv.get("tp_size"))
     return KVTransferParams(remote_decode=False, target=target, engine_id=engine_id)
 
@@ -267,20 +267,22 @@ def _check_blocks_and_tp(block_ids: Any, tp_size: Any) -> None:
     ):
         raise APIError(
             400,
-            f"{_KV}.remote_block_ids must be a list of block ids (integers >= 0) or null, "
+            f"{KV_PARAM}.remote_block_ids must be a list of block ids (integers >= 0) or null, "
             f"got {block_ids!r}",
-            param=_KV,
+            param=KV_PARAM,
         )
     if tp_size is None:
         return
     if not is_int(tp_size) or tp_size < 1:
-        raise APIError(400, f"{_KV}.tp_size must be an integer >= 1, got {tp_size!r}", param=_KV)
+        raise APIError(
+            400, f"{KV_PARAM}.tp_size must be an integer >= 1, got {tp_size!r}", param=KV_PARAM
+        )
     if tp_size != PREFILL_TP_SIZE:
         raise APIError(
             400,
-            f"{_KV}.tp_size {tp_size} is not the prefill server's ({PREFILL_TP_SIZE}): a dsakv "
+            f"{KV_PARAM}.tp_size {tp_size} is not the prefill server's ({PREFILL_TP_SIZE}): a dsakv "
             "prefill server runs on one rank, so these are another server's (or altered) params",
-            param=_KV,
+            param=KV_PARAM,
         )
 
 
@@ -380,7 +382,7 @@ class BootstrapMiddleware:
                         400,
                         "the request names both bootstrap rooms (SGLang's P/D protocol) and "
                         "kv_transfer_params (vLLM's): one protocol per request",
-                        param=_KV,
+                        param=KV_PARAM,
                     )
         except APIError as e:
             targets, kv, error = None, None, e
@@ -393,7 +395,10 @@ class BootstrapMiddleware:
             await self.app(scope, receive, send)
         except BaseException as e:
             if isinstance(send, _Refusing):
-                send.failed(f"the server failed: {e!r}", 500)
+                why = f"the server failed: {e!r}"
+                if isinstance(e, asyncio.CancelledError):  # (e.g. the server shutting down)
+                    why = "the request was cancelled on the server"
+                send.failed(why, 500)
             raise
         finally:
             _current.reset(token)

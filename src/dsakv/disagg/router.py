@@ -241,6 +241,11 @@ class Router:
         unhealthy until a contact succeeds, or enough health checks in a row."""
         return url not in self._down
 
+    def _checks_found_down(self, url: str) -> bool:
+        """Whether the health checks found `url` down (`_unreachable(probed=True)`), not
+        only a contact: unhealthy until they find it up."""
+        return self._down.get(url) == math.inf
+
     def _unreachable(self, url: str, probed: bool = False) -> None:
         """A contact with `url` failed (`_healthy`), or the health checks found it down
         (`probed`: tried after the others until they find it up, not only for `_DOWN_S`
@@ -1264,19 +1269,19 @@ class Router:
         else only requests would ever find one down."""
         servers = self.prefill + self.decode
         if self.health_config.enabled:
-            servers = [u for u in servers if self._down.get(u, math.inf) != math.inf]
+            servers = [u for u in servers if u in self._down and not self._checks_found_down(u)]
         passed = await asyncio.gather(*(self._probe_health(url) for url in servers))
         for url, ok in zip(servers, passed):
             if url not in self.prefill + self.decode:  # (removed meanwhile)
                 continue
             if not ok:
                 self._unreachable(url)
-            elif self._down.get(url) != math.inf:  # (not if the checks found it down since)
+            elif not self._checks_found_down(url):  # (not if the checks found it down since)
                 self._down.pop(url, None)
         bad = [f"no {kind} worker" for kind in ("prefill", "decode") if not getattr(self, kind)]
         for url in self.prefill + self.decode:
             if not self._healthy(url):
-                probed = self._down[url] == math.inf
+                probed = self._checks_found_down(url)
                 bad.append(f"{url}: " + ("failed its health checks" if probed else "unreachable"))
         if bad:
             return JSONResponse({"status": "degraded", "unhealthy": bad}, status_code=503)
@@ -1327,7 +1332,7 @@ class Router:
         n = n + 1 if last == ok else 1
         self._streaks[url] = (ok, n)
         h = self.health_config
-        if not ok and n >= h.failure_threshold and self._down.get(url) != math.inf:
+        if not ok and n >= h.failure_threshold and not self._checks_found_down(url):
             log.warning("router: %s server %s failed %d health checks: unhealthy", kind, url, n)
             self._unreachable(url, probed=True)
         elif ok and n >= h.success_threshold and url in self._down:

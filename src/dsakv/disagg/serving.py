@@ -51,10 +51,10 @@ from .bootstrap import BootstrapError, BootstrapServer, Refusal, describe, drop_
 from .config import DisaggConfig
 from .handoff import (
     PREFILL_TP_SIZE,
-    BootstrapTarget,
     KVTransferParams,
     install,
     kv_transfer,
+    kv_transfer_reply,
     next_target,
 )
 from .transfer import KVTransfer, TransferError, TransferStats
@@ -66,12 +66,6 @@ _RESERVE_POLL_S = 0.05
 
 def _describe(engine: Engine) -> dict[str, Any]:
     return describe(engine.layout, engine.model_config, engine.model_identity, engine.compute)
-
-
-def _common_checks(role: str, n: int, params: SamplingParams) -> BootstrapTarget:
-    target = next_target(role)
-    _checks(n, params)
-    return target
 
 
 def _checks(n: int, params: SamplingParams) -> None:
@@ -201,8 +195,11 @@ class _DisaggEngine(AsyncEngine):
 
 
 class PrefillAsyncEngine(_DisaggEngine):
-    """Runs each prompt with max_tokens 1, keeps its pages, writes them into the decode
-    server's pages, answers the decode server (first token), then lets the pages go."""
+    """Runs each prompt with max_tokens 1 and keeps its pages. SGLang's protocol: writes
+    them into the pages of the decode server registered for its room, answers it (first
+    token), then answers the client and lets the pages go. vLLM's: answers the client
+    first (where the KV waits: `reply_extras`), then keeps the pages until a decode
+    server's pickup, writes them into its pages, and lets them go."""
 
     role = "prefill"
 
@@ -232,11 +229,9 @@ class PrefillAsyncEngine(_DisaggEngine):
         """The KV held for vLLM's pickups is the old weights' (and its pages keep the update
         off): let it go; a later pickup hears why (410). SGLang's holds last only through
         their write, to a decode server already registered: the update waits for them."""
-        why = Refusal(
+        why = Refusal.gone(
             "the KV held for this room was let go: the prefill server's weights were updated "
-            "(/update_weights_from_disk) before a decode request took it",
-            410,
-            "kv_transfer_params",
+            "(/update_weights_from_disk) before a decode request took it"
         )
         if n := self.bootstrap.let_go_holds(why):
             log.info("weight update: let %d held KV go", n)
@@ -248,13 +243,18 @@ class PrefillAsyncEngine(_DisaggEngine):
             room = next_target(self.role).room
             self.bootstrap.refuse(room, "the prefill request was cancelled", 499)
 
+    def reply_extras(self) -> dict[str, Any]:
+        """vLLM's P/D: the answer's `kv_transfer_params`, where its prompt's KV waits."""
+        return kv_transfer_reply()
+
     async def generate_n(
         self, prompt: str | list[int], params: SamplingParams, n: int
     ) -> list[RequestStream]:
         kv = kv_transfer(self.role)
         if kv is not None:
             return await self._hold_for_pickup(prompt, params, n, kv)
-        target = _common_checks(self.role, n, params)
+        target = next_target(self.role)
+        _checks(n, params)
         if target.port not in (None, self.config.bootstrap_port):
             # Fail now: the decode server is knocking elsewhere, nobody would register.
             raise APIError(
@@ -292,9 +292,7 @@ class PrefillAsyncEngine(_DisaggEngine):
                     "(different tokenizers or chat templates?)",
                     type="server_error",
                 )
-            one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-            add = functools.partial(self._add_held, ids, one, reg.lora, shadow, public)
-            req = await self.call(add, undo=functools.partial(self._drop_held, shadow))
+            req = await self._queue_held(ids, params, reg.lora, shadow, public)
         except asyncio.CancelledError:  # the client (the router) left: not a failure here
             reg.fail("the prefill server's client hung up")
             raise
@@ -318,15 +316,34 @@ class PrefillAsyncEngine(_DisaggEngine):
         shadow, public = RequestStream(loop), RequestStream(loop)
         try:
             ids = await self.call(lambda e: e.prompt_ids(prompt, params.truncate_prompt_tokens))
-            one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-            add = functools.partial(self._add_held, ids, one, None, shadow, public, same_lora=False)
-            req = await self.call(add, undo=functools.partial(self._drop_held, shadow))
+            req = await self._queue_held(ids, params, None, shadow, public, check_lora=False)
         except BaseException:
-            self.bootstrap.refuse(room, "the prefill request failed", 410, "kv_transfer_params")
+            self._refuse_hold(room, "the prefill request failed")
             raise
         self.pending += 1
         self._spawn(self._keep_for_pickup(req, room, kv, shadow, public))
         return [public]
+
+    async def _queue_held(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        lora: str | None,
+        shadow: RequestStream,
+        public: RequestStream,
+        check_lora: bool = True,
+    ) -> Request:
+        """Queue the prompt for its first token alone (max_tokens 1), its pages held past
+        its finish (`_add_held`); a handler cancelled meanwhile undoes it."""
+        one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        add = functools.partial(self._add_held, ids, one, lora, shadow, public, check_lora)
+        return await self.call(add, undo=functools.partial(self._drop_held, shadow))
+
+    def _refuse_hold(self, room: int, message: str) -> None:
+        """No KV will be held in `room` (its prefill failed or was aborted): a pickup hears
+        why (410)."""
+        why = Refusal.gone(message)
+        self.bootstrap.refuse(room, why.message, why.status, why.param)
 
     def _add_held(
         self,
@@ -335,18 +352,19 @@ class PrefillAsyncEngine(_DisaggEngine):
         lora: str | None,
         shadow: RequestStream,
         public: RequestStream,
+        check_lora: bool,  # (positional: `self.call` passes `engine` last)
         engine: Engine,
-        same_lora: bool = True,
     ) -> Request:
         """Engine thread: queue the prompt with its pages held past its finish. The engine
-        feeds `shadow`; `_ship` passes the final update on to `public` after the write.
-        `lora`: the digest of the decode server's adapter for it, which must be that of the
-        weights the request holds here (the decode server caches the KV under it:
+        feeds `shadow`; the final update goes on to `public` after the write (`_ship`), or,
+        for a pickup, before any write (`_keep_for_pickup`: the client hears where the KV
+        waits). `lora`: the digest of the decode server's adapter for it, which must be that
+        of the weights the request holds here (the decode server caches the KV under it:
         `Request.cache_key`), compared once it holds them: an evicted adapter is read
-        again by `add_request`, and its files may have changed (`same_lora` False: at the
-        pickup, `_keep_for_pickup`)."""
+        again by `add_request`, and its files may have changed (`check_lora` False: not
+        compared here, but at the pickup, `_keep_for_pickup`)."""
         req = engine.add_request(ids, params)
-        if same_lora and req.lora is not None and req.lora.digest != lora:
+        if check_lora and req.lora is not None and req.lora.digest != lora:
             engine.abort(req.rid)  # (before any step: nothing ran, nothing is streamed)
             raise APIError(
                 502,
@@ -415,11 +433,19 @@ class PrefillAsyncEngine(_DisaggEngine):
                 )
             )
         finally:
-            try:
-                with contextlib.suppress(RuntimeError):  # a stopped engine has nothing to free
-                    await self.call(lambda e: ops.release_held(e, req))
-            finally:
-                self.pending -= 1  # (after: pages held until then are not a leak)
+            await self._release(req)
+
+    async def _release(self, req: Request) -> None:
+        """Let a held request's pages go: its KV was written, or never will be."""
+        try:
+            with contextlib.suppress(RuntimeError):  # a stopped engine has nothing to free
+                await self.call(lambda e: ops.release_held(e, req))
+        finally:
+            self.pending -= 1  # (after: pages held until then are not a leak)
+
+    def _prompt_pages(self, req: Request) -> list[int]:
+        """The pages holding `req`'s prompt (its last one partly, maybe)."""
+        return req.pages[: -(-len(req.prompt_ids) // self.engine.pool.page_size)]
 
     async def _write(self, req: Request, reg: Any, u: Update) -> None:
         """Write the prompt's KV into the pages `reg` reserved, then answer it with the
@@ -429,10 +455,9 @@ class PrefillAsyncEngine(_DisaggEngine):
             raise RuntimeError("the prompt does not fit in the prefill server's KV pool")
         if reg.gone.is_set():
             raise RuntimeError("the decode server hung up before the KV was sent")
-        pages = req.pages[: -(-n // self.engine.pool.page_size)]
         loop = asyncio.get_running_loop()
         write = functools.partial(
-            self.transfer.write, reg.session, reg.buffers, pages, reg.pages, n
+            self.transfer.write, reg.session, reg.buffers, self._prompt_pages(req), reg.pages, n
         )
         nbytes, seconds = await loop.run_in_executor(self._writer, write)
         routed = u.routed_experts  # (the prompt's rows from routed_experts_start_len)
@@ -457,7 +482,7 @@ class PrefillAsyncEngine(_DisaggEngine):
             "do_remote_decode": False,
             "remote_engine_id": self.bootstrap.engine_id,
             "remote_request_id": str(room),
-            "remote_block_ids": req.pages[: -(-len(req.prompt_ids) // self.engine.pool.page_size)],
+            "remote_block_ids": self._prompt_pages(req),
             "remote_host": self.bootstrap_host,
             "remote_port": self.config.bootstrap_port,
             "tp_size": PREFILL_TP_SIZE,
@@ -485,15 +510,12 @@ class PrefillAsyncEngine(_DisaggEngine):
                 self.bootstrap.expect(room, req.prompt_ids, lora)  # (before anyone knows it)
             public._push(u)
             if kv.reply is None:  # it failed, or its client left: nobody will come for it
-                why = u.error or "the prefill request was aborted"
-                self.bootstrap.refuse(room, why, 410, "kv_transfer_params")
+                self._refuse_hold(room, u.error or "the prefill request was aborted")
                 return
             timeout = self.config.timeout_s
-            expired = Refusal(
+            expired = Refusal.gone(
                 f"the KV held for room {room} expired: no decode request took it within "
-                f"{timeout:g} s (the prefill server's --disaggregation-timeout)",
-                410,
-                "kv_transfer_params",
+                f"{timeout:g} s (the prefill server's --disaggregation-timeout)"
             )
             try:
                 reg = await self.bootstrap.claim(room, timeout, expired)
@@ -508,11 +530,7 @@ class PrefillAsyncEngine(_DisaggEngine):
             if reg is not None:
                 reg.fail(message)
         finally:
-            try:
-                with contextlib.suppress(RuntimeError):  # a stopped engine has nothing to free
-                    await self.call(lambda e: ops.release_held(e, req))
-            finally:
-                self.pending -= 1
+            await self._release(req)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.bootstrap.close()
@@ -547,9 +565,8 @@ class DecodeAsyncEngine(_DisaggEngine):
         self, prompt: str | list[int], params: SamplingParams, n: int
     ) -> list[RequestStream]:
         kv = kv_transfer(self.role)  # vLLM's: the KV a prefill server holds (`pickup`)
-        if kv is not None:
-            _checks(n, params)
-        target = kv.target if kv is not None else _common_checks(self.role, n, params)
+        target = kv.target if kv is not None else next_target(self.role)
+        _checks(n, params)
         if not target.host:
             raise APIError(
                 400,

@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from dsakv.disagg.handoff import kv_transfer_reply
 from dsakv.engine import SamplingParams
 from dsakv.engine.chat_format import has_chat_format
 from dsakv.engine.info import engine_info
@@ -268,7 +267,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
             cached_tokens=sum(r.cached_tokens for r in results[::n]),
         )
         answer = {**head, "choices": out, "usage": usage_of(total), **sglext(body, results)}
-        answer.update(kv_transfer_reply())  # (a prefill server's, vLLM's P/D: where its KV waits)
+        answer.update(self.engine.reply_extras())  # (a PD prefill server's: where its KV waits)
         return JSONResponse(answer, headers=_id_header(base))
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -380,7 +379,7 @@ class Handlers(AdminMixin, RequestParamsMixin, SubmitMixin):
         )
         out = {**head, "object": "chat.completion", "choices": choices, "usage": usage_of(total)}
         out.update(sglext(body, results))
-        out.update(kv_transfer_reply())  # (as a completion's)
+        out.update(self.engine.reply_extras())  # (as a completion's)
         if body.prompt_logprobs is not None:  # vLLM's: the response's, not a choice's
             out["prompt_logprobs"] = prompt_logprobs(results[0].as_update())
         if ids:

@@ -268,6 +268,11 @@ class AsyncEngine:
         """A weight update waits for the engine to be idle: what this bridge keeps outside
         requests goes now (a PD prefill server's KV held for vLLM's pickups)."""
 
+    def reply_extras(self) -> dict[str, Any]:
+        """Top-level fields this bridge adds to the current request's non-streamed answer
+        (a PD prefill server's `kv_transfer_params`: where vLLM's decode server finds the KV)."""
+        return {}
+
     async def probe(self) -> None:
         """One greedy token of a one-token prompt, run by the engine thread (SGLang's
         `/health_generate`): proves the engine still steps, not only that its thread lives.
