@@ -5,6 +5,7 @@ kv_transfer_params), against a plain server's greedy output."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -488,3 +489,26 @@ def test_the_middleware_parses_only_bodies_that_can_hold_the_fields(monkeypatch)
     escaped = json.dumps(body)[:-1] + ', "kv\\u005ftransfer_params": "x"}'
     r = client.post("/v1/chat/completions", content=escaped, headers=headers)
     assert r.status_code == 400 and "must be an object" in r.text and len(parsed) == 1
+
+
+@pytest.mark.parametrize("reply", ["[1]", '{"type": "error", "status": "x", "message": "m"}'])
+def test_a_drop_answered_with_nonsense_is_a_bootstrap_error(reply):
+    """`drop_kv` (the decode side letting a hold go) raises only `BootstrapError`, which its
+    caller logs, whatever a peer answers: not an AttributeError or ValueError from a
+    background task."""
+
+    async def run() -> None:
+        async def answer(reader, writer) -> None:
+            await reader.readline()
+            writer.write(reply.encode() + b"\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            with pytest.raises(bootstrap.BootstrapError) as e:
+                await bootstrap.drop_kv("127.0.0.1", port, 7, None, "gone")
+        assert e.value.status == 502 or "answered a drop" in str(e.value)
+
+    asyncio.run(run())

@@ -575,10 +575,10 @@ async def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
 
 def _raised(line: dict[str, Any]) -> BootstrapError:
     """An error line (`Refusal.reply`) as the `BootstrapError` of the same fields."""
-    param, code = line.get("param"), line.get("code")
+    param, code, status = line.get("param"), line.get("code"), line.get("status")
     return BootstrapError(
         str(line.get("message", line)),
-        int(line.get("status", 502)),
+        status if type(status) is int else 502,
         param if isinstance(param, str) else None,
         code if isinstance(code, str) else None,
     )
@@ -598,6 +598,8 @@ async def drop_kv(host: str, port: int, room: int, engine_id: str | None, messag
             writer.close()
     except (OSError, ValueError, asyncio.TimeoutError) as e:
         raise BootstrapError(f"cannot tell {host}:{port} to drop room {room}: {e!r}") from None
+    if not isinstance(reply, dict):
+        raise BootstrapError(f"{host}:{port} answered a drop of room {room} with {reply!r}")
     if reply.get("type") == "error":
         raise _raised(reply)
     return str(reply.get("type"))
