@@ -109,6 +109,28 @@ def positive_int(text: str) -> int:
     return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
 
 
+def layer_partition(text: str) -> tuple[int, ...]:
+    """argparse type for --pp-layer-partition: each stage's target layers, comma-separated
+    (SGLang's SGLANG_PP_LAYER_PARTITION)."""
+    return _checked(
+        text,
+        lambda t: tuple(int(n) for n in t.split(",")),
+        lambda v: all(n >= 1 for n in v),
+        "comma-separated integers >= 1, one per pipeline stage",
+    )
+
+
+def add_pp_args(g: Any, help: str, **kw: Any) -> None:
+    """--pp-size (its vLLM spelling hidden) and --pp-layer-partition."""
+    add_aliased(g, PP, help, dest="pp", type=positive_int, **kw)
+    g.add_argument(
+        "--pp-layer-partition",
+        type=layer_partition,
+        metavar="N,N,...",
+        help="target layers per pipeline stage (default: as even as vLLM's and SGLang's split)",
+    )
+
+
 def _chunk_size(text: str) -> int:
     """argparse type: a size, or SGLang's -1 (no chunking: `_fold_foreign` makes it the
     context length)."""
@@ -425,6 +447,8 @@ _SPECULATIVE = _spelled(
 # SGLang's names for --tp and --ep (vLLM's the long ones) besides dsakv's own.
 TP = ("--tp", "--tp-size", "--tensor-parallel-size", "-tp")
 EP = ("--ep", "--ep-size", "--expert-parallel-size")
+# SGLang's --pp-size and vLLM's --pipeline-parallel-size.
+PP = ("--pp-size", "--pipeline-parallel-size", "-pp")
 # SGLang's (and vLLM's) data-parallel size: dsakv's is --tp's under --dp-attention, else 1.
 _DP = ("--dp-size", "--dp", "--data-parallel-size", "-dp")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # (vLLM's)

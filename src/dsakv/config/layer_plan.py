@@ -171,6 +171,14 @@ class LayerPlan:
         self._check_layer(layer)
         return self._topk_sources[layer]
 
+    def carried_sources(self, boundary: int) -> tuple[int, ...]:
+        """The full layers before target layer `boundary` whose top-k a target layer from
+        `boundary` on reads: what a pipeline stage starting at `boundary` receives with the
+        hidden states (a stage that starts with a shared layer needs its source's)."""
+        self._check_layer(boundary)
+        later = (self._topk_sources[i] for i in range(boundary, self.num_layers))
+        return tuple(sorted({src for src in later if src < boundary}))
+
     def _check_layer(self, layer: int) -> None:
         """A negative index would wrap around to a draft layer: refused like one past the end."""
         if not 0 <= layer < self.num_total_layers:

@@ -29,7 +29,12 @@ DEFAULT_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """`--tp`, `--ep`, `--dp-attention` and the multi-node launch flags (SGLang's names)."""
+    """`--tp`, `--pp-size`, `--ep`, `--dp-attention` and the multi-node launch flags
+    (SGLang's names).
+
+    Ranks are numbered stage-major: rank r is tensor-parallel rank `r % tp` of pipeline
+    stage `r // tp`; stage s runs the target layers `stage_layers(N)[s]`.
+    """
 
     tp: int = 1
     ep: int = 1
@@ -38,20 +43,41 @@ class ParallelConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous
     timeout_s: float = DEFAULT_TIMEOUT_S  # a collective that waits longer fails
+    pp: int = 1
+    # Target layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION); None: `even_split`
+    pp_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "nnodes"):
+        for name, flag in (
+            ("tp", "--tp"),
+            ("ep", "--ep"),
+            ("pp", "--pp-size"),
+            ("nnodes", "--nnodes"),
+        ):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
-                raise DsakvError(f"--{name} must be an integer >= 1, got {v!r}")
+                raise DsakvError(f"{flag} must be an integer >= 1, got {v!r}")
+        if self.pp_partition is not None and (
+            len(self.pp_partition) != self.pp
+            or not all(is_int(n) and n >= 1 for n in self.pp_partition)
+        ):
+            raise DsakvError(
+                f"--pp-layer-partition must be {self.pp} integers >= 1 (one per stage of "
+                f"--pp-size {self.pp}), got {','.join(map(str, self.pp_partition))}"
+            )
         if self.ep > self.tp:
             raise DsakvError(f"--ep {self.ep} is larger than --tp {self.tp}")
         if self.tp % self.ep:
             raise DsakvError(f"--tp {self.tp} is not a multiple of --ep {self.ep}")
+        if self.dp_attention and self.pp > 1:
+            raise DsakvError("--dp-attention with --pp-size > 1 is not supported: give one")
         if self.dp_attention and self.tp < 2:
             raise DsakvError("--dp-attention needs --tp N with N >= 2")
-        if self.tp % self.nnodes:
-            raise DsakvError(f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}")
+        if self.world_size % self.nnodes:
+            raise DsakvError(
+                f"{self.world_size} ranks (--tp {self.tp} x --pp-size {self.pp}) are not "
+                f"divisible by --nnodes {self.nnodes}"
+            )
         if not 0 <= self.node_rank < self.nnodes:
             raise DsakvError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -63,7 +89,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp
+        """Every rank: `tp` per pipeline stage."""
+        return self.tp * self.pp
 
     @property
     def attn_tp(self) -> int:
@@ -82,7 +109,21 @@ class ParallelConfig:
 
     @property
     def ranks_per_node(self) -> int:
-        return self.tp // self.nnodes
+        return self.world_size // self.nnodes
+
+    def stage_layers(self, num_layers: int) -> tuple[range, ...]:
+        """Each pipeline stage's target layers, in order (`--pp-layer-partition`, else
+        `even_split`). The MTP draft layer, when built, sits on the last stage."""
+        sizes = self.pp_partition or even_split(num_layers, self.pp)
+        if sum(sizes) != num_layers:
+            raise DsakvError(
+                f"--pp-layer-partition {','.join(map(str, sizes))} covers {sum(sizes)} layers; "
+                f"the model has {num_layers}"
+            )
+        if self.pp > num_layers:
+            raise DsakvError(f"--pp-size {self.pp} is more than the model's {num_layers} layers")
+        starts = [sum(sizes[:s]) for s in range(self.pp)]
+        return tuple(range(a, a + n) for a, n in zip(starts, sizes))
 
     def check_model(self, config: Any) -> None:
         """Refuse a split the model's shapes do not allow (one `error:` line)."""
@@ -101,6 +142,15 @@ class ParallelConfig:
         for name, value, parts, flag in checks:
             if value % parts:
                 raise DsakvError(f"{name} ({value}) is not divisible by {flag} ({parts})")
+
+
+def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
+    """vLLM's and SGLang's default split (`get_pp_indices`): `num_layers // stages` each,
+    the remainder one more each on the stages before the last (it also holds the head)."""
+    sizes = [num_layers // stages] * stages
+    for s in range(num_layers % stages):
+        sizes[-2 - s] += 1
+    return tuple(sizes)
 
 
 class ParallelState:

@@ -48,6 +48,7 @@ class CacheLayout:
 
     With `elide_index_k` only layers that own index-K in the plan (full and draft layers)
     pay for it; without it every layer does (the dense layout other engines fall back to).
+    `layers`: the layers this cache holds (a pipeline stage's, `for_stage`); None: all.
     """
 
     plan: LayerPlan
@@ -58,6 +59,7 @@ class CacheLayout:
     index_k_dtype: str = "fp8"
     page_size: int = 64
     elide_index_k: bool = True
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         latent_bytes(self.kv_cache_dtype, self.kv_lora_rank, self.qk_rope_head_dim)
@@ -110,10 +112,23 @@ class CacheLayout:
 
     # --- per layer -------------------------------------------------------------------------
 
+    def for_stage(self, target: range) -> CacheLayout:
+        """The layout of a pipeline stage running the target layers `target`: those, and
+        the draft layers on the last stage (the one that ends the target layers)."""
+        held = tuple(target)
+        if target.stop == self.plan.num_layers:
+            held += tuple(range(self.plan.num_layers, self.plan.num_total_layers))
+        return replace(self, layers=held)
+
+    @property
+    def held_layers(self) -> tuple[int, ...]:
+        """The layers this cache holds (target plus draft; a stage's under `--pp-size`)."""
+        return tuple(range(self.plan.num_total_layers)) if self.layers is None else self.layers
+
     @property
     def num_layers(self) -> int:
-        """Layers with a KV cache: target plus draft."""
-        return self.plan.num_total_layers
+        """Layers with a KV cache here: target plus draft (a stage's own)."""
+        return len(self.held_layers)
 
     @property
     def latent_dim(self) -> int:
@@ -125,10 +140,10 @@ class CacheLayout:
 
     @property
     def index_k_layers(self) -> tuple[int, ...]:
-        """Layers with index-K storage, in order."""
+        """Layers with index-K storage here, in order."""
         if self.elide_index_k:
-            return self.plan.index_k_layers
-        return tuple(range(self.num_layers))
+            return tuple(i for i in self.held_layers if self.plan.owns_index_k(i))
+        return self.held_layers
 
     @property
     def latent_bytes_per_layer(self) -> int:
@@ -176,6 +191,7 @@ class CacheLayout:
                     self.index_k_dtype,
                     self.page_size,
                     self.elide_index_k,
+                    *((self.layers,) if self.layers is not None else ()),
                 ),
             )
         )
