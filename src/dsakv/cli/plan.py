@@ -17,6 +17,7 @@ from .args import (
     add_dp_args,
     add_hisparse_args,
     add_layout_args,
+    add_pp_args,
     check_dp_size,
     draft_layers,
     fold_expert_parallel,
@@ -49,8 +50,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.config.hisparse import check_runs_with
     from dsakv.distributed import ParallelConfig
     from dsakv.errors import ConfigError
-    from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_capacity
-    from dsakv.memory.capacity import GIB, gain_pct
+    from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_pipeline
+    from dsakv.memory.capacity import gain_pct
     from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 
     config = ModelConfig.resolve(args.model)
@@ -79,8 +80,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     check_dp_size(args)
     fold_expert_parallel(args)
     args.ep = args.ep or 1
-    parallel = ParallelConfig(tp=args.tp, ep=args.ep, dp_attention=args.dp_attention)
+    parallel = ParallelConfig(
+        tp=args.tp,
+        ep=args.ep,
+        dp_attention=args.dp_attention,
+        pp=args.pp,
+        pp_partition=args.pp_layer_partition,
+    )
     parallel.check_model(config)
+    stages = parallel.stage_layers(plan.num_layers)  # (refuses a partition that does not fit)
     if hisparse is not None:  # what the engine refuses is not planned
         check_runs_with(
             mtp="--draft-layers" if args.draft_layers else None, ranks=parallel.world_size
@@ -94,23 +102,28 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if subtracted:
             raise
         weights = None  # the budget does not need them: reported as unknown
+    # `plan_capacity`'s keywords, each layout's (or stage's) own weights priced from the
+    # config (a dense layout's include the indexers shared layers skip); the same budget
+    # sizes the HiSparse split.
     budget = dict(
         kv_budget_gib=args.kv_budget_gib,
         gpu_memory_gib=args.gpu_memory_gib,
         mem_fraction_static=0.9 if args.mem_fraction_static is None else args.mem_fraction_static,
+        weights_gib=args.weights_gib,
         reserve_gib=args.reserve_gib or 0.0,
+        config=None if weights is None else config,
+        tp=args.tp,
+        ep=args.ep,
+        dp_attention=args.dp_attention,
     )
-    # Per layout: its budget, capacity and weights per rank (what the budget subtracted, else
-    # the estimate). The dense layout also builds the indexers that shared layers skip.
-    per_layout = []
-    for layout, extra in ((elided, 0), (dense, weights.indexer_bytes_saved if weights else 0)):
-        estimate = None if weights is None else weights.total_bytes + extra
-        given = {**budget, "weights_gib": estimate / GIB if subtracted else args.weights_gib}
-        cap = plan_capacity(layout, **given)
-        per_layout.append((given, cap, estimate if cap.weight_bytes is None else cap.weight_bytes))
-    (budget_e, cap_elided, weights_e), (budget_d, cap_dense, weights_d) = per_layout
-    chosen = cap_dense if args.no_elide_index_k else cap_elided
-    chosen_layout = dense if args.no_elide_index_k else elided
+    # Per layout, every stage's plan (`plan_pipeline`; one stage, the whole model, without
+    # --pp-size): the least stage's capacity, weights per rank and layout stand here.
+    pipe_e, pipe_d = (
+        plan_pipeline(layout, stages, index_topk=config.index_topk, **budget)
+        for layout in (elided, dense)
+    )
+    chosen = pipe_d if args.no_elide_index_k else pipe_e
+    chosen_layout = chosen.limiting.layout
     report = {
         "model_type": config.model_type,
         "num_layers": plan.num_layers,
@@ -127,29 +140,38 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "latent_bytes_per_token": chosen_layout.latent_bytes_per_token,
         "index_k_bytes_per_token": chosen_layout.index_k_bytes_per_token,
         "bytes_per_token": chosen_layout.bytes_per_token,
-        "bytes_per_token_elided": elided.bytes_per_token,
-        "bytes_per_token_dense": dense.bytes_per_token,
+        "bytes_per_token_elided": pipe_e.limiting.layout.bytes_per_token,
+        "bytes_per_token_dense": pipe_d.limiting.layout.bytes_per_token,
         "kv_budget_bytes": chosen.kv_budget_bytes,
         "max_total_num_tokens": chosen.max_total_num_tokens,
-        "max_total_num_tokens_elided": cap_elided.max_total_num_tokens,
-        "max_total_num_tokens_dense": cap_dense.max_total_num_tokens,
-        "token_gain_pct": gain_pct(cap_elided.max_total_num_tokens, cap_dense.max_total_num_tokens),
+        "max_total_num_tokens_elided": pipe_e.max_total_num_tokens,
+        "max_total_num_tokens_dense": pipe_d.max_total_num_tokens,
+        "token_gain_pct": gain_pct(pipe_e.max_total_num_tokens, pipe_d.max_total_num_tokens),
         "tp": args.tp,
         "ep": args.ep,
         "dp_attention": args.dp_attention,
-        "weight_bytes_per_rank": weights_d if args.no_elide_index_k else weights_e,
+        "weight_bytes_per_rank": chosen.limiting.weight_bytes,
         # Every rank holds a pool; plain TP replicates it, DP attention fills each its own.
         "max_total_num_tokens_per_rank": chosen.max_total_num_tokens,
         "max_total_num_tokens_aggregate": chosen.max_total_num_tokens * parallel.dp,
         "indexer_weight_bytes_saved": weights and weights.indexer_bytes_saved,
     }
+    if parallel.pp > 1:
+        report.update(_model_figures(report, elided, dense, weights))
+        if weights is not None:  # (a stage's own, as its weights per rank are)
+            report["indexer_weight_bytes_saved"] = estimate_weight_bytes(
+                config, plan, args.tp, ep=args.ep, dp_attention=args.dp_attention,
+                layers=chosen_layout.layers,
+            ).indexer_bytes_saved  # fmt: skip
+        report.update(_stages_report(pipe_e, pipe_d, args.no_elide_index_k))
+        report["index_topk"] = config.index_topk
     splits = None
     if hisparse is not None:
         from dsakv.memory import plan_hisparse
 
         splits = (
-            plan_hisparse(dense, hisparse, **budget_d),
-            plan_hisparse(elided, hisparse, **budget_e),
+            plan_hisparse(pipe_d.limiting.layout, hisparse, **budget),
+            plan_hisparse(pipe_e.limiting.layout, hisparse, **budget),
         )
         chosen_split = splits[0] if args.no_elide_index_k else splits[1]
         page = chosen_layout.page_size
@@ -165,11 +187,115 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         }
     if args.json:
         print(json.dumps(report, indent=2))
+    elif parallel.pp > 1:
+        print(_stages_table(report, pipe_e, pipe_d))
     else:
-        print(_plan_table(report, elided, dense, cap_elided, cap_dense, (weights_d, weights_e)))
+        weights_d, weights_e = pipe_d.limiting.weight_bytes, pipe_e.limiting.weight_bytes
+        print(_plan_table(report, elided, dense, pipe_e, pipe_d, (weights_d, weights_e)))
         if splits is not None:
             print(_hisparse_table(*splits))
     return 0
+
+
+def _model_figures(r: dict[str, Any], elided: Any, dense: Any, weights: Any) -> dict[str, Any]:
+    """`--json`'s whole-model figures under --pp-size, under `model_` names: the top-level
+    per-token and per-rank keys are the limiting stage's (what the pool's tokens follow)."""
+    layout = dense if not r["elide_index_k"] else elided
+    return {
+        "model_latent_bytes_per_token": layout.latent_bytes_per_token,
+        "model_index_k_bytes_per_token": layout.index_k_bytes_per_token,
+        "model_bytes_per_token": layout.bytes_per_token,
+        "model_bytes_per_token_elided": elided.bytes_per_token,
+        "model_bytes_per_token_dense": dense.bytes_per_token,
+        "model_indexer_weight_bytes_saved": weights and weights.indexer_bytes_saved,
+    }
+
+
+def _stages_report(elided: Any, dense: Any, no_elide: bool) -> dict[str, Any]:
+    """`--json`'s pipeline part: each stage under the chosen layout, with both layouts'
+    tokens, and the stage that limits the pool."""
+    chosen = dense if no_elide else elided
+    return {
+        "pp": len(chosen.stages),
+        "pp_layer_partition": [len(s.target) for s in chosen.stages],
+        "limiting_stage": chosen.limiting.stage,
+        "stages": [
+            {
+                **s.as_dict(),
+                "max_total_num_tokens_elided": e.capacity.max_total_num_tokens,
+                "max_total_num_tokens_dense": d.capacity.max_total_num_tokens,
+            }
+            for s, e, d in zip(chosen.stages, elided.stages, dense.stages, strict=True)
+        ],
+    }
+
+
+def _stage_layers(stage: Any) -> str:
+    """A stage's target layers, and its draft layers apart: "59-77 +78"."""
+    from dsakv.memory.layout import spans
+
+    draft = tuple(i for i in stage.layout.held_layers if i >= stage.target.stop)
+    return spans(tuple(stage.target)) + (f" +{spans(draft)}" if draft else "")
+
+
+def _columns(head: list[str], rows: list[list[str]], left: frozenset[int]) -> list[str]:
+    """`head` and `rows` as aligned text: each column as wide as its widest cell, two
+    spaces apart (columns `left` aligned left, the others right)."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return [
+        "  ".join(
+            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ).rstrip()
+        for r in [head, *rows]
+    ]
+
+
+def _stages_table(r: dict[str, Any], elided: Any, dense: Any) -> str:
+    """The pipeline's plan: each stage's bytes per token and tokens, dense and elided, and
+    the stage whose budget limits the pool (one scheduler: the least stage's tokens)."""
+    from dsakv.memory.capacity import gain_pct
+
+    gib = 1 << 30
+    chosen = dense if not r["elide_index_k"] else elided
+    head = [
+        "stage", "layers", "full/shared", "top-k in", "B/tok dense", "B/tok elided", "gain",
+        "weights/rank", "KV GiB", "tokens dense", "tokens elided", "gain",
+    ]  # fmt: skip
+    rows = []
+    for s, e, d in zip(chosen.stages, elided.stages, dense.stages, strict=True):
+        bd, be = d.layout.bytes_per_token, e.layout.bytes_per_token
+        td, te = d.capacity.max_total_num_tokens, e.capacity.max_total_num_tokens
+        w = "n/a" if s.weight_bytes is None else f"{s.weight_bytes / gib:.2f} GiB"
+        rows.append([
+            str(s.stage), _stage_layers(s), f"{s.num_full_layers}/{s.num_shared_layers}",
+            f"{s.carried_topk_bytes_per_token:,}", f"{bd:,}", f"{be:,}",
+            _pct(gain_pct(bd, be)).strip(), w, f"{s.capacity.kv_budget_bytes / gib:,.2f}",
+            f"{td:,}", f"{te:,}", _pct(gain_pct(te, td)).strip(),
+        ])  # fmt: skip
+    lines = [
+        f"dsakv plan: {r['model_type']}, {r['num_layers']} layers"
+        f" (+{r['num_draft_layers']} draft), {r['num_full_layers']} full / "
+        f"{r['num_shared_layers']} shared ({r['plan_source']})",
+        f"layers: {r['layer_pattern']}",
+        f"cache: latent {r['kv_cache_dtype']}, index-K {r['index_k_dtype']}, "
+        f"page size {r['page_size']}, TP {r['tp']}, EP {r['ep']}, PP {r['pp']} "
+        f"(layers per stage {','.join(map(str, r['pp_layer_partition']))})",
+        "",
+        *_columns(head, rows, left=frozenset({1})),
+    ]
+    e_lim, d_lim = elided.limiting, dense.limiting
+    gain = _pct(gain_pct(elided.max_total_num_tokens, dense.max_total_num_tokens)).strip()
+    layout = "elided" if r["elide_index_k"] else "dense"
+    lines += [
+        "",
+        f"limiting stage: {e_lim.stage} elided ({e_lim.capacity.max_total_num_tokens:,} tokens), "
+        f"{d_lim.stage} dense ({d_lim.capacity.max_total_num_tokens:,} tokens): {gain}",
+        f"{layout} layout: KV tokens per rank {chosen.max_total_num_tokens:,} (the least "
+        f"stage's: one scheduler addresses every stage's pool)",
+        f"top-k in: bytes per token a stage receives with the hidden states ({r['index_topk']:,} "
+        "int32 per full layer before it whose top-k its shared layers read)",
+    ]
+    return "\n".join(lines)
 
 
 def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
@@ -293,6 +419,7 @@ def add_commands(sub: Any) -> None:
     add_aliased(p, EP, "expert-parallel groups (default 1)", dest="ep", type=positive_int)
     p.add_argument("--enable-expert-parallel", action="store_true", help=argparse.SUPPRESS)
     add_dp_args(p, "one scheduler and pool per rank")
+    add_pp_args(p, "pipeline-parallel stages: each plans its own layers' pool", default=1)
     p.add_argument("--kv-budget-gib", type=positive_float, help="explicit KV budget")
     p.add_argument("--gpu-memory-gib", type=positive_float, help="GPU memory per rank")
     p.add_argument("--mem-fraction-static", type=fraction, help="of --gpu-memory-gib (default 0.9)")

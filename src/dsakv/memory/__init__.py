@@ -4,14 +4,17 @@ from .allocator import OutOfPages, PageAllocator, PageError, ReqToTokenTable, pa
 from .capacity import (
     CapacityPlan,
     HiSparsePlan,
+    PipelinePlan,
+    StagePlan,
     estimate_weight_bytes,
     kv_budget_bytes,
     plan_capacity,
     plan_hisparse,
+    plan_pipeline,
 )
 from .fp8 import dequantize_e4m3_blockwise, hadamard_rotate, quantize_e4m3_blockwise
 from .host import HostPool
-from .layout import INDEX_K_DTYPES, LATENT_DTYPES, CacheLayout
+from .layout import INDEX_K_DTYPES, LATENT_DTYPES, CacheLayout, LayerNotHeldError
 from .pool import (
     DSAKVPool,
     SharedLayerIndexKError,
@@ -29,11 +32,14 @@ __all__ = [
     "DSAKVPool",
     "HiSparsePlan",
     "HostPool",
+    "LayerNotHeldError",
     "OutOfPages",
     "PageAllocator",
     "PageError",
+    "PipelinePlan",
     "ReqToTokenTable",
     "SharedLayerIndexKError",
+    "StagePlan",
     "TransferDescriptor",
     "copy_tokens",
     "dequantize_e4m3_blockwise",
@@ -43,5 +49,6 @@ __all__ = [
     "page_slots",
     "plan_capacity",
     "plan_hisparse",
+    "plan_pipeline",
     "quantize_e4m3_blockwise",
 ]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig
 from dsakv.config.presets import QUANTIZED_WEIGHT
 from dsakv.errors import ConfigError, is_int, is_number
 
-from .layout import CacheLayout
+from .layout import CacheLayout, checked_layers, spans
 
 GIB = 1 << 30
 # Bytes per value of each dtype a checkpoint's `dtype` may name (`ModelConfig` checks it).
@@ -136,6 +136,7 @@ def estimate_weight_bytes(
     *,
     ep: int = 1,
     dp_attention: bool = False,
+    layers: Sequence[int] | None = None,
 ) -> WeightEstimate:
     """Per-rank weight bytes from the config shapes, priced as the checkpoint stores them
     (`WeightStorage`) and sharded as the model is (DESIGN.md §8).
@@ -147,6 +148,11 @@ def estimate_weight_bytes(
     groups of whole experts, each expert's intermediate size over `tp / ep` ranks; either
     way 1/tp of them). A split matrix's scales split with it. An unknown quantization is
     a `ConfigError`, never priced as if unquantised.
+
+    `layers`: one pipeline stage's (`CacheLayout.held_layers`; None: the whole model). The
+    stage holding layer 0 holds the embedding, the one holding the last target layer the
+    final norm and lm_head, and also an embedding when the MTP layer is built there (it
+    embeds the next token) or embeddings are tied (lm_head is one): `_vocab_matrices`.
     """
     if tp < 1:
         raise ConfigError(f"tp must be >= 1, got {tp}")
@@ -192,10 +198,12 @@ def estimate_weight_bytes(
         )
         return attn + attn_split / attn_tp + norms + ffn + head, indexer
 
+    held = range(plan.num_total_layers) if layers is None else checked_layers(plan, layers)
     vocab_rows = -(-c.vocab_size // attn_tp)  # this rank's (padded) vocab split
-    total: float = ((1 if c.tie_word_embeddings else 2) * vocab_rows * h + h) * wide
+    matrices, last = _vocab_matrices(plan, held, c.tie_word_embeddings)
+    total: float = (matrices * vocab_rows * h + last * h) * wide
     built = saved = 0
-    for i in range(plan.num_total_layers):
+    for i in held:
         rest, indexer = layer(i)
         total += rest
         if plan.runs_indexer(i):
@@ -208,6 +216,34 @@ def estimate_weight_bytes(
         indexer_bytes_saved=saved,
         indexer_params_per_layer=_indexer_params(c),
     )
+
+
+def _vocab_matrices(plan: LayerPlan, held: Sequence[int], tied: bool) -> tuple[int, bool]:
+    """How many vocab × hidden matrices (embedding, lm_head) a rank holding `held` builds,
+    and whether it holds the final norm (the last target layer is here). The whole model:
+    2, or 1 when tied; a last stage after the first: lm_head, plus an embedding of its own
+    when it is not lm_head itself (tied) and the MTP layer needs one."""
+    first, last = 0 in held, plan.num_layers - 1 in held
+    draft = any(i >= plan.num_layers for i in held)
+    embedding = first or (last and (tied or draft))
+    return int(embedding) + int(last and not tied), last
+
+
+def layout_weight_bytes(
+    layout: CacheLayout,
+    config: ModelConfig,
+    tp: int = 1,
+    *,
+    ep: int = 1,
+    dp_attention: bool = False,
+) -> int:
+    """Per-rank weight bytes of the engine that holds `layout`: its layers' (a pipeline
+    stage's own, `CacheLayout.layers`), and under a dense layout also the indexers shared
+    layers skip (the engines that fall back to it build every one)."""
+    w = estimate_weight_bytes(
+        config, layout.plan, tp, ep=ep, dp_attention=dp_attention, layers=layout.layers
+    )
+    return w.total_bytes + (0 if layout.elide_index_k else w.indexer_bytes_saved)
 
 
 @dataclass(frozen=True)
@@ -234,11 +270,14 @@ def kv_budget_bytes(
     reserve_gib: float = 0.0,
     config: ModelConfig | None = None,
     tp: int = 1,
+    ep: int = 1,
+    dp_attention: bool = False,
 ) -> tuple[int, int | None]:
     """The device KV budget in bytes, and the weight bytes it subtracted (None if explicit).
 
     The budget is explicit (`kv_budget_gib`) or `gpu_memory × mem_fraction_static −
-    weights − reserve`, with weights from `weights_gib` or estimated from `config`.
+    weights − reserve`, with weights from `weights_gib` or estimated from `config` over
+    the layout's layers (`layout_weight_bytes`: a pipeline stage's are its own).
     """
     _check_gib("kv_budget_gib", kv_budget_gib, positive=True)
     _check_gib("gpu_memory_gib", gpu_memory_gib, positive=True)
@@ -258,7 +297,7 @@ def kv_budget_bytes(
     if weights_gib is not None:
         weight_bytes = int(weights_gib * GIB)
     elif config is not None:
-        weight_bytes = estimate_weight_bytes(config, layout.plan, tp).total_bytes
+        weight_bytes = layout_weight_bytes(layout, config, tp, ep=ep, dp_attention=dp_attention)
     else:
         raise ConfigError("need weights_gib or a model config to estimate the weights")
     used = weight_bytes + int(reserve_gib * GIB)
@@ -334,11 +373,12 @@ def plan_capacity(
     reserve_gib: float = 0.0,
     config: ModelConfig | None = None,
     tp: int = 1,
+    ep: int = 1,
+    dp_attention: bool = False,
 ) -> CapacityPlan:
     """`max_total_num_tokens = floor(budget / cell / page_size) × page_size`.
 
-    The budget is explicit (`kv_budget_gib`) or `gpu_memory × mem_fraction_static −
-    weights − reserve`, with weights from `weights_gib` or estimated from `config`.
+    The budget is `kv_budget_bytes`'s (explicit, or GPU memory less the layout's weights).
     """
     budget, weight_bytes = kv_budget_bytes(
         layout,
@@ -349,9 +389,127 @@ def plan_capacity(
         reserve_gib=reserve_gib,
         config=config,
         tp=tp,
+        ep=ep,
+        dp_attention=dp_attention,
     )
     tokens = _page_aligned_tokens(budget, layout.bytes_per_token, layout.page_size)
     return CapacityPlan(layout, budget, weight_bytes, tokens)
+
+
+TOPK_INDEX_BYTES = 4  # a top-k position is an int32
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage's share of the model and what its KV budget holds.
+
+    `layout` holds the stage's layers only (`CacheLayout.for_stage`), so its bytes per
+    token count its own latent and its own full (and draft) layers' index-K. A stage that
+    starts on a shared layer receives its source layers' top-k (`carried_sources`) with
+    the hidden states: `index_topk` int32 positions per token per source.
+    """
+
+    stage: int
+    target: range  # its target layers (the draft layers ride on the last stage)
+    layout: CacheLayout
+    carried_sources: tuple[int, ...]
+    carried_topk_bytes_per_token: int
+    weight_bytes: int | None  # per rank: what its budget subtracted, else the estimate
+    capacity: CapacityPlan  # its budget (its own weights subtracted) and tokens
+
+    @property
+    def num_full_layers(self) -> int:
+        return sum(self.layout.plan.runs_indexer(i) for i in self.target)
+
+    @property
+    def num_shared_layers(self) -> int:
+        return len(self.target) - self.num_full_layers
+
+    def as_dict(self) -> dict[str, Any]:
+        """The stage as plain numbers (`dsakv plan --json`'s `stages`)."""
+        lay = self.layout
+        return {
+            "stage": self.stage,
+            "layers": list(lay.held_layers),
+            "num_target_layers": len(self.target),
+            "num_full_layers": self.num_full_layers,
+            "num_shared_layers": self.num_shared_layers,
+            "index_k_layers": list(lay.index_k_layers),
+            "bytes_per_token": lay.bytes_per_token,
+            "bytes_per_token_elided": replace(lay, elide_index_k=True).bytes_per_token,
+            "bytes_per_token_dense": lay.dense().bytes_per_token,
+            "carried_sources": list(self.carried_sources),
+            "carried_topk_bytes_per_token": self.carried_topk_bytes_per_token,
+            "weight_bytes_per_rank": self.weight_bytes,
+            "kv_budget_bytes": self.capacity.kv_budget_bytes,
+            "max_total_num_tokens": self.capacity.max_total_num_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Every stage's plan; one scheduler addresses one slot space across the stages, so
+    the engine's pool is the least any stage's budget holds (`limiting`)."""
+
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def limiting(self) -> StagePlan:
+        """The stage whose budget holds the fewest tokens (the first such)."""
+        return min(self.stages, key=lambda s: s.capacity.max_total_num_tokens)
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return self.limiting.capacity.max_total_num_tokens
+
+    @property
+    def num_pages(self) -> int:
+        return self.limiting.capacity.num_pages
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The limiting stage's budget."""
+        return self.limiting.capacity.kv_budget_bytes
+
+
+def plan_pipeline(
+    layout: CacheLayout,
+    stages: Sequence[range],
+    *,
+    index_topk: int,
+    config: ModelConfig | None = None,
+    tp: int = 1,
+    ep: int = 1,
+    dp_attention: bool = False,
+    **budget: Any,
+) -> PipelinePlan:
+    """Each stage of `stages` (`ParallelConfig.stage_layers`; one stage of every layer:
+    the whole model) planned as `plan_capacity` plans a pool: its own layout
+    (`layout.for_stage`) and, with `gpu_memory_gib` and no `weights_gib`, its own weights
+    (`layout_weight_bytes` over its layers, from `config`). `budget`: `plan_capacity`'s
+    other keywords, per rank (an explicit `weights_gib` is every rank's).
+    """
+    out = []
+    priced = dict(config=config, tp=tp, ep=ep, dp_attention=dp_attention)
+    for s, target in enumerate(stages):
+        stage = layout.for_stage(target)
+        try:
+            cap = plan_capacity(stage, **priced, **budget)
+        except ConfigError as e:
+            if len(stages) == 1:
+                raise
+            raise ConfigError(  # (which stage: their weights differ)
+                f"pipeline stage {s} (layers {spans(stage.held_layers)}): {e}"
+            ) from None
+        weight_bytes = cap.weight_bytes
+        if weight_bytes is None and config is not None:  # (reported, not subtracted)
+            weight_bytes = layout_weight_bytes(stage, config, tp, ep=ep, dp_attention=dp_attention)
+        carried = layout.plan.carried_sources(target.start) if target.start else ()
+        topk_bytes = len(carried) * index_topk * TOPK_INDEX_BYTES
+        out.append(StagePlan(s, target, stage, carried, topk_bytes, weight_bytes, cap))
+    if not out:
+        raise ConfigError("a pipeline needs at least one stage")
+    return PipelinePlan(tuple(out))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """`HostPool`: the CPU tier. Same elided layout as the device pool (DESIGN.md §1, §7.3):
 shared layers own no index-K on the host either, and full layers' index-K always travels
-with the latent, so a restored prefix is exactly what was evicted.
+with the latent, so a restored prefix is exactly what was evicted. Under `--pp-size` each
+stage's host tier mirrors its device pool's layers only (its layout: its bytes per page).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class HostPool:
         self.bytes_to_host = 0
         self.bytes_to_device = 0
         # Under tensor parallelism every rank holds a replica of the pool: rank 0 records
-        # its copies here and the other ranks `replay` them before the next forward.
+        # its copies here and the other ranks `replay` them before the next forward. The
+        # journal names slots only, so a pipeline stage replays it over its own layers.
         self.journal: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod

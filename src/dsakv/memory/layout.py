@@ -3,18 +3,55 @@
 from __future__ import annotations
 
 import hashlib
+import operator
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from dsakv.config import LayerPlan, ModelConfig
-from dsakv.errors import ConfigError
+from dsakv.errors import ConfigError, is_int
 
 from .fp8 import scale_blocks
 
 LATENT_DTYPES = ("fp8_e4m3", "fp8_ds_mla", "bf16", "fp32")
 DEFAULT_LATENT_DTYPE = "fp8_e4m3"  # (what vLLM's and SGLang's "auto" spells here)
 INDEX_K_DTYPES = ("fp8", "bf16", "fp32")
+
+
+class LayerNotHeldError(IndexError):
+    """A layer of the model that this cache does not hold: another pipeline stage's."""
+
+
+def spans(layers: tuple[int, ...]) -> str:
+    """Layers as compact ranges: (0, 1, 2, 5, 78) -> "0-2, 5, 78"."""
+    out, start = [], 0
+    for k in range(1, len(layers) + 1):
+        if k == len(layers) or layers[k] != layers[k - 1] + 1:
+            a, b = layers[start], layers[k - 1]
+            out.append(f"{a}" if a == b else f"{a}-{b}")
+            start = k
+    return ", ".join(out)
+
+
+def checked_layers(plan: LayerPlan, layers: Any) -> tuple[int, ...]:
+    """The layers one pipeline stage holds, as a tuple: increasing, none twice, each a
+    layer of `plan` (target or draft), at least one; anything else is one ConfigError."""
+    total = plan.num_total_layers
+    try:
+        held = tuple(layers)
+    except TypeError:
+        held = ()
+    if (
+        not held
+        or not all(is_int(i) and 0 <= i < total for i in held)
+        or any(a >= b for a, b in zip(held, held[1:]))
+    ):
+        raise ConfigError(
+            f"a stage's layers must be increasing, unique layers in 0..{total - 1} (the "
+            f"plan's target and draft layers), at least one; got {layers!r}"
+        )
+    return held
 
 
 def latent_bytes(dtype: str, kv_lora_rank: int, rope_dim: int) -> int:
@@ -72,6 +109,8 @@ class CacheLayout:
             )
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ConfigError(f"page_size must be an integer >= 1, got {self.page_size!r}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", checked_layers(self.plan, self.layers))
 
     @classmethod
     def for_model(
@@ -114,7 +153,10 @@ class CacheLayout:
 
     def for_stage(self, target: range) -> CacheLayout:
         """The layout of a pipeline stage running the target layers `target`: those, and
-        the draft layers on the last stage (the one that ends the target layers)."""
+        the draft layers on the last stage (the one that ends the target layers). One stage
+        holding every layer is the whole layout (`layers` None: the same fingerprint)."""
+        if target == range(self.plan.num_layers):
+            return replace(self, layers=None)
         held = tuple(target)
         if target.stop == self.plan.num_layers:
             held += tuple(range(self.plan.num_layers, self.plan.num_total_layers))
@@ -135,8 +177,29 @@ class CacheLayout:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     def has_index_k(self, layer: int) -> bool:
-        """Whether the pools give `layer` index-K storage (the plan decides when elided)."""
-        return self.plan.owns_index_k(layer) or not self.elide_index_k  # (checks the range)
+        """Whether the pools give `layer` index-K storage (the plan decides when elided); a
+        layer this cache does not hold is an error (`check_held`), never False."""
+        layer = self.check_held(layer)
+        return self.plan.owns_index_k(layer) or not self.elide_index_k
+
+    def check_held(self, layer: int) -> int:
+        """`layer` as an int (a numpy integer or 0-d tensor taken, as list indexing takes
+        them), refused if this cache holds no storage for it: past the plan's layers an
+        IndexError, another pipeline stage's a `LayerNotHeldError` naming this one's."""
+        layer = operator.index(layer)
+        total = self.plan.num_total_layers
+        if not 0 <= layer < total:
+            raise IndexError(f"layer {layer} out of range 0..{total - 1}")
+        if self.layers is not None and layer not in self._held_set:
+            raise LayerNotHeldError(
+                f"layer {layer} is on another pipeline stage: this stage's cache holds "
+                f"layers {spans(self.layers)} only"
+            )
+        return layer
+
+    @cached_property
+    def _held_set(self) -> frozenset[int]:
+        return frozenset(self.held_layers)
 
     @property
     def index_k_layers(self) -> tuple[int, ...]:

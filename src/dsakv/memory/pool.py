@@ -1,5 +1,6 @@
 """`DSAKVPool`: the physical KV buffers, one latent buffer per layer and index-K only where
-the layout gives a layer index-K (DESIGN.md §2, §3).
+the layout gives a layer index-K (DESIGN.md §2, §3). A pipeline stage's pool holds its own
+layers only (`CacheLayout.layers`), each addressed by its layer index in the whole model.
 
 Every buffer is stored as one real tensor (`data`, what transfer descriptors point at) and
 seen through per-token `parts`: views shaped `[num_pages, page_size, width]`, so token
@@ -240,7 +241,8 @@ def _index_k_buffer(layout: CacheLayout, pages: int, device, pin) -> _Buffer:
 
 
 class DSAKVPool:
-    """Paged KV storage for every layer of one `CacheLayout` on one device.
+    """Paged KV storage for every layer of one `CacheLayout` on one device (a pipeline
+    stage's: its held layers, by their global index; another stage's layer is refused).
 
     Latent and index-K share one slot space, except under HiSparse (`latent_pages`): there
     the latent buffers hold only the device latent slots (hot buffers, prompts being
@@ -280,7 +282,7 @@ class DSAKVPool:
         need += num_pages * ps * layout.index_k_bytes_per_token
         cannot = check_fits(need, self.device, "KV cache")
         try:
-            self._latent = [_latent_buffer(*lat) for _ in range(layout.num_layers)]
+            self._latent = {layer: _latent_buffer(*lat) for layer in layout.held_layers}
             # The layout (hence the LayerPlan) alone decides which layers get index-K.
             self._index_k = {layer: _index_k_buffer(*idx) for layer in layout.index_k_layers}
         except _NoMemory as e:
@@ -306,27 +308,24 @@ class DSAKVPool:
         return sum(b.nbytes for _, _, b in self._buffers())
 
     def has_index_k(self, layer: int) -> bool:
-        self._check_layer(layer)
-        return layer in self._index_k
+        return self._check_layer(layer) in self._index_k
 
     # --- latent ------------------------------------------------------------------------------
 
     def write_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        self._check_layer(layer)
-        buf, dim = self._latent[layer], self.layout.latent_dim
+        buf, dim = self._latent[self._check_layer(layer)], self.layout.latent_dim
         self._write(buf, slots, latent, dim, "latent", self.num_latent_tokens)
 
     def gather_latent(
         self, layer: int, slots: torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        self._check_layer(layer)
-        return self._gather(self._latent[layer], slots, dtype, self.num_latent_tokens)
+        buf = self._latent[self._check_layer(layer)]
+        return self._gather(buf, slots, dtype, self.num_latent_tokens)
 
     def latent_data(self, layer: int) -> torch.Tensor:
         """The layer's latent buffer as stored (`[slots, row]`), for kernels that read or
         write the bytes in place: uint8 656-byte rows (fp8_ds_mla), e4m3 / bf16 / fp32 rows."""
-        self._check_layer(layer)
-        return self._latent[layer].data
+        return self._latent[self._check_layer(layer)].data
 
     # --- index-K -----------------------------------------------------------------------------
 
@@ -368,15 +367,18 @@ class DSAKVPool:
     ) -> list[TransferDescriptor]:
         """One per real buffer (latent per layer, index-K per owning layer); none for elided.
 
-        `host_latent`: HiSparse's host rows (one `[num_tokens, row]` uint8 tensor per layer,
-        the stored bytes at logical slots) stand in for the latent, so a prefill server
-        writes a decode server's latent straight into its host memory."""
+        `host_latent`: HiSparse's host rows (one `[num_tokens, row]` uint8 tensor per held
+        layer, in order: the stored bytes at logical slots) stand in for the latent, so a
+        prefill server writes a decode server's latent straight into its host memory."""
         if host_latent is None:
             self._check_unsplit()
+            host = None
+        else:
+            host = self._per_held_layer(host_latent, "host latent buffers")
         out = []
         for layer, comp, b in self._buffers():
-            if comp == LATENT and host_latent is not None:
-                t = host_latent[layer]
+            if comp == LATENT and host is not None:
+                t = host[layer]
                 nbytes, rows = t.numel() * t.element_size(), ((0, t.shape[1] * t.element_size()),)
                 out.append(
                     TransferDescriptor(
@@ -442,9 +444,17 @@ class DSAKVPool:
         stored: what sleep mode frees (`Engine.release_memory_occupation`)."""
         return [b.data for _, _, b in self._buffers()]
 
+    def _per_held_layer(self, items: Sequence, what: str) -> dict:
+        """`items`, one per held layer in order, keyed by layer (a count that differs is an
+        error, never a silent mismatch)."""
+        held = self.layout.held_layers
+        if len(items) != len(held):
+            raise ValueError(f"{len(items)} {what} for the {len(held)} layers this pool holds")
+        return dict(zip(held, items))
+
     def _buffers(self):
-        """(layer, component, buffer) for every real buffer, in a fixed order."""
-        for layer, buf in enumerate(self._latent):
+        """(layer, component, buffer) for every real buffer, in a fixed order (by layer)."""
+        for layer, buf in self._latent.items():
             yield layer, LATENT, buf
             if layer in self._index_k:
                 yield layer, INDEX_K, self._index_k[layer]
@@ -457,12 +467,13 @@ class DSAKVPool:
                 "moved, exported or transferred as whole rows of every buffer"
             )
 
-    def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.layout.num_layers:
-            raise IndexError(f"layer {layer} out of range 0..{self.layout.num_layers - 1}")
+    def _check_layer(self, layer: int) -> int:
+        """`layer` as an int; a layer past the model's, or another pipeline stage's, is
+        refused in words (`CacheLayout.check_held`), never read out of range."""
+        return self.layout.check_held(layer)
 
     def _index_k_of(self, layer: int) -> _Buffer:
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         buf = self._index_k.get(layer)
         if buf is None:
             src = self.layout.plan.topk_source(layer)
