@@ -1485,6 +1485,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     add_aliased(g, TP, "tensor-parallel ranks, one process each", dest="tp", type=positive_int)
     add_aliased(g, EP, "expert-parallel groups of whole experts", dest="ep", type=positive_int)
+    add_pp_args(g, "pipeline stages, each of --tp ranks")
     add_dp_args(g, "each rank schedules its own requests")
     g.add_argument("--enable-expert-parallel", action="store_true", help=argparse.SUPPRESS)
     g.add_argument(  # SGLang's DeepEP all-to-all, which splits the experts over every rank
@@ -1825,6 +1826,8 @@ def given_flags(args: argparse.Namespace, add_args: Any) -> list[str]:
         if isinstance(value, list):  # (nargs; --lora-modules' (name, path) as its JSON form:
             # NAME=PATH would read a name holding "=", or starting with "{", another way)
             out += [flag, *(_as_lora_module(v) if isinstance(v, tuple) else str(v) for v in value)]
+        elif isinstance(value, tuple):  # (--pp-layer-partition's N,N,...)
+            out += [flag, ",".join(map(str, value))]
         else:
             out += [flag] if value is True else [flag, str(value)]
     return out

@@ -1,6 +1,11 @@
 """How the model is split across ranks (`ParallelConfig`) and one rank's view of it
 (`ParallelState`), with the few collectives the model needs.
 
+Under pipeline parallelism (`--pp-size`) the target layers are split into stages, each
+stage `tp` ranks; the model's collectives run over the stage's TP group, the control plane
+(rank 0's messages, the every-rank outcomes) over every rank, and a stage hands its
+output to the same TP rank of the next stage point to point.
+
 The layout follows SGLang (DESIGN.md §8):
 - attention side (embedding, MLA, indexer, lm_head) is split over the *attention group*:
   every rank under plain TP, each rank alone under DP attention (whole weights per rank);
@@ -57,6 +62,12 @@ class ParallelConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise DsakvError(f"{flag} must be an integer >= 1, got {v!r}")
+        if self.pp_partition is not None and self.pp == 1 and len(self.pp_partition) > 1:
+            n = len(self.pp_partition)  # (--pp-size left at 1: say which it needs)
+            raise DsakvError(
+                f"--pp-layer-partition {','.join(map(str, self.pp_partition))} gives {n} "
+                f"stages: give --pp-size {n} too"
+            )
         if self.pp_partition is not None and (
             len(self.pp_partition) != self.pp
             or not all(is_int(n) and n >= 1 for n in self.pp_partition)
@@ -142,6 +153,7 @@ class ParallelConfig:
         for name, value, parts, flag in checks:
             if value % parts:
                 raise DsakvError(f"{name} ({value}) is not divisible by {flag} ({parts})")
+        self.stage_layers(config.num_hidden_layers)  # (a partition that does not fit it)
 
 
 def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
@@ -156,7 +168,10 @@ def even_split(num_layers: int, stages: int) -> tuple[int, ...]:
 class ParallelState:
     """One rank's place in the layout, and the collectives over its process group.
 
-    With one rank every collective is the identity, so the model code has one path.
+    `group` is this rank's pipeline stage's TP group (the model's collectives; None: the
+    default group, every rank, as with one stage); `cpu_group` carries control messages
+    over every rank. With one rank every collective is the identity, so the model code
+    has one path.
     """
 
     def __init__(
@@ -181,7 +196,38 @@ class ParallelState:
 
     @property
     def world_size(self) -> int:
+        """Every rank (tp × pp): the control plane's."""
         return self.config.world_size
+
+    @property
+    def tp_size(self) -> int:
+        """The ranks of this rank's stage (the model's collectives)."""
+        return self.config.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.config.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.config.pp
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage (ranks are stage-major)."""
+        return self.rank // self.config.tp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.config.pp - 1
+
+    def stage_layers(self, num_layers: int) -> range:
+        """The target layers this rank's stage runs (all of them with one stage)."""
+        return self.config.stage_layers(num_layers)[self.stage]
 
     @property
     def is_driver(self) -> bool:
@@ -194,23 +240,23 @@ class ParallelState:
 
     @property
     def attn_rank(self) -> int:
-        return 0 if self.config.dp_attention else self.rank
+        return 0 if self.config.dp_attention else self.tp_rank
 
     @property
     def ep_rank(self) -> int:
         """Which group of whole experts this rank serves."""
-        return self.rank // self.config.moe_tp
+        return self.tp_rank // self.config.moe_tp
 
     @property
     def moe_tp_rank(self) -> int:
         """Which slice of its experts' intermediate size this rank holds."""
-        return self.rank % self.config.moe_tp
+        return self.tp_rank % self.config.moe_tp
 
-    # --- collectives (identity on one rank) -------------------------------------------------
+    # --- collectives over the stage's TP group (identity on one rank) ---------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over every rank (after o_proj under TP, after the FFN)."""
-        if self.world_size > 1:
+        """Sum over the stage's ranks (after o_proj under TP, after the FFN)."""
+        if self.tp_size > 1:
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -229,15 +275,16 @@ class ParallelState:
         return torch.cat(parts, dim=dim)
 
     def all_gather_run(self, x: torch.Tensor, parts: int) -> torch.Tensor:
-        """Each `x` of the `parts` ranks from `rank // parts * parts` on (the ranks that split
-        one weight: every rank, or an expert group's moe_tp ranks), stacked `[parts, ...]`.
-        A run shorter than every rank gathers over all of them and keeps its own: the one
-        group the model has, no subgroup to create (--fully-sharded-loras' small shrinks)."""
+        """Each `x` of the `parts` ranks from `tp_rank // parts * parts` on (the ranks that
+        split one weight: the stage's every rank, or an expert group's moe_tp ranks),
+        stacked `[parts, ...]`. A run shorter than the stage gathers over all of it and
+        keeps its own: the one group the model has, no subgroup to create
+        (--fully-sharded-loras' small shrinks)."""
         if parts == 1:
             return x[None]
-        out = x.new_empty(self.world_size, *x.shape)
+        out = x.new_empty(self.tp_size, *x.shape)
         dist.all_gather(list(out.unbind(0)), x.contiguous(), group=self.group)
-        start = self.rank // parts * parts
+        start = self.tp_rank // parts * parts
         return out[start : start + parts]
 
     def gather_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -246,16 +293,16 @@ class ParallelState:
         Ranks send different numbers of tokens (zero included), so rows are padded to the
         largest count for the all-gather and the padding is dropped again.
         """
-        if self.world_size == 1 or not self.config.dp_attention:
+        if self.tp_size == 1 or not self.config.dp_attention:
             return x, [x.shape[0]]
         n = torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
-        counts_t = [torch.empty_like(n) for _ in range(self.world_size)]
+        counts_t = [torch.empty_like(n) for _ in range(self.tp_size)]
         dist.all_gather(counts_t, n, group=self.group)
         counts = [int(c) for c in counts_t]
         width = max(counts)
         padded = x.new_zeros(width, *x.shape[1:])
         padded[: x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        parts = [torch.empty_like(padded) for _ in range(self.tp_size)]
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([p[:c] for p, c in zip(parts, counts)]), counts
 
@@ -264,7 +311,7 @@ class ParallelState:
 
         (An all-reduce then a slice: gloo has no reduce-scatter, and the sum is the same.)
         """
-        if self.world_size == 1 or not self.config.dp_attention:
+        if self.tp_size == 1 or not self.config.dp_attention:
             return self.all_reduce(y)
         self.all_reduce(y)
         return y[self.own_rows(counts)]
@@ -272,13 +319,45 @@ class ParallelState:
     def own_rows(self, counts: list[int]) -> slice:
         """This rank's rows of `gather_tokens`' stacked rows (all of them but under DP
         attention)."""
-        if self.world_size == 1 or not self.config.dp_attention:
+        if self.tp_size == 1 or not self.config.dp_attention:
             return slice(None)
-        start = sum(counts[: self.rank])
-        return slice(start, start + counts[self.rank])
+        start = sum(counts[: self.tp_rank])
+        return slice(start, start + counts[self.tp_rank])
+
+    # --- point to point between pipeline stages (the default group) -----------------------
+
+    def send_next(self, tensors: list[torch.Tensor]) -> None:
+        """This stage's output to the same TP rank of the next stage, in order."""
+        for t in tensors:
+            dist.send(t.contiguous(), self.rank + self.tp_size)
+
+    def recv_prev(self, like: list[tuple[tuple[int, ...], torch.dtype]], device) -> list:
+        """What the previous stage's same TP rank sent (`send_next`): one tensor of each
+        (shape, dtype) of `like`, in order."""
+        out = []
+        for shape, dtype in like:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(t, self.rank - self.tp_size)
+            out.append(t)
+        return out
+
+    def to_driver(
+        self, x: torch.Tensor | None, shape: tuple[int, ...], device
+    ) -> torch.Tensor | None:
+        """The last stage's `x` (its TP rank 0's: its ranks hold the same) on rank 0, which
+        returns it; the last stage returns its own, the other ranks None. The identity with
+        one stage."""
+        if self.pp_size == 1:
+            return x
+        last = (self.pp_size - 1) * self.tp_size
+        if self.rank == last:
+            dist.send(x.contiguous(), 0)
+        elif self.rank == 0:
+            x = torch.empty(shape, dtype=torch.float32, device=device)
+            dist.recv(x, last)
+        return x
 
     # --- control plane (rank 0 → everyone, pickled, over gloo) ----------------------------
-
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0 sends `obj`; every rank returns it."""
         if self.world_size == 1:
@@ -325,7 +404,21 @@ def init_parallel(
         **({"device_id": device} if device.type == "cuda" else {}),
     )
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return ParallelState(config, rank, group=None, cpu_group=cpu_group)
+    return ParallelState(
+        config, rank, group=_stage_group(config, rank, timeout), cpu_group=cpu_group
+    )
+
+
+def _stage_group(config: ParallelConfig, rank: int, timeout: datetime.timedelta) -> Any:
+    """This rank's stage's TP group (None with one stage: the default group). Every rank
+    makes every stage's group, in the same order, as `dist.new_group` requires."""
+    if config.pp == 1:
+        return None
+    groups = [
+        dist.new_group(range(s * config.tp, (s + 1) * config.tp), timeout=timeout)
+        for s in range(config.pp)
+    ]
+    return groups[rank // config.tp]
 
 
 _excepthook = None

@@ -105,6 +105,10 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    # Pipeline stages (SGLang's --pp-size, vLLM's --pipeline-parallel-size), each of `tp`
+    # ranks, and the target layers of each (None: `parallel.even_split`)
+    pp: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
     # L3 storage tier for prefix KV (SGLang's HiCache names): see `StorageConfig`.
     hicache_storage_backend: str | None = None  # "file" | "mooncake"
     hicache_storage_dir: str | None = None
@@ -290,7 +294,10 @@ class EngineConfig:
         if n is not None and self.speculative_algorithm is None:
             raise DsakvError("--speculative-num-steps needs --speculative-algorithm")
         self._check_pool_size()
+        if isinstance(self.pp_layer_partition, list):  # (an LLM(...) keyword's list)
+            object.__setattr__(self, "pp_layer_partition", tuple(self.pp_layer_partition))
         pc = self.parallel  # (validates the parallel flags)
+        self._check_pp()
         if pc.dp_attention and self.max_running_requests < pc.world_size:
             raise DsakvError(
                 f"--max-running-requests {self.max_running_requests} is less than one request "
@@ -300,7 +307,7 @@ class EngineConfig:
         self._check_lora()
         if self.enable_deterministic_inference:
             refused = (
-                (self.parallel.world_size > 1, "more than one rank"),
+                (self.tp > 1, "more than one rank a stage (--tp)"),
                 (self.dtype not in ("auto", "float32"), f"--dtype {self.dtype} (fp32 only)"),
             )
             for bad, what in refused:
@@ -328,6 +335,27 @@ class EngineConfig:
                     "--hicache-storage-backend runs with one rank only (--tp 1): pages read "
                     "from storage would reach rank 0's pool, not the other ranks' replicas"
                 )
+
+    def _check_pp(self) -> None:
+        """What pipeline stages (`pp` > 1) do not run with yet, refused before anything
+        loads."""
+        if self.pp == 1:
+            return
+        refused = (
+            (self.enable_hisparse, "--enable-hisparse"),
+            (self.enable_lora, "--enable-lora"),
+            (self.hicache_storage_backend is not None, "--hicache-storage-backend"),
+            # (what these return is on the last stage, and each stage routes its own layers)
+            (self.enable_return_hidden_states, "--enable-return-hidden-states"),
+            (self.enable_return_routed_experts, "--enable-return-routed-experts"),
+            (
+                self.expert_distribution_recorder_mode is not None,
+                "--expert-distribution-recorder-mode",
+            ),
+        )
+        for bad, flag in refused:
+            if bad:
+                raise DsakvError(f"{flag} does not run with --pp-size {self.pp} (> 1) yet")
 
     def _check_pool_size(self) -> None:
         """One way to size the pool; a fraction of the GPU on a GPU, with SGLang's meaning."""
@@ -540,7 +568,14 @@ class EngineConfig:
     @property
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(
-            self.tp, self.ep, self.dp_attention, self.nnodes, self.node_rank, self.dist_init_addr
+            self.tp,
+            self.ep,
+            self.dp_attention,
+            self.nnodes,
+            self.node_rank,
+            self.dist_init_addr,
+            pp=self.pp,
+            pp_partition=self.pp_layer_partition,
         )
 
 

@@ -174,7 +174,9 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
 
     Under tensor parallelism one `Engine` runs on every rank over that rank's shards and
     pool replica; rank 0's schedules and samples, and the others replay its model calls
-    (`ModelRunner.serve`). Under DP attention each rank schedules its own requests
+    (`ModelRunner.serve`). Under pipeline parallelism a rank's engine holds its stage's
+    layers and a pool of them only (`CacheLayout.for_stage`), of the page count every
+    stage holds. Under DP attention each rank schedules its own requests
     (`dsakv.engine.dp`).
     """
 
@@ -211,6 +213,9 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             config.page_size,
             config.elide_index_k,
         )
+        if self.parallel.pp_size > 1:  # (this pipeline stage's layers only)
+            stage = self.parallel.stage_layers(model_config.num_hidden_layers)
+            self.layout = self.layout.for_stage(stage)
         # Before the weights: a broken tokenizer fails in a second, not after the load.
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
         if config.tokenizer is not None and len(self.tokenizer) > model_config.vocab_size:
@@ -433,6 +438,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                     cap, pages * config.page_size,
                 )  # fmt: skip
             pages = min(pages, cap // config.page_size)
+        pages = self._least_over_stages(pages)
         if pages < 1:
             raise DsakvError("the KV budget holds less than one page")
         if self.hisparse is None:
@@ -446,6 +452,14 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 "smaller host_to_device_ratio in --hisparse-config)"
             ) from None
         return logical, pages
+
+    def _least_over_stages(self, pages: int) -> int:
+        """Under pipeline parallelism the least of every rank's `pages` (each stage's layout
+        has its own bytes per page): rank 0's scheduler hands out pages every stage must
+        hold. `pages` as it is with one stage."""
+        if self.parallel.pp_size == 1:
+            return pages
+        return min(self.parallel.all_gather_objects(pages))
 
     def _kv_budget_gib(self) -> float:
         """`kv_budget_gib` (default 1), or under `mem_fraction_static` what the GPU keeps for
@@ -507,7 +521,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         config = self.config
         host, flag = None, config.host_tier_flag
         try:
-            if config.host_pool_gib > 0:
+            if config.host_pool_gib > 0 and self.parallel.pp_size > 1:  # (pages every stage has)
+                pages = int(config.host_pool_gib * GIB // self.layout.bytes_per_page)
+                host = HostPool(self.pool, self._least_over_stages(pages))
+            elif config.host_pool_gib > 0:
                 host = HostPool.from_gib(self.pool, config.host_pool_gib)
             elif config.host_pool_ratio is not None:  # (SGLang's --hicache-ratio: the pool's now)
                 pages = int(self.pool.num_pages * config.host_pool_ratio)
@@ -542,6 +559,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             self.plan.pattern,
             ", deterministic" if self.deterministic else "",
         )
+        if self.parallel.pp_size > 1:
+            self._log_stages()
         if self.hot is not None:
             log.info(
                 "HiSparse: %d device latent slots (%d B/token, hot buffers of %d slots: "
@@ -553,6 +572,20 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 self.pool.num_tokens,
                 self.hot.host_nbytes / 2**20,
             )
+
+    def _log_stages(self) -> None:
+        """Each pipeline stage's layers, full layers and KV bytes per token (rank 0's line
+        above is its own stage's); from the plan, no message needed."""
+        if not self.parallel.is_driver:
+            return
+        for s, layers in enumerate(self.parallel.config.stage_layers(self.plan.num_layers)):
+            lay = self.layout.for_stage(layers)
+            log.info(
+                "pipeline stage %d: layers %d-%d%s, %d full, %d B/token",
+                s, layers.start, layers.stop - 1,
+                " + draft" if len(lay.held_layers) > len(layers) else "",
+                sum(self.plan.runs_indexer(i) for i in layers), lay.bytes_per_token,
+            )  # fmt: skip
 
     @functools.cached_property
     def model_identity(self) -> str:
@@ -571,7 +604,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         return (
             self.device.type == "cpu"
             and self.config.attention_backend in ("auto", "cpu")
-            and self.parallel.world_size == 1
+            and self.parallel.tp_size == 1  # (pipeline stages of one rank each run it too)
             and dtype == torch.float32
             and cpu_native.available()
         )
@@ -588,6 +621,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         (captured on CUDA unless `disable_cuda_graph`; eager padded steps elsewhere). Under
         --enable-lora only steps without adapter rows run them (`ModelRunner._forward`)."""
         why = self.backend.graph_blocker(self.model.dtype, self.device, self.model_config.has_moe)
+        if why is None and self.parallel.pp_size > 1:
+            why = "pipeline stages (--pp-size) run each step eager"
         if why is None and self.parallel.world_size > 1:
             why = "more than one rank"
         if why is None and self.hot is not None:

@@ -9,6 +9,12 @@ draft outputs ("target", "draft") and messages name rows of them. Between steps 
 may have every rank make one of the engine's every-rank calls (`Engine.every_rank_call`:
 sleep mode, weight updates, profiles, the expert distribution). Under DP attention every
 rank schedules for itself, so nothing is broadcast here (see `dsakv.engine.dp`).
+
+Under pipeline parallelism every rank still runs each message: a stage runs its layers
+and hands its output to the next (`dsakv.models.handoff`); hidden states stay on the last
+stage (its "target" and "draft"), which also runs the MTP layer, and logits are computed
+there and sent to rank 0 (`ParallelState.to_driver`), which returns them as one stage
+would.
 """
 
 from __future__ import annotations
@@ -65,7 +71,9 @@ class ModelRunner:
         `logits`; None without rows), in the same native call where the step has one, and
         with `record`, the experts this rank's tokens were routed to (`record_routing`'s
         `[T, layers, top_k]`; other ranks route alike); else None.
-        A step that records runs eager: not a CUDA graph (SGLang's captures it). `hot`:
+        Under pipeline parallelism the hidden rows returned on rank 0 are its stage's
+        output (un-normed; the last stage keeps the final ones), the logits the last
+        stage's. A step that records runs eager: not a CUDA graph (SGLang's captures it). `hot`:
         the step's HiSparse latent slots (`dsakv.engine.hisparse.HotStep`; one rank only).
         `lora`: the step's LoRA table (`LoraRegistry.step`), None without LoRA requests; a
         step with adapter rows runs eager too, one without runs as without --enable-lora."""
@@ -80,9 +88,10 @@ class ModelRunner:
         slots: Sequence[torch.Tensor],
         source: str,
         rows: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Run the MTP layer: token t of `new_tokens` pairs with `self.last[source][rows[t]]`
-        (the target's hidden state, or the draft's own previous output when chaining)."""
+        (the target's hidden state, or the draft's own previous output when chaining).
+        Only the last pipeline stage holds it (the others return None)."""
         with self._leading() as send:
             if send:
                 send("draft", _pack(new_tokens), _pack_slots(slots), source, rows.cpu())
@@ -206,21 +215,35 @@ class ModelRunner:
             with torch.inference_mode(), ctx as routed:
                 if rows:
                     self.last[TARGET], logits = self.model.forward_logits(fb, self.pool, picked)
+                    logits = self._to_driver(logits, len(rows))
                 else:
                     self.last[TARGET] = self.model(fb, self.pool)
         return self.last[TARGET], logits, routed
 
-    def _forward_draft(self, new_tokens, slots, source: str, rows: torch.Tensor) -> torch.Tensor:
+    def _forward_draft(
+        self, new_tokens, slots, source: str, rows: torch.Tensor
+    ) -> torch.Tensor | None:
+        if not self.parallel.is_last_stage:  # (the MTP layer is the last stage's)
+            return None
         fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
         with torch.inference_mode():
             h = self.last[source][rows.to(self.device)]
             self.last[DRAFT] = self.model.forward_draft(fb, self.pool, h)
         return self.last[DRAFT]
 
-    def _logits(self, rows: torch.Tensor, source: str) -> torch.Tensor:
-        with torch.inference_mode():
-            h = self.last[source][rows.to(self.device)]
-            return self.model.compute_logits(h, draft=source == DRAFT)
+    def _logits(self, rows: torch.Tensor, source: str) -> torch.Tensor | None:
+        logits = None
+        if self.parallel.is_last_stage:
+            with torch.inference_mode():
+                h = self.last[source][rows.to(self.device)]
+                logits = self.model.compute_logits(h, draft=source == DRAFT)
+        return self._to_driver(logits, len(rows))
+
+    def _to_driver(self, logits: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """The last pipeline stage's `n` rows of fp32 logits, on rank 0 (as they are with
+        one stage)."""
+        shape = (n, self.model.config.vocab_size)
+        return self.parallel.to_driver(logits, shape, self.device)
 
 
 def _pack(new_tokens: Sequence[Sequence[int]]) -> list[list[int]]:

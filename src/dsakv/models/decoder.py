@@ -37,7 +37,7 @@ class DecoderLayer(nn.Module):
             MoE(config, parallel)
             if config.is_moe(layer)
             else MLP(
-                config.hidden_size, config.intermediate_size, parallel.world_size, parallel.rank
+                config.hidden_size, config.intermediate_size, parallel.tp_size, parallel.tp_rank
             )
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -71,10 +71,11 @@ class DecoderLayer(nn.Module):
         return self._native
 
 
-def in_turn(layers: Sequence[DecoderLayer], x, cos, sin, batch, pool):
+def in_turn(layers: Sequence[DecoderLayer], x, cos, sin, batch, pool, selections=None):
     """`layers` one after another (each layer's blocks through the backend); a shared layer
-    reads the selection of the full layer before it."""
-    selections: dict = {}
+    reads the selection of the full layer before it. `selections`: those of full layers
+    before `layers` (a pipeline stage's, received with its input), filled as they run."""
+    selections = {} if selections is None else selections
     for layer in layers:
         x = layer(x, cos, sin, batch, pool, selections)
     return x
@@ -130,7 +131,7 @@ def residual_ffn(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> tor
 
 def _native_blocks(layer: DecoderLayer) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
     attn, mlp = layer.self_attn, layer.mlp
-    if layer.parallel.world_size > 1 or not cpu_native.fits(layer):
+    if layer.parallel.tp_size > 1 or not cpu_native.fits(layer):
         return None
     inputs = cpu_native.MlaInputs(
         layer.input_layernorm.weight,

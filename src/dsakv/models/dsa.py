@@ -4,13 +4,18 @@ Parameter names mirror the Hugging Face checkpoints (`model.layers.{i}.self_attn
 the loader maps tensors one to one (routed experts are stacked per layer). Which layers
 build an indexer, and whether the MTP draft layer (`model.layers.{N}`) is built, comes
 from the `LayerPlan` and nowhere else.
+
+Under pipeline parallelism a rank builds only its stage's parts (`StageParts`): its target
+layers, the embedding on the first stage, the final norm, lm_head and the MTP layer on
+the last; every other part is a parameterless `MissingLayer`, so names and `layers[i]`
+indices stay the checkpoint's. A stage receives the previous stage's hidden rows and the
+top-k selections its layers read from earlier full layers (`handoff`), and sends its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from itertools import islice
 
 import torch
 from torch import nn
@@ -23,6 +28,7 @@ from dsakv.kernels.backend import Block
 
 from .decoder import NORM, DecoderLayer, in_turn, layer_loop
 from .forward_batch import ForwardBatch
+from .handoff import receive_stage_input, send_stage_output
 from .layers import RMSNorm
 from .lora import LoraSlots
 from .moe import Experts
@@ -31,9 +37,49 @@ from .parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from .rope import Rotary
 
 
+class MissingLayer(nn.Module):
+    """A part of the model another pipeline stage holds (vLLM's PPMissingLayer): no
+    parameters, so the parts this stage holds keep their checkpoint names and indices;
+    running it is an error naming the stage that holds it."""
+
+    def __init__(self, name: str, stage: int, here: int) -> None:
+        super().__init__()
+        self.name, self.stage, self.here = name, stage, here
+
+    def forward(self, *args, **kwargs):
+        raise DsakvError(
+            f"{self.name} is held by pipeline stage {self.stage}, not by this rank's stage "
+            f"{self.here}"
+        )
+
+
+class StageParts:
+    """Which parts of the model a rank's pipeline stage builds (all of them with one stage):
+    its target layers; the embedding on the first stage, and on the last where the MTP
+    layer or a tied lm_head reads it; the final norm, lm_head and the MTP layer on the
+    last."""
+
+    def __init__(self, config: ModelConfig, plan: LayerPlan, parallel: ParallelState) -> None:
+        self.stages = parallel.config.stage_layers(config.num_hidden_layers)
+        self.stage, self.last = parallel.stage, len(self.stages) - 1
+        self.layers = self.stages[self.stage]
+        last = self.stage == self.last
+        self.head = last
+        self.draft = last and plan.num_draft_layers > 0
+        self.embed = self.stage == 0 or (last and (self.draft or config.tie_word_embeddings))
+
+    def holder(self, layer: int) -> int:
+        """The stage that runs `layer` (a draft layer: the last)."""
+        return next((s for s, r in enumerate(self.stages) if layer in r), self.last)
+
+    def missing(self, name: str, stage: int) -> MissingLayer:
+        return MissingLayer(name, stage, self.stage)
+
+
 class DSAModel(nn.Module):
     """Embedding, the target layers `layers[:N]`, the final norm; with a draft layer in the
-    plan, `layers[N]` is the MTP layer (so its parameters carry checkpoint names)."""
+    plan, `layers[N]` is the MTP layer (so its parameters carry checkpoint names). Parts
+    another pipeline stage holds are `MissingLayer`s (`StageParts`)."""
 
     def __init__(
         self,
@@ -43,15 +89,32 @@ class DSAModel(nn.Module):
         draft_vocab: tuple[bool, bool] = (False, False),
     ) -> None:
         super().__init__()
-        n = config.num_hidden_layers
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
-        self.layers = nn.ModuleList(DecoderLayer(config, plan, i, parallel) for i in range(n))
+        parts = StageParts(config, plan, parallel)
+        h, n = config.hidden_size, config.num_hidden_layers
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, h, parallel)
+            if parts.embed
+            else parts.missing("model.embed_tokens", 0)
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, plan, i, parallel)
+            if i in parts.layers
+            else parts.missing(f"model.layers.{i}", parts.holder(i))
+            for i in range(n)
+        )
         own_embed, own_head = draft_vocab
         for i in range(n, plan.num_total_layers):
             self.layers.append(
                 MTPLayer(config, plan, i, parallel, own_embed=own_embed, own_head=own_head)
+                if parts.draft
+                else parts.missing(f"model.layers.{i}", parts.last)
             )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = (
+            RMSNorm(h, config.rms_norm_eps)
+            if parts.head
+            else parts.missing("model.norm", parts.last)
+        )
+        self.parts = parts
 
 
 class DSAForCausalLM(nn.Module):
@@ -61,7 +124,10 @@ class DSAForCausalLM(nn.Module):
     With `parallel` it holds only this rank's shards (DESIGN.md §8); `forward` and
     `forward_draft` still return the full hidden states and `compute_logits` the full-vocab
     logits on every rank of the attention group. Every rank must call them for every step
-    (an empty batch included, under DP attention), since they contain collectives.
+    (an empty batch included, under DP attention), since they contain collectives. Under
+    pipeline parallelism it holds its stage's parts (`StageParts`): `forward` runs its
+    layers between the stages' hand-offs, and only the last stage has a head and the MTP
+    layer (`forward_logits` gives no logits before it).
 
     `draft_vocab` = (own embedding, own head): build the MTP layer's own vocab copies (the
     loader asks for them when the checkpoint has them, then drops those equal to the
@@ -91,12 +157,17 @@ class DSAForCausalLM(nn.Module):
         self.parallel.config.check_model(config)
         self.config, self.plan = config, plan
         self.model = DSAModel(config, plan, self.parallel, draft_vocab)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.parallel)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        parts = self.model.parts
+        self.lm_head = (
+            ParallelLMHead(config.vocab_size, config.hidden_size, self.parallel)
+            if parts.head
+            else parts.missing("lm_head", parts.last)
+        )
+        self.tie_head()
         self.rotary = Rotary(config)
         self.ops = TorchBackend()  # the engine's backend replaces it (`use_backend`)
-        self.target_layers = tuple(islice(self.model.layers, config.num_hidden_layers))
+        # This stage's target layers, in order (every target layer with one stage)
+        self.target_layers = tuple(self.model.layers[parts.layers.start : parts.layers.stop])
         # Inside `record_routing`, the `[tokens, layers, top_k]` it fills; None outside
         self.routed: torch.Tensor | None = None
         # LoRA adapter slots (`dsakv.models.lora.LoraSlots`; --enable-lora), else None
@@ -105,10 +176,33 @@ class DSAForCausalLM(nn.Module):
             self.to(device=device, dtype=dtype)
             keep_fp32(self)
 
+    def tie_head(self) -> None:
+        """lm_head reads the embedding's weight (`tie_word_embeddings`), on the stage that
+        holds the head."""
+        if self.config.tie_word_embeddings and self.model.parts.head:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the model computes in (its activations'): the norms' weights hold it."""
-        return self.model.norm.weight.dtype
+        """The dtype the model computes in (its activations'): the norms' weights hold it
+        (the first layer's: every pipeline stage has one)."""
+        return self.target_layers[0].input_layernorm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.target_layers[0].input_layernorm.weight.device
+
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to a part this pipeline stage builds (any
+        name outside the model's parts, unexpected, counts as held: the loader says)."""
+        mod: nn.Module | None = self
+        for part in name.split(".")[:-1]:
+            mod = getattr(mod, part, None)
+            if not isinstance(mod, nn.Module):
+                return True
+            if isinstance(mod, MissingLayer):
+                return False
+        return True
 
     @property
     def num_draft_layers(self) -> int:
@@ -119,12 +213,21 @@ class DSAForCausalLM(nn.Module):
     def mtp(self) -> MTPLayer:
         if not self.num_draft_layers:
             raise DsakvError("this model was loaded without its MTP layer (draft_layers=0)")
-        return self.model.layers[self.config.num_hidden_layers]
+        layer = self.model.layers[self.config.num_hidden_layers]
+        if isinstance(layer, MissingLayer):
+            layer()  # (raises: another stage holds it)
+        return layer
+
+    @property
+    def built_layers(self) -> tuple[DecoderLayer, ...]:
+        """The decoder layers this rank built: its stage's target layers, and the MTP layer
+        where it holds it."""
+        return tuple(m for m in self.model.layers if isinstance(m, DecoderLayer))
 
     def use_backend(self, backend: TorchBackend) -> None:
         """Every layer's attention and indexer run their hot ops through `backend`."""
         self.ops = backend
-        for layer in self.model.layers:
+        for layer in self.built_layers:
             layer.self_attn.ops = backend
             if hasattr(layer.self_attn, "indexer"):
                 layer.self_attn.indexer.ops = backend
@@ -139,9 +242,9 @@ class DSAForCausalLM(nn.Module):
         SGLang's). Steps outside it record nothing and pay nothing. The MTP layer's
         routing is not the target's: never recorded. The native layer loop records it as
         the per-layer blocks do (the same bits)."""
-        device = self.model.norm.weight.device
-        ids = torch.zeros(self.config.routed_shape(tokens), dtype=torch.int32, device=device)
-        moe = [(i, self.target_layers[i]) for i in self.config.moe_layers]
+        ids = torch.zeros(self.config.routed_shape(tokens), dtype=torch.int32, device=self.device)
+        held = self.model.parts.layers
+        moe = [(i, self.model.layers[i]) for i in self.config.moe_layers if i in held]
         for i, layer in moe:
             layer.routed = ids[:, i]
         self.routed = ids
@@ -163,20 +266,31 @@ class DSAForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool) -> torch.Tensor:
-        """Runs every layer, writing this step's KV into `pool`; returns normed hidden `[T, H]`."""
+        """Runs every layer, writing this step's KV into `pool`; returns normed hidden `[T, H]`.
+
+        Under pipeline parallelism, this stage's layers: the first stage embeds, a later one
+        takes the previous stage's rows and carried selections, a stage before the last
+        sends its own on and returns its (un-normed) output rows."""
         loop = self._loop(batch, pool)
         if loop is not None:
             ids, positions, slots = batch.input_ids, batch.positions, batch.out_slots
             return loop(ids, positions, slots, *batch.token_ctx, routed=self.routed)
-        x = self.model.embed_tokens(batch.input_ids)
+        parts, selections = self.model.parts, {}
+        if parts.stage == 0:
+            x = self.model.embed_tokens(batch.input_ids)
+        else:
+            x, selections = receive_stage_input(self, batch)
         cos, sin = self.rotary(batch.positions, x.dtype)
-        x = in_turn(self.target_layers, x, cos, sin, batch, pool)
+        x = in_turn(self.target_layers, x, cos, sin, batch, pool, selections)
+        if parts.stage != parts.last:
+            send_stage_output(self, x, selections)
+            return x
         return self.ops.block(NORM, batch, self.model.norm, x)
 
     @torch.inference_mode()
     def forward_logits(
         self, batch: ForwardBatch, pool, rows: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, and the fp32 logits of its output's `rows` (`compute_logits`): one
         native call where the step has one."""
         loop = self._loop(batch, pool)
@@ -185,6 +299,8 @@ class DSAForCausalLM(nn.Module):
             args = (batch.input_ids, batch.positions, batch.out_slots, table, lens, None, rows)
             return loop(*args, routed=self.routed)
         hidden = self.forward(batch, pool)
+        if not self.model.parts.head:  # (a pipeline stage before the last: no logits here)
+            return hidden, None
         return hidden, self.compute_logits(hidden[rows.to(hidden.device)])
 
     @torch.inference_mode()
@@ -250,6 +366,8 @@ class DSAForCausalLM(nn.Module):
         loop has no LoRA slots: its layers' blocks run eager, `lora.adapting`)."""
         short = 0 < max(batch.extend_lens, default=0) <= LOOP_EXTEND  # (DP: an idle rank's 0)
         if not short or batch.hot is not None or not getattr(self.ops, "deterministic", False):
+            return None
+        if self.parallel.pp_size > 1:  # (the loop runs the whole step: embedding to head)
             return None
         if not draft and self.lora is not None and self.lora.used:
             return None
@@ -321,7 +439,7 @@ def store_matrices(model: nn.Module, dtype: torch.dtype) -> None:
     `dtype` (a bf16 checkpoint's, as stored) while the rest keeps the compute dtype: every op
     widens them exactly where it reads them, so the model computes what it computes with
     them widened at load, from half the bytes. Call `keep_fp32` after."""
-    compute = model.model.norm.weight.dtype
+    compute = model.dtype
     for mod in model.modules():
         if isinstance(mod, (nn.Linear, Experts, VocabParallelEmbedding, ParallelLMHead)):
             mod.to(dtype)

@@ -12,7 +12,8 @@ checkpoints and `save_pretrained` write) or already stacked (`mlp.experts.gate_u
 
 Under tensor / expert parallelism each rank reads only its own slices
 (`safe_open(...).get_slice`), never a whole sharded tensor, and skips the experts other
-ranks hold; FP8 scales are read for the 128-blocks that cover the slice.
+ranks hold; FP8 scales are read for the 128-blocks that cover the slice. Under pipeline
+parallelism it reads only its stage's parts (`DSAForCausalLM.holds`).
 """
 
 from __future__ import annotations
@@ -115,10 +116,9 @@ def load_model(
     files = checkpoint_files(path)
     model = _meta_model(path, config, plan, files, dtype, as_stored, parallel)
     _allocate(model, device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_head()
     _Filler(model, config, plan).load(files)
-    if plan.num_draft_layers:
+    if model.model.parts.draft:
         kept = model.mtp.drop_duplicate_vocab(model)
         log.info("MTP layer %d loaded; own vocab copies kept: %s", config.num_hidden_layers, kept)
     return model.eval(), config, plan
@@ -272,12 +272,14 @@ def held_rows(model: DSAForCausalLM, name: str, rows: int) -> Held | None:
     the host (packed FP8 blocks dequantized); None where it holds none (another rank's
     experts). The tied head and the MTP layer's shared vocab copies read the tensor they
     share; a tensor the load skips is an error saying why."""
+    if not model.holds(name):
+        return None  # (another pipeline stage's)
     filler = _Filler(model, model.config, model.plan)
     if model.num_draft_layers and name in _shared_copies(model, filler):
         target = VOCAB_COPIES[name.split(".", 3)[3].removesuffix(".weight")]
         name = f"{target}.weight"
     if model.config.tie_word_embeddings and name == "lm_head.weight":
-        name = "model.embed_tokens.weight"
+        name = "model.embed_tokens.weight"  # (held beside the head: `StageParts`)
     if filler._skip(name):
         if filler.skipped["draft"]:
             raise DsakvError(f"{name} is the MTP layer's, which this engine does not run")
@@ -548,7 +550,7 @@ class _Filler:
         plan: LayerPlan,
         ignore: set[str] | frozenset[str] = frozenset(),
     ) -> None:
-        self.config, self.plan = config, plan
+        self.config, self.plan, self.holds = config, plan, model.holds
         self.ignore = ignore  # checkpoint tensors not read (`check_update`'s compared copies)
         self.targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=True))
         self.targets.update(dict(model.named_buffers()))
@@ -659,10 +661,16 @@ class _Filler:
                     return False  # (unexpected: no module has its name)
                 self.skipped["draft"] += 1
                 return True
+            if not self.holds(name):
+                self.skipped["stage"] += 1
+                return True
             if ".indexer." in name and not self.plan.runs_indexer(layer):
                 self.skipped["indexer"] += 1
                 return True
         tied_head = self.config.tie_word_embeddings and name == "lm_head.weight"
+        if not tied_head and not self.holds(name):  # (the embedding, norm or head elsewhere)
+            self.skipped["stage"] += 1
+            return True
         return bool(_IGNORED.search(name)) or tied_head or name in self.ignore
 
     def _pieces(self, name: str) -> list[_Piece]:
@@ -759,13 +767,15 @@ class _Filler:
             return
         log.info(
             "filled %d parameters; skipped %d indexer tensors of %d shared layers (plan %s) "
-            "and %d draft/MTP tensors; %d expert tensors belong to other ranks",
+            "and %d draft/MTP tensors; %d expert tensors belong to other ranks, %d tensors "
+            "to other pipeline stages",
             sum(1 for parts in self.got.values() if parts),
             self.skipped["indexer"],
             self.plan.num_shared_layers,
             self.plan.pattern,
             self.skipped["draft"],
             self.skipped["experts"],
+            self.skipped["stage"],
         )
 
 

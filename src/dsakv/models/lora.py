@@ -492,7 +492,7 @@ class RankSplit:
     def reduce(self, z: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's partial shrink `z` (an all-reduce where the run is every
         rank)."""
-        if self.parts == self.parallel.world_size:
+        if self.parts == self.parallel.tp_size:
             return self.parallel.all_reduce(z)
         return self.parallel.all_gather_run(z, self.parts).sum(0)
 
@@ -784,9 +784,9 @@ class LoraSlots:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.targets = target_suffixes(targets)
         self.parallel: ParallelState = model.parallel
-        self.fully_sharded = fully_sharded and self.parallel.world_size > 1
+        self.fully_sharded = fully_sharded and self.parallel.tp_size > 1
         if self.fully_sharded:
-            check_fully_sharded(max_rank, self.parallel.world_size, model.config.hidden_size)
+            check_fully_sharded(max_rank, self.parallel.tp_size, model.config.hidden_size)
         self.adapters: dict[int, LoraAdapter] = {}
         self.resident = [0] * max_loras  # adapter id per slot (0: empty)
         self.mask: torch.Tensor | None = None
@@ -794,7 +794,7 @@ class LoraSlots:
         self._token_slots: torch.Tensor | None = None  # each token's slot (-1: base), host
         self._splits: dict[tuple[bool, ...], tuple[torch.Tensor, ...]] = {}  # this step's `split`s
         self.layers: dict[str, SlotWeights] = {}
-        self.device = model.model.norm.weight.device
+        self.device = model.device
         self._cols = torch.arange(max_loras * max_rank, device=self.device) // max_rank  # slot
         for name, linear in adaptable(model):
             if name.rsplit(".", 1)[1] not in self.targets:
@@ -820,7 +820,7 @@ class LoraSlots:
         log.info(
             "LoRA slots: %.2f MiB on this rank (%d × rank %d%s)",
             self.nbytes / 2**20, max_loras, max_rank,
-            f", fully sharded over {self.parallel.world_size} ranks" if self.fully_sharded else "",
+            f", fully sharded over {self.parallel.tp_size} ranks" if self.fully_sharded else "",
         )  # fmt: skip
 
     @property

@@ -107,8 +107,8 @@ class MoE(nn.Module):
         self.shared_experts = MLP(
             config.hidden_size,
             config.moe_intermediate_size * config.n_shared_experts,
-            parallel.world_size,
-            parallel.rank,
+            parallel.tp_size,
+            parallel.tp_rank,
         )
 
     def forward(
