@@ -1,11 +1,13 @@
 """Pipeline parallelism (`--pp-size`) on CPU ranks (gloo): each stage builds, loads and
 caches only its layers, a stage starting on a shared layer receives its source's top-k, and
 the outputs are the one-stage engine's, bit for bit (the same computation per layer): the
-even split, a custom partition with the host tier and n-gram drafts, TP x PP, MTP, weight
-updates and sleep mode; what pp > 1 refuses is one error line."""
+even split, a custom partition with the host tier and n-gram drafts, three stages, TP x PP,
+MTP, weight updates, sleep mode and profiles; each stage sizes its own pool; what pp > 1
+refuses is one error line."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -13,14 +15,20 @@ import torch
 from safetensors.torch import load_file
 
 from dsakv import LLM, SamplingParams
-from dsakv.distributed.parallel import ParallelConfig, ParallelState
+from dsakv.distributed.parallel import ParallelConfig, ParallelState, agreed
+from dsakv.engine import EngineConfig, launch
+from dsakv.engine.engine import stage_kv_budget
 from dsakv.errors import DsakvError
-from dsakv.memory import CacheLayout
+from dsakv.memory import CacheLayout, plan_capacity
+from dsakv.memory.capacity import gpu_kv_budget_bytes
 from dsakv.memory.pool import DSAKVPool
 from dsakv.models import load_model, loader
-from dsakv.models.dsa import MissingLayer
+from dsakv.models.lora import adaptable
+from dsakv.models.stages import MissingLayer
 
 from .conftest import cli_error_line, flat_logprobs
+
+GIB = 1 << 30
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
 # Chunked prefill (16-token chunks), sampled-token and prompt logprobs (`runner.logits`)
@@ -85,6 +93,13 @@ class TestEvenSplit:
         hits = pp2.engine.counters()["prefix_hit_tokens"]
         assert hits == counters["prefix_hit_tokens"] > 0
 
+    def test_each_stage_names_its_trace(self, pp2, tmp_path):
+        """SGLang's trace names: each rank's TP rank in its stage, then the stage."""
+        pp2.start_profile(output_dir=str(tmp_path), with_stack=False)
+        pp2.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        names = [os.path.basename(p).split("-", 1)[1] for p in pp2.stop_profile()]
+        assert names == ["TP-0-PP-0.trace.json.gz", "TP-0-PP-1.trace.json.gz"]
+
     def test_weight_updates_and_sleep_reach_every_stage(self, glm_tiny, reference, pp2):
         """A tensor of stage 1's layer updated and read back by name, sleep mode level 2 (the
         weights discarded) and the checkpoint loaded again: each stage reads its own tensors."""
@@ -128,6 +143,8 @@ def test_a_stage_builds_loads_and_caches_only_its_layers(glm_tiny, monkeypatch):
     assert not hasattr(model.model.layers[3].self_attn, "indexer")
     assert hasattr(model.model.layers[4].self_attn, "indexer")
     assert isinstance(model.model.layers[2], MissingLayer)
+    # LoRA's targets by their checkpoint names (the stage's own layers' numbers)
+    assert {int(n.split(".")[2]) for n, _ in adaptable(model)} == set(range(3, 8))
     with pytest.raises(DsakvError, match="model.layers.2 is held by pipeline stage 0"):
         model.model.layers[2](None)
     layout = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 16, draft_layers=1)
@@ -135,6 +152,85 @@ def test_a_stage_builds_loads_and_caches_only_its_layers(glm_tiny, monkeypatch):
     assert [i for i in range(3, 9) if pool.has_index_k(i)] == [4, 6, 8]
     with pytest.raises(Exception, match="stage"):
         pool.has_index_k(2)
+
+
+def test_three_stages_forward_a_carried_topk(glm_tiny, reference):
+    """Partition 2,1,5 (given as vLLM's keyword and a string): stage 1 is shared layer 2
+    alone, reading layer 1's top-k (stage 0) and sending it on to stage 2, whose first
+    layer 3 reads it too; the same tokens and logprobs as one stage."""
+    with LLM(glm_tiny, **ENGINE, pipeline_parallel_size=3, pp_layer_partition="2,1,5") as llm:
+        assert llm.engine.config.pp_layer_partition == (2, 1, 5)
+        assert _outputs(llm) == reference[0]
+
+
+def test_a_host_tier_of_no_page_is_one_error_with_stages(glm_tiny):
+    """The host tier's GiB that holds no page is refused in the same words with stages as
+    without (the least stage's page size)."""
+    for pp in (1, 2):
+        with pytest.raises(DsakvError, match=r"1e-09 GiB holds no \d+-byte page"):
+            LLM(glm_tiny, **ENGINE, pp=pp, host_pool_gib=1e-9)
+
+
+def test_each_stage_sizes_its_pages_from_its_own_budget(glm_tiny):
+    """--mem-fraction-static under pp: each stage's budget is the least of its own ranks',
+    its pages that budget over its own layout, the pool the least stage's pages. Stage 0
+    (layers 0-2) with 4 GiB free of 10 after its load, stage 1 (3-7 and the MTP layer) 8:
+    at 0.9, 3 and 7 GiB; stage 0's 3 GiB limits the pool (25,266 pages), not stage 1
+    sized from stage 0's budget (13,066)."""
+    whole = CacheLayout.for_model(glm_tiny, draft_layers=1)
+    stages = [whole.for_stage(r) for r in ParallelConfig(pp=2, pp_partition=(3, 5)).stage_layers(8)]
+    mem = [(10 * GIB, 4 * GIB), (10 * GIB, 8 * GIB)]
+    budgets = [stage_kv_budget(0.9, mem, 1, s) for s in (0, 1)]
+    assert budgets == [int(10 * GIB * 0.9) - 6 * GIB, int(10 * GIB * 0.9) - 2 * GIB]
+
+    def pages(budget: int, layout: CacheLayout) -> int:
+        return plan_capacity(layout, kv_budget_gib=budget / GIB).num_pages
+
+    assert min(pages(b, lay) for b, lay in zip(budgets, stages)) == 25_266
+    assert min(pages(gpu_kv_budget_bytes(0.9, mem), lay) for lay in stages) == 13_066
+    # Two TP ranks a stage: the least of each stage's own ranks
+    four = [(10 * GIB, 5 * GIB), (10 * GIB, 4 * GIB), (10 * GIB, 8 * GIB), (10 * GIB, 7 * GIB)]
+    assert [stage_kv_budget(0.9, four, 2, s) / GIB for s in (0, 1)] == pytest.approx([3, 6])
+    with pytest.raises(DsakvError, match="the weights of rank 3 take"):  # (on every rank)
+        stage_kv_budget(0.9, [*four[:3], (10 * GIB, GIB // 2)], 2, 0)
+
+
+def test_what_a_stage_sends_is_what_the_next_reads():
+    """A tensor is sent in the dtype its receiver reads (NCCL checks none): cast there; a
+    shape the receiver does not read is an error before anything is sent."""
+    like = [((2, 3), torch.bfloat16), ((2, 4), torch.int32)]
+    x, rows = agreed([torch.ones(2, 3), torch.ones(2, 4, dtype=torch.long)], like)
+    assert (x.dtype, rows.dtype) == (torch.bfloat16, torch.int32)
+    with pytest.raises(RuntimeError, match="the receiver reads"):
+        agreed([torch.ones(3, 3), torch.ones(2, 4)], like)
+
+
+def test_layer_partition_and_vllm_names_as_keywords(glm_tiny):
+    """`LLM(pp_layer_partition="3,5")` as the flag takes it, and vLLM's
+    tensor_parallel_size / pipeline_parallel_size as tp / pp; bad ones one error."""
+    config = EngineConfig.from_kwargs(
+        glm_tiny, tensor_parallel_size=2, pipeline_parallel_size=2, pp_layer_partition="3,5"
+    )
+    assert (config.tp, config.pp, config.pp_layer_partition) == (2, 2, (3, 5))
+    assert EngineConfig.from_kwargs(glm_tiny, pp=2, pp_layer_partition=[3, 5]).parallel.pp == 2
+    for bad in ("3,x", 5, "3,0"):
+        with pytest.raises(DsakvError, match="pp_layer_partition must be comma-separated"):
+            EngineConfig.from_kwargs(glm_tiny, pp=2, pp_layer_partition=bad)
+    with pytest.raises(DsakvError, match="pp and pipeline_parallel_size are one setting"):
+        EngineConfig.from_kwargs(glm_tiny, pp=2, pipeline_parallel_size=2)
+
+
+def test_the_ranks_flags_are_said_alike(monkeypatch):
+    """The ranks' flags in ParallelConfig's and the launcher's errors: --pp-size only
+    where given."""
+    with pytest.raises(DsakvError, match=r"^3 ranks \(--tp 3\) are not divisible by --nnodes 2"):
+        ParallelConfig(tp=3, nnodes=2)
+    with pytest.raises(DsakvError, match=r"6 ranks \(--tp 3 x --pp-size 2\) are not divisible"):
+        ParallelConfig(tp=3, pp=2, nnodes=4)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(DsakvError, match="started 3 processes but --tp 2 makes 2 ranks"):
+        launch._torchrun_rank(ParallelConfig(tp=2))
 
 
 def test_tp2_by_pp2_equals_tp2(glm_tiny):
@@ -165,6 +261,8 @@ def test_mtp_on_the_last_stage_keeps_tokens_and_drafts(glm_tiny, reference):
     "flags, message",
     [
         (["--enable-lora"], "--enable-lora does not run with --pp-size 2 (> 1) yet"),
+        (["--enable-torch-compile"], "--enable-torch-compile does not run with --pp-size 2"),
+        (["--pp-layer-partition", "3,x"], "must be comma-separated integers >= 1"),
         (["--enable-hisparse"], "--enable-hisparse does not run with --pp-size 2"),
         (["--hicache-storage-backend", "file"], "--hicache-storage-backend does not run with"),
         (["--enable-return-hidden-states"], "--enable-return-hidden-states does not run with"),

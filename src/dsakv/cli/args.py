@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from dsakv.config.layer_plan import PARTITION_WANT, parse_layer_partition
 from dsakv.errors import DsakvError, load_json
 from dsakv.procs import Listener
 from dsakv.server.tracing import SGLANG_ENDPOINT as SGLANG_TRACES_ENDPOINT
@@ -112,12 +113,7 @@ def positive_int(text: str) -> int:
 def layer_partition(text: str) -> tuple[int, ...]:
     """argparse type for --pp-layer-partition: each stage's target layers, comma-separated
     (SGLang's SGLANG_PP_LAYER_PARTITION)."""
-    return _checked(
-        text,
-        lambda t: tuple(int(n) for n in t.split(",")),
-        lambda v: all(n >= 1 for n in v),
-        "comma-separated integers >= 1, one per pipeline stage",
-    )
+    return _checked(text, parse_layer_partition, lambda v: True, PARTITION_WANT)
 
 
 def add_pp_args(g: Any, help: str, **kw: Any) -> None:

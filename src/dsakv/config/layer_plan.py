@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from dsakv.errors import ConfigError, is_int
+from dsakv.errors import ConfigError, is_int, is_list
 
 from .model import ModelConfig
 
@@ -236,3 +236,23 @@ def _parse_pattern(pattern: str, num_layers: int, name: str) -> tuple[str, ...]:
             f"{name} has {len(pattern)} characters but num_hidden_layers is {num_layers}"
         )
     return tuple(FULL if c == "F" else SHARED for c in pattern)
+
+
+# What `--pp-layer-partition` / `pp_layer_partition` takes, for its errors
+PARTITION_WANT = "comma-separated integers >= 1, one per pipeline stage"
+
+
+def parse_layer_partition(value: Any) -> tuple[int, ...]:
+    """Each pipeline stage's target layers (SGLang's SGLANG_PP_LAYER_PARTITION) from "3,5"
+    (the flag's, or an `LLM` keyword's) or a sequence of integers: the CLI's and the
+    engine config's one parser. Whether they fit the stages and the model is
+    `ParallelConfig`'s to say."""
+    try:
+        parts = tuple(int(n) for n in value.split(",")) if isinstance(value, str) else None
+    except ValueError:
+        parts = None
+    if parts is None and is_list(value):
+        parts = tuple(value)
+    if parts is None or not all(is_int(n) and n >= 1 for n in parts):
+        raise ConfigError(f"pp_layer_partition must be {PARTITION_WANT}, got {value!r}")
+    return parts

@@ -30,6 +30,8 @@ from dsakv.errors import DsakvError, is_int
 from dsakv.procs import split_address
 
 DEFAULT_TIMEOUT_S = 120.0
+# What a point-to-point message between ranks holds: each tensor's (shape, dtype), in order
+Wire = list[tuple[tuple[int, ...], torch.dtype]]
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,8 @@ class ParallelConfig:
             raise DsakvError("--dp-attention needs --tp N with N >= 2")
         if self.world_size % self.nnodes:
             raise DsakvError(
-                f"{self.world_size} ranks (--tp {self.tp} x --pp-size {self.pp}) are not "
-                f"divisible by --nnodes {self.nnodes}"
+                f"{self.world_size} ranks ({self.ranks_flags}) are not divisible by "
+                f"--nnodes {self.nnodes}"
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise DsakvError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
@@ -102,6 +104,11 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Every rank: `tp` per pipeline stage."""
         return self.tp * self.pp
+
+    @property
+    def ranks_flags(self) -> str:
+        """The flags that set the ranks, for errors (`--pp-size` only when given)."""
+        return f"--tp {self.tp}" if self.pp == 1 else f"--tp {self.tp} x --pp-size {self.pp}"
 
     @property
     def attn_tp(self) -> int:
@@ -326,12 +333,13 @@ class ParallelState:
 
     # --- point to point between pipeline stages (the default group) -----------------------
 
-    def send_next(self, tensors: list[torch.Tensor]) -> None:
-        """This stage's output to the same TP rank of the next stage, in order."""
-        for t in tensors:
-            dist.send(t.contiguous(), self.rank + self.tp_size)
+    def send_next(self, tensors: list[torch.Tensor], like: Wire) -> None:
+        """This stage's output to the same TP rank of the next stage, in order, as `like`
+        (the `recv_prev` there reads) says (`agreed`)."""
+        for t in agreed(tensors, like):
+            dist.send(t, self.rank + self.tp_size)
 
-    def recv_prev(self, like: list[tuple[tuple[int, ...], torch.dtype]], device) -> list:
+    def recv_prev(self, like: Wire, device) -> list:
         """What the previous stage's same TP rank sent (`send_next`): one tensor of each
         (shape, dtype) of `like`, in order."""
         out = []
@@ -351,7 +359,8 @@ class ParallelState:
             return x
         last = (self.pp_size - 1) * self.tp_size
         if self.rank == last:
-            dist.send(x.contiguous(), 0)
+            (x,) = agreed([x], [(shape, torch.float32)])
+            dist.send(x, 0)
         elif self.rank == 0:
             x = torch.empty(shape, dtype=torch.float32, device=device)
             dist.recv(x, last)
@@ -382,6 +391,17 @@ class ParallelState:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
+
+
+def agreed(tensors: list[torch.Tensor], like: Wire) -> list[torch.Tensor]:
+    """`tensors` as their receiver reads them (`like`): each cast to its dtype, contiguous.
+    NCCL and gloo move bytes and check neither dtype nor shape, so a tensor the sender made
+    otherwise is cast here, never misread there; a count or shape the receiver does not
+    expect is a bug, said here."""
+    shapes = [tuple(t.shape) for t in tensors]
+    if shapes != [tuple(shape) for shape, _ in like]:
+        raise RuntimeError(f"sending {shapes} where the receiver reads {like}")
+    return [t.to(dtype).contiguous() for t, (_, dtype) in zip(tensors, like)]
 
 
 def init_parallel(

@@ -15,6 +15,7 @@ import torch
 from dsakv.config import plan_overrides
 from dsakv.config.hisparse import check_runs_with
 from dsakv.config.kv_events import KVEventsConfig
+from dsakv.config.layer_plan import parse_layer_partition
 from dsakv.distributed.parallel import ParallelConfig
 from dsakv.errors import DsakvError, is_int, is_number
 from dsakv.kernels import BACKENDS
@@ -24,6 +25,22 @@ from dsakv.models.lora import check_fully_sharded, target_suffixes
 
 MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
 DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLang's default)
+
+
+# vLLM's `LLM(...)` keywords for fields named after SGLang's flags here
+VLLM_KWARGS = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
+
+
+def named_here(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with vLLM's names (`VLLM_KWARGS`) as the fields they set; both names of
+    one field given is refused."""
+    out = dict(kwargs)
+    for theirs, ours in VLLM_KWARGS.items():
+        if theirs in out:
+            if ours in out:
+                raise DsakvError(f"{ours} and {theirs} are one setting: give one")
+            out[ours] = out.pop(theirs)
+    return out
 
 
 @dataclass(frozen=True)
@@ -294,8 +311,9 @@ class EngineConfig:
         if n is not None and self.speculative_algorithm is None:
             raise DsakvError("--speculative-num-steps needs --speculative-algorithm")
         self._check_pool_size()
-        if isinstance(self.pp_layer_partition, list):  # (an LLM(...) keyword's list)
-            object.__setattr__(self, "pp_layer_partition", tuple(self.pp_layer_partition))
+        if self.pp_layer_partition is not None:  # (an LLM(...) keyword's "3,5" or list)
+            parts = parse_layer_partition(self.pp_layer_partition)
+            object.__setattr__(self, "pp_layer_partition", parts)
         pc = self.parallel  # (validates the parallel flags)
         self._check_pp()
         if pc.dp_attention and self.max_running_requests < pc.world_size:
@@ -345,6 +363,8 @@ class EngineConfig:
             (self.enable_hisparse, "--enable-hisparse"),
             (self.enable_lora, "--enable-lora"),
             (self.hicache_storage_backend is not None, "--hicache-storage-backend"),
+            # (its compiled blocks run on one rank only: a stage's would run eager unsaid)
+            (self.enable_torch_compile, "--enable-torch-compile"),
             # (what these return is on the last stage, and each stage routes its own layers)
             (self.enable_return_hidden_states, "--enable-return-hidden-states"),
             (self.enable_return_routed_experts, "--enable-return-routed-experts"),
@@ -526,6 +546,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        kwargs = named_here(kwargs)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

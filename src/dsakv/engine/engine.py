@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -75,6 +75,7 @@ from .speculative import Drafter, MTPDrafter, NGramDrafter, verify
 from .weight_update import WEIGHT_CALLS, WeightUpdateMixin
 
 log = logging.getLogger(__name__)
+T = TypeVar("T", int, tuple[int, int])  # (`_least_over_stages`: pages, or pages and more)
 # What sizes the device pool, for its errors
 POOL_FLAGS = "--kv-budget-gib, --num-pages, --max-total-tokens, --mem-fraction-static"
 
@@ -83,6 +84,16 @@ class RankDied(DsakvError):
     """Another rank of this engine died or failed (not bad input): the CLI exits 1."""
 
     exit_code = 1
+
+
+def stage_kv_budget(fraction: float, per_rank: list[tuple[int, int]], tp: int, stage: int) -> int:
+    """Pipeline stage `stage`'s KV budget in bytes under `--mem-fraction-static`: the least
+    of its `tp` ranks' (ranks are stage-major), from every rank's free GPU memory `(before,
+    after)` the load. Stages hold different weights, so each sizes its pages from its own
+    budget and layout before the engine takes the least page count over stages. A rank
+    with no room refuses on every rank, naming itself (`gpu_kv_budget_bytes`)."""
+    gpu_kv_budget_bytes(fraction, per_rank)
+    return gpu_kv_budget_bytes(fraction, per_rank[stage * tp : (stage + 1) * tp])
 
 
 def keep_freed_memory() -> None:
@@ -453,19 +464,29 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             ) from None
         return logical, pages
 
-    def _least_over_stages(self, pages: int) -> int:
+    def _least_over_stages(self, pages: T) -> T:
         """Under pipeline parallelism the least of every rank's `pages` (each stage's layout
-        has its own bytes per page): rank 0's scheduler hands out pages every stage must
-        hold. `pages` as it is with one stage."""
+        has its own bytes per page; a tuple compares by its first item): rank 0's scheduler
+        hands out pages every stage must hold. `pages` as it is with one stage."""
         if self.parallel.pp_size == 1:
             return pages
         return min(self.parallel.all_gather_objects(pages))
 
+    def _host_pages(self, gib: float) -> int:
+        """The host tier's pages in `gib` GiB: the least over pipeline stages (each stage's
+        layout has its own bytes per page; rank 0's journal moves pages every stage holds),
+        refused alike on every rank where that stage's GiB holds no page."""
+        size = self.layout.bytes_per_page
+        pages, size = self._least_over_stages((int(gib * GIB // size), size))
+        if pages < 1:
+            raise DsakvError(f"{gib:.3g} GiB holds no {size}-byte page")
+        return pages
+
     def _kv_budget_gib(self) -> float:
         """`kv_budget_gib` (default 1), or under `mem_fraction_static` what the GPU keeps for
         the pool once the weights are in (`gpu_kv_budget_bytes`: SGLang's), the least any
-        rank has: the ranks' pools are one size. Every rank gets every rank's numbers
-        first, so a refusal is every rank's."""
+        rank of this pipeline stage has (`stage_kv_budget`). Every rank gets every rank's
+        numbers first, so a refusal is every rank's."""
         fraction = self.config.mem_fraction_static
         if fraction is None:
             return self.config.kv_budget_gib or 1.0
@@ -476,11 +497,13 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 "on the CPU, where the pool is host RAM: give --kv-budget-gib"
             )
         per_rank = self.parallel.all_gather_objects((before, after))
-        budget = gpu_kv_budget_bytes(fraction, per_rank) / GIB
+        tp, stage = self.parallel.tp_size, self.parallel.stage
+        budget = stage_kv_budget(fraction, per_rank, tp, stage) / GIB
         log.info(
             "KV budget %.2f GiB: --mem-fraction-static %s of the %.2f GiB free before the "
-            "load, %.2f GiB of it the weights' (least over %d rank(s))",
-            budget, fraction, before / GIB, (before - after) / GIB, len(per_rank),
+            "load, %.2f GiB of it the weights' (least over %d rank(s)%s)",
+            budget, fraction, before / GIB, (before - after) / GIB, tp,
+            f" of pipeline stage {stage}" if self.parallel.pp_size > 1 else "",
         )  # fmt: skip
         return budget
 
@@ -521,11 +544,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         config = self.config
         host, flag = None, config.host_tier_flag
         try:
-            if config.host_pool_gib > 0 and self.parallel.pp_size > 1:  # (pages every stage has)
-                pages = int(config.host_pool_gib * GIB // self.layout.bytes_per_page)
-                host = HostPool(self.pool, self._least_over_stages(pages))
-            elif config.host_pool_gib > 0:
-                host = HostPool.from_gib(self.pool, config.host_pool_gib)
+            if config.host_pool_gib > 0:
+                host = HostPool(self.pool, self._host_pages(config.host_pool_gib))
             elif config.host_pool_ratio is not None:  # (SGLang's --hicache-ratio: the pool's now)
                 pages = int(self.pool.num_pages * config.host_pool_ratio)
                 if pages < 1:

@@ -2,9 +2,9 @@
 own share of the CPU threads.
 
 `create_engine(config)` is what `LLM`, `dsakv generate/serve/bench` call. With one rank
-(`--tp 1`, `--pp-size 1`) it is just `Engine(config)`; else there are tp × pp ranks. Otherwise this process becomes the first rank of its node
-and spawns the node's other ranks (or, under `torchrun`, every process is one rank
-already). Rank 0 gets the engine back; every other rank follows rank 0 until it stops,
+(`--tp 1`, `--pp-size 1`) it is just `Engine(config)`. Otherwise there are tp × pp ranks:
+this process becomes the first rank of its node and spawns the node's other ranks (or,
+under `torchrun`, every process is one rank already). Rank 0 gets the engine back; every other rank follows rank 0 until it stops,
 then exits. A watchdog on each node notices a rank process that dies, names it, and ends
 every local rank, so nothing hangs and nothing is orphaned; a rank whose parent dies is
 killed with it (Linux parent-death signal), and one still running when it exits is killed
@@ -78,7 +78,7 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
     device_type = resolve_device(config.device).type
     if device_type == "cuda" and torch.cuda.device_count() < pc.ranks_per_node:
         raise DsakvError(
-            f"{_ranks(pc)} over {pc.nnodes} node(s) needs {pc.ranks_per_node} CUDA devices "
+            f"{pc.ranks_flags} over {pc.nnodes} node(s) needs {pc.ranks_per_node} CUDA devices "
             f"per node, found {torch.cuda.device_count()}"
         )
     release = _claim_process_group()
@@ -475,11 +475,6 @@ def _torchrun_rank(pc: ParallelConfig) -> int | None:
     world = int(os.environ["WORLD_SIZE"])
     if world != pc.world_size:
         raise DsakvError(
-            f"torchrun started {world} processes but {_ranks(pc)} makes {pc.world_size} ranks"
+            f"torchrun started {world} processes but {pc.ranks_flags} makes {pc.world_size} ranks"
         )
     return int(os.environ["RANK"])
-
-
-def _ranks(pc: ParallelConfig) -> str:
-    """The flags that set the ranks, for errors."""
-    return f"--tp {pc.tp}" if pc.pp == 1 else f"--tp {pc.tp} x --pp-size {pc.pp}"

@@ -11,7 +11,7 @@ sleep mode, weight updates, profiles, the expert distribution). Under DP attenti
 rank schedules for itself, so nothing is broadcast here (see `dsakv.engine.dp`).
 
 Under pipeline parallelism every rank still runs each message: a stage runs its layers
-and hands its output to the next (`dsakv.models.handoff`); hidden states stay on the last
+and hands its output to the next (`dsakv.models.stages`); hidden states stay on the last
 stage (its "target" and "draft"), which also runs the MTP layer, and logits are computed
 there and sent to rank 0 (`ParallelState.to_driver`), which returns them as one stage
 would.

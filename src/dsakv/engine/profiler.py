@@ -61,9 +61,9 @@ class ProfilerMixin:
         """SGLang's /start_profile: torch.profiler on every rank's engine thread (CPU ops,
         and CUDA kernels on a GPU; SGLang's defaults: both, with stacks, no shapes) until
         `stop_profile`, or by itself after `num_steps` engine steps. Each rank writes its
-        Chrome trace, `{output_dir}/{id}-TP-{rank}.trace.json.gz` (`-DP-{rank}` added under
-        DP attention), output_dir by default $DSAKV_TORCH_PROFILER_DIR, else
-        $SGLANG_TORCH_PROFILER_DIR, else /tmp."""
+        Chrome trace, `{output_dir}/{id}-TP-{tp_rank}.trace.json.gz` (`-DP-{tp_rank}` added
+        under DP attention, `-PP-{stage}` under pipeline stages: SGLang's), output_dir by
+        default $DSAKV_TORCH_PROFILER_DIR, else $SGLANG_TORCH_PROFILER_DIR, else /tmp."""
         if self.profiler is not None:
             raise DsakvError("a profile is running already (stop it first: /stop_profile)")
         if isinstance(activities, str):  # (one activity named alone)
@@ -127,6 +127,14 @@ class ProfilerMixin:
         self._drop_profile()
         return outcome
 
+    def _trace_ranks(self) -> str:
+        """This rank in its trace's name, as SGLang names it: its TP rank, then its DP rank
+        (its TP rank under DP attention) and its pipeline stage where there are several."""
+        p = self.parallel
+        dp = f"-DP-{p.tp_rank}" if p.config.dp_attention else ""
+        pp = f"-PP-{p.stage}" if p.pp_size > 1 else ""
+        return f"TP-{p.tp_rank}{dp}{pp}"
+
     def stop_profile_here(self) -> list[str] | str:
         """This rank stops its profiler and writes its trace: every rank's path (or each
         one's error)."""
@@ -136,9 +144,10 @@ class ProfilerMixin:
             if running is None:
                 raise DsakvError("no profile is running")
             running.torch.stop()
-            spec, rank = running.spec, self.parallel.rank
-            dp = f"-DP-{rank}" if self.parallel.config.dp_attention else ""
-            path = os.path.join(spec.output_dir, f"{spec.profile_id}-TP-{rank}{dp}.trace.json.gz")
+            spec = running.spec
+            path = os.path.join(
+                spec.output_dir, f"{spec.profile_id}-{self._trace_ranks()}.trace.json.gz"
+            )
             running.torch.export_chrome_trace(path)
         except Exception as e:  # noqa: BLE001 - every rank hears it
             why = said(e)

@@ -9,7 +9,7 @@ Under pipeline parallelism a rank builds only its stage's parts (`StageParts`): 
 layers, the embedding on the first stage, the final norm, lm_head and the MTP layer on
 the last; every other part is a parameterless `MissingLayer`, so names and `layers[i]`
 indices stay the checkpoint's. A stage receives the previous stage's hidden rows and the
-top-k selections its layers read from earlier full layers (`handoff`), and sends its own.
+top-k selections its layers read from earlier full layers (`stages`), and sends its own.
 """
 
 from __future__ import annotations
@@ -28,52 +28,13 @@ from dsakv.kernels.backend import Block
 
 from .decoder import NORM, DecoderLayer, in_turn, layer_loop
 from .forward_batch import ForwardBatch
-from .handoff import receive_stage_input, send_stage_output
 from .layers import RMSNorm
 from .lora import LoraSlots
 from .moe import Experts
 from .mtp import MTPLayer
 from .parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from .rope import Rotary
-
-
-class MissingLayer(nn.Module):
-    """A part of the model another pipeline stage holds (vLLM's PPMissingLayer): no
-    parameters, so the parts this stage holds keep their checkpoint names and indices;
-    running it is an error naming the stage that holds it."""
-
-    def __init__(self, name: str, stage: int, here: int) -> None:
-        super().__init__()
-        self.name, self.stage, self.here = name, stage, here
-
-    def forward(self, *args, **kwargs):
-        raise DsakvError(
-            f"{self.name} is held by pipeline stage {self.stage}, not by this rank's stage "
-            f"{self.here}"
-        )
-
-
-class StageParts:
-    """Which parts of the model a rank's pipeline stage builds (all of them with one stage):
-    its target layers; the embedding on the first stage, and on the last where the MTP
-    layer or a tied lm_head reads it; the final norm, lm_head and the MTP layer on the
-    last."""
-
-    def __init__(self, config: ModelConfig, plan: LayerPlan, parallel: ParallelState) -> None:
-        self.stages = parallel.config.stage_layers(config.num_hidden_layers)
-        self.stage, self.last = parallel.stage, len(self.stages) - 1
-        self.layers = self.stages[self.stage]
-        last = self.stage == self.last
-        self.head = last
-        self.draft = last and plan.num_draft_layers > 0
-        self.embed = self.stage == 0 or (last and (self.draft or config.tie_word_embeddings))
-
-    def holder(self, layer: int) -> int:
-        """The stage that runs `layer` (a draft layer: the last)."""
-        return next((s for s, r in enumerate(self.stages) if layer in r), self.last)
-
-    def missing(self, name: str, stage: int) -> MissingLayer:
-        return MissingLayer(name, stage, self.stage)
+from .stages import MissingLayer, StageParts, receive_stage_input, send_stage_output
 
 
 class DSAModel(nn.Module):
@@ -283,7 +244,7 @@ class DSAForCausalLM(nn.Module):
         cos, sin = self.rotary(batch.positions, x.dtype)
         x = in_turn(self.target_layers, x, cos, sin, batch, pool, selections)
         if parts.stage != parts.last:
-            send_stage_output(self, x, selections)
+            send_stage_output(self, batch, x, selections)
             return x
         return self.ops.block(NORM, batch, self.model.norm, x)
 

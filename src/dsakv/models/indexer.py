@@ -133,59 +133,53 @@ class Indexer(nn.Module):
         """Writes this step's index keys, then selects top-k per query token."""
         k = self.ops.block(INDEX_KEY, batch, self, x, cos, sin)  # [T, D]
         self.ops.store_index_k(pool, layer, batch.out_slots, k)
-        if every_visible(batch, self.topk):
-            return step_selection(layer, batch, self.topk)
+        scoring = scored(batch, self.topk)
+        if scoring is None:
+            return step_selection(layer, batch, None)
         q, w = self.ops.block(INDEX_QUERY, batch, self, x, q_lora, cos, sin, pool)
-        long = long_chunks(batch, self.topk)
+        long, decodes = scoring
         chosen = None
         if long:  # (shorter chunks attend every visible position)
             chosen = self.ops.index_topk_extends(
                 pool, layer, q, w, batch, long, self.scale, self.topk
             )
         decode = None
-        if decode_selects(batch, self.topk):
+        if decodes:
             table, lens = batch.decode_ctx  # [B, W], [B]
             rows = batch.decode_tokens
             decode = self.ops.index_topk_decode(
                 pool, layer, q[rows], w[rows], table, lens, self.scale, self.topk
             )
-        return step_selection(layer, batch, self.topk, chosen, decode)
+        return step_selection(layer, batch, scoring, chosen, decode)
 
 
-def every_visible(batch: ForwardBatch, topk: int) -> bool:
-    """Whether every query of the step sees at most `topk` positions: all are selected."""
-    return all(s <= topk for s in batch.seq_lens)
-
-
-def long_chunks(batch: ForwardBatch, topk: int) -> list[int]:
-    """The multi-token chunks whose context passes `topk`: the ones scored."""
-    return [r for r in batch.extend_reqs if batch.seq_lens[r] > topk]
-
-
-def decode_selects(batch: ForwardBatch, topk: int) -> bool:
-    """Whether the decode requests' padded contexts are scored (wider than `topk`)."""
-    return (
-        bool(batch.decode_reqs)
-        and not every_visible(batch, topk)
-        and batch.decode_ctx[0].shape[1] > topk
-    )
+def scored(batch: ForwardBatch, topk: int) -> tuple[list[int], bool] | None:
+    """What a step's indexer scores, worked out once per step and layer: None where every
+    query sees at most `topk` positions (all are selected), else the multi-token chunks
+    whose context passes `topk` and whether the decode requests' padded contexts (wider
+    than `topk`) are."""
+    if all(s <= topk for s in batch.seq_lens):
+        return None
+    long = [r for r in batch.extend_reqs if batch.seq_lens[r] > topk]
+    return long, bool(batch.decode_reqs) and batch.decode_ctx[0].shape[1] > topk
 
 
 def step_selection(
     layer: int,
     batch: ForwardBatch,
-    topk: int,
+    scoring: tuple[list[int], bool] | None,
     chosen: torch.Tensor | None = None,
     decode: torch.Tensor | None = None,
 ) -> StepSelection:
-    """The step's `StepSelection` from the positions scored: `chosen` `[E, k]`, the rows of
-    `long_chunks` in order (None where none is), `decode` `[B, k]` where `decode_selects`.
-    The indexer and a pipeline stage receiving another stage's selection (`wire_rows`)
-    both build it here, so the two are the same."""
+    """The step's `StepSelection` from the positions scored (`scoring`: `scored`'s):
+    `chosen` `[E, k]`, the rows of its chunks in order (None where none is), `decode`
+    `[B, k]` where it scores the decode contexts. The indexer and a pipeline stage
+    receiving another stage's selection (`stages.from_wire`) both build it here, so the
+    two are the same."""
     per_req: list[Selection | None] = [None] * batch.num_reqs
-    if every_visible(batch, topk):
+    if scoring is None:
         return StepSelection(batch, per_req, _on_device(layer, batch, _every_position(batch)))
-    long = long_chunks(batch, topk)
+    long, _ = scoring
     extends = None
     if long:
         # A query sees the positions up to its own: one comparison when every chunk was
@@ -211,32 +205,6 @@ def step_selection(
     elif batch.decode_reqs:
         sel = _every_position(batch)
     return StepSelection(batch, per_req, _on_device(layer, batch, sel), extends)
-
-
-def wire_rows(sel: StepSelection, topk: int) -> torch.Tensor:
-    """The positions a step's selection scored as int32 `[T, topk]`, one row per token of the
-    step (−1 where a token's positions were not scored): what a pipeline stage sends on
-    for the next stage's layers that read it (`from_wire`)."""
-    b = sel.batch
-    rows = torch.full((b.num_tokens, topk), -1, dtype=torch.int32, device=b.positions.device)
-    for r in long_chunks(b, topk) if not every_visible(b, topk) else ():
-        start, e = b.extend_starts[r], b.extend_lens[r]
-        rows[start : start + e] = sel.per_req[r].positions
-    if decode_selects(b, topk):
-        rows[b.decode_tokens] = sel.decode.positions.to(torch.int32)
-    return rows
-
-
-def from_wire(layer: int, batch: ForwardBatch, topk: int, rows: torch.Tensor) -> StepSelection:
-    """`wire_rows`' selection back as the `StepSelection` the sending stage had."""
-    chosen = decode = None
-    long = [] if every_visible(batch, topk) else long_chunks(batch, topk)
-    if long:
-        parts = [rows[batch.extend_starts[r] :][: batch.extend_lens[r]] for r in long]
-        chosen = (parts[0] if len(parts) == 1 else torch.cat(parts)).long()
-    if decode_selects(batch, topk):
-        decode = rows[batch.decode_tokens].long()
-    return step_selection(layer, batch, topk, chosen, decode)
 
 
 def _on_device(layer: int, batch: ForwardBatch, sel: Selection | None) -> Selection | None:

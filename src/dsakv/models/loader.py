@@ -650,26 +650,24 @@ class _Filler:
 
     def _skip(self, name: str) -> bool:
         m = _LAYER.match(name)
-        if m is not None:
-            layer = int(m.group(1))
-            if layer >= self.plan.num_total_layers:
-                # Draft (MTP) layers follow the target's; one past them is a layer the
-                # config left out (a smaller num_hidden_layers ran the first layers alone).
-                if layer >= self.config.num_hidden_layers + max(
-                    1, self.config.num_nextn_predict_layers
-                ):
-                    return False  # (unexpected: no module has its name)
-                self.skipped["draft"] += 1
-                return True
-            if not self.holds(name):
-                self.skipped["stage"] += 1
-                return True
-            if ".indexer." in name and not self.plan.runs_indexer(layer):
-                self.skipped["indexer"] += 1
-                return True
+        layer = None if m is None else int(m.group(1))
+        if layer is not None and layer >= self.plan.num_total_layers:
+            # Draft (MTP) layers follow the target's; one past them is a layer the
+            # config left out (a smaller num_hidden_layers ran the first layers alone).
+            if layer >= self.config.num_hidden_layers + max(
+                1, self.config.num_nextn_predict_layers
+            ):
+                return False  # (unexpected: no module has its name)
+            self.skipped["draft"] += 1
+            return True
         tied_head = self.config.tie_word_embeddings and name == "lm_head.weight"
-        if not tied_head and not self.holds(name):  # (the embedding, norm or head elsewhere)
+        if not tied_head and not self.holds(
+            name
+        ):  # (a layer, the embedding, norm or head elsewhere)
             self.skipped["stage"] += 1
+            return True
+        if layer is not None and ".indexer." in name and not self.plan.runs_indexer(layer):
+            self.skipped["indexer"] += 1
             return True
         return bool(_IGNORED.search(name)) or tied_head or name in self.ignore
 

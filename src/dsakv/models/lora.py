@@ -249,7 +249,7 @@ def _routed_weights(
     prefix = f"model.layers.{layer}.mlp.experts"
     if layer >= model.plan.num_layers:
         return {}  # the MTP layer: the draft runs base weights
-    mlp = model.target_layers[layer].mlp
+    mlp = model.model.layers[layer].mlp  # (by its number: a stage holds some layers)
     if not isinstance(mlp, MoE):
         raise refuse(f"{prefix}: layer {layer} has no routed experts (a dense MLP)")
     experts, per_expert, nested = mlp.experts, {}, {}
@@ -811,7 +811,7 @@ class LoraSlots:
                 holder = SlotWeights(self, shape, dtype, linear.weight.device, shard)
             linear.lora = self.layers[name] = holder
         routed_targets = self.targets.intersection(PROJECTIONS)
-        for i, layer in enumerate(model.target_layers):  # (not the MTP layer's)
+        for i, layer in held_layers(model):  # (not the MTP layer's)
             if isinstance(layer.mlp, MoE) and routed_targets:
                 experts = layer.mlp.experts
                 routed = experts.lora = RoutedSlots(experts, self, model.dtype, routed_targets)
@@ -926,10 +926,16 @@ def target_suffixes(modules: Sequence[str]) -> frozenset[str]:
 
 def adaptable(model: nn.Module) -> Iterator[tuple[str, ShardedLinear]]:
     """Every layer an adapter may target in `model`'s target layers, by checkpoint name."""
-    for i, layer in enumerate(model.target_layers):
+    for i, layer in held_layers(model):
         for sub, mod in layer.named_modules():
             if sub in TARGETS and isinstance(mod, ShardedLinear):
                 yield f"model.layers.{i}.{sub}", mod
+
+
+def held_layers(model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
+    """The target layers this rank's pipeline stage holds, each with its number in the
+    model (`model.layers.{i}`): all of them with one stage."""
+    return zip(model.model.parts.layers, model.target_layers)
 
 
 def adapter_slots(module: nn.Module) -> LoraSlots | None:
