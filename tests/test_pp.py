@@ -157,10 +157,18 @@ def test_a_stage_builds_loads_and_caches_only_its_layers(glm_tiny, monkeypatch):
 def test_three_stages_forward_a_carried_topk(glm_tiny, reference):
     """Partition 2,1,5 (given as vLLM's keyword and a string): stage 1 is shared layer 2
     alone, reading layer 1's top-k (stage 0) and sending it on to stage 2, whose first
-    layer 3 reads it too; the same tokens and logprobs as one stage."""
+    layer 3 reads it too; the same tokens and logprobs as one stage. The KV bytes per token
+    (/metrics' dsakv_kv_bytes_per_token) are the whole model's, as with one stage, not rank
+    0's stage's (layers 0-1, both full: nothing saved); /server_info has SGLang's pp_size
+    and each stage's layers."""
     with LLM(glm_tiny, **ENGINE, pipeline_parallel_size=3, pp_layer_partition="2,1,5") as llm:
         assert llm.engine.config.pp_layer_partition == (2, 1, 5)
         assert _outputs(llm) == reference[0]
+        counters, info = llm.engine.counters(), llm.get_server_info()
+    per_token = ("bytes_per_token", "index_k_bytes_per_token_saved")
+    assert [counters[k] for k in per_token] == [reference[1][k] for k in per_token]
+    assert counters["index_k_bytes_per_token_saved"] > 0
+    assert (info["tp_size"], info["pp_size"], info["pp_layer_partition"]) == (1, 3, [2, 1, 5])
 
 
 def test_a_host_tier_of_no_page_is_one_error_with_stages(glm_tiny):

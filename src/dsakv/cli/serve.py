@@ -98,14 +98,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from dsakv.engine.launch import process_rank
     from dsakv.server import run_server
 
     request_log = request_log_config(args)
     tracing = trace_config(args, args.collect_detailed_traces)
     http, defaults = http_config(args), response_defaults(args)
+    config = engine_config_from_args(args)
+    if process_rank(config.parallel) != 0:
+        return _follow(args, config)
     with contextlib.ExitStack() as held:  # the ports, taken before the engine loads
         listener = held.enter_context(listen(args.host, args.port))
-        config, bridge = engine_config_from_args(args), None
+        bridge = None
         disaggregation = disagg_config_from_args(args)
         if disaggregation is not None:  # a prefill or decode server
             from dsakv.disagg.serving import bridge_for
@@ -134,6 +138,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             defaults=defaults,
             tracing=tracing,
         )
+    return 0
+
+
+def _follow(args: argparse.Namespace, config: Any) -> int:
+    """A process of a rank other than 0 (torchrun's, or another `--node-rank`'s): it runs
+    rank 0's steps until rank 0 stops and serves nothing, so it takes no port (rank 0's
+    process, on this host too, listens on --port)."""
+    from dsakv.engine.launch import create_engine
+
+    disaggregation = disagg_config_from_args(args)
+    if disaggregation is not None:  # (refused with more than one rank, as rank 0 says)
+        disaggregation.check_engine(config)
+    create_engine(config, exit_on_rank_death=True)  # (exits once rank 0 has stopped)
     return 0
 
 

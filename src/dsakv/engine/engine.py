@@ -216,7 +216,9 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         plan = LayerPlan.from_config(
             model_config, draft_layers=draft_layers, **config.plan_overrides
         )
-        self.layout = CacheLayout.from_plan(
+        # Every layer's (what the model costs a token: /metrics, counters, the logs) and
+        # the pool's (this pipeline stage's layers only; the same with one stage).
+        self.model_layout = CacheLayout.from_plan(
             model_config,
             plan,
             config.kv_cache_dtype,
@@ -224,9 +226,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             config.page_size,
             config.elide_index_k,
         )
-        if self.parallel.pp_size > 1:  # (this pipeline stage's layers only)
+        self.layout = self.model_layout
+        if self.parallel.pp_size > 1:
             stage = self.parallel.stage_layers(model_config.num_hidden_layers)
-            self.layout = self.layout.for_stage(stage)
+            self.layout = self.model_layout.for_stage(stage)
         # Before the weights: a broken tokenizer fails in a second, not after the load.
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
         if config.tokenizer is not None and len(self.tokenizer) > model_config.vocab_size:
@@ -570,11 +573,12 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
     def _log_startup(self) -> None:
         config = self.config
         log.info(
-            "engine: %d pages × %d tokens (%.1f MiB, %d B/token, %s), plan %s%s",
+            "engine: %d pages × %d tokens (%.1f MiB%s, %d B/token, %s), plan %s%s",
             self.allocator.num_pages,
             config.page_size,
             self.pool.nbytes / 2**20,
-            self.layout.bytes_per_token,
+            " on stage 0" if self.parallel.pp_size > 1 else "",
+            self.model_layout.bytes_per_token,  # (every stage's: each one's is logged below)
             "elided" if config.elide_index_k else "dense",
             self.plan.pattern,
             ", deterministic" if self.deterministic else "",
@@ -594,12 +598,12 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             )
 
     def _log_stages(self) -> None:
-        """Each pipeline stage's layers, full layers and KV bytes per token (rank 0's line
-        above is its own stage's); from the plan, no message needed."""
+        """Each pipeline stage's layers, full layers and KV bytes per token (the line above
+        has rank 0's pool and every stage's bytes); from the plan, no message needed."""
         if not self.parallel.is_driver:
             return
         for s, layers in enumerate(self.parallel.config.stage_layers(self.plan.num_layers)):
-            lay = self.layout.for_stage(layers)
+            lay = self.model_layout.for_stage(layers)
             log.info(
                 "pipeline stage %d: layers %d-%d%s, %d full, %d B/token",
                 s, layers.start, layers.stop - 1,
@@ -1725,7 +1729,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         """A flat snapshot for /metrics and the benchmark."""
         s, sch = self.stats, self.scheduler.stats
         host = self.host.bytes_copied if self.host else {"d2h": 0, "h2d": 0}
-        dense = self.layout.dense().bytes_per_token
+        cell = self.model_layout.bytes_per_token  # (every stage's layers: the same at any pp)
+        dense = self.model_layout.dense().bytes_per_token
         return {
             "pages_total": self.allocator.num_pages,
             "pages_used": self.allocator.num_used_pages,
@@ -1762,8 +1767,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             "spec_verify_steps": s.verify_steps,
             "decode_steps": s.decode_steps,
             **dict(zip(STEP_TOKEN_KEYS, s.step_tokens)),
-            "bytes_per_token": self.layout.bytes_per_token,
-            "index_k_bytes_per_token_saved": dense - self.layout.bytes_per_token,
+            "bytes_per_token": cell,
+            "index_k_bytes_per_token_saved": dense - cell,
             **(self.l3.counters() if self.l3 is not None else zero_counters()),
             **(
                 self.hot.counters(self.allocator.num_used_pages * self.config.page_size)

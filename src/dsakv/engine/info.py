@@ -30,6 +30,9 @@ def engine_info(
         "chunked_prefill_size": c.chunked_prefill_size,
         "kv_cache_dtype": c.kv_cache_dtype,
         "tp_size": c.tp,
+        "pp_size": c.parallel.pp,
+        # each stage's target layers (`--pp-layer-partition`, else the even split)
+        "pp_layer_partition": [len(r) for r in c.parallel.stage_layers(engine.plan.num_layers)],
         # SGLang's data-parallel size: under DP attention each rank schedules its own
         # requests (still behind this one entry point), as sglang-router's dp-aware mode
         # reads it

@@ -93,12 +93,11 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
 
 def _launch(config: Any, exit_on_rank_death: bool) -> Any:
     pc: ParallelConfig = config.parallel
-    torchrun = _torchrun_rank(pc)
+    torchrun, rank = _torchrun_rank(pc), process_rank(pc)
     reports: dict[int, Connection] = {}
     if torchrun is not None:
-        rank, init, procs = torchrun, "env://", {}
+        init, procs = "env://", {}
     else:
-        rank = pc.node_rank * pc.ranks_per_node
         if rank == 0 and pc.dist_init_addr:
             _check_rendezvous_port(pc.dist_init_addr)
         addr = pc.dist_init_addr or f"127.0.0.1:{free_port()}"
@@ -466,6 +465,16 @@ def _kill_ranks_at_exit() -> None:
 # Registered after multiprocessing's exit hook (`multiprocessing.connection`, imported
 # above, registers it), so it runs before that hook; an `LLM`'s own close runs before both.
 atexit.register(_kill_ranks_at_exit)
+
+
+def process_rank(pc: ParallelConfig) -> int:
+    """The rank `create_engine` makes this process: torchrun's RANK, else its node's first
+    (`--node-rank` × ranks per node); 0 with one rank. Only rank 0's process serves (the
+    others follow it), so `dsakv serve` takes its port there only."""
+    if pc.world_size == 1:
+        return 0
+    torchrun = _torchrun_rank(pc)
+    return pc.node_rank * pc.ranks_per_node if torchrun is None else torchrun
 
 
 def _torchrun_rank(pc: ParallelConfig) -> int | None:
