@@ -23,6 +23,7 @@ from dsakv.memory import (
     page_slots,
     quantize_e4m3_blockwise,
 )
+from dsakv.memory.host import host_pages
 from tests.conftest import small_glm_config
 
 PATTERN = "FFSSFS"
@@ -62,12 +63,12 @@ def test_glm52_host_bytes_elided_vs_dense():
     assert host.pool.device.type == "cpu" and not host.pool.pin_memory
 
 
-def test_from_gib_and_a_bad_device_pool():
+def test_host_pages_and_a_bad_device_pool():
     dev = DSAKVPool(small_layout("fp32", "fp8"), 4)
     bpp = dev.layout.bytes_per_page
-    assert HostPool.from_gib(dev, 3 * bpp / 2**30).num_pages == 3
-    with pytest.raises(ValueError, match="no"):
-        HostPool.from_gib(dev, 1e-9)
+    assert host_pages(3 * bpp / 2**30, bpp) == 3
+    with pytest.raises(ValueError, match=f"1e-09 GiB holds no {bpp}-byte page"):
+        host_pages(1e-9, bpp)
     with pytest.raises(TypeError, match="backs a DSAKVPool, got CacheLayout"):
         HostPool(dev.layout, 2)
 

@@ -55,6 +55,7 @@ def test_shared_layers_allocate_no_indexer(ckpt, caplog):
     saved = sum(p.numel() for p in all_full.parameters()) - total
     assert saved == per_layer * plan.num_shared_layers
     assert "skipped 0 indexer tensors" in caplog.text
+    assert "belong to other ranks\n" in caplog.text  # (no pipeline stages: not said)
 
 
 def test_override_skips_and_counts_indexer_tensors(ckpt, caplog):

@@ -17,11 +17,9 @@ from safetensors.torch import load_file
 from dsakv import LLM, SamplingParams
 from dsakv.distributed.parallel import ParallelConfig, ParallelState, agreed
 from dsakv.engine import EngineConfig, launch
-from dsakv.engine.engine import stage_kv_budget
 from dsakv.errors import DsakvError
 from dsakv.memory import CacheLayout, plan_capacity
-from dsakv.memory.capacity import gpu_kv_budget_bytes
-from dsakv.memory.pool import DSAKVPool
+from dsakv.memory.capacity import gpu_kv_budget_bytes, stage_kv_budget_bytes
 from dsakv.models import load_model, loader
 from dsakv.models.lora import adaptable
 from dsakv.models.stages import MissingLayer
@@ -127,15 +125,18 @@ def test_a_stage_starting_on_a_shared_layer_gets_its_topk(glm_tiny):
     assert c2["spec_verify_steps"] == c1["spec_verify_steps"] > 0
 
 
-def test_a_stage_builds_loads_and_caches_only_its_layers(glm_tiny, monkeypatch):
+def test_a_stage_builds_loads_and_caches_only_its_layers(glm_tiny, monkeypatch, caplog):
     """Stage 1 of partition 3,5 (built without a process group: nothing runs): layers 3..7
-    and the MTP layer, no indexer on shared layer 3, no index-K buffer for it; the other
-    stage's parts are placeholders that say where they run, and are never read."""
+    and the MTP layer, no indexer on shared layer 3; the other stage's parts are
+    placeholders that say where they run, and are never read (the stage's pool:
+    test_pp_memory)."""
     read: list[str] = []
     copy = loader._copy
     monkeypatch.setattr(loader, "_copy", lambda name, *a: (read.append(name), copy(name, *a)))
-    stage = ParallelState(ParallelConfig(pp=2, pp_partition=PARTITION), rank=1)
-    model, config, plan = load_model(glm_tiny, parallel=stage, draft_layers=1)
+    stage = ParallelState(ParallelConfig(pp=2, pp_layer_partition=PARTITION), rank=1)
+    with caplog.at_level("INFO", logger="dsakv.models.loader"):
+        model, config, plan = load_model(glm_tiny, parallel=stage, draft_layers=1)
+    assert "tensors to other pipeline stages" in caplog.text  # (layers 0-2, the embedding)
     layers = {int(n.split(".")[2]) for n, _ in model.named_parameters() if ".layers." in n}
     assert layers == {3, 4, 5, 6, 7, 8}
     assert {int(n.split(".")[2]) for n in read if ".layers." in n} == layers
@@ -147,11 +148,6 @@ def test_a_stage_builds_loads_and_caches_only_its_layers(glm_tiny, monkeypatch):
     assert {int(n.split(".")[2]) for n, _ in adaptable(model)} == set(range(3, 8))
     with pytest.raises(DsakvError, match="model.layers.2 is held by pipeline stage 0"):
         model.model.layers[2](None)
-    layout = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 16, draft_layers=1)
-    pool = DSAKVPool(layout.for_stage(range(3, 8)), 2, torch.device("cpu"))
-    assert [i for i in range(3, 9) if pool.has_index_k(i)] == [4, 6, 8]
-    with pytest.raises(Exception, match="stage"):
-        pool.has_index_k(2)
 
 
 def test_three_stages_forward_a_carried_topk(glm_tiny, reference):
@@ -186,9 +182,11 @@ def test_each_stage_sizes_its_pages_from_its_own_budget(glm_tiny):
     at 0.9, 3 and 7 GiB; stage 0's 3 GiB limits the pool (25,266 pages), not stage 1
     sized from stage 0's budget (13,066)."""
     whole = CacheLayout.for_model(glm_tiny, draft_layers=1)
-    stages = [whole.for_stage(r) for r in ParallelConfig(pp=2, pp_partition=(3, 5)).stage_layers(8)]
+    stages = [
+        whole.for_stage(r) for r in ParallelConfig(pp=2, pp_layer_partition=(3, 5)).stage_layers(8)
+    ]
     mem = [(10 * GIB, 4 * GIB), (10 * GIB, 8 * GIB)]
-    budgets = [stage_kv_budget(0.9, mem, 1, s) for s in (0, 1)]
+    budgets = [stage_kv_budget_bytes(0.9, mem, 1, s) for s in (0, 1)]
     assert budgets == [int(10 * GIB * 0.9) - 6 * GIB, int(10 * GIB * 0.9) - 2 * GIB]
 
     def pages(budget: int, layout: CacheLayout) -> int:
@@ -198,9 +196,30 @@ def test_each_stage_sizes_its_pages_from_its_own_budget(glm_tiny):
     assert min(pages(gpu_kv_budget_bytes(0.9, mem), lay) for lay in stages) == 13_066
     # Two TP ranks a stage: the least of each stage's own ranks
     four = [(10 * GIB, 5 * GIB), (10 * GIB, 4 * GIB), (10 * GIB, 8 * GIB), (10 * GIB, 7 * GIB)]
-    assert [stage_kv_budget(0.9, four, 2, s) / GIB for s in (0, 1)] == pytest.approx([3, 6])
+    assert [stage_kv_budget_bytes(0.9, four, 2, s) / GIB for s in (0, 1)] == pytest.approx([3, 6])
     with pytest.raises(DsakvError, match="the weights of rank 3 take"):  # (on every rank)
-        stage_kv_budget(0.9, [*four[:3], (10 * GIB, GIB // 2)], 2, 0)
+        stage_kv_budget_bytes(0.9, [*four[:3], (10 * GIB, GIB // 2)], 2, 0)
+
+
+def test_deterministic_stages_hold_the_least_stages_pages(glm_tiny):
+    """Under --kv-budget-gib each stage's layout buys its own pages (partition 3,5: stage 1's
+    5 layers cost more a page than rank 0's 3) and the pool is the least stage's, not rank
+    0's; with --enable-deterministic-inference, the tokens and logprobs of one stage."""
+    budget = 0.015
+    kw = dict(EXACT, chunked_prefill_size=16, kv_budget_gib=budget)
+    kw["enable_deterministic_inference"] = True
+    with LLM(glm_tiny, **kw) as llm:
+        one = _outputs(llm)
+    with LLM(glm_tiny, **kw, pp=2, pp_layer_partition=PARTITION) as llm:
+        two, pages = _outputs(llm), llm.engine.allocator.num_pages
+        draft = llm.engine.plan.num_draft_layers
+    whole = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 16, draft_layers=draft)
+    per_stage = [
+        plan_capacity(whole.for_stage(r), kv_budget_gib=budget).num_pages
+        for r in (range(0, 3), range(3, 8))
+    ]
+    assert pages == per_stage[1] < per_stage[0]
+    assert two == one
 
 
 def test_what_a_stage_sends_is_what_the_next_reads():
@@ -276,7 +295,7 @@ def test_mtp_on_the_last_stage_keeps_tokens_and_drafts(glm_tiny, reference):
         (["--enable-return-hidden-states"], "--enable-return-hidden-states does not run with"),
         (["--disaggregation-mode", "prefill"], "no --tp / --pp-size / --dp-attention"),
         (["--pp-layer-partition", "3,4"], "covers 7 layers; the model has 8"),
-        (["--pp-layer-partition", "2,2,4"], "must be 2 integers >= 1"),
+        (["--pp-layer-partition", "2,2,4"], "must be 2 numbers (one per stage of --pp-size 2)"),
         (["--tp", "2", "--dp-attention"], "--dp-attention with --pp-size > 1 is not supported"),
     ],
 )

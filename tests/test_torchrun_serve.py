@@ -13,7 +13,10 @@ import httpx
 import pytest
 
 from dsakv.distributed.parallel import ParallelConfig
+from dsakv.engine import launch
 from dsakv.engine.launch import process_rank
+
+from .conftest import cli_error_line
 
 MASTER_PORT, PORT = 18670, 18671  # (this file's ports)
 
@@ -33,6 +36,29 @@ def test_only_rank_0s_process_serves(monkeypatch):
         assert process_rank(ParallelConfig(tp=2)) == rank
     monkeypatch.setenv("RANK", "1")
     assert process_rank(ParallelConfig()) == 0  # (one rank: torchrun's env is not read)
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--served-model-name", ""], "a served model name must not be empty"),
+        (["--served-model-name", "a", "--enable-lora", "--lora-modules", "a=/x"], "adapter name"),
+    ],
+)
+def test_a_follower_refuses_what_rank_0s_server_refuses(glm_tiny, monkeypatch, capsys, flags, said):
+    """Torchrun's rank 1 refuses, before its engine starts, what rank 0's server refuses
+    before the load (`check_serving`; parser names and TLS files fail in every process
+    earlier): every process fails at once (it waited out the rendezvous for a rank 0 that
+    had failed)."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the follower's engine started before the server's checks")
+
+    monkeypatch.setattr(launch, "create_engine", loaded)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["serve", glm_tiny, "--device", "cpu", "--tp", "2", *flags]
+    assert said in cli_error_line(argv, capsys)
 
 
 def _wait_up(proc: subprocess.Popen, url: str) -> None:

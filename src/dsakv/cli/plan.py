@@ -27,6 +27,8 @@ from .args import (
     positive_int,
 )
 
+GIB = 1 << 30  # (memory.capacity's, not imported here: dsakv.memory loads torch)
+
 
 def _check_indexers(model: str, plan: Any) -> None:
     """A plan whose full layers a checkpoint has no indexer weights for is refused, as the
@@ -83,9 +85,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     parallel = ParallelConfig(
         tp=args.tp,
         ep=args.ep,
-        dp_attention=args.dp_attention,
         pp=args.pp,
-        pp_partition=args.pp_layer_partition,
+        pp_layer_partition=args.pp_layer_partition,
+        dp_attention=args.dp_attention,
     )
     parallel.check_model(config)
     stages = parallel.stage_layers(plan.num_layers)  # (refuses a partition that does not fit)
@@ -253,9 +255,6 @@ def _columns(head: list[str], rows: list[list[str]], left: frozenset[int]) -> li
 def _stages_table(r: dict[str, Any], elided: Any, dense: Any) -> str:
     """The pipeline's plan: each stage's bytes per token and tokens, dense and elided, and
     the stage whose budget limits the pool (one scheduler: the least stage's tokens)."""
-    from dsakv.memory.capacity import gain_pct
-
-    gib = 1 << 30
     chosen = dense if not r["elide_index_k"] else elided
     head = [
         "stage", "layers", "full/shared", "top-k in", "B/tok dense", "B/tok elided", "gain",
@@ -265,26 +264,21 @@ def _stages_table(r: dict[str, Any], elided: Any, dense: Any) -> str:
     for s, e, d in zip(chosen.stages, elided.stages, dense.stages, strict=True):
         bd, be = d.layout.bytes_per_token, e.layout.bytes_per_token
         td, te = d.capacity.max_total_num_tokens, e.capacity.max_total_num_tokens
-        w = "n/a" if s.weight_bytes is None else f"{s.weight_bytes / gib:.2f} GiB"
+        w = "n/a" if s.weight_bytes is None else f"{s.weight_bytes / GIB:.2f} GiB"
         rows.append([
             str(s.stage), _stage_layers(s), f"{s.num_full_layers}/{s.num_shared_layers}",
             f"{s.carried_topk_bytes_per_token:,}", f"{bd:,}", f"{be:,}",
-            _pct(gain_pct(bd, be)).strip(), w, f"{s.capacity.kv_budget_bytes / gib:,.2f}",
-            f"{td:,}", f"{te:,}", _pct(gain_pct(te, td)).strip(),
+            _pct(bd, be).strip(), w, f"{s.capacity.kv_budget_bytes / GIB:,.2f}",
+            f"{td:,}", f"{te:,}", _pct(te, td).strip(),
         ])  # fmt: skip
+    per_stage = ",".join(map(str, r["pp_layer_partition"]))
     lines = [
-        f"dsakv plan: {r['model_type']}, {r['num_layers']} layers"
-        f" (+{r['num_draft_layers']} draft), {r['num_full_layers']} full / "
-        f"{r['num_shared_layers']} shared ({r['plan_source']})",
-        f"layers: {r['layer_pattern']}",
-        f"cache: latent {r['kv_cache_dtype']}, index-K {r['index_k_dtype']}, "
-        f"page size {r['page_size']}, TP {r['tp']}, EP {r['ep']}, PP {r['pp']} "
-        f"(layers per stage {','.join(map(str, r['pp_layer_partition']))})",
+        *_header(r, f", PP {r['pp']} (layers per stage {per_stage})"),
         "",
         *_columns(head, rows, left=frozenset({1})),
     ]
     e_lim, d_lim = elided.limiting, dense.limiting
-    gain = _pct(gain_pct(elided.max_total_num_tokens, dense.max_total_num_tokens)).strip()
+    gain = _pct(elided.max_total_num_tokens, dense.max_total_num_tokens).strip()
     layout = "elided" if r["elide_index_k"] else "dense"
     lines += [
         "",
@@ -311,9 +305,6 @@ def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
 
 def _hisparse_table(dense: Any, elided: Any) -> str:
     """The HiSparse split, dense and elided side by side (DESIGN.md §13)."""
-    from dsakv.memory.capacity import gain_pct
-
-    gib = 1 << 30
     h = elided.hisparse
     rows: list[tuple[str, Any, Any, bool]] = [
         ("device bytes/device token", dense.device_bytes_per_device_token,
@@ -323,7 +314,7 @@ def _hisparse_table(dense: Any, elided: Any) -> str:
         ("host bytes/token", dense.host_bytes_per_token, elided.host_bytes_per_token, False),
         ("device tokens", dense.device_tokens, elided.device_tokens, True),
         ("logical tokens", dense.logical_tokens, elided.logical_tokens, True),
-        ("host memory (GiB)", dense.host_bytes / gib, elided.host_bytes / gib, False),
+        ("host memory (GiB)", dense.host_bytes / GIB, elided.host_bytes / GIB, False),
         ("concurrent hot buffers", dense.concurrent_hot_buffers,
          elided.concurrent_hot_buffers, True),
     ]  # fmt: skip
@@ -342,15 +333,32 @@ def _hisparse_table(dense: Any, elided: Any) -> str:
             fmt = lambda v: f"{v:>16,.3f}"
         gain = ""
         if show_gain:  # bytes: the saving as tokens gained per byte; counts: tokens gained
-            gain = _pct(gain_pct(d, e) if name.startswith("device bytes") else gain_pct(e, d))
+            gain = _pct(d, e) if name.startswith("device bytes") else _pct(e, d)
         lines.append(f"{name:28}{fmt(d)}{fmt(e)}{gain}")
     share = f"{100 * dense.index_k_share:.1f}%", f"{100 * elided.index_k_share:.1f}%"
     lines.append(f"{'index-K share of device':28}{share[0]:>16}{share[1]:>16}")
     return "\n".join(lines)
 
 
-def _pct(gain: float | None) -> str:
+def _pct(new: float, old: float) -> str:
+    """`gain_pct(new, old)` as a table cell ("n/a" where `old` is 0)."""
+    from dsakv.memory.capacity import gain_pct  # (here: dsakv.memory loads torch)
+
+    gain = gain_pct(new, old)
     return f"{'n/a':>10}" if gain is None else f"{gain:>+9.2f}%"
+
+
+def _header(r: dict[str, Any], ranks: str) -> list[str]:
+    """A plan table's first lines: the model, its layers, the cache and its ranks (`ranks`
+    follows TP and EP)."""
+    return [
+        f"dsakv plan: {r['model_type']}, {r['num_layers']} layers"
+        f" (+{r['num_draft_layers']} draft), {r['num_full_layers']} full / "
+        f"{r['num_shared_layers']} shared ({r['plan_source']})",
+        f"layers: {r['layer_pattern']}",
+        f"cache: latent {r['kv_cache_dtype']}, index-K {r['index_k_dtype']}, "
+        f"page size {r['page_size']}, TP {r['tp']}, EP {r['ep']}{ranks}",
+    ]
 
 
 def _plan_table(
@@ -363,26 +371,17 @@ def _plan_table(
 ) -> str:
     """The plan, dense and elided side by side; with GPU memory, each column's KV budget is
     memory × fraction − its weights − reserve."""
-    from dsakv.memory.capacity import gain_pct
-
-    gib = 1 << 30
-    weights_d, weights_e = (None if w is None else w / gib for w in weights)
+    weights_d, weights_e = (None if w is None else w / GIB for w in weights)
     rows = [
         ("latent bytes/token", dense.latent_bytes_per_token, elided.latent_bytes_per_token),
         ("index-K bytes/token", dense.index_k_bytes_per_token, elided.index_k_bytes_per_token),
         ("cell bytes/token", dense.bytes_per_token, elided.bytes_per_token),
         ("weights/rank (GiB)", weights_d, weights_e),
-        ("KV budget (GiB)", cap_d.kv_budget_bytes / gib, cap_e.kv_budget_bytes / gib),
+        ("KV budget (GiB)", cap_d.kv_budget_bytes / GIB, cap_e.kv_budget_bytes / GIB),
         ("max_total_num_tokens", cap_d.max_total_num_tokens, cap_e.max_total_num_tokens),
     ]
     lines = [
-        f"dsakv plan: {r['model_type']}, {r['num_layers']} layers"
-        f" (+{r['num_draft_layers']} draft), {r['num_full_layers']} full / "
-        f"{r['num_shared_layers']} shared ({r['plan_source']})",
-        f"layers: {r['layer_pattern']}",
-        f"cache: latent {r['kv_cache_dtype']}, index-K {r['index_k_dtype']}, "
-        f"page size {r['page_size']}, TP {r['tp']}, EP {r['ep']}"
-        + (", DP attention" if r["dp_attention"] else ""),
+        *_header(r, ", DP attention" if r["dp_attention"] else ""),
         "",
         f"{'':24}{'dense':>16}{'elided':>16}{'gain':>10}",
     ]
@@ -393,9 +392,9 @@ def _plan_table(
         )
         gain = ""
         if name.startswith("cell"):
-            gain = _pct(gain_pct(d, e))  # the saving, as tokens gained per byte
+            gain = _pct(d, e)  # the saving, as tokens gained per byte
         elif name.startswith("max"):
-            gain = _pct(gain_pct(e, d))
+            gain = _pct(e, d)
         lines.append(f"{name:24}{cells}{gain}")
     saved = r["indexer_weight_bytes_saved"]
     layout = "elided" if r["elide_index_k"] else "dense"
@@ -406,7 +405,7 @@ def _plan_table(
     )
     lines.append(
         "indexer weights not built by shared layers: "
-        + ("n/a (unknown weights)" if saved is None else f"{saved / gib:.3f} GiB per rank")
+        + ("n/a (unknown weights)" if saved is None else f"{saved / GIB:.3f} GiB per rank")
         + f" ({r['num_shared_layers']} layers)"
     )
     return "\n".join(lines)

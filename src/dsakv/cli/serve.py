@@ -106,7 +106,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     http, defaults = http_config(args), response_defaults(args)
     config = engine_config_from_args(args)
     if process_rank(config.parallel) != 0:
-        return _follow(args, config)
+        return _follow(args, config, http)
     with contextlib.ExitStack() as held:  # the ports, taken before the engine loads
         listener = held.enter_context(listen(args.host, args.port))
         bridge = None
@@ -141,12 +141,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _follow(args: argparse.Namespace, config: Any) -> int:
+def _follow(args: argparse.Namespace, config: Any, http: Any) -> int:
     """A process of a rank other than 0 (torchrun's, or another `--node-rank`'s): it runs
     rank 0's steps until rank 0 stops and serves nothing, so it takes no port (rank 0's
-    process, on this host too, listens on --port)."""
+    process, on this host too, listens on --port). It checks what rank 0's server checks
+    before the load (`check_serving`), so a bad flag fails every process at once."""
     from dsakv.engine.launch import create_engine
+    from dsakv.server.serve import check_serving
 
+    check_serving(
+        config, args.served_model_name, args.tool_call_parser, args.reasoning_parser, http
+    )
     disaggregation = disagg_config_from_args(args)
     if disaggregation is not None:  # (refused with more than one rank, as rank 0 says)
         disaggregation.check_engine(config)

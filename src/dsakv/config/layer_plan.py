@@ -159,7 +159,7 @@ class LayerPlan:
 
     def runs_indexer(self, layer: int) -> bool:
         """Whether `layer` builds and runs its own indexer (draft layers always do)."""
-        self._check_layer(layer)
+        self.check_layer(layer)
         return layer >= self.num_layers or self.indexer_types[layer] == FULL
 
     def owns_index_k(self, layer: int) -> bool:
@@ -168,18 +168,18 @@ class LayerPlan:
 
     def topk_source(self, layer: int) -> int:
         """The layer whose top-k `layer` uses: itself if full, else the nearest earlier full."""
-        self._check_layer(layer)
+        self.check_layer(layer)
         return self._topk_sources[layer]
 
     def carried_sources(self, boundary: int) -> tuple[int, ...]:
         """The full layers before target layer `boundary` whose top-k a target layer from
         `boundary` on reads: what a pipeline stage starting at `boundary` receives with the
         hidden states (a stage that starts with a shared layer needs its source's)."""
-        self._check_layer(boundary)
+        self.check_layer(boundary)
         later = (self._topk_sources[i] for i in range(boundary, self.num_layers))
         return tuple(sorted({src for src in later if src < boundary}))
 
-    def _check_layer(self, layer: int) -> None:
+    def check_layer(self, layer: int) -> None:
         """A negative index would wrap around to a draft layer: refused like one past the end."""
         if not 0 <= layer < self.num_total_layers:
             raise IndexError(f"layer {layer} out of range 0..{self.num_total_layers - 1}")
@@ -236,6 +236,14 @@ def _parse_pattern(pattern: str, num_layers: int, name: str) -> tuple[str, ...]:
             f"{name} has {len(pattern)} characters but num_hidden_layers is {num_layers}"
         )
     return tuple(FULL if c == "F" else SHARED for c in pattern)
+
+
+def builds_embedding(*, first: bool, last: bool, draft: bool, tied: bool) -> bool:
+    """Whether a pipeline stage (the whole model with one) builds the embedding: the first
+    stage embeds the tokens; the last holds one too where lm_head is it (`tied`) or its
+    MTP layer (`draft`) embeds the next token. The model (`StageParts`) and the weight
+    estimate (`estimate_weight_bytes`) both ask here."""
+    return first or (last and (tied or draft))
 
 
 # What `--pp-layer-partition` / `pp_layer_partition` takes, for its errors

@@ -47,7 +47,8 @@ class DisaggConfig:
         """What a prefill or decode server cannot serve yet, before anything loads."""
         if config.parallel.world_size > 1:  # every rank's pool replica would need the pages
             raise DsakvError(
-                "--disaggregation-mode runs on one rank for now (no --tp / --pp-size / --dp-attention)"
+                "--disaggregation-mode runs on one rank for now "
+                "(no --tp / --pp-size / --dp-attention)"
             )
         if config.storage is not None:
             raise DsakvError(

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsakv.config.layer_plan import parse_layer_partition
 from dsakv.errors import DsakvError, is_int
 from dsakv.procs import split_address
 
@@ -34,25 +35,26 @@ DEFAULT_TIMEOUT_S = 120.0
 Wire = list[tuple[tuple[int, ...], torch.dtype]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """`--tp`, `--pp-size`, `--ep`, `--dp-attention` and the multi-node launch flags
     (SGLang's names).
 
     Ranks are numbered stage-major: rank r is tensor-parallel rank `r % tp` of pipeline
-    stage `r // tp`; stage s runs the target layers `stage_layers(N)[s]`.
+    stage `r // tp`; stage s runs the target layers `stage_layers(N)[s]`. Keywords only.
     """
 
     tp: int = 1
     ep: int = 1
+    pp: int = 1
+    # Target layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION; "3,5" taken, as
+    # `parse_layer_partition` takes it); None: `even_split`
+    pp_layer_partition: tuple[int, ...] | None = None
     dp_attention: bool = False
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous
     timeout_s: float = DEFAULT_TIMEOUT_S  # a collective that waits longer fails
-    pp: int = 1
-    # Target layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION); None: `even_split`
-    pp_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name, flag in (
@@ -64,20 +66,8 @@ class ParallelConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise DsakvError(f"{flag} must be an integer >= 1, got {v!r}")
-        if self.pp_partition is not None and self.pp == 1 and len(self.pp_partition) > 1:
-            n = len(self.pp_partition)  # (--pp-size left at 1: say which it needs)
-            raise DsakvError(
-                f"--pp-layer-partition {','.join(map(str, self.pp_partition))} gives {n} "
-                f"stages: give --pp-size {n} too"
-            )
-        if self.pp_partition is not None and (
-            len(self.pp_partition) != self.pp
-            or not all(is_int(n) and n >= 1 for n in self.pp_partition)
-        ):
-            raise DsakvError(
-                f"--pp-layer-partition must be {self.pp} integers >= 1 (one per stage of "
-                f"--pp-size {self.pp}), got {','.join(map(str, self.pp_partition))}"
-            )
+        if self.pp_layer_partition is not None:
+            self._check_partition(parse_layer_partition(self.pp_layer_partition))
         if self.ep > self.tp:
             raise DsakvError(f"--ep {self.ep} is larger than --tp {self.tp}")
         if self.tp % self.ep:
@@ -99,6 +89,21 @@ class ParallelConfig:
             split_address(self.dist_init_addr, "--dist-init-addr", " (port 1..65535)")
         if not self.timeout_s > 0:
             raise DsakvError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+
+    def _check_partition(self, parts: tuple[int, ...]) -> None:
+        """One number per stage (each a count of layers: `parse_layer_partition` checked);
+        kept as the parsed tuple."""
+        given, n = ",".join(map(str, parts)), len(parts)
+        if self.pp == 1 and n > 1:  # (--pp-size left at 1: say which it needs)
+            raise DsakvError(
+                f"--pp-layer-partition {given} gives {n} stages: give --pp-size {n} too"
+            )
+        if n != self.pp:
+            raise DsakvError(
+                f"--pp-layer-partition must be {self.pp} numbers (one per stage of --pp-size "
+                f"{self.pp}), got {given}"
+            )
+        object.__setattr__(self, "pp_layer_partition", parts)
 
     @property
     def world_size(self) -> int:
@@ -132,7 +137,7 @@ class ParallelConfig:
     def stage_layers(self, num_layers: int) -> tuple[range, ...]:
         """Each pipeline stage's target layers, in order (`--pp-layer-partition`, else
         `even_split`). The MTP draft layer, when built, sits on the last stage."""
-        sizes = self.pp_partition or even_split(num_layers, self.pp)
+        sizes = self.pp_layer_partition or even_split(num_layers, self.pp)
         if sum(sizes) != num_layers:
             raise DsakvError(
                 f"--pp-layer-partition {','.join(map(str, sizes))} covers {sum(sizes)} layers; "
@@ -223,14 +228,6 @@ class ParallelState:
     def stage(self) -> int:
         """This rank's pipeline stage (ranks are stage-major)."""
         return self.rank // self.config.tp
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage == self.config.pp - 1
 
     def stage_layers(self, num_layers: int) -> range:
         """The target layers this rank's stage runs (all of them with one stage)."""
@@ -339,7 +336,7 @@ class ParallelState:
         for t in agreed(tensors, like):
             dist.send(t, self.rank + self.tp_size)
 
-    def recv_prev(self, like: Wire, device) -> list:
+    def recv_prev(self, like: Wire, device: torch.device) -> list[torch.Tensor]:
         """What the previous stage's same TP rank sent (`send_next`): one tensor of each
         (shape, dtype) of `like`, in order."""
         out = []
@@ -350,7 +347,7 @@ class ParallelState:
         return out
 
     def to_driver(
-        self, x: torch.Tensor | None, shape: tuple[int, ...], device
+        self, x: torch.Tensor | None, shape: tuple[int, ...], device: torch.device
     ) -> torch.Tensor | None:
         """The last stage's `x` (its TP rank 0's: its ranks hold the same) on rank 0, which
         returns it; the last stage returns its own, the other ranks None. The identity with

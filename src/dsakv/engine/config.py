@@ -31,9 +31,11 @@ DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLa
 VLLM_KWARGS = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
 
 
-def named_here(kwargs: dict[str, Any]) -> dict[str, Any]:
+def vllm_names_as_ours(kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` with vLLM's names (`VLLM_KWARGS`) as the fields they set; both names of
-    one field given is refused."""
+    one field given is refused. Renamed rather than added as fields: one field per
+    setting, so every check and every reader of `EngineConfig` sees one name (a second
+    field would have to be kept in step with the first)."""
     out = dict(kwargs)
     for theirs, ours in VLLM_KWARGS.items():
         if theirs in out:
@@ -546,7 +548,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
-        kwargs = named_here(kwargs)
+        kwargs = vllm_names_as_ours(kwargs)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -589,14 +591,14 @@ class EngineConfig:
     @property
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(
-            self.tp,
-            self.ep,
-            self.dp_attention,
-            self.nnodes,
-            self.node_rank,
-            self.dist_init_addr,
+            tp=self.tp,
+            ep=self.ep,
             pp=self.pp,
-            pp_partition=self.pp_layer_partition,
+            pp_layer_partition=self.pp_layer_partition,
+            dp_attention=self.dp_attention,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            dist_init_addr=self.dist_init_addr,
         )
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -31,8 +31,8 @@ from dsakv.errors import ConfigError, DsakvError, PromptTooLong, is_int, load_js
 from dsakv.kernels import cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
-from dsakv.memory.capacity import GIB, gpu_kv_budget_bytes
-from dsakv.memory.host import HostPool
+from dsakv.memory.capacity import GIB, stage_kv_budget_bytes
+from dsakv.memory.host import HostPool, host_pages
 from dsakv.memory.pool import DSAKVPool
 from dsakv.memory.release import Stash
 from dsakv.memory.storage import storage_namespace
@@ -75,7 +75,6 @@ from .speculative import Drafter, MTPDrafter, NGramDrafter, verify
 from .weight_update import WEIGHT_CALLS, WeightUpdateMixin
 
 log = logging.getLogger(__name__)
-T = TypeVar("T", int, tuple[int, int])  # (`_least_over_stages`: pages, or pages and more)
 # What sizes the device pool, for its errors
 POOL_FLAGS = "--kv-budget-gib, --num-pages, --max-total-tokens, --mem-fraction-static"
 
@@ -84,16 +83,6 @@ class RankDied(DsakvError):
     """Another rank of this engine died or failed (not bad input): the CLI exits 1."""
 
     exit_code = 1
-
-
-def stage_kv_budget(fraction: float, per_rank: list[tuple[int, int]], tp: int, stage: int) -> int:
-    """Pipeline stage `stage`'s KV budget in bytes under `--mem-fraction-static`: the least
-    of its `tp` ranks' (ranks are stage-major), from every rank's free GPU memory `(before,
-    after)` the load. Stages hold different weights, so each sizes its pages from its own
-    budget and layout before the engine takes the least page count over stages. A rank
-    with no room refuses on every rank, naming itself (`gpu_kv_budget_bytes`)."""
-    gpu_kv_budget_bytes(fraction, per_rank)
-    return gpu_kv_budget_bytes(fraction, per_rank[stage * tp : (stage + 1) * tp])
 
 
 def keep_freed_memory() -> None:
@@ -226,10 +215,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             config.page_size,
             config.elide_index_k,
         )
-        self.layout = self.model_layout
-        if self.parallel.pp_size > 1:
-            stage = self.parallel.stage_layers(model_config.num_hidden_layers)
-            self.layout = self.model_layout.for_stage(stage)
+        stage = self.parallel.stage_layers(model_config.num_hidden_layers)
+        self.layout = self.model_layout.for_stage(stage)
         # Before the weights: a broken tokenizer fails in a second, not after the load.
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
         if config.tokenizer is not None and len(self.tokenizer) > model_config.vocab_size:
@@ -467,29 +454,28 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             ) from None
         return logical, pages
 
-    def _least_over_stages(self, pages: T) -> T:
+    def _least_over_stages(self, pages: int) -> int:
         """Under pipeline parallelism the least of every rank's `pages` (each stage's layout
-        has its own bytes per page; a tuple compares by its first item): rank 0's scheduler
-        hands out pages every stage must hold. `pages` as it is with one stage."""
+        has its own bytes per page): rank 0's scheduler hands out pages every stage must
+        hold. `pages` as it is with one stage."""
         if self.parallel.pp_size == 1:
             return pages
         return min(self.parallel.all_gather_objects(pages))
 
     def _host_pages(self, gib: float) -> int:
-        """The host tier's pages in `gib` GiB: the least over pipeline stages (each stage's
-        layout has its own bytes per page; rank 0's journal moves pages every stage holds),
-        refused alike on every rank where that stage's GiB holds no page."""
+        """The host tier's pages in `gib` GiB (`host_pages`), of the largest page any
+        pipeline stage has (each stage's layout has its own bytes per page; rank 0's
+        journal moves pages every stage holds): every rank the same count, or refusal."""
         size = self.layout.bytes_per_page
-        pages, size = self._least_over_stages((int(gib * GIB // size), size))
-        if pages < 1:
-            raise DsakvError(f"{gib:.3g} GiB holds no {size}-byte page")
-        return pages
+        if self.parallel.pp_size > 1:
+            size = max(self.parallel.all_gather_objects(size))
+        return host_pages(gib, size)
 
     def _kv_budget_gib(self) -> float:
         """`kv_budget_gib` (default 1), or under `mem_fraction_static` what the GPU keeps for
         the pool once the weights are in (`gpu_kv_budget_bytes`: SGLang's), the least any
-        rank of this pipeline stage has (`stage_kv_budget`). Every rank gets every rank's
-        numbers first, so a refusal is every rank's."""
+        rank of this pipeline stage has (`stage_kv_budget_bytes`). Every rank gets every
+        rank's numbers first, so a refusal is every rank's."""
         fraction = self.config.mem_fraction_static
         if fraction is None:
             return self.config.kv_budget_gib or 1.0
@@ -501,7 +487,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             )
         per_rank = self.parallel.all_gather_objects((before, after))
         tp, stage = self.parallel.tp_size, self.parallel.stage
-        budget = stage_kv_budget(fraction, per_rank, tp, stage) / GIB
+        budget = stage_kv_budget_bytes(fraction, per_rank, tp, stage) / GIB
         log.info(
             "KV budget %.2f GiB: --mem-fraction-static %s of the %.2f GiB free before the "
             "load, %.2f GiB of it the weights' (least over %d rank(s)%s)",
@@ -578,13 +564,11 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             config.page_size,
             self.pool.nbytes / 2**20,
             " on stage 0" if self.parallel.pp_size > 1 else "",
-            self.model_layout.bytes_per_token,  # (every stage's: each one's is logged below)
+            self.model_layout.bytes_per_token,  # (every stage's: `dsakv plan --pp-size` has each's)
             "elided" if config.elide_index_k else "dense",
             self.plan.pattern,
             ", deterministic" if self.deterministic else "",
         )
-        if self.parallel.pp_size > 1:
-            self._log_stages()
         if self.hot is not None:
             log.info(
                 "HiSparse: %d device latent slots (%d B/token, hot buffers of %d slots: "
@@ -596,20 +580,6 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 self.pool.num_tokens,
                 self.hot.host_nbytes / 2**20,
             )
-
-    def _log_stages(self) -> None:
-        """Each pipeline stage's layers, full layers and KV bytes per token (the line above
-        has rank 0's pool and every stage's bytes); from the plan, no message needed."""
-        if not self.parallel.is_driver:
-            return
-        for s, layers in enumerate(self.parallel.config.stage_layers(self.plan.num_layers)):
-            lay = self.model_layout.for_stage(layers)
-            log.info(
-                "pipeline stage %d: layers %d-%d%s, %d full, %d B/token",
-                s, layers.start, layers.stop - 1,
-                " + draft" if len(lay.held_layers) > len(layers) else "",
-                sum(self.plan.runs_indexer(i) for i in layers), lay.bytes_per_token,
-            )  # fmt: skip
 
     @functools.cached_property
     def model_identity(self) -> str:

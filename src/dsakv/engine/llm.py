@@ -22,7 +22,7 @@ from dsakv.procs import interrupts_deferred
 
 from .beam_search import BeamSearch, BeamSearchParams, Step, advance_all, live_prompts
 from .chat_format import has_chat_format, render_chat, template_message
-from .config import EngineConfig, named_here
+from .config import EngineConfig, vllm_names_as_ours
 from .detokenizer import TokenTexts, output_logprob_texts, prompt_logprob_texts
 from .info import engine_info
 from .launch import create_engine
@@ -270,7 +270,7 @@ class LLM:
         if isinstance(model, EngineConfig):
             # (through from_kwargs: an unknown keyword is its one error, not replace's TypeError)
             given = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
-            args = named_here(engine_args)
+            args = vllm_names_as_ours(engine_args)
             config = EngineConfig.from_kwargs(**{**given, **args}) if args else model
         elif isinstance(model, (str, os.PathLike)):
             config = EngineConfig.from_kwargs(resolve_model_dir(str(model)), **engine_args)

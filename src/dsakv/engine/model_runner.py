@@ -223,7 +223,7 @@ class ModelRunner:
     def _forward_draft(
         self, new_tokens, slots, source: str, rows: torch.Tensor
     ) -> torch.Tensor | None:
-        if not self.parallel.is_last_stage:  # (the MTP layer is the last stage's)
+        if not self.model.model.parts.is_last:  # (the MTP layer is the last stage's)
             return None
         fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
         with torch.inference_mode():
@@ -233,7 +233,7 @@ class ModelRunner:
 
     def _logits(self, rows: torch.Tensor, source: str) -> torch.Tensor | None:
         logits = None
-        if self.parallel.is_last_stage:
+        if self.model.model.parts.is_last:
             with torch.inference_mode():
                 h = self.last[source][rows.to(self.device)]
                 logits = self.model.compute_logits(h, draft=source == DRAFT)

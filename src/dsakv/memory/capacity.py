@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig
+from dsakv.config.layer_plan import builds_embedding
 from dsakv.config.presets import QUANTIZED_WEIGHT
 from dsakv.errors import ConfigError, is_int, is_number
 
@@ -225,7 +226,7 @@ def _vocab_matrices(plan: LayerPlan, held: Sequence[int], tied: bool) -> tuple[i
     when it is not lm_head itself (tied) and the MTP layer needs one."""
     first, last = 0 in held, plan.num_layers - 1 in held
     draft = any(i >= plan.num_layers for i in held)
-    embedding = first or (last and (tied or draft))
+    embedding = builds_embedding(first=first, last=last, draft=draft, tied=tied)
     return int(embedding) + int(last and not tied), last
 
 
@@ -333,8 +334,25 @@ def gpu_kv_budget_bytes(fraction: float, mem_info: Sequence[tuple[int, int]]) ->
     total (another process's and the CUDA context's memory are not the engine's to
     keep). The least rank's, as the ranks' pools are one size; a rank with no room
     refuses for all."""
+    return min(_rank_kv_budgets(fraction, mem_info))
+
+
+def stage_kv_budget_bytes(
+    fraction: float, mem_info: Sequence[tuple[int, int]], tp: int, stage: int
+) -> int:
+    """Pipeline stage `stage`'s KV budget under `--mem-fraction-static`: the least of its
+    `tp` ranks' (ranks are stage-major) of every rank's `mem_info`. Stages hold different
+    weights, so each sizes its pages from its own budget and layout before the engine
+    takes the least page count over stages. Every rank's room is checked, so a rank with
+    none refuses on every rank alike, naming itself (never a stage waiting on another)."""
+    return min(_rank_kv_budgets(fraction, mem_info)[stage * tp : (stage + 1) * tp])
+
+
+def _rank_kv_budgets(fraction: float, mem_info: Sequence[tuple[int, int]]) -> list[int]:
+    """Each rank's KV budget (`gpu_kv_budget_bytes`' formula); the first rank with no room
+    refuses, named where there are several."""
     where = len(mem_info) > 1
-    return min(
+    return [
         static_kv_budget_bytes(
             before,
             fraction,
@@ -342,7 +360,7 @@ def gpu_kv_budget_bytes(fraction: float, mem_info: Sequence[tuple[int, int]]) ->
             "the weights" + where * f" of rank {r}",
         )
         for r, (before, after) in enumerate(mem_info)
-    )
+    ]
 
 
 def _finite(value: Any) -> bool:
@@ -463,10 +481,6 @@ class PipelinePlan:
         return self.limiting.capacity.max_total_num_tokens
 
     @property
-    def num_pages(self) -> int:
-        return self.limiting.capacity.num_pages
-
-    @property
     def kv_budget_bytes(self) -> int:
         """The limiting stage's budget."""
         return self.limiting.capacity.kv_budget_bytes
@@ -504,11 +518,9 @@ def plan_pipeline(
         weight_bytes = cap.weight_bytes
         if weight_bytes is None and config is not None:  # (reported, not subtracted)
             weight_bytes = layout_weight_bytes(stage, config, tp, ep=ep, dp_attention=dp_attention)
-        carried = layout.plan.carried_sources(target.start) if target.start else ()
+        carried = layout.plan.carried_sources(target.start)
         topk_bytes = len(carried) * index_topk * TOPK_INDEX_BYTES
         out.append(StagePlan(s, target, stage, carried, topk_bytes, weight_bytes, cap))
-    if not out:
-        raise ConfigError("a pipeline needs at least one stage")
     return PipelinePlan(tuple(out))
 
 

@@ -9,7 +9,17 @@ from __future__ import annotations
 import torch
 
 from .allocator import PageAllocator, page_slots, pages_of
+from .capacity import GIB
 from .pool import DSAKVPool, copy_tokens
+
+
+def host_pages(gib: float, bytes_per_page: int) -> int:
+    """As many whole pages of `bytes_per_page` as fit in `gib` GiB of host memory
+    (`--host-pool-gib`); none is an error."""
+    pages = int(gib * GIB // bytes_per_page)
+    if pages < 1:
+        raise ValueError(f"{gib:.3g} GiB holds no {bytes_per_page}-byte page")
+    return pages
 
 
 class HostPool:
@@ -32,16 +42,6 @@ class HostPool:
         # its copies here and the other ranks `replay` them before the next forward. The
         # journal names slots only, so a pipeline stage replays it over its own layers.
         self.journal: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
-
-    @classmethod
-    def from_gib(cls, device_pool: DSAKVPool, gib: float, **kw) -> HostPool:
-        """As many whole pages as fit in `gib` GiB (2**30 bytes) of host memory."""
-        pages = int(gib * 2**30 // device_pool.layout.bytes_per_page)
-        if pages < 1:
-            raise ValueError(
-                f"{gib:.3g} GiB holds no {device_pool.layout.bytes_per_page}-byte page"
-            )
-        return cls(device_pool, pages, **kw)
 
     # --- sizes -------------------------------------------------------------------------------
 

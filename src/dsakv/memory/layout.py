@@ -187,9 +187,7 @@ class CacheLayout:
         them), refused if this cache holds no storage for it: past the plan's layers an
         IndexError, another pipeline stage's a `LayerNotHeldError` naming this one's."""
         layer = operator.index(layer)
-        total = self.plan.num_total_layers
-        if not 0 <= layer < total:
-            raise IndexError(f"layer {layer} out of range 0..{total - 1}")
+        self.plan.check_layer(layer)
         if self.layers is not None and layer not in self._held_set:
             raise LayerNotHeldError(
                 f"layer {layer} is on another pipeline stage: this stage's cache holds "

@@ -308,24 +308,24 @@ class DSAKVPool:
         return sum(b.nbytes for _, _, b in self._buffers())
 
     def has_index_k(self, layer: int) -> bool:
-        return self._check_layer(layer) in self._index_k
+        return self.layout.check_held(layer) in self._index_k
 
     # --- latent ------------------------------------------------------------------------------
 
     def write_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        buf, dim = self._latent[self._check_layer(layer)], self.layout.latent_dim
+        buf, dim = self._latent[self.layout.check_held(layer)], self.layout.latent_dim
         self._write(buf, slots, latent, dim, "latent", self.num_latent_tokens)
 
     def gather_latent(
         self, layer: int, slots: torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        buf = self._latent[self._check_layer(layer)]
+        buf = self._latent[self.layout.check_held(layer)]
         return self._gather(buf, slots, dtype, self.num_latent_tokens)
 
     def latent_data(self, layer: int) -> torch.Tensor:
         """The layer's latent buffer as stored (`[slots, row]`), for kernels that read or
         write the bytes in place: uint8 656-byte rows (fp8_ds_mla), e4m3 / bf16 / fp32 rows."""
-        return self._latent[self._check_layer(layer)].data
+        return self._latent[self.layout.check_held(layer)].data
 
     # --- index-K -----------------------------------------------------------------------------
 
@@ -367,18 +367,15 @@ class DSAKVPool:
     ) -> list[TransferDescriptor]:
         """One per real buffer (latent per layer, index-K per owning layer); none for elided.
 
-        `host_latent`: HiSparse's host rows (one `[num_tokens, row]` uint8 tensor per held
-        layer, in order: the stored bytes at logical slots) stand in for the latent, so a
-        prefill server writes a decode server's latent straight into its host memory."""
+        `host_latent`: HiSparse's host rows (one `[num_tokens, row]` uint8 tensor per layer,
+        the stored bytes at logical slots) stand in for the latent, so a prefill server
+        writes a decode server's latent straight into its host memory."""
         if host_latent is None:
             self._check_unsplit()
-            host = None
-        else:
-            host = self._per_held_layer(host_latent, "host latent buffers")
         out = []
         for layer, comp, b in self._buffers():
-            if comp == LATENT and host is not None:
-                t = host[layer]
+            if comp == LATENT and host_latent is not None:
+                t = host_latent[layer]
                 nbytes, rows = t.numel() * t.element_size(), ((0, t.shape[1] * t.element_size()),)
                 out.append(
                     TransferDescriptor(
@@ -444,14 +441,6 @@ class DSAKVPool:
         stored: what sleep mode frees (`Engine.release_memory_occupation`)."""
         return [b.data for _, _, b in self._buffers()]
 
-    def _per_held_layer(self, items: Sequence, what: str) -> dict:
-        """`items`, one per held layer in order, keyed by layer (a count that differs is an
-        error, never a silent mismatch)."""
-        held = self.layout.held_layers
-        if len(items) != len(held):
-            raise ValueError(f"{len(items)} {what} for the {len(held)} layers this pool holds")
-        return dict(zip(held, items))
-
     def _buffers(self):
         """(layer, component, buffer) for every real buffer, in a fixed order (by layer)."""
         for layer, buf in self._latent.items():
@@ -467,13 +456,8 @@ class DSAKVPool:
                 "moved, exported or transferred as whole rows of every buffer"
             )
 
-    def _check_layer(self, layer: int) -> int:
-        """`layer` as an int; a layer past the model's, or another pipeline stage's, is
-        refused in words (`CacheLayout.check_held`), never read out of range."""
-        return self.layout.check_held(layer)
-
     def _index_k_of(self, layer: int) -> _Buffer:
-        layer = self._check_layer(layer)
+        layer = self.layout.check_held(layer)
         buf = self._index_k.get(layer)
         if buf is None:
             src = self.layout.plan.topk_source(layer)

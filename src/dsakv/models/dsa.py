@@ -72,7 +72,7 @@ class DSAModel(nn.Module):
             )
         self.norm = (
             RMSNorm(h, config.rms_norm_eps)
-            if parts.head
+            if parts.is_last
             else parts.missing("model.norm", parts.last)
         )
         self.parts = parts
@@ -121,7 +121,7 @@ class DSAForCausalLM(nn.Module):
         parts = self.model.parts
         self.lm_head = (
             ParallelLMHead(config.vocab_size, config.hidden_size, self.parallel)
-            if parts.head
+            if parts.is_last
             else parts.missing("lm_head", parts.last)
         )
         self.tie_head()
@@ -140,7 +140,7 @@ class DSAForCausalLM(nn.Module):
     def tie_head(self) -> None:
         """lm_head reads the embedding's weight (`tie_word_embeddings`), on the stage that
         holds the head."""
-        if self.config.tie_word_embeddings and self.model.parts.head:
+        if self.config.tie_word_embeddings and self.model.parts.is_last:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
@@ -176,7 +176,7 @@ class DSAForCausalLM(nn.Module):
             raise DsakvError("this model was loaded without its MTP layer (draft_layers=0)")
         layer = self.model.layers[self.config.num_hidden_layers]
         if isinstance(layer, MissingLayer):
-            layer()  # (raises: another stage holds it)
+            raise layer.error()
         return layer
 
     @property
@@ -243,7 +243,7 @@ class DSAForCausalLM(nn.Module):
             x, selections = receive_stage_input(self, batch)
         cos, sin = self.rotary(batch.positions, x.dtype)
         x = in_turn(self.target_layers, x, cos, sin, batch, pool, selections)
-        if parts.stage != parts.last:
+        if not parts.is_last:
             send_stage_output(self, batch, x, selections)
             return x
         return self.ops.block(NORM, batch, self.model.norm, x)
@@ -260,7 +260,7 @@ class DSAForCausalLM(nn.Module):
             args = (batch.input_ids, batch.positions, batch.out_slots, table, lens, None, rows)
             return loop(*args, routed=self.routed)
         hidden = self.forward(batch, pool)
-        if not self.model.parts.head:  # (a pipeline stage before the last: no logits here)
+        if not self.model.parts.is_last:  # (a stage before the last: no logits here)
             return hidden, None
         return hidden, self.compute_logits(hidden[rows.to(hidden.device)])
 

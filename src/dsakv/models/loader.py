@@ -272,8 +272,10 @@ def held_rows(model: DSAForCausalLM, name: str, rows: int) -> Held | None:
     the host (packed FP8 blocks dequantized); None where it holds none (another rank's
     experts). The tied head and the MTP layer's shared vocab copies read the tensor they
     share; a tensor the load skips is an error saying why."""
+    # Another pipeline stage's part: asked by its own name, as the renames below point a
+    # shared vocab copy or the tied head at a part an earlier stage may hold too
     if not model.holds(name):
-        return None  # (another pipeline stage's)
+        return None
     filler = _Filler(model, model.config, model.plan)
     if model.num_draft_layers and name in _shared_copies(model, filler):
         target = VOCAB_COPIES[name.split(".", 3)[3].removesuffix(".weight")]
@@ -551,6 +553,7 @@ class _Filler:
         ignore: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         self.config, self.plan, self.holds = config, plan, model.holds
+        self.pp = model.parallel.pp_size
         self.ignore = ignore  # checkpoint tensors not read (`check_update`'s compared copies)
         self.targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=True))
         self.targets.update(dict(model.named_buffers()))
@@ -661,9 +664,8 @@ class _Filler:
             self.skipped["draft"] += 1
             return True
         tied_head = self.config.tie_word_embeddings and name == "lm_head.weight"
-        if not tied_head and not self.holds(
-            name
-        ):  # (a layer, the embedding, norm or head elsewhere)
+        # A layer, the embedding, norm or head another pipeline stage holds
+        if not tied_head and not self.holds(name):
             self.skipped["stage"] += 1
             return True
         if layer is not None and ".indexer." in name and not self.plan.runs_indexer(layer):
@@ -763,17 +765,19 @@ class _Filler:
             raise DsakvError("checkpoint does not match the model: " + "; ".join(problems))
         if not read:
             return
+        stages = (
+            f", {self.skipped['stage']} tensors to other pipeline stages" if self.pp > 1 else ""
+        )
         log.info(
             "filled %d parameters; skipped %d indexer tensors of %d shared layers (plan %s) "
-            "and %d draft/MTP tensors; %d expert tensors belong to other ranks, %d tensors "
-            "to other pipeline stages",
+            "and %d draft/MTP tensors; %d expert tensors belong to other ranks%s",
             sum(1 for parts in self.got.values() if parts),
             self.skipped["indexer"],
             self.plan.num_shared_layers,
             self.plan.pattern,
             self.skipped["draft"],
             self.skipped["experts"],
-            self.skipped["stage"],
+            stages,
         )
 
 

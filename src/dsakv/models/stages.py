@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dsakv.config import LayerPlan, ModelConfig
+from dsakv.config.layer_plan import builds_embedding
 from dsakv.distributed.parallel import ParallelState, Wire
 from dsakv.errors import DsakvError
 
@@ -34,11 +35,15 @@ class MissingLayer(nn.Module):
         super().__init__()
         self.name, self.stage, self.here = name, stage, here
 
-    def forward(self, *args, **kwargs):
-        raise DsakvError(
+    def error(self) -> DsakvError:
+        """Why this part does not run here: the stage that holds it."""
+        return DsakvError(
             f"{self.name} is held by pipeline stage {self.stage}, not by this rank's stage "
             f"{self.here}"
         )
+
+    def forward(self, *args, **kwargs):
+        raise self.error()
 
 
 class StageParts:
@@ -51,10 +56,14 @@ class StageParts:
         self.stages = parallel.config.stage_layers(config.num_hidden_layers)
         self.stage, self.last = parallel.stage, len(self.stages) - 1
         self.layers = self.stages[self.stage]
-        last = self.stage == self.last
-        self.head = last
-        self.draft = last and plan.num_draft_layers > 0
-        self.embed = self.stage == 0 or (last and (self.draft or config.tie_word_embeddings))
+        self.is_last = self.stage == self.last  # (the final norm and lm_head here)
+        self.draft = self.is_last and plan.num_draft_layers > 0
+        self.embed = builds_embedding(
+            first=self.stage == 0,
+            last=self.is_last,
+            draft=self.draft,
+            tied=config.tie_word_embeddings,
+        )
 
     def holder(self, layer: int) -> int:
         """The stage that runs `layer` (a draft layer: the last)."""

@@ -47,6 +47,26 @@ def model_names(
     return [Path(model).name or str(model)], aliases + _preset_of(Path(model))
 
 
+def check_serving(
+    config: EngineConfig,
+    served_model_name: str | Sequence[str] | None = None,
+    tool_call_parser: str | None = "auto",
+    reasoning_parser: str | None = "auto",
+    http: HTTPConfig | None = None,
+) -> tuple[list[str], list[str]]:
+    """What `make_server` refuses before the engine loads: parser names, TLS files, the
+    served names (`model_names`, returned) and an adapter named as the base. `dsakv
+    serve`'s follower ranks' processes run it too, so every process fails alike at once,
+    not rank 0 alone while the others wait out the rendezvous."""
+    resolve_parsers("", tool_call_parser, reasoning_parser)
+    (http or HTTPConfig()).check_files()
+    names, aliases = model_names(config.model, served_model_name)
+    for name, _ in config.lora_modules:  # (before loading: a request naming it is the base's)
+        if name in (*names, *aliases):
+            raise DsakvError(f"--lora-modules: the adapter name {name!r} is the base model's")
+    return names, aliases
+
+
 def _preset_of(model: Path) -> list[str]:
     """The tiny preset whose cache `model` is (`tiny.default_model_dir`'s note), if any."""
     try:
@@ -84,13 +104,10 @@ def make_server(
     generation requests' own log (default: none). `http`: CORS, TLS and the root path
     (`HTTPConfig`); `defaults`: what requests leave out (`ResponseDefaults`); `tracing`:
     where the requests' spans go (`TraceConfig`; default: none)."""
-    resolve_parsers("", tool_call_parser, reasoning_parser)  # bad names fail before loading
     http = http or HTTPConfig()
-    http.check_files()
-    names, aliases = model_names(config.model, served_model_name)
-    for name, _ in config.lora_modules:  # (before loading: a request naming it is the base's)
-        if name in (*names, *aliases):
-            raise DsakvError(f"--lora-modules: the adapter name {name!r} is the base model's")
+    names, aliases = check_serving(
+        config, served_model_name, tool_call_parser, reasoning_parser, http
+    )
     # Built on the thread that will step it: one OpenMP team in the process (`EngineThread`).
     thread = EngineThread()
     try:
