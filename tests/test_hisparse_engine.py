@@ -424,7 +424,7 @@ def test_bad_settings_are_one_clear_error(tiny):
     for kw, msg in (
         (dict(speculative_algorithm="mtp"), "--speculative-algorithm mtp"),
         (dict(speculative_algorithm="ngram"), "--speculative-algorithm ngram"),
-        (dict(tp=2), "more than one rank"),
+        (dict(pp=2), "--pp-size 2"),
         (dict(host_pool_gib=1.0), "host-pool-gib"),
         (dict(chunked_prefill_size=1), "chunked-prefill-size 1"),  # (every prompt dropped)
     ):

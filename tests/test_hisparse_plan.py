@@ -283,14 +283,13 @@ def test_plan_refuses_what_the_engine_refuses(capsys):
 @pytest.mark.parametrize(
     ("flags", "what"),
     [
-        (["--tp", "8"], "more than one rank"),
-        (["--tp", "2", "--dp-attention"], "more than one rank"),
+        (["--tp", "8", "--pp-size", "2"], "--pp-size 2"),
         (["--draft-layers", "1"], "--draft-layers (speculative decoding)"),
     ],
 )
 def test_plan_refuses_what_hisparse_does_not_run_with(flags, what, capsys):
-    """The engine refuses HiSparse with MTP and with more than one rank; the planner
-    planned both."""
+    """The engine refuses HiSparse with MTP and with pipeline stages; the planner planned
+    both."""
     assert main(["plan", "glm-5.2", *flags]) == 0
     capsys.readouterr()
     assert main(["plan", "glm-5.2", "--enable-hisparse", *flags]) == 2

@@ -93,7 +93,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     stages = parallel.stage_layers(plan.num_layers)  # (refuses a partition that does not fit)
     if hisparse is not None:  # what the engine refuses is not planned
         check_runs_with(
-            mtp="--draft-layers" if args.draft_layers else None, ranks=parallel.world_size
+            mtp="--draft-layers" if args.draft_layers else None, pp=parallel.pp
         )
     subtracted = args.gpu_memory_gib is not None and args.weights_gib is None
     try:

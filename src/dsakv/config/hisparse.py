@@ -36,7 +36,7 @@ def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
 def check_runs_with(
     *,
     mtp: str | None = None,
-    ranks: int = 1,
+    pp: int = 1,
     host_pool: str | None = None,
     storage: bool = False,
     chunked_prefill_size: int = 2,
@@ -46,7 +46,7 @@ def check_runs_with(
     speculative decoding (MTP, n-gram) and a host KV tier on, if any."""
     refused = (
         (mtp is not None, f"{mtp} (speculative decoding)"),
-        (ranks > 1, "more than one rank"),
+        (pp > 1, f"--pp-size {pp}"),
         (host_pool is not None, f"a host KV tier ({host_pool}: HiSparse's holds the latent)"),
         (storage, "--hicache-storage-backend"),
         (chunked_prefill_size < 2, "--chunked-prefill-size 1 (a 1-token step decodes)"),

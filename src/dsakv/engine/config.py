@@ -362,7 +362,6 @@ class EngineConfig:
         if self.pp == 1:
             return
         refused = (
-            (self.enable_hisparse, "--enable-hisparse"),
             (self.enable_lora, "--enable-lora"),
             (self.hicache_storage_backend is not None, "--hicache-storage-backend"),
             # (its compiled blocks run on one rank only: a stage's would run eager unsaid)
@@ -486,7 +485,7 @@ class EngineConfig:
             return
         check_runs_with(
             mtp=f"--speculative-algorithm {a}" if (a := self.speculative_algorithm) else None,
-            ranks=self.parallel.world_size,
+            pp=self.pp,
             host_pool=self.host_tier_flag,
             storage=self.hicache_storage_backend is not None,
             chunked_prefill_size=self.chunked_prefill_size,

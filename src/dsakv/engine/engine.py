@@ -110,7 +110,7 @@ _EVERY_RANK = frozenset(
     + WEIGHT_CALLS
     + PROFILE_CALLS
     + EXPERT_DISTRIBUTION_CALLS
-    + ("read_lora_on_rank", "drop_lora_on_rank")
+    + ("read_lora_on_rank", "drop_lora_on_rank", "hisparse_replicas")
 )
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
@@ -373,6 +373,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             self.device,
             self._decode_graphs(),
             on_every_rank=self.every_rank_call,
+            hot_buffers=self.hot,
         )
         self.drafter: Drafter | None = None
         steps = config.speculative_num_steps or DRAFT_STEPS
@@ -446,7 +447,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             return pages, None
         logical = pages * self.hisparse.host_to_device_ratio
         try:
-            check_host_latent(self.layout, logical)
+            check_host_latent(self.layout, logical, self.parallel.config.ranks_per_node)
         except ConfigError as e:
             raise ConfigError(
                 f"{e}: ask for fewer logical tokens (a smaller pool: {POOL_FLAGS}; or a "
@@ -1170,7 +1171,9 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         sampled = [i for i, (req, n) in enumerate(batch) if req.num_computed + n == req.seq_len]
         # A sampled request's rows: its last token, and each draft after it.
         rows = [r for i in sampled for r in range(ends[i] - len(drafts[i]), ends[i] + 1)]
-        hot = self.hot.begin_step(batch, slots) if self.hot is not None else None
+        hot = None
+        if self.hot is not None:
+            hot = self.hot.begin_step([(r.rid, r.num_computed, n) for r, n in batch], slots)
         capturing = self._capturing(batch)
         record = any(batch[i][0].params.return_routed_experts for i in capturing)
         # (None: no expert distribution window is open)
@@ -1670,6 +1673,13 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.allocator.check()
         if self.hot is not None:
             self.hot.check(idle=not self.has_unfinished())
+            if self.runner.leader is not None:  # (TP: every rank's replica is rank 0's)
+                states = self._on_every_rank("hisparse_replicas")
+                for rank, state in enumerate(states):
+                    if state != states[0]:
+                        raise AssertionError(
+                            f"rank {rank}'s HiSparse replica differs from rank 0's"
+                        )
         if not self.has_unfinished():
             total = self.allocator.num_free_pages + self.cache.num_device_pages
             if len(self.scheduler.req_to_token):
@@ -1687,6 +1697,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                     raise AssertionError(
                         f"{host_used} host pages used, cache holds {self.cache.num_host_pages}"
                     )
+
+    def hisparse_replicas(self) -> list[tuple] | None:
+        """Every rank's `HotBuffers.replica_state()`, on rank 0 (an every-rank call)."""
+        return self.parallel.gather_objects(self.hot.replica_state())
 
     def _gen_throughput(self) -> float:
         """Output tokens per second since the older of the last two window starts (steps

@@ -22,11 +22,18 @@ A request's life, as the scheduler and the step drive it:
   if the device holds its context, else its prompt prefilled and its outputs decoded again;
   a PD decode request whose prompt the device cannot hold ends instead, cut short, as
   `Engine._fail_unschedulable` says).
+
+Under tensor (and expert) parallelism every rank holds a replica: the same device slots,
+its own host latent and hot buffers. Rank 0's admissions and releases go into `journal`,
+which the other ranks replay before the step that follows them; each rank then runs
+`begin_step`, the resolves of its own layers and `end_step` over the same step
+(`ModelRunner`). Rank 0's counters are the engine's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,13 +48,15 @@ from dsakv.memory.pool import DSAKVPool, allocation_failed, check_fits, pinned_e
 from .request import Request
 
 
-def check_host_latent(layout: CacheLayout, num_pages: int) -> str:
+def check_host_latent(layout: CacheLayout, num_pages: int, ranks: int = 1) -> str:
     """Refuse a host latent of `num_pages` logical pages (every layer's latent row of each
     of their tokens) past the machine's memory, as the pool and host tier are refused
     (`check_fits`): the engine asks as soon as the pool's size is known, before the weights
-    load where it can. Returns how a failed allocation's error begins."""
+    load where it can. `ranks`: the ranks on this machine, each holding a host latent of its
+    own (a replica under TP). Returns how a failed allocation's error begins."""
     need = num_pages * layout.page_size * layout.latent_bytes_per_token
-    return check_fits(need, torch.device("cpu"), "HiSparse host latent")
+    what = "HiSparse host latent" + (f" ({ranks} ranks' on this node)" if ranks > 1 else "")
+    return check_fits(need * ranks, torch.device("cpu"), what)
 
 
 @dataclass
@@ -137,6 +146,10 @@ class HotBuffers:
         self.stats = HotStats()
         # hits, misses, rows copied for misses: summed on the device, read by `counters`
         self._counts = torch.zeros(3, dtype=torch.int64, device=device)
+        # Rank 0's admissions and releases, for the other TP ranks' replicas (None: one
+        # rank, or a rank that replays): ("take", rid, pages, hit slots, latent on host)
+        # and ("free", rid).
+        self.journal: list[tuple] | None = None
 
     # --- sizes -----------------------------------------------------------------------------
 
@@ -215,28 +228,49 @@ class HotBuffers:
     def admit(self, req: Request, hit_slots: torch.Tensor) -> None:
         """Take the request's latent pages; bring the latent of its prefix hit (the logical
         slots `hit_slots` of positions 0..hit-1) from the host."""
-        hot = self._take(req, self._pages_for(req))
-        n = hit_slots.numel()
-        if n:
-            dst = page_slots(hot.pages, self.page_size)[:n].to(self.device)
-            src = hit_slots.to(self.device)
-            self.backend.hot_copy(self.host, self.device_rows, src, dst)
-            self.stats.rows_to_device += n * len(self.host)
+        self._do(("take", req.rid, self._pages_for(req), hit_slots.cpu(), False))
 
     def admit_detached(self, req: Request) -> None:
         """A PD decode request: buffer pages only; the prefill server writes its latent into
         host memory and the first decode step loads the buffer from there."""
-        self._take(req, self.buffer_pages).on_host = True
-
-    def _take(self, req: Request, pages: int) -> _Hot:
-        if req.rid in self._reqs:
-            raise RuntimeError(f"request {req.rid} already holds device latent slots")
-        hot = self._reqs[req.rid] = _Hot(self.allocator.alloc(pages))
-        return hot
+        self._do(("take", req.rid, self.buffer_pages, None, True))
 
     def free(self, req: Request) -> None:
         """Give back a finished, aborted or retracted request's latent slots and LRU state."""
-        hot = self._reqs.pop(req.rid, None)
+        if req.rid in self._reqs:
+            self._do(("free", req.rid))
+
+    def take_journal(self) -> list[tuple]:
+        """The admissions and releases since the last call (rank 0 sends them on)."""
+        ops, self.journal = self.journal or [], []
+        return ops
+
+    def replay(self, ops: list[tuple]) -> None:
+        """Repeat rank 0's admissions and releases on this rank's replica, in order."""
+        for op in ops:
+            self._apply(op)
+
+    def _do(self, op: tuple) -> None:
+        if self.journal is not None:
+            self.journal.append(op)
+        self._apply(op)
+
+    def _apply(self, op: tuple) -> None:
+        if op[0] == "free":
+            self._free(op[1])
+            return
+        _, rid, pages, hit_slots, on_host = op
+        if rid in self._reqs:
+            raise RuntimeError(f"request {rid} already holds device latent slots")
+        hot = self._reqs[rid] = _Hot(self.allocator.alloc(pages), on_host=on_host)
+        n = 0 if hit_slots is None else hit_slots.numel()
+        if n:
+            dst = page_slots(hot.pages, self.page_size)[:n].to(self.device)
+            self.backend.hot_copy(self.host, self.device_rows, hit_slots.to(self.device), dst)
+            self.stats.rows_to_device += n * len(self.host)
+
+    def _free(self, rid: int) -> None:
+        hot = self._reqs.pop(rid, None)
         if hot is None:
             return
         self.allocator.free(hot.pages)
@@ -260,19 +294,32 @@ class HotBuffers:
         if idle and self._reqs:
             raise AssertionError(f"idle engine still holds hot buffers for {sorted(self._reqs)}")
 
+    def replica_state(self) -> tuple:
+        """What every TP rank's replica must agree on (`Engine.check_integrity` compares
+        them): each request's device pages and state row, the free rows, the step clock
+        and a checksum of the buffers' positions, recency and slots."""
+        reqs = sorted((rid, tuple(h.pages), h.row, h.on_host) for rid, h in self._reqs.items())
+        sums = [
+            zlib.crc32(t.cpu().numpy().tobytes())
+            for t in (self.buf_pos, self.stamp, self.buf_slot, self.reserved)
+        ]
+        return reqs, tuple(self._free_rows), self._clock, self.allocator.num_free_pages, sums
+
     # --- the step --------------------------------------------------------------------------
 
-    def begin_step(self, batch: list[tuple[Request, int]], slots: list[torch.Tensor]) -> HotStep:
-        """Where this step's latent goes and comes from; `slots[i]` are request i's logical
-        slots of every position the step covers."""
+    def begin_step(
+        self, entries: Sequence[tuple[int, int, int]], slots: Sequence[torch.Tensor]
+    ) -> HotStep:
+        """Where this step's latent goes and comes from: `entries[i]` is request i's (rid,
+        first position, tokens) this step, `slots[i]` its logical slots of every position
+        the step covers."""
         self._clock += 1
         outs: list[torch.Tensor | None] = []
         req_slots, rows, newest = [], [], []
-        for (req, n), sl in zip(batch, slots, strict=True):
-            hot = self._reqs[req.rid]
+        for (rid, start, n), sl in zip(entries, slots, strict=True):
+            hot = self._reqs[rid]
             if n == 1 and hot.row < 0:
-                self._enter_decode(req, hot, sl)
-            start = req.num_computed
+                self._enter_decode(hot, start, sl)
             if hot.row < 0:  # prefilling: the prompt's latent is all on the device
                 lat = page_slots(hot.pages, self.page_size)[: start + n]
                 outs.append(lat[start:])
@@ -283,13 +330,15 @@ class HotBuffers:
                 newest.append(start)
                 outs.append(None)  # bound below
                 req_slots.append(torch.empty(0, dtype=torch.long))
-        step = HotStep(self, rows, newest, req_slots)
+        step = HotStep(self, list(entries), rows, newest, req_slots)
+        if not entries:  # (an idle rank's step under DP attention)
+            return step
         if rows:  # the newest token's latent slot: its own entry while < S, else reserved
             bound = iter(step.bind_newest().long().cpu().split(1))
             outs = [next(bound) if o is None else o for o in outs]
         step.out_slots = torch.cat(outs).to(self.device)
         step.logical_out = torch.cat(
-            [sl[req.num_computed :] for (req, _), sl in zip(batch, slots, strict=True)]
+            [sl[start:] for (_, start, _), sl in zip(entries, slots, strict=True)]
         ).to(self.device)
         return step
 
@@ -302,7 +351,7 @@ class HotBuffers:
             host.index_copy_(0, dst, r)
         self.stats.rows_to_host += src.numel() * len(self.host)
 
-    def _enter_decode(self, req: Request, hot: _Hot, logical: torch.Tensor) -> None:
+    def _enter_decode(self, hot: _Hot, computed: int, logical: torch.Tensor) -> None:
         """Shrink a request to its hot buffer: its first `buffer_pages` latent pages stay,
         entry j holding position j (resident for j < computed), the slot after them is
         reserved for the newest token. A PD request loads those entries from the host
@@ -318,24 +367,30 @@ class HotBuffers:
         self.buf_slot[r] = lat[: self.size]
         self.reserved[r] = lat[self.size]
         if hot.on_host:
-            n = min(req.num_computed, self.size)
+            n = min(computed, self.size)
             src = logical[:n].to(self.device)
             self.backend.hot_copy(self.host, self.device_rows, src, lat[:n])
             self.stats.rows_to_device += n * len(self.host)
             hot.on_host = False
-        computed = torch.tensor([req.num_computed], device=self.device)
-        self.buf_pos[:, r], self.stamp[:, r] = init_buffers(computed, self.size)
+        at = torch.tensor([computed], device=self.device)
+        self.buf_pos[:, r], self.stamp[:, r] = init_buffers(at, self.size)
 
 
 class HotStep:
     """One step's hot-buffer view for the model (`ForwardBatch.hot`): the decode requests'
-    state rows in batch order, their newest positions, and `resolve` for each full layer."""
+    state rows in batch order, their newest positions, and `resolve` for each full layer;
+    `entries`, what it was built from (`HotBuffers.begin_step`), for the other ranks."""
 
     def __init__(
-        self, hb: HotBuffers, rows: list[int], newest: list[int], req_slots: list[torch.Tensor]
+        self,
+        hb: HotBuffers,
+        entries: list[tuple[int, int, int]],
+        rows: list[int],
+        newest: list[int],
+        req_slots: list[torch.Tensor],
     ) -> None:
         dev = hb.device
-        self.hb = hb
+        self.hb, self.entries = hb, entries
         self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
         self.newest = torch.tensor(newest, dtype=torch.long, device=dev)
         self.req_slots = [s.to(dev) for s in req_slots]  # extend requests' latent slots

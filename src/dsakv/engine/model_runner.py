@@ -10,6 +10,10 @@ may have every rank make one of the engine's every-rank calls (`Engine.every_ran
 sleep mode, weight updates, profiles, the expert distribution). Under DP attention every
 rank schedules for itself, so nothing is broadcast here (see `dsakv.engine.dp`).
 
+Under HiSparse every rank holds hot buffers of its own (`dsakv.engine.hisparse`): rank
+0's admissions and releases travel with its messages as the host copies do, and each
+forward names the step's requests, so every rank builds the same `HotStep`.
+
 Under pipeline parallelism every rank still runs each message: a stage runs its layers
 and hands its output to the next (`dsakv.models.stages`); hidden states stay on the last
 stage (its "target" and "draft"), which also runs the MTP layer, and logits are computed
@@ -32,6 +36,7 @@ from dsakv.memory.pool import DSAKVPool
 from dsakv.models.forward_batch import ForwardBatch, padded_slots
 
 from .cuda_graph import DecodeGraphs
+from .hisparse import HotBuffers, HotStep
 
 TARGET, DRAFT = "target", "draft"
 
@@ -46,14 +51,17 @@ class ModelRunner:
         device: torch.device,
         decode_graphs: DecodeGraphs | None = None,
         on_every_rank: Callable[..., Any] | None = None,
+        hot_buffers: HotBuffers | None = None,
     ) -> None:
-        self.model, self.pool, self.host = model, pool, host
+        self.model, self.pool, self.host, self.hot = model, pool, host, hot_buffers
         self.parallel, self.device = parallel, device
         self.decode_graphs = decode_graphs  # padded (CUDA-graph) decode steps
         self.on_every_rank = on_every_rank  # this rank's part (`Engine.every_rank_call`)
         follows_rank0 = parallel.world_size > 1 and not parallel.config.dp_attention
-        if follows_rank0 and host is not None:
-            host.journal = []
+        if follows_rank0 and parallel.is_driver:
+            for tier in (host, hot_buffers):
+                if tier is not None:
+                    tier.journal = []
         self.leader = Leader(parallel) if follows_rank0 and parallel.is_driver else None
         self.last: dict[str, torch.Tensor] = {}  # the latest output of each model part
 
@@ -61,7 +69,7 @@ class ModelRunner:
         self,
         new_tokens: Sequence[Sequence[int]],
         slots: Sequence[torch.Tensor],
-        hot=None,
+        hot: HotStep | None = None,
         rows: Sequence[int] = (),
         record: bool = False,
         lora: tuple[tuple[int, ...], list[int]] | None = None,
@@ -79,7 +87,8 @@ class ModelRunner:
         step with adapter rows runs eager too, one without runs as without --enable-lora."""
         with self._leading() as send:
             if send:
-                send("forward", _pack(new_tokens), _pack_slots(slots), list(rows), lora)
+                entries = None if hot is None else hot.entries
+                send("forward", _pack(new_tokens), _pack_slots(slots), list(rows), lora, entries)
             return self._forward(new_tokens, slots, hot, rows, record, lora)
 
     def forward_draft(
@@ -164,12 +173,18 @@ class ModelRunner:
                 return
             if msg == NOOP:  # (the leader's heartbeat: it said nothing for a while)
                 continue
-            kind, host_ops, *args = msg
+            kind, host_ops, hot_ops, *args = msg
             if host_ops:  # rank 0's host copies since its last message, made before it
                 self.host.replay(host_ops)
+            if hot_ops:  # ... and its HiSparse admissions and releases
+                self.hot.replay(hot_ops)
             if kind == "forward":
-                tokens, slots, rows, lora = args
-                self._forward(tokens, [s.long() for s in slots], rows=rows, lora=lora)
+                tokens, slots, rows, lora, entries = args
+                slots = [s.long() for s in slots]
+                hot = None if entries is None else self.hot.begin_step(entries, slots)
+                self._forward(tokens, slots, hot, rows=rows, lora=lora)
+                if hot is not None:
+                    self.hot.end_step(hot)
             elif kind == "draft":
                 tokens, slots, source, rows = args
                 self._forward_draft(tokens, [s.long() for s in slots], source, rows)
@@ -182,16 +197,17 @@ class ModelRunner:
     @contextlib.contextmanager
     def _leading(self):
         """Holds the leader's lock for a message and its collectives; yields its `send`,
-        which adds the host copies made since the last message: the other ranks replay
-        them first (a draft step's page reservation may back a page up to the host, then
-        the chain writes that page)."""
+        which adds the host copies and HiSparse admissions made since the last message:
+        the other ranks replay them first (a draft step's page reservation may back a page
+        up to the host, then the chain writes that page)."""
         if self.leader is None:
             yield None
             return
 
         def send(kind: str, *args: Any) -> None:
             host_ops = self.host.take_journal() if self.host is not None else []
-            self.leader.send((kind, host_ops, *args))
+            hot_ops = self.hot.take_journal() if self.hot is not None else []
+            self.leader.send((kind, host_ops, hot_ops, *args))
 
         with self.leader.lock:
             yield send
