@@ -302,3 +302,68 @@ def test_check_pool_is_the_engines_rule():
     h.check_pool(latent_pages=9, page_size=16)  # 129 slots: 9 pages of 16
     with pytest.raises(ConfigError, match=r"pool \(128 tokens\) holds less than one hot buffer"):
         h.check_pool(latent_pages=8, page_size=16)
+
+
+# --- across ranks (TP, EP, DP attention) ----------------------------------------------------
+
+
+def _plan(capsys, *flags):
+    """`dsakv plan glm-5.2 --enable-hisparse FLAGS`: the table's lines and the JSON."""
+    assert main(["plan", "glm-5.2", "--enable-hisparse", *flags]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert main(["plan", "glm-5.2", "--enable-hisparse", *flags, "--json"]) == 0
+    return lines, json.loads(capsys.readouterr().out)
+
+
+def _row(lines, name):
+    """A table row's dense and elided cells."""
+    return next(x for x in lines if x.startswith(name))[len(name) :].split()[:2]
+
+
+@pytest.mark.parametrize("flags", [["--tp", "8"], ["--tp", "8", "--dp-attention"]])
+def test_host_memory_per_node_counts_every_rank(flags, capsys):
+    """Every rank holds a host latent of its own (a replica under TP): the plan gave one
+    rank's host memory alone, an eighth of what a node of 8 ranks needs."""
+    lines, r = _plan(capsys, *flags)
+    assert any(x.startswith("per rank (8 ranks") for x in lines)
+    per_rank, per_node = (
+        _row(lines, "host memory/rank (GiB)"),
+        _row(lines, "host memory/node (GiB)"),
+    )
+    for cells_rank, cells_node, key in zip(per_rank, per_node, ("dense", "elided"), strict=True):
+        split = r["hisparse"][key]
+        assert split["ranks_per_node"] == 8
+        assert split["host_bytes_per_node"] == 8 * split["host_bytes"]
+        assert cells_rank == f"{split['host_bytes'] / 2**30:,.3f}"
+        assert cells_node == f"{split['host_bytes_per_node'] / 2**30:,.3f}"
+    # One rank: a node's is the rank's, and the table has no row for it.
+    lines, r = _plan(capsys)
+    assert not any(x.startswith(("host memory/", "per rank")) for x in lines)
+    assert r["hisparse"]["elided"]["host_bytes_per_node"] == r["hisparse"]["elided"]["host_bytes"]
+
+
+def test_device_budget_is_the_ranks_own(capsys):
+    """Under --gpu-memory-gib the HiSparse split takes the plain plan's budget per rank:
+    weights shrink with --tp (and grow under DP attention), so device tokens per rank move
+    with them."""
+    mem = ["--gpu-memory-gib", "1600"]  # (the bf16 preset: 1,385 GiB of weights on one rank)
+    tokens = {}
+    for flags in ([], ["--tp", "8"], ["--tp", "8", "--ep", "8"], ["--tp", "8", "--dp-attention"]):
+        _, r = _plan(capsys, *mem, *flags)
+        split = r["hisparse"]["elided"]
+        assert split["kv_budget_bytes"] == r["kv_budget_bytes"], flags
+        tokens[" ".join(flags)] = split["device_tokens"]
+    assert tokens["--tp 8"] > tokens["--tp 8 --dp-attention"] > tokens[""]
+
+
+def test_ranks_per_node_is_checked():
+    h = HiSparseConfig.parse(None, GLM52)
+    split = plan_hisparse(_layout(), h, ranks_per_node=4, kv_budget_gib=10)
+    assert (
+        split.host_bytes_per_node
+        == 4 * split.host_bytes
+        == 4 * plan_hisparse(_layout(), h, kv_budget_gib=10).host_bytes
+    )
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="ranks_per_node must be an integer >= 1"):
+            plan_hisparse(_layout(), h, ranks_per_node=bad, kv_budget_gib=10)

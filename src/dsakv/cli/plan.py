@@ -92,9 +92,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     parallel.check_model(config)
     stages = parallel.stage_layers(plan.num_layers)  # (refuses a partition that does not fit)
     if hisparse is not None:  # what the engine refuses is not planned
-        check_runs_with(
-            mtp="--draft-layers" if args.draft_layers else None, pp=parallel.pp
-        )
+        check_runs_with(mtp="--draft-layers" if args.draft_layers else None, pp=parallel.pp)
     subtracted = args.gpu_memory_gib is not None and args.weights_gib is None
     try:
         weights = estimate_weight_bytes(
@@ -171,9 +169,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if hisparse is not None:
         from dsakv.memory import plan_hisparse
 
+        # Per rank, as the pool's figures are; each rank on a node holds a host latent of
+        # its own (plan takes no --nnodes: every rank counts as on one node).
+        per_node = dict(ranks_per_node=parallel.ranks_per_node, **budget)
         splits = (
-            plan_hisparse(pipe_d.limiting.layout, hisparse, **budget),
-            plan_hisparse(pipe_e.limiting.layout, hisparse, **budget),
+            plan_hisparse(pipe_d.limiting.layout, hisparse, **per_node),
+            plan_hisparse(pipe_e.limiting.layout, hisparse, **per_node),
         )
         chosen_split = splits[0] if args.no_elide_index_k else splits[1]
         page = chosen_layout.page_size
@@ -195,7 +196,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         weights_d, weights_e = pipe_d.limiting.weight_bytes, pipe_e.limiting.weight_bytes
         print(_plan_table(report, elided, dense, pipe_e, pipe_d, (weights_d, weights_e)))
         if splits is not None:
-            print(_hisparse_table(*splits))
+            print(_hisparse_table(*splits, dp_attention=args.dp_attention))
     return 0
 
 
@@ -303,9 +304,22 @@ def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
     return HiSparseConfig.parse(args.hisparse_config, config)
 
 
-def _hisparse_table(dense: Any, elided: Any) -> str:
-    """The HiSparse split, dense and elided side by side (DESIGN.md §13)."""
-    h = elided.hisparse
+def _hisparse_ranks(ranks: int, dp_attention: bool) -> list[str]:
+    """The HiSparse table's line saying its figures are one rank's (none on one rank)."""
+    if ranks == 1:
+        return []
+    hot = "hot buffers for its own requests" if dp_attention else "a replica of the hot buffers"
+    return [
+        f"per rank ({ranks} ranks, each with {hot} and a host latent of its own); "
+        f"host memory/node: all {ranks} on one node (plan has no --nnodes)"
+    ]
+
+
+def _hisparse_table(dense: Any, elided: Any, dp_attention: bool = False) -> str:
+    """The HiSparse split, dense and elided side by side (DESIGN.md §13): one rank's, and
+    with more than one rank the host memory of a node's ranks."""
+    h, ranks = elided.hisparse, elided.ranks_per_node
+    host = "host memory (GiB)" if ranks == 1 else "host memory/rank (GiB)"
     rows: list[tuple[str, Any, Any, bool]] = [
         ("device bytes/device token", dense.device_bytes_per_device_token,
          elided.device_bytes_per_device_token, True),
@@ -314,7 +328,9 @@ def _hisparse_table(dense: Any, elided: Any) -> str:
         ("host bytes/token", dense.host_bytes_per_token, elided.host_bytes_per_token, False),
         ("device tokens", dense.device_tokens, elided.device_tokens, True),
         ("logical tokens", dense.logical_tokens, elided.logical_tokens, True),
-        ("host memory (GiB)", dense.host_bytes / GIB, elided.host_bytes / GIB, False),
+        (host, dense.host_bytes / GIB, elided.host_bytes / GIB, False),
+        *[("host memory/node (GiB)", dense.host_bytes_per_node / GIB,
+           elided.host_bytes_per_node / GIB, False)] * (ranks > 1),  # (one rank: the same)
         ("concurrent hot buffers", dense.concurrent_hot_buffers,
          elided.concurrent_hot_buffers, True),
     ]  # fmt: skip
@@ -323,6 +339,7 @@ def _hisparse_table(dense: Any, elided: Any) -> str:
         f"HiSparse: top_k {h.top_k:,}, device buffer {h.device_buffer_size:,} "
         f"(+1 slot, rounded up to whole pages: {elided.hot_buffer_slots:,} slots per request), "
         f"host:device ratio {h.host_to_device_ratio}",
+        *_hisparse_ranks(ranks, dp_attention),
         "device: latent hot buffers + index-K of every logical token; host: every layer's latent",
         "",
         f"{'':28}{'dense':>16}{'elided':>16}{'gain':>10}",

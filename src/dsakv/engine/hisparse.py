@@ -228,7 +228,7 @@ class HotBuffers:
     def admit(self, req: Request, hit_slots: torch.Tensor) -> None:
         """Take the request's latent pages; bring the latent of its prefix hit (the logical
         slots `hit_slots` of positions 0..hit-1) from the host."""
-        self._do(("take", req.rid, self._pages_for(req), hit_slots.cpu(), False))
+        self._do(("take", req.rid, self._pages_for(req), hit_slots.to("cpu", copy=True), False))
 
     def admit_detached(self, req: Request) -> None:
         """A PD decode request: buffer pages only; the prefill server writes its latent into

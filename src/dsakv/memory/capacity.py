@@ -535,6 +535,11 @@ class HiSparsePlan:
     Per device token the device pays `L·latent + N·index_k·r`; per logical token that is
     `L·latent/r + N·index_k`, and the host pays `L·latent`. The slot maps (logical →
     device slot, per-request LRU) are small and not counted, like `req_to_token`.
+
+    Every figure is one rank's: each rank holds hot buffers (under TP a replica of rank
+    0's, under DP attention its own requests') and a host latent of its own, so a node's
+    host memory is `ranks_per_node` times a rank's (as SGLang's per-rank host pools; the
+    engine's `check_host_latent` counts them so).
     """
 
     layout: CacheLayout
@@ -542,6 +547,7 @@ class HiSparsePlan:
     kv_budget_bytes: int
     weight_bytes: int | None
     device_tokens: int  # device latent slots, page-aligned
+    ranks_per_node: int = 1  # each holding its own host latent
 
     @property
     def ratio(self) -> int:
@@ -582,6 +588,11 @@ class HiSparsePlan:
         return self.logical_tokens * self.host_bytes_per_token
 
     @property
+    def host_bytes_per_node(self) -> int:
+        """Host memory one node needs: every rank on it holds its own host latent."""
+        return self.host_bytes * self.ranks_per_node
+
+    @property
     def device_kv_bytes(self) -> int:
         """Device bytes the pool uses (at most the budget)."""
         return self.device_tokens * self.device_bytes_per_device_token
@@ -613,19 +624,27 @@ class HiSparsePlan:
             "device_tokens": self.device_tokens,
             "logical_tokens": self.logical_tokens,
             "host_bytes": self.host_bytes,
+            "ranks_per_node": self.ranks_per_node,
+            "host_bytes_per_node": self.host_bytes_per_node,
             "hot_buffer_slots": self.hot_buffer_slots,
             "concurrent_hot_buffers": self.concurrent_hot_buffers,
             "index_k_share": self.index_k_share,
         }
 
 
-def plan_hisparse(layout: CacheLayout, hisparse: HiSparseConfig, **budget: Any) -> HiSparsePlan:
+def plan_hisparse(
+    layout: CacheLayout, hisparse: HiSparseConfig, *, ranks_per_node: int = 1, **budget: Any
+) -> HiSparsePlan:
     """Device tokens = `floor(budget / (L·latent + N·index_k·r) / page_size) × page_size`.
 
-    `budget` takes the keywords of `kv_budget_bytes` (the device KV budget).
+    `budget` takes the keywords of `kv_budget_bytes` (one rank's device KV budget: its
+    `tp`, `ep` and `dp_attention` price the weights per rank); `ranks_per_node` the ranks
+    whose host latents share a node's memory.
     """
+    if not is_int(ranks_per_node) or ranks_per_node < 1:
+        raise ConfigError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
     budget_bytes, weight_bytes = kv_budget_bytes(layout, **budget)
-    empty = HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, 0)
+    empty = HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, 0, ranks_per_node)
     cell = empty.device_bytes_per_device_token
     tokens = _page_aligned_tokens(budget_bytes, cell, layout.page_size)
-    return HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, tokens)
+    return HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, tokens, ranks_per_node)
