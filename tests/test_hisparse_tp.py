@@ -1,0 +1,270 @@
+"""HiSparse across ranks (DESIGN.md §13, §8): under `--tp N` (and `--ep`) every rank holds a
+replica of the hot buffers, rank 0's admissions and releases replayed on the others; under
+`--dp-attention` each rank schedules its own requests over hot buffers of its own.
+
+glm-tiny is sparse (index_topk 16); with host_to_device_ratio 8 its buffer is 32 tokens, so
+prompts of 60-120 tokens miss and copy rows from the host. fp32 caches and the same pool with
+and without HiSparse (the same admissions, so the same batches) make outputs bit-equal: TP's
+torch path is not batch-invariant, so only runs of the same schedule are compared exactly.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+import torch
+
+from dsakv import LLM, SamplingParams
+from dsakv.errors import ConfigError
+from dsakv.memory import CacheLayout
+from dsakv.models.tiny import write_tiny_model
+
+from .conftest import assert_integrity_catches, cli_error_line, flat_logprobs
+from .serving import TIMEOUT, ServerProcess, scrape_metrics
+
+EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=8)
+HS = {"host_to_device_ratio": 8}  # top_k 16 (index_topk), buffer 32
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+NUM_PAGES = 256  # both with and without HiSparse: every request runs at once
+PARALLEL = {
+    "tp2": dict(tp=2),
+    "tp2-ep2": dict(tp=2, ep=2),
+    "dp-attention": dict(tp=2, dp_attention=True),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("glm-tiny"), preset="glm-tiny", seed=0))
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 60, hi: int = 120) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 250) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+PROMPTS = _prompts(6)
+ALONE = _prompts(2, seed=1)  # (not in PROMPTS: no prefix hit changes their schedule)
+
+
+def _outputs(outs) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens and their logprobs."""
+    return [
+        (o.outputs[0].token_ids, flat_logprobs(o.outputs[0].logprobs, o.outputs[0].token_ids))
+        for o in outs
+    ]
+
+
+@pytest.fixture(scope="module")
+def generated(tiny) -> Callable[[str, bool], dict]:
+    """`generated(parallel, hisparse)`: one LLM's outputs of PROMPTS in one batch (under
+    tp2, of each of ALONE by itself after), its counters and, under DP attention, each
+    rank's; each run once."""
+    done: dict[tuple[str, bool], dict] = {}
+
+    def run(parallel: str, hisparse: bool) -> dict:
+        if (parallel, hisparse) not in done:
+            kw = dict(enable_hisparse=True, hisparse_config=HS) if hisparse else {}
+            with LLM(tiny, **EXACT, num_pages=NUM_PAGES, **PARALLEL[parallel], **kw) as llm:
+                e = llm.engine
+                batch = _outputs(llm.generate(PROMPTS, GREEDY))
+                singles = ALONE if parallel == "tp2" else []  # (for the server's test)
+                alone = [_outputs(llm.generate([p], GREEDY))[0] for p in singles]
+                e.check_integrity()
+                ranks = e.rank_counters() if "dp_attention" in PARALLEL[parallel] else None
+                done[parallel, hisparse] = dict(
+                    batch=batch, alone=alone, counters=e.counters(), ranks=ranks
+                )
+        return done[parallel, hisparse]
+
+    return run
+
+
+@pytest.mark.parametrize("parallel", list(PARALLEL))
+def test_greedy_tokens_and_logprobs_equal_without_hisparse(generated, parallel):
+    """The same pool with and without HiSparse admits alike, so the batches are the same:
+    tokens and logprobs are bit-equal while decode steps miss their hot buffers and copy
+    rows in from the host, on every rank's replica (TP) or every rank's own (DP)."""
+    on, off = generated(parallel, True), generated(parallel, False)
+    assert on["batch"] == off["batch"]
+    assert on["alone"] == off["alone"]
+    c = on["counters"]
+    assert c["hisparse_misses"] > 0 and c["hisparse_rows_to_device"] > c["hisparse_misses"]
+    assert off["counters"]["hisparse_misses"] == 0
+    if parallel == "dp-attention":  # (counters sum the ranks; each rank missed on its own)
+        assert [r["hisparse_misses"] > 0 for r in on["ranks"]] == [True, True]
+        assert sum(r["hisparse_misses"] for r in on["ranks"]) == c["hisparse_misses"]
+        assert c["hisparse_host_tokens_total"] == 2 * NUM_PAGES * 8 * HS["host_to_device_ratio"]
+
+
+def _bump_clock(e):
+    e.hot._clock += 1
+
+    def undo() -> None:
+        e.hot._clock -= 1
+
+    return undo
+
+
+def _move_a_buffer_entry(e):
+    """A buffer position only rank 0 holds (the local checks do not read positions)."""
+    old = e.hot.buf_pos[0, 0, 0].item()
+    e.hot.buf_pos[0, 0, 0] = old + 7
+
+    def undo() -> None:
+        e.hot.buf_pos[0, 0, 0] = old
+
+    return undo
+
+
+@pytest.fixture(scope="class")
+def small(tiny) -> Iterator[LLM]:
+    """tp=2 over 96 device latent slots (12 pages) backing 192 logical tokens, for
+    `TestSmallPool`, closed after it (one multi-rank engine a process)."""
+    cfg = {"host_to_device_ratio": 2}
+    with LLM(tiny, **EXACT, tp=2, num_pages=12, enable_hisparse=True, hisparse_config=cfg) as llm:
+        yield llm
+
+
+class TestSmallPool:
+    def test_replicas_agree_every_step_through_retraction_prefix_hits_and_abort(self, small):
+        """Admissions with a prefix hit (latent brought in from the host), a retraction and an
+        abort mid-decode are journaled on rank 0 and replayed on rank 1: `check_integrity`
+        compares both replicas after every step, and every slot comes back at the end."""
+        e = small.engine
+        shared = _prompts(1, seed=5, lo=32, hi=32)[0]
+        tails = _prompts(2, seed=6, lo=8, hi=8)
+        other = _prompts(1, seed=7, lo=40, hi=40)[0]
+        params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        victim = e.add_request(_prompts(1, seed=9, lo=40, hi=40)[0], params)
+        reqs = [e.add_request(p, params) for p in (shared + tails[0], other, shared + tails[1])]
+        before = e.counters()
+        steps = 0
+        while e.has_unfinished():
+            e.step()
+            e.check_integrity()
+            if len(victim.output_ids) == 3 and not victim.finished:
+                e.abort(victim.rid)
+            steps += 1
+            assert steps < 400
+        e.check_integrity()
+        c = e.counters()
+        assert victim.finish_reason == "abort"
+        assert [len(r.output_ids) for r in reqs] == [60, 60, 60]
+        assert c["retractions"] - before["retractions"] > 0
+        assert c["prefix_hit_tokens"] - before["prefix_hit_tokens"] >= len(shared)
+        assert c["hisparse_misses"] - before["hisparse_misses"] > 0
+        assert c["hisparse_hot_buffers"] == c["hisparse_device_tokens_used"] == 0
+
+    @pytest.mark.parametrize("corrupt", [_bump_clock, _move_a_buffer_entry], ids=["clock", "pos"])
+    def test_check_integrity_names_the_rank_whose_replica_differs(self, small, corrupt):
+        """The replica comparison, the oracle of the test above: rank 0's replica changed alone
+        is found by it (not by rank 0's own checks), naming rank 1; undone, it passes."""
+        e = small.engine
+        small.generate([_prompts(1, seed=8, lo=40, hi=40)[0]], GREEDY)
+        e.hot.check(idle=True)  # (rank 0's own checks pass on the corrupted replica below)
+        undo = corrupt(e)
+        e.hot.check(idle=True)
+        undo()
+        assert_integrity_catches(e, corrupt, "rank 1's HiSparse replica differs from rank 0's")
+
+
+def test_host_latent_counts_every_rank_on_the_node(tiny, monkeypatch):
+    """Each rank holds a host latent of its own: what fits one rank is refused for two, and
+    the message says the ranks are counted."""
+    import dsakv.memory.pool as pool
+
+    layout = CacheLayout.for_model(tiny, "fp32", "fp32", 8)
+    need = 100 * 8 * layout.latent_bytes_per_token  # 100 logical pages
+    monkeypatch.setattr(pool, "memory_bytes", lambda device: need * 3 // 2)
+    from dsakv.engine.hisparse import check_host_latent
+
+    assert check_host_latent(layout, 100, ranks=1).startswith("cannot allocate")
+    with pytest.raises(ConfigError, match=r"HiSparse host latent \(2 ranks' on this node\)"):
+        check_host_latent(layout, 100, ranks=2)
+
+
+def test_a_host_latent_only_one_rank_fits_is_one_line_under_tp2(tiny, capsys):
+    """The engine counts its ranks on the node: with --tp 2 a host latent of 3/4 of the
+    machine's memory per rank is one error line, before anything is allocated."""
+    from dsakv.memory.pool import memory_bytes
+
+    per_page = 8 * CacheLayout.for_model(tiny, "fp32", "fp32", 8).latent_bytes_per_token
+    ratio = 3 * memory_bytes(torch.device("cpu")) // 4 // per_page
+    flags = ["--kv-cache-dtype", "fp32", "--page-size", "8", "--num-pages", "1", "--tp", "2"]
+    flags += ["--enable-hisparse", "--hisparse-config", f'{{"host_to_device_ratio": {ratio}}}']
+    err = cli_error_line(["generate", tiny, "--prompt", "x", "--device", "cpu", *flags], capsys)
+    assert "of HiSparse host latent (2 ranks' on this node) on the host" in err, err
+
+
+def test_serve_tp2_with_hisparse_equals_offline_and_reports_misses(tiny, generated, tmp_path):
+    """`dsakv serve --tp 2 --enable-hisparse`: completions past the buffer give the tokens
+    of `LLM(tp=2)` with the same flags (each request alone, as the offline one ran), and
+    /metrics counts the hot-buffer misses."""
+    from openai import OpenAI
+
+    want = generated("tp2", True)["alone"]
+    flags = ["--tp", "2", "--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 8}']
+    flags += ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32", "--page-size", "8"]
+    flags += ["--num-pages", str(NUM_PAGES), "--device", "cpu"]
+    server = ServerProcess(tmp_path, "tp2", tiny, *flags)
+    try:
+        _wait_healthy(server)
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=TIMEOUT, max_retries=0)
+        extra = {"ignore_eos": True, "return_token_ids": True}
+        got = []
+        for prompt in ALONE:
+            r = client.completions.create(model="m", prompt=prompt, max_tokens=16,
+                                          temperature=0, logprobs=0, extra_body=extra)  # fmt: skip
+            got.append((r.choices[0].token_ids, r.choices[0].logprobs.token_logprobs))
+        assert got == want  # (tokens and logprobs: the same schedule, the same sums)
+        m = scrape_metrics(server.url)
+        assert m["dsakv_hisparse_misses_total"] > 0 and m["dsakv_hisparse_hot_buffers"] == 0
+    finally:
+        _stop(server)
+
+
+def _wait_healthy(server: ServerProcess) -> None:
+    """Until the server answers /health (two ranks start slower than TIMEOUT allows)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert server.proc.poll() is None, server.tail()
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    pytest.fail("server did not come up: " + server.tail())
+
+
+def _stop(server: ServerProcess) -> None:
+    """SIGTERM, so the server stops its rank 1 too; SIGKILL if it hangs."""
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:
+            server.stop()
+
+
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        (["--tp", "2", "--pp-size", "2"], "--pp-size 2"),
+        (["--tp", "2", "--speculative-algorithm", "mtp"], "--speculative-algorithm mtp"),
+    ],
+    ids=["pp", "mtp"],
+)
+def test_what_hisparse_still_refuses_across_ranks_is_one_line(tiny, flags, refused, capsys):
+    """--tp itself is not refused any more: the line names only what is."""
+    argv = ["generate", tiny, "--prompt", "x", "--device", "cpu", "--enable-hisparse", *flags]
+    err = cli_error_line(argv, capsys)
+    assert err.startswith(f"error: --enable-hisparse does not run with {refused}"), err
+    assert "rank" not in err, err
