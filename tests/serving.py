@@ -22,9 +22,11 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsakv.disagg.config import DisaggConfig
+from dsakv.disagg.launch import wait_healthy
 from dsakv.disagg.router import build_router_app
 from dsakv.disagg.serving import bridge_for
 from dsakv.engine import EngineConfig
+from dsakv.errors import DsakvError
 from dsakv.models.tiny import write_tiny_model
 from dsakv.procs import free_port
 from dsakv.server import make_server
@@ -230,6 +232,13 @@ class ServerProcess:
 
     def tail(self) -> str:
         return self.log.read_text()[-3000:]
+
+    def wait_healthy(self, timeout: float = TIMEOUT) -> None:
+        """Until it answers /health; its log's tail if it exits or `timeout` passes first."""
+        try:
+            wait_healthy([self.url], [self.proc], timeout)
+        except DsakvError as e:
+            raise AssertionError(f"{e}\n{self.tail()}") from None
 
 
 def start_prefill(log_dir: Path, name: str, model: str, *flags: str) -> tuple[ServerProcess, int]:

@@ -876,25 +876,6 @@ def test_vllm_switches_for_what_dsakv_does_anyway_change_nothing(tiny_dir, capsy
         assert f"[{hidden}" not in out and f"  {hidden}" not in out, hidden
 
 
-def _until_healthy(server) -> None:
-    """Until the `ServerProcess` answers /health (its log tail if it exits or times out)."""
-    import time
-
-    import httpx
-
-    from .serving import TIMEOUT
-
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        try:
-            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert server.proc.poll() is None and time.monotonic() < deadline, server.tail()
-        time.sleep(0.2)
-
-
 def test_uvicorn_log_level_reaches_the_server(tiny_dir, tmp_path):
     """vLLM's --uvicorn-log-level warning: the server answers, and uvicorn's info lines
     (startup, each request) are not logged; dsakv's own "serving" line is."""
@@ -904,7 +885,7 @@ def test_uvicorn_log_level_reaches_the_server(tiny_dir, tmp_path):
 
     server = ServerProcess(tmp_path, "quiet", str(tiny_dir), "--uvicorn-log-level", "warning")
     try:
-        _until_healthy(server)
+        server.wait_healthy()
         httpx.get(f"{server.url}/v1/models", timeout=5)
     finally:
         server.stop()
@@ -959,7 +940,7 @@ def test_a_tokenizer_from_another_folder_encodes_and_templates(tiny_dir, tmp_pat
     flags = ["--tokenizer-path", str(other), "--disable-uvicorn-access-log", "--num-pages", "8"]
     server = ServerProcess(tmp_path, "tok", str(tiny_dir), *flags)
     try:
-        _until_healthy(server)
+        server.wait_healthy()
 
         def post(path: str, **body) -> dict:
             return httpx.post(f"{server.url}{path}", json=body, timeout=60).json()

@@ -13,10 +13,8 @@ from __future__ import annotations
 import random
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 
-import httpx
 import pytest
 import torch
 
@@ -215,7 +213,7 @@ def test_serve_tp2_with_hisparse_equals_offline_and_reports_misses(tiny, generat
     flags += ["--num-pages", str(NUM_PAGES), "--device", "cpu"]
     server = ServerProcess(tmp_path, "tp2", tiny, *flags)
     try:
-        _wait_healthy(server)
+        server.wait_healthy(120)  # (two ranks start slower than TIMEOUT allows)
         client = OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=TIMEOUT, max_retries=0)
         extra = {"ignore_eos": True, "return_token_ids": True}
         got = []
@@ -228,20 +226,6 @@ def test_serve_tp2_with_hisparse_equals_offline_and_reports_misses(tiny, generat
         assert m["dsakv_hisparse_misses_total"] > 0 and m["dsakv_hisparse_hot_buffers"] == 0
     finally:
         _stop(server)
-
-
-def _wait_healthy(server: ServerProcess) -> None:
-    """Until the server answers /health (two ranks start slower than TIMEOUT allows)."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert server.proc.poll() is None, server.tail()
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    pytest.fail("server did not come up: " + server.tail())
 
 
 def _stop(server: ServerProcess) -> None:

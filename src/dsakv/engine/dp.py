@@ -374,7 +374,11 @@ class DPEngine:
         return ranks
 
     def check_integrity(self) -> None:
-        self.local.check_integrity()
+        """Every rank checks its own pool, prefix cache and hot buffers (each schedules its
+        own requests); any rank's failure, named by rank."""
+        outcome = self._on_every_rank("integrity_here")
+        if isinstance(outcome, str):
+            raise AssertionError(outcome)
 
     def close(self) -> None:
         """Stop the other ranks and release the group; completes after a rank died too."""

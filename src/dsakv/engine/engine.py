@@ -110,7 +110,7 @@ _EVERY_RANK = frozenset(
     + WEIGHT_CALLS
     + PROFILE_CALLS
     + EXPERT_DISTRIBUTION_CALLS
-    + ("read_lora_on_rank", "drop_lora_on_rank", "hisparse_replicas")
+    + ("read_lora_on_rank", "drop_lora_on_rank", "hisparse_replicas", "integrity_here")
 )
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
@@ -1697,6 +1697,16 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                     raise AssertionError(
                         f"{host_used} host pages used, cache holds {self.cache.num_host_pages}"
                     )
+
+    def integrity_here(self) -> list[None] | str:
+        """This rank's `check_integrity`, every rank's outcome gathered (`gather_outcome`):
+        under DP attention each rank checks the requests it schedules."""
+        why = None
+        try:
+            self.check_integrity()
+        except AssertionError as e:
+            why = str(e)
+        return gather_outcome(self.parallel, None, why)
 
     def hisparse_replicas(self) -> list[tuple] | None:
         """Every rank's `HotBuffers.replica_state()`, on rank 0 (an every-rank call)."""
