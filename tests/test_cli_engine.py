@@ -149,8 +149,8 @@ def test_servers_refuse_bad_addresses_before_loading(tiny_dir):
                 ["serve-pd", str(tiny_dir), "--prefill-port", "9123", "--decode-port", "9123"],
                 "must differ",
             ),  # fmt: skip
-            (["serve-pd", str(tiny_dir), "--tp", "2"], "one rank"),
-            (["serve-pd", str(tiny_dir), "--tp", "2", "--port", taken], "one rank"),  # (first)
+            (["serve-pd", str(tiny_dir), "--tp", "2", "--dp-attention"], "--dp-attention yet"),
+            (["serve-pd", str(tiny_dir), "--pp-size", "2", "--port", taken], "--pp-size > 1"),
         ]
         for args, message in cases:
             proc = subprocess.run(

@@ -242,14 +242,15 @@ def test_a_wrong_pickup_is_refused_and_the_hold_stays_for_the_right_one(pd):
 
 def test_bad_block_ids_or_tp_size_leave_the_hold_and_other_block_ids_are_ignored(pd):
     """Malformed remote_block_ids or tp_size are a 400 that leaves the hold for the right
-    pickup (it took the KV and decoded). Well-formed block ids that are not the hold's
+    pickup (it took the KV and decoded); any prefill tp_size pairs (every TP rank holds the
+    whole latent). Well-formed block ids that are not the hold's
     pages (or none) are ignored: the prefill server writes the pages it holds for the room
     (dsakv pushes the KV; vLLM's decode server reads the blocks named), the room and engine
     id find the hold and its prompt is checked."""
     body = {"prompt": PROMPT, "max_tokens": 4, **GREEDY}
     want = _post(pd.plain + "/v1/completions", body).json()
     kv = prefill_first(pd.prefill, "/v1/completions", body)["kv_transfer_params"]
-    for bad in ({"remote_block_ids": "x"}, {"tp_size": "one"}, {"tp_size": 2}):
+    for bad in ({"remote_block_ids": "x"}, {"tp_size": "one"}, {"tp_size": 0}):
         r = then_decode(pd.decode, "/v1/completions", body, {**kv, **bad})
         assert error_of(r, 400)["param"] == _KV
         assert next(iter(bad)) in r.json()["error"]["message"]
@@ -259,6 +260,9 @@ def test_bad_block_ids_or_tp_size_leave_the_hold_and_other_block_ids_are_ignored
     r = then_decode(pd.decode, "/v1/completions", body, other)
     assert r.status_code == 200, r.text
     assert text_of(r.json()) == text_of(want)
+    kv = prefill_first(pd.prefill, "/v1/completions", body)["kv_transfer_params"]
+    r = then_decode(pd.decode, "/v1/completions", body, {**kv, "tp_size": 8})
+    assert r.status_code == 200 and text_of(r.json()) == text_of(want), r.text  # (MLA: any TP)
     kv = prefill_first(pd.prefill, "/v1/completions", body)["kv_transfer_params"]
     r = then_decode(pd.decode, "/v1/completions", body, {**kv, "remote_block_ids": None})
     assert r.status_code == 200 and text_of(r.json()) == text_of(want), r.text

@@ -45,10 +45,11 @@ class DisaggConfig:
 
     def check_engine(self, config: EngineConfig) -> None:
         """What a prefill or decode server cannot serve yet, before anything loads."""
-        if config.parallel.world_size > 1:  # every rank's pool replica would need the pages
+        pc = config.parallel
+        if pc.pp > 1 or pc.dp_attention:  # (a pool per stage, or per rank's own requests)
             raise DsakvError(
-                "--disaggregation-mode runs on one rank for now "
-                "(no --tp / --pp-size / --dp-attention)"
+                "--disaggregation-mode does not run with --pp-size > 1 or --dp-attention yet "
+                "(it runs with --tp and --ep: every rank's pool is a replica of rank 0's)"
             )
         if config.storage is not None:
             raise DsakvError(

@@ -41,8 +41,6 @@ GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/s
 KV_TRANSFER_PATHS = ("/v1/completions", "/v1/chat/completions")
 _BODY_PATHS = (*GENERATE_PATHS, "/v1/responses")
 _MAX_ROOM = 2**64 - 1  # SGLang's routers draw rooms below 2**63; any u64 is accepted
-# vLLM's `tp_size` of a dsakv prefill server: it runs on one rank (`DisaggConfig.check_engine`)
-PREFILL_TP_SIZE = 1
 
 
 @dataclass(frozen=True)
@@ -258,8 +256,9 @@ def from_kv_transfer_params(body: Any, path: str) -> KVTransferParams | None:
 def _check_blocks_and_tp(block_ids: Any, tp_size: Any) -> None:
     """The prefill answer's `remote_block_ids` and `tp_size` as vLLM's decode side takes
     them (either may be absent: vLLM reads no blocks without ids, and its older answers
-    carry no tp_size); a wrong type, or a tp_size not the prefill server's, is a 400.
-    The ids' values are not checked: the room finds the hold and its prompt is checked
+    carry no tp_size); a wrong type is a 400. Any prefill tp_size pairs with any decode
+    server's: every TP rank holds the whole latent (MLA), so rank 0's pool has it all. The
+    ids' values are not checked: the room finds the hold and its prompt is checked
     (`bootstrap._wrong_pickup`), and the prefill server writes the pages it holds (vLLM's
     decode server reads the blocks named)."""
     if block_ids is not None and (
@@ -271,18 +270,9 @@ def _check_blocks_and_tp(block_ids: Any, tp_size: Any) -> None:
             f"got {block_ids!r}",
             param=KV_PARAM,
         )
-    if tp_size is None:
-        return
-    if not is_int(tp_size) or tp_size < 1:
+    if tp_size is not None and (not is_int(tp_size) or tp_size < 1):
         raise APIError(
             400, f"{KV_PARAM}.tp_size must be an integer >= 1, got {tp_size!r}", param=KV_PARAM
-        )
-    if tp_size != PREFILL_TP_SIZE:
-        raise APIError(
-            400,
-            f"{KV_PARAM}.tp_size {tp_size} is not the prefill server's ({PREFILL_TP_SIZE}): a dsakv "
-            "prefill server runs on one rank, so these are another server's (or altered) params",
-            param=KV_PARAM,
         )
 
 

@@ -50,7 +50,6 @@ from dsakv.server.runner import (
 from .bootstrap import BootstrapError, BootstrapServer, Refusal, describe, drop_kv, request_kv
 from .config import DisaggConfig
 from .handoff import (
-    PREFILL_TP_SIZE,
     KVTransferParams,
     install,
     kv_transfer,
@@ -485,7 +484,7 @@ class PrefillAsyncEngine(_DisaggEngine):
             "remote_block_ids": self._prompt_pages(req),
             "remote_host": self.bootstrap_host,
             "remote_port": self.config.bootstrap_port,
-            "tp_size": PREFILL_TP_SIZE,
+            "tp_size": self.engine.parallel.tp_size,
         }
 
     async def _keep_for_pickup(

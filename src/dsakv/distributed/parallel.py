@@ -364,6 +364,13 @@ class ParallelState:
         return x
 
     # --- control plane (rank 0 → everyone, pickled, over gloo) ----------------------------
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's first rank's `x` on every rank of its stage, in place (the others pass
+        a tensor of its shape and dtype): bytes only rank 0 holds, over the model's group."""
+        if self.tp_size > 1:
+            dist.broadcast(x, src=self.rank - self.tp_rank, group=self.group)
+        return x
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0 sends `obj`; every rank returns it."""
         if self.world_size == 1:

@@ -1136,6 +1136,9 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         n = len(req.prompt_ids)
         # (with MTP, the draft layer's KV came too; the last position's is caught up here)
         req.num_computed = n if first_token is not None else n - 1
+        # (it came to rank 0's pool, and under HiSparse its latent to rank 0's host rows)
+        latent = None if self.hot is None else self.scheduler.slots(req, n).to("cpu", copy=True)
+        self.runner.share_kv(req.pages, latent)
         self.requests[req.rid] = req
         self.stats.prompt_tokens += n
         self.scheduler.adopt(req)

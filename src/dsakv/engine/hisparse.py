@@ -294,6 +294,19 @@ class HotBuffers:
         if idle and self._reqs:
             raise AssertionError(f"idle engine still holds hot buffers for {sorted(self._reqs)}")
 
+    def host_rows(self, slots: torch.Tensor, filled: bool = True) -> torch.Tensor:
+        """Every layer's host latent rows at logical `slots`, `[layers, n, row]` (`filled`
+        False: an empty tensor of that shape, to receive them)."""
+        shape = (len(self.host), slots.numel(), self.row_bytes)
+        if not filled:
+            return torch.empty(shape, dtype=torch.uint8)
+        return torch.stack([h.index_select(0, slots) for h in self.host])
+
+    def write_host_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """`host_rows`' inverse (a rank's replica given rank 0's rows)."""
+        for h, r in zip(self.host, rows.cpu(), strict=True):
+            h.index_copy_(0, slots, r)
+
     def replica_state(self) -> tuple:
         """What every TP rank's replica must agree on (`Engine.check_integrity` compares
         them): each request's device pages and state row, the free rows, the step clock

@@ -150,6 +150,31 @@ class ModelRunner:
                 send("logits", rows.cpu(), source)
             return self._logits(rows, source)
 
+    def share_kv(self, pages: Sequence[int], latent_slots: torch.Tensor | None = None) -> None:
+        """Give every rank's replica rank 0's bytes of `pages` (and under HiSparse, of the
+        host latent rows at `latent_slots`), which only rank 0 holds: a PD decode request's
+        prompt KV, written there by the prefill server. One message, then the bytes over
+        the model's group (device to device on CUDA)."""
+        if self.leader is None or not pages:
+            return
+        with self._leading() as send:
+            send("kv", list(pages), latent_slots)
+            self._share_kv(list(pages), latent_slots)
+
+    def _share_kv(self, pages: list[int], latent_slots: torch.Tensor | None) -> None:
+        """`share_kv`'s bytes, sent on rank 0 and received on the others (alike: the shapes
+        come from the pool, the hot buffers and the message)."""
+        hot = self.hot is not None
+        if self.leader is not None:
+            data = self.pool.read_pages(pages, on_device=True, index_k_only=hot)
+        else:
+            shape = (len(pages), self.pool.page_bytes(index_k_only=hot))
+            data = torch.empty(shape, dtype=torch.uint8, device=self.device)
+        self.pool.write_pages(pages, self.parallel.broadcast(data), index_k_only=hot)
+        if latent_slots is not None:
+            rows = self.hot.host_rows(latent_slots, self.leader is not None).to(self.device)
+            self.hot.write_host_rows(latent_slots, self.parallel.broadcast(rows))
+
     def every_rank(self, method: str, *args: Any) -> Any:
         """Have every rank run `on_every_rank(method, *args)` now, between steps (the other
         ranks from `serve`), whose collectives meet across them (a weight update, a trainer's
@@ -190,6 +215,8 @@ class ModelRunner:
                 self._forward_draft(tokens, [s.long() for s in slots], source, rows)
             elif kind == "logits":
                 self._logits(*args)
+            elif kind == "kv":
+                self._share_kv(*args)
             elif kind == "every_rank":
                 assert self.on_every_rank is not None
                 self.on_every_rank(*args)

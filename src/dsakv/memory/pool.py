@@ -407,32 +407,49 @@ class DSAKVPool:
 
     # --- whole pages as raw bytes (the L3 storage tier) ----------------------------------------
 
-    def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
-        """Raw stored bytes of whole pages, `[len(pages), layout.bytes_per_page]` uint8 on the
-        CPU: every real buffer's page in `_buffers` order (latent per layer, index-K only where
-        the layout has it), so a row is exactly the layout's bytes for that page."""
+    def read_pages(
+        self, pages: Sequence[int], on_device: bool = False, index_k_only: bool = False
+    ) -> torch.Tensor:
+        """Raw stored bytes of whole pages, `[len(pages), page_bytes()]` uint8 on the CPU
+        (`on_device`: the pool's device): every real buffer's page in `_buffers` order
+        (latent per layer, index-K only where the layout has it), so a row is exactly the
+        layout's bytes for that page. `index_k_only`: the index-K buffers' (a HiSparse pool's
+        latent is in its own slot space)."""
         idx = self._check_pages(pages)
-        rows = [v.index_select(0, idx) for v in self._page_views()]
-        return torch.cat(rows, dim=1).cpu()
+        views = self._page_views(index_k_only)
+        rows = torch.cat([v.index_select(0, idx) for v in views], dim=1)
+        return rows if on_device else rows.cpu()
 
-    def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
+    def write_pages(
+        self, pages: Sequence[int], data: torch.Tensor, index_k_only: bool = False
+    ) -> None:
         """Inverse of `read_pages`: bit-exact, same layout only (the row width checks it)."""
-        want = (len(pages), self.layout.bytes_per_page)
+        want = (len(pages), self.page_bytes(index_k_only))
         if data.dtype != torch.uint8 or tuple(data.shape) != want:
             raise ValueError(
-                f"page bytes must be uint8 [{len(pages)}, {self.layout.bytes_per_page}], "
+                f"page bytes must be uint8 [{want[0]}, {want[1]}], "
                 f"got {data.dtype} {tuple(data.shape)}"
             )
         idx = self._check_pages(pages)
         data, col = data.to(self.device), 0
-        for v in self._page_views():
+        for v in self._page_views(index_k_only):
             v[idx] = data[:, col : col + v.shape[1]]
             col += v.shape[1]
 
-    def _page_views(self) -> list[torch.Tensor]:
-        """Each real buffer as `[num_pages, its bytes per page]` uint8 (a view, not a copy)."""
-        self._check_unsplit()
-        return [b.data.view(torch.uint8).view(self.num_pages, -1) for _, _, b in self._buffers()]
+    def page_bytes(self, index_k_only: bool = False) -> int:
+        """A `read_pages` row's bytes: the layout's per page, or its index-K's."""
+        return sum(v.shape[1] for v in self._page_views(index_k_only))
+
+    def _page_views(self, index_k_only: bool = False) -> list[torch.Tensor]:
+        """Each real buffer (`index_k_only`: each index-K buffer) as `[num_pages, its bytes
+        per page]` uint8 (a view, not a copy)."""
+        if not index_k_only:
+            self._check_unsplit()
+        return [
+            b.data.view(torch.uint8).view(self.num_pages, -1)
+            for _, comp, b in self._buffers()
+            if comp == INDEX_K or not index_k_only
+        ]
 
     # --- internals ---------------------------------------------------------------------------
 
