@@ -49,6 +49,9 @@ def _prompts(n: int, seed: int = 0, lo: int = 60, hi: int = 120) -> list[list[in
 
 PROMPTS = _prompts(6)
 ALONE = _prompts(2, seed=1)  # (not in PROMPTS: no prefix hit changes their schedule)
+# ... but this one's first 48 tokens (6 pages) hit ALONE[0]'s: under HiSparse their latent
+# comes in from each rank's host rows (rank 1's copy made when it replays the admission)
+ALONE.append(ALONE[0][:48] + _prompts(1, seed=2, lo=30, hi=30)[0])
 
 
 def _outputs(outs) -> list[tuple[list[int], list[float]]]:

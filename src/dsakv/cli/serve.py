@@ -153,7 +153,7 @@ def _follow(args: argparse.Namespace, config: Any, http: Any) -> int:
         config, args.served_model_name, args.tool_call_parser, args.reasoning_parser, http
     )
     disaggregation = disagg_config_from_args(args)
-    if disaggregation is not None:  # (refused with more than one rank, as rank 0 says)
+    if disaggregation is not None:  # (what rank 0 would refuse, refused in every process)
         disaggregation.check_engine(config)
     create_engine(config, exit_on_rank_death=True)  # (exits once rank 0 has stopped)
     return 0

@@ -363,13 +363,21 @@ class ParallelState:
             dist.recv(x, last)
         return x
 
-    # --- control plane (rank 0 → everyone, pickled, over gloo) ----------------------------
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+    def broadcast(self, x: torch.Tensor, host: bool = False) -> torch.Tensor:
         """The stage's first rank's `x` on every rank of its stage, in place (the others pass
-        a tensor of its shape and dtype): bytes only rank 0 holds, over the model's group."""
-        if self.tp_size > 1:
+        a tensor of its shape and dtype): bytes only that rank holds, over the model's group
+        (NCCL on CUDA), or with `host` a CPU tensor over gloo (one stage only: the control
+        group is every rank's)."""
+        if self.tp_size == 1:
+            return x
+        if host:
+            assert self.pp_size == 1, "the control group spans every stage"
+            dist.broadcast(x, src=0, group=self.cpu_group)
+        else:
             dist.broadcast(x, src=self.rank - self.tp_rank, group=self.group)
         return x
+
+    # --- control plane (rank 0 → everyone, pickled, over gloo) ----------------------------
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0 sends `obj`; every rank returns it."""

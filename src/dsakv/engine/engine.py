@@ -1136,9 +1136,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         n = len(req.prompt_ids)
         # (with MTP, the draft layer's KV came too; the last position's is caught up here)
         req.num_computed = n if first_token is not None else n - 1
-        # (it came to rank 0's pool, and under HiSparse its latent to rank 0's host rows)
-        latent = None if self.hot is None else self.scheduler.slots(req, n).to("cpu", copy=True)
-        self.runner.share_kv(req.pages, latent)
+        if self.parallel.world_size > 1:  # it came to rank 0's pool (and host latent rows)
+            latent = None if self.hot is None else self.scheduler.slots(req, n)
+            with self.rank_failures():
+                self.runner.share_kv(req.pages, latent)
         self.requests[req.rid] = req
         self.stats.prompt_tokens += n
         self.scheduler.adopt(req)
@@ -1679,9 +1680,11 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             if self.runner.leader is not None:  # (TP: every rank's replica is rank 0's)
                 states = self._on_every_rank("hisparse_replicas")
                 for rank, state in enumerate(states):
-                    if state != states[0]:
+                    differ = [k for k, v in state.items() if v != states[0][k]]
+                    if differ:
                         raise AssertionError(
-                            f"rank {rank}'s HiSparse replica differs from rank 0's"
+                            f"rank {rank}'s HiSparse replica differs from rank 0's: "
+                            f"{', '.join(differ)}"
                         )
         if not self.has_unfinished():
             total = self.allocator.num_free_pages + self.cache.num_device_pages
@@ -1703,7 +1706,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
 
     def integrity_here(self) -> list[None] | str:
         """This rank's `check_integrity`, every rank's outcome gathered (`gather_outcome`):
-        under DP attention each rank checks the requests it schedules."""
+        under DP attention each rank checks the requests it schedules (under TP rank 0's
+        check asks the others itself)."""
+        if not self.parallel.config.dp_attention:
+            raise DsakvError("integrity_here is DP attention's every-rank check")
         why = None
         try:
             self.check_integrity()
@@ -1711,7 +1717,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             why = str(e)
         return gather_outcome(self.parallel, None, why)
 
-    def hisparse_replicas(self) -> list[tuple] | None:
+    def hisparse_replicas(self) -> list[dict[str, object]] | None:
         """Every rank's `HotBuffers.replica_state()`, on rank 0 (an every-rank call)."""
         return self.parallel.gather_objects(self.hot.replica_state())
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan
+from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import ConfigError
 from dsakv.kernels.hisparse_ops import bind_newest, init_buffers
 from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
@@ -46,6 +47,8 @@ from dsakv.memory.layout import CacheLayout
 from dsakv.memory.pool import DSAKVPool, allocation_failed, check_fits, pinned_empty
 
 from .request import Request
+
+SHARE_CHUNK_BYTES = 64 << 20  # one broadcast of a PD request's KV to the other TP ranks
 
 
 def check_host_latent(layout: CacheLayout, num_pages: int, ranks: int = 1) -> str:
@@ -228,7 +231,7 @@ class HotBuffers:
     def admit(self, req: Request, hit_slots: torch.Tensor) -> None:
         """Take the request's latent pages; bring the latent of its prefix hit (the logical
         slots `hit_slots` of positions 0..hit-1) from the host."""
-        self._do(("take", req.rid, self._pages_for(req), hit_slots.to("cpu", copy=True), False))
+        self._do(("take", req.rid, self._pages_for(req), hit_slots.cpu(), False))
 
     def admit_detached(self, req: Request) -> None:
         """A PD decode request: buffer pages only; the prefill server writes its latent into
@@ -294,29 +297,35 @@ class HotBuffers:
         if idle and self._reqs:
             raise AssertionError(f"idle engine still holds hot buffers for {sorted(self._reqs)}")
 
-    def host_rows(self, slots: torch.Tensor, filled: bool = True) -> torch.Tensor:
-        """Every layer's host latent rows at logical `slots`, `[layers, n, row]` (`filled`
-        False: an empty tensor of that shape, to receive them)."""
-        shape = (len(self.host), slots.numel(), self.row_bytes)
-        if not filled:
-            return torch.empty(shape, dtype=torch.uint8)
-        return torch.stack([h.index_select(0, slots) for h in self.host])
+    def share_host_rows(self, slots: torch.Tensor, parallel: ParallelState) -> None:
+        """Rank 0's host latent rows at logical `slots` (a PD request's prompt, which the
+        prefill server wrote into rank 0's host memory), every layer, into every rank's
+        replica: host memory to host memory over the control group, a bounded chunk at a
+        time."""
+        step = max(1, SHARE_CHUNK_BYTES // self.row_bytes)
+        for host in self.host:
+            for part in slots.split(step):
+                if parallel.is_driver:
+                    parallel.broadcast(host.index_select(0, part), host=True)
+                else:
+                    rows = torch.empty((part.numel(), self.row_bytes), dtype=torch.uint8)
+                    host.index_copy_(0, part, parallel.broadcast(rows, host=True))
 
-    def write_host_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """`host_rows`' inverse (a rank's replica given rank 0's rows)."""
-        for h, r in zip(self.host, rows.cpu(), strict=True):
-            h.index_copy_(0, slots, r)
-
-    def replica_state(self) -> tuple:
+    def replica_state(self) -> dict[str, object]:
         """What every TP rank's replica must agree on (`Engine.check_integrity` compares
-        them): each request's device pages and state row, the free rows, the step clock
-        and a checksum of the buffers' positions, recency and slots."""
-        reqs = sorted((rid, tuple(h.pages), h.row, h.on_host) for rid, h in self._reqs.items())
-        sums = [
-            zlib.crc32(t.cpu().numpy().tobytes())
-            for t in (self.buf_pos, self.stamp, self.buf_slot, self.reserved)
-        ]
-        return reqs, tuple(self._free_rows), self._clock, self.allocator.num_free_pages, sums
+        them), by name: each request's device pages and state row, the free rows, the step
+        clock, the free pages and checksums of the buffers' positions, recency and slots."""
+        state: dict[str, object] = {
+            "requests' pages and rows": sorted(
+                (rid, tuple(h.pages), h.row, h.on_host) for rid, h in self._reqs.items()
+            ),
+            "free state rows": tuple(self._free_rows),
+            "step clock": self._clock,
+            "free device pages": self.allocator.num_free_pages,
+        }
+        for name in ("buf_pos", "stamp", "buf_slot", "reserved"):
+            state[f"{name} checksum"] = zlib.crc32(getattr(self, name).cpu().numpy().tobytes())
+        return state
 
     # --- the step --------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from dsakv.memory.pool import DSAKVPool
 from dsakv.models.forward_batch import ForwardBatch, padded_slots
 
 from .cuda_graph import DecodeGraphs
-from .hisparse import HotBuffers, HotStep
+from .hisparse import SHARE_CHUNK_BYTES, HotBuffers, HotStep
 
 TARGET, DRAFT = "target", "draft"
 
@@ -162,18 +162,18 @@ class ModelRunner:
             self._share_kv(list(pages), latent_slots)
 
     def _share_kv(self, pages: list[int], latent_slots: torch.Tensor | None) -> None:
-        """`share_kv`'s bytes, sent on rank 0 and received on the others (alike: the shapes
-        come from the pool, the hot buffers and the message)."""
-        hot = self.hot is not None
-        if self.leader is not None:
-            data = self.pool.read_pages(pages, on_device=True, index_k_only=hot)
-        else:
-            shape = (len(pages), self.pool.page_bytes(index_k_only=hot))
-            data = torch.empty(shape, dtype=torch.uint8, device=self.device)
-        self.pool.write_pages(pages, self.parallel.broadcast(data), index_k_only=hot)
+        """`share_kv`'s bytes, sent on rank 0 and received on the others, a bounded chunk
+        of pages at a time (the shapes come from the pool and the message)."""
+        hot = self.hot is not None  # (a HiSparse pool's latent is in the host rows)
+        width = self.pool.page_bytes(index_k_only=hot)
+        for part in _chunks(pages, max(1, SHARE_CHUNK_BYTES // width)):
+            if self.leader is not None:
+                self.parallel.broadcast(self.pool.read_pages(part, True, index_k_only=hot))
+            else:
+                data = torch.empty((len(part), width), dtype=torch.uint8, device=self.device)
+                self.pool.write_pages(part, self.parallel.broadcast(data), index_k_only=hot)
         if latent_slots is not None:
-            rows = self.hot.host_rows(latent_slots, self.leader is not None).to(self.device)
-            self.hot.write_host_rows(latent_slots, self.parallel.broadcast(rows))
+            self.hot.share_host_rows(latent_slots, self.parallel)
 
     def every_rank(self, method: str, *args: Any) -> Any:
         """Have every rank run `on_every_rank(method, *args)` now, between steps (the other
@@ -287,6 +287,10 @@ class ModelRunner:
         one stage)."""
         shape = (n, self.model.config.vocab_size)
         return self.parallel.to_driver(logits, shape, self.device)
+
+
+def _chunks(items: list[int], size: int) -> list[list[int]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def _pack(new_tokens: Sequence[Sequence[int]]) -> list[list[int]]:

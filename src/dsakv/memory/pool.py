@@ -405,7 +405,7 @@ class DSAKVPool:
             for layer, comp, b in self._buffers()
         }
 
-    # --- whole pages as raw bytes (the L3 storage tier) ----------------------------------------
+    # --- whole pages as raw bytes (the L3 storage tier, a PD request's KV to every TP rank) ----
 
     def read_pages(
         self, pages: Sequence[int], on_device: bool = False, index_k_only: bool = False
