@@ -30,7 +30,13 @@ import uvicorn
 from dsakv.bench.pd import run_pd_bench, summary_lines
 from dsakv.config import ModelConfig
 from dsakv.config.checkpoint import model_identity
-from dsakv.disagg.bootstrap import BootstrapError, BootstrapServer, describe, request_kv
+from dsakv.disagg.bootstrap import (
+    BootstrapError,
+    BootstrapServer,
+    describe,
+    differences,
+    request_kv,
+)
 from dsakv.disagg.launch import wait_healthy
 from dsakv.disagg.router import Router, build_router_app
 from dsakv.disagg.transfer import (
@@ -180,6 +186,18 @@ def test_handshake_answers_as_soon_as_the_kv_is_written_and_names_layout_differe
     assert "elide_index_k: prefill True, decode False" in refused
     assert "page_size: prefill 16, decode 64" in refused
     assert "checkpoint: prefill 'ckpt', decode 'seed1'" in refused  # other weights
+
+
+def test_servers_apart_only_in_the_per_token_path_are_told_how_to_pair():
+    """A --tp 1 and a --tp 2 server on a CPU compute apart by default (one rank takes the
+    per-token path): their refusal names the flags that pair them; another dtype does not."""
+    one = {"compute": "float32|cpu|deterministic=True"}
+    two = {"compute": "float32|cpu|deterministic=False"}
+    (line,) = differences(one, two, "prefill", "decode")
+    assert line.startswith("compute: prefill 'float32|cpu|deterministic=True', decode")
+    assert "--disable-deterministic-inference" in line
+    (line,) = differences(one, {"compute": "bfloat16|cpu|deterministic=False"}, "p", "d")
+    assert "deterministic-inference" not in line
 
 
 def test_a_refused_room_is_the_decode_sides_error_at_once_before_or_after_it_registers():

@@ -1181,6 +1181,7 @@ def test_server_info_reports_the_data_parallel_size(base, dp_served):
     assert (info["tp_size"], info["dp_size"], info["enable_dp_attention"]) == (1, 1, False)
     info = httpx.get(f"{dp_served[0]}/server_info", timeout=TIMEOUT).json()
     assert (info["tp_size"], info["dp_size"], info["enable_dp_attention"]) == (2, 2, True)
+    assert info["ep_size"] == 1  # (SGLang's field too: --ep's groups of whole experts)
 
 
 def test_get_load_answers_each_dp_rank(dp_served):

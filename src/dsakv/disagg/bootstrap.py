@@ -122,10 +122,23 @@ def differences(mine: dict[str, Any], theirs: dict[str, Any], me: str, peer: str
         if key == "model" and isinstance(a, dict) and isinstance(b, dict):
             out += [f"model.{d}" for d in differences(a, b, me, peer)]
         elif key != "fingerprint" and a != b:
-            out.append(f"{key}: {me} {a!r}, {peer} {b!r}")
+            out.append(f"{key}: {me} {a!r}, {peer} {b!r}{_hint(key, a, b)}")
     if not out and mine.get("fingerprint") != theirs.get("fingerprint"):
         out.append("layout fingerprint differs")
     return out
+
+
+def _hint(key: str, a: Any, b: Any) -> str:
+    """How to make two servers that differ only in the per-token path compute alike (on a
+    CPU one rank takes it by default, several ranks do not)."""
+    if key != "compute" or not all(isinstance(v, str) for v in (a, b)):
+        return ""
+    if a.rsplit("|", 1)[0] != b.rsplit("|", 1)[0]:
+        return ""
+    return (
+        " (start both with --disable-deterministic-inference, or both with "
+        "--enable-deterministic-inference where it runs)"
+    )
 
 
 def mismatch_message(diffs: list[str]) -> str:

@@ -30,6 +30,7 @@ def engine_info(
         "chunked_prefill_size": c.chunked_prefill_size,
         "kv_cache_dtype": c.kv_cache_dtype,
         "tp_size": c.tp,
+        "ep_size": c.parallel.ep,
         "pp_size": c.parallel.pp,
         # each stage's target layers (`--pp-layer-partition`, else the even split)
         "pp_layer_partition": [len(r) for r in c.parallel.stage_layers(engine.plan.num_layers)],

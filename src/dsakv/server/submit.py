@@ -25,6 +25,7 @@ from dsakv.engine.beam_search import (
     live_prompts,
     step_failed,
 )
+from dsakv.engine.engine import RankDied
 from dsakv.engine.grammar import GrammarError
 from dsakv.engine.sleep import EngineAsleep
 from dsakv.errors import DsakvError, PromptTooLong
@@ -733,9 +734,11 @@ def refusal(e: DsakvError | RuntimeError, param: str | None) -> APIError:
     `ready_grammar`: only if evicted since) or its fields a 400 (`param` where the error
     names none; a prompt too long carries its counts, `PromptTooLong`, and OpenAI's code,
     which clients read to trim or compact a conversation); asleep (sleep mode: it takes
-    requests again later) or stopped a 503."""
+    requests again later) or stopped a 503; another rank dead a 500, as a failed step's."""
     if isinstance(e, GrammarError):
         return APIError(400, str(e))
+    if isinstance(e, RankDied):  # (a PD decode request's KV shared with the other ranks)
+        return APIError(500, f"engine error: {e}", type="server_error")
     if isinstance(e, EngineAsleep) or not isinstance(e, DsakvError):
         return APIError(503, str(e), type="server_error")
     too_long = e if isinstance(e, PromptTooLong) else None
