@@ -15,6 +15,7 @@ import signal
 import subprocess
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 import torch
 
@@ -227,6 +228,8 @@ def test_serve_tp2_with_hisparse_equals_offline_and_reports_misses(tiny, generat
         assert got == want  # (tokens and logprobs: the same schedule, the same sums)
         m = scrape_metrics(server.url)
         assert m["dsakv_hisparse_misses_total"] > 0 and m["dsakv_hisparse_hot_buffers"] == 0
+        info = httpx.get(f"{server.url}/get_server_info", timeout=TIMEOUT).json()
+        assert info["enable_hisparse"] and info["hisparse_config"]["device_buffer_size"] == 32
     finally:
         _stop(server)
 

@@ -74,8 +74,8 @@ def _checks(n: int, params: SamplingParams) -> None:
     if params.prompt_logprobs is not None:
         raise APIError(
             400,
-            "scoring the prompt (echo with logprobs, or max_tokens 0) is not supported with "
-            "disaggregation",
+            "scoring the prompt (echo with logprobs, max_tokens 0, or SGLang's "
+            "logprob_start_len) is not supported with disaggregation",
         )
     if params.return_hidden_states:  # (routed experts cross: `_prompt_routed`)
         raise APIError(

@@ -29,6 +29,9 @@ def engine_info(
         "max_running_requests": c.max_running_requests,
         "chunked_prefill_size": c.chunked_prefill_size,
         "kv_cache_dtype": c.kv_cache_dtype,
+        # (SGLang's server args: a prompt must fit the device latent slots, not the context)
+        "enable_hisparse": c.enable_hisparse,
+        "hisparse_config": None if engine.hisparse is None else engine.hisparse.to_dict(),
         "tp_size": c.tp,
         "ep_size": c.parallel.ep,
         "pp_size": c.parallel.pp,
