@@ -169,15 +169,3 @@ def test_vllm_kv_transfer_params_carry_the_prefill_servers_tp_size(servers):
         assert r.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
         wait_idle(prefill)
     wait_idle(servers.decode)
-
-
-def test_a_dead_rank_while_the_kv_is_shared_is_a_server_error():
-    """A decode server's rank that died while rank 0 shared a request's KV is the engine's
-    fault: a 500 as a failed step's, not a 400 naming the prompt (`RankDied` is a
-    DsakvError, which the server answers 400 otherwise)."""
-    from dsakv.engine.engine import RankDied
-    from dsakv.server.submit import refusal
-
-    e = refusal(RankDied("rank 1 died (signal 9, SIGKILL); stopping every rank"), "prompt")
-    assert (e.status, e.type, e.param) == (500, "server_error", None)
-    assert e.message.startswith("engine error: rank 1 died")

@@ -10,9 +10,6 @@ torch path is not batch-invariant, so only runs of the same schedule are compare
 
 from __future__ import annotations
 
-import random
-import signal
-import subprocess
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -22,13 +19,11 @@ import torch
 from dsakv import LLM, SamplingParams
 from dsakv.errors import ConfigError
 from dsakv.memory import CacheLayout
-from dsakv.models.tiny import write_tiny_model
 
 from .conftest import assert_integrity_catches, cli_error_line, flat_logprobs
 from .serving import TIMEOUT, ServerProcess, scrape_metrics
+from .test_hisparse_engine import EXACT, HS, _prompts
 
-EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=8)
-HS = {"host_to_device_ratio": 8}  # top_k 16 (index_topk), buffer 32
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
 NUM_PAGES = 256  # both with and without HiSparse: every request runs at once
 PARALLEL = {
@@ -36,16 +31,6 @@ PARALLEL = {
     "tp2-ep2": dict(tp=2, ep=2),
     "dp-attention": dict(tp=2, dp_attention=True),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(write_tiny_model(tmp_path_factory.mktemp("glm-tiny"), preset="glm-tiny", seed=0))
-
-
-def _prompts(n: int, seed: int = 0, lo: int = 60, hi: int = 120) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 250) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 PROMPTS = _prompts(6)
@@ -64,7 +49,7 @@ def _outputs(outs) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.fixture(scope="module")
-def generated(tiny) -> Callable[[str, bool], dict]:
+def generated(glm_tiny) -> Callable[[str, bool], dict]:
     """`generated(parallel, hisparse)`: one LLM's outputs of PROMPTS in one batch (under
     tp2, of each of ALONE by itself after), its counters and, under DP attention, each
     rank's; each run once."""
@@ -73,7 +58,7 @@ def generated(tiny) -> Callable[[str, bool], dict]:
     def run(parallel: str, hisparse: bool) -> dict:
         if (parallel, hisparse) not in done:
             kw = dict(enable_hisparse=True, hisparse_config=HS) if hisparse else {}
-            with LLM(tiny, **EXACT, num_pages=NUM_PAGES, **PARALLEL[parallel], **kw) as llm:
+            with LLM(glm_tiny, **EXACT, num_pages=NUM_PAGES, **PARALLEL[parallel], **kw) as llm:
                 e = llm.engine
                 batch = _outputs(llm.generate(PROMPTS, GREEDY))
                 singles = ALONE if parallel == "tp2" else []  # (for the server's test)
@@ -126,11 +111,13 @@ def _move_a_buffer_entry(e):
 
 
 @pytest.fixture(scope="class")
-def small(tiny) -> Iterator[LLM]:
+def small(glm_tiny) -> Iterator[LLM]:
     """tp=2 over 96 device latent slots (12 pages) backing 192 logical tokens, for
     `TestSmallPool`, closed after it (one multi-rank engine a process)."""
     cfg = {"host_to_device_ratio": 2}
-    with LLM(tiny, **EXACT, tp=2, num_pages=12, enable_hisparse=True, hisparse_config=cfg) as llm:
+    with LLM(
+        glm_tiny, **EXACT, tp=2, num_pages=12, enable_hisparse=True, hisparse_config=cfg
+    ) as llm:
         yield llm
 
 
@@ -177,12 +164,12 @@ class TestSmallPool:
         assert_integrity_catches(e, corrupt, "rank 1's HiSparse replica differs from rank 0's")
 
 
-def test_host_latent_counts_every_rank_on_the_node(tiny, monkeypatch):
+def test_host_latent_counts_every_rank_on_the_node(glm_tiny, monkeypatch):
     """Each rank holds a host latent of its own: what fits one rank is refused for two, and
     the message says the ranks are counted."""
     import dsakv.memory.pool as pool
 
-    layout = CacheLayout.for_model(tiny, "fp32", "fp32", 8)
+    layout = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 8)
     need = 100 * 8 * layout.latent_bytes_per_token  # 100 logical pages
     monkeypatch.setattr(pool, "memory_bytes", lambda device: need * 3 // 2)
     from dsakv.engine.hisparse import check_host_latent
@@ -192,20 +179,20 @@ def test_host_latent_counts_every_rank_on_the_node(tiny, monkeypatch):
         check_host_latent(layout, 100, ranks=2)
 
 
-def test_a_host_latent_only_one_rank_fits_is_one_line_under_tp2(tiny, capsys):
+def test_a_host_latent_only_one_rank_fits_is_one_line_under_tp2(glm_tiny, capsys):
     """The engine counts its ranks on the node: with --tp 2 a host latent of 3/4 of the
     machine's memory per rank is one error line, before anything is allocated."""
     from dsakv.memory.pool import memory_bytes
 
-    per_page = 8 * CacheLayout.for_model(tiny, "fp32", "fp32", 8).latent_bytes_per_token
+    per_page = 8 * CacheLayout.for_model(glm_tiny, "fp32", "fp32", 8).latent_bytes_per_token
     ratio = 3 * memory_bytes(torch.device("cpu")) // 4 // per_page
     flags = ["--kv-cache-dtype", "fp32", "--page-size", "8", "--num-pages", "1", "--tp", "2"]
     flags += ["--enable-hisparse", "--hisparse-config", f'{{"host_to_device_ratio": {ratio}}}']
-    err = cli_error_line(["generate", tiny, "--prompt", "x", "--device", "cpu", *flags], capsys)
+    err = cli_error_line(["generate", glm_tiny, "--prompt", "x", "--device", "cpu", *flags], capsys)
     assert "of HiSparse host latent (2 ranks' on this node) on the host" in err, err
 
 
-def test_serve_tp2_with_hisparse_equals_offline_and_reports_misses(tiny, generated, tmp_path):
+def test_serve_tp2_with_hisparse_equals_offline_and_reports_misses(glm_tiny, generated, tmp_path):
     """`dsakv serve --tp 2 --enable-hisparse`: completions past the buffer give the tokens
     of `LLM(tp=2)` with the same flags (each request alone, as the offline one ran), and
     /metrics counts the hot-buffer misses."""
@@ -215,7 +202,7 @@ def test_serve_tp2_with_hisparse_equals_offline_and_reports_misses(tiny, generat
     flags = ["--tp", "2", "--enable-hisparse", "--hisparse-config", '{"host_to_device_ratio": 8}']
     flags += ["--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32", "--page-size", "8"]
     flags += ["--num-pages", str(NUM_PAGES), "--device", "cpu"]
-    server = ServerProcess(tmp_path, "tp2", tiny, *flags)
+    server = ServerProcess(tmp_path, "tp2", glm_tiny, *flags)
     try:
         server.wait_healthy(120)  # (two ranks start slower than TIMEOUT allows)
         client = OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=TIMEOUT, max_retries=0)
@@ -231,17 +218,7 @@ def test_serve_tp2_with_hisparse_equals_offline_and_reports_misses(tiny, generat
         info = httpx.get(f"{server.url}/get_server_info", timeout=TIMEOUT).json()
         assert info["enable_hisparse"] and info["hisparse_config"]["device_buffer_size"] == 32
     finally:
-        _stop(server)
-
-
-def _stop(server: ServerProcess) -> None:
-    """SIGTERM, so the server stops its rank 1 too; SIGKILL if it hangs."""
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(TIMEOUT)
-        except subprocess.TimeoutExpired:
-            server.stop()
+        server.stop()  # (its rank 1 dies with it: parent-death signal)
 
 
 @pytest.mark.parametrize(
@@ -252,9 +229,9 @@ def _stop(server: ServerProcess) -> None:
     ],
     ids=["pp", "mtp"],
 )
-def test_what_hisparse_still_refuses_across_ranks_is_one_line(tiny, flags, refused, capsys):
+def test_what_hisparse_still_refuses_across_ranks_is_one_line(glm_tiny, flags, refused, capsys):
     """--tp itself is not refused any more: the line names only what is."""
-    argv = ["generate", tiny, "--prompt", "x", "--device", "cpu", "--enable-hisparse", *flags]
+    argv = ["generate", glm_tiny, "--prompt", "x", "--device", "cpu", "--enable-hisparse", *flags]
     err = cli_error_line(argv, capsys)
     assert err.startswith(f"error: --enable-hisparse does not run with {refused}"), err
     assert "rank" not in err, err

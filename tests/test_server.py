@@ -1418,3 +1418,15 @@ def test_usage_reports_cached_prompt_tokens(base):
 def _flat(out) -> list[float]:
     """The first choice's sampled-token logprobs of an offline output."""
     return flat_logprobs(out.outputs[0].logprobs, out.token_ids)
+
+
+def test_refusal_answers_a_dead_rank_as_a_server_error():
+    """A decode server's rank that died while rank 0 shared a request's KV is the engine's
+    fault: a 500 as a failed step's, not a 400 naming the prompt (`RankDied` is a
+    DsakvError, which the server answers 400 otherwise)."""
+    from dsakv.engine.engine import RankDied
+    from dsakv.server.submit import refusal
+
+    e = refusal(RankDied("rank 1 died (signal 9, SIGKILL); stopping every rank"), "prompt")
+    assert (e.status, e.type, e.param) == (500, "server_error", None)
+    assert e.message.startswith("engine error: rank 1 died")

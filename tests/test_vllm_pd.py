@@ -404,13 +404,6 @@ _TAKE = {
             "tp_size must be an integer >= 1",
         ),
         (
-            "decode",
-            "/v1/completions",
-            {"kv_transfer_params": {**_TAKE, "tp_size": 2}},
-            None,
-            "tp_size 2 is not the prefill server's (1)",
-        ),
-        (
             "prefill",
             "/v1/completions",
             {"kv_transfer_params": {**_TAKE, "do_remote_decode": True}},

@@ -329,11 +329,13 @@ def _hisparse_table(dense: Any, elided: Any, dp_attention: bool = False) -> str:
         ("device tokens", dense.device_tokens, elided.device_tokens, True),
         ("logical tokens", dense.logical_tokens, elided.logical_tokens, True),
         (host, dense.host_bytes / GIB, elided.host_bytes / GIB, False),
-        *[("host memory/node (GiB)", dense.host_bytes_per_node / GIB,
-           elided.host_bytes_per_node / GIB, False)] * (ranks > 1),  # (one rank: the same)
         ("concurrent hot buffers", dense.concurrent_hot_buffers,
          elided.concurrent_hot_buffers, True),
     ]  # fmt: skip
+    if ranks > 1:  # (one rank: the node's is the rank's)
+        node = ("host memory/node (GiB)", dense.host_bytes_per_node / GIB,
+                elided.host_bytes_per_node / GIB, False)  # fmt: skip
+        rows.insert([r[0] for r in rows].index(host) + 1, node)
     lines = [
         "",
         f"HiSparse: top_k {h.top_k:,}, device buffer {h.device_buffer_size:,} "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ import torch.distributed as dist
 from dsakv.config.layer_plan import parse_layer_partition
 from dsakv.errors import DsakvError, is_int
 from dsakv.procs import split_address
+
+ROWS_CHUNK_BYTES = 64 << 20  # the most one broadcast of `broadcast_rows` carries
 
 DEFAULT_TIMEOUT_S = 120.0
 # What a point-to-point message between ranks holds: each tensor's (shape, dtype), in order
@@ -363,19 +366,35 @@ class ParallelState:
             dist.recv(x, last)
         return x
 
-    def broadcast(self, x: torch.Tensor, host: bool = False) -> torch.Tensor:
-        """The stage's first rank's `x` on every rank of its stage, in place (the others pass
-        a tensor of its shape and dtype): bytes only that rank holds, over the model's group
-        (NCCL on CUDA), or with `host` a CPU tensor over gloo (one stage only: the control
-        group is every rank's)."""
+    def broadcast_rows(
+        self,
+        n: int,
+        width: int,
+        read: Callable[[slice], torch.Tensor],
+        write: Callable[[slice, torch.Tensor], Any],
+        device: torch.device,
+        control: bool = False,
+    ) -> None:
+        """Rows [0, n) of `width` bytes that only the stage's first rank holds (`read(rows)`,
+        uint8 `[len, width]`) into every other rank of the stage (`write(rows, data)`), at
+        most `ROWS_CHUNK_BYTES` a broadcast: over the model's group (NCCL on CUDA, tensors on
+        `device`), or with `control` CPU tensors over gloo (one stage only: the control group
+        is every rank's)."""
         if self.tp_size == 1:
-            return x
-        if host:
+            return
+        group, src = self.group, self.rank - self.tp_rank
+        if control:
             assert self.pp_size == 1, "the control group spans every stage"
-            dist.broadcast(x, src=0, group=self.cpu_group)
-        else:
-            dist.broadcast(x, src=self.rank - self.tp_rank, group=self.group)
-        return x
+            group, src, device = self.cpu_group, 0, torch.device("cpu")
+        step = max(1, ROWS_CHUNK_BYTES // width)
+        for lo in range(0, n, step):
+            rows = slice(lo, min(n, lo + step))
+            if self.rank == src:
+                dist.broadcast(read(rows).contiguous(), src=src, group=group)
+                continue
+            data = torch.empty((rows.stop - lo, width), dtype=torch.uint8, device=device)
+            dist.broadcast(data, src=src, group=group)
+            write(rows, data)
 
     # --- control plane (rank 0 → everyone, pickled, over gloo) ----------------------------
 

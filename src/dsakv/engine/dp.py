@@ -376,7 +376,7 @@ class DPEngine:
     def check_integrity(self) -> None:
         """Every rank checks its own pool, prefix cache and hot buffers (each schedules its
         own requests); any rank's failure, named by rank."""
-        outcome = self._on_every_rank("integrity_here")
+        outcome = self._on_every_rank("gathered_integrity")
         if isinstance(outcome, str):
             raise AssertionError(outcome)
 

@@ -110,7 +110,7 @@ _EVERY_RANK = frozenset(
     + WEIGHT_CALLS
     + PROFILE_CALLS
     + EXPERT_DISTRIBUTION_CALLS
-    + ("read_lora_on_rank", "drop_lora_on_rank", "hisparse_replicas", "integrity_here")
+    + ("read_lora_on_rank", "drop_lora_on_rank", "hisparse_replicas", "gathered_integrity")
 )
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
@@ -1136,10 +1136,9 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         n = len(req.prompt_ids)
         # (with MTP, the draft layer's KV came too; the last position's is caught up here)
         req.num_computed = n if first_token is not None else n - 1
-        if self.parallel.world_size > 1:  # it came to rank 0's pool (and host latent rows)
-            latent = None if self.hot is None else self.scheduler.slots(req, n)
-            with self.rank_failures():
-                self.runner.share_kv(req.pages, latent)
+        latent = None if self.hot is None else self.scheduler.slots(req, n)
+        with self.rank_failures():  # (it came to rank 0's pool, and host latent rows)
+            self.runner.share_kv(req.pages, latent)
         self.requests[req.rid] = req
         self.stats.prompt_tokens += n
         self.scheduler.adopt(req)
@@ -1704,12 +1703,12 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                         f"{host_used} host pages used, cache holds {self.cache.num_host_pages}"
                     )
 
-    def integrity_here(self) -> list[None] | str:
+    def gathered_integrity(self) -> list[None] | str:
         """This rank's `check_integrity`, every rank's outcome gathered (`gather_outcome`):
         under DP attention each rank checks the requests it schedules (under TP rank 0's
         check asks the others itself)."""
         if not self.parallel.config.dp_attention:
-            raise DsakvError("integrity_here is DP attention's every-rank check")
+            raise DsakvError("gathered_integrity is DP attention's every-rank check")
         why = None
         try:
             self.check_integrity()

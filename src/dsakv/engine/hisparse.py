@@ -35,11 +35,11 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan
-from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import ConfigError
 from dsakv.kernels.hisparse_ops import bind_newest, init_buffers
 from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
@@ -47,8 +47,6 @@ from dsakv.memory.layout import CacheLayout
 from dsakv.memory.pool import DSAKVPool, allocation_failed, check_fits, pinned_empty
 
 from .request import Request
-
-SHARE_CHUNK_BYTES = 64 << 20  # one broadcast of a PD request's KV to the other TP ranks
 
 
 def check_host_latent(layout: CacheLayout, num_pages: int, ranks: int = 1) -> str:
@@ -69,6 +67,22 @@ class HotStats:
     rows_to_device: int = 0  # host -> device latent rows of prefix hits (misses: on device)
     rows_to_host: int = 0  # device -> host latent rows (every computed token, every layer)
     resolves: int = 0  # (full layer, step) resolutions
+
+
+class Take(NamedTuple):
+    """A request takes `pages` device latent pages; its prefix hit's latent (logical
+    `hit_slots`) comes in from the host; `on_host`: its prompt's latent arrives there (PD)."""
+
+    rid: int
+    pages: int
+    hit_slots: torch.Tensor | None
+    on_host: bool = False
+
+
+class Free(NamedTuple):
+    """A request gives its device latent pages and hot-buffer state back."""
+
+    rid: int
 
 
 @dataclass
@@ -149,10 +163,9 @@ class HotBuffers:
         self.stats = HotStats()
         # hits, misses, rows copied for misses: summed on the device, read by `counters`
         self._counts = torch.zeros(3, dtype=torch.int64, device=device)
-        # Rank 0's admissions and releases, for the other TP ranks' replicas (None: one
-        # rank, or a rank that replays): ("take", rid, pages, hit slots, latent on host)
-        # and ("free", rid).
-        self.journal: list[tuple] | None = None
+        # Rank 0's admissions and releases (`Take`, `Free`), for the other TP ranks'
+        # replicas (None: one rank, or a rank that replays)
+        self.journal: list[Take | Free] | None = None
 
     # --- sizes -----------------------------------------------------------------------------
 
@@ -231,51 +244,50 @@ class HotBuffers:
     def admit(self, req: Request, hit_slots: torch.Tensor) -> None:
         """Take the request's latent pages; bring the latent of its prefix hit (the logical
         slots `hit_slots` of positions 0..hit-1) from the host."""
-        self._do(("take", req.rid, self._pages_for(req), hit_slots.cpu(), False))
+        self._do(Take(req.rid, self._pages_for(req), hit_slots.cpu()))
 
     def admit_detached(self, req: Request) -> None:
         """A PD decode request: buffer pages only; the prefill server writes its latent into
         host memory and the first decode step loads the buffer from there."""
-        self._do(("take", req.rid, self.buffer_pages, None, True))
+        self._do(Take(req.rid, self.buffer_pages, None, on_host=True))
 
     def free(self, req: Request) -> None:
         """Give back a finished, aborted or retracted request's latent slots and LRU state."""
         if req.rid in self._reqs:
-            self._do(("free", req.rid))
+            self._do(Free(req.rid))
 
-    def take_journal(self) -> list[tuple]:
+    def take_journal(self) -> list[Take | Free]:
         """The admissions and releases since the last call (rank 0 sends them on)."""
         ops, self.journal = self.journal or [], []
         return ops
 
-    def replay(self, ops: list[tuple]) -> None:
+    def replay(self, ops: list[Take | Free]) -> None:
         """Repeat rank 0's admissions and releases on this rank's replica, in order."""
         for op in ops:
             self._apply(op)
 
-    def _do(self, op: tuple) -> None:
+    def _do(self, op: Take | Free) -> None:
+        """Apply `op`, then journal it: one that failed (no pages left) never ran here."""
+        self._apply(op)
         if self.journal is not None:
             self.journal.append(op)
-        self._apply(op)
 
-    def _apply(self, op: tuple) -> None:
-        if op[0] == "free":
-            self._free(op[1])
+    def _apply(self, op: Take | Free) -> None:
+        if isinstance(op, Free):
+            self._free(op.rid)
             return
-        _, rid, pages, hit_slots, on_host = op
-        if rid in self._reqs:
-            raise RuntimeError(f"request {rid} already holds device latent slots")
-        hot = self._reqs[rid] = _Hot(self.allocator.alloc(pages), on_host=on_host)
-        n = 0 if hit_slots is None else hit_slots.numel()
+        if op.rid in self._reqs:
+            raise RuntimeError(f"request {op.rid} already holds device latent slots")
+        hot = self._reqs[op.rid] = _Hot(self.allocator.alloc(op.pages), on_host=op.on_host)
+        n = 0 if op.hit_slots is None else op.hit_slots.numel()
         if n:
             dst = page_slots(hot.pages, self.page_size)[:n].to(self.device)
-            self.backend.hot_copy(self.host, self.device_rows, hit_slots.to(self.device), dst)
+            src = op.hit_slots.to(self.device)
+            self.backend.hot_copy(self.host, self.device_rows, src, dst)
             self.stats.rows_to_device += n * len(self.host)
 
     def _free(self, rid: int) -> None:
-        hot = self._reqs.pop(rid, None)
-        if hot is None:
-            return
+        hot = self._reqs.pop(rid)
         self.allocator.free(hot.pages)
         if hot.row >= 0:
             self.buf_pos[:, hot.row] = -1
@@ -296,20 +308,6 @@ class HotBuffers:
             raise AssertionError("hot-buffer state rows leaked")
         if idle and self._reqs:
             raise AssertionError(f"idle engine still holds hot buffers for {sorted(self._reqs)}")
-
-    def share_host_rows(self, slots: torch.Tensor, parallel: ParallelState) -> None:
-        """Rank 0's host latent rows at logical `slots` (a PD request's prompt, which the
-        prefill server wrote into rank 0's host memory), every layer, into every rank's
-        replica: host memory to host memory over the control group, a bounded chunk at a
-        time."""
-        step = max(1, SHARE_CHUNK_BYTES // self.row_bytes)
-        for host in self.host:
-            for part in slots.split(step):
-                if parallel.is_driver:
-                    parallel.broadcast(host.index_select(0, part), host=True)
-                else:
-                    rows = torch.empty((part.numel(), self.row_bytes), dtype=torch.uint8)
-                    host.index_copy_(0, part, parallel.broadcast(rows, host=True))
 
     def replica_state(self) -> dict[str, object]:
         """What every TP rank's replica must agree on (`Engine.check_integrity` compares

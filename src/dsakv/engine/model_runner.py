@@ -36,7 +36,7 @@ from dsakv.memory.pool import DSAKVPool
 from dsakv.models.forward_batch import ForwardBatch, padded_slots
 
 from .cuda_graph import DecodeGraphs
-from .hisparse import SHARE_CHUNK_BYTES, HotBuffers, HotStep
+from .hisparse import HotBuffers, HotStep
 
 TARGET, DRAFT = "target", "draft"
 
@@ -54,14 +54,16 @@ class ModelRunner:
         hot_buffers: HotBuffers | None = None,
     ) -> None:
         self.model, self.pool, self.host, self.hot = model, pool, host, hot_buffers
+        # The tiers whose changes rank 0 journals and the other ranks replay, in this order
+        # (the same on every rank: one config)
+        self.journaled = [t for t in (host, hot_buffers) if t is not None]
         self.parallel, self.device = parallel, device
         self.decode_graphs = decode_graphs  # padded (CUDA-graph) decode steps
         self.on_every_rank = on_every_rank  # this rank's part (`Engine.every_rank_call`)
         follows_rank0 = parallel.world_size > 1 and not parallel.config.dp_attention
         if follows_rank0 and parallel.is_driver:
-            for tier in (host, hot_buffers):
-                if tier is not None:
-                    tier.journal = []
+            for tier in self.journaled:
+                tier.journal = []
         self.leader = Leader(parallel) if follows_rank0 and parallel.is_driver else None
         self.last: dict[str, torch.Tensor] = {}  # the latest output of each model part
 
@@ -162,18 +164,25 @@ class ModelRunner:
             self._share_kv(list(pages), latent_slots)
 
     def _share_kv(self, pages: list[int], latent_slots: torch.Tensor | None) -> None:
-        """`share_kv`'s bytes, sent on rank 0 and received on the others, a bounded chunk
-        of pages at a time (the shapes come from the pool and the message)."""
+        """`share_kv`'s bytes, sent on rank 0 and received on the others (the shapes come
+        from the pool, the host latent and the message)."""
         hot = self.hot is not None  # (a HiSparse pool's latent is in the host rows)
-        width = self.pool.page_bytes(index_k_only=hot)
-        for part in _chunks(pages, max(1, SHARE_CHUNK_BYTES // width)):
-            if self.leader is not None:
-                self.parallel.broadcast(self.pool.read_pages(part, True, index_k_only=hot))
-            else:
-                data = torch.empty((len(part), width), dtype=torch.uint8, device=self.device)
-                self.pool.write_pages(part, self.parallel.broadcast(data), index_k_only=hot)
-        if latent_slots is not None:
-            self.hot.share_host_rows(latent_slots, self.parallel)
+        self.parallel.broadcast_rows(
+            len(pages),
+            self.pool.page_bytes(index_k_only=hot),
+            lambda r: self.pool.read_pages(pages[r], on_device=True, index_k_only=hot),
+            lambda r, data: self.pool.write_pages(pages[r], data, index_k_only=hot),
+            self.device,
+        )
+        for host in self.hot.host if latent_slots is not None else ():  # (host to host)
+            self.parallel.broadcast_rows(
+                latent_slots.numel(),
+                host.shape[1],
+                lambda r, h=host: h.index_select(0, latent_slots[r]),
+                lambda r, data, h=host: h.index_copy_(0, latent_slots[r], data),
+                self.device,
+                control=True,
+            )
 
     def every_rank(self, method: str, *args: Any) -> Any:
         """Have every rank run `on_every_rank(method, *args)` now, between steps (the other
@@ -198,11 +207,12 @@ class ModelRunner:
                 return
             if msg == NOOP:  # (the leader's heartbeat: it said nothing for a while)
                 continue
-            kind, host_ops, hot_ops, *args = msg
-            if host_ops:  # rank 0's host copies since its last message, made before it
-                self.host.replay(host_ops)
-            if hot_ops:  # ... and its HiSparse admissions and releases
-                self.hot.replay(hot_ops)
+            kind, journals, *args = msg
+            # rank 0's host copies and HiSparse admissions since its last message, made
+            # before it
+            for tier, ops in zip(self.journaled, journals, strict=True):
+                if ops:
+                    tier.replay(ops)
             if kind == "forward":
                 tokens, slots, rows, lora, entries = args
                 slots = [s.long() for s in slots]
@@ -232,9 +242,7 @@ class ModelRunner:
             return
 
         def send(kind: str, *args: Any) -> None:
-            host_ops = self.host.take_journal() if self.host is not None else []
-            hot_ops = self.hot.take_journal() if self.hot is not None else []
-            self.leader.send((kind, host_ops, hot_ops, *args))
+            self.leader.send((kind, [t.take_journal() for t in self.journaled], *args))
 
         with self.leader.lock:
             yield send
@@ -287,10 +295,6 @@ class ModelRunner:
         one stage)."""
         shape = (n, self.model.config.vocab_size)
         return self.parallel.to_driver(logits, shape, self.device)
-
-
-def _chunks(items: list[int], size: int) -> list[list[int]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def _pack(new_tokens: Sequence[Sequence[int]]) -> list[list[int]]:

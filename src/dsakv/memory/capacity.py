@@ -641,8 +641,6 @@ def plan_hisparse(
     `tp`, `ep` and `dp_attention` price the weights per rank); `ranks_per_node` the ranks
     whose host latents share a node's memory.
     """
-    if not is_int(ranks_per_node) or ranks_per_node < 1:
-        raise ConfigError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
     budget_bytes, weight_bytes = kv_budget_bytes(layout, **budget)
     empty = HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, 0, ranks_per_node)
     cell = empty.device_bytes_per_device_token
