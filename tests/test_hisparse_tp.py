@@ -235,3 +235,19 @@ def test_what_hisparse_still_refuses_across_ranks_is_one_line(glm_tiny, flags, r
     err = cli_error_line(argv, capsys)
     assert err.startswith(f"error: --enable-hisparse does not run with {refused}"), err
     assert "rank" not in err, err
+
+
+def test_an_admission_that_found_no_pages_is_not_journaled(glm_tiny):
+    """Rank 0 journals an admission only once it ran: one its device latent pool could not
+    hold (the scheduler catches `OutOfPages` and waits) is not replayed on the other ranks,
+    whose replicas would take pages rank 0 never took."""
+    from dsakv.engine import Engine, EngineConfig, Request
+    from dsakv.memory.allocator import OutOfPages
+
+    e = Engine(EngineConfig(model=glm_tiny, **EXACT, num_pages=16, enable_hisparse=True,
+                            hisparse_config=HS))  # fmt: skip
+    e.hot.journal = []  # (as rank 0's under --tp)
+    e.hot.allocator.alloc(e.hot.allocator.num_free_pages)
+    with pytest.raises(OutOfPages):
+        e.hot.admit(Request(list(range(1, 40)), GREEDY), torch.empty(0, dtype=torch.long))
+    assert e.hot.journal == []
