@@ -174,7 +174,9 @@ class ModelRunner:
             lambda r, data: self.pool.write_pages(pages[r], data, index_k_only=hot),
             self.device,
         )
-        for host in self.hot.host if latent_slots is not None else ():  # (host to host)
+        if latent_slots is None:
+            return
+        for host in self.hot.host:  # (each layer's, host memory to host memory)
             self.parallel.broadcast_rows(
                 latent_slots.numel(),
                 host.shape[1],
