@@ -141,6 +141,7 @@ def test_sparse_config_agreement(models, reference):
         (["--tp", "2", "--ep", "3"], "larger than --tp"),
         (["--tp", "2", "--dist-init-addr", "127.0.0.1:99999"], "port 1..65535"),  # (traceback)
         (["--tp", "2", "--dist-init-addr", "127.0.0.1:0"], "port 1..65535"),  # (hung)
+        (["--tp", "2", "--nnodes", "2"], "--nnodes > 1 needs --dist-init-addr HOST:PORT"),
         # Found by every rank after spawning: rank 1 printed it too, and the watchdog a line.
         (["--tp", "2", "--kv-budget-gib", "0.000001"], "the KV budget holds less than one page"),
     ],

@@ -320,10 +320,19 @@ def _row(lines, name):
     return next(x for x in lines if x.startswith(name))[len(name) :].split()[:2]
 
 
-@pytest.mark.parametrize("flags", [["--tp", "8"], ["--tp", "8", "--dp-attention"]])
-def test_host_memory_per_node_counts_every_rank(flags, capsys):
-    """Every rank holds a host latent of its own (a replica under TP): the plan gave one
-    rank's host memory alone, an eighth of what a node of 8 ranks needs."""
+@pytest.mark.parametrize(
+    ("flags", "latents"),
+    [
+        (["--tp", "8"], 1),
+        (["--tp", "8", "--dp-attention"], 8),
+        (["--tp", "8", "--dp-attention", "--nnodes", "2"], 4),
+        (["--tp", "8", "--nnodes", "2"], 1),
+    ],
+)
+def test_host_memory_per_node_counts_the_host_latents_it_holds(flags, latents, capsys):
+    """Under TP a node's ranks map one host latent (every rank's is a replica); under DP
+    attention each rank on the node holds its own requests'. The table gives one rank's
+    host memory and the node's."""
     lines, r = _plan(capsys, *flags)
     assert any(x.startswith("per rank (8 ranks") for x in lines)
     per_rank, per_node = (
@@ -332,14 +341,20 @@ def test_host_memory_per_node_counts_every_rank(flags, capsys):
     )
     for cells_rank, cells_node, key in zip(per_rank, per_node, ("dense", "elided"), strict=True):
         split = r["hisparse"][key]
-        assert split["ranks_per_node"] == 8
-        assert split["host_bytes_per_node"] == 8 * split["host_bytes"]
+        assert split["host_latents_per_node"] == latents
+        assert split["host_bytes_per_node"] == latents * split["host_bytes"]
         assert cells_rank == f"{split['host_bytes'] / 2**30:,.3f}"
         assert cells_node == f"{split['host_bytes_per_node'] / 2**30:,.3f}"
     # One rank: a node's is the rank's, and the table has no row for it.
     lines, r = _plan(capsys)
     assert not any(x.startswith(("host memory/", "per rank")) for x in lines)
     assert r["hisparse"]["elided"]["host_bytes_per_node"] == r["hisparse"]["elided"]["host_bytes"]
+
+
+def test_nnodes_must_divide_the_ranks(capsys):
+    assert main(["plan", "glm-5.2", "--enable-hisparse", "--tp", "8", "--nnodes", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: 8 ranks (--tp 8) are not divisible by --nnodes 3"), err
 
 
 def test_device_budget_is_the_ranks_own(capsys):
@@ -357,9 +372,9 @@ def test_device_budget_is_the_ranks_own(capsys):
     assert tokens["--tp 8 --ep 8"] > tokens[""]  # (whole experts a rank: weights shrink too)
 
 
-def test_host_per_node_is_each_ranks_times_the_ranks():
+def test_host_per_node_is_each_latents_times_the_latents():
     h = HiSparseConfig.parse(None, GLM52)
-    split = plan_hisparse(_layout(), h, ranks_per_node=4, kv_budget_gib=10)
+    split = plan_hisparse(_layout(), h, host_latents_per_node=4, kv_budget_gib=10)
     assert (
         split.host_bytes_per_node
         == 4 * split.host_bytes

@@ -10,6 +10,9 @@ torch path is not batch-invariant, so only runs of the same schedule are compare
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
+import os
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -40,6 +43,19 @@ ALONE = _prompts(2, seed=1)  # (not in PROMPTS: no prefix hit changes their sche
 ALONE.append(ALONE[0][:48] + _prompts(1, seed=2, lo=30, hi=30)[0])
 
 
+def _host_latent_maps() -> dict[int, set[str]]:
+    """Each rank process's (this one's and its spawned ranks') mappings of the node-shared
+    host latent, by the memory file's inode (`/proc/<pid>/maps`)."""
+    gc.collect()  # (an engine closed before: its mapping goes with it)
+    pids = [os.getpid()] + [p.pid for p in multiprocessing.active_children()]
+    maps = {}
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = [ln.split() for ln in f if "memfd:dsakv-hisparse-host-latent" in ln]
+        maps[pid] = {ln[4] for ln in lines}  # (address, perms, offset, dev, inode, path)
+    return maps
+
+
 def _outputs(outs) -> list[tuple[list[int], list[float]]]:
     """Each prompt's greedy tokens and their logprobs."""
     return [
@@ -66,7 +82,11 @@ def generated(glm_tiny) -> Callable[[str, bool], dict]:
                 e.check_integrity()
                 ranks = e.rank_counters() if "dp_attention" in PARALLEL[parallel] else None
                 done[parallel, hisparse] = dict(
-                    batch=batch, alone=alone, counters=e.counters(), ranks=ranks
+                    batch=batch,
+                    alone=alone,
+                    counters=e.counters(),
+                    ranks=ranks,
+                    maps=_host_latent_maps(),
                 )
         return done[parallel, hisparse]
 
@@ -88,6 +108,21 @@ def test_greedy_tokens_and_logprobs_equal_without_hisparse(generated, parallel):
         assert [r["hisparse_misses"] > 0 for r in on["ranks"]] == [True, True]
         assert sum(r["hisparse_misses"] for r in on["ranks"]) == c["hisparse_misses"]
         assert c["hisparse_host_tokens_total"] == 2 * NUM_PAGES * 8 * HS["host_to_device_ratio"]
+
+
+@pytest.mark.parametrize("parallel", list(PARALLEL))
+def test_a_nodes_tp_ranks_map_one_host_latent(generated, parallel):
+    """Under TP every rank's host latent is a replica, so the node's two ranks map one
+    memory file (rank 1 writes none of it: the tokens above equal only if it reads rank 0's
+    rows); under DP attention each rank holds its own requests', privately."""
+    maps = generated(parallel, True)["maps"]
+    assert len(maps) == 2, maps  # (this process, rank 0, and rank 1)
+    inodes = list(maps.values())
+    if parallel == "dp-attention":
+        assert inodes == [set(), set()]
+    else:
+        assert len(inodes[0]) == 1 and inodes[0] == inodes[1], maps
+    assert [*generated(parallel, False)["maps"].values()] == [set(), set()]
 
 
 def _bump_clock(e):
@@ -164,9 +199,9 @@ class TestSmallPool:
         assert_integrity_catches(e, corrupt, "rank 1's HiSparse replica differs from rank 0's")
 
 
-def test_host_latent_counts_every_rank_on_the_node(glm_tiny, monkeypatch):
-    """Each rank holds a host latent of its own: what fits one rank is refused for two, and
-    the message says the ranks are counted."""
+def test_host_latent_counts_the_nodes_host_latents(glm_tiny, monkeypatch):
+    """Under DP attention each rank holds a host latent of its own: what fits once is
+    refused twice, and the message says the ranks are counted."""
     import dsakv.memory.pool as pool
 
     layout = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 8)
@@ -179,17 +214,24 @@ def test_host_latent_counts_every_rank_on_the_node(glm_tiny, monkeypatch):
         check_host_latent(layout, 100, ranks=2)
 
 
-def test_a_host_latent_only_one_rank_fits_is_one_line_under_tp2(glm_tiny, capsys):
-    """The engine counts its ranks on the node: with --tp 2 a host latent of 3/4 of the
-    machine's memory per rank is one error line, before anything is allocated."""
+@pytest.mark.parametrize("dp_attention", [False, True])
+def test_a_host_latent_of_3_4_of_memory_fits_a_tp2_node_once(glm_tiny, capsys, dp_attention):
+    """The engine counts the host latents on the node before anything is allocated: under
+    --tp 2 the ranks map one, so a host latent of 3/4 of the machine's memory passes (the
+    error is the next check's, a pool too small for a buffer); under --dp-attention each
+    rank holds its own, and the same is one error line about the host."""
     from dsakv.memory.pool import memory_bytes
 
     per_page = 8 * CacheLayout.for_model(glm_tiny, "fp32", "fp32", 8).latent_bytes_per_token
     ratio = 3 * memory_bytes(torch.device("cpu")) // 4 // per_page
     flags = ["--kv-cache-dtype", "fp32", "--page-size", "8", "--num-pages", "1", "--tp", "2"]
     flags += ["--enable-hisparse", "--hisparse-config", f'{{"host_to_device_ratio": {ratio}}}']
+    flags += ["--dp-attention"] * dp_attention
     err = cli_error_line(["generate", glm_tiny, "--prompt", "x", "--device", "cpu", *flags], capsys)
-    assert "of HiSparse host latent (2 ranks' on this node) on the host" in err, err
+    if dp_attention:
+        assert "of HiSparse host latent (2 ranks' on this node) on the host" in err, err
+    else:
+        assert "holds less than one hot buffer" in err, err
 
 
 def test_serve_tp2_with_hisparse_equals_offline_and_reports_misses(glm_tiny, generated, tmp_path):

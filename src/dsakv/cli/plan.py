@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsakv.config.layer_plan import plan_overrides
 from dsakv.errors import DsakvError
@@ -26,6 +26,9 @@ from .args import (
     positive_float,
     positive_int,
 )
+
+if TYPE_CHECKING:
+    from dsakv.distributed import ParallelConfig
 
 GIB = 1 << 30  # (memory.capacity's, not imported here: dsakv.memory loads torch)
 
@@ -49,7 +52,7 @@ def _check_indexers(model: str, plan: Any) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.config import LayerPlan, ModelConfig
-    from dsakv.config.hisparse import check_runs_with
+    from dsakv.config.hisparse import check_runs_with, host_latents_per_node
     from dsakv.distributed import ParallelConfig
     from dsakv.errors import ConfigError
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_pipeline
@@ -88,6 +91,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         pp=args.pp,
         pp_layer_partition=args.pp_layer_partition,
         dp_attention=args.dp_attention,
+        nnodes=args.nnodes,
     )
     parallel.check_model(config)
     stages = parallel.stage_layers(plan.num_layers)  # (refuses a partition that does not fit)
@@ -169,9 +173,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if hisparse is not None:
         from dsakv.memory import plan_hisparse
 
-        # Per rank, as the pool's figures are; each rank on a node holds a host latent of
-        # its own (plan takes no --nnodes: every rank counts as on one node).
-        per_node = dict(ranks_per_node=parallel.ranks_per_node, **budget)
+        # Per rank, as the pool's figures are, and the host latents a node holds
+        per_node = dict(host_latents_per_node=host_latents_per_node(parallel), **budget)
         splits = (
             plan_hisparse(pipe_d.limiting.layout, hisparse, **per_node),
             plan_hisparse(pipe_e.limiting.layout, hisparse, **per_node),
@@ -196,7 +199,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         weights_d, weights_e = pipe_d.limiting.weight_bytes, pipe_e.limiting.weight_bytes
         print(_plan_table(report, elided, dense, pipe_e, pipe_d, (weights_d, weights_e)))
         if splits is not None:
-            print(_hisparse_table(*splits, dp_attention=args.dp_attention))
+            print(_hisparse_table(*splits, parallel))
     return 0
 
 
@@ -304,21 +307,23 @@ def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
     return HiSparseConfig.parse(args.hisparse_config, config)
 
 
-def _hisparse_ranks(ranks: int, dp_attention: bool) -> list[str]:
+def _hisparse_ranks(parallel: ParallelConfig) -> list[str]:
     """The HiSparse table's line saying its figures are one rank's (none on one rank)."""
+    ranks, nodes = parallel.world_size, parallel.nnodes
     if ranks == 1:
         return []
-    hot = "hot buffers for its own requests" if dp_attention else "a replica of the hot buffers"
-    return [
-        f"per rank ({ranks} ranks, each with {hot} and a host latent of its own); "
-        f"host memory/node: all {ranks} on one node (plan has no --nnodes)"
-    ]
+    on = f"{ranks} ranks" + (f" on {nodes} nodes" if nodes > 1 else "")
+    if parallel.dp_attention:
+        each = "hot buffers and a host latent for its own requests"
+    else:
+        each = "a replica of the hot buffers; a node's ranks map one host latent"
+    return [f"per rank ({on}, each with {each})"]
 
 
-def _hisparse_table(dense: Any, elided: Any, dp_attention: bool = False) -> str:
+def _hisparse_table(dense: Any, elided: Any, parallel: ParallelConfig) -> str:
     """The HiSparse split, dense and elided side by side (DESIGN.md §13): one rank's, and
     with more than one rank the host memory of a node's ranks."""
-    h, ranks = elided.hisparse, elided.ranks_per_node
+    h, ranks = elided.hisparse, parallel.world_size
     host = "host memory (GiB)" if ranks == 1 else "host memory/rank (GiB)"
     rows: list[tuple[str, Any, Any, bool]] = [
         ("device bytes/device token", dense.device_bytes_per_device_token,
@@ -341,7 +346,7 @@ def _hisparse_table(dense: Any, elided: Any, dp_attention: bool = False) -> str:
         f"HiSparse: top_k {h.top_k:,}, device buffer {h.device_buffer_size:,} "
         f"(+1 slot, rounded up to whole pages: {elided.hot_buffer_slots:,} slots per request), "
         f"host:device ratio {h.host_to_device_ratio}",
-        *_hisparse_ranks(ranks, dp_attention),
+        *_hisparse_ranks(parallel),
         "device: latent hot buffers + index-K of every logical token; host: every layer's latent",
         "",
         f"{'':28}{'dense':>16}{'elided':>16}{'gain':>10}",
@@ -438,6 +443,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true", help=argparse.SUPPRESS)
     add_dp_args(p, "one scheduler and pool per rank")
     add_pp_args(p, "pipeline-parallel stages: each plans its own layers' pool", default=1)
+    p.add_argument(
+        "--nnodes", type=positive_int, default=1, help="machines the ranks span (host memory/node)"
+    )
     p.add_argument("--kv-budget-gib", type=positive_float, help="explicit KV budget")
     p.add_argument("--gpu-memory-gib", type=positive_float, help="GPU memory per rank")
     p.add_argument("--mem-fraction-static", type=fraction, help="of --gpu-memory-gib (default 0.9)")

@@ -86,8 +86,6 @@ class ParallelConfig:
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise DsakvError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise DsakvError("--nnodes > 1 needs --dist-init-addr HOST:PORT")
         if self.dist_init_addr is not None:
             split_address(self.dist_init_addr, "--dist-init-addr", " (port 1..65535)")
         if not self.timeout_s > 0:

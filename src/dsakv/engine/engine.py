@@ -24,6 +24,7 @@ import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig
 from dsakv.config.checkpoint import model_identity
+from dsakv.config.hisparse import host_latents_per_node
 from dsakv.distributed import weight_sync
 from dsakv.distributed.parallel import ParallelState, destroy_parallel, is_dist_error
 from dsakv.distributed.weight_sync import WeightGroup
@@ -447,7 +448,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             return pages, None
         logical = pages * self.hisparse.host_to_device_ratio
         try:
-            check_host_latent(self.layout, logical, self.parallel.config.ranks_per_node)
+            check_host_latent(self.layout, logical, host_latents_per_node(self.parallel.config))
         except ConfigError as e:
             raise ConfigError(
                 f"{e}: ask for fewer logical tokens (a smaller pool: {POOL_FLAGS}; or a "
@@ -550,7 +551,9 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             raise DsakvError(f"the host tier ({flag}): {e}") from None
         hot = None
         if self.hisparse is not None:
-            hot = HotBuffers(self.hisparse, self.pool, self.plan, self.backend, self.device)
+            hot = HotBuffers(
+                self.hisparse, self.pool, self.plan, self.backend, self.device, self.parallel
+            )
         l3 = None
         if config.storage is not None:
             namespace = storage_namespace(self.layout, self.model_identity, self.compute)

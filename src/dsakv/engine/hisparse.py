@@ -23,15 +23,20 @@ A request's life, as the scheduler and the step drive it:
   a PD decode request whose prompt the device cannot hold ends instead, cut short, as
   `Engine._fail_unschedulable` says).
 
-Under tensor (and expert) parallelism every rank holds a replica: the same device slots,
-its own host latent and hot buffers. Rank 0's admissions and releases go into `journal`,
-which the other ranks replay before the step that follows them; each rank then runs
-`begin_step`, the resolves of its own layers and `end_step` over the same step
-(`ModelRunner`). Rank 0's counters are the engine's.
+Under tensor (and expert) parallelism every rank holds a replica: the same device slots
+and hot buffers of its own. The host latent is the same on every rank, so the ranks of a
+node map one (`node_shared_empty`) and only the node's first rank writes it (`end_step`;
+the others read those rows in later steps, after the message that follows the write).
+Rank 0's admissions and releases go into `journal`, which the other ranks replay before
+the step that follows them; each rank then runs `begin_step`, the resolves of its own
+layers and `end_step` over the same step (`ModelRunner`). Rank 0's counters are the
+engine's.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,11 +45,19 @@ from typing import NamedTuple
 import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan
+from dsakv.distributed import ParallelState
+from dsakv.distributed.node_memory import node_leader, node_shared_empty
 from dsakv.errors import ConfigError
 from dsakv.kernels.hisparse_ops import bind_newest, init_buffers
 from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
 from dsakv.memory.layout import CacheLayout
-from dsakv.memory.pool import DSAKVPool, allocation_failed, check_fits, pinned_empty
+from dsakv.memory.pool import (
+    DSAKVPool,
+    allocation_failed,
+    check_fits,
+    page_lock,
+    pinned_empty,
+)
 
 from .request import Request
 
@@ -124,6 +137,7 @@ class HotBuffers:
         plan: LayerPlan,
         backend,
         device: torch.device,
+        parallel: ParallelState | None = None,
     ) -> None:
         self.config, self.pool, self.backend, self.device = config, pool, backend, device
         ps, s = pool.page_size, config.device_buffer_size
@@ -135,21 +149,17 @@ class HotBuffers:
         self.groups = {f: [i for i in layers if plan.topk_source(i) == f] for f in layers}
         self.groups = {f: g for f, g in self.groups.items() if g}
         self._group = {f: i for i, f in enumerate(self.groups)}
-        pin = device.type == "cuda"
         self.device_rows = [pool.latent_data(i).view(torch.uint8) for i in layers]
         width = self.device_rows[0].shape[1]
-        cannot = check_host_latent(pool.layout, pool.num_pages)
-        # Not zero-filled (hundreds of GB at real sizes): a row is written before it is read.
-        shape = (pool.num_tokens, width)
-        try:
-            self.host = [
-                pinned_empty(shape, torch.uint8) if pin else torch.empty(shape, dtype=torch.uint8)
-                for _ in layers
-            ]
-        except (RuntimeError, MemoryError) as e:  # (less free than the machine has, say)
-            if not allocation_failed(e):
-                raise
-            raise ConfigError(f"{cannot} ({str(e).splitlines()[0]})") from None
+        # Under TP every rank's latent is a replica: the node's ranks map one host latent,
+        # which its first rank writes (`writes_host`); under DP attention each its own.
+        shared = parallel is not None and parallel.world_size > 1
+        shared = shared and not parallel.config.dp_attention
+        self.writes_host = not shared or parallel.rank == node_leader(parallel)
+        shape = (len(layers), pool.num_tokens, width)
+        # (held: the page lock lasts as long as this tensor object, not its views)
+        self._host_block = self._host_latent(pool, shape, device, shared and parallel)
+        self.host = list(self._host_block.view(shape).unbind(0))
         rows = max(1, pool.latent_pages // self.buffer_pages)
         g = len(self.groups)
         self.buf_pos = torch.full((g, rows, s), -1, dtype=torch.int32, device=device)
@@ -166,6 +176,29 @@ class HotBuffers:
         # Rank 0's admissions and releases (`Take`, `Free`), for the other TP ranks'
         # replicas (None: one rank, or a rank that replays)
         self.journal: list[Take | Free] | None = None
+
+    @staticmethod
+    def _host_latent(
+        pool: DSAKVPool, shape: tuple[int, ...], device: torch.device, node: ParallelState | None
+    ) -> torch.Tensor:
+        """Every layer's host latent rows (uint8) in one block, page-locked on CUDA; mapped
+        by every rank of the node when `node` is given. Not zero-filled (hundreds of GB at
+        real sizes): a row is written before it is read."""
+        cannot = check_host_latent(pool.layout, pool.num_pages)
+        try:
+            if not node and device.type == "cuda":
+                return pinned_empty(shape, torch.uint8)
+            if not node:
+                return torch.empty(shape, dtype=torch.uint8)
+            nbytes = math.prod(shape)
+            block = node_shared_empty(node, nbytes, "hisparse-host-latent")
+            if device.type == "cuda":
+                block = page_lock(block, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+            return block
+        except (RuntimeError, MemoryError) as e:  # (less free than the machine has, say)
+            if not allocation_failed(e):
+                raise
+            raise ConfigError(f"{cannot} ({str(e).splitlines()[0]})") from None
 
     # --- sizes -----------------------------------------------------------------------------
 
@@ -365,6 +398,8 @@ class HotBuffers:
     def end_step(self, step: HotStep) -> None:
         """Every token this step computed goes to the host, in every layer: the newest one's
         slot is overwritten next step, and evicted or prefix-hit rows are read from there."""
+        if not self.writes_host:  # (the node's first rank writes the one it shares)
+            return
         src, dst = step.out_slots, step.logical_out.cpu()
         rows = torch.stack([dev.index_select(0, src) for dev in self.device_rows]).cpu()
         for host, r in zip(self.host, rows, strict=True):  # one device -> host copy above

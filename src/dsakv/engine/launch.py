@@ -99,6 +99,8 @@ def _launch(config: Any, exit_on_rank_death: bool) -> Any:
     if torchrun is not None:
         init, procs = "env://", {}
     else:
+        if pc.nnodes > 1 and not pc.dist_init_addr:  # (torchrun's env names its own)
+            raise DsakvError("--nnodes > 1 needs --dist-init-addr HOST:PORT")
         if rank == 0 and pc.dist_init_addr:
             _check_rendezvous_port(pc.dist_init_addr)
         addr = pc.dist_init_addr or f"127.0.0.1:{free_port()}"

@@ -134,6 +134,12 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     HiSparse's host latent 1.5×. Pageable memory registered with CUDA is locked as is (as
     SGLang's host pools do), and unregistered when the tensor goes."""
     t, length = page_aligned_empty(shape, dtype)
+    return page_lock(t, length)
+
+
+def page_lock(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Register `length` bytes of host memory from `t`'s start (an OS page) with CUDA, until
+    `t` goes: copies to and from the device then run at full speed, asynchronously."""
     if length:
         cudart = torch.cuda.cudart()
         err = int(cudart.cudaHostRegister(t.data_ptr(), length, 0))
