@@ -109,14 +109,17 @@ def _through_router(prefill: str, decode: str, prompts: list[list[int]]) -> list
 
 
 @pytest.mark.parametrize(
-    "flags",
-    [["--disaggregation-mode", "decode", "--pp-size", "2"],
-     ["--disaggregation-mode", "prefill", "--tp", "2", "--dp-attention"]],
-    ids=["pp", "dp-attention"],
+    ("flags", "message"),
+    [(["--disaggregation-mode", "decode", "--pp-size", "2"], "does not run with --pp-size > 1"),
+     (["--disaggregation-mode", "prefill", "--tp", "2", "--dp-attention"],
+      "--dp-attention is for the decode server yet")],
+    ids=["pp", "dp-attention-prefill"],
 )  # fmt: skip
-def test_pd_still_refuses_pp_and_dp_attention_in_one_line(tiny, flags, capsys):
+def test_pd_still_refuses_pp_and_a_dp_attention_prefill_server_in_one_line(
+    tiny, flags, message, capsys
+):
     err = cli_error_line(["serve", tiny, "--device", "cpu", *flags], capsys)
-    assert "does not run with --pp-size > 1 or --dp-attention" in err, err
+    assert message in err, err
 
 
 # --- a PD pair against one server ---------------------------------------------------------------

@@ -46,10 +46,15 @@ class DisaggConfig:
     def check_engine(self, config: EngineConfig) -> None:
         """What a prefill or decode server cannot serve yet, before anything loads."""
         pc = config.parallel
-        if pc.pp > 1 or pc.dp_attention:  # (a pool per stage, or per rank's own requests)
+        if pc.pp > 1:  # (a pool per stage)
             raise DsakvError(
-                "--disaggregation-mode does not run with --pp-size > 1 or --dp-attention yet "
-                "(it runs with --tp and --ep: every rank's pool is a replica of rank 0's)"
+                "--disaggregation-mode does not run with --pp-size > 1 yet (it runs with --tp "
+                "and --ep, and a decode server with --dp-attention)"
+            )
+        if pc.dp_attention and self.mode == "prefill":  # (each rank's pool its own requests')
+            raise DsakvError(
+                "--dp-attention is for the decode server yet: a prefill server ships from "
+                "rank 0's pool (run it with --tp and --ep)"
             )
         if config.storage is not None:
             raise DsakvError(

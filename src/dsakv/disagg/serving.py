@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from dsakv.engine import Engine, EngineConfig, Request, SamplingParams
 from dsakv.engine import disagg as ops
+from dsakv.engine.dp import DPEngine
 from dsakv.errors import DsakvError
 from dsakv.metrics import PREFIX
 from dsakv.procs import Listener
@@ -56,7 +57,7 @@ from .handoff import (
     kv_transfer_reply,
     next_target,
 )
-from .transfer import KVTransfer, TransferError, TransferStats
+from .transfer import TransferError, TransferStats, register_pool
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,13 @@ class _DisaggEngine(AsyncEngine):
     ) -> None:
         self.config = config
         self.layout = layout or _describe(engine)
-        host_latent = engine.hot.host if engine.hot is not None else None
-        self.transfer = KVTransfer(
-            engine.pool, config.host_for(server_host), host_latent=host_latent
-        )
+        host = config.host_for(server_host)
+        self.transfer, mine = register_pool(engine, host)
+        # Where a request's KV goes, by `Request.dp_rank`: under DP attention (a decode
+        # server's) each rank's own requests' go into its own pool, registered there.
+        self.pools = [mine]
+        if isinstance(engine, DPEngine):
+            self.pools += engine.on_ranks(functools.partial(register_pool, host=host))
         # Prefill: what it sent (counted by the transfer); decode: what it received.
         self.stats: TransferStats = self.transfer.stats
         super().__init__(engine, thread)  # starts the step loop
@@ -581,8 +585,8 @@ class DecodeAsyncEngine(_DisaggEngine):
             registration = {
                 "room": target.room,
                 "layout": self.layout,
-                "session": self.transfer.session,
-                "buffers": self.transfer.describe(),
+                "session": self.pools[req.dp_rank][0],
+                "buffers": self.pools[req.dp_rank][1],
                 "pages": req.pages,
                 "prompt_ids": ids,
                 "lora": None if req.lora is None else req.lora.digest,  # (checked there)
@@ -678,11 +682,9 @@ class DecodeAsyncEngine(_DisaggEngine):
         engine: Engine,
     ):
         """Engine thread: decode from the prefill server's first token (and the prompt's
-        `routed` experts, kept as its own steps keep theirs); the stream gets it. A
+        `routed` experts); the stream gets it. A
         `pickup` (vLLM's) runs the last prompt token here: its first token comes from this
         server's next step, under this request's sampling params."""
-        if routed is not None:
-            req.capture.write(req.params.routed_experts_start_len, routed, None)
         logprob, top = reply.get("logprob"), reply.get("top_logprobs")
         if not pickup and req.params.logprobs is not None and logprob is not None:
             req.logprobs.append(float(logprob))
@@ -696,7 +698,7 @@ class DecodeAsyncEngine(_DisaggEngine):
         # cache served (SGLang's decode side takes it from the prefill side's metadata); this
         # server's `dsakv_prefix_hit_tokens_total` stays its own cache's.
         req.metrics.prefix_hit_tokens = int(reply.get("cached_tokens") or 0)
-        ops.start_decoding(engine, req, None if pickup else int(reply["first_token"]))
+        ops.start_decoding(engine, req, None if pickup else int(reply["first_token"]), routed)
         stream.rid, stream.request, stream.prompt_tokens = req.rid, req, len(req.prompt_ids)
         if pickup:  # (its first update comes with the step that picks its first token)
             self._streams[req.rid] = stream

@@ -267,3 +267,11 @@ class KVTransfer:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def register_pool(engine: Any, host: str) -> tuple[KVTransfer, tuple[str, list[list[Any]]]]:
+    """`engine`'s pool registered (under HiSparse its host latent for the latent), and what
+    a handshake gives the peer: (the registration, (session, buffers))."""
+    host_latent = engine.hot.host if engine.hot is not None else None
+    transfer = KVTransfer(engine.pool, host, host_latent=host_latent)
+    return transfer, (transfer.session, transfer.describe())

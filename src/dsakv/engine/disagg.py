@@ -14,6 +14,8 @@ prefix cache goes out as KV cache events at once (`Engine.publish_kv_events`).
 
 from __future__ import annotations
 
+import torch
+
 from .engine import Engine
 from .request import Request
 from .sampling import SamplingParams
@@ -42,8 +44,10 @@ def drop(engine: Engine, req: Request) -> None:
     engine.drop_detached(req)
 
 
-def start_decoding(engine: Engine, req: Request, first_token: int | None) -> None:
+def start_decoding(
+    engine: Engine, req: Request, first_token: int | None, routed: torch.Tensor | None = None
+) -> None:
     """`Engine.start_decoding`: run a reserved request whose prompt KV has arrived (None: its
     last prompt token runs here, and picks the first token)."""
-    engine.start_decoding(req, first_token)
+    engine.start_decoding(req, first_token, routed)
     engine.publish_kv_events()  # (a first token that ends it: its pages joined the cache)

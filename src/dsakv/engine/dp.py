@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dsakv.distributed.leader import Leader
 from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, one_line
 
 from .engine import Engine
 from .request import Request, Status, link_choices
@@ -76,6 +79,8 @@ class _Reporter:
         self.pending: dict[int, tuple[Future | None, list[int], SamplingParams, float]] = {}
         self.failed: list[Request] = []  # refused here: reported with the next step's
         self._compiler: ThreadPoolExecutor | None = None
+        self.detached: dict[int, Request] = {}  # reserved here for a PD decode server
+        self.kept: list[Any] = []  # what `_call` made, kept while this rank runs
 
     def apply(self, msg: tuple) -> None:
         _, adds, aborts = msg
@@ -119,31 +124,86 @@ class _Reporter:
     def close(self) -> None:
         if self._compiler is not None:
             self._compiler.shutdown(wait=False, cancel_futures=True)
+        for obj in self.kept:
+            obj.close()
+
+    # --- between steps, one rank's part (`DPEngine._on_rank`) -----------------------------
+
+    def on_rank(self, msg: tuple) -> list[Any] | None:
+        """Run `msg`'s op if it names this rank (None: every rank but 0) and gather each
+        rank's ("ok", result) or ("error", why) on rank 0; a failed op fails alone, not this
+        rank (and with it every rank)."""
+        _, rank, op, args = msg
+        me, out = self.engine.parallel.rank, None
+        if rank == me or (rank is None and me != 0):
+            try:
+                out = ("ok", getattr(self, f"_{op}")(*args))
+            except Exception as e:  # noqa: BLE001 - this op's failure, not the rank's
+                out = ("error", f"rank {me}: {one_line(e)}")
+            self.engine.publish_kv_events()  # (pages it took from or gave to the cache)
+        return self.engine.parallel.gather_objects(out)
+
+    def _reserve(self, rid: int, ids: list[int], params: SamplingParams) -> list[int] | None:
+        req = self.engine.reserve_detached(ids, params, rid=rid)
+        if req is None:
+            return None
+        self.detached[rid] = req
+        return list(req.pages)
+
+    def _drop(self, rid: int) -> None:
+        self.engine.drop_detached(self.detached.pop(rid))
+
+    def _start(
+        self,
+        rid: int,
+        first_token: int | None,
+        routed: torch.Tensor | None,
+        grown: dict[str, list],
+        waited: float,
+        prefix_hit_tokens: int,
+    ) -> dict[str, Any]:
+        """Start a request reserved here, with what rank 0's mirror got from the prefill
+        server (the first token's logprobs, its time so far); its update, at once."""
+        req = self.detached.pop(rid)
+        for name, values in grown.items():
+            getattr(req, name).extend(values)
+        req.metrics.arrival_time = time.perf_counter() - waited
+        req.metrics.prefix_hit_tokens = prefix_hit_tokens
+        self.engine.start_decoding(req, first_token, routed)
+        return self._update(req)
+
+    def _call(self, fn: Callable[[Engine], tuple[Any, Any]]) -> Any:
+        """`fn(engine)` gives (what to keep while this rank runs, what to answer)."""
+        keep, answer = fn(self.engine)
+        self.kept.append(keep)
+        return answer
 
     def report(self, stepped: list[Request]) -> RankReport:
-        updates = []
         stepped, self.failed = self.failed + stepped, []
-        for req in stepped:
-            sent = self.sent.setdefault(req.rid, {})
-            up: dict[str, Any] = {"rid": req.rid}
-            for name in _GROWING:
-                values = getattr(req, name)
-                up[name] = values[sent.get(name, 0) :]
-                sent[name] = len(values)
-            for name in _REPLACED:
-                up[name] = getattr(req, name)
-            m = req.metrics
-            up["ttft_s"], up["latency_s"], up["queued_s"] = m.ttft, m.latency, m.queued
-            up.update((name, getattr(m, name)) for name in _COUNTS)
-            if req.finished:
-                self.sent.pop(req.rid, None)
-            updates.append(up)
+        updates = [self._update(req) for req in stepped]
         e = self.engine
         counters = e.counters()  # (a request whose grammar compiles waits here, not queued)
         counters["waiting_requests"] += len(self.pending)
         counters["waiting_tokens"] += sum(len(ids) for _, ids, _, _ in self.pending.values())
         waiting = int(counters["waiting_tokens"])
         return RankReport(e.scheduler.available_pages(), waiting, counters, updates)
+
+    def _update(self, req: Request) -> dict[str, Any]:
+        """What is new in `req` since its last update."""
+        sent = self.sent.setdefault(req.rid, {})
+        up: dict[str, Any] = {"rid": req.rid}
+        for name in _GROWING:
+            values = getattr(req, name)
+            up[name] = values[sent.get(name, 0) :]
+            sent[name] = len(values)
+        for name in _REPLACED:
+            up[name] = getattr(req, name)
+        m = req.metrics
+        up["ttft_s"], up["latency_s"], up["queued_s"] = m.ttft, m.latency, m.queued
+        up.update((name, getattr(m, name)) for name in _COUNTS)
+        if req.finished:
+            self.sent.pop(req.rid, None)
+        return up
 
 
 def serve_dp_peer(engine: Engine) -> None:
@@ -156,6 +216,9 @@ def serve_dp_peer(engine: Engine) -> None:
                 return
             if msg[0] == "every_rank":
                 engine.every_rank_call(*msg[1:])
+                continue
+            if msg[0] == "on_rank":
+                reporter.on_rank(msg)
                 continue
             if msg[0] != "step":
                 continue  # heartbeat
@@ -174,6 +237,7 @@ class DPEngine:
         self.leader = Leader(local.parallel)
         self._reporter = _Reporter(local)
         self._remote: dict[int, tuple[int, Request]] = {}  # rid -> (rank, mirror)
+        self._detached: dict[int, Request] = {}  # rid -> mirror, reserved on another rank
         self._sent: dict[int, float] = {}  # rid -> when the step that carried it was sent
         self._adds: list[tuple[int, int, list[int], SamplingParams]] = []
         self._aborts: list[tuple[int, int]] = []
@@ -288,6 +352,78 @@ class DPEngine:
         with self.leader.lock, self.local.rank_failures():
             self.leader.send(("every_rank", method, *args))
             return self.local.every_rank_call(method, *args)
+
+    # --- a PD decode server's requests (`dsakv.engine.disagg`), on every rank ---------------
+
+    def reserve_detached(self, prompt_ids: list[int], params: SamplingParams) -> Request | None:
+        """`Engine.reserve_detached` on the rank with the most room; the prefill server
+        writes into that rank's pool (`Request.dp_rank` says which: `on_ranks` registered
+        each). None while that rank has no room (the caller retries)."""
+        self.local.check_awake()
+        rank = self._pick_rank()
+        if rank == 0:
+            req = self.local.reserve_detached(prompt_ids, params)
+        else:
+            self.local.check_request(params)  # the client's 400 here and now, not on a peer
+            req = Request(list(prompt_ids), params, dp_rank=rank)
+            pages = self._on_rank(rank, "reserve", req.rid, req.prompt_ids, params)[rank]
+            if pages is None:
+                return None
+            req.pages, self._detached[req.rid] = pages, req
+        if req is not None:
+            self._assigned_tokens[rank] += len(prompt_ids)
+        return req
+
+    def drop_detached(self, req: Request) -> None:
+        if req.dp_rank == 0:
+            self.local.drop_detached(req)
+            return
+        del self._detached[req.rid]
+        req.finish_reason, req.status = "abort", Status.FINISHED
+        self._on_rank(req.dp_rank, "drop", req.rid)
+
+    def start_decoding(
+        self, req: Request, first_token: int | None, routed: torch.Tensor | None = None
+    ) -> None:
+        """`Engine.start_decoding` where `req` was reserved: another rank's gets what the
+        mirror got from the prefill server (moved there: its updates bring them back), and
+        its first update is mirrored at once."""
+        if req.dp_rank == 0:
+            self.local.start_decoding(req, first_token, routed)
+            return
+        grown = {}
+        for name in _GROWING:
+            values = getattr(req, name)
+            grown[name] = values[:]
+            values.clear()
+        m = req.metrics
+        waited = time.perf_counter() - m.arrival_time
+        args = (req.rid, first_token, routed, grown, waited, m.prefix_hit_tokens)
+        up = self._on_rank(req.dp_rank, "start", *args)[req.dp_rank]
+        del self._detached[req.rid]
+        req.status = Status.RUNNING
+        self._remote[req.rid] = (req.dp_rank, req)
+        self._sent[req.rid] = m.arrival_time  # (the rank's times count from the arrival)
+        self._mirror(up)
+
+    def on_ranks(self, fn: Callable[[Engine], tuple[Any, Any]]) -> list[Any]:
+        """Run `fn(engine)` (picklable: a module's function) on every rank but 0, each
+        keeping what it gives first while it runs (a PD decode server's registered pool);
+        what each gives second, in rank order from rank 1."""
+        return self._on_rank(None, "call", fn)[1:]
+
+    def _on_rank(self, rank: int | None, op: str, *args: Any) -> list[Any]:
+        """Every rank's result of `_Reporter.on_rank` (None where it did not run); an op
+        that failed raises here."""
+        with self.leader.lock, self.local.rank_failures():
+            msg = ("on_rank", rank, op, args)
+            self.leader.send(msg)
+            outcomes = self._reporter.on_rank(msg)
+        outcomes = [("ok", None) if out is None else out for out in outcomes]
+        errors = [why for kind, why in outcomes if kind == "error"]
+        if errors:
+            raise DsakvError("; ".join(errors))
+        return [result for _, result in outcomes]
 
     # --- the step ------------------------------------------------------------------------------
 

@@ -1108,14 +1108,19 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
 
     # --- prefill/decode disaggregation (`dsakv.engine.disagg`) ----------------------------
 
-    def reserve_detached(self, prompt_ids: list[int], params: SamplingParams) -> Request | None:
+    def reserve_detached(
+        self, prompt_ids: list[int], params: SamplingParams, rid: int | None = None
+    ) -> Request | None:
         """A decode server's request, with pages for its prompt and first decode token but
         not queued: the prefill server writes the prompt's KV there, then `start_decoding`
         runs it, or `drop_detached` gives it back. None while the pool has no room for it
         (the caller retries). Its LoRA adapter is held from here, as `add_request` holds it
-        (an unload meanwhile waits for it); its slot comes when it starts decoding."""
+        (an unload meanwhile waits for it); its slot comes when it starts decoding. `rid`:
+        rank 0's number for it (under DP attention, for another rank: `DPEngine`)."""
         self.check_awake()
         req = Request(list(prompt_ids), params)
+        if rid is not None:
+            req.rid = rid
         self._init_request(req)  # its grammar matcher (the first token comes from prefill)
         if not self.scheduler.reserve_detached(req, len(req.prompt_ids) + 1):
             self._release_lora(req)
@@ -1129,13 +1134,18 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.scheduler.finish(req)
         self._release_lora(req)
 
-    def start_decoding(self, req: Request, first_token: int | None) -> None:
+    def start_decoding(
+        self, req: Request, first_token: int | None, routed: torch.Tensor | None = None
+    ) -> None:
         """Decode a `reserve_detached` request whose prompt KV has arrived, from the prefill
-        side's first token (it may finish right here: EOS, a stop, max_tokens 1); one whose
+        side's first token (it may finish right here: EOS, a stop, max_tokens 1), with the
+        prompt's `routed` experts the prefill side sent, if asked for; one whose
         adapter finds no slot waits for one (`Scheduler.adopt`), its pages kept. `first_token`
         None (vLLM's P/D, whose decode side picks it): the last prompt token runs here, its
         KV counted as not yet computed, so the first token follows this request's own
         sampling params (min_tokens, logit_bias, a grammar, a seed...)."""
+        if routed is not None:  # (kept as its own steps keep theirs)
+            req.capture.write(req.params.routed_experts_start_len, routed, None)
         n = len(req.prompt_ids)
         # (with MTP, the draft layer's KV came too; the last position's is caught up here)
         req.num_computed = n if first_token is not None else n - 1

@@ -249,6 +249,8 @@ class Request:
     hidden_states: np.ndarray | None = None
     # Its LoRA adapter (`params.lora_name` as loaded when it came in: `Engine._init_request`)
     lora: LoraRef | None = None
+    # The rank it runs on under DP attention (rank 0's mirror of another rank's: `DPEngine`)
+    dp_rank: int = 0
 
     @property
     def all_ids(self) -> list[int]:

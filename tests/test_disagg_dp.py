@@ -1,0 +1,123 @@
+"""A decode server under `--dp-attention` (DESIGN.md §10, §8): each rank schedules its own
+requests over its own pool, so a request's KV goes into the pool of the rank it is reserved
+on. Every rank registers its pool with a transfer engine of its own; the handshake gives the
+prefill server that rank's session, buffers and pages (`DPEngine.reserve_detached`,
+`Request.dp_rank`), and the request starts there (`DPEngine.start_decoding`). A prefill
+server runs `--tp` (it ships from rank 0's pool).
+
+glm-tiny is sparse (index_topk 16). Against one `dsakv serve --tp 2 --dp-attention`, whose
+prefill splits attention over both ranks where the prefill server's... does not, prompts of
+at most 8 tokens and 8 new ones keep every context within index_topk: the tokens are equal
+and the logprobs within float32 noise. HiSparse's decode server (a 32-token buffer, 60-token
+prompts, so decode steps miss and copy rows from the host) is compared bit for bit with the
+plain decode server, fed by the same prefill server.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from .serving import TIMEOUT, ServerProcess, routing, start_decode, start_prefill, wait_idle
+from .test_disagg_tp import EXACT, FLAGS, HISPARSE, START_S, TP2, _greedy, tiny  # noqa: F401
+
+DP2 = [*TP2, "--dp-attention"]
+SHORT = {"temperature": 0, "ignore_eos": True, "max_tokens": 8}
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 250) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, tmp_path_factory) -> Iterator[SimpleNamespace]:  # noqa: F811
+    """A prefill server at --tp 2, decode servers at --tp 2 --dp-attention without and with
+    HiSparse, and one `dsakv serve --tp 2 --dp-attention`; all start at once."""
+    root = tmp_path_factory.mktemp("disagg_dp")
+    procs: dict[str, ServerProcess] = {}
+    try:
+        procs["prefill"], _ = start_prefill(root, "prefill", tiny, *FLAGS, *TP2)
+        procs["decode"] = start_decode(root, "decode", tiny, *FLAGS, *DP2)
+        procs["decode_hs"] = start_decode(root, "decode_hs", tiny, *FLAGS, *DP2, *HISPARSE)
+        procs["plain"] = ServerProcess(root, "plain", tiny, *FLAGS, *DP2)
+        for p in procs.values():
+            p.wait_healthy(START_S)
+        yield SimpleNamespace(**{name: p.url for name, p in procs.items()})
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def _completions(base: str, prompts: list[list[int]], params: dict) -> list[tuple]:
+    """Each prompt's token ids and logprobs, the prompts sent at once."""
+
+    def one(prompt: list[int]) -> tuple:
+        body = {"model": "m", "prompt": prompt, "logprobs": 0, "return_token_ids": True}
+        r = httpx.post(f"{base}/v1/completions", json={**body, **params}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def _busy_ranks(base: str, stop) -> set[int]:
+    """The DP ranks /get_load saw running requests on until `stop()`."""
+    seen: set[int] = set()
+    while not stop():
+        for rank in httpx.get(f"{base}/get_load", timeout=TIMEOUT).json():
+            if rank["num_reqs"]:
+                seen.add(rank["dp_rank"])
+        time.sleep(0.02)
+    return seen
+
+
+def test_pd_into_a_dp_attention_decode_server_runs_on_both_ranks(servers):
+    """Requests sent at once are reserved on both ranks (each the one with more room), the
+    prefill server writes each into its rank's pool, and the tokens are the single
+    server's; the decode server ends idle and leak-free on every rank."""
+    prompts = _prompts(1, [5, 8, 6, 7, 8, 4])
+    want = _completions(servers.plain, prompts, SHORT)
+    with routing([servers.prefill], [servers.decode]) as base, ThreadPoolExecutor(1) as pool:
+        long = {**SHORT, "max_tokens": 48}  # (long enough for /get_load to see both ranks)
+        done = False
+        watch = pool.submit(_busy_ranks, servers.decode, lambda: done)
+        got = _completions(base, prompts, SHORT)
+        _completions(base, _prompts(2, [8, 8, 8, 8]), long)
+        done = True
+        assert watch.result() == {0, 1}
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+    wait_idle(servers.prefill)
+    wait_idle(servers.decode)
+
+
+def test_hisparse_dp_attention_decode_server_equals_the_plain_one(servers):
+    """Under HiSparse each rank's host latent takes its own requests' latent from the
+    prefill server: decode steps miss and copy rows in from it, and the tokens and logprobs
+    are the plain DP decode server's, fed by the same prefill server, bit for bit."""
+    prompts = _prompts(3, [60, 64, 70, 62])
+    outs = {}
+    for name in ("decode", "decode_hs"):
+        # (a salt of its own: no prefix hit on the prefill server changes its KV's bits)
+        params = {**SHORT, "max_tokens": 12, "cache_salt": name}
+        with routing([servers.prefill], [getattr(servers, name)]) as base:
+            outs[name] = [_greedy_one(base, p, params) for p in prompts]
+        wait_idle(getattr(servers, name))
+    assert outs["decode_hs"] == outs["decode"]
+    m = httpx.get(f"{servers.decode_hs}/metrics", timeout=TIMEOUT).text
+    misses = [ln for ln in m.splitlines() if ln.startswith("dsakv_hisparse_misses_total")]
+    assert misses and float(misses[0].split()[-1]) > 0, misses
+
+
+def _greedy_one(base: str, prompt: list[int], params: dict) -> tuple:
+    return _completions(base, [prompt], params)[0]
