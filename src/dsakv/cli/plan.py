@@ -52,7 +52,7 @@ def _check_indexers(model: str, plan: Any) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.config import LayerPlan, ModelConfig
-    from dsakv.config.hisparse import check_runs_with, host_latents_per_node
+    from dsakv.config.hisparse import check_runs_with
     from dsakv.distributed import ParallelConfig
     from dsakv.errors import ConfigError
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_pipeline
@@ -171,6 +171,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         report["index_topk"] = config.index_topk
     splits = None
     if hisparse is not None:
+        from dsakv.engine.hisparse import host_latents_per_node
         from dsakv.memory import plan_hisparse
 
         # Per rank, as the pool's figures are, and the host latents a node holds

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dsakv.errors import ConfigError, is_int, load_object
-
-if TYPE_CHECKING:
-    from dsakv.distributed import ParallelConfig
 
 HISPARSE_KEYS = ("top_k", "device_buffer_size", "host_to_device_ratio")
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
@@ -34,13 +31,6 @@ def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
     if value < minimum:
         raise ConfigError(f"hisparse-config {name} must be >= {minimum}{hint}, got {value}")
     return value
-
-
-def host_latents_per_node(parallel: ParallelConfig) -> int:
-    """The host latents one node holds. Under TP (and EP) every rank's latent is a replica
-    of rank 0's, so the node's ranks map one; under DP attention each rank holds its own
-    requests' (as every rank under SGLang's per-rank host pools)."""
-    return parallel.ranks_per_node if parallel.dp_attention else 1
 
 
 def check_runs_with(

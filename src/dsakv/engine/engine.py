@@ -24,7 +24,6 @@ import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig
 from dsakv.config.checkpoint import model_identity
-from dsakv.config.hisparse import host_latents_per_node
 from dsakv.distributed import weight_sync
 from dsakv.distributed.parallel import ParallelState, destroy_parallel, is_dist_error
 from dsakv.distributed.weight_sync import WeightGroup
@@ -44,7 +43,7 @@ from .cuda_graph import DecodeGraphs
 from .detokenizer import TokenTexts, chars_per_token
 from .expert_distribution import EXPERT_DISTRIBUTION_CALLS, ExpertDistributionMixin
 from .grammar import GrammarCache
-from .hisparse import HotBuffers, check_host_latent
+from .hisparse import HotBuffers, check_host_latent, host_latents_per_node
 from .kv_events import KVEventPublisher
 from .l3 import L3Cache, zero_counters
 from .lora import LoraRef, LoraRegistry

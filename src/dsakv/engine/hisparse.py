@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan
-from dsakv.distributed import ParallelState
+from dsakv.distributed import ParallelConfig, ParallelState
 from dsakv.distributed.node_memory import node_leader, node_shared_empty
 from dsakv.errors import ConfigError
 from dsakv.kernels.hisparse_ops import bind_newest, init_buffers
@@ -60,6 +60,13 @@ from dsakv.memory.pool import (
 )
 
 from .request import Request
+
+
+def host_latents_per_node(parallel: ParallelConfig) -> int:
+    """The host latents one node holds. Under TP (and EP) every rank's latent is a replica
+    of rank 0's, so the node's ranks map one; under DP attention each rank holds its own
+    requests' (as every rank under SGLang's per-rank host pools)."""
+    return parallel.ranks_per_node if parallel.dp_attention else 1
 
 
 def check_host_latent(layout: CacheLayout, num_pages: int, ranks: int = 1) -> str:

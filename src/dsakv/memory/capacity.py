@@ -548,7 +548,7 @@ class HiSparsePlan:
     kv_budget_bytes: int
     weight_bytes: int | None
     device_tokens: int  # device latent slots, page-aligned
-    host_latents_per_node: int = 1  # (`dsakv.config.hisparse.host_latents_per_node`)
+    host_latents_per_node: int = 1  # (`dsakv.engine.hisparse.host_latents_per_node`)
 
     @property
     def ratio(self) -> int:
