@@ -1,14 +1,16 @@
-"""A decode server under `--dp-attention` (DESIGN.md §10, §8): each rank schedules its own
-requests over its own pool, so a request's KV goes into the pool of the rank it is reserved
-on. Every rank registers its pool with a transfer engine of its own; the handshake gives the
-prefill server that rank's session, buffers and pages (`DPEngine.reserve_detached`,
-`Request.dp_rank`), and the request starts there (`DPEngine.start_decoding`). A prefill
-server runs `--tp` (it ships from rank 0's pool).
+"""Prefill and decode servers under `--dp-attention` (DESIGN.md §10, §8): each rank
+schedules its own requests over its own pool, and registers that pool with a transfer engine
+of its own. A decode server reserves a request on the rank with the most room and the
+handshake gives the prefill server that rank's session, buffers and pages
+(`DPEngine.reserve_detached`, `Request.dp_rank`); the request starts there
+(`DPEngine.start_decoding`). A prefill server's request runs on a rank of its own, which
+writes its held pages (`write_held`).
 
-glm-tiny is sparse (index_topk 16). Against one `dsakv serve --tp 2 --dp-attention`, whose
-prefill splits attention over both ranks where the prefill server's... does not, prompts of
-at most 8 tokens and 8 new ones keep every context within index_topk: the tokens are equal
-and the logprobs within float32 noise. HiSparse's decode server (a 32-token buffer, 60-token
+glm-tiny is sparse (index_topk 16). Against one `dsakv serve --tp 2 --dp-attention` (whose
+prefill is the DP prefill server's, and not the `--tp 2` one's: attention split over the
+ranks), prompts of at most 8 tokens and 8 new ones keep every context within index_topk, and
+requests run at once (other batches): the tokens are equal and the logprobs within float32
+noise. HiSparse's decode server (a 32-token buffer, 60-token
 prompts, so decode steps miss and copy rows from the host) is compared bit for bit with the
 plain decode server, fed by the same prefill server.
 """
@@ -25,7 +27,8 @@ import httpx
 import pytest
 
 from .serving import TIMEOUT, ServerProcess, routing, start_decode, start_prefill, wait_idle
-from .test_disagg_tp import EXACT, FLAGS, HISPARSE, START_S, TP2, _greedy, tiny  # noqa: F401
+from .test_disagg_tp import FLAGS, HISPARSE, START_S, TP2, tiny  # noqa: F401
+from .test_vllm_pd import prefill_first, then_decode
 
 DP2 = [*TP2, "--dp-attention"]
 SHORT = {"temperature": 0, "ignore_eos": True, "max_tokens": 8}
@@ -38,12 +41,14 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def servers(tiny, tmp_path_factory) -> Iterator[SimpleNamespace]:  # noqa: F811
-    """A prefill server at --tp 2, decode servers at --tp 2 --dp-attention without and with
-    HiSparse, and one `dsakv serve --tp 2 --dp-attention`; all start at once."""
+    """Prefill servers at --tp 2 and --tp 2 --dp-attention, decode servers at --tp 2
+    --dp-attention without and with HiSparse, and one `dsakv serve --tp 2 --dp-attention`;
+    all start at once."""
     root = tmp_path_factory.mktemp("disagg_dp")
     procs: dict[str, ServerProcess] = {}
     try:
         procs["prefill"], _ = start_prefill(root, "prefill", tiny, *FLAGS, *TP2)
+        procs["prefill_dp"], _ = start_prefill(root, "prefill_dp", tiny, *FLAGS, *DP2)
         procs["decode"] = start_decode(root, "decode", tiny, *FLAGS, *DP2)
         procs["decode_hs"] = start_decode(root, "decode_hs", tiny, *FLAGS, *DP2, *HISPARSE)
         procs["plain"] = ServerProcess(root, "plain", tiny, *FLAGS, *DP2)
@@ -94,11 +99,38 @@ def test_pd_into_a_dp_attention_decode_server_runs_on_both_ranks(servers):
         _completions(base, _prompts(2, [8, 8, 8, 8]), long)
         done = True
         assert watch.result() == {0, 1}
+    _assert_close(got, want)
+    wait_idle(servers.prefill)
+    wait_idle(servers.decode)
+
+
+def test_a_dp_attention_prefill_server_ships_from_each_ranks_pool(servers):
+    """vLLM's protocol: a DP prefill server runs each prompt on a rank of its own and keeps
+    its pages there until the pickup (/get_load: both ranks hold some), then that rank
+    writes them into the decode server's rank; the tokens are the single server's."""
+    prompts = _prompts(4, [5, 8, 6, 7, 8, 4])
+    want = _completions(servers.plain, prompts, SHORT)
+    bodies = [{"model": "m", "prompt": p, "logprobs": 0, "return_token_ids": True, **SHORT}
+              for p in prompts]  # fmt: skip
+    held = [prefill_first(servers.prefill_dp, "/v1/completions", b) for b in bodies]
+    load = httpx.get(f"{servers.prefill_dp}/get_load", timeout=TIMEOUT).json()
+    assert [rank["num_tokens"] > 0 for rank in load] == [True, True], load
+    got = []
+    for body, first in zip(bodies, held, strict=True):
+        r = then_decode(servers.decode, "/v1/completions", body, first["kv_transfer_params"])
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        got.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+    _assert_close(got, want)
+    wait_idle(servers.prefill_dp)
+    wait_idle(servers.decode)
+
+
+def _assert_close(got: list[tuple], want: list[tuple]) -> None:
+    """The same tokens, logprobs within float32 noise (other batches, other splits)."""
     assert [ids for ids, _ in got] == [ids for ids, _ in want]
     for (_, a), (_, b) in zip(got, want, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
-    wait_idle(servers.prefill)
-    wait_idle(servers.decode)
 
 
 def test_hisparse_dp_attention_decode_server_equals_the_plain_one(servers):

@@ -48,13 +48,8 @@ class DisaggConfig:
         pc = config.parallel
         if pc.pp > 1:  # (a pool per stage)
             raise DsakvError(
-                "--disaggregation-mode does not run with --pp-size > 1 yet (it runs with --tp "
-                "and --ep, and a decode server with --dp-attention)"
-            )
-        if pc.dp_attention and self.mode == "prefill":  # (each rank's pool its own requests')
-            raise DsakvError(
-                "--dp-attention is for the decode server yet: a prefill server ships from "
-                "rank 0's pool (run it with --tp and --ep)"
+                "--disaggregation-mode does not run with --pp-size > 1 yet (it runs with "
+                "--tp, --ep and --dp-attention)"
             )
         if config.storage is not None:
             raise DsakvError(

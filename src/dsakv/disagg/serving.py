@@ -57,7 +57,14 @@ from .handoff import (
     kv_transfer_reply,
     next_target,
 )
-from .transfer import TransferError, TransferStats, register_pool
+from .transfer import (
+    TransferError,
+    TransferStats,
+    prompt_pages,
+    register_pool,
+    register_rank_pool,
+    write_held,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +132,12 @@ class _DisaggEngine(AsyncEngine):
         self.config = config
         self.layout = layout or _describe(engine)
         host = config.host_for(server_host)
-        self.transfer, mine = register_pool(engine, host)
-        # Where a request's KV goes, by `Request.dp_rank`: under DP attention (a decode
-        # server's) each rank's own requests' go into its own pool, registered there.
-        self.pools = [mine]
+        self.transfer = register_pool(engine, host)
+        # Each rank's pool, by `Request.dp_rank`: under DP attention each rank's requests'
+        # KV is in its own pool, which it registers and (a prefill server's) writes from.
+        self.pools = [(self.transfer.session, self.transfer.describe())]
         if isinstance(engine, DPEngine):
-            self.pools += engine.on_ranks(functools.partial(register_pool, host=host))
+            self.pools += engine.on_ranks(register_rank_pool, host)
         # Prefill: what it sent (counted by the transfer); decode: what it received.
         self.stats: TransferStats = self.transfer.stats
         super().__init__(engine, thread)  # starts the step loop
@@ -446,10 +453,6 @@ class PrefillAsyncEngine(_DisaggEngine):
         finally:
             self.pending -= 1  # (after: pages held until then are not a leak)
 
-    def _prompt_pages(self, req: Request) -> list[int]:
-        """The pages holding `req`'s prompt (its last one partly, maybe)."""
-        return req.pages[: -(-len(req.prompt_ids) // self.engine.pool.page_size)]
-
     async def _write(self, req: Request, reg: Any, u: Update) -> None:
         """Write the prompt's KV into the pages `reg` reserved, then answer it with the
         first token (`u`, the request's last update); raises where it could not."""
@@ -459,10 +462,17 @@ class PrefillAsyncEngine(_DisaggEngine):
         if reg.gone.is_set():
             raise RuntimeError("the decode server hung up before the KV was sent")
         loop = asyncio.get_running_loop()
-        write = functools.partial(
-            self.transfer.write, reg.session, reg.buffers, self._prompt_pages(req), reg.pages, n
-        )
+        if req.dp_rank:  # (its pages are another rank's, which writes them: every rank waits)
+            args = (req.rid, reg.session, reg.buffers, reg.pages)
+            write = functools.partial(self.engine.on_rank, req.dp_rank, write_held, *args)
+        else:
+            src = prompt_pages(req, self.engine.pool.page_size)
+            write = functools.partial(
+                self.transfer.write, reg.session, reg.buffers, src, reg.pages, n
+            )
         nbytes, seconds = await loop.run_in_executor(self._writer, write)
+        if req.dp_rank:  # (rank 0's transfer counts its own)
+            self.stats.add(nbytes, n, seconds)
         routed = u.routed_experts  # (the prompt's rows from routed_experts_start_len)
         prompt_rows = {} if routed is None else {"routed_experts": routed_base64(routed)}
         reg.done(
@@ -485,7 +495,7 @@ class PrefillAsyncEngine(_DisaggEngine):
             "do_remote_decode": False,
             "remote_engine_id": self.bootstrap.engine_id,
             "remote_request_id": str(room),
-            "remote_block_ids": self._prompt_pages(req),
+            "remote_block_ids": prompt_pages(req, self.engine.pool.page_size),
             "remote_host": self.bootstrap_host,
             "remote_port": self.config.bootstrap_port,
             "tp_size": self.engine.parallel.tp_size,

@@ -269,9 +269,33 @@ class KVTransfer:
         self._finalizer()
 
 
-def register_pool(engine: Any, host: str) -> tuple[KVTransfer, tuple[str, list[list[Any]]]]:
-    """`engine`'s pool registered (under HiSparse its host latent for the latent), and what
-    a handshake gives the peer: (the registration, (session, buffers))."""
-    host_latent = engine.hot.host if engine.hot is not None else None
-    transfer = KVTransfer(engine.pool, host, host_latent=host_latent)
-    return transfer, (transfer.session, transfer.describe())
+def register_pool(engine: Any, host: str) -> KVTransfer:
+    """`engine`'s pool registered (under HiSparse its host latent for the latent)."""
+    return KVTransfer(engine.pool, host, host_latent=engine.hot.host if engine.hot else None)
+
+
+# Under DP attention each rank's pool holds its own requests' KV, so each rank registers
+# its own and writes from it: rank 0 has these run there (`DPEngine.on_ranks`, `on_rank`).
+
+
+def register_rank_pool(rank: Any, host: str) -> tuple[str, list[list[Any]]]:
+    """Register this rank's pool (kept while it runs); its session and buffers."""
+    transfer = rank.kept["kv_transfer"] = register_pool(rank.engine, host)
+    return transfer.session, transfer.describe()
+
+
+def write_held(
+    rank: Any, rid: int, peer_session: str, peer_buffers: Sequence[PeerBuffer], dst_pages: list[int]
+) -> tuple[int, float]:
+    """Write the prompt KV of a request held on this rank (`Scheduler.parked`) into the
+    peer's pages; (bytes, seconds)."""
+    req = rank.engine.scheduler.parked[rid]
+    src = prompt_pages(req, rank.engine.pool.page_size)
+    return rank.kept["kv_transfer"].write(
+        peer_session, peer_buffers, src, dst_pages, len(req.prompt_ids)
+    )
+
+
+def prompt_pages(req: Any, page_size: int) -> list[int]:
+    """The pages holding `req`'s prompt (its last one partly, maybe)."""
+    return req.pages[: -(-len(req.prompt_ids) // page_size)]

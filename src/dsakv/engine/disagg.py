@@ -22,12 +22,13 @@ from .sampling import SamplingParams
 
 
 def hold(engine: Engine, req: Request) -> None:
-    """Keep `req`'s pages when it finishes (until `release_held`); call before it runs."""
-    engine.scheduler.held.add(req.rid)
+    """`Engine.hold`: keep `req`'s pages when it finishes (until `release_held`); call
+    before it runs."""
+    engine.hold(req)
 
 
 def release_held(engine: Engine, req: Request) -> None:
-    engine.scheduler.release_held(req)
+    engine.release_held(req)
     engine.publish_kv_events()  # (its pages joined the cache between steps)
 
 

@@ -6,6 +6,11 @@ rank with the most free KV pages, and each step broadcasts the new requests and 
 lets every rank step (a rank with nothing to run still joins the FFN collectives with an
 empty batch), and gathers what every rank produced. To the server and `LLM` it looks like
 one `Engine`: requests that run elsewhere are mirrored in local `Request` objects.
+
+Between steps rank 0 may have one rank (or every other rank) run an op at once and answer
+(`DPEngine._on_rank`): a PD decode server's reservations, starts and drops on the rank with
+room, a PD prefill server's releases and KV writes from the rank a request ran on, and the
+registration of every rank's pool for those writes.
 """
 
 from __future__ import annotations
@@ -80,11 +85,12 @@ class _Reporter:
         self.failed: list[Request] = []  # refused here: reported with the next step's
         self._compiler: ThreadPoolExecutor | None = None
         self.detached: dict[int, Request] = {}  # reserved here for a PD decode server
-        self.kept: list[Any] = []  # what `_call` made, kept while this rank runs
+        self.kept: dict[str, Any] = {}  # what `_call`'s functions keep while this rank runs
 
     def apply(self, msg: tuple) -> None:
-        _, adds, aborts = msg
+        _, adds, aborts, holds = msg
         me, now = self.engine.parallel.rank, time.perf_counter()
+        self.engine.scheduler.held.update(rid for rank, rid in holds if rank == me)
         for rank, rid, ids, params in adds:
             if rank == me:
                 self.pending[rid] = (self._compile(params), ids, params, now)
@@ -124,15 +130,16 @@ class _Reporter:
     def close(self) -> None:
         if self._compiler is not None:
             self._compiler.shutdown(wait=False, cancel_futures=True)
-        for obj in self.kept:
+        for obj in self.kept.values():
             obj.close()
 
     # --- between steps, one rank's part (`DPEngine._on_rank`) -----------------------------
 
     def on_rank(self, msg: tuple) -> list[Any] | None:
         """Run `msg`'s op if it names this rank (None: every rank but 0) and gather each
-        rank's ("ok", result) or ("error", why) on rank 0; a failed op fails alone, not this
-        rank (and with it every rank)."""
+        rank's ("ok", result, load) or ("error", why, load) on rank 0 (`load`: its
+        `RankReport` after the op, with no updates: pages it took or gave, whatever step
+        comes next); a failed op fails alone, not this rank (and with it every rank)."""
         _, rank, op, args = msg
         me, out = self.engine.parallel.rank, None
         if rank == me or (rank is None and me != 0):
@@ -141,6 +148,7 @@ class _Reporter:
             except Exception as e:  # noqa: BLE001 - this op's failure, not the rank's
                 out = ("error", f"rank {me}: {one_line(e)}")
             self.engine.publish_kv_events()  # (pages it took from or gave to the cache)
+            out += (self.load(),)
         return self.engine.parallel.gather_objects(out)
 
     def _reserve(self, rid: int, ids: list[int], params: SamplingParams) -> list[int] | None:
@@ -172,21 +180,32 @@ class _Reporter:
         self.engine.start_decoding(req, first_token, routed)
         return self._update(req)
 
-    def _call(self, fn: Callable[[Engine], tuple[Any, Any]]) -> Any:
-        """`fn(engine)` gives (what to keep while this rank runs, what to answer)."""
-        keep, answer = fn(self.engine)
-        self.kept.append(keep)
-        return answer
+    def _release(self, rid: int) -> None:
+        """A prefill server's request held here: its pages go (it may never have run)."""
+        req = self.engine.scheduler.parked.get(rid)
+        if req is None:
+            self.engine.scheduler.held.discard(rid)
+        else:
+            self.engine.release_held(req)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(self, *args)`: a function of a package above this one (a PD server's pool
+        registration or KV write), with this rank's engine and `kept`."""
+        return fn(self, *args)
 
     def report(self, stepped: list[Request]) -> RankReport:
         stepped, self.failed = self.failed + stepped, []
-        updates = [self._update(req) for req in stepped]
+        report = self.load()
+        report.updates = [self._update(req) for req in stepped]
+        return report
+
+    def load(self) -> RankReport:
         e = self.engine
         counters = e.counters()  # (a request whose grammar compiles waits here, not queued)
         counters["waiting_requests"] += len(self.pending)
         counters["waiting_tokens"] += sum(len(ids) for _, ids, _, _ in self.pending.values())
         waiting = int(counters["waiting_tokens"])
-        return RankReport(e.scheduler.available_pages(), waiting, counters, updates)
+        return RankReport(e.scheduler.available_pages(), waiting, counters)
 
     def _update(self, req: Request) -> dict[str, Any]:
         """What is new in `req` since its last update."""
@@ -203,6 +222,8 @@ class _Reporter:
         up.update((name, getattr(m, name)) for name in _COUNTS)
         if req.finished:
             self.sent.pop(req.rid, None)
+            if req.rid in self.engine.scheduler.parked:  # (a PD prefill server ships them)
+                up["pages"] = list(req.pages)
         return up
 
 
@@ -241,6 +262,7 @@ class DPEngine:
         self._sent: dict[int, float] = {}  # rid -> when the step that carried it was sent
         self._adds: list[tuple[int, int, list[int], SamplingParams]] = []
         self._aborts: list[tuple[int, int]] = []
+        self._holds: list[tuple[int, int]] = []
         world = self.parallel.world_size
         first = self._reporter.report([])
         self._reports: list[RankReport] = [first] * world
@@ -265,7 +287,7 @@ class DPEngine:
         else:
             self.local.check_request(params)  # the client's 400 here and now, not on a peer
             self.local.check_routed_start(params, len(ids))
-            req = Request(ids, params)
+            req = Request(ids, params, dp_rank=rank)
             req.status = Status.RUNNING
             self._remote[req.rid] = (rank, req)
             self._adds.append((rank, req.rid, ids, params))
@@ -370,9 +392,22 @@ class DPEngine:
             if pages is None:
                 return None
             req.pages, self._detached[req.rid] = pages, req
-        if req is not None:
-            self._assigned_tokens[rank] += len(prompt_ids)
+        if rank == 0 and req is not None:  # (another rank's load came with its pages)
+            self._assigned_tokens[0] += len(prompt_ids)
         return req
+
+    def hold(self, req: Request) -> None:
+        """`Engine.hold` where `req` runs (another rank's: with the step that adds it)."""
+        if req.dp_rank == 0:
+            self.local.hold(req)
+        else:
+            self._holds.append((req.dp_rank, req.rid))
+
+    def release_held(self, req: Request) -> None:
+        if req.dp_rank == 0:
+            self.local.release_held(req)
+        else:
+            self._on_rank(req.dp_rank, "release", req.rid)
 
     def drop_detached(self, req: Request) -> None:
         if req.dp_rank == 0:
@@ -406,11 +441,15 @@ class DPEngine:
         self._sent[req.rid] = m.arrival_time  # (the rank's times count from the arrival)
         self._mirror(up)
 
-    def on_ranks(self, fn: Callable[[Engine], tuple[Any, Any]]) -> list[Any]:
-        """Run `fn(engine)` (picklable: a module's function) on every rank but 0, each
-        keeping what it gives first while it runs (a PD decode server's registered pool);
-        what each gives second, in rank order from rank 1."""
-        return self._on_rank(None, "call", fn)[1:]
+    def on_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`fn(rank, *args)` on every rank but 0, between steps: `fn` picklable (a module's
+        function) and given that rank's `_Reporter` (its `engine`, and `kept` for what must
+        last while it runs); their results in rank order from rank 1."""
+        return self._on_rank(None, "call", fn, *args)[1:]
+
+    def on_rank(self, rank: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """`on_ranks` on one rank (not 0): every rank waits for it."""
+        return self._on_rank(rank, "call", fn, *args)[rank]
 
     def _on_rank(self, rank: int | None, op: str, *args: Any) -> list[Any]:
         """Every rank's result of `_Reporter.on_rank` (None where it did not run); an op
@@ -419,7 +458,10 @@ class DPEngine:
             msg = ("on_rank", rank, op, args)
             self.leader.send(msg)
             outcomes = self._reporter.on_rank(msg)
-        outcomes = [("ok", None) if out is None else out for out in outcomes]
+        for r, out in enumerate(outcomes):
+            if out is not None:  # (its load now: /metrics and `_pick_rank` read it)
+                self._reports[r] = out[2]
+        outcomes = [("ok", None) if out is None else out[:2] for out in outcomes]
         errors = [why for kind, why in outcomes if kind == "error"]
         if errors:
             raise DsakvError("; ".join(errors))
@@ -429,8 +471,8 @@ class DPEngine:
 
     def step(self) -> list[Request]:
         with self.leader.lock, self.local.rank_failures():
-            msg = ("step", self._adds, self._aborts)
-            self._adds, self._aborts = [], []
+            msg = ("step", self._adds, self._aborts, self._holds)
+            self._adds, self._aborts, self._holds = [], [], []
             sent = time.perf_counter()
             self._sent.update((rid, sent) for _, rid, _, _ in msg[1] if rid in self._remote)
             self.leader.send(msg)
@@ -468,6 +510,8 @@ class DPEngine:
             m.scheduled_time = sent + up["queued_s"]
         for name in _COUNTS:
             setattr(m, name, up[name])
+        if "pages" in up:  # (held for a PD prefill server: what it ships)
+            mirror.pages = up["pages"]
         if mirror.finish_reason is not None:
             mirror.status = Status.FINISHED
             del self._remote[up["rid"]]

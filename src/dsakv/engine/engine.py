@@ -1107,6 +1107,14 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
 
     # --- prefill/decode disaggregation (`dsakv.engine.disagg`) ----------------------------
 
+    def hold(self, req: Request) -> None:
+        """A prefill server's request: its pages outlive its finish (`Scheduler.parked`) until
+        `release_held`, once they were shipped."""
+        self.scheduler.held.add(req.rid)
+
+    def release_held(self, req: Request) -> None:
+        self.scheduler.release_held(req)
+
     def reserve_detached(
         self, prompt_ids: list[int], params: SamplingParams, rid: int | None = None
     ) -> Request | None:
