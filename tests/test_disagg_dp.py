@@ -18,6 +18,7 @@ plain decode server, fed by the same prefill server.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from .conftest import cli_error_line
 from .serving import TIMEOUT, ServerProcess, routing, start_decode, start_prefill, wait_idle
 from .test_disagg_tp import FLAGS, HISPARSE, START_S, TP2, tiny  # noqa: F401
 from .test_vllm_pd import prefill_first, then_decode
@@ -93,11 +95,11 @@ def test_pd_into_a_dp_attention_decode_server_runs_on_both_ranks(servers):
     want = _completions(servers.plain, prompts, SHORT)
     with routing([servers.prefill], [servers.decode]) as base, ThreadPoolExecutor(1) as pool:
         long = {**SHORT, "max_tokens": 48}  # (long enough for /get_load to see both ranks)
-        done = False
-        watch = pool.submit(_busy_ranks, servers.decode, lambda: done)
+        done = threading.Event()
+        watch = pool.submit(_busy_ranks, servers.decode, done.is_set)
         got = _completions(base, prompts, SHORT)
         _completions(base, _prompts(2, [8, 8, 8, 8]), long)
-        done = True
+        done.set()
         assert watch.result() == {0, 1}
     _assert_close(got, want)
     wait_idle(servers.prefill)
@@ -135,21 +137,119 @@ def _assert_close(got: list[tuple], want: list[tuple]) -> None:
 
 def test_hisparse_dp_attention_decode_server_equals_the_plain_one(servers):
     """Under HiSparse each rank's host latent takes its own requests' latent from the
-    prefill server: decode steps miss and copy rows in from it, and the tokens and logprobs
-    are the plain DP decode server's, fed by the same prefill server, bit for bit."""
+    prefill server: decode steps miss and copy rows in from it, on both ranks (the requests
+    sent at once), and the tokens and logprobs are the plain DP decode server's, fed by the
+    same prefill server, bit for bit (each request decodes alone on its rank)."""
     prompts = _prompts(3, [60, 64, 70, 62])
     outs = {}
     for name in ("decode", "decode_hs"):
         # (a salt of its own: no prefix hit on the prefill server changes its KV's bits)
         params = {**SHORT, "max_tokens": 12, "cache_salt": name}
         with routing([servers.prefill], [getattr(servers, name)]) as base:
-            outs[name] = [_greedy_one(base, p, params) for p in prompts]
+            outs[name] = [_completions(base, [p], params)[0] for p in prompts[:2]]
+            with ThreadPoolExecutor(1) as pool:
+                done = threading.Event()
+                watch = pool.submit(_busy_ranks, getattr(servers, name), done.is_set)
+                outs[name] += _completions(base, prompts[2:], {**params, "max_tokens": 40})
+                done.set()
+                assert watch.result() == {0, 1}
         wait_idle(getattr(servers, name))
-    assert outs["decode_hs"] == outs["decode"]
+    assert outs["decode_hs"][:2] == outs["decode"][:2]
+    _assert_close(outs["decode_hs"][2:], outs["decode"][2:])
     m = httpx.get(f"{servers.decode_hs}/metrics", timeout=TIMEOUT).text
     misses = [ln for ln in m.splitlines() if ln.startswith("dsakv_hisparse_misses_total")]
     assert misses and float(misses[0].split()[-1]) > 0, misses
 
 
-def _greedy_one(base: str, prompt: list[int], params: dict) -> tuple:
-    return _completions(base, [prompt], params)[0]
+def test_a_dp_attention_pd_server_on_several_nodes_is_one_error_line(tiny, capsys):  # noqa: F811
+    flags = ["--disaggregation-mode", "decode", *DP2, "--nnodes", "2"]
+    flags += ["--dist-init-addr", "127.0.0.1:29999", "--device", "cpu"]
+    err = cli_error_line(["serve", tiny, *flags], capsys)
+    assert "--disaggregation-mode with --dp-attention runs on one machine yet" in err, err
+
+
+# --- the decode side's engine ops, in-process ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dp_engine(tiny) -> Iterator:  # noqa: F811
+    """`LLM(tp=2, dp_attention=True)`, two requests running at most on each rank."""
+    from dsakv import LLM
+
+    from .test_hisparse_engine import EXACT
+
+    with LLM(tiny, **EXACT, tp=2, dp_attention=True, num_pages=64, max_running_requests=4) as llm:
+        yield llm.engine
+
+
+def test_a_reservation_the_roomiest_rank_refuses_goes_to_another(dp_engine):
+    """Rank 1 has the most free pages but runs its share of --max-running-requests (two):
+    the next reservation is taken by rank 0, not refused until the caller gives up."""
+    from dsakv import SamplingParams
+
+    e, params = dp_engine, SamplingParams(max_tokens=4)
+    big = e.reserve_detached(list(range(1, 41)), params)
+    small = [e.reserve_detached([1, 2, 3], params) for _ in range(2)]
+    assert [r.dp_rank for r in (big, *small)] == [0, 1, 1]
+    late = e.reserve_detached([4, 5, 6], params)
+    assert late is not None and late.dp_rank == 0
+    for r in (big, *small, late):
+        e.drop_detached(r)
+    e.check_integrity()
+
+
+def test_a_start_that_fails_on_its_rank_gives_its_pages_back(dp_engine):
+    """A start that fails on rank 1 (here: routed experts for a request that asked none)
+    drops the reservation there: rank 0 hears the error, nothing leaks, and the rank takes
+    the next request."""
+    import torch
+
+    from dsakv import SamplingParams
+    from dsakv.errors import DsakvError
+
+    e, params = dp_engine, SamplingParams(max_tokens=4)
+    reqs = _reserved_on_both(e, params)
+    unasked = torch.zeros(3, 1, 1, dtype=torch.int32)
+    with pytest.raises(DsakvError, match="rank 1"):
+        e.start_decoding(reqs[1], 7, unasked)
+    with pytest.raises(AttributeError):  # (rank 0's own: the same, raised as it is)
+        e.start_decoding(reqs[0], 7, unasked)
+    assert [r.finished for r in reqs] == [True, True]
+    e.check_integrity()
+    again = _reserved_on_both(e, params)
+    for r in again:
+        e.drop_detached(r)
+    e.check_integrity()
+
+
+def _reserved_on_both(e, params) -> list:
+    """A 3-token reservation on rank 0 and one on rank 1 (others made meanwhile dropped)."""
+    got: dict[int, object] = {}
+    for _ in range(8):
+        r = e.reserve_detached([1, 2, 3], params)
+        if r.dp_rank in got:
+            e.drop_detached(r)
+        got.setdefault(r.dp_rank, r)
+        if len(got) == 2:
+            return [got[0], got[1]]
+    raise AssertionError(f"reservations went to ranks {sorted(got)} only")
+
+
+def test_a_grammar_compiles_on_the_ranks_worker_before_it_reserves(dp_engine):
+    """A reservation with a grammar on rank 1 waits (None) while rank 1's worker compiles
+    it, instead of every rank waiting for the compile; asked again, it is taken."""
+    from dsakv import SamplingParams
+
+    e = dp_engine
+    first = e.reserve_detached(list(range(1, 41)), SamplingParams(max_tokens=4))
+    assert first.dp_rank == 0  # (a tie: the next, on 1)
+    params = SamplingParams(max_tokens=4, grammar=("regex", "[ab]+"))
+    answers = [e.reserve_detached([1, 2, 3], params)]
+    deadline = time.monotonic() + 60
+    while answers[-1] is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        answers.append(e.reserve_detached([1, 2, 3], params))
+    assert answers[0] is None and answers[-1] is not None and answers[-1].dp_rank == 1
+    for r in (first, answers[-1]):
+        e.drop_detached(r)
+    e.check_integrity()

@@ -638,7 +638,7 @@ def test_a_request_a_dp_peer_cannot_start_ends_alone(models):
     with LLM(models["glm"], **EXACT, num_pages=16) as llm:
         peer = _Reporter(llm.engine)
         bad = SamplingParams(max_tokens=2, bad_words=["\ud800"])
-        peer.apply(("step", [(0, 10**9, [1, 2, 3], bad), (0, 10**9 + 1, [1, 2], GREEDY)], []))
+        peer.apply(("step", [(0, 10**9, [1, 2, 3], bad), (0, 10**9 + 1, [1, 2], GREEDY)], [], []))
         report = peer.report(llm.engine.step())
         (up,) = [u for u in report.updates if u["rid"] == 10**9]
         assert up["finish_reason"] == "error" and "bad_words" in up["error"], up

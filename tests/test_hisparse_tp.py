@@ -209,9 +209,9 @@ def test_host_latent_counts_the_nodes_host_latents(glm_tiny, monkeypatch):
     monkeypatch.setattr(pool, "memory_bytes", lambda device: need * 3 // 2)
     from dsakv.engine.hisparse import check_host_latent
 
-    assert check_host_latent(layout, 100, ranks=1).startswith("cannot allocate")
+    assert check_host_latent(layout, 100, copies=1).startswith("cannot allocate")
     with pytest.raises(ConfigError, match=r"HiSparse host latent \(2 ranks' on this node\)"):
-        check_host_latent(layout, 100, ranks=2)
+        check_host_latent(layout, 100, copies=2)
 
 
 @pytest.mark.parametrize("dp_attention", [False, True])

@@ -308,24 +308,31 @@ def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
     return HiSparseConfig.parse(args.hisparse_config, config)
 
 
-def _hisparse_ranks(parallel: ParallelConfig) -> list[str]:
+def _hisparse_ranks(parallel: ParallelConfig, host_latents_per_node: int) -> list[str]:
     """The HiSparse table's line saying its figures are one rank's (none on one rank)."""
     ranks, nodes = parallel.world_size, parallel.nnodes
     if ranks == 1:
         return []
     on = f"{ranks} ranks" + (f" on {nodes} nodes" if nodes > 1 else "")
-    if parallel.dp_attention:
-        each = "hot buffers and a host latent for its own requests"
-    else:
-        each = "a replica of the hot buffers; a node's ranks map one host latent"
-    return [f"per rank ({on}, each with {each})"]
+    hot = (
+        "hot buffers for its own requests"
+        if parallel.dp_attention
+        else "a replica of the hot buffers"
+    )
+    host = (
+        "the ranks map one host latent"
+        if host_latents_per_node == 1
+        else "a host latent of its own"
+    )
+    return [f"per rank ({on}, each with {hot}; {host})"]
 
 
 def _hisparse_table(dense: Any, elided: Any, parallel: ParallelConfig) -> str:
     """The HiSparse split, dense and elided side by side (DESIGN.md §13): one rank's, and
-    with more than one rank the host memory of a node's ranks."""
-    h, ranks = elided.hisparse, parallel.world_size
-    host = "host memory (GiB)" if ranks == 1 else "host memory/rank (GiB)"
+    with more than one rank the host memory of a node (one rank's too where each rank
+    holds a host latent of its own)."""
+    h, ranks, latents = elided.hisparse, parallel.world_size, elided.host_latents_per_node
+    host = "host memory (GiB)" if ranks == 1 else "host memory/node (GiB)"
     rows: list[tuple[str, Any, Any, bool]] = [
         ("device bytes/device token", dense.device_bytes_per_device_token,
          elided.device_bytes_per_device_token, True),
@@ -334,20 +341,19 @@ def _hisparse_table(dense: Any, elided: Any, parallel: ParallelConfig) -> str:
         ("host bytes/token", dense.host_bytes_per_token, elided.host_bytes_per_token, False),
         ("device tokens", dense.device_tokens, elided.device_tokens, True),
         ("logical tokens", dense.logical_tokens, elided.logical_tokens, True),
-        (host, dense.host_bytes / GIB, elided.host_bytes / GIB, False),
+        (host, dense.host_bytes_per_node / GIB, elided.host_bytes_per_node / GIB, False),
         ("concurrent hot buffers", dense.concurrent_hot_buffers,
          elided.concurrent_hot_buffers, True),
     ]  # fmt: skip
-    if ranks > 1:  # (one rank: the node's is the rank's)
-        node = ("host memory/node (GiB)", dense.host_bytes_per_node / GIB,
-                elided.host_bytes_per_node / GIB, False)  # fmt: skip
-        rows.insert([r[0] for r in rows].index(host) + 1, node)
+    if latents > 1:  # (each rank's own: one rank's, before the node's)
+        rank = ("host memory/rank (GiB)", dense.host_bytes / GIB, elided.host_bytes / GIB, False)
+        rows.insert([r[0] for r in rows].index(host), rank)
     lines = [
         "",
         f"HiSparse: top_k {h.top_k:,}, device buffer {h.device_buffer_size:,} "
         f"(+1 slot, rounded up to whole pages: {elided.hot_buffer_slots:,} slots per request), "
         f"host:device ratio {h.host_to_device_ratio}",
-        *_hisparse_ranks(parallel),
+        *_hisparse_ranks(parallel, latents),
         "device: latent hot buffers + index-K of every logical token; host: every layer's latent",
         "",
         f"{'':28}{'dense':>16}{'elided':>16}{'gain':>10}",

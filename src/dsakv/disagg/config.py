@@ -51,6 +51,11 @@ class DisaggConfig:
                 "--disaggregation-mode does not run with --pp-size > 1 yet (it runs with "
                 "--tp, --ep and --dp-attention)"
             )
+        if pc.dp_attention and pc.nnodes > 1:  # (each rank's transfer engine: rank 0's host)
+            raise DsakvError(
+                "--disaggregation-mode with --dp-attention runs on one machine yet (--nnodes "
+                f"{pc.nnodes}): every rank's pool is registered at rank 0's address"
+            )
         if config.storage is not None:
             raise DsakvError(
                 "--hicache-storage-backend is not supported with --disaggregation-mode yet "

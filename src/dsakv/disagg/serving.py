@@ -462,17 +462,19 @@ class PrefillAsyncEngine(_DisaggEngine):
         if reg.gone.is_set():
             raise RuntimeError("the decode server hung up before the KV was sent")
         loop = asyncio.get_running_loop()
-        if req.dp_rank:  # (its pages are another rank's, which writes them: every rank waits)
-            args = (req.rid, reg.session, reg.buffers, reg.pages)
-            write = functools.partial(self.engine.on_rank, req.dp_rank, write_held, *args)
+        if req.dp_rank:  # (its pages are another rank's: it writes them while it steps)
+            args = (req.rid, write_held, req.rid, reg.session, reg.buffers, reg.pages)
+            # (on the engine thread: its loop steps while the call runs, which brings back
+            # the outcome with a report)
+            written = await self.call(lambda e: e.on_rank_later(req.dp_rank, *args))
+            nbytes, seconds = await asyncio.wrap_future(written)
+            self.stats.add(nbytes, n, seconds)  # (rank 0's transfer counts its own)
         else:
             src = prompt_pages(req, self.engine.pool.page_size)
             write = functools.partial(
                 self.transfer.write, reg.session, reg.buffers, src, reg.pages, n
             )
-        nbytes, seconds = await loop.run_in_executor(self._writer, write)
-        if req.dp_rank:  # (rank 0's transfer counts its own)
-            self.stats.add(nbytes, n, seconds)
+            nbytes, seconds = await loop.run_in_executor(self._writer, write)
         routed = u.routed_experts  # (the prompt's rows from routed_experts_start_len)
         prompt_rows = {} if routed is None else {"routed_experts": routed_base64(routed)}
         reg.done(

@@ -9,8 +9,9 @@ one `Engine`: requests that run elsewhere are mirrored in local `Request` object
 
 Between steps rank 0 may have one rank (or every other rank) run an op at once and answer
 (`DPEngine._on_rank`): a PD decode server's reservations, starts and drops on the rank with
-room, a PD prefill server's releases and KV writes from the rank a request ran on, and the
-registration of every rank's pool for those writes.
+room, a PD prefill server's releases from the rank a request ran on, and the registration
+of every rank's pool; or start one on a thread of that rank (`on_rank_later`: a PD prefill
+server's KV write), whose outcome comes back with a later report.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from .weight_update import updated
 
 log = logging.getLogger(__name__)
 
+# A reservation's answer while its grammar compiles on the rank (`_Reporter._reserve`)
+_COMPILING = "compiling"
 # Request fields that grow as it decodes, and the ones that are replaced.
 _GROWING = ("output_ids", "logprobs", "top_logprobs", "ranks", "token_ids_logprobs")
 _REPLACED = (
@@ -65,6 +68,8 @@ class RankReport:
     waiting_tokens: int
     counters: dict[str, float]
     updates: list[dict[str, Any]] = field(default_factory=list)
+    # `DPEngine.on_rank_later` calls that ended since: (key, ("ok", result) or ("error", why))
+    done: list[tuple[int, tuple[str, Any]]] = field(default_factory=list)
 
 
 class _Reporter:
@@ -85,7 +90,10 @@ class _Reporter:
         self.failed: list[Request] = []  # refused here: reported with the next step's
         self._compiler: ThreadPoolExecutor | None = None
         self.detached: dict[int, Request] = {}  # reserved here for a PD decode server
+        self.compiling: dict[tuple[str, str], Future] = {}  # their grammars, by grammar
         self.kept: dict[str, Any] = {}  # what `_call`'s functions keep while this rank runs
+        self._background: ThreadPoolExecutor | None = None
+        self._running: dict[int, Future] = {}  # `_call_later`'s, by key
 
     def apply(self, msg: tuple) -> None:
         _, adds, aborts, holds = msg
@@ -128,8 +136,9 @@ class _Reporter:
             req.metrics.arrival_time = came
 
     def close(self) -> None:
-        if self._compiler is not None:
-            self._compiler.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._compiler, self._background):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         for obj in self.kept.values():
             obj.close()
 
@@ -151,7 +160,17 @@ class _Reporter:
             out += (self.load(),)
         return self.engine.parallel.gather_objects(out)
 
-    def _reserve(self, rid: int, ids: list[int], params: SamplingParams) -> list[int] | None:
+    def _reserve(self, rid: int, ids: list[int], params: SamplingParams) -> list[int] | str | None:
+        """Its pages, None (no room), or `_COMPILING`: its grammar compiles on the worker
+        first, as an add's does, not here while every rank waits (rank 0 asks again)."""
+        grammar = params.grammar
+        if grammar is not None and not self.engine.grammars.compiled(grammar):
+            compiling = self.compiling.get(grammar)
+            if compiling is None:
+                self.compiling[grammar] = compiling = self._compile(params)
+            if not compiling.done():
+                return _COMPILING
+            del self.compiling[grammar]  # (compiled; or its error is `reserve_detached`'s)
         req = self.engine.reserve_detached(ids, params, rid=rid)
         if req is None:
             return None
@@ -177,7 +196,7 @@ class _Reporter:
             getattr(req, name).extend(values)
         req.metrics.arrival_time = time.perf_counter() - waited
         req.metrics.prefix_hit_tokens = prefix_hit_tokens
-        self.engine.start_decoding(req, first_token, routed)
+        self.engine.start_decoding(req, first_token, routed)  # (dropped there if it fails)
         return self._update(req)
 
     def _release(self, rid: int) -> None:
@@ -190,8 +209,25 @@ class _Reporter:
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(self, *args)`: a function of a package above this one (a PD server's pool
-        registration or KV write), with this rank's engine and `kept`."""
+        registration), with this rank's engine and `kept`."""
         return fn(self, *args)
+
+    def _call_later(self, key: int, fn: Callable[..., Any], *args: Any) -> None:
+        """`_call` on a thread of this rank's, while it steps (a PD prefill server's KV
+        write): its outcome comes with a later report (`RankReport.done`)."""
+        if self._background is None:
+            self._background = ThreadPoolExecutor(4, thread_name_prefix="dsakv-rank-call")
+        self._running[key] = self._background.submit(fn, self, *args)
+
+    def _done(self) -> list[tuple[int, tuple[str, Any]]]:
+        out = []
+        for key, fut in list(self._running.items()):
+            if fut.done():
+                del self._running[key]
+                e = fut.exception()
+                why = None if e is None else f"rank {self.engine.parallel.rank}: {one_line(e)}"
+                out.append((key, ("ok", fut.result()) if e is None else ("error", why)))
+        return out
 
     def report(self, stepped: list[Request]) -> RankReport:
         stepped, self.failed = self.failed + stepped, []
@@ -205,7 +241,7 @@ class _Reporter:
         counters["waiting_requests"] += len(self.pending)
         counters["waiting_tokens"] += sum(len(ids) for _, ids, _, _ in self.pending.values())
         waiting = int(counters["waiting_tokens"])
-        return RankReport(e.scheduler.available_pages(), waiting, counters)
+        return RankReport(e.scheduler.available_pages(), waiting, counters, done=self._done())
 
     def _update(self, req: Request) -> dict[str, Any]:
         """What is new in `req` since its last update."""
@@ -263,6 +299,7 @@ class DPEngine:
         self._adds: list[tuple[int, int, list[int], SamplingParams]] = []
         self._aborts: list[tuple[int, int]] = []
         self._holds: list[tuple[int, int]] = []
+        self._later: dict[tuple[int, int], Future] = {}  # (rank, key): `on_rank_later`'s
         world = self.parallel.world_size
         first = self._reporter.report([])
         self._reports: list[RankReport] = [first] * world
@@ -281,12 +318,11 @@ class DPEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         self.local.check_awake()  # (every rank sleeps and wakes with rank 0)
         ids = self.local.prompt_ids(prompt, params.truncate_prompt_tokens)
-        rank = self._pick_rank()
+        rank = self._by_room()[0]
         if rank == 0:
             req = self.local.add_request(ids, params)
         else:
-            self.local.check_request(params)  # the client's 400 here and now, not on a peer
-            self.local.check_routed_start(params, len(ids))
+            self._check_remote(params, ids)
             req = Request(ids, params, dp_rank=rank)
             req.status = Status.RUNNING
             self._remote[req.rid] = (rank, req)
@@ -302,8 +338,8 @@ class DPEngine:
             raise DsakvError(f"n must be in 1..{self.max_choices}, got {n!r}")
         return link_choices([self.add_request(prompt, params.choice(i)) for i in range(n)])
 
-    def _pick_rank(self) -> int:
-        """The rank with the most free KV pages once its queued prompts are counted."""
+    def _by_room(self) -> list[int]:
+        """The ranks, the most free KV pages first once their queued prompts are counted."""
         page = self.local.config.page_size
 
         def room(rank: int) -> int:
@@ -311,7 +347,13 @@ class DPEngine:
             queued = r.waiting_tokens + self._assigned_tokens[rank]
             return r.free_pages - -(-queued // page)
 
-        return max(range(self.parallel.world_size), key=lambda r: (room(r), -r))
+        return sorted(range(self.parallel.world_size), key=lambda r: (-room(r), r))
+
+    def _check_remote(self, params: SamplingParams, ids: list[int]) -> None:
+        """What rank 0 checks of a request another rank runs: the client's 400 here and
+        now, with its `param`, not a peer's error."""
+        self.local.check_request(params)
+        self.local.check_routed_start(params, len(ids))
 
     def abort(self, rid: int) -> None:
         if rid not in self._remote:
@@ -326,7 +368,9 @@ class DPEngine:
     def has_unfinished(self) -> bool:
         # (queued adds and aborts too: an idle server steps only while this holds, and the
         # step is what delivers them; an abort left queued held its request's pages)
-        return self.local.has_unfinished() or bool(self._remote) or bool(self._adds or self._aborts)
+        # (and calls still running on a rank: their outcome comes with a step's reports)
+        busy = self._remote or self._adds or self._aborts or self._later
+        return self.local.has_unfinished() or bool(busy)
 
     def flush_cache(self) -> bool:
         raise DsakvError(
@@ -378,23 +422,29 @@ class DPEngine:
     # --- a PD decode server's requests (`dsakv.engine.disagg`), on every rank ---------------
 
     def reserve_detached(self, prompt_ids: list[int], params: SamplingParams) -> Request | None:
-        """`Engine.reserve_detached` on the rank with the most room; the prefill server
+        """`Engine.reserve_detached` on the rank with the most room that takes it (the most
+        free pages may still be at its share of --max-running-requests); the prefill server
         writes into that rank's pool (`Request.dp_rank` says which: `on_ranks` registered
-        each). None while that rank has no room (the caller retries)."""
+        each). None while no rank takes it, or its grammar compiles on the rank (the caller
+        retries)."""
         self.local.check_awake()
-        rank = self._pick_rank()
-        if rank == 0:
-            req = self.local.reserve_detached(prompt_ids, params)
-        else:
-            self.local.check_request(params)  # the client's 400 here and now, not on a peer
-            req = Request(list(prompt_ids), params, dp_rank=rank)
-            pages = self._on_rank(rank, "reserve", req.rid, req.prompt_ids, params)[rank]
-            if pages is None:
+        ids = list(prompt_ids)
+        for rank in self._by_room():
+            if rank == 0:
+                req = self.local.reserve_detached(ids, params)
+                self._reports[0] = self._reporter.load()  # (as another rank's comes back)
+                if req is not None:
+                    return req
+                continue
+            self._check_remote(params, ids)
+            req = Request(ids, params, dp_rank=rank)
+            pages = self._on_rank(rank, "reserve", req.rid, ids, params)[rank]
+            if pages == _COMPILING:
                 return None
-            req.pages, self._detached[req.rid] = pages, req
-        if rank == 0 and req is not None:  # (another rank's load came with its pages)
-            self._assigned_tokens[0] += len(prompt_ids)
-        return req
+            if pages is not None:
+                req.pages, self._detached[req.rid] = pages, req
+                return req
+        return None
 
     def hold(self, req: Request) -> None:
         """`Engine.hold` where `req` runs (another rank's: with the step that adds it)."""
@@ -412,6 +462,7 @@ class DPEngine:
     def drop_detached(self, req: Request) -> None:
         if req.dp_rank == 0:
             self.local.drop_detached(req)
+            self._reports[0] = self._reporter.load()
             return
         del self._detached[req.rid]
         req.finish_reason, req.status = "abort", Status.FINISHED
@@ -434,7 +485,14 @@ class DPEngine:
         m = req.metrics
         waited = time.perf_counter() - m.arrival_time
         args = (req.rid, first_token, routed, grown, waited, m.prefix_hit_tokens)
-        up = self._on_rank(req.dp_rank, "start", *args)[req.dp_rank]
+        try:
+            up = self._on_rank(req.dp_rank, "start", *args)[req.dp_rank]
+        except DsakvError:  # (dropped there: it has ended, as one that fails here has)
+            for name, values in grown.items():
+                getattr(req, name).extend(values)
+            del self._detached[req.rid]
+            req.finish_reason, req.status = "abort", Status.FINISHED
+            raise
         del self._detached[req.rid]
         req.status = Status.RUNNING
         self._remote[req.rid] = (req.dp_rank, req)
@@ -447,9 +505,27 @@ class DPEngine:
         last while it runs); their results in rank order from rank 1."""
         return self._on_rank(None, "call", fn, *args)[1:]
 
-    def on_rank(self, rank: int, fn: Callable[..., Any], *args: Any) -> Any:
-        """`on_ranks` on one rank (not 0): every rank waits for it."""
-        return self._on_rank(rank, "call", fn, *args)[rank]
+    def on_rank_later(self, rank: int, key: int, fn: Callable[..., Any], *args: Any) -> Future:
+        """`fn(rank's _Reporter, *args)` on a thread of rank `rank` (not 0) while the ranks
+        step; the future gets its result (or a `DsakvError`) with a later report. `key`:
+        unique among that rank's calls still running (a request's rid)."""
+        fut: Future = Future()
+        self._later[rank, key] = fut
+        try:
+            self._on_rank(rank, "call_later", key, fn, *args)
+        except BaseException:
+            del self._later[rank, key]
+            raise
+        return fut
+
+    def _ended(self, rank: int, report: RankReport) -> None:
+        """Settle the futures of `rank`'s calls that `report` says ended."""
+        for key, (kind, value) in report.done:
+            fut = self._later.pop((rank, key))
+            if kind == "ok":
+                fut.set_result(value)
+            else:
+                fut.set_exception(DsakvError(value))
 
     def _on_rank(self, rank: int | None, op: str, *args: Any) -> list[Any]:
         """Every rank's result of `_Reporter.on_rank` (None where it did not run); an op
@@ -459,8 +535,9 @@ class DPEngine:
             self.leader.send(msg)
             outcomes = self._reporter.on_rank(msg)
         for r, out in enumerate(outcomes):
-            if out is not None:  # (its load now: /metrics and `_pick_rank` read it)
+            if out is not None:  # (its load now: /metrics and `_by_room` read it)
                 self._reports[r] = out[2]
+                self._ended(r, out[2])
         outcomes = [("ok", None) if out is None else out[:2] for out in outcomes]
         errors = [why for kind, why in outcomes if kind == "error"]
         if errors:
@@ -480,6 +557,8 @@ class DPEngine:
             out = self.local.step()
             reports = self.parallel.gather_objects(self._reporter.report(out))
         self._reports = reports
+        for r, report in enumerate(reports):
+            self._ended(r, report)
         self._assigned_tokens = [0] * self.parallel.world_size
         self.peak_running = max(
             self.peak_running, sum(int(r.counters["running_requests"]) for r in reports)

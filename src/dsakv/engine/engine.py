@@ -1151,14 +1151,18 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         None (vLLM's P/D, whose decode side picks it): the last prompt token runs here, its
         KV counted as not yet computed, so the first token follows this request's own
         sampling params (min_tokens, logit_bias, a grammar, a seed...)."""
-        if routed is not None:  # (kept as its own steps keep theirs)
-            req.capture.write(req.params.routed_experts_start_len, routed, None)
         n = len(req.prompt_ids)
-        # (with MTP, the draft layer's KV came too; the last position's is caught up here)
-        req.num_computed = n if first_token is not None else n - 1
-        latent = None if self.hot is None else self.scheduler.slots(req, n)
-        with self.rank_failures():  # (it came to rank 0's pool, and host latent rows)
-            self.runner.share_kv(req.pages, latent)
+        try:
+            if routed is not None:  # (kept as its own steps keep theirs)
+                req.capture.write(req.params.routed_experts_start_len, routed, None)
+            # (with MTP, the draft layer's KV came too; the last position's is caught up here)
+            req.num_computed = n if first_token is not None else n - 1
+            latent = None if self.hot is None else self.scheduler.slots(req, n)
+            with self.rank_failures():  # (it came to rank 0's pool, and host latent rows)
+                self.runner.share_kv(req.pages, latent)
+        except BaseException:
+            self.drop_detached(req)  # (it ends here: its pages and adapter back)
+            raise
         self.requests[req.rid] = req
         self.stats.prompt_tokens += n
         self.scheduler.adopt(req)

@@ -133,6 +133,11 @@ class GrammarCache:
                 self._compiled.popitem(last=False)
         return compiled
 
+    def compiled(self, grammar: tuple[str, str]) -> bool:
+        """Whether `compile` would answer at once (from the cache)."""
+        with self._lock:
+            return grammar in self._compiled
+
     def matcher(self, grammar: tuple[str, str]) -> Any:
         """A fresh matcher (one per request: it carries that request's parse state)."""
         return self._xgr.GrammarMatcher(self.compile(grammar))

@@ -24,9 +24,10 @@ A request's life, as the scheduler and the step drive it:
   `Engine._fail_unschedulable` says).
 
 Under tensor (and expert) parallelism every rank holds a replica: the same device slots
-and hot buffers of its own. The host latent is the same on every rank, so the ranks of a
-node map one (`node_shared_empty`) and only the node's first rank writes it (`end_step`;
-the others read those rows in later steps, after the message that follows the write).
+and hot buffers of its own. The host latent is the same on every rank, so on one machine
+the ranks map one (`machine_shared_empty`) and only rank 0 writes it (`end_step`; the
+others read those rows in later steps, after the message that follows the write); across
+machines each rank holds and writes its own.
 Rank 0's admissions and releases go into `journal`, which the other ranks replay before
 the step that follows them; each rank then runs `begin_step`, the resolves of its own
 layers and `end_step` over the same step (`ModelRunner`). Rank 0's counters are the
@@ -36,7 +37,6 @@ engine's.
 from __future__ import annotations
 
 import math
-import mmap
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +46,7 @@ import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan
 from dsakv.distributed import ParallelConfig, ParallelState
-from dsakv.distributed.node_memory import node_leader, node_shared_empty
+from dsakv.distributed.shared_memory import machine_shared_empty
 from dsakv.errors import ConfigError
 from dsakv.kernels.hisparse_ops import bind_newest, init_buffers
 from dsakv.memory.allocator import OutOfPages, PageAllocator, page_slots
@@ -63,21 +63,23 @@ from .request import Request
 
 
 def host_latents_per_node(parallel: ParallelConfig) -> int:
-    """The host latents one node holds. Under TP (and EP) every rank's latent is a replica
-    of rank 0's, so the node's ranks map one; under DP attention each rank holds its own
-    requests' (as every rank under SGLang's per-rank host pools)."""
-    return parallel.ranks_per_node if parallel.dp_attention else 1
+    """The host latents one node holds. Under TP (and EP) on one machine every rank's
+    latent is a replica of rank 0's, so the ranks map one (`machine_shared_empty`); across
+    machines, or under DP attention (each rank's own requests'), each rank holds its own,
+    as every rank does under SGLang's per-rank host pools."""
+    shared = not parallel.dp_attention and parallel.nnodes == 1
+    return 1 if shared else parallel.ranks_per_node
 
 
-def check_host_latent(layout: CacheLayout, num_pages: int, ranks: int = 1) -> str:
-    """Refuse a host latent of `num_pages` logical pages (every layer's latent row of each
-    of their tokens) past the machine's memory, as the pool and host tier are refused
-    (`check_fits`): the engine asks as soon as the pool's size is known, before the weights
-    load where it can. `ranks`: the ranks on this machine, each holding a host latent of its
-    own (a replica under TP). Returns how a failed allocation's error begins."""
+def check_host_latent(layout: CacheLayout, num_pages: int, copies: int = 1) -> str:
+    """Refuse `copies` host latents of `num_pages` logical pages each (every layer's latent
+    row of each of their tokens) past the machine's memory, as the pool and host tier are
+    refused (`check_fits`): the engine asks as soon as the pool's size is known, before the
+    weights load where it can, with the host latents this node holds
+    (`host_latents_per_node`). Returns how a failed allocation's error begins."""
     need = num_pages * layout.page_size * layout.latent_bytes_per_token
-    what = "HiSparse host latent" + (f" ({ranks} ranks' on this node)" if ranks > 1 else "")
-    return check_fits(need * ranks, torch.device("cpu"), what)
+    what = "HiSparse host latent" + (f" ({copies} ranks' on this node)" if copies > 1 else "")
+    return check_fits(need * copies, torch.device("cpu"), what)
 
 
 @dataclass
@@ -144,7 +146,7 @@ class HotBuffers:
         plan: LayerPlan,
         backend,
         device: torch.device,
-        parallel: ParallelState | None = None,
+        parallel: ParallelState,
     ) -> None:
         self.config, self.pool, self.backend, self.device = config, pool, backend, device
         ps, s = pool.page_size, config.device_buffer_size
@@ -158,14 +160,15 @@ class HotBuffers:
         self._group = {f: i for i, f in enumerate(self.groups)}
         self.device_rows = [pool.latent_data(i).view(torch.uint8) for i in layers]
         width = self.device_rows[0].shape[1]
-        # Under TP every rank's latent is a replica: the node's ranks map one host latent,
-        # which its first rank writes (`writes_host`); under DP attention each its own.
-        shared = parallel is not None and parallel.world_size > 1
-        shared = shared and not parallel.config.dp_attention
-        self.writes_host = not shared or parallel.rank == node_leader(parallel)
+        # Under TP on one machine every rank's latent is a replica: the ranks map one host
+        # latent, which rank 0 writes (`writes_host`); else each rank holds its own.
+        self.shared_host = shared = (
+            host_latents_per_node(parallel.config) == 1 < parallel.world_size
+        )
+        self.writes_host = not shared or parallel.rank == 0
         shape = (len(layers), pool.num_tokens, width)
         # (held: the page lock lasts as long as this tensor object, not its views)
-        self._host_block = self._host_latent(pool, shape, device, shared and parallel)
+        self._host_block = self._host_latent(pool, shape, device, parallel if shared else None)
         self.host = list(self._host_block.view(shape).unbind(0))
         rows = max(1, pool.latent_pages // self.buffer_pages)
         g = len(self.groups)
@@ -186,22 +189,19 @@ class HotBuffers:
 
     @staticmethod
     def _host_latent(
-        pool: DSAKVPool, shape: tuple[int, ...], device: torch.device, node: ParallelState | None
+        pool: DSAKVPool, shape: tuple[int, ...], device: torch.device, shared: ParallelState | None
     ) -> torch.Tensor:
         """Every layer's host latent rows (uint8) in one block, page-locked on CUDA; mapped
-        by every rank of the node when `node` is given. Not zero-filled (hundreds of GB at
-        real sizes): a row is written before it is read."""
+        by every rank when `shared` is given (`machine_shared_empty`). Not zero-filled
+        (hundreds of GB at real sizes): a row is written before it is read."""
         cannot = check_host_latent(pool.layout, pool.num_pages)
         try:
-            if not node and device.type == "cuda":
+            if shared is None and device.type == "cuda":
                 return pinned_empty(shape, torch.uint8)
-            if not node:
+            if shared is None:
                 return torch.empty(shape, dtype=torch.uint8)
-            nbytes = math.prod(shape)
-            block = node_shared_empty(node, nbytes, "hisparse-host-latent")
-            if device.type == "cuda":
-                block = page_lock(block, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-            return block
+            block = machine_shared_empty(shared, math.prod(shape), "hisparse-host-latent")
+            return page_lock(block, block.numel()) if device.type == "cuda" else block
         except (RuntimeError, MemoryError) as e:  # (less free than the machine has, say)
             if not allocation_failed(e):
                 raise
@@ -405,7 +405,7 @@ class HotBuffers:
     def end_step(self, step: HotStep) -> None:
         """Every token this step computed goes to the host, in every layer: the newest one's
         slot is overwritten next step, and evicted or prefix-hit rows are read from there."""
-        if not self.writes_host:  # (the node's first rank writes the one it shares)
+        if not self.writes_host:  # (rank 0 writes the one the ranks share)
             return
         src, dst = step.out_slots, step.logical_out.cpu()
         rows = torch.stack([dev.index_select(0, src) for dev in self.device_rows]).cpu()

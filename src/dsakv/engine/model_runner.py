@@ -12,9 +12,9 @@ rank schedules for itself, so nothing is broadcast here (see `dsakv.engine.dp`).
 
 Under HiSparse every rank holds hot buffers of its own (`dsakv.engine.hisparse`): rank
 0's admissions and releases travel with its messages as the host copies do, and each
-forward names the step's requests, so every rank builds the same `HotStep`. A node's ranks
-map one host latent, which the node's first rank writes after each step: a rank reads rows
-only in a later step, whose message comes after that write.
+forward names the step's requests, so every rank builds the same `HotStep`. On one machine
+the ranks map one host latent, which rank 0 writes after each step: a rank reads rows only
+in a later step, whose message comes after that write.
 
 Under pipeline parallelism every rank still runs each message: a stage runs its layers
 and hands its output to the next (`dsakv.models.stages`); hidden states stay on the last
@@ -176,17 +176,16 @@ class ModelRunner:
             lambda r, data: self.pool.write_pages(pages[r], data, index_k_only=hot),
             self.device,
         )
-        # The host latent rows: a node's ranks map one, which its first rank writes, so
-        # only the other nodes' need them (each layer's, host memory to host memory).
-        if latent_slots is None or self.parallel.config.nnodes == 1:
+        # The host latent rows, where the ranks hold one each (across machines): on one
+        # machine they map rank 0's (each layer's, host memory to host memory).
+        if latent_slots is None or self.hot.shared_host:
             return
-        writes = self.hot.writes_host
         for host in self.hot.host:
             self.parallel.broadcast_rows(
                 latent_slots.numel(),
                 host.shape[1],
                 lambda r, h=host: h.index_select(0, latent_slots[r]),
-                lambda r, data, h=host: writes and h.index_copy_(0, latent_slots[r], data),
+                lambda r, data, h=host: h.index_copy_(0, latent_slots[r], data),
                 self.device,
                 control=True,
             )

@@ -137,9 +137,11 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return page_lock(t, length)
 
 
-def page_lock(t: torch.Tensor, length: int) -> torch.Tensor:
-    """Register `length` bytes of host memory from `t`'s start (an OS page) with CUDA, until
-    `t` goes: copies to and from the device then run at full speed, asynchronously."""
+def page_lock(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """Register the OS pages of `nbytes` of host memory from `t`'s start (an OS page) with
+    CUDA, until `t` goes: copies to and from the device then run at full speed,
+    asynchronously. Every page is touched (backed) here."""
+    length = -(-nbytes // _OS_PAGE) * _OS_PAGE
     if length:
         cudart = torch.cuda.cudart()
         err = int(cudart.cudaHostRegister(t.data_ptr(), length, 0))
