@@ -253,3 +253,28 @@ def test_a_grammar_compiles_on_the_ranks_worker_before_it_reserves(dp_engine):
     for r in (first, answers[-1]):
         e.drop_detached(r)
     e.check_integrity()
+
+
+def _held_here(rank) -> list[int]:
+    """(On a rank:) the requests whose pages it keeps for a PD prefill server."""
+    return sorted(rank.engine.scheduler.held)
+
+
+def test_a_held_request_aborted_before_its_rank_ran_it_is_not_held_there(dp_engine):
+    """A PD prefill server's request for rank 1, held and aborted before the step that
+    brings both: rank 1 keeps nothing held for it (a hold left there kept weight updates
+    off that rank for good)."""
+    from dsakv import SamplingParams
+
+    e = dp_engine
+    first = e.reserve_detached(list(range(1, 41)), SamplingParams(max_tokens=4))
+    req = e.add_request([1, 2, 3], SamplingParams(max_tokens=1))
+    assert req.dp_rank == 1
+    e.hold(req)
+    e.abort(req.rid)
+    e.step()
+    assert e.on_ranks(_held_here) == [[]]
+    e.drop_detached(first)
+    while e.has_unfinished():
+        e.step()
+    e.check_integrity()

@@ -103,7 +103,10 @@ class _Reporter:
             if rank == me:
                 self.pending[rid] = (self._compile(params), ids, params, now)
         for rank, rid in aborts:
-            if rank == me and self.pending.pop(rid, None) is None:
+            if rank != me:
+                continue
+            self.engine.scheduler.held.discard(rid)  # (a PD prefill server's, maybe unrun)
+            if self.pending.pop(rid, None) is None:
                 self.engine.abort(rid)
                 self.sent.pop(rid, None)
         self._admit()
