@@ -6,7 +6,7 @@ handshake gives the prefill server that rank's session, buffers and pages
 (`DPEngine.start_decoding`). A prefill server's request runs on a rank of its own, which
 writes its held pages (`write_held`).
 
-glm-tiny is sparse (index_topk 16). Against one `dsakv serve --tp 2 --dp-attention` (whose
+glm-tiny is sparse (index_topk 16). Against one `LLM(tp=2, dp_attention=True)` (whose
 prefill is the DP prefill server's, and not the `--tp 2` one's: attention split over the
 ranks), prompts of at most 8 tokens and 8 new ones keep every context within index_topk, and
 requests run at once (other batches): the tokens are equal and the logprobs within float32
@@ -43,9 +43,8 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def servers(tiny, tmp_path_factory) -> Iterator[SimpleNamespace]:  # noqa: F811
-    """Prefill servers at --tp 2 and --tp 2 --dp-attention, decode servers at --tp 2
-    --dp-attention without and with HiSparse, and one `dsakv serve --tp 2 --dp-attention`;
-    all start at once."""
+    """Prefill servers at --tp 2 and --tp 2 --dp-attention, and decode servers at --tp 2
+    --dp-attention without and with HiSparse; all start at once."""
     root = tmp_path_factory.mktemp("disagg_dp")
     procs: dict[str, ServerProcess] = {}
     try:
@@ -53,13 +52,36 @@ def servers(tiny, tmp_path_factory) -> Iterator[SimpleNamespace]:  # noqa: F811
         procs["prefill_dp"], _ = start_prefill(root, "prefill_dp", tiny, *FLAGS, *DP2)
         procs["decode"] = start_decode(root, "decode", tiny, *FLAGS, *DP2)
         procs["decode_hs"] = start_decode(root, "decode_hs", tiny, *FLAGS, *DP2, *HISPARSE)
-        procs["plain"] = ServerProcess(root, "plain", tiny, *FLAGS, *DP2)
         for p in procs.values():
             p.wait_healthy(START_S)
         yield SimpleNamespace(**{name: p.url for name, p in procs.items()})
     finally:
         for p in procs.values():
             p.stop()
+
+
+@pytest.fixture(scope="module")
+def dp_llm(tiny) -> Iterator:  # noqa: F811
+    """`LLM(tp=2, dp_attention=True)` with the servers' pool (two requests running at most
+    on each rank): the single server the PD pairs are compared with, and the decode side's
+    engine ops in-process."""
+    from dsakv import LLM
+
+    from .test_hisparse_engine import EXACT
+
+    with LLM(tiny, **EXACT, tp=2, dp_attention=True, num_pages=64, max_running_requests=4) as llm:
+        yield llm
+
+
+def _reference(llm, prompts: list[list[int]]) -> list[tuple]:
+    """Each prompt's greedy tokens and logprobs from `llm`, the prompts run at once."""
+    from dsakv import SamplingParams
+
+    from .conftest import flat_logprobs
+
+    params = SamplingParams(**SHORT, logprobs=0)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [(o.token_ids, flat_logprobs(o.logprobs, o.token_ids)) for o in outs]
 
 
 def _completions(base: str, prompts: list[list[int]], params: dict) -> list[tuple]:
@@ -87,12 +109,12 @@ def _busy_ranks(base: str, stop) -> set[int]:
     return seen
 
 
-def test_pd_into_a_dp_attention_decode_server_runs_on_both_ranks(servers):
+def test_pd_into_a_dp_attention_decode_server_runs_on_both_ranks(servers, dp_llm):
     """Requests sent at once are reserved on both ranks (each the one with more room), the
     prefill server writes each into its rank's pool, and the tokens are the single
     server's; the decode server ends idle and leak-free on every rank."""
     prompts = _prompts(1, [5, 8, 6, 7, 8, 4])
-    want = _completions(servers.plain, prompts, SHORT)
+    want = _reference(dp_llm, prompts)
     with routing([servers.prefill], [servers.decode]) as base, ThreadPoolExecutor(1) as pool:
         long = {**SHORT, "max_tokens": 48}  # (long enough for /get_load to see both ranks)
         done = threading.Event()
@@ -106,12 +128,12 @@ def test_pd_into_a_dp_attention_decode_server_runs_on_both_ranks(servers):
     wait_idle(servers.decode)
 
 
-def test_a_dp_attention_prefill_server_ships_from_each_ranks_pool(servers):
+def test_a_dp_attention_prefill_server_ships_from_each_ranks_pool(servers, dp_llm):
     """vLLM's protocol: a DP prefill server runs each prompt on a rank of its own and keeps
     its pages there until the pickup (/get_load: both ranks hold some), then that rank
     writes them into the decode server's rank; the tokens are the single server's."""
     prompts = _prompts(4, [5, 8, 6, 7, 8, 4])
-    want = _completions(servers.plain, prompts, SHORT)
+    want = _reference(dp_llm, prompts)
     bodies = [{"model": "m", "prompt": p, "logprobs": 0, "return_token_ids": True, **SHORT}
               for p in prompts]  # fmt: skip
     held = [prefill_first(servers.prefill_dp, "/v1/completions", b) for b in bodies]
@@ -171,15 +193,9 @@ def test_a_dp_attention_pd_server_on_several_nodes_is_one_error_line(tiny, capsy
 # --- the decode side's engine ops, in-process ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dp_engine(tiny) -> Iterator:  # noqa: F811
-    """`LLM(tp=2, dp_attention=True)`, two requests running at most on each rank."""
-    from dsakv import LLM
-
-    from .test_hisparse_engine import EXACT
-
-    with LLM(tiny, **EXACT, tp=2, dp_attention=True, num_pages=64, max_running_requests=4) as llm:
-        yield llm.engine
+@pytest.fixture
+def dp_engine(dp_llm):
+    return dp_llm.engine
 
 
 def test_a_reservation_the_roomiest_rank_refuses_goes_to_another(dp_engine):
