@@ -294,3 +294,24 @@ def test_a_held_request_aborted_before_its_rank_ran_it_is_not_held_there(dp_engi
     while e.has_unfinished():
         e.step()
     e.check_integrity()
+
+
+def test_flush_cache_drops_every_ranks_prefix_cache(dp_llm):
+    """Under DP attention each rank holds a prefix cache of its own: `flush_cache` drops
+    every rank's (refused, False, while a request waits on any rank)."""
+    from dsakv import SamplingParams
+
+    e = dp_llm.engine
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(24)] for i in range(4)]
+    dp_llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    cached = [c["pages_cached"] for c in e.rank_counters()]
+    assert all(n > 0 for n in cached), cached  # (both ranks ran some)
+    waiting = e.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    assert e.flush_cache() is False
+    e.abort(waiting.rid)
+    while e.has_unfinished():
+        e.step()
+    assert e.flush_cache() is True
+    e.step()  # (the other ranks' counters come with a step)
+    assert [c["pages_cached"] for c in e.rank_counters()] == [0, 0]
+    e.check_integrity()

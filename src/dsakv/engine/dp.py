@@ -376,10 +376,12 @@ class DPEngine:
         return self.local.has_unfinished() or bool(busy)
 
     def flush_cache(self) -> bool:
-        raise DsakvError(
-            "flushing the cache does not run with --dp-attention yet (each rank "
-            "holds a prefix cache of its own)"
-        )
+        """`Engine.flush_cache` on every rank (each holds a prefix cache of its own), with
+        nothing running, waiting or held on any rank; False where one rank had something
+        (the others' caches dropped all the same: a cache, not state)."""
+        if self.has_unfinished():
+            return False
+        return all(self._on_every_rank("gathered_flush"))
 
     def update_weights(self, source: str | Path | GroupUpdate | TensorUpdate) -> bool:
         """`Engine.update_weights` on every rank: each loads the checkpoint (or receives a

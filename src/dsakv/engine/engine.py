@@ -111,6 +111,7 @@ _EVERY_RANK = frozenset(
     + PROFILE_CALLS
     + EXPERT_DISTRIBUTION_CALLS
     + ("read_lora_on_rank", "drop_lora_on_rank", "hisparse_replicas", "gathered_integrity")
+    + ("gathered_flush",)
 )
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
@@ -1739,6 +1740,11 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         except AssertionError as e:
             why = str(e)
         return gather_outcome(self.parallel, None, why)
+
+    def gathered_flush(self) -> list[bool]:
+        """This rank's `flush_cache`, every rank's outcome all-gathered (DP attention's
+        /flush_cache: each rank drops its own prefix cache)."""
+        return self.parallel.all_gather_objects(self.flush_cache())
 
     def hisparse_replicas(self) -> list[dict[str, object]] | None:
         """Every rank's `HotBuffers.replica_state()`, on rank 0 (an every-rank call)."""
