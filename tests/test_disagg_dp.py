@@ -17,7 +17,6 @@ plain decode server, fed by the same prefill server.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Iterator
@@ -29,16 +28,11 @@ import pytest
 
 from .conftest import cli_error_line
 from .serving import TIMEOUT, ServerProcess, routing, start_decode, start_prefill, wait_idle
-from .test_disagg_tp import FLAGS, HISPARSE, START_S, TP2, tiny  # noqa: F401
+from .test_disagg_tp import FLAGS, HISPARSE, START_S, TP2, _prompts, tiny  # noqa: F401
 from .test_vllm_pd import prefill_first, then_decode
 
 DP2 = [*TP2, "--dp-attention"]
 SHORT = {"temperature": 0, "ignore_eos": True, "max_tokens": 8}
-
-
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 250) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -158,16 +152,17 @@ def _assert_close(got: list[tuple], want: list[tuple]) -> None:
 
 
 def test_hisparse_dp_attention_decode_server_equals_the_plain_one(servers):
-    """Under HiSparse each rank's host latent takes its own requests' latent from the
-    prefill server: decode steps miss and copy rows in from it, on both ranks (the requests
-    sent at once), and the tokens and logprobs are the plain DP decode server's, fed by the
-    same prefill server, bit for bit (each request decodes alone on its rank)."""
+    """Under HiSparse each rank's host latent takes its own requests' latent from the DP
+    prefill server: decode steps miss and copy rows in from it, on both ranks (requests sent
+    at once), and the tokens and logprobs are the plain DP decode server's, fed by the same
+    prefill server: bit for bit one request at a time, within float32 noise at once (other
+    batches)."""
     prompts = _prompts(3, [60, 64, 70, 62])
     outs = {}
     for name in ("decode", "decode_hs"):
         # (a salt of its own: no prefix hit on the prefill server changes its KV's bits)
         params = {**SHORT, "max_tokens": 12, "cache_salt": name}
-        with routing([servers.prefill], [getattr(servers, name)]) as base:
+        with routing([servers.prefill_dp], [getattr(servers, name)]) as base:
             outs[name] = [_completions(base, [p], params)[0] for p in prompts[:2]]
             with ThreadPoolExecutor(1) as pool:
                 done = threading.Event()
@@ -215,9 +210,9 @@ def test_a_reservation_the_roomiest_rank_refuses_goes_to_another(dp_engine):
 
 
 def test_a_start_that_fails_on_its_rank_gives_its_pages_back(dp_engine):
-    """A start that fails on rank 1 (here: routed experts for a request that asked none)
-    drops the reservation there: rank 0 hears the error, nothing leaks, and the rank takes
-    the next request."""
+    """A start that fails (here: routed experts for a request that asked none) drops the
+    reservation, on rank 1 (rank 0 hears the error, named by rank) as on rank 0: nothing
+    leaks, and both ranks take the next requests."""
     import torch
 
     from dsakv import SamplingParams
@@ -226,10 +221,10 @@ def test_a_start_that_fails_on_its_rank_gives_its_pages_back(dp_engine):
     e, params = dp_engine, SamplingParams(max_tokens=4)
     reqs = _reserved_on_both(e, params)
     unasked = torch.zeros(3, 1, 1, dtype=torch.int32)
-    with pytest.raises(DsakvError, match="rank 1"):
+    with pytest.raises(DsakvError, match="rank 1: routed experts came for a request that"):
         e.start_decoding(reqs[1], 7, unasked)
-    with pytest.raises(AttributeError):  # (rank 0's own: the same, raised as it is)
-        e.start_decoding(reqs[0], 7, unasked)
+    with pytest.raises(DsakvError, match="^routed experts came for a request that asked"):
+        e.start_decoding(reqs[0], 7, unasked)  # (rank 0's own: the same)
     assert [r.finished for r in reqs] == [True, True]
     e.check_integrity()
     again = _reserved_on_both(e, params)
@@ -271,9 +266,10 @@ def test_a_grammar_compiles_on_the_ranks_worker_before_it_reserves(dp_engine):
     e.check_integrity()
 
 
-def _held_here(rank) -> list[int]:
-    """(On a rank:) the requests whose pages it keeps for a PD prefill server."""
-    return sorted(rank.engine.scheduler.held)
+def _held_here(engine, kept) -> list[int]:
+    """(On a rank: `DPEngine.on_ranks`) the requests it keeps pages for, for a PD prefill
+    server."""
+    return sorted(engine.scheduler.held)
 
 
 def test_a_held_request_aborted_before_its_rank_ran_it_is_not_held_there(dp_engine):
@@ -298,7 +294,8 @@ def test_a_held_request_aborted_before_its_rank_ran_it_is_not_held_there(dp_engi
 
 def test_flush_cache_drops_every_ranks_prefix_cache(dp_llm):
     """Under DP attention each rank holds a prefix cache of its own: `flush_cache` drops
-    every rank's (refused, False, while a request waits on any rank)."""
+    every rank's (refused, False, while a request waits anywhere or rank 1 holds one's
+    pages for a PD prefill server)."""
     from dsakv import SamplingParams
 
     e = dp_llm.engine
@@ -311,6 +308,16 @@ def test_flush_cache_drops_every_ranks_prefix_cache(dp_llm):
     e.abort(waiting.rid)
     while e.has_unfinished():
         e.step()
+    # Rank 1 keeps a finished request's pages for a PD prefill server: rank 1 refuses.
+    held = e.add_request([4, 5, 6], SamplingParams(max_tokens=1))
+    while held.dp_rank != 1:  # (each add counts on its rank until a step: the next, on 1)
+        e.abort(held.rid)
+        held = e.add_request([4, 5, 6], SamplingParams(max_tokens=1))
+    e.hold(held)
+    while e.has_unfinished():
+        e.step()
+    assert e.flush_cache() is False
+    e.release_held(held)
     assert e.flush_cache() is True
     e.step()  # (the other ranks' counters come with a step)
     assert [c["pages_cached"] for c in e.rank_counters()] == [0, 0]

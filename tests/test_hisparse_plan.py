@@ -379,3 +379,23 @@ def test_host_per_node_is_each_latents_times_the_latents():
         == 4 * split.host_bytes
         == 4 * plan_hisparse(_layout(), h, kv_budget_gib=10).host_bytes
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "shared"),
+    [
+        (dict(tp=2), True),
+        (dict(tp=2, ep=2), True),
+        (dict(tp=2, dp_attention=True), False),
+        (dict(tp=2, nnodes=2), False),  # (one rank a machine: each its own, not rank 0's)
+        (dict(tp=2, dp_attention=True, nnodes=2), False),
+        (dict(tp=1), False),
+    ],
+)
+def test_the_ranks_share_a_host_latent_only_under_tp_on_one_machine(flags, shared):
+    from dsakv.distributed import ParallelConfig
+    from dsakv.engine.hisparse import host_latents_per_node, shares_host_latent
+
+    pc = ParallelConfig(**flags)
+    assert shares_host_latent(pc) is shared
+    assert host_latents_per_node(pc) == (1 if shared else pc.ranks_per_node)

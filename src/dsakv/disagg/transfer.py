@@ -278,20 +278,25 @@ def register_pool(engine: Any, host: str) -> KVTransfer:
 # its own and writes from it: rank 0 has these run there (`DPEngine.on_ranks`, `on_rank`).
 
 
-def register_rank_pool(rank: Any, host: str) -> tuple[str, list[list[Any]]]:
+def register_rank_pool(engine: Any, kept: dict[str, Any], host: str) -> tuple[str, list]:
     """Register this rank's pool (kept while it runs); its session and buffers."""
-    transfer = rank.kept["kv_transfer"] = register_pool(rank.engine, host)
+    transfer = kept["kv_transfer"] = register_pool(engine, host)
     return transfer.session, transfer.describe()
 
 
 def write_held(
-    rank: Any, rid: int, peer_session: str, peer_buffers: Sequence[PeerBuffer], dst_pages: list[int]
+    engine: Any,
+    kept: dict[str, Any],
+    rid: int,
+    peer_session: str,
+    peer_buffers: Sequence[PeerBuffer],
+    dst_pages: list[int],
 ) -> tuple[int, float]:
-    """Write the prompt KV of a request held on this rank (`Scheduler.parked`) into the
-    peer's pages; (bytes, seconds)."""
-    req = rank.engine.scheduler.parked[rid]
-    src = prompt_pages(req, rank.engine.pool.page_size)
-    return rank.kept["kv_transfer"].write(
+    """Write the prompt KV of a request held on this rank (`Engine.held_request`) into the
+    peer's pages with this rank's registration; (bytes, seconds)."""
+    req = engine.held_request(rid)
+    src = prompt_pages(req, engine.pool.page_size)
+    return kept["kv_transfer"].write(
         peer_session, peer_buffers, src, dst_pages, len(req.prompt_ids)
     )
 

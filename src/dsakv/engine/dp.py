@@ -28,9 +28,10 @@ import torch
 
 from dsakv.distributed.leader import Leader
 from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate
-from dsakv.errors import DsakvError, one_line
+from dsakv.errors import DsakvError
 
 from .engine import Engine
+from .ranks import by_rank, said
 from .request import Request, Status, link_choices
 from .sampling import SamplingParams
 from .weight_update import updated
@@ -158,15 +159,18 @@ class _Reporter:
             try:
                 out = ("ok", getattr(self, f"_{op}")(*args))
             except Exception as e:  # noqa: BLE001 - this op's failure, not the rank's
-                out = ("error", f"rank {me}: {one_line(e)}")
+                out = ("error", said(e))
             self.engine.publish_kv_events()  # (pages it took from or gave to the cache)
-            out += (self.load(),)
+            out += (self.load(done=True),)
         return self.engine.parallel.gather_objects(out)
 
     def _reserve(self, rid: int, ids: list[int], params: SamplingParams) -> list[int] | str | None:
-        """Its pages, None (no room), or `_COMPILING`: its grammar compiles on the worker
-        first, as an add's does, not here while every rank waits (rank 0 asks again)."""
+        """Its pages, None (no room), or `_COMPILING`: its grammar compiles on this rank's
+        worker first, as an add's does (rank 0 compiled its own copy), not here while every
+        rank waits (rank 0 asks again)."""
         grammar = params.grammar
+        for g in [g for g, f in self.compiling.items() if f.done() and g != grammar]:
+            del self.compiling[g]  # (their reservations gone: compiled into the cache)
         if grammar is not None and not self.engine.grammars.compiled(grammar):
             compiling = self.compiling.get(grammar)
             if compiling is None:
@@ -204,47 +208,46 @@ class _Reporter:
 
     def _release(self, rid: int) -> None:
         """A prefill server's request held here: its pages go (it may never have run)."""
-        req = self.engine.scheduler.parked.get(rid)
-        if req is None:
-            self.engine.scheduler.held.discard(rid)
-        else:
-            self.engine.release_held(req)
+        self.engine.unhold(rid)
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(self, *args)`: a function of a package above this one (a PD server's pool
-        registration), with this rank's engine and `kept`."""
-        return fn(self, *args)
+        """`fn(engine, kept, *args)`: a function of a package above this one (a PD server's
+        pool registration), with this rank's engine and `kept`."""
+        return fn(self.engine, self.kept, *args)
 
     def _call_later(self, key: int, fn: Callable[..., Any], *args: Any) -> None:
         """`_call` on a thread of this rank's, while it steps (a PD prefill server's KV
         write): its outcome comes with a later report (`RankReport.done`)."""
         if self._background is None:
             self._background = ThreadPoolExecutor(4, thread_name_prefix="dsakv-rank-call")
-        self._running[key] = self._background.submit(fn, self, *args)
+        self._running[key] = self._background.submit(fn, self.engine, self.kept, *args)
 
     def _done(self) -> list[tuple[int, tuple[str, Any]]]:
+        """The `_call_later` calls that ended since, each once."""
         out = []
         for key, fut in list(self._running.items()):
             if fut.done():
                 del self._running[key]
                 e = fut.exception()
-                why = None if e is None else f"rank {self.engine.parallel.rank}: {one_line(e)}"
-                out.append((key, ("ok", fut.result()) if e is None else ("error", why)))
+                out.append((key, ("ok", fut.result()) if e is None else ("error", said(e))))
         return out
 
     def report(self, stepped: list[Request]) -> RankReport:
         stepped, self.failed = self.failed + stepped, []
-        report = self.load()
+        report = self.load(done=True)
         report.updates = [self._update(req) for req in stepped]
         return report
 
-    def load(self) -> RankReport:
+    def load(self, done: bool = False) -> RankReport:
+        """This rank's load; `done`: with the `_call_later` calls that ended (for rank 0,
+        which reads them: a report, an op's answer)."""
         e = self.engine
         counters = e.counters()  # (a request whose grammar compiles waits here, not queued)
         counters["waiting_requests"] += len(self.pending)
         counters["waiting_tokens"] += sum(len(ids) for _, ids, _, _ in self.pending.values())
         waiting = int(counters["waiting_tokens"])
-        return RankReport(e.scheduler.available_pages(), waiting, counters, done=self._done())
+        ended = self._done() if done else []
+        return RankReport(e.scheduler.available_pages(), waiting, counters, done=ended)
 
     def _update(self, req: Request) -> dict[str, Any]:
         """What is new in `req` since its last update."""
@@ -297,7 +300,6 @@ class DPEngine:
         self.leader = Leader(local.parallel)
         self._reporter = _Reporter(local)
         self._remote: dict[int, tuple[int, Request]] = {}  # rid -> (rank, mirror)
-        self._detached: dict[int, Request] = {}  # rid -> mirror, reserved on another rank
         self._sent: dict[int, float] = {}  # rid -> when the step that carried it was sent
         self._adds: list[tuple[int, int, list[int], SamplingParams]] = []
         self._aborts: list[tuple[int, int]] = []
@@ -434,22 +436,26 @@ class DPEngine:
         retries)."""
         self.local.check_awake()
         ids = list(prompt_ids)
+        self._check_remote(params, ids)
         for rank in self._by_room():
             if rank == 0:
                 req = self.local.reserve_detached(ids, params)
-                self._reports[0] = self._reporter.load()  # (as another rank's comes back)
+                self._refresh_local()
                 if req is not None:
                     return req
                 continue
-            self._check_remote(params, ids)
             req = Request(ids, params, dp_rank=rank)
             pages = self._on_rank(rank, "reserve", req.rid, ids, params)[rank]
             if pages == _COMPILING:
                 return None
             if pages is not None:
-                req.pages, self._detached[req.rid] = pages, req
+                req.pages = pages
                 return req
         return None
+
+    def _refresh_local(self) -> None:
+        """Rank 0's load now, as another rank's comes back with each op (`_by_room`)."""
+        self._reports[0] = self._reporter.load()
 
     def hold(self, req: Request) -> None:
         """`Engine.hold` where `req` runs (another rank's: with the step that adds it)."""
@@ -467,9 +473,8 @@ class DPEngine:
     def drop_detached(self, req: Request) -> None:
         if req.dp_rank == 0:
             self.local.drop_detached(req)
-            self._reports[0] = self._reporter.load()
+            self._refresh_local()
             return
-        del self._detached[req.rid]
         req.finish_reason, req.status = "abort", Status.FINISHED
         self._on_rank(req.dp_rank, "drop", req.rid)
 
@@ -495,25 +500,25 @@ class DPEngine:
         except DsakvError:  # (dropped there: it has ended, as one that fails here has)
             for name, values in grown.items():
                 getattr(req, name).extend(values)
-            del self._detached[req.rid]
             req.finish_reason, req.status = "abort", Status.FINISHED
             raise
-        del self._detached[req.rid]
         req.status = Status.RUNNING
         self._remote[req.rid] = (req.dp_rank, req)
         self._sent[req.rid] = m.arrival_time  # (the rank's times count from the arrival)
         self._mirror(up)
 
     def on_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """`fn(rank, *args)` on every rank but 0, between steps: `fn` picklable (a module's
-        function) and given that rank's `_Reporter` (its `engine`, and `kept` for what must
-        last while it runs); their results in rank order from rank 1."""
+        """`fn(engine, kept, *args)` on every rank but 0, between steps: `fn` picklable (a
+        module's function), given that rank's `Engine` and a dict for what must last while
+        the rank runs (its registered pool); their results in rank order from rank 1."""
         return self._on_rank(None, "call", fn, *args)[1:]
 
     def on_rank_later(self, rank: int, key: int, fn: Callable[..., Any], *args: Any) -> Future:
-        """`fn(rank's _Reporter, *args)` on a thread of rank `rank` (not 0) while the ranks
-        step; the future gets its result (or a `DsakvError`) with a later report. `key`:
-        unique among that rank's calls still running (a request's rid)."""
+        """`on_ranks`' `fn` on a thread of rank `rank` (not 0) while the ranks step; the
+        future gets its result (or a `DsakvError`) with a later report. `key`: unique among
+        that rank's calls still running (a request's rid)."""
+        if rank == 0:
+            raise ValueError("on_rank_later runs on another rank (rank 0 runs its own)")
         fut: Future = Future()
         self._later[rank, key] = fut
         try:
@@ -544,9 +549,9 @@ class DPEngine:
                 self._reports[r] = out[2]
                 self._ended(r, out[2])
         outcomes = [("ok", None) if out is None else out[:2] for out in outcomes]
-        errors = [why for kind, why in outcomes if kind == "error"]
-        if errors:
-            raise DsakvError("; ".join(errors))
+        whys = [why if kind == "error" else None for kind, why in outcomes]
+        if any(whys):
+            raise DsakvError(by_rank(whys))
         return [result for _, result in outcomes]
 
     # --- the step ------------------------------------------------------------------------------

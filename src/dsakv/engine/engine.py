@@ -111,7 +111,7 @@ _EVERY_RANK = frozenset(
     + PROFILE_CALLS
     + EXPERT_DISTRIBUTION_CALLS
     + ("read_lora_on_rank", "drop_lora_on_rank", "hisparse_replicas", "gathered_integrity")
-    + ("gathered_flush",)
+    + ("gathered_flush",)  # (DP attention's /flush_cache)
 )
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
@@ -1116,6 +1116,19 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
     def release_held(self, req: Request) -> None:
         self.scheduler.release_held(req)
 
+    def held_request(self, rid: int) -> Request:
+        """A request `hold` kept past its finish (KeyError: none is)."""
+        return self.scheduler.parked[rid]
+
+    def unhold(self, rid: int) -> None:
+        """`release_held` by number, whether or not the request ran (under DP attention, on
+        the rank that holds it)."""
+        req = self.scheduler.parked.get(rid)
+        if req is None:
+            self.scheduler.held.discard(rid)
+        else:
+            self.release_held(req)
+
     def reserve_detached(
         self, prompt_ids: list[int], params: SamplingParams, rid: int | None = None
     ) -> Request | None:
@@ -1126,9 +1139,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         (an unload meanwhile waits for it); its slot comes when it starts decoding. `rid`:
         rank 0's number for it (under DP attention, for another rank: `DPEngine`)."""
         self.check_awake()
-        req = Request(list(prompt_ids), params)
-        if rid is not None:
-            req.rid = rid
+        ids = list(prompt_ids)
+        req = Request(ids, params) if rid is None else Request(ids, params, rid=rid)
         self._init_request(req)  # its grammar matcher (the first token comes from prefill)
         if not self.scheduler.reserve_detached(req, len(req.prompt_ids) + 1):
             self._release_lora(req)
@@ -1155,6 +1167,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         n = len(req.prompt_ids)
         try:
             if routed is not None:  # (kept as its own steps keep theirs)
+                if req.capture is None:
+                    raise DsakvError("routed experts came for a request that asked for none")
                 req.capture.write(req.params.routed_experts_start_len, routed, None)
             # (with MTP, the draft layer's KV came too; the last position's is caught up here)
             req.num_computed = n if first_token is not None else n - 1

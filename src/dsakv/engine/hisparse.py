@@ -62,13 +62,17 @@ from dsakv.memory.pool import (
 from .request import Request
 
 
+def shares_host_latent(parallel: ParallelConfig) -> bool:
+    """Whether the ranks map one host latent (`machine_shared_empty`): under TP (and EP) on
+    one machine, where every rank's latent is a replica of rank 0's. Across machines, or
+    under DP attention (each rank's own requests'), each rank holds its own, as every rank
+    does under SGLang's per-rank host pools."""
+    return parallel.world_size > 1 and parallel.nnodes == 1 and not parallel.dp_attention
+
+
 def host_latents_per_node(parallel: ParallelConfig) -> int:
-    """The host latents one node holds. Under TP (and EP) on one machine every rank's
-    latent is a replica of rank 0's, so the ranks map one (`machine_shared_empty`); across
-    machines, or under DP attention (each rank's own requests'), each rank holds its own,
-    as every rank does under SGLang's per-rank host pools."""
-    shared = not parallel.dp_attention and parallel.nnodes == 1
-    return 1 if shared else parallel.ranks_per_node
+    """The host latents one node holds."""
+    return 1 if shares_host_latent(parallel) else parallel.ranks_per_node
 
 
 def check_host_latent(layout: CacheLayout, num_pages: int, copies: int = 1) -> str:
@@ -162,13 +166,11 @@ class HotBuffers:
         width = self.device_rows[0].shape[1]
         # Under TP on one machine every rank's latent is a replica: the ranks map one host
         # latent, which rank 0 writes (`writes_host`); else each rank holds its own.
-        self.shared_host = shared = (
-            host_latents_per_node(parallel.config) == 1 < parallel.world_size
-        )
+        self.shared_host = shared = shares_host_latent(parallel.config)
         self.writes_host = not shared or parallel.rank == 0
         shape = (len(layers), pool.num_tokens, width)
         # (held: the page lock lasts as long as this tensor object, not its views)
-        self._host_block = self._host_latent(pool, shape, device, parallel if shared else None)
+        self._host_block = self._host_latent(pool, shape, device, parallel, shared)
         self.host = list(self._host_block.view(shape).unbind(0))
         rows = max(1, pool.latent_pages // self.buffer_pages)
         g = len(self.groups)
@@ -189,18 +191,22 @@ class HotBuffers:
 
     @staticmethod
     def _host_latent(
-        pool: DSAKVPool, shape: tuple[int, ...], device: torch.device, shared: ParallelState | None
+        pool: DSAKVPool,
+        shape: tuple[int, ...],
+        device: torch.device,
+        parallel: ParallelState,
+        shared: bool,
     ) -> torch.Tensor:
         """Every layer's host latent rows (uint8) in one block, page-locked on CUDA; mapped
-        by every rank when `shared` is given (`machine_shared_empty`). Not zero-filled
-        (hundreds of GB at real sizes): a row is written before it is read."""
+        by every rank when `shared` (`machine_shared_empty`). Not zero-filled (hundreds of
+        GB at real sizes): a row is written before it is read."""
         cannot = check_host_latent(pool.layout, pool.num_pages)
         try:
-            if shared is None and device.type == "cuda":
+            if not shared and device.type == "cuda":
                 return pinned_empty(shape, torch.uint8)
-            if shared is None:
+            if not shared:
                 return torch.empty(shape, dtype=torch.uint8)
-            block = machine_shared_empty(shared, math.prod(shape), "hisparse-host-latent")
+            block = machine_shared_empty(parallel, math.prod(shape), "hisparse-host-latent")
             return page_lock(block, block.numel()) if device.type == "cuda" else block
         except (RuntimeError, MemoryError) as e:  # (less free than the machine has, say)
             if not allocation_failed(e):
