@@ -241,6 +241,24 @@ class ServerProcess:
             raise AssertionError(f"{e}\n{self.tail()}") from None
 
 
+@contextlib.contextmanager
+def servers_at_once(procs: dict[str, ServerProcess], timeout: float) -> Iterator[SimpleNamespace]:
+    """Yields a function that waits for every server in `procs` (started meanwhile, so
+    their loads overlap) and gives their URLs by name; every one is stopped after (its
+    other ranks die with it: parent-death signal), one that failed to start too."""
+    try:
+        yield lambda: _healthy(procs, timeout)
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def _healthy(procs: dict[str, ServerProcess], timeout: float) -> SimpleNamespace:
+    for p in procs.values():
+        p.wait_healthy(timeout)
+    return SimpleNamespace(**{name: p.url for name, p in procs.items()})
+
+
 def start_prefill(log_dir: Path, name: str, model: str, *flags: str) -> tuple[ServerProcess, int]:
     """A prefill server on a free bootstrap port; returns it and that port."""
     bport = free_port()

@@ -27,7 +27,15 @@ import httpx
 import pytest
 
 from .conftest import cli_error_line
-from .serving import TIMEOUT, ServerProcess, routing, start_decode, start_prefill, wait_idle
+from .serving import (
+    TIMEOUT,
+    ServerProcess,
+    routing,
+    servers_at_once,
+    start_decode,
+    start_prefill,
+    wait_idle,
+)
 from .test_disagg_tp import FLAGS, HISPARSE, START_S, TP2, _prompts, tiny  # noqa: F401
 from .test_vllm_pd import prefill_first, then_decode
 
@@ -41,17 +49,12 @@ def servers(tiny, tmp_path_factory) -> Iterator[SimpleNamespace]:  # noqa: F811
     --dp-attention without and with HiSparse; all start at once."""
     root = tmp_path_factory.mktemp("disagg_dp")
     procs: dict[str, ServerProcess] = {}
-    try:
+    with servers_at_once(procs, START_S) as healthy:
         procs["prefill"], _ = start_prefill(root, "prefill", tiny, *FLAGS, *TP2)
         procs["prefill_dp"], _ = start_prefill(root, "prefill_dp", tiny, *FLAGS, *DP2)
         procs["decode"] = start_decode(root, "decode", tiny, *FLAGS, *DP2)
         procs["decode_hs"] = start_decode(root, "decode_hs", tiny, *FLAGS, *DP2, *HISPARSE)
-        for p in procs.values():
-            p.wait_healthy(START_S)
-        yield SimpleNamespace(**{name: p.url for name, p in procs.items()})
-    finally:
-        for p in procs.values():
-            p.stop()
+        yield healthy()
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from .serving import (
     ServerProcess,
     routing,
     scrape_metrics,
+    servers_at_once,
     start_decode,
     start_prefill,
     wait_idle,
@@ -62,18 +63,13 @@ def servers(tiny, tmp_path_factory) -> Iterator[SimpleNamespace]:
     their loads overlap."""
     root = tmp_path_factory.mktemp("disagg_tp")
     procs: dict[str, ServerProcess] = {}
-    try:
+    with servers_at_once(procs, START_S) as healthy:
         procs["prefill"], _ = start_prefill(root, "prefill", tiny, *FLAGS, *TP2)
         procs["prefill_tp1"], _ = start_prefill(root, "prefill_tp1", tiny, *FLAGS, *TP1_AS_TP2)
         procs["decode"] = start_decode(root, "decode", tiny, *FLAGS, *TP2)
         procs["decode_hs"] = start_decode(root, "decode_hs", tiny, *FLAGS, *TP2, *HISPARSE)
         procs["plain"] = ServerProcess(root, "plain", tiny, *FLAGS, *TP2)
-        for p in procs.values():
-            p.wait_healthy(START_S)
-        yield SimpleNamespace(**{name: p.url for name, p in procs.items()})
-    finally:
-        for p in procs.values():
-            p.stop()  # (its other rank dies with it: parent-death signal)
+        yield healthy()
 
 
 def _greedy(base: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
