@@ -149,12 +149,19 @@ def test_servers_refuse_bad_addresses_before_loading(tiny_dir):
                 ["serve-pd", str(tiny_dir), "--prefill-port", "9123", "--decode-port", "9123"],
                 "must differ",
             ),  # fmt: skip
-            (["serve-pd", str(tiny_dir), "--tp", "2", "--dp-attention"], "--dp-attention yet"),
+            (
+                ["serve-pd", str(tiny_dir), "--tp", "2", "--dp-attention", "--nnodes", "2"]
+                + ["--dist-init-addr", "127.0.0.1:29999"],
+                "--dp-attention runs on one machine yet",
+            ),
             (["serve-pd", str(tiny_dir), "--pp-size", "2", "--port", taken], "--pp-size > 1"),
         ]
         for args, message in cases:
             proc = subprocess.run(
-                [sys.executable, "-m", "dsakv.cli", *args], capture_output=True, text=True
+                [sys.executable, "-m", "dsakv.cli", *args],
+                capture_output=True,
+                text=True,
+                timeout=120,  # (one that starts serving instead fails, not hangs the suite)
             )
             lines = proc.stderr.strip().splitlines()
             assert proc.returncode == 2 and len(lines) == 1, (args, proc.stderr[-2000:])

@@ -257,7 +257,7 @@ def test_a_dp_peers_model_fault_reaches_rank_0(glm_tiny, bad_adapter):
     engine = Engine(EngineConfig(glm_tiny, **EXACT, num_pages=16, enable_lora=True))
     engine.load_lora("bad", bad_adapter)
     peer = _Reporter(engine)
-    peer.apply(("step", [(0, 7, [3, 4, 5], _params(lora_name="bad"))], []))
+    peer.apply(("step", [(0, 7, [3, 4, 5], _params(lora_name="bad"))], [], []))
     ups = []
     while engine.has_unfinished():
         ups += peer.report(engine.step()).updates

@@ -659,13 +659,13 @@ def test_a_dp_peer_compiles_grammars_off_its_step_loop(model_dir):
     reporter = _Reporter(engine)
     try:
         adds = [(0, 101, [5, 6, 7], slow), (0, 102, [8, 9], plain), (0, 103, [5, 6], slow)]
-        reporter.apply(("step", adds, []))  # returns with the grammar still compiling
+        reporter.apply(("step", adds, [], []))  # returns with the grammar still compiling
         assert set(engine.requests) == {102} and set(reporter.pending) == {101, 103}
         assert reporter.report(engine.step()).waiting_tokens == 5  # pending ones count
-        reporter.apply(("step", [], [(0, 103)]))  # aborted while it waits
+        reporter.apply(("step", [], [(0, 103)], []))  # aborted while it waits
         gate.set()
         reporter.pending[101][0].result(TIMEOUT)
-        reporter.apply(("step", [], []))
+        reporter.apply(("step", [], [], []))
         assert not reporter.pending and 101 in engine.requests and 103 not in engine.requests
         req = engine.requests[101]
         while engine.has_unfinished():

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 # A reservation's answer while its grammar compiles on the rank (`_Reporter._reserve`)
 _COMPILING = "compiling"
+# How often an idle rank 0 asks for the outcome of calls running on other ranks (`_poll`)
+_POLL_S = 0.002
 # Request fields that grow as it decodes, and the ones that are replaced.
 _GROWING = ("output_ids", "logprobs", "top_logprobs", "ranks", "token_ids_logprobs")
 _REPLACED = (
@@ -205,6 +207,9 @@ class _Reporter:
         req.metrics.prefix_hit_tokens = prefix_hit_tokens
         self.engine.start_decoding(req, first_token, routed)  # (dropped there if it fails)
         return self._update(req)
+
+    def _poll(self) -> None:
+        """Nothing: its load, with the `_call_later` calls that ended, comes with the answer."""
 
     def _release(self, rid: int) -> None:
         """A prefill server's request held here: its pages go (it may never have run)."""
@@ -557,6 +562,9 @@ class DPEngine:
     # --- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
+        busy = self._remote or self._adds or self._aborts or self.local.has_unfinished()
+        if self._later and not busy:  # (only calls on ranks: no rank has a batch to run)
+            return self._poll()
         with self.leader.lock, self.local.rank_failures():
             msg = ("step", self._adds, self._aborts, self._holds)
             self._adds, self._aborts, self._holds = [], [], []
@@ -579,6 +587,13 @@ class DPEngine:
                 if mirror is not None:
                     out.append(mirror)
         return out
+
+    def _poll(self) -> list[Request]:
+        """Ask the ranks whose `on_rank_later` calls run for their outcomes, a little later,
+        instead of a step that every rank joins with an empty batch (a model forward)."""
+        time.sleep(_POLL_S)
+        self._on_rank(None, "poll")
+        return []
 
     def _mirror(self, up: dict[str, Any]) -> Request | None:
         entry = self._remote.get(up["rid"])
