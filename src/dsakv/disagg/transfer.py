@@ -275,7 +275,7 @@ def register_pool(engine: Any, host: str) -> KVTransfer:
 
 
 # Under DP attention each rank's pool holds its own requests' KV, so each rank registers
-# its own and writes from it: rank 0 has these run there (`DPEngine.on_ranks`, `on_rank`).
+# its own and writes from it: rank 0 has these run there (`DPEngine.on_ranks`, `on_rank_later`).
 
 
 def register_rank_pool(engine: Any, kept: dict[str, Any], host: str) -> tuple[str, list]:
