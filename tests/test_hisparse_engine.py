@@ -32,6 +32,9 @@ from .conftest import assert_integrity_catches, cli_error_line
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=8)
 HS = {"host_to_device_ratio": 8}  # top_k 16 (index_topk), buffer 32
+HS_SMALL = {"device_buffer_size": 32, "host_to_device_ratio": 8}
+NGRAM = dict(speculative_algorithm="ngram")  # 3 drafts: a verify computes 4 tokens
+HS_VERIFY = {"device_buffer_size": 64, "host_to_device_ratio": 4}  # 4 × top_k, the least
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
@@ -418,12 +421,88 @@ def test_reservations_take_what_the_retracted_leave(
     e.check_integrity()
 
 
+# --- speculative decoding (n-gram drafts): a verify's tokens against the hot buffer --------
+
+
+def _looping(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase (what prompt lookup drafts from), 50-130 tokens."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        phrase = [rng.randrange(1, 250) for _ in range(rng.randint(5, 14))]
+        tail = [rng.randrange(1, 250) for _ in range(rng.randint(0, 30))]
+        out.append(phrase * rng.randint(4, 8) + tail if i % 3 else tail + phrase * 3)
+    return out
+
+
+LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def looping(tiny):
+    """Plain decode (no drafts, no HiSparse) in a pool that holds every request at once."""
+    prompts = _looping(8)
+    return prompts, _run(_engine(tiny, num_pages=256), prompts, LONG, check_every_step=False)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),
+        dict(attention_backend="torch"),
+        dict(chunked_prefill_size=16, max_running_requests=3),
+        dict(hisparse_config={**HS_VERIFY, "host_to_device_ratio": 1}, enable_prefix_cache=False),
+    ],
+    ids=["cpu", "torch", "chunked", "retract"],
+)
+def test_ngram_drafts_verify_against_the_hot_buffer(tiny, looping, variant):
+    """A verify's 4 tokens run as decode rows, the union of their top-k resolved at once
+    (a buffer of 4 × top_k holds it), each new token in an entry or reserved slot of its
+    own: past the buffer, with misses, the greedy tokens are plain decode's."""
+    prompts, want = looping
+    kw = dict(num_pages=40, enable_hisparse=True, hisparse_config=HS_VERIFY, **NGRAM)
+    on = _engine(tiny, **{**kw, **variant})
+    assert on.hot.buffer_pages == 9  # 64 entries and 4 reserved slots
+    assert _run(on, prompts, LONG) == want
+    c = on.counters()
+    assert 0 < c["spec_accepted_tokens"] < c["spec_draft_tokens"]  # (kept and refused)
+    assert c["hisparse_misses"] > 0 and c["hisparse_hot_buffers"] == 0
+    if "enable_prefix_cache" in variant:  # (logical pages as the limit: recomputed)
+        assert c["retractions"] > 0
+
+
+def test_ngram_seeded_samples_and_pd_decode(tiny, looping):
+    """Seeded samples are the ones plain decode draws; a PD decode server with HiSparse
+    verifies drafts from its first decode step on (its buffer loaded from the host)."""
+    prompts, _ = looping
+    seeded = [replace(LONG, temperature=0.8, seed=i) for i in range(len(prompts))]
+    plain = _engine(tiny, num_pages=256)
+    want = [_run(plain, [p], s, check_every_step=False)[0] for p, s in zip(prompts, seeded)]
+    on = _engine(tiny, num_pages=40, enable_hisparse=True, hisparse_config=HS_VERIFY, **NGRAM)
+    got = [_run(on, [p], s)[0] for p, s in zip(prompts, seeded)]
+    assert got == want
+    assert on.counters()["spec_accepted_tokens"] > 0
+    prefill = _engine(tiny, num_pages=64)
+    decode = _engine(tiny, num_pages=12, enable_hisparse=True, hisparse_config=HS_VERIFY, **NGRAM)
+    want = _run(plain, prompts, LONG, check_every_step=False)
+    got = []
+    with _pd(prefill, decode) as start:
+        for p in prompts:
+            req = start(p, LONG)
+            while decode.has_unfinished():
+                decode.step()
+            got.append(req.output_ids)
+    decode.check_integrity()
+    assert got == want
+    c = decode.counters()
+    assert c["spec_accepted_tokens"] > 0 and c["hisparse_misses"] > 0
+
+
 def test_bad_settings_are_one_clear_error(tiny):
     with pytest.raises(DsakvError, match="needs --enable-hisparse"):
         EngineConfig(model=tiny, hisparse_config={"top_k": 16})
     for kw, msg in (
         (dict(speculative_algorithm="mtp"), "--speculative-algorithm mtp"),
-        (dict(speculative_algorithm="ngram"), "--speculative-algorithm ngram"),
         (dict(pp=2), "--pp-size 2"),
         (dict(host_pool_gib=1.0), "host-pool-gib"),
         (dict(chunked_prefill_size=1), "chunked-prefill-size 1"),  # (every prompt dropped)
@@ -440,6 +519,9 @@ def test_bad_settings_are_one_clear_error(tiny):
     ):
         with pytest.raises(DsakvError, match=msg):
             _engine(tiny, num_pages=8, enable_hisparse=True, hisparse_config=cfg)
+    # A verify's 1 + 3 tokens resolve their top-k at once: the buffer holds 4 × top_k
+    with pytest.raises(DsakvError, match=r"must be >= 64 \(4 tokens a step × top_k 16\)"):
+        _engine(tiny, num_pages=16, enable_hisparse=True, hisparse_config=HS_SMALL, **NGRAM)
     with pytest.raises(DsakvError, match="less than one hot buffer"):  # refused every prompt
         _engine(tiny, num_pages=4, enable_hisparse=True, hisparse_config=HS)  # 32 slots
     on = _engine(tiny, num_pages=5, enable_hisparse=True, hisparse_config=HS)  # 40 slots

@@ -284,7 +284,7 @@ def test_plan_refuses_what_the_engine_refuses(capsys):
     ("flags", "what"),
     [
         (["--tp", "8", "--pp-size", "2"], "--pp-size 2"),
-        (["--draft-layers", "1"], "--draft-layers (speculative decoding)"),
+        (["--draft-layers", "1"], "--draft-layers (a draft layer's KV)"),
     ],
 )
 def test_plan_refuses_what_hisparse_does_not_run_with(flags, what, capsys):

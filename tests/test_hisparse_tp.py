@@ -33,6 +33,8 @@ PARALLEL = {
     "tp2": dict(tp=2),
     "tp2-ep2": dict(tp=2, ep=2),
     "dp-attention": dict(tp=2, dp_attention=True),
+    # (n-gram drafts: every rank runs a verify's tokens as decode rows over its replica)
+    "tp2-ngram": dict(tp=2, speculative_algorithm="ngram"),
 }
 
 
@@ -99,7 +101,16 @@ def test_greedy_tokens_and_logprobs_equal_without_hisparse(generated, parallel):
     tokens and logprobs are bit-equal while decode steps miss their hot buffers and copy
     rows in from the host, on every rank's replica (TP) or every rank's own (DP)."""
     on, off = generated(parallel, True), generated(parallel, False)
-    assert on["batch"] == off["batch"]
+    if parallel == "tp2-ngram":
+        # A verify's tokens run as decode rows under HiSparse, as one extend without (the
+        # eager torch ops of two ranks sum them in another order): the tokens are equal,
+        # the logprobs within rounding (measured: at most 1.4e-6 apart)
+        assert [t for t, _ in on["batch"]] == [t for t, _ in off["batch"]]
+        for (_, a), (_, b) in zip(on["batch"], off["batch"]):
+            assert a == pytest.approx(b, abs=1e-5)
+        assert 0 < on["counters"]["spec_accepted_tokens"] < on["counters"]["spec_draft_tokens"]
+    else:
+        assert on["batch"] == off["batch"]
     assert on["alone"] == off["alone"]
     c = on["counters"]
     assert c["hisparse_misses"] > 0 and c["hisparse_rows_to_device"] > c["hisparse_misses"]

@@ -96,7 +96,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     parallel.check_model(config)
     stages = parallel.stage_layers(plan.num_layers)  # (refuses a partition that does not fit)
     if hisparse is not None:  # what the engine refuses is not planned
-        check_runs_with(mtp="--draft-layers" if args.draft_layers else None, pp=parallel.pp)
+        check_runs_with(draft_layer="--draft-layers" if args.draft_layers else None, pp=parallel.pp)
     subtracted = args.gpu_memory_gib is not None and args.weights_gib is None
     try:
         weights = estimate_weight_bytes(

@@ -19,7 +19,9 @@ from dsakv.errors import ConfigError, is_int, load_object
 
 HISPARSE_KEYS = ("top_k", "device_buffer_size", "host_to_device_ratio")
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
-BUFFER_PER_TOP_K = 2  # default buffer = 2 × top_k: at exactly top_k the LRU thrashes
+# Default buffer: one top_k past what a step can select (2 × top_k without speculative
+# decoding, SGLang's: at exactly top_k the LRU thrashes at its boundary).
+BUFFER_PER_TOP_K = 2
 # The resolve kernels' sort keys pack a buffer entry's id in 16 bits; kernels/hisparse_ops.py
 # (whose checks the Triton resolve runs too) imports this bound as its MAX_BUFFER.
 MAX_DEVICE_BUFFER_SIZE = 1 << 16
@@ -35,17 +37,17 @@ def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
 
 def check_runs_with(
     *,
-    mtp: str | None = None,
+    draft_layer: str | None = None,
     pp: int = 1,
     host_pool: str | None = None,
     storage: bool = False,
     chunked_prefill_size: int = 2,
 ) -> None:
     """Refuse what HiSparse does not run with yet, one ConfigError: the engine refuses it,
-    so `dsakv plan` must not plan it either. `mtp` and `host_pool` are the flags that turned
-    speculative decoding (MTP, n-gram) and a host KV tier on, if any."""
+    so `dsakv plan` must not plan it either. `draft_layer` and `host_pool` are the flags that
+    turned a draft layer (MTP) and a host KV tier on, if any."""
     refused = (
-        (mtp is not None, f"{mtp} (speculative decoding)"),
+        (draft_layer is not None, f"{draft_layer} (a draft layer's KV)"),
         (pp > 1, f"--pp-size {pp}"),
         (host_pool is not None, f"a host KV tier ({host_pool}: HiSparse's holds the latent)"),
         (storage, "--hicache-storage-backend"),
@@ -78,20 +80,28 @@ def model_index_topk(model_config: Any) -> int:
 
 @dataclass(frozen=True)
 class HiSparseConfig:
-    """Hot-buffer size and host:device ratio for HiSparse, with SGLang's key names."""
+    """Hot-buffer size and host:device ratio for HiSparse, with SGLang's key names.
+
+    `step_tokens` is not one of them: the most tokens a decoding request computes in one
+    step, 1 + its drafts under speculative decoding. Each has a reserved slot past the
+    buffer, and the union of their top-k must fit the buffer at once (one attention launch
+    reads it): device_buffer_size >= step_tokens × top_k."""
 
     top_k: int
     device_buffer_size: int
     host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
+    step_tokens: int = 1
 
     def __post_init__(self) -> None:
         _check_int("top_k", self.top_k, 1)
-        _check_int(
-            "device_buffer_size",
-            self.device_buffer_size,
-            self.top_k,
-            f" (top_k {self.top_k})",
-        )
+        if not is_int(self.step_tokens) or self.step_tokens < 1:
+            raise ConfigError(
+                f"HiSparse step_tokens must be an integer >= 1, got {self.step_tokens!r}"
+            )
+        t = self.step_tokens
+        least = t * self.top_k
+        why = f" (top_k {self.top_k})" if t == 1 else f" ({t} tokens a step × top_k {self.top_k})"
+        _check_int("device_buffer_size", self.device_buffer_size, least, why)
         if self.device_buffer_size > MAX_DEVICE_BUFFER_SIZE:
             raise ConfigError(
                 f"hisparse-config device_buffer_size must be <= {MAX_DEVICE_BUFFER_SIZE} (the "
@@ -100,11 +110,13 @@ class HiSparseConfig:
         _check_int("host_to_device_ratio", self.host_to_device_ratio, 1)
 
     @classmethod
-    def parse(cls, source: str | Mapping[str, Any] | None, model_config: Any) -> HiSparseConfig:
+    def parse(
+        cls, source: str | Mapping[str, Any] | None, model_config: Any, step_tokens: int = 1
+    ) -> HiSparseConfig:
         """Read `--hisparse-config` (JSON text, a dict or None) and apply the defaults.
 
-        top_k defaults to the model's `index_topk`, device_buffer_size to 2 × top_k and
-        host_to_device_ratio to 2. Raises one ConfigError per problem: invalid JSON, not an
+        top_k defaults to the model's `index_topk`, device_buffer_size to
+        (step_tokens + 1) × top_k (2 × top_k without drafts) and host_to_device_ratio to 2. Raises one ConfigError per problem: invalid JSON, not an
         object, unknown keys, non-integer or out-of-range values, a top_k other than the
         model's (the hot buffer must hold what one indexer step selects), or a model without
         an indexer.
@@ -117,9 +129,10 @@ class HiSparseConfig:
                 f"hisparse-config top_k {top_k} must be this model's index_topk ({index_topk}): "
                 "the indexer selects index_topk positions per step"
             )
-        buffer = raw.get("device_buffer_size", BUFFER_PER_TOP_K * top_k)
+        default = (BUFFER_PER_TOP_K - 1 + step_tokens) * top_k
+        buffer = raw.get("device_buffer_size", default)
         ratio = raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO)
-        return cls(top_k, buffer, ratio)
+        return cls(top_k, buffer, ratio, step_tokens)
 
     @staticmethod
     def read(source: str | Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -129,9 +142,15 @@ class HiSparseConfig:
             source = source.strip() or "{}"
         return load_object({} if source is None else source, HISPARSE_KEYS, "--hisparse-config")
 
+    @property
+    def buffer_slots(self) -> int:
+        """Device latent slots one hot buffer holds: its entries, then one reserved slot per
+        token a step computes."""
+        return self.device_buffer_size + self.step_tokens
+
     def buffer_pages(self, page_size: int) -> int:
-        """Pages one hot buffer takes: its entries, then the newest token's reserved slot."""
-        return -(-(self.device_buffer_size + 1) // page_size)
+        """Pages one hot buffer takes (`buffer_slots`)."""
+        return -(-self.buffer_slots // page_size)
 
     def check_pool(self, latent_pages: int, page_size: int) -> None:
         """A device latent pool of `latent_pages` pages holds one hot buffer, or no request
@@ -140,9 +159,10 @@ class HiSparseConfig:
         if pages > latent_pages:
             raise ConfigError(
                 f"HiSparse: the device latent pool ({latent_pages * page_size} tokens) holds less "
-                f"than one hot buffer (device_buffer_size {s} + 1 slot, {pages} "
-                "pages): give the pool more pages or the buffer fewer slots"
+                f"than one hot buffer (device_buffer_size {s} + {self.step_tokens} reserved, "
+                f"{pages} pages): give the pool more pages or the buffer fewer slots"
             )
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        """SGLang's keys."""
+        return {k: v for k, v in asdict(self).items() if k in HISPARSE_KEYS}

@@ -483,13 +483,21 @@ class EngineConfig:
             if self.hisparse_config is not None:
                 raise DsakvError("--hisparse-config needs --enable-hisparse")
             return
+        mtp = self.speculative_algorithm == "mtp"
         check_runs_with(
-            mtp=f"--speculative-algorithm {a}" if (a := self.speculative_algorithm) else None,
+            draft_layer="--speculative-algorithm mtp" if mtp else None,
             pp=self.pp,
             host_pool=self.host_tier_flag,
             storage=self.hicache_storage_backend is not None,
             chunked_prefill_size=self.chunked_prefill_size,
         )
+
+    @property
+    def draft_tokens(self) -> int:
+        """The most drafts a request verifies in one step (0 without speculative decoding)."""
+        if self.speculative_algorithm is None:
+            return 0
+        return self.speculative_num_steps or DRAFT_STEPS
 
     @property
     def host_tier_flag(self) -> str | None:

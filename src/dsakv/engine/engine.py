@@ -38,7 +38,7 @@ from dsakv.memory.release import Stash
 from dsakv.memory.storage import storage_namespace
 from dsakv.metrics import STEP_TOKEN_BOUNDS, STEP_TOKEN_KEYS, LoraRequests, bucket_index
 
-from .config import DRAFT_STEPS, MAX_GRAPH_BATCH, EngineConfig, has_tokenizer, resolve_device
+from .config import MAX_GRAPH_BATCH, EngineConfig, has_tokenizer, resolve_device
 from .cuda_graph import DecodeGraphs
 from .detokenizer import TokenTexts, chars_per_token
 from .expert_distribution import EXPERT_DISTRIBUTION_CALLS, ExpertDistributionMixin
@@ -377,7 +377,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             hot_buffers=self.hot,
         )
         self.drafter: Drafter | None = None
-        steps = config.speculative_num_steps or DRAFT_STEPS
+        steps = config.draft_tokens
         if config.speculative_algorithm == "ngram":
             self.drafter = NGramDrafter(steps, self.max_model_len, *config.ngram_window)
         elif config.speculative_algorithm == "mtp":
@@ -612,7 +612,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         the indexer's: `HiSparseConfig.parse`, which `dsakv plan` shares)."""
         if not self.config.enable_hisparse:
             return None
-        return HiSparseConfig.parse(self.config.hisparse_config, model_config)
+        step_tokens = 1 + self.config.draft_tokens  # (a verify's: its last token and drafts)
+        return HiSparseConfig.parse(self.config.hisparse_config, model_config, step_tokens)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Padded, graph-capturable decode steps: for the graph-safe backends on one rank

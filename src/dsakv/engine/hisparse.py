@@ -3,8 +3,8 @@
 Every token's latent lives in host memory (`host[layer]`, one row per logical slot, the
 stored bytes of the device pool's format); the device latent pool holds only device slots,
 a second address space with its own page allocator: the whole prompt while a request is
-prefilled, then its hot buffer of `device_buffer_size` slots plus one page (the newest
-token). Index-K stays on the device for every logical token, on full layers only when
+prefilled, then its hot buffer of `device_buffer_size` slots and a reserved slot for each
+token a step computes (1, or 1 + drafts under speculative decoding). Index-K stays on the device for every logical token, on full layers only when
 elided: the indexer scores the whole history.
 
 A request's life, as the scheduler and the step drive it:
@@ -13,11 +13,14 @@ A request's life, as the scheduler and the step drive it:
   of prefix-cache hits copied in from the host (a hit's rows are on the host: every computed
   token is written there right after its step, `end_step`).
 - Multi-token steps read and write its latent pages like the dense layout.
-- Its first one-token step (`begin_step`) shrinks it to its hot buffer: the first buffer
-  pages stay, entry j holding position j; the rest go back. From then on each full layer's
-  top-k is resolved against the buffer (hits stay, least recently used entries make room,
-  misses are copied from the host) and the layers sharing that top-k replay the same copy
-  list: the buffer state is per IndexShare group, the slots are the same in every layer.
+- Its first decode step (one token, or one verifying drafts: `begin_step`) shrinks it to
+  its hot buffer: the first buffer pages stay, entry j holding position j; the rest go
+  back. From then on each full layer's top-k is resolved against the buffer (hits stay,
+  least recently used entries make room, misses are copied from the host) and the layers
+  sharing that top-k replay the same copy list: the buffer state is per IndexShare group,
+  the slots are the same in every layer. A verify's tokens run as decode rows of their own
+  (`HotStep.decode_rows`); the union of their top-k is resolved at once, since one
+  attention launch reads it.
 - `free`: on finish, abort and retraction (a retracted request is recomputed: prefilled
   if the device holds its context, else its prompt prefilled and its outputs decoded again;
   a PD decode request whose prompt the device cannot hold ends instead, cut short, as
@@ -40,6 +43,7 @@ import math
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -154,7 +158,7 @@ class HotBuffers:
     ) -> None:
         self.config, self.pool, self.backend, self.device = config, pool, backend, device
         ps, s = pool.page_size, config.device_buffer_size
-        self.page_size, self.size = ps, s
+        self.page_size, self.size, self.step_tokens = ps, s, config.step_tokens
         config.check_pool(pool.latent_pages, ps)
         self.buffer_pages = config.buffer_pages(ps)
         self.allocator = PageAllocator(pool.latent_pages, ps)
@@ -178,7 +182,7 @@ class HotBuffers:
         self.stamp = torch.full((g, rows, s), -1, dtype=torch.int64, device=device)
         # int32 positions and slots, int64 recency: the dtypes the compile check builds
         self.buf_slot = torch.zeros(rows, s, dtype=torch.int32, device=device)
-        self.reserved = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.reserved = torch.zeros(rows, config.step_tokens, dtype=torch.int32, device=device)
         self._free_rows = list(range(rows - 1, -1, -1))
         self._reqs: dict[int, _Hot] = {}
         self._clock = 0
@@ -265,11 +269,12 @@ class HotBuffers:
         return req.seq_len if self.fits(req.seq_len) else len(req.prompt_ids)
 
     def _pages_for(self, req: Request) -> int:
-        return -(-max(self.prefill_end(req), self.size + 1) // self.page_size)
+        return -(-max(self.prefill_end(req), self.config.buffer_slots) // self.page_size)
 
     def fits(self, prompt_len: int) -> bool:
         """Whether a prompt can ever be prefilled: its latent must all be on the device."""
-        return -(-max(prompt_len + 1, self.size + 1) // self.page_size) <= self.allocator.num_pages
+        need = max(prompt_len + 1, self.config.buffer_slots)
+        return -(-need // self.page_size) <= self.allocator.num_pages
 
     def can_admit(
         self, req: Request, detached: bool = False, behind: Iterable[Request] = (), freed: int = 0
@@ -377,11 +382,11 @@ class HotBuffers:
         self, entries: Sequence[tuple[int, int, int]], slots: Sequence[torch.Tensor]
     ) -> HotStep:
         """Where this step's latent goes and comes from: `entries[i]` is request i's (rid,
-        first position, tokens) this step, `slots[i]` its logical slots of every position
-        the step covers."""
+        first position, tokens the scheduler gave it) this step, `slots[i]` its logical slots
+        of every position the step covers (the drafts a decode step verifies included)."""
         self._clock += 1
         outs: list[torch.Tensor | None] = []
-        req_slots, rows, newest = [], [], []
+        req_slots, rows, newest, counts = [], [], [], []
         for (rid, start, n), sl in zip(entries, slots, strict=True):
             hot = self._reqs[rid]
             if n == 1 and hot.row < 0:
@@ -391,17 +396,24 @@ class HotBuffers:
                 outs.append(lat[start:])
                 req_slots.append(lat)
             else:
-                assert n == 1, "a decoding request runs one token a step (MTP is refused)"
+                tokens = sl.shape[0] - start  # (its one token and the drafts after it)
+                if not n == 1 <= tokens <= self.step_tokens:
+                    raise RuntimeError(
+                        f"request {rid} decodes {tokens} tokens ({n} scheduled); its hot "
+                        f"buffer reserves slots for {self.step_tokens}"
+                    )
                 rows.append(hot.row)
                 newest.append(start)
+                counts.append(tokens)
                 outs.append(None)  # bound below
-                req_slots.append(torch.empty(0, dtype=torch.long))
-        step = HotStep(self, list(entries), rows, newest, req_slots)
+                req_slots.append(None)
+        step = HotStep(self, list(entries), rows, newest, counts, req_slots)
         if not entries:  # (an idle rank's step under DP attention)
             return step
-        if rows:  # the newest token's latent slot: its own entry while < S, else reserved
-            bound = iter(step.bind_newest().long().cpu().split(1))
-            outs = [next(bound) if o is None else o for o in outs]
+        if rows:  # the new tokens' latent slots: their own entries while < S, else reserved
+            bound = step.bind_newest().long().cpu()
+            taken = iter(b[:t] for b, t in zip(bound, counts, strict=True))
+            outs = [next(taken) if o is None else o for o in outs]
         step.out_slots = torch.cat(outs).to(self.device)
         step.logical_out = torch.cat(
             [sl[start:] for (_, start, _), sl in zip(entries, slots, strict=True)]
@@ -421,8 +433,8 @@ class HotBuffers:
 
     def _enter_decode(self, hot: _Hot, computed: int, logical: torch.Tensor) -> None:
         """Shrink a request to its hot buffer: its first `buffer_pages` latent pages stay,
-        entry j holding position j (resident for j < computed), the slot after them is
-        reserved for the newest token. A PD request loads those entries from the host
+        entry j holding position j (resident for j < computed), the slots after them are
+        reserved for the tokens of a step. A PD request loads those entries from the host
         (`logical`: its logical slots)."""
         keep, extra = hot.pages[: self.buffer_pages], hot.pages[self.buffer_pages :]
         if extra:
@@ -433,7 +445,7 @@ class HotBuffers:
         hot.row = r = self._free_rows.pop()
         lat = page_slots(keep, self.page_size).to(self.device)
         self.buf_slot[r] = lat[: self.size]
-        self.reserved[r] = lat[self.size]
+        self.reserved[r] = lat[self.size : self.size + self.step_tokens]
         if hot.on_host:
             n = min(computed, self.size)
             src = logical[:n].to(self.device)
@@ -445,9 +457,15 @@ class HotBuffers:
 
 
 class HotStep:
-    """One step's hot-buffer view for the model (`ForwardBatch.hot`): the decode requests'
-    state rows in batch order, their newest positions, and `resolve` for each full layer;
-    `entries`, what it was built from (`HotBuffers.begin_step`), for the other ranks."""
+    """One step's hot-buffer view for the model (`ForwardBatch.hot`): the decoding requests'
+    state rows in batch order, the first position each computes this step (`newest`) and
+    how many (`counts`: 1, or 1 + the drafts it verifies), and `resolve` for each full
+    layer; `entries`, what it was built from (`HotBuffers.begin_step`), for the other ranks.
+
+    The model runs a decoding request's tokens as decode rows of their own (`decode_rows`):
+    row j at position newest + j over its context up to there. A full layer resolves the
+    union of a request's rows' top-k against its buffer at once, since one attention launch
+    reads every row's (the config keeps step_tokens × top_k within the buffer)."""
 
     def __init__(
         self,
@@ -455,44 +473,97 @@ class HotStep:
         entries: list[tuple[int, int, int]],
         rows: list[int],
         newest: list[int],
-        req_slots: list[torch.Tensor],
+        counts: list[int],
+        req_slots: list[torch.Tensor | None],
     ) -> None:
         dev = hb.device
-        self.hb, self.entries = hb, entries
+        self.hb, self.entries, self.counts = hb, entries, counts
         self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
         self.newest = torch.tensor(newest, dtype=torch.long, device=dev)
-        self.req_slots = [s.to(dev) for s in req_slots]  # extend requests' latent slots
+        # Per request: decoding (None) or its latent slots (extending); per model request
+        # after `decode_rows`: an extending request's latent slots, nothing for a decode row.
+        self.decoding = [s is None for s in req_slots]
+        per_count = iter(counts)
+        none = torch.empty(0, dtype=torch.long, device=dev)
+        self.req_slots = [
+            x for s in req_slots for x in ([none] * next(per_count) if s is None else [s.to(dev)])
+        ]
+        # Decode row q is token j of decoding request owner[q]; `union_at` places it in the
+        # [B × width] stack that `resolve` reads as one row of width × K columns a request.
+        self.width = max(counts, default=1)
+        owner = [i for i, t in enumerate(counts) for _ in range(t)]
+        at = [i * self.width + j for i, t in enumerate(counts) for j in range(t)]
+        self.owner = torch.tensor(owner, dtype=torch.long, device=dev)
+        self.union_at = torch.tensor(at, dtype=torch.long, device=dev)
+        self.row_start = self.newest.index_select(0, self.owner)
+        firsts = [0, *accumulate(counts)][:-1]  # (each request's first decode row)
+        self.first_rows = torch.tensor(firsts, dtype=torch.long, device=dev)
         self.out_slots = torch.empty(0, dtype=torch.long, device=dev)  # this step's latent
         self.logical_out = torch.empty(0, dtype=torch.long, device=dev)  # ... and host rows
-        self.newest_slot = torch.empty(0, dtype=torch.int32, device=dev)
+        self.newest_slot = torch.empty(0, 0, dtype=torch.int32, device=dev)
+
+    def decode_rows(
+        self, new_tokens: Sequence[Sequence[int]], req_slots: Sequence
+    ) -> tuple[list[Sequence[int]], list]:
+        """The step's requests as the model runs them: a decoding request's tokens one
+        decode row each, row j over the slots of its context up to its own position."""
+        toks: list[Sequence[int]] = []
+        slots: list = []
+        for t, sl, decoding in zip(new_tokens, req_slots, self.decoding, strict=True):
+            if not decoding or len(t) == 1:
+                toks.append(t)
+                slots.append(sl)
+                continue
+            first = len(sl) - len(t)
+            for j, token in enumerate(t):
+                toks.append([token])
+                slots.append(sl[: first + j + 1])
+        return toks, slots
 
     def bind_newest(self) -> torch.Tensor:
-        """Each decode row's newest-token slot: buffer entry `newest` while newest < S (it
-        stays resident, in every group alike), else the reserved slot."""
+        """Each decoding request's new tokens' slots `[B, width]`: token j (at newest + j)
+        takes buffer entry newest + j while that is < S (it stays resident, in every group
+        alike), else reserved slot j; columns past a request's count are not read."""
         hb, r = self.hb, self.rows
         slot, reserved = hb.buf_slot.index_select(0, r), hb.reserved.index_select(0, r)
-        for g in range(len(hb.groups)):
-            pos = hb.buf_pos[g].index_select(0, r)
-            self.newest_slot = bind_newest(pos, slot, self.newest, reserved)
-            hb.buf_pos[g].index_copy_(0, r, pos)
+        counts = torch.tensor(self.counts, dtype=torch.long, device=hb.device)
+        cols = []
+        for j in range(self.width):
+            at = torch.where(j < counts, self.newest + j, -1)
+            for g in range(len(hb.groups)):
+                pos = hb.buf_pos[g].index_select(0, r)
+                bound = bind_newest(pos, slot, at, reserved[:, j])
+                hb.buf_pos[g].index_copy_(0, r, pos)
+            cols.append(bound)
+        self.newest_slot = torch.stack(cols, 1)
         return self.newest_slot
 
     def resolve(
         self, layer: int, positions: torch.Tensor, valid: torch.Tensor, table: torch.Tensor
     ) -> torch.Tensor:
-        """Device latent slots `[B, K]` of a full layer's decode top-k (`positions` into each
-        request's context, `table[B, W]` its logical slots). The misses' rows are copied from
-        the host into this layer and every layer sharing its top-k (one copy list for the
-        group). Invalid columns get slot 0, which attention masks."""
+        """Device latent slots `[Q, K]` of a full layer's top-k for the step's decode rows
+        (`positions` into each row's context, `table[Q, W]` its logical slots). A position
+        this step computes takes the slot `bind_newest` gave it; a request's others are
+        resolved against its buffer, the misses' rows copied from the host into this layer
+        and every layer sharing its top-k (one copy list for the group). Invalid columns
+        get slot 0, which attention masks."""
         hb = self.hb
         g, r = hb._group[layer], self.rows
+        b, k = r.shape[0], positions.shape[1]
+        topk = torch.where(valid, positions, -1)
+        new = topk >= self.row_start[:, None]  # (-1 never is)
+        looked = torch.where(new, -1, topk).to(torch.int32)
+        union = looked
+        if self.width > 1:
+            union = torch.full((b * self.width, k), -1, dtype=torch.int32, device=hb.device)
+            union = union.index_copy_(0, self.union_at, looked).view(b, self.width * k)
         pos = hb.buf_pos[g].index_select(0, r)
         stamp = hb.stamp[g].index_select(0, r)
-        topk = torch.where(valid, positions, -1).to(torch.int32)
+        unbound = torch.full((b,), -1, dtype=torch.int32, device=hb.device)  # (new: above)
         slots, miss_pos, miss_slot = hb.backend.hot_resolve(
-            topk,
-            self.newest,
-            self.newest_slot,
+            union,
+            unbound,
+            unbound,
             pos,
             stamp,
             hb.buf_slot.index_select(0, r),
@@ -500,8 +571,15 @@ class HotStep:
         )
         hb.buf_pos[g].index_copy_(0, r, pos)
         hb.stamp[g].index_copy_(0, r, stamp)
+        if self.width > 1:
+            slots = slots.view(b * self.width, k).index_select(0, self.union_at)
+        step = (topk - self.row_start[:, None]).clamp(0, self.width - 1)
+        bound = self.newest_slot.index_select(0, self.owner).gather(1, step)
+        slots = torch.where(new, bound.to(slots.dtype), slots)
         missed = miss_pos >= 0
-        src = torch.where(missed, table.gather(1, miss_pos.long().clamp(min=0)), -1)
+        # (every row's context covers what its request misses: positions before newest)
+        ctx = table.index_select(0, self.first_rows)
+        src = torch.where(missed, ctx.gather(1, miss_pos.long().clamp(min=0)), -1)
         group = hb.groups[layer]
         hb.backend.hot_copy(
             [hb.host[i] for i in group],
@@ -510,7 +588,7 @@ class HotStep:
             miss_slot.reshape(-1),
         )
         n_miss = missed.sum()
-        looked_up = ((topk >= 0) & (topk != self.newest[:, None])).sum()
+        looked_up = (looked >= 0).sum()
         hb._counts += torch.stack([looked_up - n_miss, n_miss, n_miss * len(group)])
         hb.stats.resolves += 1
         return torch.where(valid, slots, 0).long()

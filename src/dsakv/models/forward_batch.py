@@ -225,8 +225,11 @@ class ForwardBatch:
         """Build a batch from each request's new tokens and the slots of its whole context.
 
         `req_slots[r]` covers positions `0..seq_len-1`; the last `len(new_tokens[r])` of them
-        are where this step's tokens go. Handy for tests and simple drivers.
+        are where this step's tokens go. Handy for tests and simple drivers. Under HiSparse
+        (`hot`) a decoding request's tokens (a verify's) are decode rows of their own.
         """
+        if hot is not None:
+            new_tokens, req_slots = hot.decode_rows(new_tokens, req_slots)
         ids, pos, outs, ext, seqs, slots_list = [], [], [], [], [], []
         for toks, slots in zip(new_tokens, req_slots, strict=True):
             slots_t = torch.as_tensor(slots, dtype=torch.long, device=device)
