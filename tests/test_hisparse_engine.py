@@ -26,6 +26,7 @@ from dsakv.engine import Engine, EngineConfig, Request, SamplingParams
 from dsakv.engine import disagg as ops
 from dsakv.engine.hisparse import _Hot
 from dsakv.errors import DsakvError
+from dsakv.memory.allocator import page_slots
 from dsakv.models.tiny import write_tiny_model
 
 from .conftest import assert_integrity_catches, cli_error_line
@@ -267,7 +268,7 @@ def _pd(
     src = KVTransfer(prefill.pool)
     dst = KVTransfer(decode.pool, host_latent=decode.hot.host)
     peer = [PeerBuffer.of(d) for d in dst.buffers]
-    assert len(peer) == 8 + len(decode.layout.index_k_layers)
+    assert len(peer) == decode.layout.num_layers + len(decode.layout.index_k_layers)
 
     def start(prompt: list[int], params: SamplingParams) -> Request | None:
         req = ops.reserve(decode, prompt, params)
@@ -498,11 +499,119 @@ def test_ngram_seeded_samples_and_pd_decode(tiny, looping):
     assert c["spec_accepted_tokens"] > 0 and c["hisparse_misses"] > 0
 
 
+# --- MTP: the draft layer's latent in the hot buffers and on the host too -----------------
+
+MTP = dict(speculative_algorithm="mtp")  # 3 drafts
+
+
+def _mtp_run(engine: Engine, prompts) -> tuple[list, tuple[int, int]]:
+    """Each request's tokens and logprobs, and how many drafts were made and kept."""
+    params = replace(LONG, logprobs=0)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    c = engine.counters()
+    return [(r.output_ids, r.logprobs) for r in reqs], (
+        c["spec_draft_tokens"],
+        c["spec_accepted_tokens"],
+    )
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(glm_tiny):
+    """MTP (glm-tiny's fitted draft layer) without HiSparse, every request at once, per
+    attention backend (each sums in its own order)."""
+    prompts, done = _prompts(8, seed=4), {}
+
+    def run(backend: str = "auto"):
+        if backend not in done:
+            e = _engine(glm_tiny, num_pages=256, attention_backend=backend, **MTP)
+            done[backend] = _mtp_run(e, prompts)
+        return prompts, *done[backend]
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),
+        dict(attention_backend="torch"),
+        dict(chunked_prefill_size=16, max_running_requests=3),
+        dict(hisparse_config={**HS_VERIFY, "host_to_device_ratio": 1}, enable_prefix_cache=False),
+    ],
+    ids=["cpu", "torch", "chunked", "retract"],
+)
+def test_mtp_drafts_from_the_draft_layers_hot_buffer(glm_tiny, mtp_reference, variant):
+    """The draft layer is one more full layer of the hot buffers (its own group): its
+    catch-ups and chain steps are steps of their own there, their rows written to the host
+    after them. Past the buffer, with misses, tokens and logprobs are MTP's without
+    HiSparse, and so are the drafts (made and kept alike: the draft layer read its rows)."""
+    prompts, want, drafts = mtp_reference(variant.get("attention_backend", "auto"))
+    kw = dict(num_pages=40, enable_hisparse=True, hisparse_config=HS_VERIFY, **MTP)
+    on = _engine(glm_tiny, **{**kw, **variant})
+    assert on.hot.groups[8] == [8]  # (the draft layer: index num_hidden_layers)
+    got, made_kept = _mtp_run(on, prompts)
+    if "attention_backend" in variant:  # (eager torch ops sum a batch of another size in
+        assert [t for t, _ in got] == [t for t, _ in want]  # another order: measured
+        for (_, a), (_, b) in zip(got, want):  # 1.4e-6 apart, as plain decode's are)
+            assert a == pytest.approx(b, abs=1e-5)
+    else:
+        assert got == want
+    c = on.counters()
+    assert c["hisparse_misses"] > 0 and c["hisparse_hot_buffers"] == 0
+    if "enable_prefix_cache" in variant:  # (recomputed: drafted again)
+        assert c["retractions"] > 0 and c["spec_accepted_tokens"] > 0
+    else:
+        assert made_kept == drafts
+
+
+def test_mtp_a_finished_requests_last_step_reaches_the_host(glm_tiny):
+    """A finished request's pages join the prefix cache with their draft KV: the catch-up
+    over its last step runs before its hot buffer goes, so the host holds the draft
+    layer's rows of every cached position, byte for byte the pool's without HiSparse."""
+    prompt = _prompts(1, seed=3, lo=57, hi=57)[0]  # 57 + 39 computed = 12 full pages
+    off = _engine(glm_tiny, num_pages=64, **MTP)
+    on = _engine(glm_tiny, num_pages=40, enable_hisparse=True, hisparse_config=HS_VERIFY, **MTP)
+    outs = [_run(e, [prompt], LONG)[0] for e in (off, on)]
+    assert outs[0] == outs[1]
+    tokens = prompt + outs[0][:-1]
+
+    def slots(e: Engine) -> torch.Tensor:
+        pages = [n.page for n in e.scheduler.cache.match(tokens, len(tokens) // 8)]
+        assert len(pages) == 12
+        return page_slots(pages, 8)
+
+    pool = off.pool.latent_data(8).view(torch.uint8)
+    assert torch.equal(on.hot.host[8][slots(on)], pool[slots(off)])
+
+
+def test_mtp_pd_decode_server(glm_tiny, mtp_reference):
+    """A PD decode server with HiSparse and MTP: the prefill server's draft KV arrives with
+    the rest (the draft layer's latent in host rows), and the decode side drafts as the
+    colocated engine does."""
+    prompts, want, _ = mtp_reference()
+    prefill = _engine(glm_tiny, num_pages=64, **MTP)
+    decode = _engine(glm_tiny, num_pages=12, enable_hisparse=True, hisparse_config=HS_VERIFY, **MTP)
+    params = replace(LONG, logprobs=0)
+    got = []
+    with _pd(prefill, decode) as start:
+        for p in prompts:
+            req = start(p, params)
+            while decode.has_unfinished():
+                decode.step()
+            got.append((req.output_ids, req.logprobs))
+    decode.check_integrity()
+    assert [t for t, _ in got] == [t for t, _ in want]
+    c = decode.counters()
+    assert c["spec_accepted_tokens"] > 0 and c["hisparse_misses"] > 0
+
+
 def test_bad_settings_are_one_clear_error(tiny):
     with pytest.raises(DsakvError, match="needs --enable-hisparse"):
         EngineConfig(model=tiny, hisparse_config={"top_k": 16})
     for kw, msg in (
-        (dict(speculative_algorithm="mtp"), "--speculative-algorithm mtp"),
         (dict(pp=2), "--pp-size 2"),
         (dict(host_pool_gib=1.0), "host-pool-gib"),
         (dict(chunked_prefill_size=1), "chunked-prefill-size 1"),  # (every prompt dropped)

@@ -33,8 +33,11 @@ PARALLEL = {
     "tp2": dict(tp=2),
     "tp2-ep2": dict(tp=2, ep=2),
     "dp-attention": dict(tp=2, dp_attention=True),
-    # (n-gram drafts: every rank runs a verify's tokens as decode rows over its replica)
+    # (drafts: every rank runs a verify's tokens as decode rows over its replica; MTP's
+    # draft layer steps over its own hot buffers too)
     "tp2-ngram": dict(tp=2, speculative_algorithm="ngram"),
+    "tp2-mtp": dict(tp=2, speculative_algorithm="mtp"),
+    "dp-attention-mtp": dict(tp=2, dp_attention=True, speculative_algorithm="mtp"),
 }
 
 
@@ -101,7 +104,7 @@ def test_greedy_tokens_and_logprobs_equal_without_hisparse(generated, parallel):
     tokens and logprobs are bit-equal while decode steps miss their hot buffers and copy
     rows in from the host, on every rank's replica (TP) or every rank's own (DP)."""
     on, off = generated(parallel, True), generated(parallel, False)
-    if parallel == "tp2-ngram":
+    if "speculative_algorithm" in PARALLEL[parallel]:
         # A verify's tokens run as decode rows under HiSparse, as one extend without (the
         # eager torch ops of two ranks sum them in another order): the tokens are equal,
         # the logprobs within rounding (measured: at most 1.4e-6 apart)
@@ -115,7 +118,7 @@ def test_greedy_tokens_and_logprobs_equal_without_hisparse(generated, parallel):
     c = on["counters"]
     assert c["hisparse_misses"] > 0 and c["hisparse_rows_to_device"] > c["hisparse_misses"]
     assert off["counters"]["hisparse_misses"] == 0
-    if parallel == "dp-attention":  # (counters sum the ranks; each rank missed on its own)
+    if "dp_attention" in PARALLEL[parallel]:  # (counters sum the ranks; each missed alone)
         assert [r["hisparse_misses"] > 0 for r in on["ranks"]] == [True, True]
         assert sum(r["hisparse_misses"] for r in on["ranks"]) == c["hisparse_misses"]
         assert c["hisparse_host_tokens_total"] == 2 * NUM_PAGES * 8 * HS["host_to_device_ratio"]
@@ -129,7 +132,7 @@ def test_a_nodes_tp_ranks_map_one_host_latent(generated, parallel):
     maps = generated(parallel, True)["maps"]
     assert len(maps) == 2, maps  # (this process, rank 0, and rank 1)
     inodes = list(maps.values())
-    if parallel == "dp-attention":
+    if "dp_attention" in PARALLEL[parallel]:
         assert inodes == [set(), set()]
     else:
         assert len(inodes[0]) == 1 and inodes[0] == inodes[1], maps
@@ -278,9 +281,8 @@ def test_serve_tp2_with_hisparse_equals_offline_and_reports_misses(glm_tiny, gen
     "flags, refused",
     [
         (["--tp", "2", "--pp-size", "2"], "--pp-size 2"),
-        (["--tp", "2", "--speculative-algorithm", "mtp"], "--speculative-algorithm mtp"),
     ],
-    ids=["pp", "mtp"],
+    ids=["pp"],
 )
 def test_what_hisparse_still_refuses_across_ranks_is_one_line(glm_tiny, flags, refused, capsys):
     """--tp itself is not refused any more: the line names only what is."""

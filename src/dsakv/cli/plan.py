@@ -96,7 +96,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     parallel.check_model(config)
     stages = parallel.stage_layers(plan.num_layers)  # (refuses a partition that does not fit)
     if hisparse is not None:  # what the engine refuses is not planned
-        check_runs_with(draft_layer="--draft-layers" if args.draft_layers else None, pp=parallel.pp)
+        check_runs_with(pp=parallel.pp)
     subtracted = args.gpu_memory_gib is not None and args.weights_gib is None
     try:
         weights = estimate_weight_bytes(
@@ -298,14 +298,18 @@ def _stages_table(r: dict[str, Any], elided: Any, dense: Any) -> str:
 
 
 def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
-    """`--enable-hisparse` / `--hisparse-config` as a HiSparseConfig, or None when off."""
+    """`--enable-hisparse` / `--hisparse-config` as a HiSparseConfig, or None when off.
+    With `--draft-layers` a hot buffer reserves slots for a verify of SGLang's default
+    chain (the engine's `--speculative-num-steps` default)."""
     from dsakv.config import HiSparseConfig
+    from dsakv.engine.config import DRAFT_STEPS
 
     if not args.enable_hisparse:
         if args.hisparse_config is not None:
             raise DsakvError("--hisparse-config needs --enable-hisparse")
         return None
-    return HiSparseConfig.parse(args.hisparse_config, config)
+    step_tokens = 1 + DRAFT_STEPS if args.draft_layers else 1
+    return HiSparseConfig.parse(args.hisparse_config, config, step_tokens)
 
 
 def _hisparse_ranks(parallel: ParallelConfig, host_latents_per_node: int) -> list[str]:

@@ -37,17 +37,15 @@ def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
 
 def check_runs_with(
     *,
-    draft_layer: str | None = None,
     pp: int = 1,
     host_pool: str | None = None,
     storage: bool = False,
     chunked_prefill_size: int = 2,
 ) -> None:
     """Refuse what HiSparse does not run with yet, one ConfigError: the engine refuses it,
-    so `dsakv plan` must not plan it either. `draft_layer` and `host_pool` are the flags that
-    turned a draft layer (MTP) and a host KV tier on, if any."""
+    so `dsakv plan` must not plan it either. `host_pool` is the flag that turned a host KV
+    tier on, if any."""
     refused = (
-        (draft_layer is not None, f"{draft_layer} (a draft layer's KV)"),
         (pp > 1, f"--pp-size {pp}"),
         (host_pool is not None, f"a host KV tier ({host_pool}: HiSparse's holds the latent)"),
         (storage, "--hicache-storage-backend"),

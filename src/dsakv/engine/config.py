@@ -483,9 +483,7 @@ class EngineConfig:
             if self.hisparse_config is not None:
                 raise DsakvError("--hisparse-config needs --enable-hisparse")
             return
-        mtp = self.speculative_algorithm == "mtp"
         check_runs_with(
-            draft_layer="--speculative-algorithm mtp" if mtp else None,
             pp=self.pp,
             host_pool=self.host_tier_flag,
             storage=self.hicache_storage_backend is not None,

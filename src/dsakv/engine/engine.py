@@ -1239,6 +1239,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         # (request, first position, first hidden row) of what this step ran, for the drafter
         ran = [(req, req.num_computed, f) for (req, _), f in zip(batch, firsts)]
         self.stats.decode_steps += sum(1 for req, n in batch if n == 1 and not req.in_prefill)
+        if self.drafter is not None:
+            self.drafter.running = frozenset(req.rid for req, _ in batch)
         failed += self._score_prompts(batch, ends)
         for req, n in batch:
             if req.finished:

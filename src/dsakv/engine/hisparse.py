@@ -162,10 +162,16 @@ class HotBuffers:
         config.check_pool(pool.latent_pages, ps)
         self.buffer_pages = config.buffer_pages(ps)
         self.allocator = PageAllocator(pool.latent_pages, ps)
-        layers = range(plan.num_layers)  # the MTP layer is refused with HiSparse
+        # Target layers, then the MTP layer (its own group: it runs its own indexer), whose
+        # forwards are steps of their own (`begin_step(draft=True)`).
+        layers = range(plan.num_total_layers)
+        self.layers = {False: range(plan.num_layers), True: layers[plan.num_layers :]}
         self.groups = {f: [i for i in layers if plan.topk_source(i) == f] for f in layers}
         self.groups = {f: g for f, g in self.groups.items() if g}
         self._group = {f: i for i, f in enumerate(self.groups)}
+        # Requests whose release waits for the draft layer's catch-up over their last step
+        # (`MTPDrafter.finish`: a finished request's pages the prefix cache keeps)
+        self.deferred: set[int] = set()
         self.device_rows = [pool.latent_data(i).view(torch.uint8) for i in layers]
         width = self.device_rows[0].shape[1]
         # Under TP on one machine every rank's latent is a replica: the ranks map one host
@@ -303,9 +309,17 @@ class HotBuffers:
         self._do(Take(req.rid, self.buffer_pages, None, on_host=True))
 
     def free(self, req: Request) -> None:
-        """Give back a finished, aborted or retracted request's latent slots and LRU state."""
-        if req.rid in self._reqs:
+        """Give back a finished, aborted or retracted request's latent slots and LRU state
+        (a `deferred` one's at `release_deferred`)."""
+        if req.rid in self._reqs and req.rid not in self.deferred:
             self._do(Free(req.rid))
+
+    def release_deferred(self) -> None:
+        """Free the `deferred` requests' slots and state, their catch-up done."""
+        for rid in sorted(self.deferred):
+            if rid in self._reqs:
+                self._do(Free(rid))
+        self.deferred.clear()
 
     def take_journal(self) -> list[Take | Free]:
         """The admissions and releases since the last call (rank 0 sends them on)."""
@@ -379,11 +393,16 @@ class HotBuffers:
     # --- the step --------------------------------------------------------------------------
 
     def begin_step(
-        self, entries: Sequence[tuple[int, int, int]], slots: Sequence[torch.Tensor]
+        self,
+        entries: Sequence[tuple[int, int, int]],
+        slots: Sequence[torch.Tensor],
+        draft: bool = False,
     ) -> HotStep:
         """Where this step's latent goes and comes from: `entries[i]` is request i's (rid,
         first position, tokens the scheduler gave it) this step, `slots[i]` its logical slots
-        of every position the step covers (the drafts a decode step verifies included)."""
+        of every position the step covers (the drafts a decode step verifies included).
+        `draft`: a forward of the MTP layer (a catch-up over what the target computed, or a
+        chain step), whose tokens are as many as the entry says."""
         self._clock += 1
         outs: list[torch.Tensor | None] = []
         req_slots, rows, newest, counts = [], [], [], []
@@ -397,7 +416,7 @@ class HotBuffers:
                 req_slots.append(lat)
             else:
                 tokens = sl.shape[0] - start  # (its one token and the drafts after it)
-                if not n == 1 <= tokens <= self.step_tokens:
+                if n != (tokens if draft else 1) or tokens > self.step_tokens:
                     raise RuntimeError(
                         f"request {rid} decodes {tokens} tokens ({n} scheduled); its hot "
                         f"buffer reserves slots for {self.step_tokens}"
@@ -407,7 +426,7 @@ class HotBuffers:
                 counts.append(tokens)
                 outs.append(None)  # bound below
                 req_slots.append(None)
-        step = HotStep(self, list(entries), rows, newest, counts, req_slots)
+        step = HotStep(self, list(entries), rows, newest, counts, req_slots, draft)
         if not entries:  # (an idle rank's step under DP attention)
             return step
         if rows:  # the new tokens' latent slots: their own entries while < S, else reserved
@@ -421,15 +440,16 @@ class HotBuffers:
         return step
 
     def end_step(self, step: HotStep) -> None:
-        """Every token this step computed goes to the host, in every layer: the newest one's
-        slot is overwritten next step, and evicted or prefix-hit rows are read from there."""
-        if not self.writes_host:  # (rank 0 writes the one the ranks share)
+        """Every token this step computed goes to the host, in every layer the step ran: the
+        newest ones' slots are overwritten next step, and evicted or prefix-hit rows are read
+        from there."""
+        if not self.writes_host or not step.entries:  # (rank 0 writes the one they share)
             return
-        src, dst = step.out_slots, step.logical_out.cpu()
-        rows = torch.stack([dev.index_select(0, src) for dev in self.device_rows]).cpu()
-        for host, r in zip(self.host, rows, strict=True):  # one device -> host copy above
-            host.index_copy_(0, dst, r)
-        self.stats.rows_to_host += src.numel() * len(self.host)
+        src, dst, layers = step.out_slots, step.logical_out.cpu(), self.layers[step.draft]
+        rows = torch.stack([self.device_rows[i].index_select(0, src) for i in layers]).cpu()
+        for i, r in zip(layers, rows, strict=True):  # one device -> host copy above
+            self.host[i].index_copy_(0, dst, r)
+        self.stats.rows_to_host += src.numel() * len(layers)
 
     def _enter_decode(self, hot: _Hot, computed: int, logical: torch.Tensor) -> None:
         """Shrink a request to its hot buffer: its first `buffer_pages` latent pages stay,
@@ -475,9 +495,10 @@ class HotStep:
         newest: list[int],
         counts: list[int],
         req_slots: list[torch.Tensor | None],
+        draft: bool = False,
     ) -> None:
         dev = hb.device
-        self.hb, self.entries, self.counts = hb, entries, counts
+        self.hb, self.entries, self.counts, self.draft = hb, entries, counts, draft
         self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
         self.newest = torch.tensor(newest, dtype=torch.long, device=dev)
         # Per request: decoding (None) or its latent slots (extending); per model request
@@ -523,14 +544,18 @@ class HotStep:
     def bind_newest(self) -> torch.Tensor:
         """Each decoding request's new tokens' slots `[B, width]`: token j (at newest + j)
         takes buffer entry newest + j while that is < S (it stays resident, in every group
-        alike), else reserved slot j; columns past a request's count are not read."""
+        whose layers the step runs), else reserved slot j; columns past a request's count
+        are not read. (The MTP layer writes its rows of a position after the target's, in
+        the same slot of its own tensor.)"""
         hb, r = self.hb, self.rows
         slot, reserved = hb.buf_slot.index_select(0, r), hb.reserved.index_select(0, r)
         counts = torch.tensor(self.counts, dtype=torch.long, device=hb.device)
+        ran = hb.layers[self.draft]
+        groups = [g for f, g in hb._group.items() if f in ran]
         cols = []
         for j in range(self.width):
             at = torch.where(j < counts, self.newest + j, -1)
-            for g in range(len(hb.groups)):
+            for g in groups:
                 pos = hb.buf_pos[g].index_select(0, r)
                 bound = bind_newest(pos, slot, at, reserved[:, j])
                 hb.buf_pos[g].index_copy_(0, r, pos)

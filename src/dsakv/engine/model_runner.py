@@ -86,7 +86,8 @@ class ModelRunner:
         Under pipeline parallelism the hidden rows returned on rank 0 are its stage's
         output (un-normed; the last stage keeps the final ones), the logits the last
         stage's. A step that records runs eager: not a CUDA graph (SGLang's captures it). `hot`:
-        the step's HiSparse latent slots (`dsakv.engine.hisparse.HotStep`; one rank only).
+        the step's HiSparse latent slots (`dsakv.engine.hisparse.HotStep`: rank 0's; the
+        other ranks build theirs from its entries).
         `lora`: the step's LoRA table (`LoraRegistry.step`), None without LoRA requests; a
         step with adapter rows runs eager too, one without runs as without --enable-lora."""
         with self._leading() as send:
@@ -101,14 +102,18 @@ class ModelRunner:
         slots: Sequence[torch.Tensor],
         source: str,
         rows: torch.Tensor,
+        hot: HotStep | None = None,
     ) -> torch.Tensor | None:
         """Run the MTP layer: token t of `new_tokens` pairs with `self.last[source][rows[t]]`
         (the target's hidden state, or the draft's own previous output when chaining).
-        Only the last pipeline stage holds it (the others return None)."""
+        Only the last pipeline stage holds it (the others return None). `hot`: as
+        `forward`'s (`HotBuffers.begin_step(..., draft=True)`)."""
         with self._leading() as send:
             if send:
-                send("draft", _pack(new_tokens), _pack_slots(slots), source, rows.cpu())
-            return self._forward_draft(new_tokens, slots, source, rows)
+                entries = None if hot is None else hot.entries
+                packed = (_pack(new_tokens), _pack_slots(slots), source, rows.cpu(), entries)
+                send("draft", *packed)
+            return self._forward_draft(new_tokens, slots, source, rows, hot)
 
     def catch_up(
         self,
@@ -227,8 +232,12 @@ class ModelRunner:
                 if hot is not None:
                     self.hot.end_step(hot)
             elif kind == "draft":
-                tokens, slots, source, rows = args
-                self._forward_draft(tokens, [s.long() for s in slots], source, rows)
+                tokens, slots, source, rows, entries = args
+                slots = [s.long() for s in slots]
+                hot = None if entries is None else self.hot.begin_step(entries, slots, True)
+                self._forward_draft(tokens, slots, source, rows, hot)
+                if hot is not None:
+                    self.hot.end_step(hot)
             elif kind == "logits":
                 self._logits(*args)
             elif kind == "kv":
@@ -278,11 +287,11 @@ class ModelRunner:
         return self.last[TARGET], logits, routed
 
     def _forward_draft(
-        self, new_tokens, slots, source: str, rows: torch.Tensor
+        self, new_tokens, slots, source: str, rows: torch.Tensor, hot: HotStep | None = None
     ) -> torch.Tensor | None:
         if not self.model.model.parts.is_last:  # (the MTP layer is the last stage's)
             return None
-        fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device)
+        fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device, hot=hot)
         with torch.inference_mode():
             h = self.last[source][rows.to(self.device)]
             self.last[DRAFT] = self.model.forward_draft(fb, self.pool, h)

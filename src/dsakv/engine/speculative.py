@@ -98,6 +98,9 @@ class Drafter:
 
     def __init__(self, num_steps: int, max_model_len: int) -> None:
         self.num_steps, self.max_model_len = num_steps, max_model_len
+        # The requests of the target step being sampled (the engine sets it), whose `step`
+        # comes next: one that finishes outside a step has none
+        self.running: frozenset[int] = frozenset()
 
     def wanted(self, req: Request) -> int:
         """How many drafts are worth proposing for `req`'s next step: its adaptive draft
@@ -166,13 +169,18 @@ class MTPDrafter(Drafter):
     ) -> None:
         super().__init__(num_steps, max_model_len)
         self.runner, self.scheduler = runner, scheduler
+        # HiSparse's hot buffers, which hold the draft layer's latent too: each draft forward
+        # is a step of its own there (`_forward`)
+        self.hot = scheduler.hot
         # The engine's GrammarCache (built on first use), for requests with a matcher.
         self.grammars = grammars
         # Under DP attention every rank must make the same number of draft forwards.
         self.lockstep = lockstep
         # Catch-ups may wait where no other rank repeats this one's calls (they would need
-        # the kept h rows) and no rank waits for this one's draft forwards.
-        self.defers = runner.leader is None and not lockstep
+        # the kept h rows) and no rank waits for this one's draft forwards; not under
+        # HiSparse, where a decode catch-up's positions take reserved slots (a verify's)
+        self.defers = runner.leader is None and not lockstep and self.hot is None
+
         # The slots of requests that finished in this step with pages that outlive them (the
         # prefix cache): `step` still catches the draft layer up over the step's positions.
         self._finished_slots: dict[int, torch.Tensor] = {}
@@ -181,8 +189,18 @@ class MTPDrafter(Drafter):
         """`Drafter.step`: fills the draft KV for the positions the step computed, then
         chains drafts: in one native call where the runner has one and no request has a
         grammar, else here."""
-        toks, slots, rows, reqs = [], [], [], []
         finished_slots, self._finished_slots = self._finished_slots, {}
+        self.running = frozenset()
+        try:
+            self._catch_up(work, finished_slots)
+        finally:
+            if self.hot is not None:  # (finished requests' hot buffers, caught up over)
+                self.hot.release_deferred()
+
+    def _catch_up(
+        self, work: list[tuple[Request, int, int]], finished_slots: dict[int, torch.Tensor]
+    ) -> None:
+        toks, slots, rows, reqs, starts = [], [], [], [], []
         pinned: list[Node] = []  # cached pages this catch-up writes, locked until it has
         ps = self.scheduler.config.page_size
         for req, start, row in work:
@@ -222,10 +240,11 @@ class MTPDrafter(Drafter):
             slots.append(kept if kept is not None else self.scheduler.slots(req, stop))
             rows.extend(range(row, row + stop - start))
             reqs.append(req)
+            starts.append(start)
         if not reqs and not self.lockstep:
             return
         try:
-            self._draft(toks, slots, rows, reqs)
+            self._draft(toks, slots, rows, reqs, starts)
         finally:
             if pinned:
                 self.scheduler.cache.unlock(pinned)
@@ -236,8 +255,10 @@ class MTPDrafter(Drafter):
         slots: list[torch.Tensor],
         rows: list[int],
         reqs: list[Request],
+        starts: list[int],
     ) -> None:
-        """The catch-up over `toks` at `slots` (h rows `rows`), then each request's chain."""
+        """The catch-up over `toks` at `slots` (h rows `rows`, positions from `starts`), then
+        each request's chain."""
         ends = [e - 1 for e in accumulate(len(t) for t in toks)]
         want = [self._reserve(r, self.wanted(r)) for r in reqs]
         # The slots of every position a request's chain writes, looked up once.
@@ -246,10 +267,10 @@ class MTPDrafter(Drafter):
             for r, k, s in zip(reqs, want, slots)
         ]
         drafts = None
-        if all(r.matcher is None for r in reqs):
+        if all(r.matcher is None for r in reqs) and self.hot is None:
             drafts = self.runner.draft_chain(toks, slots, _longs(rows), ends, want, chain)
         if drafts is None:
-            self.runner.forward_draft(toks, slots, TARGET, _longs(rows))
+            self._forward(reqs, starts, toks, slots, TARGET, _longs(rows))
             drafts = self._chain(reqs, want, ends, chain)
         for r, d in zip(reqs, drafts):
             r.draft_ids = d
@@ -310,7 +331,12 @@ class MTPDrafter(Drafter):
                 self.settle(req)
             # (a held request keeps its slots until shipped; one that ended without a token,
             # its grammar stuck, has no next token to catch up with)
-            if not held and req.seq_len > req.num_computed:
+            keep = not held and req.seq_len > req.num_computed
+            if keep and self.hot is not None:  # (its catch-up reads its hot buffer: kept
+                keep = req.rid in self.running  # till then; none runs for one finished
+                if keep:  # outside a step)
+                    self.hot.deferred.add(req.rid)
+            if keep:
                 self._finished_slots[req.rid] = self.scheduler.slots(req, req.num_computed).clone()
         if s is not None:
             s.owed = []
@@ -347,10 +373,30 @@ class MTPDrafter(Drafter):
             # draft layer's own output at the position before.
             live = [live[n] for n in more]
             toks = [[drafts[i][-1]] for i in live]
-            slots = [chain[i][: reqs[i].num_computed + j + 1] for i in live]
-            self.runner.forward_draft(toks, slots, DRAFT, prev[more])
+            at = [reqs[i].num_computed + j for i in live]
+            slots = [chain[i][: a + 1] for i, a in zip(live, at)]
+            self._forward([reqs[i] for i in live], at, toks, slots, DRAFT, prev[more])
             prev = torch.arange(len(live))
         return drafts
+
+    def _forward(
+        self,
+        reqs: list[Request],
+        starts: list[int],
+        toks: list[list[int]],
+        slots: list[torch.Tensor],
+        source: str,
+        rows: torch.Tensor,
+    ) -> None:
+        """One draft forward (`ModelRunner.forward_draft`); under HiSparse a step of its own
+        over the draft layer's hot buffers, its rows written to the host after it."""
+        hot = None
+        if self.hot is not None:
+            entries = [(r.rid, s, len(t)) for r, s, t in zip(reqs, starts, toks, strict=True)]
+            hot = self.hot.begin_step(entries, slots, draft=True)
+        self.runner.forward_draft(toks, slots, source, rows, hot)
+        if hot is not None:
+            self.hot.end_step(hot)
 
     def _reserve(self, req: Request, k: int) -> int:
         """Pages for the draft chain's positions (it writes up to num_computed + k - 2)."""
