@@ -204,3 +204,27 @@ def test_triton_backend_hisparse_equals_its_roomy_pool(tmp_path):
     got = [o.token_ids for o in llm.generate(prompts, params)]
     llm.engine.check_integrity()
     assert got == ref and llm.engine.counters()["hisparse_misses"] > 0
+
+
+def test_triton_backend_hisparse_verifies_mtp_drafts(tmp_path):
+    """HiSparse under MTP through the Triton kernels (interpreted): a verify's two rows
+    resolve the union of their top-k at once, the draft layer its own; past the buffer the
+    tokens and the drafts kept equal the same backend's without HiSparse."""
+    four = {**TINY_PRESETS["glm-tiny"], "num_hidden_layers": 4}
+    four["indexer_types"] = ["full", "shared", "full", "shared"]
+    model = str(write_tiny_model(tmp_path, four, mtp="fit"))
+    prompts = [list(range(3, 3 + 36))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    exact = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", attention_backend="triton",
+                 speculative_algorithm="mtp", speculative_num_steps=1)  # fmt: skip
+    ref, off = _generate(model, prompts, params, **exact)
+    llm = LLM(model, device="cpu", page_size=16, num_pages=6, enable_hisparse=True,
+              hisparse_config={"device_buffer_size": 32, "host_to_device_ratio": 4}, **exact)  # fmt: skip
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.engine.check_integrity()
+    c, want = llm.engine.counters(), off.counters()
+    assert got == ref and c["hisparse_misses"] > 0 and c["spec_verify_steps"] > 0
+    assert (c["spec_draft_tokens"], c["spec_accepted_tokens"]) == (
+        want["spec_draft_tokens"],
+        want["spec_accepted_tokens"],
+    )

@@ -683,6 +683,27 @@ def test_plan_counts_the_hot_buffers_the_engine_runs(tiny, buffer, capsys):
     assert peak == plan["concurrent_hot_buffers"]
 
 
+def test_plan_with_draft_layers_is_the_engines_mtp_split(tiny, capsys):
+    """`dsakv plan --draft-layers 1` counts the draft layer's latent (host and hot buffers)
+    and index-K, and reserved slots for a verify of 3 drafts (the engine's default chain),
+    as the engine under MTP splits the same budget."""
+    from dsakv.cli import main
+
+    cfg = {"device_buffer_size": 64, "host_to_device_ratio": 2}
+    budget = 12 * 16 * (9 * 2304 + 5 * 512 * 2) / 2**30
+    flags = ["--page-size", "16", "--kv-cache-dtype", "fp32", "--index-k-dtype", "fp32"]
+    args = [*flags, "--kv-budget-gib", repr(budget), "--enable-hisparse", "--draft-layers", "1"]
+    assert main(["plan", tiny, *args, "--hisparse-config", json.dumps(cfg), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["hisparse"]["elided"]
+    on = _engine(tiny, page_size=16, kv_budget_gib=budget, enable_hisparse=True,
+                 hisparse_config=cfg, **MTP)  # fmt: skip
+    assert plan["hot_buffer_slots"] == on.hot.buffer_pages * 16 == 80  # (64 + 4, in pages)
+    assert plan["concurrent_hot_buffers"] == on.hot.buf_slot.shape[0]
+    assert plan["device_tokens"] == on.pool.num_latent_tokens
+    assert plan["logical_tokens"] == on.pool.num_tokens
+    assert plan["host_bytes"] == on.hot.host_nbytes == on.pool.num_tokens * 9 * 2304
+
+
 def test_cli_flags(tiny):
     def cli(*args):
         return subprocess.run(

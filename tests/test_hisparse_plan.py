@@ -284,12 +284,10 @@ def test_plan_refuses_what_the_engine_refuses(capsys):
     ("flags", "what"),
     [
         (["--tp", "8", "--pp-size", "2"], "--pp-size 2"),
-        (["--draft-layers", "1"], "--draft-layers (a draft layer's KV)"),
     ],
 )
 def test_plan_refuses_what_hisparse_does_not_run_with(flags, what, capsys):
-    """The engine refuses HiSparse with MTP and with pipeline stages; the planner planned
-    both."""
+    """The engine refuses HiSparse with pipeline stages; the planner planned it."""
     assert main(["plan", "glm-5.2", *flags]) == 0
     capsys.readouterr()
     assert main(["plan", "glm-5.2", "--enable-hisparse", *flags]) == 2

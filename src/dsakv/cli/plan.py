@@ -352,10 +352,12 @@ def _hisparse_table(dense: Any, elided: Any, parallel: ParallelConfig) -> str:
     if latents > 1:  # (each rank's own: one rank's, before the node's)
         rank = ("host memory/rank (GiB)", dense.host_bytes / GIB, elided.host_bytes / GIB, False)
         rows.insert([r[0] for r in rows].index(host), rank)
+    reserved = f": a verify of {h.step_tokens - 1} drafts" if h.step_tokens > 1 else ""
     lines = [
         "",
         f"HiSparse: top_k {h.top_k:,}, device buffer {h.device_buffer_size:,} "
-        f"(+1 slot, rounded up to whole pages: {elided.hot_buffer_slots:,} slots per request), "
+        f"(+{h.step_tokens} reserved{reserved}, rounded up to whole pages: "
+        f"{elided.hot_buffer_slots:,} slots per request), "
         f"host:device ratio {h.host_to_device_ratio}",
         *_hisparse_ranks(parallel, latents),
         "device: latent hot buffers + index-K of every logical token; host: every layer's latent",
