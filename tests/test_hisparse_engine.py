@@ -504,13 +504,37 @@ def test_ngram_seeded_samples_and_pd_decode(tiny, looping):
 MTP = dict(speculative_algorithm="mtp")  # 3 drafts
 
 
+def _entries_hold_their_rows(e: Engine) -> int:
+    """Every hot-buffer entry holding a computed position holds that position's rows in
+    each layer of its group: the host's, byte for byte (the draft group's included, whose
+    chain steps read rows the catch-up rewrites). Returns how many entries it compared."""
+    hb, seen = e.hot, 0
+    for req in e.requests.values():
+        hot = hb._reqs.get(req.rid)
+        if hot is None or hot.row < 0:
+            continue
+        logical = e.scheduler.slots(req, req.num_computed)
+        for g, layers in enumerate(hb.groups.values()):
+            pos = hb.buf_pos[g, hot.row].long()
+            held = ((pos >= 0) & (pos < req.num_computed)).nonzero().flatten()
+            slots, rows = hb.buf_slot[hot.row, held].long(), logical[pos[held]]
+            for i in layers:
+                assert torch.equal(hb.device_rows[i][slots], hb.host[i][rows]), (req.rid, i)
+            seen += held.numel()
+    return seen
+
+
 def _mtp_run(engine: Engine, prompts) -> tuple[list, tuple[int, int]]:
-    """Each request's tokens and logprobs, and how many drafts were made and kept."""
+    """Each request's tokens and logprobs, and how many drafts were made and kept; under
+    HiSparse, the buffers hold their rows after every step."""
     params = replace(LONG, logprobs=0)
-    reqs = [engine.add_request(p, params) for p in prompts]
+    reqs, compared = [engine.add_request(p, params) for p in prompts], 0
     while engine.has_unfinished():
         engine.step()
         engine.check_integrity()
+        if engine.hot is not None:
+            compared += _entries_hold_their_rows(engine)
+    assert compared > 0 or engine.hot is None
     c = engine.counters()
     return [(r.output_ids, r.logprobs) for r in reqs], (
         c["spec_draft_tokens"],
@@ -601,6 +625,7 @@ def test_mtp_pd_decode_server(glm_tiny, mtp_reference):
             req = start(p, params)
             while decode.has_unfinished():
                 decode.step()
+                _entries_hold_their_rows(decode)  # (the draft layer's from the host too)
             got.append((req.output_ids, req.logprobs))
     decode.check_integrity()
     assert [t for t, _ in got] == [t for t, _ in want]

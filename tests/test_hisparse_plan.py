@@ -397,3 +397,19 @@ def test_the_ranks_share_a_host_latent_only_under_tp_on_one_machine(flags, share
     pc = ParallelConfig(**flags)
     assert shares_host_latent(pc) is shared
     assert host_latents_per_node(pc) == (1 if shared else pc.ranks_per_node)
+
+
+def test_plan_reserves_a_slot_for_each_token_of_a_verify(capsys):
+    """Under speculative decoding a hot buffer holds (K + 2) × top_k entries by default
+    (a verify's union of K + 1 top-k, and one more) and K + 1 reserved slots, as the
+    engine's: MTP's default chain with --draft-layers, or --speculative-num-steps K."""
+    for flags, buffer, slots in (
+        ([], 2 * 2048, 4160),
+        (["--draft-layers", "1"], 5 * 2048, 10304),
+        (["--speculative-num-steps", "5"], 7 * 2048, 14400),
+    ):
+        assert main(["plan", "glm-5.2", "--enable-hisparse", *flags, "--json"]) == 0
+        r = json.loads(capsys.readouterr().out)["hisparse"]
+        assert (r["device_buffer_size"], r["elided"]["hot_buffer_slots"]) == (buffer, slots)
+    assert main(["plan", "glm-5.2", "--speculative-num-steps", "2"]) == 2
+    assert capsys.readouterr().err == "error: --speculative-num-steps needs --enable-hisparse\n"

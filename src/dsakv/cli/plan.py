@@ -298,18 +298,21 @@ def _stages_table(r: dict[str, Any], elided: Any, dense: Any) -> str:
 
 
 def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
-    """`--enable-hisparse` / `--hisparse-config` as a HiSparseConfig, or None when off.
-    With `--draft-layers` a hot buffer reserves slots for a verify of SGLang's default
-    chain (the engine's `--speculative-num-steps` default)."""
+    """`--enable-hisparse` / `--hisparse-config` as a HiSparseConfig, or None when off. A
+    hot buffer reserves a slot for each token of a verify: `--speculative-num-steps`
+    drafts, or with `--draft-layers` the engine's default chain."""
     from dsakv.config import HiSparseConfig
     from dsakv.engine.config import DRAFT_STEPS
 
+    drafts = args.speculative_num_steps or (DRAFT_STEPS if args.draft_layers else 0)
     if not args.enable_hisparse:
-        if args.hisparse_config is not None:
-            raise DsakvError("--hisparse-config needs --enable-hisparse")
+        for flag in ("--hisparse-config", "--speculative-num-steps"):
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                raise DsakvError(f"{flag} needs --enable-hisparse")
         return None
-    step_tokens = 1 + DRAFT_STEPS if args.draft_layers else 1
-    return HiSparseConfig.parse(args.hisparse_config, config, step_tokens)
+    if drafts > 16:  # (as the engine refuses it)
+        raise DsakvError(f"--speculative-num-steps must be in 1..16, got {drafts}")
+    return HiSparseConfig.parse(args.hisparse_config, config, 1 + drafts)
 
 
 def _hisparse_ranks(parallel: ParallelConfig, host_latents_per_node: int) -> list[str]:
@@ -467,6 +470,12 @@ def add_commands(sub: Any) -> None:
     )
     p.add_argument("--reserve-gib", type=nonnegative_float, help="activations etc. (default 0)")
     p.add_argument("--draft-layers", type=draft_layers, default=0, help="MTP/EAGLE draft layers")
+    p.add_argument(
+        "--speculative-num-steps",
+        type=positive_int,
+        help="drafts a step (the engine's flag): HiSparse reserves a slot for each; MTP "
+        "(--draft-layers) defaults to 3, n-gram drafts need it",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_layout_args(p)
     add_hisparse_args(p, "plan the HiSparse split")

@@ -98,7 +98,7 @@ class HiSparseConfig:
             )
         t = self.step_tokens
         least = t * self.top_k
-        why = f" (top_k {self.top_k})" if t == 1 else f" ({t} tokens a step × top_k {self.top_k})"
+        why = f" ({t} tokens a step × top_k {self.top_k})" if t > 1 else f" (top_k {self.top_k})"
         _check_int("device_buffer_size", self.device_buffer_size, least, why)
         if self.device_buffer_size > MAX_DEVICE_BUFFER_SIZE:
             raise ConfigError(
@@ -114,10 +114,10 @@ class HiSparseConfig:
         """Read `--hisparse-config` (JSON text, a dict or None) and apply the defaults.
 
         top_k defaults to the model's `index_topk`, device_buffer_size to
-        (step_tokens + 1) × top_k (2 × top_k without drafts) and host_to_device_ratio to 2. Raises one ConfigError per problem: invalid JSON, not an
-        object, unknown keys, non-integer or out-of-range values, a top_k other than the
-        model's (the hot buffer must hold what one indexer step selects), or a model without
-        an indexer.
+        (step_tokens + 1) × top_k (2 × top_k without drafts) and host_to_device_ratio to 2.
+        Raises one ConfigError per problem: invalid JSON, not an object, unknown keys,
+        non-integer or out-of-range values, a top_k other than the model's (the hot buffer
+        must hold what one indexer step selects), or a model without an indexer.
         """
         raw = cls.read(source)
         index_topk = model_index_topk(model_config)

@@ -4,12 +4,13 @@ Every token's latent lives in host memory (`host[layer]`, one row per logical sl
 stored bytes of the device pool's format); the device latent pool holds only device slots,
 a second address space with its own page allocator: the whole prompt while a request is
 prefilled, then its hot buffer of `device_buffer_size` slots and a reserved slot for each
-token a step computes (1, or 1 + drafts under speculative decoding). Index-K stays on the device for every logical token, on full layers only when
-elided: the indexer scores the whole history.
+token a step computes (1, or 1 + drafts under speculative decoding). Index-K stays on the
+device for every logical token, on full layers only when elided: the indexer scores the
+whole history.
 
 A request's life, as the scheduler and the step drive it:
 
-- `can_admit` / `admit`: latent pages for max(prompt, buffer + 1) positions, and the latent
+- `can_admit` / `admit`: latent pages for max(prompt, buffer_slots) positions, and the latent
   of prefix-cache hits copied in from the host (a hit's rows are on the host: every computed
   token is written there right after its step, `end_step`).
 - Multi-token steps read and write its latent pages like the dense layout.
@@ -143,7 +144,8 @@ class HotBuffers:
 
     State is per (IndexShare group, request row): `buf_pos` (position each entry holds, −1
     empty) and `stamp` (recency); `buf_slot` (the entry's device slot) and `reserved` (the
-    newest token's slot) are per request, the same in every layer. The ops that read and
+    slots of the tokens a step computes past the buffer) are per request, the same in every
+    layer. The ops that read and
     update them are the backend's (`hot_resolve`, `hot_copy`: torch or Triton).
     """
 
@@ -545,21 +547,29 @@ class HotStep:
         """Each decoding request's new tokens' slots `[B, width]`: token j (at newest + j)
         takes buffer entry newest + j while that is < S (it stays resident, in every group
         whose layers the step runs), else reserved slot j; columns past a request's count
-        are not read. (The MTP layer writes its rows of a position after the target's, in
-        the same slot of its own tensor.)"""
+        are not read.
+
+        A draft step first drops the entries holding a position it writes: a chain step
+        past S reads the chain's earlier positions as misses, and the catch-up after the
+        verify rewrites them (as the dense layout rewrites the slot), so the buffer must
+        not keep the chain's rows. A target step never finds its new positions held: they
+        are past everything it looked up before."""
         hb, r = self.hb, self.rows
         slot, reserved = hb.buf_slot.index_select(0, r), hb.reserved.index_select(0, r)
         counts = torch.tensor(self.counts, dtype=torch.long, device=hb.device)
         ran = hb.layers[self.draft]
         groups = [g for f, g in hb._group.items() if f in ran]
+        new = [torch.where(j < counts, self.newest + j, -1) for j in range(self.width)]
         cols = []
-        for j in range(self.width):
-            at = torch.where(j < counts, self.newest + j, -1)
-            for g in groups:
-                pos = hb.buf_pos[g].index_select(0, r)
-                bound = bind_newest(pos, slot, at, reserved[:, j])
-                hb.buf_pos[g].index_copy_(0, r, pos)
-            cols.append(bound)
+        for g in groups:
+            pos = hb.buf_pos[g].index_select(0, r)
+            if self.draft:
+                held = torch.stack([pos == at[:, None] for at in new]).any(0) & (pos >= 0)
+                pos.masked_fill_(held, -1)
+                stamp = hb.stamp[g].index_select(0, r).masked_fill_(held, -1)
+                hb.stamp[g].index_copy_(0, r, stamp)
+            cols = [bind_newest(pos, slot, at, reserved[:, j]) for j, at in enumerate(new)]
+            hb.buf_pos[g].index_copy_(0, r, pos)
         self.newest_slot = torch.stack(cols, 1)
         return self.newest_slot
 
@@ -613,7 +623,15 @@ class HotStep:
             miss_slot.reshape(-1),
         )
         n_miss = missed.sum()
-        looked_up = (looked >= 0).sum()
-        hb._counts += torch.stack([looked_up - n_miss, n_miss, n_miss * len(group)])
+        hb._counts += torch.stack([_distinct(union) - n_miss, n_miss, n_miss * len(group)])
         hb.stats.resolves += 1
         return torch.where(valid, slots, 0).long()
+
+
+def _distinct(topk: torch.Tensor) -> torch.Tensor:
+    """How many distinct positions (≥ 0) each row of `topk` looks up, summed: a verify's
+    rows pick many of the same."""
+    srt = topk.sort(1).values
+    first = torch.ones_like(srt, dtype=torch.bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    return (first & (srt >= 0)).sum()

@@ -187,8 +187,8 @@ class MTPDrafter(Drafter):
 
     def step(self, work: list[tuple[Request, int, int]]) -> None:
         """`Drafter.step`: fills the draft KV for the positions the step computed, then
-        chains drafts: in one native call where the runner has one and no request has a
-        grammar, else here."""
+        chains drafts: in one native call where the runner has one, no request has a
+        grammar and no hot buffers hold the draft layer's latent (HiSparse), else here."""
         finished_slots, self._finished_slots = self._finished_slots, {}
         self.running = frozenset()
         try:

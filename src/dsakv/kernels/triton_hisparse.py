@@ -23,6 +23,9 @@ lane. Four phases, each reloading what it needs so that little stays live across
 
 Compiles for sm_90 with Triton 3.6 and 3.9 (S 4096 / K 2048: 16 warps, ≤ 128 registers,
 16-32 KB shared memory for the sorts; its first compile takes ~2-3 minutes on a CPU core).
+Under speculative decoding a row is a verify's union (K = (1 + drafts) × top_k): GLM-5.2's
+MTP default, S 10,240 / K 8,192, compiled with Triton 3.9 at 128 registers and 3.4 KB a
+thread spilled (32 KB shared; ~6 minutes on a busy core, so not in the compile check).
 
 Its copy list goes to `triton_rows.copy_rows`, the row copy every store of plain rows uses.
 """
