@@ -386,7 +386,7 @@ def test_draft_length_follows_what_the_target_keeps():
     """`MTPDrafter.adapt`: k drafts kept -> k + 1 next time (up to num_steps); none kept of
     one -> no drafts for a wait that doubles with each failed one-draft probe (up to
     MAX_WAIT decode steps); a kept draft ends the backoff."""
-    drafter = MTPDrafter(_Runner(), None, num_steps=3, max_model_len=4096, lockstep=False)
+    drafter = MTPDrafter(_Runner(), _Scheduler(), num_steps=3, max_model_len=4096, lockstep=False)
     req = Request([1, 2, 3], SamplingParams(max_tokens=1000, temperature=0))
     req.num_computed = 2  # decoding
 
@@ -444,7 +444,8 @@ class _Runner:
         assert len(hidden) == sum(len(t) for t in toks)
         self.calls.append(("owed", len(hidden)))
 
-    def forward_draft(self, toks, slots, source, rows):
+    def forward_draft(self, toks, slots, source, rows, hot=None):
+        assert hot is None  # (no HiSparse)
         assert len(rows) == sum(len(t) for t in toks) and len(slots) == len(toks)
         for t, s in zip(toks, slots):
             assert s.shape[0] >= len(t)
@@ -463,6 +464,7 @@ class _Runner:
 class _Scheduler:
     held: set = set()
     config = SchedulerConfig(page_size=16)
+    hot = None  # (no HiSparse)
 
     def slots(self, req, n):
         return torch.arange(n)
