@@ -33,7 +33,6 @@ from .conftest import assert_integrity_catches, cli_error_line
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=8)
 HS = {"host_to_device_ratio": 8}  # top_k 16 (index_topk), buffer 32
-HS_SMALL = {"device_buffer_size": 32, "host_to_device_ratio": 8}
 NGRAM = dict(speculative_algorithm="ngram")  # 3 drafts: a verify computes 4 tokens
 HS_VERIFY = {"device_buffer_size": 64, "host_to_device_ratio": 4}  # 4 × top_k, the least
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -426,7 +425,8 @@ def test_reservations_take_what_the_retracted_leave(
 
 
 def _looping(n: int, seed: int = 0) -> list[list[int]]:
-    """Prompts that repeat a phrase (what prompt lookup drafts from), 50-130 tokens."""
+    """Prompts that repeat a phrase (what prompt lookup drafts from), 50-130 tokens: longer
+    than `test_ngram_speculative`'s, past the hot buffer."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -437,6 +437,16 @@ def _looping(n: int, seed: int = 0) -> list[list[int]]:
 
 
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+# HiSparse with drafts, as each speculative test runs it (the retraction: host pages as the
+# limit, recomputed)
+VERIFY_VARIANTS = {
+    "cpu": dict(),
+    "torch": dict(attention_backend="torch"),
+    "chunked": dict(chunked_prefill_size=16, max_running_requests=3),
+    "retract": dict(
+        hisparse_config={**HS_VERIFY, "host_to_device_ratio": 1}, enable_prefix_cache=False
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -446,16 +456,7 @@ def looping(tiny):
     return prompts, _run(_engine(tiny, num_pages=256), prompts, LONG, check_every_step=False)
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [
-        dict(),
-        dict(attention_backend="torch"),
-        dict(chunked_prefill_size=16, max_running_requests=3),
-        dict(hisparse_config={**HS_VERIFY, "host_to_device_ratio": 1}, enable_prefix_cache=False),
-    ],
-    ids=["cpu", "torch", "chunked", "retract"],
-)
+@pytest.mark.parametrize("variant", list(VERIFY_VARIANTS.values()), ids=list(VERIFY_VARIANTS))
 def test_ngram_drafts_verify_against_the_hot_buffer(tiny, looping, variant):
     """A verify's 4 tokens run as decode rows, the union of their top-k resolved at once
     (a buffer of 4 × top_k holds it), each new token in an entry or reserved slot of its
@@ -472,9 +473,8 @@ def test_ngram_drafts_verify_against_the_hot_buffer(tiny, looping, variant):
         assert c["retractions"] > 0
 
 
-def test_ngram_seeded_samples_and_pd_decode(tiny, looping):
-    """Seeded samples are the ones plain decode draws; a PD decode server with HiSparse
-    verifies drafts from its first decode step on (its buffer loaded from the host)."""
+def test_ngram_seeded_samples_are_plain_decodes(tiny, looping):
+    """Seeded samples are the ones plain decode draws, drafts verified past the buffer."""
     prompts, _ = looping
     seeded = [replace(LONG, temperature=0.8, seed=i) for i in range(len(prompts))]
     plain = _engine(tiny, num_pages=256)
@@ -483,9 +483,14 @@ def test_ngram_seeded_samples_and_pd_decode(tiny, looping):
     got = [_run(on, [p], s)[0] for p, s in zip(prompts, seeded)]
     assert got == want
     assert on.counters()["spec_accepted_tokens"] > 0
+
+
+def test_ngram_pd_decode_server(tiny, looping):
+    """A PD decode server with HiSparse verifies drafts from its first decode step on (its
+    buffer loaded from the host)."""
+    prompts, want = looping
     prefill = _engine(tiny, num_pages=64)
     decode = _engine(tiny, num_pages=12, enable_hisparse=True, hisparse_config=HS_VERIFY, **NGRAM)
-    want = _run(plain, prompts, LONG, check_every_step=False)
     got = []
     with _pd(prefill, decode) as start:
         for p in prompts:
@@ -557,16 +562,7 @@ def mtp_reference(glm_tiny):
     return run
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [
-        dict(),
-        dict(attention_backend="torch"),
-        dict(chunked_prefill_size=16, max_running_requests=3),
-        dict(hisparse_config={**HS_VERIFY, "host_to_device_ratio": 1}, enable_prefix_cache=False),
-    ],
-    ids=["cpu", "torch", "chunked", "retract"],
-)
+@pytest.mark.parametrize("variant", list(VERIFY_VARIANTS.values()), ids=list(VERIFY_VARIANTS))
 def test_mtp_drafts_from_the_draft_layers_hot_buffer(glm_tiny, mtp_reference, variant):
     """The draft layer is one more full layer of the hot buffers (its own group): its
     catch-ups and chain steps are steps of their own there, their rows written to the host
@@ -631,6 +627,12 @@ def test_mtp_pd_decode_server(glm_tiny, mtp_reference):
     assert [t for t, _ in got] == [t for t, _ in want]
     c = decode.counters()
     assert c["spec_accepted_tokens"] > 0 and c["hisparse_misses"] > 0
+    # One that ends on its first token ends outside a step: its hot buffer goes at once
+    # (no catch-up follows to release it), the prefix cache keeping its pages
+    with _pd(prefill, decode) as start:
+        req = start(prompts[0], replace(params, max_tokens=1))
+    assert req.finished and not decode.has_unfinished()
+    decode.check_integrity()
 
 
 def test_bad_settings_are_one_clear_error(tiny):
@@ -655,7 +657,13 @@ def test_bad_settings_are_one_clear_error(tiny):
             _engine(tiny, num_pages=8, enable_hisparse=True, hisparse_config=cfg)
     # A verify's 1 + 3 tokens resolve their top-k at once: the buffer holds 4 × top_k
     with pytest.raises(DsakvError, match=r"must be >= 64 \(4 tokens a step × top_k 16\)"):
-        _engine(tiny, num_pages=16, enable_hisparse=True, hisparse_config=HS_SMALL, **NGRAM)
+        _engine(
+            tiny,
+            num_pages=16,
+            enable_hisparse=True,
+            hisparse_config={**HS, "device_buffer_size": 32},
+            **NGRAM,
+        )
     with pytest.raises(DsakvError, match="less than one hot buffer"):  # refused every prompt
         _engine(tiny, num_pages=4, enable_hisparse=True, hisparse_config=HS)  # 32 slots
     on = _engine(tiny, num_pages=5, enable_hisparse=True, hisparse_config=HS)  # 40 slots

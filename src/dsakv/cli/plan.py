@@ -302,17 +302,18 @@ def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
     hot buffer reserves a slot for each token of a verify: `--speculative-num-steps`
     drafts, or with `--draft-layers` the engine's default chain."""
     from dsakv.config import HiSparseConfig
-    from dsakv.engine.config import DRAFT_STEPS
+    from dsakv.engine.config import DRAFT_STEPS, MAX_DRAFT_STEPS
 
     drafts = args.speculative_num_steps or (DRAFT_STEPS if args.draft_layers else 0)
     if not args.enable_hisparse:
-        for flag in ("--hisparse-config", "--speculative-num-steps"):
-            if getattr(args, flag[2:].replace("-", "_")) is not None:
-                raise DsakvError(f"{flag} needs --enable-hisparse")
+        if args.hisparse_config is not None:
+            raise DsakvError("--hisparse-config needs --enable-hisparse")
+        if args.speculative_num_steps is not None:
+            raise DsakvError("--speculative-num-steps needs --enable-hisparse")
         return None
-    if drafts > 16:  # (as the engine refuses it)
-        raise DsakvError(f"--speculative-num-steps must be in 1..16, got {drafts}")
-    return HiSparseConfig.parse(args.hisparse_config, config, 1 + drafts)
+    if drafts > MAX_DRAFT_STEPS:  # (as the engine refuses it)
+        raise DsakvError(f"--speculative-num-steps must be in 1..{MAX_DRAFT_STEPS}, got {drafts}")
+    return HiSparseConfig.parse(args.hisparse_config, config, drafts)
 
 
 def _hisparse_ranks(parallel: ParallelConfig, host_latents_per_node: int) -> list[str]:

@@ -19,9 +19,9 @@ from dsakv.errors import ConfigError, is_int, load_object
 
 HISPARSE_KEYS = ("top_k", "device_buffer_size", "host_to_device_ratio")
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
-# Default buffer: one top_k past what a step can select (2 × top_k without speculative
-# decoding, SGLang's: at exactly top_k the LRU thrashes at its boundary).
-BUFFER_PER_TOP_K = 2
+# The default buffer holds one top_k more than a step can select: 2 × top_k without
+# speculative decoding (SGLang's: at exactly top_k the LRU thrashes at its boundary).
+SPARE_TOP_K = 1
 # The resolve kernels' sort keys pack a buffer entry's id in 16 bits; kernels/hisparse_ops.py
 # (whose checks the Triton resolve runs too) imports this bound as its MAX_BUFFER.
 MAX_DEVICE_BUFFER_SIZE = 1 << 16
@@ -109,12 +109,14 @@ class HiSparseConfig:
 
     @classmethod
     def parse(
-        cls, source: str | Mapping[str, Any] | None, model_config: Any, step_tokens: int = 1
+        cls, source: str | Mapping[str, Any] | None, model_config: Any, drafts: int = 0
     ) -> HiSparseConfig:
         """Read `--hisparse-config` (JSON text, a dict or None) and apply the defaults.
 
-        top_k defaults to the model's `index_topk`, device_buffer_size to
-        (step_tokens + 1) × top_k (2 × top_k without drafts) and host_to_device_ratio to 2.
+        `drafts`: the most a step verifies (speculative decoding), so step_tokens is
+        1 + drafts. top_k defaults to the model's `index_topk`, device_buffer_size to
+        (step_tokens + SPARE_TOP_K) × top_k (2 × top_k without drafts) and
+        host_to_device_ratio to 2.
         Raises one ConfigError per problem: invalid JSON, not an object, unknown keys,
         non-integer or out-of-range values, a top_k other than the model's (the hot buffer
         must hold what one indexer step selects), or a model without an indexer.
@@ -127,7 +129,8 @@ class HiSparseConfig:
                 f"hisparse-config top_k {top_k} must be this model's index_topk ({index_topk}): "
                 "the indexer selects index_topk positions per step"
             )
-        default = (BUFFER_PER_TOP_K - 1 + step_tokens) * top_k
+        step_tokens = 1 + drafts
+        default = (step_tokens + SPARE_TOP_K) * top_k
         buffer = raw.get("device_buffer_size", default)
         ratio = raw.get("host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO)
         return cls(top_k, buffer, ratio, step_tokens)

@@ -25,6 +25,7 @@ from dsakv.models.lora import check_fully_sharded, target_suffixes
 
 MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
 DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLang's default)
+MAX_DRAFT_STEPS = 16
 
 
 # vLLM's `LLM(...)` keywords for fields named after SGLang's flags here
@@ -307,8 +308,8 @@ class EngineConfig:
                 f"be 1 <= min <= max <= 1024, got {lo!r} and {hi!r}"
             )
         n = self.speculative_num_steps
-        if n is not None and not (is_int(n) and 1 <= n <= 16):
-            raise DsakvError(f"speculative_num_steps must be in 1..16, got {n!r}")
+        if n is not None and not (is_int(n) and 1 <= n <= MAX_DRAFT_STEPS):
+            raise DsakvError(f"speculative_num_steps must be in 1..{MAX_DRAFT_STEPS}, got {n!r}")
         # Settings that act only beside another are refused alone, not silently ignored.
         if n is not None and self.speculative_algorithm is None:
             raise DsakvError("--speculative-num-steps needs --speculative-algorithm")
@@ -491,7 +492,7 @@ class EngineConfig:
         )
 
     @property
-    def draft_tokens(self) -> int:
+    def max_drafts(self) -> int:
         """The most drafts a request verifies in one step (0 without speculative decoding)."""
         if self.speculative_algorithm is None:
             return 0

@@ -377,7 +377,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             hot_buffers=self.hot,
         )
         self.drafter: Drafter | None = None
-        steps = config.draft_tokens
+        steps = config.max_drafts
         if config.speculative_algorithm == "ngram":
             self.drafter = NGramDrafter(steps, self.max_model_len, *config.ngram_window)
         elif config.speculative_algorithm == "mtp":
@@ -612,8 +612,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         the indexer's: `HiSparseConfig.parse`, which `dsakv plan` shares)."""
         if not self.config.enable_hisparse:
             return None
-        step_tokens = 1 + self.config.draft_tokens  # (a verify's: its last token and drafts)
-        return HiSparseConfig.parse(self.config.hisparse_config, model_config, step_tokens)
+        drafts = self.config.max_drafts  # (a hot buffer reserves a slot for each)
+        return HiSparseConfig.parse(self.config.hisparse_config, model_config, drafts)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Padded, graph-capturable decode steps: for the graph-safe backends on one rank
@@ -1240,7 +1240,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         ran = [(req, req.num_computed, f) for (req, _), f in zip(batch, firsts)]
         self.stats.decode_steps += sum(1 for req, n in batch if n == 1 and not req.in_prefill)
         if self.drafter is not None:
-            self.drafter.running = frozenset(req.rid for req, _ in batch)
+            self.drafter.sampling = frozenset(req.rid for req, _ in batch)
         failed += self._score_prompts(batch, ends)
         for req, n in batch:
             if req.finished:

@@ -167,12 +167,12 @@ class HotBuffers:
         # Target layers, then the MTP layer (its own group: it runs its own indexer), whose
         # forwards are steps of their own (`begin_step(draft=True)`).
         layers = range(plan.num_total_layers)
-        self.layers = {False: range(plan.num_layers), True: layers[plan.num_layers :]}
+        self.target_layers, self.draft_layers = layers[: plan.num_layers], layers[plan.num_layers :]
         self.groups = {f: [i for i in layers if plan.topk_source(i) == f] for f in layers}
         self.groups = {f: g for f, g in self.groups.items() if g}
         self._group = {f: i for i, f in enumerate(self.groups)}
         # Requests whose release waits for the draft layer's catch-up over their last step
-        # (`MTPDrafter.finish`: a finished request's pages the prefix cache keeps)
+        # (`defer_free`)
         self.deferred: set[int] = set()
         self.device_rows = [pool.latent_data(i).view(torch.uint8) for i in layers]
         width = self.device_rows[0].shape[1]
@@ -316,8 +316,14 @@ class HotBuffers:
         if req.rid in self._reqs and req.rid not in self.deferred:
             self._do(Free(req.rid))
 
+    def defer_free(self, rid: int) -> None:
+        """Keep a finished request's hot buffer past `free` until `release_deferred`: the
+        draft layer catches up over its last step (`MTPDrafter.finish`: pages the prefix
+        cache keeps must hold its rows)."""
+        self.deferred.add(rid)
+
     def release_deferred(self) -> None:
-        """Free the `deferred` requests' slots and state, their catch-up done."""
+        """Free the deferred requests' slots and state, their catch-up done."""
         for rid in sorted(self.deferred):
             if rid in self._reqs:
                 self._do(Free(rid))
@@ -407,7 +413,7 @@ class HotBuffers:
         chain step), whose tokens are as many as the entry says."""
         self._clock += 1
         outs: list[torch.Tensor | None] = []
-        req_slots, rows, newest, counts = [], [], [], []
+        req_slots, rows, first_pos, counts = [], [], [], []
         for (rid, start, n), sl in zip(entries, slots, strict=True):
             hot = self._reqs[rid]
             if n == 1 and hot.row < 0:
@@ -424,15 +430,15 @@ class HotBuffers:
                         f"buffer reserves slots for {self.step_tokens}"
                     )
                 rows.append(hot.row)
-                newest.append(start)
+                first_pos.append(start)
                 counts.append(tokens)
                 outs.append(None)  # bound below
                 req_slots.append(None)
-        step = HotStep(self, list(entries), rows, newest, counts, req_slots, draft)
+        step = HotStep(self, list(entries), rows, first_pos, counts, req_slots, draft)
         if not entries:  # (an idle rank's step under DP attention)
             return step
         if rows:  # the new tokens' latent slots: their own entries while < S, else reserved
-            bound = step.bind_newest().long().cpu()
+            bound = step.bind_new().long().cpu()
             taken = iter(b[:t] for b, t in zip(bound, counts, strict=True))
             outs = [next(taken) if o is None else o for o in outs]
         step.out_slots = torch.cat(outs).to(self.device)
@@ -441,13 +447,17 @@ class HotBuffers:
         ).to(self.device)
         return step
 
+    def layers_of(self, step: HotStep) -> range:
+        """The layers a step runs: the target's, or the MTP layer's (a draft step)."""
+        return self.draft_layers if step.draft else self.target_layers
+
     def end_step(self, step: HotStep) -> None:
         """Every token this step computed goes to the host, in every layer the step ran: the
         newest ones' slots are overwritten next step, and evicted or prefix-hit rows are read
         from there."""
         if not self.writes_host or not step.entries:  # (rank 0 writes the one they share)
             return
-        src, dst, layers = step.out_slots, step.logical_out.cpu(), self.layers[step.draft]
+        src, dst, layers = step.out_slots, step.logical_out.cpu(), self.layers_of(step)
         rows = torch.stack([self.device_rows[i].index_select(0, src) for i in layers]).cpu()
         for i, r in zip(layers, rows, strict=True):  # one device -> host copy above
             self.host[i].index_copy_(0, dst, r)
@@ -480,12 +490,12 @@ class HotBuffers:
 
 class HotStep:
     """One step's hot-buffer view for the model (`ForwardBatch.hot`): the decoding requests'
-    state rows in batch order, the first position each computes this step (`newest`) and
-    how many (`counts`: 1, or 1 + the drafts it verifies), and `resolve` for each full
+    state rows in batch order, the first position each computes this step (`first_pos`)
+    and how many (`counts`: 1, or 1 + the drafts it verifies), and `resolve` for each full
     layer; `entries`, what it was built from (`HotBuffers.begin_step`), for the other ranks.
 
     The model runs a decoding request's tokens as decode rows of their own (`decode_rows`):
-    row j at position newest + j over its context up to there. A full layer resolves the
+    row j at position first_pos + j over its context up to there. A full layer resolves the
     union of a request's rows' top-k against its buffer at once, since one attention launch
     reads every row's (the config keeps step_tokens × top_k within the buffer)."""
 
@@ -494,7 +504,7 @@ class HotStep:
         hb: HotBuffers,
         entries: list[tuple[int, int, int]],
         rows: list[int],
-        newest: list[int],
+        first_pos: list[int],
         counts: list[int],
         req_slots: list[torch.Tensor | None],
         draft: bool = False,
@@ -502,15 +512,14 @@ class HotStep:
         dev = hb.device
         self.hb, self.entries, self.counts, self.draft = hb, entries, counts, draft
         self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
-        self.newest = torch.tensor(newest, dtype=torch.long, device=dev)
+        self.first_pos = torch.tensor(first_pos, dtype=torch.long, device=dev)
         # Per request: decoding (None) or its latent slots (extending); per model request
         # after `decode_rows`: an extending request's latent slots, nothing for a decode row.
         self.decoding = [s is None for s in req_slots]
-        per_count = iter(counts)
-        none = torch.empty(0, dtype=torch.long, device=dev)
-        self.req_slots = [
-            x for s in req_slots for x in ([none] * next(per_count) if s is None else [s.to(dev)])
-        ]
+        none, per_count = torch.empty(0, dtype=torch.long, device=dev), iter(counts)
+        self.req_slots = []
+        for s in req_slots:
+            self.req_slots += [none] * next(per_count) if s is None else [s.to(dev)]
         # Decode row q is token j of decoding request owner[q]; `union_at` places it in the
         # [B × width] stack that `resolve` reads as one row of width × K columns a request.
         self.width = max(counts, default=1)
@@ -518,12 +527,12 @@ class HotStep:
         at = [i * self.width + j for i, t in enumerate(counts) for j in range(t)]
         self.owner = torch.tensor(owner, dtype=torch.long, device=dev)
         self.union_at = torch.tensor(at, dtype=torch.long, device=dev)
-        self.row_start = self.newest.index_select(0, self.owner)
+        self.row_start = self.first_pos.index_select(0, self.owner)
         firsts = [0, *accumulate(counts)][:-1]  # (each request's first decode row)
         self.first_rows = torch.tensor(firsts, dtype=torch.long, device=dev)
         self.out_slots = torch.empty(0, dtype=torch.long, device=dev)  # this step's latent
         self.logical_out = torch.empty(0, dtype=torch.long, device=dev)  # ... and host rows
-        self.newest_slot = torch.empty(0, 0, dtype=torch.int32, device=dev)
+        self.new_slots = torch.empty(0, 0, dtype=torch.int32, device=dev)
 
     def decode_rows(
         self, new_tokens: Sequence[Sequence[int]], req_slots: Sequence
@@ -543,9 +552,9 @@ class HotStep:
                 slots.append(sl[: first + j + 1])
         return toks, slots
 
-    def bind_newest(self) -> torch.Tensor:
-        """Each decoding request's new tokens' slots `[B, width]`: token j (at newest + j)
-        takes buffer entry newest + j while that is < S (it stays resident, in every group
+    def bind_new(self) -> torch.Tensor:
+        """Each decoding request's new tokens' slots `[B, width]`: token j (at first_pos + j)
+        takes buffer entry first_pos + j while that is < S (it stays resident, in every group
         whose layers the step runs), else reserved slot j; columns past a request's count
         are not read.
 
@@ -557,9 +566,9 @@ class HotStep:
         hb, r = self.hb, self.rows
         slot, reserved = hb.buf_slot.index_select(0, r), hb.reserved.index_select(0, r)
         counts = torch.tensor(self.counts, dtype=torch.long, device=hb.device)
-        ran = hb.layers[self.draft]
+        ran = hb.layers_of(self)
         groups = [g for f, g in hb._group.items() if f in ran]
-        new = [torch.where(j < counts, self.newest + j, -1) for j in range(self.width)]
+        new = [torch.where(j < counts, self.first_pos + j, -1) for j in range(self.width)]
         cols = []
         for g in groups:
             pos = hb.buf_pos[g].index_select(0, r)
@@ -570,15 +579,15 @@ class HotStep:
                 hb.stamp[g].index_copy_(0, r, stamp)
             cols = [bind_newest(pos, slot, at, reserved[:, j]) for j, at in enumerate(new)]
             hb.buf_pos[g].index_copy_(0, r, pos)
-        self.newest_slot = torch.stack(cols, 1)
-        return self.newest_slot
+        self.new_slots = torch.stack(cols, 1)
+        return self.new_slots
 
     def resolve(
         self, layer: int, positions: torch.Tensor, valid: torch.Tensor, table: torch.Tensor
     ) -> torch.Tensor:
         """Device latent slots `[Q, K]` of a full layer's top-k for the step's decode rows
         (`positions` into each row's context, `table[Q, W]` its logical slots). A position
-        this step computes takes the slot `bind_newest` gave it; a request's others are
+        this step computes takes the slot `bind_new` gave it; a request's others are
         resolved against its buffer, the misses' rows copied from the host into this layer
         and every layer sharing its top-k (one copy list for the group). Invalid columns
         get slot 0, which attention masks."""
@@ -609,10 +618,10 @@ class HotStep:
         if self.width > 1:
             slots = slots.view(b * self.width, k).index_select(0, self.union_at)
         step = (topk - self.row_start[:, None]).clamp(0, self.width - 1)
-        bound = self.newest_slot.index_select(0, self.owner).gather(1, step)
+        bound = self.new_slots.index_select(0, self.owner).gather(1, step)
         slots = torch.where(new, bound.to(slots.dtype), slots)
         missed = miss_pos >= 0
-        # (every row's context covers what its request misses: positions before newest)
+        # (every row's context covers what its request misses: positions before first_pos)
         ctx = table.index_select(0, self.first_rows)
         src = torch.where(missed, ctx.gather(1, miss_pos.long().clamp(min=0)), -1)
         group = hb.groups[layer]
@@ -623,7 +632,8 @@ class HotStep:
             miss_slot.reshape(-1),
         )
         n_miss = missed.sum()
-        hb._counts += torch.stack([_distinct(union) - n_miss, n_miss, n_miss * len(group)])
+        looked_up = _distinct(union) if self.width > 1 else (union >= 0).sum()
+        hb._counts += torch.stack([looked_up - n_miss, n_miss, n_miss * len(group)])
         hb.stats.resolves += 1
         return torch.where(valid, slots, 0).long()
 

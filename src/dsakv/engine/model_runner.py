@@ -102,18 +102,18 @@ class ModelRunner:
         slots: Sequence[torch.Tensor],
         source: str,
         rows: torch.Tensor,
-        hot: HotStep | None = None,
+        entries: list[tuple[int, int, int]] | None = None,
     ) -> torch.Tensor | None:
         """Run the MTP layer: token t of `new_tokens` pairs with `self.last[source][rows[t]]`
         (the target's hidden state, or the draft's own previous output when chaining).
-        Only the last pipeline stage holds it (the others return None). `hot`: as
-        `forward`'s (`HotBuffers.begin_step(..., draft=True)`)."""
+        Only the last pipeline stage holds it (the others return None). `entries`: under
+        HiSparse, its requests as `HotBuffers.begin_step` takes them (each rank steps the
+        draft layer's hot buffers over them)."""
         with self._leading() as send:
             if send:
-                entries = None if hot is None else hot.entries
                 packed = (_pack(new_tokens), _pack_slots(slots), source, rows.cpu(), entries)
                 send("draft", *packed)
-            return self._forward_draft(new_tokens, slots, source, rows, hot)
+            return self._forward_draft(new_tokens, slots, source, rows, entries)
 
     def catch_up(
         self,
@@ -233,11 +233,7 @@ class ModelRunner:
                     self.hot.end_step(hot)
             elif kind == "draft":
                 tokens, slots, source, rows, entries = args
-                slots = [s.long() for s in slots]
-                hot = None if entries is None else self.hot.begin_step(entries, slots, True)
-                self._forward_draft(tokens, slots, source, rows, hot)
-                if hot is not None:
-                    self.hot.end_step(hot)
+                self._forward_draft(tokens, [s.long() for s in slots], source, rows, entries)
             elif kind == "logits":
                 self._logits(*args)
             elif kind == "kv":
@@ -287,14 +283,17 @@ class ModelRunner:
         return self.last[TARGET], logits, routed
 
     def _forward_draft(
-        self, new_tokens, slots, source: str, rows: torch.Tensor, hot: HotStep | None = None
+        self, new_tokens, slots, source: str, rows: torch.Tensor, entries=None
     ) -> torch.Tensor | None:
         if not self.model.model.parts.is_last:  # (the MTP layer is the last stage's)
             return None
+        hot = None if entries is None else self.hot.begin_step(entries, slots, draft=True)
         fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device, hot=hot)
         with torch.inference_mode():
             h = self.last[source][rows.to(self.device)]
             self.last[DRAFT] = self.model.forward_draft(fb, self.pool, h)
+        if hot is not None:
+            self.hot.end_step(hot)  # (its rows to the host)
         return self.last[DRAFT]
 
     def _logits(self, rows: torch.Tensor, source: str) -> torch.Tensor | None:

@@ -99,8 +99,8 @@ class Drafter:
     def __init__(self, num_steps: int, max_model_len: int) -> None:
         self.num_steps, self.max_model_len = num_steps, max_model_len
         # The requests of the target step being sampled (the engine sets it), whose `step`
-        # comes next: one that finishes outside a step has none
-        self.running: frozenset[int] = frozenset()
+        # comes next: one that finishes outside a step (a PD request's first token) has none
+        self.sampling: frozenset[int] = frozenset()
 
     def wanted(self, req: Request) -> int:
         """How many drafts are worth proposing for `req`'s next step: its adaptive draft
@@ -190,7 +190,7 @@ class MTPDrafter(Drafter):
         chains drafts: in one native call where the runner has one, no request has a
         grammar and no hot buffers hold the draft layer's latent (HiSparse), else here."""
         finished_slots, self._finished_slots = self._finished_slots, {}
-        self.running = frozenset()
+        self.sampling = frozenset()
         try:
             self._catch_up(work, finished_slots)
         finally:
@@ -332,10 +332,10 @@ class MTPDrafter(Drafter):
             # (a held request keeps its slots until shipped; one that ended without a token,
             # its grammar stuck, has no next token to catch up with)
             keep = not held and req.seq_len > req.num_computed
-            if keep and self.hot is not None:  # (its catch-up reads its hot buffer: kept
-                keep = req.rid in self.running  # till then; none runs for one finished
-                if keep:  # outside a step)
-                    self.hot.deferred.add(req.rid)
+            if keep and self.hot is not None:  # (the catch-up reads its hot buffer)
+                keep = req.rid in self.sampling
+                if keep:
+                    self.hot.defer_free(req.rid)
             if keep:
                 self._finished_slots[req.rid] = self.scheduler.slots(req, req.num_computed).clone()
         if s is not None:
@@ -388,15 +388,12 @@ class MTPDrafter(Drafter):
         source: str,
         rows: torch.Tensor,
     ) -> None:
-        """One draft forward (`ModelRunner.forward_draft`); under HiSparse a step of its own
-        over the draft layer's hot buffers, its rows written to the host after it."""
-        hot = None
+        """One draft forward (`ModelRunner.forward_draft`), naming its requests under
+        HiSparse: a step of its own over the draft layer's hot buffers."""
+        entries = None
         if self.hot is not None:
             entries = [(r.rid, s, len(t)) for r, s, t in zip(reqs, starts, toks, strict=True)]
-            hot = self.hot.begin_step(entries, slots, draft=True)
-        self.runner.forward_draft(toks, slots, source, rows, hot)
-        if hot is not None:
-            self.hot.end_step(hot)
+        self.runner.forward_draft(toks, slots, source, rows, entries)
 
     def _reserve(self, req: Request, k: int) -> int:
         """Pages for the draft chain's positions (it writes up to num_computed + k - 2)."""

@@ -499,7 +499,7 @@ def default_cases(shapes: Sequence[Shape] | None = None) -> list[Case]:
     are int64 as the engine passes them; decode indices, positions and tables int32."""
     import torch
 
-    from dsakv.config.hisparse import BUFFER_PER_TOP_K
+    from dsakv.config.hisparse import SPARE_TOP_K
 
     from . import triton_fp8, triton_hisparse, triton_indexer, triton_mla, triton_rows, triton_store
 
@@ -568,9 +568,9 @@ def default_cases(shapes: Sequence[Shape] | None = None) -> list[Case]:
                 add(f"sparse_mla_extend[dense] {mla} E={e} L={length}",
                     triton_mla.sparse_mla_extend, q, cache, kind, ctx, q_pos, None, 0.1,
                     s.kv_lora, s.rope)  # fmt: skip
-        # HiSparse: resolve over a hot buffer of BUFFER_PER_TOP_K × top-k entries (positions
+        # HiSparse: resolve over the default hot buffer, (1 + SPARE_TOP_K) × top-k (positions
         # int32 as `init_buffers` makes them; the tests' int64 too), copy_rows of latent rows
-        buf = BUFFER_PER_TOP_K * s.topk
+        buf = (1 + SPARE_TOP_K) * s.topk
         for pd in (i32, i64) if s.topk < 1024 else (i32,):
             add(f"hisparse.resolve {s.name} S={buf} K={s.topk} pos={_short_dtype(pd)}",
                 triton_hisparse.resolve, torch.zeros(2, s.topk, dtype=pd),

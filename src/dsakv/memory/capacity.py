@@ -600,8 +600,8 @@ class HiSparsePlan:
 
     @property
     def hot_buffer_slots(self) -> int:
-        """Device latent slots per request: the buffer plus one slot (its newest token),
-        rounded up to whole pages, as the engine allocates it."""
+        """Device latent slots per request: the buffer plus a reserved slot for each token a
+        step computes, rounded up to whole pages, as the engine allocates it."""
         return self.hisparse.buffer_pages(self.layout.page_size) * self.layout.page_size
 
     @property
