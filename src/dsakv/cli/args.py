@@ -610,7 +610,8 @@ def add_hisparse_args(p: argparse.ArgumentParser, what: str) -> None:
     g.add_argument(
         "--hisparse-config",
         metavar="JSON",
-        help='{"top_k": index_topk, "device_buffer_size": 2×top_k, "host_to_device_ratio": 2}',
+        help='{"top_k": index_topk, "device_buffer_size": 2×top_k ((K+2)×top_k with K drafts), '
+        '"host_to_device_ratio": 2}',
     )
 
 
