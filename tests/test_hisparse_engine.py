@@ -291,6 +291,21 @@ def _pd(
         dst.close()
 
 
+def _pd_run(prefill: Engine, decode: Engine, prompts, params, each_step=None) -> list[Request]:
+    """Each prompt through `_pd` in turn, decoded to the end (`each_step(decode)` after
+    every step): the decode engine's requests."""
+    reqs = []
+    with _pd(prefill, decode) as start:
+        for p in prompts:
+            reqs.append(start(p, params))
+            while decode.has_unfinished():
+                decode.step()
+                if each_step is not None:
+                    each_step(decode)
+    decode.check_integrity()
+    return reqs
+
+
 def test_pd_decode_receives_latent_into_its_host_memory(tiny, reference):
     """A HiSparse decode engine whose device latent pool (96 tokens) holds fewer than some
     prompts (up to 120) gives the colocated tokens: only its hot buffer is on the device."""
@@ -298,15 +313,7 @@ def test_pd_decode_receives_latent_into_its_host_memory(tiny, reference):
     prefill = _engine(tiny, num_pages=64)
     decode = _engine(tiny, num_pages=12, enable_hisparse=True, hisparse_config=HS)
     assert max(map(len, prompts)) > decode.pool.num_latent_tokens
-    got = []
-    with _pd(prefill, decode) as start:
-        for p in prompts:
-            req = start(p, GREEDY)
-            while decode.has_unfinished():
-                decode.step()
-            got.append(req.output_ids)
-    decode.check_integrity()
-    assert got == want
+    assert [r.output_ids for r in _pd_run(prefill, decode, prompts, GREEDY)] == want
     assert decode.counters()["hisparse_misses"] > 0
 
 
@@ -491,15 +498,7 @@ def test_ngram_pd_decode_server(tiny, looping):
     prompts, want = looping
     prefill = _engine(tiny, num_pages=64)
     decode = _engine(tiny, num_pages=12, enable_hisparse=True, hisparse_config=HS_VERIFY, **NGRAM)
-    got = []
-    with _pd(prefill, decode) as start:
-        for p in prompts:
-            req = start(p, LONG)
-            while decode.has_unfinished():
-                decode.step()
-            got.append(req.output_ids)
-    decode.check_integrity()
-    assert got == want
+    assert [r.output_ids for r in _pd_run(prefill, decode, prompts, LONG)] == want
     c = decode.counters()
     assert c["spec_accepted_tokens"] > 0 and c["hisparse_misses"] > 0
 
@@ -615,16 +614,9 @@ def test_mtp_pd_decode_server(glm_tiny, mtp_reference):
     prefill = _engine(glm_tiny, num_pages=64, **MTP)
     decode = _engine(glm_tiny, num_pages=12, enable_hisparse=True, hisparse_config=HS_VERIFY, **MTP)
     params = replace(LONG, logprobs=0)
-    got = []
-    with _pd(prefill, decode) as start:
-        for p in prompts:
-            req = start(p, params)
-            while decode.has_unfinished():
-                decode.step()
-                _entries_hold_their_rows(decode)  # (the draft layer's from the host too)
-            got.append((req.output_ids, req.logprobs))
-    decode.check_integrity()
-    assert [t for t, _ in got] == [t for t, _ in want]
+    # (every entry's rows, the draft layer's from the host too, after every step)
+    reqs = _pd_run(prefill, decode, prompts, params, _entries_hold_their_rows)
+    assert [r.output_ids for r in reqs] == [t for t, _ in want]
     c = decode.counters()
     assert c["spec_accepted_tokens"] > 0 and c["hisparse_misses"] > 0
     # One that ends on its first token ends outside a step: its hot buffer goes at once
