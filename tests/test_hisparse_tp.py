@@ -33,9 +33,9 @@ PARALLEL = {
     "tp2": dict(tp=2),
     "tp2-ep2": dict(tp=2, ep=2),
     "dp-attention": dict(tp=2, dp_attention=True),
-    # (drafts: every rank runs a verify's tokens as decode rows over its replica; MTP's
-    # draft layer steps over its own hot buffers too)
-    "tp2-ngram": dict(tp=2, speculative_algorithm="ngram"),
+    # (drafts: every rank runs a verify's tokens as decode rows over its replica, and
+    # steps the MTP layer's hot buffers too; n-gram's verify rows are MTP's, one rank tests
+    # them)
     "tp2-mtp": dict(tp=2, speculative_algorithm="mtp"),
     "dp-attention-mtp": dict(tp=2, dp_attention=True, speculative_algorithm="mtp"),
 }
