@@ -1542,7 +1542,7 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
     """SGLang's / vLLM's values and flags (`FOLDED`) as dsakv's own flags, set in `args`
     (what serve-pd passes on), or refused where dsakv has no such meaning."""
     from dsakv.config import ModelConfig
-    from dsakv.engine.config import DRAFT_STEPS
+    from dsakv.engine.config import DRAFT_STEPS, MAX_DRAFT_STEPS
 
     check_dp_size(args)
     fold_expert_parallel(args)
@@ -1625,10 +1625,11 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
         )
     if tokens is not None and args.speculative_algorithm == "ngram" and not steps_given:
         # (SGLang's NGRAM counts the last token among them, as its EAGLE does)
-        if not 2 <= tokens <= 17:
+        if not 2 <= tokens <= MAX_DRAFT_STEPS + 1:
             raise DsakvError(
-                f"--speculative-num-draft-tokens {tokens}: n-gram drafting verifies 2..17 "
-                "tokens a step (1..16 drafts, then the last token)"
+                f"--speculative-num-draft-tokens {tokens}: n-gram drafting verifies "
+                f"2..{MAX_DRAFT_STEPS + 1} tokens a step (1..{MAX_DRAFT_STEPS} drafts, then the "
+                "last token)"
             )
         args.speculative_num_steps = tokens - 1
     steps = args.speculative_num_steps or DRAFT_STEPS

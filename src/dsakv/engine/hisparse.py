@@ -145,8 +145,8 @@ class HotBuffers:
     State is per (IndexShare group, request row): `buf_pos` (position each entry holds, −1
     empty) and `stamp` (recency); `buf_slot` (the entry's device slot) and `reserved` (the
     slots of the tokens a step computes past the buffer) are per request, the same in every
-    layer. The ops that read and
-    update them are the backend's (`hot_resolve`, `hot_copy`: torch or Triton).
+    layer. The ops that read and update them are the backend's (`hot_resolve`, `hot_copy`:
+    torch or Triton).
     """
 
     def __init__(
@@ -530,6 +530,9 @@ class HotStep:
         self.row_start = self.first_pos.index_select(0, self.owner)
         firsts = [0, *accumulate(counts)][:-1]  # (each request's first decode row)
         self.first_rows = torch.tensor(firsts, dtype=torch.long, device=dev)
+        # `hot_resolve`'s newest position and its slot, for every row: none (this step's
+        # positions are mapped to their bound slots around it, a verify's several at once)
+        self.unbound = torch.full((len(rows),), -1, dtype=torch.int32, device=dev)
         self.out_slots = torch.empty(0, dtype=torch.long, device=dev)  # this step's latent
         self.logical_out = torch.empty(0, dtype=torch.long, device=dev)  # ... and host rows
         self.new_slots = torch.empty(0, 0, dtype=torch.int32, device=dev)
@@ -603,11 +606,10 @@ class HotStep:
             union = union.index_copy_(0, self.union_at, looked).view(b, self.width * k)
         pos = hb.buf_pos[g].index_select(0, r)
         stamp = hb.stamp[g].index_select(0, r)
-        unbound = torch.full((b,), -1, dtype=torch.int32, device=hb.device)  # (new: above)
         slots, miss_pos, miss_slot = hb.backend.hot_resolve(
             union,
-            unbound,
-            unbound,
+            self.unbound,
+            self.unbound,
             pos,
             stamp,
             hb.buf_slot.index_select(0, r),
@@ -622,7 +624,7 @@ class HotStep:
         slots = torch.where(new, bound.to(slots.dtype), slots)
         missed = miss_pos >= 0
         # (every row's context covers what its request misses: positions before first_pos)
-        ctx = table.index_select(0, self.first_rows)
+        ctx = table if self.width == 1 else table.index_select(0, self.first_rows)
         src = torch.where(missed, ctx.gather(1, miss_pos.long().clamp(min=0)), -1)
         group = hb.groups[layer]
         hb.backend.hot_copy(
