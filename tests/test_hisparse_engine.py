@@ -265,7 +265,7 @@ def _pd(
     from dsakv.disagg.transfer import KVTransfer, PeerBuffer
 
     src = KVTransfer(prefill.pool)
-    dst = KVTransfer(decode.pool, host_latent=decode.hot.host)
+    dst = KVTransfer(decode.pool)
     peer = [PeerBuffer.of(d) for d in dst.buffers]
     assert len(peer) == decode.layout.num_layers + len(decode.layout.index_k_layers)
 
@@ -453,6 +453,12 @@ VERIFY_VARIANTS = {
     "retract": dict(
         hisparse_config={**HS_VERIFY, "host_to_device_ratio": 1}, enable_prefix_cache=False
     ),
+    # (the retracted go to a host tier and come back decoding: `test_hisparse_tiers`)
+    "retract-to-host": dict(
+        hisparse_config={**HS_VERIFY, "host_to_device_ratio": 1},
+        enable_prefix_cache=False,
+        host_pool_ratio=2,
+    ),
 }
 
 
@@ -478,6 +484,7 @@ def test_ngram_drafts_verify_against_the_hot_buffer(tiny, looping, variant):
     assert c["hisparse_misses"] > 0 and c["hisparse_hot_buffers"] == 0
     if "enable_prefix_cache" in variant:  # (logical pages as the limit: recomputed)
         assert c["retractions"] > 0
+    assert c["retractions_to_host"] > 0 if "host_pool_ratio" in variant else True
 
 
 def test_ngram_seeded_samples_are_plain_decodes(tiny, looping):
@@ -580,8 +587,9 @@ def test_mtp_drafts_from_the_draft_layers_hot_buffer(glm_tiny, mtp_reference, va
         assert got == want
     c = on.counters()
     assert c["hisparse_misses"] > 0 and c["hisparse_hot_buffers"] == 0
-    if "enable_prefix_cache" in variant:  # (recomputed: drafted again)
+    if "enable_prefix_cache" in variant:  # (recomputed, or back from the host: drafted again)
         assert c["retractions"] > 0 and c["spec_accepted_tokens"] > 0
+        assert c["retractions_to_host"] > 0 if "host_pool_ratio" in variant else True
     else:
         assert made_kept == drafts
 
@@ -632,7 +640,6 @@ def test_bad_settings_are_one_clear_error(tiny):
         EngineConfig(model=tiny, hisparse_config={"top_k": 16})
     for kw, msg in (
         (dict(pp=2), "--pp-size 2"),
-        (dict(host_pool_gib=1.0), "host-pool-gib"),
         (dict(chunked_prefill_size=1), "chunked-prefill-size 1"),  # (every prompt dropped)
     ):
         with pytest.raises(DsakvError, match=msg):

@@ -385,13 +385,6 @@ def test_a_pool_past_the_machines_memory_is_one_error_line(models, flags, words,
     "flags, given, not_given",
     [
         (
-            ["--enable-hisparse", "--enable-hierarchical-cache"],
-            "a host KV tier (--enable-hierarchical-cache",
-            "--host-pool-gib",
-        ),
-        (["--enable-hisparse", "--host-pool-ratio", "2"], HOST_RATIO, "--host-pool-gib"),
-        (["--enable-hisparse", "--swap-space", "1"], HOST_GIB, "--host-pool-ratio"),
-        (
             ["--enable-hierarchical-cache", "--hicache-size", "1e-12"],
             f"the host tier ({HOST_GIB}): 9.31e-13 GiB holds no",
             "host_pool_gib",
@@ -404,8 +397,8 @@ def test_a_pool_past_the_machines_memory_is_one_error_line(models, flags, words,
     ],
 )
 def test_host_tier_errors_name_the_flags_given(models, flags, given, not_given, capsys):
-    """HiSparse beside SGLang's host tier said "does not run with --host-pool-gib", a flag
-    not given; a host tier of no page named the field (host_pool_gib: 9.3e-13 GiB ...)."""
+    """A host tier of no page named the field (host_pool_gib: 9.3e-13 GiB ...), not the
+    flags given."""
     err = _error_line(["generate", models["glm"], "--prompt", "x", *flags], capsys)
     assert given in err and not_given not in err, err
 

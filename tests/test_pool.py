@@ -277,6 +277,49 @@ def test_copy_refuses_other_layouts_and_counts():
         copy_tokens(DSAKVPool(layout, 1), torch.arange(3), src, torch.arange(2))
 
 
+@pytest.mark.parametrize("kv", ["fp32", "fp8_ds_mla"])
+def test_a_hisparse_pools_moves_carry_its_host_latent(kv):
+    """Under HiSparse a logical token's latent is its host row (`attach_host_latent`), its
+    index-K in the pool: token and page moves between it and a dense pool of the layout (the
+    host tier's, L3's bytes) carry whole tokens, byte for byte, and the device latent slots
+    are never read or written; a rank that does not move the rows copies index-K only."""
+    layout = small_layout(kv, "fp8")
+    hs = DSAKVPool(layout, 4, latent_pages=2)  # 16 logical slots, 8 device latent slots
+    width = hs.latent_data(0).view(torch.uint8).shape[1]
+    rows = [torch.randint(0, 256, (16, width), dtype=torch.uint8) for _ in range(6)]
+    device_latent = [hs.latent_data(i).clone() for i in range(6)]
+    with pytest.raises(ValueError, match="no host latent is attached"):
+        hs.read_tokens(torch.arange(2))
+    hs.attach_host_latent(rows)
+    src = torch.tensor([13, 2, 7])
+    for layer in hs.layout.index_k_layers:
+        hs.write_index_k(layer, src, torch.randn(3, 128))
+    dense = DSAKVPool(layout, 3)
+    dst = torch.tensor([0, 9, 4])
+    assert copy_tokens(dense, dst, hs, src) == 3 * layout.bytes_per_token
+    got = dense.read_tokens(dst)
+    assert _equal(_snapshot(dense, dst), _snapshot(hs, src))
+    for layer in range(6):
+        assert torch.equal(got[f"latent.{layer}"][0], rows[layer][src])
+    # back into other logical slots; pages as L3 stores them, both ways
+    back = torch.tensor([1, 5, 15])
+    copy_tokens(hs, back, dense, dst)
+    assert _equal(_snapshot(hs, back), _snapshot(hs, src))
+    page = hs.read_pages([3])
+    assert page.shape == (1, layout.bytes_per_page)
+    dense.write_pages([2], page)
+    hs.write_pages([0], dense.read_pages([2]))
+    assert _equal(_snapshot(hs, page_slots([0], 4)), _snapshot(hs, page_slots([3], 4)))
+    assert all(torch.equal(hs.latent_data(i), d) for i, d in enumerate(device_latent))
+    # moves=False: index-K only (another rank writes the rows)
+    hs.attach_host_latent(rows, moves=False)
+    before = [r.clone() for r in rows]
+    ik = layout.index_k_bytes_per_token
+    assert copy_tokens(hs, torch.tensor([3, 6]), dense, dst[:2]) == 2 * ik
+    assert all(torch.equal(r, b) for r, b in zip(rows, before))
+    assert hs.page_bytes() == hs.page_bytes(index_k_only=True) == 4 * ik
+
+
 # --- helpers -------------------------------------------------------------------------------
 
 

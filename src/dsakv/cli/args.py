@@ -1705,8 +1705,6 @@ def _fold_pool_sizes(args: argparse.Namespace) -> None:
     N / 2^30 (per rank, as vLLM's per GPU), `--gpu-memory-utilization` beside it dropped
     (vLLM ignores it then). Another size beside any of these is one error. (SGLang's
     `--max-total-tokens` caps whichever sizes the pool: `EngineConfig.max_total_tokens`.)"""
-    from dsakv.config.hisparse import check_runs_with
-
     kv_bytes = getattr(args, "kv_cache_memory_bytes", None)
     if kv_bytes is not None:
         sizes = ("--num-pages", "--kv-budget-gib", "--mem-fraction-static")
@@ -1721,8 +1719,6 @@ def _fold_pool_sizes(args: argparse.Namespace) -> None:
     args.hicache_ratio = args.hicache_size = None
     if not args.enable_hierarchical_cache:
         return
-    if getattr(args, "enable_hisparse", False):
-        check_runs_with(host_pool="--enable-hierarchical-cache")
     for flag in ("--host-pool-gib", "--host-pool-ratio"):
         if getattr(args, flag[2:].replace("-", "_")) is not None:
             raise DsakvError(

@@ -35,20 +35,11 @@ def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
     return value
 
 
-def check_runs_with(
-    *,
-    pp: int = 1,
-    host_pool: str | None = None,
-    storage: bool = False,
-    chunked_prefill_size: int = 2,
-) -> None:
+def check_runs_with(*, pp: int = 1, chunked_prefill_size: int = 2) -> None:
     """Refuse what HiSparse does not run with yet, one ConfigError: the engine refuses it,
-    so `dsakv plan` must not plan it either. `host_pool` is the flag that turned a host KV
-    tier on, if any."""
+    so `dsakv plan` must not plan it either."""
     refused = (
         (pp > 1, f"--pp-size {pp}"),
-        (host_pool is not None, f"a host KV tier ({host_pool}: HiSparse's holds the latent)"),
-        (storage, "--hicache-storage-backend"),
         (chunked_prefill_size < 2, "--chunked-prefill-size 1 (a 1-token step decodes)"),
     )
     for bad, what in refused:

@@ -199,8 +199,8 @@ class KVTransfer:
     """One pool's buffers registered with the Mooncake Transfer Engine (P2P handshake, TCP).
 
     The decode side only registers (the prefill side writes into its memory; under HiSparse
-    its latent buffers are `host_latent`, its host rows); the prefill side registers too
-    and calls `write`. `session` is what the peer addresses. The
+    its latent buffers are its host rows: `DSAKVPool.attach_host_latent`); the prefill side
+    registers too and calls `write`. `session` is what the peer addresses. The
     registrations go when `close` is called or the object is collected.
     """
 
@@ -209,7 +209,6 @@ class KVTransfer:
         pool: DSAKVPool,
         host: str = "127.0.0.1",
         protocol: str = "tcp",
-        host_latent: Sequence[Any] | None = None,
     ) -> None:
         if pool.device.type != "cpu" and _cpu_only_build():
             raise TransferError(
@@ -218,7 +217,7 @@ class KVTransfer:
             )
         self.pool = pool
         self.engine, self.session = shared_engine(host, protocol)
-        self.buffers = pool.transfer_descriptors(host_latent)  # HiSparse: latent on the host
+        self.buffers = pool.transfer_descriptors()  # (HiSparse: the latent's on the host)
         done: list[int] = []
         self._finalizer = weakref.finalize(self, _unregister, self.engine, done)
         for d in self.buffers:
@@ -270,8 +269,8 @@ class KVTransfer:
 
 
 def register_pool(engine: Any, host: str) -> KVTransfer:
-    """`engine`'s pool registered (under HiSparse its host latent for the latent)."""
-    return KVTransfer(engine.pool, host, host_latent=engine.hot.host if engine.hot else None)
+    """`engine`'s pool registered."""
+    return KVTransfer(engine.pool, host)
 
 
 # Under DP attention each rank's pool holds its own requests' KV, so each rank registers

@@ -484,12 +484,7 @@ class EngineConfig:
             if self.hisparse_config is not None:
                 raise DsakvError("--hisparse-config needs --enable-hisparse")
             return
-        check_runs_with(
-            pp=self.pp,
-            host_pool=self.host_tier_flag,
-            storage=self.hicache_storage_backend is not None,
-            chunked_prefill_size=self.chunked_prefill_size,
-        )
+        check_runs_with(pp=self.pp, chunked_prefill_size=self.chunked_prefill_size)
 
     @property
     def max_drafts(self) -> int:

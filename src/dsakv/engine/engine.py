@@ -1690,12 +1690,17 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         its outputs kept) and returned, so whoever waits on it hears. In an idle step with
         nothing running and no pages parked (PD's, which come back without a step), any that
         still cannot be; under HiSparse, at once, a PD decode request retracted with a prompt
-        longer than the device latent pool (recomputing would prefill the prompt there)."""
+        longer than the device latent pool (recomputing would prefill the prompt there), unless
+        it went to the host tier."""
         s = self.scheduler
         if not s.waiting:
             return []
         req = s.waiting[0]
-        if self.hot is not None and not self.hot.fits(len(req.prompt_ids)):
+        if (
+            self.hot is not None
+            and req.host_slots is None
+            and not self.hot.fits(len(req.prompt_ids))
+        ):
             log.warning(
                 "request %d was retracted and its %d-token prompt cannot be prefilled again "
                 "(HiSparse's device latent pool holds %d tokens); finishing it",

@@ -184,6 +184,8 @@ class HotBuffers:
         # (held: the page lock lasts as long as this tensor object, not its views)
         self._host_block = self._host_latent(pool, shape, device, parallel, shared)
         self.host = list(self._host_block.view(shape).unbind(0))
+        # token and page moves (host tier, L3, KV transfer) read and write the latent here
+        pool.attach_host_latent(self.host, moves=self.writes_host)
         rows = max(1, pool.latent_pages // self.buffer_pages)
         g = len(self.groups)
         self.buf_pos = torch.full((g, rows, s), -1, dtype=torch.int32, device=device)
@@ -277,6 +279,8 @@ class HotBuffers:
         return req.seq_len if self.fits(req.seq_len) else len(req.prompt_ids)
 
     def _pages_for(self, req: Request) -> int:
+        if req.host_slots is not None:  # back from the host tier decoding: its buffer only
+            return self.buffer_pages
         return -(-max(self.prefill_end(req), self.config.buffer_slots) // self.page_size)
 
     def fits(self, prompt_len: int) -> bool:
@@ -306,9 +310,16 @@ class HotBuffers:
         self._do(Take(req.rid, self._pages_for(req), hit_slots.cpu()))
 
     def admit_detached(self, req: Request) -> None:
-        """A PD decode request: buffer pages only; the prefill server writes its latent into
-        host memory and the first decode step loads the buffer from there."""
+        """A PD decode request, or one back from the host tier: buffer pages only; its latent
+        is in host memory (the prefill server writes it there, or the host tier loads it)
+        and its first decode step loads the buffer from there."""
         self._do(Take(req.rid, self.buffer_pages, None, on_host=True))
+
+    def decoding(self, req: Request) -> bool:
+        """Whether `req` runs on its hot buffer, one token (or one verify) a step: retracted
+        now, it can come back from the host tier so (`admit_detached`)."""
+        hot = self._reqs.get(req.rid)
+        return hot is not None and hot.row >= 0
 
     def free(self, req: Request) -> None:
         """Give back a finished, aborted or retracted request's latent slots and LRU state

@@ -412,7 +412,8 @@ class Scheduler:
         self.stats.retractions += 1
         req.metrics.retractions += 1
         n = req.num_computed
-        if self.host is not None and n > 0:
+        # (under HiSparse a decoding request's: it comes back detached, `_admit_from_host`)
+        if self.host is not None and n > 0 and (self.hot is None or self.hot.decoding(req)):
             slots = self.slots(req, n)
             # A running request's KV outranks the coldest cached prefixes on the host.
             self.cache.free_host_pages(-(-n // self.config.page_size))
@@ -617,8 +618,9 @@ class Scheduler:
 
     def _admit_from_host(self, req: Request, budget: int) -> int:
         """Resume a request retracted to the host tier: load its KV back, then continue (what
-        `_admit_fresh` returns). (Never under HiSparse, whose host memory holds the latent,
-        not retracted requests: `_step_tokens` is the plain chunking here, never 0.)"""
+        `_admit_fresh` returns). Under HiSparse it was decoding: its latent goes to the host
+        rows and it takes a hot buffer only, loaded from there at its next step (a PD decode
+        request's way), so `_step_tokens` gives it one token, never 0."""
         hit = req.host_slots.numel()
         n = self._step_tokens(req, hit, budget)
         own = max(self._pages_for(hit + n), self._future_pages(req, 0))
@@ -627,6 +629,8 @@ class Scheduler:
         if not self.reserve(req, hit + n):
             return 0
         self.host.load(req.host_slots, self.slots(req, hit))
+        if self.hot is not None:
+            self.hot.admit_detached(req)
         self.host.free(req.host_slots)
         req.host_slots, req.num_computed = None, hit
         return n

@@ -295,6 +295,9 @@ class DSAKVPool:
             self._index_k = {layer: _index_k_buffer(*idx) for layer in layout.index_k_layers}
         except _NoMemory as e:
             raise ConfigError(f"{cannot} ({e})") from None
+        # HiSparse: the logical tokens' latent rows in host memory (`attach_host_latent`)
+        self._host_latent: dict[int, torch.Tensor] = {}
+        self._moves_latent = True
 
     # --- sizes -------------------------------------------------------------------------------
 
@@ -308,8 +311,9 @@ class DSAKVPool:
 
     @property
     def split_latent(self) -> bool:
-        """Whether latent slots are their own address space (HiSparse)."""
-        return self.latent_pages != self.num_pages
+        """Whether latent slots are their own address space (HiSparse: fewer pages, or as
+        many at host_to_device_ratio 1, its host latent attached)."""
+        return self.latent_pages != self.num_pages or bool(self._host_latent)
 
     @property
     def nbytes(self) -> int:
@@ -365,25 +369,41 @@ class DSAKVPool:
 
     # --- moving tokens -----------------------------------------------------------------------
 
+    def attach_host_latent(self, rows: Sequence[torch.Tensor], moves: bool = True) -> None:
+        """HiSparse: a logical token's latent is its row in `rows` (host memory; one
+        `[num_tokens, row bytes]` uint8 tensor per layer, by layer index: the stored bytes
+        of `latent_data`'s rows), its index-K is here. Token and page moves (`copy_tokens`,
+        `read_tokens`, `read_pages`, `write_pages`) and transfer descriptors then address
+        the latent there, so the host tier, L3 and KV transfer see whole logical tokens.
+        `moves` False: another rank writes these rows (TP ranks on one machine map rank
+        0's), so this rank's moves carry index-K only."""
+        want = (
+            self.num_tokens,
+            self.latent_data(self.layout.held_layers[0]).view(torch.uint8).shape[1],
+        )
+        held = {layer: rows[layer] for layer in self.layout.held_layers}
+        for layer, t in held.items():
+            if t.dtype != torch.uint8 or tuple(t.shape) != want:
+                raise ValueError(
+                    f"layer {layer}'s host latent must be uint8 {list(want)}, got "
+                    f"{t.dtype} {list(t.shape)}"
+                )
+        self._host_latent, self._moves_latent = held, moves
+
     def move(self, dst_slots: torch.Tensor, src_slots: torch.Tensor) -> None:
         """Copy every buffer's bytes from `src_slots` to `dst_slots`, token by token."""
-        self._check_unsplit()
         copy_tokens(self, dst_slots, self, src_slots)
 
-    def transfer_descriptors(
-        self, host_latent: Sequence[torch.Tensor] | None = None
-    ) -> list[TransferDescriptor]:
+    def transfer_descriptors(self) -> list[TransferDescriptor]:
         """One per real buffer (latent per layer, index-K per owning layer); none for elided.
-
-        `host_latent`: HiSparse's host rows (one `[num_tokens, row]` uint8 tensor per layer,
-        the stored bytes at logical slots) stand in for the latent, so a prefill server
-        writes a decode server's latent straight into its host memory."""
-        if host_latent is None:
-            self._check_unsplit()
+        Under HiSparse the latent's are the host rows (`attach_host_latent`), so a prefill
+        server writes a decode server's latent straight into its host memory."""
         out = []
         for layer, comp, b in self._buffers():
-            if comp == LATENT and host_latent is not None:
-                t = host_latent[layer]
+            t = self._host_latent.get(layer) if comp == LATENT else None
+            if comp == LATENT and t is None:
+                self._check_unsplit()
+            if t is not None:
                 nbytes, rows = t.numel() * t.element_size(), ((0, t.shape[1] * t.element_size()),)
                 out.append(
                     TransferDescriptor(
@@ -405,12 +425,12 @@ class DSAKVPool:
 
     def read_tokens(self, slots: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         """Raw stored bytes of the tokens at `slots` on the CPU, per buffer (`"latent.3"`,
-        `"index_k.0"`): what a copy between pools or tiers must carry exactly."""
-        self._check_unsplit()
+        `"index_k.0"`; a latent as its rows' bytes): what a copy between pools or tiers must
+        carry exactly."""
         page, off = self._locate(slots)
         return {
-            f"{comp}.{layer}": [p[page, off].cpu() for p in b.parts]
-            for layer, comp, b in self._buffers()
+            f"{comp}.{layer}": [_at(p, page, off).cpu() for p in parts]
+            for layer, comp, parts in self._token_views()
         }
 
     # --- whole pages as raw bytes (the L3 storage tier, a PD request's KV to every TP rank) ----
@@ -424,9 +444,9 @@ class DSAKVPool:
         layout's bytes for that page. `index_k_only`: the index-K buffers' (a HiSparse pool's
         latent is in its own slot space)."""
         idx = self._check_pages(pages)
+        to = self.device if on_device else torch.device("cpu")
         views = self._page_views(index_k_only)
-        rows = torch.cat([v.index_select(0, idx) for v in views], dim=1)
-        return rows if on_device else rows.cpu()
+        return torch.cat([v.index_select(0, idx.to(v.device)).to(to) for v in views], dim=1)
 
     def write_pages(
         self, pages: Sequence[int], data: torch.Tensor, index_k_only: bool = False
@@ -438,10 +458,9 @@ class DSAKVPool:
                 f"page bytes must be uint8 [{want[0]}, {want[1]}], "
                 f"got {data.dtype} {tuple(data.shape)}"
             )
-        idx = self._check_pages(pages)
-        data, col = data.to(self.device), 0
+        idx, col = self._check_pages(pages), 0
         for v in self._page_views(index_k_only):
-            v[idx] = data[:, col : col + v.shape[1]]
+            v[idx.to(v.device)] = data[:, col : col + v.shape[1]].to(v.device)
             col += v.shape[1]
 
     def page_bytes(self, index_k_only: bool = False) -> int:
@@ -450,13 +469,12 @@ class DSAKVPool:
 
     def _page_views(self, index_k_only: bool = False) -> list[torch.Tensor]:
         """Each real buffer (`index_k_only`: each index-K buffer) as `[num_pages, its bytes
-        per page]` uint8 (a view, not a copy)."""
-        if not index_k_only:
-            self._check_unsplit()
+        per page]` uint8 (a view, not a copy; a HiSparse latent's: its host rows')."""
         return [
-            b.data.view(torch.uint8).view(self.num_pages, -1)
-            for _, comp, b in self._buffers()
-            if comp == INDEX_K or not index_k_only
+            parts[0].reshape(self.num_pages, -1)
+            if comp == LATENT
+            else self._index_k[layer].data.view(torch.uint8).view(self.num_pages, -1)
+            for layer, comp, parts in self._token_views(index_k_only)
         ]
 
     # --- internals ---------------------------------------------------------------------------
@@ -473,12 +491,35 @@ class DSAKVPool:
             if layer in self._index_k:
                 yield layer, INDEX_K, self._index_k[layer]
 
+    def _token_views(self, index_k_only: bool = False):
+        """(layer, component, parts) of every buffer a logical token has, in `_buffers`
+        order: parts index as `part[page, offset]`; a latent's is one uint8 part of its rows'
+        bytes: under HiSparse its host rows (`attach_host_latent`), none where this rank
+        does not move them."""
+        for layer, comp, b in self._buffers():
+            if comp == INDEX_K:
+                yield layer, comp, b.parts
+                continue
+            if index_k_only:
+                continue
+            if not self.split_latent:
+                rows = b.data.view(torch.uint8)
+            elif not self._host_latent:
+                self._check_unsplit()
+            elif not self._moves_latent:
+                continue
+            else:
+                rows = self._host_latent[layer]
+            yield layer, comp, (rows.view(self.num_pages, self.page_size, -1),)
+
     def _check_unsplit(self) -> None:
-        """Token-wise moves address latent and index-K by one slot: not under HiSparse."""
-        if self.split_latent:
+        """Token-wise moves address latent and index-K by one slot: under HiSparse only
+        with the host latent attached."""
+        if self.split_latent and not self._host_latent:
             raise ValueError(
-                "this pool keeps latent in its own (HiSparse) slot space: tokens cannot be "
-                "moved, exported or transferred as whole rows of every buffer"
+                "this pool keeps latent in its own (HiSparse) slot space and no host latent "
+                "is attached: tokens cannot be moved, exported or transferred as whole rows "
+                "of every buffer"
             )
 
     def _index_k_of(self, layer: int) -> _Buffer:
@@ -557,7 +598,9 @@ def _rows(part: torch.Tensor, slots: torch.Tensor, ps: int) -> torch.Tensor:
 def copy_tokens(
     dst: DSAKVPool, dst_slots: torch.Tensor, src: DSAKVPool, src_slots: torch.Tensor
 ) -> int:
-    """Copy stored bytes token by token between two pools of one layout; returns bytes copied."""
+    """Copy stored bytes token by token between two pools of one layout; returns bytes copied.
+    A HiSparse pool's latent is its host rows (`attach_host_latent`); a rank that does not
+    move them copies index-K only."""
     if not isinstance(dst, DSAKVPool) or not isinstance(src, DSAKVPool):
         raise TypeError(
             f"copy_tokens copies between DSAKVPools, got {type(dst).__name__} <- "
@@ -565,13 +608,21 @@ def copy_tokens(
         )
     if dst.layout.fingerprint() != src.layout.fingerprint():
         raise ValueError("cannot copy KV between pools of different layouts")
-    dst._check_unsplit()
-    src._check_unsplit()
     dp, do = dst._locate(dst_slots)
     sp, so = src._locate(src_slots)
     if dp.numel() != sp.numel():
         raise ValueError(f"{dp.numel()} destination slots for {sp.numel()} source slots")
-    for (_, _, db), (_, _, sb) in zip(dst._buffers(), src._buffers(), strict=True):
-        for d, s in zip(db.parts, sb.parts, strict=True):
-            d[dp, do] = s[sp, so].to(dst.device)  # gather first: overlapping slots stay correct
-    return dp.numel() * dst.layout.bytes_per_token
+    have = {(layer, comp): parts for layer, comp, parts in src._token_views()}
+    nbytes = 0
+    for layer, comp, parts in dst._token_views():
+        for d, s in zip(parts, have.get((layer, comp), ()), strict=False):
+            # gather first: overlapping slots stay correct
+            d[dp.to(d.device), do.to(d.device)] = _at(s, sp, so).to(d.device)
+            nbytes += dp.numel() * d.shape[-1] * d.element_size()
+    return nbytes
+
+
+def _at(part: torch.Tensor, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """`part[page, off]`, the indices moved to the part's device (a HiSparse pool's latent
+    is in host memory, its index-K on the pool's device)."""
+    return part[page.to(part.device), off.to(part.device)]

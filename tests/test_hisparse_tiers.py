@@ -1,0 +1,164 @@
+"""HiSparse with the tiers under the prefix cache: the host tier (L2) and L3 storage.
+
+Under HiSparse a logical token is its index-K in the device pool and its latent in the host
+rows (`DSAKVPool.attach_host_latent`), so the host tier and L3 move whole tokens as they do
+for the dense layout: a page demoted to the host tier, promoted back, stored to L3 or read
+from it carries the same bytes, index-K for full layers only. A decoding request retracted to
+the host tier comes back as a PD decode request does: its latent in the host rows, a hot
+buffer only on the device, loaded at its next step.
+
+fp32 caches make the comparisons exact (as in test_hisparse_engine): tokens from prefix hits
+and from requests that came back from the host are the cold run's.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from dsakv import LLM, SamplingParams
+from dsakv.models.tiny import write_tiny_model
+
+from .test_hisparse_engine import EXACT, GREEDY, _engine, _pd, _prompts, _run
+from .test_storage import PAGES, PROMPT, _file, _objects
+from .test_storage import _run as _l3_run
+
+HS2 = {"host_to_device_ratio": 2}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("glm-tiny"), preset="glm-tiny", seed=0))
+
+
+def _conversations(waves: int, seed: int = 0) -> list[list[list[int]]]:
+    """`waves` rounds of four conversations: each round one 64-token shared prefix (8 pages)
+    per conversation and a new tail."""
+    rng = random.Random(seed)
+    shared = [[rng.randrange(1, 250) for _ in range(64)] for _ in range(4)]
+    return [
+        [s + [rng.randrange(1, 250) for _ in range(rng.randint(3, 9))] for s in shared]
+        for _ in range(waves)
+    ]
+
+
+def test_prefix_pages_go_to_the_host_tier_and_come_back(tiny):
+    """40 logical pages hold the four prefixes (32 pages) and little else: each round evicts
+    cached pages to the host tier (index-K from the device, latent from the host rows) and
+    the next round's hits promote them back, then copy their latent into the device pool
+    from the host rows. Every round's tokens are the cold run's."""
+    waves = _conversations(3)
+    cold = _engine(tiny, num_pages=256, enable_prefix_cache=False)
+    want = [_run(cold, w) for w in waves]
+    on = _engine(tiny, num_pages=20, enable_hisparse=True, hisparse_config=HS2, host_pool_ratio=4)
+    assert on.pool.num_pages == 40 and on.host.num_pages == 160
+    for wave, tokens in zip(waves, want):
+        assert _run(on, wave) == tokens
+    c = on.counters()
+    assert c["prefix_pages_demoted"] > 0 and c["prefix_pages_promoted"] >= 8
+    assert c["prefix_hit_tokens"] >= 2 * 4 * 64
+    assert c["hisparse_rows_to_device"] >= c["prefix_hit_tokens"] * 8  # (8 layers a token)
+
+
+def test_a_decoding_request_retracted_to_the_host_tier_comes_back_decoding(tiny, reference):
+    """host_to_device_ratio 1: the logical pages run out mid-decode and the newest request is
+    retracted. With a host tier its KV goes there and it comes back with a hot buffer only,
+    loaded from the host rows, and decodes on: nothing is computed again."""
+    prompts, want = reference
+    kw = dict(num_pages=36, enable_hisparse=True, hisparse_config={"host_to_device_ratio": 1})
+    recomputed = _engine(tiny, **kw)
+    assert _run(recomputed, prompts) == want
+    on = _engine(tiny, **kw, host_pool_ratio=2)
+    assert _run(on, prompts) == want
+    c, r = on.counters(), recomputed.counters()
+    assert c["retractions"] == r["retractions"] > 0
+    assert c["retractions_to_host"] == c["retractions"]
+    assert c["computed_tokens"] < r["computed_tokens"]
+
+
+def test_only_decoding_requests_go_to_the_host_tier(tiny):
+    """SGLang's pause "retract" of a decoding request and one part-way through its chunked
+    prefill: the decoding one goes to the host tier and comes back decoding; the other, whose
+    next step is a prefill chunk (its prompt's latent all on the device), is recomputed."""
+    prompts = _prompts(2, seed=7, lo=90, hi=100)
+    want = _run(_engine(tiny, num_pages=256), prompts, check_every_step=False)
+    e = _engine(tiny, num_pages=40, chunked_prefill_size=16, enable_hisparse=True,
+                hisparse_config=HS2, host_pool_ratio=2)  # fmt: skip
+    decoding = e.add_request(prompts[0], GREEDY)
+    while len(decoding.output_ids) < 3:
+        e.step()
+    prefilling = e.add_request(prompts[1], GREEDY)
+    e.step()
+    assert 0 < prefilling.num_computed < len(prompts[1]) and e.hot.decoding(decoding)
+    e.retract_all()
+    assert decoding.host_slots is not None and prefilling.host_slots is None
+    while e.has_unfinished():
+        e.step()
+        e.check_integrity()
+    assert [decoding.output_ids, prefilling.output_ids] == want
+    c = e.counters()
+    assert c["retractions"] == 2 and c["retractions_to_host"] == 1
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    prompts = _prompts(8, seed=3)
+    return prompts, _run(_engine(tiny, num_pages=256), prompts, check_every_step=False)
+
+
+def test_a_pd_request_no_device_prefill_holds_comes_back_from_the_host_tier(tiny):
+    """`test_a_retracted_pd_request_is_recomputed_or_cut_short_at_once`'s 85-token case: the
+    newer request, whose prompt no device prefill holds, was cut short when retracted. With a
+    host tier it goes there and comes back: both finish with every token."""
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(85)] for i in range(2)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = _run(_engine(tiny, num_pages=256), prompts, params, check_every_step=False)
+    prefill = _engine(tiny, num_pages=64)
+    decode = _engine(tiny, num_pages=10, enable_hisparse=True, host_pool_ratio=2,
+                     hisparse_config={"host_to_device_ratio": 3})  # fmt: skip
+    with _pd(prefill, decode) as start:
+        older, newer = [start(p, params) for p in prompts]
+    while decode.has_unfinished():
+        decode.step()
+        decode.check_integrity()
+    c = decode.counters()
+    assert c["retractions"] == c["retractions_to_host"] == 1 and newer.metrics.retractions == 1
+    assert [older.output_ids, newer.output_ids] == want
+    assert newer.finish_reason == "length" and len(newer.output_ids) == 40
+
+
+def test_l3_pages_are_the_dense_engines_byte_for_byte(tmp_path: Path):
+    """A HiSparse engine stores the pages a dense-pool engine stores, the same objects byte
+    for byte (its latent read from the host rows), and each reads the other's: every full
+    prompt page a hit, tokens unchanged."""
+    model = str(write_tiny_model(tmp_path / "tiny", preset="glm-tiny"))
+    hs = dict(enable_hisparse=True, hisparse_config=HS2)
+    (cold,), _ = _l3_run(model, [PROMPT], **_file(tmp_path / "dense"))
+    (on,), c = _l3_run(model, [PROMPT], **_file(tmp_path / "hisparse"), **hs)
+    assert on == cold and c["l3_pages_written"] == PAGES
+    dense, mine = _objects(tmp_path / "dense"), _objects(tmp_path / "hisparse")
+    assert [p.name for p in mine] == [p.name for p in dense]
+    assert [p.read_bytes() for p in mine] == [p.read_bytes() for p in dense]
+    for store, kw in (("dense", hs), ("hisparse", {})):
+        (warm,), c = _l3_run(model, [PROMPT], **_file(tmp_path / store), **kw)
+        assert warm == cold and c["l3_hits"] == PAGES and c["l3_misses"] == 0
+        assert c["prefix_hit_tokens"] == PAGES * 16
+
+
+def test_tp2_replicas_agree_with_the_host_tier(glm_tiny):
+    """Under `--tp 2` on one machine the ranks map one host latent, which rank 0 writes:
+    rank 1's host-tier copies carry index-K only. Both ranks' hot buffers agree after every
+    step, and the tokens are one rank's."""
+    waves = _conversations(2, seed=1)
+    kw = dict(**EXACT, num_pages=20, enable_hisparse=True, hisparse_config=HS2,
+              host_pool_ratio=4)  # fmt: skip
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2):
+        with LLM(glm_tiny, tp=tp, **kw) as llm:
+            outs[tp] = [_run(llm.engine, w, params) for w in waves]
+            c = llm.engine.counters()
+            assert c["prefix_pages_promoted"] > 0 and c["prefix_hit_tokens"] > 0
+    assert outs[2] == outs[1]
