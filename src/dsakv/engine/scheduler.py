@@ -212,7 +212,7 @@ class Scheduler:
         """Running requests, the first to retract first: the newest, or under priority
         scheduling the lowest priority (the newest of those, vLLM's). Under HiSparse one
         whose prompt the device latent pool cannot hold (a PD decode server's) is cut short
-        if retracted, so it goes only when no other can."""
+        if retracted where no host tier takes it, so it goes only when no other can."""
         if self.config.priority_sign:
             order = sorted(self.running, key=self._rank, reverse=True)
         else:
