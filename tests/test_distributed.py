@@ -487,6 +487,32 @@ def test_dp_attention_delivers_an_abort_while_nothing_else_runs(models):
         assert all(r.finish_reason == "abort" for r in reqs)
 
 
+@pytest.mark.parametrize("host", [None, 0.01], ids=["recompute", "host-tier"])
+def test_dp_attention_pause_retract_frees_every_ranks_pages(models, reference, host):
+    """SGLang's pause "retract" under DP attention (it was refused): every rank gives back
+    the pages of the requests it schedules, which then compute their KV again, or reload it
+    from the rank's host tier: greedy tokens are the one-rank ones."""
+    prompts, ref = reference
+    kw = dict(num_pages=48, tp=2, dp_attention=True, host_pool_gib=host or 0)
+    with LLM(models["glm"], **EXACT, **kw) as llm:
+        e = llm.engine
+        reqs = [e.add_request(p, GREEDY) for p in prompts]
+        for _ in range(4):
+            e.step()
+        running = [c["running_requests"] for c in _rank_counters(e)]
+        assert all(n > 0 for n in running)
+        e.retract_all()
+        assert not e.local.scheduler.running and len(e.local.scheduler.waiting) == running[0]
+        while e.has_unfinished():
+            e.step()
+        e.check_integrity()
+        per_rank = _rank_counters(e)
+        assert [c["retractions"] for c in per_rank] == running
+        if host:
+            assert [c["retractions_to_host"] for c in per_rank] == running
+    assert [r.output_ids for r in reqs] == ref["glm"]
+
+
 @pytest.mark.parametrize(
     "parallel", [dict(tp=2), dict(tp=2, dp_attention=True)], ids=["tp2", "dp-attention"]
 )

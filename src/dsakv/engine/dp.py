@@ -390,6 +390,12 @@ class DPEngine:
             return False
         return all(self._on_every_rank("gathered_flush"))
 
+    def retract_all(self) -> None:
+        """`Engine.retract_all` on every rank (SGLang's pause "retract"): each gives back
+        the pages of the requests it schedules, which compute their KV again (or reload it
+        from the rank's host tier) once stepping resumes."""
+        self._on_every_rank("retract_all")
+
     def update_weights(self, source: str | Path | GroupUpdate | TensorUpdate) -> bool:
         """`Engine.update_weights` on every rank: each loads the checkpoint (or receives a
         trainer's tensors) and drops its own prefix cache (`Engine.update_weights_here`,

@@ -111,7 +111,7 @@ _EVERY_RANK = frozenset(
     + PROFILE_CALLS
     + EXPERT_DISTRIBUTION_CALLS
     + ("read_lora_on_rank", "drop_lora_on_rank", "hisparse_replicas", "gathered_integrity")
-    + ("gathered_flush",)  # (DP attention's /flush_cache)
+    + ("gathered_flush", "retract_all")  # (DP attention's /flush_cache, pause "retract")
 )
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
@@ -1034,9 +1034,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
     def retract_all(self) -> None:
         """SGLang's /pause_generation "retract": every running request gives its pages back
         and waits, to resume from its output so far (its KV recomputed, or reloaded from the
-        host tier). Not under DP attention, where each rank schedules its own requests."""
-        if self.parallel.world_size > 1 and self.parallel.config.dp_attention:
-            raise DsakvError("pausing with mode retract does not run with --dp-attention")
+        host tier). Under DP attention each rank retracts the requests it schedules (an
+        every-rank call: `DPEngine.retract_all`)."""
         self.scheduler.retract_all()
 
     def flush_cache(self) -> bool:
