@@ -64,6 +64,7 @@ def test_device_check_dry_run(tmp_path):
     assert profiled["all_prefilled"] and profiled["requests"] == 4 and profiled["ops"] > 0
     assert checks["hisparse"]["counters"]["hisparse_misses"] > 0
     assert checks["host_tier"]["counters"]["host_bytes_to_device"] > 0
+    assert checks["hisparse_host_tier"]["counters"]["host_bytes_to_device"] > 0
     assert checks["mtp"]["counters"]["spec_verify_steps"] > 0
     lora = st["lora"]  # its adapter read by the engine, every record ok
     assert lora["adapter"]["modules"] > 0 and lora["adapter"]["routed_experts"]

@@ -484,7 +484,8 @@ def test_ngram_drafts_verify_against_the_hot_buffer(tiny, looping, variant):
     assert c["hisparse_misses"] > 0 and c["hisparse_hot_buffers"] == 0
     if "enable_prefix_cache" in variant:  # (logical pages as the limit: recomputed)
         assert c["retractions"] > 0
-    assert c["retractions_to_host"] > 0 if "host_pool_ratio" in variant else True
+    if "host_pool_ratio" in variant:
+        assert c["retractions_to_host"] > 0
 
 
 def test_ngram_seeded_samples_are_plain_decodes(tiny, looping):
@@ -589,7 +590,8 @@ def test_mtp_drafts_from_the_draft_layers_hot_buffer(glm_tiny, mtp_reference, va
     assert c["hisparse_misses"] > 0 and c["hisparse_hot_buffers"] == 0
     if "enable_prefix_cache" in variant:  # (recomputed, or back from the host: drafted again)
         assert c["retractions"] > 0 and c["spec_accepted_tokens"] > 0
-        assert c["retractions_to_host"] > 0 if "host_pool_ratio" in variant else True
+        if "host_pool_ratio" in variant:
+            assert c["retractions_to_host"] > 0
     else:
         assert made_kept == drafts
 

@@ -91,7 +91,7 @@ def test_only_decoding_requests_go_to_the_host_tier(tiny):
         e.step()
     prefilling = e.add_request(prompts[1], GREEDY)
     e.step()
-    assert 0 < prefilling.num_computed < len(prompts[1]) and e.hot.decoding(decoding)
+    assert 0 < prefilling.num_computed < len(prompts[1]) and e.hot.detachable(decoding)
     e.retract_all()
     assert decoding.host_slots is not None and prefilling.host_slots is None
     while e.has_unfinished():
@@ -129,6 +129,52 @@ def test_a_pd_request_no_device_prefill_holds_comes_back_from_the_host_tier(tiny
     assert newer.finish_reason == "length" and len(newer.output_ids) == 40
 
 
+def test_a_pd_request_paused_before_its_first_step_goes_to_the_host_tier(tiny):
+    """SGLang's pause "retract" right after two PD requests start decoding, before their
+    first step: their latent is all in the host rows already, so they go to the host tier
+    (they were recomputed, and ended at once: no device prefill holds their prompts)."""
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(85)] for i in range(2)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = _run(_engine(tiny, num_pages=256), prompts, params, check_every_step=False)
+    prefill = _engine(tiny, num_pages=64)
+    decode = _engine(tiny, num_pages=10, enable_hisparse=True, host_pool_ratio=2,
+                     hisparse_config={"host_to_device_ratio": 3})  # fmt: skip
+    with _pd(prefill, decode) as start:
+        reqs = [start(p, params) for p in prompts]
+        decode.retract_all()
+    assert all(r.host_slots is not None for r in reqs)
+    while decode.has_unfinished():
+        decode.step()
+        decode.check_integrity()
+    assert [r.output_ids for r in reqs] == want
+
+
+def test_new_reservations_leave_the_host_tiers_requests_their_buffers(tiny):
+    """Two PD requests whose prompts no device prefill holds wait on the host tier for hot
+    buffers; a stream of new PD reservations (`reserve_detached`) takes none of the device
+    latent pages they are owed, so they come back first."""
+    prompts = [[(k * j) % 250 + 1 for j in range(85)] for k in (3, 5)]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    prefill = _engine(tiny, num_pages=256)
+    decode = _engine(tiny, num_pages=10, enable_hisparse=True, host_pool_ratio=2,
+                     hisparse_config={"host_to_device_ratio": 8})  # fmt: skip
+    short = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    with _pd(prefill, decode) as start:
+        a, b = [start(p, params) for p in prompts]
+        decode.step()
+        decode.retract_all()
+        steps = 0
+        while a.host_slots is not None or b.host_slots is not None:
+            late = start([(7 * j + steps) % 250 + 1 for j in range(20)], short)
+            assert late is None, f"step {steps}: a reservation took a retracted one's buffer"
+            decode.step()
+            steps += 1
+        while decode.has_unfinished():
+            decode.step()
+    decode.check_integrity()
+    assert len(a.output_ids) == len(b.output_ids) == 60
+
+
 def test_l3_pages_are_the_dense_engines_byte_for_byte(tmp_path: Path):
     """A HiSparse engine stores the pages a dense-pool engine stores, the same objects byte
     for byte (its latent read from the host rows), and each reads the other's: every full
@@ -149,16 +195,17 @@ def test_l3_pages_are_the_dense_engines_byte_for_byte(tmp_path: Path):
 
 def test_tp2_replicas_agree_with_the_host_tier(glm_tiny):
     """Under `--tp 2` on one machine the ranks map one host latent, which rank 0 writes:
-    rank 1's host-tier copies carry index-K only. Both ranks' hot buffers agree after every
-    step, and the tokens are one rank's."""
+    rank 1's host tier holds and moves index-K only (`HostPool`). With pages demoted and
+    promoted and decoding requests retracted to the host tier and back, both ranks' hot
+    buffers agree after every step, and the tokens are one rank's."""
     waves = _conversations(2, seed=1)
-    kw = dict(**EXACT, num_pages=20, enable_hisparse=True, hisparse_config=HS2,
-              host_pool_ratio=4)  # fmt: skip
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    kw = dict(**EXACT, num_pages=24, enable_hisparse=True,
+              hisparse_config={"host_to_device_ratio": 1}, host_pool_ratio=4)  # fmt: skip
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outs = {}
     for tp in (1, 2):
         with LLM(glm_tiny, tp=tp, **kw) as llm:
             outs[tp] = [_run(llm.engine, w, params) for w in waves]
             c = llm.engine.counters()
-            assert c["prefix_pages_promoted"] > 0 and c["prefix_hit_tokens"] > 0
+            assert c["prefix_pages_promoted"] >= 8 and c["retractions_to_host"] > 0
     assert outs[2] == outs[1]

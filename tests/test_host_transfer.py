@@ -103,6 +103,33 @@ def test_host_tier_is_elided_too():
     assert [layer for layer, c in comps if c == "index_k"] == [0, 1, 4]
 
 
+def test_under_hisparse_the_tier_moves_the_host_rows_or_index_k_only():
+    """A HiSparse pool's tier carries each token's latent from and to its host rows; a TP
+    rank whose host rows rank 0 writes (`moves=False`) gets a tier of index-K only, and
+    its copies move index-K alone."""
+    layout = small_layout("fp8_ds_mla", "fp8")
+    dev = DSAKVPool(layout, 4, latent_pages=2)
+    width = dev.latent_data(0).view(torch.uint8).shape[1]
+    rows = [torch.randint(0, 256, (16, width), dtype=torch.uint8) for _ in range(6)]
+    dev.attach_host_latent(rows)
+    src = torch.tensor([5, 6, 12])
+    for layer in layout.index_k_layers:
+        dev.write_index_k(layer, src, torch.randn(3, 128))
+    host = HostPool(dev, 2)
+    assert host.nbytes == 2 * PS * layout.bytes_per_token
+    on_host = host.backup(src)
+    before = raw(dev, src)
+    for r in rows:
+        r[src] = 0
+    host.load(on_host, src)
+    assert all(torch.equal(a, b) for a, b in zip(raw(dev, src), before))
+    dev.attach_host_latent(rows, moves=False)  # (another rank writes the rows)
+    ik = HostPool(dev, 2)
+    assert ik.nbytes == 2 * PS * layout.index_k_bytes_per_token
+    ik.backup(src)
+    assert ik.bytes_copied["d2h"] == 3 * layout.index_k_bytes_per_token
+
+
 def test_copy_between_layouts_refused():
     dev = DSAKVPool(small_layout("fp32", "fp8"), 2)
     other = DSAKVPool(small_layout("fp32", "fp8").dense(), 2)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -1130,13 +1131,14 @@ def _stage_features(ctx: Ctx, rec: Record) -> None:
     prompts (greedy; agreement as in `triton_vs_torch`, exact equality recorded beside it):
     HiSparse with a hot buffer of index_topk rows (decode steps miss and copy rows from
     pinned host memory), a device pool too small for the batch over a host tier (prefixes
-    retracted and evicted to the host come back), MTP drafting 3 tokens (verify steps),
+    retracted and evicted to the host come back), the same over HiSparse, MTP drafting 3 tokens (verify steps),
     seeded sampling with every logit processor twice (equal tokens, finite logprobs); then
     a JSON schema through xgrammar, and `dsakv serve` (streams and a chat completion). PD:
     a prefill engine's KV copied into a decode engine's pool, which decodes from there."""
     checks: dict[str, dict[str, Any]] = {}
     rec["checks"] = checks
     fns = (("hisparse", _feature_hisparse), ("host_tier", _feature_host_tier),
+           ("hisparse_host_tier", functools.partial(_feature_host_tier, hisparse=True)),
            ("mtp", _feature_mtp), ("pd", _feature_pd), ("sampling", _feature_sampling),
            ("grammar", _feature_grammar), ("serve", _feature_serve))  # fmt: skip
     _run_rows(ctx, rec, checks, fns, _parity_prompts(ctx.dry_run), margin=10, what="check")
@@ -1233,7 +1235,9 @@ def _feature_hisparse(ctx: Ctx, row, dense, sparse, new) -> None:
                    ("hisparse_misses", "no decode step missed its hot buffer"))  # fmt: skip
 
 
-def _feature_host_tier(ctx: Ctx, row, dense, sparse, new) -> None:
+def _feature_host_tier(ctx: Ctx, row, dense, sparse, new, hisparse: bool = False) -> None:
+    """`hisparse`: the same over HiSparse (host-tier pages' latent from its host rows, index-K
+    from the device; ratio 1: as many logical pages as the plain tier's device pages)."""
     import random
 
     rng = random.Random(5)
@@ -1245,6 +1249,12 @@ def _feature_host_tier(ctx: Ctx, row, dense, sparse, new) -> None:
     # 8 device pages hold one wave: the second and third evict the first's prefix pages to
     # the host tier, and the first wave's prompts, run again, find them there
     tier = {"num_pages": 8, "kv_budget_gib": None, "host_pool_gib": 0.05, **kw}
+    if hisparse:
+        from dsakv.config import ModelConfig
+
+        topk = ModelConfig.from_hf(_model(ctx)).index_topk
+        hs = {"device_buffer_size": topk, "host_to_device_ratio": 1}
+        tier |= {"enable_hisparse": True, "hisparse_config": hs}
     _against_plain(ctx, row, waves[0], max(new, 8), {"enable_prefix_cache": False, **kw}, tier,
                    ("prefix_hit_tokens", "prefix_pages_demoted", "prefix_pages_promoted",
                     "host_bytes_to_host", "host_bytes_to_device"),

@@ -533,6 +533,11 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         that compute different bytes do not share stored pages (nor pair as prefill and
         decode servers: `dsakv.disagg.bootstrap.describe`)."""
         config = self.config
+        hot = None  # (first: its host rows decide what a TP rank's host tier holds)
+        if self.hisparse is not None:
+            hot = HotBuffers(
+                self.hisparse, self.pool, self.plan, self.backend, self.device, self.parallel
+            )
         host, flag = None, config.host_tier_flag
         try:
             if config.host_pool_gib > 0:
@@ -549,11 +554,6 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             raise ConfigError(f"{e}: ask for a smaller host tier ({flag})") from None
         except ValueError as e:  # (DsakvError too: a tier of no page)
             raise DsakvError(f"the host tier ({flag}): {e}") from None
-        hot = None
-        if self.hisparse is not None:
-            hot = HotBuffers(
-                self.hisparse, self.pool, self.plan, self.backend, self.device, self.parallel
-            )
         l3 = None
         if config.storage is not None:
             namespace = storage_namespace(self.layout, self.model_identity, self.compute)

@@ -22,10 +22,12 @@ A request's life, as the scheduler and the step drive it:
   the slots are the same in every layer. A verify's tokens run as decode rows of their own
   (`HotStep.decode_rows`); the union of their top-k is resolved at once, since one
   attention launch reads it.
-- `free`: on finish, abort and retraction (a retracted request is recomputed: prefilled
-  if the device holds its context, else its prompt prefilled and its outputs decoded again;
-  a PD decode request whose prompt the device cannot hold ends instead, cut short, as
-  `Engine._fail_unschedulable` says).
+- `free`: on finish, abort and retraction. A retracted request about to decode
+  (`detachable`) goes to the host tier if there is one and comes back as a PD decode request
+  does (`admit_detached`); otherwise it is recomputed: prefilled if the device holds its
+  context, else its prompt prefilled and its outputs decoded again; a PD decode request
+  whose prompt the device cannot hold ends instead, cut short, as
+  `Engine._fail_unschedulable` says.
 
 Under tensor (and expert) parallelism every rank holds a replica: the same device slots
 and hot buffers of its own. The host latent is the same on every rank, so on one machine
@@ -274,8 +276,8 @@ class HotBuffers:
     def prefill_end(self, req: Request) -> int:
         """How many of `req`'s tokens a prefill holds on the device at once before it runs
         one token a step: all of them when the device latent pool can, else its prompt. A
-        retracted request's context may have outgrown the pool while it decoded (only its
-        hot buffer is on the device then): its outputs are decoded again, as they were."""
+        request retracted and recomputed may have outgrown the pool while it decoded (only
+        its hot buffer is on the device then): its outputs are decoded again, as they were."""
         return req.seq_len if self.fits(req.seq_len) else len(req.prompt_ids)
 
     def _pages_for(self, req: Request) -> int:
@@ -296,7 +298,11 @@ class HotBuffers:
         pages `behind` (retracted requests that come back first) need stay theirs; `freed`
         more would be free (requests that would be retracted: `held_pages`)."""
         need = self.buffer_pages if detached else self._pages_for(req)
-        owed = sum(self._pages_for(r) for r in behind if self.fits(len(r.prompt_ids)))
+        owed = sum(
+            self._pages_for(r)
+            for r in behind
+            if r.host_slots is not None or self.fits(len(r.prompt_ids))
+        )
         return need + owed <= self.allocator.num_free_pages + freed
 
     def held_pages(self, req: Request) -> int:
@@ -315,11 +321,12 @@ class HotBuffers:
         and its first decode step loads the buffer from there."""
         self._do(Take(req.rid, self.buffer_pages, None, on_host=True))
 
-    def decoding(self, req: Request) -> bool:
-        """Whether `req` runs on its hot buffer, one token (or one verify) a step: retracted
+    def detachable(self, req: Request) -> bool:
+        """Whether `req`'s next step is a decode step over latent the host rows hold all of:
+        it runs on its hot buffer, or is a PD decode request before its first step. Retracted
         now, it can come back from the host tier so (`admit_detached`)."""
         hot = self._reqs.get(req.rid)
-        return hot is not None and hot.row >= 0
+        return hot is not None and (hot.row >= 0 or hot.on_host)
 
     def free(self, req: Request) -> None:
         """Give back a finished, aborted or retracted request's latent slots and LRU state

@@ -412,8 +412,8 @@ class Scheduler:
         self.stats.retractions += 1
         req.metrics.retractions += 1
         n = req.num_computed
-        # (under HiSparse a decoding request's: it comes back detached, `_admit_from_host`)
-        if self.host is not None and n > 0 and (self.hot is None or self.hot.decoding(req)):
+        # (under HiSparse one about to decode: it comes back detached, `_admit_from_host`)
+        if self.host is not None and n > 0 and (self.hot is None or self.hot.detachable(req)):
             slots = self.slots(req, n)
             # A running request's KV outranks the coldest cached prefixes on the host.
             self.cache.free_host_pages(-(-n // self.config.page_size))

@@ -2,6 +2,8 @@
 shared layers own no index-K on the host either, and full layers' index-K always travels
 with the latent, so a restored prefix is exactly what was evicted. Under `--pp-size` each
 stage's host tier mirrors its device pool's layers only (its layout: its bytes per page).
+Under HiSparse the latent comes from and goes to the host rows (`copy_tokens`); where the
+TP ranks of a machine map rank 0's, the other ranks' tiers hold index-K only.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ class HostPool:
             pin_memory = device_pool.device.type == "cuda"
         self.device_pool = device_pool
         self.layout = device_pool.layout
-        self.pool = DSAKVPool(self.layout, num_pages, "cpu", pin_memory=pin_memory)
+        # (index-K only where the device pool's token moves carry no latent: a TP rank's
+        # under HiSparse, whose host latent rank 0 writes and whose rank 0's tier holds it)
+        latent = None if device_pool.moves_latent else 0
+        self.pool = DSAKVPool(
+            self.layout, num_pages, "cpu", pin_memory=pin_memory, latent_pages=latent
+        )
         self.allocator = PageAllocator(num_pages, self.layout.page_size)
         self.bytes_to_host = 0
         self.bytes_to_device = 0

@@ -14,7 +14,7 @@ import math
 import mmap
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -171,7 +171,7 @@ class _TokenMajor(_Buffer):
     def __init__(self, pages: int, ps: int, dim: int, dtype: torch.dtype, device, pin) -> None:
         data = _empty((pages * ps, dim), dtype, device, pin)
         view = data.view(torch.uint8) if dtype == FP8_DTYPE else data  # index on bytes
-        super().__init__(data, (view.view(pages, ps, -1),))
+        super().__init__(data, (view.view(pages, ps, view.shape[-1]),))  # (0 pages too)
         self.dtype = dtype
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -272,9 +272,9 @@ class DSAKVPool:
                 raise TypeError(f"{name} must be an int, got {n!r}")
         if num_pages < 1:
             raise ValueError(f"a KV pool needs at least one page, got {num_pages}")
-        if latent_pages is not None and not 1 <= latent_pages <= num_pages:
+        if latent_pages is not None and not 0 <= latent_pages <= num_pages:
             raise ValueError(
-                f"latent_pages must be in 1..num_pages ({num_pages}): the latent slots are "
+                f"latent_pages must be in 0..num_pages ({num_pages}): the latent slots are "
                 f"a subset of the logical ones, got {latent_pages}"
             )
         self.layout = layout
@@ -297,7 +297,8 @@ class DSAKVPool:
             raise ConfigError(f"{cannot} ({e})") from None
         # HiSparse: the logical tokens' latent rows in host memory (`attach_host_latent`)
         self._host_latent: dict[int, torch.Tensor] = {}
-        self._moves_latent = True
+        # (no latent slots: a TP rank's host tier under HiSparse, whose latent is rank 0's)
+        self._moves_latent = self.latent_pages > 0
 
     # --- sizes -------------------------------------------------------------------------------
 
@@ -308,6 +309,12 @@ class DSAKVPool:
     @property
     def num_latent_tokens(self) -> int:
         return self.latent_pages * self.page_size
+
+    @property
+    def moves_latent(self) -> bool:
+        """Whether token and page moves carry latent; else index-K only: a pool of no latent
+        slots, or HiSparse host rows another rank writes (`attach_host_latent`)."""
+        return self._moves_latent
 
     @property
     def split_latent(self) -> bool:
@@ -491,25 +498,26 @@ class DSAKVPool:
             if layer in self._index_k:
                 yield layer, INDEX_K, self._index_k[layer]
 
-    def _token_views(self, index_k_only: bool = False):
-        """(layer, component, parts) of every buffer a logical token has, in `_buffers`
-        order: parts index as `part[page, offset]`; a latent's is one uint8 part of its rows'
-        bytes: under HiSparse its host rows (`attach_host_latent`), none where this rank
-        does not move them."""
+    def _token_views(
+        self, index_k_only: bool = False
+    ) -> Iterator[tuple[int, str, tuple[torch.Tensor, ...]]]:
+        """(layer, component, parts) of every buffer a logical token has (`index_k_only`: of
+        each index-K buffer), in `_buffers` order: parts index as `part[page, offset]`; a
+        latent's is one uint8 part of its rows' bytes, under HiSparse its host rows
+        (`attach_host_latent`)."""
         for layer, comp, b in self._buffers():
             if comp == INDEX_K:
                 yield layer, comp, b.parts
                 continue
             if index_k_only:
                 continue
-            if not self.split_latent:
-                rows = b.data.view(torch.uint8)
-            elif not self._host_latent:
-                self._check_unsplit()
-            elif not self._moves_latent:
-                continue
-            else:
-                rows = self._host_latent[layer]
+            if not self._moves_latent:
+                raise ValueError(
+                    "this pool moves index-K only (it holds no latent, or another rank writes "
+                    "its host latent)"
+                )
+            self._check_unsplit()
+            rows = self._host_latent[layer] if self.split_latent else b.data.view(torch.uint8)
             yield layer, comp, (rows.view(self.num_pages, self.page_size, -1),)
 
     def _check_unsplit(self) -> None:
@@ -599,8 +607,8 @@ def copy_tokens(
     dst: DSAKVPool, dst_slots: torch.Tensor, src: DSAKVPool, src_slots: torch.Tensor
 ) -> int:
     """Copy stored bytes token by token between two pools of one layout; returns bytes copied.
-    A HiSparse pool's latent is its host rows (`attach_host_latent`); a rank that does not
-    move them copies index-K only."""
+    A HiSparse pool's latent is its host rows (`attach_host_latent`); where either pool moves
+    index-K only (`moves_latent`), only index-K is copied."""
     if not isinstance(dst, DSAKVPool) or not isinstance(src, DSAKVPool):
         raise TypeError(
             f"copy_tokens copies between DSAKVPools, got {type(dst).__name__} <- "
@@ -612,12 +620,20 @@ def copy_tokens(
     sp, so = src._locate(src_slots)
     if dp.numel() != sp.numel():
         raise ValueError(f"{dp.numel()} destination slots for {sp.numel()} source slots")
-    have = {(layer, comp): parts for layer, comp, parts in src._token_views()}
+    index_k_only = not (dst.moves_latent and src.moves_latent)
+    views = zip(dst._token_views(index_k_only), src._token_views(index_k_only), strict=True)
+    on_device: dict[torch.device, list[torch.Tensor]] = {}  # the slot indices, once a device
+
+    def on(device: torch.device) -> list[torch.Tensor]:
+        if device not in on_device:
+            on_device[device] = [t.to(device) for t in (dp, do, sp, so)]
+        return on_device[device]
+
     nbytes = 0
-    for layer, comp, parts in dst._token_views():
-        for d, s in zip(parts, have.get((layer, comp), ()), strict=False):
-            # gather first: overlapping slots stay correct
-            d[dp.to(d.device), do.to(d.device)] = _at(s, sp, so).to(d.device)
+    for (_, _, dparts), (_, _, sparts) in views:
+        for d, s in zip(dparts, sparts, strict=True):
+            (dpage, doff, _, _), (_, _, spage, soff) = on(d.device), on(s.device)
+            d[dpage, doff] = s[spage, soff].to(d.device)  # gather first: overlaps stay right
             nbytes += dp.numel() * d.shape[-1] * d.element_size()
     return nbytes
 
