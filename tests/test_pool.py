@@ -213,7 +213,7 @@ def test_the_constructor_and_copy_tokens_refuse_bad_arguments():
     for bad in (2.0, True):
         with pytest.raises(TypeError, match="num_pages must be an int"):
             DSAKVPool(layout, bad)
-    with pytest.raises(ValueError, match=r"latent_pages must be in 1\.\.num_pages \(2\)"):
+    with pytest.raises(ValueError, match=r"latent_pages must be in 0\.\.num_pages \(2\)"):
         DSAKVPool(layout, 2, latent_pages=3)
     assert not DSAKVPool(layout, 2, latent_pages=2).split_latent
     pool, s = DSAKVPool(layout, 2), torch.arange(4)
@@ -317,7 +317,9 @@ def test_a_hisparse_pools_moves_carry_its_host_latent(kv):
     ik = layout.index_k_bytes_per_token
     assert copy_tokens(hs, torch.tensor([3, 6]), dense, dst[:2]) == 2 * ik
     assert all(torch.equal(r, b) for r, b in zip(rows, before))
-    assert hs.page_bytes() == hs.page_bytes(index_k_only=True) == 4 * ik
+    assert hs.page_bytes(index_k_only=True) == 4 * ik
+    with pytest.raises(ValueError, match="moves index-K only"):  # (never a short page)
+        hs.read_pages([0])
 
 
 # --- helpers -------------------------------------------------------------------------------
