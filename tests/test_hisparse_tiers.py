@@ -78,28 +78,33 @@ def test_a_decoding_request_retracted_to_the_host_tier_comes_back_decoding(tiny,
     assert c["computed_tokens"] < r["computed_tokens"]
 
 
-def test_only_decoding_requests_go_to_the_host_tier(tiny):
-    """SGLang's pause "retract" of a decoding request and one part-way through its chunked
-    prefill: the decoding one goes to the host tier and comes back decoding; the other, whose
-    next step is a prefill chunk (its prompt's latent all on the device), is recomputed."""
+@pytest.mark.parametrize("host", [None, 2], ids=["recomputed", "host-tier"])
+def test_a_request_retracted_mid_prefill_resumes_from_the_host_tier(tiny, host):
+    """SGLang's pause "retract" of a decoding request and of one part-way through its chunked
+    prefill. With a host tier both go there: the decoding one comes back with its context as a
+    prefix hit and decodes on, the other resumes its prefill where it stopped (its chunks'
+    latent is in the host rows); nothing is computed twice. Without one both are recomputed."""
     prompts = _prompts(2, seed=7, lo=90, hi=100)
     want = _run(_engine(tiny, num_pages=256), prompts, check_every_step=False)
+    tier = {} if host is None else {"host_pool_ratio": host}
     e = _engine(tiny, num_pages=40, chunked_prefill_size=16, enable_hisparse=True,
-                hisparse_config=HS2, host_pool_ratio=2)  # fmt: skip
+                hisparse_config=HS2, **tier)  # fmt: skip
     decoding = e.add_request(prompts[0], GREEDY)
     while len(decoding.output_ids) < 3:
         e.step()
     prefilling = e.add_request(prompts[1], GREEDY)
     e.step()
-    assert 0 < prefilling.num_computed < len(prompts[1]) and e.hot.detachable(decoding)
+    assert 0 < prefilling.num_computed < len(prompts[1])
     e.retract_all()
-    assert decoding.host_slots is not None and prefilling.host_slots is None
+    assert (decoding.host_slots is not None) == (prefilling.host_slots is not None) == bool(host)
     while e.has_unfinished():
         e.step()
         e.check_integrity()
     assert [decoding.output_ids, prefilling.output_ids] == want
     c = e.counters()
-    assert c["retractions"] == 2 and c["retractions_to_host"] == 1
+    assert c["retractions"] == 2 and c["retractions_to_host"] == (2 if host else 0)
+    once = sum(map(len, prompts)) + 2 * (GREEDY.max_tokens - 1)  # (each token's KV, once)
+    assert (c["computed_tokens"] == once) == bool(host)
 
 
 @pytest.fixture(scope="module")

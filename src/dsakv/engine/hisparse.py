@@ -22,11 +22,12 @@ A request's life, as the scheduler and the step drive it:
   the slots are the same in every layer. A verify's tokens run as decode rows of their own
   (`HotStep.decode_rows`); the union of their top-k is resolved at once, since one
   attention launch reads it.
-- `free`: on finish, abort and retraction. A retracted request about to decode
-  (`detachable`) goes to the host tier if there is one and comes back as a PD decode request
-  does (`admit_detached`); otherwise it is recomputed: prefilled if the device holds its
-  context, else its prompt prefilled and its outputs decoded again; a PD decode request
-  whose prompt the device cannot hold ends instead, cut short, as
+- `free`: on finish, abort and retraction. A retracted request goes to the host tier if
+  there is one (every computed token's latent is in the host rows) and comes back with what
+  it computed as a prefix hit (`admit`), or, past what a prefill holds, as a PD decode
+  request does (`resumes_detached`); without one it is recomputed: prefilled if the device
+  holds its context, else its prompt prefilled and its outputs decoded again; a PD decode
+  request whose prompt the device cannot hold ends instead, cut short, as
   `Engine._fail_unschedulable` says.
 
 Under tensor (and expert) parallelism every rank holds a replica: the same device slots
@@ -280,8 +281,14 @@ class HotBuffers:
         its hot buffer is on the device then): its outputs are decoded again, as they were."""
         return req.seq_len if self.fits(req.seq_len) else len(req.prompt_ids)
 
+    def resumes_detached(self, req: Request) -> bool:
+        """Whether `req`, back from the host tier, computed past what a prefill holds on the
+        device (`prefill_end`): it decodes on, its latent in the host rows, and takes a hot
+        buffer only (`admit_detached`); else what it computed is a prefix hit (`admit`)."""
+        return req.host_slots is not None and req.host_slots.numel() >= self.prefill_end(req)
+
     def _pages_for(self, req: Request) -> int:
-        if req.host_slots is not None:  # back from the host tier decoding: its buffer only
+        if self.resumes_detached(req):
             return self.buffer_pages
         return -(-max(self.prefill_end(req), self.config.buffer_slots) // self.page_size)
 
@@ -320,13 +327,6 @@ class HotBuffers:
         is in host memory (the prefill server writes it there, or the host tier loads it)
         and its first decode step loads the buffer from there."""
         self._do(Take(req.rid, self.buffer_pages, None, on_host=True))
-
-    def detachable(self, req: Request) -> bool:
-        """Whether `req`'s next step is a decode step over latent the host rows hold all of:
-        it runs on its hot buffer, or is a PD decode request before its first step. Retracted
-        now, it can come back from the host tier so (`admit_detached`)."""
-        hot = self._reqs.get(req.rid)
-        return hot is not None and (hot.row >= 0 or hot.on_host)
 
     def free(self, req: Request) -> None:
         """Give back a finished, aborted or retracted request's latent slots and LRU state

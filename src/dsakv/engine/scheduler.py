@@ -412,8 +412,7 @@ class Scheduler:
         self.stats.retractions += 1
         req.metrics.retractions += 1
         n = req.num_computed
-        # (under HiSparse one about to decode: it comes back detached, `_admit_from_host`)
-        if self.host is not None and n > 0 and (self.hot is None or self.hot.detachable(req)):
+        if self.host is not None and n > 0:
             slots = self.slots(req, n)
             # A running request's KV outranks the coldest cached prefixes on the host.
             self.cache.free_host_pages(-(-n // self.config.page_size))
@@ -618,19 +617,23 @@ class Scheduler:
 
     def _admit_from_host(self, req: Request, budget: int) -> int:
         """Resume a request retracted to the host tier: load its KV back, then continue (what
-        `_admit_fresh` returns). Under HiSparse it was decoding: its latent goes to the host
-        rows and it takes a hot buffer only, loaded from there at its next step (a PD decode
-        request's way), so `_step_tokens` gives it one token, never 0."""
+        `_admit_fresh` returns). Under HiSparse its latent goes to the host rows: past what a
+        prefill holds it takes a hot buffer only, loaded from there at its next step (a PD
+        decode request's way), else what it computed is a prefix hit of its own."""
         hit = req.host_slots.numel()
         n = self._step_tokens(req, hit, budget)
+        if n == 0:  # (HiSparse: a prefill chunk of one token waits)
+            return 0
         own = max(self._pages_for(hit + n), self._future_pages(req, 0))
         if not self._fits(req, own):
             return _RETRY if self._preempt_for(req, own) else 0
         if not self.reserve(req, hit + n):
             return 0
         self.host.load(req.host_slots, self.slots(req, hit))
-        if self.hot is not None:
+        if self.hot is not None and self.hot.resumes_detached(req):
             self.hot.admit_detached(req)
+        elif self.hot is not None:
+            self.hot.admit(req, self.slots(req, hit))
         self.host.free(req.host_slots)
         req.host_slots, req.num_computed = None, hit
         return n
