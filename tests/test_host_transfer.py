@@ -104,9 +104,9 @@ def test_host_tier_is_elided_too():
 
 
 def test_under_hisparse_the_tier_moves_the_host_rows_or_index_k_only():
-    """A HiSparse pool's tier carries each token's latent from and to its host rows; a TP
-    rank whose host rows rank 0 writes (`moves=False`) gets a tier of index-K only, and
-    its copies move index-K alone."""
+    """A HiSparse pool's tier carries each token's latent from and to its host rows; the tier
+    of a TP rank whose host rows rank 0 writes (`writes=False`) holds and moves index-K
+    only."""
     layout = small_layout("fp8_ds_mla", "fp8")
     dev = DSAKVPool(layout, 4, latent_pages=2)
     width = dev.latent_data(0).view(torch.uint8).shape[1]
@@ -123,11 +123,13 @@ def test_under_hisparse_the_tier_moves_the_host_rows_or_index_k_only():
         r[src] = 0
     host.load(on_host, src)
     assert all(torch.equal(a, b) for a, b in zip(raw(dev, src), before))
-    dev.attach_host_latent(rows, moves=False)  # (another rank writes the rows)
-    ik = HostPool(dev, 2)
+    dev.attach_host_latent(rows, writes=False)
+    ik = HostPool(dev, 2, index_k_only=True)
     assert ik.nbytes == 2 * PS * layout.index_k_bytes_per_token
     ik.backup(src)
     assert ik.bytes_copied["d2h"] == 3 * layout.index_k_bytes_per_token
+    with pytest.raises(ValueError, match="moves index-K only"):
+        ik.pool.read_tokens(torch.arange(2))
 
 
 def test_copy_between_layouts_refused():

@@ -311,8 +311,8 @@ def test_a_hisparse_pools_moves_carry_its_host_latent(kv):
     hs.write_pages([0], dense.read_pages([2]))
     assert _equal(_snapshot(hs, page_slots([0], 4)), _snapshot(hs, page_slots([3], 4)))
     assert all(torch.equal(hs.latent_data(i), d) for i, d in enumerate(device_latent))
-    # moves=False: index-K only (another rank writes the rows)
-    hs.attach_host_latent(rows, moves=False)
+    # writes=False: index-K only (another rank writes the rows)
+    hs.attach_host_latent(rows, writes=False)
     before = [r.clone() for r in rows]
     ik = layout.index_k_bytes_per_token
     assert copy_tokens(hs, torch.tensor([3, 6]), dense, dst[:2]) == 2 * ik

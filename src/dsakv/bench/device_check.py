@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import platform
@@ -57,7 +56,7 @@ class Stage:
     what: str
 
 
-# Deadlines sum to 720 s, capped by the 525 s budget (a stage gets what is left of it): one
+# Deadlines sum to 735 s, capped by the 525 s budget (a stage gets what is left of it): one
 # device call of 10 minutes, with the machine's start and the children's imports (~5 s
 # each) inside the margin. The first H200 run took 166 s for the first eight.
 STAGES: tuple[Stage, ...] = (
@@ -69,7 +68,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("triton_vs_torch", 45, "fp32, graphs off: greedy agreement, max logprob difference"),
     Stage("decode", 75, "decode tokens/s graph / eager / torch at batch 1 and 32"),
     Stage("kernel_bandwidth", 55, "each kernel's bytes/s against the measured copy bandwidth"),
-    Stage("features", 120, "HiSparse, host tier, MTP, PD, seeded sampling, a grammar on the GPU"),
+    Stage("features", 135, "HiSparse, host tier, MTP, PD, seeded sampling, a grammar on the GPU"),
     Stage("lora", 40, "--enable-lora: base-only bit-equal in graphs, an adapter's runs, tok/s"),
     Stage("prefill_profile", 40, "one step prefilling 16 requests under torch.profiler"),
 )
@@ -1131,14 +1130,15 @@ def _stage_features(ctx: Ctx, rec: Record) -> None:
     prompts (greedy; agreement as in `triton_vs_torch`, exact equality recorded beside it):
     HiSparse with a hot buffer of index_topk rows (decode steps miss and copy rows from
     pinned host memory), a device pool too small for the batch over a host tier (prefixes
-    retracted and evicted to the host come back), the same over HiSparse, MTP drafting 3 tokens (verify steps),
-    seeded sampling with every logit processor twice (equal tokens, finite logprobs); then
+    retracted and evicted to the host come back), that over HiSparse too, MTP drafting 3
+    tokens (verify steps), seeded sampling with every logit processor twice (equal tokens,
+    finite logprobs); then
     a JSON schema through xgrammar, and `dsakv serve` (streams and a chat completion). PD:
     a prefill engine's KV copied into a decode engine's pool, which decodes from there."""
     checks: dict[str, dict[str, Any]] = {}
     rec["checks"] = checks
     fns = (("hisparse", _feature_hisparse), ("host_tier", _feature_host_tier),
-           ("hisparse_host_tier", functools.partial(_feature_host_tier, hisparse=True)),
+           ("hisparse_host_tier", _feature_hisparse_host_tier),
            ("mtp", _feature_mtp), ("pd", _feature_pd), ("sampling", _feature_sampling),
            ("grammar", _feature_grammar), ("serve", _feature_serve))  # fmt: skip
     _run_rows(ctx, rec, checks, fns, _parity_prompts(ctx.dry_run), margin=10, what="check")
@@ -1223,21 +1223,31 @@ def _against_plain(ctx: Ctx, row, prompts, new: int, plain: dict[str, Any],
     return c
 
 
-def _feature_hisparse(ctx: Ctx, row, dense, sparse, new) -> None:
+def _hisparse(ctx: Ctx, row, ratio: int) -> dict[str, Any]:
+    """HiSparse's engine flags with a hot buffer of index_topk rows (contexts pass it), the
+    config recorded in `row`."""
     from dsakv.config import ModelConfig
 
     topk = ModelConfig.from_hf(_model(ctx)).index_topk
-    hs = {"device_buffer_size": topk, "host_to_device_ratio": 2}  # contexts pass the buffer
-    row["hisparse_config"] = hs
-    _against_plain(ctx, row, sparse, new, {}, {"enable_hisparse": True, "hisparse_config": hs},
+    row["hisparse_config"] = hs = {"device_buffer_size": topk, "host_to_device_ratio": ratio}
+    return {"enable_hisparse": True, "hisparse_config": hs}
+
+
+def _feature_hisparse(ctx: Ctx, row, dense, sparse, new) -> None:
+    _against_plain(ctx, row, sparse, new, {}, _hisparse(ctx, row, ratio=2),
                    ("hisparse_hits", "hisparse_misses", "hisparse_rows_to_device",
                     "hisparse_bytes_to_device", "peak_running_requests"),
                    ("hisparse_misses", "no decode step missed its hot buffer"))  # fmt: skip
 
 
-def _feature_host_tier(ctx: Ctx, row, dense, sparse, new, hisparse: bool = False) -> None:
-    """`hisparse`: the same over HiSparse (host-tier pages' latent from its host rows, index-K
-    from the device; ratio 1: as many logical pages as the plain tier's device pages)."""
+def _feature_hisparse_host_tier(ctx: Ctx, row, dense, sparse, new) -> None:
+    """The host tier's check over HiSparse: host-tier pages take their latent from its host
+    rows, their index-K from the device (ratio 1: the plain check's logical pages)."""
+    _feature_host_tier(ctx, row, dense, sparse, new, _hisparse(ctx, row, ratio=1))
+
+
+def _feature_host_tier(ctx: Ctx, row, dense, sparse, new, over: dict | None = None) -> None:
+    """`over`: more engine flags for the tier's engine (`_feature_hisparse_host_tier`)."""
     import random
 
     rng = random.Random(5)
@@ -1248,13 +1258,7 @@ def _feature_host_tier(ctx: Ctx, row, dense, sparse, new, hisparse: bool = False
     kw = {"page_size": page} | ({"max_model_len": 64} if ctx.dry_run else {})
     # 8 device pages hold one wave: the second and third evict the first's prefix pages to
     # the host tier, and the first wave's prompts, run again, find them there
-    tier = {"num_pages": 8, "kv_budget_gib": None, "host_pool_gib": 0.05, **kw}
-    if hisparse:
-        from dsakv.config import ModelConfig
-
-        topk = ModelConfig.from_hf(_model(ctx)).index_topk
-        hs = {"device_buffer_size": topk, "host_to_device_ratio": 1}
-        tier |= {"enable_hisparse": True, "hisparse_config": hs}
+    tier = {"num_pages": 8, "kv_budget_gib": None, "host_pool_gib": 0.05, **kw, **(over or {})}
     _against_plain(ctx, row, waves[0], max(new, 8), {"enable_prefix_cache": False, **kw}, tier,
                    ("prefix_hit_tokens", "prefix_pages_demoted", "prefix_pages_promoted",
                     "host_bytes_to_host", "host_bytes_to_device"),

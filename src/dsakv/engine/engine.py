@@ -533,15 +533,18 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         that compute different bytes do not share stored pages (nor pair as prefill and
         decode servers: `dsakv.disagg.bootstrap.describe`)."""
         config = self.config
-        hot = None  # (first: its host rows decide what a TP rank's host tier holds)
+        hot = None
         if self.hisparse is not None:
             hot = HotBuffers(
                 self.hisparse, self.pool, self.plan, self.backend, self.device, self.parallel
             )
+        # (a TP rank that maps rank 0's host latent keeps index-K only in its host tier)
+        index_k_only = hot is not None and not hot.writes_host
         host, flag = None, config.host_tier_flag
         try:
             if config.host_pool_gib > 0:
-                host = HostPool(self.pool, self._host_pages(config.host_pool_gib))
+                pages = self._host_pages(config.host_pool_gib)
+                host = HostPool(self.pool, pages, index_k_only=index_k_only)
             elif config.host_pool_ratio is not None:  # (SGLang's --hicache-ratio: the pool's now)
                 pages = int(self.pool.num_pages * config.host_pool_ratio)
                 if pages < 1:
@@ -549,7 +552,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                         f"{config.host_pool_ratio} times the {self.pool.num_pages}-page pool "
                         "holds no page"
                     )
-                host = HostPool(self.pool, pages)
+                host = HostPool(self.pool, pages, index_k_only=index_k_only)
         except ConfigError as e:  # (too little memory for it)
             raise ConfigError(f"{e}: ask for a smaller host tier ({flag})") from None
         except ValueError as e:  # (DsakvError too: a tier of no page)

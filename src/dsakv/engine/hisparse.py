@@ -188,7 +188,7 @@ class HotBuffers:
         self._host_block = self._host_latent(pool, shape, device, parallel, shared)
         self.host = list(self._host_block.view(shape).unbind(0))
         # token and page moves (host tier, L3, KV transfer) read and write the latent here
-        pool.attach_host_latent(self.host, moves=self.writes_host)
+        pool.attach_host_latent(self.host, writes=self.writes_host)
         rows = max(1, pool.latent_pages // self.buffer_pages)
         g = len(self.groups)
         self.buf_pos = torch.full((g, rows, s), -1, dtype=torch.int32, device=device)

@@ -25,10 +25,16 @@ def host_pages(gib: float, bytes_per_page: int) -> int:
 
 
 class HostPool:
-    """A CPU `DSAKVPool` (pinned when the device pool is on CUDA) plus its own allocator."""
+    """A CPU `DSAKVPool` (pinned when the device pool is on CUDA) plus its own allocator.
+    `index_k_only`: no latent (a TP rank's under HiSparse, whose device pool moves index-K
+    only: rank 0 writes the host rows the ranks map, and rank 0's tier holds their latent)."""
 
     def __init__(
-        self, device_pool: DSAKVPool, num_pages: int, pin_memory: bool | None = None
+        self,
+        device_pool: DSAKVPool,
+        num_pages: int,
+        pin_memory: bool | None = None,
+        index_k_only: bool = False,
     ) -> None:
         if not isinstance(device_pool, DSAKVPool):
             raise TypeError(f"a host tier backs a DSAKVPool, got {type(device_pool).__name__}")
@@ -36,9 +42,7 @@ class HostPool:
             pin_memory = device_pool.device.type == "cuda"
         self.device_pool = device_pool
         self.layout = device_pool.layout
-        # (index-K only where the device pool's token moves carry no latent: a TP rank's
-        # under HiSparse, whose host latent rank 0 writes and whose rank 0's tier holds it)
-        latent = None if device_pool.moves_latent else 0
+        latent = 0 if index_k_only else None
         self.pool = DSAKVPool(
             self.layout, num_pages, "cpu", pin_memory=pin_memory, latent_pages=latent
         )

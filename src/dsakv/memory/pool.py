@@ -297,8 +297,7 @@ class DSAKVPool:
             raise ConfigError(f"{cannot} ({e})") from None
         # HiSparse: the logical tokens' latent rows in host memory (`attach_host_latent`)
         self._host_latent: dict[int, torch.Tensor] = {}
-        # (no latent slots: a TP rank's host tier under HiSparse, whose latent is rank 0's)
-        self._moves_latent = self.latent_pages > 0
+        self._writes_host_latent = True
 
     # --- sizes -------------------------------------------------------------------------------
 
@@ -313,14 +312,14 @@ class DSAKVPool:
     @property
     def moves_latent(self) -> bool:
         """Whether token and page moves carry latent; else index-K only: a pool of no latent
-        slots, or HiSparse host rows another rank writes (`attach_host_latent`)."""
-        return self._moves_latent
+        slots (a TP rank's host tier under HiSparse, whose latent rank 0's holds), or host
+        rows another rank writes (`attach_host_latent`)."""
+        return self.latent_pages > 0 and self._writes_host_latent
 
     @property
     def split_latent(self) -> bool:
-        """Whether latent slots are their own address space (HiSparse: fewer pages, or as
-        many at host_to_device_ratio 1, its host latent attached)."""
-        return self.latent_pages != self.num_pages or bool(self._host_latent)
+        """Whether latent slots are their own address space (HiSparse)."""
+        return self.latent_pages != self.num_pages
 
     @property
     def nbytes(self) -> int:
@@ -376,13 +375,13 @@ class DSAKVPool:
 
     # --- moving tokens -----------------------------------------------------------------------
 
-    def attach_host_latent(self, rows: Sequence[torch.Tensor], moves: bool = True) -> None:
+    def attach_host_latent(self, rows: Sequence[torch.Tensor], writes: bool = True) -> None:
         """HiSparse: a logical token's latent is its row in `rows` (host memory; one
         `[num_tokens, row bytes]` uint8 tensor per layer, by layer index: the stored bytes
         of `latent_data`'s rows), its index-K is here. Token and page moves (`copy_tokens`,
         `read_tokens`, `read_pages`, `write_pages`) and transfer descriptors then address
         the latent there, so the host tier, L3 and KV transfer see whole logical tokens.
-        `moves` False: another rank writes these rows (TP ranks on one machine map rank
+        `writes` False: another rank writes these rows (TP ranks on one machine map rank
         0's), so this rank's moves carry index-K only."""
         want = (
             self.num_tokens,
@@ -395,7 +394,7 @@ class DSAKVPool:
                     f"layer {layer}'s host latent must be uint8 {list(want)}, got "
                     f"{t.dtype} {list(t.shape)}"
                 )
-        self._host_latent, self._moves_latent = held, moves
+        self._host_latent, self._writes_host_latent = held, writes
 
     def move(self, dst_slots: torch.Tensor, src_slots: torch.Tensor) -> None:
         """Copy every buffer's bytes from `src_slots` to `dst_slots`, token by token."""
@@ -407,10 +406,8 @@ class DSAKVPool:
         server writes a decode server's latent straight into its host memory."""
         out = []
         for layer, comp, b in self._buffers():
-            t = self._host_latent.get(layer) if comp == LATENT else None
-            if comp == LATENT and t is None:
-                self._check_unsplit()
-            if t is not None:
+            if comp == LATENT:
+                t = self._latent_rows(layer)
                 nbytes, rows = t.numel() * t.element_size(), ((0, t.shape[1] * t.element_size()),)
                 out.append(
                     TransferDescriptor(
@@ -449,11 +446,16 @@ class DSAKVPool:
         (`on_device`: the pool's device): every real buffer's page in `_buffers` order
         (latent per layer, index-K only where the layout has it), so a row is exactly the
         layout's bytes for that page. `index_k_only`: the index-K buffers' (a HiSparse pool's
-        latent is in its own slot space)."""
+        latent rows are on the host: `ModelRunner.share_kv` sends them on their own)."""
         idx = self._check_pages(pages)
         to = self.device if on_device else torch.device("cpu")
-        views = self._page_views(index_k_only)
-        return torch.cat([v.index_select(0, idx.to(v.device)).to(to) for v in views], dim=1)
+        got = [v.index_select(0, idx.to(v.device)) for v in self._page_views(index_k_only)]
+        away = [i for i, g in enumerate(got) if g.device != to]
+        if away:  # (one copy across, not one a buffer: L3 snapshots pages every step)
+            moved = torch.cat([got[i] for i in away], dim=1).to(to)
+            for i, m in zip(away, moved.split([got[i].shape[1] for i in away], dim=1)):
+                got[i] = m
+        return torch.cat(got, dim=1)
 
     def write_pages(
         self, pages: Sequence[int], data: torch.Tensor, index_k_only: bool = False
@@ -466,8 +468,11 @@ class DSAKVPool:
                 f"got {data.dtype} {tuple(data.shape)}"
             )
         idx, col = self._check_pages(pages), 0
+        on = {data.device: data}  # (one copy to each device, not one a buffer)
         for v in self._page_views(index_k_only):
-            v[idx.to(v.device)] = data[:, col : col + v.shape[1]].to(v.device)
+            if v.device not in on:
+                on[v.device] = data.to(v.device)
+            v[idx.to(v.device)] = on[v.device][:, col : col + v.shape[1]]
             col += v.shape[1]
 
     def page_bytes(self, index_k_only: bool = False) -> int:
@@ -478,7 +483,7 @@ class DSAKVPool:
         """Each real buffer (`index_k_only`: each index-K buffer) as `[num_pages, its bytes
         per page]` uint8 (a view, not a copy; a HiSparse latent's: its host rows')."""
         return [
-            parts[0].reshape(self.num_pages, -1)
+            parts[0].view(self.num_pages, -1)
             if comp == LATENT
             else self._index_k[layer].data.view(torch.uint8).view(self.num_pages, -1)
             for layer, comp, parts in self._token_views(index_k_only)
@@ -511,24 +516,28 @@ class DSAKVPool:
                 continue
             if index_k_only:
                 continue
-            if not self._moves_latent:
+            if not self.moves_latent:
                 raise ValueError(
                     "this pool moves index-K only (it holds no latent, or another rank writes "
                     "its host latent)"
                 )
-            self._check_unsplit()
-            rows = self._host_latent[layer] if self.split_latent else b.data.view(torch.uint8)
+            rows = self._latent_rows(layer)
             yield layer, comp, (rows.view(self.num_pages, self.page_size, -1),)
 
-    def _check_unsplit(self) -> None:
-        """Token-wise moves address latent and index-K by one slot: under HiSparse only
-        with the host latent attached."""
-        if self.split_latent and not self._host_latent:
+    def _latent_rows(self, layer: int) -> torch.Tensor:
+        """A logical token's latent bytes, one `[num_tokens, row bytes]` uint8 row a slot:
+        under HiSparse its host rows (`attach_host_latent`), else the latent buffer's."""
+        if layer in self._host_latent:
+            return self._host_latent[layer]
+        if self.latent_pages == 0:
+            raise ValueError("this pool holds index-K only (no latent slots)")
+        if self.split_latent:
             raise ValueError(
                 "this pool keeps latent in its own (HiSparse) slot space and no host latent "
                 "is attached: tokens cannot be moved, exported or transferred as whole rows "
                 "of every buffer"
             )
+        return self._latent[self.layout.check_held(layer)].data.view(torch.uint8)
 
     def _index_k_of(self, layer: int) -> _Buffer:
         layer = self.layout.check_held(layer)
