@@ -322,6 +322,15 @@ class HotBuffers:
         slots `hit_slots` of positions 0..hit-1) from the host."""
         self._do(Take(req.rid, self._pages_for(req), hit_slots.cpu()))
 
+    def admit_from_host(self, req: Request, slots: torch.Tensor) -> None:
+        """A request back from the host tier (its KV loaded into the logical `slots` of
+        what it computed): detached past what a prefill holds (`resumes_detached`), else
+        with what it computed as a prefix hit of its own."""
+        if self.resumes_detached(req):
+            self.admit_detached(req)
+        else:
+            self.admit(req, slots)
+
     def admit_detached(self, req: Request) -> None:
         """A PD decode request, or one back from the host tier: buffer pages only; its latent
         is in host memory (the prefill server writes it there, or the host tier loads it)

@@ -629,11 +629,10 @@ class Scheduler:
             return _RETRY if self._preempt_for(req, own) else 0
         if not self.reserve(req, hit + n):
             return 0
-        self.host.load(req.host_slots, self.slots(req, hit))
-        if self.hot is not None and self.hot.resumes_detached(req):
-            self.hot.admit_detached(req)
-        elif self.hot is not None:
-            self.hot.admit(req, self.slots(req, hit))
+        slots = self.slots(req, hit)
+        self.host.load(req.host_slots, slots)
+        if self.hot is not None:
+            self.hot.admit_from_host(req, slots)
         self.host.free(req.host_slots)
         req.host_slots, req.num_computed = None, hit
         return n

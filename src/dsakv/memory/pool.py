@@ -407,11 +407,15 @@ class DSAKVPool:
         out = []
         for layer, comp, b in self._buffers():
             if comp == LATENT:
-                t = self._latent_rows(layer)
-                nbytes, rows = t.numel() * t.element_size(), ((0, t.shape[1] * t.element_size()),)
+                t = self._latent_rows(layer)  # (uint8: its bytes are its elements)
                 out.append(
                     TransferDescriptor(
-                        layer, comp, t.data_ptr(), nbytes, nbytes // self.num_pages, rows
+                        layer,
+                        comp,
+                        t.data_ptr(),
+                        t.numel(),
+                        t.numel() // self.num_pages,
+                        ((0, t.shape[1]),),
                     )
                 )
                 continue
