@@ -491,7 +491,9 @@ def test_dp_attention_delivers_an_abort_while_nothing_else_runs(models):
 def test_dp_attention_pause_retract_frees_every_ranks_pages(models, reference, host):
     """SGLang's pause "retract" under DP attention (it was refused): every rank gives back
     the pages of the requests it schedules, which then compute their KV again, or reload it
-    from the rank's host tier: greedy tokens are the one-rank ones."""
+    from the rank's host tier: greedy tokens are the one-rank ones. While so paused, with
+    nothing running on any rank, /flush_cache drops every rank's prefix cache (it was
+    refused too)."""
     prompts, ref = reference
     kw = dict(num_pages=48, tp=2, dp_attention=True, host_pool_gib=host or 0)
     with LLM(models["glm"], **EXACT, **kw) as llm:
@@ -502,7 +504,14 @@ def test_dp_attention_pause_retract_frees_every_ranks_pages(models, reference, h
         running = [c["running_requests"] for c in _rank_counters(e)]
         assert all(n > 0 for n in running)
         e.retract_all()
+        e.paused = True  # (the server's /pause_generation "retract")
         assert not e.local.scheduler.running and len(e.local.scheduler.waiting) == running[0]
+        e._on_rank(None, "poll")  # (the other ranks' loads now)
+        assert all(c["pages_cached"] > 0 for c in e.rank_counters())
+        assert e.flush_cache()
+        e._on_rank(None, "poll")
+        assert [c["pages_cached"] for c in e.rank_counters()] == [0, 0]
+        e.paused = False
         while e.has_unfinished():
             e.step()
         e.check_integrity()
@@ -511,6 +520,54 @@ def test_dp_attention_pause_retract_frees_every_ranks_pages(models, reference, h
         if host:
             assert [c["retractions_to_host"] for c in per_rank] == running
     assert [r.output_ids for r in reqs] == ref["glm"]
+
+
+def _paused_update(llm: LLM, prompts, source: str) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's greedy tokens with `source`'s weights loaded after a few steps, under
+    the requests paused in place, with the second one aborted and two more added meanwhile
+    (the aborted one's tokens left out, the added ones' last); each one's output length
+    when paused."""
+    e = llm.engine
+    reqs = [e.add_request(p, GREEDY) for p in prompts]
+    for _ in range(4):
+        e.step()
+    e.paused = True  # (the server's /pause_generation in place)
+    assert e.flush_cache() is False  # (they hold their KV)
+    gone = reqs.pop(1)
+    at = [len(r.output_ids) for r in reqs]
+    e.abort(gone.rid)
+    reqs += [e.add_request(p, GREEDY) for p in _prompts(2, seed=5)]
+    if e.parallel.world_size > 1:  # (each rank runs some; rank 1's abort and add wait)
+        assert all(c["running_requests"] > 0 for c in _rank_counters(e))
+        assert e._aborts and e._adds
+    assert e.update_weights(source)
+    e.paused = False
+    while e.has_unfinished():
+        e.step()
+    e.check_integrity()
+    assert gone.finish_reason == "abort"
+    return [r.output_ids for r in reqs], at
+
+
+def test_dp_attention_updates_weights_under_requests_paused_in_place(models, reference, tmp_path):
+    """A weight update under requests paused in place on both ranks (it was refused): every
+    rank loads it under its own, with an abort and an add queued for rank 1 meanwhile (they
+    reach it with the step after); the same checkpoint keeps the one-rank tokens, another
+    one's are those of a one-rank engine updated at the same step."""
+    prompts, ref = reference
+    other = str(write_tiny_model(tmp_path / "glm-1", _dense_topk("glm-tiny"), seed=1))
+    kw = dict(num_pages=48, tp=2, dp_attention=True)
+    with LLM(models["glm"], **EXACT, **kw) as llm:
+        same, _ = _paused_update(llm, prompts, models["glm"])
+        assert same[:5] == ref["glm"][:1] + ref["glm"][2:]
+        assert llm.engine.flush_cache()  # (the same prompts' prefix hits would change steps)
+        tokens, at = _paused_update(llm, prompts, other)
+    with LLM(models["glm"], **EXACT, num_pages=48) as one:
+        want, one_at = _paused_update(one, prompts, other)
+    assert at == one_at and tokens == want
+    assert all(0 < n < GREEDY.max_tokens for n in at)
+    for t, r, n in zip(tokens, ref["glm"][:1] + ref["glm"][2:], at):
+        assert t[:n] == r[:n] and t != r  # (each went on with the new weights, every rank)
 
 
 @pytest.mark.parametrize(

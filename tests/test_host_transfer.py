@@ -23,7 +23,7 @@ from dsakv.memory import (
     page_slots,
     quantize_e4m3_blockwise,
 )
-from dsakv.memory.host import host_pages
+from dsakv.memory.capacity import host_pages
 from tests.conftest import small_glm_config
 
 PATTERN = "FFSSFS"

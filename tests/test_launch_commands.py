@@ -377,7 +377,8 @@ def test_a_pool_past_the_machines_memory_is_one_error_line(models, flags, words,
     (exit 1), or C++ frames; each pool past what the machine has is now refused before
     torch is asked, naming its size, the memory there is, and the flags that size it."""
     err = _error_line(["generate", models["glm"], "--prompt", "x", *flags], capsys)
-    assert "GiB of KV cache on the host, which has" in err, err
+    what = "KV cache" if words == [POOL] else "host KV tier"  # (the device pool's, or the tier's)
+    assert f"GiB of {what} on the host, which has" in err, err
     assert all(w in err for w in words), err
 
 

@@ -603,6 +603,30 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-index-share", action="store_true", help="every layer runs its indexer")
 
 
+def add_host_tier_args(g: Any) -> None:
+    """The host KV tier's sizes (`fold_host_tier` reads SGLang's)."""
+    add_aliased(  # (vLLM's --swap-space: the host memory a preempted request's KV goes to)
+        g,
+        ("--host-pool-gib", "--swap-space"),
+        "host (CPU) KV tier size per rank, for retracted requests and evicted prefix pages; "
+        "0 = off",
+        dest="host_pool_gib",
+        type=nonnegative_float,
+    )
+    g.add_argument(
+        "--host-pool-ratio",
+        type=positive_float,
+        metavar="R",
+        help="the host KV tier as R times the device pool's pages, sized with the pool "
+        "(SGLang's --enable-hierarchical-cache [--hicache-ratio R, default 2]; its "
+        "--hicache-size G, G GB per rank, is --host-pool-gib)",
+    )
+    # SGLang's host tier: its switch and sizes, folded into the two above (`_fold_foreign`)
+    g.add_argument("--enable-hierarchical-cache", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--hicache-ratio", type=positive_float, help=argparse.SUPPRESS)
+    g.add_argument("--hicache-size", type=nonnegative_float, help=argparse.SUPPRESS)
+
+
 def add_hisparse_args(p: argparse.ArgumentParser, what: str) -> None:
     """SGLang's HiSparse flags (DESIGN.md §13)."""
     g = p.add_argument_group("HiSparse (latent on the host, hot buffers on the device)")
@@ -711,26 +735,7 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
         help="vLLM's: taken and refused (dsakv cannot hold the whole instance to a share of "
         "the GPU); give --mem-fraction-static",
     )
-    add_aliased(  # (vLLM's --swap-space: the host memory a preempted request's KV goes to)
-        g,
-        ("--host-pool-gib", "--swap-space"),
-        "host (CPU) KV tier size per rank, for retracted requests and evicted prefix pages; "
-        "0 = off",
-        dest="host_pool_gib",
-        type=nonnegative_float,
-    )
-    g.add_argument(
-        "--host-pool-ratio",
-        type=positive_float,
-        metavar="R",
-        help="the host KV tier as R times the device pool's pages, sized with the pool "
-        "(SGLang's --enable-hierarchical-cache [--hicache-ratio R, default 2]; its "
-        "--hicache-size G, G GB per rank, is --host-pool-gib)",
-    )
-    # SGLang's host tier: its switch and sizes, folded into the two above (`_fold_foreign`)
-    g.add_argument("--enable-hierarchical-cache", action="store_true", help=argparse.SUPPRESS)
-    g.add_argument("--hicache-ratio", type=positive_float, help=argparse.SUPPRESS)
-    g.add_argument("--hicache-size", type=nonnegative_float, help=argparse.SUPPRESS)
+    add_host_tier_args(g)
     g.add_argument(
         "--chunked-prefill-size",
         type=_chunk_size,
@@ -1698,12 +1703,9 @@ def _adapter_rank(path: str) -> int | None:
 
 
 def _fold_pool_sizes(args: argparse.Namespace) -> None:
-    """SGLang's host tier, `--enable-hierarchical-cache`, as `--host-pool-gib` for
-    `--hicache-size G` (G GB per rank: 1e9 bytes, as SGLang's; 0 is its unset), else
-    `--host-pool-ratio`, its `--hicache-ratio` (default 2); without the switch both are
-    ignored, as SGLang ignores them. vLLM's `--kv-cache-memory-bytes N` is `--kv-budget-gib`
-    N / 2^30 (per rank, as vLLM's per GPU), `--gpu-memory-utilization` beside it dropped
-    (vLLM ignores it then). Another size beside any of these is one error. (SGLang's
+    """vLLM's `--kv-cache-memory-bytes N` as `--kv-budget-gib` N / 2^30 (per rank, as
+    vLLM's per GPU), `--gpu-memory-utilization` beside it dropped (vLLM ignores it then),
+    and SGLang's host tier sizes (`fold_host_tier`). Another size beside any of these is one error. (SGLang's
     `--max-total-tokens` caps whichever sizes the pool: `EngineConfig.max_total_tokens`.)"""
     kv_bytes = getattr(args, "kv_cache_memory_bytes", None)
     if kv_bytes is not None:
@@ -1715,6 +1717,14 @@ def _fold_pool_sizes(args: argparse.Namespace) -> None:
                 )
         args.kv_budget_gib, args.kv_cache_memory_bytes = kv_bytes / 2**30, None
         args.gpu_memory_utilization = None
+    fold_host_tier(args)
+
+
+def fold_host_tier(args: argparse.Namespace) -> None:
+    """SGLang's host tier, `--enable-hierarchical-cache`, as `--host-pool-gib` for
+    `--hicache-size G` (G GB per rank: 1e9 bytes, as SGLang's; 0 is its unset), else
+    `--host-pool-ratio`, its `--hicache-ratio` (default 2); without the switch both are
+    ignored, as SGLang ignores them."""
     ratio, size = args.hicache_ratio, args.hicache_size
     args.hicache_ratio = args.hicache_size = None
     if not args.enable_hierarchical_cache:

@@ -16,11 +16,13 @@ from .args import (
     add_aliased,
     add_dp_args,
     add_hisparse_args,
+    add_host_tier_args,
     add_layout_args,
     add_pp_args,
     check_dp_size,
     draft_layers,
     fold_expert_parallel,
+    fold_host_tier,
     fraction,
     nonnegative_float,
     positive_float,
@@ -59,6 +61,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.memory.capacity import gain_pct
     from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 
+    fold_host_tier(args)
     config = ModelConfig.resolve(args.model)
     hisparse = _hisparse_config(args, config)
     plan = LayerPlan.from_config(config, draft_layers=args.draft_layers, **plan_overrides(args))
@@ -192,16 +195,135 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 splits[0].device_bytes_per_device_token / splits[1].device_bytes_per_device_token, 3
             ),
         }
+    tiers = None
+    if args.host_pool_gib and args.host_pool_ratio is not None:
+        from dsakv.engine.config import HOST_SIZED_TWICE
+
+        raise DsakvError(HOST_SIZED_TWICE)
+    if args.host_pool_gib or args.host_pool_ratio is not None:
+        tiers = tuple(
+            _plan_host_tier(args, parallel, pipe, split)
+            for pipe, split in zip((pipe_d, pipe_e), splits or (None, None))
+        )
+        report["host_tier"] = {
+            "host_pool_gib": args.host_pool_gib or None,
+            "host_pool_ratio": args.host_pool_ratio,
+            "dense": tiers[0],
+            "elided": tiers[1],
+        }
     if args.json:
         print(json.dumps(report, indent=2))
-    elif parallel.pp > 1:
+        return 0
+    if parallel.pp > 1:
         print(_stages_table(report, pipe_e, pipe_d))
     else:
         weights_d, weights_e = pipe_d.limiting.weight_bytes, pipe_e.limiting.weight_bytes
         print(_plan_table(report, elided, dense, pipe_e, pipe_d, (weights_d, weights_e)))
         if splits is not None:
             print(_hisparse_table(*splits, parallel))
+    if tiers is not None:
+        print(_host_tier_table(args, parallel, *tiers))
     return 0
+
+
+def _plan_host_tier(
+    args: argparse.Namespace, parallel: ParallelConfig, pipe: Any, split: Any
+) -> dict[str, Any]:
+    """One layout's host tier as the engine sizes it (`Engine._host_tier_pages`): the same
+    pages on every rank, of the largest page any stage has, or `--host-pool-ratio` times
+    the pool's pages (logical pages under HiSparse). Each rank's tier holds its stage's
+    cells; under HiSparse the ranks that map rank 0's host latent hold index-K only. The
+    node's host memory is its ranks' tiers and the HiSparse host latents it holds."""
+    from dsakv.engine.hisparse import shares_host_latent
+    from dsakv.memory.capacity import HostTierPlan, host_tier_pages, most_per_node
+
+    layouts = [s.layout for s in pipe.stages]
+    page = layouts[0].page_size
+    pool_tokens = pipe.max_total_num_tokens if split is None else split.logical_tokens
+    try:
+        pages = host_tier_pages(
+            args.host_pool_gib or 0.0,
+            args.host_pool_ratio,
+            max(lay.bytes_per_page for lay in layouts),
+            pool_tokens // page,
+        )
+    except ValueError as e:
+        flag = "--host-pool-gib" if args.host_pool_gib else "--host-pool-ratio"
+        raise DsakvError(f"the host tier ({flag}): {e}") from None
+    shared = split is not None and shares_host_latent(parallel)
+    tiers = [
+        HostTierPlan(layouts[r // parallel.tp], pages, shared and r > 0)
+        for r in range(parallel.world_size)
+    ]
+    latent = [
+        0 if split is None or (shared and r > 0) else split.host_bytes
+        for r in range(parallel.world_size)
+    ]
+    node, _ = most_per_node([t.nbytes + h for t, h in zip(tiers, latent)], parallel.ranks_per_node)
+    out = {
+        "num_pages": pages,
+        "tokens": tiers[0].tokens,
+        "bytes_per_token": tiers[0].bytes_per_token,
+        "bytes_per_rank": tiers[0].nbytes,
+        "index_k_only_bytes_per_rank": tiers[1].nbytes if shared else None,
+        "host_memory_bytes_per_node": node,
+    }
+    if parallel.pp > 1:  # (rank 0's figures above are stage 0's)
+        out["stages_bytes_per_rank"] = [t.nbytes for t in tiers[:: parallel.tp]]
+    return out
+
+
+def _host_tier_table(
+    args: argparse.Namespace,
+    parallel: ParallelConfig,
+    dense: dict[str, Any],
+    elided: dict[str, Any],
+) -> str:
+    """The host tier, dense and elided side by side: its cells are the device pool's, so
+    a tier of a given size holds as many more tokens as a pool does (`--host-pool-gib`),
+    and one sized as a ratio of the pool grows with it (`--host-pool-ratio`)."""
+    if args.host_pool_gib:
+        size = f"{args.host_pool_gib:,.3g} GiB per rank (--host-pool-gib)"
+    else:
+        size = f"{args.host_pool_ratio:g} × the device pool's pages (--host-pool-ratio)"
+    ranks, pp, latent = parallel.world_size, parallel.pp > 1, args.enable_hisparse
+    lines = [
+        "",
+        f"host tier: {size}, the device pool's cells (no index-K on shared layers)",
+    ]
+    if ranks > 1:
+        each = (
+            "rank 0's holds the HiSparse latent the ranks map, the others' index-K only"
+            if elided["index_k_only_bytes_per_rank"] is not None
+            else "each a tier of its own"
+        )
+        lines.append(f"per rank ({ranks} ranks, {each}){'; stage 0' if pp else ''}")
+    rank = "/rank" if ranks > 1 else ""
+    rows = [("tier bytes/token", "bytes_per_token"), (f"tier tokens{rank}", "tokens")]
+    if elided["index_k_only_bytes_per_rank"] is None:
+        rows.append((f"tier memory{rank} (GiB)", "bytes_per_rank"))
+    else:
+        rows.append(("tier memory, rank 0 (GiB)", "bytes_per_rank"))
+        rows.append(("tier memory, other ranks (GiB)", "index_k_only_bytes_per_rank"))
+    if ranks > 1 or latent:  # (the node's tiers, and the host latents it holds)
+        what = "tiers" if ranks > 1 else "tier"
+        if latent:
+            what += " + HiSparse host latent" + ("s" if ranks > 1 else "")
+        node = "/node" if ranks > 1 else ""
+        rows.append((f"host memory{node} (GiB)", "host_memory_bytes_per_node"))
+        lines.append(f"host memory{node}: {what}")
+    lines += ["", f"{'':32}{'dense':>16}{'elided':>16}{'gain':>10}"]
+    for name, key in rows:
+        d, e = dense[key], elided[key]
+        if "GiB" in name:
+            lines.append(f"{name:32}{d / GIB:>16,.3f}{e / GIB:>16,.3f}")
+            continue
+        gain = _pct(e, d) if key == "tokens" else _pct(d, e)  # (bytes: tokens per byte)
+        lines.append(f"{name:32}{d:>16,}{e:>16,}{gain}")
+    if pp:
+        per_stage = ", ".join(f"{b / GIB:,.2f}" for b in elided["stages_bytes_per_rank"])
+        lines.append(f"elided tier memory per rank, by stage (GiB): {per_stage}")
+    return "\n".join(lines)
 
 
 def _model_figures(r: dict[str, Any], elided: Any, dense: Any, weights: Any) -> dict[str, Any]:
@@ -480,4 +602,5 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_layout_args(p)
     add_hisparse_args(p, "plan the HiSparse split")
+    add_host_tier_args(p.add_argument_group("host KV tier (its tokens and the host memory)"))
     p.set_defaults(func=_cmd_plan)

@@ -23,6 +23,7 @@ from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 from dsakv.memory.storage import StorageConfig
 from dsakv.models.lora import check_fully_sharded, target_suffixes
 
+HOST_SIZED_TWICE = "--host-pool-gib and --host-pool-ratio both size the host tier: give one"
 MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
 DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLang's default)
 MAX_DRAFT_STEPS = 16
@@ -218,9 +219,7 @@ class EngineConfig:
         if ratio is not None and not (is_number(ratio) and 0 < ratio < math.inf):
             raise DsakvError(f"host_pool_ratio must be a finite number > 0, got {ratio!r}")
         if ratio is not None and host > 0:
-            raise DsakvError(
-                "--host-pool-gib and --host-pool-ratio both size the host tier: give one"
-            )
+            raise DsakvError(HOST_SIZED_TWICE)
         if not is_int(self.seed):
             raise DsakvError(f"seed must be an integer, got {self.seed!r}")
         if self.expert_distribution_recorder_mode not in (None, "stat", "per_token"):

@@ -21,20 +21,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from dsakv.distributed.leader import Leader
-from dsakv.distributed.weight_sync import GroupUpdate, TensorUpdate
 from dsakv.errors import DsakvError
 
 from .engine import Engine
 from .ranks import by_rank, said
 from .request import Request, Status, link_choices
 from .sampling import SamplingParams
-from .weight_update import updated
 
 log = logging.getLogger(__name__)
 
@@ -323,6 +320,16 @@ class DPEngine:
         # tokenizer, model_config, config, max_model_len, eos_token_ids, encode, ...
         return getattr(self.local, name)
 
+    @property
+    def paused(self) -> bool:
+        """`Engine.paused` (the server's /pause_generation), set on every rank: each one's
+        `_busy` and `flush_cache` read it of the requests it schedules."""
+        return self.local.paused
+
+    @paused.setter
+    def paused(self, paused: bool) -> None:
+        self._on_every_rank("set_paused", paused)
+
     # --- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
@@ -382,11 +389,21 @@ class DPEngine:
         busy = self._remote or self._adds or self._aborts or self._later
         return self.local.has_unfinished() or bool(busy)
 
+    def _busy(self) -> bool:
+        """`Engine._busy` of every rank, as rank 0 sees it: a request on any rank, queued
+        adds and aborts included, unless `paused`; or calls still running on a rank (a PD
+        prefill server's KV write). Each rank checks its own held pages (`update_weights_here`,
+        `gathered_flush`). While paused, queued adds and aborts wait for the step after
+        /continue_generation: an add holds nothing on its rank yet (it runs on the new
+        weights), an abort's request is one of the paused ones until then."""
+        return (not self.paused and self.has_unfinished()) or bool(self._later)
+
     def flush_cache(self) -> bool:
         """`Engine.flush_cache` on every rank (each holds a prefix cache of its own), with
-        nothing running, waiting or held on any rank; False where one rank had something
-        (the others' caches dropped all the same: a cache, not state)."""
-        if self.has_unfinished():
+        nothing running, waiting or held on any rank, or while `paused` nothing running
+        (after a pause "retract"); False where one rank had something (the others' caches
+        dropped all the same: a cache, not state)."""
+        if self._busy():
             return False
         return all(self._on_every_rank("gathered_flush"))
 
@@ -396,27 +413,9 @@ class DPEngine:
         from the rank's host tier) once stepping resumes."""
         self._on_every_rank("retract_all")
 
-    def update_weights(self, source: str | Path | GroupUpdate | TensorUpdate) -> bool:
-        """`Engine.update_weights` on every rank: each loads the checkpoint (or receives a
-        trainer's tensors) and drops its own prefix cache (`Engine.update_weights_here`,
-        the peers from `serve_dp_peer`). Only with no request on any rank, queued adds and
-        aborts included (False, nothing loaded: the step that delivers them comes first);
-        refused under paused requests, as no rank steps them out."""
-        if self.has_unfinished():
-            if self.paused:
-                self.refuse_update(
-                    source,
-                    "under --dp-attention an update does not run under paused requests "
-                    "(pause with mode abort, or continue generation first)",
-                )
-            return False
-        self.refuse_if_released(source)
-        if not isinstance(source, (GroupUpdate, TensorUpdate)):
-            source = str(source)
-        return updated(self._on_every_rank("update_weights_here", source))
-
     # Engine's, each on every rank through this class's `_on_every_rank` (the rest of what
-    # they read is rank 0's engine's)
+    # they read is rank 0's engine's, or this class's: `_busy`, `paused`)
+    update_weights = Engine.update_weights
     refuse_update = Engine.refuse_update
     join_weight_group = Engine.join_weight_group
     leave_weight_group = Engine.leave_weight_group

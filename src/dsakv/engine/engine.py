@@ -31,9 +31,15 @@ from dsakv.errors import ConfigError, DsakvError, PromptTooLong, is_int, load_js
 from dsakv.kernels import cpu_native, select_backend
 from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
-from dsakv.memory.capacity import GIB, stage_kv_budget_bytes
-from dsakv.memory.host import HostPool, host_pages
-from dsakv.memory.pool import DSAKVPool
+from dsakv.memory.capacity import (
+    GIB,
+    HostTierPlan,
+    host_tier_pages,
+    most_per_node,
+    stage_kv_budget_bytes,
+)
+from dsakv.memory.host import HostPool
+from dsakv.memory.pool import DSAKVPool, check_fits
 from dsakv.memory.release import Stash
 from dsakv.memory.storage import storage_namespace
 from dsakv.metrics import STEP_TOKEN_BOUNDS, STEP_TOKEN_KEYS, LoraRequests, bucket_index
@@ -111,7 +117,8 @@ _EVERY_RANK = frozenset(
     + PROFILE_CALLS
     + EXPERT_DISTRIBUTION_CALLS
     + ("read_lora_on_rank", "drop_lora_on_rank", "hisparse_replicas", "gathered_integrity")
-    + ("gathered_flush", "retract_all")  # (DP attention's /flush_cache, pause "retract")
+    # (DP attention's /flush_cache, pause "retract", and the pause itself)
+    + ("gathered_flush", "retract_all", "set_paused")
 )
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
@@ -464,14 +471,17 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             return pages
         return min(self.parallel.all_gather_objects(pages))
 
-    def _host_pages(self, gib: float) -> int:
-        """The host tier's pages in `gib` GiB (`host_pages`), of the largest page any
-        pipeline stage has (each stage's layout has its own bytes per page; rank 0's
-        journal moves pages every stage holds): every rank the same count, or refusal."""
+    def _host_tier_pages(self) -> int:
+        """The host tier's pages (`host_tier_pages`; 0: none): under `--host-pool-gib` of
+        the largest page any pipeline stage has (each stage's layout has its own bytes per
+        page; rank 0's journal moves pages every stage holds), so every rank the same count."""
         size = self.layout.bytes_per_page
         if self.parallel.pp_size > 1:
             size = max(self.parallel.all_gather_objects(size))
-        return host_pages(gib, size)
+        config = self.config
+        return host_tier_pages(
+            config.host_pool_gib, config.host_pool_ratio, size, self.pool.num_pages
+        )
 
     def _kv_budget_gib(self) -> float:
         """`kv_budget_gib` (default 1), or under `mem_fraction_static` what the GPU keeps for
@@ -538,30 +548,34 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             hot = HotBuffers(
                 self.hisparse, self.pool, self.plan, self.backend, self.device, self.parallel
             )
-        # (a TP rank that maps rank 0's host latent keeps index-K only in its host tier)
-        index_k_only = hot is not None and not hot.writes_host
         host, flag = None, config.host_tier_flag
         try:
-            if config.host_pool_gib > 0:
-                pages = self._host_pages(config.host_pool_gib)
-                host = HostPool(self.pool, pages, index_k_only=index_k_only)
-            elif config.host_pool_ratio is not None:  # (SGLang's --hicache-ratio: the pool's now)
-                pages = int(self.pool.num_pages * config.host_pool_ratio)
-                if pages < 1:
-                    raise DsakvError(
-                        f"{config.host_pool_ratio} times the {self.pool.num_pages}-page pool "
-                        "holds no page"
-                    )
-                host = HostPool(self.pool, pages, index_k_only=index_k_only)
+            pages = self._host_tier_pages()
+            if pages:  # (a TP rank that maps rank 0's host latent keeps index-K only there)
+                tier = HostTierPlan(self.layout, pages, hot is not None and not hot.writes_host)
+                self._check_host_memory(tier, hot)
+                host = HostPool(self.pool, pages, index_k_only=tier.index_k_only)
         except ConfigError as e:  # (too little memory for it)
             raise ConfigError(f"{e}: ask for a smaller host tier ({flag})") from None
-        except ValueError as e:  # (DsakvError too: a tier of no page)
+        except ValueError as e:  # (a tier of no page)
             raise DsakvError(f"the host tier ({flag}): {e}") from None
         l3 = None
         if config.storage is not None:
             namespace = storage_namespace(self.layout, self.model_identity, self.compute)
             l3 = L3Cache.create(config.storage, self.pool, host, namespace)
         return host, hot, l3
+
+    def _check_host_memory(self, tier: HostTierPlan, hot: HotBuffers | None) -> None:
+        """Refuse the host tiers and HiSparse host latents of a node past its memory, all
+        together (each alone is checked where it is allocated): every rank's bytes gathered,
+        and every rank refuses alike, from the node that holds the most."""
+        latent = hot.host_nbytes if hot is not None and hot.writes_host else 0
+        per_rank = self.parallel.all_gather_objects(tier.nbytes + latent)
+        need, ranks = most_per_node(per_rank, self.parallel.config.ranks_per_node)
+        what = "host KV tier" + (" and HiSparse host latent" if hot is not None else "")
+        check_fits(
+            need, torch.device("cpu"), what + (f" ({ranks} ranks' on a node)" if ranks > 1 else "")
+        )
 
     def _log_startup(self) -> None:
         config = self.config
@@ -1040,6 +1054,11 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         host tier). Under DP attention each rank retracts the requests it schedules (an
         every-rank call: `DPEngine.retract_all`)."""
         self.scheduler.retract_all()
+
+    def set_paused(self, paused: bool) -> None:
+        """`paused`, as DP attention's every-rank call (`DPEngine.paused`): each rank's own
+        `_busy` and `flush_cache` read it, as they hold the requests they schedule."""
+        self.paused = paused
 
     def flush_cache(self) -> bool:
         """SGLang's /flush_cache (vLLM's /reset_prefix_cache): drop the prefix cache's device

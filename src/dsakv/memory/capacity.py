@@ -651,3 +651,60 @@ def plan_hisparse(
     cell = empty.device_bytes_per_device_token
     tokens = _page_aligned_tokens(budget_bytes, cell, layout.page_size)
     return HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, tokens, host_latents_per_node)
+
+
+def host_pages(gib: float, bytes_per_page: int) -> int:
+    """As many whole pages of `bytes_per_page` as fit in `gib` GiB of host memory
+    (`--host-pool-gib`); none is an error."""
+    pages = int(gib * GIB // bytes_per_page)
+    if pages < 1:
+        raise ValueError(f"{gib:.3g} GiB holds no {bytes_per_page}-byte page")
+    return pages
+
+
+def host_tier_pages(gib: float, ratio: float | None, bytes_per_page: int, pool_pages: int) -> int:
+    """The host tier's pages: `gib` GiB of `bytes_per_page` pages (`--host-pool-gib`), else
+    `ratio` times the device pool's `pool_pages` (`--host-pool-ratio`, SGLang's
+    `--hicache-ratio`: logical pages under HiSparse); 0 when neither asks for a tier, an
+    error when the one asked for holds no page."""
+    if gib > 0:
+        return host_pages(gib, bytes_per_page)
+    if ratio is None:
+        return 0
+    pages = int(pool_pages * ratio)
+    if pages < 1:
+        raise ValueError(f"{ratio} times the {pool_pages}-page pool holds no page")
+    return pages
+
+
+@dataclass(frozen=True)
+class HostTierPlan:
+    """One rank's host KV tier: pages of the device pool's own cells, so shared layers hold
+    no index-K there either (DESIGN.md §7.3), and elision buys host tokens as it buys
+    device ones. `index_k_only`: a TP rank's under HiSparse on one machine, where the
+    ranks map rank 0's host latent and rank 0's tier alone holds latent."""
+
+    layout: CacheLayout
+    num_pages: int
+    index_k_only: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.num_pages * self.layout.page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        lay = self.layout
+        return lay.index_k_bytes_per_token if self.index_k_only else lay.bytes_per_token
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens * self.bytes_per_token
+
+
+def most_per_node(rank_bytes: Sequence[int], ranks_per_node: int) -> tuple[int, int]:
+    """The most host memory any node holds of the ranks' `rank_bytes` (ranks numbered
+    node-major, `ranks_per_node` a node), and how many of that node's ranks hold some."""
+    nodes = [rank_bytes[i : i + ranks_per_node] for i in range(0, len(rank_bytes), ranks_per_node)]
+    node = max(nodes, key=sum)
+    return sum(node), sum(b > 0 for b in node)

@@ -11,17 +11,7 @@ from __future__ import annotations
 import torch
 
 from .allocator import PageAllocator, page_slots, pages_of
-from .capacity import GIB
 from .pool import DSAKVPool, copy_tokens
-
-
-def host_pages(gib: float, bytes_per_page: int) -> int:
-    """As many whole pages of `bytes_per_page` as fit in `gib` GiB of host memory
-    (`--host-pool-gib`); none is an error."""
-    pages = int(gib * GIB // bytes_per_page)
-    if pages < 1:
-        raise ValueError(f"{gib:.3g} GiB holds no {bytes_per_page}-byte page")
-    return pages
 
 
 class HostPool:
