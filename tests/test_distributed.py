@@ -487,6 +487,28 @@ def test_dp_attention_delivers_an_abort_while_nothing_else_runs(models):
         assert all(r.finish_reason == "abort" for r in reqs)
 
 
+def _sleep_on_rank(engine, kept, seconds: float) -> float:
+    """A call a rank runs on a thread of its own (as a PD prefill server's KV write)."""
+    time.sleep(seconds)
+    return seconds
+
+
+def test_dp_attention_paused_collects_a_ranks_call_before_an_update(models):
+    """A rank's call that ends while generation is paused (no step brings its outcome)
+    keeps neither a cache flush nor a weight update off: rank 0 asks for it."""
+    with LLM(models["glm"], **EXACT, num_pages=48, tp=2, dp_attention=True) as llm:
+        e = llm.engine
+        call = e.on_rank_later(1, 7, _sleep_on_rank, 0.2)
+        e.paused = True
+        deadline = time.monotonic() + 60
+        while not e.flush_cache():
+            assert time.monotonic() < deadline, "the paused engine stayed busy"
+            time.sleep(0.05)
+        assert call.result(timeout=0) == 0.2
+        assert e.update_weights(models["glm"])
+        e.paused = False
+
+
 @pytest.mark.parametrize("host", [None, 0.01], ids=["recompute", "host-tier"])
 def test_dp_attention_pause_retract_frees_every_ranks_pages(models, reference, host):
     """SGLang's pause "retract" under DP attention (it was refused): every rank gives back

@@ -280,19 +280,20 @@ def test_plan_refuses_what_the_engine_refuses(capsys):
     assert "pool (3264 tokens) holds less than one hot buffer (device_buffer_size 4096 " in err
 
 
-@pytest.mark.parametrize(
-    ("flags", "what"),
-    [
-        (["--tp", "8", "--pp-size", "2"], "--pp-size 2"),
-    ],
-)
-def test_plan_refuses_what_hisparse_does_not_run_with(flags, what, capsys):
-    """The engine refuses HiSparse with pipeline stages; the planner planned it."""
-    assert main(["plan", "glm-5.2", *flags]) == 0
-    capsys.readouterr()
-    assert main(["plan", "glm-5.2", "--enable-hisparse", *flags]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err == f"error: --enable-hisparse does not run with {what} yet\n"
+def test_stages_plan_a_host_latent_each_on_a_node(capsys):
+    """Under --pp-size each stage plans its own split (its layers' bytes, its budget), all
+    with the least stage's device tokens; a node holds each stage's host latent once (its
+    TP ranks map it): the whole model's latent for every logical token."""
+    base = ["glm-5.2", "--enable-hisparse", "--tp", "8", "--gpu-memory-gib", "288", "--json"]
+    assert main(["plan", *base, "--pp-size", "4"]) == 0
+    split = json.loads(capsys.readouterr().out)["hisparse"]["elided"]
+    assert main(["plan", *base]) == 0
+    latent = json.loads(capsys.readouterr().out)["latent_bytes_per_token"]
+    assert (
+        len(split["stages_host_bytes"]) == 4 and split["host_bytes"] in split["stages_host_bytes"]
+    )
+    assert split["host_bytes_per_node"] == sum(split["stages_host_bytes"])
+    assert split["host_bytes_per_node"] == split["logical_tokens"] * latent
 
 
 def test_check_pool_is_the_engines_rule():
@@ -369,16 +370,6 @@ def test_device_budget_is_the_ranks_own(capsys):
     assert tokens["--tp 8 --ep 8"] > tokens[""]  # (whole experts a rank: weights shrink too)
 
 
-def test_host_per_node_is_each_latents_times_the_latents():
-    h = HiSparseConfig.parse(None, GLM52)
-    split = plan_hisparse(_layout(), h, host_latents_per_node=4, kv_budget_gib=10)
-    assert (
-        split.host_bytes_per_node
-        == 4 * split.host_bytes
-        == 4 * plan_hisparse(_layout(), h, kv_budget_gib=10).host_bytes
-    )
-
-
 @pytest.mark.parametrize(
     ("flags", "shared"),
     [
@@ -392,11 +383,10 @@ def test_host_per_node_is_each_latents_times_the_latents():
 )
 def test_the_ranks_share_a_host_latent_only_under_tp_on_one_machine(flags, shared):
     from dsakv.distributed import ParallelConfig
-    from dsakv.engine.hisparse import host_latents_per_node, shares_host_latent
+    from dsakv.engine.hisparse import shares_host_latent
 
     pc = ParallelConfig(**flags)
     assert shares_host_latent(pc) is shared
-    assert host_latents_per_node(pc) == (1 if shared else pc.ranks_per_node)
 
 
 def test_plan_reserves_a_slot_for_each_token_of_a_verify(capsys):

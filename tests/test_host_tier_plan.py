@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from dsakv.cli import main
 from dsakv.engine import Engine, EngineConfig
@@ -111,14 +110,25 @@ def test_pipeline_stages_size_the_tier_by_the_largest_page(capsys):
     "args, words",
     [
         (["--host-pool-gib", "1", "--host-pool-ratio", "2"], "both size the host tier"),
-        (["--host-pool-gib", "1e-9"], "the host tier (--host-pool-gib): 1e-09 GiB holds no"),
-        (["--host-pool-ratio", "1e-9"], "the host tier (--host-pool-ratio): 1e-09 times the"),
+        (["--host-pool-gib", "1e-9"], "the host tier (--host-pool-gib, --swap-space or"),
+        (["--host-pool-ratio", "1e-9"], "--hicache-ratio): 1e-09 times the 35172-page pool"),
+        (["--swap-space", "1e-9"], "SGLang's --hicache-size): 1e-09 GiB holds no"),
+        (["--host-pool-gib", "0.00307", "--no-elide-index-k"], "holds no 3534336-byte page"),
         (["--enable-hierarchical-cache", "--host-pool-ratio", "2"], "both size the host KV"),
     ],
 )
 def test_bad_tier_sizes_are_one_error_line(args, words, capsys):
     err = cli_error_line(["plan", "glm-5.2", *args], capsys)
     assert words in err, err
+
+
+def test_a_size_that_holds_only_an_elided_page_plans_an_empty_dense_tier(capsys):
+    """0.00307 GiB holds one 3,052,800-byte elided page and no 3,534,336-byte dense one:
+    the engine builds the elided tier, so the plan does; the dense column is empty."""
+    r = _plan(capsys, "glm-5.2", "--host-pool-gib", "0.00307")["host_tier"]
+    assert (r["elided"]["num_pages"], r["dense"]["num_pages"]) == (1, 0)
+    assert main(["plan", "glm-5.2", "--host-pool-gib", "0.00307"]) == 0
+    assert "n/a" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -167,13 +177,25 @@ def test_the_engine_refuses_a_tier_and_host_latent_that_fit_only_apart(glm_tiny,
     assert "ask for a smaller host tier (--host-pool-ratio" in msg
 
 
-def test_tiers_of_3_5_of_memory_are_refused_on_a_tp2_node(glm_tiny, capsys):
-    """Each TP rank holds a tier of its own: 3/5 of the machine's memory per rank (what
-    each rank's own check passes) is refused under --tp 2, naming the ranks, before
-    anything is allocated."""
-    from dsakv.memory.pool import memory_bytes
+def test_a_node_counts_every_ranks_tier_before_the_weights_load(glm_tiny, monkeypatch):
+    """Each TP rank holds a tier of its own: tiers that fit one at a time but not two on a
+    node are refused, naming the ranks, before the weights load. (One process stands for
+    the two ranks of a node: each rank's bytes gathered, two ranks a node.)"""
+    import dsakv.memory.pool as pool
+    from dsakv.distributed import ParallelConfig, ParallelState
+    from dsakv.models import loader
 
-    gib = 3 * memory_bytes(torch.device("cpu")) / 5 / GIB
-    flags = [*FP32, "--num-pages", "8", "--host-pool-gib", f"{gib:.3f}", "--tp", "2"]
-    err = cli_error_line(["generate", glm_tiny, "--prompt", "x", "--device", "cpu", *flags], capsys)
-    assert "of host KV tier (2 ranks' on a node) on the host" in err, err
+    layout = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 8)
+    tier = 40 * 8 * layout.bytes_per_token
+    monkeypatch.setattr(pool, "memory_bytes", lambda device: tier * 3 // 2)
+    monkeypatch.setattr(ParallelState, "all_gather_objects", lambda self, obj: [obj, obj])
+    monkeypatch.setattr(ParallelConfig, "ranks_per_node", property(lambda self: 2))
+    loaded = []
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: loaded.append(1))
+    config = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", page_size=8, device="cpu")
+    with pytest.raises(ConfigError) as e:
+        Engine(EngineConfig(model=glm_tiny, **config, num_pages=20, host_pool_ratio=2))
+    assert f"cannot allocate {2 * tier / GIB:.2f} GiB of host KV tier (2 ranks' on a node)" in str(
+        e.value
+    )
+    assert not loaded

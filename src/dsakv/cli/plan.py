@@ -54,7 +54,6 @@ def _check_indexers(model: str, plan: Any) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.config import LayerPlan, ModelConfig
-    from dsakv.config.hisparse import check_runs_with
     from dsakv.distributed import ParallelConfig
     from dsakv.errors import ConfigError
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_pipeline
@@ -98,8 +97,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     )
     parallel.check_model(config)
     stages = parallel.stage_layers(plan.num_layers)  # (refuses a partition that does not fit)
-    if hisparse is not None:  # what the engine refuses is not planned
-        check_runs_with(pp=parallel.pp)
     subtracted = args.gpu_memory_gib is not None and args.weights_gib is None
     try:
         weights = estimate_weight_bytes(
@@ -172,24 +169,36 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             ).indexer_bytes_saved  # fmt: skip
         report.update(_stages_report(pipe_e, pipe_d, args.no_elide_index_k))
         report["index_topk"] = config.index_topk
-    splits = None
+    splits = stage_splits = None
     if hisparse is not None:
-        from dsakv.engine.hisparse import host_latents_per_node
         from dsakv.memory import plan_hisparse
 
-        # Per rank, as the pool's figures are, and the host latents a node holds
-        per_node = dict(host_latents_per_node=host_latents_per_node(parallel), **budget)
-        splits = (
-            plan_hisparse(pipe_d.limiting.layout, hisparse, **per_node),
-            plan_hisparse(pipe_e.limiting.layout, hisparse, **per_node),
+        # Per rank, as the pool's figures are: each stage's split, all with the least
+        # stage's device tokens (one scheduler), and the stage whose budget sets them
+        splits, stage_splits = zip(
+            *(
+                _stage_splits([plan_hisparse(s.layout, hisparse, **budget) for s in pipe.stages])
+                for pipe in (pipe_d, pipe_e)
+            ),
+            strict=True,
         )
+        nodes = [_node_host_latents(p, parallel) for p in stage_splits]  # (bytes, latents)
         chosen_split = splits[0] if args.no_elide_index_k else splits[1]
         page = chosen_layout.page_size
         hisparse.check_pool(chosen_split.device_tokens // page, page)  # as the engine refuses
         report["hisparse"] = {
             **hisparse.to_dict(),
-            "dense": splits[0].as_dict(),
-            "elided": splits[1].as_dict(),
+            **{
+                name: {
+                    **split.as_dict(),
+                    "host_latents_per_node": latents,
+                    "host_bytes_per_node": node,
+                    **_stage_hosts(stages),
+                }
+                for name, split, (node, latents), stages in zip(
+                    ("dense", "elided"), splits, nodes, stage_splits, strict=True
+                )
+            },
             # Budget-independent: the ratio of device bytes per device token.
             "device_tokens_elided_over_dense": round(
                 splits[0].device_bytes_per_device_token / splits[1].device_bytes_per_device_token, 3
@@ -202,8 +211,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise DsakvError(HOST_SIZED_TWICE)
     if args.host_pool_gib or args.host_pool_ratio is not None:
         tiers = tuple(
-            _plan_host_tier(args, parallel, pipe, split)
-            for pipe, split in zip((pipe_d, pipe_e), splits or (None, None))
+            _plan_host_tier(args, parallel, pipe, split, chosen)
+            for pipe, split, chosen in zip(
+                (pipe_d, pipe_e),
+                stage_splits or (None, None),
+                (args.no_elide_index_k, not args.no_elide_index_k),
+                strict=True,
+            )
         )
         report["host_tier"] = {
             "host_pool_gib": args.host_pool_gib or None,
@@ -219,27 +233,63 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         weights_d, weights_e = pipe_d.limiting.weight_bytes, pipe_e.limiting.weight_bytes
         print(_plan_table(report, elided, dense, pipe_e, pipe_d, (weights_d, weights_e)))
-        if splits is not None:
-            print(_hisparse_table(*splits, parallel))
+    if splits is not None:
+        print(_hisparse_table(*splits, parallel, (nodes[0][0], nodes[1][0])))
     if tiers is not None:
         print(_host_tier_table(args, parallel, *tiers))
     return 0
 
 
+def _stage_splits(plans: list[Any]) -> tuple[Any, list[Any]]:
+    """Each pipeline stage's HiSparse split with the least stage's device tokens (one
+    scheduler hands out device pages every stage holds: `Engine._least_over_stages`), and
+    that stage's."""
+    from dataclasses import replace
+
+    limiting = min(plans, key=lambda p: p.device_tokens)
+    return limiting, [replace(p, device_tokens=limiting.device_tokens) for p in plans]
+
+
+def _latents_by_rank(splits: Any, parallel: ParallelConfig) -> list[int]:
+    """Each rank's HiSparse host latent (its stage's layers'), none on the TP ranks that
+    map their stage's TP rank 0's (`shares_host_latent`)."""
+    from dsakv.engine.hisparse import writes_host_latent
+
+    tp = parallel.tp
+    return [
+        splits[r // tp].host_bytes if writes_host_latent(parallel, r % tp) else 0
+        for r in range(parallel.world_size)
+    ]
+
+
+def _node_host_latents(splits: Any, parallel: ParallelConfig) -> tuple[int, int]:
+    """The bytes of the host latents the node that holds the most holds, and how many."""
+    from dsakv.memory.capacity import most_per_node
+
+    return most_per_node(_latents_by_rank(splits, parallel), parallel.ranks_per_node)
+
+
+def _stage_hosts(splits: Any) -> dict[str, Any]:
+    """`--json`'s per-stage host latent bytes (a rank's) under --pp-size."""
+    return {"stages_host_bytes": [p.host_bytes for p in splits]} if len(splits) > 1 else {}
+
+
 def _plan_host_tier(
-    args: argparse.Namespace, parallel: ParallelConfig, pipe: Any, split: Any
+    args: argparse.Namespace, parallel: ParallelConfig, pipe: Any, splits: Any, chosen: bool
 ) -> dict[str, Any]:
     """One layout's host tier as the engine sizes it (`Engine._host_tier_pages`): the same
     pages on every rank, of the largest page any stage has, or `--host-pool-ratio` times
-    the pool's pages (logical pages under HiSparse). Each rank's tier holds its stage's
-    cells; under HiSparse the ranks that map rank 0's host latent hold index-K only. The
-    node's host memory is its ranks' tiers and the HiSparse host latents it holds."""
-    from dsakv.engine.hisparse import shares_host_latent
+    the pool's pages (logical pages under HiSparse: `splits`, each stage's). Each rank's
+    tier holds its stage's cells; under HiSparse the ranks that map their stage's TP rank
+    0's host latent hold index-K only. The node's host memory is its ranks' tiers and the
+    HiSparse host latents it holds. A size that holds no page is refused for the layout
+    asked for (`chosen`), as the engine refuses it; the other layout's tier is empty."""
+    from dsakv.engine.hisparse import writes_host_latent
     from dsakv.memory.capacity import HostTierPlan, host_tier_pages, most_per_node
 
     layouts = [s.layout for s in pipe.stages]
     page = layouts[0].page_size
-    pool_tokens = pipe.max_total_num_tokens if split is None else split.logical_tokens
+    pool_tokens = pipe.max_total_num_tokens if splits is None else splits[0].logical_tokens
     try:
         pages = host_tier_pages(
             args.host_pool_gib or 0.0,
@@ -248,24 +298,28 @@ def _plan_host_tier(
             pool_tokens // page,
         )
     except ValueError as e:
-        flag = "--host-pool-gib" if args.host_pool_gib else "--host-pool-ratio"
-        raise DsakvError(f"the host tier ({flag}): {e}") from None
-    shared = split is not None and shares_host_latent(parallel)
+        if chosen:
+            from dsakv.engine.config import HOST_GIB_FLAGS, HOST_RATIO_FLAGS
+
+            flag = HOST_GIB_FLAGS if args.host_pool_gib else HOST_RATIO_FLAGS
+            raise DsakvError(f"the host tier ({flag}): {e}") from None
+        pages = 0
+    tp = parallel.tp
     tiers = [
-        HostTierPlan(layouts[r // parallel.tp], pages, shared and r > 0)
+        HostTierPlan(
+            layouts[r // tp], pages, splits is not None and not writes_host_latent(parallel, r % tp)
+        )
         for r in range(parallel.world_size)
     ]
-    latent = [
-        0 if split is None or (shared and r > 0) else split.host_bytes
-        for r in range(parallel.world_size)
-    ]
+    shared = tiers[-1].index_k_only
+    latent = [0] * len(tiers) if splits is None else _latents_by_rank(splits, parallel)
     node, _ = most_per_node([t.nbytes + h for t, h in zip(tiers, latent)], parallel.ranks_per_node)
     out = {
         "num_pages": pages,
         "tokens": tiers[0].tokens,
         "bytes_per_token": tiers[0].bytes_per_token,
         "bytes_per_rank": tiers[0].nbytes,
-        "index_k_only_bytes_per_rank": tiers[1].nbytes if shared else None,
+        "index_k_only_bytes_per_rank": tiers[1].nbytes if shared else None,  # (tp > 1)
         "host_memory_bytes_per_node": node,
     }
     if parallel.pp > 1:  # (rank 0's figures above are stage 0's)
@@ -283,7 +337,7 @@ def _host_tier_table(
     a tier of a given size holds as many more tokens as a pool does (`--host-pool-gib`),
     and one sized as a ratio of the pool grows with it (`--host-pool-ratio`)."""
     if args.host_pool_gib:
-        size = f"{args.host_pool_gib:,.3g} GiB per rank (--host-pool-gib)"
+        size = f"{args.host_pool_gib:,g} GiB per rank (--host-pool-gib)"
     else:
         size = f"{args.host_pool_ratio:g} × the device pool's pages (--host-pool-ratio)"
     ranks, pp, latent = parallel.world_size, parallel.pp > 1, args.enable_hisparse
@@ -293,7 +347,8 @@ def _host_tier_table(
     ]
     if ranks > 1:
         each = (
-            "rank 0's holds the HiSparse latent the ranks map, the others' index-K only"
+            ("each stage's TP rank 0's" if pp else "rank 0's")
+            + " holds the HiSparse latent the ranks map, the others' index-K only"
             if elided["index_k_only_bytes_per_rank"] is not None
             else "each a tier of its own"
         )
@@ -438,8 +493,9 @@ def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
     return HiSparseConfig.parse(args.hisparse_config, config, drafts)
 
 
-def _hisparse_ranks(parallel: ParallelConfig, host_latents_per_node: int) -> list[str]:
-    """The HiSparse table's line saying its figures are one rank's (none on one rank)."""
+def _hisparse_ranks(parallel: ParallelConfig, shared: bool) -> list[str]:
+    """The HiSparse table's line saying its figures are one rank's (none on one rank);
+    `shared`: a stage's ranks map one host latent."""
     ranks, nodes = parallel.world_size, parallel.nnodes
     if ranks == 1:
         return []
@@ -449,19 +505,22 @@ def _hisparse_ranks(parallel: ParallelConfig, host_latents_per_node: int) -> lis
         if parallel.dp_attention
         else "a replica of the hot buffers"
     )
-    host = (
-        "the ranks map one host latent"
-        if host_latents_per_node == 1
-        else "a host latent of its own"
-    )
-    return [f"per rank ({on}, each with {hot}; {host})"]
+    ranks_of = "each stage's ranks" if parallel.pp > 1 else "the ranks"
+    host = f"{ranks_of} map one host latent" if shared else "a host latent of its own"
+    stage = "; the stage whose budget sets the device tokens" if parallel.pp > 1 else ""
+    return [f"per rank ({on}, each with {hot}; {host}{stage})"]
 
 
-def _hisparse_table(dense: Any, elided: Any, parallel: ParallelConfig) -> str:
-    """The HiSparse split, dense and elided side by side (DESIGN.md §13): one rank's, and
-    with more than one rank the host memory of a node (one rank's too where each rank
-    holds a host latent of its own)."""
-    h, ranks, latents = elided.hisparse, parallel.world_size, elided.host_latents_per_node
+def _hisparse_table(
+    dense: Any, elided: Any, parallel: ParallelConfig, node_bytes: tuple[int, int]
+) -> str:
+    """The HiSparse split, dense and elided side by side (DESIGN.md §13): one rank's (of
+    the stage whose budget sets the device tokens, under --pp-size), and with more than
+    one rank the host memory of a node (`node_bytes`; one rank's too where each rank holds
+    a host latent of its own)."""
+    from dsakv.engine.hisparse import shares_host_latent
+
+    h, ranks, shared = elided.hisparse, parallel.world_size, shares_host_latent(parallel)
     host = "host memory (GiB)" if ranks == 1 else "host memory/node (GiB)"
     rows: list[tuple[str, Any, Any, bool]] = [
         ("device bytes/device token", dense.device_bytes_per_device_token,
@@ -471,11 +530,11 @@ def _hisparse_table(dense: Any, elided: Any, parallel: ParallelConfig) -> str:
         ("host bytes/token", dense.host_bytes_per_token, elided.host_bytes_per_token, False),
         ("device tokens", dense.device_tokens, elided.device_tokens, True),
         ("logical tokens", dense.logical_tokens, elided.logical_tokens, True),
-        (host, dense.host_bytes_per_node / GIB, elided.host_bytes_per_node / GIB, False),
+        (host, node_bytes[0] / GIB, node_bytes[1] / GIB, False),
         ("concurrent hot buffers", dense.concurrent_hot_buffers,
          elided.concurrent_hot_buffers, True),
     ]  # fmt: skip
-    if latents > 1:  # (each rank's own: one rank's, before the node's)
+    if ranks > 1 and not shared:  # (each rank's own: one rank's, before the node's)
         rank = ("host memory/rank (GiB)", dense.host_bytes / GIB, elided.host_bytes / GIB, False)
         rows.insert([r[0] for r in rows].index(host), rank)
     reserved = f": a verify of {h.step_tokens - 1} drafts" if h.step_tokens > 1 else ""
@@ -485,7 +544,7 @@ def _hisparse_table(dense: Any, elided: Any, parallel: ParallelConfig) -> str:
         f"(+{h.step_tokens} reserved{reserved}, rounded up to whole pages: "
         f"{elided.hot_buffer_slots:,} slots per request), "
         f"host:device ratio {h.host_to_device_ratio}",
-        *_hisparse_ranks(parallel, latents),
+        *_hisparse_ranks(parallel, shared),
         "device: latent hot buffers + index-K of every logical token; host: every layer's latent",
         "",
         f"{'':28}{'dense':>16}{'elided':>16}{'gain':>10}",

@@ -35,16 +35,13 @@ def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
     return value
 
 
-def check_runs_with(*, pp: int = 1, chunked_prefill_size: int = 2) -> None:
-    """Refuse what HiSparse does not run with yet, one ConfigError: the engine refuses it,
-    so `dsakv plan` must not plan it either."""
-    refused = (
-        (pp > 1, f"--pp-size {pp}"),
-        (chunked_prefill_size < 2, "--chunked-prefill-size 1 (a 1-token step decodes)"),
-    )
-    for bad, what in refused:
-        if bad:
-            raise ConfigError(f"--enable-hisparse does not run with {what} yet")
+def check_runs_with(*, chunked_prefill_size: int = 2) -> None:
+    """Refuse what HiSparse does not run with yet, one ConfigError."""
+    if chunked_prefill_size < 2:
+        raise ConfigError(
+            "--enable-hisparse does not run with --chunked-prefill-size 1 (a 1-token step "
+            "decodes) yet"
+        )
 
 
 def model_index_topk(model_config: Any) -> int:

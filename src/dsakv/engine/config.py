@@ -24,6 +24,9 @@ from dsakv.memory.storage import StorageConfig
 from dsakv.models.lora import check_fully_sharded, target_suffixes
 
 HOST_SIZED_TWICE = "--host-pool-gib and --host-pool-ratio both size the host tier: give one"
+# The host tier's sizes, each with the spellings that set it (SGLang's fold into these)
+HOST_GIB_FLAGS = "--host-pool-gib, --swap-space or SGLang's --hicache-size"
+HOST_RATIO_FLAGS = "--host-pool-ratio or SGLang's --enable-hierarchical-cache / --hicache-ratio"
 MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
 DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLang's default)
 MAX_DRAFT_STEPS = 16
@@ -483,7 +486,7 @@ class EngineConfig:
             if self.hisparse_config is not None:
                 raise DsakvError("--hisparse-config needs --enable-hisparse")
             return
-        check_runs_with(pp=self.pp, chunked_prefill_size=self.chunked_prefill_size)
+        check_runs_with(chunked_prefill_size=self.chunked_prefill_size)
 
     @property
     def max_drafts(self) -> int:
@@ -497,9 +500,9 @@ class EngineConfig:
         """The flag that sized the host tier, with the spellings that set it (for errors:
         SGLang's fold into these), or None when there is no host tier."""
         if self.host_pool_gib > 0:
-            return "--host-pool-gib, --swap-space or SGLang's --hicache-size"
+            return HOST_GIB_FLAGS
         if self.host_pool_ratio is not None:
-            return "--host-pool-ratio or SGLang's --enable-hierarchical-cache / --hicache-ratio"
+            return HOST_RATIO_FLAGS
         return None
 
     @property

@@ -396,6 +396,8 @@ class DPEngine:
         `gathered_flush`). While paused, queued adds and aborts wait for the step after
         /continue_generation: an add holds nothing on its rank yet (it runs on the new
         weights), an abort's request is one of the paused ones until then."""
+        if self._later:  # (their outcomes come with a step, and none runs while paused)
+            self._on_rank(None, "poll")
         return (not self.paused and self.has_unfinished()) or bool(self._later)
 
     def flush_cache(self) -> bool:

@@ -49,7 +49,7 @@ from .cuda_graph import DecodeGraphs
 from .detokenizer import TokenTexts, chars_per_token
 from .expert_distribution import EXPERT_DISTRIBUTION_CALLS, ExpertDistributionMixin
 from .grammar import GrammarCache
-from .hisparse import HotBuffers, check_host_latent, host_latents_per_node
+from .hisparse import HotBuffers, writes_host_latent
 from .kv_events import KVEventPublisher
 from .l3 import L3Cache, zero_counters
 from .lora import LoraRef, LoraRegistry
@@ -452,15 +452,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         if pages < 1:
             raise DsakvError("the KV budget holds less than one page")
         if self.hisparse is None:
+            self._check_host_memory(pages)
             return pages, None
         logical = pages * self.hisparse.host_to_device_ratio
-        try:
-            check_host_latent(self.layout, logical, host_latents_per_node(self.parallel.config))
-        except ConfigError as e:
-            raise ConfigError(
-                f"{e}: ask for fewer logical tokens (a smaller pool: {POOL_FLAGS}; or a "
-                "smaller host_to_device_ratio in --hisparse-config)"
-            ) from None
+        self._check_host_memory(logical)
         return logical, pages
 
     def _least_over_stages(self, pages: int) -> int:
@@ -471,17 +466,48 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             return pages
         return min(self.parallel.all_gather_objects(pages))
 
-    def _host_tier_pages(self) -> int:
-        """The host tier's pages (`host_tier_pages`; 0: none): under `--host-pool-gib` of
-        the largest page any pipeline stage has (each stage's layout has its own bytes per
-        page; rank 0's journal moves pages every stage holds), so every rank the same count."""
+    def _host_tier_pages(self, pool_pages: int) -> int:
+        """The host tier's pages (`host_tier_pages`; 0: none) beside a pool of `pool_pages`:
+        under `--host-pool-gib` of the largest page any pipeline stage has (each stage's
+        layout has its own bytes per page; rank 0's journal moves pages every stage holds),
+        so every rank the same count."""
         size = self.layout.bytes_per_page
         if self.parallel.pp_size > 1:
             size = max(self.parallel.all_gather_objects(size))
         config = self.config
-        return host_tier_pages(
-            config.host_pool_gib, config.host_pool_ratio, size, self.pool.num_pages
-        )
+        try:
+            return host_tier_pages(config.host_pool_gib, config.host_pool_ratio, size, pool_pages)
+        except ValueError as e:
+            raise DsakvError(f"the host tier ({config.host_tier_flag}): {e}") from None
+
+    def _check_host_memory(self, pool_pages: int) -> None:
+        """Refuse the host tiers and HiSparse host latents (`pool_pages` logical pages) of a
+        node past its memory, all together, as soon as the pool's size is known (before the
+        weights load, where it can; each alone is checked again where it is allocated):
+        every rank's bytes gathered (a stage's TP ranks on one machine map one host
+        latent), and every rank refuses alike, from the node that holds the most."""
+        tier_flag, hisparse = self.config.host_tier_flag, self.hisparse is not None
+        if tier_flag is None and not hisparse:
+            return
+        latent = hisparse and writes_host_latent(self.parallel.config, self.parallel.tp_rank)
+        tier = HostTierPlan(self.layout, self._host_tier_pages(pool_pages), hisparse and not latent)
+        mine = tier.nbytes
+        if latent:
+            mine += pool_pages * self.layout.page_size * self.layout.latent_bytes_per_token
+        per_rank = self.parallel.all_gather_objects(mine)
+        need, ranks = most_per_node(per_rank, self.parallel.config.ranks_per_node)
+        what = [tier_flag and "host KV tier", hisparse and "HiSparse host latent"]
+        asks = [
+            tier_flag and f"a smaller host tier ({tier_flag})",
+            hisparse
+            and f"fewer logical tokens (a smaller pool: {POOL_FLAGS}; or a smaller "
+            "host_to_device_ratio in --hisparse-config)",
+        ]
+        on_node = f" ({ranks} ranks' on a node)" if ranks > 1 else ""
+        try:
+            check_fits(need, torch.device("cpu"), " and ".join(filter(None, what)) + on_node)
+        except ConfigError as e:
+            raise ConfigError(f"{e}: ask for {', or '.join(filter(None, asks))}") from None
 
     def _kv_budget_gib(self) -> float:
         """`kv_budget_gib` (default 1), or under `mem_fraction_static` what the GPU keeps for
@@ -548,34 +574,21 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             hot = HotBuffers(
                 self.hisparse, self.pool, self.plan, self.backend, self.device, self.parallel
             )
-        host, flag = None, config.host_tier_flag
-        try:
-            pages = self._host_tier_pages()
-            if pages:  # (a TP rank that maps rank 0's host latent keeps index-K only there)
-                tier = HostTierPlan(self.layout, pages, hot is not None and not hot.writes_host)
-                self._check_host_memory(tier, hot)
-                host = HostPool(self.pool, pages, index_k_only=tier.index_k_only)
-        except ConfigError as e:  # (too little memory for it)
-            raise ConfigError(f"{e}: ask for a smaller host tier ({flag})") from None
-        except ValueError as e:  # (a tier of no page)
-            raise DsakvError(f"the host tier ({flag}): {e}") from None
+        host, pages = None, self._host_tier_pages(self.pool.num_pages)
+        if pages:  # (a TP rank that maps its stage's host latent keeps index-K only there)
+            try:
+                host = HostPool(
+                    self.pool, pages, index_k_only=hot is not None and not hot.writes_host
+                )
+            except ConfigError as e:  # (too little memory for it)
+                raise ConfigError(
+                    f"{e}: ask for a smaller host tier ({config.host_tier_flag})"
+                ) from None
         l3 = None
         if config.storage is not None:
             namespace = storage_namespace(self.layout, self.model_identity, self.compute)
             l3 = L3Cache.create(config.storage, self.pool, host, namespace)
         return host, hot, l3
-
-    def _check_host_memory(self, tier: HostTierPlan, hot: HotBuffers | None) -> None:
-        """Refuse the host tiers and HiSparse host latents of a node past its memory, all
-        together (each alone is checked where it is allocated): every rank's bytes gathered,
-        and every rank refuses alike, from the node that holds the most."""
-        latent = hot.host_nbytes if hot is not None and hot.writes_host else 0
-        per_rank = self.parallel.all_gather_objects(tier.nbytes + latent)
-        need, ranks = most_per_node(per_rank, self.parallel.config.ranks_per_node)
-        what = "host KV tier" + (" and HiSparse host latent" if hot is not None else "")
-        check_fits(
-            need, torch.device("cpu"), what + (f" ({ranks} ranks' on a node)" if ranks > 1 else "")
-        )
 
     def _log_startup(self) -> None:
         config = self.config
@@ -1744,15 +1757,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self.allocator.check()
         if self.hot is not None:
             self.hot.check(idle=not self.has_unfinished())
-            if self.runner.leader is not None:  # (TP: every rank's replica is rank 0's)
-                states = self._on_every_rank("hisparse_replicas")
-                for rank, state in enumerate(states):
-                    differ = [k for k, v in state.items() if v != states[0][k]]
-                    if differ:
-                        raise AssertionError(
-                            f"rank {rank}'s HiSparse replica differs from rank 0's: "
-                            f"{', '.join(differ)}"
-                        )
+            if self.runner.leader is not None:  # (every rank's replica is rank 0's)
+                self._check_replicas(self._on_every_rank("hisparse_replicas"))
         if not self.has_unfinished():
             total = self.allocator.num_free_pages + self.cache.num_device_pages
             if len(self.scheduler.req_to_token):
@@ -1788,6 +1794,19 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         """This rank's `flush_cache`, every rank's outcome all-gathered (DP attention's
         /flush_cache: each rank drops its own prefix cache)."""
         return self.parallel.all_gather_objects(self.flush_cache())
+
+    @staticmethod
+    def _check_replicas(states: list[dict[str, object]]) -> None:
+        """Every rank's HiSparse state as the first rank's that holds the same part (an
+        IndexShare group's: the ranks of the stages that hold a layer of it)."""
+        first: dict[str, tuple[int, object]] = {}
+        for rank, state in enumerate(states):
+            for key, value in state.items():
+                holder, want = first.setdefault(key, (rank, value))
+                if value != want:
+                    raise AssertionError(
+                        f"rank {rank}'s HiSparse replica differs from rank {holder}'s: {key}"
+                    )
 
     def hisparse_replicas(self) -> list[dict[str, object]] | None:
         """Every rank's `HotBuffers.replica_state()`, on rank 0 (an every-rank call)."""

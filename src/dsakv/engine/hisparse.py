@@ -35,6 +35,13 @@ and hot buffers of its own. The host latent is the same on every rank, so on one
 the ranks map one (`machine_shared_empty`) and only rank 0 writes it (`end_step`; the
 others read those rows in later steps, after the message that follows the write); across
 machines each rank holds and writes its own.
+Under pipeline parallelism each stage's hot buffers hold its own layers: their device and
+host latent rows, and the state of each IndexShare group it holds a layer of (a stage's TP
+ranks map one host latent, its layers'). A group whose full layer is an earlier stage's
+gets that top-k with the hidden states (`dsakv.models.stages`) and the stage resolves it
+against its own replica of the group's state: the same top-k against the same state, so
+the replicas stay the same. Every stage takes every step, the MTP layer's too, so the
+step clock and request state are every rank's.
 Rank 0's admissions and releases go into `journal`, which the other ranks replay before
 the step that follows them; each rank then runs `begin_step`, the resolves of its own
 layers and `end_step` over the same step (`ModelRunner`). Rank 0's counters are the
@@ -71,27 +78,27 @@ from .request import Request
 
 
 def shares_host_latent(parallel: ParallelConfig) -> bool:
-    """Whether the ranks map one host latent (`machine_shared_empty`): under TP (and EP) on
-    one machine, where every rank's latent is a replica of rank 0's. Across machines, or
-    under DP attention (each rank's own requests'), each rank holds its own, as every rank
-    does under SGLang's per-rank host pools."""
-    return parallel.world_size > 1 and parallel.nnodes == 1 and not parallel.dp_attention
+    """Whether a pipeline stage's TP ranks map one host latent (`machine_shared_empty`):
+    under TP (and EP) on one machine, where every rank's latent is a replica of its stage's
+    TP rank 0's. Across machines, or under DP attention (each rank's own requests'), each
+    rank holds its own, as every rank does under SGLang's per-rank host pools."""
+    return parallel.tp > 1 and parallel.nnodes == 1 and not parallel.dp_attention
 
 
-def host_latents_per_node(parallel: ParallelConfig) -> int:
-    """The host latents one node holds."""
-    return 1 if shares_host_latent(parallel) else parallel.ranks_per_node
+def writes_host_latent(parallel: ParallelConfig, tp_rank: int) -> bool:
+    """Whether the rank of TP rank `tp_rank` in its stage holds and writes a host latent:
+    one of its own, or as its stage's TP rank 0 the one that stage's ranks map
+    (`shares_host_latent`; the others' host tiers then hold index-K only)."""
+    return not shares_host_latent(parallel) or tp_rank == 0
 
 
-def check_host_latent(layout: CacheLayout, num_pages: int, copies: int = 1) -> str:
-    """Refuse `copies` host latents of `num_pages` logical pages each (every layer's latent
-    row of each of their tokens) past the machine's memory, as the pool and host tier are
-    refused (`check_fits`): the engine asks as soon as the pool's size is known, before the
-    weights load where it can, with the host latents this node holds
-    (`host_latents_per_node`). Returns how a failed allocation's error begins."""
+def check_host_latent(layout: CacheLayout, num_pages: int) -> str:
+    """Refuse a host latent of `num_pages` logical pages (every held layer's latent row of
+    each of their tokens) past the machine's memory, as the pool and host tier are refused
+    (`check_fits`; the engine has checked a node's host latents and tiers together,
+    `Engine._check_host_memory`). Returns how a failed allocation's error begins."""
     need = num_pages * layout.page_size * layout.latent_bytes_per_token
-    what = "HiSparse host latent" + (f" ({copies} ranks' on this node)" if copies > 1 else "")
-    return check_fits(need * copies, torch.device("cpu"), what)
+    return check_fits(need, torch.device("cpu"), "HiSparse host latent")
 
 
 @dataclass
@@ -167,26 +174,33 @@ class HotBuffers:
         config.check_pool(pool.latent_pages, ps)
         self.buffer_pages = config.buffer_pages(ps)
         self.allocator = PageAllocator(pool.latent_pages, ps)
-        # Target layers, then the MTP layer (its own group: it runs its own indexer), whose
-        # forwards are steps of their own (`begin_step(draft=True)`).
-        layers = range(plan.num_total_layers)
-        self.target_layers, self.draft_layers = layers[: plan.num_layers], layers[plan.num_layers :]
-        self.groups = {f: [i for i in layers if plan.topk_source(i) == f] for f in layers}
-        self.groups = {f: g for f, g in self.groups.items() if g}
+        # The layers this rank's pool holds (its pipeline stage's): target layers, then the
+        # MTP layer (its own group: it runs its own indexer), whose forwards are steps of
+        # their own (`begin_step(draft=True)`). A group is keyed by its full layer, which
+        # may be an earlier stage's: then the top-k arrives with the hidden states and this
+        # stage resolves it against its own replica of the group's state.
+        layers = pool.layout.held_layers
+        self.target_layers = tuple(i for i in layers if i < plan.num_layers)
+        self.draft_layers = tuple(i for i in layers if i >= plan.num_layers)
+        groups = {
+            f: [i for i in layers if plan.topk_source(i) == f] for f in range(plan.num_total_layers)
+        }
+        self.groups = {f: g for f, g in groups.items() if g}
         self._group = {f: i for i, f in enumerate(self.groups)}
         # Requests whose release waits for the draft layer's catch-up over their last step
         # (`defer_free`)
         self.deferred: set[int] = set()
-        self.device_rows = [pool.latent_data(i).view(torch.uint8) for i in layers]
-        width = self.device_rows[0].shape[1]
-        # Under TP on one machine every rank's latent is a replica: the ranks map one host
-        # latent, which rank 0 writes (`writes_host`); else each rank holds its own.
+        # (by layer index; the host rows too)
+        self.device_rows = {i: pool.latent_data(i).view(torch.uint8) for i in layers}
+        width = self.device_rows[layers[0]].shape[1]
+        # Under TP on one machine every rank's latent is a replica: a stage's ranks map one
+        # host latent, which its TP rank 0 writes (`writes_host`); else each holds its own.
         self.shared_host = shared = shares_host_latent(parallel.config)
-        self.writes_host = not shared or parallel.rank == 0
+        self.writes_host = writes_host_latent(parallel.config, parallel.tp_rank)
         shape = (len(layers), pool.num_tokens, width)
         # (held: the page lock lasts as long as this tensor object, not its views)
         self._host_block = self._host_latent(pool, shape, device, parallel, shared)
-        self.host = list(self._host_block.view(shape).unbind(0))
+        self.host = dict(zip(layers, self._host_block.view(shape).unbind(0), strict=True))
         # token and page moves (host tier, L3, KV transfer) read and write the latent here
         pool.attach_host_latent(self.host, writes=self.writes_host)
         rows = max(1, pool.latent_pages // self.buffer_pages)
@@ -234,12 +248,17 @@ class HotBuffers:
 
     @property
     def host_nbytes(self) -> int:
-        return sum(h.numel() for h in self.host)
+        return sum(h.numel() for h in self.host.values())
 
     @property
     def row_bytes(self) -> int:
         """One token's latent in one layer, as stored."""
-        return self.host[0].shape[1]
+        return next(iter(self.host.values())).shape[1]
+
+    def _copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Host rows `src` into device latent slots `dst`, in every layer held."""
+        self.backend.hot_copy(list(self.host.values()), list(self.device_rows.values()), src, dst)
+        self.stats.rows_to_device += src.numel() * len(self.host)
 
     @property
     def num_latent_tokens_used(self) -> int:
@@ -382,9 +401,7 @@ class HotBuffers:
         n = 0 if op.hit_slots is None else op.hit_slots.numel()
         if n:
             dst = page_slots(hot.pages, self.page_size)[:n].to(self.device)
-            src = op.hit_slots.to(self.device)
-            self.backend.hot_copy(self.host, self.device_rows, src, dst)
-            self.stats.rows_to_device += n * len(self.host)
+            self._copy_in(op.hit_slots.to(self.device), dst)
 
     def _free(self, rid: int) -> None:
         hot = self._reqs.pop(rid)
@@ -410,9 +427,11 @@ class HotBuffers:
             raise AssertionError(f"idle engine still holds hot buffers for {sorted(self._reqs)}")
 
     def replica_state(self) -> dict[str, object]:
-        """What every TP rank's replica must agree on (`Engine.check_integrity` compares
-        them), by name: each request's device pages and state row, the free rows, the step
-        clock, the free pages and checksums of the buffers' positions, recency and slots."""
+        """What every rank's replica must agree on (`Engine.check_integrity` compares them),
+        by name: each request's device pages and state row, the free rows, the step clock,
+        the free pages, checksums of the slots and, per IndexShare group (by its full
+        layer: the ranks of the stages that hold a layer of it), of its buffers' positions
+        and recency."""
         state: dict[str, object] = {
             "requests' pages and rows": sorted(
                 (rid, tuple(h.pages), h.row, h.on_host) for rid, h in self._reqs.items()
@@ -421,8 +440,15 @@ class HotBuffers:
             "step clock": self._clock,
             "free device pages": self.allocator.num_free_pages,
         }
-        for name in ("buf_pos", "stamp", "buf_slot", "reserved"):
-            state[f"{name} checksum"] = zlib.crc32(getattr(self, name).cpu().numpy().tobytes())
+
+        def crc(t: torch.Tensor) -> int:
+            return zlib.crc32(t.cpu().numpy().tobytes())
+
+        for name in ("buf_slot", "reserved"):
+            state[f"{name} checksum"] = crc(getattr(self, name))
+        for f, g in self._group.items():
+            state[f"group {f} buf_pos checksum"] = crc(self.buf_pos[g])
+            state[f"group {f} stamp checksum"] = crc(self.stamp[g])
         return state
 
     # --- the step --------------------------------------------------------------------------
@@ -474,17 +500,19 @@ class HotBuffers:
         ).to(self.device)
         return step
 
-    def layers_of(self, step: HotStep) -> range:
-        """The layers a step runs: the target's, or the MTP layer's (a draft step)."""
+    def layers_of(self, step: HotStep) -> tuple[int, ...]:
+        """The layers a step runs here: the target's, or the MTP layer's (a draft step)."""
         return self.draft_layers if step.draft else self.target_layers
 
     def end_step(self, step: HotStep) -> None:
         """Every token this step computed goes to the host, in every layer the step ran: the
         newest ones' slots are overwritten next step, and evicted or prefix-hit rows are read
         from there."""
-        if not self.writes_host or not step.entries:  # (rank 0 writes the one they share)
+        layers = self.layers_of(step)
+        # (TP rank 0 writes the one a stage shares; a stage before the last runs no draft)
+        if not self.writes_host or not step.entries or not layers:
             return
-        src, dst, layers = step.out_slots, step.logical_out.cpu(), self.layers_of(step)
+        src, dst = step.out_slots, step.logical_out.cpu()
         rows = torch.stack([self.device_rows[i].index_select(0, src) for i in layers]).cpu()
         for i, r in zip(layers, rows, strict=True):  # one device -> host copy above
             self.host[i].index_copy_(0, dst, r)
@@ -507,9 +535,7 @@ class HotBuffers:
         self.reserved[r] = lat[self.size : self.size + self.step_tokens]
         if hot.on_host:
             n = min(computed, self.size)
-            src = logical[:n].to(self.device)
-            self.backend.hot_copy(self.host, self.device_rows, src, lat[:n])
-            self.stats.rows_to_device += n * len(self.host)
+            self._copy_in(logical[:n].to(self.device), lat[:n])
             hot.on_host = False
         at = torch.tensor([computed], device=self.device)
         self.buf_pos[:, r], self.stamp[:, r] = init_buffers(at, self.size)
@@ -597,9 +623,12 @@ class HotStep:
         slot, reserved = hb.buf_slot.index_select(0, r), hb.reserved.index_select(0, r)
         counts = torch.tensor(self.counts, dtype=torch.long, device=hb.device)
         ran = hb.layers_of(self)
-        groups = [g for f, g in hb._group.items() if f in ran]
+        groups = [g for f, g in hb._group.items() if hb.groups[f][0] in ran]
         new = [torch.where(j < counts, self.first_pos + j, -1) for j in range(self.width)]
-        cols = []
+        # (the slots are the same whatever a group's state: a stage that holds none of the
+        # step's layers, a draft step's before the last stage, binds them alike)
+        scratch = torch.full_like(slot, -1, dtype=hb.buf_pos.dtype)
+        cols = [bind_newest(scratch.clone(), slot, at, reserved[:, j]) for j, at in enumerate(new)]
         for g in groups:
             pos = hb.buf_pos[g].index_select(0, r)
             if self.draft:
@@ -611,6 +640,11 @@ class HotStep:
             hb.buf_pos[g].index_copy_(0, r, pos)
         self.new_slots = torch.stack(cols, 1)
         return self.new_slots
+
+    def holds(self, layer: int) -> bool:
+        """Whether this rank holds a layer of full layer `layer`'s IndexShare group (its
+        pipeline stage's layers): only then does it `resolve` that top-k."""
+        return layer in self.hb._group
 
     def resolve(
         self, layer: int, positions: torch.Tensor, valid: torch.Tensor, table: torch.Tensor

@@ -185,7 +185,7 @@ class ModelRunner:
         # machine they map rank 0's (each layer's, host memory to host memory).
         if latent_slots is None or self.hot.shared_host:
             return
-        for host in self.hot.host:
+        for host in self.hot.host.values():
             self.parallel.broadcast_rows(
                 latent_slots.numel(),
                 host.shape[1],
@@ -285,9 +285,10 @@ class ModelRunner:
     def _forward_draft(
         self, new_tokens, slots, source: str, rows: torch.Tensor, entries=None
     ) -> torch.Tensor | None:
+        # (every stage's hot buffers take the step: their state stays the last stage's)
+        hot = None if entries is None else self.hot.begin_step(entries, slots, draft=True)
         if not self.model.model.parts.is_last:  # (the MTP layer is the last stage's)
             return None
-        hot = None if entries is None else self.hot.begin_step(entries, slots, draft=True)
         fb = ForwardBatch.from_requests(new_tokens, slots, device=self.device, hot=hot)
         with torch.inference_mode():
             h = self.last[source][rows.to(self.device)]

@@ -537,10 +537,9 @@ class HiSparsePlan:
     device slot, per-request LRU) are small and not counted, like `req_to_token`.
 
     Every figure is one rank's: each rank holds hot buffers (under TP a replica of rank
-    0's, under DP attention its own requests'). A node holds `host_latents_per_node` host
-    latents: one its ranks map together under TP (every rank's is a replica), one per rank
-    under DP attention (as SGLang's per-rank host pools); the engine's `check_host_latent`
-    counts them so.
+    0's, under DP attention its own requests'). What a node's host memory holds (a host
+    latent its ranks map together under TP, one a rank under DP attention) is
+    `dsakv plan`'s and the engine's (`Engine._check_host_memory`) to count.
     """
 
     layout: CacheLayout
@@ -548,7 +547,6 @@ class HiSparsePlan:
     kv_budget_bytes: int
     weight_bytes: int | None
     device_tokens: int  # device latent slots, page-aligned
-    host_latents_per_node: int = 1  # (`dsakv.engine.hisparse.host_latents_per_node`)
 
     @property
     def ratio(self) -> int:
@@ -589,11 +587,6 @@ class HiSparsePlan:
         return self.logical_tokens * self.host_bytes_per_token
 
     @property
-    def host_bytes_per_node(self) -> int:
-        """Host memory one node needs, for the host latents it holds."""
-        return self.host_bytes * self.host_latents_per_node
-
-    @property
     def device_kv_bytes(self) -> int:
         """Device bytes the pool uses (at most the budget)."""
         return self.device_tokens * self.device_bytes_per_device_token
@@ -625,32 +618,23 @@ class HiSparsePlan:
             "device_tokens": self.device_tokens,
             "logical_tokens": self.logical_tokens,
             "host_bytes": self.host_bytes,
-            "host_latents_per_node": self.host_latents_per_node,
-            "host_bytes_per_node": self.host_bytes_per_node,
             "hot_buffer_slots": self.hot_buffer_slots,
             "concurrent_hot_buffers": self.concurrent_hot_buffers,
             "index_k_share": self.index_k_share,
         }
 
 
-def plan_hisparse(
-    layout: CacheLayout,
-    hisparse: HiSparseConfig,
-    *,
-    host_latents_per_node: int = 1,
-    **budget: Any,
-) -> HiSparsePlan:
+def plan_hisparse(layout: CacheLayout, hisparse: HiSparseConfig, **budget: Any) -> HiSparsePlan:
     """Device tokens = `floor(budget / (L·latent + N·index_k·r) / page_size) × page_size`.
 
     `budget` takes the keywords of `kv_budget_bytes` (one rank's device KV budget: its
-    `tp`, `ep` and `dp_attention` price the weights per rank); `host_latents_per_node` the
-    host latents a node's memory holds.
+    `tp`, `ep` and `dp_attention` price the weights per rank).
     """
     budget_bytes, weight_bytes = kv_budget_bytes(layout, **budget)
-    empty = HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, 0, host_latents_per_node)
+    empty = HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, 0)
     cell = empty.device_bytes_per_device_token
     tokens = _page_aligned_tokens(budget_bytes, cell, layout.page_size)
-    return HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, tokens, host_latents_per_node)
+    return HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, tokens)
 
 
 def host_pages(gib: float, bytes_per_page: int) -> int:

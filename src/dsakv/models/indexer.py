@@ -209,8 +209,9 @@ def step_selection(
 
 def _on_device(layer: int, batch: ForwardBatch, sel: Selection | None) -> Selection | None:
     """Under HiSparse, the decode selection's slots are device latent slots: the hot buffers
-    resolve it (once for this layer and every shared layer reusing it)."""
-    if sel is None or batch.hot is None:
+    resolve it (once for this layer and every shared layer reusing it), where this rank's
+    pipeline stage holds one of those layers (else it only passes the top-k on)."""
+    if sel is None or batch.hot is None or not batch.hot.holds(layer):
         return sel
     slots = batch.hot.resolve(layer, sel.positions, sel.valid, batch.decode_ctx[0])
     return Selection(sel.positions, sel.valid, slots)
