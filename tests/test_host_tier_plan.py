@@ -160,8 +160,8 @@ def test_the_plan_is_the_tier_the_engine_builds(glm_tiny, flags, kw, capsys):
 
 
 def test_the_engine_refuses_a_tier_and_host_latent_that_fit_only_apart(glm_tiny, monkeypatch):
-    """Each alone fits the machine's memory and is allocated; together they do not: one
-    error before the tier is allocated, naming both and the flag that sized the tier."""
+    """Each alone fits the machine's memory; together they do not: one error before
+    either is allocated, naming both, the flag that sized the tier and what else to ask."""
     import dsakv.memory.pool as pool
 
     layout = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 8)
@@ -175,6 +175,22 @@ def test_the_engine_refuses_a_tier_and_host_latent_that_fit_only_apart(glm_tiny,
     msg = str(e.value)
     assert f"cannot allocate {(latent + tier) / GIB:.2f} GiB of host KV tier and HiSparse" in msg
     assert "ask for a smaller host tier (--host-pool-ratio" in msg
+    assert ", or fewer logical tokens (a smaller pool" in msg
+
+
+def test_every_rank_refuses_from_each_nodes_own_memory(glm_tiny, monkeypatch):
+    """A rank whose machine has room still refuses where another node's has none (the
+    ranks gather each one's bytes and memory): no rank goes on to wait for the others."""
+    from dsakv.distributed import ParallelConfig, ParallelState
+
+    layout = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 8)
+    tier = 40 * 8 * layout.bytes_per_token
+    small = [(tier, tier * 100), (tier, tier // 2)]  # (node 0 roomy, node 1 not)
+    monkeypatch.setattr(ParallelState, "all_gather_objects", lambda self, obj: small)
+    monkeypatch.setattr(ParallelConfig, "ranks_per_node", property(lambda self: 1))
+    config = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", page_size=8, device="cpu")
+    with pytest.raises(ConfigError, match=r"GiB of host KV tier on the host, which has"):
+        Engine(EngineConfig(model=glm_tiny, **config, num_pages=20, host_pool_ratio=2))
 
 
 def test_a_node_counts_every_ranks_tier_before_the_weights_load(glm_tiny, monkeypatch):

@@ -264,9 +264,9 @@ def _latents_by_rank(splits: Any, parallel: ParallelConfig) -> list[int]:
 
 def _node_host_latents(splits: Any, parallel: ParallelConfig) -> tuple[int, int]:
     """The bytes of the host latents the node that holds the most holds, and how many."""
-    from dsakv.memory.capacity import most_per_node
+    from dsakv.memory.capacity import node_sums
 
-    return most_per_node(_latents_by_rank(splits, parallel), parallel.ranks_per_node)
+    return max(node_sums(_latents_by_rank(splits, parallel), parallel.ranks_per_node))
 
 
 def _stage_hosts(splits: Any) -> dict[str, Any]:
@@ -285,7 +285,7 @@ def _plan_host_tier(
     HiSparse host latents it holds. A size that holds no page is refused for the layout
     asked for (`chosen`), as the engine refuses it; the other layout's tier is empty."""
     from dsakv.engine.hisparse import writes_host_latent
-    from dsakv.memory.capacity import HostTierPlan, host_tier_pages, most_per_node
+    from dsakv.memory.capacity import HostTierPlan, host_tier_pages, node_sums
 
     layouts = [s.layout for s in pipe.stages]
     page = layouts[0].page_size
@@ -313,7 +313,7 @@ def _plan_host_tier(
     ]
     shared = tiers[-1].index_k_only
     latent = [0] * len(tiers) if splits is None else _latents_by_rank(splits, parallel)
-    node, _ = most_per_node([t.nbytes + h for t, h in zip(tiers, latent)], parallel.ranks_per_node)
+    node, _ = max(node_sums([t.nbytes + h for t, h in zip(tiers, latent)], parallel.ranks_per_node))
     out = {
         "num_pages": pages,
         "tokens": tiers[0].tokens,

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+import dsakv.memory.pool as pools
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig
 from dsakv.config.checkpoint import model_identity
 from dsakv.distributed import weight_sync
@@ -35,7 +36,7 @@ from dsakv.memory.capacity import (
     GIB,
     HostTierPlan,
     host_tier_pages,
-    most_per_node,
+    node_sums,
     stage_kv_budget_bytes,
 )
 from dsakv.memory.host import HostPool
@@ -484,8 +485,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         """Refuse the host tiers and HiSparse host latents (`pool_pages` logical pages) of a
         node past its memory, all together, as soon as the pool's size is known (before the
         weights load, where it can; each alone is checked again where it is allocated):
-        every rank's bytes gathered (a stage's TP ranks on one machine map one host
-        latent), and every rank refuses alike, from the node that holds the most."""
+        every rank's bytes and its machine's memory gathered (a stage's TP ranks on one
+        machine map one host latent), so every rank refuses alike, naming the node."""
         tier_flag, hisparse = self.config.host_tier_flag, self.hisparse is not None
         if tier_flag is None and not hisparse:
             return
@@ -494,20 +495,28 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         mine = tier.nbytes
         if latent:
             mine += pool_pages * self.layout.page_size * self.layout.latent_bytes_per_token
-        per_rank = self.parallel.all_gather_objects(mine)
-        need, ranks = most_per_node(per_rank, self.parallel.config.ranks_per_node)
-        what = [tier_flag and "host KV tier", hisparse and "HiSparse host latent"]
+        cpu = torch.device("cpu")
+        gathered = self.parallel.all_gather_objects((mine, pools.memory_bytes(cpu)))
+        pc = self.parallel.config
+        what = " and ".join(
+            filter(None, [tier_flag and "host KV tier", hisparse and "HiSparse host latent"])
+        )
         asks = [
             tier_flag and f"a smaller host tier ({tier_flag})",
             hisparse
             and f"fewer logical tokens (a smaller pool: {POOL_FLAGS}; or a smaller "
             "host_to_device_ratio in --hisparse-config)",
         ]
-        on_node = f" ({ranks} ranks' on a node)" if ranks > 1 else ""
-        try:
-            check_fits(need, torch.device("cpu"), " and ".join(filter(None, what)) + on_node)
-        except ConfigError as e:
-            raise ConfigError(f"{e}: ask for {', or '.join(filter(None, asks))}") from None
+        sums = node_sums([b for b, _ in gathered], pc.ranks_per_node)
+        for node, (need, ranks) in enumerate(sums):  # (each node's own memory)
+            where = "a node" if pc.nnodes == 1 else f"node {node}"
+            on_node = f" ({ranks} ranks' on {where})" if ranks > 1 else ""
+            on_node = on_node or (f" (on {where})" if pc.nnodes > 1 else "")
+            have = gathered[node * pc.ranks_per_node][1]
+            try:
+                check_fits(need, cpu, what + on_node, have=have)
+            except ConfigError as e:
+                raise ConfigError(f"{e}: ask for {', or '.join(filter(None, asks))}") from None
 
     def _kv_budget_gib(self) -> float:
         """`kv_budget_gib` (default 1), or under `mem_fraction_static` what the GPU keeps for

@@ -686,9 +686,8 @@ class HostTierPlan:
         return self.tokens * self.bytes_per_token
 
 
-def most_per_node(rank_bytes: Sequence[int], ranks_per_node: int) -> tuple[int, int]:
-    """The most host memory any node holds of the ranks' `rank_bytes` (ranks numbered
-    node-major, `ranks_per_node` a node), and how many of that node's ranks hold some."""
+def node_sums(rank_bytes: Sequence[int], ranks_per_node: int) -> list[tuple[int, int]]:
+    """Each node's host memory of the ranks' `rank_bytes` (ranks numbered node-major,
+    `ranks_per_node` a node), and how many of its ranks hold some."""
     nodes = [rank_bytes[i : i + ranks_per_node] for i in range(0, len(rank_bytes), ranks_per_node)]
-    node = max(nodes, key=sum)
-    return sum(node), sum(b > 0 for b in node)
+    return [(sum(node), sum(b > 0 for b in node)) for node in nodes]

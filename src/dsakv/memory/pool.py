@@ -100,13 +100,14 @@ def memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_fits(need: int, device: torch.device, what: str) -> str:
-    """Refuse `need` bytes of `what` past all the memory `device` has (`memory_bytes`), one
-    ConfigError before torch is asked (past int64 too: torch would overflow). Returns how
-    an allocation that fails anyway begins its error ("cannot allocate ...")."""
+def check_fits(need: int, device: torch.device, what: str, have: int | None = None) -> str:
+    """Refuse `need` bytes of `what` past all the memory `device` has (`memory_bytes`, or
+    `have`: another machine's), one ConfigError before torch is asked (past int64 too:
+    torch would overflow). Returns how an allocation that fails anyway begins its error
+    ("cannot allocate ...")."""
     where = "host" if device.type == "cpu" else str(device)
     cannot = f"cannot allocate {need / 2**30:.2f} GiB of {what} on the {where}"
-    have = memory_bytes(device)
+    have = memory_bytes(device) if have is None else have
     if have is not None and need > have:
         raise ConfigError(f"{cannot}, which has {have / 2**30:.2f} GiB in all")
     return cannot
