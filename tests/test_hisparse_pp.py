@@ -103,11 +103,32 @@ def test_mtp_and_the_host_tier_across_stages(glm_tiny, roomy, variant):
     assert c2[counted] > 0
 
 
-def test_tp2_by_pp2_maps_one_host_latent_a_stage(glm_tiny, one_stage):
-    """Four ranks: each stage's TP ranks map their stage's host latent (its layers), which
-    its TP rank 0 writes; tokens and logprobs are one rank's."""
-    got, _ = _run(glm_tiny, **HS, tp=2, pp=2, pp_layer_partition="3,5")
-    assert [t for t, _ in got] == [t for t, _ in one_stage[0]]
+def _one_at_a_time(model: str, **kw) -> list:
+    """Each request alone, twice over: the second round's prefixes come back from the
+    host tier (promoted pages); tokens and logprobs."""
+    with LLM(model, **EXACT, **kw) as llm:
+        e, out = llm.engine, []
+        for _ in range(2):
+            for p in _prompts()[2:]:
+                r = e.add_request(p, PARAMS)
+                while e.has_unfinished():
+                    e.step()
+                out.append((r.output_ids, r.logprobs))
+        e.check_integrity()
+        assert e.counters()["prefix_pages_promoted"] > 0
+        return out
+
+
+def test_tp2_by_pp2_reads_the_host_rows_its_stage_wrote(glm_tiny):
+    """Four ranks, a host tier: each stage's TP ranks map their stage's host latent (its
+    layers), which its TP rank 0 writes as it replays host-tier loads and after each step;
+    the others read it only after it has (wrong logprobs and tokens from a promoted
+    prefix, before). Tokens and logprobs are the two TP ranks' of one stage."""
+    kw = dict(HS, num_pages=20, tp=2, host_pool_ratio=4)
+    kw["hisparse_config"] = {"host_to_device_ratio": 2}
+    assert _one_at_a_time(glm_tiny, **kw, pp=2, pp_layer_partition="3,5") == _one_at_a_time(
+        glm_tiny, **kw
+    )
 
 
 def test_a_stage_holds_its_groups_and_a_differing_replica_is_caught(glm_tiny):
@@ -143,8 +164,8 @@ def test_the_plan_is_the_stages_pool(glm_tiny, capsys):
     flags += ["--pp-layer-partition", "3,5", "--hisparse-config", '{"host_to_device_ratio": 8}']
     assert main(["plan", glm_tiny, *flags, "--json"]) == 0
     split = json.loads(capsys.readouterr().out)["hisparse"]["elided"]
-    hs = dict(HS, num_pages=None)
-    with LLM(glm_tiny, **EXACT, **hs, kv_budget_gib=float(budget), pp=2, pp_layer_partition="3,5") as llm:  # fmt: skip
+    hs = dict(HS, num_pages=None, kv_budget_gib=float(budget))
+    with LLM(glm_tiny, **EXACT, **hs, pp=2, pp_layer_partition="3,5") as llm:
         e = llm.engine
         assert (split["device_tokens"], split["logical_tokens"]) == (
             e.pool.num_latent_tokens,

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from dsakv import LLM, SamplingParams
-from dsakv.errors import ConfigError
 from dsakv.memory import CacheLayout
 
 from .conftest import assert_integrity_catches, cli_error_line, flat_logprobs
@@ -211,29 +210,6 @@ class TestSmallPool:
         e.hot.check(idle=True)
         undo()
         assert_integrity_catches(e, corrupt, "rank 1's HiSparse replica differs from rank 0's")
-
-
-def test_host_latent_counts_the_nodes_host_latents(glm_tiny, monkeypatch):
-    """Where each rank holds a host latent of its own (one process stands for two ranks
-    of a node: each rank's bytes gathered, two ranks a node): what fits once is refused
-    twice before the weights load, and the message says the ranks are counted."""
-    import dsakv.memory.pool as pool
-    from dsakv.distributed import ParallelConfig, ParallelState
-    from dsakv.engine import Engine, EngineConfig
-    from dsakv.models import loader
-
-    layout = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 8)
-    need = 100 * 8 * layout.latent_bytes_per_token  # 100 logical pages
-    monkeypatch.setattr(pool, "memory_bytes", lambda device: need * 3 // 2)
-    monkeypatch.setattr(ParallelState, "all_gather_objects", lambda self, obj: [obj, obj])
-    monkeypatch.setattr(ParallelConfig, "ranks_per_node", property(lambda self: 2))
-    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
-    kw = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", page_size=8, device="cpu")
-    hs = dict(enable_hisparse=True, hisparse_config={"host_to_device_ratio": 5})
-    with pytest.raises(ConfigError) as e:
-        Engine(EngineConfig(model=glm_tiny, **kw, **hs, num_pages=20))
-    assert "of HiSparse host latent (2 ranks' on a node) on the host" in str(e.value)
-    assert "ask for fewer logical tokens" in str(e.value)
 
 
 @pytest.mark.parametrize("dp_attention", [False, True])

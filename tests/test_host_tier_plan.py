@@ -170,8 +170,8 @@ def test_the_engine_refuses_a_tier_and_host_latent_that_fit_only_apart(glm_tiny,
     monkeypatch.setattr(pool, "memory_bytes", lambda device: max(latent, tier) + 1)
     config = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", page_size=8, device="cpu")
     with pytest.raises(ConfigError) as e:
-        Engine(EngineConfig(model=glm_tiny, **config, num_pages=20, enable_hisparse=True,
-                            hisparse_config={"host_to_device_ratio": 2}, host_pool_ratio=1))  # fmt: skip
+        hs = dict(enable_hisparse=True, hisparse_config={"host_to_device_ratio": 2})
+        Engine(EngineConfig(model=glm_tiny, **config, num_pages=20, **hs, host_pool_ratio=1))
     msg = str(e.value)
     assert f"cannot allocate {(latent + tier) / GIB:.2f} GiB of host KV tier and HiSparse" in msg
     assert "ask for a smaller host tier (--host-pool-ratio" in msg
@@ -193,25 +193,40 @@ def test_every_rank_refuses_from_each_nodes_own_memory(glm_tiny, monkeypatch):
         Engine(EngineConfig(model=glm_tiny, **config, num_pages=20, host_pool_ratio=2))
 
 
-def test_a_node_counts_every_ranks_tier_before_the_weights_load(glm_tiny, monkeypatch):
-    """Each TP rank holds a tier of its own: tiers that fit one at a time but not two on a
-    node are refused, naming the ranks, before the weights load. (One process stands for
-    the two ranks of a node: each rank's bytes gathered, two ranks a node.)"""
+@pytest.mark.parametrize(
+    "kw, what, ask",
+    [
+        (dict(host_pool_ratio=2), "host KV tier", "a smaller host tier (--host-pool-ratio"),
+        (
+            dict(enable_hisparse=True, hisparse_config={"host_to_device_ratio": 2}),
+            "HiSparse host latent",
+            "fewer logical tokens",
+        ),
+    ],
+    ids=["tier", "host-latent"],
+)
+def test_a_node_counts_every_ranks_host_memory_before_the_weights_load(
+    glm_tiny, monkeypatch, kw, what, ask
+):
+    """Each rank holds a tier (or a HiSparse host latent, under DP attention or across
+    machines) of its own: what fits once but not twice on a node is refused, naming the
+    ranks, before the weights load. (One process stands for the two ranks of a node: each
+    rank's bytes gathered, two ranks a node.)"""
     import dsakv.memory.pool as pool
     from dsakv.distributed import ParallelConfig, ParallelState
     from dsakv.models import loader
 
     layout = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 8)
-    tier = 40 * 8 * layout.bytes_per_token
-    monkeypatch.setattr(pool, "memory_bytes", lambda device: tier * 3 // 2)
+    per_rank = (
+        40 * 8 * (layout.bytes_per_token if "tier" in what else layout.latent_bytes_per_token)
+    )
+    monkeypatch.setattr(pool, "memory_bytes", lambda device: per_rank * 3 // 2)
     monkeypatch.setattr(ParallelState, "all_gather_objects", lambda self, obj: [obj, obj])
     monkeypatch.setattr(ParallelConfig, "ranks_per_node", property(lambda self: 2))
-    loaded = []
-    monkeypatch.setattr(loader, "load_model", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
     config = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", page_size=8, device="cpu")
     with pytest.raises(ConfigError) as e:
-        Engine(EngineConfig(model=glm_tiny, **config, num_pages=20, host_pool_ratio=2))
-    assert f"cannot allocate {2 * tier / GIB:.2f} GiB of host KV tier (2 ranks' on a node)" in str(
-        e.value
-    )
-    assert not loaded
+        Engine(EngineConfig(model=glm_tiny, **config, num_pages=20, **kw))
+    msg = str(e.value)
+    assert f"cannot allocate {2 * per_rank / GIB:.2f} GiB of {what} (2 ranks' on a node)" in msg
+    assert f"ask for {ask}" in msg

@@ -23,7 +23,7 @@ from dsakv.memory import (
     page_slots,
     quantize_e4m3_blockwise,
 )
-from dsakv.memory.capacity import host_pages
+from dsakv.memory.capacity import host_tier_pages
 from tests.conftest import small_glm_config
 
 PATTERN = "FFSSFS"
@@ -66,9 +66,10 @@ def test_glm52_host_bytes_elided_vs_dense():
 def test_host_pages_and_a_bad_device_pool():
     dev = DSAKVPool(small_layout("fp32", "fp8"), 4)
     bpp = dev.layout.bytes_per_page
-    assert host_pages(3 * bpp / 2**30, bpp) == 3
-    with pytest.raises(ValueError, match=f"1e-09 GiB holds no {bpp}-byte page"):
-        host_pages(1e-9, bpp)
+    assert host_tier_pages(3 * bpp / 2**30, None, bpp, 4) == 3
+    assert host_tier_pages(0, 2.5, bpp, 4) == 10 and host_tier_pages(0, None, bpp, 4) == 0
+    with pytest.raises(ValueError, match=f"hicache-size\\): 1e-09 GiB holds no {bpp}-byte page"):
+        host_tier_pages(1e-9, None, bpp, 4)
     with pytest.raises(TypeError, match="backs a DSAKVPool, got CacheLayout"):
         HostPool(dev.layout, 2)
 
@@ -110,7 +111,7 @@ def test_under_hisparse_the_tier_moves_the_host_rows_or_index_k_only():
     layout = small_layout("fp8_ds_mla", "fp8")
     dev = DSAKVPool(layout, 4, latent_pages=2)
     width = dev.latent_data(0).view(torch.uint8).shape[1]
-    rows = [torch.randint(0, 256, (16, width), dtype=torch.uint8) for _ in range(6)]
+    rows = {i: torch.randint(0, 256, (16, width), dtype=torch.uint8) for i in range(6)}
     dev.attach_host_latent(rows)
     src = torch.tensor([5, 6, 12])
     for layer in layout.index_k_layers:
@@ -119,7 +120,7 @@ def test_under_hisparse_the_tier_moves_the_host_rows_or_index_k_only():
     assert host.nbytes == 2 * PS * layout.bytes_per_token
     on_host = host.backup(src)
     before = raw(dev, src)
-    for r in rows:
+    for r in rows.values():
         r[src] = 0
     host.load(on_host, src)
     assert all(torch.equal(a, b) for a, b in zip(raw(dev, src), before))

@@ -286,7 +286,7 @@ def test_a_hisparse_pools_moves_carry_its_host_latent(kv):
     layout = small_layout(kv, "fp8")
     hs = DSAKVPool(layout, 4, latent_pages=2)  # 16 logical slots, 8 device latent slots
     width = hs.latent_data(0).view(torch.uint8).shape[1]
-    rows = [torch.randint(0, 256, (16, width), dtype=torch.uint8) for _ in range(6)]
+    rows = {i: torch.randint(0, 256, (16, width), dtype=torch.uint8) for i in range(6)}
     device_latent = [hs.latent_data(i).clone() for i in range(6)]
     with pytest.raises(ValueError, match="no host latent is attached"):
         hs.read_tokens(torch.arange(2))
@@ -313,10 +313,10 @@ def test_a_hisparse_pools_moves_carry_its_host_latent(kv):
     assert all(torch.equal(hs.latent_data(i), d) for i, d in enumerate(device_latent))
     # writes=False: index-K only (another rank writes the rows)
     hs.attach_host_latent(rows, writes=False)
-    before = [r.clone() for r in rows]
+    before = [r.clone() for r in rows.values()]
     ik = layout.index_k_bytes_per_token
     assert copy_tokens(hs, torch.tensor([3, 6]), dense, dst[:2]) == 2 * ik
-    assert all(torch.equal(r, b) for r, b in zip(rows, before))
+    assert all(torch.equal(r, b) for r, b in zip(rows.values(), before, strict=True))
     assert hs.page_bytes(index_k_only=True) == 4 * ik
     with pytest.raises(ValueError, match="moves index-K only"):  # (never a short page)
         hs.read_pages([0])

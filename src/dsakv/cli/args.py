@@ -1705,8 +1705,9 @@ def _adapter_rank(path: str) -> int | None:
 def _fold_pool_sizes(args: argparse.Namespace) -> None:
     """vLLM's `--kv-cache-memory-bytes N` as `--kv-budget-gib` N / 2^30 (per rank, as
     vLLM's per GPU), `--gpu-memory-utilization` beside it dropped (vLLM ignores it then),
-    and SGLang's host tier sizes (`fold_host_tier`). Another size beside any of these is one error. (SGLang's
-    `--max-total-tokens` caps whichever sizes the pool: `EngineConfig.max_total_tokens`.)"""
+    and SGLang's host tier sizes (`fold_host_tier`). Another size beside any of these is
+    one error. (SGLang's `--max-total-tokens` caps whichever sizes the pool:
+    `EngineConfig.max_total_tokens`.)"""
     kv_bytes = getattr(args, "kv_cache_memory_bytes", None)
     if kv_bytes is not None:
         sizes = ("--num-pages", "--kv-budget-gib", "--mem-fraction-static")

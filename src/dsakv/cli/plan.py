@@ -57,10 +57,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.distributed import ParallelConfig
     from dsakv.errors import ConfigError
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_pipeline
-    from dsakv.memory.capacity import gain_pct
+    from dsakv.memory.capacity import gain_pct, host_tier_flag
     from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 
     fold_host_tier(args)
+    host_tier_flag(args.host_pool_gib or 0.0, args.host_pool_ratio)  # (both sizes: refused)
     config = ModelConfig.resolve(args.model)
     hisparse = _hisparse_config(args, config)
     plan = LayerPlan.from_config(config, draft_layers=args.draft_layers, **plan_overrides(args))
@@ -205,14 +206,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             ),
         }
     tiers = None
-    if args.host_pool_gib and args.host_pool_ratio is not None:
-        from dsakv.engine.config import HOST_SIZED_TWICE
-
-        raise DsakvError(HOST_SIZED_TWICE)
-    if args.host_pool_gib or args.host_pool_ratio is not None:
+    if host_tier_flag(args.host_pool_gib or 0.0, args.host_pool_ratio) is not None:
         tiers = tuple(
-            _plan_host_tier(args, parallel, pipe, split, chosen)
-            for pipe, split, chosen in zip(
+            _plan_host_tier(args, parallel, pipe, split, asked)
+            for pipe, split, asked in zip(
                 (pipe_d, pipe_e),
                 stage_splits or (None, None),
                 (args.no_elide_index_k, not args.no_elide_index_k),
@@ -250,14 +247,25 @@ def _stage_splits(plans: list[Any]) -> tuple[Any, list[Any]]:
     return limiting, [replace(p, device_tokens=limiting.device_tokens) for p in plans]
 
 
-def _latents_by_rank(splits: Any, parallel: ParallelConfig) -> list[int]:
-    """Each rank's HiSparse host latent (its stage's layers'), none on the TP ranks that
-    map their stage's TP rank 0's (`shares_host_latent`)."""
+def _host_bytes_by_rank(
+    parallel: ParallelConfig, layouts: list[Any], tier_pages: int, splits: Any
+) -> list[int]:
+    """Each rank's host memory as the engine counts it (`rank_host_bytes`): its stage's
+    tier of `tier_pages` and, under HiSparse (`splits`, each stage's), the host latent it
+    holds and writes (none on the TP ranks that map their stage's TP rank 0's)."""
     from dsakv.engine.hisparse import writes_host_latent
+    from dsakv.memory.capacity import rank_host_bytes
 
-    tp = parallel.tp
+    tp, page = parallel.tp, layouts[0].page_size
+    logical = 0 if splits is None else splits[0].logical_tokens // page
     return [
-        splits[r // tp].host_bytes if writes_host_latent(parallel, r % tp) else 0
+        rank_host_bytes(
+            layouts[r // tp],
+            tier_pages,
+            logical,
+            splits is not None,
+            writes_host_latent(parallel, r % tp),
+        )
         for r in range(parallel.world_size)
     ]
 
@@ -266,7 +274,10 @@ def _node_host_latents(splits: Any, parallel: ParallelConfig) -> tuple[int, int]
     """The bytes of the host latents the node that holds the most holds, and how many."""
     from dsakv.memory.capacity import node_sums
 
-    return max(node_sums(_latents_by_rank(splits, parallel), parallel.ranks_per_node))
+    layouts = [p.layout for p in splits]
+    return max(
+        node_sums(_host_bytes_by_rank(parallel, layouts, 0, splits), parallel.ranks_per_node)
+    )
 
 
 def _stage_hosts(splits: Any) -> dict[str, Any]:
@@ -275,7 +286,7 @@ def _stage_hosts(splits: Any) -> dict[str, Any]:
 
 
 def _plan_host_tier(
-    args: argparse.Namespace, parallel: ParallelConfig, pipe: Any, splits: Any, chosen: bool
+    args: argparse.Namespace, parallel: ParallelConfig, pipe: Any, splits: Any, asked: bool
 ) -> dict[str, Any]:
     """One layout's host tier as the engine sizes it (`Engine._host_tier_pages`): the same
     pages on every rank, of the largest page any stage has, or `--host-pool-ratio` times
@@ -283,7 +294,7 @@ def _plan_host_tier(
     tier holds its stage's cells; under HiSparse the ranks that map their stage's TP rank
     0's host latent hold index-K only. The node's host memory is its ranks' tiers and the
     HiSparse host latents it holds. A size that holds no page is refused for the layout
-    asked for (`chosen`), as the engine refuses it; the other layout's tier is empty."""
+    `asked` for, as the engine refuses it; the other layout's tier is empty."""
     from dsakv.engine.hisparse import writes_host_latent
     from dsakv.memory.capacity import HostTierPlan, host_tier_pages, node_sums
 
@@ -297,12 +308,9 @@ def _plan_host_tier(
             max(lay.bytes_per_page for lay in layouts),
             pool_tokens // page,
         )
-    except ValueError as e:
-        if chosen:
-            from dsakv.engine.config import HOST_GIB_FLAGS, HOST_RATIO_FLAGS
-
-            flag = HOST_GIB_FLAGS if args.host_pool_gib else HOST_RATIO_FLAGS
-            raise DsakvError(f"the host tier ({flag}): {e}") from None
+    except ValueError as e:  # (its words name the flag)
+        if asked:
+            raise DsakvError(str(e)) from None
         pages = 0
     tp = parallel.tp
     tiers = [
@@ -311,15 +319,15 @@ def _plan_host_tier(
         )
         for r in range(parallel.world_size)
     ]
-    shared = tiers[-1].index_k_only
-    latent = [0] * len(tiers) if splits is None else _latents_by_rank(splits, parallel)
-    node, _ = max(node_sums([t.nbytes + h for t, h in zip(tiers, latent)], parallel.ranks_per_node))
+    shared = tp > 1 and tiers[1].index_k_only
+    by_rank = _host_bytes_by_rank(parallel, layouts, pages, splits)
+    node, _ = max(node_sums(by_rank, parallel.ranks_per_node))
     out = {
         "num_pages": pages,
         "tokens": tiers[0].tokens,
         "bytes_per_token": tiers[0].bytes_per_token,
         "bytes_per_rank": tiers[0].nbytes,
-        "index_k_only_bytes_per_rank": tiers[1].nbytes if shared else None,  # (tp > 1)
+        "index_k_only_bytes_per_rank": tiers[1].nbytes if shared else None,
         "host_memory_bytes_per_node": node,
     }
     if parallel.pp > 1:  # (rank 0's figures above are stage 0's)
@@ -363,7 +371,8 @@ def _host_tier_table(
     if ranks > 1 or latent:  # (the node's tiers, and the host latents it holds)
         what = "tiers" if ranks > 1 else "tier"
         if latent:
-            what += " + HiSparse host latent" + ("s" if ranks > 1 else "")
+            one = elided["index_k_only_bytes_per_rank"] is not None and not pp  # (ranks map it)
+            what += " + HiSparse host latent" + ("" if one or ranks == 1 else "s")
         node = "/node" if ranks > 1 else ""
         rows.append((f"host memory{node} (GiB)", "host_memory_bytes_per_node"))
         lines.append(f"host memory{node}: {what}")

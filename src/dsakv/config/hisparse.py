@@ -35,15 +35,6 @@ def _check_int(name: str, value: Any, minimum: int, hint: str = "") -> int:
     return value
 
 
-def check_runs_with(*, chunked_prefill_size: int = 2) -> None:
-    """Refuse what HiSparse does not run with yet, one ConfigError."""
-    if chunked_prefill_size < 2:
-        raise ConfigError(
-            "--enable-hisparse does not run with --chunked-prefill-size 1 (a 1-token step "
-            "decodes) yet"
-        )
-
-
 def model_index_topk(model_config: Any) -> int:
     """The model's `index_topk` (a `ModelConfig` or a raw config dict); ConfigError if none.
 

@@ -259,6 +259,15 @@ class ParallelState:
 
     # --- collectives over the stage's TP group (identity on one rank) ---------------------
 
+    def tp_sync(self, device: torch.device) -> None:
+        """Return once every rank of the stage's TP group has come here (a one-element
+        all-reduce the host waits for): host memory one of them wrote before it is what the
+        others read after it."""
+        if self.tp_size > 1:
+            x = torch.zeros(1, device=device)
+            dist.all_reduce(x, group=self.group)
+            x.item()  # (on CUDA the host waits for it here)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the stage's ranks (after o_proj under TP, after the FFN)."""
         if self.tp_size > 1:

@@ -42,7 +42,7 @@ def machine_shared_empty(parallel: ParallelState, nbytes: int, name: str) -> tor
         except OSError as e:
             failed = f"rank {parallel.rank} cannot make it: {one_line(e)}"
     try:
-        made = parallel.all_gather_objects(made)[parallel.stage * parallel.config.tp]
+        made = parallel.all_gather_objects(made)[parallel.rank - parallel.tp_rank]
         t = None
         if made is not None:
             path, boot, dev, ino = made

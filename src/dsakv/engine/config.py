@@ -13,20 +13,16 @@ from typing import Any
 import torch
 
 from dsakv.config import plan_overrides
-from dsakv.config.hisparse import check_runs_with
 from dsakv.config.kv_events import KVEventsConfig
 from dsakv.config.layer_plan import parse_layer_partition
 from dsakv.distributed.parallel import ParallelConfig
 from dsakv.errors import DsakvError, is_int, is_number
 from dsakv.kernels import BACKENDS
+from dsakv.memory.capacity import host_tier_flag
 from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 from dsakv.memory.storage import StorageConfig
 from dsakv.models.lora import check_fully_sharded, target_suffixes
 
-HOST_SIZED_TWICE = "--host-pool-gib and --host-pool-ratio both size the host tier: give one"
-# The host tier's sizes, each with the spellings that set it (SGLang's fold into these)
-HOST_GIB_FLAGS = "--host-pool-gib, --swap-space or SGLang's --hicache-size"
-HOST_RATIO_FLAGS = "--host-pool-ratio or SGLang's --enable-hierarchical-cache / --hicache-ratio"
 MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
 DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLang's default)
 MAX_DRAFT_STEPS = 16
@@ -221,8 +217,7 @@ class EngineConfig:
         ratio = self.host_pool_ratio
         if ratio is not None and not (is_number(ratio) and 0 < ratio < math.inf):
             raise DsakvError(f"host_pool_ratio must be a finite number > 0, got {ratio!r}")
-        if ratio is not None and host > 0:
-            raise DsakvError(HOST_SIZED_TWICE)
+        host_tier_flag(host, ratio)  # (both sizes: one error)
         if not is_int(self.seed):
             raise DsakvError(f"seed must be an integer, got {self.seed!r}")
         if self.expert_distribution_recorder_mode not in (None, "stat", "per_token"):
@@ -486,7 +481,11 @@ class EngineConfig:
             if self.hisparse_config is not None:
                 raise DsakvError("--hisparse-config needs --enable-hisparse")
             return
-        check_runs_with(chunked_prefill_size=self.chunked_prefill_size)
+        if self.chunked_prefill_size < 2:  # (under HiSparse a one-token step decodes)
+            raise DsakvError(
+                "--enable-hisparse does not run with --chunked-prefill-size 1 (a 1-token step "
+                "decodes) yet"
+            )
 
     @property
     def max_drafts(self) -> int:
@@ -499,11 +498,7 @@ class EngineConfig:
     def host_tier_flag(self) -> str | None:
         """The flag that sized the host tier, with the spellings that set it (for errors:
         SGLang's fold into these), or None when there is no host tier."""
-        if self.host_pool_gib > 0:
-            return HOST_GIB_FLAGS
-        if self.host_pool_ratio is not None:
-            return HOST_RATIO_FLAGS
-        return None
+        return host_tier_flag(self.host_pool_gib, self.host_pool_ratio)
 
     @property
     def kv_events(self) -> KVEventsConfig | None:

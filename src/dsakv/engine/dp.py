@@ -397,7 +397,7 @@ class DPEngine:
         /continue_generation: an add holds nothing on its rank yet (it runs on the new
         weights), an abort's request is one of the paused ones until then."""
         if self._later:  # (their outcomes come with a step, and none runs while paused)
-            self._on_rank(None, "poll")
+            self._collect_ended()
         return (not self.paused and self.has_unfinished()) or bool(self._later)
 
     def flush_cache(self) -> bool:
@@ -599,8 +599,12 @@ class DPEngine:
         """Ask the ranks whose `on_rank_later` calls run for their outcomes, a little later,
         instead of a step that every rank joins with an empty batch (a model forward)."""
         time.sleep(_POLL_S)
-        self._on_rank(None, "poll")
+        self._collect_ended()
         return []
+
+    def _collect_ended(self) -> None:
+        """Settle the futures of the `on_rank_later` calls that ended on their ranks."""
+        self._on_rank(None, "poll")
 
     def _mirror(self, up: dict[str, Any]) -> Request | None:
         entry = self._remote.get(up["rid"])

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-import dsakv.memory.pool as pools
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig
 from dsakv.config.checkpoint import model_identity
 from dsakv.distributed import weight_sync
@@ -34,13 +33,13 @@ from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
 from dsakv.memory.capacity import (
     GIB,
-    HostTierPlan,
     host_tier_pages,
     node_sums,
+    rank_host_bytes,
     stage_kv_budget_bytes,
 )
 from dsakv.memory.host import HostPool
-from dsakv.memory.pool import DSAKVPool, check_fits
+from dsakv.memory.pool import DSAKVPool, check_fits, host_memory_bytes
 from dsakv.memory.release import Stash
 from dsakv.memory.storage import storage_namespace
 from dsakv.metrics import STEP_TOKEN_BOUNDS, STEP_TOKEN_KEYS, LoraRequests, bucket_index
@@ -478,8 +477,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         config = self.config
         try:
             return host_tier_pages(config.host_pool_gib, config.host_pool_ratio, size, pool_pages)
-        except ValueError as e:
-            raise DsakvError(f"the host tier ({config.host_tier_flag}): {e}") from None
+        except ValueError as e:  # (its words name the flag)
+            raise DsakvError(str(e)) from None
 
     def _check_host_memory(self, pool_pages: int) -> None:
         """Refuse the host tiers and HiSparse host latents (`pool_pages` logical pages) of a
@@ -490,13 +489,12 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         tier_flag, hisparse = self.config.host_tier_flag, self.hisparse is not None
         if tier_flag is None and not hisparse:
             return
-        latent = hisparse and writes_host_latent(self.parallel.config, self.parallel.tp_rank)
-        tier = HostTierPlan(self.layout, self._host_tier_pages(pool_pages), hisparse and not latent)
-        mine = tier.nbytes
-        if latent:
-            mine += pool_pages * self.layout.page_size * self.layout.latent_bytes_per_token
+        writes = writes_host_latent(self.parallel.config, self.parallel.tp_rank)
+        mine = rank_host_bytes(
+            self.layout, self._host_tier_pages(pool_pages), pool_pages, hisparse, writes
+        )
         cpu = torch.device("cpu")
-        gathered = self.parallel.all_gather_objects((mine, pools.memory_bytes(cpu)))
+        gathered = self.parallel.all_gather_objects((mine, host_memory_bytes()))
         pc = self.parallel.config
         what = " and ".join(
             filter(None, [tier_flag and "host KV tier", hisparse and "HiSparse host latent"])
@@ -510,8 +508,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         sums = node_sums([b for b, _ in gathered], pc.ranks_per_node)
         for node, (need, ranks) in enumerate(sums):  # (each node's own memory)
             where = "a node" if pc.nnodes == 1 else f"node {node}"
-            on_node = f" ({ranks} ranks' on {where})" if ranks > 1 else ""
-            on_node = on_node or (f" (on {where})" if pc.nnodes > 1 else "")
+            if ranks > 1:
+                on_node = f" ({ranks} ranks' on {where})"
+            else:
+                on_node = f" (on {where})" if pc.nnodes > 1 else ""
             have = gathered[node * pc.ranks_per_node][1]
             try:
                 check_fits(need, cpu, what + on_node, have=have)
@@ -614,12 +614,14 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         )
         if self.hot is not None:
             log.info(
-                "HiSparse: %d device latent slots (%d B/token, hot buffers of %d slots: "
-                "%d + 1 in whole pages), %d logical tokens (%.1f MiB of latent in host memory)",
+                "HiSparse: %d device latent slots (%d B/token%s, hot buffers of %d slots: "
+                "%d + %d in whole pages), %d logical tokens (%.1f MiB of latent in host memory)",
                 self.pool.num_latent_tokens,
                 self.layout.latent_bytes_per_token,
+                " on stage 0" if self.parallel.pp_size > 1 else "",  # (its layers' latent)
                 self.hot.buffer_pages * self.hot.page_size,
                 self.hisparse.device_buffer_size,
+                self.hisparse.step_tokens,
                 self.pool.num_tokens,
                 self.hot.host_nbytes / 2**20,
             )

@@ -255,6 +255,10 @@ class HotBuffers:
         """One token's latent in one layer, as stored."""
         return next(iter(self.host.values())).shape[1]
 
+    def holds_group(self, full_layer: int) -> bool:
+        """Whether this rank's stage holds a layer of `full_layer`'s IndexShare group."""
+        return full_layer in self._group
+
     def _copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Host rows `src` into device latent slots `dst`, in every layer held."""
         self.backend.hot_copy(list(self.host.values()), list(self.device_rows.values()), src, dst)
@@ -625,10 +629,7 @@ class HotStep:
         ran = hb.layers_of(self)
         groups = [g for f, g in hb._group.items() if hb.groups[f][0] in ran]
         new = [torch.where(j < counts, self.first_pos + j, -1) for j in range(self.width)]
-        # (the slots are the same whatever a group's state: a stage that holds none of the
-        # step's layers, a draft step's before the last stage, binds them alike)
-        scratch = torch.full_like(slot, -1, dtype=hb.buf_pos.dtype)
-        cols = [bind_newest(scratch.clone(), slot, at, reserved[:, j]) for j, at in enumerate(new)]
+        cols = None
         for g in groups:
             pos = hb.buf_pos[g].index_select(0, r)
             if self.draft:
@@ -638,13 +639,17 @@ class HotStep:
                 hb.stamp[g].index_copy_(0, r, stamp)
             cols = [bind_newest(pos, slot, at, reserved[:, j]) for j, at in enumerate(new)]
             hb.buf_pos[g].index_copy_(0, r, pos)
+        if cols is None:  # (no group here: a later stage's draft step; the slots do not
+            # depend on a group's state)
+            pos = torch.full_like(slot, -1, dtype=hb.buf_pos.dtype)
+            cols = [bind_newest(pos, slot, at, reserved[:, j]) for j, at in enumerate(new)]
         self.new_slots = torch.stack(cols, 1)
         return self.new_slots
 
-    def holds(self, layer: int) -> bool:
-        """Whether this rank holds a layer of full layer `layer`'s IndexShare group (its
-        pipeline stage's layers): only then does it `resolve` that top-k."""
-        return layer in self.hb._group
+    def resolves(self, full_layer: int) -> bool:
+        """Whether this rank `resolve`s `full_layer`'s top-k: its pipeline stage holds a
+        layer of that IndexShare group (`HotBuffers.holds_group`)."""
+        return self.hb.holds_group(full_layer)
 
     def resolve(
         self, layer: int, positions: torch.Tensor, valid: torch.Tensor, table: torch.Tensor

@@ -67,6 +67,12 @@ class ModelRunner:
             for tier in self.journaled:
                 tier.journal = []
         self.leader = Leader(parallel) if follows_rank0 and parallel.is_driver else None
+        # A later pipeline stage's TP ranks map one host latent that its TP rank 0 writes
+        # here in `serve` (the host-tier loads it replays, each step's `end_step`), not
+        # before rank 0's message as on stage 0: the ranks meet before they read it.
+        self.meets_before_reads = (
+            hot_buffers is not None and hot_buffers.shared_host and parallel.stage > 0
+        )
         self.last: dict[str, torch.Tensor] = {}  # the latest output of each model part
 
     def forward(
@@ -221,9 +227,15 @@ class ModelRunner:
             kind, journals, *args = msg
             # rank 0's host copies and HiSparse admissions since its last message, made
             # before it
+            # (under `meets_before_reads`: after the writer's last step, and after the
+            # host-tier loads it replays, before the hot buffers read a row)
+            if self.meets_before_reads:
+                self.parallel.tp_sync(self.device)
             for tier, ops in zip(self.journaled, journals, strict=True):
                 if ops:
                     tier.replay(ops)
+                    if tier is self.host and self.meets_before_reads:
+                        self.parallel.tp_sync(self.device)
             if kind == "forward":
                 tokens, slots, rows, lora, entries = args
                 slots = [s.long() for s in slots]

@@ -59,7 +59,8 @@ class WeightUpdateMixin:
         nothing running or waiting (False, nothing loaded), unless `paused`: then what the
         requests hold stays (SGLang's), they go on with the new weights, and only the
         cache's unlocked pages are dropped. Under `--tp` every rank loads its own slices;
-        under DP attention `DPEngine.update_weights` runs it."""
+        under DP attention `DPEngine` runs this with its own `_busy` (every rank's requests)
+        and `_on_every_rank`."""
         self.refuse_if_released(source)
         if self._busy():
             return False

@@ -538,8 +538,8 @@ class HiSparsePlan:
 
     Every figure is one rank's: each rank holds hot buffers (under TP a replica of rank
     0's, under DP attention its own requests'). What a node's host memory holds (a host
-    latent its ranks map together under TP, one a rank under DP attention) is
-    `dsakv plan`'s and the engine's (`Engine._check_host_memory`) to count.
+    latent its ranks map together under TP, one a rank under DP attention:
+    `rank_host_bytes`) is the caller's to count.
     """
 
     layout: CacheLayout
@@ -637,36 +637,60 @@ def plan_hisparse(layout: CacheLayout, hisparse: HiSparseConfig, **budget: Any) 
     return HiSparsePlan(layout, hisparse, budget_bytes, weight_bytes, tokens)
 
 
-def host_pages(gib: float, bytes_per_page: int) -> int:
-    """As many whole pages of `bytes_per_page` as fit in `gib` GiB of host memory
-    (`--host-pool-gib`); none is an error."""
-    pages = int(gib * GIB // bytes_per_page)
-    if pages < 1:
-        raise ValueError(f"{gib:.3g} GiB holds no {bytes_per_page}-byte page")
-    return pages
+# The host tier's sizes, each with the spellings that set it (SGLang's fold into these)
+HOST_GIB_FLAGS = "--host-pool-gib, --swap-space or SGLang's --hicache-size"
+HOST_RATIO_FLAGS = "--host-pool-ratio or SGLang's --enable-hierarchical-cache / --hicache-ratio"
+
+
+def host_tier_flag(gib: float, ratio: float | None) -> str | None:
+    """The flag that sizes the host tier, with its spellings (for errors), or None where
+    none asks for a tier; both is one ConfigError."""
+    if gib > 0 and ratio is not None:
+        raise ConfigError("--host-pool-gib and --host-pool-ratio both size the host tier: give one")
+    return HOST_GIB_FLAGS if gib > 0 else None if ratio is None else HOST_RATIO_FLAGS
 
 
 def host_tier_pages(gib: float, ratio: float | None, bytes_per_page: int, pool_pages: int) -> int:
-    """The host tier's pages: `gib` GiB of `bytes_per_page` pages (`--host-pool-gib`), else
-    `ratio` times the device pool's `pool_pages` (`--host-pool-ratio`, SGLang's
-    `--hicache-ratio`: logical pages under HiSparse); 0 when neither asks for a tier, an
-    error when the one asked for holds no page."""
-    if gib > 0:
-        return host_pages(gib, bytes_per_page)
-    if ratio is None:
+    """The host tier's pages: as many whole `bytes_per_page` pages as `gib` GiB holds
+    (`--host-pool-gib`), else `ratio` times the device pool's `pool_pages`
+    (`--host-pool-ratio`, SGLang's `--hicache-ratio`: logical pages under HiSparse); 0
+    where none asks for a tier. One that holds no page is a ValueError naming its flag."""
+    flag = host_tier_flag(gib, ratio)
+    if flag is None:
         return 0
-    pages = int(pool_pages * ratio)
+    if gib > 0:
+        pages, holds = int(gib * GIB // bytes_per_page), f"{gib:.3g} GiB"
+        page = f"{bytes_per_page}-byte page"
+    else:
+        pages, holds, page = (
+            int(pool_pages * ratio),
+            f"{ratio} times the {pool_pages}-page pool",
+            "page",
+        )
     if pages < 1:
-        raise ValueError(f"{ratio} times the {pool_pages}-page pool holds no page")
+        raise ValueError(f"the host tier ({flag}): {holds} holds no {page}")
     return pages
+
+
+def rank_host_bytes(
+    layout: CacheLayout, tier_pages: int, logical_pages: int, hisparse: bool, writes_latent: bool
+) -> int:
+    """One rank's host memory: its host tier of `tier_pages` (index-K only where HiSparse's
+    host latent is another rank's to write: `HostTierPlan`) and, under HiSparse, the host
+    latent of `logical_pages` it holds and writes (`writes_latent`)."""
+    index_k_only = hisparse and not writes_latent
+    tier = HostTierPlan(layout, tier_pages, index_k_only).nbytes
+    if not hisparse or index_k_only:
+        return tier
+    return tier + logical_pages * layout.page_size * layout.latent_bytes_per_token
 
 
 @dataclass(frozen=True)
 class HostTierPlan:
     """One rank's host KV tier: pages of the device pool's own cells, so shared layers hold
     no index-K there either (DESIGN.md §7.3), and elision buys host tokens as it buys
-    device ones. `index_k_only`: a TP rank's under HiSparse on one machine, where the
-    ranks map rank 0's host latent and rank 0's tier alone holds latent."""
+    device ones. `index_k_only`: a TP rank's under HiSparse on one machine, where a
+    stage's ranks map its TP rank 0's host latent and that rank's tier alone holds latent."""
 
     layout: CacheLayout
     num_pages: int

@@ -14,7 +14,7 @@ import math
 import mmap
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +98,11 @@ def memory_bytes(device: torch.device) -> int | None:
     if device.type == "cpu":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return None
+
+
+def host_memory_bytes() -> int | None:
+    """All the host RAM this machine has (`memory_bytes` of the CPU)."""
+    return memory_bytes(torch.device("cpu"))
 
 
 def check_fits(need: int, device: torch.device, what: str, have: int | None = None) -> str:
@@ -376,10 +381,10 @@ class DSAKVPool:
 
     # --- moving tokens -----------------------------------------------------------------------
 
-    def attach_host_latent(self, rows: Sequence[torch.Tensor], writes: bool = True) -> None:
+    def attach_host_latent(self, rows: Mapping[int, torch.Tensor], writes: bool = True) -> None:
         """HiSparse: a logical token's latent is its row in `rows` (host memory; one
-        `[num_tokens, row bytes]` uint8 tensor per layer, by layer index: the stored bytes
-        of `latent_data`'s rows), its index-K is here. Token and page moves (`copy_tokens`,
+        `[num_tokens, row bytes]` uint8 tensor per held layer, by layer index: the stored
+        bytes of `latent_data`'s rows), its index-K is here. Token and page moves (`copy_tokens`,
         `read_tokens`, `read_pages`, `write_pages`) and transfer descriptors then address
         the latent there, so the host tier, L3 and KV transfer see whole logical tokens.
         `writes` False: another rank writes these rows (TP ranks on one machine map rank
@@ -388,7 +393,12 @@ class DSAKVPool:
             self.num_tokens,
             self.latent_data(self.layout.held_layers[0]).view(torch.uint8).shape[1],
         )
-        held = {layer: rows[layer] for layer in self.layout.held_layers}
+        if set(rows) != set(self.layout.held_layers):
+            raise ValueError(
+                f"host latent rows for layers {sorted(rows)}; this pool holds "
+                f"{list(self.layout.held_layers)}"
+            )
+        held = dict(rows)
         for layer, t in held.items():
             if t.dtype != torch.uint8 or tuple(t.shape) != want:
                 raise ValueError(

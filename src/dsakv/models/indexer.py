@@ -211,7 +211,7 @@ def _on_device(layer: int, batch: ForwardBatch, sel: Selection | None) -> Select
     """Under HiSparse, the decode selection's slots are device latent slots: the hot buffers
     resolve it (once for this layer and every shared layer reusing it), where this rank's
     pipeline stage holds one of those layers (else it only passes the top-k on)."""
-    if sel is None or batch.hot is None or not batch.hot.holds(layer):
+    if sel is None or batch.hot is None or not batch.hot.resolves(layer):
         return sel
     slots = batch.hot.resolve(layer, sel.positions, sel.valid, batch.decode_ctx[0])
     return Selection(sel.positions, sel.valid, slots)
