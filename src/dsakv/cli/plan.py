@@ -61,7 +61,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 
     fold_host_tier(args)
-    host_tier_flag(args.host_pool_gib or 0.0, args.host_pool_ratio)  # (both sizes: refused)
+    tier_flag = host_tier_flag(args.host_pool_gib or 0.0, args.host_pool_ratio)  # (both: refused)
     config = ModelConfig.resolve(args.model)
     hisparse = _hisparse_config(args, config)
     plan = LayerPlan.from_config(config, draft_layers=args.draft_layers, **plan_overrides(args))
@@ -206,7 +206,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             ),
         }
     tiers = None
-    if host_tier_flag(args.host_pool_gib or 0.0, args.host_pool_ratio) is not None:
+    if tier_flag is not None:
         tiers = tuple(
             _plan_host_tier(args, parallel, pipe, split, asked)
             for pipe, split, asked in zip(
@@ -314,8 +314,8 @@ def _plan_host_tier(
         pages = 0
     tp = parallel.tp
     tiers = [
-        HostTierPlan(
-            layouts[r // tp], pages, splits is not None and not writes_host_latent(parallel, r % tp)
+        HostTierPlan.for_rank(
+            layouts[r // tp], pages, splits is not None, writes_host_latent(parallel, r % tp)
         )
         for r in range(parallel.world_size)
     ]

@@ -33,6 +33,7 @@ from dsakv.memory import CacheLayout, plan_capacity, plan_hisparse
 from dsakv.memory.allocator import PageAllocator
 from dsakv.memory.capacity import (
     GIB,
+    HostTierPlan,
     host_tier_pages,
     node_sums,
     rank_host_bytes,
@@ -585,10 +586,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             )
         host, pages = None, self._host_tier_pages(self.pool.num_pages)
         if pages:  # (a TP rank that maps its stage's host latent keeps index-K only there)
+            writes = writes_host_latent(self.parallel.config, self.parallel.tp_rank)
+            tier = HostTierPlan.for_rank(self.layout, pages, hot is not None, writes)
             try:
-                host = HostPool(
-                    self.pool, pages, index_k_only=hot is not None and not hot.writes_host
-                )
+                host = HostPool(self.pool, pages, index_k_only=tier.index_k_only)
             except ConfigError as e:  # (too little memory for it)
                 raise ConfigError(
                     f"{e}: ask for a smaller host tier ({config.host_tier_flag})"

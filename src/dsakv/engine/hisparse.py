@@ -201,6 +201,7 @@ class HotBuffers:
         # (held: the page lock lasts as long as this tensor object, not its views)
         self._host_block = self._host_latent(pool, shape, device, parallel, shared)
         self.host = dict(zip(layers, self._host_block.view(shape).unbind(0), strict=True))
+        self._all_rows = (list(self.host.values()), list(self.device_rows.values()))
         # token and page moves (host tier, L3, KV transfer) read and write the latent here
         pool.attach_host_latent(self.host, writes=self.writes_host)
         rows = max(1, pool.latent_pages // self.buffer_pages)
@@ -261,7 +262,7 @@ class HotBuffers:
 
     def _copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Host rows `src` into device latent slots `dst`, in every layer held."""
-        self.backend.hot_copy(list(self.host.values()), list(self.device_rows.values()), src, dst)
+        self.backend.hot_copy(*self._all_rows, src, dst)
         self.stats.rows_to_device += src.numel() * len(self.host)
 
     @property

@@ -678,11 +678,10 @@ def rank_host_bytes(
     """One rank's host memory: its host tier of `tier_pages` (index-K only where HiSparse's
     host latent is another rank's to write: `HostTierPlan`) and, under HiSparse, the host
     latent of `logical_pages` it holds and writes (`writes_latent`)."""
-    index_k_only = hisparse and not writes_latent
-    tier = HostTierPlan(layout, tier_pages, index_k_only).nbytes
-    if not hisparse or index_k_only:
-        return tier
-    return tier + logical_pages * layout.page_size * layout.latent_bytes_per_token
+    tier = HostTierPlan.for_rank(layout, tier_pages, hisparse, writes_latent)
+    if tier.index_k_only or not hisparse:
+        return tier.nbytes
+    return tier.nbytes + logical_pages * layout.page_size * layout.latent_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -695,6 +694,14 @@ class HostTierPlan:
     layout: CacheLayout
     num_pages: int
     index_k_only: bool = False
+
+    @classmethod
+    def for_rank(
+        cls, layout: CacheLayout, num_pages: int, hisparse: bool, writes_latent: bool
+    ) -> HostTierPlan:
+        """A rank's tier: index-K only under HiSparse where another rank writes the host
+        latent this one maps (`dsakv.engine.hisparse.writes_host_latent`)."""
+        return cls(layout, num_pages, hisparse and not writes_latent)
 
     @property
     def tokens(self) -> int:
