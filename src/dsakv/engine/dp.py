@@ -173,9 +173,9 @@ class _Reporter:
         if grammar is not None and not self.engine.grammars.compiled(grammar):
             compiling = self.compiling.get(grammar)
             if compiling is None:
-                self.compiling[grammar] = compiling = self._compile(params)
-            if not compiling.done():
-                return _COMPILING
+                self.compiling[grammar] = self._compile(params)
+            if compiling is None or not compiling.done():
+                return _COMPILING  # (the first ask always: a quick compile ends in `submit`)
             del self.compiling[grammar]  # (compiled; or its error is `reserve_detached`'s)
         req = self.engine.reserve_detached(ids, params, rid=rid)
         if req is None:
