@@ -298,7 +298,7 @@ def test_a_held_request_aborted_before_its_rank_ran_it_is_not_held_there(dp_engi
 def test_flush_cache_drops_every_ranks_prefix_cache(dp_llm):
     """Under DP attention each rank holds a prefix cache of its own: `flush_cache` drops
     every rank's (refused, False, while a request waits anywhere or rank 1 holds one's
-    pages for a PD prefill server)."""
+    pages for a PD prefill server: then no rank's is dropped)."""
     from dsakv import SamplingParams
 
     e = dp_llm.engine
@@ -320,6 +320,7 @@ def test_flush_cache_drops_every_ranks_prefix_cache(dp_llm):
     while e.has_unfinished():
         e.step()
     assert e.flush_cache() is False
+    assert e.rank_counters()[0]["pages_cached"] > 0  # (refused by one rank: dropped by none)
     e.release_held(held)
     assert e.flush_cache() is True
     e.step()  # (the other ranks' counters come with a step)

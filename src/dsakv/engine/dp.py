@@ -403,11 +403,10 @@ class DPEngine:
     def flush_cache(self) -> bool:
         """`Engine.flush_cache` on every rank (each holds a prefix cache of its own), with
         nothing running, waiting or held on any rank, or while `paused` nothing running
-        (after a pause "retract"); False where one rank had something (the others' caches
-        dropped all the same: a cache, not state)."""
+        (after a pause "retract"); False, no rank's dropped, where one rank had something."""
         if self._busy():
             return False
-        return all(self._on_every_rank("gathered_flush"))
+        return self._on_every_rank("gathered_flush")
 
     def retract_all(self) -> None:
         """`Engine.retract_all` on every rank (SGLang's pause "retract"): each gives back

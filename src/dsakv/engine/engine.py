@@ -1090,11 +1090,14 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         and host pages, e.g. between benchmark runs; only with nothing running or waiting
         (False, nothing dropped) and no pages held for a prefill server's hand-off. While
         `paused`, with nothing running (SGLang's: retracted requests compute theirs again)."""
-        if self._busy() or (self.paused and self.scheduler.running):
+        if not self._flushable():
             return False
         self.cache.reset()
         self.publish_kv_events()
         return True
+
+    def _flushable(self) -> bool:
+        return not (self._busy() or (self.paused and self.scheduler.running))
 
     # --- the ranks: what runs on every rank (the mixins' calls), closing, a dead rank -----
 
@@ -1802,10 +1805,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             why = str(e)
         return gather_outcome(self.parallel, None, why)
 
-    def gathered_flush(self) -> list[bool]:
-        """This rank's `flush_cache`, every rank's outcome all-gathered (DP attention's
-        /flush_cache: each rank drops its own prefix cache)."""
-        return self.parallel.all_gather_objects(self.flush_cache())
+    def gathered_flush(self) -> bool:
+        """DP attention's /flush_cache: each rank drops its own prefix cache, once every
+        rank can (one rank's refusal drops none: a client that retries finds them all)."""
+        return all(self.parallel.all_gather_objects(self._flushable())) and self.flush_cache()
 
     @staticmethod
     def _check_replicas(states: list[dict[str, object]]) -> None:
