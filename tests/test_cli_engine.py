@@ -16,7 +16,8 @@ from dsakv.procs import free_port
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli") / "tiny"
-    assert main(["init-tiny", str(d), "--preset", "glm-tiny", "--seed", "3"]) == 0
+    mtp = ["--mtp", "random"]  # (a draft layer for the flags to find; fitting one takes 20 s)
+    assert main(["init-tiny", str(d), "--preset", "glm-tiny", "--seed", "3", *mtp]) == 0
     return d
 
 

@@ -24,7 +24,8 @@ CPU_DEVICES = ("cpu",) if torch.cuda.is_available() else ("cpu", "auto")
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("memfrac") / "tiny"
-    assert main(["init-tiny", str(d), "--preset", "glm-tiny", "--seed", "3"]) == 0
+    mtp = ["--mtp", "random"]  # (a draft layer for the flags to find; fitting one takes 20 s)
+    assert main(["init-tiny", str(d), "--preset", "glm-tiny", "--seed", "3", *mtp]) == 0
     return d
 
 
