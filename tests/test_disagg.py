@@ -405,8 +405,10 @@ def _cancel_while_queued(bridge, target, late: bool = False) -> tuple[int, int]:
             submit.cancel()
         with pytest.raises(asyncio.CancelledError):
             await submit
-        await asyncio.sleep(1.5)  # the call has run, and then what undoes it
-        return before, await bridge.call(free)
+        deadline = time.monotonic() + TIMEOUT  # (the call runs, and then what undoes it)
+        while (after := await bridge.call(free)) != before and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return before, after
 
     try:
         return asyncio.run(run())

@@ -329,13 +329,14 @@ def test_a_client_that_leaves_aborts_its_requests(base, served, monkeypatch):
     with engine_held_until_an_abort(async_engine, monkeypatch), pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base}/generate", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.5))
     _wait_aborted(async_engine, before + 1)
-    with (
-        httpx.Client(timeout=TIMEOUT) as http,
-        http.stream("POST", f"{base}/generate", json={**body, "stream": True}) as r,
-    ):
-        lines = r.iter_lines()  # (referenced: dropping it closes the connection)
-        assert next(lines).startswith("data: {")
-    _wait_aborted(async_engine, before + 2)
+    with engine_stops_stepping_at(async_engine, 2):  # (it cannot finish before the hang-up)
+        with (
+            httpx.Client(timeout=TIMEOUT) as http,
+            http.stream("POST", f"{base}/generate", json={**body, "stream": True}) as r,
+        ):
+            lines = r.iter_lines()  # (referenced: dropping it closes the connection)
+            assert next(lines).startswith("data: {")
+        _wait_aborted(async_engine, before + 2)
 
 
 _ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}

@@ -16,7 +16,7 @@ import pytest
 from dsakv.engine import LLM, EngineConfig, SamplingParams
 from dsakv.metrics import FINISH_REASONS, Counter, Histogram
 
-from .serving import TIMEOUT, grown, metric, scrape_metrics, serving
+from .serving import TIMEOUT, engine_stops_stepping_at, grown, metric, scrape_metrics, serving
 
 ENGINE_ARGS = dict(
     kv_cache_dtype="fp32", index_k_dtype="fp32", num_pages=64, page_size=16, device="cpu"
@@ -229,7 +229,8 @@ def test_an_aborted_request_is_in_none_of_the_finished_histograms(served):
         "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
         "rid": "aborted",
     }
-    with ThreadPoolExecutor(1) as pool:
+    # (stepping stops at 3 tokens: it is running when aborted, however fast the machine)
+    with engine_stops_stepping_at(served[1], 3), ThreadPoolExecutor(1) as pool:
         out = pool.submit(httpx.post, f"{base}/generate", json=body, timeout=TIMEOUT)
         deadline = time.monotonic() + TIMEOUT
         while not grew("vllm:time_to_first_token_seconds_count"):  # (it runs)

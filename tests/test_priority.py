@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -23,7 +24,7 @@ from dsakv.engine import EngineConfig
 from dsakv.errors import DsakvError
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
-from .serving import TIMEOUT, serving
+from .serving import TIMEOUT, engine_thread_held, serving
 
 ARGS = dict(device="cpu", page_size=16, kv_cache_dtype="fp32", index_k_dtype="fp32")
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -425,7 +426,15 @@ def test_a_high_priority_request_overtakes_a_flood(served):
         done = [pool.submit(complete, f"flood{i}", 0, i) for i in range(flood)]
         while _in_engine(async_engine) + len(ended) < flood:
             assert not any(f.done() and f.exception() for f in done)
-        done.append(pool.submit(complete, "high", 20, flood))
+            time.sleep(0.01)
+        # (no step until its add is queued: it comes while two of the flood are starting,
+        # however slowly this thread gets to send it)
+        with engine_thread_held(async_engine):
+            done.append(pool.submit(complete, "high", 20, flood))
+            deadline = time.monotonic() + TIMEOUT
+            while async_engine._commands.qsize() == 0:
+                assert time.monotonic() < deadline, "its add never came"
+                time.sleep(0.01)
         for f in done:
             f.result()
     assert ended.index("high") < flood // 2, ended

@@ -715,20 +715,20 @@ def test_disconnect_mid_stream_frees_pages(base, served):
         "ignore_eos": True,
         "return_token_ids": True,  # (a line per token, held-back text or not)
     }
-    with (
-        engine_stops_stepping_at(served[1], tokens=20),  # (it cannot finish before the hang-up)
-        httpx.Client(timeout=TIMEOUT) as http,
-        http.stream("POST", f"{base}/v1/completions", json=body) as r,
-    ):
-        assert r.status_code == 200
-        lines = r.iter_lines()  # keep it referenced: dropping it closes the connection
-        events = [x for x in (next(lines) for _ in range(6)) if x.startswith("data: ")]
-        assert len(events) == 3
-        m = _metrics(base)
-        assert m["dsakv_running_requests"] == 1, m
-        assert m["dsakv_kv_pages_used"] > m["dsakv_kv_pages_cached"]  # it holds pages
-    # The connection is closed: the request is aborted and every page it held comes back.
-    after = _wait_idle(base, aborted_at_least=before["dsakv_aborted_requests_total"] + 1)
+    with engine_stops_stepping_at(served[1], tokens=20):  # (it cannot finish before the hang-up)
+        with (
+            httpx.Client(timeout=TIMEOUT) as http,
+            http.stream("POST", f"{base}/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            lines = r.iter_lines()  # keep it referenced: dropping it closes the connection
+            events = [x for x in (next(lines) for _ in range(6)) if x.startswith("data: ")]
+            assert len(events) == 3
+            m = _metrics(base)
+            assert m["dsakv_running_requests"] == 1, m
+            assert m["dsakv_kv_pages_used"] > m["dsakv_kv_pages_cached"]  # it holds pages
+        # The connection is closed: the request is aborted and every page it held comes back.
+        after = _wait_idle(base, aborted_at_least=before["dsakv_aborted_requests_total"] + 1)
     assert after["dsakv_generation_tokens_total"] - before["dsakv_generation_tokens_total"] < 900
     _check_integrity(served[1])
     deadline = time.monotonic() + TIMEOUT

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -271,10 +272,19 @@ def _until(check, what: str) -> None:
         time.sleep(0.02)
 
 
-def test_an_update_waits_for_the_request_in_flight(models):
+def test_an_update_waits_for_the_request_in_flight(models, monkeypatch):
     """A streaming request started on the old weights ends on them, whole; the update runs
     after it, and a request sent meanwhile waits for the update and runs on the new weights."""
+    from dsakv.server.submit import InFlight
+
     old, new = models["glm-tiny", "fp32", 0], models["glm-tiny", "fp32", 1]
+    waits, drained = threading.Event(), InFlight.drained
+
+    async def drained_and_tell(self) -> None:  # (the update waits: new calls wait for it)
+        waits.set()
+        await drained(self)
+
+    monkeypatch.setattr(InFlight, "drained", drained_and_tell)
     long = {"sampling_params": {**ASK["sampling_params"], "max_new_tokens": 24}}
     with serving(_config(new)) as (base, _):
         want_new = _generate(base)
@@ -285,7 +295,7 @@ def test_an_update_waits_for_the_request_in_flight(models):
                 streamed = pool.submit(_stream_last, base, **long)
                 _until(lambda: _live(async_engine) == [4], "the stream did not start")
                 update = pool.submit(_update, base, new, weight_version="v2")
-                time.sleep(0.3)
+                assert waits.wait(TIMEOUT)
                 later = pool.submit(_generate, base)
                 time.sleep(0.3)
                 assert not update.done() and not later.done()  # (held by the stream)
