@@ -6,6 +6,7 @@ import json
 import logging
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -381,3 +382,34 @@ def test_generation_configs_eos_ids_stop_generation_too(ckpt, tmp_path):
         (path / "generation_config.json").write_text(text)
         with pytest.raises(ConfigError, match=f"generation_config.json.* {message}"):
             load_model(path)
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether the mapping holding `address` may be backed by transparent huge pages
+    (`/proc/self/smaps`' THPeligible of its VMA)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo <= address < hi
+        elif inside and first == "THPeligible:":
+            return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_cpu_models_weights_lie_in_one_block_of_huge_pages(glm_tiny):
+    """On the CPU every weight is carved from one block Linux backs with huge pages (a
+    decode step streams them all; each weight alone is far smaller than a huge page): under
+    THP "madvise" its mapping is THP-eligible, as the allocator's heap is not. The buffers
+    lie apart (sleep mode drops the weights and keeps them)."""
+    model, _, _ = load_model(glm_tiny)
+    params = list(model.parameters())
+    block = {p.untyped_storage().data_ptr() for p in params}
+    assert len(block) == 1
+    assert not block & {b.untyped_storage().data_ptr() for b in model.buffers()}
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.is_file() or "[madvise]" not in mode.read_text():
+        pytest.skip('THP is not in "madvise" mode here: eligibility says nothing')
+    assert _thp_eligible(params[0].data_ptr())
+    assert not _thp_eligible(torch.empty(1 << 20).data_ptr())  # (the allocator's own)

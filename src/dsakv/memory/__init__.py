@@ -21,6 +21,7 @@ from .pool import (
     TransferDescriptor,
     allocation_failed,
     copy_tokens,
+    huge_page_empty_like,
 )
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "StagePlan",
     "TransferDescriptor",
     "copy_tokens",
+    "huge_page_empty_like",
     "dequantize_e4m3_blockwise",
     "estimate_weight_bytes",
     "hadamard_rotate",

@@ -10,11 +10,13 @@ work on parts, one token at a time (§7.4), whatever the page-internal arrangeme
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import mmap
 import os
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +121,44 @@ def check_fits(need: int, device: torch.device, what: str, have: int | None = No
 
 
 _OS_PAGE = mmap.PAGESIZE
+_HUGE_PAGE = 2 << 20  # (x86-64's and most arm64 kernels' transparent huge page)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # (Linux's)
+
+
+def huge_page_empty_like(nbytes: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`torch.empty_like` on the CPU for many tensors of `nbytes` in all (a model's weights,
+    as `Module.to_empty` makes them), each carved from one block that Linux is asked to back
+    with transparent huge pages before anything is written (THP "madvise" or "always";
+    elsewhere plain pages). A CPU decode step streams every weight byte: with 4 KiB pages
+    each is a TLB miss and the hardware prefetcher stops at its edge (a glm-bench decode
+    step at one request: about 10% longer). Each weight alone is far smaller than a huge
+    page, and the allocator writes the pages around it: hence the block. Past `nbytes`,
+    plain `empty_like`."""
+    block = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    at = -block.data_ptr() % _HUGE_PAGE  # (from a huge page's start)
+    whole = (block.numel() - at) // _HUGE_PAGE * _HUGE_PAGE
+    if _MADV_HUGEPAGE is not None and whole:  # (its answer unread: without THP, EINVAL)
+        _libc().madvise(
+            ctypes.c_void_p(block.data_ptr() + at), ctypes.c_size_t(whole), _MADV_HUGEPAGE
+        )
+
+    def empty_like(t: torch.Tensor) -> torch.Tensor:
+        nonlocal at
+        n = t.numel() * t.element_size()
+        if at + n > block.numel():
+            return torch.empty_like(t, device="cpu")
+        view = block[at : at + n].view(t.dtype).view(t.shape)
+        at += -(-n // 64) * 64  # (64-byte aligned, as the allocator's)
+        return view
+
+    return empty_like
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
+
+
 _CUDA_OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation
 
 

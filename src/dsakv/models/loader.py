@@ -47,7 +47,7 @@ from dsakv.kernels.torch_ops import (
     unpack_fp8,
     unpacked_width,
 )
-from dsakv.memory import allocation_failed
+from dsakv.memory import allocation_failed, huge_page_empty_like
 
 from .dsa import DSAForCausalLM, keep_fp32, store_matrices
 from .moe import Experts
@@ -419,7 +419,10 @@ def _allocate(model: DSAForCausalLM, device: str | torch.device) -> None:
     need = sum(t.numel() * t.element_size() for t in tensors)
     need += 2 * model.rotary.positions * model.rotary.inv_freq.numel() * 4  # fp32 cos, sin
     try:
-        model.to_empty(device=device)
+        if device.type == "cpu":  # (a CPU decode step reads every weight byte)
+            _to_empty_on_huge_pages(model)
+        else:
+            model.to_empty(device=device)
         model.rotary.tables(device)
     except (RuntimeError, MemoryError) as e:
         if not allocation_failed(e):
@@ -429,6 +432,17 @@ def _allocate(model: DSAForCausalLM, device: str | torch.device) -> None:
             f"cannot allocate this model's {need / 2**30:.2f} GiB of weights and RoPE tables "
             f"on the {where}: {str(e).splitlines()[0]}"
         ) from None
+
+
+def _to_empty_on_huge_pages(model: DSAForCausalLM) -> None:
+    """`to_empty` on the CPU (its own `_apply`), the parameters carved from one block of
+    huge pages (`huge_page_empty_like`); the buffers apart, as sleep mode keeps them when
+    it drops the parameters."""
+    params = list(model.parameters())
+    carve = huge_page_empty_like(sum(p.numel() * p.element_size() + 64 for p in params))
+    model._apply(
+        lambda t: carve(t) if isinstance(t, nn.Parameter) else torch.empty_like(t, device="cpu")
+    )
 
 
 def _draft_vocab(
