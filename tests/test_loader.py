@@ -413,3 +413,16 @@ def test_a_cpu_models_weights_lie_in_one_block_of_huge_pages(glm_tiny):
         pytest.skip('THP is not in "madvise" mode here: eligibility says nothing')
     assert _thp_eligible(params[0].data_ptr())
     assert not _thp_eligible(torch.empty(1 << 20).data_ptr())  # (the allocator's own)
+
+
+def test_the_mtp_layers_dropped_vocab_copies_give_their_bytes_back(tmp_path):
+    """The MTP layer's own embedding and head (DeepSeek's), dropped at load where they
+    equal the target's, lie outside the weights' huge-page block: their bytes go back."""
+    model, _, _ = load_model(write_tiny_model(tmp_path, "deepseek-tiny"), draft_layers=1)
+    assert not model.mtp.vocab_copies()  # (both equal the target's: dropped)
+    params = list(model.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+    block = params[0].untyped_storage().nbytes() - (2 << 20)  # (the block's alignment slack)
+    kept = sum(p.numel() * p.element_size() + 64 for p in params)
+    vocab = model.model.embed_tokens.weight
+    assert kept <= block < kept + vocab.numel() * vocab.element_size()

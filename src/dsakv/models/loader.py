@@ -436,13 +436,16 @@ def _allocate(model: DSAForCausalLM, device: str | torch.device) -> None:
 
 def _to_empty_on_huge_pages(model: DSAForCausalLM) -> None:
     """`to_empty` on the CPU (its own `_apply`), the parameters carved from one block of
-    huge pages (`huge_page_empty_like`); the buffers apart, as sleep mode keeps them when
-    it drops the parameters."""
-    params = list(model.parameters())
-    carve = huge_page_empty_like(sum(p.numel() * p.element_size() + 64 for p in params))
-    model._apply(
-        lambda t: carve(t) if isinstance(t, nn.Parameter) else torch.empty_like(t, device="cpu")
-    )
+    huge pages (`huge_page_empty_like`). Apart: the buffers, as sleep mode keeps them when
+    it drops the parameters, and the MTP layer's vocab copies, which the load drops where
+    they equal the target's (vocab x hidden each: their bytes go back)."""
+    apart = set()
+    if model.model.parts.draft:  # (this stage holds the MTP layer)
+        apart = {id(p) for m in model.mtp.vocab_copies().values() for p in m.parameters()}
+    carved = [p for p in model.parameters() if id(p) not in apart]
+    carve = huge_page_empty_like(sum(p.numel() * p.element_size() + 64 for p in carved))
+    carved_ids = set(map(id, carved))
+    model._apply(lambda t: carve(t) if id(t) in carved_ids else torch.empty_like(t, device="cpu"))
 
 
 def _draft_vocab(

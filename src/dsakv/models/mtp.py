@@ -98,17 +98,24 @@ class MTPLayer(DecoderLayer):
             )
         return self._native_io
 
+    def vocab_copies(self) -> dict[str, nn.Module]:
+        """The vocab modules this layer holds its own copy of (`VOCAB_COPIES`' keys)."""
+        copies = {}
+        for path in VOCAB_COPIES:
+            parent_path, _, leaf = path.rpartition(".")
+            parent = self.get_submodule(parent_path) if parent_path else self
+            if (own := getattr(parent, leaf, None)) is not None:
+                copies[path] = own
+        return copies
+
     def drop_duplicate_vocab(self, target: nn.Module) -> list[str]:
         """Delete the vocab copies equal to `target`'s (this rank's shard), so the target's
         are used; returns the copies kept (they differ)."""
         kept = []
-        for path, target_path in VOCAB_COPIES.items():
+        for path, own in self.vocab_copies().items():
             parent_path, _, leaf = path.rpartition(".")
             parent = self.get_submodule(parent_path) if parent_path else self
-            own = getattr(parent, leaf, None)
-            if own is None:
-                continue
-            if torch.equal(own.weight, target.get_submodule(target_path).weight):
+            if torch.equal(own.weight, target.get_submodule(VOCAB_COPIES[path]).weight):
                 delattr(parent, leaf)
             else:
                 kept.append(path)
