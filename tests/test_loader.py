@@ -17,6 +17,8 @@ from dsakv.cli import main
 from dsakv.config import LayerPlan
 from dsakv.engine.engine import _load_tokenizer
 from dsakv.errors import ConfigError, DsakvError
+from dsakv.memory import huge_page_empty_like
+from dsakv.memory.release import Stash
 from dsakv.models import DSAForCausalLM, load_model, write_tiny_model
 
 from .model_driver import fp8_block_quantise, greedy, make_pool
@@ -413,6 +415,23 @@ def test_a_cpu_models_weights_lie_in_one_block_of_huge_pages(glm_tiny):
         pytest.skip('THP is not in "madvise" mode here: eligibility says nothing')
     assert _thp_eligible(params[0].data_ptr())
     assert not _thp_eligible(torch.empty(1 << 20).data_ptr())  # (the allocator's own)
+
+
+def test_weights_come_back_on_huge_pages_after_sleep():
+    """Sleep mode frees the weights' block and the allocator brings it back (`Stash`): on
+    plain pages, unless advised again. 40 MiB: past glibc's largest mmap threshold, so the
+    memory that comes back is always a fresh mapping, never the advised one reused."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.is_file() or "[madvise]" not in mode.read_text():
+        pytest.skip('THP is not in "madvise" mode here: eligibility says nothing')
+    n = 40 << 20
+    weight = huge_page_empty_like(n)(torch.empty(n // 4, device="meta"))
+    weight.copy_(torch.arange(n // 4, dtype=torch.float32))
+    stash = Stash([weight], keep=True, huge_pages=True)
+    stash.free()
+    stash.restore()
+    assert _thp_eligible(weight.data_ptr() + n // 2)
+    assert torch.equal(weight, torch.arange(n // 4, dtype=torch.float32))
 
 
 def test_the_mtp_layers_dropped_vocab_copies_give_their_bytes_back(tmp_path):

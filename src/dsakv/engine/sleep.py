@@ -150,7 +150,7 @@ class SleepMixin:
                     raise DsakvError("L3 storage did not take the cached pages in time")
                 stashes["kv_cache"] = [Stash(self.pool.buffers(), keep=False)]
             if "weights" in new:
-                params = Stash(self.model.parameters(), keep=not discard)
+                params = Stash(self.model.parameters(), keep=not discard, huge_pages=True)
                 slots = () if self.model.lora is None else self.model.lora.tensors()
                 buffers = Stash([*self.model.buffers(), *slots], keep=True)  # (slots: adapters')
                 stashes["weights"] = [params, buffers]

@@ -135,12 +135,7 @@ def huge_page_empty_like(nbytes: int) -> Callable[[torch.Tensor], torch.Tensor]:
     page, and the allocator writes the pages around it: hence the block. Past `nbytes`,
     plain `empty_like`."""
     block = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
-    at = -block.data_ptr() % _HUGE_PAGE  # (from a huge page's start)
-    whole = (block.numel() - at) // _HUGE_PAGE * _HUGE_PAGE
-    if _MADV_HUGEPAGE is not None and whole:  # (its answer unread: without THP, EINVAL)
-        _libc().madvise(
-            ctypes.c_void_p(block.data_ptr() + at), ctypes.c_size_t(whole), _MADV_HUGEPAGE
-        )
+    at = advise_huge_pages(block.data_ptr(), block.numel())  # (from a huge page's start)
 
     def empty_like(t: torch.Tensor) -> torch.Tensor:
         nonlocal at
@@ -152,6 +147,17 @@ def huge_page_empty_like(nbytes: int) -> Callable[[torch.Tensor], torch.Tensor]:
         return view
 
     return empty_like
+
+
+def advise_huge_pages(ptr: int, nbytes: int) -> int:
+    """Ask Linux to back the whole huge pages in `nbytes` of memory from `ptr` with
+    transparent huge pages (before anything is written there); how far from `ptr` the first
+    one starts."""
+    at = -ptr % _HUGE_PAGE
+    whole = max(nbytes - at, 0) // _HUGE_PAGE * _HUGE_PAGE
+    if _MADV_HUGEPAGE is not None and whole:  # (its answer unread: without THP, EINVAL)
+        _libc().madvise(ctypes.c_void_p(ptr + at), ctypes.c_size_t(whole), _MADV_HUGEPAGE)
+    return at
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .pool import allocation_failed, pinned_empty
+from .pool import advise_huge_pages, allocation_failed, pinned_empty
 
 
 def storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
@@ -43,10 +43,13 @@ def _bytes(s: torch.UntypedStorage) -> torch.Tensor:
 class Stash:
     """The storages under some tensors, to be freed (`free`) and brought back (`restore`):
     with `keep`, a host copy of their bytes made now (page-locked for a GPU's, one block for
-    all) comes back bit for bit; without, zeros come back (what a fresh pool holds)."""
+    all) comes back bit for bit; without, zeros come back (what a fresh pool holds).
+    `huge_pages`: CPU memory comes back advised for huge pages, as a CPU model's weights
+    are loaded (`huge_page_empty_like`); the allocator's new memory is not."""
 
-    def __init__(self, tensors: Iterable[torch.Tensor], keep: bool) -> None:
+    def __init__(self, tensors: Iterable[torch.Tensor], keep: bool, huge_pages: bool = False):
         self._held = [(s, s.nbytes()) for s in storages(tensors)]
+        self._huge_pages = huge_pages
         self._copy: torch.Tensor | None = None
         if keep and self._held:
             total = sum(n for _, n in self._held)
@@ -84,6 +87,8 @@ class Stash:
             at = 0
             for s, n in self._held:
                 s.resize_(n)
+                if self._huge_pages and s.device.type == "cpu":
+                    advise_huge_pages(s.data_ptr(), n)
                 b = _bytes(s)
                 if self._copy is None:
                     b.zero_()
