@@ -287,7 +287,6 @@ def test_mtp_on_the_last_stage_keeps_tokens_and_drafts(glm_tiny, reference):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--enable-lora"], "--enable-lora does not run with --pp-size 2 (> 1) yet"),
         (["--enable-torch-compile"], "--enable-torch-compile does not run with --pp-size 2"),
         (["--pp-layer-partition", "3,x"], "must be comma-separated integers >= 1"),
         (["--hicache-storage-backend", "file"], "--hicache-storage-backend does not run with"),

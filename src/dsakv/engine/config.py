@@ -360,7 +360,6 @@ class EngineConfig:
         if self.pp == 1:
             return
         refused = (
-            (self.enable_lora, "--enable-lora"),
             (self.hicache_storage_backend is not None, "--hicache-storage-backend"),
             # (its compiled blocks run on one rank only: a stage's would run eager unsaid)
             (self.enable_torch_compile, "--enable-torch-compile"),

@@ -249,6 +249,8 @@ def _routed_weights(
     prefix = f"model.layers.{layer}.mlp.experts"
     if layer >= model.plan.num_layers:
         return {}  # the MTP layer: the draft runs base weights
+    if layer not in model.model.parts.layers:
+        return {}  # another pipeline stage's layer: that stage reads its weights
     mlp = model.model.layers[layer].mlp  # (by its number: a stage holds some layers)
     if not isinstance(mlp, MoE):
         raise refuse(f"{prefix}: layer {layer} has no routed experts (a dense MLP)")
@@ -427,6 +429,8 @@ def _target(model: nn.Module, name: str, refuse) -> ShardedLinear | None:
     plan = model.plan  # (the one place that decides which layers run an indexer)
     if layer >= plan.num_layers:
         return None  # the MTP layer: the draft runs base weights
+    if layer not in model.model.parts.layers:
+        return None  # another pipeline stage's layer: that stage reads its weights
     if sub.startswith("self_attn.indexer.") and not plan.runs_indexer(layer):
         return None  # a shared layer: no indexer here, for adapters either
     try:
