@@ -44,6 +44,9 @@ VARIANTS = {
     ),
 }
 COUNTED = ("spec_accepted_tokens", "spec_verify_steps", "retractions", "retractions_to_host")
+# What each stage counts of its own layers, summed over the stages in rank 0's counters
+LAYERED = ("hisparse_hits", "hisparse_misses", "hisparse_resolves", "hisparse_rows_to_device",
+           "hisparse_bytes_to_host", "host_bytes_to_host", "host_bytes_to_device")  # fmt: skip
 
 
 def _prompts() -> list[list[int]]:
@@ -83,11 +86,13 @@ def one_stage(glm_tiny) -> tuple[list, dict]:
 )
 def test_stages_give_one_stages_tokens_and_logprobs(glm_tiny, roomy, one_stage, stages):
     """Decode steps miss on every stage (each resolves its groups' top-k); tokens and
-    logprobs are one stage's, tokens the roomy pool's."""
+    logprobs are one stage's, tokens the roomy pool's; rank 0's HiSparse counters are one
+    stage's (each stage's rows, each group's lookups once: they were stage 0's alone)."""
     got, counters = _run(glm_tiny, **HS, **stages)
     assert got == one_stage[0]
     assert [t for t, _ in got] == roomy
     assert counters["hisparse_misses"] > 0
+    assert {k: counters[k] for k in LAYERED} == {k: one_stage[1][k] for k in LAYERED}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -98,7 +103,7 @@ def test_mtp_and_the_host_tier_across_stages(glm_tiny, roomy, variant):
     one, c1 = _run(glm_tiny, **kw)
     two, c2 = _run(glm_tiny, **kw, pp=2, pp_layer_partition="3,5")
     assert two == one and [t for t, _ in two] == roomy
-    assert [c2[k] for k in COUNTED] == [c1[k] for k in COUNTED]
+    assert [c2[k] for k in COUNTED + LAYERED] == [c1[k] for k in COUNTED + LAYERED]
     counted = "spec_accepted_tokens" if variant == "mtp" else "retractions_to_host"
     assert c2[counted] > 0
 

@@ -118,6 +118,7 @@ _EVERY_RANK = frozenset(
     + PROFILE_CALLS
     + EXPERT_DISTRIBUTION_CALLS
     + ("read_lora_on_rank", "drop_lora_on_rank", "hisparse_replicas", "gathered_integrity")
+    + ("stage_layer_counters",)  # (rank 0's counters under --pp-size)
     # (DP attention's /flush_cache, pause "retract", and the pause itself)
     + ("gathered_flush", "retract_all", "set_paused")
 )
@@ -1837,7 +1838,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
     def counters(self) -> dict[str, float]:
         """A flat snapshot for /metrics and the benchmark."""
         s, sch = self.stats, self.scheduler.stats
-        host = self.host.bytes_copied if self.host else {"d2h": 0, "h2d": 0}
+        layered = self._layer_counters()
+        if self.parallel.pp_size > 1:  # (each stage's of its own layers)
+            stages = self._on_every_rank("stage_layer_counters")
+            layered = {key: sum(stage[key] for stage in stages) for key in layered}
         cell = self.model_layout.bytes_per_token  # (every stage's layers: the same at any pp)
         dense = self.model_layout.dense().bytes_per_token
         return {
@@ -1865,8 +1869,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             "prefix_pages_demoted": self.cache.demoted_pages,
             "prefix_pages_promoted": self.cache.promoted_pages,
             "prefix_pages_evicted": self.cache.evicted_pages,
-            "host_bytes_to_host": host["d2h"],
-            "host_bytes_to_device": host["h2d"],
+            "host_bytes_to_host": layered["host_bytes_to_host"],
+            "host_bytes_to_device": layered["host_bytes_to_device"],
             "finished_requests": s.finished_requests,
             "steps": s.steps,
             "step_time_s": s.step_time_s,
@@ -1880,11 +1884,24 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             "index_k_bytes_per_token_saved": dense - cell,
             **(self.l3.counters() if self.l3 is not None else zero_counters()),
             **(
-                self.hot.counters(self.allocator.num_used_pages * self.config.page_size)
+                self.hot.counters(self.allocator.num_used_pages * self.config.page_size, layered)
                 if self.hot is not None
                 else HotBuffers.zero_counters()
             ),
         }
+
+    def _layer_counters(self) -> dict[str, int]:
+        """The counters of what this rank's layers did (its pipeline stage's): the host
+        tier's and HiSparse's copies and lookups."""
+        host = self.host.bytes_copied if self.host else {"d2h": 0, "h2d": 0}
+        hot = self.hot.layer_counters() if self.hot is not None else {}
+        return {"host_bytes_to_host": host["d2h"], "host_bytes_to_device": host["h2d"], **hot}
+
+    def stage_layer_counters(self) -> list[dict[str, int]]:
+        """Every pipeline stage's `_layer_counters` (its TP rank 0's: a stage's ranks count
+        alike), for rank 0's `counters` to sum."""
+        mine = self._layer_counters() if self.parallel.tp_rank == 0 else None
+        return [c for c in self.parallel.all_gather_objects(mine) if c is not None]
 
     def lora_requests(self) -> LoraRequests | None:
         """The requests on each LoRA adapter, running and waiting (a decode server's

@@ -274,24 +274,37 @@ class HotBuffers:
         """`counters()` of an engine without HiSparse (one /metrics schema either way)."""
         return dict.fromkeys(_COUNTERS, 0)
 
-    def counters(self, host_tokens_used: int) -> dict[str, int]:
-        """`host_tokens_used`: logical tokens held (their latent is in host memory)."""
+    def layer_counters(self) -> dict[str, int]:
+        """The counters of what this rank's layers did (a pipeline stage's own; the
+        lookups counted on the stage holding each group's full layer): `counters` takes
+        them summed over the stages."""
         hits, misses, miss_rows = self._counts.tolist()
         st = self.stats
-        to_device = st.rows_to_device + miss_rows
+        return {
+            "hisparse_hits": hits,
+            "hisparse_misses": misses,
+            "hisparse_resolves": st.resolves,
+            "hisparse_rows_to_device": st.rows_to_device + miss_rows,
+            "hisparse_rows_to_host": st.rows_to_host,
+        }
+
+    def counters(self, host_tokens_used: int, layered: dict[str, int]) -> dict[str, int]:
+        """`host_tokens_used`: logical tokens held (their latent is in host memory);
+        `layered`: `layer_counters`, of every pipeline stage."""
+        to_device, to_host = layered["hisparse_rows_to_device"], layered["hisparse_rows_to_host"]
         out = {
             "hisparse_device_tokens_total": self.allocator.num_pages * self.page_size,
             "hisparse_device_tokens_used": self.num_latent_tokens_used,
             "hisparse_host_tokens_total": self.pool.num_tokens,
             "hisparse_host_tokens_used": host_tokens_used,
             "hisparse_hot_buffers": sum(1 for h in self._reqs.values() if h.row >= 0),
-            "hisparse_hits": hits,
-            "hisparse_misses": misses,
-            "hisparse_resolves": st.resolves,
+            "hisparse_hits": layered["hisparse_hits"],
+            "hisparse_misses": layered["hisparse_misses"],
+            "hisparse_resolves": layered["hisparse_resolves"],
             "hisparse_rows_to_device": to_device,
             "hisparse_bytes_to_device": to_device * self.row_bytes,
-            "hisparse_rows_to_host": st.rows_to_host,
-            "hisparse_bytes_to_host": st.rows_to_host * self.row_bytes,
+            "hisparse_rows_to_host": to_host,
+            "hisparse_bytes_to_host": to_host * self.row_bytes,
         }
         assert tuple(out) == _COUNTERS
         return out
@@ -701,9 +714,12 @@ class HotStep:
             miss_slot.reshape(-1),
         )
         n_miss = missed.sum()
-        looked_up = _distinct(union) if self.width > 1 else (union >= 0).sum()
-        hb._counts += torch.stack([looked_up - n_miss, n_miss, n_miss * len(group)])
-        hb.stats.resolves += 1
+        if layer in hb.device_rows:  # (the full layer's stage counts the group's lookups)
+            looked_up = _distinct(union) if self.width > 1 else (union >= 0).sum()
+            hb._counts += torch.stack([looked_up - n_miss, n_miss, n_miss * len(group)])
+            hb.stats.resolves += 1
+        else:  # (a later stage makes the same lookups, and copies rows of its own layers)
+            hb._counts[2] += n_miss * len(group)
         return torch.where(valid, slots, 0).long()
 
 
