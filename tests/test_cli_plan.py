@@ -334,3 +334,72 @@ def test_a_plan_the_checkpoint_cannot_run_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "layer(s) 2, 7 run their indexer in the layer plan FFFSFSFF" in err[0]
     assert "--index-topk-pattern" in err[0]
+
+
+def _plan_error(capsys, *args: str) -> str:
+    """The one `error:` line (exit 2) `dsakv plan ARGS` answers with."""
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--kv-budget-gib", "1e-6"], "elided layout"),
+        (["--kv-budget-gib", "0.003", "--no-elide-index-k"], "dense layout"),  # (elided: 64)
+        (["--kv-budget-gib", "0.001416", "--pp-size", "2"], "pipeline stage 0"),  # (1: a page)
+    ],
+)
+def test_a_budget_of_less_than_a_page_is_refused(capsys, args, said):
+    """A budget that holds no page of the layout asked for planned 0 tokens (exit 0), where
+    an engine with that budget refuses to start: now the plan refuses it as the engine does,
+    naming the layout (and under --pp-size the stage whose pool holds none)."""
+    err = _plan_error(capsys, "glm-5.2", *args)
+    assert "the KV budget holds less than one page" in err and said in err, err
+
+
+def _checkpoint_index(path, config: dict, names: list[str]) -> str:
+    """A checkpoint folder as `checkpoint_files` reads it (config.json and a safetensors
+    index of `names`): what the plan checks a layer plan against, without the tensors."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    index = {"weight_map": dict.fromkeys(names, "model.safetensors")}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return str(path)
+
+
+def test_draft_layers_the_engine_cannot_build_are_refused(tmp_path, capsys):
+    """The plan priced 2 draft layers, and 1 over a checkpoint without an MTP layer, where the
+    engine builds exactly one MTP layer and refuses a checkpoint that has none."""
+    from dsakv.config import preset
+
+    assert "dsakv runs one MTP draft layer" in _plan_error(capsys, "glm-5.2", "--draft-layers", "2")
+    assert _plan_json(capsys, "deepseek-v3.2", "--draft-layers", "1")["num_draft_layers"] == 1
+    config = preset("glm-5.2")
+    indexers = [f"model.layers.{i}.self_attn.indexer.wk.weight" for i in range(78)]
+    bare = _checkpoint_index(tmp_path / "bare", {**config, "num_nextn_predict_layers": 0}, indexers)
+    assert _plan_json(capsys, bare)["num_draft_layers"] == 0
+    err = _plan_error(capsys, bare, "--draft-layers", "1")
+    assert "has no MTP layer (model.layers.78.*" in err and "needs one" in err, err
+    mtp_names = [f"model.layers.78.{n}.weight" for n in ("eh_proj", "self_attn.indexer.wk")]
+    mtp = _checkpoint_index(tmp_path / "mtp", config, [*indexers, *mtp_names])
+    assert _plan_json(capsys, mtp, "--draft-layers", "1")["bytes_per_token"] == 48408
+
+
+@pytest.mark.parametrize("group", [0, -16, 1.5, True, "16", None])
+def test_a_bad_nvfp4_group_size_is_one_error(tmp_path, capsys, group):
+    """A modelopt NVFP4 config's group_size of 0 (or null, or False) was priced as 16 without
+    a word, and any other bad one was dropped as "unknown weights" under an explicit budget."""
+    from dsakv.config import preset
+
+    q = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": group}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**preset("glm-5.2"), "quantization_config": q}))
+    for budget in (["--kv-budget-gib", "10"], ["--gpu-memory-gib", "288", "--tp", "8"]):
+        err = _plan_error(capsys, str(tmp_path), *budget)
+        assert "quantization_config.group_size must be an integer >= 1" in err, err
+    del q["group_size"]  # (absent: modelopt's 16)
+    config.write_text(json.dumps({**preset("glm-5.2"), "quantization_config": q}))
+    assert _plan_json(capsys, str(tmp_path))["weight_bytes_per_rank"] is not None

@@ -307,7 +307,7 @@ def test_plan_pp_1_is_unchanged(capsys):
     ("args", "cell"),
     [
         (["--pp-size", "78"], "151,658,432"),  # (100 GiB over 708 B: ≥ 100M tokens a stage)
-        (["--pp-size", "4", "--draft-layers", "3", "--kv-budget-gib", "2000"], "59-77 +78-80"),
+        (["--pp-size", "4", "--draft-layers", "1", "--kv-budget-gib", "2000"], "59-77 +78"),
     ],
 )
 def test_plan_stage_table_columns_stay_apart(capsys, args, cell):

@@ -35,10 +35,16 @@ if TYPE_CHECKING:
 GIB = 1 << 30  # (memory.capacity's, not imported here: dsakv.memory loads torch)
 
 
-def _check_indexers(model: str, plan: Any) -> None:
-    """A plan whose full layers a checkpoint has no indexer weights for is refused, as the
-    engine refuses it (a config-only folder or a preset: nothing to check against)."""
-    from dsakv.config.checkpoint import checkpoint_files, indexer_layers, no_indexer_problem
+def _check_checkpoint(model: str, config: Any, plan: Any) -> None:
+    """A plan whose full layers a checkpoint has no indexer weights for, or with a draft
+    layer where it has no MTP layer, is refused, as the engine refuses it (a config-only
+    folder or a preset: nothing to check against)."""
+    from dsakv.config.checkpoint import (
+        checkpoint_files,
+        indexer_layers,
+        mtp_layer_prefix,
+        no_indexer_problem,
+    )
 
     path = Path(model)
     if not path.is_dir():
@@ -50,14 +56,34 @@ def _check_indexers(model: str, plan: Any) -> None:
     lacking = set(plan.full_layers) - indexer_layers(names)
     if lacking:
         raise DsakvError(f"{model}: {no_indexer_problem(lacking, plan.pattern)}")
+    if plan.num_draft_layers:
+        mtp_layer_prefix(path, config, names)
+
+
+def _check_a_page(pipe: Any, dense: bool) -> None:
+    """A budget that holds no page of the layout asked for (under --pp-size, on the stage
+    that holds the fewest) is refused, as the engine refuses it; the other layout's column
+    may still read 0."""
+    from dsakv.memory.capacity import check_holds_a_page
+    from dsakv.memory.layout import spans
+
+    s = pipe.limiting
+    stage = ""
+    if len(pipe.stages) > 1:
+        stage = f" on pipeline stage {s.stage} (layers {spans(s.layout.held_layers)})"
+    check_holds_a_page(
+        s.capacity.num_pages,
+        f" of the {'dense' if dense else 'elided'} layout{stage}: "
+        f"{s.capacity.kv_budget_bytes:,} B per rank, a page takes {s.layout.bytes_per_page:,} B",
+    )
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.config import LayerPlan, ModelConfig
+    from dsakv.config.layer_plan import check_one_draft_layer
     from dsakv.distributed import ParallelConfig
-    from dsakv.errors import ConfigError
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_pipeline
-    from dsakv.memory.capacity import gain_pct, host_tier_flag
+    from dsakv.memory.capacity import UnpricedWeightsError, gain_pct, host_tier_flag
     from dsakv.memory.layout import DEFAULT_LATENT_DTYPE
 
     fold_host_tier(args)
@@ -65,7 +91,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     config = ModelConfig.resolve(args.model)
     hisparse = _hisparse_config(args, config)
     plan = LayerPlan.from_config(config, draft_layers=args.draft_layers, **plan_overrides(args))
-    _check_indexers(args.model, plan)
+    check_one_draft_layer(plan)
+    _check_checkpoint(args.model, config, plan)
     elided = CacheLayout.from_plan(
         config,
         plan,
@@ -103,7 +130,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         weights = estimate_weight_bytes(
             config, plan, args.tp, ep=args.ep, dp_attention=args.dp_attention
         )
-    except ConfigError:  # weights it cannot price (the parallel flags are checked above)
+    except UnpricedWeightsError:  # (a malformed config or parallel layout stays an error)
         if subtracted:
             raise
         weights = None  # the budget does not need them: reported as unknown
@@ -128,6 +155,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         for layout in (elided, dense)
     )
     chosen = pipe_d if args.no_elide_index_k else pipe_e
+    if hisparse is None:  # (HiSparse's device pool: `check_pool` below)
+        _check_a_page(chosen, args.no_elide_index_k)
     chosen_layout = chosen.limiting.layout
     report = {
         "model_type": config.model_type,

@@ -8,11 +8,14 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
 from dsakv.errors import DsakvError, load_json
+
+if TYPE_CHECKING:
+    from .model import ModelConfig
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
@@ -57,6 +60,21 @@ def no_indexer_problem(layers: Iterable[int], pattern: str) -> str:
         f"{pattern} but the checkpoint holds none for them: make them shared "
         "(--index-topk-pattern)"
     )
+
+
+def mtp_layer_prefix(path: Path, config: ModelConfig, names: Iterable[str]) -> str:
+    """The MTP layer's tensor prefix (`model.layers.{N}.`); a checkpoint with none of its
+    tensors is one clear error, which the loader and `dsakv plan` give for a plan with a
+    draft layer."""
+    n = config.num_hidden_layers
+    prefix = f"model.layers.{n}."
+    if not any(name.startswith(prefix) for name in names):
+        raise DsakvError(
+            f"checkpoint {path} has no MTP layer (model.layers.{n}.*; config.json sets "
+            f"num_nextn_predict_layers {config.num_nextn_predict_layers}); "
+            "speculative decoding needs one"
+        )
+    return prefix
 
 
 def open_checkpoint_file(file: Path) -> Any:

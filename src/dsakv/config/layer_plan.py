@@ -238,6 +238,15 @@ def _parse_pattern(pattern: str, num_layers: int, name: str) -> tuple[str, ...]:
     return tuple(FULL if c == "F" else SHARED for c in pattern)
 
 
+def check_one_draft_layer(plan: LayerPlan) -> None:
+    """dsakv builds one MTP layer and runs it chained for every draft step: a plan with
+    more is refused by the model and by `dsakv plan` alike."""
+    if plan.num_draft_layers > 1:
+        raise ConfigError(
+            f"dsakv runs one MTP draft layer (chained); the plan has {plan.num_draft_layers}"
+        )
+
+
 def builds_embedding(*, first: bool, last: bool, draft: bool, tied: bool) -> bool:
     """Whether a pipeline stage (the whole model with one) builds the embedding: the first
     stage embeds the tokens; the last holds one too where lm_head is it (`tied`) or its

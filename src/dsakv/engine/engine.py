@@ -34,6 +34,7 @@ from dsakv.memory.allocator import PageAllocator
 from dsakv.memory.capacity import (
     GIB,
     HostTierPlan,
+    check_holds_a_page,
     host_tier_pages,
     node_sums,
     rank_host_bytes,
@@ -451,8 +452,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 )  # fmt: skip
             pages = min(pages, cap // config.page_size)
         pages = self._least_over_stages(pages)
-        if pages < 1:
-            raise DsakvError("the KV budget holds less than one page")
+        check_holds_a_page(pages)
         if self.hisparse is None:
             self._check_host_memory(pages)
             return pages, None

@@ -27,6 +27,11 @@ _DTYPE_BYTES = {
 }
 
 
+class UnpricedWeightsError(ConfigError):
+    """A quantization the estimate cannot price: where the weights do not size the budget,
+    `dsakv plan` reports them as unknown (a malformed config is a plain ConfigError)."""
+
+
 @dataclass(frozen=True)
 class WeightStorage:
     """How a checkpoint stores its weight matrices, from its `quantization_config`.
@@ -57,12 +62,15 @@ class WeightStorage:
             block = q.get("weight_block_size")  # (`ModelConfig` checks its shape)
             return cls(wide, "fp8", tuple(block) if block else None, exclude=_exclusions(q))
         if method == "modelopt" and str(algo).upper() == "NVFP4":
-            group = q.get("group_size") or 16
+            group = q.get("group_size", 16)  # (absent: modelopt's 16; 0 or null is no size)
             if not is_int(group) or group < 1:
-                raise ConfigError(f"quantization_config.group_size must be >= 1, got {group!r}")
+                raise ConfigError(
+                    "quantization_config.group_size must be an integer >= 1 (NVFP4 values "
+                    f"per scale), got {group!r}"
+                )
             return cls(wide, "nvfp4", group=group, exclude=_exclusions(q))
         what = f"quant_method {method!r}" + (f", quant_algo {algo!r}" if algo else "")
-        raise ConfigError(
+        raise UnpricedWeightsError(
             f"cannot price weights quantised with {what} (known: fp8, modelopt NVFP4); "
             "give the weights per rank (--weights-gib)"
         )
@@ -375,6 +383,16 @@ def _check_gib(name: str, value: float | None, positive: bool = False) -> None:
         raise ConfigError(
             f"{name} must be a finite number {'> 0' if positive else '>= 0'} (GiB), got {value!r}"
         )
+
+
+NO_PAGE = "the KV budget holds less than one page"
+
+
+def check_holds_a_page(pages: int, detail: str = "") -> None:
+    """A pool of no page admits no request: the engine refuses to build one, and `dsakv
+    plan` to plan one (`detail`: which layout and budget)."""
+    if pages < 1:
+        raise ConfigError(NO_PAGE + detail)
 
 
 def _page_aligned_tokens(budget: float, cell: int, page: int) -> int:

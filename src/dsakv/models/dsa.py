@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from dsakv.config import LayerPlan, ModelConfig
+from dsakv.config.layer_plan import check_one_draft_layer
 from dsakv.distributed.parallel import ParallelState
 from dsakv.errors import DsakvError
 from dsakv.kernels import TorchBackend, cpu_native
@@ -110,10 +111,7 @@ class DSAForCausalLM(nn.Module):
             raise ValueError(
                 f"layer plan has {plan.num_layers} layers, model has {config.num_hidden_layers}"
             )
-        if plan.num_draft_layers > 1:
-            raise DsakvError(
-                f"dsakv runs one MTP draft layer (chained); the plan has {plan.num_draft_layers}"
-            )
+        check_one_draft_layer(plan)
         self.parallel = parallel or ParallelState.single()
         self.parallel.config.check_model(config)
         self.config, self.plan = config, plan

@@ -35,6 +35,7 @@ from dsakv.config import LayerPlan, ModelConfig
 from dsakv.config.checkpoint import (
     checkpoint_files,
     indexer_layers,
+    mtp_layer_prefix,
     no_indexer_problem,
     open_checkpoint_file,
 )
@@ -456,14 +457,7 @@ def _draft_vocab(
     checkpoint lacks."""
     if not plan.num_draft_layers:
         return False, False
-    n = config.num_hidden_layers
-    prefix = f"model.layers.{n}."
-    if not any(name.startswith(prefix) for name in files):
-        raise DsakvError(
-            f"checkpoint {path} has no MTP layer (model.layers.{n}.*; config.json sets "
-            f"num_nextn_predict_layers {config.num_nextn_predict_layers}); "
-            "speculative decoding needs one"
-        )
+    prefix = mtp_layer_prefix(path, config, files)
     return prefix + "embed_tokens.weight" in files, prefix + "shared_head.head.weight" in files
 
 
