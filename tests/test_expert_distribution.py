@@ -200,6 +200,19 @@ def test_dp_attention_counts_as_one_engine(glm_tiny, glm_tiny_hf, out_dir):
     )
 
 
+def test_pipeline_stages_count_as_one_engine(glm_tiny, glm_tiny_hf, out_dir):
+    """Under --pp-size each stage routes its own layers: the dump holds every stage's
+    layers, the counts one engine makes of the same requests."""
+    prompts = _prompts(5)
+    with LLM(glm_tiny, **EXACT, num_pages=64, pp=2, pp_layer_partition="3,5", **STAT) as llm:
+        llm.start_expert_distribution_record()
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        dump = _stat(llm.dump_expert_distribution_record())
+    np.testing.assert_array_equal(
+        dump["logical_count"].sum(0).numpy(), _counts(glm_tiny_hf, prompts, outs)
+    )
+
+
 def test_refused_without_the_mode_or_moe(glm_tiny, tmp_path, capsys):
     """Without the mode, each call is refused naming the flag; a model without MoE layers
     refuses the mode; a mode SGLang has that this engine does not is refused; the flags

@@ -290,7 +290,6 @@ def test_mtp_on_the_last_stage_keeps_tokens_and_drafts(glm_tiny, reference):
         (["--enable-torch-compile"], "--enable-torch-compile does not run with --pp-size 2"),
         (["--pp-layer-partition", "3,x"], "must be comma-separated integers >= 1"),
         (["--hicache-storage-backend", "file"], "--hicache-storage-backend does not run with"),
-        (["--enable-return-hidden-states"], "--enable-return-hidden-states does not run with"),
         (["--disaggregation-mode", "prefill"], "does not run with --pp-size > 1 yet"),
         (["--pp-layer-partition", "3,4"], "covers 7 layers; the model has 8"),
         (["--pp-layer-partition", "2,2,4"], "must be 2 numbers (one per stage of --pp-size 2)"),

@@ -373,6 +373,23 @@ class ParallelState:
             dist.recv(x, last)
         return x
 
+    def stages_to_driver(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The sum on rank 0 of every stage's `x` (its TP rank 0's), each stage having
+        filled only its own part of it, zeros elsewhere (its layers' routing); the other
+        ranks None. The identity with one stage."""
+        if self.pp_size == 1:
+            return x
+        if self.rank == 0:
+            total = x.clone()
+            for stage in range(1, self.pp_size):
+                part = torch.empty_like(x)
+                dist.recv(part, stage * self.tp_size)
+                total += part
+            return total
+        if self.tp_rank == 0:
+            dist.send(x.contiguous(), 0)
+        return None
+
     def broadcast_rows(
         self,
         n: int,

@@ -363,13 +363,6 @@ class EngineConfig:
             (self.hicache_storage_backend is not None, "--hicache-storage-backend"),
             # (its compiled blocks run on one rank only: a stage's would run eager unsaid)
             (self.enable_torch_compile, "--enable-torch-compile"),
-            # (what these return is on the last stage, and each stage routes its own layers)
-            (self.enable_return_hidden_states, "--enable-return-hidden-states"),
-            (self.enable_return_routed_experts, "--enable-return-routed-experts"),
-            (
-                self.expert_distribution_recorder_mode is not None,
-                "--expert-distribution-recorder-mode",
-            ),
         )
         for bad, flag in refused:
             if bad:

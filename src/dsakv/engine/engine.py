@@ -1269,12 +1269,15 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             hot = self.hot.begin_step([(r.rid, r.num_computed, n) for r, n in batch], slots)
         capturing = self._capturing(batch)
         record = any(batch[i][0].params.return_routed_experts for i in capturing)
+        keep_hidden = any(batch[i][0].params.return_hidden_states for i in capturing)
         # (None: no expert distribution window is open)
         counting = self.expert_record if self.recording else None
         record = record or counting is not None
         forward = _synced_clock(self.device) if "model" in self._timed else 0.0
         lora = self.lora.step([req.lora for req, _ in batch]) if self.lora is not None else None
-        hidden, logits, routed = self.runner.forward(new_tokens, slots, hot, rows, record, lora)
+        hidden, logits, routed = self.runner.forward(
+            new_tokens, slots, hot, rows, record, lora, keep_hidden
+        )
         if "model" in self._timed:
             forward = _synced_clock(self.device) - forward
         if counting is not None:

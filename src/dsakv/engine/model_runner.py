@@ -83,15 +83,18 @@ class ModelRunner:
         rows: Sequence[int] = (),
         record: bool = False,
         lora: tuple[tuple[int, ...], list[int]] | None = None,
+        keep_hidden: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Run the target over one step's tokens (their KV goes to `slots`' tails);
         returns hidden `[T, H]` (final-normed), the fp32 logits of its `rows` (as
         `logits`; None without rows), in the same native call where the step has one, and
-        with `record`, the experts this rank's tokens were routed to (`record_routing`'s
+        with `record`, the experts the tokens were routed to (`record_routing`'s
         `[T, layers, top_k]`; other ranks route alike); else None.
         Under pipeline parallelism the hidden rows returned on rank 0 are its stage's
-        output (un-normed; the last stage keeps the final ones), the logits the last
-        stage's. A step that records runs eager: not a CUDA graph (SGLang's captures it). `hot`:
+        output (un-normed; the last stage keeps the final ones), or with `keep_hidden` the
+        last stage's (in fp32), the logits the last stage's, and the experts every stage's
+        of its own layers. A step that records runs eager: not a CUDA graph (SGLang's
+        captures it). `hot`:
         the step's HiSparse latent slots (`dsakv.engine.hisparse.HotStep`: rank 0's; the
         other ranks build theirs from its entries).
         `lora`: the step's LoRA table (`LoraRegistry.step`), None without LoRA requests; a
@@ -99,8 +102,9 @@ class ModelRunner:
         with self._leading() as send:
             if send:
                 entries = None if hot is None else hot.entries
-                send("forward", _pack(new_tokens), _pack_slots(slots), list(rows), lora, entries)
-            return self._forward(new_tokens, slots, hot, rows, record, lora)
+                packed = (_pack(new_tokens), _pack_slots(slots), list(rows), lora, entries)
+                send("forward", *packed, record, keep_hidden)
+            return self._forward(new_tokens, slots, hot, rows, record, lora, keep_hidden)
 
     def forward_draft(
         self,
@@ -237,10 +241,10 @@ class ModelRunner:
                     if tier is self.host and self.meets_before_reads:
                         self.parallel.tp_sync(self.device)
             if kind == "forward":
-                tokens, slots, rows, lora, entries = args
+                tokens, slots, rows, lora, entries, record, keep_hidden = args
                 slots = [s.long() for s in slots]
                 hot = None if entries is None else self.hot.begin_step(entries, slots)
-                self._forward(tokens, slots, hot, rows=rows, lora=lora)
+                self._forward(tokens, slots, hot, rows, record, lora, keep_hidden)
                 if hot is not None:
                     self.hot.end_step(hot)
             elif kind == "draft":
@@ -271,7 +275,14 @@ class ModelRunner:
             yield send
 
     def _forward(
-        self, new_tokens, slots, hot=None, rows: Sequence[int] = (), record=False, lora=None
+        self,
+        new_tokens,
+        slots,
+        hot=None,
+        rows: Sequence[int] = (),
+        record=False,
+        lora=None,
+        keep_hidden=False,
     ):
         graphs, logits, routed = self.decode_graphs, None, None
         if self.model.lora is not None:
@@ -292,7 +303,14 @@ class ModelRunner:
                     logits = self._to_driver(logits, len(rows))
                 else:
                     self.last[TARGET] = self.model(fb, self.pool)
-        return self.last[TARGET], logits, routed
+        hidden = self.last[TARGET]
+        if self.parallel.pp_size > 1:  # (each stage holds its layers' part)
+            if record:
+                routed = self.parallel.stages_to_driver(routed)
+            if keep_hidden:
+                shape = (hidden.shape[0], self.model.config.hidden_size)
+                hidden = self.parallel.to_driver(hidden, shape, self.device)
+        return hidden, logits, routed
 
     def _forward_draft(
         self, new_tokens, slots, source: str, rows: torch.Tensor, entries=None
