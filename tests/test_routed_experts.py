@@ -281,12 +281,12 @@ def test_dp_attention_brings_each_ranks_rows_back(glm_tiny, glm_tiny_hf):
         _check(glm_tiny_hf, prompt, out.outputs[0])
 
 
-@pytest.mark.parametrize("layout", [dict(pp=2, pp_layer_partition="3,5"), dict(tp=2, pp=2)])
-def test_pipeline_stages_bring_every_stages_rows_back(glm_tiny, glm_tiny_hf, layout):
+def test_pipeline_stages_bring_every_stages_rows_back(glm_tiny, glm_tiny_hf):
     """Under --pp-size each stage routes its own layers and the last holds the final hidden
-    states: rank 0 gathers them, and each request's rows are transformers', as one
-    engine's (a stage's layers alone: the others' routing read as expert 0)."""
+    states: rank 0 gathers them (each stage's TP rank 0's), and each request's rows are
+    transformers', as one engine's (a stage's layers alone: the others' read as expert 0)."""
     prompts = _prompts()
+    layout = dict(tp=2, pp=2, pp_layer_partition="3,5")
     with LLM(glm_tiny, **EXACT, num_pages=64, chunked_prefill_size=24, **layout, **FLAGS) as llm:
         outs = llm.generate(prompts, [ASKED, GREEDY, ASKED, ASKED], use_tqdm=False)
     for i in (0, 2, 3):
