@@ -745,6 +745,7 @@ _EAGLE = ["--speculative-algorithm", "EAGLE"]
         (["--max-seq-len-to-capture", "8192"], ["vLLM's (gone since", "--cuda-graph-max-bs"]),
         (["--cuda-graph-max-bs", "0"], ["--cuda-graph-max-bs: must be an integer >= 1"]),
         (["--enforce-eager", "--enable-torch-compile"], ["--enforce-eager", "contradict"]),
+        (["--tp", "2", "--enable-torch-compile"], ["runs on one rank", "not 2 (--tp 2"]),
         (
             ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"],
             ["budget of 2048", "the context length, 16384", "as vLLM requires"],

@@ -287,9 +287,12 @@ def test_mtp_on_the_last_stage_keeps_tokens_and_drafts(glm_tiny, reference):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--enable-torch-compile"], "--enable-torch-compile does not run with --pp-size 2"),
+        (["--enable-torch-compile"], "--enable-torch-compile runs on one rank (its compiled"),
         (["--pp-layer-partition", "3,x"], "must be comma-separated integers >= 1"),
-        (["--hicache-storage-backend", "file"], "--hicache-storage-backend does not run with"),
+        (
+            ["--hicache-storage-backend", "file", "--hicache-storage-dir", "/nonexistent/l3"],
+            "runs with one rank only (--tp 1, --pp-size 1)",
+        ),
         (["--disaggregation-mode", "prefill"], "does not run with --pp-size > 1 yet"),
         (["--pp-layer-partition", "3,4"], "covers 7 layers; the model has 8"),
         (["--pp-layer-partition", "2,2,4"], "must be 2 numbers (one per stage of --pp-size 2)"),

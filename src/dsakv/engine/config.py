@@ -315,7 +315,11 @@ class EngineConfig:
             parts = parse_layer_partition(self.pp_layer_partition)
             object.__setattr__(self, "pp_layer_partition", parts)
         pc = self.parallel  # (validates the parallel flags)
-        self._check_pp()
+        if self.enable_torch_compile and pc.world_size > 1:  # (else eager, unsaid)
+            raise DsakvError(
+                "--enable-torch-compile runs on one rank (its compiled blocks hold no "
+                f"collectives), not {pc.world_size} (--tp {self.tp}, --pp-size {self.pp})"
+            )
         if pc.dp_attention and self.max_running_requests < pc.world_size:
             raise DsakvError(
                 f"--max-running-requests {self.max_running_requests} is less than one request "
@@ -350,23 +354,10 @@ class EngineConfig:
                 )
             if self.parallel.world_size > 1:
                 raise DsakvError(
-                    "--hicache-storage-backend runs with one rank only (--tp 1): pages read "
-                    "from storage would reach rank 0's pool, not the other ranks' replicas"
+                    "--hicache-storage-backend runs with one rank only (--tp 1, --pp-size 1): "
+                    "pages read from storage would reach rank 0's pool only, not the other "
+                    "ranks' replicas or stages"
                 )
-
-    def _check_pp(self) -> None:
-        """What pipeline stages (`pp` > 1) do not run with yet, refused before anything
-        loads."""
-        if self.pp == 1:
-            return
-        refused = (
-            (self.hicache_storage_backend is not None, "--hicache-storage-backend"),
-            # (its compiled blocks run on one rank only: a stage's would run eager unsaid)
-            (self.enable_torch_compile, "--enable-torch-compile"),
-        )
-        for bad, flag in refused:
-            if bad:
-                raise DsakvError(f"{flag} does not run with --pp-size {self.pp} (> 1) yet")
 
     def _check_pool_size(self) -> None:
         """One way to size the pool; a fraction of the GPU on a GPU, with SGLang's meaning."""

@@ -309,8 +309,7 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             n_heads=c.num_attention_heads // self.parallel.attn_size,
             index_heads=c.index_n_heads,
             index_topk=c.index_topk,
-            # Compiled blocks hold no collectives: one rank only.
-            compile=config.enable_torch_compile and self.parallel.world_size == 1,
+            compile=config.enable_torch_compile,  # (one rank: `EngineConfig` refuses more)
             deterministic=self.deterministic,
         )
         self.model.use_backend(self.backend)
