@@ -244,6 +244,8 @@ class ModelRunner:
                 tokens, slots, rows, lora, entries, record, keep_hidden = args
                 slots = [s.long() for s in slots]
                 hot = None if entries is None else self.hot.begin_step(entries, slots)
+                # (routing is read on rank 0, which each later stage sends its part)
+                record = record and self.parallel.pp_size > 1
                 self._forward(tokens, slots, hot, rows, record, lora, keep_hidden)
                 if hot is not None:
                     self.hot.end_step(hot)

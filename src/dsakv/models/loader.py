@@ -443,10 +443,9 @@ def _to_empty_on_huge_pages(model: DSAForCausalLM) -> None:
     apart = set()
     if model.model.parts.draft:  # (this stage holds the MTP layer)
         apart = {id(p) for m in model.mtp.vocab_copies().values() for p in m.parameters()}
-    carved = [p for p in model.parameters() if id(p) not in apart]
-    carve = huge_page_empty_like(sum(p.numel() * p.element_size() + 64 for p in carved))
-    carved_ids = set(map(id, carved))
-    model._apply(lambda t: carve(t) if id(t) in carved_ids else torch.empty_like(t, device="cpu"))
+    carved = {id(p): p for p in model.parameters() if id(p) not in apart}
+    carve = huge_page_empty_like(sum(p.numel() * p.element_size() + 64 for p in carved.values()))
+    model._apply(lambda t: carve(t) if id(t) in carved else torch.empty_like(t, device="cpu"))
 
 
 def _draft_vocab(

@@ -100,26 +100,24 @@ class MTPLayer(DecoderLayer):
 
     def vocab_copies(self) -> dict[str, nn.Module]:
         """The vocab modules this layer holds its own copy of (`VOCAB_COPIES`' keys)."""
-        copies = {}
-        for path in VOCAB_COPIES:
-            parent_path, _, leaf = path.rpartition(".")
-            parent = self.get_submodule(parent_path) if parent_path else self
-            if (own := getattr(parent, leaf, None)) is not None:
-                copies[path] = own
-        return copies
+        held = {path: getattr(*self._parent(path), None) for path in VOCAB_COPIES}
+        return {path: own for path, own in held.items() if own is not None}
 
     def drop_duplicate_vocab(self, target: nn.Module) -> list[str]:
         """Delete the vocab copies equal to `target`'s (this rank's shard), so the target's
         are used; returns the copies kept (they differ)."""
         kept = []
         for path, own in self.vocab_copies().items():
-            parent_path, _, leaf = path.rpartition(".")
-            parent = self.get_submodule(parent_path) if parent_path else self
             if torch.equal(own.weight, target.get_submodule(VOCAB_COPIES[path]).weight):
-                delattr(parent, leaf)
+                delattr(*self._parent(path))
             else:
                 kept.append(path)
         return kept
+
+    def _parent(self, path: str) -> tuple[nn.Module, str]:
+        """The module holding `path`'s last part, and that part's name."""
+        parent_path, _, leaf = path.rpartition(".")
+        return (self.get_submodule(parent_path) if parent_path else self), leaf
 
 
 def nextn_input(layer: MTPLayer, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
