@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -658,18 +659,20 @@ def test_a_hisparse_decode_server_takes_prompts_past_its_device_pool(tmp_path, m
 def cluster(tmp_path_factory) -> Iterator[dict]:
     """glm-tiny with index_topk covering every context (exact against one engine): a
     prefill server, two decode servers and the router process (its pair returning routed
-    experts); a dense-layout decode
-    server (short timeout); GLM-5.2-shaped (glm-bench, fp8) prefill and decode servers.
+    experts), the prefill server and the second decode server over one L3 store; a
+    dense-layout decode server (short timeout); GLM-5.2-shaped (glm-bench, fp8) prefill and
+    decode servers.
     All start at once, so their model loads overlap."""
     root = tmp_path_factory.mktemp("disagg")
     tiny = str(write_tiny_model(root / "tiny", {**TINY_PRESETS["glm-tiny"], "index_topk": 1024}))
     bench = str(default_model_dir("glm-bench"))
     procs: dict[str, ServerProcess] = {}
     try:
-        procs["prefill"], bport = start_prefill(root, "prefill", tiny, *TINY, *ROUTED,
+        store = ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(root / "l3")]
+        procs["prefill"], bport = start_prefill(root, "prefill", tiny, *TINY, *ROUTED, *store,
                                                 "--disaggregation-timeout", "20")  # fmt: skip
         procs["decode"] = start_decode(root, "decode", tiny, *TINY, *ROUTED)
-        procs["decode2"] = start_decode(root, "decode2", tiny, *TINY)
+        procs["decode2"] = start_decode(root, "decode2", tiny, *TINY, *store)
         procs["dense"] = start_decode(root, "dense", tiny, *TINY, "--no-elide-index-k",
                                  "--disaggregation-timeout", "3")  # fmt: skip
         procs["hisparse"] = start_decode(root, "hisparse", tiny, *TINY, "--enable-hisparse")
@@ -1017,6 +1020,42 @@ def test_hisparse_decode_server_takes_the_latent_into_host_memory(cluster, refer
     assert m["dsakv_kv_transfer_bytes_total"] == tokens * (8 * 2304 + 4 * 512)
     assert m["dsakv_hisparse_rows_to_device_total"] == tokens * 8  # each buffer, once
     assert m["dsakv_hisparse_hot_buffers"] == 0 and m["dsakv_hisparse_device_tokens_used"] == 0
+
+
+def test_l3_behind_both_servers_serves_the_next_turn(cluster, reference):
+    """Both servers write through to one L3 store: the prefill server its prompts' pages, the
+    decode server a finished request's, answer included (SGLang's decode-side offload).
+    With the prefill server's own cache flushed, the next turn (prompt, answer and more)
+    reads every full page from the store, two of them pages only the decode server held,
+    and its tokens equal one engine's."""
+    rng = random.Random(11)
+    first = [rng.randrange(1, 250) for _ in range(70)]
+    prefill, decode = cluster["prefill"].url, cluster["decode2"].url
+    ask = dict(model="m", max_tokens=40, temperature=0)
+    ask["extra_body"] = {"ignore_eos": True, "return_token_ids": True}
+    with _router(cluster["prefill"], cluster["decode2"]) as base:
+        answer = _client(base).completions.create(prompt=first, **ask)
+        said = answer.choices[0].token_ids
+        # 70 + 40 tokens: 109 positions computed, 6 full pages; the first 4 the prefill
+        # server stored (as it let them go, before the first decode step)
+        deadline = time.monotonic() + TIMEOUT
+        for server, pages in ((prefill, 4), (decode, 2)):  # (neither steps again meanwhile)
+            while scrape_metrics(server)["dsakv_l3_pages_written_total"] < pages:
+                assert time.monotonic() < deadline, server
+                time.sleep(0.1)
+        wait_idle(prefill)
+        assert httpx.post(f"{prefill}/flush_cache", timeout=TIMEOUT).status_code == 200
+        turn = first + said[:30] + [rng.randrange(1, 250) for _ in range(10)]
+        before = scrape_metrics(prefill)
+        got = _client(base).completions.create(prompt=turn, **ask)
+    hits = scrape_metrics(prefill)["dsakv_l3_hits_total"] - before["dsakv_l3_hits_total"]
+    assert hits == 6  # (110 prompt tokens: 6 full pages; the 4 of the first prompt the
+    # prefill server stored too, the next 2 only the decode server)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = reference.generate([first, turn], params)
+    assert [said, got.choices[0].token_ids] == [o.token_ids for o in want]
+    wait_idle(prefill)
+    wait_idle(decode)
 
 
 def test_a_prefill_server_refuses_hisparse(tmp_path):

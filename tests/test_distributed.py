@@ -106,6 +106,37 @@ def test_tp_with_host_tier_retraction_and_prefix_cache(models, reference):
     assert counters["retractions_to_host"] > 0 and counters["prefix_hit_tokens"] > 0
 
 
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        dict(tp=2),
+        dict(tp=2, dp_attention=True),
+        # (one machine: the ranks map one host latent, which the read fills; index-K is shared)
+        dict(tp=2, enable_hisparse=True, hisparse_config={"host_to_device_ratio": 8}),
+    ],
+    ids=["tp2", "dp-attention", "tp2-hisparse"],
+)
+def test_a_restart_across_ranks_reads_the_l3_store(models, tmp_path, parallel):
+    """Under TP rank 0 alone reads stored pages into its pool and gives them to the other
+    ranks' replicas as it writes them: without that, rank 1 attends over pages it never got
+    and the tokens differ from the cold run's. Under DP attention each rank has a tier."""
+    prompt = _prompts(1, seed=7, lo=150, hi=150)  # 9 full pages of 16 + 6 tokens
+    store = dict(parallel, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    runs = []
+    for _ in range(2):
+        model = models["glm-sparse" if "enable_hisparse" in parallel else "glm"]
+        with LLM(model, **{**EXACT, "num_pages": 48, **store}) as llm:
+            tokens = llm.generate(prompt, GREEDY)[0].token_ids
+            llm.engine.check_integrity()
+            runs.append((tokens, llm.engine.counters()))
+    (cold, first), (warm, second) = runs
+    assert warm == cold
+    # (the finished request's pages are stored too: 173 tokens fill 10)
+    assert first["l3_hits"] == 0 and len(list(tmp_path.glob("*/*.kv"))) == 10
+    assert second["l3_hits"] == 9 and second["prefix_hit_tokens"] == 9 * 16
+    assert second["computed_tokens"] == 150 - 9 * 16 + GREEDY.max_tokens - 1
+
+
 def test_the_other_ranks_take_the_leaders_heartbeat():
     """Rank 0's leader says NOOP after a quiet while (a quarter of the group's timeout, 30 s
     by default) so the other ranks' waits never time out; their loop must take it (it read

@@ -291,7 +291,7 @@ def test_mtp_on_the_last_stage_keeps_tokens_and_drafts(glm_tiny, reference):
         (["--pp-layer-partition", "3,x"], "must be comma-separated integers >= 1"),
         (
             ["--hicache-storage-backend", "file", "--hicache-storage-dir", "/nonexistent/l3"],
-            "runs with one rank only (--tp 1, --pp-size 1)",
+            "--hicache-storage-backend does not run with --pp-size > 1 yet: a stored page",
         ),
         (["--disaggregation-mode", "prefill"], "does not run with --pp-size > 1 yet"),
         (["--pp-layer-partition", "3,4"], "covers 7 layers; the model has 8"),

@@ -744,6 +744,34 @@ def test_glm52_bytes_per_stored_token_elided_vs_dense(tmp_path):
 # --- command line and server -------------------------------------------------------------------
 
 
+def test_a_pd_decode_request_ending_at_its_first_token_is_stored_at_once(tiny, stored, tmp_path):
+    """A decode server's request whose first token (from the prefill server) ends it joins
+    the prefix cache between steps (`engine.disagg.start_decoding`): L3 stores its pages
+    then, not at some later step a quiet server may never take."""
+    from dsakv.engine import disagg as ops
+
+    one = dict(max_tokens=1, temperature=0, ignore_eos=True)
+    prefill, decode = LLM(tiny, **ARGS), LLM(tiny, **_file(tmp_path))
+    try:
+        # (the prompt's KV as a prefill server sends it: its pages' bytes, into the reserved)
+        (first,) = prefill.generate([PROMPT], SamplingParams(**one))
+        nodes = prefill.engine.cache.match(PROMPT, PAGES)
+        req = ops.reserve(decode.engine, PROMPT, SamplingParams(**one))
+        kv = prefill.engine.pool.read_pages([n.page for n in nodes])
+        decode.engine.pool.write_pages(req.pages[:PAGES], kv)
+        ops.start_decoding(decode.engine, req, first.token_ids[0])
+        assert req.finished and decode.engine.stats.steps == 0
+        assert decode.engine.l3.drain(TIMEOUT)
+        assert decode.engine.counters()["l3_pages_written"] == PAGES
+        decode.engine.check_integrity()
+    finally:
+        prefill.close()
+        decode.close()
+    # (and they are the pages one engine stores: a restart reads them and decodes on)
+    (warm,), c = _run(tiny, [PROMPT], **_file(tmp_path))
+    assert warm == stored[1] and c["l3_hits"] == PAGES
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -756,8 +784,6 @@ def test_glm52_bytes_per_stored_token_elided_vs_dense(tmp_path):
          "HOST:PORT"),
         (["--hicache-storage-backend", "mooncake", "--hicache-mooncake-master", "10.0.0.1:5",
           "--hicache-mooncake-start-master"], "127.0.0.1:PORT"),
-        (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x", "--tp", "2"],
-         "one rank only"),
         (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x",
           "--no-prefix-cache"], "prefix cache"),
         (["--hicache-storage-backend", "file", "--hicache-storage-dir", "x",
@@ -775,14 +801,6 @@ def test_bad_flag_combinations_are_one_error_line(tiny, extra, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
-
-
-def test_serve_refuses_l3_with_disaggregation(tiny, capsys):
-    with pytest.raises(SystemExit) as exc:
-        sys.exit(main(["serve", tiny, "--hicache-storage-backend", "file",
-                       "--hicache-storage-dir", "x", "--disaggregation-mode", "prefill"]))  # fmt: skip
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exc.value.code == 2 and len(err) == 1 and "--disaggregation-mode" in err[0]
 
 
 def _metrics(base: str) -> dict[str, float]:

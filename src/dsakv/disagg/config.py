@@ -56,11 +56,6 @@ class DisaggConfig:
                 "--disaggregation-mode with --dp-attention runs on one machine yet (--nnodes "
                 f"{pc.nnodes}): every rank's pool is registered at rank 0's address"
             )
-        if config.storage is not None:
-            raise DsakvError(
-                "--hicache-storage-backend is not supported with --disaggregation-mode yet "
-                "(a prefill server would need its L3 pages before shipping them)"
-            )
         if config.enable_hisparse and self.mode == "prefill":
             raise DsakvError(
                 "--enable-hisparse is for the decode server: a prefill server keeps its "

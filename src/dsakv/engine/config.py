@@ -352,11 +352,10 @@ class EngineConfig:
                 raise DsakvError(
                     "--hicache-storage-backend needs the prefix cache (drop --no-prefix-cache)"
                 )
-            if self.parallel.world_size > 1:
+            if pc.pp > 1:
                 raise DsakvError(
-                    "--hicache-storage-backend runs with one rank only (--tp 1, --pp-size 1): "
-                    "pages read from storage would reach rank 0's pool only, not the other "
-                    "ranks' replicas or stages"
+                    "--hicache-storage-backend does not run with --pp-size > 1 yet: a stored "
+                    "page holds every layer, a stage's pool its own layers only"
                 )
 
     def _check_pool_size(self) -> None:

@@ -9,7 +9,7 @@ decode token without queueing it; the prefill server writes the prompt's KV ther
 `start_decoding` runs it from its first token, or `drop` gives the pages back.
 
 These run between steps, and a server may not step again soon: what they change in the
-prefix cache goes out as KV cache events at once (`Engine.publish_kv_events`).
+prefix cache goes out at once: to L3, and as KV cache events (`Engine.cache_changed`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def hold(engine: Engine, req: Request) -> None:
 
 def release_held(engine: Engine, req: Request) -> None:
     engine.release_held(req)
-    engine.publish_kv_events()  # (its pages joined the cache between steps)
+    engine.cache_changed()  # (its pages joined the cache between steps)
 
 
 def reserve(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> Request | None:
     """`Engine.reserve_detached`: None while the pool has no room (the caller retries)."""
     req = engine.reserve_detached(prompt_ids, params)
-    engine.publish_kv_events()  # (cached pages it evicted)
+    engine.cache_changed()  # (cached pages it evicted)
     return req
 
 
@@ -51,4 +51,4 @@ def start_decoding(
     """`Engine.start_decoding`: run a reserved request whose prompt KV has arrived (None: its
     last prompt token runs here, and picks the first token)."""
     engine.start_decoding(req, first_token, routed)
-    engine.publish_kv_events()  # (a first token that ends it: its pages joined the cache)
+    engine.cache_changed()  # (a first token that ends it: its pages joined the cache)

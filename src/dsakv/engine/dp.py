@@ -159,7 +159,7 @@ class _Reporter:
                 out = ("ok", getattr(self, f"_{op}")(*args))
             except Exception as e:  # noqa: BLE001 - this op's failure, not the rank's
                 out = ("error", said(e))
-            self.engine.publish_kv_events()  # (pages it took from or gave to the cache)
+            self.engine.cache_changed()  # (pages it took from or gave to the cache)
             out += (self.load(done=True),)
         return self.engine.parallel.gather_objects(out)
 

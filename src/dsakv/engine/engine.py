@@ -385,6 +385,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             on_every_rank=self.every_rank_call,
             hot_buffers=self.hot,
         )
+        if self.l3 is not None:
+            self.l3.share = self._share_l3_pages
         self.drafter: Drafter | None = None
         steps = config.max_drafts
         if config.speculative_algorithm == "ngram":
@@ -398,6 +400,15 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 lockstep=self.parallel.config.dp_attention,
                 grammars=lambda: self.grammars,
             )
+
+    def _share_l3_pages(self, pages: list[int]) -> None:
+        """Pages L3 wrote into rank 0's pool, to every TP rank's replica (under HiSparse:
+        their index-K, and their host latent rows where the ranks hold one each)."""
+        latent = None
+        if self.hot is not None:
+            ps = self.config.page_size
+            latent = (torch.tensor(pages)[:, None] * ps + torch.arange(ps)).flatten()
+        self.runner.share_kv(pages, latent)
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:
         """vLLM's and SGLang's KV cache events (`--kv-events-config`), published by each
@@ -417,6 +428,13 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         if self.kv_events is not None and self.cache.events:
             self.kv_events.publish(self.cache.events)
             self.cache.events = []
+
+    def cache_changed(self) -> None:
+        """Pages joined or left the prefix cache between steps (a PD hand-off's: the server
+        may not step again soon): L3 snapshots the new ones now, and the events go out."""
+        if self.l3 is not None:
+            self.l3.flush()
+        self.publish_kv_events()
 
     def _rank_max_running(self) -> int:
         """This rank's share of `max_running_requests`: all of it, but under DP attention,
@@ -574,10 +592,12 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
     def _tiers(self) -> tuple[HostPool | None, HotBuffers | None, L3Cache | None]:
         """The optional tiers around the device pool, each None when off: the host pool
         (`host_pool_gib`, or `host_pool_ratio` times this pool's pages), HiSparse's hot
-        buffers and the L3 storage tier. L3's namespace names how pages were computed
-        (`compute`: dtype, backend, deterministic), not only the model and layout: engines
-        that compute different bytes do not share stored pages (nor pair as prefill and
-        decode servers: `dsakv.disagg.bootstrap.describe`)."""
+        buffers and the L3 storage tier: rank 0's under TP (its pool's bytes are every
+        rank's: pages it reads are shared at once, `_share_l3_pages`), each rank's under DP
+        attention (rank 0 starts a Mooncake master if asked). L3's namespace names how
+        pages were computed (`compute`: dtype, backend, deterministic), not only the model
+        and layout: engines that compute different bytes do not share stored pages (nor
+        pair as prefill and decode servers: `dsakv.disagg.bootstrap.describe`)."""
         config = self.config
         hot = None
         if self.hisparse is not None:
@@ -594,10 +614,11 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 raise ConfigError(
                     f"{e}: ask for a smaller host tier ({config.host_tier_flag})"
                 ) from None
-        l3 = None
-        if config.storage is not None:
+        l3, rank, dp = None, self.parallel.rank, self.parallel.config.dp_attention
+        if config.storage is not None and (rank == 0 or dp):  # (each scheduler's own)
             namespace = storage_namespace(self.layout, self.model_identity, self.compute)
-            l3 = L3Cache.create(config.storage, self.pool, host, namespace)
+            storage = config.storage if rank == 0 else replace(config.storage, start_master=False)
+            l3 = L3Cache.create(storage, self.pool, host, namespace)
         return host, hot, l3
 
     def _log_startup(self) -> None:

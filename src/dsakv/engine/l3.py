@@ -27,6 +27,11 @@ lookup is done, or at its deadline (`prefetch_timeout_s`) with the pages read so
 it waits, running requests keep stepping, and only an otherwise idle engine blocks on it.
 Admission writes the payloads into the request's own pages and counts them computed, so
 they join the prefix cache like any prefill.
+
+Ranks. Under TP rank 0's tier serves them all: the pools are replicas, so its snapshots
+are every rank's bytes, and the pages it reads go to the other replicas as it writes them
+(`share`, before any step reads them). Under DP attention each rank schedules its own
+requests and keeps a tier of its own over the one store.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +112,8 @@ class _Lookup:
 
 
 class L3Cache:
-    """Storage tier of one engine (rank 0, tp=1): snapshots, lookups, counters."""
+    """Storage tier of one scheduler (rank 0 under TP, each rank under DP attention):
+    snapshots, lookups, counters."""
 
     def __init__(
         self,
@@ -126,6 +132,9 @@ class L3Cache:
         self.page_bytes = pool.layout.bytes_per_page
         self.write_through = config.write_policy == "write_through"
         self.master = master  # a mooncake_master this engine started, stopped on close
+        # Gives pages read from storage to the other ranks' replicas (TP: rank 0's pool only
+        # is written here), before anything reads them; set by the engine.
+        self.share: Callable[[list[int]], None] = lambda pages: None
         self.stats = L3Stats()
         self._writes: queue.Queue = queue.Queue(max(4, _WRITE_QUEUE_BYTES // self.page_bytes))
         self._reads: queue.Queue = queue.Queue()
@@ -270,6 +279,7 @@ class L3Cache:
         self._lookups.pop(rid, None)
         if payloads:
             self.pool.write_pages(pages, torch.stack(payloads))
+            self.share(pages)
             self.stats.add(hits=len(payloads), hit_tokens=len(payloads) * self.page_size)
 
     def cancel(self, rid: int) -> None:
