@@ -67,6 +67,25 @@ def glm_tiny() -> str:
     return str(default_model_dir("glm-tiny"))
 
 
+@pytest.fixture(scope="session")
+def glm_tiny_dense_mtp(tmp_path_factory) -> str:
+    """glm-tiny with index_topk covering every context the tests use (greedy runs with and
+    without MTP are exactly equal) and its MTP layer fitted to it (drafts often kept): the
+    fit takes ~20 s, so the run writes it once, whichever worker asks first, the others
+    waiting on its lock (pytest-xdist's workers share their base temp's parent)."""
+    from filelock import FileLock
+
+    from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "glm-dense-mtp"
+    with FileLock(f"{path}.lock"):
+        if not (path / ".complete").is_file():
+            write_tiny_model(path, {**TINY_PRESETS["glm-tiny"], "index_topk": 1024}, mtp="fit")
+            (path / ".complete").touch()
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def glm_tiny_hf(glm_tiny):
     """transformers' glm-tiny in fp32: the routing tests' reference (`hf_reference`)."""

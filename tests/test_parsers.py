@@ -755,7 +755,7 @@ def test_a_server_picks_the_parser_its_chat_template_writes():
     from dsakv.procs import free_port
     from dsakv.server import make_server
 
-    config = EngineConfig(model=str(default_model_dir("deepseek-tiny")), num_pages=8)
+    config = EngineConfig(model=str(default_model_dir("deepseek-tiny", weights="fp8")), num_pages=8)
     for template, tool in ((_V31_TEMPLATE, "deepseekv31"), (None, "deepseekv32")):
         server, async_engine = make_server(config, port=free_port(), chat_template=template)
         try:

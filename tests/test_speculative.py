@@ -5,6 +5,7 @@ target's, and nothing leaks."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,11 +35,10 @@ DRAFT_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory):
+def dense(glm_tiny_dense_mtp):
     """glm-tiny with index_topk covering every context here (exact equality is fair), its
     MTP layer fitted to the target so drafts are often accepted."""
-    preset = {**TINY_PRESETS["glm-tiny"], "index_topk": 1024}
-    return str(write_tiny_model(tmp_path_factory.mktemp("mtp") / "m", preset, mtp="fit"))
+    return glm_tiny_dense_mtp
 
 
 def _prompts(n: int, seed: int = 0, lo: int = 8, hi: int = 70) -> list[list[int]]:
@@ -300,7 +300,7 @@ def test_server_streams_several_tokens_per_step(dense):
     config = EngineConfig(dense, **EXACT, num_pages=64, **MTP)
     with serving(config) as (base, _):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=TIMEOUT)
-        kw = dict(model="m", prompt="The sky is", max_tokens=24, temperature=0)
+        kw = dict(model=Path(dense).name, prompt="The sky is", max_tokens=24, temperature=0)
         kw["extra_body"] = {"ignore_eos": True}
         assert client.completions.create(**kw).choices[0].text == want.text
         chunks = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]

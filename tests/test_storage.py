@@ -731,7 +731,7 @@ def test_glm52_bytes_per_stored_token_elided_vs_dense(tmp_path):
     (fp8 / fp8), read from the counters of what was written."""
     from dsakv.models.tiny import default_model_dir
 
-    model = str(default_model_dir("glm-bench"))
+    model = str(default_model_dir("glm-bench", weights="bf16"))  # (no MTP layer: no fit)
     prompt = PROMPT[:40]  # two full pages
     per_token = {}
     for name, elide in (("elided", True), ("dense", False)):

@@ -12,7 +12,7 @@ from dsakv.engine import EngineConfig, SamplingParams
 from dsakv.engine.chat_format import render_chat
 from dsakv.engine.llm import LLM
 from dsakv.errors import DsakvError
-from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
+from dsakv.models.tiny import write_tiny_model
 
 from .serving import TIMEOUT, serving
 
@@ -29,11 +29,10 @@ def _greedy(budget: int | None, max_tokens: int = 40) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def glm(tmp_path_factory) -> str:
+def glm(glm_tiny_dense_mtp) -> str:
     """glm-tiny with an MTP layer fitted to it (drafts often kept), all of its context
     indexed so greedy runs with and without MTP are exactly equal."""
-    preset = {**TINY_PRESETS["glm-tiny"], "index_topk": 1024}
-    return str(write_tiny_model(tmp_path_factory.mktemp("think") / "glm", preset, mtp="fit"))
+    return glm_tiny_dense_mtp
 
 
 @pytest.fixture(scope="module")
