@@ -284,14 +284,67 @@ def test_mtp_on_the_last_stage_keeps_tokens_and_drafts(glm_tiny, reference):
     assert c2["spec_accepted_tokens"] > 0
 
 
+STORED = [random.Random(5).randrange(256) for _ in range(150)]  # 9 full pages of 16
+
+
+def _stored_run(model: str, store, **kw) -> tuple[list[int], dict]:
+    """Greedy tokens of `STORED` and the counters, from an engine over the file store
+    `store` (closed after: its write-back pages stored)."""
+    l3 = dict(hicache_storage_backend="file", hicache_storage_dir=str(store))
+    with LLM(model, **{**ENGINE, **l3, **kw}) as llm:
+        tokens = llm.generate([STORED], CACHED)[0].token_ids
+        llm.engine.check_integrity()
+        return tokens, llm.engine.counters()
+
+
+def _objects(store) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(store.glob("*/*.kv"))}
+
+
+def test_a_stored_page_is_the_whole_models_at_any_stage_count(glm_tiny, tmp_path):
+    """Under pipeline stages rank 0's L3 tier stores each page as the whole model's bytes
+    (every stage sends its layers' part) and writes a page it reads into every stage's pool:
+    two stages store the objects one stage stores, byte for byte, and each finds the
+    other's pages and gives the tokens it computes itself."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    cold, _ = _stored_run(glm_tiny, one)
+    staged, _ = _stored_run(glm_tiny, two, pp=2, pp_layer_partition="3,5")
+    assert staged == cold and _objects(two) == _objects(one) and len(_objects(one)) >= 9
+    for store, kw in ((one, dict(pp=2, pp_layer_partition="3,5")), (two, {})):
+        warm, c = _stored_run(glm_tiny, store, **kw)
+        assert warm == cold and c["l3_hits"] == 9, kw
+        assert c["computed_tokens"] == 150 - 9 * 16 + CACHED.max_tokens - 1
+
+
+def test_write_back_under_stages_stores_the_host_tiers_pages(glm_tiny, tmp_path):
+    """Write-back under two stages: pages on the host tier when the engine closes are read
+    from every stage's host pool; one stage then finds the first prompt's pages."""
+    prompts = [STORED] + [[random.Random(i).randrange(256) for _ in range(150)] for i in (6, 7)]
+    kw = dict(ENGINE, num_pages=16, host_pool_gib=0.05, pp=2)
+    l3 = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    with LLM(glm_tiny, **kw, **l3, hicache_write_policy="write_back") as llm:
+        for prompt in prompts:  # (one at a time: the first's pages go to the host tier)
+            llm.generate([prompt], CACHED)
+        assert llm.engine.cache.num_host_pages >= 9
+    cold, _ = _stored_run(glm_tiny, tmp_path / "none")
+    warm, c = _stored_run(glm_tiny, tmp_path)
+    assert warm == cold and c["l3_hits"] == 9
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--enable-torch-compile"], "--enable-torch-compile runs on one rank (its compiled"),
         (["--pp-layer-partition", "3,x"], "must be comma-separated integers >= 1"),
         (
-            ["--hicache-storage-backend", "file", "--hicache-storage-dir", "/nonexistent/l3"],
-            "--hicache-storage-backend does not run with --pp-size > 1 yet: a stored page",
+            [
+                "--hicache-storage-backend",
+                "file",
+                "--hicache-storage-dir",
+                "/nonexistent/l3",
+                "--enable-hisparse",
+            ],
+            "--hicache-storage-backend with --enable-hisparse does not run with --pp-size > 1",
         ),
         (["--disaggregation-mode", "prefill"], "does not run with --pp-size > 1 yet"),
         (["--pp-layer-partition", "3,4"], "covers 7 layers; the model has 8"),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -389,6 +389,46 @@ class ParallelState:
         if self.tp_rank == 0:
             dist.send(x.contiguous(), 0)
         return None
+
+    def stages_side_by_side(
+        self, x: torch.Tensor | None, widths: Sequence[int]
+    ) -> torch.Tensor | None:
+        """On rank 0, every stage's `x` (its TP rank 0's, `[n, widths[stage]]`) side by side
+        in stage order, on the CPU (a stage's layers follow the one before's: the whole
+        model's page rows); the other ranks None. One stage: `x`."""
+        if self.pp_size == 1:
+            return x
+        if self.rank == 0:
+            assert x is not None
+            parts = [x]
+            for stage in range(1, self.pp_size):
+                parts.append(x.new_empty(x.shape[0], widths[stage]))
+                dist.recv(parts[-1], stage * self.tp_size)
+            return torch.cat(parts, dim=1).cpu()
+        if self.tp_rank == 0:
+            assert x is not None
+            dist.send(x.contiguous(), 0)
+        return None
+
+    def stage_columns(
+        self, x: torch.Tensor | None, widths: Sequence[int], n: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Rank 0's `x` (`[n, sum(widths)]`, stage after stage) cut by stage: each stage's TP
+        rank 0 gets its `widths[stage]` columns (on `device`), rank 0 keeping its own; the
+        other ranks None. One stage: `x`."""
+        if self.pp_size == 1:
+            return x
+        if self.rank == 0:
+            assert x is not None
+            cols = x.to(device).split(list(widths), dim=1)
+            for stage in range(1, self.pp_size):
+                dist.send(cols[stage].contiguous(), stage * self.tp_size)
+            return cols[0]
+        if self.tp_rank != 0:
+            return None
+        part = torch.empty(n, widths[self.stage], dtype=torch.uint8, device=device)
+        dist.recv(part, 0)
+        return part
 
     def broadcast_rows(
         self,

@@ -352,10 +352,10 @@ class EngineConfig:
                 raise DsakvError(
                     "--hicache-storage-backend needs the prefix cache (drop --no-prefix-cache)"
                 )
-            if pc.pp > 1:
+            if pc.pp > 1 and self.enable_hisparse:
                 raise DsakvError(
-                    "--hicache-storage-backend does not run with --pp-size > 1 yet: a stored "
-                    "page holds every layer, a stage's pool its own layers only"
+                    "--hicache-storage-backend with --enable-hisparse does not run with "
+                    "--pp-size > 1 yet (a later stage's host latent rows are its TP rank 0's)"
                 )
 
     def _check_pool_size(self) -> None:

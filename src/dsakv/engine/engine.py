@@ -340,7 +340,8 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         # /start_expert_distribution_record's window, on every rank (`ExpertDistributionMixin`)
         self.expert_record, self.recording = None, False
         self._grammars: GrammarCache | None = None
-        self.host, self.hot, self.l3 = self._tiers()
+        self.host, self.hot = self._tiers()
+        self.l3: L3Cache | None = None
         try:
             self._build_loop(config)
             self.kv_events = self._kv_event_publisher()
@@ -351,8 +352,21 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         self._log_startup()
 
     def _build_loop(self, config: EngineConfig) -> None:
-        """The prefix cache, scheduler, sampler, model runner (its CUDA graphs captured) and
-        MTP drafter, over the pool and its tiers."""
+        """The model runner (its CUDA graphs captured), L3 storage tier, prefix cache,
+        scheduler, sampler and MTP drafter, over the pool and its tiers."""
+        stages = self.parallel.config.stage_layers(self.model_config.num_hidden_layers)
+        self.runner = ModelRunner(
+            self.model,
+            self.pool,
+            self.host,
+            self.parallel,
+            self.device,
+            self._decode_graphs(),
+            on_every_rank=self.every_rank_call,
+            hot_buffers=self.hot,
+            stage_page_bytes=[self.model_layout.for_stage(r).bytes_per_page for r in stages],
+        )
+        self.l3 = self._storage_tier()
         self.cache = PrefixCache(self.allocator, self.host, self.l3)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -375,18 +389,6 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         # the same tokens on every rank from one seed. (TP ranks sample nothing but rank 0's.)
         dp_rank = self.parallel.rank if self.parallel.config.dp_attention else 0
         self.sampler = Sampler(self.device, config.seed + dp_rank)
-        self.runner = ModelRunner(
-            self.model,
-            self.pool,
-            self.host,
-            self.parallel,
-            self.device,
-            self._decode_graphs(),
-            on_every_rank=self.every_rank_call,
-            hot_buffers=self.hot,
-        )
-        if self.l3 is not None:
-            self.l3.share = self._share_l3_pages
         self.drafter: Drafter | None = None
         steps = config.max_drafts
         if config.speculative_algorithm == "ngram":
@@ -400,15 +402,6 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 lockstep=self.parallel.config.dp_attention,
                 grammars=lambda: self.grammars,
             )
-
-    def _share_l3_pages(self, pages: list[int]) -> None:
-        """Pages L3 wrote into rank 0's pool, to every TP rank's replica (under HiSparse:
-        their index-K, and their host latent rows where the ranks hold one each)."""
-        latent = None
-        if self.hot is not None:
-            ps = self.config.page_size
-            latent = (torch.tensor(pages)[:, None] * ps + torch.arange(ps)).flatten()
-        self.runner.share_kv(pages, latent)
 
     def _kv_event_publisher(self) -> KVEventPublisher | None:
         """vLLM's and SGLang's KV cache events (`--kv-events-config`), published by each
@@ -589,15 +582,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
             )
         return asked
 
-    def _tiers(self) -> tuple[HostPool | None, HotBuffers | None, L3Cache | None]:
+    def _tiers(self) -> tuple[HostPool | None, HotBuffers | None]:
         """The optional tiers around the device pool, each None when off: the host pool
-        (`host_pool_gib`, or `host_pool_ratio` times this pool's pages), HiSparse's hot
-        buffers and the L3 storage tier: rank 0's under TP (its pool's bytes are every
-        rank's: pages it reads are shared at once, `_share_l3_pages`), each rank's under DP
-        attention (rank 0 starts a Mooncake master if asked). L3's namespace names how
-        pages were computed (`compute`: dtype, backend, deterministic), not only the model
-        and layout: engines that compute different bytes do not share stored pages (nor
-        pair as prefill and decode servers: `dsakv.disagg.bootstrap.describe`)."""
+        (`host_pool_gib`, or `host_pool_ratio` times this pool's pages) and HiSparse's hot
+        buffers."""
         config = self.config
         hot = None
         if self.hisparse is not None:
@@ -614,12 +602,25 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
                 raise ConfigError(
                     f"{e}: ask for a smaller host tier ({config.host_tier_flag})"
                 ) from None
-        l3, rank, dp = None, self.parallel.rank, self.parallel.config.dp_attention
-        if config.storage is not None and (rank == 0 or dp):  # (each scheduler's own)
-            namespace = storage_namespace(self.layout, self.model_identity, self.compute)
-            storage = config.storage if rank == 0 else replace(config.storage, start_master=False)
-            l3 = L3Cache.create(storage, self.pool, host, namespace)
-        return host, hot, l3
+        return host, hot
+
+    def _storage_tier(self) -> L3Cache | None:
+        """The L3 storage tier (None when off) of each scheduler: rank 0's under TP and
+        pipeline stages, whose pages are the whole model's (`ModelRunner.read_pages`, every
+        stage's part; those it reads go to every rank), each rank's under DP attention (rank
+        0 starts a Mooncake master if asked). Its namespace names how pages were computed
+        (`compute`: dtype, backend, deterministic), not only the model and layout: engines
+        that compute different bytes do not share stored pages (nor pair as prefill and
+        decode servers: `dsakv.disagg.bootstrap.describe`)."""
+        storage, rank = self.config.storage, self.parallel.rank
+        if storage is None or (rank != 0 and not self.parallel.config.dp_attention):
+            return None
+        namespace = storage_namespace(self.model_layout, self.model_identity, self.compute)
+        if rank != 0:
+            storage = replace(storage, start_master=False)
+        return L3Cache.create(
+            storage, self.runner, self.model_layout, self.pool.num_pages, namespace
+        )
 
     def _log_startup(self) -> None:
         config = self.config
@@ -1146,9 +1147,10 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         part runs even if one fails (a rank that died broke the group): the process group
         and its one-per-process claim are always released; the first error is raised after."""
         first: Exception | None = None
-        parts = [self._drop_profile, self.runner.stop]
-        if self.l3 is not None:
+        parts = [self._drop_profile]
+        if self.l3 is not None:  # (before the other ranks go: it reads their stages' pages)
             parts.append(functools.partial(self.l3.close, self.cache))
+        parts.append(self.runner.stop)
         if self.kv_events is not None:
             parts += [self.publish_kv_events, self.kv_events.close]
         parts += [functools.partial(weight_sync.leave, g) for _, g in self.weight_groups.values()]

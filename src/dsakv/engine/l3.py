@@ -28,10 +28,11 @@ it waits, running requests keep stepping, and only an otherwise idle engine bloc
 Admission writes the payloads into the request's own pages and counts them computed, so
 they join the prefix cache like any prefill.
 
-Ranks. Under TP rank 0's tier serves them all: the pools are replicas, so its snapshots
-are every rank's bytes, and the pages it reads go to the other replicas as it writes them
-(`share`, before any step reads them). Under DP attention each rank schedules its own
-requests and keeps a tier of its own over the one store.
+Ranks. Under TP and pipeline stages rank 0's tier serves them all, through `PageRows`
+(the model runner): a snapshot is the whole model's page, its pool's bytes (every TP rank's
+is a replica) and each later stage's of its own layers; the pages it reads reach every
+rank's pool as it writes them, before any step reads them. Under DP attention each rank
+schedules its own requests and keeps a tier of its own over the one store.
 """
 
 from __future__ import annotations
@@ -41,14 +42,13 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from dsakv.memory.host import HostPool
-from dsakv.memory.pool import DSAKVPool
+from dsakv.memory.layout import CacheLayout
 from dsakv.memory.storage import (
     CorruptObject,
     StorageBackend,
@@ -69,6 +69,15 @@ log = logging.getLogger(__name__)
 
 _KNOWN_MAX = 1 << 20  # page hashes remembered as stored (16 B each)
 _WRITE_QUEUE_BYTES = 256 << 20  # snapshots waiting for the writer, at most
+
+
+class PageRows(Protocol):
+    """Whole pages as the layout's bytes, uint8 `[pages, bytes a page]` on the CPU: every
+    stage's layers, side by side (`ModelRunner`); rows written reach every rank's pool."""
+
+    def read_pages(self, pages: Sequence[int], host: bool = False) -> torch.Tensor: ...
+
+    def write_pages(self, pages: Sequence[int], rows: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -119,22 +128,21 @@ class L3Cache:
         self,
         config: StorageConfig,
         backend: StorageBackend,
-        pool: DSAKVPool,
-        host: HostPool | None,
+        pages: PageRows,
+        layout: CacheLayout,
+        num_pages: int,
         namespace: bytes,
         master: Any = None,
     ) -> None:
         self.config = config
         self.backend = backend
-        self.pool, self.host = pool, host
+        self.pages = pages  # the pools' pages as the whole model's bytes
+        self.num_pages = num_pages  # the device pool's
         self.namespace = namespace
-        self.page_size = pool.page_size
-        self.page_bytes = pool.layout.bytes_per_page
+        self.page_size = layout.page_size
+        self.page_bytes = layout.bytes_per_page  # (every layer's, every stage's)
         self.write_through = config.write_policy == "write_through"
         self.master = master  # a mooncake_master this engine started, stopped on close
-        # Gives pages read from storage to the other ranks' replicas (TP: rank 0's pool only
-        # is written here), before anything reads them; set by the engine.
-        self.share: Callable[[list[int]], None] = lambda pages: None
         self.stats = L3Stats()
         self._writes: queue.Queue = queue.Queue(max(4, _WRITE_QUEUE_BYTES // self.page_bytes))
         self._reads: queue.Queue = queue.Queue()
@@ -153,14 +161,19 @@ class L3Cache:
 
     @classmethod
     def create(
-        cls, config: StorageConfig, pool: DSAKVPool, host: HostPool | None, namespace: bytes
+        cls,
+        config: StorageConfig,
+        pages: PageRows,
+        layout: CacheLayout,
+        num_pages: int,
+        namespace: bytes,
     ) -> L3Cache:
         """The configured backend (starting a local Mooncake master if asked)."""
         master = None
         if config.start_master:
             master = start_mooncake_master(config.mooncake_master)
         try:
-            return cls(config, make_backend(config), pool, host, namespace, master)
+            return cls(config, make_backend(config), pages, layout, num_pages, namespace, master)
         except BaseException:
             if master is not None:
                 stop_process(master)
@@ -179,10 +192,10 @@ class L3Cache:
         if self._is_known(node.hash):
             return
         if node.page is not None:
-            self._enqueue(node.hash, self.pool.read_pages([node.page])[0])
+            self._enqueue(node.hash, self.pages.read_pages([node.page])[0])
         elif node.host_slots is not None:
             page = int(node.host_slots[0]) // self.page_size
-            self._enqueue(node.hash, self.host.pool.read_pages([page])[0])
+            self._enqueue(node.hash, self.pages.read_pages([page], host=True)[0])
 
     def withdraw(self, node: Node) -> None:
         """A failed request's page leaves the cache, its KV not to be served (it may hold
@@ -201,7 +214,7 @@ class L3Cache:
         nodes = [n for n in nodes if not self._is_known(n.hash)]
         on_device = [n for n in nodes if n.page is not None]
         if on_device:
-            rows = self.pool.read_pages([n.page for n in on_device])
+            rows = self.pages.read_pages([n.page for n in on_device])
             for n, row in zip(on_device, rows):
                 self._enqueue(n.hash, row)
         for n in nodes:
@@ -230,7 +243,7 @@ class L3Cache:
         are in the prefix cache; `parent` is the hash of the last of them). With none to
         look up, the lookup only records where it starts (`starts_at`)."""
         self.cancel(rid)
-        stop = min(max_pages, matched + self.pool.num_pages)
+        stop = min(max_pages, matched + self.num_pages)
         if self._closed:
             return
         hashes = chain_hashes(tokens, self.page_size, matched, stop, parent)
@@ -278,8 +291,7 @@ class L3Cache:
         """The request got pages for its L3 prefix: write the payloads into them."""
         self._lookups.pop(rid, None)
         if payloads:
-            self.pool.write_pages(pages, torch.stack(payloads))
-            self.share(pages)
+            self.pages.write_pages(pages, torch.stack(payloads))
             self.stats.add(hits=len(payloads), hit_tokens=len(payloads) * self.page_size)
 
     def cancel(self, rid: int) -> None:
@@ -434,10 +446,17 @@ class L3Cache:
     def close(self, cache: Any, timeout_s: float = 30.0) -> None:
         """Store what the prefix cache still holds (parents first), drain the queue, stop
         the threads and the backend (and a master this engine started). Bounded by
-        `timeout_s`: whatever is not written by then is lost, never half-written."""
+        `timeout_s`: whatever is not written by then is lost, never half-written. The
+        threads stop even where reading the pages failed (a rank gone)."""
         if self._closed:
             return
         deadline = time.monotonic() + timeout_s
+        try:
+            self._store_cached(cache, deadline)
+        finally:
+            self._stop(deadline)
+
+    def _store_cached(self, cache: Any, deadline: float) -> None:
         self.flush()
         # Least recently used first (a parent before its children), the stored ones only
         # marked used where that orders the store's evictions: where it must drop some to
@@ -454,14 +473,14 @@ class L3Cache:
             if self._is_known(n.hash) and not self.backend.evicts_by_use:
                 continue
             if n.page is not None:
-                row = self.pool.read_pages([n.page])[0]
+                row = self.pages.read_pages([n.page])[0]
             elif n.host_slots is not None:
-                row = self.host.pool.read_pages([int(n.host_slots[0]) // self.page_size])[0]
+                page = int(n.host_slots[0]) // self.page_size
+                row = self.pages.read_pages([page], host=True)[0]
             else:
                 continue
             if not self._enqueue(n.hash, row, timeout=deadline - time.monotonic()):
                 break
-        self._stop(deadline)
 
     def abandon(self, timeout_s: float = 5.0) -> None:
         """Stop the threads, the backend and a master this engine started, storing nothing:

@@ -20,7 +20,8 @@ Under pipeline parallelism every rank still runs each message: a stage runs its 
 and hands its output to the next (`dsakv.models.stages`); hidden states stay on the last
 stage (its "target" and "draft"), which also runs the MTP layer, and logits are computed
 there and sent to rank 0 (`ParallelState.to_driver`), which returns them as one stage
-would.
+would. The L3 tier's whole pages travel the same way: each stage's part of a snapshot to
+rank 0, each stage's columns of a page read back from rank 0 (`read_pages`, `write_pages`).
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ class ModelRunner:
         decode_graphs: DecodeGraphs | None = None,
         on_every_rank: Callable[..., Any] | None = None,
         hot_buffers: HotBuffers | None = None,
+        stage_page_bytes: Sequence[int] = (),
     ) -> None:
         self.model, self.pool, self.host, self.hot = model, pool, host, hot_buffers
+        # A page's bytes in each pipeline stage's pool (its layers'), in stage order
+        self.stage_page_bytes = tuple(stage_page_bytes) or (pool.page_bytes(),)
         # The tiers whose changes rank 0 journals and the other ranks replay, in this order
         # (the same on every rank: one config)
         self.journaled = [t for t in (host, hot_buffers) if t is not None]
@@ -205,6 +209,48 @@ class ModelRunner:
                 control=True,
             )
 
+    def read_pages(self, pages: Sequence[int], host: bool = False) -> torch.Tensor:
+        """The whole model's bytes of device `pages` (`host`: host-tier pages), uint8
+        `[len(pages), bytes a page]` on the CPU, on rank 0: its own pool's with one stage
+        (every TP rank's is a replica); under pipeline stages each stage's TP rank 0 sends
+        its layers' part, side by side in stage order (the layout's)."""
+        if self.parallel.pp_size == 1:
+            return (self.host.pool if host else self.pool).read_pages(pages)
+        with self._leading() as send:
+            send("read_pages", list(pages), host)
+            return self._read_pages(list(pages), host)
+
+    def _read_pages(self, pages: list[int], host: bool) -> torch.Tensor | None:
+        rows = None
+        if self.parallel.tp_rank == 0:  # (a stage's ranks hold one replica)
+            rows = (self.host.pool if host else self.pool).read_pages(pages, on_device=True)
+        return self.parallel.stages_side_by_side(rows, self.stage_page_bytes)
+
+    def write_pages(self, pages: Sequence[int], rows: torch.Tensor) -> None:
+        """The whole model's `rows` of device `pages` (as `read_pages` gives them) into
+        every rank's pool: each stage its layers' columns, each TP rank its replica (under
+        HiSparse their index-K, and their host latent rows where the ranks hold one each)."""
+        pages = list(pages)
+        if self.parallel.pp_size > 1:
+            with self._leading() as send:
+                send("write_pages", pages)
+                self._write_pages(pages, rows)
+            return
+        self.pool.write_pages(pages, rows)
+        latent = None
+        if self.hot is not None:
+            size = self.pool.page_size
+            latent = (torch.tensor(pages)[:, None] * size + torch.arange(size)).flatten()
+        self.share_kv(pages, latent)
+
+    def _write_pages(self, pages: list[int], rows: torch.Tensor | None = None) -> None:
+        """Each stage's TP rank 0 writes its columns, then gives them its stage's ranks."""
+        widths, n = self.stage_page_bytes, len(pages)
+        mine = self.parallel.stage_columns(rows, widths, n, self.pool.device)
+        if mine is not None:
+            self.pool.write_pages(pages, mine)
+        self._share_kv(pages, None)
+
     def every_rank(self, method: str, *args: Any) -> Any:
         """Have every rank run `on_every_rank(method, *args)` now, between steps (the other
         ranks from `serve`), whose collectives meet across them (a weight update, a trainer's
@@ -256,6 +302,10 @@ class ModelRunner:
                 self._logits(*args)
             elif kind == "kv":
                 self._share_kv(*args)
+            elif kind == "read_pages":
+                self._read_pages(*args)
+            elif kind == "write_pages":
+                self._write_pages(*args)
             elif kind == "every_rank":
                 assert self.on_every_rank is not None
                 self.on_every_rank(*args)
