@@ -316,6 +316,16 @@ def test_a_stored_page_is_the_whole_models_at_any_stage_count(glm_tiny, tmp_path
         assert c["computed_tokens"] == 150 - 9 * 16 + CACHED.max_tokens - 1
 
 
+def test_hisparse_stages_read_a_stored_page_into_their_host_rows(glm_tiny, tmp_path):
+    """Under HiSparse a page read back goes to each stage's host latent rows (and index-K
+    to its device pool): two stages find one stage's pages and give its tokens."""
+    hisparse = dict(enable_hisparse=True, hisparse_config={"host_to_device_ratio": 4})
+    cold, first = _stored_run(glm_tiny, tmp_path, **hisparse)
+    warm, c = _stored_run(glm_tiny, tmp_path, pp=2, pp_layer_partition="3,5", **hisparse)
+    assert warm == cold and first["l3_pages_written"] >= 9 and c["l3_hits"] == 9
+    assert c["hisparse_misses"] > 0
+
+
 def test_write_back_under_stages_stores_the_host_tiers_pages(glm_tiny, tmp_path):
     """Write-back under two stages: pages on the host tier when the engine closes are read
     from every stage's host pool; one stage then finds the first prompt's pages."""
@@ -343,8 +353,12 @@ def test_write_back_under_stages_stores_the_host_tiers_pages(glm_tiny, tmp_path)
                 "--hicache-storage-dir",
                 "/nonexistent/l3",
                 "--enable-hisparse",
+                "--tp",
+                "2",
+                "--nnodes",
+                "2",
             ],
-            "--hicache-storage-backend with --enable-hisparse does not run with --pp-size > 1",
+            "--enable-hisparse under --pp-size and --tp runs on one machine yet (--nnodes 1)",
         ),
         (["--disaggregation-mode", "prefill"], "does not run with --pp-size > 1 yet"),
         (["--pp-layer-partition", "3,4"], "covers 7 layers; the model has 8"),

@@ -352,10 +352,11 @@ class EngineConfig:
                 raise DsakvError(
                     "--hicache-storage-backend needs the prefix cache (drop --no-prefix-cache)"
                 )
-            if pc.pp > 1 and self.enable_hisparse:
+            if pc.pp > 1 and self.enable_hisparse and pc.tp > 1 and pc.nnodes > 1:
                 raise DsakvError(
-                    "--hicache-storage-backend with --enable-hisparse does not run with "
-                    "--pp-size > 1 yet (a later stage's host latent rows are its TP rank 0's)"
+                    "--hicache-storage-backend with --enable-hisparse under --pp-size and "
+                    "--tp runs on one machine yet (--nnodes 1): each rank's own host latent "
+                    "rows would need a page read back"
                 )
 
     def _check_pool_size(self) -> None:
