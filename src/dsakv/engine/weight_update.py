@@ -284,7 +284,7 @@ class WeightUpdateMixin:
             # A namespace of this update's own: the identity samples a large shard, and an
             # update (a fine-tune step) may change only tensors the samples miss.
             identity = f"{self.model_identity}+update-{uuid.uuid4().hex}"
-            self.l3.rename(storage_namespace(self.layout, identity, self.compute))
+            self.l3.rename(storage_namespace(self.model_layout, identity, self.compute))
         if self.parallel.is_driver:
             log.info("weights updated from %s", _named(source))
         self._note_loaded(checked)
