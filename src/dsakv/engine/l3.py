@@ -1,8 +1,9 @@
 """`L3Cache`: the storage tier under the prefix cache (device pages L1, host tier L2, storage
 L3), so a prefix computed once is reused after a restart and by other engines.
 
-Writes. The step loop only snapshots page bytes (`DSAKVPool.read_pages`: the layout's
-bytes, elided) and queues them; a writer thread checksums and stores them. Which pages:
+Writes. The step loop only snapshots page bytes (`PageRows.read_pages`: the layout's
+bytes, elided, as `DSAKVPool.read_pages` gives them) and queues them; a writer thread
+checksums and stores them. Which pages:
 
 - `write_through` (default): every page the prefix cache adopts (a prefill chunk's full
   pages, a finished request's pages), snapshotted at the end of the step, once the MTP
