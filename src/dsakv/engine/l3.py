@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 
 _KNOWN_MAX = 1 << 20  # page hashes remembered as stored (16 B each)
 _WRITE_QUEUE_BYTES = 256 << 20  # snapshots waiting for the writer, at most
+_CLOSE_BATCH = 64  # pages read at once while closing
 
 
 class PageRows(Protocol):
@@ -468,20 +469,34 @@ class L3Cache:
             todo.extend(nodes[-1].children.values())
         # A stored page goes with its row too: the writer only marks it used, or writes it
         # again where the store no longer has it (another engine sharing it dropped it).
-        for n in sorted(nodes, key=lambda n: n.last_access):
+        # Read a batch at a time (under pipeline stages each read is a message to them all).
+        todo = [
+            n
+            for n in sorted(nodes, key=lambda n: n.last_access)
+            if (n.page is not None or n.host_slots is not None)
+            and (self.backend.evicts_by_use or not self._is_known(n.hash))
+        ]
+        for lo in range(0, len(todo), _CLOSE_BATCH):
             if time.monotonic() >= deadline:
                 break
-            if self._is_known(n.hash) and not self.backend.evicts_by_use:
-                continue
-            if n.page is not None:
-                row = self.pages.read_pages([n.page])[0]
-            elif n.host_slots is not None:
-                page = int(n.host_slots[0]) // self.page_size
-                row = self.pages.read_pages([page], host=True)[0]
-            else:
-                continue
-            if not self._enqueue(n.hash, row, timeout=deadline - time.monotonic()):
-                break
+            batch = todo[lo : lo + _CLOSE_BATCH]
+            rows = self._rows(batch)
+            for n in batch:
+                if not self._enqueue(n.hash, rows[id(n)], timeout=deadline - time.monotonic()):
+                    return
+
+    def _rows(self, nodes: list[Node]) -> dict[int, torch.Tensor]:
+        """Each node's page bytes (by `id`), from the device pool or the host tier: one
+        read each."""
+        device = [n for n in nodes if n.page is not None]
+        host = [n for n in nodes if n.page is None]
+        out: dict[int, torch.Tensor] = {}
+        if device:
+            out.update(zip(map(id, device), self.pages.read_pages([n.page for n in device])))
+        if host:
+            pages = [int(n.host_slots[0]) // self.page_size for n in host]
+            out.update(zip(map(id, host), self.pages.read_pages(pages, host=True)))
+        return out
 
     def abandon(self, timeout_s: float = 5.0) -> None:
         """Stop the threads, the backend and a master this engine started, storing nothing:

@@ -34,6 +34,7 @@ import torch
 
 from dsakv.distributed.leader import NOOP, STOP, Leader
 from dsakv.distributed.parallel import ParallelState
+from dsakv.memory.allocator import page_slots
 from dsakv.memory.host import HostPool
 from dsakv.memory.pool import DSAKVPool
 from dsakv.models.forward_batch import ForwardBatch, padded_slots
@@ -237,10 +238,7 @@ class ModelRunner:
                 self._write_pages(pages, rows)
             return
         self.pool.write_pages(pages, rows)
-        latent = None
-        if self.hot is not None:
-            size = self.pool.page_size
-            latent = (torch.tensor(pages)[:, None] * size + torch.arange(size)).flatten()
+        latent = None if self.hot is None else page_slots(pages, self.pool.page_size)
         self.share_kv(pages, latent)
 
     def _write_pages(self, pages: list[int], rows: torch.Tensor | None = None) -> None:
