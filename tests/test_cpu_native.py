@@ -782,8 +782,24 @@ def test_native_moe_ffn_gives_each_token_its_bits_alone_whoever_shares_its_exper
             assert torch.equal(ffn(x.flip(0), attn.flip(0)).flip(0), whole)
             for r in {0, tokens // 2, tokens - 1}:
                 assert torch.equal(ffn(x[r : r + 1], attn[r : r + 1])[0], whole[r])
+        x1 = x + ffn.o_proj(attn)  # (the calls a layer split over ranks makes, on one)
+        assert torch.equal(x1 + ffn.part(ffn.norm(x1)), whole)
         outs.append(whole)
     assert torch.equal(outs[0], outs[1])
+    # Split over two ranks as --tp splits it (o_proj by columns, every expert's and the
+    # MLP's intermediate rows): the parts sum to the whole.
+    o, gate, up, down, gate_up, edown = low
+    parts, x1 = [], x.clone()
+    for a, b, c in ((0, 16, 0), (16, attn_dim, 1)):
+        r, ri = slice(12 * c, 12 * (c + 1)), slice(10 * c, 10 * (c + 1))
+        gu = torch.cat([gate_up[:, ri], gate_up[:, i + ri.start : i + ri.stop]], dim=1)
+        moe = (router, bias, gu, edown[:, :, ri].contiguous(), 2, 1, 1, True, 2.5)
+        mlp = (gate[r], up[r], down[:, r].contiguous())
+        part = cpu_native.Ffn(o[:, a:b].contiguous(), post, 1e-6, mlp, moe)
+        x1 += part.o_proj(attn[:, a:b])
+        parts.append(part)
+    h = parts[0].norm(x1)
+    torch.testing.assert_close(x1 + parts[0].part(h) + parts[1].part(h), outs[0])
     # The torch math: o_proj and the residual, post-norm, sigmoid top-2 routing
     # (normalised, scaled), SiLU experts plus the shared MLP.
     o, gate, up, down, gate_up, edown = (m.float() for m in low)

@@ -21,6 +21,7 @@ import httpx
 import pytest
 import torch
 
+from dsakv import LLM
 from dsakv.config.presets import TINY_PRESETS
 from dsakv.engine import Engine, EngineConfig, SamplingParams
 from dsakv.engine import disagg as pd
@@ -28,6 +29,7 @@ from dsakv.errors import DsakvError
 from dsakv.models.forward_batch import ForwardBatch
 from dsakv.models.tiny import default_model_dir, write_tiny_model
 
+from .conftest import flat_logprobs
 from .serving import TIMEOUT, serving
 
 # 1,024 pages: the context the model's positions allow (16,384 tokens) and no more (the
@@ -249,11 +251,33 @@ def test_server_probe_beside_random_traffic(sparse):
                     f.result()
 
 
+@pytest.mark.parametrize(
+    "ranks",
+    [dict(tp=4), dict(tp=2, dp_attention=True, speculative_algorithm="mtp")],
+    ids=["tp4", "dp-attention-mtp"],
+)
+def test_across_ranks(sparse, ranks):
+    """A probe alone and among 12 others, in chunks of 32 tokens (so its chunks differ
+    too), on ranks: the blocks run natively on each rank's part, their sums in rank order
+    (at 4 ranks gloo's ring adds in an order that moves with the batch: with it this
+    fails), the FFN of DP attention over every rank's tokens."""
+    probe, others = PROBE, _prompts(12, seed=3)
+
+    def outs(llm, prompts):
+        got = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        return [(o.token_ids, flat_logprobs(o.logprobs, o.token_ids, 3)) for o in got]
+
+    kw = {**DET, "num_pages": 256, "chunked_prefill_size": 32, "enable_prefix_cache": False}
+    with LLM(sparse, **kw, **ranks) as llm:
+        alone = outs(llm, [probe])[0]
+        assert outs(llm, [*others[:6], probe, *others[6:]])[6] == alone
+
+
 def test_refusals_name_what_is_missing(sparse):
     with pytest.raises(DsakvError, match="cpu backend only.*torch"):
         _engine(sparse, attention_backend="torch")
-    with pytest.raises(DsakvError, match="more than one rank"):
-        EngineConfig(model=sparse, enable_deterministic_inference=True, tp=2)
+    with pytest.raises(DsakvError, match="--ep"):
+        EngineConfig(model=sparse, enable_deterministic_inference=True, tp=2, ep=2)
     with pytest.raises(DsakvError, match="bfloat16"):
         EngineConfig(model=sparse, enable_deterministic_inference=True, dtype="bfloat16")
     cmd = [sys.executable, "-m", "dsakv.cli", "generate", sparse, "--prompt", "hi"]

@@ -765,6 +765,36 @@ def test_closing_a_multi_rank_llm_puts_back_the_excepthook(models):
         assert sys.excepthook is before
 
 
+FAULT = """
+import multiprocessing
+from dsakv.engine.model_runner import ModelRunner
+
+forward = ModelRunner._forward
+
+def failing(self, *args, **kw):
+    if multiprocessing.current_process().name == "dsakv-rank1":
+        raise ValueError("a fault injected on rank 1")
+    return forward(self, *args, **kw)
+
+ModelRunner._forward = failing
+"""
+
+
+def test_a_rank_raising_in_a_step_is_named_with_its_error(models, tmp_path, monkeypatch):
+    """Rank 1 raising in a step broke rank 0's collective as it exited, a poll before the
+    launcher's watch saw the exit: generate raised gloo's "Connection closed by peer", and
+    the rank's own error was never shown. (The fault: a sitecustomize the spawned ranks
+    import.)"""
+    from dsakv.engine.launch import RankDied
+
+    (tmp_path / "sitecustomize.py").write_text(FAULT)
+    paths = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    named = pytest.raises(RankDied, match="rank 1 failed: ValueError: a fault injected on r")
+    with LLM(models["glm"], **EXACT, num_pages=16, tp=2) as llm, named:
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
 def test_a_request_a_dp_peer_cannot_start_ends_alone(models):
     """Rank 0 checks a request before a peer gets it (`Engine.check_request`); one that
     fails on the peer anyway (here: sent unchecked) ends with its error instead of ending

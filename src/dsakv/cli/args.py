@@ -935,7 +935,8 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True, serve: bool =
         action="store_true",
         help="require one per-token reduction order for every step: a request's tokens and "
         "logprobs do not depend on its batch, chunking, cache path or thread count (the "
-        "default wherever it runs: the cpu backend, fp32 compute, one rank)",
+        "default wherever it runs: the cpu backend, fp32 compute, one rank a stage; under "
+        "--tp on request)",
     )
     det.add_argument(
         "--disable-deterministic-inference",

@@ -280,6 +280,19 @@ class ParallelState:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def sum_in_rank_order(self, x: torch.Tensor) -> torch.Tensor:
+        """`all_reduce`, each value summed in rank order whatever the tensor's size (the
+        native blocks' sums under --tp, per-token batch invariant): gloo's ring adds a
+        value in an order set by where its chunk falls, which moves with the batch. Two
+        ranks add once, and addition commutes: the plain all-reduce."""
+        if self.tp_size <= 2:
+            return self.all_reduce(x)
+        parts = self.all_gather_run(x, self.tp_size)
+        out = parts[0].clone()
+        for part in parts[1:]:
+            out += part
+        return out
+
     def all_gather_attn(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate each attention rank's `x` along `dim` (vocab-parallel logits)."""
         if self.attn_size == 1:

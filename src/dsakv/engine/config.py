@@ -97,7 +97,8 @@ class EngineConfig:
     enable_torch_compile: bool = False
     # One per-token reduction order for every step (SGLang's flag): a request's tokens and
     # logprobs do not depend on its batch, chunking, cache path or thread count. None: on
-    # wherever that path runs (the cpu backend, fp32 compute, one rank); True: required;
+    # wherever that path runs (the cpu backend, fp32 compute) with one rank a stage (under
+    # --tp it prefills long prompts slower than the batched path); True: required;
     # False: the batched path of before (`--disable-deterministic-inference`).
     enable_deterministic_inference: bool | None = None
     index_topk_pattern: str | None = None
@@ -329,7 +330,7 @@ class EngineConfig:
         self._check_lora()
         if self.enable_deterministic_inference:
             refused = (
-                (self.tp > 1, "more than one rank a stage (--tp)"),
+                (self.ep > 1, "--ep (the native blocks route to every expert)"),
                 (self.dtype not in ("auto", "float32"), f"--dtype {self.dtype} (fp32 only)"),
             )
             for bad, what in refused:

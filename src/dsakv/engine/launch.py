@@ -210,7 +210,7 @@ def _start_rank(config: Any, rank: int, init: str, watchdog: Watchdog | None = N
     parallel = join() if watchdog is None else watchdog.rendezvous(join)
     engine = Engine(config, parallel, device)
     if watchdog is not None:
-        engine.rank_failure = lambda: watchdog.failure
+        engine.rank_failure = lambda: watchdog.failure_seen(_DEATH_SEEN_S)
     # Startup ends on every rank together: rank 0's fails (and says why) if another rank's
     # does, rather than serving until its first step meets the dead rank.
     parallel.broadcast_object(None)
@@ -233,6 +233,9 @@ _NO_MAIN_GUARD = 87
 # After another rank died during startup, how long rank 0's own startup may take to fail
 # (a collective with the dead rank fails within seconds) before a server ends itself.
 _STARTUP_GRACE_S = 10.0
+# How long a collective that broke waits for the watch to see a rank's exit (its poll: 0.2 s)
+# and name the rank with its error, rather than report the transport's
+_DEATH_SEEN_S = 2.0
 
 
 def _exit_text(rank: int, code: int | None, during_startup: bool) -> str:
@@ -321,6 +324,7 @@ class Watchdog:
         self.procs = procs
         self.exit_on_death = exit_on_death
         self.failure: str | None = None
+        self._failed = threading.Event()  # (`failure` is set)
         self._first_dead: int | None = None  # (the others may die of `_kill_all`)
         self._reports = dict(reports or {})
         self._read: dict[int, tuple[bool, str, str] | None] = {}
@@ -333,6 +337,13 @@ class Watchdog:
     def started(self) -> None:
         """This process's engine is built: a rank that dies from now on is reported here."""
         self._starting = False
+
+    def failure_seen(self, within: float) -> str | None:
+        """`failure`, waiting up to `within` seconds for the watch to see a rank's exit: a
+        rank that raises breaks its collectives as it exits, a poll before the watch sees
+        that (a hung rank: None, after the wait)."""
+        self._failed.wait(within)
+        return self.failure
 
     def _report(self, rank: int) -> tuple[bool, str, str] | None:
         """What rank `rank` said when it failed (DsakvError?, "Type: message", message),
@@ -372,6 +383,7 @@ class Watchdog:
                 return  # the interpreter exits and killed it (`_kill_ranks_at_exit`)
             self._first_dead = rank
             self.failure = self._describe(rank, self._starting)
+            self._failed.set()
             if self._starting:
                 self._kill_all()  # so a collective this process waits in fails now
                 deadline = time.monotonic() + _STARTUP_GRACE_S

@@ -651,7 +651,10 @@ class Ffn:
 
     `mlp`: (gate `[Is, hidden]`, up, down `[hidden, Is]`), the dense MLP or the shared
     experts. `moe`: (router `[E, hidden]`, bias `[E]`, gate_up `[E, 2I, hidden]`, down
-    `[E, hidden, I]`, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)."""
+    `[E, hidden, I]`, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor).
+
+    A layer split over ranks (this rank's o_proj columns, its slice of every expert and of
+    the MLP) runs `o_proj`, then, after the sum, the residual and the norm, `part`."""
 
     def __init__(self, o_proj, post_norm, eps: float, mlp: tuple, moe: tuple | None = None):
         hidden, attn_dim = matrix_shape(o_proj)
@@ -681,7 +684,7 @@ class Ffn:
                 _matrix(edown, e, hidden, i),
                 i,
             )
-        self.hidden, self.attn_dim = hidden, attn_dim
+        self.hidden, self.attn_dim, self.eps = hidden, attn_dim, eps
         self._keep = (o_proj, post_norm, mlp, moe)
         self._w = _FfnWeights(
             _matrix(o_proj, hidden, attn_dim),
@@ -700,10 +703,29 @@ class Ffn:
         """`x[B, hidden]` (the layer's input), `attn[B, attn_dim]` (the heads' outputs) ->
         the layer's output `[B, hidden]`. `routed`: an int32 `[B, top_k]` view (rows may be
         strided, columns contiguous) that gets each token's chosen experts (an MoE layer)."""
-        x = _activations(x, self.hidden)
         attn = _activations(attn, self.attn_dim)
         if attn.shape[0] != x.shape[0]:
             raise ValueError("native blocks: one attention output per token")
+        return self._run(x, attn, routed)
+
+    def o_proj(self, attn: torch.Tensor) -> torch.Tensor:
+        """`attn[B, attn_dim]` through o_proj (this rank's heads: a part of the sum)."""
+        return linear(attn, self._keep[0])
+
+    def part(self, h: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of the FFN of the normed rows `h[B, hidden]`, without the
+        residual: the ranks' parts sum to the rest of the layer's output (`routed` as in
+        `__call__`)."""
+        return self._run(h, None, routed)
+
+    def norm(self, x1: torch.Tensor) -> torch.Tensor:
+        """The post-attention norm of `x1[B, hidden]`, as the whole call norms it."""
+        return rms_norm(x1, self._keep[1], self.eps)
+
+    def _run(
+        self, x: torch.Tensor, attn: torch.Tensor | None, routed: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = _activations(x, self.hidden)
         routed_ld = 0
         if routed is not None:
             _on_cpu(routed)
@@ -717,7 +739,7 @@ class Ffn:
             ctypes.byref(self._w),
             x.shape[0],
             x.data_ptr(),
-            attn.data_ptr(),
+            None if attn is None else attn.data_ptr(),
             out.data_ptr(),
             None if routed is None else routed.data_ptr(),
             routed_ld,

@@ -62,10 +62,11 @@ class DecoderLayer(nn.Module):
         return attn.ops.block(RESIDUAL_FFN, batch, self, x, out)
 
     def native_blocks(self) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
-        """This layer's two blocks as `cpu_native` calls over its own weights, made on first
-        use (after loading); None where they do not apply: a model computing in bf16 (its
-        blocks round where the reference does), a layer split over ranks. Made beside LoRA
-        slots too: only a step running adapter deltas here runs the blocks eager."""
+        """This layer's two blocks as `cpu_native` calls over its own weights (this rank's
+        parts under --tp), made on first use (after loading); None where they do not apply:
+        a model computing in bf16 (its blocks round where the reference does), an MoE layer
+        with only some of its experts here (--ep). Made beside LoRA slots too: only a step
+        running adapter deltas here runs the blocks eager."""
         if self._native is False:
             self._native, self._lora = _native_blocks(self), adapter_slots(self)
         return self._native
@@ -131,8 +132,10 @@ def residual_ffn(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> tor
 
 def _native_blocks(layer: DecoderLayer) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
     attn, mlp = layer.self_attn, layer.mlp
-    if layer.parallel.tp_size > 1 or not cpu_native.fits(layer):
+    if not cpu_native.fits(layer):
         return None
+    if isinstance(mlp, MoE) and mlp.experts.expert_range != (0, mlp.experts.num_experts):
+        return None  # (the native router's choices index every expert)
     inputs = cpu_native.MlaInputs(
         layer.input_layernorm.weight,
         attn.q_a_proj.weight,
@@ -192,7 +195,31 @@ def _native_ffn(layer: DecoderLayer, x, out):
         return NotImplemented
     if adapting(layer._lora):
         return residual_ffn(layer, x, out)
-    return blocks[1](x, out.reshape(out.shape[0], -1), layer.routed)
+    ffn, attn = blocks[1], out.flatten(1)  # (an idle DP rank has 0 rows)
+    if layer.parallel.tp_size == 1:
+        return ffn(x, attn, layer.routed)
+    return _split_ffn(layer, ffn, x, attn)
+
+
+def _split_ffn(layer: DecoderLayer, ffn: cpu_native.Ffn, x, attn) -> torch.Tensor:
+    """`residual_ffn` over ranks, natively: each sum in rank order (`sum_in_rank_order`), so
+    a token's bits depend on neither its batch nor, under DP attention, the other ranks'.
+    DP attention gathers the normed rows, as `residual_ffn` does: ranks whose batches differ
+    in size may take the two paths in one step."""
+    p = layer.parallel
+    o = ffn.o_proj(attn)
+    x = x + (p.sum_in_rank_order(o) if p.attn_size > 1 else o)
+    rows, counts = p.gather_tokens(ffn.norm(x))
+    own, routed = p.own_rows(counts), layer.routed
+    every = (
+        routed
+        if routed is None or own == slice(None)
+        else routed.new_empty(len(rows), routed.shape[1])
+    )
+    y = p.sum_in_rank_order(ffn.part(rows, every))[own]
+    if every is not routed:
+        routed.copy_(every[own])
+    return x + y
 
 
 def norm_rows(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -326,7 +326,7 @@ class DSAForCausalLM(nn.Module):
         short = 0 < max(batch.extend_lens, default=0) <= LOOP_EXTEND  # (DP: an idle rank's 0)
         if not short or batch.hot is not None or not getattr(self.ops, "deterministic", False):
             return None
-        if self.parallel.pp_size > 1:  # (the loop runs the whole step: embedding to head)
+        if self.parallel.world_size > 1:  # (the loop runs the whole step, no collectives)
             return None
         if not draft and self.lora is not None and self.lora.used:
             return None
@@ -375,15 +375,21 @@ def lm_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def _reads_in_place(head: nn.Module) -> bool:
     """Whether the native head reads `head`'s weight as it is: every vocab row on this rank
-    (one rank's rows need their all-gather: the eager head does it), a kind it reads."""
-    whole = isinstance(head, ParallelLMHead) and head.parallel.attn_size == 1
-    return whole and cpu_native.fits(head)
+    (the layer loop's head), a kind it reads."""
+    return _native_rows_of(head) and head.parallel.attn_size == 1
+
+
+def _native_rows_of(head: nn.Module) -> bool:
+    return isinstance(head, ParallelLMHead) and cpu_native.fits(head)
 
 
 def _native_head(head: nn.Module, hidden: torch.Tensor):
-    if not _reads_in_place(head) or hidden.dtype != torch.float32:
+    """This rank's vocab rows natively, all-gathered (a concatenation: exact) as the eager
+    head's are."""
+    if not _native_rows_of(head) or hidden.dtype != torch.float32:
         return NotImplemented
-    return cpu_native.linear(hidden, head.weight)
+    logits = cpu_native.linear(hidden, head.weight)
+    return head.parallel.all_gather_attn(logits, dim=-1)[:, : head.vocab_size]
 
 
 # Steps whose requests extend by at most this many tokens (decode, MTP verify and draft

@@ -997,6 +997,9 @@ void dsakv_mla_inputs(const MlaInputsWeights* wp, int64_t B, const float* x, con
 // its row and token, so a token's bits do not depend on who else chose its experts.
 // routed (null: not asked): token b's chosen experts at routed[b · routed_ld ..], in the
 // order chosen (a step recording its routing: SGLang's return_routed_experts).
+// attn null (a layer split over ranks: the caller sums o_proj's parts, adds the residual
+// and norms): x is the normed rows (every rank's under DP attention), and out is this
+// rank's part of their FFN alone, to be summed and added to the residual there.
 void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* attn, float* out,
                int32_t* routed, int64_t routed_ld) {
   const FfnWeights& w = *wp;
@@ -1014,11 +1017,15 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
   const int64_t iblocks = (I + 15) / 16, sblocks = (Is + 15) / 16, nblocks = (D + 15) / 16;
 #pragma omp parallel
   {
-    gemv_team(w.o_proj, w.attn_dim, attn, w.attn_dim, B, x1, D, D);
+    if (attn) gemv_team(w.o_proj, w.attn_dim, attn, w.attn_dim, B, x1, D, D);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; ++b) {  // a token's residual, norm and routing on one thread
-      for (int64_t n = 0; n < D; ++n) x1[b * D + n] += x[b * D + n];
-      rms_norm(x1 + b * D, w.post_norm, D, w.eps, hn + b * D);
+      if (attn) {
+        for (int64_t n = 0; n < D; ++n) x1[b * D + n] += x[b * D + n];
+        rms_norm(x1 + b * D, w.post_norm, D, w.eps, hn + b * D);
+      } else {
+        std::memcpy(hn + b * D, x + b * D, D * sizeof(float));
+      }
       if (!w.router) continue;
       gemv(w.router, D, hn + b * D, D, 1, logits + b * E, E, 0, E);
       route(w, logits + b * E, &ids[b * k], gates + b * k);
@@ -1091,7 +1098,8 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
         for (int64_t r = 0; r < rows; ++r) {
           float routed = 0.0f;
           for (int64_t j = 0; j < k; ++j) routed += dn[pair_of[b * k + j] * 16 + r];
-          out[b * D + n0 + r] = x1[b * D + n0 + r] + (routed + sh[b * 16 + r]);
+          const float y = routed + sh[b * 16 + r];
+          out[b * D + n0 + r] = attn ? x1[b * D + n0 + r] + y : y;
         }
     }
   }
