@@ -775,7 +775,7 @@ def test_native_moe_ffn_gives_each_token_its_bits_alone_whoever_shares_its_exper
     for ms in (low, [m.float() for m in low]):
         o, gate, up, down, gate_up, edown = ms
         ffn = cpu_native.Ffn(
-            o, post, 1e-6, (gate, up, down), (router, bias, gate_up, edown, 2, 1, 1, True, 2.5)
+            o, post, 1e-6, (gate, up, down), (router, bias, gate_up, edown, 2, 1, 1, True, 2.5, 0)
         )
         for _ in _one_and_two_threads():
             whole = ffn(x, attn)
@@ -787,19 +787,28 @@ def test_native_moe_ffn_gives_each_token_its_bits_alone_whoever_shares_its_exper
         outs.append(whole)
     assert torch.equal(outs[0], outs[1])
     # Split over two ranks as --tp splits it (o_proj by columns, every expert's and the
-    # MLP's intermediate rows): the parts sum to the whole.
+    # MLP's intermediate rows), and as --ep 2 does (whole experts: 0 and 1, then 2): the
+    # parts sum to the whole.
     o, gate, up, down, gate_up, edown = low
-    parts, x1 = [], x.clone()
-    for a, b, c in ((0, 16, 0), (16, attn_dim, 1)):
-        r, ri = slice(12 * c, 12 * (c + 1)), slice(10 * c, 10 * (c + 1))
-        gu = torch.cat([gate_up[:, ri], gate_up[:, i + ri.start : i + ri.stop]], dim=1)
-        moe = (router, bias, gu, edown[:, :, ri].contiguous(), 2, 1, 1, True, 2.5)
-        mlp = (gate[r], up[r], down[:, r].contiguous())
-        part = cpu_native.Ffn(o[:, a:b].contiguous(), post, 1e-6, mlp, moe)
-        x1 += part.o_proj(attn[:, a:b])
-        parts.append(part)
-    h = parts[0].norm(x1)
-    torch.testing.assert_close(x1 + parts[0].part(h) + parts[1].part(h), outs[0])
+    for ep in (False, True):
+        parts, x1 = [], x.clone()
+        for a, b, c in ((0, 16, 0), (16, attn_dim, 1)):
+            r, ri, held = (
+                slice(12 * c, 12 * c + 12),
+                slice(10 * c, 10 * c + 10),
+                slice(2 * c, 2 + c),
+            )
+            experts = (gate_up[held], edown[held], held.start)
+            if not ep:
+                gu = torch.cat([gate_up[:, ri], gate_up[:, i + ri.start : i + ri.stop]], dim=1)
+                experts = (gu, edown[:, :, ri].contiguous(), 0)
+            moe = (router, bias, *experts[:2], 2, 1, 1, True, 2.5, experts[2])
+            mlp = (gate[r], up[r], down[:, r].contiguous())
+            part = cpu_native.Ffn(o[:, a:b].contiguous(), post, 1e-6, mlp, moe)
+            x1 += part.o_proj(attn[:, a:b])
+            parts.append(part)
+        h = parts[0].norm(x1)
+        torch.testing.assert_close(x1 + parts[0].part(h) + parts[1].part(h), outs[0])
     # The torch math: o_proj and the residual, post-norm, sigmoid top-2 routing
     # (normalised, scaled), SiLU experts plus the shared MLP.
     o, gate, up, down, gate_up, edown = (m.float() for m in low)
@@ -864,7 +873,7 @@ def test_native_blocks_read_bf16_matrices_as_their_fp32_widening_at_ragged_sizes
             norms[0], q_a, norms[1], q_b, kv_a, norms[2], kv_b,
             heads=heads, nope=nope, rope=rope, v=v, eps=(1e-6,) * 3,
         )  # fmt: skip
-        moe = (router, bias, gate_up, edown, 2, 1, 1, True, 2.5)
+        moe = (router, bias, gate_up, edown, 2, 1, 1, True, 2.5, 0)
         ffn = cpu_native.Ffn(o, post, 1e-6, (gate, up, down), moe)
         index = cpu_native.IndexerInputs(
             wq_b, wk, *k_norm, weights_proj, heads=4, rope=rope, interleave=True, eps=1e-6,

@@ -253,14 +253,14 @@ def test_server_probe_beside_random_traffic(sparse):
 
 @pytest.mark.parametrize(
     "ranks",
-    [dict(tp=4), dict(tp=2, dp_attention=True, speculative_algorithm="mtp")],
-    ids=["tp4", "dp-attention-mtp"],
+    [dict(tp=4, ep=2), dict(tp=2, dp_attention=True, speculative_algorithm="mtp")],
+    ids=["tp4-ep2", "dp-attention-mtp"],
 )
 def test_across_ranks(sparse, ranks):
     """A probe alone and among 12 others, in chunks of 32 tokens (so its chunks differ
-    too), on ranks: the blocks run natively on each rank's part, their sums in rank order
-    (at 4 ranks gloo's ring adds in an order that moves with the batch: with it this
-    fails), the FFN of DP attention over every rank's tokens."""
+    too), on ranks: the blocks run natively on each rank's part (under --ep 2 its experts'
+    whole), their sums in rank order (at 4 ranks gloo's ring adds in an order that moves
+    with the batch: with it this fails), the FFN of DP attention over every rank's tokens."""
     probe, others = PROBE, _prompts(12, seed=3)
 
     def outs(llm, prompts):
@@ -276,8 +276,6 @@ def test_across_ranks(sparse, ranks):
 def test_refusals_name_what_is_missing(sparse):
     with pytest.raises(DsakvError, match="cpu backend only.*torch"):
         _engine(sparse, attention_backend="torch")
-    with pytest.raises(DsakvError, match="--ep"):
-        EngineConfig(model=sparse, enable_deterministic_inference=True, tp=2, ep=2)
     with pytest.raises(DsakvError, match="bfloat16"):
         EngineConfig(model=sparse, enable_deterministic_inference=True, dtype="bfloat16")
     cmd = [sys.executable, "-m", "dsakv.cli", "generate", sparse, "--prompt", "hi"]

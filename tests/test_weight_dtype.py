@@ -298,7 +298,7 @@ def test_native_fp8_blocks_at_ragged_widths_match_their_widening():
 
     def ffn(i: int) -> cpu_native.Ffn:
         p = {k: v[i] for k, v in pairs.items()}
-        moe = (router, bias, p["gate_up"], p["edown"], 2, 1, 1, True, 1.0)
+        moe = (router, bias, p["gate_up"], p["edown"], 2, 1, 1, True, 1.0, 0)
         return cpu_native.Ffn(p["o_proj"], norm, 1e-6, (p["gate"], p["up"], p["down"]), moe)
 
     h, out = torch.randn(3, hidden, generator=g), torch.randn(3, attn_dim, generator=g)

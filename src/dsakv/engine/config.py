@@ -328,16 +328,11 @@ class EngineConfig:
             )
         self._check_hisparse()
         self._check_lora()
-        if self.enable_deterministic_inference:
-            refused = (
-                (self.ep > 1, "--ep (the native blocks route to every expert)"),
-                (self.dtype not in ("auto", "float32"), f"--dtype {self.dtype} (fp32 only)"),
+        if self.enable_deterministic_inference and self.dtype not in ("auto", "float32"):
+            raise DsakvError(
+                f"--enable-deterministic-inference does not run with --dtype {self.dtype} "
+                "(fp32 only) yet"
             )
-            for bad, what in refused:
-                if bad:
-                    raise DsakvError(
-                        f"--enable-deterministic-inference does not run with {what} yet"
-                    )
         if (events := self.kv_events) is not None:
             if not self.enable_prefix_cache:
                 raise DsakvError(

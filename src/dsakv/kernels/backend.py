@@ -260,7 +260,7 @@ class CpuBackend(TorchBackend):
             if self.deterministic:
                 raise DsakvError(
                     f"--enable-deterministic-inference: {block.eager.__name__} has no native "
-                    "form here (it needs fp32 compute, and every expert on each rank)"
+                    "form here (it needs fp32 compute)"
                 )
         if isinstance(batch, int):
             return block.eager(*args)

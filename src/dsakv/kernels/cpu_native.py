@@ -508,7 +508,7 @@ class _FfnWeights(ctypes.Structure):
         *((n, _Mat) for n in ("gate_up", "down")),
         ("inter", _i64),
         *((n, _Mat) for n in ("mlp_gate", "mlp_up", "mlp_down")),
-        ("mlp_inter", _i64),
+        *((n, _i64) for n in ("mlp_inter", "first_expert", "held_experts")),
     ]
 
 
@@ -650,8 +650,10 @@ class Ffn:
     shared experts; each weight read once for every token.
 
     `mlp`: (gate `[Is, hidden]`, up, down `[hidden, Is]`), the dense MLP or the shared
-    experts. `moe`: (router `[E, hidden]`, bias `[E]`, gate_up `[E, 2I, hidden]`, down
-    `[E, hidden, I]`, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor).
+    experts. `moe`: (router `[E, hidden]`, bias `[E]`, gate_up `[E_r, 2I, hidden]`, down
+    `[E_r, hidden, I]`, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+    first): the `E_r` experts held are `first ..` (all of them, or a rank's under --ep: a
+    token's choices outside them add nothing here).
 
     A layer split over ranks (this rank's o_proj columns, its slice of every expert and of
     the MLP) runs `o_proj`, then, after the sum, the residual and the norm, `part`."""
@@ -666,11 +668,15 @@ class Ffn:
             _matrix(down, hidden, inter),
         )
         routed: tuple = (None, None, 0, 0, 0, 0, 0, 0.0, _Mat(), _Mat(), 0)
+        held: tuple[int, int] = (0, 0)
         if moe is not None:
-            router, bias, gate_up, edown, top_k, n_group, topk_group, norm, scaling = moe
+            router, bias, gate_up, edown, top_k, n_group, topk_group, norm, scaling, first = moe
             e, i = router.shape[0], matrix_shape(edown)[-1]
             if not 1 <= top_k <= e or (n_group > 1 and (e % n_group or topk_group > n_group)):
                 raise ValueError(f"native blocks: top-{top_k} of {e} experts in {n_group} groups")
+            held = (first, gate_up.shape[0])
+            if not 0 <= first <= e - held[1]:
+                raise ValueError(f"native blocks: experts {first}.. ({held[1]}) of {e}")
             routed = (
                 _weight(router, e, hidden),
                 _weight(bias, e),
@@ -680,8 +686,8 @@ class Ffn:
                 topk_group,
                 int(norm),
                 scaling,
-                _matrix(gate_up, e, 2 * i, hidden),
-                _matrix(edown, e, hidden, i),
+                _matrix(gate_up, held[1], 2 * i, hidden),
+                _matrix(edown, held[1], hidden, i),
                 i,
             )
         self.hidden, self.attn_dim, self.eps = hidden, attn_dim, eps
@@ -695,6 +701,7 @@ class Ffn:
             *routed,
             *mlp_ptrs,
             inter,
+            *held,
         )
 
     def __call__(

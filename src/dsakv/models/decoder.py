@@ -63,10 +63,10 @@ class DecoderLayer(nn.Module):
 
     def native_blocks(self) -> tuple[cpu_native.MlaInputs, cpu_native.Ffn] | None:
         """This layer's two blocks as `cpu_native` calls over its own weights (this rank's
-        parts under --tp), made on first use (after loading); None where they do not apply:
-        a model computing in bf16 (its blocks round where the reference does), an MoE layer
-        with only some of its experts here (--ep). Made beside LoRA slots too: only a step
-        running adapter deltas here runs the blocks eager."""
+        parts under --tp and --ep), made on first use (after loading); None where they do
+        not apply: a model computing in bf16 (its blocks round where the reference does).
+        Made beside LoRA slots too: only a step running adapter deltas here runs the blocks
+        eager."""
         if self._native is False:
             self._native, self._lora = _native_blocks(self), adapter_slots(self)
         return self._native
@@ -134,8 +134,6 @@ def _native_blocks(layer: DecoderLayer) -> tuple[cpu_native.MlaInputs, cpu_nativ
     attn, mlp = layer.self_attn, layer.mlp
     if not cpu_native.fits(layer):
         return None
-    if isinstance(mlp, MoE) and mlp.experts.expert_range != (0, mlp.experts.num_experts):
-        return None  # (the native router's choices index every expert)
     inputs = cpu_native.MlaInputs(
         layer.input_layernorm.weight,
         attn.q_a_proj.weight,
@@ -163,6 +161,7 @@ def _native_blocks(layer: DecoderLayer) -> tuple[cpu_native.MlaInputs, cpu_nativ
             g.topk_group,
             g.norm_topk_prob,
             g.scaling,
+            mlp.experts.expert_range[0],
         )
         mlp = mlp.shared_experts
     ffn = cpu_native.Ffn(

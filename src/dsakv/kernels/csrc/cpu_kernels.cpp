@@ -621,6 +621,8 @@ struct FfnWeights {
   int64_t inter;
   Mat mlp_gate, mlp_up, mlp_down;  // [Is, hidden], [Is, hidden], [hidden, Is]
   int64_t mlp_inter;
+  int64_t first_expert;  // gate_up / down hold experts first_expert .. (--ep: a rank's)
+  int64_t held_experts;  // (a token's choices outside them add nothing here)
 };
 
 // `Router.forward` for one token: sigmoid scores, the group-limited choice by score + bias,
@@ -1037,13 +1039,17 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
     if (k) {
 #pragma omp single
       {
-        for (int64_t i = 0; i < P; ++i) ++start[ids[i] + 1];
+        const int64_t lo = w.first_expert, hi = lo + w.held_experts;
+        auto held = [&](int64_t e) { return e >= lo && e < hi; };
+        for (int64_t i = 0; i < P; ++i) start[ids[i] + 1] += held(ids[i]);
         for (int64_t e = 0; e < E; ++e) {
           if (start[e + 1]) used.push_back(e);
           start[e + 1] += start[e];
         }
         std::vector<int64_t> next(start.begin(), start.end() - 1);
         for (int64_t i = 0; i < P; ++i) {
+          pair_of[i] = -1;
+          if (!held(ids[i])) continue;
           const int64_t p = next[ids[i]]++;
           pair_of[i] = p, gate_of[p] = i;
           std::memcpy(xin + p * D, hn + (i / k) * D, D * sizeof(float));
@@ -1065,7 +1071,8 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
       if (gu.size() < size_t(2 * n * 16)) gu.resize(2 * n * 16);
       float *g = gu.data(), *up = g + n * 16;
       const Mat mg = routed ? w.gate_up : w.mlp_gate, mu = routed ? w.gate_up : w.mlp_up;
-      const int64_t rg = routed ? e * 2 * I + r0 : r0, ru = routed ? e * 2 * I + I + r0 : r0;
+      const int64_t he = e - w.first_expert;  // (its place among the held experts)
+      const int64_t rg = routed ? he * 2 * I + r0 : r0, ru = routed ? he * 2 * I + I + r0 : r0;
       visit(mg, rg, rows, D, [&](auto m) { gemv(m, D, xs, D, n, g, 16, 0, rows, mg.kind != FP32); });
       visit(mu, ru, rows, D, [&](auto m) { gemv(m, D, xs, D, n, up, 16, 0, rows, mu.kind != FP32); });
       for (int64_t t = 0; t < n; ++t)
@@ -1087,7 +1094,7 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
       float* sh = dn.data() + P * 16;
       for (const int64_t e : used) {
         const int64_t p0 = start[e], n = start[e + 1] - p0;
-        visit(w.down, e * D + n0, rows, I, [&](auto m) {
+        visit(w.down, (e - w.first_expert) * D + n0, rows, I, [&](auto m) {
           gemv(m, I, act + p0 * I, I, n, dn.data() + p0 * 16, 16, 0, rows, w.down.kind != FP32);
         });
       }
@@ -1097,7 +1104,8 @@ void dsakv_ffn(const FfnWeights* wp, int64_t B, const float* x, const float* att
       for (int64_t b = 0; b < B; ++b)
         for (int64_t r = 0; r < rows; ++r) {
           float routed = 0.0f;
-          for (int64_t j = 0; j < k; ++j) routed += dn[pair_of[b * k + j] * 16 + r];
+          for (int64_t j = 0; j < k; ++j)
+            if (pair_of[b * k + j] >= 0) routed += dn[pair_of[b * k + j] * 16 + r];
           const float y = routed + sh[b * 16 + r];
           out[b * D + n0 + r] = attn ? x1[b * D + n0 + r] + y : y;
         }
