@@ -252,11 +252,14 @@ def test_server_probe_beside_random_traffic(sparse):
 
 
 @pytest.mark.parametrize(
-    "ranks",
-    [dict(tp=4, ep=2), dict(tp=2, dp_attention=True, speculative_algorithm="mtp")],
+    ("ranks", "sums"),
+    [
+        (dict(tp=4, ep=2), "tp 4, ep 2"),
+        (dict(tp=2, dp_attention=True, speculative_algorithm="mtp"), "tp 2, ep 1, dp attention"),
+    ],
     ids=["tp4-ep2", "dp-attention-mtp"],
 )
-def test_across_ranks(sparse, ranks):
+def test_across_ranks(sparse, ranks, sums):
     """A probe alone and among 12 others, in chunks of 32 tokens (so its chunks differ
     too), on ranks: the blocks run natively on each rank's part (under --ep 2 its experts'
     whole), their sums in rank order (at 4 ranks gloo's ring adds in an order that moves
@@ -269,6 +272,8 @@ def test_across_ranks(sparse, ranks):
 
     kw = {**DET, "num_pages": 256, "chunked_prefill_size": 32, "enable_prefix_cache": False}
     with LLM(sparse, **kw, **ranks) as llm:
+        # (L3 and PD pair it only with an engine whose sums split alike)
+        assert llm.engine.compute.endswith(f"|sums over {sums}")
         alone = outs(llm, [probe])[0]
         assert outs(llm, [*others[:6], probe, *others[6:]])[6] == alone
 

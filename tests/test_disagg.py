@@ -191,7 +191,8 @@ def test_handshake_answers_as_soon_as_the_kv_is_written_and_names_layout_differe
 
 def test_servers_apart_only_in_the_per_token_path_are_told_how_to_pair():
     """A --tp 1 and a --tp 2 server on a CPU compute apart by default (one rank takes the
-    per-token path): their refusal names the flags that pair them; another dtype does not."""
+    per-token path), and with it on both (its bits are one split's of the sums): their
+    refusal names the flags that pair them; another dtype does not."""
     one = {"compute": "float32|cpu|deterministic=True"}
     two = {"compute": "float32|cpu|deterministic=False"}
     (line,) = differences(one, two, "prefill", "decode")
@@ -199,6 +200,10 @@ def test_servers_apart_only_in_the_per_token_path_are_told_how_to_pair():
     assert "--disable-deterministic-inference" in line
     (line,) = differences(one, {"compute": "bfloat16|cpu|deterministic=False"}, "p", "d")
     assert "deterministic-inference" not in line
+    # Both per-token, over other splits of the sums (`Engine.compute` under --tp)
+    split = {"compute": "float32|cpu|deterministic=True|sums over tp 2, ep 1"}
+    (line,) = differences(one, split, "p", "d")
+    assert "give both the same --tp, --ep and --dp-attention" in line
 
 
 def test_a_refused_room_is_the_decode_sides_error_at_once_before_or_after_it_registers():

@@ -130,14 +130,22 @@ def differences(mine: dict[str, Any], theirs: dict[str, Any], me: str, peer: str
 
 def _hint(key: str, a: Any, b: Any) -> str:
     """How to make two servers that differ only in the per-token path compute alike (on a
-    CPU one rank takes it by default, several ranks do not)."""
+    CPU one rank takes it by default, several ranks do not; over ranks its bits are those
+    of one split of the sums)."""
     if key != "compute" or not all(isinstance(v, str) for v in (a, b)):
         return ""
-    if a.rsplit("|", 1)[0] != b.rsplit("|", 1)[0]:
+    (*how_a, path_a), (*how_b, path_b) = (v.split("|", 3)[:3] for v in (a, b))
+    if how_a != how_b:
         return ""
+    if path_a != path_b:
+        return (
+            " (start both with --disable-deterministic-inference, or both with "
+            "--enable-deterministic-inference where it runs)"
+        )
     return (
-        " (start both with --disable-deterministic-inference, or both with "
-        "--enable-deterministic-inference where it runs)"
+        " (the per-token path's bits are those of one split of its sums over ranks: give "
+        "both the same --tp, --ep and --dp-attention, or start both with "
+        "--disable-deterministic-inference)"
     )
 
 

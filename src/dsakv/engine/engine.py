@@ -316,9 +316,14 @@ class Engine(SleepMixin, WeightUpdateMixin, ProfilerMixin, ExpertDistributionMix
         # How the KV is computed: engines that differ here compute other bytes, so they
         # share no L3 pages and do not pair as prefill and decode servers. Under --enable-lora
         # a step with adapter rows runs the torch blocks, so its base rows' KV is not the
-        # per-token path's bits: such an engine promises no batch invariance.
+        # per-token path's bits: such an engine promises no batch invariance. Over ranks the
+        # per-token bits are those of one split of the sums (o_proj's, the FFN's).
         invariant = self.deterministic and not config.enable_lora
         self.compute = f"{dtype}|{self.backend.name}|deterministic={invariant}"
+        if invariant and self.parallel.tp_size > 1:  # (its bits hold for one split of the sums)
+            pc = self.parallel.config
+            dp = ", dp attention" if pc.dp_attention else ""
+            self.compute += f"|sums over tp {pc.tp}, ep {pc.ep}{dp}"
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.stats = EngineStats()
         # (when, output tokens) where the last two windows began: `counters`' gen_throughput
