@@ -280,15 +280,17 @@ def test_helpers():
     assert fit_step_cost([(2, 0.1), (2, 0.2), (2, 0.3)]) is None
 
 
-def test_determinism_section_times_both_modes_and_checks_the_batch(tiny):
-    """`dsakv bench --enable-deterministic-inference`: every workload timed off and on, and
-    with the mode on the batched request matched its solo run."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_determinism_section_times_both_modes_and_checks_the_batch(tiny, tp):
+    """`dsakv bench --enable-deterministic-inference [--tp 2]`: every workload timed off and
+    on, and with the mode on the batched request matched its solo run."""
     from dsakv.bench.determinism import DeterminismSizes, run_determinism_bench, summary_lines
 
     sizes = DeterminismSizes(
         prompt_len=40, long_prompt_len=48, decode_prompt_len=8, decode_tokens=3, batch=3, rounds=1
     )
-    r = run_determinism_bench(tiny, sizes=sizes)
+    r = run_determinism_bench(tiny, sizes=sizes, tp=tp)
+    assert r["tp"] == tp
     want = {"prefill_1", "prefill_3", "prefill_1_long", "decode_1", "decode_3"}
     assert set(r["tokens_per_s"]) == want
     for t in r["tokens_per_s"].values():

@@ -1,7 +1,9 @@
 """What deterministic inference costs: prefill and decode tok/s at 1 and 32 requests (and
 one prompt long enough for a sparse selection), the mode off and on, on one model with the
-default caches (fp8 latent, fp8 index-K). Both engines are built once; each round times every workload on each engine in
-turn (off, on, off, on, ...) so machine noise lands on both; medians are reported.
+default caches (fp8 latent, fp8 index-K), on one rank or `tp` (each engine's rank 0 here,
+its other ranks in their processes). Both engines are built once; each round times every
+workload on each engine in turn (off, on, off, on, ...) so machine noise lands on both;
+medians are reported.
 
 A first round warms every shape up and is not timed. Also checked each round: with the
 mode on, the first request of the 32-request batch got
@@ -17,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dsakv.engine import Engine, EngineConfig, SamplingParams
+from dsakv.engine.launch import create_engine
 from dsakv.models.tiny import resolve_model_dir
 
 
@@ -38,13 +41,17 @@ MODES = {"off": False, "on": True}
 
 
 def run_determinism_bench(
-    model: str | None = None, *, quick: bool = False, sizes: DeterminismSizes | None = None
+    model: str | None = None,
+    *,
+    quick: bool = False,
+    sizes: DeterminismSizes | None = None,
+    tp: int = 1,
 ) -> dict[str, Any]:
     """tok/s per (workload, mode), the on/off ratios, and whether the batched request matched
-    its solo run in every round (mode on)."""
+    its solo run in every round (mode on). Under `tp` > 1 the modes run one after the other
+    (a process holds one multi-rank engine at a time), so noise is not shared."""
     sizes = sizes or (QUICK if quick else DEFAULT)
     path = resolve_model_dir(model, "glm-bench")
-    engines = {name: _engine(path, on, sizes) for name, on in MODES.items()}
     rng = random.Random(sizes.seed)
     work = {
         f"prefill_{n}": ([_prompt(rng, sizes.prompt_len) for _ in range(n)], 0)
@@ -60,6 +67,28 @@ def run_determinism_bench(
     }
     rates: dict[str, dict[str, list[float]]] = {w: {m: [] for m in MODES} for w in work}
     matched: list[bool] = []
+    for modes in [list(MODES)] if tp == 1 else [[m] for m in MODES]:
+        engines: dict[str, Engine] = {}
+        try:
+            for name in modes:
+                engines[name] = _engine(path, MODES[name], sizes, tp)
+            matched += _time(engines, work, rates, sizes)
+        finally:
+            for engine in engines.values():
+                engine.close()
+    out: dict[str, Any] = {"model": path, "tp": tp, "sizes": asdict(sizes), "tokens_per_s": {}}
+    for w in work:
+        med = {m: statistics.median(rates[w][m]) for m in MODES}
+        out["tokens_per_s"][w] = {**med, "on_vs_off": med["on"] / med["off"], "runs": rates[w]}
+    out["batched_equals_alone_on"] = all(matched)
+    out["within_10_percent"] = all(r["on_vs_off"] >= 0.9 for r in out["tokens_per_s"].values())
+    return out
+
+
+def _time(engines: dict[str, Engine], work: dict, rates: dict, sizes: DeterminismSizes):
+    """Every workload on each engine in turn, round after round, into `rates`; whether the
+    mode-on engine's batched request matched its solo run, each round."""
+    matched = []
     for r in range(sizes.rounds + 1):  # round 0 warms every shape up, untimed
         for w, (prompts, extra) in work.items():
             for name, engine in engines.items():
@@ -69,20 +98,15 @@ def run_determinism_bench(
                 if name == "on" and w == f"decode_{sizes.batch}":
                     alone = measure_rate(engine, prompts[:1], extra)[1]
                     matched.append(alone[0] == outs[0])
-    out: dict[str, Any] = {"model": path, "sizes": asdict(sizes), "tokens_per_s": {}}
-    for w in work:
-        med = {m: statistics.median(rates[w][m]) for m in MODES}
-        out["tokens_per_s"][w] = {**med, "on_vs_off": med["on"] / med["off"], "runs": rates[w]}
-    out["batched_equals_alone_on"] = all(matched)
-    out["within_10_percent"] = all(r["on_vs_off"] >= 0.9 for r in out["tokens_per_s"].values())
-    return out
+    return matched
 
 
-def _engine(path: str, on: bool, sizes: DeterminismSizes) -> Engine:
-    engine = Engine(
+def _engine(path: str, on: bool, sizes: DeterminismSizes, tp: int) -> Engine:
+    return create_engine(
         EngineConfig(
             model=path,
             device="cpu",
+            tp=tp,
             enable_deterministic_inference=on,
             chunked_prefill_size=sizes.chunked_prefill_size,
             num_pages=sizes.batch * (-(-(sizes.prompt_len + sizes.decode_tokens + 2) // 64))
@@ -92,7 +116,6 @@ def _engine(path: str, on: bool, sizes: DeterminismSizes) -> Engine:
             enable_prefix_cache=False,  # every round computes its prompts
         )
     )
-    return engine
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -119,8 +142,9 @@ def measure_rate(engine: Engine, prompts: list[list[int]], extra: int):
 
 def summary_lines(r: dict[str, Any]) -> list[str]:
     lines = [
-        f"deterministic inference: off vs on ({r['model']}, fp8 caches), medians of "
-        f"{r['sizes']['rounds']} alternating round(s)",
+        f"deterministic inference: off vs on ({r['model']}, --tp {r['tp']}, fp8 caches), medians of "
+        f"{r['sizes']['rounds']} round(s), "
+        + ("the modes alternating" if r["tp"] == 1 else "one mode after the other"),
         f"{'workload':<14}{'off tok/s':>12}{'on tok/s':>12}{'on/off':>9}",
     ]
     for w, t in r["tokens_per_s"].items():

@@ -14,7 +14,7 @@ from .args import add_hisparse_args, positive_int, stray_flags
 
 # bench's one-section modes: (flag, the other flags it takes besides --model, --quick, --json)
 _BENCH_MODES = {
-    "enable_deterministic_inference": ("--enable-deterministic-inference", ()),
+    "enable_deterministic_inference": ("--enable-deterministic-inference", ("tp",)),
     "weight_formats": ("--weight-formats", ()),
     "enable_hisparse": ("--enable-hisparse", ("device", "hisparse_config")),
     "sparse_vs_dense": ("--sparse-vs-dense", ("lengths",)),
@@ -143,7 +143,7 @@ def _bench_determinism(args: argparse.Namespace) -> int:
     """`dsakv bench --enable-deterministic-inference`: only its cost (`bench.determinism`)."""
     from dsakv.bench.determinism import run_determinism_bench, summary_lines
 
-    r = run_determinism_bench(args.model, quick=args.quick)
+    r = run_determinism_bench(args.model, quick=args.quick, tp=args.tp)
     return _section_report(args, r, summary_lines(r))
 
 
@@ -264,7 +264,11 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--plot", metavar="DIR", help="write PNG charts")
     p.add_argument(
-        "--tp", type=positive_int, default=1, help="add the tensor / DP-attention section"
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="add the tensor / DP-attention section (with --enable-deterministic-inference: "
+        "its engines run on this many ranks)",
     )
     p.add_argument("--pd", action="store_true", help="add prefill -> decode KV transfer")
     p.add_argument(
