@@ -202,22 +202,21 @@ def _native_ffn(layer: DecoderLayer, x, out):
 
 def _split_ffn(layer: DecoderLayer, ffn: cpu_native.Ffn, x, attn) -> torch.Tensor:
     """`residual_ffn` over ranks, natively: each sum in rank order (`sum_in_rank_order`), so
-    a token's bits depend on neither its batch nor, under DP attention, the other ranks'.
-    DP attention gathers the normed rows, as `residual_ffn` does: ranks whose batches differ
-    in size may take the two paths in one step."""
+    with every rank on this path a token's bits depend on neither its batch nor, under DP
+    attention, the other ranks'. DP attention gathers the normed rows, as `residual_ffn`
+    does: outside the deterministic mode, ranks whose batches differ in size may take the
+    two paths in one step."""
     p = layer.parallel
     o = ffn.o_proj(attn)
     x = x + (p.sum_in_rank_order(o) if p.attn_size > 1 else o)
     rows, counts = p.gather_tokens(ffn.norm(x))
-    own, routed = p.own_rows(counts), layer.routed
-    every = (
-        routed
-        if routed is None or own == slice(None)
-        else routed.new_empty(len(rows), routed.shape[1])
-    )
-    y = p.sum_in_rank_order(ffn.part(rows, every))[own]
-    if every is not routed:
-        routed.copy_(every[own])
+    own, mine = p.own_rows(counts), layer.routed
+    routed = mine  # (recording the routing under DP attention: every row's, then its own)
+    if mine is not None and own != slice(None):
+        routed = mine.new_empty(len(rows), mine.shape[1])
+    y = p.sum_in_rank_order(ffn.part(rows, routed))[own]
+    if routed is not mine:
+        mine.copy_(routed[own])
     return x + y
 
 
