@@ -260,17 +260,18 @@ def test_server_probe_beside_random_traffic(sparse):
     ids=["tp4-ep2", "dp-attention-mtp"],
 )
 def test_across_ranks(sparse, ranks, sums):
-    """A probe alone and among 12 others, in chunks of 32 tokens (so its chunks differ
-    too), on ranks: the blocks run natively on each rank's part (under --ep 2 its experts'
-    whole), their sums in rank order (at 4 ranks gloo's ring adds in an order that moves
-    with the batch: with it this fails), the FFN of DP attention over every rank's tokens."""
+    """A probe alone and among 12 others (a 90-token prefill step, then one of ~800), on
+    ranks: the blocks run natively on each rank's part (under --ep 2 its experts' whole),
+    their sums in rank order (at 4 ranks gloo's ring adds in an order that moves with the
+    batch: with it this fails, as it does on the batched path), the FFN of DP attention
+    over every rank's tokens."""
     probe, others = PROBE, _prompts(12, seed=3)
 
     def outs(llm, prompts):
         got = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         return [(o.token_ids, flat_logprobs(o.logprobs, o.token_ids, 3)) for o in got]
 
-    kw = {**DET, "num_pages": 256, "chunked_prefill_size": 32, "enable_prefix_cache": False}
+    kw = {**DET, "num_pages": 256, "enable_prefix_cache": False}
     with LLM(sparse, **kw, **ranks) as llm:
         # (L3 and PD pair it only with an engine whose sums split alike)
         assert llm.engine.compute.endswith(f"|sums over {sums}")
