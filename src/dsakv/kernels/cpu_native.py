@@ -691,7 +691,8 @@ class Ffn:
                 i,
             )
         self.hidden, self.attn_dim, self.eps = hidden, attn_dim, eps
-        self._keep = (o_proj, post_norm, mlp, moe)
+        self._o_proj, self._post_norm = o_proj, post_norm
+        self._keep = (mlp, moe)
         self._w = _FfnWeights(
             _matrix(o_proj, hidden, attn_dim),
             _weight(post_norm, hidden),
@@ -717,7 +718,7 @@ class Ffn:
 
     def o_proj(self, attn: torch.Tensor) -> torch.Tensor:
         """`attn[B, attn_dim]` through o_proj (this rank's heads: a part of the sum)."""
-        return linear(attn, self._keep[0])
+        return linear(attn, self._o_proj)
 
     def part(self, h: torch.Tensor, routed: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's part of the FFN of the normed rows `h[B, hidden]`, without the
@@ -727,7 +728,7 @@ class Ffn:
 
     def norm(self, x1: torch.Tensor) -> torch.Tensor:
         """The post-attention norm of `x1[B, hidden]`, as the whole call norms it."""
-        return rms_norm(x1, self._keep[1], self.eps)
+        return rms_norm(x1, self._post_norm, self.eps)
 
     def _run(
         self, x: torch.Tensor, attn: torch.Tensor | None, routed: torch.Tensor | None

@@ -374,22 +374,20 @@ def lm_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _reads_in_place(head: nn.Module) -> bool:
-    """Whether the native head reads `head`'s weight as it is: every vocab row on this rank
-    (the layer loop's head), a kind it reads."""
-    return _native_rows_of(head) and head.parallel.attn_size == 1
+    """Whether the layer loop's native head reads `head`'s weight as it is: every vocab row
+    on this rank, a kind it reads."""
+    return _native_head_fits(head) and head.parallel.attn_size == 1
 
 
-def _native_rows_of(head: nn.Module) -> bool:
+def _native_head_fits(head: nn.Module) -> bool:
     return isinstance(head, ParallelLMHead) and cpu_native.fits(head)
 
 
 def _native_head(head: nn.Module, hidden: torch.Tensor):
-    """This rank's vocab rows natively, all-gathered (a concatenation: exact) as the eager
-    head's are."""
-    if not _native_rows_of(head) or hidden.dtype != torch.float32:
+    """This rank's vocab rows natively, gathered as the eager head's are."""
+    if not _native_head_fits(head) or hidden.dtype != torch.float32:
         return NotImplemented
-    logits = cpu_native.linear(hidden, head.weight)
-    return head.parallel.all_gather_attn(logits, dim=-1)[:, : head.vocab_size]
+    return head.gather(cpu_native.linear(hidden, head.weight))
 
 
 # Steps whose requests extend by at most this many tokens (decode, MTP verify and draft

@@ -109,5 +109,8 @@ class ParallelLMHead(nn.Module):
         self.parallel = parallel
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, widened(self.weight, hidden)).float()
+        return self.gather(F.linear(hidden, widened(self.weight, hidden)).float())
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab columns of `logits` -> every column (a concatenation: exact)."""
         return self.parallel.all_gather_attn(logits, dim=-1)[:, : self.vocab_size]
