@@ -99,7 +99,7 @@ def test_bad_input_is_one_error_line(args, capsys):
     assert len(err) == 1 and err[0].startswith("error: "), err
 
 
-def test_bad_config_files_exit_2(tmp_path):
+def test_bad_config_files_exit_2(tmp_path, capsys):
     from dsakv.config import preset
 
     cases = {
@@ -114,12 +114,9 @@ def test_bad_config_files_exit_2(tmp_path):
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_bytes(cfg if isinstance(cfg, bytes) else json.dumps(cfg).encode())
-        proc = subprocess.run(
-            [sys.executable, "-m", "dsakv.cli", "plan", str(d)], capture_output=True, text=True
-        )
-        assert proc.returncode == 2, name
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in proc.stderr
+        assert main(["plan", str(d)]) == 2, name
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), (name, lines)
 
 
 @pytest.mark.parametrize("dense", [False, True])

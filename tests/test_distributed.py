@@ -20,7 +20,7 @@ import pytest
 from dsakv import LLM, SamplingParams
 from dsakv.models.tiny import TINY_PRESETS, write_tiny_model
 
-from .conftest import flat_logprobs
+from .conftest import cli_error_line, flat_logprobs
 from .serving import free_port
 
 EXACT = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", device="cpu", page_size=16)
@@ -173,11 +173,18 @@ def test_sparse_config_agreement(models, reference):
         (["--tp", "2", "--dist-init-addr", "127.0.0.1:99999"], "port 1..65535"),  # (traceback)
         (["--tp", "2", "--dist-init-addr", "127.0.0.1:0"], "port 1..65535"),  # (hung)
         (["--tp", "2", "--nnodes", "2"], "--nnodes > 1 needs --dist-init-addr HOST:PORT"),
-        # Found by every rank after spawning: rank 1 printed it too, and the watchdog a line.
-        (["--tp", "2", "--kv-budget-gib", "0.000001"], "the KV budget holds less than one page"),
     ],
 )
-def test_bad_parallel_flags_are_one_error_line(models, flags, message):
+def test_bad_parallel_flags_are_one_error_line(models, flags, message, capsys):
+    """(Refused before any rank starts: in this process.)"""
+    line = cli_error_line(["generate", models["glm"], "--prompt", "hi", *flags], capsys)
+    assert message in line
+
+
+def test_a_budget_every_rank_refuses_is_one_error_line(models):
+    """Found by every rank after spawning: rank 1 printed it too, and the watchdog a line
+    (a process of its own: what its ranks and its logging write reach its stderr)."""
+    flags = ["--tp", "2", "--kv-budget-gib", "0.000001"]
     r = subprocess.run(
         [sys.executable, "-m", "dsakv.cli", "generate", models["glm"], "--prompt", "hi", *flags],
         capture_output=True,
@@ -186,7 +193,8 @@ def test_bad_parallel_flags_are_one_error_line(models, flags, message):
     )
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert "the KV budget holds less than one page" in lines[0], r.stderr
 
 
 def test_a_dist_init_addr_in_use_is_one_error_line(models):
