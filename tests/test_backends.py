@@ -213,7 +213,9 @@ def test_triton_backend_hisparse_verifies_mtp_drafts(tmp_path):
     four = {**TINY_PRESETS["glm-tiny"], "num_hidden_layers": 4}
     four["indexer_types"] = ["full", "shared", "full", "shared"]
     model = str(write_tiny_model(tmp_path, four, mtp="fit"))
-    prompts = [list(range(3, 3 + 36))]
+    # One token 36 times: the tiny target settles into repeating a token, which the fitted
+    # draft predicts (it kept no draft of 3..38, where the drafts kept were equal as 0 = 0)
+    prompts = [[63] * 36]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     exact = dict(kv_cache_dtype="fp32", index_k_dtype="fp32", attention_backend="triton",
                  speculative_algorithm="mtp", speculative_num_steps=1)  # fmt: skip
@@ -223,7 +225,7 @@ def test_triton_backend_hisparse_verifies_mtp_drafts(tmp_path):
     got = [o.token_ids for o in llm.generate(prompts, params)]
     llm.engine.check_integrity()
     c, want = llm.engine.counters(), off.counters()
-    assert got == ref and c["hisparse_misses"] > 0 and c["spec_verify_steps"] > 0
+    assert got == ref and c["hisparse_misses"] > 0 and c["spec_accepted_tokens"] > 0
     assert (c["spec_draft_tokens"], c["spec_accepted_tokens"]) == (
         want["spec_draft_tokens"],
         want["spec_accepted_tokens"],
