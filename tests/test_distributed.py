@@ -710,7 +710,7 @@ def test_serve_tp2_stops_cleanly_on_a_signal_to_the_group(models, sig):
 def test_a_rank_dying_before_the_group_forms_fails_at_once(models, tmp_path):
     """Rank 1 killed as it joins torch.distributed's group (the OOM killer, a crash): rank 0
     waited in the rendezvous for the whole 120 s timeout. Now `LLM(tp=2)` raises RankDied
-    and the CLI says so in one line, exit 1, within seconds."""
+    and the CLI (here `--pp-size 2`) says so in one line, exit 1, within seconds."""
     (tmp_path / "sitecustomize.py").write_text(
         "import os, signal, sys\n"
         "if '--multiprocessing-fork' in sys.argv:  # a spawned rank\n"
@@ -731,10 +731,11 @@ if __name__ == "__main__":
     lib = subprocess.run([sys.executable, "dies.py"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert lib.stdout.strip() == "rank 1 died during startup (signal 9, SIGKILL)", lib.stderr
-    cli = subprocess.run(_generate_cli(models["glm"], "--tp", "2"), env=env,
+    # (Under --pp-size a rank is named with its stage, which holds layers of its own.)
+    cli = subprocess.run(_generate_cli(models["glm"], "--pp-size", "2"), env=env,
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert cli.returncode == 1, cli.stderr
-    assert cli.stderr.strip() == "error: rank 1 died during startup (signal 9, SIGKILL)"
+    assert cli.stderr.strip() == "error: rank 1 (stage 1) died during startup (signal 9, SIGKILL)"
 
 
 def test_a_rank_whose_launcher_is_gone_exits_quietly():

@@ -116,6 +116,11 @@ class ParallelConfig:
         """The flags that set the ranks, for errors (`--pp-size` only when given)."""
         return f"--tp {self.tp}" if self.pp == 1 else f"--tp {self.tp} x --pp-size {self.pp}"
 
+    def rank_name(self, rank: int) -> str:
+        """Rank `rank` as errors name it: with its pipeline stage under `--pp-size` (a
+        stage holds its own layers, so which one failed says what to look at)."""
+        return f"rank {rank}" + (f" (stage {rank // self.tp})" if self.pp > 1 else "")
+
     @property
     def attn_tp(self) -> int:
         """Ranks one attention computation is split over (1 under DP attention)."""

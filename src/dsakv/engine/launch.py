@@ -122,13 +122,13 @@ def _launch(config: Any, exit_on_rank_death: bool) -> Any:
             send.close()  # the child's end: EOF here once it has gone
         reports = {r: recv for r, (recv, _) in pipes.items()}
         try:
-            _wait_started(procs, reports, pc.timeout_s)
+            _wait_started(procs, reports, pc.timeout_s, pc.rank_name)
         except BaseException:  # (a Ctrl-C too: the ranks ignore it)
             _kill(procs.values())
             for conn in reports.values():
                 conn.close()
             raise
-    watchdog = Watchdog(procs, exit_on_rank_death or rank != 0, reports)
+    watchdog = Watchdog(procs, exit_on_rank_death or rank != 0, reports, pc.rank_name)
     try:
         engine = _start_rank(config, rank, init, watchdog)
     except BaseException as e:
@@ -238,19 +238,24 @@ _STARTUP_GRACE_S = 10.0
 _DEATH_SEEN_S = 2.0
 
 
-def _exit_text(rank: int, code: int | None, during_startup: bool) -> str:
-    """How rank `rank`'s process ended, in words."""
+def _exit_text(rank: str, code: int | None, during_startup: bool) -> str:
+    """How a rank's process ended, in words (`rank`: its `ParallelConfig.rank_name`)."""
     when = " during startup" if during_startup else ""
     if code is not None and code < 0:
         try:
             name = f", {signal.Signals(-code).name}"
         except ValueError:
             name = ""
-        return f"rank {rank} died{when} (signal {-code}{name})"
-    return f"rank {rank} exited with code {code}{when}"
+        return f"{rank} died{when} (signal {-code}{name})"
+    return f"{rank} exited with code {code}{when}"
 
 
-def _wait_started(procs: dict[int, Any], started: dict[int, Connection], timeout: float) -> None:
+def _wait_started(
+    procs: dict[int, Any],
+    started: dict[int, Connection],
+    timeout: float,
+    name: Callable[[int], str],
+) -> None:
     """Until every spawned rank has started (`_rank_main` runs): one that dies first, or
     is not there within `timeout` seconds, is an error here. Rank 0 would otherwise wait for
     it in the group's rendezvous. Under `LLM(tp=2)` in a script without a main guard each
@@ -280,7 +285,7 @@ def _wait_started(procs: dict[int, Any], started: dict[int, Connection], timeout
                         '`if __name__ == "__main__":` guard around it: each rank is a spawned '
                         "process, which re-runs the script's top level"
                     ) from None
-                raise RankDied(_exit_text(r, procs[r].exitcode, True)) from None
+                raise RankDied(_exit_text(name(r), procs[r].exitcode, True)) from None
 
 
 def _rank_main(config: Any, rank: int, init: str, conn: Connection) -> None:
@@ -301,7 +306,8 @@ def _rank_main(config: Any, rank: int, init: str, conn: Connection) -> None:
         try:
             conn.send((isinstance(e, DsakvError), f"{type(e).__name__}: {e}", str(e)))
         except OSError:  # the launcher has gone: say it here
-            print(f"dsakv rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            said = f"{config.parallel.rank_name(rank)}: {type(e).__name__}: {e}"
+            print(f"dsakv {said}", file=sys.stderr, flush=True)
         os._exit(1)
     os._exit(0)
 
@@ -319,14 +325,16 @@ class Watchdog:
         self,
         procs: dict[int, Any],
         exit_on_death: bool,
-        reports: dict[int, Connection] | None = None,
+        reports: dict[int, Connection],
+        name: Callable[[int], str],
     ) -> None:
         self.procs = procs
+        self.name = name  # (`ParallelConfig.rank_name`)
         self.exit_on_death = exit_on_death
         self.failure: str | None = None
         self._failed = threading.Event()  # (`failure` is set)
         self._first_dead: int | None = None  # (the others may die of `_kill_all`)
-        self._reports = dict(reports or {})
+        self._reports = dict(reports)
         self._read: dict[int, tuple[bool, str, str] | None] = {}
         self._lock = threading.Lock()
         self._starting = True
@@ -365,8 +373,8 @@ class Watchdog:
         report = self._report(rank)
         if report is not None:
             when = " during startup" if during_startup else ""
-            return f"rank {rank} failed{when}: {report[1].splitlines()[0]}"
-        return _exit_text(rank, self.procs[rank].exitcode, during_startup)
+            return f"{self.name(rank)} failed{when}: {report[1].splitlines()[0]}"
+        return _exit_text(self.name(rank), self.procs[rank].exitcode, during_startup)
 
     def _dead(self) -> int | None:
         """The rank that died first (as far as can be told), or None."""
