@@ -225,6 +225,16 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def _ranks(pid: int) -> list[int]:
+    """The rank processes `pid` started: the children of its forkserver."""
+    ranks = []
+    for child in _children(pid):
+        with contextlib.suppress(FileNotFoundError):
+            if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
+                ranks += _children(child)
+    return ranks
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -271,8 +281,8 @@ def test_serve_tp2_answers_openai_and_dies_cleanly_with_a_rank(models):
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         assert "dsakv_" in metrics
 
-        children = _children(server.pid)
-        rank1 = [p for p in children if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        rank1 = _ranks(server.pid)
+        children = _children(server.pid) + rank1  # (the forkserver and resource tracker too)
         assert len(rank1) == 1, children
         os.kill(rank1[0], signal.SIGKILL)
         code = server.wait(timeout=60)
@@ -300,12 +310,9 @@ def test_a_rank_killed_while_serve_starts_is_one_error_line(models):
         deadline = time.monotonic() + 60
         rank1: list[int] = []
         while not rank1 and time.monotonic() < deadline and server.poll() is None:
-            for p in _children(server.pid):
-                with contextlib.suppress(FileNotFoundError):
-                    if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes():
-                        rank1.append(p)
+            rank1 = _ranks(server.pid)
             time.sleep(0.02)
-        assert rank1, "rank 1 was not spawned"
+        assert rank1, "rank 1 was not started"
         os.kill(rank1[0], signal.SIGKILL)
         out, err = server.communicate(timeout=60)
     finally:
@@ -707,16 +714,26 @@ def test_serve_tp2_stops_cleanly_on_a_signal_to_the_group(models, sig):
     assert "rank" not in err and "error" not in err, err
 
 
+# Imported by every process that has `tmp_path` on its path, a forkserver and its ranks too:
+# rank 1 is the one that dies.
+JOIN_KILLS_RANK1 = """import multiprocessing, os, signal
+import torch.distributed as dist
+join = dist.init_process_group
+
+def dying(*args, **kw):
+    if multiprocessing.current_process().name == "dsakv-rank1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return join(*args, **kw)
+
+dist.init_process_group = dying
+"""
+
+
 def test_a_rank_dying_before_the_group_forms_fails_at_once(models, tmp_path):
     """Rank 1 killed as it joins torch.distributed's group (the OOM killer, a crash): rank 0
     waited in the rendezvous for the whole 120 s timeout. Now `LLM(tp=2)` raises RankDied
     and the CLI (here `--pp-size 2`) says so in one line, exit 1, within seconds."""
-    (tmp_path / "sitecustomize.py").write_text(
-        "import os, signal, sys\n"
-        "if '--multiprocessing-fork' in sys.argv:  # a spawned rank\n"
-        "    import torch.distributed as dist\n"
-        "    dist.init_process_group = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
-    )
+    (tmp_path / "sitecustomize.py").write_text(JOIN_KILLS_RANK1)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     script = f"""import sys
 from dsakv import LLM
@@ -741,15 +758,21 @@ if __name__ == "__main__":
 def test_a_rank_whose_launcher_is_gone_exits_quietly():
     """SIGTERM to the launcher while rank 1 starts: rank 1's hello to it met a closed pipe,
     a 15-line BrokenPipeError traceback. Now it leaves without a word."""
-    script = """import multiprocessing as mp
-from dsakv.engine.launch import _rank_main
-recv, send = mp.Pipe(duplex=False)
-recv.close()  # the launcher's end: gone
-_rank_main(None, 1, "tcp://127.0.0.1:1", send)
+    script = """import multiprocessing as mp, os
+from dsakv.engine.launch import _rank_main, _Stdio
+if __name__ == "__main__":
+    ctx = mp.get_context("forkserver")
+    recv, send = ctx.Pipe(duplex=False)
+    recv.close()  # the launcher's end: gone
+    args = (None, 1, "tcp://127.0.0.1:1", send, dict(os.environ), _Stdio())
+    rank = ctx.Process(target=_rank_main, args=args)
+    rank.start()
+    rank.join()
+    print(rank.exitcode)
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        timeout=60)  # fmt: skip
-    assert r.returncode == 1 and r.stderr == "", r.stderr
+    assert r.stdout == "1\n" and r.stderr == "", r.stderr
 
 
 def test_closing_a_multi_rank_llm_puts_back_the_excepthook(models):
@@ -789,19 +812,26 @@ ModelRunner._forward = failing
 """
 
 
-def test_a_rank_raising_in_a_step_is_named_with_its_error(models, tmp_path, monkeypatch):
+def test_a_rank_raising_in_a_step_is_named_with_its_error(models, tmp_path):
     """Rank 1 raising in a step broke rank 0's collective as it exited, a poll before the
     launcher's watch saw the exit: generate raised gloo's "Connection closed by peer", and
-    the rank's own error was never shown. (The fault: a sitecustomize the spawned ranks
-    import.)"""
-    from dsakv.engine.launch import RankDied
-
+    the rank's own error was never shown. (The fault: a sitecustomize, which a script's
+    forkserver imports, and so its ranks.)"""
     (tmp_path / "sitecustomize.py").write_text(FAULT)
-    paths = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
-    named = pytest.raises(RankDied, match="rank 1 failed: ValueError: a fault injected on r")
-    with LLM(models["glm"], **EXACT, num_pages=16, tp=2) as llm, named:
-        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    script = f"""from dsakv import LLM
+from dsakv.engine.launch import RankDied
+if __name__ == "__main__":
+    with LLM({models["glm"]!r}, num_pages=16, tp=2, **{EXACT!r}) as llm:
+        try:
+            llm.generate([[1, 2, 3]], use_tqdm=False)
+        except RankDied as e:
+            print(e)
+"""
+    (tmp_path / "fault.py").write_text(script)
+    r = subprocess.run([sys.executable, "fault.py"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "rank 1 failed: ValueError: a fault injected on rank 1" in r.stdout, r.stderr
 
 
 def test_a_request_a_dp_peer_cannot_start_ends_alone(models):

@@ -3,12 +3,15 @@ own share of the CPU threads.
 
 `create_engine(config)` is what `LLM`, `dsakv generate/serve/bench` call. With one rank
 (`--tp 1`, `--pp-size 1`) it is just `Engine(config)`. Otherwise there are tp × pp
-ranks: this process becomes the first rank of its node and spawns the node's other ranks
-(or, under `torchrun`, every process is one rank already). Rank 0 gets the engine back;
+ranks: this process becomes the first rank of its node and starts the node's other ranks
+(or, under `torchrun`, every process is one rank already). They are forked from
+multiprocessing's forkserver, which imports torch and dsakv once (each rank imported them
+again, ~2.5 s of CPU a rank), and take this process's environment, stdout and stderr as
+they are when each starts. Rank 0 gets the engine back;
 every other rank follows rank 0 until it stops, then exits. A watchdog on each node
 notices a rank process that dies, names it, and ends every local rank, so nothing hangs
-and nothing is orphaned; a rank whose parent dies is killed with it (Linux parent-death
-signal), and one still running when it exits is killed then. A spawned rank ignores
+and nothing is orphaned; a rank whose launcher dies kills itself, and one still running
+when the launcher exits is killed then. A spawned rank ignores
 SIGINT and SIGTERM: a Ctrl-C or a `kill` sent to the whole process group is the
 launcher's to act on (it stops its ranks, or they die with it). A rank that fails while
 the engine starts is reported once, by the launcher (`RankDied`, or the same
@@ -32,7 +35,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from multiprocessing import resource_tracker
+from multiprocessing import reduction, resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -74,7 +77,9 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
     if getattr(mp.current_process(), "_inheriting", False):
         # A spawned rank re-running the script that made this engine at its top level (no
         # `if __name__ == "__main__":` guard): it leaves quietly, and its parent says why.
-        sys.exit(_NO_MAIN_GUARD)
+        # (os._exit: the forkserver turns a SystemExit raised this early into exit code 1.)
+        sys.stdout.flush()
+        os._exit(_NO_MAIN_GUARD)
     pc.check_model(ModelConfig.from_hf(config.model))
     device_type = resolve_device(config.device).type
     if device_type == "cuda" and torch.cuda.device_count() < pc.ranks_per_node:
@@ -105,16 +110,24 @@ def _launch(config: Any, exit_on_rank_death: bool) -> Any:
             _check_rendezvous_port(pc.dist_init_addr)
         addr = pc.dist_init_addr or f"127.0.0.1:{free_port()}"
         init = f"tcp://{addr}"
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
         pipes = {r: ctx.Pipe(duplex=False) for r in range(rank + 1, rank + pc.ranks_per_node)}
         procs = {
-            r: ctx.Process(target=_rank_main, args=(config, r, init, send), name=f"dsakv-rank{r}")
+            r: ctx.Process(
+                target=_rank_main,
+                args=(config, r, init, send, dict(os.environ), _Stdio()),
+                name=f"dsakv-rank{r}",
+            )
             for r, (_, send) in pipes.items()
         }
         # (Started by the first `start`, multiprocessing's resource tracker would unblock
         # them after: it blocks the same two signals while it starts its own process.)
         resource_tracker.ensure_running()
-        with stop_signals_blocked():  # (until each rank has called `ignore_stop_signals`)
+        # Blocked until each rank has called `ignore_stop_signals`, and for good in the
+        # forkserver the first `start` starts (its children inherit its mask): a stop sent
+        # to the process group is the launcher's to act on, as for the ranks.
+        with stop_signals_blocked():
             for p in procs.values():
                 p.start()
                 _spawned.add(p)
@@ -288,17 +301,29 @@ def _wait_started(
                 raise RankDied(_exit_text(name(r), procs[r].exitcode, True)) from None
 
 
-def _rank_main(config: Any, rank: int, init: str, conn: Connection) -> None:
-    """Entry point of a spawned rank process. `conn` tells the launcher it started and,
-    if it fails, why (the launcher reports it once: rank 0's own error wins)."""
-    die_with_parent(signal.SIGKILL)  # killed when the process that spawned it dies
+def _rank_main(
+    config: Any, rank: int, init: str, conn: Connection, env: dict[str, str], stdio: Any
+) -> None:
+    """Entry point of a rank process. `conn` tells the launcher it started and, if it
+    fails, why (the launcher reports it once: rank 0's own error wins). `env` and `stdio`
+    (`_Stdio`): the launcher's, which the forkserver's are not (only as it was started)."""
+    die_with_parent(signal.SIGKILL)  # killed when the forkserver that forked it dies
     ignore_stop_signals()  # the launcher stops it (module docstring)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, launchers in zip((1, 2), stdio, strict=True):
+        os.dup2(launchers, fd)
+        os.close(launchers)
+    # The launcher's death closes its end of the pipe multiprocessing gave this process
+    # (its sentinel); the forkserver, this process's parent, outlives it while ranks run.
+    launcher = mp.parent_process()
+    threading.Thread(target=_die_with, args=(launcher,), name="dsakv-launcher", daemon=True).start()
     # This process ends with os._exit, so nothing would release a multiprocessing lock
     # (tqdm makes one for its bars): a thread lock serves one process as well.
     tqdm.set_lock(threading.RLock())
     try:
         conn.send(rank)
-    except OSError:  # the launcher died before the parent-death signal was set: go quietly
+    except OSError:  # the launcher died as this rank started: go quietly
         os._exit(1)
     try:
         _start_rank(config, rank, init)
@@ -310,6 +335,24 @@ def _rank_main(config: Any, rank: int, init: str, conn: Connection) -> None:
             print(f"dsakv {said}", file=sys.stderr, flush=True)
         os._exit(1)
     os._exit(0)
+
+
+def _die_with(launcher: Any) -> None:
+    launcher.join()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Stdio:
+    """The launcher's stdout and stderr as a rank starts, passed as file descriptors: the
+    forkserver's are the launcher's when it started (under pytest, a finished test's
+    captured output)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _detach, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _detach(*fds: Any) -> tuple[int, ...]:
+    return tuple(fd.detach() for fd in fds)
 
 
 class Watchdog:
