@@ -226,12 +226,14 @@ def _children(pid: int) -> list[int]:
 
 
 def _ranks(pid: int) -> list[int]:
-    """The rank processes `pid` started: the children of its forkserver."""
-    ranks = []
-    for child in _children(pid):
-        with contextlib.suppress(FileNotFoundError):
-            if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
-                ranks += _children(child)
+    """The rank processes `pid` started (children of its forkserver), by their name."""
+    ranks, todo = [], [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            todo.append(child)
+            with contextlib.suppress(FileNotFoundError):
+                if Path(f"/proc/{child}/comm").read_text().startswith("dsakv-rank"):
+                    ranks.append(child)
     return ranks
 
 

@@ -21,7 +21,8 @@ from dsakv.errors import DsakvError
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
+_PR_SET_PDEATHSIG = 1  # prctl options, <linux/prctl.h>
+_PR_SET_NAME = 15
 
 
 _GIVEN: set[int] = set()  # ports `free_port` handed out, maybe not bound yet
@@ -58,6 +59,13 @@ def die_with_parent(sig: int) -> None:
     elsewhere nothing. Call it in the child: a `preexec_fn`, a spawned process's entry."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def name_process(name: str) -> None:
+    """Linux: show this process as `name` (its first 15 bytes) in `ps -o comm`, `top` and
+    `pgrep`, where a forked process shows its parent's name; elsewhere nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 # What a terminal's Ctrl-C, `timeout`, or systemd's KillMode=control-group sends to every

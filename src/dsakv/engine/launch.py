@@ -56,6 +56,7 @@ from dsakv.procs import (
     die_with_parent,
     free_port,
     ignore_stop_signals,
+    name_process,
     split_address,
     stop_signals_blocked,
 )
@@ -308,6 +309,7 @@ def _rank_main(
     fails, why (the launcher reports it once: rank 0's own error wins). `env` and `stdio`
     (`_Stdio`): the launcher's, which the forkserver's are not (only as it was started)."""
     die_with_parent(signal.SIGKILL)  # killed when the forkserver that forked it dies
+    name_process(mp.current_process().name)  # ("dsakv-rank1": `ps`, `top`, `pgrep`)
     ignore_stop_signals()  # the launcher stops it (module docstring)
     os.environ.clear()
     os.environ.update(env)
