@@ -384,7 +384,7 @@ def test_device_budget_is_the_ranks_own(capsys):
     ],
 )
 def test_the_ranks_share_a_host_latent_only_under_tp_on_one_machine(flags, shared):
-    from dsakv.distributed import ParallelConfig
+    from dsakv.config.parallel import ParallelConfig
     from dsakv.engine.hisparse import shares_host_latent
 
     pc = ParallelConfig(**flags)

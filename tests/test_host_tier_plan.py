@@ -181,7 +181,8 @@ def test_the_engine_refuses_a_tier_and_host_latent_that_fit_only_apart(glm_tiny,
 def test_every_rank_refuses_from_each_nodes_own_memory(glm_tiny, monkeypatch):
     """A rank whose machine has room still refuses where another node's has none (the
     ranks gather each one's bytes and memory): no rank goes on to wait for the others."""
-    from dsakv.distributed import ParallelConfig, ParallelState
+    from dsakv.config.parallel import ParallelConfig
+    from dsakv.distributed import ParallelState
 
     layout = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 8)
     tier = 40 * 8 * layout.bytes_per_token
@@ -213,7 +214,8 @@ def test_a_node_counts_every_ranks_host_memory_before_the_weights_load(
     ranks, before the weights load. (One process stands for the two ranks of a node: each
     rank's bytes gathered, two ranks a node.)"""
     import dsakv.memory.pool as pool
-    from dsakv.distributed import ParallelConfig, ParallelState
+    from dsakv.config.parallel import ParallelConfig
+    from dsakv.distributed import ParallelState
     from dsakv.models import loader
 
     layout = CacheLayout.for_model(glm_tiny, "fp32", "fp32", 8)

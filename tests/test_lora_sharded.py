@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsakv import LLM, LoRARequest, SamplingParams
-from dsakv.distributed.parallel import ParallelConfig, ParallelState
+from dsakv.config.parallel import ParallelConfig
+from dsakv.distributed.parallel import ParallelState
 from dsakv.engine import EngineConfig
 from dsakv.errors import DsakvError
 from dsakv.models.loader import load_model

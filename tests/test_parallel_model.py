@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from dsakv.config import checkpoint as checkpoint_mod
+from dsakv.config.parallel import ParallelConfig
 from dsakv.distributed.parallel import (
-    ParallelConfig,
     ParallelState,
     destroy_parallel,
     init_parallel,

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from dsakv import LLM, SamplingParams
-from dsakv.distributed.parallel import ParallelConfig, ParallelState, agreed
+from dsakv.config.parallel import ParallelConfig
+from dsakv.distributed.parallel import ParallelState, agreed
 from dsakv.engine import EngineConfig, launch
 from dsakv.errors import DsakvError
 from dsakv.memory import CacheLayout, plan_capacity

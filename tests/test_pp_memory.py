@@ -14,8 +14,8 @@ import torch
 
 from dsakv.cli import main
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig
+from dsakv.config.parallel import ParallelConfig
 from dsakv.config.presets import TINY_PRESETS
-from dsakv.distributed import ParallelConfig
 from dsakv.errors import ConfigError
 from dsakv.memory import (
     CacheLayout,

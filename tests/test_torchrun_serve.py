@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from dsakv.distributed.parallel import ParallelConfig
+from dsakv.config.parallel import ParallelConfig
 from dsakv.engine import launch
 from dsakv.engine.launch import process_rank
 

@@ -153,7 +153,8 @@ def test_packed_rows_carry_the_block_scales_of_any_slice(fp8_model):
 def test_sharded_reads_keep_each_ranks_slices_as_stored(checkpoint, parallel):
     """Each rank's slices of the checkpoint (TP heads and vocab rows, EP experts) are read
     as stored: the fp32 load's, widened; an fp32 checkpoint stays fp32."""
-    from dsakv.distributed import ParallelConfig, ParallelState
+    from dsakv.config.parallel import ParallelConfig
+    from dsakv.distributed import ParallelState
 
     pc = {
         "tp2-ep2": ParallelConfig(tp=2, ep=2, timeout_s=60),

@@ -37,6 +37,7 @@ _COMMANDS: list[Callable[[Any], None]] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dsakv", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.set_defaults(loads_torch=True)  # (a command that never does says so)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in _COMMANDS:
         add(sub)
@@ -45,11 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        with interrupts_deferred():
-            # torch's own imports swallow a Ctrl-C or leave numpy half-loaded ("cannot load
-            # module more than once"); the parser's choices import it anyway.
-            import torch  # noqa: F401
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)  # (loads no torch: --help, a bad flag at once)
+        if args.loads_torch:
+            with interrupts_deferred():
+                # torch's own imports swallow a Ctrl-C or leave numpy half-loaded ("cannot
+                # load module more than once"): here a Ctrl-C waits for them to finish.
+                import torch  # noqa: F401
         fold_model_option(args)
         logging.basicConfig(level=log_level(args), format="%(levelname)s %(name)s: %(message)s")
         code = args.func(args) or 0

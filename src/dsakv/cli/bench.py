@@ -95,7 +95,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.tp > 1 or args.full:  # sections that come late: check the model now
         from dsakv.config import ModelConfig
-        from dsakv.distributed import ParallelConfig
+        from dsakv.config.parallel import ParallelConfig
         from dsakv.models.tiny import resolve_model_dir
 
         config = ModelConfig.from_hf(resolve_model_dir(args.model, "glm-bench"))

@@ -294,7 +294,7 @@ def add_commands(sub: Any) -> None:
     add_health_args(p)
     add_http_args(p)
     add_trace_args(p)
-    p.set_defaults(func=_cmd_router)
+    p.set_defaults(func=_cmd_router, loads_torch=False)
 
     p = sub.add_parser(
         "serve-pd", help="a prefill server, a decode server and the router, on this machine"

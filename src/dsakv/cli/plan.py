@@ -30,7 +30,7 @@ from .args import (
 )
 
 if TYPE_CHECKING:
-    from dsakv.distributed import ParallelConfig
+    from dsakv.config.parallel import ParallelConfig
 
 GIB = 1 << 30  # (memory.capacity's, not imported here: dsakv.memory loads torch)
 
@@ -81,7 +81,7 @@ def _check_a_page(pipe: Any, dense: bool) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dsakv.config import LayerPlan, ModelConfig
     from dsakv.config.layer_plan import check_one_draft_layer
-    from dsakv.distributed import ParallelConfig
+    from dsakv.config.parallel import ParallelConfig
     from dsakv.memory import CacheLayout, estimate_weight_bytes, plan_pipeline
     from dsakv.memory.capacity import UnpricedWeightsError, gain_pct, host_tier_flag
     from dsakv.memory.layout import DEFAULT_LATENT_DTYPE

@@ -2,6 +2,6 @@
 channel to the others (`leader`). What starts the ranks and DP attention sit above, in
 `dsakv.engine` (`launch`, `dp`): they build engines."""
 
-from .parallel import ParallelConfig, ParallelState
+from .parallel import ParallelState
 
-__all__ = ["ParallelConfig", "ParallelState"]
+__all__ = ["ParallelState"]

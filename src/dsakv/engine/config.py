@@ -15,7 +15,7 @@ import torch
 from dsakv.config import plan_overrides
 from dsakv.config.kv_events import KVEventsConfig
 from dsakv.config.layer_plan import parse_layer_partition
-from dsakv.distributed.parallel import ParallelConfig
+from dsakv.config.parallel import ParallelConfig
 from dsakv.errors import DsakvError, is_int, is_number
 from dsakv.kernels import BACKENDS
 from dsakv.memory.capacity import host_tier_flag
@@ -119,7 +119,7 @@ class EngineConfig:
     # n-gram lookup: the shortest and longest suffix matched (None: SGLang's 1 and 12)
     speculative_ngram_min_match_window_size: int | None = None
     speculative_ngram_max_match_window_size: int | None = None
-    # Parallelism (SGLang's flag names): see `dsakv.distributed.ParallelConfig`.
+    # Parallelism (SGLang's flag names): see `dsakv.config.parallel.ParallelConfig`.
     tp: int = 1
     ep: int = 1
     dp_attention: bool = False
@@ -127,7 +127,7 @@ class EngineConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None
     # Pipeline stages (SGLang's --pp-size, vLLM's --pipeline-parallel-size), each of `tp`
-    # ranks, and the target layers of each (None: `parallel.even_split`)
+    # ranks, and the target layers of each (None: `ParallelConfig`'s `even_split`)
     pp: int = 1
     pp_layer_partition: tuple[int, ...] | None = None
     # L3 storage tier for prefix KV (SGLang's HiCache names): see `StorageConfig`.

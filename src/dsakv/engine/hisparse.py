@@ -60,7 +60,8 @@ from typing import NamedTuple
 import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan
-from dsakv.distributed import ParallelConfig, ParallelState
+from dsakv.config.parallel import ParallelConfig
+from dsakv.distributed import ParallelState
 from dsakv.distributed.shared_memory import machine_shared_empty
 from dsakv.errors import ConfigError
 from dsakv.kernels.hisparse_ops import bind_newest, init_buffers

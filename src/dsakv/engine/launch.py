@@ -44,12 +44,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dsakv.config import ModelConfig
-from dsakv.distributed.parallel import (
-    ParallelConfig,
-    destroy_parallel,
-    init_parallel,
-    is_dist_error,
-)
+from dsakv.config.parallel import ParallelConfig
+from dsakv.distributed.parallel import destroy_parallel, init_parallel, is_dist_error
 from dsakv.errors import DsakvError
 from dsakv.procs import (
     Listener,

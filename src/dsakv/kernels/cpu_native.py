@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from dsakv.memory.fp8 import scale_blocks
+from dsakv.memory.layout import scale_blocks
 
 from .torch_ops import unpacked_width
 

@@ -60,7 +60,8 @@ from functools import cache
 
 import torch
 
-from dsakv.memory.fp8 import FP8_BLOCK, e4m3_to_float, scale_blocks
+from dsakv.memory.fp8 import e4m3_to_float
+from dsakv.memory.layout import FP8_BLOCK, scale_blocks
 
 from . import torch_ops
 from .torch_ops import MLAMath, per_head, topk_by_position, widened

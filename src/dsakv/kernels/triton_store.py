@@ -20,7 +20,7 @@ buffer's token count: nothing is checked on the host, so the launch is CUDA-grap
 
 import torch
 
-from dsakv.memory.fp8 import scale_blocks
+from dsakv.memory.layout import scale_blocks
 
 from ._triton import cdiv, next_pow2, require_triton, tl, triton
 from .triton_fp8 import bf16_to_f32, f32_to_bf16_bits, f32_to_e4m3, mul_exp2, pow2_exponent

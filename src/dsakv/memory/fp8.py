@@ -13,9 +13,10 @@ from functools import lru_cache
 
 import torch
 
+from .layout import FP8_BLOCK, scale_blocks
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-FP8_BLOCK = 128  # values per scale
 
 
 @lru_cache(maxsize=32)
@@ -47,11 +48,6 @@ def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
     times faster than `.to(float32)` on CPU, where the cache is read every decode step."""
     table = _e4m3_table(q.device)
     return table.index_select(0, q.reshape(-1).int()).view(q.shape)
-
-
-def scale_blocks(d: int) -> int:
-    """fp32 scales for `d` values: one per `FP8_BLOCK`, a partial last block included."""
-    return -(-d // FP8_BLOCK)
 
 
 def pow2_block_scale(amax: torch.Tensor) -> torch.Tensor:

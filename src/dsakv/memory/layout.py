@@ -12,7 +12,13 @@ from typing import Any
 from dsakv.config import LayerPlan, ModelConfig
 from dsakv.errors import ConfigError, is_int
 
-from .fp8 import scale_blocks
+FP8_BLOCK = 128  # fp8 values per fp32 scale (`fp8`'s quantisation: here, torch-free)
+
+
+def scale_blocks(d: int) -> int:
+    """fp32 scales for `d` values: one per `FP8_BLOCK`, a partial last block included."""
+    return -(-d // FP8_BLOCK)
+
 
 LATENT_DTYPES = ("fp8_e4m3", "fp8_ds_mla", "bf16", "fp32")
 DEFAULT_LATENT_DTYPE = "fp8_e4m3"  # (what vLLM's and SGLang's "auto" spells here)
