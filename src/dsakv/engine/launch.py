@@ -2,23 +2,21 @@
 own share of the CPU threads.
 
 `create_engine(config)` is what `LLM`, `dsakv generate/serve/bench` call. With one rank
-(`--tp 1`, `--pp-size 1`) it is just `Engine(config)`. Otherwise there are tp × pp
-ranks: this process becomes the first rank of its node and starts the node's other ranks
-(or, under `torchrun`, every process is one rank already). They are forked from
-multiprocessing's forkserver, which imports torch and dsakv once (each rank imported them
-again, ~2.5 s of CPU a rank), and take this process's environment, stdout and stderr as
-they are when each starts. Rank 0 gets the engine back;
-every other rank follows rank 0 until it stops, then exits. A watchdog on each node
-notices a rank process that dies, names it, and ends every local rank, so nothing hangs
-and nothing is orphaned; a rank whose launcher dies kills itself, and one still running
-when the launcher exits is killed then. A spawned rank ignores
-SIGINT and SIGTERM: a Ctrl-C or a `kill` sent to the whole process group is the
-launcher's to act on (it stops its ranks, or they die with it). A rank that fails while
-the engine starts is reported once, by the launcher (`RankDied`, or the same
-`DsakvError` every rank met: rank 0's own wins), at once even when it dies before the
-process group has formed. One multi-rank engine runs in a process at a time (they would
-share torch.distributed's default process group): a second is refused until the first
-closes.
+(`--tp 1`, `--pp-size 1`) it is just `Engine(config)`. Otherwise there are tp × pp ranks:
+this process becomes the first rank of its node and starts the node's other ranks (or,
+under `torchrun`, every process is one rank already). They are forked from
+multiprocessing's forkserver, which imports torch and dsakv once (a spawned rank imported
+them itself, ~2.5 s of CPU each), and take this process's environment, stdout and stderr as
+they are when each starts. Rank 0 gets the engine back; every other rank follows rank 0
+until it stops, then exits. A watchdog on each node notices a rank process that dies, names
+it, and ends every local rank, so nothing hangs and nothing is orphaned; a rank whose
+launcher dies kills itself, and one still running when the launcher exits is killed then. A
+rank ignores SIGINT and SIGTERM: a Ctrl-C or a `kill` sent to the whole process group is
+the launcher's to act on (it stops its ranks, or they die with it). A rank that fails while
+the engine starts is reported once, by the launcher (`RankDied`, or the same `DsakvError`
+every rank met: rank 0's own wins), at once even when it dies before the process group has
+formed. One multi-rank engine runs in a process at a time (they would share
+torch.distributed's default process group): a second is refused until the first closes.
 """
 
 from __future__ import annotations
