@@ -384,8 +384,8 @@ def test_device_budget_is_the_ranks_own(capsys):
     ],
 )
 def test_the_ranks_share_a_host_latent_only_under_tp_on_one_machine(flags, shared):
+    from dsakv.config.hisparse import shares_host_latent
     from dsakv.config.parallel import ParallelConfig
-    from dsakv.engine.hisparse import shares_host_latent
 
     pc = ParallelConfig(**flags)
     assert shares_host_latent(pc) is shared

@@ -286,20 +286,24 @@ def test_the_router_loads_no_torch():
     assert r.stdout.strip() == "[]"
 
 
-def test_the_cli_parses_without_torch():
+def test_the_cli_parses_and_plans_without_torch(glm_tiny):
     """`dsakv --help`, a command's --help and a flag the parser refuses answered after
     torch's 2 s import (the parser read its dtype and storage choices from `dsakv.memory`,
-    whose package import loaded torch); `dsakv router` loaded it too, from `main`. Now
-    none of them does; a command that runs a model loads it after parsing."""
+    whose package import loaded torch); `dsakv router` loaded it too, from `main`, and
+    `dsakv plan` (ParallelConfig's module, the engine's draft steps, safetensors' torch
+    reader for a checkpoint's names). Now none of them does; a command that runs a model
+    loads it after parsing."""
     import subprocess
     import sys
 
-    code = """import contextlib, io, sys
+    code = f"""import contextlib, io, sys
 from dsakv.cli import main
-for argv in (["--help"], ["serve", "--help"], ["generate", "m", "--tp", "0"], ["router", "--help"]):
+for argv in (["--help"], ["serve", "--help"], ["generate", "m", "--tp", "0"], ["router", "--help"],
+             ["plan", "glm-5.2", "--tp", "8", "--enable-hisparse", "--host-pool-gib", "100"],
+             ["plan", {glm_tiny!r}, "--tp", "2", "--draft-layers", "1"]):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
-            main(argv)
+            code = main(argv)
         except SystemExit as e:
             code = e.code
     print(argv[0], code, "torch" in sys.modules)
@@ -307,4 +311,4 @@ for argv in (["--help"], ["serve", "--help"], ["generate", "m", "--tp", "0"], ["
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:-1] == ["--help 0 False", "serve 0 False", "generate 2 False",
-                                        "router 0 False"]  # fmt: skip
+                                        "router 0 False", "plan 0 False", "plan 0 False"]  # fmt: skip

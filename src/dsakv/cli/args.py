@@ -1548,7 +1548,7 @@ def _fold_foreign(args: argparse.Namespace, model_dir: str) -> None:
     """SGLang's / vLLM's values and flags (`FOLDED`) as dsakv's own flags, set in `args`
     (what serve-pd passes on), or refused where dsakv has no such meaning."""
     from dsakv.config import ModelConfig
-    from dsakv.engine.config import DRAFT_STEPS, MAX_DRAFT_STEPS
+    from dsakv.config.layer_plan import DRAFT_STEPS, MAX_DRAFT_STEPS
 
     check_dp_size(args)
     fold_expert_parallel(args)

@@ -282,7 +282,7 @@ def _host_bytes_by_rank(
     """Each rank's host memory as the engine counts it (`rank_host_bytes`): its stage's
     tier of `tier_pages` and, under HiSparse (`splits`, each stage's), the host latent it
     holds and writes (none on the TP ranks that map their stage's TP rank 0's)."""
-    from dsakv.engine.hisparse import writes_host_latent
+    from dsakv.config.hisparse import writes_host_latent
     from dsakv.memory.capacity import rank_host_bytes
 
     tp, page = parallel.tp, layouts[0].page_size
@@ -324,7 +324,7 @@ def _plan_host_tier(
     0's host latent hold index-K only. The node's host memory is its ranks' tiers and the
     HiSparse host latents it holds. A size that holds no page is refused for the layout
     `asked` for, as the engine refuses it; the other layout's tier is empty."""
-    from dsakv.engine.hisparse import writes_host_latent
+    from dsakv.config.hisparse import writes_host_latent
     from dsakv.memory.capacity import HostTierPlan, host_tier_pages, node_sums
 
     layouts = [s.layout for s in pipe.stages]
@@ -517,7 +517,7 @@ def _hisparse_config(args: argparse.Namespace, config: Any) -> Any:
     hot buffer reserves a slot for each token of a verify: `--speculative-num-steps`
     drafts, or with `--draft-layers` the engine's default chain."""
     from dsakv.config import HiSparseConfig
-    from dsakv.engine.config import DRAFT_STEPS, MAX_DRAFT_STEPS
+    from dsakv.config.layer_plan import DRAFT_STEPS, MAX_DRAFT_STEPS
 
     drafts = args.speculative_num_steps or (DRAFT_STEPS if args.draft_layers else 0)
     if not args.enable_hisparse:
@@ -556,7 +556,7 @@ def _hisparse_table(
     the stage whose budget sets the device tokens, under --pp-size), and with more than
     one rank the host memory of a node (`node_bytes`; one rank's too where each rank holds
     a host latent of its own)."""
-    from dsakv.engine.hisparse import shares_host_latent
+    from dsakv.config.hisparse import shares_host_latent
 
     h, ranks, shared = elided.hisparse, parallel.world_size, shares_host_latent(parallel)
     host = "host memory (GiB)" if ranks == 1 else "host memory/node (GiB)"
@@ -700,4 +700,4 @@ def add_commands(sub: Any) -> None:
     add_layout_args(p)
     add_hisparse_args(p, "plan the HiSparse split")
     add_host_tier_args(p.add_argument_group("host KV tier (its tokens and the host memory)"))
-    p.set_defaults(func=_cmd_plan)
+    p.set_defaults(func=_cmd_plan, loads_torch=False)

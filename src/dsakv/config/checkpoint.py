@@ -39,7 +39,7 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         raise DsakvError(f"no safetensors checkpoint in {path}")
     out = {}
     for file in files:
-        with open_checkpoint_file(file) as f:
+        with open_checkpoint_file(file, "numpy") as f:  # (names only: `dsakv plan` loads no torch)
             out.update(dict.fromkeys(f.keys(), file))
     return out
 
@@ -77,10 +77,10 @@ def mtp_layer_prefix(path: Path, config: ModelConfig, names: Iterable[str]) -> s
     return prefix
 
 
-def open_checkpoint_file(file: Path) -> Any:
+def open_checkpoint_file(file: Path, framework: str = "pt") -> Any:
     """`safe_open(file)`; a missing, unreadable or corrupt file is one error naming it."""
     try:
-        return safe_open(file, "pt")
+        return safe_open(file, framework)
     except (SafetensorError, OSError) as e:
         raise DsakvError(f"cannot read checkpoint file {file}: {e}") from None
 

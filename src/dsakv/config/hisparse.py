@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsakv.errors import ConfigError, is_int, load_object
+
+if TYPE_CHECKING:
+    from .parallel import ParallelConfig
 
 HISPARSE_KEYS = ("top_k", "device_buffer_size", "host_to_device_ratio")
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
@@ -146,3 +149,18 @@ class HiSparseConfig:
     def to_dict(self) -> dict[str, int]:
         """SGLang's keys."""
         return {k: v for k, v in asdict(self).items() if k in HISPARSE_KEYS}
+
+
+def shares_host_latent(parallel: ParallelConfig) -> bool:
+    """Whether a pipeline stage's TP ranks map one host latent (`machine_shared_empty`):
+    under TP (and EP) on one machine, where every rank's latent is a replica of its stage's
+    TP rank 0's. Across machines, or under DP attention (each rank's own requests'), each
+    rank holds its own, as every rank does under SGLang's per-rank host pools."""
+    return parallel.tp > 1 and parallel.nnodes == 1 and not parallel.dp_attention
+
+
+def writes_host_latent(parallel: ParallelConfig, tp_rank: int) -> bool:
+    """Whether the rank of TP rank `tp_rank` in its stage holds and writes a host latent:
+    one of its own, or as its stage's TP rank 0 the one that stage's ranks map
+    (`shares_host_latent`; the others' host tiers then hold index-K only)."""
+    return not shares_host_latent(parallel) or tp_rank == 0

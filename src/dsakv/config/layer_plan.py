@@ -19,6 +19,10 @@ from .model import ModelConfig
 log = logging.getLogger(__name__)
 
 FULL, SHARED = "full", "shared"
+# How often a step runs the draft layers (MTP) unless `speculative_num_steps` says (SGLang's
+# default), and the most: what the planner prices and the engine runs
+DRAFT_STEPS = 3
+MAX_DRAFT_STEPS = 16
 
 
 PLAN_OVERRIDES = (

@@ -14,7 +14,7 @@ import torch
 
 from dsakv.config import plan_overrides
 from dsakv.config.kv_events import KVEventsConfig
-from dsakv.config.layer_plan import parse_layer_partition
+from dsakv.config.layer_plan import DRAFT_STEPS, MAX_DRAFT_STEPS, parse_layer_partition
 from dsakv.config.parallel import ParallelConfig
 from dsakv.errors import DsakvError, is_int, is_number
 from dsakv.kernels import BACKENDS
@@ -24,8 +24,6 @@ from dsakv.memory.storage import StorageConfig
 from dsakv.models.lora import check_fully_sharded, target_suffixes
 
 MAX_GRAPH_BATCH = 128  # larger decode batches run eagerly (as SGLang's cuda_graph_max_bs)
-DRAFT_STEPS = 3  # MTP drafts per step unless `speculative_num_steps` says (SGLang's default)
-MAX_DRAFT_STEPS = 16
 
 
 # vLLM's `LLM(...)` keywords for fields named after SGLang's flags here

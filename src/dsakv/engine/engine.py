@@ -24,6 +24,7 @@ import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan, ModelConfig
 from dsakv.config.checkpoint import model_identity
+from dsakv.config.hisparse import writes_host_latent
 from dsakv.distributed import weight_sync
 from dsakv.distributed.parallel import ParallelState, destroy_parallel, is_dist_error
 from dsakv.distributed.weight_sync import WeightGroup
@@ -51,7 +52,7 @@ from .cuda_graph import DecodeGraphs
 from .detokenizer import TokenTexts, chars_per_token
 from .expert_distribution import EXPERT_DISTRIBUTION_CALLS, ExpertDistributionMixin
 from .grammar import GrammarCache
-from .hisparse import HotBuffers, writes_host_latent
+from .hisparse import HotBuffers
 from .kv_events import KVEventPublisher
 from .l3 import L3Cache, zero_counters
 from .lora import LoraRef, LoraRegistry

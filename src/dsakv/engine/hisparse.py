@@ -60,7 +60,7 @@ from typing import NamedTuple
 import torch
 
 from dsakv.config import HiSparseConfig, LayerPlan
-from dsakv.config.parallel import ParallelConfig
+from dsakv.config.hisparse import shares_host_latent, writes_host_latent
 from dsakv.distributed import ParallelState
 from dsakv.distributed.shared_memory import machine_shared_empty
 from dsakv.errors import ConfigError
@@ -76,21 +76,6 @@ from dsakv.memory.pool import (
 )
 
 from .request import Request
-
-
-def shares_host_latent(parallel: ParallelConfig) -> bool:
-    """Whether a pipeline stage's TP ranks map one host latent (`machine_shared_empty`):
-    under TP (and EP) on one machine, where every rank's latent is a replica of its stage's
-    TP rank 0's. Across machines, or under DP attention (each rank's own requests'), each
-    rank holds its own, as every rank does under SGLang's per-rank host pools."""
-    return parallel.tp > 1 and parallel.nnodes == 1 and not parallel.dp_attention
-
-
-def writes_host_latent(parallel: ParallelConfig, tp_rank: int) -> bool:
-    """Whether the rank of TP rank `tp_rank` in its stage holds and writes a host latent:
-    one of its own, or as its stage's TP rank 0 the one that stage's ranks map
-    (`shares_host_latent`; the others' host tiers then hold index-K only)."""
-    return not shares_host_latent(parallel) or tp_rank == 0
 
 
 def check_host_latent(layout: CacheLayout, num_pages: int) -> str:

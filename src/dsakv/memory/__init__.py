@@ -1,8 +1,8 @@
 """KV memory: cache layout and bytes, capacity planning, page allocator, pools.
 
-The layout, the planner and storage import no torch: the CLI's parser reads their choices,
-and `dsakv --help` or a bad flag answers in 0.2 s, not 2. The allocator, the pools and the
-fp8 helpers (torch's) load on first use of a name below."""
+The layout, the planner and storage import no torch: the CLI's parser and `dsakv plan`
+read them, and answer in 0.2 s, not 2-3. The allocator, the pools and the fp8 helpers
+(torch's) load on first use of a name below."""
 
 from __future__ import annotations
 

@@ -718,7 +718,7 @@ class HostTierPlan:
         cls, layout: CacheLayout, num_pages: int, hisparse: bool, writes_latent: bool
     ) -> HostTierPlan:
         """A rank's tier: index-K only under HiSparse where another rank writes the host
-        latent this one maps (`dsakv.engine.hisparse.writes_host_latent`)."""
+        latent this one maps (`dsakv.config.hisparse.writes_host_latent`)."""
         return cls(layout, num_pages, hisparse and not writes_latent)
 
     @property
