@@ -337,7 +337,8 @@ def test_ctrl_c_while_torch_imports_ends_the_command_with_130():
     """A Ctrl-C in the second the command spends importing torch printed a 50-line
     traceback, or was swallowed inside torch's imports (the command then ran to the end,
     or failed on a half-loaded numpy). Here the SIGINT lands inside torch's imports every
-    time: it must end the command as a Ctrl-C does later on, with 130 and no traceback."""
+    time: it must end the command as a Ctrl-C does later on, with 130 and no traceback.
+    (A command that loads torch: `dsakv plan` and `router` load none.)"""
     script = textwrap.dedent(
         """
         import os, signal, sys
@@ -349,7 +350,7 @@ def test_ctrl_c_while_torch_imports_ends_the_command_with_130():
                 return None
         sys.meta_path.insert(0, Interrupt())
         from dsakv.cli import run
-        sys.argv = ["dsakv", "plan", "glm-5.2"]
+        sys.argv = ["dsakv", "serve", "/no-such-model"]  # (if not interrupted: exit 2, error)
         run()
         """
     )
