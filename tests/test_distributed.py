@@ -836,6 +836,46 @@ if __name__ == "__main__":
     assert "rank 1 failed: ValueError: a fault injected on rank 1" in r.stdout, r.stderr
 
 
+SAYS_ENV = """
+import multiprocessing, os, sys
+from dsakv.engine.model_runner import ModelRunner
+
+forward = ModelRunner._forward
+
+def saying(self, *args, **kw):
+    if multiprocessing.current_process().name == "dsakv-rank1":
+        print("rank 1 sees", os.environ.get("DSAKV_TEST_MARK"), file=sys.stderr, flush=True)
+    return forward(self, *args, **kw)
+
+ModelRunner._forward = saying
+"""
+
+
+def test_a_rank_takes_the_launchers_environment_and_stderr_as_it_starts(models, tmp_path):
+    """The forkserver a process's first multi-rank engine starts keeps the environment and
+    stderr it was started with (under pytest: a finished test's capture); the ranks of a
+    later engine must see the launcher's as they are when they start."""
+    (tmp_path / "sitecustomize.py").write_text(SAYS_ENV)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    script = f"""import os, sys
+from dsakv import LLM
+if __name__ == "__main__":
+    LLM({models["glm"]!r}, num_pages=16, tp=2, **{EXACT!r}).close()  # (starts the forkserver)
+    os.environ["DSAKV_TEST_MARK"] = "later"
+    saved = os.dup(2)
+    os.dup2(os.open("later.err", os.O_WRONLY | os.O_CREAT), 2)
+    with LLM({models["glm"]!r}, num_pages=16, tp=2, **{EXACT!r}) as llm:
+        llm.generate([[1, 2, 3]], use_tqdm=False)
+    os.dup2(saved, 2)
+"""
+    (tmp_path / "later.py").write_text(script)
+    r = subprocess.run([sys.executable, "later.py"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "rank 1 sees" not in r.stderr, r.stderr
+    assert "rank 1 sees later" in (tmp_path / "later.err").read_text()
+
+
 def test_a_request_a_dp_peer_cannot_start_ends_alone(models):
     """Rank 0 checks a request before a peer gets it (`Engine.check_request`); one that
     fails on the peer anyway (here: sent unchecked) ends with its error instead of ending
