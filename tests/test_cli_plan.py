@@ -277,6 +277,22 @@ def test_output_that_cannot_be_written_is_one_error_line(extra):
     assert "cannot write the output: No space left on device" in err
 
 
+@pytest.mark.parametrize(("args", "code"), [(["plan", "glm-5.2"], 0), (["plan", "--tp", "0"], 2)])
+def test_a_closed_stdout_is_as_if_dev_null(args, code):
+    """`dsakv plan glm-5.2 >&-` ended in a traceback (Python leaves sys.stdout None; the
+    flush after the command raised), exit 1, after its error line where there was one."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsakv.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: os.close(1),  # noqa: PLW1509 (no threads in this child yet)
+        timeout=60,
+    )
+    assert proc.returncode == code, proc.stderr
+    assert proc.stderr.count("\n") == code // 2 and "Traceback" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -331,6 +347,42 @@ def test_a_plan_the_checkpoint_cannot_run_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "layer(s) 2, 7 run their indexer in the layer plan FFFSFSFF" in err[0]
     assert "--index-topk-pattern" in err[0]
+
+
+def test_a_checkpoint_plan_cannot_read_is_refused_as_the_engine_refuses_it(tmp_path, capsys):
+    """plan took any error reading the checkpoint for a config-only folder and skipped its
+    checks: a cut or corrupt shard, or a broken index, planned (exit 0) what the engine
+    refuses. A folder with no safetensors at all still plans from its config."""
+    from dsakv.models.tiny import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "m", preset="glm-tiny", seed=0, mtp="none")
+    capsys.readouterr()  # (its progress bar)
+    shard = (model / "model.safetensors").read_bytes()
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "config.json").write_bytes((model / "config.json").read_bytes())
+    (cut / "model.safetensors").write_bytes(shard[:100])
+    err = _plan_error(capsys, str(cut))
+    assert err.startswith(f"error: cannot read checkpoint file {cut / 'model.safetensors'}")
+    (cut / "model.safetensors").unlink()
+    (cut / "model.safetensors.index.json").write_text('{"weight_map": ["a list"]}')
+    assert "is not a safetensors index" in _plan_error(capsys, str(cut))
+    (cut / "model.safetensors.index.json").unlink()
+    assert _plan_json(capsys, str(cut))["num_full_layers"] == 4  # (config only)
+
+
+def test_a_layer_number_past_ints_limit_is_one_error_line(tmp_path, capsys):
+    """A tensor named `model.layers.<5,000 digits>...` was a traceback (int() refuses over
+    4,300 digits), from plan as from the engine's loader."""
+    from dsakv.models.tiny import write_tiny_model
+
+    tiny = write_tiny_model(tmp_path / "tiny", preset="glm-tiny", seed=0, mtp="none")
+    capsys.readouterr()  # (its progress bar)
+    huge = "model.layers." + "9" * 5000 + ".self_attn.indexer.wk.weight"
+    config = json.loads((tiny / "config.json").read_text())
+    model = _checkpoint_index(tmp_path / "m", config, [huge])
+    err = _plan_error(capsys, model)
+    assert "layer(s) 0, 1, 4, 6 run their indexer" in err, err
 
 
 def _plan_error(capsys, *args: str) -> str:

@@ -99,6 +99,20 @@ def test_missing_and_unexpected_tensors(ckpt, tmp_path):
     assert "\n" not in msg
 
 
+def test_a_layer_or_expert_number_past_ints_limit_is_an_unexpected_tensor(ckpt, tmp_path):
+    """A tensor named with a 5,000-digit layer or expert number was a ValueError traceback
+    (int() refuses over 4,300 digits); it is a tensor no module has, as any other."""
+    huge = "9" * 5000
+
+    def add(t):
+        t[f"model.layers.{huge}.mlp.experts.0.up_proj.weight"] = torch.zeros(2)
+        t[f"model.layers.1.mlp.experts.{huge}.up_proj.weight"] = torch.zeros(2)
+
+    bad = _copy_ckpt(ckpt, tmp_path / "bad", add)
+    with pytest.raises(DsakvError, match=r"2 unexpected tensor\(s\): model\.layers\.1\.mlp"):
+        load_model(bad)
+
+
 def test_a_missing_expert_is_named_whether_its_layer_is_stacked_or_not(ckpt, tmp_path):
     """Experts load one by one or stacked (`experts.gate_up_proj`, `experts.down_proj`); a
     missing one is named as the checkpoint would hold it (it was the stacked parameter's

@@ -576,6 +576,11 @@ def _bad(models, root: Path, case: str) -> str:
         _edit_config(path, lora_alpha=float("nan"))
     elif case == "nested":
         (Path(path) / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "layer":  # (a 5,000-digit layer number: int() refused it, a traceback)
+        tensors = load_file(str(weights))
+        for key in [k for k in tensors if "layers.0.self_attn.o_proj.lora_" in k]:
+            tensors[key.replace("layers.0.", "layers." + "9" * 5000 + ".")] = tensors.pop(key)
+        save_file(tensors, str(weights))
     elif case == "missing":
         weights.unlink()
     elif case == "garbled":
@@ -595,6 +600,7 @@ REFUSED = {
     "pattern": "alpha_pattern key 'o_proj\\(': not a regex",
     "alpha": "lora_alpha nan is not a finite number",
     "nested": "adapter_config.json is not valid JSON: nested too deeply",
+    "layer": r"layers\.9{5000}\.self_attn\.o_proj: this module cannot be adapted",
     "missing": "no adapter_model.safetensors",
     "garbled": "adapter_model.safetensors cannot be read",
 }

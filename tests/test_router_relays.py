@@ -292,13 +292,15 @@ def test_the_cli_parses_and_plans_without_torch(glm_tiny):
     whose package import loaded torch); `dsakv router` loaded it too, from `main`, and
     `dsakv plan` (ParallelConfig's module, the engine's draft steps, safetensors' torch
     reader for a checkpoint's names). Now none of them does; a command that runs a model
-    loads it after parsing."""
+    loads it after parsing. serve's and run-batch's refusals (an unknown flag, a missing
+    one) loaded it too: argparse checks the chat parsers' default, whose module loads torch."""
     import subprocess
     import sys
 
     code = f"""import contextlib, io, sys
 from dsakv.cli import main
 for argv in (["--help"], ["serve", "--help"], ["generate", "m", "--tp", "0"], ["router", "--help"],
+             ["serve", "m", "--bogus"], ["run-batch", "-o", "out.jsonl"],
              ["plan", "glm-5.2", "--tp", "8", "--enable-hisparse", "--host-pool-gib", "100"],
              ["plan", {glm_tiny!r}, "--tp", "2", "--draft-layers", "1"]):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -307,8 +309,11 @@ for argv in (["--help"], ["serve", "--help"], ["generate", "m", "--tp", "0"], ["
         except SystemExit as e:
             code = e.code
     print(argv[0], code, "torch" in sys.modules)
+import dsakv.memory
+print("dir", "DSAKVPool" in dir(dsakv.memory), "torch" in sys.modules)  # (lazy names listed)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:-1] == ["--help 0 False", "serve 0 False", "generate 2 False",
-                                        "router 0 False", "plan 0 False", "plan 0 False"]  # fmt: skip
+                                        "router 0 False", "serve 2 False", "run-batch 2 False",
+                                        "plan 0 False", "plan 0 False", "dir True False"]  # fmt: skip

@@ -100,12 +100,33 @@ def _stdout_gone() -> bool:
         return False
 
 
+def _closed_std_streams_to_devnull() -> None:
+    """A standard stream closed when the process started (`dsakv plan >&-`) becomes
+    /dev/null, as if redirected there. Python left it None, so the first flush was a
+    traceback; and its descriptor was the next one any open took, so what a rank or a C
+    library writes to it would have landed in that file (a model's, the batch output)."""
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        if getattr(sys, name) is not None:
+            continue
+        try:
+            os.fstat(fd)
+            continue  # (taken since by a file of the process's: not ours to replace)
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)  # (the lowest free descriptor: `fd` itself)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))  # noqa: SIM115
+
+
 def run() -> NoReturn:
     """The `dsakv` command: `main`, then exit. Where a thread of ours is still running at
     the end (an engine load that a Ctrl-C cut short goes on inside torch), the interpreter's
     own exit would abort the process ("terminate called without an active exception",
     SIGABRT) as it stops that thread in C++ code: end it here instead, once the atexit
     hooks have run."""
+    _closed_std_streams_to_devnull()
     try:
         code = main()
     except SystemExit as e:  # (argparse's: --help, a bad flag)

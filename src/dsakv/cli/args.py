@@ -680,6 +680,8 @@ def chat_parser(kind: str) -> Callable[[str], str]:
     """argparse type for --tool-call-parser / --reasoning-parser (names live in the server)."""
 
     def check(name: str) -> str:
+        if name == "auto":  # (the default, which argparse checks on every parse: at once,
+            return name  # as the parsers' module loads torch)
         from dsakv.server.parsers import resolve_parsers
 
         try:

@@ -40,6 +40,7 @@ def _check_checkpoint(model: str, config: Any, plan: Any) -> None:
     layer where it has no MTP layer, is refused, as the engine refuses it (a config-only
     folder or a preset: nothing to check against)."""
     from dsakv.config.checkpoint import (
+        NoCheckpoint,
         checkpoint_files,
         indexer_layers,
         mtp_layer_prefix,
@@ -50,8 +51,8 @@ def _check_checkpoint(model: str, config: Any, plan: Any) -> None:
     if not path.is_dir():
         return
     try:
-        names = checkpoint_files(path)
-    except DsakvError:
+        names = checkpoint_files(path)  # (a corrupt or unreadable one: refused, as the engine)
+    except NoCheckpoint:
         return
     lacking = set(plan.full_layers) - indexer_layers(names)
     if lacking:

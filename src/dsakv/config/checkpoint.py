@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from .model import ModelConfig
 
 
+class NoCheckpoint(DsakvError):
+    """A folder without safetensors files: a config-only one, which `dsakv plan` plans from
+    (one it cannot read is a plain `DsakvError`, for plan as for the engine)."""
+
+
 def checkpoint_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file, from `model.safetensors.index.json` or the single file: what the
     loader reads, and so what `model_identity` digests."""
@@ -36,7 +41,7 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     single = path / "model.safetensors"
     files = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
     if not files:
-        raise DsakvError(f"no safetensors checkpoint in {path}")
+        raise NoCheckpoint(f"no safetensors checkpoint in {path}")
     out = {}
     for file in files:
         with open_checkpoint_file(file, "numpy") as f:  # (names only: `dsakv plan` loads no torch)
@@ -44,7 +49,8 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     return out
 
 
-_INDEXER = re.compile(r"model\.layers\.(\d+)\.self_attn\.indexer\.")
+# (A layer number of at most 9 digits: `int` refuses a tensor name's 5,000-digit one.)
+_INDEXER = re.compile(r"model\.layers\.(\d{1,9})\.self_attn\.indexer\.")
 
 
 def indexer_layers(names: Iterable[str]) -> set[int]:

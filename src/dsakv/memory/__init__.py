@@ -55,7 +55,13 @@ def __getattr__(name: str) -> Any:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # (found once: the next access is a plain attribute)
+    return value
+
+
+def __dir__() -> list[str]:  # (what `dir`, and so tab completion, lists: the lazy names too)
+    return sorted({*globals(), *__all__})
 
 
 __all__ = [

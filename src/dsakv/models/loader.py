@@ -57,9 +57,9 @@ from .parallel_layers import Shard
 
 log = logging.getLogger(__name__)
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.")  # (bounded: `int` of its number)
 _EXPERT = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+    r"^(model\.layers\.\d{1,9}\.mlp\.experts)\.(\d{1,9})\.(gate_proj|up_proj|down_proj)\.weight$"
 )
 _GATE_UP = ("gate_proj", "up_proj")  # the halves of a stacked `experts.gate_up_proj`
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")

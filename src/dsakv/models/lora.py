@@ -97,11 +97,11 @@ TARGET_MODULES = (*ATTENTION, *INDEXER, *PROJECTIONS)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(.+)\.lora_([AB])\.weight$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^model\.layers\.(\d{1,9})\.(.+)$")  # (bounded: `int` of its number)
 # A routed experts' key: per expert (`experts.3.up_proj`) or fused (`experts`, nested under
 # `base_layer`s)
 _EXPERTS = re.compile(
-    r"^mlp\.experts(?:\.(\d+)\.(gate_proj|up_proj|down_proj)|((?:\.base_layer)*))$"
+    r"^mlp\.experts(?:\.(\d{1,9})\.(gate_proj|up_proj|down_proj)|((?:\.base_layer)*))$"
 )
 # A target_parameters entry PEFT matches to an experts' fused param: a dotted suffix of
 # `model.layers.{i}.mlp.experts.{gate_up_proj|down_proj}`
