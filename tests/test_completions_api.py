@@ -244,9 +244,12 @@ def test_prompt_logprobs_as_vllm_gives_them(base, client, reference, model_dir):
         assert entry[str(t)]["rank"] == ref.prompt_logprobs[p][t].rank
 
 
-def test_echo_streaming_starts_with_the_prompt(base):
+@pytest.mark.parametrize("prompt", [TEXTS[0], "Lines\u2028and\x85paragraphs\u2029apart."])
+def test_echo_streaming_starts_with_the_prompt(base, prompt):
+    """The second prompt: a stream's JSON held U+2028, U+2029 and NEL raw, line breaks to
+    `str.splitlines`, so httpx's `iter_lines` cut its events in two (not JSON)."""
     body = {
-        "prompt": TEXTS[0],
+        "prompt": prompt,
         "max_tokens": 3,
         "echo": True,
         "temperature": 0,
@@ -256,7 +259,7 @@ def test_echo_streaming_starts_with_the_prompt(base):
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT) as r:
         chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
     text = "".join(c["choices"][0]["text"] for c in chunks)
-    assert chunks[0]["choices"][0]["text"].startswith(TEXTS[0])
+    assert chunks[0]["choices"][0]["text"].startswith(prompt)
     plain = httpx.post(
         f"{base}/v1/completions", json={**body, "stream": False}, timeout=TIMEOUT
     ).json()

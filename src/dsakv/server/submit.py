@@ -709,11 +709,17 @@ async def _when_left(raw: Request, then: Callable[[], Any]) -> None:
     then()
 
 
+# Line breaks to `str.splitlines` that JSON leaves raw in a string: clients that split a
+# stream with it (httpx's `iter_lines`, requests' with decode_unicode) cut an event there.
+_SPLITLINES_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def sse_event(obj: dict[str, Any], kind: str | None = None) -> str:
     """One server-sent event of `obj` (JSON), named `kind` where its API names its events
     (the Responses and Messages APIs': their SDKs read the name)."""
     named = f"event: {kind}\n" if kind is not None else ""
-    return f"{named}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    data = json.dumps(obj, ensure_ascii=False).translate(_SPLITLINES_BREAKS)
+    return f"{named}data: {data}\n\n"
 
 
 def _spread_failure(streams: list[RequestStream]) -> None:
