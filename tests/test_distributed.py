@@ -761,12 +761,12 @@ def test_a_rank_whose_launcher_is_gone_exits_quietly():
     """SIGTERM to the launcher while rank 1 starts: rank 1's hello to it met a closed pipe,
     a 15-line BrokenPipeError traceback. Now it leaves without a word."""
     script = """import multiprocessing as mp, os
-from dsakv.engine.launch import _rank_main, _Stdio
+from dsakv.engine.launch import _Inherited, _rank_main, _Stdio
 if __name__ == "__main__":
     ctx = mp.get_context("forkserver")
     recv, send = ctx.Pipe(duplex=False)
     recv.close()  # the launcher's end: gone
-    args = (None, 1, "tcp://127.0.0.1:1", send, dict(os.environ), _Stdio())
+    args = (None, 1, "tcp://127.0.0.1:1", send, _Inherited(dict(os.environ), None), _Stdio())
     rank = ctx.Process(target=_rank_main, args=args)
     rank.start()
     rank.join()
@@ -844,36 +844,67 @@ forward = ModelRunner._forward
 
 def saying(self, *args, **kw):
     if multiprocessing.current_process().name == "dsakv-rank1":
-        print("rank 1 sees", os.environ.get("DSAKV_TEST_MARK"), file=sys.stderr, flush=True)
+        print("rank 1 sees", os.environ.get("DSAKV_TEST_MARK"), _state(), file=sys.stderr,
+              flush=True)  # fmt: skip
     return forward(self, *args, **kw)
+
+
+def _state():
+    import resource
+
+    umask = os.umask(0)
+    os.umask(umask)
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return f"umask {umask:o} nofile {nofile} nice {os.nice(0)} cpus {sorted(os.sched_getaffinity(0))}"
 
 ModelRunner._forward = saying
 """
 
 
-def test_a_rank_takes_the_launchers_environment_and_stderr_as_it_starts(models, tmp_path):
-    """The forkserver a process's first multi-rank engine starts keeps the environment and
-    stderr it was started with (under pytest: a finished test's capture); the ranks of a
-    later engine must see the launcher's as they are when they start."""
+def test_a_rank_takes_the_launchers_state_and_the_users_forkserver_keeps_its_own(models, tmp_path):
+    """The forkserver a process's first multi-rank engine starts keeps the environment, stderr,
+    umask, CPU affinity, resource limits and niceness it was started with (under pytest,
+    stderr is a finished test's capture); the ranks of a later engine must see the
+    launcher's as they are when they start. The ranks' forkserver was multiprocessing's
+    shared one: the user's own forkserver children after an engine had SIGINT and SIGTERM
+    blocked (`terminate()` did nothing, a Pool's exit hung) and lost the user's preloads."""
     (tmp_path / "sitecustomize.py").write_text(SAYS_ENV)
+    (tmp_path / "users_preload.py").write_text("")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    script = f"""import os, sys
+    script = f"""import multiprocessing as mp, os, resource, signal, sys
 from dsakv import LLM
+
+def report():
+    blocked = sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    print("user's child blocks", blocked, "preloaded", "users_preload" in sys.modules)
+
 if __name__ == "__main__":
+    users = mp.get_context("forkserver")
+    users.set_forkserver_preload(["users_preload"])
     LLM({models["glm"]!r}, num_pages=16, tp=2, **{EXACT!r}).close()  # (starts the forkserver)
     os.environ["DSAKV_TEST_MARK"] = "later"
+    os.umask(0o027)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1000, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    os.nice(1)
+    os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})
     saved = os.dup(2)
     os.dup2(os.open("later.err", os.O_WRONLY | os.O_CREAT), 2)
     with LLM({models["glm"]!r}, num_pages=16, tp=2, **{EXACT!r}) as llm:
         llm.generate([[1, 2, 3]], use_tqdm=False)
     os.dup2(saved, 2)
+    child = users.Process(target=report)
+    child.start()
+    child.join()
 """
     (tmp_path / "later.py").write_text(script)
     r = subprocess.run([sys.executable, "later.py"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=180)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "rank 1 sees" not in r.stderr, r.stderr
-    assert "rank 1 sees later" in (tmp_path / "later.err").read_text()
+    cpu = min(os.sched_getaffinity(0))
+    want = f"rank 1 sees later umask 27 nofile 1000 nice {os.nice(0) + 1} cpus [{cpu}]"
+    assert want in (tmp_path / "later.err").read_text()
+    assert r.stdout.strip() == "user's child blocks [] preloaded True"
 
 
 def test_a_request_a_dp_peer_cannot_start_ends_alone(models):

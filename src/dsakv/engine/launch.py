@@ -4,10 +4,10 @@ own share of the CPU threads.
 `create_engine(config)` is what `LLM`, `dsakv generate/serve/bench` call. With one rank
 (`--tp 1`, `--pp-size 1`) it is just `Engine(config)`. Otherwise there are tp × pp ranks:
 this process becomes the first rank of its node and starts the node's other ranks (or,
-under `torchrun`, every process is one rank already). They are forked from
-multiprocessing's forkserver, which imports torch and dsakv once (a spawned rank imported
-them itself, ~2.5 s of CPU each), and take this process's environment, stdout and stderr as
-they are when each starts. Rank 0 gets the engine back; every other rank follows rank 0
+under `torchrun`, every process is one rank already). They are forked from a forkserver of
+dsakv's own (`_rank_server`), which imports torch and dsakv once (a spawned rank imported
+them itself, ~2.5 s of CPU each), and take this process's environment, umask, stdout and
+stderr as they are when each starts. Rank 0 gets the engine back; every other rank follows rank 0
 until it stops, then exits. A watchdog on each node notices a rank process that dies, names
 it, and ends every local rank, so nothing hangs and nothing is orphaned; a rank whose
 launcher dies kills itself, and one still running when the launcher exits is killed then. A
@@ -22,6 +22,7 @@ torch.distributed's default process group): a second is refused until the first 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -33,9 +34,10 @@ import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from multiprocessing import reduction, resource_tracker
+from multiprocessing import context, forkserver, popen_forkserver, reduction, resource_tracker
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -105,13 +107,12 @@ def _launch(config: Any, exit_on_rank_death: bool) -> Any:
             _check_rendezvous_port(pc.dist_init_addr)
         addr = pc.dist_init_addr or f"127.0.0.1:{free_port()}"
         init = f"tcp://{addr}"
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
-        pipes = {r: ctx.Pipe(duplex=False) for r in range(rank + 1, rank + pc.ranks_per_node)}
+        pipes = {r: mp.Pipe(duplex=False) for r in range(rank + 1, rank + pc.ranks_per_node)}
+        inherited = _Inherited(dict(os.environ), _umask())
         procs = {
-            r: ctx.Process(
+            r: _RankProcess(
                 target=_rank_main,
-                args=(config, r, init, send, dict(os.environ), _Stdio()),
+                args=(config, r, init, send, inherited, _Stdio()),
                 name=f"dsakv-rank{r}",
             )
             for r, (_, send) in pipes.items()
@@ -120,9 +121,10 @@ def _launch(config: Any, exit_on_rank_death: bool) -> Any:
         # them after: it blocks the same two signals while it starts its own process.)
         resource_tracker.ensure_running()
         # Blocked until each rank has called `ignore_stop_signals`, and for good in the
-        # forkserver the first `start` starts (its children inherit its mask): a stop sent
-        # to the process group is the launcher's to act on, as for the ranks.
+        # rank server (its children inherit its mask): a stop sent to the process group is
+        # the launcher's to act on, as for the ranks.
         with stop_signals_blocked():
+            _RankPopen.server = _rank_server()
             for p in procs.values():
                 p.start()
                 _spawned.add(p)
@@ -297,16 +299,19 @@ def _wait_started(
 
 
 def _rank_main(
-    config: Any, rank: int, init: str, conn: Connection, env: dict[str, str], stdio: Any
+    config: Any, rank: int, init: str, conn: Connection, inherited: _Inherited, stdio: Any
 ) -> None:
     """Entry point of a rank process. `conn` tells the launcher it started and, if it
-    fails, why (the launcher reports it once: rank 0's own error wins). `env` and `stdio`
-    (`_Stdio`): the launcher's, which the forkserver's are not (only as it was started)."""
-    die_with_parent(signal.SIGKILL)  # killed when the forkserver that forked it dies
+    fails, why (the launcher reports it once: rank 0's own error wins). `inherited` and
+    `stdio` (`_Stdio`): the launcher's now, where the rank server's are as they were when
+    it started."""
+    die_with_parent(signal.SIGKILL)  # killed when the rank server that forked it dies
     name_process(mp.current_process().name)  # ("dsakv-rank1": `ps`, `top`, `pgrep`)
     ignore_stop_signals()  # the launcher stops it (module docstring)
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update(inherited.env)
+    if inherited.umask is not None:
+        os.umask(inherited.umask)
     for fd, launchers in zip((1, 2), stdio, strict=True):
         os.dup2(launchers, fd)
         os.close(launchers)
@@ -336,6 +341,82 @@ def _rank_main(
 def _die_with(launcher: Any) -> None:
     launcher.join()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Inherited(NamedTuple):
+    """What a rank takes from its launcher as it starts (`_rank_main`; multiprocessing
+    passes the working directory and sys.path)."""
+
+    env: dict[str, str]
+    umask: int | None
+
+
+def _umask() -> int | None:
+    """This process's umask, read without setting it (Linux: /proc; elsewhere None)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(ln for ln in status if ln.startswith("Umask:")).split()[1], 8)
+    return None
+
+
+# The ranks' forkserver: multiprocessing's, but an instance of dsakv's own, not the one its
+# "forkserver" context shares with the user's processes. It imports this module (torch and
+# dsakv) once, and blocks SIGINT and SIGTERM for good: the user's forkserver children keep
+# their own preloads and signals. A rank takes from it what it does not take from its
+# launcher (`_Inherited`, `_Stdio`): CPU affinity, niceness and resource limits, so a
+# launcher whose own have changed since gets a new server.
+_server_lock = threading.Lock()
+_server: list[tuple[forkserver.ForkServer, tuple[Any, ...]]] = []
+
+
+def _server_state() -> tuple[Any, ...]:
+    import resource
+
+    limits = [getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_")]
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    return affinity, nice, tuple(resource.getrlimit(r) for r in sorted(limits))
+
+
+def _rank_server() -> forkserver.ForkServer:
+    """The running rank server whose process state is this process's (call with stop
+    signals blocked: a new one keeps the mask)."""
+    state = _server_state()
+    with _server_lock:
+        if _server and _server[0][1] == state:
+            return _server[0][0]
+        if _server:  # (it leaves once its ranks have: their copies of its pipe close)
+            old = _server.pop()[0]
+            os.close(old._forkserver_alive_fd)
+            threading.Thread(target=os.waitpid, args=(old._forkserver_pid, 0), daemon=True).start()
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload([__name__])
+        server.ensure_running()
+        _server.append((server, state))
+        return server
+
+
+class _RankPopen(popen_forkserver.Popen):
+    """Starts a rank through the rank server: multiprocessing's launch, with its module's
+    `connect_to_new_process` (the shared server's) pointed at the rank server meanwhile."""
+
+    server: forkserver.ForkServer | None = None
+    _routing = threading.Lock()
+
+    def _launch(self, process_obj: Any) -> None:
+        with self._routing:
+            shared = forkserver.connect_to_new_process
+            forkserver.connect_to_new_process = self.server.connect_to_new_process
+            try:
+                super()._launch(process_obj)
+            finally:
+                forkserver.connect_to_new_process = shared
+
+
+class _RankProcess(context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _RankPopen:
+        return _RankPopen(process_obj)
 
 
 class _Stdio:
