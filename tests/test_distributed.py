@@ -374,7 +374,8 @@ def test_llm_tp2_in_a_script_with_and_without_a_main_guard(models, tmp_path):
     """Spawned ranks re-run the script's top level: without an `if __name__ == "__main__"`
     guard rank 1 dies at once and rank 0 waited for it forever; now that is an error saying
     why. With the guard the run is clean: no rank leaves a semaphore behind (tqdm's lock in
-    ranks that end with os._exit made the resource tracker warn at every exit)."""
+    ranks that end with os._exit made the resource tracker warn at every exit). A script
+    read from stdin is refused before any rank starts."""
     body = f"with LLM({models['glm']!r}, tp=2, **{EXACT!r}) as llm:\n"
     body += "    print(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids)\n"
     head = "from dsakv import LLM, SamplingParams\n"
@@ -391,6 +392,13 @@ def test_llm_tp2_in_a_script_with_and_without_a_main_guard(models, tmp_path):
     assert "bootstrapping phase" not in bare.stderr  # rank 1 leaves without a traceback
     assert guarded.returncode == 0 and len(eval(guarded.stdout)) == 4, guarded.stderr
     assert "leaked" not in guarded.stderr, guarded.stderr
+    # Read from stdin (`python - < guarded.py`) rank 1 could not import it: "rank 1 exited
+    # with code 1 during startup", the cause only in its traceback; now one error, at once.
+    piped = subprocess.run([sys.executable, "-"], input=(tmp_path / "guarded.py").read_text(),
+                           cwd=tmp_path, capture_output=True, text=True, timeout=240)  # fmt: skip
+    last = piped.stderr.strip().splitlines()[-1]
+    assert piped.returncode == 1 and "was read from standard input: save it to a file" in last
+    assert "Process" not in piped.stderr  # (no rank started)
 
 
 def test_an_llm_left_open_still_lets_the_script_exit(models, tmp_path):

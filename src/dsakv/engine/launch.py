@@ -77,6 +77,16 @@ def create_engine(config: Any, *, exit_on_rank_death: bool = False) -> Any:
         # (os._exit: the forkserver turns a SystemExit raised this early into exit code 1.)
         sys.stdout.flush()
         os._exit(_NO_MAIN_GUARD)
+    if (
+        _torchrun_rank(pc) is None
+        and getattr(sys.modules["__main__"], "__file__", None) == "<stdin>"
+    ):
+        # (each rank imports the launcher's main script: rank 1's FileNotFoundError was
+        # reported as "rank 1 exited with code 1 during startup", its cause in a traceback)
+        raise DsakvError(
+            f"{pc.ranks_flags} starts its ranks from the main script, and this one was read "
+            "from standard input: save it to a file and run that"
+        )
     pc.check_model(ModelConfig.from_hf(config.model))
     device_type = resolve_device(config.device).type
     if device_type == "cuda" and torch.cuda.device_count() < pc.ranks_per_node:
