@@ -7,16 +7,17 @@ this process becomes the first rank of its node and starts the node's other rank
 under `torchrun`, every process is one rank already). They are forked from a forkserver of
 dsakv's own (`_rank_server`), which imports torch and dsakv once (a spawned rank imported
 them itself, ~2.5 s of CPU each), and take this process's environment, umask, stdout and
-stderr as they are when each starts. Rank 0 gets the engine back; every other rank follows rank 0
-until it stops, then exits. A watchdog on each node notices a rank process that dies, names
-it, and ends every local rank, so nothing hangs and nothing is orphaned; a rank whose
-launcher dies kills itself, and one still running when the launcher exits is killed then. A
-rank ignores SIGINT and SIGTERM: a Ctrl-C or a `kill` sent to the whole process group is
-the launcher's to act on (it stops its ranks, or they die with it). A rank that fails while
-the engine starts is reported once, by the launcher (`RankDied`, or the same `DsakvError`
-every rank met: rank 0's own wins), at once even when it dies before the process group has
-formed. One multi-rank engine runs in a process at a time (they would share
-torch.distributed's default process group): a second is refused until the first closes.
+stderr as they are when each starts. Rank 0 gets the engine back; every other rank follows
+rank 0 until it stops, then exits. A watchdog on each node notices a rank process that
+dies, names it, and ends every local rank, so nothing hangs and nothing is orphaned; a rank
+whose launcher dies kills itself, and one still running when the launcher exits is killed
+then. A rank ignores SIGINT and SIGTERM: a Ctrl-C or a `kill` sent to the whole process
+group is the launcher's to act on (it stops its ranks, or they die with it). A rank that
+fails while the engine starts is reported once, by the launcher (`RankDied`, or the same
+`DsakvError` every rank met: rank 0's own wins), at once even when it dies before the
+process group has formed. One multi-rank engine runs in a process at a time (they would
+share torch.distributed's default process group): a second is refused until the first
+closes.
 """
 
 from __future__ import annotations
@@ -134,7 +135,6 @@ def _launch(config: Any, exit_on_rank_death: bool) -> Any:
         # rank server (its children inherit its mask): a stop sent to the process group is
         # the launcher's to act on, as for the ranks.
         with stop_signals_blocked():
-            _RankPopen.server = _rank_server()
             for p in procs.values():
                 p.start()
                 _spawned.add(p)
@@ -408,15 +408,16 @@ def _rank_server() -> forkserver.ForkServer:
 
 class _RankPopen(popen_forkserver.Popen):
     """Starts a rank through the rank server: multiprocessing's launch, with its module's
-    `connect_to_new_process` (the shared server's) pointed at the rank server meanwhile."""
+    `connect_to_new_process` (the shared server's) pointed at the rank server meanwhile
+    (started, like the ranks, with stop signals blocked: `_launch`)."""
 
-    server: forkserver.ForkServer | None = None
     _routing = threading.Lock()
 
     def _launch(self, process_obj: Any) -> None:
+        server = _rank_server()
         with self._routing:
             shared = forkserver.connect_to_new_process
-            forkserver.connect_to_new_process = self.server.connect_to_new_process
+            forkserver.connect_to_new_process = server.connect_to_new_process
             try:
                 super()._launch(process_obj)
             finally:
